@@ -1,0 +1,60 @@
+//! # grpo-core: the GRPO math
+//!
+//! One job: turn rewards into advantages and log-probs into a differentiable GRPO-family loss,
+//! exactly as TRL 1.16's `GRPOTrainer` does, so results can be compared number for number.
+//!
+//! * [`advantages`] works on plain `&[f32]`: [`advantages::combine_rewards`] (weighted reward
+//!   functions, `None` = no opinion), [`advantages::group_advantages`] (group / batch / no
+//!   scaling), [`advantages::leave_one_out_advantages`] (RLOO) and TRL's reward metrics.
+//! * [`loss`] works on candle [`Tensor`](candle_core::Tensor)s: [`loss::policy_loss`] for the
+//!   grpo, bnpo, dr_grpo, dapo and cispo objectives, token- or sequence-level importance
+//!   ratios, two-sided clipping, and the KL penalty to a reference model.
+//! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
+//!
+//! The scorer (grpo-rewards, through grpo-cli) feeds rewards in; the learner in grpo-cli calls
+//! the loss on log-probs that grpo-rollout's model computes. This crate depends on candle-core
+//! only and is device-generic: every function runs wherever its input tensors live.
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! use grpo_core::advantages::{combine_rewards, group_advantages, ScaleRewards};
+//! use grpo_core::loss::{policy_loss, LossConfig, LossInputs};
+//!
+//! // Two prompts, two completions each; one reward function.
+//! let rewards = combine_rewards(&[vec![Some(1.0), Some(0.0), Some(0.5), Some(0.5)]], &[1.0]);
+//! let adv = group_advantages(&rewards, 2, ScaleRewards::Group);
+//!
+//! let dev = Device::Cpu;
+//! let logp = Var::from_tensor(&Tensor::new(&[[-1.0f32, -2.0], [-0.5, -0.7],
+//!                                             [-1.0, -1.0], [-3.0, -0.1]], &dev)?)?;
+//! let mask = Tensor::new(&[[1f32, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]], &dev)?;
+//! let advantages = Tensor::new(adv.as_slice(), &dev)?;
+//! let out = policy_loss(
+//!     &LossInputs {
+//!         per_token_logps: logp.as_tensor(),
+//!         old_per_token_logps: None,
+//!         ref_per_token_logps: None,
+//!         advantages: &advantages,
+//!         completion_mask: &mask,
+//!         num_items_in_batch: None,
+//!     },
+//!     &LossConfig::default(),
+//! )?;
+//! let grads = out.loss.backward()?;
+//! // The rewarded completion's tokens are pushed up: d loss / d logp < 0.
+//! let g = grads.get(logp.as_tensor()).expect("gradient").to_vec2::<f32>()?;
+//! assert!(g[0][0] < 0.0 && g[1][0] > 0.0);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![deny(missing_docs)]
+
+pub mod advantages;
+pub mod logprobs;
+pub mod loss;
+
+pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
+pub use logprobs::{entropy_from_logits, selective_log_softmax};
+pub use loss::{
+    ImportanceSamplingLevel, LossConfig, LossInputs, LossMetrics, LossOutput, LossType,
+    policy_loss,
+};

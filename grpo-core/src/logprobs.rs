@@ -1,0 +1,177 @@
+//! Log-probabilities of chosen tokens and entropies, from logits, in row chunks.
+//!
+//! The vocabulary axis is last: `logits` is `(..., V)` (usually `(B, T, V)`), `targets` is
+//! `(...)`. Both functions work on blocks of rows so that at most one chunk's `(rows, V)`
+//! temporaries exist beside the logits, never a second full `(B, T, V)` tensor. Half-precision
+//! logits are widened to f32 inside each chunk (the result is f32); f32 and f64 keep their dtype.
+//! Both are differentiable compositions of candle ops (every op used has a backward).
+
+use candle_core::{D, DType, Result, Tensor};
+
+/// Upper bound on the elements of one chunk's `(rows, V)` temporaries (16 MiB of f32).
+pub const CHUNK_ELEMENTS: usize = 1 << 22;
+
+fn compute_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// Rows per chunk for a vocabulary of `v`.
+fn chunk_rows(v: usize) -> usize {
+    (CHUNK_ELEMENTS / v.max(1)).max(1)
+}
+
+/// Flattens `(..., V)` to `(N, V)`; returns the leading shape too.
+fn rows(logits: &Tensor) -> Result<(Tensor, Vec<usize>, usize)> {
+    let dims = logits.dims();
+    let Some((&v, lead)) = dims.split_last() else {
+        candle_core::bail!("logits must have at least one dimension (the vocabulary)")
+    };
+    let n: usize = lead.iter().product();
+    Ok((logits.reshape((n, v))?, lead.to_vec(), v))
+}
+
+/// `log softmax(logits)[target]` at every position: `(..., V)` and `(...)` → `(...)`.
+///
+/// Computed as `x[target] − logsumexp(x)` per row, in chunks of rows (see the module docs), so
+/// the full log-softmax is never materialised. `targets` holds integer token ids (u32 or i64).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let logits = Tensor::new(&[[0f32, 0.0], [1.0, 0.0]], &Device::Cpu)?;
+/// let targets = Tensor::new(&[1u32, 0], &Device::Cpu)?;
+/// let lp = grpo_core::logprobs::selective_log_softmax(&logits, &targets)?.to_vec1::<f32>()?;
+/// assert!((lp[0] - 0.5f32.ln()).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn selective_log_softmax(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    selective_log_softmax_chunked(logits, targets, None)
+}
+
+/// [`selective_log_softmax`] with an explicit number of rows per chunk (`None`: as many rows as
+/// fit in [`CHUNK_ELEMENTS`]).
+pub fn selective_log_softmax_chunked(
+    logits: &Tensor,
+    targets: &Tensor,
+    rows_per_chunk: Option<usize>,
+) -> Result<Tensor> {
+    let (x, lead, v) = rows(logits)?;
+    if targets.dims() != lead.as_slice() {
+        candle_core::bail!(
+            "targets must have the shape of logits without the vocabulary axis: logits {:?}, targets {:?}",
+            logits.dims(),
+            targets.dims()
+        );
+    }
+    let n = x.dim(0)?;
+    let ids = targets.reshape((n, 1))?.contiguous()?;
+    let dtype = compute_dtype(logits.dtype());
+    let step = rows_per_chunk.unwrap_or_else(|| chunk_rows(v)).max(1);
+    let mut parts = Vec::with_capacity(n.div_ceil(step));
+    let mut start = 0;
+    while start < n {
+        let len = step.min(n - start);
+        let chunk = x.narrow(0, start, len)?.to_dtype(dtype)?;
+        let max = chunk.max_keepdim(D::Minus1)?.detach();
+        let shifted = chunk.broadcast_sub(&max)?;
+        let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+        let picked = shifted.contiguous()?.gather(&ids.narrow(0, start, len)?, D::Minus1)?;
+        parts.push((picked - lse)?);
+        start += len;
+    }
+    let out = if parts.is_empty() {
+        Tensor::zeros((0, 1), dtype, logits.device())?
+    } else {
+        Tensor::cat(&parts, 0)?
+    };
+    out.reshape(lead)
+}
+
+/// Entropy `−Σ p log p` of the softmax at every position: `(..., V)` → `(...)`, in chunks of
+/// rows. Computed as `logsumexp(x) − Σ softmax(x)·x`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// let logits = Tensor::new(&[[0f32, 0.0, 0.0, 0.0]], &Device::Cpu)?;
+/// let h = grpo_core::logprobs::entropy_from_logits(&logits)?.to_vec1::<f32>()?;
+/// assert!((h[0] - 4f32.ln()).abs() < 1e-6);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor> {
+    entropy_from_logits_chunked(logits, None)
+}
+
+/// [`entropy_from_logits`] with an explicit number of rows per chunk.
+pub fn entropy_from_logits_chunked(logits: &Tensor, rows_per_chunk: Option<usize>) -> Result<Tensor> {
+    let (x, lead, v) = rows(logits)?;
+    let n = x.dim(0)?;
+    let dtype = compute_dtype(logits.dtype());
+    let step = rows_per_chunk.unwrap_or_else(|| chunk_rows(v)).max(1);
+    let mut parts = Vec::with_capacity(n.div_ceil(step));
+    let mut start = 0;
+    while start < n {
+        let len = step.min(n - start);
+        let chunk = x.narrow(0, start, len)?.to_dtype(dtype)?;
+        let max = chunk.max_keepdim(D::Minus1)?.detach();
+        let shifted = chunk.broadcast_sub(&max)?;
+        let e = shifted.exp()?;
+        let z = e.sum_keepdim(D::Minus1)?;
+        // H = log Z − Σ e·s / Z, with s the shifted logits (the shift cancels).
+        let expected = (e * &shifted)?.sum_keepdim(D::Minus1)?.div(&z)?;
+        parts.push((z.log()? - expected)?);
+        start += len;
+    }
+    let out = if parts.is_empty() {
+        Tensor::zeros((0, 1), dtype, logits.device())?
+    } else {
+        Tensor::cat(&parts, 0)?
+    };
+    out.reshape(lead)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn chunking_does_not_change_values() {
+        let d = Device::Cpu;
+        let logits = Tensor::randn(0f32, 3.0, (3, 5, 11), &d).unwrap();
+        let targets = Tensor::new(&[[0u32, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 0, 1, 2, 3]], &d)
+            .unwrap();
+        let whole = selective_log_softmax(&logits, &targets).unwrap();
+        for rows in [1, 2, 4, 7, 15, 100] {
+            let c = selective_log_softmax_chunked(&logits, &targets, Some(rows)).unwrap();
+            let diff = (c - &whole).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+            let h = entropy_from_logits_chunked(&logits, Some(rows)).unwrap();
+            let h0 = entropy_from_logits(&logits).unwrap();
+            let diff = (h - h0).unwrap().abs().unwrap().max_all().unwrap();
+            assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+        }
+        assert_eq!(whole.dims(), &[3, 5]);
+    }
+
+    #[test]
+    fn half_precision_logits_give_f32() {
+        let d = Device::Cpu;
+        let logits = Tensor::new(&[[1f32, 2.0, 3.0]], &d).unwrap().to_dtype(DType::BF16).unwrap();
+        let t = Tensor::new(&[2u32], &d).unwrap();
+        let lp = selective_log_softmax(&logits, &t).unwrap();
+        assert_eq!(lp.dtype(), DType::F32);
+        let expect = 3.0 - (1f32.exp() + 2f32.exp() + 3f32.exp()).ln();
+        assert!((lp.to_vec1::<f32>().unwrap()[0] - expect).abs() < 1e-5);
+    }
+
+    #[test]
+    fn shape_mismatch_is_an_error() {
+        let d = Device::Cpu;
+        let logits = Tensor::zeros((2, 3, 4), DType::F32, &d).unwrap();
+        let t = Tensor::zeros((2, 2), DType::U32, &d).unwrap();
+        let e = selective_log_softmax(&logits, &t).unwrap_err().to_string();
+        assert!(e.contains("targets"), "{e}");
+    }
+}
