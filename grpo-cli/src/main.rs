@@ -42,7 +42,11 @@ fn run(cli: Cli) -> Result<()> {
             println!();
             Ok(())
         }
-        Some(Command::Advantages { rewards, num_generations, scale_rewards }) => {
+        Some(Command::Advantages {
+            rewards,
+            num_generations,
+            scale_rewards,
+        }) => {
             let rewards = rewards
                 .iter()
                 .enumerate()

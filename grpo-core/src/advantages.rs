@@ -56,7 +56,11 @@ pub fn nanstd(values: &[f32]) -> f64 {
             let d = v as f64 - mean;
             (s + d * d, n + 1)
         });
-    if n < 2 { f64::NAN } else { (ss / (n - 1) as f64).sqrt() }
+    if n < 2 {
+        f64::NAN
+    } else {
+        (ss / (n - 1) as f64).sqrt()
+    }
 }
 
 fn check_groups(len: usize, group_size: usize) {
@@ -81,7 +85,11 @@ pub fn reward_stds(rewards: &[f32], group_size: usize, scale: ScaleRewards) -> V
             })
             .collect(),
         ScaleRewards::Batch => {
-            let s = if rewards.len() > 1 { nanstd(rewards) } else { 0.0 };
+            let s = if rewards.len() > 1 {
+                nanstd(rewards)
+            } else {
+                0.0
+            };
             vec![s; rewards.len()]
         }
     }

@@ -55,6 +55,5 @@ pub mod loss;
 pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
 pub use logprobs::{entropy_from_logits, selective_log_softmax};
 pub use loss::{
-    ImportanceSamplingLevel, LossConfig, LossInputs, LossMetrics, LossOutput, LossType,
-    policy_loss,
+    ImportanceSamplingLevel, LossConfig, LossInputs, LossMetrics, LossOutput, LossType, policy_loss,
 };

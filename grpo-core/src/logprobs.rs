@@ -77,7 +77,9 @@ pub fn selective_log_softmax_chunked(
         let max = chunk.max_keepdim(D::Minus1)?.detach();
         let shifted = chunk.broadcast_sub(&max)?;
         let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-        let picked = shifted.contiguous()?.gather(&ids.narrow(0, start, len)?, D::Minus1)?;
+        let picked = shifted
+            .contiguous()?
+            .gather(&ids.narrow(0, start, len)?, D::Minus1)?;
         parts.push((picked - lse)?);
         start += len;
     }
@@ -104,7 +106,10 @@ pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor> {
 }
 
 /// [`entropy_from_logits`] with an explicit number of rows per chunk.
-pub fn entropy_from_logits_chunked(logits: &Tensor, rows_per_chunk: Option<usize>) -> Result<Tensor> {
+pub fn entropy_from_logits_chunked(
+    logits: &Tensor,
+    rows_per_chunk: Option<usize>,
+) -> Result<Tensor> {
     let (x, lead, v) = rows(logits)?;
     let n = x.dim(0)?;
     let dtype = compute_dtype(logits.dtype());
@@ -140,8 +145,8 @@ mod tests {
     fn chunking_does_not_change_values() {
         let d = Device::Cpu;
         let logits = Tensor::randn(0f32, 3.0, (3, 5, 11), &d).unwrap();
-        let targets = Tensor::new(&[[0u32, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 0, 1, 2, 3]], &d)
-            .unwrap();
+        let targets =
+            Tensor::new(&[[0u32, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 0, 1, 2, 3]], &d).unwrap();
         let whole = selective_log_softmax(&logits, &targets).unwrap();
         for rows in [1, 2, 4, 7, 15, 100] {
             let c = selective_log_softmax_chunked(&logits, &targets, Some(rows)).unwrap();
@@ -158,7 +163,10 @@ mod tests {
     #[test]
     fn half_precision_logits_give_f32() {
         let d = Device::Cpu;
-        let logits = Tensor::new(&[[1f32, 2.0, 3.0]], &d).unwrap().to_dtype(DType::BF16).unwrap();
+        let logits = Tensor::new(&[[1f32, 2.0, 3.0]], &d)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
         let t = Tensor::new(&[2u32], &d).unwrap();
         let lp = selective_log_softmax(&logits, &t).unwrap();
         assert_eq!(lp.dtype(), DType::F32);

@@ -241,10 +241,7 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f64> {
     let (num, den) = if x.dim(1)? == 1 && mask.dim(1)? != 1 {
         (x.sum_all()?, x.dim(0)? as f64)
     } else {
-        (
-            x.broadcast_mul(mask)?.sum_all()?,
-            scalar(&mask.sum_all()?)?,
-        )
+        (x.broadcast_mul(mask)?.sum_all()?, scalar(&mask.sum_all()?)?)
     };
     Ok(scalar(&num)? / den.max(1.0))
 }
@@ -263,9 +260,12 @@ fn scalar(t: &Tensor) -> Result<f64> {
 pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutput> {
     cfg.validate().map_err(bail)?;
     let logp = inputs.per_token_logps;
-    let (b, t) = logp
-        .dims2()
-        .map_err(|_| bail(format!("per_token_logps must be (B, T), got {:?}", logp.dims())))?;
+    let (b, t) = logp.dims2().map_err(|_| {
+        bail(format!(
+            "per_token_logps must be (B, T), got {:?}",
+            logp.dims()
+        ))
+    })?;
     let dtype = logp.dtype();
     let same = |name: &str, x: &Tensor| -> Result<Tensor> {
         if x.dims() != [b, t] {
@@ -380,7 +380,8 @@ pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutp
             (low, high)
         }
         _ => {
-            let low = flag(coef_1.lt(1.0 - cfg.epsilon_low)?)?.broadcast_mul(&flag(adv.lt(0.0)?)?)?;
+            let low =
+                flag(coef_1.lt(1.0 - cfg.epsilon_low)?)?.broadcast_mul(&flag(adv.lt(0.0)?)?)?;
             let high =
                 flag(coef_1.gt(1.0 + cfg.epsilon_high)?)?.broadcast_mul(&flag(adv.gt(0.0)?)?)?;
             (low, high)
@@ -447,12 +448,18 @@ mod tests {
             completion_mask: &m,
             num_items_in_batch: None,
         };
-        let cfg = LossConfig { beta: 0.1, ..Default::default() };
+        let cfg = LossConfig {
+            beta: 0.1,
+            ..Default::default()
+        };
         let err = policy_loss(&inputs, &cfg).unwrap_err().to_string();
         assert!(err.contains("ref_per_token_logps"), "{err}");
         let bad_mask = Tensor::ones((2, 2), DType::F32, &d).unwrap();
         let err = policy_loss(
-            &LossInputs { completion_mask: &bad_mask, ..inputs },
+            &LossInputs {
+                completion_mask: &bad_mask,
+                ..inputs
+            },
             &LossConfig::default(),
         )
         .unwrap_err()
@@ -462,9 +469,15 @@ mod tests {
 
     #[test]
     fn invalid_config_names_the_field() {
-        let c = LossConfig { delta: Some(-0.5), ..Default::default() };
+        let c = LossConfig {
+            delta: Some(-0.5),
+            ..Default::default()
+        };
         assert!(c.validate().unwrap_err().contains("delta"));
-        let c = LossConfig { epsilon_low: -0.1, ..Default::default() };
+        let c = LossConfig {
+            epsilon_low: -0.1,
+            ..Default::default()
+        };
         assert!(c.validate().unwrap_err().contains("epsilon_low"));
     }
 }
