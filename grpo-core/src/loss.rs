@@ -145,10 +145,10 @@ impl LossConfig {
                 self.epsilon_low
             ));
         }
-        if let Some(d) = self.delta {
-            if !(d.is_finite() && d > 0.0) {
-                return Err(format!("delta must be a finite number > 0, got {d}"));
-            }
+        if let Some(d) = self.delta
+            && !(d.is_finite() && d > 0.0)
+        {
+            return Err(format!("delta must be a finite number > 0, got {d}"));
         }
         if self.loss_type == LossType::DrGrpo && self.max_completion_length == 0 {
             return Err("max_completion_length must be >= 1 for loss_type dr_grpo".into());
