@@ -1,0 +1,363 @@
+//! Model hyper-parameters, read from a Hugging Face `config.json` (or built from GGUF metadata).
+
+use std::path::Path;
+
+use candle_core::{Result, bail};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The architectures this crate implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// Llama 2 / 3.x, SmolLM / SmolLM2 (optional attention and MLP biases, llama3 RoPE scaling).
+    Llama,
+    /// Qwen2 / Qwen2.5: biases on q, k and v.
+    Qwen2,
+    /// Qwen3: RMSNorm on each head's q and k, explicit head_dim, no biases.
+    Qwen3,
+}
+
+impl Arch {
+    /// The `model_type` string of `config.json`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Parses a `model_type`, or fails naming it and listing the supported ones.
+    pub fn parse(model_type: &str) -> Result<Self> {
+        match model_type {
+            "llama" => Ok(Arch::Llama),
+            "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
+            other => bail!("unsupported model_type `{other}`: supported are llama, qwen2, qwen3"),
+        }
+    }
+}
+
+/// Llama 3.x RoPE frequency scaling (`rope_scaling.rope_type = "llama3"`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3RopeScaling {
+    /// Scale factor for low frequencies.
+    pub factor: f64,
+    /// Below this (in wavelength units of the original context) frequencies are scaled fully.
+    pub low_freq_factor: f64,
+    /// Above this frequencies are kept.
+    pub high_freq_factor: f64,
+    /// The context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+}
+
+/// Everything the transformer needs to know about its shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Architecture family.
+    pub arch: Arch,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: usize,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than query heads).
+    pub num_key_value_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Llama 3 RoPE scaling, if any.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Maximum positions (for RoPE tables).
+    pub max_position_embeddings: usize,
+    /// Output projection shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Biases on q, k, v (qwen2 always; llama when `attention_bias`), and on o (llama only).
+    pub attention_bias: bool,
+    /// Biases in the MLP (llama's `mlp_bias`).
+    pub mlp_bias: bool,
+    /// BOS token id, if the model has one.
+    pub bos_token_id: Option<u32>,
+    /// EOS token ids from config.json (generation_config.json may add more).
+    pub eos_token_ids: Vec<u32>,
+    /// Padding token id, if declared.
+    pub pad_token_id: Option<u32>,
+}
+
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl ModelConfig {
+    /// Reads `config.json` from a Hugging Face model directory.
+    pub fn from_hf_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display())))?;
+        Self::from_hf_json(&v)
+            .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))
+    }
+
+    /// Parses the JSON of a Hugging Face `config.json` (transformers 4.x and 5.x layouts).
+    pub fn from_hf_json(v: &Value) -> Result<Self> {
+        let model_type = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| candle_core::Error::msg("field `model_type` is missing"))?;
+        let arch = Arch::parse(model_type)?;
+        let req = |k: &str| -> Result<usize> {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| candle_core::Error::msg(format!("field `{k}` is missing or not an integer")))
+        };
+        let hidden_size = req("hidden_size")?;
+        let num_attention_heads = req("num_attention_heads")?;
+        let num_key_value_heads = v
+            .get("num_key_value_heads")
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+            .unwrap_or(num_attention_heads);
+        let head_dim = v
+            .get("head_dim")
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+            .unwrap_or(hidden_size / num_attention_heads.max(1));
+        // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`.
+        let rope_params = v.get("rope_parameters");
+        let rope_theta = v
+            .get("rope_theta")
+            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")))
+            .and_then(Value::as_f64)
+            .unwrap_or(10_000.0);
+        let scaling = v
+            .get("rope_scaling")
+            .filter(|s| !s.is_null())
+            .or(rope_params);
+        let rope_scaling = match scaling {
+            Some(s) => {
+                let kind = s
+                    .get("rope_type")
+                    .or_else(|| s.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                match kind {
+                    "default" => None,
+                    "llama3" => {
+                        let f = |k: &str| {
+                            s.get(k).and_then(Value::as_f64).ok_or_else(|| {
+                                candle_core::Error::msg(format!("rope_scaling.{k} is missing"))
+                            })
+                        };
+                        Some(Llama3RopeScaling {
+                            factor: f("factor")?,
+                            low_freq_factor: f("low_freq_factor")?,
+                            high_freq_factor: f("high_freq_factor")?,
+                            original_max_position_embeddings: f("original_max_position_embeddings")?
+                                as usize,
+                        })
+                    }
+                    other => bail!(
+                        "rope_scaling type `{other}` is not supported (supported: default, llama3)"
+                    ),
+                }
+            }
+            None => None,
+        };
+        let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
+        let cfg = ModelConfig {
+            arch,
+            vocab_size: req("vocab_size")?,
+            hidden_size,
+            intermediate_size: req("intermediate_size")?,
+            num_hidden_layers: req("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: v
+                .get("max_position_embeddings")
+                .and_then(Value::as_u64)
+                .unwrap_or(4096) as usize,
+            tie_word_embeddings: flag("tie_word_embeddings", false),
+            attention_bias: match arch {
+                Arch::Qwen2 => true,
+                Arch::Llama => flag("attention_bias", false),
+                Arch::Qwen3 => flag("attention_bias", false),
+            },
+            mlp_bias: flag("mlp_bias", false),
+            bos_token_id: ids(v.get("bos_token_id")).first().copied(),
+            eos_token_ids: ids(v.get("eos_token_id")),
+            pad_token_id: ids(v.get("pad_token_id")).first().copied(),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the shape arithmetic (heads divide evenly, sizes non-zero).
+    pub fn validate(&self) -> Result<()> {
+        for (k, x) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+        ] {
+            if x == 0 {
+                bail!("config field `{k}` must be > 0");
+            }
+        }
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+            bail!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.num_key_value_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            bail!("head_dim ({}) must be even for RoPE", self.head_dim);
+        }
+        Ok(())
+    }
+
+    /// The Hugging Face `config.json` for this model (what transformers reads back).
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = serde_json::json!({
+            "architectures": [match self.arch {
+                Arch::Llama => "LlamaForCausalLM",
+                Arch::Qwen2 => "Qwen2ForCausalLM",
+                Arch::Qwen3 => "Qwen3ForCausalLM",
+            }],
+            "model_type": self.arch.as_str(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "use_cache": true,
+        });
+        let obj = v.as_object_mut().expect("a JSON object");
+        if let Some(s) = &self.rope_scaling {
+            obj.insert(
+                "rope_scaling".into(),
+                serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": s.factor,
+                    "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                }),
+            );
+        }
+        if self.arch == Arch::Llama {
+            obj.insert("attention_bias".into(), self.attention_bias.into());
+            obj.insert("mlp_bias".into(), self.mlp_bias.into());
+        }
+        if let Some(b) = self.bos_token_id {
+            obj.insert("bos_token_id".into(), b.into());
+        }
+        match self.eos_token_ids.as_slice() {
+            [] => {}
+            [e] => {
+                obj.insert("eos_token_id".into(), (*e).into());
+            }
+            many => {
+                obj.insert("eos_token_id".into(), many.to_vec().into());
+            }
+        }
+        if let Some(p) = self.pad_token_id {
+            obj.insert("pad_token_id".into(), p.into());
+        }
+        v
+    }
+
+    /// Number of parameters (tied embeddings counted once).
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let mut layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
+        if self.attention_bias {
+            layer += q + 2 * kv;
+        }
+        if self.arch == Arch::Qwen3 {
+            layer += 2 * self.head_dim;
+        }
+        let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
+        if !self.tie_word_embeddings {
+            n += self.vocab_size * h;
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_qwen2_and_round_trips() {
+        let v = serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 2048, "hidden_size": 256,
+            "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rope_theta": 10000.0, "tie_word_embeddings": true,
+            "eos_token_id": 2, "rms_norm_eps": 1e-6
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.head_dim, 64);
+        assert!(c.attention_bias);
+        assert_eq!(c.eos_token_ids, vec![2]);
+        let back = ModelConfig::from_hf_json(&c.to_hf_json()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn unknown_model_type_lists_the_supported_ones() {
+        let v = serde_json::json!({"model_type": "gpt2"});
+        let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+        assert!(e.contains("gpt2") && e.contains("llama, qwen2, qwen3"), "{e}");
+    }
+
+    #[test]
+    fn llama3_rope_scaling_and_transformers5_layout() {
+        let v = serde_json::json!({
+            "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2,
+            "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192},
+            "eos_token_id": [1, 2]
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+        assert_eq!(c.eos_token_ids, vec![1, 2]);
+        assert_eq!(c.num_key_value_heads, 2);
+    }
+}

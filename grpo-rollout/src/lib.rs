@@ -1,0 +1,20 @@
+//! # grpo-rollout: the policy
+//!
+//! One job: be the language model that GRPO trains. A Llama-family transformer of our own
+//! (llama, qwen2, qwen3) whose every weight receives a gradient, loaded from a Hugging Face
+//! directory or a GGUF file, with its tokenizer and chat template, batched KV-cache generation
+//! with TRL's sampling knobs, LoRA adapters, and saving in Hugging Face / PEFT formats.
+#![deny(missing_docs)]
+
+pub mod config;
+pub mod gguf;
+pub mod loader;
+pub mod lora;
+pub mod model;
+pub mod tokenizer;
+
+pub use config::{Arch, ModelConfig};
+pub use loader::{LoadedModel, load, save_hf_dir};
+pub use lora::LoraConfig;
+pub use model::Transformer;
+pub use tokenizer::{ChatMessage, Tokenizer};

@@ -1,0 +1,551 @@
+//! The transformer: a Llama-family decoder written on differentiable candle ops.
+//!
+//! Every op used has a backward in candle (matmul, index_select, exp, sqrt, silu, ...): RMSNorm,
+//! RoPE and the attention softmax are compositions, not candle-nn's fused kernels, which cut
+//! the gradient (see DESIGN.md). The same code serves training (weights are candle `Var`s and
+//! record a graph), generation and the frozen reference (weights are detached tensors).
+
+use std::collections::HashMap;
+
+use candle_core::{D, DType, Device, Result, Tensor, bail};
+
+use crate::config::{Arch, ModelConfig};
+use crate::lora::Lora;
+
+/// A large finite negative used for masked attention scores (never -inf: fully masked rows
+/// must stay finite).
+fn mask_value(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => -6.0e4,
+        _ => -1.0e9,
+    }
+}
+
+/// A linear map `y = x Wᵀ + b`, with an optional LoRA path `scale · B A x`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `(out, in)` weight.
+    pub weight: Tensor,
+    /// `(out,)` bias.
+    pub bias: Option<Tensor>,
+    /// Low-rank adapter, when this module is a LoRA target.
+    pub lora: Option<Lora>,
+}
+
+impl Linear {
+    /// Applies the map to `(..., in)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let (lead, last) = dims.split_at(dims.len() - 1);
+        let n: usize = lead.iter().product();
+        let x2 = x.reshape((n, last[0]))?;
+        let mut y = x2.matmul(&self.weight.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(l) = &self.lora {
+            y = (y + l.forward(&x2)?)?;
+        }
+        let out = self.weight.dim(0)?;
+        let mut shape = lead.to_vec();
+        shape.push(out);
+        y.reshape(shape)
+    }
+}
+
+/// RMSNorm `x / sqrt(mean(x²) + eps) · w`, computed in f32 (or f64) as transformers does.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    /// `(hidden,)` scale.
+    pub weight: Tensor,
+    /// Epsilon.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// Normalises over the last axis.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let wide = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+        let xf = x.to_dtype(wide)?;
+        let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+        let inv = (var + self.eps)?.sqrt()?.recip()?;
+        let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
+        normed.broadcast_mul(&self.weight)
+    }
+}
+
+/// One decoder layer's weights.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    /// Pre-attention norm.
+    pub input_layernorm: RmsNorm,
+    /// Query projection.
+    pub q_proj: Linear,
+    /// Key projection.
+    pub k_proj: Linear,
+    /// Value projection.
+    pub v_proj: Linear,
+    /// Output projection.
+    pub o_proj: Linear,
+    /// Qwen3's per-head query norm.
+    pub q_norm: Option<RmsNorm>,
+    /// Qwen3's per-head key norm.
+    pub k_norm: Option<RmsNorm>,
+    /// Pre-MLP norm.
+    pub post_attention_layernorm: RmsNorm,
+    /// MLP gate.
+    pub gate_proj: Linear,
+    /// MLP up.
+    pub up_proj: Linear,
+    /// MLP down.
+    pub down_proj: Linear,
+}
+
+/// Per-layer key/value tensors of the tokens seen so far: `(B, kv_heads, S, head_dim)`.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    /// `(k, v)` per layer; empty before the first forward.
+    pub layers: Vec<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    /// Cached sequence length.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+    }
+
+    /// True before the first forward.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps (or repeats) batch rows: row `i` of the result is row `rows[i]` of this cache.
+    pub fn select_rows(&self, rows: &Tensor) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| Ok((k.index_select(rows, 0)?, v.index_select(rows, 0)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { layers })
+    }
+}
+
+/// The decoder: embeddings, layers, final norm, output head.
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    /// Shape.
+    pub cfg: ModelConfig,
+    /// `(vocab, hidden)` token embeddings.
+    pub embed_tokens: Tensor,
+    /// Decoder layers.
+    pub layers: Vec<Layer>,
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// `(vocab, hidden)` output head; `None` when tied to the embeddings.
+    pub lm_head: Option<Tensor>,
+    /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
+    rope_cos: Tensor,
+    rope_sin: Tensor,
+}
+
+/// Inverse RoPE frequencies, with Llama 3 scaling when configured.
+pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
+    let half = cfg.head_dim / 2;
+    let mut inv: Vec<f64> = (0..half)
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64))
+        .collect();
+    if let Some(s) = &cfg.rope_scaling {
+        let old = s.original_max_position_embeddings as f64;
+        let low_wavelen = old / s.low_freq_factor;
+        let high_wavelen = old / s.high_freq_factor;
+        for f in inv.iter_mut() {
+            let wavelen = 2.0 * std::f64::consts::PI / *f;
+            if wavelen > low_wavelen {
+                *f /= s.factor;
+            } else if wavelen >= high_wavelen {
+                let smooth =
+                    (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+            }
+        }
+    }
+    inv
+}
+
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let inv = rope_inv_freq(cfg);
+    let half = inv.len();
+    let n = cfg.max_position_embeddings.max(1);
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for p in 0..n {
+        for f in &inv {
+            // transformers computes the angle in f32.
+            let a = (p as f32) * (*f as f32);
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, half), device)?,
+        Tensor::from_vec(sin, (n, half), device)?,
+    ))
+}
+
+/// Applies rotary embeddings to `(B, heads, L, head_dim)` given `(B, 1, L, head_dim/2)` tables
+/// (the "rotate half" layout of transformers).
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let o1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let o2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
+    Tensor::cat(&[o1, o2], D::Minus1)
+}
+
+/// Differentiable softmax over the last axis (the max shift is a constant).
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Weights needed by name, in transformers' naming (`model.layers.0.self_attn.q_proj.weight`).
+pub type WeightMap = HashMap<String, Tensor>;
+
+impl Transformer {
+    /// Builds the model from a map of transformers-named weights. Every tensor is converted to
+    /// `dtype` and moved to `device`; a missing or mis-shaped weight is an error naming it.
+    pub fn from_weights(cfg: &ModelConfig, weights: &WeightMap, dtype: DType, device: &Device) -> Result<Self> {
+        cfg.validate()?;
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            let t = weights
+                .get(name)
+                .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
+            if t.dims() != shape {
+                bail!("weight `{name}` has shape {:?}, expected {shape:?}", t.dims());
+            }
+            t.to_dtype(dtype)?.to_device(device)
+        };
+        let opt = |name: &str, shape: &[usize]| -> Result<Option<Tensor>> {
+            if weights.contains_key(name) { get(name, shape).map(Some) } else { Ok(None) }
+        };
+        let h = cfg.hidden_size;
+        let q = cfg.num_attention_heads * cfg.head_dim;
+        let kv = cfg.num_key_value_heads * cfg.head_dim;
+        let im = cfg.intermediate_size;
+        let linear = |p: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: get(&format!("{p}.weight"), &[out, inp])?,
+                bias: if bias { Some(get(&format!("{p}.bias"), &[out])?) } else { opt(&format!("{p}.bias"), &[out])? },
+                lora: None,
+            })
+        };
+        let norm = |name: &str, n: usize| -> Result<RmsNorm> {
+            Ok(RmsNorm { weight: get(name, &[n])?, eps: cfg.rms_norm_eps })
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let qkv_bias = cfg.attention_bias;
+            layers.push(Layer {
+                input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
+                q_proj: linear(&format!("{p}.self_attn.q_proj"), q, h, qkv_bias)?,
+                k_proj: linear(&format!("{p}.self_attn.k_proj"), kv, h, qkv_bias)?,
+                v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, h, qkv_bias)?,
+                o_proj: linear(&format!("{p}.self_attn.o_proj"), h, q, cfg.attention_bias && cfg.arch == Arch::Llama)?,
+                q_norm: match cfg.arch {
+                    Arch::Qwen3 => Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?),
+                    _ => None,
+                },
+                k_norm: match cfg.arch {
+                    Arch::Qwen3 => Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?),
+                    _ => None,
+                },
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate_proj: linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
+                up_proj: linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
+                down_proj: linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
+            });
+        }
+        let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight", &[cfg.vocab_size, h])?)
+        };
+        let (rope_cos, rope_sin) = rope_tables(cfg, device)?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm: norm("model.norm.weight", h)?,
+            lm_head,
+            rope_cos,
+            rope_sin,
+        })
+    }
+
+    /// All weights by transformers name (LoRA factors excluded; see [`crate::lora`]).
+    pub fn weights(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
+        let lin = |out: &mut Vec<(String, Tensor)>, p: String, l: &Linear| {
+            out.push((format!("{p}.weight"), l.weight.clone()));
+            if let Some(b) = &l.bias {
+                out.push((format!("{p}.bias"), b.clone()));
+            }
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            out.push((format!("{p}.input_layernorm.weight"), layer.input_layernorm.weight.clone()));
+            lin(&mut out, format!("{p}.self_attn.q_proj"), &layer.q_proj);
+            lin(&mut out, format!("{p}.self_attn.k_proj"), &layer.k_proj);
+            lin(&mut out, format!("{p}.self_attn.v_proj"), &layer.v_proj);
+            lin(&mut out, format!("{p}.self_attn.o_proj"), &layer.o_proj);
+            if let Some(n) = &layer.q_norm {
+                out.push((format!("{p}.self_attn.q_norm.weight"), n.weight.clone()));
+            }
+            if let Some(n) = &layer.k_norm {
+                out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
+            }
+            out.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                layer.post_attention_layernorm.weight.clone(),
+            ));
+            lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
+            lin(&mut out, format!("{p}.mlp.up_proj"), &layer.up_proj);
+            lin(&mut out, format!("{p}.mlp.down_proj"), &layer.down_proj);
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.weight.clone()));
+        if let Some(h) = &self.lm_head {
+            out.push(("lm_head.weight".to_string(), h.clone()));
+        }
+        out
+    }
+
+    /// Applies `f` to every weight tensor (and LoRA factor), returning a new model.
+    pub fn map_tensors(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        let lin = |l: &Linear| -> Result<Linear> {
+            Ok(Linear {
+                weight: f(&l.weight)?,
+                bias: l.bias.as_ref().map(f).transpose()?,
+                lora: l.lora.as_ref().map(|lo| lo.map_tensors(f)).transpose()?,
+            })
+        };
+        let norm = |n: &RmsNorm| -> Result<RmsNorm> { Ok(RmsNorm { weight: f(&n.weight)?, eps: n.eps }) };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    input_layernorm: norm(&l.input_layernorm)?,
+                    q_proj: lin(&l.q_proj)?,
+                    k_proj: lin(&l.k_proj)?,
+                    v_proj: lin(&l.v_proj)?,
+                    o_proj: lin(&l.o_proj)?,
+                    q_norm: l.q_norm.as_ref().map(norm).transpose()?,
+                    k_norm: l.k_norm.as_ref().map(norm).transpose()?,
+                    post_attention_layernorm: norm(&l.post_attention_layernorm)?,
+                    gate_proj: lin(&l.gate_proj)?,
+                    up_proj: lin(&l.up_proj)?,
+                    down_proj: lin(&l.down_proj)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            embed_tokens: f(&self.embed_tokens)?,
+            layers,
+            norm: norm(&self.norm)?,
+            lm_head: self.lm_head.as_ref().map(f).transpose()?,
+            rope_cos: self.rope_cos.clone(),
+            rope_sin: self.rope_sin.clone(),
+        })
+    }
+
+    /// The same weights without autograd (shared storage): for generation and scoring.
+    pub fn detached(&self) -> Self {
+        self.map_tensors(&|t| Ok(t.detach())).expect("detach cannot fail")
+    }
+
+    /// A deep copy without autograd: a frozen reference that later updates do not touch.
+    pub fn snapshot(&self) -> Result<Self> {
+        self.map_tensors(&|t| t.detach().copy())
+    }
+
+    /// Weight dtype.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    /// Device of the weights.
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    /// Output head weight `(vocab, hidden)`.
+    pub fn head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Runs the decoder on `input_ids` `(B, L)` with position ids `positions` `(B, L)` and an
+    /// additive attention bias `(B, 1, L, S)` (`S` = cached + new tokens), appending the new
+    /// keys and values to `cache` when given. Returns final-normed hidden states `(B, L, H)`.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        attn_bias: &Tensor,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let (b, l) = input_ids.dims2()?;
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let rep = nh / nkv;
+        let dtype = self.dtype();
+        let pos = positions.flatten_all()?;
+        let cos = self.rope_cos.index_select(&pos, 0)?.reshape((b, 1, l, hd / 2))?.to_dtype(dtype)?;
+        let sin = self.rope_sin.index_select(&pos, 0)?.reshape((b, 1, l, hd / 2))?.to_dtype(dtype)?;
+        let attn_bias = attn_bias.to_dtype(dtype)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+
+        let mut x = self.embed_tokens.index_select(&input_ids.flatten_all()?, 0)?.reshape((b, l, cfg.hidden_size))?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_layernorm.forward(&x)?;
+            let q = layer.q_proj.forward(&h)?.reshape((b, l, nh, hd))?;
+            let k = layer.k_proj.forward(&h)?.reshape((b, l, nkv, hd))?;
+            let v = layer.v_proj.forward(&h)?.reshape((b, l, nkv, hd))?;
+            let q = match &layer.q_norm { Some(n) => n.forward(&q)?, None => q };
+            let k = match &layer.k_norm { Some(n) => n.forward(&k)?, None => k };
+            let q = apply_rope(&q.transpose(1, 2)?.contiguous()?, &cos, &sin)?;
+            let k = apply_rope(&k.transpose(1, 2)?.contiguous()?, &cos, &sin)?;
+            let v = v.transpose(1, 2)?.contiguous()?;
+            let (k, v) = match cache.as_deref_mut() {
+                Some(c) => {
+                    if c.layers.len() <= i {
+                        c.layers.push((k.clone(), v.clone()));
+                        (k, v)
+                    } else {
+                        let (pk, pv) = &c.layers[i];
+                        let k = Tensor::cat(&[pk, &k], 2)?;
+                        let v = Tensor::cat(&[pv, &v], 2)?;
+                        c.layers[i] = (k.clone(), v.clone());
+                        (k, v)
+                    }
+                }
+                None => (k, v),
+            };
+            let s = k.dim(2)?;
+            // Grouped-query attention without repeating k/v: fold the query heads that share
+            // a kv head into the row axis.
+            let qg = q.reshape((b, nkv, rep * l, hd))?;
+            let scores = (qg.matmul(&k.t()?)? * scale)?.reshape((b, nh, l, s))?;
+            let scores = scores.broadcast_add(&attn_bias)?;
+            let probs = softmax_last_dim(&scores)?.reshape((b, nkv, rep * l, s))?;
+            let ctx = probs.matmul(&v)?.reshape((b, nh, l, hd))?;
+            let ctx = ctx.transpose(1, 2)?.reshape((b, l, nh * hd))?;
+            x = (x + layer.o_proj.forward(&ctx)?)?;
+            let h = layer.post_attention_layernorm.forward(&x)?;
+            let gate = layer.gate_proj.forward(&h)?.silu()?;
+            let up = layer.up_proj.forward(&h)?;
+            x = (x + layer.down_proj.forward(&(gate * up)?)?)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Logits `(N, V)` of hidden states `(N, H)`.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        hidden.matmul(&self.head().t()?)
+    }
+
+    /// Full-sequence forward on a left-padded batch: `input_ids` `(B, L)` and
+    /// `attention_mask` `(B, L)` (1 = token, 0 = padding). Returns hidden states `(B, L, H)`.
+    pub fn forward_padded(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        self.forward_hidden(input_ids, &positions, &bias, None)
+    }
+
+    /// Per-token log-probs of the last `logits_to_keep` tokens of each row of a left-padded
+    /// batch, given everything before them, with logits divided by `temperature` first (as TRL
+    /// does); also their entropies when `with_entropy`. Logits are formed and reduced a chunk
+    /// of rows at a time. Returns `(B, logits_to_keep)` tensors (f32, or f64 for f64 models).
+    pub fn completion_logprobs(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        logits_to_keep: usize,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (b, l) = input_ids.dims2()?;
+        if logits_to_keep == 0 || logits_to_keep >= l {
+            bail!("logits_to_keep must be in 1..{l} (the sequence length), got {logits_to_keep}");
+        }
+        let hidden = self.forward_padded(input_ids, attention_mask)?;
+        let t = logits_to_keep;
+        let h = hidden.narrow(1, l - t - 1, t)?.reshape((b * t, self.cfg.hidden_size))?;
+        let targets = input_ids.narrow(1, l - t, t)?.reshape(b * t)?;
+        let rows = (grpo_core::logprobs::CHUNK_ELEMENTS / self.cfg.vocab_size).max(1);
+        let mut lps = Vec::new();
+        let mut ents = Vec::new();
+        let mut start = 0;
+        while start < b * t {
+            let n = rows.min(b * t - start);
+            let mut logits = self.logits(&h.narrow(0, start, n)?)?;
+            if temperature != 1.0 && temperature > 0.0 {
+                logits = (logits / temperature)?;
+            }
+            let tg = targets.narrow(0, start, n)?;
+            lps.push(grpo_core::logprobs::selective_log_softmax(&logits, &tg)?);
+            if with_entropy {
+                ents.push(grpo_core::logprobs::entropy_from_logits(&logits)?);
+            }
+            start += n;
+        }
+        let lp = Tensor::cat(&lps, 0)?.reshape((b, t))?;
+        let ent = if with_entropy { Some(Tensor::cat(&ents, 0)?.reshape((b, t))?) } else { None };
+        Ok((lp, ent))
+    }
+}
+
+/// Position ids (each row counts from 0 at its first real token) and the additive causal +
+/// padding bias `(B, 1, L, L)` for a left-padded batch.
+pub fn padded_positions_and_bias(attention_mask: &Tensor, device: &Device) -> Result<(Tensor, Tensor)> {
+    let (b, l) = attention_mask.dims2()?;
+    let mask: Vec<Vec<f32>> = attention_mask.to_dtype(DType::F32)?.to_vec2()?;
+    let neg = mask_value(DType::F32) as f32;
+    let mut pos = Vec::with_capacity(b * l);
+    let mut bias = vec![0f32; b * l * l];
+    for (r, row) in mask.iter().enumerate() {
+        let mut p = 0u32;
+        for &m in row {
+            pos.push(p);
+            if m > 0.5 {
+                p += 1;
+            }
+        }
+        for i in 0..l {
+            for j in 0..l {
+                if j > i || row[j] < 0.5 {
+                    bias[r * l * l + i * l + j] = neg;
+                }
+            }
+        }
+    }
+    // Padding positions take id 0 (their outputs are never used).
+    let pos: Vec<u32> = pos
+        .iter()
+        .zip(mask.iter().flatten())
+        .map(|(&p, &m)| if m > 0.5 { p } else { 0 })
+        .collect();
+    Ok((
+        Tensor::from_vec(pos, (b, l), device)?,
+        Tensor::from_vec(bias, (b, 1, l, l), device)?,
+    ))
+}
+
+/// The mask value used for masked attention scores in `dtype`.
+pub fn attention_mask_value(dtype: DType) -> f64 {
+    mask_value(dtype)
+}

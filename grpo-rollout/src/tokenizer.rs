@@ -1,0 +1,232 @@
+//! Text in and out: a `tokenizers` tokenizer plus the model's Jinja chat template.
+//!
+//! Chat templates are rendered with minijinja the way transformers renders them
+//! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`, `tojson`), with the
+//! variables Hugging Face passes: `messages`, `add_generation_prompt`, `bos_token`,
+//! `eos_token`.
+
+use std::path::Path;
+
+use candle_core::{Result, bail};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// One chat turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The text of the turn.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A turn with the given role.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into() }
+    }
+}
+
+/// A tokenizer with its special tokens and chat template.
+#[derive(Clone)]
+pub struct Tokenizer {
+    /// The underlying Hugging Face tokenizer.
+    pub inner: tokenizers::Tokenizer,
+    /// Jinja chat template, if the model has one.
+    pub chat_template: Option<String>,
+    /// BOS token text (passed to the template as `bos_token`).
+    pub bos_token: Option<String>,
+    /// EOS token text (passed to the template as `eos_token`).
+    pub eos_token: Option<String>,
+    /// Token ids that end generation.
+    pub eos_token_ids: Vec<u32>,
+    /// Padding id (left padding in batches).
+    pub pad_token_id: u32,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.inner.get_vocab_size(true))
+            .field("has_chat_template", &self.chat_template.is_some())
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .field("eos_token_ids", &self.eos_token_ids)
+            .field("pad_token_id", &self.pad_token_id)
+            .finish()
+    }
+}
+
+fn err(msg: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::msg(msg.to_string())
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` as transformers writes special tokens.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json`, `tokenizer_config.json` (special tokens, `chat_template`) and
+    /// `chat_template.jinja` from a Hugging Face model directory. `extra_eos` (from
+    /// config.json / generation_config.json) are added to the stop ids.
+    pub fn from_hf_dir(dir: &Path, extra_eos: &[u32]) -> Result<Self> {
+        let tok_path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&tok_path)
+            .map_err(|e| err(format!("{}: {e}", tok_path.display())))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: Value = if cfg_path.exists() {
+            let text = std::fs::read_to_string(&cfg_path)
+                .map_err(|e| err(format!("{}: {e}", cfg_path.display())))?;
+            serde_json::from_str(&text)
+                .map_err(|e| err(format!("{}: invalid JSON: {e}", cfg_path.display())))?
+        } else {
+            Value::Null
+        };
+        let mut chat_template = match cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .or_else(|| list.first())
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            _ => None,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        if chat_template.is_none() && jinja.exists() {
+            chat_template = Some(
+                std::fs::read_to_string(&jinja)
+                    .map_err(|e| err(format!("{}: {e}", jinja.display())))?,
+            );
+        }
+        let bos_token = token_text(cfg.get("bos_token"));
+        let eos_token = token_text(cfg.get("eos_token"));
+        let pad_token = token_text(cfg.get("pad_token"));
+        let mut eos_token_ids: Vec<u32> = extra_eos.to_vec();
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            eos_token_ids.push(id);
+        }
+        eos_token_ids.sort_unstable();
+        eos_token_ids.dedup();
+        let pad_token_id = pad_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .or_else(|| eos_token_ids.first().copied())
+            .unwrap_or(0);
+        Ok(Self { inner, chat_template, bos_token, eos_token, eos_token_ids, pad_token_id })
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| err(format!("tokenizer: {e}")))?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// Text of `ids`; `skip_special_tokens` drops special tokens such as `<|im_end|>`.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| err(format!("tokenizer: {e}")))
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Renders the chat template as transformers' `apply_chat_template(tokenize=False)`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let Some(template) = &self.chat_template else {
+            bail!("this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)")
+        };
+        render_chat_template(
+            template,
+            messages,
+            add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
+    }
+}
+
+/// Renders a Hugging Face chat template with minijinja.
+pub fn render_chat_template(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Result<String> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", |fmt: String| -> String {
+        // Templates use this for "today's date" in system prompts; a fixed date keeps prompts,
+        // and so caches and tests, reproducible.
+        fmt.replace("%Y", "2026").replace("%m", "01").replace("%d", "01").replace("%B", "January").replace("%b", "Jan")
+    });
+    env.add_template("chat", template)
+        .map_err(|e| err(format!("chat template does not parse: {e}")))?;
+    let tmpl = env.get_template("chat").map_err(|e| err(e.to_string()))?;
+    tmpl.render(minijinja::context! {
+        messages => messages,
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token.unwrap_or(""),
+        eos_token => eos_token.unwrap_or(""),
+    })
+    .map_err(|e| err(format!("chat template failed: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    #[test]
+    fn chatml_renders_like_transformers() {
+        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "2+2?")];
+        let s = render_chat_template(CHATML, &msgs, true, None, Some("<|im_end|>")).unwrap();
+        assert_eq!(
+            s,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn python_methods_and_raise_exception() {
+        let t = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}{{ messages[0]['content'].strip().upper() }}{{ bos_token }}";
+        let ok = render_chat_template(t, &[ChatMessage::new("user", "  hi ")], false, Some("<s>"), None)
+            .unwrap();
+        assert_eq!(ok, "HI<s>");
+        let e = render_chat_template(t, &[ChatMessage::new("system", "x")], false, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("first must be user"), "{e}");
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_as_transformers() {
+        let t = "{% for m in messages %}\n  {{ m.content }}\n{% endfor %}";
+        let s = render_chat_template(t, &[ChatMessage::new("user", "a")], false, None, None).unwrap();
+        assert_eq!(s, "  a\n");
+    }
+}
