@@ -1,14 +1,16 @@
 //! The `grpo-cli` binary: train language models with GRPO on candle.
 //!
-//! Subcommands arrive with the crates they drive (see README.md); today the binary prints its
-//! help and version, and `advantages` computes GRPO advantages from rewards given on the
-//! command line, a quick way to check what grpo-core does with a batch.
+//! Subcommands arrive with the crates they drive (see README.md): `generate`, `logprobs` and
+//! `init-model` drive the policy model (grpo-rollout); `advantages` computes GRPO advantages
+//! from rewards given on the command line (grpo-core).
 
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advantages};
+
+mod model_cmd;
 
 /// Train language models with GRPO (plus SFT and DPO) on candle: one fast binary.
 #[derive(Debug, Parser)]
@@ -20,6 +22,12 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Sample completions from a model (HF directory or .gguf file).
+    Generate(model_cmd::GenerateArgs),
+    /// Log-probs of a completion's tokens given a prompt.
+    Logprobs(model_cmd::LogprobsArgs),
+    /// Write a random-weight model directory (byte-level BPE tokenizer, ChatML template).
+    InitModel(model_cmd::InitModelArgs),
     /// Print GRPO advantages for a batch of rewards (grouped contiguously).
     Advantages {
         /// Comma-separated rewards; `nan` marks an unscorable completion.
@@ -42,6 +50,9 @@ fn run(cli: Cli) -> Result<()> {
             println!();
             Ok(())
         }
+        Some(Command::Generate(a)) => model_cmd::generate(a),
+        Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
+        Some(Command::InitModel(a)) => model_cmd::init_model(a),
         Some(Command::Advantages {
             rewards,
             num_generations,

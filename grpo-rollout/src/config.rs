@@ -96,7 +96,10 @@ pub struct ModelConfig {
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -106,8 +109,9 @@ impl ModelConfig {
     pub fn from_hf_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display())))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| {
+            candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display()))
+        })?;
         Self::from_hf_json(&v)
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))
     }
@@ -123,7 +127,9 @@ impl ModelConfig {
             v.get(k)
                 .and_then(Value::as_u64)
                 .map(|x| x as usize)
-                .ok_or_else(|| candle_core::Error::msg(format!("field `{k}` is missing or not an integer")))
+                .ok_or_else(|| {
+                    candle_core::Error::msg(format!("field `{k}` is missing or not an integer"))
+                })
         };
         let hidden_size = req("hidden_size")?;
         let num_attention_heads = req("num_attention_heads")?;
@@ -188,7 +194,10 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            rms_norm_eps: v
+                .get("rms_norm_eps")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
             max_position_embeddings: v
@@ -225,7 +234,10 @@ impl ModelConfig {
                 bail!("config field `{k}` must be > 0");
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             bail!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
@@ -341,7 +353,10 @@ mod tests {
     fn unknown_model_type_lists_the_supported_ones() {
         let v = serde_json::json!({"model_type": "gpt2"});
         let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
-        assert!(e.contains("gpt2") && e.contains("llama, qwen2, qwen3"), "{e}");
+        assert!(
+            e.contains("gpt2") && e.contains("llama, qwen2, qwen3"),
+            "{e}"
+        );
     }
 
     #[test]

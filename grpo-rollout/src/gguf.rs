@@ -10,6 +10,13 @@ use crate::model::WeightMap;
 use crate::tokenizer::Tokenizer;
 
 /// Reads a GGUF file: config, transformers-named weights and tokenizer.
-pub fn load_gguf(path: &Path, _dtype: DType, _device: &Device) -> Result<(ModelConfig, WeightMap, Tokenizer)> {
-    bail!("{}: GGUF loading is not available in this build yet", path.display())
+pub fn load_gguf(
+    path: &Path,
+    _dtype: DType,
+    _device: &Device,
+) -> Result<(ModelConfig, WeightMap, Tokenizer)> {
+    bail!(
+        "{}: GGUF loading is not available in this build yet",
+        path.display()
+    )
 }

@@ -7,14 +7,19 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod generate;
 pub mod gguf;
+pub mod init;
 pub mod loader;
 pub mod lora;
 pub mod model;
+pub mod policy;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
+pub use generate::{Completion, FinishReason, SamplingParams, generate};
 pub use loader::{LoadedModel, load, save_hf_dir};
 pub use lora::LoraConfig;
 pub use model::Transformer;
+pub use policy::TrainableModel;
 pub use tokenizer::{ChatMessage, Tokenizer};

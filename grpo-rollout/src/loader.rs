@@ -37,9 +37,16 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     } else if path.extension().and_then(|e| e.to_str()) == Some("gguf") {
         let (cfg, weights, tokenizer) = crate::gguf::load_gguf(path, dtype, device)?;
         let model = Transformer::from_weights(&cfg, &weights, dtype, device)?;
-        Ok(LoadedModel { model, tokenizer, source: path.to_path_buf() })
+        Ok(LoadedModel {
+            model,
+            tokenizer,
+            source: path.to_path_buf(),
+        })
     } else {
-        bail!("{}: expected a Hugging Face model directory or a .gguf file", path.display())
+        bail!(
+            "{}: expected a Hugging Face model directory or a .gguf file",
+            path.display()
+        )
     }
 }
 
@@ -52,17 +59,24 @@ pub fn read_safetensors(dir: &Path, device: &Device) -> Result<WeightMap> {
         vec![single]
     } else if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| io_err(&index, e))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| io_err(&index, format!("invalid JSON: {e}")))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| io_err(&index, format!("invalid JSON: {e}")))?;
         let map = v
             .get("weight_map")
             .and_then(Value::as_object)
             .ok_or_else(|| io_err(&index, "field `weight_map` is missing"))?;
-        let mut files: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(String::from))
+            .collect();
         files.sort();
         files.dedup();
         files.into_iter().map(|f| dir.join(f)).collect()
     } else {
-        bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display())
+        bail!(
+            "{}: no model.safetensors or model.safetensors.index.json",
+            dir.display()
+        )
     };
     let mut out = HashMap::new();
     for f in files {
@@ -77,20 +91,24 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| io_err(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| io_err(path, format!("invalid JSON: {e}")))
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| io_err(path, format!("invalid JSON: {e}")))
 }
 
 /// Loads a Hugging Face directory (config, weights, tokenizer, generation config).
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let cfg = ModelConfig::from_hf_file(&dir.join("config.json"))?;
     let weights = read_safetensors(dir, device)?;
-    let model = Transformer::from_weights(&cfg, &weights, dtype, device)
-        .map_err(|e| io_err(dir, e))?;
+    let model =
+        Transformer::from_weights(&cfg, &weights, dtype, device).map_err(|e| io_err(dir, e))?;
     let mut eos = cfg.eos_token_ids.clone();
     if let Some(g) = read_json(&dir.join("generation_config.json"))? {
         match g.get("eos_token_id") {
             Some(Value::Number(n)) => eos.extend(n.as_u64().map(|x| x as u32)),
-            Some(Value::Array(a)) => eos.extend(a.iter().filter_map(|x| x.as_u64().map(|x| x as u32))),
+            Some(Value::Array(a)) => {
+                eos.extend(a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)))
+            }
             _ => {}
         }
     }
@@ -98,29 +116,55 @@ pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedMo
     if let Some(p) = cfg.pad_token_id {
         tokenizer.pad_token_id = p;
     }
-    Ok(LoadedModel { model, tokenizer, source: dir.to_path_buf() })
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        source: dir.to_path_buf(),
+    })
 }
 
 /// Writes a Hugging Face directory: `config.json`, `model.safetensors` (in `dtype`),
 /// `generation_config.json`, `tokenizer.json`, `tokenizer_config.json` (with the chat
 /// template) and `chat_template.jinja`. LoRA adapters, if any, must be merged first.
-pub fn save_hf_dir(model: &Transformer, tokenizer: &Tokenizer, dir: &Path, dtype: DType) -> Result<()> {
+pub fn save_hf_dir(
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    dir: &Path,
+    dtype: DType,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-    if model.layers.iter().any(|l| l.q_proj.lora.is_some() || l.v_proj.lora.is_some() || l.k_proj.lora.is_some()
-        || l.o_proj.lora.is_some() || l.gate_proj.lora.is_some() || l.up_proj.lora.is_some() || l.down_proj.lora.is_some())
-    {
-        bail!("the model has LoRA adapters: merge them (lora::merge) or save the adapter (lora::save_peft)");
+    if model.layers.iter().any(|l| {
+        l.q_proj.lora.is_some()
+            || l.v_proj.lora.is_some()
+            || l.k_proj.lora.is_some()
+            || l.o_proj.lora.is_some()
+            || l.gate_proj.lora.is_some()
+            || l.up_proj.lora.is_some()
+            || l.down_proj.lora.is_some()
+    }) {
+        bail!(
+            "the model has LoRA adapters: merge them (lora::merge) or save the adapter (lora::save_peft)"
+        );
     }
     let mut cfg = model.cfg.clone();
     cfg.eos_token_ids = tokenizer.eos_token_ids.clone();
     cfg.pad_token_id = Some(tokenizer.pad_token_id);
     let mut cj = cfg.to_hf_json();
     if let Some(o) = cj.as_object_mut() {
-        o.insert("torch_dtype".into(), match dtype { DType::BF16 => "bfloat16", DType::F16 => "float16", _ => "float32" }.into());
+        o.insert(
+            "torch_dtype".into(),
+            match dtype {
+                DType::BF16 => "bfloat16",
+                DType::F16 => "float16",
+                _ => "float32",
+            }
+            .into(),
+        );
     }
     let write = |name: &str, v: &Value| -> Result<()> {
         let p = dir.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default()).map_err(|e| io_err(&p, e))
+        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default())
+            .map_err(|e| io_err(&p, e))
     };
     write("config.json", &cj)?;
     write(
@@ -144,7 +188,10 @@ pub fn save_hf_dir(model: &Transformer, tokenizer: &Tokenizer, dir: &Path, dtype
 /// Writes `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`.
 pub fn save_tokenizer(tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
     let tj = dir.join("tokenizer.json");
-    tokenizer.inner.save(&tj, false).map_err(|e| io_err(&tj, e))?;
+    tokenizer
+        .inner
+        .save(&tj, false)
+        .map_err(|e| io_err(&tj, e))?;
     let pad = tokenizer.inner.id_to_token(tokenizer.pad_token_id);
     let mut tc = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -160,5 +207,6 @@ pub fn save_tokenizer(tokenizer: &Tokenizer, dir: &Path) -> Result<()> {
         std::fs::write(&p, t).map_err(|e| io_err(&p, e))?;
     }
     let p = dir.join("tokenizer_config.json");
-    std::fs::write(&p, serde_json::to_string_pretty(&tc).unwrap_or_default()).map_err(|e| io_err(&p, e))
+    std::fs::write(&p, serde_json::to_string_pretty(&tc).unwrap_or_default())
+        .map_err(|e| io_err(&p, e))
 }

@@ -66,7 +66,11 @@ impl RmsNorm {
     /// Normalises over the last axis.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        let wide = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+        let wide = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
         let xf = x.to_dtype(wide)?;
         let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
         let inv = (var + self.eps)?.sqrt()?.recip()?;
@@ -112,7 +116,9 @@ pub struct KvCache {
 impl KvCache {
     /// Cached sequence length.
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+        self.layers
+            .first()
+            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
     }
 
     /// True before the first forward.
@@ -217,19 +223,31 @@ pub type WeightMap = HashMap<String, Tensor>;
 impl Transformer {
     /// Builds the model from a map of transformers-named weights. Every tensor is converted to
     /// `dtype` and moved to `device`; a missing or mis-shaped weight is an error naming it.
-    pub fn from_weights(cfg: &ModelConfig, weights: &WeightMap, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn from_weights(
+        cfg: &ModelConfig,
+        weights: &WeightMap,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         cfg.validate()?;
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
             let t = weights
                 .get(name)
                 .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
             if t.dims() != shape {
-                bail!("weight `{name}` has shape {:?}, expected {shape:?}", t.dims());
+                bail!(
+                    "weight `{name}` has shape {:?}, expected {shape:?}",
+                    t.dims()
+                );
             }
             t.to_dtype(dtype)?.to_device(device)
         };
         let opt = |name: &str, shape: &[usize]| -> Result<Option<Tensor>> {
-            if weights.contains_key(name) { get(name, shape).map(Some) } else { Ok(None) }
+            if weights.contains_key(name) {
+                get(name, shape).map(Some)
+            } else {
+                Ok(None)
+            }
         };
         let h = cfg.hidden_size;
         let q = cfg.num_attention_heads * cfg.head_dim;
@@ -238,12 +256,19 @@ impl Transformer {
         let linear = |p: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             Ok(Linear {
                 weight: get(&format!("{p}.weight"), &[out, inp])?,
-                bias: if bias { Some(get(&format!("{p}.bias"), &[out])?) } else { opt(&format!("{p}.bias"), &[out])? },
+                bias: if bias {
+                    Some(get(&format!("{p}.bias"), &[out])?)
+                } else {
+                    opt(&format!("{p}.bias"), &[out])?
+                },
                 lora: None,
             })
         };
         let norm = |name: &str, n: usize| -> Result<RmsNorm> {
-            Ok(RmsNorm { weight: get(name, &[n])?, eps: cfg.rms_norm_eps })
+            Ok(RmsNorm {
+                weight: get(name, &[n])?,
+                eps: cfg.rms_norm_eps,
+            })
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -254,13 +279,22 @@ impl Transformer {
                 q_proj: linear(&format!("{p}.self_attn.q_proj"), q, h, qkv_bias)?,
                 k_proj: linear(&format!("{p}.self_attn.k_proj"), kv, h, qkv_bias)?,
                 v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, h, qkv_bias)?,
-                o_proj: linear(&format!("{p}.self_attn.o_proj"), h, q, cfg.attention_bias && cfg.arch == Arch::Llama)?,
+                o_proj: linear(
+                    &format!("{p}.self_attn.o_proj"),
+                    h,
+                    q,
+                    cfg.attention_bias && cfg.arch == Arch::Llama,
+                )?,
                 q_norm: match cfg.arch {
-                    Arch::Qwen3 => Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?),
+                    Arch::Qwen3 => {
+                        Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
+                    }
                     _ => None,
                 },
                 k_norm: match cfg.arch {
-                    Arch::Qwen3 => Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?),
+                    Arch::Qwen3 => {
+                        Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
+                    }
                     _ => None,
                 },
                 post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
@@ -289,7 +323,10 @@ impl Transformer {
 
     /// All weights by transformers name (LoRA factors excluded; see [`crate::lora`]).
     pub fn weights(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_string(),
+            self.embed_tokens.clone(),
+        )];
         let lin = |out: &mut Vec<(String, Tensor)>, p: String, l: &Linear| {
             out.push((format!("{p}.weight"), l.weight.clone()));
             if let Some(b) = &l.bias {
@@ -298,7 +335,10 @@ impl Transformer {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            out.push((format!("{p}.input_layernorm.weight"), layer.input_layernorm.weight.clone()));
+            out.push((
+                format!("{p}.input_layernorm.weight"),
+                layer.input_layernorm.weight.clone(),
+            ));
             lin(&mut out, format!("{p}.self_attn.q_proj"), &layer.q_proj);
             lin(&mut out, format!("{p}.self_attn.k_proj"), &layer.k_proj);
             lin(&mut out, format!("{p}.self_attn.v_proj"), &layer.v_proj);
@@ -333,7 +373,12 @@ impl Transformer {
                 lora: l.lora.as_ref().map(|lo| lo.map_tensors(f)).transpose()?,
             })
         };
-        let norm = |n: &RmsNorm| -> Result<RmsNorm> { Ok(RmsNorm { weight: f(&n.weight)?, eps: n.eps }) };
+        let norm = |n: &RmsNorm| -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                weight: f(&n.weight)?,
+                eps: n.eps,
+            })
+        };
         let layers = self
             .layers
             .iter()
@@ -366,7 +411,8 @@ impl Transformer {
 
     /// The same weights without autograd (shared storage): for generation and scoring.
     pub fn detached(&self) -> Self {
-        self.map_tensors(&|t| Ok(t.detach())).expect("detach cannot fail")
+        self.map_tensors(&|t| Ok(t.detach()))
+            .expect("detach cannot fail")
     }
 
     /// A deep copy without autograd: a frozen reference that later updates do not touch.
@@ -401,23 +447,44 @@ impl Transformer {
     ) -> Result<Tensor> {
         let (b, l) = input_ids.dims2()?;
         let cfg = &self.cfg;
-        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let rep = nh / nkv;
         let dtype = self.dtype();
         let pos = positions.flatten_all()?;
-        let cos = self.rope_cos.index_select(&pos, 0)?.reshape((b, 1, l, hd / 2))?.to_dtype(dtype)?;
-        let sin = self.rope_sin.index_select(&pos, 0)?.reshape((b, 1, l, hd / 2))?.to_dtype(dtype)?;
+        let cos = self
+            .rope_cos
+            .index_select(&pos, 0)?
+            .reshape((b, 1, l, hd / 2))?
+            .to_dtype(dtype)?;
+        let sin = self
+            .rope_sin
+            .index_select(&pos, 0)?
+            .reshape((b, 1, l, hd / 2))?
+            .to_dtype(dtype)?;
         let attn_bias = attn_bias.to_dtype(dtype)?;
         let scale = 1.0 / (hd as f64).sqrt();
 
-        let mut x = self.embed_tokens.index_select(&input_ids.flatten_all()?, 0)?.reshape((b, l, cfg.hidden_size))?;
+        let mut x = self
+            .embed_tokens
+            .index_select(&input_ids.flatten_all()?, 0)?
+            .reshape((b, l, cfg.hidden_size))?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x)?;
             let q = layer.q_proj.forward(&h)?.reshape((b, l, nh, hd))?;
             let k = layer.k_proj.forward(&h)?.reshape((b, l, nkv, hd))?;
             let v = layer.v_proj.forward(&h)?.reshape((b, l, nkv, hd))?;
-            let q = match &layer.q_norm { Some(n) => n.forward(&q)?, None => q };
-            let k = match &layer.k_norm { Some(n) => n.forward(&k)?, None => k };
+            let q = match &layer.q_norm {
+                Some(n) => n.forward(&q)?,
+                None => q,
+            };
+            let k = match &layer.k_norm {
+                Some(n) => n.forward(&k)?,
+                None => k,
+            };
             let q = apply_rope(&q.transpose(1, 2)?.contiguous()?, &cos, &sin)?;
             let k = apply_rope(&k.transpose(1, 2)?.contiguous()?, &cos, &sin)?;
             let v = v.transpose(1, 2)?.contiguous()?;
@@ -484,7 +551,9 @@ impl Transformer {
         }
         let hidden = self.forward_padded(input_ids, attention_mask)?;
         let t = logits_to_keep;
-        let h = hidden.narrow(1, l - t - 1, t)?.reshape((b * t, self.cfg.hidden_size))?;
+        let h = hidden
+            .narrow(1, l - t - 1, t)?
+            .reshape((b * t, self.cfg.hidden_size))?;
         let targets = input_ids.narrow(1, l - t, t)?.reshape(b * t)?;
         let rows = (grpo_core::logprobs::CHUNK_ELEMENTS / self.cfg.vocab_size).max(1);
         let mut lps = Vec::new();
@@ -504,14 +573,21 @@ impl Transformer {
             start += n;
         }
         let lp = Tensor::cat(&lps, 0)?.reshape((b, t))?;
-        let ent = if with_entropy { Some(Tensor::cat(&ents, 0)?.reshape((b, t))?) } else { None };
+        let ent = if with_entropy {
+            Some(Tensor::cat(&ents, 0)?.reshape((b, t))?)
+        } else {
+            None
+        };
         Ok((lp, ent))
     }
 }
 
 /// Position ids (each row counts from 0 at its first real token) and the additive causal +
 /// padding bias `(B, 1, L, L)` for a left-padded batch.
-pub fn padded_positions_and_bias(attention_mask: &Tensor, device: &Device) -> Result<(Tensor, Tensor)> {
+pub fn padded_positions_and_bias(
+    attention_mask: &Tensor,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
     let (b, l) = attention_mask.dims2()?;
     let mask: Vec<Vec<f32>> = attention_mask.to_dtype(DType::F32)?.to_vec2()?;
     let neg = mask_value(DType::F32) as f32;

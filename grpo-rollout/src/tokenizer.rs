@@ -23,7 +23,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A turn with the given role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -119,7 +122,14 @@ impl Tokenizer {
             .and_then(|t| inner.token_to_id(t))
             .or_else(|| eos_token_ids.first().copied())
             .unwrap_or(0);
-        Ok(Self { inner, chat_template, bos_token, eos_token, eos_token_ids, pad_token_id })
+        Ok(Self {
+            inner,
+            chat_template,
+            bos_token,
+            eos_token,
+            eos_token_ids,
+            pad_token_id,
+        })
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
@@ -151,7 +161,9 @@ impl Tokenizer {
         add_generation_prompt: bool,
     ) -> Result<String> {
         let Some(template) = &self.chat_template else {
-            bail!("this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)")
+            bail!(
+                "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)"
+            )
         };
         render_chat_template(
             template,
@@ -175,13 +187,23 @@ pub fn render_chat_template(
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
     env.add_function("strftime_now", |fmt: String| -> String {
         // Templates use this for "today's date" in system prompts; a fixed date keeps prompts,
         // and so caches and tests, reproducible.
-        fmt.replace("%Y", "2026").replace("%m", "01").replace("%d", "01").replace("%B", "January").replace("%b", "Jan")
+        fmt.replace("%Y", "2026")
+            .replace("%m", "01")
+            .replace("%d", "01")
+            .replace("%B", "January")
+            .replace("%b", "Jan")
     });
     env.add_template("chat", template)
         .map_err(|e| err(format!("chat template does not parse: {e}")))?;
@@ -203,7 +225,10 @@ mod tests {
 
     #[test]
     fn chatml_renders_like_transformers() {
-        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "2+2?")];
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "2+2?"),
+        ];
         let s = render_chat_template(CHATML, &msgs, true, None, Some("<|im_end|>")).unwrap();
         assert_eq!(
             s,
@@ -214,8 +239,14 @@ mod tests {
     #[test]
     fn python_methods_and_raise_exception() {
         let t = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}{{ messages[0]['content'].strip().upper() }}{{ bos_token }}";
-        let ok = render_chat_template(t, &[ChatMessage::new("user", "  hi ")], false, Some("<s>"), None)
-            .unwrap();
+        let ok = render_chat_template(
+            t,
+            &[ChatMessage::new("user", "  hi ")],
+            false,
+            Some("<s>"),
+            None,
+        )
+        .unwrap();
         assert_eq!(ok, "HI<s>");
         let e = render_chat_template(t, &[ChatMessage::new("system", "x")], false, None, None)
             .unwrap_err()
@@ -226,7 +257,8 @@ mod tests {
     #[test]
     fn trim_and_lstrip_blocks_as_transformers() {
         let t = "{% for m in messages %}\n  {{ m.content }}\n{% endfor %}";
-        let s = render_chat_template(t, &[ChatMessage::new("user", "a")], false, None, None).unwrap();
+        let s =
+            render_chat_template(t, &[ChatMessage::new("user", "a")], false, None, None).unwrap();
         assert_eq!(s, "  a\n");
     }
 }

@@ -1,0 +1,201 @@
+//! `generate`, `logprobs` and `init-model`: the policy model from the command line.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use grpo_rollout::init::Preset;
+use grpo_rollout::{Arch, ChatMessage, SamplingParams};
+
+/// Model location and numeric type, shared by the model subcommands.
+#[derive(Debug, Args)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory or a .gguf file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Weight dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// A PEFT LoRA adapter directory to apply.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+}
+
+/// `grpo-cli generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user turn with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Completions to sample.
+    #[arg(short = 'n', long, default_value_t = 1)]
+    n: usize,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print JSON lines (text, token ids, log-probs, finish reason).
+    #[arg(long)]
+    json: bool,
+}
+
+/// `grpo-cli logprobs`.
+#[derive(Debug, Args)]
+pub struct LogprobsArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The conditioning text.
+    #[arg(long)]
+    prompt: String,
+    /// The text whose tokens are scored.
+    #[arg(long)]
+    completion: String,
+    /// Print `{"tokens": [...], "logprobs": [...]}`.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `grpo-cli init-model`.
+#[derive(Debug, Args)]
+pub struct InitModelArgs {
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// tiny or small.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// llama, qwen2 or qwen3.
+    #[arg(long, default_value = "qwen2")]
+    arch: String,
+    /// Weight seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" => Ok(DType::F16),
+        "f64" | "float64" => Ok(DType::F64),
+        o => bail!("--dtype: unknown dtype `{o}`, expected f32, bf16 or f16"),
+    }
+}
+
+fn load(args: &ModelArgs) -> Result<grpo_rollout::LoadedModel> {
+    let dtype = parse_dtype(&args.dtype)?;
+    let mut m = grpo_rollout::load(&args.model, dtype, &Device::Cpu)
+        .with_context(|| format!("--model {}", args.model.display()))?;
+    if let Some(dir) = &args.adapter {
+        grpo_rollout::lora::load_peft(&mut m.model, dir)
+            .with_context(|| format!("--adapter {}", dir.display()))?;
+    }
+    Ok(m)
+}
+
+pub fn generate(a: GenerateArgs) -> Result<()> {
+    let m = load(&a.model)?;
+    let text = if a.chat {
+        m.tokenizer
+            .apply_chat_template(&[ChatMessage::new("user", a.prompt.clone())], true)?
+    } else {
+        a.prompt.clone()
+    };
+    let ids = m.tokenizer.encode(&text, false)?;
+    if ids.is_empty() {
+        bail!("--prompt: the prompt encodes to no tokens");
+    }
+    let params = SamplingParams {
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        ..Default::default()
+    };
+    params.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let model = m.model.detached();
+    let out = grpo_rollout::generate(&model, &m.tokenizer, &[ids], a.n, &params)?;
+    for c in out {
+        if a.json {
+            println!("{}", serde_json::to_string(&c)?);
+        } else {
+            println!("{}", c.text);
+        }
+    }
+    Ok(())
+}
+
+pub fn logprobs(a: LogprobsArgs) -> Result<()> {
+    let m = load(&a.model)?;
+    let p = m.tokenizer.encode(&a.prompt, false)?;
+    let c = m.tokenizer.encode(&a.completion, false)?;
+    if p.is_empty() {
+        bail!("--prompt: encodes to no tokens (the first completion token needs a context)");
+    }
+    if c.is_empty() {
+        bail!("--completion: encodes to no tokens");
+    }
+    let mut ids = p.clone();
+    ids.extend(&c);
+    let dev = Device::Cpu;
+    let n = ids.len();
+    let ids_t = Tensor::from_vec(ids, (1, n), &dev)?;
+    let mask = Tensor::ones((1, n), DType::U32, &dev)?;
+    let (lp, _) = m
+        .model
+        .detached()
+        .completion_logprobs(&ids_t, &mask, c.len(), 1.0, false)?;
+    let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let tokens: Vec<String> = c
+        .iter()
+        .map(|&t| m.tokenizer.inner.id_to_token(t).unwrap_or_default())
+        .collect();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"tokens": tokens, "token_ids": c, "logprobs": lp})
+        );
+    } else {
+        for (t, l) in tokens.iter().zip(&lp) {
+            println!("{l:>10.4}  {t:?}");
+        }
+        println!("{:>10.4}  (sum)", lp.iter().sum::<f32>());
+    }
+    Ok(())
+}
+
+pub fn init_model(a: InitModelArgs) -> Result<()> {
+    let preset: Preset = a
+        .preset
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--preset: {e}"))?;
+    let arch = Arch::parse(&a.arch).map_err(|e| anyhow::anyhow!("--arch: {e}"))?;
+    let cfg = grpo_rollout::init::init_model_dir(&a.out, preset, arch, a.seed)?;
+    println!(
+        "wrote {} ({} {}, {} parameters, vocab {})",
+        a.out.display(),
+        a.preset,
+        arch.as_str(),
+        cfg.num_parameters(),
+        cfg.vocab_size
+    );
+    Ok(())
+}

@@ -1,0 +1,433 @@
+//! Batched sampling with a KV cache: prompts × `num_generations` completions.
+//!
+//! Each prompt is prefilled once and its cache shared by its `G` samples; finished rows leave
+//! the batch. Sampling follows transformers' `generate` (repetition penalty, then temperature,
+//! top-k, top-p, min-p); each row has its own seeded ChaCha stream, so the same seed gives the
+//! same tokens whatever the batch. The recorded log-prob of each sampled token is
+//! `log_softmax(logits / temperature)` of the model's raw logits (no penalty, no filtering):
+//! the "old" log-prob the learner's importance ratio compares with.
+
+use candle_core::{DType, Device, Result, Tensor, bail};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{KvCache, Transformer, attention_mask_value, padded_positions_and_bias};
+use crate::tokenizer::Tokenizer;
+
+/// Sampling knobs (TRL / transformers names).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Maximum completion tokens.
+    pub max_new_tokens: usize,
+    /// EOS and stop tokens are suppressed until this many tokens exist.
+    pub min_new_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Nucleus sampling mass; 1.0 = off.
+    pub top_p: f64,
+    /// Drop tokens below `min_p × p_max`; 0.0 = off.
+    pub min_p: f64,
+    /// transformers' repetition penalty over prompt and completion tokens; 1.0 = off.
+    pub repetition_penalty: f64,
+    /// Extra stop token ids (the tokenizer's EOS ids always stop).
+    pub stop_token_ids: Vec<u32>,
+    /// Stop strings; the completion's text ends before the first one.
+    pub stop: Vec<String>,
+    /// Seed of the per-row random streams.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 256,
+            min_new_tokens: 0,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks the values, naming the field to fix.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            bail!("temperature must be >= 0, got {}", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("top_p must be in (0, 1], got {}", self.top_p);
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            bail!("min_p must be in [0, 1], got {}", self.min_p);
+        }
+        if self.repetition_penalty <= 0.0 {
+            bail!(
+                "repetition_penalty must be > 0, got {}",
+                self.repetition_penalty
+            );
+        }
+        if self.min_new_tokens > self.max_new_tokens {
+            bail!(
+                "min_new_tokens ({}) exceeds max_new_tokens ({})",
+                self.min_new_tokens,
+                self.max_new_tokens
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS / stop token was sampled (it is the last token id).
+    Eos,
+    /// A stop string appeared.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// One sampled completion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// Which prompt.
+    pub prompt_index: usize,
+    /// Which of its `num_generations` samples.
+    pub sample_index: usize,
+    /// Sampled token ids (an EOS token, when sampled, is included).
+    pub token_ids: Vec<u32>,
+    /// Decoded text without special tokens, cut before a stop string.
+    pub text: String,
+    /// `log_softmax(logits / temperature)` of each sampled token.
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
+struct Row {
+    prompt_index: usize,
+    sample_index: usize,
+    rng: ChaCha8Rng,
+    keys: Vec<bool>,
+    next_pos: u32,
+    seen: Vec<u32>,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+}
+
+/// Picks a token from one row of logits; returns `(token, recorded log-prob)`.
+fn sample_row(
+    logits: &[f32],
+    p: &SamplingParams,
+    seen: &[u32],
+    suppress: &[u32],
+    rng: &mut ChaCha8Rng,
+) -> (u32, f32) {
+    let t = if p.temperature > 0.0 {
+        p.temperature as f32
+    } else {
+        1.0
+    };
+    // Recorded log-prob: raw logits / temperature.
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
+    let lse = max
+        + logits
+            .iter()
+            .map(|&z| (z / t - max).exp())
+            .sum::<f32>()
+            .ln();
+
+    let mut l = logits.to_vec();
+    if p.repetition_penalty != 1.0 {
+        let rp = p.repetition_penalty as f32;
+        let mut done = std::collections::HashSet::new();
+        for &s in seen {
+            if done.insert(s) && (s as usize) < l.len() {
+                let x = &mut l[s as usize];
+                *x = if *x < 0.0 { *x * rp } else { *x / rp };
+            }
+        }
+    }
+    for &s in suppress {
+        if (s as usize) < l.len() {
+            l[s as usize] = f32::NEG_INFINITY;
+        }
+    }
+    let token = if p.temperature == 0.0 {
+        argmax(&l)
+    } else {
+        for x in l.iter_mut() {
+            *x /= t;
+        }
+        let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
+        if order.is_empty() {
+            return (argmax(logits), logits[argmax(logits) as usize] / t - lse);
+        }
+        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        if p.top_k > 0 && p.top_k < order.len() {
+            order.truncate(p.top_k);
+        }
+        let m = l[order[0]];
+        let mut probs: Vec<f32> = order.iter().map(|&i| (l[i] - m).exp()).collect();
+        let z: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= z);
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, &q) in probs.iter().enumerate() {
+                acc += q;
+                if acc >= p.top_p as f32 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            order.truncate(keep);
+            probs.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let floor = probs[0] * p.min_p as f32;
+            let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
+            order.truncate(keep);
+            probs.truncate(keep);
+        }
+        let z: f32 = probs.iter().sum();
+        let u: f32 = rng.random::<f32>() * z;
+        let mut acc = 0.0;
+        let mut pick = order[order.len() - 1];
+        for (&i, &q) in order.iter().zip(&probs) {
+            acc += q;
+            if u < acc {
+                pick = i;
+                break;
+            }
+        }
+        pick as u32
+    };
+    (token, logits[token as usize] / t - lse)
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in l.iter().enumerate() {
+        if x > l[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Samples `num_generations` completions for each prompt (token ids, no padding).
+///
+/// The model should be a detached copy ([`Transformer::detached`]) so no graph is recorded.
+pub fn generate(
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    num_generations: usize,
+    params: &SamplingParams,
+) -> Result<Vec<Completion>> {
+    params.validate()?;
+    if prompts.is_empty() || num_generations == 0 {
+        return Ok(Vec::new());
+    }
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+        bail!("prompt {i} is empty: a prompt needs at least one token");
+    }
+    let device = model.device().clone();
+    let vocab = model.cfg.vocab_size;
+    let mut stop_ids: Vec<u32> = tokenizer.eos_token_ids.clone();
+    stop_ids.extend(&params.stop_token_ids);
+    stop_ids.sort_unstable();
+    stop_ids.dedup();
+
+    // Prefill each prompt once (left padded).
+    let lp = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let pad = tokenizer.pad_token_id;
+    let mut ids = Vec::with_capacity(prompts.len() * lp);
+    let mut mask = Vec::with_capacity(prompts.len() * lp);
+    for p in prompts {
+        for _ in p.len()..lp {
+            ids.push(pad);
+            mask.push(0u32);
+        }
+        ids.extend(p);
+        mask.extend(std::iter::repeat_n(1u32, p.len()));
+    }
+    let n_prompts = prompts.len();
+    let ids_t = Tensor::from_vec(ids, (n_prompts, lp), &device)?;
+    let mask_t = Tensor::from_vec(mask.clone(), (n_prompts, lp), &device)?;
+    let (positions, bias) = padded_positions_and_bias(&mask_t, &device)?;
+    let mut cache = KvCache::default();
+    let hidden = model.forward_hidden(&ids_t, &positions, &bias, Some(&mut cache))?;
+    let last = hidden.narrow(1, lp - 1, 1)?.squeeze(1)?;
+    let logits = model.logits(&last)?;
+
+    // Share each prompt's cache across its samples.
+    let expand: Vec<u32> = (0..n_prompts as u32)
+        .flat_map(|p| std::iter::repeat_n(p, num_generations))
+        .collect();
+    let expand_t = Tensor::new(expand.as_slice(), &device)?;
+    cache = cache.select_rows(&expand_t)?;
+    let mut logits = logits.index_select(&expand_t, 0)?;
+    let mut rows: Vec<Row> = expand
+        .iter()
+        .enumerate()
+        .map(|(r, &p)| {
+            let p = p as usize;
+            let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
+            rng.set_stream(r as u64);
+            Row {
+                prompt_index: p,
+                sample_index: r % num_generations,
+                rng,
+                keys: mask[p * lp..(p + 1) * lp].iter().map(|&m| m == 1).collect(),
+                next_pos: prompts[p].len() as u32,
+                seen: prompts[p].clone(),
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+            }
+        })
+        .collect();
+    let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
+    let neg = attention_mask_value(DType::F32) as f32;
+
+    loop {
+        let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        let mut keep = Vec::with_capacity(rows.len());
+        let mut finished = Vec::new();
+        for (i, (row, l)) in rows.iter_mut().zip(&host).enumerate() {
+            let suppress: &[u32] = if row.tokens.len() < params.min_new_tokens {
+                &stop_ids
+            } else {
+                &[]
+            };
+            let (tok, lp_tok) = sample_row(
+                &l[..vocab.min(l.len())],
+                params,
+                &row.seen,
+                suppress,
+                &mut row.rng,
+            );
+            row.tokens.push(tok);
+            row.logprobs.push(lp_tok);
+            row.seen.push(tok);
+            let mut reason = None;
+            if stop_ids.binary_search(&tok).is_ok() && row.tokens.len() >= params.min_new_tokens {
+                reason = Some(FinishReason::Eos);
+            } else if !params.stop.is_empty() {
+                let text = tokenizer.decode(&row.tokens, false)?;
+                if params
+                    .stop
+                    .iter()
+                    .any(|s| !s.is_empty() && text.contains(s.as_str()))
+                {
+                    reason = Some(FinishReason::Stop);
+                }
+            }
+            if reason.is_none() && row.tokens.len() >= params.max_new_tokens {
+                reason = Some(FinishReason::Length);
+            }
+            match reason {
+                Some(r) => finished.push((i, r)),
+                None => keep.push(i),
+            }
+        }
+        // Retire finished rows; the rest stay in the batch (and in the cache).
+        let mut status: Vec<Option<FinishReason>> = vec![None; rows.len()];
+        for &(i, r) in &finished {
+            status[i] = Some(r);
+        }
+        let mut next_rows = Vec::with_capacity(keep.len());
+        for (row, st) in std::mem::take(&mut rows).into_iter().zip(status) {
+            match st {
+                Some(reason) => done.push(finish(row, reason, tokenizer, params)?),
+                None => next_rows.push(row),
+            }
+        }
+        rows = next_rows;
+        if keep.is_empty() {
+            break;
+        }
+        if !finished.is_empty() {
+            let idx: Vec<u32> = keep.iter().map(|&i| i as u32).collect();
+            cache = cache.select_rows(&Tensor::new(idx.as_slice(), &device)?)?;
+        }
+        // One decode step for the remaining rows.
+        let n = rows.len();
+        let s = rows[0].keys.len() + 1;
+        let mut step_ids = Vec::with_capacity(n);
+        let mut step_pos = Vec::with_capacity(n);
+        let mut step_bias = Vec::with_capacity(n * s);
+        for row in rows.iter_mut() {
+            step_ids.push(*row.tokens.last().unwrap_or(&pad));
+            step_pos.push(row.next_pos);
+            row.next_pos += 1;
+            row.keys.push(true);
+            step_bias.extend(row.keys.iter().map(|&k| if k { 0.0 } else { neg }));
+        }
+        let ids_t = Tensor::from_vec(step_ids, (n, 1), &device)?;
+        let pos_t = Tensor::from_vec(step_pos, (n, 1), &device)?;
+        let bias_t = Tensor::from_vec(step_bias, (n, 1, 1, s), &device)?;
+        let hidden = model.forward_hidden(&ids_t, &pos_t, &bias_t, Some(&mut cache))?;
+        logits = model.logits(&hidden.squeeze(1)?)?;
+    }
+    done.sort_by_key(|c| (c.prompt_index, c.sample_index));
+    Ok(done)
+}
+
+fn finish(
+    row: Row,
+    reason: FinishReason,
+    tokenizer: &Tokenizer,
+    params: &SamplingParams,
+) -> Result<Completion> {
+    let mut text = tokenizer.decode(&row.tokens, true)?;
+    if reason == FinishReason::Stop {
+        let cut = params
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| text.find(s.as_str()))
+            .min();
+        if let Some(c) = cut {
+            text.truncate(c);
+        }
+    }
+    Ok(Completion {
+        prompt_index: row.prompt_index,
+        sample_index: row.sample_index,
+        token_ids: row.tokens,
+        text,
+        logprobs: row.logprobs,
+        finish_reason: reason,
+    })
+}
+
+/// Left-pads token rows into `(B, L)` ids and a 0/1 attention mask (u32), with `pad` ids.
+pub fn left_pad(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<(Tensor, Tensor)> {
+    let l = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(rows.len() * l);
+    let mut mask = Vec::with_capacity(rows.len() * l);
+    for r in rows {
+        ids.extend(std::iter::repeat_n(pad, l - r.len()));
+        mask.extend(std::iter::repeat_n(0u32, l - r.len()));
+        ids.extend(r);
+        mask.extend(std::iter::repeat_n(1u32, r.len()));
+    }
+    Ok((
+        Tensor::from_vec(ids, (rows.len(), l), device)?,
+        Tensor::from_vec(mask, (rows.len(), l), device)?,
+    ))
+}

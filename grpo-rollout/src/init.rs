@@ -1,0 +1,233 @@
+//! Random-weight models for tests, demos and benchmarks (`grpo-cli init-model`): a Hugging
+//! Face directory with a byte-level BPE tokenizer trained (with the `tokenizers` crate) on text
+//! embedded in the binary, and a ChatML chat template. No download involved.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Result, Tensor};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, TokenizerBuilder};
+
+use crate::config::{Arch, ModelConfig};
+use crate::model::Transformer;
+use crate::tokenizer::Tokenizer;
+
+/// transformers' ChatML template (as Qwen and SmolLM2 ship it, without a default system turn).
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Special tokens of the generated tokenizers: pad, ChatML start, ChatML end (= EOS).
+pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Model size presets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// ~0.1M parameters: unit tests.
+    Tiny,
+    /// ~2M parameters: demos and end-to-end tests.
+    Small,
+}
+
+impl std::str::FromStr for Preset {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "tiny" => Ok(Preset::Tiny),
+            "small" => Ok(Preset::Small),
+            o => Err(format!("unknown preset `{o}`: expected tiny or small")),
+        }
+    }
+}
+
+/// Text the tokenizer is trained on: plain English, arithmetic and chat words.
+pub fn training_corpus() -> Vec<String> {
+    let prose = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Group relative policy optimization samples several answers for each question, scores them, and moves the model toward the better ones.",
+        "A reward tells the learner how good an answer was; the advantage tells it how much better than its siblings.",
+        "What is the capital of France? The capital of France is Paris.",
+        "Please answer the question. Think step by step, then give the final answer.",
+        "The answer is 42. The result is correct. That is not right, try again.",
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu",
+        "Write about the sea and the sky. Write a short story about a cat.",
+        "She said hello to the world, and the world said hello back.",
+        "Numbers: zero one two three four five six seven eight nine ten.",
+        "user assistant system: You are a helpful assistant.",
+        "<answer>7</answer> <solution>12</solution> \\boxed{3}",
+    ];
+    let mut out: Vec<String> = prose.iter().map(|s| s.to_string()).collect();
+    for a in 0..30u32 {
+        for b in (0..30u32).step_by(7) {
+            out.push(format!("What is {a} + {b}? The answer is {}.", a + b));
+            out.push(format!("Compute {a} * {b} = {}", a * b));
+            out.push(format!("{a} - {b} = {}", a as i64 - b as i64));
+        }
+    }
+    out
+}
+
+/// Trains a byte-level BPE tokenizer of at most `vocab_size` entries on [`training_corpus`].
+pub fn train_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
+    let err = |e: tokenizers::Error| candle_core::Error::msg(format!("tokenizer training: {e}"));
+    let specials: Vec<AddedToken> = SPECIAL_TOKENS
+        .iter()
+        .map(|t| AddedToken::from(*t, true))
+        .collect();
+    let mut trainer = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(0)
+        .show_progress(false)
+        .special_tokens(specials)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let mut tok = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None::<tokenizers::NormalizerWrapper>)
+        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)))
+        .with_post_processor(Some(ByteLevel::default().trim_offsets(false)))
+        .with_decoder(Some(ByteLevel::default()))
+        .build()
+        .map_err(err)?;
+    tok.train(&mut trainer, training_corpus().into_iter())
+        .map_err(err)?;
+    let inner: tokenizers::Tokenizer = tok.into();
+    let id = |t: &str| inner.token_to_id(t).unwrap_or(0);
+    Ok(Tokenizer {
+        eos_token_ids: vec![id("<|im_end|>")],
+        pad_token_id: id("<|endoftext|>"),
+        inner,
+        chat_template: Some(CHATML_TEMPLATE.to_string()),
+        bos_token: None,
+        eos_token: Some("<|im_end|>".to_string()),
+    })
+}
+
+/// The config of a preset for `arch` and a vocabulary size.
+pub fn preset_config(
+    preset: Preset,
+    arch: Arch,
+    vocab_size: usize,
+    eos: u32,
+    pad: u32,
+) -> ModelConfig {
+    let (hidden, layers, heads, kv, inter) = match preset {
+        Preset::Tiny => (64, 2, 4, 2, 128),
+        Preset::Small => (192, 4, 6, 2, 512),
+    };
+    ModelConfig {
+        arch,
+        vocab_size,
+        hidden_size: hidden,
+        intermediate_size: inter,
+        num_hidden_layers: layers,
+        num_attention_heads: heads,
+        num_key_value_heads: kv,
+        head_dim: hidden / heads,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        max_position_embeddings: 2048,
+        tie_word_embeddings: true,
+        attention_bias: arch == Arch::Qwen2,
+        mlp_bias: false,
+        bos_token_id: None,
+        eos_token_ids: vec![eos],
+        pad_token_id: Some(pad),
+    }
+}
+
+/// Random weights with transformers' initialisation (normal, std 0.02; norms 1; biases 0).
+/// Norm weights get a small seeded jitter so that tests see every parameter matter.
+pub fn random_weights(
+    cfg: &ModelConfig,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+) -> Result<Transformer> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let normal = Normal::new(0.0f32, 0.02).map_err(|e| candle_core::Error::msg(e.to_string()))?;
+    let h = cfg.hidden_size;
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let im = cfg.intermediate_size;
+    let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![(
+        "model.embed_tokens.weight".into(),
+        vec![cfg.vocab_size, h],
+        false,
+    )];
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        shapes.push((format!("{p}.input_layernorm.weight"), vec![h], true));
+        shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
+        shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
+        shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
+        shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
+        if cfg.attention_bias {
+            shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
+            shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
+            shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
+            if cfg.arch == Arch::Llama {
+                shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
+            }
+        }
+        if cfg.arch == Arch::Qwen3 {
+            shapes.push((
+                format!("{p}.self_attn.q_norm.weight"),
+                vec![cfg.head_dim],
+                true,
+            ));
+            shapes.push((
+                format!("{p}.self_attn.k_norm.weight"),
+                vec![cfg.head_dim],
+                true,
+            ));
+        }
+        shapes.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            true,
+        ));
+        shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
+        shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));
+        shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
+    }
+    shapes.push(("model.norm.weight".into(), vec![h], true));
+    if !cfg.tie_word_embeddings {
+        shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
+    }
+    let mut map = HashMap::new();
+    for (name, shape, is_norm) in shapes {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                let x = normal.sample(&mut rng);
+                if is_norm { 1.0 + 5.0 * x } else { x }
+            })
+            .collect();
+        map.insert(name, Tensor::from_vec(data, shape, device)?);
+    }
+    Transformer::from_weights(cfg, &map, dtype, device)
+}
+
+/// Writes a random-weight model directory (`grpo-cli init-model`). Returns its config.
+pub fn init_model_dir(out: &Path, preset: Preset, arch: Arch, seed: u64) -> Result<ModelConfig> {
+    let vocab = match preset {
+        Preset::Tiny => 512,
+        Preset::Small => 1024,
+    };
+    let tokenizer = train_tokenizer(vocab)?;
+    let cfg = preset_config(
+        preset,
+        arch,
+        tokenizer.vocab_size(),
+        tokenizer.eos_token_ids[0],
+        tokenizer.pad_token_id,
+    );
+    let model = random_weights(&cfg, seed, DType::F32, &Device::Cpu)?;
+    crate::loader::save_hf_dir(&model, &tokenizer, out, DType::F32)?;
+    Ok(cfg)
+}

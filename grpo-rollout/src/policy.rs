@@ -1,0 +1,96 @@
+//! The trainable policy: a [`Transformer`] whose trainable weights are candle `Var`s.
+//!
+//! Full fine-tuning makes every weight a `Var`; LoRA keeps the base as plain (frozen) tensors
+//! and makes only the adapters' `A` and `B` `Var`s. The learner reads [`TrainableModel::vars`]
+//! for its optimizer; generation and the reference model use [`Transformer::detached`] /
+//! [`Transformer::snapshot`], which carry no autograd graph.
+
+use std::collections::HashMap;
+
+use candle_core::{Result, Tensor, Var};
+
+use crate::lora::{self, LoraConfig};
+use crate::model::Transformer;
+
+/// A model plus the variables an optimizer updates.
+#[derive(Debug, Clone)]
+pub struct TrainableModel {
+    /// The model; its trainable tensors are the `Var`s below (shared storage).
+    pub model: Transformer,
+    /// Trainable variables by name (transformers names, or PEFT keys for LoRA).
+    pub vars: Vec<(String, Var)>,
+    /// The LoRA configuration, when training adapters.
+    pub lora: Option<LoraConfig>,
+}
+
+impl TrainableModel {
+    /// Every weight trainable (full fine-tuning). The weights are copied into new `Var`s.
+    pub fn full(base: &Transformer) -> Result<Self> {
+        let mut vars = Vec::new();
+        let mut map = HashMap::new();
+        for (name, t) in base.weights() {
+            let v = Var::from_tensor(&t.detach().copy()?)?;
+            map.insert(name.clone(), v.as_tensor().clone());
+            vars.push((name, v));
+        }
+        let model = Transformer::from_weights(&base.cfg, &map, base.dtype(), base.device())?;
+        Ok(Self {
+            model,
+            vars,
+            lora: None,
+        })
+    }
+
+    /// LoRA: the base frozen (detached), fresh adapters as `Var`s (`B = 0`, so the adapted
+    /// model starts equal to the base).
+    pub fn lora(base: &Transformer, cfg: &LoraConfig, seed: u64) -> Result<Self> {
+        let mut model = base.detached();
+        for l in model.layers.iter_mut() {
+            for lin in [
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ] {
+                lin.lora = None;
+            }
+        }
+        let init = lora::attach(&mut model, cfg, seed)?;
+        Self::with_adapters(model, cfg.clone(), init)
+    }
+
+    /// LoRA from an existing adapted model (e.g. loaded with [`lora::load_peft`]).
+    pub fn from_adapted(model: &Transformer, cfg: &LoraConfig) -> Result<Self> {
+        let model = model.detached();
+        let init = lora::factors(&model);
+        Self::with_adapters(model, cfg.clone(), init)
+    }
+
+    fn with_adapters(
+        mut model: Transformer,
+        cfg: LoraConfig,
+        init: Vec<(String, Tensor)>,
+    ) -> Result<Self> {
+        let mut vars = Vec::new();
+        let mut map = HashMap::new();
+        for (k, t) in init {
+            let v = Var::from_tensor(&t.detach().copy()?)?;
+            map.insert(k.clone(), v.as_tensor().clone());
+            vars.push((k, v));
+        }
+        lora::set_factors(&mut model, &map)?;
+        Ok(Self {
+            model,
+            vars,
+            lora: Some(cfg),
+        })
+    }
+
+    /// Number of trainable scalars.
+    pub fn num_trainable(&self) -> usize {
+        self.vars.iter().map(|(_, v)| v.elem_count()).sum()
+    }
+}

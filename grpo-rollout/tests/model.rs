@@ -1,0 +1,507 @@
+//! The transformer: gradients, finite differences, padding, KV cache, LoRA, saving.
+#![allow(clippy::unwrap_used, clippy::needless_range_loop, missing_docs)]
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo_rollout::config::{Arch, ModelConfig};
+use grpo_rollout::init::{Preset, preset_config, random_weights};
+use grpo_rollout::lora::{self, LoraConfig};
+use grpo_rollout::model::{KvCache, Transformer, padded_positions_and_bias};
+use grpo_rollout::policy::TrainableModel;
+
+const VOCAB: usize = 61;
+
+fn cfg(arch: Arch) -> ModelConfig {
+    let mut c = preset_config(Preset::Tiny, arch, VOCAB, 1, 0);
+    c.hidden_size = 32;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 8;
+    c.intermediate_size = 48;
+    c
+}
+
+fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
+    let mut c = cfg(arch);
+    c.tie_word_embeddings = !untied;
+    if arch == Arch::Llama {
+        c.attention_bias = true; // exercise the llama bias path (o_proj too)
+    }
+    random_weights(&c, 3, dtype, &Device::Cpu).unwrap()
+}
+
+/// A left-padded batch: rows of different lengths.
+fn batch() -> (Vec<Vec<u32>>, usize) {
+    (
+        vec![
+            vec![5, 9, 2, 33, 7, 12, 40],
+            vec![8, 3, 20, 11],
+            vec![17, 6, 50, 4, 9],
+        ],
+        3,
+    )
+}
+
+fn padded(rows: &[Vec<u32>]) -> (Tensor, Tensor) {
+    grpo_rollout::generate::left_pad(rows, 0, &Device::Cpu).unwrap()
+}
+
+/// Σ w_bt · logp_bt over the last `t` tokens, with fixed pseudo-random weights.
+fn loss(m: &Transformer, rows: &[Vec<u32>], t: usize) -> Tensor {
+    let (ids, mask) = padded(rows);
+    let (lp, ent) = m.completion_logprobs(&ids, &mask, t, 0.7, true).unwrap();
+    let (b, t) = lp.dims2().unwrap();
+    let w: Vec<f64> = (0..b * t)
+        .map(|i| ((i * 37 % 11) as f64 - 5.0) / 5.0)
+        .collect();
+    let w = Tensor::from_vec(w, (b, t), &Device::Cpu)
+        .unwrap()
+        .to_dtype(lp.dtype())
+        .unwrap();
+    ((lp * &w).unwrap().sum_all().unwrap() + (ent.unwrap() * 0.1).unwrap().sum_all().unwrap())
+        .unwrap()
+}
+
+#[test]
+fn every_weight_gets_a_finite_nonzero_gradient() {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for untied in [false, true] {
+            let tm = TrainableModel::full(&model(arch, DType::F32, untied)).unwrap();
+            let (rows, t) = batch();
+            let grads = loss(&tm.model, &rows, t).backward().unwrap();
+            assert!(!tm.vars.is_empty());
+            for (name, v) in &tm.vars {
+                let g = grads
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("{arch:?}: no gradient reached `{name}`"));
+                let g: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
+                assert!(
+                    g.iter().all(|x| x.is_finite()),
+                    "{arch:?} {name}: non-finite gradient"
+                );
+                assert!(
+                    g.iter().any(|&x| x != 0.0),
+                    "{arch:?} {name}: zero gradient"
+                );
+            }
+        }
+    }
+}
+
+fn nonzero_b(tm: &TrainableModel) {
+    // B starts at 0 (as PEFT), which makes A's gradient 0: move B as one step would.
+    for (name, v) in &tm.vars {
+        if name.contains("lora_B") {
+            let r = Tensor::randn(0f32, 0.05, v.shape(), &Device::Cpu)
+                .unwrap()
+                .to_dtype(v.dtype())
+                .unwrap();
+            v.set(&r).unwrap();
+        }
+    }
+}
+
+#[test]
+fn lora_trains_only_adapters_and_every_factor_gets_a_gradient() {
+    let base = model(Arch::Qwen2, DType::F32, false);
+    let cfg = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.0,
+        target_modules: grpo_rollout::lora::TARGET_MODULES
+            .map(String::from)
+            .to_vec(),
+    };
+    let tm = TrainableModel::lora(&base, &cfg, 1).unwrap();
+    assert_eq!(tm.vars.len(), 2 * 7 * base.layers.len());
+    // At init (B = 0) the adapted model equals the base.
+    let (rows, t) = batch();
+    let a = loss(&base, &rows, t).to_scalar::<f32>().unwrap();
+    let b = loss(&tm.model, &rows, t).to_scalar::<f32>().unwrap();
+    assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    nonzero_b(&tm);
+    let grads = loss(&tm.model, &rows, t).backward().unwrap();
+    for (name, v) in &tm.vars {
+        let g: Vec<f32> = grads
+            .get(v.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient for {name}"))
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(
+            g.iter().all(|x| x.is_finite()) && g.iter().any(|&x| x != 0.0),
+            "{name}"
+        );
+    }
+    // The frozen base receives none.
+    for (name, w) in tm.model.weights() {
+        assert!(grads.get(&w).is_none(), "base weight {name} got a gradient");
+    }
+}
+
+/// Central differences in f64 against autograd, on several elements of each kind of weight.
+#[test]
+fn finite_differences_match_autograd_in_f64() {
+    let (rows, t) = batch();
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        let tm = TrainableModel::full(&model(arch, DType::F64, true)).unwrap();
+        let grads = loss(&tm.model, &rows, t).backward().unwrap();
+        let kinds = [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ];
+        let extra: &[&str] = match arch {
+            Arch::Llama => &[
+                "model.layers.0.self_attn.q_proj.bias",
+                "model.layers.1.self_attn.o_proj.bias",
+            ],
+            _ => &[
+                "model.layers.0.self_attn.q_norm.weight",
+                "model.layers.1.self_attn.k_norm.weight",
+            ],
+        };
+        for name in kinds.iter().chain(extra) {
+            let (_, v) = tm
+                .vars
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("{name}"));
+            check_fd(
+                &tm.model,
+                v,
+                grads.get(v.as_tensor()).unwrap(),
+                &rows,
+                t,
+                name,
+            );
+        }
+    }
+    // LoRA factors.
+    let base = model(Arch::Qwen2, DType::F64, false);
+    let cfg = LoraConfig {
+        r: 2,
+        lora_alpha: 4.0,
+        lora_dropout: 0.0,
+        target_modules: vec!["q_proj".into(), "down_proj".into()],
+    };
+    let tm = TrainableModel::lora(&base, &cfg, 5).unwrap();
+    nonzero_b(&tm);
+    let grads = loss(&tm.model, &rows, t).backward().unwrap();
+    for (name, v) in tm.vars.iter().take(4) {
+        check_fd(
+            &tm.model,
+            v,
+            grads.get(v.as_tensor()).unwrap(),
+            &rows,
+            t,
+            name,
+        );
+    }
+}
+
+fn check_fd(m: &Transformer, v: &Var, g: &Tensor, rows: &[Vec<u32>], t: usize, name: &str) {
+    let g: Vec<f64> = g.flatten_all().unwrap().to_vec1().unwrap();
+    let orig: Vec<f64> = v.flatten_all().unwrap().to_vec1().unwrap();
+    // The three largest-gradient elements and one arbitrary one.
+    let mut idx: Vec<usize> = (0..g.len()).collect();
+    idx.sort_by(|&a, &b| g[b].abs().total_cmp(&g[a].abs()));
+    let mut picks = idx[..3.min(idx.len())].to_vec();
+    picks.push(g.len() / 2);
+    let h = 1e-5;
+    for &i in &picks {
+        let mut p = orig.clone();
+        p[i] += h;
+        v.set(&Tensor::from_vec(p.clone(), v.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+        let up = loss(m, rows, t).to_scalar::<f64>().unwrap();
+        p[i] -= 2.0 * h;
+        v.set(&Tensor::from_vec(p, v.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+        let down = loss(m, rows, t).to_scalar::<f64>().unwrap();
+        v.set(&Tensor::from_vec(orig.clone(), v.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+        let fd = (up - down) / (2.0 * h);
+        let rel = (fd - g[i]).abs() / (fd.abs().max(g[i].abs()).max(1e-6));
+        assert!(
+            rel < 1e-4 || (fd - g[i]).abs() < 1e-9,
+            "{name}[{i}]: autograd {} vs finite difference {fd} (rel {rel:e})",
+            g[i]
+        );
+    }
+}
+
+#[test]
+fn left_padded_batch_equals_rows_alone() {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let m = model(arch, DType::F32, false);
+        let (rows, t) = batch();
+        let (ids, mask) = padded(&rows);
+        let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+        let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            let (ids, mask) = padded(std::slice::from_ref(row));
+            let (alone, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+            let alone: Vec<f32> = alone.flatten_all().unwrap().to_vec1().unwrap();
+            for j in 0..t {
+                assert!(
+                    (lp[r][j] - alone[j]).abs() < 1e-5,
+                    "{arch:?} row {r} pos {j}: {} vs {}",
+                    lp[r][j],
+                    alone[j]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn incremental_decoding_matches_the_full_forward() {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let m = model(arch, DType::F32, false).detached();
+        let (rows, _) = batch();
+        let (ids, mask) = padded(&rows);
+        let full = m.forward_padded(&ids, &mask).unwrap();
+        let (b, l) = ids.dims2().unwrap();
+        let full_logits = m
+            .logits(&full.reshape((b * l, m.cfg.hidden_size)).unwrap())
+            .unwrap()
+            .reshape((b, l, VOCAB))
+            .unwrap();
+        // Prefill the first 2 positions, then one token at a time.
+        let mask_v: Vec<Vec<u32>> = mask.to_vec2().unwrap();
+        let (pos, bias) =
+            padded_positions_and_bias(&mask.narrow(1, 0, 2).unwrap(), &Device::Cpu).unwrap();
+        let mut cache = KvCache::default();
+        let h = m
+            .forward_hidden(&ids.narrow(1, 0, 2).unwrap(), &pos, &bias, Some(&mut cache))
+            .unwrap();
+        let mut step_logits = vec![
+            m.logits(&h.narrow(1, 1, 1).unwrap().squeeze(1).unwrap())
+                .unwrap(),
+        ];
+        let pos_all: Vec<Vec<u32>> = padded_positions_and_bias(&mask, &Device::Cpu)
+            .unwrap()
+            .0
+            .to_vec2()
+            .unwrap();
+        for j in 2..l {
+            let p: Vec<u32> = (0..b).map(|r| pos_all[r][j]).collect();
+            let bias: Vec<f32> = (0..b)
+                .flat_map(|r| {
+                    (0..=j)
+                        .map(|k| if mask_v[r][k] == 1 { 0.0 } else { -1e9 })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let h = m
+                .forward_hidden(
+                    &ids.narrow(1, j, 1).unwrap(),
+                    &Tensor::from_vec(p, (b, 1), &Device::Cpu).unwrap(),
+                    &Tensor::from_vec(bias, (b, 1, 1, j + 1), &Device::Cpu).unwrap(),
+                    Some(&mut cache),
+                )
+                .unwrap();
+            step_logits.push(m.logits(&h.squeeze(1).unwrap()).unwrap());
+        }
+        assert_eq!(cache.len(), l);
+        for (k, sl) in step_logits.iter().enumerate() {
+            let j = k + 1;
+            let want = full_logits.narrow(1, j, 1).unwrap().squeeze(1).unwrap();
+            let diff = (sl - want)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            // Rows that are still padding at j produce unused values; compare real positions.
+            assert!(
+                diff < 1e-4 || (0..b).any(|r| mask_v[r][j] == 0),
+                "{arch:?} position {j}: {diff}"
+            );
+            for r in 0..b {
+                if mask_v[r][j] == 1 {
+                    let a: Vec<f32> = sl.get(r).unwrap().to_vec1().unwrap();
+                    let w: Vec<f32> = full_logits
+                        .get(r)
+                        .unwrap()
+                        .get(j)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let d = a
+                        .iter()
+                        .zip(&w)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0f32, f32::max);
+                    assert!(d < 1e-4, "{arch:?} row {r} position {j}: {d}");
+                }
+            }
+        }
+    }
+}
+
+fn logprobs_of(m: &Transformer) -> Vec<f32> {
+    let (rows, t) = batch();
+    let (ids, mask) = padded(&rows);
+    m.completion_logprobs(&ids, &mask, t, 1.0, false)
+        .unwrap()
+        .0
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+#[test]
+fn peft_round_trip_and_merge() {
+    let dir = std::env::temp_dir().join(format!("grpo-peft-{}", std::process::id()));
+    let base = model(Arch::Llama, DType::F32, false);
+    let cfg = LoraConfig {
+        r: 4,
+        lora_alpha: 16.0,
+        lora_dropout: 0.1,
+        target_modules: vec!["q_proj".into(), "v_proj".into(), "up_proj".into()],
+    };
+    let tm = TrainableModel::lora(&base, &cfg, 2).unwrap();
+    nonzero_b(&tm);
+    let adapted = tm.model.detached();
+    let want = logprobs_of(&adapted);
+    assert!(
+        want.iter()
+            .zip(logprobs_of(&base))
+            .any(|(a, b)| (a - b).abs() > 1e-4),
+        "the adapter changes the model"
+    );
+    lora::save_peft(&adapted, &cfg, &dir, "tiny").unwrap();
+    // PEFT's files and key names.
+    let keys = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+        .unwrap();
+    assert!(keys.contains_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+    assert!(keys.contains_key("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"));
+    let conf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(conf["peft_type"], "LORA");
+    assert_eq!(conf["r"], 4);
+    let mut reloaded = base.clone();
+    let back = lora::load_peft(&mut reloaded, &dir).unwrap();
+    assert_eq!(back, cfg);
+    assert_eq!(
+        logprobs_of(&reloaded),
+        want,
+        "identical log-probs after the round trip"
+    );
+    let merged = lora::merge(&reloaded).unwrap();
+    for (a, b) in logprobs_of(&merged).iter().zip(&want) {
+        assert!((a - b).abs() < 1e-5, "merged {a} vs adapted {b}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn lora_dropout_is_training_only_and_seeded() {
+    let base = model(Arch::Qwen2, DType::F32, false);
+    let cfg = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.5,
+        target_modules: vec!["q_proj".into()],
+    };
+    let tm = TrainableModel::lora(&base, &cfg, 2).unwrap();
+    nonzero_b(&tm);
+    let (rows, t) = batch();
+    let a = loss(&tm.model, &rows, t).to_scalar::<f32>().unwrap();
+    let b = loss(&tm.model, &rows, t).to_scalar::<f32>().unwrap();
+    assert_ne!(a, b, "dropout draws a new mask each training forward");
+    let d = tm.model.detached();
+    assert_eq!(
+        loss(&d, &rows, t).to_scalar::<f32>().unwrap(),
+        loss(&d, &rows, t).to_scalar::<f32>().unwrap()
+    );
+}
+
+#[test]
+fn hf_directory_round_trip() {
+    let dir = std::env::temp_dir().join(format!("grpo-hf-{}", std::process::id()));
+    let tok = grpo_rollout::init::train_tokenizer(300).unwrap();
+    let mut c = cfg(Arch::Qwen3);
+    c.vocab_size = tok.vocab_size();
+    c.tie_word_embeddings = false;
+    let m = random_weights(&c, 9, DType::F32, &Device::Cpu).unwrap();
+    grpo_rollout::save_hf_dir(&m, &tok, &dir, DType::F32).unwrap();
+    let back = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(back.model.cfg.arch, Arch::Qwen3);
+    let rows = vec![vec![5u32, 9, 2, 33, 7], vec![8, 3, 20]];
+    let (ids, mask) = padded(&rows);
+    let a = m
+        .completion_logprobs(&ids, &mask, 2, 1.0, false)
+        .unwrap()
+        .0
+        .to_vec2::<f32>()
+        .unwrap();
+    let b = back
+        .model
+        .completion_logprobs(&ids, &mask, 2, 1.0, false)
+        .unwrap()
+        .0
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(a, b);
+    assert_eq!(back.tokenizer.eos_token_ids, tok.eos_token_ids);
+    assert!(back.tokenizer.chat_template.is_some());
+    // bf16 on disk loads into f32 within bf16 precision.
+    let dir16 = dir.join("bf16");
+    grpo_rollout::save_hf_dir(&m, &tok, &dir16, DType::BF16).unwrap();
+    let b16 = grpo_rollout::load(&dir16, DType::F32, &Device::Cpu).unwrap();
+    let c16 = b16
+        .model
+        .completion_logprobs(&ids, &mask, 2, 1.0, false)
+        .unwrap()
+        .0
+        .to_vec2::<f32>()
+        .unwrap();
+    for (x, y) in a.iter().flatten().zip(c16.iter().flatten()) {
+        assert!((x - y).abs() < 5e-2);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_inputs_name_the_problem() {
+    let c = cfg(Arch::Qwen2);
+    let mut w: HashMap<String, Tensor> = random_weights(&c, 1, DType::F32, &Device::Cpu)
+        .unwrap()
+        .weights()
+        .into_iter()
+        .collect();
+    w.remove("model.layers.1.mlp.up_proj.weight");
+    let e = Transformer::from_weights(&c, &w, DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
+    let e = grpo_rollout::load(
+        std::path::Path::new("/nonexistent/model"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("/nonexistent/model"), "{e}");
+    let m = model(Arch::Qwen2, DType::F32, false);
+    let (ids, mask) = padded(&batch().0);
+    assert!(m.completion_logprobs(&ids, &mask, 0, 1.0, false).is_err());
+}
