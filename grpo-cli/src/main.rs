@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advantages};
 
+mod bench_cmd;
 mod model_cmd;
 
 /// Train language models with GRPO (plus SFT and DPO) on candle: one fast binary.
@@ -28,6 +29,8 @@ enum Command {
     Logprobs(model_cmd::LogprobsArgs),
     /// Write a random-weight model directory (byte-level BPE tokenizer, ChatML template).
     InitModel(model_cmd::InitModelArgs),
+    /// Benchmark generation and forward + backward of a model (JSON line).
+    BenchModel(bench_cmd::BenchModelArgs),
     /// Print GRPO advantages for a batch of rewards (grouped contiguously).
     Advantages {
         /// Comma-separated rewards; `nan` marks an unscorable completion.
@@ -53,6 +56,7 @@ fn run(cli: Cli) -> Result<()> {
         Some(Command::Generate(a)) => model_cmd::generate(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),
+        Some(Command::BenchModel(a)) => bench_cmd::bench_model(a),
         Some(Command::Advantages {
             rewards,
             num_generations,
@@ -88,12 +92,26 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// The error chain on one line: candle errors may carry a backtrace after their first line
+/// (when RUST_BACKTRACE is set), which a user-facing message leaves out.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        let first = text.lines().next().unwrap_or("").trim().to_string();
+        if !first.is_empty() && !parts.iter().any(|p| p.contains(&first)) {
+            parts.push(first);
+        }
+    }
+    parts.join(": ")
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::from(2)
         }
     }

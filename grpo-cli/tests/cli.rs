@@ -91,3 +91,127 @@ fn bad_input_is_one_line_naming_the_argument() {
         assert!(err.contains(needle), "{err}");
     }
 }
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("grpo-cli-{name}-{}", std::process::id()))
+}
+
+#[test]
+fn init_model_generate_and_logprobs() {
+    let dir = tmp("model");
+    let out = cli(&[
+        "init-model",
+        "--out",
+        dir.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--arch",
+        "llama",
+        "--seed",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    let sample = |seed: &str| {
+        let out = cli(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "What is 2 + 2?",
+            "--chat",
+            "-n",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--seed",
+            seed,
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let a = sample("1");
+    assert_eq!(a, sample("1"), "same seed, same output");
+    assert_ne!(a, sample("2"));
+    let first: serde_json::Value = serde_json::from_str(a.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        first["logprobs"].as_array().unwrap().len(),
+        first["token_ids"].as_array().unwrap().len()
+    );
+
+    let out = cli(&[
+        "logprobs",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "The answer is",
+        "--completion",
+        " 42.",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lps: Vec<f64> = serde_json::from_value(v["logprobs"].clone()).unwrap();
+    assert_eq!(lps.len(), v["tokens"].as_array().unwrap().len());
+    assert!(!lps.is_empty() && lps.iter().all(|&l| l < 0.0 && l.is_finite()));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn model_commands_reject_bad_input_in_one_line() {
+    for (args, needle) in [
+        (
+            vec!["init-model", "--out", "/tmp/x-never", "--preset", "huge"],
+            "--preset",
+        ),
+        (
+            vec!["init-model", "--out", "/tmp/x-never", "--arch", "gpt2"],
+            "gpt2",
+        ),
+        (
+            vec!["generate", "--model", "/nonexistent/m", "--prompt", "hi"],
+            "/nonexistent/m",
+        ),
+        (
+            vec![
+                "logprobs",
+                "--model",
+                "/nonexistent/m",
+                "--prompt",
+                "a",
+                "--completion",
+                "b",
+                "--dtype",
+                "f8",
+            ],
+            "--dtype",
+        ),
+    ] {
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}

@@ -1,0 +1,102 @@
+//! `grpo-cli bench-model`: generation and forward + backward speed of the policy model, the
+//! Rust side of `scripts/bench_torch_model.py` (same workload, same weights).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use grpo_rollout::{SamplingParams, TrainableModel};
+
+/// `grpo-cli bench-model`.
+#[derive(Debug, Args)]
+pub struct BenchModelArgs {
+    /// A Hugging Face model directory (or .gguf file).
+    #[arg(long)]
+    model: PathBuf,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// New tokens per sequence in the generation benchmark.
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Sequence length of the forward + backward benchmark.
+    #[arg(long, default_value_t = 80)]
+    seq_len: usize,
+    /// Timed repetitions (the median is reported; one warm-up run precedes them).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn bench_model(a: BenchModelArgs) -> Result<()> {
+    let m = grpo_rollout::load(&a.model, DType::F32, &Device::Cpu)?;
+    let vocab = m.model.cfg.vocab_size as u32;
+    // Generation: 4 prompts x 8 samples (the TRL bench shape), EOS suppressed.
+    let prompt_ids: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..16u32).map(|j| (i * 31 + j * 7 + 5) % vocab).collect())
+        .collect();
+    let groups = a.batch / 4;
+    let params = SamplingParams {
+        max_new_tokens: a.new_tokens,
+        min_new_tokens: a.new_tokens,
+        temperature: 1.0,
+        seed: 1,
+        ..Default::default()
+    };
+    let detached = m.model.detached();
+    let mut gen_s = Vec::new();
+    for r in 0..=a.reps {
+        let t = Instant::now();
+        let out =
+            grpo_rollout::generate(&detached, &m.tokenizer, &prompt_ids, groups.max(1), &params)?;
+        let dt = t.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            out.iter().all(|c| c.token_ids.len() == a.new_tokens),
+            "generation stopped early"
+        );
+        if r > 0 {
+            gen_s.push(dt);
+        }
+    }
+    // Forward + backward of a log-prob loss on batch x seq_len tokens (last half scored).
+    let tm = TrainableModel::full(&m.model)?;
+    let ids: Vec<u32> = (0..a.batch * a.seq_len)
+        .map(|i| (i as u32 * 2654435761u32 >> 7) % vocab)
+        .collect();
+    let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &Device::Cpu)?;
+    let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &Device::Cpu)?;
+    let mut fb_s = Vec::new();
+    for r in 0..=a.reps {
+        let t = Instant::now();
+        let (lp, _) = tm
+            .model
+            .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
+        let grads = lp.mean_all()?.neg()?.backward()?;
+        let dt = t.elapsed().as_secs_f64();
+        anyhow::ensure!(grads.get(tm.vars[0].1.as_tensor()).is_some(), "no gradient");
+        if r > 0 {
+            fb_s.push(dt);
+        }
+    }
+    let g = median(gen_s.clone());
+    println!(
+        "{}",
+        serde_json::json!({
+            "impl": "grpo-rs",
+            "params": m.model.cfg.num_parameters(),
+            "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            "generate_s_median": g,
+            "generate_s_all": gen_s,
+            "generate_tokens_per_s": (a.batch * a.new_tokens) as f64 / g,
+            "fwd_bwd_s_median": median(fb_s.clone()),
+            "fwd_bwd_s_all": fb_s,
+        })
+    );
+    Ok(())
+}
