@@ -67,7 +67,7 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     // Forward + backward of a log-prob loss on batch x seq_len tokens (last half scored).
     let tm = TrainableModel::full(&m.model)?;
     let ids: Vec<u32> = (0..a.batch * a.seq_len)
-        .map(|i| (i as u32 * 2654435761u32 >> 7) % vocab)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab)
         .collect();
     let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &Device::Cpu)?;
     let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &Device::Cpu)?;
