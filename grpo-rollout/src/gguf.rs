@@ -41,7 +41,11 @@ fn err(msg: impl std::fmt::Display) -> candle_core::Error {
 
 /// Reads a GGUF file: config, transformers-named weights (dequantised, converted to `dtype`, on
 /// `device`) and tokenizer.
-pub fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<(ModelConfig, WeightMap, Tokenizer)> {
+pub fn load_gguf(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+) -> Result<(ModelConfig, WeightMap, Tokenizer)> {
     let ctx = |e: candle_core::Error| err(format!("{}: {e}", path.display()));
     let mut file = File::open(path).map_err(|e| err(format!("{}: {e}", path.display())))?;
     let content = Content::read(&mut file).map_err(ctx)?;
@@ -101,14 +105,22 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .get("general.architecture")
         .and_then(as_str)
         .ok_or_else(|| err("metadata `general.architecture` is missing"))?;
-    let arch = Arch::parse(arch_name)
-        .map_err(|_| err(format!("GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3)")))?;
+    let arch = Arch::parse(arch_name).map_err(|_| {
+        err(format!(
+            "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3)"
+        ))
+    })?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let req = |k: &str| -> Result<usize> {
         md.get(&key(k))
             .and_then(as_u64)
             .map(|x| x as usize)
-            .ok_or_else(|| err(format!("metadata `{}` is missing or not an integer", key(k))))
+            .ok_or_else(|| {
+                err(format!(
+                    "metadata `{}` is missing or not an integer",
+                    key(k)
+                ))
+            })
     };
     let hidden_size = req("embedding_length")?;
     let num_attention_heads = req("attention.head_count")?;
@@ -128,7 +140,10 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     if let Some(kind) = md.get(&key("rope.scaling.type")).and_then(as_str)
         && kind != "none"
     {
-        bail!("RoPE scaling `{kind}` ({}) is not supported", key("rope.scaling.type"));
+        bail!(
+            "RoPE scaling `{kind}` ({}) is not supported",
+            key("rope.scaling.type")
+        );
     }
     if content.tensor_infos.contains_key("rope_freqs.weight") {
         // Llama 3.1+ files store their RoPE scaling as per-frequency factors.
@@ -148,7 +163,10 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             .get(&key("attention.layer_norm_rms_epsilon"))
             .and_then(as_f64)
             .unwrap_or(1e-6),
-        rope_theta: md.get(&key("rope.freq_base")).and_then(as_f64).unwrap_or(10_000.0),
+        rope_theta: md
+            .get(&key("rope.freq_base"))
+            .and_then(as_f64)
+            .unwrap_or(10_000.0),
         rope_scaling: None,
         max_position_embeddings: md
             .get(&key("context_length"))
@@ -161,7 +179,9 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         },
         mlp_bias: has("blk.0.ffn_gate.bias"),
         bos_token_id: md_u32(md, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids: md_u32(md, "tokenizer.ggml.eos_token_id").into_iter().collect(),
+        eos_token_ids: md_u32(md, "tokenizer.ggml.eos_token_id")
+            .into_iter()
+            .collect(),
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
     };
     cfg.validate()?;
@@ -213,7 +233,9 @@ pub fn unpermute_qk(t: &Tensor, n_head: usize) -> Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims.first().copied().unwrap_or(0);
     if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
-        bail!("cannot un-permute {dims:?} for {n_head} heads: rows must be a multiple of 2 × heads");
+        bail!(
+            "cannot un-permute {dims:?} for {n_head} heads: rows must be a multiple of 2 × heads"
+        );
     }
     let half = rows / n_head / 2;
     let cols: usize = dims[1..].iter().product();
@@ -234,7 +256,8 @@ fn read_weights<R: Read + Seek>(
     names.sort();
     let mut out = WeightMap::new();
     for name in names {
-        let hf = hf_tensor_name(name).ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
+        let hf = hf_tensor_name(name)
+            .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
         let q = content
             .tensor(reader, name, &Device::Cpu)
             .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
@@ -255,7 +278,8 @@ fn read_weights<R: Read + Seek>(
 /// vocabularies are spelled (`Ġ` is the space).
 fn byte_alphabet() -> [char; 256] {
     let mut table = ['\0'; 256];
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut next = 256u32;
     for b in 0..256u32 {
         let c = if printable(b) {
@@ -276,10 +300,15 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre`, as in the model's own
 /// `tokenizer.json` (and llama.cpp's `llama-vocab.cpp`); plus whether to NFC-normalise first.
 fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
-    let byte_level = |use_regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let byte_level =
+        |use_regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     let split = |re: &str| -> Result<PreTokenizerWrapper> {
-        let s = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| err(format!("pre-tokenizer regex: {e}")))?;
+        let s = Split::new(
+            SplitPattern::Regex(re.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| err(format!("pre-tokenizer regex: {e}")))?;
         Ok(PreTokenizerWrapper::Split(s))
     };
     Ok(match pre {
@@ -293,11 +322,17 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
             false,
         ),
         "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3" | "dbrx" => (
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false)])),
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                split(LLAMA3_SPLIT)?,
+                byte_level(false),
+            ])),
             false,
         ),
         "qwen2" | "deepseek-r1-qwen" => (
-            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false)])),
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                split(QWEN2_SPLIT)?,
+                byte_level(false),
+            ])),
             true,
         ),
         other => bail!(
@@ -307,8 +342,12 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
 }
 
 fn string_list<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a str>> {
-    let v = md.get(key).ok_or_else(|| err(format!("metadata `{key}` is missing")))?;
-    let Value::Array(items) = v else { bail!("metadata `{key}` is not an array") };
+    let v = md
+        .get(key)
+        .ok_or_else(|| err(format!("metadata `{key}` is missing")))?;
+    let Value::Array(items) = v else {
+        bail!("metadata `{key}` is not an array")
+    };
     items
         .iter()
         .map(|x| as_str(x).ok_or_else(|| err(format!("metadata `{key}` holds a non-string"))))
@@ -317,7 +356,10 @@ fn string_list<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a 
 
 /// Builds the tokenizer (byte-level BPE, special tokens, chat template) from GGUF metadata.
 pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer> {
-    let model = md.get("tokenizer.ggml.model").and_then(as_str).unwrap_or("");
+    let model = md
+        .get("tokenizer.ggml.model")
+        .and_then(as_str)
+        .unwrap_or("");
     if model != "gpt2" {
         bail!(
             "tokenizer.ggml.model `{model}` is not supported: only byte-level BPE (`gpt2`) vocabularies load from GGUF; use the Hugging Face directory"
@@ -343,7 +385,11 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let key = if spelled(t) { t.to_string() } else { t.bytes().map(|b| table[b as usize]).collect() };
+            let key = if spelled(t) {
+                t.to_string()
+            } else {
+                t.bytes().map(|b| table[b as usize]).collect()
+            };
             (key, i as u32)
         })
         .collect();
@@ -352,7 +398,11 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         .map(|m| {
             m.split_once(' ')
                 .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| err(format!("merge `{m}` is not two tokens separated by a space")))
+                .ok_or_else(|| {
+                    err(format!(
+                        "merge `{m}` is not two tokens separated by a space"
+                    ))
+                })
         })
         .collect::<Result<Vec<_>>>()?;
     let bpe = BPE::builder()
@@ -360,7 +410,10 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         .build()
         .map_err(|e| err(format!("BPE: {e}")))?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
-    let pre = md.get("tokenizer.ggml.pre").and_then(as_str).unwrap_or("default");
+    let pre = md
+        .get("tokenizer.ggml.pre")
+        .and_then(as_str)
+        .unwrap_or("default");
     let (pre_tok, nfc) = pre_tokenizer(pre)?;
     inner.with_pre_tokenizer(Some(pre_tok));
     if nfc {
@@ -375,7 +428,9 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
     let mut user = Vec::new();
     for (t, ty) in tokens.iter().zip(&token_types) {
         match ty {
-            3 if spelled(t) => special.push(AddedToken::from(t.to_string(), true).normalized(false)),
+            3 if spelled(t) => {
+                special.push(AddedToken::from(t.to_string(), true).normalized(false))
+            }
             4 if spelled(t) => user.push(AddedToken::from(t.to_string(), false).normalized(false)),
             _ => {}
         }
@@ -390,7 +445,10 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
     let bos = token_of("tokenizer.ggml.bos_token_id");
     let eos = token_of("tokenizer.ggml.eos_token_id");
     let flag = |k: &str| md.get(k).and_then(as_bool).unwrap_or(false);
-    let (add_bos, add_eos) = (flag("tokenizer.ggml.add_bos_token"), flag("tokenizer.ggml.add_eos_token"));
+    let (add_bos, add_eos) = (
+        flag("tokenizer.ggml.add_bos_token"),
+        flag("tokenizer.ggml.add_eos_token"),
+    );
     let with_bos = bos.as_ref().filter(|_| add_bos);
     let with_eos = eos.as_ref().filter(|_| add_eos);
     if with_bos.is_some() || with_eos.is_some() {
@@ -426,10 +484,14 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         inner.with_post_processor(Some(post));
     }
 
-    let mut eos_token_ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-        .iter()
-        .filter_map(|k| md_u32(md, k))
-        .collect();
+    let mut eos_token_ids: Vec<u32> = [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ]
+    .iter()
+    .filter_map(|k| md_u32(md, k))
+    .collect();
     eos_token_ids.sort_unstable();
     eos_token_ids.dedup();
     let pad_token_id = md_u32(md, "tokenizer.ggml.padding_token_id")
@@ -437,7 +499,10 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         .unwrap_or(0);
     Ok(Tokenizer {
         inner,
-        chat_template: md.get("tokenizer.chat_template").and_then(as_str).map(str::to_string),
+        chat_template: md
+            .get("tokenizer.chat_template")
+            .and_then(as_str)
+            .map(str::to_string),
         bos_token: bos.map(|(_, t)| t),
         eos_token: eos.map(|(_, t)| t),
         eos_token_ids,

@@ -51,6 +51,8 @@
 //! json.dump(out, open("smollm2_gguf_reference.json", "w"), ensure_ascii=False, indent=1)
 //! ```
 
+#![allow(clippy::unwrap_used, missing_docs)]
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -81,7 +83,8 @@ fn llama_cpp_permute(t: &Tensor, n_head: usize) -> Tensor {
             for s in 0..2 {
                 let to = h * hd + j * 2 + s;
                 let from = h * hd + s * half + j;
-                dst[to * cols..(to + 1) * cols].copy_from_slice(&src[from * cols..(from + 1) * cols]);
+                dst[to * cols..(to + 1) * cols]
+                    .copy_from_slice(&src[from * cols..(from + 1) * cols]);
             }
         }
     }
@@ -104,34 +107,114 @@ struct Synthetic {
 /// naming and layout, with a small byte-level BPE vocabulary.
 fn write_synthetic(arch: &str, tied: bool) -> Synthetic {
     let (h, nh, nkv, hd, ffn) = (8usize, 2usize, 1usize, 4usize, 16usize);
-    let tokens: Vec<&str> = vec!["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "c", "Ġ", "ab", "Ġab", "1", "2"];
+    let tokens: Vec<&str> = vec![
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "a",
+        "b",
+        "c",
+        "Ġ",
+        "ab",
+        "Ġab",
+        "1",
+        "2",
+    ];
     let merges = ["a b", "Ġ ab"];
     let vocab = tokens.len();
     let mut hf: Vec<(&str, String, Tensor)> = Vec::new(); // (gguf name, hf name, original)
     let mut add = |g: String, n: String, t: Tensor| hf.push((Box::leak(g.into_boxed_str()), n, t));
-    add("token_embd.weight".into(), "model.embed_tokens.weight".into(), seq(&[vocab, h], 1.0));
-    add("output_norm.weight".into(), "model.norm.weight".into(), seq(&[h], 2.0));
+    add(
+        "token_embd.weight".into(),
+        "model.embed_tokens.weight".into(),
+        seq(&[vocab, h], 1.0),
+    );
+    add(
+        "output_norm.weight".into(),
+        "model.norm.weight".into(),
+        seq(&[h], 2.0),
+    );
     if !tied {
-        add("output.weight".into(), "lm_head.weight".into(), seq(&[vocab, h], 3.0));
+        add(
+            "output.weight".into(),
+            "lm_head.weight".into(),
+            seq(&[vocab, h], 3.0),
+        );
     }
     let p = "model.layers.0";
-    add("blk.0.attn_norm.weight".into(), format!("{p}.input_layernorm.weight"), seq(&[h], 4.0));
-    add("blk.0.ffn_norm.weight".into(), format!("{p}.post_attention_layernorm.weight"), seq(&[h], 5.0));
-    add("blk.0.attn_q.weight".into(), format!("{p}.self_attn.q_proj.weight"), seq(&[nh * hd, h], 6.0));
-    add("blk.0.attn_k.weight".into(), format!("{p}.self_attn.k_proj.weight"), seq(&[nkv * hd, h], 7.0));
-    add("blk.0.attn_v.weight".into(), format!("{p}.self_attn.v_proj.weight"), seq(&[nkv * hd, h], 8.0));
-    add("blk.0.attn_output.weight".into(), format!("{p}.self_attn.o_proj.weight"), seq(&[h, nh * hd], 9.0));
-    add("blk.0.ffn_gate.weight".into(), format!("{p}.mlp.gate_proj.weight"), seq(&[ffn, h], 10.0));
-    add("blk.0.ffn_up.weight".into(), format!("{p}.mlp.up_proj.weight"), seq(&[ffn, h], 11.0));
-    add("blk.0.ffn_down.weight".into(), format!("{p}.mlp.down_proj.weight"), seq(&[h, ffn], 12.0));
+    add(
+        "blk.0.attn_norm.weight".into(),
+        format!("{p}.input_layernorm.weight"),
+        seq(&[h], 4.0),
+    );
+    add(
+        "blk.0.ffn_norm.weight".into(),
+        format!("{p}.post_attention_layernorm.weight"),
+        seq(&[h], 5.0),
+    );
+    add(
+        "blk.0.attn_q.weight".into(),
+        format!("{p}.self_attn.q_proj.weight"),
+        seq(&[nh * hd, h], 6.0),
+    );
+    add(
+        "blk.0.attn_k.weight".into(),
+        format!("{p}.self_attn.k_proj.weight"),
+        seq(&[nkv * hd, h], 7.0),
+    );
+    add(
+        "blk.0.attn_v.weight".into(),
+        format!("{p}.self_attn.v_proj.weight"),
+        seq(&[nkv * hd, h], 8.0),
+    );
+    add(
+        "blk.0.attn_output.weight".into(),
+        format!("{p}.self_attn.o_proj.weight"),
+        seq(&[h, nh * hd], 9.0),
+    );
+    add(
+        "blk.0.ffn_gate.weight".into(),
+        format!("{p}.mlp.gate_proj.weight"),
+        seq(&[ffn, h], 10.0),
+    );
+    add(
+        "blk.0.ffn_up.weight".into(),
+        format!("{p}.mlp.up_proj.weight"),
+        seq(&[ffn, h], 11.0),
+    );
+    add(
+        "blk.0.ffn_down.weight".into(),
+        format!("{p}.mlp.down_proj.weight"),
+        seq(&[h, ffn], 12.0),
+    );
     if arch == "qwen2" {
-        add("blk.0.attn_q.bias".into(), format!("{p}.self_attn.q_proj.bias"), seq(&[nh * hd], 13.0));
-        add("blk.0.attn_k.bias".into(), format!("{p}.self_attn.k_proj.bias"), seq(&[nkv * hd], 14.0));
-        add("blk.0.attn_v.bias".into(), format!("{p}.self_attn.v_proj.bias"), seq(&[nkv * hd], 15.0));
+        add(
+            "blk.0.attn_q.bias".into(),
+            format!("{p}.self_attn.q_proj.bias"),
+            seq(&[nh * hd], 13.0),
+        );
+        add(
+            "blk.0.attn_k.bias".into(),
+            format!("{p}.self_attn.k_proj.bias"),
+            seq(&[nkv * hd], 14.0),
+        );
+        add(
+            "blk.0.attn_v.bias".into(),
+            format!("{p}.self_attn.v_proj.bias"),
+            seq(&[nkv * hd], 15.0),
+        );
     }
     if arch == "qwen3" {
-        add("blk.0.attn_q_norm.weight".into(), format!("{p}.self_attn.q_norm.weight"), seq(&[hd], 16.0));
-        add("blk.0.attn_k_norm.weight".into(), format!("{p}.self_attn.k_norm.weight"), seq(&[hd], 17.0));
+        add(
+            "blk.0.attn_q_norm.weight".into(),
+            format!("{p}.self_attn.q_norm.weight"),
+            seq(&[hd], 16.0),
+        );
+        add(
+            "blk.0.attn_k_norm.weight".into(),
+            format!("{p}.self_attn.k_norm.weight"),
+            seq(&[hd], 17.0),
+        );
     }
     let qtensors: Vec<(&str, QTensor)> = hf
         .iter()
@@ -149,29 +232,62 @@ fn write_synthetic(arch: &str, tied: bool) -> Synthetic {
         ("general.architecture".into(), s(arch)),
         (format!("{arch}.embedding_length"), Value::U32(h as u32)),
         (format!("{arch}.block_count"), Value::U32(1)),
-        (format!("{arch}.feed_forward_length"), Value::U32(ffn as u32)),
-        (format!("{arch}.attention.head_count"), Value::U32(nh as u32)),
-        (format!("{arch}.attention.head_count_kv"), Value::U32(nkv as u32)),
-        (format!("{arch}.attention.key_length"), Value::U32(hd as u32)),
+        (
+            format!("{arch}.feed_forward_length"),
+            Value::U32(ffn as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count"),
+            Value::U32(nh as u32),
+        ),
+        (
+            format!("{arch}.attention.head_count_kv"),
+            Value::U32(nkv as u32),
+        ),
+        (
+            format!("{arch}.attention.key_length"),
+            Value::U32(hd as u32),
+        ),
         (format!("{arch}.rope.freq_base"), Value::F32(100000.0)),
-        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (
+            format!("{arch}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-5),
+        ),
         (format!("{arch}.context_length"), Value::U32(64)),
         ("tokenizer.ggml.model".into(), s("gpt2")),
         ("tokenizer.ggml.pre".into(), s("smollm")),
-        ("tokenizer.ggml.tokens".into(), Value::Array(tokens.iter().map(|t| s(t)).collect())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.iter().map(|t| s(t)).collect()),
+        ),
         (
             "tokenizer.ggml.token_type".into(),
-            Value::Array((0..vocab).map(|i| Value::I32(if i < 3 { 3 } else { 1 })).collect()),
+            Value::Array(
+                (0..vocab)
+                    .map(|i| Value::I32(if i < 3 { 3 } else { 1 }))
+                    .collect(),
+            ),
         ),
-        ("tokenizer.ggml.merges".into(), Value::Array(merges.iter().map(|m| s(m)).collect())),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(merges.iter().map(|m| s(m)).collect()),
+        ),
         ("tokenizer.ggml.bos_token_id".into(), Value::U32(1)),
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(2)),
         ("tokenizer.ggml.padding_token_id".into(), Value::U32(0)),
-        ("tokenizer.chat_template".into(), s("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")),
+        (
+            "tokenizer.chat_template".into(),
+            s(
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+            ),
+        ),
     ];
     let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(n, q)| (*n, q)).collect();
-    let path = std::env::temp_dir().join(format!("grpo-gguf-synthetic-{arch}-{tied}-{}.gguf", std::process::id()));
+    let path = std::env::temp_dir().join(format!(
+        "grpo-gguf-synthetic-{arch}-{tied}-{}.gguf",
+        std::process::id()
+    ));
     let mut f = std::fs::File::create(&path).unwrap();
     gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
     let originals = hf.into_iter().map(|(_, n, t)| (n, t)).collect();
@@ -179,7 +295,16 @@ fn write_synthetic(arch: &str, tied: bool) -> Synthetic {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
 }
 
 fn check_synthetic(arch: &str, tied: bool) {
@@ -187,14 +312,32 @@ fn check_synthetic(arch: &str, tied: bool) {
     let (cfg, weights, tok) = load_gguf(&syn.path, DType::F32, &Device::Cpu).unwrap();
     std::fs::remove_file(&syn.path).ok();
     assert_eq!(cfg.arch, Arch::parse(arch).unwrap());
-    assert_eq!((cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), (8, 2, 1, 4));
-    assert_eq!((cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size), (16, 1, 11));
+    assert_eq!(
+        (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim
+        ),
+        (8, 2, 1, 4)
+    );
+    assert_eq!(
+        (cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size),
+        (16, 1, 11)
+    );
     assert_eq!(cfg.rope_theta, 100000.0);
     assert_eq!(cfg.rms_norm_eps, 1e-5);
     assert_eq!(cfg.max_position_embeddings, 64);
     assert_eq!(cfg.tie_word_embeddings, tied);
     assert_eq!(cfg.attention_bias, arch == "qwen2");
-    assert_eq!((cfg.bos_token_id, cfg.eos_token_ids.clone(), cfg.pad_token_id), (Some(1), vec![2], Some(0)));
+    assert_eq!(
+        (
+            cfg.bos_token_id,
+            cfg.eos_token_ids.clone(),
+            cfg.pad_token_id
+        ),
+        (Some(1), vec![2], Some(0))
+    );
 
     let mut got: Vec<&String> = weights.keys().collect();
     let mut want: Vec<&String> = syn.originals.keys().collect();
@@ -204,22 +347,32 @@ fn check_synthetic(arch: &str, tied: bool) {
     for (name, orig) in &syn.originals {
         let w = &weights[name];
         assert_eq!(w.dims(), orig.dims(), "{name}");
-        assert_eq!(max_abs_diff(w, orig), 0.0, "{arch}: {name} differs from the original");
+        assert_eq!(
+            max_abs_diff(w, orig),
+            0.0,
+            "{arch}: {name} differs from the original"
+        );
     }
     // The model builds from the map and runs.
-    let model = grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu).unwrap();
+    let model =
+        grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu).unwrap();
     let ids = Tensor::new(&[[3u32, 4, 6, 7]], &Device::Cpu).unwrap();
     let mask = Tensor::ones((1, 4), DType::U32, &Device::Cpu).unwrap();
     let hidden = model.forward_padded(&ids, &mask).unwrap();
     assert_eq!(hidden.dims(), &[1, 4, 8]);
 
     // Tokenizer: BPE merges, specials matched whole, digits split one by one.
-    assert_eq!(tok.encode("ab ab<|im_end|>12", false).unwrap(), vec![7, 8, 2, 9, 10]);
+    assert_eq!(
+        tok.encode("ab ab<|im_end|>12", false).unwrap(),
+        vec![7, 8, 2, 9, 10]
+    );
     assert_eq!(tok.decode(&[7, 8, 2], true).unwrap(), "ab ab");
     assert_eq!(tok.eos_token_ids, vec![2]);
     assert_eq!(tok.pad_token_id, 0);
     assert_eq!(tok.bos_token.as_deref(), Some("<|im_start|>"));
-    let chat = tok.apply_chat_template(&[ChatMessage::new("user", "ab")], false).unwrap();
+    let chat = tok
+        .apply_chat_template(&[ChatMessage::new("user", "ab")], false)
+        .unwrap();
     assert_eq!(chat, "<|im_start|>user\nab<|im_end|>\n");
 }
 
@@ -254,7 +407,8 @@ fn unpermute_inverts_llama_cpp_permute() {
 fn smollm2_path() -> Option<PathBuf> {
     let p = match std::env::var_os("GRPO_SMOLLM2_GGUF") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
     };
     if p.exists() {
         Some(p)
@@ -276,12 +430,18 @@ fn reference() -> Json {
 fn smollm2() -> Option<&'static LoadedModel> {
     static MODEL: OnceLock<Option<LoadedModel>> = OnceLock::new();
     MODEL
-        .get_or_init(|| smollm2_path().map(|p| grpo_rollout::load(&p, DType::F32, &Device::Cpu).unwrap()))
+        .get_or_init(|| {
+            smollm2_path().map(|p| grpo_rollout::load(&p, DType::F32, &Device::Cpu).unwrap())
+        })
         .as_ref()
 }
 
 fn ids_of(v: &Json) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
@@ -291,14 +451,24 @@ fn smollm2_tokenizer_matches_transformers() {
     for case in r["encode"].as_array().unwrap() {
         let text = case[0].as_str().unwrap();
         let want = ids_of(&case[1]);
-        assert_eq!(m.tokenizer.encode(text, true).unwrap(), want, "encoding {text:?}");
+        assert_eq!(
+            m.tokenizer.encode(text, true).unwrap(),
+            want,
+            "encoding {text:?}"
+        );
         // Decoding gives the text back (byte-level BPE is lossless).
         assert_eq!(m.tokenizer.decode(&want, false).unwrap(), text);
     }
     let sp = &r["special"];
     assert_eq!(m.tokenizer.bos_token.as_deref(), sp["bos"].as_str());
     assert_eq!(m.tokenizer.eos_token.as_deref(), sp["eos"].as_str());
-    assert_eq!(m.tokenizer.inner.id_to_token(m.tokenizer.pad_token_id).as_deref(), sp["pad"].as_str());
+    assert_eq!(
+        m.tokenizer
+            .inner
+            .id_to_token(m.tokenizer.pad_token_id)
+            .as_deref(),
+        sp["pad"].as_str()
+    );
     assert_eq!(m.tokenizer.eos_token_ids, vec![2]);
     assert_eq!(m.tokenizer.vocab_size(), 49152);
 }
@@ -308,8 +478,22 @@ fn smollm2_weights_match_transformers() {
     let Some(path) = smollm2_path() else { return };
     let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(cfg.arch, Arch::Llama);
-    assert_eq!((cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size), (576, 30, 1536));
-    assert_eq!((cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim), (9, 3, 64));
+    assert_eq!(
+        (
+            cfg.hidden_size,
+            cfg.num_hidden_layers,
+            cfg.intermediate_size
+        ),
+        (576, 30, 1536)
+    );
+    assert_eq!(
+        (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim
+        ),
+        (9, 3, 64)
+    );
     assert_eq!((cfg.vocab_size, cfg.max_position_embeddings), (49152, 8192));
     assert_eq!((cfg.rope_theta, cfg.rms_norm_eps), (100000.0, 1e-5));
     assert!(cfg.tie_word_embeddings && !cfg.attention_bias && !cfg.mlp_bias);
@@ -325,7 +509,10 @@ fn smollm2_weights_match_transformers() {
             .unwrap()
             .iter()
             .flat_map(|x| match x {
-                Json::Array(row) => row.iter().map(|y| y.as_f64().unwrap() as f32).collect::<Vec<_>>(),
+                Json::Array(row) => row
+                    .iter()
+                    .map(|y| y.as_f64().unwrap() as f32)
+                    .collect::<Vec<_>>(),
                 y => vec![y.as_f64().unwrap() as f32],
             })
             .collect();
@@ -340,10 +527,17 @@ fn smollm2_weights_match_transformers() {
                 .to_vec1()
                 .unwrap()
         } else {
-            w.narrow(0, cols[0] as usize, (cols[1] - cols[0]) as usize).unwrap().to_vec1().unwrap()
+            w.narrow(0, cols[0] as usize, (cols[1] - cols[0]) as usize)
+                .unwrap()
+                .to_vec1()
+                .unwrap()
         };
         assert_eq!(got.len(), want.len(), "{key}");
-        let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
         assert!(d <= 1e-5, "{key}: max abs diff {d}");
         worst = worst.max(d);
     }
@@ -360,9 +554,15 @@ fn smollm2_chat_template_matches_transformers() {
         ChatMessage::new("assistant", "4"),
         ChatMessage::new("user", "And 3+3?"),
     ];
-    assert_eq!(m.tokenizer.apply_chat_template(&msgs, true).unwrap(), r["chat_system"].as_str().unwrap());
+    assert_eq!(
+        m.tokenizer.apply_chat_template(&msgs, true).unwrap(),
+        r["chat_system"].as_str().unwrap()
+    );
     let q = [ChatMessage::new("user", "What is the capital of France?")];
-    assert_eq!(m.tokenizer.apply_chat_template(&q, true).unwrap(), r["chat_default_system"].as_str().unwrap());
+    assert_eq!(
+        m.tokenizer.apply_chat_template(&q, true).unwrap(),
+        r["chat_default_system"].as_str().unwrap()
+    );
 }
 
 fn last_logits(model: &grpo_rollout::Transformer, ids: &[u32]) -> Tensor {
@@ -370,7 +570,11 @@ fn last_logits(model: &grpo_rollout::Transformer, ids: &[u32]) -> Tensor {
     let input = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
     let mask = Tensor::ones((1, ids.len()), DType::U32, &dev).unwrap();
     let hidden = model.forward_padded(&input, &mask).unwrap();
-    let last = hidden.narrow(1, ids.len() - 1, 1).unwrap().reshape((1, model.cfg.hidden_size)).unwrap();
+    let last = hidden
+        .narrow(1, ids.len() - 1, 1)
+        .unwrap()
+        .reshape((1, model.cfg.hidden_size))
+        .unwrap();
     model.logits(&last).unwrap().squeeze(0).unwrap()
 }
 
@@ -385,17 +589,37 @@ fn smollm2_logits_and_greedy_answer_match_transformers() {
 
     let logits: Vec<f32> = last_logits(&m.model, &ids).to_vec1().unwrap();
     let probe = ids_of(&r["logits"]["ids"]);
-    let want: Vec<f32> = r["logits"]["values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
-    let d = probe.iter().zip(&want).map(|(&i, &w)| (logits[i as usize] - w).abs()).fold(0f32, f32::max);
-    eprintln!("last-position logits: max abs diff vs transformers over {} ids = {d:e}", probe.len());
+    let want: Vec<f32> = r["logits"]["values"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
+    let d = probe
+        .iter()
+        .zip(&want)
+        .map(|(&i, &w)| (logits[i as usize] - w).abs())
+        .fold(0f32, f32::max);
+    eprintln!(
+        "last-position logits: max abs diff vs transformers over {} ids = {d:e}",
+        probe.len()
+    );
     assert!(d < 1e-4, "logits differ from transformers by {d}");
-    let argmax = logits.iter().enumerate().fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0;
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+        .0;
     assert_eq!(argmax as u64, r["logits"]["argmax"].as_u64().unwrap());
 
     // Greedy decoding, a full forward per token (no KV cache needed for this check).
     let start = ids.len();
     for _ in 0..24 {
-        let next = last_logits(&m.model, &ids).argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        let next = last_logits(&m.model, &ids)
+            .argmax(0)
+            .unwrap()
+            .to_scalar::<u32>()
+            .unwrap();
         ids.push(next);
         if m.tokenizer.eos_token_ids.contains(&next) {
             break;
