@@ -31,7 +31,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, Llama3RopeScaling, ModelConfig};
 use crate::model::WeightMap;
 use crate::tokenizer::Tokenizer;
 
@@ -49,7 +49,17 @@ pub fn load_gguf(
     let ctx = |e: candle_core::Error| err(format!("{}: {e}", path.display()));
     let mut file = File::open(path).map_err(|e| err(format!("{}: {e}", path.display())))?;
     let content = Content::read(&mut file).map_err(ctx)?;
-    let cfg = config_from_gguf(&content).map_err(ctx)?;
+    let mut cfg = config_from_gguf(&content).map_err(ctx)?;
+    if content.tensor_infos.contains_key("rope_freqs.weight") {
+        let factors: Vec<f32> = content
+            .tensor(&mut file, "rope_freqs.weight", &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .and_then(|t| t.flatten_all()?.to_vec1())
+            .map_err(ctx)?;
+        cfg.rope_scaling = Some(
+            llama3_scaling_from_rope_freqs(&factors, cfg.rope_theta, cfg.head_dim).map_err(ctx)?,
+        );
+    }
     let weights = read_weights(&content, &mut file, &cfg, dtype, device).map_err(ctx)?;
     let tokenizer = tokenizer_from_metadata(&content.metadata).map_err(ctx)?;
     Ok((cfg, weights, tokenizer))
@@ -145,10 +155,6 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             key("rope.scaling.type")
         );
     }
-    if content.tensor_infos.contains_key("rope_freqs.weight") {
-        // Llama 3.1+ files store their RoPE scaling as per-frequency factors.
-        bail!("tensor `rope_freqs.weight` (Llama 3 RoPE scaling) is not supported from GGUF yet");
-    }
     let has = |name: &str| content.tensor_infos.contains_key(name);
     let cfg = ModelConfig {
         arch,
@@ -167,7 +173,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             .get(&key("rope.freq_base"))
             .and_then(as_f64)
             .unwrap_or(10_000.0),
-        rope_scaling: None,
+        rope_scaling: None, // `load_gguf` reads it from `rope_freqs.weight`
         max_position_embeddings: md
             .get(&key("context_length"))
             .and_then(as_u64)
@@ -186,6 +192,69 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// Llama 3 RoPE scaling recovered from llama.cpp's `rope_freqs.weight`: the factor by which
+/// each of the `head_dim / 2` RoPE frequencies is divided (`convert_hf_to_gguf.py` writes
+/// `1` for high frequencies, `factor` for low ones and a smooth blend between).
+///
+/// Every Llama 3.x release uses `low_freq_factor = 1`, `high_freq_factor = 4`; the factor is
+/// the largest value and the original context length is solved from a blended frequency
+/// (8192 when there is none). The result is checked to reproduce every factor of the file
+/// (relative error 1e-3), else this fails rather than guess.
+pub fn llama3_scaling_from_rope_freqs(
+    factors: &[f32],
+    rope_theta: f64,
+    head_dim: usize,
+) -> Result<Llama3RopeScaling> {
+    let half = head_dim / 2;
+    if factors.len() != half {
+        bail!(
+            "rope_freqs.weight has {} values, expected head_dim / 2 = {half}",
+            factors.len()
+        );
+    }
+    let factor = factors.iter().copied().fold(1f32, f32::max) as f64;
+    let freq = |i: usize| 1.0 / rope_theta.powf(2.0 * i as f64 / head_dim as f64);
+    let (low, high) = (1.0, 4.0);
+    let mut old = 8192.0;
+    if factor > 1.0 {
+        let interior = factors
+            .iter()
+            .enumerate()
+            .find(|(_, r)| (**r as f64) > 1.0 + 1e-4 && (**r as f64) < factor * (1.0 - 1e-4));
+        if let Some((i, r)) = interior {
+            // 1/r = (1 - s)/factor + s with s = (old / wavelen - low) / (high - low).
+            let s = (1.0 / *r as f64 - 1.0 / factor) / (1.0 - 1.0 / factor);
+            let wavelen = 2.0 * std::f64::consts::PI / freq(i);
+            old = ((s * (high - low) + low) * wavelen).round();
+        }
+    }
+    let scaling = Llama3RopeScaling {
+        factor,
+        low_freq_factor: low,
+        high_freq_factor: high,
+        original_max_position_embeddings: old as usize,
+    };
+    let low_wavelen = old / low;
+    let high_wavelen = old / high;
+    for (i, r) in factors.iter().enumerate() {
+        let wavelen = 2.0 * std::f64::consts::PI / freq(i);
+        let want = if wavelen < high_wavelen {
+            1.0
+        } else if wavelen > low_wavelen {
+            factor
+        } else {
+            let s = (old / wavelen - low) / (high - low);
+            1.0 / ((1.0 - s) / factor + s)
+        };
+        if ((*r as f64) - want).abs() > 1e-3 * want {
+            bail!(
+                "rope_freqs.weight[{i}] = {r} does not fit Llama 3 RoPE scaling ({scaling:?} gives {want}): unsupported RoPE scaling"
+            );
+        }
+    }
+    Ok(scaling)
 }
 
 /// The transformers name of a llama.cpp tensor name, or `None` if it is not one we know.
@@ -256,6 +325,9 @@ fn read_weights<R: Read + Seek>(
     names.sort();
     let mut out = WeightMap::new();
     for name in names {
+        if name == "rope_freqs.weight" {
+            continue; // read into the config's RoPE scaling
+        }
         let hf = hf_tensor_name(name)
             .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
         let q = content

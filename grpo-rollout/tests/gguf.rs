@@ -630,3 +630,67 @@ fn smollm2_logits_and_greedy_answer_match_transformers() {
     assert!(answer.contains("Paris"), "{answer}");
     assert_eq!(ids[start..].to_vec(), ids_of(&r["greedy"]["ids"]));
 }
+
+#[test]
+fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
+    // What convert_hf_to_gguf.py writes for Llama 3.2 (theta 5e5, head_dim 64, factor 32,
+    // low 1, high 4, original context 8192), computed here independently.
+    let (theta, hd, factor, low, high, old) = (500000f64, 64usize, 32f64, 1f64, 4f64, 8192f64);
+    let freqs: Vec<f64> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64))
+        .collect();
+    let factors: Vec<f32> = freqs
+        .iter()
+        .map(|f| {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor as f32
+            } else {
+                let s = (old / wavelen - low) / (high - low);
+                (1.0 / ((1.0 - s) / factor + s)) as f32
+            }
+        })
+        .collect();
+    let s = grpo_rollout::gguf::llama3_scaling_from_rope_freqs(&factors, theta, hd).unwrap();
+    assert_eq!(s.factor, 32.0);
+    assert_eq!(
+        (
+            s.low_freq_factor,
+            s.high_freq_factor,
+            s.original_max_position_embeddings
+        ),
+        (1.0, 4.0, 8192)
+    );
+    // And the model's frequencies are the file's: freq / factor.
+    let cfg = grpo_rollout::ModelConfig {
+        arch: Arch::Llama,
+        vocab_size: 10,
+        hidden_size: 128,
+        intermediate_size: 16,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        num_key_value_heads: 2,
+        head_dim: hd,
+        rms_norm_eps: 1e-5,
+        rope_theta: theta,
+        rope_scaling: Some(s),
+        max_position_embeddings: 16,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        mlp_bias: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        pad_token_id: None,
+    };
+    let inv = grpo_rollout::model::rope_inv_freq(&cfg);
+    for ((got, f), r) in inv.iter().zip(&freqs).zip(&factors) {
+        let want = f / *r as f64;
+        assert!((got - want).abs() <= 1e-6 * want, "{got} vs {want}");
+    }
+    // Factors that are not Llama 3's are refused.
+    let mut bad = factors.clone();
+    bad[0] = 3.0;
+    assert!(grpo_rollout::gguf::llama3_scaling_from_rope_freqs(&bad, theta, hd).is_err());
+}
