@@ -1,0 +1,217 @@
+//! The grpo-cli binary as a user runs it.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::process::Command;
+
+fn cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn version_and_help() {
+    let out = cli(&["--version"]);
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("grpo-cli {}", env!("CARGO_PKG_VERSION"))
+    );
+    let out = cli(&["--help"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("advantages"));
+}
+
+#[test]
+fn advantages_prints_grpo_core_values() {
+    let out = cli(&[
+        "advantages",
+        "--rewards",
+        "1,0,0.5,0.5,nan,1",
+        "--num-generations",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Vec<f32> = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .split(',')
+        .map(|s| s.parse().unwrap())
+        .collect();
+    let want = grpo_core::group_advantages(
+        &[1.0, 0.0, 0.5, 0.5, f32::NAN, 1.0],
+        3,
+        grpo_core::ScaleRewards::Group,
+    );
+    assert_eq!(got, want);
+    let out = cli(&[
+        "advantages",
+        "--rewards",
+        "1,0,-1,0",
+        "--num-generations",
+        "2",
+        "--scale-rewards",
+        "rloo",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "1,-1,-1,1");
+}
+
+#[test]
+fn bad_input_is_one_line_naming_the_argument() {
+    for (args, needle) in [
+        (
+            vec!["advantages", "--rewards", "1,x", "--num-generations", "2"],
+            "--rewards",
+        ),
+        (
+            vec!["advantages", "--rewards", "1,2,3", "--num-generations", "2"],
+            "--num-generations",
+        ),
+        (
+            vec![
+                "advantages",
+                "--rewards",
+                "1,2",
+                "--num-generations",
+                "2",
+                "--scale-rewards",
+                "grp",
+            ],
+            "--scale-rewards",
+        ),
+    ] {
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{err}");
+    }
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("grpo-cli-{name}-{}", std::process::id()))
+}
+
+#[test]
+fn init_model_generate_and_logprobs() {
+    let dir = tmp("model");
+    let out = cli(&[
+        "init-model",
+        "--out",
+        dir.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--arch",
+        "llama",
+        "--seed",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    let sample = |seed: &str| {
+        let out = cli(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "What is 2 + 2?",
+            "--chat",
+            "-n",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--seed",
+            seed,
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let a = sample("1");
+    assert_eq!(a, sample("1"), "same seed, same output");
+    assert_ne!(a, sample("2"));
+    let first: serde_json::Value = serde_json::from_str(a.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        first["logprobs"].as_array().unwrap().len(),
+        first["token_ids"].as_array().unwrap().len()
+    );
+
+    let out = cli(&[
+        "logprobs",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "The answer is",
+        "--completion",
+        " 42.",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lps: Vec<f64> = serde_json::from_value(v["logprobs"].clone()).unwrap();
+    assert_eq!(lps.len(), v["tokens"].as_array().unwrap().len());
+    assert!(!lps.is_empty() && lps.iter().all(|&l| l < 0.0 && l.is_finite()));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn model_commands_reject_bad_input_in_one_line() {
+    for (args, needle) in [
+        (
+            vec!["init-model", "--out", "/tmp/x-never", "--preset", "huge"],
+            "--preset",
+        ),
+        (
+            vec!["init-model", "--out", "/tmp/x-never", "--arch", "gpt2"],
+            "gpt2",
+        ),
+        (
+            vec!["generate", "--model", "/nonexistent/m", "--prompt", "hi"],
+            "/nonexistent/m",
+        ),
+        (
+            vec![
+                "logprobs",
+                "--model",
+                "/nonexistent/m",
+                "--prompt",
+                "a",
+                "--completion",
+                "b",
+                "--dtype",
+                "f8",
+            ],
+            "--dtype",
+        ),
+    ] {
+        let out = cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}

@@ -1,0 +1,223 @@
+use std::sync::LazyLock;
+
+use regex::Regex;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, RewardError};
+use crate::reward::Reward;
+use crate::types::{RewardInput, RewardOutput};
+
+/// Config of [`Accuracy`] (`type = "accuracy"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AccuracyConfig {
+    /// The sample field holding the reference answer. Default `"answer"`.
+    pub answer_field: String,
+    /// Absolute tolerance of the numeric comparison. Default `1e-6`.
+    pub abs_tol: f64,
+    /// Relative tolerance of the numeric comparison (of the reference's magnitude). Default `1e-6`.
+    pub rel_tol: f64,
+    /// Score `None` (no opinion) instead of failing when a sample has no answer field.
+    /// Default `false`: a missing answer is an error naming the sample.
+    pub skip_missing: bool,
+}
+
+impl Default for AccuracyConfig {
+    fn default() -> Self {
+        Self {
+            answer_field: "answer".into(),
+            abs_tol: 1e-6,
+            rel_tol: 1e-6,
+            skip_missing: false,
+        }
+    }
+}
+
+impl AccuracyConfig {
+    /// Checks the values; the error names the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.answer_field.trim().is_empty() {
+            return Err(RewardError::config("answer_field", "must not be empty"));
+        }
+        for (name, v) in [("abs_tol", self.abs_tol), ("rel_tol", self.rel_tol)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(RewardError::config(
+                    name,
+                    format!("must be a finite number ≥ 0, got {v}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// 1 when the completion's final answer equals the reference answer, else 0.
+///
+/// The final answer is the content of the last `<answer>…</answer>`, else the last
+/// `<solution>…</solution>`, else the last `\boxed{…}` (balanced braces), else the last number
+/// ([`extract_answer`]). A `\boxed{}` inside a tag is unwrapped. The reference is read the same
+/// way, after the GSM8K marker `####` when present. Both are compared as numbers when both parse
+/// (`1,000`, `3/4`, `$5`, `50%` are understood), within `abs_tol + rel_tol·|reference|`;
+/// otherwise as trimmed, case-insensitive text with runs of whitespace collapsed.
+#[derive(Debug, Clone, Default)]
+pub struct Accuracy {
+    config: AccuracyConfig,
+}
+
+impl Accuracy {
+    /// An accuracy reward with a validated config.
+    pub fn new(config: AccuracyConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self { config })
+    }
+}
+
+impl Reward for Accuracy {
+    fn score(&self, batch: &[RewardInput]) -> Result<RewardOutput> {
+        let mut scores = Vec::with_capacity(batch.len());
+        for (i, x) in batch.iter().enumerate() {
+            let Some(reference) = x.field(&self.config.answer_field).and_then(|v| v.as_text())
+            else {
+                if self.config.skip_missing {
+                    scores.push(None);
+                    continue;
+                }
+                return Err(RewardError::Sample {
+                    reward: "accuracy".into(),
+                    index: i,
+                    message: format!("no field `{}` (answer_field)", self.config.answer_field),
+                });
+            };
+            let reference = reference_answer(&reference);
+            let ok = extract_answer(&x.completion)
+                .map(|got| {
+                    answers_match(&got, &reference, self.config.abs_tol, self.config.rel_tol)
+                })
+                .unwrap_or(false);
+            scores.push(Some(if ok { 1.0 } else { 0.0 }));
+        }
+        Ok(RewardOutput::from_scores(scores))
+    }
+}
+
+fn reference_answer(text: &str) -> String {
+    let text = match text.rfind("####") {
+        Some(p) => &text[p + 4..],
+        None => text,
+    };
+    if text.contains("<answer>") || text.contains("<solution>") || text.contains("\\boxed") {
+        if let Some(a) = extract_answer(text) {
+            return a;
+        }
+    }
+    text.trim().to_owned()
+}
+
+fn last_tag(text: &str, tag: &str) -> Option<String> {
+    let open = format!("<{tag}>");
+    let close = format!("</{tag}>");
+    let start = text.rfind(&open)? + open.len();
+    let end = text[start..].find(&close)? + start;
+    Some(text[start..end].to_owned())
+}
+
+/// The content of the last `\boxed{…}` (or `\fbox{…}`), braces balanced; `None` if there is
+/// none or it is not closed.
+pub fn extract_boxed(text: &str) -> Option<String> {
+    let (pos, skip) = [("\\boxed{", 7usize), ("\\fbox{", 6)]
+        .iter()
+        .filter_map(|(pat, n)| text.rfind(pat).map(|p| (p, *n)))
+        .max_by_key(|(p, _)| *p)?;
+    let body = &text[pos + skip..];
+    let mut depth = 1usize;
+    for (i, c) in body.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(body[..i].to_owned());
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+#[allow(clippy::unwrap_used)] // a constant pattern, exercised by the tests
+static NUMBER: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?|-?\.\d+").unwrap()
+});
+
+/// The final answer of a completion: the last `<answer>`, else `<solution>`, else `\boxed{}`,
+/// else the last number; `None` when there is none. Tags and boxes are trimmed; a box inside a
+/// tag is unwrapped.
+pub fn extract_answer(text: &str) -> Option<String> {
+    for tag in ["answer", "solution"] {
+        if let Some(inner) = last_tag(text, tag) {
+            let inner = extract_boxed(&inner).unwrap_or(inner);
+            return Some(inner.trim().to_owned());
+        }
+    }
+    if let Some(b) = extract_boxed(text) {
+        return Some(b.trim().to_owned());
+    }
+    NUMBER.find_iter(text).last().map(|m| m.as_str().to_owned())
+}
+
+fn parse_number(s: &str) -> Option<f64> {
+    let mut t: String = s.trim().chars().filter(|c| !c.is_whitespace()).collect();
+    for p in ["$", "\\$"] {
+        if let Some(rest) = t.strip_prefix(p) {
+            t = rest.to_owned();
+        }
+    }
+    let mut t = t.trim_end_matches('.').to_owned();
+    let percent = t.ends_with('%') || t.ends_with("\\%");
+    if percent {
+        t = t.trim_end_matches('%').trim_end_matches('\\').to_owned();
+    }
+    if let Some(inner) = t.strip_prefix("\\frac{").and_then(|r| r.strip_suffix('}')) {
+        if let Some((a, b)) = inner.split_once("}{") {
+            t = format!("{a}/{b}");
+        }
+    }
+    let plain = |x: &str| -> Option<f64> {
+        let ok = !x.is_empty()
+            && x.chars()
+                .all(|c| c.is_ascii_digit() || ",.-+eE".contains(c));
+        if !ok {
+            return None;
+        }
+        let v: f64 = x.replace(',', "").parse().ok()?;
+        v.is_finite().then_some(v)
+    };
+    let v = match t.split_once('/') {
+        Some((a, b)) => {
+            let d = plain(b)?;
+            if d == 0.0 {
+                return None;
+            }
+            plain(a)? / d
+        }
+        None => plain(&t)?,
+    };
+    Some(v)
+}
+
+fn normalise_text(s: &str) -> String {
+    s.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase()
+}
+
+/// True when `got` equals `reference`: numerically within `abs_tol + rel_tol·|reference|` when
+/// both parse as numbers, else as trimmed, case-insensitive text (whitespace runs collapsed).
+pub fn answers_match(got: &str, reference: &str, abs_tol: f64, rel_tol: f64) -> bool {
+    match (parse_number(got), parse_number(reference)) {
+        (Some(a), Some(b)) => (a - b).abs() <= abs_tol + rel_tol * b.abs(),
+        _ => normalise_text(got) == normalise_text(reference),
+    }
+}

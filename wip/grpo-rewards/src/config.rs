@@ -1,0 +1,226 @@
+//! Reward configs as users write them (TOML/YAML/JSON), validated once into a [`RewardSet`].
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::builtin::{
+    Accuracy, AccuracyConfig, CoverageCe, CoverageCeConfig, Format, FormatConfig, InverseLoss,
+    InverseLossConfig, LanguageScorer, Overlong, OverlongConfig, RewardModel, RewardModelConfig,
+    SequenceClassifier,
+};
+use crate::combine::RewardSet;
+use crate::error::{Result, RewardError};
+use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
+
+/// Which reward, with its keys (`type = "..."`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RewardKind {
+    /// [`Accuracy`].
+    Accuracy(AccuracyConfig),
+    /// [`Format`].
+    Format(FormatConfig),
+    /// [`Overlong`].
+    Overlong(OverlongConfig),
+    /// [`InverseLoss`] (needs a [`LanguageScorer`]).
+    InverseLoss(InverseLossConfig),
+    /// [`CoverageCe`] (needs a [`LanguageScorer`]).
+    CoverageCe(CoverageCeConfig),
+    /// [`RewardModel`] (needs a [`SequenceClassifier`]).
+    RewardModel(RewardModelConfig),
+    /// One LLM [`Judge`].
+    Judge(JudgeConfig),
+    /// A [`JudgeEnsemble`].
+    JudgeEnsemble(EnsembleConfig),
+}
+
+impl RewardKind {
+    /// The `type` tag.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            RewardKind::Accuracy(_) => "accuracy",
+            RewardKind::Format(_) => "format",
+            RewardKind::Overlong(_) => "overlong",
+            RewardKind::InverseLoss(_) => "inverse_loss",
+            RewardKind::CoverageCe(_) => "coverage_ce",
+            RewardKind::RewardModel(_) => "reward_model",
+            RewardKind::Judge(_) => "judge",
+            RewardKind::JudgeEnsemble(_) => "judge_ensemble",
+        }
+    }
+}
+
+/// One entry of `rewards`: a name, a weight and the reward's own keys.
+///
+/// ```toml
+/// [[rewards]]
+/// type = "accuracy"
+/// weight = 1.0
+/// answer_field = "answer"
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RewardSpec {
+    /// Name in metrics (`rewards/{name}/mean`); defaults to the `type`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Weight in the sum (overridden by `reward_weights`). Default 1.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// The reward.
+    #[serde(flatten)]
+    pub kind: RewardKind,
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+/// The rewards section of a training config.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardsConfig {
+    /// The reward functions.
+    #[serde(default)]
+    pub rewards: Vec<RewardSpec>,
+    /// TRL's `reward_weights`: one weight per reward, in order; overrides each `weight`.
+    #[serde(default)]
+    pub reward_weights: Option<Vec<f32>>,
+}
+
+/// The local models that model-based rewards score with (the model crate provides them).
+#[derive(Clone, Default)]
+pub struct ScoringModels {
+    /// For `inverse_loss` and `coverage_ce`.
+    pub language: Option<Arc<dyn LanguageScorer>>,
+    /// For `reward_model`.
+    pub classifier: Option<Arc<dyn SequenceClassifier>>,
+}
+
+impl std::fmt::Debug for ScoringModels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ScoringModels")
+            .field("language", &self.language.is_some())
+            .field("classifier", &self.classifier.is_some())
+            .finish()
+    }
+}
+
+impl RewardsConfig {
+    /// Validates every entry and builds the [`RewardSet`]. Errors name the field, e.g.
+    /// `rewards[1].timeout_secs`.
+    pub fn build(&self, models: &ScoringModels) -> Result<RewardSet> {
+        if self.rewards.is_empty() {
+            return Err(RewardError::config("rewards", "needs at least one reward"));
+        }
+        if let Some(w) = &self.reward_weights {
+            if w.len() != self.rewards.len() {
+                return Err(RewardError::config(
+                    "reward_weights",
+                    format!("has {} weights for {} rewards", w.len(), self.rewards.len()),
+                ));
+            }
+        }
+        let mut set = RewardSet::new();
+        let mut names = std::collections::BTreeSet::new();
+        for (i, spec) in self.rewards.iter().enumerate() {
+            let p = format!("rewards[{i}].");
+            let at = |e: RewardError| match e {
+                RewardError::Config { field, message } => RewardError::Config {
+                    field: if field.starts_with("rewards[") {
+                        field
+                    } else {
+                        format!("{p}{field}")
+                    },
+                    message,
+                },
+                other => other,
+            };
+            let name = spec
+                .name
+                .clone()
+                .unwrap_or_else(|| spec.kind.type_name().to_owned());
+            if name.trim().is_empty() || name.contains('/') {
+                return Err(RewardError::config(
+                    format!("{p}name"),
+                    "must be non-empty and contain no `/`",
+                ));
+            }
+            if !names.insert(name.clone()) {
+                return Err(RewardError::config(
+                    format!("{p}name"),
+                    format!("`{name}` is used twice; give each reward a distinct name"),
+                ));
+            }
+            let weight = self.reward_weights.as_ref().map_or(spec.weight, |w| w[i]);
+            if !weight.is_finite() {
+                return Err(RewardError::config(format!("{p}weight"), "must be finite"));
+            }
+            let need_lm = || {
+                models.language.clone().ok_or_else(|| {
+                    RewardError::config(
+                        format!("{p}type"),
+                        format!(
+                            "`{}` needs a scoring language model, and none was given",
+                            spec.kind.type_name()
+                        ),
+                    )
+                })
+            };
+            match &spec.kind {
+                RewardKind::Accuracy(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(Accuracy::new(c.clone()).map_err(at)?),
+                ),
+                RewardKind::Format(c) => {
+                    set.push_reward(name, weight, Arc::new(Format::new(c).map_err(at)?))
+                }
+                RewardKind::Overlong(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(Overlong::new(c.clone()).map_err(at)?),
+                ),
+                RewardKind::InverseLoss(_) => {
+                    set.push_reward(name, weight, Arc::new(InverseLoss::new(need_lm()?)))
+                }
+                RewardKind::CoverageCe(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(CoverageCe::new(need_lm()?, c.clone()).map_err(at)?),
+                ),
+                RewardKind::RewardModel(c) => {
+                    let m = models.classifier.clone().ok_or_else(|| {
+                        RewardError::config(
+                            format!("{p}type"),
+                            "`reward_model` needs a sequence classifier, and none was given",
+                        )
+                    })?;
+                    set.push_reward(
+                        name,
+                        weight,
+                        Arc::new(RewardModel::new(m, c.clone()).map_err(at)?),
+                    )
+                }
+                RewardKind::Judge(c) => {
+                    c.validate_at(&p)?;
+                    let mut c = c.clone();
+                    // `name` of the entry names the judge too (in logs, errors and info).
+                    if spec.name.is_some() {
+                        c.name = name.clone();
+                    }
+                    set.push_async_reward(name, weight, Arc::new(Judge::new(c).map_err(at)?))
+                }
+                RewardKind::JudgeEnsemble(c) => {
+                    c.validate_at(&p)?;
+                    set.push_async_reward(
+                        name,
+                        weight,
+                        Arc::new(JudgeEnsemble::new(c.clone(), None).map_err(at)?),
+                    )
+                }
+            }
+        }
+        Ok(set)
+    }
+}
