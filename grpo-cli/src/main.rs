@@ -2,7 +2,8 @@
 //!
 //! Subcommands arrive with the crates they drive (see README.md): `generate`, `logprobs` and
 //! `init-model` drive the policy model (grpo-rollout); `advantages` computes GRPO advantages
-//! from rewards given on the command line (grpo-core).
+//! from rewards given on the command line (grpo-core); `data` inspects and synthesises datasets
+//! (grpo-data).
 
 use std::process::ExitCode;
 
@@ -11,6 +12,7 @@ use clap::{Parser, Subcommand};
 use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advantages};
 
 mod bench_cmd;
+mod data_cmd;
 mod model_cmd;
 
 /// Train language models with GRPO (plus SFT and DPO) on candle: one fast binary.
@@ -42,6 +44,11 @@ enum Command {
         /// group | batch | none (TRL's scale_rewards), or `rloo` for leave-one-out.
         #[arg(long, default_value = "group")]
         scale_rewards: String,
+    },
+    /// Datasets: inspect a file, make synthetic data, benchmark reading.
+    Data {
+        #[command(subcommand)]
+        command: data_cmd::DataCommand,
     },
 }
 
@@ -89,6 +96,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", text.join(","));
             Ok(())
         }
+        Some(Command::Data { command }) => data_cmd::run(command),
     }
 }
 

@@ -184,8 +184,13 @@ pub fn render_chat_template(
     eos_token: Option<&str>,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
+    // transformers renders with jinja2's trim_blocks and lstrip_blocks.
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .map_err(|e| err(format!("chat template syntax config: {e}")))?;
+    env.set_syntax(syntax);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
@@ -209,7 +214,7 @@ pub fn render_chat_template(
         .map_err(|e| err(format!("chat template does not parse: {e}")))?;
     let tmpl = env.get_template("chat").map_err(|e| err(e.to_string()))?;
     tmpl.render(minijinja::context! {
-        messages => messages,
+        messages => minijinja::Value::from(minijinja::value::Serde(messages)),
         add_generation_prompt => add_generation_prompt,
         bos_token => bos_token.unwrap_or(""),
         eos_token => eos_token.unwrap_or(""),

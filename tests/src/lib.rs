@@ -1,6 +1,7 @@
-//! # grpo-tests: workspace integration tests
+//! Workspace integration tests for grpo-rs, and helpers they share.
 //!
-//! End-to-end checks that cross crate boundaries live in `tests/tests/`; shared helpers (tiny
-//! generated models, loopback servers) live here as later crates need them. Nothing in this
-//! package is published.
-#![deny(missing_docs)]
+//! [`loopback`] is an OpenAI-compatible chat-completions server on `127.0.0.1:0` with knobs
+//! for latency and faults, used by the judge tests, the judge benchmark
+//! (`cargo run --release -p grpo-tests --example judge_bench`) and later end-to-end runs.
+
+pub mod loopback;

@@ -43,10 +43,11 @@ pub(crate) fn retry_after(headers: &[(&str, Option<&str>)]) -> Option<Duration> 
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .and_then(|(_, v)| *v)
     };
-    if let Some(ms) = get("retry-after-ms").and_then(|v| v.trim().parse::<f64>().ok()) {
-        if ms.is_finite() && ms >= 0.0 {
-            return Some(Duration::from_secs_f64((ms / 1000.0).min(600.0)));
-        }
+    if let Some(ms) = get("retry-after-ms").and_then(|v| v.trim().parse::<f64>().ok())
+        && ms.is_finite()
+        && ms >= 0.0
+    {
+        return Some(Duration::from_secs_f64((ms / 1000.0).min(600.0)));
     }
     let secs = get("retry-after")?.trim().parse::<f64>().ok()?;
     (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(600.0)))

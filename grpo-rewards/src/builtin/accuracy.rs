@@ -105,10 +105,10 @@ fn reference_answer(text: &str) -> String {
         Some(p) => &text[p + 4..],
         None => text,
     };
-    if text.contains("<answer>") || text.contains("<solution>") || text.contains("\\boxed") {
-        if let Some(a) = extract_answer(text) {
-            return a;
-        }
+    if (text.contains("<answer>") || text.contains("<solution>") || text.contains("\\boxed"))
+        && let Some(a) = extract_answer(text)
+    {
+        return a;
     }
     text.trim().to_owned()
 }
@@ -178,10 +178,10 @@ fn parse_number(s: &str) -> Option<f64> {
     if percent {
         t = t.trim_end_matches('%').trim_end_matches('\\').to_owned();
     }
-    if let Some(inner) = t.strip_prefix("\\frac{").and_then(|r| r.strip_suffix('}')) {
-        if let Some((a, b)) = inner.split_once("}{") {
-            t = format!("{a}/{b}");
-        }
+    if let Some(inner) = t.strip_prefix("\\frac{").and_then(|r| r.strip_suffix('}'))
+        && let Some((a, b)) = inner.split_once("}{")
+    {
+        t = format!("{a}/{b}");
     }
     let plain = |x: &str| -> Option<f64> {
         let ok = !x.is_empty()

@@ -113,13 +113,13 @@ impl RewardsConfig {
         if self.rewards.is_empty() {
             return Err(RewardError::config("rewards", "needs at least one reward"));
         }
-        if let Some(w) = &self.reward_weights {
-            if w.len() != self.rewards.len() {
-                return Err(RewardError::config(
-                    "reward_weights",
-                    format!("has {} weights for {} rewards", w.len(), self.rewards.len()),
-                ));
-            }
+        if let Some(w) = &self.reward_weights
+            && w.len() != self.rewards.len()
+        {
+            return Err(RewardError::config(
+                "reward_weights",
+                format!("has {} weights for {} rewards", w.len(), self.rewards.len()),
+            ));
         }
         let mut set = RewardSet::new();
         let mut names = std::collections::BTreeSet::new();

@@ -72,6 +72,9 @@ struct Shard {
     rows: u64,
 }
 
+/// A shard and its parts, each with its first row and row count.
+type OpenedShard = (Shard, Vec<(Part, u64, u64)>);
+
 #[derive(Debug, Clone, Copy)]
 enum Part {
     Parquet { row_group: usize, offset: usize },
@@ -147,7 +150,7 @@ fn open_file(path: &Path) -> Result<File> {
     File::open(path).map_err(|e| io_err(path, e))
 }
 
-fn open_parquet(path: &Path, prompt_field: &str) -> Result<(Shard, Vec<(Part, u64, u64)>)> {
+fn open_parquet(path: &Path, prompt_field: &str) -> Result<OpenedShard> {
     let file = open_file(path)?;
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
     let meta = ArrowReaderMetadata::load(&file, options).map_err(parquet_err(path))?;
@@ -193,7 +196,7 @@ fn is_ipc_file(path: &Path) -> Result<bool> {
     Ok(&head[..n] == b"ARROW1")
 }
 
-fn open_ipc(path: &Path, prompt_field: &str) -> Result<(Shard, Vec<(Part, u64, u64)>)> {
+fn open_ipc(path: &Path, prompt_field: &str) -> Result<OpenedShard> {
     let at = Location::Schema;
     let mut parts = Vec::new();
     let mut file_row = 0u64;
@@ -270,7 +273,7 @@ fn open_csv(
     path: &Path,
     prompt_field: &str,
     chunk_rows: usize,
-) -> Result<(Shard, Vec<(Part, u64, u64)>)> {
+) -> Result<OpenedShard> {
     use arrow::csv::reader::{Format as CsvFormat, ReaderBuilder};
     let at = Location::Schema;
     let (schema, _) = CsvFormat::default()
@@ -362,7 +365,7 @@ fn open_jsonl(
     compression: Compression,
     prompt_field: &str,
     chunk_rows: usize,
-) -> Result<(Shard, Vec<(Part, u64, u64)>)> {
+) -> Result<OpenedShard> {
     let file = open_file(path)?;
     let reader: Box<dyn BufRead> = match compression {
         Compression::None => Box::new(BufReader::with_capacity(1 << 20, file)),
@@ -747,7 +750,7 @@ impl Dataset {
         let n = self.len;
         let k = ((fraction * n as f64).round() as u64).clamp(1, n - 1);
         // Floyd's sampling of k distinct indices in [0, n): O(k) memory, portable RNG.
-        let mut rng = SplitMix64::new(crate::rng::mix(seed, 0x5e11_7e7a_1u64, 0));
+        let mut rng = SplitMix64::new(crate::rng::mix(seed, 0x0005_e117_e7a1_u64, 0));
         let mut picked = HashSet::with_capacity(k as usize);
         for j in (n - k)..n {
             let t = rng.below(j + 1);

@@ -577,10 +577,10 @@ impl Judge {
         });
         match parsed {
             Ok((p, reply)) => {
-                if let (Some(cache), Some(key)) = (&self.cache, &key) {
-                    if let Err(e) = cache.put(key, &reply) {
-                        tracing::warn!(judge = %self.config.name, error = %e, "cache write failed");
-                    }
+                if let (Some(cache), Some(key)) = (&self.cache, &key)
+                    && let Err(e) = cache.put(key, &reply)
+                {
+                    tracing::warn!(judge = %self.config.name, error = %e, "cache write failed");
                 }
                 Ok(Verdict {
                     score: Some(self.reader.map(p.raw)),
@@ -624,10 +624,10 @@ pub(crate) fn counters_of(verdicts: &[&Verdict]) -> std::collections::BTreeMap<S
 
 fn template_message(e: &minijinja::Error) -> String {
     let mut m = e.to_string();
-    if let Some(d) = e.detail() {
-        if !m.contains(d) {
-            m.push_str(&format!(" ({d})"));
-        }
+    if let Some(d) = e.detail()
+        && !m.contains(d)
+    {
+        m.push_str(&format!(" ({d})"));
     }
     m
 }

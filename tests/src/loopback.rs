@@ -279,10 +279,9 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
             if let Some(a) = headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
+                && !s.authorizations.iter().any(|x| x == a)
             {
-                if !s.authorizations.iter().any(|x| x == a) {
-                    s.authorizations.push(a.to_owned());
-                }
+                s.authorizations.push(a.to_owned());
             }
             if s.bodies.len() < 10_000 {
                 s.bodies.push(request.clone());
@@ -307,10 +306,10 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
     let content = match fault {
         Some(Fault::RateLimited { retry_after }) => {
             let mut r = error(429, "rate limited, slow down");
-            if let Some(s) = retry_after {
-                if let Ok(v) = header::HeaderValue::from_str(&format!("{s}")) {
-                    r.headers_mut().insert(header::RETRY_AFTER, v);
-                }
+            if let Some(s) = retry_after
+                && let Ok(v) = header::HeaderValue::from_str(&format!("{s}"))
+            {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
             }
             return r;
         }

@@ -216,13 +216,14 @@ impl JudgeConfig {
         if self.model.trim().is_empty() {
             return bad("model", "must not be empty".into());
         }
-        if let Some(var) = &self.api_key_env {
-            if var.is_empty() || var.contains(char::is_whitespace) || var.len() > 128 {
-                return bad(
-                    "api_key_env",
-                    "must be the NAME of an environment variable (e.g. OPENAI_API_KEY), not the key".into(),
-                );
-            }
+        if let Some(var) = &self.api_key_env
+            && (var.is_empty() || var.contains(char::is_whitespace) || var.len() > 128)
+        {
+            return bad(
+                "api_key_env",
+                "must be the NAME of an environment variable (e.g. OPENAI_API_KEY), not the key"
+                    .into(),
+            );
         }
         if self.template.trim().is_empty() {
             return bad("template", "must not be empty".into());
@@ -233,10 +234,10 @@ impl JudgeConfig {
                 "is required when score_parse = \"regex\"".into(),
             );
         }
-        if let Some(re) = &self.score_regex {
-            if let Err(e) = regex::Regex::new(re) {
-                return bad("score_regex", e.to_string());
-            }
+        if let Some(re) = &self.score_regex
+            && let Err(e) = regex::Regex::new(re)
+        {
+            return bad("score_regex", e.to_string());
         }
         if self.score_parse == ScoreParse::Json && self.score_key.is_empty() {
             return bad("score_key", "must not be empty".into());
@@ -262,10 +263,10 @@ impl JudgeConfig {
                 format!("must be ≥ 0, got {}", self.temperature),
             );
         }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return bad("top_p", format!("must be in (0, 1], got {p}"));
-            }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return bad("top_p", format!("must be in (0, 1], got {p}"));
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "must be > 0".into());

@@ -176,10 +176,10 @@ fn walk(dir: &Path, format: Option<Format>, out: &mut Vec<PathBuf>) -> Result<()
         }
         if path.is_dir() {
             walk(&path, format, out)?;
-        } else if let Some((f, _)) = format_from_name(&path) {
-            if format.is_none_or(|g| g == f) {
-                out.push(path);
-            }
+        } else if let Some((f, _)) = format_from_name(&path)
+            && format.is_none_or(|g| g == f)
+        {
+            out.push(path);
         }
     }
     Ok(())
