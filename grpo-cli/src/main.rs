@@ -14,6 +14,7 @@ use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advant
 mod bench_cmd;
 mod data_cmd;
 mod model_cmd;
+mod train_cmd;
 
 /// Train language models with GRPO (plus SFT and DPO) on candle: one fast binary.
 #[derive(Debug, Parser)]
@@ -45,6 +46,8 @@ enum Command {
         #[arg(long, default_value = "group")]
         scale_rewards: String,
     },
+    /// Train with GRPO from a config file (TOML or YAML).
+    Train(train_cmd::TrainArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
     Data {
         #[command(subcommand)]
@@ -52,8 +55,19 @@ enum Command {
     },
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
+        Some(Command::Train(a)) => Ok(if train_cmd::train(a)? {
+            ExitCode::from(130)
+        } else {
+            ExitCode::SUCCESS
+        }),
+        other => dispatch(other).map(|()| ExitCode::SUCCESS),
+    }
+}
+
+fn dispatch(command: Option<Command>) -> Result<()> {
+    match command {
         None => {
             use clap::CommandFactory;
             Cli::command().print_help()?;
@@ -97,6 +111,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Some(Command::Data { command }) => data_cmd::run(command),
+        Some(Command::Train(_)) => unreachable!("handled in run"),
     }
 }
 
@@ -117,7 +132,7 @@ fn one_line(e: &anyhow::Error) -> String {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
             ExitCode::from(2)

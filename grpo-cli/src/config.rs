@@ -1,0 +1,795 @@
+//! The training config: one schema, read from TOML or YAML, overridden with `--set a.b=value`,
+//! validated once into [`TrainConfig`]. Names follow TRL's `GRPOConfig` where TRL has the
+//! concept.
+//!
+//! Unknown keys are refused with the closest valid key; the resolved config is written to the
+//! run directory without secrets (judges name the environment variable that holds a key,
+//! never the key).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use grpo_core::advantages::ScaleRewards;
+use grpo_core::loss::{ImportanceSamplingLevel, LossConfig, LossType};
+use grpo_data::DataConfig;
+use grpo_rewards::{RewardSpec, RewardsConfig};
+use grpo_rollout::{LoraConfig, SamplingParams};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainConfig {
+    /// Where the run directory goes (metrics, completions, checkpoints, resolved config).
+    pub output_dir: PathBuf,
+    /// The policy model.
+    pub model: ModelSection,
+    /// The frozen reference model and the KL penalty.
+    pub reference: ReferenceSection,
+    /// The prompts (grpo-data's `DataConfig`).
+    pub data: DataConfig,
+    /// Sampling completions.
+    pub rollout: RolloutSection,
+    /// Reward functions, combined by weight.
+    pub rewards: Vec<RewardSpec>,
+    /// TRL's `reward_weights`: one per reward, in order; overrides each `weight`.
+    pub reward_weights: Option<Vec<f32>>,
+    /// The GRPO objective (grpo-core).
+    pub loss: LossSection,
+    /// Optimizer and schedule.
+    pub optim: OptimSection,
+    /// Steps, batches, logging and saving.
+    pub train: TrainSection,
+    /// Stage channels and staleness.
+    pub pipeline: PipelineSection,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            output_dir: PathBuf::from("runs/grpo"),
+            model: ModelSection::default(),
+            reference: ReferenceSection::default(),
+            data: DataConfig::default(),
+            rollout: RolloutSection::default(),
+            rewards: Vec::new(),
+            reward_weights: None,
+            loss: LossSection::default(),
+            optim: OptimSection::default(),
+            train: TrainSection::default(),
+            pipeline: PipelineSection::default(),
+        }
+    }
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelSection {
+    /// A Hugging Face model directory or a .gguf file.
+    pub path: PathBuf,
+    /// `f32` (default), `bf16` or `f16`.
+    pub dtype: String,
+    /// `cpu` (default), `cuda` or `cuda:N` (needs a build with `--features cuda`).
+    pub device: String,
+    /// Train LoRA adapters instead of every weight.
+    pub lora: Option<LoraConfig>,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::new(),
+            dtype: "f32".into(),
+            device: "cpu".into(),
+            lora: None,
+        }
+    }
+}
+
+/// `[reference]`: TRL's KL and reference-sync options.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ReferenceSection {
+    /// KL coefficient; 0 (TRL's default) skips the reference model entirely.
+    pub beta: f64,
+    /// TR-DPO style: every `ref_model_sync_steps`, ref ← α·policy + (1 − α)·ref.
+    pub sync_ref_model: bool,
+    /// α of the sync.
+    pub ref_model_mixup_alpha: f64,
+    /// Steps between syncs.
+    pub ref_model_sync_steps: usize,
+}
+
+impl Default for ReferenceSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.0,
+            sync_ref_model: false,
+            ref_model_mixup_alpha: 0.6,
+            ref_model_sync_steps: 512,
+        }
+    }
+}
+
+/// `[rollout]`: how completions are sampled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RolloutSection {
+    /// Completions per prompt (the group).
+    pub num_generations: usize,
+    /// Prompts longer than this many tokens keep their last tokens (left truncation); 0 = off.
+    pub max_prompt_length: usize,
+    /// New tokens per completion at most.
+    pub max_completion_length: usize,
+    /// EOS suppressed until this many tokens.
+    pub min_completion_length: usize,
+    /// Sampling temperature (> 0); log-probs use logits / temperature, as TRL.
+    pub temperature: f64,
+    /// Nucleus mass.
+    pub top_p: f64,
+    /// Keep the k most likely tokens; 0 = off.
+    pub top_k: usize,
+    /// Drop tokens below min_p × the top probability; 0 = off.
+    pub min_p: f64,
+    /// CTRL-style repetition penalty; 1 = off.
+    pub repetition_penalty: f64,
+    /// Stop strings (the completion ends after the first one).
+    pub stop: Vec<String>,
+    /// Render conversational prompts with the model's chat template (string prompts are used
+    /// as they are, as TRL does).
+    pub chat_template: bool,
+}
+
+impl Default for RolloutSection {
+    fn default() -> Self {
+        Self {
+            num_generations: 8,
+            max_prompt_length: 512,
+            max_completion_length: 256,
+            min_completion_length: 0,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            stop: Vec::new(),
+            chat_template: true,
+        }
+    }
+}
+
+impl RolloutSection {
+    /// grpo-rollout's sampling parameters for one generation call.
+    pub fn sampling(&self, seed: u64) -> SamplingParams {
+        SamplingParams {
+            max_new_tokens: self.max_completion_length,
+            min_new_tokens: self.min_completion_length,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            stop_token_ids: Vec::new(),
+            stop: self.stop.clone(),
+            seed,
+        }
+    }
+}
+
+/// `[loss]`: grpo-core's options (β lives in `[reference]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LossSection {
+    /// grpo | bnpo | dr_grpo | dapo (default) | cispo.
+    pub loss_type: String,
+    /// Lower clip ε.
+    pub epsilon: f64,
+    /// Upper clip ε (default: `epsilon`).
+    pub epsilon_high: Option<f64>,
+    /// Two-sided GRPO cap on the ratio.
+    pub delta: Option<f64>,
+    /// token (default) | sequence.
+    pub importance_sampling_level: String,
+    /// Multiply the KL by the importance ratio (TRL's `use_bias_correction_kl`).
+    pub use_bias_correction_kl: bool,
+    /// group (default) | batch | none.
+    pub scale_rewards: String,
+    /// Exclude completions cut at max_completion_length from the loss.
+    pub mask_truncated_completions: bool,
+    /// Drop groups whose rewards are all equal (DAPO's dynamic sampling) from the loss.
+    pub drop_zero_std_groups: bool,
+}
+
+impl Default for LossSection {
+    fn default() -> Self {
+        Self {
+            loss_type: "dapo".into(),
+            epsilon: 0.2,
+            epsilon_high: None,
+            delta: None,
+            importance_sampling_level: "token".into(),
+            use_bias_correction_kl: true,
+            scale_rewards: "group".into(),
+            mask_truncated_completions: false,
+            drop_zero_std_groups: false,
+        }
+    }
+}
+
+/// `[optim]`: AdamW, the schedule, clipping, accumulation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OptimSection {
+    /// Peak learning rate (TRL's default 1e-6).
+    pub learning_rate: f64,
+    /// AdamW β1.
+    pub adam_beta1: f64,
+    /// AdamW β2.
+    pub adam_beta2: f64,
+    /// AdamW ε.
+    pub adam_epsilon: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// constant | linear (default) | cosine.
+    pub lr_scheduler_type: String,
+    /// Warm-up as a fraction of the total steps.
+    pub warmup_ratio: f64,
+    /// Warm-up steps (wins over `warmup_ratio` when > 0).
+    pub warmup_steps: usize,
+    /// Global-norm gradient clipping; 0 = off.
+    pub max_grad_norm: f64,
+    /// Micro-batches per optimizer step (TRL's name). Default: all completions of a step in one
+    /// micro-batch, or `num_completions / per_device_train_batch_size`.
+    pub gradient_accumulation_steps: Option<usize>,
+    /// Optimizer passes over each generation batch (TRL's μ).
+    pub num_iterations: usize,
+}
+
+impl Default for OptimSection {
+    fn default() -> Self {
+        Self {
+            learning_rate: 1e-6,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            weight_decay: 0.0,
+            lr_scheduler_type: "linear".into(),
+            warmup_ratio: 0.0,
+            warmup_steps: 0,
+            max_grad_norm: 1.0,
+            gradient_accumulation_steps: None,
+            num_iterations: 1,
+        }
+    }
+}
+
+/// `[train]`: how long, how big, how often.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainSection {
+    /// Optimizer steps; when absent, `num_train_epochs` passes over the data decide.
+    pub max_steps: Option<usize>,
+    /// Passes over the training prompts (used when `max_steps` is absent).
+    pub num_train_epochs: f64,
+    /// Prompts per generation batch (each gets `num_generations` completions).
+    pub prompts_per_step: usize,
+    /// Completions per micro-batch (the memory bound; TRL's name). Default: the whole step.
+    pub per_device_train_batch_size: Option<usize>,
+    /// Seed of data order, sampling and adapter init.
+    pub seed: u64,
+    /// Write metrics every this many steps.
+    pub logging_steps: usize,
+    /// Checkpoint every this many steps (0 = only at the end).
+    pub save_steps: usize,
+    /// Keep the last N checkpoints (0 = keep all).
+    pub save_total_limit: usize,
+    /// Evaluate on the eval split every this many steps (0 = never).
+    pub eval_steps: usize,
+    /// Write completions.jsonl.
+    pub log_completions: bool,
+    /// Completions per step written to completions.jsonl.
+    pub num_completions_to_print: usize,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        Self {
+            max_steps: None,
+            num_train_epochs: 1.0,
+            prompts_per_step: 4,
+            per_device_train_batch_size: None,
+            seed: 42,
+            logging_steps: 1,
+            save_steps: 0,
+            save_total_limit: 2,
+            eval_steps: 0,
+            log_completions: true,
+            num_completions_to_print: 4,
+        }
+    }
+}
+
+/// `[pipeline]`: bounded channels between the stages.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PipelineSection {
+    /// Prompt batches queued between the loader and the generator.
+    pub data_capacity: usize,
+    /// Rollout batches queued between the generator and the scorer.
+    pub rollout_capacity: usize,
+    /// Scored batches queued between the scorer and the learner.
+    pub scored_capacity: usize,
+    /// Policy versions the generator may run ahead of the learner (0 = on-policy, equal to
+    /// the sequential algorithm).
+    pub max_staleness: usize,
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        Self {
+            data_capacity: 2,
+            rollout_capacity: 1,
+            scored_capacity: 1,
+            max_staleness: 0,
+        }
+    }
+}
+
+/// Reads a config file (TOML by default; `.yaml`/`.yml` as YAML; `.json` as JSON) into a
+/// generic tree.
+pub fn read_tree(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read the config", path.display()))?;
+    parse_tree(&text, path)
+}
+
+fn parse_tree(text: &str, path: &Path) -> Result<Value> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let v: Value = match ext {
+        "yaml" | "yml" => serde_norway::from_str(text)
+            .map_err(|e| anyhow::anyhow!("{}: invalid YAML: {e}", path.display()))?,
+        "json" => serde_json::from_str(text)
+            .map_err(|e| anyhow::anyhow!("{}: invalid JSON: {e}", path.display()))?,
+        _ => {
+            let t: toml::Value = toml::from_str(text).map_err(|e| {
+                let first = e.to_string().lines().next().unwrap_or("").to_string();
+                anyhow::anyhow!("{}: invalid TOML: {first}", path.display())
+            })?;
+            serde_json::to_value(t)?
+        }
+    };
+    if v.is_null() {
+        return Ok(Value::Object(Default::default()));
+    }
+    if !v.is_object() {
+        bail!("{}: the config must be a table of sections", path.display());
+    }
+    Ok(v)
+}
+
+/// Applies `a.b=value` overrides. The value is read as a TOML value (`3`, `1e-5`, `true`,
+/// `"text"`, `[1, 2]`), and as a plain string when it does not parse.
+pub fn apply_sets(tree: &mut Value, sets: &[String]) -> Result<()> {
+    for s in sets {
+        let (key, raw) = s
+            .split_once('=')
+            .with_context(|| format!("--set {s}: expected KEY=VALUE, e.g. optim.learning_rate=1e-5"))?;
+        let key = key.trim();
+        let value: Value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+            Ok(mut t) => serde_json::to_value(t.remove("v").unwrap_or(toml::Value::String(raw.into())))?,
+            Err(_) => Value::String(raw.to_string()),
+        };
+        let mut node = &mut *tree;
+        let parts: Vec<&str> = key.split('.').collect();
+        for (i, p) in parts.iter().enumerate() {
+            if p.is_empty() {
+                bail!("--set {s}: empty key segment in `{key}`");
+            }
+            let obj = match node {
+                Value::Object(m) => m,
+                _ => bail!("--set {s}: `{}` is not a section", parts[..i].join(".")),
+            };
+            if i + 1 == parts.len() {
+                obj.insert((*p).to_string(), value.clone());
+                break;
+            }
+            node = obj
+                .entry((*p).to_string())
+                .or_insert_with(|| Value::Object(Default::default()));
+        }
+    }
+    Ok(())
+}
+
+/// Every key path the schema knows (from the serialized defaults), for suggestions.
+fn known_keys() -> BTreeSet<String> {
+    fn walk(prefix: &str, v: &Value, out: &mut BTreeSet<String>) {
+        if let Value::Object(m) = v {
+            for (k, child) in m {
+                let p = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                out.insert(p.clone());
+                walk(&p, child, out);
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    let mut defaults = serde_json::to_value(TrainConfig::default()).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut defaults {
+        // Optional sections serialize as null; list their keys too.
+        if let Some(l) = m.get_mut("model").and_then(|s| s.get_mut("lora")) {
+            *l = serde_json::to_value(LoraConfig::default()).unwrap_or(Value::Null);
+        }
+    }
+    walk("", &defaults, &mut out);
+    out
+}
+
+/// The closest known key to `unknown` (same section first), if any is near.
+pub fn closest_key(unknown: &str) -> Option<String> {
+    let keys = known_keys();
+    let section = unknown.rsplit_once('.').map(|(s, _)| s).unwrap_or("");
+    let leaf = unknown.rsplit('.').next().unwrap_or(unknown);
+    let mut best: Option<(f64, String)> = None;
+    for k in &keys {
+        let k_section = k.rsplit_once('.').map(|(s, _)| s).unwrap_or("");
+        let k_leaf = k.rsplit('.').next().unwrap_or(k);
+        let mut score = strsim::jaro_winkler(leaf, k_leaf);
+        if k_section == section {
+            score += 0.1;
+        }
+        if best.as_ref().is_none_or(|(s, _)| score > *s) {
+            best = Some((score, k.clone()));
+        }
+    }
+    best.filter(|(s, _)| *s > 0.75).map(|(_, k)| k)
+}
+
+/// Deserializes the tree, refusing unknown keys with a suggestion, then validates.
+pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
+    let mut unknown: Vec<String> = Vec::new();
+    let cfg: TrainConfig = serde_ignored::deserialize(tree, |path| {
+        unknown.push(path.to_string());
+    })
+    .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    if let Some(key) = unknown.first() {
+        // serde_ignored reports list indices as `?`-free numbers; rewards entries are checked by
+        // their own schema.
+        let hint = closest_key(key)
+            .map(|k| format!(" (did you mean `{k}`?)"))
+            .unwrap_or_default();
+        bail!("{source}: unknown key `{key}`{hint}");
+    }
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    Ok(cfg)
+}
+
+/// Reads `path`, applies `sets`, validates.
+pub fn load(path: &Path, sets: &[String]) -> Result<TrainConfig> {
+    let mut tree = read_tree(path)?;
+    apply_sets(&mut tree, sets)?;
+    from_tree(tree, &path.display().to_string())
+}
+
+/// The validated, typed options the trainer runs on.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// grpo-core's loss options.
+    pub loss: LossConfig,
+    /// How rewards become advantages.
+    pub scale_rewards: ScaleRewards,
+    /// Completions per generation batch.
+    pub completions_per_step: usize,
+    /// Completions per micro-batch.
+    pub micro_batch: usize,
+}
+
+impl TrainConfig {
+    /// The rewards as grpo-rewards' config.
+    pub fn rewards_config(&self) -> RewardsConfig {
+        RewardsConfig {
+            rewards: self.rewards.clone(),
+            reward_weights: self.reward_weights.clone(),
+        }
+    }
+
+    /// Checks every value, naming the key to fix.
+    pub fn validate(&self) -> std::result::Result<Resolved, String> {
+        let r = &self.rollout;
+        if self.model.path.as_os_str().is_empty() {
+            return Err("`model.path` is required (an HF model directory or a .gguf file)".into());
+        }
+        if !["f32", "bf16", "f16"].contains(&self.model.dtype.as_str()) {
+            return Err(format!(
+                "`model.dtype`: expected f32, bf16 or f16, got `{}`",
+                self.model.dtype
+            ));
+        }
+        parse_device(&self.model.device).map_err(|e| format!("`model.device`: {e}"))?;
+        if let Some(l) = &self.model.lora {
+            l.validate().map_err(|e| format!("`model.lora`: {e}"))?;
+        }
+        if r.num_generations < 2 {
+            return Err(format!(
+                "`rollout.num_generations` must be >= 2 (a group needs two completions to compare), got {}",
+                r.num_generations
+            ));
+        }
+        if r.max_completion_length == 0 {
+            return Err("`rollout.max_completion_length` must be >= 1".into());
+        }
+        if !(r.temperature > 0.0) {
+            return Err(format!(
+                "`rollout.temperature` must be > 0 for GRPO sampling, got {}",
+                r.temperature
+            ));
+        }
+        self.rollout
+            .sampling(0)
+            .validate()
+            .map_err(|e| format!("`rollout`: {e}"))?;
+        if self.rewards.is_empty() {
+            return Err("`rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\"".into());
+        }
+        if self.data.path.is_empty() {
+            return Err("`data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)".into());
+        }
+        let loss_type = match self.loss.loss_type.as_str() {
+            "grpo" => LossType::Grpo,
+            "bnpo" => LossType::Bnpo,
+            "dr_grpo" => LossType::DrGrpo,
+            "dapo" => LossType::Dapo,
+            "cispo" => LossType::Cispo,
+            o => {
+                return Err(format!(
+                    "`loss.loss_type`: expected grpo, bnpo, dr_grpo, dapo or cispo, got `{o}`"
+                ));
+            }
+        };
+        let importance_sampling_level = match self.loss.importance_sampling_level.as_str() {
+            "token" => ImportanceSamplingLevel::Token,
+            "sequence" => ImportanceSamplingLevel::Sequence,
+            o => {
+                return Err(format!(
+                    "`loss.importance_sampling_level`: expected token or sequence, got `{o}`"
+                ));
+            }
+        };
+        let scale_rewards = match self.loss.scale_rewards.as_str() {
+            "group" => ScaleRewards::Group,
+            "batch" => ScaleRewards::Batch,
+            "none" => ScaleRewards::None,
+            o => {
+                return Err(format!(
+                    "`loss.scale_rewards`: expected group, batch or none, got `{o}`"
+                ));
+            }
+        };
+        let loss = LossConfig {
+            loss_type,
+            epsilon_low: self.loss.epsilon,
+            epsilon_high: self.loss.epsilon_high.unwrap_or(self.loss.epsilon),
+            delta: self.loss.delta,
+            beta: self.reference.beta,
+            kl_importance_correction: self.loss.use_bias_correction_kl,
+            importance_sampling_level,
+            max_completion_length: r.max_completion_length,
+        };
+        loss.validate().map_err(|e| format!("`loss`: {e}"))?;
+        if self.reference.sync_ref_model {
+            if self.reference.beta == 0.0 {
+                return Err("`reference.sync_ref_model` needs `reference.beta` > 0 (no reference model is kept when beta = 0)".into());
+            }
+            if !(0.0..=1.0).contains(&self.reference.ref_model_mixup_alpha) {
+                return Err("`reference.ref_model_mixup_alpha` must be in [0, 1]".into());
+            }
+            if self.reference.ref_model_sync_steps == 0 {
+                return Err("`reference.ref_model_sync_steps` must be >= 1".into());
+            }
+        }
+        let o = &self.optim;
+        if !(o.learning_rate >= 0.0) || !o.learning_rate.is_finite() {
+            return Err(format!("`optim.learning_rate` must be >= 0, got {}", o.learning_rate));
+        }
+        for (k, v) in [("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(format!("`optim.{k}` must be in [0, 1), got {v}"));
+            }
+        }
+        if !(o.adam_epsilon > 0.0) {
+            return Err("`optim.adam_epsilon` must be > 0".into());
+        }
+        if !["constant", "linear", "cosine"].contains(&o.lr_scheduler_type.as_str()) {
+            return Err(format!(
+                "`optim.lr_scheduler_type`: expected constant, linear or cosine, got `{}`",
+                o.lr_scheduler_type
+            ));
+        }
+        if !(0.0..1.0).contains(&o.warmup_ratio) {
+            return Err("`optim.warmup_ratio` must be in [0, 1)".into());
+        }
+        if o.max_grad_norm < 0.0 {
+            return Err("`optim.max_grad_norm` must be >= 0 (0 = off)".into());
+        }
+        if o.num_iterations == 0 {
+            return Err("`optim.num_iterations` must be >= 1".into());
+        }
+        let t = &self.train;
+        if t.prompts_per_step == 0 {
+            return Err("`train.prompts_per_step` must be >= 1".into());
+        }
+        if t.max_steps == Some(0) {
+            return Err("`train.max_steps` must be >= 1".into());
+        }
+        if t.max_steps.is_none() && !(t.num_train_epochs > 0.0) {
+            return Err("`train.num_train_epochs` must be > 0 (or set `train.max_steps`)".into());
+        }
+        if t.logging_steps == 0 {
+            return Err("`train.logging_steps` must be >= 1".into());
+        }
+        let n = t.prompts_per_step * r.num_generations;
+        let micro = match (t.per_device_train_batch_size, o.gradient_accumulation_steps) {
+            (Some(0), _) => return Err("`train.per_device_train_batch_size` must be >= 1".into()),
+            (_, Some(0)) => return Err("`optim.gradient_accumulation_steps` must be >= 1".into()),
+            (Some(b), Some(ga)) if b * ga != n => {
+                return Err(format!(
+                    "`train.per_device_train_batch_size` ({b}) × `optim.gradient_accumulation_steps` ({ga}) must equal prompts_per_step × num_generations ({n})"
+                ));
+            }
+            (Some(b), _) => b,
+            (None, Some(ga)) => {
+                if n % ga != 0 {
+                    return Err(format!(
+                        "`optim.gradient_accumulation_steps` ({ga}) must divide prompts_per_step × num_generations ({n})"
+                    ));
+                }
+                n / ga
+            }
+            (None, None) => n,
+        };
+        if micro > n {
+            return Err(format!(
+                "`train.per_device_train_batch_size` ({micro}) is larger than a step's {n} completions"
+            ));
+        }
+        let p = &self.pipeline;
+        if p.data_capacity == 0 || p.rollout_capacity == 0 || p.scored_capacity == 0 {
+            return Err("`pipeline.*_capacity` must be >= 1 (channels are bounded)".into());
+        }
+        if p.max_staleness > 0 {
+            return Err("`pipeline.max_staleness` > 0 is not available yet: only 0 (on-policy) is supported in this version".into());
+        }
+        Ok(Resolved {
+            loss,
+            scale_rewards,
+            completions_per_step: n,
+            micro_batch: micro,
+        })
+    }
+
+    /// The config as JSON with secrets removed (judge `api_key` values are never stored, but a
+    /// key-looking field is blanked anyway).
+    pub fn redacted_json(&self) -> Value {
+        fn scrub(v: &mut Value) {
+            match v {
+                Value::Object(m) => {
+                    for (k, child) in m.iter_mut() {
+                        let lk = k.to_ascii_lowercase();
+                        if (lk.contains("api_key") && !lk.ends_with("_env"))
+                            || lk == "authorization"
+                            || lk.contains("secret")
+                            || lk == "password"
+                        {
+                            *child = Value::String("<redacted>".into());
+                        } else {
+                            scrub(child);
+                        }
+                    }
+                }
+                Value::Array(a) => a.iter_mut().for_each(scrub),
+                _ => {}
+            }
+        }
+        let mut v = serde_json::to_value(self).unwrap_or(Value::Null);
+        scrub(&mut v);
+        v
+    }
+}
+
+/// `cpu`, `cuda`, `cuda:N`.
+pub fn parse_device(s: &str) -> std::result::Result<candle_core::Device, String> {
+    match s {
+        "cpu" => Ok(candle_core::Device::Cpu),
+        "cuda" => candle_core::Device::new_cuda(0).map_err(|e| first_line(&e.to_string())),
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) => candle_core::Device::new_cuda(n).map_err(|e| first_line(&e.to_string())),
+            None => Err(format!("expected cpu, cuda or cuda:N, got `{other}`")),
+        },
+    }
+}
+
+/// `f32`, `bf16`, `f16`.
+pub fn parse_dtype(s: &str) -> candle_core::DType {
+    match s {
+        "bf16" => candle_core::DType::BF16,
+        "f16" => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("").to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn minimal() -> Value {
+        serde_json::json!({
+            "model": {"path": "m"},
+            "data": {"path": ["d.jsonl"]},
+            "rewards": [{"type": "accuracy"}],
+        })
+    }
+
+    #[test]
+    fn unknown_key_names_the_closest() {
+        let mut t = minimal();
+        t["optim"] = serde_json::json!({"lerning_rate": 1e-5});
+        let e = from_tree(t, "c.toml").unwrap_err().to_string();
+        assert!(e.contains("unknown key `optim.lerning_rate`"), "{e}");
+        assert!(e.contains("did you mean `optim.learning_rate`"), "{e}");
+    }
+
+    #[test]
+    fn sets_override_and_parse_values() {
+        let mut t = minimal();
+        apply_sets(
+            &mut t,
+            &[
+                "optim.learning_rate=3e-5".into(),
+                "rollout.stop=[\"\\n\"]".into(),
+                "output_dir=runs/x".into(),
+                "model.lora.r=4".into(),
+            ],
+        )
+        .unwrap();
+        let c = from_tree(t, "c").unwrap();
+        assert_eq!(c.optim.learning_rate, 3e-5);
+        assert_eq!(c.rollout.stop, vec!["\n".to_string()]);
+        assert_eq!(c.output_dir, PathBuf::from("runs/x"));
+        assert_eq!(c.model.lora.as_ref().map(|l| l.r), Some(4));
+    }
+
+    #[test]
+    fn batch_geometry_is_checked() {
+        let mut t = minimal();
+        apply_sets(
+            &mut t,
+            &[
+                "train.per_device_train_batch_size=5".into(),
+                "optim.gradient_accumulation_steps=3".into(),
+            ],
+        )
+        .unwrap();
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert!(e.contains("per_device_train_batch_size"), "{e}");
+    }
+
+    #[test]
+    fn yaml_and_toml_read_the_same() {
+        let toml_text = "output_dir = \"r\"\n[model]\npath = \"m\"\n[optim]\nlearning_rate = 2e-5\n";
+        let yaml_text = "output_dir: r\nmodel:\n  path: m\noptim:\n  learning_rate: 2.0e-5\n";
+        let a = parse_tree(toml_text, Path::new("a.toml")).unwrap();
+        let b = parse_tree(yaml_text, Path::new("a.yaml")).unwrap();
+        assert_eq!(a, b);
+    }
+}

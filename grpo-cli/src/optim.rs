@@ -1,0 +1,321 @@
+//! AdamW with saveable state, global-norm gradient clipping and the learning-rate schedules
+//! of Hugging Face `transformers` (constant, linear, cosine, each with linear warm-up).
+//!
+//! candle-nn's AdamW keeps its moments private, so a checkpoint could not restore them and a
+//! resumed run would differ; this one stores `m`, `v` and the step count as tensors.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+
+/// AdamW hyper-parameters (PyTorch's `torch.optim.AdamW` semantics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWParams {
+    /// β1.
+    pub beta1: f64,
+    /// β2.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+/// AdamW over named `Var`s.
+#[derive(Debug)]
+pub struct AdamW {
+    params: AdamWParams,
+    vars: Vec<(String, Var)>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    step: usize,
+}
+
+impl AdamW {
+    /// Zero moments for `vars`.
+    pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
+        let mut m = Vec::with_capacity(vars.len());
+        let mut v = Vec::with_capacity(vars.len());
+        for (_, var) in &vars {
+            m.push(var.zeros_like()?.to_dtype(DType::F32)?);
+            v.push(var.zeros_like()?.to_dtype(DType::F32)?);
+        }
+        Ok(Self {
+            params,
+            vars,
+            m,
+            v,
+            step: 0,
+        })
+    }
+
+    /// Optimizer steps taken.
+    pub fn step_count(&self) -> usize {
+        self.step
+    }
+
+    /// The variables, in order.
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// One update with learning rate `lr` from `grads` (missing gradients count as zero, as
+    /// PyTorch skips parameters whose `.grad` is None; we skip them too).
+    pub fn step(&mut self, grads: &HashMap<String, Tensor>, lr: f64) -> Result<()> {
+        self.step += 1;
+        let p = self.params;
+        let t = self.step as i32;
+        let bc1 = 1.0 - p.beta1.powi(t);
+        let bc2 = 1.0 - p.beta2.powi(t);
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            let Some(g) = grads.get(name) else { continue };
+            let g = g.to_dtype(DType::F32)?;
+            let m = ((&self.m[i] * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
+            let v = ((&self.v[i] * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
+            let w = var.as_tensor().to_dtype(DType::F32)?;
+            // PyTorch: p ← p·(1 − lr·wd); p ← p − lr/bc1 · m / (sqrt(v)/sqrt(bc2) + ε)
+            let w = if p.weight_decay != 0.0 {
+                (w * (1.0 - lr * p.weight_decay))?
+            } else {
+                w
+            };
+            let denom = ((v.sqrt()? / bc2.sqrt())? + p.eps)?;
+            let upd = ((&m / denom)? * (lr / bc1))?;
+            let w = (w - upd)?;
+            var.set(&w.to_dtype(var.dtype())?)?;
+            self.m[i] = m;
+            self.v[i] = v;
+        }
+        Ok(())
+    }
+
+    /// Writes the moments and step to a safetensors file.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let mut map: HashMap<String, Tensor> = HashMap::new();
+        for (i, (name, _)) in self.vars.iter().enumerate() {
+            map.insert(format!("{name}.exp_avg"), self.m[i].clone());
+            map.insert(format!("{name}.exp_avg_sq"), self.v[i].clone());
+        }
+        map.insert(
+            "__step__".into(),
+            Tensor::new(&[self.step as i64], &candle_core::Device::Cpu)?,
+        );
+        candle_core::safetensors::save(&map, path)
+            .with_context(|| format!("{}: cannot write optimizer state", path.display()))?;
+        Ok(())
+    }
+
+    /// Restores moments and step saved by [`AdamW::save`] for the same variables.
+    pub fn load(&mut self, path: &Path) -> Result<()> {
+        let device = self
+            .vars
+            .first()
+            .map(|(_, v)| v.device().clone())
+            .unwrap_or(candle_core::Device::Cpu);
+        let map = candle_core::safetensors::load(path, &device)
+            .with_context(|| format!("{}: cannot read optimizer state", path.display()))?;
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            for (key, slot) in [
+                (format!("{name}.exp_avg"), &mut self.m[i]),
+                (format!("{name}.exp_avg_sq"), &mut self.v[i]),
+            ] {
+                let t = map.get(&key).with_context(|| {
+                    format!("{}: no `{key}` (a checkpoint of another model?)", path.display())
+                })?;
+                if t.dims() != var.dims() {
+                    bail!(
+                        "{}: `{key}` has shape {:?}, the model's is {:?}",
+                        path.display(),
+                        t.dims(),
+                        var.dims()
+                    );
+                }
+                *slot = t.to_dtype(DType::F32)?;
+            }
+        }
+        let step = map
+            .get("__step__")
+            .with_context(|| format!("{}: no `__step__`", path.display()))?
+            .to_dtype(DType::I64)?
+            .to_vec1::<i64>()?;
+        self.step = step.first().copied().unwrap_or(0).max(0) as usize;
+        Ok(())
+    }
+}
+
+/// Sums gradients of `vars` from several backward passes (accumulation).
+pub fn accumulate(
+    acc: &mut HashMap<String, Tensor>,
+    vars: &[(String, Var)],
+    grads: &GradStore,
+) -> Result<()> {
+    for (name, var) in vars {
+        if let Some(g) = grads.get(var.as_tensor()) {
+            let g = g.to_dtype(DType::F32)?;
+            let sum = match acc.remove(name) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            acc.insert(name.clone(), sum);
+        }
+    }
+    Ok(())
+}
+
+/// Global L2 norm of the gradients; when `max_norm > 0` and the norm exceeds it, scales them
+/// by `max_norm / (norm + 1e-6)` (PyTorch's `clip_grad_norm_`). Returns the norm before
+/// clipping.
+pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Result<f64> {
+    let mut total = 0f64;
+    for g in grads.values() {
+        total += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    }
+    let norm = total.sqrt();
+    if max_norm > 0.0 && norm.is_finite() {
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for g in grads.values_mut() {
+                *g = (&*g * coef)?;
+            }
+        }
+    }
+    Ok(norm)
+}
+
+/// The learning-rate schedule.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Schedule {
+    /// `constant`, `linear` or `cosine` (as `transformers`' `get_*_schedule_with_warmup`).
+    pub kind: ScheduleKind,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// Total optimizer steps.
+    pub total: usize,
+}
+
+/// Schedule shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScheduleKind {
+    /// Warm-up then flat.
+    Constant,
+    /// Warm-up then linear decay to 0 at `total`.
+    Linear,
+    /// Warm-up then half a cosine to 0 at `total`.
+    Cosine,
+}
+
+impl Schedule {
+    /// The learning rate for optimizer step `step` (0-based), as the HF `LambdaLR` gives it.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let s = step as f64;
+        if step < self.warmup {
+            return self.lr * s / (self.warmup.max(1) as f64);
+        }
+        let span = (self.total.saturating_sub(self.warmup)).max(1) as f64;
+        let progress = (s - self.warmup as f64) / span;
+        let f = match self.kind {
+            ScheduleKind::Constant => 1.0,
+            ScheduleKind::Linear => {
+                ((self.total as f64 - s) / span).max(0.0)
+            }
+            ScheduleKind::Cosine => {
+                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+            }
+        };
+        self.lr * f
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Reference from PyTorch 2.x:
+    /// ```python
+    /// import torch
+    /// p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    /// opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    /// for g in ([0.5, -1.0, 2.0], [0.1, 0.2, -0.3], [1.0, 1.0, 1.0]):
+    ///     p.grad = torch.tensor(g); opt.step()
+    /// print(p.tolist())
+    /// ```
+    #[test]
+    fn adamw_matches_pytorch() {
+        let dev = Device::Cpu;
+        let var = Var::from_slice(&[1.0f32, -2.0, 3.0], 3, &dev).unwrap();
+        let mut opt = AdamW::new(
+            vec![("p".into(), var.clone())],
+            AdamWParams {
+                beta1: 0.9,
+                beta2: 0.99,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+        )
+        .unwrap();
+        for g in [[0.5f32, -1.0, 2.0], [0.1, 0.2, -0.3], [1.0, 1.0, 1.0]] {
+            let mut m = HashMap::new();
+            m.insert("p".to_string(), Tensor::new(&g, &dev).unwrap());
+            opt.step(&m, 0.1).unwrap();
+        }
+        let got = var.as_tensor().to_vec1::<f32>().unwrap();
+        let want = REFERENCE_ADAMW;
+        for (a, b) in got.iter().zip(want) {
+            assert!((a - b).abs() < 1e-5, "{got:?} vs {want:?}");
+        }
+    }
+
+    const REFERENCE_ADAMW: [f32; 3] = [0.731_942_06, -1.859_604_2, 2.769_154_1];
+
+    #[test]
+    fn schedules_match_transformers() {
+        // transformers.get_linear_schedule_with_warmup(opt, 2, 10) and
+        // get_cosine_schedule_with_warmup(opt, 2, 10): lr before each of steps 0..=10.
+        let lin = Schedule {
+            kind: ScheduleKind::Linear,
+            lr: 1.0,
+            warmup: 2,
+            total: 10,
+        };
+        let got: Vec<f64> = (0..11).map(|s| lin.lr_at(s)).collect();
+        let want = [0.0, 0.5, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0];
+        for (a, b) in got.iter().zip(want) {
+            assert!((a - b).abs() < 1e-12, "{got:?}");
+        }
+        let cos = Schedule {
+            kind: ScheduleKind::Cosine,
+            ..lin
+        };
+        let want_cos = [
+            0.0, 0.5, 1.0, 0.961_939_766_255_643_4, 0.853_553_390_593_273_7, 0.691_341_716_182_544_9,
+            0.5, 0.308_658_283_817_455_14, 0.146_446_609_406_726_27, 0.038_060_233_744_356_63, 0.0,
+        ];
+        for (s, b) in want_cos.iter().enumerate() {
+            assert!((cos.lr_at(s) - b).abs() < 1e-12, "cosine at {s}");
+        }
+        let c = Schedule {
+            kind: ScheduleKind::Constant,
+            ..lin
+        };
+        assert_eq!(c.lr_at(1), 0.5);
+        assert_eq!(c.lr_at(9), 1.0);
+    }
+
+    #[test]
+    fn clipping_scales_to_the_max_norm() {
+        let dev = Device::Cpu;
+        let mut g = HashMap::new();
+        g.insert("a".to_string(), Tensor::new(&[3.0f32, 0.0], &dev).unwrap());
+        g.insert("b".to_string(), Tensor::new(&[4.0f32], &dev).unwrap());
+        let n = clip_grad_norm(&mut g, 1.0).unwrap();
+        assert!((n - 5.0).abs() < 1e-6);
+        let a = g["a"].to_vec1::<f32>().unwrap();
+        assert!((a[0] - 0.6).abs() < 1e-5);
+    }
+}

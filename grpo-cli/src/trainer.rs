@@ -1,0 +1,1347 @@
+//! The GRPO trainer: the pipeline in one file.
+//!
+//! ```text
+//! loader ──PromptBatch──▶ generator ──Rollouts──▶ scorer ──Scored──▶ learner
+//! (grpo-data)            (grpo-rollout,          (grpo-rewards,      (grpo-core loss, backward,
+//!                          policy version v)       advantages)         AdamW, checkpoints, metrics)
+//!                            ▲                                          │
+//!                            └────────── new weights, version v+1 ◀─────┘
+//! ```
+//!
+//! Each stage is a plain struct with one `process` method. [`run`] wires them with
+//! `crossbeam_channel::bounded` channels in `std::thread::scope` (the learner runs on the
+//! calling thread); [`RunMode::Sequential`] calls the same methods in a plain loop, which is
+//! how the tests check that the pipeline with `max_staleness = 0` computes exactly the
+//! sequential algorithm. An error in any stage stops every stage (the channels close) and is
+//! returned naming its stage.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use candle_core::{DType, Device, Tensor};
+use crossbeam_channel::bounded;
+use grpo_core::advantages::{group_advantages, reward_stds};
+use grpo_core::loss::{LossInputs, LossType, policy_loss};
+use grpo_data::{Dataset, Position, Prompt, Sample, SampleStream, StreamConfig};
+use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
+use grpo_rollout::{ChatMessage, Completion, FinishReason, Tokenizer, TrainableModel, Transformer};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Resolved, TrainConfig, parse_device, parse_dtype};
+use crate::optim::{AdamW, AdamWParams, Schedule, ScheduleKind, accumulate, clip_grad_norm};
+
+/// Metrics of one step, by TRL's names.
+pub type Metrics = BTreeMap<String, f64>;
+
+/// Hooks into a run (all optional).
+pub trait Callbacks {
+    /// Before the first step.
+    fn on_train_begin(&mut self, _total_steps: usize) {}
+    /// After each optimizer step with its metrics.
+    fn on_step_end(&mut self, _step: usize, _metrics: &Metrics) {}
+    /// After an evaluation.
+    fn on_evaluate(&mut self, _step: usize, _metrics: &Metrics) {}
+    /// After the last step.
+    fn on_train_end(&mut self, _result: &TrainingResult) {}
+}
+
+/// No callbacks.
+#[derive(Debug, Default)]
+pub struct NoCallbacks;
+impl Callbacks for NoCallbacks {}
+
+/// What [`run`] returns.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TrainingResult {
+    /// Every logged step's metrics, in order.
+    pub metrics: Vec<Metrics>,
+    /// The last checkpoint written (the best one is the last: GRPO has no validation loss).
+    pub best_checkpoint_path: Option<PathBuf>,
+    /// Steps done, counting steps of a resumed run's earlier part.
+    pub total_steps: usize,
+    /// Passes over the training prompts.
+    pub total_epochs: f64,
+    /// The run directory.
+    pub run_dir: PathBuf,
+    /// Whether a stop request (Ctrl-C) ended the run early.
+    pub interrupted: bool,
+}
+
+/// How the stages are driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunMode {
+    /// Threads and bounded channels (the default).
+    Pipelined,
+    /// One thread, the stages called in turn: the reference semantics.
+    Sequential,
+}
+
+/// Options of a run beyond the config.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Resume from this checkpoint directory, or the latest in the run directory when `Some(None)`.
+    pub resume: Option<Option<PathBuf>>,
+    /// Threads or a plain loop.
+    pub mode: RunMode,
+    /// Set to stop after the current step (a checkpoint is written).
+    pub stop: Arc<AtomicBool>,
+    /// Stop (with a checkpoint) after this many steps of this invocation: used by tests to
+    /// simulate a kill.
+    pub stop_after: Option<usize>,
+    /// Print progress lines / a bar.
+    pub progress: bool,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            resume: None,
+            mode: RunMode::Pipelined,
+            stop: Arc::new(AtomicBool::new(false)),
+            stop_after: None,
+            progress: false,
+        }
+    }
+}
+
+/// Everything a run needs, built and checked before any work starts.
+pub struct Setup {
+    /// The config as given.
+    pub cfg: TrainConfig,
+    /// Its validated form.
+    pub res: Resolved,
+    /// Device of the model.
+    pub device: Device,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The policy being trained.
+    pub policy: TrainableModel,
+    /// The frozen reference model (when beta > 0).
+    pub reference: Option<Transformer>,
+    /// The rewards.
+    pub rewards: Arc<RewardSet>,
+    /// Training prompts.
+    pub train: Dataset,
+    /// Evaluation prompts.
+    pub eval: Option<Dataset>,
+    /// Generation batches of the whole run.
+    pub total_steps: usize,
+}
+
+impl std::fmt::Debug for Setup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Setup")
+            .field("model", &self.cfg.model.path)
+            .field("total_steps", &self.total_steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Loads the model, data and rewards and checks that they fit together.
+pub fn setup(cfg: TrainConfig) -> Result<Setup> {
+    setup_with(cfg, |_, _| Ok(grpo_rewards::ScoringModels::default()))
+}
+
+/// [`setup`] with the scoring models (for `inverse_loss`, `coverage_ce`, `reward_model`)
+/// built by `models` from the loaded policy and tokenizer.
+pub fn setup_with(
+    cfg: TrainConfig,
+    models: impl FnOnce(&Transformer, &Tokenizer) -> Result<grpo_rewards::ScoringModels>,
+) -> Result<Setup> {
+    let res = cfg.validate().map_err(|e| anyhow!("config: {e}"))?;
+    let device = parse_device(&cfg.model.device).map_err(|e| anyhow!("config: `model.device`: {e}"))?;
+    let dtype = parse_dtype(&cfg.model.dtype);
+    let splits = cfg
+        .data
+        .open(cfg.train.seed)
+        .map_err(|e| anyhow!("data: {e}"))?;
+    if splits.train.is_empty() {
+        bail!("data: {:?} has no rows", cfg.data.path);
+    }
+    for spec in &cfg.rewards {
+        let needs = match &spec.kind {
+            grpo_rewards::RewardKind::Accuracy(c) => Some(c.answer_field.clone()),
+            grpo_rewards::RewardKind::CoverageCe(c) => Some(c.answer_field.clone()),
+            _ => None,
+        };
+        if let Some(col) = needs {
+            let who = format!("the `{}` reward", spec.kind.type_name());
+            splits
+                .train
+                .require_column(&col, &who)
+                .map_err(|e| anyhow!("data: {e}"))?;
+        }
+    }
+    let loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
+        .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
+    let scoring = models(&loaded.model, &loaded.tokenizer)?;
+    let rewards = cfg
+        .rewards_config()
+        .build(&scoring)
+        .map_err(|e| anyhow!("config: {e}"))?;
+    let policy = match &cfg.model.lora {
+        Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
+        None => TrainableModel::full(&loaded.model)?,
+    };
+    let reference = if cfg.reference.beta > 0.0 {
+        Some(loaded.model.snapshot()?)
+    } else {
+        None
+    };
+    let total_steps = match cfg.train.max_steps {
+        Some(n) => n,
+        None => {
+            let per_epoch = splits.train.len() as f64 / cfg.train.prompts_per_step as f64;
+            ((per_epoch * cfg.train.num_train_epochs).ceil() as usize).max(1)
+        }
+    };
+    Ok(Setup {
+        res,
+        device,
+        tokenizer: loaded.tokenizer,
+        policy,
+        reference,
+        rewards: Arc::new(rewards),
+        train: splits.train,
+        eval: splits.eval,
+        total_steps,
+        cfg,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// What flows between the stages.
+
+/// Prompts of one step, with the data position after them (what a checkpoint stores).
+#[derive(Debug, Clone)]
+pub struct PromptBatch {
+    /// 0-based step index over the whole run.
+    pub step: usize,
+    /// The samples.
+    pub samples: Vec<Sample>,
+    /// Stream position after this batch.
+    pub position: Position,
+}
+
+/// Completions of one step.
+#[derive(Debug, Clone)]
+pub struct Rollouts {
+    /// The prompts.
+    pub batch: PromptBatch,
+    /// Prompt text as the model saw it (after the chat template).
+    pub prompt_texts: Vec<String>,
+    /// Prompt token ids (after left truncation).
+    pub prompt_ids: Vec<Vec<u32>>,
+    /// `num_generations` completions per prompt, grouped by prompt.
+    pub completions: Vec<Completion>,
+    /// The policy version that sampled them.
+    pub version: usize,
+    /// Seconds spent generating.
+    pub seconds: f64,
+}
+
+/// Scored completions of one step.
+#[derive(Debug, Clone)]
+pub struct Scored {
+    /// The rollouts.
+    pub rollouts: Rollouts,
+    /// Per-function scores, combined rewards and reward metrics.
+    pub scores: ScoredBatch,
+    /// One advantage per completion.
+    pub advantages: Vec<f32>,
+    /// Whether each completion's group had zero reward std.
+    pub zero_std: Vec<bool>,
+    /// Seconds spent scoring.
+    pub seconds: f64,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stages.
+
+/// Hands out prompt batches from a resumable stream.
+#[derive(Debug)]
+pub struct Loader {
+    stream: SampleStream,
+    next_step: usize,
+    total_steps: usize,
+}
+
+impl Loader {
+    /// Starts at `position` (resume) or at the beginning.
+    pub fn new(setup: &Setup, start_step: usize, position: Option<Position>) -> Result<Self> {
+        let sc = StreamConfig {
+            seed: setup.cfg.train.seed,
+            shuffle: true,
+            batch_size: setup.cfg.train.prompts_per_step,
+            epochs: None,
+            ..Default::default()
+        };
+        let stream = match position {
+            Some(p) => SampleStream::resume(setup.train.clone(), sc, p),
+            None => SampleStream::new(setup.train.clone(), sc),
+        }
+        .map_err(|e| anyhow!("{e}"))?;
+        Ok(Self {
+            stream,
+            next_step: start_step,
+            total_steps: setup.total_steps,
+        })
+    }
+
+    /// The next batch, or None after the last step.
+    pub fn process(&mut self) -> Result<Option<PromptBatch>> {
+        if self.next_step >= self.total_steps {
+            return Ok(None);
+        }
+        let samples = self
+            .stream
+            .next_batch()
+            .map_err(|e| anyhow!("{e}"))?
+            .context("the endless stream ended")?;
+        let b = PromptBatch {
+            step: self.next_step,
+            samples,
+            position: self.stream.position(),
+        };
+        self.next_step += 1;
+        Ok(Some(b))
+    }
+
+}
+
+/// Passes over the data at a stream position.
+pub fn epochs_of(p: Option<Position>) -> f64 {
+    p.map_or(0.0, |p| p.epoch as f64 + p.index as f64 / p.dataset_len.max(1) as f64)
+}
+
+/// Samples completions with the latest published policy.
+#[derive(Debug)]
+pub struct Generator {
+    tokenizer: Tokenizer,
+    cfg: TrainConfig,
+    model: Arc<Transformer>,
+    version: usize,
+}
+
+impl Generator {
+    /// With the policy weights at `version`.
+    pub fn new(setup: &Setup, model: Arc<Transformer>, version: usize) -> Self {
+        Self {
+            tokenizer: setup.tokenizer.clone(),
+            cfg: setup.cfg.clone(),
+            model,
+            version,
+        }
+    }
+
+    /// Installs new weights.
+    pub fn publish(&mut self, model: Arc<Transformer>, version: usize) {
+        self.model = model;
+        self.version = version;
+    }
+
+    /// The current policy version.
+    pub fn version(&self) -> usize {
+        self.version
+    }
+
+    /// Renders and tokenises a prompt (chat template for conversations), left-truncated.
+    pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<(String, Vec<u32>)> {
+        let (text, ids) = match prompt {
+            Prompt::Conversation(msgs) if self.cfg.rollout.chat_template => {
+                let m: Vec<ChatMessage> = msgs
+                    .iter()
+                    .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+                    .collect();
+                let text = self.tokenizer.apply_chat_template(&m, true)?;
+                let ids = self.tokenizer.encode(&text, false)?;
+                (text, ids)
+            }
+            other => {
+                let text = other.text();
+                let ids = self.tokenizer.encode(&text, true)?;
+                (text, ids)
+            }
+        };
+        let max = self.cfg.rollout.max_prompt_length;
+        let ids = if max > 0 && ids.len() > max {
+            ids[ids.len() - max..].to_vec()
+        } else {
+            ids
+        };
+        Ok((text, ids))
+    }
+
+    /// Generates `num_generations` completions per prompt, seeded by (seed, step).
+    pub fn process(&mut self, batch: PromptBatch) -> Result<Rollouts> {
+        let t0 = Instant::now();
+        let mut prompt_texts = Vec::with_capacity(batch.samples.len());
+        let mut prompt_ids = Vec::with_capacity(batch.samples.len());
+        for s in &batch.samples {
+            let (t, ids) = self
+                .prompt_tokens(&s.prompt)
+                .with_context(|| format!("prompt of row {}", s.index))?;
+            if ids.is_empty() {
+                bail!("row {}: the prompt is empty after tokenisation", s.index);
+            }
+            prompt_texts.push(t);
+            prompt_ids.push(ids);
+        }
+        let seed = step_seed(self.cfg.train.seed, batch.step as u64);
+        let params = self.cfg.rollout.sampling(seed);
+        let completions = grpo_rollout::generate(
+            &self.model,
+            &self.tokenizer,
+            &prompt_ids,
+            self.cfg.rollout.num_generations,
+            &params,
+        )?;
+        Ok(Rollouts {
+            batch,
+            prompt_texts,
+            prompt_ids,
+            completions,
+            version: self.version,
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// A per-step seed (SplitMix64 of seed and step), the same on any machine.
+pub fn step_seed(seed: u64, step: u64) -> u64 {
+    grpo_data::rng::mix(seed, 0x6e6e_7261_7465, step)
+}
+
+/// Scores completions and computes advantages.
+#[derive(Debug)]
+pub struct Scorer {
+    rewards: Arc<RewardSet>,
+    res: Resolved,
+    num_generations: usize,
+    drop_zero_std: bool,
+}
+
+impl Scorer {
+    /// For a run's rewards.
+    pub fn new(setup: &Setup) -> Self {
+        Self {
+            rewards: setup.rewards.clone(),
+            res: setup.res.clone(),
+            num_generations: setup.cfg.rollout.num_generations,
+            drop_zero_std: setup.cfg.loss.drop_zero_std_groups,
+        }
+    }
+
+    /// Reward inputs of every completion.
+    pub fn inputs(r: &Rollouts) -> Vec<RewardInput> {
+        r.completions
+            .iter()
+            .map(|c| {
+                let s = &r.batch.samples[c.prompt_index];
+                let mut x = RewardInput::new(r.prompt_texts[c.prompt_index].clone(), c.text.clone())
+                    .with_tokens(c.token_ids.len());
+                if let Prompt::Conversation(m) = &s.prompt {
+                    x = x.with_messages(
+                        m.iter()
+                            .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                            .collect(),
+                    );
+                }
+                for (k, v) in &s.columns {
+                    x = x.with_field(k.to_string(), to_field(v));
+                }
+                x
+            })
+            .collect()
+    }
+
+    /// Scores one step.
+    pub fn process(&mut self, rollouts: Rollouts) -> Result<Scored> {
+        let t0 = Instant::now();
+        let inputs = Self::inputs(&rollouts);
+        let scores = self.rewards.score(&inputs).map_err(|e| anyhow!("{e}"))?;
+        let g = self.num_generations;
+        let advantages = group_advantages(&scores.rewards, g, self.res.scale_rewards);
+        let stds = reward_stds(&scores.rewards, g, self.res.scale_rewards);
+        let zero_std: Vec<bool> = (0..scores.rewards.len())
+            .map(|i| {
+                let gi = i / g;
+                let group = &scores.rewards[gi * g..(gi + 1) * g];
+                let s = stds.get(i).copied().unwrap_or(f64::NAN);
+                self.drop_zero_std && (s.abs() <= 1e-8 || group.iter().all(|r| r.is_nan()))
+            })
+            .collect();
+        Ok(Scored {
+            rollouts,
+            scores,
+            advantages,
+            zero_std,
+            seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+fn to_field(v: &grpo_data::Value) -> FieldValue {
+    match v {
+        grpo_data::Value::Null => FieldValue::Null,
+        grpo_data::Value::Bool(b) => FieldValue::Bool(*b),
+        grpo_data::Value::Int(i) => FieldValue::Int(*i),
+        grpo_data::Value::Float(f) => FieldValue::Float(*f),
+        grpo_data::Value::Str(s) => FieldValue::Str(s.clone()),
+        grpo_data::Value::StrList(l) => FieldValue::StrList(l.clone()),
+    }
+}
+
+/// The learner's persistent state besides the weights.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Steps (generation batches) done.
+    pub step: usize,
+    /// Data position after the last trained batch.
+    pub position: Option<Position>,
+    /// Prompt + completion tokens trained on so far (TRL's `num_tokens`).
+    pub num_tokens: u64,
+    /// Passes over the data.
+    pub epoch: f64,
+    /// Optimizer updates done (step × num_iterations).
+    pub optimizer_steps: usize,
+}
+
+/// Computes the loss, updates the weights, writes metrics and checkpoints.
+pub struct Learner {
+    cfg: TrainConfig,
+    res: Resolved,
+    device: Device,
+    tokenizer: Tokenizer,
+    policy: TrainableModel,
+    reference: Option<Transformer>,
+    opt: AdamW,
+    schedule: Schedule,
+    /// Progress so far.
+    pub state: TrainerState,
+    run_dir: PathBuf,
+    metrics_file: Option<std::fs::File>,
+    completions_file: Option<std::fs::File>,
+    base_model: String,
+    /// Checkpoints written, oldest first.
+    pub checkpoints: Vec<PathBuf>,
+}
+
+impl std::fmt::Debug for Learner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Learner")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+const STATE_FILE: &str = "trainer_state.json";
+const OPT_FILE: &str = "optimizer.safetensors";
+const REF_FILE: &str = "reference.safetensors";
+
+impl Learner {
+    /// Takes the policy out of `setup`.
+    pub fn new(setup: &Setup, run_dir: &Path) -> Result<Self> {
+        let o = &setup.cfg.optim;
+        let opt = AdamW::new(
+            setup.policy.vars.clone(),
+            AdamWParams {
+                beta1: o.adam_beta1,
+                beta2: o.adam_beta2,
+                eps: o.adam_epsilon,
+                weight_decay: o.weight_decay,
+            },
+        )?;
+        let total_updates = setup.total_steps * o.num_iterations;
+        let warmup = if o.warmup_steps > 0 {
+            o.warmup_steps
+        } else {
+            (o.warmup_ratio * total_updates as f64).ceil() as usize
+        };
+        let kind = match o.lr_scheduler_type.as_str() {
+            "constant" => ScheduleKind::Constant,
+            "cosine" => ScheduleKind::Cosine,
+            _ => ScheduleKind::Linear,
+        };
+        Ok(Self {
+            cfg: setup.cfg.clone(),
+            res: setup.res.clone(),
+            device: setup.device.clone(),
+            tokenizer: setup.tokenizer.clone(),
+            policy: setup.policy.clone(),
+            reference: setup.reference.clone(),
+            opt,
+            schedule: Schedule {
+                kind,
+                lr: o.learning_rate,
+                warmup,
+                total: total_updates,
+            },
+            state: TrainerState::default(),
+            run_dir: run_dir.to_path_buf(),
+            metrics_file: None,
+            completions_file: None,
+            base_model: setup.cfg.model.path.display().to_string(),
+            checkpoints: Vec::new(),
+        })
+    }
+
+    /// A detached deep copy of the current policy, for the generator.
+    pub fn publish(&self) -> Result<Arc<Transformer>> {
+        Ok(Arc::new(self.policy.model.snapshot()?))
+    }
+
+    /// Opens metrics.jsonl and completions.jsonl for appending.
+    pub fn open_logs(&mut self) -> Result<()> {
+        let open = |name: &str| -> Result<std::fs::File> {
+            let p = self.run_dir.join(name);
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&p)
+                .with_context(|| format!("{}: cannot open", p.display()))
+        };
+        self.metrics_file = Some(open("metrics.jsonl")?);
+        if self.cfg.train.log_completions {
+            self.completions_file = Some(open("completions.jsonl")?);
+        }
+        Ok(())
+    }
+
+    /// Per-token log-probs `(B, C)` of completions (right-padded to `C`) after left-padded
+    /// prompts, under `model`; entropies when asked.
+    fn logps(
+        &self,
+        model: &Transformer,
+        prompts: &[&[u32]],
+        completions: &[&[u32]],
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>, usize)> {
+        let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
+        let c = completions.iter().map(|x| x.len()).max().unwrap_or(0).max(1);
+        let pad = self.tokenizer.pad_token_id;
+        let b = prompts.len();
+        let mut ids = Vec::with_capacity(b * (p + c));
+        let mut mask = Vec::with_capacity(b * (p + c));
+        for (pr, co) in prompts.iter().zip(completions) {
+            ids.extend(std::iter::repeat_n(pad, p - pr.len()));
+            mask.extend(std::iter::repeat_n(0u32, p - pr.len()));
+            ids.extend(pr.iter());
+            mask.extend(std::iter::repeat_n(1u32, pr.len()));
+            ids.extend(co.iter());
+            mask.extend(std::iter::repeat_n(1u32, co.len()));
+            ids.extend(std::iter::repeat_n(pad, c - co.len()));
+            mask.extend(std::iter::repeat_n(0u32, c - co.len()));
+        }
+        let ids = Tensor::from_vec(ids, (b, p + c), &self.device)?;
+        let mask = Tensor::from_vec(mask, (b, p + c), &self.device)?;
+        let (lp, ent) = model.completion_logprobs(
+            &ids,
+            &mask,
+            c,
+            self.cfg.rollout.temperature,
+            with_entropy,
+        )?;
+        Ok((lp, ent, c))
+    }
+
+    /// One step: old and reference log-probs, `num_iterations` optimizer updates over the
+    /// micro-batches, metrics. Returns the step's metrics.
+    pub fn process(&mut self, s: &Scored) -> Result<Metrics> {
+        let t0 = Instant::now();
+        let r = &s.rollouts;
+        let n = r.completions.len();
+        let eos: Vec<u32> = self.tokenizer.eos_token_ids.clone();
+        let prompts: Vec<&[u32]> = r
+            .completions
+            .iter()
+            .map(|c| r.prompt_ids[c.prompt_index].as_slice())
+            .collect();
+        let comps: Vec<&[u32]> = r.completions.iter().map(|c| c.token_ids.as_slice()).collect();
+        // Completion mask rows: 1 on real tokens; 0 for masked truncations / dropped groups.
+        let keep: Vec<bool> = r
+            .completions
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let truncated = c.finish_reason == FinishReason::Length
+                    && c.token_ids.last().is_none_or(|t| !eos.contains(t));
+                !(self.cfg.loss.mask_truncated_completions && truncated) && !s.zero_std[i]
+            })
+            .collect();
+        let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
+        let total_tokens: usize = (0..n).filter(|&i| keep[i]).map(|i| lens[i]).sum();
+
+        let micro = self.res.micro_batch;
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(micro)
+            .map(|a| (a, (a + micro).min(n)))
+            .collect();
+        let ga = chunks.len() as f64;
+        let mask_of = |a: usize, b: usize, c: usize| -> Result<Tensor> {
+            let mut m = Vec::with_capacity((b - a) * c);
+            for i in a..b {
+                let k = if keep[i] { lens[i] } else { 0 };
+                m.extend((0..c).map(|j| if j < k { 1f32 } else { 0f32 }));
+            }
+            Ok(Tensor::from_vec(m, (b - a, c), &self.device)?)
+        };
+
+        // Old-policy log-probs (num_iterations > 1) and reference log-probs, no graph.
+        let need_old = self.cfg.optim.num_iterations > 1;
+        let frozen = if need_old {
+            Some(self.policy.model.detached())
+        } else {
+            None
+        };
+        let mut old: Vec<Option<Tensor>> = Vec::new();
+        let mut refs: Vec<Option<Tensor>> = Vec::new();
+        for &(a, b) in &chunks {
+            old.push(match &frozen {
+                Some(m) => Some(self.logps(m, &prompts[a..b], &comps[a..b], false)?.0.detach()),
+                None => None,
+            });
+            refs.push(match &self.reference {
+                Some(m) => Some(self.logps(m, &prompts[a..b], &comps[a..b], false)?.0.detach()),
+                None => None,
+            });
+        }
+
+        let mut sums: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
+        let mut add = |k: &'static str, v: f64| {
+            let e = sums.entry(k).or_insert((0.0, 0.0));
+            e.0 += v;
+            e.1 += 1.0;
+        };
+        let mut last_grad_norm = 0.0;
+        let mut last_lr = 0.0;
+        let dapo_like = matches!(self.res.loss.loss_type, LossType::Dapo | LossType::Cispo);
+        for _iter in 0..self.cfg.optim.num_iterations {
+            let mut acc: HashMap<String, Tensor> = HashMap::new();
+            for (ci, &(a, b)) in chunks.iter().enumerate() {
+                let (lp, ent, c) = self.logps(&self.policy.model, &prompts[a..b], &comps[a..b], true)?;
+                let mask = mask_of(a, b, c)?;
+                let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
+                let out = policy_loss(
+                    &LossInputs {
+                        per_token_logps: &lp,
+                        old_per_token_logps: old[ci].as_ref(),
+                        ref_per_token_logps: refs[ci].as_ref(),
+                        advantages: &adv,
+                        completion_mask: &mask,
+                        num_items_in_batch: Some(total_tokens as f64),
+                    },
+                    &self.res.loss,
+                )?;
+                let loss = if dapo_like { out.loss } else { (out.loss / ga)? };
+                let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                if !lv.is_finite() {
+                    bail!("non-finite loss ({lv}) at step {}", r.batch.step);
+                }
+                add("loss", if dapo_like { lv } else { lv * ga });
+                if let Some(e) = ent {
+                    let msum = mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    if msum > 0.0 {
+                        let es = (e.detach() * &mask)?
+                            .sum_all()?
+                            .to_dtype(DType::F64)?
+                            .to_scalar::<f64>()?;
+                        add("entropy", es / msum);
+                    }
+                }
+                if self.reference.is_some() {
+                    add("kl", out.metrics.kl);
+                }
+                add("clip_ratio/low_mean", out.metrics.clip_ratio_low_mean);
+                add("clip_ratio/high_mean", out.metrics.clip_ratio_high_mean);
+                add("clip_ratio/region_mean", out.metrics.clip_ratio_region_mean);
+                let grads = loss.backward()?;
+                accumulate(&mut acc, self.opt.vars(), &grads)?;
+            }
+            last_grad_norm = clip_grad_norm(&mut acc, self.cfg.optim.max_grad_norm)?;
+            if !last_grad_norm.is_finite() {
+                bail!("non-finite gradient norm at step {}", r.batch.step);
+            }
+            last_lr = self.schedule.lr_at(self.state.optimizer_steps);
+            self.opt.step(&acc, last_lr)?;
+            self.state.optimizer_steps += 1;
+        }
+        // Loss summed over micro-batches gives the step's loss; other metrics are means.
+        let mut m = Metrics::new();
+        for (k, (sum, cnt)) in &sums {
+            let v = if *k == "loss" {
+                sum / self.cfg.optim.num_iterations as f64
+            } else {
+                sum / cnt.max(1.0)
+            };
+            m.insert((*k).to_string(), v);
+        }
+        if self.reference.is_none() {
+            m.insert("kl".into(), 0.0);
+        }
+        m.insert("grad_norm".into(), last_grad_norm);
+        m.insert("learning_rate".into(), last_lr);
+
+        // Reference sync (TR-DPO): ref ← α·policy + (1 − α)·ref every ref_model_sync_steps.
+        self.state.step = r.batch.step + 1;
+        if self.cfg.reference.sync_ref_model
+            && self.state.step % self.cfg.reference.ref_model_sync_steps == 0
+            && let Some(reference) = &self.reference
+        {
+            let alpha = self.cfg.reference.ref_model_mixup_alpha;
+            let merged = merged_policy(&self.policy)?;
+            let pw: HashMap<String, Tensor> = merged.weights().into_iter().collect();
+            let mut new_w = HashMap::new();
+            for (k, rw) in reference.weights() {
+                let p = pw.get(&k).with_context(|| format!("policy has no `{k}`"))?;
+                new_w.insert(k, ((p * alpha)? + (rw * (1.0 - alpha))?)?);
+            }
+            self.reference = Some(Transformer::from_weights(
+                &reference.cfg,
+                &new_w,
+                reference.dtype(),
+                reference.device(),
+            )?);
+        }
+
+        // Step metrics.
+        let sc = &s.scores;
+        let stats = grpo_core::advantages::reward_stats(
+            &sc.per_function,
+            &self.reward_weights(sc),
+            self.cfg.rollout.num_generations,
+            self.res.scale_rewards,
+        );
+        m.insert("reward".into(), stats.reward);
+        m.insert("reward_std".into(), stats.reward_std);
+        m.insert("frac_reward_zero_std".into(), stats.frac_reward_zero_std);
+        for (k, v) in &sc.metrics {
+            m.insert(k.clone(), *v);
+        }
+        let lf: Vec<f64> = lens.iter().map(|&l| l as f64).collect();
+        let truncated: Vec<bool> = r
+            .completions
+            .iter()
+            .map(|c| c.finish_reason == FinishReason::Length)
+            .collect();
+        m.insert("completions/mean_length".into(), mean(&lf));
+        m.insert("completions/min_length".into(), lf.iter().copied().fold(f64::INFINITY, f64::min));
+        m.insert("completions/max_length".into(), lf.iter().copied().fold(0.0, f64::max));
+        m.insert(
+            "completions/clipped_ratio".into(),
+            truncated.iter().filter(|&&t| t).count() as f64 / n.max(1) as f64,
+        );
+        let term: Vec<f64> = lf
+            .iter()
+            .zip(&truncated)
+            .filter(|(_, t)| !**t)
+            .map(|(l, _)| *l)
+            .collect();
+        m.insert(
+            "completions/mean_terminated_length".into(),
+            if term.is_empty() { 0.0 } else { mean(&term) },
+        );
+        let prompt_tokens: usize = prompts.iter().map(|p| p.len()).sum();
+        self.state.num_tokens += (prompt_tokens + lens.iter().sum::<usize>()) as u64;
+        m.insert("num_tokens".into(), self.state.num_tokens as f64);
+        m.insert("step".into(), self.state.step as f64);
+        m.insert("policy_version".into(), r.version as f64);
+        let train_s = t0.elapsed().as_secs_f64();
+        m.insert("timing/generate_s".into(), r.seconds);
+        m.insert("timing/score_s".into(), s.seconds);
+        m.insert("timing/train_s".into(), train_s);
+        self.state.position = Some(r.batch.position);
+        Ok(m)
+    }
+
+    fn reward_weights(&self, sc: &ScoredBatch) -> Vec<f32> {
+        // The set's weights, in the order of its names.
+        let w = self
+            .cfg
+            .reward_weights
+            .clone()
+            .unwrap_or_else(|| self.cfg.rewards.iter().map(|r| r.weight).collect());
+        if w.len() == sc.per_function.len() {
+            w
+        } else {
+            vec![1.0; sc.per_function.len()]
+        }
+    }
+
+    /// Appends a metrics line.
+    pub fn log_metrics(&mut self, m: &Metrics) -> Result<()> {
+        if let Some(f) = &mut self.metrics_file {
+            let line = serde_json::to_string(&finite_json(m))?;
+            writeln!(f, "{line}").context("metrics.jsonl: write failed")?;
+        }
+        Ok(())
+    }
+
+    /// Appends the first `num_completions_to_print` completions of a step.
+    pub fn log_completions(&mut self, s: &Scored) -> Result<()> {
+        let Some(f) = &mut self.completions_file else {
+            return Ok(());
+        };
+        let r = &s.rollouts;
+        for (i, c) in r
+            .completions
+            .iter()
+            .enumerate()
+            .take(self.cfg.train.num_completions_to_print)
+        {
+            let mut rewards = serde_json::Map::new();
+            for (k, name) in s.scores.names.iter().enumerate() {
+                let v = s.scores.per_function[k][i];
+                rewards.insert(name.clone(), v.map_or(serde_json::Value::Null, |x| serde_json::json!(x)));
+            }
+            let line = serde_json::json!({
+                "step": r.batch.step + 1,
+                "prompt": r.prompt_texts[c.prompt_index],
+                "completion": c.text,
+                "rewards": rewards,
+                "reward": finite(s.scores.rewards[i] as f64),
+                "advantage": s.advantages[i],
+                "finish_reason": c.finish_reason,
+            });
+            writeln!(f, "{line}").context("completions.jsonl: write failed")?;
+        }
+        Ok(())
+    }
+
+    /// Writes `checkpoints/step-N` atomically (a temporary directory renamed) and prunes old
+    /// ones beyond `save_total_limit`.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        let root = self.run_dir.join("checkpoints");
+        std::fs::create_dir_all(&root)
+            .with_context(|| format!("{}: cannot create", root.display()))?;
+        let name = format!("step-{}", self.state.step);
+        let tmp = root.join(format!(".tmp-{name}"));
+        let dst = root.join(&name);
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).ok();
+        }
+        std::fs::create_dir_all(&tmp)?;
+        let dtype = self.policy.model.dtype();
+        match &self.policy.lora {
+            Some(l) => {
+                grpo_rollout::lora::save_peft(&self.policy.model, l, &tmp.join("adapter"), &self.base_model)?;
+            }
+            None => {
+                grpo_rollout::save_hf_dir(&self.policy.model.detached(), &self.tokenizer, &tmp.join("model"), dtype)?;
+            }
+        }
+        self.opt.save(&tmp.join(OPT_FILE))?;
+        if self.cfg.reference.sync_ref_model
+            && let Some(r) = &self.reference
+        {
+            let map: HashMap<String, Tensor> = r.weights().into_iter().collect();
+            candle_core::safetensors::save(&map, tmp.join(REF_FILE))?;
+        }
+        std::fs::write(tmp.join(STATE_FILE), serde_json::to_vec_pretty(&self.state)?)?;
+        std::fs::write(
+            tmp.join("config.json"),
+            serde_json::to_vec_pretty(&self.cfg.redacted_json())?,
+        )?;
+        if dst.exists() {
+            std::fs::remove_dir_all(&dst)?;
+        }
+        std::fs::rename(&tmp, &dst)
+            .with_context(|| format!("{}: cannot rename into place", dst.display()))?;
+        self.checkpoints.retain(|p| p != &dst);
+        self.checkpoints.push(dst.clone());
+        let limit = self.cfg.train.save_total_limit;
+        if limit > 0 {
+            let mut all = list_checkpoints(&self.run_dir);
+            while all.len() > limit {
+                let (_, old) = all.remove(0);
+                std::fs::remove_dir_all(&old).ok();
+                self.checkpoints.retain(|p| p != &old);
+            }
+        }
+        Ok(dst)
+    }
+
+    /// Restores weights, optimizer, reference and state from a checkpoint.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        let state: TrainerState = serde_json::from_slice(
+            &std::fs::read(dir.join(STATE_FILE))
+                .with_context(|| format!("{}: not a checkpoint (no {STATE_FILE})", dir.display()))?,
+        )
+        .with_context(|| format!("{}: invalid {STATE_FILE}", dir.display()))?;
+        let dtype = self.policy.model.dtype();
+        let weights: HashMap<String, Tensor> = match &self.policy.lora {
+            Some(_) => {
+                let p = dir.join("adapter").join("adapter_model.safetensors");
+                let raw = candle_core::safetensors::load(&p, &self.device)
+                    .with_context(|| format!("{}: cannot read the adapter", p.display()))?;
+                // PEFT keys carry the `base_model.model.` prefix and no adapter name.
+                let mut m = HashMap::new();
+                // Our LoRA variables are named by their PEFT keys.
+                for (k, _) in self.opt.vars() {
+                    let t = raw
+                        .get(k)
+                        .with_context(|| format!("{}: no `{k}`", p.display()))?;
+                    m.insert(k.clone(), t.clone());
+                }
+                m
+            }
+            None => {
+                let d = dir.join("model");
+                grpo_rollout::loader::read_safetensors(&d, &self.device)?
+                    .into_iter()
+                    .collect()
+            }
+        };
+        for (k, var) in self.opt.vars() {
+            let t = weights
+                .get(k)
+                .with_context(|| format!("{}: checkpoint has no weight `{k}`", dir.display()))?;
+            if t.dims() != var.dims() {
+                bail!("{}: `{k}` has shape {:?}, the model's is {:?}", dir.display(), t.dims(), var.dims());
+            }
+            var.set(&t.to_dtype(dtype)?)?;
+        }
+        // Tied heads: the model shares the embedding tensor with its var, so nothing else to do.
+        self.opt.load(&dir.join(OPT_FILE))?;
+        if self.cfg.reference.sync_ref_model
+            && let Some(r) = &self.reference
+        {
+            let p = dir.join(REF_FILE);
+            let map = candle_core::safetensors::load(&p, &self.device)
+                .with_context(|| format!("{}: cannot read", p.display()))?;
+            self.reference = Some(Transformer::from_weights(&r.cfg, &map, r.dtype(), r.device())?);
+        }
+        self.state = state;
+        Ok(())
+    }
+
+    /// The trained policy (adapters unmerged).
+    pub fn policy(&self) -> &TrainableModel {
+        &self.policy
+    }
+}
+
+fn merged_policy(p: &TrainableModel) -> Result<Transformer> {
+    Ok(match &p.lora {
+        Some(_) => grpo_rollout::lora::merge(&p.model.detached())?,
+        None => p.model.detached(),
+    })
+}
+
+/// Complete checkpoints of a run directory, oldest (lowest step) first.
+pub fn list_checkpoints(run_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(run_dir.join("checkpoints")) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(n) = name.strip_prefix("step-").and_then(|n| n.parse::<usize>().ok())
+                && e.path().join(STATE_FILE).exists()
+            {
+                out.push((n, e.path()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+fn finite(x: f64) -> serde_json::Value {
+    if x.is_finite() {
+        serde_json::json!(x)
+    } else {
+        serde_json::Value::Null
+    }
+}
+
+fn finite_json(m: &Metrics) -> serde_json::Value {
+    serde_json::Value::Object(m.iter().map(|(k, v)| (k.clone(), finite(*v))).collect())
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("").to_string()
+}
+
+/// Peak resident memory of this process in MiB (Linux; NaN elsewhere).
+pub fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run.
+
+/// Trains per `setup`, writing the run directory; returns the logged metrics.
+pub fn run(setup: Setup, opts: &RunOptions, callbacks: &mut dyn Callbacks) -> Result<TrainingResult> {
+    let run_dir = setup.cfg.output_dir.clone();
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;
+    std::fs::write(
+        run_dir.join("config.json"),
+        serde_json::to_vec_pretty(&setup.cfg.redacted_json())?,
+    )
+    .with_context(|| format!("{}: cannot write config.json", run_dir.display()))?;
+
+    let mut learner = Learner::new(&setup, &run_dir)?;
+    if let Some(which) = &opts.resume {
+        let dir = match which {
+            Some(d) => d.clone(),
+            None => list_checkpoints(&run_dir)
+                .pop()
+                .map(|(_, p)| p)
+                .with_context(|| format!("--resume: no complete checkpoint in {}", run_dir.join("checkpoints").display()))?,
+        };
+        learner.load_checkpoint(&dir)?;
+        // Metrics of steps after the checkpoint (written before a crash) are dropped so the
+        // file reads like one uninterrupted run.
+        truncate_metrics(&run_dir.join("metrics.jsonl"), learner.state.step)?;
+    }
+    learner.open_logs()?;
+    let start = learner.state.step;
+    let mut loader = Loader::new(&setup, start, learner.state.position)?;
+    let first = learner.publish()?;
+    let mut generator = Generator::new(&setup, first, start);
+    let mut scorer = Scorer::new(&setup);
+    let total = setup.total_steps;
+    callbacks.on_train_begin(total);
+    let mut result = TrainingResult {
+        run_dir: run_dir.clone(),
+        ..Default::default()
+    };
+    let mut progress = crate::progress::Progress::new(opts.progress, start, total);
+    let eval = setup.eval.clone();
+    let mut on_step = |learner: &mut Learner, scored: &Scored, mut m: Metrics, epochs: f64, t_step: f64| -> Result<bool> {
+        m.insert("epoch".into(), epochs);
+        m.insert("step_time".into(), t_step);
+        m.insert("tokens_per_s".into(), scored.rollouts.completions.iter().map(|c| c.token_ids.len()).sum::<usize>() as f64 / t_step.max(1e-9));
+        m.insert("peak_rss_mib".into(), peak_rss_mib());
+        learner.state.epoch = epochs;
+        let step = learner.state.step;
+        if step % setup.cfg.train.logging_steps == 0 || step == total {
+            learner.log_metrics(&m)?;
+            learner.log_completions(scored)?;
+        }
+        progress.step(step, &m);
+        callbacks.on_step_end(step, &m);
+        if setup.cfg.train.eval_steps > 0 && step % setup.cfg.train.eval_steps == 0
+            && let Some(ev) = &eval
+        {
+            let em = evaluate(&setup, learner, ev)?;
+            learner.log_metrics(&em)?;
+            callbacks.on_evaluate(step, &em);
+        }
+        result.metrics.push(m);
+        let save_now = setup.cfg.train.save_steps > 0 && step % setup.cfg.train.save_steps == 0;
+        let stop = opts.stop.load(Ordering::SeqCst)
+            || opts.stop_after.is_some_and(|k| step - start >= k);
+        if save_now || step == total || stop {
+            result.best_checkpoint_path = Some(learner.save_checkpoint()?);
+        }
+        Ok(stop)
+    };
+
+    match opts.mode {
+        RunMode::Sequential => {
+            while let Some(batch) = loader.process().context("data stage")? {
+                let t0 = Instant::now();
+                let rollouts = generator.process(batch).context("generator stage")?;
+                let scored = scorer.process(rollouts).context("scorer stage")?;
+                let m = learner.process(&scored).context("learner stage")?;
+                generator.publish(learner.publish()?, learner.state.step);
+                let epochs = epochs_of(learner.state.position);
+                let stop = on_step(&mut learner, &scored, m, epochs, t0.elapsed().as_secs_f64())?;
+                if stop {
+                    result.interrupted = true;
+                    break;
+                }
+            }
+        }
+        RunMode::Pipelined => {
+            let p = &setup.cfg.pipeline;
+            let (data_tx, data_rx) = bounded::<PromptBatch>(p.data_capacity);
+            let (roll_tx, roll_rx) = bounded::<Rollouts>(p.rollout_capacity);
+            let (scored_tx, scored_rx) = bounded::<Scored>(p.scored_capacity);
+            let (weights_tx, weights_rx) = bounded::<(Arc<Transformer>, usize)>(1);
+            let halt = Arc::new(AtomicBool::new(false));
+            let staleness = p.max_staleness;
+            let outcome: Result<()> = std::thread::scope(|scope| {
+                let h1 = halt.clone();
+                let loader_h = scope.spawn(move || -> Result<()> {
+                    while !h1.load(Ordering::SeqCst) {
+                        match loader.process().context("data stage")? {
+                            Some(b) => {
+                                if data_tx.send(b).is_err() {
+                                    break;
+                                }
+                            }
+                            None => break,
+                        }
+                    }
+                    Ok(())
+                });
+                let h2 = halt.clone();
+                let gen_h = scope.spawn(move || -> Result<()> {
+                    for batch in data_rx.iter() {
+                        // On-policy within `staleness` versions: wait for the learner's weights.
+                        while batch.step > generator.version() + staleness {
+                            match weights_rx.recv() {
+                                Ok((w, v)) => generator.publish(w, v),
+                                Err(_) => return Ok(()),
+                            }
+                        }
+                        if h2.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        let r = generator.process(batch).context("generator stage")?;
+                        if roll_tx.send(r).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(())
+                });
+                let scorer_h = scope.spawn(move || -> Result<()> {
+                    for r in roll_rx.iter() {
+                        let s = scorer.process(r).context("scorer stage")?;
+                        if scored_tx.send(s).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(())
+                });
+                // Learner on this thread.
+                let mut learn = || -> Result<()> {
+                    let mut t_last = Instant::now();
+                    for scored in scored_rx.iter() {
+                        let m = learner.process(&scored).context("learner stage")?;
+                        let v = learner.state.step;
+                        if v < total {
+                            let w = learner.publish()?;
+                            // The generator may have stopped (error): ignore a closed channel.
+                            let _ = weights_tx.send((w, v));
+                        }
+                        let epochs = epochs_of(learner.state.position);
+                        let dt = t_last.elapsed().as_secs_f64();
+                        t_last = Instant::now();
+                        if on_step(&mut learner, &scored, m, epochs, dt)? {
+                            result.interrupted = true;
+                            return Ok(());
+                        }
+                    }
+                    Ok(())
+                };
+                let learn_res = learn();
+                halt.store(true, Ordering::SeqCst);
+                drop(scored_rx);
+                drop(weights_tx);
+                let mut first_err = learn_res.err();
+                for (h, name) in [(loader_h, "data"), (gen_h, "generator"), (scorer_h, "scorer")] {
+                    match h.join() {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            if first_err.is_none() {
+                                first_err = Some(e);
+                            }
+                        }
+                        Err(_) => {
+                            if first_err.is_none() {
+                                first_err = Some(anyhow!("{name} stage panicked"));
+                            }
+                        }
+                    }
+                }
+                match first_err {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                }
+            });
+            outcome?;
+        }
+    }
+    progress.finish();
+    result.total_steps = learner.state.step;
+    result.total_epochs = learner.state.epoch;
+    callbacks.on_train_end(&result);
+    Ok(result)
+}
+
+/// Mean reward (and per-function means) on the eval split, sampled with the current policy.
+pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metrics> {
+    let model = learner.publish()?;
+    let mut generator = Generator::new(setup, model, learner.state.step);
+    let mut scorer = Scorer::new(setup);
+    let sc = StreamConfig {
+        seed: setup.cfg.train.seed,
+        shuffle: false,
+        batch_size: setup.cfg.train.prompts_per_step,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    let mut stream = SampleStream::new(eval.clone(), sc).map_err(|e| anyhow!("eval data: {e}"))?;
+    let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("eval data: {e}"))? {
+        let batch = PromptBatch {
+            step: usize::MAX / 2,
+            samples,
+            position: stream.position(),
+        };
+        let r = generator.process(batch)?;
+        let s = scorer.process(r)?;
+        for (i, name) in s.scores.names.iter().enumerate() {
+            for v in s.scores.per_function[i].iter().flatten() {
+                let e = sums.entry(format!("eval/rewards/{name}/mean")).or_insert((0.0, 0.0));
+                e.0 += *v as f64;
+                e.1 += 1.0;
+            }
+        }
+        for v in s.scores.rewards.iter().filter(|v| !v.is_nan()) {
+            let e = sums.entry("eval/reward".into()).or_insert((0.0, 0.0));
+            e.0 += *v as f64;
+            e.1 += 1.0;
+        }
+    }
+    let mut m: Metrics = sums.into_iter().map(|(k, (s, c))| (k, s / c.max(1.0))).collect();
+    if let Some(a) = m.get("eval/rewards/accuracy/mean").copied() {
+        m.insert("eval/accuracy".into(), a);
+    }
+    m.insert("step".into(), learner.state.step as f64);
+    Ok(m)
+}
+
+fn truncate_metrics(path: &Path, keep_until_step: usize) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v.get("step").and_then(|s| s.as_f64()))
+                .is_some_and(|s| s as usize <= keep_until_step)
+        })
+        .collect();
+    let mut out = kept.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("{}: cannot rewrite", path.display()))?;
+    Ok(())
+}

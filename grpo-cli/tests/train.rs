@@ -1,0 +1,317 @@
+//! End-to-end GRPO runs on a tiny generated model and synthetic arithmetic data.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use grpo_cli::config::{self, TrainConfig};
+use grpo_cli::trainer::{self, RunMode, RunOptions};
+use grpo_data::synth::ArithmeticConfig;
+use grpo_rollout::Arch;
+use grpo_rollout::init::{Preset, init_model_dir};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    init_model_dir(&root.join("model"), Preset::Tiny, Arch::Qwen2, 3).unwrap();
+    let synth = ArithmeticConfig {
+        n: 40,
+        seed: 1,
+        digits: 1,
+        steps: 1,
+    };
+    grpo_data::write_batches(
+        &root.join("arith.jsonl"),
+        None,
+        ArithmeticConfig::schema(),
+        synth.batches(16).unwrap(),
+    )
+    .unwrap();
+    Fixture { _dir: dir, root }
+}
+
+fn base_config(root: &Path, out: &str, extra: &str) -> TrainConfig {
+    let text = format!(
+        r#"
+output_dir = "{out}"
+[model]
+path = "{model}"
+[data]
+path = ["{data}"]
+[rollout]
+num_generations = 4
+max_completion_length = 6
+[[rewards]]
+type = "accuracy"
+[[rewards]]
+type = "format"
+name = "has_digit"
+pattern = '(?s).*[0-9].*'
+[optim]
+learning_rate = 1e-3
+lr_scheduler_type = "cosine"
+warmup_steps = 1
+[train]
+max_steps = 4
+prompts_per_step = 2
+per_device_train_batch_size = 4
+save_steps = 2
+{extra}
+"#,
+        out = root.join(out).display(),
+        model = root.join("model").display(),
+        data = root.join("arith.jsonl").display(),
+    );
+    let p = root.join(format!("{out}.toml"));
+    std::fs::write(&p, text).unwrap();
+    config::load(&p, &[]).unwrap()
+}
+
+fn strip_timing(ms: &[grpo_cli::Metrics]) -> Vec<Vec<(String, f64)>> {
+    ms.iter()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| {
+                    !k.starts_with("timing/")
+                        && !["step_time", "tokens_per_s", "peak_rss_mib"].contains(&k.as_str())
+                })
+                .map(|(k, v)| (k.clone(), *v))
+                .collect()
+        })
+        .collect()
+}
+
+fn run(cfg: TrainConfig, opts: RunOptions) -> grpo_cli::TrainingResult {
+    let setup = trainer::setup(cfg).unwrap();
+    trainer::run(setup, &opts, &mut grpo_cli::NoCallbacks).unwrap()
+}
+
+fn assert_same(a: &[grpo_cli::Metrics], b: &[grpo_cli::Metrics]) {
+    let (a, b) = (strip_timing(a), strip_timing(b));
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        for ((k1, v1), (k2, v2)) in x.iter().zip(y) {
+            assert_eq!(k1, k2);
+            assert!(
+                v1 == v2 || (v1.is_nan() && v2.is_nan()),
+                "{k1}: {v1} vs {v2}"
+            );
+        }
+    }
+}
+
+#[test]
+fn pipeline_with_staleness_0_equals_the_sequential_loop() {
+    let f = fixture();
+    let seq = run(
+        base_config(&f.root, "seq", ""),
+        RunOptions {
+            mode: RunMode::Sequential,
+            ..Default::default()
+        },
+    );
+    let pipe = run(base_config(&f.root, "pipe", ""), RunOptions::default());
+    assert_eq!(seq.total_steps, 4);
+    assert_same(&seq.metrics, &pipe.metrics);
+    // The weights moved: the policy version advanced and the loss is computed.
+    let last = seq.metrics.last().unwrap();
+    for key in [
+        "reward",
+        "reward_std",
+        "rewards/accuracy/mean",
+        "rewards/accuracy/std",
+        "rewards/has_digit/mean",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "step_time",
+        "num_tokens",
+        "epoch",
+        "timing/generate_s",
+        "timing/score_s",
+        "timing/train_s",
+        "tokens_per_s",
+        "peak_rss_mib",
+    ] {
+        assert!(last.contains_key(key), "metric {key} missing");
+    }
+    assert!(seq.metrics.iter().any(|m| m["grad_norm"] > 0.0), "some step has a gradient");
+    assert_eq!(last["policy_version"], 3.0);
+    // Run directory.
+    let dir = f.root.join("seq");
+    let lines = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 4);
+    let comp = std::fs::read_to_string(dir.join("completions.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(comp.lines().next().unwrap()).unwrap();
+    for k in ["prompt", "completion", "rewards", "advantage", "reward"] {
+        assert!(first.get(k).is_some(), "completions.jsonl lacks {k}");
+    }
+    // save_steps 2 over 4 steps, save_total_limit 2: step-2 and step-4.
+    let cks = trainer::list_checkpoints(&dir);
+    let names: Vec<usize> = cks.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, vec![2, 4]);
+    let ck = &cks[1].1;
+    for file in [
+        "model/model.safetensors",
+        "model/config.json",
+        "optimizer.safetensors",
+        "trainer_state.json",
+        "config.json",
+    ] {
+        assert!(ck.join(file).exists(), "checkpoint lacks {file}");
+    }
+    // No half checkpoint left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty());
+}
+
+#[test]
+fn resume_reproduces_the_uninterrupted_run() {
+    let f = fixture();
+    let extra = "[reference]\nbeta = 0.04\n";
+    let mut straight_cfg = base_config(&f.root, "straight", extra);
+    straight_cfg.train.max_steps = Some(6);
+    let straight = run(straight_cfg, RunOptions::default());
+    assert!(straight.metrics.last().unwrap()["kl"] > 0.0);
+
+    let mut cfg = base_config(&f.root, "killed", extra);
+    cfg.train.max_steps = Some(6);
+    cfg.train.save_steps = 0;
+    let part1 = run(
+        cfg.clone(),
+        RunOptions {
+            stop_after: Some(3),
+            ..Default::default()
+        },
+    );
+    assert!(part1.interrupted);
+    assert_eq!(part1.total_steps, 3);
+    let part2 = run(
+        cfg,
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    assert_eq!(part2.total_steps, 6);
+    let mut joined = part1.metrics.clone();
+    joined.extend(part2.metrics.clone());
+    assert_same(&straight.metrics, &joined);
+    // metrics.jsonl reads like one run.
+    let text = std::fs::read_to_string(f.root.join("killed/metrics.jsonl")).unwrap();
+    let steps: Vec<f64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_f64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+}
+
+#[test]
+fn lora_with_several_iterations_trains_and_resumes() {
+    let f = fixture();
+    let extra = "[model.lora]\nr = 4\nlora_alpha = 8\ntarget_modules = [\"q_proj\", \"v_proj\"]\n";
+    let mut cfg = base_config(&f.root, "lora", extra);
+    cfg.optim.num_iterations = 2;
+    cfg.optim.gradient_accumulation_steps = Some(2);
+    cfg.train.max_steps = Some(4);
+    let straight = run(cfg.clone(), RunOptions::default());
+    let ck = straight.best_checkpoint_path.clone().unwrap();
+    assert!(ck.join("adapter/adapter_model.safetensors").exists());
+    assert!(ck.join("adapter/adapter_config.json").exists());
+    // Two updates per step: the ratio leaves 1 on the second pass.
+    assert!(straight.metrics.iter().all(|m| m["grad_norm"].is_finite()));
+
+    cfg.output_dir = f.root.join("lora2");
+    cfg.train.save_steps = 0;
+    let p1 = run(
+        cfg.clone(),
+        RunOptions {
+            stop_after: Some(2),
+            ..Default::default()
+        },
+    );
+    let p2 = run(
+        cfg,
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    let mut joined = p1.metrics;
+    joined.extend(p2.metrics);
+    assert_same(&straight.metrics, &joined);
+}
+
+fn cli(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_inputs_fail_before_any_work_with_one_line() {
+    let f = fixture();
+    let _ = base_config(&f.root, "bad", "");
+    let cfg = f.root.join("bad.toml").display().to_string();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--set".into(), "optim.lerning_rate=1".into()], "did you mean `optim.learning_rate`"),
+        (vec!["--set".into(), "loss.loss_type=ppo".into()], "`loss.loss_type`"),
+        (vec!["--set".into(), "model.path=/nonexistent/model".into()], "/nonexistent/model"),
+        (vec!["--set".into(), "rollout.num_generations=1".into()], "`rollout.num_generations`"),
+        (
+            vec!["--set".into(), "rewards=[{type = \"accuracy\", answer_field = \"solution\"}]".into()],
+            "solution",
+        ),
+        (vec!["--set".into(), "data.path=[\"/nonexistent/d.jsonl\"]".into()], "/nonexistent/d.jsonl"),
+        (vec!["--set".into(), "rewards=[{type = \"shout\"}]".into()], "shout"),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["train", "--config", cfg.as_str()];
+        args.extend(extra.iter().map(String::as_str));
+        let (code, _, err) = cli(&args);
+        assert_eq!(code, 2, "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{extra:?}: one line: {err}");
+        assert!(err.contains(needle), "{extra:?}: `{needle}` not in: {err}");
+    }
+    assert!(!f.root.join("bad/checkpoints").exists());
+    let (code, _, err) = cli(&["train", "--config", "/nonexistent.toml"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("/nonexistent.toml"), "{err}");
+}
+
+#[test]
+fn train_subcommand_runs_and_saves_the_resolved_config() {
+    let f = fixture();
+    let _ = base_config(&f.root, "cli", "");
+    let cfg = f.root.join("cli.toml").display().to_string();
+    let (code, out, err) = cli(&["train", "--config", &cfg, "--set", "train.max_steps=2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("trained 2 steps"), "{out}");
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(f.root.join("cli/config.json")).unwrap()).unwrap();
+    assert_eq!(saved["train"]["max_steps"], 2);
+    assert_eq!(saved["optim"]["learning_rate"], 1e-3);
+}
