@@ -346,6 +346,11 @@ pub fn read_tree(path: &Path) -> Result<Value> {
     parse_tree(&text, path)
 }
 
+/// Parses TOML text into a generic tree.
+pub fn parse_toml_tree(text: &str) -> Result<Value> {
+    parse_tree(text, Path::new("config.toml"))
+}
+
 fn parse_tree(text: &str, path: &Path) -> Result<Value> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     let v: Value = match ext {

@@ -21,7 +21,9 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod config;
+pub mod demo;
 pub mod optim;
 pub mod progress;
 pub mod trainer;

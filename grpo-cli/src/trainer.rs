@@ -613,8 +613,6 @@ impl Learner {
         Ok(())
     }
 
-    /// Per-token log-probs `(B, C)` of completions (right-padded to `C`) after left-padded
-    /// prompts, under `model`; entropies when asked.
     fn logps(
         &self,
         model: &Transformer,
@@ -622,32 +620,14 @@ impl Learner {
         completions: &[&[u32]],
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>, usize)> {
-        let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
-        let c = completions.iter().map(|x| x.len()).max().unwrap_or(0).max(1);
-        let pad = self.tokenizer.pad_token_id;
-        let b = prompts.len();
-        let mut ids = Vec::with_capacity(b * (p + c));
-        let mut mask = Vec::with_capacity(b * (p + c));
-        for (pr, co) in prompts.iter().zip(completions) {
-            ids.extend(std::iter::repeat_n(pad, p - pr.len()));
-            mask.extend(std::iter::repeat_n(0u32, p - pr.len()));
-            ids.extend(pr.iter());
-            mask.extend(std::iter::repeat_n(1u32, pr.len()));
-            ids.extend(co.iter());
-            mask.extend(std::iter::repeat_n(1u32, co.len()));
-            ids.extend(std::iter::repeat_n(pad, c - co.len()));
-            mask.extend(std::iter::repeat_n(0u32, c - co.len()));
-        }
-        let ids = Tensor::from_vec(ids, (b, p + c), &self.device)?;
-        let mask = Tensor::from_vec(mask, (b, p + c), &self.device)?;
-        let (lp, ent) = model.completion_logprobs(
-            &ids,
-            &mask,
-            c,
+        completion_logps(
+            model,
+            self.tokenizer.pad_token_id,
+            prompts,
+            completions,
             self.cfg.rollout.temperature,
             with_entropy,
-        )?;
-        Ok((lp, ent, c))
+        )
     }
 
     /// One step: old and reference log-probs, `num_iterations` optimizer updates over the
@@ -1031,6 +1011,39 @@ fn merged_policy(p: &TrainableModel) -> Result<Transformer> {
         Some(_) => grpo_rollout::lora::merge(&p.model.detached())?,
         None => p.model.detached(),
     })
+}
+
+/// Per-token log-probs `(B, C)` of completions (right-padded to `C`, the longest) after
+/// left-padded prompts under `model`, with logits divided by `temperature`; entropies when
+/// asked. Returns `C` too. Differentiable when the model's weights are `Var`s.
+pub fn completion_logps(
+    model: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<(Tensor, Option<Tensor>, usize)> {
+    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
+    let c = completions.iter().map(|x| x.len()).max().unwrap_or(0).max(1);
+    let b = prompts.len();
+    let mut ids = Vec::with_capacity(b * (p + c));
+    let mut mask = Vec::with_capacity(b * (p + c));
+    for (pr, co) in prompts.iter().zip(completions) {
+        ids.extend(std::iter::repeat_n(pad, p - pr.len()));
+        mask.extend(std::iter::repeat_n(0u32, p - pr.len()));
+        ids.extend(pr.iter());
+        mask.extend(std::iter::repeat_n(1u32, pr.len()));
+        ids.extend(co.iter());
+        mask.extend(std::iter::repeat_n(1u32, co.len()));
+        ids.extend(std::iter::repeat_n(pad, c - co.len()));
+        mask.extend(std::iter::repeat_n(0u32, c - co.len()));
+    }
+    let device = model.device();
+    let ids = Tensor::from_vec(ids, (b, p + c), device)?;
+    let mask = Tensor::from_vec(mask, (b, p + c), device)?;
+    let (lp, ent) = model.completion_logprobs(&ids, &mask, c, temperature, with_entropy)?;
+    Ok((lp, ent, c))
 }
 
 /// Complete checkpoints of a run directory, oldest (lowest step) first.

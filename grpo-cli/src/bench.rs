@@ -1,0 +1,146 @@
+//! `grpo-cli bench`: the GRPO step workload of `../shared/bench/README.md`, run by our trainer,
+//! reported with the keys of `trl_grpo_bench.py`.
+//!
+//! Workload: prompts `"Write about {w[i%12]} and {w[(i*5)%12]} number {i}:"` (plain text), 4
+//! prompts × 8 generations per step, temperature 1, exactly 64 completion tokens (EOS
+//! suppressed until 64), reward = fraction of the completion's characters that are `a`,
+//! β = 0.04 (a frozen reference model is evaluated), dapo, ε = 0.2, lr 1e-5, one optimizer step
+//! per generation batch, f32 on the CPU.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use grpo_rewards::{RewardInput, RewardSet};
+
+use crate::config::TrainConfig;
+use crate::trainer::{self, Callbacks, Metrics, RunOptions};
+
+/// Bench knobs (defaults = the shared workload).
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Optimizer steps (the first is warm-up and excluded from the median).
+    pub steps: usize,
+    /// Prompts per step.
+    pub prompts: usize,
+    /// Generations per prompt.
+    pub generations: usize,
+    /// Completion tokens.
+    pub completion: usize,
+    /// KL coefficient.
+    pub beta: f64,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self {
+            steps: 6,
+            prompts: 4,
+            generations: 8,
+            completion: 64,
+            beta: 0.04,
+        }
+    }
+}
+
+struct Times(Vec<Metrics>);
+impl Callbacks for Times {
+    fn on_step_end(&mut self, _step: usize, m: &Metrics) {
+        self.0.push(m.clone());
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Runs the workload on the model directory and returns the JSON line.
+pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
+    let work = std::env::temp_dir().join(format!("grpo-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let words = [
+        "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa",
+        "lambda", "mu",
+    ];
+    let data = work.join("prompts.jsonl");
+    let mut lines = String::new();
+    for i in 0..256 {
+        let p = format!(
+            "Write about {} and {} number {i}:",
+            words[i % 12],
+            words[(i * 5) % 12]
+        );
+        lines.push_str(&serde_json::json!({ "prompt": p }).to_string());
+        lines.push('\n');
+    }
+    std::fs::write(&data, lines).with_context(|| format!("{}: cannot write", data.display()))?;
+
+    let mut cfg = TrainConfig::default();
+    cfg.output_dir = work.join("run");
+    cfg.model.path = model.to_path_buf();
+    cfg.data.path = vec![data.display().to_string()];
+    cfg.rollout.num_generations = opts.generations;
+    cfg.rollout.max_completion_length = opts.completion;
+    cfg.rollout.min_completion_length = opts.completion;
+    cfg.rollout.max_prompt_length = 0;
+    cfg.reference.beta = opts.beta;
+    cfg.optim.learning_rate = 1e-5;
+    cfg.train.max_steps = Some(opts.steps);
+    cfg.train.prompts_per_step = opts.prompts;
+    cfg.train.seed = 0;
+    cfg.train.save_steps = 0;
+    cfg.train.save_total_limit = 1;
+    cfg.train.log_completions = false;
+    // A placeholder the validation accepts; the real reward is the closure below.
+    cfg.rewards = serde_json::from_value(serde_json::json!([{ "type": "format", "pattern": ".*" }]))?;
+    let mut setup = trainer::setup(cfg)?;
+    setup.rewards = Arc::new(RewardSet::new().with_reward(
+        "frac_a",
+        1.0,
+        |b: &[RewardInput]| -> Vec<f32> {
+            b.iter()
+                .map(|x| {
+                    let n = x.completion.chars().count().max(1);
+                    x.completion.chars().filter(|&c| c == 'a').count() as f32 / n as f32
+                })
+                .collect()
+        },
+    ));
+    let mut times = Times(Vec::new());
+    let res = trainer::run(setup, &RunOptions::default(), &mut times);
+    std::fs::remove_dir_all(&work).ok();
+    res?;
+    let all: Vec<f64> = times.0.iter().map(|m| m["step_time"]).collect();
+    let steady = |k: &str| -> f64 {
+        median(times.0.iter().skip(1).map(|m| m.get(k).copied().unwrap_or(f64::NAN)).collect())
+    };
+    let med = if all.len() > 1 {
+        median(all[1..].to_vec())
+    } else {
+        median(all.clone())
+    };
+    let tokens = opts.prompts * opts.generations * opts.completion;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(serde_json::json!({
+        "impl": "grpo-rs",
+        "version": env!("CARGO_PKG_VERSION"),
+        "threads": threads,
+        "step_s_median": (med * 1e4).round() / 1e4,
+        "step_s_all": all.iter().map(|t| (t * 1e4).round() / 1e4).collect::<Vec<_>>(),
+        "completion_tokens_per_step": tokens,
+        "tokens_per_s": (tokens as f64 / med * 10.0).round() / 10.0,
+        "generate_s_median": steady("timing/generate_s"),
+        "score_s_median": steady("timing/score_s"),
+        "train_s_median": steady("timing/train_s"),
+        "peak_rss_mib": times.0.last().map(|m| m["peak_rss_mib"]),
+    }))
+}
