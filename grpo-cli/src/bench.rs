@@ -84,8 +84,10 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
     }
     std::fs::write(&data, lines).with_context(|| format!("{}: cannot write", data.display()))?;
 
-    let mut cfg = TrainConfig::default();
-    cfg.output_dir = work.join("run");
+    let mut cfg = TrainConfig {
+        output_dir: work.join("run"),
+        ..Default::default()
+    };
     cfg.model.path = model.to_path_buf();
     cfg.data.path = vec![data.display().to_string()];
     cfg.rollout.num_generations = opts.generations;
@@ -101,27 +103,34 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
     cfg.train.save_total_limit = 1;
     cfg.train.log_completions = false;
     // A placeholder the validation accepts; the real reward is the closure below.
-    cfg.rewards = serde_json::from_value(serde_json::json!([{ "type": "format", "pattern": ".*" }]))?;
+    cfg.rewards =
+        serde_json::from_value(serde_json::json!([{ "type": "format", "pattern": ".*" }]))?;
     let mut setup = trainer::setup(cfg)?;
-    setup.rewards = Arc::new(RewardSet::new().with_reward(
-        "frac_a",
-        1.0,
-        |b: &[RewardInput]| -> Vec<f32> {
-            b.iter()
-                .map(|x| {
-                    let n = x.completion.chars().count().max(1);
-                    x.completion.chars().filter(|&c| c == 'a').count() as f32 / n as f32
-                })
-                .collect()
-        },
-    ));
+    setup.rewards =
+        Arc::new(
+            RewardSet::new().with_reward("frac_a", 1.0, |b: &[RewardInput]| -> Vec<f32> {
+                b.iter()
+                    .map(|x| {
+                        let n = x.completion.chars().count().max(1);
+                        x.completion.chars().filter(|&c| c == 'a').count() as f32 / n as f32
+                    })
+                    .collect()
+            }),
+        );
     let mut times = Times(Vec::new());
     let res = trainer::run(setup, &RunOptions::default(), &mut times);
     std::fs::remove_dir_all(&work).ok();
     res?;
     let all: Vec<f64> = times.0.iter().map(|m| m["step_time"]).collect();
     let steady = |k: &str| -> f64 {
-        median(times.0.iter().skip(1).map(|m| m.get(k).copied().unwrap_or(f64::NAN)).collect())
+        median(
+            times
+                .0
+                .iter()
+                .skip(1)
+                .map(|m| m.get(k).copied().unwrap_or(f64::NAN))
+                .collect(),
+        )
     };
     let med = if all.len() > 1 {
         median(all[1..].to_vec())

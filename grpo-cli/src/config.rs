@@ -379,12 +379,14 @@ fn parse_tree(text: &str, path: &Path) -> Result<Value> {
 /// `"text"`, `[1, 2]`), and as a plain string when it does not parse.
 pub fn apply_sets(tree: &mut Value, sets: &[String]) -> Result<()> {
     for s in sets {
-        let (key, raw) = s
-            .split_once('=')
-            .with_context(|| format!("--set {s}: expected KEY=VALUE, e.g. optim.learning_rate=1e-5"))?;
+        let (key, raw) = s.split_once('=').with_context(|| {
+            format!("--set {s}: expected KEY=VALUE, e.g. optim.learning_rate=1e-5")
+        })?;
         let key = key.trim();
         let value: Value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
-            Ok(mut t) => serde_json::to_value(t.remove("v").unwrap_or(toml::Value::String(raw.into())))?,
+            Ok(mut t) => {
+                serde_json::to_value(t.remove("v").unwrap_or(toml::Value::String(raw.into())))?
+            }
             Err(_) => Value::String(raw.to_string()),
         };
         let mut node = &mut *tree;
@@ -530,7 +532,7 @@ impl TrainConfig {
         if r.max_completion_length == 0 {
             return Err("`rollout.max_completion_length` must be >= 1".into());
         }
-        if !(r.temperature > 0.0) {
+        if r.temperature.is_nan() || r.temperature <= 0.0 {
             return Err(format!(
                 "`rollout.temperature` must be > 0 for GRPO sampling, got {}",
                 r.temperature
@@ -541,7 +543,10 @@ impl TrainConfig {
             .validate()
             .map_err(|e| format!("`rollout`: {e}"))?;
         if self.rewards.is_empty() {
-            return Err("`rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\"".into());
+            return Err(
+                "`rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
+                    .into(),
+            );
         }
         if self.data.path.is_empty() {
             return Err("`data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)".into());
@@ -600,15 +605,18 @@ impl TrainConfig {
             }
         }
         let o = &self.optim;
-        if !(o.learning_rate >= 0.0) || !o.learning_rate.is_finite() {
-            return Err(format!("`optim.learning_rate` must be >= 0, got {}", o.learning_rate));
+        if !o.learning_rate.is_finite() || o.learning_rate < 0.0 {
+            return Err(format!(
+                "`optim.learning_rate` must be >= 0, got {}",
+                o.learning_rate
+            ));
         }
         for (k, v) in [("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2)] {
             if !(0.0..1.0).contains(&v) {
                 return Err(format!("`optim.{k}` must be in [0, 1), got {v}"));
             }
         }
-        if !(o.adam_epsilon > 0.0) {
+        if o.adam_epsilon.is_nan() || o.adam_epsilon <= 0.0 {
             return Err("`optim.adam_epsilon` must be > 0".into());
         }
         if !["constant", "linear", "cosine"].contains(&o.lr_scheduler_type.as_str()) {
@@ -633,7 +641,7 @@ impl TrainConfig {
         if t.max_steps == Some(0) {
             return Err("`train.max_steps` must be >= 1".into());
         }
-        if t.max_steps.is_none() && !(t.num_train_epochs > 0.0) {
+        if t.max_steps.is_none() && (t.num_train_epochs.is_nan() || t.num_train_epochs <= 0.0) {
             return Err("`train.num_train_epochs` must be > 0 (or set `train.max_steps`)".into());
         }
         if t.logging_steps == 0 {
@@ -650,7 +658,7 @@ impl TrainConfig {
             }
             (Some(b), _) => b,
             (None, Some(ga)) => {
-                if n % ga != 0 {
+                if !n.is_multiple_of(ga) {
                     return Err(format!(
                         "`optim.gradient_accumulation_steps` ({ga}) must divide prompts_per_step × num_generations ({n})"
                     ));
@@ -713,7 +721,10 @@ pub fn parse_device(s: &str) -> std::result::Result<candle_core::Device, String>
     match s {
         "cpu" => Ok(candle_core::Device::Cpu),
         "cuda" => candle_core::Device::new_cuda(0).map_err(|e| first_line(&e.to_string())),
-        other => match other.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+        other => match other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
             Some(n) => candle_core::Device::new_cuda(n).map_err(|e| first_line(&e.to_string())),
             None => Err(format!("expected cpu, cuda or cuda:N, got `{other}`")),
         },
@@ -791,7 +802,8 @@ mod tests {
 
     #[test]
     fn yaml_and_toml_read_the_same() {
-        let toml_text = "output_dir = \"r\"\n[model]\npath = \"m\"\n[optim]\nlearning_rate = 2e-5\n";
+        let toml_text =
+            "output_dir = \"r\"\n[model]\npath = \"m\"\n[optim]\nlearning_rate = 2e-5\n";
         let yaml_text = "output_dir: r\nmodel:\n  path: m\noptim:\n  learning_rate: 2.0e-5\n";
         let a = parse_tree(toml_text, Path::new("a.toml")).unwrap();
         let b = parse_tree(yaml_text, Path::new("a.yaml")).unwrap();

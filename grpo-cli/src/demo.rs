@@ -42,8 +42,8 @@ impl Default for DemoOptions {
     fn default() -> Self {
         Self {
             out: PathBuf::from("runs/demo"),
-            sft_steps: 150,
-            grpo_steps: 40,
+            sft_steps: 400,
+            grpo_steps: 80,
             seed: 0,
             progress: true,
         }
@@ -108,13 +108,21 @@ pub fn warm_up(
             .collect();
         let prompts: Vec<&[u32]> = idx.iter().map(|&i| encoded[i].0.as_slice()).collect();
         let comps: Vec<&[u32]> = idx.iter().map(|&i| encoded[i].1.as_slice()).collect();
-        let (lp, _, c) = completion_logps(&policy.model, tok.pad_token_id, &prompts, &comps, 1.0, false)?;
+        let (lp, _, c) = completion_logps(
+            &policy.model,
+            tok.pad_token_id,
+            &prompts,
+            &comps,
+            1.0,
+            false,
+        )?;
         let mut m = Vec::with_capacity(batch * c);
         for co in &comps {
             m.extend((0..c).map(|j| if j < co.len() { 1f32 } else { 0f32 }));
         }
         let mask = candle_core::Tensor::from_vec(m, (batch, c), &Device::Cpu)?;
-        let loss = ((lp * &mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64)?.neg()?;
+        let loss =
+            ((lp * &mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64)?.neg()?;
         let lv = loss.to_scalar::<f32>()? as f64;
         if step == 0 {
             first = lv;
@@ -143,8 +151,13 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
         steps: 1,
     };
     let data = out.join("arithmetic.parquet");
-    grpo_data::write_batches(&data, None, ArithmeticConfig::schema(), synth.batches(1024)?)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    grpo_data::write_batches(
+        &data,
+        None,
+        ArithmeticConfig::schema(),
+        synth.batches(1024)?,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     // Warm-up examples: a separate seeded set of problems, so GRPO's prompts are not memorised.
     let warm = ArithmeticConfig {
         seed: opts.seed + 1,

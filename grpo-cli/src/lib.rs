@@ -25,6 +25,7 @@ pub mod bench;
 pub mod config;
 pub mod demo;
 pub mod optim;
+pub mod plot;
 pub mod progress;
 pub mod trainer;
 

@@ -50,6 +50,11 @@ enum Command {
     Demo(DemoArgs),
     /// The shared GRPO step benchmark (../shared/bench) on a model directory: one JSON line.
     Bench(BenchArgs),
+    /// PNG curves (reward, reward_std, kl, loss, completion length, step time) of a run.
+    Plot {
+        /// The run directory (with metrics.jsonl).
+        run_dir: std::path::PathBuf,
+    },
     /// Train with GRPO from a config file (TOML or YAML).
     Train(train_cmd::TrainArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
@@ -117,6 +122,10 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::Data { command }) => data_cmd::run(command),
         Some(Command::Train(_)) => unreachable!("handled in run"),
         Some(Command::Demo(a)) => demo(a),
+        Some(Command::Plot { run_dir }) => {
+            println!("{}", grpo_cli::plot::plot_run(&run_dir)?.display());
+            Ok(())
+        }
         Some(Command::Bench(a)) => {
             let o = grpo_cli::bench::BenchOptions {
                 steps: a.steps,
@@ -136,10 +145,10 @@ struct DemoArgs {
     #[arg(long, default_value = "runs/demo")]
     out: std::path::PathBuf,
     /// Supervised warm-up steps.
-    #[arg(long, default_value_t = 150)]
+    #[arg(long, default_value_t = 400)]
     sft_steps: usize,
     /// GRPO steps.
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 80)]
     steps: usize,
     /// Seed.
     #[arg(long, default_value_t = 0)]
@@ -178,6 +187,7 @@ fn demo(a: DemoArgs) -> Result<()> {
     println!("run directory: {}", run.display());
     println!("metrics: {}", run.join("metrics.jsonl").display());
     println!("completions: {}", run.join("completions.jsonl").display());
+    println!("curves: {}", grpo_cli::plot::plot_run(run)?.display());
     Ok(())
 }
 

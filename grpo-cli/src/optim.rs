@@ -123,7 +123,10 @@ impl AdamW {
                 (format!("{name}.exp_avg_sq"), &mut self.v[i]),
             ] {
                 let t = map.get(&key).with_context(|| {
-                    format!("{}: no `{key}` (a checkpoint of another model?)", path.display())
+                    format!(
+                        "{}: no `{key}` (a checkpoint of another model?)",
+                        path.display()
+                    )
                 })?;
                 if t.dims() != var.dims() {
                     bail!(
@@ -171,7 +174,11 @@ pub fn accumulate(
 pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Result<f64> {
     let mut total = 0f64;
     for g in grads.values() {
-        total += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        total += g
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
     }
     let norm = total.sqrt();
     if max_norm > 0.0 && norm.is_finite() {
@@ -220,9 +227,7 @@ impl Schedule {
         let progress = (s - self.warmup as f64) / span;
         let f = match self.kind {
             ScheduleKind::Constant => 1.0,
-            ScheduleKind::Linear => {
-                ((self.total as f64 - s) / span).max(0.0)
-            }
+            ScheduleKind::Linear => ((self.total as f64 - s) / span).max(0.0),
             ScheduleKind::Cosine => {
                 (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
             }
@@ -271,7 +276,7 @@ mod tests {
         }
     }
 
-    const REFERENCE_ADAMW: [f32; 3] = [0.731_942_06, -1.859_604_2, 2.769_154_1];
+    const REFERENCE_ADAMW: [f32; 3] = [0.731_942_06, -1.859_604_2, 2.769_154];
 
     #[test]
     fn schedules_match_transformers() {
@@ -284,7 +289,9 @@ mod tests {
             total: 10,
         };
         let got: Vec<f64> = (0..11).map(|s| lin.lr_at(s)).collect();
-        let want = [0.0, 0.5, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0];
+        let want = [
+            0.0, 0.5, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0,
+        ];
         for (a, b) in got.iter().zip(want) {
             assert!((a - b).abs() < 1e-12, "{got:?}");
         }
@@ -293,8 +300,17 @@ mod tests {
             ..lin
         };
         let want_cos = [
-            0.0, 0.5, 1.0, 0.961_939_766_255_643_4, 0.853_553_390_593_273_7, 0.691_341_716_182_544_9,
-            0.5, 0.308_658_283_817_455_14, 0.146_446_609_406_726_27, 0.038_060_233_744_356_63, 0.0,
+            0.0,
+            0.5,
+            1.0,
+            0.961_939_766_255_643_4,
+            0.853_553_390_593_273_7,
+            0.691_341_716_182_544_9,
+            0.5,
+            0.308_658_283_817_455_14,
+            0.146_446_609_406_726_27,
+            0.038_060_233_744_356_63,
+            0.0,
         ];
         for (s, b) in want_cos.iter().enumerate() {
             assert!((cos.lr_at(s) - b).abs() < 1e-12, "cosine at {s}");

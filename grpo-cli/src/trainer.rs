@@ -154,7 +154,8 @@ pub fn setup_with(
     models: impl FnOnce(&Transformer, &Tokenizer) -> Result<grpo_rewards::ScoringModels>,
 ) -> Result<Setup> {
     let res = cfg.validate().map_err(|e| anyhow!("config: {e}"))?;
-    let device = parse_device(&cfg.model.device).map_err(|e| anyhow!("config: `model.device`: {e}"))?;
+    let device =
+        parse_device(&cfg.model.device).map_err(|e| anyhow!("config: `model.device`: {e}"))?;
     let dtype = parse_dtype(&cfg.model.dtype);
     let splits = cfg
         .data
@@ -311,12 +312,13 @@ impl Loader {
         self.next_step += 1;
         Ok(Some(b))
     }
-
 }
 
 /// Passes over the data at a stream position.
 pub fn epochs_of(p: Option<Position>) -> f64 {
-    p.map_or(0.0, |p| p.epoch as f64 + p.index as f64 / p.dataset_len.max(1) as f64)
+    p.map_or(0.0, |p| {
+        p.epoch as f64 + p.index as f64 / p.dataset_len.max(1) as f64
+    })
 }
 
 /// Samples completions with the latest published policy.
@@ -443,8 +445,9 @@ impl Scorer {
             .iter()
             .map(|c| {
                 let s = &r.batch.samples[c.prompt_index];
-                let mut x = RewardInput::new(r.prompt_texts[c.prompt_index].clone(), c.text.clone())
-                    .with_tokens(c.token_ids.len());
+                let mut x =
+                    RewardInput::new(r.prompt_texts[c.prompt_index].clone(), c.text.clone())
+                        .with_tokens(c.token_ids.len());
                 if let Prompt::Conversation(m) = &s.prompt {
                     x = x.with_messages(
                         m.iter()
@@ -642,7 +645,11 @@ impl Learner {
             .iter()
             .map(|c| r.prompt_ids[c.prompt_index].as_slice())
             .collect();
-        let comps: Vec<&[u32]> = r.completions.iter().map(|c| c.token_ids.as_slice()).collect();
+        let comps: Vec<&[u32]> = r
+            .completions
+            .iter()
+            .map(|c| c.token_ids.as_slice())
+            .collect();
         // Completion mask rows: 1 on real tokens; 0 for masked truncations / dropped groups.
         let keep: Vec<bool> = r
             .completions
@@ -651,7 +658,8 @@ impl Learner {
             .map(|(i, c)| {
                 let truncated = c.finish_reason == FinishReason::Length
                     && c.token_ids.last().is_none_or(|t| !eos.contains(t));
-                !(self.cfg.loss.mask_truncated_completions && truncated) && !s.zero_std[i]
+                let masked = self.cfg.loss.mask_truncated_completions && truncated;
+                !masked && !s.zero_std[i]
             })
             .collect();
         let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
@@ -683,11 +691,19 @@ impl Learner {
         let mut refs: Vec<Option<Tensor>> = Vec::new();
         for &(a, b) in &chunks {
             old.push(match &frozen {
-                Some(m) => Some(self.logps(m, &prompts[a..b], &comps[a..b], false)?.0.detach()),
+                Some(m) => Some(
+                    self.logps(m, &prompts[a..b], &comps[a..b], false)?
+                        .0
+                        .detach(),
+                ),
                 None => None,
             });
             refs.push(match &self.reference {
-                Some(m) => Some(self.logps(m, &prompts[a..b], &comps[a..b], false)?.0.detach()),
+                Some(m) => Some(
+                    self.logps(m, &prompts[a..b], &comps[a..b], false)?
+                        .0
+                        .detach(),
+                ),
                 None => None,
             });
         }
@@ -704,7 +720,8 @@ impl Learner {
         for _iter in 0..self.cfg.optim.num_iterations {
             let mut acc: HashMap<String, Tensor> = HashMap::new();
             for (ci, &(a, b)) in chunks.iter().enumerate() {
-                let (lp, ent, c) = self.logps(&self.policy.model, &prompts[a..b], &comps[a..b], true)?;
+                let (lp, ent, c) =
+                    self.logps(&self.policy.model, &prompts[a..b], &comps[a..b], true)?;
                 let mask = mask_of(a, b, c)?;
                 let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
                 let out = policy_loss(
@@ -718,7 +735,11 @@ impl Learner {
                     },
                     &self.res.loss,
                 )?;
-                let loss = if dapo_like { out.loss } else { (out.loss / ga)? };
+                let loss = if dapo_like {
+                    out.loss
+                } else {
+                    (out.loss / ga)?
+                };
                 let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 if !lv.is_finite() {
                     bail!("non-finite loss ({lv}) at step {}", r.batch.step);
@@ -770,7 +791,10 @@ impl Learner {
         // Reference sync (TR-DPO): ref ← α·policy + (1 − α)·ref every ref_model_sync_steps.
         self.state.step = r.batch.step + 1;
         if self.cfg.reference.sync_ref_model
-            && self.state.step % self.cfg.reference.ref_model_sync_steps == 0
+            && self
+                .state
+                .step
+                .is_multiple_of(self.cfg.reference.ref_model_sync_steps)
             && let Some(reference) = &self.reference
         {
             let alpha = self.cfg.reference.ref_model_mixup_alpha;
@@ -810,8 +834,14 @@ impl Learner {
             .map(|c| c.finish_reason == FinishReason::Length)
             .collect();
         m.insert("completions/mean_length".into(), mean(&lf));
-        m.insert("completions/min_length".into(), lf.iter().copied().fold(f64::INFINITY, f64::min));
-        m.insert("completions/max_length".into(), lf.iter().copied().fold(0.0, f64::max));
+        m.insert(
+            "completions/min_length".into(),
+            lf.iter().copied().fold(f64::INFINITY, f64::min),
+        );
+        m.insert(
+            "completions/max_length".into(),
+            lf.iter().copied().fold(0.0, f64::max),
+        );
         m.insert(
             "completions/clipped_ratio".into(),
             truncated.iter().filter(|&&t| t).count() as f64 / n.max(1) as f64,
@@ -877,7 +907,10 @@ impl Learner {
             let mut rewards = serde_json::Map::new();
             for (k, name) in s.scores.names.iter().enumerate() {
                 let v = s.scores.per_function[k][i];
-                rewards.insert(name.clone(), v.map_or(serde_json::Value::Null, |x| serde_json::json!(x)));
+                rewards.insert(
+                    name.clone(),
+                    v.map_or(serde_json::Value::Null, |x| serde_json::json!(x)),
+                );
             }
             let line = serde_json::json!({
                 "step": r.batch.step + 1,
@@ -909,10 +942,20 @@ impl Learner {
         let dtype = self.policy.model.dtype();
         match &self.policy.lora {
             Some(l) => {
-                grpo_rollout::lora::save_peft(&self.policy.model, l, &tmp.join("adapter"), &self.base_model)?;
+                grpo_rollout::lora::save_peft(
+                    &self.policy.model,
+                    l,
+                    &tmp.join("adapter"),
+                    &self.base_model,
+                )?;
             }
             None => {
-                grpo_rollout::save_hf_dir(&self.policy.model.detached(), &self.tokenizer, &tmp.join("model"), dtype)?;
+                grpo_rollout::save_hf_dir(
+                    &self.policy.model.detached(),
+                    &self.tokenizer,
+                    &tmp.join("model"),
+                    dtype,
+                )?;
             }
         }
         self.opt.save(&tmp.join(OPT_FILE))?;
@@ -922,7 +965,10 @@ impl Learner {
             let map: HashMap<String, Tensor> = r.weights().into_iter().collect();
             candle_core::safetensors::save(&map, tmp.join(REF_FILE))?;
         }
-        std::fs::write(tmp.join(STATE_FILE), serde_json::to_vec_pretty(&self.state)?)?;
+        std::fs::write(
+            tmp.join(STATE_FILE),
+            serde_json::to_vec_pretty(&self.state)?,
+        )?;
         std::fs::write(
             tmp.join("config.json"),
             serde_json::to_vec_pretty(&self.cfg.redacted_json())?,
@@ -948,11 +994,11 @@ impl Learner {
 
     /// Restores weights, optimizer, reference and state from a checkpoint.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
-        let state: TrainerState = serde_json::from_slice(
-            &std::fs::read(dir.join(STATE_FILE))
-                .with_context(|| format!("{}: not a checkpoint (no {STATE_FILE})", dir.display()))?,
-        )
-        .with_context(|| format!("{}: invalid {STATE_FILE}", dir.display()))?;
+        let state: TrainerState =
+            serde_json::from_slice(&std::fs::read(dir.join(STATE_FILE)).with_context(|| {
+                format!("{}: not a checkpoint (no {STATE_FILE})", dir.display())
+            })?)
+            .with_context(|| format!("{}: invalid {STATE_FILE}", dir.display()))?;
         let dtype = self.policy.model.dtype();
         let weights: HashMap<String, Tensor> = match &self.policy.lora {
             Some(_) => {
@@ -982,7 +1028,12 @@ impl Learner {
                 .get(k)
                 .with_context(|| format!("{}: checkpoint has no weight `{k}`", dir.display()))?;
             if t.dims() != var.dims() {
-                bail!("{}: `{k}` has shape {:?}, the model's is {:?}", dir.display(), t.dims(), var.dims());
+                bail!(
+                    "{}: `{k}` has shape {:?}, the model's is {:?}",
+                    dir.display(),
+                    t.dims(),
+                    var.dims()
+                );
             }
             var.set(&t.to_dtype(dtype)?)?;
         }
@@ -994,7 +1045,12 @@ impl Learner {
             let p = dir.join(REF_FILE);
             let map = candle_core::safetensors::load(&p, &self.device)
                 .with_context(|| format!("{}: cannot read", p.display()))?;
-            self.reference = Some(Transformer::from_weights(&r.cfg, &map, r.dtype(), r.device())?);
+            self.reference = Some(Transformer::from_weights(
+                &r.cfg,
+                &map,
+                r.dtype(),
+                r.device(),
+            )?);
         }
         self.state = state;
         Ok(())
@@ -1025,7 +1081,12 @@ pub fn completion_logps(
     with_entropy: bool,
 ) -> Result<(Tensor, Option<Tensor>, usize)> {
     let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
-    let c = completions.iter().map(|x| x.len()).max().unwrap_or(0).max(1);
+    let c = completions
+        .iter()
+        .map(|x| x.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
     let b = prompts.len();
     let mut ids = Vec::with_capacity(b * (p + c));
     let mut mask = Vec::with_capacity(b * (p + c));
@@ -1052,7 +1113,9 @@ pub fn list_checkpoints(run_dir: &Path) -> Vec<(usize, PathBuf)> {
     if let Ok(rd) = std::fs::read_dir(run_dir.join("checkpoints")) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().to_string();
-            if let Some(n) = name.strip_prefix("step-").and_then(|n| n.parse::<usize>().ok())
+            if let Some(n) = name
+                .strip_prefix("step-")
+                .and_then(|n| n.parse::<usize>().ok())
                 && e.path().join(STATE_FILE).exists()
             {
                 out.push((n, e.path()));
@@ -1092,9 +1155,11 @@ pub fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|k| k.parse::<f64>().ok())
+            })
         })
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
@@ -1103,7 +1168,11 @@ pub fn peak_rss_mib() -> f64 {
 // The run.
 
 /// Trains per `setup`, writing the run directory; returns the logged metrics.
-pub fn run(setup: Setup, opts: &RunOptions, callbacks: &mut dyn Callbacks) -> Result<TrainingResult> {
+pub fn run(
+    setup: Setup,
+    opts: &RunOptions,
+    callbacks: &mut dyn Callbacks,
+) -> Result<TrainingResult> {
     let run_dir = setup.cfg.output_dir.clone();
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;
@@ -1120,7 +1189,12 @@ pub fn run(setup: Setup, opts: &RunOptions, callbacks: &mut dyn Callbacks) -> Re
             None => list_checkpoints(&run_dir)
                 .pop()
                 .map(|(_, p)| p)
-                .with_context(|| format!("--resume: no complete checkpoint in {}", run_dir.join("checkpoints").display()))?,
+                .with_context(|| {
+                    format!(
+                        "--resume: no complete checkpoint in {}",
+                        run_dir.join("checkpoints").display()
+                    )
+                })?,
         };
         learner.load_checkpoint(&dir)?;
         // Metrics of steps after the checkpoint (written before a crash) are dropped so the
@@ -1141,20 +1215,35 @@ pub fn run(setup: Setup, opts: &RunOptions, callbacks: &mut dyn Callbacks) -> Re
     };
     let mut progress = crate::progress::Progress::new(opts.progress, start, total);
     let eval = setup.eval.clone();
-    let mut on_step = |learner: &mut Learner, scored: &Scored, mut m: Metrics, epochs: f64, t_step: f64| -> Result<bool> {
+    let mut on_step = |learner: &mut Learner,
+                       scored: &Scored,
+                       mut m: Metrics,
+                       epochs: f64,
+                       t_step: f64|
+     -> Result<bool> {
         m.insert("epoch".into(), epochs);
         m.insert("step_time".into(), t_step);
-        m.insert("tokens_per_s".into(), scored.rollouts.completions.iter().map(|c| c.token_ids.len()).sum::<usize>() as f64 / t_step.max(1e-9));
+        m.insert(
+            "tokens_per_s".into(),
+            scored
+                .rollouts
+                .completions
+                .iter()
+                .map(|c| c.token_ids.len())
+                .sum::<usize>() as f64
+                / t_step.max(1e-9),
+        );
         m.insert("peak_rss_mib".into(), peak_rss_mib());
         learner.state.epoch = epochs;
         let step = learner.state.step;
-        if step % setup.cfg.train.logging_steps == 0 || step == total {
+        if step.is_multiple_of(setup.cfg.train.logging_steps) || step == total {
             learner.log_metrics(&m)?;
             learner.log_completions(scored)?;
         }
         progress.step(step, &m);
         callbacks.on_step_end(step, &m);
-        if setup.cfg.train.eval_steps > 0 && step % setup.cfg.train.eval_steps == 0
+        if setup.cfg.train.eval_steps > 0
+            && step.is_multiple_of(setup.cfg.train.eval_steps)
             && let Some(ev) = &eval
         {
             let em = evaluate(&setup, learner, ev)?;
@@ -1162,9 +1251,10 @@ pub fn run(setup: Setup, opts: &RunOptions, callbacks: &mut dyn Callbacks) -> Re
             callbacks.on_evaluate(step, &em);
         }
         result.metrics.push(m);
-        let save_now = setup.cfg.train.save_steps > 0 && step % setup.cfg.train.save_steps == 0;
-        let stop = opts.stop.load(Ordering::SeqCst)
-            || opts.stop_after.is_some_and(|k| step - start >= k);
+        let save_now =
+            setup.cfg.train.save_steps > 0 && step.is_multiple_of(setup.cfg.train.save_steps);
+        let stop =
+            opts.stop.load(Ordering::SeqCst) || opts.stop_after.is_some_and(|k| step - start >= k);
         if save_now || step == total || stop {
             result.best_checkpoint_path = Some(learner.save_checkpoint()?);
         }
@@ -1265,7 +1355,11 @@ pub fn run(setup: Setup, opts: &RunOptions, callbacks: &mut dyn Callbacks) -> Re
                 drop(scored_rx);
                 drop(weights_tx);
                 let mut first_err = learn_res.err();
-                for (h, name) in [(loader_h, "data"), (gen_h, "generator"), (scorer_h, "scorer")] {
+                for (h, name) in [
+                    (loader_h, "data"),
+                    (gen_h, "generator"),
+                    (scorer_h, "scorer"),
+                ] {
                     match h.join() {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => {
@@ -1319,7 +1413,9 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
         let s = scorer.process(r)?;
         for (i, name) in s.scores.names.iter().enumerate() {
             for v in s.scores.per_function[i].iter().flatten() {
-                let e = sums.entry(format!("eval/rewards/{name}/mean")).or_insert((0.0, 0.0));
+                let e = sums
+                    .entry(format!("eval/rewards/{name}/mean"))
+                    .or_insert((0.0, 0.0));
                 e.0 += *v as f64;
                 e.1 += 1.0;
             }
@@ -1330,7 +1426,10 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
             e.1 += 1.0;
         }
     }
-    let mut m: Metrics = sums.into_iter().map(|(k, (s, c))| (k, s / c.max(1.0))).collect();
+    let mut m: Metrics = sums
+        .into_iter()
+        .map(|(k, (s, c))| (k, s / c.max(1.0)))
+        .collect();
     if let Some(a) = m.get("eval/rewards/accuracy/mean").copied() {
         m.insert("eval/accuracy".into(), a);
     }

@@ -148,7 +148,10 @@ fn pipeline_with_staleness_0_equals_the_sequential_loop() {
     ] {
         assert!(last.contains_key(key), "metric {key} missing");
     }
-    assert!(seq.metrics.iter().any(|m| m["grad_norm"] > 0.0), "some step has a gradient");
+    assert!(
+        seq.metrics.iter().any(|m| m["grad_norm"] > 0.0),
+        "some step has a gradient"
+    );
     assert_eq!(last["policy_version"], 3.0);
     // Run directory.
     let dir = f.root.join("seq");
@@ -218,7 +221,11 @@ fn resume_reproduces_the_uninterrupted_run() {
     let text = std::fs::read_to_string(f.root.join("killed/metrics.jsonl")).unwrap();
     let steps: Vec<f64> = text
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_f64()
+                .unwrap()
+        })
         .collect();
     assert_eq!(steps, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
 }
@@ -277,16 +284,40 @@ fn bad_inputs_fail_before_any_work_with_one_line() {
     let _ = base_config(&f.root, "bad", "");
     let cfg = f.root.join("bad.toml").display().to_string();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["--set".into(), "optim.lerning_rate=1".into()], "did you mean `optim.learning_rate`"),
-        (vec!["--set".into(), "loss.loss_type=ppo".into()], "`loss.loss_type`"),
-        (vec!["--set".into(), "model.path=/nonexistent/model".into()], "/nonexistent/model"),
-        (vec!["--set".into(), "rollout.num_generations=1".into()], "`rollout.num_generations`"),
         (
-            vec!["--set".into(), "rewards=[{type = \"accuracy\", answer_field = \"solution\"}]".into()],
+            vec!["--set".into(), "optim.lerning_rate=1".into()],
+            "did you mean `optim.learning_rate`",
+        ),
+        (
+            vec!["--set".into(), "loss.loss_type=ppo".into()],
+            "`loss.loss_type`",
+        ),
+        (
+            vec!["--set".into(), "model.path=/nonexistent/model".into()],
+            "/nonexistent/model",
+        ),
+        (
+            vec!["--set".into(), "rollout.num_generations=1".into()],
+            "`rollout.num_generations`",
+        ),
+        (
+            vec![
+                "--set".into(),
+                "rewards=[{type = \"accuracy\", answer_field = \"solution\"}]".into(),
+            ],
             "solution",
         ),
-        (vec!["--set".into(), "data.path=[\"/nonexistent/d.jsonl\"]".into()], "/nonexistent/d.jsonl"),
-        (vec!["--set".into(), "rewards=[{type = \"shout\"}]".into()], "shout"),
+        (
+            vec![
+                "--set".into(),
+                "data.path=[\"/nonexistent/d.jsonl\"]".into(),
+            ],
+            "/nonexistent/d.jsonl",
+        ),
+        (
+            vec!["--set".into(), "rewards=[{type = \"shout\"}]".into()],
+            "shout",
+        ),
     ];
     for (extra, needle) in cases {
         let mut args = vec!["train", "--config", cfg.as_str()];
@@ -314,4 +345,76 @@ fn train_subcommand_runs_and_saves_the_resolved_config() {
         serde_json::from_slice(&std::fs::read(f.root.join("cli/config.json")).unwrap()).unwrap();
     assert_eq!(saved["train"]["max_steps"], 2);
     assert_eq!(saved["optim"]["learning_rate"], 1e-3);
+}
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_and_exits_130() {
+    let f = fixture();
+    let _ = base_config(&f.root, "intr", "");
+    let cfg = f.root.join("intr.toml").display().to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args([
+            "train",
+            "--config",
+            &cfg,
+            "--set",
+            "train.max_steps=100000",
+            "--set",
+            "train.save_steps=0",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let metrics = f.root.join("intr/metrics.jsonl");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(t0.elapsed().as_secs() < 120, "no step within 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let st = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let cks = trainer::list_checkpoints(&f.root.join("intr"));
+    assert_eq!(cks.len(), 1, "one checkpoint at the stop");
+    assert!(cks[0].0 >= 2);
+}
+
+#[test]
+fn plot_writes_a_png_of_the_curves() {
+    let f = fixture();
+    let mut cfg = base_config(&f.root, "plot", "");
+    cfg.train.max_steps = Some(3);
+    let r = run(cfg, RunOptions::default());
+    let png = grpo_cli::plot::plot_run(&r.run_dir).unwrap();
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(
+        bytes.len() > 10_000,
+        "a real picture, {} bytes",
+        bytes.len()
+    );
+    let e = grpo_cli::plot::plot_run(&f.root).unwrap_err().to_string();
+    assert!(e.contains("metrics.jsonl"), "{e}");
+}
+
+#[test]
+fn demo_runs_end_to_end_in_miniature() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = grpo_cli::demo::run(&grpo_cli::demo::DemoOptions {
+        out: dir.path().join("demo"),
+        sft_steps: 3,
+        grpo_steps: 2,
+        seed: 1,
+        progress: false,
+    })
+    .unwrap();
+    assert_eq!(r.result.total_steps, 2);
+    assert!(r.sft_loss.0.is_finite() && r.sft_loss.1.is_finite());
+    assert!(r.first_reward >= 0.0 && r.last_reward <= 1.0);
+    assert!(dir.path().join("demo/grpo/metrics.jsonl").exists());
 }
