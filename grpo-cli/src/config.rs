@@ -391,21 +391,51 @@ pub fn apply_sets(tree: &mut Value, sets: &[String]) -> Result<()> {
         };
         let mut node = &mut *tree;
         let parts: Vec<&str> = key.split('.').collect();
-        for (i, p) in parts.iter().enumerate() {
-            if p.is_empty() {
+        for (i, part) in parts.iter().enumerate() {
+            // `name[3]` addresses an element of a list (e.g. `rewards[1].weight`).
+            let (name, index) = match part.split_once('[') {
+                Some((n, rest)) => {
+                    let idx = rest
+                        .strip_suffix(']')
+                        .and_then(|x| x.parse::<usize>().ok())
+                        .with_context(|| format!("--set {s}: bad index in `{part}`"))?;
+                    (n, Some(idx))
+                }
+                None => (*part, None),
+            };
+            if name.is_empty() {
                 bail!("--set {s}: empty key segment in `{key}`");
             }
-            let obj = match node {
-                Value::Object(m) => m,
-                _ => bail!("--set {s}: `{}` is not a section", parts[..i].join(".")),
+            let last = i + 1 == parts.len();
+            let section = parts[..i].join(".");
+            let obj = node
+                .as_object_mut()
+                .with_context(|| format!("--set {s}: `{section}` is not a section"))?;
+            let next: &mut Value = match index {
+                None if last => {
+                    obj.insert(name.to_string(), value.clone());
+                    break;
+                }
+                None => obj
+                    .entry(name.to_string())
+                    .or_insert_with(|| Value::Object(Default::default())),
+                Some(idx) => {
+                    let list = obj
+                        .get_mut(name)
+                        .and_then(Value::as_array_mut)
+                        .with_context(|| format!("--set {s}: `{name}` is not a list"))?;
+                    let len = list.len();
+                    let slot = list.get_mut(idx).with_context(|| {
+                        format!("--set {s}: `{name}` has {len} entries, no index {idx}")
+                    })?;
+                    if last {
+                        *slot = value.clone();
+                        break;
+                    }
+                    slot
+                }
             };
-            if i + 1 == parts.len() {
-                obj.insert((*p).to_string(), value.clone());
-                break;
-            }
-            node = obj
-                .entry((*p).to_string())
-                .or_insert_with(|| Value::Object(Default::default()));
+            node = next;
         }
     }
     Ok(())
@@ -774,7 +804,9 @@ mod tests {
                 "optim.learning_rate=3e-5".into(),
                 "rollout.stop=[\"\\n\"]".into(),
                 "output_dir=runs/x".into(),
+                "model.lora={r = 2, lora_alpha = 8, target_modules = [\"q_proj\"]}".into(),
                 "model.lora.r=4".into(),
+                "rewards[0].answer_field=\"solution\"".into(),
             ],
         )
         .unwrap();
@@ -783,6 +815,11 @@ mod tests {
         assert_eq!(c.rollout.stop, vec!["\n".to_string()]);
         assert_eq!(c.output_dir, PathBuf::from("runs/x"));
         assert_eq!(c.model.lora.as_ref().map(|l| l.r), Some(4));
+        let j = serde_json::to_value(&c.rewards[0]).unwrap();
+        assert_eq!(j["answer_field"], "solution");
+        let mut t = minimal();
+        let e = apply_sets(&mut t, &["rewards[3].weight=2".into()]).unwrap_err();
+        assert!(e.to_string().contains("no index 3"), "{e}");
     }
 
     #[test]
