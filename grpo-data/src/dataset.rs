@@ -269,11 +269,7 @@ fn batch_parts(batches: &[RecordBatch]) -> Vec<(Part, u64, u64)> {
     parts
 }
 
-fn open_csv(
-    path: &Path,
-    prompt_field: &str,
-    chunk_rows: usize,
-) -> Result<OpenedShard> {
+fn open_csv(path: &Path, prompt_field: &str, chunk_rows: usize) -> Result<OpenedShard> {
     use arrow::csv::reader::{Format as CsvFormat, ReaderBuilder};
     let at = Location::Schema;
     let (schema, _) = CsvFormat::default()
