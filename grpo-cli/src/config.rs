@@ -36,6 +36,8 @@ pub struct TrainConfig {
     pub rewards: Vec<RewardSpec>,
     /// TRL's `reward_weights`: one per reward, in order; overrides each `weight`.
     pub reward_weights: Option<Vec<f32>>,
+    /// A `*ForSequenceClassification` directory for `type = "reward_model"` rewards.
+    pub reward_model_path: Option<PathBuf>,
     /// The GRPO objective (grpo-core).
     pub loss: LossSection,
     /// Optimizer and schedule.
@@ -56,6 +58,7 @@ impl Default for TrainConfig {
             rollout: RolloutSection::default(),
             rewards: Vec::new(),
             reward_weights: None,
+            reward_model_path: None,
             loss: LossSection::default(),
             optim: OptimSection::default(),
             train: TrainSection::default(),

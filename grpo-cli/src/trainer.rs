@@ -143,8 +143,39 @@ impl std::fmt::Debug for Setup {
 }
 
 /// Loads the model, data and rewards and checks that they fit together.
+///
+/// `inverse_loss` and `coverage_ce` score with the model as loaded (the frozen reference, a
+/// detached copy); `reward_model` loads `reward_model_path`.
 pub fn setup(cfg: TrainConfig) -> Result<Setup> {
-    setup_with(cfg, |_, _| Ok(grpo_rewards::ScoringModels::default()))
+    use grpo_rewards::RewardKind;
+    let needs_lm = cfg.rewards.iter().any(|r| {
+        matches!(
+            r.kind,
+            RewardKind::InverseLoss(_) | RewardKind::CoverageCe(_)
+        )
+    });
+    let needs_rm = cfg
+        .rewards
+        .iter()
+        .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
+    let rm_path = cfg.reward_model_path.clone();
+    let dtype = parse_dtype(&cfg.model.dtype);
+    setup_with(cfg, move |model, tok| {
+        let mut m = grpo_rewards::ScoringModels::default();
+        if needs_lm {
+            let scorer = grpo_rollout::scoring::ModelScorer::new(&model.snapshot()?, tok.clone());
+            m.language = Some(Arc::new(scorer));
+        }
+        if needs_rm {
+            let path = rm_path.context(
+                "config: a `reward_model` reward needs `reward_model_path` (a *ForSequenceClassification directory)",
+            )?;
+            let rm = grpo_rollout::scoring::ClassifierModel::load(&path, dtype, model.device())
+                .map_err(|e| anyhow!("reward model: {}", first_line(&e.to_string())))?;
+            m.classifier = Some(Arc::new(rm));
+        }
+        Ok(m)
+    })
 }
 
 /// [`setup`] with the scoring models (for `inverse_loss`, `coverage_ce`, `reward_model`)

@@ -4,6 +4,11 @@
 //! (llama, qwen2, qwen3) whose every weight receives a gradient, loaded from a Hugging Face
 //! directory or a GGUF file, with its tokenizer and chat template, batched KV-cache generation
 //! with TRL's sampling knobs, LoRA adapters, and saving in Hugging Face / PEFT formats.
+//!
+//! With the cargo feature `rewards`, [`scoring`] makes the model grpo-rewards' scoring models:
+//! `ModelScorer` (a `LanguageScorer`, for `inverse_loss` / `coverage_ce`) and
+//! `ClassifierModel` (a `SequenceClassifier` loaded from a `*ForSequenceClassification`
+//! checkpoint, for `reward_model`).
 #![deny(missing_docs)]
 
 pub mod config;
@@ -14,6 +19,8 @@ pub mod loader;
 pub mod lora;
 pub mod model;
 pub mod policy;
+#[cfg(feature = "rewards")]
+pub mod scoring;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig};

@@ -28,6 +28,11 @@ pub enum Fault {
         /// The `Retry-After` value in seconds.
         retry_after: Option<f64>,
     },
+    /// 429 with this exact `Retry-After` header value (e.g. an HTTP date).
+    RateLimitedRaw {
+        /// The header value, sent as is.
+        retry_after: String,
+    },
     /// An error status (500, 503, 400...) with a small JSON error body.
     Status(u16),
     /// Never answer (until the server is dropped).
@@ -309,6 +314,13 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
             if let Some(s) = retry_after
                 && let Ok(v) = header::HeaderValue::from_str(&format!("{s}"))
             {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+            return r;
+        }
+        Some(Fault::RateLimitedRaw { retry_after }) => {
+            let mut r = error(429, "rate limited, slow down");
+            if let Ok(v) = header::HeaderValue::from_str(&retry_after) {
                 r.headers_mut().insert(header::RETRY_AFTER, v);
             }
             return r;

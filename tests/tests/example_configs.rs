@@ -104,3 +104,20 @@ fn judge_config_trains_against_the_loopback_server() {
     assert_eq!(m["rewards/clarity/mean"], 0.5);
     assert!(server.stats().requests >= 8);
 }
+
+#[test]
+fn unsupervised_config_trains_with_inverse_loss() {
+    let (_dir, r) = train("unsupervised.yaml", &[]);
+    let m = &r.metrics[0];
+    // −mean NLL: negative, finite.
+    assert!(m["rewards/inverse_loss/mean"] < 0.0, "{m:?}");
+    assert!(m["kl"].is_finite());
+}
+
+#[test]
+fn supervised_config_trains_with_coverage_ce() {
+    let (_dir, r) = train("supervised.yaml", &[]);
+    let m = &r.metrics[0];
+    assert!(m["rewards/coverage_ce/mean"] <= 0.0, "{m:?}");
+    assert!(m.contains_key("rewards/accuracy/mean"));
+}

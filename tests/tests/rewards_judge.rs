@@ -523,3 +523,86 @@ fn reward_set_drives_judges_from_sync_code() {
     }
     assert!((s.metrics["rewards/style/mean"] - 0.6).abs() < 1e-6);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_as_an_http_date_is_honoured() {
+    let srv = server();
+    // IMF-fixdate has one-second resolution: 2 s ahead means a wait in (1, 2] s, far above
+    // the judge's own backoff (10–40 ms here).
+    let at = std::time::SystemTime::now() + Duration::from_secs(2);
+    srv.push_faults([Fault::RateLimitedRaw {
+        retry_after: httpdate::fmt_http_date(at),
+    }]);
+    let judge = Judge::new(cfg(&srv, "dated")).unwrap();
+    let t0 = Instant::now();
+    let out = judge.score_async(&inputs(&["SCORE=0.6"])).await.unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(out.scores, vec![Some(0.6)]);
+    assert_eq!(out.counters["judge/retries"], 1.0);
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(4),
+        "Retry-After date honoured: {waited:?}"
+    );
+
+    // A date in the past means "retry now"; an unparsable value falls back to the backoff.
+    srv.push_faults([
+        Fault::RateLimitedRaw {
+            retry_after: "Wed, 21 Oct 2015 07:28:00 GMT".into(),
+        },
+        Fault::RateLimitedRaw {
+            retry_after: "soon".into(),
+        },
+    ]);
+    let t0 = Instant::now();
+    let out = judge.score_async(&inputs(&["SCORE=0.2"])).await.unwrap();
+    assert_eq!(out.scores, vec![Some(0.2)]);
+    assert_eq!(out.counters["judge/retries"], 2.0);
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_that_fails_for_one_sample_gives_it_none() {
+    let srv = server();
+    let mut c = cfg(&srv, "strict");
+    // `fields.answer` is missing in the second sample; the strict `round` filter fails on the
+    // third's text value.
+    c.template = "ref {{ fields.answer }} ({{ fields.n | round }}): {{ completion }}".into();
+    let judge = Judge::new(c).unwrap();
+    let batch = vec![
+        RewardInput::new("q", "SCORE=0.5")
+            .with_field("answer", "4")
+            .with_field("n", 2.0),
+        RewardInput::new("q", "SCORE=0.7").with_field("n", 2.0),
+        RewardInput::new("q", "SCORE=0.9")
+            .with_field("answer", "4")
+            .with_field("n", "two"),
+    ];
+    let out = judge.score_async(&batch).await.unwrap();
+    assert_eq!(out.scores, vec![Some(0.5), None, None]);
+    assert_eq!(out.counters["judge/failures"], 2.0);
+    let err = out.info[1].as_ref().unwrap()["error"].as_str().unwrap();
+    assert!(err.contains("template"), "{err}");
+    assert_eq!(
+        srv.stats().requests,
+        1,
+        "no request for unrenderable samples"
+    );
+    assert_eq!(judge.stats().failures, 2);
+
+    // Templates that do not compile, or use an unknown variable, stay config-time errors.
+    for (template, needle) in [
+        ("{{ completion ", "template"),
+        ("{{ completoin }}", "`completoin`"),
+    ] {
+        let mut c = cfg(&srv, "broken");
+        c.template = template.into();
+        let e = Judge::new(c).unwrap_err().to_string();
+        assert!(e.contains("judge `broken`") && e.contains(needle), "{e}");
+    }
+    // Loop variables, globals and filters are not mistaken for unknown variables.
+    let mut c = cfg(&srv, "loops");
+    c.template = "{% for m in messages %}{{ loop.index }}{{ m.content }}{% endfor %}\
+                  {% for i in range(2) %}{{ i }}{% endfor %}{{ completion | upper }}"
+        .into();
+    Judge::new(c).unwrap();
+}

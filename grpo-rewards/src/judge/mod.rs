@@ -208,6 +208,28 @@ impl Judge {
             env.add_template_owned("system_template", s.clone())
                 .map_err(terr)?;
         }
+        // A misspelt variable would fail every sample at render time: refuse it now.
+        for which in ["template", "system_template"] {
+            let Ok(t) = env.get_template(which) else {
+                continue;
+            };
+            let mut unknown: Vec<String> = t
+                .undeclared_variables(false)
+                .into_iter()
+                .filter(|v| !TEMPLATE_VARIABLES.contains(&v.as_str()))
+                .filter(|v| env.globals().all(|(g, _)| g != v))
+                .collect();
+            unknown.sort();
+            if let Some(v) = unknown.first() {
+                return Err(RewardError::Template {
+                    judge: name.clone(),
+                    message: format!(
+                        "`{which}` uses `{v}`, which is not a template variable (known: {})",
+                        TEMPLATE_VARIABLES.join(", ")
+                    ),
+                });
+            }
+        }
         let reader = ScoreReader {
             parse: config.score_parse,
             score_key: config.score_key.clone(),
@@ -538,10 +560,22 @@ impl Judge {
         }
     }
 
-    /// Judges one completion. Errors in the template are returned; everything that goes wrong
-    /// on the network or in the reply becomes a verdict without a score.
+    /// Judges one completion. Everything that goes wrong for this completion (a template that
+    /// does not render for it, e.g. a field it lacks; the network; the reply) becomes a verdict
+    /// without a score, counted as a failure. Templates that do not compile are refused when
+    /// the judge is built.
     pub async fn judge(&self, input: &RewardInput) -> Result<Verdict> {
-        let messages = self.render(input)?;
+        let messages = match self.render(input) {
+            Ok(m) => m,
+            Err(e) => {
+                self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(judge = %self.config.name, error = %e, "judge template did not render for this sample");
+                return Ok(Verdict {
+                    error: Some(e.to_string()),
+                    ..Verdict::default()
+                });
+            }
+        };
         let key = self.cache.as_ref().map(|_| self.cache_key(&messages));
         if let (Some(cache), Some(key)) = (&self.cache, &key) {
             match cache.get(key) {
@@ -621,6 +655,15 @@ pub(crate) fn counters_of(verdicts: &[&Verdict]) -> std::collections::BTreeMap<S
     );
     c
 }
+
+/// The variables a judge template sees.
+const TEMPLATE_VARIABLES: [&str; 5] = [
+    "prompt",
+    "completion",
+    "completion_tokens",
+    "messages",
+    "fields",
+];
 
 fn template_message(e: &minijinja::Error) -> String {
     let mut m = e.to_string();

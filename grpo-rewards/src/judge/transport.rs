@@ -34,9 +34,19 @@ impl std::fmt::Display for HttpFailure {
 
 impl std::error::Error for HttpFailure {}
 
-/// `Retry-After` as seconds (integer or decimal) or OpenAI's `retry-after-ms`; HTTP dates are
-/// not understood (the judge's own backoff applies then).
+/// `Retry-After` as seconds (integer or decimal) or as an HTTP date (RFC 7231: IMF-fixdate, and
+/// the obsolete RFC 850 / asctime forms; a date in the past means "now"), or OpenAI's
+/// `retry-after-ms`. Capped at 10 minutes; anything else is ignored (the judge's own backoff
+/// applies then).
 pub(crate) fn retry_after(headers: &[(&str, Option<&str>)]) -> Option<Duration> {
+    retry_after_at(headers, std::time::SystemTime::now())
+}
+
+/// [`retry_after`] with the current time given (dates are relative to it).
+pub(crate) fn retry_after_at(
+    headers: &[(&str, Option<&str>)],
+    now: std::time::SystemTime,
+) -> Option<Duration> {
     let get = |name: &str| {
         headers
             .iter()
@@ -49,8 +59,13 @@ pub(crate) fn retry_after(headers: &[(&str, Option<&str>)]) -> Option<Duration> 
     {
         return Some(Duration::from_secs_f64((ms / 1000.0).min(600.0)));
     }
-    let secs = get("retry-after")?.trim().parse::<f64>().ok()?;
-    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(600.0)))
+    let value = get("retry-after")?.trim();
+    if let Ok(secs) = value.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(600.0)));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    let wait = at.duration_since(now).unwrap_or(Duration::ZERO);
+    Some(wait.min(Duration::from_secs(600)))
 }
 
 /// `ReqwestService` that turns non-2xx responses into `OpenAIError::Boxed(HttpFailure)`.
@@ -94,5 +109,40 @@ impl Service<HttpRequestFactory> for StatusAware {
                 body,
             })))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    #[test]
+    fn retry_after_seconds_dates_and_ms() {
+        // 2015-10-21T07:28:00Z
+        let now = UNIX_EPOCH + Duration::from_secs(1_445_412_480);
+        let ra = |v: &str| retry_after_at(&[("Retry-After", Some(v))], now);
+        assert_eq!(ra("3"), Some(Duration::from_secs(3)));
+        assert_eq!(ra(" 1.5 "), Some(Duration::from_millis(1500)));
+        assert_eq!(
+            ra("Wed, 21 Oct 2015 07:28:30 GMT"),
+            Some(Duration::from_secs(30))
+        );
+        // RFC 850 and asctime forms, which RFC 7231 says to accept.
+        assert_eq!(
+            ra("Wednesday, 21-Oct-15 07:28:05 GMT"),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(ra("Wed Oct 21 07:28:07 2015"), Some(Duration::from_secs(7)));
+        assert_eq!(ra("Wed, 21 Oct 2015 07:00:00 GMT"), Some(Duration::ZERO));
+        assert_eq!(
+            ra("Thu, 22 Oct 2015 07:28:00 GMT"),
+            Some(Duration::from_secs(600))
+        );
+        assert_eq!(ra("-1"), None);
+        assert_eq!(ra("tomorrow"), None);
+        let both = [("retry-after", Some("9")), ("retry-after-ms", Some("250"))];
+        assert_eq!(retry_after_at(&both, now), Some(Duration::from_millis(250)));
+        assert_eq!(retry_after_at(&[], SystemTime::now()), None);
     }
 }
