@@ -326,7 +326,10 @@ pub enum EnsembleMode {
 }
 
 /// A judge in an ensemble, with its weight.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Deserialized by hand (not with `#[serde(flatten)]`, which would silently accept unknown
+/// keys): `weight` is taken out and the rest must be a valid [`JudgeConfig`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WeightedJudge {
     /// Weight in `weighted` mode (ignored by `escalate`). Default 1.
     #[serde(default = "one_f32")]
@@ -334,6 +337,21 @@ pub struct WeightedJudge {
     /// The judge.
     #[serde(flatten)]
     pub judge: JudgeConfig,
+}
+
+impl<'de> Deserialize<'de> for WeightedJudge {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        let weight = match map.remove("weight") {
+            None => 1.0,
+            Some(v) => serde_json::from_value::<f32>(v)
+                .map_err(|e| D::Error::custom(format!("`weight`: {e}")))?,
+        };
+        let judge = JudgeConfig::deserialize(serde_json::Value::Object(map))
+            .map_err(D::Error::custom)?;
+        Ok(Self { weight, judge })
+    }
 }
 
 fn one_f32() -> f32 {
@@ -404,5 +422,27 @@ impl EnsembleConfig {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_in_an_ensemble_judge_are_refused() {
+        let ok: WeightedJudge = serde_json::from_value(serde_json::json!({
+            "name": "a", "base_url": "http://x/v1", "model": "m", "template": "{{ completion }}",
+            "weight": 2.0
+        }))
+        .unwrap();
+        assert_eq!(ok.weight, 2.0);
+        let e = serde_json::from_value::<WeightedJudge>(serde_json::json!({
+            "name": "a", "base_url": "http://x/v1", "model": "m", "template": "t",
+            "temprature": 0.3
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("temprature"), "{e}");
     }
 }
