@@ -5,7 +5,7 @@
 //! directory or a GGUF file, with its tokenizer and chat template, batched KV-cache generation
 //! with TRL's sampling knobs, LoRA adapters, and saving in Hugging Face / PEFT formats.
 //!
-//! With the cargo feature `rewards`, [`scoring`] makes the model grpo-rewards' scoring models:
+//! With the cargo feature `rewards`, the module `scoring` makes the model grpo-rewards' scoring models:
 //! `ModelScorer` (a `LanguageScorer`, for `inverse_loss` / `coverage_ce`) and
 //! `ClassifierModel` (a `SequenceClassifier` loaded from a `*ForSequenceClassification`
 //! checkpoint, for `reward_model`).
