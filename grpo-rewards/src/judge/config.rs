@@ -348,8 +348,8 @@ impl<'de> Deserialize<'de> for WeightedJudge {
             Some(v) => serde_json::from_value::<f32>(v)
                 .map_err(|e| D::Error::custom(format!("`weight`: {e}")))?,
         };
-        let judge = JudgeConfig::deserialize(serde_json::Value::Object(map))
-            .map_err(D::Error::custom)?;
+        let judge =
+            JudgeConfig::deserialize(serde_json::Value::Object(map)).map_err(D::Error::custom)?;
         Ok(Self { weight, judge })
     }
 }
