@@ -332,7 +332,6 @@ pub enum EnsembleMode {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WeightedJudge {
     /// Weight in `weighted` mode (ignored by `escalate`). Default 1.
-    #[serde(default = "one_f32")]
     pub weight: f32,
     /// The judge.
     #[serde(flatten)]
@@ -354,9 +353,6 @@ impl<'de> Deserialize<'de> for WeightedJudge {
     }
 }
 
-fn one_f32() -> f32 {
-    1.0
-}
 
 /// Several judges as one reward (`type = "judge_ensemble"`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
