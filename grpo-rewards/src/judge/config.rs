@@ -353,7 +353,6 @@ impl<'de> Deserialize<'de> for WeightedJudge {
     }
 }
 
-
 /// Several judges as one reward (`type = "judge_ensemble"`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
