@@ -418,3 +418,34 @@ fn demo_runs_end_to_end_in_miniature() {
     assert!(r.first_reward >= 0.0 && r.last_reward <= 1.0);
     assert!(dir.path().join("demo/grpo/metrics.jsonl").exists());
 }
+
+#[test]
+fn eval_split_is_scored_every_eval_steps_and_reference_sync_runs() {
+    let f = fixture();
+    let extra = "[reference]\nbeta = 0.04\nsync_ref_model = true\nref_model_sync_steps = 2\nref_model_mixup_alpha = 0.5\n";
+    let mut cfg = base_config(&f.root, "eval", extra);
+    cfg.data.eval_fraction = Some(0.25);
+    cfg.train.eval_steps = 2;
+    cfg.train.max_steps = Some(4);
+    struct Evals(std::rc::Rc<std::cell::RefCell<Vec<grpo_cli::Metrics>>>);
+    impl grpo_cli::Callbacks for Evals {
+        fn on_evaluate(&mut self, _step: usize, m: &grpo_cli::Metrics) {
+            self.0.borrow_mut().push(m.clone());
+        }
+    }
+    let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+    let setup = trainer::setup(cfg).unwrap();
+    let r = trainer::run(setup, &RunOptions::default(), &mut Evals(seen.clone())).unwrap();
+    let evals = seen.borrow();
+    assert_eq!(evals.len(), 2, "eval at steps 2 and 4");
+    for e in evals.iter() {
+        let acc = e["eval/accuracy"];
+        assert!((0.0..=1.0).contains(&acc));
+        assert!(e.contains_key("eval/reward"));
+    }
+    // The synced reference is saved with the checkpoint for exact resume.
+    let ck = r.best_checkpoint_path.unwrap();
+    assert!(ck.join("reference.safetensors").exists());
+    let lines = std::fs::read_to_string(f.root.join("eval/metrics.jsonl")).unwrap();
+    assert!(lines.contains("eval/accuracy"));
+}
