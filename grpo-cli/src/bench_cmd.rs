@@ -27,11 +27,14 @@ pub struct BenchModelArgs {
     /// Timed repetitions (the median is reported; one warm-up run precedes them).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Which phases to run: `all`, `generate` or `fwd-bwd` (to profile one alone).
+    #[arg(long, default_value = "all", value_parser = ["all", "generate", "fwd-bwd"])]
+    phase: String,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied()
 }
 
 pub fn bench_model(a: BenchModelArgs) -> Result<()> {
@@ -51,7 +54,10 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     };
     let detached = m.model.detached();
     let mut gen_s = Vec::new();
-    for r in 0..=a.reps {
+    // Runs per phase: one warm-up, then `reps` timed.
+    let gen_runs = if a.phase == "fwd-bwd" { 0 } else { a.reps + 1 };
+    let fb_runs = if a.phase == "generate" { 0 } else { a.reps + 1 };
+    for r in 0..gen_runs {
         let t = Instant::now();
         let out =
             grpo_rollout::generate(&detached, &m.tokenizer, &prompt_ids, groups.max(1), &params)?;
@@ -72,7 +78,7 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &Device::Cpu)?;
     let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &Device::Cpu)?;
     let mut fb_s = Vec::new();
-    for r in 0..=a.reps {
+    for r in 0..fb_runs {
         let t = Instant::now();
         let (lp, _) = tm
             .model
@@ -93,7 +99,7 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             "generate_s_median": g,
             "generate_s_all": gen_s,
-            "generate_tokens_per_s": (a.batch * a.new_tokens) as f64 / g,
+            "generate_tokens_per_s": g.map(|g| (a.batch * a.new_tokens) as f64 / g),
             "fwd_bwd_s_median": median(fb_s.clone()),
             "fwd_bwd_s_all": fb_s,
         })

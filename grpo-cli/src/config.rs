@@ -494,10 +494,20 @@ pub fn closest_key(unknown: &str) -> Option<String> {
 /// Deserializes the tree, refusing unknown keys with a suggestion, then validates.
 pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     let mut unknown: Vec<String> = Vec::new();
-    let cfg: TrainConfig = serde_ignored::deserialize(tree, |path| {
-        unknown.push(path.to_string());
-    })
-    .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    let mut note = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
+    // serde_path_to_error names the section of a type or missing-field error
+    // (`model.lora: missing field `lora_alpha``).
+    let cfg: TrainConfig =
+        serde_path_to_error::deserialize(serde_ignored::Deserializer::new(tree, &mut note))
+            .map_err(|e| {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                if path.is_empty() || path == "." {
+                    anyhow::anyhow!("{source}: {inner}")
+                } else {
+                    anyhow::anyhow!("{source}: {path}: {inner}")
+                }
+            })?;
     if let Some(key) = unknown.first() {
         // serde_ignored reports list indices as `?`-free numbers; rewards entries are checked by
         // their own schema.

@@ -318,6 +318,14 @@ fn bad_inputs_fail_before_any_work_with_one_line() {
             vec!["--set".into(), "rewards=[{type = \"shout\"}]".into()],
             "shout",
         ),
+        (
+            vec!["--set".into(), "model.lora={r = 4}".into()],
+            "model.lora: missing field `lora_alpha`",
+        ),
+        (
+            vec!["--set".into(), "optim.learning_rate=\"fast\"".into()],
+            "optim.learning_rate: invalid type",
+        ),
     ];
     for (extra, needle) in cases {
         let mut args = vec!["train", "--config", cfg.as_str()];

@@ -10,6 +10,7 @@
 //!   grpo, bnpo, dr_grpo, dapo and cispo objectives, token- or sequence-level importance
 //!   ratios, two-sided clipping, and the KL penalty to a reference model.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
+//! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout.
 //!
 //! The scorer (grpo-rewards, through grpo-cli) feeds rewards in; the learner in grpo-cli calls
 //! the loss on log-probs that grpo-rollout's model computes. This crate depends on candle-core
@@ -49,6 +50,7 @@
 #![deny(missing_docs)]
 
 pub mod advantages;
+pub mod fused;
 pub mod logprobs;
 pub mod loss;
 

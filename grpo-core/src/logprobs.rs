@@ -4,7 +4,9 @@
 //! `(...)`. Both functions work on blocks of rows so that at most one chunk's `(rows, V)`
 //! temporaries exist beside the logits, never a second full `(B, T, V)` tensor. Half-precision
 //! logits are widened to f32 inside each chunk (the result is f32); f32 and f64 keep their dtype.
-//! Both are differentiable compositions of candle ops (every op used has a backward).
+//! On CPU f32/f64 each chunk goes through a fused kernel with its own backward
+//! ([`crate::fused`]); elsewhere both are differentiable compositions of candle ops (every op
+//! used has a backward). The two paths agree to rounding (tested).
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -74,12 +76,19 @@ pub fn selective_log_softmax_chunked(
     while start < n {
         let len = step.min(n - start);
         let chunk = x.narrow(0, start, len)?.to_dtype(dtype)?;
+        let ids_chunk = ids.narrow(0, start, len)?;
+        if crate::fused::applies(&chunk) {
+            parts.push(
+                crate::fused::log_softmax_gather(&chunk, &ids_chunk.flatten_all()?)?
+                    .unsqueeze(1)?,
+            );
+            start += len;
+            continue;
+        }
         let max = chunk.max_keepdim(D::Minus1)?.detach();
         let shifted = chunk.broadcast_sub(&max)?;
         let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-        let picked = shifted
-            .contiguous()?
-            .gather(&ids.narrow(0, start, len)?, D::Minus1)?;
+        let picked = shifted.contiguous()?.gather(&ids_chunk, D::Minus1)?;
         parts.push((picked - lse)?);
         start += len;
     }
@@ -119,6 +128,11 @@ pub fn entropy_from_logits_chunked(
     while start < n {
         let len = step.min(n - start);
         let chunk = x.narrow(0, start, len)?.to_dtype(dtype)?;
+        if crate::fused::applies(&chunk) {
+            parts.push(crate::fused::entropy(&chunk)?.unsqueeze(1)?);
+            start += len;
+            continue;
+        }
         let max = chunk.max_keepdim(D::Minus1)?.detach();
         let shifted = chunk.broadcast_sub(&max)?;
         let e = shifted.exp()?;

@@ -12,6 +12,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use rayon::prelude::*;
+
 use crate::model::{KvCache, Transformer, attention_mask_value, padded_positions_and_bias};
 use crate::tokenizer::Tokenizer;
 
@@ -175,11 +177,20 @@ fn sample_row(
         if order.is_empty() {
             return (argmax(logits), logits[argmax(logits) as usize] / t - lse);
         }
-        order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        // Highest first, ties by id. Sorting is only needed when a filter keeps the top of the
+        // distribution; plain sampling walks the vocabulary in id order.
+        let desc = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
         if p.top_k > 0 && p.top_k < order.len() {
+            order.select_nth_unstable_by(p.top_k - 1, desc);
             order.truncate(p.top_k);
+            order.sort_by(desc);
+        } else if p.top_p < 1.0 || p.min_p > 0.0 {
+            order.sort_by(desc);
         }
-        let m = l[order[0]];
+        let m = order
+            .iter()
+            .map(|&i| l[i])
+            .fold(f32::NEG_INFINITY, f32::max);
         let mut probs: Vec<f32> = order.iter().map(|&i| (l[i] - m).exp()).collect();
         let z: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= z);
@@ -269,7 +280,7 @@ pub fn generate(
     let ids_t = Tensor::from_vec(ids, (n_prompts, lp), &device)?;
     let mask_t = Tensor::from_vec(mask.clone(), (n_prompts, lp), &device)?;
     let (positions, bias) = padded_positions_and_bias(&mask_t, &device)?;
-    let mut cache = KvCache::default();
+    let mut cache = KvCache::with_capacity(lp + params.max_new_tokens);
     let hidden = model.forward_hidden(&ids_t, &positions, &bias, Some(&mut cache))?;
     let last = hidden.narrow(1, lp - 1, 1)?.squeeze(1)?;
     let logits = model.logits(&last)?;
@@ -307,19 +318,27 @@ pub fn generate(
         let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
         let mut keep = Vec::with_capacity(rows.len());
         let mut finished = Vec::new();
-        for (i, (row, l)) in rows.iter_mut().zip(&host).enumerate() {
-            let suppress: &[u32] = if row.tokens.len() < params.min_new_tokens {
-                &stop_ids
-            } else {
-                &[]
-            };
-            let (tok, lp_tok) = sample_row(
-                &l[..vocab.min(l.len())],
-                params,
-                &row.seen,
-                suppress,
-                &mut row.rng,
-            );
+        // Rows sample in parallel: each has its own seeded stream, so the result does not
+        // depend on the thread count.
+        let picks: Vec<(u32, f32)> = rows
+            .par_iter_mut()
+            .zip(host.par_iter())
+            .map(|(row, l)| {
+                let suppress: &[u32] = if row.tokens.len() < params.min_new_tokens {
+                    &stop_ids
+                } else {
+                    &[]
+                };
+                sample_row(
+                    &l[..vocab.min(l.len())],
+                    params,
+                    &row.seen,
+                    suppress,
+                    &mut row.rng,
+                )
+            })
+            .collect();
+        for (i, (row, (tok, lp_tok))) in rows.iter_mut().zip(picks).enumerate() {
             row.tokens.push(tok);
             row.logprobs.push(lp_tok);
             row.seen.push(tok);

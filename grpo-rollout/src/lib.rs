@@ -12,6 +12,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod fused;
 pub mod generate;
 pub mod gguf;
 pub mod init;

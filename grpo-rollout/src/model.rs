@@ -1,13 +1,14 @@
 //! The transformer: a Llama-family decoder written on differentiable candle ops.
 //!
-//! Every op used has a backward in candle (matmul, index_select, exp, sqrt, silu, ...): RMSNorm,
-//! RoPE and the attention softmax are compositions, not candle-nn's fused kernels, which cut
-//! the gradient (see DESIGN.md). The same code serves training (weights are candle `Var`s and
+//! Every op used has a backward: candle's own (matmul, index_select, ...) or, for RMSNorm, RoPE,
+//! SiLU·mul and the attention softmax, our fused CPU kernels with a real backward
+//! ([`crate::fused`], falling back to differentiable compositions on other devices), never
+//! candle-nn's fused kernels, which cut the gradient (see DESIGN.md). The same code serves training (weights are candle `Var`s and
 //! record a graph), generation and the frozen reference (weights are detached tensors).
 
 use std::collections::HashMap;
 
-use candle_core::{D, DType, Device, Result, Tensor, bail};
+use candle_core::{DType, Device, Result, Tensor, bail};
 
 use crate::config::{Arch, ModelConfig};
 use crate::lora::Lora;
@@ -63,19 +64,9 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    /// Normalises over the last axis.
+    /// Normalises over the last axis (fused on CPU, see [`crate::fused::rms_norm`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
-        let wide = if dtype == DType::F64 {
-            DType::F64
-        } else {
-            DType::F32
-        };
-        let xf = x.to_dtype(wide)?;
-        let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
-        let inv = (var + self.eps)?.sqrt()?.recip()?;
-        let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
-        normed.broadcast_mul(&self.weight)
+        crate::fused::rms_norm(x, &self.weight, self.eps)
     }
 }
 
@@ -106,24 +97,58 @@ pub struct Layer {
     pub down_proj: Linear,
 }
 
-/// Per-layer key/value tensors of the tokens seen so far: `(B, kv_heads, S, head_dim)`.
-#[derive(Debug, Clone, Default)]
+/// Per-layer keys and values of the tokens seen so far, in preallocated buffers
+/// `(B, kv_heads, capacity, head_dim)` that each decode step writes into in place (no copy of
+/// the past per step). The buffers grow (doubling) when a forward needs more room.
+///
+/// Inference only: writes copy data without an autograd graph. `Clone` is a deep copy, since
+/// the buffers are written in place.
+#[derive(Debug, Default)]
 pub struct KvCache {
-    /// `(k, v)` per layer; empty before the first forward.
-    pub layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+    reserve: usize,
+}
+
+impl Clone for KvCache {
+    fn clone(&self) -> Self {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| (k.copy().expect("copy"), v.copy().expect("copy")))
+            .collect();
+        Self {
+            layers,
+            len: self.len,
+            reserve: self.reserve,
+        }
+    }
 }
 
 impl KvCache {
+    /// An empty cache whose first forward allocates room for `capacity` positions.
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            reserve: capacity,
+            ..Self::default()
+        }
+    }
+
     /// Cached sequence length.
     pub fn len(&self) -> usize {
-        self.layers
-            .first()
-            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+        self.len
     }
 
     /// True before the first forward.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
+    }
+
+    /// Positions the buffers hold before they must grow.
+    pub fn capacity(&self) -> usize {
+        self.layers
+            .first()
+            .map_or(self.reserve, |(k, _)| k.dim(2).unwrap_or(0))
     }
 
     /// Keeps (or repeats) batch rows: row `i` of the result is row `rows[i]` of this cache.
@@ -133,7 +158,52 @@ impl KvCache {
             .iter()
             .map(|(k, v)| Ok((k.index_select(rows, 0)?, v.index_select(rows, 0)?)))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers })
+        Ok(Self {
+            layers,
+            len: self.len,
+            reserve: self.reserve,
+        })
+    }
+
+    /// Writes layer `i`'s new keys and values `(B, kv_heads, L, D)` (contiguous) after the
+    /// `past` cached positions; returns views of all `past + L` of them.
+    fn append(
+        &mut self,
+        i: usize,
+        past: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, h, l, d) = k.dims4()?;
+        let need = past + l;
+        if self.layers.len() == i {
+            if past != 0 {
+                bail!("KV cache: layer {i} missing while {past} positions are cached");
+            }
+            let cap = self.reserve.max(need);
+            let kb = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
+            let vb = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
+            self.layers.push((kb, vb));
+        }
+        let (kb, vb) = &mut self.layers[i];
+        if kb.dim(0)? != b {
+            bail!("KV cache holds {} rows, the input has {b}", kb.dim(0)?);
+        }
+        if kb.dim(2)? < need {
+            let cap = (2 * kb.dim(2)?).max(need);
+            let grow = |old: &Tensor| -> Result<Tensor> {
+                let new = Tensor::zeros((b, h, cap, d), old.dtype(), old.device())?;
+                if past > 0 {
+                    new.slice_set(&old.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
+                }
+                Ok(new)
+            };
+            *kb = grow(kb)?;
+            *vb = grow(vb)?;
+        }
+        kb.slice_set(&k.contiguous()?.detach(), 2, past)?;
+        vb.slice_set(&v.contiguous()?.detach(), 2, past)?;
+        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
     }
 }
 
@@ -197,24 +267,6 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
         Tensor::from_vec(cos, (n, half), device)?,
         Tensor::from_vec(sin, (n, half), device)?,
     ))
-}
-
-/// Applies rotary embeddings to `(B, heads, L, head_dim)` given `(B, 1, L, head_dim/2)` tables
-/// (the "rotate half" layout of transformers).
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let o1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
-    let o2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
-    Tensor::cat(&[o1, o2], D::Minus1)
-}
-
-/// Differentiable softmax over the last axis (the max shift is a constant).
-pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    let m = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&m)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// Weights needed by name, in transformers' naming (`model.layers.0.self_attn.q_proj.weight`).
@@ -458,15 +510,16 @@ impl Transformer {
         let cos = self
             .rope_cos
             .index_select(&pos, 0)?
-            .reshape((b, 1, l, hd / 2))?
+            .reshape((b, l, hd / 2))?
             .to_dtype(dtype)?;
         let sin = self
             .rope_sin
             .index_select(&pos, 0)?
-            .reshape((b, 1, l, hd / 2))?
+            .reshape((b, l, hd / 2))?
             .to_dtype(dtype)?;
         let attn_bias = attn_bias.to_dtype(dtype)?;
         let scale = 1.0 / (hd as f64).sqrt();
+        let past = cache.as_deref().map_or(0, KvCache::len);
 
         let mut x = self
             .embed_tokens
@@ -485,38 +538,36 @@ impl Transformer {
                 Some(n) => n.forward(&k)?,
                 None => k,
             };
-            let q = apply_rope(&q.transpose(1, 2)?.contiguous()?, &cos, &sin)?;
-            let k = apply_rope(&k.transpose(1, 2)?.contiguous()?, &cos, &sin)?;
+            // (B, L, heads, D) → rotated (B, heads, L, D).
+            let q = crate::fused::rope(&q, &cos, &sin)?;
+            let k = crate::fused::rope(&k, &cos, &sin)?;
             let v = v.transpose(1, 2)?.contiguous()?;
             let (k, v) = match cache.as_deref_mut() {
-                Some(c) => {
-                    if c.layers.len() <= i {
-                        c.layers.push((k.clone(), v.clone()));
-                        (k, v)
-                    } else {
-                        let (pk, pv) = &c.layers[i];
-                        let k = Tensor::cat(&[pk, &k], 2)?;
-                        let v = Tensor::cat(&[pv, &v], 2)?;
-                        c.layers[i] = (k.clone(), v.clone());
-                        (k, v)
-                    }
-                }
+                Some(c) => c.append(i, past, &k, &v)?,
                 None => (k, v),
             };
             let s = k.dim(2)?;
             // Grouped-query attention without repeating k/v: fold the query heads that share
             // a kv head into the row axis.
             let qg = q.reshape((b, nkv, rep * l, hd))?;
-            let scores = (qg.matmul(&k.t()?)? * scale)?.reshape((b, nh, l, s))?;
-            let scores = scores.broadcast_add(&attn_bias)?;
-            let probs = softmax_last_dim(&scores)?.reshape((b, nkv, rep * l, s))?;
+            let scores = qg.matmul(&k.t()?)?.reshape((b, nh, l, s))?;
+            let probs = crate::fused::attention_softmax(&scores, &attn_bias, scale)?.reshape((
+                b,
+                nkv,
+                rep * l,
+                s,
+            ))?;
             let ctx = probs.matmul(&v)?.reshape((b, nh, l, hd))?;
             let ctx = ctx.transpose(1, 2)?.reshape((b, l, nh * hd))?;
             x = (x + layer.o_proj.forward(&ctx)?)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
-            let gate = layer.gate_proj.forward(&h)?.silu()?;
+            let gate = layer.gate_proj.forward(&h)?;
             let up = layer.up_proj.forward(&h)?;
-            x = (x + layer.down_proj.forward(&(gate * up)?)?)?;
+            let act = crate::fused::silu_mul(&gate, &up)?;
+            x = (x + layer.down_proj.forward(&act)?)?;
+        }
+        if let Some(c) = cache {
+            c.len = past + l;
         }
         self.norm.forward(&x)
     }

@@ -1,0 +1,330 @@
+//! Fused CPU kernels: the shared plumbing, and the switch that turns them off.
+//!
+//! A composition of candle ops makes one pass over memory (and one allocation, and in the
+//! backward one more node with its own zero-filled gradient buffer) per op. For the few ops that
+//! dominate a small model's step we write fused kernels as candle `CustomOp`s **with a real
+//! backward**: [`crate::logprobs`] here, RMSNorm / RoPE / SiLU·mul / attention softmax in
+//! grpo-rollout. They run on CPU tensors of f32 or f64; on any other device or dtype the callers
+//! use the plain composition, which candle's CUDA backend covers. Every fused op is tested
+//! against its composition (values and gradients).
+//!
+//! Kernels split work by rows over rayon's pool; reductions across rows (a weight's gradient)
+//! are summed in a fixed block order, so results do not depend on thread scheduling.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
+use rayon::prelude::*;
+
+fn flag() -> &'static AtomicBool {
+    static FLAG: OnceLock<AtomicBool> = OnceLock::new();
+    FLAG.get_or_init(|| {
+        let off = std::env::var("GRPO_FUSED").is_ok_and(|v| v == "0" || v == "false");
+        AtomicBool::new(!off)
+    })
+}
+
+/// Whether fused kernels are used (default yes; `GRPO_FUSED=0` in the environment or
+/// [`set_enabled`]`(false)` selects the plain compositions, e.g. to compare speed).
+pub fn enabled() -> bool {
+    flag().load(Ordering::Relaxed)
+}
+
+/// Turns the fused kernels on or off for the whole process.
+pub fn set_enabled(on: bool) {
+    flag().store(on, Ordering::Relaxed);
+}
+
+/// True when a fused kernel can take `t`: kernels enabled, CPU, f32 or f64.
+pub fn applies(t: &Tensor) -> bool {
+    enabled() && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// The element types the kernels are written for (f32 and f64).
+pub trait Float: WithDType + num_traits::Float + Send + Sync + std::iter::Sum {}
+impl Float for f32 {}
+impl Float for f64 {}
+
+/// The contiguous elements of a CPU storage under `layout` (an error names `op` otherwise).
+pub fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => candle_core::bail!("{op}: input must be contiguous"),
+    }
+}
+
+/// Converts an `f64` constant to `T`.
+pub fn cst<T: Float>(v: f64) -> T {
+    T::from_f64(v)
+}
+
+/// The larger of two values (NaN-ignoring, as `f32::max`).
+pub fn fmax<T: Float>(a: T, b: T) -> T {
+    num_traits::Float::max(a, b)
+}
+
+/// Rows per rayon task: enough work per task that scheduling stays negligible.
+pub fn min_rows(row_len: usize) -> usize {
+    (4096 / row_len.max(1)).max(1)
+}
+
+/// Rows per block for reductions across rows (fixed, so the summation order is too).
+pub const REDUCE_BLOCK_ROWS: usize = 64;
+
+/// `(Δlogits)` of the `log_softmax + gather` kernel: `g·(onehot(t) − softmax(x))` per row.
+#[derive(Debug, Clone, Copy)]
+struct LogSoftmaxGather;
+
+/// Backward of [`LogSoftmaxGather`]: inputs `(logits (N, V), targets (N), grad (N))`.
+#[derive(Debug, Clone, Copy)]
+struct LogSoftmaxGatherBwd;
+
+/// Entropy of the softmax per row.
+#[derive(Debug, Clone, Copy)]
+struct Entropy;
+
+/// Backward of [`Entropy`]: inputs `(logits (N, V), grad (N))`.
+#[derive(Debug, Clone, Copy)]
+struct EntropyBwd;
+
+fn target_ids(s: &CpuStorage, l: &Layout) -> Result<Vec<usize>> {
+    Ok(match s.dtype() {
+        DType::U32 => slice::<u32>(s, l, "targets")?
+            .iter()
+            .map(|&t| t as usize)
+            .collect(),
+        DType::I64 => slice::<i64>(s, l, "targets")?
+            .iter()
+            .map(|&t| t.max(0) as usize)
+            .collect(),
+        DType::U8 => slice::<u8>(s, l, "targets")?
+            .iter()
+            .map(|&t| t as usize)
+            .collect(),
+        d => candle_core::bail!("targets must be integer token ids, got {d:?}"),
+    })
+}
+
+/// `(max, log Σ exp(x − max))` of a row.
+fn max_lse<T: Float>(row: &[T]) -> (T, T) {
+    let m = row.iter().copied().fold(T::neg_infinity(), fmax);
+    let s: T = row.iter().map(|&v| (v - m).exp()).sum();
+    (m, s.ln())
+}
+
+fn two_dims(l: &Layout, op: &str) -> Result<(usize, usize)> {
+    match l.dims() {
+        [n, v] => Ok((*n, *v)),
+        d => candle_core::bail!("{op}: expected (rows, vocab), got {d:?}"),
+    }
+}
+
+macro_rules! float_dispatch {
+    ($dtype:expr, $op:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            d => candle_core::bail!("{}: fused kernel needs f32 or f64, got {d:?}", $op),
+        }
+    };
+}
+
+fn lsg_fwd<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    t: &CpuStorage,
+    lt: &Layout,
+) -> Result<(CpuStorage, candle_core::Shape)> {
+    let (n, v) = two_dims(lx, "log_softmax_gather")?;
+    let x = slice::<T>(x, lx, "log_softmax_gather")?;
+    let ids = target_ids(t, lt)?;
+    if ids.len() != n {
+        candle_core::bail!("log_softmax_gather: {} targets for {n} rows", ids.len());
+    }
+    if let Some(&bad) = ids.iter().find(|&&i| i >= v) {
+        candle_core::bail!("log_softmax_gather: target id {bad} out of range for vocab {v}");
+    }
+    let out: Vec<T> = x
+        .par_chunks(v)
+        .zip(ids.par_iter())
+        .with_min_len(min_rows(v))
+        .map(|(row, &id)| {
+            let (m, lse) = max_lse(row);
+            row[id] - m - lse
+        })
+        .collect();
+    Ok((T::to_cpu_storage_owned(out), n.into()))
+}
+
+fn lsg_bwd<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    t: &CpuStorage,
+    lt: &Layout,
+    g: &CpuStorage,
+    lg: &Layout,
+) -> Result<(CpuStorage, candle_core::Shape)> {
+    let (n, v) = two_dims(lx, "log_softmax_gather_bwd")?;
+    let x = slice::<T>(x, lx, "log_softmax_gather_bwd")?;
+    let ids = target_ids(t, lt)?;
+    let g = slice::<T>(g, lg, "log_softmax_gather_bwd")?;
+    let mut out = vec![T::zero(); n * v];
+    out.par_chunks_mut(v)
+        .zip(x.par_chunks(v))
+        .zip(ids.par_iter().zip(g.par_iter()))
+        .with_min_len(min_rows(v))
+        .for_each(|((o, row), (&id, &gr))| {
+            let (m, lse) = max_lse(row);
+            let shift = m + lse;
+            for (o, &xv) in o.iter_mut().zip(row) {
+                *o = -gr * (xv - shift).exp();
+            }
+            o[id] = o[id] + gr;
+        });
+    Ok((T::to_cpu_storage_owned(out), (n, v).into()))
+}
+
+fn ent_fwd<T: Float>(x: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, candle_core::Shape)> {
+    let (n, v) = two_dims(lx, "entropy")?;
+    let x = slice::<T>(x, lx, "entropy")?;
+    let out: Vec<T> = x
+        .par_chunks(v)
+        .with_min_len(min_rows(v))
+        .map(|row| {
+            let (m, lse) = max_lse(row);
+            // H = lse' − Σ p·(x − m) with lse' = log Σ exp(x − m).
+            let px: T = row
+                .iter()
+                .map(|&xv| {
+                    let s = xv - m;
+                    (s - lse).exp() * s
+                })
+                .sum();
+            lse - px
+        })
+        .collect();
+    Ok((T::to_cpu_storage_owned(out), n.into()))
+}
+
+fn ent_bwd<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    g: &CpuStorage,
+    lg: &Layout,
+) -> Result<(CpuStorage, candle_core::Shape)> {
+    let (n, v) = two_dims(lx, "entropy_bwd")?;
+    let x = slice::<T>(x, lx, "entropy_bwd")?;
+    let g = slice::<T>(g, lg, "entropy_bwd")?;
+    let mut out = vec![T::zero(); n * v];
+    out.par_chunks_mut(v)
+        .zip(x.par_chunks(v))
+        .zip(g.par_iter())
+        .with_min_len(min_rows(v))
+        .for_each(|((o, row), &gr)| {
+            let (m, lse) = max_lse(row);
+            // log p_j = x_j − m − lse; H = −Σ p log p; dH/dx_j = −p_j (log p_j + H).
+            let mut h = T::zero();
+            for (o, &xv) in o.iter_mut().zip(row) {
+                let lp = xv - m - lse;
+                *o = lp;
+                h = h - lp.exp() * lp;
+            }
+            for o in o.iter_mut() {
+                let lp = *o;
+                *o = -gr * lp.exp() * (lp + h);
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), (n, v).into()))
+}
+
+impl candle_core::CustomOp2 for LogSoftmaxGather {
+    fn name(&self) -> &'static str {
+        "log_softmax_gather"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, candle_core::Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), lsg_fwd(s1, l1, s2, l2))
+    }
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !logits.track_op() {
+            return Ok((None, None));
+        }
+        let d = logits.apply_op3_no_bwd(targets, &grad.contiguous()?, &LogSoftmaxGatherBwd)?;
+        Ok((Some(d), None))
+    }
+}
+
+impl candle_core::CustomOp3 for LogSoftmaxGatherBwd {
+    fn name(&self) -> &'static str {
+        "log_softmax_gather_bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, candle_core::Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), lsg_bwd(s1, l1, s2, l2, s3, l3))
+    }
+}
+
+impl candle_core::CustomOp1 for Entropy {
+    fn name(&self) -> &'static str {
+        "entropy"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, candle_core::Shape)> {
+        float_dispatch!(s.dtype(), self.name(), ent_fwd(s, l))
+    }
+    fn bwd(&self, logits: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !logits.track_op() {
+            return Ok(None);
+        }
+        Ok(Some(
+            logits.apply_op2_no_bwd(&grad.contiguous()?, &EntropyBwd)?,
+        ))
+    }
+}
+
+impl candle_core::CustomOp2 for EntropyBwd {
+    fn name(&self) -> &'static str {
+        "entropy_bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, candle_core::Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), ent_bwd(s1, l1, s2, l2))
+    }
+}
+
+/// Fused `log_softmax(x)[t]` of `(N, V)` f32/f64 CPU logits and `(N,)` ids → `(N,)`, with a
+/// backward to the logits. Callers check [`applies`] first.
+pub fn log_softmax_gather(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, LogSoftmaxGather)
+}
+
+/// Fused entropy of the softmax of `(N, V)` f32/f64 CPU logits → `(N,)`, with a backward.
+pub fn entropy(logits: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op1(Entropy)
+}

@@ -1,0 +1,608 @@
+//! The decoder's hot elementwise ops, each as a fused CPU kernel with a real backward and as
+//! the plain composition of candle ops it replaces.
+//!
+//! [`rms_norm`], [`rope`], [`silu_mul`] and [`attention_softmax`] pick the fused kernel when
+//! [`grpo_core::fused::applies`] (CPU, f32/f64, not switched off with `GRPO_FUSED=0`) and the
+//! composition otherwise (other devices, half precision). The `*_composed` functions are public
+//! so that tests (and anyone curious) can compare the two: same values to rounding, same
+//! gradients. See `grpo_core::fused` for why these exist.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor};
+use grpo_core::fused::{Float, REDUCE_BLOCK_ROWS, applies, cst, fmax, min_rows, slice};
+use rayon::prelude::*;
+
+macro_rules! float_dispatch {
+    ($dtype:expr, $op:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            d => candle_core::bail!("{}: fused kernel needs f32 or f64, got {d:?}", $op),
+        }
+    };
+}
+
+fn last_dim(l: &Layout) -> usize {
+    l.dims().last().copied().unwrap_or(1)
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+/// RMSNorm over the last axis, `x / sqrt(mean(x²) + eps) · w`, computed in f32 for half
+/// precision inputs as transformers does.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    if applies(x) && x.dtype() == w.dtype() {
+        x.contiguous()?
+            .apply_op2(&w.contiguous()?, RmsNormOp { eps })
+    } else {
+        rms_norm_composed(x, w, eps)
+    }
+}
+
+/// [`rms_norm`] as a composition of candle ops.
+pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let wide = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let xf = x.to_dtype(wide)?;
+    let var = xf.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv = (var + eps)?.sqrt()?.recip()?;
+    let normed = xf.broadcast_mul(&inv)?.to_dtype(dtype)?;
+    normed.broadcast_mul(w)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RmsNormOp {
+    eps: f64,
+}
+
+/// Backward of RMSNorm: inputs `(x, w, grad)`, output `[dx (x's elements), dw (h)]` flat.
+#[derive(Debug, Clone, Copy)]
+struct RmsNormBwd {
+    eps: f64,
+}
+
+fn inv_rms<T: Float>(row: &[T], eps: f64) -> T {
+    let ms = row.iter().map(|&v| v * v).sum::<T>() / cst::<T>(row.len() as f64);
+    T::one() / (ms + cst(eps)).sqrt()
+}
+
+fn rms_fwd<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    w: &CpuStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CpuStorage, Shape)> {
+    let h = last_dim(lx);
+    let x = slice::<T>(x, lx, "rms_norm")?;
+    let w = slice::<T>(w, lw, "rms_norm")?;
+    if w.len() != h {
+        candle_core::bail!(
+            "rms_norm: weight has {} elements, hidden size is {h}",
+            w.len()
+        );
+    }
+    let mut out = vec![T::zero(); x.len()];
+    out.par_chunks_mut(h)
+        .zip(x.par_chunks(h))
+        .with_min_len(min_rows(h))
+        .for_each(|(o, row)| {
+            let inv = inv_rms(row, eps);
+            for ((o, &xv), &wv) in o.iter_mut().zip(row).zip(w) {
+                *o = xv * inv * wv;
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), lx.shape().clone()))
+}
+
+fn rms_bwd<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    w: &CpuStorage,
+    lw: &Layout,
+    g: &CpuStorage,
+    lg: &Layout,
+    eps: f64,
+) -> Result<(CpuStorage, Shape)> {
+    let h = last_dim(lx);
+    let x = slice::<T>(x, lx, "rms_norm_bwd")?;
+    let w = slice::<T>(w, lw, "rms_norm_bwd")?;
+    let g = slice::<T>(g, lg, "rms_norm_bwd")?;
+    let n = x.len();
+    let mut out = vec![T::zero(); n + h];
+    let (dx, dw) = out.split_at_mut(n);
+    let block = REDUCE_BLOCK_ROWS * h;
+    // Per block of rows: dx rows, and the block's partial dw (summed below in block order).
+    let partials: Vec<Vec<T>> = dx
+        .par_chunks_mut(block)
+        .zip(x.par_chunks(block).zip(g.par_chunks(block)))
+        .map(|(dxb, (xb, gb))| {
+            let mut pw = vec![T::zero(); h];
+            for ((dxr, xr), gr) in dxb.chunks_mut(h).zip(xb.chunks(h)).zip(gb.chunks(h)) {
+                let inv = inv_rms(xr, eps);
+                // xhat = x·inv; dxhat = g·w; dx = inv·(dxhat − xhat·mean(dxhat·xhat)).
+                let mut dot = T::zero();
+                for i in 0..h {
+                    let xh = xr[i] * inv;
+                    pw[i] = pw[i] + gr[i] * xh;
+                    dot = dot + gr[i] * w[i] * xh;
+                }
+                let mean = dot / cst::<T>(h as f64);
+                for i in 0..h {
+                    dxr[i] = inv * (gr[i] * w[i] - xr[i] * inv * mean);
+                }
+            }
+            pw
+        })
+        .collect();
+    for p in partials {
+        for (d, v) in dw.iter_mut().zip(p) {
+            *d = *d + v;
+        }
+    }
+    Ok((T::to_cpu_storage_owned(out), (n + h).into()))
+}
+
+impl CustomOp2 for RmsNormOp {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), rms_fwd(s1, l1, s2, l2, self.eps))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !x.track_op() && !w.track_op() {
+            return Ok((None, None));
+        }
+        let flat = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormBwd { eps: self.eps })?;
+        let n = x.elem_count();
+        let dx = flat.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dw = flat.narrow(0, n, w.elem_count())?.reshape(w.shape())?;
+        // Only inputs in the graph get a gradient (a frozen weight must not).
+        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)))
+    }
+}
+
+impl CustomOp3 for RmsNormBwd {
+    fn name(&self) -> &'static str {
+        "rms_norm_bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(
+            s1.dtype(),
+            self.name(),
+            rms_bwd(s1, l1, s2, l2, s3, l3, self.eps)
+        )
+    }
+}
+
+// ---------------------------------------------------------------- RoPE
+
+/// Rotary embeddings ("rotate half" layout) fused with the head transpose: `x` `(B, L, H, D)`
+/// (as a projection's output is laid out) and per-token tables `cos`, `sin` `(B, L, D/2)` give
+/// `(B, H, L, D)`, contiguous.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if applies(x) && x.dtype() == cos.dtype() && x.dtype() == sin.dtype() {
+        x.contiguous()?.apply_op3(
+            &cos.contiguous()?,
+            &sin.contiguous()?,
+            RopeOp { inverse: false },
+        )
+    } else {
+        rope_composed(x, cos, sin)
+    }
+}
+
+/// [`rope`] as a composition of candle ops.
+pub fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, l, _, d) = x.dims4()?;
+    let x = x.transpose(1, 2)?.contiguous()?;
+    let cos = cos.reshape((b, 1, l, d / 2))?;
+    let sin = sin.reshape((b, 1, l, d / 2))?;
+    let half = d / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let o1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let o2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    Tensor::cat(&[o1, o2], D::Minus1)
+}
+
+/// Forward (`(B, L, H, D)` → `(B, H, L, D)`, rotate by +θ) or, with `inverse`, its backward
+/// (`(B, H, L, D)` → `(B, L, H, D)`, rotate by −θ).
+#[derive(Debug, Clone, Copy)]
+struct RopeOp {
+    inverse: bool,
+}
+
+fn rope_run<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    c: &CpuStorage,
+    lc: &Layout,
+    s: &CpuStorage,
+    ls: &Layout,
+    inverse: bool,
+) -> Result<(CpuStorage, Shape)> {
+    let (b, a1, a2, d) = lx.shape().dims4()?;
+    // Forward: input (B, L, H, D). Inverse: input (B, H, L, D).
+    let (l, h) = if inverse { (a2, a1) } else { (a1, a2) };
+    let x = slice::<T>(x, lx, "rope")?;
+    let c = slice::<T>(c, lc, "rope")?;
+    let s = slice::<T>(s, ls, "rope")?;
+    let half = d / 2;
+    if c.len() != b * l * half || s.len() != b * l * half {
+        candle_core::bail!("rope: tables must be (B, L, D/2) = ({b}, {l}, {half})");
+    }
+    let sign = if inverse { -T::one() } else { T::one() };
+    let mut out = vec![T::zero(); x.len()];
+    // Output rows: forward (B, H, L) rows of D; inverse (B, L, H) rows of D.
+    out.par_chunks_mut(d)
+        .enumerate()
+        .with_min_len(min_rows(d))
+        .for_each(|(r, o)| {
+            let (bi, hi, li) = if inverse {
+                (r / (l * h), r % h, (r / h) % l)
+            } else {
+                (r / (h * l), (r / l) % h, r % l)
+            };
+            let src = if inverse {
+                ((bi * h + hi) * l + li) * d
+            } else {
+                ((bi * l + li) * h + hi) * d
+            };
+            let src = &x[src..src + d];
+            let t = (bi * l + li) * half;
+            let (cr, sr) = (&c[t..t + half], &s[t..t + half]);
+            for i in 0..half {
+                let (x1, x2) = (src[i], src[i + half]);
+                let (cv, sv) = (cr[i], sign * sr[i]);
+                o[i] = x1 * cv - x2 * sv;
+                o[i + half] = x2 * cv + x1 * sv;
+            }
+        });
+    let shape: Shape = if inverse { (b, l, h, d) } else { (b, h, l, d) }.into();
+    Ok((T::to_cpu_storage_owned(out), shape))
+}
+
+impl CustomOp3 for RopeOp {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(
+            s1.dtype(),
+            self.name(),
+            rope_run(s1, l1, s2, l2, s3, l3, self.inverse)
+        )
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if !x.track_op() {
+            return Ok((None, None, None));
+        }
+        let dx = grad.contiguous()?.apply_op3_no_bwd(
+            cos,
+            sin,
+            &RopeOp {
+                inverse: !self.inverse,
+            },
+        )?;
+        Ok((Some(dx), None, None))
+    }
+}
+
+// ---------------------------------------------------------------- SiLU · mul
+
+/// The gated MLP's `silu(gate) · up`.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if applies(gate) && gate.dtype() == up.dtype() && gate.dims() == up.dims() {
+        gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
+    } else {
+        silu_mul_composed(gate, up)
+    }
+}
+
+/// [`silu_mul`] as a composition of candle ops.
+pub fn silu_mul_composed(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.silu()? * up
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SiluMulOp;
+
+/// Backward: inputs `(gate, up, grad)`, output `[dgate, dup]` flat.
+#[derive(Debug, Clone, Copy)]
+struct SiluMulBwd;
+
+/// Elements per rayon task for purely elementwise kernels.
+const ELEMENTWISE_TASK: usize = 8192;
+
+fn silu_fwd<T: Float>(
+    a: &CpuStorage,
+    la: &Layout,
+    u: &CpuStorage,
+    lu: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let a = slice::<T>(a, la, "silu_mul")?;
+    let u = slice::<T>(u, lu, "silu_mul")?;
+    let mut out = vec![T::zero(); a.len()];
+    out.par_chunks_mut(ELEMENTWISE_TASK)
+        .zip(
+            a.par_chunks(ELEMENTWISE_TASK)
+                .zip(u.par_chunks(ELEMENTWISE_TASK)),
+        )
+        .for_each(|(o, (a, u))| {
+            for ((o, &av), &uv) in o.iter_mut().zip(a).zip(u) {
+                *o = av / (T::one() + (-av).exp()) * uv;
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), la.shape().clone()))
+}
+
+fn silu_bwd<T: Float>(
+    a: &CpuStorage,
+    la: &Layout,
+    u: &CpuStorage,
+    lu: &Layout,
+    g: &CpuStorage,
+    lg: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let a = slice::<T>(a, la, "silu_mul_bwd")?;
+    let u = slice::<T>(u, lu, "silu_mul_bwd")?;
+    let g = slice::<T>(g, lg, "silu_mul_bwd")?;
+    let n = a.len();
+    let mut out = vec![T::zero(); 2 * n];
+    let (da, du) = out.split_at_mut(n);
+    let k = ELEMENTWISE_TASK;
+    da.par_chunks_mut(k)
+        .zip(du.par_chunks_mut(k))
+        .zip(a.par_chunks(k).zip(u.par_chunks(k)).zip(g.par_chunks(k)))
+        .for_each(|((da, du), ((a, u), g))| {
+            for i in 0..a.len() {
+                let s = T::one() / (T::one() + (-a[i]).exp());
+                let silu = a[i] * s;
+                // d silu / da = s · (1 + a · (1 − s)).
+                da[i] = g[i] * u[i] * s * (T::one() + a[i] * (T::one() - s));
+                du[i] = g[i] * silu;
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), (2 * n).into()))
+}
+
+impl CustomOp2 for SiluMulOp {
+    fn name(&self) -> &'static str {
+        "silu_mul"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), silu_fwd(s1, l1, s2, l2))
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        u: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !a.track_op() && !u.track_op() {
+            return Ok((None, None));
+        }
+        let flat = a.apply_op3_no_bwd(u, &grad.contiguous()?, &SiluMulBwd)?;
+        let n = a.elem_count();
+        let da = flat.narrow(0, 0, n)?.reshape(a.shape())?;
+        let du = flat.narrow(0, n, n)?.reshape(u.shape())?;
+        Ok((a.track_op().then_some(da), u.track_op().then_some(du)))
+    }
+}
+
+impl CustomOp3 for SiluMulBwd {
+    fn name(&self) -> &'static str {
+        "silu_mul_bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s1.dtype(), self.name(), silu_bwd(s1, l1, s2, l2, s3, l3))
+    }
+}
+
+// ---------------------------------------------------------------- attention softmax
+
+/// Attention probabilities `softmax(scores · scale + bias)` over the last axis: `scores`
+/// `(B, H, L, S)`, `bias` `(B, 1, L, S)` (the additive causal + padding mask, no gradient).
+pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    if applies(scores) && scores.dtype() == bias.dtype() {
+        scores
+            .contiguous()?
+            .apply_op2(&bias.contiguous()?, SoftmaxOp { scale })
+    } else {
+        attention_softmax_composed(scores, bias, scale)
+    }
+}
+
+/// [`attention_softmax`] as a composition of candle ops.
+pub fn attention_softmax_composed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let x = (scores * scale)?.broadcast_add(bias)?;
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SoftmaxOp {
+    scale: f64,
+}
+
+/// Backward: inputs `(probs, grad)`, output `scale · p · (g − Σ g·p)`.
+#[derive(Debug, Clone, Copy)]
+struct SoftmaxBwd {
+    scale: f64,
+}
+
+fn softmax_fwd<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    m: &CpuStorage,
+    lm: &Layout,
+    scale: f64,
+) -> Result<(CpuStorage, Shape)> {
+    let (b, h, l, s) = lx.shape().dims4()?;
+    let (mb, one, ml, ms) = lm.shape().dims4()?;
+    if (mb, one, ml, ms) != (b, 1, l, s) {
+        candle_core::bail!(
+            "attention_softmax: bias must be ({b}, 1, {l}, {s}), got {:?}",
+            lm.dims()
+        );
+    }
+    let x = slice::<T>(x, lx, "attention_softmax")?;
+    let m = slice::<T>(m, lm, "attention_softmax")?;
+    let scale = cst::<T>(scale);
+    let mut out = vec![T::zero(); x.len()];
+    out.par_chunks_mut(s)
+        .zip(x.par_chunks(s))
+        .enumerate()
+        .with_min_len(min_rows(s))
+        .for_each(|(r, (o, xr))| {
+            let (bi, li) = (r / (h * l), r % l);
+            let mr = &m[(bi * l + li) * s..(bi * l + li + 1) * s];
+            let mut mx = T::neg_infinity();
+            for ((o, &xv), &mv) in o.iter_mut().zip(xr).zip(mr) {
+                *o = xv * scale + mv;
+                mx = fmax(mx, *o);
+            }
+            let mut sum = T::zero();
+            for o in o.iter_mut() {
+                *o = (*o - mx).exp();
+                sum = sum + *o;
+            }
+            let inv = T::one() / sum;
+            for o in o.iter_mut() {
+                *o = *o * inv;
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), lx.shape().clone()))
+}
+
+fn softmax_bwd<T: Float>(
+    p: &CpuStorage,
+    lp: &Layout,
+    g: &CpuStorage,
+    lg: &Layout,
+    scale: f64,
+) -> Result<(CpuStorage, Shape)> {
+    let s = last_dim(lp);
+    let p = slice::<T>(p, lp, "attention_softmax_bwd")?;
+    let g = slice::<T>(g, lg, "attention_softmax_bwd")?;
+    let scale = cst::<T>(scale);
+    let mut out = vec![T::zero(); p.len()];
+    out.par_chunks_mut(s)
+        .zip(p.par_chunks(s).zip(g.par_chunks(s)))
+        .with_min_len(min_rows(s))
+        .for_each(|(o, (pr, gr))| {
+            let dot: T = pr.iter().zip(gr).map(|(&a, &b)| a * b).sum();
+            for ((o, &pv), &gv) in o.iter_mut().zip(pr).zip(gr) {
+                *o = scale * pv * (gv - dot);
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), lp.shape().clone()))
+}
+
+impl CustomOp2 for SoftmaxOp {
+    fn name(&self) -> &'static str {
+        "attention_softmax"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(
+            s1.dtype(),
+            self.name(),
+            softmax_fwd(s1, l1, s2, l2, self.scale)
+        )
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _m: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !x.track_op() {
+            return Ok((None, None));
+        }
+        let d = res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBwd { scale: self.scale })?;
+        Ok((Some(d), None))
+    }
+}
+
+impl CustomOp2 for SoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "attention_softmax_bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(
+            s1.dtype(),
+            self.name(),
+            softmax_bwd(s1, l1, s2, l2, self.scale)
+        )
+    }
+}

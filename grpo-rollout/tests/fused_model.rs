@@ -1,0 +1,82 @@
+//! The whole decoder with fused kernels against the same decoder on plain compositions: equal
+//! log-probs, entropies and gradients for every weight (llama with biases, qwen2, qwen3).
+//! One test in its own binary, because it flips the process-wide fused switch.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use candle_core::{DType, Device, Tensor};
+use grpo_rollout::config::Arch;
+use grpo_rollout::init::{Preset, preset_config, random_weights};
+use grpo_rollout::policy::TrainableModel;
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+#[test]
+fn fused_and_composed_decoders_agree() {
+    let rows = vec![
+        vec![5u32, 9, 2, 33, 7, 12, 40],
+        vec![8, 3, 20, 11],
+        vec![17, 6, 50, 4, 9],
+    ];
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for dtype in [DType::F64, DType::F32] {
+            let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
+            c.hidden_size = 32;
+            c.num_attention_heads = 4;
+            c.num_key_value_heads = 2;
+            c.head_dim = 8;
+            c.intermediate_size = 48;
+            c.attention_bias = arch != Arch::Qwen3;
+            let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
+            let mut outs = Vec::new();
+            for on in [true, false] {
+                grpo_core::fused::set_enabled(on);
+                let tm = TrainableModel::full(&base).unwrap();
+                let (lp, ent) = tm
+                    .model
+                    .completion_logprobs(&ids, &mask, 3, 0.7, true)
+                    .unwrap();
+                let ent = ent.unwrap();
+                let loss =
+                    ((&lp * 0.3).unwrap().sum_all().unwrap() - ent.sum_all().unwrap()).unwrap();
+                let grads = loss.backward().unwrap();
+                let g: Vec<(String, Tensor)> = tm
+                    .vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
+                    .collect();
+                outs.push((lp, ent, g));
+            }
+            grpo_core::fused::set_enabled(true);
+            let tol = if dtype == DType::F64 { 1e-10 } else { 1e-4 };
+            let (a, b) = (&outs[0], &outs[1]);
+            assert!(
+                max_abs(&(&a.0 - &b.0).unwrap()) < tol,
+                "{arch:?} {dtype:?} log-probs"
+            );
+            assert!(
+                max_abs(&(&a.1 - &b.1).unwrap()) < tol,
+                "{arch:?} {dtype:?} entropies"
+            );
+            for ((name, ga), (_, gb)) in a.2.iter().zip(&b.2) {
+                let scale = max_abs(gb).max(1e-3);
+                let d = max_abs(&(ga - gb).unwrap());
+                assert!(
+                    d / scale < tol,
+                    "{arch:?} {dtype:?} gradient of {name}: {d} (scale {scale})"
+                );
+            }
+        }
+    }
+}
