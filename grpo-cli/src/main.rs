@@ -205,7 +205,35 @@ fn one_line(e: &anyhow::Error) -> String {
     parts.join(": ")
 }
 
+/// candle asks for its thread count on every matmul and, unless `RAYON_NUM_THREADS` is set,
+/// re-reads `/proc/cpuinfo` each time (measured: ~2,400 reads per generation benchmark, 10-20%
+/// of its time). Setting the variable once makes that a cheap lookup.
+#[allow(unsafe_code)]
+fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: called first thing in `main`, before any other thread exists.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+    }
+}
+
+/// Tensors of megabytes are allocated and freed by the thousand per step. By default glibc
+/// serves them with fresh `mmap`s and returns them on free, so every step pays page faults and
+/// kernel zeroing again; keeping blocks up to 32 MiB in the heap lets them be reused (measured:
+/// forward + backward 10% faster on the tiny benchmark model).
+#[allow(unsafe_code)]
+fn tune_malloc() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
 fn main() -> ExitCode {
+    pin_thread_count();
+    tune_malloc();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

@@ -256,6 +256,8 @@ pub fn generate(
     if let Some(i) = prompts.iter().position(Vec::is_empty) {
         bail!("prompt {i} is empty: a prompt needs at least one token");
     }
+    let decoding = model.for_decoding()?;
+    let model = &decoding;
     let device = model.device().clone();
     let vocab = model.cfg.vocab_size;
     let mut stop_ids: Vec<u32> = tokenizer.eos_token_ids.clone();

@@ -31,7 +31,13 @@ pub struct Linear {
     pub bias: Option<Tensor>,
     /// Low-rank adapter, when this module is a LoRA target.
     pub lora: Option<Lora>,
+    /// `weightᵀ` stored contiguous `(in, out)`, set by [`Transformer::for_decoding`]: for the
+    /// few-row matmuls of decoding it is 2-3x faster than the transposed view.
+    pub weight_t: Option<Tensor>,
 }
+
+/// Up to this many rows, a matmul uses the stored transpose when there is one.
+const DECODE_ROWS: usize = 512;
 
 impl Linear {
     /// Applies the map to `(..., in)`.
@@ -40,7 +46,10 @@ impl Linear {
         let (lead, last) = dims.split_at(dims.len() - 1);
         let n: usize = lead.iter().product();
         let x2 = x.reshape((n, last[0]))?;
-        let mut y = x2.matmul(&self.weight.t()?)?;
+        let mut y = match &self.weight_t {
+            Some(wt) if n <= DECODE_ROWS => x2.matmul(wt)?,
+            _ => x2.matmul(&self.weight.t()?)?,
+        };
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
@@ -220,6 +229,8 @@ pub struct Transformer {
     pub norm: RmsNorm,
     /// `(vocab, hidden)` output head; `None` when tied to the embeddings.
     pub lm_head: Option<Tensor>,
+    /// The output head transposed `(hidden, vocab)`, contiguous, set by [`Self::for_decoding`].
+    pub head_t: Option<Tensor>,
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
@@ -314,6 +325,7 @@ impl Transformer {
                     opt(&format!("{p}.bias"), &[out])?
                 },
                 lora: None,
+                weight_t: None,
             })
         };
         let norm = |name: &str, n: usize| -> Result<RmsNorm> {
@@ -368,6 +380,7 @@ impl Transformer {
             layers,
             norm: norm("model.norm.weight", h)?,
             lm_head,
+            head_t: None,
             rope_cos,
             rope_sin,
         })
@@ -423,6 +436,8 @@ impl Transformer {
                 weight: f(&l.weight)?,
                 bias: l.bias.as_ref().map(f).transpose()?,
                 lora: l.lora.as_ref().map(|lo| lo.map_tensors(f)).transpose()?,
+                // A mapped model is a new model: its decoding copies are made again if needed.
+                weight_t: None,
             })
         };
         let norm = |n: &RmsNorm| -> Result<RmsNorm> {
@@ -456,6 +471,7 @@ impl Transformer {
             layers,
             norm: norm(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(f).transpose()?,
+            head_t: None,
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
         })
@@ -465,6 +481,29 @@ impl Transformer {
     pub fn detached(&self) -> Self {
         self.map_tensors(&|t| Ok(t.detach()))
             .expect("detach cannot fail")
+    }
+
+    /// A detached copy for generation: every linear layer (and the output head) also keeps its
+    /// weight transposed and contiguous, which few-row decode matmuls run 2-3x faster on. Costs
+    /// one more copy of the weights.
+    pub fn for_decoding(&self) -> Result<Self> {
+        let mut m = self.detached();
+        let tr = |w: &Tensor| -> Result<Option<Tensor>> { Ok(Some(w.t()?.contiguous()?)) };
+        for l in m.layers.iter_mut() {
+            for lin in [
+                &mut l.q_proj,
+                &mut l.k_proj,
+                &mut l.v_proj,
+                &mut l.o_proj,
+                &mut l.gate_proj,
+                &mut l.up_proj,
+                &mut l.down_proj,
+            ] {
+                lin.weight_t = tr(&lin.weight)?;
+            }
+        }
+        m.head_t = tr(m.head())?;
+        Ok(m)
     }
 
     /// A deep copy without autograd: a frozen reference that later updates do not touch.
@@ -574,7 +613,10 @@ impl Transformer {
 
     /// Logits `(N, V)` of hidden states `(N, H)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        hidden.matmul(&self.head().t()?)
+        match &self.head_t {
+            Some(ht) if hidden.dim(0)? <= DECODE_ROWS => hidden.matmul(ht),
+            _ => hidden.matmul(&self.head().t()?),
+        }
     }
 
     /// Full-sequence forward on a left-padded batch: `input_ids` `(B, L)` and
