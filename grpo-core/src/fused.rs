@@ -181,7 +181,7 @@ fn lsg_bwd<T: Float>(
             for (o, &xv) in o.iter_mut().zip(row) {
                 *o = -gr * (xv - shift).exp();
             }
-            o[id] = o[id] + gr;
+            o[id] += gr;
         });
     Ok((T::to_cpu_storage_owned(out), (n, v).into()))
 }
@@ -229,7 +229,7 @@ fn ent_bwd<T: Float>(
             for (o, &xv) in o.iter_mut().zip(row) {
                 let lp = xv - m - lse;
                 *o = lp;
-                h = h - lp.exp() * lp;
+                h -= lp.exp() * lp;
             }
             for o in o.iter_mut() {
                 let lp = *o;

@@ -128,8 +128,8 @@ fn rms_bwd<T: Float>(
                 let mut dot = T::zero();
                 for i in 0..h {
                     let xh = xr[i] * inv;
-                    pw[i] = pw[i] + gr[i] * xh;
-                    dot = dot + gr[i] * w[i] * xh;
+                    pw[i] += gr[i] * xh;
+                    dot += gr[i] * w[i] * xh;
                 }
                 let mean = dot / cst::<T>(h as f64);
                 for i in 0..h {
@@ -141,7 +141,7 @@ fn rms_bwd<T: Float>(
         .collect();
     for p in partials {
         for (d, v) in dw.iter_mut().zip(p) {
-            *d = *d + v;
+            *d += v;
         }
     }
     Ok((T::to_cpu_storage_owned(out), (n + h).into()))
@@ -522,11 +522,11 @@ fn softmax_fwd<T: Float>(
             let mut sum = T::zero();
             for o in o.iter_mut() {
                 *o = (*o - mx).exp();
-                sum = sum + *o;
+                sum += *o;
             }
             let inv = T::one() / sum;
             for o in o.iter_mut() {
-                *o = *o * inv;
+                *o *= inv;
             }
         });
     Ok((T::to_cpu_storage_owned(out), lx.shape().clone()))

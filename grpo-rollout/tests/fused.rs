@@ -1,4 +1,5 @@
 //! Each fused kernel against the plain composition of candle ops it replaces: the same values
+#![allow(clippy::unwrap_used, missing_docs)]
 //! and the same gradients (f64 to 1e-12, f32 to 1e-5), on shapes that are not multiples of
 //! anything, with masked attention rows, and on enough rows to split across threads.
 
@@ -177,7 +178,7 @@ fn attention_softmax_matches_composition_with_masked_rows() {
         let (m1, m2) = (bias.clone(), bias.clone());
         check(
             "attention_softmax",
-            &[scores.clone()],
+            std::slice::from_ref(&scores),
             &move |t| fused::attention_softmax(&t[0], &m1, 0.125).unwrap(),
             &move |t| fused::attention_softmax_composed(&t[0], &m2, 0.125).unwrap(),
             1,
