@@ -1,5 +1,4 @@
 //! Times candle matmuls of the shapes one decoder layer runs (a profiling aid):
-#![allow(clippy::unwrap_used)]
 //! `cargo run --release -p grpo-rollout --example matmul_shapes`.
 use std::time::Instant;
 
