@@ -148,7 +148,7 @@ struct DemoArgs {
     #[arg(long, default_value_t = 400)]
     sft_steps: usize,
     /// GRPO steps.
-    #[arg(long, default_value_t = 80)]
+    #[arg(long, default_value_t = 120)]
     steps: usize,
     /// Seed.
     #[arg(long, default_value_t = 0)]
@@ -177,12 +177,13 @@ fn demo(a: DemoArgs) -> Result<()> {
     })?;
     let run = &r.result.run_dir;
     println!(
-        "warm-up loss {:.3} → {:.3}; GRPO accuracy reward {:.3} (first 5 steps) → {:.3} (last 5 steps) in {:.0} s",
+        "warm-up loss {:.3} → {:.3}; GRPO accuracy reward {:.3} (first {n} steps) → {:.3} (last {n} steps) in {:.0} s",
         r.sft_loss.0,
         r.sft_loss.1,
         r.first_reward,
         r.last_reward,
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        n = grpo_cli::demo::REPORT_STEPS
     );
     println!("run directory: {}", run.display());
     println!("metrics: {}", run.join("metrics.jsonl").display());
