@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use grpo_core::advantages::ScaleRewards;
-use grpo_core::loss::{ImportanceSamplingLevel, LossConfig, LossType};
+use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
 use grpo_rollout::{LoraConfig, SamplingParams};
@@ -204,6 +204,15 @@ pub struct LossSection {
     pub mask_truncated_completions: bool,
     /// Drop groups whose rewards are all equal (DAPO's dynamic sampling) from the loss.
     pub drop_zero_std_groups: bool,
+    /// Correct off-policy samples (a generator up to `pipeline.max_staleness` versions behind)
+    /// with the importance ratio of the learner's policy to the sampling policy (TRL's name).
+    pub vllm_importance_sampling_correction: bool,
+    /// token_truncate | token_mask | sequence_truncate | sequence_mask (default).
+    pub vllm_importance_sampling_mode: String,
+    /// Lower bound of the ratio (none by default).
+    pub vllm_importance_sampling_clip_min: Option<f64>,
+    /// Upper bound of the ratio (3.0).
+    pub vllm_importance_sampling_clip_max: f64,
 }
 
 impl Default for LossSection {
@@ -218,6 +227,10 @@ impl Default for LossSection {
             scale_rewards: "group".into(),
             mask_truncated_completions: false,
             drop_zero_std_groups: false,
+            vllm_importance_sampling_correction: true,
+            vllm_importance_sampling_mode: "sequence_mask".into(),
+            vllm_importance_sampling_clip_min: None,
+            vllm_importance_sampling_clip_max: 3.0,
         }
     }
 }
@@ -539,6 +552,8 @@ pub struct Resolved {
     pub completions_per_step: usize,
     /// Completions per micro-batch.
     pub micro_batch: usize,
+    /// Off-policy correction mode (`loss.vllm_importance_sampling_mode`).
+    pub importance_sampling_mode: ImportanceSamplingMode,
 }
 
 impl TrainConfig {
@@ -615,6 +630,11 @@ impl TrainConfig {
                 ));
             }
         };
+        let importance_sampling_mode: ImportanceSamplingMode = self
+            .loss
+            .vllm_importance_sampling_mode
+            .parse()
+            .map_err(|e| format!("`loss.vllm_importance_sampling_mode`: {e}"))?;
         let scale_rewards = match self.loss.scale_rewards.as_str() {
             "group" => ScaleRewards::Group,
             "batch" => ScaleRewards::Batch,
@@ -719,14 +739,19 @@ impl TrainConfig {
         if p.data_capacity == 0 || p.rollout_capacity == 0 || p.scored_capacity == 0 {
             return Err("`pipeline.*_capacity` must be >= 1 (channels are bounded)".into());
         }
-        if p.max_staleness > 0 {
-            return Err("`pipeline.max_staleness` > 0 is not available yet: only 0 (on-policy) is supported in this version".into());
+        let l = &self.loss;
+        if !(l.vllm_importance_sampling_clip_max > 0.0)
+            || l.vllm_importance_sampling_clip_min
+                .is_some_and(|m| !(m < l.vllm_importance_sampling_clip_max))
+        {
+            return Err("`loss.vllm_importance_sampling_clip_max` must be > 0 and above `loss.vllm_importance_sampling_clip_min`".into());
         }
         Ok(Resolved {
             loss,
             scale_rewards,
             completions_per_step: n,
             micro_batch: micro,
+            importance_sampling_mode,
         })
     }
 

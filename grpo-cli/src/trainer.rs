@@ -711,8 +711,16 @@ impl Learner {
             Ok(Tensor::from_vec(m, (b - a, c), &self.device)?)
         };
 
-        // Old-policy log-probs (num_iterations > 1) and reference log-probs, no graph.
-        let need_old = self.cfg.optim.num_iterations > 1;
+        // Off-policy samples: with `max_staleness` > 0 the generator may have sampled with an
+        // older version than the learner's current one. Then the old log-probs come from the
+        // current policy and TRL's importance-sampling correction weighs each sample by its
+        // ratio to the sampling log-probs recorded at generation.
+        let staleness = self.state.step.saturating_sub(r.version);
+        let correct = self.cfg.pipeline.max_staleness > 0
+            && self.cfg.loss.vllm_importance_sampling_correction;
+        // Old-policy log-probs (num_iterations > 1 or off-policy correction) and reference
+        // log-probs, no graph.
+        let need_old = self.cfg.optim.num_iterations > 1 || correct;
         let frozen = if need_old {
             Some(self.policy.model.detached())
         } else {
@@ -739,6 +747,49 @@ impl Learner {
             });
         }
 
+        let mut is_weights: Vec<Option<Tensor>> = Vec::new();
+        let mut is_stats: Vec<(f64, f64, f64)> = Vec::new();
+        let mut logp_diff: (f64, f64, f64) = (0.0, 0.0, 0.0); // (sum, count, max)
+        for (ci, &(a, b)) in chunks.iter().enumerate() {
+            let (true, Some(old_lp)) = (correct, old[ci].as_ref()) else {
+                is_weights.push(None);
+                continue;
+            };
+            let c = old_lp.dim(1)?;
+            let mut sampled = Vec::with_capacity((b - a) * c);
+            for comp in &r.completions[a..b] {
+                sampled.extend((0..c).map(|j| comp.logprobs.get(j).copied().unwrap_or(0.0)));
+            }
+            let sampled =
+                Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(old_lp.dtype())?;
+            let mask = mask_of(a, b, c)?;
+            let l = &self.cfg.loss;
+            let w = grpo_core::loss::importance_weights(
+                old_lp,
+                &sampled,
+                &mask,
+                self.res.importance_sampling_mode,
+                l.vllm_importance_sampling_clip_min,
+                l.vllm_importance_sampling_clip_max,
+            )?;
+            is_stats.push(grpo_core::loss::importance_weight_stats(&w, &mask)?);
+            let d: Vec<Vec<f64>> = (old_lp - &sampled)?
+                .abs()?
+                .to_dtype(DType::F64)?
+                .to_vec2()?;
+            let m: Vec<Vec<f32>> = mask.to_vec2()?;
+            for (dr, mr) in d.iter().zip(&m) {
+                for (dv, mv) in dr.iter().zip(mr) {
+                    if *mv > 0.5 && dv.is_finite() {
+                        logp_diff.0 += dv;
+                        logp_diff.1 += 1.0;
+                        logp_diff.2 = logp_diff.2.max(*dv);
+                    }
+                }
+            }
+            is_weights.push(Some(w));
+        }
+
         let mut sums: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
         let mut add = |k: &'static str, v: f64| {
             let e = sums.entry(k).or_insert((0.0, 0.0));
@@ -763,6 +814,7 @@ impl Learner {
                         advantages: &adv,
                         completion_mask: &mask,
                         num_items_in_batch: Some(total_tokens as f64),
+                        importance_weights: is_weights[ci].as_ref(),
                     },
                     &self.res.loss,
                 )?;
@@ -892,6 +944,28 @@ impl Learner {
         m.insert("num_tokens".into(), self.state.num_tokens as f64);
         m.insert("step".into(), self.state.step as f64);
         m.insert("policy_version".into(), r.version as f64);
+        if self.cfg.pipeline.max_staleness > 0 {
+            // One policy version per batch: the mean and the max over its samples are equal.
+            m.insert("staleness/mean".into(), staleness as f64);
+            m.insert("staleness/max".into(), staleness as f64);
+        }
+        if !is_stats.is_empty() {
+            let k = is_stats.len() as f64;
+            let min = is_stats.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+            let mean = is_stats.iter().map(|s| s.1).sum::<f64>() / k;
+            let max = is_stats
+                .iter()
+                .map(|s| s.2)
+                .fold(f64::NEG_INFINITY, f64::max);
+            m.insert("sampling/importance_sampling_ratio/min".into(), min);
+            m.insert("sampling/importance_sampling_ratio/mean".into(), mean);
+            m.insert("sampling/importance_sampling_ratio/max".into(), max);
+            m.insert(
+                "sampling/sampling_logp_difference/mean".into(),
+                logp_diff.0 / logp_diff.1.max(1.0),
+            );
+            m.insert("sampling/sampling_logp_difference/max".into(), logp_diff.2);
+        }
         let train_s = t0.elapsed().as_secs_f64();
         m.insert("timing/generate_s".into(), r.seconds);
         m.insert("timing/score_s".into(), s.seconds);
@@ -1313,7 +1387,11 @@ pub fn run(
             let (data_tx, data_rx) = bounded::<PromptBatch>(p.data_capacity);
             let (roll_tx, roll_rx) = bounded::<Rollouts>(p.rollout_capacity);
             let (scored_tx, scored_rx) = bounded::<Scored>(p.scored_capacity);
-            let (weights_tx, weights_rx) = bounded::<(Arc<Transformer>, usize)>(1);
+            // Every version goes to the generator in order (it takes version step − k for the
+            // batch of `step`, so runs are reproducible); k + 1 slots keep the learner from
+            // waiting on a generator that is ahead.
+            let (weights_tx, weights_rx) =
+                bounded::<(Arc<Transformer>, usize)>(p.max_staleness + 1);
             let halt = Arc::new(AtomicBool::new(false));
             let staleness = p.max_staleness;
             let outcome: Result<()> = std::thread::scope(|scope| {

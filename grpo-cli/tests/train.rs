@@ -457,3 +457,71 @@ fn eval_split_is_scored_every_eval_steps_and_reference_sync_runs() {
     let lines = std::fs::read_to_string(f.root.join("eval/metrics.jsonl")).unwrap();
     assert!(lines.contains("eval/accuracy"));
 }
+
+#[test]
+fn staleness_1_is_reproducible_off_policy_and_corrected() {
+    let f = fixture();
+    let extra = "[pipeline]\nmax_staleness = 1\n";
+    let a = run(
+        base_config(&f.root, "stale_a", extra),
+        RunOptions::default(),
+    );
+    let b = run(
+        base_config(&f.root, "stale_b", extra),
+        RunOptions::default(),
+    );
+    // Fixed lag: the batch of step s is sampled with version max(0, s - 1), whatever the timing.
+    assert_same(&a.metrics, &b.metrics);
+    for (s, m) in a.metrics.iter().enumerate() {
+        assert_eq!(m["policy_version"], s.saturating_sub(1) as f64, "step {s}");
+        let lag = if s == 0 { 0.0 } else { 1.0 };
+        assert_eq!(m["staleness/max"], lag, "step {s}");
+        assert_eq!(m["staleness/mean"], lag, "step {s}");
+        let (lo, mean, hi) = (
+            m["sampling/importance_sampling_ratio/min"],
+            m["sampling/importance_sampling_ratio/mean"],
+            m["sampling/importance_sampling_ratio/max"],
+        );
+        assert!(
+            lo <= mean && mean <= hi && lo >= 0.0 && hi <= 3.0,
+            "step {s}: {lo} {mean} {hi}"
+        );
+        if s == 0 {
+            // Sampled by the very policy the learner holds: the ratio is 1 up to the rounding
+            // between incremental decoding and the full forward.
+            assert!(
+                (lo - 1.0).abs() < 1e-3 && (hi - 1.0).abs() < 1e-3,
+                "{lo} {hi}"
+            );
+            assert!(m["sampling/sampling_logp_difference/max"] < 1e-3);
+        }
+    }
+    // Later batches really are off-policy: the learner moved since they were sampled.
+    assert!(
+        a.metrics[1..]
+            .iter()
+            .any(|m| m["sampling/sampling_logp_difference/max"] > 1e-4)
+    );
+    // And the pipeline is not the on-policy algorithm any more.
+    let on = run(base_config(&f.root, "on_policy", ""), RunOptions::default());
+    assert_ne!(strip_timing(&on.metrics), strip_timing(&a.metrics));
+}
+
+#[test]
+fn bad_importance_sampling_options_are_refused() {
+    let f = fixture();
+    let _ = base_config(&f.root, "isbad", "");
+    for (set, needle) in [
+        (
+            "loss.vllm_importance_sampling_mode=\"per_token\"",
+            "`loss.vllm_importance_sampling_mode`",
+        ),
+        (
+            "loss.vllm_importance_sampling_clip_max=0.0",
+            "`loss.vllm_importance_sampling_clip_max`",
+        ),
+    ] {
+        let e = config::load(&f.root.join("isbad.toml"), &[set.to_string()]).unwrap_err();
+        assert!(format!("{e:#}").contains(needle), "{set}: {e:#}");
+    }
+}

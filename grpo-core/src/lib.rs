@@ -38,6 +38,7 @@
 //!         advantages: &advantages,
 //!         completion_mask: &mask,
 //!         num_items_in_batch: None,
+//!         importance_weights: None,
 //!     },
 //!     &LossConfig::default(),
 //! )?;

@@ -176,6 +176,111 @@ pub struct LossInputs<'a> {
     /// dapo / cispo normaliser: the number of completion tokens the optimizer step averages over
     /// (clamped to ≥ 1); `None` = this batch's mask sum.
     pub num_items_in_batch: Option<f64>,
+    /// Off-policy correction weights, `(B, T)` per token or `(B, 1)` per sequence, multiplying
+    /// each token's policy loss before the KL term is added (TRL's
+    /// `importance_sampling_ratio` from [`importance_weights`]); `None` = 1.
+    pub importance_weights: Option<&'a Tensor>,
+}
+
+/// How [`importance_weights`] corrects samples drawn by another policy than the one the
+/// learner evaluates (a stale generator, or an inference engine): TRL's
+/// `vllm_importance_sampling_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImportanceSamplingMode {
+    /// Per-token ratio clamped to `[min, max]`.
+    TokenTruncate,
+    /// Per-token ratio, tokens outside `[min, max]` get weight 0.
+    TokenMask,
+    /// Per-sequence ratio (exp of the summed log-ratio) clamped to `[min, max]`.
+    SequenceTruncate,
+    /// Per-sequence ratio, sequences outside `[min, max]` get weight 0 (TRL's default).
+    #[default]
+    SequenceMask,
+}
+
+impl std::str::FromStr for ImportanceSamplingMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "token_truncate" => Ok(Self::TokenTruncate),
+            "token_mask" => Ok(Self::TokenMask),
+            "sequence_truncate" => Ok(Self::SequenceTruncate),
+            "sequence_mask" => Ok(Self::SequenceMask),
+            other => Err(format!(
+                "unknown importance sampling mode `{other}`: expected token_truncate, token_mask, sequence_truncate or sequence_mask"
+            )),
+        }
+    }
+}
+
+/// TRL's off-policy correction: the ratio `exp(old − sampling)` of the log-probs the learner's
+/// policy (before this update) gives the sampled tokens to the log-probs they were sampled with,
+/// per token or summed per sequence (masked tokens count 0; NaN sampling log-probs count 0),
+/// then truncated or masked outside `[min, max]` (`min` `None` = no lower bound). Returns the
+/// weights (`(B, T)` or `(B, 1)`, no gradient) for [`LossInputs::importance_weights`].
+pub fn importance_weights(
+    old_per_token_logps: &Tensor,
+    sampling_per_token_logps: &Tensor,
+    completion_mask: &Tensor,
+    mode: ImportanceSamplingMode,
+    min: Option<f64>,
+    max: f64,
+) -> Result<Tensor> {
+    let dtype = old_per_token_logps.dtype();
+    let mask = completion_mask.to_dtype(dtype)?;
+    let diff = (old_per_token_logps.detach() - sampling_per_token_logps.to_dtype(dtype)?)?;
+    // NaN → 0 (a token without a sampling log-prob gets ratio 1), then masked.
+    let diff = diff.eq(&diff)?.where_cond(&diff, &diff.zeros_like()?)?;
+    let diff = (diff * &mask)?;
+    let seq = matches!(
+        mode,
+        ImportanceSamplingMode::SequenceMask | ImportanceSamplingMode::SequenceTruncate
+    );
+    let ratio = if seq {
+        diff.sum_keepdim(1)?.exp()?
+    } else {
+        diff.exp()?
+    };
+    let lo = min.unwrap_or(f64::NEG_INFINITY);
+    match mode {
+        ImportanceSamplingMode::TokenTruncate | ImportanceSamplingMode::SequenceTruncate => {
+            ratio.clamp(lo, max)
+        }
+        _ => {
+            let inside = ratio.ge(lo)?.mul(&ratio.le(max)?)?;
+            inside.where_cond(&ratio, &ratio.zeros_like()?)
+        }
+    }
+}
+
+/// min / mean / max of importance weights as TRL logs them (`sampling/importance_sampling_ratio/*`):
+/// over all sequences for `(B, 1)` weights, over completion tokens for `(B, T)` weights.
+pub fn importance_weight_stats(
+    weights: &Tensor,
+    completion_mask: &Tensor,
+) -> Result<(f64, f64, f64)> {
+    let w: Vec<Vec<f64>> = weights.to_dtype(DType::F64)?.to_vec2()?;
+    let m: Vec<Vec<f64>> = completion_mask.to_dtype(DType::F64)?.to_vec2()?;
+    let mut vals = Vec::new();
+    for (wr, mr) in w.iter().zip(&m) {
+        if wr.len() == 1 {
+            vals.push(wr[0]);
+        } else {
+            vals.extend(
+                wr.iter()
+                    .zip(mr)
+                    .filter(|(_, m)| **m > 0.5)
+                    .map(|(w, _)| *w),
+            );
+        }
+    }
+    if vals.is_empty() {
+        return Ok((0.0, 0.0, 0.0));
+    }
+    let min = vals.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = vals.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    Ok((min, vals.iter().sum::<f64>() / vals.len() as f64, max))
 }
 
 /// Diagnostics of one loss evaluation, under TRL's metric names (`kl`,
@@ -342,6 +447,10 @@ pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutp
             l1.minimum(&l2)?.neg()?
         }
     };
+    let per_token_loss = match inputs.importance_weights {
+        Some(w) => per_token_loss.broadcast_mul(&w.to_dtype(logp.dtype())?.detach())?,
+        None => per_token_loss,
+    };
     let per_token_loss = match (&per_token_kl, cfg.beta != 0.0) {
         (Some(kl), true) => per_token_loss.broadcast_add(&(kl * cfg.beta)?)?,
         _ => per_token_loss,
@@ -399,6 +508,102 @@ pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutp
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn importance_weights_follow_trl_modes() {
+        use super::ImportanceSamplingMode as M;
+        let d = candle_core::Device::Cpu;
+        let old = Tensor::new(&[[-1.0f64, -2.0, -3.0], [-1.0, -1.0, -1.0]], &d).unwrap();
+        let samp = Tensor::new(&[[-1.5f64, -2.0, -2.0], [-1.0, f64::NAN, -3.5]], &d).unwrap();
+        let mask = Tensor::new(&[[1f64, 1.0, 0.0], [1.0, 1.0, 1.0]], &d).unwrap();
+        let w = |mode, min, max| {
+            importance_weights(&old, &samp, &mask, mode, min, max)
+                .unwrap()
+                .to_vec2::<f64>()
+                .unwrap()
+        };
+        let e = |x: f64| x.exp();
+        // Row 0: log-ratios [0.5, 0, masked]; row 1: [0, NaN → 0, 2.5].
+        let t = w(M::TokenTruncate, None, 1.5);
+        assert_eq!(t[0], vec![1.5, 1.0, 1.0]);
+        assert_eq!(t[1], vec![1.0, 1.0, 1.5]);
+        let t = w(M::TokenMask, None, 1.5);
+        assert_eq!(t[0], vec![0.0, 1.0, 1.0]);
+        assert_eq!(t[1], vec![1.0, 1.0, 0.0]);
+        let t = w(M::TokenMask, None, 20.0);
+        assert!((t[0][0] - e(0.5)).abs() < 1e-12 && (t[1][2] - e(2.5)).abs() < 1e-12);
+        let t = w(M::SequenceTruncate, Some(0.5), 2.0);
+        assert_eq!((t[0].len(), t[0][0], t[1][0]), (1, e(0.5), 2.0));
+        let t = w(M::SequenceMask, None, 3.0);
+        assert_eq!((t[0][0], t[1][0]), (e(0.5), 0.0));
+        let t = w(M::SequenceMask, Some(1.7), 30.0);
+        assert_eq!((t[0][0], t[1][0]), (0.0, e(2.5)));
+        assert!("sequence_mask".parse::<M>().is_ok() && "x".parse::<M>().is_err());
+    }
+
+    #[test]
+    fn importance_weights_scale_the_policy_term_not_the_kl() {
+        let d = candle_core::Device::Cpu;
+        let lp = Tensor::new(&[[-1.0f64, -0.5], [-2.0, -0.3]], &d).unwrap();
+        let old = Tensor::new(&[[-1.1f64, -0.4], [-2.0, -0.2]], &d).unwrap();
+        let rf = Tensor::new(&[[-0.9f64, -0.6], [-1.8, -0.35]], &d).unwrap();
+        let adv = Tensor::new(&[0.7f64, -0.4], &d).unwrap();
+        let mask = Tensor::new(&[[1f64, 1.0], [1.0, 0.0]], &d).unwrap();
+        let two = Tensor::new(&[[2.0f64], [2.0]], &d).unwrap();
+        for beta in [0.0, 0.1] {
+            let cfg = LossConfig {
+                beta,
+                ..LossConfig::default()
+            };
+            let run = |w: Option<&Tensor>, r: Option<&Tensor>| {
+                policy_loss(
+                    &LossInputs {
+                        per_token_logps: &lp,
+                        old_per_token_logps: Some(&old),
+                        ref_per_token_logps: r,
+                        advantages: &adv,
+                        completion_mask: &mask,
+                        num_items_in_batch: None,
+                        importance_weights: w,
+                    },
+                    &cfg,
+                )
+                .unwrap()
+                .loss
+                .to_scalar::<f64>()
+                .unwrap()
+            };
+            let r = (beta > 0.0).then_some(&rf);
+            let plain = run(None, r);
+            let doubled = run(Some(&two), r);
+            let kl_only = if beta > 0.0 {
+                let zero = Tensor::new(&[0.0f64, 0.0], &d).unwrap();
+                policy_loss(
+                    &LossInputs {
+                        per_token_logps: &lp,
+                        old_per_token_logps: Some(&old),
+                        ref_per_token_logps: Some(&rf),
+                        advantages: &zero,
+                        completion_mask: &mask,
+                        num_items_in_batch: None,
+                        importance_weights: None,
+                    },
+                    &cfg,
+                )
+                .unwrap()
+                .loss
+                .to_scalar::<f64>()
+                .unwrap()
+            } else {
+                0.0
+            };
+            // loss = policy + KL; weights 2 double the policy part only.
+            assert!(
+                (doubled - (2.0 * (plain - kl_only) + kl_only)).abs() < 1e-12,
+                "beta {beta}"
+            );
+        }
+    }
     use super::*;
     use candle_core::{Device, Var};
 
@@ -447,6 +652,7 @@ mod tests {
             advantages: &a,
             completion_mask: &m,
             num_items_in_batch: None,
+            importance_weights: None,
         };
         let cfg = LossConfig {
             beta: 0.1,

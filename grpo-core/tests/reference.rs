@@ -120,6 +120,7 @@ fn run_case(c: &LossCase, dtype: DType, tol: f64) {
             advantages: &adv,
             completion_mask: &mask,
             num_items_in_batch: c.num_items_in_batch,
+            importance_weights: None,
         },
         &config(c),
     )

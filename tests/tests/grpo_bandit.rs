@@ -127,6 +127,7 @@ fn train(loss_type: LossType, num_iterations: usize, steps: usize) -> Run {
                     advantages: &adv_t,
                     completion_mask: &mask,
                     num_items_in_batch: None,
+                    importance_weights: None,
                 },
                 &cfg,
             )
