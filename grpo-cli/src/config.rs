@@ -740,9 +740,11 @@ impl TrainConfig {
             return Err("`pipeline.*_capacity` must be >= 1 (channels are bounded)".into());
         }
         let l = &self.loss;
-        if !(l.vllm_importance_sampling_clip_max > 0.0)
+        let max = l.vllm_importance_sampling_clip_max;
+        if max.is_nan()
+            || max <= 0.0
             || l.vllm_importance_sampling_clip_min
-                .is_some_and(|m| !(m < l.vllm_importance_sampling_clip_max))
+                .is_some_and(|m| m.is_nan() || m >= max)
         {
             return Err("`loss.vllm_importance_sampling_clip_max` must be > 0 and above `loss.vllm_importance_sampling_clip_min`".into());
         }
