@@ -116,7 +116,10 @@ fn main() {
     if latency == 0 {
         let base = run(root, "calibrate", &url, steps, RunMode::Sequential, 0);
         latency = (base.train * 1000.0).round() as u64;
-        println!("learner median {:.3} s/step: judge latency set to {latency} ms", base.train);
+        println!(
+            "learner median {:.3} s/step: judge latency set to {latency} ms",
+            base.train
+        );
     }
     server.update(|c| c.latency = Duration::from_millis(latency));
     let seq = run(root, "seq", &url, steps, RunMode::Sequential, 0);
