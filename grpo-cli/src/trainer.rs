@@ -625,9 +625,10 @@ impl Learner {
         })
     }
 
-    /// A detached deep copy of the current policy, for the generator.
+    /// A detached copy of the current policy for the generator: the trainable weights copied
+    /// (for LoRA only the adapters), the frozen ones shared.
     pub fn publish(&self) -> Result<Arc<Transformer>> {
-        Ok(Arc::new(self.policy.model.snapshot()?))
+        Ok(Arc::new(self.policy.model.snapshot_trainable()?))
     }
 
     /// Opens metrics.jsonl and completions.jsonl for appending.

@@ -511,6 +511,21 @@ impl Transformer {
         self.map_tensors(&|t| t.detach().copy())
     }
 
+    /// Like [`Self::snapshot`], but copies only the trainable weights (candle `Var`s: every
+    /// weight of a full fine-tune, only the LoRA factors of an adapter run) and shares the
+    /// frozen ones, which nothing updates in place. This is what the learner publishes to the
+    /// generator after each step: the generator never sees a half-updated weight, and with
+    /// LoRA only the adapters are copied.
+    pub fn snapshot_trainable(&self) -> Result<Self> {
+        self.map_tensors(&|t| {
+            if t.is_variable() {
+                t.detach().copy()
+            } else {
+                Ok(t.detach())
+            }
+        })
+    }
+
     /// Weight dtype.
     pub fn dtype(&self) -> DType {
         self.embed_tokens.dtype()

@@ -505,3 +505,36 @@ fn bad_inputs_name_the_problem() {
     let (ids, mask) = padded(&batch().0);
     assert!(m.completion_logprobs(&ids, &mask, 0, 1.0, false).is_err());
 }
+
+/// What the learner publishes is immune to the optimizer's in-place updates that follow, for a
+/// full fine-tune and for LoRA (whose frozen base is shared, not copied).
+#[test]
+fn published_snapshots_never_see_later_updates() {
+    let base = model(Arch::Qwen2, DType::F32, false);
+    let cfg = LoraConfig {
+        r: 2,
+        lora_alpha: 4.0,
+        lora_dropout: 0.0,
+        target_modules: vec!["q_proj".into(), "v_proj".into()],
+    };
+    let (rows, t) = batch();
+    for tm in [
+        TrainableModel::full(&base).unwrap(),
+        TrainableModel::lora(&base, &cfg, 1).unwrap(),
+    ] {
+        nonzero_b(&tm);
+        let snap = tm.model.snapshot_trainable().unwrap();
+        let before = loss(&snap, &rows, t).to_scalar::<f32>().unwrap();
+        assert_eq!(
+            before,
+            loss(&tm.model, &rows, t).to_scalar::<f32>().unwrap()
+        );
+        // The optimizer writes every trainable weight in place.
+        for (_, v) in &tm.vars {
+            v.set(&(v.as_tensor() * 1.5).unwrap()).unwrap();
+        }
+        let moved = loss(&tm.model, &rows, t).to_scalar::<f32>().unwrap();
+        assert_ne!(moved, before, "the update changed the live model");
+        assert_eq!(loss(&snap, &rows, t).to_scalar::<f32>().unwrap(), before);
+    }
+}
