@@ -121,11 +121,14 @@ fn two_dims(l: &Layout, op: &str) -> Result<(usize, usize)> {
     }
 }
 
+/// Calls `$f::<f32>(args)` or `$f::<f64>(args)` by `$dtype`; any other dtype is an error
+/// naming the op `$op`. Shared by the fused kernels here and in grpo-rollout.
+#[macro_export]
 macro_rules! float_dispatch {
     ($dtype:expr, $op:expr, $f:ident ( $($arg:expr),* )) => {
         match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
+            candle_core::DType::F32 => $f::<f32>($($arg),*),
+            candle_core::DType::F64 => $f::<f64>($($arg),*),
             d => candle_core::bail!("{}: fused kernel needs f32 or f64, got {d:?}", $op),
         }
     };

@@ -9,18 +9,9 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor};
+use grpo_core::float_dispatch;
 use grpo_core::fused::{Float, REDUCE_BLOCK_ROWS, applies, cst, fmax, min_rows, slice};
 use rayon::prelude::*;
-
-macro_rules! float_dispatch {
-    ($dtype:expr, $op:expr, $f:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            d => candle_core::bail!("{}: fused kernel needs f32 or f64, got {d:?}", $op),
-        }
-    };
-}
 
 fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(1)
