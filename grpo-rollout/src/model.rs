@@ -106,6 +106,21 @@ pub struct Layer {
     pub down_proj: Linear,
 }
 
+impl Layer {
+    /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ]
+    }
+}
+
 /// Per-layer keys and values of the tokens seen so far, in preallocated buffers
 /// `(B, kv_heads, capacity, head_dim)` that each decode step writes into in place (no copy of
 /// the past per step). The buffers grow (doubling) when a forward needs more room.
@@ -151,13 +166,6 @@ impl KvCache {
     /// True before the first forward.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// Positions the buffers hold before they must grow.
-    pub fn capacity(&self) -> usize {
-        self.layers
-            .first()
-            .map_or(self.reserve, |(k, _)| k.dim(2).unwrap_or(0))
     }
 
     /// Keeps (or repeats) batch rows: row `i` of the result is row `rows[i]` of this cache.
@@ -490,15 +498,7 @@ impl Transformer {
         let mut m = self.detached();
         let tr = |w: &Tensor| -> Result<Option<Tensor>> { Ok(Some(w.t()?.contiguous()?)) };
         for l in m.layers.iter_mut() {
-            for lin in [
-                &mut l.q_proj,
-                &mut l.k_proj,
-                &mut l.v_proj,
-                &mut l.o_proj,
-                &mut l.gate_proj,
-                &mut l.up_proj,
-                &mut l.down_proj,
-            ] {
+            for lin in l.linears_mut() {
                 lin.weight_t = tr(&lin.weight)?;
             }
         }

@@ -46,15 +46,7 @@ impl TrainableModel {
     pub fn lora(base: &Transformer, cfg: &LoraConfig, seed: u64) -> Result<Self> {
         let mut model = base.detached();
         for l in model.layers.iter_mut() {
-            for lin in [
-                &mut l.q_proj,
-                &mut l.k_proj,
-                &mut l.v_proj,
-                &mut l.o_proj,
-                &mut l.gate_proj,
-                &mut l.up_proj,
-                &mut l.down_proj,
-            ] {
+            for lin in l.linears_mut() {
                 lin.lora = None;
             }
         }
