@@ -15,6 +15,7 @@ use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfi
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
 use grpo_rollout::{LoraConfig, SamplingParams};
+use grpo_teacher::TeacherConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -46,6 +47,9 @@ pub struct TrainConfig {
     pub train: TrainSection,
     /// Stage channels and staleness.
     pub pipeline: PipelineSection,
+    /// Two-pass adaptive teaching (grpo-teacher): the policy is the teacher, rewarded by how
+    /// much its guidance helps a student. Adds the `adaptive_teaching` reward.
+    pub teacher: Option<TeacherConfig>,
 }
 
 impl Default for TrainConfig {
@@ -63,6 +67,7 @@ impl Default for TrainConfig {
             optim: OptimSection::default(),
             train: TrainSection::default(),
             pipeline: PipelineSection::default(),
+            teacher: None,
         }
     }
 }
@@ -341,6 +346,10 @@ pub struct PipelineSection {
     /// Policy versions the generator may run ahead of the learner (0 = on-policy, equal to
     /// the sequential algorithm).
     pub max_staleness: usize,
+    /// Steps the scorer may have in flight at once when a reward is an async judge, so judges
+    /// keep requests going across steps (each judge's `max_concurrent` still bounds them all).
+    /// Useful with `max_staleness >= 1`, when the generator runs ahead.
+    pub scoring_batches: usize,
 }
 
 impl Default for PipelineSection {
@@ -350,6 +359,7 @@ impl Default for PipelineSection {
             rollout_capacity: 1,
             scored_capacity: 1,
             max_staleness: 0,
+            scoring_batches: 2,
         }
     }
 }
@@ -479,6 +489,9 @@ fn known_keys() -> BTreeSet<String> {
         if let Some(l) = m.get_mut("model").and_then(|s| s.get_mut("lora")) {
             *l = serde_json::to_value(LoraConfig::default()).unwrap_or(Value::Null);
         }
+        if let Some(t) = m.get_mut("teacher") {
+            *t = serde_json::to_value(TeacherConfig::default()).unwrap_or(Value::Null);
+        }
     }
     walk("", &defaults, &mut out);
     out
@@ -600,7 +613,10 @@ impl TrainConfig {
             .sampling(0)
             .validate()
             .map_err(|e| format!("`rollout`: {e}"))?;
-        if self.rewards.is_empty() {
+        if let Some(t) = &self.teacher {
+            t.validate().map_err(|e| e.to_string())?;
+        }
+        if self.rewards.is_empty() && self.teacher.is_none() {
             return Err(
                 "`rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
                     .into(),
@@ -738,6 +754,9 @@ impl TrainConfig {
         let p = &self.pipeline;
         if p.data_capacity == 0 || p.rollout_capacity == 0 || p.scored_capacity == 0 {
             return Err("`pipeline.*_capacity` must be >= 1 (channels are bounded)".into());
+        }
+        if p.scoring_batches == 0 {
+            return Err("`pipeline.scoring_batches` must be >= 1".into());
         }
         let l = &self.loss;
         let max = l.vllm_importance_sampling_clip_max;

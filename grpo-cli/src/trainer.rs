@@ -30,6 +30,10 @@ use grpo_core::loss::{LossInputs, LossType, policy_loss};
 use grpo_data::{Dataset, Position, Prompt, Sample, SampleStream, StreamConfig};
 use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
 use grpo_rollout::{ChatMessage, Completion, FinishReason, Tokenizer, TrainableModel, Transformer};
+use grpo_teacher::{
+    AdaptiveTeachingReward, Correctness, DiagnosticResult, LocalModel, TeachingProtocol,
+    TeachingRewardParams,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Resolved, TrainConfig, parse_device, parse_dtype};
@@ -131,6 +135,10 @@ pub struct Setup {
     pub eval: Option<Dataset>,
     /// Generation batches of the whole run.
     pub total_steps: usize,
+    /// The teaching protocol, when the config has `[teacher]`.
+    pub teaching: Option<Arc<TeachingProtocol>>,
+    /// The frozen model that writes the teachings when `teacher.use_reference_teacher_model`.
+    pub frozen_teacher: Option<Arc<Transformer>>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -212,10 +220,34 @@ pub fn setup_with(
     let loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
     let scoring = models(&loaded.model, &loaded.tokenizer)?;
-    let rewards = cfg
-        .rewards_config()
-        .build(&scoring)
-        .map_err(|e| anyhow!("config: {e}"))?;
+    let mut rewards = if cfg.rewards.is_empty() {
+        RewardSet::new()
+    } else {
+        cfg.rewards_config()
+            .build(&scoring)
+            .map_err(|e| anyhow!("config: {e}"))?
+    };
+    let (teaching, frozen_teacher) = match &cfg.teacher {
+        None => (None, None),
+        Some(t) => {
+            let reward = teaching_reward(t, &scoring, &splits.train)?;
+            rewards.push_async_reward("adaptive_teaching", 1.0, Arc::new(reward));
+            let chat = cfg.rollout.chat_template;
+            let student = match &t.student_model {
+                Some(p) => LocalModel::load(p, dtype, &device, chat)
+                    .map_err(|e| anyhow!("teacher.student_model: {e}"))?,
+                None => LocalModel::new(&loaded.model.snapshot()?, loaded.tokenizer.clone(), chat),
+            };
+            let protocol = TeachingProtocol::new(t.clone(), student)
+                .map_err(|e| anyhow!("config: {e}"))?;
+            let frozen = if t.use_reference_teacher_model {
+                Some(Arc::new(loaded.model.snapshot()?))
+            } else {
+                None
+            };
+            (Some(Arc::new(protocol)), frozen)
+        }
+    };
     let policy = match &cfg.model.lora {
         Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
         None => TrainableModel::full(&loaded.model)?,
@@ -242,7 +274,42 @@ pub fn setup_with(
         train: splits.train,
         eval: splits.eval,
         total_steps,
+        teaching,
+        frozen_teacher,
         cfg,
+    })
+}
+
+/// The `adaptive_teaching` reward of a `[teacher]` section: exact match against
+/// `answer_field` (which the data must have), or the `correctness` reward.
+fn teaching_reward(
+    t: &grpo_teacher::TeacherConfig,
+    scoring: &grpo_rewards::ScoringModels,
+    train: &Dataset,
+) -> Result<AdaptiveTeachingReward> {
+    let params = TeachingRewardParams {
+        degradation_penalty_multiplier: t.degradation_penalty_multiplier,
+        efficiency_weight: t.efficiency_weight,
+    };
+    Ok(match &t.correctness {
+        None => {
+            train
+                .require_column(&t.answer_field, "`teacher.answer_field` (exact-match correctness)")
+                .map_err(|e| anyhow!("data: {e}"))?;
+            AdaptiveTeachingReward::exact_match(params, &t.answer_field)
+        }
+        Some(spec) => {
+            let set = grpo_rewards::RewardsConfig {
+                rewards: vec![spec.clone()],
+                reward_weights: None,
+            }
+            .build(scoring)
+            .map_err(|e| anyhow!("config: teacher.correctness: {e}"))?;
+            AdaptiveTeachingReward {
+                params,
+                correctness: Correctness::Rewards(Arc::new(set)),
+            }
+        }
     })
 }
 
@@ -275,6 +342,33 @@ pub struct Rollouts {
     pub version: usize,
     /// Seconds spent generating.
     pub seconds: f64,
+    /// With `[teacher]`: each prompt's question and the student's diagnostic probe.
+    pub teaching: Option<Vec<(String, DiagnosticResult)>>,
+}
+
+/// The stage an error came from (attached as context to every stage error; `Display` is e.g.
+/// `scorer stage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The loader (grpo-data).
+    Data,
+    /// The generator (rollouts).
+    Generator,
+    /// The scorer (rewards, advantages).
+    Scorer,
+    /// The learner (loss, backward, optimizer, checkpoints, metrics).
+    Learner,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stage::Data => "data stage",
+            Stage::Generator => "generator stage",
+            Stage::Scorer => "scorer stage",
+            Stage::Learner => "learner stage",
+        })
+    }
 }
 
 /// Scored completions of one step.
@@ -290,6 +384,8 @@ pub struct Scored {
     pub zero_std: Vec<bool>,
     /// Seconds spent scoring.
     pub seconds: f64,
+    /// Most batches the scorer had in flight while scoring this one (1 = alone).
+    pub batches_in_flight: usize,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,6 +455,8 @@ pub struct Generator {
     cfg: TrainConfig,
     model: Arc<Transformer>,
     version: usize,
+    teaching: Option<Arc<TeachingProtocol>>,
+    frozen_teacher: Option<Arc<Transformer>>,
 }
 
 impl Generator {
@@ -369,6 +467,8 @@ impl Generator {
             cfg: setup.cfg.clone(),
             model,
             version,
+            teaching: setup.teaching.clone(),
+            frozen_teacher: setup.frozen_teacher.clone(),
         }
     }
 
@@ -410,14 +510,33 @@ impl Generator {
         Ok((text, ids))
     }
 
-    /// Generates `num_generations` completions per prompt, seeded by (seed, step).
+    /// Generates `num_generations` completions per prompt, seeded by (seed, step). With
+    /// `[teacher]`, the student first probes each problem and the prompts become the teacher's.
     pub fn process(&mut self, batch: PromptBatch) -> Result<Rollouts> {
         let t0 = Instant::now();
+        let seed = step_seed(self.cfg.train.seed, batch.step as u64);
+        let teaching = match &self.teaching {
+            Some(tp) => Some(self.probe(tp, &batch, seed)?),
+            None => None,
+        };
         let mut prompt_texts = Vec::with_capacity(batch.samples.len());
         let mut prompt_ids = Vec::with_capacity(batch.samples.len());
-        for s in &batch.samples {
+        for (i, s) in batch.samples.iter().enumerate() {
+            let prompt = match (&self.teaching, &teaching) {
+                (Some(tp), Some(t)) => {
+                    let (question, diag) = &t[i];
+                    let user = tp
+                        .teacher_prompt(question, diag)
+                        .map_err(|e| anyhow!("row {}: {e}", s.index))?;
+                    Prompt::Conversation(vec![grpo_data::Message {
+                        role: "user".into(),
+                        content: user,
+                    }])
+                }
+                _ => s.prompt.clone(),
+            };
             let (t, ids) = self
-                .prompt_tokens(&s.prompt)
+                .prompt_tokens(&prompt)
                 .with_context(|| format!("prompt of row {}", s.index))?;
             if ids.is_empty() {
                 bail!("row {}: the prompt is empty after tokenisation", s.index);
@@ -425,10 +544,10 @@ impl Generator {
             prompt_texts.push(t);
             prompt_ids.push(ids);
         }
-        let seed = step_seed(self.cfg.train.seed, batch.step as u64);
         let params = self.cfg.rollout.sampling(seed);
+        let model = self.frozen_teacher.as_ref().unwrap_or(&self.model);
         let completions = grpo_rollout::generate(
-            &self.model,
+            model,
             &self.tokenizer,
             &prompt_ids,
             self.cfg.rollout.num_generations,
@@ -441,7 +560,51 @@ impl Generator {
             completions,
             version: self.version,
             seconds: t0.elapsed().as_secs_f64(),
+            teaching,
         })
+    }
+
+    /// The student's diagnostic probes of a batch's problems.
+    fn probe(
+        &self,
+        tp: &TeachingProtocol,
+        batch: &PromptBatch,
+        seed: u64,
+    ) -> Result<Vec<(String, DiagnosticResult)>> {
+        let field = &tp.config().answer_field;
+        let questions: Vec<String> = batch.samples.iter().map(question_of).collect();
+        let answers: Vec<Option<String>> = batch
+            .samples
+            .iter()
+            .map(|s| s.get_text(field))
+            .collect();
+        for (q, s) in questions.iter().zip(&batch.samples) {
+            if q.trim().is_empty() {
+                bail!("row {}: the problem text is empty", s.index);
+            }
+        }
+        let tasks: Vec<(&str, Option<&str>)> = questions
+            .iter()
+            .zip(&answers)
+            .map(|(q, a)| (q.as_str(), a.as_deref()))
+            .collect();
+        let diags = tp
+            .probe_batch(&tasks, tp.config().max_probe_tokens, seed ^ 0x7072_6f62_65)
+            .map_err(|e| anyhow!("{e}"))?;
+        Ok(questions.into_iter().zip(diags).collect())
+    }
+}
+
+/// The problem a teacher teaches: a plain prompt's text, or a conversation's last user turn.
+pub fn question_of(s: &Sample) -> String {
+    match &s.prompt {
+        Prompt::Text(t) => t.clone(),
+        Prompt::Conversation(m) => m
+            .iter()
+            .rev()
+            .find(|m| m.role == "user")
+            .map(|m| m.content.clone())
+            .unwrap_or_else(|| s.prompt.text()),
     }
 }
 
@@ -457,6 +620,11 @@ pub struct Scorer {
     res: Resolved,
     num_generations: usize,
     drop_zero_std: bool,
+    seed: u64,
+    tokenizer: Tokenizer,
+    teaching: Option<Arc<TeachingProtocol>>,
+    /// `teacher_log.jsonl` and the fraction of problems written to it.
+    teacher_log: Option<(PathBuf, f64)>,
 }
 
 impl Scorer {
@@ -467,11 +635,62 @@ impl Scorer {
             res: setup.res.clone(),
             num_generations: setup.cfg.rollout.num_generations,
             drop_zero_std: setup.cfg.loss.drop_zero_std_groups,
+            seed: setup.cfg.train.seed,
+            tokenizer: setup.tokenizer.clone(),
+            teaching: setup.teaching.clone(),
+            teacher_log: setup
+                .cfg
+                .teacher
+                .as_ref()
+                .filter(|t| t.logging_prob > 0.0)
+                .map(|t| (setup.cfg.output_dir.join("teacher_log.jsonl"), t.logging_prob)),
         }
     }
 
-    /// Reward inputs of every completion.
-    pub fn inputs(r: &Rollouts) -> Vec<RewardInput> {
+    /// Without the teaching log (evaluation).
+    pub fn without_logs(mut self) -> Self {
+        self.teacher_log = None;
+        self
+    }
+
+    /// Reward inputs of every completion. With `[teacher]` the student answers with each
+    /// teaching and without (cached per problem) first, and the inputs carry both answers.
+    pub fn inputs(&self, r: &Rollouts) -> Result<Vec<RewardInput>> {
+        let mut inputs = Self::plain_inputs(r);
+        let (Some(tp), Some(t)) = (&self.teaching, &r.teaching) else {
+            return Ok(inputs);
+        };
+        use grpo_teacher::reward::{
+            FIELD_BASELINE_RESPONSE, FIELD_QUESTION, FIELD_STUDENT_RESPONSE, FIELD_TEACHING_TOKENS,
+        };
+        let teachings: Vec<&str> = r
+            .completions
+            .iter()
+            .map(|c| grpo_teacher::extract_teaching(&c.text))
+            .collect();
+        let items: Vec<(&str, &str)> = r
+            .completions
+            .iter()
+            .zip(&teachings)
+            .map(|(c, teaching)| (t[c.prompt_index].0.as_str(), *teaching))
+            .collect();
+        let seed = step_seed(self.seed, r.batch.step as u64) ^ 0x7374_7564_656e_74;
+        let passes = tp
+            .student_passes(&items, seed)
+            .map_err(|e| anyhow!("{e}"))?;
+        for ((x, pass), (teaching, item)) in inputs.iter_mut().zip(passes).zip(teachings.iter().zip(&items)) {
+            let n = self.tokenizer.encode(teaching, false)?.len();
+            x.fields.insert(FIELD_QUESTION.into(), item.0.into());
+            x.fields.insert(FIELD_TEACHING_TOKENS.into(), FieldValue::Int(n as i64));
+            x.fields.insert(FIELD_STUDENT_RESPONSE.into(), pass.with_teaching.response.into());
+            x.fields.insert(FIELD_BASELINE_RESPONSE.into(), pass.baseline.response.into());
+            x.fields.insert("student_solution".into(), pass.with_teaching.solution.into());
+            x.fields.insert("baseline_solution".into(), pass.baseline.solution.into());
+        }
+        Ok(inputs)
+    }
+
+    fn plain_inputs(r: &Rollouts) -> Vec<RewardInput> {
         r.completions
             .iter()
             .map(|c| {
@@ -497,8 +716,37 @@ impl Scorer {
     /// Scores one step.
     pub fn process(&mut self, rollouts: Rollouts) -> Result<Scored> {
         let t0 = Instant::now();
-        let inputs = Self::inputs(&rollouts);
+        let inputs = self.inputs(&rollouts)?;
         let scores = self.rewards.score(&inputs).map_err(|e| anyhow!("{e}"))?;
+        self.finish(rollouts, &inputs, scores, t0.elapsed().as_secs_f64(), 1)
+    }
+
+    /// Whether batches can usefully overlap in scoring (some reward is an async judge).
+    pub fn overlaps(&self) -> bool {
+        self.rewards.has_async()
+    }
+
+    /// Starts scoring a step in the background; `on_done` gets the scores.
+    pub fn start(
+        &self,
+        inputs: Vec<RewardInput>,
+        on_done: impl FnOnce(grpo_rewards::Result<ScoredBatch>) + Send + 'static,
+    ) -> Result<grpo_rewards::ScoreTask> {
+        self.rewards
+            .spawn_score(inputs, on_done)
+            .map_err(|e| anyhow!("{e}"))
+    }
+
+    /// Advantages of a scored step.
+    pub fn finish(
+        &self,
+        rollouts: Rollouts,
+        inputs: &[RewardInput],
+        scores: ScoredBatch,
+        seconds: f64,
+        batches_in_flight: usize,
+    ) -> Result<Scored> {
+        self.log_teaching(&rollouts, inputs, &scores)?;
         let g = self.num_generations;
         let advantages = group_advantages(&scores.rewards, g, self.res.scale_rewards);
         let stds = reward_stds(&scores.rewards, g, self.res.scale_rewards);
@@ -515,8 +763,159 @@ impl Scorer {
             scores,
             advantages,
             zero_std,
-            seconds: t0.elapsed().as_secs_f64(),
+            seconds,
+            batches_in_flight,
         })
+    }
+
+    /// Writes `logging_prob` of the step's problems to `teacher_log.jsonl`: probe, each
+    /// teaching with the student's answers and its reward (and judges' verdicts).
+    fn log_teaching(&self, r: &Rollouts, inputs: &[RewardInput], sc: &ScoredBatch) -> Result<()> {
+        let (Some((path, prob)), Some(t)) = (&self.teacher_log, &r.teaching) else {
+            return Ok(());
+        };
+        let mut lines = String::new();
+        for (p, (question, diag)) in t.iter().enumerate() {
+            let u = grpo_data::rng::mix(self.seed, 0x6c6f_67, (r.batch.step as u64) << 20 | p as u64);
+            if (u >> 11) as f64 / (1u64 << 53) as f64 >= *prob {
+                continue;
+            }
+            let field = |x: &RewardInput, k: &str| x.field(k).and_then(FieldValue::as_text);
+            let mut teachings = Vec::new();
+            let mut baseline = None;
+            for (i, c) in r.completions.iter().enumerate().filter(|(_, c)| c.prompt_index == p) {
+                let x = &inputs[i];
+                baseline = baseline.or_else(|| field(x, "baseline_response"));
+                let info: serde_json::Map<String, serde_json::Value> = sc
+                    .names
+                    .iter()
+                    .zip(&sc.info)
+                    .filter_map(|(n, inf)| inf[i].clone().map(|v| (n.clone(), v)))
+                    .collect();
+                teachings.push(serde_json::json!({
+                    "teaching": c.text,
+                    "student_response": field(x, "student_response"),
+                    "student_solution": field(x, "student_solution"),
+                    "reward": finite(f64::from(sc.rewards[i])),
+                    "info": info,
+                }));
+            }
+            let line = serde_json::json!({
+                "step": r.batch.step + 1,
+                "question": question,
+                "diagnostic": diag,
+                "baseline_response": baseline,
+                "teachings": teachings,
+            });
+            lines.push_str(&line.to_string());
+            lines.push('\n');
+        }
+        if lines.is_empty() {
+            return Ok(());
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("{}: cannot open", path.display()))?;
+        f.write_all(lines.as_bytes())
+            .with_context(|| format!("{}: write failed", path.display()))
+    }
+
+    /// The pipeline's scorer stage: scores the rollouts arriving on `input` and sends them on
+    /// `output` in order. With async judges up to `max_in_flight` steps are scored at once, so
+    /// the judges keep requests in flight across steps (each judge's `max_concurrent` and rate
+    /// limits still bound them all); otherwise one step at a time. Stops when `input` closes or
+    /// `output`'s receiver is gone; dropping unfinished work cancels it.
+    pub fn run_stage(
+        &mut self,
+        input: &crossbeam_channel::Receiver<Rollouts>,
+        output: &crossbeam_channel::Sender<Scored>,
+        max_in_flight: usize,
+    ) -> Result<()> {
+        if !self.overlaps() {
+            for r in input.iter() {
+                if output.send(self.process(r)?).is_err() {
+                    break;
+                }
+            }
+            return Ok(());
+        }
+        struct Pending {
+            rollouts: Rollouts,
+            inputs: Vec<RewardInput>,
+            started: Instant,
+            in_flight: usize,
+            result: Option<grpo_rewards::Result<ScoredBatch>>,
+            _task: grpo_rewards::ScoreTask,
+        }
+        let max_in_flight = max_in_flight.max(1);
+        // Each task reports once and at most `max_in_flight` are pending: never blocks.
+        let (done_tx, done_rx) = bounded::<(u64, grpo_rewards::Result<ScoredBatch>)>(max_in_flight);
+        let mut pending: std::collections::VecDeque<(u64, Pending)> = Default::default();
+        let mut next_id = 0u64;
+        let mut open = true;
+        loop {
+            // Hand on the finished steps at the front, in order.
+            while pending.front().is_some_and(|(_, p)| p.result.is_some()) {
+                let Some((_, p)) = pending.pop_front() else { break };
+                let scores = match p.result {
+                    Some(r) => r.map_err(|e| anyhow!("{e}"))?,
+                    None => continue,
+                };
+                let dt = p.started.elapsed().as_secs_f64();
+                let scored = self.finish(p.rollouts, &p.inputs, scores, dt, p.in_flight)?;
+                if output.send(scored).is_err() {
+                    return Ok(());
+                }
+            }
+            if !open && pending.is_empty() {
+                return Ok(());
+            }
+            let record = |pending: &mut std::collections::VecDeque<(u64, Pending)>,
+                          id: u64,
+                          r: grpo_rewards::Result<ScoredBatch>| {
+                if let Some((_, p)) = pending.iter_mut().find(|(i, _)| *i == id) {
+                    p.result = Some(r);
+                }
+            };
+            if open && pending.len() < max_in_flight {
+                crossbeam_channel::select! {
+                    recv(input) -> msg => match msg {
+                        Ok(r) => {
+                            let id = next_id;
+                            next_id += 1;
+                            let tx = done_tx.clone();
+                            let started = Instant::now();
+                            let inputs = self.inputs(&r)?;
+                            let task = self.start(inputs.clone(), move |res| {
+                                let _ = tx.send((id, res));
+                            })?;
+                            let n = pending.len() + 1;
+                            for (_, p) in pending.iter_mut() {
+                                p.in_flight = p.in_flight.max(n);
+                            }
+                            pending.push_back((id, Pending {
+                                rollouts: r,
+                                inputs,
+                                started,
+                                in_flight: n,
+                                result: None,
+                                _task: task,
+                            }));
+                        }
+                        Err(_) => open = false,
+                    },
+                    recv(done_rx) -> msg => {
+                        if let Ok((id, r)) = msg {
+                            record(&mut pending, id, r);
+                        }
+                    }
+                }
+            } else if let Ok((id, r)) = done_rx.recv() {
+                record(&mut pending, id, r);
+            }
+        }
     }
 }
 
@@ -970,6 +1369,10 @@ impl Learner {
         let train_s = t0.elapsed().as_secs_f64();
         m.insert("timing/generate_s".into(), r.seconds);
         m.insert("timing/score_s".into(), s.seconds);
+        m.insert(
+            "scoring/batches_in_flight".into(),
+            s.batches_in_flight as f64,
+        );
         m.insert("timing/train_s".into(), train_s);
         self.state.position = Some(r.batch.position);
         Ok(m)
@@ -1018,11 +1421,19 @@ impl Learner {
                     v.map_or(serde_json::Value::Null, |x| serde_json::json!(x)),
                 );
             }
+            let info: serde_json::Map<String, serde_json::Value> = s
+                .scores
+                .names
+                .iter()
+                .zip(&s.scores.info)
+                .filter_map(|(n, inf)| inf.get(i).cloned().flatten().map(|v| (n.clone(), v)))
+                .collect();
             let line = serde_json::json!({
                 "step": r.batch.step + 1,
                 "prompt": r.prompt_texts[c.prompt_index],
                 "completion": c.text,
                 "rewards": rewards,
+                "info": info,
                 "reward": finite(s.scores.rewards[i] as f64),
                 "advantage": s.advantages[i],
                 "finish_reason": c.finish_reason,
@@ -1367,22 +1778,24 @@ pub fn run(
         Ok(stop)
     };
 
-    match opts.mode {
-        RunMode::Sequential => {
-            while let Some(batch) = loader.process().context("data stage")? {
+    let outcome: Result<()> = match opts.mode {
+        RunMode::Sequential => (|| {
+            while let Some(batch) = loader.process().context(Stage::Data)? {
                 let t0 = Instant::now();
-                let rollouts = generator.process(batch).context("generator stage")?;
-                let scored = scorer.process(rollouts).context("scorer stage")?;
-                let m = learner.process(&scored).context("learner stage")?;
-                generator.publish(learner.publish()?, learner.state.step);
+                let rollouts = generator.process(batch).context(Stage::Generator)?;
+                let scored = scorer.process(rollouts).context(Stage::Scorer)?;
+                let m = learner.process(&scored).context(Stage::Learner)?;
+                generator.publish(learner.publish().context(Stage::Learner)?, learner.state.step);
                 let epochs = epochs_of(learner.state.position);
-                let stop = on_step(&mut learner, &scored, m, epochs, t0.elapsed().as_secs_f64())?;
+                let stop = on_step(&mut learner, &scored, m, epochs, t0.elapsed().as_secs_f64())
+                    .context(Stage::Learner)?;
                 if stop {
                     result.interrupted = true;
                     break;
                 }
             }
-        }
+            Ok(())
+        })(),
         RunMode::Pipelined => {
             let p = &setup.cfg.pipeline;
             let (data_tx, data_rx) = bounded::<PromptBatch>(p.data_capacity);
@@ -1395,11 +1808,11 @@ pub fn run(
                 bounded::<(Arc<Transformer>, usize)>(p.max_staleness + 1);
             let halt = Arc::new(AtomicBool::new(false));
             let staleness = p.max_staleness;
-            let outcome: Result<()> = std::thread::scope(|scope| {
+            std::thread::scope(|scope| {
                 let h1 = halt.clone();
                 let loader_h = scope.spawn(move || -> Result<()> {
                     while !h1.load(Ordering::SeqCst) {
-                        match loader.process().context("data stage")? {
+                        match loader.process().context(Stage::Data)? {
                             Some(b) => {
                                 if data_tx.send(b).is_err() {
                                     break;
@@ -1423,27 +1836,24 @@ pub fn run(
                         if h2.load(Ordering::SeqCst) {
                             break;
                         }
-                        let r = generator.process(batch).context("generator stage")?;
+                        let r = generator.process(batch).context(Stage::Generator)?;
                         if roll_tx.send(r).is_err() {
                             break;
                         }
                     }
                     Ok(())
                 });
+                let scoring_batches = p.scoring_batches;
                 let scorer_h = scope.spawn(move || -> Result<()> {
-                    for r in roll_rx.iter() {
-                        let s = scorer.process(r).context("scorer stage")?;
-                        if scored_tx.send(s).is_err() {
-                            break;
-                        }
-                    }
-                    Ok(())
+                    scorer
+                        .run_stage(&roll_rx, &scored_tx, scoring_batches)
+                        .context(Stage::Scorer)
                 });
                 // Learner on this thread.
                 let mut learn = || -> Result<()> {
                     let mut t_last = Instant::now();
                     for scored in scored_rx.iter() {
-                        let m = learner.process(&scored).context("learner stage")?;
+                        let m = learner.process(&scored).context(Stage::Learner)?;
                         let v = learner.state.step;
                         if v < total {
                             let w = learner.publish()?;
@@ -1453,7 +1863,7 @@ pub fn run(
                         let epochs = epochs_of(learner.state.position);
                         let dt = t_last.elapsed().as_secs_f64();
                         t_last = Instant::now();
-                        if on_step(&mut learner, &scored, m, epochs, dt)? {
+                        if on_step(&mut learner, &scored, m, epochs, dt).context(Stage::Learner)? {
                             result.interrupted = true;
                             return Ok(());
                         }
@@ -1465,10 +1875,10 @@ pub fn run(
                 drop(scored_rx);
                 drop(weights_tx);
                 let mut first_err = learn_res.err();
-                for (h, name) in [
-                    (loader_h, "data"),
-                    (gen_h, "generator"),
-                    (scorer_h, "scorer"),
+                for (h, stage) in [
+                    (loader_h, Stage::Data),
+                    (gen_h, Stage::Generator),
+                    (scorer_h, Stage::Scorer),
                 ] {
                     match h.join() {
                         Ok(Ok(())) => {}
@@ -1479,7 +1889,7 @@ pub fn run(
                         }
                         Err(_) => {
                             if first_err.is_none() {
-                                first_err = Some(anyhow!("{name} stage panicked"));
+                                first_err = Some(anyhow!("panicked").context(stage));
                             }
                         }
                     }
@@ -1488,9 +1898,27 @@ pub fn run(
                     Some(e) => Err(e),
                     None => Ok(()),
                 }
-            });
-            outcome?;
+            })
         }
+    };
+    if let Err(e) = outcome {
+        progress.finish();
+        // The learner is between two steps when another stage fails: keep its progress.
+        let stage = e.downcast_ref::<Stage>().copied();
+        let saved = learner
+            .checkpoints
+            .last()
+            .is_some_and(|p| p.ends_with(format!("step-{}", learner.state.step)));
+        if stage != Some(Stage::Learner) && learner.state.step > start && !saved {
+            if let Ok(dir) = learner.save_checkpoint() {
+                return Err(e.context(format!(
+                    "run stopped after step {}; checkpoint {} saved (continue with --resume)",
+                    learner.state.step,
+                    dir.display()
+                )));
+            }
+        }
+        return Err(e);
     }
     progress.finish();
     result.total_steps = learner.state.step;
@@ -1503,7 +1931,7 @@ pub fn run(
 pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metrics> {
     let model = learner.publish()?;
     let mut generator = Generator::new(setup, model, learner.state.step);
-    let mut scorer = Scorer::new(setup);
+    let mut scorer = Scorer::new(setup).without_logs();
     let sc = StreamConfig {
         seed: setup.cfg.train.seed,
         shuffle: false,

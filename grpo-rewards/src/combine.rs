@@ -74,11 +74,13 @@ pub struct ScoredBatch {
     pub metrics: BTreeMap<String, f64>,
 }
 
+#[derive(Clone)]
 enum Kind {
     Sync(Arc<dyn Reward>),
     Async(Arc<dyn AsyncReward>),
 }
 
+#[derive(Clone)]
 struct Entry {
     name: String,
     weight: f32,
@@ -101,14 +103,16 @@ struct Entry {
 /// ```
 #[derive(Default)]
 pub struct RewardSet {
-    entries: Vec<Entry>,
+    // Shared with the tasks of `spawn_score` (which must never own the runtime: a runtime may
+    // not be dropped from inside itself).
+    entries: Arc<Vec<Entry>>,
     runtime: OnceLock<tokio::runtime::Runtime>,
 }
 
 impl std::fmt::Debug for RewardSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut l = f.debug_list();
-        for e in &self.entries {
+        for e in self.entries.iter() {
             let kind = match e.kind {
                 Kind::Sync(_) => "sync",
                 Kind::Async(_) => "async",
@@ -163,7 +167,7 @@ impl RewardSet {
     }
 
     fn push(&mut self, name: impl Into<String>, weight: f32, kind: Kind) {
-        self.entries.push(Entry {
+        Arc::make_mut(&mut self.entries).push(Entry {
             name: name.into(),
             weight,
             kind,
@@ -193,18 +197,76 @@ impl RewardSet {
     /// Scores `batch` from async code: synchronous rewards run inline, the asynchronous ones
     /// concurrently.
     pub async fn score_async(&self, batch: &[RewardInput]) -> Result<ScoredBatch> {
-        let futures = self.entries.iter().map(|e| async move {
-            match &e.kind {
-                Kind::Sync(r) => r.score(batch),
-                Kind::Async(r) => r.score_async(batch).await,
-            }
+        score_entries(&self.entries, batch).await
+    }
+
+    /// True when some reward is asynchronous (an LLM judge): scoring then waits on the network
+    /// and several batches can usefully be in flight at once ([`RewardSet::spawn_score`]).
+    pub fn has_async(&self) -> bool {
+        self.entries.iter().any(|e| matches!(e.kind, Kind::Async(_)))
+    }
+
+    /// Starts scoring `batch` on the set's runtime and returns at once, so that the requests of
+    /// several batches are in flight together (each judge's `max_concurrent`, rate limits and
+    /// cache are shared by all of them). `on_done` receives the result, exactly once, on a
+    /// runtime thread (a panicking reward becomes an error); it should only hand the result on
+    /// (e.g. send it on a channel). Dropping the returned [`ScoreTask`] cancels the scoring.
+    ///
+    /// ```
+    /// use grpo_rewards::{RewardInput, RewardSet};
+    /// let set = RewardSet::new().with_reward("len", 1.0, |b: &[RewardInput]| -> Vec<f32> {
+    ///     b.iter().map(|x| x.completion.len() as f32).collect()
+    /// });
+    /// let (tx, rx) = std::sync::mpsc::channel();
+    /// let task = set.spawn_score(vec![RewardInput::new("q", "abc")], move |r| {
+    ///     let _ = tx.send(r);
+    /// }).unwrap();
+    /// let scored = rx.recv().unwrap().unwrap();
+    /// assert_eq!(scored.rewards, vec![3.0]);
+    /// drop(task);
+    /// ```
+    pub fn spawn_score(
+        &self,
+        batch: Vec<RewardInput>,
+        on_done: impl FnOnce(Result<ScoredBatch>) + Send + 'static,
+    ) -> Result<ScoreTask> {
+        use futures_util::FutureExt;
+        let entries = self.entries.clone();
+        let handle = self.runtime()?.spawn(async move {
+            let scored = std::panic::AssertUnwindSafe(score_entries(&entries, &batch))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|p| {
+                    let what = p
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "no message".into());
+                    Err(RewardError::Runtime {
+                        message: format!("a reward panicked: {what}"),
+                    })
+                });
+            on_done(scored);
         });
-        let outputs = futures_util::future::join_all(futures).await;
-        let mut results = Vec::with_capacity(outputs.len());
-        for o in outputs {
-            results.push(o?);
+        Ok(ScoreTask(handle))
+    }
+
+    fn runtime(&self) -> Result<&tokio::runtime::Runtime> {
+        if let Some(rt) = self.runtime.get() {
+            return Ok(rt);
         }
-        self.assemble(batch.len(), results)
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("grpo-rewards")
+            .enable_all()
+            .build()
+            .map_err(|e| RewardError::Runtime {
+                message: format!("cannot start the tokio runtime: {e}"),
+            })?;
+        let _ = self.runtime.set(rt);
+        self.runtime.get().ok_or_else(|| RewardError::Runtime {
+            message: "runtime vanished".into(),
+        })
     }
 
     /// Scores `batch` from synchronous code (the pipeline's scorer thread). When the set has
@@ -213,12 +275,12 @@ impl RewardSet {
     pub fn score(&self, batch: &[RewardInput]) -> Result<ScoredBatch> {
         if self.entries.iter().all(|e| matches!(e.kind, Kind::Sync(_))) {
             let mut results = Vec::with_capacity(self.entries.len());
-            for e in &self.entries {
+            for e in self.entries.iter() {
                 if let Kind::Sync(r) = &e.kind {
                     results.push(r.score(batch)?);
                 }
             }
-            return self.assemble(batch.len(), results);
+            return assemble(&self.entries, batch.len(), results);
         }
         if tokio::runtime::Handle::try_current().is_ok() {
             return Err(RewardError::Runtime {
@@ -226,50 +288,69 @@ impl RewardSet {
                     .into(),
             });
         }
-        let rt = match self.runtime.get() {
-            Some(rt) => rt,
-            None => {
-                let rt = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .thread_name("grpo-rewards")
-                    .enable_all()
-                    .build()
-                    .map_err(|e| RewardError::Runtime {
-                        message: format!("cannot start the tokio runtime: {e}"),
-                    })?;
-                let _ = self.runtime.set(rt);
-                self.runtime.get().ok_or_else(|| RewardError::Runtime {
-                    message: "runtime vanished".into(),
-                })?
-            }
-        };
+        let rt = self.runtime()?;
         rt.block_on(self.score_async(batch))
     }
+}
 
-    fn assemble(&self, n: usize, results: Vec<RewardOutput>) -> Result<ScoredBatch> {
-        let mut out = ScoredBatch::default();
-        for (e, r) in self.entries.iter().zip(results) {
-            if r.scores.len() != n {
-                return Err(RewardError::LengthMismatch {
-                    reward: e.name.clone(),
-                    expected: n,
-                    got: r.scores.len(),
-                });
-            }
-            let mut info = r.info;
-            info.resize(n, None);
-            out.metrics
-                .insert(format!("rewards/{}/mean", e.name), nan_mean(&r.scores));
-            out.metrics
-                .insert(format!("rewards/{}/std", e.name), nan_std(&r.scores));
-            for (k, v) in r.counters {
-                *out.metrics.entry(k).or_insert(0.0) += v;
-            }
-            out.names.push(e.name.clone());
-            out.per_function.push(r.scores);
-            out.info.push(info);
+async fn score_entries(entries: &[Entry], batch: &[RewardInput]) -> Result<ScoredBatch> {
+    let futures = entries.iter().map(|e| async move {
+        match &e.kind {
+            Kind::Sync(r) => r.score(batch),
+            Kind::Async(r) => r.score_async(batch).await,
         }
-        out.rewards = combine_rewards(&out.per_function, &self.weights());
-        Ok(out)
+    });
+    let outputs = futures_util::future::join_all(futures).await;
+    let mut results = Vec::with_capacity(outputs.len());
+    for o in outputs {
+        results.push(o?);
     }
+    assemble(entries, batch.len(), results)
+}
+
+/// A batch being scored by [`RewardSet::spawn_score`]; dropping it cancels the scoring.
+#[derive(Debug)]
+pub struct ScoreTask(tokio::task::JoinHandle<()>);
+
+impl ScoreTask {
+    /// Whether the scoring has ended (its `on_done` has run or it was cancelled).
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+}
+
+impl Drop for ScoreTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn assemble(entries: &[Entry], n: usize, results: Vec<RewardOutput>) -> Result<ScoredBatch> {
+    let mut out = ScoredBatch::default();
+    for (e, r) in entries.iter().zip(results) {
+        if r.scores.len() != n {
+            return Err(RewardError::LengthMismatch {
+                reward: e.name.clone(),
+                expected: n,
+                got: r.scores.len(),
+            });
+        }
+        let mut info = r.info;
+        info.resize(n, None);
+        out.metrics
+            .insert(format!("rewards/{}/mean", e.name), nan_mean(&r.scores));
+        out.metrics
+            .insert(format!("rewards/{}/std", e.name), nan_std(&r.scores));
+        for (k, v) in r.counters {
+            *out.metrics.entry(k).or_insert(0.0) += v;
+        }
+        out.names.push(e.name.clone());
+        out.per_function.push(r.scores);
+        out.info.push(info);
+    }
+    out.rewards = combine_rewards(
+    &out.per_function,
+    &entries.iter().map(|e| e.weight).collect::<Vec<_>>(),
+);
+    Ok(out)
 }

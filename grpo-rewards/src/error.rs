@@ -52,6 +52,19 @@ pub enum RewardError {
         /// The transport error.
         message: String,
     },
+    /// The judge failed `failures` requests in a row past their retries
+    /// (`max_consecutive_failures`): it is taken to be down.
+    #[error(
+        "judge `{judge}` is down: {failures} requests in a row failed after their retries (max_consecutive_failures); last error: {last}"
+    )]
+    JudgeDown {
+        /// The judge's name.
+        judge: String,
+        /// Consecutive failed requests.
+        failures: u32,
+        /// The last request's error.
+        last: String,
+    },
     /// The request took longer than `timeout_secs`.
     #[error("judge `{judge}`: no answer within {seconds} s (timeout_secs)")]
     Timeout {

@@ -55,7 +55,7 @@ pub mod judge;
 mod reward;
 mod types;
 
-pub use combine::{RewardSet, ScoredBatch, combine_rewards, nan_mean, nan_std};
+pub use combine::{RewardSet, ScoreTask, ScoredBatch, combine_rewards, nan_mean, nan_std};
 pub use config::{RewardKind, RewardSpec, RewardsConfig, ScoringModels};
 pub use error::{Result, RewardError};
 pub use reward::{AsyncReward, BoxFuture, Reward};

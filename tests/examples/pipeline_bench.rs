@@ -5,8 +5,9 @@
 //! A small random model (`init-model --preset small`) trains on arithmetic with an accuracy reward and an LLM judge served by the
 //! loopback OpenAI-compatible server, which answers each request after LATENCY_MS (default 0 =
 //! measure the learner first and use its median step time, so scoring costs about as much as
-//! learning). The same run goes four ways: the sequential loop, and the pipeline with
-//! `max_staleness` 0, 1 and 2. Prints the median step time of each (steps
+//! learning). The same run goes several ways: the sequential loop, and the pipeline with
+//! `max_staleness` 0, 1 and 2 (at 2 with `scoring_batches` 1 and 2); then again with a judge
+//! twice as slow. Prints the median step time of each (steps
 //! after the first two), the median per-stage seconds, the ratio pipelined / sequential and the
 //! fraction of the judge's time per step that the pipeline hid:
 //! `(sequential − pipelined) / score_s`, capped at 1.
@@ -33,7 +34,15 @@ struct Run {
     train: f64,
 }
 
-fn run(root: &Path, name: &str, url: &str, steps: usize, mode: RunMode, k: usize) -> Run {
+fn run(
+    root: &Path,
+    name: &str,
+    url: &str,
+    steps: usize,
+    mode: RunMode,
+    k: usize,
+    scoring_batches: usize,
+) -> Run {
     let text = format!(
         r#"
 output_dir = "{out}"
@@ -63,6 +72,7 @@ prompts_per_step = 8
 log_completions = false
 [pipeline]
 max_staleness = {k}
+scoring_batches = {scoring_batches}
 "#,
         out = root.join(name).display(),
         model = root.join("model").display(),
@@ -114,7 +124,7 @@ fn main() {
     let url = server.base_url();
     let mut latency = arg(1, 0);
     if latency == 0 {
-        let base = run(root, "calibrate", &url, steps, RunMode::Sequential, 0);
+        let base = run(root, "calibrate", &url, steps, RunMode::Sequential, 0, 1);
         latency = (base.train * 1000.0).round() as u64;
         println!(
             "learner median {:.3} s/step: judge latency set to {latency} ms",
@@ -122,18 +132,38 @@ fn main() {
         );
     }
     server.update(|c| c.latency = Duration::from_millis(latency));
-    let seq = run(root, "seq", &url, steps, RunMode::Sequential, 0);
-    let p0 = run(root, "pipe0", &url, steps, RunMode::Pipelined, 0);
-    let p1 = run(root, "pipe1", &url, steps, RunMode::Pipelined, 1);
-    let p2 = run(root, "pipe2", &url, steps, RunMode::Pipelined, 2);
-    for (name, r) in [
-        ("sequential", &seq),
-        ("pipelined k=0", &p0),
-        ("pipelined k=1", &p1),
-        ("pipelined k=2", &p2),
-    ] {
+    let seq = run(root, "seq", &url, steps, RunMode::Sequential, 0, 1);
+    let p0 = run(root, "pipe0", &url, steps, RunMode::Pipelined, 0, 2);
+    let p1 = run(root, "pipe1", &url, steps, RunMode::Pipelined, 1, 2);
+    let p2s = run(root, "pipe2s", &url, steps, RunMode::Pipelined, 2, 1);
+    let p2 = run(root, "pipe2", &url, steps, RunMode::Pipelined, 2, 2);
+    report(
+        latency,
+        &seq,
+        &[
+            ("pipelined k=0", &p0),
+            ("pipelined k=1", &p1),
+            ("k=2, 1 batch scoring", &p2s),
+            ("k=2, 2 batches scoring", &p2),
+        ],
+    );
+    // A judge twice as slow as the learner: overlapping steps in scoring is what hides it.
+    server.update(|c| c.latency = Duration::from_millis(2 * latency));
+    let seq = run(root, "seq-slow", &url, steps, RunMode::Sequential, 0, 1);
+    let p2s = run(root, "pipe2s-slow", &url, steps, RunMode::Pipelined, 2, 1);
+    let p2 = run(root, "pipe2-slow", &url, steps, RunMode::Pipelined, 2, 2);
+    report(
+        2 * latency,
+        &seq,
+        &[("k=2, 1 batch scoring", &p2s), ("k=2, 2 batches scoring", &p2)],
+    );
+}
+
+fn report(latency: u64, seq: &Run, rows: &[(&str, &Run)]) {
+    println!("judge latency {latency} ms");
+    for (name, r) in std::iter::once(&("sequential", seq)).chain(rows) {
         println!(
-            "{name:<14} step {:.3} s (generate {:.3}, score {:.3}, train {:.3}); vs sequential {:.2}; judge time hidden {:.0}%",
+            "  {name:<24} step {:.3} s (generate {:.3}, score {:.3}, train {:.3}); vs sequential {:.2}; judge time hidden {:.0}%",
             r.step,
             r.generate,
             r.score,

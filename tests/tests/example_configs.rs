@@ -121,3 +121,99 @@ fn supervised_config_trains_with_coverage_ce() {
     assert!(m["rewards/coverage_ce/mean"] <= 0.0, "{m:?}");
     assert!(m.contains_key("rewards/accuracy/mean"));
 }
+
+#[test]
+fn teacher_config_trains_with_a_tiny_student() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let student = dir.path().join("student");
+    init_model_dir(&student, Preset::Tiny, Arch::Qwen2, 9).unwrap();
+    let run_dir = dir.path().join("run");
+    let sets = vec![
+        format!("output_dir={}", quote(&run_dir)),
+        format!("model.path={}", quote(&model)),
+        format!("data.path=[{}]", quote(&data)),
+        format!("teacher.student_model={}", quote(&student)),
+        "teacher.logging_prob=1.0".to_string(),
+        "teacher.max_probe_tokens=4".to_string(),
+        "teacher.max_student_tokens=6".to_string(),
+        "train.max_steps=3".to_string(),
+        "train.prompts_per_step=2".to_string(),
+        "rollout.num_generations=4".to_string(),
+        "rollout.max_completion_length=8".to_string(),
+    ];
+    let cfg = config::load(&configs_dir().join("teacher.toml"), &sets).unwrap();
+    let setup = trainer::setup(cfg).unwrap();
+    let protocol = setup.teaching.clone().unwrap();
+    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap();
+    assert_eq!(r.total_steps, 3);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite());
+        assert!(m["rewards/adaptive_teaching/mean"].is_finite(), "{m:?}");
+        for k in [
+            "teacher/with_teaching_accuracy",
+            "teacher/baseline_accuracy",
+            "teacher/degradation_rate",
+            "teacher/mean_teaching_tokens",
+        ] {
+            assert!(m[k].is_finite(), "{k}: {m:?}");
+        }
+    }
+    // Every problem logged (logging_prob 1): the reward is the formula of the logged answers.
+    let log = std::fs::read_to_string(run_dir.join("teacher_log.jsonl")).unwrap();
+    let mut problems = std::collections::BTreeSet::new();
+    let params = grpo_teacher::TeachingRewardParams::default();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3 * 2);
+    for v in &lines {
+        let q = v["question"].as_str().unwrap();
+        problems.insert(q.to_owned());
+        assert!(v["diagnostic"]["probe_tokens"].as_u64().unwrap() <= 4);
+        let teachings = v["teachings"].as_array().unwrap();
+        assert_eq!(teachings.len(), 4);
+        for t in teachings {
+            let info = &t["info"]["adaptive_teaching"];
+            let w = info["with_teaching"].as_f64().unwrap() as f32;
+            let b = info["baseline"].as_f64().unwrap() as f32;
+            let n = info["teaching_tokens"].as_u64().unwrap() as usize;
+            let want = params.reward(w, b, n);
+            assert!((t["reward"].as_f64().unwrap() as f32 - want).abs() < 1e-5);
+            // The student's answer scored by exact match of its <solution>.
+            let sol = t["student_solution"].as_str().unwrap();
+            assert_eq!(
+                sol,
+                grpo_teacher::extract_solution(t["student_response"].as_str().unwrap())
+            );
+        }
+    }
+    // The student's baseline was computed once per distinct problem.
+    assert_eq!(protocol.baseline_runs(), problems.len());
+}
+
+#[test]
+fn teacher_config_with_smollm2_as_the_student() {
+    let gguf = match std::env::var_os("GRPO_SMOLLM2_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => configs_dir().join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    if !gguf.exists() {
+        eprintln!(
+            "skipping: {} not found (run scripts/fetch-smollm2.sh, or set GRPO_SMOLLM2_GGUF)",
+            gguf.display()
+        );
+        return;
+    }
+    let (_dir, r) = train(
+        "teacher.toml",
+        &[
+            format!("teacher.student_model={}", quote(&gguf)),
+            "teacher.max_probe_tokens=8".to_string(),
+            "teacher.max_student_tokens=12".to_string(),
+            "teacher.logging_prob=0.0".to_string(),
+        ],
+    );
+    assert!(r.metrics[0]["teacher/baseline_accuracy"].is_finite());
+}

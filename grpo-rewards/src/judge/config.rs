@@ -123,6 +123,12 @@ pub struct JudgeConfig {
     /// SQLite file caching replies across runs; absent → no cache.
     #[serde(default)]
     pub cache_path: Option<PathBuf>,
+    /// The judge counts as down after this many requests in a row failed past their retries
+    /// (HTTP errors, connection errors, timeouts; unreadable replies do not count): the batch
+    /// then fails with [`crate::RewardError::JudgeDown`], which stops a training run (after a
+    /// checkpoint) instead of training on unscored batches. 0 = never. Default 32.
+    #[serde(default = "default_max_consecutive_failures")]
+    pub max_consecutive_failures: u32,
 }
 
 fn default_judge_name() -> String {
@@ -157,6 +163,9 @@ fn default_max_backoff() -> u64 {
 }
 fn default_max_concurrent() -> usize {
     16
+}
+fn default_max_consecutive_failures() -> u32 {
+    32
 }
 
 impl JudgeConfig {
@@ -194,6 +203,7 @@ impl JudgeConfig {
             burst: None,
             max_concurrent: default_max_concurrent(),
             cache_path: None,
+            max_consecutive_failures: default_max_consecutive_failures(),
         }
     }
 

@@ -142,7 +142,9 @@ enum Failure {
 /// the rate limits and the concurrency cap, with retries), and reads a score.
 ///
 /// As an [`AsyncReward`] it scores a batch concurrently; a completion whose request fails
-/// after `max_retries` gets `None` and is counted in `judge/failures`.
+/// after `max_retries` gets `None` and is counted in `judge/failures`. After
+/// `max_consecutive_failures` such requests in a row the judge is down and the batch fails with
+/// [`RewardError::JudgeDown`].
 pub struct Judge {
     config: JudgeConfig,
     env: minijinja::Environment<'static>,
@@ -155,6 +157,8 @@ pub struct Judge {
     send_schema: AtomicBool,
     stats: JudgeStats,
     rng: AtomicU64,
+    /// Requests in a row that failed past their retries (reset by any answer).
+    consecutive_failures: std::sync::atomic::AtomicU32,
 }
 
 impl std::fmt::Debug for Judge {
@@ -278,6 +282,7 @@ impl Judge {
             .unwrap_or(0x9E37_79B9_7F4A_7C15);
         Ok(Self {
             semaphore: Semaphore::new(config.max_concurrent),
+            consecutive_failures: std::sync::atomic::AtomicU32::new(0),
             config,
             env,
             reader,
@@ -600,6 +605,21 @@ impl Judge {
             self.stats.cache_misses.fetch_add(1, Ordering::Relaxed);
         }
         let (reply, retries) = self.request(&messages).await;
+        match &reply {
+            Ok(_) => self.consecutive_failures.store(0, Ordering::Relaxed),
+            Err(e) => {
+                let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                let limit = self.config.max_consecutive_failures;
+                if limit > 0 && n >= limit {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    return Err(RewardError::JudgeDown {
+                        judge: self.config.name.clone(),
+                        failures: n,
+                        last: e.to_string(),
+                    });
+                }
+            }
+        }
         let parsed = reply.and_then(|r| {
             self.reader
                 .read(&r)
