@@ -238,8 +238,8 @@ pub fn setup_with(
                     .map_err(|e| anyhow!("teacher.student_model: {e}"))?,
                 None => LocalModel::new(&loaded.model.snapshot()?, loaded.tokenizer.clone(), chat),
             };
-            let protocol = TeachingProtocol::new(t.clone(), student)
-                .map_err(|e| anyhow!("config: {e}"))?;
+            let protocol =
+                TeachingProtocol::new(t.clone(), student).map_err(|e| anyhow!("config: {e}"))?;
             let frozen = if t.use_reference_teacher_model {
                 Some(Arc::new(loaded.model.snapshot()?))
             } else {
@@ -294,7 +294,10 @@ fn teaching_reward(
     Ok(match &t.correctness {
         None => {
             train
-                .require_column(&t.answer_field, "`teacher.answer_field` (exact-match correctness)")
+                .require_column(
+                    &t.answer_field,
+                    "`teacher.answer_field` (exact-match correctness)",
+                )
                 .map_err(|e| anyhow!("data: {e}"))?;
             AdaptiveTeachingReward::exact_match(params, &t.answer_field)
         }
@@ -573,11 +576,8 @@ impl Generator {
     ) -> Result<Vec<(String, DiagnosticResult)>> {
         let field = &tp.config().answer_field;
         let questions: Vec<String> = batch.samples.iter().map(question_of).collect();
-        let answers: Vec<Option<String>> = batch
-            .samples
-            .iter()
-            .map(|s| s.get_text(field))
-            .collect();
+        let answers: Vec<Option<String>> =
+            batch.samples.iter().map(|s| s.get_text(field)).collect();
         for (q, s) in questions.iter().zip(&batch.samples) {
             if q.trim().is_empty() {
                 bail!("row {}: the problem text is empty", s.index);
@@ -589,7 +589,11 @@ impl Generator {
             .map(|(q, a)| (q.as_str(), a.as_deref()))
             .collect();
         let diags = tp
-            .probe_batch(&tasks, tp.config().max_probe_tokens, seed ^ 0x7072_6f62_65)
+            .probe_batch(
+                &tasks,
+                tp.config().max_probe_tokens,
+                seed ^ 0x0070_726f_6265,
+            )
             .map_err(|e| anyhow!("{e}"))?;
         Ok(questions.into_iter().zip(diags).collect())
     }
@@ -643,7 +647,12 @@ impl Scorer {
                 .teacher
                 .as_ref()
                 .filter(|t| t.logging_prob > 0.0)
-                .map(|t| (setup.cfg.output_dir.join("teacher_log.jsonl"), t.logging_prob)),
+                .map(|t| {
+                    (
+                        setup.cfg.output_dir.join("teacher_log.jsonl"),
+                        t.logging_prob,
+                    )
+                }),
         }
     }
 
@@ -674,18 +683,33 @@ impl Scorer {
             .zip(&teachings)
             .map(|(c, teaching)| (t[c.prompt_index].0.as_str(), *teaching))
             .collect();
-        let seed = step_seed(self.seed, r.batch.step as u64) ^ 0x7374_7564_656e_74;
+        let seed = step_seed(self.seed, r.batch.step as u64) ^ 0x0073_7475_6465_6e74;
         let passes = tp
             .student_passes(&items, seed)
             .map_err(|e| anyhow!("{e}"))?;
-        for ((x, pass), (teaching, item)) in inputs.iter_mut().zip(passes).zip(teachings.iter().zip(&items)) {
+        for ((x, pass), (teaching, item)) in inputs
+            .iter_mut()
+            .zip(passes)
+            .zip(teachings.iter().zip(&items))
+        {
             let n = self.tokenizer.encode(teaching, false)?.len();
             x.fields.insert(FIELD_QUESTION.into(), item.0.into());
-            x.fields.insert(FIELD_TEACHING_TOKENS.into(), FieldValue::Int(n as i64));
-            x.fields.insert(FIELD_STUDENT_RESPONSE.into(), pass.with_teaching.response.into());
-            x.fields.insert(FIELD_BASELINE_RESPONSE.into(), pass.baseline.response.into());
-            x.fields.insert("student_solution".into(), pass.with_teaching.solution.into());
-            x.fields.insert("baseline_solution".into(), pass.baseline.solution.into());
+            x.fields
+                .insert(FIELD_TEACHING_TOKENS.into(), FieldValue::Int(n as i64));
+            x.fields.insert(
+                FIELD_STUDENT_RESPONSE.into(),
+                pass.with_teaching.response.into(),
+            );
+            x.fields.insert(
+                FIELD_BASELINE_RESPONSE.into(),
+                pass.baseline.response.into(),
+            );
+            x.fields.insert(
+                "student_solution".into(),
+                pass.with_teaching.solution.into(),
+            );
+            x.fields
+                .insert("baseline_solution".into(), pass.baseline.solution.into());
         }
         Ok(inputs)
     }
@@ -776,14 +800,23 @@ impl Scorer {
         };
         let mut lines = String::new();
         for (p, (question, diag)) in t.iter().enumerate() {
-            let u = grpo_data::rng::mix(self.seed, 0x6c6f_67, (r.batch.step as u64) << 20 | p as u64);
+            let u = grpo_data::rng::mix(
+                self.seed,
+                0x006c_6f67,
+                (r.batch.step as u64) << 20 | p as u64,
+            );
             if (u >> 11) as f64 / (1u64 << 53) as f64 >= *prob {
                 continue;
             }
             let field = |x: &RewardInput, k: &str| x.field(k).and_then(FieldValue::as_text);
             let mut teachings = Vec::new();
             let mut baseline = None;
-            for (i, c) in r.completions.iter().enumerate().filter(|(_, c)| c.prompt_index == p) {
+            for (i, c) in r
+                .completions
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.prompt_index == p)
+            {
                 let x = &inputs[i];
                 baseline = baseline.or_else(|| field(x, "baseline_response"));
                 let info: serde_json::Map<String, serde_json::Value> = sc
@@ -858,7 +891,9 @@ impl Scorer {
         loop {
             // Hand on the finished steps at the front, in order.
             while pending.front().is_some_and(|(_, p)| p.result.is_some()) {
-                let Some((_, p)) = pending.pop_front() else { break };
+                let Some((_, p)) = pending.pop_front() else {
+                    break;
+                };
                 let scores = match p.result {
                     Some(r) => r.map_err(|e| anyhow!("{e}"))?,
                     None => continue,
@@ -1785,7 +1820,10 @@ pub fn run(
                 let rollouts = generator.process(batch).context(Stage::Generator)?;
                 let scored = scorer.process(rollouts).context(Stage::Scorer)?;
                 let m = learner.process(&scored).context(Stage::Learner)?;
-                generator.publish(learner.publish().context(Stage::Learner)?, learner.state.step);
+                generator.publish(
+                    learner.publish().context(Stage::Learner)?,
+                    learner.state.step,
+                );
                 let epochs = epochs_of(learner.state.position);
                 let stop = on_step(&mut learner, &scored, m, epochs, t0.elapsed().as_secs_f64())
                     .context(Stage::Learner)?;
@@ -1909,14 +1947,16 @@ pub fn run(
             .checkpoints
             .last()
             .is_some_and(|p| p.ends_with(format!("step-{}", learner.state.step)));
-        if stage != Some(Stage::Learner) && learner.state.step > start && !saved {
-            if let Ok(dir) = learner.save_checkpoint() {
-                return Err(e.context(format!(
-                    "run stopped after step {}; checkpoint {} saved (continue with --resume)",
-                    learner.state.step,
-                    dir.display()
-                )));
-            }
+        if stage != Some(Stage::Learner)
+            && learner.state.step > start
+            && !saved
+            && let Ok(dir) = learner.save_checkpoint()
+        {
+            return Err(e.context(format!(
+                "run stopped after step {}; checkpoint {} saved (continue with --resume)",
+                learner.state.step,
+                dir.display()
+            )));
         }
         return Err(e);
     }

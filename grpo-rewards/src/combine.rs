@@ -203,7 +203,9 @@ impl RewardSet {
     /// True when some reward is asynchronous (an LLM judge): scoring then waits on the network
     /// and several batches can usefully be in flight at once ([`RewardSet::spawn_score`]).
     pub fn has_async(&self) -> bool {
-        self.entries.iter().any(|e| matches!(e.kind, Kind::Async(_)))
+        self.entries
+            .iter()
+            .any(|e| matches!(e.kind, Kind::Async(_)))
     }
 
     /// Starts scoring `batch` on the set's runtime and returns at once, so that the requests of
@@ -349,8 +351,8 @@ fn assemble(entries: &[Entry], n: usize, results: Vec<RewardOutput>) -> Result<S
         out.info.push(info);
     }
     out.rewards = combine_rewards(
-    &out.per_function,
-    &entries.iter().map(|e| e.weight).collect::<Vec<_>>(),
-);
+        &out.per_function,
+        &entries.iter().map(|e| e.weight).collect::<Vec<_>>(),
+    );
     Ok(out)
 }

@@ -18,8 +18,7 @@ pub const DEFAULT_TEACHER_TEMPLATE: &str = "Question: {{ question }}\n\nA studen
 pub const DEFAULT_WITH_TEACHING_TEMPLATE: &str = "Question: {{ question }}\n\nA teacher's guidance:\n{{ teaching }}\n\nSolve the problem. Give your final answer inside <solution></solution> tags.";
 
 /// The student's prompt without teaching (the baseline). Variables: `question`.
-pub const DEFAULT_BASELINE_TEMPLATE: &str =
-    "Question: {{ question }}\n\nSolve the problem. Give your final answer inside <solution></solution> tags.";
+pub const DEFAULT_BASELINE_TEMPLATE: &str = "Question: {{ question }}\n\nSolve the problem. Give your final answer inside <solution></solution> tags.";
 
 /// The protocol's configuration (`[teacher]` in a training config).
 ///
@@ -151,10 +150,12 @@ impl Templates {
                     key: kind.key(),
                     message: e.to_string(),
                 })?;
-            let t = env.get_template(kind.key()).map_err(|e| TeacherError::Template {
-                key: kind.key(),
-                message: e.to_string(),
-            })?;
+            let t = env
+                .get_template(kind.key())
+                .map_err(|e| TeacherError::Template {
+                    key: kind.key(),
+                    message: e.to_string(),
+                })?;
             let mut unknown: Vec<String> = t
                 .undeclared_variables(false)
                 .into_iter()
@@ -204,7 +205,10 @@ impl TeacherConfig {
         if !(self.student_temperature >= 0.0 && self.student_temperature.is_finite()) {
             return bad(
                 "student_temperature",
-                format!("must be >= 0 (0 = greedy), got {}", self.student_temperature),
+                format!(
+                    "must be >= 0 (0 = greedy), got {}",
+                    self.student_temperature
+                ),
             );
         }
         if !(0.0..=1.0).contains(&self.logging_prob) {

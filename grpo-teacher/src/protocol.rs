@@ -412,11 +412,7 @@ impl TeachingProtocol {
     /// The student answers each `(task, teaching)` with the teaching, and each distinct task
     /// without it — the baseline, computed once per task over the protocol's life and cached.
     /// All generations of a call run as one batch.
-    pub fn student_passes(
-        &self,
-        items: &[(&str, &str)],
-        seed: u64,
-    ) -> Result<Vec<StudentPass>> {
+    pub fn student_passes(&self, items: &[(&str, &str)], seed: u64) -> Result<Vec<StudentPass>> {
         let mut prompts = Vec::with_capacity(items.len());
         for (task, teaching) in items {
             prompts.push(self.render(

@@ -188,7 +188,10 @@ impl AdaptiveTeachingReward {
                         .zip(responses)
                         .map(|(x, r)| {
                             let truth = x.field(answer_field)?.as_text()?;
-                            Some(f32::from(u8::from(exact_match(&extract_solution(r), &truth))))
+                            Some(f32::from(u8::from(exact_match(
+                                &extract_solution(r),
+                                &truth,
+                            ))))
                         })
                         .collect()
                 };

@@ -75,7 +75,11 @@ fn probe_guidance_and_student_passes() {
     assert_eq!(tp.baseline_runs(), 2);
     assert_eq!(first[0].baseline, first[1].baseline);
     let again = tp.student_passes(&[("2 + 2?", "other")], 0).unwrap();
-    assert_eq!(tp.baseline_runs(), 2, "the baseline is computed once per problem");
+    assert_eq!(
+        tp.baseline_runs(),
+        2,
+        "the baseline is computed once per problem"
+    );
     assert_eq!(again[0].baseline, first[0].baseline);
     // The answer with teaching is the student's greedy answer to the rendered prompt.
     let user = tp
@@ -103,11 +107,17 @@ fn documented_errors() {
         Err(TeacherError::EmptyTask { .. })
     ));
     let e = tp.diagnostic_probe("2+2?", 0).unwrap_err();
-    assert_eq!(e.to_string(), "diagnostic_probe: max_tokens must be >= 1, got 0");
+    assert_eq!(
+        e.to_string(),
+        "diagnostic_probe: max_tokens must be >= 1, got 0"
+    );
     let d = tp.diagnostic_probe("2+2?", 1).unwrap();
     assert_eq!(d.probe_tokens, 1);
     let e = tp.generate_guidance("2+2?", &d, 9).unwrap_err();
-    assert_eq!(e.to_string(), "generate_guidance: max_tokens must be >= 10, got 9");
+    assert_eq!(
+        e.to_string(),
+        "generate_guidance: max_tokens must be >= 10, got 9"
+    );
     assert!(matches!(
         tp.generate_guidance("", &d, 50),
         Err(TeacherError::EmptyTask { .. })
@@ -175,7 +185,12 @@ fn templates_are_checked_and_rendered() {
         logging_prob: 1.5,
         ..Default::default()
     };
-    assert!(bad.validate().unwrap_err().to_string().contains("logging_prob"));
+    assert!(
+        bad.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("logging_prob")
+    );
 
     // Styles by capability.
     assert!(guidance_style(0.0).contains("step-by-step"));

@@ -100,7 +100,10 @@ proptest! {
 #[test]
 fn solution_extraction() {
     assert_eq!(extract_solution("<solution>42</solution>"), "42");
-    assert_eq!(extract_solution("x <solution>\n  7 apples \n</solution> y"), "7 apples");
+    assert_eq!(
+        extract_solution("x <solution>\n  7 apples \n</solution> y"),
+        "7 apples"
+    );
     assert_eq!(
         extract_solution("<solution>1</solution> wait: <solution>2</solution>"),
         "2"
@@ -109,7 +112,10 @@ fn solution_extraction() {
     assert_eq!(extract_solution("<solution>unclosed 42"), "");
     assert_eq!(extract_solution("<SOLUTION>42</SOLUTION>"), "");
     assert_eq!(extract_solution("<solution></solution>"), "");
-    assert_eq!(extract_teaching("think... <teaching> add the tens </teaching>"), "add the tens");
+    assert_eq!(
+        extract_teaching("think... <teaching> add the tens </teaching>"),
+        "add the tens"
+    );
     assert_eq!(extract_teaching("  just a hint "), "just a hint");
     assert!(exact_match("Paris", " paris "));
     assert!(exact_match("ÉTÉ", "été"));
@@ -147,18 +153,42 @@ fn exact_match_reward_over_a_batch() {
     let r = AdaptiveTeachingReward::exact_match(TeachingRewardParams::default(), "answer");
     let batch = vec![
         // helped: wrong → right, 50 tokens
-        teaching_input("q1", "<solution>4</solution>", "<solution>5</solution>", 50, Some("4")),
+        teaching_input(
+            "q1",
+            "<solution>4</solution>",
+            "<solution>5</solution>",
+            50,
+            Some("4"),
+        ),
         // harmed: right → wrong
-        teaching_input("q1", "<solution>3</solution>", "<solution>4</solution>", 10, Some("4")),
+        teaching_input(
+            "q1",
+            "<solution>3</solution>",
+            "<solution>4</solution>",
+            10,
+            Some("4"),
+        ),
         // no change (both right)
-        teaching_input("q2", "<solution>B</solution>", "<solution>b</solution>", 10, Some("b")),
+        teaching_input(
+            "q2",
+            "<solution>B</solution>",
+            "<solution>b</solution>",
+            10,
+            Some("b"),
+        ),
         // no tags: wrong
         teaching_input("q2", "b", "<solution>b</solution>", 10, Some("b")),
         // no ground truth: no opinion
         teaching_input("q3", "<solution>1</solution>", "", 10, None),
     ];
     let out = score(&r, &batch);
-    let want = [Some(1.0 + 100.0 / 150.0), Some(-2.0), Some(0.0), Some(-2.0), None];
+    let want = [
+        Some(1.0 + 100.0 / 150.0),
+        Some(-2.0),
+        Some(0.0),
+        Some(-2.0),
+        None,
+    ];
     for (i, (g, w)) in out.scores.iter().zip(want).enumerate() {
         match (g, w) {
             (Some(g), Some(w)) => assert!((g - w).abs() < 1e-6, "{i}: {g} vs {w}"),
@@ -223,7 +253,10 @@ fn a_reward_set_replaces_exact_match_and_its_judges_are_logged() {
     assert!((a - 0.5 * 1.5).abs() < 1e-6, "{a}");
     assert!((b + 2.0 * 0.2).abs() < 1e-6, "{b}");
     let info = out.info[0].as_ref().unwrap();
-    assert_eq!(info["rim_rewards"]["helpfulness"], serde_json::json!(0.9f32));
+    assert_eq!(
+        info["rim_rewards"]["helpfulness"],
+        serde_json::json!(0.9f32)
+    );
     assert_eq!(info["rim_explanations"]["process"], "sound");
     assert!(out.counters.contains_key("judge/failures"));
 }

@@ -155,7 +155,10 @@ fn main() {
     report(
         2 * latency,
         &seq,
-        &[("k=2, 1 batch scoring", &p2s), ("k=2, 2 batches scoring", &p2)],
+        &[
+            ("k=2, 1 batch scoring", &p2s),
+            ("k=2, 2 batches scoring", &p2),
+        ],
     );
 }
 

@@ -190,7 +190,10 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
         "{}",
         s3.max_in_flight
     );
-    assert_eq!(without_timing(&one.metrics), without_timing(&capped.metrics));
+    assert_eq!(
+        without_timing(&one.metrics),
+        without_timing(&capped.metrics)
+    );
 
     // And a fixed seed gives the same metrics run after run.
     run.max_concurrent = 64;
@@ -235,7 +238,7 @@ fn a_judge_down_past_its_retries_stops_the_run_with_a_checkpoint_to_resume_from(
             scoring_batches: 2,
             max_concurrent: 64,
             steps: 8,
-            };
+        };
         let name = format!("down{k}");
         let t = Instant::now();
         let e = trainer::run(
@@ -308,7 +311,8 @@ fn a_panicking_async_reward_stops_the_run_naming_the_scorer() {
         steps: 8,
     };
     let mut s = setup("bomb", &run);
-    s.rewards = Arc::new(RewardSet::new().with_async_reward("bomb", 1.0, Bomb(AtomicUsize::new(0))));
+    s.rewards =
+        Arc::new(RewardSet::new().with_async_reward("bomb", 1.0, Bomb(AtomicUsize::new(0))));
     let t = Instant::now();
     let e = trainer::run(s, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap_err();
     let msg = format!("{e:#}");
