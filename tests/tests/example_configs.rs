@@ -217,3 +217,131 @@ fn teacher_config_with_smollm2_as_the_student() {
     );
     assert!(r.metrics[0]["teacher/baseline_accuracy"].is_finite());
 }
+
+/// Runs configs/teacher.toml for `steps` steps on the tiny fixture with extra `--set`s.
+fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_cli::TrainingResult {
+    let (model, data) = (dir.join("model"), dir.join("arith.parquet"));
+    if !model.exists() {
+        fixture(dir);
+    }
+    let mut sets = vec![
+        format!("output_dir={}", quote(&dir.join(name))),
+        format!("model.path={}", quote(&model)),
+        format!("data.path=[{}]", quote(&data)),
+        "teacher.student_model=\"\"".to_string(),
+        "teacher.max_probe_tokens=4".to_string(),
+        "teacher.max_student_tokens=6".to_string(),
+        "train.max_steps=3".to_string(),
+        "train.prompts_per_step=2".to_string(),
+        "train.num_completions_to_print=8".to_string(),
+        "rollout.num_generations=4".to_string(),
+        "rollout.max_completion_length=8".to_string(),
+        "pipeline.max_staleness=0".to_string(),
+    ];
+    sets.extend_from_slice(extra);
+    let mut cfg = config::load(&configs_dir().join("teacher.toml"), &sets).unwrap();
+    // No student path: the reference model (the policy as loaded) is the student.
+    cfg.teacher.as_mut().unwrap().student_model = None;
+    let setup = trainer::setup(cfg).unwrap();
+    trainer::run(setup, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap()
+}
+
+fn completions(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("completions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn teacher_with_a_rim_judge_ensemble_as_correctness() {
+    let server = LoopbackServer::start(ServerConfig::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let url = server.base_url();
+    let judge = |name: &str, score: &str| {
+        format!(
+            "{{ name = \"{name}\", weight = 1.0, base_url = \"{url}\", model = \"loopback\", \
+             template = \"Grade {{{{ completion }}}} for {{{{ prompt }}}} SCORE={score}\" }}"
+        )
+    };
+    let r = train_teacher(
+        dir.path(),
+        "rim",
+        &[
+            "teacher.correctness.type=\"judge_ensemble\"".into(),
+            "teacher.correctness.mode=\"weighted\"".into(),
+            format!(
+                "teacher.correctness.judges=[{}, {}]",
+                judge("helpfulness", "0.8"),
+                judge("process", "0.4")
+            ),
+        ],
+    );
+    // Both answers get the same verdicts (0.6 weighted): delta 0, reward 0, no degradation.
+    for m in &r.metrics {
+        assert_eq!(
+            m["teacher/with_teaching_accuracy"], 0.6000000238418579,
+            "{m:?}"
+        );
+        assert_eq!(m["rewards/adaptive_teaching/mean"], 0.0);
+        assert_eq!(m["teacher/degradation_rate"], 0.0);
+    }
+    let lines = completions(&dir.path().join("rim"));
+    assert!(!lines.is_empty());
+    for l in &lines {
+        let info = &l["info"]["adaptive_teaching"];
+        let score = |j: &str| info["rim_rewards"][j].as_f64().unwrap() as f32;
+        assert_eq!(score("helpfulness"), 0.8);
+        assert_eq!(score("process"), 0.4);
+        assert!(
+            info["rim_explanations"]["process"]
+                .as_str()
+                .unwrap()
+                .starts_with("judged")
+        );
+    }
+    // The judges saw the student's answers to the problem (the question, not the teacher's
+    // prompt): 2 per teaching (with and without; baselines scored once per problem per step).
+    let s = server.stats();
+    assert!(s.requests >= 3 * 2 * (4 + 1) * 2, "{}", s.requests);
+    let body = s.bodies[0]["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        body.starts_with("Grade ") && body.contains(" for "),
+        "{body}"
+    );
+}
+
+#[test]
+fn use_reference_teacher_model_samples_from_the_frozen_teacher() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = |name: &str| -> Vec<String> {
+        completions(&dir.path().join(name))
+            .iter()
+            .map(|l| l["completion"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // A format reward besides the teaching reward (which is 0 while the random student never
+    // answers right), so that the policy has something to learn.
+    let sets = |lr: &str, frozen: bool| {
+        vec![
+            format!("optim.learning_rate={lr}"),
+            // 1 when the teaching holds a digit: it varies within a group.
+            r#"rewards=[{type="format", pattern='(?s).*\d.*'}]"#.into(),
+            format!("teacher.use_reference_teacher_model={frozen}"),
+        ]
+    };
+    // The frozen reference writes every teaching: the same as a policy that never moves.
+    train_teacher(dir.path(), "frozen", &sets("0.05", true));
+    train_teacher(dir.path(), "still", &sets("0.0", false));
+    train_teacher(dir.path(), "moving", &sets("0.05", false));
+    let (frozen, still, moving) = (text("frozen"), text("still"), text("moving"));
+    assert_eq!(frozen.len(), 3 * 8);
+    assert_eq!(frozen, still);
+    // The first step is sampled before any update either way; later ones by the moved policy.
+    assert_eq!(frozen[..8], moving[..8]);
+    assert_ne!(frozen[8..], moving[8..]);
+}

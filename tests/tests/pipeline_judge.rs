@@ -99,6 +99,16 @@ scoring_batches = {sb}
     trainer::setup(config::load(&p, &[]).unwrap()).unwrap()
 }
 
+/// Runs the config `name` to the end.
+fn train(name: &str, r: &Run<'_>) -> grpo_cli::TrainingResult {
+    trainer::run(
+        setup(name, r),
+        &RunOptions::default(),
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap()
+}
+
 fn without_timing(ms: &[Metrics]) -> Vec<Vec<(String, f64)>> {
     ms.iter()
         .map(|m| {
@@ -138,12 +148,7 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
 
     // One step at a time: never more than a step's 8 requests in flight.
     run.scoring_batches = 1;
-    let one = trainer::run(
-        setup("one", &run),
-        &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
-    )
-    .unwrap();
+    let one = train("one", &run);
     let s1 = server.stats();
     assert!(s1.max_in_flight <= 8, "{}", s1.max_in_flight);
     assert!(
@@ -155,12 +160,7 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
     // Two steps at once: more than one step's requests in flight together.
     server.reset_stats();
     run.scoring_batches = 2;
-    let two = trainer::run(
-        setup("two", &run),
-        &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
-    )
-    .unwrap();
+    let two = train("two", &run);
     let s2 = server.stats();
     assert!(
         s2.max_in_flight > 8 && s2.max_in_flight <= 16,
@@ -178,12 +178,7 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
     // The judge's own cap bounds the requests of all steps together.
     server.reset_stats();
     run.max_concurrent = 10;
-    let capped = trainer::run(
-        setup("capped", &run),
-        &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
-    )
-    .unwrap();
+    let capped = train("capped", &run);
     let s3 = server.stats();
     assert!(
         s3.max_in_flight > 8 && s3.max_in_flight <= 10,
@@ -197,12 +192,7 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
 
     // And a fixed seed gives the same metrics run after run.
     run.max_concurrent = 64;
-    let again = trainer::run(
-        setup("again", &run),
-        &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
-    )
-    .unwrap();
+    let again = train("again", &run);
     assert_eq!(without_timing(&two.metrics), without_timing(&again.metrics));
 }
 
