@@ -10,6 +10,8 @@
 //!   grpo, bnpo, dr_grpo, dapo and cispo objectives, token- or sequence-level importance
 //!   ratios, two-sided clipping, and the KL penalty to a reference model.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
+//! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss and DPO's
+//!   sigmoid preference loss with TRL's metrics.
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout.
 //!
 //! The scorer (grpo-rewards, through grpo-cli) feeds rewards in; the learner in grpo-cli calls
@@ -54,6 +56,7 @@ pub mod advantages;
 pub mod fused;
 pub mod logprobs;
 pub mod loss;
+pub mod preference;
 
 pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
 pub use logprobs::{entropy_from_logits, selective_log_softmax};

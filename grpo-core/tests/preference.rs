@@ -1,0 +1,139 @@
+//! SFT and DPO losses against PyTorch (TRL's formulas), values and gradients.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo_core::preference::{DpoInputs, dpo_loss, sft_loss};
+
+/// Reference values from PyTorch 2.15 (TRL's sigmoid DPO loss with label smoothing):
+/// ```python
+/// pc = torch.tensor([-12.5, -3.0, -40.25, -7.0], dtype=torch.float64, requires_grad=True)
+/// pr = torch.tensor([-11.0, -9.5, -38.0, -7.0], dtype=torch.float64, requires_grad=True)
+/// rc = torch.tensor([-12.0, -4.0, -41.0, -6.5], dtype=torch.float64)
+/// rr = torch.tensor([-12.0, -8.0, -37.5, -7.25], dtype=torch.float64)
+/// for beta, ls in [(0.1, 0.0), (0.5, 0.2)]:
+///     pc.grad = None; pr.grad = None
+///     logits = (pc - pr) - (rc - rr)
+///     losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+///     loss = losses.mean(); loss.backward()
+///     cr = beta * (pc - rc).detach(); rj = beta * (pr - rr).detach()
+///     print(loss.item(), pc.grad.tolist(), cr.mean().item(), rj.mean().item(),
+///           (cr > rj).float().mean().item(), (cr - rj).mean().item())
+/// ```
+#[test]
+fn dpo_matches_pytorch() {
+    let dev = Device::Cpu;
+    let t = |v: &[f64]| Tensor::new(v, &dev).unwrap();
+    let cases = [
+        (
+            0.1,
+            0.0,
+            0.677711410953085,
+            [
+                -0.01343574613359374,
+                -0.010945587477855047,
+                -0.011719765665656095,
+                -0.012968530396963383,
+            ],
+            0.01875,
+            -0.01875,
+            0.5,
+            0.0375,
+        ),
+        (
+            0.5,
+            0.2,
+            0.716406007469158,
+            [
+                -0.05989733739692413,
+                -0.002837517353163607,
+                -0.01858064191674322,
+                -0.04908332499425872,
+            ],
+            0.09375,
+            -0.09375,
+            0.5,
+            0.1875,
+        ),
+    ];
+    for (beta, ls, loss, grad_c, ch, rj, acc, margin) in cases {
+        let pc = Var::from_tensor(&t(&[-12.5, -3.0, -40.25, -7.0])).unwrap();
+        let pr = Var::from_tensor(&t(&[-11.0, -9.5, -38.0, -7.0])).unwrap();
+        let rc = t(&[-12.0, -4.0, -41.0, -6.5]);
+        let rr = t(&[-12.0, -8.0, -37.5, -7.25]);
+        let out = dpo_loss(
+            &DpoInputs {
+                policy_chosen: pc.as_tensor(),
+                policy_rejected: pr.as_tensor(),
+                reference_chosen: &rc,
+                reference_rejected: &rr,
+            },
+            beta,
+            ls,
+        )
+        .unwrap();
+        let l = out.loss.to_scalar::<f64>().unwrap();
+        assert!((l - loss).abs() < 1e-12, "{l} vs {loss}");
+        let grads = out.loss.backward().unwrap();
+        let gc: Vec<f64> = grads.get(&pc).unwrap().to_vec1().unwrap();
+        let gr: Vec<f64> = grads.get(&pr).unwrap().to_vec1().unwrap();
+        for i in 0..4 {
+            assert!((gc[i] - grad_c[i]).abs() < 1e-12, "{gc:?}");
+            assert!((gr[i] + grad_c[i]).abs() < 1e-12, "{gr:?}");
+        }
+        assert!((out.rewards_chosen - ch).abs() < 1e-12);
+        assert!((out.rewards_rejected - rj).abs() < 1e-12);
+        assert_eq!(out.rewards_accuracies, acc);
+        assert!((out.rewards_margins - margin).abs() < 1e-12);
+        assert!((out.logps_chosen - (-62.75 / 4.0)).abs() < 1e-12);
+    }
+}
+
+#[test]
+fn dpo_is_stable_for_large_margins() {
+    let dev = Device::Cpu;
+    let big = Tensor::new(&[1000.0f32, -1000.0], &dev).unwrap();
+    let zero = Tensor::zeros(2, DType::F32, &dev).unwrap();
+    let out = dpo_loss(
+        &DpoInputs {
+            policy_chosen: &big,
+            policy_rejected: &zero,
+            reference_chosen: &zero,
+            reference_rejected: &zero,
+        },
+        1.0,
+        0.0,
+    )
+    .unwrap();
+    // −log σ(1000) ≈ 0 and −log σ(−1000) = 1000: mean 500, finite.
+    let l = out.loss.to_scalar::<f32>().unwrap();
+    assert!((l - 500.0).abs() < 1e-3, "{l}");
+}
+
+#[test]
+fn sft_loss_ignores_masked_positions() {
+    let dev = Device::Cpu;
+    let lp =
+        Var::from_tensor(&Tensor::new(&[[-1.0f64, -2.0, -3.0], [-4.0, -5.0, -6.0]], &dev).unwrap())
+            .unwrap();
+    // Prompt / padding positions masked out.
+    let mask = Tensor::new(&[[0f64, 1.0, 1.0], [0.0, 0.0, 1.0]], &dev).unwrap();
+    let loss = sft_loss(lp.as_tensor(), &mask, None).unwrap();
+    assert!((loss.to_scalar::<f64>().unwrap() - (2.0 + 3.0 + 6.0) / 3.0).abs() < 1e-12);
+    let g: Vec<Vec<f64>> = loss
+        .backward()
+        .unwrap()
+        .get(&lp)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    assert_eq!(
+        g,
+        vec![
+            vec![0.0, -1.0 / 3.0, -1.0 / 3.0],
+            vec![0.0, 0.0, -1.0 / 3.0]
+        ]
+    );
+    // With the step's token count (several micro-batches), the sum is divided by it.
+    let loss = sft_loss(lp.as_tensor(), &mask, Some(6.0)).unwrap();
+    assert!((loss.to_scalar::<f64>().unwrap() - 11.0 / 6.0).abs() < 1e-12);
+}
