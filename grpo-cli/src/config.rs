@@ -23,6 +23,8 @@ use serde_json::Value;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TrainConfig {
+    /// `grpo` (default), `sft` or `dpo`: which objective the learner optimises.
+    pub algorithm: String,
     /// Where the run directory goes (metrics, completions, checkpoints, resolved config).
     pub output_dir: PathBuf,
     /// The policy model.
@@ -50,6 +52,66 @@ pub struct TrainConfig {
     /// Two-pass adaptive teaching (grpo-teacher): the policy is the teacher, rewarded by how
     /// much its guidance helps a student. Adds the `adaptive_teaching` reward.
     pub teacher: Option<TeacherConfig>,
+    /// Supervised fine-tuning (`algorithm = "sft"`).
+    pub sft: SftSection,
+    /// Direct preference optimisation (`algorithm = "dpo"`).
+    pub dpo: DpoSection,
+}
+
+/// `[sft]`: TRL's SFTTrainer on prompt/completion rows or conversations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SftSection {
+    /// The completion column of prompt/completion data. When a row lacks it, the prompt must
+    /// be a conversation and the loss covers its assistant turns.
+    pub completion_field: String,
+    /// Most prompt + completion tokens of a row (the completion's end is cut). Default 1024.
+    pub max_length: usize,
+    /// Concatenate rows (each ended by EOS) into sequences of `max_length` tokens, the loss on
+    /// every completion token (TRL's wrapped packing: a row may attend to the one before it).
+    pub packing: bool,
+}
+
+impl Default for SftSection {
+    fn default() -> Self {
+        Self {
+            completion_field: "completion".into(),
+            max_length: 1024,
+            packing: false,
+        }
+    }
+}
+
+/// `[dpo]`: TRL's DPOTrainer, sigmoid loss against the frozen reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DpoSection {
+    /// The β of the loss (default 0.1).
+    pub beta: f64,
+    /// Label smoothing ε (conservative DPO; default 0).
+    pub label_smoothing: f64,
+    /// The preferred completion's column.
+    pub chosen_field: String,
+    /// The dispreferred completion's column.
+    pub rejected_field: String,
+    /// Most prompt + completion tokens of a row (the completion's end is cut). Default 1024.
+    pub max_length: usize,
+    /// Compute each pair's reference log-probs once (cached by row, reused every epoch) instead
+    /// of at every step.
+    pub precompute_ref_log_probs: bool,
+}
+
+impl Default for DpoSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            label_smoothing: 0.0,
+            chosen_field: "chosen".into(),
+            rejected_field: "rejected".into(),
+            max_length: 1024,
+            precompute_ref_log_probs: false,
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -68,6 +130,9 @@ impl Default for TrainConfig {
             train: TrainSection::default(),
             pipeline: PipelineSection::default(),
             teacher: None,
+            algorithm: "grpo".into(),
+            sft: SftSection::default(),
+            dpo: DpoSection::default(),
         }
     }
 }
@@ -616,7 +681,30 @@ impl TrainConfig {
         if let Some(t) = &self.teacher {
             t.validate().map_err(|e| e.to_string())?;
         }
-        if self.rewards.is_empty() && self.teacher.is_none() {
+        if !["grpo", "sft", "dpo"].contains(&self.algorithm.as_str()) {
+            return Err(format!(
+                "`algorithm`: expected grpo, sft or dpo, got `{}`",
+                self.algorithm
+            ));
+        }
+        if self.algorithm == "dpo" {
+            let d = &self.dpo;
+            if !(d.beta > 0.0 && d.beta.is_finite()) {
+                return Err(format!("`dpo.beta` must be > 0, got {}", d.beta));
+            }
+            if !(0.0..0.5).contains(&d.label_smoothing) {
+                return Err(format!(
+                    "`dpo.label_smoothing` must be in [0, 0.5), got {}",
+                    d.label_smoothing
+                ));
+            }
+        }
+        if (self.algorithm == "sft" && self.sft.max_length < 2)
+            || (self.algorithm == "dpo" && self.dpo.max_length < 2)
+        {
+            return Err(format!("`{}.max_length` must be >= 2", self.algorithm));
+        }
+        if self.algorithm == "grpo" && self.rewards.is_empty() && self.teacher.is_none() {
             return Err(
                 "`rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
                     .into(),
@@ -726,7 +814,12 @@ impl TrainConfig {
         if t.logging_steps == 0 {
             return Err("`train.logging_steps` must be >= 1".into());
         }
-        let n = t.prompts_per_step * r.num_generations;
+        // A step: prompts × generations completions (GRPO), or prompts_per_step rows (SFT, DPO).
+        let n = if self.algorithm == "grpo" {
+            t.prompts_per_step * r.num_generations
+        } else {
+            t.prompts_per_step
+        };
         let micro = match (t.per_device_train_batch_size, o.gradient_accumulation_steps) {
             (Some(0), _) => return Err("`train.per_device_train_batch_size` must be >= 1".into()),
             (_, Some(0)) => return Err("`optim.gradient_accumulation_steps` must be >= 1".into()),

@@ -55,8 +55,13 @@ enum Command {
         /// The run directory (with metrics.jsonl).
         run_dir: std::path::PathBuf,
     },
-    /// Train with GRPO from a config file (TOML or YAML).
+    /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo"` in the
+    /// config runs those instead.
     Train(train_cmd::TrainArgs),
+    /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
+    Sft(train_cmd::TrainArgs),
+    /// Direct preference optimisation (the config's `[dpo]`) against the frozen reference.
+    Dpo(train_cmd::TrainArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
     Data {
         #[command(subcommand)]
@@ -64,13 +69,19 @@ enum Command {
     },
 }
 
+fn exit_code(interrupted: bool) -> Result<ExitCode> {
+    Ok(if interrupted {
+        ExitCode::from(130)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Some(Command::Train(a)) => Ok(if train_cmd::train(a)? {
-            ExitCode::from(130)
-        } else {
-            ExitCode::SUCCESS
-        }),
+        Some(Command::Train(a)) => exit_code(train_cmd::train(a)?),
+        Some(Command::Sft(a)) => exit_code(train_cmd::train_as(a, Some("sft"))?),
+        Some(Command::Dpo(a)) => exit_code(train_cmd::train_as(a, Some("dpo"))?),
         other => dispatch(other).map(|()| ExitCode::SUCCESS),
     }
 }
@@ -120,7 +131,9 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             Ok(())
         }
         Some(Command::Data { command }) => data_cmd::run(command),
-        Some(Command::Train(_)) => unreachable!("handled in run"),
+        Some(Command::Train(_) | Command::Sft(_) | Command::Dpo(_)) => {
+            unreachable!("handled in run")
+        }
         Some(Command::Demo(a)) => demo(a),
         Some(Command::Plot { run_dir }) => {
             println!("{}", grpo_cli::plot::plot_run(&run_dir)?.display());

@@ -38,6 +38,14 @@ pub fn install_ctrl_c() -> Arc<AtomicBool> {
 
 /// Runs the training; returns whether it was interrupted.
 pub fn train(a: TrainArgs) -> Result<bool> {
+    train_as(a, None)
+}
+
+/// [`train`] with `algorithm` forced (`grpo-cli sft` / `grpo-cli dpo`).
+pub fn train_as(mut a: TrainArgs, algorithm: Option<&str>) -> Result<bool> {
+    if let Some(alg) = algorithm {
+        a.set.insert(0, format!("algorithm=\"{alg}\""));
+    }
     let cfg = grpo_cli::config::load(&a.config, &a.set)?;
     let setup = trainer::setup(cfg)?;
     let opts = RunOptions {
@@ -48,10 +56,15 @@ pub fn train(a: TrainArgs) -> Result<bool> {
     };
     let out = setup.cfg.output_dir.clone();
     let r = trainer::run(setup, &opts, &mut grpo_cli::NoCallbacks)?;
-    let first = r.metrics.first().and_then(|m| m.get("reward").copied());
-    let last = r.metrics.last().and_then(|m| m.get("reward").copied());
+    let key = if r.metrics.iter().any(|m| m.contains_key("reward")) {
+        "reward"
+    } else {
+        "loss"
+    };
+    let first = r.metrics.first().and_then(|m| m.get(key).copied());
+    let last = r.metrics.last().and_then(|m| m.get(key).copied());
     println!(
-        "trained {} steps; reward {} → {}; run directory {}",
+        "trained {} steps; {key} {} → {}; run directory {}",
         r.total_steps,
         first.map_or("n/a".into(), |v| format!("{v:.3}")),
         last.map_or("n/a".into(), |v| format!("{v:.3}")),

@@ -252,7 +252,15 @@ pub fn setup_with(
         Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
         None => TrainableModel::full(&loaded.model)?,
     };
-    let reference = if cfg.reference.beta > 0.0 {
+    if cfg.algorithm == "dpo" {
+        for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
+            splits
+                .train
+                .require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")
+                .map_err(|e| anyhow!("data: {e}"))?;
+        }
+    }
+    let reference = if cfg.reference.beta > 0.0 || cfg.algorithm == "dpo" {
         Some(loaded.model.snapshot()?)
     } else {
         None
@@ -315,6 +323,9 @@ fn teaching_reward(
         }
     })
 }
+
+#[path = "supervised.rs"]
+pub mod supervised;
 
 // ---------------------------------------------------------------------------------------------
 // What flows between the stages.
@@ -488,29 +499,7 @@ impl Generator {
 
     /// Renders and tokenises a prompt (chat template for conversations), left-truncated.
     pub fn prompt_tokens(&self, prompt: &Prompt) -> Result<(String, Vec<u32>)> {
-        let (text, ids) = match prompt {
-            Prompt::Conversation(msgs) if self.cfg.rollout.chat_template => {
-                let m: Vec<ChatMessage> = msgs
-                    .iter()
-                    .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
-                    .collect();
-                let text = self.tokenizer.apply_chat_template(&m, true)?;
-                let ids = self.tokenizer.encode(&text, false)?;
-                (text, ids)
-            }
-            other => {
-                let text = other.text();
-                let ids = self.tokenizer.encode(&text, true)?;
-                (text, ids)
-            }
-        };
-        let max = self.cfg.rollout.max_prompt_length;
-        let ids = if max > 0 && ids.len() > max {
-            ids[ids.len() - max..].to_vec()
-        } else {
-            ids
-        };
-        Ok((text, ids))
+        encode_prompt(&self.tokenizer, &self.cfg, prompt)
     }
 
     /// Generates `num_generations` completions per prompt, seeded by (seed, step). With
@@ -610,6 +599,42 @@ pub fn question_of(s: &Sample) -> String {
             .map(|m| m.content.clone())
             .unwrap_or_else(|| s.prompt.text()),
     }
+}
+
+/// Renders and tokenises a prompt as TRL does: a conversation through the chat template with
+/// the generation prompt (when `rollout.chat_template`), plain text with the tokenizer's special
+/// tokens; left-truncated to `rollout.max_prompt_length`.
+pub fn encode_prompt(
+    tokenizer: &Tokenizer,
+    cfg: &TrainConfig,
+    prompt: &Prompt,
+) -> Result<(String, Vec<u32>)> {
+    let (text, ids) = match prompt {
+        Prompt::Conversation(msgs) if cfg.rollout.chat_template => {
+            let text = tokenizer.apply_chat_template(&chat_messages(msgs), true)?;
+            let ids = tokenizer.encode(&text, false)?;
+            (text, ids)
+        }
+        other => {
+            let text = other.text();
+            let ids = tokenizer.encode(&text, true)?;
+            (text, ids)
+        }
+    };
+    let max = cfg.rollout.max_prompt_length;
+    let ids = if max > 0 && ids.len() > max {
+        ids[ids.len() - max..].to_vec()
+    } else {
+        ids
+    };
+    Ok((text, ids))
+}
+
+/// grpo-data's messages as the tokenizer's chat messages.
+pub fn chat_messages(msgs: &[grpo_data::Message]) -> Vec<ChatMessage> {
+    msgs.iter()
+        .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+        .collect()
 }
 
 /// A per-step seed (SplitMix64 of seed and step), the same on any machine.
@@ -1725,6 +1750,9 @@ pub fn run(
     opts: &RunOptions,
     callbacks: &mut dyn Callbacks,
 ) -> Result<TrainingResult> {
+    if setup.cfg.algorithm != "grpo" {
+        return supervised::run(setup, opts, callbacks);
+    }
     let run_dir = setup.cfg.output_dir.clone();
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;

@@ -1,0 +1,480 @@
+//! SFT and DPO on the GRPO learner: the same optimizer, schedule, gradient accumulation and
+//! clipping, run directory, metrics, progress, checkpoints and exact resume; only the step's
+//! loss differs (grpo-core's `preference` module).
+//!
+//! A step takes `train.prompts_per_step` rows from the data stream:
+//! * SFT: prompt + completion (`sft.completion_field`, EOS appended), the loss on the completion
+//!   tokens only; or a conversation whose assistant turns carry the loss.
+//! * DPO: prompt + `dpo.chosen_field` / `dpo.rejected_field`, each completion's summed log-prob
+//!   under the policy and the frozen reference.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow, bail};
+use candle_core::{D, DType, Tensor};
+use grpo_core::preference::{DpoInputs, dpo_loss, sft_loss};
+use grpo_data::{Prompt, Sample};
+
+use super::{
+    Callbacks, Learner, Loader, Metrics, RunOptions, Setup, Stage, TrainingResult, chat_messages,
+    completion_logps, encode_prompt, epochs_of, list_checkpoints, peak_rss_mib, truncate_metrics,
+};
+use crate::optim::{accumulate, clip_grad_norm};
+
+/// One tokenised row: the prompt, the completion(s) and, per completion token, whether it
+/// carries the loss.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// The row's index in the dataset (for the DPO reference cache).
+    pub index: u64,
+    /// Prompt ids.
+    pub prompt: Vec<u32>,
+    /// SFT: the completion; DPO: the chosen completion.
+    pub completion: Vec<u32>,
+    /// 1 where the loss applies (SFT: assistant tokens), one per completion token.
+    pub mask: Vec<u8>,
+    /// DPO: the rejected completion.
+    pub rejected: Vec<u32>,
+}
+
+/// Tokenises a batch of samples for the run's algorithm (with `sft.packing`, the rows are
+/// concatenated and cut into `sft.max_length`-token sequences).
+pub fn rows(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    samples: &[Sample],
+) -> Result<Vec<Row>> {
+    let rows = samples
+        .iter()
+        .map(|s| row(cfg, tok, s))
+        .collect::<Result<Vec<_>>>()?;
+    if cfg.algorithm != "sft" || !cfg.sft.packing {
+        return Ok(rows);
+    }
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    for r in &rows {
+        ids.extend_from_slice(&r.prompt);
+        mask.extend(std::iter::repeat_n(0u8, r.prompt.len()));
+        ids.extend_from_slice(&r.completion);
+        mask.extend_from_slice(&r.mask);
+    }
+    let len = cfg.sft.max_length;
+    Ok(ids
+        .chunks(len)
+        .zip(mask.chunks(len))
+        .filter(|(c, _)| c.len() >= 2)
+        .map(|(c, m)| Row {
+            index: rows.first().map_or(0, |r| r.index),
+            // The first token has no prediction: it is the "prompt" of the packed sequence.
+            prompt: c[..1].to_vec(),
+            completion: c[1..].to_vec(),
+            mask: m[1..].to_vec(),
+            rejected: Vec::new(),
+        })
+        .collect())
+}
+
+fn text_ids(tok: &grpo_rollout::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let mut ids = tok.encode(text, false)?;
+    if let Some(&eos) = tok.eos_token_ids.first() {
+        ids.push(eos);
+    }
+    Ok(ids)
+}
+
+fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
+    let at = || format!("row {}", s.index);
+    if cfg.algorithm == "dpo" {
+        let d = &cfg.dpo;
+        let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
+        let get = |f: &str| {
+            s.get_text(f)
+                .with_context(|| format!("row {}: column `{f}` is empty", s.index))
+        };
+        let mut chosen = text_ids(tok, &get(&d.chosen_field)?)?;
+        let mut rejected = text_ids(tok, &get(&d.rejected_field)?)?;
+        let room = d.max_length.saturating_sub(prompt.len()).max(1);
+        chosen.truncate(room);
+        rejected.truncate(room);
+        return Ok(Row {
+            index: s.index,
+            mask: vec![1; chosen.len()],
+            prompt,
+            completion: chosen,
+            rejected,
+        });
+    }
+    let max = cfg.sft.max_length;
+    let (prompt, completion, mask) = match s.get_text(&cfg.sft.completion_field) {
+        Some(c) => {
+            let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
+            let completion = text_ids(tok, &c)?;
+            let mask = vec![1; completion.len()];
+            (prompt, completion, mask)
+        }
+        None => assistant_turns(tok, &s.prompt).with_context(|| {
+            format!(
+                "row {}: no `{}` column and no conversation with assistant turns",
+                s.index, cfg.sft.completion_field
+            )
+        })?,
+    };
+    let mut completion = completion;
+    let mut mask = mask;
+    let room = max.saturating_sub(prompt.len()).max(1);
+    completion.truncate(room);
+    mask.truncate(room);
+    Ok(Row {
+        index: s.index,
+        prompt,
+        completion,
+        mask,
+        rejected: Vec::new(),
+    })
+}
+
+/// A conversation as (prompt before the first assistant turn, the rest, assistant-token mask):
+/// each assistant turn's tokens are those between the conversation rendered up to it with the
+/// generation prompt and rendered through it.
+fn assistant_turns(
+    tok: &grpo_rollout::Tokenizer,
+    p: &Prompt,
+) -> Result<(Vec<u32>, Vec<u32>, Vec<u8>)> {
+    let Prompt::Conversation(msgs) = p else {
+        bail!("the prompt is plain text");
+    };
+    let turns: Vec<usize> = msgs
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.role == "assistant")
+        .map(|(i, _)| i)
+        .collect();
+    let (Some(&first), Some(&last)) = (turns.first(), turns.last()) else {
+        bail!("the conversation has no assistant turn");
+    };
+    let render = |upto: usize, generation_prompt: bool| -> Result<Vec<u32>> {
+        let text = tok.apply_chat_template(&chat_messages(&msgs[..upto]), generation_prompt)?;
+        Ok(tok.encode(&text, false)?)
+    };
+    let prompt = render(first, true)?;
+    let full = render(last + 1, false)?;
+    if !full.starts_with(&prompt) {
+        bail!("the chat template does not render the conversation as a prefix of itself");
+    }
+    let mut mask = vec![0u8; full.len() - prompt.len()];
+    for &k in &turns {
+        let start = render(k, true)?.len();
+        let end = render(k + 1, false)?.len();
+        for m in mask
+            .iter_mut()
+            .take(end.saturating_sub(prompt.len()))
+            .skip(start.saturating_sub(prompt.len()))
+        {
+            *m = 1;
+        }
+    }
+    Ok((prompt.clone(), full[prompt.len()..].to_vec(), mask))
+}
+
+/// `(B, c)` 0/1 mask of the completions' loss tokens, right-padded to `c`.
+fn mask_tensor(
+    masks: &[&[u8]],
+    c: usize,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let mut m = Vec::with_capacity(masks.len() * c);
+    for row in masks {
+        m.extend((0..c).map(|j| f32::from(row.get(j).copied().unwrap_or(0))));
+    }
+    Ok(Tensor::from_vec(m, (masks.len(), c), device)?.to_dtype(dtype)?)
+}
+
+impl Learner {
+    /// Summed log-prob of each completion's loss tokens, `(B,)`.
+    fn summed_logps(
+        &self,
+        model: &grpo_rollout::Transformer,
+        prompts: &[&[u32]],
+        completions: &[&[u32]],
+    ) -> Result<Tensor> {
+        let (lp, _, c) = completion_logps(
+            model,
+            self.tokenizer.pad_token_id,
+            prompts,
+            completions,
+            1.0,
+            false,
+        )?;
+        let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
+        let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
+        let mask = mask_tensor(&refs, c, lp.dtype(), lp.device())?;
+        Ok((lp * mask)?.sum(D::Minus1)?)
+    }
+
+    /// One SFT or DPO step over `rows`: the losses of the micro-batches, their gradients summed,
+    /// clipped, one AdamW update. `dpo_ref`: cached reference log-probs by row index.
+    pub fn supervised_step(
+        &mut self,
+        rows: &[Row],
+        dpo_ref: &mut HashMap<u64, (f64, f64)>,
+        train: bool,
+    ) -> Result<Metrics> {
+        let n = rows.len();
+        let micro = self.res.micro_batch.max(1);
+        let chunks: Vec<(usize, usize)> = (0..n)
+            .step_by(micro)
+            .map(|a| (a, (a + micro).min(n)))
+            .collect();
+        let dpo = self.cfg.algorithm == "dpo";
+        let total_tokens: f64 = rows
+            .iter()
+            .map(|r| r.mask.iter().map(|&m| f64::from(m)).sum::<f64>())
+            .sum();
+        let mut acc = HashMap::new();
+        let mut m = Metrics::new();
+        let mut add = |k: &str, v: f64, w: f64| *m.entry(k.to_string()).or_insert(0.0) += v * w;
+        for &(a, b) in &chunks {
+            let part = &rows[a..b];
+            let share = (b - a) as f64 / n as f64;
+            let loss = if dpo {
+                let prompts: Vec<&[u32]> = part
+                    .iter()
+                    .chain(part)
+                    .map(|r| r.prompt.as_slice())
+                    .collect();
+                let comps: Vec<&[u32]> = part
+                    .iter()
+                    .map(|r| r.completion.as_slice())
+                    .chain(part.iter().map(|r| r.rejected.as_slice()))
+                    .collect();
+                let model = if train {
+                    self.policy.model.clone()
+                } else {
+                    self.policy.model.detached()
+                };
+                let pol = self.summed_logps(&model, &prompts, &comps)?;
+                let k = b - a;
+                let missing = part.iter().any(|r| !dpo_ref.contains_key(&r.index));
+                let (rc, rr) = if missing || !self.cfg.dpo.precompute_ref_log_probs {
+                    let reference = self
+                        .reference
+                        .as_ref()
+                        .context("DPO needs the reference model")?;
+                    let r = self
+                        .summed_logps(reference, &prompts, &comps)?
+                        .detach()
+                        .to_dtype(DType::F64)?;
+                    let v: Vec<f64> = r.to_vec1()?;
+                    if self.cfg.dpo.precompute_ref_log_probs {
+                        for (i, row) in part.iter().enumerate() {
+                            dpo_ref.insert(row.index, (v[i], v[k + i]));
+                        }
+                    }
+                    (v[..k].to_vec(), v[k..].to_vec())
+                } else {
+                    part.iter().map(|r| dpo_ref[&r.index]).unzip()
+                };
+                let dt = pol.dtype();
+                let dev = pol.device().clone();
+                let rc = Tensor::from_vec(rc, k, &dev)?.to_dtype(dt)?;
+                let rr = Tensor::from_vec(rr, k, &dev)?.to_dtype(dt)?;
+                let out = dpo_loss(
+                    &DpoInputs {
+                        policy_chosen: &pol.narrow(0, 0, k)?,
+                        policy_rejected: &pol.narrow(0, k, k)?,
+                        reference_chosen: &rc,
+                        reference_rejected: &rr,
+                    },
+                    self.cfg.dpo.beta,
+                    self.cfg.dpo.label_smoothing,
+                )?;
+                add("rewards/chosen", out.rewards_chosen, share);
+                add("rewards/rejected", out.rewards_rejected, share);
+                add("rewards/accuracies", out.rewards_accuracies, share);
+                add("rewards/margins", out.rewards_margins, share);
+                add("logps/chosen", out.logps_chosen, share);
+                add("logps/rejected", out.logps_rejected, share);
+                (out.loss * share)?
+            } else {
+                let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
+                let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
+                let model = if train {
+                    self.policy.model.clone()
+                } else {
+                    self.policy.model.detached()
+                };
+                let (lp, _, c) = completion_logps(
+                    &model,
+                    self.tokenizer.pad_token_id,
+                    &prompts,
+                    &comps,
+                    1.0,
+                    false,
+                )?;
+                let masks: Vec<&[u8]> = part.iter().map(|r| r.mask.as_slice()).collect();
+                let mask = mask_tensor(&masks, c, lp.dtype(), lp.device())?;
+                sft_loss(&lp, &mask, Some(total_tokens))?
+            };
+            let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if !lv.is_finite() {
+                bail!("non-finite loss ({lv}) at step {}", self.state.step + 1);
+            }
+            add("loss", lv, 1.0);
+            if train {
+                let grads = loss.backward()?;
+                accumulate(&mut acc, self.opt.vars(), &grads)?;
+            }
+        }
+        if train {
+            let grad_norm = clip_grad_norm(&mut acc, self.cfg.optim.max_grad_norm)?;
+            if !grad_norm.is_finite() {
+                bail!("non-finite gradient norm at step {}", self.state.step + 1);
+            }
+            let lr = self.schedule.lr_at(self.state.optimizer_steps);
+            self.opt.step(&acc, lr)?;
+            self.state.optimizer_steps += 1;
+            m.insert("grad_norm".into(), grad_norm);
+            m.insert("learning_rate".into(), lr);
+            let tokens: usize = rows
+                .iter()
+                .map(|r| r.prompt.len() + r.completion.len() + r.rejected.len())
+                .sum();
+            self.state.num_tokens += tokens as u64;
+            m.insert("num_tokens".into(), self.state.num_tokens as f64);
+        }
+        Ok(m)
+    }
+}
+
+/// SFT and DPO runs: the data stream → tokenised rows → one learner step each, with the GRPO
+/// run's directory, logs, checkpoints, resume, progress, callbacks and evaluation.
+pub fn run(
+    setup: Setup,
+    opts: &RunOptions,
+    callbacks: &mut dyn Callbacks,
+) -> Result<TrainingResult> {
+    let run_dir = setup.cfg.output_dir.clone();
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;
+    std::fs::write(
+        run_dir.join("config.json"),
+        serde_json::to_vec_pretty(&setup.cfg.redacted_json())?,
+    )
+    .with_context(|| format!("{}: cannot write config.json", run_dir.display()))?;
+    let mut learner = Learner::new(&setup, &run_dir)?;
+    if let Some(which) = &opts.resume {
+        let dir = match which {
+            Some(d) => d.clone(),
+            None => list_checkpoints(&run_dir)
+                .pop()
+                .map(|(_, p)| p)
+                .with_context(|| {
+                    format!(
+                        "--resume: no complete checkpoint in {}",
+                        run_dir.join("checkpoints").display()
+                    )
+                })?,
+        };
+        learner.load_checkpoint(&dir)?;
+        truncate_metrics(&run_dir.join("metrics.jsonl"), learner.state.step)?;
+    }
+    learner.open_logs()?;
+    let start = learner.state.step;
+    let total = setup.total_steps;
+    let mut loader = Loader::new(&setup, start, learner.state.position)?;
+    let mut dpo_ref: HashMap<u64, (f64, f64)> = HashMap::new();
+    callbacks.on_train_begin(total);
+    let mut result = TrainingResult {
+        run_dir: run_dir.clone(),
+        ..Default::default()
+    };
+    let mut progress = crate::progress::Progress::new(opts.progress, start, total);
+    while let Some(batch) = loader.process().context(Stage::Data)? {
+        let t0 = Instant::now();
+        let rows = rows(&setup.cfg, &setup.tokenizer, &batch.samples).context(Stage::Data)?;
+        let mut m = learner
+            .supervised_step(&rows, &mut dpo_ref, true)
+            .context(Stage::Learner)?;
+        learner.state.step = batch.step + 1;
+        learner.state.position = Some(batch.position);
+        learner.state.epoch = epochs_of(learner.state.position);
+        let step = learner.state.step;
+        let dt = t0.elapsed().as_secs_f64();
+        m.insert("step".into(), step as f64);
+        m.insert("epoch".into(), learner.state.epoch);
+        m.insert("step_time".into(), dt);
+        m.insert("peak_rss_mib".into(), peak_rss_mib());
+        if step.is_multiple_of(setup.cfg.train.logging_steps) || step == total {
+            learner.log_metrics(&m)?;
+        }
+        progress.step(step, &m);
+        callbacks.on_step_end(step, &m);
+        if setup.cfg.train.eval_steps > 0
+            && step.is_multiple_of(setup.cfg.train.eval_steps)
+            && let Some(ev) = &setup.eval
+        {
+            let em = evaluate(&setup, &mut learner, ev, &mut dpo_ref)?;
+            learner.log_metrics(&em)?;
+            callbacks.on_evaluate(step, &em);
+        }
+        result.metrics.push(m);
+        let stop =
+            opts.stop.load(Ordering::SeqCst) || opts.stop_after.is_some_and(|k| step - start >= k);
+        let save_now =
+            setup.cfg.train.save_steps > 0 && step.is_multiple_of(setup.cfg.train.save_steps);
+        if save_now || step == total || stop {
+            result.best_checkpoint_path = Some(learner.save_checkpoint()?);
+        }
+        if stop {
+            result.interrupted = true;
+            break;
+        }
+    }
+    progress.finish();
+    result.total_steps = learner.state.step;
+    result.total_epochs = learner.state.epoch;
+    callbacks.on_train_end(&result);
+    Ok(result)
+}
+
+/// The loss (and, for SFT, the perplexity; for DPO the reward metrics) on the eval split,
+/// without updates: `eval/loss`, `eval/perplexity`, `eval/rewards/accuracies`, ...
+pub fn evaluate(
+    setup: &Setup,
+    learner: &mut Learner,
+    eval: &grpo_data::Dataset,
+    dpo_ref: &mut HashMap<u64, (f64, f64)>,
+) -> Result<Metrics> {
+    let sc = grpo_data::StreamConfig {
+        seed: setup.cfg.train.seed,
+        shuffle: false,
+        batch_size: setup.cfg.train.prompts_per_step,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    let mut stream = grpo_data::SampleStream::new(eval.clone(), sc).map_err(|e| anyhow!("{e}"))?;
+    let mut sums: Metrics = Metrics::new();
+    let mut batches = 0.0;
+    while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("{e}"))? {
+        let rows = rows(&setup.cfg, &setup.tokenizer, &samples)?;
+        let m = learner.supervised_step(&rows, dpo_ref, false)?;
+        for (k, v) in m {
+            *sums.entry(k).or_insert(0.0) += v;
+        }
+        batches += 1.0;
+    }
+    let mut out = Metrics::new();
+    for (k, v) in sums {
+        out.insert(format!("eval/{k}"), v / f64::max(batches, 1.0));
+    }
+    if setup.cfg.algorithm == "sft"
+        && let Some(l) = out.get("eval/loss").copied()
+    {
+        out.insert("eval/perplexity".into(), l.exp());
+    }
+    out.insert("step".into(), learner.state.step as f64);
+    Ok(out)
+}

@@ -1,0 +1,247 @@
+//! SFT and DPO on the shared learner: a tiny SFT run lowers the loss, a tiny DPO run raises the
+//! reward margin and accuracy, assistant-only masks of conversations, exact resume, the
+//! `sft` / `dpo` subcommands.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::Path;
+use std::process::Command;
+
+use grpo_cli::config;
+use grpo_cli::trainer::{self, RunOptions};
+use grpo_rollout::Arch;
+use grpo_rollout::init::{Preset, init_model_dir};
+
+fn write_data(root: &Path) {
+    let mut sft = String::new();
+    let mut dpo = String::new();
+    for i in 0..16 {
+        sft.push_str(&format!(
+            "{{\"prompt\": \"What is {i} + 1?\", \"completion\": \" {}\"}}\n",
+            i + 1
+        ));
+        dpo.push_str(&format!(
+            "{{\"prompt\": \"Question {i}:\", \"chosen\": \" yes, gladly\", \"rejected\": \" no\"}}\n"
+        ));
+    }
+    std::fs::write(root.join("sft.jsonl"), sft).unwrap();
+    std::fs::write(root.join("dpo.jsonl"), dpo).unwrap();
+    let chat = r#"{"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "goodbye now"}]}"#;
+    std::fs::write(root.join("chat.jsonl"), format!("{chat}\n{chat}\n")).unwrap();
+}
+
+fn config_text(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> String {
+    let data = if algorithm == "dpo" {
+        "dpo.jsonl"
+    } else {
+        "sft.jsonl"
+    };
+    format!(
+        r#"
+algorithm = "{algorithm}"
+output_dir = "{out}"
+[model]
+path = "{model}"
+[data]
+path = ["{data}"]
+[optim]
+learning_rate = 1e-2
+lr_scheduler_type = "constant"
+[train]
+max_steps = {steps}
+prompts_per_step = 4
+per_device_train_batch_size = 2
+save_steps = 2
+{extra}
+"#,
+        out = root.join(name).display(),
+        model = root.join("model").display(),
+        data = root.join(data).display(),
+    )
+}
+
+fn setup(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> trainer::Setup {
+    if !root.join("model").exists() {
+        init_model_dir(&root.join("model"), Preset::Tiny, Arch::Llama, 4).unwrap();
+        write_data(root);
+    }
+    let p = root.join(format!("{name}.toml"));
+    std::fs::write(&p, config_text(root, name, algorithm, steps, extra)).unwrap();
+    trainer::setup(config::load(&p, &[]).unwrap()).unwrap()
+}
+
+fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_cli::TrainingResult {
+    trainer::run(s, opts, &mut grpo_cli::NoCallbacks).unwrap()
+}
+
+fn mean(ms: &[grpo_cli::Metrics], k: &str) -> f64 {
+    ms.iter().map(|m| m[k]).sum::<f64>() / ms.len() as f64
+}
+
+#[test]
+fn a_tiny_sft_run_lowers_the_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(
+        setup(dir.path(), "sft", "sft", 24, ""),
+        &RunOptions::default(),
+    );
+    assert_eq!(r.total_steps, 24);
+    let (first, last) = (
+        mean(&r.metrics[..4], "loss"),
+        mean(&r.metrics[20..], "loss"),
+    );
+    assert!(last < 0.5 * first, "loss {first} -> {last}");
+    assert!(r.metrics.iter().all(|m| m["grad_norm"].is_finite()));
+    assert!(
+        r.best_checkpoint_path
+            .unwrap()
+            .join("model/model.safetensors")
+            .exists()
+    );
+}
+
+#[test]
+fn a_tiny_dpo_run_raises_the_margin_and_the_accuracy() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(
+        setup(
+            dir.path(),
+            "dpo",
+            "dpo",
+            16,
+            "[dpo]\nbeta = 0.5\nprecompute_ref_log_probs = true",
+        ),
+        &RunOptions::default(),
+    );
+    let m0 = &r.metrics[0];
+    // The first step's policy is the reference: every reward is 0.
+    assert!(m0["rewards/chosen"].abs() < 1e-5 && m0["rewards/margins"].abs() < 1e-5);
+    assert!((m0["loss"] - std::f64::consts::LN_2).abs() < 1e-5, "{m0:?}");
+    let last = r.metrics.last().unwrap();
+    assert!(last["rewards/margins"] > 1.0, "{last:?}");
+    assert_eq!(last["rewards/accuracies"], 1.0);
+    assert!(last["loss"] < 0.3, "{last:?}");
+    for k in ["rewards/rejected", "logps/chosen", "logps/rejected"] {
+        assert!(last[k].is_finite(), "{k}");
+    }
+}
+
+#[test]
+fn resume_is_exact_for_sft_and_dpo() {
+    let dir = tempfile::tempdir().unwrap();
+    for alg in ["sft", "dpo"] {
+        let straight = run(
+            setup(dir.path(), &format!("{alg}-all"), alg, 4, ""),
+            &RunOptions::default(),
+        );
+        let name = format!("{alg}-parts");
+        let first = run(
+            setup(dir.path(), &name, alg, 4, ""),
+            &RunOptions {
+                stop_after: Some(2),
+                ..Default::default()
+            },
+        );
+        assert!(first.interrupted);
+        let rest = run(
+            setup(dir.path(), &name, alg, 4, ""),
+            &RunOptions {
+                resume: Some(None),
+                ..Default::default()
+            },
+        );
+        let joined: Vec<f64> = first
+            .metrics
+            .iter()
+            .chain(&rest.metrics)
+            .map(|m| m["loss"])
+            .collect();
+        let all: Vec<f64> = straight.metrics.iter().map(|m| m["loss"]).collect();
+        assert_eq!(joined, all, "{alg}");
+    }
+}
+
+#[test]
+fn conversations_train_on_assistant_turns_only() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Qwen2, 4).unwrap();
+    write_data(dir.path());
+    let text = config_text(dir.path(), "chat", "sft", 2, "").replace("sft.jsonl", "chat.jsonl")
+        + "\n[sft]\nmax_length = 512\n";
+    let text = text.replace("[data]\n", "[data]\nprompt_field = \"messages\"\n");
+    let p = dir.path().join("chat.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let sc = grpo_data::StreamConfig {
+        shuffle: false,
+        batch_size: 2,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    let samples = grpo_data::SampleStream::new(s.train.clone(), sc)
+        .unwrap()
+        .next_batch()
+        .unwrap()
+        .unwrap();
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let r = &rows[0];
+    let kept: Vec<u32> = r
+        .completion
+        .iter()
+        .zip(&r.mask)
+        .filter(|(_, m)| **m == 1)
+        .map(|(t, _)| *t)
+        .collect();
+    let dropped: Vec<u32> = r
+        .completion
+        .iter()
+        .zip(&r.mask)
+        .filter(|(_, m)| **m == 0)
+        .map(|(t, _)| *t)
+        .collect();
+    let kept = s.tokenizer.decode(&kept, false).unwrap();
+    let dropped = s.tokenizer.decode(&dropped, false).unwrap();
+    assert!(
+        kept.contains("hello friend") && kept.contains("goodbye now"),
+        "{kept:?}"
+    );
+    assert!(
+        !kept.contains("and then?") && !kept.contains("hi there"),
+        "{kept:?}"
+    );
+    assert!(dropped.contains("and then?"), "{dropped:?}");
+    let prompt = s.tokenizer.decode(&r.prompt, false).unwrap();
+    assert!(
+        prompt.contains("hi there") && !prompt.contains("hello friend"),
+        "{prompt:?}"
+    );
+    // And it trains.
+    let res = run(s, &RunOptions::default());
+    assert!(res.metrics.iter().all(|m| m["loss"].is_finite()));
+}
+
+#[test]
+fn sft_and_dpo_subcommands() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Llama, 4).unwrap();
+    write_data(dir.path());
+    for alg in ["sft", "dpo"] {
+        // The config says grpo; the subcommand decides.
+        let text =
+            config_text(dir.path(), alg, alg, 2, "").replace(&format!("algorithm = \"{alg}\""), "");
+        let p = dir.path().join(format!("{alg}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+            .args([alg, "--config", p.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{alg}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("trained 2 steps; loss"), "{stdout}");
+        let metrics = std::fs::read_to_string(dir.path().join(alg).join("metrics.jsonl")).unwrap();
+        assert_eq!(metrics.lines().count(), 2);
+    }
+}
