@@ -5,8 +5,9 @@
 //!   unknown keys refused with the closest valid key.
 //! - [`trainer`]: the stages (loader → generator → scorer → learner) over bounded channels,
 //!   checkpoints with exact resume, `metrics.jsonl` and `completions.jsonl`.
-//! - [`GrpoTrainer`]: `from_config(...)` / `from_pretrained(path, ...)` then
-//!   `fit() -> TrainingResult`, with [`trainer::Callbacks`].
+//! - [`Trainer`] ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`]): `from_config(...)` /
+//!   `from_pretrained(path, ...)` then `fit() -> TrainingResult`, with [`trainer::Callbacks`];
+//!   [`create_trainer`] by name, [`list_algorithms`].
 //! - [`optim`]: AdamW with saveable state, gradient clipping, LR schedules.
 //!
 //! ```no_run
@@ -17,6 +18,8 @@
 //! cfg.rewards = serde_json::from_value(serde_json::json!([{"type": "accuracy"}])).unwrap();
 //! cfg.train.max_steps = Some(10);
 //! let result = GrpoTrainer::from_pretrained("models/tiny", cfg).unwrap().fit().unwrap();
+//! // SFT and DPO the same way: SftTrainer::from_pretrained(..), DpoTrainer::from_pretrained(..),
+//! // or grpo_cli::create_trainer("sft", "models/tiny", cfg).
 //! println!("{} steps, last reward {:?}", result.total_steps, result.metrics.last().map(|m| m["reward"]));
 //! ```
 #![deny(missing_docs)]
@@ -35,36 +38,112 @@ use anyhow::Result;
 
 pub use trainer::{Callbacks, Metrics, NoCallbacks, RunMode, RunOptions, TrainingResult};
 
-/// A GRPO run: a validated setup plus run options.
-pub struct GrpoTrainer {
-    setup: trainer::Setup,
+/// The objective a [`Trainer`] optimises (a marker type: [`Grpo`], [`Sft`], [`Dpo`]).
+pub trait Algorithm {
+    /// The config's `algorithm` value.
+    const NAME: &'static str;
+}
+
+/// GRPO (rewards, advantages, clipped policy loss).
+#[derive(Debug, Clone, Copy)]
+pub struct Grpo;
+/// Supervised fine-tuning (`[sft]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Sft;
+/// Direct preference optimisation (`[dpo]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Dpo;
+
+impl Algorithm for Grpo {
+    const NAME: &'static str = "grpo";
+}
+impl Algorithm for Sft {
+    const NAME: &'static str = "sft";
+}
+impl Algorithm for Dpo {
+    const NAME: &'static str = "dpo";
+}
+
+/// The algorithm chosen at run time by name ([`create_trainer`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ByName;
+
+/// A trainer whose algorithm was chosen by name.
+pub type AnyTrainer = Trainer<ByName>;
+/// A GRPO trainer.
+pub type GrpoTrainer = Trainer<Grpo>;
+/// An SFT trainer.
+pub type SftTrainer = Trainer<Sft>;
+/// A DPO trainer.
+pub type DpoTrainer = Trainer<Dpo>;
+
+/// The algorithms [`create_trainer`] knows, sorted.
+pub fn list_algorithms() -> Vec<&'static str> {
+    vec![Dpo::NAME, Grpo::NAME, Sft::NAME]
+}
+
+/// A trainer of any algorithm, by name (`"grpo"`, `"sft"`, `"dpo"`): `cfg.algorithm` is set to
+/// it and the model loaded from `path`.
+pub fn create_trainer(
+    algorithm: &str,
+    path: impl AsRef<Path>,
+    mut cfg: config::TrainConfig,
+) -> Result<AnyTrainer> {
+    if !list_algorithms().contains(&algorithm) {
+        anyhow::bail!(
+            "unknown algorithm `{algorithm}`; expected one of {}",
+            list_algorithms().join(", ")
+        );
+    }
+    cfg.algorithm = algorithm.to_owned();
+    cfg.model.path = path.as_ref().to_path_buf();
+    Trainer::build(cfg)
+}
+
+/// A run: a validated setup (model, data, rewards or preference pairs) plus run options,
+/// trained by [`Trainer::fit`]. One builder and one learner for the three algorithms.
+pub struct Trainer<A = Grpo> {
+    setup: Option<trainer::Setup>,
     /// Resume, threading and stop options.
     pub options: RunOptions,
     callbacks: Box<dyn Callbacks>,
+    step: usize,
+    algorithm: std::marker::PhantomData<A>,
 }
 
-impl std::fmt::Debug for GrpoTrainer {
+impl<A> std::fmt::Debug for Trainer<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GrpoTrainer")
+        f.debug_struct("Trainer")
             .field("setup", &self.setup)
+            .field("step", &self.step)
             .finish_non_exhaustive()
     }
 }
 
-impl GrpoTrainer {
-    /// Loads the model, data and rewards of `cfg` and checks them.
-    pub fn from_config(cfg: config::TrainConfig) -> Result<Self> {
-        Ok(Self {
-            setup: trainer::setup(cfg)?,
-            options: RunOptions::default(),
-            callbacks: Box::new(NoCallbacks),
-        })
+impl<A: Algorithm> Trainer<A> {
+    /// Loads the model and data of `cfg` (with `algorithm` set to this trainer's) and checks
+    /// them.
+    pub fn from_config(mut cfg: config::TrainConfig) -> Result<Self> {
+        cfg.algorithm = A::NAME.to_owned();
+        Self::build(cfg)
     }
 
-    /// `cfg` with `model.path = path`.
+    /// `cfg` with `model.path = path` (NeMo RL's `from_pretrained(...)`).
     pub fn from_pretrained(path: impl AsRef<Path>, mut cfg: config::TrainConfig) -> Result<Self> {
         cfg.model.path = path.as_ref().to_path_buf();
         Self::from_config(cfg)
+    }
+}
+
+impl<A> Trainer<A> {
+    fn build(cfg: config::TrainConfig) -> Result<Self> {
+        Ok(Self {
+            setup: Some(trainer::setup(cfg)?),
+            options: RunOptions::default(),
+            callbacks: Box::new(NoCallbacks),
+            step: 0,
+            algorithm: std::marker::PhantomData,
+        })
     }
 
     /// Sets the callbacks.
@@ -73,13 +152,41 @@ impl GrpoTrainer {
         self
     }
 
-    /// Generation batches the run will take.
+    /// Steps the run will take.
     pub fn total_steps(&self) -> usize {
-        self.setup.total_steps
+        self.setup.as_ref().map_or(self.step, |s| s.total_steps)
     }
 
-    /// Trains to the end (or to a stop request) and returns the metrics.
-    pub fn fit(mut self) -> Result<TrainingResult> {
-        trainer::run(self.setup, &self.options, self.callbacks.as_mut())
+    /// Steps done: 0 before [`Self::fit`], the checkpoint's step after
+    /// [`Self::load_checkpoint`], the last step after `fit`.
+    pub fn current_step(&self) -> usize {
+        self.step
+    }
+
+    /// Continues from a checkpoint directory (`checkpoints/step-N`) when [`Self::fit`] runs:
+    /// weights, optimizer, schedule, data position and step, exactly.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let state = dir.join("trainer_state.json");
+        let text = std::fs::read_to_string(&state)
+            .map_err(|e| anyhow::anyhow!("{}: {e} (not a complete checkpoint)", state.display()))?;
+        let st: trainer::TrainerState =
+            serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", state.display()))?;
+        self.step = st.step;
+        self.options.resume = Some(Some(dir.to_path_buf()));
+        Ok(())
+    }
+
+    /// Trains to the end (or to a stop request) and returns the metrics; checkpoints go to the
+    /// run directory (`checkpoints/step-N`, see [`TrainingResult::best_checkpoint_path`]).
+    /// A trainer fits once.
+    pub fn fit(&mut self) -> Result<TrainingResult> {
+        let setup = self
+            .setup
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("this trainer has already been fitted"))?;
+        let r = trainer::run(setup, &self.options, self.callbacks.as_mut())?;
+        self.step = r.total_steps;
+        Ok(r)
     }
 }

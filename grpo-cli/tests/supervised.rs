@@ -245,3 +245,63 @@ fn sft_and_dpo_subcommands() {
         assert_eq!(metrics.lines().count(), 2);
     }
 }
+
+#[test]
+fn the_library_api_builds_fits_and_resumes_any_algorithm() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = setup(dir.path(), "api-seed", "sft", 4, "");
+    let cfg = s.cfg.clone();
+    drop(s);
+    assert_eq!(grpo_cli::list_algorithms(), vec!["dpo", "grpo", "sft"]);
+    assert!(
+        grpo_cli::create_trainer("ppo", dir.path().join("model"), cfg.clone())
+            .unwrap_err()
+            .to_string()
+            .contains("expected one of dpo, grpo, sft")
+    );
+    let mut c = cfg.clone();
+    c.output_dir = dir.path().join("api-all");
+    let mut t = grpo_cli::create_trainer("sft", dir.path().join("model"), c).unwrap();
+    assert_eq!((t.current_step(), t.total_steps()), (0, 4));
+    let all = t.fit().unwrap();
+    assert_eq!(t.current_step(), 4);
+    assert!(
+        t.fit()
+            .unwrap_err()
+            .to_string()
+            .contains("already been fitted")
+    );
+
+    // The typed trainers: DPO sets its algorithm whatever the config says.
+    let mut c = cfg.clone();
+    c.algorithm = "grpo".into();
+    c.data.path = vec![dir.path().join("dpo.jsonl").display().to_string()];
+    c.output_dir = dir.path().join("api-dpo");
+    c.train.max_steps = Some(1);
+    let r = grpo_cli::DpoTrainer::from_pretrained(dir.path().join("model"), c)
+        .unwrap()
+        .fit()
+        .unwrap();
+    assert!(r.metrics[0].contains_key("rewards/margins"));
+
+    // load_checkpoint: continue an SFT run from step 2, exactly.
+    let mut c = cfg.clone();
+    c.output_dir = dir.path().join("api-all");
+    let mut t = grpo_cli::SftTrainer::from_config(c).unwrap();
+    let ck = dir.path().join("api-all/checkpoints/step-2");
+    t.load_checkpoint(&ck).unwrap();
+    assert_eq!(t.current_step(), 2);
+    let rest = t.fit().unwrap();
+    let a: Vec<f64> = all.metrics[2..].iter().map(|m| m["loss"]).collect();
+    let b: Vec<f64> = rest.metrics.iter().map(|m| m["loss"]).collect();
+    assert_eq!(a, b);
+    let bad = grpo_cli::SftTrainer::from_config(cfg)
+        .unwrap()
+        .load_checkpoint(dir.path().join("nowhere"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        bad.contains("trainer_state.json") && bad.contains("not a complete checkpoint"),
+        "{bad}"
+    );
+}
