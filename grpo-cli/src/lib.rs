@@ -177,6 +177,37 @@ impl<A> Trainer<A> {
         Ok(())
     }
 
+    /// [`Self::fit`] on `train` (and `eval`) instead of the config's files (NeMo RL's
+    /// `fit(dataset)`); without `train.max_steps` the steps follow the new dataset's size.
+    pub fn fit_on(
+        &mut self,
+        train: grpo_data::Dataset,
+        eval: Option<grpo_data::Dataset>,
+    ) -> Result<TrainingResult> {
+        let s = self
+            .setup
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("this trainer has already been fitted"))?;
+        if train.is_empty() {
+            anyhow::bail!("fit_on: the training dataset has no rows");
+        }
+        if s.cfg.algorithm == "dpo" {
+            for col in [&s.cfg.dpo.chosen_field, &s.cfg.dpo.rejected_field] {
+                train
+                    .require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")
+                    .map_err(|e| anyhow::anyhow!("fit_on: {e}"))?;
+            }
+        }
+        let t = &s.cfg.train;
+        if t.max_steps.is_none() {
+            let per_epoch = train.len() as f64 / t.prompts_per_step as f64;
+            s.total_steps = ((per_epoch * t.num_train_epochs).ceil() as usize).max(1);
+        }
+        s.train = train;
+        s.eval = eval;
+        self.fit()
+    }
+
     /// Trains to the end (or to a stop request) and returns the metrics; checkpoints go to the
     /// run directory (`checkpoints/step-N`, see [`TrainingResult::best_checkpoint_path`]).
     /// A trainer fits once.

@@ -7,13 +7,33 @@ use anyhow::{Context, Result, bail};
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-/// The panels: (metric key, title).
+/// The panels of a GRPO run: (metric key, title).
 pub const PANELS: [(&str, &str); 6] = [
     ("reward", "reward"),
     ("reward_std", "reward_std"),
     ("kl", "kl"),
     ("loss", "loss"),
     ("completions/mean_length", "completion length"),
+    ("step_time", "step time (s)"),
+];
+
+/// The panels of a DPO run.
+pub const DPO_PANELS: [(&str, &str); 6] = [
+    ("loss", "loss"),
+    ("rewards/margins", "rewards/margins"),
+    ("rewards/accuracies", "rewards/accuracies"),
+    ("rewards/chosen", "rewards/chosen"),
+    ("rewards/rejected", "rewards/rejected"),
+    ("step_time", "step time (s)"),
+];
+
+/// The panels of an SFT run.
+pub const SFT_PANELS: [(&str, &str); 6] = [
+    ("loss", "loss"),
+    ("eval/loss", "eval/loss"),
+    ("grad_norm", "grad_norm"),
+    ("learning_rate", "learning_rate"),
+    ("num_tokens", "tokens"),
     ("step_time", "step time (s)"),
 ];
 
@@ -40,12 +60,18 @@ pub fn plot_run(run_dir: &Path) -> Result<PathBuf> {
             metrics.display()
         )
     })?;
-    if series(&text, "reward").is_empty() {
+    let panels = if !series(&text, "reward").is_empty() {
+        PANELS
+    } else if !series(&text, "rewards/margins").is_empty() {
+        DPO_PANELS
+    } else if !series(&text, "loss").is_empty() {
+        SFT_PANELS
+    } else {
         bail!(
-            "{}: no step with a `reward` metric to plot",
+            "{}: no step with a `reward` or `loss` metric to plot",
             metrics.display()
         );
-    }
+    };
     // Registering twice is harmless; a bad font would be a build defect.
     let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
     let out = run_dir.join("curves.png");
@@ -53,7 +79,7 @@ pub fn plot_run(run_dir: &Path) -> Result<PathBuf> {
         let root = BitMapBackend::new(&out, (1500, 800)).into_drawing_area();
         root.fill(&WHITE)?;
         let areas = root.split_evenly((2, 3));
-        for (area, (key, title)) in areas.iter().zip(PANELS) {
+        for (area, (key, title)) in areas.iter().zip(panels) {
             let pts = series(&text, key);
             if pts.is_empty() {
                 area.titled(&format!("{title}: not logged"), ("sans-serif", 18))?;

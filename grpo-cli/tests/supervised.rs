@@ -243,6 +243,19 @@ fn sft_and_dpo_subcommands() {
         assert!(stdout.contains("trained 2 steps; loss"), "{stdout}");
         let metrics = std::fs::read_to_string(dir.path().join(alg).join("metrics.jsonl")).unwrap();
         assert_eq!(metrics.lines().count(), 2);
+        // The same curves as GRPO runs, with the algorithm's metrics.
+        let run_dir = dir.path().join(alg);
+        let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+            .args(["plot", run_dir.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let png = std::fs::read(run_dir.join("curves.png")).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     }
 }
 
@@ -284,6 +297,24 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         .unwrap();
     assert!(r.metrics[0].contains_key("rewards/margins"));
 
+    // fit_on: another dataset than the config's (4 rows), steps from its size (16 rows / 4).
+    let mut c = cfg.clone();
+    c.output_dir = dir.path().join("api-fit-on");
+    c.train.max_steps = None;
+    c.data.path = vec![dir.path().join("dpo.jsonl").display().to_string()];
+    c.data.max_samples = Some(4);
+    let data = grpo_data::DataConfig {
+        path: vec![dir.path().join("dpo.jsonl").display().to_string()],
+        ..Default::default()
+    }
+    .open(0)
+    .unwrap();
+    let mut t = grpo_cli::DpoTrainer::from_pretrained(dir.path().join("model"), c).unwrap();
+    assert_eq!(t.total_steps(), 1);
+    let r = t.fit_on(data.train, None).unwrap();
+    assert_eq!(r.total_steps, 4);
+    assert!(r.metrics[3]["rewards/accuracies"].is_finite());
+
     // load_checkpoint: continue an SFT run from step 2, exactly.
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
@@ -304,4 +335,81 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         bad.contains("trainer_state.json") && bad.contains("not a complete checkpoint"),
         "{bad}"
     );
+}
+
+#[test]
+fn sft_eval_split_and_packing() {
+    let dir = tempfile::tempdir().unwrap();
+    // Eval loss and perplexity every 2 steps on a held-out quarter of the rows.
+    drop(setup(dir.path(), "first", "sft", 1, ""));
+    let text = config_text(dir.path(), "eval", "sft", 4, "eval_steps = 2")
+        .replace("[data]\n", "[data]\neval_fraction = 0.25\n");
+    let p = dir.path().join("eval.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    run(s, &RunOptions::default());
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(dir.path().join("eval/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let evals: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l.get("eval/loss").is_some())
+        .collect();
+    assert_eq!(evals.len(), 2);
+    for e in &evals {
+        let (l, ppl) = (
+            e["eval/loss"].as_f64().unwrap(),
+            e["eval/perplexity"].as_f64().unwrap(),
+        );
+        assert!(l > 0.0 && (ppl - l.exp()).abs() < 1e-9 * ppl, "{e}");
+    }
+    // The model learns, so the held-out loss falls too.
+    assert!(evals[1]["eval/loss"].as_f64() < evals[0]["eval/loss"].as_f64());
+
+    // Packing: rows concatenated and cut into max_length sequences, the loss still only on
+    // completion tokens.
+    let text = config_text(dir.path(), "packed", "sft", 2, "")
+        + "[sft]\npacking = true\nmax_length = 16\n";
+    let p = dir.path().join("packed.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let sc = grpo_data::StreamConfig {
+        shuffle: false,
+        batch_size: 4,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    let samples = grpo_data::SampleStream::new(s.train.clone(), sc)
+        .unwrap()
+        .next_batch()
+        .unwrap()
+        .unwrap();
+    let mut unpacked_cfg = s.cfg.clone();
+    unpacked_cfg.sft.packing = false;
+    let plain = trainer::supervised::rows(&unpacked_cfg, &s.tokenizer, &samples).unwrap();
+    let packed = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let total: usize = plain
+        .iter()
+        .map(|r| r.prompt.len() + r.completion.len())
+        .sum();
+    assert_eq!(packed.len(), total.div_ceil(16));
+    assert!(
+        packed
+            .iter()
+            .all(|r| r.prompt.len() + r.completion.len() <= 16)
+    );
+    let loss_tokens = |rows: &[trainer::supervised::Row]| -> usize {
+        rows.iter()
+            .map(|r| r.mask.iter().filter(|&&m| m == 1).count())
+            .sum()
+    };
+    // Every completion token keeps its loss, except one that lands first in a packed
+    // sequence (the first token of a sequence has no prediction).
+    let lost = loss_tokens(&plain) - loss_tokens(&packed);
+    assert!(lost < packed.len(), "{lost}");
+    let r = run(s, &RunOptions::default());
+    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
 }
