@@ -89,12 +89,8 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
     if cfg.algorithm == "dpo" {
         let d = &cfg.dpo;
         let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
-        let get = |f: &str| {
-            s.get_text(f)
-                .with_context(|| format!("row {}: column `{f}` is empty", s.index))
-        };
-        let mut chosen = text_ids(tok, &get(&d.chosen_field)?)?;
-        let mut rejected = text_ids(tok, &get(&d.rejected_field)?)?;
+        let mut chosen = completion_ids(tok, s, &d.chosen_field)?;
+        let mut rejected = completion_ids(tok, s, &d.rejected_field)?;
         let room = d.max_length.saturating_sub(prompt.len()).max(1);
         chosen.truncate(room);
         rejected.truncate(room);
@@ -107,14 +103,17 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         });
     }
     let max = cfg.sft.max_length;
-    let (prompt, completion, mask) = match s.get_text(&cfg.sft.completion_field) {
-        Some(c) => {
+    let has_completion = s
+        .get(&cfg.sft.completion_field)
+        .is_some_and(|v| !v.is_null());
+    let (prompt, completion, mask) = match has_completion {
+        true => {
             let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
-            let completion = text_ids(tok, &c)?;
+            let completion = completion_ids(tok, s, &cfg.sft.completion_field)?;
             let mask = vec![1; completion.len()];
             (prompt, completion, mask)
         }
-        None => assistant_turns(tok, &s.prompt).with_context(|| {
+        false => assistant_turns(tok, &s.prompt).with_context(|| {
             format!(
                 "row {}: no `{}` column and no conversation with assistant turns",
                 s.index, cfg.sft.completion_field
@@ -133,6 +132,38 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         mask,
         rejected: Vec::new(),
     })
+}
+
+/// The token ids of a completion column: a string (EOS appended), or a conversation's
+/// continuation (e.g. `[{"role": "assistant", ...}]`) rendered after the conversational prompt
+/// with the chat template — the tokens the template adds after the prompt's generation prompt.
+fn completion_ids(tok: &grpo_rollout::Tokenizer, s: &Sample, field: &str) -> Result<Vec<u32>> {
+    match s.get(field) {
+        Some(grpo_data::Value::Messages(turns)) => {
+            let Prompt::Conversation(p) = &s.prompt else {
+                bail!(
+                    "row {}: `{field}` is a conversation but the prompt is plain text",
+                    s.index
+                );
+            };
+            let prefix = tok.encode(&tok.apply_chat_template(&chat_messages(p), true)?, false)?;
+            let mut all = p.clone();
+            all.extend(turns.iter().cloned());
+            let full = tok.encode(
+                &tok.apply_chat_template(&chat_messages(&all), false)?,
+                false,
+            )?;
+            if !full.starts_with(&prefix) || full.len() == prefix.len() {
+                bail!(
+                    "row {}: the chat template does not render `{field}` as a continuation of the prompt",
+                    s.index
+                );
+            }
+            Ok(full[prefix.len()..].to_vec())
+        }
+        Some(v) if !v.is_null() => text_ids(tok, &v.as_text().unwrap_or_default()),
+        _ => bail!("row {}: column `{field}` is empty", s.index),
+    }
 }
 
 /// A conversation as (prompt before the first assistant turn, the rest, assistant-token mask):

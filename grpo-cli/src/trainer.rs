@@ -987,6 +987,11 @@ fn to_field(v: &grpo_data::Value) -> FieldValue {
         grpo_data::Value::Float(f) => FieldValue::Float(*f),
         grpo_data::Value::Str(s) => FieldValue::Str(s.clone()),
         grpo_data::Value::StrList(l) => FieldValue::StrList(l.clone()),
+        grpo_data::Value::Messages(m) => FieldValue::StrList(
+            m.iter()
+                .map(|m| format!("{}: {}", m.role, m.content))
+                .collect(),
+        ),
     }
 }
 

@@ -413,3 +413,52 @@ fn sft_eval_split_and_packing() {
     let r = run(s, &RunOptions::default());
     assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
 }
+
+#[test]
+fn dpo_on_conversations() {
+    let dir = tempfile::tempdir().unwrap();
+    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Qwen2, 4).unwrap();
+    write_data(dir.path());
+    let mut rows = String::new();
+    for i in 0..8 {
+        rows.push_str(&format!(
+            r#"{{"prompt": [{{"role": "user", "content": "Question {i}?"}}], "chosen": [{{"role": "assistant", "content": "yes, gladly"}}], "rejected": [{{"role": "assistant", "content": "no"}}]}}"#
+        ));
+        rows.push('\n');
+    }
+    std::fs::write(dir.path().join("dpo.jsonl"), rows).unwrap();
+    let p = dir.path().join("conv.toml");
+    std::fs::write(
+        &p,
+        config_text(dir.path(), "conv", "dpo", 10, "") + "[dpo]\nbeta = 0.5\n",
+    )
+    .unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let sc = grpo_data::StreamConfig {
+        shuffle: false,
+        batch_size: 1,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    let sample = grpo_data::SampleStream::new(s.train.clone(), sc)
+        .unwrap()
+        .next_batch()
+        .unwrap()
+        .unwrap();
+    let row = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &sample).unwrap()[0];
+    // The prompt through the chat template with the generation prompt; each completion is the
+    // assistant turn the template renders after it.
+    let prompt = s.tokenizer.decode(&row.prompt, false).unwrap();
+    assert!(
+        prompt.contains("Question 0?") && prompt.ends_with("<|im_start|>assistant\n"),
+        "{prompt:?}"
+    );
+    let chosen = s.tokenizer.decode(&row.completion, false).unwrap();
+    let rejected = s.tokenizer.decode(&row.rejected, false).unwrap();
+    assert!(chosen.starts_with("yes, gladly<|im_end|>"), "{chosen:?}");
+    assert!(rejected.starts_with("no<|im_end|>"), "{rejected:?}");
+    let r = run(s, &RunOptions::default());
+    let last = r.metrics.last().unwrap();
+    assert_eq!(last["rewards/accuracies"], 1.0, "{last:?}");
+    assert!(last["rewards/margins"] > r.metrics[0]["rewards/margins"]);
+}

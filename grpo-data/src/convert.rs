@@ -104,6 +104,8 @@ enum Col {
     Float(Float64Array),
     Str(StringArray),
     StrList(GenericListArray<i32>),
+    /// A list of `{role, content}` structs: (list, role, content).
+    Messages(GenericListArray<i32>, StringArray, StringArray),
     Display(ArrayRef),
 }
 
@@ -124,6 +126,22 @@ impl Col {
             D::List(f) | D::LargeList(f) if is_string(f.data_type()) => {
                 let to = D::List(Arc::new(Field::new_list_field(D::Utf8, true)));
                 Col::StrList(cast(a, &to)?.as_list::<i32>().clone())
+            }
+            D::List(f) | D::LargeList(f) if is_message_struct(f.data_type()) => {
+                let to = D::List(Arc::new(Field::new_list_field(f.data_type().clone(), true)));
+                let list = cast(a, &to)?.as_list::<i32>().clone();
+                let values = list.values().as_struct().clone();
+                let text =
+                    |name: &str| -> std::result::Result<StringArray, arrow::error::ArrowError> {
+                        let col = values.column_by_name(name).ok_or_else(|| {
+                            arrow::error::ArrowError::SchemaError(format!(
+                                "no `{name}` in message struct"
+                            ))
+                        })?;
+                        Ok(cast(col, &D::Utf8)?.as_string::<i32>().clone())
+                    };
+                let (role, content) = (text("role")?, text("content")?);
+                Col::Messages(list, role, content)
             }
             _ => Col::Display(a.clone()),
         })
@@ -152,6 +170,26 @@ impl Col {
                             } else {
                                 String::new()
                             }
+                        })
+                        .collect(),
+                )
+            }
+            Col::Messages(list, role, content) if list.is_valid(i) => {
+                let offs = list.value_offsets();
+                let (s, e) = (offs[i] as usize, offs[i + 1] as usize);
+                Value::Messages(
+                    (s..e)
+                        .map(|j| Message {
+                            role: if role.is_valid(j) {
+                                role.value(j).to_string()
+                            } else {
+                                String::new()
+                            },
+                            content: if content.is_valid(j) {
+                                content.value(j).to_string()
+                            } else {
+                                String::new()
+                            },
                         })
                         .collect(),
                 )
@@ -336,6 +374,22 @@ fn json_type(v: &serde_json::Value) -> &'static str {
     }
 }
 
+/// `{"role": "...", "content": "..."}` (other keys allowed).
+fn is_message(v: &serde_json::Value) -> bool {
+    v.get("role").is_some_and(serde_json::Value::is_string)
+        && v.get("content").is_some_and(serde_json::Value::is_string)
+}
+
+/// A struct type with `role` and `content` fields (a chat message).
+fn is_message_struct(dt: &DataType) -> bool {
+    match dt {
+        DataType::Struct(fields) => ["role", "content"]
+            .iter()
+            .all(|n| fields.iter().any(|f| f.name() == n)),
+        _ => false,
+    }
+}
+
 fn json_value(v: serde_json::Value) -> Value {
     use serde_json::Value as J;
     match v {
@@ -347,6 +401,15 @@ fn json_value(v: serde_json::Value) -> Value {
             _ => Value::Str(n.to_string()),
         },
         J::String(s) => Value::Str(s),
+        J::Array(items) if !items.is_empty() && items.iter().all(is_message) => Value::Messages(
+            items
+                .into_iter()
+                .map(|i| Message {
+                    role: i["role"].as_str().unwrap_or_default().to_owned(),
+                    content: i["content"].as_str().unwrap_or_default().to_owned(),
+                })
+                .collect(),
+        ),
         J::Array(items) if items.iter().all(|i| i.is_string()) => Value::StrList(
             items
                 .into_iter()

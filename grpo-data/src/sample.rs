@@ -61,6 +61,9 @@ pub enum Value {
     Str(String),
     /// A list of strings.
     StrList(Vec<String>),
+    /// A conversation: a list of `{role, content}` (e.g. DPO's `chosen` / `rejected` in
+    /// conversational datasets).
+    Messages(Vec<Message>),
 }
 
 impl Value {
@@ -75,6 +78,12 @@ impl Value {
             Value::Float(x) => Some(x.to_string()),
             Value::Str(s) => Some(s.clone()),
             Value::StrList(l) => Some(l.join("\n")),
+            Value::Messages(m) => Some(
+                m.iter()
+                    .map(|m| m.content.as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            ),
         }
     }
 
@@ -98,6 +107,13 @@ impl fmt::Display for Value {
             Value::Null => write!(f, "null"),
             Value::Str(s) => write!(f, "{s:?}"),
             Value::StrList(l) => write!(f, "{l:?}"),
+            Value::Messages(m) => {
+                let turns: Vec<String> = m
+                    .iter()
+                    .map(|m| format!("{}: {:?}", m.role, m.content))
+                    .collect();
+                write!(f, "[{}]", turns.join(", "))
+            }
             other => write!(f, "{}", other.as_text().unwrap_or_default()),
         }
     }
