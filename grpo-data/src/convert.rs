@@ -105,7 +105,7 @@ enum Col {
     Str(StringArray),
     StrList(GenericListArray<i32>),
     /// A list of `{role, content}` structs: (list, role, content).
-    Messages(GenericListArray<i32>, StringArray, StringArray),
+    Messages(Box<(GenericListArray<i32>, StringArray, StringArray)>),
     Display(ArrayRef),
 }
 
@@ -141,7 +141,7 @@ impl Col {
                         Ok(cast(col, &D::Utf8)?.as_string::<i32>().clone())
                     };
                 let (role, content) = (text("role")?, text("content")?);
-                Col::Messages(list, role, content)
+                Col::Messages(Box::new((list, role, content)))
             }
             _ => Col::Display(a.clone()),
         })
@@ -174,7 +174,8 @@ impl Col {
                         .collect(),
                 )
             }
-            Col::Messages(list, role, content) if list.is_valid(i) => {
+            Col::Messages(m) if m.0.is_valid(i) => {
+                let (list, role, content) = &**m;
                 let offs = list.value_offsets();
                 let (s, e) = (offs[i] as usize, offs[i + 1] as usize);
                 Value::Messages(
