@@ -19,7 +19,7 @@ use grpo_data::{Prompt, Sample};
 
 use super::{
     Callbacks, Learner, Loader, Metrics, RunOptions, Setup, Stage, TrainingResult, chat_messages,
-    completion_logps, encode_prompt, epochs_of, list_checkpoints, peak_rss_mib, truncate_metrics,
+    completion_logps, encode_prompt, epochs_of, peak_rss_mib,
 };
 use crate::optim::{accumulate, clip_grad_norm};
 
@@ -387,32 +387,7 @@ pub fn run(
     opts: &RunOptions,
     callbacks: &mut dyn Callbacks,
 ) -> Result<TrainingResult> {
-    let run_dir = setup.cfg.output_dir.clone();
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;
-    std::fs::write(
-        run_dir.join("config.json"),
-        serde_json::to_vec_pretty(&setup.cfg.redacted_json())?,
-    )
-    .with_context(|| format!("{}: cannot write config.json", run_dir.display()))?;
-    let mut learner = Learner::new(&setup, &run_dir)?;
-    if let Some(which) = &opts.resume {
-        let dir = match which {
-            Some(d) => d.clone(),
-            None => list_checkpoints(&run_dir)
-                .pop()
-                .map(|(_, p)| p)
-                .with_context(|| {
-                    format!(
-                        "--resume: no complete checkpoint in {}",
-                        run_dir.join("checkpoints").display()
-                    )
-                })?,
-        };
-        learner.load_checkpoint(&dir)?;
-        truncate_metrics(&run_dir.join("metrics.jsonl"), learner.state.step)?;
-    }
-    learner.open_logs()?;
+    let (mut learner, run_dir) = super::open_run(&setup, opts)?;
     let start = learner.state.step;
     let total = setup.total_steps;
     let mut loader = Loader::new(&setup, start, learner.state.position)?;

@@ -1749,15 +1749,10 @@ pub fn peak_rss_mib() -> f64 {
 // ---------------------------------------------------------------------------------------------
 // The run.
 
-/// Trains per `setup`, writing the run directory; returns the logged metrics.
-pub fn run(
-    setup: Setup,
-    opts: &RunOptions,
-    callbacks: &mut dyn Callbacks,
-) -> Result<TrainingResult> {
-    if setup.cfg.algorithm != "grpo" {
-        return supervised::run(setup, opts, callbacks);
-    }
+/// Creates the run directory (with the resolved `config.json`), builds the learner and, with
+/// `--resume`, restores the checkpoint (dropping the metrics lines written after it, so the
+/// file reads like one uninterrupted run); opens the logs. Shared by GRPO, SFT and DPO.
+pub fn open_run(setup: &Setup, opts: &RunOptions) -> Result<(Learner, PathBuf)> {
     let run_dir = setup.cfg.output_dir.clone();
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;
@@ -1767,7 +1762,7 @@ pub fn run(
     )
     .with_context(|| format!("{}: cannot write config.json", run_dir.display()))?;
 
-    let mut learner = Learner::new(&setup, &run_dir)?;
+    let mut learner = Learner::new(setup, &run_dir)?;
     if let Some(which) = &opts.resume {
         let dir = match which {
             Some(d) => d.clone(),
@@ -1782,11 +1777,22 @@ pub fn run(
                 })?,
         };
         learner.load_checkpoint(&dir)?;
-        // Metrics of steps after the checkpoint (written before a crash) are dropped so the
-        // file reads like one uninterrupted run.
         truncate_metrics(&run_dir.join("metrics.jsonl"), learner.state.step)?;
     }
     learner.open_logs()?;
+    Ok((learner, run_dir))
+}
+
+/// Trains per `setup`, writing the run directory; returns the logged metrics.
+pub fn run(
+    setup: Setup,
+    opts: &RunOptions,
+    callbacks: &mut dyn Callbacks,
+) -> Result<TrainingResult> {
+    if setup.cfg.algorithm != "grpo" {
+        return supervised::run(setup, opts, callbacks);
+    }
+    let (mut learner, run_dir) = open_run(&setup, opts)?;
     let start = learner.state.step;
     let mut loader = Loader::new(&setup, start, learner.state.position)?;
     let first = learner.publish()?;

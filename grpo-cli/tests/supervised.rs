@@ -73,6 +73,21 @@ fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_cli::TrainingResult {
     trainer::run(s, opts, &mut grpo_cli::NoCallbacks).unwrap()
 }
 
+/// The first `n` rows of a dataset, in file order.
+fn first_rows(d: &grpo_data::Dataset, n: usize) -> Vec<grpo_data::Sample> {
+    let sc = grpo_data::StreamConfig {
+        shuffle: false,
+        batch_size: n,
+        epochs: Some(1),
+        ..Default::default()
+    };
+    grpo_data::SampleStream::new(d.clone(), sc)
+        .unwrap()
+        .next_batch()
+        .unwrap()
+        .unwrap()
+}
+
 fn mean(ms: &[grpo_cli::Metrics], k: &str) -> f64 {
     ms.iter().map(|m| m[k]).sum::<f64>() / ms.len() as f64
 }
@@ -171,17 +186,7 @@ fn conversations_train_on_assistant_turns_only() {
     let p = dir.path().join("chat.toml");
     std::fs::write(&p, text).unwrap();
     let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
-    let sc = grpo_data::StreamConfig {
-        shuffle: false,
-        batch_size: 2,
-        epochs: Some(1),
-        ..Default::default()
-    };
-    let samples = grpo_data::SampleStream::new(s.train.clone(), sc)
-        .unwrap()
-        .next_batch()
-        .unwrap()
-        .unwrap();
+    let samples = first_rows(&s.train, 2);
     let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
     let r = &rows[0];
     let kept: Vec<u32> = r
@@ -376,17 +381,7 @@ fn sft_eval_split_and_packing() {
     let p = dir.path().join("packed.toml");
     std::fs::write(&p, text).unwrap();
     let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
-    let sc = grpo_data::StreamConfig {
-        shuffle: false,
-        batch_size: 4,
-        epochs: Some(1),
-        ..Default::default()
-    };
-    let samples = grpo_data::SampleStream::new(s.train.clone(), sc)
-        .unwrap()
-        .next_batch()
-        .unwrap()
-        .unwrap();
+    let samples = first_rows(&s.train, 4);
     let mut unpacked_cfg = s.cfg.clone();
     unpacked_cfg.sft.packing = false;
     let plain = trainer::supervised::rows(&unpacked_cfg, &s.tokenizer, &samples).unwrap();
@@ -434,17 +429,7 @@ fn dpo_on_conversations() {
     )
     .unwrap();
     let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
-    let sc = grpo_data::StreamConfig {
-        shuffle: false,
-        batch_size: 1,
-        epochs: Some(1),
-        ..Default::default()
-    };
-    let sample = grpo_data::SampleStream::new(s.train.clone(), sc)
-        .unwrap()
-        .next_batch()
-        .unwrap()
-        .unwrap();
+    let sample = first_rows(&s.train, 1);
     let row = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &sample).unwrap()[0];
     // The prompt through the chat template with the generation prompt; each completion is the
     // assistant turn the template renders after it.
