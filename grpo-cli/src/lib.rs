@@ -108,6 +108,7 @@ pub struct Trainer<A = Grpo> {
     pub options: RunOptions,
     callbacks: Box<dyn Callbacks>,
     step: usize,
+    last_checkpoint: Option<std::path::PathBuf>,
     algorithm: std::marker::PhantomData<A>,
 }
 
@@ -142,6 +143,7 @@ impl<A> Trainer<A> {
             options: RunOptions::default(),
             callbacks: Box::new(NoCallbacks),
             step: 0,
+            last_checkpoint: None,
             algorithm: std::marker::PhantomData,
         })
     }
@@ -218,6 +220,35 @@ impl<A> Trainer<A> {
             .ok_or_else(|| anyhow::anyhow!("this trainer has already been fitted"))?;
         let r = trainer::run(setup, &self.options, self.callbacks.as_mut())?;
         self.step = r.total_steps;
+        self.last_checkpoint = r.best_checkpoint_path.clone();
         Ok(r)
     }
+
+    /// Writes the trainer's state after [`Self::fit`] (weights or adapter, optimizer, schedule
+    /// and data position: the checkpoint `fit` ended with) to `dir`, which
+    /// [`Self::load_checkpoint`] and `--resume DIR` read.
+    pub fn save_checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let src = self.last_checkpoint.as_ref().ok_or_else(|| {
+            anyhow::anyhow!("save_checkpoint: nothing to save before fit() has run")
+        })?;
+        copy_dir(src, dir.as_ref())
+    }
+}
+
+fn copy_dir(src: &Path, dst: &Path) -> Result<()> {
+    use anyhow::Context;
+    std::fs::create_dir_all(dst).with_context(|| format!("{}: cannot create", dst.display()))?;
+    for entry in
+        std::fs::read_dir(src).with_context(|| format!("{}: cannot read", src.display()))?
+    {
+        let entry = entry?;
+        let to = dst.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &to)?;
+        } else {
+            std::fs::copy(entry.path(), &to)
+                .with_context(|| format!("{}: cannot write", to.display()))?;
+        }
+    }
+    Ok(())
 }

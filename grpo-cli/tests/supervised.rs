@@ -281,8 +281,13 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     c.output_dir = dir.path().join("api-all");
     let mut t = grpo_cli::create_trainer("sft", dir.path().join("model"), c).unwrap();
     assert_eq!((t.current_step(), t.total_steps()), (0, 4));
+    assert!(t.save_checkpoint(dir.path().join("early")).is_err());
     let all = t.fit().unwrap();
     assert_eq!(t.current_step(), 4);
+    t.save_checkpoint(dir.path().join("saved")).unwrap();
+    let mut u = grpo_cli::SftTrainer::from_config(cfg.clone()).unwrap();
+    u.load_checkpoint(dir.path().join("saved")).unwrap();
+    assert_eq!(u.current_step(), 4);
     assert!(
         t.fit()
             .unwrap_err()
