@@ -358,6 +358,8 @@ pub struct Rollouts {
     pub seconds: f64,
     /// With `[teacher]`: each prompt's question and the student's diagnostic probe.
     pub teaching: Option<Vec<(String, DiagnosticResult)>>,
+    /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`).
+    pub sampled_by_other_model: bool,
 }
 
 /// The stage an error came from (attached as context to every stage error; `Display` is e.g.
@@ -553,6 +555,7 @@ impl Generator {
             version: self.version,
             seconds: t0.elapsed().as_secs_f64(),
             teaching,
+            sampled_by_other_model: self.frozen_teacher.is_some(),
         })
     }
 
@@ -1181,7 +1184,9 @@ impl Learner {
         // current policy and TRL's importance-sampling correction weighs each sample by its
         // ratio to the sampling log-probs recorded at generation.
         let staleness = self.state.step.saturating_sub(r.version);
-        let correct = self.cfg.pipeline.max_staleness > 0
+        // Samples of another model (the frozen teacher of `use_reference_teacher_model`) are
+        // off-policy whatever the staleness.
+        let correct = (self.cfg.pipeline.max_staleness > 0 || r.sampled_by_other_model)
             && self.cfg.loss.vllm_importance_sampling_correction;
         // Old-policy log-probs (num_iterations > 1 or off-policy correction) and reference
         // log-probs, no graph.

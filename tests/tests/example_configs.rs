@@ -335,7 +335,12 @@ fn use_reference_teacher_model_samples_from_the_frozen_teacher() {
         ]
     };
     // The frozen reference writes every teaching: the same as a policy that never moves.
-    train_teacher(dir.path(), "frozen", &sets("0.05", true));
+    let frozen_run = train_teacher(dir.path(), "frozen", &sets("0.05", true));
+    // The frozen teacher's samples are corrected as off-policy even with staleness 0: the ratio
+    // is 1 while the policy still equals the reference, and moves once the policy does.
+    let ratio = |m: &grpo_cli::Metrics| m["sampling/importance_sampling_ratio/mean"];
+    assert!((ratio(&frozen_run.metrics[0]) - 1.0).abs() < 1e-4);
+    assert!((ratio(&frozen_run.metrics[2]) - 1.0).abs() > 1e-4);
     train_teacher(dir.path(), "still", &sets("0.0", false));
     train_teacher(dir.path(), "moving", &sets("0.05", false));
     let (frozen, still, moving) = (text("frozen"), text("still"), text("moving"));
