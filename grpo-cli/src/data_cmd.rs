@@ -216,8 +216,7 @@ fn synth(a: SynthArgs) -> Result<()> {
         steps: a.steps,
     };
     let start = Instant::now();
-    let rows =
-        grpo_data::write_batches(&a.out, None, ArithmeticConfig::schema(), cfg.batches(8192)?)?;
+    let rows = cfg.write(&a.out)?;
     println!(
         "wrote {rows} arithmetic problems to {} in {:.2}s",
         a.out.display(),

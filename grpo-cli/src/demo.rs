@@ -160,13 +160,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
         steps: 1,
     };
     let data = out.join("arithmetic.parquet");
-    grpo_data::write_batches(
-        &data,
-        None,
-        ArithmeticConfig::schema(),
-        synth.batches(1024)?,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    synth.write(&data).map_err(|e| anyhow::anyhow!("{e}"))?;
     // Warm-up examples: another seeded draw of the same kind of problems. With one digit there
     // are only ~300 problems, so it overlaps GRPO's; the warm-up is short enough that the model
     // still gets most answers wrong (accuracy ~0.3 when GRPO starts).

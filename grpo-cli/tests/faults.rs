@@ -26,13 +26,7 @@ fn setup(root: &Path, name: &str, staleness: usize, data_ext: &str) -> Setup {
         digits: 1,
         steps: 1,
     };
-    grpo_data::write_batches(
-        &data,
-        None,
-        ArithmeticConfig::schema(),
-        synth.batches(16).unwrap(),
-    )
-    .unwrap();
+    synth.write(&data).unwrap();
     let text = format!(
         r#"
 output_dir = "{out}"

@@ -25,13 +25,7 @@ fn fixture() -> Fixture {
         digits: 1,
         steps: 1,
     };
-    grpo_data::write_batches(
-        &root.join("arith.jsonl"),
-        None,
-        ArithmeticConfig::schema(),
-        synth.batches(16).unwrap(),
-    )
-    .unwrap();
+    synth.write(&root.join("arith.jsonl")).unwrap();
     Fixture { _dir: dir, root }
 }
 

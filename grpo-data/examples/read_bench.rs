@@ -30,12 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             seed: 1,
             ..Default::default()
         };
-        grpo_data::write_batches(
-            std::path::Path::new(file),
-            None,
-            ArithmeticConfig::schema(),
-            cfg.batches(8192)?,
-        )?;
+        cfg.write(std::path::Path::new(file))?;
         println!(
             "wrote {n} rows to {file} in {:.2}s",
             t.elapsed().as_secs_f64()

@@ -26,7 +26,7 @@
 //! std::fs::create_dir_all(&dir).ok();
 //! let file = dir.join("math.jsonl");
 //! let synth = ArithmeticConfig { n: 10, seed: 1, ..Default::default() };
-//! grpo_data::write_batches(&file, None, ArithmeticConfig::schema(), synth.batches(4)?)?;
+//! synth.write(&file)?;
 //!
 //! let data = Dataset::open(&[file.to_string_lossy()], &Default::default())?;
 //! data.require_column("answer", "accuracy reward")?;

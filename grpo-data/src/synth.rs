@@ -113,6 +113,12 @@ impl ArithmeticConfig {
         ]))
     }
 
+    /// Writes the problems to `path` (Parquet, Arrow IPC, JSONL or CSV by its extension, as
+    /// [`crate::write_batches`]); returns the rows written.
+    pub fn write(&self, path: &std::path::Path) -> Result<u64> {
+        crate::write_batches(path, None, Self::schema(), self.batches(8192)?)
+    }
+
     /// The problems as record batches of up to `batch_rows` rows, made lazily (for writing a
     /// large file without holding it).
     pub fn batches(

@@ -113,13 +113,7 @@ fn main() {
         digits: 2,
         steps: 1,
     };
-    grpo_data::write_batches(
-        &root.join("arith.parquet"),
-        None,
-        ArithmeticConfig::schema(),
-        synth.batches(64).expect("synth"),
-    )
-    .expect("data");
+    synth.write(&root.join("arith.parquet")).expect("data");
     let server = LoopbackServer::start(ServerConfig::default()).expect("server");
     let url = server.base_url();
     let mut latency = arg(1, 0);

@@ -25,13 +25,7 @@ fn fixture(dir: &Path) -> (PathBuf, PathBuf) {
         digits: 1,
         steps: 1,
     };
-    grpo_data::write_batches(
-        &data,
-        None,
-        ArithmeticConfig::schema(),
-        synth.batches(16).unwrap(),
-    )
-    .unwrap();
+    synth.write(&data).unwrap();
     (model, data)
 }
 

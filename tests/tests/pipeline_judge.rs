@@ -44,13 +44,7 @@ fn setup(name: &str, r: &Run<'_>) -> Setup {
             digits: 1,
             steps: 1,
         };
-        grpo_data::write_batches(
-            &root.join("data.jsonl"),
-            None,
-            ArithmeticConfig::schema(),
-            synth.batches(16).unwrap(),
-        )
-        .unwrap();
+        synth.write(&root.join("data.jsonl")).unwrap();
     }
     let text = format!(
         r#"
