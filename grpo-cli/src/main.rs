@@ -32,6 +32,8 @@ enum Command {
     Logprobs(model_cmd::LogprobsArgs),
     /// Write a random-weight model directory (byte-level BPE tokenizer, ChatML template).
     InitModel(model_cmd::InitModelArgs),
+    /// Export a checkpoint as a Hugging Face model directory (LoRA adapters merged).
+    Export(model_cmd::ExportArgs),
     /// Benchmark generation and forward + backward of a model (JSON line).
     BenchModel(bench_cmd::BenchModelArgs),
     /// Print GRPO advantages for a batch of rewards (grouped contiguously).
@@ -97,6 +99,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::Generate(a)) => model_cmd::generate(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),
+        Some(Command::Export(a)) => model_cmd::export(a),
         Some(Command::BenchModel(a)) => bench_cmd::bench_model(a),
         Some(Command::Advantages {
             rewards,

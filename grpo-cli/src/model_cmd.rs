@@ -199,3 +199,77 @@ pub fn init_model(a: InitModelArgs) -> Result<()> {
     );
     Ok(())
 }
+
+/// `grpo-cli export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory (`RUN/checkpoints/step-N`): `model/` (full weights) or `adapter/`
+    /// (PEFT LoRA, merged into its base).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// `hf`: a Hugging Face model directory of the checkpoint's weights (an adapter merged in);
+    /// `merged`: the same, for LoRA checkpoints only.
+    #[arg(long, default_value = "hf")]
+    format: String,
+    /// Where to write the model directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Weight dtype of the export: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// The base model of a LoRA checkpoint (default: `model.path` of the checkpoint's config).
+    #[arg(long)]
+    base: Option<PathBuf>,
+}
+
+/// Writes a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files).
+pub fn export(a: ExportArgs) -> Result<()> {
+    let dtype = parse_dtype(&a.dtype)?;
+    match a.format.as_str() {
+        "hf" | "merged" => {}
+        "gguf" => bail!(
+            "--format gguf: not supported yet; export `hf` and convert it with llama.cpp's convert_hf_to_gguf.py"
+        ),
+        o => bail!("--format: unknown format `{o}`, expected hf or merged"),
+    }
+    let ck = &a.checkpoint;
+    let (model, tokenizer) = if ck.join("adapter").is_dir() {
+        let base = match &a.base {
+            Some(b) => b.clone(),
+            None => {
+                let cfg_path = ck.join("config.json");
+                let text = std::fs::read_to_string(&cfg_path).with_context(|| {
+                    format!("{}: cannot read (or pass --base)", cfg_path.display())
+                })?;
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("{}: invalid JSON", cfg_path.display()))?;
+                PathBuf::from(v["model"]["path"].as_str().with_context(|| {
+                    format!("{}: no `model.path` (pass --base)", cfg_path.display())
+                })?)
+            }
+        };
+        let mut m = grpo_rollout::load(&base, DType::F32, &Device::Cpu)
+            .with_context(|| format!("base model {}", base.display()))?;
+        grpo_rollout::lora::load_peft(&mut m.model, &ck.join("adapter"))
+            .with_context(|| format!("{}", ck.join("adapter").display()))?;
+        (grpo_rollout::lora::merge(&m.model)?, m.tokenizer)
+    } else if ck.join("model").is_dir() {
+        if a.format == "merged" {
+            bail!(
+                "--format merged: {} holds full weights, no LoRA adapter to merge (use --format hf)",
+                ck.display()
+            );
+        }
+        let m = grpo_rollout::load(&ck.join("model"), DType::F32, &Device::Cpu)
+            .with_context(|| format!("{}", ck.join("model").display()))?;
+        (m.model, m.tokenizer)
+    } else {
+        bail!(
+            "--checkpoint {}: no `model/` or `adapter/` directory (is it a checkpoint?)",
+            ck.display()
+        );
+    };
+    grpo_rollout::save_hf_dir(&model, &tokenizer, &a.out, dtype)?;
+    println!("wrote {}", a.out.display());
+    Ok(())
+}
