@@ -29,6 +29,14 @@ fn write_data(root: &Path) {
     std::fs::write(root.join("chat.jsonl"), format!("{chat}\n{chat}\n")).unwrap();
 }
 
+/// A temporary directory with a tiny `model` of `arch` and the test data files.
+fn fixture(arch: Arch) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    init_model_dir(&dir.path().join("model"), Preset::Tiny, arch, 4).unwrap();
+    write_data(dir.path());
+    dir
+}
+
 fn config_text(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> String {
     let data = if algorithm == "dpo" {
         "dpo.jsonl"
@@ -177,9 +185,7 @@ fn resume_is_exact_for_sft_and_dpo() {
 
 #[test]
 fn conversations_train_on_assistant_turns_only() {
-    let dir = tempfile::tempdir().unwrap();
-    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Qwen2, 4).unwrap();
-    write_data(dir.path());
+    let dir = fixture(Arch::Qwen2);
     let text = config_text(dir.path(), "chat", "sft", 2, "").replace("sft.jsonl", "chat.jsonl")
         + "\n[sft]\nmax_length = 512\n";
     let text = text.replace("[data]\n", "[data]\nprompt_field = \"messages\"\n");
@@ -226,9 +232,7 @@ fn conversations_train_on_assistant_turns_only() {
 
 #[test]
 fn sft_and_dpo_subcommands() {
-    let dir = tempfile::tempdir().unwrap();
-    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Llama, 4).unwrap();
-    write_data(dir.path());
+    let dir = fixture(Arch::Llama);
     for alg in ["sft", "dpo"] {
         // The config says grpo; the subcommand decides.
         let text =
@@ -416,9 +420,7 @@ fn sft_eval_split_and_packing() {
 
 #[test]
 fn dpo_on_conversations() {
-    let dir = tempfile::tempdir().unwrap();
-    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Qwen2, 4).unwrap();
-    write_data(dir.path());
+    let dir = fixture(Arch::Qwen2);
     let mut rows = String::new();
     for i in 0..8 {
         rows.push_str(&format!(
