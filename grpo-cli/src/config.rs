@@ -248,6 +248,7 @@ impl RolloutSection {
             stop_token_ids: Vec::new(),
             stop: self.stop.clone(),
             seed,
+            top_logprobs: 0,
         }
     }
 }

@@ -30,6 +30,7 @@ pub mod demo;
 pub mod optim;
 pub mod plot;
 pub mod progress;
+pub mod serve;
 pub mod trainer;
 
 use std::path::Path;

@@ -34,6 +34,8 @@ enum Command {
     InitModel(model_cmd::InitModelArgs),
     /// Export a checkpoint as a Hugging Face model directory (LoRA adapters merged).
     Export(model_cmd::ExportArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (completions, chat, LoRA adapters).
+    Serve(model_cmd::ServeArgs),
     /// Benchmark generation and forward + backward of a model (JSON line).
     BenchModel(bench_cmd::BenchModelArgs),
     /// Print GRPO advantages for a batch of rewards (grouped contiguously).
@@ -100,6 +102,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),
         Some(Command::Export(a)) => model_cmd::export(a),
+        Some(Command::Serve(a)) => model_cmd::serve(a),
         Some(Command::BenchModel(a)) => bench_cmd::bench_model(a),
         Some(Command::Advantages {
             rewards,

@@ -273,3 +273,69 @@ pub fn export(a: ExportArgs) -> Result<()> {
     println!("wrote {}", a.out.display());
     Ok(())
 }
+
+/// `grpo-cli serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A Hugging Face model directory or a .gguf file.
+    #[arg(long)]
+    model: PathBuf,
+    /// Weight dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// A PEFT LoRA adapter to serve next to the base, as `NAME=DIR` or `DIR` (named after the
+    /// directory); repeatable. More can be loaded at run time (`/v1/load_lora_adapter`).
+    #[arg(long)]
+    adapter: Vec<String>,
+    /// The base model's name in requests and in /v1/models (default: the model's file name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0 = any free port).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Requests waiting at most; more are answered 429 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Requests batched into one generation pass at most.
+    #[arg(long, default_value_t = 64)]
+    max_batch_requests: usize,
+    /// Prompt + completion tokens per sequence at most (default: max_position_embeddings).
+    #[arg(long)]
+    max_model_len: Option<usize>,
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    let mut o = grpo_cli::serve::ServeOptions::new(&a.model);
+    o.dtype = parse_dtype(&a.dtype)?;
+    if let Some(n) = a.served_model_name {
+        o.served_model_name = n;
+    }
+    for spec in &a.adapter {
+        let (name, dir) = match spec.split_once('=') {
+            Some((n, d)) if !n.is_empty() => (n.to_string(), PathBuf::from(d)),
+            _ => {
+                let d = PathBuf::from(spec);
+                let n = d
+                    .file_name()
+                    .map(|x| x.to_string_lossy().into_owned())
+                    .with_context(|| format!("--adapter {spec}: cannot name it (use NAME=DIR)"))?;
+                (n, d)
+            }
+        };
+        o.adapters.push((name, dir));
+    }
+    o.addr = format!("{}:{}", a.host, a.port)
+        .parse()
+        .with_context(|| format!("--host {} --port {}: not an address", a.host, a.port))?;
+    o.max_queue = a.max_queue;
+    o.max_batch_requests = a.max_batch_requests;
+    o.max_model_len = a.max_model_len;
+    let name = o.served_model_name.clone();
+    let server = grpo_cli::serve::start(o)?;
+    println!("serving `{name}` on {}", server.base_url());
+    server.wait();
+    Ok(())
+}

@@ -41,6 +41,9 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Seed of the per-row random streams.
     pub seed: u64,
+    /// Most likely alternatives recorded per sampled token (OpenAI's `logprobs` /
+    /// `top_logprobs`), each with `log_softmax(logits / temperature)`; 0 = none.
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -56,6 +59,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             seed: 0,
+            top_logprobs: 0,
         }
     }
 }
@@ -116,6 +120,23 @@ pub struct Completion {
     pub logprobs: Vec<f32>,
     /// Why it ended.
     pub finish_reason: FinishReason,
+    /// With `top_logprobs` = k > 0: per token, the k most likely `(token, log-prob)`, best first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+}
+
+/// One prompt of a [`generate_batch`] call: how many samples, and their random streams (sample
+/// `j` draws from ChaCha8 seeded with `seed`, stream `first_stream + j`).
+#[derive(Debug, Clone, Copy)]
+pub struct PromptRequest<'a> {
+    /// Prompt token ids (at least one).
+    pub ids: &'a [u32],
+    /// Samples of this prompt.
+    pub n: usize,
+    /// Seed of its samples' streams.
+    pub seed: u64,
+    /// Stream of its first sample.
+    pub first_stream: u64,
 }
 
 struct Row {
@@ -127,16 +148,20 @@ struct Row {
     seen: Vec<u32>,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
+    top: Vec<Vec<(u32, f32)>>,
 }
 
-/// Picks a token from one row of logits; returns `(token, recorded log-prob)`.
+/// Sampled token, its recorded log-prob and the top alternatives.
+type Pick = (u32, f32, Vec<(u32, f32)>);
+
+/// Picks a token from one row of logits; returns `(token, recorded log-prob, top alternatives)`.
 fn sample_row(
     logits: &[f32],
     p: &SamplingParams,
     seen: &[u32],
     suppress: &[u32],
     rng: &mut ChaCha8Rng,
-) -> (u32, f32) {
+) -> Pick {
     let t = if p.temperature > 0.0 {
         p.temperature as f32
     } else {
@@ -150,6 +175,21 @@ fn sample_row(
             .map(|&z| (z / t - max).exp())
             .sum::<f32>()
             .ln();
+    let top = if p.top_logprobs > 0 {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        let desc = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        let k = p.top_logprobs.min(idx.len());
+        if k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, desc);
+            idx.truncate(k);
+        }
+        idx.sort_by(desc);
+        idx.iter()
+            .map(|&i| (i as u32, logits[i] / t - lse))
+            .collect()
+    } else {
+        Vec::new()
+    };
 
     let mut l = logits.to_vec();
     if p.repetition_penalty != 1.0 {
@@ -175,7 +215,8 @@ fn sample_row(
         }
         let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
         if order.is_empty() {
-            return (argmax(logits), logits[argmax(logits) as usize] / t - lse);
+            let a = argmax(logits);
+            return (a, logits[a as usize] / t - lse, top);
         }
         // Highest first, ties by id. Sorting is only needed when a filter keeps the top of the
         // distribution; plain sampling walks the vocabulary in id order.
@@ -226,7 +267,7 @@ fn sample_row(
         }
         pick as u32
     };
-    (token, logits[token as usize] / t - lse)
+    (token, logits[token as usize] / t - lse, top)
 }
 
 fn argmax(l: &[f32]) -> u32 {
@@ -249,13 +290,39 @@ pub fn generate(
     num_generations: usize,
     params: &SamplingParams,
 ) -> Result<Vec<Completion>> {
+    let requests: Vec<PromptRequest<'_>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| PromptRequest {
+            ids: p,
+            n: num_generations,
+            seed: params.seed,
+            first_stream: (i * num_generations) as u64,
+        })
+        .collect();
+    generate_batch(model, tokenizer, &requests, params)
+}
+
+/// [`generate`] with a sample count and random streams per prompt (what a server batching
+/// independent requests needs: each request's samples do not depend on its batch). Completions
+/// come back grouped by prompt (`prompt_index` = position in `requests`), then by sample.
+/// `params.seed` is not used: each request carries its own.
+pub fn generate_batch(
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    requests: &[PromptRequest<'_>],
+    params: &SamplingParams,
+) -> Result<Vec<Completion>> {
     params.validate()?;
-    if prompts.is_empty() || num_generations == 0 {
-        return Ok(Vec::new());
-    }
-    if let Some(i) = prompts.iter().position(Vec::is_empty) {
+    if let Some(i) = requests.iter().position(|r| r.ids.is_empty()) {
         bail!("prompt {i} is empty: a prompt needs at least one token");
     }
+    // Prompts without samples take no part.
+    let live: Vec<usize> = (0..requests.len()).filter(|&i| requests[i].n > 0).collect();
+    if live.is_empty() {
+        return Ok(Vec::new());
+    }
+    let prompts: Vec<&[u32]> = live.iter().map(|&i| requests[i].ids).collect();
     let decoding = model.for_decoding()?;
     let model = &decoding;
     let device = model.device().clone();
@@ -266,16 +333,16 @@ pub fn generate(
     stop_ids.dedup();
 
     // Prefill each prompt once (left padded).
-    let lp = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let lp = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
     let pad = tokenizer.pad_token_id;
     let mut ids = Vec::with_capacity(prompts.len() * lp);
     let mut mask = Vec::with_capacity(prompts.len() * lp);
-    for p in prompts {
+    for p in &prompts {
         for _ in p.len()..lp {
             ids.push(pad);
             mask.push(0u32);
         }
-        ids.extend(p);
+        ids.extend(p.iter());
         mask.extend(std::iter::repeat_n(1u32, p.len()));
     }
     let n_prompts = prompts.len();
@@ -288,31 +355,31 @@ pub fn generate(
     let logits = model.logits(&last)?;
 
     // Share each prompt's cache across its samples.
-    let expand: Vec<u32> = (0..n_prompts as u32)
-        .flat_map(|p| std::iter::repeat_n(p, num_generations))
+    let expand: Vec<u32> = (0..n_prompts)
+        .flat_map(|p| std::iter::repeat_n(p as u32, requests[live[p]].n))
         .collect();
     let expand_t = Tensor::new(expand.as_slice(), &device)?;
     cache = cache.select_rows(&expand_t)?;
     let mut logits = logits.index_select(&expand_t, 0)?;
-    let mut rows: Vec<Row> = expand
-        .iter()
-        .enumerate()
-        .map(|(r, &p)| {
-            let p = p as usize;
-            let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
-            rng.set_stream(r as u64);
-            Row {
-                prompt_index: p,
-                sample_index: r % num_generations,
+    let mut rows: Vec<Row> = Vec::with_capacity(expand.len());
+    for (p, &i) in live.iter().enumerate() {
+        let req = &requests[i];
+        for j in 0..req.n {
+            let mut rng = ChaCha8Rng::seed_from_u64(req.seed);
+            rng.set_stream(req.first_stream + j as u64);
+            rows.push(Row {
+                prompt_index: i,
+                sample_index: j,
                 rng,
                 keys: mask[p * lp..(p + 1) * lp].iter().map(|&m| m == 1).collect(),
                 next_pos: prompts[p].len() as u32,
-                seen: prompts[p].clone(),
+                seen: prompts[p].to_vec(),
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
-            }
-        })
-        .collect();
+                top: Vec::new(),
+            });
+        }
+    }
     let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
     let neg = attention_mask_value(DType::F32) as f32;
 
@@ -322,7 +389,7 @@ pub fn generate(
         let mut finished = Vec::new();
         // Rows sample in parallel: each has its own seeded stream, so the result does not
         // depend on the thread count.
-        let picks: Vec<(u32, f32)> = rows
+        let picks: Vec<Pick> = rows
             .par_iter_mut()
             .zip(host.par_iter())
             .map(|(row, l)| {
@@ -340,9 +407,12 @@ pub fn generate(
                 )
             })
             .collect();
-        for (i, (row, (tok, lp_tok))) in rows.iter_mut().zip(picks).enumerate() {
+        for (i, (row, (tok, lp_tok, top))) in rows.iter_mut().zip(picks).enumerate() {
             row.tokens.push(tok);
             row.logprobs.push(lp_tok);
+            if params.top_logprobs > 0 {
+                row.top.push(top);
+            }
             row.seen.push(tok);
             let mut reason = None;
             if stop_ids.binary_search(&tok).is_ok() && row.tokens.len() >= params.min_new_tokens {
@@ -433,6 +503,7 @@ fn finish(
         text,
         logprobs: row.logprobs,
         finish_reason: reason,
+        top_logprobs: row.top,
     })
 }
 

@@ -493,16 +493,23 @@ impl Transformer {
 
     /// A detached copy for generation: every linear layer (and the output head) also keeps its
     /// weight transposed and contiguous, which few-row decode matmuls run 2-3x faster on. Costs
-    /// one more copy of the weights.
+    /// one more copy of the weights. Transposes already made are kept (a server prepares its
+    /// model once; generation calls this again for free).
     pub fn for_decoding(&self) -> Result<Self> {
         let mut m = self.detached();
-        let tr = |w: &Tensor| -> Result<Option<Tensor>> { Ok(Some(w.t()?.contiguous()?)) };
-        for l in m.layers.iter_mut() {
-            for lin in l.linears_mut() {
-                lin.weight_t = tr(&lin.weight)?;
+        let tr = |w: &Tensor, kept: &Option<Tensor>| -> Result<Option<Tensor>> {
+            Ok(Some(match kept {
+                Some(t) => t.detach(),
+                None => w.t()?.contiguous()?,
+            }))
+        };
+        let mut src = self.clone();
+        for (l, s) in m.layers.iter_mut().zip(src.layers.iter_mut()) {
+            for (lin, s) in l.linears_mut().into_iter().zip(s.linears_mut()) {
+                lin.weight_t = tr(&lin.weight, &s.weight_t)?;
             }
         }
-        m.head_t = tr(m.head())?;
+        m.head_t = tr(m.head(), &self.head_t)?;
         Ok(m)
     }
 

@@ -348,3 +348,140 @@ fn invalid_params_are_errors() {
     assert!(e.contains("prompt 0"), "{e}");
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu);
 }
+
+#[test]
+fn batched_requests_equal_each_request_alone() {
+    use grpo_rollout::generate::{PromptRequest, generate_batch};
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let p = SamplingParams {
+        max_new_tokens: 10,
+        ..Default::default()
+    };
+    let reqs = [
+        PromptRequest {
+            ids: &ps[0],
+            n: 3,
+            seed: 7,
+            first_stream: 0,
+        },
+        PromptRequest {
+            ids: &ps[1],
+            n: 0,
+            seed: 1,
+            first_stream: 0,
+        },
+        PromptRequest {
+            ids: &ps[2],
+            n: 2,
+            seed: 9,
+            first_stream: 0,
+        },
+    ];
+    let all = generate_batch(&m, &tok, &reqs, &p).unwrap();
+    assert_eq!(
+        all.iter()
+            .map(|c| (c.prompt_index, c.sample_index))
+            .collect::<Vec<_>>(),
+        vec![(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]
+    );
+    for (i, r) in reqs.iter().enumerate() {
+        let alone = generate(
+            &m,
+            &tok,
+            &[r.ids.to_vec()],
+            r.n,
+            &SamplingParams {
+                seed: r.seed,
+                ..p.clone()
+            },
+        )
+        .unwrap();
+        let batched: Vec<_> = all.iter().filter(|c| c.prompt_index == i).collect();
+        assert_eq!(alone.len(), batched.len());
+        for (a, b) in alone.iter().zip(batched) {
+            assert_eq!(a.token_ids, b.token_ids, "request {i}");
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "request {i}: {x} vs {y}");
+            }
+        }
+    }
+    // `generate` is `generate_batch` with streams p·n + j.
+    let g = generate(
+        &m,
+        &tok,
+        &ps,
+        2,
+        &SamplingParams {
+            seed: 4,
+            ..p.clone()
+        },
+    )
+    .unwrap();
+    let reqs: Vec<_> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, x)| PromptRequest {
+            ids: x,
+            n: 2,
+            seed: 4,
+            first_stream: 2 * i as u64,
+        })
+        .collect();
+    assert_eq!(g, generate_batch(&m, &tok, &reqs, &p).unwrap());
+}
+
+#[test]
+fn top_logprobs_are_the_best_alternatives_of_the_full_distribution() {
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let p = SamplingParams {
+        max_new_tokens: 6,
+        temperature: 0.7,
+        top_logprobs: 3,
+        seed: 2,
+        ..Default::default()
+    };
+    let out = generate(&m, &tok, &ps[..1], 2, &p).unwrap();
+    for c in &out {
+        assert_eq!(c.top_logprobs.len(), c.token_ids.len());
+        // Reference: the full forward's log_softmax(logits / T) at each completion position.
+        let mut ids = ps[0].clone();
+        ids.extend(&c.token_ids);
+        let n = ids.len();
+        let t = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
+        let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
+        let hidden = m.forward_padded(&t, &mask).unwrap();
+        let logits = m.logits(&hidden.squeeze(0).unwrap()).unwrap();
+        let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        for (k, top) in c.top_logprobs.iter().enumerate() {
+            let row: Vec<f32> = logits[ps[0].len() - 1 + k]
+                .iter()
+                .map(|z| z / 0.7)
+                .collect();
+            let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let lse = mx + row.iter().map(|z| (z - mx).exp()).sum::<f32>().ln();
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            order.sort_by(|a, b| row[*b].total_cmp(&row[*a]));
+            assert_eq!(top.len(), 3);
+            for (j, &(id, lp)) in top.iter().enumerate() {
+                assert_eq!(id as usize, order[j], "position {k}");
+                assert!((lp - (row[order[j]] - lse)).abs() < 1e-4);
+            }
+            assert!(c.logprobs[k] <= top[0].1 + 1e-6);
+        }
+    }
+    // Off by default.
+    let plain = generate(
+        &m,
+        &tok,
+        &ps[..1],
+        1,
+        &SamplingParams {
+            top_logprobs: 0,
+            ..p
+        },
+    )
+    .unwrap();
+    assert!(plain[0].top_logprobs.is_empty());
+}

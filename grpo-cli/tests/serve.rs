@@ -1,0 +1,535 @@
+//! `grpo-cli serve` on loopback: answers equal local generation (tokens, log-probs, top
+//! log-probs), concurrent requests are batched without changing any answer, LoRA adapters load,
+//! serve and unload as vLLM's endpoints define, bad requests are 4xx naming the field, and a
+//! full queue answers 429 while the server keeps serving.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::Path;
+
+use candle_core::{DType, Device};
+use grpo_cli::serve::{ServeOptions, Server, start};
+use grpo_rollout::generate::{SamplingParams, generate};
+use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_rollout::{Arch, ChatMessage, LoadedModel};
+use serde_json::{Value, json};
+
+fn model(dir: &Path) -> LoadedModel {
+    if !dir.join("config.json").exists() {
+        init_model_dir(dir, Preset::Tiny, Arch::Qwen2, 21).unwrap();
+    }
+    grpo_rollout::load(dir, DType::F32, &Device::Cpu).unwrap()
+}
+
+fn server(dir: &Path, f: impl FnOnce(&mut ServeOptions)) -> Server {
+    let mut o = ServeOptions::new(dir);
+    o.served_model_name = "tiny".into();
+    o.addr = "127.0.0.1:0".parse().unwrap();
+    f(&mut o);
+    start(o).unwrap()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn post(url: &str, body: Value) -> (u16, Value, Option<String>) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        retry,
+    )
+}
+
+fn ids_of(tokens: &Value) -> Vec<u32> {
+    tokens
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            t.as_str()
+                .unwrap()
+                .strip_prefix("token_id:")
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn f32s(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
+#[test]
+fn completions_equal_local_generation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let prompt: Vec<u32> = m.tokenizer.encode("What is 2 + 3?", false).unwrap();
+    let rt = rt();
+    let (st, body, _) = rt.block_on(post(
+        &url,
+        json!({"model": "tiny", "prompt": prompt, "n": 3, "max_tokens": 8, "temperature": 0.9,
+               "top_p": 0.95, "seed": 5, "logprobs": 2, "return_tokens_as_token_ids": true}),
+    ));
+    assert_eq!(st, 200, "{body}");
+    let local = generate(
+        &m.model.detached(),
+        &m.tokenizer,
+        std::slice::from_ref(&prompt),
+        3,
+        &SamplingParams {
+            max_new_tokens: 8,
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 5,
+            top_logprobs: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut completion_tokens = 0;
+    for (c, l) in choices.iter().zip(&local) {
+        let lp = &c["logprobs"];
+        assert_eq!(ids_of(&lp["tokens"]), l.token_ids);
+        assert_eq!(c["text"], l.text);
+        let got = f32s(&lp["token_logprobs"]);
+        assert_eq!(got.len(), l.logprobs.len());
+        for (a, b) in got.iter().zip(&l.logprobs) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        // top_logprobs: the sampled token plus the 2 best alternatives.
+        for (k, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+            let top = top.as_object().unwrap();
+            assert!(top.contains_key(&format!("token_id:{}", l.token_ids[k])));
+            for (id, alp) in &l.top_logprobs[k] {
+                let v = top[&format!("token_id:{id}")].as_f64().unwrap() as f32;
+                assert!((v - alp).abs() < 1e-5);
+            }
+        }
+        let reason = if l.finish_reason == grpo_rollout::FinishReason::Length {
+            "length"
+        } else {
+            "stop"
+        };
+        assert_eq!(c["finish_reason"], reason);
+        completion_tokens += l.token_ids.len();
+    }
+    assert_eq!(body["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(body["usage"]["completion_tokens"], completion_tokens);
+    assert_eq!(body["object"], "text_completion");
+
+    // A text prompt is tokenised with the tokenizer's special tokens; several prompts give
+    // prompt-major choices; return_token_ids adds the ids.
+    let (st, body, _) = rt.block_on(post(
+        &url,
+        json!({"prompt": ["alpha beta", "gamma"], "n": 2, "max_tokens": 4, "temperature": 0,
+               "return_token_ids": true}),
+    ));
+    assert_eq!(st, 200, "{body}");
+    let ch = body["choices"].as_array().unwrap();
+    assert_eq!(ch.len(), 4);
+    assert!(ch[0]["logprobs"].is_null());
+    let p1 = m.tokenizer.encode("gamma", true).unwrap();
+    assert_eq!(ch[2]["prompt_token_ids"], json!(p1));
+    let greedy = generate(
+        &m.model.detached(),
+        &m.tokenizer,
+        &[p1],
+        1,
+        &SamplingParams {
+            max_new_tokens: 4,
+            temperature: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(ch[3]["token_ids"], json!(greedy[0].token_ids));
+
+    // /v1/models and /health.
+    let models: Value = rt.block_on(async {
+        reqwest::get(format!("{}/models", srv.base_url()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    assert_eq!(models["data"][0]["id"], "tiny");
+    assert_eq!(
+        models["data"][0]["max_model_len"],
+        m.model.cfg.max_position_embeddings
+    );
+}
+
+#[test]
+fn concurrent_requests_are_batched_and_each_answer_is_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let texts = [
+        "one two",
+        "three",
+        "four five six",
+        "seven",
+        "eight nine",
+        "ten",
+        "a b c",
+        "d",
+    ];
+    let rt = rt();
+    let answers: Vec<(u16, Value, Option<String>)> = rt.block_on(async {
+        let tasks: Vec<_> = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let url = url.clone();
+                let body = json!({"prompt": t, "n": 2, "max_tokens": 12, "seed": i, "logprobs": 0,
+                                  "return_tokens_as_token_ids": true});
+                tokio::spawn(async move { post(&url, body).await })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    let detached = m.model.detached();
+    for (i, (st, body, _)) in answers.iter().enumerate() {
+        assert_eq!(*st, 200, "{body}");
+        let ids = m.tokenizer.encode(texts[i], true).unwrap();
+        let alone = generate(
+            &detached,
+            &m.tokenizer,
+            &[ids],
+            2,
+            &SamplingParams {
+                max_new_tokens: 12,
+                seed: i as u64,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for (c, l) in body["choices"].as_array().unwrap().iter().zip(&alone) {
+            assert_eq!(ids_of(&c["logprobs"]["tokens"]), l.token_ids, "request {i}");
+        }
+    }
+    let stats: Value = rt.block_on(async {
+        reqwest::get(format!("http://{}/stats", srv.addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    assert_eq!(stats["requests"], 8);
+    assert!(stats["batches"].as_u64().unwrap() < 8, "{stats}");
+}
+
+#[test]
+fn chat_completions_render_the_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let rt = rt();
+    let (st, body, _) = rt.block_on(post(
+        &format!("{}/chat/completions", srv.base_url()),
+        json!({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
+               "max_completion_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 3}),
+    ));
+    assert_eq!(st, 200, "{body}");
+    let text = m
+        .tokenizer
+        .apply_chat_template(&[ChatMessage::new("user", "Hi there")], true)
+        .unwrap();
+    let ids = m.tokenizer.encode(&text, false).unwrap();
+    let local = generate(
+        &m.model.detached(),
+        &m.tokenizer,
+        &[ids.clone()],
+        1,
+        &SamplingParams {
+            max_new_tokens: 6,
+            temperature: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let c = &body["choices"][0];
+    assert_eq!(c["message"]["role"], "assistant");
+    assert_eq!(c["message"]["content"], local[0].text);
+    let content = c["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), local[0].token_ids.len());
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 3);
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(body["object"], "chat.completion");
+}
+
+#[test]
+fn lora_adapters_load_serve_and_unload() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    // An adapter whose B is not zero, so it changes the model.
+    let cfg = grpo_rollout::LoraConfig {
+        r: 4,
+        lora_alpha: 16.0,
+        ..Default::default()
+    };
+    let mut adapted = m.model.clone();
+    let factors = grpo_rollout::lora::attach(&mut adapted, &cfg, 3).unwrap();
+    let filled: std::collections::HashMap<String, candle_core::Tensor> = factors
+        .into_iter()
+        .map(|(k, t)| {
+            let t = if k.contains("lora_B") {
+                t.randn_like(0.0, 0.3).unwrap()
+            } else {
+                t
+            };
+            (k, t)
+        })
+        .collect();
+    grpo_rollout::lora::set_factors(&mut adapted, &filled).unwrap();
+    let dir = tmp.path().join("adapter");
+    grpo_rollout::lora::save_peft(&adapted, &cfg, &dir, "tiny").unwrap();
+
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let base = srv.base_url();
+    let rt = rt();
+    let prompt: Vec<u32> = m.tokenizer.encode("seven eight", false).unwrap();
+    let greedy = |model: &str| json!({"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "return_token_ids": true});
+    let (st, body, _) = rt.block_on(post(
+        &format!("{base}/load_lora_adapter"),
+        json!({"lora_name": "policy", "lora_path": dir.display().to_string()}),
+    ));
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        body,
+        json!("Success: LoRA adapter 'policy' added successfully.")
+    );
+    let models: Value = rt.block_on(async {
+        reqwest::get(format!("{base}/models"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    assert_eq!(models["data"][1]["id"], "policy");
+    assert_eq!(models["data"][1]["parent"], "tiny");
+
+    let mut local = m.model.clone();
+    grpo_rollout::lora::load_peft(&mut local, &dir).unwrap();
+    let want = generate(
+        &local.detached(),
+        &m.tokenizer,
+        std::slice::from_ref(&prompt),
+        1,
+        &SamplingParams {
+            max_new_tokens: 10,
+            temperature: 0.0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (st, with, _) = rt.block_on(post(&format!("{base}/completions"), greedy("policy")));
+    assert_eq!(st, 200, "{with}");
+    assert_eq!(with["choices"][0]["token_ids"], json!(want[0].token_ids));
+    let (_, plain, _) = rt.block_on(post(&format!("{base}/completions"), greedy("tiny")));
+    assert_ne!(
+        plain["choices"][0]["token_ids"],
+        with["choices"][0]["token_ids"]
+    );
+
+    // vLLM's rules: a second load of a name is refused unless in place; bad paths are 400;
+    // unloading twice is 404; an unloaded adapter is an unknown model.
+    let load = |name: &str, path: String, inplace: bool| {
+        rt.block_on(post(
+            &format!("{base}/load_lora_adapter"),
+            json!({"lora_name": name, "lora_path": path, "load_inplace": inplace}),
+        ))
+    };
+    let (st, body, _) = load("policy", dir.display().to_string(), false);
+    assert_eq!(st, 400);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("already been loaded")
+    );
+    assert_eq!(load("policy", dir.display().to_string(), true).0, 200);
+    let (st, body, _) = load("other", "/nonexistent/adapter".into(), false);
+    assert_eq!(st, 400);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/nonexistent/adapter"),
+        "{body}"
+    );
+    let unload = || {
+        rt.block_on(post(
+            &format!("{base}/unload_lora_adapter"),
+            json!({"lora_name": "policy"}),
+        ))
+    };
+    let (st, body, _) = unload();
+    assert_eq!(
+        (st, body),
+        (
+            200,
+            json!("Success: LoRA adapter 'policy' removed successfully.")
+        )
+    );
+    assert_eq!(unload().0, 404);
+    let (st, body, _) = rt.block_on(post(&format!("{base}/completions"), greedy("policy")));
+    assert_eq!(st, 404);
+    assert_eq!(body["error"]["param"], "model");
+}
+
+#[test]
+fn bad_requests_are_4xx_naming_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |o| o.max_model_len = Some(64));
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let cases = [
+        (
+            json!({"prompt": "hi", "temperature": -1}),
+            400,
+            "temperature",
+        ),
+        (json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
+        (json!({"prompt": "hi", "n": 0}), 400, "n"),
+        (json!({"prompt": "hi", "stream": true}), 400, "stream"),
+        (json!({"prompt": "hi", "logprobs": 50}), 400, "logprobs"),
+        (json!({"prompt": "hi", "max_tokens": 100}), 400, "prompt"),
+        (json!({"prompt": [1, 2, 999999]}), 400, "prompt"),
+        (json!({"prompt": []}), 400, "prompt"),
+        (json!({"n": 2}), 400, "prompt"),
+        (json!({"prompt": "hi", "model": "nope"}), 404, "model"),
+        (
+            json!({"prompt": "hi", "frequency_penalty": 0.5}),
+            400,
+            "frequency_penalty",
+        ),
+    ];
+    for (body, status, field) in cases {
+        let (st, got, _) = rt.block_on(post(&url, body.clone()));
+        assert_eq!(st, status, "{body} -> {got}");
+        assert_eq!(got["error"]["param"], field, "{body} -> {got}");
+        assert!(!got["error"]["message"].as_str().unwrap().is_empty());
+    }
+    // Malformed JSON and wrong types: 400 with a message naming the problem.
+    let (st, got, _) = rt.block_on(post(&url, json!({"prompt": "hi", "max_tokens": "many"})));
+    assert_eq!(st, 400);
+    assert!(
+        got["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("invalid request body"),
+        "{got}"
+    );
+    let r = rt.block_on(async {
+        reqwest::Client::new()
+            .post(&url)
+            .header("content-type", "application/json")
+            .body("{oops")
+            .send()
+            .await
+            .unwrap()
+    });
+    assert_eq!(r.status().as_u16(), 400);
+    let (st, got, _) = rt.block_on(post(
+        &format!("{}/chat/completions", srv.base_url()),
+        json!({"messages": []}),
+    ));
+    assert_eq!(
+        (st, got["error"]["param"].clone()),
+        (400, json!("messages"))
+    );
+    // Still serving.
+    assert_eq!(
+        rt.block_on(post(&url, json!({"prompt": "hi", "max_tokens": 2})))
+            .0,
+        200
+    );
+}
+
+#[test]
+fn a_full_queue_answers_429_and_the_server_keeps_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |o| {
+        o.max_queue = 1;
+        o.max_batch_requests = 1;
+    });
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let answers = rt.block_on(async {
+        let tasks: Vec<_> = (0..16)
+            .map(|i| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    post(&url, json!({"prompt": "busy busy", "n": 4, "max_tokens": 48, "min_tokens": 48, "seed": i})).await
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    let busy: Vec<_> = answers.iter().filter(|a| a.0 == 429).collect();
+    let ok = answers.iter().filter(|a| a.0 == 200).count();
+    assert!(!busy.is_empty(), "no request was turned away");
+    assert!(ok >= 2, "{ok} served");
+    assert_eq!(busy.len() + ok, 16);
+    for (_, body, retry) in &busy {
+        assert_eq!(retry.as_deref(), Some("1"));
+        assert!(body["error"]["message"].as_str().unwrap().contains("busy"));
+    }
+    let stats: Value = rt.block_on(async {
+        reqwest::get(format!("http://{}/stats", srv.addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    });
+    assert_eq!(
+        stats["rejected_busy"].as_u64().unwrap() as usize,
+        busy.len()
+    );
+    assert_eq!(
+        rt.block_on(post(&url, json!({"prompt": "after", "max_tokens": 2})))
+            .0,
+        200
+    );
+}
