@@ -214,6 +214,62 @@ pub struct RolloutSection {
     /// Render conversational prompts with the model's chat template (string prompts are used
     /// as they are, as TRL does).
     pub chat_template: bool,
+    /// Where completions are sampled: `local` (this process) or `openai` (an OpenAI-compatible
+    /// server such as vLLM or `grpo-cli serve`, LoRA weights synced each step).
+    pub backend: String,
+    /// `[rollout.openai]`: the server of `backend = "openai"`.
+    pub openai: OpenAiRollout,
+}
+
+/// `[rollout.openai]`: generation on an OpenAI-compatible server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OpenAiRollout {
+    /// The server's base URL.
+    pub base_url: String,
+    /// Name of an environment variable holding the API key (vLLM's `--api-key`); unset or
+    /// empty = no key.
+    pub api_key_env: String,
+    /// The served base model; empty = the first one `/v1/models` lists.
+    pub model: String,
+    /// Seconds a completions request may take.
+    pub request_timeout: f64,
+    /// Seconds a LoRA load may take (also the first contact).
+    pub sync_timeout: f64,
+    /// Retries on connection errors and 429/502/503/504.
+    pub max_retries: u32,
+    /// Where the adapters to sync are written (the server must read the same path); empty =
+    /// `OUTPUT_DIR/rollout_adapters`.
+    pub adapter_dir: String,
+}
+
+impl Default for OpenAiRollout {
+    fn default() -> Self {
+        let r = grpo_rollout::remote::RemoteConfig::default();
+        Self {
+            base_url: r.base_url,
+            api_key_env: "OPENAI_API_KEY".into(),
+            model: r.model,
+            request_timeout: r.request_timeout,
+            sync_timeout: r.sync_timeout,
+            max_retries: r.max_retries,
+            adapter_dir: String::new(),
+        }
+    }
+}
+
+impl OpenAiRollout {
+    /// grpo-rollout's client config (the key read from `api_key_env`).
+    pub fn remote_config(&self) -> grpo_rollout::remote::RemoteConfig {
+        grpo_rollout::remote::RemoteConfig {
+            base_url: self.base_url.clone(),
+            api_key: std::env::var(&self.api_key_env).unwrap_or_default(),
+            model: self.model.clone(),
+            request_timeout: self.request_timeout,
+            sync_timeout: self.sync_timeout,
+            max_retries: self.max_retries,
+        }
+    }
 }
 
 impl Default for RolloutSection {
@@ -230,6 +286,8 @@ impl Default for RolloutSection {
             repetition_penalty: 1.0,
             stop: Vec::new(),
             chat_template: true,
+            backend: "local".into(),
+            openai: OpenAiRollout::default(),
         }
     }
 }
@@ -679,6 +737,32 @@ impl TrainConfig {
             .sampling(0)
             .validate()
             .map_err(|e| format!("`rollout`: {e}"))?;
+        match r.backend.as_str() {
+            "local" => {}
+            "openai" => {
+                if self.model.lora.is_none() && self.algorithm == "grpo" {
+                    return Err("`rollout.backend = \"openai\"` syncs the policy to the server as a LoRA adapter: set `[model.lora]` (full-weight sync is not built; see README, Scaling out)".into());
+                }
+                let o = &r.openai;
+                if !(o.base_url.starts_with("http://") || o.base_url.starts_with("https://")) {
+                    return Err(format!(
+                        "`rollout.openai.base_url`: expected http://HOST:PORT/v1, got `{}`",
+                        o.base_url
+                    ));
+                }
+                if !(o.request_timeout > 0.0 && o.sync_timeout > 0.0) {
+                    return Err(
+                        "`rollout.openai.request_timeout` and `sync_timeout` must be > 0 (seconds)"
+                            .into(),
+                    );
+                }
+            }
+            o => {
+                return Err(format!(
+                    "`rollout.backend`: expected local or openai, got `{o}`"
+                ));
+            }
+        }
         if let Some(t) = &self.teacher {
             t.validate().map_err(|e| e.to_string())?;
         }

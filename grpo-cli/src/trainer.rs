@@ -18,8 +18,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -29,6 +29,7 @@ use grpo_core::advantages::{group_advantages, reward_stds};
 use grpo_core::loss::{LossInputs, LossType, policy_loss};
 use grpo_data::{Dataset, Position, Prompt, Sample, SampleStream, StreamConfig};
 use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
+use grpo_rollout::remote::RemoteGenerator;
 use grpo_rollout::{ChatMessage, Completion, FinishReason, Tokenizer, TrainableModel, Transformer};
 use grpo_teacher::{
     AdaptiveTeachingReward, Correctness, DiagnosticResult, LocalModel, TeachingProtocol,
@@ -139,6 +140,8 @@ pub struct Setup {
     pub teaching: Option<Arc<TeachingProtocol>>,
     /// The frozen model that writes the teachings when `teacher.use_reference_teacher_model`.
     pub frozen_teacher: Option<Arc<Transformer>>,
+    /// The server of `rollout.backend = "openai"` (connected at setup).
+    pub remote: Option<Arc<Mutex<RemoteGenerator>>>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -265,6 +268,13 @@ pub fn setup_with(
     } else {
         None
     };
+    let remote = if cfg.rollout.backend == "openai" && cfg.algorithm == "grpo" {
+        let g = RemoteGenerator::connect(cfg.rollout.openai.remote_config())
+            .map_err(|e| anyhow!("rollout.openai ({}): {e}", cfg.rollout.openai.base_url))?;
+        Some(Arc::new(Mutex::new(g)))
+    } else {
+        None
+    };
     let total_steps = match cfg.train.max_steps {
         Some(n) => n,
         None => {
@@ -284,6 +294,7 @@ pub fn setup_with(
         total_steps,
         teaching,
         frozen_teacher,
+        remote,
         cfg,
     })
 }
@@ -358,7 +369,8 @@ pub struct Rollouts {
     pub seconds: f64,
     /// With `[teacher]`: each prompt's question and the student's diagnostic probe.
     pub teaching: Option<Vec<(String, DiagnosticResult)>>,
-    /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`).
+    /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`) or by
+    /// another engine (`rollout.backend = "openai"`): off-policy whatever the staleness.
     pub sampled_by_other_model: bool,
 }
 
@@ -473,6 +485,9 @@ pub struct Generator {
     version: usize,
     teaching: Option<Arc<TeachingProtocol>>,
     frozen_teacher: Option<Arc<Transformer>>,
+    remote: Option<Arc<Mutex<RemoteGenerator>>>,
+    /// The policy version (and its adapter directory) the server has.
+    remote_synced: Option<(usize, PathBuf)>,
 }
 
 impl Generator {
@@ -485,6 +500,8 @@ impl Generator {
             version,
             teaching: setup.teaching.clone(),
             frozen_teacher: setup.frozen_teacher.clone(),
+            remote: setup.remote.clone(),
+            remote_synced: None,
         }
     }
 
@@ -539,14 +556,26 @@ impl Generator {
             prompt_ids.push(ids);
         }
         let params = self.cfg.rollout.sampling(seed);
-        let model = self.frozen_teacher.as_ref().unwrap_or(&self.model);
-        let completions = grpo_rollout::generate(
-            model,
-            &self.tokenizer,
-            &prompt_ids,
-            self.cfg.rollout.num_generations,
-            &params,
-        )?;
+        let g = self.cfg.rollout.num_generations;
+        let completions = match self.remote.clone() {
+            Some(remote) => {
+                let mut server = remote
+                    .lock()
+                    .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
+                // The frozen teacher is the served base model; the policy is its synced adapter.
+                let policy = self.frozen_teacher.is_none();
+                if policy {
+                    self.sync_remote(&mut server)?;
+                }
+                server
+                    .generate(&self.tokenizer, &prompt_ids, g, &params, policy)
+                    .map_err(|e| anyhow!("rollout.openai: {e}"))?
+            }
+            None => {
+                let model = self.frozen_teacher.as_ref().unwrap_or(&self.model);
+                grpo_rollout::generate(model, &self.tokenizer, &prompt_ids, g, &params)?
+            }
+        };
         Ok(Rollouts {
             batch,
             prompt_texts,
@@ -555,8 +584,40 @@ impl Generator {
             version: self.version,
             seconds: t0.elapsed().as_secs_f64(),
             teaching,
-            sampled_by_other_model: self.frozen_teacher.is_some(),
+            sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
         })
+    }
+
+    /// Sends the current policy to the server when it has an older one: the LoRA adapter is
+    /// saved in PEFT's format under `rollout.openai.adapter_dir` and loaded with
+    /// `/v1/load_lora_adapter` (the previous one is unloaded and its directory removed).
+    fn sync_remote(&mut self, server: &mut RemoteGenerator) -> Result<()> {
+        if self.remote_synced.as_ref().map(|s| s.0) == Some(self.version) {
+            return Ok(());
+        }
+        let lora = self
+            .cfg
+            .model
+            .lora
+            .as_ref()
+            .context("rollout.backend = \"openai\" needs [model.lora]")?;
+        let root = match self.cfg.rollout.openai.adapter_dir.as_str() {
+            "" => self.cfg.output_dir.join("rollout_adapters"),
+            d => PathBuf::from(d),
+        };
+        let dir = root.join(format!("step-{}", self.version));
+        let base = self.cfg.model.path.display().to_string();
+        grpo_rollout::lora::save_peft(&self.model, lora, &dir, &base)
+            .with_context(|| format!("rollout.openai: writing the adapter to {}", dir.display()))?;
+        server
+            .sync_adapter(&format!("policy-step-{}", self.version), &dir)
+            .map_err(|e| anyhow!("rollout.openai: {e}"))?;
+        if let Some((_, old)) = self.remote_synced.replace((self.version, dir.clone()))
+            && old != dir
+        {
+            let _ = std::fs::remove_dir_all(old);
+        }
+        Ok(())
     }
 
     /// The student's diagnostic probes of a batch's problems.
@@ -1226,8 +1287,14 @@ impl Learner {
                 continue;
             };
             let c = old_lp.dim(1)?;
+            let old_rows: Vec<Vec<f32>> = old_lp.to_dtype(DType::F32)?.to_vec2()?;
             let mut sampled = Vec::with_capacity((b - a) * c);
-            for comp in &r.completions[a..b] {
+            for (comp, old_row) in r.completions[a..b].iter().zip(&old_rows) {
+                // A server that gave no usable log-probs (see grpo_rollout::remote): weight 1.
+                if comp.logprobs.len() != comp.token_ids.len() {
+                    sampled.extend(old_row);
+                    continue;
+                }
                 sampled.extend((0..c).map(|j| comp.logprobs.get(j).copied().unwrap_or(0.0)));
             }
             let sampled =

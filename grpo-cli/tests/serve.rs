@@ -271,7 +271,7 @@ fn chat_completions_render_the_template() {
     let local = generate(
         &m.model.detached(),
         &m.tokenizer,
-        &[ids.clone()],
+        std::slice::from_ref(&ids),
         1,
         &SamplingParams {
             max_new_tokens: 6,

@@ -9,6 +9,9 @@
 //! `ModelScorer` (a `LanguageScorer`, for `inverse_loss` / `coverage_ce`) and
 //! `ClassifierModel` (a `SequenceClassifier` loaded from a `*ForSequenceClassification`
 //! checkpoint, for `reward_model`).
+//!
+//! With the cargo feature `remote`, the module `remote` generates the same completions on an
+//! OpenAI-compatible server (vLLM, or `grpo-cli serve`) and syncs LoRA weights to it.
 #![deny(missing_docs)]
 
 pub mod config;
@@ -20,6 +23,8 @@ pub mod loader;
 pub mod lora;
 pub mod model;
 pub mod policy;
+#[cfg(feature = "remote")]
+pub mod remote;
 #[cfg(feature = "rewards")]
 pub mod scoring;
 pub mod tokenizer;
