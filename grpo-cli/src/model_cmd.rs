@@ -204,19 +204,22 @@ pub fn init_model(a: InitModelArgs) -> Result<()> {
 #[derive(Debug, Args)]
 pub struct ExportArgs {
     /// A checkpoint directory (`RUN/checkpoints/step-N`): `model/` (full weights) or `adapter/`
-    /// (PEFT LoRA, merged into its base).
+    /// (PEFT LoRA, merged into its base); or a model (HF directory or .gguf file).
     #[arg(long)]
     checkpoint: PathBuf,
     /// `hf`: a Hugging Face model directory of the checkpoint's weights (an adapter merged in);
-    /// `merged`: the same, for LoRA checkpoints only.
+    /// `merged`: the same, for LoRA checkpoints only; `gguf`: one llama.cpp GGUF file.
     #[arg(long, default_value = "hf")]
     format: String,
-    /// Where to write the model directory.
+    /// Where to write the model directory (a `.gguf` file for `--format gguf`).
     #[arg(long)]
     out: PathBuf,
     /// Weight dtype of the export: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// GGUF only: quantise the matrices, q8_0, q4_0 or q4_k (norms and biases stay f32).
+    #[arg(long)]
+    quant: Option<String>,
     /// The base model of a LoRA checkpoint (default: `model.path` of the checkpoint's config).
     #[arg(long)]
     base: Option<PathBuf>,
@@ -225,15 +228,44 @@ pub struct ExportArgs {
 /// Writes a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files).
 pub fn export(a: ExportArgs) -> Result<()> {
     let dtype = parse_dtype(&a.dtype)?;
-    match a.format.as_str() {
-        "hf" | "merged" => {}
-        "gguf" => bail!(
-            "--format gguf: not supported yet; export `hf` and convert it with llama.cpp's convert_hf_to_gguf.py"
-        ),
-        o => bail!("--format: unknown format `{o}`, expected hf or merged"),
-    }
+    let gguf_type = match (a.format.as_str(), &a.quant) {
+        ("hf" | "merged", None) => None,
+        ("hf" | "merged", Some(_)) => {
+            bail!("--quant: only with --format gguf (safetensors exports are f32, bf16 or f16)")
+        }
+        ("gguf", q) => {
+            if a.out.extension().and_then(|e| e.to_str()) != Some("gguf") {
+                bail!(
+                    "--out {}: a GGUF export is one file ending in .gguf",
+                    a.out.display()
+                );
+            }
+            let ty = match q {
+                Some(q) => match q.as_str() {
+                    "q8_0" | "q4_0" | "q4_k" => q.as_str(),
+                    o => bail!("--quant: unknown quantisation `{o}`, expected q8_0, q4_0 or q4_k"),
+                },
+                None => a.dtype.as_str(),
+            };
+            Some(grpo_rollout::gguf::GgufType::parse(ty).map_err(|e| anyhow::anyhow!("{e}"))?)
+        }
+        (o, _) => bail!("--format: unknown format `{o}`, expected hf, merged or gguf"),
+    };
     let ck = &a.checkpoint;
-    let (model, tokenizer) = if ck.join("adapter").is_dir() {
+    let is_model = ck.join("model.safetensors").is_file()
+        || ck.join("model.safetensors.index.json").is_file()
+        || ck.extension().and_then(|e| e.to_str()) == Some("gguf");
+    let (model, tokenizer) = if is_model {
+        if a.format == "merged" {
+            bail!(
+                "--format merged: {} is a model, not a LoRA checkpoint",
+                ck.display()
+            );
+        }
+        let m = grpo_rollout::load(ck, DType::F32, &Device::Cpu)
+            .with_context(|| format!("{}", ck.display()))?;
+        (m.model, m.tokenizer)
+    } else if ck.join("adapter").is_dir() {
         let base = match &a.base {
             Some(b) => b.clone(),
             None => {
@@ -269,6 +301,26 @@ pub fn export(a: ExportArgs) -> Result<()> {
             ck.display()
         );
     };
+    if let Some(ty) = gguf_type {
+        let name = ck
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+        let written = grpo_rollout::gguf::save_gguf(&model, &tokenizer, &a.out, ty, &name)
+            .with_context(|| format!("--out {}", a.out.display()))?;
+        let mut counts: std::collections::BTreeMap<&str, usize> = Default::default();
+        for (_, t) in &written {
+            *counts.entry(t.as_str()).or_default() += 1;
+        }
+        let summary: Vec<String> = counts.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        println!(
+            "wrote {} ({} tensors: {})",
+            a.out.display(),
+            written.len(),
+            summary.join(", ")
+        );
+        return Ok(());
+    }
     grpo_rollout::save_hf_dir(&model, &tokenizer, &a.out, dtype)?;
     println!("wrote {}", a.out.display());
     Ok(())

@@ -87,6 +87,41 @@ fn a_lora_checkpoint_exports_merged() {
     assert!(max_diff(&a, &m) < 1e-5, "{}", max_diff(&a, &m));
     assert!(max_diff(&a, &base) > 1e-4, "the adapter learned nothing");
     assert!(out.join("tokenizer.json").exists() && out.join("config.json").exists());
+
+    // The same checkpoint as GGUF: f32 reads back as the merged model, q8_0 within its error.
+    for (quant, tol) in [(None, 1e-5), (Some("q8_0"), 0.05)] {
+        let path = dir
+            .path()
+            .join(format!("m-{}.gguf", quant.unwrap_or("f32")));
+        let mut args = vec![
+            "--checkpoint",
+            ck.to_str().unwrap(),
+            "--format",
+            "gguf",
+            "--out",
+            path.to_str().unwrap(),
+        ];
+        if let Some(q) = quant {
+            args.extend(["--quant", q]);
+        }
+        let o = export(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert!(String::from_utf8_lossy(&o.stdout).contains("tensors"));
+        let g = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+        let d = max_diff(&a, &logps(&g.model));
+        assert!(d < tol, "{quant:?}: {d}");
+    }
+    let o = export(&[
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--format",
+        "gguf",
+        "--quant",
+        "q2_k",
+        "--out",
+        "x.gguf",
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown quantisation `q2_k`"));
 }
 
 #[test]
@@ -110,7 +145,11 @@ fn full_checkpoints_export_and_bad_requests_fail_clearly() {
     assert!(d < 0.05, "{d}");
     for (args, want) in [
         (vec!["--format", "merged"], "no LoRA adapter to merge"),
-        (vec!["--format", "gguf"], "--format gguf: not supported yet"),
+        (
+            vec!["--format", "gguf"],
+            "a GGUF export is one file ending in .gguf",
+        ),
+        (vec!["--quant", "q8_0"], "--quant: only with --format gguf"),
         (vec!["--format", "onnx"], "unknown format `onnx`"),
     ] {
         let mut all = vec![
@@ -125,6 +164,29 @@ fn full_checkpoints_export_and_bad_requests_fail_clearly() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains(want) && err.lines().count() == 1, "{err}");
     }
+    // A model directory exports as it is (here to an f16 GGUF).
+    let g = dir.path().join("base-f16.gguf");
+    let o = export(&[
+        "--checkpoint",
+        dir.path().join("model").to_str().unwrap(),
+        "--format",
+        "gguf",
+        "--dtype",
+        "f16",
+        "--out",
+        g.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let base = grpo_rollout::load(&dir.path().join("model"), DType::F32, &Device::Cpu).unwrap();
+    let d = max_diff(
+        &logps(&base.model),
+        &logps(
+            &grpo_rollout::load(&g, DType::F32, &Device::Cpu)
+                .unwrap()
+                .model,
+        ),
+    );
+    assert!(d < 5e-3, "{d}");
     // A run directory is not a checkpoint.
     let run_dir = dir.path().join("full");
     let o = export(&[

@@ -14,6 +14,10 @@
 //!   gpt2`), with the pre-tokenizer named by `tokenizer.ggml.pre`, control tokens as special
 //!   added tokens, and `tokenizer.chat_template`.
 //!
+//!
+//! What is written ([`save_gguf`]): the same, the other way round, so that llama.cpp loads it
+//! and [`load_gguf`] reads back the same model.
+//!
 //! [`QTensor::dequantize`]: candle_core::quantized::QTensor::dequantize
 
 use std::collections::{HashMap, HashSet};
@@ -22,6 +26,7 @@ use std::io::{Read, Seek};
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Result, Tensor, bail};
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -580,4 +585,387 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         eos_token_ids,
         pad_token_id,
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing.
+
+/// Weight types of [`save_gguf`]: plain floats, or llama.cpp block quantisations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GgufType {
+    /// 32-bit floats.
+    F32,
+    /// 16-bit floats.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 8-bit blocks of 32 (`Q8_0`).
+    Q8_0,
+    /// 4-bit blocks of 32 (`Q4_0`).
+    Q4_0,
+    /// 4-bit k-quant super-blocks of 256 (`Q4_K`).
+    Q4K,
+}
+
+impl GgufType {
+    /// Reads `f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_k`.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "f32" => Self::F32,
+            "f16" => Self::F16,
+            "bf16" => Self::BF16,
+            "q8_0" => Self::Q8_0,
+            "q4_0" => Self::Q4_0,
+            "q4_k" | "q4_k_m" | "q4_k_s" => Self::Q4K,
+            o => bail!("unknown GGUF type `{o}`, expected f32, f16, bf16, q8_0, q4_0 or q4_k"),
+        })
+    }
+
+    fn ggml(self) -> GgmlDType {
+        match self {
+            Self::F32 => GgmlDType::F32,
+            Self::F16 => GgmlDType::F16,
+            Self::BF16 => GgmlDType::BF16,
+            Self::Q8_0 => GgmlDType::Q8_0,
+            Self::Q4_0 => GgmlDType::Q4_0,
+            Self::Q4K => GgmlDType::Q4K,
+        }
+    }
+
+    /// llama.cpp's `general.file_type` (`LlamaFileType`).
+    fn file_type(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q8_0 => 7,
+            Self::Q4K => 14, // MOSTLY_Q4_K_S: every matrix Q4_K (or its fallback)
+            Self::BF16 => 32,
+        }
+    }
+}
+
+/// The llama.cpp name of a transformers tensor name (the inverse of [`hf_tensor_name`]).
+pub fn gguf_tensor_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(n) = fixed {
+        return Some(n.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    let g = match module {
+        "input_layernorm" => "attn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.{suffix}"))
+}
+
+/// llama.cpp's Q/K row permutation for its interleaved RoPE (`convert_hf_to_gguf.py`'s
+/// `LlamaModel.permute`): each head's rows `(2, head_dim / 2)` stored as `(head_dim / 2, 2)`.
+/// [`unpermute_qk`] undoes it.
+pub fn permute_qk(t: &Tensor, n_head: usize) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims.first().copied().unwrap_or(0);
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        bail!("cannot permute {dims:?} for {n_head} heads: rows must be a multiple of 2 × heads");
+    }
+    let half = rows / n_head / 2;
+    let cols: usize = dims[1..].iter().product();
+    t.reshape((n_head, 2, half, cols))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+/// llama.cpp's `tokenizer.ggml.pre` for a tokenizer's pre-tokenizer, when it is one llama.cpp
+/// implements the same way (GPT-2's byte-level split, SmolLM's digits + GPT-2, Llama 3's and
+/// Qwen2's regex splits).
+pub fn gguf_pre_tokenizer(tokenizer: &tokenizers::Tokenizer) -> Result<&'static str> {
+    let v = serde_json::to_value(tokenizer.get_pre_tokenizer())
+        .map_err(|e| err(format!("pre-tokenizer: {e}")))?;
+    let byte_level = |x: &serde_json::Value, regex: bool| {
+        x["type"] == "ByteLevel"
+            && x["add_prefix_space"] != true
+            && x["use_regex"].as_bool().unwrap_or(true) == regex
+    };
+    let items = match v["type"].as_str() {
+        Some("Sequence") => v["pretokenizers"].as_array().cloned().unwrap_or_default(),
+        _ => vec![v.clone()],
+    };
+    let name = match items.as_slice() {
+        [b] if byte_level(b, true) => Some("gpt-2"),
+        [d, b]
+            if d["type"] == "Digits" && d["individual_digits"] == true && byte_level(b, true) =>
+        {
+            Some("smollm")
+        }
+        [s, b] if s["type"] == "Split" && byte_level(b, false) => {
+            match s["pattern"]["Regex"].as_str() {
+                Some(LLAMA3_SPLIT) => Some("llama-bpe"),
+                Some(QWEN2_SPLIT) => Some("qwen2"),
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    name.ok_or_else(|| {
+        err(format!(
+            "the tokenizer's pre-tokenizer has no llama.cpp equivalent (supported: GPT-2 byte-level, SmolLM, Llama 3, Qwen2): {}",
+            v.to_string().chars().take(200).collect::<String>()
+        ))
+    })
+}
+
+/// The GGUF metadata of a tokenizer (`tokenizer.ggml.*`, `tokenizer.chat_template`) for a model
+/// of `n_vocab` embedding rows (missing ids are filled with unused `[PAD{i}]` tokens).
+fn tokenizer_metadata(tok: &Tokenizer, cfg: &ModelConfig) -> Result<Vec<(String, Value)>> {
+    let inner = &tok.inner;
+    let n_vocab = cfg.vocab_size;
+    let vocab = inner.get_vocab(true);
+    if let Some((t, id)) = vocab.iter().find(|(_, id)| **id as usize >= n_vocab) {
+        bail!("token `{t}` has id {id}, outside the model's {n_vocab} embedding rows");
+    }
+    let mut tokens: Vec<Option<String>> = vec![None; n_vocab];
+    for (t, id) in &vocab {
+        tokens[*id as usize] = Some(t.clone());
+    }
+    let added = inner.get_added_tokens_decoder();
+    let mut types = Vec::with_capacity(n_vocab);
+    let tokens: Vec<Value> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let ty = match (&t, added.get(&(i as u32))) {
+                (None, _) => 5,                       // unused
+                (Some(_), Some(a)) if a.special => 3, // control
+                (Some(_), Some(_)) => 4,              // user-defined
+                _ => 1,                               // normal
+            };
+            types.push(Value::I32(ty));
+            Value::String(t.unwrap_or_else(|| format!("[PAD{i}]")))
+        })
+        .collect();
+    let model = serde_json::to_value(inner.get_model())
+        .map_err(|e| err(format!("tokenizer model: {e}")))?;
+    if model["type"] != "BPE" {
+        bail!(
+            "only byte-level BPE tokenizers can be written to GGUF (this one is {})",
+            model["type"]
+        );
+    }
+    let merges: Vec<Value> = model["merges"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| match m {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    serde_json::Value::Array(p) => {
+                        Some(format!("{} {}", p.first()?.as_str()?, p.get(1)?.as_str()?))
+                    }
+                    _ => None,
+                })
+                .map(Value::String)
+                .collect()
+        })
+        .unwrap_or_default();
+    if merges.is_empty() {
+        bail!("the tokenizer has no BPE merges (llama.cpp refuses an empty merge list)");
+    }
+    let pre = gguf_pre_tokenizer(inner)?;
+    let id_of = |t: &Option<String>| t.as_deref().and_then(|t| inner.token_to_id(t));
+    let bos = cfg.bos_token_id.or_else(|| id_of(&tok.bos_token));
+    let eos = id_of(&tok.eos_token).or_else(|| tok.eos_token_ids.first().copied());
+    // Whether encoding adds BOS / EOS: seen from what the tokenizer does.
+    let probe = |special: bool| {
+        inner
+            .encode("a", special)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default()
+    };
+    let (with, without) = (probe(true), probe(false));
+    let add_bos = bos.is_some() && with.len() > without.len() && with.first().copied() == bos;
+    let add_eos = eos.is_some() && with.len() > without.len() && with.last().copied() == eos;
+    let mut md = vec![
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+        ("tokenizer.ggml.pre".to_string(), Value::String(pre.into())),
+        ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens)),
+        ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
+        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
+        (
+            "tokenizer.ggml.add_bos_token".to_string(),
+            Value::Bool(add_bos),
+        ),
+        (
+            "tokenizer.ggml.add_eos_token".to_string(),
+            Value::Bool(add_eos),
+        ),
+        (
+            "tokenizer.ggml.padding_token_id".to_string(),
+            Value::U32(tok.pad_token_id),
+        ),
+    ];
+    // llama.cpp defaults missing BOS/EOS ids to 11: always write them (EOS stands in for BOS).
+    md.push((
+        "tokenizer.ggml.bos_token_id".into(),
+        Value::U32(bos.or(eos).unwrap_or(0)),
+    ));
+    if let Some(e) = eos {
+        md.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(e)));
+    }
+    if let Some(t) = &tok.chat_template {
+        md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
+    }
+    Ok(md)
+}
+
+/// Llama 3 RoPE scaling as llama.cpp's `rope_freqs.weight`: the factor dividing each of the
+/// `head_dim / 2` frequencies (what [`llama3_scaling_from_rope_freqs`] reads back).
+pub fn rope_freqs(s: &Llama3RopeScaling, rope_theta: f64, head_dim: usize) -> Vec<f32> {
+    let old = s.original_max_position_embeddings as f64;
+    let (low_wavelen, high_wavelen) = (old / s.low_freq_factor, old / s.high_freq_factor);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / rope_theta.powf(2.0 * i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                s.factor
+            } else {
+                let sm =
+                    (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                1.0 / ((1.0 - sm) / s.factor + sm)
+            };
+            f as f32
+        })
+        .collect()
+}
+
+/// Writes `model` and `tokenizer` as a llama.cpp GGUF file: llama.cpp's tensor names and
+/// `{arch}.*` metadata, llama's Q/K rows permuted for its RoPE, the tokenizer and chat template
+/// in `tokenizer.*`, tied embeddings as a missing `output.weight`. Matrices get `ty`; norms,
+/// biases and `rope_freqs` stay f32 (as llama.cpp needs). A matrix whose rows do not split into
+/// `ty`'s blocks falls back as llama-quantize does (q4_k → q5_0 → f16; q8_0/q4_0 → f16). With
+/// 4-bit types the embedding (and output) matrices are stored q8_0, as llama.cpp keeps them at
+/// higher precision. Returns `(tensor name, type written)` per tensor.
+pub fn save_gguf(
+    model: &crate::model::Transformer,
+    tokenizer: &Tokenizer,
+    path: &Path,
+    ty: GgufType,
+    name: &str,
+) -> Result<Vec<(String, String)>> {
+    let cfg = &model.cfg;
+    let arch = cfg.arch.as_str();
+    let a = |k: &str| format!("{arch}.{k}");
+    let u = |x: usize| Value::U32(x as u32);
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        ("general.type".into(), Value::String("model".into())),
+        ("general.name".into(), Value::String(name.into())),
+        ("general.file_type".into(), Value::U32(ty.file_type())),
+        ("general.quantization_version".into(), Value::U32(2)),
+        (a("context_length"), u(cfg.max_position_embeddings)),
+        (a("embedding_length"), u(cfg.hidden_size)),
+        (a("block_count"), u(cfg.num_hidden_layers)),
+        (a("feed_forward_length"), u(cfg.intermediate_size)),
+        (a("attention.head_count"), u(cfg.num_attention_heads)),
+        (a("attention.head_count_kv"), u(cfg.num_key_value_heads)),
+        (a("attention.key_length"), u(cfg.head_dim)),
+        (a("attention.value_length"), u(cfg.head_dim)),
+        (a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)),
+        (
+            a("attention.layer_norm_rms_epsilon"),
+            Value::F32(cfg.rms_norm_eps as f32),
+        ),
+    ];
+    if cfg.arch == Arch::Llama {
+        md.push((a("rope.dimension_count"), u(cfg.head_dim)));
+        md.push((a("vocab_size"), u(cfg.vocab_size)));
+    }
+    md.extend(tokenizer_metadata(tokenizer, cfg)?);
+
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut written = Vec::new();
+    let cpu = Device::Cpu;
+    for (hf, t) in model.weights() {
+        let Some(g) = gguf_tensor_name(&hf) else {
+            bail!("tensor `{hf}` has no llama.cpp name");
+        };
+        let mut t = t.detach().to_device(&cpu)?.to_dtype(DType::F32)?;
+        if cfg.arch == Arch::Llama {
+            if g.contains(".attn_q.") {
+                t = permute_qk(&t, cfg.num_attention_heads)?;
+            } else if g.contains(".attn_k.") {
+                t = permute_qk(&t, cfg.num_key_value_heads)?;
+            }
+        }
+        let want = if t.rank() < 2 {
+            GgmlDType::F32
+        } else if matches!(ty, GgufType::Q4_0 | GgufType::Q4K)
+            && (g == "token_embd.weight" || g == "output.weight")
+        {
+            GgmlDType::Q8_0
+        } else {
+            ty.ggml()
+        };
+        let cols = t.dims().last().copied().unwrap_or(1);
+        let fits = |d: GgmlDType| cols.is_multiple_of(d.block_size());
+        let chosen = if fits(want) {
+            want
+        } else if want == GgmlDType::Q4K && fits(GgmlDType::Q5_0) {
+            GgmlDType::Q5_0
+        } else {
+            GgmlDType::F16
+        };
+        let q = QTensor::quantize(&t, chosen).map_err(|e| err(format!("tensor `{g}`: {e}")))?;
+        written.push((g.clone(), format!("{chosen:?}")));
+        tensors.push((g, q));
+    }
+    if let (Arch::Llama, Some(s)) = (cfg.arch, &cfg.rope_scaling) {
+        let f = rope_freqs(s, cfg.rope_theta, cfg.head_dim);
+        let n = f.len();
+        let t = Tensor::from_vec(f, n, &cpu)?;
+        tensors.push((
+            "rope_freqs.weight".into(),
+            QTensor::quantize(&t, GgmlDType::F32)?,
+        ));
+        written.push(("rope_freqs.weight".into(), "F32".into()));
+    } else if cfg.rope_scaling.is_some() {
+        bail!(
+            "Llama 3 RoPE scaling is only written for the llama architecture (llama.cpp reads rope_freqs for llama only)"
+        );
+    }
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
+    }
+    let mut f = std::io::BufWriter::new(
+        File::create(path).map_err(|e| err(format!("{}: {e}", path.display())))?,
+    );
+    candle_core::quantized::gguf_file::write(&mut f, &md_refs, &t_refs)
+        .map_err(|e| err(format!("{}: {e}", path.display())))?;
+    std::io::Write::flush(&mut f).map_err(|e| err(format!("{}: {e}", path.display())))?;
+    Ok(written)
 }
