@@ -9,6 +9,8 @@
 //!   `from_pretrained(path, ...)` then `fit() -> TrainingResult`, with [`trainer::Callbacks`];
 //!   [`create_trainer`] by name, [`list_algorithms`].
 //! - [`optim`]: AdamW with saveable state, gradient clipping, LR schedules.
+//! - [`serve`]: `grpo-cli serve`, an OpenAI-compatible server (completions, chat, vLLM's LoRA
+//!   endpoints) batching concurrent requests on grpo-rollout's generator.
 //!
 //! ```no_run
 //! use grpo_cli::{GrpoTrainer, config::TrainConfig};
