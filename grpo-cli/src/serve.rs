@@ -819,18 +819,42 @@ async fn completions(
             choice
         })
         .collect();
-    Ok(Json(json!({
-        "id": request_id("cmpl", &s),
-        "object": "text_completion",
+    Ok(Json(envelope(
+        &s,
+        "text_completion",
+        &name,
+        choices,
+        prompt_tokens,
+        completion_tokens,
+    )))
+}
+
+/// The body around the choices (OpenAI's `id`, `object`, `created`, `model`, `usage`).
+fn envelope(
+    s: &Shared,
+    object: &str,
+    model: &str,
+    choices: Vec<Value>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+) -> Value {
+    let prefix = if object == "chat.completion" {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    json!({
+        "id": request_id(prefix, s),
+        "object": object,
         "created": now_secs(),
-        "model": name,
+        "model": model,
         "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
-    })))
+    })
 }
 
 fn encode(s: &Shared, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -945,18 +969,14 @@ async fn chat_completions(
             choice
         })
         .collect();
-    let mut out = json!({
-        "id": request_id("chatcmpl", &s),
-        "object": "chat.completion",
-        "created": now_secs(),
-        "model": name,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    });
+    let mut out = envelope(
+        &s,
+        "chat.completion",
+        &name,
+        choices,
+        prompt_tokens,
+        completion_tokens,
+    );
     if with_ids {
         out["prompt_token_ids"] = json!(ids);
     }

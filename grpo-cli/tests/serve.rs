@@ -56,6 +56,23 @@ async fn post(url: &str, body: Value) -> (u16, Value, Option<String>) {
     )
 }
 
+/// Greedy local generation: what the server must answer at temperature 0.
+fn greedy_local(
+    m: &grpo_rollout::Transformer,
+    tok: &grpo_rollout::Tokenizer,
+    ids: &[u32],
+    k: usize,
+) -> grpo_rollout::Completion {
+    let p = SamplingParams {
+        max_new_tokens: k,
+        temperature: 0.0,
+        ..Default::default()
+    };
+    generate(&m.detached(), tok, &[ids.to_vec()], 1, &p)
+        .unwrap()
+        .remove(0)
+}
+
 fn ids_of(tokens: &Value) -> Vec<u32> {
     tokens
         .as_array()
@@ -155,19 +172,8 @@ fn completions_equal_local_generation() {
     assert!(ch[0]["logprobs"].is_null());
     let p1 = m.tokenizer.encode("gamma", true).unwrap();
     assert_eq!(ch[2]["prompt_token_ids"], json!(p1));
-    let greedy = generate(
-        &m.model.detached(),
-        &m.tokenizer,
-        &[p1],
-        1,
-        &SamplingParams {
-            max_new_tokens: 4,
-            temperature: 0.0,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    assert_eq!(ch[3]["token_ids"], json!(greedy[0].token_ids));
+    let greedy = greedy_local(&m.model, &m.tokenizer, &p1, 4);
+    assert_eq!(ch[3]["token_ids"], json!(greedy.token_ids));
 
     // /v1/models and /health.
     let models: Value = rt.block_on(async {
@@ -268,18 +274,7 @@ fn chat_completions_render_the_template() {
         .apply_chat_template(&[ChatMessage::new("user", "Hi there")], true)
         .unwrap();
     let ids = m.tokenizer.encode(&text, false).unwrap();
-    let local = generate(
-        &m.model.detached(),
-        &m.tokenizer,
-        std::slice::from_ref(&ids),
-        1,
-        &SamplingParams {
-            max_new_tokens: 6,
-            temperature: 0.0,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let local = [greedy_local(&m.model, &m.tokenizer, &ids, 6)];
     let c = &body["choices"][0];
     assert_eq!(c["message"]["role"], "assistant");
     assert_eq!(c["message"]["content"], local[0].text);
@@ -344,21 +339,10 @@ fn lora_adapters_load_serve_and_unload() {
 
     let mut local = m.model.clone();
     grpo_rollout::lora::load_peft(&mut local, &dir).unwrap();
-    let want = generate(
-        &local.detached(),
-        &m.tokenizer,
-        std::slice::from_ref(&prompt),
-        1,
-        &SamplingParams {
-            max_new_tokens: 10,
-            temperature: 0.0,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let want = greedy_local(&local, &m.tokenizer, &prompt, 10);
     let (st, with, _) = rt.block_on(post(&format!("{base}/completions"), greedy("policy")));
     assert_eq!(st, 200, "{with}");
-    assert_eq!(with["choices"][0]["token_ids"], json!(want[0].token_ids));
+    assert_eq!(with["choices"][0]["token_ids"], json!(want.token_ids));
     let (_, plain, _) = rt.block_on(post(&format!("{base}/completions"), greedy("tiny")));
     assert_ne!(
         plain["choices"][0]["token_ids"],
