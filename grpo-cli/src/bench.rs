@@ -29,6 +29,8 @@ pub struct BenchOptions {
     pub completion: usize,
     /// KL coefficient.
     pub beta: f64,
+    /// Train LoRA adapters of this rank (α = 2r, every projection) instead of every weight.
+    pub lora_r: Option<usize>,
 }
 
 impl Default for BenchOptions {
@@ -39,6 +41,7 @@ impl Default for BenchOptions {
             generations: 8,
             completion: 64,
             beta: 0.04,
+            lora_r: None,
         }
     }
 }
@@ -89,6 +92,17 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         ..Default::default()
     };
     cfg.model.path = model.to_path_buf();
+    if let Some(r) = opts.lora_r {
+        cfg.model.lora = Some(grpo_rollout::LoraConfig {
+            r,
+            lora_alpha: 2.0 * r as f64,
+            target_modules: grpo_rollout::lora::TARGET_MODULES
+                .iter()
+                .map(|m| m.to_string())
+                .collect(),
+            ..Default::default()
+        });
+    }
     cfg.data.path = vec![data.display().to_string()];
     cfg.rollout.num_generations = opts.generations;
     cfg.rollout.max_completion_length = opts.completion;
@@ -151,5 +165,7 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         "score_s_median": steady("timing/score_s"),
         "train_s_median": steady("timing/train_s"),
         "peak_rss_mib": times.0.last().map(|m| m["peak_rss_mib"]),
+        "completion_length": opts.completion,
+        "lora_r": opts.lora_r,
     }))
 }

@@ -148,6 +148,8 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::Bench(a)) => {
             let o = grpo_cli::bench::BenchOptions {
                 steps: a.steps,
+                completion: a.completion_length,
+                lora_r: a.lora_r,
                 ..Default::default()
             };
             let line = grpo_cli::bench::run(&a.model, &o)?;
@@ -183,6 +185,13 @@ struct BenchArgs {
     /// Steps (the first is excluded from the median).
     #[arg(long, default_value_t = 6)]
     steps: usize,
+    /// Completion tokens per sample (the shared workload: 64).
+    #[arg(long, default_value_t = 64)]
+    completion_length: usize,
+    /// Train LoRA adapters of this rank (alpha = 2r, all seven projections) instead of every
+    /// weight.
+    #[arg(long)]
+    lora_r: Option<usize>,
 }
 
 fn demo(a: DemoArgs) -> Result<()> {

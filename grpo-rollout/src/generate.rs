@@ -167,6 +167,34 @@ fn sample_row(
     } else {
         1.0
     };
+    // Plain sampling (no penalty, suppression or filter), the rollout default: one pass of
+    // exponentials gives both the normaliser of the recorded log-prob and the sampling weights.
+    let plain = p.temperature > 0.0
+        && p.repetition_penalty == 1.0
+        && suppress.is_empty()
+        && p.top_k == 0
+        && p.top_p >= 1.0
+        && p.min_p <= 0.0
+        && p.top_logprobs == 0;
+    if plain {
+        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
+        if max.is_finite() {
+            let w: Vec<f32> = logits.iter().map(|&z| (z / t - max).exp()).collect();
+            let z: f32 = w.iter().sum();
+            let lse = max + z.ln();
+            let u: f32 = rng.random::<f32>() * z;
+            let mut acc = 0.0;
+            let mut pick = w.iter().rposition(|&x| x > 0.0).unwrap_or(0);
+            for (i, &q) in w.iter().enumerate() {
+                acc += q;
+                if u < acc {
+                    pick = i;
+                    break;
+                }
+            }
+            return (pick as u32, logits[pick] / t - lse, Vec::new());
+        }
+    }
     // Recorded log-prob: raw logits / temperature.
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
     let lse = max
@@ -522,4 +550,54 @@ pub fn left_pad(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<(Tensor,
         Tensor::from_vec(ids, (rows.len(), l), device)?,
         Tensor::from_vec(mask, (rows.len(), l), device)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both sampling paths (the one-pass plain path and the general one, here forced by a
+    /// filter that keeps everything) draw from softmax(logits / T): empirical frequencies over
+    /// 40,000 draws are within 4 standard errors of the probabilities, and the recorded
+    /// log-prob is the exact log-softmax.
+    #[test]
+    fn sampling_draws_from_the_tempered_softmax() {
+        let logits = [1.0f32, 0.0, -1.0, 2.5, f32::NEG_INFINITY, 0.5];
+        let t = 0.8f32;
+        let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
+        let z: f32 = logits.iter().map(|&x| (x / t - m).exp()).sum();
+        let probs: Vec<f64> = logits
+            .iter()
+            .map(|&x| ((x / t - m).exp() / z) as f64)
+            .collect();
+        let plain = SamplingParams {
+            temperature: t as f64,
+            ..Default::default()
+        };
+        let general = SamplingParams {
+            top_k: logits.len(),
+            top_logprobs: 2,
+            ..plain.clone()
+        };
+        for p in [plain, general] {
+            let mut rng = ChaCha8Rng::seed_from_u64(3);
+            let n = 40_000;
+            let mut counts = vec![0usize; logits.len()];
+            for _ in 0..n {
+                let (tok, lp, _) = sample_row(&logits, &p, &[], &[], &mut rng);
+                counts[tok as usize] += 1;
+                assert!((lp as f64 - probs[tok as usize].ln()).abs() < 1e-5);
+            }
+            for (i, &c) in counts.iter().enumerate() {
+                let f = c as f64 / n as f64;
+                let se = (probs[i] * (1.0 - probs[i]) / n as f64).sqrt().max(1e-9);
+                assert!(
+                    (f - probs[i]).abs() <= 4.0 * se,
+                    "token {i}: {f} vs {}",
+                    probs[i]
+                );
+            }
+            assert_eq!(counts[4], 0, "a -inf logit is never drawn");
+        }
+    }
 }
