@@ -237,8 +237,10 @@ pub struct Transformer {
     pub norm: RmsNorm,
     /// `(vocab, hidden)` output head; `None` when tied to the embeddings.
     pub lm_head: Option<Tensor>,
-    /// The output head transposed `(hidden, vocab)`, contiguous, set by [`Self::for_decoding`].
-    pub head_t: Option<Tensor>,
+    /// Set by [`Self::for_decoding`]: few-row logits are computed as `W · hᵀ` (the head's
+    /// rows against the hidden states), which candle's gemm runs up to 2x faster than `h · Wᵀ`
+    /// for a wide head.
+    pub decoding: bool,
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
@@ -388,7 +390,7 @@ impl Transformer {
             layers,
             norm: norm("model.norm.weight", h)?,
             lm_head,
-            head_t: None,
+            decoding: false,
             rope_cos,
             rope_sin,
         })
@@ -479,7 +481,7 @@ impl Transformer {
             layers,
             norm: norm(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(f).transpose()?,
-            head_t: None,
+            decoding: false,
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
         })
@@ -491,9 +493,9 @@ impl Transformer {
             .expect("detach cannot fail")
     }
 
-    /// A detached copy for generation: every linear layer (and the output head) also keeps its
-    /// weight transposed and contiguous, which few-row decode matmuls run 2-3x faster on. Costs
-    /// one more copy of the weights. Transposes already made are kept (a server prepares its
+    /// A detached copy for generation: every linear layer also keeps its weight transposed and
+    /// contiguous, which few-row decode matmuls run 2-3x faster on (one more copy of the layer
+    /// weights), and the output head switches to `W · hᵀ` ([`Self::decoding`]). Transposes already made are kept (a server prepares its
     /// model once; generation calls this again for free).
     pub fn for_decoding(&self) -> Result<Self> {
         let mut m = self.detached();
@@ -509,7 +511,7 @@ impl Transformer {
                 lin.weight_t = tr(&lin.weight, &s.weight_t)?;
             }
         }
-        m.head_t = tr(m.head(), &self.head_t)?;
+        m.decoding = true;
         Ok(m)
     }
 
@@ -635,9 +637,13 @@ impl Transformer {
 
     /// Logits `(N, V)` of hidden states `(N, H)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        match &self.head_t {
-            Some(ht) if hidden.dim(0)? <= DECODE_ROWS => hidden.matmul(ht),
-            _ => hidden.matmul(&self.head().t()?),
+        if self.decoding && hidden.dim(0)? <= DECODE_ROWS {
+            self.head()
+                .matmul(&hidden.t()?.contiguous()?)?
+                .t()?
+                .contiguous()
+        } else {
+            hidden.matmul(&self.head().t()?)
         }
     }
 
