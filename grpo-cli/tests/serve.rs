@@ -56,6 +56,10 @@ async fn post(url: &str, body: Value) -> (u16, Value, Option<String>) {
     )
 }
 
+fn get_json(rt: &tokio::runtime::Runtime, url: &str) -> Value {
+    rt.block_on(async { reqwest::get(url).await.unwrap().json().await.unwrap() })
+}
+
 /// Greedy local generation: what the server must answer at temperature 0.
 fn greedy_local(
     m: &grpo_rollout::Transformer,
@@ -176,14 +180,14 @@ fn completions_equal_local_generation() {
     assert_eq!(ch[3]["token_ids"], json!(greedy.token_ids));
 
     // /v1/models and /health.
-    let models: Value = rt.block_on(async {
-        reqwest::get(format!("{}/models", srv.base_url()))
+    let health = rt.block_on(async {
+        reqwest::get(format!("http://{}/health", srv.addr))
             .await
             .unwrap()
-            .json()
-            .await
-            .unwrap()
+            .status()
     });
+    assert_eq!(health.as_u16(), 200);
+    let models: Value = get_json(&rt, &format!("{}/models", srv.base_url()));
     assert_eq!(models["data"][0]["id"], "tiny");
     assert_eq!(
         models["data"][0]["max_model_len"],
@@ -245,14 +249,7 @@ fn concurrent_requests_are_batched_and_each_answer_is_its_own() {
             assert_eq!(ids_of(&c["logprobs"]["tokens"]), l.token_ids, "request {i}");
         }
     }
-    let stats: Value = rt.block_on(async {
-        reqwest::get(format!("http://{}/stats", srv.addr))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    });
+    let stats: Value = get_json(&rt, &format!("http://{}/stats", srv.addr));
     assert_eq!(stats["requests"], 8);
     assert!(stats["batches"].as_u64().unwrap() < 8, "{stats}");
 }
@@ -326,14 +323,7 @@ fn lora_adapters_load_serve_and_unload() {
         body,
         json!("Success: LoRA adapter 'policy' added successfully.")
     );
-    let models: Value = rt.block_on(async {
-        reqwest::get(format!("{base}/models"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    });
+    let models: Value = get_json(&rt, &format!("{base}/models"));
     assert_eq!(models["data"][1]["id"], "policy");
     assert_eq!(models["data"][1]["parent"], "tiny");
 
@@ -499,14 +489,7 @@ fn a_full_queue_answers_429_and_the_server_keeps_serving() {
         assert_eq!(retry.as_deref(), Some("1"));
         assert!(body["error"]["message"].as_str().unwrap().contains("busy"));
     }
-    let stats: Value = rt.block_on(async {
-        reqwest::get(format!("http://{}/stats", srv.addr))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    });
+    let stats: Value = get_json(&rt, &format!("http://{}/stats", srv.addr));
     assert_eq!(
         stats["rejected_busy"].as_u64().unwrap() as usize,
         busy.len()
