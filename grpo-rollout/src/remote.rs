@@ -137,13 +137,29 @@ impl RemoteGenerator {
     pub fn sync_adapter(&mut self, name: &str, dir: &Path) -> Result<()> {
         let path =
             std::fs::canonicalize(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
-        self.call(
-            "POST",
-            "/load_lora_adapter",
-            Some(json!({"lora_name": name, "lora_path": path.display().to_string()})),
-            self.cfg.sync_timeout,
-        )
-        .map_err(|e| err(format!("LoRA sync of `{name}` failed: {e}")))?;
+        let load = || {
+            self.call(
+                "POST",
+                "/load_lora_adapter",
+                Some(json!({"lora_name": name, "lora_path": path.display().to_string()})),
+                self.cfg.sync_timeout,
+            )
+        };
+        // A name the server already has (a resumed run re-syncing its last version, say) is
+        // unloaded and loaded again, so the server holds these weights.
+        let loaded = match load() {
+            Err(e) if e.to_string().contains("HTTP 400") && e.to_string().contains("already") => {
+                self.call(
+                    "POST",
+                    "/unload_lora_adapter",
+                    Some(json!({"lora_name": name})),
+                    self.cfg.sync_timeout,
+                )
+                .and_then(|_| load())
+            }
+            other => other,
+        };
+        loaded.map_err(|e| err(format!("LoRA sync of `{name}` failed: {e}")))?;
         if let Some(old) = self.adapter.replace(name.to_string())
             && old != name
         {

@@ -132,11 +132,44 @@ fn the_openai_backend_trains_like_the_local_one() {
         rt.block_on(async { reqwest_get(&format!("http://{}/stats", srv.addr)).await })
     };
     assert_eq!(stats["requests"], 24);
+    // Stopping after 2 steps and resuming against the same server (which still holds the
+    // adapter of the version the run resumes from) gives the uninterrupted run.
+    let resumed_cfg = || config(root, "resumed", &remote_extra);
+    let first = trainer::run(
+        trainer::setup(resumed_cfg()).unwrap(),
+        &RunOptions {
+            stop_after: Some(2),
+            ..Default::default()
+        },
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap();
+    let rest = trainer::run(
+        trainer::setup(resumed_cfg()).unwrap(),
+        &RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap();
+    let mut joined = rewards(&first);
+    joined.extend(rewards(&rest));
+    assert_eq!(joined, r);
     let left: Vec<_> = std::fs::read_dir(root.join("remote/rollout_adapters"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     assert_eq!(left, vec!["step-23".to_string()]);
+    // A new client syncing a name the server already holds (a restarted trainer) replaces it.
+    let cfg = grpo_rollout::remote::RemoteConfig {
+        base_url: srv.base_url(),
+        ..Default::default()
+    };
+    let adapter = root.join("remote/rollout_adapters/step-23");
+    let mut client = grpo_rollout::remote::RemoteGenerator::connect(cfg).unwrap();
+    client.sync_adapter("policy-step-23", &adapter).unwrap();
+    assert_eq!(client.adapter(), Some("policy-step-23"));
 }
 
 async fn reqwest_get(url: &str) -> serde_json::Value {
