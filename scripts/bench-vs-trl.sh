@@ -42,7 +42,15 @@ for m in "${models[@]}"; do
   ours=(); trl=()
   for r in $(seq "$rounds"); do
     ours+=("$("$BIN" bench --model "$m" --steps "$steps" | tail -1)")
-    trl+=("$("$PY" "$TRL" "$m" --steps "$steps" 2>/dev/null | tail -1)")
+    # TRL's peak RSS from /usr/bin/time (its bench does not report memory).
+    tf=$(mktemp)
+    if [ -x /usr/bin/time ]; then
+      line=$(/usr/bin/time -f '%M' -o "$tf" "$PY" "$TRL" "$m" --steps "$steps" 2>/dev/null | tail -1)
+    else
+      line=$("$PY" "$TRL" "$m" --steps "$steps" 2>/dev/null | tail -1); echo 0 > "$tf"
+    fi
+    trl+=("$(python3 -c 'import json, sys; d = json.loads(sys.argv[1]); d["peak_rss_mib"] = int(sys.argv[2]) / 1024; print(json.dumps(d))' "$line" "$(tail -1 "$tf")")")
+    rm -f "$tf"
   done
   OURS="$(printf '%s\n' "${ours[@]}")" TRLS="$(printf '%s\n' "${trl[@]}")" python3 - "$m" <<'PYEOF'
 import json, os, statistics, sys
@@ -53,6 +61,7 @@ t = statistics.median(x["step_s_median"] for x in trl)
 ph = {k: round(statistics.median(x[k] for x in ours), 3) for k in ("generate_s_median", "train_s_median")}
 print(f"{os.path.basename(sys.argv[1].rstrip('/'))}: grpo-rs {o:.3f} s/step {ph}, TRL {t:.3f} s/step, "
       f"ratio {o / t:.2f} ({'faster' if o < t else 'slower'}); "
-      f"peak RSS grpo-rs {max(x.get('peak_rss_mib', 0) for x in ours):.0f} MiB")
+      f"peak RSS grpo-rs {max(x.get('peak_rss_mib', 0) for x in ours):.0f} MiB, "
+      f"TRL {max(x.get('peak_rss_mib', 0) for x in trl):.0f} MiB")
 PYEOF
 done
