@@ -241,21 +241,12 @@ pub fn llama3_scaling_from_rope_freqs(
         high_freq_factor: high,
         original_max_position_embeddings: old as usize,
     };
-    let low_wavelen = old / low;
-    let high_wavelen = old / high;
-    for (i, r) in factors.iter().enumerate() {
-        let wavelen = 2.0 * std::f64::consts::PI / freq(i);
-        let want = if wavelen < high_wavelen {
-            1.0
-        } else if wavelen > low_wavelen {
-            factor
-        } else {
-            let s = (old / wavelen - low) / (high - low);
-            1.0 / ((1.0 - s) / factor + s)
-        };
-        if ((*r as f64) - want).abs() > 1e-3 * want {
+    let want = rope_freqs(&scaling, rope_theta, head_dim);
+    for (i, (r, w)) in factors.iter().zip(&want).enumerate() {
+        let (r, w) = (*r as f64, *w as f64);
+        if (r - w).abs() > 1e-3 * w {
             bail!(
-                "rope_freqs.weight[{i}] = {r} does not fit Llama 3 RoPE scaling ({scaling:?} gives {want}): unsupported RoPE scaling"
+                "rope_freqs.weight[{i}] = {r} does not fit Llama 3 RoPE scaling ({scaling:?} gives {w}): unsupported RoPE scaling"
             );
         }
     }
@@ -304,19 +295,27 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
 /// `(n_head, head_dim / 2, 2)` and swapped back. Works on a weight `(rows, cols)` or a bias
 /// `(rows,)`; `n_head` is the number of heads of this projection (the KV heads for K).
 pub fn unpermute_qk(t: &Tensor, n_head: usize) -> Result<Tensor> {
+    swap_head_halves(t, n_head, true)
+}
+
+/// Views each head's rows as `(half, 2)` (`stored`, llama.cpp's layout) or `(2, half)` and
+/// transposes them to the other layout.
+fn swap_head_halves(t: &Tensor, n_head: usize, stored: bool) -> Result<Tensor> {
     let dims = t.dims().to_vec();
     let rows = dims.first().copied().unwrap_or(0);
     if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
         bail!(
-            "cannot un-permute {dims:?} for {n_head} heads: rows must be a multiple of 2 × heads"
+            "cannot (un-)permute {dims:?} for {n_head} heads: rows must be a multiple of 2 × heads"
         );
     }
     let half = rows / n_head / 2;
     let cols: usize = dims[1..].iter().product();
-    t.reshape((n_head, half, 2, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape(dims)
+    let view = if stored {
+        t.reshape((n_head, half, 2, cols))?
+    } else {
+        t.reshape((n_head, 2, half, cols))?
+    };
+    view.transpose(1, 2)?.contiguous()?.reshape(dims)
 }
 
 fn read_weights<R: Read + Seek>(
@@ -681,17 +680,7 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
 /// `LlamaModel.permute`): each head's rows `(2, head_dim / 2)` stored as `(head_dim / 2, 2)`.
 /// [`unpermute_qk`] undoes it.
 pub fn permute_qk(t: &Tensor, n_head: usize) -> Result<Tensor> {
-    let dims = t.dims().to_vec();
-    let rows = dims.first().copied().unwrap_or(0);
-    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
-        bail!("cannot permute {dims:?} for {n_head} heads: rows must be a multiple of 2 × heads");
-    }
-    let half = rows / n_head / 2;
-    let cols: usize = dims[1..].iter().product();
-    t.reshape((n_head, 2, half, cols))?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape(dims)
+    swap_head_halves(t, n_head, false)
 }
 
 /// llama.cpp's `tokenizer.ggml.pre` for a tokenizer's pre-tokenizer, when it is one llama.cpp

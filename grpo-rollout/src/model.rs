@@ -107,6 +107,19 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// The seven linear maps, read-only (same order as [`Self::linears_mut`]).
+    pub fn linears(&self) -> [&Linear; 7] {
+        [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+
     /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).
     pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
         [
@@ -505,9 +518,8 @@ impl Transformer {
                 None => w.t()?.contiguous()?,
             }))
         };
-        let mut src = self.clone();
-        for (l, s) in m.layers.iter_mut().zip(src.layers.iter_mut()) {
-            for (lin, s) in l.linears_mut().into_iter().zip(s.linears_mut()) {
+        for (l, s) in m.layers.iter_mut().zip(&self.layers) {
+            for (lin, s) in l.linears_mut().into_iter().zip(s.linears()) {
                 lin.weight_t = tr(&lin.weight, &s.weight_t)?;
             }
         }
