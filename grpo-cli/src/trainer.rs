@@ -1726,6 +1726,10 @@ fn merged_policy(p: &TrainableModel) -> Result<Transformer> {
 /// Per-token log-probs `(B, C)` of completions (right-padded to `C`, the longest) after
 /// left-padded prompts under `model`, with logits divided by `temperature`; entropies when
 /// asked. Returns `C` too. Differentiable when the model's weights are `Var`s.
+///
+/// When rows share a prompt (a GRPO group, DPO's chosen and rejected), each distinct prompt
+/// is run once and its keys and values serve all its rows
+/// ([`Transformer::shared_prompt_logprobs`]); otherwise every row runs prompt + completion.
 pub fn completion_logps(
     model: &Transformer,
     pad: u32,
@@ -1742,6 +1746,47 @@ pub fn completion_logps(
         .unwrap_or(0)
         .max(1);
     let b = prompts.len();
+    let device = model.device();
+    let mut distinct: Vec<&[u32]> = Vec::new();
+    let mut index: HashMap<&[u32], u32> = HashMap::new();
+    let prompt_of: Vec<u32> = prompts
+        .iter()
+        .map(|pr| {
+            *index.entry(pr).or_insert_with(|| {
+                distinct.push(pr);
+                (distinct.len() - 1) as u32
+            })
+        })
+        .collect();
+    if distinct.len() < b && prompts.iter().all(|pr| !pr.is_empty()) {
+        let u = distinct.len();
+        let mut pids = Vec::with_capacity(u * p);
+        let mut pmask = Vec::with_capacity(u * p);
+        for pr in &distinct {
+            pids.extend(std::iter::repeat_n(pad, p - pr.len()));
+            pmask.extend(std::iter::repeat_n(0u32, p - pr.len()));
+            pids.extend(pr.iter());
+            pmask.extend(std::iter::repeat_n(1u32, pr.len()));
+        }
+        let mut cids = Vec::with_capacity(b * c);
+        let mut cmask = Vec::with_capacity(b * c);
+        for co in completions {
+            cids.extend(co.iter());
+            cmask.extend(std::iter::repeat_n(1u32, co.len()));
+            cids.extend(std::iter::repeat_n(pad, c - co.len()));
+            cmask.extend(std::iter::repeat_n(0u32, c - co.len()));
+        }
+        let (lp, ent) = model.shared_prompt_logprobs(
+            &Tensor::from_vec(pids, (u, p), device)?,
+            &Tensor::from_vec(pmask, (u, p), device)?,
+            &prompt_of,
+            &Tensor::from_vec(cids, (b, c), device)?,
+            &Tensor::from_vec(cmask, (b, c), device)?,
+            temperature,
+            with_entropy,
+        )?;
+        return Ok((lp, ent, c));
+    }
     let mut ids = Vec::with_capacity(b * (p + c));
     let mut mask = Vec::with_capacity(b * (p + c));
     for (pr, co) in prompts.iter().zip(completions) {
@@ -1754,7 +1799,6 @@ pub fn completion_logps(
         ids.extend(std::iter::repeat_n(pad, c - co.len()));
         mask.extend(std::iter::repeat_n(0u32, c - co.len()));
     }
-    let device = model.device();
     let ids = Tensor::from_vec(ids, (b, p + c), device)?;
     let mask = Tensor::from_vec(mask, (b, p + c), device)?;
     let (lp, ent) = model.completion_logprobs(&ids, &mask, c, temperature, with_entropy)?;

@@ -519,3 +519,52 @@ fn bad_importance_sampling_options_are_refused() {
         assert!(format!("{e:#}").contains(needle), "{set}: {e:#}");
     }
 }
+
+/// The learner's log-probs: rows that share a prompt (a GRPO group) run it once, and give what
+/// each row run alone gives, log-probs and entropies, completions of different lengths.
+#[test]
+fn completion_logps_of_a_group_equal_each_row_alone() {
+    use candle_core::{DType, Device};
+    let mut cfg = grpo_rollout::init::preset_config(Preset::Tiny, Arch::Qwen2, 300, 2, 0);
+    cfg.hidden_size = 64;
+    let m = grpo_rollout::init::random_weights(&cfg, 9, DType::F32, &Device::Cpu).unwrap();
+    let p0: Vec<u32> = vec![11, 12, 13, 14, 15];
+    let p1: Vec<u32> = vec![200, 7];
+    let prompts: Vec<&[u32]> = vec![&p0, &p1, &p0, &p0, &p1];
+    let comps: Vec<Vec<u32>> = vec![
+        vec![40, 41, 42],
+        vec![50],
+        vec![60, 61, 62, 63, 64, 65],
+        vec![],
+        vec![70, 71],
+    ];
+    let crefs: Vec<&[u32]> = comps.iter().map(Vec::as_slice).collect();
+    let (lp, ent, c) = trainer::completion_logps(&m, 0, &prompts, &crefs, 0.9, true).unwrap();
+    assert_eq!(c, 6);
+    let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+    let ent: Vec<Vec<f32>> = ent.unwrap().to_vec2().unwrap();
+    for (r, co) in comps.iter().enumerate() {
+        if co.is_empty() {
+            continue;
+        }
+        let (a, ea, _) =
+            trainer::completion_logps(&m, 0, &prompts[r..=r], &crefs[r..=r], 0.9, true).unwrap();
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let ea: Vec<f32> = ea.unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        for j in 0..co.len() {
+            assert!(
+                (a[j] - lp[r][j]).abs() < 1e-5,
+                "row {r} token {j}: {} vs {}",
+                a[j],
+                lp[r][j]
+            );
+            assert!((ea[j] - ent[r][j]).abs() < 1e-5, "row {r} entropy {j}");
+        }
+    }
+    assert!(
+        lp.iter()
+            .flatten()
+            .chain(ent.iter().flatten())
+            .all(|x| x.is_finite())
+    );
+}

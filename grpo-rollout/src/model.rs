@@ -237,6 +237,18 @@ impl KvCache {
     }
 }
 
+/// What a forward pass does with each layer's keys and values.
+enum Kv<'a> {
+    /// Nothing: attention over this call's tokens only.
+    None,
+    /// Append them to a generation cache (no graph) and attend over the whole cache.
+    Cache(&'a mut KvCache),
+    /// Also return them, `(B, kv_heads, L, D)` with their graph, one pair per layer.
+    Collect(&'a mut Vec<(Tensor, Tensor)>),
+    /// Attend over these earlier positions (one `(B, kv_heads, P, D)` pair per layer) first.
+    Prefix(&'a [(Tensor, Tensor)]),
+}
+
 /// The decoder: embeddings, layers, final norm, output head.
 #[derive(Debug, Clone)]
 pub struct Transformer {
@@ -570,7 +582,22 @@ impl Transformer {
         input_ids: &Tensor,
         positions: &Tensor,
         attn_bias: &Tensor,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let kv = match cache {
+            Some(c) => Kv::Cache(c),
+            None => Kv::None,
+        };
+        self.forward_kv(input_ids, positions, attn_bias, kv)
+    }
+
+    /// [`Self::forward_hidden`] with the keys and values handled as `kv` says.
+    fn forward_kv(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        attn_bias: &Tensor,
+        mut kv: Kv<'_>,
     ) -> Result<Tensor> {
         let (b, l) = input_ids.dims2()?;
         let cfg = &self.cfg;
@@ -594,7 +621,10 @@ impl Transformer {
             .to_dtype(dtype)?;
         let attn_bias = attn_bias.to_dtype(dtype)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let past = cache.as_deref().map_or(0, KvCache::len);
+        let past = match &kv {
+            Kv::Cache(c) => c.len(),
+            _ => 0,
+        };
 
         let mut x = self
             .embed_tokens
@@ -617,9 +647,17 @@ impl Transformer {
             let q = crate::fused::rope(&q, &cos, &sin)?;
             let k = crate::fused::rope(&k, &cos, &sin)?;
             let v = v.transpose(1, 2)?.contiguous()?;
-            let (k, v) = match cache.as_deref_mut() {
-                Some(c) => c.append(i, past, &k, &v)?,
-                None => (k, v),
+            let (k, v) = match &mut kv {
+                Kv::Cache(c) => c.append(i, past, &k, &v)?,
+                Kv::None => (k, v),
+                Kv::Collect(out) => {
+                    out.push((k.clone(), v.clone()));
+                    (k, v)
+                }
+                Kv::Prefix(pre) => {
+                    let (pk, pv) = &pre[i];
+                    (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
+                }
             };
             let s = k.dim(2)?;
             // Grouped-query attention without repeating k/v: fold the query heads that share
@@ -641,7 +679,7 @@ impl Transformer {
             let act = crate::fused::silu_mul(&gate, &up)?;
             x = (x + layer.down_proj.forward(&act)?)?;
         }
-        if let Some(c) = cache {
+        if let Kv::Cache(c) = kv {
             c.len = past + l;
         }
         self.norm.forward(&x)
@@ -688,12 +726,26 @@ impl Transformer {
             .narrow(1, l - t - 1, t)?
             .reshape((b * t, self.cfg.hidden_size))?;
         let targets = input_ids.narrow(1, l - t, t)?.reshape(b * t)?;
+        self.target_logprobs(&h, &targets, (b, t), temperature, with_entropy)
+    }
+
+    /// Log-probs (and entropies) of `targets` `(N,)` under the logits of hidden states `h`
+    /// `(N, H)` divided by `temperature`, a chunk of rows at a time; returned as `shape`.
+    fn target_logprobs(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        shape: (usize, usize),
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let total = h.dim(0)?;
         let rows = (grpo_core::logprobs::CHUNK_ELEMENTS / self.cfg.vocab_size).max(1);
         let mut lps = Vec::new();
         let mut ents = Vec::new();
         let mut start = 0;
-        while start < b * t {
-            let n = rows.min(b * t - start);
+        while start < total {
+            let n = rows.min(total - start);
             let mut logits = self.logits(&h.narrow(0, start, n)?)?;
             if temperature != 1.0 && temperature > 0.0 {
                 logits = (logits / temperature)?;
@@ -705,13 +757,115 @@ impl Transformer {
             }
             start += n;
         }
-        let lp = Tensor::cat(&lps, 0)?.reshape((b, t))?;
+        let lp = Tensor::cat(&lps, 0)?.reshape(shape)?;
         let ent = if with_entropy {
-            Some(Tensor::cat(&ents, 0)?.reshape((b, t))?)
+            Some(Tensor::cat(&ents, 0)?.reshape(shape)?)
         } else {
             None
         };
         Ok((lp, ent))
+    }
+
+    /// [`Self::completion_logprobs`] for completions that share prompts, each prompt run once.
+    ///
+    /// `prompt_ids` / `prompt_mask` `(U, P)` are the distinct prompts, left-padded (every row
+    /// has at least one real token); `prompt_of[i]` is the prompt of completion row `i`;
+    /// `completion_ids` / `completion_mask` `(B, C)` are the completions, right-padded. The
+    /// prompts' keys and values (with their autograd graph) are repeated to the completion rows
+    /// and put before the completions' own, so gradients from all of a prompt's completions
+    /// meet in its one forward pass. Returns the log-probs (and entropies) of the `C`
+    /// completion tokens, `(B, C)`, equal to the full forward of each prompt + completion row
+    /// up to float rounding. With G completions per prompt the prompt positions cost 1/G of
+    /// the full forward's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn shared_prompt_logprobs(
+        &self,
+        prompt_ids: &Tensor,
+        prompt_mask: &Tensor,
+        prompt_of: &[u32],
+        completion_ids: &Tensor,
+        completion_mask: &Tensor,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let dev = self.device();
+        let (u, p) = prompt_ids.dims2()?;
+        let (b, c) = completion_ids.dims2()?;
+        if prompt_of.len() != b || completion_mask.dims2()? != (b, c) {
+            bail!(
+                "shared_prompt_logprobs: {} prompt indices and a {:?} mask for {b} completion rows",
+                prompt_of.len(),
+                completion_mask.dims()
+            );
+        }
+        if let Some(&bad) = prompt_of.iter().find(|&&g| g as usize >= u) {
+            bail!("shared_prompt_logprobs: prompt index {bad} out of range (there are {u})");
+        }
+        if c == 0 || p == 0 {
+            bail!("shared_prompt_logprobs needs at least one prompt and one completion position");
+        }
+        let pmask: Vec<Vec<f32>> = prompt_mask.to_dtype(DType::F32)?.to_vec2()?;
+        let cmask: Vec<Vec<f32>> = completion_mask.to_dtype(DType::F32)?.to_vec2()?;
+        let plen: Vec<u32> = pmask
+            .iter()
+            .map(|r| r.iter().filter(|&&m| m > 0.5).count() as u32)
+            .collect();
+        if let Some(g) = plen.iter().position(|&n| n == 0) {
+            bail!("shared_prompt_logprobs: prompt row {g} has no real token");
+        }
+        // The prompts alone, collecting each layer's keys and values.
+        let (ppos, pbias) = padded_positions_and_bias(prompt_mask, dev)?;
+        let mut prefix = Vec::with_capacity(self.layers.len());
+        let ph = self.forward_kv(prompt_ids, &ppos, &pbias, Kv::Collect(&mut prefix))?;
+        let rows = Tensor::from_vec(prompt_of.to_vec(), b, dev)?;
+        let prefix = prefix
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    k.contiguous()?.index_select(&rows, 0)?,
+                    v.contiguous()?.index_select(&rows, 0)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // The completions after them: positions continue each prompt's; a query sees its
+        // prompt's real tokens and the real completion tokens up to itself.
+        let neg = mask_value(DType::F32) as f32;
+        let mut pos = Vec::with_capacity(b * c);
+        let mut bias = vec![0f32; b * c * (p + c)];
+        for (r, &g) in prompt_of.iter().enumerate() {
+            let g = g as usize;
+            pos.extend((0..c as u32).map(|j| plen[g] + j));
+            for i in 0..c {
+                let row = &mut bias[(r * c + i) * (p + c)..(r * c + i + 1) * (p + c)];
+                for (j, m) in pmask[g].iter().enumerate() {
+                    if *m < 0.5 {
+                        row[j] = neg;
+                    }
+                }
+                for j in 0..c {
+                    if j > i || cmask[r][j] < 0.5 {
+                        row[p + j] = neg;
+                    }
+                }
+            }
+        }
+        let pos = Tensor::from_vec(pos, (b, c), dev)?;
+        let bias = Tensor::from_vec(bias, (b, 1, c, p + c), dev)?;
+        let ch = self.forward_kv(completion_ids, &pos, &bias, Kv::Prefix(&prefix))?;
+        // Token j is predicted from position j - 1: the prompt's last for j = 0.
+        let hs = self.cfg.hidden_size;
+        let last = ph
+            .narrow(1, p - 1, 1)?
+            .contiguous()?
+            .index_select(&rows, 0)?;
+        let h = if c > 1 {
+            Tensor::cat(&[&last, &ch.narrow(1, 0, c - 1)?], 1)?
+        } else {
+            last
+        }
+        .reshape((b * c, hs))?;
+        let targets = completion_ids.reshape(b * c)?;
+        self.target_logprobs(&h, &targets, (b, c), temperature, with_entropy)
     }
 }
 

@@ -538,3 +538,161 @@ fn published_snapshots_never_see_later_updates() {
         assert_eq!(loss(&snap, &rows, t).to_scalar::<f32>().unwrap(), before);
     }
 }
+
+/// Rows sharing prompts: each distinct prompt runs once and its keys and values serve its rows.
+/// Log-probs, entropies and every gradient equal the rows run alone (prompt + completion), for
+/// each architecture, a full fine-tune and LoRA, prompts and completions of different lengths.
+#[test]
+fn shared_prompts_equal_rows_run_alone_with_gradients() {
+    let dev = Device::Cpu;
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 2, 33], vec![8, 3, 20, 11, 44, 1, 7], vec![17, 6]];
+    let prompt_of: Vec<u32> = vec![0, 0, 1, 2, 1, 0];
+    let comps: Vec<Vec<u32>> = vec![
+        vec![12, 40, 3],
+        vec![9, 9, 27, 5, 60],
+        vec![31],
+        vec![4, 22, 8, 19],
+        vec![2, 14, 56, 38, 6],
+        vec![50, 1],
+    ];
+    let temp = 0.7;
+    let w = |r: usize, j: usize| ((r * 13 + j * 7) % 9) as f64 / 4.0 - 1.0;
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for use_lora in [false, true] {
+            let base = model(arch, DType::F64, arch == Arch::Qwen3);
+            let tm = if use_lora {
+                let lc = LoraConfig {
+                    r: 4,
+                    lora_alpha: 8.0,
+                    ..LoraConfig::default()
+                };
+                let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
+                nonzero_b(&tm);
+                tm
+            } else {
+                TrainableModel::full(&base).unwrap()
+            };
+            let m = &tm.model;
+            // Rows alone.
+            let mut alone_lp = Vec::new();
+            let mut alone_ent = Vec::new();
+            let mut alone_loss = Tensor::zeros((), DType::F64, &dev).unwrap();
+            for (r, c) in comps.iter().enumerate() {
+                let mut ids = prompts[prompt_of[r] as usize].clone();
+                ids.extend(c);
+                let n = ids.len();
+                let ids = Tensor::from_vec(ids, (1, n), &dev).unwrap();
+                let mask = Tensor::ones((1, n), DType::U32, &dev).unwrap();
+                let (lp, ent) = m
+                    .completion_logprobs(&ids, &mask, c.len(), temp, true)
+                    .unwrap();
+                let ent = ent.unwrap();
+                let wr: Vec<f64> = (0..c.len()).map(|j| w(r, j)).collect();
+                let wr = Tensor::from_vec(wr, (1, c.len()), &dev).unwrap();
+                let l = ((&lp * &wr).unwrap().sum_all().unwrap()
+                    + (&ent * 0.1).unwrap().sum_all().unwrap())
+                .unwrap();
+                alone_loss = (alone_loss + l).unwrap();
+                alone_lp.push(lp.flatten_all().unwrap().to_vec1::<f64>().unwrap());
+                alone_ent.push(ent.flatten_all().unwrap().to_vec1::<f64>().unwrap());
+            }
+            // Shared.
+            let (pids, pmask) = padded(&prompts);
+            let cmax = comps.iter().map(Vec::len).max().unwrap();
+            let mut cids = Vec::new();
+            let mut cm = Vec::new();
+            let mut wv = Vec::new();
+            for (r, c) in comps.iter().enumerate() {
+                for j in 0..cmax {
+                    cids.push(c.get(j).copied().unwrap_or(0));
+                    cm.push(u32::from(j < c.len()));
+                    wv.push(if j < c.len() { w(r, j) } else { 0.0 });
+                }
+            }
+            let b = comps.len();
+            let cids = Tensor::from_vec(cids, (b, cmax), &dev).unwrap();
+            let cm = Tensor::from_vec(cm, (b, cmax), &dev).unwrap();
+            let (lp, ent) = m
+                .shared_prompt_logprobs(&pids, &pmask, &prompt_of, &cids, &cm, temp, true)
+                .unwrap();
+            let ent = ent.unwrap();
+            let lpv: Vec<Vec<f64>> = lp.to_vec2().unwrap();
+            let entv: Vec<Vec<f64>> = ent.to_vec2().unwrap();
+            for r in 0..b {
+                let n = comps[r].len();
+                for j in 0..n {
+                    let (a, s) = (alone_lp[r][j], lpv[r][j]);
+                    assert!(
+                        (a - s).abs() < 1e-10,
+                        "{arch:?} lora={use_lora} row {r} token {j}: alone {a}, shared {s}"
+                    );
+                    let (a, s) = (alone_ent[r][j], entv[r][j]);
+                    assert!(
+                        (a - s).abs() < 1e-10,
+                        "{arch:?} entropy row {r} token {j}: {a} vs {s}"
+                    );
+                }
+                assert!(lpv[r].iter().chain(&entv[r]).all(|x| x.is_finite()));
+            }
+            let wt = Tensor::from_vec(wv.clone(), (b, cmax), &dev).unwrap();
+            let entw: Vec<f64> = wv
+                .iter()
+                .zip(cm.flatten_all().unwrap().to_vec1::<u32>().unwrap())
+                .map(|(_, k)| 0.1 * f64::from(k))
+                .collect();
+            let entw = Tensor::from_vec(entw, (b, cmax), &dev).unwrap();
+            let shared_loss = ((&lp * &wt).unwrap().sum_all().unwrap()
+                + (&ent * &entw).unwrap().sum_all().unwrap())
+            .unwrap();
+            let la = alone_loss.to_scalar::<f64>().unwrap();
+            let ls = shared_loss.to_scalar::<f64>().unwrap();
+            assert!(
+                (la - ls).abs() < 1e-9 * la.abs().max(1.0),
+                "{arch:?}: loss {la} vs {ls}"
+            );
+            let ga = alone_loss.backward().unwrap();
+            let gs = shared_loss.backward().unwrap();
+            for (name, v) in &tm.vars {
+                let a: Vec<f64> = ga
+                    .get(v.as_tensor())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let s: Vec<f64> = gs
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("{arch:?} lora={use_lora}: no gradient reached `{name}` through the shared path"))
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let scale = a.iter().fold(0f64, |m, x| m.max(x.abs()));
+                assert!(scale > 0.0, "{name}: zero gradient");
+                let err = a
+                    .iter()
+                    .zip(&s)
+                    .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+                assert!(
+                    err < 1e-9 * scale,
+                    "{arch:?} lora={use_lora} `{name}`: gradient differs by {err} (scale {scale})"
+                );
+            }
+        }
+    }
+    // Bad input names the problem.
+    let m = model(Arch::Qwen2, DType::F32, false);
+    let (pids, pmask) = padded(&prompts);
+    let cids = Tensor::zeros((2, 3), DType::U32, &dev).unwrap();
+    let cm = Tensor::ones((2, 3), DType::U32, &dev).unwrap();
+    let e = m
+        .shared_prompt_logprobs(&pids, &pmask, &[0, 3], &cids, &cm, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("prompt index 3 out of range"), "{e}");
+    let e = m
+        .shared_prompt_logprobs(&pids, &pmask, &[0], &cids, &cm, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 prompt indices"), "{e}");
+}
