@@ -91,6 +91,17 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         }
     }
     let g = median(gen_s.clone());
+    // The matmul work of forward + backward: every row through the layers, the full L x L
+    // score matrix (causal positions are masked, not skipped), the head on the scored half;
+    // backward twice the forward.
+    let (b, l) = (a.batch, a.seq_len);
+    let fb_gflop = 3.0 * m.model.cfg.matmul_flops(b * l, b * l * l, b * (l / 2)) / 1e9;
+    let fb = median(fb_s.clone());
+    let mm = if fb_runs > 0 {
+        Some(matmul_gflops())
+    } else {
+        None
+    };
     println!(
         "{}",
         serde_json::json!({
@@ -100,9 +111,32 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "generate_s_median": g,
             "generate_s_all": gen_s,
             "generate_tokens_per_s": g.map(|g| (a.batch * a.new_tokens) as f64 / g),
-            "fwd_bwd_s_median": median(fb_s.clone()),
+            "fwd_bwd_s_median": fb,
             "fwd_bwd_s_all": fb_s,
+            "fwd_bwd_gflop": fb_gflop,
+            "fwd_bwd_gflop_per_s": fb.map(|t| fb_gflop / t),
+            "matmul_gflop_per_s": mm,
+            "fwd_bwd_matmul_fraction": fb.zip(mm).map(|(t, mm)| fb_gflop / t / mm),
         })
     );
     Ok(())
+}
+
+/// candle's f32 matmul rate on this machine, GFLOP/s: the median of 7 timed 1024³ products
+/// (the square torch's rate in scripts/bench-vs-trl.sh is measured on).
+pub fn matmul_gflops() -> f64 {
+    let n = 1024;
+    let run = || -> Result<f64> {
+        let x = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+        let y = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
+        x.matmul(&y)?;
+        let mut t = Vec::new();
+        for _ in 0..7 {
+            let s = Instant::now();
+            x.matmul(&y)?;
+            t.push(s.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * (n * n * n) as f64 / median(t).unwrap_or(f64::NAN) / 1e9)
+    };
+    run().unwrap_or(f64::NAN)
 }

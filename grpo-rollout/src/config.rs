@@ -327,11 +327,47 @@ impl ModelConfig {
         }
         n
     }
+
+    /// Floating-point operations of one forward pass's matrix products: `rows` token rows
+    /// through every layer's projections, `attention_pairs` (query, key) pairs scored and
+    /// mixed per head (summed over the batch: `B · L · S` for `L` queries over `S` keys), and
+    /// `head_rows` rows through the output head. A backward pass with every weight trainable
+    /// costs twice this (input and weight gradients). Benchmarks divide it by the time taken
+    /// to report a GFLOP/s rate against the machine's matmul rate.
+    pub fn matmul_flops(&self, rows: usize, attention_pairs: usize, head_rows: usize) -> f64 {
+        let h = self.hidden_size as f64;
+        let q = (self.num_attention_heads * self.head_dim) as f64;
+        let kv = (self.num_key_value_heads * self.head_dim) as f64;
+        let per_row = h * q + 2.0 * h * kv + q * h + 3.0 * h * self.intermediate_size as f64;
+        let layers = self.num_hidden_layers as f64;
+        2.0 * rows as f64 * per_row * layers
+            + 2.0 * 2.0 * attention_pairs as f64 * q * layers
+            + 2.0 * head_rows as f64 * h * self.vocab_size as f64
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn matmul_flops_count_each_product() {
+        let v = serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 100, "hidden_size": 8,
+            "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "tie_word_embeddings": true
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        // Per row and layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 8x12 each: 480
+        // multiply-adds. Attention: q·k and p·v over 8 query dims per pair: 16.
+        assert_eq!(c.matmul_flops(1, 0, 0), 2.0 * 480.0 * 2.0);
+        assert_eq!(c.matmul_flops(0, 1, 0), 2.0 * 16.0 * 2.0);
+        assert_eq!(c.matmul_flops(0, 0, 1), 2.0 * 800.0);
+        assert_eq!(
+            c.matmul_flops(3, 5, 7),
+            3.0 * 1920.0 + 5.0 * 64.0 + 7.0 * 1600.0
+        );
+    }
 
     #[test]
     fn parses_qwen2_and_round_trips() {

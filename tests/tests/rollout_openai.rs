@@ -117,7 +117,10 @@ fn the_openai_backend_trains_like_the_local_one() {
     // different (equally valid) trajectory after a few steps.
     assert_eq!(l[0], r[0]);
     let (ll, rl) = (local.metrics[0]["loss"], remote.metrics[0]["loss"]);
-    assert!((ll - rl).abs() < 1e-4 * ll.abs().max(1.0), "first-step loss {ll} vs {rl}");
+    assert!(
+        (ll - rl).abs() < 1e-4 * ll.abs().max(1.0),
+        "first-step loss {ll} vs {rl}"
+    );
     // The server's log-probs are the learner's: importance weights ~1.
     for m in &remote.metrics {
         let d = m["sampling/sampling_logp_difference/mean"];
