@@ -40,12 +40,24 @@ pub struct Linear {
 const DECODE_ROWS: usize = 512;
 
 impl Linear {
-    /// Applies the map to `(..., in)`.
+    /// Applies the map to `(..., in)`. Rows `(N, in)` take no reshape (each reshape of a
+    /// tracked tensor is a node whose backward costs a zeroed buffer and an add).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.rank() == 2 {
+            return self.forward_rows(x);
+        }
         let dims = x.dims().to_vec();
         let (lead, last) = dims.split_at(dims.len() - 1);
         let n: usize = lead.iter().product();
-        let x2 = x.reshape((n, last[0]))?;
+        let y = self.forward_rows(&x.reshape((n, last[0]))?)?;
+        let mut shape = lead.to_vec();
+        shape.push(self.weight.dim(0)?);
+        y.reshape(shape)
+    }
+
+    /// [`Self::forward`] on `(N, in)`.
+    fn forward_rows(&self, x2: &Tensor) -> Result<Tensor> {
+        let n = x2.dim(0)?;
         let mut y = match &self.weight_t {
             Some(wt) if n <= DECODE_ROWS => x2.matmul(wt)?,
             _ => x2.matmul(&self.weight.t()?)?,
@@ -54,12 +66,9 @@ impl Linear {
             y = y.broadcast_add(b)?;
         }
         if let Some(l) = &self.lora {
-            y = (y + l.forward(&x2)?)?;
+            y = (y + l.forward(x2)?)?;
         }
-        let out = self.weight.dim(0)?;
-        let mut shape = lead.to_vec();
-        shape.push(out);
-        y.reshape(shape)
+        Ok(y)
     }
 }
 
@@ -626,10 +635,10 @@ impl Transformer {
             _ => 0,
         };
 
+        // The residual stream as rows `(B·L, H)`: the projections need no reshape.
         let mut x = self
             .embed_tokens
-            .index_select(&input_ids.flatten_all()?, 0)?
-            .reshape((b, l, cfg.hidden_size))?;
+            .index_select(&input_ids.flatten_all()?, 0)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.input_layernorm.forward(&x)?;
             let q = layer.q_proj.forward(&h)?.reshape((b, l, nh, hd))?;
@@ -671,7 +680,7 @@ impl Transformer {
                 s,
             ))?;
             let ctx = probs.matmul(&v)?.reshape((b, nh, l, hd))?;
-            let ctx = ctx.transpose(1, 2)?.reshape((b, l, nh * hd))?;
+            let ctx = ctx.transpose(1, 2)?.reshape((b * l, nh * hd))?;
             x = (x + layer.o_proj.forward(&ctx)?)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
             let gate = layer.gate_proj.forward(&h)?;
@@ -682,7 +691,7 @@ impl Transformer {
         if let Kv::Cache(c) = kv {
             c.len = past + l;
         }
-        self.norm.forward(&x)
+        self.norm.forward(&x)?.reshape((b, l, cfg.hidden_size))
     }
 
     /// Logits `(N, V)` of hidden states `(N, H)`.
