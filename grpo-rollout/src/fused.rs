@@ -597,3 +597,519 @@ impl CustomOp2 for SoftmaxBwd {
         )
     }
 }
+
+// ---------------------------------------------------------------- attention
+
+/// Grouped-query attention `softmax(q kᵀ · scale + bias) v` per head, fused: `q`
+/// `(B, H, L, D)`, `k` and `v` `(B, G, S, D)` with `H` a multiple of `G` (query head `h` reads
+/// kv head `h / (H / G)`; `k` and `v` may be strided views, as a KV cache's are), `bias`
+/// `(B, 1, L, S)` (the additive causal + padding mask, no gradient). Returns the context as
+/// rows `(B·L, H·D)`, ready for the output projection.
+///
+/// The kernel runs one (batch, head) problem per task with two matrix products and a softmax
+/// in a scratch buffer; its backward recomputes the probabilities instead of keeping them.
+/// In the autograd graph it is one node where the composition has ten (each of which costs a
+/// zeroed buffer and an add in candle's backward).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
+    if applies(q) && same {
+        q.contiguous()?.apply_op3(
+            k,
+            v,
+            AttentionOp {
+                bias: bias.contiguous()?.detach(),
+                scale,
+            },
+        )
+    } else {
+        attention_composed(q, k, v, bias, scale)
+    }
+}
+
+/// [`attention`] as a composition of candle ops (the query heads that share a kv head folded
+/// into the row axis, so k and v are never repeated).
+pub fn attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, nh, l, d) = q.dims4()?;
+    let (_, nkv, s, _) = k.dims4()?;
+    let rep = nh / nkv;
+    let qg = q.reshape((b, nkv, rep * l, d))?;
+    let scores = qg.matmul(&k.t()?)?.reshape((b, nh, l, s))?;
+    let probs = attention_softmax(&scores, bias, scale)?.reshape((b, nkv, rep * l, s))?;
+    let ctx = probs.matmul(v)?.reshape((b, nh, l, d))?;
+    ctx.transpose(1, 2)?.reshape((b * l, nh * d))
+}
+
+#[derive(Debug, Clone)]
+struct AttentionOp {
+    bias: Tensor,
+    scale: f64,
+}
+
+/// Offset and strides of a 4-d layout.
+#[derive(Clone, Copy)]
+struct View4 {
+    off: usize,
+    st: [usize; 4],
+}
+
+impl View4 {
+    fn of(l: &Layout) -> Result<Self> {
+        let st = l.stride();
+        if st.len() != 4 {
+            candle_core::bail!("attention: expected a 4-d tensor, got {:?}", l.dims());
+        }
+        Ok(Self {
+            off: l.start_offset(),
+            st: [st[0], st[1], st[2], st[3]],
+        })
+    }
+    /// Offset of `[b, h, 0, 0]`.
+    fn at(&self, b: usize, h: usize) -> usize {
+        self.off + b * self.st[0] + h * self.st[1]
+    }
+    /// (row, column) strides of the `(L, D)` matrix at `[b, h]`.
+    fn rc(&self) -> (usize, usize) {
+        (self.st[2], self.st[3])
+    }
+    /// The same matrix transposed.
+    fn cr(&self) -> (usize, usize) {
+        (self.st[3], self.st[2])
+    }
+}
+
+/// A matrix inside a slice: its elements are `data[i·rs + j·cs]` for `i < rows`, `j < cols`.
+struct Mat<'a, T> {
+    data: &'a [T],
+    rs: usize,
+    cs: usize,
+}
+
+/// `dst (m×n) = beta · lhs (m×k) · rhs (k×n)`, plus `dst` when `accumulate`; `dst`'s elements
+/// are `dst[i·dst_rs + j]`. Single-threaded: the callers run one problem per task. Every
+/// index the product touches is checked to lie inside its slice.
+#[allow(unsafe_code)]
+#[allow(clippy::too_many_arguments)]
+fn mm<T: Float + 'static>(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [T],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Mat<'_, T>,
+    rhs: Mat<'_, T>,
+    beta: T,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| {
+        (rows.max(1) - 1) * rs + (cols.max(1) - 1) * cs
+    };
+    assert!(
+        last(m, n, dst_rs, 1) < dst.len(),
+        "attention: product outside its output"
+    );
+    if k > 0 {
+        assert!(
+            last(m, k, lhs.rs, lhs.cs) < lhs.data.len(),
+            "attention: lhs out of range"
+        );
+        assert!(
+            last(k, n, rhs.rs, rhs.cs) < rhs.data.len(),
+            "attention: rhs out of range"
+        );
+    }
+    // SAFETY: the asserts above keep every read inside `lhs` / `rhs` and every write inside
+    // `dst`, which the borrow rules keep apart from them; the strides are non-negative.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            T::one(),
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Shapes of an attention call, checked.
+struct AttnDims {
+    b: usize,
+    nh: usize,
+    nkv: usize,
+    l: usize,
+    s: usize,
+    d: usize,
+}
+
+fn attn_dims(lq: &Layout, lk: &Layout, lv: &Layout, bias_len: usize) -> Result<AttnDims> {
+    let (b, nh, l, d) = lq.shape().dims4()?;
+    let (kb, nkv, s, kd) = lk.shape().dims4()?;
+    if lv.dims() != lk.dims() || kb != b || kd != d || nkv == 0 || nh % nkv != 0 {
+        candle_core::bail!(
+            "attention: q {:?}, k {:?}, v {:?} do not fit (B, H, L, D), (B, G, S, D) with G dividing H",
+            lq.dims(),
+            lk.dims(),
+            lv.dims()
+        );
+    }
+    if bias_len != b * l * s {
+        candle_core::bail!("attention: bias must be ({b}, 1, {l}, {s}) ({bias_len} elements)");
+    }
+    Ok(AttnDims {
+        b,
+        nh,
+        nkv,
+        l,
+        s,
+        d,
+    })
+}
+
+/// The inputs of one attention call.
+struct AttnInputs<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    vq: View4,
+    vk: View4,
+    vv: View4,
+    bias: &'a [T],
+    dm: AttnDims,
+    scale: T,
+}
+
+impl<T: Float + 'static> AttnInputs<'_, T> {
+    fn q(&self, b: usize, h: usize) -> Mat<'_, T> {
+        let (rs, cs) = self.vq.rc();
+        Mat {
+            data: &self.q[self.vq.at(b, h)..],
+            rs,
+            cs,
+        }
+    }
+    fn k(&self, b: usize, g: usize, transposed: bool) -> Mat<'_, T> {
+        let (rs, cs) = if transposed {
+            self.vk.cr()
+        } else {
+            self.vk.rc()
+        };
+        Mat {
+            data: &self.k[self.vk.at(b, g)..],
+            rs,
+            cs,
+        }
+    }
+    fn v(&self, b: usize, g: usize, transposed: bool) -> Mat<'_, T> {
+        let (rs, cs) = if transposed {
+            self.vv.cr()
+        } else {
+            self.vv.rc()
+        };
+        Mat {
+            data: &self.v[self.vv.at(b, g)..],
+            rs,
+            cs,
+        }
+    }
+
+    /// `probs (L×S) = softmax(scale · q_h k_gᵀ + bias_b)`.
+    fn probs(&self, probs: &mut [T], b: usize, h: usize) {
+        let AttnDims {
+            nh, nkv, l, s, d, ..
+        } = self.dm;
+        let g = h / (nh / nkv);
+        mm(
+            (l, s, d),
+            probs,
+            s,
+            false,
+            self.q(b, h),
+            self.k(b, g, true),
+            self.scale,
+        );
+        for (i, row) in probs.chunks_mut(s).enumerate() {
+            let br = &self.bias[(b * l + i) * s..(b * l + i + 1) * s];
+            let mut mx = T::neg_infinity();
+            for (x, &m) in row.iter_mut().zip(br) {
+                *x += m;
+                mx = fmax(mx, *x);
+            }
+            let mut sum = T::zero();
+            for x in row.iter_mut() {
+                *x = (*x - mx).exp();
+                sum += *x;
+            }
+            let inv = T::one() / sum;
+            for x in row.iter_mut() {
+                *x *= inv;
+            }
+        }
+    }
+
+    /// The context rows `(B·L, H·D)`, one batch row per task.
+    fn forward(&self) -> Vec<T> {
+        let AttnDims {
+            b,
+            nh,
+            nkv,
+            l,
+            s,
+            d,
+        } = self.dm;
+        let rep = nh / nkv;
+        let mut out = vec![T::zero(); b * l * nh * d];
+        out.par_chunks_mut(l * nh * d).enumerate().for_each_init(
+            || vec![T::zero(); l * s],
+            |probs, (bi, rows)| {
+                for h in 0..nh {
+                    self.probs(probs, bi, h);
+                    let p = Mat {
+                        data: &probs[..],
+                        rs: s,
+                        cs: 1,
+                    };
+                    mm(
+                        (l, d, s),
+                        &mut rows[h * d..],
+                        nh * d,
+                        false,
+                        p,
+                        self.v(bi, h / rep, false),
+                        T::one(),
+                    );
+                }
+            },
+        );
+        out
+    }
+
+    /// Gradients `(dq (B, H, L, D), dk, dv (B, G, S, D))` from the context rows' gradient
+    /// `go`; the probabilities are recomputed.
+    fn backward(&self, go: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let AttnDims {
+            b,
+            nh,
+            nkv,
+            l,
+            s,
+            d,
+        } = self.dm;
+        let rep = nh / nkv;
+        let sc = self.scale;
+        let mut dq = vec![T::zero(); b * nh * l * d];
+        let mut dk = vec![T::zero(); b * nkv * s * d];
+        let mut dv = vec![T::zero(); b * nkv * s * d];
+        dq.par_chunks_mut(nh * l * d)
+            .zip(dk.par_chunks_mut(nkv * s * d))
+            .zip(dv.par_chunks_mut(nkv * s * d))
+            .enumerate()
+            .for_each_init(
+                || (vec![T::zero(); l * s], vec![T::zero(); l * s]),
+                |(probs, dp), (bi, ((dq, dk), dv))| {
+                    for h in 0..nh {
+                        let (g, r) = (h / rep, h % rep);
+                        self.probs(probs, bi, h);
+                        let go_h = || Mat {
+                            data: &go[bi * l * nh * d + h * d..],
+                            rs: nh * d,
+                            cs: 1,
+                        };
+                        // dP = dO · vᵀ
+                        mm(
+                            (l, s, d),
+                            dp,
+                            s,
+                            false,
+                            go_h(),
+                            self.v(bi, g, true),
+                            T::one(),
+                        );
+                        // dS = scale · P ⊙ (dP − Σ_j P·dP)
+                        for (pr, gr) in probs.chunks(s).zip(dp.chunks_mut(s)) {
+                            let dot: T = pr.iter().zip(gr.iter()).map(|(&a, &b)| a * b).sum();
+                            for (g, &p) in gr.iter_mut().zip(pr) {
+                                *g = sc * p * (*g - dot);
+                            }
+                        }
+                        let ds = |t: bool| Mat {
+                            data: &dp[..],
+                            rs: if t { 1 } else { s },
+                            cs: if t { s } else { 1 },
+                        };
+                        // dQ_h = dS · k
+                        mm(
+                            (l, d, s),
+                            &mut dq[h * l * d..],
+                            d,
+                            false,
+                            ds(false),
+                            self.k(bi, g, false),
+                            T::one(),
+                        );
+                        // dK_g += dSᵀ · q_h; dV_g += Pᵀ · dO
+                        let kv = g * s * d;
+                        mm(
+                            (s, d, l),
+                            &mut dk[kv..],
+                            d,
+                            r > 0,
+                            ds(true),
+                            self.q(bi, h),
+                            T::one(),
+                        );
+                        let pt = Mat {
+                            data: &probs[..],
+                            rs: 1,
+                            cs: s,
+                        };
+                        mm((s, d, l), &mut dv[kv..], d, r > 0, pt, go_h(), T::one());
+                    }
+                },
+            );
+        (dq, dk, dv)
+    }
+}
+
+fn cpu_slice<T: Float>(t: &Tensor, what: &str) -> Result<Vec<T>> {
+    let (st, l) = t.storage_and_layout();
+    match &*st {
+        candle_core::Storage::Cpu(cs) => Ok(slice::<T>(cs, l, what)?.to_vec()),
+        _ => candle_core::bail!("{what}: the fused kernel needs CPU tensors"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attn_inputs<'a, T: Float + 'static>(
+    q: &'a CpuStorage,
+    lq: &Layout,
+    k: &'a CpuStorage,
+    lk: &Layout,
+    v: &'a CpuStorage,
+    lv: &Layout,
+    bias: &'a [T],
+    scale: f64,
+) -> Result<AttnInputs<'a, T>> {
+    Ok(AttnInputs {
+        dm: attn_dims(lq, lk, lv, bias.len())?,
+        vq: View4::of(lq)?,
+        vk: View4::of(lk)?,
+        vv: View4::of(lv)?,
+        q: q.as_slice::<T>()?,
+        k: k.as_slice::<T>()?,
+        v: v.as_slice::<T>()?,
+        bias,
+        scale: cst::<T>(scale),
+    })
+}
+
+fn attn_fwd<T: Float + 'static>(
+    op: &AttentionOp,
+    s: (
+        &CpuStorage,
+        &Layout,
+        &CpuStorage,
+        &Layout,
+        &CpuStorage,
+        &Layout,
+    ),
+) -> Result<(CpuStorage, Shape)> {
+    // A copy of the bias (B·L·S elements, small next to the products) keeps its lock short.
+    let bias = cpu_slice::<T>(&op.bias, "attention bias")?;
+    let a = attn_inputs::<T>(s.0, s.1, s.2, s.3, s.4, s.5, &bias, op.scale)?;
+    let out = a.forward();
+    let shape: Shape = (a.dm.b * a.dm.l, a.dm.nh * a.dm.d).into();
+    Ok((T::to_cpu_storage_owned(out), shape))
+}
+
+fn attn_bwd<T: Float + 'static>(
+    op: &AttentionOp,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let bias = cpu_slice::<T>(&op.bias, "attention bias")?;
+    let go = cpu_slice::<T>(&grad.contiguous()?, "attention backward")?;
+    let (sq, lq) = q.storage_and_layout();
+    let (sk, lk) = k.storage_and_layout();
+    let (sv, lv) = v.storage_and_layout();
+    let (
+        candle_core::Storage::Cpu(sq),
+        candle_core::Storage::Cpu(sk),
+        candle_core::Storage::Cpu(sv),
+    ) = (&*sq, &*sk, &*sv)
+    else {
+        candle_core::bail!("attention backward needs CPU tensors");
+    };
+    let a = attn_inputs::<T>(sq, lq, sk, lk, sv, lv, &bias, op.scale)?;
+    if go.len() != a.dm.b * a.dm.l * a.dm.nh * a.dm.d {
+        candle_core::bail!("attention backward: a gradient of {} elements", go.len());
+    }
+    let (dq, dk, dv) = a.backward(&go);
+    let AttnDims {
+        b,
+        nh,
+        nkv,
+        l,
+        s,
+        d,
+    } = a.dm;
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, (b, nh, l, d), dev)?,
+        Tensor::from_vec(dk, (b, nkv, s, d), dev)?,
+        Tensor::from_vec(dv, (b, nkv, s, d), dev)?,
+    ))
+}
+
+impl CustomOp3 for AttentionOp {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(
+            s1.dtype(),
+            self.name(),
+            attn_fwd(self, (s1, l1, s2, l2, s3, l3))
+        )
+    }
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = float_dispatch!(q.dtype(), self.name(), attn_bwd(self, q, k, v, grad))?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}

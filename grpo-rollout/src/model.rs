@@ -615,7 +615,6 @@ impl Transformer {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let rep = nh / nkv;
         let dtype = self.dtype();
         let pos = positions.flatten_all()?;
         let cos = self
@@ -668,19 +667,8 @@ impl Transformer {
                     (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
                 }
             };
-            let s = k.dim(2)?;
-            // Grouped-query attention without repeating k/v: fold the query heads that share
-            // a kv head into the row axis.
-            let qg = q.reshape((b, nkv, rep * l, hd))?;
-            let scores = qg.matmul(&k.t()?)?.reshape((b, nh, l, s))?;
-            let probs = crate::fused::attention_softmax(&scores, &attn_bias, scale)?.reshape((
-                b,
-                nkv,
-                rep * l,
-                s,
-            ))?;
-            let ctx = probs.matmul(&v)?.reshape((b, nh, l, hd))?;
-            let ctx = ctx.transpose(1, 2)?.reshape((b * l, nh * hd))?;
+            // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
+            let ctx = crate::fused::attention(&q, &k, &v, &attn_bias, scale)?;
             x = (x + layer.o_proj.forward(&ctx)?)?;
             let h = layer.post_attention_layernorm.forward(&x)?;
             let gate = layer.gate_proj.forward(&h)?;

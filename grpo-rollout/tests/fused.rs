@@ -211,3 +211,69 @@ fn half_precision_uses_the_composition() {
     assert_eq!(b.dtype(), DType::BF16);
     assert!(max_diff(&a, &b.to_dtype(DType::F32).unwrap()) < 0.05);
 }
+
+/// The fused attention (one node, probabilities recomputed in backward) against the
+/// composition: grouped heads (3 query heads per kv head), more keys than queries (a cached
+/// or shared prefix), a fully masked row, padding keys, k and v as strided views of a larger
+/// buffer (as a KV cache hands them over), and enough batch rows to split across threads.
+#[test]
+fn attention_matches_composition_with_gqa_prefix_and_strided_kv() {
+    for dtype in [DType::F64, DType::F32] {
+        let (b, nh, nkv, l, s, d) = (5usize, 6usize, 2usize, 4usize, 9usize, 8usize);
+        let mut bias = vec![0f64; b * l * s];
+        for bi in 0..b {
+            for i in 0..l {
+                for j in 0..s {
+                    let masked = j > i + (s - l) || (bi == 1 && (i == 0 || j < 2));
+                    if masked {
+                        bias[(bi * l + i) * s + j] = -1e9;
+                    }
+                }
+            }
+        }
+        let bias = Tensor::from_vec(bias, (b, 1, l, s), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let q = randn(&[b, nh, l, d], dtype);
+        // k and v as the first s positions of (B, G, s + 3, D) buffers: strided views.
+        let kbuf = randn(&[b, nkv, s + 3, d], dtype);
+        let vbuf = randn(&[b, nkv, s + 3, d], dtype);
+        let (m1, m2) = (bias.clone(), bias.clone());
+        let fused_f = move |t: &[Tensor]| {
+            let (k, v) = (t[1].narrow(2, 0, s).unwrap(), t[2].narrow(2, 0, s).unwrap());
+            assert!(!k.is_contiguous());
+            fused::attention(&t[0], &k, &v, &m1, 0.3).unwrap()
+        };
+        let plain_f = move |t: &[Tensor]| {
+            let (k, v) = (t[1].narrow(2, 0, s).unwrap(), t[2].narrow(2, 0, s).unwrap());
+            fused::attention_composed(
+                &t[0],
+                &k.contiguous().unwrap(),
+                &v.contiguous().unwrap(),
+                &m2,
+                0.3,
+            )
+            .unwrap()
+        };
+        check("attention", &[q.clone(), kbuf, vbuf], &fused_f, &plain_f, 3);
+        // Contiguous k = v (one tensor read twice) and a single kv head.
+        let kv = randn(&[b, 1, s, d], dtype);
+        let (m1, m2) = (bias.clone(), bias.clone());
+        check(
+            "attention (k = v, one kv head)",
+            &[q, kv],
+            &move |t| fused::attention(&t[0], &t[1], &t[1], &m1, 0.5).unwrap(),
+            &move |t| fused::attention_composed(&t[0], &t[1], &t[1], &m2, 0.5).unwrap(),
+            2,
+        );
+    }
+    // Shapes that do not fit are errors that say so.
+    let q = randn(&[2, 3, 4, 8], DType::F32);
+    let k = randn(&[2, 2, 5, 8], DType::F32);
+    let bias = Tensor::zeros((2, 1, 4, 5), DType::F32, &Device::Cpu).unwrap();
+    let e = fused::attention(&q, &k, &k, &bias, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("G dividing H"), "{e}");
+}
