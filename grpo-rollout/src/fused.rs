@@ -8,7 +8,9 @@
 //! gradients. See `grpo_core::fused` for why these exist.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor,
+};
 use grpo_core::float_dispatch;
 use grpo_core::fused::{Float, REDUCE_BLOCK_ROWS, applies, cst, fmax, min_rows, slice};
 use rayon::prelude::*;
@@ -691,11 +693,24 @@ struct Mat<'a, T> {
 }
 
 /// `dst (m×n) = beta · lhs (m×k) · rhs (k×n)`, plus `dst` when `accumulate`; `dst`'s elements
-/// are `dst[i·dst_rs + j]`. Single-threaded: the callers run one problem per task. Every
-/// index the product touches is checked to lie inside its slice.
+/// are `dst[i·dst_rs + j]`. Single-threaded: the attention kernels run one problem per task.
+fn mm<T: Float + 'static>(
+    dims: (usize, usize, usize),
+    dst: &mut [T],
+    dst_rs: usize,
+    accumulate: bool,
+    lhs: Mat<'_, T>,
+    rhs: Mat<'_, T>,
+    beta: T,
+) {
+    mm_par(dims, dst, dst_rs, accumulate, lhs, rhs, beta, 1);
+}
+
+/// [`mm`] on `threads` threads (rayon's pool when more than one). Every index the product
+/// touches is checked to lie inside its slice.
 #[allow(unsafe_code)]
 #[allow(clippy::too_many_arguments)]
-fn mm<T: Float + 'static>(
+fn mm_par<T: Float + 'static>(
     (m, n, k): (usize, usize, usize),
     dst: &mut [T],
     dst_rs: usize,
@@ -703,6 +718,7 @@ fn mm<T: Float + 'static>(
     lhs: Mat<'_, T>,
     rhs: Mat<'_, T>,
     beta: T,
+    threads: usize,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -746,7 +762,11 @@ fn mm<T: Float + 'static>(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            if threads > 1 {
+                gemm::Parallelism::Rayon(threads)
+            } else {
+                gemm::Parallelism::None
+            },
         );
     }
 }
@@ -1111,5 +1131,71 @@ impl CustomOp3 for AttentionOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dq, dk, dv) = float_dispatch!(q.dtype(), self.name(), attn_bwd(self, q, k, v, grad))?;
         Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+// ---------------------------------------------------------------- frozen linear
+
+/// `x · wᵀ` for rows `x` `(N, in)` and a weight `w` `(out, in)`. When `x` carries a graph and
+/// `w` does not (a frozen weight: LoRA's base layers, a frozen output head), this is one node
+/// whose backward forms only `x`'s gradient: candle's matmul backward also forms the gradient
+/// of a weight nobody asked for (as many products as the forward, and a weight-sized buffer
+/// per layer kept to the end of backward). Otherwise it is candle's matmul.
+pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if applies(x) && x.dtype() == w.dtype() && x.track_op() && !w.track_op() && x.rank() == 2 {
+        x.contiguous()?.apply_op1(FrozenLinear { w: w.detach() })
+    } else {
+        x.matmul(&w.t()?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct FrozenLinear {
+    w: Tensor,
+}
+
+fn frozen_fwd<T: Float + 'static>(
+    w: &Tensor,
+    x: &CpuStorage,
+    lx: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let (n, k) = lx.shape().dims2()?;
+    let (st, lw) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(ws) = &*st else {
+        candle_core::bail!("frozen_linear: the weight must be on the CPU like its input");
+    };
+    let (out, wk) = lw.shape().dims2()?;
+    if wk != k {
+        candle_core::bail!("frozen_linear: rows of {k} features against a ({out}, {wk}) weight");
+    }
+    let x = slice::<T>(x, lx, "frozen_linear")?;
+    let wd = &ws.as_slice::<T>()?[lw.start_offset()..];
+    let (w0, w1) = (lw.stride()[0], lw.stride()[1]);
+    let mut y = vec![T::zero(); n * out];
+    let lhs = Mat {
+        data: x,
+        rs: k,
+        cs: 1,
+    };
+    // wᵀ (in × out): element (i, o) is w[o, i].
+    let rhs = Mat {
+        data: wd,
+        rs: w1,
+        cs: w0,
+    };
+    let threads = rayon::current_num_threads();
+    mm_par((n, out, k), &mut y, out, false, lhs, rhs, T::one(), threads);
+    Ok((T::to_cpu_storage_owned(y), (n, out).into()))
+}
+
+impl CustomOp1 for FrozenLinear {
+    fn name(&self) -> &'static str {
+        "frozen_linear"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s.dtype(), self.name(), frozen_fwd(&self.w, s, l))
+    }
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.matmul(&self.w)?))
     }
 }

@@ -60,7 +60,7 @@ impl Linear {
         let n = x2.dim(0)?;
         let mut y = match &self.weight_t {
             Some(wt) if n <= DECODE_ROWS => x2.matmul(wt)?,
-            _ => x2.matmul(&self.weight.t()?)?,
+            _ => crate::fused::frozen_linear(x2, &self.weight)?,
         };
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
@@ -690,7 +690,7 @@ impl Transformer {
                 .t()?
                 .contiguous()
         } else {
-            hidden.matmul(&self.head().t()?)
+            crate::fused::frozen_linear(hidden, self.head())
         }
     }
 

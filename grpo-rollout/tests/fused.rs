@@ -277,3 +277,35 @@ fn attention_matches_composition_with_gqa_prefix_and_strided_kv() {
         .to_string();
     assert!(e.contains("G dividing H"), "{e}");
 }
+
+/// A frozen weight's linear map: the same values and input gradient as `x · wᵀ`, and no
+/// gradient formed for the weight; a trainable weight still gets its gradient.
+#[test]
+fn frozen_linear_gives_the_input_gradient_only() {
+    for dtype in [DType::F64, DType::F32] {
+        let w = randn(&[7, 5], dtype);
+        let x = randn(&[300, 5], dtype);
+        let (w1, w2) = (w.clone(), w.clone());
+        check(
+            "frozen_linear",
+            &[x.clone()],
+            &move |t| fused::frozen_linear(&t[0], &w1).unwrap(),
+            &move |t| t[0].matmul(&w2.t().unwrap()).unwrap(),
+            1,
+        );
+        // The weight as a strided view (a transpose of a stored transpose) works too.
+        let wt = w.t().unwrap().contiguous().unwrap().t().unwrap();
+        let xv = Var::from_tensor(&x).unwrap();
+        let y = fused::frozen_linear(xv.as_tensor(), &wt).unwrap();
+        let y2 = x.matmul(&w.t().unwrap()).unwrap();
+        assert!(max_diff(&y, &y2) < tol(dtype));
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(&wt).is_none() && grads.get(&w).is_none());
+        assert!(grads.get(xv.as_tensor()).is_some());
+        // A trainable weight is not frozen: both gradients.
+        let wv = Var::from_tensor(&w).unwrap();
+        let y = fused::frozen_linear(xv.as_tensor(), wv.as_tensor()).unwrap();
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(wv.as_tensor()).is_some());
+    }
+}
