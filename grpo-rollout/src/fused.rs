@@ -771,6 +771,25 @@ fn mm_par<T: Float + 'static>(
     }
 }
 
+/// `Σ a_i b_i` in eight interleaved partial sums (which the compiler vectorises; one running
+/// sum would be a serial chain of scalar additions).
+fn dot8<T: Float>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::zero(); 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: T = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(&x, &y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().copied().sum::<T>() + tail
+}
+
 /// Shapes of an attention call, checked.
 struct AttnDims {
     b: usize,
@@ -886,6 +905,37 @@ impl<T: Float + 'static> AttnInputs<'_, T> {
         }
     }
 
+    /// One query (a decode step) of head `h`, with k and v rows contiguous: plain loops (a
+    /// matrix product per head costs more to set up than it computes here).
+    fn decode_head(&self, out: &mut [T], probs: &mut [T], b: usize, h: usize) {
+        let AttnDims { nh, nkv, s, d, .. } = self.dm;
+        let g = h / (nh / nkv);
+        let q = &self.q[self.vq.at(b, h)..][..d];
+        let (ko, vo) = (self.vk.at(b, g), self.vv.at(b, g));
+        let (krs, vrs) = (self.vk.st[2], self.vv.st[2]);
+        let bias = &self.bias[b * s..(b + 1) * s];
+        let mut mx = T::neg_infinity();
+        for (j, p) in probs.iter_mut().enumerate() {
+            let kr = &self.k[ko + j * krs..][..d];
+            *p = dot8(q, kr) * self.scale + bias[j];
+            mx = fmax(mx, *p);
+        }
+        let mut sum = T::zero();
+        for p in probs.iter_mut() {
+            *p = (*p - mx).exp();
+            sum += *p;
+        }
+        let inv = T::one() / sum;
+        out.fill(T::zero());
+        for (j, &p) in probs.iter().enumerate() {
+            let w = p * inv;
+            let vr = &self.v[vo + j * vrs..][..d];
+            for (o, &x) in out.iter_mut().zip(vr) {
+                *o += w * x;
+            }
+        }
+    }
+
     /// The context rows `(B·L, H·D)`, one batch row per task.
     fn forward(&self) -> Vec<T> {
         let AttnDims {
@@ -898,6 +948,18 @@ impl<T: Float + 'static> AttnInputs<'_, T> {
         } = self.dm;
         let rep = nh / nkv;
         let mut out = vec![T::zero(); b * l * nh * d];
+        let rows_contiguous = self.vq.st[3] == 1 && self.vk.st[3] == 1 && self.vv.st[3] == 1;
+        if l == 1 && rows_contiguous {
+            out.par_chunks_mut(nh * d).enumerate().for_each_init(
+                || vec![T::zero(); s],
+                |probs, (bi, row)| {
+                    for (h, o) in row.chunks_mut(d).enumerate() {
+                        self.decode_head(o, probs, bi, h);
+                    }
+                },
+            );
+            return out;
+        }
         out.par_chunks_mut(l * nh * d).enumerate().for_each_init(
             || vec![T::zero(); l * s],
             |probs, (bi, rows)| {

@@ -268,6 +268,33 @@ fn attention_matches_composition_with_gqa_prefix_and_strided_kv() {
             2,
         );
     }
+    // One query per row (a decode step, its own kernel) over strided cached keys, one key
+    // of row 1 masked.
+    for dtype in [DType::F64, DType::F32] {
+        let (b, nh, nkv, s, d) = (3usize, 4usize, 2usize, 6usize, 8usize);
+        let mut bias = vec![0f64; b * s];
+        bias[s] = -1e9;
+        let bias = Tensor::from_vec(bias, (b, 1, 1, s), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let q = randn(&[b, nh, 1, d], dtype);
+        let kbuf = randn(&[b, nkv, s + 2, d], dtype);
+        let vbuf = randn(&[b, nkv, s + 2, d], dtype);
+        let (k, v) = (kbuf.narrow(2, 0, s).unwrap(), vbuf.narrow(2, 0, s).unwrap());
+        let a = fused::attention(&q, &k, &v, &bias, 0.35).unwrap();
+        let c = fused::attention_composed(
+            &q,
+            &k.contiguous().unwrap(),
+            &v.contiguous().unwrap(),
+            &bias,
+            0.35,
+        )
+        .unwrap();
+        assert_eq!(a.dims(), &[b, nh * d]);
+        let diff = max_diff(&a, &c);
+        assert!(diff < tol(dtype), "decode attention {dtype:?}: {diff}");
+    }
     // Shapes that do not fit are errors that say so.
     let q = randn(&[2, 3, 4, 8], DType::F32);
     let k = randn(&[2, 2, 5, 8], DType::F32);
