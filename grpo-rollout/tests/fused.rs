@@ -315,7 +315,7 @@ fn frozen_linear_gives_the_input_gradient_only() {
         let (w1, w2) = (w.clone(), w.clone());
         check(
             "frozen_linear",
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &move |t| fused::frozen_linear(&t[0], &w1).unwrap(),
             &move |t| t[0].matmul(&w2.t().unwrap()).unwrap(),
             1,
