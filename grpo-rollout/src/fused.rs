@@ -675,13 +675,18 @@ impl View4 {
     fn at(&self, b: usize, h: usize) -> usize {
         self.off + b * self.st[0] + h * self.st[1]
     }
-    /// (row, column) strides of the `(L, D)` matrix at `[b, h]`.
-    fn rc(&self) -> (usize, usize) {
-        (self.st[2], self.st[3])
-    }
-    /// The same matrix transposed.
-    fn cr(&self) -> (usize, usize) {
-        (self.st[3], self.st[2])
+    /// The `(L, D)` matrix at `[b, h]` of `data` (or its transpose).
+    fn mat<'a, T>(&self, data: &'a [T], b: usize, h: usize, transposed: bool) -> Mat<'a, T> {
+        let (rs, cs) = if transposed {
+            (self.st[3], self.st[2])
+        } else {
+            (self.st[2], self.st[3])
+        };
+        Mat {
+            data: &data[self.at(b, h)..],
+            rs,
+            cs,
+        }
     }
 }
 
@@ -839,36 +844,13 @@ struct AttnInputs<'a, T> {
 
 impl<T: Float + 'static> AttnInputs<'_, T> {
     fn q(&self, b: usize, h: usize) -> Mat<'_, T> {
-        let (rs, cs) = self.vq.rc();
-        Mat {
-            data: &self.q[self.vq.at(b, h)..],
-            rs,
-            cs,
-        }
+        self.vq.mat(self.q, b, h, false)
     }
     fn k(&self, b: usize, g: usize, transposed: bool) -> Mat<'_, T> {
-        let (rs, cs) = if transposed {
-            self.vk.cr()
-        } else {
-            self.vk.rc()
-        };
-        Mat {
-            data: &self.k[self.vk.at(b, g)..],
-            rs,
-            cs,
-        }
+        self.vk.mat(self.k, b, g, transposed)
     }
     fn v(&self, b: usize, g: usize, transposed: bool) -> Mat<'_, T> {
-        let (rs, cs) = if transposed {
-            self.vv.cr()
-        } else {
-            self.vv.rc()
-        };
-        Mat {
-            data: &self.v[self.vv.at(b, g)..],
-            rs,
-            cs,
-        }
+        self.vv.mat(self.v, b, g, transposed)
     }
 
     /// `probs (L×S) = softmax(scale · q_h k_gᵀ + bias_b)`.

@@ -154,27 +154,32 @@ fn silu_mul_matches_composition() {
     }
 }
 
+/// A `(B, 1, L, S)` causal mask over `S - L` earlier keys, with batch row 1's first query
+/// fully masked (padding) and its first `pad_keys` keys masked.
+fn causal_bias(b: usize, l: usize, s: usize, pad_keys: usize, dtype: DType) -> Tensor {
+    let mut bias = vec![0f64; b * l * s];
+    for bi in 0..b {
+        for i in 0..l {
+            for j in 0..s {
+                if j > i + (s - l) || (bi == 1 && (i == 0 || j < pad_keys)) {
+                    bias[(bi * l + i) * s + j] = -1e9;
+                }
+            }
+        }
+    }
+    Tensor::from_vec(bias, (b, 1, l, s), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
 #[test]
 fn attention_softmax_matches_composition_with_masked_rows() {
     for dtype in [DType::F64, DType::F32] {
         let (b, h, l, s) = (2usize, 3usize, 5usize, 7usize);
         let scores = (randn(&[b, h, l, s], dtype) * 4.0).unwrap();
         // Causal + padding: row 0 of batch 1 is padding (all masked), key 0 of batch 1 too.
-        let mut bias = vec![0f64; b * l * s];
-        for bi in 0..b {
-            for i in 0..l {
-                for j in 0..s {
-                    let masked = j > i + (s - l) || (bi == 1 && (i == 0 || j == 0));
-                    if masked {
-                        bias[(bi * l + i) * s + j] = -1e9;
-                    }
-                }
-            }
-        }
-        let bias = Tensor::from_vec(bias, (b, 1, l, s), &Device::Cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
+        let bias = causal_bias(b, l, s, 1, dtype);
         let (m1, m2) = (bias.clone(), bias.clone());
         check(
             "attention_softmax",
@@ -220,21 +225,7 @@ fn half_precision_uses_the_composition() {
 fn attention_matches_composition_with_gqa_prefix_and_strided_kv() {
     for dtype in [DType::F64, DType::F32] {
         let (b, nh, nkv, l, s, d) = (5usize, 6usize, 2usize, 4usize, 9usize, 8usize);
-        let mut bias = vec![0f64; b * l * s];
-        for bi in 0..b {
-            for i in 0..l {
-                for j in 0..s {
-                    let masked = j > i + (s - l) || (bi == 1 && (i == 0 || j < 2));
-                    if masked {
-                        bias[(bi * l + i) * s + j] = -1e9;
-                    }
-                }
-            }
-        }
-        let bias = Tensor::from_vec(bias, (b, 1, l, s), &Device::Cpu)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
+        let bias = causal_bias(b, l, s, 2, dtype);
         let q = randn(&[b, nh, l, d], dtype);
         // k and v as the first s positions of (B, G, s + 3, D) buffers: strided views.
         let kbuf = randn(&[b, nkv, s + 3, d], dtype);
