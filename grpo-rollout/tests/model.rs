@@ -696,3 +696,31 @@ fn shared_prompts_equal_rows_run_alone_with_gradients() {
         .to_string();
     assert!(e.contains("1 prompt indices"), "{e}");
 }
+
+/// Merging LoRA into a decoding copy (which keeps transposed weights for few-row products)
+/// gives the adapted model's outputs: no transpose of an old weight survives the merge.
+#[test]
+fn merging_a_decoding_copy_gives_the_adapted_model() {
+    let (rows, _) = batch();
+    let (ids, mask) = padded(&rows);
+    let lc = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        ..LoraConfig::default()
+    };
+    let tm = TrainableModel::lora(&model(Arch::Qwen2, DType::F64, false), &lc, 5).unwrap();
+    nonzero_b(&tm);
+    let adapted = tm.model.detached();
+    let want = adapted.forward_padded(&ids, &mask).unwrap();
+    let merged = lora::merge(&adapted.for_decoding().unwrap()).unwrap();
+    let got = merged.forward_padded(&ids, &mask).unwrap();
+    let d = (&want - &got)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    assert!(d < 1e-10, "merged decoding copy differs by {d}");
+}
