@@ -1758,23 +1758,29 @@ pub fn completion_logps(
             })
         })
         .collect();
+    // Rows padded to `width`: prompts on the left, completions on the right.
+    let push = |ids: &mut Vec<u32>, mask: &mut Vec<u32>, row: &[u32], width: usize, left: bool| {
+        let fill = width - row.len();
+        if left {
+            ids.extend(std::iter::repeat_n(pad, fill));
+            mask.extend(std::iter::repeat_n(0u32, fill));
+        }
+        ids.extend(row);
+        mask.extend(std::iter::repeat_n(1u32, row.len()));
+        if !left {
+            ids.extend(std::iter::repeat_n(pad, fill));
+            mask.extend(std::iter::repeat_n(0u32, fill));
+        }
+    };
     if distinct.len() < b && prompts.iter().all(|pr| !pr.is_empty()) {
         let u = distinct.len();
-        let mut pids = Vec::with_capacity(u * p);
-        let mut pmask = Vec::with_capacity(u * p);
+        let (mut pids, mut pmask) = (Vec::with_capacity(u * p), Vec::with_capacity(u * p));
         for pr in &distinct {
-            pids.extend(std::iter::repeat_n(pad, p - pr.len()));
-            pmask.extend(std::iter::repeat_n(0u32, p - pr.len()));
-            pids.extend(pr.iter());
-            pmask.extend(std::iter::repeat_n(1u32, pr.len()));
+            push(&mut pids, &mut pmask, pr, p, true);
         }
-        let mut cids = Vec::with_capacity(b * c);
-        let mut cmask = Vec::with_capacity(b * c);
+        let (mut cids, mut cmask) = (Vec::with_capacity(b * c), Vec::with_capacity(b * c));
         for co in completions {
-            cids.extend(co.iter());
-            cmask.extend(std::iter::repeat_n(1u32, co.len()));
-            cids.extend(std::iter::repeat_n(pad, c - co.len()));
-            cmask.extend(std::iter::repeat_n(0u32, c - co.len()));
+            push(&mut cids, &mut cmask, co, c, false);
         }
         let (lp, ent) = model.shared_prompt_logprobs(
             &Tensor::from_vec(pids, (u, p), device)?,
@@ -1790,14 +1796,8 @@ pub fn completion_logps(
     let mut ids = Vec::with_capacity(b * (p + c));
     let mut mask = Vec::with_capacity(b * (p + c));
     for (pr, co) in prompts.iter().zip(completions) {
-        ids.extend(std::iter::repeat_n(pad, p - pr.len()));
-        mask.extend(std::iter::repeat_n(0u32, p - pr.len()));
-        ids.extend(pr.iter());
-        mask.extend(std::iter::repeat_n(1u32, pr.len()));
-        ids.extend(co.iter());
-        mask.extend(std::iter::repeat_n(1u32, co.len()));
-        ids.extend(std::iter::repeat_n(pad, c - co.len()));
-        mask.extend(std::iter::repeat_n(0u32, c - co.len()));
+        push(&mut ids, &mut mask, pr, p, true);
+        push(&mut ids, &mut mask, co, c, false);
     }
     let ids = Tensor::from_vec(ids, (b, p + c), device)?;
     let mask = Tensor::from_vec(mask, (b, p + c), device)?;

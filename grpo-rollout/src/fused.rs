@@ -470,6 +470,28 @@ pub fn attention_softmax_composed(scores: &Tensor, bias: &Tensor, scale: f64) ->
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
+/// Softmax of one row in place (the maximum subtracted first).
+fn softmax_in_place<T: Float>(row: &mut [T]) {
+    let mx = row.iter().fold(T::neg_infinity(), |m, &x| fmax(m, x));
+    let mut sum = T::zero();
+    for x in row.iter_mut() {
+        *x = (*x - mx).exp();
+        sum += *x;
+    }
+    let inv = T::one() / sum;
+    for x in row.iter_mut() {
+        *x *= inv;
+    }
+}
+
+/// Softmax backward of one row in place: `g ← scale · p ⊙ (g − Σ_j p_j g_j)`.
+fn softmax_grad_in_place<T: Float>(p: &[T], g: &mut [T], scale: T) {
+    let dot: T = p.iter().zip(g.iter()).map(|(&a, &b)| a * b).sum();
+    for (g, &pv) in g.iter_mut().zip(p) {
+        *g = scale * pv * (*g - dot);
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct SoftmaxOp {
     scale: f64,
@@ -507,20 +529,10 @@ fn softmax_fwd<T: Float>(
         .for_each(|(r, (o, xr))| {
             let (bi, li) = (r / (h * l), r % l);
             let mr = &m[(bi * l + li) * s..(bi * l + li + 1) * s];
-            let mut mx = T::neg_infinity();
             for ((o, &xv), &mv) in o.iter_mut().zip(xr).zip(mr) {
                 *o = xv * scale + mv;
-                mx = fmax(mx, *o);
             }
-            let mut sum = T::zero();
-            for o in o.iter_mut() {
-                *o = (*o - mx).exp();
-                sum += *o;
-            }
-            let inv = T::one() / sum;
-            for o in o.iter_mut() {
-                *o *= inv;
-            }
+            softmax_in_place(o);
         });
     Ok((T::to_cpu_storage_owned(out), lx.shape().clone()))
 }
@@ -536,16 +548,11 @@ fn softmax_bwd<T: Float>(
     let p = slice::<T>(p, lp, "attention_softmax_bwd")?;
     let g = slice::<T>(g, lg, "attention_softmax_bwd")?;
     let scale = cst::<T>(scale);
-    let mut out = vec![T::zero(); p.len()];
+    let mut out = g.to_vec();
     out.par_chunks_mut(s)
-        .zip(p.par_chunks(s).zip(g.par_chunks(s)))
+        .zip(p.par_chunks(s))
         .with_min_len(min_rows(s))
-        .for_each(|(o, (pr, gr))| {
-            let dot: T = pr.iter().zip(gr).map(|(&a, &b)| a * b).sum();
-            for ((o, &pv), &gv) in o.iter_mut().zip(pr).zip(gr) {
-                *o = scale * pv * (gv - dot);
-            }
-        });
+        .for_each(|(o, pr)| softmax_grad_in_place(pr, o, scale));
     Ok((T::to_cpu_storage_owned(out), lp.shape().clone()))
 }
 
@@ -870,20 +877,10 @@ impl<T: Float + 'static> AttnInputs<'_, T> {
         );
         for (i, row) in probs.chunks_mut(s).enumerate() {
             let br = &self.bias[(b * l + i) * s..(b * l + i + 1) * s];
-            let mut mx = T::neg_infinity();
             for (x, &m) in row.iter_mut().zip(br) {
                 *x += m;
-                mx = fmax(mx, *x);
             }
-            let mut sum = T::zero();
-            for x in row.iter_mut() {
-                *x = (*x - mx).exp();
-                sum += *x;
-            }
-            let inv = T::one() / sum;
-            for x in row.iter_mut() {
-                *x *= inv;
-            }
+            softmax_in_place(row);
         }
     }
 
@@ -896,21 +893,13 @@ impl<T: Float + 'static> AttnInputs<'_, T> {
         let (ko, vo) = (self.vk.at(b, g), self.vv.at(b, g));
         let (krs, vrs) = (self.vk.st[2], self.vv.st[2]);
         let bias = &self.bias[b * s..(b + 1) * s];
-        let mut mx = T::neg_infinity();
         for (j, p) in probs.iter_mut().enumerate() {
             let kr = &self.k[ko + j * krs..][..d];
             *p = dot8(q, kr) * self.scale + bias[j];
-            mx = fmax(mx, *p);
         }
-        let mut sum = T::zero();
-        for p in probs.iter_mut() {
-            *p = (*p - mx).exp();
-            sum += *p;
-        }
-        let inv = T::one() / sum;
+        softmax_in_place(probs);
         out.fill(T::zero());
-        for (j, &p) in probs.iter().enumerate() {
-            let w = p * inv;
+        for (j, &w) in probs.iter().enumerate() {
             let vr = &self.v[vo + j * vrs..][..d];
             for (o, &x) in out.iter_mut().zip(vr) {
                 *o += w * x;
@@ -1010,10 +999,7 @@ impl<T: Float + 'static> AttnInputs<'_, T> {
                         );
                         // dS = scale · P ⊙ (dP − Σ_j P·dP)
                         for (pr, gr) in probs.chunks(s).zip(dp.chunks_mut(s)) {
-                            let dot: T = pr.iter().zip(gr.iter()).map(|(&a, &b)| a * b).sum();
-                            for (g, &p) in gr.iter_mut().zip(pr) {
-                                *g = sc * p * (*g - dot);
-                            }
+                            softmax_grad_in_place(pr, gr, sc);
                         }
                         let ds = |t: bool| Mat {
                             data: &dp[..],
