@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GRPO step benchmark against TRL, in one run on this machine (../shared/bench/README.md).
+# The GRPO step benchmark against TRL, in one run on this machine (bench/README.md).
 #
 #   scripts/bench-vs-trl.sh [--steps N] [--rounds R] [MODEL_DIR...]
 #
 # For each model directory (default: ~/bench-models/tiny-qwen2 and ~/bench-models/small-qwen2)
-# it runs `grpo-cli bench` and ../shared/bench/trl_grpo_bench.py alternately R times (default 2)
+# it runs `grpo-cli bench` and bench/trl_grpo_bench.py alternately R times (default 2)
 # and prints both medians and their ratio (ours / TRL: below 1 is faster), plus the machine's
 # f32 matmul rate (torch, 1024^3, all cores) measured in the same run. Needs the release build
 # (`cargo build --release -p grpo-cli`) and the TRL venv (PYTHON, default ~/trl-venv/bin/python).
@@ -23,9 +23,9 @@ done
 [ ${#models[@]} -eq 0 ] && models=("$HOME/bench-models/tiny-qwen2" "$HOME/bench-models/small-qwen2")
 PY=${PYTHON:-$HOME/trl-venv/bin/python}
 BIN=target/release/grpo-cli
-TRL=${TRL_BENCH:-../shared/bench/trl_grpo_bench.py}
+TRL=${TRL_BENCH:-bench/trl_grpo_bench.py}
 [ -x "$BIN" ] || { echo "error: $BIN missing: run cargo build --release -p grpo-cli" >&2; exit 2; }
-[ -x "$PY" ] || { echo "error: $PY missing: see ../shared/bench/README.md" >&2; exit 2; }
+[ -x "$PY" ] || { echo "error: $PY missing: see bench/README.md" >&2; exit 2; }
 [ -f "$TRL" ] || { echo "error: $TRL missing" >&2; exit 2; }
 
 gflops=$("$PY" - <<'PYEOF'
@@ -38,7 +38,7 @@ PYEOF
 )
 echo "f32 matmul (torch, 1024^3, $(nproc) cores): $gflops GFLOP/s"
 for m in "${models[@]}"; do
-  [ -d "$m" ] || { echo "error: model directory $m missing (../shared/bench/make_tiny_model.py)" >&2; exit 2; }
+  [ -d "$m" ] || { echo "error: model directory $m missing (bench/make_tiny_model.py)" >&2; exit 2; }
   ours=(); trl=()
   for r in $(seq "$rounds"); do
     ours+=("$("$BIN" bench --model "$m" --steps "$steps" | tail -1)")

@@ -1,4 +1,4 @@
-//! `grpo-cli bench`: the GRPO step workload of `../shared/bench/README.md`, run by our trainer,
+//! `grpo-cli bench`: the GRPO step workload of `bench/README.md`, run by our trainer,
 //! reported with the keys of `trl_grpo_bench.py`.
 //!
 //! Workload: prompts `"Write about {w[i%12]} and {w[(i*5)%12]} number {i}:"` (plain text), 4

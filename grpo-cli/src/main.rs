@@ -52,7 +52,7 @@ enum Command {
     },
     /// Offline demo: a tiny model learns arithmetic with GRPO in a few minutes.
     Demo(DemoArgs),
-    /// The shared GRPO step benchmark (../shared/bench) on a model directory: one JSON line.
+    /// The GRPO step benchmark of bench/README.md (the TRL comparison) on a model directory: one JSON line.
     Bench(BenchArgs),
     /// PNG curves (reward, reward_std, kl, loss, completion length, step time) of a run.
     Plot {
@@ -179,7 +179,7 @@ struct DemoArgs {
 /// `grpo-cli bench`.
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
-    /// A Hugging Face model directory (e.g. ../shared/bench's tiny-qwen2).
+    /// A Hugging Face model directory (e.g. bench/make_tiny_model.py's tiny-qwen2).
     #[arg(long)]
     model: std::path::PathBuf,
     /// Steps (the first is excluded from the median).

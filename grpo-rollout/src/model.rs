@@ -3,7 +3,7 @@
 //! Every op used has a backward: candle's own (matmul, index_select, ...) or, for RMSNorm, RoPE,
 //! SiLU·mul and the attention softmax, our fused CPU kernels with a real backward
 //! ([`crate::fused`], falling back to differentiable compositions on other devices), never
-//! candle-nn's fused kernels, which cut the gradient (see DESIGN.md). The same code serves training (weights are candle `Var`s and
+//! candle-nn's fused kernels, which cut the gradient (see docs/ARCHITECTURE.md). The same code serves training (weights are candle `Var`s and
 //! record a graph), generation and the frozen reference (weights are detached tensors).
 
 use std::collections::HashMap;

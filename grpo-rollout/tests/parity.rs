@@ -4,7 +4,7 @@
 //! `scripts/gen_rollout_reference.py` (transformers 5.23, eager attention) from
 //!   * `init-{llama,qwen2,qwen3}`: `grpo-cli init-model --preset tiny --arch A --seed 1`
 //!     (regenerated here: the generator is deterministic), and
-//!   * `bench-qwen2-micro`: `../shared/bench/make_tiny_model.py DIR --hidden 32 --layers 2
+//!   * `bench-qwen2-micro`: `bench/make_tiny_model.py DIR --hidden 32 --layers 2
 //!     --heads 4 --kv-heads 2 --vocab 300`, kept in `fixtures/`.
 //!
 //! The snippet (from the script):
