@@ -5,7 +5,8 @@
 //! prompts × 8 generations per step, temperature 1, exactly 64 completion tokens (EOS
 //! suppressed until 64), reward = fraction of the completion's characters that are `a`,
 //! β = 0.04 (a frozen reference model is evaluated), dapo, ε = 0.2, lr 1e-5, one optimizer step
-//! per generation batch, f32 on the CPU.
+//! per generation batch, f32 on the CPU. Device, dtype, micro-batch, LoRA rank and gradient
+//! checkpointing can be changed (the GPU comparison, `scripts/bench-gpu-vs-trl.sh`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -31,6 +32,14 @@ pub struct BenchOptions {
     pub beta: f64,
     /// Train LoRA adapters of this rank (α = 2r, every projection) instead of every weight.
     pub lora_r: Option<usize>,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+    /// `f32`, `bf16` or `f16`.
+    pub dtype: String,
+    /// Completions per micro-batch (`train.per_device_train_batch_size`); `None` = the step.
+    pub micro_batch: Option<usize>,
+    /// `train.gradient_checkpointing`.
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for BenchOptions {
@@ -42,6 +51,10 @@ impl Default for BenchOptions {
             completion: 64,
             beta: 0.04,
             lora_r: None,
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            micro_batch: None,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -92,6 +105,10 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         ..Default::default()
     };
     cfg.model.path = model.to_path_buf();
+    cfg.model.device = opts.device.clone();
+    cfg.model.dtype = opts.dtype.clone();
+    cfg.train.per_device_train_batch_size = opts.micro_batch;
+    cfg.train.gradient_checkpointing = opts.gradient_checkpointing;
     if let Some(r) = opts.lora_r {
         cfg.model.lora = Some(grpo_rollout::LoraConfig {
             r,

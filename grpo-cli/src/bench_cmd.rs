@@ -30,6 +30,11 @@ pub struct BenchModelArgs {
     /// Which phases to run: `all`, `generate` or `fwd-bwd` (to profile one alone).
     #[arg(long, default_value = "all", value_parser = ["all", "generate", "fwd-bwd"])]
     phase: String,
+    /// Forward + backward with gradient checkpointing (`train.gradient_checkpointing`).
+    #[arg(long)]
+    gradient_checkpointing: bool,
+    #[command(flatten)]
+    place: grpo_cli::DeviceArgs,
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -38,7 +43,8 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 pub fn bench_model(a: BenchModelArgs) -> Result<()> {
-    let m = grpo_rollout::load(&a.model, DType::F32, &Device::Cpu)?;
+    let (device, dtype) = a.place.resolve()?;
+    let m = grpo_rollout::load(&a.model, dtype, &device)?;
     let vocab = m.model.cfg.vocab_size as u32;
     // Generation: 4 prompts x 8 samples (the TRL bench shape), EOS suppressed.
     let prompt_ids: Vec<Vec<u32>> = (0..4u32)
@@ -71,19 +77,22 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         }
     }
     // Forward + backward of a log-prob loss on batch x seq_len tokens (last half scored).
-    let tm = TrainableModel::full(&m.model)?;
+    let mut tm = TrainableModel::full(&m.model)?;
+    if a.gradient_checkpointing {
+        tm.model.enable_gradient_checkpointing();
+    }
     let ids: Vec<u32> = (0..a.batch * a.seq_len)
         .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab)
         .collect();
-    let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &Device::Cpu)?;
-    let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &Device::Cpu)?;
+    let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &device)?;
+    let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &device)?;
     let mut fb_s = Vec::new();
     for r in 0..fb_runs {
         let t = Instant::now();
         let (lp, _) = tm
             .model
             .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
-        let grads = lp.mean_all()?.neg()?.backward()?;
+        let grads = tm.model.backward(&lp.mean_all()?.neg()?)?;
         let dt = t.elapsed().as_secs_f64();
         anyhow::ensure!(grads.get(tm.vars[0].1.as_tensor()).is_some(), "no gradient");
         if r > 0 {
@@ -117,6 +126,7 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "fwd_bwd_gflop_per_s": fb.map(|t| fb_gflop / t),
             "matmul_gflop_per_s": mm,
             "fwd_bwd_matmul_fraction": fb.zip(mm).map(|(t, mm)| fb_gflop / t / mm),
+            "peak_rss_mib": grpo_cli::trainer::peak_rss_mib(),
         })
     );
     Ok(())

@@ -437,6 +437,14 @@ pub struct TrainSection {
     pub log_completions: bool,
     /// Completions per step written to completions.jsonl.
     pub num_completions_to_print: usize,
+    /// Gradient checkpointing (TRL's name): keep only each decoder layer's input and output
+    /// in the forward, recompute one layer at a time in backward. Same gradients, less memory,
+    /// about one more forward pass of time.
+    pub gradient_checkpointing: bool,
+    /// Mixed precision (TRL's name): the model computes in bf16 while the optimizer keeps f32
+    /// master weights and f32 AdamW moments. `model.dtype = "bf16"` without it trains pure
+    /// bf16 weights (half the weight memory, but each update is rounded to bf16).
+    pub bf16: bool,
 }
 
 impl Default for TrainSection {
@@ -453,6 +461,8 @@ impl Default for TrainSection {
             eval_steps: 0,
             log_completions: true,
             num_completions_to_print: 4,
+            gradient_checkpointing: false,
+            bf16: false,
         }
     }
 }
@@ -713,6 +723,12 @@ impl TrainConfig {
                 "`model.dtype`: expected f32, bf16 or f16, got `{}`",
                 self.model.dtype
             ));
+        }
+        if self.train.bf16 && self.model.dtype == "f16" {
+            return Err(
+                "`train.bf16 = true` computes in bf16: `model.dtype` must be f32 or bf16, not f16"
+                    .into(),
+            );
         }
         parse_device(&self.model.device).map_err(|e| format!("`model.device`: {e}"))?;
         if let Some(l) = &self.model.lora {
@@ -995,6 +1011,18 @@ pub fn parse_device(s: &str) -> std::result::Result<candle_core::Device, String>
             Some(n) => candle_core::Device::new_cuda(n).map_err(|e| first_line(&e.to_string())),
             None => Err(format!("expected cpu, cuda or cuda:N, got `{other}`")),
         },
+    }
+}
+
+impl TrainConfig {
+    /// The dtype the model is loaded and computes in: bf16 with `train.bf16`, else
+    /// `model.dtype`.
+    pub fn compute_dtype(&self) -> candle_core::DType {
+        if self.train.bf16 {
+            candle_core::DType::BF16
+        } else {
+            parse_dtype(&self.model.dtype)
+        }
     }
 }
 

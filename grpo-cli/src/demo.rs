@@ -36,6 +36,8 @@ pub struct DemoOptions {
     pub seed: u64,
     /// Show progress.
     pub progress: bool,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
 }
 
 impl Default for DemoOptions {
@@ -46,6 +48,7 @@ impl Default for DemoOptions {
             grpo_steps: 120,
             seed: 0,
             progress: true,
+            device: "cpu".into(),
         }
     }
 }
@@ -83,8 +86,9 @@ pub fn warm_up(
     steps: usize,
     lr: f64,
     seed: u64,
+    device: &Device,
 ) -> Result<(f64, f64)> {
-    let loaded = grpo_rollout::load(model_dir, DType::F32, &Device::Cpu)?;
+    let loaded = grpo_rollout::load(model_dir, DType::F32, device)?;
     let tok = loaded.tokenizer.clone();
     let policy = TrainableModel::full(&loaded.model)?;
     let mut opt = AdamW::new(
@@ -129,7 +133,7 @@ pub fn warm_up(
         for co in &comps {
             m.extend((0..c).map(|j| if j < co.len() { 1f32 } else { 0f32 }));
         }
-        let mask = candle_core::Tensor::from_vec(m, (batch, c), &Device::Cpu)?;
+        let mask = candle_core::Tensor::from_vec(m, (batch, c), device)?;
         let loss =
             ((lp * &mask)?.sum_all()? / mask.sum_all()?.to_scalar::<f32>()? as f64)?.neg()?;
         let lv = loss.to_scalar::<f32>()? as f64;
@@ -169,7 +173,16 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
         ..synth
     };
     let examples: Vec<(String, String)> = (0..2000).map(|i| warm.problem(i)).collect();
-    let sft_loss = warm_up(&model_dir, &examples, opts.sft_steps, 3e-3, opts.seed)?;
+    let device = config::parse_device(&opts.device)
+        .map_err(|e| anyhow::anyhow!("--device {}: {e}", opts.device))?;
+    let sft_loss = warm_up(
+        &model_dir,
+        &examples,
+        opts.sft_steps,
+        3e-3,
+        opts.seed,
+        &device,
+    )?;
 
     let mut tree = config::parse_toml_tree(QUICKSTART)?;
     config::apply_sets(
@@ -180,6 +193,7 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
             format!("data.path=[{}]", toml_str(&data)),
             format!("train.max_steps={}", opts.grpo_steps),
             format!("train.seed={}", opts.seed),
+            format!("model.device={}", toml_str(Path::new(&opts.device))),
         ],
     )?;
     let cfg: TrainConfig = config::from_tree(tree, "configs/quickstart.toml")?;

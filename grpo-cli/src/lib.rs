@@ -9,6 +9,8 @@
 //!   `from_pretrained(path, ...)` then `fit() -> TrainingResult`, with [`trainer::Callbacks`];
 //!   [`create_trainer`] by name, [`list_algorithms`].
 //! - [`optim`]: AdamW with saveable state, gradient clipping, LR schedules.
+//! - [`check`]: `grpo-cli check`, the build's self-test on a device (fused ops, device vs CPU,
+//!   checkpointing, training, generation).
 //! - [`serve`]: `grpo-cli serve`, an OpenAI-compatible server (completions, chat, vLLM's LoRA
 //!   endpoints) batching concurrent requests on grpo-rollout's generator.
 //!
@@ -27,6 +29,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod check;
 pub mod config;
 pub mod demo;
 pub mod optim;
@@ -37,7 +40,7 @@ pub mod trainer;
 
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{Result, anyhow};
 
 pub use trainer::{Callbacks, Metrics, NoCallbacks, RunMode, RunOptions, TrainingResult};
 
@@ -254,4 +257,34 @@ fn copy_dir(src: &Path, dst: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--device` and `--dtype`, shared by every subcommand that runs a model.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DeviceArgs {
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weight dtype: `f32`, `bf16` or `f16`.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+}
+
+impl DeviceArgs {
+    /// The device and dtype, or a one-line error naming the flag.
+    pub fn resolve(&self) -> Result<(candle_core::Device, candle_core::DType)> {
+        let device = config::parse_device(&self.device)
+            .map_err(|e| anyhow!("--device {}: {e}", self.device))?;
+        let dtype = match self.dtype.as_str() {
+            "f32" | "float32" => candle_core::DType::F32,
+            "bf16" | "bfloat16" => candle_core::DType::BF16,
+            "f16" | "float16" => candle_core::DType::F16,
+            o => {
+                return Err(anyhow!(
+                    "--dtype: unknown dtype `{o}`, expected f32, bf16 or f16"
+                ));
+            }
+        };
+        Ok((device, dtype))
+    }
 }

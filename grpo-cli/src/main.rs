@@ -66,6 +66,9 @@ enum Command {
     Sft(train_cmd::TrainArgs),
     /// Direct preference optimisation (the config's `[dpo]`) against the frozen reference.
     Dpo(train_cmd::TrainArgs),
+    /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
+    /// checkpointing, training steps, generation; exit 1 on any failure.
+    Check(grpo_cli::DeviceArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
     Data {
         #[command(subcommand)]
@@ -86,6 +89,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Train(a)) => exit_code(train_cmd::train(a)?),
         Some(Command::Sft(a)) => exit_code(train_cmd::train_as(a, Some("sft"))?),
         Some(Command::Dpo(a)) => exit_code(train_cmd::train_as(a, Some("dpo"))?),
+        Some(Command::Check(a)) => {
+            let (device, dtype) = a.resolve()?;
+            let rows = grpo_cli::check::run_checks(&device, dtype)?;
+            Ok(if grpo_cli::check::print_table(&rows) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
         other => dispatch(other).map(|()| ExitCode::SUCCESS),
     }
 }
@@ -137,7 +149,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             Ok(())
         }
         Some(Command::Data { command }) => data_cmd::run(command),
-        Some(Command::Train(_) | Command::Sft(_) | Command::Dpo(_)) => {
+        Some(Command::Train(_) | Command::Sft(_) | Command::Dpo(_) | Command::Check(_)) => {
             unreachable!("handled in run")
         }
         Some(Command::Demo(a)) => demo(a),
@@ -150,6 +162,12 @@ fn dispatch(command: Option<Command>) -> Result<()> {
                 steps: a.steps,
                 completion: a.completion_length,
                 lora_r: a.lora_r,
+                prompts: a.prompts,
+                generations: a.generations,
+                micro_batch: a.micro_batch,
+                gradient_checkpointing: a.gradient_checkpointing,
+                device: a.place.device.clone(),
+                dtype: a.place.dtype.clone(),
                 ..Default::default()
             };
             let line = grpo_cli::bench::run(&a.model, &o)?;
@@ -174,6 +192,9 @@ struct DemoArgs {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// `grpo-cli bench`.
@@ -192,6 +213,20 @@ struct BenchArgs {
     /// weight.
     #[arg(long)]
     lora_r: Option<usize>,
+    /// Prompts per step.
+    #[arg(long, default_value_t = 4)]
+    prompts: usize,
+    /// Generations per prompt.
+    #[arg(long, default_value_t = 8)]
+    generations: usize,
+    /// Completions per micro-batch (`train.per_device_train_batch_size`; default the step).
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// `train.gradient_checkpointing = true`.
+    #[arg(long)]
+    gradient_checkpointing: bool,
+    #[command(flatten)]
+    place: grpo_cli::DeviceArgs,
 }
 
 fn demo(a: DemoArgs) -> Result<()> {
@@ -202,6 +237,7 @@ fn demo(a: DemoArgs) -> Result<()> {
         grpo_steps: a.steps,
         seed: a.seed,
         progress: true,
+        device: a.device.clone(),
     })?;
     let run = &r.result.run_dir;
     println!(

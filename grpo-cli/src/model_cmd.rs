@@ -17,6 +17,9 @@ pub struct ModelArgs {
     /// Weight dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// A PEFT LoRA adapter directory to apply.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
@@ -89,6 +92,11 @@ pub struct InitModelArgs {
     seed: u64,
 }
 
+/// `--device`: `cpu`, `cuda` or `cuda:N`.
+pub fn device(s: &str) -> Result<Device> {
+    grpo_cli::config::parse_device(s).map_err(|e| anyhow::anyhow!("--device {s}: {e}"))
+}
+
 pub fn parse_dtype(s: &str) -> Result<DType> {
     match s {
         "f32" | "float32" => Ok(DType::F32),
@@ -101,7 +109,7 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 
 fn load(args: &ModelArgs) -> Result<grpo_rollout::LoadedModel> {
     let dtype = parse_dtype(&args.dtype)?;
-    let mut m = grpo_rollout::load(&args.model, dtype, &Device::Cpu)
+    let mut m = grpo_rollout::load(&args.model, dtype, &device(&args.device)?)
         .with_context(|| format!("--model {}", args.model.display()))?;
     if let Some(dir) = &args.adapter {
         grpo_rollout::lora::load_peft(&mut m.model, dir)
@@ -155,7 +163,7 @@ pub fn logprobs(a: LogprobsArgs) -> Result<()> {
     }
     let mut ids = p.clone();
     ids.extend(&c);
-    let dev = Device::Cpu;
+    let dev = m.model.device().clone();
     let n = ids.len();
     let ids_t = Tensor::from_vec(ids, (1, n), &dev)?;
     let mask = Tensor::ones((1, n), DType::U32, &dev)?;
@@ -223,11 +231,15 @@ pub struct ExportArgs {
     /// The base model of a LoRA checkpoint (default: `model.path` of the checkpoint's config).
     #[arg(long)]
     base: Option<PathBuf>,
+    /// Where the weights are loaded and an adapter merged: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// Writes a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files).
 pub fn export(a: ExportArgs) -> Result<()> {
     let dtype = parse_dtype(&a.dtype)?;
+    let dev = device(&a.device)?;
     let gguf_type = match (a.format.as_str(), &a.quant) {
         ("hf" | "merged", None) => None,
         ("hf" | "merged", Some(_)) => {
@@ -262,7 +274,7 @@ pub fn export(a: ExportArgs) -> Result<()> {
                 ck.display()
             );
         }
-        let m = grpo_rollout::load(ck, DType::F32, &Device::Cpu)
+        let m = grpo_rollout::load(ck, DType::F32, &dev)
             .with_context(|| format!("{}", ck.display()))?;
         (m.model, m.tokenizer)
     } else if ck.join("adapter").is_dir() {
@@ -280,7 +292,7 @@ pub fn export(a: ExportArgs) -> Result<()> {
                 })?)
             }
         };
-        let mut m = grpo_rollout::load(&base, DType::F32, &Device::Cpu)
+        let mut m = grpo_rollout::load(&base, DType::F32, &dev)
             .with_context(|| format!("base model {}", base.display()))?;
         grpo_rollout::lora::load_peft(&mut m.model, &ck.join("adapter"))
             .with_context(|| format!("{}", ck.join("adapter").display()))?;
@@ -292,7 +304,7 @@ pub fn export(a: ExportArgs) -> Result<()> {
                 ck.display()
             );
         }
-        let m = grpo_rollout::load(&ck.join("model"), DType::F32, &Device::Cpu)
+        let m = grpo_rollout::load(&ck.join("model"), DType::F32, &dev)
             .with_context(|| format!("{}", ck.join("model").display()))?;
         (m.model, m.tokenizer)
     } else {
@@ -335,6 +347,9 @@ pub struct ServeArgs {
     /// Weight dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// `cpu`, `cuda` or `cuda:N` (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// A PEFT LoRA adapter to serve next to the base, as `NAME=DIR` or `DIR` (named after the
     /// directory); repeatable. More can be loaded at run time (`/v1/load_lora_adapter`).
     #[arg(long)]
@@ -362,6 +377,7 @@ pub struct ServeArgs {
 pub fn serve(a: ServeArgs) -> Result<()> {
     let mut o = grpo_cli::serve::ServeOptions::new(&a.model);
     o.dtype = parse_dtype(&a.dtype)?;
+    o.device = device(&a.device)?;
     if let Some(n) = a.served_model_name {
         o.served_model_name = n;
     }

@@ -31,6 +31,9 @@ pub struct AdamW {
     vars: Vec<(String, Var)>,
     m: Vec<Tensor>,
     v: Vec<Tensor>,
+    /// f32 master copies of half-precision variables (mixed precision, TRL's `bf16 = true`):
+    /// updates land here and the variable gets the rounded result.
+    master: Vec<Option<Tensor>>,
     step: usize,
 }
 
@@ -43,13 +46,28 @@ impl AdamW {
             m.push(var.zeros_like()?.to_dtype(DType::F32)?);
             v.push(var.zeros_like()?.to_dtype(DType::F32)?);
         }
+        let master = vec![None; vars.len()];
         Ok(Self {
             params,
             vars,
             m,
             v,
+            master,
             step: 0,
         })
+    }
+
+    /// Mixed precision: every half-precision variable gets an f32 master copy that the updates
+    /// accumulate in (AdamW's moments are f32 already), as PyTorch's AMP keeps f32 parameters
+    /// for a bf16 forward. Without it a bf16 weight rounds each update to 8 bits of mantissa,
+    /// and updates below its spacing are lost.
+    pub fn with_master_weights(mut self) -> Result<Self> {
+        for (i, (_, var)) in self.vars.iter().enumerate() {
+            if var.dtype() != DType::F32 && var.dtype() != DType::F64 {
+                self.master[i] = Some(var.as_tensor().to_dtype(DType::F32)?);
+            }
+        }
+        Ok(self)
     }
 
     /// Optimizer steps taken.
@@ -75,7 +93,10 @@ impl AdamW {
             let g = g.to_dtype(DType::F32)?;
             let m = ((&self.m[i] * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
             let v = ((&self.v[i] * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
-            let w = var.as_tensor().to_dtype(DType::F32)?;
+            let w = match &self.master[i] {
+                Some(w) => w.clone(),
+                None => var.as_tensor().to_dtype(DType::F32)?,
+            };
             // PyTorch: p ← p·(1 − lr·wd); p ← p − lr/bc1 · m / (sqrt(v)/sqrt(bc2) + ε)
             let w = if p.weight_decay != 0.0 {
                 (w * (1.0 - lr * p.weight_decay))?
@@ -86,6 +107,9 @@ impl AdamW {
             let upd = ((&m / denom)? * (lr / bc1))?;
             let w = (w - upd)?;
             var.set(&w.to_dtype(var.dtype())?)?;
+            if self.master[i].is_some() {
+                self.master[i] = Some(w);
+            }
             self.m[i] = m;
             self.v[i] = v;
         }
@@ -98,6 +122,9 @@ impl AdamW {
         for (i, (name, _)) in self.vars.iter().enumerate() {
             map.insert(format!("{name}.exp_avg"), self.m[i].clone());
             map.insert(format!("{name}.exp_avg_sq"), self.v[i].clone());
+            if let Some(w) = &self.master[i] {
+                map.insert(format!("{name}.master"), w.clone());
+            }
         }
         map.insert(
             "__step__".into(),
@@ -137,6 +164,14 @@ impl AdamW {
                     );
                 }
                 *slot = t.to_dtype(DType::F32)?;
+            }
+            if self.master[i].is_some() {
+                // A checkpoint without masters (saved without mixed precision): start them
+                // from the weights.
+                self.master[i] = Some(match map.get(&format!("{name}.master")) {
+                    Some(w) => w.to_dtype(DType::F32)?,
+                    None => var.as_tensor().to_dtype(DType::F32)?,
+                });
             }
         }
         let step = map
@@ -277,6 +312,69 @@ mod tests {
     }
 
     const REFERENCE_ADAMW: [f32; 3] = [0.731_942_06, -1.859_604_2, 2.769_154];
+
+    /// Mixed precision: a bf16 variable with an f32 master follows the f32 trajectory (to bf16
+    /// rounding), where pure bf16 loses updates below its spacing; the master survives a save
+    /// and load.
+    #[test]
+    fn master_weights_keep_small_updates_and_round_trip() {
+        let dev = Device::Cpu;
+        let params = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let init = [1.0f32, -2.0, 300.0];
+        let make = |dtype: DType| {
+            Var::from_tensor(&Tensor::new(&init, &dev).unwrap().to_dtype(dtype).unwrap()).unwrap()
+        };
+        let (f32v, pure, mixed) = (make(DType::F32), make(DType::BF16), make(DType::BF16));
+        let mut o32 = AdamW::new(vec![("p".into(), f32v.clone())], params).unwrap();
+        let mut opure = AdamW::new(vec![("p".into(), pure.clone())], params).unwrap();
+        let mut omix = AdamW::new(vec![("p".into(), mixed.clone())], params)
+            .unwrap()
+            .with_master_weights()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for step in 0..200 {
+            let g = Tensor::new(&[0.3f32, -0.7, 1.0], &dev).unwrap();
+            for o in [&mut o32, &mut opure, &mut omix] {
+                let mut m = HashMap::new();
+                m.insert("p".to_string(), g.to_dtype(o.vars()[0].1.dtype()).unwrap());
+                o.step(&m, 1e-4).unwrap();
+            }
+            if step == 100 {
+                // Save and reload into a fresh optimizer: the master comes back.
+                let p = dir.path().join("opt.safetensors");
+                omix.save(&p).unwrap();
+                let mut fresh = AdamW::new(vec![("p".into(), mixed.clone())], params)
+                    .unwrap()
+                    .with_master_weights()
+                    .unwrap();
+                fresh.load(&p).unwrap();
+                omix = fresh;
+            }
+        }
+        let f = |v: &Var| {
+            v.as_tensor()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let (a, b, c) = (f(&f32v), f(&pure), f(&mixed));
+        // 200 steps of ~1e-4 moved the f32 weights by ~0.02; 300 in bf16 has spacing 2.
+        assert!((a[2] - 300.0).abs() > 0.01, "{a:?}");
+        assert_eq!(b[2], 300.0, "pure bf16 should lose the updates: {b:?}");
+        for (x, y) in a.iter().zip(&c) {
+            assert!((x - y).abs() <= x.abs() * 8e-3, "mixed {c:?} vs f32 {a:?}");
+        }
+        let master = omix.master[0].as_ref().unwrap().to_vec1::<f32>().unwrap();
+        for (x, y) in a.iter().zip(&master) {
+            assert!((x - y).abs() < 1e-5, "master {master:?} vs f32 {a:?}");
+        }
+    }
 
     #[test]
     fn schedules_match_transformers() {

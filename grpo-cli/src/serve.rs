@@ -39,6 +39,8 @@ pub struct ServeOptions {
     pub model: PathBuf,
     /// Weight dtype.
     pub dtype: DType,
+    /// Where the model runs.
+    pub device: Device,
     /// The base model's name in requests (`model`) and in `/v1/models`.
     pub served_model_name: String,
     /// LoRA adapters loaded at start: `(name, PEFT directory)`.
@@ -67,6 +69,7 @@ impl ServeOptions {
         Self {
             model,
             dtype: DType::F32,
+            device: Device::Cpu,
             served_model_name,
             adapters: Vec::new(),
             addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
@@ -151,7 +154,7 @@ pub fn start(opts: ServeOptions) -> Result<Server> {
     if opts.max_queue == 0 || opts.max_batch_requests == 0 {
         anyhow::bail!("--max-queue and --max-batch-requests must be >= 1");
     }
-    let loaded = grpo_rollout::load(&opts.model, opts.dtype, &Device::Cpu)
+    let loaded = grpo_rollout::load(&opts.model, opts.dtype, &opts.device)
         .with_context(|| format!("--model {}", opts.model.display()))?;
     let base = Arc::new(loaded.model.for_decoding()?);
     let max_model_len = opts

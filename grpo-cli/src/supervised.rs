@@ -355,7 +355,7 @@ impl Learner {
             }
             add("loss", lv, 1.0);
             if train {
-                let grads = loss.backward()?;
+                let grads = self.policy.model.backward(&loss)?;
                 accumulate(&mut acc, self.opt.vars(), &grads)?;
             }
         }

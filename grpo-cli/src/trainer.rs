@@ -37,7 +37,7 @@ use grpo_teacher::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Resolved, TrainConfig, parse_device, parse_dtype};
+use crate::config::{Resolved, TrainConfig, parse_device};
 use crate::optim::{AdamW, AdamWParams, Schedule, ScheduleKind, accumulate, clip_grad_norm};
 
 /// Metrics of one step, by TRL's names.
@@ -170,11 +170,11 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
         .iter()
         .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
     let rm_path = cfg.reward_model_path.clone();
-    let dtype = parse_dtype(&cfg.model.dtype);
+    let dtype = cfg.compute_dtype();
     setup_with(cfg, move |model, tok| {
         let mut m = grpo_rewards::ScoringModels::default();
         if needs_lm {
-            let scorer = grpo_rollout::scoring::ModelScorer::new(&model.snapshot()?, tok.clone());
+            let scorer = grpo_rollout::scoring::ModelScorer::new(&model.detached(), tok.clone());
             m.language = Some(Arc::new(scorer));
         }
         if needs_rm {
@@ -198,7 +198,7 @@ pub fn setup_with(
     let res = cfg.validate().map_err(|e| anyhow!("config: {e}"))?;
     let device =
         parse_device(&cfg.model.device).map_err(|e| anyhow!("config: `model.device`: {e}"))?;
-    let dtype = parse_dtype(&cfg.model.dtype);
+    let dtype = cfg.compute_dtype();
     let splits = cfg
         .data
         .open(cfg.train.seed)
@@ -239,22 +239,25 @@ pub fn setup_with(
             let student = match &t.student_model {
                 Some(p) => LocalModel::load(p, dtype, &device, chat)
                     .map_err(|e| anyhow!("teacher.student_model: {e}"))?,
-                None => LocalModel::new(&loaded.model.snapshot()?, loaded.tokenizer.clone(), chat),
+                None => LocalModel::new(&loaded.model.detached(), loaded.tokenizer.clone(), chat),
             };
             let protocol =
                 TeachingProtocol::new(t.clone(), student).map_err(|e| anyhow!("config: {e}"))?;
             let frozen = if t.use_reference_teacher_model {
-                Some(Arc::new(loaded.model.snapshot()?))
+                Some(Arc::new(loaded.model.detached()))
             } else {
                 None
             };
             (Some(Arc::new(protocol)), frozen)
         }
     };
-    let policy = match &cfg.model.lora {
+    let mut policy = match &cfg.model.lora {
         Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
         None => TrainableModel::full(&loaded.model)?,
     };
+    if cfg.train.gradient_checkpointing {
+        policy.model.enable_gradient_checkpointing();
+    }
     if cfg.algorithm == "dpo" {
         for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
             splits
@@ -263,8 +266,15 @@ pub fn setup_with(
                 .map_err(|e| anyhow!("data: {e}"))?;
         }
     }
+    // The loaded weights are never written in place (full fine-tuning trains its own copies),
+    // so every frozen model shares them: the reference, the scorers, the teacher.
     let reference = if cfg.reference.beta > 0.0 || cfg.algorithm == "dpo" {
-        Some(loaded.model.snapshot()?)
+        Some(match &cfg.model.lora {
+            // LoRA: the policy's own base with its adapters switched off, as TRL does with
+            // peft: no copy at all.
+            Some(_) => policy.model.without_adapters(),
+            None => loaded.model.detached(),
+        })
     } else {
         None
     };
@@ -399,6 +409,48 @@ impl std::fmt::Display for Stage {
     }
 }
 
+/// True when `e` (or a cause) says a device ran out of memory: CUDA's
+/// `CUDA_ERROR_OUT_OF_MEMORY`, cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`, an allocator's "out of
+/// memory".
+pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        let s = c.to_string();
+        s.contains("OUT_OF_MEMORY") || s.contains("ALLOC_FAILED") || s.contains("out of memory")
+    })
+}
+
+/// The one line a run that ran out of device memory ends with: where, the micro-batch, what
+/// lowers memory, and the checkpoint to continue from.
+pub fn out_of_memory_message(setup: &Setup, step: usize, checkpoint: Option<&Path>) -> String {
+    let cfg = &setup.cfg;
+    let mut ways = vec![format!(
+        "a smaller `train.per_device_train_batch_size` (now {} completions per micro-batch)",
+        setup.res.micro_batch
+    )];
+    if !cfg.train.gradient_checkpointing {
+        ways.push("`train.gradient_checkpointing = true`".into());
+    }
+    if cfg.model.lora.is_none() {
+        ways.push("LoRA adapters (`[model.lora]`)".into());
+    }
+    if cfg.model.dtype == "f32" {
+        ways.push("`model.dtype = \"bf16\"`".into());
+    }
+    let tail = match checkpoint {
+        Some(c) => format!(
+            "; checkpoint {} saved (continue with --resume)",
+            c.display()
+        ),
+        None => "; no step had completed, nothing saved".into(),
+    };
+    format!(
+        "out of memory on {} in step {}: lower it with {}{tail}",
+        cfg.model.device,
+        step + 1,
+        ways.join(", or ")
+    )
+}
+
 /// Scored completions of one step.
 #[derive(Debug, Clone)]
 pub struct Scored {
@@ -488,6 +540,9 @@ pub struct Generator {
     remote: Option<Arc<Mutex<RemoteGenerator>>>,
     /// The policy version (and its adapter directory) the server has.
     remote_synced: Option<(usize, PathBuf)>,
+    /// The last decoding copy of an adapter model, whose transposed frozen base weights the
+    /// next policy version reuses (see `Transformer::for_decoding_reusing`).
+    decoding: Option<Transformer>,
 }
 
 impl Generator {
@@ -502,6 +557,7 @@ impl Generator {
             frozen_teacher: setup.frozen_teacher.clone(),
             remote: setup.remote.clone(),
             remote_synced: None,
+            decoding: None,
         }
     }
 
@@ -573,7 +629,16 @@ impl Generator {
             }
             None => {
                 let model = self.frozen_teacher.as_ref().unwrap_or(&self.model);
-                grpo_rollout::generate(model, &self.tokenizer, &prompt_ids, g, &params)?
+                let decoding = model.for_decoding_reusing(self.decoding.as_ref())?;
+                let out =
+                    grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?;
+                // Only an adapter model's copy is worth keeping: its base never changes.
+                let adapters = decoding
+                    .layers
+                    .iter()
+                    .any(|l| l.linears().iter().any(|x| x.lora.is_some()));
+                self.decoding = adapters.then_some(decoding);
+                out
             }
         };
         Ok(Rollouts {
@@ -1092,6 +1157,9 @@ pub struct Learner {
     base_model: String,
     /// Checkpoints written, oldest first.
     pub checkpoints: Vec<PathBuf>,
+    /// True while a step has changed weights it has not finished: a checkpoint then would mix
+    /// two steps.
+    updating: bool,
 }
 
 impl std::fmt::Debug for Learner {
@@ -1119,6 +1187,11 @@ impl Learner {
                 weight_decay: o.weight_decay,
             },
         )?;
+        let opt = if setup.cfg.train.bf16 {
+            opt.with_master_weights()?
+        } else {
+            opt
+        };
         let total_updates = setup.total_steps * o.num_iterations;
         let warmup = if o.warmup_steps > 0 {
             o.warmup_steps
@@ -1150,6 +1223,7 @@ impl Learner {
             completions_file: None,
             base_model: setup.cfg.model.path.display().to_string(),
             checkpoints: Vec::new(),
+            updating: false,
         })
     }
 
@@ -1381,7 +1455,7 @@ impl Learner {
                 add("clip_ratio/low_mean", out.metrics.clip_ratio_low_mean);
                 add("clip_ratio/high_mean", out.metrics.clip_ratio_high_mean);
                 add("clip_ratio/region_mean", out.metrics.clip_ratio_region_mean);
-                let grads = loss.backward()?;
+                let grads = self.policy.model.backward(&loss)?;
                 accumulate(&mut acc, self.opt.vars(), &grads)?;
             }
             last_grad_norm = clip_grad_norm(&mut acc, self.cfg.optim.max_grad_norm)?;
@@ -1389,6 +1463,7 @@ impl Learner {
                 bail!("non-finite gradient norm at step {}", r.batch.step);
             }
             last_lr = self.schedule.lr_at(self.state.optimizer_steps);
+            self.updating = true;
             self.opt.step(&acc, last_lr)?;
             self.state.optimizer_steps += 1;
         }
@@ -1512,6 +1587,7 @@ impl Learner {
         );
         m.insert("timing/train_s".into(), train_s);
         self.state.position = Some(r.batch.position);
+        self.updating = false;
         Ok(m)
     }
 
@@ -2096,12 +2172,28 @@ pub fn run(
     };
     if let Err(e) = outcome {
         progress.finish();
-        // The learner is between two steps when another stage fails: keep its progress.
+        // The learner is between two steps when another stage fails, or when it ran out of
+        // memory before changing a weight: keep its progress.
         let stage = e.downcast_ref::<Stage>().copied();
+        let oom = is_out_of_memory(&e);
         let saved = learner
             .checkpoints
             .last()
             .is_some_and(|p| p.ends_with(format!("step-{}", learner.state.step)));
+        if oom {
+            let mut ckpt = None;
+            if learner.state.step > start && !learner.updating {
+                ckpt = match saved {
+                    true => learner.checkpoints.last().cloned(),
+                    false => learner.save_checkpoint().ok(),
+                };
+            }
+            return Err(anyhow!(out_of_memory_message(
+                &setup,
+                learner.state.step,
+                ckpt.as_deref()
+            )));
+        }
         if stage != Some(Stage::Learner)
             && learner.state.step > start
             && !saved

@@ -215,3 +215,42 @@ fn model_commands_reject_bad_input_in_one_line() {
         assert!(err.contains(needle), "{needle}: {err}");
     }
 }
+
+/// `grpo-cli check` on the CPU: every row of the self-test table passes (the fused kernels,
+/// the device-generic path the GPU takes, checkpointing, training, generation), in f32 and in
+/// bf16; a device this build cannot use is one line naming `--device`.
+#[test]
+fn check_self_test_passes_on_the_cpu() {
+    for dtype in ["f32", "bf16"] {
+        let out = cli(&["check", "--dtype", dtype]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{dtype}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for row in [
+            "attention",
+            "frozen_linear",
+            "entropy",
+            "gradient checkpointing",
+            "AdamW steps",
+            "greedy generation",
+        ] {
+            assert!(stdout.contains(row), "{dtype}: no `{row}` row in\n{stdout}");
+        }
+        if dtype == "f32" {
+            assert!(stdout.contains("(recompute) vs composition"), "{stdout}");
+        }
+        assert!(stdout.contains("passed, 0 failed"), "{stdout}");
+        assert!(!stdout.contains("FAIL"), "{stdout}");
+    }
+    let out = cli(&["check", "--device", "cuda:7"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("--device cuda:7"), "{err}");
+    let out = cli(&["check", "--dtype", "f8"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dtype"));
+}

@@ -175,3 +175,49 @@ fn a_generation_error_stops_the_run_naming_the_generator() {
         expect_failure(s, "generator");
     }
 }
+
+/// A device out of memory ends the run with one line that names the micro-batch and the
+/// settings that lower memory, after a checkpoint of the last complete step (none when no step
+/// completed). The error is CUDA's own text, raised here by a reward at a chosen step.
+#[test]
+fn out_of_memory_is_one_line_with_the_ways_out_and_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    for (k, fail_at) in [(0usize, 2usize), (1, 2), (0, 0)] {
+        let mut s = setup(dir.path(), &format!("oom{k}-{fail_at}"), k, "jsonl");
+        s.cfg.train.save_steps = 0;
+        let run_dir = s.cfg.output_dir.clone();
+        struct Oom(AtomicUsize, usize);
+        impl grpo_rewards::Reward for Oom {
+            fn score(&self, b: &[RewardInput]) -> grpo_rewards::Result<grpo_rewards::RewardOutput> {
+                if self.0.fetch_add(1, Ordering::SeqCst) >= self.1 {
+                    return Err(grpo_rewards::RewardError::Transport {
+                        judge: "gpu".into(),
+                        message: "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+                    });
+                }
+                Ok(vec![0.5f32; b.len()].into())
+            }
+        }
+        s.rewards =
+            Arc::new(RewardSet::new().with_reward("gpu", 1.0, Oom(AtomicUsize::new(0), fail_at)));
+        let e = trainer::run(s, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap_err();
+        let msg = format!("{e:#}");
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+        for part in [
+            "out of memory",
+            "per_device_train_batch_size",
+            "gradient_checkpointing = true",
+            "LoRA",
+        ] {
+            assert!(msg.contains(part), "`{part}` missing: {msg}");
+        }
+        let ckpt = run_dir.join("checkpoints").join(format!("step-{fail_at}"));
+        if fail_at > 0 {
+            assert!(msg.contains("--resume"), "{msg}");
+            assert!(ckpt.join("trainer_state.json").exists(), "{msg}");
+        } else {
+            assert!(msg.contains("nothing saved"), "{msg}");
+            assert!(!run_dir.join("checkpoints").join("step-1").exists());
+        }
+    }
+}

@@ -413,6 +413,7 @@ fn demo_runs_end_to_end_in_miniature() {
         grpo_steps: 2,
         seed: 1,
         progress: false,
+        ..Default::default()
     })
     .unwrap();
     assert_eq!(r.result.total_steps, 2);

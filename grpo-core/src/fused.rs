@@ -12,34 +12,77 @@
 //! are summed in a fixed block order, so results do not depend on thread scheduling.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
 use rayon::prelude::*;
 
-fn flag() -> &'static AtomicBool {
-    static FLAG: OnceLock<AtomicBool> = OnceLock::new();
-    FLAG.get_or_init(|| {
-        let off = std::env::var("GRPO_FUSED").is_ok_and(|v| v == "0" || v == "false");
-        AtomicBool::new(!off)
+const MODE_OFF: u8 = 0;
+const MODE_ON: u8 = 1;
+const MODE_RECOMPUTE: u8 = 2;
+
+fn mode() -> &'static AtomicU8 {
+    static MODE: OnceLock<AtomicU8> = OnceLock::new();
+    MODE.get_or_init(|| {
+        AtomicU8::new(match std::env::var("GRPO_FUSED").as_deref() {
+            Ok("0") | Ok("false") => MODE_OFF,
+            Ok("recompute") => MODE_RECOMPUTE,
+            _ => MODE_ON,
+        })
     })
 }
 
-/// Whether fused kernels are used (default yes; `GRPO_FUSED=0` in the environment or
-/// [`set_enabled`]`(false)` selects the plain compositions, e.g. to compare speed).
+/// Which implementation an op takes for a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// A fused CPU kernel with its own backward (CPU, f32/f64).
+    Kernel,
+    /// The composition on detached inputs as one graph node that keeps only its inputs
+    /// ([`crate::recompute`]): every other device and dtype (CUDA, bf16, f16).
+    Recompute,
+    /// The plain differentiable composition (every intermediate kept for backward).
+    Composed,
+}
+
+/// Whether fused ops are used (default yes; `GRPO_FUSED=0` in the environment or
+/// [`set_enabled`]`(false)` selects the plain compositions, e.g. to compare speed or memory).
 pub fn enabled() -> bool {
-    flag().load(Ordering::Relaxed)
+    mode().load(Ordering::Relaxed) != MODE_OFF
 }
 
-/// Turns the fused kernels on or off for the whole process.
+/// Turns the fused ops on or off for the whole process.
 pub fn set_enabled(on: bool) {
-    flag().store(on, Ordering::Relaxed);
+    mode().store(if on { MODE_ON } else { MODE_OFF }, Ordering::Relaxed);
 }
 
-/// True when a fused kernel can take `t`: kernels enabled, CPU, f32 or f64.
+/// Forces the device-generic [`Path::Recompute`] everywhere, CPU f32 included (what
+/// `GRPO_FUSED=recompute` does): how the CPU tests and `grpo-cli check` run the GPU's path.
+pub fn set_force_recompute(on: bool) {
+    mode().store(if on { MODE_RECOMPUTE } else { MODE_ON }, Ordering::Relaxed);
+}
+
+/// The path an op on `t` takes: [`Path::Kernel`] on CPU f32/f64, [`Path::Recompute`] on other
+/// devices and dtypes, [`Path::Composed`] when fused ops are off or while a recomputed block
+/// runs its backward (its local graph lives for that block only).
+pub fn path(t: &Tensor) -> Path {
+    if !enabled() {
+        Path::Composed
+    } else if applies(t) {
+        Path::Kernel
+    } else if crate::recompute::in_recompute() {
+        Path::Composed
+    } else {
+        Path::Recompute
+    }
+}
+
+/// True when a fused CPU kernel can take `t`: fused ops on (not forced to recompute), CPU, f32
+/// or f64.
 pub fn applies(t: &Tensor) -> bool {
-    enabled() && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    mode().load(Ordering::Relaxed) == MODE_ON
+        && t.device().is_cpu()
+        && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// The element types the kernels are written for (f32 and f64).

@@ -12,7 +12,9 @@
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
 //! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss and DPO's
 //!   sigmoid preference loss with TRL's metrics.
-//! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout.
+//! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
+//!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
+//!   and the gradient sink of gradient checkpointing.
 //!
 //! The scorer (grpo-rewards, through grpo-cli) feeds rewards in; the learner in grpo-cli calls
 //! the loss on log-probs that grpo-rollout's model computes. This crate depends on candle-core
@@ -57,6 +59,7 @@ pub mod fused;
 pub mod logprobs;
 pub mod loss;
 pub mod preference;
+pub mod recompute;
 
 pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
 pub use logprobs::{entropy_from_logits, selective_log_softmax};

@@ -5,10 +5,15 @@
 //! temporaries exist beside the logits, never a second full `(B, T, V)` tensor. Half-precision
 //! logits are widened to f32 inside each chunk (the result is f32); f32 and f64 keep their dtype.
 //! On CPU f32/f64 each chunk goes through a fused kernel with its own backward
-//! ([`crate::fused`]); elsewhere both are differentiable compositions of candle ops (every op
-//! used has a backward). The two paths agree to rounding (tested).
+//! ([`crate::fused`]); elsewhere (CUDA, half precision) each chunk is a differentiable
+//! composition of candle ops run as one [`crate::recompute`] node, which keeps only the chunk
+//! for backward (no f32 widening of the logits is stored); `GRPO_FUSED=0` keeps the plain
+//! composition. The paths agree to rounding (tested).
 
 use candle_core::{D, DType, Result, Tensor};
+
+use crate::fused::Path;
+use crate::recompute::Recompute;
 
 /// Upper bound on the elements of one chunk's `(rows, V)` temporaries (16 MiB of f32).
 pub const CHUNK_ELEMENTS: usize = 1 << 22;
@@ -75,21 +80,18 @@ pub fn selective_log_softmax_chunked(
     let mut start = 0;
     while start < n {
         let len = step.min(n - start);
-        let chunk = x.narrow(0, start, len)?.to_dtype(dtype)?;
+        let chunk = x.narrow(0, start, len)?;
         let ids_chunk = ids.narrow(0, start, len)?;
-        if crate::fused::applies(&chunk) {
-            parts.push(
-                crate::fused::log_softmax_gather(&chunk, &ids_chunk.flatten_all()?)?
-                    .unsqueeze(1)?,
-            );
-            start += len;
-            continue;
-        }
-        let max = chunk.max_keepdim(D::Minus1)?.detach();
-        let shifted = chunk.broadcast_sub(&max)?;
-        let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-        let picked = shifted.contiguous()?.gather(&ids_chunk, D::Minus1)?;
-        parts.push((picked - lse)?);
+        parts.push(match crate::fused::path(&chunk) {
+            Path::Kernel => {
+                crate::fused::log_softmax_gather(&chunk, &ids_chunk.flatten_all()?)?.unsqueeze(1)?
+            }
+            Path::Composed => lsg_composed(&chunk, &ids_chunk, dtype)?,
+            Path::Recompute => Recompute::new("log_softmax_gather", move |a, _| {
+                lsg_composed(&a[0], &ids_chunk, dtype)
+            })
+            .apply(&[&chunk])?,
+        });
         start += len;
     }
     let out = if parts.is_empty() {
@@ -127,19 +129,15 @@ pub fn entropy_from_logits_chunked(
     let mut start = 0;
     while start < n {
         let len = step.min(n - start);
-        let chunk = x.narrow(0, start, len)?.to_dtype(dtype)?;
-        if crate::fused::applies(&chunk) {
-            parts.push(crate::fused::entropy(&chunk)?.unsqueeze(1)?);
-            start += len;
-            continue;
-        }
-        let max = chunk.max_keepdim(D::Minus1)?.detach();
-        let shifted = chunk.broadcast_sub(&max)?;
-        let e = shifted.exp()?;
-        let z = e.sum_keepdim(D::Minus1)?;
-        // H = log Z − Σ e·s / Z, with s the shifted logits (the shift cancels).
-        let expected = (e * &shifted)?.sum_keepdim(D::Minus1)?.div(&z)?;
-        parts.push((z.log()? - expected)?);
+        let chunk = x.narrow(0, start, len)?;
+        parts.push(match crate::fused::path(&chunk) {
+            Path::Kernel => crate::fused::entropy(&chunk)?.unsqueeze(1)?,
+            Path::Composed => entropy_composed(&chunk, dtype)?,
+            Path::Recompute => {
+                Recompute::new("entropy", move |a, _| entropy_composed(&a[0], dtype))
+                    .apply(&[&chunk])?
+            }
+        });
         start += len;
     }
     let out = if parts.is_empty() {
@@ -148,6 +146,29 @@ pub fn entropy_from_logits_chunked(
         Tensor::cat(&parts, 0)?
     };
     out.reshape(lead)
+}
+
+/// `log softmax(x)[id]` of a `(rows, V)` chunk and `(rows, 1)` ids as a composition, in
+/// `dtype` → `(rows, 1)`.
+fn lsg_composed(chunk: &Tensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+    let chunk = chunk.to_dtype(dtype)?;
+    let max = chunk.max_keepdim(D::Minus1)?.detach();
+    let shifted = chunk.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.contiguous()?.gather(ids, D::Minus1)?;
+    picked - lse
+}
+
+/// The softmax entropy of a `(rows, V)` chunk as a composition, in `dtype` → `(rows, 1)`.
+fn entropy_composed(chunk: &Tensor, dtype: DType) -> Result<Tensor> {
+    let chunk = chunk.to_dtype(dtype)?;
+    let max = chunk.max_keepdim(D::Minus1)?.detach();
+    let shifted = chunk.broadcast_sub(&max)?;
+    let e = shifted.exp()?;
+    let z = e.sum_keepdim(D::Minus1)?;
+    // H = log Z − Σ e·s / Z, with s the shifted logits (the shift cancels).
+    let expected = (e * &shifted)?.sum_keepdim(D::Minus1)?.div(&z)?;
+    z.log()? - expected
 }
 
 #[cfg(test)]

@@ -1,9 +1,11 @@
 //! The decoder's hot elementwise ops, each as a fused CPU kernel with a real backward and as
 //! the plain composition of candle ops it replaces.
 //!
-//! [`rms_norm`], [`rope`], [`silu_mul`] and [`attention_softmax`] pick the fused kernel when
-//! [`grpo_core::fused::applies`] (CPU, f32/f64, not switched off with `GRPO_FUSED=0`) and the
-//! composition otherwise (other devices, half precision). The `*_composed` functions are public
+//! [`rms_norm`], [`rope`], [`silu_mul`], [`attention_softmax`], [`attention`] and
+//! [`frozen_linear`] pick the fused CPU kernel on CPU f32/f64 ([`grpo_core::fused::path`]);
+//! on every other device and dtype (CUDA, bf16, f16) the composition runs as one
+//! [`grpo_core::recompute`] node that keeps only the op's inputs for backward, so the GPU path
+//! stores what the CPU path stores; `GRPO_FUSED=0` selects the plain compositions. The `*_composed` functions are public
 //! so that tests (and anyone curious) can compare the two: same values to rounding, same
 //! gradients. See `grpo_core::fused` for why these exist.
 
@@ -12,7 +14,10 @@ use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, D, DType, Layout, Result, Shape, Tensor,
 };
 use grpo_core::float_dispatch;
-use grpo_core::fused::{Float, REDUCE_BLOCK_ROWS, applies, cst, fmax, min_rows, slice};
+use grpo_core::fused::{
+    Float, Path, REDUCE_BLOCK_ROWS, applies, cst, enabled, fmax, min_rows, path, slice,
+};
+use grpo_core::recompute::Recompute;
 use rayon::prelude::*;
 
 fn last_dim(l: &Layout) -> usize {
@@ -24,11 +29,15 @@ fn last_dim(l: &Layout) -> usize {
 /// RMSNorm over the last axis, `x / sqrt(mean(x²) + eps) · w`, computed in f32 for half
 /// precision inputs as transformers does.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    if applies(x) && x.dtype() == w.dtype() {
-        x.contiguous()?
-            .apply_op2(&w.contiguous()?, RmsNormOp { eps })
-    } else {
-        rms_norm_composed(x, w, eps)
+    match path(x) {
+        Path::Kernel if x.dtype() == w.dtype() => x
+            .contiguous()?
+            .apply_op2(&w.contiguous()?, RmsNormOp { eps }),
+        Path::Recompute => {
+            Recompute::new("rms_norm", move |a, _| rms_norm_composed(&a[0], &a[1], eps))
+                .apply(&[x, w])
+        }
+        _ => rms_norm_composed(x, w, eps),
     }
 }
 
@@ -199,14 +208,19 @@ impl CustomOp3 for RmsNormBwd {
 /// (as a projection's output is laid out) and per-token tables `cos`, `sin` `(B, L, D/2)` give
 /// `(B, H, L, D)`, contiguous.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if applies(x) && x.dtype() == cos.dtype() && x.dtype() == sin.dtype() {
-        x.contiguous()?.apply_op3(
-            &cos.contiguous()?,
-            &sin.contiguous()?,
-            RopeOp { inverse: false },
-        )
-    } else {
-        rope_composed(x, cos, sin)
+    match path(x) {
+        Path::Kernel if x.dtype() == cos.dtype() && x.dtype() == sin.dtype() => {
+            x.contiguous()?.apply_op3(
+                &cos.contiguous()?,
+                &sin.contiguous()?,
+                RopeOp { inverse: false },
+            )
+        }
+        Path::Recompute => {
+            let (cos, sin) = (cos.detach(), sin.detach());
+            Recompute::new("rope", move |a, _| rope_composed(&a[0], &cos, &sin)).apply(&[x])
+        }
+        _ => rope_composed(x, cos, sin),
     }
 }
 
@@ -326,10 +340,14 @@ impl CustomOp3 for RopeOp {
 
 /// The gated MLP's `silu(gate) · up`.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if applies(gate) && gate.dtype() == up.dtype() && gate.dims() == up.dims() {
-        gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
-    } else {
-        silu_mul_composed(gate, up)
+    match path(gate) {
+        Path::Kernel if gate.dtype() == up.dtype() && gate.dims() == up.dims() => {
+            gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
+        }
+        Path::Recompute => {
+            Recompute::new("silu_mul", |a, _| silu_mul_composed(&a[0], &a[1])).apply(&[gate, up])
+        }
+        _ => silu_mul_composed(gate, up),
     }
 }
 
@@ -453,12 +471,18 @@ impl CustomOp3 for SiluMulBwd {
 /// Attention probabilities `softmax(scores · scale + bias)` over the last axis: `scores`
 /// `(B, H, L, S)`, `bias` `(B, 1, L, S)` (the additive causal + padding mask, no gradient).
 pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    if applies(scores) && scores.dtype() == bias.dtype() {
-        scores
+    match path(scores) {
+        Path::Kernel if scores.dtype() == bias.dtype() => scores
             .contiguous()?
-            .apply_op2(&bias.contiguous()?, SoftmaxOp { scale })
-    } else {
-        attention_softmax_composed(scores, bias, scale)
+            .apply_op2(&bias.contiguous()?, SoftmaxOp { scale }),
+        Path::Recompute => {
+            let bias = bias.detach();
+            Recompute::new("attention_softmax", move |a, _| {
+                attention_softmax_composed(&a[0], &bias, scale)
+            })
+            .apply(&[scores])
+        }
+        _ => attention_softmax_composed(scores, bias, scale),
     }
 }
 
@@ -621,17 +645,25 @@ impl CustomOp2 for SoftmaxBwd {
 /// zeroed buffer and an add in candle's backward).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
-    if applies(q) && same {
-        q.contiguous()?.apply_op3(
+    match path(q) {
+        Path::Kernel if same => q.contiguous()?.apply_op3(
             k,
             v,
             AttentionOp {
                 bias: bias.contiguous()?.detach(),
                 scale,
             },
-        )
-    } else {
-        attention_composed(q, k, v, bias, scale)
+        ),
+        // Scores and probabilities exist during the forward and, recomputed, during this
+        // node's backward only: the graph keeps q, k, v and the context.
+        Path::Recompute => {
+            let bias = bias.detach();
+            Recompute::new("attention", move |a, _| {
+                attention_composed(&a[0], &a[1], &a[2], &bias, scale)
+            })
+            .apply(&[q, k, v])
+        }
+        _ => attention_composed(q, k, v, bias, scale),
     }
 }
 
@@ -1172,8 +1204,18 @@ impl CustomOp3 for AttentionOp {
 /// of a weight nobody asked for (as many products as the forward, and a weight-sized buffer
 /// per layer kept to the end of backward). Otherwise it is candle's matmul.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if applies(x) && x.dtype() == w.dtype() && x.track_op() && !w.track_op() && x.rank() == 2 {
+    let frozen = x.track_op() && !w.track_op() && x.rank() == 2 && enabled();
+    if frozen && applies(x) && x.dtype() == w.dtype() {
         x.contiguous()?.apply_op1(FrozenLinear { w: w.detach() })
+    } else if frozen {
+        // Every other device and dtype: candle's matmul forward, a backward of one product.
+        let (wf, wb) = (w.detach(), w.detach());
+        Recompute::explicit(
+            "frozen_linear",
+            move |a, _| a[0].matmul(&wf.t()?),
+            move |_, grad| Ok(vec![Some(grad.matmul(&wb)?)]),
+        )
+        .apply(&[x])
     } else {
         x.matmul(&w.t()?)
     }

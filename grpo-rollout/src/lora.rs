@@ -140,6 +140,37 @@ impl Lora {
     pub fn delta(&self) -> Result<Tensor> {
         self.b.matmul(&self.a)? * self.scale
     }
+
+    /// The dropout stream and its current state, so that a forward can be replayed with the
+    /// same masks (gradient checkpointing recomputes a layer in backward).
+    pub(crate) fn dropout_state(&self) -> Option<DropoutState> {
+        if self.dropout <= 0.0 || !self.a.is_variable() {
+            return None;
+        }
+        let state = self.rng.lock().ok()?.clone();
+        Some((self.rng.clone(), state))
+    }
+}
+
+/// A LoRA dropout stream and a saved state of it.
+pub(crate) type DropoutState = (Arc<Mutex<ChaCha8Rng>>, ChaCha8Rng);
+
+/// Runs `f` with each stream set to its saved state, then puts the streams back where they were.
+pub(crate) fn replay_dropout<T>(saved: &[DropoutState], f: impl FnOnce() -> T) -> Result<T> {
+    fn lock(m: &Mutex<ChaCha8Rng>) -> Result<std::sync::MutexGuard<'_, ChaCha8Rng>> {
+        m.lock()
+            .map_err(|_| candle_core::Error::msg("lora rng poisoned"))
+    }
+    let mut now = Vec::with_capacity(saved.len());
+    for (rng, state) in saved {
+        let mut g = lock(rng)?;
+        now.push(std::mem::replace(&mut *g, state.clone()));
+    }
+    let out = f();
+    for ((rng, _), state) in saved.iter().zip(now) {
+        *lock(rng)? = state;
+    }
+    Ok(out)
 }
 
 fn module<'a>(

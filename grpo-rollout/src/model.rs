@@ -7,8 +7,12 @@
 //! record a graph), generation and the frozen reference (weights are detached tensors).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, bail};
+use grpo_core::fused::Path;
+use grpo_core::recompute::{GradSink, Recompute};
 
 use crate::config::{Arch, ModelConfig};
 use crate::lora::Lora;
@@ -129,6 +133,133 @@ impl Layer {
         ]
     }
 
+    /// Every tensor of the layer that is a trainable candle `Var` (weights of a full fine-tune,
+    /// LoRA factors of an adapter run).
+    pub fn vars(&self) -> Vec<Tensor> {
+        let mut out: Vec<Tensor> = Vec::new();
+        let mut norms = vec![&self.input_layernorm, &self.post_attention_layernorm];
+        norms.extend(self.q_norm.iter().chain(self.k_norm.iter()));
+        out.extend(norms.iter().map(|n| n.weight.clone()));
+        for l in self.linears() {
+            out.push(l.weight.clone());
+            out.extend(l.bias.iter().cloned());
+            if let Some(lo) = &l.lora {
+                out.push(lo.a.clone());
+                out.push(lo.b.clone());
+            }
+        }
+        out.retain(|t| t.is_variable());
+        out
+    }
+
+    /// The layer's LoRA dropout streams (each once) with their current states.
+    fn dropout_states(&self) -> Vec<crate::lora::DropoutState> {
+        let mut out: Vec<crate::lora::DropoutState> = Vec::new();
+        for l in self.linears() {
+            if let Some(st) = l.lora.as_ref().and_then(|lo| lo.dropout_state())
+                && !out.iter().any(|(r, _)| std::sync::Arc::ptr_eq(r, &st.0))
+            {
+                out.push(st);
+            }
+        }
+        out
+    }
+
+    /// q `(B, heads, L, D)` (rotated), k `(B, kv_heads, L, D)` (rotated), v `(B, kv_heads, L,
+    /// D)` of rows `x` `(B·L, H)`.
+    fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let h = self.input_layernorm.forward(x)?;
+        let q = self.q_proj.forward(&h)?.reshape((c.b, c.l, c.nh, c.hd))?;
+        let k = self.k_proj.forward(&h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let v = self.v_proj.forward(&h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        // (B, L, heads, D) → rotated (B, heads, L, D).
+        let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
+        let k = crate::fused::rope(&k, &c.cos, &c.sin)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        Ok((q, k, v))
+    }
+
+    /// The rest of the layer after [`Self::qkv`]: attention over `k`, `v` (this call's
+    /// positions, possibly after earlier ones), the residual, the MLP. Returns rows `(B·L, H)`.
+    fn finish(
+        &self,
+        c: &LayerCtx,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
+        let ctx = crate::fused::attention(q, k, v, &c.bias, c.scale)?;
+        let x = (x + self.o_proj.forward(&ctx)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let gate = self.gate_proj.forward(&h)?;
+        let up = self.up_proj.forward(&h)?;
+        let act = crate::fused::silu_mul(&gate, &up)?;
+        x + self.down_proj.forward(&act)?
+    }
+
+    /// The whole layer as one recomputed block (gradient checkpointing): the graph keeps its
+    /// inputs and outputs only, and its weights' gradients go to `sink` during backward. With
+    /// `collect`, also returns this call's keys and values; with `prefix`, attends over those
+    /// earlier positions first.
+    fn checkpointed(
+        &self,
+        c: &LayerCtx,
+        x: &Tensor,
+        prefix: Option<&(Tensor, Tensor)>,
+        collect: bool,
+        sink: &std::sync::Arc<grpo_core::recompute::GradSink>,
+    ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+        let layer = self.clone();
+        let ctx = c.clone();
+        let saved = self.dropout_states();
+        let run = move |a: &[Tensor]| -> Result<Tensor> {
+            let (q, k, v) = layer.qkv(&ctx, &a[0])?;
+            let (ka, va) = match a.get(1..3) {
+                Some([pk, pv]) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+                _ => (k.clone(), v.clone()),
+            };
+            let y = layer.finish(&ctx, &a[0], &q, &ka, &va)?;
+            if collect {
+                Tensor::cat(&[y.flatten_all()?, k.flatten_all()?, v.flatten_all()?], 0)
+            } else {
+                Ok(y)
+            }
+        };
+        let op = grpo_core::recompute::Recompute::new("decoder_layer", move |a, replay| {
+            if replay {
+                crate::lora::replay_dropout(&saved, || run(a))?
+            } else {
+                run(a)
+            }
+        })
+        .with_params(self.vars(), sink.clone());
+        let out = match prefix {
+            Some((pk, pv)) => op.apply(&[x, pk, pv])?,
+            None => op.apply(&[x])?,
+        };
+        if !collect {
+            return Ok((out, None));
+        }
+        let n = c.b * c.l;
+        let h = x.dim(1)?;
+        let kv = c.b * c.nkv * c.l * c.hd;
+        let shape = (c.b, c.nkv, c.l, c.hd);
+        let y = out.narrow(0, 0, n * h)?.reshape((n, h))?;
+        let k = out.narrow(0, n * h, kv)?.reshape(shape)?;
+        let v = out.narrow(0, n * h + kv, kv)?.reshape(shape)?;
+        Ok((y, Some((k, v))))
+    }
+
     /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).
     pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
         [
@@ -246,6 +377,21 @@ impl KvCache {
     }
 }
 
+/// What every layer of one forward call shares: shapes, RoPE tables of its positions, the
+/// attention bias.
+#[derive(Debug, Clone)]
+struct LayerCtx {
+    b: usize,
+    l: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    cos: Tensor,
+    sin: Tensor,
+    bias: Tensor,
+    scale: f64,
+}
+
 /// What a forward pass does with each layer's keys and values.
 enum Kv<'a> {
     /// Nothing: attention over this call's tokens only.
@@ -275,6 +421,9 @@ pub struct Transformer {
     /// rows against the hidden states), which candle's gemm runs up to 2x faster than `h · Wᵀ`
     /// for a wide head.
     pub decoding: bool,
+    /// Gradient checkpointing: when set, a training forward runs each decoder layer as one
+    /// recomputed block (see [`Self::enable_gradient_checkpointing`]).
+    pub checkpointing: Option<Arc<GradSink>>,
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
@@ -425,6 +574,7 @@ impl Transformer {
             norm: norm("model.norm.weight", h)?,
             lm_head,
             decoding: false,
+            checkpointing: None,
             rope_cos,
             rope_sin,
         })
@@ -516,6 +666,7 @@ impl Transformer {
             norm: norm(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(f).transpose()?,
             decoding: false,
+            checkpointing: None,
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
         })
@@ -527,25 +678,57 @@ impl Transformer {
             .expect("detach cannot fail")
     }
 
-    /// A detached copy for generation: every linear layer also keeps its weight transposed and
-    /// contiguous, which few-row decode matmuls run 2-3x faster on (one more copy of the layer
-    /// weights), and the output head switches to `W · hᵀ` ([`Self::decoding`]). Transposes already made are kept (a server prepares its
-    /// model once; generation calls this again for free).
+    /// A detached copy for generation. On the CPU every linear layer also keeps its weight
+    /// transposed and contiguous, which few-row decode matmuls run 2-3x faster on (one more copy
+    /// of the layer weights), and the output head switches to `W · hᵀ` ([`Self::decoding`]).
+    /// Transposes already made are kept (a server prepares its model once; generation calls
+    /// this again for free). On other devices (CUDA: cuBLAS reads transposed operands in place)
+    /// nothing is copied.
     pub fn for_decoding(&self) -> Result<Self> {
+        self.for_decoding_reusing(None)
+    }
+
+    /// [`Self::for_decoding`] that also takes the transposes of `prev` (an earlier decoding
+    /// copy) for every weight the two models share: a LoRA run's frozen base is transposed
+    /// once, not at every policy update.
+    pub fn for_decoding_reusing(&self, prev: Option<&Transformer>) -> Result<Self> {
         let mut m = self.detached();
-        let tr = |w: &Tensor, kept: &Option<Tensor>| -> Result<Option<Tensor>> {
-            Ok(Some(match kept {
-                Some(t) => t.detach(),
-                None => w.t()?.contiguous()?,
-            }))
-        };
-        for (l, s) in m.layers.iter_mut().zip(&self.layers) {
-            for (lin, s) in l.linears_mut().into_iter().zip(s.linears()) {
-                lin.weight_t = tr(&lin.weight, &s.weight_t)?;
+        if !self.device().is_cpu() {
+            return Ok(m);
+        }
+        let tr =
+            |w: &Tensor, kept: &Option<Tensor>, old: Option<&Linear>| -> Result<Option<Tensor>> {
+                if let Some(t) = kept {
+                    return Ok(Some(t.detach()));
+                }
+                if let Some(o) = old
+                    && let Some(t) = &o.weight_t
+                    && o.weight.id() == w.id()
+                {
+                    return Ok(Some(t.clone()));
+                }
+                Ok(Some(w.t()?.contiguous()?))
+            };
+        for (i, (l, s)) in m.layers.iter_mut().zip(&self.layers).enumerate() {
+            let old = prev.and_then(|p| p.layers.get(i)).map(|p| p.linears());
+            for (j, (lin, s)) in l.linears_mut().into_iter().zip(s.linears()).enumerate() {
+                lin.weight_t = tr(&lin.weight, &s.weight_t, old.map(|o| o[j]))?;
             }
         }
         m.decoding = true;
         Ok(m)
+    }
+
+    /// The same weights (shared, detached) with every LoRA adapter switched off: a LoRA run's
+    /// frozen reference, as TRL gets it from peft's `disable_adapter()`, at no memory cost.
+    pub fn without_adapters(&self) -> Self {
+        let mut m = self.detached();
+        for l in m.layers.iter_mut() {
+            for lin in l.linears_mut() {
+                lin.lora = None;
+            }
+        }
+        m
     }
 
     /// A deep copy without autograd: a frozen reference that later updates do not touch.
@@ -566,6 +749,34 @@ impl Transformer {
                 Ok(t.detach())
             }
         })
+    }
+
+    /// Turns gradient checkpointing on (TRL's `gradient_checkpointing`): a training forward
+    /// keeps only each decoder layer's input and output, and backward recomputes one layer at a
+    /// time. Gradients are those of the plain forward (tested); use [`Self::backward`], which
+    /// collects the recomputed layers' weight gradients.
+    pub fn enable_gradient_checkpointing(&mut self) {
+        if self.checkpointing.is_none() {
+            self.checkpointing = Some(GradSink::new());
+        }
+    }
+
+    /// `loss.backward()`, plus the weight gradients that checkpointed layers formed during it.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let grads = loss.backward();
+        match &self.checkpointing {
+            Some(sink) => match grads {
+                Ok(mut g) => {
+                    sink.drain_into(&mut g)?;
+                    Ok(g)
+                }
+                Err(e) => {
+                    sink.clear();
+                    Err(e)
+                }
+            },
+            None => grads,
+        }
     }
 
     /// Weight dtype.
@@ -627,8 +838,17 @@ impl Transformer {
             .index_select(&pos, 0)?
             .reshape((b, l, hd / 2))?
             .to_dtype(dtype)?;
-        let attn_bias = attn_bias.to_dtype(dtype)?;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let ctx = LayerCtx {
+            b,
+            l,
+            nh,
+            nkv,
+            hd,
+            cos,
+            sin,
+            bias: attn_bias.to_dtype(dtype)?,
+            scale: 1.0 / (hd as f64).sqrt(),
+        };
         let past = match &kv {
             Kv::Cache(c) => c.len(),
             _ => 0,
@@ -639,22 +859,23 @@ impl Transformer {
             .embed_tokens
             .index_select(&input_ids.flatten_all()?, 0)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let h = layer.input_layernorm.forward(&x)?;
-            let q = layer.q_proj.forward(&h)?.reshape((b, l, nh, hd))?;
-            let k = layer.k_proj.forward(&h)?.reshape((b, l, nkv, hd))?;
-            let v = layer.v_proj.forward(&h)?.reshape((b, l, nkv, hd))?;
-            let q = match &layer.q_norm {
-                Some(n) => n.forward(&q)?,
-                None => q,
-            };
-            let k = match &layer.k_norm {
-                Some(n) => n.forward(&k)?,
-                None => k,
-            };
-            // (B, L, heads, D) → rotated (B, heads, L, D).
-            let q = crate::fused::rope(&q, &cos, &sin)?;
-            let k = crate::fused::rope(&k, &cos, &sin)?;
-            let v = v.transpose(1, 2)?.contiguous()?;
+            if let Some(sink) = &self.checkpointing
+                && !matches!(kv, Kv::Cache(_))
+                && (x.track_op() || !layer.vars().is_empty())
+            {
+                let prefix = match &kv {
+                    Kv::Prefix(pre) => Some(&pre[i]),
+                    _ => None,
+                };
+                let collect = matches!(kv, Kv::Collect(_));
+                let (y, kvs) = layer.checkpointed(&ctx, &x, prefix, collect, sink)?;
+                if let (Kv::Collect(out), Some(kvs)) = (&mut kv, kvs) {
+                    out.push(kvs);
+                }
+                x = y;
+                continue;
+            }
+            let (q, k, v) = layer.qkv(&ctx, &x)?;
             let (k, v) = match &mut kv {
                 Kv::Cache(c) => c.append(i, past, &k, &v)?,
                 Kv::None => (k, v),
@@ -667,14 +888,7 @@ impl Transformer {
                     (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
                 }
             };
-            // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
-            let ctx = crate::fused::attention(&q, &k, &v, &attn_bias, scale)?;
-            x = (x + layer.o_proj.forward(&ctx)?)?;
-            let h = layer.post_attention_layernorm.forward(&x)?;
-            let gate = layer.gate_proj.forward(&h)?;
-            let up = layer.up_proj.forward(&h)?;
-            let act = crate::fused::silu_mul(&gate, &up)?;
-            x = (x + layer.down_proj.forward(&act)?)?;
+            x = layer.finish(&ctx, &x, &q, &k, &v)?;
         }
         if let Kv::Cache(c) = kv {
             c.len = past + l;
@@ -743,11 +957,27 @@ impl Transformer {
         let mut start = 0;
         while start < total {
             let n = rows.min(total - start);
-            let mut logits = self.logits(&h.narrow(0, start, n)?)?;
+            let hc = h.narrow(0, start, n)?;
+            let tg = targets.narrow(0, start, n)?;
+            if grpo_core::fused::path(&hc) == Path::Recompute && !self.decoding {
+                // Head, log-softmax and entropy as one node that keeps only the hidden rows:
+                // no (rows, vocab) logits, in any dtype, are stored for backward.
+                let head = self.head().clone();
+                let out = Recompute::new("head_logprobs", move |a, _| {
+                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy)
+                })
+                .apply(&[&hc, &head])?;
+                lps.push(out.narrow(1, 0, 1)?.squeeze(1)?);
+                if with_entropy {
+                    ents.push(out.narrow(1, 1, 1)?.squeeze(1)?);
+                }
+                start += n;
+                continue;
+            }
+            let mut logits = self.logits(&hc)?;
             if temperature != 1.0 && temperature > 0.0 {
                 logits = (logits / temperature)?;
             }
-            let tg = targets.narrow(0, start, n)?;
             lps.push(grpo_core::logprobs::selective_log_softmax(&logits, &tg)?);
             if with_entropy {
                 ents.push(grpo_core::logprobs::entropy_from_logits(&logits)?);
@@ -863,6 +1093,28 @@ impl Transformer {
         .reshape((b * c, hs))?;
         let targets = completion_ids.reshape(b * c)?;
         self.target_logprobs(&h, &targets, (b, c), temperature, with_entropy)
+    }
+}
+
+/// Log-probs of `targets` under `h · headᵀ / temperature` (and entropies): `(N, 1)`, or `(N, 2)`
+/// with the entropy in the second column.
+fn head_logprobs(
+    h: &Tensor,
+    head: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<Tensor> {
+    let mut logits = crate::fused::frozen_linear(h, head)?;
+    if temperature != 1.0 && temperature > 0.0 {
+        logits = (logits / temperature)?;
+    }
+    let lp = grpo_core::logprobs::selective_log_softmax(&logits, targets)?;
+    if with_entropy {
+        let e = grpo_core::logprobs::entropy_from_logits(&logits)?;
+        Tensor::stack(&[lp, e], 1)
+    } else {
+        lp.unsqueeze(1)
     }
 }
 

@@ -724,3 +724,168 @@ fn merging_a_decoding_copy_gives_the_adapted_model() {
         .unwrap();
     assert!(d < 1e-10, "merged decoding copy differs by {d}");
 }
+
+/// Gradient checkpointing gives the plain forward's log-probs and gradients (f32, 1e-6
+/// relative) for full fine-tuning and for LoRA with dropout (the recomputation replays the
+/// same masks), on both the padded-batch path and the shared-prompt path; its autograd graph is
+/// a few nodes per layer instead of dozens.
+#[test]
+fn gradient_checkpointing_gives_the_same_gradients() {
+    let dev = Device::Cpu;
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 2, 33], vec![8, 3, 20, 11, 44, 1, 7]];
+    let prompt_of: Vec<u32> = vec![0, 1, 1, 0];
+    let comps: Vec<Vec<u32>> = vec![vec![12, 40, 3], vec![9, 9, 27, 5], vec![31], vec![4, 22]];
+    let (pids, pmask) = padded(&prompts);
+    let cl = comps.iter().map(|c| c.len()).max().unwrap();
+    let mut cid = Vec::new();
+    let mut cmask = Vec::new();
+    for c in &comps {
+        for j in 0..cl {
+            cid.push(c.get(j).copied().unwrap_or(0));
+            cmask.push(u32::from(j < c.len()));
+        }
+    }
+    let cid = Tensor::from_vec(cid, (comps.len(), cl), &dev).unwrap();
+    let cmask = Tensor::from_vec(cmask, (comps.len(), cl), &dev).unwrap();
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for use_lora in [false, true] {
+            for shared in [false, true] {
+                let base = model(arch, DType::F32, arch == Arch::Qwen2);
+                let run = |checkpointing: bool| {
+                    let mut tm = if use_lora {
+                        let lc = LoraConfig {
+                            r: 4,
+                            lora_alpha: 8.0,
+                            lora_dropout: 0.2,
+                            target_modules: grpo_rollout::lora::TARGET_MODULES
+                                .map(String::from)
+                                .to_vec(),
+                        };
+                        let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
+                        // B = 0 at init: set it the same way in both runs.
+                        for (name, v) in &tm.vars {
+                            if name.contains("lora_B") {
+                                let n = v.elem_count();
+                                let b = Tensor::arange(0u32, n as u32, &dev)
+                                    .unwrap()
+                                    .to_dtype(DType::F32)
+                                    .unwrap()
+                                    .sin()
+                                    .unwrap()
+                                    .affine(0.05, 0.0)
+                                    .unwrap()
+                                    .reshape(v.shape())
+                                    .unwrap();
+                                v.set(&b).unwrap();
+                            }
+                        }
+                        tm
+                    } else {
+                        TrainableModel::full(&base).unwrap()
+                    };
+                    if checkpointing {
+                        tm.model.enable_gradient_checkpointing();
+                    }
+                    let (lp, ent) = if shared {
+                        tm.model
+                            .shared_prompt_logprobs(
+                                &pids, &pmask, &prompt_of, &cid, &cmask, 0.7, true,
+                            )
+                            .unwrap()
+                    } else {
+                        let (rows, t) = batch();
+                        let (ids, mask) = padded(&rows);
+                        tm.model
+                            .completion_logprobs(&ids, &mask, t, 0.7, true)
+                            .unwrap()
+                    };
+                    let ent = ent.unwrap();
+                    let l = ((&lp * 0.3).unwrap().sum_all().unwrap()
+                        - (ent.sqr().unwrap() * 0.1).unwrap().sum_all().unwrap())
+                    .unwrap();
+                    let nodes = l.sorted_nodes().len();
+                    let grads = tm.model.backward(&l).unwrap();
+                    let g: Vec<(String, Tensor)> = tm
+                        .vars
+                        .iter()
+                        .map(|(n, v)| {
+                            let g = grads.get(v.as_tensor()).unwrap_or_else(|| {
+                                panic!("{arch:?} lora={use_lora}: no gradient for {n}")
+                            });
+                            (n.clone(), g.clone())
+                        })
+                        .collect();
+                    (lp, g, nodes)
+                };
+                let (lp0, g0, n0) = run(false);
+                let (lp1, g1, n1) = run(true);
+                let what = format!("{arch:?} lora={use_lora} shared={shared}");
+                let d = (&lp0 - &lp1).unwrap().abs().unwrap().max_all().unwrap();
+                assert!(d.to_scalar::<f32>().unwrap() < 1e-6, "{what}: log-probs");
+                for ((name, a), (_, b)) in g0.iter().zip(&g1) {
+                    let scale = a
+                        .abs()
+                        .unwrap()
+                        .max_all()
+                        .unwrap()
+                        .to_scalar::<f32>()
+                        .unwrap();
+                    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                    let d = d.to_scalar::<f32>().unwrap();
+                    assert!(scale > 0.0, "{what}: zero gradient for {name}");
+                    assert!(
+                        d <= 1e-6 * scale.max(1e-3),
+                        "{what}: {name} differs by {d} ({scale})"
+                    );
+                }
+                assert!(
+                    n1 < n0 / 2,
+                    "{what}: {n1} graph nodes with checkpointing vs {n0}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_lora_reference_shares_the_base_and_the_decoding_copy_reuses_its_transposes() {
+    let base = model(Arch::Llama, DType::F32, false);
+    let lc = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        ..LoraConfig::default()
+    };
+    let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
+    nonzero_b(&tm);
+    // The reference is the base with adapters off: its log-probs are the base's, its weights
+    // the base's own tensors.
+    let reference = tm.model.without_adapters();
+    assert_eq!(logprobs_of(&reference), logprobs_of(&base));
+    assert_ne!(logprobs_of(&tm.model), logprobs_of(&base));
+    for ((_, a), (_, b)) in reference.weights().iter().zip(base.weights()) {
+        assert_eq!(a.id(), b.id(), "the reference copied a base weight");
+    }
+    // Two published versions: the second decoding copy takes the first's transposes.
+    let d1 = tm
+        .model
+        .snapshot_trainable()
+        .unwrap()
+        .for_decoding()
+        .unwrap();
+    for (_, v) in &tm.vars {
+        v.set(&(v.as_tensor() * 1.5).unwrap()).unwrap();
+    }
+    let d2 = tm
+        .model
+        .snapshot_trainable()
+        .unwrap()
+        .for_decoding_reusing(Some(&d1))
+        .unwrap();
+    for (l1, l2) in d1.layers.iter().zip(&d2.layers) {
+        for (a, b) in l1.linears().iter().zip(l2.linears()) {
+            let (ta, tb) = (a.weight_t.as_ref().unwrap(), b.weight_t.as_ref().unwrap());
+            assert_eq!(ta.id(), tb.id(), "a frozen weight was transposed again");
+        }
+    }
+    assert_eq!(logprobs_of(&d2), logprobs_of(&tm.model));
+}

@@ -1,0 +1,363 @@
+//! `grpo-cli check`: a self-test of this build on a device, printed as a table.
+//!
+//! Every fused op against its plain composition (values and gradients) on the device and
+//! dtype asked for, the CPU's kernels also on the device-generic path the GPU takes; a small
+//! model's log-probs on the device against the CPU's; gradient checkpointing against the plain
+//! backward; a few optimizer steps that must lower a loss; greedy generation against the CPU's.
+//! It is how a user verifies a GPU install (`grpo-cli check --device cuda --dtype bf16`).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use grpo_rollout::fused;
+use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_rollout::policy::TrainableModel;
+use grpo_rollout::{Arch, SamplingParams, Transformer};
+
+use crate::optim::{AdamW, AdamWParams, accumulate};
+
+/// One row of the table.
+#[derive(Debug, Clone)]
+pub struct CheckRow {
+    /// What was checked.
+    pub name: String,
+    /// Passed.
+    pub ok: bool,
+    /// The measured difference (or the failure).
+    pub detail: String,
+}
+
+/// Runs every check on `device` in `dtype`; returns the rows (all run, failures included).
+pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
+    let mut rows = Vec::new();
+    let tol = match dtype {
+        DType::F32 | DType::F64 => 1e-4,
+        _ => 2e-2,
+    };
+    let mut push = |name: String, r: Result<(f64, f64)>| {
+        rows.push(match r {
+            Ok((d, limit)) => CheckRow {
+                ok: d <= limit,
+                detail: format!("max diff {d:.2e} (limit {limit:.0e})"),
+                name,
+            },
+            Err(e) => CheckRow {
+                ok: false,
+                detail: first_line(&e.to_string()),
+                name,
+            },
+        });
+    };
+    let saved_mode = (grpo_core::fused::enabled(), false);
+    // On CPU f32 the kernels run by default; the device-generic path is checked as well.
+    let kernels = device.is_cpu() && matches!(dtype, DType::F32 | DType::F64);
+    let paths: &[(&str, bool)] = if kernels {
+        &[("kernel", false), ("recompute", true)]
+    } else {
+        &[("fused", false)]
+    };
+    for &(label, force) in paths {
+        for (name, r) in op_checks(device, dtype, force) {
+            push(
+                format!("{name} ({label}) vs composition"),
+                r.map(|d| (d, tol)),
+            );
+        }
+    }
+    grpo_core::fused::set_enabled(saved_mode.0);
+
+    let dir = std::env::temp_dir().join(format!("grpo-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    init_model_dir(&dir, Preset::Tiny, Arch::Qwen2, 7).context("writing the check model")?;
+    let guard = RemoveOnDrop(dir.clone());
+    let cpu = grpo_rollout::load(&dir, DType::F32, &Device::Cpu)?;
+    let dev = grpo_rollout::load(&dir, dtype, device)?;
+    let rows_ids: Vec<Vec<u32>> = vec![vec![5, 9, 2, 33, 7, 12, 40, 3], vec![8, 3, 20, 11, 44]];
+    push(
+        format!("log-probs on {} vs cpu f32", device_name(device)),
+        (|| {
+            let a = logprobs(&cpu.model, &rows_ids)?;
+            let b = logprobs(&dev.model, &rows_ids)?;
+            Ok((max_diff(&a, &b)?, tol))
+        })(),
+    );
+    push(
+        "gradient checkpointing vs plain backward".into(),
+        checkpoint_check(&dev.model, &rows_ids).map(|d| (d, tol)),
+    );
+    push(
+        "8 AdamW steps lower the loss".into(),
+        training_check(&dev.model, &rows_ids),
+    );
+    push(
+        format!("greedy generation on {} vs cpu f32", device_name(device)),
+        (|| {
+            let p = SamplingParams {
+                max_new_tokens: 12,
+                min_new_tokens: 12,
+                temperature: 0.0,
+                ..SamplingParams::default()
+            };
+            let prompts = vec![rows_ids[0].clone()];
+            let a = grpo_rollout::generate(&cpu.model, &cpu.tokenizer, &prompts, 1, &p)?;
+            let b = grpo_rollout::generate(&dev.model, &dev.tokenizer, &prompts, 1, &p)?;
+            let (a, b) = (&a[0].token_ids, &b[0].token_ids);
+            let same = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+            if b.len() != 12 {
+                anyhow::bail!("generated {} tokens, asked for 12", b.len());
+            }
+            // Half precision may part ways after a near-tie; f32 must agree throughout.
+            let need = if matches!(dtype, DType::F32 | DType::F64) {
+                12
+            } else {
+                1
+            };
+            Ok(((12 - same) as f64, (12 - need) as f64))
+        })(),
+    );
+    drop(guard);
+    Ok(rows)
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn device_name(d: &Device) -> String {
+    match d {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(_) => "cuda".into(),
+        _ => format!("{d:?}"),
+    }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("").to_string()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?)
+}
+
+fn max_abs(a: &Tensor) -> Result<f64> {
+    max_diff(a, &a.zeros_like()?)
+}
+
+fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?)
+}
+
+type OpFn<'a> = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + 'a>;
+
+/// Each op on the current fused path (or the forced recompute path) against the composition:
+/// the largest difference of values and gradients, relative to the gradients' size.
+fn op_checks(
+    device: &Device,
+    dtype: DType,
+    force_recompute: bool,
+) -> Vec<(&'static str, Result<f64>)> {
+    let mut out = Vec::new();
+    let mk = || -> Result<Vec<(&'static str, Vec<Tensor>, OpFn<'static>)>> {
+        let d = device;
+        let (b, l, s, nh, nkv, hd) = (2, 6, 9, 4, 2, 8);
+        let ang = randn(&[b, l, hd / 2], DType::F32, d)?;
+        let (cos, sin) = (ang.cos()?.to_dtype(dtype)?, ang.sin()?.to_dtype(dtype)?);
+        let mut bias = vec![0f32; b * l * s];
+        for r in 0..b {
+            for i in 0..l {
+                for j in 0..s {
+                    if j > s - l + i || j < r {
+                        bias[(r * l + i) * s + j] = -1e9;
+                    }
+                }
+            }
+        }
+        let bias = Tensor::from_vec(bias, (b, 1, l, s), d)?.to_dtype(dtype)?;
+        let wf = randn(&[24, 16], dtype, d)?;
+        let ids = Tensor::new(&[3u32, 0, 39, 7, 7, 12], d)?;
+        let ids2 = ids.clone();
+        Ok(vec![
+            (
+                "rms_norm",
+                vec![randn(&[7, 16], dtype, d)?, (randn(&[16], dtype, d)? + 1.0)?],
+                Box::new(|t: &[Tensor]| fused::rms_norm(&t[0], &t[1], 1e-6)),
+            ),
+            (
+                "rope",
+                vec![randn(&[b, l, nh, hd], dtype, d)?],
+                Box::new(move |t: &[Tensor]| fused::rope(&t[0], &cos, &sin)),
+            ),
+            (
+                "silu_mul",
+                vec![randn(&[9, 12], dtype, d)?, randn(&[9, 12], dtype, d)?],
+                Box::new(|t: &[Tensor]| fused::silu_mul(&t[0], &t[1])),
+            ),
+            (
+                "attention",
+                vec![
+                    randn(&[b, nh, l, hd], dtype, d)?,
+                    randn(&[b, nkv, s, hd], dtype, d)?,
+                    randn(&[b, nkv, s, hd], dtype, d)?,
+                ],
+                Box::new(move |t: &[Tensor]| fused::attention(&t[0], &t[1], &t[2], &bias, 0.35)),
+            ),
+            (
+                "frozen_linear",
+                vec![randn(&[7, 16], dtype, d)?],
+                Box::new(move |t: &[Tensor]| fused::frozen_linear(&t[0], &wf)),
+            ),
+            (
+                "log_softmax_gather",
+                vec![randn(&[6, 40], dtype, d)?],
+                Box::new(move |t: &[Tensor]| {
+                    grpo_core::logprobs::selective_log_softmax(&t[0], &ids)
+                }),
+            ),
+            (
+                "entropy",
+                vec![randn(&[6, 40], dtype, d)?],
+                Box::new(move |t: &[Tensor]| {
+                    let _ = &ids2;
+                    grpo_core::logprobs::entropy_from_logits(&t[0])
+                }),
+            ),
+        ])
+    };
+    let cases = match mk() {
+        Ok(c) => c,
+        Err(e) => return vec![("setup", Err(e))],
+    };
+    for (name, inputs, f) in cases {
+        let r = (|| -> Result<f64> {
+            let run =
+                |inputs: &[Tensor], r: Option<&Tensor>| -> Result<(Tensor, Vec<Tensor>, Tensor)> {
+                    let vars: Vec<Var> = inputs
+                        .iter()
+                        .map(Var::from_tensor)
+                        .collect::<candle_core::Result<_>>()?;
+                    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                    let y = f(&ts)?;
+                    let r = match r {
+                        Some(r) => r.clone(),
+                        None => randn(y.dims(), y.dtype(), y.device())?,
+                    };
+                    let g = (&y * &r)?.sum_all()?.backward()?;
+                    let grads = vars
+                        .iter()
+                        .map(|v| {
+                            g.get(v.as_tensor())
+                                .cloned()
+                                .ok_or_else(|| anyhow::anyhow!("no gradient reached an input"))
+                        })
+                        .collect::<Result<_>>()?;
+                    Ok((y, grads, r))
+                };
+            grpo_core::fused::set_enabled(false);
+            let (y0, g0, r) = run(&inputs, None)?;
+            grpo_core::fused::set_enabled(true);
+            grpo_core::fused::set_force_recompute(force_recompute);
+            let res = run(&inputs, Some(&r));
+            grpo_core::fused::set_force_recompute(false);
+            let (y1, g1, _) = res?;
+            let mut worst = max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0);
+            for (a, b) in g0.iter().zip(&g1) {
+                worst = worst.max(max_diff(a, b)? / max_abs(a)?.max(1.0));
+            }
+            Ok(worst)
+        })();
+        out.push((name, r));
+    }
+    out
+}
+
+fn padded(rows: &[Vec<u32>], device: &Device) -> Result<(Tensor, Tensor)> {
+    Ok(grpo_rollout::generate::left_pad(rows, 0, device)?)
+}
+
+fn logprobs(m: &Transformer, rows: &[Vec<u32>]) -> Result<Tensor> {
+    let (ids, mask) = padded(rows, m.device())?;
+    Ok(m.completion_logprobs(&ids, &mask, 4, 1.0, false)?.0)
+}
+
+fn nll(m: &Transformer, rows: &[Vec<u32>]) -> Result<Tensor> {
+    let (ids, mask) = padded(rows, m.device())?;
+    let (lp, ent) = m.completion_logprobs(&ids, &mask, 4, 1.0, true)?;
+    let ent = ent.context("entropy")?;
+    Ok((lp.mean_all()?.neg()? + (ent.mean_all()? * 0.01)?)?)
+}
+
+/// Largest gradient difference (relative) between a checkpointed and a plain backward.
+fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
+    let grads = |ckpt: bool| -> Result<Vec<Tensor>> {
+        let mut tm = TrainableModel::full(base)?;
+        if ckpt {
+            tm.model.enable_gradient_checkpointing();
+        }
+        let g = tm.model.backward(&nll(&tm.model, rows)?)?;
+        tm.vars
+            .iter()
+            .map(|(n, v)| {
+                g.get(v.as_tensor())
+                    .cloned()
+                    .with_context(|| format!("no gradient for {n}"))
+            })
+            .collect()
+    };
+    let (a, b) = (grads(false)?, grads(true)?);
+    let mut worst = 0f64;
+    for (x, y) in a.iter().zip(&b) {
+        worst = worst.max(max_diff(x, y)? / max_abs(x)?.max(1e-3));
+    }
+    Ok(worst)
+}
+
+/// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).
+fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
+    let tm = TrainableModel::full(base)?;
+    let params = AdamWParams {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let mut opt = AdamW::new(tm.vars.clone(), params)?;
+    let mut first = None;
+    let mut last = 0.0;
+    for _ in 0..8 {
+        let loss = nll(&tm.model, rows)?;
+        last = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        first.get_or_insert(last);
+        let g = tm.model.backward(&loss)?;
+        let mut acc = std::collections::HashMap::new();
+        accumulate(&mut acc, &tm.vars, &g)?;
+        opt.step(&acc, 3e-3)?;
+    }
+    let first = first.unwrap_or(1.0);
+    Ok((last / first, 0.9))
+}
+
+/// Prints the table; true when every check passed.
+pub fn print_table(rows: &[CheckRow]) -> bool {
+    let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(10);
+    println!("{:<w$}  {:<4}  detail", "check", "ok");
+    for r in rows {
+        println!(
+            "{:<w$}  {:<4}  {}",
+            r.name,
+            if r.ok { "ok" } else { "FAIL" },
+            r.detail
+        );
+    }
+    let failed = rows.iter().filter(|r| !r.ok).count();
+    println!("{} passed, {failed} failed", rows.len() - failed);
+    failed == 0
+}

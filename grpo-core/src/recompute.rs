@@ -1,0 +1,455 @@
+//! Ops that keep only their inputs for backward, on every device and dtype.
+//!
+//! A composition of candle ops keeps every intermediate in the autograd graph until backward
+//! (and candle's backward keeps a gradient for each node until it ends). The CPU kernels of
+//! [`crate::fused`] avoid that for f32/f64 on the CPU; this module does it everywhere else
+//! (CUDA, bf16, f16) without writing a kernel per device: the forward runs the composition on
+//! detached inputs (no graph: its intermediates are freed at once) and the result enters the
+//! graph as **one** candle `CustomOp` node whose inputs are the op's inputs. Its backward either
+//! recomputes the composition on those inputs with a local graph and differentiates it
+//! ([`Recompute::new`]: what gradient checkpointing does, here per op), or applies a given
+//! formula ([`Recompute::explicit`]: e.g. a frozen weight's linear map, whose backward is one
+//! matmul). The composition runs on candle's own kernels for the device (built by
+//! candle-kernels with nvcc at build time for CUDA), so nothing is compiled at run time.
+//!
+//! [`Recompute::with_params`] extends this to a block with trainable weights inside (a whole
+//! decoder layer: gradient checkpointing): the weights' gradients, formed during the block's
+//! recomputation, go to a [`GradSink`] that the caller merges into the gradient store after
+//! `backward()`.
+//!
+//! The cost: one copy of the op's output (the forward result is moved into the graph node by a
+//! device copy, since candle offers no way to adopt a storage) and, for [`Recompute::new`], one
+//! more forward of the composition in backward.
+
+use std::cell::Cell;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{Storage, Var};
+
+/// A composition: inputs → output. The flag is true when it runs under a local graph (in
+/// backward); a block with trainable weights uses its detached weights when it is false.
+pub type ForwardFn = dyn Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync;
+
+/// An explicit backward: `(inputs, output gradient)` → one gradient per input (`None` for an
+/// input that needs none).
+pub type BackwardFn = dyn Fn(&[Tensor], &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+
+thread_local! {
+    static IN_RECOMPUTE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// True while this thread recomputes a block in backward: nested recompute ops are pointless
+/// there (the local graph lives for one block only), so callers use plain compositions.
+pub fn in_recompute() -> bool {
+    IN_RECOMPUTE.with(|c| c.get())
+}
+
+/// Gradients of trainable weights formed inside recomputed blocks, waiting to be merged into
+/// the gradient store of the `backward()` that ran them.
+#[derive(Debug, Default)]
+pub struct GradSink {
+    grads: Mutex<Vec<(Tensor, Tensor)>>,
+}
+
+impl GradSink {
+    /// An empty sink, shared by the blocks of one model.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn push(&self, var: Tensor, grad: Tensor) -> Result<()> {
+        self.grads
+            .lock()
+            .map_err(|_| candle_core::Error::msg("gradient sink poisoned"))?
+            .push((var, grad));
+        Ok(())
+    }
+
+    /// Moves every gradient into `store`, adding to what the store holds for the same weight.
+    pub fn drain_into(&self, store: &mut GradStore) -> Result<()> {
+        let grads = std::mem::take(
+            &mut *self
+                .grads
+                .lock()
+                .map_err(|_| candle_core::Error::msg("gradient sink poisoned"))?,
+        );
+        for (var, g) in grads {
+            let sum = match store.remove(&var) {
+                Some(old) => (old + g)?,
+                None => g,
+            };
+            store.insert(&var, sum);
+        }
+        Ok(())
+    }
+
+    /// Drops whatever is waiting (a backward that failed half-way).
+    pub fn clear(&self) {
+        if let Ok(mut g) = self.grads.lock() {
+            g.clear();
+        }
+    }
+
+    /// True when nothing is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.grads.lock().map(|g| g.is_empty()).unwrap_or(true)
+    }
+}
+
+enum Backward {
+    Recompute,
+    Explicit(Arc<BackwardFn>),
+}
+
+/// An op (or block) whose graph node keeps only its inputs; see the module docs.
+pub struct Recompute {
+    name: &'static str,
+    forward: Arc<ForwardFn>,
+    backward: Backward,
+    params: Vec<Tensor>,
+    sink: Option<Arc<GradSink>>,
+}
+
+impl std::fmt::Debug for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recompute")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl Recompute {
+    /// Backward by recomputing `forward` with a local graph.
+    pub fn new(
+        name: &'static str,
+        forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            forward: Arc::new(forward),
+            backward: Backward::Recompute,
+            params: Vec::new(),
+            sink: None,
+        }
+    }
+
+    /// Backward by an explicit formula (nothing recomputed).
+    pub fn explicit(
+        name: &'static str,
+        forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
+        backward: impl Fn(&[Tensor], &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            forward: Arc::new(forward),
+            backward: Backward::Explicit(Arc::new(backward)),
+            params: Vec::new(),
+            sink: None,
+        }
+    }
+
+    /// Trainable weights (candle `Var`s) that `forward` uses when its flag is true: their
+    /// gradients from the recomputation go to `sink`. Only for [`Recompute::new`].
+    pub fn with_params(mut self, params: Vec<Tensor>, sink: Arc<GradSink>) -> Self {
+        self.params = params;
+        self.sink = Some(sink);
+        self
+    }
+
+    /// Runs the op on up to three inputs. Without a tracked input or a trainable weight the
+    /// plain result is returned (no node, no copy).
+    pub fn apply(self, args: &[&Tensor]) -> Result<Tensor> {
+        let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+        let y = (self.forward)(&detached, false)?;
+        let tracked = args.iter().any(|a| a.track_op());
+        if !tracked && self.params.is_empty() {
+            return Ok(y);
+        }
+        // A node is recorded only when an input is tracked: a block whose inputs are all
+        // frozen (LoRA's first layer) gets a one-element anchor variable as an extra input.
+        let anchor;
+        let mut inputs: Vec<&Tensor> = args.to_vec();
+        if !tracked {
+            anchor = Var::zeros(1, y.dtype(), y.device())?.into_inner();
+            inputs.push(&anchor);
+        }
+        let y = if y.is_contiguous() && y.layout().start_offset() == 0 {
+            y
+        } else {
+            y.copy()?
+        };
+        let node = Node {
+            op: self,
+            out: Mutex::new(Some(y)),
+            n_args: args.len(),
+        };
+        match inputs.as_slice() {
+            [a] => a.apply_op1(node),
+            [a, b] => a.apply_op2(b, node),
+            [a, b, c] => a.apply_op3(b, c, node),
+            _ => candle_core::bail!("{}: recompute ops take 1 to 3 inputs", node.op.name),
+        }
+    }
+}
+
+/// The graph node: holds the forward result until candle asks for it (then only the node's
+/// own copy exists) and the recipe for backward.
+struct Node {
+    op: Recompute,
+    out: Mutex<Option<Tensor>>,
+    n_args: usize,
+}
+
+impl Node {
+    fn take(&self) -> Result<Tensor> {
+        self.out
+            .lock()
+            .map_err(|_| candle_core::Error::msg("recompute node poisoned"))?
+            .take()
+            .ok_or_else(|| candle_core::Error::msg(format!("{}: forward ran twice", self.op.name)))
+    }
+
+    fn storage(&self) -> Result<(Storage, Shape)> {
+        let y = self.take()?;
+        let (st, l) = y.storage_and_layout();
+        Ok((st.try_clone(l)?, y.shape().clone()))
+    }
+
+    fn cpu(&self) -> Result<(CpuStorage, Shape)> {
+        match self.storage()? {
+            (Storage::Cpu(s), shape) => Ok((s, shape)),
+            _ => candle_core::bail!("{}: result not on the CPU", self.op.name),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Result<(candle_core::CudaStorage, Shape)> {
+        match self.storage()? {
+            (Storage::Cuda(s), shape) => Ok((s, shape)),
+            _ => candle_core::bail!("{}: result not on a CUDA device", self.op.name),
+        }
+    }
+
+    /// Gradients of the first `n_args` inputs (the anchor, if any, gets none).
+    fn grads(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let args = &args[..self.n_args];
+        let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+        let mut out = match &self.op.backward {
+            Backward::Explicit(f) => f(&detached, grad)?,
+            Backward::Recompute => self.recompute(args, grad)?,
+        };
+        for (g, a) in out.iter_mut().zip(args) {
+            if !a.track_op() {
+                *g = None;
+            }
+        }
+        out.resize(3, None);
+        Ok(out)
+    }
+
+    fn recompute(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let leaves = args
+            .iter()
+            .map(|a| {
+                if a.track_op() {
+                    Ok(Var::from_tensor(&a.detach())?.into_inner())
+                } else {
+                    Ok(a.detach())
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let was = IN_RECOMPUTE.with(|c| c.replace(true));
+        let run = || -> Result<GradStore> {
+            let y = (self.op.forward)(&leaves, true)?;
+            (y * grad.detach())?.sum_all()?.backward()
+        };
+        let grads = run();
+        IN_RECOMPUTE.with(|c| c.set(was));
+        let grads = grads?;
+        if let Some(sink) = &self.op.sink {
+            for p in &self.op.params {
+                if let Some(g) = grads.get(p) {
+                    sink.push(p.clone(), g.clone())?;
+                }
+            }
+        }
+        Ok(leaves
+            .iter()
+            .zip(args)
+            .map(|(l, a)| {
+                if a.track_op() {
+                    grads.get(l).cloned()
+                } else {
+                    None
+                }
+            })
+            .collect())
+    }
+}
+
+impl CustomOp1 for Node {
+    fn name(&self) -> &'static str {
+        self.op.name
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.cpu()
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda()
+    }
+    fn bwd(&self, a: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = self.grads(&[a], grad)?;
+        Ok(g.swap_remove(0))
+    }
+}
+
+impl CustomOp2 for Node {
+    fn name(&self) -> &'static str {
+        self.op.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu()
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.grads(&[a, b], grad)?.into_iter();
+        Ok((g.next().flatten(), g.next().flatten()))
+    }
+}
+
+impl CustomOp3 for Node {
+    fn name(&self) -> &'static str {
+        self.op.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu()
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.grads(&[a, b, c], grad)?.into_iter();
+        Ok((g.next().flatten(), g.next().flatten(), g.next().flatten()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn composed(args: &[Tensor], _: bool) -> Result<Tensor> {
+        // (a · b).exp() + a, a composition with several intermediates.
+        args[0].matmul(&args[1])?.exp()? + &args[0]
+    }
+
+    #[test]
+    fn recompute_matches_the_composition_values_and_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let a = Var::from_tensor(&Tensor::randn(0f64, 0.3, (4, 4), &dev)?)?;
+        let b = Var::from_tensor(&Tensor::randn(0f64, 0.3, (4, 4), &dev)?)?;
+        let w = Tensor::randn(0f64, 1.0, (4, 4), &dev)?;
+        let want = composed(&[a.as_tensor().clone(), b.as_tensor().clone()], true)?;
+        let gw = (&want * &w)?.sum_all()?.backward()?;
+        let got = Recompute::new("test", composed).apply(&[a.as_tensor(), b.as_tensor()])?;
+        let gg = (&got * &w)?.sum_all()?.backward()?;
+        let diff = |x: &Tensor, y: &Tensor| -> Result<f64> {
+            (x - y)?.abs()?.max_all()?.to_scalar::<f64>()
+        };
+        assert!(diff(&want, &got)? < 1e-12);
+        for v in [&a, &b] {
+            let (x, y) = (gw.get(v.as_tensor()), gg.get(v.as_tensor()));
+            assert!(diff(x.expect("grad"), y.expect("grad"))? < 1e-12);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn params_gradients_reach_the_sink_even_without_tracked_inputs() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (3, 2), &dev)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 2), &dev)?)?;
+        let wd = w.as_tensor().detach();
+        let wv = w.as_tensor().clone();
+        let sink = GradSink::new();
+        let y = Recompute::new("block", move |a, grad| {
+            a[0].matmul(if grad { &wv } else { &wd })?.tanh()
+        })
+        .with_params(vec![w.as_tensor().clone()], sink.clone())
+        .apply(&[&x])?;
+        let mut store = y.sum_all()?.backward()?;
+        assert!(store.get(w.as_tensor()).is_none());
+        sink.drain_into(&mut store)?;
+        assert!(sink.is_empty());
+        let want = x.matmul(w.as_tensor())?.tanh()?.sum_all()?.backward()?;
+        let d = (store.get(w.as_tensor()).expect("sink grad")
+            - want.get(w.as_tensor()).expect("g"))?
+        .abs()?
+        .max_all()?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?;
+        assert!(d < 1e-6, "{d}");
+        Ok(())
+    }
+
+    #[test]
+    fn untracked_inputs_give_the_plain_result() -> Result<()> {
+        let x = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
+        let y = Recompute::new("plain", |a, _| a[0].exp()).apply(&[&x])?;
+        assert!(!y.track_op());
+        assert_eq!(y.to_vec1::<f32>()?, x.exp()?.to_vec1::<f32>()?);
+        Ok(())
+    }
+}

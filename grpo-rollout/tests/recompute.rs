@@ -1,0 +1,298 @@
+//! The device-generic path of every fused op (what CUDA and half precision run): the
+//! composition on detached inputs as one graph node that keeps only its inputs, with a
+//! recomputed (or explicit) backward. Checked on the CPU, where `GRPO_FUSED=recompute` forces
+//! it for f32 too: the same values and gradients as the plain composition, and graphs that hold
+//! no attention-probability or logits tensor. Its own binary, because it flips the process-wide
+//! switch.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo_rollout::config::Arch;
+use grpo_rollout::fused;
+use grpo_rollout::init::{Preset, preset_config, random_weights};
+use grpo_rollout::policy::TrainableModel;
+
+/// The tests flip the process-wide switch: one at a time.
+static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+fn randn(shape: &[usize], dtype: DType) -> Tensor {
+    Tensor::randn(0f64, 1.0, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// Output, input gradients and graph size of `f` on fresh Vars, under `Σ out · r`.
+fn run(
+    inputs: &[Tensor],
+    r: &Tensor,
+    f: &dyn Fn(&[Tensor]) -> Tensor,
+) -> (Tensor, Vec<Tensor>, Vec<Vec<usize>>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = f(&ts);
+    let loss = (&out * r).unwrap().sum_all().unwrap();
+    let shapes = loss
+        .sorted_nodes()
+        .iter()
+        .map(|t| t.dims().to_vec())
+        .collect();
+    let grads = loss.backward().unwrap();
+    let g = vars
+        .iter()
+        .map(|v| grads.get(v.as_tensor()).expect("gradient").clone())
+        .collect();
+    (out, g, shapes)
+}
+
+/// The op on the recompute path against the plain composition (fused ops off): equal values
+/// and gradients; returns the shapes the recompute graph holds.
+fn check(
+    name: &str,
+    inputs: &[Tensor],
+    f: &dyn Fn(&[Tensor]) -> Tensor,
+    grads: usize,
+) -> Vec<Vec<usize>> {
+    let dtype = inputs[0].dtype();
+    grpo_core::fused::set_enabled(false);
+    let probe = f(inputs);
+    let r = randn(probe.dims(), DType::F32)
+        .to_dtype(probe.dtype())
+        .unwrap();
+    let (b, gb, plain_shapes) = run(inputs, &r, f);
+    grpo_core::fused::set_force_recompute(true);
+    let (a, ga, shapes) = run(inputs, &r, f);
+    grpo_core::fused::set_force_recompute(false);
+    let tol = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
+    let d = max_abs(&(&a - &b).unwrap().to_dtype(DType::F32).unwrap());
+    assert!(d <= tol, "{name} {dtype:?}: forward differs by {d}");
+    for i in 0..grads {
+        let scale = max_abs(&gb[i]).max(1e-3);
+        let d = max_abs(&(&ga[i] - &gb[i]).unwrap().to_dtype(DType::F32).unwrap());
+        assert!(scale > 1e-3, "{name}: zero gradient {i}");
+        assert!(
+            d <= tol * scale,
+            "{name} {dtype:?}: gradient {i} differs by {d} ({scale})"
+        );
+    }
+    assert!(
+        shapes.len() <= plain_shapes.len(),
+        "{name}: the recompute graph ({} nodes) is not smaller than the composition's ({})",
+        shapes.len(),
+        plain_shapes.len()
+    );
+    shapes
+}
+
+fn causal_bias(b: usize, l: usize, s: usize, dtype: DType) -> Tensor {
+    let mut v = vec![0f32; b * l * s];
+    for r in 0..b {
+        for i in 0..l {
+            for j in 0..s {
+                // Keys past the query (after the s - l prefix) and row r's first r keys masked.
+                if j > s - l + i || j < r {
+                    v[(r * l + i) * s + j] = -1e9;
+                }
+            }
+        }
+    }
+    Tensor::from_vec(v, (b, 1, l, s), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+#[test]
+fn every_op_on_the_recompute_path_equals_its_composition() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    for dtype in [DType::F32, DType::BF16] {
+        let x = randn(&[7, 16], dtype);
+        let w = (randn(&[16], dtype) + 1.0).unwrap();
+        check(
+            "rms_norm",
+            &[x, w],
+            &|t| fused::rms_norm(&t[0], &t[1], 1e-6).unwrap(),
+            2,
+        );
+
+        let (b, l, h, d) = (2, 5, 3, 8);
+        let x = randn(&[b, l, h, d], dtype);
+        let ang = randn(&[b, l, d / 2], DType::F32);
+        let (cos, sin) = (
+            ang.cos().unwrap().to_dtype(dtype).unwrap(),
+            ang.sin().unwrap().to_dtype(dtype).unwrap(),
+        );
+        check(
+            "rope",
+            &[x],
+            &|t| fused::rope(&t[0], &cos, &sin).unwrap(),
+            1,
+        );
+
+        let g = randn(&[9, 12], dtype);
+        let u = randn(&[9, 12], dtype);
+        check(
+            "silu_mul",
+            &[g, u],
+            &|t| fused::silu_mul(&t[0], &t[1]).unwrap(),
+            2,
+        );
+
+        // Attention: 4 query heads on 2 kv heads, 3 prefix keys, masked keys.
+        let (b, nh, nkv, l, s, d) = (2, 4, 2, 5, 9, 8);
+        let q = randn(&[b, nh, l, d], dtype);
+        let k = randn(&[b, nkv, s, d], dtype);
+        let v = randn(&[b, nkv, s, d], dtype);
+        let bias = causal_bias(b, l, s, dtype);
+        let shapes = check(
+            "attention",
+            &[q, k, v],
+            &|t| fused::attention(&t[0], &t[1], &t[2], &bias, 0.35).unwrap(),
+            3,
+        );
+        // Nothing with a (queries, keys) plane is kept for backward.
+        assert!(
+            shapes
+                .iter()
+                .all(|sh| !sh.ends_with(&[l, s]) && !sh.ends_with(&[2 * l, s])),
+            "attention keeps a probability tensor: {shapes:?}"
+        );
+
+        // A frozen weight: only the input gets a gradient, none is formed for the weight.
+        let wf = randn(&[6, 16], dtype);
+        let x = randn(&[7, 16], dtype);
+        let shapes = check(
+            "frozen_linear",
+            &[x],
+            &|t| fused::frozen_linear(&t[0], &wf).unwrap(),
+            1,
+        );
+        assert!(
+            shapes.len() <= 5 && !shapes.contains(&vec![6, 16]),
+            "{shapes:?}"
+        );
+
+        let logits = randn(&[6, 40], dtype);
+        let ids = Tensor::new(&[3u32, 0, 39, 7, 7, 12], &Device::Cpu).unwrap();
+        check(
+            "selective_log_softmax",
+            &[logits.clone()],
+            &|t| grpo_core::logprobs::selective_log_softmax(&t[0], &ids).unwrap(),
+            1,
+        );
+        check(
+            "entropy",
+            &[logits],
+            &|t| grpo_core::logprobs::entropy_from_logits(&t[0]).unwrap(),
+            1,
+        );
+    }
+}
+
+/// The whole decoder on the recompute path (forced on CPU f32, and bf16 as it runs on a GPU)
+/// against the plain compositions: equal log-probs, entropies and every weight's gradient, and
+/// the training graph holds no logits (rows × vocab) and no attention probabilities.
+#[test]
+fn the_decoder_on_the_recompute_path_equals_the_composition() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let rows = vec![
+        vec![5u32, 9, 2, 33, 7, 12, 40],
+        vec![8, 3, 20, 11],
+        vec![17, 6, 50, 4, 9],
+    ];
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let vocab = 61;
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        for dtype in [DType::F32, DType::BF16] {
+            let mut c = preset_config(Preset::Tiny, arch, vocab, 1, 0);
+            c.hidden_size = 32;
+            c.num_attention_heads = 4;
+            c.num_key_value_heads = 2;
+            c.head_dim = 8;
+            c.intermediate_size = 48;
+            c.attention_bias = arch != Arch::Qwen3;
+            let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
+            let mut outs = Vec::new();
+            for recompute in [true, false] {
+                if recompute {
+                    grpo_core::fused::set_force_recompute(true);
+                } else {
+                    grpo_core::fused::set_enabled(false);
+                }
+                let tm = TrainableModel::full(&base).unwrap();
+                let (lp, ent) = tm
+                    .model
+                    .completion_logprobs(&ids, &mask, 3, 0.7, true)
+                    .unwrap();
+                let ent = ent.unwrap();
+                let loss =
+                    ((&lp * 0.3).unwrap().sum_all().unwrap() - ent.sum_all().unwrap()).unwrap();
+                let shapes: Vec<Vec<usize>> = loss
+                    .sorted_nodes()
+                    .iter()
+                    .map(|t| t.dims().to_vec())
+                    .collect();
+                let grads = loss.backward().unwrap();
+                let g: Vec<(String, Tensor)> = tm
+                    .vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
+                    .collect();
+                outs.push((lp, ent, g, shapes));
+            }
+            grpo_core::fused::set_enabled(true);
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            let (a, b) = (&outs[0], &outs[1]);
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            assert!(
+                max_abs(&(f32(&a.0) - f32(&b.0)).unwrap()) < tol,
+                "{arch:?} {dtype:?} log-probs"
+            );
+            assert!(
+                max_abs(&(f32(&a.1) - f32(&b.1)).unwrap()) < tol,
+                "{arch:?} {dtype:?} entropies"
+            );
+            for ((name, ga), (_, gb)) in a.2.iter().zip(&b.2) {
+                let scale = max_abs(gb).max(1e-3);
+                let d = max_abs(&(f32(ga) - f32(gb)).unwrap());
+                assert!(
+                    d / scale < tol * 10.0,
+                    "{arch:?} {dtype:?} gradient of {name}: {d} ({scale})"
+                );
+            }
+            let (shapes, plain) = (&a.3, &b.3);
+            let logits_like =
+                |s: &Vec<usize>| s.last() == Some(&vocab) && s.len() >= 2 && s[0] != vocab;
+            assert!(
+                plain.iter().any(logits_like),
+                "the composition should keep logits"
+            );
+            assert!(
+                !shapes.iter().any(logits_like),
+                "{arch:?} {dtype:?}: logits kept: {shapes:?}"
+            );
+            assert!(
+                shapes.len() * 2 < plain.len(),
+                "{arch:?} {dtype:?}: {} nodes vs {}",
+                shapes.len(),
+                plain.len()
+            );
+        }
+    }
+}

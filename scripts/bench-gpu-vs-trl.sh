@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU comparison against TRL in one run on one NVIDIA GPU: for each workload row, our CUDA
+# build (`grpo-cli bench --device cuda`, with and without gradient checkpointing) and TRL's
+# GRPOTrainer (bench/trl_grpo_bench_gpu.py) on the same model files, one after the other. Prints
+# step time (median over the steps after the first) and peak GPU memory (nvidia-smi's
+# memory.used sampled every 200 ms, the maximum during the run) as a markdown table.
+#
+#   scripts/bench-gpu-vs-trl.sh [--steps N] [--rows quick|all] [--out DIR]
+#
+# Run it on the GPU machine from a directory that holds what scripts/build-cuda.sh packs
+# (.gpu/: run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py, trl_grpo_bench_gpu.py) with a
+# Python that has torch, transformers, trl and datasets (PYTHON, default /opt/torch/.venv/bin/python).
+# Model directories are made on the spot with make_tiny_model.py (29M, 319M, 0.77B).
+set -euo pipefail
+steps=6
+rows=all
+out=${OUT:-/tmp/bench-gpu}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) steps=$2; shift 2 ;;
+    --rows) rows=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "bench-gpu-vs-trl.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+here="$(cd "$(dirname "$0")/.." && pwd)"
+gpu="${GPU_DIR:-$here/.gpu}"
+PY=${PYTHON:-/opt/torch/.venv/bin/python}
+[ -x "$gpu/run-gpu.sh" ] || { echo "error: $gpu/run-gpu.sh missing: run scripts/build-cuda.sh first" >&2; exit 2; }
+command -v nvidia-smi >/dev/null || { echo "error: nvidia-smi not found: this needs an NVIDIA GPU" >&2; exit 2; }
+mkdir -p "$out"
+models="$out/models"
+mk() { # name hidden layers heads kv vocab
+  [ -f "$models/$1/config.json" ] || "$PY" "$gpu/make_tiny_model.py" "$models/$1" --hidden "$2" \
+    --layers "$3" --heads "$4" --kv-heads "$5" --vocab "$6" >/dev/null
+}
+mk m29 512 8 8 4 8192
+mk m319 1024 24 16 8 16384
+mk m770 1536 28 12 2 16384
+
+# Peak of nvidia-smi's memory.used (MiB) while "$@" runs; the command's stdout goes to $log.
+peak_of() {
+  local log=$1; shift
+  local smi="$log.smi"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$smi" &
+  local spid=$!
+  local rc=0
+  "$@" > "$log" 2> "$log.err" || rc=$?
+  kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null || true
+  peak=$(sort -n "$smi" | tail -n 1)
+  return $rc
+}
+field() { # key file
+  "$PY" -c 'import json,sys; l=[x for x in open(sys.argv[2]) if x.startswith("{")]; print(json.loads(l[-1]).get(sys.argv[1], "nan") if l else "nan")' "$1" "$2"
+}
+
+# name model dtype prompts g tokens micro-batch lora-r
+all_rows=(
+  "29M-f32-4x8x64 m29 f32 4 8 64 0 0"
+  "319M-bf16-4x8x64 m319 bf16 4 8 64 0 0"
+  "319M-f32-4x8x64 m319 f32 4 8 64 0 0"
+  "319M-bf16-lora16-4x8x64 m319 bf16 4 8 64 0 16"
+  "319M-bf16-8x16x256-mb32 m319 bf16 8 16 256 32 0"
+  "0.77B-bf16-8x16x256-mb32 m770 bf16 8 16 256 32 0"
+  "0.77B-bf16-lora16-8x16x256-mb32 m770 bf16 8 16 256 32 16"
+)
+[ "$rows" = quick ] && all_rows=("${all_rows[@]:0:2}")
+
+table="| workload | grpo-rs s/step | grpo-rs peak MiB | grpo-rs + checkpointing s/step | peak MiB | TRL s/step | TRL peak MiB |\n|---|---|---|---|---|---|---|"
+for row in "${all_rows[@]}"; do
+  read -r name model dtype prompts g tokens mb lora <<< "$row"
+  ours=(bench --model "$models/$model" --device cuda --dtype "$dtype" --steps "$steps"
+        --prompts "$prompts" --generations "$g" --completion-length "$tokens")
+  trl=("$PY" "$gpu/trl_grpo_bench_gpu.py" "$models/$model" --steps "$steps" --dtype "$dtype"
+       --prompts "$prompts" --g "$g" --completion "$tokens")
+  [ "$mb" != 0 ] && { ours+=(--micro-batch "$mb"); trl+=(--mb "$mb"); }
+  [ "$lora" != 0 ] && { ours+=(--lora-r "$lora"); trl+=(--lora-r "$lora"); }
+  cells=()
+  for ck in no yes; do
+    extra=(); [ "$ck" = yes ] && extra=(--gradient-checkpointing)
+    log="$out/$name-ours-ckpt-$ck.jsonl"
+    if peak_of "$log" bash "$gpu/run-gpu.sh" "${ours[@]}" "${extra[@]}"; then
+      cells+=("$(field step_s_median "$log")" "$peak")
+    else
+      cells+=("failed: $(tail -n 1 "$log.err" | cut -c1-60)" "$peak")
+    fi
+  done
+  log="$out/$name-trl.jsonl"
+  if peak_of "$log" "${trl[@]}"; then
+    cells+=("$(field step_s_median "$log")" "$peak")
+  else
+    cells+=("failed: $(tail -n 1 "$log.err" | cut -c1-60)" "$peak")
+  fi
+  line="| $name | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} | ${cells[4]} | ${cells[5]} |"
+  echo "$line"
+  table="$table\n$line"
+done
+echo
+printf '%b\n' "$table" | tee "$out/table.md"
