@@ -192,7 +192,7 @@ fn every_op_on_the_recompute_path_equals_its_composition() {
         let ids = Tensor::new(&[3u32, 0, 39, 7, 7, 12], &Device::Cpu).unwrap();
         check(
             "selective_log_softmax",
-            &[logits.clone()],
+            std::slice::from_ref(&logits),
             &|t| grpo_core::logprobs::selective_log_softmax(&t[0], &ids).unwrap(),
             1,
         );
