@@ -180,6 +180,8 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
             format!("data.path=[{}]", toml_str(&data)),
             format!("train.max_steps={}", opts.grpo_steps),
             format!("train.seed={}", opts.seed),
+            // The demo makes its model and data afresh each time: its run starts over too.
+            "overwrite_output_dir=true".into(),
         ],
     )?;
     let cfg: TrainConfig = config::from_tree(tree, "configs/quickstart.toml")?;

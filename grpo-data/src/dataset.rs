@@ -632,6 +632,15 @@ impl Dataset {
             .collect()
     }
 
+    /// Whether every file's prompt column holds conversations (lists of `{role, content}`
+    /// messages) rather than text.
+    pub fn conversation_prompts(&self) -> bool {
+        self.inner
+            .shards
+            .iter()
+            .all(|s| s.prompt_kind == PromptKind::Conversation)
+    }
+
     /// Check that every file has column `column`, e.g. the `answer_field` a supervised reward
     /// (`needed_by`) reads. For JSONL, "has" means one of its first 100 lines has the key.
     pub fn require_column(&self, column: &str, needed_by: &str) -> Result<()> {
