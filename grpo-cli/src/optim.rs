@@ -348,7 +348,10 @@ mod tests {
             let mut g = HashMap::new();
             g.insert("z_big".to_string(), Tensor::new(&[1.0f32], &dev).unwrap());
             for i in 0..16 {
-                g.insert(format!("small_{i:02}"), Tensor::new(&[1e-8f32], &dev).unwrap());
+                g.insert(
+                    format!("small_{i:02}"),
+                    Tensor::new(&[1e-8f32], &dev).unwrap(),
+                );
             }
             g
         };

@@ -1929,7 +1929,10 @@ pub fn run_files(run_dir: &Path) -> Vec<String> {
 /// - `resume = Some(None)` takes the run directory's latest complete checkpoint;
 /// - `resume = Some(Some(dir))` takes `dir`; a checkpoint of another directory starts this one
 ///   afresh, so the same rule as a fresh start applies.
-pub fn check_run_dir(cfg: &TrainConfig, resume: Option<&Option<PathBuf>>) -> Result<Option<PathBuf>> {
+pub fn check_run_dir(
+    cfg: &TrainConfig,
+    resume: Option<&Option<PathBuf>>,
+) -> Result<Option<PathBuf>> {
     let run_dir = &cfg.output_dir;
     let checkpoint = match resume {
         None => None,
@@ -1954,7 +1957,9 @@ pub fn check_run_dir(cfg: &TrainConfig, resume: Option<&Option<PathBuf>>) -> Res
             Some(dir.clone())
         }
     };
-    let continues_this_run = checkpoint.as_deref().is_some_and(|c| own_checkpoint(run_dir, c));
+    let continues_this_run = checkpoint
+        .as_deref()
+        .is_some_and(|c| own_checkpoint(run_dir, c));
     if !continues_this_run && !cfg.overwrite_output_dir {
         let found = run_files(run_dir);
         if !found.is_empty() {
@@ -1991,7 +1996,9 @@ fn own_checkpoint(run_dir: &Path, checkpoint: &Path) -> bool {
 pub fn open_run(setup: &Setup, opts: &RunOptions) -> Result<(Learner, PathBuf)> {
     let run_dir = setup.cfg.output_dir.clone();
     let checkpoint = check_run_dir(&setup.cfg, opts.resume.as_ref())?;
-    let own = checkpoint.as_deref().is_some_and(|c| own_checkpoint(&run_dir, c));
+    let own = checkpoint
+        .as_deref()
+        .is_some_and(|c| own_checkpoint(&run_dir, c));
     if !own && setup.cfg.overwrite_output_dir {
         for name in RUN_FILES {
             let p = run_dir.join(name);
@@ -2002,9 +2009,8 @@ pub fn open_run(setup: &Setup, opts: &RunOptions) -> Result<(Learner, PathBuf)> 
             };
             match removed {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(e).with_context(|| {
-                        format!("--overwrite: cannot remove {}", p.display())
-                    });
+                    return Err(e)
+                        .with_context(|| format!("--overwrite: cannot remove {}", p.display()));
                 }
                 _ => {}
             }

@@ -195,7 +195,15 @@ fn model_commands_reject_bad_input_in_one_line() {
         ),
         // Nothing to sample is refused before the model loads.
         (
-            vec!["generate", "--model", "/nonexistent/m", "--prompt", "hi", "-n", "0"],
+            vec![
+                "generate",
+                "--model",
+                "/nonexistent/m",
+                "--prompt",
+                "hi",
+                "-n",
+                "0",
+            ],
             "-n: must be >= 1",
         ),
         (

@@ -474,7 +474,12 @@ fn sft_ignores_the_rewards_section_and_checks_its_columns_before_the_run() {
     // Text prompts without the completion column: refused at setup, in one line naming the
     // column and the file, before the run directory exists.
     let lines: String = (0..8)
-        .map(|i| format!("{{\"prompt\": \"What is {i} + 1?\", \"answer\": \"{}\"}}\n", i + 1))
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"What is {i} + 1?\", \"answer\": \"{}\"}}\n",
+                i + 1
+            )
+        })
         .collect();
     std::fs::write(dir.path().join("no-completion.jsonl"), lines).unwrap();
     let text = config_text(dir.path(), "no-completion", "sft", 2, "")

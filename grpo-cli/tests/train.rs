@@ -387,7 +387,11 @@ fn logged_steps(run_dir: &Path) -> Vec<usize> {
     std::fs::read_to_string(run_dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap() as usize)
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_f64()
+                .unwrap() as usize
+        })
         .collect()
 }
 
@@ -411,12 +415,18 @@ fn sigterm_writes_a_checkpoint_exits_143_and_resumes() {
     assert_eq!(cks.len(), 1, "one checkpoint at the stop");
     let stopped = cks[0].0;
     assert!(stopped >= 2);
-    assert_eq!(logged_steps(&f.root.join("term")), (1..=stopped).collect::<Vec<_>>());
+    assert_eq!(
+        logged_steps(&f.root.join("term")),
+        (1..=stopped).collect::<Vec<_>>()
+    );
     let cfg = f.root.join("term.toml").display().to_string();
     let until = format!("train.max_steps={}", stopped + 2);
     let (code, out, err) = cli(&["train", "--config", &cfg, "--resume", "--set", &until]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains(&format!("trained {} steps", stopped + 2)), "{out}");
+    assert!(
+        out.contains(&format!("trained {} steps", stopped + 2)),
+        "{out}"
+    );
     assert_eq!(
         logged_steps(&f.root.join("term")),
         (1..=stopped + 2).collect::<Vec<_>>()
@@ -434,7 +444,10 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     let first = run(cfg.clone(), RunOptions::default());
     assert_eq!(first.total_steps, 4);
     assert_eq!(
-        trainer::list_checkpoints(&dir).iter().map(|c| c.0).collect::<Vec<_>>(),
+        trainer::list_checkpoints(&dir)
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>(),
         vec![2, 4]
     );
 
@@ -443,12 +456,22 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     let (code, _, err) = cli(&["train", "--config", &toml]);
     assert_eq!(code, 2, "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
-    for needle in [dir.display().to_string().as_str(), "--resume", "--overwrite", "metrics.jsonl", "checkpoints/"] {
+    for needle in [
+        dir.display().to_string().as_str(),
+        "--resume",
+        "--overwrite",
+        "metrics.jsonl",
+        "checkpoints/",
+    ] {
         assert!(err.contains(needle), "`{needle}` not in: {err}");
     }
-    let e = trainer::run(trainer::setup(cfg.clone()).unwrap(), &RunOptions::default(), &mut grpo_cli::NoCallbacks)
-        .unwrap_err()
-        .to_string();
+    let e = trainer::run(
+        trainer::setup(cfg.clone()).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("overwrite_output_dir"), "{e}");
     assert_eq!(logged_steps(&dir), vec![1, 2, 3, 4]);
 
@@ -467,7 +490,10 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     assert!(part.interrupted);
     assert_eq!(logged_steps(&dir), vec![1, 2, 3]);
     assert_eq!(
-        trainer::list_checkpoints(&dir).iter().map(|c| c.0).collect::<Vec<_>>(),
+        trainer::list_checkpoints(&dir)
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>(),
         vec![3]
     );
     // ... and --resume continues this run, not the old one's step 4.
@@ -484,7 +510,11 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
         std::fs::read_to_string(p)
             .unwrap()
             .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap() as usize)
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_f64()
+                    .unwrap() as usize
+            })
             .collect()
     };
     let mut c_steps = steps_of(&dir.join("completions.jsonl"));
@@ -508,7 +538,10 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     c_steps.dedup();
     assert_eq!(c_steps, vec![1, 2, 3, 4]);
     assert_eq!(
-        trainer::list_checkpoints(&dir).iter().map(|c| c.0).collect::<Vec<_>>(),
+        trainer::list_checkpoints(&dir)
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>(),
         vec![3, 4]
     );
 
@@ -523,9 +556,13 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     let forked = run(fork.clone(), from.clone());
     assert_eq!(forked.total_steps, 4);
     assert_eq!(logged_steps(&f.root.join("fork")), vec![4]);
-    let e = trainer::run(trainer::setup(fork).unwrap(), &from, &mut grpo_cli::NoCallbacks)
-        .unwrap_err()
-        .to_string();
+    let e = trainer::run(
+        trainer::setup(fork).unwrap(),
+        &from,
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("holds another run"), "{e}");
 }
 
