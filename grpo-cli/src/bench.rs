@@ -102,6 +102,8 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
 
     let mut cfg = TrainConfig {
         output_dir: work.join("run"),
+        // A scratch directory of this process.
+        overwrite_output_dir: true,
         ..Default::default()
     };
     cfg.model.path = model.to_path_buf();

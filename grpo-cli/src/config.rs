@@ -27,6 +27,10 @@ pub struct TrainConfig {
     pub algorithm: String,
     /// Where the run directory goes (metrics, completions, checkpoints, resolved config).
     pub output_dir: PathBuf,
+    /// Start over in an `output_dir` that holds another run: its files (metrics, completions,
+    /// checkpoints, logs) are removed first (TRL's name). Without it such a directory is refused
+    /// unless the run continues it with `--resume`.
+    pub overwrite_output_dir: bool,
     /// The policy model.
     pub model: ModelSection,
     /// The frozen reference model and the KL penalty.
@@ -118,6 +122,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             output_dir: PathBuf::from("runs/grpo"),
+            overwrite_output_dir: false,
             model: ModelSection::default(),
             reference: ReferenceSection::default(),
             data: DataConfig::default(),

@@ -194,6 +194,8 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
             format!("train.max_steps={}", opts.grpo_steps),
             format!("train.seed={}", opts.seed),
             format!("model.device={}", toml_str(Path::new(&opts.device))),
+            // The demo makes its model and data afresh each time: its run starts over too.
+            "overwrite_output_dir=true".into(),
         ],
     )?;
     let cfg: TrainConfig = config::from_tree(tree, "configs/quickstart.toml")?;

@@ -199,13 +199,7 @@ impl<A> Trainer<A> {
         if train.is_empty() {
             anyhow::bail!("fit_on: the training dataset has no rows");
         }
-        if s.cfg.algorithm == "dpo" {
-            for col in [&s.cfg.dpo.chosen_field, &s.cfg.dpo.rejected_field] {
-                train
-                    .require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")
-                    .map_err(|e| anyhow::anyhow!("fit_on: {e}"))?;
-            }
-        }
+        trainer::supervised_columns(&s.cfg, &train).map_err(|e| anyhow::anyhow!("fit_on: {e}"))?;
         let t = &s.cfg.train;
         if t.max_steps.is_none() {
             let per_epoch = train.len() as f64 / t.prompts_per_step as f64;

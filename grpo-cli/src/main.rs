@@ -76,19 +76,11 @@ enum Command {
     },
 }
 
-fn exit_code(interrupted: bool) -> Result<ExitCode> {
-    Ok(if interrupted {
-        ExitCode::from(130)
-    } else {
-        ExitCode::SUCCESS
-    })
-}
-
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
-        Some(Command::Train(a)) => exit_code(train_cmd::train(a)?),
-        Some(Command::Sft(a)) => exit_code(train_cmd::train_as(a, Some("sft"))?),
-        Some(Command::Dpo(a)) => exit_code(train_cmd::train_as(a, Some("dpo"))?),
+        Some(Command::Train(a)) => Ok(ExitCode::from(train_cmd::train(a)?)),
+        Some(Command::Sft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sft"))?)),
+        Some(Command::Dpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("dpo"))?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;

@@ -119,6 +119,12 @@ fn load(args: &ModelArgs) -> Result<grpo_rollout::LoadedModel> {
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
+    if a.n == 0 {
+        bail!("-n: must be >= 1 (the number of completions to sample)");
+    }
+    if a.max_new_tokens == 0 {
+        bail!("--max-new-tokens: must be >= 1");
+    }
     let m = load(&a.model)?;
     let text = if a.chat {
         m.tokenizer

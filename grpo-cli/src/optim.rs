@@ -205,10 +205,13 @@ pub fn accumulate(
 
 /// Global L2 norm of the gradients; when `max_norm > 0` and the norm exceeds it, scales them
 /// by `max_norm / (norm + 1e-6)` (PyTorch's `clip_grad_norm_`). Returns the norm before
-/// clipping.
+/// clipping. The squares are summed in the order of the names, not the map's (random) order,
+/// so that identical runs give identical norms to the bit.
 pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Result<f64> {
+    let mut names: Vec<&String> = grads.keys().collect();
+    names.sort();
     let mut total = 0f64;
-    for g in grads.values() {
+    for g in names.into_iter().map(|n| &grads[n]) {
         total += g
             .sqr()?
             .sum_all()?
@@ -431,5 +434,32 @@ mod tests {
         assert!((n - 5.0).abs() < 1e-6);
         let a = g["a"].to_vec1::<f32>().unwrap();
         assert!((a[0] - 0.6).abs() < 1e-5);
+    }
+
+    /// The norm does not depend on the map's iteration order (each `HashMap` has its own random
+    /// order): one large gradient among small ones whose squares vanish next to 1 in f64 when
+    /// added after it, so every order would give different last bits.
+    #[test]
+    fn the_norm_is_the_same_to_the_bit_whatever_the_map_order() {
+        let dev = Device::Cpu;
+        let build = || {
+            let mut g = HashMap::new();
+            g.insert("z_big".to_string(), Tensor::new(&[1.0f32], &dev).unwrap());
+            for i in 0..16 {
+                g.insert(
+                    format!("small_{i:02}"),
+                    Tensor::new(&[1e-8f32], &dev).unwrap(),
+                );
+            }
+            g
+        };
+        // In name order: the sixteen small squares first, then the large one.
+        let small = f64::from(1e-8f32 * 1e-8f32);
+        let want = ((0..16).fold(0f64, |t, _| t + small) + 1.0).sqrt();
+        assert!(want > 1.0, "the small squares count when summed first");
+        for _ in 0..32 {
+            let n = clip_grad_norm(&mut build(), 0.0).unwrap();
+            assert_eq!(n.to_bits(), want.to_bits(), "{n} vs {want}");
+        }
     }
 }

@@ -159,14 +159,13 @@ impl std::fmt::Debug for Setup {
 /// detached copy); `reward_model` loads `reward_model_path`.
 pub fn setup(cfg: TrainConfig) -> Result<Setup> {
     use grpo_rewards::RewardKind;
-    let needs_lm = cfg.rewards.iter().any(|r| {
+    let needs_lm = used_rewards(&cfg).iter().any(|r| {
         matches!(
             r.kind,
             RewardKind::InverseLoss(_) | RewardKind::CoverageCe(_)
         )
     });
-    let needs_rm = cfg
-        .rewards
+    let needs_rm = used_rewards(&cfg)
         .iter()
         .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
     let rm_path = cfg.reward_model_path.clone();
@@ -189,6 +188,35 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
     })
 }
 
+/// The rewards the run scores with: the config's `[[rewards]]` for GRPO; none for SFT and DPO,
+/// which never read them (a config shared with a GRPO run may keep its section).
+fn used_rewards(cfg: &TrainConfig) -> &[grpo_rewards::RewardSpec] {
+    if cfg.algorithm == "grpo" {
+        &cfg.rewards
+    } else {
+        &[]
+    }
+}
+
+/// Checks that the data has the columns SFT and DPO read: DPO's chosen and rejected
+/// completions; SFT's completion, unless the prompts are conversations whose assistant turns
+/// carry the loss.
+pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()> {
+    match cfg.algorithm.as_str() {
+        "dpo" => {
+            for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
+                data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
+            }
+        }
+        "sft" if !data.conversation_prompts() => data.require_column(
+            &cfg.sft.completion_field,
+            "SFT (`sft.completion_field`, or conversational prompts with assistant turns)",
+        )?,
+        _ => {}
+    }
+    Ok(())
+}
+
 /// [`setup`] with the scoring models (for `inverse_loss`, `coverage_ce`, `reward_model`)
 /// built by `models` from the loaded policy and tokenizer.
 pub fn setup_with(
@@ -206,7 +234,7 @@ pub fn setup_with(
     if splits.train.is_empty() {
         bail!("data: {:?} has no rows", cfg.data.path);
     }
-    for spec in &cfg.rewards {
+    for spec in used_rewards(&cfg) {
         let needs = match &spec.kind {
             grpo_rewards::RewardKind::Accuracy(c) => Some(c.answer_field.clone()),
             grpo_rewards::RewardKind::CoverageCe(c) => Some(c.answer_field.clone()),
@@ -220,10 +248,11 @@ pub fn setup_with(
                 .map_err(|e| anyhow!("data: {e}"))?;
         }
     }
+    supervised_columns(&cfg, &splits.train).map_err(|e| anyhow!("data: {e}"))?;
     let loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
     let scoring = models(&loaded.model, &loaded.tokenizer)?;
-    let mut rewards = if cfg.rewards.is_empty() {
+    let mut rewards = if used_rewards(&cfg).is_empty() {
         RewardSet::new()
     } else {
         cfg.rewards_config()
@@ -257,14 +286,6 @@ pub fn setup_with(
     };
     if cfg.train.gradient_checkpointing {
         policy.model.enable_gradient_checkpointing();
-    }
-    if cfg.algorithm == "dpo" {
-        for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
-            splits
-                .train
-                .require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")
-                .map_err(|e| anyhow!("data: {e}"))?;
-        }
     }
     // The loaded weights are never written in place (full fine-tuning trains its own copies),
     // so every frozen model shares them: the reference, the scorers, the teacher.
@@ -1941,11 +1962,136 @@ pub fn peak_rss_mib() -> f64 {
 // ---------------------------------------------------------------------------------------------
 // The run.
 
+/// What a run writes into its directory (`--overwrite` / `overwrite_output_dir` removes these).
+pub const RUN_FILES: &[&str] = &[
+    "config.json",
+    "metrics.jsonl",
+    "completions.jsonl",
+    "teacher_log.jsonl",
+    "checkpoints",
+    "rollout_adapters",
+    "curves.png",
+];
+
+/// The files of an earlier run in `run_dir`: those of [`RUN_FILES`] that hold something (an
+/// empty file or folder, or `config.json` alone, is what a run that failed before its first
+/// step leaves, and does not count).
+pub fn run_files(run_dir: &Path) -> Vec<String> {
+    RUN_FILES
+        .iter()
+        .filter(|&&name| name != "config.json")
+        .filter(|&&name| {
+            let p = run_dir.join(name);
+            match std::fs::metadata(&p) {
+                Ok(m) if m.is_dir() => std::fs::read_dir(&p).is_ok_and(|mut d| d.next().is_some()),
+                Ok(m) => m.len() > 0,
+                Err(_) => false,
+            }
+        })
+        .map(|&name| {
+            if run_dir.join(name).is_dir() {
+                format!("{name}/")
+            } else {
+                name.to_string()
+            }
+        })
+        .collect()
+}
+
+/// Checks the run directory against how the run starts, before any work, and returns the
+/// checkpoint to continue from:
+/// - a fresh start refuses a directory holding another run's files ([`run_files`]) unless
+///   `overwrite_output_dir`;
+/// - `resume = Some(None)` takes the run directory's latest complete checkpoint;
+/// - `resume = Some(Some(dir))` takes `dir`; a checkpoint of another directory starts this one
+///   afresh, so the same rule as a fresh start applies.
+pub fn check_run_dir(
+    cfg: &TrainConfig,
+    resume: Option<&Option<PathBuf>>,
+) -> Result<Option<PathBuf>> {
+    let run_dir = &cfg.output_dir;
+    let checkpoint = match resume {
+        None => None,
+        Some(None) => Some(
+            list_checkpoints(run_dir)
+                .pop()
+                .map(|(_, p)| p)
+                .with_context(|| {
+                    format!(
+                        "--resume: no complete checkpoint in {}",
+                        run_dir.join("checkpoints").display()
+                    )
+                })?,
+        ),
+        Some(Some(dir)) => {
+            if !dir.join(STATE_FILE).is_file() {
+                bail!(
+                    "--resume {}: not a complete checkpoint (no {STATE_FILE})",
+                    dir.display()
+                );
+            }
+            Some(dir.clone())
+        }
+    };
+    let continues_this_run = checkpoint
+        .as_deref()
+        .is_some_and(|c| own_checkpoint(run_dir, c));
+    if !continues_this_run && !cfg.overwrite_output_dir {
+        let found = run_files(run_dir);
+        if !found.is_empty() {
+            bail!(
+                "{}: holds another run ({}); continue it with --resume or start over with --overwrite (config: overwrite_output_dir = true)",
+                run_dir.display(),
+                found.join(", ")
+            );
+        }
+    }
+    Ok(checkpoint)
+}
+
+/// Whether `checkpoint` is one of `run_dir`'s own (`run_dir/checkpoints/step-N`).
+fn own_checkpoint(run_dir: &Path, checkpoint: &Path) -> bool {
+    let (Ok(root), Ok(c)) = (
+        run_dir.join("checkpoints").canonicalize(),
+        checkpoint.canonicalize(),
+    ) else {
+        return false;
+    };
+    c.parent() == Some(root.as_path())
+}
+
 /// Creates the run directory (with the resolved `config.json`), builds the learner and, with
-/// `--resume`, restores the checkpoint (dropping the metrics lines written after it, so the
-/// file reads like one uninterrupted run); opens the logs. Shared by GRPO, SFT and DPO.
+/// `--resume`, restores the checkpoint; opens the logs. Shared by GRPO, SFT and DPO.
+///
+/// The directory holds one run: a fresh start into a directory with another run's files is
+/// refused ([`check_run_dir`]) or, with `overwrite_output_dir`, clears them first. Continuing
+/// from a checkpoint of step k drops what the directory holds after step k (lines of
+/// `metrics.jsonl`, `completions.jsonl` and `teacher_log.jsonl`, later checkpoints), so the
+/// files read like one uninterrupted run and a later `--resume` cannot pick a checkpoint of an
+/// abandoned continuation.
 pub fn open_run(setup: &Setup, opts: &RunOptions) -> Result<(Learner, PathBuf)> {
     let run_dir = setup.cfg.output_dir.clone();
+    let checkpoint = check_run_dir(&setup.cfg, opts.resume.as_ref())?;
+    let own = checkpoint
+        .as_deref()
+        .is_some_and(|c| own_checkpoint(&run_dir, c));
+    if !own && setup.cfg.overwrite_output_dir {
+        for name in RUN_FILES {
+            let p = run_dir.join(name);
+            let removed = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+            match removed {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e)
+                        .with_context(|| format!("--overwrite: cannot remove {}", p.display()));
+                }
+                _ => {}
+            }
+        }
+    }
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("{}: cannot create the run directory", run_dir.display()))?;
     std::fs::write(
@@ -1955,21 +2101,18 @@ pub fn open_run(setup: &Setup, opts: &RunOptions) -> Result<(Learner, PathBuf)> 
     .with_context(|| format!("{}: cannot write config.json", run_dir.display()))?;
 
     let mut learner = Learner::new(setup, &run_dir)?;
-    if let Some(which) = &opts.resume {
-        let dir = match which {
-            Some(d) => d.clone(),
-            None => list_checkpoints(&run_dir)
-                .pop()
-                .map(|(_, p)| p)
-                .with_context(|| {
-                    format!(
-                        "--resume: no complete checkpoint in {}",
-                        run_dir.join("checkpoints").display()
-                    )
-                })?,
-        };
+    if let Some(dir) = checkpoint {
         learner.load_checkpoint(&dir)?;
-        truncate_metrics(&run_dir.join("metrics.jsonl"), learner.state.step)?;
+        let step = learner.state.step;
+        for log in ["metrics.jsonl", "completions.jsonl", "teacher_log.jsonl"] {
+            truncate_log(&run_dir.join(log), step)?;
+        }
+        for (n, later) in list_checkpoints(&run_dir) {
+            if n > step {
+                std::fs::remove_dir_all(&later)
+                    .with_context(|| format!("{}: cannot remove", later.display()))?;
+            }
+        }
     }
     learner.open_logs()?;
     Ok((learner, run_dir))
@@ -2262,7 +2405,8 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     Ok(m)
 }
 
-fn truncate_metrics(path: &Path, keep_until_step: usize) -> Result<()> {
+/// Keeps the lines of a JSON-lines log whose `step` is at most `keep_until_step`.
+fn truncate_log(path: &Path, keep_until_step: usize) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };

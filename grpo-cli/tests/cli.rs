@@ -193,6 +193,31 @@ fn model_commands_reject_bad_input_in_one_line() {
             vec!["generate", "--model", "/nonexistent/m", "--prompt", "hi"],
             "/nonexistent/m",
         ),
+        // Nothing to sample is refused before the model loads.
+        (
+            vec![
+                "generate",
+                "--model",
+                "/nonexistent/m",
+                "--prompt",
+                "hi",
+                "-n",
+                "0",
+            ],
+            "-n: must be >= 1",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                "/nonexistent/m",
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "0",
+            ],
+            "--max-new-tokens: must be >= 1",
+        ),
         (
             vec![
                 "logprobs",

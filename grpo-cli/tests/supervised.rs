@@ -454,3 +454,48 @@ fn dpo_on_conversations() {
     assert_eq!(last["rewards/accuracies"], 1.0, "{last:?}");
     assert!(last["rewards/margins"] > r.metrics[0]["rewards/margins"]);
 }
+
+#[test]
+fn sft_ignores_the_rewards_section_and_checks_its_columns_before_the_run() {
+    let dir = fixture(Arch::Llama);
+    // A GRPO-style `[[rewards]]` section whose column the SFT data lacks: SFT never reads it.
+    let extra = "\n[[rewards]]\ntype = \"accuracy\"\nanswer_field = \"solution\"\n";
+    let p = dir.path().join("with-rewards.toml");
+    std::fs::write(
+        &p,
+        config_text(dir.path(), "with-rewards", "sft", 1, "") + extra,
+    )
+    .unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    assert!(s.rewards.is_empty(), "SFT builds no rewards");
+    let r = run(s, &RunOptions::default());
+    assert!(r.metrics[0]["loss"].is_finite());
+
+    // Text prompts without the completion column: refused at setup, in one line naming the
+    // column and the file, before the run directory exists.
+    let lines: String = (0..8)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"What is {i} + 1?\", \"answer\": \"{}\"}}\n",
+                i + 1
+            )
+        })
+        .collect();
+    std::fs::write(dir.path().join("no-completion.jsonl"), lines).unwrap();
+    let text = config_text(dir.path(), "no-completion", "sft", 2, "")
+        .replace("sft.jsonl", "no-completion.jsonl");
+    let p = dir.path().join("no-completion.toml");
+    std::fs::write(&p, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args(["sft", "--config", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("`completion`") && err.contains("no-completion.jsonl"),
+        "{err}"
+    );
+    assert!(!dir.path().join("no-completion").exists());
+}

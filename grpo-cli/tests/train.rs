@@ -349,11 +349,11 @@ fn train_subcommand_runs_and_saves_the_resolved_config() {
     assert_eq!(saved["optim"]["learning_rate"], 1e-3);
 }
 
-#[test]
-fn ctrl_c_writes_a_checkpoint_and_exits_130() {
-    let f = fixture();
-    let _ = base_config(&f.root, "intr", "");
-    let cfg = f.root.join("intr.toml").display().to_string();
+/// Starts `grpo-cli train` on run `name` with no periodic checkpoints, sends `signal` (`INT`,
+/// `TERM`) once two steps are logged, and returns the exit code and the checkpoints left.
+fn stop_with_signal(f: &Fixture, name: &str, signal: &str) -> (Option<i32>, Vec<(usize, PathBuf)>) {
+    let _ = base_config(&f.root, name, "");
+    let cfg = f.root.join(format!("{name}.toml")).display().to_string();
     let mut child = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
         .args([
             "train",
@@ -368,22 +368,202 @@ fn ctrl_c_writes_a_checkpoint_and_exits_130() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let metrics = f.root.join("intr/metrics.jsonl");
+    let metrics = f.root.join(name).join("metrics.jsonl");
     let t0 = std::time::Instant::now();
     while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
         assert!(t0.elapsed().as_secs() < 120, "no step within 2 minutes");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     let st = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
+        .args([&format!("-{signal}"), &child.id().to_string()])
         .status()
         .unwrap();
     assert!(st.success());
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(130));
-    let cks = trainer::list_checkpoints(&f.root.join("intr"));
+    (status.code(), trainer::list_checkpoints(&f.root.join(name)))
+}
+
+fn logged_steps(run_dir: &Path) -> Vec<usize> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_f64()
+                .unwrap() as usize
+        })
+        .collect()
+}
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_and_exits_130() {
+    let f = fixture();
+    let (code, cks) = stop_with_signal(&f, "intr", "INT");
+    assert_eq!(code, Some(130));
     assert_eq!(cks.len(), 1, "one checkpoint at the stop");
     assert!(cks[0].0 >= 2);
+}
+
+/// SIGTERM (`kill`, `timeout`, `docker stop`, schedulers) stops like Ctrl-C: the step finishes,
+/// a checkpoint is written although `save_steps = 0`, the exit code is 143 (128 + 15), and
+/// `--resume` continues the run.
+#[test]
+fn sigterm_writes_a_checkpoint_exits_143_and_resumes() {
+    let f = fixture();
+    let (code, cks) = stop_with_signal(&f, "term", "TERM");
+    assert_eq!(code, Some(143));
+    assert_eq!(cks.len(), 1, "one checkpoint at the stop");
+    let stopped = cks[0].0;
+    assert!(stopped >= 2);
+    assert_eq!(
+        logged_steps(&f.root.join("term")),
+        (1..=stopped).collect::<Vec<_>>()
+    );
+    let cfg = f.root.join("term.toml").display().to_string();
+    let until = format!("train.max_steps={}", stopped + 2);
+    let (code, out, err) = cli(&["train", "--config", &cfg, "--resume", "--set", &until]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("trained {} steps", stopped + 2)),
+        "{out}"
+    );
+    assert_eq!(
+        logged_steps(&f.root.join("term")),
+        (1..=stopped + 2).collect::<Vec<_>>()
+    );
+}
+
+/// A run directory holds one run: a second run into it is refused (naming both ways out) before
+/// any work, `--overwrite` starts over without the old run's files, and `--resume` (latest or
+/// an explicit checkpoint) only ever continues this run.
+#[test]
+fn a_used_run_directory_is_refused_overwritten_or_resumed() {
+    let f = fixture();
+    let dir = f.root.join("reuse");
+    let cfg = base_config(&f.root, "reuse", "");
+    let first = run(cfg.clone(), RunOptions::default());
+    assert_eq!(first.total_steps, 4);
+    assert_eq!(
+        trainer::list_checkpoints(&dir)
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>(),
+        vec![2, 4]
+    );
+
+    // Again without --resume: refused, one line, the run untouched.
+    let toml = f.root.join("reuse.toml").display().to_string();
+    let (code, _, err) = cli(&["train", "--config", &toml]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    for needle in [
+        dir.display().to_string().as_str(),
+        "--resume",
+        "--overwrite",
+        "metrics.jsonl",
+        "checkpoints/",
+    ] {
+        assert!(err.contains(needle), "`{needle}` not in: {err}");
+    }
+    let e = trainer::run(
+        trainer::setup(cfg.clone()).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("overwrite_output_dir"), "{e}");
+    assert_eq!(logged_steps(&dir), vec![1, 2, 3, 4]);
+
+    // Overwrite, stopped after 3 of 6 steps: only the new run's files remain...
+    let mut over = cfg.clone();
+    over.overwrite_output_dir = true;
+    over.train.max_steps = Some(6);
+    over.train.save_steps = 0;
+    let part = run(
+        over.clone(),
+        RunOptions {
+            stop_after: Some(3),
+            ..Default::default()
+        },
+    );
+    assert!(part.interrupted);
+    assert_eq!(logged_steps(&dir), vec![1, 2, 3]);
+    assert_eq!(
+        trainer::list_checkpoints(&dir)
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>(),
+        vec![3]
+    );
+    // ... and --resume continues this run, not the old one's step 4.
+    let rest = run(
+        over.clone(),
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    assert_eq!(rest.total_steps, 6);
+    assert_eq!(logged_steps(&dir), vec![1, 2, 3, 4, 5, 6]);
+    let steps_of = |p: &Path| -> Vec<usize> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_f64()
+                    .unwrap() as usize
+            })
+            .collect()
+    };
+    let mut c_steps = steps_of(&dir.join("completions.jsonl"));
+    c_steps.dedup();
+    assert_eq!(c_steps, vec![1, 2, 3, 4, 5, 6]);
+
+    // Continuing from the earlier checkpoint of step 3 drops what came after it (lines and the
+    // checkpoint of step 6), so a later --resume cannot pick the abandoned step 6.
+    let mut short = over.clone();
+    short.train.max_steps = Some(4);
+    let again = run(
+        short,
+        RunOptions {
+            resume: Some(Some(dir.join("checkpoints/step-3"))),
+            ..Default::default()
+        },
+    );
+    assert_eq!(again.total_steps, 4);
+    assert_eq!(logged_steps(&dir), vec![1, 2, 3, 4]);
+    let mut c_steps = steps_of(&dir.join("completions.jsonl"));
+    c_steps.dedup();
+    assert_eq!(c_steps, vec![1, 2, 3, 4]);
+    assert_eq!(
+        trainer::list_checkpoints(&dir)
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>(),
+        vec![3, 4]
+    );
+
+    // A checkpoint of another directory starts a fresh one: allowed into an empty directory,
+    // refused into a used one.
+    let mut fork = cfg.clone();
+    fork.output_dir = f.root.join("fork");
+    let from = RunOptions {
+        resume: Some(Some(dir.join("checkpoints/step-3"))),
+        ..Default::default()
+    };
+    let forked = run(fork.clone(), from.clone());
+    assert_eq!(forked.total_steps, 4);
+    assert_eq!(logged_steps(&f.root.join("fork")), vec![4]);
+    let e = trainer::run(
+        trainer::setup(fork).unwrap(),
+        &from,
+        &mut grpo_cli::NoCallbacks,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("holds another run"), "{e}");
 }
 
 #[test]
@@ -420,6 +600,18 @@ fn demo_runs_end_to_end_in_miniature() {
     assert!(r.sft_loss.0.is_finite() && r.sft_loss.1.is_finite());
     assert!(r.first_reward >= 0.0 && r.last_reward <= 1.0);
     assert!(dir.path().join("demo/grpo/metrics.jsonl").exists());
+    // The demo starts over in its directory each time.
+    let again = grpo_cli::demo::run(&grpo_cli::demo::DemoOptions {
+        out: dir.path().join("demo"),
+        sft_steps: 1,
+        grpo_steps: 1,
+        seed: 1,
+        progress: false,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(again.result.total_steps, 1);
+    assert_eq!(logged_steps(&dir.path().join("demo/grpo")), vec![1]);
 }
 
 #[test]

@@ -632,6 +632,19 @@ impl Dataset {
             .collect()
     }
 
+    /// Whether every file's prompt column holds conversations (lists of `{role, content}`
+    /// messages) rather than text. For JSONL, as its schema shows them (from its first 100
+    /// lines).
+    pub fn conversation_prompts(&self) -> bool {
+        let pf = self.inner.prompt_field.as_str();
+        self.inner.shards.iter().all(|s| {
+            s.schema.field_with_name(pf).is_ok_and(|f| {
+                convert::prompt_kind(&s.path, pf, f.data_type())
+                    .is_ok_and(|k| k == PromptKind::Conversation)
+            })
+        })
+    }
+
     /// Check that every file has column `column`, e.g. the `answer_field` a supervised reward
     /// (`needed_by`) reads. For JSONL, "has" means one of its first 100 lines has the key.
     pub fn require_column(&self, column: &str, needed_by: &str) -> Result<()> {

@@ -61,6 +61,12 @@ fn conversation_prompts_round_trip_parquet_and_jsonl() {
         let path = write(&dir.path().join(name), vec![conversation_batch(5)]);
         let d = open(&path).expect("open");
         assert_eq!(read_all(&d), conversation_expected(5), "{name}");
+        assert!(d.conversation_prompts(), "{name}");
+        let text = write(
+            &dir.path().join(format!("t-{name}")),
+            vec![typed_batch(0, 3, false)],
+        );
+        assert!(!open(&text).expect("open").conversation_prompts(), "{name}");
     }
 }
 

@@ -84,8 +84,9 @@ async fn json_scores_are_parsed_mapped_and_explained() {
         users.contains(&"Q: 2+2? (1 msgs)\nA: SCORE=3".to_owned()),
         "{users:?}"
     );
+    // No `api_key_env`: no `Authorization` header at all, not an empty bearer token.
     assert!(
-        st.authorizations.iter().all(|a| a.trim() == "Bearer"),
+        st.authorizations.is_empty(),
         "no key configured: {:?}",
         st.authorizations
     );

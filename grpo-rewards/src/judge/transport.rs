@@ -84,6 +84,22 @@ impl Service<HttpRequestFactory> for StatusAware {
     }
 
     fn call(&mut self, req: HttpRequestFactory) -> Self::Future {
+        // async-openai always sends `Authorization: Bearer <key>`; a judge without a key
+        // (no `api_key_env`) sends no such header rather than an empty token.
+        let req = HttpRequestFactory::new(move || {
+            let req = req.clone();
+            async move {
+                let mut r = req.build().await?;
+                let empty = r
+                    .headers()
+                    .get("authorization")
+                    .is_some_and(|v| v.as_bytes().trim_ascii() == b"Bearer");
+                if empty {
+                    r.headers_mut().remove("authorization");
+                }
+                Ok(r)
+            }
+        });
         let fut = self.inner.call(req);
         Box::pin(async move {
             let response = fut.await?;
