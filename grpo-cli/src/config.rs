@@ -307,6 +307,7 @@ impl RolloutSection {
             stop: self.stop.clone(),
             seed,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
