@@ -33,9 +33,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use candle_core::{DType, Device};
-use grpo_rollout::generate::{
-    Completion, FinishReason, PromptRequest, SamplingParams, TokenEvent,
-};
+use grpo_rollout::generate::{Completion, FinishReason, PromptRequest, SamplingParams, TokenEvent};
 use grpo_rollout::{ChatMessage, Tokenizer, Transformer};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -1257,9 +1255,8 @@ impl Streamer {
         } else {
             StreamPhase::Pieces
         };
-        let events = futures_util::stream::unfold(
-            (self, rx, first),
-            |(mut st, mut rx, phase)| async move {
+        let events =
+            futures_util::stream::unfold((self, rx, first), |(mut st, mut rx, phase)| async move {
                 let (text, next) = match phase {
                     StreamPhase::Done => return None,
                     StreamPhase::Opening => (st.opening(), StreamPhase::Pieces),
@@ -1280,8 +1277,7 @@ impl Streamer {
                     },
                 };
                 Some((Ok::<_, Infallible>(text), (st, rx, next)))
-            },
-        );
+            });
         let mut r = Response::new(Body::from_stream(events));
         let h = r.headers_mut();
         h.insert(
@@ -1342,9 +1338,9 @@ impl Streamer {
         if finish.is_some() {
             self.finished += 1;
         }
-        let logprobs =
-            self.shape
-                .logprobs(&self.shared, ids, lps, tops, &mut self.offsets[index]);
+        let logprobs = self
+            .shape
+            .logprobs(&self.shared, ids, lps, tops, &mut self.offsets[index]);
         let mut choice = if self.shape.chat {
             json!({"index": index, "delta": {"content": text}})
         } else {

@@ -10,12 +10,12 @@ use std::io::BufRead;
 use std::path::Path;
 
 use candle_core::{DType, Device};
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
 use grpo_cli::serve::{ServeOptions, Server, start};
 use grpo_rollout::generate::{SamplingParams, generate};
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_rollout::{Arch, ChatMessage, LoadedModel};
-use eventsource_stream::Eventsource;
-use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 fn model(dir: &Path) -> LoadedModel {
@@ -93,7 +93,11 @@ async fn stream(url: &str, body: Value, stats: Option<&str>) -> (u16, String, Ve
 
 /// The chunks of a stream (every event before `[DONE]`, which must end it).
 fn chunks(events: &[String]) -> Vec<Value> {
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
     events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
@@ -469,10 +473,26 @@ fn bad_requests_are_4xx_naming_the_field() {
         (json!({"prompt": "hi", "echo": true}), 400, "echo"),
         (json!({"prompt": "hi", "best_of": 3}), 400, "best_of"),
         (json!({"prompt": "hi", "max_token": 3}), 400, "max_token"),
-        (json!({"prompt": "hi", "logit_bias": {"x": 1}}), 400, "logit_bias"),
-        (json!({"prompt": "hi", "logit_bias": {"5": 101}}), 400, "logit_bias"),
-        (json!({"prompt": "hi", "logit_bias": {"999999": 1}}), 400, "logit_bias"),
-        (json!({"prompt": "hi", "logit_bias": [1, 2]}), 400, "logit_bias"),
+        (
+            json!({"prompt": "hi", "logit_bias": {"x": 1}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"999999": 1}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": [1, 2]}),
+            400,
+            "logit_bias",
+        ),
         (json!({"prompt": "hi", "logprobs": 50}), 400, "logprobs"),
         (json!({"prompt": "hi", "max_tokens": 100}), 400, "prompt"),
         (json!({"prompt": [1, 2, 999999]}), 400, "prompt"),
@@ -628,7 +648,11 @@ fn streamed_completions_add_up_to_the_answer_not_streamed() {
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"], json!([]));
     assert_eq!(last["usage"], plain["usage"]);
-    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage").is_none()));
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c.get("usage").is_none())
+    );
     let want = plain["choices"].as_array().unwrap();
     for (i, w) in want.iter().enumerate() {
         let got = of_choice(&chunks, i);
@@ -707,7 +731,11 @@ fn streamed_chat_opens_with_the_role_and_adds_up_to_the_answer() {
             .iter()
             .map(|c| c["delta"]["content"].as_str().unwrap())
             .collect();
-        assert_eq!(text, w["message"]["content"].as_str().unwrap(), "choice {i}");
+        assert_eq!(
+            text,
+            w["message"]["content"].as_str().unwrap(),
+            "choice {i}"
+        );
         for c in &got[..got.len() - 1] {
             assert!(c["finish_reason"].is_null(), "{c}");
         }
@@ -734,12 +762,16 @@ fn streaming_sends_tokens_as_they_are_sampled() {
                       "stream": true, "return_token_ids": true});
     let (st, _, events, seen) = rt.block_on(stream(&url, body, Some(&stats)));
     assert_eq!(st, 200);
-    assert_eq!(seen["requests"], 0, "the first chunk came after generation: {seen}");
+    assert_eq!(
+        seen["requests"], 0,
+        "the first chunk came after generation: {seen}"
+    );
     let chunks = chunks(&events);
     assert!(chunks.len() > 10, "{} chunks", chunks.len());
-    let ids = concat(&chunks.iter().map(|c| &c["choices"][0]).collect::<Vec<_>>(), |c| {
-        c["token_ids"].clone()
-    });
+    let ids = concat(
+        &chunks.iter().map(|c| &c["choices"][0]).collect::<Vec<_>>(),
+        |c| c["token_ids"].clone(),
+    );
     assert_eq!(ids.len(), 300);
     assert_eq!(get_json(&rt, &stats)["requests"], 1);
 }
@@ -811,7 +843,10 @@ fn logit_bias_forces_and_bans_tokens() {
         ids(&body)
     };
     let plain = greedy(Value::Null);
-    assert_eq!(plain, greedy_local(&m.model, &m.tokenizer, &prompt, 8).token_ids);
+    assert_eq!(
+        plain,
+        greedy_local(&m.model, &m.tokenizer, &prompt, 8).token_ids
+    );
     // -100 bans the greedy first token.
     let banned = greedy(json!({plain[0].to_string(): -100}));
     assert!(!banned.contains(&plain[0]), "{banned:?} vs {plain:?}");
@@ -849,7 +884,14 @@ fn errors_are_one_line_even_with_rust_backtrace() {
     let tmp = tempfile::tempdir().unwrap();
     model(&tmp.path().join("m"));
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
-        .args(["serve", "--port", "0", "--served-model-name", "tiny", "--model"])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+            "--model",
+        ])
         .arg(tmp.path().join("m"))
         .env("RUST_BACKTRACE", "1")
         .stdout(std::process::Stdio::piped())

@@ -514,7 +514,11 @@ fn per_token_reports_and_dropped_rows() {
     let mut finished = Vec::new();
     let all = generate_batch_with(&m, &tok, &reqs, &p, &mut |e| {
         let row = seen.entry((e.prompt_index, e.sample_index)).or_default();
-        assert_eq!(e.token_ids[..row.len()], row[..], "a row's tokens only grow");
+        assert_eq!(
+            e.token_ids[..row.len()],
+            row[..],
+            "a row's tokens only grow"
+        );
         assert_eq!(e.token_ids.len(), row.len() + 1, "one report per token");
         assert_eq!(e.logprobs.len(), e.token_ids.len());
         assert_eq!(e.top_logprobs.len(), e.token_ids.len());
@@ -540,7 +544,10 @@ fn per_token_reports_and_dropped_rows() {
         .filter(|c| (c.prompt_index, c.sample_index) != (1, 0))
         .cloned()
         .collect();
-    assert!(all.iter().any(|c| (c.prompt_index, c.sample_index) == (1, 0) && c.token_ids.len() > 3));
+    assert!(
+        all.iter()
+            .any(|c| (c.prompt_index, c.sample_index) == (1, 0) && c.token_ids.len() > 3)
+    );
     assert_eq!(fewer, kept);
 }
 
@@ -555,7 +562,10 @@ fn logit_bias_bans_and_forces() {
         temperature: 0.0,
         ..Default::default()
     };
-    let plain = generate(&m, &tok, ps, 1, &greedy).unwrap().remove(0).token_ids;
+    let plain = generate(&m, &tok, ps, 1, &greedy)
+        .unwrap()
+        .remove(0)
+        .token_ids;
     let banned = generate(
         &m,
         &tok,
@@ -587,7 +597,11 @@ fn logit_bias_bans_and_forces() {
         .remove(0);
         assert_eq!(forced.token_ids, vec![x; 6]);
         // The recorded log-probs are the model's own, not the biased ones.
-        assert!(forced.logprobs.iter().all(|&lp| lp < -0.01), "{:?}", forced.logprobs);
+        assert!(
+            forced.logprobs.iter().all(|&lp| lp < -0.01),
+            "{:?}",
+            forced.logprobs
+        );
     }
     let err = SamplingParams {
         logit_bias: vec![(x, 101.0)],
