@@ -589,7 +589,7 @@ fn refuse_unsupported(other: &serde_json::Map<String, Value>) -> Result<(), ApiE
         if !inert {
             return Err(ApiError::bad(
                 name.clone(),
-                format!("`{name}` is not supported by this server"),
+                format!("`{}` is not supported by this server", name.escape_debug()),
             ));
         }
     }
@@ -613,7 +613,7 @@ fn logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
             .filter(|&id| (id as usize) < vocab)
             .ok_or_else(|| {
                 bad(format!(
-                    "`logit_bias`: key `{k}` is not a token id of this model (0..{vocab})"
+                    "`logit_bias`: key {k:?} is not a token id of this model (0..{vocab})"
                 ))
             })?;
         let b = b
@@ -621,7 +621,7 @@ fn logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
             .filter(|b| (-100.0..=100.0).contains(b))
             .ok_or_else(|| {
                 bad(format!(
-                    "`logit_bias`: the bias of token {k} must be a number in [-100, 100], got {b}"
+                    "`logit_bias`: the bias of token {k:?} must be a number in [-100, 100], got {b}"
                 ))
             })?;
         out.push((id, b as f32));
@@ -663,7 +663,10 @@ fn stream_options(k: &Knobs) -> Result<Option<StreamOptions>, ApiError> {
                 _ => {
                     return Err(ApiError::bad(
                         "stream_options",
-                        format!("`stream_options.{key}` must be a boolean, got {x}"),
+                        format!(
+                            "`stream_options.{}` must be a boolean, got {x}",
+                            key.escape_debug()
+                        ),
                     ));
                 }
             };
@@ -675,7 +678,7 @@ fn stream_options(k: &Knobs) -> Result<Option<StreamOptions>, ApiError> {
                 _ => {
                     return Err(ApiError::bad(
                         "stream_options",
-                        format!("`stream_options.{key}` is not supported"),
+                        format!("`stream_options.{}` is not supported", key.escape_debug()),
                     ));
                 }
             }
