@@ -312,6 +312,7 @@ impl RolloutSection {
             stop: self.stop.clone(),
             seed,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }

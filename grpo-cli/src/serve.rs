@@ -10,9 +10,14 @@
 //! runs each group as one batched [`grpo_rollout::generate::generate_batch`] call. Each request
 //! keeps its own seed and random streams, so its answer does not depend on what it was batched
 //! with. A full queue answers 429 with `Retry-After`; a bad request answers 400 (404 for an
-//! unknown model) with an OpenAI-style `{"error": {...}}` body naming the field.
+//! unknown model) with an OpenAI-style `{"error": {...}}` body naming the field, on one line.
+//!
+//! `stream: true` answers server-sent events as OpenAI and vLLM send them: the engine reports
+//! every sampled token as the batch produces it ([`grpo_rollout::generate::generate_batch_with`]),
+//! and the handler sends each choice's new text as a chunk, then `data: [DONE]`.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +25,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow};
+use axum::body::Body;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -27,7 +33,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use candle_core::{DType, Device};
-use grpo_rollout::generate::{Completion, FinishReason, PromptRequest, SamplingParams};
+use grpo_rollout::generate::{Completion, FinishReason, PromptRequest, SamplingParams, TokenEvent};
 use grpo_rollout::{ChatMessage, Tokenizer, Transformer};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -112,7 +118,91 @@ struct Job {
     n: usize,
     seed: u64,
     params: SamplingParams,
-    reply: tokio::sync::oneshot::Sender<Result<Vec<Completion>, String>>,
+    reply: Reply,
+}
+
+/// Where a job's answer goes.
+enum Reply {
+    /// All completions at once.
+    Whole(tokio::sync::oneshot::Sender<Result<Vec<Completion>, String>>),
+    /// Piece by piece as tokens are sampled (`stream: true`); the channel closes when every
+    /// choice has finished.
+    Stream(tokio::sync::mpsc::UnboundedSender<Piece>),
+}
+
+/// A piece of a streamed answer.
+#[derive(Debug)]
+enum Piece {
+    /// New text of choice `index` and the tokens it came from; `finish` on its last piece.
+    Chunk {
+        index: usize,
+        text: String,
+        token_ids: Vec<u32>,
+        logprobs: Vec<f32>,
+        top: Vec<Vec<(u32, f32)>>,
+        finish: Option<FinishReason>,
+    },
+    /// Generation failed.
+    Error(String),
+}
+
+/// The text a streamed choice has sent. A piece ends where the decoded text has grown, but
+/// never inside a UTF-8 character (a trailing U+FFFD, an incomplete byte sequence, waits for
+/// the next token) nor in the last `hold` bytes (they could still begin a stop string, which
+/// the completion's text ends before); the last piece is the rest of the completion's text,
+/// so the pieces add up to it.
+#[derive(Debug)]
+struct Deltas {
+    sent: String,
+    tokens: usize,
+    hold: usize,
+}
+
+impl Deltas {
+    fn new(hold: usize) -> Self {
+        Self {
+            sent: String::new(),
+            tokens: 0,
+            hold,
+        }
+    }
+
+    /// The piece a new token makes, if any (tokens without new text wait for the next piece).
+    fn step(&mut self, tok: &Tokenizer, e: &TokenEvent<'_>, index: usize) -> Option<Piece> {
+        let (text, finish) = match e.finished {
+            Some(c) => (
+                c.text
+                    .strip_prefix(self.sent.as_str())
+                    .unwrap_or_default()
+                    .to_string(),
+                Some(c.finish_reason),
+            ),
+            None => {
+                let text = tok.decode(e.token_ids, true).ok()?;
+                let mut end = text
+                    .trim_end_matches('\u{FFFD}')
+                    .len()
+                    .min(text.len().saturating_sub(self.hold));
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                if end <= self.sent.len() || !text.starts_with(self.sent.as_str()) {
+                    return None;
+                }
+                (text[self.sent.len()..end].to_string(), None)
+            }
+        };
+        self.sent.push_str(&text);
+        let from = std::mem::replace(&mut self.tokens, e.token_ids.len());
+        Some(Piece::Chunk {
+            index,
+            text,
+            token_ids: e.token_ids[from..].to_vec(),
+            logprobs: e.logprobs[from..].to_vec(),
+            top: e.top_logprobs.get(from..).unwrap_or_default().to_vec(),
+            finish,
+        })
+    }
 }
 
 /// A running server; dropping it stops the HTTP side (the engine thread ends with it).
@@ -231,7 +321,7 @@ pub fn start(opts: ServeOptions) -> Result<Server> {
 /// The base with a PEFT adapter attached (frozen weights shared with the base).
 fn with_adapter(base: &Transformer, dir: &Path) -> Result<Transformer> {
     let mut m = base.clone();
-    grpo_rollout::lora::load_peft(&mut m, dir).map_err(|e| anyhow!("{e}"))?;
+    grpo_rollout::lora::load_peft(&mut m, dir).map_err(|e| anyhow!(one_line(&e)))?;
     Ok(m)
 }
 
@@ -289,8 +379,37 @@ fn run_group(shared: &Shared, group: Vec<Job>) {
     }
     let model = group[0].model.clone();
     let params = group[0].params.clone();
+    // Streamed jobs: what each of their choices has sent.
+    let hold = params.stop.iter().map(String::len).max().unwrap_or(1);
+    let mut deltas: Vec<Vec<Deltas>> = group
+        .iter()
+        .map(|job| match job.reply {
+            Reply::Stream(_) => (0..job.prompts.len() * job.n)
+                .map(|_| Deltas::new(hold.saturating_sub(1)))
+                .collect(),
+            Reply::Whole(_) => Vec::new(),
+        })
+        .collect();
+    let mut on_token = |e: TokenEvent<'_>| {
+        let (j, p) = owner[e.prompt_index];
+        let Reply::Stream(tx) = &group[j].reply else {
+            return true;
+        };
+        let index = p * group[j].n + e.sample_index;
+        if let Some(piece) = deltas[j][index].step(&shared.tokenizer, &e, index) {
+            let _ = tx.send(piece);
+        }
+        // A client that has gone frees its rows.
+        !tx.is_closed()
+    };
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        grpo_rollout::generate::generate_batch(&model, &shared.tokenizer, &reqs, &params)
+        grpo_rollout::generate::generate_batch_with(
+            &model,
+            &shared.tokenizer,
+            &reqs,
+            &params,
+            &mut on_token,
+        )
     }));
     let mut per_job: Vec<Vec<Completion>> = group.iter().map(|_| Vec::new()).collect();
     let outcome = match result {
@@ -302,15 +421,40 @@ fn run_group(shared: &Shared, group: Vec<Job>) {
             }
             Ok(())
         }
-        Ok(Err(e)) => Err(format!("generation failed: {e}")),
+        Ok(Err(e)) => Err(format!("generation failed: {}", one_line(&e))),
         Err(_) => Err("generation panicked".to_string()),
     };
     for (job, comps) in group.into_iter().zip(per_job) {
         shared.stats.requests.fetch_add(1, Ordering::Relaxed);
-        let _ = job.reply.send(match &outcome {
-            Ok(()) => Ok(comps),
-            Err(e) => Err(e.clone()),
-        });
+        match (job.reply, &outcome) {
+            (Reply::Whole(tx), Ok(())) => {
+                let _ = tx.send(Ok(comps));
+            }
+            (Reply::Whole(tx), Err(e)) => {
+                let _ = tx.send(Err(e.clone()));
+            }
+            (Reply::Stream(_), Ok(())) => {}
+            (Reply::Stream(tx), Err(e)) => {
+                let _ = tx.send(Piece::Error(e.clone()));
+            }
+        }
+    }
+}
+
+/// A candle error on one line, for a user: without the backtrace candle appends when
+/// `RUST_BACKTRACE` is set, with contexts joined by `: `.
+fn one_line(e: &candle_core::Error) -> String {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } => one_line(inner),
+        E::Context { inner, context } => format!("{context}: {}", one_line(inner)),
+        E::WithPath { inner, path } => format!("{}: {}", path.display(), one_line(inner)),
+        E::WrappedContext { wrapped, context } => format!("{context}: {wrapped}"),
+        other => other
+            .to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" "),
     }
 }
 
@@ -321,34 +465,38 @@ fn run_group(shared: &Shared, group: Vec<Job>) {
 struct ApiError {
     status: StatusCode,
     message: String,
-    param: Option<&'static str>,
+    param: Option<String>,
 }
 
 impl ApiError {
-    fn bad(param: &'static str, message: impl Into<String>) -> Self {
+    fn bad(param: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
-            param: Some(param),
+            param: Some(param.into()),
         }
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+    /// The `{"error": {...}}` body.
+    fn body(&self) -> Value {
         let kind = match self.status {
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
             s if s.is_server_error() => "InternalServerError",
             _ => "BadRequestError",
         };
-        let body = json!({"error": {
+        json!({"error": {
             "message": self.message,
             "type": kind,
             "param": self.param,
             "code": self.status.as_u16(),
-        }});
-        let mut r = (self.status, Json(body)).into_response();
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(self.body())).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -409,6 +557,138 @@ struct Knobs {
     best_of: Option<usize>,
     return_tokens_as_token_ids: Option<bool>,
     return_token_ids: Option<bool>,
+    stream_options: Option<Value>,
+    logit_bias: Option<Value>,
+    /// Every other field: refused unless it cannot change the answer ([`refuse_unsupported`]).
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
+}
+
+/// Fields accepted and ignored: they do not change an answer.
+const INERT_FIELDS: [&str; 7] = [
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// Refuses a field this server does not implement (`tools`, `response_format`, `suffix`, a
+/// misspelt knob, ...) rather than answer something other than what was asked. A field that
+/// asks for nothing (`null`, `tools: []`, `tool_choice: "none"`, `response_format: {"type":
+/// "text"}`) and [`INERT_FIELDS`] pass.
+fn refuse_unsupported(other: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    for (name, v) in other {
+        let inert = v.is_null()
+            || INERT_FIELDS.contains(&name.as_str())
+            || match name.as_str() {
+                "tools" | "functions" => v.as_array().is_some_and(Vec::is_empty),
+                "tool_choice" | "function_call" => matches!(v.as_str(), Some("none" | "auto")),
+                "response_format" => v["type"] == "text",
+                _ => false,
+            };
+        if !inert {
+            return Err(ApiError::bad(
+                name.clone(),
+                format!("`{}` is not supported by this server", name.escape_debug()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// OpenAI's `logit_bias`: `{"TOKEN_ID": bias}` with biases in [-100, 100].
+fn logit_bias(v: &Value, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad("logit_bias", m);
+    let Value::Object(map) = v else {
+        return Err(bad(format!(
+            "`logit_bias` must map token ids to biases, got {v}"
+        )));
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (k, b) in map {
+        let id = k
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab)
+            .ok_or_else(|| {
+                bad(format!(
+                    "`logit_bias`: key {k:?} is not a token id of this model (0..{vocab})"
+                ))
+            })?;
+        let b = b
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "`logit_bias`: the bias of token {k:?} must be a number in [-100, 100], got {b}"
+                ))
+            })?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
+/// `stream: true` and its `stream_options`.
+#[derive(Debug, Clone, Copy, Default)]
+struct StreamOptions {
+    /// A last chunk with `usage` (and `choices: []`).
+    include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: `usage` on every chunk (with `include_usage`).
+    continuous_usage: bool,
+}
+
+/// `Some` when the answer is streamed.
+fn stream_options(k: &Knobs) -> Result<Option<StreamOptions>, ApiError> {
+    let stream = k.stream == Some(true);
+    let mut o = StreamOptions::default();
+    if let Some(v) = &k.stream_options {
+        if !stream {
+            return Err(ApiError::bad(
+                "stream_options",
+                "`stream_options` is only allowed with `stream: true`",
+            ));
+        }
+        let Value::Object(map) = v else {
+            return Err(ApiError::bad(
+                "stream_options",
+                format!("`stream_options` must be an object, got {v}"),
+            ));
+        };
+        for (key, x) in map {
+            let flag = match x {
+                Value::Null => false,
+                Value::Bool(b) => *b,
+                _ => {
+                    return Err(ApiError::bad(
+                        "stream_options",
+                        format!(
+                            "`stream_options.{}` must be a boolean, got {x}",
+                            key.escape_debug()
+                        ),
+                    ));
+                }
+            };
+            match key.as_str() {
+                "include_usage" => o.include_usage = flag,
+                "continuous_usage_stats" => o.continuous_usage = flag,
+                // OpenAI's padding against side channels: nothing to pad here.
+                "include_obfuscation" => {}
+                _ => {
+                    return Err(ApiError::bad(
+                        "stream_options",
+                        format!("`stream_options.{}` is not supported", key.escape_debug()),
+                    ));
+                }
+            }
+        }
+    }
+    o.continuous_usage &= o.include_usage;
+    Ok(stream.then_some(o))
 }
 
 #[derive(Debug, Deserialize)]
@@ -456,6 +736,7 @@ fn sampling(
     k: &Knobs,
     default_max_tokens: usize,
 ) -> Result<(Arc<Transformer>, String, usize, u64, SamplingParams), ApiError> {
+    refuse_unsupported(&k.other)?;
     let name = k.model.clone().unwrap_or_else(|| shared.base_name.clone());
     let model = if name == shared.base_name {
         shared.base.clone()
@@ -471,17 +752,11 @@ fn sampling(
                 return Err(ApiError {
                     status: StatusCode::NOT_FOUND,
                     message: format!("The model `{name}` does not exist."),
-                    param: Some("model"),
+                    param: Some("model".into()),
                 });
             }
         }
     };
-    if k.stream == Some(true) {
-        return Err(ApiError::bad(
-            "stream",
-            "`stream`: streaming is not supported; send stream=false",
-        ));
-    }
     let n = k.n.unwrap_or(1);
     if n == 0 || n > 256 {
         return Err(ApiError::bad(
@@ -536,9 +811,13 @@ fn sampling(
         },
         seed: 0,
         top_logprobs: 0,
+        logit_bias: match &k.logit_bias {
+            Some(v) => logit_bias(v, shared.base.cfg.vocab_size)?,
+            None => Vec::new(),
+        },
     };
     if let Err(e) = params.validate() {
-        let msg = e.to_string();
+        let msg = one_line(&e);
         let field = [
             "temperature",
             "top_p",
@@ -590,6 +869,28 @@ impl Shared {
         Ok(())
     }
 
+    /// Puts a job on the queue (429 when it is full).
+    fn submit(&self, job: Job) -> Result<(), ApiError> {
+        self.queue.try_send(job).map_err(|e| match e {
+            crossbeam_channel::TrySendError::Full(_) => {
+                self.stats.rejected_busy.fetch_add(1, Ordering::Relaxed);
+                ApiError {
+                    status: StatusCode::TOO_MANY_REQUESTS,
+                    message: format!(
+                        "server busy: {} requests queued (--max-queue); retry later",
+                        self.queue.len()
+                    ),
+                    param: None,
+                }
+            }
+            crossbeam_channel::TrySendError::Disconnected(_) => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: "the engine has stopped".into(),
+                param: None,
+            },
+        })
+    }
+
     /// Queues a job and waits for its completions.
     async fn run(
         &self,
@@ -600,34 +901,14 @@ impl Shared {
         params: SamplingParams,
     ) -> Result<Vec<Completion>, ApiError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let job = Job {
+        self.submit(Job {
             model,
             prompts,
             n,
             seed,
             params,
-            reply: tx,
-        };
-        if let Err(e) = self.queue.try_send(job) {
-            return Err(match e {
-                crossbeam_channel::TrySendError::Full(_) => {
-                    self.stats.rejected_busy.fetch_add(1, Ordering::Relaxed);
-                    ApiError {
-                        status: StatusCode::TOO_MANY_REQUESTS,
-                        message: format!(
-                            "server busy: {} requests queued (--max-queue); retry later",
-                            self.queue.len()
-                        ),
-                        param: None,
-                    }
-                }
-                crossbeam_channel::TrySendError::Disconnected(_) => ApiError {
-                    status: StatusCode::SERVICE_UNAVAILABLE,
-                    message: "the engine has stopped".into(),
-                    param: None,
-                },
-            });
-        }
+            reply: Reply::Whole(tx),
+        })?;
         match rx.await {
             Ok(Ok(c)) => Ok(c),
             Ok(Err(e)) => Err(ApiError {
@@ -641,6 +922,27 @@ impl Shared {
                 param: None,
             }),
         }
+    }
+
+    /// Queues a job whose pieces come as its tokens are sampled.
+    fn run_streamed(
+        &self,
+        model: Arc<Transformer>,
+        prompts: Vec<Vec<u32>>,
+        n: usize,
+        seed: u64,
+        params: SamplingParams,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Piece>, ApiError> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.submit(Job {
+            model,
+            prompts,
+            n,
+            seed,
+            params,
+            reply: Reply::Stream(tx),
+        })?;
+        Ok(rx)
     }
 
     fn token_text(&self, id: u32, as_ids: bool) -> String {
@@ -659,8 +961,8 @@ impl Shared {
     }
 }
 
-fn finish_reason(c: &Completion) -> &'static str {
-    match c.finish_reason {
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
         FinishReason::Eos | FinishReason::Stop => "stop",
         FinishReason::Length => "length",
     }
@@ -727,9 +1029,10 @@ async fn models(State(s): State<Arc<Shared>>) -> Json<Value> {
 async fn completions(
     State(s): State<Arc<Shared>>,
     body: Result<Json<CompletionRequest>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let req = json_body(&s, body)?;
     let (model, name, n, seed, mut params) = s.bad(sampling(&s, &req.knobs, 16))?;
+    let stream = s.bad(stream_options(&req.knobs))?;
     if req.echo == Some(true) {
         return s.bad(Err(ApiError::bad("echo", "`echo` is not supported")));
     }
@@ -762,9 +1065,16 @@ async fn completions(
             )));
         }
     }
-    let as_ids = req.knobs.return_tokens_as_token_ids == Some(true);
-    let with_ids = req.knobs.return_token_ids == Some(true);
-    let want_lp = req.logprobs.is_some();
+    let shape = Shape {
+        chat: false,
+        logprobs: req.logprobs.is_some(),
+        as_ids: req.knobs.return_tokens_as_token_ids == Some(true),
+        with_ids: req.knobs.return_token_ids == Some(true),
+    };
+    if let Some(opts) = stream {
+        let rx = s.run_streamed(model, prompts.clone(), n, seed, params)?;
+        return Ok(Streamer::new(&s, shape, name, prompts, n, opts).respond(rx));
+    }
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let comps = s.run(model, prompts.clone(), n, seed, params).await?;
     let mut completion_tokens = 0;
@@ -773,75 +1083,102 @@ async fn completions(
         .enumerate()
         .map(|(i, c)| {
             completion_tokens += c.token_ids.len();
-            let logprobs = if want_lp {
-                let tokens: Vec<String> = c
-                    .token_ids
-                    .iter()
-                    .map(|&t| s.token_text(t, as_ids))
-                    .collect();
-                let mut offsets = Vec::with_capacity(tokens.len());
-                let mut at = 0usize;
-                for &t in &c.token_ids {
-                    offsets.push(at);
-                    at += s.tokenizer.decode(&[t], true).map_or(0, |x| x.len());
-                }
-                let top: Vec<Value> = c
-                    .token_ids
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &t)| {
-                        let mut m = serde_json::Map::new();
-                        m.insert(s.token_text(t, as_ids), json!(c.logprobs[k]));
-                        if let Some(alts) = c.top_logprobs.get(k) {
-                            for &(a, lp) in alts {
-                                m.insert(s.token_text(a, as_ids), json!(lp));
-                            }
-                        }
-                        Value::Object(m)
-                    })
-                    .collect();
-                json!({
-                    "tokens": tokens,
-                    "token_logprobs": c.logprobs,
-                    "top_logprobs": top,
-                    "text_offset": offsets,
-                })
-            } else {
-                Value::Null
-            };
             let mut choice = json!({
                 "index": i,
                 "text": c.text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(c),
+                "logprobs": shape.logprobs(&s, &c.token_ids, &c.logprobs, &c.top_logprobs, &mut 0),
+                "finish_reason": finish_reason(c.finish_reason),
             });
-            if with_ids {
+            if shape.with_ids {
                 choice["token_ids"] = json!(c.token_ids);
                 choice["prompt_token_ids"] = json!(prompts[c.prompt_index]);
             }
             choice
         })
         .collect();
-    Ok(Json(envelope(
-        &s,
-        "text_completion",
-        &name,
-        choices,
-        prompt_tokens,
-        completion_tokens,
-    )))
+    let mut out = envelope(&s, "text_completion", &name, now_secs(), choices);
+    out["usage"] = usage(prompt_tokens, completion_tokens);
+    Ok(Json(out).into_response())
 }
 
-/// The body around the choices (OpenAI's `id`, `object`, `created`, `model`, `usage`).
-fn envelope(
-    s: &Shared,
-    object: &str,
-    model: &str,
-    choices: Vec<Value>,
-    prompt_tokens: usize,
-    completion_tokens: usize,
-) -> Value {
-    let prefix = if object == "chat.completion" {
+/// What an answer holds besides the text: which endpoint's format, log-probs, tokens spelled
+/// `token_id:N`, and `token_ids`.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    chat: bool,
+    logprobs: bool,
+    as_ids: bool,
+    with_ids: bool,
+}
+
+impl Shape {
+    /// A choice's `logprobs` for `ids` (null unless asked for): chat's `{"content": [...]}` or
+    /// completions' `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, the offsets
+    /// counted from `offset` (which moves past these tokens).
+    fn logprobs(
+        &self,
+        s: &Shared,
+        ids: &[u32],
+        lps: &[f32],
+        tops: &[Vec<(u32, f32)>],
+        offset: &mut usize,
+    ) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        if self.chat {
+            let entry = |t: u32, lp: f32| {
+                let text = s.token_text(t, self.as_ids);
+                let bytes: Vec<u8> = text.as_bytes().to_vec();
+                json!({"token": text, "logprob": lp, "bytes": bytes})
+            };
+            let content: Vec<Value> = ids
+                .iter()
+                .enumerate()
+                .map(|(k, &t)| {
+                    let mut e = entry(t, lps[k]);
+                    let alts: Vec<Value> = tops
+                        .get(k)
+                        .map(|a| a.iter().map(|&(x, lp)| entry(x, lp)).collect())
+                        .unwrap_or_default();
+                    e["top_logprobs"] = Value::Array(alts);
+                    e
+                })
+                .collect();
+            return json!({ "content": content });
+        }
+        let tokens: Vec<String> = ids.iter().map(|&t| s.token_text(t, self.as_ids)).collect();
+        let mut offsets = Vec::with_capacity(ids.len());
+        for &t in ids {
+            offsets.push(*offset);
+            *offset += s.tokenizer.decode(&[t], true).map_or(0, |x| x.len());
+        }
+        let top: Vec<Value> = ids
+            .iter()
+            .enumerate()
+            .map(|(k, &t)| {
+                let mut m = serde_json::Map::new();
+                m.insert(s.token_text(t, self.as_ids), json!(lps[k]));
+                if let Some(alts) = tops.get(k) {
+                    for &(a, lp) in alts {
+                        m.insert(s.token_text(a, self.as_ids), json!(lp));
+                    }
+                }
+                Value::Object(m)
+            })
+            .collect();
+        json!({
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        })
+    }
+}
+
+/// The body around the choices (OpenAI's `id`, `object`, `created`, `model`).
+fn envelope(s: &Shared, object: &str, model: &str, created: u64, choices: Vec<Value>) -> Value {
+    let prefix = if object.starts_with("chat.") {
         "chatcmpl"
     } else {
         "cmpl"
@@ -849,29 +1186,226 @@ fn envelope(
     json!({
         "id": request_id(prefix, s),
         "object": object,
-        "created": now_secs(),
+        "created": created,
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
     })
 }
 
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// A streamed answer: OpenAI's chunks (`text_completion` or `chat.completion.chunk` objects
+/// with one `id` and `created`) as server-sent events, then `data: [DONE]`.
+struct Streamer {
+    shared: Arc<Shared>,
+    shape: Shape,
+    opts: StreamOptions,
+    /// The first chunk's envelope (`id`, `object`, `created`, `model`), reused by every chunk.
+    head: Value,
+    prompts: Vec<Vec<u32>>,
+    n: usize,
+    /// Per choice: whether a chunk has been sent, and its text offset so far.
+    started: Vec<bool>,
+    offsets: Vec<usize>,
+    finished: usize,
+    completion_tokens: usize,
+}
+
+/// Where a [`Streamer`] is.
+enum StreamPhase {
+    /// Chat's opening chunks (`delta.role`) are still to send.
+    Opening,
+    Pieces,
+    Done,
+}
+
+impl Streamer {
+    fn new(
+        s: &Arc<Shared>,
+        shape: Shape,
+        model: String,
+        prompts: Vec<Vec<u32>>,
+        n: usize,
+        opts: StreamOptions,
+    ) -> Self {
+        let object = if shape.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let choices = prompts.len() * n;
+        Self {
+            shared: s.clone(),
+            shape,
+            opts,
+            head: envelope(s, object, &model, now_secs(), Vec::new()),
+            prompts,
+            n,
+            started: vec![false; choices],
+            offsets: vec![0; choices],
+            finished: 0,
+            completion_tokens: 0,
+        }
+    }
+
+    /// The `text/event-stream` response; events are sent as pieces arrive.
+    fn respond(self, rx: tokio::sync::mpsc::UnboundedReceiver<Piece>) -> Response {
+        let first = if self.shape.chat {
+            StreamPhase::Opening
+        } else {
+            StreamPhase::Pieces
+        };
+        let events =
+            futures_util::stream::unfold((self, rx, first), |(mut st, mut rx, phase)| async move {
+                let (text, next) = match phase {
+                    StreamPhase::Done => return None,
+                    StreamPhase::Opening => (st.opening(), StreamPhase::Pieces),
+                    StreamPhase::Pieces => match rx.recv().await {
+                        Some(Piece::Chunk {
+                            index,
+                            text,
+                            token_ids,
+                            logprobs,
+                            top,
+                            finish,
+                        }) => (
+                            st.chunk(index, &text, &token_ids, &logprobs, &top, finish),
+                            StreamPhase::Pieces,
+                        ),
+                        Some(Piece::Error(e)) => (st.error(e), StreamPhase::Done),
+                        None => (st.close(), StreamPhase::Done),
+                    },
+                };
+                Some((Ok::<_, Infallible>(text), (st, rx, next)))
+            });
+        let mut r = Response::new(Body::from_stream(events));
+        let h = r.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        r
+    }
+
+    fn event(v: &Value) -> String {
+        format!("data: {v}\n\n")
+    }
+
+    /// A chunk with these choices (and running usage with `continuous_usage_stats`).
+    fn envelope(&self, choices: Vec<Value>) -> Value {
+        let mut v = self.head.clone();
+        v["choices"] = Value::Array(choices);
+        if self.opts.continuous_usage {
+            v["usage"] = usage(self.prompt_tokens(), self.completion_tokens);
+        }
+        v
+    }
+
+    fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(Vec::len).sum()
+    }
+
+    /// Chat: each choice opens with `delta: {"role": "assistant", "content": ""}`.
+    fn opening(&mut self) -> String {
+        let mut out = String::new();
+        for i in 0..self.started.len() {
+            let choice = json!({
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": null,
+                "finish_reason": null,
+            });
+            let mut v = self.envelope(vec![choice]);
+            if self.shape.with_ids && i == 0 {
+                v["prompt_token_ids"] = json!(self.prompts[0]);
+            }
+            out.push_str(&Self::event(&v));
+        }
+        out
+    }
+
+    fn chunk(
+        &mut self,
+        index: usize,
+        text: &str,
+        ids: &[u32],
+        lps: &[f32],
+        tops: &[Vec<(u32, f32)>],
+        finish: Option<FinishReason>,
+    ) -> String {
+        self.completion_tokens += ids.len();
+        if finish.is_some() {
+            self.finished += 1;
+        }
+        let logprobs = self
+            .shape
+            .logprobs(&self.shared, ids, lps, tops, &mut self.offsets[index]);
+        let mut choice = if self.shape.chat {
+            json!({"index": index, "delta": {"content": text}})
+        } else {
+            json!({"index": index, "text": text})
+        };
+        choice["logprobs"] = logprobs;
+        choice["finish_reason"] = json!(finish.map(finish_reason));
+        if self.shape.with_ids {
+            choice["token_ids"] = json!(ids);
+            if !self.shape.chat && !self.started[index] {
+                choice["prompt_token_ids"] = json!(self.prompts[index / self.n]);
+            }
+        }
+        self.started[index] = true;
+        Self::event(&self.envelope(vec![choice]))
+    }
+
+    /// After the last piece: the usage chunk (with `include_usage`), then `[DONE]`.
+    fn close(&mut self) -> String {
+        if self.finished < self.started.len() {
+            return self.error("the engine dropped the request".into());
+        }
+        let mut out = String::new();
+        if self.opts.include_usage {
+            let mut v = self.head.clone();
+            v["usage"] = usage(self.prompt_tokens(), self.completion_tokens);
+            out.push_str(&Self::event(&v));
+        }
+        out.push_str("data: [DONE]\n\n");
+        out
+    }
+
+    /// An error once the answer has begun: an `{"error": ...}` event, then `[DONE]`.
+    fn error(&self, message: String) -> String {
+        let e = ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message,
+            param: None,
+        };
+        format!("{}data: [DONE]\n\n", Self::event(&e.body()))
+    }
+}
+
 fn encode(s: &Shared, text: &str) -> Result<Vec<u32>, ApiError> {
-    s.tokenizer
-        .encode(text, true)
-        .map_err(|e| ApiError::bad("prompt", format!("`prompt`: cannot tokenise: {e}")))
+    s.tokenizer.encode(text, true).map_err(|e| {
+        ApiError::bad(
+            "prompt",
+            format!("`prompt`: cannot tokenise: {}", one_line(&e)),
+        )
+    })
 }
 
 async fn chat_completions(
     State(s): State<Arc<Shared>>,
     body: Result<Json<ChatRequest>, JsonRejection>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let req = json_body(&s, body)?;
     let (model, name, n, seed, mut params) = s.bad(sampling(&s, &req.knobs, 1 << 30))?;
+    let stream = s.bad(stream_options(&req.knobs))?;
     let top = req.top_logprobs.unwrap_or(0);
     if top > s.max_logprobs {
         return s.bad(Err(ApiError::bad(
@@ -913,77 +1447,56 @@ async fn chat_completions(
     let rendered = s
         .tokenizer
         .apply_chat_template(&msgs, req.add_generation_prompt.unwrap_or(true))
-        .map_err(|e| ApiError::bad("messages", format!("`messages`: {e}")));
+        .map_err(|e| ApiError::bad("messages", format!("`messages`: {}", one_line(&e))));
     let rendered = s.bad(rendered)?;
-    let ids = s
-        .tokenizer
-        .encode(&rendered, false)
-        .map_err(|e| ApiError::bad("messages", format!("`messages`: cannot tokenise: {e}")))?;
+    let ids = s.tokenizer.encode(&rendered, false).map_err(|e| {
+        ApiError::bad(
+            "messages",
+            format!("`messages`: cannot tokenise: {}", one_line(&e)),
+        )
+    })?;
     // Without max_tokens, the completion may fill the context.
     if params.max_new_tokens == 1 << 30 {
         params.max_new_tokens = s.max_model_len.saturating_sub(ids.len()).max(1);
         params.min_new_tokens = params.min_new_tokens.min(params.max_new_tokens);
     }
     s.bad(s.check_length(ids.len(), params.max_new_tokens, "messages"))?;
-    let as_ids = req.knobs.return_tokens_as_token_ids == Some(true);
-    let with_ids = req.knobs.return_token_ids == Some(true);
+    let shape = Shape {
+        chat: true,
+        logprobs: req.logprobs == Some(true),
+        as_ids: req.knobs.return_tokens_as_token_ids == Some(true),
+        with_ids: req.knobs.return_token_ids == Some(true),
+    };
+    if let Some(opts) = stream {
+        let rx = s.run_streamed(model, vec![ids.clone()], n, seed, params)?;
+        return Ok(Streamer::new(&s, shape, name, vec![ids], n, opts).respond(rx));
+    }
     let prompt_tokens = ids.len();
     let comps = s.run(model, vec![ids.clone()], n, seed, params).await?;
     let mut completion_tokens = 0;
-    let entry = |t: u32, lp: f32| {
-        let text = s.token_text(t, as_ids);
-        let bytes: Vec<u8> = text.as_bytes().to_vec();
-        json!({"token": text, "logprob": lp, "bytes": bytes})
-    };
     let choices: Vec<Value> = comps
         .iter()
         .enumerate()
         .map(|(i, c)| {
             completion_tokens += c.token_ids.len();
-            let logprobs = if req.logprobs == Some(true) {
-                let content: Vec<Value> = c
-                    .token_ids
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &t)| {
-                        let mut e = entry(t, c.logprobs[k]);
-                        let alts: Vec<Value> = c
-                            .top_logprobs
-                            .get(k)
-                            .map(|a| a.iter().map(|&(x, lp)| entry(x, lp)).collect())
-                            .unwrap_or_default();
-                        e["top_logprobs"] = Value::Array(alts);
-                        e
-                    })
-                    .collect();
-                json!({"content": content})
-            } else {
-                Value::Null
-            };
             let mut choice = json!({
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(c),
+                "logprobs": shape.logprobs(&s, &c.token_ids, &c.logprobs, &c.top_logprobs, &mut 0),
+                "finish_reason": finish_reason(c.finish_reason),
             });
-            if with_ids {
+            if shape.with_ids {
                 choice["token_ids"] = json!(c.token_ids);
             }
             choice
         })
         .collect();
-    let mut out = envelope(
-        &s,
-        "chat.completion",
-        &name,
-        choices,
-        prompt_tokens,
-        completion_tokens,
-    );
-    if with_ids {
+    let mut out = envelope(&s, "chat.completion", &name, now_secs(), choices);
+    out["usage"] = usage(prompt_tokens, completion_tokens);
+    if shape.with_ids {
         out["prompt_token_ids"] = json!(ids);
     }
-    Ok(Json(out))
+    Ok(Json(out).into_response())
 }
 
 #[derive(Debug, Deserialize)]
@@ -1067,7 +1580,7 @@ async fn unload_lora_adapter(
         return s.bad(Err(ApiError {
             status: StatusCode::NOT_FOUND,
             message: format!("The lora adapter '{}' cannot be found.", req.lora_name),
-            param: Some("lora_name"),
+            param: Some("lora_name".into()),
         }));
     }
     Ok((

@@ -1,12 +1,17 @@
 //! `grpo-cli serve` on loopback: answers equal local generation (tokens, log-probs, top
 //! log-probs), concurrent requests are batched without changing any answer, LoRA adapters load,
-//! serve and unload as vLLM's endpoints define, bad requests are 4xx naming the field, and a
-//! full queue answers 429 while the server keeps serving.
+//! serve and unload as vLLM's endpoints define, bad requests are 4xx naming the field (on one
+//! line, even with `RUST_BACKTRACE=1`), unsupported fields are refused, `logit_bias` forces and
+//! bans tokens, streamed answers (read with an SSE client) add up to the answers not streamed,
+//! and a full queue answers 429 while the server keeps serving.
 #![allow(clippy::unwrap_used, missing_docs)]
 
+use std::io::BufRead;
 use std::path::Path;
 
 use candle_core::{DType, Device};
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
 use grpo_cli::serve::{ServeOptions, Server, start};
 use grpo_rollout::generate::{SamplingParams, generate};
 use grpo_rollout::init::{Preset, init_model_dir};
@@ -54,6 +59,49 @@ async fn post(url: &str, body: Value) -> (u16, Value, Option<String>) {
         serde_json::from_str(&text).unwrap_or(Value::String(text)),
         retry,
     )
+}
+
+/// A streamed request read as server-sent events, one at a time as they arrive: the status,
+/// the content type and each event's data (`[DONE]` as it is). With `stats`, the server's
+/// `/stats` is read once the first event has arrived.
+async fn stream(url: &str, body: Value, stats: Option<&str>) -> (u16, String, Vec<String>, Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let kind = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let mut events = r.bytes_stream().eventsource();
+    let mut data = Vec::new();
+    let mut seen = Value::Null;
+    while let Some(e) = events.next().await {
+        data.push(e.unwrap().data);
+        if let Some(url) = stats
+            && data.len() == 1
+        {
+            seen = reqwest::get(url).await.unwrap().json().await.unwrap();
+        }
+    }
+    (status, kind, data, seen)
+}
+
+/// The chunks of a stream (every event before `[DONE]`, which must end it).
+fn chunks(events: &[String]) -> Vec<Value> {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
 }
 
 fn get_json(rt: &tokio::runtime::Runtime, url: &str) -> Value {
@@ -400,7 +448,51 @@ fn bad_requests_are_4xx_naming_the_field() {
         ),
         (json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
         (json!({"prompt": "hi", "n": 0}), 400, "n"),
-        (json!({"prompt": "hi", "stream": true}), 400, "stream"),
+        (
+            json!({"prompt": "hi", "stream_options": {"include_usage": true}}),
+            400,
+            "stream_options",
+        ),
+        (
+            json!({"prompt": "hi", "stream": true, "stream_options": {"include_usage": 1}}),
+            400,
+            "stream_options",
+        ),
+        // Fields that would change the answer and are not implemented are refused, by name.
+        (
+            json!({"prompt": "hi", "response_format": {"type": "json_object"}}),
+            400,
+            "response_format",
+        ),
+        (
+            json!({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            400,
+            "tools",
+        ),
+        (json!({"prompt": "hi", "suffix": "!"}), 400, "suffix"),
+        (json!({"prompt": "hi", "echo": true}), 400, "echo"),
+        (json!({"prompt": "hi", "best_of": 3}), 400, "best_of"),
+        (json!({"prompt": "hi", "max_token": 3}), 400, "max_token"),
+        (
+            json!({"prompt": "hi", "logit_bias": {"x": 1}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"5": 101}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": {"999999": 1}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "hi", "logit_bias": [1, 2]}),
+            400,
+            "logit_bias",
+        ),
         (json!({"prompt": "hi", "logprobs": 50}), 400, "logprobs"),
         (json!({"prompt": "hi", "max_tokens": 100}), 400, "prompt"),
         (json!({"prompt": [1, 2, 999999]}), 400, "prompt"),
@@ -417,8 +509,17 @@ fn bad_requests_are_4xx_naming_the_field() {
         let (st, got, _) = rt.block_on(post(&url, body.clone()));
         assert_eq!(st, status, "{body} -> {got}");
         assert_eq!(got["error"]["param"], field, "{body} -> {got}");
-        assert!(!got["error"]["message"].as_str().unwrap().is_empty());
+        let msg = got["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(field) && !msg.contains('\n'), "{msg}");
     }
+    // Fields that ask for nothing are accepted.
+    let (st, got, _) = rt.block_on(post(
+        &format!("{}/chat/completions", srv.base_url()),
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "u1",
+               "metadata": {"k": "v"}, "tools": [], "tool_choice": "none",
+               "response_format": {"type": "text"}, "seed": null}),
+    ));
+    assert_eq!(st, 200, "{got}");
     // Malformed JSON and wrong types: 400 with a message naming the problem.
     let (st, got, _) = rt.block_on(post(&url, json!({"prompt": "hi", "max_tokens": "many"})));
     assert_eq!(st, 400);
@@ -499,4 +600,326 @@ fn a_full_queue_answers_429_and_the_server_keeps_serving() {
             .0,
         200
     );
+}
+
+/// The chunks of one choice, in order.
+fn of_choice(chunks: &[Value], i: usize) -> Vec<&Value> {
+    chunks
+        .iter()
+        .filter(|c| c["choices"].as_array().unwrap().len() == 1 && c["choices"][0]["index"] == i)
+        .map(|c| &c["choices"][0])
+        .collect()
+}
+
+/// The arrays under `key` of these values, concatenated.
+fn concat(values: &[&Value], key: impl Fn(&Value) -> Value) -> Vec<Value> {
+    values
+        .iter()
+        .flat_map(|v| key(v).as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+#[test]
+fn streamed_completions_add_up_to_the_answer_not_streamed() {
+    let tmp = tempfile::tempdir().unwrap();
+    model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let body = json!({"model": "tiny", "prompt": ["one two", "three"], "n": 2, "max_tokens": 24,
+                      "temperature": 1.0, "seed": 11, "logprobs": 2,
+                      "return_tokens_as_token_ids": true, "return_token_ids": true});
+    let (st, plain, _) = rt.block_on(post(&url, body.clone()));
+    assert_eq!(st, 200, "{plain}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (st, kind, events, _) = rt.block_on(stream(&url, streamed.clone(), None));
+    assert_eq!(st, 200);
+    assert!(kind.starts_with("text/event-stream"), "{kind}");
+    let chunks = chunks(&events);
+    // One id and `created` throughout; the last chunk holds the usage and no choice.
+    for c in &chunks {
+        assert_eq!(c["object"], "text_completion");
+        assert_eq!(c["model"], "tiny");
+        assert_eq!(c["id"], chunks[0]["id"]);
+        assert_eq!(c["created"], chunks[0]["created"]);
+    }
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], plain["usage"]);
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c.get("usage").is_none())
+    );
+    let want = plain["choices"].as_array().unwrap();
+    for (i, w) in want.iter().enumerate() {
+        let got = of_choice(&chunks, i);
+        assert!(!got.is_empty(), "choice {i} has no chunk");
+        let text: String = got.iter().map(|c| c["text"].as_str().unwrap()).collect();
+        assert_eq!(text, w["text"].as_str().unwrap(), "choice {i}");
+        // finish_reason only on the choice's last chunk.
+        for c in &got[..got.len() - 1] {
+            assert!(c["finish_reason"].is_null(), "{c}");
+        }
+        assert_eq!(got.last().unwrap()["finish_reason"], w["finish_reason"]);
+        // Per-chunk log-probs add up to the whole answer's.
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            assert_eq!(
+                concat(&got, |c| c["logprobs"][key].clone()),
+                w["logprobs"][key].as_array().unwrap().clone(),
+                "choice {i}: {key}"
+            );
+        }
+        assert_eq!(
+            concat(&got, |c| c["token_ids"].clone()),
+            w["token_ids"].as_array().unwrap().clone()
+        );
+        assert_eq!(got[0]["prompt_token_ids"], w["prompt_token_ids"]);
+    }
+    // Without `stream_options.include_usage` there is no usage chunk.
+    streamed.as_object_mut().unwrap().remove("stream_options");
+    let (_, _, events, _) = rt.block_on(stream(&url, streamed, None));
+    let chunks = self::chunks(&events);
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()));
+    assert_eq!(chunks.len(), events.len() - 1);
+}
+
+#[test]
+fn streamed_chat_opens_with_the_role_and_adds_up_to_the_answer() {
+    let tmp = tempfile::tempdir().unwrap();
+    model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/chat/completions", srv.base_url());
+    let rt = rt();
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}],
+                      "n": 2, "max_tokens": 20, "temperature": 0.9, "seed": 4, "logprobs": true,
+                      "top_logprobs": 2, "stop": ["e t", "an"]});
+    let (st, plain, _) = rt.block_on(post(&url, body.clone()));
+    assert_eq!(st, 200, "{plain}");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+    let (st, kind, events, _) = rt.block_on(stream(&url, streamed, None));
+    assert_eq!(st, 200);
+    assert!(kind.starts_with("text/event-stream"), "{kind}");
+    let chunks = chunks(&events);
+    let mut used = 0;
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], chunks[0]["id"]);
+        assert_eq!(c["created"], chunks[0]["created"]);
+        assert!(c["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        // continuous_usage_stats: every chunk carries the usage so far.
+        let now = c["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(now >= used);
+        used = now;
+    }
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], plain["usage"]);
+    for (i, w) in plain["choices"].as_array().unwrap().iter().enumerate() {
+        let got = of_choice(&chunks, i);
+        assert_eq!(
+            got[0]["delta"],
+            json!({"role": "assistant", "content": ""}),
+            "choice {i} opens with the role"
+        );
+        assert!(got[0]["finish_reason"].is_null());
+        let text: String = got
+            .iter()
+            .map(|c| c["delta"]["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            text,
+            w["message"]["content"].as_str().unwrap(),
+            "choice {i}"
+        );
+        for c in &got[..got.len() - 1] {
+            assert!(c["finish_reason"].is_null(), "{c}");
+        }
+        assert_eq!(got.last().unwrap()["finish_reason"], w["finish_reason"]);
+        assert_eq!(
+            concat(&got, |c| c["logprobs"]["content"].clone()),
+            w["logprobs"]["content"].as_array().unwrap().clone(),
+            "choice {i}"
+        );
+    }
+}
+
+/// Tokens go out as the engine samples them: the first chunk arrives while the request is
+/// still being generated (the server has not counted it as served yet).
+#[test]
+fn streaming_sends_tokens_as_they_are_sampled() {
+    let tmp = tempfile::tempdir().unwrap();
+    model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let stats = format!("http://{}/stats", srv.addr);
+    let rt = rt();
+    let body = json!({"prompt": "go", "max_tokens": 300, "min_tokens": 300, "seed": 1,
+                      "stream": true, "return_token_ids": true});
+    let (st, _, events, seen) = rt.block_on(stream(&url, body, Some(&stats)));
+    assert_eq!(st, 200);
+    assert_eq!(
+        seen["requests"], 0,
+        "the first chunk came after generation: {seen}"
+    );
+    let chunks = chunks(&events);
+    assert!(chunks.len() > 10, "{} chunks", chunks.len());
+    let ids = concat(
+        &chunks.iter().map(|c| &c["choices"][0]).collect::<Vec<_>>(),
+        |c| c["token_ids"].clone(),
+    );
+    assert_eq!(ids.len(), 300);
+    assert_eq!(get_json(&rt, &stats)["requests"], 1);
+}
+
+/// A character made of several byte tokens is never split across chunks: `logit_bias` and a
+/// repetition penalty make the model write the two byte tokens of `é`, then `a`; the first
+/// byte alone decodes to U+FFFD, which must not be sent.
+#[test]
+fn streamed_text_never_splits_a_character() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let bytes = m.tokenizer.encode("é", false).unwrap();
+    assert_eq!(bytes.len(), 2, "é is two byte tokens");
+    let a = m.tokenizer.encode("a", false).unwrap()[0];
+    // Greedy: the first byte (+100), then the second (+50; the first is penalised to ~10),
+    // then `a` (+20; both bytes are penalised).
+    let bias = json!({bytes[0].to_string(): 100, bytes[1].to_string(): 50, a.to_string(): 20});
+    let body = json!({"prompt": "x", "max_tokens": 3, "temperature": 0,
+                      "repetition_penalty": 10.0, "logit_bias": bias});
+    let (st, plain, _) = rt.block_on(post(&url, body.clone()));
+    assert_eq!(st, 200, "{plain}");
+    assert_eq!(plain["choices"][0]["text"], "éa");
+    let deltas = |body: &Value| -> Vec<String> {
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (_, _, events, _) = rt.block_on(stream(&url, streamed, None));
+        chunks(&events)
+            .iter()
+            .map(|c| c["choices"][0]["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(deltas(&body), ["é", "a"]);
+    // Text that could still begin a stop string waits: with stop `éa` the answer is empty, and
+    // so is every delta (`é` was held back).
+    let mut stopped = body;
+    stopped["stop"] = json!(["éa"]);
+    let (_, plain, _) = rt.block_on(post(&url, stopped.clone()));
+    assert_eq!(plain["choices"][0]["text"], "");
+    assert_eq!(plain["choices"][0]["finish_reason"], "stop");
+    assert_eq!(deltas(&stopped), [""]);
+}
+
+#[test]
+fn logit_bias_forces_and_bans_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let prompt: Vec<u32> = m.tokenizer.encode("What is 2 + 3?", false).unwrap();
+    let ids = |body: &Value| -> Vec<u32> {
+        body["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let greedy = |bias: Value| {
+        let (st, body, _) = rt.block_on(post(
+            &url,
+            json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true,
+                   "logit_bias": bias}),
+        ));
+        assert_eq!(st, 200, "{body}");
+        ids(&body)
+    };
+    let plain = greedy(Value::Null);
+    assert_eq!(
+        plain,
+        greedy_local(&m.model, &m.tokenizer, &prompt, 8).token_ids
+    );
+    // -100 bans the greedy first token.
+    let banned = greedy(json!({plain[0].to_string(): -100}));
+    assert!(!banned.contains(&plain[0]), "{banned:?} vs {plain:?}");
+    // +100 forces a token at every step.
+    let forced_id = m.tokenizer.encode("a", false).unwrap()[0];
+    let forced = greedy(json!({forced_id.to_string(): 100.0}));
+    assert_eq!(forced, vec![forced_id; 8]);
+    // Sampling sees the bias as generate does locally.
+    let (st, body, _) = rt.block_on(post(
+        &url,
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0.9, "seed": 5,
+               "return_token_ids": true, "logit_bias": {forced_id.to_string(): 3.5, plain[0].to_string(): -2}}),
+    ));
+    assert_eq!(st, 200, "{body}");
+    let local = generate(
+        &m.model.detached(),
+        &m.tokenizer,
+        std::slice::from_ref(&prompt),
+        1,
+        &SamplingParams {
+            max_new_tokens: 8,
+            temperature: 0.9,
+            seed: 5,
+            logit_bias: vec![(forced_id, 3.5), (plain[0], -2.0)],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(ids(&body), local[0].token_ids);
+}
+
+/// With `RUST_BACKTRACE=1` candle errors carry a backtrace; an error body still holds one line.
+#[test]
+fn errors_are_one_line_even_with_rust_backtrace() {
+    let tmp = tempfile::tempdir().unwrap();
+    model(&tmp.path().join("m"));
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+            "--model",
+        ])
+        .arg(tmp.path().join("m"))
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(base.starts_with("http://"), "{line}");
+    let rt = rt();
+    let (st, body, _) = rt.block_on(async {
+        let r = reqwest::Client::new()
+            .post(format!("{base}/completions"))
+            .json(&json!({"prompt": "hi", "temperature": -1}))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.text().await.unwrap(), ())
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(st, 400, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["error"]["message"],
+        "`temperature`: temperature must be >= 0, got -1"
+    );
+    assert_eq!(v["error"]["param"], "temperature");
 }

@@ -44,6 +44,11 @@ pub struct SamplingParams {
     /// Most likely alternatives recorded per sampled token (OpenAI's `logprobs` /
     /// `top_logprobs`), each with `log_softmax(logits / temperature)`; 0 = none.
     pub top_logprobs: usize,
+    /// OpenAI's `logit_bias`: `(token id, bias)` pairs added to the logits before the
+    /// repetition penalty and sampling (+100 all but forces a token, -100 all but bans it). The
+    /// recorded log-probs are the model's own and do not see it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -60,6 +65,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             seed: 0,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -88,6 +94,13 @@ impl SamplingParams {
                 self.min_new_tokens,
                 self.max_new_tokens
             );
+        }
+        if let Some((id, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            bail!("logit_bias of token {id} must be in [-100, 100], got {b}");
         }
         Ok(())
     }
@@ -175,7 +188,8 @@ fn sample_row(
         && p.top_k == 0
         && p.top_p >= 1.0
         && p.min_p <= 0.0
-        && p.top_logprobs == 0;
+        && p.top_logprobs == 0
+        && p.logit_bias.is_empty();
     if plain {
         let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
         if max.is_finite() {
@@ -220,6 +234,11 @@ fn sample_row(
     };
 
     let mut l = logits.to_vec();
+    for &(id, b) in &p.logit_bias {
+        if let Some(x) = l.get_mut(id as usize) {
+            *x += b;
+        }
+    }
     if p.repetition_penalty != 1.0 {
         let rp = p.repetition_penalty as f32;
         let mut done = std::collections::HashSet::new();
@@ -341,6 +360,37 @@ pub fn generate_batch(
     requests: &[PromptRequest<'_>],
     params: &SamplingParams,
 ) -> Result<Vec<Completion>> {
+    generate_batch_with(model, tokenizer, requests, params, &mut |_| true)
+}
+
+/// One sampled token of one row, as [`generate_batch_with`] reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenEvent<'a> {
+    /// Which request (position in `requests`).
+    pub prompt_index: usize,
+    /// Which of its samples.
+    pub sample_index: usize,
+    /// The row's tokens so far, the new one last.
+    pub token_ids: &'a [u32],
+    /// Their recorded log-probs.
+    pub logprobs: &'a [f32],
+    /// Their top alternatives (empty without `top_logprobs`).
+    pub top_logprobs: &'a [Vec<(u32, f32)>],
+    /// The finished completion, when this token ended the row.
+    pub finished: Option<&'a Completion>,
+}
+
+/// [`generate_batch`] that reports each token as it is sampled (what a streaming server
+/// needs): after every decode step, `on_token` sees each row's new token, in row order. It
+/// answers whether the row is still wanted; a row no longer wanted (its client has gone) leaves
+/// the batch at once and has no completion in the result.
+pub fn generate_batch_with(
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    requests: &[PromptRequest<'_>],
+    params: &SamplingParams,
+    on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+) -> Result<Vec<Completion>> {
     params.validate()?;
     if let Some(i) = requests.iter().position(|r| r.ids.is_empty()) {
         bail!("prompt {i} is empty: a prompt needs at least one token");
@@ -413,8 +463,6 @@ pub fn generate_batch(
 
     loop {
         let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-        let mut keep = Vec::with_capacity(rows.len());
-        let mut finished = Vec::new();
         // Rows sample in parallel: each has its own seeded stream, so the result does not
         // depend on the thread count.
         let picks: Vec<Pick> = rows
@@ -435,7 +483,14 @@ pub fn generate_batch(
                 )
             })
             .collect();
-        for (i, (row, (tok, lp_tok, top))) in rows.iter_mut().zip(picks).enumerate() {
+        // Finished rows (and rows no longer wanted) retire; the rest stay in the batch (and in
+        // the cache).
+        let before = rows.len();
+        let mut keep = Vec::with_capacity(before);
+        let mut next_rows = Vec::with_capacity(before);
+        for (i, (mut row, (tok, lp_tok, top))) in
+            std::mem::take(&mut rows).into_iter().zip(picks).enumerate()
+        {
             row.tokens.push(tok);
             row.logprobs.push(lp_tok);
             if params.top_logprobs > 0 {
@@ -459,29 +514,40 @@ pub fn generate_batch(
                 reason = Some(FinishReason::Length);
             }
             match reason {
-                Some(r) => finished.push((i, r)),
-                None => keep.push(i),
-            }
-        }
-        // Retire finished rows; the rest stay in the batch (and in the cache).
-        let mut status: Vec<Option<FinishReason>> = vec![None; rows.len()];
-        for &(i, r) in &finished {
-            status[i] = Some(r);
-        }
-        let mut next_rows = Vec::with_capacity(keep.len());
-        for (row, st) in std::mem::take(&mut rows).into_iter().zip(status) {
-            match st {
-                Some(reason) => done.push(finish(row, reason, tokenizer, params)?),
-                None => next_rows.push(row),
+                Some(reason) => {
+                    let c = finish(row, reason, tokenizer, params)?;
+                    on_token(TokenEvent {
+                        prompt_index: c.prompt_index,
+                        sample_index: c.sample_index,
+                        token_ids: &c.token_ids,
+                        logprobs: &c.logprobs,
+                        top_logprobs: &c.top_logprobs,
+                        finished: Some(&c),
+                    });
+                    done.push(c);
+                }
+                None => {
+                    let wanted = on_token(TokenEvent {
+                        prompt_index: row.prompt_index,
+                        sample_index: row.sample_index,
+                        token_ids: &row.tokens,
+                        logprobs: &row.logprobs,
+                        top_logprobs: &row.top,
+                        finished: None,
+                    });
+                    if wanted {
+                        keep.push(i as u32);
+                        next_rows.push(row);
+                    }
+                }
             }
         }
         rows = next_rows;
-        if keep.is_empty() {
+        if rows.is_empty() {
             break;
         }
-        if !finished.is_empty() {
-            let idx: Vec<u32> = keep.iter().map(|&i| i as u32).collect();
-            cache = cache.select_rows(&Tensor::new(idx.as_slice(), &device)?)?;
+        if rows.len() < before {
+            cache = cache.select_rows(&Tensor::new(keep.as_slice(), &device)?)?;
         }
         // One decode step for the remaining rows.
         let n = rows.len();

@@ -225,6 +225,14 @@ impl RemoteGenerator {
         if !params.stop_token_ids.is_empty() {
             body["stop_token_ids"] = json!(params.stop_token_ids);
         }
+        if !params.logit_bias.is_empty() {
+            let bias: serde_json::Map<String, Value> = params
+                .logit_bias
+                .iter()
+                .map(|&(id, b)| (id.to_string(), json!(b)))
+                .collect();
+            body["logit_bias"] = Value::Object(bias);
+        }
         let resp = self.call("POST", "/completions", Some(body), self.cfg.request_timeout)?;
         parse_completions(&resp, tokenizer, prompts.len(), num_generations, params)
     }

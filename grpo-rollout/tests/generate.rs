@@ -1,9 +1,12 @@
-//! Generation: seeds, stop conditions, min_new_tokens, recorded log-probs.
+//! Generation: seeds, stop conditions, min_new_tokens, recorded log-probs, per-token reports
+//! (streaming) and logit_bias.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use candle_core::{DType, Device, Tensor};
 use grpo_rollout::config::Arch;
-use grpo_rollout::generate::{FinishReason, SamplingParams, generate, left_pad};
+use grpo_rollout::generate::{
+    FinishReason, PromptRequest, SamplingParams, generate, generate_batch_with, left_pad,
+};
 use grpo_rollout::init::{Preset, preset_config, random_weights, train_tokenizer};
 use grpo_rollout::{Tokenizer, Transformer};
 
@@ -484,4 +487,128 @@ fn top_logprobs_are_the_best_alternatives_of_the_full_distribution() {
     )
     .unwrap();
     assert!(plain[0].top_logprobs.is_empty());
+}
+
+/// `generate_batch_with` reports every token of every row as it is sampled (the row's tokens
+/// grow by one each time, the last report carries the completion), and a row its caller no
+/// longer wants leaves the batch without changing the others.
+#[test]
+fn per_token_reports_and_dropped_rows() {
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let reqs: Vec<PromptRequest<'_>> = ps
+        .iter()
+        .map(|ids| PromptRequest {
+            ids,
+            n: 2,
+            seed: 9,
+            first_stream: 0,
+        })
+        .collect();
+    let p = SamplingParams {
+        max_new_tokens: 10,
+        top_logprobs: 1,
+        ..Default::default()
+    };
+    let mut seen: std::collections::HashMap<(usize, usize), Vec<u32>> = Default::default();
+    let mut finished = Vec::new();
+    let all = generate_batch_with(&m, &tok, &reqs, &p, &mut |e| {
+        let row = seen.entry((e.prompt_index, e.sample_index)).or_default();
+        assert_eq!(
+            e.token_ids[..row.len()],
+            row[..],
+            "a row's tokens only grow"
+        );
+        assert_eq!(e.token_ids.len(), row.len() + 1, "one report per token");
+        assert_eq!(e.logprobs.len(), e.token_ids.len());
+        assert_eq!(e.top_logprobs.len(), e.token_ids.len());
+        *row = e.token_ids.to_vec();
+        if let Some(c) = e.finished {
+            assert_eq!(c.token_ids, e.token_ids);
+            finished.push(c.clone());
+        }
+        true
+    })
+    .unwrap();
+    finished.sort_by_key(|c| (c.prompt_index, c.sample_index));
+    assert_eq!(finished, all);
+    assert_eq!(all.len(), 6);
+
+    // Dropping row (1, 0) after 3 tokens: it has no completion; the others are unchanged.
+    let fewer = generate_batch_with(&m, &tok, &reqs, &p, &mut |e| {
+        !(e.prompt_index == 1 && e.sample_index == 0 && e.token_ids.len() == 3)
+    })
+    .unwrap();
+    let kept: Vec<_> = all
+        .iter()
+        .filter(|c| (c.prompt_index, c.sample_index) != (1, 0))
+        .cloned()
+        .collect();
+    assert!(
+        all.iter()
+            .any(|c| (c.prompt_index, c.sample_index) == (1, 0) && c.token_ids.len() > 3)
+    );
+    assert_eq!(fewer, kept);
+}
+
+/// `logit_bias`: -100 bans the greedy token, +100 forces a token at every step, and a
+/// bias outside [-100, 100] is refused naming the field.
+#[test]
+fn logit_bias_bans_and_forces() {
+    let (m, tok) = setup();
+    let ps = &prompts(&tok)[..1];
+    let greedy = SamplingParams {
+        max_new_tokens: 6,
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let plain = generate(&m, &tok, ps, 1, &greedy)
+        .unwrap()
+        .remove(0)
+        .token_ids;
+    let banned = generate(
+        &m,
+        &tok,
+        ps,
+        1,
+        &SamplingParams {
+            logit_bias: vec![(plain[0], -100.0)],
+            ..greedy.clone()
+        },
+    )
+    .unwrap()
+    .remove(0)
+    .token_ids;
+    assert!(!banned.contains(&plain[0]), "{banned:?}");
+    let x = tok.encode("a", false).unwrap()[0];
+    for temperature in [0.0, 1.0] {
+        let forced = generate(
+            &m,
+            &tok,
+            ps,
+            1,
+            &SamplingParams {
+                temperature,
+                logit_bias: vec![(x, 100.0)],
+                ..greedy.clone()
+            },
+        )
+        .unwrap()
+        .remove(0);
+        assert_eq!(forced.token_ids, vec![x; 6]);
+        // The recorded log-probs are the model's own, not the biased ones.
+        assert!(
+            forced.logprobs.iter().all(|&lp| lp < -0.01),
+            "{:?}",
+            forced.logprobs
+        );
+    }
+    let err = SamplingParams {
+        logit_bias: vec![(x, 101.0)],
+        ..greedy
+    }
+    .validate()
+    .unwrap_err()
+    .to_string();
+    assert!(err.starts_with("logit_bias"), "{err}");
 }
