@@ -28,6 +28,11 @@ ids = torch.tensor([[(i * 37 + 5) % vocab for i in range(12)]])
 lsm = lambda m: torch.log_softmax(m(input_ids=ids).logits, -1)
 sd = load_file(f"{ad}/adapter_model.safetensors")
 cfg = json.load(open(f"{ad}/adapter_config.json"))
+# The hand merge below is plain LoRA; adapters with other options are compared with peft by
+# scripts/gen_peft_fixtures.py check.
+others = [k for k in ("use_rslora", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern") if cfg.get(k)]
+if others or cfg.get("bias", "none") != "none":
+    sys.exit(f"{ad}: uses {others or ['bias']}: the hand merge here is plain LoRA; use scripts/gen_peft_fixtures.py check")
 scale = cfg["lora_alpha"] / cfg["r"]
 manual = load()
 msd = manual.state_dict()

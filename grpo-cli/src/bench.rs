@@ -115,10 +115,9 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         cfg.model.lora = Some(grpo_rollout::LoraConfig {
             r,
             lora_alpha: 2.0 * r as f64,
-            target_modules: grpo_rollout::lora::TARGET_MODULES
-                .iter()
-                .map(|m| m.to_string())
-                .collect(),
+            target_modules: grpo_rollout::lora::TargetModules::Pattern(
+                grpo_rollout::lora::ALL_LINEAR.into(),
+            ),
             ..Default::default()
         });
     }

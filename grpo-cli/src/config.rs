@@ -1094,6 +1094,62 @@ mod tests {
     }
 
     #[test]
+    fn lora_takes_peft_options() {
+        let toml = r#"
+r = 8
+lora_alpha = 16
+target_modules = "all-linear"
+exclude_modules = ["model.layers.0.mlp.down_proj"]
+use_rslora = true
+use_dora = true
+bias = "lora_only"
+rank_pattern = { q_proj = 4, 'layers\.1\..*' = 2 }
+alpha_pattern = { v_proj = 8 }
+layers_to_transform = [0, 1]
+"#;
+        let mut t = minimal();
+        t["model"]["lora"] = parse_toml_tree(toml).unwrap();
+        let c = from_tree(t, "c").unwrap();
+        let l = c.model.lora.unwrap();
+        assert_eq!(
+            l.target_modules,
+            grpo_rollout::lora::TargetModules::Pattern("all-linear".into())
+        );
+        assert!(l.use_rslora && l.use_dora && l.bias == "lora_only");
+        assert_eq!(l.rank_pattern.get("layers\\.1\\..*"), Some(&2));
+        assert_eq!(l.alpha_pattern.get("v_proj"), Some(&8.0));
+        assert_eq!(
+            l.layers_to_transform,
+            Some(grpo_rollout::lora::Layers::Many(vec![0, 1]))
+        );
+        // A single layer, as peft also writes it.
+        let mut t = minimal();
+        t["model"]["lora"] = parse_toml_tree(
+            "r = 8\nlora_alpha = 16\ntarget_modules = [\"q_proj\"]\nlayers_to_transform = 1",
+        )
+        .unwrap();
+        let l = from_tree(t, "c").unwrap().model.lora.unwrap();
+        assert_eq!(
+            l.layers_to_transform,
+            Some(grpo_rollout::lora::Layers::One(1))
+        );
+        // Bad values name the option.
+        for (bad, field) in [
+            ("bias = \"every\"", "bias"),
+            ("use_dora = true\nlora_bias = true", "lora_bias"),
+            ("use_qalora = true", "use_qalora"),
+        ] {
+            let mut t = minimal();
+            t["model"]["lora"] = parse_toml_tree(&format!(
+                "r = 8\nlora_alpha = 16\ntarget_modules = [\"q_proj\"]\n{bad}"
+            ))
+            .unwrap();
+            let e = from_tree(t, "c").unwrap_err().to_string();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn batch_geometry_is_checked() {
         let mut t = minimal();
         apply_sets(

@@ -353,7 +353,7 @@ fn lora_adapters_load_serve_and_unload() {
             (k, t)
         })
         .collect();
-    grpo_rollout::lora::set_factors(&mut adapted, &filled).unwrap();
+    grpo_rollout::lora::set_factors(&mut adapted, &cfg, &filled).unwrap();
     let dir = tmp.path().join("adapter");
     grpo_rollout::lora::save_peft(&adapted, &cfg, &dir, "tiny").unwrap();
 

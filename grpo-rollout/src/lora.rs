@@ -1,13 +1,14 @@
 //! LoRA adapters: `y = W x + (alpha / r) · B A dropout(x)`, the base frozen, `A` and `B`
 //! trainable; saved and loaded in PEFT's format so Python `peft` and vLLM read them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Result, Tensor, bail};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use regex::Regex;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Linear, Transformer};
@@ -23,19 +24,88 @@ pub const TARGET_MODULES: [&str; 7] = [
     "down_proj",
 ];
 
-/// LoRA hyper-parameters (PEFT's names).
+/// Which modules get adapters (PEFT's `target_modules` / `exclude_modules`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TargetModules {
+    /// Module names: one matches a module whose full name (`model.layers.3.self_attn.q_proj`)
+    /// equals it or ends with `.` + it (`q_proj`, `self_attn.q_proj`, ...).
+    Names(Vec<String>),
+    /// `"all-linear"` (every projection: the seven of [`TARGET_MODULES`]) or a regular
+    /// expression that must match a module's whole name.
+    Pattern(String),
+}
+
+impl TargetModules {
+    fn names(v: &[&str]) -> Self {
+        Self::Names(v.iter().map(|s| s.to_string()).collect())
+    }
+}
+
+/// `layers_to_transform`: one layer index or a list of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Layers {
+    /// One layer.
+    One(usize),
+    /// Several layers.
+    Many(Vec<usize>),
+}
+
+impl Layers {
+    fn contains(&self, i: usize) -> bool {
+        match self {
+            Self::One(l) => *l == i,
+            Self::Many(v) => v.contains(&i),
+        }
+    }
+}
+
+fn bias_none() -> String {
+    "none".into()
+}
+
+/// LoRA hyper-parameters, with PEFT's names and meanings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoraConfig {
     /// Rank.
     pub r: usize,
-    /// Scale numerator: the low-rank path is multiplied by `lora_alpha / r`.
+    /// Scale numerator: the low-rank path is multiplied by `lora_alpha / r`
+    /// (`lora_alpha / sqrt(r)` with `use_rslora`).
     pub lora_alpha: f64,
     /// Dropout on the adapter's input during training.
     #[serde(default)]
     pub lora_dropout: f64,
-    /// Which linear layers get adapters (any of [`TARGET_MODULES`]).
-    pub target_modules: Vec<String>,
+    /// Which linear layers get adapters: names (any of [`TARGET_MODULES`], or longer suffixes
+    /// of a module's full name), `"all-linear"`, or a regular expression on the full name.
+    pub target_modules: TargetModules,
+    /// Modules left out even when `target_modules` matches them (same forms).
+    #[serde(default)]
+    pub exclude_modules: Option<TargetModules>,
+    /// Rank-stabilised LoRA: scale `lora_alpha / sqrt(r)`.
+    #[serde(default)]
+    pub use_rslora: bool,
+    /// DoRA: each output row of `W + scale·B·A` is renormalised to a trained magnitude.
+    #[serde(default)]
+    pub use_dora: bool,
+    /// Base-layer biases trained and saved with the adapter: `"none"`, `"all"` (every linear
+    /// layer's bias) or `"lora_only"` (the biases of the adapted layers).
+    #[serde(default = "bias_none")]
+    pub bias: String,
+    /// A trainable bias on `lora_B` (PEFT's `lora_bias`).
+    #[serde(default)]
+    pub lora_bias: bool,
+    /// Per-module ranks: the first key (in key order) that matches the end of a module's full
+    /// name (as a regular expression) sets its rank.
+    #[serde(default)]
+    pub rank_pattern: BTreeMap<String, usize>,
+    /// Per-module alphas, matched like `rank_pattern`.
+    #[serde(default)]
+    pub alpha_pattern: BTreeMap<String, f64>,
+    /// Only these decoder layers get adapters (all when unset).
+    #[serde(default)]
+    pub layers_to_transform: Option<Layers>,
 }
 
 impl Default for LoraConfig {
@@ -44,16 +114,105 @@ impl Default for LoraConfig {
             r: 16,
             lora_alpha: 32.0,
             lora_dropout: 0.0,
-            target_modules: ["q_proj", "k_proj", "v_proj", "o_proj"]
-                .map(String::from)
-                .to_vec(),
+            target_modules: TargetModules::names(&["q_proj", "k_proj", "v_proj", "o_proj"]),
+            exclude_modules: None,
+            use_rslora: false,
+            use_dora: false,
+            bias: bias_none(),
+            lora_bias: false,
+            rank_pattern: BTreeMap::new(),
+            alpha_pattern: BTreeMap::new(),
+            layers_to_transform: None,
         }
+    }
+}
+
+/// A `target_modules` / `exclude_modules` value, ready to match full module names.
+enum Matcher {
+    Names(Vec<String>),
+    Regex(Regex),
+}
+
+impl Matcher {
+    fn new(t: &TargetModules, field: &str) -> Result<Self> {
+        Ok(match t {
+            TargetModules::Pattern(p) if p == ALL_LINEAR => {
+                Self::Names(TARGET_MODULES.map(String::from).to_vec())
+            }
+            TargetModules::Pattern(p) => Self::Regex(anchored(&format!("^(?:{p})$"), field, p)?),
+            TargetModules::Names(v) => Self::Names(v.clone()),
+        })
+    }
+
+    fn matches(&self, name: &str) -> bool {
+        match self {
+            Self::Names(v) => v
+                .iter()
+                .any(|t| name == t || name.ends_with(&format!(".{t}"))),
+            Self::Regex(r) => r.is_match(name),
+        }
+    }
+}
+
+fn anchored(re: &str, field: &str, key: &str) -> Result<Regex> {
+    Regex::new(re).map_err(|e| {
+        candle_core::Error::msg(format!(
+            "lora.{field}: `{key}` is not a regular expression we can use: {}",
+            e.to_string().lines().last().unwrap_or_default()
+        ))
+    })
+}
+
+/// `target_modules = "all-linear"`: every linear layer but the output head.
+pub const ALL_LINEAR: &str = "all-linear";
+
+/// The full name of a decoder projection, as PEFT matches it.
+fn module_name(layer: usize, group: &str, module: &str) -> String {
+    format!("model.layers.{layer}.{group}.{module}")
+}
+
+/// The config resolved for matching: which modules get adapters, with which rank and alpha.
+struct Resolved<'a> {
+    cfg: &'a LoraConfig,
+    target: Matcher,
+    exclude: Option<Matcher>,
+    rank: Vec<(Regex, usize)>,
+    alpha: Vec<(Regex, f64)>,
+}
+
+impl Resolved<'_> {
+    /// `(r, scale)` of the adapter on `model.layers.{layer}.{group}.{module}`, if it gets one.
+    fn adapter(&self, layer: usize, group: &str, module: &str) -> Option<(usize, f64)> {
+        let name = module_name(layer, group, module);
+        if self.exclude.as_ref().is_some_and(|e| e.matches(&name)) || !self.target.matches(&name) {
+            return None;
+        }
+        if let Some(l) = &self.cfg.layers_to_transform
+            && !l.contains(layer)
+        {
+            return None;
+        }
+        let r = self
+            .rank
+            .iter()
+            .find(|(re, _)| re.is_match(&name))
+            .map_or(self.cfg.r, |(_, r)| *r);
+        let alpha = self
+            .alpha
+            .iter()
+            .find(|(re, _)| re.is_match(&name))
+            .map_or(self.cfg.lora_alpha, |(_, a)| *a);
+        Some((r, self.cfg.scale_for(r, alpha)))
     }
 }
 
 impl LoraConfig {
     /// Checks the values, naming the field to fix.
     pub fn validate(&self) -> Result<()> {
+        self.resolve().map(|_| ())
+    }
+
+    fn resolve(&self) -> Result<Resolved<'_>> {
         if self.r == 0 {
             bail!("lora.r must be >= 1");
         }
@@ -63,43 +222,143 @@ impl LoraConfig {
                 self.lora_dropout
             );
         }
-        if self.target_modules.is_empty() {
-            bail!("lora.target_modules is empty: name at least one of {TARGET_MODULES:?}");
+        let names = |field: &str, t: &TargetModules| -> Result<()> {
+            let TargetModules::Names(v) = t else {
+                return Ok(());
+            };
+            if v.is_empty() && field == "target_modules" {
+                bail!("lora.target_modules is empty: name at least one of {TARGET_MODULES:?}");
+            }
+            for m in v {
+                let last = m.rsplit('.').next().unwrap_or(m);
+                if ["lm_head", "embed_tokens"].contains(&last) {
+                    bail!(
+                        "lora.{field}: `{m}`: LoRA on the embeddings or the output head is not supported (only {TARGET_MODULES:?})"
+                    );
+                }
+                if !TARGET_MODULES.contains(&last) {
+                    bail!(
+                        "lora.{field}: unknown module `{m}`, expected any of {TARGET_MODULES:?} (or \"{ALL_LINEAR}\")"
+                    );
+                }
+            }
+            Ok(())
+        };
+        names("target_modules", &self.target_modules)?;
+        if let Some(e) = &self.exclude_modules {
+            names("exclude_modules", e)?;
         }
-        for m in &self.target_modules {
-            if !TARGET_MODULES.contains(&m.as_str()) {
+        let target = Matcher::new(&self.target_modules, "target_modules")?;
+        if let Matcher::Regex(re) = &target {
+            for other in ["lm_head", "model.embed_tokens"] {
+                if re.is_match(other) {
+                    bail!(
+                        "lora.target_modules: the pattern matches `{other}`: LoRA on the embeddings or the output head is not supported"
+                    );
+                }
+            }
+            if self.layers_to_transform.is_some() {
                 bail!(
-                    "lora.target_modules: unknown module `{m}`, expected any of {TARGET_MODULES:?}"
+                    "lora.layers_to_transform cannot be used when target_modules is a regular expression (as in peft)"
                 );
             }
         }
-        Ok(())
+        if !["none", "all", "lora_only"].contains(&self.bias.as_str()) {
+            bail!(
+                "lora.bias must be \"none\", \"all\" or \"lora_only\", got \"{}\"",
+                self.bias
+            );
+        }
+        if self.lora_bias && self.use_dora {
+            bail!("lora.lora_bias cannot be used with lora.use_dora (as in peft)");
+        }
+        let rank = self
+            .rank_pattern
+            .iter()
+            .map(|(k, &r)| {
+                if r == 0 {
+                    bail!("lora.rank_pattern: `{k}` must be >= 1");
+                }
+                Ok((
+                    anchored(&format!(r"^(?:.*\.)?(?:{k})$"), "rank_pattern", k)?,
+                    r,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let alpha = self
+            .alpha_pattern
+            .iter()
+            .map(|(k, &a)| {
+                Ok((
+                    anchored(&format!(r"^(?:.*\.)?(?:{k})$"), "alpha_pattern", k)?,
+                    a,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Resolved {
+            cfg: self,
+            target,
+            exclude: self
+                .exclude_modules
+                .as_ref()
+                .map(|e| Matcher::new(e, "exclude_modules"))
+                .transpose()?,
+            rank,
+            alpha,
+        })
     }
 
-    /// `lora_alpha / r`.
+    /// The low-rank path's scale for rank `r` and alpha `alpha`: `alpha / r`, or
+    /// `alpha / sqrt(r)` with `use_rslora`.
+    pub fn scale_for(&self, r: usize, alpha: f64) -> f64 {
+        if self.use_rslora {
+            alpha / (r as f64).sqrt()
+        } else {
+            alpha / r as f64
+        }
+    }
+
+    /// The scale of a module without a rank or alpha pattern.
     pub fn scale(&self) -> f64 {
-        self.lora_alpha / self.r as f64
+        self.scale_for(self.r, self.lora_alpha)
     }
 }
 
-/// The low-rank pair of one linear layer.
+/// The low-rank pair of one linear layer, with DoRA's magnitude and LoRA's bias when used.
 #[derive(Debug, Clone)]
 pub struct Lora {
     /// `(r, in)`, PEFT's `lora_A`.
     pub a: Tensor,
     /// `(out, r)`, PEFT's `lora_B`.
     pub b: Tensor,
-    /// `alpha / r`.
+    /// `(out,)` bias of `lora_B` (`lora_bias`).
+    pub b_bias: Option<Tensor>,
+    /// `(out,)` DoRA magnitude (PEFT's `lora_magnitude_vector`).
+    pub magnitude: Option<Tensor>,
+    /// `alpha / r` (or `alpha / sqrt(r)`).
     pub scale: f64,
     /// Dropout probability; applied only while `a` is a trainable variable (training).
     pub dropout: f64,
     rng: Arc<Mutex<ChaCha8Rng>>,
+    /// DoRA's row norms `‖W + scale·B·A‖` for frozen factors (inference), computed once;
+    /// reset whenever the factors are replaced ([`set_factors`], [`Self::map_tensors`]).
+    norm: OnceLock<Tensor>,
 }
 
 impl Lora {
-    /// `scale · B A dropout(x)` for `x` of shape `(n, in)`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = if self.dropout > 0.0 && self.a.is_variable() {
+    fn trainable(&self) -> bool {
+        self.a.is_variable()
+            || self.b.is_variable()
+            || self.magnitude.as_ref().is_some_and(|m| m.is_variable())
+    }
+
+    /// The adapter's contribution for rows `x` `(n, in)`, added to the base layer's output:
+    /// `scale · (B A dropout(x) + b_B)`; with DoRA, `(m/‖W + scale·B·A‖ - 1) · x Wᵀ +
+    /// m/‖·‖ · scale · B A dropout(x)` (the norm per output row, detached as in PEFT). `xw` is
+    /// `x Wᵀ` without the bias.
+    pub fn forward(&self, x: &Tensor, xw: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        let dropped = self.dropout > 0.0 && self.a.is_variable();
+        let x = if dropped {
             let n = x.elem_count();
             let keep = 1.0 - self.dropout;
             let mask: Vec<f32> = {
@@ -122,21 +381,52 @@ impl Lora {
         } else {
             x.clone()
         };
-        x.matmul(&self.a.t()?)?.matmul(&self.b.t()?)? * self.scale
+        let mut low = x.matmul(&self.a.t()?)?.matmul(&self.b.t()?)?;
+        if let Some(bb) = &self.b_bias {
+            low = low.broadcast_add(bb)?;
+        }
+        let low = (low * self.scale)?;
+        let Some(m) = &self.magnitude else {
+            return Ok(low);
+        };
+        let s = m.broadcast_div(&self.dora_norm(weight)?)?;
+        // With dropout PEFT applies the magnitude to the dropped input's base output too.
+        let base = if dropped {
+            crate::fused::frozen_linear(&x, weight)?
+        } else {
+            xw.clone()
+        };
+        base.broadcast_mul(&(&s - 1.0)?)? + low.broadcast_mul(&s)?
     }
 
-    /// Applies `f` to `a` and `b`.
+    /// `‖W + scale·B·A‖` per output row, without gradient.
+    fn dora_norm(&self, weight: &Tensor) -> Result<Tensor> {
+        if let Some(n) = self.norm.get() {
+            return Ok(n.clone());
+        }
+        let w = (weight.detach() + (self.b.detach().matmul(&self.a.detach())? * self.scale)?)?;
+        let n = w.sqr()?.sum(1)?.sqrt()?;
+        if !self.trainable() {
+            let _ = self.norm.set(n.clone());
+        }
+        Ok(n)
+    }
+
+    /// Applies `f` to every tensor.
     pub fn map_tensors(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
             a: f(&self.a)?,
             b: f(&self.b)?,
+            b_bias: self.b_bias.as_ref().map(f).transpose()?,
+            magnitude: self.magnitude.as_ref().map(f).transpose()?,
             scale: self.scale,
             dropout: self.dropout,
             rng: self.rng.clone(),
+            norm: OnceLock::new(),
         })
     }
 
-    /// `scale · B A`, the update merged into `W`.
+    /// `scale · B A`, the low-rank update of `W`.
     pub fn delta(&self) -> Result<Tensor> {
         self.b.matmul(&self.a)? * self.scale
     }
@@ -149,6 +439,30 @@ impl Lora {
         }
         let state = self.rng.lock().ok()?.clone();
         Some((self.rng.clone(), state))
+    }
+
+    /// The base layer with the adapter folded in, as PEFT's `merge_and_unload`:
+    /// `W + scale·B·A` (DoRA: each row rescaled to `m / ‖W + scale·B·A‖`), and
+    /// `bias + scale·b_B` with `lora_bias`.
+    pub fn merged(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let dt = weight.dtype();
+        let mut w = (weight + self.delta()?.to_dtype(dt)?)?;
+        if let Some(m) = &self.magnitude {
+            let s = m.broadcast_div(&self.dora_norm(weight)?)?;
+            w = w.broadcast_mul(&s.to_dtype(dt)?.unsqueeze(1)?)?;
+        }
+        let bias = match (&self.b_bias, bias) {
+            (None, b) => b.cloned(),
+            (Some(bb), Some(b)) => Some((b + (bb * self.scale)?.to_dtype(b.dtype())?)?),
+            (Some(_), None) => bail!(
+                "lora_bias: the adapted layer has no bias to merge the adapter's bias into (as in peft)"
+            ),
+        };
+        Ok((w, bias))
     }
 }
 
@@ -191,106 +505,169 @@ fn module<'a>(
 
 /// PEFT key of a LoRA factor: `base_model.model.model.layers.{i}.{group}.{module}.lora_{A,B}.weight`.
 pub fn peft_key(layer: usize, group: &str, module: &str, factor: char) -> String {
-    format!("base_model.model.model.layers.{layer}.{group}.{module}.lora_{factor}.weight")
+    format!("{}.lora_{factor}.weight", peft_prefix(layer, group, module))
 }
 
-/// Adds fresh adapters to `model`: `A` Kaiming-uniform (PEFT's default, bound `1/sqrt(in)`),
-/// `B` zero, so the adapted model starts equal to the base. Returns the adapter tensors by
-/// PEFT key.
-pub fn attach(
+fn peft_prefix(layer: usize, group: &str, module: &str) -> String {
+    format!("base_model.model.{}", module_name(layer, group, module))
+}
+
+/// Visits every adapter tensor of `model` with its PEFT key: `lora_A.weight`,
+/// `lora_B.weight`, `lora_B.bias` (`lora_bias`), `lora_magnitude_vector` (DoRA), and the
+/// base biases that `bias` trains (`{module}.base_layer.bias` on adapted layers,
+/// `{module}.bias` on the others, as PEFT names them).
+fn visit(
     model: &mut Transformer,
-    cfg: &LoraConfig,
-    seed: u64,
-) -> Result<Vec<(String, Tensor)>> {
-    cfg.validate()?;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let (dtype, device) = (model.dtype(), model.device().clone());
-    let drop_rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(
-        seed ^ 0x9e37_79b9_7f4a_7c15,
-    )));
-    let mut out = Vec::new();
-    for (i, layer) in model.layers.iter_mut().enumerate() {
-        for m in &cfg.target_modules {
-            let Some((group, lin)) = module(layer, m) else {
-                continue;
-            };
-            let (o, inp) = lin.weight.dims2()?;
-            let bound = 1.0 / (inp as f64).sqrt();
-            let a: Vec<f32> = (0..cfg.r * inp)
-                .map(|_| rng.random_range(-bound..bound) as f32)
-                .collect();
-            let a = Tensor::from_vec(a, (cfg.r, inp), &device)?.to_dtype(dtype)?;
-            let b = Tensor::zeros((o, cfg.r), dtype, &device)?;
-            out.push((peft_key(i, group, m, 'A'), a.clone()));
-            out.push((peft_key(i, group, m, 'B'), b.clone()));
-            lin.lora = Some(Lora {
-                a,
-                b,
-                scale: cfg.scale(),
-                dropout: cfg.lora_dropout,
-                rng: drop_rng.clone(),
-            });
-        }
-    }
-    Ok(out)
-}
-
-/// Replaces the adapters' factors by the tensors in `tensors` (PEFT keys), e.g. `Var`s.
-pub fn set_factors(model: &mut Transformer, tensors: &HashMap<String, Tensor>) -> Result<()> {
+    bias: &str,
+    f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
+) -> Result<()> {
     for (i, layer) in model.layers.iter_mut().enumerate() {
         for m in TARGET_MODULES {
             let Some((group, lin)) = module(layer, m) else {
                 continue;
             };
+            let p = peft_prefix(i, group, m);
+            let adapted = lin.lora.is_some();
             if let Some(l) = lin.lora.as_mut() {
-                for (f, slot) in [('A', &mut l.a), ('B', &mut l.b)] {
-                    let k = peft_key(i, group, m, f);
-                    let t = tensors.get(&k).ok_or_else(|| {
-                        candle_core::Error::msg(format!("adapter tensor `{k}` is missing"))
-                    })?;
-                    if t.dims() != slot.dims() {
-                        bail!(
-                            "adapter tensor `{k}` has shape {:?}, expected {:?}",
-                            t.dims(),
-                            slot.dims()
-                        );
-                    }
-                    *slot = t.clone();
+                f(format!("{p}.lora_A.weight"), &mut l.a)?;
+                f(format!("{p}.lora_B.weight"), &mut l.b)?;
+                if let Some(t) = l.b_bias.as_mut() {
+                    f(format!("{p}.lora_B.bias"), t)?;
                 }
+                if let Some(t) = l.magnitude.as_mut() {
+                    f(format!("{p}.lora_magnitude_vector"), t)?;
+                }
+                l.norm = OnceLock::new();
+            }
+            let trained = match bias {
+                "all" => true,
+                "lora_only" => adapted,
+                _ => false,
+            };
+            if let (true, Some(b)) = (trained, lin.bias.as_mut()) {
+                let key = if adapted {
+                    format!("{p}.base_layer.bias")
+                } else {
+                    format!("{p}.bias")
+                };
+                f(key, b)?;
             }
         }
     }
     Ok(())
 }
 
-/// The adapters' factors by PEFT key.
-pub fn factors(model: &Transformer) -> Vec<(String, Tensor)> {
-    let mut out = Vec::new();
-    for (i, layer) in model.layers.iter().enumerate() {
-        let mut layer = layer.clone();
+/// Adds fresh adapters to `model` as PEFT initialises them: `A` Kaiming-uniform (bound
+/// `1/sqrt(in)`), `B` and `lora_B`'s bias zero, DoRA's magnitude the row norms of `W`, so the
+/// adapted model starts equal to the base. Returns the trainable tensors by PEFT key
+/// (including the base biases `cfg.bias` trains).
+pub fn attach(
+    model: &mut Transformer,
+    cfg: &LoraConfig,
+    seed: u64,
+) -> Result<Vec<(String, Tensor)>> {
+    let resolved = cfg.resolve()?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (dtype, device) = (model.dtype(), model.device().clone());
+    let drop_rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(
+        seed ^ 0x9e37_79b9_7f4a_7c15,
+    )));
+    let mut any = false;
+    for (i, layer) in model.layers.iter_mut().enumerate() {
         for m in TARGET_MODULES {
-            let Some((group, lin)) = module(&mut layer, m) else {
+            let Some((group, lin)) = module(layer, m) else {
                 continue;
             };
-            if let Some(l) = &lin.lora {
-                out.push((peft_key(i, group, m, 'A'), l.a.clone()));
-                out.push((peft_key(i, group, m, 'B'), l.b.clone()));
-            }
+            let Some((r, scale)) = resolved.adapter(i, group, m) else {
+                continue;
+            };
+            any = true;
+            let (o, inp) = lin.weight.dims2()?;
+            let bound = 1.0 / (inp as f64).sqrt();
+            let a: Vec<f32> = (0..r * inp)
+                .map(|_| rng.random_range(-bound..bound) as f32)
+                .collect();
+            let a = Tensor::from_vec(a, (r, inp), &device)?.to_dtype(dtype)?;
+            let b = Tensor::zeros((o, r), dtype, &device)?;
+            let b_bias = cfg
+                .lora_bias
+                .then(|| Tensor::zeros(o, dtype, &device))
+                .transpose()?;
+            let magnitude = cfg
+                .use_dora
+                .then(|| lin.weight.detach().sqr()?.sum(1)?.sqrt())
+                .transpose()?;
+            lin.lora = Some(Lora {
+                a,
+                b,
+                b_bias,
+                magnitude,
+                scale,
+                dropout: cfg.lora_dropout,
+                rng: drop_rng.clone(),
+                norm: OnceLock::new(),
+            });
         }
     }
+    if !any {
+        bail!(
+            "lora.target_modules: no module of the model matches (with exclude_modules and layers_to_transform)"
+        );
+    }
+    Ok(factors(model, cfg))
+}
+
+/// Replaces the adapter tensors by those in `tensors` (PEFT keys, as [`factors`] lists them),
+/// e.g. `Var`s.
+pub fn set_factors(
+    model: &mut Transformer,
+    cfg: &LoraConfig,
+    tensors: &HashMap<String, Tensor>,
+) -> Result<()> {
+    visit(model, &cfg.bias, &mut |k, slot| {
+        let t = tensors
+            .get(&k)
+            .ok_or_else(|| candle_core::Error::msg(format!("adapter tensor `{k}` is missing")))?;
+        if t.dims() != slot.dims() {
+            bail!(
+                "adapter tensor `{k}` has shape {:?}, expected {:?}",
+                t.dims(),
+                slot.dims()
+            );
+        }
+        *slot = t.clone();
+        Ok(())
+    })
+}
+
+/// The adapter tensors by PEFT key: the factors, `lora_B` biases, DoRA magnitudes and the
+/// base biases `cfg.bias` trains.
+pub fn factors(model: &Transformer, cfg: &LoraConfig) -> Vec<(String, Tensor)> {
+    let mut out = Vec::new();
+    let mut m = model.clone();
+    visit(&mut m, &cfg.bias, &mut |k, t| {
+        out.push((k, t.clone()));
+        Ok(())
+    })
+    .expect("collecting cannot fail");
     out
 }
 
-/// Folds every adapter into its base weight (`W += scale · B A`) and removes the adapters.
+/// Folds every adapter into its base layer as PEFT's `merge_and_unload` does (see
+/// [`Lora::merged`]) and removes the adapters.
 pub fn merge(model: &Transformer) -> Result<Transformer> {
     let mut m = model.detached();
-    for layer in m.layers.iter_mut() {
+    for (i, layer) in m.layers.iter_mut().enumerate() {
         for name in TARGET_MODULES {
-            let Some((_, lin)) = module(layer, name) else {
+            let Some((group, lin)) = module(layer, name) else {
                 continue;
             };
             if let Some(l) = lin.lora.take() {
-                lin.weight = (&lin.weight + l.delta()?.to_dtype(lin.weight.dtype())?)?;
+                let (w, b) = l.merged(&lin.weight, lin.bias.as_ref()).map_err(|e| {
+                    candle_core::Error::msg(format!("{}: {e}", module_name(i, group, name)))
+                })?;
+                lin.weight = w;
+                lin.bias = b;
             }
         }
     }
@@ -306,6 +683,11 @@ pub fn save_peft(
 ) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", dir.display())))?;
+    // PEFT saves "all-linear" as the module names it stands for.
+    let targets = match &cfg.target_modules {
+        TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(TARGET_MODULES),
+        t => serde_json::json!(t),
+    };
     let config = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -313,18 +695,20 @@ pub fn save_peft(
         "r": cfg.r,
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,
-        "target_modules": cfg.target_modules,
-        "bias": "none",
+        "target_modules": targets,
+        "exclude_modules": cfg.exclude_modules,
+        "bias": cfg.bias,
+        "lora_bias": cfg.lora_bias,
         "fan_in_fan_out": false,
         "inference_mode": true,
         "init_lora_weights": true,
         "modules_to_save": null,
-        "use_rslora": false,
-        "use_dora": false,
-        "layers_to_transform": null,
+        "use_rslora": cfg.use_rslora,
+        "use_dora": cfg.use_dora,
+        "layers_to_transform": cfg.layers_to_transform,
         "layers_pattern": null,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": cfg.rank_pattern,
+        "alpha_pattern": cfg.alpha_pattern,
         "revision": null,
     });
     let path = dir.join("adapter_config.json");
@@ -333,60 +717,196 @@ pub fn save_peft(
         serde_json::to_string_pretty(&config).unwrap_or_default(),
     )
     .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
-    let tensors: HashMap<String, Tensor> = factors(model)
+    let tensors: HashMap<String, Tensor> = factors(model, cfg)
         .into_iter()
         .map(|(k, t)| Ok((k, t.detach().to_dtype(DType::F32)?)))
         .collect::<Result<_>>()?;
     candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))
 }
 
-/// Reads a PEFT adapter directory and attaches it to `model` (replacing any adapters).
+/// `init_lora_weights` values that only choose how a new adapter starts.
+const INIT_ONLY: [&str; 4] = ["gaussian", "eva", "orthogonal", "loftq"];
+
+/// Fields of PEFT's `LoraConfig` that do not change what a saved adapter computes here.
+const IGNORED: [&str; 13] = [
+    "task_type",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "auto_mapping",
+    "peft_version",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "runtime_config",
+    "megatron_config",
+    "megatron_core",
+    "ensure_weight_tying",
+];
+
+/// Reads PEFT's `adapter_config.json` (already parsed): every option we support is taken, any
+/// other that is set is refused, naming it and the file.
+pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig> {
+    let p = path.display();
+    let obj = v
+        .as_object()
+        .ok_or_else(|| candle_core::Error::msg(format!("{p}: not a JSON object")))?;
+    if obj.get("peft_type").and_then(|x| x.as_str()) != Some("LORA") {
+        bail!("{p}: peft_type must be LORA");
+    }
+    let field = |k: &str| {
+        obj.get(k)
+            .filter(|x| !x.is_null())
+            .ok_or_else(|| candle_core::Error::msg(format!("{p}: field `{k}` is missing")))
+    };
+    let bad = |k: &str, why: &str| -> candle_core::Error {
+        candle_core::Error::msg(format!("{p}: `{k}`: {why}"))
+    };
+    fn parse<T: serde::de::DeserializeOwned>(
+        p: &std::path::Display<'_>,
+        k: &str,
+        x: &serde_json::Value,
+    ) -> Result<T> {
+        serde_json::from_value(x.clone())
+            .map_err(|e| candle_core::Error::msg(format!("{p}: `{k}`: {e}")))
+    }
+    let mut cfg = LoraConfig {
+        r: field("r")?
+            .as_u64()
+            .ok_or_else(|| bad("r", "expected a positive integer"))? as usize,
+        lora_alpha: field("lora_alpha")?
+            .as_f64()
+            .ok_or_else(|| bad("lora_alpha", "expected a number"))?,
+        target_modules: parse(&p, "target_modules", field("target_modules")?)?,
+        ..LoraConfig::default()
+    };
+    // An option that is unset, false or empty changes nothing: peft's defaults.
+    let unset = |x: &serde_json::Value| match x {
+        serde_json::Value::Null | serde_json::Value::Bool(false) => true,
+        serde_json::Value::Array(a) => a.is_empty(),
+        serde_json::Value::Object(o) => o.is_empty(),
+        serde_json::Value::String(s) => s.is_empty(),
+        _ => false,
+    };
+    for (k, x) in obj {
+        match k.as_str() {
+            "peft_type" | "r" | "lora_alpha" | "target_modules" => {}
+            _ if IGNORED.contains(&k.as_str()) => {}
+            "lora_dropout" => cfg.lora_dropout = x.as_f64().unwrap_or(0.0),
+            _ if unset(x) => {}
+            "exclude_modules" => cfg.exclude_modules = Some(parse(&p, k, x)?),
+            "bias" => cfg.bias = parse(&p, k, x)?,
+            "use_rslora" => cfg.use_rslora = parse(&p, k, x)?,
+            "use_dora" => cfg.use_dora = parse(&p, k, x)?,
+            "lora_bias" => cfg.lora_bias = parse(&p, k, x)?,
+            "rank_pattern" => cfg.rank_pattern = parse(&p, k, x)?,
+            "alpha_pattern" => cfg.alpha_pattern = parse(&p, k, x)?,
+            "layers_to_transform" => cfg.layers_to_transform = Some(parse(&p, k, x)?),
+            "layers_pattern" => {
+                let ok = match x {
+                    serde_json::Value::String(s) => s == "layers",
+                    serde_json::Value::Array(a) => a.iter().any(|s| s == "layers"),
+                    _ => false,
+                };
+                if !ok {
+                    return Err(bad(
+                        k,
+                        "only \"layers\" (model.layers.N) names the decoder layers of our models",
+                    ));
+                }
+            }
+            "qalora_group_size" => {}
+            "init_lora_weights" => match x {
+                serde_json::Value::Bool(true) => {}
+                serde_json::Value::String(s) if INIT_ONLY.contains(&s.to_lowercase().as_str()) => {}
+                _ => {
+                    return Err(bad(
+                        k,
+                        &format!(
+                            "{x} is not supported: that initialisation changes the base weights; convert the adapter to plain LoRA with peft (save_pretrained(path_initial_model_for_weight_conversion=...))"
+                        ),
+                    ));
+                }
+            },
+            "modules_to_save" => {
+                return Err(bad(
+                    k,
+                    "full copies of base modules in an adapter are not supported",
+                ));
+            }
+            _ => {
+                return Err(bad(
+                    k,
+                    &format!(
+                        "{x} is not supported (LoRA options supported: r, lora_alpha, lora_dropout, target_modules, exclude_modules, use_rslora, use_dora, bias, lora_bias, rank_pattern, alpha_pattern, layers_to_transform)"
+                    ),
+                ));
+            }
+        }
+    }
+    cfg.validate()
+        .map_err(|e| candle_core::Error::msg(format!("{p}: {e}")))?;
+    Ok(cfg)
+}
+
+/// Reads a PEFT adapter directory and attaches it to `model` (replacing any adapters): the
+/// factors, DoRA magnitudes and `lora_B` biases, and any base-layer biases the file holds
+/// (trained with `bias = "all"` / `"lora_only"`), which replace the model's.
 pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
     let path = dir.join("adapter_config.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display())))?;
-    if v.get("peft_type").and_then(|x| x.as_str()) != Some("LORA") {
-        bail!("{}: peft_type must be LORA", path.display());
-    }
-    let field = |k: &str| {
-        v.get(k).ok_or_else(|| {
-            candle_core::Error::msg(format!("{}: field `{k}` is missing", path.display()))
-        })
-    };
-    let targets = match field("target_modules")? {
-        serde_json::Value::Array(a) => a
-            .iter()
-            .filter_map(|x| x.as_str().map(String::from))
-            .collect(),
-        serde_json::Value::String(s) => vec![s.clone()],
-        _ => bail!("{}: target_modules must be a list", path.display()),
-    };
-    let cfg = LoraConfig {
-        r: field("r")?.as_u64().unwrap_or(0) as usize,
-        lora_alpha: field("lora_alpha")?.as_f64().unwrap_or(0.0),
-        lora_dropout: v
-            .get("lora_dropout")
-            .and_then(|x| x.as_f64())
-            .unwrap_or(0.0),
-        target_modules: targets,
-    };
-    cfg.validate()?;
-    attach(model, &cfg, 0)?;
+    let cfg = config_from_peft(&v, &path)?;
+    attach(model, &cfg, 0)
+        .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let file = dir.join("adapter_model.safetensors");
     let loaded = candle_core::safetensors::load(&file, model.device())?;
     let (dtype, dev) = (model.dtype(), model.device().clone());
     // PEFT may save keys with the adapter name (`lora_A.default.weight`); accept both.
-    let tensors: HashMap<String, Tensor> = loaded
+    let mut tensors: HashMap<String, Tensor> = loaded
         .into_iter()
         .map(|(k, t)| {
-            Ok((
-                k.replace(".default.weight", ".weight"),
-                t.to_dtype(dtype)?.to_device(&dev)?,
-            ))
+            let k = k
+                .replace(".default.", ".")
+                .replace("lora_magnitude_vector.weight", "lora_magnitude_vector");
+            let k = k.strip_suffix(".default").map(String::from).unwrap_or(k);
+            Ok((k, t.to_dtype(dtype)?.to_device(&dev)?))
         })
         .collect::<Result<_>>()?;
-    set_factors(model, &tensors)?;
+    let in_file =
+        |e: candle_core::Error| candle_core::Error::msg(format!("{}: {e}", file.display()));
+    set_factors(model, &LoraConfig::default(), &tensors).map_err(in_file)?;
+    for (k, _) in factors(model, &LoraConfig::default()) {
+        tensors.remove(&k);
+    }
+    // The rest must be base-layer biases.
+    visit(model, "all", &mut |k, slot| {
+        if !k.ends_with("bias") || k.ends_with("lora_B.bias") {
+            return Ok(());
+        }
+        let plain = k.replace(".base_layer.bias", ".bias");
+        let other = k.replace(".bias", ".base_layer.bias");
+        for key in [&k, &plain, &other] {
+            if let Some(t) = tensors.remove(key.as_str()) {
+                if t.dims() != slot.dims() {
+                    bail!(
+                        "adapter tensor `{key}` has shape {:?}, expected {:?}",
+                        t.dims(),
+                        slot.dims()
+                    );
+                }
+                *slot = t;
+            }
+        }
+        Ok(())
+    })
+    .map_err(in_file)?;
+    if let Some(k) = tensors.keys().min() {
+        return Err(in_file(candle_core::Error::msg(format!(
+            "tensor `{k}` is not a LoRA tensor of this model (only q/k/v/o/gate/up/down_proj adapters, DoRA magnitudes, lora_B and base-layer biases are supported)"
+        ))));
+    }
     Ok(cfg)
 }

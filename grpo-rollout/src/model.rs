@@ -26,7 +26,7 @@ fn mask_value(dtype: DType) -> f64 {
     }
 }
 
-/// A linear map `y = x Wᵀ + b`, with an optional LoRA path `scale · B A x`.
+/// A linear map `y = x Wᵀ + b`, with an optional LoRA path `scale · B A x` (see [`Lora::forward`]).
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// `(out, in)` weight.
@@ -62,15 +62,16 @@ impl Linear {
     /// [`Self::forward`] on `(N, in)`.
     fn forward_rows(&self, x2: &Tensor) -> Result<Tensor> {
         let n = x2.dim(0)?;
-        let mut y = match &self.weight_t {
+        let xw = match &self.weight_t {
             Some(wt) if n <= DECODE_ROWS => x2.matmul(wt)?,
             _ => crate::fused::frozen_linear(x2, &self.weight)?,
         };
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
+        let mut y = match &self.bias {
+            Some(b) => xw.broadcast_add(b)?,
+            None => xw.clone(),
+        };
         if let Some(l) = &self.lora {
-            y = (y + l.forward(x2)?)?;
+            y = (y + l.forward(x2, &xw, &self.weight)?)?;
         }
         Ok(y)
     }

@@ -1,7 +1,8 @@
 //! The trainable policy: a [`Transformer`] whose trainable weights are candle `Var`s.
 //!
 //! Full fine-tuning makes every weight a `Var`; LoRA keeps the base as plain (frozen) tensors
-//! and makes only the adapters' `A` and `B` `Var`s. The learner reads [`TrainableModel::vars`]
+//! and makes only the adapter tensors `Var`s (`A`, `B`, and DoRA magnitudes, `lora_B` biases and
+//! base biases when the config trains them). The learner reads [`TrainableModel::vars`]
 //! for its optimizer; generation and the reference model use [`Transformer::detached`] /
 //! [`Transformer::snapshot`], which carry no autograd graph.
 
@@ -57,7 +58,7 @@ impl TrainableModel {
     /// LoRA from an existing adapted model (e.g. loaded with [`lora::load_peft`]).
     pub fn from_adapted(model: &Transformer, cfg: &LoraConfig) -> Result<Self> {
         let model = model.detached();
-        let init = lora::factors(&model);
+        let init = lora::factors(&model, cfg);
         Self::with_adapters(model, cfg.clone(), init)
     }
 
@@ -73,7 +74,7 @@ impl TrainableModel {
             map.insert(k.clone(), v.as_tensor().clone());
             vars.push((k, v));
         }
-        lora::set_factors(&mut model, &map)?;
+        lora::set_factors(&mut model, &cfg, &map)?;
         Ok(Self {
             model,
             vars,

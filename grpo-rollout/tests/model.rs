@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor, Var};
 use grpo_rollout::config::{Arch, ModelConfig};
 use grpo_rollout::init::{Preset, preset_config, random_weights};
-use grpo_rollout::lora::{self, LoraConfig};
+use grpo_rollout::lora::{self, LoraConfig, TargetModules};
 use grpo_rollout::model::{KvCache, Transformer, padded_positions_and_bias};
 use grpo_rollout::policy::TrainableModel;
 
@@ -109,9 +109,8 @@ fn lora_trains_only_adapters_and_every_factor_gets_a_gradient() {
         r: 4,
         lora_alpha: 8.0,
         lora_dropout: 0.0,
-        target_modules: grpo_rollout::lora::TARGET_MODULES
-            .map(String::from)
-            .to_vec(),
+        target_modules: TargetModules::Pattern(lora::ALL_LINEAR.into()),
+        ..LoraConfig::default()
     };
     let tm = TrainableModel::lora(&base, &cfg, 1).unwrap();
     assert_eq!(tm.vars.len(), 2 * 7 * base.layers.len());
@@ -194,7 +193,8 @@ fn finite_differences_match_autograd_in_f64() {
         r: 2,
         lora_alpha: 4.0,
         lora_dropout: 0.0,
-        target_modules: vec!["q_proj".into(), "down_proj".into()],
+        target_modules: TargetModules::Names(vec!["q_proj".into(), "down_proj".into()]),
+        ..LoraConfig::default()
     };
     let tm = TrainableModel::lora(&base, &cfg, 5).unwrap();
     nonzero_b(&tm);
@@ -374,7 +374,12 @@ fn peft_round_trip_and_merge() {
         r: 4,
         lora_alpha: 16.0,
         lora_dropout: 0.1,
-        target_modules: vec!["q_proj".into(), "v_proj".into(), "up_proj".into()],
+        target_modules: TargetModules::Names(vec![
+            "q_proj".into(),
+            "v_proj".into(),
+            "up_proj".into(),
+        ]),
+        ..LoraConfig::default()
     };
     let tm = TrainableModel::lora(&base, &cfg, 2).unwrap();
     nonzero_b(&tm);
@@ -419,7 +424,8 @@ fn lora_dropout_is_training_only_and_seeded() {
         r: 4,
         lora_alpha: 8.0,
         lora_dropout: 0.5,
-        target_modules: vec!["q_proj".into()],
+        target_modules: TargetModules::Names(vec!["q_proj".into()]),
+        ..LoraConfig::default()
     };
     let tm = TrainableModel::lora(&base, &cfg, 2).unwrap();
     nonzero_b(&tm);
@@ -515,7 +521,8 @@ fn published_snapshots_never_see_later_updates() {
         r: 2,
         lora_alpha: 4.0,
         lora_dropout: 0.0,
-        target_modules: vec!["q_proj".into(), "v_proj".into()],
+        target_modules: TargetModules::Names(vec!["q_proj".into(), "v_proj".into()]),
+        ..LoraConfig::default()
     };
     let (rows, t) = batch();
     for tm in [
@@ -757,9 +764,10 @@ fn gradient_checkpointing_gives_the_same_gradients() {
                             r: 4,
                             lora_alpha: 8.0,
                             lora_dropout: 0.2,
-                            target_modules: grpo_rollout::lora::TARGET_MODULES
-                                .map(String::from)
-                                .to_vec(),
+                            target_modules: grpo_rollout::lora::TargetModules::Pattern(
+                                "all-linear".into(),
+                            ),
+                            ..Default::default()
                         };
                         let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
                         // B = 0 at init: set it the same way in both runs.
