@@ -45,6 +45,10 @@ pub struct TrainConfig {
     pub reward_weights: Option<Vec<f32>>,
     /// A `*ForSequenceClassification` directory for `type = "reward_model"` rewards.
     pub reward_model_path: Option<PathBuf>,
+    /// Where the reward model runs (`cpu`, `cuda`, `cuda:N`). Absent → `model.device`.
+    pub reward_model_device: Option<String>,
+    /// The reward model's dtype (`f32`, `bf16`, `f16`). Absent → the policy's compute dtype.
+    pub reward_model_dtype: Option<String>,
     /// The GRPO objective (grpo-core).
     pub loss: LossSection,
     /// Optimizer and schedule.
@@ -130,6 +134,8 @@ impl Default for TrainConfig {
             rewards: Vec::new(),
             reward_weights: None,
             reward_model_path: None,
+            reward_model_device: None,
+            reward_model_dtype: None,
             loss: LossSection::default(),
             optim: OptimSection::default(),
             train: TrainSection::default(),
@@ -737,6 +743,30 @@ impl TrainConfig {
             );
         }
         parse_device(&self.model.device).map_err(|e| format!("`model.device`: {e}"))?;
+        let student = self.teacher.as_ref();
+        for (key, device, dtype) in [
+            (
+                "reward_model",
+                self.reward_model_device.as_deref(),
+                self.reward_model_dtype.as_deref(),
+            ),
+            (
+                "teacher.student",
+                student.and_then(|t| t.student_device.as_deref()),
+                student.and_then(|t| t.student_dtype.as_deref()),
+            ),
+        ] {
+            if let Some(d) = device {
+                parse_device(d).map_err(|e| format!("`{key}_device`: {e}"))?;
+            }
+            if let Some(d) = dtype
+                && !["f32", "bf16", "f16"].contains(&d)
+            {
+                return Err(format!(
+                    "`{key}_dtype`: expected f32, bf16 or f16, got `{d}`"
+                ));
+            }
+        }
         if let Some(l) = &self.model.lora {
             l.validate().map_err(|e| format!("`model.lora`: {e}"))?;
         }
@@ -1162,6 +1192,32 @@ layers_to_transform = [0, 1]
         .unwrap();
         let e = from_tree(t, "c").unwrap_err().to_string();
         assert!(e.contains("per_device_train_batch_size"), "{e}");
+    }
+
+    #[test]
+    fn side_models_take_their_own_device_and_dtype() {
+        let mut t = minimal();
+        t["reward_model_device"] = "cpu".into();
+        t["reward_model_dtype"] = "bf16".into();
+        t["teacher"] = serde_json::json!({"student_device": "cpu", "student_dtype": "f16"});
+        let c = from_tree(t, "c").unwrap();
+        assert_eq!(c.reward_model_dtype.as_deref(), Some("bf16"));
+        let teacher = c.teacher.unwrap();
+        assert_eq!(teacher.student_device.as_deref(), Some("cpu"));
+        assert_eq!(teacher.student_dtype.as_deref(), Some("f16"));
+        for (key, value, named) in [
+            ("reward_model_device", "tpu", "`reward_model_device`"),
+            ("reward_model_dtype", "f8", "`reward_model_dtype`"),
+        ] {
+            let mut t = minimal();
+            t[key] = value.into();
+            let e = from_tree(t, "c").unwrap_err().to_string();
+            assert!(e.contains(named), "{e}");
+        }
+        let mut t = minimal();
+        t["teacher"] = serde_json::json!({"student_dtype": "int4"});
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert!(e.contains("`teacher.student_dtype`"), "{e}");
     }
 
     #[test]

@@ -37,7 +37,7 @@ use grpo_teacher::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Resolved, TrainConfig, parse_device};
+use crate::config::{self, Resolved, TrainConfig, parse_device};
 use crate::optim::{AdamW, AdamWParams, Schedule, ScheduleKind, accumulate, clip_grad_norm};
 
 /// Metrics of one step, by TRL's names.
@@ -169,7 +169,12 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
         .iter()
         .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
     let rm_path = cfg.reward_model_path.clone();
-    let dtype = cfg.compute_dtype();
+    let rm_dtype = cfg
+        .reward_model_dtype
+        .as_deref()
+        .map(config::parse_dtype)
+        .unwrap_or_else(|| cfg.compute_dtype());
+    let rm_device = cfg.reward_model_device.clone();
     setup_with(cfg, move |model, tok| {
         let mut m = grpo_rewards::ScoringModels::default();
         if needs_lm {
@@ -180,7 +185,13 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
             let path = rm_path.context(
                 "config: a `reward_model` reward needs `reward_model_path` (a *ForSequenceClassification directory)",
             )?;
-            let rm = grpo_rollout::scoring::ClassifierModel::load(&path, dtype, model.device())
+            let device = match &rm_device {
+                Some(d) => {
+                    config::parse_device(d).map_err(|e| anyhow!("reward_model_device: {e}"))?
+                }
+                None => model.device().clone(),
+            };
+            let rm = grpo_rollout::scoring::ClassifierModel::load(&path, rm_dtype, &device)
                 .map_err(|e| anyhow!("reward model: {}", first_line(&e.to_string())))?;
             m.classifier = Some(Arc::new(rm));
         }
@@ -266,8 +277,19 @@ pub fn setup_with(
             rewards.push_async_reward("adaptive_teaching", 1.0, Arc::new(reward));
             let chat = cfg.rollout.chat_template;
             let student = match &t.student_model {
-                Some(p) => LocalModel::load(p, dtype, &device, chat)
-                    .map_err(|e| anyhow!("teacher.student_model: {e}"))?,
+                Some(p) => {
+                    let sdev = match &t.student_device {
+                        Some(d) => config::parse_device(d)
+                            .map_err(|e| anyhow!("teacher.student_device: {e}"))?,
+                        None => device.clone(),
+                    };
+                    let sdtype = t
+                        .student_dtype
+                        .as_deref()
+                        .map_or(dtype, config::parse_dtype);
+                    LocalModel::load(p, sdtype, &sdev, chat)
+                        .map_err(|e| anyhow!("teacher.student_model: {e}"))?
+                }
                 None => LocalModel::new(&loaded.model.detached(), loaded.tokenizer.clone(), chat),
             };
             let protocol =

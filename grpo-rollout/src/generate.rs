@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use rayon::prelude::*;
 
 use crate::model::{KvCache, Transformer, attention_mask_value, padded_positions_and_bias};
+use crate::sample::{DeviceSampler, Pick, sample_row};
 use crate::tokenizer::Tokenizer;
 
 /// Sampling knobs (TRL / transformers names).
@@ -156,175 +157,10 @@ struct Row {
     prompt_index: usize,
     sample_index: usize,
     rng: ChaCha8Rng,
-    keys: Vec<bool>,
-    next_pos: u32,
     seen: Vec<u32>,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     top: Vec<Vec<(u32, f32)>>,
-}
-
-/// Sampled token, its recorded log-prob and the top alternatives.
-type Pick = (u32, f32, Vec<(u32, f32)>);
-
-/// Picks a token from one row of logits; returns `(token, recorded log-prob, top alternatives)`.
-fn sample_row(
-    logits: &[f32],
-    p: &SamplingParams,
-    seen: &[u32],
-    suppress: &[u32],
-    rng: &mut ChaCha8Rng,
-) -> Pick {
-    let t = if p.temperature > 0.0 {
-        p.temperature as f32
-    } else {
-        1.0
-    };
-    // Plain sampling (no penalty, suppression or filter), the rollout default: one pass of
-    // exponentials gives both the normaliser of the recorded log-prob and the sampling weights.
-    let plain = p.temperature > 0.0
-        && p.repetition_penalty == 1.0
-        && suppress.is_empty()
-        && p.top_k == 0
-        && p.top_p >= 1.0
-        && p.min_p <= 0.0
-        && p.top_logprobs == 0
-        && p.logit_bias.is_empty();
-    if plain {
-        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
-        if max.is_finite() {
-            let w: Vec<f32> = logits.iter().map(|&z| (z / t - max).exp()).collect();
-            let z: f32 = w.iter().sum();
-            let lse = max + z.ln();
-            let u: f32 = rng.random::<f32>() * z;
-            let mut acc = 0.0;
-            let mut pick = w.iter().rposition(|&x| x > 0.0).unwrap_or(0);
-            for (i, &q) in w.iter().enumerate() {
-                acc += q;
-                if u < acc {
-                    pick = i;
-                    break;
-                }
-            }
-            return (pick as u32, logits[pick] / t - lse, Vec::new());
-        }
-    }
-    // Recorded log-prob: raw logits / temperature.
-    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
-    let lse = max
-        + logits
-            .iter()
-            .map(|&z| (z / t - max).exp())
-            .sum::<f32>()
-            .ln();
-    let top = if p.top_logprobs > 0 {
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        let desc = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        let k = p.top_logprobs.min(idx.len());
-        if k < idx.len() {
-            idx.select_nth_unstable_by(k - 1, desc);
-            idx.truncate(k);
-        }
-        idx.sort_by(desc);
-        idx.iter()
-            .map(|&i| (i as u32, logits[i] / t - lse))
-            .collect()
-    } else {
-        Vec::new()
-    };
-
-    let mut l = logits.to_vec();
-    for &(id, b) in &p.logit_bias {
-        if let Some(x) = l.get_mut(id as usize) {
-            *x += b;
-        }
-    }
-    if p.repetition_penalty != 1.0 {
-        let rp = p.repetition_penalty as f32;
-        let mut done = std::collections::HashSet::new();
-        for &s in seen {
-            if done.insert(s) && (s as usize) < l.len() {
-                let x = &mut l[s as usize];
-                *x = if *x < 0.0 { *x * rp } else { *x / rp };
-            }
-        }
-    }
-    for &s in suppress {
-        if (s as usize) < l.len() {
-            l[s as usize] = f32::NEG_INFINITY;
-        }
-    }
-    let token = if p.temperature == 0.0 {
-        argmax(&l)
-    } else {
-        for x in l.iter_mut() {
-            *x /= t;
-        }
-        let mut order: Vec<usize> = (0..l.len()).filter(|&i| l[i].is_finite()).collect();
-        if order.is_empty() {
-            let a = argmax(logits);
-            return (a, logits[a as usize] / t - lse, top);
-        }
-        // Highest first, ties by id. Sorting is only needed when a filter keeps the top of the
-        // distribution; plain sampling walks the vocabulary in id order.
-        let desc = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
-        if p.top_k > 0 && p.top_k < order.len() {
-            order.select_nth_unstable_by(p.top_k - 1, desc);
-            order.truncate(p.top_k);
-            order.sort_by(desc);
-        } else if p.top_p < 1.0 || p.min_p > 0.0 {
-            order.sort_by(desc);
-        }
-        let m = order
-            .iter()
-            .map(|&i| l[i])
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<f32> = order.iter().map(|&i| (l[i] - m).exp()).collect();
-        let z: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= z);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (i, &q) in probs.iter().enumerate() {
-                acc += q;
-                if acc >= p.top_p as f32 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            order.truncate(keep);
-            probs.truncate(keep);
-        }
-        if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p as f32;
-            let keep = probs.iter().take_while(|&&q| q >= floor).count().max(1);
-            order.truncate(keep);
-            probs.truncate(keep);
-        }
-        let z: f32 = probs.iter().sum();
-        let u: f32 = rng.random::<f32>() * z;
-        let mut acc = 0.0;
-        let mut pick = order[order.len() - 1];
-        for (&i, &q) in order.iter().zip(&probs) {
-            acc += q;
-            if u < acc {
-                pick = i;
-                break;
-            }
-        }
-        pick as u32
-    };
-    (token, logits[token as usize] / t - lse, top)
-}
-
-fn argmax(l: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in l.iter().enumerate() {
-        if x > l[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Samples `num_generations` completions for each prompt (token ids, no padding).
@@ -425,7 +261,7 @@ pub fn generate_batch_with(
     }
     let n_prompts = prompts.len();
     let ids_t = Tensor::from_vec(ids, (n_prompts, lp), &device)?;
-    let mask_t = Tensor::from_vec(mask.clone(), (n_prompts, lp), &device)?;
+    let mask_t = Tensor::from_vec(mask, (n_prompts, lp), &device)?;
     let (positions, bias) = padded_positions_and_bias(&mask_t, &device)?;
     let mut cache = KvCache::with_capacity(lp + params.max_new_tokens);
     let hidden = model.forward_hidden(&ids_t, &positions, &bias, Some(&mut cache))?;
@@ -439,6 +275,18 @@ pub fn generate_batch_with(
     let expand_t = Tensor::new(expand.as_slice(), &device)?;
     cache = cache.select_rows(&expand_t)?;
     let mut logits = logits.index_select(&expand_t, 0)?;
+    // Each row's key bias (its prompt's padding masked) and next position, kept on the device
+    // and grown there.
+    let neg = attention_mask_value(DType::F32);
+    let mut key_bias = mask_t
+        .eq(0u32)?
+        .to_dtype(DType::F32)?
+        .affine(neg, 0.0)?
+        .index_select(&expand_t, 0)?;
+    let lens: Vec<u32> = prompts.iter().map(|p| p.len() as u32).collect();
+    let mut next_pos = Tensor::new(lens.as_slice(), &device)?
+        .index_select(&expand_t, 0)?
+        .unsqueeze(1)?;
     let mut rows: Vec<Row> = Vec::with_capacity(expand.len());
     for (p, &i) in live.iter().enumerate() {
         let req = &requests[i];
@@ -449,8 +297,6 @@ pub fn generate_batch_with(
                 prompt_index: i,
                 sample_index: j,
                 rng,
-                keys: mask[p * lp..(p + 1) * lp].iter().map(|&m| m == 1).collect(),
-                next_pos: prompts[p].len() as u32,
                 seen: prompts[p].to_vec(),
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
@@ -458,31 +304,52 @@ pub fn generate_batch_with(
             });
         }
     }
+    let mut sampler = if device_sampling(&device) {
+        let seen: Vec<&[u32]> = rows.iter().map(|r| r.seen.as_slice()).collect();
+        Some(DeviceSampler::new(
+            params, vocab, &stop_ids, &seen, &device,
+        )?)
+    } else {
+        None
+    };
     let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
-    let neg = attention_mask_value(DType::F32) as f32;
 
     loop {
-        let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-        // Rows sample in parallel: each has its own seeded stream, so the result does not
-        // depend on the thread count.
-        let picks: Vec<Pick> = rows
-            .par_iter_mut()
-            .zip(host.par_iter())
-            .map(|(row, l)| {
-                let suppress: &[u32] = if row.tokens.len() < params.min_new_tokens {
-                    &stop_ids
+        // Each row draws one uniform per step from its own stream (none when greedy), so the
+        // result depends neither on the batch nor on where the sampling runs.
+        let draws: Vec<f32> = rows
+            .iter_mut()
+            .map(|r| {
+                if params.temperature > 0.0 {
+                    r.rng.random::<f32>()
                 } else {
-                    &[]
-                };
-                sample_row(
-                    &l[..vocab.min(l.len())],
-                    params,
-                    &row.seen,
-                    suppress,
-                    &mut row.rng,
-                )
+                    0.0
+                }
             })
             .collect();
+        let short: Vec<bool> = rows
+            .iter()
+            .map(|r| r.tokens.len() < params.min_new_tokens)
+            .collect();
+        let (picks, sampled): (Vec<Pick>, Option<Tensor>) = match sampler.as_mut() {
+            Some(s) => {
+                let (ids, picks) = s.step(&logits, &draws, &short)?;
+                (picks, Some(ids))
+            }
+            None => {
+                let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+                let picks = rows
+                    .par_iter()
+                    .zip(host.par_iter())
+                    .zip(draws.par_iter().zip(short.par_iter()))
+                    .map(|((row, l), (&u, &short))| {
+                        let suppress: &[u32] = if short { &stop_ids } else { &[] };
+                        sample_row(&l[..vocab.min(l.len())], params, &row.seen, suppress, u)
+                    })
+                    .collect();
+                (picks, None)
+            }
+        };
         // Finished rows (and rows no longer wanted) retire; the rest stay in the batch (and in
         // the cache).
         let before = rows.len();
@@ -546,30 +413,67 @@ pub fn generate_batch_with(
         if rows.is_empty() {
             break;
         }
-        if rows.len() < before {
-            cache = cache.select_rows(&Tensor::new(keep.as_slice(), &device)?)?;
-        }
-        // One decode step for the remaining rows.
         let n = rows.len();
-        let s = rows[0].keys.len() + 1;
-        let mut step_ids = Vec::with_capacity(n);
-        let mut step_pos = Vec::with_capacity(n);
-        let mut step_bias = Vec::with_capacity(n * s);
-        for row in rows.iter_mut() {
-            step_ids.push(*row.tokens.last().unwrap_or(&pad));
-            step_pos.push(row.next_pos);
-            row.next_pos += 1;
-            row.keys.push(true);
-            step_bias.extend(row.keys.iter().map(|&k| if k { 0.0 } else { neg }));
+        let mut step_ids = match sampled {
+            Some(ids) => ids,
+            None => {
+                let ids: Vec<u32> = rows
+                    .iter()
+                    .map(|r| *r.tokens.last().unwrap_or(&pad))
+                    .collect();
+                Tensor::from_vec(ids, n, &device)?
+            }
+        };
+        if n < before {
+            let keep_t = Tensor::new(keep.as_slice(), &device)?;
+            cache = cache.select_rows(&keep_t)?;
+            key_bias = key_bias.index_select(&keep_t, 0)?;
+            next_pos = next_pos.index_select(&keep_t, 0)?;
+            if step_ids.dim(0)? != n {
+                step_ids = step_ids.index_select(&keep_t, 0)?;
+            }
+            if let Some(s) = sampler.as_mut() {
+                s.select_rows(&keep_t)?;
+            }
         }
-        let ids_t = Tensor::from_vec(step_ids, (n, 1), &device)?;
-        let pos_t = Tensor::from_vec(step_pos, (n, 1), &device)?;
-        let bias_t = Tensor::from_vec(step_bias, (n, 1, 1, s), &device)?;
-        let hidden = model.forward_hidden(&ids_t, &pos_t, &bias_t, Some(&mut cache))?;
+        // One decode step for the remaining rows: the new key is always visible.
+        key_bias = Tensor::cat(
+            &[&key_bias, &Tensor::zeros((n, 1), DType::F32, &device)?],
+            1,
+        )?;
+        let s = key_bias.dim(1)?;
+        let hidden = model.forward_hidden(
+            &step_ids.reshape((n, 1))?,
+            &next_pos,
+            &key_bias.reshape((n, 1, 1, s))?,
+            Some(&mut cache),
+        )?;
+        next_pos = (&next_pos + 1.0)?;
         logits = model.logits(&hidden.squeeze(1)?)?;
     }
     done.sort_by_key(|c| (c.prompt_index, c.sample_index));
     Ok(done)
+}
+
+thread_local! {
+    static DEVICE_SAMPLING: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether generation on `device` samples with tensor ops there ([`DeviceSampler`]): off the
+/// CPU, unless [`with_device_sampling`] says otherwise on this thread.
+pub fn device_sampling(device: &Device) -> bool {
+    DEVICE_SAMPLING
+        .with(|c| c.get())
+        .unwrap_or(!device.is_cpu())
+}
+
+/// Runs `f` with device-side sampling forced on or off on this thread (tests run the device
+/// path on the CPU with it).
+pub fn with_device_sampling<T>(on: bool, f: impl FnOnce() -> T) -> T {
+    let prev = DEVICE_SAMPLING.with(|c| c.replace(Some(on)));
+    let out = f();
+    DEVICE_SAMPLING.with(|c| c.set(prev));
+    out
 }
 
 fn finish(
@@ -616,54 +520,4 @@ pub fn left_pad(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<(Tensor,
         Tensor::from_vec(ids, (rows.len(), l), device)?,
         Tensor::from_vec(mask, (rows.len(), l), device)?,
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Both sampling paths (the one-pass plain path and the general one, here forced by a
-    /// filter that keeps everything) draw from softmax(logits / T): empirical frequencies over
-    /// 40,000 draws are within 4 standard errors of the probabilities, and the recorded
-    /// log-prob is the exact log-softmax.
-    #[test]
-    fn sampling_draws_from_the_tempered_softmax() {
-        let logits = [1.0f32, 0.0, -1.0, 2.5, f32::NEG_INFINITY, 0.5];
-        let t = 0.8f32;
-        let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b / t));
-        let z: f32 = logits.iter().map(|&x| (x / t - m).exp()).sum();
-        let probs: Vec<f64> = logits
-            .iter()
-            .map(|&x| ((x / t - m).exp() / z) as f64)
-            .collect();
-        let plain = SamplingParams {
-            temperature: t as f64,
-            ..Default::default()
-        };
-        let general = SamplingParams {
-            top_k: logits.len(),
-            top_logprobs: 2,
-            ..plain.clone()
-        };
-        for p in [plain, general] {
-            let mut rng = ChaCha8Rng::seed_from_u64(3);
-            let n = 40_000;
-            let mut counts = vec![0usize; logits.len()];
-            for _ in 0..n {
-                let (tok, lp, _) = sample_row(&logits, &p, &[], &[], &mut rng);
-                counts[tok as usize] += 1;
-                assert!((lp as f64 - probs[tok as usize].ln()).abs() < 1e-5);
-            }
-            for (i, &c) in counts.iter().enumerate() {
-                let f = c as f64 / n as f64;
-                let se = (probs[i] * (1.0 - probs[i]) / n as f64).sqrt().max(1e-9);
-                assert!(
-                    (f - probs[i]).abs() <= 4.0 * se,
-                    "token {i}: {f} vs {}",
-                    probs[i]
-                );
-            }
-            assert_eq!(counts[4], 0, "a -inf logit is never drawn");
-        }
-    }
 }

@@ -26,6 +26,7 @@ pub mod policy;
 #[cfg(feature = "remote")]
 pub mod remote;
 #[cfg(feature = "rewards")]
+pub mod sample;
 pub mod scoring;
 pub mod tokenizer;
 

@@ -1032,13 +1032,10 @@ impl Transformer {
         if c == 0 || p == 0 {
             bail!("shared_prompt_logprobs needs at least one prompt and one completion position");
         }
-        let pmask: Vec<Vec<f32>> = prompt_mask.to_dtype(DType::F32)?.to_vec2()?;
-        let cmask: Vec<Vec<f32>> = completion_mask.to_dtype(DType::F32)?.to_vec2()?;
-        let plen: Vec<u32> = pmask
-            .iter()
-            .map(|r| r.iter().filter(|&&m| m > 0.5).count() as u32)
-            .collect();
-        if let Some(g) = plen.iter().position(|&n| n == 0) {
+        let pmask = prompt_mask.to_dtype(DType::F32)?;
+        let plen = pmask.sum_keepdim(1)?; // (U, 1)
+        let lens: Vec<f32> = plen.squeeze(1)?.to_vec1()?;
+        if let Some(g) = lens.iter().position(|&n| n < 0.5) {
             bail!("shared_prompt_logprobs: prompt row {g} has no real token");
         }
         // The prompts alone, collecting each layer's keys and values.
@@ -1057,28 +1054,20 @@ impl Transformer {
             .collect::<Result<Vec<_>>>()?;
         // The completions after them: positions continue each prompt's; a query sees its
         // prompt's real tokens and the real completion tokens up to itself.
-        let neg = mask_value(DType::F32) as f32;
-        let mut pos = Vec::with_capacity(b * c);
-        let mut bias = vec![0f32; b * c * (p + c)];
-        for (r, &g) in prompt_of.iter().enumerate() {
-            let g = g as usize;
-            pos.extend((0..c as u32).map(|j| plen[g] + j));
-            for i in 0..c {
-                let row = &mut bias[(r * c + i) * (p + c)..(r * c + i + 1) * (p + c)];
-                for (j, m) in pmask[g].iter().enumerate() {
-                    if *m < 0.5 {
-                        row[j] = neg;
-                    }
-                }
-                for j in 0..c {
-                    if j > i || cmask[r][j] < 0.5 {
-                        row[p + j] = neg;
-                    }
-                }
-            }
-        }
-        let pos = Tensor::from_vec(pos, (b, c), dev)?;
-        let bias = Tensor::from_vec(bias, (b, 1, c, p + c), dev)?;
+        let of_row = |t: &Tensor| t.index_select(&rows, 0);
+        let pos = of_row(&plen)?
+            .broadcast_add(&Tensor::arange(0f32, c as f32, dev)?.unsqueeze(0)?)?
+            .to_dtype(DType::U32)?;
+        let prompt_blocked = (1.0 - of_row(&pmask)?)?
+            .reshape((b, 1, 1, p))?
+            .broadcast_as((b, 1, c, p))?;
+        let cmask = completion_mask.to_dtype(DType::F32)?;
+        let completion_blocked = causal_blocked(c, 0, dev)?
+            .reshape((1, 1, c, c))?
+            .broadcast_add(&(1.0 - cmask)?.reshape((b, 1, 1, c))?)?
+            .clamp(0.0, 1.0)?;
+        let bias = Tensor::cat(&[&prompt_blocked.contiguous()?, &completion_blocked], 3)?
+            .affine(mask_value(DType::F32), 0.0)?;
         let ch = self.forward_kv(completion_ids, &pos, &bias, Kv::Prefix(&prefix))?;
         // Token j is predicted from position j - 1: the prompt's last for j = 0.
         let hs = self.cfg.hidden_size;
@@ -1120,42 +1109,34 @@ fn head_logprobs(
 }
 
 /// Position ids (each row counts from 0 at its first real token) and the additive causal +
-/// padding bias `(B, 1, L, L)` for a left-padded batch.
+/// padding bias `(B, 1, L, L)` for a left-padded batch, built with tensor ops on `device`
+/// (nothing goes through the host).
 pub fn padded_positions_and_bias(
     attention_mask: &Tensor,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let (b, l) = attention_mask.dims2()?;
-    let mask: Vec<Vec<f32>> = attention_mask.to_dtype(DType::F32)?.to_vec2()?;
-    let neg = mask_value(DType::F32) as f32;
-    let mut pos = Vec::with_capacity(b * l);
-    let mut bias = vec![0f32; b * l * l];
-    for (r, row) in mask.iter().enumerate() {
-        let mut p = 0u32;
-        for &m in row {
-            pos.push(p);
-            if m > 0.5 {
-                p += 1;
-            }
-        }
-        for i in 0..l {
-            for j in 0..l {
-                if j > i || row[j] < 0.5 {
-                    bias[r * l * l + i * l + j] = neg;
-                }
-            }
-        }
-    }
-    // Padding positions take id 0 (their outputs are never used).
-    let pos: Vec<u32> = pos
-        .iter()
-        .zip(mask.iter().flatten())
-        .map(|(&p, &m)| if m > 0.5 { p } else { 0 })
-        .collect();
-    Ok((
-        Tensor::from_vec(pos, (b, l), device)?,
-        Tensor::from_vec(bias, (b, 1, l, l), device)?,
-    ))
+    let mask = attention_mask.to_device(device)?.to_dtype(DType::F32)?;
+    let (b, l) = mask.dims2()?;
+    // Real tokens count 0, 1, ...; padding takes id 0 (its outputs are never used).
+    let pos = ((mask.cumsum(1)? - 1.0)? * &mask)?
+        .relu()?
+        .to_dtype(DType::U32)?;
+    let padding = mask.eq(0.0)?.to_dtype(DType::F32)?.reshape((b, 1, 1, l))?;
+    let bias = causal_blocked(l, 0, device)?
+        .reshape((1, 1, l, l))?
+        .broadcast_add(&padding)?
+        .clamp(0.0, 1.0)?
+        .affine(mask_value(DType::F32), 0.0)?;
+    Ok((pos, bias))
+}
+
+/// `(Q, K)` f32, 1 where query `i` may not see key `j`: keys after it (`j > i + offset`, keys
+/// `0..offset` coming before the queries).
+fn causal_blocked(q: usize, offset: usize, device: &Device) -> Result<Tensor> {
+    let k = q + offset;
+    let qi = Tensor::arange(offset as u32, k as u32, device)?.reshape((q, 1))?;
+    let kj = Tensor::arange(0u32, k as u32, device)?.reshape((1, k))?;
+    kj.broadcast_gt(&qi)?.to_dtype(DType::F32)
 }
 
 /// The mask value used for masked attention scores in `dtype`.

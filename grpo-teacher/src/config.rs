@@ -30,6 +30,11 @@ pub struct TeacherConfig {
     /// The student: a Hugging Face directory or a `.gguf` file. Absent → the reference model
     /// (the policy as loaded, frozen).
     pub student_model: Option<PathBuf>,
+    /// Where the `student_model` runs (`cpu`, `cuda`, `cuda:N`). Absent → the policy's
+    /// `model.device`.
+    pub student_device: Option<String>,
+    /// The `student_model`'s dtype (`f32`, `bf16`, `f16`). Absent → the policy's.
+    pub student_dtype: Option<String>,
     /// The frozen reference model writes the teaching instead of the policy (the policy then
     /// learns from those completions off-policy, corrected by the importance weights of
     /// `loss.vllm_importance_sampling_correction`).
@@ -68,6 +73,8 @@ impl Default for TeacherConfig {
     fn default() -> Self {
         Self {
             student_model: None,
+            student_device: None,
+            student_dtype: None,
             use_reference_teacher_model: false,
             max_probe_tokens: 50,
             max_student_tokens: 128,
