@@ -210,14 +210,16 @@ pub fn accumulate(
 pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Result<f64> {
     let mut names: Vec<&String> = grads.keys().collect();
     names.sort();
-    let mut total = 0f64;
-    for g in names.into_iter().map(|n| &grads[n]) {
-        total += g
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
+    if names.is_empty() {
+        return Ok(0.0);
     }
+    // Each tensor's sum of squares stays on the device; they are added in name order (so a
+    // run is reproducible to the bit) and the total crosses to the host once.
+    let sums = names
+        .into_iter()
+        .map(|n| grads[n].sqr()?.sum_all()?.to_dtype(DType::F64))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f64>()?;
     let norm = total.sqrt();
     if max_norm > 0.0 && norm.is_finite() {
         let coef = max_norm / (norm + 1e-6);
