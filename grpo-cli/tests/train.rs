@@ -89,6 +89,7 @@ fn assert_same(a: &[grpo_cli::Metrics], b: &[grpo_cli::Metrics]) {
     let (a, b) = (strip_timing(a), strip_timing(b));
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.len(), y.len(), "metric counts differ: {x:?} vs {y:?}");
         for ((k1, v1), (k2, v2)) in x.iter().zip(y) {
             assert_eq!(k1, k2);
             assert!(
@@ -598,7 +599,12 @@ fn demo_runs_end_to_end_in_miniature() {
     .unwrap();
     assert_eq!(r.result.total_steps, 2);
     assert!(r.sft_loss.0.is_finite() && r.sft_loss.1.is_finite());
-    assert!(r.first_reward >= 0.0 && r.last_reward <= 1.0);
+    for reward in [r.first_reward, r.last_reward] {
+        assert!(
+            (0.0..=1.0).contains(&reward),
+            "reward {reward} outside [0, 1]"
+        );
+    }
     assert!(dir.path().join("demo/grpo/metrics.jsonl").exists());
     // The demo starts over in its directory each time.
     let again = grpo_cli::demo::run(&grpo_cli::demo::DemoOptions {

@@ -18,7 +18,9 @@
 //!
 //! The scorer (grpo-rewards, through grpo-cli) feeds rewards in; the learner in grpo-cli calls
 //! the loss on log-probs that grpo-rollout's model computes. This crate depends on candle-core
-//! only and is device-generic: every function runs wherever its input tensors live.
+//! only and is device-generic: every function runs wherever its input tensors live. Without
+//! its default feature `candle` it is [`advantages`] alone, with no dependencies at all
+//! (`grpo-core = { version = "0.1", default-features = false }`).
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
@@ -55,14 +57,21 @@
 #![deny(missing_docs)]
 
 pub mod advantages;
+#[cfg(feature = "candle")]
 pub mod fused;
+#[cfg(feature = "candle")]
 pub mod logprobs;
+#[cfg(feature = "candle")]
 pub mod loss;
+#[cfg(feature = "candle")]
 pub mod preference;
+#[cfg(feature = "candle")]
 pub mod recompute;
 
 pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
+#[cfg(feature = "candle")]
 pub use logprobs::{entropy_from_logits, selective_log_softmax};
+#[cfg(feature = "candle")]
 pub use loss::{
     ImportanceSamplingLevel, LossConfig, LossInputs, LossMetrics, LossOutput, LossType, policy_loss,
 };

@@ -1,10 +1,14 @@
 //! Several rewards → one reward per completion (`reward_weights`), and their metrics.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+#[cfg(feature = "judges")]
+use std::sync::OnceLock;
 
 use crate::error::{Result, RewardError};
-use crate::reward::{AsyncReward, Reward};
+#[cfg(feature = "judges")]
+use crate::reward::AsyncReward;
+use crate::reward::Reward;
 use crate::types::{RewardInput, RewardOutput};
 
 /// TRL's combination: `r_i = Σ_k w_k · r_ik` over the functions `k` that gave a value for
@@ -77,6 +81,7 @@ pub struct ScoredBatch {
 #[derive(Clone)]
 enum Kind {
     Sync(Arc<dyn Reward>),
+    #[cfg(feature = "judges")]
     Async(Arc<dyn AsyncReward>),
 }
 
@@ -106,6 +111,7 @@ pub struct RewardSet {
     // Shared with the tasks of `spawn_score` (which must never own the runtime: a runtime may
     // not be dropped from inside itself).
     entries: Arc<Vec<Entry>>,
+    #[cfg(feature = "judges")]
     runtime: OnceLock<tokio::runtime::Runtime>,
 }
 
@@ -115,6 +121,7 @@ impl std::fmt::Debug for RewardSet {
         for e in self.entries.iter() {
             let kind = match e.kind {
                 Kind::Sync(_) => "sync",
+                #[cfg(feature = "judges")]
                 Kind::Async(_) => "async",
             };
             l.entry(&format_args!("{} (weight {}, {kind})", e.name, e.weight));
@@ -140,6 +147,7 @@ impl RewardSet {
         self
     }
 
+    #[cfg(feature = "judges")]
     /// Adds an asynchronous reward (an LLM judge) named `name` with weight `weight`.
     pub fn with_async_reward(
         mut self,
@@ -156,6 +164,7 @@ impl RewardSet {
         self.push(name, weight, Kind::Sync(r));
     }
 
+    #[cfg(feature = "judges")]
     /// Adds a shared asynchronous reward.
     pub fn push_async_reward(
         &mut self,
@@ -194,6 +203,7 @@ impl RewardSet {
         self.entries.is_empty()
     }
 
+    #[cfg(feature = "judges")]
     /// Scores `batch` from async code: synchronous rewards run inline, the asynchronous ones
     /// concurrently.
     pub async fn score_async(&self, batch: &[RewardInput]) -> Result<ScoredBatch> {
@@ -203,11 +213,16 @@ impl RewardSet {
     /// True when some reward is asynchronous (an LLM judge): scoring then waits on the network
     /// and several batches can usefully be in flight at once ([`RewardSet::spawn_score`]).
     pub fn has_async(&self) -> bool {
-        self.entries
+        #[cfg(feature = "judges")]
+        return self
+            .entries
             .iter()
-            .any(|e| matches!(e.kind, Kind::Async(_)))
+            .any(|e| matches!(e.kind, Kind::Async(_)));
+        #[cfg(not(feature = "judges"))]
+        false
     }
 
+    #[cfg(feature = "judges")]
     /// Starts scoring `batch` on the set's runtime and returns at once, so that the requests of
     /// several batches are in flight together (each judge's `max_concurrent`, rate limits and
     /// cache are shared by all of them). `on_done` receives the result, exactly once, on a
@@ -253,6 +268,7 @@ impl RewardSet {
         Ok(ScoreTask(handle))
     }
 
+    #[cfg(feature = "judges")]
     fn runtime(&self) -> Result<&tokio::runtime::Runtime> {
         if let Some(rt) = self.runtime.get() {
             return Ok(rt);
@@ -275,26 +291,33 @@ impl RewardSet {
     /// asynchronous rewards this drives them on a runtime the set owns (2 worker threads,
     /// created on first use). Call [`RewardSet::score_async`] instead from inside a runtime.
     pub fn score(&self, batch: &[RewardInput]) -> Result<ScoredBatch> {
-        if self.entries.iter().all(|e| matches!(e.kind, Kind::Sync(_))) {
+        if !self.has_async() {
             let mut results = Vec::with_capacity(self.entries.len());
             for e in self.entries.iter() {
+                #[allow(irrefutable_let_patterns)]
                 if let Kind::Sync(r) = &e.kind {
                     results.push(r.score(batch)?);
                 }
             }
             return assemble(&self.entries, batch.len(), results);
         }
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(RewardError::Runtime {
-                message: "RewardSet::score was called inside a tokio runtime; use score_async"
-                    .into(),
-            });
+        #[cfg(feature = "judges")]
+        {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                return Err(RewardError::Runtime {
+                    message: "RewardSet::score was called inside a tokio runtime; use score_async"
+                        .into(),
+                });
+            }
+            let rt = self.runtime()?;
+            rt.block_on(self.score_async(batch))
         }
-        let rt = self.runtime()?;
-        rt.block_on(self.score_async(batch))
+        #[cfg(not(feature = "judges"))]
+        unreachable!("no asynchronous rewards without the `judges` feature")
     }
 }
 
+#[cfg(feature = "judges")]
 async fn score_entries(entries: &[Entry], batch: &[RewardInput]) -> Result<ScoredBatch> {
     let futures = entries.iter().map(|e| async move {
         match &e.kind {
@@ -310,10 +333,13 @@ async fn score_entries(entries: &[Entry], batch: &[RewardInput]) -> Result<Score
     assemble(entries, batch.len(), results)
 }
 
+#[cfg(feature = "judges")]
 /// A batch being scored by [`RewardSet::spawn_score`]; dropping it cancels the scoring.
 #[derive(Debug)]
+#[cfg(feature = "judges")]
 pub struct ScoreTask(tokio::task::JoinHandle<()>);
 
+#[cfg(feature = "judges")]
 impl ScoreTask {
     /// Whether the scoring has ended (its `on_done` has run or it was cancelled).
     pub fn is_finished(&self) -> bool {
@@ -321,6 +347,7 @@ impl ScoreTask {
     }
 }
 
+#[cfg(feature = "judges")]
 impl Drop for ScoreTask {
     fn drop(&mut self) {
         self.0.abort();

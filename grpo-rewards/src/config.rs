@@ -11,6 +11,7 @@ use crate::builtin::{
 };
 use crate::combine::RewardSet;
 use crate::error::{Result, RewardError};
+#[cfg(feature = "judges")]
 use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
 
 /// Which reward, with its keys (`type = "..."`).
@@ -29,9 +30,11 @@ pub enum RewardKind {
     CoverageCe(CoverageCeConfig),
     /// [`RewardModel`] (needs a [`SequenceClassifier`]).
     RewardModel(RewardModelConfig),
-    /// One LLM [`Judge`].
+    /// One LLM judge (feature `judges`).
+    #[cfg(feature = "judges")]
     Judge(JudgeConfig),
-    /// A [`JudgeEnsemble`].
+    /// An ensemble of LLM judges (feature `judges`).
+    #[cfg(feature = "judges")]
     JudgeEnsemble(EnsembleConfig),
 }
 
@@ -45,7 +48,9 @@ impl RewardKind {
             RewardKind::InverseLoss(_) => "inverse_loss",
             RewardKind::CoverageCe(_) => "coverage_ce",
             RewardKind::RewardModel(_) => "reward_model",
+            #[cfg(feature = "judges")]
             RewardKind::Judge(_) => "judge",
+            #[cfg(feature = "judges")]
             RewardKind::JudgeEnsemble(_) => "judge_ensemble",
         }
     }
@@ -202,6 +207,7 @@ impl RewardsConfig {
                         Arc::new(RewardModel::new(m, c.clone()).map_err(at)?),
                     )
                 }
+                #[cfg(feature = "judges")]
                 RewardKind::Judge(c) => {
                     c.validate_at(&p)?;
                     let mut c = c.clone();
@@ -211,6 +217,7 @@ impl RewardsConfig {
                     }
                     set.push_async_reward(name, weight, Arc::new(Judge::new(c).map_err(at)?))
                 }
+                #[cfg(feature = "judges")]
                 RewardKind::JudgeEnsemble(c) => {
                     c.validate_at(&p)?;
                     set.push_async_reward(

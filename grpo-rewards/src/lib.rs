@@ -17,7 +17,10 @@
 //! * **LLM judges** ([`judge`]): OpenAI-compatible chat completions through async-openai,
 //!   minijinja prompt templates, scores parsed from JSON or a regex, weighted ensembles and
 //!   escalation to a stronger judge, a persistent SQLite cache, rate limits, a concurrency cap,
-//!   timeouts and retries with backoff.
+//!   timeouts and retries with backoff. Behind the default feature `judges` (which also brings
+//!   the tokio runtime for asynchronous rewards); without it the traits, `RewardSet` over
+//!   synchronous rewards, the configs and the built-ins need only serde, serde_json, regex and
+//!   thiserror.
 //! * **Configs** ([`RewardsConfig`]): serde structs (TOML/YAML/JSON) validated once into a
 //!   [`RewardSet`]; errors name the field to fix.
 //!
@@ -51,11 +54,14 @@ pub mod builtin;
 mod combine;
 mod config;
 mod error;
+#[cfg(feature = "judges")]
 pub mod judge;
 mod reward;
 mod types;
 
-pub use combine::{RewardSet, ScoreTask, ScoredBatch, combine_rewards, nan_mean, nan_std};
+#[cfg(feature = "judges")]
+pub use combine::ScoreTask;
+pub use combine::{RewardSet, ScoredBatch, combine_rewards, nan_mean, nan_std};
 pub use config::{RewardKind, RewardSpec, RewardsConfig, ScoringModels};
 pub use error::{Result, RewardError};
 pub use reward::{AsyncReward, BoxFuture, Reward};

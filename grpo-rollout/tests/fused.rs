@@ -26,15 +26,21 @@ fn tol(dtype: DType) -> f64 {
 }
 
 /// Runs `f` on fresh Vars made from `inputs`, backpropagates `Σ out · r` with a fixed random
-/// `r`, and returns the output and the gradient of each input.
-fn run(inputs: &[Tensor], r: &Tensor, f: &dyn Fn(&[Tensor]) -> Tensor) -> (Tensor, Vec<Tensor>) {
+/// `r`, and returns the output, the gradient of each input and the number of graph nodes.
+fn run(
+    inputs: &[Tensor],
+    r: &Tensor,
+    f: &dyn Fn(&[Tensor]) -> Tensor,
+) -> (Tensor, Vec<Tensor>, usize) {
     let vars: Vec<Var> = inputs
         .iter()
         .map(|t| Var::from_tensor(t).unwrap())
         .collect();
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let out = f(&ts);
-    let grads = (&out * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let loss = (&out * r).unwrap().sum_all().unwrap();
+    let nodes = loss.sorted_nodes().len();
+    let grads = loss.backward().unwrap();
     let g = vars
         .iter()
         .map(|v| {
@@ -44,9 +50,11 @@ fn run(inputs: &[Tensor], r: &Tensor, f: &dyn Fn(&[Tensor]) -> Tensor) -> (Tenso
                 .clone()
         })
         .collect();
-    (out, g)
+    (out, g, nodes)
 }
 
+/// [`check_nodes`] for a kernel that replaces a composition of several ops (its graph must be
+/// smaller, which proves the kernel ran).
 fn check(
     name: &str,
     inputs: &[Tensor],
@@ -54,25 +62,48 @@ fn check(
     plain_f: &dyn Fn(&[Tensor]) -> Tensor,
     grad_inputs: usize,
 ) {
+    check_nodes(name, inputs, fused_f, plain_f, grad_inputs, true);
+}
+
+fn check_nodes(
+    name: &str,
+    inputs: &[Tensor],
+    fused_f: &dyn Fn(&[Tensor]) -> Tensor,
+    plain_f: &dyn Fn(&[Tensor]) -> Tensor,
+    grad_inputs: usize,
+    fewer_nodes: bool,
+) {
     let dtype = inputs[0].dtype();
     let probe = fused_f(inputs);
     let r = Tensor::randn(0f64, 1.0, probe.shape(), &Device::Cpu)
         .unwrap()
         .to_dtype(dtype)
         .unwrap();
-    let (a, ga) = run(inputs, &r, fused_f);
-    let (b, gb) = run(inputs, &r, plain_f);
+    // The kernel path must be the one under test: GRPO_FUSED=0 would compare the composition
+    // with itself.
+    assert_eq!(
+        grpo_core::fused::path(&inputs[0]),
+        grpo_core::fused::Path::Kernel,
+        "{name}: the fused kernel is off (GRPO_FUSED set?)"
+    );
+    let (a, ga, fused_nodes) = run(inputs, &r, fused_f);
+    let (b, gb, plain_nodes) = run(inputs, &r, plain_f);
+    assert!(
+        fused_nodes < plain_nodes || (!fewer_nodes && fused_nodes == plain_nodes),
+        "{name}: the fused graph has {fused_nodes} nodes, the composition {plain_nodes}: no kernel ran"
+    );
     assert_eq!(a.dims(), b.dims(), "{name}: shapes");
     let d = max_diff(&a, &b);
     assert!(d < tol(dtype), "{name} {dtype:?}: forward differs by {d}");
     for i in 0..grad_inputs {
         let d = max_diff(&ga[i], &gb[i]);
-        let scale = max_diff(&gb[i], &gb[i].zeros_like().unwrap()).max(1.0);
+        let size = max_diff(&gb[i], &gb[i].zeros_like().unwrap());
+        assert!(size > 0.0, "{name}: the gradient of input {i} is zero");
+        let scale = size.max(1.0);
         assert!(
             d / scale < tol(dtype),
             "{name} {dtype:?}: gradient of input {i} differs by {d} (scale {scale})"
         );
-        assert!(scale > 0.0, "{name}: zero gradient");
     }
 }
 
@@ -206,12 +237,16 @@ fn attention_softmax_matches_composition_with_masked_rows() {
 }
 
 #[test]
-fn half_precision_uses_the_composition() {
+fn half_precision_runs_the_recompute_path() {
     let x = randn(&[3, 8], DType::F32);
     let w = randn(&[8], DType::F32);
     let a = fused::rms_norm(&x, &w, 1e-5).unwrap();
     let xb = x.to_dtype(DType::BF16).unwrap();
     let wb = w.to_dtype(DType::BF16).unwrap();
+    assert_eq!(
+        grpo_core::fused::path(&xb),
+        grpo_core::fused::Path::Recompute
+    );
     let b = fused::rms_norm(&xb, &wb, 1e-5).unwrap();
     assert_eq!(b.dtype(), DType::BF16);
     assert!(max_diff(&a, &b.to_dtype(DType::F32).unwrap()) < 0.05);
@@ -304,12 +339,14 @@ fn frozen_linear_gives_the_input_gradient_only() {
         let w = randn(&[7, 5], dtype);
         let x = randn(&[300, 5], dtype);
         let (w1, w2) = (w.clone(), w.clone());
-        check(
+        // One node either way: what the kernel saves is the weight's gradient (checked below).
+        check_nodes(
             "frozen_linear",
             std::slice::from_ref(&x),
             &move |t| fused::frozen_linear(&t[0], &w1).unwrap(),
             &move |t| t[0].matmul(&w2.t().unwrap()).unwrap(),
             1,
+            false,
         );
         // The weight as a strided view (a transpose of a stored transpose) works too.
         let wt = w.t().unwrap().contiguous().unwrap().t().unwrap();

@@ -40,6 +40,10 @@ fn check(dir: &Path, want: &serde_json::Value, reference: &serde_json::Value) {
         .unwrap();
     let got: Vec<Vec<f32>> = lp.to_vec2().unwrap();
     let want: Vec<Vec<f64>> = serde_json::from_value(want.clone()).unwrap();
+    assert_eq!(got.len(), want.len(), "{}: rows", dir.display());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.len(), w.len(), "{}: positions per row", dir.display());
+    }
     let mut max = 0f64;
     for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
         max = max.max((*g as f64 - w).abs());
