@@ -6,6 +6,7 @@
 //! backward; a few optimizer steps that must lower a loss; greedy generation against the CPU's.
 //! It is how a user verifies a GPU install (`grpo-cli check --device cuda --dtype bf16`).
 
+use crate::first_line;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
@@ -134,10 +135,6 @@ fn device_name(d: &Device) -> String {
         Device::Cuda(_) => "cuda".into(),
         _ => format!("{d:?}"),
     }
-}
-
-fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or("").to_string()
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {

@@ -6,6 +6,7 @@
 //! run directory without secrets (judges name the environment variable that holds a key,
 //! never the key).
 
+use crate::first_line;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -1069,10 +1070,6 @@ pub fn parse_dtype(s: &str) -> candle_core::DType {
         "f16" => candle_core::DType::F16,
         _ => candle_core::DType::F32,
     }
-}
-
-fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or("").to_string()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_data::{Dataset, Format, OpenOptions, Prompt, Sample, SampleStream, StreamConfig};
@@ -225,13 +225,6 @@ fn synth(a: SynthArgs) -> Result<()> {
     Ok(())
 }
 
-/// Peak resident memory (VmHWM) of this process in KiB, from /proc/self/status (Linux).
-fn peak_rss_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
 fn bench(a: BenchArgs) -> Result<()> {
     let start = Instant::now();
     let data = a.source.open()?;
@@ -259,7 +252,10 @@ fn bench(a: BenchArgs) -> Result<()> {
     if rows != data.len() {
         bail!("read {rows} rows, expected {}", data.len());
     }
-    let peak = peak_rss_kib().context("VmHWM not found in /proc/self/status")?;
+    let peak_mib = grpo_cli::trainer::peak_rss_mib();
+    if peak_mib.is_nan() {
+        bail!("VmHWM not found in /proc/self/status");
+    }
     println!(
         "{}: {rows} rows ({} shuffle, window {}) in {secs:.3}s = {:.0} rows/s, {:.1} MB prompt text; open {opened:.3}s; peak RSS (VmHWM) {:.1} MiB",
         data.name(),
@@ -267,7 +263,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         a.shuffle_window,
         rows as f64 / secs,
         bytes as f64 / 1e6,
-        peak as f64 / 1024.0
+        peak_mib
     );
     Ok(())
 }

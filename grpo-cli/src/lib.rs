@@ -44,6 +44,24 @@ use anyhow::{Result, anyhow};
 
 pub use trainer::{Callbacks, Metrics, NoCallbacks, RunMode, RunOptions, TrainingResult};
 
+/// The first line of a message (error texts from candle and others may carry a backtrace or
+/// detail after it; a user-facing line leaves that out).
+pub fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or("").to_string()
+}
+
+/// An error and its causes on one line, each cause's first line once, joined by `: `.
+pub fn error_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let first = first_line(&cause.to_string()).trim().to_string();
+        if !first.is_empty() && !parts.iter().any(|p| p.contains(&first)) {
+            parts.push(first);
+        }
+    }
+    parts.join(": ")
+}
+
 /// The objective a [`Trainer`] optimises (a marker type: [`Grpo`], [`Sft`], [`Dpo`]).
 pub trait Algorithm {
     /// The config's `algorithm` value.

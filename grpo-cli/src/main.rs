@@ -248,20 +248,6 @@ fn demo(a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
-/// The error chain on one line: candle errors may carry a backtrace after their first line
-/// (when RUST_BACKTRACE is set), which a user-facing message leaves out.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        let first = text.lines().next().unwrap_or("").trim().to_string();
-        if !first.is_empty() && !parts.iter().any(|p| p.contains(&first)) {
-            parts.push(first);
-        }
-    }
-    parts.join(": ")
-}
-
 /// candle asks for its thread count on every matmul and, unless `RAYON_NUM_THREADS` is set,
 /// re-reads `/proc/cpuinfo` each time (measured: ~2,400 reads per generation benchmark, 10-20%
 /// of its time). Setting the variable once makes that a cheap lookup.
@@ -295,7 +281,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e));
+            eprintln!("error: {}", grpo_cli::error_line(&e));
             ExitCode::from(2)
         }
     }

@@ -15,6 +15,7 @@
 //! sequential algorithm. An error in any stage stops every stage (the channels close) and is
 //! returned naming its stage.
 
+use crate::first_line;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -1961,10 +1962,6 @@ fn finite(x: f64) -> serde_json::Value {
 
 fn finite_json(m: &Metrics) -> serde_json::Value {
     serde_json::Value::Object(m.iter().map(|(k, v)| (k.clone(), finite(*v))).collect())
-}
-
-fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or("").to_string()
 }
 
 /// Peak resident memory of this process in MiB (Linux; NaN elsewhere).
