@@ -100,7 +100,7 @@ pub struct JudgeConfig {
     /// Default 5.
     #[serde(default = "default_max_retries")]
     pub max_retries: u32,
-    /// First backoff in ms; doubled each retry, full jitter. Default 500.
+    /// First backoff in ms; doubled each retry, equal jitter (each wait half fixed, half random). Default 500.
     #[serde(default = "default_initial_backoff")]
     pub initial_backoff_ms: u64,
     /// Backoff cap in ms (a server's `Retry-After` is honoured even above it, up to 10 min).
