@@ -50,6 +50,20 @@ pub fn first_line(s: &str) -> String {
     s.lines().next().unwrap_or("").to_string()
 }
 
+/// A `--dtype` argument: `f32`, `bf16`, `f16` (or `f64`), with their long names.
+pub fn parse_dtype_arg(s: &str) -> Result<candle_core::DType> {
+    use candle_core::DType;
+    match s {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" => Ok(DType::F16),
+        "f64" | "float64" => Ok(DType::F64),
+        o => Err(anyhow!(
+            "--dtype: unknown dtype `{o}`, expected f32, bf16 or f16"
+        )),
+    }
+}
+
 /// An error and its causes on one line, each cause's first line once, joined by `: `.
 pub fn error_line(e: &anyhow::Error) -> String {
     let mut parts: Vec<String> = Vec::new();
@@ -287,16 +301,7 @@ impl DeviceArgs {
     pub fn resolve(&self) -> Result<(candle_core::Device, candle_core::DType)> {
         let device = config::parse_device(&self.device)
             .map_err(|e| anyhow!("--device {}: {e}", self.device))?;
-        let dtype = match self.dtype.as_str() {
-            "f32" | "float32" => candle_core::DType::F32,
-            "bf16" | "bfloat16" => candle_core::DType::BF16,
-            "f16" | "float16" => candle_core::DType::F16,
-            o => {
-                return Err(anyhow!(
-                    "--dtype: unknown dtype `{o}`, expected f32, bf16 or f16"
-                ));
-            }
-        };
+        let dtype = parse_dtype_arg(&self.dtype)?;
         Ok((device, dtype))
     }
 }

@@ -97,18 +97,8 @@ pub fn device(s: &str) -> Result<Device> {
     grpo_cli::config::parse_device(s).map_err(|e| anyhow::anyhow!("--device {s}: {e}"))
 }
 
-pub fn parse_dtype(s: &str) -> Result<DType> {
-    match s {
-        "f32" | "float32" => Ok(DType::F32),
-        "bf16" | "bfloat16" => Ok(DType::BF16),
-        "f16" | "float16" => Ok(DType::F16),
-        "f64" | "float64" => Ok(DType::F64),
-        o => bail!("--dtype: unknown dtype `{o}`, expected f32, bf16 or f16"),
-    }
-}
-
 fn load(args: &ModelArgs) -> Result<grpo_rollout::LoadedModel> {
-    let dtype = parse_dtype(&args.dtype)?;
+    let dtype = grpo_cli::parse_dtype_arg(&args.dtype)?;
     let mut m = grpo_rollout::load(&args.model, dtype, &device(&args.device)?)
         .with_context(|| format!("--model {}", args.model.display()))?;
     if let Some(dir) = &args.adapter {
@@ -244,7 +234,7 @@ pub struct ExportArgs {
 
 /// Writes a checkpoint as a Hugging Face model directory (config, safetensors, tokenizer files).
 pub fn export(a: ExportArgs) -> Result<()> {
-    let dtype = parse_dtype(&a.dtype)?;
+    let dtype = grpo_cli::parse_dtype_arg(&a.dtype)?;
     let dev = device(&a.device)?;
     let gguf_type = match (a.format.as_str(), &a.quant) {
         ("hf" | "merged", None) => None,
@@ -382,7 +372,7 @@ pub struct ServeArgs {
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     let mut o = grpo_cli::serve::ServeOptions::new(&a.model);
-    o.dtype = parse_dtype(&a.dtype)?;
+    o.dtype = grpo_cli::parse_dtype_arg(&a.dtype)?;
     o.device = device(&a.device)?;
     if let Some(n) = a.served_model_name {
         o.served_model_name = n;

@@ -1062,7 +1062,7 @@ impl Transformer {
             .reshape((b, 1, 1, p))?
             .broadcast_as((b, 1, c, p))?;
         let cmask = completion_mask.to_dtype(DType::F32)?;
-        let completion_blocked = causal_blocked(c, 0, dev)?
+        let completion_blocked = causal_blocked(c, dev)?
             .reshape((1, 1, c, c))?
             .broadcast_add(&(1.0 - cmask)?.reshape((b, 1, 1, c))?)?
             .clamp(0.0, 1.0)?;
@@ -1122,7 +1122,7 @@ pub fn padded_positions_and_bias(
         .relu()?
         .to_dtype(DType::U32)?;
     let padding = mask.eq(0.0)?.to_dtype(DType::F32)?.reshape((b, 1, 1, l))?;
-    let bias = causal_blocked(l, 0, device)?
+    let bias = causal_blocked(l, device)?
         .reshape((1, 1, l, l))?
         .broadcast_add(&padding)?
         .clamp(0.0, 1.0)?
@@ -1130,12 +1130,10 @@ pub fn padded_positions_and_bias(
     Ok((pos, bias))
 }
 
-/// `(Q, K)` f32, 1 where query `i` may not see key `j`: keys after it (`j > i + offset`, keys
-/// `0..offset` coming before the queries).
-fn causal_blocked(q: usize, offset: usize, device: &Device) -> Result<Tensor> {
-    let k = q + offset;
-    let qi = Tensor::arange(offset as u32, k as u32, device)?.reshape((q, 1))?;
-    let kj = Tensor::arange(0u32, k as u32, device)?.reshape((1, k))?;
+/// `(L, L)` f32, 1 where query `i` may not see key `j` (a later one: `j > i`).
+fn causal_blocked(l: usize, device: &Device) -> Result<Tensor> {
+    let qi = Tensor::arange(0u32, l as u32, device)?.reshape((l, 1))?;
+    let kj = Tensor::arange(0u32, l as u32, device)?.reshape((1, l))?;
     kj.broadcast_gt(&qi)?.to_dtype(DType::F32)
 }
 

@@ -335,20 +335,29 @@ impl DeviceSampler {
                     .where_cond(&l, &m.broadcast_as(l.shape())?)?
                     .min_keepdim(1)?;
                 let k = p.top_k as f64;
-                let kth = bisect(&l, lo, hi, |x, mid| x.broadcast_ge(mid), |c| c.ge(k))?;
+                // lo keeps at least k tokens at or above it; hi keeps fewer.
+                let (kth, _) = bisect(lo, hi, |mid| {
+                    l.broadcast_ge(mid)?
+                        .to_dtype(DType::F32)?
+                        .sum_keepdim(1)?
+                        .ge(k)
+                })?;
                 w = l.broadcast_lt(&kth)?.where_cond(&w.zeros_like()?, &w)?;
             }
             if p.top_p < 1.0 {
                 let probs = w.broadcast_div(&w.sum_keepdim(1)?)?;
                 let hi = probs.max_keepdim(1)?;
                 let lo = hi.zeros_like()?;
-                // Mass strictly above a threshold, by the probabilities themselves.
-                let top_p = p.top_p;
-                let mass_above = |x: &Tensor, mid: &Tensor| -> Result<Tensor> {
-                    x.broadcast_gt(mid)?.to_dtype(DType::F32)?.mul(x)
-                };
-                // lo: mass above ≥ top_p (dropped); hi: mass above < top_p (kept).
-                let floor = bisect_weighted(&probs, lo, hi, mass_above, top_p)?;
+                // lo: the mass strictly above it reaches top_p (dropped); hi: it does not
+                // (kept), so hi is the floor.
+                let (_, floor) = bisect(lo, hi, |mid| {
+                    probs
+                        .broadcast_gt(mid)?
+                        .to_dtype(DType::F32)?
+                        .mul(&probs)?
+                        .sum_keepdim(1)?
+                        .ge(p.top_p)
+                })?;
                 w = probs
                     .broadcast_lt(&floor)?
                     .where_cond(&w.zeros_like()?, &w)?;
@@ -403,42 +412,20 @@ fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
         .add(&m)
 }
 
-/// Per row, the largest threshold `lo` for which `count(x, lo)` still satisfies `ok`, given a
-/// bracket where `lo` does and `hi` does not: [`BISECTIONS`] halvings.
+/// Per-row bisection of a threshold bracket: `lo_side(mid)` (`(n, 1)` u8) says where each row's
+/// `mid` belongs; [`BISECTIONS`] halvings; returns the final `(lo, hi)`.
 fn bisect(
-    x: &Tensor,
     mut lo: Tensor,
     mut hi: Tensor,
-    pass: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
-    ok: impl Fn(&Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
+    lo_side: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Tensor)> {
     for _ in 0..BISECTIONS {
         let mid = ((&lo + &hi)? * 0.5)?;
-        let count = pass(x, &mid)?.to_dtype(DType::F32)?.sum_keepdim(1)?;
-        let good = ok(&count)?;
-        lo = good.where_cond(&mid, &lo)?;
-        hi = good.where_cond(&hi, &mid)?;
+        let low = lo_side(&mid)?;
+        lo = low.where_cond(&mid, &lo)?;
+        hi = low.where_cond(&hi, &mid)?;
     }
-    Ok(lo)
-}
-
-/// Per row, the top-p floor: the smallest threshold `hi` whose strictly-higher mass is below
-/// `top_p` (tokens at or above it are kept), bracketed by `lo` (mass above ≥ `top_p`).
-fn bisect_weighted(
-    probs: &Tensor,
-    mut lo: Tensor,
-    mut hi: Tensor,
-    mass_above: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
-    top_p: f64,
-) -> Result<Tensor> {
-    for _ in 0..BISECTIONS {
-        let mid = ((&lo + &hi)? * 0.5)?;
-        let mass = mass_above(probs, &mid)?.sum_keepdim(1)?;
-        let dropped = mass.ge(top_p)?;
-        lo = dropped.where_cond(&mid, &lo)?;
-        hi = dropped.where_cond(&hi, &mid)?;
-    }
-    Ok(hi)
+    Ok((lo, hi))
 }
 
 /// Per row, the first index whose cumulative weight exceeds `u · Σw`, by a two-level prefix
