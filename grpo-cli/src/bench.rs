@@ -9,13 +9,10 @@
 //! checkpointing can be changed (the GPU comparison, `scripts/bench-gpu-vs-trl.sh`).
 
 use std::path::Path;
-use std::sync::Arc;
 
-use anyhow::{Context, Result};
-use grpo_rewards::{RewardInput, RewardSet};
-
-use crate::config::TrainConfig;
-use crate::trainer::{self, Callbacks, Metrics, RunOptions};
+use anyhow::{Context, Result, anyhow};
+use grpo_rewards::RewardInput;
+use grpo_trainer::{GrpoTrainer, TrainConfig};
 
 /// Bench knobs (defaults = the shared workload).
 #[derive(Debug, Clone)]
@@ -56,13 +53,6 @@ impl Default for BenchOptions {
             micro_batch: None,
             gradient_checkpointing: false,
         }
-    }
-}
-
-struct Times(Vec<Metrics>);
-impl Callbacks for Times {
-    fn on_step_end(&mut self, _step: usize, m: &Metrics) {
-        self.0.push(m.clone());
     }
 }
 
@@ -107,8 +97,14 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         ..Default::default()
     };
     cfg.model.path = model.to_path_buf();
-    cfg.model.device = opts.device.clone();
-    cfg.model.dtype = opts.dtype.clone();
+    cfg.model.device = opts
+        .device
+        .parse()
+        .map_err(|e| anyhow!("--device {}: {e}", opts.device))?;
+    cfg.model.dtype = opts
+        .dtype
+        .parse()
+        .map_err(|e| anyhow!("--dtype {}: {e}", opts.dtype))?;
     cfg.train.per_device_train_batch_size = opts.micro_batch;
     cfg.train.gradient_checkpointing = opts.gradient_checkpointing;
     if let Some(r) = opts.lora_r {
@@ -134,30 +130,23 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
     cfg.train.save_steps = 0;
     cfg.train.save_total_limit = 1;
     cfg.train.log_completions = false;
-    // A placeholder the validation accepts; the real reward is the closure below.
-    cfg.rewards =
-        serde_json::from_value(serde_json::json!([{ "type": "format", "pattern": ".*" }]))?;
-    let mut setup = trainer::setup(cfg)?;
-    setup.rewards =
-        Arc::new(
-            RewardSet::new().with_reward("frac_a", 1.0, |b: &[RewardInput]| -> Vec<f32> {
-                b.iter()
-                    .map(|x| {
-                        let n = x.completion.chars().count().max(1);
-                        x.completion.chars().filter(|&c| c == 'a').count() as f32 / n as f32
-                    })
-                    .collect()
-            }),
-        );
-    let mut times = Times(Vec::new());
-    let res = trainer::run(setup, &RunOptions::default(), &mut times);
+    let frac_a = |b: &[RewardInput]| -> Vec<f32> {
+        b.iter()
+            .map(|x| {
+                let n = x.completion.chars().count().max(1);
+                x.completion.chars().filter(|&c| c == 'a').count() as f32 / n as f32
+            })
+            .collect()
+    };
+    let res = GrpoTrainer::from_config(cfg)
+        .and_then(|t| t.with_reward("frac_a", 1.0, frac_a))
+        .and_then(|mut t| t.fit());
     std::fs::remove_dir_all(&work).ok();
-    res?;
-    let all: Vec<f64> = times.0.iter().map(|m| m["step_time"]).collect();
+    let times = res?.metrics;
+    let all: Vec<f64> = times.iter().map(|m| m["step_time"]).collect();
     let steady = |k: &str| -> f64 {
         median(
             times
-                .0
                 .iter()
                 .skip(1)
                 .map(|m| m.get(k).copied().unwrap_or(f64::NAN))
@@ -182,7 +171,7 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         "generate_s_median": steady("timing/generate_s"),
         "score_s_median": steady("timing/score_s"),
         "train_s_median": steady("timing/train_s"),
-        "peak_rss_mib": times.0.last().map(|m| m["peak_rss_mib"]),
+        "peak_rss_mib": times.last().map(|m| m["peak_rss_mib"]),
         "completion_length": opts.completion,
         "lora_r": opts.lora_r,
     }))

@@ -16,7 +16,7 @@ use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_rollout::policy::TrainableModel;
 use grpo_rollout::{Arch, SamplingParams, Transformer};
 
-use crate::optim::{AdamW, AdamWParams, accumulate};
+use grpo_trainer::optim::{AdamW, AdamWParams, accumulate};
 
 /// One row of the table.
 #[derive(Debug, Clone)]

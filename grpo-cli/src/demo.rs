@@ -19,9 +19,9 @@ use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_rollout::{Arch, TrainableModel};
 
-use crate::config::{self, TrainConfig};
-use crate::optim::{AdamW, AdamWParams, accumulate, clip_grad_norm};
-use crate::trainer::{self, RunOptions, TrainingResult, completion_logps};
+use grpo_trainer::config::{self, TrainConfig};
+use grpo_trainer::optim::{AdamW, AdamWParams, accumulate, clip_grad_norm};
+use grpo_trainer::{RunOptions, TrainingResult, completion_logps};
 
 /// Demo knobs.
 #[derive(Debug, Clone)]
@@ -173,7 +173,10 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
         ..synth
     };
     let examples: Vec<(String, String)> = (0..2000).map(|i| warm.problem(i)).collect();
-    let device = config::parse_device(&opts.device)
+    let device = opts
+        .device
+        .parse::<grpo_rollout::DeviceSpec>()
+        .and_then(|d| d.device())
         .map_err(|e| anyhow::anyhow!("--device {}: {e}", opts.device))?;
     let sft_loss = warm_up(
         &model_dir,
@@ -199,12 +202,13 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
         ],
     )?;
     let cfg: TrainConfig = config::from_tree(tree, "configs/quickstart.toml")?;
-    let setup = trainer::setup(cfg)?;
-    let ro = RunOptions {
-        progress: opts.progress,
-        ..Default::default()
-    };
-    let result = trainer::run(setup, &ro, &mut crate::NoCallbacks)?;
+    let setup = grpo_trainer::setup(cfg)?;
+    let mut ro = RunOptions::default();
+    if opts.progress {
+        ro.sinks
+            .push(std::sync::Arc::new(std::sync::Mutex::new(crate::progress::Progress::new())));
+    }
+    let result = grpo_trainer::run(setup, &ro, &mut grpo_trainer::NoCallbacks)?;
     let rewards: Vec<f64> = result.metrics.iter().map(|m| m["reward"]).collect();
     let k = REPORT_STEPS.min(rewards.len()).max(1);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;

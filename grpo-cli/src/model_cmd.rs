@@ -94,7 +94,9 @@ pub struct InitModelArgs {
 
 /// `--device`: `cpu`, `cuda` or `cuda:N`.
 pub fn device(s: &str) -> Result<Device> {
-    grpo_cli::config::parse_device(s).map_err(|e| anyhow::anyhow!("--device {s}: {e}"))
+    s.parse::<grpo_rollout::DeviceSpec>()
+        .and_then(|d| d.device())
+        .map_err(|e| anyhow::anyhow!("--device {s}: {e}"))
 }
 
 fn load(args: &ModelArgs) -> Result<grpo_rollout::LoadedModel> {

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use anyhow::{Context, Result};
 use clap::Args;
 use grpo_cli::trainer::{self, RunOptions};
+use std::sync::Mutex;
 
 /// `grpo-cli train`.
 #[derive(Debug, Args)]
@@ -70,19 +71,19 @@ pub fn train_as(mut a: TrainArgs, algorithm: Option<&str>) -> Result<u8> {
     if a.overwrite {
         a.set.push("overwrite_output_dir=true".into());
     }
-    let cfg = grpo_cli::config::load(&a.config, &a.set)?;
+    let cfg = trainer::config::load(&a.config, &a.set)?;
     // Before the model loads: a used run directory is refused at once.
-    trainer::check_run_dir(&cfg, a.resume.as_ref())?;
+    trainer::run_dir::check_run_dir(&cfg, a.resume.as_ref())?;
     let setup = trainer::setup(cfg)?;
     let (stop, signal) = install_stop_signals()?;
     let opts = RunOptions {
         resume: a.resume,
         stop,
-        progress: true,
+        sinks: vec![Arc::new(Mutex::new(grpo_cli::progress::Progress::new()))],
         ..Default::default()
     };
     let out = setup.cfg.output_dir.clone();
-    let r = trainer::run(setup, &opts, &mut grpo_cli::NoCallbacks)?;
+    let r = trainer::run(setup, &opts, &mut trainer::NoCallbacks)?;
     let key = if r.metrics.iter().any(|m| m.contains_key("reward")) {
         "reward"
     } else {

@@ -33,6 +33,21 @@ impl std::str::FromStr for ScaleRewards {
     }
 }
 
+impl ScaleRewards {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Group => "group",
+            Self::Batch => "batch",
+            Self::None => "none",
+        }
+    }
+}
+
+// TRL also takes a boolean (`true` = group, `false` = none).
+#[cfg(feature = "serde")]
+crate::serde_by_name!(ScaleRewards, "group, batch or none", bool);
+
 /// The constant TRL adds to the standard deviation before dividing.
 pub const STD_EPS: f64 = 1e-4;
 

@@ -57,6 +57,8 @@
 #![deny(missing_docs)]
 
 pub mod advantages;
+#[cfg(feature = "serde")]
+mod serde_names;
 #[cfg(feature = "candle")]
 pub mod fused;
 #[cfg(feature = "candle")]

@@ -50,6 +50,9 @@ impl std::str::FromStr for LossType {
     }
 }
 
+#[cfg(feature = "serde")]
+crate::serde_by_name!(LossType, "grpo, bnpo, dr_grpo, dapo or cispo");
+
 impl LossType {
     /// TRL's spelling.
     pub fn as_str(self) -> &'static str {
@@ -87,6 +90,19 @@ impl std::str::FromStr for ImportanceSamplingLevel {
         }
     }
 }
+
+impl ImportanceSamplingLevel {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Token => "token",
+            Self::Sequence => "sequence",
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(ImportanceSamplingLevel, "token or sequence");
 
 /// Options of [`policy_loss`]. `Default` is TRL 1.16's `GRPOConfig` defaults.
 #[derive(Debug, Clone, PartialEq)]
@@ -213,6 +229,24 @@ impl std::str::FromStr for ImportanceSamplingMode {
         }
     }
 }
+
+impl ImportanceSamplingMode {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::TokenTruncate => "token_truncate",
+            Self::TokenMask => "token_mask",
+            Self::SequenceTruncate => "sequence_truncate",
+            Self::SequenceMask => "sequence_mask",
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(
+    ImportanceSamplingMode,
+    "token_truncate, token_mask, sequence_truncate or sequence_mask"
+);
 
 /// TRL's off-policy correction: the ratio `exp(old − sampling)` of the log-probs the learner's
 /// policy (before this update) gives the sampled tokens to the log-probs they were sampled with,

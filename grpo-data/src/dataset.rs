@@ -593,6 +593,36 @@ impl Dataset {
         })
     }
 
+    /// A dataset of no rows with a text `prompt_field` column: the placeholder of a trainer
+    /// built without data files, whose rows are given later (the trainer's `fit` with a
+    /// dataset). Nothing can be streamed from it.
+    pub fn empty(prompt_field: &str) -> Dataset {
+        use arrow::datatypes::{DataType, Field};
+        let schema = Arc::new(Schema::new(vec![Field::new(
+            prompt_field,
+            DataType::Utf8,
+            true,
+        )]));
+        let shard = Shard {
+            path: PathBuf::from("(no data)"),
+            kind: ShardKind::Batches(vec![RecordBatch::new_empty(schema.clone())]),
+            schema,
+            prompt_kind: PromptKind::Text,
+            numbering: Numbering::Rows,
+            rows: 0,
+        };
+        Dataset {
+            inner: Arc::new(Inner {
+                shards: vec![shard],
+                prompt_field: prompt_field.to_string(),
+            }),
+            chunks: Arc::new(Vec::new()),
+            members: None,
+            len: 0,
+            name: "(no data)".into(),
+        }
+    }
+
     /// Number of samples (rows) in this dataset or split.
     pub fn len(&self) -> u64 {
         self.len

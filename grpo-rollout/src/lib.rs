@@ -15,6 +15,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod device;
 pub mod fused;
 pub mod generate;
 pub mod gguf;
@@ -31,6 +32,7 @@ pub mod scoring;
 pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
+pub use device::{DeviceSpec, Dtype};
 pub use generate::{Completion, FinishReason, SamplingParams, generate};
 pub use loader::{LoadedModel, load, save_hf_dir};
 pub use lora::LoraConfig;

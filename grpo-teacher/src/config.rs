@@ -32,9 +32,9 @@ pub struct TeacherConfig {
     pub student_model: Option<PathBuf>,
     /// Where the `student_model` runs (`cpu`, `cuda`, `cuda:N`). Absent → the policy's
     /// `model.device`.
-    pub student_device: Option<String>,
+    pub student_device: Option<grpo_rollout::DeviceSpec>,
     /// The `student_model`'s dtype (`f32`, `bf16`, `f16`). Absent → the policy's.
-    pub student_dtype: Option<String>,
+    pub student_dtype: Option<grpo_rollout::Dtype>,
     /// The frozen reference model writes the teaching instead of the policy (the policy then
     /// learns from those completions off-policy, corrected by the importance weights of
     /// `loss.vllm_importance_sampling_correction`).

@@ -6,7 +6,6 @@
 //! run directory without secrets (judges name the environment variable that holds a key,
 //! never the key).
 
-use crate::first_line;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -15,17 +14,82 @@ use grpo_core::advantages::ScaleRewards;
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
-use grpo_rollout::{LoraConfig, SamplingParams};
+use grpo_rollout::{DeviceSpec, Dtype, LoraConfig, SamplingParams};
 use grpo_teacher::TeacherConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+pub use crate::optim::ScheduleKind;
+
+/// The objective the learner optimises (`algorithm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algorithm {
+    /// GRPO: rewards, group advantages, the clipped policy loss (the default).
+    #[default]
+    Grpo,
+    /// Supervised fine-tuning (`[sft]`).
+    Sft,
+    /// Direct preference optimisation (`[dpo]`).
+    Dpo,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 3] = [Algorithm::Grpo, Algorithm::Sft, Algorithm::Dpo];
+
+    /// The config's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Grpo => "grpo",
+            Self::Sft => "sft",
+            Self::Dpo => "dpo",
+        }
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.as_str() == s)
+            .ok_or_else(|| format!("unknown algorithm `{s}`; expected one of dpo, grpo, sft"))
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where completions are sampled (`rollout.backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// In this process, with the policy being trained (the default).
+    #[default]
+    Local,
+    /// On an OpenAI-compatible server (vLLM, `grpo-cli serve`), LoRA weights synced each step.
+    Openai,
+}
+
+/// A sink of `train.report_to` (TRL's name) beside `metrics.jsonl`, which is always written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReportTo {
+    /// TensorBoard event files under `train.logging_dir`.
+    Tensorboard,
+}
 
 /// A whole run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TrainConfig {
     /// `grpo` (default), `sft` or `dpo`: which objective the learner optimises.
-    pub algorithm: String,
+    pub algorithm: Algorithm,
     /// Where the run directory goes (metrics, completions, checkpoints, resolved config).
     pub output_dir: PathBuf,
     /// Start over in an `output_dir` that holds another run: its files (metrics, completions,
@@ -47,9 +111,9 @@ pub struct TrainConfig {
     /// A `*ForSequenceClassification` directory for `type = "reward_model"` rewards.
     pub reward_model_path: Option<PathBuf>,
     /// Where the reward model runs (`cpu`, `cuda`, `cuda:N`). Absent → `model.device`.
-    pub reward_model_device: Option<String>,
+    pub reward_model_device: Option<DeviceSpec>,
     /// The reward model's dtype (`f32`, `bf16`, `f16`). Absent → the policy's compute dtype.
-    pub reward_model_dtype: Option<String>,
+    pub reward_model_dtype: Option<Dtype>,
     /// The GRPO objective (grpo-core).
     pub loss: LossSection,
     /// Optimizer and schedule.
@@ -142,7 +206,7 @@ impl Default for TrainConfig {
             train: TrainSection::default(),
             pipeline: PipelineSection::default(),
             teacher: None,
-            algorithm: "grpo".into(),
+            algorithm: Algorithm::Grpo,
             sft: SftSection::default(),
             dpo: DpoSection::default(),
         }
@@ -156,9 +220,9 @@ pub struct ModelSection {
     /// A Hugging Face model directory or a .gguf file.
     pub path: PathBuf,
     /// `f32` (default), `bf16` or `f16`.
-    pub dtype: String,
+    pub dtype: Dtype,
     /// `cpu` (default), `cuda` or `cuda:N` (needs a build with `--features cuda`).
-    pub device: String,
+    pub device: DeviceSpec,
     /// Train LoRA adapters instead of every weight.
     pub lora: Option<LoraConfig>,
 }
@@ -167,8 +231,8 @@ impl Default for ModelSection {
     fn default() -> Self {
         Self {
             path: PathBuf::new(),
-            dtype: "f32".into(),
-            device: "cpu".into(),
+            dtype: Dtype::F32,
+            device: DeviceSpec::Cpu,
             lora: None,
         }
     }
@@ -228,7 +292,7 @@ pub struct RolloutSection {
     pub chat_template: bool,
     /// Where completions are sampled: `local` (this process) or `openai` (an OpenAI-compatible
     /// server such as vLLM or `grpo-cli serve`, LoRA weights synced each step).
-    pub backend: String,
+    pub backend: Backend,
     /// `[rollout.openai]`: the server of `backend = "openai"`.
     pub openai: OpenAiRollout,
 }
@@ -298,7 +362,7 @@ impl Default for RolloutSection {
             repetition_penalty: 1.0,
             stop: Vec::new(),
             chat_template: true,
-            backend: "local".into(),
+            backend: Backend::Local,
             openai: OpenAiRollout::default(),
         }
     }
@@ -329,7 +393,7 @@ impl RolloutSection {
 #[serde(default)]
 pub struct LossSection {
     /// grpo | bnpo | dr_grpo | dapo (default) | cispo.
-    pub loss_type: String,
+    pub loss_type: LossType,
     /// Lower clip ε.
     pub epsilon: f64,
     /// Upper clip ε (default: `epsilon`).
@@ -337,11 +401,11 @@ pub struct LossSection {
     /// Two-sided GRPO cap on the ratio.
     pub delta: Option<f64>,
     /// token (default) | sequence.
-    pub importance_sampling_level: String,
+    pub importance_sampling_level: ImportanceSamplingLevel,
     /// Multiply the KL by the importance ratio (TRL's `use_bias_correction_kl`).
     pub use_bias_correction_kl: bool,
-    /// group (default) | batch | none.
-    pub scale_rewards: String,
+    /// group (default) | batch | none (TRL's booleans: true = group, false = none).
+    pub scale_rewards: ScaleRewards,
     /// Exclude completions cut at max_completion_length from the loss.
     pub mask_truncated_completions: bool,
     /// Drop groups whose rewards are all equal (DAPO's dynamic sampling) from the loss.
@@ -350,7 +414,7 @@ pub struct LossSection {
     /// with the importance ratio of the learner's policy to the sampling policy (TRL's name).
     pub vllm_importance_sampling_correction: bool,
     /// token_truncate | token_mask | sequence_truncate | sequence_mask (default).
-    pub vllm_importance_sampling_mode: String,
+    pub vllm_importance_sampling_mode: ImportanceSamplingMode,
     /// Lower bound of the ratio (none by default).
     pub vllm_importance_sampling_clip_min: Option<f64>,
     /// Upper bound of the ratio (3.0).
@@ -360,17 +424,17 @@ pub struct LossSection {
 impl Default for LossSection {
     fn default() -> Self {
         Self {
-            loss_type: "dapo".into(),
+            loss_type: LossType::Dapo,
             epsilon: 0.2,
             epsilon_high: None,
             delta: None,
-            importance_sampling_level: "token".into(),
+            importance_sampling_level: ImportanceSamplingLevel::Token,
             use_bias_correction_kl: true,
-            scale_rewards: "group".into(),
+            scale_rewards: ScaleRewards::Group,
             mask_truncated_completions: false,
             drop_zero_std_groups: false,
             vllm_importance_sampling_correction: true,
-            vllm_importance_sampling_mode: "sequence_mask".into(),
+            vllm_importance_sampling_mode: ImportanceSamplingMode::SequenceMask,
             vllm_importance_sampling_clip_min: None,
             vllm_importance_sampling_clip_max: 3.0,
         }
@@ -392,7 +456,7 @@ pub struct OptimSection {
     /// Decoupled weight decay.
     pub weight_decay: f64,
     /// constant | linear (default) | cosine.
-    pub lr_scheduler_type: String,
+    pub lr_scheduler_type: ScheduleKind,
     /// Warm-up as a fraction of the total steps.
     pub warmup_ratio: f64,
     /// Warm-up steps (wins over `warmup_ratio` when > 0).
@@ -414,7 +478,7 @@ impl Default for OptimSection {
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
             weight_decay: 0.0,
-            lr_scheduler_type: "linear".into(),
+            lr_scheduler_type: ScheduleKind::Linear,
             warmup_ratio: 0.0,
             warmup_steps: 0,
             max_grad_norm: 1.0,
@@ -458,6 +522,11 @@ pub struct TrainSection {
     /// master weights and f32 AdamW moments. `model.dtype = "bf16"` without it trains pure
     /// bf16 weights (half the weight memory, but each update is rounded to bf16).
     pub bf16: bool,
+    /// Where metrics go beside `metrics.jsonl` (TRL's name): `["tensorboard"]` writes
+    /// TensorBoard event files under `logging_dir`. Default: none.
+    pub report_to: Vec<ReportTo>,
+    /// TensorBoard's log directory (TRL's name); empty = `OUTPUT_DIR/runs`.
+    pub logging_dir: String,
 }
 
 impl Default for TrainSection {
@@ -476,6 +545,8 @@ impl Default for TrainSection {
             num_completions_to_print: 4,
             gradient_checkpointing: false,
             bf16: false,
+            report_to: Vec::new(),
+            logging_dir: String::new(),
         }
     }
 }
@@ -497,6 +568,9 @@ pub struct PipelineSection {
     /// keep requests going across steps (each judge's `max_concurrent` still bounds them all).
     /// Useful with `max_staleness >= 1`, when the generator runs ahead.
     pub scoring_batches: usize,
+    /// Events (metrics, completions, checkpoints) queued for the events thread before the
+    /// learner waits for it.
+    pub events_capacity: usize,
 }
 
 impl Default for PipelineSection {
@@ -507,6 +581,7 @@ impl Default for PipelineSection {
             scored_capacity: 1,
             max_staleness: 0,
             scoring_batches: 2,
+            events_capacity: 8,
         }
     }
 }
@@ -691,6 +766,15 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     }
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
+    // A config file is a whole run; in the library, `fit` may bring the data and the rewards.
+    if cfg.data.path.is_empty() {
+        bail!("{source}: `data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)");
+    }
+    if cfg.algorithm == Algorithm::Grpo && cfg.rewards.is_empty() && cfg.teacher.is_none() {
+        bail!(
+            "{source}: `rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
+        );
+    }
     Ok(cfg)
 }
 
@@ -699,21 +783,6 @@ pub fn load(path: &Path, sets: &[String]) -> Result<TrainConfig> {
     let mut tree = read_tree(path)?;
     apply_sets(&mut tree, sets)?;
     from_tree(tree, &path.display().to_string())
-}
-
-/// The validated, typed options the trainer runs on.
-#[derive(Debug, Clone)]
-pub struct Resolved {
-    /// grpo-core's loss options.
-    pub loss: LossConfig,
-    /// How rewards become advantages.
-    pub scale_rewards: ScaleRewards,
-    /// Completions per generation batch.
-    pub completions_per_step: usize,
-    /// Completions per micro-batch.
-    pub micro_batch: usize,
-    /// Off-policy correction mode (`loss.vllm_importance_sampling_mode`).
-    pub importance_sampling_mode: ImportanceSamplingMode,
 }
 
 impl TrainConfig {
@@ -726,47 +795,16 @@ impl TrainConfig {
     }
 
     /// Checks every value, naming the key to fix.
-    pub fn validate(&self) -> std::result::Result<Resolved, String> {
+    pub fn validate(&self) -> std::result::Result<(), String> {
         let r = &self.rollout;
         if self.model.path.as_os_str().is_empty() {
             return Err("`model.path` is required (an HF model directory or a .gguf file)".into());
         }
-        if !["f32", "bf16", "f16"].contains(&self.model.dtype.as_str()) {
-            return Err(format!(
-                "`model.dtype`: expected f32, bf16 or f16, got `{}`",
-                self.model.dtype
-            ));
-        }
-        if self.train.bf16 && self.model.dtype == "f16" {
+        if self.train.bf16 && self.model.dtype == Dtype::F16 {
             return Err(
                 "`train.bf16 = true` computes in bf16: `model.dtype` must be f32 or bf16, not f16"
                     .into(),
             );
-        }
-        parse_device(&self.model.device).map_err(|e| format!("`model.device`: {e}"))?;
-        let student = self.teacher.as_ref();
-        for (key, device, dtype) in [
-            (
-                "reward_model",
-                self.reward_model_device.as_deref(),
-                self.reward_model_dtype.as_deref(),
-            ),
-            (
-                "teacher.student",
-                student.and_then(|t| t.student_device.as_deref()),
-                student.and_then(|t| t.student_dtype.as_deref()),
-            ),
-        ] {
-            if let Some(d) = device {
-                parse_device(d).map_err(|e| format!("`{key}_device`: {e}"))?;
-            }
-            if let Some(d) = dtype
-                && !["f32", "bf16", "f16"].contains(&d)
-            {
-                return Err(format!(
-                    "`{key}_dtype`: expected f32, bf16 or f16, got `{d}`"
-                ));
-            }
         }
         if let Some(l) = &self.model.lora {
             l.validate().map_err(|e| format!("`model.lora`: {e}"))?;
@@ -790,10 +828,10 @@ impl TrainConfig {
             .sampling(0)
             .validate()
             .map_err(|e| format!("`rollout`: {e}"))?;
-        match r.backend.as_str() {
-            "local" => {}
-            "openai" => {
-                if self.model.lora.is_none() && self.algorithm == "grpo" {
+        match r.backend {
+            Backend::Local => {}
+            Backend::Openai => {
+                if self.model.lora.is_none() && self.algorithm == Algorithm::Grpo {
                     return Err("`rollout.backend = \"openai\"` syncs the policy to the server as a LoRA adapter: set `[model.lora]` (full-weight sync is not built; see README, Scaling out)".into());
                 }
                 let o = &r.openai;
@@ -810,22 +848,11 @@ impl TrainConfig {
                     );
                 }
             }
-            o => {
-                return Err(format!(
-                    "`rollout.backend`: expected local or openai, got `{o}`"
-                ));
-            }
         }
         if let Some(t) = &self.teacher {
             t.validate().map_err(|e| e.to_string())?;
         }
-        if !["grpo", "sft", "dpo"].contains(&self.algorithm.as_str()) {
-            return Err(format!(
-                "`algorithm`: expected grpo, sft or dpo, got `{}`",
-                self.algorithm
-            ));
-        }
-        if self.algorithm == "dpo" {
+        if self.algorithm == Algorithm::Dpo {
             let d = &self.dpo;
             if !(d.beta > 0.0 && d.beta.is_finite()) {
                 return Err(format!("`dpo.beta` must be > 0, got {}", d.beta));
@@ -837,66 +864,12 @@ impl TrainConfig {
                 ));
             }
         }
-        if (self.algorithm == "sft" && self.sft.max_length < 2)
-            || (self.algorithm == "dpo" && self.dpo.max_length < 2)
+        if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
+            || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)
         {
             return Err(format!("`{}.max_length` must be >= 2", self.algorithm));
         }
-        if self.algorithm == "grpo" && self.rewards.is_empty() && self.teacher.is_none() {
-            return Err(
-                "`rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
-                    .into(),
-            );
-        }
-        if self.data.path.is_empty() {
-            return Err("`data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)".into());
-        }
-        let loss_type = match self.loss.loss_type.as_str() {
-            "grpo" => LossType::Grpo,
-            "bnpo" => LossType::Bnpo,
-            "dr_grpo" => LossType::DrGrpo,
-            "dapo" => LossType::Dapo,
-            "cispo" => LossType::Cispo,
-            o => {
-                return Err(format!(
-                    "`loss.loss_type`: expected grpo, bnpo, dr_grpo, dapo or cispo, got `{o}`"
-                ));
-            }
-        };
-        let importance_sampling_level = match self.loss.importance_sampling_level.as_str() {
-            "token" => ImportanceSamplingLevel::Token,
-            "sequence" => ImportanceSamplingLevel::Sequence,
-            o => {
-                return Err(format!(
-                    "`loss.importance_sampling_level`: expected token or sequence, got `{o}`"
-                ));
-            }
-        };
-        let importance_sampling_mode: ImportanceSamplingMode = self
-            .loss
-            .vllm_importance_sampling_mode
-            .parse()
-            .map_err(|e| format!("`loss.vllm_importance_sampling_mode`: {e}"))?;
-        let scale_rewards = match self.loss.scale_rewards.as_str() {
-            "group" => ScaleRewards::Group,
-            "batch" => ScaleRewards::Batch,
-            "none" => ScaleRewards::None,
-            o => {
-                return Err(format!(
-                    "`loss.scale_rewards`: expected group, batch or none, got `{o}`"
-                ));
-            }
-        };
-        let loss = LossConfig {
-            loss_type,
-            epsilon_low: self.loss.epsilon,
-            epsilon_high: self.loss.epsilon_high.unwrap_or(self.loss.epsilon),
-            delta: self.loss.delta,
-            beta: self.reference.beta,
-            kl_importance_correction: self.loss.use_bias_correction_kl,
-            importance_sampling_level,
-            max_completion_length: r.max_completion_length,
-        };
+        let loss = self.loss_config();
         loss.validate().map_err(|e| format!("`loss`: {e}"))?;
         if self.reference.sync_ref_model {
             if self.reference.beta == 0.0 {
@@ -924,12 +897,6 @@ impl TrainConfig {
         if o.adam_epsilon.is_nan() || o.adam_epsilon <= 0.0 {
             return Err("`optim.adam_epsilon` must be > 0".into());
         }
-        if !["constant", "linear", "cosine"].contains(&o.lr_scheduler_type.as_str()) {
-            return Err(format!(
-                "`optim.lr_scheduler_type`: expected constant, linear or cosine, got `{}`",
-                o.lr_scheduler_type
-            ));
-        }
         if !(0.0..1.0).contains(&o.warmup_ratio) {
             return Err("`optim.warmup_ratio` must be in [0, 1)".into());
         }
@@ -952,13 +919,8 @@ impl TrainConfig {
         if t.logging_steps == 0 {
             return Err("`train.logging_steps` must be >= 1".into());
         }
-        // A step: prompts × generations completions (GRPO), or prompts_per_step rows (SFT, DPO).
-        let n = if self.algorithm == "grpo" {
-            t.prompts_per_step * r.num_generations
-        } else {
-            t.prompts_per_step
-        };
-        let micro = match (t.per_device_train_batch_size, o.gradient_accumulation_steps) {
+        let n = self.completions_per_step();
+        match (t.per_device_train_batch_size, o.gradient_accumulation_steps) {
             (Some(0), _) => return Err("`train.per_device_train_batch_size` must be >= 1".into()),
             (_, Some(0)) => return Err("`optim.gradient_accumulation_steps` must be >= 1".into()),
             (Some(b), Some(ga)) if b * ga != n => {
@@ -966,17 +928,14 @@ impl TrainConfig {
                     "`train.per_device_train_batch_size` ({b}) × `optim.gradient_accumulation_steps` ({ga}) must equal prompts_per_step × num_generations ({n})"
                 ));
             }
-            (Some(b), _) => b,
-            (None, Some(ga)) => {
-                if !n.is_multiple_of(ga) {
-                    return Err(format!(
-                        "`optim.gradient_accumulation_steps` ({ga}) must divide prompts_per_step × num_generations ({n})"
-                    ));
-                }
-                n / ga
+            (None, Some(ga)) if !n.is_multiple_of(ga) => {
+                return Err(format!(
+                    "`optim.gradient_accumulation_steps` ({ga}) must divide prompts_per_step × num_generations ({n})"
+                ));
             }
-            (None, None) => n,
-        };
+            _ => {}
+        }
+        let micro = self.micro_batch();
         if micro > n {
             return Err(format!(
                 "`train.per_device_train_batch_size` ({micro}) is larger than a step's {n} completions"
@@ -985,6 +944,9 @@ impl TrainConfig {
         let p = &self.pipeline;
         if p.data_capacity == 0 || p.rollout_capacity == 0 || p.scored_capacity == 0 {
             return Err("`pipeline.*_capacity` must be >= 1 (channels are bounded)".into());
+        }
+        if p.events_capacity == 0 {
+            return Err("`pipeline.events_capacity` must be >= 1".into());
         }
         if p.scoring_batches == 0 {
             return Err("`pipeline.scoring_batches` must be >= 1".into());
@@ -998,13 +960,45 @@ impl TrainConfig {
         {
             return Err("`loss.vllm_importance_sampling_clip_max` must be > 0 and above `loss.vllm_importance_sampling_clip_min`".into());
         }
-        Ok(Resolved {
-            loss,
-            scale_rewards,
-            completions_per_step: n,
-            micro_batch: micro,
-            importance_sampling_mode,
-        })
+        Ok(())
+    }
+
+    /// grpo-core's loss options (β from `[reference]`).
+    pub fn loss_config(&self) -> LossConfig {
+        let l = &self.loss;
+        LossConfig {
+            loss_type: l.loss_type,
+            epsilon_low: l.epsilon,
+            epsilon_high: l.epsilon_high.unwrap_or(l.epsilon),
+            delta: l.delta,
+            beta: self.reference.beta,
+            kl_importance_correction: l.use_bias_correction_kl,
+            importance_sampling_level: l.importance_sampling_level,
+            max_completion_length: self.rollout.max_completion_length,
+        }
+    }
+
+    /// What one step trains on: prompts × generations completions (GRPO), or
+    /// `prompts_per_step` rows (SFT, DPO).
+    pub fn completions_per_step(&self) -> usize {
+        match self.algorithm {
+            Algorithm::Grpo => self.train.prompts_per_step * self.rollout.num_generations,
+            Algorithm::Sft | Algorithm::Dpo => self.train.prompts_per_step,
+        }
+    }
+
+    /// Completions (rows) per micro-batch: `per_device_train_batch_size`, else the step split
+    /// into `gradient_accumulation_steps`, else the whole step.
+    pub fn micro_batch(&self) -> usize {
+        let n = self.completions_per_step();
+        match (
+            self.train.per_device_train_batch_size,
+            self.optim.gradient_accumulation_steps,
+        ) {
+            (Some(b), _) => b.max(1),
+            (None, Some(ga)) => (n / ga.max(1)).max(1),
+            (None, None) => n,
+        }
     }
 
     /// The config as JSON with secrets removed (judge `api_key` values are never stored, but a
@@ -1036,21 +1030,6 @@ impl TrainConfig {
     }
 }
 
-/// `cpu`, `cuda`, `cuda:N`.
-pub fn parse_device(s: &str) -> std::result::Result<candle_core::Device, String> {
-    match s {
-        "cpu" => Ok(candle_core::Device::Cpu),
-        "cuda" => candle_core::Device::new_cuda(0).map_err(|e| first_line(&e.to_string())),
-        other => match other
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse::<usize>().ok())
-        {
-            Some(n) => candle_core::Device::new_cuda(n).map_err(|e| first_line(&e.to_string())),
-            None => Err(format!("expected cpu, cuda or cuda:N, got `{other}`")),
-        },
-    }
-}
-
 impl TrainConfig {
     /// The dtype the model is loaded and computes in: bf16 with `train.bf16`, else
     /// `model.dtype`.
@@ -1058,17 +1037,8 @@ impl TrainConfig {
         if self.train.bf16 {
             candle_core::DType::BF16
         } else {
-            parse_dtype(&self.model.dtype)
+            self.model.dtype.dtype()
         }
-    }
-}
-
-/// `f32`, `bf16`, `f16`.
-pub fn parse_dtype(s: &str) -> candle_core::DType {
-    match s {
-        "bf16" => candle_core::DType::BF16,
-        "f16" => candle_core::DType::F16,
-        _ => candle_core::DType::F32,
     }
 }
 

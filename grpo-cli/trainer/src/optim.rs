@@ -118,6 +118,13 @@ impl AdamW {
 
     /// Writes the moments and step to a safetensors file.
     pub fn save(&self, path: &Path) -> Result<()> {
+        save_state(&self.state()?, path)
+    }
+
+    /// The moments, master weights and step as named tensors (what [`AdamW::save`] writes).
+    /// They are never written in place, so the map stays this step's state while training
+    /// goes on: a checkpoint writer can save it on another thread.
+    pub fn state(&self) -> Result<HashMap<String, Tensor>> {
         let mut map: HashMap<String, Tensor> = HashMap::new();
         for (i, (name, _)) in self.vars.iter().enumerate() {
             map.insert(format!("{name}.exp_avg"), self.m[i].clone());
@@ -130,9 +137,7 @@ impl AdamW {
             "__step__".into(),
             Tensor::new(&[self.step as i64], &candle_core::Device::Cpu)?,
         );
-        candle_core::safetensors::save(&map, path)
-            .with_context(|| format!("{}: cannot write optimizer state", path.display()))?;
-        Ok(())
+        Ok(map)
     }
 
     /// Restores moments and step saved by [`AdamW::save`] for the same variables.
@@ -182,6 +187,12 @@ impl AdamW {
         self.step = step.first().copied().unwrap_or(0).max(0) as usize;
         Ok(())
     }
+}
+
+/// Writes an optimizer state ([`AdamW::state`]) to a safetensors file.
+pub fn save_state(state: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    candle_core::safetensors::save(state, path)
+        .with_context(|| format!("{}: cannot write optimizer state", path.display()))
 }
 
 /// Sums gradients of `vars` from several backward passes (accumulation).
@@ -245,8 +256,9 @@ pub struct Schedule {
     pub total: usize,
 }
 
-/// Schedule shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Schedule shapes (`optim.lr_scheduler_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ScheduleKind {
     /// Warm-up then flat.
     Constant,

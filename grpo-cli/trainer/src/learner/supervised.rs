@@ -9,7 +9,6 @@
 //!   under the policy and the frozen reference.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -17,11 +16,15 @@ use candle_core::{D, DType, Tensor};
 use grpo_core::preference::{DpoInputs, dpo_loss, sft_loss};
 use grpo_data::{Prompt, Sample};
 
-use super::{
-    Callbacks, Learner, Loader, Metrics, RunOptions, Setup, Stage, TrainingResult, chat_messages,
-    completion_logps, encode_prompt, epochs_of, peak_rss_mib,
-};
+use super::Learner;
+use super::batch::completion_logps;
+use crate::callbacks::{Callbacks, Metrics};
+use crate::config::Algorithm;
 use crate::optim::{accumulate, clip_grad_norm};
+use crate::pipeline::{RunOptions, TrainingResult};
+use crate::setup::Setup;
+use crate::stages::{Loader, Stage, chat_messages, encode_prompt};
+use crate::step_end::StepEnd;
 
 /// One tokenised row: the prompt, the completion(s) and, per completion token, whether it
 /// carries the loss.
@@ -50,7 +53,7 @@ pub fn rows(
         .iter()
         .map(|s| row(cfg, tok, s))
         .collect::<Result<Vec<_>>>()?;
-    if cfg.algorithm != "sft" || !cfg.sft.packing {
+    if cfg.algorithm != Algorithm::Sft || !cfg.sft.packing {
         return Ok(rows);
     }
     let (mut ids, mut mask) = (Vec::new(), Vec::new());
@@ -86,7 +89,7 @@ fn text_ids(tok: &grpo_rollout::Tokenizer, text: &str) -> Result<Vec<u32>> {
 
 fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
     let at = || format!("row {}", s.index);
-    if cfg.algorithm == "dpo" {
+    if cfg.algorithm == Algorithm::Dpo {
         let d = &cfg.dpo;
         let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
         let mut chosen = completion_ids(tok, s, &d.chosen_field)?;
@@ -254,12 +257,12 @@ impl Learner {
         train: bool,
     ) -> Result<Metrics> {
         let n = rows.len();
-        let micro = self.res.micro_batch.max(1);
+        let micro = self.cfg.micro_batch().max(1);
         let chunks: Vec<(usize, usize)> = (0..n)
             .step_by(micro)
             .map(|a| (a, (a + micro).min(n)))
             .collect();
-        let dpo = self.cfg.algorithm == "dpo";
+        let dpo = self.cfg.algorithm == Algorithm::Dpo;
         let total_tokens: f64 = rows
             .iter()
             .map(|r| r.mask.iter().map(|&m| f64::from(m)).sum::<f64>())
@@ -387,63 +390,38 @@ pub fn run(
     opts: &RunOptions,
     callbacks: &mut dyn Callbacks,
 ) -> Result<TrainingResult> {
-    let (mut learner, run_dir) = super::open_run(&setup, opts)?;
-    let start = learner.state.step;
-    let total = setup.total_steps;
-    let mut loader = Loader::new(&setup, start, learner.state.position)?;
+    let (mut learner, run_dir) = crate::run_dir::open_run(&setup, opts)?;
+    let mut loader = Loader::new(&setup, learner.state.step, learner.state.position)?;
     let mut dpo_ref: HashMap<u64, (f64, f64)> = HashMap::new();
-    callbacks.on_train_begin(total);
-    let mut result = TrainingResult {
-        run_dir: run_dir.clone(),
-        ..Default::default()
-    };
-    let mut progress = crate::progress::Progress::new(opts.progress, start, total);
-    while let Some(batch) = loader.process().context(Stage::Data)? {
-        let t0 = Instant::now();
-        let rows = rows(&setup.cfg, &setup.tokenizer, &batch.samples).context(Stage::Data)?;
-        let mut m = learner
-            .supervised_step(&rows, &mut dpo_ref, true)
-            .context(Stage::Learner)?;
-        learner.state.step = batch.step + 1;
-        learner.state.position = Some(batch.position);
-        learner.state.epoch = epochs_of(learner.state.position);
-        let step = learner.state.step;
-        let dt = t0.elapsed().as_secs_f64();
-        m.insert("step".into(), step as f64);
-        m.insert("epoch".into(), learner.state.epoch);
-        m.insert("step_time".into(), dt);
-        m.insert("peak_rss_mib".into(), peak_rss_mib());
-        if step.is_multiple_of(setup.cfg.train.logging_steps) || step == total {
-            learner.log_metrics(&m)?;
+    let mut ends = StepEnd::begin(&setup.cfg, opts, callbacks, &learner, &run_dir)?;
+    let outcome = (|| -> Result<()> {
+        while let Some(batch) = loader.process().context(Stage::Data)? {
+            let t0 = Instant::now();
+            let rows = rows(&setup.cfg, &setup.tokenizer, &batch.samples).context(Stage::Data)?;
+            ends.step_begin(&learner);
+            let m = learner
+                .supervised_step(&rows, &mut dpo_ref, true)
+                .context(Stage::Learner)?;
+            learner.state.step = batch.step + 1;
+            learner.state.position = Some(batch.position);
+            let secs = t0.elapsed().as_secs_f64();
+            let eval = |l: &mut Learner| {
+                let ev = setup.eval.as_ref()?;
+                Some(evaluate(&setup, l, ev, &mut dpo_ref))
+            };
+            if ends
+                .step_end(&mut learner, m, Vec::new(), None, secs, eval)
+                .context(Stage::Learner)?
+            {
+                break;
+            }
         }
-        progress.step(step, &m);
-        callbacks.on_step_end(step, &m);
-        if setup.cfg.train.eval_steps > 0
-            && step.is_multiple_of(setup.cfg.train.eval_steps)
-            && let Some(ev) = &setup.eval
-        {
-            let em = evaluate(&setup, &mut learner, ev, &mut dpo_ref)?;
-            learner.log_metrics(&em)?;
-            callbacks.on_evaluate(step, &em);
-        }
-        result.metrics.push(m);
-        let stop =
-            opts.stop.load(Ordering::SeqCst) || opts.stop_after.is_some_and(|k| step - start >= k);
-        let save_now =
-            setup.cfg.train.save_steps > 0 && step.is_multiple_of(setup.cfg.train.save_steps);
-        if save_now || step == total || stop {
-            result.best_checkpoint_path = Some(learner.save_checkpoint()?);
-        }
-        if stop {
-            result.interrupted = true;
-            break;
-        }
+        Ok(())
+    })();
+    match outcome {
+        Ok(()) => ends.finish(&learner),
+        Err(e) => Err(ends.fail(&mut learner, e)),
     }
-    progress.finish();
-    result.total_steps = learner.state.step;
-    result.total_epochs = learner.state.epoch;
-    callbacks.on_train_end(&result);
-    Ok(result)
 }
 
 /// The loss (and, for SFT, the perplexity; for DPO the reward metrics) on the eval split,
@@ -476,7 +454,7 @@ pub fn evaluate(
     for (k, v) in sums {
         out.insert(format!("eval/{k}"), v / f64::max(batches, 1.0));
     }
-    if setup.cfg.algorithm == "sft"
+    if setup.cfg.algorithm == Algorithm::Sft
         && let Some(l) = out.get("eval/loss").copied()
     {
         out.insert("eval/perplexity".into(), l.exp());

@@ -1,0 +1,268 @@
+//! Checkpoints: `checkpoints/step-N` holds the policy (a Hugging Face directory, or the PEFT
+//! adapter), the optimizer state, the synced reference (TR-DPO), `trainer_state.json` and the
+//! config, so a run resumes exactly. The learner takes a [`CheckpointJob`] (the step's tensors,
+//! which training no longer writes) and the events thread's [`CheckpointWriter`] writes it into
+//! a temporary directory renamed into place, then prunes beyond `train.save_total_limit`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use candle_core::Tensor;
+use grpo_rollout::{LoraConfig, Tokenizer, Transformer};
+
+use crate::events::{Event, EventSink};
+use crate::learner::{Learner, TrainerState};
+
+/// The learner state file of a checkpoint.
+pub const STATE_FILE: &str = "trainer_state.json";
+const OPT_FILE: &str = "optimizer.safetensors";
+const REF_FILE: &str = "reference.safetensors";
+
+/// Everything one checkpoint holds, taken from the learner between two steps.
+#[derive(Debug)]
+pub struct CheckpointJob {
+    /// `RUN_DIR/checkpoints/step-N`.
+    pub dir: PathBuf,
+    /// The policy: its trainable weights copied, the frozen ones shared.
+    pub model: Transformer,
+    /// Its adapter config (LoRA runs save the adapter only).
+    pub lora: Option<LoraConfig>,
+    /// The base model's path (the adapter's `base_model_name_or_path`).
+    pub base_model: String,
+    /// The tokenizer (full fine-tuning saves a whole model directory).
+    pub tokenizer: Tokenizer,
+    /// AdamW's moments, masters and step.
+    pub optimizer: HashMap<String, Tensor>,
+    /// The synced reference's weights (`reference.sync_ref_model`).
+    pub reference: Option<HashMap<String, Tensor>>,
+    /// `trainer_state.json`.
+    pub state: TrainerState,
+    /// `config.json` (secrets removed).
+    pub config: serde_json::Value,
+    /// Checkpoints kept at most (0 = all).
+    pub save_total_limit: usize,
+}
+
+impl CheckpointJob {
+    /// Writes the checkpoint atomically (a temporary directory renamed) and prunes the oldest
+    /// beyond `save_total_limit`.
+    pub fn write(&self) -> Result<()> {
+        let root = self
+            .dir
+            .parent()
+            .context("a checkpoint directory has a parent")?;
+        std::fs::create_dir_all(root)
+            .with_context(|| format!("{}: cannot create", root.display()))?;
+        let name = self
+            .dir
+            .file_name()
+            .context("a checkpoint directory has a name")?
+            .to_string_lossy()
+            .to_string();
+        let tmp = root.join(format!(".tmp-{name}"));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).ok();
+        }
+        std::fs::create_dir_all(&tmp)
+            .with_context(|| format!("{}: cannot create", tmp.display()))?;
+        match &self.lora {
+            Some(l) => grpo_rollout::lora::save_peft(
+                &self.model,
+                l,
+                &tmp.join("adapter"),
+                &self.base_model,
+            )?,
+            None => grpo_rollout::save_hf_dir(
+                &self.model,
+                &self.tokenizer,
+                &tmp.join("model"),
+                self.model.dtype(),
+            )?,
+        }
+        crate::optim::save_state(&self.optimizer, &tmp.join(OPT_FILE))?;
+        if let Some(map) = &self.reference {
+            candle_core::safetensors::save(map, tmp.join(REF_FILE))?;
+        }
+        std::fs::write(tmp.join(STATE_FILE), serde_json::to_vec_pretty(&self.state)?)?;
+        std::fs::write(
+            tmp.join("config.json"),
+            serde_json::to_vec_pretty(&self.config)?,
+        )?;
+        if self.dir.exists() {
+            std::fs::remove_dir_all(&self.dir)?;
+        }
+        std::fs::rename(&tmp, &self.dir)
+            .with_context(|| format!("{}: cannot rename into place", self.dir.display()))?;
+        if self.save_total_limit > 0
+            && let Some(run_dir) = root.parent()
+        {
+            let mut all = list_checkpoints(run_dir);
+            while all.len() > self.save_total_limit {
+                let (_, old) = all.remove(0);
+                std::fs::remove_dir_all(&old).ok();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The events-thread sink that writes [`Event::Checkpoint`]s.
+#[derive(Debug, Default)]
+pub struct CheckpointWriter;
+
+impl EventSink for CheckpointWriter {
+    fn on_event(&mut self, event: &Event) -> Result<()> {
+        match event {
+            Event::Checkpoint(job) => job
+                .write()
+                .with_context(|| format!("checkpoint {}", job.dir.display())),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Learner {
+    /// The checkpoint of the current state (`checkpoints/step-N`), to hand to the writer.
+    pub fn checkpoint_job(&mut self) -> Result<CheckpointJob> {
+        let dir = self
+            .run_dir
+            .join("checkpoints")
+            .join(format!("step-{}", self.state.step));
+        let reference = match (&self.reference, self.cfg.reference.sync_ref_model) {
+            (Some(r), true) => Some(r.weights().into_iter().collect()),
+            _ => None,
+        };
+        let job = CheckpointJob {
+            dir: dir.clone(),
+            model: self.policy.model.snapshot_trainable()?,
+            lora: self.policy.lora.clone(),
+            base_model: self.base_model.clone(),
+            tokenizer: self.tokenizer.clone(),
+            optimizer: self.opt.state()?,
+            reference,
+            state: self.state.clone(),
+            config: self.cfg.redacted_json(),
+            save_total_limit: self.cfg.train.save_total_limit,
+        };
+        self.checkpoints.retain(|p| p != &dir);
+        self.checkpoints.push(dir);
+        Ok(job)
+    }
+
+    /// Writes the checkpoint of the current state now, on this thread.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf> {
+        let job = self.checkpoint_job()?;
+        job.write()?;
+        Ok(job.dir)
+    }
+
+    /// Restores weights, optimizer, reference and state from a checkpoint.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        let state = read_state(dir)?;
+        let dtype = self.policy.model.dtype();
+        let weights: HashMap<String, Tensor> = match &self.policy.lora {
+            Some(_) => {
+                let p = dir.join("adapter").join("adapter_model.safetensors");
+                let raw = candle_core::safetensors::load(&p, &self.device)
+                    .with_context(|| format!("{}: cannot read the adapter", p.display()))?;
+                // PEFT keys carry the `base_model.model.` prefix and no adapter name.
+                let mut m = HashMap::new();
+                // Our LoRA variables are named by their PEFT keys.
+                for (k, _) in self.opt.vars() {
+                    let t = raw
+                        .get(k)
+                        .with_context(|| format!("{}: no `{k}`", p.display()))?;
+                    m.insert(k.clone(), t.clone());
+                }
+                m
+            }
+            None => {
+                let d = dir.join("model");
+                grpo_rollout::loader::read_safetensors(&d, &self.device)?
+                    .into_iter()
+                    .collect()
+            }
+        };
+        for (k, var) in self.opt.vars() {
+            let t = weights
+                .get(k)
+                .with_context(|| format!("{}: checkpoint has no weight `{k}`", dir.display()))?;
+            if t.dims() != var.dims() {
+                bail!(
+                    "{}: `{k}` has shape {:?}, the model's is {:?}",
+                    dir.display(),
+                    t.dims(),
+                    var.dims()
+                );
+            }
+            var.set(&t.to_dtype(dtype)?)?;
+        }
+        // Tied heads: the model shares the embedding tensor with its var, so nothing else to do.
+        self.opt.load(&dir.join(OPT_FILE))?;
+        if self.cfg.reference.sync_ref_model
+            && let Some(r) = &self.reference
+        {
+            let p = dir.join(REF_FILE);
+            let map = candle_core::safetensors::load(&p, &self.device)
+                .with_context(|| format!("{}: cannot read", p.display()))?;
+            self.reference = Some(Transformer::from_weights(
+                &r.cfg,
+                &map,
+                r.dtype(),
+                r.device(),
+            )?);
+        }
+        self.state = TrainerState {
+            max_steps: self.state.max_steps,
+            ..state
+        };
+        Ok(())
+    }
+}
+
+/// A checkpoint's `trainer_state.json`.
+pub fn read_state(dir: &Path) -> Result<TrainerState> {
+    let p = dir.join(STATE_FILE);
+    let text = std::fs::read(&p).with_context(|| {
+        format!("{}: not a complete checkpoint (no {STATE_FILE})", dir.display())
+    })?;
+    serde_json::from_slice(&text).with_context(|| format!("{}: invalid", p.display()))
+}
+
+/// Complete checkpoints of a run directory, oldest (lowest step) first.
+pub fn list_checkpoints(run_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(run_dir.join("checkpoints")) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(n) = name
+                .strip_prefix("step-")
+                .and_then(|n| n.parse::<usize>().ok())
+                && e.path().join(STATE_FILE).exists()
+            {
+                out.push((n, e.path()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Copies a directory tree.
+pub fn copy_dir(src: &Path, dst: &Path) -> Result<()> {
+    std::fs::create_dir_all(dst).with_context(|| format!("{}: cannot create", dst.display()))?;
+    for entry in
+        std::fs::read_dir(src).with_context(|| format!("{}: cannot read", src.display()))?
+    {
+        let entry = entry?;
+        let to = dst.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &to)?;
+        } else {
+            std::fs::copy(entry.path(), &to)
+                .with_context(|| format!("{}: cannot write", to.display()))?;
+        }
+    }
+    Ok(())
+}

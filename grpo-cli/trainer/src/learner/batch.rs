@@ -1,0 +1,158 @@
+//! Batch assembly: a step's completions as micro-batches of token rows and loss masks, and
+//! their per-token log-probs under a model ([`completion_logps`]).
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use grpo_rollout::{FinishReason, Transformer};
+
+use crate::stages::Scored;
+
+/// One GRPO step's completions, cut into micro-batches.
+#[derive(Debug)]
+pub struct StepBatch<'a> {
+    /// Each completion's prompt ids.
+    pub prompts: Vec<&'a [u32]>,
+    /// Each completion's ids.
+    pub completions: Vec<&'a [u32]>,
+    /// Completion lengths.
+    pub lens: Vec<usize>,
+    /// Whether a completion carries loss (not a masked truncation, not in a dropped group).
+    pub keep: Vec<bool>,
+    /// Loss tokens of the whole step (dapo's `num_items_in_batch`).
+    pub total_tokens: usize,
+    /// Micro-batches as `[a, b)` ranges of completions.
+    pub chunks: Vec<(usize, usize)>,
+}
+
+impl<'a> StepBatch<'a> {
+    /// The micro-batches of `micro` completions of a scored step; `mask_truncated` drops
+    /// completions cut at the length limit (TRL's `mask_truncated_completions`).
+    pub fn new(s: &'a Scored, eos: &[u32], micro: usize, mask_truncated: bool) -> Self {
+        let r = &s.rollouts;
+        let n = r.completions.len();
+        let prompts = r
+            .completions
+            .iter()
+            .map(|c| r.prompt_ids[c.prompt_index].as_slice())
+            .collect();
+        let completions = r
+            .completions
+            .iter()
+            .map(|c| c.token_ids.as_slice())
+            .collect();
+        let keep: Vec<bool> = r
+            .completions
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let truncated = c.finish_reason == FinishReason::Length
+                    && c.token_ids.last().is_none_or(|t| !eos.contains(t));
+                !(mask_truncated && truncated) && !s.zero_std[i]
+            })
+            .collect();
+        let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
+        let total_tokens = (0..n).filter(|&i| keep[i]).map(|i| lens[i]).sum();
+        let chunks = (0..n)
+            .step_by(micro.max(1))
+            .map(|a| (a, (a + micro).min(n)))
+            .collect();
+        Self {
+            prompts,
+            completions,
+            lens,
+            keep,
+            total_tokens,
+            chunks,
+        }
+    }
+
+    /// The completion mask `(b − a, c)` of micro-batch `[a, b)` padded to `c` tokens: 1 on the
+    /// tokens that carry loss.
+    pub fn mask(&self, a: usize, b: usize, c: usize, device: &Device) -> Result<Tensor> {
+        let mut m = Vec::with_capacity((b - a) * c);
+        for i in a..b {
+            let k = if self.keep[i] { self.lens[i] } else { 0 };
+            m.extend((0..c).map(|j| if j < k { 1f32 } else { 0f32 }));
+        }
+        Ok(Tensor::from_vec(m, (b - a, c), device)?)
+    }
+}
+
+/// Per-token log-probabilities (and entropies with `with_entropy`) of `completions` after
+/// `prompts` under `model`, left-padded with `pad` into one batch: `(logps, entropies, width)`.
+pub fn completion_logps(
+    model: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<(Tensor, Option<Tensor>, usize)> {
+    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
+    let c = completions
+        .iter()
+        .map(|x| x.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let b = prompts.len();
+    let device = model.device();
+    let mut distinct: Vec<&[u32]> = Vec::new();
+    let mut index: HashMap<&[u32], u32> = HashMap::new();
+    let prompt_of: Vec<u32> = prompts
+        .iter()
+        .map(|pr| {
+            *index.entry(pr).or_insert_with(|| {
+                distinct.push(pr);
+                (distinct.len() - 1) as u32
+            })
+        })
+        .collect();
+    // Rows padded to `width`: prompts on the left, completions on the right.
+    let push = |ids: &mut Vec<u32>, mask: &mut Vec<u32>, row: &[u32], width: usize, left: bool| {
+        let fill = width - row.len();
+        if left {
+            ids.extend(std::iter::repeat_n(pad, fill));
+            mask.extend(std::iter::repeat_n(0u32, fill));
+        }
+        ids.extend(row);
+        mask.extend(std::iter::repeat_n(1u32, row.len()));
+        if !left {
+            ids.extend(std::iter::repeat_n(pad, fill));
+            mask.extend(std::iter::repeat_n(0u32, fill));
+        }
+    };
+    if distinct.len() < b && prompts.iter().all(|pr| !pr.is_empty()) {
+        let u = distinct.len();
+        let (mut pids, mut pmask) = (Vec::with_capacity(u * p), Vec::with_capacity(u * p));
+        for pr in &distinct {
+            push(&mut pids, &mut pmask, pr, p, true);
+        }
+        let (mut cids, mut cmask) = (Vec::with_capacity(b * c), Vec::with_capacity(b * c));
+        for co in completions {
+            push(&mut cids, &mut cmask, co, c, false);
+        }
+        let (lp, ent) = model.shared_prompt_logprobs(
+            &Tensor::from_vec(pids, (u, p), device)?,
+            &Tensor::from_vec(pmask, (u, p), device)?,
+            &prompt_of,
+            &Tensor::from_vec(cids, (b, c), device)?,
+            &Tensor::from_vec(cmask, (b, c), device)?,
+            temperature,
+            with_entropy,
+        )?;
+        return Ok((lp, ent, c));
+    }
+    let mut ids = Vec::with_capacity(b * (p + c));
+    let mut mask = Vec::with_capacity(b * (p + c));
+    for (pr, co) in prompts.iter().zip(completions) {
+        push(&mut ids, &mut mask, pr, p, true);
+        push(&mut ids, &mut mask, co, c, false);
+    }
+    let ids = Tensor::from_vec(ids, (b, p + c), device)?;
+    let mask = Tensor::from_vec(mask, (b, p + c), device)?;
+    let (lp, ent) = model.completion_logprobs(&ids, &mask, c, temperature, with_entropy)?;
+    Ok((lp, ent, c))
+}

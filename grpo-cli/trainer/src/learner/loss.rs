@@ -1,0 +1,217 @@
+//! The GRPO step: log-probs of the old policy and the reference (no graph), TRL's off-policy
+//! importance weights, then for each of `num_iterations` passes the policy loss and its
+//! gradients over the micro-batches, and an optimizer update.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use candle_core::{DType, Tensor};
+use grpo_core::loss::{LossInputs, LossType, policy_loss};
+use grpo_rollout::Transformer;
+
+use super::Learner;
+use super::batch::{StepBatch, completion_logps};
+use super::metrics::{MeanOf, OffPolicyStats};
+use crate::callbacks::Metrics;
+use crate::optim::accumulate;
+use crate::stages::Scored;
+
+impl Learner {
+    pub(crate) fn logps(
+        &self,
+        model: &Transformer,
+        prompts: &[&[u32]],
+        completions: &[&[u32]],
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>, usize)> {
+        completion_logps(
+            model,
+            self.tokenizer.pad_token_id,
+            prompts,
+            completions,
+            self.cfg.rollout.temperature,
+            with_entropy,
+        )
+    }
+
+    /// One step: old and reference log-probs, `num_iterations` optimizer updates over the
+    /// micro-batches, metrics. Returns the step's metrics.
+    pub fn process(&mut self, s: &Scored) -> Result<Metrics> {
+        let t0 = Instant::now();
+        let r = &s.rollouts;
+        let eos = self.tokenizer.eos_token_ids.clone();
+        let batch = StepBatch::new(
+            s,
+            &eos,
+            self.cfg.micro_batch(),
+            self.cfg.loss.mask_truncated_completions,
+        );
+        // Off-policy samples: with `max_staleness` > 0 the generator may have sampled with an
+        // older version than the learner's current one, and samples of another model (the
+        // frozen teacher of `use_reference_teacher_model`, a rollout server) are off-policy
+        // whatever the staleness. Then the old log-probs come from the current policy and
+        // TRL's importance-sampling correction weighs each sample by its ratio to the sampling
+        // log-probs recorded at generation.
+        let correct = (self.cfg.pipeline.max_staleness > 0 || r.sampled_by_other_model)
+            && self.cfg.loss.vllm_importance_sampling_correction;
+        let need_old = self.cfg.optim.num_iterations > 1 || correct;
+        let (old, refs) = self.frozen_logps(&batch, need_old)?;
+        let mut off_policy = OffPolicyStats::default();
+        let mut is_weights = Vec::with_capacity(batch.chunks.len());
+        for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
+            is_weights.push(match (correct, &old[ci]) {
+                (true, Some(old_lp)) => {
+                    Some(self.importance_weights(s, &batch, a, b, old_lp, &mut off_policy)?)
+                }
+                _ => None,
+            });
+        }
+
+        let mut sums = MeanOf::default();
+        let (mut grad_norm, mut lr) = (0.0, 0.0);
+        for _ in 0..self.cfg.optim.num_iterations {
+            let grads = self.loss_and_grads(s, &batch, &old, &refs, &is_weights, &mut sums)?;
+            (grad_norm, lr) = self.optimizer_step(grads, r.batch.step)?;
+        }
+        self.state.step = r.batch.step + 1;
+        self.sync_reference()?;
+        let mut m = sums.into_metrics(self.cfg.optim.num_iterations);
+        if self.reference.is_none() {
+            m.insert("kl".into(), 0.0);
+        }
+        m.insert("grad_norm".into(), grad_norm);
+        m.insert("learning_rate".into(), lr);
+        self.step_metrics(s, &batch, &off_policy, &mut m);
+        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
+        self.state.position = Some(r.batch.position);
+        self.updating = false;
+        Ok(m)
+    }
+
+    /// Old-policy log-probs (when `need_old`) and reference log-probs of every micro-batch,
+    /// without a graph.
+    #[allow(clippy::type_complexity)]
+    fn frozen_logps(
+        &self,
+        batch: &StepBatch<'_>,
+        need_old: bool,
+    ) -> Result<(Vec<Option<Tensor>>, Vec<Option<Tensor>>)> {
+        let frozen = need_old.then(|| self.policy.model.detached());
+        let (mut old, mut refs) = (Vec::new(), Vec::new());
+        for &(a, b) in &batch.chunks {
+            let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+            for (model, out) in [(frozen.as_ref(), &mut old), (self.reference.as_ref(), &mut refs)]
+            {
+                out.push(match model {
+                    Some(m) => Some(self.logps(m, p, c, false)?.0.detach()),
+                    None => None,
+                });
+            }
+        }
+        Ok((old, refs))
+    }
+
+    /// TRL's importance weights of micro-batch `[a, b)`: the ratio of the learner's old
+    /// log-probs to the log-probs the tokens were sampled with.
+    fn importance_weights(
+        &self,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        a: usize,
+        b: usize,
+        old_lp: &Tensor,
+        stats: &mut OffPolicyStats,
+    ) -> Result<Tensor> {
+        let c = old_lp.dim(1)?;
+        let old_rows: Vec<Vec<f32>> = old_lp.to_dtype(DType::F32)?.to_vec2()?;
+        let mut sampled = Vec::with_capacity((b - a) * c);
+        for (comp, old_row) in s.rollouts.completions[a..b].iter().zip(&old_rows) {
+            // A server that gave no usable log-probs (see grpo_rollout::remote): weight 1.
+            if comp.logprobs.len() != comp.token_ids.len() {
+                sampled.extend(old_row);
+                continue;
+            }
+            sampled.extend((0..c).map(|j| comp.logprobs.get(j).copied().unwrap_or(0.0)));
+        }
+        let sampled =
+            Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(old_lp.dtype())?;
+        let mask = batch.mask(a, b, c, &self.device)?;
+        let l = &self.cfg.loss;
+        let w = grpo_core::loss::importance_weights(
+            old_lp,
+            &sampled,
+            &mask,
+            l.vllm_importance_sampling_mode,
+            l.vllm_importance_sampling_clip_min,
+            l.vllm_importance_sampling_clip_max,
+        )?;
+        stats.add(&w, old_lp, &sampled, &mask)?;
+        Ok(w)
+    }
+
+    /// One pass over the micro-batches: the policy loss of each, its backward, the gradients
+    /// summed; the loss, entropy, KL and clip ratios into `sums`.
+    fn loss_and_grads(
+        &self,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        old: &[Option<Tensor>],
+        refs: &[Option<Tensor>],
+        is_weights: &[Option<Tensor>],
+        sums: &mut MeanOf,
+    ) -> Result<HashMap<String, Tensor>> {
+        let loss_cfg = self.cfg.loss_config();
+        let ga = batch.chunks.len() as f64;
+        // dapo and cispo divide by the step's tokens already; the others average micro-batches.
+        let dapo_like = matches!(loss_cfg.loss_type, LossType::Dapo | LossType::Cispo);
+        let mut acc: HashMap<String, Tensor> = HashMap::new();
+        for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
+            let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+            let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
+            let mask = batch.mask(a, b, width, &self.device)?;
+            let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
+            let out = policy_loss(
+                &LossInputs {
+                    per_token_logps: &lp,
+                    old_per_token_logps: old[ci].as_ref(),
+                    ref_per_token_logps: refs[ci].as_ref(),
+                    advantages: &adv,
+                    completion_mask: &mask,
+                    num_items_in_batch: Some(batch.total_tokens as f64),
+                    importance_weights: is_weights[ci].as_ref(),
+                },
+                &loss_cfg,
+            )?;
+            let loss = if dapo_like {
+                out.loss
+            } else {
+                (out.loss / ga)?
+            };
+            let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if !lv.is_finite() {
+                bail!("non-finite loss ({lv}) at step {}", s.rollouts.batch.step);
+            }
+            sums.add("loss", if dapo_like { lv } else { lv * ga });
+            if let Some(e) = ent {
+                let msum = mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                if msum > 0.0 {
+                    let es = (e.detach() * &mask)?
+                        .sum_all()?
+                        .to_dtype(DType::F64)?
+                        .to_scalar::<f64>()?;
+                    sums.add("entropy", es / msum);
+                }
+            }
+            if self.reference.is_some() {
+                sums.add("kl", out.metrics.kl);
+            }
+            sums.add("clip_ratio/low_mean", out.metrics.clip_ratio_low_mean);
+            sums.add("clip_ratio/high_mean", out.metrics.clip_ratio_high_mean);
+            sums.add("clip_ratio/region_mean", out.metrics.clip_ratio_region_mean);
+            let grads = self.policy.model.backward(&loss)?;
+            accumulate(&mut acc, self.opt.vars(), &grads)?;
+        }
+        Ok(acc)
+    }
+}

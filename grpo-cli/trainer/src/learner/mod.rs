@@ -1,0 +1,139 @@
+//! The learner: the policy, its optimizer and the step that updates them. By concern:
+//!
+//! - [`batch`]: a step's completions as micro-batches, masks and log-probs;
+//! - [`loss`]: the GRPO step (old / reference log-probs, off-policy weights, the loss and its
+//!   gradients over the micro-batches);
+//! - [`step`]: the optimizer update (clipping, schedule, AdamW) and the reference sync;
+//! - [`metrics`]: the step's metrics by TRL's names;
+//! - [`supervised`]: the SFT and DPO steps on the same learner.
+//!
+//! Checkpoints of the learner are in [`crate::checkpoint`].
+
+pub mod batch;
+pub mod loss;
+pub mod metrics;
+pub mod step;
+pub mod supervised;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Result;
+use candle_core::Device;
+use grpo_data::Position;
+use grpo_rollout::{Tokenizer, TrainableModel, Transformer};
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+use crate::optim::{AdamW, AdamWParams, Schedule};
+use crate::setup::Setup;
+
+/// The learner's persistent state besides the weights (what callbacks read, and what a
+/// checkpoint's `trainer_state.json` holds).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Steps (generation batches) done.
+    pub step: usize,
+    /// Steps the run takes in all (TRL's `max_steps`).
+    #[serde(default)]
+    pub max_steps: usize,
+    /// Data position after the last trained batch.
+    pub position: Option<Position>,
+    /// Prompt + completion tokens trained on so far (TRL's `num_tokens`).
+    pub num_tokens: u64,
+    /// Passes over the data.
+    pub epoch: f64,
+    /// Optimizer updates done (step × num_iterations).
+    pub optimizer_steps: usize,
+}
+
+/// Computes the loss and updates the weights; its state is what checkpoints hold.
+pub struct Learner {
+    pub(crate) cfg: TrainConfig,
+    pub(crate) device: Device,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) policy: TrainableModel,
+    pub(crate) reference: Option<Transformer>,
+    pub(crate) opt: AdamW,
+    pub(crate) schedule: Schedule,
+    /// The reward set's weights, in its order (for the reward metrics).
+    pub(crate) reward_weights: Vec<f32>,
+    /// Progress so far.
+    pub state: TrainerState,
+    pub(crate) run_dir: PathBuf,
+    pub(crate) base_model: String,
+    /// Checkpoints written (or queued to the writer), oldest first.
+    pub checkpoints: Vec<PathBuf>,
+    /// True while a step has changed weights it has not finished: a checkpoint then would mix
+    /// two steps.
+    pub(crate) updating: bool,
+}
+
+impl std::fmt::Debug for Learner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Learner")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Learner {
+    /// Takes the policy out of `setup`.
+    pub fn new(setup: &Setup, run_dir: &Path) -> Result<Self> {
+        let o = &setup.cfg.optim;
+        let opt = AdamW::new(
+            setup.policy.vars.clone(),
+            AdamWParams {
+                beta1: o.adam_beta1,
+                beta2: o.adam_beta2,
+                eps: o.adam_epsilon,
+                weight_decay: o.weight_decay,
+            },
+        )?;
+        let opt = if setup.cfg.train.bf16 {
+            opt.with_master_weights()?
+        } else {
+            opt
+        };
+        let total_updates = setup.total_steps * o.num_iterations;
+        let warmup = if o.warmup_steps > 0 {
+            o.warmup_steps
+        } else {
+            (o.warmup_ratio * total_updates as f64).ceil() as usize
+        };
+        Ok(Self {
+            cfg: setup.cfg.clone(),
+            device: setup.device.clone(),
+            tokenizer: setup.tokenizer.clone(),
+            policy: setup.policy.clone(),
+            reference: setup.reference.clone(),
+            opt,
+            schedule: Schedule {
+                kind: o.lr_scheduler_type,
+                lr: o.learning_rate,
+                warmup,
+                total: total_updates,
+            },
+            reward_weights: setup.rewards.weights(),
+            state: TrainerState {
+                max_steps: setup.total_steps,
+                ..Default::default()
+            },
+            run_dir: run_dir.to_path_buf(),
+            base_model: setup.cfg.model.path.display().to_string(),
+            checkpoints: Vec::new(),
+            updating: false,
+        })
+    }
+
+    /// A detached copy of the current policy for the generator: the trainable weights copied
+    /// (for LoRA only the adapters), the frozen ones shared.
+    pub fn publish(&self) -> Result<Arc<Transformer>> {
+        Ok(Arc::new(self.policy.model.snapshot_trainable()?))
+    }
+
+    /// The trained policy (adapters unmerged).
+    pub fn policy(&self) -> &TrainableModel {
+        &self.policy
+    }
+}

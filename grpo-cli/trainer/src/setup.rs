@@ -1,0 +1,265 @@
+//! Everything a run needs, loaded and checked before any work starts: the config, the model
+//! (policy, reference, decoding copies share the frozen weights), tokenizer, data, rewards,
+//! the teaching protocol and the rollout server.
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result, anyhow, bail};
+use candle_core::Device;
+use grpo_data::Dataset;
+use grpo_rewards::RewardSet;
+use grpo_rollout::remote::RemoteGenerator;
+use grpo_rollout::{Tokenizer, TrainableModel, Transformer};
+use grpo_teacher::{LocalModel, TeachingProtocol};
+
+use crate::config::{Algorithm, Backend, TrainConfig};
+use crate::first_line;
+
+/// Everything a run needs, built and checked before any work starts.
+pub struct Setup {
+    /// The config as given.
+    pub cfg: TrainConfig,
+    /// Device of the model.
+    pub device: Device,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The policy being trained.
+    pub policy: TrainableModel,
+    /// The frozen reference model (when beta > 0).
+    pub reference: Option<Transformer>,
+    /// The rewards.
+    pub rewards: Arc<RewardSet>,
+    /// Training prompts.
+    pub train: Dataset,
+    /// Evaluation prompts.
+    pub eval: Option<Dataset>,
+    /// Generation batches of the whole run.
+    pub total_steps: usize,
+    /// The teaching protocol, when the config has `[teacher]`.
+    pub teaching: Option<Arc<TeachingProtocol>>,
+    /// The frozen model that writes the teachings when `teacher.use_reference_teacher_model`.
+    pub frozen_teacher: Option<Arc<Transformer>>,
+    /// The server of `rollout.backend = "openai"` (connected at setup).
+    pub remote: Option<Arc<Mutex<RemoteGenerator>>>,
+}
+
+impl std::fmt::Debug for Setup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Setup")
+            .field("model", &self.cfg.model.path)
+            .field("total_steps", &self.total_steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Loads the model, data and rewards and checks that they fit together.
+///
+/// `inverse_loss` and `coverage_ce` score with the model as loaded (the frozen reference, a
+/// detached copy); `reward_model` loads `reward_model_path`.
+pub fn setup(cfg: TrainConfig) -> Result<Setup> {
+    use grpo_rewards::RewardKind;
+    let needs_lm = used_rewards(&cfg).iter().any(|r| {
+        matches!(
+            r.kind,
+            RewardKind::InverseLoss(_) | RewardKind::CoverageCe(_)
+        )
+    });
+    let needs_rm = used_rewards(&cfg)
+        .iter()
+        .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
+    let rm_path = cfg.reward_model_path.clone();
+    let rm_dtype = cfg
+        .reward_model_dtype
+        .map_or_else(|| cfg.compute_dtype(), |d| d.dtype());
+    let rm_device = cfg.reward_model_device;
+    setup_with(cfg, move |model, tok| {
+        let mut m = grpo_rewards::ScoringModels::default();
+        if needs_lm {
+            let scorer = grpo_rollout::scoring::ModelScorer::new(&model.detached(), tok.clone());
+            m.language = Some(Arc::new(scorer));
+        }
+        if needs_rm {
+            let path = rm_path.context(
+                "config: a `reward_model` reward needs `reward_model_path` (a *ForSequenceClassification directory)",
+            )?;
+            let device = match rm_device {
+                Some(d) => d.device().map_err(|e| anyhow!("reward_model_device: {e}"))?,
+                None => model.device().clone(),
+            };
+            let rm = grpo_rollout::scoring::ClassifierModel::load(&path, rm_dtype, &device)
+                .map_err(|e| anyhow!("reward model: {}", first_line(&e.to_string())))?;
+            m.classifier = Some(Arc::new(rm));
+        }
+        Ok(m)
+    })
+}
+
+/// The rewards the run scores with: the config's `[[rewards]]` for GRPO; none for SFT and DPO,
+/// which never read them (a config shared with a GRPO run may keep its section).
+fn used_rewards(cfg: &TrainConfig) -> &[grpo_rewards::RewardSpec] {
+    if cfg.algorithm == Algorithm::Grpo {
+        &cfg.rewards
+    } else {
+        &[]
+    }
+}
+
+/// Checks that `data` has the columns the run reads: the answer column of an `accuracy` or
+/// `coverage_ce` reward; DPO's chosen and rejected completions; SFT's completion, unless the
+/// prompts are conversations whose assistant turns carry the loss.
+pub fn check_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()> {
+    for spec in used_rewards(cfg) {
+        let needs = match &spec.kind {
+            grpo_rewards::RewardKind::Accuracy(c) => Some(&c.answer_field),
+            grpo_rewards::RewardKind::CoverageCe(c) => Some(&c.answer_field),
+            _ => None,
+        };
+        if let Some(col) = needs {
+            data.require_column(col, &format!("the `{}` reward", spec.kind.type_name()))?;
+        }
+    }
+    supervised_columns(cfg, data)
+}
+
+/// Checks that the data has the columns SFT and DPO read.
+pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()> {
+    match cfg.algorithm {
+        Algorithm::Dpo => {
+            for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
+                data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
+            }
+        }
+        Algorithm::Sft if !data.conversation_prompts() => data.require_column(
+            &cfg.sft.completion_field,
+            "SFT (`sft.completion_field`, or conversational prompts with assistant turns)",
+        )?,
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Generation batches of a run over `rows` training rows: `train.max_steps`, else
+/// `num_train_epochs` passes of `prompts_per_step` rows (at least one step).
+pub fn total_steps(cfg: &TrainConfig, rows: u64) -> usize {
+    match cfg.train.max_steps {
+        Some(n) => n,
+        None => {
+            let per_epoch = rows as f64 / cfg.train.prompts_per_step as f64;
+            ((per_epoch * cfg.train.num_train_epochs).ceil() as usize).max(1)
+        }
+    }
+}
+
+/// [`setup`] with the scoring models (for `inverse_loss`, `coverage_ce`, `reward_model`)
+/// built by `models` from the loaded policy and tokenizer.
+pub fn setup_with(
+    cfg: TrainConfig,
+    models: impl FnOnce(&Transformer, &Tokenizer) -> Result<grpo_rewards::ScoringModels>,
+) -> Result<Setup> {
+    cfg.validate().map_err(|e| anyhow!("config: {e}"))?;
+    let device = cfg
+        .model
+        .device
+        .device()
+        .map_err(|e| anyhow!("config: `model.device`: {e}"))?;
+    let dtype = cfg.compute_dtype();
+    // Without data files the rows come later, from `fit` with a dataset.
+    let splits = match cfg.data.path.is_empty() {
+        true => grpo_data::Splits {
+            train: Dataset::empty(&cfg.data.prompt_field),
+            eval: None,
+        },
+        false => {
+            let splits = cfg
+                .data
+                .open(cfg.train.seed)
+                .map_err(|e| anyhow!("data: {e}"))?;
+            if splits.train.is_empty() {
+                bail!("data: {:?} has no rows", cfg.data.path);
+            }
+            check_columns(&cfg, &splits.train).map_err(|e| anyhow!("data: {e}"))?;
+            splits
+        }
+    };
+    let loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
+        .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
+    let scoring = models(&loaded.model, &loaded.tokenizer)?;
+    let mut rewards = if used_rewards(&cfg).is_empty() {
+        RewardSet::new()
+    } else {
+        cfg.rewards_config()
+            .build(&scoring)
+            .map_err(|e| anyhow!("config: {e}"))?
+    };
+    let (teaching, frozen_teacher) = match &cfg.teacher {
+        None => (None, None),
+        Some(t) => {
+            let reward = crate::teacher::teaching_reward(t, &scoring, &splits.train)?;
+            rewards.push_async_reward("adaptive_teaching", 1.0, Arc::new(reward));
+            let chat = cfg.rollout.chat_template;
+            let student = match &t.student_model {
+                Some(p) => {
+                    let sdev = match t.student_device {
+                        Some(d) => d
+                            .device()
+                            .map_err(|e| anyhow!("teacher.student_device: {e}"))?,
+                        None => device.clone(),
+                    };
+                    let sdtype = t.student_dtype.map_or(dtype, |d| d.dtype());
+                    LocalModel::load(p, sdtype, &sdev, chat)
+                        .map_err(|e| anyhow!("teacher.student_model: {e}"))?
+                }
+                None => LocalModel::new(&loaded.model.detached(), loaded.tokenizer.clone(), chat),
+            };
+            let protocol =
+                TeachingProtocol::new(t.clone(), student).map_err(|e| anyhow!("config: {e}"))?;
+            let frozen = if t.use_reference_teacher_model {
+                Some(Arc::new(loaded.model.detached()))
+            } else {
+                None
+            };
+            (Some(Arc::new(protocol)), frozen)
+        }
+    };
+    let mut policy = match &cfg.model.lora {
+        Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
+        None => TrainableModel::full(&loaded.model)?,
+    };
+    if cfg.train.gradient_checkpointing {
+        policy.model.enable_gradient_checkpointing();
+    }
+    // The loaded weights are never written in place (full fine-tuning trains its own copies),
+    // so every frozen model shares them: the reference, the scorers, the teacher.
+    let reference = if cfg.reference.beta > 0.0 || cfg.algorithm == Algorithm::Dpo {
+        Some(match &cfg.model.lora {
+            // LoRA: the policy's own base with its adapters switched off, as TRL does with
+            // peft: no copy at all.
+            Some(_) => policy.model.without_adapters(),
+            None => loaded.model.detached(),
+        })
+    } else {
+        None
+    };
+    let remote = if cfg.rollout.backend == Backend::Openai && cfg.algorithm == Algorithm::Grpo {
+        let g = RemoteGenerator::connect(cfg.rollout.openai.remote_config())
+            .map_err(|e| anyhow!("rollout.openai ({}): {e}", cfg.rollout.openai.base_url))?;
+        Some(Arc::new(Mutex::new(g)))
+    } else {
+        None
+    };
+    let total_steps = total_steps(&cfg, splits.train.len());
+    Ok(Setup {
+        device,
+        tokenizer: loaded.tokenizer,
+        policy,
+        reference,
+        rewards: Arc::new(rewards),
+        train: splits.train,
+        eval: splits.eval,
+        total_steps,
+        teaching,
+        frozen_teacher,
+        remote,
+        cfg,
+    })
+}

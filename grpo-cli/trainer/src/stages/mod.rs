@@ -1,0 +1,102 @@
+//! The stages of a GRPO step and what flows between them:
+//!
+//! ```text
+//! Loader ──PromptBatch──▶ Generator ──Rollouts──▶ Scorer ──Scored──▶ Learner
+//! ```
+//!
+//! Each stage is a plain struct with a `process` method; [`crate::pipeline`] runs them on
+//! threads (or in a plain loop, the reference semantics).
+
+pub mod generator;
+pub mod loader;
+pub mod scorer;
+
+pub use generator::{Generator, chat_messages, encode_prompt};
+pub use loader::{Loader, epochs_of};
+pub use scorer::Scorer;
+
+use grpo_data::{Position, Sample};
+use grpo_rewards::ScoredBatch;
+use grpo_rollout::Completion;
+use grpo_teacher::DiagnosticResult;
+
+/// Prompts of one step, with the data position after them (what a checkpoint stores).
+#[derive(Debug, Clone)]
+pub struct PromptBatch {
+    /// 0-based step index over the whole run.
+    pub step: usize,
+    /// The samples.
+    pub samples: Vec<Sample>,
+    /// Stream position after this batch.
+    pub position: Position,
+}
+
+/// Completions of one step.
+#[derive(Debug, Clone)]
+pub struct Rollouts {
+    /// The prompts.
+    pub batch: PromptBatch,
+    /// Prompt text as the model saw it (after the chat template).
+    pub prompt_texts: Vec<String>,
+    /// Prompt token ids (after left truncation).
+    pub prompt_ids: Vec<Vec<u32>>,
+    /// `num_generations` completions per prompt, grouped by prompt.
+    pub completions: Vec<Completion>,
+    /// The policy version that sampled them.
+    pub version: usize,
+    /// Seconds spent generating.
+    pub seconds: f64,
+    /// With `[teacher]`: each prompt's question and the student's diagnostic probe.
+    pub teaching: Option<Vec<(String, DiagnosticResult)>>,
+    /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`) or by
+    /// another engine (`rollout.backend = "openai"`): off-policy whatever the staleness.
+    pub sampled_by_other_model: bool,
+}
+
+/// The stage an error came from (attached as context to every stage error; `Display` is e.g.
+/// `scorer stage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The loader (grpo-data).
+    Data,
+    /// The generator (rollouts).
+    Generator,
+    /// The scorer (rewards, advantages).
+    Scorer,
+    /// The learner (loss, backward, optimizer, checkpoints, metrics).
+    Learner,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stage::Data => "data stage",
+            Stage::Generator => "generator stage",
+            Stage::Scorer => "scorer stage",
+            Stage::Learner => "learner stage",
+        })
+    }
+}
+
+
+/// Scored completions of one step.
+#[derive(Debug, Clone)]
+pub struct Scored {
+    /// The rollouts.
+    pub rollouts: Rollouts,
+    /// Per-function scores, combined rewards and reward metrics.
+    pub scores: ScoredBatch,
+    /// One advantage per completion.
+    pub advantages: Vec<f32>,
+    /// Whether each completion's group had zero reward std.
+    pub zero_std: Vec<bool>,
+    /// Seconds spent scoring.
+    pub seconds: f64,
+    /// Most batches the scorer had in flight while scoring this one (1 = alone).
+    pub batches_in_flight: usize,
+}
+
+/// A per-step seed of the run's seed and the step, the same on any machine.
+pub fn step_seed(seed: u64, step: u64) -> u64 {
+    grpo_data::rng::mix(seed, 0x6e6e_7261_7465, step)
+}

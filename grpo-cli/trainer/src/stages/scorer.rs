@@ -1,0 +1,254 @@
+//! The scorer stage: rewards of every completion (overlapping steps when a reward is an
+//! async judge), then group advantages.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Result, anyhow};
+use crossbeam_channel::bounded;
+use grpo_core::advantages::{ScaleRewards, group_advantages, reward_stds};
+use grpo_data::Prompt;
+use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
+use grpo_rollout::Tokenizer;
+use grpo_teacher::TeachingProtocol;
+
+use super::{Rollouts, Scored};
+use crate::setup::Setup;
+use crate::teacher::{TeacherLog, add_student_passes};
+
+/// Scores completions and computes advantages.
+#[derive(Debug)]
+pub struct Scorer {
+    rewards: Arc<RewardSet>,
+    scale_rewards: ScaleRewards,
+    num_generations: usize,
+    drop_zero_std: bool,
+    seed: u64,
+    tokenizer: Tokenizer,
+    teaching: Option<Arc<TeachingProtocol>>,
+    /// `teacher_log.jsonl`.
+    teacher_log: Option<TeacherLog>,
+}
+
+impl Scorer {
+    /// For a run's rewards.
+    pub fn new(setup: &Setup) -> Self {
+        Self {
+            rewards: setup.rewards.clone(),
+            scale_rewards: setup.cfg.loss.scale_rewards,
+            num_generations: setup.cfg.rollout.num_generations,
+            drop_zero_std: setup.cfg.loss.drop_zero_std_groups,
+            seed: setup.cfg.train.seed,
+            tokenizer: setup.tokenizer.clone(),
+            teaching: setup.teaching.clone(),
+            teacher_log: TeacherLog::of(&setup.cfg),
+        }
+    }
+
+    /// Without the teaching log (evaluation).
+    pub fn without_logs(mut self) -> Self {
+        self.teacher_log = None;
+        self
+    }
+
+    /// Reward inputs of every completion. With `[teacher]` the student answers with each
+    /// teaching and without (cached per problem) first, and the inputs carry both answers.
+    pub fn inputs(&self, r: &Rollouts) -> Result<Vec<RewardInput>> {
+        let mut inputs = Self::plain_inputs(r);
+        if let Some(tp) = &self.teaching {
+            add_student_passes(tp, &self.tokenizer, self.seed, r, &mut inputs)?;
+        }
+        Ok(inputs)
+    }
+
+    fn plain_inputs(r: &Rollouts) -> Vec<RewardInput> {
+        r.completions
+            .iter()
+            .map(|c| {
+                let s = &r.batch.samples[c.prompt_index];
+                let mut x =
+                    RewardInput::new(r.prompt_texts[c.prompt_index].clone(), c.text.clone())
+                        .with_tokens(c.token_ids.len());
+                if let Prompt::Conversation(m) = &s.prompt {
+                    x = x.with_messages(
+                        m.iter()
+                            .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                            .collect(),
+                    );
+                }
+                for (k, v) in &s.columns {
+                    x = x.with_field(k.to_string(), to_field(v));
+                }
+                x
+            })
+            .collect()
+    }
+
+    /// Scores one step.
+    pub fn process(&mut self, rollouts: Rollouts) -> Result<Scored> {
+        let t0 = Instant::now();
+        let inputs = self.inputs(&rollouts)?;
+        let scores = self.rewards.score(&inputs).map_err(|e| anyhow!("{e}"))?;
+        self.finish(rollouts, &inputs, scores, t0.elapsed().as_secs_f64(), 1)
+    }
+
+    /// Whether batches can usefully overlap in scoring (some reward is an async judge).
+    pub fn overlaps(&self) -> bool {
+        self.rewards.has_async()
+    }
+
+    /// Starts scoring a step in the background; `on_done` gets the scores.
+    pub fn start(
+        &self,
+        inputs: Vec<RewardInput>,
+        on_done: impl FnOnce(grpo_rewards::Result<ScoredBatch>) + Send + 'static,
+    ) -> Result<grpo_rewards::ScoreTask> {
+        self.rewards
+            .spawn_score(inputs, on_done)
+            .map_err(|e| anyhow!("{e}"))
+    }
+
+    /// Advantages of a scored step.
+    pub fn finish(
+        &self,
+        rollouts: Rollouts,
+        inputs: &[RewardInput],
+        scores: ScoredBatch,
+        seconds: f64,
+        batches_in_flight: usize,
+    ) -> Result<Scored> {
+        if let Some(log) = &self.teacher_log {
+            log.write(&rollouts, inputs, &scores)?;
+        }
+        let g = self.num_generations;
+        let advantages = group_advantages(&scores.rewards, g, self.scale_rewards);
+        let stds = reward_stds(&scores.rewards, g, self.scale_rewards);
+        let zero_std: Vec<bool> = (0..scores.rewards.len())
+            .map(|i| {
+                let gi = i / g;
+                let group = &scores.rewards[gi * g..(gi + 1) * g];
+                let s = stds.get(i).copied().unwrap_or(f64::NAN);
+                self.drop_zero_std && (s.abs() <= 1e-8 || group.iter().all(|r| r.is_nan()))
+            })
+            .collect();
+        Ok(Scored {
+            rollouts,
+            scores,
+            advantages,
+            zero_std,
+            seconds,
+            batches_in_flight,
+        })
+    }
+
+    /// limits still bound them all); otherwise one step at a time. Stops when `input` closes or
+    /// `output`'s receiver is gone; dropping unfinished work cancels it.
+    pub fn run_stage(
+        &mut self,
+        input: &crossbeam_channel::Receiver<Rollouts>,
+        output: &crossbeam_channel::Sender<Scored>,
+        max_in_flight: usize,
+    ) -> Result<()> {
+        if !self.overlaps() {
+            for r in input.iter() {
+                if output.send(self.process(r)?).is_err() {
+                    break;
+                }
+            }
+            return Ok(());
+        }
+        struct Pending {
+            rollouts: Rollouts,
+            inputs: Vec<RewardInput>,
+            started: Instant,
+            in_flight: usize,
+            result: Option<grpo_rewards::Result<ScoredBatch>>,
+            _task: grpo_rewards::ScoreTask,
+        }
+        let max_in_flight = max_in_flight.max(1);
+        // Each task reports once and at most `max_in_flight` are pending: never blocks.
+        let (done_tx, done_rx) = bounded::<(u64, grpo_rewards::Result<ScoredBatch>)>(max_in_flight);
+        let mut pending: std::collections::VecDeque<(u64, Pending)> = Default::default();
+        let mut next_id = 0u64;
+        let mut open = true;
+        loop {
+            // Hand on the finished steps at the front, in order.
+            while pending.front().is_some_and(|(_, p)| p.result.is_some()) {
+                let Some((_, p)) = pending.pop_front() else {
+                    break;
+                };
+                let scores = match p.result {
+                    Some(r) => r.map_err(|e| anyhow!("{e}"))?,
+                    None => continue,
+                };
+                let dt = p.started.elapsed().as_secs_f64();
+                let scored = self.finish(p.rollouts, &p.inputs, scores, dt, p.in_flight)?;
+                if output.send(scored).is_err() {
+                    return Ok(());
+                }
+            }
+            if !open && pending.is_empty() {
+                return Ok(());
+            }
+            let record = |pending: &mut std::collections::VecDeque<(u64, Pending)>,
+                          id: u64,
+                          r: grpo_rewards::Result<ScoredBatch>| {
+                if let Some((_, p)) = pending.iter_mut().find(|(i, _)| *i == id) {
+                    p.result = Some(r);
+                }
+            };
+            if open && pending.len() < max_in_flight {
+                crossbeam_channel::select! {
+                    recv(input) -> msg => match msg {
+                        Ok(r) => {
+                            let id = next_id;
+                            next_id += 1;
+                            let tx = done_tx.clone();
+                            let started = Instant::now();
+                            let inputs = self.inputs(&r)?;
+                            let task = self.start(inputs.clone(), move |res| {
+                                let _ = tx.send((id, res));
+                            })?;
+                            let n = pending.len() + 1;
+                            for (_, p) in pending.iter_mut() {
+                                p.in_flight = p.in_flight.max(n);
+                            }
+                            pending.push_back((id, Pending {
+                                rollouts: r,
+                                inputs,
+                                started,
+                                in_flight: n,
+                                result: None,
+                                _task: task,
+                            }));
+                        }
+                        Err(_) => open = false,
+                    },
+                    recv(done_rx) -> msg => {
+                        if let Ok((id, r)) = msg {
+                            record(&mut pending, id, r);
+                        }
+                    }
+                }
+            } else if let Ok((id, r)) = done_rx.recv() {
+                record(&mut pending, id, r);
+            }
+        }
+    }
+}
+
+fn to_field(v: &grpo_data::Value) -> FieldValue {
+    match v {
+        grpo_data::Value::Null => FieldValue::Null,
+        grpo_data::Value::Bool(b) => FieldValue::Bool(*b),
+        grpo_data::Value::Int(i) => FieldValue::Int(*i),
+        grpo_data::Value::Float(f) => FieldValue::Float(*f),
+        grpo_data::Value::Str(s) => FieldValue::Str(s.clone()),
+        grpo_data::Value::StrList(l) => FieldValue::StrList(l.clone()),
+        grpo_data::Value::Messages(m) => FieldValue::StrList(
+            m.iter()
+                .map(|m| format!("{}: {}", m.role, m.content))
+                .collect(),
+        ),
+    }
+}

@@ -1,0 +1,353 @@
+//! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
+//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`]) or chosen by name
+//! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, anyhow, bail};
+use grpo_rewards::{AsyncReward, Reward};
+
+use crate::callbacks::Callbacks;
+use crate::config::{Algorithm, TrainConfig};
+use crate::pipeline::{RunOptions, TrainingResult};
+use crate::setup::Setup;
+
+/// What a [`Trainer`] type fixes about its algorithm.
+pub trait TrainerKind {
+    /// The algorithm, or `None` when it is chosen at run time ([`ByName`]).
+    const ALGORITHM: Option<Algorithm>;
+}
+
+/// GRPO (rewards, advantages, clipped policy loss).
+#[derive(Debug, Clone, Copy)]
+pub struct Grpo;
+/// Supervised fine-tuning (`[sft]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Sft;
+/// Direct preference optimisation (`[dpo]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Dpo;
+/// The algorithm chosen at run time by name ([`create_trainer`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ByName;
+
+impl TrainerKind for Grpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Grpo);
+}
+impl TrainerKind for Sft {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Sft);
+}
+impl TrainerKind for Dpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Dpo);
+}
+impl TrainerKind for ByName {
+    const ALGORITHM: Option<Algorithm> = None;
+}
+
+/// A trainer whose algorithm was chosen by name.
+pub type AnyTrainer = Trainer<ByName>;
+/// A GRPO trainer.
+pub type GrpoTrainer = Trainer<Grpo>;
+/// An SFT trainer.
+pub type SftTrainer = Trainer<Sft>;
+/// A DPO trainer.
+pub type DpoTrainer = Trainer<Dpo>;
+
+/// The algorithms [`create_trainer`] knows, sorted.
+pub fn list_algorithms() -> Vec<&'static str> {
+    let mut v: Vec<&str> = Algorithm::ALL.iter().map(|a| a.as_str()).collect();
+    v.sort_unstable();
+    v
+}
+
+/// The algorithm of a name (`"grpo"`, `"sft"`, `"dpo"`), or an error listing them.
+pub fn get_algorithm(name: &str) -> Result<Algorithm> {
+    name.parse().map_err(|e: String| anyhow!(e))
+}
+
+/// A trainer of any algorithm, by name: `cfg.algorithm` is set to it and the model loaded from
+/// `path`.
+pub fn create_trainer(
+    algorithm: &str,
+    path: impl AsRef<Path>,
+    mut cfg: TrainConfig,
+) -> Result<AnyTrainer> {
+    cfg.algorithm = get_algorithm(algorithm)?;
+    cfg.model.path = path.as_ref().to_path_buf();
+    Trainer::build(cfg)
+}
+
+/// What [`Trainer::fit_with`] takes, as NeMo RL's `fit(dataset, reward_fn, max_steps,
+/// max_epochs, callbacks)`: each left unset keeps what the config says.
+#[derive(Default)]
+pub struct FitOptions {
+    dataset: Option<grpo_data::Dataset>,
+    eval_dataset: Option<grpo_data::Dataset>,
+    rewards: Vec<(String, f32, RewardFn)>,
+    max_steps: Option<usize>,
+    max_epochs: Option<f64>,
+    callbacks: Option<Box<dyn Callbacks>>,
+}
+
+enum RewardFn {
+    Sync(Arc<dyn Reward>),
+    Async(Arc<dyn AsyncReward>),
+}
+
+impl std::fmt::Debug for FitOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FitOptions")
+            .field("dataset_rows", &self.dataset.as_ref().map(|d| d.len()))
+            .field("rewards", &self.rewards.iter().map(|r| &r.0).collect::<Vec<_>>())
+            .field("max_steps", &self.max_steps)
+            .field("max_epochs", &self.max_epochs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FitOptions {
+    /// Train on these prompts instead of the config's `data` files.
+    pub fn dataset(mut self, train: grpo_data::Dataset) -> Self {
+        self.dataset = Some(train);
+        self
+    }
+
+    /// Evaluate on these prompts (with `train.eval_steps`).
+    pub fn eval_dataset(mut self, eval: grpo_data::Dataset) -> Self {
+        self.eval_dataset = Some(eval);
+        self
+    }
+
+    /// Adds a reward function (GRPO), weighted as the config's rewards are: any
+    /// `Fn(&[RewardInput]) -> Vec<Option<f32>>` or a [`Reward`].
+    pub fn reward(mut self, name: impl Into<String>, weight: f32, f: impl Reward + 'static) -> Self {
+        self.rewards
+            .push((name.into(), weight, RewardFn::Sync(Arc::new(f))));
+        self
+    }
+
+    /// Adds an asynchronous reward (an [`AsyncReward`], e.g. a judge of your own).
+    pub fn async_reward(
+        mut self,
+        name: impl Into<String>,
+        weight: f32,
+        f: impl AsyncReward + 'static,
+    ) -> Self {
+        self.rewards
+            .push((name.into(), weight, RewardFn::Async(Arc::new(f))));
+        self
+    }
+
+    /// Steps to train (overrides `train.max_steps`).
+    pub fn max_steps(mut self, n: usize) -> Self {
+        self.max_steps = Some(n);
+        self
+    }
+
+    /// Passes over the data (overrides `train.num_train_epochs`; used when no `max_steps`).
+    pub fn max_epochs(mut self, epochs: f64) -> Self {
+        self.max_epochs = Some(epochs);
+        self
+    }
+
+    /// Hooks called during the run (replaces [`Trainer::with_callbacks`]'s).
+    pub fn callbacks(mut self, cb: impl Callbacks + 'static) -> Self {
+        self.callbacks = Some(Box::new(cb));
+        self
+    }
+}
+
+/// A run: a validated setup (model, data, rewards or preference pairs) plus run options,
+/// trained by [`Trainer::fit`]. One builder and one learner for the three algorithms.
+pub struct Trainer<K = Grpo> {
+    setup: Option<Setup>,
+    /// Resume, threading, stop and event-sink options.
+    pub options: RunOptions,
+    callbacks: Box<dyn Callbacks>,
+    step: usize,
+    last_checkpoint: Option<std::path::PathBuf>,
+    kind: std::marker::PhantomData<K>,
+}
+
+impl<K> std::fmt::Debug for Trainer<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("setup", &self.setup)
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K: TrainerKind> Trainer<K> {
+    /// Loads the model and data of `cfg` (with `algorithm` set to this trainer's) and checks
+    /// them.
+    pub fn from_config(mut cfg: TrainConfig) -> Result<Self> {
+        if let Some(a) = K::ALGORITHM {
+            cfg.algorithm = a;
+        }
+        Self::build(cfg)
+    }
+
+    /// `cfg` with `model.path = path` (NeMo RL's `from_pretrained(...)`).
+    pub fn from_pretrained(path: impl AsRef<Path>, mut cfg: TrainConfig) -> Result<Self> {
+        cfg.model.path = path.as_ref().to_path_buf();
+        Self::from_config(cfg)
+    }
+}
+
+impl<K> Trainer<K> {
+    fn build(cfg: TrainConfig) -> Result<Self> {
+        Ok(Self {
+            setup: Some(crate::setup::setup(cfg)?),
+            options: RunOptions::default(),
+            callbacks: Box::new(crate::callbacks::NoCallbacks),
+            step: 0,
+            last_checkpoint: None,
+            kind: std::marker::PhantomData,
+        })
+    }
+
+    fn setup_mut(&mut self) -> Result<&mut Setup> {
+        self.setup
+            .as_mut()
+            .ok_or_else(|| anyhow!("this trainer has already been fitted"))
+    }
+
+    /// Sets the callbacks.
+    pub fn with_callbacks(mut self, cb: impl Callbacks + 'static) -> Self {
+        self.callbacks = Box::new(cb);
+        self
+    }
+
+    /// Adds a reward function (GRPO) beside the config's, with its weight: any
+    /// `Fn(&[RewardInput]) -> Vec<Option<f32>>` or a [`Reward`]. Its metrics are
+    /// `rewards/{name}/mean|std`.
+    pub fn with_reward(
+        mut self,
+        name: impl Into<String>,
+        weight: f32,
+        f: impl Reward + 'static,
+    ) -> Result<Self> {
+        self.push_reward(name.into(), weight, RewardFn::Sync(Arc::new(f)))?;
+        Ok(self)
+    }
+
+    /// Adds an asynchronous reward (an [`AsyncReward`]) beside the config's.
+    pub fn with_async_reward(
+        mut self,
+        name: impl Into<String>,
+        weight: f32,
+        f: impl AsyncReward + 'static,
+    ) -> Result<Self> {
+        self.push_reward(name.into(), weight, RewardFn::Async(Arc::new(f)))?;
+        Ok(self)
+    }
+
+    fn push_reward(&mut self, name: String, weight: f32, f: RewardFn) -> Result<()> {
+        let s = self.setup_mut()?;
+        if s.cfg.algorithm != Algorithm::Grpo {
+            bail!("reward `{name}`: only GRPO scores completions with rewards");
+        }
+        let set = Arc::get_mut(&mut s.rewards)
+            .context("the reward set is in use; add rewards before fit()")?;
+        if set.names().contains(&name.as_str()) {
+            bail!("reward `{name}`: a reward of that name exists already");
+        }
+        match f {
+            RewardFn::Sync(r) => set.push_reward(name, weight, r),
+            RewardFn::Async(r) => set.push_async_reward(name, weight, r),
+        }
+        Ok(())
+    }
+
+    /// Steps the run will take.
+    pub fn total_steps(&self) -> usize {
+        self.setup.as_ref().map_or(self.step, |s| s.total_steps)
+    }
+
+    /// Steps done: 0 before [`Self::fit`], the checkpoint's step after
+    /// [`Self::load_checkpoint`], the last step after `fit`.
+    pub fn current_step(&self) -> usize {
+        self.step
+    }
+
+    /// Continues from a checkpoint directory (`checkpoints/step-N`) when [`Self::fit`] runs:
+    /// weights, optimizer, schedule, data position and step, exactly.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let st = crate::checkpoint::read_state(dir)?;
+        self.step = st.step;
+        self.options.resume = Some(Some(dir.to_path_buf()));
+        Ok(())
+    }
+
+    /// [`Self::fit`] on `train` (and `eval`) instead of the config's files (NeMo RL's
+    /// `fit(dataset)`); without `train.max_steps` the steps follow the new dataset's size.
+    pub fn fit_on(
+        &mut self,
+        train: grpo_data::Dataset,
+        eval: Option<grpo_data::Dataset>,
+    ) -> Result<TrainingResult> {
+        let mut o = FitOptions::default().dataset(train);
+        o.eval_dataset = eval;
+        self.fit_with(o)
+    }
+
+    /// Trains with what `opts` gives (dataset, reward functions, step or epoch budget,
+    /// callbacks) in place of the config's, as NeMo RL's `fit(...)`.
+    pub fn fit_with(&mut self, opts: FitOptions) -> Result<TrainingResult> {
+        for (name, weight, f) in opts.rewards {
+            self.push_reward(name, weight, f)?;
+        }
+        if let Some(cb) = opts.callbacks {
+            self.callbacks = cb;
+        }
+        let s = self.setup_mut()?;
+        if let Some(train) = opts.dataset {
+            if train.is_empty() {
+                bail!("fit: the training dataset has no rows");
+            }
+            crate::setup::check_columns(&s.cfg, &train).map_err(|e| anyhow!("fit: {e}"))?;
+            s.train = train;
+        }
+        if opts.eval_dataset.is_some() {
+            s.eval = opts.eval_dataset;
+        }
+        if opts.max_steps == Some(0) || opts.max_epochs.is_some_and(|e| e.is_nan() || e <= 0.0) {
+            bail!("fit: max_steps must be >= 1 and max_epochs > 0");
+        }
+        if opts.max_steps.is_some() {
+            s.cfg.train.max_steps = opts.max_steps;
+        }
+        if let Some(e) = opts.max_epochs {
+            s.cfg.train.num_train_epochs = e;
+        }
+        s.total_steps = crate::setup::total_steps(&s.cfg, s.train.len());
+        self.fit()
+    }
+
+    /// Trains to the end (or to a stop request) and returns the metrics; checkpoints go to the
+    /// run directory (`checkpoints/step-N`, see [`TrainingResult::best_checkpoint_path`]).
+    /// A trainer fits once.
+    pub fn fit(&mut self) -> Result<TrainingResult> {
+        let setup = self
+            .setup
+            .take()
+            .ok_or_else(|| anyhow!("this trainer has already been fitted"))?;
+        let r = crate::pipeline::run(setup, &self.options, self.callbacks.as_mut())?;
+        self.step = r.total_steps;
+        self.last_checkpoint = r.best_checkpoint_path.clone();
+        Ok(r)
+    }
+
+    /// Writes the trainer's state after [`Self::fit`] (weights or adapter, optimizer, schedule
+    /// and data position: the checkpoint `fit` ended with) to `dir`, which
+    /// [`Self::load_checkpoint`] and `--resume DIR` read.
+    pub fn save_checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let src = self.last_checkpoint.as_ref().ok_or_else(|| {
+            anyhow!("save_checkpoint: nothing to save before fit() has run")
+        })?;
+        crate::checkpoint::copy_dir(src, dir.as_ref())
+    }
+}
