@@ -7,8 +7,8 @@ use std::path::Path;
 use std::process::Command;
 
 use candle_core::{DType, Device};
-use grpo_cli::config;
-use grpo_cli::trainer::{self, RunOptions};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
@@ -33,7 +33,7 @@ fn train(root: &Path, name: &str, extra: &str) -> std::path::PathBuf {
     let p = root.join(format!("{name}.toml"));
     std::fs::write(&p, text).unwrap();
     let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
-    let r = trainer::run(s, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap();
+    let r = trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
     r.best_checkpoint_path.unwrap()
 }
 

@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use grpo_cli::config;
-use grpo_cli::trainer::{self, RunOptions};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions};
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
 
@@ -77,8 +77,8 @@ fn setup(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) ->
     trainer::setup(config::load(&p, &[]).unwrap()).unwrap()
 }
 
-fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_cli::TrainingResult {
-    trainer::run(s, opts, &mut grpo_cli::NoCallbacks).unwrap()
+fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_trainer::TrainingResult {
+    trainer::run(s, opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
 
 /// The first `n` rows of a dataset, in file order.
@@ -96,7 +96,7 @@ fn first_rows(d: &grpo_data::Dataset, n: usize) -> Vec<grpo_data::Sample> {
         .unwrap()
 }
 
-fn mean(ms: &[grpo_cli::Metrics], k: &str) -> f64 {
+fn mean(ms: &[grpo_trainer::Metrics], k: &str) -> f64 {
     ms.iter().map(|m| m[k]).sum::<f64>() / ms.len() as f64
 }
 
@@ -274,22 +274,22 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     let s = setup(dir.path(), "api-seed", "sft", 4, "");
     let cfg = s.cfg.clone();
     drop(s);
-    assert_eq!(grpo_cli::list_algorithms(), vec!["dpo", "grpo", "sft"]);
+    assert_eq!(grpo_trainer::list_algorithms(), vec!["dpo", "grpo", "sft"]);
     assert!(
-        grpo_cli::create_trainer("ppo", dir.path().join("model"), cfg.clone())
+        grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
             .contains("expected one of dpo, grpo, sft")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
-    let mut t = grpo_cli::create_trainer("sft", dir.path().join("model"), c).unwrap();
+    let mut t = grpo_trainer::create_trainer("sft", dir.path().join("model"), c).unwrap();
     assert_eq!((t.current_step(), t.total_steps()), (0, 4));
     assert!(t.save_checkpoint(dir.path().join("early")).is_err());
     let all = t.fit().unwrap();
     assert_eq!(t.current_step(), 4);
     t.save_checkpoint(dir.path().join("saved")).unwrap();
-    let mut u = grpo_cli::SftTrainer::from_config(cfg.clone()).unwrap();
+    let mut u = grpo_trainer::SftTrainer::from_config(cfg.clone()).unwrap();
     u.load_checkpoint(dir.path().join("saved")).unwrap();
     assert_eq!(u.current_step(), 4);
     assert!(
@@ -301,11 +301,11 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
 
     // The typed trainers: DPO sets its algorithm whatever the config says.
     let mut c = cfg.clone();
-    c.algorithm = "grpo".into();
+    c.algorithm = grpo_trainer::Algorithm::Grpo;
     c.data.path = vec![dir.path().join("dpo.jsonl").display().to_string()];
     c.output_dir = dir.path().join("api-dpo");
     c.train.max_steps = Some(1);
-    let r = grpo_cli::DpoTrainer::from_pretrained(dir.path().join("model"), c)
+    let r = grpo_trainer::DpoTrainer::from_pretrained(dir.path().join("model"), c)
         .unwrap()
         .fit()
         .unwrap();
@@ -323,7 +323,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     }
     .open(0)
     .unwrap();
-    let mut t = grpo_cli::DpoTrainer::from_pretrained(dir.path().join("model"), c).unwrap();
+    let mut t = grpo_trainer::DpoTrainer::from_pretrained(dir.path().join("model"), c).unwrap();
     assert_eq!(t.total_steps(), 1);
     let r = t.fit_on(data.train, None).unwrap();
     assert_eq!(r.total_steps, 4);
@@ -332,7 +332,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     // load_checkpoint: continue an SFT run from step 2, exactly.
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
-    let mut t = grpo_cli::SftTrainer::from_config(c).unwrap();
+    let mut t = grpo_trainer::SftTrainer::from_config(c).unwrap();
     let ck = dir.path().join("api-all/checkpoints/step-2");
     t.load_checkpoint(&ck).unwrap();
     assert_eq!(t.current_step(), 2);
@@ -340,7 +340,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     let a: Vec<f64> = all.metrics[2..].iter().map(|m| m["loss"]).collect();
     let b: Vec<f64> = rest.metrics.iter().map(|m| m["loss"]).collect();
     assert_eq!(a, b);
-    let bad = grpo_cli::SftTrainer::from_config(cfg)
+    let bad = grpo_trainer::SftTrainer::from_config(cfg)
         .unwrap()
         .load_checkpoint(dir.path().join("nowhere"))
         .unwrap_err()

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use grpo_cli::config::{self, TrainConfig};
-use grpo_cli::trainer::{self, RunMode, RunOptions};
+use grpo_trainer::config::{self, TrainConfig};
+use grpo_trainer::{self as trainer, RunMode, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
@@ -66,7 +66,7 @@ save_steps = 2
     config::load(&p, &[]).unwrap()
 }
 
-fn strip_timing(ms: &[grpo_cli::Metrics]) -> Vec<Vec<(String, f64)>> {
+fn strip_timing(ms: &[grpo_trainer::Metrics]) -> Vec<Vec<(String, f64)>> {
     ms.iter()
         .map(|m| {
             m.iter()
@@ -80,12 +80,12 @@ fn strip_timing(ms: &[grpo_cli::Metrics]) -> Vec<Vec<(String, f64)>> {
         .collect()
 }
 
-fn run(cfg: TrainConfig, opts: RunOptions) -> grpo_cli::TrainingResult {
+fn run(cfg: TrainConfig, opts: RunOptions) -> grpo_trainer::TrainingResult {
     let setup = trainer::setup(cfg).unwrap();
-    trainer::run(setup, &opts, &mut grpo_cli::NoCallbacks).unwrap()
+    trainer::run(setup, &opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
 
-fn assert_same(a: &[grpo_cli::Metrics], b: &[grpo_cli::Metrics]) {
+fn assert_same(a: &[grpo_trainer::Metrics], b: &[grpo_trainer::Metrics]) {
     let (a, b) = (strip_timing(a), strip_timing(b));
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(&b) {
@@ -469,7 +469,7 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     let e = trainer::run(
         trainer::setup(cfg.clone()).unwrap(),
         &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap_err()
     .to_string();
@@ -560,7 +560,7 @@ fn a_used_run_directory_is_refused_overwritten_or_resumed() {
     let e = trainer::run(
         trainer::setup(fork).unwrap(),
         &from,
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap_err()
     .to_string();
@@ -593,7 +593,6 @@ fn demo_runs_end_to_end_in_miniature() {
         sft_steps: 3,
         grpo_steps: 2,
         seed: 1,
-        progress: false,
         ..Default::default()
     })
     .unwrap();
@@ -612,7 +611,6 @@ fn demo_runs_end_to_end_in_miniature() {
         sft_steps: 1,
         grpo_steps: 1,
         seed: 1,
-        progress: false,
         ..Default::default()
     })
     .unwrap();
@@ -628,9 +626,9 @@ fn eval_split_is_scored_every_eval_steps_and_reference_sync_runs() {
     cfg.data.eval_fraction = Some(0.25);
     cfg.train.eval_steps = 2;
     cfg.train.max_steps = Some(4);
-    struct Evals(std::rc::Rc<std::cell::RefCell<Vec<grpo_cli::Metrics>>>);
-    impl grpo_cli::Callbacks for Evals {
-        fn on_evaluate(&mut self, _step: usize, m: &grpo_cli::Metrics) {
+    struct Evals(std::rc::Rc<std::cell::RefCell<Vec<grpo_trainer::Metrics>>>);
+    impl grpo_trainer::Callbacks for Evals {
+        fn on_evaluate(&mut self, _state: &grpo_trainer::TrainerState, m: &grpo_trainer::Metrics) {
             self.0.borrow_mut().push(m.clone());
         }
     }

@@ -15,8 +15,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use grpo_cli::config;
-use grpo_cli::trainer::{self, RunMode, RunOptions};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunMode, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
@@ -83,10 +83,9 @@ scoring_batches = {scoring_batches}
     let setup = trainer::setup(config::load(&p, &[]).expect("config")).expect("setup");
     let opts = RunOptions {
         mode,
-        progress: false,
         ..Default::default()
     };
-    let r = trainer::run(setup, &opts, &mut grpo_cli::NoCallbacks).expect("run");
+    let r = trainer::run(setup, &opts, &mut grpo_trainer::NoCallbacks).expect("run");
     let col = |k: &str| median(r.metrics[2..].iter().map(|m| m[k]).collect());
     Run {
         step: col("step_time"),

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use grpo_cli::config;
-use grpo_cli::trainer::{self, RunOptions};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
@@ -33,7 +33,7 @@ fn quote(p: &Path) -> String {
     format!("\"{}\"", p.display())
 }
 
-fn train(name: &str, extra: &[String]) -> (tempfile::TempDir, grpo_cli::TrainingResult) {
+fn train(name: &str, extra: &[String]) -> (tempfile::TempDir, grpo_trainer::TrainingResult) {
     let dir = tempfile::tempdir().unwrap();
     let (model, data) = fixture(dir.path());
     let mut sets = vec![
@@ -52,7 +52,7 @@ fn train(name: &str, extra: &[String]) -> (tempfile::TempDir, grpo_cli::Training
     cfg.train.per_device_train_batch_size = None;
     cfg.optim.gradient_accumulation_steps = None;
     let setup = trainer::setup(cfg).unwrap();
-    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap();
+    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
     assert_eq!(r.total_steps, 2, "{name}");
     assert!(r.metrics.iter().all(|m| m["loss"].is_finite()), "{name}");
     (dir, r)
@@ -139,7 +139,7 @@ fn teacher_config_trains_with_a_tiny_student() {
     let cfg = config::load(&configs_dir().join("teacher.toml"), &sets).unwrap();
     let setup = trainer::setup(cfg).unwrap();
     let protocol = setup.teaching.clone().unwrap();
-    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap();
+    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
     assert_eq!(r.total_steps, 3);
     for m in &r.metrics {
         assert!(m["loss"].is_finite());
@@ -213,7 +213,7 @@ fn teacher_config_with_smollm2_as_the_student() {
 }
 
 /// Runs configs/teacher.toml for `steps` steps on the tiny fixture with extra `--set`s.
-fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_cli::TrainingResult {
+fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_trainer::TrainingResult {
     let (model, data) = (dir.join("model"), dir.join("arith.parquet"));
     if !model.exists() {
         fixture(dir);
@@ -237,7 +237,7 @@ fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_cli::Training
     // No student path: the reference model (the policy as loaded) is the student.
     cfg.teacher.as_mut().unwrap().student_model = None;
     let setup = trainer::setup(cfg).unwrap();
-    trainer::run(setup, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap()
+    trainer::run(setup, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap()
 }
 
 fn completions(run: &Path) -> Vec<serde_json::Value> {
@@ -332,7 +332,7 @@ fn use_reference_teacher_model_samples_from_the_frozen_teacher() {
     let frozen_run = train_teacher(dir.path(), "frozen", &sets("0.05", true));
     // The frozen teacher's samples are corrected as off-policy even with staleness 0: the ratio
     // is 1 while the policy still equals the reference, and moves once the policy does.
-    let ratio = |m: &grpo_cli::Metrics| m["sampling/importance_sampling_ratio/mean"];
+    let ratio = |m: &grpo_trainer::Metrics| m["sampling/importance_sampling_ratio/mean"];
     assert!((ratio(&frozen_run.metrics[0]) - 1.0).abs() < 1e-4);
     assert!((ratio(&frozen_run.metrics[2]) - 1.0).abs() > 1e-4);
     train_teacher(dir.path(), "still", &sets("0.0", false));

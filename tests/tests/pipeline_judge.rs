@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use grpo_cli::config;
-use grpo_cli::trainer::{self, Metrics, RunOptions, Setup};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, Metrics, RunOptions, Setup};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rewards::{AsyncReward, BoxFuture, RewardInput, RewardOutput, RewardSet};
 use grpo_rollout::Arch;
@@ -94,11 +94,11 @@ scoring_batches = {sb}
 }
 
 /// Runs the config `name` to the end.
-fn train(name: &str, r: &Run<'_>) -> grpo_cli::TrainingResult {
+fn train(name: &str, r: &Run<'_>) -> grpo_trainer::TrainingResult {
     trainer::run(
         setup(name, r),
         &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap()
 }
@@ -195,9 +195,9 @@ struct TakeDown<'a> {
     server: &'a LoopbackServer,
 }
 
-impl grpo_cli::Callbacks for TakeDown<'_> {
-    fn on_step_end(&mut self, step: usize, _m: &Metrics) {
-        if step == 2 {
+impl grpo_trainer::Callbacks for TakeDown<'_> {
+    fn on_step_end(&mut self, state: &grpo_trainer::TrainerState, _m: &Metrics) {
+        if state.step == 2 {
             self.server
                 .update(|c| c.default_fault = Some(Fault::Status(503)));
         }
@@ -255,7 +255,7 @@ fn a_judge_down_past_its_retries_stops_the_run_with_a_checkpoint_to_resume_from(
                 resume: Some(None),
                 ..Default::default()
             },
-            &mut grpo_cli::NoCallbacks,
+            &mut grpo_trainer::NoCallbacks,
         )
         .unwrap();
         assert_eq!(done.total_steps, 8);
@@ -298,7 +298,7 @@ fn a_panicking_async_reward_stops_the_run_naming_the_scorer() {
     s.rewards =
         Arc::new(RewardSet::new().with_async_reward("bomb", 1.0, Bomb(AtomicUsize::new(0))));
     let t = Instant::now();
-    let e = trainer::run(s, &RunOptions::default(), &mut grpo_cli::NoCallbacks).unwrap_err();
+    let e = trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap_err();
     let msg = format!("{e:#}");
     assert!(msg.contains("scorer stage"), "{msg}");
     assert!(msg.contains("judge exploded"), "{msg}");

@@ -6,9 +6,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use grpo_cli::config::{self, TrainConfig};
+use grpo_trainer::config::{self, TrainConfig};
 use grpo_cli::serve::{ServeOptions, start};
-use grpo_cli::trainer::{self, RunOptions};
+use grpo_trainer::{self as trainer, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
@@ -69,7 +69,7 @@ per_device_train_batch_size = 64
     config::load(&p, &[]).unwrap()
 }
 
-fn rewards(r: &grpo_cli::TrainingResult) -> Vec<f64> {
+fn rewards(r: &grpo_trainer::TrainingResult) -> Vec<f64> {
     r.metrics.iter().map(|m| m["reward"]).collect()
 }
 
@@ -90,7 +90,7 @@ fn the_openai_backend_trains_like_the_local_one() {
     let local = trainer::run(
         trainer::setup(config(root, "local", "")).unwrap(),
         &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap();
     eprintln!("local  {:?}", rewards(&local));
@@ -101,7 +101,7 @@ fn the_openai_backend_trains_like_the_local_one() {
     let remote = trainer::run(
         trainer::setup(config(root, "remote", &remote_extra)).unwrap(),
         &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap();
     let (l, r) = (rewards(&local), rewards(&remote));
@@ -144,7 +144,7 @@ fn the_openai_backend_trains_like_the_local_one() {
             stop_after: Some(2),
             ..Default::default()
         },
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap();
     let rest = trainer::run(
@@ -153,7 +153,7 @@ fn the_openai_backend_trains_like_the_local_one() {
             resume: Some(None),
             ..Default::default()
         },
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap();
     let mut joined = rewards(&first);
@@ -248,7 +248,7 @@ fn a_server_that_is_down_or_hangs_is_a_clear_error() {
     let e = trainer::run(
         trainer::setup(config(root, "hang", &extra)).unwrap(),
         &RunOptions::default(),
-        &mut grpo_cli::NoCallbacks,
+        &mut grpo_trainer::NoCallbacks,
     )
     .unwrap_err();
     let msg = format!("{e:#}");

@@ -1168,10 +1168,10 @@ layers_to_transform = [0, 1]
         t["reward_model_dtype"] = "bf16".into();
         t["teacher"] = serde_json::json!({"student_device": "cpu", "student_dtype": "f16"});
         let c = from_tree(t, "c").unwrap();
-        assert_eq!(c.reward_model_dtype.as_deref(), Some("bf16"));
+        assert_eq!(c.reward_model_dtype, Some(Dtype::Bf16));
         let teacher = c.teacher.unwrap();
-        assert_eq!(teacher.student_device.as_deref(), Some("cpu"));
-        assert_eq!(teacher.student_dtype.as_deref(), Some("f16"));
+        assert_eq!(teacher.student_device, Some(DeviceSpec::Cpu));
+        assert_eq!(teacher.student_dtype, Some(Dtype::F16));
         for (key, value, named) in [
             ("reward_model_device", "tpu", "`reward_model_device`"),
             ("reward_model_dtype", "f8", "`reward_model_dtype`"),
