@@ -55,6 +55,8 @@ mod combine;
 mod config;
 mod error;
 #[cfg(feature = "judges")]
+pub mod http;
+#[cfg(feature = "judges")]
 pub mod judge;
 mod reward;
 mod types;
