@@ -230,6 +230,10 @@ impl RemoteGenerator {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             bail!("base_url `{}`: expected http://HOST:PORT/v1", cfg.base_url);
         }
+        // async-openai would panic on a key that cannot be a header value (a newline, say).
+        if reqwest::header::HeaderValue::from_str(&format!("Bearer {}", cfg.api_key)).is_err() {
+            bail!("api_key: not a valid HTTP header value (a control character?)");
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
