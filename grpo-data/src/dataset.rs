@@ -17,7 +17,7 @@ use parquet::file::metadata::PageIndexPolicy;
 use crate::convert::{self, BatchCtx, Names, Numbering, PromptKind};
 use crate::error::{DataError, Location, Result, io_err, show};
 use crate::format::{self, Compression, Format};
-use crate::rng::SplitMix64;
+use crate::rng::SeededRng;
 use crate::sample::{Prompt, Sample};
 
 /// Rows per chunk (the unit read from disk) unless [`OpenOptions::chunk_rows`] says otherwise.
@@ -789,7 +789,7 @@ impl Dataset {
         let n = self.len;
         let k = ((fraction * n as f64).round() as u64).clamp(1, n - 1);
         // Floyd's sampling of k distinct indices in [0, n): O(k) memory, portable RNG.
-        let mut rng = SplitMix64::new(crate::rng::mix(seed, 0x0005_e117_e7a1_u64, 0));
+        let mut rng = SeededRng::new(crate::rng::mix(seed, 0x0005_e117_e7a1_u64, 0));
         let mut picked = HashSet::with_capacity(k as usize);
         for j in (n - k)..n {
             let t = rng.below(j + 1);

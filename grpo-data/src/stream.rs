@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dataset::Dataset;
 use crate::error::{DataError, Result};
-use crate::rng::{SplitMix64, mix};
+use crate::rng::{SeededRng, mix};
 use crate::sample::Sample;
 
 /// Rows held in memory for shuffling unless [`StreamConfig::shuffle_window`] says otherwise.
@@ -206,7 +206,7 @@ impl SampleStream {
             .filter(|&c| self.counts[c] > 0)
             .collect();
         if self.cfg.shuffle {
-            SplitMix64::new(mix(self.cfg.seed, self.epoch, 0)).shuffle(&mut order);
+            SeededRng::new(mix(self.cfg.seed, self.epoch, 0)).shuffle(&mut order);
         }
         self.windows.clear();
         let mut start = 0u64;
@@ -250,7 +250,7 @@ impl SampleStream {
             )));
         }
         if self.cfg.shuffle {
-            SplitMix64::new(mix(self.cfg.seed, self.epoch, w as u64 + 1)).shuffle(&mut samples);
+            SeededRng::new(mix(self.cfg.seed, self.epoch, w as u64 + 1)).shuffle(&mut samples);
         }
         let skip = (self.index - window.start) as usize;
         let mut it = samples.into_iter();

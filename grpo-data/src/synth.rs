@@ -7,7 +7,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 use crate::dataset::Dataset;
 use crate::error::{DataError, Result};
-use crate::rng::{SplitMix64, mix};
+use crate::rng::{SeededRng, mix};
 
 /// Knobs of the `arithmetic` data set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +61,7 @@ impl ArithmeticConfig {
 
     /// Problem `i`: `(prompt, answer)`. The answer is an integer, written as text.
     pub fn problem(&self, i: u64) -> (String, String) {
-        let mut r = SplitMix64::new(mix(self.seed, 0xa417, i));
+        let mut r = SeededRng::new(mix(self.seed, 0xa417, i));
         let max = 10u64.pow(self.digits) - 1;
         let kinds = if self.steps >= 2 { 4 } else { 3 };
         let a = r.range(0, max) as i64;
@@ -74,7 +74,7 @@ impl ArithmeticConfig {
         }
     }
 
-    fn word_problem(&self, r: &mut SplitMix64, max: u64) -> (String, String) {
+    fn word_problem(&self, r: &mut SeededRng, max: u64) -> (String, String) {
         let name = NAMES[r.below(NAMES.len() as u64) as usize];
         let item = ITEMS[r.below(ITEMS.len() as u64) as usize];
         let steps = r.range(2, u64::from(self.steps));

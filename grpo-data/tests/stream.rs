@@ -76,8 +76,9 @@ fn shuffle_is_reproducible_and_covers_each_sample_once_per_epoch() {
 
 #[test]
 fn order_is_pinned_across_machines() {
-    // The order is a pure function of the seed via SplitMix64; pin it so a change in the
-    // algorithm (which would break resuming old checkpoints) is noticed.
+    // The order is a pure function of the seed via ChaCha8 (grpo_data::rng); pin it so a change
+    // in the algorithm (which would break resuming old checkpoints) is noticed. The value comes
+    // from the specifications alone: scripts/gen_rng_reference.py.
     let d = ArithmeticConfig {
         n: 10,
         ..Default::default()
@@ -99,7 +100,7 @@ fn order_is_pinned_across_machines() {
     assert_eq!(got, PINNED_ORDER.to_vec(), "shuffle order changed: {got:?}");
 }
 
-const PINNED_ORDER: [u64; 10] = [4, 0, 5, 2, 3, 8, 6, 1, 7, 9];
+const PINNED_ORDER: [u64; 10] = [1, 9, 0, 7, 5, 3, 6, 4, 8, 2];
 
 #[test]
 fn no_shuffle_reads_in_file_order() {

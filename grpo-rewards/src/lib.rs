@@ -21,6 +21,10 @@
 //!   the tokio runtime for asynchronous rewards); without it the traits, `RewardSet` over
 //!   synchronous rewards, the configs and the built-ins need only serde, serde_json, regex and
 //!   thiserror.
+//! * **HTTP** ([`http`], with `judges`): the one retry policy (exponential backoff with equal
+//!   jitter on backon, the server's `Retry-After` as delta-seconds or an HTTP date) and the
+//!   async-openai transport that keeps a failure's status and `Retry-After`; grpo-rollout's
+//!   `remote` client (vLLM) uses them too.
 //! * **Configs** ([`RewardsConfig`]): serde structs (TOML/YAML/JSON) validated once into a
 //!   [`RewardSet`]; errors name the field to fix.
 //!
@@ -54,6 +58,8 @@ pub mod builtin;
 mod combine;
 mod config;
 mod error;
+#[cfg(feature = "judges")]
+pub mod http;
 #[cfg(feature = "judges")]
 pub mod judge;
 mod reward;

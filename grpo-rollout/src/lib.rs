@@ -26,8 +26,8 @@ pub mod model;
 pub mod policy;
 #[cfg(feature = "remote")]
 pub mod remote;
-#[cfg(feature = "rewards")]
 pub mod sample;
+#[cfg(feature = "rewards")]
 pub mod scoring;
 pub mod tokenizer;
 

@@ -2,6 +2,13 @@
 //! the same [`Completion`]s as [`crate::generate`], from `POST /v1/completions`, and weight
 //! sync through vLLM's `POST /v1/load_lora_adapter` / `unload_lora_adapter`.
 //!
+//! The client is async-openai's, with its "bring your own types" (`byot`) methods: the request
+//! is our own type carrying vLLM's extensions (prompts as token ids, `return_token_ids`,
+//! `return_tokens_as_token_ids`, `logprobs`, `top_k`, `min_p`, ...) and the answer is read as
+//! JSON, so every field vLLM adds is kept. Its transport is grpo-rewards' [`StatusAware`] (the
+//! judges' too), which keeps a failed response's status and `Retry-After`; retries follow
+//! [`RemoteConfig::retry_policy`], the judges' [`RetryPolicy`].
+//!
 //! Token ids come from vLLM's extensions: `return_token_ids` (a choice's `token_ids`), else
 //! `return_tokens_as_token_ids` (log-prob tokens spelled `token_id:N`). A server that has
 //! neither gets its text re-tokenised with our tokenizer; its log-probs are kept only when their
@@ -14,15 +21,28 @@
 //!
 //! Blocking API (a private current-thread tokio runtime), for the trainer's generator thread.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use async_openai::Client;
+use async_openai::config::{Config, OpenAIConfig};
+use async_openai::error::OpenAIError;
+use async_openai::middleware::HttpRequestFactory;
 use candle_core::{Result, bail};
+use grpo_rewards::http::{
+    HttpFailure, RetryDecision, RetryPolicy, StatusAware, openai_client, retryable_status,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::generate::{Completion, FinishReason, SamplingParams};
 use crate::tokenizer::Tokenizer;
+
+/// `d` of the first retry (see [`RemoteConfig::retry_policy`]).
+pub const INITIAL_BACKOFF: Duration = Duration::from_secs(1);
+/// The cap of `d` (see [`RemoteConfig::retry_policy`]).
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// Where the server is and how long to wait for it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,8 +58,9 @@ pub struct RemoteConfig {
     pub request_timeout: f64,
     /// Seconds a LoRA load/unload (or the first `/v1/models`) may take.
     pub sync_timeout: f64,
-    /// Retries of a request that failed to connect or got 429/502/503/504 (1 s, 2 s, 4 s ...
-    /// apart, or the server's `Retry-After`).
+    /// Retries of a request that failed to connect or got 408, 409, 429 or 5xx, after waits of
+    /// [`RemoteConfig::retry_policy`] (exponential backoff with equal jitter from 1 s, capped
+    /// at 30 s, or the server's `Retry-After`). A request that timed out is not retried.
     pub max_retries: u32,
 }
 
@@ -56,12 +77,26 @@ impl Default for RemoteConfig {
     }
 }
 
+impl RemoteConfig {
+    /// The judges' retry policy with `max_retries`, [`INITIAL_BACKOFF`] and [`MAX_BACKOFF`]:
+    /// before retry `k` (0 for the first), a uniformly random wait between `d/2` and `d`,
+    /// `d = min(1 s · 2^k, 30 s)`; when the failed response carried `Retry-After`
+    /// (delta-seconds or an HTTP date) or `retry-after-ms`, exactly that wait instead, up to
+    /// 10 minutes ([`grpo_rewards::http::MAX_RETRY_AFTER`]).
+    pub fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy::new(self.max_retries, INITIAL_BACKOFF, MAX_BACKOFF)
+    }
+}
+
 /// A client of one OpenAI-compatible server.
 #[derive(Debug)]
 pub struct RemoteGenerator {
     cfg: RemoteConfig,
     base: String,
+    client: Client<OpenAIConfig>,
+    /// For the LoRA endpoints (see [`RemoteGenerator::post_text`]).
     http: reqwest::Client,
+    transport: StatusAware,
     rt: tokio::runtime::Runtime,
     served: String,
     adapter: Option<String>,
@@ -69,6 +104,120 @@ pub struct RemoteGenerator {
 
 fn err(msg: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::msg(msg.to_string())
+}
+
+/// vLLM's `/v1/completions` request: OpenAI's fields plus vLLM's extensions (async-openai's own
+/// request type has none of them), sent with `create_byot`. The sampling extensions are sent
+/// only when used: plain OpenAI servers refuse them.
+#[derive(Debug, Serialize)]
+struct CompletionRequest<'a> {
+    model: &'a str,
+    /// Token ids, so the server never re-tokenises the prompts.
+    prompt: &'a [Vec<u32>],
+    n: usize,
+    max_tokens: usize,
+    temperature: f64,
+    top_p: f64,
+    /// OpenAI and vLLM take a signed 64-bit seed; `grpo-cli serve` reads the bits back.
+    seed: i64,
+    /// The sampled token's log-prob (no alternatives).
+    logprobs: u32,
+    return_tokens_as_token_ids: bool,
+    return_token_ids: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_k: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_p: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    repetition_penalty: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    stop: &'a [String],
+    #[serde(skip_serializing_if = "<[u32]>::is_empty")]
+    stop_token_ids: &'a [u32],
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    logit_bias: BTreeMap<String, f32>,
+}
+
+/// One request to the server.
+#[derive(Debug, Clone, Copy)]
+enum Call<'a> {
+    /// `GET /models`.
+    Models,
+    /// `POST /completions`.
+    Completions(&'a CompletionRequest<'a>),
+    /// `POST` of this JSON to a LoRA endpoint.
+    Lora(&'static str, &'a Value),
+}
+
+impl Call<'_> {
+    fn describe(&self) -> (&'static str, &'static str) {
+        match self {
+            Call::Models => ("GET", "/models"),
+            Call::Completions(_) => ("POST", "/completions"),
+            Call::Lora(path, _) => ("POST", path),
+        }
+    }
+}
+
+/// A failed attempt, with its message.
+#[derive(Debug)]
+struct Failed {
+    message: String,
+    retryable: bool,
+    retry_after: Option<Duration>,
+}
+
+impl RetryDecision for Failed {
+    fn retryable(&self) -> bool {
+        self.retryable
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+}
+
+impl Failed {
+    fn fatal(message: String) -> Self {
+        Self {
+            message,
+            retryable: false,
+            retry_after: None,
+        }
+    }
+
+    /// What went wrong, for `what` (`METHOD URL`).
+    fn of(what: &str, e: OpenAIError) -> Self {
+        if let Some(f) = HttpFailure::of(&e) {
+            let msg = serde_json::from_str::<Value>(&f.body)
+                .ok()
+                .and_then(|v| {
+                    let m = v["error"]["message"].as_str().or(v["message"].as_str());
+                    m.map(String::from)
+                })
+                .unwrap_or_else(|| f.body.chars().take(300).collect());
+            return Self {
+                message: format!("{what}: HTTP {}: {msg}", f.status),
+                retryable: retryable_status(f.status),
+                retry_after: f.retry_after,
+            };
+        }
+        match e {
+            // Connecting, sending, or reading the body failed.
+            OpenAIError::Reqwest(e) => Self {
+                message: format!("{what}: {e} (is the server running?)"),
+                retryable: true,
+                retry_after: None,
+            },
+            OpenAIError::JSONDeserialize(e, body) => Self::fatal(format!(
+                "{what}: the answer is not the JSON expected ({e}): {}",
+                body.chars().take(300).collect::<String>()
+            )),
+            other => Self::fatal(format!("{what}: {other}")),
+        }
+    }
 }
 
 impl RemoteGenerator {
@@ -81,22 +230,25 @@ impl RemoteGenerator {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             bail!("base_url `{}`: expected http://HOST:PORT/v1", cfg.base_url);
         }
-        let http = reqwest::Client::builder()
-            .build()
-            .map_err(|e| err(format!("HTTP client: {e}")))?;
+        // async-openai would panic on a key that cannot be a header value (a newline, say).
+        if reqwest::header::HeaderValue::from_str(&format!("Bearer {}", cfg.api_key)).is_err() {
+            bail!("api_key: not a valid HTTP header value (a control character?)");
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| err(format!("tokio runtime: {e}")))?;
         let mut g = Self {
+            client: openai_client(&base, &cfg.api_key),
+            http: reqwest::Client::new(),
+            transport: StatusAware::default(),
             cfg,
             base,
-            http,
             rt,
             served: String::new(),
             adapter: None,
         };
-        let models = g.call("GET", "/models", None, g.cfg.sync_timeout)?;
+        let models = g.call(Call::Models, g.cfg.sync_timeout)?;
         let ids: Vec<String> = models["data"]
             .as_array()
             .map(|a| {
@@ -137,11 +289,10 @@ impl RemoteGenerator {
     pub fn sync_adapter(&mut self, name: &str, dir: &Path) -> Result<()> {
         let path =
             std::fs::canonicalize(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
+        let load_body = json!({"lora_name": name, "lora_path": path.display().to_string()});
         let load = || {
             self.call(
-                "POST",
-                "/load_lora_adapter",
-                Some(json!({"lora_name": name, "lora_path": path.display().to_string()})),
+                Call::Lora("/load_lora_adapter", &load_body),
                 self.cfg.sync_timeout,
             )
         };
@@ -150,9 +301,7 @@ impl RemoteGenerator {
         let loaded = match load() {
             Err(e) if e.to_string().contains("HTTP 400") && e.to_string().contains("already") => {
                 self.call(
-                    "POST",
-                    "/unload_lora_adapter",
-                    Some(json!({"lora_name": name})),
+                    Call::Lora("/unload_lora_adapter", &json!({"lora_name": name})),
                     self.cfg.sync_timeout,
                 )
                 .and_then(|_| load())
@@ -164,9 +313,7 @@ impl RemoteGenerator {
             && old != name
         {
             self.call(
-                "POST",
-                "/unload_lora_adapter",
-                Some(json!({"lora_name": old})),
+                Call::Lora("/unload_lora_adapter", &json!({"lora_name": old})),
                 self.cfg.sync_timeout,
             )
             .map_err(|e| err(format!("unloading LoRA `{old}` failed: {e}")))?;
@@ -189,111 +336,102 @@ impl RemoteGenerator {
             return Ok(Vec::new());
         }
         let model = match (&self.adapter, use_adapter) {
-            (Some(a), true) => a.clone(),
+            (Some(a), true) => a.as_str(),
             (None, true) => bail!("no adapter synced yet"),
-            _ => self.served.clone(),
+            _ => self.served.as_str(),
         };
-        let mut body = json!({
-            "model": model,
-            "prompt": prompts,
-            "n": num_generations,
-            "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            // OpenAI and vLLM take a signed 64-bit seed; `grpo-cli serve` reads the bits back.
-            "seed": params.seed as i64,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": true,
-            "return_token_ids": true,
-        });
-        // vLLM's sampling extensions, sent only when used (plain OpenAI servers refuse them).
-        if params.top_k > 0 {
-            body["top_k"] = json!(params.top_k);
-        }
-        if params.min_p > 0.0 {
-            body["min_p"] = json!(params.min_p);
-        }
-        if params.repetition_penalty != 1.0 {
-            body["repetition_penalty"] = json!(params.repetition_penalty);
-        }
-        if params.min_new_tokens > 0 {
-            body["min_tokens"] = json!(params.min_new_tokens);
-        }
-        if !params.stop.is_empty() {
-            body["stop"] = json!(params.stop);
-        }
-        if !params.stop_token_ids.is_empty() {
-            body["stop_token_ids"] = json!(params.stop_token_ids);
-        }
-        if !params.logit_bias.is_empty() {
-            let bias: serde_json::Map<String, Value> = params
+        let request = CompletionRequest {
+            model,
+            prompt: prompts,
+            n: num_generations,
+            max_tokens: params.max_new_tokens,
+            temperature: params.temperature,
+            top_p: params.top_p,
+            seed: params.seed as i64,
+            logprobs: 0,
+            return_tokens_as_token_ids: true,
+            return_token_ids: true,
+            top_k: (params.top_k > 0).then_some(params.top_k),
+            min_p: (params.min_p > 0.0).then_some(params.min_p),
+            repetition_penalty: (params.repetition_penalty != 1.0)
+                .then_some(params.repetition_penalty),
+            min_tokens: (params.min_new_tokens > 0).then_some(params.min_new_tokens),
+            stop: &params.stop,
+            stop_token_ids: &params.stop_token_ids,
+            logit_bias: params
                 .logit_bias
                 .iter()
-                .map(|&(id, b)| (id.to_string(), json!(b)))
-                .collect();
-            body["logit_bias"] = Value::Object(bias);
-        }
-        let resp = self.call("POST", "/completions", Some(body), self.cfg.request_timeout)?;
+                .map(|&(id, b)| (id.to_string(), b))
+                .collect(),
+        };
+        let resp = self.call(Call::Completions(&request), self.cfg.request_timeout)?;
         parse_completions(&resp, tokenizer, prompts.len(), num_generations, params)
     }
 
-    /// One request with retries; the JSON answer (a plain-text 2xx answer becomes a string).
-    fn call(&self, method: &str, path: &str, body: Option<Value>, timeout: f64) -> Result<Value> {
-        let url = format!("{}{path}", self.base);
-        let mut attempt = 0;
-        loop {
-            let mut req = match method {
-                "GET" => self.http.get(&url),
-                _ => self.http.post(&url),
-            }
-            .timeout(Duration::from_secs_f64(timeout));
-            if !self.cfg.api_key.is_empty() {
-                req = req.bearer_auth(&self.cfg.api_key);
-            }
-            if let Some(b) = &body {
-                req = req.json(b);
-            }
-            let outcome = self.rt.block_on(async {
-                let r = req.send().await?;
-                let status = r.status();
-                let retry_after = r
-                    .headers()
-                    .get(reqwest::header::RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.trim().parse::<f64>().ok());
-                let text = r.text().await?;
-                Ok::<_, reqwest::Error>((status, retry_after, text))
-            });
-            let wait = Duration::from_secs(1u64 << attempt.min(5));
-            match outcome {
-                Ok((status, _, text)) if status.is_success() => {
-                    return Ok(serde_json::from_str(&text).unwrap_or(Value::String(text)));
-                }
-                Ok((status, retry_after, text)) => {
-                    let retryable = matches!(status.as_u16(), 429 | 502 | 503 | 504);
-                    if !retryable || attempt >= self.cfg.max_retries {
-                        let msg = serde_json::from_str::<Value>(&text)
-                            .ok()
-                            .and_then(|v| v["error"]["message"].as_str().map(String::from))
-                            .unwrap_or_else(|| text.chars().take(300).collect());
-                        bail!("{method} {url}: HTTP {}: {msg}", status.as_u16());
+    /// One request with retries ([`RemoteConfig::retry_policy`]), each attempt within
+    /// `timeout` seconds; the JSON answer (a LoRA endpoint's plain text becomes a string).
+    fn call(&self, call: Call<'_>, timeout: f64) -> Result<Value> {
+        let (method, path) = call.describe();
+        let what = format!("{method} {}{path}", self.base);
+        let limit = Duration::from_secs_f64(timeout);
+        let attempt = || async {
+            let answer = async {
+                match call {
+                    Call::Models => self.client.models().list_byot::<Value>().await,
+                    Call::Completions(request) => {
+                        self.client
+                            .completions()
+                            .create_byot::<_, Value>(request)
+                            .await
                     }
-                    std::thread::sleep(
-                        retry_after.map_or(wait, |s| Duration::from_secs_f64(s.clamp(0.0, 60.0))),
-                    );
+                    Call::Lora(path, body) => self.post_text(path, body).await.map(Value::String),
                 }
-                Err(e) if e.is_timeout() => {
-                    bail!("{method} {url}: no answer within {timeout} s (timed out)")
-                }
-                Err(e) => {
-                    if attempt >= self.cfg.max_retries {
-                        bail!("{method} {url}: {e} (is the server running?)");
-                    }
-                    std::thread::sleep(wait);
-                }
+            };
+            match tokio::time::timeout(limit, answer).await {
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => Err(Failed::of(&what, e)),
+                Err(_) => Err(Failed::fatal(format!(
+                    "{what}: no answer within {timeout} s (timed out)"
+                ))),
             }
-            attempt += 1;
-        }
+        };
+        self.rt
+            .block_on(self.cfg.retry_policy().retry(attempt, |_, _| {}))
+            .map_err(|f| err(f.message))
+    }
+
+    /// `POST`s `body` to `path` (vLLM's `/load_lora_adapter` or `/unload_lora_adapter`) and
+    /// returns the answer's text.
+    ///
+    /// Not through async-openai's byot methods: they can address the path, but they parse
+    /// every 2xx body as JSON (and log a body that is not at error level), while vLLM (and
+    /// `grpo-cli serve`) answer these two endpoints with plain text ("Success: LoRA adapter
+    /// ... added successfully."). So this is a reqwest request with the client's own URL and
+    /// headers (the key), sent through the same transport as the byot calls ([`StatusAware`]:
+    /// the status and `Retry-After` of a failure) and retried by the same policy.
+    async fn post_text(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> std::result::Result<String, OpenAIError> {
+        let config = self.client.config();
+        let (http, url, headers, body) = (
+            self.http.clone(),
+            config.url(path),
+            config.headers(),
+            body.clone(),
+        );
+        let request = HttpRequestFactory::new(move || {
+            let r = http
+                .post(&url)
+                .headers(headers.clone())
+                .json(&body)
+                .build()
+                .map_err(OpenAIError::Reqwest);
+            async move { r }
+        });
+        let response = self.transport.send(request).await?;
+        response.text().await.map_err(OpenAIError::Reqwest)
     }
 }
 

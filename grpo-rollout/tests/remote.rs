@@ -89,4 +89,10 @@ fn bad_urls_and_absent_servers_fail_fast() {
     })
     .unwrap_err();
     assert!(e.to_string().contains("is the server running?"), "{e}");
+    let e = RemoteGenerator::connect(RemoteConfig {
+        api_key: "key\n".into(),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("api_key"), "{e}");
 }

@@ -559,6 +559,26 @@ async fn retry_after_as_an_http_date_is_honoured() {
     assert_eq!(out.scores, vec![Some(0.2)]);
     assert_eq!(out.counters["judge/retries"], 2.0);
     assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+
+    // The date replaces the computed wait also when that would be longer: a backoff of at
+    // least 10 s (equal jitter on d = 20 s), and the server says 2 s.
+    let mut c = cfg(&srv, "patient");
+    c.initial_backoff_ms = 20_000;
+    c.max_backoff_ms = 20_000;
+    let judge = Judge::new(c).unwrap();
+    let at = std::time::SystemTime::now() + Duration::from_secs(2);
+    srv.push_faults([Fault::RateLimitedRaw {
+        retry_after: httpdate::fmt_http_date(at),
+    }]);
+    let t0 = Instant::now();
+    let out = judge.score_async(&inputs(&["SCORE=0.7"])).await.unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(out.scores, vec![Some(0.7)]);
+    assert_eq!(out.counters["judge/retries"], 1.0);
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "Retry-After date, not the 10-20 s backoff: {waited:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

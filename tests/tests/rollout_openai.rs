@@ -272,3 +272,171 @@ fn a_server_that_is_down_or_hangs_is_a_clear_error() {
     let e = trainer::setup(c).unwrap_err().to_string();
     assert!(e.contains("[model.lora]"), "{e}");
 }
+
+/// What the scripted server below saw.
+#[derive(Default)]
+struct Seen {
+    completions: Vec<serde_json::Value>,
+    loads: u32,
+    authorizations: Vec<Option<String>>,
+}
+
+/// A vLLM stand-in whose `/v1/completions` first answers 429 with `Retry-After` as an HTTP
+/// date, and whose `/v1/load_lora_adapter` first answers 503 with `Retry-After: 2`.
+fn scripted_vllm(
+    rt: &tokio::runtime::Runtime,
+    retry_at: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+) -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Seen>>) {
+    use axum::http::{HeaderMap, StatusCode, header};
+    use axum::response::IntoResponse;
+    use axum::routing::{get, post};
+    use std::sync::{Arc, Mutex};
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let auth = |h: &HeaderMap| {
+        h.get(header::AUTHORIZATION)
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    let (s1, s2, s3) = (seen.clone(), seen.clone(), seen.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/models",
+            get(move |h: HeaderMap| async move {
+                s1.lock().unwrap().authorizations.push(auth(&h));
+                axum::Json(serde_json::json!({"object": "list", "data": [{"id": "tiny"}]}))
+            }),
+        )
+        .route(
+            "/v1/completions",
+            post(
+                move |h: HeaderMap, axum::Json(body): axum::Json<serde_json::Value>| async move {
+                    let mut s = s2.lock().unwrap();
+                    s.authorizations.push(auth(&h));
+                    s.completions.push(body);
+                    if let Some(at) = retry_at.lock().unwrap().take() {
+                        return (
+                            StatusCode::TOO_MANY_REQUESTS,
+                            [(header::RETRY_AFTER, at)],
+                            axum::Json(serde_json::json!({"error": {"message": "slow down"}})),
+                        )
+                            .into_response();
+                    }
+                    axum::Json(serde_json::json!({"choices": [{
+                        "index": 0, "text": "hi", "token_ids": [7, 8, 9],
+                        "finish_reason": "length",
+                        "logprobs": {"tokens": ["token_id:7", "token_id:8", "token_id:9"],
+                                     "token_logprobs": [-0.5, -0.25, -0.125]}
+                    }]}))
+                    .into_response()
+                },
+            ),
+        )
+        .route(
+            "/v1/load_lora_adapter",
+            post(move |h: HeaderMap| async move {
+                let mut s = s3.lock().unwrap();
+                s.authorizations.push(auth(&h));
+                s.loads += 1;
+                if s.loads == 1 {
+                    return (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        [(header::RETRY_AFTER, "2".to_string())],
+                        "busy",
+                    )
+                        .into_response();
+                }
+                "Success: LoRA adapter 'a' added successfully.".into_response()
+            }),
+        );
+    rt.spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (addr, seen)
+}
+
+#[test]
+fn the_client_sends_vllm_fields_and_waits_for_retry_after() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let retry_at = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (addr, seen) = scripted_vllm(&rt, retry_at.clone());
+    let mut client =
+        grpo_rollout::remote::RemoteGenerator::connect(grpo_rollout::remote::RemoteConfig {
+            base_url: format!("http://{addr}/v1"),
+            api_key: "sekrit".into(),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(client.served_model(), "tiny");
+    let tok = grpo_rollout::init::train_tokenizer(400).unwrap();
+    let params = grpo_rollout::SamplingParams {
+        max_new_tokens: 3,
+        top_k: 5,
+        seed: 11,
+        ..Default::default()
+    };
+    let generate = |c: &grpo_rollout::remote::RemoteGenerator| {
+        let t0 = Instant::now();
+        let out = c
+            .generate(&tok, &[vec![1, 2, 3]], 1, &params, false)
+            .unwrap();
+        assert_eq!(out[0].token_ids, vec![7, 8, 9]);
+        assert_eq!(out[0].logprobs, vec![-0.5, -0.25, -0.125]);
+        t0.elapsed()
+    };
+
+    // 429 with an HTTP date 3 s ahead (one-second resolution: a wait in (2, 3] s, where the
+    // client's own first backoff is 0.5-1 s), then an answer.
+    *retry_at.lock().unwrap() = Some(httpdate::fmt_http_date(
+        std::time::SystemTime::now() + Duration::from_secs(3),
+    ));
+    let waited = generate(&client);
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(6),
+        "Retry-After date honoured: {waited:?}"
+    );
+    // A date in the past: retried at once, below the client's own 0.5 s minimum backoff.
+    *retry_at.lock().unwrap() = Some("Wed, 21 Oct 2015 07:28:00 GMT".into());
+    let waited = generate(&client);
+    assert!(waited < Duration::from_millis(450), "{waited:?}");
+    {
+        let s = seen.lock().unwrap();
+        assert_eq!(s.completions.len(), 4);
+        // vLLM's extensions, with the prompt as token ids.
+        let b = &s.completions[0];
+        assert_eq!(b["prompt"], serde_json::json!([[1, 2, 3]]));
+        assert_eq!(b["model"], "tiny");
+        assert_eq!(b["return_token_ids"], true);
+        assert_eq!(b["return_tokens_as_token_ids"], true);
+        assert_eq!(b["logprobs"], 0);
+        assert_eq!(b["top_k"], 5);
+        assert_eq!(b["seed"], 11);
+        assert!(b.get("min_p").is_none() && b.get("stop").is_none(), "{b}");
+    }
+
+    // The LoRA load: 503 with `Retry-After: 2` (delta-seconds), then plain-text success.
+    let dir = tempfile::tempdir().unwrap();
+    let t0 = Instant::now();
+    client.sync_adapter("a", dir.path()).unwrap();
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(6),
+        "Retry-After seconds honoured: {waited:?}"
+    );
+    assert_eq!(client.adapter(), Some("a"));
+    let s = seen.lock().unwrap();
+    assert_eq!(s.loads, 2);
+    // The key went with every request, the LoRA ones included.
+    assert_eq!(s.authorizations.len(), 1 + 4 + 2);
+    assert!(
+        s.authorizations
+            .iter()
+            .all(|a| a.as_deref() == Some("Bearer sekrit")),
+        "{:?}",
+        s.authorizations
+    );
+}

@@ -97,14 +97,16 @@ pub struct JudgeConfig {
     #[serde(default = "default_timeout")]
     pub timeout_secs: f64,
     /// Retries after the first attempt (408, 409, 429, 5xx, connection errors, timeouts).
-    /// Default 5.
+    /// Default 5. See [`JudgeConfig::retry_policy`].
     #[serde(default = "default_max_retries")]
     pub max_retries: u32,
-    /// First backoff in ms; doubled each retry, equal jitter (each wait half fixed, half random). Default 500.
+    /// `d` of the first retry in ms, doubled each retry up to `max_backoff_ms`; each wait is a
+    /// uniformly random time between `d/2` and `d` (equal jitter). Default 500.
     #[serde(default = "default_initial_backoff")]
     pub initial_backoff_ms: u64,
-    /// Backoff cap in ms (a server's `Retry-After` is honoured even above it, up to 10 min).
-    /// Default 30000.
+    /// The cap of `d` in ms. A server's `Retry-After` (delta-seconds or an HTTP date) or
+    /// `retry-after-ms` replaces the computed wait, even above this cap, up to 10 min
+    /// ([`crate::http::MAX_RETRY_AFTER`]). Default 30000.
     #[serde(default = "default_max_backoff")]
     pub max_backoff_ms: u64,
     /// Request rate limit; absent → none.
@@ -315,6 +317,18 @@ impl JudgeConfig {
             return bad("max_concurrent", "must be > 0".into());
         }
         Ok(())
+    }
+
+    /// The retry policy of `max_retries`, `initial_backoff_ms` and `max_backoff_ms` (the one
+    /// grpo-rollout's `remote` client uses too): before retry `k`, a uniformly random wait
+    /// between `d/2` and `d`, `d = min(initial_backoff_ms · 2^k, max_backoff_ms)`, or the
+    /// server's `Retry-After` instead.
+    pub fn retry_policy(&self) -> crate::http::RetryPolicy {
+        crate::http::RetryPolicy::new(
+            self.max_retries,
+            std::time::Duration::from_millis(self.initial_backoff_ms),
+            std::time::Duration::from_millis(self.max_backoff_ms),
+        )
     }
 
     /// [`JudgeConfig::validate_at`] with no prefix.

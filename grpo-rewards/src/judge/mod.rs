@@ -5,11 +5,10 @@ mod cache;
 mod config;
 mod ensemble;
 mod parse;
-mod transport;
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_openai::Client;
@@ -28,9 +27,9 @@ pub use ensemble::JudgeEnsemble;
 pub use parse::{ParsedScore, ScoreReader};
 
 use crate::error::{Result, RewardError};
+use crate::http::{HttpFailure, RetryDecision, retryable_status};
 use crate::reward::{AsyncReward, BoxFuture};
 use crate::types::{RewardInput, RewardOutput};
-use transport::{HttpFailure, StatusAware};
 
 /// Running totals of one judge (all batches since it was built).
 #[derive(Debug, Default)]
@@ -138,11 +137,40 @@ enum Failure {
     Fatal(RewardError),
 }
 
+impl Failure {
+    fn into_error(self) -> RewardError {
+        match self {
+            Failure::Retry(e, _) | Failure::SchemaRejected(e) | Failure::Fatal(e) => e,
+        }
+    }
+
+    fn error(&self) -> &RewardError {
+        match self {
+            Failure::Retry(e, _) | Failure::SchemaRejected(e) | Failure::Fatal(e) => e,
+        }
+    }
+}
+
+impl RetryDecision for Failure {
+    fn retryable(&self) -> bool {
+        matches!(self, Failure::Retry(..))
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Failure::Retry(_, after) => *after,
+            _ => None,
+        }
+    }
+}
+
 /// An LLM judge: renders its template per completion, asks the server (through the cache,
 /// the rate limits and the concurrency cap, with retries), and reads a score.
 ///
-/// As an [`AsyncReward`] it scores a batch concurrently; a completion whose request fails
-/// after `max_retries` gets `None` and is counted in `judge/failures`. After
+/// Retries follow [`JudgeConfig::retry_policy`] ([`crate::http::RetryPolicy`]: exponential
+/// backoff with equal jitter, or the server's `Retry-After`). As an [`AsyncReward`] it scores a
+/// batch concurrently; a completion whose request fails after `max_retries` gets `None` and is
+/// counted in `judge/failures`. After
 /// `max_consecutive_failures` such requests in a row the judge is down and the batch fails with
 /// [`RewardError::JudgeDown`].
 pub struct Judge {
@@ -156,9 +184,8 @@ pub struct Judge {
     tpm: Option<(DefaultDirectRateLimiter, u32)>,
     send_schema: AtomicBool,
     stats: JudgeStats,
-    rng: AtomicU64,
     /// Requests in a row that failed past their retries (reset by any answer).
-    consecutive_failures: std::sync::atomic::AtomicU32,
+    consecutive_failures: AtomicU32,
 }
 
 impl std::fmt::Debug for Judge {
@@ -249,13 +276,7 @@ impl Judge {
             max: config.score_max,
             range: config.output_range,
         };
-        // Empty org/project so nothing is picked up from OPENAI_* variables behind the user's back.
-        let oa = OpenAIConfig::new()
-            .with_api_base(config.base_url.trim_end_matches('/'))
-            .with_api_key(key)
-            .with_org_id("")
-            .with_project_id("");
-        let client = Client::with_config(oa).with_http_service(StatusAware::default());
+        let client = crate::http::openai_client(&config.base_url, &key);
         let cache = match (cache, &config.cache_path) {
             (Some(c), _) => Some(c),
             (None, Some(p)) => Some(Arc::new(JudgeCache::open(p)?)),
@@ -276,13 +297,9 @@ impl Judge {
         });
         let send_schema = config.score_parse == ScoreParse::Json
             && config.response_format != ResponseFormatMode::None;
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0x9E37_79B9_7F4A_7C15);
         Ok(Self {
             semaphore: Semaphore::new(config.max_concurrent),
-            consecutive_failures: std::sync::atomic::AtomicU32::new(0),
+            consecutive_failures: AtomicU32::new(0),
             config,
             env,
             reader,
@@ -292,7 +309,6 @@ impl Judge {
             tpm,
             send_schema: AtomicBool::new(send_schema),
             stats: JudgeStats::default(),
-            rng: AtomicU64::new(seed),
         })
     }
 
@@ -367,26 +383,6 @@ impl Judge {
         }))
     }
 
-    fn next_random(&self) -> f64 {
-        // splitmix64 over an atomic counter: cheap jitter, no extra dependency.
-        let mut z = self.rng.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn backoff(&self, retry: u32, retry_after: Option<Duration>) -> Duration {
-        if let Some(ra) = retry_after {
-            // Honour the server, with up to 10 % jitter above so clients do not return in step.
-            return ra.mul_f64(1.0 + 0.1 * self.next_random());
-        }
-        let base = self.config.initial_backoff_ms as f64 * 2f64.powi(retry.min(30) as i32);
-        let capped = base.min(self.config.max_backoff_ms as f64);
-        // Equal jitter: half fixed, half random.
-        Duration::from_secs_f64(capped * (0.5 + 0.5 * self.next_random()) / 1000.0)
-    }
-
     fn classify(&self, e: OpenAIError, schema_sent: bool) -> Failure {
         let judge = self.config.name.clone();
         let http = |f: &HttpFailure| RewardError::Http {
@@ -398,7 +394,7 @@ impl Judge {
             OpenAIError::Boxed(b) => match b.downcast::<HttpFailure>() {
                 Ok(f) => {
                     let s = f.status;
-                    if s == 408 || s == 409 || s == 429 || s >= 500 {
+                    if retryable_status(s) {
                         Failure::Retry(http(&f), f.retry_after)
                     } else if schema_sent
                         && self.config.response_format == ResponseFormatMode::Auto
@@ -431,7 +427,7 @@ impl Judge {
                     status: s,
                     message: parse::snippet(&a.api_error.message),
                 };
-                if s == 408 || s == 409 || s == 429 || s >= 500 {
+                if retryable_status(s) {
                     Failure::Retry(err, None)
                 } else {
                     Failure::Fatal(err)
@@ -459,7 +455,32 @@ impl Judge {
             .map(|m| m.content.len() as u32 / 4 + 4)
             .sum::<u32>()
             + c.max_tokens;
-        let mut retries = 0u32;
+        let retries = AtomicU32::new(0);
+        let reply = c
+            .retry_policy()
+            .retry(
+                || self.attempt(messages, est_tokens, retries.load(Ordering::Relaxed) + 1),
+                |failure: &Failure, wait| {
+                    let n = retries.fetch_add(1, Ordering::Relaxed) + 1;
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(judge = %c.name, error = %failure.error(), retry = n, wait_ms = wait.as_millis() as u64, "judge request failed; retrying");
+                },
+            )
+            .await;
+        (
+            reply.map_err(Failure::into_error),
+            retries.load(Ordering::Relaxed),
+        )
+    }
+
+    /// One attempt (resent at once without the JSON schema when the server refuses it).
+    async fn attempt(
+        &self,
+        messages: &[crate::types::Message],
+        est_tokens: u32,
+        attempt: u32,
+    ) -> std::result::Result<String, Failure> {
+        let c = &self.config;
         loop {
             let schema = self.send_schema.load(Ordering::Relaxed);
             let mut body = json!({
@@ -506,7 +527,7 @@ impl Judge {
                 let now = self.stats.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
                 self.stats.peak_in_flight.fetch_max(now, Ordering::Relaxed);
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(judge = %c.name, attempt = retries + 1, schema, "judge request");
+                tracing::debug!(judge = %c.name, attempt, schema, "judge request");
                 let r = tokio::time::timeout(
                     Duration::from_secs_f64(c.timeout_secs),
                     self.client.chat().create_byot::<_, ChatReply>(body),
@@ -523,16 +544,12 @@ impl Judge {
                         .into_iter()
                         .next()
                         .and_then(|ch| ch.message.content);
-                    return match text {
-                        Some(t) => (Ok(t), retries),
-                        None => (
-                            Err(RewardError::Parse {
-                                judge: c.name.clone(),
-                                message: "the reply has no choices[0].message.content".into(),
-                            }),
-                            retries,
-                        ),
-                    };
+                    return text.ok_or_else(|| {
+                        Failure::Fatal(RewardError::Parse {
+                            judge: c.name.clone(),
+                            message: "the reply has no choices[0].message.content".into(),
+                        })
+                    });
                 }
                 Ok(Err(e)) => self.classify(e, schema),
                 Err(_) => Failure::Retry(
@@ -544,23 +561,14 @@ impl Judge {
                 ),
             };
             match failure {
+                // Once: the schema is never sent again by this judge.
                 Failure::SchemaRejected(e) => {
                     if self.send_schema.swap(false, Ordering::Relaxed) {
                         self.stats.schema_fallbacks.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(judge = %c.name, error = %e, "server refused the JSON-schema response_format; sending without it");
                     }
                 }
-                Failure::Fatal(e) => return (Err(e), retries),
-                Failure::Retry(e, after) => {
-                    if retries >= c.max_retries {
-                        return (Err(e), retries);
-                    }
-                    let wait = self.backoff(retries, after);
-                    retries += 1;
-                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(judge = %c.name, error = %e, retry = retries, wait_ms = wait.as_millis() as u64, "judge request failed; retrying");
-                    tokio::time::sleep(wait).await;
-                }
+                other => return Err(other),
             }
         }
     }

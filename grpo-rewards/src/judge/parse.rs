@@ -3,6 +3,7 @@
 use regex::Regex;
 
 use super::config::ScoreParse;
+pub(crate) use crate::http::snippet;
 
 /// What a reply said.
 #[derive(Debug, Clone, PartialEq)]
@@ -137,13 +138,4 @@ impl ScoreReader {
         let [lo, hi] = self.range;
         (f64::from(lo) + t * (f64::from(hi) - f64::from(lo))) as f32
     }
-}
-
-/// The first 200 characters of `s`, for messages.
-pub(crate) fn snippet(s: &str) -> String {
-    let mut out: String = s.chars().take(200).collect();
-    if s.chars().count() > 200 {
-        out.push('…');
-    }
-    out
 }

@@ -1,0 +1,24 @@
+//! The HTTP plumbing shared by the LLM judges and grpo-rollout's `remote` client (generation
+//! on vLLM): one retry policy ([`RetryPolicy`], built with backon), the `Retry-After` parser
+//! ([`retry_after`]), and the async-openai transport ([`StatusAware`]) that keeps a failed
+//! response's status and `Retry-After`, which async-openai's own errors drop.
+//!
+//! Behind the `judges` feature.
+
+mod retry;
+mod transport;
+
+pub use retry::{
+    MAX_RETRY_AFTER, RetryDecision, RetryPolicy, next_wait, retry_after, retry_after_at,
+    retry_after_ms, retryable_status,
+};
+pub use transport::{HttpFailure, StatusAware, openai_client};
+
+/// The first 200 characters of `s`, for messages.
+pub(crate) fn snippet(s: &str) -> String {
+    let mut out: String = s.chars().take(200).collect();
+    if s.chars().count() > 200 {
+        out.push('…');
+    }
+    out
+}
