@@ -113,7 +113,7 @@ pub fn warm_up(
         })
         .collect::<Result<_>>()?;
     let batch = 32usize;
-    let mut rng = grpo_data::rng::SplitMix64::new(seed);
+    let mut rng = grpo_data::rng::SeededRng::new(seed);
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     for step in 0..steps {
         let idx: Vec<usize> = (0..batch)

@@ -285,7 +285,7 @@ fn bad_inputs_fail_before_any_work_with_one_line() {
         ),
         (
             vec!["--set".into(), "loss.loss_type=ppo".into()],
-            "`loss.loss_type`",
+            "loss.loss_type: unknown loss_type `ppo`: expected one of grpo",
         ),
         (
             vec!["--set".into(), "model.path=/nonexistent/model".into()],
@@ -705,7 +705,7 @@ fn bad_importance_sampling_options_are_refused() {
     for (set, needle) in [
         (
             "loss.vllm_importance_sampling_mode=\"per_token\"",
-            "`loss.vllm_importance_sampling_mode`",
+            "loss.vllm_importance_sampling_mode: unknown importance sampling mode `per_token`",
         ),
         (
             "loss.vllm_importance_sampling_clip_max=0.0",

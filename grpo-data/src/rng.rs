@@ -27,11 +27,6 @@ pub struct SeededRng {
     inner: ChaCha8Rng,
 }
 
-/// The old name of [`SeededRng`], from when the generator was SplitMix64: the numbers are
-/// ChaCha8's now. Kept (not deprecated, so `-D warnings` builds stay green) only until grpo-cli's
-/// demo uses the new name; then it goes.
-pub type SplitMix64 = SeededRng;
-
 impl SeededRng {
     /// A generator seeded with `seed` (`ChaCha8Rng::seed_from_u64(seed)`).
     pub fn new(seed: u64) -> Self {

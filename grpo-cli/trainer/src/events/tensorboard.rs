@@ -3,11 +3,10 @@
 //! Hugging Face Trainer tags them: `train/<metric>` and `eval/<metric>`.
 
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result};
 
-use super::tfevents::EventWriter;
+use super::tfevents::{EventWriter, unix_time_now};
 use super::{Event, EventSink};
 use crate::config::TrainConfig;
 
@@ -65,9 +64,7 @@ impl EventSink for TensorBoardSink {
             }
             _ => return Ok(()),
         };
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
+        let now = unix_time_now();
         let tags: Vec<(String, f64)> = metrics
             .iter()
             .filter(|(k, _)| k.as_str() != "step")

@@ -1,0 +1,274 @@
+//! The trainer as a library: a config built in code, `fit_with` a dataset and a reward
+//! closure, callbacks in order, TensorBoard event files, algorithms by name.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use grpo_data::synth::ArithmeticConfig;
+use grpo_rewards::RewardInput;
+use grpo_rollout::Arch;
+use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::events::tfevents::read_scalars;
+use grpo_trainer::{
+    Callbacks, FitOptions, GrpoTrainer, Metrics, TrainConfig, TrainerState, TrainingResult,
+};
+
+fn model(root: &Path) -> PathBuf {
+    let dir = root.join("model");
+    init_model_dir(&dir, Preset::Tiny, Arch::Qwen2, 3).unwrap();
+    dir
+}
+
+/// A GRPO config built in code: no data files, no rewards (both come through `fit_with`).
+fn config(root: &Path, out: &str) -> TrainConfig {
+    let mut c = TrainConfig::default();
+    c.output_dir = root.join(out);
+    c.rollout.num_generations = 4;
+    c.rollout.max_completion_length = 5;
+    c.train.prompts_per_step = 2;
+    c.train.per_device_train_batch_size = Some(4);
+    c.train.save_steps = 0;
+    c.optim.learning_rate = 1e-3;
+    c
+}
+
+fn arithmetic(n: u64) -> grpo_data::Dataset {
+    ArithmeticConfig {
+        n,
+        seed: 7,
+        digits: 1,
+        steps: 1,
+    }
+    .dataset()
+    .unwrap()
+}
+
+/// Share of digits in a completion.
+fn digits(batch: &[RewardInput]) -> Vec<f32> {
+    batch
+        .iter()
+        .map(|x| {
+            let n = x.completion.chars().count().max(1);
+            x.completion.chars().filter(char::is_ascii_digit).count() as f32 / n as f32
+        })
+        .collect()
+}
+
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<String>>>);
+
+impl Recorder {
+    fn push(&self, s: String) {
+        self.0.lock().unwrap().push(s);
+    }
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut self.0.lock().unwrap())
+    }
+}
+
+impl Callbacks for Recorder {
+    fn on_train_begin(&mut self, s: &TrainerState) {
+        self.push(format!("train_begin {}/{}", s.step, s.max_steps));
+    }
+    fn on_step_begin(&mut self, s: &TrainerState) {
+        self.push(format!("step_begin {}", s.step));
+    }
+    fn on_step_end(&mut self, s: &TrainerState, m: &Metrics) {
+        assert_eq!(m["step"], s.step as f64);
+        assert!(m["reward"].is_finite(), "{m:?}");
+        self.push(format!("step_end {}", s.step));
+    }
+    fn on_evaluate(&mut self, s: &TrainerState, m: &Metrics) {
+        assert!(m.contains_key("eval/reward"), "{m:?}");
+        self.push(format!("evaluate {}", s.step));
+    }
+    fn on_epoch_end(&mut self, s: &TrainerState) {
+        self.push(format!("epoch_end {} {:.1}", s.step, s.epoch));
+    }
+    fn on_train_end(&mut self, s: &TrainerState, r: &TrainingResult) {
+        assert_eq!(r.total_steps, s.step);
+        self.push(format!("train_end {}", s.step));
+    }
+}
+
+#[test]
+fn fit_with_a_dataset_a_reward_closure_and_callbacks_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "run");
+    cfg.train.eval_steps = 2;
+    let calls = Arc::new(Mutex::new(0usize));
+    let counted = calls.clone();
+    let reward = move |b: &[RewardInput]| {
+        *counted.lock().unwrap() += b.len();
+        digits(b)
+    };
+    let rec = Recorder::default();
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    // 4 prompts, 2 per step: an epoch every 2 steps.
+    let r = t
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(4))
+                .eval_dataset(arithmetic(2))
+                .reward("digits", 1.0, reward)
+                .max_steps(4)
+                .callbacks(rec.clone()),
+        )
+        .unwrap();
+    assert_eq!(r.total_steps, 4);
+    assert_eq!(r.metrics.len(), 4);
+    assert_eq!(t.current_step(), 4);
+    assert!((r.total_epochs - 2.0).abs() < 1e-9, "{}", r.total_epochs);
+    // Training scores 4 steps × 2 prompts × 4 completions; evaluation scores more.
+    assert!(*calls.lock().unwrap() >= 32);
+    for m in &r.metrics {
+        assert!(m.contains_key("rewards/digits/mean"), "{m:?}");
+    }
+    assert_eq!(
+        rec.take(),
+        [
+            "train_begin 0/4",
+            "step_begin 0",
+            "step_end 1",
+            "step_begin 1",
+            "step_end 2",
+            "evaluate 2",
+            "epoch_end 2 1.0",
+            "step_begin 2",
+            "step_end 3",
+            "step_begin 3",
+            "step_end 4",
+            "evaluate 4",
+            "epoch_end 4 2.0",
+            "train_end 4",
+        ]
+    );
+    // The last checkpoint was written by the events thread before fit returned.
+    let ckpt = r.best_checkpoint_path.unwrap();
+    assert!(ckpt.ends_with("step-4"), "{}", ckpt.display());
+    assert!(ckpt.join("trainer_state.json").is_file());
+    // A trainer fits once.
+    let again = t.fit().unwrap_err().to_string();
+    assert!(again.contains("already been fitted"), "{again}");
+}
+
+#[test]
+fn max_epochs_sets_the_steps_from_the_dataset_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut t = GrpoTrainer::from_pretrained(&m, config(dir.path(), "run")).unwrap();
+    let r = t
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(6))
+                .reward("digits", 1.0, digits)
+                .max_epochs(1.0),
+        )
+        .unwrap();
+    // 6 prompts, 2 per step.
+    assert_eq!(r.total_steps, 3);
+}
+
+#[test]
+fn fit_refuses_a_run_without_reward_or_with_a_bad_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut t = GrpoTrainer::from_pretrained(&m, config(dir.path(), "a")).unwrap();
+    let e = t
+        .fit_with(FitOptions::default().dataset(arithmetic(4)).max_steps(1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no reward"), "{e}");
+    let mut t = GrpoTrainer::from_pretrained(&m, config(dir.path(), "b")).unwrap();
+    let e = t
+        .fit_with(FitOptions::default().reward("d", 1.0, digits).max_steps(0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("max_steps"), "{e}");
+    // A reward name taken twice.
+    let t = GrpoTrainer::from_pretrained(&m, config(dir.path(), "c"))
+        .unwrap()
+        .with_reward("d", 1.0, digits)
+        .unwrap();
+    let e = t.with_reward("d", 0.5, digits).unwrap_err().to_string();
+    assert!(e.contains("`d`"), "{e}");
+}
+
+#[test]
+fn tensorboard_scalars_match_the_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "run");
+    cfg.train.report_to = vec![grpo_trainer::config::ReportTo::Tensorboard];
+    cfg.train.logging_steps = 2;
+    cfg.train.eval_steps = 3;
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    let r = t
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(8))
+                .eval_dataset(arithmetic(2))
+                .reward("digits", 1.0, digits)
+                .max_steps(3),
+        )
+        .unwrap();
+    let logs = dir.path().join("run").join("runs");
+    let files: Vec<PathBuf> = std::fs::read_dir(&logs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with("events.out.tfevents."), "{name}");
+    let scalars = read_scalars(&files[0]).unwrap();
+    let at = |step: i64, tag: &str| -> Option<f32> {
+        scalars
+            .iter()
+            .find(|(s, t, _)| *s == step && t == tag)
+            .map(|x| x.2)
+    };
+    // Logged steps: 2 (logging_steps) and 3 (the last); evaluation at 3.
+    for step in [2usize, 3] {
+        let mt = &r.metrics[step - 1];
+        for key in ["reward", "loss", "learning_rate", "rewards/digits/mean"] {
+            assert_eq!(
+                at(step as i64, &format!("train/{key}")),
+                Some(mt[key] as f32),
+                "step {step} {key}"
+            );
+        }
+    }
+    assert_eq!(at(1, "train/reward"), None, "step 1 is not logged");
+    assert!(at(3, "eval/reward").is_some(), "{scalars:?}");
+    assert!(!scalars.iter().any(|(_, t, _)| t == "train/step"));
+
+    // TensorBoard itself reads the file, where a Python with it is at hand.
+    let python = std::env::var("TB_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/check_tensorboard.py");
+    match std::process::Command::new(&python).arg(&script).arg(&logs).output() {
+        Ok(out) if out.status.code() == Some(2) => {
+            eprintln!("skipped the TensorBoard reader: {python} has no tensorboard package");
+        }
+        Ok(out) => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+            assert!(text.contains("train/reward: 2 points, last step 3"), "{text}");
+        }
+        Err(e) => eprintln!("skipped the TensorBoard reader: {python}: {e}"),
+    }
+}
+
+#[test]
+fn algorithms_by_name() {
+    assert_eq!(grpo_trainer::list_algorithms(), ["dpo", "grpo", "sft"]);
+    assert_eq!(
+        grpo_trainer::get_algorithm("sft").unwrap(),
+        grpo_trainer::Algorithm::Sft
+    );
+    let e = grpo_trainer::get_algorithm("ppo").unwrap_err().to_string();
+    for name in ["ppo", "grpo", "sft", "dpo"] {
+        assert!(e.contains(name), "{e}");
+    }
+}
