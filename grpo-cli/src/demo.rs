@@ -205,8 +205,9 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
     let setup = grpo_trainer::setup(cfg)?;
     let mut ro = RunOptions::default();
     if opts.progress {
-        ro.sinks
-            .push(std::sync::Arc::new(std::sync::Mutex::new(crate::progress::Progress::new())));
+        ro.sinks.push(std::sync::Arc::new(std::sync::Mutex::new(
+            crate::progress::Progress::new(),
+        )));
     }
     let result = grpo_trainer::run(setup, &ro, &mut grpo_trainer::NoCallbacks)?;
     let rewards: Vec<f64> = result.metrics.iter().map(|m| m["reward"]).collect();

@@ -7,11 +7,11 @@ use std::path::Path;
 use std::process::Command;
 
 use candle_core::{DType, Device};
-use grpo_trainer::config;
-use grpo_trainer::{self as trainer, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions};
 
 fn train(root: &Path, name: &str, extra: &str) -> std::path::PathBuf {
     if !root.join("model").exists() {

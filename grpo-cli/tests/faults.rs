@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use grpo_trainer::config;
-use grpo_trainer::{self as trainer, RunOptions, Setup};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rewards::{RewardInput, RewardSet};
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions, Setup};
 
 fn setup(root: &Path, name: &str, staleness: usize, data_ext: &str) -> Setup {
     if !root.join("model").exists() {
@@ -200,7 +200,8 @@ fn out_of_memory_is_one_line_with_the_ways_out_and_a_checkpoint() {
         }
         s.rewards =
             Arc::new(RewardSet::new().with_reward("gpu", 1.0, Oom(AtomicUsize::new(0), fail_at)));
-        let e = trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap_err();
+        let e =
+            trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap_err();
         let msg = format!("{e:#}");
         assert_eq!(msg.lines().count(), 1, "{msg}");
         for part in [

@@ -6,10 +6,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use grpo_trainer::config;
-use grpo_trainer::{self as trainer, RunOptions};
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions};
 
 fn write_data(root: &Path) {
     let mut sft = String::new();

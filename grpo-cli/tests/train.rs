@@ -4,11 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use grpo_trainer::config::{self, TrainConfig};
-use grpo_trainer::{self as trainer, RunMode, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::config::{self, TrainConfig};
+use grpo_trainer::{self as trainer, RunMode, RunOptions};
 
 struct Fixture {
     _dir: tempfile::TempDir,

@@ -57,8 +57,6 @@
 #![deny(missing_docs)]
 
 pub mod advantages;
-#[cfg(feature = "serde")]
-mod serde_names;
 #[cfg(feature = "candle")]
 pub mod fused;
 #[cfg(feature = "candle")]
@@ -69,6 +67,8 @@ pub mod loss;
 pub mod preference;
 #[cfg(feature = "candle")]
 pub mod recompute;
+#[cfg(feature = "serde")]
+mod serde_names;
 
 pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
 #[cfg(feature = "candle")]

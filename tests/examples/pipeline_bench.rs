@@ -15,12 +15,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use grpo_trainer::config;
-use grpo_trainer::{self as trainer, RunMode, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_tests::loopback::{LoopbackServer, ServerConfig};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunMode, RunOptions};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -4,12 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use grpo_trainer::config;
-use grpo_trainer::{self as trainer, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_tests::loopback::{LoopbackServer, ServerConfig};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, RunOptions};
 
 fn configs_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
@@ -52,7 +52,12 @@ fn train(name: &str, extra: &[String]) -> (tempfile::TempDir, grpo_trainer::Trai
     cfg.train.per_device_train_batch_size = None;
     cfg.optim.gradient_accumulation_steps = None;
     let setup = trainer::setup(cfg).unwrap();
-    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
+    let r = trainer::run(
+        setup,
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
     assert_eq!(r.total_steps, 2, "{name}");
     assert!(r.metrics.iter().all(|m| m["loss"].is_finite()), "{name}");
     (dir, r)
@@ -139,7 +144,12 @@ fn teacher_config_trains_with_a_tiny_student() {
     let cfg = config::load(&configs_dir().join("teacher.toml"), &sets).unwrap();
     let setup = trainer::setup(cfg).unwrap();
     let protocol = setup.teaching.clone().unwrap();
-    let r = trainer::run(setup, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
+    let r = trainer::run(
+        setup,
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
     assert_eq!(r.total_steps, 3);
     for m in &r.metrics {
         assert!(m["loss"].is_finite());
@@ -237,7 +247,12 @@ fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_trainer::Trai
     // No student path: the reference model (the policy as loaded) is the student.
     cfg.teacher.as_mut().unwrap().student_model = None;
     let setup = trainer::setup(cfg).unwrap();
-    trainer::run(setup, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap()
+    trainer::run(
+        setup,
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap()
 }
 
 fn completions(run: &Path) -> Vec<serde_json::Value> {

@@ -9,13 +9,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use grpo_trainer::config;
-use grpo_trainer::{self as trainer, Metrics, RunOptions, Setup};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rewards::{AsyncReward, BoxFuture, RewardInput, RewardOutput, RewardSet};
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_tests::loopback::{Fault, LoopbackServer, ServerConfig, last_message};
+use grpo_trainer::config;
+use grpo_trainer::{self as trainer, Metrics, RunOptions, Setup};
 use serde_json::{Value, json};
 
 /// A judge reply that depends on the completion (so rewards vary within a group).

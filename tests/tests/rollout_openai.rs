@@ -6,12 +6,12 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use grpo_trainer::config::{self, TrainConfig};
 use grpo_cli::serve::{ServeOptions, start};
-use grpo_trainer::{self as trainer, RunOptions};
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::config::{self, TrainConfig};
+use grpo_trainer::{self as trainer, RunOptions};
 
 /// A tiny random model whose embeddings are scaled ×5: with init's 0.02 the logits cannot get
 /// sharp, and LoRA (which cannot touch the tied embeddings) could not move the distribution.

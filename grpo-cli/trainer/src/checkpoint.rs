@@ -84,7 +84,10 @@ impl CheckpointJob {
         if let Some(map) = &self.reference {
             candle_core::safetensors::save(map, tmp.join(REF_FILE))?;
         }
-        std::fs::write(tmp.join(STATE_FILE), serde_json::to_vec_pretty(&self.state)?)?;
+        std::fs::write(
+            tmp.join(STATE_FILE),
+            serde_json::to_vec_pretty(&self.state)?,
+        )?;
         std::fs::write(
             tmp.join("config.json"),
             serde_json::to_vec_pretty(&self.config)?,
@@ -225,7 +228,10 @@ impl Learner {
 pub fn read_state(dir: &Path) -> Result<TrainerState> {
     let p = dir.join(STATE_FILE);
     let text = std::fs::read(&p).with_context(|| {
-        format!("{}: not a complete checkpoint (no {STATE_FILE})", dir.display())
+        format!(
+            "{}: not a complete checkpoint (no {STATE_FILE})",
+            dir.display()
+        )
     })?;
     serde_json::from_slice(&text).with_context(|| format!("{}: invalid", p.display()))
 }

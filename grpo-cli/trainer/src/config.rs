@@ -1173,8 +1173,12 @@ layers_to_transform = [0, 1]
         assert_eq!(teacher.student_device, Some(DeviceSpec::Cpu));
         assert_eq!(teacher.student_dtype, Some(Dtype::F16));
         for (key, value, named) in [
-            ("reward_model_device", "tpu", "`reward_model_device`"),
-            ("reward_model_dtype", "f8", "`reward_model_dtype`"),
+            (
+                "reward_model_device",
+                "tpu",
+                "reward_model_device: expected cpu, cuda or cuda:N, got `tpu`",
+            ),
+            ("reward_model_dtype", "f8", "reward_model_dtype: "),
         ] {
             let mut t = minimal();
             t[key] = value.into();
@@ -1184,7 +1188,10 @@ layers_to_transform = [0, 1]
         let mut t = minimal();
         t["teacher"] = serde_json::json!({"student_dtype": "int4"});
         let e = from_tree(t, "c").unwrap_err().to_string();
-        assert!(e.contains("`teacher.student_dtype`"), "{e}");
+        assert!(
+            e.contains("teacher.student_dtype: expected f32, bf16 or f16, got `int4`"),
+            "{e}"
+        );
     }
 
     #[test]

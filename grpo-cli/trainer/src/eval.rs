@@ -58,4 +58,3 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     m.insert("step".into(), learner.state.step as f64);
     Ok(m)
 }
-

@@ -124,12 +124,25 @@ pub fn run(
     let mut ends = StepEnd::begin(&setup.cfg, opts, callbacks, &learner, &run_dir)?;
     // After each step: logs, callbacks, evaluation, checkpoint; true = stop here.
     let after = |ends: &mut StepEnd<'_>, learner: &mut Learner, s: &Scored, m, secs| {
-        let completions = crate::events::completion_lines(s, setup.cfg.train.num_completions_to_print);
-        let tokens = s.rollouts.completions.iter().map(|c| c.token_ids.len()).sum();
-        ends.step_end(learner, m, completions, Some(tokens), secs, |l: &mut Learner| {
-            let ev = setup.eval.as_ref()?;
-            Some(crate::eval::evaluate(&setup, l, ev))
-        })
+        let completions =
+            crate::events::completion_lines(s, setup.cfg.train.num_completions_to_print);
+        let tokens = s
+            .rollouts
+            .completions
+            .iter()
+            .map(|c| c.token_ids.len())
+            .sum();
+        ends.step_end(
+            learner,
+            m,
+            completions,
+            Some(tokens),
+            secs,
+            |l: &mut Learner| {
+                let ev = setup.eval.as_ref()?;
+                Some(crate::eval::evaluate(&setup, l, ev))
+            },
+        )
         .context(Stage::Learner)
     };
     let outcome: Result<()> = match opts.mode {
@@ -221,11 +234,14 @@ pub fn run(
                 let learned = learn(scored_rx);
                 halt.store(true, Ordering::SeqCst);
                 drop(weights_tx);
-                first_error(learned, [
-                    (loader_h.join(), Stage::Data),
-                    (gen_h.join(), Stage::Generator),
-                    (scorer_h.join(), Stage::Scorer),
-                ])
+                first_error(
+                    learned,
+                    [
+                        (loader_h.join(), Stage::Data),
+                        (gen_h.join(), Stage::Generator),
+                        (scorer_h.join(), Stage::Scorer),
+                    ],
+                )
             })
         }
     };

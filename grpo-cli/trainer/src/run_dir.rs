@@ -12,7 +12,6 @@ use crate::learner::Learner;
 use crate::pipeline::RunOptions;
 use crate::setup::Setup;
 
-
 /// What a run writes into its directory (`--overwrite` / `overwrite_output_dir` removes these).
 pub const RUN_FILES: &[&str] = &[
     "config.json",

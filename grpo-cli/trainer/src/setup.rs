@@ -83,7 +83,9 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
                 "config: a `reward_model` reward needs `reward_model_path` (a *ForSequenceClassification directory)",
             )?;
             let device = match rm_device {
-                Some(d) => d.device().map_err(|e| anyhow!("reward_model_device: {e}"))?,
+                Some(d) => d
+                    .device()
+                    .map_err(|e| anyhow!("reward_model_device: {e}"))?,
                 None => model.device().clone(),
             };
             let rm = grpo_rollout::scoring::ClassifierModel::load(&path, rm_dtype, &device)

@@ -28,6 +28,8 @@ pub(crate) struct StepEnd<'a> {
     start: usize,
     total: usize,
     result: TrainingResult,
+    /// A sink failed: the learner itself is sound (between two steps).
+    sink_failed: bool,
 }
 
 impl<'a> StepEnd<'a> {
@@ -47,7 +49,9 @@ impl<'a> StepEnd<'a> {
             sinks.push(Box::new(CompletionsLog::open(run_dir)?));
         }
         if cfg.train.report_to.contains(&ReportTo::Tensorboard) {
-            sinks.push(Box::new(TensorBoardSink::create(&TensorBoardSink::dir(cfg))?));
+            sinks.push(Box::new(TensorBoardSink::create(&TensorBoardSink::dir(
+                cfg,
+            ))?));
         }
         sinks.extend(opts.sinks.iter().map(|s| Box::new(Shared(s.clone())) as _));
         let mut bus = EventBus::start(sinks, cfg.pipeline.events_capacity)?;
@@ -61,6 +65,7 @@ impl<'a> StepEnd<'a> {
             bus: Some(bus),
             start,
             total,
+            sink_failed: false,
             result: TrainingResult {
                 run_dir: run_dir.to_path_buf(),
                 ..Default::default()
@@ -69,10 +74,12 @@ impl<'a> StepEnd<'a> {
     }
 
     fn send(&mut self, e: Event) -> Result<()> {
-        match &mut self.bus {
+        let sent = match &mut self.bus {
             Some(b) => b.send(e),
             None => Err(anyhow!("the events thread has stopped")),
-        }
+        };
+        self.sink_failed |= sent.is_err();
+        sent
     }
 
     /// Before a step.
@@ -181,7 +188,7 @@ impl<'a> StepEnd<'a> {
             };
             return anyhow!(out_of_memory_message(self.cfg, step, ckpt.as_deref()));
         }
-        if stage != Some(Stage::Learner)
+        if (stage != Some(Stage::Learner) || self.sink_failed)
             && progressed
             && saved.is_none()
             && let Ok(dir) = learner.save_checkpoint()

@@ -61,8 +61,7 @@ pub fn probe(
 ) -> Result<Vec<(String, DiagnosticResult)>> {
     let field = &tp.config().answer_field;
     let questions: Vec<String> = batch.samples.iter().map(question_of).collect();
-    let answers: Vec<Option<String>> =
-        batch.samples.iter().map(|s| s.get_text(field)).collect();
+    let answers: Vec<Option<String>> = batch.samples.iter().map(|s| s.get_text(field)).collect();
     for (q, s) in questions.iter().zip(&batch.samples) {
         if q.trim().is_empty() {
             bail!("row {}: the problem text is empty", s.index);

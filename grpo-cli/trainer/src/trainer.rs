@@ -99,7 +99,10 @@ impl std::fmt::Debug for FitOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("FitOptions")
             .field("dataset_rows", &self.dataset.as_ref().map(|d| d.len()))
-            .field("rewards", &self.rewards.iter().map(|r| &r.0).collect::<Vec<_>>())
+            .field(
+                "rewards",
+                &self.rewards.iter().map(|r| &r.0).collect::<Vec<_>>(),
+            )
             .field("max_steps", &self.max_steps)
             .field("max_epochs", &self.max_epochs)
             .finish_non_exhaustive()
@@ -121,7 +124,12 @@ impl FitOptions {
 
     /// Adds a reward function (GRPO), weighted as the config's rewards are: any
     /// `Fn(&[RewardInput]) -> Vec<Option<f32>>` or a [`Reward`].
-    pub fn reward(mut self, name: impl Into<String>, weight: f32, f: impl Reward + 'static) -> Self {
+    pub fn reward(
+        mut self,
+        name: impl Into<String>,
+        weight: f32,
+        f: impl Reward + 'static,
+    ) -> Self {
         self.rewards
             .push((name.into(), weight, RewardFn::Sync(Arc::new(f))));
         self
@@ -345,9 +353,10 @@ impl<K> Trainer<K> {
     /// and data position: the checkpoint `fit` ended with) to `dir`, which
     /// [`Self::load_checkpoint`] and `--resume DIR` read.
     pub fn save_checkpoint(&self, dir: impl AsRef<Path>) -> Result<()> {
-        let src = self.last_checkpoint.as_ref().ok_or_else(|| {
-            anyhow!("save_checkpoint: nothing to save before fit() has run")
-        })?;
+        let src = self
+            .last_checkpoint
+            .as_ref()
+            .ok_or_else(|| anyhow!("save_checkpoint: nothing to save before fit() has run"))?;
         crate::checkpoint::copy_dir(src, dir.as_ref())
     }
 }

@@ -247,14 +247,25 @@ fn tensorboard_scalars_match_the_metrics() {
     // TensorBoard itself reads the file, where a Python with it is at hand.
     let python = std::env::var("TB_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/check_tensorboard.py");
-    match std::process::Command::new(&python).arg(&script).arg(&logs).output() {
+    match std::process::Command::new(&python)
+        .arg(&script)
+        .arg(&logs)
+        .output()
+    {
         Ok(out) if out.status.code() == Some(2) => {
             eprintln!("skipped the TensorBoard reader: {python} has no tensorboard package");
         }
         Ok(out) => {
             let text = String::from_utf8_lossy(&out.stdout);
-            assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-            assert!(text.contains("train/reward: 2 points, last step 3"), "{text}");
+            assert!(
+                out.status.success(),
+                "{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                text.contains("train/reward: 2 points, last step 3"),
+                "{text}"
+            );
         }
         Err(e) => eprintln!("skipped the TensorBoard reader: {python}: {e}"),
     }
@@ -271,4 +282,55 @@ fn algorithms_by_name() {
     for name in ["ppo", "grpo", "sft", "dpo"] {
         assert!(e.contains(name), "{e}");
     }
+}
+
+/// Fails on the event of step 2.
+struct FailAt2;
+
+impl grpo_trainer::EventSink for FailAt2 {
+    fn on_event(&mut self, e: &grpo_trainer::Event) -> anyhow::Result<()> {
+        match e {
+            grpo_trainer::Event::Step { step: 2, .. } => anyhow::bail!("disk full (test)"),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[test]
+fn a_failing_sink_stops_the_run_and_loses_no_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "run");
+    cfg.pipeline.events_capacity = 1;
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg.clone()).unwrap();
+    t.options.sinks.push(Arc::new(Mutex::new(FailAt2)));
+    let fit = |t: &mut GrpoTrainer| {
+        t.fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(16))
+                .reward("digits", 1.0, digits)
+                .max_steps(6),
+        )
+    };
+    let e = fit(&mut t).unwrap_err();
+    let text = format!("{e:#}");
+    assert!(text.contains("disk full (test)"), "{text}");
+    // The error surfaces at one of the learner's next sends (step 2 or 3); the other sinks
+    // kept going, and the learner (sound, between two steps) was saved there.
+    let run = dir.path().join("run");
+    let ckpts = grpo_trainer::list_checkpoints(&run);
+    let k = ckpts.last().unwrap().0;
+    assert!((2..=3).contains(&k), "{ckpts:?}");
+    assert!(
+        text.contains(&format!("checkpoint {}", ckpts.last().unwrap().1.display())),
+        "{text}"
+    );
+    let lines = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), k, "{lines}");
+    // The run continues from there.
+    let mut again = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    again.options.resume = Some(None);
+    let r = fit(&mut again).unwrap();
+    assert_eq!(r.total_steps, 6);
+    assert_eq!(r.metrics.len(), 6 - k);
 }

@@ -67,44 +67,56 @@ pub type SharedSink = Arc<Mutex<dyn EventSink>>;
 #[derive(Debug)]
 pub struct EventBus {
     tx: Option<Sender<Event>>,
-    handle: Option<JoinHandle<Result<()>>>,
+    handle: Option<JoinHandle<()>>,
+    failed: Arc<Mutex<Option<anyhow::Error>>>,
 }
 
 impl EventBus {
-    /// Starts the thread over `sinks`, with room for `capacity` events in flight.
+    /// Starts the thread over `sinks`, with room for `capacity` events in flight. A sink that
+    /// fails is dropped and its error kept; the other sinks (the checkpoint writer among them)
+    /// go on receiving events, so a failing log never costs a checkpoint.
     pub fn start(mut sinks: Vec<Box<dyn EventSink>>, capacity: usize) -> Result<Self> {
         let (tx, rx) = bounded::<Event>(capacity.max(1));
+        let failed = Arc::new(Mutex::new(None));
+        let first_error = failed.clone();
         let handle = std::thread::Builder::new()
             .name("grpo-events".into())
-            .spawn(move || -> Result<()> {
+            .spawn(move || {
                 for event in rx.iter() {
-                    for sink in sinks.iter_mut() {
-                        sink.on_event(&event)?;
-                    }
+                    sinks.retain_mut(|sink| match sink.on_event(&event) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            let mut f = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            f.get_or_insert(e);
+                            false
+                        }
+                    });
                 }
-                Ok(())
             })
             .context("cannot start the events thread")?;
         Ok(Self {
             tx: Some(tx),
             handle: Some(handle),
+            failed,
         })
     }
 
-    /// Queues an event (waits while the channel is full). When a sink has failed, returns its
-    /// error.
+    fn take_error(&self) -> Option<anyhow::Error> {
+        self.failed.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Queues an event (waits while the channel is full). When a sink has failed, the event
+    /// still goes to the others and the failed sink's error is returned.
     pub fn send(&mut self, event: Event) -> Result<()> {
-        let sent = match &self.tx {
-            Some(tx) => tx.send(event).is_ok(),
-            None => false,
-        };
+        let sent = self.tx.as_ref().is_some_and(|tx| tx.send(event).is_ok());
+        if let Some(e) = self.take_error() {
+            return Err(e);
+        }
         if sent {
             return Ok(());
         }
-        Err(self
-            .join()
-            .err()
-            .unwrap_or_else(|| anyhow!("the events thread has stopped")))
+        self.join()?;
+        Err(anyhow!("the events thread has stopped"))
     }
 
     /// Sends [`Event::End`], waits until every queued event is handled and returns the first
@@ -113,15 +125,17 @@ impl EventBus {
         if let Some(tx) = &self.tx {
             let _ = tx.send(Event::End);
         }
-        self.join()
+        self.join()?;
+        match self.take_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     fn join(&mut self) -> Result<()> {
         self.tx = None;
         match self.handle.take() {
-            Some(h) => h
-                .join()
-                .map_err(|_| anyhow!("the events thread panicked"))?,
+            Some(h) => h.join().map_err(|_| anyhow!("the events thread panicked")),
             None => Ok(()),
         }
     }

@@ -27,8 +27,9 @@ impl TensorBoardSink {
 
     /// A new event file in `dir`.
     pub fn create(dir: &Path) -> Result<Self> {
-        let writer = EventWriter::create(dir)
-            .with_context(|| format!("{}: cannot create a TensorBoard event file", dir.display()))?;
+        let writer = EventWriter::create(dir).with_context(|| {
+            format!("{}: cannot create a TensorBoard event file", dir.display())
+        })?;
         Ok(Self { writer })
     }
 

@@ -101,8 +101,10 @@ impl Learner {
         let (mut old, mut refs) = (Vec::new(), Vec::new());
         for &(a, b) in &batch.chunks {
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-            for (model, out) in [(frozen.as_ref(), &mut old), (self.reference.as_ref(), &mut refs)]
-            {
+            for (model, out) in [
+                (frozen.as_ref(), &mut old),
+                (self.reference.as_ref(), &mut refs),
+            ] {
                 out.push(match model {
                     Some(m) => Some(self.logps(m, p, c, false)?.0.detach()),
                     None => None,

@@ -76,7 +76,11 @@ impl OffPolicyStats {
             return;
         }
         let k = self.ratios.len() as f64;
-        let min = self.ratios.iter().map(|s| s.0).fold(f64::INFINITY, f64::min);
+        let min = self
+            .ratios
+            .iter()
+            .map(|s| s.0)
+            .fold(f64::INFINITY, f64::min);
         let mean = self.ratios.iter().map(|s| s.1).sum::<f64>() / k;
         let max = self
             .ratios

@@ -178,4 +178,3 @@ pub fn chat_messages(msgs: &[grpo_data::Message]) -> Vec<ChatMessage> {
         .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
         .collect()
 }
-

@@ -6,7 +6,6 @@ use grpo_data::{Position, SampleStream, StreamConfig};
 use super::PromptBatch;
 use crate::setup::Setup;
 
-
 /// Hands out prompt batches from a resumable stream.
 #[derive(Debug)]
 pub struct Loader {

@@ -78,7 +78,6 @@ impl std::fmt::Display for Stage {
     }
 }
 
-
 /// Scored completions of one step.
 #[derive(Debug, Clone)]
 pub struct Scored {
