@@ -80,6 +80,33 @@ pub fn create_trainer(
 
 /// What [`Trainer::fit_with`] takes, as NeMo RL's `fit(dataset, reward_fn, max_steps,
 /// max_epochs, callbacks)`: each left unset keeps what the config says.
+///
+/// ```no_run
+/// use grpo_rewards::RewardInput;
+/// use grpo_trainer::{Callbacks, FitOptions, GrpoTrainer, Metrics, TrainerState, config};
+///
+/// struct Print;
+/// impl Callbacks for Print {
+///     fn on_step_end(&mut self, state: &TrainerState, m: &Metrics) {
+///         println!("step {}/{}: reward {:.3}", state.step, state.max_steps, m["reward"]);
+///     }
+/// }
+///
+/// // Any closure over a batch is a reward (None = no score for that sample).
+/// let short = |b: &[RewardInput]| -> Vec<f32> {
+///     b.iter().map(|x| if x.completion.len() < 40 { 1.0 } else { 0.0 }).collect()
+/// };
+/// let cfg = config::load("configs/quickstart.toml".as_ref(), &[])?;
+/// let mut trainer = GrpoTrainer::from_pretrained("runs/demo/model", cfg)?;
+/// let result = trainer.fit_with(
+///     FitOptions::default()
+///         .reward("short", 0.5, short) // beside the config's [[rewards]]
+///         .max_steps(5)
+///         .callbacks(Print),
+/// )?;
+/// println!("{} steps, checkpoint {:?}", result.total_steps, result.best_checkpoint_path);
+/// # Ok::<(), anyhow::Error>(())
+/// ```
 #[derive(Default)]
 pub struct FitOptions {
     dataset: Option<grpo_data::Dataset>,

@@ -22,8 +22,10 @@ fn model(root: &Path) -> PathBuf {
 
 /// A GRPO config built in code: no data files, no rewards (both come through `fit_with`).
 fn config(root: &Path, out: &str) -> TrainConfig {
-    let mut c = TrainConfig::default();
-    c.output_dir = root.join(out);
+    let mut c = TrainConfig {
+        output_dir: root.join(out),
+        ..Default::default()
+    };
     c.rollout.num_generations = 4;
     c.rollout.max_completion_length = 5;
     c.train.prompts_per_step = 2;

@@ -49,7 +49,8 @@ impl<'a> StepBatch<'a> {
             .map(|(i, c)| {
                 let truncated = c.finish_reason == FinishReason::Length
                     && c.token_ids.last().is_none_or(|t| !eos.contains(t));
-                !(mask_truncated && truncated) && !s.zero_std[i]
+                let masked = mask_truncated && truncated;
+                !masked && !s.zero_std[i]
             })
             .collect();
         let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
