@@ -110,8 +110,15 @@ pub struct RewardInput {
     pub completion: String,
     /// Number of completion tokens (for length rewards).
     pub completion_tokens: usize,
+    /// The completion's token ids (TRL's `completion_ids`), when the caller has them.
+    #[serde(default)]
+    pub completion_ids: Vec<u32>,
     /// The sample's other columns by name (`answer`, `solution`, ...).
     pub fields: BTreeMap<String, FieldValue>,
+    /// Training steps done when the completion was scored (TRL's
+    /// `trainer_state.global_step`).
+    #[serde(default)]
+    pub global_step: usize,
 }
 
 impl RewardInput {
@@ -127,6 +134,19 @@ impl RewardInput {
     /// Sets the completion's token count.
     pub fn with_tokens(mut self, completion_tokens: usize) -> Self {
         self.completion_tokens = completion_tokens;
+        self
+    }
+
+    /// Sets the completion's token ids (and their count).
+    pub fn with_ids(mut self, ids: Vec<u32>) -> Self {
+        self.completion_tokens = ids.len();
+        self.completion_ids = ids;
+        self
+    }
+
+    /// Sets the training step (`trainer_state.global_step`).
+    pub fn at_step(mut self, global_step: usize) -> Self {
+        self.global_step = global_step;
         self
     }
 

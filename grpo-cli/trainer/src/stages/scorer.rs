@@ -68,7 +68,8 @@ impl Scorer {
                 let s = &r.batch.samples[c.prompt_index];
                 let mut x =
                     RewardInput::new(r.prompt_texts[c.prompt_index].clone(), c.text.clone())
-                        .with_tokens(c.token_ids.len());
+                        .with_ids(c.token_ids.clone())
+                        .at_step(r.batch.step);
                 if let Prompt::Conversation(m) = &s.prompt {
                     x = x.with_messages(
                         m.iter()
