@@ -176,6 +176,70 @@ pub fn leave_one_out_advantages(rewards: &[f32], group_size: usize) -> Vec<f32> 
         .collect()
 }
 
+/// NeMo RL's GRPO advantages with `use_leave_one_out_baseline = true`
+/// (`calculate_baseline_and_std_per_prompt`, then `GRPOAdvantageEstimator`): the baseline of
+/// completion `i` is the mean of the other scorable rewards of its group, and with `normalize`
+/// (NeMo's `normalize_rewards`) the centred reward is divided by the unbiased standard deviation
+/// of those others, where it is positive (no epsilon: a zero std leaves the advantage unscaled).
+///
+/// NaN rewards are left out and get advantage 0, as does every member of a group with fewer
+/// than two scorable rewards. With exactly two, the one other reward has no spread and the
+/// advantage is the plain difference, as in NeMo. The spread is computed in two passes, so
+/// equal rewards give exactly zero (NeMo's `E[r²] − E[r]²` in float32 can leave a rounding
+/// residue there and divide by it).
+///
+/// # Panics
+/// When `group_size` is 0 or does not divide `rewards.len()`.
+///
+/// ```
+/// use grpo_core::advantages::leave_one_out_normalized;
+/// // Completion 0: others [0, 1] → baseline 0.5, std 0.7071 → (1 − 0.5) / 0.7071.
+/// let a = leave_one_out_normalized(&[1.0, 0.0, 1.0], 3, true);
+/// assert!((a[0] - 0.70711).abs() < 1e-5);
+/// assert_eq!(leave_one_out_normalized(&[1.0, 0.0, 1.0], 3, false)[1], -1.0);
+/// ```
+pub fn leave_one_out_normalized(rewards: &[f32], group_size: usize, normalize: bool) -> Vec<f32> {
+    check_groups(rewards.len(), group_size);
+    rewards
+        .chunks(group_size)
+        .flat_map(|chunk| {
+            let valid: Vec<f64> = chunk
+                .iter()
+                .filter(|v| !v.is_nan())
+                .map(|&v| v as f64)
+                .collect();
+            let n = valid.len();
+            let mut seen = 0;
+            chunk
+                .iter()
+                .map(|&r| {
+                    if r.is_nan() || n < 2 {
+                        return 0.0;
+                    }
+                    // The others: every scorable reward but this one (its first occurrence).
+                    let me = seen;
+                    seen += 1;
+                    let others = || valid.iter().enumerate().filter(move |(j, _)| *j != me);
+                    let m = (n - 1) as f64;
+                    let baseline = others().map(|(_, v)| v).sum::<f64>() / m;
+                    let centred = r as f64 - baseline;
+                    if !normalize || n == 2 {
+                        return centred as f32;
+                    }
+                    // Two passes, so equal others give exactly 0 (no normalisation).
+                    let ss: f64 = others().map(|(_, v)| (v - baseline).powi(2)).sum();
+                    let std = (ss / (m - 1.0)).sqrt();
+                    if std > 0.0 {
+                        (centred / std) as f32
+                    } else {
+                        centred as f32
+                    }
+                })
+                .collect::<Vec<f32>>()
+        })
+        .collect()
+}
+
 /// Weighted sum of several reward functions: `r_i = Σ_k w_k · r_ik` over the functions that gave
 /// a value (`None` is skipped, as TRL's `nansum`); a completion no function scored gets NaN,
 /// which [`group_advantages`] turns into advantage 0. A NaN value counts as `None`.

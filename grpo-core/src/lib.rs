@@ -70,7 +70,10 @@ pub mod recompute;
 #[cfg(feature = "serde")]
 mod serde_names;
 
-pub use advantages::{ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages};
+pub use advantages::{
+    ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages,
+    leave_one_out_normalized,
+};
 #[cfg(feature = "candle")]
 pub use logprobs::{entropy_from_logits, selective_log_softmax};
 #[cfg(feature = "candle")]

@@ -276,3 +276,59 @@ fn log_probs_and_entropy_match_pytorch() {
         }
     }
 }
+
+/// NeMo RL's `calculate_baseline_and_std_per_prompt(..., leave_one_out_baseline=True)` followed
+/// by `GRPOAdvantageEstimator` (`normalize_rewards` true / false), evaluated in plain Python with
+/// NeMo's own formulation (the `1 − I` mask matrix, `E[r²] − E[r]²` times `m / (m − 1)`, division
+/// only where the std is positive) on these cases.
+#[test]
+fn leave_one_out_matches_nemo_rl() {
+    use grpo_core::advantages::leave_one_out_normalized;
+    #[allow(clippy::type_complexity)]
+    let cases: &[(&[f32], usize, &[f64], &[f64])] = &[
+        (&[1.0, 0.0, 1.0], 3, &[0.707107, -1.0, 0.707107], &[0.5, -1.0, 0.5]),
+        (
+            &[0.5, 0.2, 0.9, 0.1, 1.0, 1.0, 1.0, 1.0, 3.0, -1.0, 2.5, 0.0],
+            4,
+            &[
+                0.229416, -0.75, 3.042435, -1.233905, 0.0, 0.0, 0.0, 0.0, 1.38675, -1.762818,
+                0.880705, -0.688247,
+            ],
+            &[
+                0.1, -0.3, 0.633333, -0.433333, 0.0, 0.0, 0.0, 0.0, 2.5, -2.833333, 1.833333,
+                -1.5,
+            ],
+        ),
+        (
+            &[0.1, 0.7, 0.3, 0.3, 0.9, 0.0],
+            6,
+            &[-0.950329, 1.087937, -0.258199, -0.258199, 2.310604, -1.399735],
+            &[-0.34, 0.38, -0.1, -0.1, 0.62, -0.46],
+        ),
+        (&[1.0, 0.0, 2.0, 2.0], 2, &[1.0, -1.0, 0.0, 0.0], &[1.0, -1.0, 0.0, 0.0]),
+    ];
+    for (r, g, normalized, centred) in cases {
+        for (normalize, want) in [(true, normalized), (false, centred)] {
+            let got: Vec<f64> = leave_one_out_normalized(r, *g, normalize)
+                .iter()
+                .map(|&x| x as f64)
+                .collect();
+            assert_all_close(&format!("G={g} normalize={normalize}"), &got, want, 1e-5);
+        }
+        // Without normalisation it is RLOO.
+        assert_eq!(
+            leave_one_out_normalized(r, *g, false)
+                .iter()
+                .map(|x| (x * 1e5).round())
+                .collect::<Vec<_>>(),
+            grpo_core::advantages::leave_one_out_advantages(r, *g)
+                .iter()
+                .map(|x| (x * 1e5).round())
+                .collect::<Vec<_>>()
+        );
+    }
+    // Unscorable rewards are left out of the others and get 0; equal others are not scaled.
+    let a = leave_one_out_normalized(&[f32::NAN, 0.1, 0.1, 0.1, 0.7], 5, true);
+    assert_eq!(a[0], 0.0);
+    assert!((a[4] - 0.6).abs() < 1e-6, "{a:?}");
+}

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::builtin::{
     Accuracy, AccuracyConfig, CoverageCe, CoverageCeConfig, Format, FormatConfig, InverseLoss,
-    InverseLossConfig, LanguageScorer, Overlong, OverlongConfig, RewardModel, RewardModelConfig,
+    InverseLossConfig, LanguageScorer, ScoringModel, Overlong, OverlongConfig, RewardModel, RewardModelConfig,
     SequenceClassifier,
 };
 use crate::combine::RewardSet;
@@ -98,6 +98,9 @@ pub struct RewardsConfig {
 pub struct ScoringModels {
     /// For `inverse_loss` and `coverage_ce`.
     pub language: Option<Arc<dyn LanguageScorer>>,
+    /// For `inverse_loss` with `model = "policy"`: the policy being trained (the trainer
+    /// swaps in the weights that sampled each batch).
+    pub policy: Option<Arc<dyn LanguageScorer>>,
     /// For `reward_model`.
     pub classifier: Option<Arc<dyn SequenceClassifier>>,
 }
@@ -106,6 +109,7 @@ impl std::fmt::Debug for ScoringModels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ScoringModels")
             .field("language", &self.language.is_some())
+            .field("policy", &self.policy.is_some())
             .field("classifier", &self.classifier.is_some())
             .finish()
     }
@@ -186,8 +190,17 @@ impl RewardsConfig {
                     weight,
                     Arc::new(Overlong::new(c.clone()).map_err(at)?),
                 ),
-                RewardKind::InverseLoss(_) => {
-                    set.push_reward(name, weight, Arc::new(InverseLoss::new(need_lm()?)))
+                RewardKind::InverseLoss(c) => {
+                    let model = match c.model {
+                        ScoringModel::Reference => need_lm()?,
+                        ScoringModel::Policy => models.policy.clone().ok_or_else(|| {
+                            RewardError::config(
+                                format!("{p}model"),
+                                "`policy` scores with the policy being trained, which only a trainer provides (ScoringModels::policy)",
+                            )
+                        })?,
+                    };
+                    set.push_reward(name, weight, Arc::new(InverseLoss::new(model)))
                 }
                 RewardKind::CoverageCe(c) => set.push_reward(
                     name,

@@ -406,6 +406,11 @@ pub struct LossSection {
     pub use_bias_correction_kl: bool,
     /// group (default) | batch | none (TRL's booleans: true = group, false = none).
     pub scale_rewards: ScaleRewards,
+    /// NeMo RL's `use_leave_one_out_baseline`: each completion's baseline is the mean of the
+    /// other completions of its group (RLOO), and with `scale_rewards = "group"` the centred
+    /// reward is divided by the other completions' std (NeMo's `normalize_rewards`); `"none"`
+    /// leaves it unscaled. `"batch"` does not combine with it.
+    pub use_leave_one_out_baseline: bool,
     /// Exclude completions cut at max_completion_length from the loss.
     pub mask_truncated_completions: bool,
     /// Drop groups whose rewards are all equal (DAPO's dynamic sampling) from the loss.
@@ -431,6 +436,7 @@ impl Default for LossSection {
             importance_sampling_level: ImportanceSamplingLevel::Token,
             use_bias_correction_kl: true,
             scale_rewards: ScaleRewards::Group,
+            use_leave_one_out_baseline: false,
             mask_truncated_completions: false,
             drop_zero_std_groups: false,
             vllm_importance_sampling_correction: true,
@@ -817,6 +823,12 @@ impl TrainConfig {
         }
         if r.max_completion_length == 0 {
             return Err("`rollout.max_completion_length` must be >= 1".into());
+        }
+        if self.loss.use_leave_one_out_baseline && self.loss.scale_rewards == ScaleRewards::Batch {
+            return Err(
+                "`loss.use_leave_one_out_baseline = true` scales by the group (`scale_rewards = \"group\"`) or not at all (`\"none\"`), not by the batch"
+                    .into(),
+            );
         }
         if r.temperature.is_nan() || r.temperature <= 0.0 {
             return Err(format!(

@@ -10,6 +10,6 @@ pub use accuracy::{Accuracy, AccuracyConfig, answers_match, extract_answer, extr
 pub use format::{Format, FormatConfig};
 pub use model::{
     CoverageCe, CoverageCeConfig, InverseLoss, InverseLossConfig, LanguageScorer, RewardModel,
-    RewardModelConfig, ScorerError, SequenceClassifier,
+    RewardModelConfig, ScorerError, ScoringModel, SequenceClassifier,
 };
 pub use overlong::{Overlong, OverlongConfig, overlong_penalty};

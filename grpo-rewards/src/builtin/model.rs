@@ -62,11 +62,26 @@ fn scorer_err(reward: &str, e: ScorerError) -> RewardError {
     }
 }
 
-/// Config of [`InverseLoss`] (`type = "inverse_loss"`). No keys today; the model is given in
-/// code.
+/// Which model scores an [`InverseLoss`] reward.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScoringModel {
+    /// The frozen model as loaded ([`crate::ScoringModels::language`]): the default.
+    #[default]
+    Reference,
+    /// The policy being trained, with the weights that sampled the completions
+    /// ([`crate::ScoringModels::policy`], which the trainer keeps current).
+    Policy,
+}
+
+/// Config of [`InverseLoss`] (`type = "inverse_loss"`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct InverseLossConfig {}
+pub struct InverseLossConfig {
+    /// `"reference"` (default) or `"policy"`: which model's perplexity is inverted.
+    #[serde(default)]
+    pub model: ScoringModel,
+}
 
 /// Unsupervised: `−(mean NLL of the completion's tokens given the prompt)` under a scoring
 /// model; an empty completion scores 0.

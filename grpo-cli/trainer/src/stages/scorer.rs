@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use anyhow::{Result, anyhow};
 use crossbeam_channel::bounded;
-use grpo_core::advantages::{ScaleRewards, group_advantages, reward_stds};
+use grpo_core::advantages::{
+    ScaleRewards, group_advantages, leave_one_out_normalized, reward_stds,
+};
 use grpo_data::Prompt;
 use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
 use grpo_rollout::Tokenizer;
@@ -21,6 +23,7 @@ use crate::teacher::{TeacherLog, add_student_passes};
 pub struct Scorer {
     rewards: Arc<RewardSet>,
     scale_rewards: ScaleRewards,
+    leave_one_out: bool,
     num_generations: usize,
     drop_zero_std: bool,
     seed: u64,
@@ -36,6 +39,7 @@ impl Scorer {
         Self {
             rewards: setup.rewards.clone(),
             scale_rewards: setup.cfg.loss.scale_rewards,
+            leave_one_out: setup.cfg.loss.use_leave_one_out_baseline,
             num_generations: setup.cfg.rollout.num_generations,
             drop_zero_std: setup.cfg.loss.drop_zero_std_groups,
             seed: setup.cfg.train.seed,
@@ -122,7 +126,12 @@ impl Scorer {
             log.write(&rollouts, inputs, &scores)?;
         }
         let g = self.num_generations;
-        let advantages = group_advantages(&scores.rewards, g, self.scale_rewards);
+        let advantages = if self.leave_one_out {
+            let normalize = self.scale_rewards != ScaleRewards::None;
+            leave_one_out_normalized(&scores.rewards, g, normalize)
+        } else {
+            group_advantages(&scores.rewards, g, self.scale_rewards)
+        };
         let stds = reward_stds(&scores.rewards, g, self.scale_rewards);
         let zero_std: Vec<bool> = (0..scores.rewards.len())
             .map(|i| {
