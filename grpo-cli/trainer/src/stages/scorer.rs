@@ -151,6 +151,9 @@ impl Scorer {
         })
     }
 
+    /// The pipeline's scorer stage: scores the rollouts arriving on `input` and sends them on
+    /// `output` in order. With async judges up to `max_in_flight` steps are scored at once, so
+    /// the judges keep requests in flight across steps (each judge's `max_concurrent` and rate
     /// limits still bound them all); otherwise one step at a time. Stops when `input` closes or
     /// `output`'s receiver is gone; dropping unfinished work cancels it.
     pub fn run_stage(
