@@ -118,6 +118,27 @@ fn grad_of(
 }
 
 proptest! {
+    /// The leave-one-out baseline is the group mean moved away from the reward: unscaled,
+    /// `r − mean(others) = G/(G−1)·(r − mean(group))`, so each group's advantages sum to 0;
+    /// normalised, the sign is kept.
+    #[test]
+    fn leave_one_out_is_a_rescaled_centring((g, r) in grouped_rewards()) {
+        let loo = grpo_core::advantages::leave_one_out_normalized(&r, g, false);
+        let centred = group_advantages(&r, g, ScaleRewards::None);
+        let k = g as f32 / (g as f32 - 1.0);
+        for (a, c) in loo.iter().zip(&centred) {
+            prop_assert!((a - k * c).abs() <= 1e-3 * (1.0 + c.abs()), "{a} vs {k} * {c}");
+        }
+        for group in loo.chunks(g) {
+            let sum: f32 = group.iter().sum();
+            prop_assert!(sum.abs() <= 1e-2, "{sum}");
+        }
+        let norm = grpo_core::advantages::leave_one_out_normalized(&r, g, true);
+        for (a, c) in norm.iter().zip(&loo) {
+            prop_assert!(a.signum() == c.signum() || *c == 0.0 || a.abs() < 1e-6, "{a} vs {c}");
+        }
+    }
+
     #[test]
     fn group_advantages_sum_to_zero_per_group((g, r) in grouped_rewards(), s in scale()) {
         let a = group_advantages(&r, g, s);

@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::builtin::{
     Accuracy, AccuracyConfig, CoverageCe, CoverageCeConfig, Format, FormatConfig, InverseLoss,
-    InverseLossConfig, LanguageScorer, ScoringModel, Overlong, OverlongConfig, RewardModel, RewardModelConfig,
-    SequenceClassifier,
+    InverseLossConfig, LanguageScorer, Overlong, OverlongConfig, RewardModel, RewardModelConfig,
+    ScoringModel, SequenceClassifier,
 };
 use crate::combine::RewardSet;
 use crate::error::{Result, RewardError};

@@ -41,6 +41,8 @@ pub struct Setup {
     pub frozen_teacher: Option<Arc<Transformer>>,
     /// The server of `rollout.backend = "openai"` (connected at setup).
     pub remote: Option<Arc<Mutex<RemoteGenerator>>>,
+    /// The policy scorer of `inverse_loss` rewards with `model = "policy"`.
+    pub policy_scorer: Option<Arc<crate::stages::PolicyScorer>>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -58,11 +60,10 @@ impl std::fmt::Debug for Setup {
 /// detached copy); `reward_model` loads `reward_model_path`.
 pub fn setup(cfg: TrainConfig) -> Result<Setup> {
     use grpo_rewards::RewardKind;
-    let needs_lm = used_rewards(&cfg).iter().any(|r| {
-        matches!(
-            r.kind,
-            RewardKind::InverseLoss(_) | RewardKind::CoverageCe(_)
-        )
+    let needs_lm = used_rewards(&cfg).iter().any(|r| match &r.kind {
+        RewardKind::InverseLoss(c) => c.model == grpo_rewards::builtin::ScoringModel::Reference,
+        RewardKind::CoverageCe(_) => true,
+        _ => false,
     });
     let needs_rm = used_rewards(&cfg)
         .iter()
@@ -94,6 +95,15 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
         }
         Ok(m)
     })
+}
+
+/// Whether an `inverse_loss` reward scores with the policy (`model = "policy"`).
+fn scores_with_policy(cfg: &TrainConfig) -> bool {
+    use grpo_rewards::RewardKind;
+    use grpo_rewards::builtin::ScoringModel;
+    used_rewards(cfg)
+        .iter()
+        .any(|r| matches!(&r.kind, RewardKind::InverseLoss(c) if c.model == ScoringModel::Policy))
 }
 
 /// The rewards the run scores with: the config's `[[rewards]]` for GRPO; none for SFT and DPO,
@@ -185,7 +195,15 @@ pub fn setup_with(
     };
     let loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
-    let scoring = models(&loaded.model, &loaded.tokenizer)?;
+    let mut scoring = models(&loaded.model, &loaded.tokenizer)?;
+    let policy_scorer = match scores_with_policy(&cfg) && scoring.policy.is_none() {
+        true => {
+            let p = Arc::new(crate::stages::PolicyScorer::new(loaded.tokenizer.clone()));
+            scoring.policy = Some(p.clone());
+            Some(p)
+        }
+        false => None,
+    };
     let mut rewards = if used_rewards(&cfg).is_empty() {
         RewardSet::new()
     } else {
@@ -262,6 +280,7 @@ pub fn setup_with(
         teaching,
         frozen_teacher,
         remote,
+        policy_scorer,
         cfg,
     })
 }

@@ -136,6 +136,7 @@ impl Generator {
             prompt_ids,
             completions,
             version: self.version,
+            weights: self.model.clone(),
             seconds: t0.elapsed().as_secs_f64(),
             teaching,
             sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),

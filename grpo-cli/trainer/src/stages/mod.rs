@@ -13,7 +13,7 @@ pub mod scorer;
 
 pub use generator::{Generator, chat_messages, encode_prompt};
 pub use loader::{Loader, epochs_of};
-pub use scorer::Scorer;
+pub use scorer::{PolicyScorer, Scorer};
 
 use grpo_data::{Position, Sample};
 use grpo_rewards::ScoredBatch;
@@ -44,6 +44,8 @@ pub struct Rollouts {
     pub completions: Vec<Completion>,
     /// The policy version that sampled them.
     pub version: usize,
+    /// The policy weights at that version (for rewards that score with the policy).
+    pub weights: std::sync::Arc<grpo_rollout::Transformer>,
     /// Seconds spent generating.
     pub seconds: f64,
     /// With `[teacher]`: each prompt's question and the student's diagnostic probe.

@@ -10,6 +10,7 @@ use grpo_core::advantages::{
     ScaleRewards, group_advantages, leave_one_out_normalized, reward_stds,
 };
 use grpo_data::Prompt;
+use grpo_rewards::builtin::{LanguageScorer, ScorerError};
 use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
 use grpo_rollout::Tokenizer;
 use grpo_teacher::TeachingProtocol;
@@ -31,6 +32,7 @@ pub struct Scorer {
     teaching: Option<Arc<TeachingProtocol>>,
     /// `teacher_log.jsonl`.
     teacher_log: Option<TeacherLog>,
+    policy_scorer: Option<Arc<PolicyScorer>>,
 }
 
 impl Scorer {
@@ -46,6 +48,7 @@ impl Scorer {
             tokenizer: setup.tokenizer.clone(),
             teaching: setup.teaching.clone(),
             teacher_log: TeacherLog::of(&setup.cfg),
+            policy_scorer: setup.policy_scorer.clone(),
         }
     }
 
@@ -58,6 +61,9 @@ impl Scorer {
     /// Reward inputs of every completion. With `[teacher]` the student answers with each
     /// teaching and without (cached per problem) first, and the inputs carry both answers.
     pub fn inputs(&self, r: &Rollouts) -> Result<Vec<RewardInput>> {
+        if let Some(p) = &self.policy_scorer {
+            p.set(&r.weights);
+        }
         let mut inputs = Self::plain_inputs(r);
         if let Some(tp) = &self.teaching {
             add_student_passes(tp, &self.tokenizer, self.seed, r, &mut inputs)?;
@@ -97,9 +103,10 @@ impl Scorer {
         self.finish(rollouts, &inputs, scores, t0.elapsed().as_secs_f64(), 1)
     }
 
-    /// Whether batches can usefully overlap in scoring (some reward is an async judge).
+    /// Whether batches can usefully overlap in scoring (some reward is an async judge, and no
+    /// reward scores with the policy, whose weights change from step to step).
     pub fn overlaps(&self) -> bool {
-        self.rewards.has_async()
+        self.rewards.has_async() && self.policy_scorer.is_none()
     }
 
     /// Starts scoring a step in the background; `on_done` gets the scores.
@@ -263,5 +270,67 @@ fn to_field(v: &grpo_data::Value) -> FieldValue {
                 .map(|m| format!("{}: {}", m.role, m.content))
                 .collect(),
         ),
+    }
+}
+
+/// `inverse_loss` with `model = "policy"`: scores with the policy weights that sampled the
+/// batch being scored (the scorer installs them before each step; steps are then scored one at
+/// a time).
+pub struct PolicyScorer {
+    tokenizer: Tokenizer,
+    current: std::sync::RwLock<Option<grpo_rollout::scoring::ModelScorer>>,
+}
+
+impl std::fmt::Debug for PolicyScorer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyScorer").finish_non_exhaustive()
+    }
+}
+
+impl PolicyScorer {
+    /// With no weights yet.
+    pub fn new(tokenizer: Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            current: std::sync::RwLock::new(None),
+        }
+    }
+
+    /// Scores with `weights` from now on.
+    pub fn set(&self, weights: &grpo_rollout::Transformer) {
+        let scorer = grpo_rollout::scoring::ModelScorer::new(weights, self.tokenizer.clone());
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(scorer);
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&grpo_rollout::scoring::ModelScorer) -> Result<T, ScorerError>,
+    ) -> Result<T, ScorerError> {
+        let guard = self.current.read().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(s) => f(s),
+            None => Err("the policy scorer has no weights yet".into()),
+        }
+    }
+}
+
+impl LanguageScorer for PolicyScorer {
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, ScorerError> {
+        self.with(|s| s.tokenize(text))
+    }
+
+    fn completion_nll(&self, prompt: &str, completion: &str) -> Result<Option<f32>, ScorerError> {
+        self.with(|s| s.completion_nll(prompt, completion))
+    }
+
+    fn aligned_log_probs(&self, text: &str, targets: &[u32]) -> Result<Vec<f32>, ScorerError> {
+        self.with(|s| s.aligned_log_probs(text, targets))
+    }
+
+    fn completion_nll_batch(
+        &self,
+        pairs: &[(&str, &str)],
+    ) -> Result<Vec<Option<f32>>, ScorerError> {
+        self.with(|s| s.completion_nll_batch(pairs))
     }
 }
