@@ -336,3 +336,79 @@ fn a_failing_sink_stops_the_run_and_loses_no_step() {
     assert_eq!(r.total_steps, 6);
     assert_eq!(r.metrics.len(), 6 - k);
 }
+
+/// An asynchronous reward of the user's: 1 for completions with an even number of chars.
+struct EvenLength;
+
+impl grpo_rewards::AsyncReward for EvenLength {
+    fn score_async<'a>(
+        &'a self,
+        batch: &'a [RewardInput],
+    ) -> grpo_rewards::BoxFuture<'a, grpo_rewards::Result<grpo_rewards::RewardOutput>> {
+        Box::pin(async move {
+            let s: Vec<Option<f32>> = batch
+                .iter()
+                .map(|x| Some((x.completion.chars().count() % 2 == 0) as u8 as f32))
+                .collect();
+            Ok(s.into())
+        })
+    }
+}
+
+#[test]
+fn rust_rewards_through_with_reward_score_what_the_logs_show() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "run");
+    cfg.train.num_completions_to_print = 100;
+    cfg.data.path = vec![];
+    let steps_seen = Arc::new(Mutex::new(Vec::new()));
+    let seen = steps_seen.clone();
+    let digits_and_step = move |b: &[RewardInput]| -> Vec<Option<f32>> {
+        seen.lock().unwrap().push(b[0].global_step);
+        assert!(
+            b.iter()
+                .all(|x| x.completion_ids.len() == x.completion_tokens)
+        );
+        digits(b).into_iter().map(Some).collect()
+    };
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg)
+        .unwrap()
+        .with_reward("digits", 2.0, digits_and_step)
+        .unwrap()
+        .with_async_reward("even", 0.5, EvenLength)
+        .unwrap();
+    let r = t
+        .fit_with(FitOptions::default().dataset(arithmetic(4)).max_steps(2))
+        .unwrap();
+    assert_eq!(
+        *steps_seen.lock().unwrap(),
+        [0, 1],
+        "trainer_state.global_step"
+    );
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(dir.path().join("run/completions.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    assert_eq!(lines.len(), 16);
+    for l in &lines {
+        let text = l["completion"].as_str().unwrap();
+        let d = digits(&[RewardInput::new("", text)])[0];
+        let e = (text.chars().count() % 2 == 0) as u8 as f32;
+        let got = |k: &str| l["rewards"][k].as_f64().unwrap() as f32;
+        assert!((got("digits") - d).abs() < 1e-6 && got("even") == e, "{l}");
+        let total = l["reward"].as_f64().unwrap() as f32;
+        assert!((total - (2.0 * d + 0.5 * e)).abs() < 1e-5, "{l}");
+    }
+    for (s, m) in r.metrics.iter().enumerate() {
+        let of_step: Vec<f64> = lines
+            .iter()
+            .filter(|l| l["step"] == s as u64 + 1)
+            .map(|l| l["rewards"]["even"].as_f64().unwrap())
+            .collect();
+        let mean = of_step.iter().sum::<f64>() / of_step.len() as f64;
+        assert!((m["rewards/even/mean"] - mean).abs() < 1e-6, "{m:?}");
+    }
+}
