@@ -258,6 +258,27 @@ impl<K> Trainer<K> {
     /// Adds a reward function (GRPO) beside the config's, with its weight: any
     /// `Fn(&[RewardInput]) -> Vec<Option<f32>>` or a [`Reward`]. Its metrics are
     /// `rewards/{name}/mean|std`.
+    ///
+    /// ```no_run
+    /// use grpo_rewards::RewardInput;
+    /// use grpo_trainer::{FitOptions, GrpoTrainer, config};
+    ///
+    /// // 1 when the completion names the dataset's `answer` column, at every step.
+    /// let mentions_answer = |batch: &[RewardInput]| -> Vec<Option<f32>> {
+    ///     batch
+    ///         .iter()
+    ///         .map(|x| {
+    ///             let answer = x.field("answer")?.as_text()?;
+    ///             Some(x.completion.contains(answer.as_str()) as u8 as f32)
+    ///         })
+    ///         .collect()
+    /// };
+    /// let cfg = config::load("configs/quickstart.toml".as_ref(), &[])?;
+    /// let result = GrpoTrainer::from_pretrained("runs/demo/model", cfg)?
+    ///     .with_reward("mentions_answer", 1.0, mentions_answer)?
+    ///     .fit_with(FitOptions::default().max_steps(10))?;
+    /// # Ok::<(), anyhow::Error>(())
+    /// ```
     pub fn with_reward(
         mut self,
         name: impl Into<String>,
