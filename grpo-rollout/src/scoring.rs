@@ -26,6 +26,7 @@
 //! let models = ScoringModels {
 //!     language: Some(Arc::new(reference)),
 //!     classifier: Some(Arc::new(rm)),
+//!     ..Default::default()
 //! };
 //! // RewardsConfig::build(&models) then wires `inverse_loss`, `coverage_ce`, `reward_model`.
 //! # Ok(()) }

@@ -84,6 +84,7 @@ fn inverse_loss_and_coverage_ce_match_transformers() {
         .build(&ScoringModels {
             language: Some(scorer.clone()),
             classifier: None,
+            ..Default::default()
         })
         .unwrap();
     let batch: Vec<RewardInput> = triples
@@ -166,6 +167,7 @@ fn reward_model_scores_match_transformers() {
             .build(&ScoringModels {
                 language: None,
                 classifier: Some(Arc::new(rm)),
+                ..Default::default()
             })
             .unwrap();
         let got = &set.score(&batch).unwrap().per_function[0];

@@ -205,6 +205,7 @@ fn model_rewards_from_config_need_models() {
     let models = ScoringModels {
         language: Some(Arc::new(Bigram)),
         classifier: None,
+        ..Default::default()
     };
     let set = cfg.build(&models).unwrap();
     let out = set
@@ -212,4 +213,36 @@ fn model_rewards_from_config_need_models() {
         .unwrap();
     assert_eq!(out.names, vec!["inverse_loss", "coverage_ce"]);
     close(out.per_function[0][0], -0.9646582200613016);
+}
+
+#[test]
+fn inverse_loss_with_the_policy_needs_a_policy_scorer() {
+    let cfg: RewardsConfig = serde_json::from_value(serde_json::json!({
+        "rewards": [{"type": "inverse_loss", "model": "policy"}]
+    }))
+    .unwrap();
+    // The reference model alone does not do: the policy comes from a trainer.
+    let only_reference = ScoringModels {
+        language: Some(Arc::new(Bigram)),
+        ..Default::default()
+    };
+    let err = cfg.build(&only_reference).unwrap_err().to_string();
+    assert!(err.contains("rewards[0].model"), "{err}");
+    let with_policy = ScoringModels {
+        policy: Some(Arc::new(Bigram)),
+        ..Default::default()
+    };
+    let set = cfg.build(&with_policy).unwrap();
+    let out = set.score(&[RewardInput::new("ab", "cad")]).unwrap();
+    assert!(
+        out.rewards[0].is_finite() && out.rewards[0] < 0.0,
+        "{:?}",
+        out.rewards
+    );
+    let bad = serde_json::from_value::<RewardsConfig>(serde_json::json!({
+        "rewards": [{"type": "inverse_loss", "model": "teacher"}]
+    }))
+    .unwrap_err()
+    .to_string();
+    assert!(bad.contains("reference") && bad.contains("policy"), "{bad}");
 }
