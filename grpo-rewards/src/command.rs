@@ -129,6 +129,22 @@ impl Default for CommandConfig {
 }
 
 impl CommandConfig {
+    /// The dataset columns that `argv`'s placeholders name (`{tests}` → `tests`), in order,
+    /// without repeats: the trainer checks the data has them before it starts.
+    pub fn columns(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for arg in self.argv.iter().skip(1) {
+            for p in parse_arg(arg) {
+                if let Piece::Column(c) = p
+                    && !out.contains(&c)
+                {
+                    out.push(c);
+                }
+            }
+        }
+        out
+    }
+
     /// Checks the values (not the program, see [`CommandReward::new`]); the error names the
     /// field.
     pub fn validate(&self) -> Result<()> {
@@ -363,8 +379,8 @@ impl CommandReward {
                                 reward: self.name.clone(),
                                 index,
                                 message: format!(
-                                    "argv placeholder `{{{c}}}`: the sample has no column `{c}` \
-                                     (placeholders are {{completion}}, {{prompt}} or a column; \
+                                    "argv placeholder `{{{c}}}`: the sample has no column `{c}`, or it \
+                                     is null (placeholders are {{completion}}, {{prompt}} or a column; \
                                      its columns: {})",
                                     if have.is_empty() {
                                         "none".to_owned()
@@ -1025,6 +1041,15 @@ mod tests {
             vec![Piece::Text("d = {'a': {1}}; f'{x}'".into())]
         );
         assert_eq!(parse_arg(""), vec![Piece::Text(String::new())]);
+        let c = CommandConfig {
+            argv: vec![
+                "{nope}".into(),
+                "{tests}".into(),
+                "{completion}{answer}{tests}{{skip}}".into(),
+            ],
+            ..CommandConfig::default()
+        };
+        assert_eq!(c.columns(), vec!["tests".to_owned(), "answer".to_owned()]);
     }
 
     #[test]

@@ -242,6 +242,34 @@ fn a_timeout_kills_the_process_group_and_is_counted() {
 }
 
 #[test]
+fn a_process_that_escapes_the_group_and_holds_stdout_is_a_failure() {
+    if Command::new("setsid").arg("true").status().is_err() {
+        eprintln!("skipping: setsid is not available");
+        return;
+    }
+    // `setsid` puts `sleep` in a session of its own, out of reach of the group kill; it keeps
+    // stdout open, so the run waits for it no longer than a grace second.
+    let c = CommandConfig {
+        timeout: 20.0,
+        ..sh(
+            r#"setsid sh -c 'touch escaped; exec sleep 3' &
+               while [ ! -e escaped ]; do sleep 0.01; done"#,
+            &["{completion}"],
+        )
+    };
+    let t = Instant::now();
+    let out = score(c, &batch(&["a"]));
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(out.scores, vec![None]);
+    assert_eq!(status(&out, 0), "output_held");
+    assert_eq!(counter(&out, "failures"), 1.0);
+}
+
+#[test]
 fn an_output_flood_is_cut_and_counted() {
     for mode in [CommandScore::ExitStatus, CommandScore::Stdout] {
         let c = CommandConfig {
