@@ -10,6 +10,8 @@ use crate::builtin::{
     ScoringModel, SequenceClassifier,
 };
 use crate::combine::RewardSet;
+#[cfg(feature = "command")]
+use crate::command::{CommandConfig, CommandReward};
 use crate::error::{Result, RewardError};
 #[cfg(feature = "judges")]
 use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
@@ -36,6 +38,9 @@ pub enum RewardKind {
     /// An ensemble of LLM judges (feature `judges`).
     #[cfg(feature = "judges")]
     JudgeEnsemble(EnsembleConfig),
+    /// A program run per completion (feature `command`).
+    #[cfg(feature = "command")]
+    Command(CommandConfig),
 }
 
 impl RewardKind {
@@ -52,6 +57,8 @@ impl RewardKind {
             RewardKind::Judge(_) => "judge",
             #[cfg(feature = "judges")]
             RewardKind::JudgeEnsemble(_) => "judge_ensemble",
+            #[cfg(feature = "command")]
+            RewardKind::Command(_) => "command",
         }
     }
 }
@@ -238,6 +245,11 @@ impl RewardsConfig {
                         weight,
                         Arc::new(JudgeEnsemble::new(c.clone(), None).map_err(at)?),
                     )
+                }
+                #[cfg(feature = "command")]
+                RewardKind::Command(c) => {
+                    let r = CommandReward::new(c.clone(), name.clone()).map_err(at)?;
+                    set.push_reward(name, weight, Arc::new(r))
                 }
             }
         }

@@ -25,6 +25,10 @@
 //!   jitter on backon, the server's `Retry-After` as delta-seconds or an HTTP date) and the
 //!   async-openai transport that keeps a failure's status and `Retry-After`; grpo-rollout's
 //!   `remote` client (vLLM) uses them too.
+//! * **Programs** (`command`, feature `command`, default): `type = "command"` runs a program per
+//!   completion (argv placeholders, stdin or a file in a fresh temporary directory) and scores
+//!   its exit status or the number it prints, with a timeout, a concurrency cap, CPU, memory
+//!   and output limits.
 //! * **Configs** ([`RewardsConfig`]): serde structs (TOML/YAML/JSON) validated once into a
 //!   [`RewardSet`]; errors name the field to fix.
 //!
@@ -56,6 +60,8 @@
 
 pub mod builtin;
 mod combine;
+#[cfg(feature = "command")]
+pub mod command;
 mod config;
 mod error;
 #[cfg(feature = "judges")]

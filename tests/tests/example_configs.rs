@@ -104,6 +104,110 @@ fn judge_config_trains_against_the_loopback_server() {
     assert!(server.stats().requests >= 8);
 }
 
+fn python3() -> bool {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "pass"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("skipping: python3 is not available");
+    }
+    ok
+}
+
+/// code_reward.toml runs `scripts/...` relative to the repository root; the tests run
+/// elsewhere, so they give the script's absolute path and the data's.
+fn code_reward_sets() -> Vec<String> {
+    let script = configs_dir().join("../scripts/run_python_tests.py");
+    vec![
+        format!(
+            "data.path=[{}]",
+            quote(&configs_dir().join("data/python_functions.jsonl"))
+        ),
+        format!("rewards[0].argv=[{}, \"{{tests}}\"]", quote(&script)),
+    ]
+}
+
+#[test]
+fn code_reward_config_trains_with_a_command_reward() {
+    if !python3() {
+        return;
+    }
+    // Its own argv[0] is the script, relative to the repository root, and executable.
+    let cfg = config::load(&configs_dir().join("code_reward.toml"), &[]).unwrap();
+    let grpo_rewards::RewardKind::Command(c) = &cfg.rewards[0].kind else {
+        panic!("{:?}", cfg.rewards[0].kind)
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let script = configs_dir().join("..").join(&c.argv[0]);
+        let mode = std::fs::metadata(&script).unwrap().permissions().mode();
+        assert!(mode & 0o111 != 0, "{} is not executable", script.display());
+    }
+    assert_eq!(c.columns(), vec!["tests".to_owned()]);
+
+    let (_dir, r) = train("code_reward.toml", &code_reward_sets());
+    for m in &r.metrics {
+        // The tiny model writes no working code: every completion scores 0, none fails.
+        assert_eq!(m["rewards/tests/mean"], 0.0, "{m:?}");
+        assert_eq!(m["rewards/tests/failures"], 0.0, "{m:?}");
+        assert_eq!(m["rewards/tests/timeouts"], 0.0, "{m:?}");
+    }
+}
+
+#[test]
+fn code_reward_scores_correct_and_incorrect_solutions() {
+    if !python3() {
+        return;
+    }
+    let cfg = config::load(&configs_dir().join("code_reward.toml"), &code_reward_sets()).unwrap();
+    let set = cfg
+        .rewards_config()
+        .build(&grpo_rewards::ScoringModels::default())
+        .unwrap();
+    let first = std::fs::read_to_string(configs_dir().join("data/python_functions.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    let tests: Vec<String> = serde_json::from_value(row["tests"].clone()).unwrap();
+    assert_eq!(tests[0], "assert add(1, 2) == 3");
+    let input = |completion: &str| {
+        grpo_rewards::RewardInput::new(row["prompt"].as_str().unwrap(), completion)
+            .with_field("tests", grpo_rewards::FieldValue::StrList(tests.clone()))
+    };
+    let batch = [
+        input("Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."),
+        input("def add(a, b):\n    return a + b\n"),
+        // add(0, 0) == 0 still holds: one test of three.
+        input("```python\ndef add(a, b):\n    return a - b\n```"),
+        input("The sum of a and b is a + b."),
+        input("```python\nimport os\nos._exit(3)\n```"),
+    ];
+    let scored = set.score(&batch).unwrap();
+    let third = 1.0f32 / 3.0;
+    assert_eq!(
+        scored.per_function[0][..4],
+        [Some(1.0), Some(1.0), Some(third), Some(0.0)]
+    );
+    // The interpreter exits before printing a score: a failure, scored on_failure = 0.
+    assert_eq!(scored.per_function[0][4], Some(0.0));
+    assert_eq!(scored.metrics["rewards/tests/failures"], 1.0);
+    assert_eq!(scored.info[0][4].as_ref().unwrap()["status"], "exit_code");
+
+    // Data without the `tests` column is refused before training, naming the placeholder.
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let mut sets = code_reward_sets();
+    sets.push(format!("data.path=[{}]", quote(&data)));
+    sets.push(format!("model.path={}", quote(&model)));
+    sets.push(format!("output_dir={}", quote(&dir.path().join("run"))));
+    let cfg = config::load(&configs_dir().join("code_reward.toml"), &sets).unwrap();
+    let err = trainer::setup(cfg).map(|_| ()).unwrap_err().to_string();
+    assert!(
+        err.contains("no column `tests`") && err.contains("`{tests}` in `rewards[0].argv`"),
+        "{err}"
+    );
+}
+
 #[test]
 fn unsupervised_config_trains_with_inverse_loss() {
     let (_dir, r) = train("unsupervised.yaml", &[]);

@@ -117,13 +117,20 @@ fn used_rewards(cfg: &TrainConfig) -> &[grpo_rewards::RewardSpec] {
 }
 
 /// Checks that `data` has the columns the run reads: the answer column of an `accuracy` or
-/// `coverage_ce` reward; DPO's chosen and rejected completions; SFT's completion, unless the
-/// prompts are conversations whose assistant turns carry the loss.
+/// `coverage_ce` reward; the columns of a `command` reward's argv placeholders; DPO's chosen
+/// and rejected completions; SFT's completion, unless the prompts are conversations whose
+/// assistant turns carry the loss.
 pub fn check_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()> {
-    for spec in used_rewards(cfg) {
+    for (i, spec) in used_rewards(cfg).iter().enumerate() {
         let needs = match &spec.kind {
             grpo_rewards::RewardKind::Accuracy(c) => Some(&c.answer_field),
             grpo_rewards::RewardKind::CoverageCe(c) => Some(&c.answer_field),
+            grpo_rewards::RewardKind::Command(c) => {
+                for col in c.columns() {
+                    data.require_column(&col, &format!("`{{{col}}}` in `rewards[{i}].argv`"))?;
+                }
+                None
+            }
             _ => None,
         };
         if let Some(col) = needs {
