@@ -12,6 +12,8 @@ use crate::builtin::{
 use crate::combine::RewardSet;
 use crate::error::{Result, RewardError};
 #[cfg(feature = "judges")]
+use crate::http::{HttpReward, HttpRewardConfig};
+#[cfg(feature = "judges")]
 use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
 
 /// Which reward, with its keys (`type = "..."`).
@@ -36,6 +38,9 @@ pub enum RewardKind {
     /// An ensemble of LLM judges (feature `judges`).
     #[cfg(feature = "judges")]
     JudgeEnsemble(EnsembleConfig),
+    /// A reward model behind an HTTP service, [`HttpReward`] (feature `judges`).
+    #[cfg(feature = "judges")]
+    Http(HttpRewardConfig),
 }
 
 impl RewardKind {
@@ -52,6 +57,8 @@ impl RewardKind {
             RewardKind::Judge(_) => "judge",
             #[cfg(feature = "judges")]
             RewardKind::JudgeEnsemble(_) => "judge_ensemble",
+            #[cfg(feature = "judges")]
+            RewardKind::Http(_) => "http",
         }
     }
 }
@@ -226,6 +233,12 @@ impl RewardsConfig {
                         Arc::new(JudgeEnsemble::new(c.clone(), None).map_err(at)?),
                     )
                 }
+                #[cfg(feature = "judges")]
+                RewardKind::Http(c) => set.push_async_reward(
+                    name.clone(),
+                    weight,
+                    Arc::new(HttpReward::new(name, c).map_err(at)?),
+                ),
             }
         }
         Ok(set)
