@@ -14,6 +14,8 @@ use crate::combine::RewardSet;
 use crate::command::{CommandConfig, CommandReward};
 use crate::error::{Result, RewardError};
 #[cfg(feature = "judges")]
+use crate::http::{HttpReward, HttpRewardConfig};
+#[cfg(feature = "judges")]
 use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
 
 /// Which reward, with its keys (`type = "..."`).
@@ -41,6 +43,9 @@ pub enum RewardKind {
     /// A program run per completion (feature `command`).
     #[cfg(feature = "command")]
     Command(CommandConfig),
+    /// A reward model behind an HTTP service, [`HttpReward`] (feature `judges`).
+    #[cfg(feature = "judges")]
+    Http(HttpRewardConfig),
 }
 
 impl RewardKind {
@@ -59,6 +64,8 @@ impl RewardKind {
             RewardKind::JudgeEnsemble(_) => "judge_ensemble",
             #[cfg(feature = "command")]
             RewardKind::Command(_) => "command",
+            #[cfg(feature = "judges")]
+            RewardKind::Http(_) => "http",
         }
     }
 }
@@ -251,6 +258,12 @@ impl RewardsConfig {
                     let r = CommandReward::new(c.clone(), name.clone()).map_err(at)?;
                     set.push_reward(name, weight, Arc::new(r))
                 }
+                #[cfg(feature = "judges")]
+                RewardKind::Http(c) => set.push_async_reward(
+                    name.clone(),
+                    weight,
+                    Arc::new(HttpReward::new(name, c).map_err(at)?),
+                ),
             }
         }
         Ok(set)

@@ -123,6 +123,17 @@ pub enum RewardError {
         /// Scores returned.
         got: usize,
     },
+    /// An `http` reward's service failed: no answer past the retries, an error status, or an
+    /// answer that is not one reward per sample. `url` never carries the token.
+    #[error("reward `{reward}`: POST {url}: {message}")]
+    Service {
+        /// The reward's name.
+        reward: String,
+        /// The service's URL (a password in it shown as `***`).
+        url: String,
+        /// What went wrong (the status and the first line of the body, the connection error...).
+        message: String,
+    },
 }
 
 impl RewardError {

@@ -24,7 +24,8 @@
 //! * **HTTP** ([`http`], with `judges`): the one retry policy (exponential backoff with equal
 //!   jitter on backon, the server's `Retry-After` as delta-seconds or an HTTP date) and the
 //!   async-openai transport that keeps a failure's status and `Retry-After`; grpo-rollout's
-//!   `remote` client (vLLM) uses them too.
+//!   `remote` client (vLLM) uses them too; and [`http::HttpReward`] (`type = "http"`), a reward
+//!   model behind an HTTP service that gets each batch as TRL's reward-function arguments.
 //! * **Programs** (`command`, feature `command`, default): `type = "command"` runs a program per
 //!   completion (argv placeholders, stdin or a file in a fresh temporary directory) and scores
 //!   its exit status or the number it prints, with a timeout, a concurrency cap, CPU, memory

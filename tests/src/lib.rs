@@ -2,6 +2,7 @@
 //!
 //! [`loopback`] is an OpenAI-compatible chat-completions server on `127.0.0.1:0` with knobs
 //! for latency and faults, used by the judge tests, the judge benchmark
-//! (`cargo run --release -p grpo-tests --example judge_bench`) and later end-to-end runs.
+//! (`cargo run --release -p grpo-tests --example judge_bench`) and later end-to-end runs; its
+//! `POST /rewards` is the scoring service of the `type = "http"` reward tests.
 
 pub mod loopback;

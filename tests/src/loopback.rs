@@ -1,4 +1,5 @@
-//! A loopback OpenAI-compatible chat-completions server for tests and benchmarks.
+//! A loopback OpenAI-compatible chat-completions server for tests and benchmarks, which also
+//! answers `POST /rewards` as the scoring service of a `type = "http"` reward.
 //!
 //! Binds `127.0.0.1:0` only, runs on its own thread (so sync and async tests can both use it)
 //! and stops when dropped. Knobs: latency, a queue of one-shot faults (429 with `Retry-After`,
@@ -39,12 +40,19 @@ pub enum Fault {
     Hang,
     /// 200 with a body that is not JSON.
     Malformed,
-    /// 200 with a valid completion whose content is this text (e.g. no score in it).
+    /// 200 with a valid completion whose content is this text (e.g. no score in it); on
+    /// `/rewards`, 200 with this text as the whole body.
     Content(String),
+    /// This status with the request's headers in the body, on one line as `name: value; ...` (a
+    /// careless server that echoes the API key back).
+    EchoHeaders(u16),
 }
 
 /// The reply content for a request (the parsed JSON body).
 pub type ReplyFn = Arc<dyn Fn(&Value) -> String + Send + Sync>;
+
+/// The answer of `POST /rewards` to a request (the parsed JSON body).
+pub type RewardsFn = Arc<dyn Fn(&Value) -> Value + Send + Sync>;
 
 /// What the server does.
 #[derive(Clone)]
@@ -57,6 +65,8 @@ pub struct ServerConfig {
     pub default_fault: Option<Fault>,
     /// The reply content; default [`score_from_prompt`].
     pub reply: ReplyFn,
+    /// The answer of `POST /rewards`; default [`rewards_from_completions`].
+    pub rewards: RewardsFn,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -76,6 +86,7 @@ impl Default for ServerConfig {
             reject_response_format: false,
             default_fault: None,
             reply: Arc::new(score_from_prompt),
+            rewards: Arc::new(rewards_from_completions),
         }
     }
 }
@@ -97,6 +108,37 @@ pub fn score_from_prompt(request: &Value) -> String {
     json!({"score": score, "explanation": format!("judged {} chars", text.len())}).to_string()
 }
 
+/// The default answer of `POST /rewards`: `{"rewards": [...]}` with, per completion, the
+/// number after its last `SCORE=` (`null` when there is none). A conversational completion
+/// (`[{"role": "assistant", "content": ...}]`) is read from its last message's content.
+pub fn rewards_from_completions(request: &Value) -> Value {
+    let rewards: Vec<Value> = request["completions"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .map(|c| {
+            let text = match c {
+                Value::Array(m) => m
+                    .last()
+                    .and_then(|m| m["content"].as_str())
+                    .unwrap_or_default(),
+                other => other.as_str().unwrap_or_default(),
+            };
+            text.rfind("SCORE=")
+                .map(|p| {
+                    text[p + 6..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == '-')
+                        .collect::<String>()
+                })
+                .and_then(|s| s.parse::<f64>().ok())
+                .map_or(Value::Null, Value::from)
+        })
+        .collect();
+    json!({ "rewards": rewards })
+}
+
 /// The content of the request's last message.
 pub fn last_message(request: &Value) -> String {
     request["messages"]
@@ -112,7 +154,7 @@ pub fn last_message(request: &Value) -> String {
 pub struct ServerStats {
     /// Requests received.
     pub requests: u64,
-    /// Requests answered 200 with a completion.
+    /// Requests answered 200 with a completion (or, on `/rewards`, with rewards).
     pub completions: u64,
     /// Most requests in flight at once.
     pub max_in_flight: u64,
@@ -122,8 +164,10 @@ pub struct ServerStats {
     pub arrivals: Vec<Instant>,
     /// `Authorization` headers seen (distinct).
     pub authorizations: Vec<String>,
-    /// The JSON bodies received, in order (the last 10,000).
+    /// The JSON bodies received, in order (the first 10,000).
     pub bodies: Vec<Value>,
+    /// The headers of each request, as `(lower-case name, value)`, in the order of `bodies`.
+    pub headers: Vec<Vec<(String, String)>>,
 }
 
 struct Shared {
@@ -189,6 +233,7 @@ impl LoopbackServer {
                     let app = Router::new()
                         .route("/v1/chat/completions", post(chat))
                         .route("/chat/completions", post(chat))
+                        .route("/rewards", post(rewards))
                         .with_state(app_state);
                     tokio::select! {
                         _ = axum::serve(listener, app).into_future() => {}
@@ -211,6 +256,11 @@ impl LoopbackServer {
     /// `http://127.0.0.1:PORT/v1`.
     pub fn base_url(&self) -> String {
         format!("http://{}/v1", self.addr)
+    }
+
+    /// `http://127.0.0.1:PORT/rewards`: the scoring service of a `type = "http"` reward.
+    pub fn rewards_url(&self) -> String {
+        format!("http://{}/rewards", self.addr)
     }
 
     /// Queues one-shot faults, used by the next requests in order.
@@ -262,10 +312,16 @@ impl Drop for InFlight<'_> {
     }
 }
 
-async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+/// What every route does first: counts the request, records it, picks its fault and waits the
+/// latency. Returns the body, the config, the fault and the in-flight guard.
+async fn admit<'a>(
+    shared: &'a Shared,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> (Value, ServerConfig, Option<Fault>, InFlight<'a>) {
     let now = shared.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-    let _guard = InFlight(&shared.in_flight);
-    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let guard = InFlight(&shared.in_flight);
+    let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let config = shared.config.lock().map(|c| c.clone()).unwrap_or_default();
     let fault = shared
         .faults
@@ -273,73 +329,111 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
         .ok()
         .and_then(|mut q| q.pop_front())
         .or(config.default_fault.clone());
-    {
-        if let Ok(mut s) = shared.stats.lock() {
-            s.requests += 1;
-            s.max_in_flight = s.max_in_flight.max(now);
-            s.arrivals.push(Instant::now());
-            if request.get("response_format").is_some() {
-                s.with_response_format += 1;
-            }
-            if let Some(a) = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                && !s.authorizations.iter().any(|x| x == a)
-            {
-                s.authorizations.push(a.to_owned());
-            }
-            if s.bodies.len() < 10_000 {
-                s.bodies.push(request.clone());
-            }
+    if let Ok(mut s) = shared.stats.lock() {
+        s.requests += 1;
+        s.max_in_flight = s.max_in_flight.max(now);
+        s.arrivals.push(Instant::now());
+        if request.get("response_format").is_some() {
+            s.with_response_format += 1;
+        }
+        if let Some(a) = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            && !s.authorizations.iter().any(|x| x == a)
+        {
+            s.authorizations.push(a.to_owned());
+        }
+        if s.bodies.len() < 10_000 {
+            s.bodies.push(request.clone());
+            s.headers.push(header_pairs(headers));
         }
     }
     if !config.latency.is_zero() {
         tokio::time::sleep(config.latency).await;
     }
-    let error = |status: u16, msg: &str| {
-        let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (
-            code,
-            [(header::CONTENT_TYPE, "application/json")],
-            json!({"error": {"message": msg, "type": "loopback_error", "param": null, "code": null}}).to_string(),
-        )
-            .into_response()
-    };
-    if config.reject_response_format && request.get("response_format").is_some() {
-        return error(400, "response_format is not supported by this server");
-    }
-    let content = match fault {
+    (request, config, fault, guard)
+}
+
+fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_owned(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
+}
+
+fn error_response(status: u16, msg: &str) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        code,
+        [(header::CONTENT_TYPE, "application/json")],
+        json!({"error": {"message": msg, "type": "loopback_error", "param": null, "code": null}})
+            .to_string(),
+    )
+        .into_response()
+}
+
+/// The answer to a fault: `Err(response)` to send as is, `Ok(Some(text))` for
+/// [`Fault::Content`], `Ok(None)` when there is no fault.
+async fn apply_fault(
+    fault: Option<Fault>,
+    headers: &HeaderMap,
+) -> Result<Option<String>, Response> {
+    match fault {
+        None => Ok(None),
+        Some(Fault::Content(text)) => Ok(Some(text)),
         Some(Fault::RateLimited { retry_after }) => {
-            let mut r = error(429, "rate limited, slow down");
+            let mut r = error_response(429, "rate limited, slow down");
             if let Some(s) = retry_after
                 && let Ok(v) = header::HeaderValue::from_str(&format!("{s}"))
             {
                 r.headers_mut().insert(header::RETRY_AFTER, v);
             }
-            return r;
+            Err(r)
         }
         Some(Fault::RateLimitedRaw { retry_after }) => {
-            let mut r = error(429, "rate limited, slow down");
+            let mut r = error_response(429, "rate limited, slow down");
             if let Ok(v) = header::HeaderValue::from_str(&retry_after) {
                 r.headers_mut().insert(header::RETRY_AFTER, v);
             }
-            return r;
+            Err(r)
         }
-        Some(Fault::Status(code)) => return error(code, "injected failure"),
+        Some(Fault::Status(code)) => Err(error_response(code, "injected failure")),
         Some(Fault::Hang) => {
             tokio::time::sleep(Duration::from_secs(3600)).await;
-            return error(504, "hung");
+            Err(error_response(504, "hung"))
         }
-        Some(Fault::Malformed) => {
-            return (
-                StatusCode::OK,
-                [(header::CONTENT_TYPE, "application/json")],
-                "{\"choices\": [ this is not json",
-            )
-                .into_response();
+        Some(Fault::Malformed) => Err((
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/json")],
+            "{\"choices\": [ this is not json",
+        )
+            .into_response()),
+        Some(Fault::EchoHeaders(code)) => {
+            let code = StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_REQUEST);
+            let text = header_pairs(headers)
+                .iter()
+                .map(|(k, v)| format!("{k}: {v}"))
+                .collect::<Vec<_>>()
+                .join("; ");
+            Err((code, text).into_response())
         }
-        Some(Fault::Content(text)) => text,
-        None => (config.reply)(&request),
+    }
+}
+
+async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, config, fault, _guard) = admit(&shared, &headers, &body).await;
+    if config.reject_response_format && request.get("response_format").is_some() {
+        return error_response(400, "response_format is not supported by this server");
+    }
+    let content = match apply_fault(fault, &headers).await {
+        Err(response) => return response,
+        Ok(Some(text)) => text,
+        Ok(None) => (config.reply)(&request),
     };
     if let Ok(mut s) = shared.stats.lock() {
         s.completions += 1;
@@ -362,6 +456,24 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes
         StatusCode::OK,
         [(header::CONTENT_TYPE, "application/json")],
         body.to_string(),
+    )
+        .into_response()
+}
+
+async fn rewards(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let (request, config, fault, _guard) = admit(&shared, &headers, &body).await;
+    let body = match apply_fault(fault, &headers).await {
+        Err(response) => return response,
+        Ok(Some(text)) => text,
+        Ok(None) => (config.rewards)(&request).to_string(),
+    };
+    if let Ok(mut s) = shared.stats.lock() {
+        s.completions += 1;
+    }
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
     )
         .into_response()
 }

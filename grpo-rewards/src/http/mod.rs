@@ -1,17 +1,20 @@
 //! The HTTP plumbing shared by the LLM judges and grpo-rollout's `remote` client (generation
 //! on vLLM): one retry policy ([`RetryPolicy`], built with backon), the `Retry-After` parser
 //! ([`retry_after`]), and the async-openai transport ([`StatusAware`]) that keeps a failed
-//! response's status and `Retry-After`, which async-openai's own errors drop.
+//! response's status and `Retry-After`, which async-openai's own errors drop; and the
+//! `type = "http"` reward ([`HttpReward`]), a reward model behind an HTTP service.
 //!
 //! Behind the `judges` feature.
 
 mod retry;
+mod reward;
 mod transport;
 
 pub use retry::{
     MAX_RETRY_AFTER, RetryDecision, RetryPolicy, next_wait, retry_after, retry_after_at,
     retry_after_ms, retryable_status,
 };
+pub use reward::{HttpReward, HttpRewardConfig, RESERVED_KEYS};
 pub use transport::{HttpFailure, StatusAware, openai_client};
 
 /// The first 200 characters of `s`, for messages.
