@@ -13,6 +13,7 @@ use crate::combine::RewardSet;
 use crate::error::{Result, RewardError};
 #[cfg(feature = "judges")]
 use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
+use crate::python::{PythonConfig, PythonReward, PythonWorkers};
 
 /// Which reward, with its keys (`type = "..."`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -36,6 +37,8 @@ pub enum RewardKind {
     /// An ensemble of LLM judges (feature `judges`).
     #[cfg(feature = "judges")]
     JudgeEnsemble(EnsembleConfig),
+    /// A Python function with TRL's reward signature ([`PythonReward`]).
+    Python(PythonConfig),
 }
 
 impl RewardKind {
@@ -52,6 +55,7 @@ impl RewardKind {
             RewardKind::Judge(_) => "judge",
             #[cfg(feature = "judges")]
             RewardKind::JudgeEnsemble(_) => "judge_ensemble",
+            RewardKind::Python(_) => "python",
         }
     }
 }
@@ -128,6 +132,8 @@ impl RewardsConfig {
         }
         let mut set = RewardSet::new();
         let mut names = std::collections::BTreeSet::new();
+        // One worker process for all the python rewards (per interpreter).
+        let python_workers = PythonWorkers::new();
         for (i, spec) in self.rewards.iter().enumerate() {
             let p = format!("rewards[{i}].");
             let at = |e: RewardError| match e {
@@ -225,6 +231,10 @@ impl RewardsConfig {
                         weight,
                         Arc::new(JudgeEnsemble::new(c.clone(), None).map_err(at)?),
                     )
+                }
+                RewardKind::Python(c) => {
+                    let r = PythonReward::new(&name, c, &python_workers).map_err(at)?;
+                    set.push_reward(name, weight, Arc::new(r))
                 }
             }
         }

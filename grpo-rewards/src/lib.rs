@@ -25,6 +25,9 @@
 //!   jitter on backon, the server's `Retry-After` as delta-seconds or an HTTP date) and the
 //!   async-openai transport that keeps a failure's status and `Retry-After`; grpo-rollout's
 //!   `remote` client (vLLM) uses them too.
+//! * **Python** ([`python`]): `type = "python"` runs reward functions written for TRL
+//!   (`f(prompts, completions, completion_ids, **kwargs)`) in one persistent worker process,
+//!   over a JSON line protocol on std::process (no extra dependency).
 //! * **Configs** ([`RewardsConfig`]): serde structs (TOML/YAML/JSON) validated once into a
 //!   [`RewardSet`]; errors name the field to fix.
 //!
@@ -62,6 +65,7 @@ mod error;
 pub mod http;
 #[cfg(feature = "judges")]
 pub mod judge;
+pub mod python;
 mod reward;
 mod types;
 
