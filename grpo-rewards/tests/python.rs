@@ -462,6 +462,49 @@ fn a_module_name_on_the_python_path_works_and_a_bad_signature_is_explained() {
     assert!(e.contains("TypeError") && e.contains("**kwargs"), "{e}");
 }
 
+/// The README's example (the first python and toml blocks of its `type = "python"` section).
+#[test]
+fn the_readme_example_runs() {
+    let Some(f) = Fixture::new() else { return };
+    let readme = include_str!("../../README.md");
+    let section = &readme[readme.find("#### `type = \"python\"`").unwrap()..];
+    let block = |lang: &str| {
+        let start = section.find(&format!("```{lang}\n")).unwrap() + lang.len() + 4;
+        &section[start..start + section[start..].find("```").unwrap()]
+    };
+    let file = f.dir.path().join("readme_rewards.py");
+    std::fs::write(&file, block("python")).unwrap();
+    let mut cfg: RewardsConfig = toml::from_str(block("toml")).unwrap();
+    assert_eq!(cfg.rewards.len(), 2);
+    for spec in &mut cfg.rewards {
+        let mut v = serde_json::to_value(&*spec).unwrap();
+        v["path"] = json!(file);
+        v["python"] = json!(f.py);
+        *spec = serde_json::from_value(v).unwrap();
+    }
+    let set = cfg.build(&ScoringModels::default()).unwrap();
+    let b = |step| {
+        vec![
+            RewardInput::new("2+2?", "<think>easy</think><answer> 4 </answer>")
+                .with_ids(vec![7; 512])
+                .with_field("answer", 4i64)
+                .at_step(step),
+            RewardInput::new("2+3?", "<answer>6</answer>")
+                .with_ids(vec![7; 256])
+                .with_field("answer", "5")
+                .at_step(step),
+        ]
+    };
+    let early = set.score(&b(0)).unwrap();
+    assert_eq!(
+        early.per_function,
+        vec![vec![Some(1.0), Some(0.0)], vec![None, None]]
+    );
+    let late = set.score(&b(50)).unwrap();
+    assert_eq!(late.per_function[1], vec![Some(-0.5), Some(-0.25)]);
+    assert_eq!(late.rewards, vec![1.0 - 0.05, -0.025]);
+}
+
 /// Worker overhead per call: 256 completions, a function returning constants (median of 300
 /// calls), with GSM8K-sized texts and 200 token ids each, then with tiny ones.
 /// `cargo test --release -p grpo-rewards --test python -- --ignored --nocapture overhead`

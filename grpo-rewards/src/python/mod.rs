@@ -664,6 +664,11 @@ impl Proc {
         line: &[u8],
         deadline: Option<Instant>,
     ) -> std::result::Result<Answer, Fail> {
+        // A worker known to be gone is not written to (a host that does not ignore SIGPIPE, as
+        // Rust programs do, would die of it).
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return Err(Fail::Died(self.exit_status()));
+        }
         let sent = match self.stdin.as_mut() {
             Some(w) => w.write_all(line).and_then(|()| w.flush()).is_ok(),
             None => false,
