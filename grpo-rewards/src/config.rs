@@ -17,6 +17,7 @@ use crate::error::{Result, RewardError};
 use crate::http::{HttpReward, HttpRewardConfig};
 #[cfg(feature = "judges")]
 use crate::judge::{EnsembleConfig, Judge, JudgeConfig, JudgeEnsemble};
+use crate::python::{PythonConfig, PythonReward, PythonWorkers};
 
 /// Which reward, with its keys (`type = "..."`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,6 +47,8 @@ pub enum RewardKind {
     /// A reward model behind an HTTP service, [`HttpReward`] (feature `judges`).
     #[cfg(feature = "judges")]
     Http(HttpRewardConfig),
+    /// A Python function with TRL's reward signature ([`PythonReward`]).
+    Python(PythonConfig),
 }
 
 impl RewardKind {
@@ -66,6 +69,7 @@ impl RewardKind {
             RewardKind::Command(_) => "command",
             #[cfg(feature = "judges")]
             RewardKind::Http(_) => "http",
+            RewardKind::Python(_) => "python",
         }
     }
 }
@@ -146,6 +150,8 @@ impl RewardsConfig {
         }
         let mut set = RewardSet::new();
         let mut names = std::collections::BTreeSet::new();
+        // One worker process for all the python rewards (per interpreter).
+        let python_workers = PythonWorkers::new();
         for (i, spec) in self.rewards.iter().enumerate() {
             let p = format!("rewards[{i}].");
             let at = |e: RewardError| match e {
@@ -264,6 +270,10 @@ impl RewardsConfig {
                     weight,
                     Arc::new(HttpReward::new(name, c).map_err(at)?),
                 ),
+                RewardKind::Python(c) => {
+                    let r = PythonReward::new(&name, c, &python_workers).map_err(at)?;
+                    set.push_reward(name, weight, Arc::new(r))
+                }
             }
         }
         Ok(set)

@@ -113,6 +113,15 @@ pub enum RewardError {
         /// What went wrong.
         message: String,
     },
+    /// A `type = "python"` reward failed: the function raised, returned something other than
+    /// one number (or `None`) per completion, ran past its `timeout`, or its worker died twice.
+    #[error("python reward `{reward}`: {message}")]
+    Python {
+        /// The reward's name.
+        reward: String,
+        /// What happened, naming the function, the sample or the exception's `file:line`.
+        message: String,
+    },
     /// A reward function returned the wrong number of scores.
     #[error("reward `{reward}` returned {got} scores for {expected} completions")]
     LengthMismatch {

@@ -30,6 +30,9 @@
 //!   completion (argv placeholders, stdin or a file in a fresh temporary directory) and scores
 //!   its exit status or the number it prints, with a timeout, a concurrency cap, CPU, memory
 //!   and output limits.
+//! * **Python** ([`python`]): `type = "python"` runs reward functions written for TRL
+//!   (`f(prompts, completions, completion_ids, **kwargs)`) in one persistent worker process,
+//!   over a JSON line protocol on std::process (no extra dependency).
 //! * **Configs** ([`RewardsConfig`]): serde structs (TOML/YAML/JSON) validated once into a
 //!   [`RewardSet`]; errors name the field to fix.
 //!
@@ -69,6 +72,7 @@ mod error;
 pub mod http;
 #[cfg(feature = "judges")]
 pub mod judge;
+pub mod python;
 mod reward;
 mod types;
 

@@ -1,0 +1,737 @@
+//! `type = "python"`: reward functions written in Python, with TRL's signature, run in one
+//! persistent worker process.
+//!
+//! ```toml
+//! [[rewards]]
+//! type = "python"
+//! path = "rewards.py"        # a .py file, or a module name importable on PYTHONPATH
+//! function = "accuracy"
+//! # python = "python3"       # the interpreter (default python3)
+//! # timeout = 60             # seconds per batched call
+//! ```
+//!
+//! The function is called once per step with the whole batch, as TRL calls it:
+//! `f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)`. Prompts
+//! and completions are strings, or, for conversational samples, lists of `{"role", "content"}`
+//! messages (the completion as `[{"role": "assistant", "content": text}]`); `completion_ids`
+//! are lists of ints; every dataset column comes as a keyword list (one value per completion);
+//! `trainer_state.global_step` is the number of steps done. It returns one float (or `None`,
+//! no opinion) per completion; an `async def` function is awaited (on one event loop kept for
+//! the worker's life).
+//!
+//! # The worker
+//!
+//! All the python rewards of one [`crate::RewardsConfig::build`] share one process per
+//! interpreter ([`PythonWorkers`]). The worker script (`worker.py`, embedded in the crate) runs
+//! as `python -c`; its stderr is ours, and user code's `print` (its stdout, file descriptor 1
+//! included) goes to stderr too, so nothing a function prints reaches the protocol. Each module
+//! is imported once; functions are loaded when the reward is built, so a bad `path` or
+//! `function` is a config error before training starts. Imports are not timed (a module may
+//! load a model); each call is, by `timeout`: past it the worker is killed and the call fails,
+//! and the next call starts a fresh worker. A worker that dies (killed, crashed) is restarted
+//! once and the call retried (counted in `rewards/{name}/worker_restarts`); if it dies again
+//! the call fails.
+//!
+//! # The line protocol
+//!
+//! One JSON object per line; the worker answers each request with one line, in order:
+//!
+//! | direction | line |
+//! |---|---|
+//! | worker, at start | `{"ready": true, "pid": 123, "python": "3.11.7"}` |
+//! | load | `{"op": "load", "path": "/abs/rewards.py", "file": true, "function": "accuracy"}` |
+//! | answer | `{"ok": true}` or `{"ok": false, "field": "path" \| "function", "error": "..."}` |
+//! | call | `{"op": "call", "path", "file", "function", "prompts": [...], "completions": [...], "completion_ids": [[...]], "kwargs": {"answer": [...]}, "global_step": 3}` |
+//! | answer | `{"ok": true, "scores": [1.0, null]}` or `{"ok": false, "error": "raised ValueError: ... at /abs/rewards.py:12"}` |
+//!
+//! `file` says whether `path` is a file (absolute) or a module name. Errors are one line; the
+//! worker prints the full traceback to stderr. A NaN score is sent as `null`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, RewardError};
+use crate::reward::Reward;
+use crate::types::{FieldValue, Message, RewardInput, RewardOutput};
+
+/// The worker script, run with `python -c`.
+const WORKER: &str = include_str!("worker.py");
+
+/// How long a starting interpreter may take to say it is ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Keyword arguments the call itself passes: dataset columns with these names are left out.
+const RESERVED: [&str; 4] = ["prompts", "completions", "completion_ids", "trainer_state"];
+
+/// Config of [`PythonReward`] (`type = "python"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PythonConfig {
+    /// A `.py` file (relative paths are read from the working directory) or a module name
+    /// importable on the Python path (`PYTHONPATH`, the working directory).
+    pub path: String,
+    /// The function in it.
+    pub function: String,
+    /// The interpreter to run. Default `python3`.
+    #[serde(default = "default_python")]
+    pub python: String,
+    /// Seconds one batched call may take. Default 60.
+    #[serde(default = "default_timeout")]
+    pub timeout: f64,
+}
+
+fn default_python() -> String {
+    "python3".into()
+}
+
+fn default_timeout() -> f64 {
+    60.0
+}
+
+/// What the worker loads: a file (absolute path) or a module, and a function in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    path: String,
+    file: bool,
+    function: String,
+    /// `path` as the config wrote it (for messages).
+    shown: String,
+}
+
+impl Target {
+    fn of(config: &PythonConfig) -> Result<Self> {
+        let shown = config.path.trim();
+        if shown.is_empty() {
+            return Err(RewardError::config(
+                "path",
+                "must name a .py file or a module, e.g. \"rewards.py\"",
+            ));
+        }
+        let file = shown.ends_with(".py") || shown.contains('/') || shown.contains('\\');
+        let path = if file {
+            let abs = std::fs::canonicalize(shown).map_err(|e| {
+                let cwd = std::env::current_dir()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_else(|_| "?".into());
+                RewardError::config(
+                    "path",
+                    format!(
+                        "`{shown}`: {e} (a relative path is read from the working directory {cwd})"
+                    ),
+                )
+            })?;
+            if !abs.is_file() {
+                return Err(RewardError::config(
+                    "path",
+                    format!("`{shown}` is not a file"),
+                ));
+            }
+            abs.to_str()
+                .ok_or_else(|| {
+                    RewardError::config("path", format!("`{shown}`: the path is not UTF-8"))
+                })?
+                .to_owned()
+        } else {
+            if !shown.split('.').all(is_identifier) {
+                return Err(RewardError::config(
+                    "path",
+                    format!("`{shown}` is neither a .py file nor a module name"),
+                ));
+            }
+            shown.to_owned()
+        };
+        let function = config.function.trim();
+        if !is_identifier(function) {
+            return Err(RewardError::config(
+                "function",
+                format!("`{function}` is not a Python function name"),
+            ));
+        }
+        Ok(Self {
+            path,
+            file,
+            function: function.to_owned(),
+            shown: shown.to_owned(),
+        })
+    }
+}
+
+fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c == '_' || c.is_alphabetic())
+        && chars.all(|c| c == '_' || c.is_alphanumeric())
+}
+
+/// The Python worker processes of one [`crate::RewardsConfig::build`]: one per interpreter,
+/// started by the first reward that needs it and shared by every python reward that names
+/// the same `python`.
+#[derive(Debug, Default)]
+pub struct PythonWorkers(Mutex<BTreeMap<String, Arc<Worker>>>);
+
+impl PythonWorkers {
+    /// No workers yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn get(&self, python: &str) -> Arc<Worker> {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(python.to_owned())
+            .or_insert_with(|| {
+                Arc::new(Worker {
+                    python: python.to_owned(),
+                    state: Mutex::new(State::default()),
+                })
+            })
+            .clone()
+    }
+}
+
+/// A reward function in Python ([module docs](self)).
+#[derive(Debug)]
+pub struct PythonReward {
+    name: String,
+    target: Target,
+    timeout: Duration,
+    timeout_secs: f64,
+    worker: Arc<Worker>,
+}
+
+impl PythonReward {
+    /// Checks `config`, starts the worker of `config.python` in `workers` if it is not running
+    /// and has it import the function. Errors are config errors naming `path`, `function`,
+    /// `python` or `timeout`. `name` is the reward's name (in errors and counters).
+    pub fn new(name: &str, config: &PythonConfig, workers: &PythonWorkers) -> Result<Self> {
+        if !(config.timeout.is_finite() && config.timeout > 0.0) {
+            return Err(RewardError::config(
+                "timeout",
+                format!("must be a number of seconds > 0, got {}", config.timeout),
+            ));
+        }
+        let timeout = Duration::try_from_secs_f64(config.timeout)
+            .map_err(|e| RewardError::config("timeout", e.to_string()))?;
+        if config.python.trim().is_empty() {
+            return Err(RewardError::config(
+                "python",
+                "must name an interpreter, e.g. \"python3\"",
+            ));
+        }
+        let target = Target::of(config)?;
+        let worker = workers.get(config.python.trim());
+        worker.load(&target)?;
+        Ok(Self {
+            name: name.to_owned(),
+            target,
+            timeout,
+            timeout_secs: config.timeout,
+            worker,
+        })
+    }
+
+    /// The worker's process id, while it runs.
+    pub fn worker_pid(&self) -> Option<u32> {
+        self.worker.lock().proc.as_ref().map(|p| p.child.id())
+    }
+
+    fn error(&self, message: impl std::fmt::Display) -> RewardError {
+        RewardError::Python {
+            reward: self.name.clone(),
+            message: format!(
+                "`{}` in {} {message}",
+                self.target.function, self.target.shown
+            ),
+        }
+    }
+}
+
+impl Reward for PythonReward {
+    fn score(&self, batch: &[RewardInput]) -> Result<RewardOutput> {
+        let restarts_key = format!("rewards/{}/worker_restarts", self.name);
+        if batch.is_empty() {
+            return Ok(RewardOutput {
+                counters: BTreeMap::from([(restarts_key, 0.0)]),
+                ..RewardOutput::default()
+            });
+        }
+        let mut line = serde_json::to_vec(&CallRequest::new(&self.target, batch))
+            .map_err(|e| self.error(format_args!("cannot encode the batch: {e}")))?;
+        line.push(b'\n');
+        let (scores, restarts) = self
+            .worker
+            .call(&line, self.timeout)
+            .map_err(|e| match e {
+                CallError::Timeout => self.error(format_args!(
+                    "did not return within {} s (`timeout`); the worker was stopped, the next call starts a new one",
+                    self.timeout_secs
+                )),
+                CallError::Other(m) => self.error(m),
+            })?;
+        if scores.len() != batch.len() {
+            return Err(self.error(format_args!(
+                "returned {} scores for {} completions",
+                scores.len(),
+                batch.len()
+            )));
+        }
+        #[cfg(feature = "judges")]
+        if restarts > 0 {
+            tracing::warn!(reward = %self.name, "the Python worker had died; restarted it and retried the call");
+        }
+        Ok(RewardOutput {
+            scores: scores.into_iter().map(|s| s.map(|v| v as f32)).collect(),
+            info: Vec::new(),
+            counters: BTreeMap::from([(restarts_key, restarts as f64)]),
+        })
+    }
+}
+
+/// A prompt as TRL passes it: text, or the conversation's messages.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum PromptArg<'a> {
+    Text(&'a str),
+    Messages(&'a [Message]),
+}
+
+/// A completion as TRL passes it: text, or `[{"role": "assistant", "content": text}]`.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum CompletionArg<'a> {
+    Text(&'a str),
+    Messages([AssistantMessage<'a>; 1]),
+}
+
+#[derive(Serialize)]
+struct AssistantMessage<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct LoadRequest<'a> {
+    op: &'static str,
+    path: &'a str,
+    file: bool,
+    function: &'a str,
+}
+
+impl<'a> LoadRequest<'a> {
+    fn line(t: &'a Target) -> Vec<u8> {
+        let mut line = serde_json::to_vec(&LoadRequest {
+            op: "load",
+            path: &t.path,
+            file: t.file,
+            function: &t.function,
+        })
+        .unwrap_or_default();
+        line.push(b'\n');
+        line
+    }
+}
+
+#[derive(Serialize)]
+struct CallRequest<'a> {
+    op: &'static str,
+    path: &'a str,
+    file: bool,
+    function: &'a str,
+    prompts: Vec<PromptArg<'a>>,
+    completions: Vec<CompletionArg<'a>>,
+    completion_ids: Vec<&'a [u32]>,
+    kwargs: BTreeMap<&'a str, Vec<&'a FieldValue>>,
+    global_step: usize,
+}
+
+static NULL: FieldValue = FieldValue::Null;
+
+impl<'a> CallRequest<'a> {
+    fn new(t: &'a Target, batch: &'a [RewardInput]) -> Self {
+        let columns: BTreeSet<&str> = batch
+            .iter()
+            .flat_map(|x| x.fields.keys().map(String::as_str))
+            .filter(|k| !RESERVED.contains(k))
+            .collect();
+        let kwargs = columns
+            .into_iter()
+            .map(|c| {
+                let values = batch
+                    .iter()
+                    .map(|x| x.fields.get(c).unwrap_or(&NULL))
+                    .collect();
+                (c, values)
+            })
+            .collect();
+        Self {
+            op: "call",
+            path: &t.path,
+            file: t.file,
+            function: &t.function,
+            prompts: batch
+                .iter()
+                .map(|x| match &x.prompt_messages {
+                    Some(m) => PromptArg::Messages(m),
+                    None => PromptArg::Text(&x.prompt),
+                })
+                .collect(),
+            completions: batch
+                .iter()
+                .map(|x| match x.prompt_messages {
+                    Some(_) => CompletionArg::Messages([AssistantMessage {
+                        role: "assistant",
+                        content: &x.completion,
+                    }]),
+                    None => CompletionArg::Text(&x.completion),
+                })
+                .collect(),
+            completion_ids: batch.iter().map(|x| x.completion_ids.as_slice()).collect(),
+            kwargs,
+            global_step: batch.first().map_or(0, |x| x.global_step),
+        }
+    }
+}
+
+/// The worker's first line.
+#[derive(Deserialize)]
+struct Ready {
+    ready: bool,
+}
+
+/// The worker's answer to a request.
+#[derive(Deserialize)]
+struct Answer {
+    ok: bool,
+    #[serde(default)]
+    scores: Vec<Option<f64>>,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    field: Option<String>,
+}
+
+impl Answer {
+    fn read(line: &[u8]) -> std::result::Result<Self, Fail> {
+        serde_json::from_slice(line).map_err(|e| {
+            let text = String::from_utf8_lossy(line);
+            let start: String = text.trim().chars().take(120).collect();
+            Fail::Protocol(format!("the worker sent an unreadable line ({e}): {start}"))
+        })
+    }
+
+    fn error(self) -> String {
+        self.error
+            .unwrap_or_else(|| "failed (the worker gave no reason)".into())
+    }
+}
+
+/// Why a round trip with the worker failed.
+#[derive(Debug)]
+enum Fail {
+    /// The process exited (its status).
+    Died(String),
+    /// No answer before the deadline.
+    Timeout,
+    /// Something else (could not start, unreadable line).
+    Protocol(String),
+}
+
+enum CallError {
+    Timeout,
+    Other(String),
+}
+
+/// One Python interpreter running the worker script, shared by the rewards that use it.
+#[derive(Debug)]
+struct Worker {
+    python: String,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    proc: Option<Proc>,
+    /// Every function loaded so far, reloaded in order by a restarted worker.
+    loaded: Vec<Target>,
+}
+
+impl Worker {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Has the worker import `t` (at build): errors are config errors.
+    fn load(&self, t: &Target) -> Result<()> {
+        let mut st = self.lock();
+        if st.loaded.contains(t) {
+            return Ok(());
+        }
+        let proc = st
+            .ensure(&self.python)
+            .map_err(|m| RewardError::config("python", m))?;
+        match proc.round_trip(&LoadRequest::line(t), None) {
+            Ok(a) if a.ok => {
+                st.loaded.push(t.clone());
+                Ok(())
+            }
+            Ok(a) => {
+                let field = match a.field.as_deref() {
+                    Some("function") => "function",
+                    _ => "path",
+                };
+                Err(RewardError::config(field, a.error()))
+            }
+            Err(f) => {
+                st.stop();
+                let why = match f {
+                    Fail::Died(status) => format!(
+                        "the Python worker died while importing `{}` ({status}); its stderr above says why",
+                        t.shown
+                    ),
+                    Fail::Timeout | Fail::Protocol(_) => {
+                        format!("importing `{}`: {}", t.shown, fail_text(&f))
+                    }
+                };
+                Err(RewardError::config("path", why))
+            }
+        }
+    }
+
+    /// One batched call; a worker that dies is restarted once and the call retried. Returns
+    /// the scores and the number of restarts.
+    fn call(
+        &self,
+        line: &[u8],
+        timeout: Duration,
+    ) -> std::result::Result<(Vec<Option<f64>>, usize), CallError> {
+        let mut st = self.lock();
+        let mut restarts = 0;
+        loop {
+            let proc = st.ensure(&self.python).map_err(CallError::Other)?;
+            match proc.round_trip(line, Some(Instant::now() + timeout)) {
+                Ok(a) if a.ok => return Ok((a.scores, restarts)),
+                Ok(a) => return Err(CallError::Other(a.error())),
+                Err(Fail::Died(status)) => {
+                    st.stop();
+                    if restarts == 1 {
+                        return Err(CallError::Other(format!(
+                            "failed: the Python worker died twice in a row ({status}); its stderr above may say why"
+                        )));
+                    }
+                    restarts += 1;
+                }
+                Err(Fail::Timeout) => {
+                    st.stop();
+                    return Err(CallError::Timeout);
+                }
+                Err(Fail::Protocol(m)) => {
+                    st.stop();
+                    return Err(CallError::Other(m));
+                }
+            }
+        }
+    }
+}
+
+impl State {
+    /// The running worker, started (and given the loaded functions again) when there is none.
+    fn ensure(&mut self, python: &str) -> std::result::Result<&mut Proc, String> {
+        if self.proc.is_none() {
+            let mut p = Proc::start(python)?;
+            for t in &self.loaded {
+                match p.round_trip(&LoadRequest::line(t), None) {
+                    Ok(a) if a.ok => {}
+                    Ok(a) => return Err(format!("could not be loaded again: {}", a.error())),
+                    Err(f) => {
+                        return Err(format!(
+                            "could not be loaded again in a new worker: {}",
+                            fail_text(&f)
+                        ));
+                    }
+                }
+            }
+            self.proc = Some(p);
+        }
+        self.proc
+            .as_mut()
+            .ok_or_else(|| "the Python worker is gone".to_owned())
+    }
+
+    /// Kills the worker, if any.
+    fn stop(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+}
+
+fn fail_text(f: &Fail) -> String {
+    match f {
+        Fail::Died(s) => format!("the worker died ({s})"),
+        Fail::Timeout => "no answer in time".into(),
+        Fail::Protocol(m) => m.clone(),
+    }
+}
+
+/// A running worker process: its stdin, and its stdout's lines from a reader thread.
+#[derive(Debug)]
+struct Proc {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<Vec<u8>>,
+}
+
+impl Proc {
+    fn start(python: &str) -> std::result::Result<Self, String> {
+        let mut child = Command::new(python)
+            .arg("-c")
+            .arg(WORKER)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start `{python}`: {e}"))?;
+        let (stdin, stdout) = match (child.stdin.take(), child.stdout.take()) {
+            (Some(i), Some(o)) => (i, o),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("`{python}` started without pipes"));
+            }
+        };
+        let (tx, lines) = std::sync::mpsc::channel();
+        let reader = std::thread::Builder::new()
+            .name("grpo-python-reward".into())
+            .spawn(move || {
+                let mut r = BufReader::new(stdout);
+                loop {
+                    let mut line = Vec::new();
+                    match r.read_until(b'\n', &mut line) {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {
+                            if tx.send(line).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+        let mut p = Self {
+            child,
+            stdin: Some(stdin),
+            lines,
+        };
+        if let Err(e) = reader {
+            p.kill();
+            return Err(format!("cannot start a thread to read the worker: {e}"));
+        }
+        let ready = p.recv(Some(Instant::now() + READY_TIMEOUT)).and_then(|l| {
+            serde_json::from_slice::<Ready>(&l)
+                .ok()
+                .filter(|r| r.ready)
+                .ok_or_else(|| {
+                    Fail::Protocol(format!(
+                        "`{python}` did not start the worker; it wrote: {}",
+                        String::from_utf8_lossy(&l).trim()
+                    ))
+                })
+        });
+        match ready {
+            Ok(_) => Ok(p),
+            Err(f) => {
+                p.kill();
+                Err(match f {
+                    Fail::Died(status) => format!(
+                        "`{python}` exited before the worker was ready ({status}); its stderr above says why (Python ≥ 3.8 is needed)"
+                    ),
+                    Fail::Timeout => format!(
+                        "`{python}` did not start the worker within {} s",
+                        READY_TIMEOUT.as_secs()
+                    ),
+                    Fail::Protocol(m) => m,
+                })
+            }
+        }
+    }
+
+    /// Sends one request line and reads its answer (by `deadline`, if any).
+    fn round_trip(
+        &mut self,
+        line: &[u8],
+        deadline: Option<Instant>,
+    ) -> std::result::Result<Answer, Fail> {
+        // A worker known to be gone is not written to (a host that does not ignore SIGPIPE, as
+        // Rust programs do, would die of it).
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return Err(Fail::Died(self.exit_status()));
+        }
+        let sent = match self.stdin.as_mut() {
+            Some(w) => w.write_all(line).and_then(|()| w.flush()).is_ok(),
+            None => false,
+        };
+        if !sent {
+            return Err(Fail::Died(self.exit_status()));
+        }
+        Answer::read(&self.recv(deadline)?)
+    }
+
+    fn recv(&mut self, deadline: Option<Instant>) -> std::result::Result<Vec<u8>, Fail> {
+        let got = match deadline {
+            None => self
+                .lines
+                .recv()
+                .map_err(|_| RecvTimeoutError::Disconnected),
+            Some(d) => self
+                .lines
+                .recv_timeout(d.saturating_duration_since(Instant::now())),
+        };
+        match got {
+            Ok(line) => Ok(line),
+            Err(RecvTimeoutError::Timeout) => Err(Fail::Timeout),
+            Err(RecvTimeoutError::Disconnected) => Err(Fail::Died(self.exit_status())),
+        }
+    }
+
+    /// The exit status of a worker whose output has ended (killed if it lingers).
+    fn exit_status(&mut self) -> String {
+        let until = Instant::now() + Duration::from_secs(2);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(s)) => return s.to_string(),
+                Ok(None) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(None) => {
+                    self.kill();
+                    return "it closed its output and was killed".into();
+                }
+                Err(e) => return format!("status unknown: {e}"),
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        self.stdin = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    /// Closes the worker's stdin (it then exits) and waits a little before killing it.
+    fn drop(&mut self) {
+        self.stdin = None;
+        let until = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < until {
+            match self.child.try_wait() {
+                Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+                _ => return,
+            }
+        }
+        self.kill();
+    }
+}
