@@ -20,10 +20,14 @@ use grpo_rollout::{ChatMessage, Tokenizer, Transformer};
 use serde_json::{Value, json};
 
 fn setup() -> (Transformer, Tokenizer) {
+    setup_arch(Arch::Qwen2)
+}
+
+fn setup_arch(arch: Arch) -> (Transformer, Tokenizer) {
     let tok = train_tokenizer(400).unwrap();
     let cfg = preset_config(
         Preset::Tiny,
-        Arch::Qwen2,
+        arch,
         tok.vocab_size(),
         tok.eos_token_ids[0],
         tok.pad_token_id,
@@ -358,9 +362,14 @@ fn full_forward_logprobs(
 
 #[test]
 fn recorded_logprobs_equal_one_forward_over_the_whole_episode() {
-    let (m, tok) = setup();
-    let ps = prompts(&tok);
-    for device in [false, true] {
+    for (arch, device) in [
+        (Arch::Qwen2, false),
+        (Arch::Qwen2, true),
+        (Arch::Llama, false),
+        (Arch::Qwen3, false),
+    ] {
+        let (m, tok) = setup_arch(arch);
+        let ps = prompts(&tok);
         let mut p = params(4, 7, 500);
         p.sampling.repetition_penalty = 1.1;
         // Turns end at different steps, some with the EOS, some with another stop id.
@@ -409,7 +418,7 @@ fn recorded_logprobs_equal_one_forward_over_the_whole_episode() {
                 }
             }
         }
-        eprintln!("device sampling {device}: max |Δ log-prob| {worst:e}");
+        eprintln!("{arch:?}, device sampling {device}: max |Δ log-prob| {worst:e}");
     }
 }
 
