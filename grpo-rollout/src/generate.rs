@@ -237,66 +237,24 @@ pub fn generate_batch_with(
         return Ok(Vec::new());
     }
     let prompts: Vec<&[u32]> = live.iter().map(|&i| requests[i].ids).collect();
+    let counts: Vec<usize> = live.iter().map(|&i| requests[i].n).collect();
     let decoding = model.for_decoding()?;
     let model = &decoding;
     let device = model.device().clone();
     let vocab = model.cfg.vocab_size;
-    let mut stop_ids: Vec<u32> = tokenizer.eos_token_ids.clone();
-    stop_ids.extend(&params.stop_token_ids);
-    stop_ids.sort_unstable();
-    stop_ids.dedup();
-
-    // Prefill each prompt once (left padded).
-    let lp = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let stop_ids = stop_ids(tokenizer, params);
     let pad = tokenizer.pad_token_id;
-    let mut ids = Vec::with_capacity(prompts.len() * lp);
-    let mut mask = Vec::with_capacity(prompts.len() * lp);
-    for p in &prompts {
-        for _ in p.len()..lp {
-            ids.push(pad);
-            mask.push(0u32);
-        }
-        ids.extend(p.iter());
-        mask.extend(std::iter::repeat_n(1u32, p.len()));
-    }
-    let n_prompts = prompts.len();
-    let ids_t = Tensor::from_vec(ids, (n_prompts, lp), &device)?;
-    let mask_t = Tensor::from_vec(mask, (n_prompts, lp), &device)?;
-    let (positions, bias) = padded_positions_and_bias(&mask_t, &device)?;
-    let mut cache = KvCache::with_capacity(lp + params.max_new_tokens);
-    let hidden = model.forward_hidden(&ids_t, &positions, &bias, Some(&mut cache))?;
-    let last = hidden.narrow(1, lp - 1, 1)?.squeeze(1)?;
-    let logits = model.logits(&last)?;
 
-    // Share each prompt's cache across its samples.
-    let expand: Vec<u32> = (0..n_prompts)
-        .flat_map(|p| std::iter::repeat_n(p as u32, requests[live[p]].n))
-        .collect();
-    let expand_t = Tensor::new(expand.as_slice(), &device)?;
-    cache = cache.select_rows(&expand_t)?;
-    let mut logits = logits.index_select(&expand_t, 0)?;
-    // Each row's key bias (its prompt's padding masked) and next position, kept on the device
-    // and grown there.
-    let neg = attention_mask_value(DType::F32);
-    let mut key_bias = mask_t
-        .eq(0u32)?
-        .to_dtype(DType::F32)?
-        .affine(neg, 0.0)?
-        .index_select(&expand_t, 0)?;
-    let lens: Vec<u32> = prompts.iter().map(|p| p.len() as u32).collect();
-    let mut next_pos = Tensor::new(lens.as_slice(), &device)?
-        .index_select(&expand_t, 0)?
-        .unsqueeze(1)?;
-    let mut rows: Vec<Row> = Vec::with_capacity(expand.len());
+    // Prefill each prompt once, its cache shared across its samples.
+    let mut state = prefill(model, pad, &prompts, &counts, params.max_new_tokens)?;
+    let mut rows: Vec<Row> = Vec::with_capacity(counts.iter().sum());
     for (p, &i) in live.iter().enumerate() {
         let req = &requests[i];
         for j in 0..req.n {
-            let mut rng = ChaCha8Rng::seed_from_u64(req.seed);
-            rng.set_stream(req.first_stream + j as u64);
             rows.push(Row {
                 prompt_index: i,
                 sample_index: j,
-                rng,
+                rng: row_rng(req.seed, req.first_stream + j as u64),
                 seen: prompts[p].to_vec(),
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
@@ -319,37 +277,23 @@ pub fn generate_batch_with(
         // result depends neither on the batch nor on where the sampling runs.
         let draws: Vec<f32> = rows
             .iter_mut()
-            .map(|r| {
-                if params.temperature > 0.0 {
-                    r.rng.random::<f32>()
-                } else {
-                    0.0
-                }
-            })
+            .map(|r| draw_uniform(&mut r.rng, params))
             .collect();
         let short: Vec<bool> = rows
             .iter()
             .map(|r| r.tokens.len() < params.min_new_tokens)
             .collect();
-        let (picks, sampled): (Vec<Pick>, Option<Tensor>) = match sampler.as_mut() {
-            Some(s) => {
-                let (ids, picks) = s.step(&logits, &draws, &short)?;
-                (picks, Some(ids))
-            }
-            None => {
-                let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-                let picks = rows
-                    .par_iter()
-                    .zip(host.par_iter())
-                    .zip(draws.par_iter().zip(short.par_iter()))
-                    .map(|((row, l), (&u, &short))| {
-                        let suppress: &[u32] = if short { &stop_ids } else { &[] };
-                        sample_row(&l[..vocab.min(l.len())], params, &row.seen, suppress, u)
-                    })
-                    .collect();
-                (picks, None)
-            }
-        };
+        let seen: Vec<&[u32]> = rows.iter().map(|r| r.seen.as_slice()).collect();
+        let (picks, sampled) = pick_tokens(
+            &state.logits,
+            params,
+            vocab,
+            &stop_ids,
+            sampler.as_mut(),
+            &seen,
+            &draws,
+            &short,
+        )?;
         // Finished rows (and rows no longer wanted) retire; the rest stay in the batch (and in
         // the cache).
         let before = rows.len();
@@ -369,11 +313,7 @@ pub fn generate_batch_with(
                 reason = Some(FinishReason::Eos);
             } else if !params.stop.is_empty() {
                 let text = tokenizer.decode(&row.tokens, false)?;
-                if params
-                    .stop
-                    .iter()
-                    .any(|s| !s.is_empty() && text.contains(s.as_str()))
-                {
+                if contains_stop(&text, &params.stop) {
                     reason = Some(FinishReason::Stop);
                 }
             }
@@ -426,9 +366,7 @@ pub fn generate_batch_with(
         };
         if n < before {
             let keep_t = Tensor::new(keep.as_slice(), &device)?;
-            cache = cache.select_rows(&keep_t)?;
-            key_bias = key_bias.index_select(&keep_t, 0)?;
-            next_pos = next_pos.index_select(&keep_t, 0)?;
+            state.keep_rows(&keep_t)?;
             if step_ids.dim(0)? != n {
                 step_ids = step_ids.index_select(&keep_t, 0)?;
             }
@@ -436,23 +374,178 @@ pub fn generate_batch_with(
                 s.select_rows(&keep_t)?;
             }
         }
-        // One decode step for the remaining rows: the new key is always visible.
-        key_bias = Tensor::cat(
-            &[&key_bias, &Tensor::zeros((n, 1), DType::F32, &device)?],
-            1,
-        )?;
-        let s = key_bias.dim(1)?;
-        let hidden = model.forward_hidden(
-            &step_ids.reshape((n, 1))?,
-            &next_pos,
-            &key_bias.reshape((n, 1, 1, s))?,
-            Some(&mut cache),
-        )?;
-        next_pos = (&next_pos + 1.0)?;
-        logits = model.logits(&hidden.squeeze(1)?)?;
+        state.decode_step(model, &step_ids)?;
     }
     done.sort_by_key(|c| (c.prompt_index, c.sample_index));
     Ok(done)
+}
+
+/// The tokenizer's EOS ids and `params.stop_token_ids`, sorted, without repeats.
+pub(crate) fn stop_ids(tokenizer: &Tokenizer, params: &SamplingParams) -> Vec<u32> {
+    let mut stop_ids: Vec<u32> = tokenizer.eos_token_ids.clone();
+    stop_ids.extend(&params.stop_token_ids);
+    stop_ids.sort_unstable();
+    stop_ids.dedup();
+    stop_ids
+}
+
+/// Whether `text` contains one of the (non-empty) stop strings.
+pub(crate) fn contains_stop(text: &str, stop: &[String]) -> bool {
+    stop.iter()
+        .any(|s| !s.is_empty() && text.contains(s.as_str()))
+}
+
+/// A row's random stream: ChaCha8 seeded with `seed`, stream `stream`.
+pub(crate) fn row_rng(seed: u64, stream: u64) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(stream);
+    rng
+}
+
+/// A row's uniform draw for one step (none, 0, when greedy).
+pub(crate) fn draw_uniform(rng: &mut ChaCha8Rng, params: &SamplingParams) -> f32 {
+    if params.temperature > 0.0 {
+        rng.random::<f32>()
+    } else {
+        0.0
+    }
+}
+
+/// The device side of a batch of rows being decoded.
+pub(crate) struct DecodeState {
+    /// Every row's keys and values.
+    pub(crate) cache: KvCache,
+    /// `(rows, cached)` f32: 0 for a row's real keys, the mask value for its padding.
+    pub(crate) key_bias: Tensor,
+    /// `(rows, 1)` u32: the position of each row's next input token.
+    pub(crate) next_pos: Tensor,
+    /// `(rows, V)`: the logits each row's next token is drawn from.
+    pub(crate) logits: Tensor,
+}
+
+/// Prefills each prompt once (left padded, in one forward) and repeats its cache, key bias,
+/// next position and last logits `counts[p]` times; the cache has room for `reserve` more
+/// positions.
+pub(crate) fn prefill(
+    model: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    counts: &[usize],
+    reserve: usize,
+) -> Result<DecodeState> {
+    let device = model.device().clone();
+    let lp = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let mut ids = Vec::with_capacity(prompts.len() * lp);
+    let mut mask = Vec::with_capacity(prompts.len() * lp);
+    for p in prompts {
+        for _ in p.len()..lp {
+            ids.push(pad);
+            mask.push(0u32);
+        }
+        ids.extend(p.iter());
+        mask.extend(std::iter::repeat_n(1u32, p.len()));
+    }
+    let n_prompts = prompts.len();
+    let ids_t = Tensor::from_vec(ids, (n_prompts, lp), &device)?;
+    let mask_t = Tensor::from_vec(mask, (n_prompts, lp), &device)?;
+    let (positions, bias) = padded_positions_and_bias(&mask_t, &device)?;
+    let mut cache = KvCache::with_capacity(lp + reserve);
+    let hidden = model.forward_hidden(&ids_t, &positions, &bias, Some(&mut cache))?;
+    let last = hidden.narrow(1, lp - 1, 1)?.squeeze(1)?;
+    let logits = model.logits(&last)?;
+
+    // Share each prompt's cache across its samples.
+    let expand: Vec<u32> = (0..n_prompts)
+        .flat_map(|p| std::iter::repeat_n(p as u32, counts[p]))
+        .collect();
+    let expand_t = Tensor::new(expand.as_slice(), &device)?;
+    let cache = cache.select_rows(&expand_t)?;
+    let logits = logits.index_select(&expand_t, 0)?;
+    // Each row's key bias (its prompt's padding masked) and next position, kept on the device
+    // and grown there.
+    let neg = attention_mask_value(DType::F32);
+    let key_bias = mask_t
+        .eq(0u32)?
+        .to_dtype(DType::F32)?
+        .affine(neg, 0.0)?
+        .index_select(&expand_t, 0)?;
+    let lens: Vec<u32> = prompts.iter().map(|p| p.len() as u32).collect();
+    let next_pos = Tensor::new(lens.as_slice(), &device)?
+        .index_select(&expand_t, 0)?
+        .unsqueeze(1)?;
+    Ok(DecodeState {
+        cache,
+        key_bias,
+        next_pos,
+        logits,
+    })
+}
+
+impl DecodeState {
+    /// Keeps these rows (indices into the current rows), in this order.
+    pub(crate) fn keep_rows(&mut self, keep: &Tensor) -> Result<()> {
+        self.cache = self.cache.select_rows(keep)?;
+        self.key_bias = self.key_bias.index_select(keep, 0)?;
+        self.next_pos = self.next_pos.index_select(keep, 0)?;
+        Ok(())
+    }
+
+    /// One decode step: feeds each row's token `ids` `(rows,)` at its next position (the new
+    /// key always visible) and leaves the logits of the token after it.
+    pub(crate) fn decode_step(&mut self, model: &Transformer, ids: &Tensor) -> Result<()> {
+        let n = ids.dim(0)?;
+        let device = model.device();
+        self.key_bias = Tensor::cat(
+            &[&self.key_bias, &Tensor::zeros((n, 1), DType::F32, device)?],
+            1,
+        )?;
+        let s = self.key_bias.dim(1)?;
+        let hidden = model.forward_hidden(
+            &ids.reshape((n, 1))?,
+            &self.next_pos,
+            &self.key_bias.reshape((n, 1, 1, s))?,
+            Some(&mut self.cache),
+        )?;
+        self.next_pos = (&self.next_pos + 1.0)?;
+        self.logits = model.logits(&hidden.squeeze(1)?)?;
+        Ok(())
+    }
+}
+
+/// Picks every row's next token from `logits`: with the device sampler when there is one,
+/// else on the host (rows in parallel). `seen` are the rows' tokens so far (repetition
+/// penalty), `draws` their uniforms, `short` whether a row's stop ids are still suppressed.
+/// Returns the picks and, from the device sampler, the sampled ids on the device.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pick_tokens(
+    logits: &Tensor,
+    params: &SamplingParams,
+    vocab: usize,
+    stop_ids: &[u32],
+    sampler: Option<&mut DeviceSampler>,
+    seen: &[&[u32]],
+    draws: &[f32],
+    short: &[bool],
+) -> Result<(Vec<Pick>, Option<Tensor>)> {
+    match sampler {
+        Some(s) => {
+            let (ids, picks) = s.step(logits, draws, short)?;
+            Ok((picks, Some(ids)))
+        }
+        None => {
+            let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+            let picks = seen
+                .par_iter()
+                .zip(host.par_iter())
+                .zip(draws.par_iter().zip(short.par_iter()))
+                .map(|((seen, l), (&u, &short))| {
+                    let suppress: &[u32] = if short { stop_ids } else { &[] };
+                    sample_row(&l[..vocab.min(l.len())], params, seen, suppress, u)
+                })
+                .collect();
+            Ok((picks, None))
+        }
+    }
 }
 
 thread_local! {
@@ -484,15 +577,7 @@ fn finish(
 ) -> Result<Completion> {
     let mut text = tokenizer.decode(&row.tokens, true)?;
     if reason == FinishReason::Stop {
-        let cut = params
-            .stop
-            .iter()
-            .filter(|s| !s.is_empty())
-            .filter_map(|s| text.find(s.as_str()))
-            .min();
-        if let Some(c) = cut {
-            text.truncate(c);
-        }
+        cut_at_stop(&mut text, &params.stop);
     }
     Ok(Completion {
         prompt_index: row.prompt_index,
@@ -503,6 +588,18 @@ fn finish(
         finish_reason: reason,
         top_logprobs: row.top,
     })
+}
+
+/// Cuts `text` before the first of the (non-empty) stop strings it contains.
+pub(crate) fn cut_at_stop(text: &mut String, stop: &[String]) {
+    let cut = stop
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min();
+    if let Some(c) = cut {
+        text.truncate(c);
+    }
 }
 
 /// Left-pads token rows into `(B, L)` ids and a 0/1 attention mask (u32), with `pad` ids.

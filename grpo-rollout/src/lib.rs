@@ -5,6 +5,9 @@
 //! directory or a GGUF file, with its tokenizer and chat template, batched KV-cache generation
 //! with TRL's sampling knobs, LoRA adapters, and saving in Hugging Face / PEFT formats.
 //!
+//! Multi-turn episodes against an environment (NeMo RL's `EnvironmentInterface`): the seam in
+//! [`mod@env`], generation that keeps each episode's KV cache across turns in [`episode`].
+//!
 //! With the cargo feature `rewards`, the module `scoring` makes the model grpo-rewards' scoring models:
 //! `ModelScorer` (a `LanguageScorer`, for `inverse_loss` / `coverage_ce`) and
 //! `ClassifierModel` (a `SequenceClassifier` loaded from a `*ForSequenceClassification`
@@ -16,6 +19,8 @@
 
 pub mod config;
 pub mod device;
+pub mod env;
+pub mod episode;
 pub mod fused;
 pub mod generate;
 pub mod gguf;
@@ -33,6 +38,8 @@ pub mod tokenizer;
 
 pub use config::{Arch, ModelConfig};
 pub use device::{DeviceSpec, Dtype};
+pub use env::{Environment, EnvironmentReturn};
+pub use episode::{Episode, EpisodeParams, EpisodePrompt, generate_episodes};
 pub use generate::{Completion, FinishReason, SamplingParams, generate};
 pub use loader::{LoadedModel, load, save_hf_dir};
 pub use lora::LoraConfig;

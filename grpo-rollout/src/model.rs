@@ -336,6 +336,51 @@ impl KvCache {
         })
     }
 
+    /// Stacks the rows of `parts` (in order) into one cache as long as the longest part: a
+    /// shorter part's positions past its own length hold zeros, which the caller masks in
+    /// those rows' attention bias. The buffers have room for `capacity` positions (at least the
+    /// length). Used to bring back rows that left a batch at different decode steps.
+    pub fn concat_rows(parts: &[KvCache], capacity: usize) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            bail!("KV cache: nothing to concatenate");
+        };
+        let n_layers = first.layers.len();
+        if let Some(p) = parts.iter().find(|p| p.layers.len() != n_layers) {
+            bail!(
+                "KV cache: parts hold {} and {} layers",
+                n_layers,
+                p.layers.len()
+            );
+        }
+        let len = parts.iter().map(|p| p.len).max().unwrap_or(0);
+        let cap = capacity.max(len);
+        let pad = |t: &Tensor, have: usize| -> Result<Tensor> {
+            let (b, h, _, d) = t.dims4()?;
+            let kept = t.narrow(2, 0, have)?;
+            if have == cap {
+                return kept.contiguous();
+            }
+            let zeros = Tensor::zeros((b, h, cap - have, d), t.dtype(), t.device())?;
+            Tensor::cat(&[&kept, &zeros], 2)
+        };
+        let mut layers = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            let mut ks = Vec::with_capacity(parts.len());
+            let mut vs = Vec::with_capacity(parts.len());
+            for p in parts {
+                let (k, v) = &p.layers[i];
+                ks.push(pad(k, p.len)?);
+                vs.push(pad(v, p.len)?);
+            }
+            layers.push((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?));
+        }
+        Ok(Self {
+            layers,
+            len,
+            reserve: first.reserve,
+        })
+    }
+
     /// Writes layer `i`'s new keys and values `(B, kv_heads, L, D)` (contiguous) after the
     /// `past` cached positions; returns views of all `past + L` of them.
     fn append(

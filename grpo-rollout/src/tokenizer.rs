@@ -160,15 +160,19 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.compile_chat_template()?
+            .render(messages, add_generation_prompt)
+    }
+
+    /// The chat template parsed once, to render many conversations.
+    pub fn compile_chat_template(&self) -> Result<ChatTemplate<'_>> {
         let Some(template) = &self.chat_template else {
             bail!(
                 "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)"
             )
         };
-        render_chat_template(
+        ChatTemplate::new(
             template,
-            messages,
-            add_generation_prompt,
             self.bos_token.as_deref(),
             self.eos_token.as_deref(),
         )
@@ -183,43 +187,83 @@ pub fn render_chat_template(
     bos_token: Option<&str>,
     eos_token: Option<&str>,
 ) -> Result<String> {
-    let mut env = minijinja::Environment::new();
-    // transformers renders with jinja2's trim_blocks and lstrip_blocks.
-    let syntax = minijinja::syntax::SyntaxConfig::builder()
-        .trim_blocks(true)
-        .lstrip_blocks(true)
-        .build()
-        .map_err(|e| err(format!("chat template syntax config: {e}")))?;
-    env.set_syntax(syntax);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_function("strftime_now", |fmt: String| -> String {
-        // Templates use this for "today's date" in system prompts; a fixed date keeps prompts,
-        // and so caches and tests, reproducible.
-        fmt.replace("%Y", "2026")
-            .replace("%m", "01")
-            .replace("%d", "01")
-            .replace("%B", "January")
-            .replace("%b", "Jan")
-    });
-    env.add_template("chat", template)
-        .map_err(|e| err(format!("chat template does not parse: {e}")))?;
-    let tmpl = env.get_template("chat").map_err(|e| err(e.to_string()))?;
-    tmpl.render(minijinja::context! {
-        messages => minijinja::Value::from(minijinja::value::Serde(messages)),
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token.unwrap_or(""),
-        eos_token => eos_token.unwrap_or(""),
-    })
-    .map_err(|e| err(format!("chat template failed: {e}")))
+    ChatTemplate::new(template, bos_token, eos_token)?.render(messages, add_generation_prompt)
+}
+
+/// A chat template parsed once, for rendering many conversations (a multi-turn episode renders
+/// its conversation after every turn).
+pub struct ChatTemplate<'a> {
+    env: minijinja::Environment<'a>,
+    bos_token: Option<&'a str>,
+    eos_token: Option<&'a str>,
+}
+
+impl std::fmt::Debug for ChatTemplate<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> ChatTemplate<'a> {
+    /// Parses `template` with the settings transformers renders with.
+    pub fn new(
+        template: &'a str,
+        bos_token: Option<&'a str>,
+        eos_token: Option<&'a str>,
+    ) -> Result<Self> {
+        let mut env = minijinja::Environment::new();
+        // transformers renders with jinja2's trim_blocks and lstrip_blocks.
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| err(format!("chat template syntax config: {e}")))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| -> String {
+            // Templates use this for "today's date" in system prompts; a fixed date keeps
+            // prompts, and so caches and tests, reproducible.
+            fmt.replace("%Y", "2026")
+                .replace("%m", "01")
+                .replace("%d", "01")
+                .replace("%B", "January")
+                .replace("%b", "Jan")
+        });
+        env.add_template("chat", template)
+            .map_err(|e| err(format!("chat template does not parse: {e}")))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Renders `messages` as transformers' `apply_chat_template(tokenize=False)`.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| err(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.unwrap_or(""),
+            eos_token => self.eos_token.unwrap_or(""),
+        })
+        .map_err(|e| err(format!("chat template failed: {e}")))
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,128 @@
+//! The environment seam: what a multi-turn episode talks to between the model's turns.
+//!
+//! It follows NeMo RL's `EnvironmentInterface`. After each model turn, [`generate_episodes`]
+//! hands the environment the message logs of every episode still running (OpenAI-style
+//! `{role, content}` messages: the prompt's messages, then the assistant turns and the
+//! observations so far, the turn just sampled last) with each episode's metadata, in one batch
+//! call ([`Environment::step`]). The environment answers, per episode, an [`EnvironmentReturn`]
+//! row: an observation to show the model next (a `user`, `tool` or `environment` message, or
+//! none), new metadata, the stop strings of the model's next turn, the turn's reward and
+//! whether the episode is over. [`Environment::post_process`] then sees the finished episodes
+//! of a whole batch at once (NeMo RL's `global_post_process_and_metrics`): it may adjust them
+//! (e.g. rewards that depend on the group) and returns metrics.
+//!
+//! The seam is synchronous: one call per turn for the whole batch, while generation waits. An
+//! environment that is asynchronous or remote (an HTTP sandbox, a Python process, a judge)
+//! blocks inside `step` until its answers are in, and may fan its own work out in parallel
+//! there (e.g. a tokio runtime it owns with `block_on` over the batch). Implementations are
+//! `Send + Sync` so one environment can serve several generator threads.
+//!
+//! [`generate_episodes`]: crate::episode::generate_episodes
+
+use std::collections::BTreeMap;
+
+use candle_core::Result;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::episode::Episode;
+use crate::tokenizer::ChatMessage;
+
+/// Roles an observation may have.
+pub const OBSERVATION_ROLES: [&str; 3] = ["user", "tool", "environment"];
+
+/// An environment's answer for a batch of episodes: every vector has one entry per episode, in
+/// the order the episodes were given to [`Environment::step`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EnvironmentReturn {
+    /// The message the model sees before its next turn (role `user`, `tool` or
+    /// `environment`), or `None`: the model's next turn follows its last one directly (after
+    /// the chat template's end of turn and generation prompt).
+    pub observations: Vec<Option<ChatMessage>>,
+    /// Each episode's new metadata (replaces what it had; it goes to the next `step` and ends
+    /// in [`Episode::metadata`]).
+    pub metadata: Vec<Value>,
+    /// Stop strings of each episode's next model turn; `None` keeps the sampling parameters'
+    /// `stop`.
+    pub next_stop_strings: Vec<Option<Vec<String>>>,
+    /// The reward of the turn just taken (finite).
+    pub rewards: Vec<f32>,
+    /// Whether the episode is over (its observation, if any, is not shown to the model).
+    pub terminateds: Vec<bool>,
+}
+
+impl EnvironmentReturn {
+    /// An answer for `n` episodes: no observation, null metadata, default stop strings, reward
+    /// 0, not terminated; fill in what the environment decides.
+    pub fn empty(n: usize) -> Self {
+        Self {
+            observations: vec![None; n],
+            metadata: vec![Value::Null; n],
+            next_stop_strings: vec![None; n],
+            rewards: vec![0.0; n],
+            terminateds: vec![false; n],
+        }
+    }
+
+    /// Checks that every vector answers `n` episodes, rewards are finite and observations have
+    /// an observation role; errors name `env`.
+    pub fn validate(&self, n: usize, env: &str) -> Result<()> {
+        let lens = [
+            ("observations", self.observations.len()),
+            ("metadata", self.metadata.len()),
+            ("next_stop_strings", self.next_stop_strings.len()),
+            ("rewards", self.rewards.len()),
+            ("terminateds", self.terminateds.len()),
+        ];
+        if let Some((what, len)) = lens.iter().find(|(_, len)| *len != n) {
+            candle_core::bail!(
+                "environment `{env}` returned {len} {what} for {n} episodes: step must answer every episode it is given"
+            );
+        }
+        if let Some((i, r)) = self
+            .rewards
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !r.is_finite())
+        {
+            candle_core::bail!(
+                "environment `{env}` returned reward {r} for episode {i}: rewards must be finite"
+            );
+        }
+        for (i, o) in self.observations.iter().enumerate() {
+            if let Some(m) = o
+                && !OBSERVATION_ROLES.contains(&m.role.as_str())
+            {
+                candle_core::bail!(
+                    "environment `{env}` returned an observation with role `{}` for episode {i}: use one of user, tool, environment",
+                    m.role
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A multi-turn environment (NeMo RL's `EnvironmentInterface`). See the [module docs](self).
+pub trait Environment: Send + Sync {
+    /// The name errors and metrics use (by default the type's name).
+    fn name(&self) -> &str {
+        std::any::type_name::<Self>()
+    }
+
+    /// Answers one turn of a batch of episodes: `logs[i]` is episode `i`'s message log, its
+    /// last message the model's turn just sampled (role `assistant`), and `metadata[i]` its
+    /// metadata (the prompt's at the first turn, then what the previous `step` returned). The
+    /// answer has one entry per episode ([`EnvironmentReturn`]). An error stops the generation
+    /// call and is reported with the environment's name.
+    fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn>;
+
+    /// Post-processes a whole batch of finished episodes (NeMo RL's
+    /// `global_post_process_and_metrics`): may change them (rewards, metadata) and returns
+    /// metrics by name. The caller runs it once over everything a training step collected.
+    /// By default nothing changes and there are no metrics.
+    fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
+        let _ = episodes;
+        Ok(BTreeMap::new())
+    }
+}
