@@ -360,3 +360,27 @@ fn environment_tokens_carry_exactly_zero_gradient() {
     assert_eq!(total, 12);
     assert!(g[0][2] != 0.0 && g[0][3] != 0.0, "{g:?}");
 }
+
+#[test]
+fn a_reward_named_env_beside_an_environment_is_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let err = GrpoTrainer::from_pretrained(&m, config(dir.path(), "run"))
+        .unwrap()
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(2))
+                .environment(GuessEnv::default())
+                .reward("env", 1.0, |b: &[grpo_rewards::RewardInput]| {
+                    vec![Some(0.0f32); b.len()]
+                })
+                .max_steps(1),
+        )
+        .unwrap_err();
+    let line = grpo_trainer::error_line(&err);
+    assert!(
+        line.contains("environment `guess`") && line.contains("named `env`"),
+        "{line}"
+    );
+    assert!(!line.contains('\n'), "{line}");
+}
