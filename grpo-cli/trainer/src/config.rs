@@ -122,6 +122,10 @@ pub struct TrainConfig {
     pub train: TrainSection,
     /// Stage channels and staleness.
     pub pipeline: PipelineSection,
+    /// Multi-turn episodes against an environment: budgets and how its rewards count. Used
+    /// only when the trainer is given an environment in code (`FitOptions::environment`,
+    /// `Trainer::with_environment`); there is no config-selectable environment type yet.
+    pub environment: EnvironmentSection,
     /// Two-pass adaptive teaching (grpo-teacher): the policy is the teacher, rewarded by how
     /// much its guidance helps a student. Adds the `adaptive_teaching` reward.
     pub teacher: Option<TeacherConfig>,
@@ -205,10 +209,76 @@ impl Default for TrainConfig {
             optim: OptimSection::default(),
             train: TrainSection::default(),
             pipeline: PipelineSection::default(),
+            environment: EnvironmentSection::default(),
             teacher: None,
             algorithm: Algorithm::Grpo,
             sft: SftSection::default(),
             dpo: DpoSection::default(),
+        }
+    }
+}
+
+/// `[environment]`: how multi-turn episodes run when the trainer has an environment.
+///
+/// The environment itself (a `grpo_rollout::Environment`) comes from code: there is no
+/// config-selectable environment type yet. Without one these keys are unused and generation
+/// is single-turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EnvironmentSection {
+    /// Model turns per episode at most (>= 1). Default 4.
+    pub max_turns: usize,
+    /// Tokens one model turn may sample; absent = `rollout.max_completion_length`.
+    pub max_tokens_per_turn: Option<usize>,
+    /// Tokens after the prompt (model and environment tokens) an episode may hold; absent =
+    /// 4 × `rollout.max_completion_length`.
+    pub max_total_tokens: Option<usize>,
+    /// How the per-turn rewards make the episode's `env` reward: `sum` (default) or `last`.
+    pub reward: EnvironmentReward,
+}
+
+impl Default for EnvironmentSection {
+    fn default() -> Self {
+        Self {
+            max_turns: 4,
+            max_tokens_per_turn: None,
+            max_total_tokens: None,
+            reward: EnvironmentReward::Sum,
+        }
+    }
+}
+
+impl EnvironmentSection {
+    /// `max_tokens_per_turn` with its default filled in from `rollout`.
+    pub fn tokens_per_turn(&self, rollout: &RolloutSection) -> usize {
+        self.max_tokens_per_turn
+            .unwrap_or(rollout.max_completion_length)
+    }
+
+    /// `max_total_tokens` with its default filled in from `rollout`.
+    pub fn total_tokens(&self, rollout: &RolloutSection) -> usize {
+        self.max_total_tokens
+            .unwrap_or(4 * rollout.max_completion_length)
+    }
+}
+
+/// How an episode's per-turn rewards become its `env` reward (`environment.reward`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnvironmentReward {
+    /// The sum of the turns' rewards (NeMo RL's `total_reward`).
+    #[default]
+    Sum,
+    /// The last turn's reward.
+    Last,
+}
+
+impl EnvironmentReward {
+    /// The episode reward of `turn_rewards` (0 without turns).
+    pub fn of(self, turn_rewards: &[f32]) -> f32 {
+        match self {
+            Self::Sum => turn_rewards.iter().sum(),
+            Self::Last => turn_rewards.last().copied().unwrap_or(0.0),
         }
     }
 }
@@ -823,6 +893,16 @@ impl TrainConfig {
         }
         if r.max_completion_length == 0 {
             return Err("`rollout.max_completion_length` must be >= 1".into());
+        }
+        let env = &self.environment;
+        if env.max_turns == 0 {
+            return Err("`environment.max_turns` must be >= 1".into());
+        }
+        if env.max_tokens_per_turn == Some(0) || env.max_total_tokens == Some(0) {
+            return Err(
+                "`environment.max_tokens_per_turn` and `environment.max_total_tokens` must be >= 1"
+                    .into(),
+            );
         }
         if self.loss.use_leave_one_out_baseline && self.loss.scale_rewards == ScaleRewards::Batch {
             return Err(

@@ -11,7 +11,7 @@
 //! | [`config`] | the schema (TOML / YAML / JSON, TRL's names), `--set` overrides, validation once |
 //! | [`setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
-//! | [`stages`] | what flows between stages, and the loader, generator and scorer |
+//! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
 //! | [`learner`] | batch assembly, the GRPO loss, the optimizer step, metrics; SFT / DPO steps |
 //! | [`events`] | metrics / completions logs, checkpoint writes, TensorBoard, progress: sinks on their own thread |
 //! | [`checkpoint`], [`run_dir`] | checkpoint files and resume; what a run directory may hold |

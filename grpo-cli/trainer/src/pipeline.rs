@@ -99,6 +99,29 @@ impl Default for RunOptions {
     }
 }
 
+/// What an environment run cannot have yet: a rollout server, `[teacher]`, a reward named
+/// `env`.
+fn check_environment(setup: &Setup, name: &str) -> Result<()> {
+    if setup.cfg.rollout.backend != crate::config::Backend::Local {
+        bail!(
+            "environment `{name}`: rollout.backend = \"openai\" cannot run episodes yet; use rollout.backend = \"local\""
+        );
+    }
+    if setup.cfg.teacher.is_some() {
+        bail!("environment `{name}`: [teacher] and an environment cannot be combined yet");
+    }
+    if setup
+        .rewards
+        .names()
+        .contains(&crate::stages::scorer::ENV_REWARD)
+    {
+        bail!(
+            "environment `{name}`: a reward is named `env`, the name of the environment's reward; rename it"
+        );
+    }
+    Ok(())
+}
+
 /// Trains per `setup`, writing the run directory; returns the metrics of every step.
 pub fn run(
     setup: Setup,
@@ -111,7 +134,10 @@ pub fn run(
     if setup.cfg.algorithm != Algorithm::Grpo {
         return crate::learner::supervised::run(setup, opts, callbacks);
     }
-    if setup.rewards.is_empty() {
+    if let Some(env) = &setup.environment {
+        check_environment(&setup, env.name())?;
+    }
+    if setup.rewards.is_empty() && setup.environment.is_none() {
         bail!(
             "no reward: add [[rewards]] to the config, or a reward function to the trainer (with_reward, or fit with FitOptions::reward)"
         );

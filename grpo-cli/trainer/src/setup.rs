@@ -43,6 +43,9 @@ pub struct Setup {
     pub remote: Option<Arc<Mutex<RemoteGenerator>>>,
     /// The policy scorer of `inverse_loss` rewards with `model = "policy"`.
     pub policy_scorer: Option<Arc<crate::stages::PolicyScorer>>,
+    /// The environment of multi-turn episodes (set in code: `FitOptions::environment`,
+    /// `Trainer::with_environment`); `None` = single-turn completions.
+    pub environment: Option<Arc<dyn grpo_rollout::Environment>>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -288,6 +291,7 @@ pub fn setup_with(
         frozen_teacher,
         remote,
         policy_scorer,
+        environment: None,
         cfg,
     })
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use grpo_rewards::{AsyncReward, Reward};
+use grpo_rollout::Environment;
 
 use crate::callbacks::Callbacks;
 use crate::config::{Algorithm, TrainConfig};
@@ -115,6 +116,7 @@ pub struct FitOptions {
     max_steps: Option<usize>,
     max_epochs: Option<f64>,
     callbacks: Option<Box<dyn Callbacks>>,
+    environment: Option<Arc<dyn Environment>>,
 }
 
 enum RewardFn {
@@ -189,6 +191,14 @@ impl FitOptions {
     /// Hooks called during the run (replaces [`Trainer::with_callbacks`]'s).
     pub fn callbacks(mut self, cb: impl Callbacks + 'static) -> Self {
         self.callbacks = Some(Box::new(cb));
+        self
+    }
+
+    /// Generates multi-turn episodes against `env` (GRPO, local rollouts) instead of
+    /// single-turn completions (replaces [`Trainer::with_environment`]'s). The `[environment]`
+    /// config keys set the budgets; its rewards become the `env` reward.
+    pub fn environment(mut self, env: impl Environment + 'static) -> Self {
+        self.environment = Some(Arc::new(env));
         self
     }
 }
@@ -300,6 +310,25 @@ impl<K> Trainer<K> {
         Ok(self)
     }
 
+    /// Generates multi-turn episodes against `env` instead of single-turn completions (GRPO,
+    /// `rollout.backend = "local"`): the model and the environment take turns (see
+    /// `grpo_rollout::episode`), the loss is on the model's tokens only, and the environment's
+    /// rewards (`environment.reward`: their sum or the last) are the `env` reward, weight 1,
+    /// beside the run's reward functions. Budgets come from the `[environment]` config keys.
+    pub fn with_environment(mut self, env: impl Environment + 'static) -> Result<Self> {
+        self.set_environment(Arc::new(env))?;
+        Ok(self)
+    }
+
+    fn set_environment(&mut self, env: Arc<dyn Environment>) -> Result<()> {
+        let s = self.setup_mut()?;
+        if s.cfg.algorithm != Algorithm::Grpo {
+            bail!("environment `{}`: only GRPO runs episodes", env.name());
+        }
+        s.environment = Some(env);
+        Ok(())
+    }
+
     fn push_reward(&mut self, name: String, weight: f32, f: RewardFn) -> Result<()> {
         let s = self.setup_mut()?;
         if s.cfg.algorithm != Algorithm::Grpo {
@@ -358,6 +387,9 @@ impl<K> Trainer<K> {
         }
         if let Some(cb) = opts.callbacks {
             self.callbacks = cb;
+        }
+        if let Some(env) = opts.environment {
+            self.set_environment(env)?;
         }
         let s = self.setup_mut()?;
         if let Some(train) = opts.dataset {

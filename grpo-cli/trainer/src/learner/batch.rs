@@ -18,6 +18,11 @@ pub struct StepBatch<'a> {
     pub completions: Vec<&'a [u32]>,
     /// Completion lengths.
     pub lens: Vec<usize>,
+    /// Per completion, per token: the model's token (multi-turn episodes: environment tokens
+    /// are false); `None` = every token is the model's.
+    pub model_masks: Vec<Option<&'a [bool]>>,
+    /// Model tokens of each completion (`lens` for single-turn completions).
+    pub model_lens: Vec<usize>,
     /// Whether a completion carries loss (not a masked truncation, not in a dropped group).
     pub keep: Vec<bool>,
     /// Loss tokens of the whole step (dapo's `num_items_in_batch`).
@@ -54,7 +59,19 @@ impl<'a> StepBatch<'a> {
             })
             .collect();
         let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
-        let total_tokens = (0..n).filter(|&i| keep[i]).map(|i| lens[i]).sum();
+        let model_masks: Vec<Option<&[bool]>> = match &r.episodes {
+            Some(e) => (0..n)
+                .map(|i| e.model_masks.get(i).map(Vec::as_slice))
+                .collect(),
+            None => vec![None; n],
+        };
+        let model_lens: Vec<usize> = (0..n)
+            .map(|i| match model_masks[i] {
+                Some(m) => m.iter().take(lens[i]).filter(|&&x| x).count(),
+                None => lens[i],
+            })
+            .collect();
+        let total_tokens = (0..n).filter(|&i| keep[i]).map(|i| model_lens[i]).sum();
         let chunks = (0..n)
             .step_by(micro.max(1))
             .map(|a| (a, (a + micro).min(n)))
@@ -63,6 +80,8 @@ impl<'a> StepBatch<'a> {
             prompts,
             completions,
             lens,
+            model_masks,
+            model_lens,
             keep,
             total_tokens,
             chunks,
@@ -70,12 +89,18 @@ impl<'a> StepBatch<'a> {
     }
 
     /// The completion mask `(b − a, c)` of micro-batch `[a, b)` padded to `c` tokens: 1 on the
-    /// tokens that carry loss.
+    /// tokens that carry loss (0 on padding, on dropped completions and on an episode's
+    /// environment tokens). It multiplies the per-token loss, the KL to the reference and the
+    /// log-ratios of the importance weights, so environment tokens weigh exactly 0.
     pub fn mask(&self, a: usize, b: usize, c: usize, device: &Device) -> Result<Tensor> {
         let mut m = Vec::with_capacity((b - a) * c);
         for i in a..b {
             let k = if self.keep[i] { self.lens[i] } else { 0 };
-            m.extend((0..c).map(|j| if j < k { 1f32 } else { 0f32 }));
+            let model = self.model_masks[i];
+            m.extend((0..c).map(|j| {
+                let is_model = model.is_none_or(|mm| mm.get(j).copied().unwrap_or(false));
+                if j < k && is_model { 1f32 } else { 0f32 }
+            }));
         }
         Ok(Tensor::from_vec(m, (b - a, c), device)?)
     }

@@ -109,8 +109,14 @@ impl Learner {
     ) {
         let r = &s.rollouts;
         let sc = &s.scores;
-        let weights = match self.reward_weights.len() == sc.per_function.len() {
-            true => self.reward_weights.clone(),
+        // An environment's `env` reward comes last, weight 1.
+        let env = usize::from(r.episodes.is_some());
+        let weights = match self.reward_weights.len() + env == sc.per_function.len() {
+            true => {
+                let mut w = self.reward_weights.clone();
+                w.resize(sc.per_function.len(), 1.0);
+                w
+            }
             false => vec![1.0; sc.per_function.len()],
         };
         let stats = grpo_core::advantages::reward_stats(
@@ -125,7 +131,13 @@ impl Learner {
         for (k, v) in &sc.metrics {
             m.insert(k.clone(), *v);
         }
-        let lf: Vec<f64> = batch.lens.iter().map(|&l| l as f64).collect();
+        if let Some(e) = &r.episodes {
+            for (k, v) in &e.metrics {
+                m.insert(k.clone(), *v);
+            }
+        }
+        // Lengths count the model's tokens (an episode's environment tokens are not its).
+        let lf: Vec<f64> = batch.model_lens.iter().map(|&l| l as f64).collect();
         let truncated: Vec<bool> = r
             .completions
             .iter()

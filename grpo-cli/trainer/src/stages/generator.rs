@@ -2,22 +2,26 @@
 //! policy version it was given (locally, or on the rollout server of `rollout.backend =
 //! "openai"`).
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use grpo_data::Prompt;
+use grpo_rollout::episode::{EpisodeEnd, episode_metrics};
 use grpo_rollout::remote::RemoteGenerator;
-use grpo_rollout::{ChatMessage, Tokenizer, Transformer};
+use grpo_rollout::{
+    ChatMessage, Completion, Environment, Episode, EpisodeParams, EpisodePrompt, FinishReason,
+    Tokenizer, Transformer, generate_episodes,
+};
 use grpo_teacher::TeachingProtocol;
 
-use super::{PromptBatch, Rollouts, step_seed};
-use crate::config::TrainConfig;
+use super::{EpisodeBatch, PromptBatch, Rollouts, step_seed};
+use crate::config::{EnvironmentReward, TrainConfig};
 use crate::remote::RemoteSync;
 use crate::setup::Setup;
 
 /// Samples completions with the latest published policy.
-#[derive(Debug)]
 pub struct Generator {
     tokenizer: Tokenizer,
     cfg: TrainConfig,
@@ -31,6 +35,16 @@ pub struct Generator {
     /// The last decoding copy of an adapter model, whose transposed frozen base weights the
     /// next policy version reuses (see `Transformer::for_decoding_reusing`).
     decoding: Option<Transformer>,
+    environment: Option<Arc<dyn Environment>>,
+}
+
+impl std::fmt::Debug for Generator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generator")
+            .field("version", &self.version)
+            .field("environment", &self.environment.as_ref().map(|e| e.name()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Generator {
@@ -46,6 +60,7 @@ impl Generator {
             remote: setup.remote.clone(),
             remote_sync: RemoteSync::new(&setup.cfg),
             decoding: None,
+            environment: setup.environment.clone(),
         }
     }
 
@@ -68,6 +83,9 @@ impl Generator {
     /// Generates `num_generations` completions per prompt, seeded by (seed, step). With
     /// `[teacher]`, the student first probes each problem and the prompts become the teacher's.
     pub fn process(&mut self, batch: PromptBatch) -> Result<Rollouts> {
+        if let Some(env) = self.environment.clone() {
+            return self.episodes(batch, env.as_ref());
+        }
         let t0 = Instant::now();
         let seed = step_seed(self.cfg.train.seed, batch.step as u64);
         let teaching = match &self.teaching {
@@ -140,7 +158,165 @@ impl Generator {
             seconds: t0.elapsed().as_secs_f64(),
             teaching,
             sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
+            episodes: None,
         })
+    }
+
+    /// `num_generations` multi-turn episodes per prompt against `env` (local generation with
+    /// the policy), as completions whose tokens are the whole transcript after the prompt,
+    /// with the model mask and the environment's rewards beside them.
+    fn episodes(&mut self, batch: PromptBatch, env: &dyn Environment) -> Result<Rollouts> {
+        let t0 = Instant::now();
+        if self.remote.is_some() || self.frozen_teacher.is_some() || self.teaching.is_some() {
+            bail!(
+                "environment `{}`: episodes are generated locally with the policy: set rollout.backend = \"local\" and no [teacher]",
+                env.name()
+            );
+        }
+        let seed = step_seed(self.cfg.train.seed, batch.step as u64);
+        let mut prompts = Vec::with_capacity(batch.samples.len());
+        for s in &batch.samples {
+            let messages = match &s.prompt {
+                Prompt::Conversation(m) => chat_messages(m),
+                other => vec![ChatMessage::new("user", other.text())],
+            };
+            let metadata = serde_json::Value::Object(
+                s.columns
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), json_value(v)))
+                    .collect(),
+            );
+            let p = EpisodePrompt::from_messages(&self.tokenizer, messages, metadata)
+                .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
+            let max = self.cfg.rollout.max_prompt_length;
+            if max > 0 && p.ids.len() > max {
+                bail!(
+                    "row {}: the prompt has {} tokens, over rollout.max_prompt_length = {max} (episodes keep the whole prompt)",
+                    s.index,
+                    p.ids.len()
+                );
+            }
+            prompts.push(p);
+        }
+        let env_cfg = &self.cfg.environment;
+        let params = EpisodeParams {
+            sampling: self.cfg.rollout.sampling(seed),
+            max_turns: env_cfg.max_turns,
+            max_tokens_per_turn: env_cfg.tokens_per_turn(&self.cfg.rollout),
+            max_total_tokens: env_cfg.total_tokens(&self.cfg.rollout),
+        };
+        let g = self.cfg.rollout.num_generations;
+        let mut episodes =
+            generate_episodes(&self.model, &self.tokenizer, env, &prompts, g, &params).map_err(
+                |e| {
+                    anyhow!(
+                        "environment `{}`: {}",
+                        env.name(),
+                        crate::first_line(&e.to_string())
+                    )
+                },
+            )?;
+        let post = env.post_process(&mut episodes).map_err(|e| {
+            anyhow!(
+                "environment `{}`: post_process: {}",
+                env.name(),
+                crate::first_line(&e.to_string())
+            )
+        })?;
+        let (completions, info) = episode_completions(&episodes, env_cfg.reward, post);
+        let (prompt_texts, prompt_ids) = prompts
+            .into_iter()
+            .map(|p| {
+                let text = self.tokenizer.apply_chat_template(&p.messages, true)?;
+                Ok((text, p.ids))
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        Ok(Rollouts {
+            batch,
+            prompt_texts,
+            prompt_ids,
+            completions,
+            version: self.version,
+            weights: self.model.clone(),
+            seconds: t0.elapsed().as_secs_f64(),
+            teaching: None,
+            sampled_by_other_model: false,
+            episodes: Some(info),
+        })
+    }
+}
+
+/// Episodes as completions (the tokens after the prompt, the transcript as text, the sampling
+/// log-probs with 0 at environment tokens; `length` when a budget cut the episode or its last
+/// turn) and what the learner and the scorer need beside them: the model masks, each
+/// episode's `env` reward by `reward`, and the metrics (`post` are the environment's
+/// `post_process` metrics, logged as `env/{name}`).
+pub fn episode_completions(
+    episodes: &[Episode],
+    reward: EnvironmentReward,
+    post: BTreeMap<String, f64>,
+) -> (Vec<Completion>, EpisodeBatch) {
+    let completions = episodes
+        .iter()
+        .map(|e| Completion {
+            prompt_index: e.prompt_index,
+            sample_index: e.sample_index,
+            token_ids: e.token_ids.clone(),
+            text: e.text.clone(),
+            logprobs: e.logprobs.clone(),
+            finish_reason: match e.end {
+                EpisodeEnd::MaxTotalTokens => FinishReason::Length,
+                _ => e
+                    .turns
+                    .last()
+                    .map_or(FinishReason::Length, |t| t.finish_reason),
+            },
+            top_logprobs: Vec::new(),
+        })
+        .collect();
+    let rewards: Vec<f32> = episodes.iter().map(|e| reward.of(&e.rewards())).collect();
+    let n = episodes.len().max(1) as f64;
+    let mut metrics = episode_metrics(episodes);
+    metrics.insert(
+        "env/turns_mean".into(),
+        episodes.iter().map(|e| e.num_turns() as f64).sum::<f64>() / n,
+    );
+    metrics.insert(
+        "env/terminated_ratio".into(),
+        episodes.iter().filter(|e| e.terminated()).count() as f64 / n,
+    );
+    metrics.insert(
+        "env/reward_mean".into(),
+        rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n,
+    );
+    for (k, v) in post {
+        metrics.insert(format!("env/{k}"), v);
+    }
+    let info = EpisodeBatch {
+        model_masks: episodes.iter().map(|e| e.is_model_token.clone()).collect(),
+        rewards,
+        metrics,
+    };
+    (completions, info)
+}
+
+/// A data column's value as JSON (an episode's metadata).
+fn json_value(v: &grpo_data::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        grpo_data::Value::Null => J::Null,
+        grpo_data::Value::Bool(b) => J::Bool(*b),
+        grpo_data::Value::Int(i) => J::from(*i),
+        grpo_data::Value::Float(f) => J::from(*f),
+        grpo_data::Value::Str(s) => J::String(s.clone()),
+        grpo_data::Value::StrList(l) => J::from(l.clone()),
+        grpo_data::Value::Messages(m) => J::Array(
+            m.iter()
+                .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
+                .collect(),
+        ),
     }
 }
 

@@ -11,7 +11,7 @@ pub mod generator;
 pub mod loader;
 pub mod scorer;
 
-pub use generator::{Generator, chat_messages, encode_prompt};
+pub use generator::{Generator, chat_messages, encode_prompt, episode_completions};
 pub use loader::{Loader, epochs_of};
 pub use scorer::{PolicyScorer, Scorer};
 
@@ -53,6 +53,24 @@ pub struct Rollouts {
     /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`) or by
     /// another engine (`rollout.backend = "openai"`): off-policy whatever the staleness.
     pub sampled_by_other_model: bool,
+    /// With an environment: what the episodes behind the completions add (the per-token
+    /// model mask, the environment's rewards, their metrics). `None` for single-turn
+    /// completions, whose every token is the model's.
+    pub episodes: Option<EpisodeBatch>,
+}
+
+/// What multi-turn episodes add to a step's completions (one entry per completion, in order).
+#[derive(Debug, Clone, Default)]
+pub struct EpisodeBatch {
+    /// Per completion, per token: sampled by the model (true) or added for the environment
+    /// (false). The loss, the KL and the importance ratios weigh only the model's tokens.
+    pub model_masks: Vec<Vec<bool>>,
+    /// Per completion: the environment's reward (`environment.reward` of its turns' rewards,
+    /// after the environment's `post_process`).
+    pub rewards: Vec<f32>,
+    /// Metrics of the episodes: `env/turns_mean`, `env/terminated_ratio`, `env/reward_mean`,
+    /// the environment's `post_process` metrics as `env/{name}`, and `episodes/*`.
+    pub metrics: std::collections::BTreeMap<String, f64>,
 }
 
 /// The stage an error came from (attached as context to every stage error; `Display` is e.g.

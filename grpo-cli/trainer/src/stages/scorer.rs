@@ -11,13 +11,18 @@ use grpo_core::advantages::{
 };
 use grpo_data::Prompt;
 use grpo_rewards::builtin::{LanguageScorer, ScorerError};
-use grpo_rewards::{FieldValue, Message, RewardInput, RewardSet, ScoredBatch};
+use grpo_rewards::{
+    FieldValue, Message, RewardInput, RewardSet, ScoredBatch, combine_rewards, nan_mean, nan_std,
+};
 use grpo_rollout::Tokenizer;
 use grpo_teacher::TeachingProtocol;
 
 use super::{Rollouts, Scored};
 use crate::setup::Setup;
 use crate::teacher::{TeacherLog, add_student_passes};
+
+/// The name of the environment's reward in a scored batch.
+pub const ENV_REWARD: &str = "env";
 
 /// Scores completions and computes advantages.
 #[derive(Debug)]
@@ -125,10 +130,13 @@ impl Scorer {
         &self,
         rollouts: Rollouts,
         inputs: &[RewardInput],
-        scores: ScoredBatch,
+        mut scores: ScoredBatch,
         seconds: f64,
         batches_in_flight: usize,
     ) -> Result<Scored> {
+        if let Some(e) = &rollouts.episodes {
+            self.add_environment_reward(&mut scores, &e.rewards)?;
+        }
         if let Some(log) = &self.teacher_log {
             log.write(&rollouts, inputs, &scores)?;
         }
@@ -156,6 +164,32 @@ impl Scorer {
             seconds,
             batches_in_flight,
         })
+    }
+
+    /// Adds the environment's rewards as one more function, `env` (weight 1), and combines
+    /// the rewards again.
+    fn add_environment_reward(&self, scores: &mut ScoredBatch, env: &[f32]) -> Result<()> {
+        let n = scores.rewards.len().max(env.len());
+        if scores.per_function.iter().any(|f| f.len() != env.len()) {
+            return Err(anyhow!(
+                "the environment's rewards cover {} completions, the reward functions' {n}",
+                env.len()
+            ));
+        }
+        let column: Vec<Option<f32>> = env.iter().map(|&r| Some(r)).collect();
+        scores
+            .metrics
+            .insert("rewards/env/mean".into(), nan_mean(&column));
+        scores
+            .metrics
+            .insert("rewards/env/std".into(), nan_std(&column));
+        scores.names.push(ENV_REWARD.into());
+        scores.per_function.push(column);
+        scores.info.push(vec![None; env.len()]);
+        let mut weights = self.rewards.weights();
+        weights.resize(scores.per_function.len(), 1.0);
+        scores.rewards = combine_rewards(&scores.per_function, &weights);
+        Ok(())
     }
 
     /// The pipeline's scorer stage: scores the rollouts arriving on `input` and sends them on
