@@ -77,16 +77,26 @@ impl EpisodePrompt {
         messages: Vec<ChatMessage>,
         metadata: Value,
     ) -> Result<Self> {
+        Self::rendered(tokenizer, messages, metadata).map(|(p, _)| p)
+    }
+
+    /// [`Self::from_messages`], also returning the rendered text.
+    pub fn rendered(
+        tokenizer: &Tokenizer,
+        messages: Vec<ChatMessage>,
+        metadata: Value,
+    ) -> Result<(Self, String)> {
         let text = tokenizer.apply_chat_template(&messages, true)?;
         let ids = tokenizer.encode(&text, false)?;
         if ids.is_empty() {
             bail!("episode prompt renders to no tokens: give it at least one message");
         }
-        Ok(Self {
+        let p = Self {
             ids,
             messages,
             metadata,
-        })
+        };
+        Ok((p, text))
     }
 }
 

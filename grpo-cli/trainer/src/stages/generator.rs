@@ -175,6 +175,7 @@ impl Generator {
         }
         let seed = step_seed(self.cfg.train.seed, batch.step as u64);
         let mut prompts = Vec::with_capacity(batch.samples.len());
+        let mut prompt_texts = Vec::with_capacity(batch.samples.len());
         for s in &batch.samples {
             let messages = match &s.prompt {
                 Prompt::Conversation(m) => chat_messages(m),
@@ -186,7 +187,7 @@ impl Generator {
                     .map(|(k, v)| (k.to_string(), json_value(v)))
                     .collect(),
             );
-            let p = EpisodePrompt::from_messages(&self.tokenizer, messages, metadata)
+            let (p, text) = EpisodePrompt::rendered(&self.tokenizer, messages, metadata)
                 .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
             let max = self.cfg.rollout.max_prompt_length;
             if max > 0 && p.ids.len() > max {
@@ -197,6 +198,7 @@ impl Generator {
                 );
             }
             prompts.push(p);
+            prompt_texts.push(text);
         }
         let env_cfg = &self.cfg.environment;
         let params = EpisodeParams {
@@ -224,15 +226,7 @@ impl Generator {
             )
         })?;
         let (completions, info) = episode_completions(&episodes, env_cfg.reward, post);
-        let (prompt_texts, prompt_ids) = prompts
-            .into_iter()
-            .map(|p| {
-                let text = self.tokenizer.apply_chat_template(&p.messages, true)?;
-                Ok((text, p.ids))
-            })
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .unzip();
+        let prompt_ids = prompts.into_iter().map(|p| p.ids).collect();
         Ok(Rollouts {
             batch,
             prompt_texts,
