@@ -555,6 +555,38 @@ impl CommandReward {
         })
     }
 
+    /// Runs the program once for `input` (placeholders, stdin and file as for a score) and
+    /// returns what it printed, for callers that use its output rather than a score (a tool).
+    /// Errors are those of a score: a placeholder's missing column, a program that cannot
+    /// start.
+    pub fn output(&self, input: &RewardInput) -> Result<CommandOutput> {
+        let args = self.render(0, input)?;
+        let run = {
+            let _permit = self.permits.acquire();
+            self.run(0, input, &args)?
+        };
+        let (status, exit_code) = match &run.ending {
+            Ending::Exited(0) => ("ok", Some(0)),
+            Ending::Exited(c) => ("exit_code", Some(*c)),
+            Ending::Signal(_) => ("signal", None),
+            Ending::Timeout => ("timeout", None),
+            Ending::OutputLimit => ("output_limit", None),
+            Ending::OutputHeld => ("output_held", None),
+            Ending::NotStarted(_) => ("not_started", None),
+        };
+        let stderr = match run.ending {
+            Ending::NotStarted(e) => e,
+            _ => run.stderr,
+        };
+        Ok(CommandOutput {
+            status,
+            exit_code,
+            stdout: String::from_utf8_lossy(&run.stdout).into_owned(),
+            stderr,
+            seconds: run.seconds,
+        })
+    }
+
     /// The score, status and info of a run; whether it timed out or failed.
     fn judge(&self, run: Run) -> Judged {
         let mut info = serde_json::Map::new();
@@ -603,6 +635,23 @@ impl CommandReward {
             failure: matches!(status, Status::Failure(_)),
         }
     }
+}
+
+/// What one run printed ([`CommandReward::output`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CommandOutput {
+    /// `ok` (exit status 0), `exit_code` (another), `signal`, `timeout`, `output_limit`,
+    /// `output_held` or `not_started`.
+    pub status: &'static str,
+    /// The exit status, when it exited.
+    pub exit_code: Option<i32>,
+    /// Its stdout (at most `max_output_bytes`; invalid UTF-8 replaced). Kept only with
+    /// `score = "stdout"` (else empty).
+    pub stdout: String,
+    /// The end of its stderr (or why it did not start).
+    pub stderr: String,
+    /// Seconds it ran.
+    pub seconds: f64,
 }
 
 /// Stderr kept per run (its end), for the info.

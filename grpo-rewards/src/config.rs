@@ -137,6 +137,16 @@ impl RewardsConfig {
     /// Validates every entry and builds the [`RewardSet`]. Errors name the field, e.g.
     /// `rewards[1].timeout_secs`.
     pub fn build(&self, models: &ScoringModels) -> Result<RewardSet> {
+        self.build_with(models, &PythonWorkers::new())
+    }
+
+    /// [`Self::build`] with the Python worker processes to use (a trainer shares them with
+    /// its Python tools and environments: one worker per interpreter for the run).
+    pub fn build_with(
+        &self,
+        models: &ScoringModels,
+        python_workers: &PythonWorkers,
+    ) -> Result<RewardSet> {
         if self.rewards.is_empty() {
             return Err(RewardError::config("rewards", "needs at least one reward"));
         }
@@ -150,8 +160,6 @@ impl RewardsConfig {
         }
         let mut set = RewardSet::new();
         let mut names = std::collections::BTreeSet::new();
-        // One worker process for all the python rewards (per interpreter).
-        let python_workers = PythonWorkers::new();
         for (i, spec) in self.rewards.iter().enumerate() {
             let p = format!("rewards[{i}].");
             let at = |e: RewardError| match e {

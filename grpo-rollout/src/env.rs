@@ -110,6 +110,13 @@ pub trait Environment: Send + Sync {
         std::any::type_name::<Self>()
     }
 
+    /// The JSON schemas of the tools the model may call, rendered into the prompt by the chat
+    /// template's `tools` variable (a [`crate::tools::ToolEnvironment`]'s tools). Episode
+    /// prompts must be made with them ([`crate::EpisodePrompt::rendered`]). Default none.
+    fn tools(&self) -> Vec<Value> {
+        Vec::new()
+    }
+
     /// Answers one turn of a batch of episodes: `logs[i]` is episode `i`'s message log, its
     /// last message the model's turn just sampled (role `assistant`), and `metadata[i]` its
     /// metadata (the prompt's at the first turn, then what the previous `step` returned). The
@@ -124,5 +131,92 @@ pub trait Environment: Send + Sync {
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
         let _ = episodes;
         Ok(BTreeMap::new())
+    }
+}
+
+/// An environment whose `step` and `post_process` calls may take at most `limit`: a call
+/// still running then is an error naming the environment (and the limit's config key,
+/// `environment.step_timeout`), so a hanging environment ends the run instead of stalling it.
+/// The call runs on a thread of its own, which is left behind when it does not return (a
+/// Rust thread cannot be stopped from outside).
+pub struct TimeLimited {
+    inner: std::sync::Arc<dyn Environment>,
+    limit: std::time::Duration,
+}
+
+impl std::fmt::Debug for TimeLimited {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TimeLimited")
+            .field("inner", &self.inner.name())
+            .field("limit", &self.limit)
+            .finish()
+    }
+}
+
+impl TimeLimited {
+    /// `inner` with calls limited to `limit`.
+    pub fn new(inner: std::sync::Arc<dyn Environment>, limit: std::time::Duration) -> Self {
+        Self { inner, limit }
+    }
+
+    fn run<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&dyn Environment) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let env = self.inner.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("grpo-environment".into())
+            .spawn(move || {
+                let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&*env)));
+                let _ = tx.send(out);
+            })
+            .map_err(|e| candle_core::Error::msg(format!("cannot start a thread: {e}")))?;
+        match rx.recv_timeout(self.limit) {
+            Ok(Ok(out)) => out,
+            Ok(Err(panic)) => {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                candle_core::bail!("{what} panicked: {why}")
+            }
+            Err(_) => candle_core::bail!(
+                "{what} did not return within {} s (environment.step_timeout)",
+                self.limit.as_secs_f64()
+            ),
+        }
+    }
+}
+
+impl Environment for TimeLimited {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn tools(&self) -> Vec<Value> {
+        self.inner.tools()
+    }
+
+    fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {
+        let logs: Vec<Vec<ChatMessage>> = logs.iter().map(|l| l.to_vec()).collect();
+        let metadata: Vec<Value> = metadata.iter().map(|m| (*m).clone()).collect();
+        self.run("step", move |env| {
+            let l: Vec<&[ChatMessage]> = logs.iter().map(Vec::as_slice).collect();
+            let m: Vec<&Value> = metadata.iter().collect();
+            env.step(&l, &m)
+        })
+    }
+
+    fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
+        let mut owned = episodes.to_vec();
+        let (owned, metrics) = self.run("post_process", move |env| {
+            let m = env.post_process(&mut owned)?;
+            Ok((owned, m))
+        })?;
+        episodes.clone_from_slice(&owned);
+        Ok(metrics)
     }
 }

@@ -66,6 +66,10 @@ pub struct EpisodePrompt {
     /// What the environment's first `step` sees as this prompt's episodes' metadata (the task:
     /// an answer, a test suite, a seed).
     pub metadata: Value,
+    /// The tools' JSON schemas the template rendered (the environment's
+    /// [`Environment::tools`]); empty = none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<Value>,
 }
 
 impl EpisodePrompt {
@@ -77,16 +81,18 @@ impl EpisodePrompt {
         messages: Vec<ChatMessage>,
         metadata: Value,
     ) -> Result<Self> {
-        Self::rendered(tokenizer, messages, metadata).map(|(p, _)| p)
+        Self::rendered(tokenizer, messages, Vec::new(), metadata).map(|(p, _)| p)
     }
 
-    /// [`Self::from_messages`], also returning the rendered text.
+    /// [`Self::from_messages`] with the `tools` variable of the template (an environment's
+    /// [`Environment::tools`]), also returning the rendered text.
     pub fn rendered(
         tokenizer: &Tokenizer,
         messages: Vec<ChatMessage>,
+        tools: Vec<Value>,
         metadata: Value,
     ) -> Result<(Self, String)> {
-        let text = tokenizer.apply_chat_template(&messages, true)?;
+        let text = tokenizer.apply_chat_template_with_tools(&messages, &tools, true)?;
         let ids = tokenizer.encode(&text, false)?;
         if ids.is_empty() {
             bail!("episode prompt renders to no tokens: give it at least one message");
@@ -95,6 +101,7 @@ impl EpisodePrompt {
             ids,
             messages,
             metadata,
+            tools,
         };
         Ok((p, text))
     }
@@ -378,13 +385,22 @@ pub fn generate_episodes_batch(
     let stop_ids = stop_ids(tokenizer, &sp);
     let pad = tokenizer.pad_token_id;
     let template = tokenizer.compile_chat_template()?;
+    let tools = env.tools();
 
     // The text each prompt's tokens hold.
     let mut eps: Vec<Live> = Vec::new();
     for &i in &live {
         let req = &requests[i];
+        if req.prompt.tools != tools {
+            bail!(
+                "episode prompt {i} was rendered with other tools than environment `{}` offers ({} against {}): make it with EpisodePrompt::rendered(.., env.tools(), ..)",
+                env.name(),
+                req.prompt.tools.len(),
+                tools.len()
+            );
+        }
         let rendered = template
-            .render(&req.prompt.messages, true)
+            .render_with_tools(&req.prompt.messages, &tools, true)
             .map_err(|e| candle_core::Error::msg(format!("episode prompt {i}: {e}")))?;
         for j in 0..req.n {
             eps.push(Live {
@@ -480,7 +496,7 @@ pub fn generate_episodes_batch(
             // generation prompt, past what the tokens hold.
             let mut messages = ep.messages.clone();
             messages.extend(observation.iter().cloned());
-            let next = template.render(&messages, true)?;
+            let next = template.render_with_tools(&messages, &tools, true)?;
             let Some(delta) = next.strip_prefix(ep.holds.as_str()) else {
                 bail!(
                     "chat template: the conversation with the observation of turn {turn} (prompt {}, episode {}) does not continue the text the model has seen; multi-turn episodes need a template that renders earlier turns unchanged as the conversation grows",

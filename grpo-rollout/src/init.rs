@@ -20,6 +20,42 @@ use crate::tokenizer::Tokenizer;
 /// transformers' ChatML template (as Qwen and SmolLM2 ship it, without a default system turn).
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// ChatML with tools, on Qwen2.5's conventions: with `tools`, a system turn lists their JSON
+/// schemas in `<tools></tools>` and asks for `<tool_call>{"name": ..., "arguments": ...}
+/// </tool_call>`; an assistant turn's `tool_calls` are written that way after its text; `tool`
+/// messages are a `user` turn of `<tool_response>` blocks (consecutive ones share it).
+pub const CHATML_TOOLS_TEMPLATE: &str = concat!(
+    "{%- if tools %}",
+    "{{- '<|im_start|>system\\n' }}",
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}",
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}",
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}",
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}",
+    "{%- elif messages[0]['role'] == 'system' %}",
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}",
+    "{%- endif %}",
+    "{%- for message in messages %}",
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}",
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+    "{%- elif message.role == 'assistant' %}",
+    "{{- '<|im_start|>assistant' }}",
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}",
+    "{%- for tool_call in message.tool_calls %}",
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}",
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}",
+    "{%- endfor %}",
+    "{{- '<|im_end|>\\n' }}",
+    "{%- elif message.role == 'tool' %}",
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}",
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}",
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}",
+    "{%- elif message.role != 'system' %}",
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+    "{%- endif %}",
+    "{%- endfor %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+);
+
 /// Special tokens of the generated tokenizers: pad, ChatML start, ChatML end (= EOS).
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 

@@ -6,7 +6,10 @@
 //! with TRL's sampling knobs, LoRA adapters, and saving in Hugging Face / PEFT formats.
 //!
 //! Multi-turn episodes against an environment (NeMo RL's `EnvironmentInterface`): the seam in
-//! [`mod@env`], generation that keeps each episode's KV cache across turns in [`episode`].
+//! [`mod@env`], generation that keeps each episode's KV cache across turns in [`episode`], and
+//! the built-in tool environment (Hermes `<tool_call>` calls; command and Python tools with
+//! the `rewards` feature) in [`tools`]; Python environments (NeMo RL's `step` signature) in
+//! `python_env` with the `rewards` feature.
 //!
 //! With the cargo feature `rewards`, the module `scoring` makes the model grpo-rewards' scoring models:
 //! `ModelScorer` (a `LanguageScorer`, for `inverse_loss` / `coverage_ce`) and
@@ -29,12 +32,15 @@ pub mod loader;
 pub mod lora;
 pub mod model;
 pub mod policy;
+#[cfg(feature = "rewards")]
+pub mod python_env;
 #[cfg(feature = "remote")]
 pub mod remote;
 pub mod sample;
 #[cfg(feature = "rewards")]
 pub mod scoring;
 pub mod tokenizer;
+pub mod tools;
 
 pub use config::{Arch, ModelConfig};
 pub use device::{DeviceSpec, Dtype};
@@ -45,4 +51,5 @@ pub use loader::{LoadedModel, load, save_hf_dir};
 pub use lora::LoraConfig;
 pub use model::Transformer;
 pub use policy::TrainableModel;
-pub use tokenizer::{ChatMessage, Tokenizer};
+pub use tokenizer::{ChatMessage, FunctionCall, Tokenizer, ToolCall};
+pub use tools::{Tool, ToolEnvironment};

@@ -1,9 +1,13 @@
 //! Text in and out: a `tokenizers` tokenizer plus the model's Jinja chat template.
 //!
 //! Chat templates are rendered with minijinja the way transformers renders them
-//! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`, `tojson`), with the
+//! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`, and `tojson` as
+//! transformers defines it: Python's `json.dumps` with its `", "` / `": "` separators, keys in
+//! their order, nothing HTML-escaped, `indent=` supported), with the
 //! variables Hugging Face passes: `messages`, `add_generation_prompt`, `bos_token`,
-//! `eos_token`.
+//! `eos_token`, and `tools` (the JSON schemas of the tools the model may call, which templates
+//! with tool support render into the system prompt; absent = `None`, as transformers passes
+//! `tools=None`).
 
 use std::path::Path;
 
@@ -11,13 +15,24 @@ use candle_core::{Result, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// One chat turn.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One chat turn, as OpenAI's and transformers' chat formats write it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The text of the turn.
     pub content: String,
+    /// An assistant turn's tool calls (transformers' `tool_calls`: templates with tool support
+    /// render them). A multi-turn episode keeps the model's turn as the text it sampled
+    /// instead, its calls written in it, so this stays `None` there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A `tool` message's answer to the call of this id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message's tool name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -26,6 +41,58 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
+        }
+    }
+
+    /// A `tool` message: what the tool `name` answered.
+    pub fn tool(name: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            name: Some(name.into()),
+            ..Self::new("tool", content)
+        }
+    }
+}
+
+/// A tool call, as transformers' chat templates read it: `{"type": "function", "function":
+/// {"name": ..., "arguments": {...}}}` (the arguments a JSON object, not a string).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The call's id, if the format has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Always `function`.
+    #[serde(rename = "type", default = "function_type")]
+    pub kind: String,
+    /// The function and its arguments.
+    pub function: FunctionCall,
+}
+
+fn function_type() -> String {
+    "function".into()
+}
+
+/// The function of a [`ToolCall`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    /// The tool's name.
+    pub name: String,
+    /// Its arguments (a JSON object).
+    pub arguments: Value,
+}
+
+impl ToolCall {
+    /// A call of `name` with `arguments`.
+    pub fn new(name: impl Into<String>, arguments: Value) -> Self {
+        Self {
+            id: None,
+            kind: function_type(),
+            function: FunctionCall {
+                name: name.into(),
+                arguments,
+            },
         }
     }
 }
@@ -164,6 +231,18 @@ impl Tokenizer {
             .render(messages, add_generation_prompt)
     }
 
+    /// [`Self::apply_chat_template`] with `tools` (JSON schemas, transformers'
+    /// `apply_chat_template(messages, tools=...)`); an empty list renders as no tools.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        self.compile_chat_template()?
+            .render_with_tools(messages, tools, add_generation_prompt)
+    }
+
     /// The chat template parsed once, to render many conversations.
     pub fn compile_chat_template(&self) -> Result<ChatTemplate<'_>> {
         let Some(template) = &self.chat_template else {
@@ -232,6 +311,7 @@ impl<'a> ChatTemplate<'a> {
                 ))
             },
         );
+        env.add_filter("tojson", python_tojson);
         env.add_function("strftime_now", |fmt: String| -> String {
             // Templates use this for "today's date" in system prompts; a fixed date keeps
             // prompts, and so caches and tests, reproducible.
@@ -252,17 +332,90 @@ impl<'a> ChatTemplate<'a> {
 
     /// Renders `messages` as transformers' `apply_chat_template(tokenize=False)`.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`Self::render`] with the `tools` variable (JSON schemas); an empty list is `None`.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
             .map_err(|e| err(e.to_string()))?;
+        let tools = if tools.is_empty() {
+            minijinja::Value::from(())
+        } else {
+            minijinja::Value::from(minijinja::value::Serde(tools))
+        };
         tmpl.render(minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.unwrap_or(""),
             eos_token => self.eos_token.unwrap_or(""),
         })
         .map_err(|e| err(format!("chat template failed: {e}")))
+    }
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=indent)`.
+fn python_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let bad = |e: serde_json::Error| {
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("tojson: {e}"),
+        )
+    };
+    let mut out = Vec::new();
+    match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let f = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, f);
+            serde::Serialize::serialize(&value, &mut ser).map_err(bad)?;
+        }
+        None => {
+            let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonFormatter);
+            serde::Serialize::serialize(&value, &mut ser).map_err(bad)?;
+        }
+    }
+    let text = String::from_utf8(out).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    Ok(minijinja::Value::from_safe_string(text))
+}
+
+/// Python's default `json.dumps` separators: `", "` between items, `": "` after keys.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
     }
 }
 

@@ -14,6 +14,8 @@ use grpo_core::advantages::ScaleRewards;
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
+use grpo_rollout::python_env::PythonEnvironmentConfig;
+use grpo_rollout::tools::ToolConfig;
 use grpo_rollout::{DeviceSpec, Dtype, LoraConfig, SamplingParams};
 use grpo_teacher::TeacherConfig;
 use serde::{Deserialize, Serialize};
@@ -122,9 +124,8 @@ pub struct TrainConfig {
     pub train: TrainSection,
     /// Stage channels and staleness.
     pub pipeline: PipelineSection,
-    /// Multi-turn episodes against an environment: budgets and how its rewards count. Used
-    /// only when the trainer is given an environment in code (`FitOptions::environment`,
-    /// `Trainer::with_environment`); there is no config-selectable environment type yet.
+    /// Multi-turn episodes against an environment: which one (`type = "tools"` or
+    /// `"python"`, or one given in code), budgets and how its rewards count.
     pub environment: EnvironmentSection,
     /// Two-pass adaptive teaching (grpo-teacher): the policy is the teacher, rewarded by how
     /// much its guidance helps a student. Adds the `adaptive_teaching` reward.
@@ -218,14 +219,20 @@ impl Default for TrainConfig {
     }
 }
 
-/// `[environment]`: how multi-turn episodes run when the trainer has an environment.
+/// `[environment]`: multi-turn episodes: which environment (`type`), and how they run.
 ///
-/// The environment itself (a `grpo_rollout::Environment`) comes from code: there is no
-/// config-selectable environment type yet. Without one these keys are unused and generation
-/// is single-turn.
+/// `type = "tools"` is the built-in tool environment (`[[environment.tools]]`: commands and
+/// Python functions the model calls in the Hermes `<tool_call>` format), `type = "python"` a
+/// Python class with NeMo RL's `step` (`[environment.python]`). Without `type` the trainer
+/// runs episodes only when given an environment in code (`FitOptions::environment`,
+/// `Trainer::with_environment`); else these keys are unused and generation is single-turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EnvironmentSection {
+    /// The environment the config builds: `tools` or `python`; absent = none (or one given in
+    /// code).
+    #[serde(rename = "type")]
+    pub kind: Option<EnvironmentKind>,
     /// Model turns per episode at most (>= 1). Default 4.
     pub max_turns: usize,
     /// Tokens one model turn may sample; absent = `rollout.max_completion_length`.
@@ -235,20 +242,91 @@ pub struct EnvironmentSection {
     pub max_total_tokens: Option<usize>,
     /// How the per-turn rewards make the episode's `env` reward: `sum` (default) or `last`.
     pub reward: EnvironmentReward,
+    /// Seconds one call of the environment (a turn's `step` for the whole batch, or its
+    /// post-processing) may take before the run ends with a checkpoint and an error naming
+    /// it. Default 600.
+    pub step_timeout: f64,
+    /// `type = "tools"`: the tools (`[[environment.tools]]`, `type = "command"` or
+    /// `"python"`).
+    pub tools: Vec<ToolConfig>,
+    /// `type = "tools"`: calls run per model turn at most (later ones are answered with an
+    /// error). Default 8.
+    pub max_calls_per_turn: usize,
+    /// `type = "python"`: the class (`path`, `class`, `init`, `python`, `timeout`, `name`).
+    pub python: Option<PythonEnvironmentConfig>,
+}
+
+/// `environment.type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnvironmentKind {
+    /// The built-in tool environment.
+    Tools,
+    /// A Python class.
+    Python,
 }
 
 impl Default for EnvironmentSection {
     fn default() -> Self {
         Self {
+            kind: None,
             max_turns: 4,
             max_tokens_per_turn: None,
             max_total_tokens: None,
             reward: EnvironmentReward::Sum,
+            step_timeout: 600.0,
+            tools: Vec::new(),
+            max_calls_per_turn: 8,
+            python: None,
         }
     }
 }
 
 impl EnvironmentSection {
+    /// Checks that `type` and its keys go together.
+    fn validate_kind(&self) -> Result<(), String> {
+        if !(self.step_timeout.is_finite() && self.step_timeout > 0.0) {
+            return Err(format!(
+                "`environment.step_timeout` must be a number of seconds > 0, got {}",
+                self.step_timeout
+            ));
+        }
+        if self.max_calls_per_turn == 0 {
+            return Err("`environment.max_calls_per_turn` must be >= 1".into());
+        }
+        match self.kind {
+            Some(EnvironmentKind::Tools) if self.tools.is_empty() => Err(
+                "`environment.type = \"tools\"` needs at least one [[environment.tools]]".into(),
+            ),
+            Some(EnvironmentKind::Python) if self.python.is_none() => Err(
+                "`environment.type = \"python\"` needs [environment.python] with `path` and `class`"
+                    .into(),
+            ),
+            Some(k) if k != EnvironmentKind::Tools && !self.tools.is_empty() => Err(
+                "`environment.tools` are used with `environment.type = \"tools\"`".into(),
+            ),
+            Some(k) if k != EnvironmentKind::Python && self.python.is_some() => Err(
+                "`environment.python` is used with `environment.type = \"python\"`".into(),
+            ),
+            None if !self.tools.is_empty() || self.python.is_some() => Err(
+                "`environment.tools` / `environment.python` need `environment.type` (\"tools\" or \"python\")"
+                    .into(),
+            ),
+            _ => {
+                let mut names = std::collections::BTreeSet::new();
+                for (i, t) in self.tools.iter().enumerate() {
+                    if !names.insert(t.name()) {
+                        return Err(format!(
+                            "`environment.tools[{i}]`: a tool named `{}` exists already",
+                            t.name()
+                        ));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// `max_tokens_per_turn` with its default filled in from `rollout`.
     pub fn tokens_per_turn(&self, rollout: &RolloutSection) -> usize {
         self.max_tokens_per_turn
@@ -904,6 +982,7 @@ impl TrainConfig {
                     .into(),
             );
         }
+        env.validate_kind()?;
         if self.loss.use_leave_one_out_baseline && self.loss.scale_rewards == ScaleRewards::Batch {
             return Err(
                 "`loss.use_leave_one_out_baseline = true` scales by the group (`scale_rewards = \"group\"`) or not at all (`\"none\"`), not by the batch"

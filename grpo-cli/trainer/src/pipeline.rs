@@ -124,7 +124,7 @@ fn check_environment(setup: &Setup, name: &str) -> Result<()> {
 
 /// Trains per `setup`, writing the run directory; returns the metrics of every step.
 pub fn run(
-    setup: Setup,
+    mut setup: Setup,
     opts: &RunOptions,
     callbacks: &mut dyn Callbacks,
 ) -> Result<TrainingResult> {
@@ -134,8 +134,11 @@ pub fn run(
     if setup.cfg.algorithm != Algorithm::Grpo {
         return crate::learner::supervised::run(setup, opts, callbacks);
     }
-    if let Some(env) = &setup.environment {
+    if let Some(env) = setup.environment.take() {
         check_environment(&setup, env.name())?;
+        // A hanging environment ends the run (with a checkpoint) instead of stalling it.
+        let limit = std::time::Duration::from_secs_f64(setup.cfg.environment.step_timeout);
+        setup.environment = Some(Arc::new(grpo_rollout::env::TimeLimited::new(env, limit)));
     }
     if setup.rewards.is_empty() && setup.environment.is_none() {
         bail!(

@@ -214,13 +214,16 @@ pub fn setup_with(
         }
         false => None,
     };
+    // One Python worker per interpreter for the run: rewards, tools and environments.
+    let python_workers = grpo_rewards::python::PythonWorkers::new();
     let mut rewards = if used_rewards(&cfg).is_empty() {
         RewardSet::new()
     } else {
         cfg.rewards_config()
-            .build(&scoring)
+            .build_with(&scoring, &python_workers)
             .map_err(|e| anyhow!("config: {e}"))?
     };
+    let environment = configured_environment(&cfg, &python_workers)?;
     let (teaching, frozen_teacher) = match &cfg.teacher {
         None => (None, None),
         Some(t) => {
@@ -291,7 +294,46 @@ pub fn setup_with(
         frozen_teacher,
         remote,
         policy_scorer,
-        environment: None,
+        environment,
         cfg,
+    })
+}
+
+/// The environment `[environment] type` names, built (`None` without `type`).
+fn configured_environment(
+    cfg: &TrainConfig,
+    workers: &grpo_rewards::python::PythonWorkers,
+) -> Result<Option<Arc<dyn grpo_rollout::Environment>>> {
+    use crate::config::EnvironmentKind;
+    let env = &cfg.environment;
+    Ok(match env.kind {
+        None => None,
+        Some(_) if cfg.algorithm != Algorithm::Grpo => {
+            bail!(
+                "environment.type: only GRPO runs episodes (algorithm = {:?})",
+                cfg.algorithm
+            )
+        }
+        Some(EnvironmentKind::Tools) => {
+            let mut tools: Vec<Arc<dyn grpo_rollout::Tool>> = Vec::new();
+            for (i, t) in env.tools.iter().enumerate() {
+                let tool = t
+                    .build(workers)
+                    .map_err(|e| anyhow!("config: environment.tools[{i}]: {e}"))?;
+                tools.push(Arc::from(tool));
+            }
+            let e = grpo_rollout::ToolEnvironment::new(tools)
+                .map_err(|e| anyhow!("config: environment.tools: {e}"))?
+                .with_max_calls_per_turn(env.max_calls_per_turn);
+            Some(Arc::new(e))
+        }
+        Some(EnvironmentKind::Python) => {
+            let Some(p) = &env.python else {
+                bail!("config: environment.type = \"python\" needs [environment.python]");
+            };
+            let e = grpo_rollout::python_env::PythonEnvironment::new(p, workers)
+                .map_err(|e| anyhow!("config: environment.python: {e}"))?;
+            Some(Arc::new(e))
+        }
     })
 }

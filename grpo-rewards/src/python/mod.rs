@@ -55,6 +55,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::error::{Result, RewardError};
 use crate::reward::Reward;
@@ -95,13 +96,17 @@ fn default_timeout() -> f64 {
 }
 
 /// What the worker loads: a file (absolute path) or a module, and a function in it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Target {
     path: String,
     file: bool,
     function: String,
     /// `path` as the config wrote it (for messages).
     shown: String,
+    /// `reward`, `tool` or `environment`.
+    kind: &'static str,
+    /// An environment class's constructor keyword arguments.
+    init: Value,
 }
 
 impl Target {
@@ -158,6 +163,8 @@ impl Target {
             file,
             function: function.to_owned(),
             shown: shown.to_owned(),
+            kind: "reward",
+            init: Value::Null,
         })
     }
 }
@@ -262,7 +269,7 @@ impl Reward for PythonReward {
         let mut line = serde_json::to_vec(&CallRequest::new(&self.target, batch))
             .map_err(|e| self.error(format_args!("cannot encode the batch: {e}")))?;
         line.push(b'\n');
-        let (scores, restarts) = self
+        let (answer, restarts) = self
             .worker
             .call(&line, self.timeout)
             .map_err(|e| match e {
@@ -272,6 +279,7 @@ impl Reward for PythonReward {
                 )),
                 CallError::Other(m) => self.error(m),
             })?;
+        let scores = answer.scores;
         if scores.len() != batch.len() {
             return Err(self.error(format_args!(
                 "returned {} scores for {} completions",
@@ -288,6 +296,123 @@ impl Reward for PythonReward {
             info: Vec::new(),
             counters: BTreeMap::from([(restarts_key, restarts as f64)]),
         })
+    }
+}
+
+/// What a [`PythonObject`] is: a tool function, or an environment class instantiated once.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PythonKind {
+    /// A function called with keyword arguments (grpo-rollout's Python tools). Its load
+    /// answers the function's JSON schema.
+    Tool,
+    /// A class with `step(message_logs, metadata)` (NeMo RL's environment signature),
+    /// instantiated in the worker as `cls(**init)` (grpo-rollout's Python environments).
+    Environment {
+        /// The constructor's keyword arguments (a JSON object, or null for none).
+        init: Value,
+    },
+}
+
+/// A Python function or object in the shared worker, called with JSON requests: the seam
+/// grpo-rollout's Python tools and environments use (the requests are in the worker's module
+/// docs). Calls are timed as a reward's are; a worker that dies is restarted (its objects
+/// created again) and the request retried once.
+#[derive(Debug)]
+pub struct PythonObject {
+    target: Target,
+    timeout: Duration,
+    timeout_secs: f64,
+    worker: Arc<Worker>,
+    loaded: Value,
+}
+
+impl PythonObject {
+    /// Checks `config`, starts its worker in `workers` if needed and loads the function or
+    /// class: errors are config errors naming `path`, `function`, `python` or `timeout`.
+    pub fn load(config: &PythonConfig, kind: PythonKind, workers: &PythonWorkers) -> Result<Self> {
+        if !(config.timeout.is_finite() && config.timeout > 0.0) {
+            return Err(RewardError::config(
+                "timeout",
+                format!("must be a number of seconds > 0, got {}", config.timeout),
+            ));
+        }
+        let timeout = Duration::try_from_secs_f64(config.timeout)
+            .map_err(|e| RewardError::config("timeout", e.to_string()))?;
+        if config.python.trim().is_empty() {
+            return Err(RewardError::config(
+                "python",
+                "must name an interpreter, e.g. \"python3\"",
+            ));
+        }
+        let mut target = Target::of(config)?;
+        match kind {
+            PythonKind::Tool => target.kind = "tool",
+            PythonKind::Environment { init } => {
+                if !(init.is_null() || init.is_object()) {
+                    return Err(RewardError::config(
+                        "init",
+                        "must be a table of the class's keyword arguments",
+                    ));
+                }
+                target.kind = "environment";
+                target.init = init;
+            }
+        }
+        let worker = workers.get(config.python.trim());
+        let loaded = worker.load(&target)?;
+        Ok(Self {
+            target,
+            timeout,
+            timeout_secs: config.timeout,
+            worker,
+            loaded,
+        })
+    }
+
+    /// What the load answered: a tool's JSON schema (transformers' `get_json_schema` when the
+    /// worker's Python has transformers, else the same form from the signature and docstring);
+    /// null for an environment.
+    pub fn loaded(&self) -> &Value {
+        &self.loaded
+    }
+
+    /// `function in path`, for messages.
+    pub fn describe(&self) -> String {
+        format!("`{}` in {}", self.target.function, self.target.shown)
+    }
+
+    /// Sends request `op` with the fields of `args` (a JSON object) and returns the answer's
+    /// `result`. Errors are one line: what the Python code raised, a timeout, a worker that
+    /// died twice.
+    pub fn request(&self, op: &str, args: Value) -> std::result::Result<Value, String> {
+        let mut req = match args {
+            Value::Object(m) => m,
+            Value::Null => serde_json::Map::new(),
+            other => {
+                return Err(format!(
+                    "request `{op}`: arguments must be an object, got {other}"
+                ));
+            }
+        };
+        req.insert("op".into(), op.into());
+        req.insert("path".into(), self.target.path.clone().into());
+        req.insert("file".into(), self.target.file.into());
+        req.insert("function".into(), self.target.function.clone().into());
+        req.insert("kind".into(), self.target.kind.into());
+        if !self.target.init.is_null() {
+            req.insert("init".into(), self.target.init.clone());
+        }
+        let mut line =
+            serde_json::to_vec(&req).map_err(|e| format!("cannot encode the request: {e}"))?;
+        line.push(b'\n');
+        match self.worker.call(&line, self.timeout) {
+            Ok((answer, _)) => Ok(answer.result),
+            Err(CallError::Timeout) => Err(format!(
+                "did not return within {} s (`timeout`); the worker was stopped, the next call starts a new one",
+                self.timeout_secs
+            )),
+            Err(CallError::Other(m)) => Err(m),
+        }
     }
 }
 
@@ -319,6 +444,9 @@ struct LoadRequest<'a> {
     path: &'a str,
     file: bool,
     function: &'a str,
+    kind: &'static str,
+    #[serde(skip_serializing_if = "Value::is_null")]
+    init: &'a Value,
 }
 
 impl<'a> LoadRequest<'a> {
@@ -328,6 +456,8 @@ impl<'a> LoadRequest<'a> {
             path: &t.path,
             file: t.file,
             function: &t.function,
+            kind: t.kind,
+            init: &t.init,
         })
         .unwrap_or_default();
         line.push(b'\n');
@@ -412,6 +542,9 @@ struct Answer {
     error: Option<String>,
     #[serde(default)]
     field: Option<String>,
+    /// What a tool or environment request answered.
+    #[serde(default)]
+    result: Value,
 }
 
 impl Answer {
@@ -464,19 +597,19 @@ impl Worker {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Has the worker import `t` (at build): errors are config errors.
-    fn load(&self, t: &Target) -> Result<()> {
+    /// Has the worker import `t` (at build): errors are config errors. Returns what the load
+    /// answered (a tool's schema).
+    fn load(&self, t: &Target) -> Result<Value> {
         let mut st = self.lock();
-        if st.loaded.contains(t) {
-            return Ok(());
-        }
         let proc = st
             .ensure(&self.python)
             .map_err(|m| RewardError::config("python", m))?;
         match proc.round_trip(&LoadRequest::line(t), None) {
             Ok(a) if a.ok => {
-                st.loaded.push(t.clone());
-                Ok(())
+                if !st.loaded.contains(t) {
+                    st.loaded.push(t.clone());
+                }
+                Ok(a.result)
             }
             Ok(a) => {
                 let field = match a.field.as_deref() {
@@ -501,19 +634,19 @@ impl Worker {
         }
     }
 
-    /// One batched call; a worker that dies is restarted once and the call retried. Returns
-    /// the scores and the number of restarts.
+    /// One request; a worker that dies is restarted once and the request retried. Returns
+    /// the answer and the number of restarts.
     fn call(
         &self,
         line: &[u8],
         timeout: Duration,
-    ) -> std::result::Result<(Vec<Option<f64>>, usize), CallError> {
+    ) -> std::result::Result<(Answer, usize), CallError> {
         let mut st = self.lock();
         let mut restarts = 0;
         loop {
             let proc = st.ensure(&self.python).map_err(CallError::Other)?;
             match proc.round_trip(line, Some(Instant::now() + timeout)) {
-                Ok(a) if a.ok => return Ok((a.scores, restarts)),
+                Ok(a) if a.ok => return Ok((a, restarts)),
                 Ok(a) => return Err(CallError::Other(a.error())),
                 Err(Fail::Died(status)) => {
                     st.stop();

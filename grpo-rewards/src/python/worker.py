@@ -15,6 +15,19 @@ stderr, and stdin is /dev/null for it, so nothing it does can reach the protocol
              -> {"ok": true, "scores": [0.5, null, ...]}
              |  {"ok": false, "error": "raised ValueError: ... at /abs/rewards.py:12"}
 
+Tools and environments (grpo-rollout's `tools` and `python_env`) use the same worker:
+
+    load:    {"op": "load", ..., "kind": "tool"}   -> {"ok": true, "result": <JSON schema>}
+             {"op": "load", ..., "kind": "environment", "init": {...}}
+                                                    -> {"ok": true, "result": null}
+                 (the class is instantiated once, `cls(**init)`, and kept)
+    tool:    {"op": "tool", ..., "arguments": {...}} -> {"ok": true, "result": "text"}
+    step:    {"op": "env_step", ..., "message_logs": [[...]], "metadata": [...]}
+             -> {"ok": true, "result": {"observations": [...], "metadata": [...],
+                 "next_stop_strings": [...], "rewards": [...], "terminateds": [...]}}
+    post:    {"op": "env_post", ..., "episodes": [...]}
+             -> {"ok": true, "result": {"metrics": {...}, "rewards": [[...]] | null}}
+
 Errors are one line; the full traceback goes to stderr.
 """
 
@@ -121,7 +134,7 @@ class Worker:
         return module
 
     def function(self, req):
-        key = (req["path"], req["function"])
+        key = (req["path"], req["function"], req.get("kind", "reward"), json.dumps(req.get("init")))
         if key in self.functions:
             return self.functions[key]
         module = self.module(req["path"], req["file"])
@@ -145,8 +158,90 @@ class Worker:
                 source = source.co_filename
             if source:
                 files.add(os.path.abspath(source))
+        if req.get("kind") == "environment":
+            if not isinstance(f, type):
+                raise LoadError(
+                    "function", "`%s` in %s is a %s, not a class" % (name, req["path"], type(f).__name__)
+                )
+            if not callable(getattr(f, "step", None)):
+                raise LoadError(
+                    "function",
+                    "class `%s` in %s has no `step(self, message_logs, metadata)` method" % (name, req["path"]),
+                )
+            try:
+                f = f(**(req.get("init") or {}))
+            except Exception as e:
+                traceback_of("creating `%s` from %s" % (name, req["path"]))
+                raise LoadError("function", "`%s(**init)` raised %s" % (name, describe(e, files)))
         self.functions[key] = (f, files)
         return self.functions[key]
+
+    def run(self, req, what, call):
+        """`call()`, awaited if it returns an awaitable; exceptions as one-line answers."""
+        f, files = self.function(req)
+        try:
+            out = call(f)
+            if inspect.isawaitable(out):
+                if self.loop is None:
+                    self.loop = asyncio.new_event_loop()
+                out = self.loop.run_until_complete(_awaited(out))
+            return out, None
+        except (Exception, SystemExit) as e:
+            traceback_of("`%s` in %s (%s)" % (req["function"], req["path"], what))
+            return None, {"ok": False, "error": "raised " + describe(e, files)}
+
+    def tool(self, req):
+        out, fail = self.run(req, "tool", lambda f: f(**(req.get("arguments") or {})))
+        if fail:
+            return fail
+        if isinstance(out, str):
+            text = out
+        else:
+            try:
+                text = json.dumps(out, default=str)
+            except Exception:
+                text = str(out)
+        return {"ok": True, "result": text}
+
+    def env_step(self, req):
+        logs = req["message_logs"]
+        out, fail = self.run(req, "step", lambda env: env.step(logs, req["metadata"]))
+        if fail:
+            return fail
+        try:
+            return {"ok": True, "result": environment_return(out, len(logs), req["metadata"])}
+        except ValueError as e:
+            return {"ok": False, "error": "step returned %s" % one_line(e)}
+
+    def env_post(self, req):
+        episodes = req["episodes"]
+        f, _ = self.function(req)
+        hook = getattr(f, "global_post_process_and_metrics", None)
+        if not callable(hook):
+            return {"ok": True, "result": {"metrics": {}, "rewards": None}}
+        out, fail = self.run(req, "global_post_process_and_metrics", lambda env: hook(episodes))
+        if fail:
+            return fail
+        # NeMo RL returns (batch, metrics); a dict alone is the metrics.
+        batch, metrics = (out if isinstance(out, tuple) and len(out) == 2 else (None, out))
+        if metrics is None:
+            metrics = {}
+        if not isinstance(metrics, dict):
+            return {"ok": False, "error": "global_post_process_and_metrics returned metrics of type %s; expected a dict" % type(metrics).__name__}
+        clean = {}
+        for k, v in metrics.items():
+            v = as_list(v)
+            try:
+                clean[str(k)] = float(v[0] if isinstance(v, list) and len(v) == 1 else v)
+            except (TypeError, ValueError):
+                return {"ok": False, "error": "global_post_process_and_metrics: metric %r is not a number" % (k,)}
+        rewards = None
+        if isinstance(batch, list) and len(batch) == len(episodes):
+            rewards = []
+            for b in batch:
+                r = b.get("rewards") if isinstance(b, dict) else None
+                rewards.append([float(x) for x in as_list(r)] if r is not None else None)
+        return {"ok": True, "result": {"metrics": clean, "rewards": rewards}}
 
     def call(self, req):
         f, files = self.function(req)
@@ -179,11 +274,20 @@ class Worker:
     def handle(self, req):
         op = req.get("op")
         try:
+            if op == "load" and req.get("kind") == "tool":
+                f, _ = self.function(req)
+                return {"ok": True, "result": tool_schema(f, req["function"])}
             if op == "load":
                 self.function(req)
                 return {"ok": True}
             if op == "call":
                 return self.call(req)
+            if op == "tool":
+                return self.tool(req)
+            if op == "env_step":
+                return self.env_step(req)
+            if op == "env_post":
+                return self.env_post(req)
             return {"ok": False, "error": "unknown request %r" % (op,)}
         except LoadError as e:
             return {"ok": False, "field": e.field, "error": one_line(e, 1000)}
@@ -191,6 +295,113 @@ class Worker:
 
 async def _awaited(x):
     return await x
+
+
+def as_list(v):
+    """Tensors and arrays as lists; other values as they are."""
+    return v.tolist() if hasattr(v, "tolist") else v
+
+
+def field(out, name):
+    if isinstance(out, dict):
+        return out.get(name)
+    return getattr(out, name, None)
+
+
+def environment_return(out, n, metadata):
+    """A `step` result (NeMo RL's EnvironmentReturn named tuple, an object with its fields, or
+    a dict) as JSON: one entry per episode in every list."""
+    if out is None:
+        raise ValueError("None; expected an EnvironmentReturn (observations, metadata, "
+                         "next_stop_strings, rewards, terminateds)")
+    result = {}
+    for name in ("observations", "metadata", "next_stop_strings", "rewards", "terminateds"):
+        v = as_list(field(out, name))
+        if v is None:
+            if name in ("observations", "rewards", "terminateds"):
+                raise ValueError("no `%s`" % name)
+            v = list(metadata) if name == "metadata" else [None] * n
+        v = list(v)
+        if len(v) != n:
+            raise ValueError("%d %s for %d episodes" % (len(v), name, n))
+        result[name] = v
+    obs = []
+    for i, o in enumerate(result["observations"]):
+        if o is None or (isinstance(o, dict) and o.get("content") is None):
+            obs.append(None)
+        elif isinstance(o, str):
+            obs.append({"role": "environment", "content": o})
+        elif isinstance(o, dict):
+            obs.append({"role": str(o.get("role", "environment")), "content": str(o["content"])})
+        else:
+            raise ValueError("an observation of type %s for episode %d; expected a dict "
+                             "{\"role\", \"content\"}, a string or None" % (type(o).__name__, i))
+    result["observations"] = obs
+    try:
+        result["rewards"] = [float(r) for r in result["rewards"]]
+    except (TypeError, ValueError):
+        raise ValueError("rewards that are not numbers: %s" % one_line(repr(result["rewards"]), 80))
+    result["terminateds"] = [bool(t) for t in result["terminateds"]]
+    result["next_stop_strings"] = [None if s is None else [str(x) for x in s]
+                                   for s in result["next_stop_strings"]]
+    return result
+
+
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
+              list: "array", dict: "object"}
+
+
+def tool_schema(f, name):
+    """The tool's JSON schema, as transformers' `get_json_schema` makes it (used when
+    transformers is installed): name, the docstring's first paragraph as description,
+    parameters from the signature's type hints and the docstring's `Args:` section."""
+    try:
+        from transformers.utils import get_json_schema
+
+        return get_json_schema(f)
+    except Exception:
+        pass
+    import typing
+
+    doc = inspect.getdoc(f) or ""
+    parts = doc.split("\n\n")
+    description = " ".join(parts[0].split()) if parts and not parts[0].lstrip().startswith("Args:") else ""
+    arg_docs = {}
+    in_args = False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped in ("Args:", "Arguments:", "Parameters:"):
+            in_args = True
+            continue
+        if in_args:
+            if not stripped or (not line.startswith(" ") and stripped.endswith(":")):
+                if stripped.endswith(":"):
+                    in_args = False
+                continue
+            head, sep, text = stripped.partition(":")
+            if sep:
+                arg_docs[head.split("(")[0].strip()] = text.strip()
+    try:
+        hints = typing.get_type_hints(f)
+    except Exception:
+        hints = {}
+    props, required = {}, []
+    for p in inspect.signature(f).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        t = hints.get(p.name)
+        origin = getattr(t, "__origin__", None) or t
+        prop = {"type": JSON_TYPES.get(origin, "string")}
+        if p.name in arg_docs:
+            prop["description"] = arg_docs[p.name]
+        props[p.name] = prop
+        if p.default is inspect.Parameter.empty:
+            required.append(p.name)
+    parameters = {"type": "object", "properties": props}
+    if required:
+        parameters["required"] = required
+    return {"type": "function", "function": {"name": name, "description": description,
+            "parameters": parameters}}
 
 
 def scores(out, n):

@@ -187,15 +187,13 @@ impl Generator {
                     .map(|(k, v)| (k.to_string(), json_value(v)))
                     .collect(),
             );
-            let (p, text) = EpisodePrompt::rendered(&self.tokenizer, messages, metadata)
-                .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
+            let (mut p, text) =
+                EpisodePrompt::rendered(&self.tokenizer, messages, env.tools(), metadata)
+                    .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
+            // As single-turn prompts (and TRL): the last max_prompt_length tokens are kept.
             let max = self.cfg.rollout.max_prompt_length;
             if max > 0 && p.ids.len() > max {
-                bail!(
-                    "row {}: the prompt has {} tokens, over rollout.max_prompt_length = {max} (episodes keep the whole prompt)",
-                    s.index,
-                    p.ids.len()
-                );
+                p.ids.drain(..p.ids.len() - max);
             }
             prompts.push(p);
             prompt_texts.push(text);
