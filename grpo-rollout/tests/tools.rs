@@ -358,10 +358,7 @@ fn python_tools_take_their_schema_from_the_signature_and_fail_as_observations() 
     assert!(e.contains("did not return within 0.5 s"), "{e}");
     assert!(t0.elapsed().as_secs_f64() < 10.0);
     // The worker came back: the other tools still answer.
-    assert_eq!(
-        add.call(&json!({"a": 1, "b": 1, "scale": 2})).unwrap(),
-        "4"
-    );
+    assert_eq!(add.call(&json!({"a": 1, "b": 1, "scale": 2})).unwrap(), "4");
     // A missing function is a config error.
     let cfg: ToolConfig = serde_json::from_value(json!({
         "type": "python", "path": path, "function": "nope", "python": py,

@@ -384,3 +384,309 @@ fn a_reward_named_env_beside_an_environment_is_refused_in_one_line() {
     );
     assert!(!line.contains('\n'), "{line}");
 }
+
+/// The interpreter for the Python environments, or `None` (the test then skips).
+fn python() -> Option<String> {
+    let py = std::env::var("GRPO_PYTHON").unwrap_or_else(|_| "python3".into());
+    match std::process::Command::new(&py)
+        .args(["-c", "import sys; assert sys.version_info >= (3, 8)"])
+        .output()
+    {
+        Ok(o) if o.status.success() => Some(py),
+        _ => {
+            eprintln!("skipped: no Python ≥ 3.8 at `{py}` (set GRPO_PYTHON to one)");
+            None
+        }
+    }
+}
+
+/// Guess the number in Python, NeMo RL's signature; `Breaks` answers one training step, then
+/// crashes (`mode = "crash"`) or hangs (`mode = "hang"`).
+const GUESS_PY: &str = r#"
+import time
+
+
+class Guess:
+    def step(self, message_logs, metadata):
+        out = {"observations": [], "rewards": [], "terminateds": []}
+        for log, m in zip(message_logs, metadata):
+            text = log[-1]["content"]
+            digits = "".join(c for c in text if c.isdigit())[:4]
+            target = int(m["answer"])
+            if digits and int(digits) == target:
+                out["observations"].append({"role": "user", "content": "correct"})
+                out["rewards"].append(1.0)
+                out["terminateds"].append(True)
+            else:
+                out["observations"].append({"role": "user", "content": "higher" if not digits or int(digits) < target else "lower"})
+                out["rewards"].append(len(text) % 3 / 3.0)
+                out["terminateds"].append(False)
+        return out
+
+    def global_post_process_and_metrics(self, episodes):
+        return {"episodes_seen": len(episodes)}
+
+
+class Breaks(Guess):
+    def __init__(self, mode):
+        self.mode = mode
+        self.steps = 0
+
+    def step(self, message_logs, metadata):
+        if self.steps >= 1:
+            if self.mode == "crash":
+                raise RuntimeError("the sandbox is gone")
+            time.sleep(60)
+        return super().step(message_logs, metadata)
+
+    def global_post_process_and_metrics(self, episodes):
+        self.steps += 1
+        return {}
+"#;
+
+fn python_config(root: &Path, out: &str, py: &str, class: &str, extra: &str) -> TrainConfig {
+    let path = root.join("guess.py");
+    std::fs::write(&path, GUESS_PY).unwrap();
+    let mut c = config(root, out);
+    c.environment = environment_section(&format!(
+        "type = \"python\"\nmax_turns = 3\nmax_total_tokens = 80\n[python]\npath = {:?}\nclass = \"{class}\"\npython = {py:?}\n{extra}",
+        path.display().to_string()
+    ));
+    c
+}
+
+/// `[environment]` from TOML.
+fn environment_section(text: &str) -> grpo_trainer::config::EnvironmentSection {
+    toml::from_str(text).unwrap()
+}
+
+fn timing_free(ms: &[grpo_trainer::Metrics]) -> Vec<Vec<(String, f64)>> {
+    ms.iter()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| {
+                    !k.starts_with("timing/")
+                        && !["step_time", "tokens_per_s", "peak_rss_mib"].contains(&k.as_str())
+                })
+                .map(|(k, v)| (k.clone(), *v))
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_python_environment_from_the_config_trains_and_resumes_exactly() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let fit = |t: &mut GrpoTrainer| {
+        t.fit_with(FitOptions::default().dataset(arithmetic(8)).max_steps(4))
+            .unwrap()
+    };
+    let mut straight =
+        GrpoTrainer::from_pretrained(&m, python_config(dir.path(), "straight", &py, "Guess", ""))
+            .unwrap();
+    let straight = fit(&mut straight);
+    assert_eq!(straight.metrics.len(), 4);
+    for m in &straight.metrics {
+        assert_eq!(m["env/episodes_seen"], 8.0, "{m:?}");
+        assert!(m["env/turns_mean"] >= 1.0);
+        assert!(m.contains_key("rewards/env/mean"));
+    }
+    // Stopped after 2 steps, resumed: the same 4 steps.
+    let cfg = python_config(dir.path(), "split", &py, "Guess", "");
+    let mut first = GrpoTrainer::from_pretrained(&m, cfg.clone()).unwrap();
+    first.options.stop_after = Some(2);
+    let part1 = fit(&mut first);
+    assert!(part1.interrupted);
+    let mut second = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    second.options.resume = Some(None);
+    let part2 = fit(&mut second);
+    let mut joined = part1.metrics.clone();
+    joined.extend(part2.metrics);
+    assert_eq!(timing_free(&straight.metrics), timing_free(&joined));
+}
+
+#[test]
+fn a_crashing_or_hanging_environment_ends_the_run_with_a_checkpoint() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    for (mode, extra, says) in [
+        (
+            "crash",
+            "init = { mode = \"crash\" }\n",
+            "RuntimeError: the sandbox is gone",
+        ),
+        (
+            "hang",
+            "init = { mode = \"hang\" }\ntimeout = 2\n",
+            "did not return within 2 s",
+        ),
+    ] {
+        let cfg = python_config(dir.path(), mode, &py, "Breaks", extra);
+        let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+        let t0 = std::time::Instant::now();
+        let err = t
+            .fit_with(FitOptions::default().dataset(arithmetic(8)).max_steps(4))
+            .unwrap_err();
+        let line = grpo_trainer::error_line(&err);
+        assert!(!line.contains('\n'), "{line}");
+        assert!(
+            line.contains("environment `Breaks`") && line.contains(says),
+            "{line}"
+        );
+        assert!(line.contains("checkpoint"), "{line}");
+        let ckpts = grpo_trainer::list_checkpoints(&dir.path().join(mode));
+        assert_eq!(ckpts.last().map(|c| c.0), Some(1), "{line}");
+        assert!(
+            t0.elapsed().as_secs() < 50,
+            "{mode} took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+/// An environment given in code that never answers its second step.
+struct Stalls(AtomicUsize);
+
+impl Environment for Stalls {
+    fn name(&self) -> &str {
+        "stalls"
+    }
+
+    fn step(
+        &self,
+        logs: &[&[ChatMessage]],
+        _: &[&Value],
+    ) -> candle_core::Result<EnvironmentReturn> {
+        if self.0.load(Ordering::SeqCst) > 0 {
+            std::thread::sleep(std::time::Duration::from_secs(120));
+        }
+        let mut r = EnvironmentReturn::empty(logs.len());
+        r.terminateds = vec![true; logs.len()];
+        r.rewards = logs
+            .iter()
+            .map(|l| (l.last().unwrap().content.len() % 2) as f32)
+            .collect();
+        Ok(r)
+    }
+
+    fn post_process(
+        &self,
+        _: &mut [grpo_rollout::Episode],
+    ) -> candle_core::Result<std::collections::BTreeMap<String, f64>> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(Default::default())
+    }
+}
+
+#[test]
+fn step_timeout_ends_a_run_whose_rust_environment_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "run");
+    cfg.environment.step_timeout = 1.0;
+    let err = GrpoTrainer::from_pretrained(&m, cfg)
+        .unwrap()
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(8))
+                .environment(Stalls(AtomicUsize::new(0)))
+                .max_steps(3),
+        )
+        .unwrap_err();
+    let line = grpo_trainer::error_line(&err);
+    assert!(
+        line.contains("environment `stalls`")
+            && line.contains("did not return within 1 s (environment.step_timeout)")
+            && line.contains("checkpoint"),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_tool_environment_from_the_config_renders_its_tools_and_runs() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    // The model's template renders tools (Qwen2.5's conventions).
+    let tc = m.join("tokenizer_config.json");
+    let mut j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    j["chat_template"] = grpo_rollout::init::CHATML_TOOLS_TEMPLATE.into();
+    std::fs::write(&tc, j.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("tools.py"),
+        "def add(a: int, b: int):\n    \"\"\"Adds.\n\n    Args:\n        a: one\n        b: two\n    \"\"\"\n    return a + b\n",
+    )
+    .unwrap();
+    let mut cfg = config(dir.path(), "run");
+    cfg.environment = environment_section(&format!(
+        r#"
+type = "tools"
+max_calls_per_turn = 2
+max_turns = 3
+max_total_tokens = 80
+
+[[tools]]
+type = "python"
+path = {:?}
+function = "add"
+python = {py:?}
+
+[[tools]]
+type = "command"
+name = "echo"
+description = "Repeats its text."
+argv = ["echo", "{{text}}"]
+"#,
+        dir.path().join("tools.py").display().to_string()
+    ));
+    let mut bad = cfg.clone();
+    bad.model.path = m.clone();
+    bad.model.path = m.clone();
+    let r = GrpoTrainer::from_pretrained(&m, cfg)
+        .unwrap()
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(4))
+                .reward("len", 1.0, |b: &[grpo_rewards::RewardInput]| {
+                    b.iter()
+                        .map(|x| Some((x.completion.len() % 5) as f32))
+                        .collect::<Vec<_>>()
+                })
+                .max_steps(1),
+        )
+        .unwrap();
+    let metrics = &r.metrics[0];
+    for k in [
+        "env/tool_calls_mean",
+        "env/tool_errors_mean",
+        "env/turns_mean",
+    ] {
+        assert!(metrics.contains_key(k), "{k} missing from {metrics:?}");
+    }
+    let line = std::fs::read_to_string(dir.path().join("run/completions.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let prompt = first["prompt"].as_str().unwrap();
+    assert!(
+        prompt.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"add\", \"description\": \"Adds.\"")
+            && prompt.contains("\"name\": \"echo\""),
+        "{prompt}"
+    );
+    // Config mistakes are one line naming the key.
+    bad.environment.tools.clear();
+    let e = bad.validate().unwrap_err();
+    assert!(
+        e.contains("needs at least one [[environment.tools]]"),
+        "{e}"
+    );
+    bad.environment.kind = None;
+    bad.environment.python = Some(toml::from_str("path = \"x.py\"\nclass = \"X\"\n").unwrap());
+    let e = bad.validate().unwrap_err();
+    assert!(e.contains("need `environment.type`"), "{e}");
+    assert!(
+        toml::from_str::<grpo_trainer::config::EnvironmentSection>("type = \"tool\"\n").is_err()
+    );
+}
