@@ -279,7 +279,7 @@ impl RewardsConfig {
                     Arc::new(HttpReward::new(name, c).map_err(at)?),
                 ),
                 RewardKind::Python(c) => {
-                    let r = PythonReward::new(&name, c, &python_workers).map_err(at)?;
+                    let r = PythonReward::new(&name, c, python_workers).map_err(at)?;
                     set.push_reward(name, weight, Arc::new(r))
                 }
             }

@@ -106,8 +106,15 @@ pub struct RewardInput {
     pub prompt: String,
     /// The prompt's messages when the sample is conversational, else `None`.
     pub prompt_messages: Option<Vec<Message>>,
-    /// The generated completion's text.
+    /// The generated completion's text (of a multi-turn episode: the whole transcript after
+    /// the prompt, chat markup included).
     pub completion: String,
+    /// A multi-turn episode's messages after the prompt (assistant turns and the
+    /// environment's observations, in order), else `None`. Python rewards get these as their
+    /// `completions` (TRL's multi-turn convention), and `accuracy` reads the last assistant
+    /// message ([`RewardInput::final_text`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_messages: Option<Vec<Message>>,
     /// Number of completion tokens (for length rewards).
     pub completion_tokens: usize,
     /// The completion's token ids (TRL's `completion_ids`), when the caller has them.
@@ -128,6 +135,25 @@ impl RewardInput {
             prompt: prompt.into(),
             completion: completion.into(),
             ..Self::default()
+        }
+    }
+
+    /// Sets a multi-turn episode's messages after the prompt.
+    pub fn with_completion_messages(mut self, messages: Vec<Message>) -> Self {
+        self.completion_messages = Some(messages);
+        self
+    }
+
+    /// The model's final answer: the last assistant message of an episode (empty when it has
+    /// none), else the completion.
+    pub fn final_text(&self) -> &str {
+        match &self.completion_messages {
+            Some(m) => m
+                .iter()
+                .rev()
+                .find(|m| m.role == "assistant")
+                .map_or("", |m| m.content.as_str()),
+            None => &self.completion,
         }
     }
 

@@ -56,6 +56,11 @@ async def async_len(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def episode(completions, **kwargs):
+    # A multi-turn episode's completion is its messages after the prompt.
+    return [float(len(c)) + (0.5 if c[-1]["role"] == "assistant" and c[1]["role"] == "tool" else 0.0) for c in completions]
+
+
 def pid(completions, **kwargs):
     return [os.getpid()] * len(completions)
 
@@ -220,6 +225,41 @@ fn conversational_prompts_arrive_as_message_lists() {
     );
     let plain = set.score(&batch(0)).unwrap();
     assert_eq!(plain.per_function[0], vec![Some(0.0); 3]);
+}
+
+#[test]
+fn an_episode_arrives_as_its_messages_after_the_prompt() {
+    let Some(f) = Fixture::new() else { return };
+    let set = f.build(vec![f.spec("episode", "episode")]).unwrap();
+    let x = RewardInput::new("templated", "transcript")
+        .with_messages(vec![Message::new("user", "12*7?")])
+        .with_completion_messages(vec![
+            Message::new("assistant", "<tool_call>{}</tool_call>"),
+            Message::new("tool", "84"),
+            Message::new("assistant", "84"),
+        ]);
+    let out = set.score(&[x]).unwrap();
+    assert_eq!(out.per_function[0], vec![Some(3.5)]);
+}
+
+#[test]
+fn accuracy_reads_an_episodes_last_assistant_message() {
+    let cfg: RewardsConfig =
+        serde_json::from_value(json!({ "rewards": [{"type": "accuracy"}] })).unwrap();
+    let set = cfg.build(&ScoringModels::default()).unwrap();
+    let ep = |last: &str| {
+        RewardInput::new("p", "transcript with 84 in the tool result")
+            .with_field("answer", "84")
+            .with_completion_messages(vec![
+                Message::new("assistant", "<tool_call>{\"name\": \"calc\"}</tool_call>"),
+                Message::new("tool", "84"),
+                Message::new("assistant", last),
+            ])
+    };
+    let out = set
+        .score(&[ep("It is 84."), ep("It is 85."), ep("")])
+        .unwrap();
+    assert_eq!(out.per_function[0], vec![Some(1.0), Some(0.0), Some(0.0)]);
 }
 
 #[test]

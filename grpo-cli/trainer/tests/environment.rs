@@ -247,6 +247,7 @@ fn scored(masks: bool) -> Scored {
         top_logprobs: Vec::new(),
     };
     let episodes = masks.then(|| EpisodeBatch {
+        messages: vec![Vec::new(); 2],
         model_masks: vec![vec![true, true, false, false, true, true], vec![true; 6]],
         rewards: vec![1.0, 0.0],
         metrics: Default::default(),

@@ -53,6 +53,10 @@ impl AccuracyConfig {
 
 /// 1 when the completion's final answer equals the reference answer, else 0.
 ///
+/// Of a multi-turn episode it reads the last assistant message only
+/// ([`RewardInput::final_text`](crate::RewardInput::final_text)): numbers in tool results or
+/// other observations are not the model's answer.
+///
 /// The final answer is the content of the last `<answer>…</answer>`, else the last
 /// `<solution>…</solution>`, else the last `\boxed{…}` (balanced braces), else the last number
 /// ([`extract_answer`]). A `\boxed{}` inside a tag is unwrapped. The reference is read the same
@@ -89,7 +93,7 @@ impl Reward for Accuracy {
                 });
             };
             let reference = reference_answer(&reference);
-            let ok = extract_answer(&x.completion)
+            let ok = extract_answer(x.final_text())
                 .map(|got| {
                     answers_match(&got, &reference, self.config.abs_tol, self.config.rel_tol)
                 })

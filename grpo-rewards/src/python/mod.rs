@@ -13,7 +13,8 @@
 //! The function is called once per step with the whole batch, as TRL calls it:
 //! `f(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns)`. Prompts
 //! and completions are strings, or, for conversational samples, lists of `{"role", "content"}`
-//! messages (the completion as `[{"role": "assistant", "content": text}]`); `completion_ids`
+//! messages (the completion as `[{"role": "assistant", "content": text}]`; of a multi-turn
+//! episode, its messages after the prompt: assistant turns, tool results, observations); `completion_ids`
 //! are lists of ints; every dataset column comes as a keyword list (one value per completion);
 //! `trainer_state.global_step` is the number of steps done. It returns one float (or `None`,
 //! no opinion) per completion; an `async def` function is awaited (on one event loop kept for
@@ -424,12 +425,14 @@ enum PromptArg<'a> {
     Messages(&'a [Message]),
 }
 
-/// A completion as TRL passes it: text, or `[{"role": "assistant", "content": text}]`.
+/// A completion as TRL passes it: text, or `[{"role": "assistant", "content": text}]`, or a
+/// multi-turn episode's messages after the prompt.
 #[derive(Serialize)]
 #[serde(untagged)]
 enum CompletionArg<'a> {
     Text(&'a str),
     Messages([AssistantMessage<'a>; 1]),
+    Episode(&'a [Message]),
 }
 
 #[derive(Serialize)]
@@ -511,12 +514,13 @@ impl<'a> CallRequest<'a> {
                 .collect(),
             completions: batch
                 .iter()
-                .map(|x| match x.prompt_messages {
-                    Some(_) => CompletionArg::Messages([AssistantMessage {
+                .map(|x| match (&x.completion_messages, &x.prompt_messages) {
+                    (Some(m), _) => CompletionArg::Episode(m),
+                    (None, Some(_)) => CompletionArg::Messages([AssistantMessage {
                         role: "assistant",
                         content: &x.completion,
                     }]),
-                    None => CompletionArg::Text(&x.completion),
+                    (None, None) => CompletionArg::Text(&x.completion),
                 })
                 .collect(),
             completion_ids: batch.iter().map(|x| x.completion_ids.as_slice()).collect(),

@@ -223,7 +223,9 @@ impl Generator {
                 crate::first_line(&e.to_string())
             )
         })?;
-        let (completions, info) = episode_completions(&episodes, env_cfg.reward, post);
+        let prompt_messages: Vec<usize> = prompts.iter().map(|p| p.messages.len()).collect();
+        let (completions, info) =
+            episode_completions(&episodes, &prompt_messages, env_cfg.reward, post);
         let prompt_ids = prompts.into_iter().map(|p| p.ids).collect();
         Ok(Rollouts {
             batch,
@@ -244,9 +246,11 @@ impl Generator {
 /// log-probs with 0 at environment tokens; `length` when a budget cut the episode or its last
 /// turn) and what the learner and the scorer need beside them: the model masks, each
 /// episode's `env` reward by `reward`, and the metrics (`post` are the environment's
-/// `post_process` metrics, logged as `env/{name}`).
+/// `post_process` metrics, logged as `env/{name}`). `prompt_messages[p]` is the number of
+/// messages of prompt `p` (an episode's messages after them are its completion's).
 pub fn episode_completions(
     episodes: &[Episode],
+    prompt_messages: &[usize],
     reward: EnvironmentReward,
     post: BTreeMap<String, f64>,
 ) -> (Vec<Completion>, EpisodeBatch) {
@@ -288,6 +292,13 @@ pub fn episode_completions(
     }
     let info = EpisodeBatch {
         model_masks: episodes.iter().map(|e| e.is_model_token.clone()).collect(),
+        messages: episodes
+            .iter()
+            .map(|e| {
+                let skip = prompt_messages.get(e.prompt_index).copied().unwrap_or(0);
+                e.messages.iter().skip(skip).cloned().collect()
+            })
+            .collect(),
         rewards,
         metrics,
     };

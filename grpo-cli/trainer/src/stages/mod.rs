@@ -68,6 +68,9 @@ pub struct EpisodeBatch {
     /// Per completion: the environment's reward (`environment.reward` of its turns' rewards,
     /// after the environment's `post_process`).
     pub rewards: Vec<f32>,
+    /// Per completion: the episode's messages after the prompt (assistant turns and
+    /// observations), which rewards see as `completion_messages`.
+    pub messages: Vec<Vec<grpo_rollout::ChatMessage>>,
     /// Metrics of the episodes: `env/turns_mean`, `env/terminated_ratio`, `env/reward_mean`,
     /// the environment's `post_process` metrics as `env/{name}`, and `episodes/*`.
     pub metrics: std::collections::BTreeMap<String, f64>,

@@ -97,6 +97,17 @@ impl Scorer {
                 }
                 x
             })
+            .enumerate()
+            .map(
+                |(i, x)| match r.episodes.as_ref().and_then(|e| e.messages.get(i)) {
+                    Some(m) => x.with_completion_messages(
+                        m.iter()
+                            .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                            .collect(),
+                    ),
+                    None => x,
+                },
+            )
             .collect()
     }
 
