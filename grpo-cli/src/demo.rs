@@ -78,11 +78,37 @@ pub struct DemoReport {
     pub sft_loss: (f64, f64),
 }
 
-/// Supervised warm-up: minimise −mean log p(answer tokens + EOS | prompt) on `examples`.
+/// Supervised warm-up: minimise −mean log p(answer tokens + EOS | prompt) on `examples`
+/// (plain-text prompts with the tokenizer's special tokens; answers after a space).
 /// Returns the loss of the first and last batches.
 pub fn warm_up(
     model_dir: &Path,
     examples: &[(String, String)],
+    steps: usize,
+    lr: f64,
+    seed: u64,
+    device: &Device,
+) -> Result<(f64, f64)> {
+    warm_up_with(model_dir, examples, false, steps, lr, seed, device)
+}
+
+/// [`warm_up`] on chat-rendered examples: the prompt is text the chat template rendered
+/// (tokenized as written), the completion the assistant's text, EOS after it.
+pub fn warm_up_pairs(
+    model_dir: &Path,
+    examples: &[(String, String)],
+    steps: usize,
+    lr: f64,
+    seed: u64,
+    device: &Device,
+) -> Result<(f64, f64)> {
+    warm_up_with(model_dir, examples, true, steps, lr, seed, device)
+}
+
+fn warm_up_with(
+    model_dir: &Path,
+    examples: &[(String, String)],
+    chat: bool,
     steps: usize,
     lr: f64,
     seed: u64,
@@ -107,9 +133,13 @@ pub fn warm_up(
     let encoded: Vec<(Vec<u32>, Vec<u32>)> = examples
         .iter()
         .map(|(p, a)| {
-            let mut c = tok.encode(&format!(" {a}"), false)?;
+            let (p, mut c) = if chat {
+                (tok.encode(p, false)?, tok.encode(a, false)?)
+            } else {
+                (tok.encode(p, true)?, tok.encode(&format!(" {a}"), false)?)
+            };
             c.push(eos);
-            Ok((tok.encode(p, true)?, c))
+            Ok((p, c))
         })
         .collect::<Result<_>>()?;
     let batch = 32usize;
@@ -221,6 +251,6 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
     })
 }
 
-fn toml_str(p: &Path) -> String {
+pub(crate) fn toml_str(p: &Path) -> String {
     toml::Value::String(p.display().to_string()).to_string()
 }

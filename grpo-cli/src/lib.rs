@@ -11,6 +11,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod calculator;
 pub mod check;
 pub mod demo;
 pub mod plot;

@@ -172,15 +172,19 @@ fn dispatch(command: Option<Command>) -> Result<()> {
 /// `grpo-cli demo`.
 #[derive(Debug, clap::Args)]
 struct DemoArgs {
-    /// Run directory.
-    #[arg(long, default_value = "runs/demo")]
-    out: std::path::PathBuf,
-    /// Supervised warm-up steps.
-    #[arg(long, default_value_t = 400)]
-    sft_steps: usize,
-    /// GRPO steps.
-    #[arg(long, default_value_t = 120)]
-    steps: usize,
+    /// `arithmetic` (one-digit arithmetic with the accuracy reward) or `calculator` (a model
+    /// learns to call a calculator tool: multi-turn episodes against the tool environment).
+    #[arg(long, default_value = "arithmetic", value_parser = ["arithmetic", "calculator"])]
+    task: String,
+    /// Run directory (default runs/demo, or runs/calculator).
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+    /// Supervised warm-up steps (default 400 / 300).
+    #[arg(long)]
+    sft_steps: Option<usize>,
+    /// GRPO steps (default 120 / 60).
+    #[arg(long)]
+    steps: Option<usize>,
     /// Seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -223,10 +227,13 @@ struct BenchArgs {
 
 fn demo(a: DemoArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
+    if a.task == "calculator" {
+        return calculator_demo(a);
+    }
     let r = grpo_cli::demo::run(&grpo_cli::demo::DemoOptions {
-        out: a.out.clone(),
-        sft_steps: a.sft_steps,
-        grpo_steps: a.steps,
+        out: a.out.clone().unwrap_or_else(|| "runs/demo".into()),
+        sft_steps: a.sft_steps.unwrap_or(400),
+        grpo_steps: a.steps.unwrap_or(120),
         seed: a.seed,
         progress: true,
         device: a.device.clone(),
@@ -244,6 +251,37 @@ fn demo(a: DemoArgs) -> Result<()> {
     println!("run directory: {}", run.display());
     println!("metrics: {}", run.join("metrics.jsonl").display());
     println!("completions: {}", run.join("completions.jsonl").display());
+    println!("curves: {}", grpo_cli::plot::plot_run(run)?.display());
+    Ok(())
+}
+
+fn calculator_demo(a: DemoArgs) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let r = grpo_cli::calculator::run(&grpo_cli::demo::DemoOptions {
+        out: a.out.unwrap_or_else(grpo_cli::calculator::default_out),
+        sft_steps: a.sft_steps.unwrap_or(300),
+        grpo_steps: a.steps.unwrap_or(60),
+        seed: a.seed,
+        progress: true,
+        device: a.device,
+    })?;
+    let run = &r.result.run_dir;
+    println!(
+        "warm-up loss {:.3} → {:.3}; GRPO accuracy reward {:.3} → {:.3}, tool calls per episode {:.2} → {:.2} (first / last {n} steps) in {:.0} s",
+        r.sft_loss.0,
+        r.sft_loss.1,
+        r.reward.0,
+        r.reward.1,
+        r.tool_calls.0,
+        r.tool_calls.1,
+        t0.elapsed().as_secs_f64(),
+        n = grpo_cli::demo::REPORT_STEPS
+    );
+    println!("run directory: {}", run.display());
+    println!(
+        "completions (transcripts): {}",
+        run.join("completions.jsonl").display()
+    );
     println!("curves: {}", grpo_cli::plot::plot_run(run)?.display());
     Ok(())
 }

@@ -53,7 +53,7 @@ use crate::generate::{
 };
 use crate::model::{KvCache, Transformer, attention_mask_value};
 use crate::sample::DeviceSampler;
-use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 /// A prompt of an episode: its token ids and the message log they render.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -386,10 +386,60 @@ pub fn generate_episodes_batch(
     let pad = tokenizer.pad_token_id;
     let template = tokenizer.compile_chat_template()?;
     let tools = env.tools();
+    let mut eps = start_episodes(env, &template, &tools, requests, &live, &sp)?;
+    let prompts: Vec<&[u32]> = live
+        .iter()
+        .map(|&i| requests[i].prompt.ids.as_slice())
+        .collect();
+    let counts: Vec<usize> = live.iter().map(|&i| requests[i].n).collect();
+    // Room for the whole episode, as generate makes room for the whole completion (the cache
+    // grows if padding between turns takes more).
+    let mut state = prefill(model, pad, &prompts, &counts, params.max_total_tokens)?;
+    let mut running: Vec<usize> = (0..eps.len()).collect();
 
+    for turn in 1..=params.max_turns {
+        begin_turn(&mut eps, &running, params);
+        let parked = model_turn(model, tokenizer, &sp, &stop_ids, &mut eps, &running, state)?;
+        let turn_ctx = TurnContext {
+            env,
+            tokenizer,
+            template: &template,
+            tools: &tools,
+            params,
+        };
+        let chunks = turn_ctx.answer(&mut eps, &mut running, turn)?;
+        if chunks.is_empty() {
+            break;
+        }
+        let (cache, key_bias, order) = rejoin(parked, &chunks, params.max_tokens_per_turn)?;
+        let chunk_rows: Vec<(&[u32], usize)> = order
+            .iter()
+            .map(|e| {
+                let ep = &eps[*e];
+                let c = &chunks[e];
+                // Position of the chunk's first token (the turn's last).
+                let start = ep.prompt_len + ep.tokens.len() - c.len();
+                (c.as_slice(), start)
+            })
+            .collect();
+        state = append_chunk(model, cache, key_bias, &chunk_rows, pad)?;
+        running = order;
+    }
+    finish_episodes(eps, tokenizer)
+}
+
+/// The episodes of `requests` (those in `live`), before their first turn.
+fn start_episodes(
+    env: &dyn Environment,
+    template: &ChatTemplate<'_>,
+    tools: &[Value],
+    requests: &[EpisodeRequest<'_>],
+    live: &[usize],
+    sp: &SamplingParams,
+) -> Result<Vec<Live>> {
     // The text each prompt's tokens hold.
     let mut eps: Vec<Live> = Vec::new();
-    for &i in &live {
+    for &i in live {
         let req = &requests[i];
         if req.prompt.tools != tools {
             bail!(
@@ -400,7 +450,7 @@ pub fn generate_episodes_batch(
             );
         }
         let rendered = template
-            .render_with_tools(&req.prompt.messages, &tools, true)
+            .render_with_tools(&req.prompt.messages, tools, true)
             .map_err(|e| candle_core::Error::msg(format!("episode prompt {i}: {e}")))?;
         for j in 0..req.n {
             eps.push(Live {
@@ -426,32 +476,47 @@ pub fn generate_episodes_batch(
             });
         }
     }
-    let prompts: Vec<&[u32]> = live
-        .iter()
-        .map(|&i| requests[i].prompt.ids.as_slice())
-        .collect();
-    let counts: Vec<usize> = live.iter().map(|&i| requests[i].n).collect();
-    // Room for the whole episode, as generate makes room for the whole completion (the cache
-    // grows if padding between turns takes more).
-    let mut state = prefill(model, pad, &prompts, &counts, params.max_total_tokens)?;
-    let mut running: Vec<usize> = (0..eps.len()).collect();
+    Ok(eps)
+}
 
-    for turn in 1..=params.max_turns {
-        for &e in &running {
-            let ep = &mut eps[e];
-            ep.turn_start = ep.tokens.len();
-            ep.budget = params
-                .max_tokens_per_turn
-                .min(params.max_total_tokens - ep.tokens.len());
-            ep.finish = None;
-        }
-        let parked = model_turn(model, tokenizer, &sp, &stop_ids, &mut eps, &running, state)?;
-        // The environment sees the episodes in prompt, sample order.
+/// Sets up the turn of every running episode: where it starts, its budget.
+fn begin_turn(eps: &mut [Live], running: &[usize], params: &EpisodeParams) {
+    for &e in running {
+        let ep = &mut eps[e];
+        ep.turn_start = ep.tokens.len();
+        ep.budget = params
+            .max_tokens_per_turn
+            .min(params.max_total_tokens - ep.tokens.len());
+        ep.finish = None;
+    }
+}
+
+/// What a turn's end needs: the environment, the template and the budgets.
+struct TurnContext<'a> {
+    env: &'a dyn Environment,
+    tokenizer: &'a Tokenizer,
+    template: &'a ChatTemplate<'a>,
+    tools: &'a [Value],
+    params: &'a EpisodeParams,
+}
+
+impl TurnContext<'_> {
+    /// Ends turn `turn` of the `running` episodes (sorted here: the environment sees them in
+    /// prompt, sample order): their assistant messages, the environment's answer, and the
+    /// observations' tokens appended to the episodes that go on. Returns, per episode that
+    /// goes on, the tokens the model must read next (the turn's last token, never fed, then
+    /// the observation's); episodes that end are marked so.
+    fn answer(
+        &self,
+        eps: &mut [Live],
+        running: &mut [usize],
+        turn: usize,
+    ) -> Result<BTreeMap<usize, Vec<u32>>> {
+        let (env, tokenizer, params) = (self.env, self.tokenizer, self.params);
         running.sort_unstable();
-        for &e in &running {
+        for &e in running.iter() {
             close_turn(tokenizer, &mut eps[e])?;
         }
-
         let answer = {
             let logs: Vec<&[ChatMessage]> = running
                 .iter()
@@ -496,7 +561,9 @@ pub fn generate_episodes_batch(
             // generation prompt, past what the tokens hold.
             let mut messages = ep.messages.clone();
             messages.extend(observation.iter().cloned());
-            let next = template.render_with_tools(&messages, &tools, true)?;
+            let next = self
+                .template
+                .render_with_tools(&messages, self.tools, true)?;
             let Some(delta) = next.strip_prefix(ep.holds.as_str()) else {
                 bail!(
                     "chat template: the conversation with the observation of turn {turn} (prompt {}, episode {}) does not continue the text the model has seen; multi-turn episodes need a template that renders earlier turns unchanged as the conversation grows",
@@ -528,24 +595,12 @@ pub fn generate_episodes_batch(
             }
             chunks.insert(e, chunk);
         }
-        if chunks.is_empty() {
-            break;
-        }
-        let (cache, key_bias, order) = rejoin(parked, &chunks, params.max_tokens_per_turn)?;
-        let chunk_rows: Vec<(&[u32], usize)> = order
-            .iter()
-            .map(|e| {
-                let ep = &eps[*e];
-                let c = &chunks[e];
-                // Position of the chunk's first token (the turn's last).
-                let start = ep.prompt_len + ep.tokens.len() - c.len();
-                (c.as_slice(), start)
-            })
-            .collect();
-        state = append_chunk(model, cache, key_bias, &chunk_rows, pad)?;
-        running = order;
+        Ok(chunks)
     }
+}
 
+/// The finished episodes, in the order they were started.
+fn finish_episodes(eps: Vec<Live>, tokenizer: &Tokenizer) -> Result<Vec<Episode>> {
     eps.into_iter()
         .map(|ep| {
             let text = tokenizer.decode(&ep.tokens, false)?;
@@ -564,6 +619,92 @@ pub fn generate_episodes_batch(
             })
         })
         .collect()
+}
+
+/// [`generate_episodes_batch`] with the model's turns sampled on an OpenAI-compatible server
+/// (`/v1/completions` with the conversation's token ids as the prompt, one request per running
+/// episode per turn, all of a turn's requests in flight at once), from the synced adapter
+/// (`use_adapter`) or the served base model. The chat template, the environment and the
+/// budgets work as locally, so the tokens trained on are exactly the tokens sampled: each
+/// turn's token ids and log-probs come from the server (vLLM's `return_token_ids`), the
+/// observations' from our template. A server that returns no log-probs leaves 0 at the turn's
+/// tokens. Each request's seed is drawn from the episode's own stream.
+#[cfg(feature = "remote")]
+pub fn generate_episodes_remote(
+    server: &crate::remote::RemoteGenerator,
+    tokenizer: &Tokenizer,
+    env: &dyn Environment,
+    requests: &[EpisodeRequest<'_>],
+    params: &EpisodeParams,
+    use_adapter: bool,
+) -> Result<Vec<Episode>> {
+    use rand::RngCore;
+
+    params.validate()?;
+    if let Some(i) = requests.iter().position(|r| r.prompt.ids.is_empty()) {
+        bail!("episode prompt {i} is empty: a prompt needs at least one token");
+    }
+    let live: Vec<usize> = (0..requests.len()).filter(|&i| requests[i].n > 0).collect();
+    if live.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sp = params.turn_sampling();
+    let template = tokenizer.compile_chat_template()?;
+    let tools = env.tools();
+    let mut eps = start_episodes(env, &template, &tools, requests, &live, &sp)?;
+    let mut running: Vec<usize> = (0..eps.len()).collect();
+    for turn in 1..=params.max_turns {
+        begin_turn(&mut eps, &running, params);
+        let batch: Vec<(Vec<u32>, SamplingParams)> = running
+            .iter()
+            .map(|&e| {
+                let ep = &mut eps[e];
+                let mut ids = requests[ep.prompt_index].prompt.ids.clone();
+                ids.extend(&ep.tokens);
+                let p = SamplingParams {
+                    max_new_tokens: ep.budget,
+                    stop: ep.stop.clone(),
+                    seed: ep.rng.next_u64() >> 1,
+                    ..sp.clone()
+                };
+                (ids, p)
+            })
+            .collect();
+        let sampled = server.generate_each(tokenizer, &batch, use_adapter)?;
+        for (&e, c) in running.iter().zip(sampled) {
+            let ep = &mut eps[e];
+            let n = c.token_ids.len().min(ep.budget);
+            ep.tokens.extend(&c.token_ids[..n]);
+            ep.seen.extend(&c.token_ids[..n]);
+            ep.is_model.extend(std::iter::repeat_n(true, n));
+            if c.logprobs.len() >= n {
+                ep.logprobs.extend(&c.logprobs[..n]);
+            } else {
+                ep.logprobs.extend(std::iter::repeat_n(0.0, n));
+            }
+            ep.finish = Some(c.finish_reason);
+            if n == 0 {
+                bail!(
+                    "rollout server: an empty turn for prompt {} episode {} (turn {turn})",
+                    ep.prompt_index,
+                    ep.sample_index
+                );
+            }
+        }
+        let turn_ctx = TurnContext {
+            env,
+            tokenizer,
+            template: &template,
+            tools: &tools,
+            params,
+        };
+        let chunks = turn_ctx.answer(&mut eps, &mut running, turn)?;
+        if chunks.is_empty() {
+            break;
+        }
+        running = chunks.into_keys().collect();
+    }
+    finish_episodes(eps, tokenizer)
 }
 
 /// Samples one turn of every running episode. An episode whose turn is over leaves the batch;

@@ -140,6 +140,36 @@ struct CompletionRequest<'a> {
     logit_bias: BTreeMap<String, f32>,
 }
 
+impl<'a> CompletionRequest<'a> {
+    /// `n` samples of each of `prompts` with `params`.
+    fn new(model: &'a str, prompts: &'a [Vec<u32>], n: usize, params: &'a SamplingParams) -> Self {
+        Self {
+            model,
+            prompt: prompts,
+            n,
+            max_tokens: params.max_new_tokens,
+            temperature: params.temperature,
+            top_p: params.top_p,
+            seed: params.seed as i64,
+            logprobs: 0,
+            return_tokens_as_token_ids: true,
+            return_token_ids: true,
+            top_k: (params.top_k > 0).then_some(params.top_k),
+            min_p: (params.min_p > 0.0).then_some(params.min_p),
+            repetition_penalty: (params.repetition_penalty != 1.0)
+                .then_some(params.repetition_penalty),
+            min_tokens: (params.min_new_tokens > 0).then_some(params.min_new_tokens),
+            stop: &params.stop,
+            stop_token_ids: &params.stop_token_ids,
+            logit_bias: params
+                .logit_bias
+                .iter()
+                .map(|&(id, b)| (id.to_string(), b))
+                .collect(),
+        }
+    }
+}
+
 /// One request to the server.
 #[derive(Debug, Clone, Copy)]
 enum Call<'a> {
@@ -335,42 +365,69 @@ impl RemoteGenerator {
         if prompts.is_empty() || num_generations == 0 {
             return Ok(Vec::new());
         }
-        let model = match (&self.adapter, use_adapter) {
+        let model = self.model_name(use_adapter)?;
+        let request = CompletionRequest::new(model, prompts, num_generations, params);
+        let resp = self.call(Call::Completions(&request), self.cfg.request_timeout)?;
+        parse_completions(&resp, tokenizer, prompts.len(), num_generations, params)
+    }
+
+    /// One completion per `(prompt, params)`, all requests in flight at once (a multi-turn
+    /// episode's turns: each its own context, stop strings, budget and seed), in order.
+    pub fn generate_each(
+        &self,
+        tokenizer: &Tokenizer,
+        requests: &[(Vec<u32>, SamplingParams)],
+        use_adapter: bool,
+    ) -> Result<Vec<Completion>> {
+        for (_, p) in requests {
+            p.validate()?;
+        }
+        let model = self.model_name(use_adapter)?;
+        let bodies: Vec<CompletionRequest<'_>> = requests
+            .iter()
+            .map(|(ids, p)| CompletionRequest::new(model, std::slice::from_ref(ids), 1, p))
+            .collect();
+        let timeout = self.cfg.request_timeout;
+        let answers = self.rt.block_on(futures_util::future::join_all(
+            bodies
+                .iter()
+                .map(|b| self.call_async(Call::Completions(b), timeout)),
+        ));
+        let mut out = Vec::with_capacity(requests.len());
+        for ((ids, p), answer) in requests.iter().zip(answers) {
+            let resp = answer.map_err(|f| err(f.message))?;
+            let mut c = parse_completions(&resp, tokenizer, 1, 1, p)?;
+            match c.pop() {
+                Some(one) if c.is_empty() => out.push(one),
+                _ => bail!(
+                    "the server answered {} choices for one prompt of {} tokens",
+                    c.len() + 1,
+                    ids.len()
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The name to request: the synced adapter's, or the served base model's.
+    fn model_name(&self, use_adapter: bool) -> Result<&str> {
+        Ok(match (&self.adapter, use_adapter) {
             (Some(a), true) => a.as_str(),
             (None, true) => bail!("no adapter synced yet"),
             _ => self.served.as_str(),
-        };
-        let request = CompletionRequest {
-            model,
-            prompt: prompts,
-            n: num_generations,
-            max_tokens: params.max_new_tokens,
-            temperature: params.temperature,
-            top_p: params.top_p,
-            seed: params.seed as i64,
-            logprobs: 0,
-            return_tokens_as_token_ids: true,
-            return_token_ids: true,
-            top_k: (params.top_k > 0).then_some(params.top_k),
-            min_p: (params.min_p > 0.0).then_some(params.min_p),
-            repetition_penalty: (params.repetition_penalty != 1.0)
-                .then_some(params.repetition_penalty),
-            min_tokens: (params.min_new_tokens > 0).then_some(params.min_new_tokens),
-            stop: &params.stop,
-            stop_token_ids: &params.stop_token_ids,
-            logit_bias: params
-                .logit_bias
-                .iter()
-                .map(|&(id, b)| (id.to_string(), b))
-                .collect(),
-        };
-        let resp = self.call(Call::Completions(&request), self.cfg.request_timeout)?;
-        parse_completions(&resp, tokenizer, prompts.len(), num_generations, params)
+        })
     }
 
     /// One request with retries ([`RemoteConfig::retry_policy`]), each attempt within
     /// `timeout` seconds; the JSON answer (a LoRA endpoint's plain text becomes a string).
     fn call(&self, call: Call<'_>, timeout: f64) -> Result<Value> {
+        self.rt
+            .block_on(self.call_async(call, timeout))
+            .map_err(|f| err(f.message))
+    }
+
+    /// [`Self::call`], awaited on the client's runtime.
+    async fn call_async(&self, call: Call<'_>, timeout: f64) -> std::result::Result<Value, Failed> {
         let (method, path) = call.describe();
         let what = format!("{method} {}{path}", self.base);
         let limit = Duration::from_secs_f64(timeout);
@@ -395,9 +452,7 @@ impl RemoteGenerator {
                 ))),
             }
         };
-        self.rt
-            .block_on(self.cfg.retry_policy().retry(attempt, |_, _| {}))
-            .map_err(|f| err(f.message))
+        self.cfg.retry_policy().retry(attempt, |_, _| {}).await
     }
 
     /// `POST`s `body` to `path` (vLLM's `/load_lora_adapter` or `/unload_lora_adapter`) and

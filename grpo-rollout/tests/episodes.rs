@@ -680,6 +680,7 @@ fn invalid_params_are_errors() {
         ids: Vec::new(),
         messages: Vec::new(),
         metadata: Value::Null,
+        tools: Vec::new(),
     };
     let e = generate_episodes(&m, &tok, &env, &[empty], 1, &params(2, 5, 100))
         .unwrap_err()

@@ -440,3 +440,66 @@ fn the_client_sends_vllm_fields_and_waits_for_retry_after() {
         s.authorizations
     );
 }
+
+/// Says "Try again." until the third turn; a turn's reward is its length modulo 3, over 3.
+struct TryAgain;
+
+impl grpo_rollout::Environment for TryAgain {
+    fn name(&self) -> &str {
+        "try_again"
+    }
+
+    fn step(
+        &self,
+        logs: &[&[grpo_rollout::ChatMessage]],
+        _: &[&serde_json::Value],
+    ) -> candle_core::Result<grpo_rollout::EnvironmentReturn> {
+        let mut r = grpo_rollout::EnvironmentReturn::empty(logs.len());
+        for (i, log) in logs.iter().enumerate() {
+            let text = &log.last().unwrap().content;
+            r.rewards[i] = (text.len() % 3) as f32 / 3.0;
+            r.observations[i] = Some(grpo_rollout::ChatMessage::new("user", "Try again."));
+            r.metadata[i] = serde_json::Value::Null;
+        }
+        Ok(r)
+    }
+}
+
+#[test]
+fn episodes_run_through_the_openai_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    let mut o = ServeOptions::new(root.join("model"));
+    o.served_model_name = "tiny".into();
+    o.addr = "127.0.0.1:0".parse().unwrap();
+    let srv = start(o).unwrap();
+    let extra = format!(
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n[environment]\nmax_turns = 3\nmax_total_tokens = 60\n",
+        srv.base_url()
+    );
+    let mut cfg = config(root, "episodes", &extra);
+    cfg.train.max_steps = Some(2);
+    let mut setup = trainer::setup(cfg).unwrap();
+    setup.environment = Some(std::sync::Arc::new(TryAgain));
+    let r = trainer::run(
+        setup,
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.metrics.len(), 2);
+    for m in &r.metrics {
+        // Three turns each (the environment never ends an episode), sampled on the server.
+        assert_eq!(m["env/turns_mean"], 3.0, "{m:?}");
+        assert!(m["episodes/environment_tokens"] > 0.0, "{m:?}");
+        // The server's token ids and log-probs are the learner's at every model token: the
+        // observations were appended as our template renders them, masked out of the loss.
+        let d = m["sampling/sampling_logp_difference/mean"];
+        assert!(d < 1e-3, "logp difference {d}");
+    }
+    let text = std::fs::read_to_string(root.join("episodes/completions.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    let transcript = first["completion"].as_str().unwrap();
+    assert_eq!(transcript.matches("Try again.").count(), 2, "{transcript}");
+}

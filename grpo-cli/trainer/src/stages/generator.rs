@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use grpo_data::Prompt;
-use grpo_rollout::episode::{EpisodeEnd, episode_metrics};
+use grpo_rollout::episode::{EpisodeEnd, EpisodeRequest, episode_metrics};
 use grpo_rollout::remote::RemoteGenerator;
 use grpo_rollout::{
     ChatMessage, Completion, Environment, Episode, EpisodeParams, EpisodePrompt, FinishReason,
@@ -167,9 +167,9 @@ impl Generator {
     /// with the model mask and the environment's rewards beside them.
     fn episodes(&mut self, batch: PromptBatch, env: &dyn Environment) -> Result<Rollouts> {
         let t0 = Instant::now();
-        if self.remote.is_some() || self.frozen_teacher.is_some() || self.teaching.is_some() {
+        if self.frozen_teacher.is_some() || self.teaching.is_some() {
             bail!(
-                "environment `{}`: episodes are generated locally with the policy: set rollout.backend = \"local\" and no [teacher]",
+                "environment `{}`: episodes are generated with the policy: [teacher] and an environment cannot be combined yet",
                 env.name()
             );
         }
@@ -206,16 +206,42 @@ impl Generator {
             max_total_tokens: env_cfg.total_tokens(&self.cfg.rollout),
         };
         let g = self.cfg.rollout.num_generations;
-        let mut episodes =
-            generate_episodes(&self.model, &self.tokenizer, env, &prompts, g, &params).map_err(
-                |e| {
-                    anyhow!(
-                        "environment `{}`: {}",
-                        env.name(),
-                        crate::first_line(&e.to_string())
-                    )
-                },
-            )?;
+        let generated = match self.remote.clone() {
+            // The policy's turns on the rollout server (its synced adapter).
+            Some(remote) => {
+                let mut server = remote
+                    .lock()
+                    .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
+                self.remote_sync
+                    .sync(&mut server, &self.model, self.version)?;
+                let requests: Vec<EpisodeRequest<'_>> = prompts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| EpisodeRequest {
+                        prompt: p,
+                        n: g,
+                        seed: params.sampling.seed,
+                        first_stream: (i * g) as u64,
+                    })
+                    .collect();
+                grpo_rollout::episode::generate_episodes_remote(
+                    &server,
+                    &self.tokenizer,
+                    env,
+                    &requests,
+                    &params,
+                    true,
+                )
+            }
+            None => generate_episodes(&self.model, &self.tokenizer, env, &prompts, g, &params),
+        };
+        let mut episodes = generated.map_err(|e| {
+            anyhow!(
+                "environment `{}`: {}",
+                env.name(),
+                crate::first_line(&e.to_string())
+            )
+        })?;
         let post = env.post_process(&mut episodes).map_err(|e| {
             anyhow!(
                 "environment `{}`: post_process: {}",
@@ -236,7 +262,7 @@ impl Generator {
             weights: self.model.clone(),
             seconds: t0.elapsed().as_secs_f64(),
             teaching: None,
-            sampled_by_other_model: false,
+            sampled_by_other_model: self.remote.is_some(),
             episodes: Some(info),
         })
     }

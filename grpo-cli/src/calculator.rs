@@ -1,0 +1,182 @@
+//! `grpo-cli demo --task calculator`: a tiny model learns to call a calculator tool for
+//! arithmetic it cannot do alone, offline, in a few minutes on 2 cores.
+//!
+//! 1. A random-weight model (`init-model --preset small`) and two-digit multiplication
+//!    problems (`What is 37 * 48?`, answer `1776`): a 2M-parameter model cannot multiply
+//!    two-digit numbers by itself.
+//! 2. A short supervised warm-up on transcripts of two kinds, half each: the model calls the
+//!    calculator (`<tool_call>{"name": "calculator", "arguments": {"a": 37, "op": "*", "b":
+//!    48}}</tool_call>`), reads the tool's answer and repeats it; or it answers at once with a
+//!    guess (the product rounded to hundreds, usually wrong). The warm-up is short: calls are
+//!    not always well formed and the choice between calling and guessing is a coin flip.
+//! 3. GRPO with `configs/calculator.toml`: episodes against the built-in tool environment
+//!    (`[environment] type = "tools"`, the calculator a command tool running `expr`), the
+//!    `accuracy` reward on the last assistant message. Calling the tool pays, guessing does
+//!    not: the reward and `env/tool_calls_mean` rise.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use grpo_data::rng::SeededRng;
+use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_rollout::{Arch, ChatMessage};
+use grpo_trainer::config::{self, TrainConfig};
+use grpo_trainer::{RunOptions, TrainingResult};
+
+use crate::demo::{DemoOptions, toml_str, warm_up_pairs};
+
+/// The config `grpo-cli demo --task calculator` trains with.
+pub const CALCULATOR: &str = include_str!("../../configs/calculator.toml");
+
+/// Distinct problems GRPO trains on.
+pub const PROBLEMS: u64 = 256;
+
+/// What the calculator demo reports.
+#[derive(Debug)]
+pub struct CalculatorReport {
+    /// The GRPO run.
+    pub result: TrainingResult,
+    /// Mean reward of the first and last [`crate::demo::REPORT_STEPS`] steps.
+    pub reward: (f64, f64),
+    /// Mean tool calls per episode, first and last steps.
+    pub tool_calls: (f64, f64),
+    /// Warm-up loss at the start and the end.
+    pub sft_loss: (f64, f64),
+}
+
+/// Problem `i` of a seeded stream: two two-digit numbers.
+fn problem(rng: &mut SeededRng) -> (u64, u64) {
+    (10 + rng.below(90), 10 + rng.below(90))
+}
+
+fn question(a: u64, b: u64) -> String {
+    format!("What is {a} * {b}?")
+}
+
+/// The model's call, as the warm-up writes it.
+pub fn tool_call(a: u64, b: u64) -> String {
+    format!(
+        "<tool_call>{{\"name\": \"calculator\", \"arguments\": {{\"a\": {a}, \"op\": \"*\", \"b\": {b}}}}}</tool_call>"
+    )
+}
+
+/// Writes the GRPO problems as JSONL (`prompt` as a conversation, `answer`).
+fn write_problems(path: &Path, seed: u64) -> Result<()> {
+    let mut rng = SeededRng::new(seed);
+    let mut out = String::new();
+    for _ in 0..PROBLEMS {
+        let (a, b) = problem(&mut rng);
+        let row = serde_json::json!({
+            "prompt": [{"role": "user", "content": question(a, b)}],
+            "answer": (a * b).to_string(),
+        });
+        out.push_str(&row.to_string());
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("{}: cannot write", path.display()))
+}
+
+/// Warm-up pairs (prompt text, completion text without EOS) over `n` problems of another
+/// seeded stream, rendered by the model's chat template as the episodes render them.
+fn warm_up_examples(
+    tok: &grpo_rollout::Tokenizer,
+    n: usize,
+    seed: u64,
+) -> Result<Vec<(String, String)>> {
+    let mut rng = SeededRng::new(seed ^ 0x5eed);
+    let mut out = Vec::with_capacity(2 * n);
+    for _ in 0..n {
+        let (a, b) = problem(&mut rng);
+        let user = vec![ChatMessage::new("user", question(a, b))];
+        let prompt = tok.apply_chat_template(&user, true)?;
+        if rng.below(2) == 0 {
+            let call = tool_call(a, b);
+            out.push((prompt.clone(), call.clone()));
+            let mut conv = user;
+            conv.push(ChatMessage::new("assistant", call));
+            conv.push(ChatMessage::tool("calculator", (a * b).to_string()));
+            out.push((tok.apply_chat_template(&conv, true)?, (a * b).to_string()));
+        } else {
+            let guess = (a * b + 50) / 100 * 100;
+            out.push((prompt, guess.to_string()));
+        }
+    }
+    Ok(out)
+}
+
+/// Makes the model and data, warms up, trains with GRPO against the calculator.
+pub fn run(opts: &DemoOptions) -> Result<CalculatorReport> {
+    let out = &opts.out;
+    std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
+    let model_dir = out.join("model");
+    init_model_dir(&model_dir, Preset::Small, Arch::Llama, opts.seed)?;
+    let data = out.join("multiplication.jsonl");
+    write_problems(&data, opts.seed)?;
+    let device = opts
+        .device
+        .parse::<grpo_rollout::DeviceSpec>()
+        .and_then(|d| d.device())
+        .map_err(|e| anyhow::anyhow!("--device {}: {e}", opts.device))?;
+    let tok = grpo_rollout::load(
+        &model_dir,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )?
+    .tokenizer;
+    let examples = warm_up_examples(&tok, 2000, opts.seed)?;
+    let sft_loss = warm_up_pairs(
+        &model_dir,
+        &examples,
+        opts.sft_steps,
+        3e-3,
+        opts.seed,
+        &device,
+    )?;
+
+    let mut tree = config::parse_toml_tree(CALCULATOR)?;
+    config::apply_sets(
+        &mut tree,
+        &[
+            format!("output_dir={}", toml_str(&out.join("grpo"))),
+            format!("model.path={}", toml_str(&model_dir)),
+            format!("data.path=[{}]", toml_str(&data)),
+            format!("train.max_steps={}", opts.grpo_steps),
+            format!("train.seed={}", opts.seed),
+            format!("model.device={}", toml_str(Path::new(&opts.device))),
+            "overwrite_output_dir=true".into(),
+        ],
+    )?;
+    let cfg: TrainConfig = config::from_tree(tree, "configs/calculator.toml")?;
+    let setup = grpo_trainer::setup(cfg)?;
+    let mut ro = RunOptions::default();
+    if opts.progress {
+        ro.sinks.push(std::sync::Arc::new(std::sync::Mutex::new(
+            crate::progress::Progress::new(),
+        )));
+    }
+    let result = grpo_trainer::run(setup, &ro, &mut grpo_trainer::NoCallbacks)?;
+    let series = |k: &str| -> (f64, f64) {
+        let v: Vec<f64> = result
+            .metrics
+            .iter()
+            .filter_map(|m| m.get(k).copied())
+            .collect();
+        let n = crate::demo::REPORT_STEPS.min(v.len()).max(1);
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
+        (
+            mean(&v[..n.min(v.len())]),
+            mean(&v[v.len().saturating_sub(n)..]),
+        )
+    };
+    Ok(CalculatorReport {
+        reward: series("reward"),
+        tool_calls: series("env/tool_calls_mean"),
+        result,
+        sft_loss,
+    })
+}
+
+/// The default run directory of the calculator demo.
+pub fn default_out() -> PathBuf {
+    PathBuf::from("runs/calculator")
+}
