@@ -619,6 +619,41 @@ fn demo_runs_end_to_end_in_miniature() {
 }
 
 #[test]
+fn calculator_demo_runs_end_to_end_in_miniature() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = grpo_cli::calculator::run(&grpo_cli::demo::DemoOptions {
+        out: dir.path().join("calc"),
+        sft_steps: 2,
+        grpo_steps: 1,
+        seed: 1,
+        progress: false,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(r.result.total_steps, 1);
+    assert!(r.sft_loss.0.is_finite() && r.sft_loss.1.is_finite());
+    let m = &r.result.metrics[0];
+    for k in [
+        "rewards/accuracy/mean",
+        "env/tool_calls_mean",
+        "env/turns_mean",
+    ] {
+        assert!(m.contains_key(k), "{k} missing from {m:?}");
+    }
+    // The problems: a conversation and its product.
+    let line = std::fs::read_to_string(dir.path().join("calc/multiplication.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let q = row["prompt"][0]["content"].as_str().unwrap();
+    let (a, b) = q
+        .trim_start_matches("What is ")
+        .trim_end_matches('?')
+        .split_once(" * ")
+        .unwrap();
+    let product: u64 = a.parse::<u64>().unwrap() * b.parse::<u64>().unwrap();
+    assert_eq!(row["answer"], product.to_string());
+}
+
+#[test]
 fn eval_split_is_scored_every_eval_steps_and_reference_sync_runs() {
     let f = fixture();
     let extra = "[reference]\nbeta = 0.04\nsync_ref_model = true\nref_model_sync_steps = 2\nref_model_mixup_alpha = 0.5\n";

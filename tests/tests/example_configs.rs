@@ -70,6 +70,37 @@ fn quickstart_config_trains() {
 }
 
 #[test]
+fn calculator_config_trains_with_the_tool_environment() {
+    let (_dir, r) = train(
+        "calculator.toml",
+        &["environment.max_tokens_per_turn=6".into()],
+    );
+    for k in [
+        "rewards/accuracy/mean",
+        "env/tool_calls_mean",
+        "env/turns_mean",
+    ] {
+        assert!(r.metrics[0].contains_key(k), "{k}");
+    }
+    // Its calculator is `expr`, called as the model calls it.
+    let cfg = config::load(&configs_dir().join("calculator.toml"), &[]).unwrap();
+    let workers = grpo_rewards::python::PythonWorkers::new();
+    let tool = cfg.environment.tools[0].build(&workers).unwrap();
+    let call = grpo_rollout::tools::parse_tool_calls(&grpo_cli::calculator::tool_call(37, 48));
+    let args = &call[0].as_ref().unwrap().function.arguments;
+    assert_eq!(tool.call(args).unwrap(), "1776");
+    assert_eq!(
+        tool.call(&serde_json::json!({"a": 7, "op": "-", "b": 9}))
+            .unwrap(),
+        "-2"
+    );
+    let e = tool
+        .call(&serde_json::json!({"a": "x", "op": "*", "b": 9}))
+        .unwrap_err();
+    assert!(e.contains("exited with status"), "{e}");
+}
+
+#[test]
 fn smollm2_config_trains_with_lora_on_a_tiny_model() {
     // The config's model is the SmolLM2 GGUF; its LoRA / loss / reward keys are tested here on
     // the tiny model (the GGUF itself is covered by grpo-rollout's tests when present).

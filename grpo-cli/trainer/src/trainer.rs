@@ -194,7 +194,7 @@ impl FitOptions {
         self
     }
 
-    /// Generates multi-turn episodes against `env` (GRPO, local rollouts) instead of
+    /// Generates multi-turn episodes against `env` (GRPO, local or on the rollout server) instead of
     /// single-turn completions (replaces [`Trainer::with_environment`]'s). The `[environment]`
     /// config keys set the budgets; its rewards become the `env` reward.
     pub fn environment(mut self, env: impl Environment + 'static) -> Self {
@@ -310,8 +310,8 @@ impl<K> Trainer<K> {
         Ok(self)
     }
 
-    /// Generates multi-turn episodes against `env` instead of single-turn completions (GRPO,
-    /// `rollout.backend = "local"`): the model and the environment take turns (see
+    /// Generates multi-turn episodes against `env` instead of single-turn completions (GRPO;
+    /// replaces an `[environment] type` the config built): the model and the environment take turns (see
     /// `grpo_rollout::episode`), the loss is on the model's tokens only, and the environment's
     /// rewards (`environment.reward`: their sum or the last) are the `env` reward, weight 1,
     /// beside the run's reward functions. Budgets come from the `[environment]` config keys.
