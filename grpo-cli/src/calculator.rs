@@ -20,10 +20,9 @@ use anyhow::{Context, Result};
 use grpo_data::rng::SeededRng;
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_rollout::{Arch, ChatMessage};
-use grpo_trainer::config::{self, TrainConfig};
-use grpo_trainer::{RunOptions, TrainingResult};
+use grpo_trainer::TrainingResult;
 
-use crate::demo::{DemoOptions, toml_str, warm_up_pairs};
+use crate::demo::{DemoOptions, grpo_stage, warm_up_pairs};
 
 /// The config `grpo-cli demo --task calculator` trains with.
 pub const CALCULATOR: &str = include_str!("../../configs/calculator.toml");
@@ -77,14 +76,17 @@ fn write_problems(path: &Path, seed: u64) -> Result<()> {
 }
 
 /// Warm-up pairs (prompt text, completion text without EOS) over `n` problems of another
-/// seeded stream, rendered by the model's chat template as the episodes render them.
+/// seeded stream, rendered by the model's chat template as the episodes render them. Half
+/// call the calculator: the call, then the answer after the tool's result (eight times: its few
+/// tokens would otherwise be a sliver of the loss next to the call's); half guess the product
+/// rounded to hundreds, never the right one (so guessing never pays).
 fn warm_up_examples(
     tok: &grpo_rollout::Tokenizer,
     n: usize,
     seed: u64,
 ) -> Result<Vec<(String, String)>> {
     let mut rng = SeededRng::new(seed ^ 0x5eed);
-    let mut out = Vec::with_capacity(2 * n);
+    let mut out = Vec::with_capacity(5 * n);
     for _ in 0..n {
         let (a, b) = problem(&mut rng);
         let user = vec![ChatMessage::new("user", question(a, b))];
@@ -95,13 +97,21 @@ fn warm_up_examples(
             let mut conv = user;
             conv.push(ChatMessage::new("assistant", call));
             conv.push(ChatMessage::tool("calculator", (a * b).to_string()));
-            out.push((tok.apply_chat_template(&conv, true)?, (a * b).to_string()));
+            let after = tok.apply_chat_template(&conv, true)?;
+            for _ in 0..8 {
+                out.push((after.clone(), (a * b).to_string()));
+            }
         } else {
-            let guess = (a * b + 50) / 100 * 100;
-            out.push((prompt, guess.to_string()));
+            out.push((prompt, guess(a * b).to_string()));
         }
     }
     Ok(out)
+}
+
+/// A guess at `product`: rounded to hundreds, and never right.
+pub fn guess(product: u64) -> u64 {
+    let g = (product + 50) / 100 * 100;
+    if g == product { g + 100 } else { g }
 }
 
 /// Makes the model and data, warms up, trains with GRPO against the calculator.
@@ -133,28 +143,13 @@ pub fn run(opts: &DemoOptions) -> Result<CalculatorReport> {
         &device,
     )?;
 
-    let mut tree = config::parse_toml_tree(CALCULATOR)?;
-    config::apply_sets(
-        &mut tree,
-        &[
-            format!("output_dir={}", toml_str(&out.join("grpo"))),
-            format!("model.path={}", toml_str(&model_dir)),
-            format!("data.path=[{}]", toml_str(&data)),
-            format!("train.max_steps={}", opts.grpo_steps),
-            format!("train.seed={}", opts.seed),
-            format!("model.device={}", toml_str(Path::new(&opts.device))),
-            "overwrite_output_dir=true".into(),
-        ],
+    let result = grpo_stage(
+        CALCULATOR,
+        "configs/calculator.toml",
+        opts,
+        &model_dir,
+        &data,
     )?;
-    let cfg: TrainConfig = config::from_tree(tree, "configs/calculator.toml")?;
-    let setup = grpo_trainer::setup(cfg)?;
-    let mut ro = RunOptions::default();
-    if opts.progress {
-        ro.sinks.push(std::sync::Arc::new(std::sync::Mutex::new(
-            crate::progress::Progress::new(),
-        )));
-    }
-    let result = grpo_trainer::run(setup, &ro, &mut grpo_trainer::NoCallbacks)?;
     let series = |k: &str| -> (f64, f64) {
         let v: Vec<f64> = result
             .metrics

@@ -217,29 +217,13 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
         &device,
     )?;
 
-    let mut tree = config::parse_toml_tree(QUICKSTART)?;
-    config::apply_sets(
-        &mut tree,
-        &[
-            format!("output_dir={}", toml_str(&out.join("grpo"))),
-            format!("model.path={}", toml_str(&model_dir)),
-            format!("data.path=[{}]", toml_str(&data)),
-            format!("train.max_steps={}", opts.grpo_steps),
-            format!("train.seed={}", opts.seed),
-            format!("model.device={}", toml_str(Path::new(&opts.device))),
-            // The demo makes its model and data afresh each time: its run starts over too.
-            "overwrite_output_dir=true".into(),
-        ],
+    let result = grpo_stage(
+        QUICKSTART,
+        "configs/quickstart.toml",
+        opts,
+        &model_dir,
+        &data,
     )?;
-    let cfg: TrainConfig = config::from_tree(tree, "configs/quickstart.toml")?;
-    let setup = grpo_trainer::setup(cfg)?;
-    let mut ro = RunOptions::default();
-    if opts.progress {
-        ro.sinks.push(std::sync::Arc::new(std::sync::Mutex::new(
-            crate::progress::Progress::new(),
-        )));
-    }
-    let result = grpo_trainer::run(setup, &ro, &mut grpo_trainer::NoCallbacks)?;
     let rewards: Vec<f64> = result.metrics.iter().map(|m| m["reward"]).collect();
     let k = REPORT_STEPS.min(rewards.len()).max(1);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -251,6 +235,40 @@ pub fn run(opts: &DemoOptions) -> Result<DemoReport> {
     })
 }
 
-pub(crate) fn toml_str(p: &Path) -> String {
+/// Trains the GRPO stage of a demo: `config` (the text of `source`) with the demo's model,
+/// data, steps, seed and device, in `opts.out/grpo`, started over each time.
+pub(crate) fn grpo_stage(
+    config: &str,
+    source: &str,
+    opts: &DemoOptions,
+    model_dir: &Path,
+    data: &Path,
+) -> Result<TrainingResult> {
+    let mut tree = config::parse_toml_tree(config)?;
+    config::apply_sets(
+        &mut tree,
+        &[
+            format!("output_dir={}", toml_str(&opts.out.join("grpo"))),
+            format!("model.path={}", toml_str(model_dir)),
+            format!("data.path=[{}]", toml_str(data)),
+            format!("train.max_steps={}", opts.grpo_steps),
+            format!("train.seed={}", opts.seed),
+            format!("model.device={}", toml_str(Path::new(&opts.device))),
+            // The demo makes its model and data afresh each time: its run starts over too.
+            "overwrite_output_dir=true".into(),
+        ],
+    )?;
+    let cfg: TrainConfig = config::from_tree(tree, source)?;
+    let setup = grpo_trainer::setup(cfg)?;
+    let mut ro = RunOptions::default();
+    if opts.progress {
+        ro.sinks.push(std::sync::Arc::new(std::sync::Mutex::new(
+            crate::progress::Progress::new(),
+        )));
+    }
+    grpo_trainer::run(setup, &ro, &mut grpo_trainer::NoCallbacks)
+}
+
+fn toml_str(p: &Path) -> String {
     toml::Value::String(p.display().to_string()).to_string()
 }

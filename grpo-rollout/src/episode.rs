@@ -121,6 +121,23 @@ pub struct EpisodeRequest<'a> {
     pub first_stream: u64,
 }
 
+impl<'a> EpisodeRequest<'a> {
+    /// `n` episodes of each prompt, episode `j` of prompt `p` on stream `p · n + j` of `seed`
+    /// (what [`generate_episodes`] runs).
+    pub fn grouped(prompts: &'a [EpisodePrompt], n: usize, seed: u64) -> Vec<Self> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| EpisodeRequest {
+                prompt,
+                n,
+                seed,
+                first_stream: (i * n) as u64,
+            })
+            .collect()
+    }
+}
+
 /// Sampling and budgets of multi-turn generation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EpisodeParams {
@@ -349,16 +366,7 @@ pub fn generate_episodes(
     num_generations: usize,
     params: &EpisodeParams,
 ) -> Result<Vec<Episode>> {
-    let requests: Vec<EpisodeRequest<'_>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| EpisodeRequest {
-            prompt: p,
-            n: num_generations,
-            seed: params.sampling.seed,
-            first_stream: (i * num_generations) as u64,
-        })
-        .collect();
+    let requests = EpisodeRequest::grouped(prompts, num_generations, params.sampling.seed);
     generate_episodes_batch(model, tokenizer, env, &requests, params)
 }
 
@@ -371,11 +379,7 @@ pub fn generate_episodes_batch(
     requests: &[EpisodeRequest<'_>],
     params: &EpisodeParams,
 ) -> Result<Vec<Episode>> {
-    params.validate()?;
-    if let Some(i) = requests.iter().position(|r| r.prompt.ids.is_empty()) {
-        bail!("episode prompt {i} is empty: a prompt needs at least one token");
-    }
-    let live: Vec<usize> = (0..requests.len()).filter(|&i| requests[i].n > 0).collect();
+    let live = live_requests(requests, params)?;
     if live.is_empty() {
         return Ok(Vec::new());
     }
@@ -426,6 +430,15 @@ pub fn generate_episodes_batch(
         running = order;
     }
     finish_episodes(eps, tokenizer)
+}
+
+/// Checks `params` and the prompts; the requests with episodes to run.
+fn live_requests(requests: &[EpisodeRequest<'_>], params: &EpisodeParams) -> Result<Vec<usize>> {
+    params.validate()?;
+    if let Some(i) = requests.iter().position(|r| r.prompt.ids.is_empty()) {
+        bail!("episode prompt {i} is empty: a prompt needs at least one token");
+    }
+    Ok((0..requests.len()).filter(|&i| requests[i].n > 0).collect())
 }
 
 /// The episodes of `requests` (those in `live`), before their first turn.
@@ -640,11 +653,7 @@ pub fn generate_episodes_remote(
 ) -> Result<Vec<Episode>> {
     use rand::RngCore;
 
-    params.validate()?;
-    if let Some(i) = requests.iter().position(|r| r.prompt.ids.is_empty()) {
-        bail!("episode prompt {i} is empty: a prompt needs at least one token");
-    }
-    let live: Vec<usize> = (0..requests.len()).filter(|&i| requests[i].n > 0).collect();
+    let live = live_requests(requests, params)?;
     if live.is_empty() {
         return Ok(Vec::new());
     }

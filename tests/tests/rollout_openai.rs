@@ -32,6 +32,14 @@ fn fixture(root: &Path) {
     .unwrap();
 }
 
+/// `grpo-cli serve` of the fixture's model as `tiny`, on a free loopback port.
+fn serve(root: &Path) -> grpo_cli::serve::Server {
+    let mut o = ServeOptions::new(root.join("model"));
+    o.served_model_name = "tiny".into();
+    o.addr = "127.0.0.1:0".parse().unwrap();
+    start(o).unwrap()
+}
+
 /// Reward: completions that start with white space (a quarter of the model's at first).
 fn config(root: &Path, out: &str, extra: &str) -> TrainConfig {
     let text = format!(
@@ -82,10 +90,7 @@ fn the_openai_backend_trains_like_the_local_one() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     fixture(root);
-    let mut o = ServeOptions::new(root.join("model"));
-    o.served_model_name = "tiny".into();
-    o.addr = "127.0.0.1:0".parse().unwrap();
-    let srv = start(o).unwrap();
+    let srv = serve(root);
 
     let local = trainer::run(
         trainer::setup(config(root, "local", "")).unwrap(),
@@ -470,10 +475,7 @@ fn episodes_run_through_the_openai_backend() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     fixture(root);
-    let mut o = ServeOptions::new(root.join("model"));
-    o.served_model_name = "tiny".into();
-    o.addr = "127.0.0.1:0".parse().unwrap();
-    let srv = start(o).unwrap();
+    let srv = serve(root);
     let extra = format!(
         "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n[environment]\nmax_turns = 3\nmax_total_tokens = 60\n",
         srv.base_url()

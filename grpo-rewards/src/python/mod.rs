@@ -92,6 +92,26 @@ fn default_python() -> String {
     "python3".into()
 }
 
+impl PythonConfig {
+    /// Checks `timeout` and `python`; the timeout as a duration.
+    fn checked_timeout(&self) -> Result<Duration> {
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(RewardError::config(
+                "timeout",
+                format!("must be a number of seconds > 0, got {}", self.timeout),
+            ));
+        }
+        if self.python.trim().is_empty() {
+            return Err(RewardError::config(
+                "python",
+                "must name an interpreter, e.g. \"python3\"",
+            ));
+        }
+        Duration::try_from_secs_f64(self.timeout)
+            .map_err(|e| RewardError::config("timeout", e.to_string()))
+    }
+}
+
 fn default_timeout() -> f64 {
     60.0
 }
@@ -216,20 +236,7 @@ impl PythonReward {
     /// and has it import the function. Errors are config errors naming `path`, `function`,
     /// `python` or `timeout`. `name` is the reward's name (in errors and counters).
     pub fn new(name: &str, config: &PythonConfig, workers: &PythonWorkers) -> Result<Self> {
-        if !(config.timeout.is_finite() && config.timeout > 0.0) {
-            return Err(RewardError::config(
-                "timeout",
-                format!("must be a number of seconds > 0, got {}", config.timeout),
-            ));
-        }
-        let timeout = Duration::try_from_secs_f64(config.timeout)
-            .map_err(|e| RewardError::config("timeout", e.to_string()))?;
-        if config.python.trim().is_empty() {
-            return Err(RewardError::config(
-                "python",
-                "must name an interpreter, e.g. \"python3\"",
-            ));
-        }
+        let timeout = config.checked_timeout()?;
         let target = Target::of(config)?;
         let worker = workers.get(config.python.trim());
         worker.load(&target)?;
@@ -331,20 +338,7 @@ impl PythonObject {
     /// Checks `config`, starts its worker in `workers` if needed and loads the function or
     /// class: errors are config errors naming `path`, `function`, `python` or `timeout`.
     pub fn load(config: &PythonConfig, kind: PythonKind, workers: &PythonWorkers) -> Result<Self> {
-        if !(config.timeout.is_finite() && config.timeout > 0.0) {
-            return Err(RewardError::config(
-                "timeout",
-                format!("must be a number of seconds > 0, got {}", config.timeout),
-            ));
-        }
-        let timeout = Duration::try_from_secs_f64(config.timeout)
-            .map_err(|e| RewardError::config("timeout", e.to_string()))?;
-        if config.python.trim().is_empty() {
-            return Err(RewardError::config(
-                "python",
-                "must name an interpreter, e.g. \"python3\"",
-            ));
-        }
+        let timeout = config.checked_timeout()?;
         let mut target = Target::of(config)?;
         match kind {
             PythonKind::Tool => target.kind = "tool",

@@ -214,16 +214,7 @@ impl Generator {
                     .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
                 self.remote_sync
                     .sync(&mut server, &self.model, self.version)?;
-                let requests: Vec<EpisodeRequest<'_>> = prompts
-                    .iter()
-                    .enumerate()
-                    .map(|(i, p)| EpisodeRequest {
-                        prompt: p,
-                        n: g,
-                        seed: params.sampling.seed,
-                        first_stream: (i * g) as u64,
-                    })
-                    .collect();
+                let requests = EpisodeRequest::grouped(&prompts, g, params.sampling.seed);
                 grpo_rollout::episode::generate_episodes_remote(
                     &server,
                     &self.tokenizer,
