@@ -79,7 +79,8 @@ fn write_problems(path: &Path, seed: u64) -> Result<()> {
 /// seeded stream, rendered by the model's chat template as the episodes render them. Half
 /// call the calculator: the call, then the answer after the tool's result (eight times: its few
 /// tokens would otherwise be a sliver of the loss next to the call's); half guess the product
-/// rounded to hundreds, never the right one (so guessing never pays).
+/// rounded to hundreds, never the right one (so guessing never pays), as `About 1800.` (a
+/// form of its own: a bare number after the tool's answer is always a copy of it).
 fn warm_up_examples(
     tok: &grpo_rollout::Tokenizer,
     n: usize,
@@ -102,7 +103,7 @@ fn warm_up_examples(
                 out.push((after.clone(), (a * b).to_string()));
             }
         } else {
-            out.push((prompt, guess(a * b).to_string()));
+            out.push((prompt, format!("About {}.", guess(a * b))));
         }
     }
     Ok(out)
