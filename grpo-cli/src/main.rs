@@ -173,7 +173,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
 #[derive(Debug, clap::Args)]
 struct DemoArgs {
     /// `arithmetic` (one-digit arithmetic with the accuracy reward) or `calculator` (a model
-    /// learns to call a calculator tool: multi-turn episodes against the tool environment).
+    /// calls a calculator tool: multi-turn episodes against the tool environment).
     #[arg(long, default_value = "arithmetic", value_parser = ["arithmetic", "calculator"])]
     task: String,
     /// Run directory (default runs/demo, or runs/calculator).

@@ -62,7 +62,7 @@ pub fn parse_tool_calls(text: &str) -> Vec<std::result::Result<ToolCall, String>
 }
 
 fn parse_call(body: &str) -> std::result::Result<ToolCall, String> {
-    let shown: String = body.chars().take(80).collect();
+    let shown: String = body.chars().take(40).collect();
     let v: Value = serde_json::from_str(body)
         .map_err(|e| format!("the tool call is not JSON ({e}): {shown}"))?;
     let Value::Object(mut m) = v else {
