@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use grpo_data::rng::SeededRng;
-use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_rollout::init::{Preset, init_model_dir_with};
 use grpo_rollout::{Arch, ChatMessage};
 use grpo_trainer::TrainingResult;
 
@@ -124,7 +124,8 @@ pub fn run(opts: &DemoOptions) -> Result<CalculatorReport> {
     let out = &opts.out;
     std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let model_dir = out.join("model");
-    init_model_dir(&model_dir, Preset::Small, Arch::Llama, opts.seed)?;
+    // Digits as single tokens: the reply copies the tool's answer digit by digit.
+    init_model_dir_with(&model_dir, Preset::Small, Arch::Llama, opts.seed, true)?;
     let data = out.join("multiplication.jsonl");
     write_problems(&data, opts.seed)?;
     let device = opts

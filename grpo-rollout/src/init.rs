@@ -10,7 +10,10 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, TokenizerBuilder};
 
 use crate::config::{Arch, ModelConfig};
@@ -108,6 +111,13 @@ pub fn training_corpus() -> Vec<String> {
 
 /// Trains a byte-level BPE tokenizer of at most `vocab_size` entries on [`training_corpus`].
 pub fn train_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
+    train_tokenizer_with(vocab_size, false)
+}
+
+/// [`train_tokenizer`], with every digit its own token when `split_digits` (as Llama's and
+/// Qwen's tokenizers split numbers): a number is then a few of ten tokens, which a tiny model
+/// learns to copy far more easily than BPE's merged digit groups.
+pub fn train_tokenizer_with(vocab_size: usize, split_digits: bool) -> Result<Tokenizer> {
     let err = |e: tokenizers::Error| candle_core::Error::msg(format!("tokenizer training: {e}"));
     let specials: Vec<AddedToken> = SPECIAL_TOKENS
         .iter()
@@ -123,7 +133,7 @@ pub fn train_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
     let mut tok = TokenizerBuilder::new()
         .with_model(BPE::default())
         .with_normalizer(None::<tokenizers::NormalizerWrapper>)
-        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)))
+        .with_pre_tokenizer(Some(pre_tokenizer(split_digits)))
         .with_post_processor(Some(ByteLevel::default().trim_offsets(false)))
         .with_decoder(Some(ByteLevel::default()))
         .build()
@@ -140,6 +150,19 @@ pub fn train_tokenizer(vocab_size: usize) -> Result<Tokenizer> {
         bos_token: None,
         eos_token: Some("<|im_end|>".to_string()),
     })
+}
+
+/// Byte-level pre-tokenization, after splitting digits apart when `split_digits`.
+fn pre_tokenizer(split_digits: bool) -> PreTokenizerWrapper {
+    let bytes = ByteLevel::default().add_prefix_space(false);
+    if split_digits {
+        PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            PreTokenizerWrapper::ByteLevel(bytes),
+        ]))
+    } else {
+        PreTokenizerWrapper::ByteLevel(bytes)
+    }
 }
 
 /// The config of a preset for `arch` and a vocabulary size.
@@ -251,11 +274,23 @@ pub fn random_weights(
 
 /// Writes a random-weight model directory (`grpo-cli init-model`). Returns its config.
 pub fn init_model_dir(out: &Path, preset: Preset, arch: Arch, seed: u64) -> Result<ModelConfig> {
+    init_model_dir_with(out, preset, arch, seed, false)
+}
+
+/// [`init_model_dir`] with the tokenizer's digits split apart when `split_digits`
+/// ([`train_tokenizer_with`]).
+pub fn init_model_dir_with(
+    out: &Path,
+    preset: Preset,
+    arch: Arch,
+    seed: u64,
+    split_digits: bool,
+) -> Result<ModelConfig> {
     let vocab = match preset {
         Preset::Tiny => 512,
         Preset::Small => 1024,
     };
-    let tokenizer = train_tokenizer(vocab)?;
+    let tokenizer = train_tokenizer_with(vocab, split_digits)?;
     let cfg = preset_config(
         preset,
         arch,
@@ -266,4 +301,35 @@ pub fn init_model_dir(out: &Path, preset: Preset, arch: Arch, seed: u64) -> Resu
     let model = random_weights(&cfg, seed, DType::F32, &Device::Cpu)?;
     crate::loader::save_hf_dir(&model, &tokenizer, out, DType::F32)?;
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces(tok: &Tokenizer, text: &str) -> Vec<String> {
+        let ids = tok.encode(text, false).unwrap();
+        ids.iter()
+            .map(|&i| tok.inner.id_to_token(i).unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn split_digits_makes_each_digit_a_token_and_round_trips() {
+        let plain = train_tokenizer(400).unwrap();
+        let split = train_tokenizer_with(400, true).unwrap();
+        let text = "What is 17 * 85? It is 1445.";
+        // BPE merges digit groups the corpus holds ("17"); split keeps them apart.
+        assert!(
+            pieces(&plain, "1785").len() < 4,
+            "{:?}",
+            pieces(&plain, "1785")
+        );
+        assert_eq!(pieces(&split, "1785"), ["1", "7", "8", "5"]);
+        for tok in [&plain, &split] {
+            let ids = tok.encode(text, false).unwrap();
+            assert_eq!(tok.decode(&ids, false).unwrap(), text);
+            assert!(tok.vocab_size() <= 400);
+        }
+    }
 }
