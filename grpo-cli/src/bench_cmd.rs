@@ -21,6 +21,9 @@ pub struct BenchModelArgs {
     /// New tokens per sequence in the generation benchmark.
     #[arg(long, default_value_t = 64)]
     new_tokens: usize,
+    /// Prompt tokens per sequence in the generation benchmark (4 distinct prompts).
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
     /// Sequence length of the forward + backward benchmark.
     #[arg(long, default_value_t = 80)]
     seq_len: usize,
@@ -43,39 +46,51 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 pub fn bench_model(a: BenchModelArgs) -> Result<()> {
+    anyhow::ensure!(a.new_tokens >= 2, "--new-tokens must be at least 2");
+    anyhow::ensure!(a.prompt_len >= 1, "--prompt-len must be at least 1");
     let (device, dtype) = a.place.resolve()?;
     let m = grpo_rollout::load(&a.model, dtype, &device)?;
     let vocab = m.model.cfg.vocab_size as u32;
-    // Generation: 4 prompts x 8 samples (the TRL bench shape), EOS suppressed.
+    // Generation: 4 prompts x (batch / 4) samples (the TRL bench shape), EOS suppressed.
     let prompt_ids: Vec<Vec<u32>> = (0..4u32)
-        .map(|i| (0..16u32).map(|j| (i * 31 + j * 7 + 5) % vocab).collect())
+        .map(|i| {
+            (0..a.prompt_len as u32)
+                .map(|j| (i * 31 + j * 7 + 5) % vocab)
+                .collect()
+        })
         .collect();
     let groups = a.batch / 4;
-    let params = SamplingParams {
-        max_new_tokens: a.new_tokens,
-        min_new_tokens: a.new_tokens,
+    let params = |n: usize| SamplingParams {
+        max_new_tokens: n,
+        min_new_tokens: n,
         temperature: 1.0,
         seed: 1,
         ..Default::default()
     };
     let detached = m.model.detached();
-    let mut gen_s = Vec::new();
-    // Runs per phase: one warm-up, then `reps` timed.
+    // Runs per phase: one warm-up, then `reps` timed. The whole generation, then the prefill
+    // alone (one new token): the difference is the decode steps.
     let gen_runs = if a.phase == "fwd-bwd" { 0 } else { a.reps + 1 };
     let fb_runs = if a.phase == "generate" { 0 } else { a.reps + 1 };
-    for r in 0..gen_runs {
-        let t = Instant::now();
-        let out =
-            grpo_rollout::generate(&detached, &m.tokenizer, &prompt_ids, groups.max(1), &params)?;
-        let dt = t.elapsed().as_secs_f64();
-        anyhow::ensure!(
-            out.iter().all(|c| c.token_ids.len() == a.new_tokens),
-            "generation stopped early"
-        );
-        if r > 0 {
-            gen_s.push(dt);
+    let time_generation = |n: usize| -> Result<Vec<f64>> {
+        let mut times = Vec::new();
+        for r in 0..gen_runs {
+            let t = Instant::now();
+            let out =
+                grpo_rollout::generate(&detached, &m.tokenizer, &prompt_ids, groups.max(1), &params(n))?;
+            let dt = t.elapsed().as_secs_f64();
+            anyhow::ensure!(
+                out.iter().all(|c| c.token_ids.len() == n),
+                "generation stopped early"
+            );
+            if r > 0 {
+                times.push(dt);
+            }
         }
-    }
+        Ok(times)
+    };
+    let gen_s = time_generation(a.new_tokens)?;
+    let prefill_s = time_generation(1)?;
     // Forward + backward of a log-prob loss on batch x seq_len tokens (last half scored).
     let mut tm = TrainableModel::full(&m.model)?;
     if a.gradient_checkpointing {
@@ -93,6 +108,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             .model
             .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
         let grads = tm.model.backward(&lp.mean_all()?.neg()?)?;
+        // Kernels run asynchronously on a GPU: wait for them before reading the clock.
+        device.synchronize()?;
         let dt = t.elapsed().as_secs_f64();
         anyhow::ensure!(grads.get(tm.vars[0].1.as_tensor()).is_some(), "no gradient");
         if r > 0 {
@@ -100,6 +117,7 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         }
     }
     let g = median(gen_s.clone());
+    let p = median(prefill_s.clone());
     // The matmul work of forward + backward: every row through the layers, the full L x L
     // score matrix (causal positions are masked, not skipped), the head on the scored half;
     // backward twice the forward.
@@ -107,23 +125,30 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     let fb_gflop = 3.0 * m.model.cfg.matmul_flops(b * l, b * l * l, b * (l / 2)) / 1e9;
     let fb = median(fb_s.clone());
     let mm = if fb_runs > 0 {
-        Some(matmul_gflops())
+        Some(matmul_peak_gflops(&device, dtype)?)
     } else {
         None
     };
+    let batch = (groups.max(1) * 4) as f64;
     println!(
         "{}",
         serde_json::json!({
             "impl": "grpo-rs",
+            "device": a.place.device,
+            "dtype": a.place.dtype,
             "params": m.model.cfg.num_parameters(),
             "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             "generate_s_median": g,
             "generate_s_all": gen_s,
-            "generate_tokens_per_s": g.map(|g| (a.batch * a.new_tokens) as f64 / g),
+            "generate_tokens_per_s": g.map(|g| batch * a.new_tokens as f64 / g),
+            "prefill_s_median": p,
+            "prefill_tokens_per_s": p.map(|p| batch * a.prompt_len as f64 / p),
+            "decode_ms_per_step": g.zip(p).map(|(g, p)| (g - p) / (a.new_tokens - 1) as f64 * 1e3),
             "fwd_bwd_s_median": fb,
             "fwd_bwd_s_all": fb_s,
             "fwd_bwd_gflop": fb_gflop,
             "fwd_bwd_gflop_per_s": fb.map(|t| fb_gflop / t),
+            "fwd_bwd_tflop_per_s": fb.map(|t| fb_gflop / t / 1e3),
             "matmul_gflop_per_s": mm,
             "fwd_bwd_matmul_fraction": fb.zip(mm).map(|(t, mm)| fb_gflop / t / mm),
             "peak_rss_mib": grpo_cli::trainer::peak_rss_mib(),
@@ -132,22 +157,22 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     Ok(())
 }
 
-/// candle's f32 matmul rate on this machine, GFLOP/s: the best of 20 timed 1024³ products
-/// (as scripts/bench-vs-trl.sh measures torch's).
-pub fn matmul_gflops() -> f64 {
-    let n = 1024;
-    let run = || -> Result<f64> {
-        let x = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-        let y = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-        x.matmul(&y)?;
-        let mut t = Vec::new();
-        for _ in 0..20 {
-            let s = Instant::now();
-            x.matmul(&y)?;
-            t.push(s.elapsed().as_secs_f64());
-        }
-        let best = t.into_iter().fold(f64::INFINITY, f64::min);
-        Ok(2.0 * (n * n * n) as f64 / best / 1e9)
-    };
-    run().unwrap_or(f64::NAN)
+/// The matrix-product rate candle reaches on `device` in `dtype`, GFLOP/s: the best of 20
+/// timed square products (1024 on the CPU, as scripts/bench-vs-trl.sh measures torch's; 8192
+/// on a GPU, large enough to fill it), each waited for.
+pub fn matmul_peak_gflops(device: &Device, dtype: DType) -> Result<f64> {
+    let n = if device.is_cpu() { 1024 } else { 8192 };
+    let x = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
+    let y = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(dtype)?;
+    x.matmul(&y)?;
+    device.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..20 {
+        let s = Instant::now();
+        let z = x.matmul(&y)?;
+        device.synchronize()?;
+        best = best.min(s.elapsed().as_secs_f64());
+        drop(z);
+    }
+    Ok(2.0 * (n * n * n) as f64 / best / 1e9)
 }

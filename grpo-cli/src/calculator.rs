@@ -1,18 +1,17 @@
 //! `grpo-cli demo --task calculator`: a tiny model, episodes against a calculator tool for
 //! arithmetic it cannot do alone, offline, in a few minutes on 2 cores.
 //!
-//! The whole tool-use path runs; with this 2M-parameter model from scratch the warm-up teaches
-//! well-formed calls but not copying the tool's answer, so the reward stays near 0 (measured in
-//! the README). The steps:
+//! A 2M-parameter model warmed up from scratch learns to write calls and copy numbers, but
+//! not to multiply: calling the calculator is the only way to score, and GRPO learns to call
+//! it instead of guessing (the reward rises; figures in the README). The steps:
 //!
-//! 1. A random-weight model (`init-model --preset small`) and two-digit multiplication
-//!    problems (`What is 37 * 48?`, answer `1776`): a 2M-parameter model cannot multiply
-//!    two-digit numbers by itself.
+//! 1. A random-weight model (`init-model --preset small`, digits as single tokens) and
+//!    two-digit multiplication problems (`a = 37, b = 48. What is a * b?`, answer `1776`).
 //! 2. A short supervised warm-up on transcripts of two kinds, half each: the model calls the
 //!    calculator (`<tool_call>{"name": "calculator", "arguments": {"a": 37, "op": "*", "b":
 //!    48}}</tool_call>`), reads the tool's answer and repeats it; or it answers at once with a
-//!    guess (`About 1800.`, never right). The warm-up is short: calls are not always well
-//!    formed and the choice between calling and guessing is a coin flip.
+//!    guess (`About 1800.`, never right). The choice between calling and guessing is left a
+//!    coin flip.
 //! 3. GRPO with `configs/calculator.toml`: episodes against the built-in tool environment
 //!    (`[environment] type = "tools"`, the calculator a command tool running `expr`), the
 //!    `accuracy` reward on the last assistant message. Calling the tool and repeating its
@@ -31,6 +30,10 @@ use crate::demo::{DemoOptions, grpo_stage, warm_up_pairs};
 /// The config `grpo-cli demo --task calculator` trains with.
 pub const CALCULATOR: &str = include_str!("../../configs/calculator.toml");
 
+/// Steps averaged for the first / last figures the demo prints: GRPO learns to call the tool
+/// within its first ten steps.
+pub const REPORT_STEPS: usize = 10;
+
 /// Distinct problems GRPO trains on.
 pub const PROBLEMS: u64 = 256;
 
@@ -39,7 +42,7 @@ pub const PROBLEMS: u64 = 256;
 pub struct CalculatorReport {
     /// The GRPO run.
     pub result: TrainingResult,
-    /// Mean reward of the first and last [`crate::demo::REPORT_STEPS`] steps.
+    /// Mean reward of the first and last [`REPORT_STEPS`] steps.
     pub reward: (f64, f64),
     /// Mean tool calls per episode, first and last steps.
     pub tool_calls: (f64, f64),
@@ -52,8 +55,12 @@ fn problem(rng: &mut SeededRng) -> (u64, u64) {
     (10 + rng.below(90), 10 + rng.below(90))
 }
 
+/// The question names its operands as the call's arguments do: copying a number into the call
+/// is then finding the digits after the same name. With `What is 37 * 48?` the model (warmed up
+/// from scratch) learned to copy `b`, which follows the `*` in both, but not `a` after 1,500
+/// warm-up steps; with the names it copies both after 600.
 fn question(a: u64, b: u64) -> String {
-    format!("What is {a} * {b}?")
+    format!("a = {a}, b = {b}. What is a * b?")
 }
 
 /// The model's call, as the warm-up writes it.
@@ -81,8 +88,8 @@ fn write_problems(path: &Path, seed: u64) -> Result<()> {
 
 /// Warm-up pairs (prompt text, completion text without EOS) over `n` problems of another
 /// seeded stream, rendered by the model's chat template as the episodes render them. Half
-/// call the calculator: the call, then the answer after the tool's result (eight times: its few
-/// tokens would otherwise be a sliver of the loss next to the call's); half guess the product
+/// call the calculator: the call (twice), then the answer after the tool's result (four times:
+/// its few tokens would otherwise be a sliver of the loss next to the call's); half guess the product
 /// rounded to hundreds, never the right one (so guessing never pays), as `About 1800.` (a
 /// form of its own: a bare number after the tool's answer is always a copy of it).
 fn warm_up_examples(
@@ -98,12 +105,14 @@ fn warm_up_examples(
         let prompt = tok.apply_chat_template(&user, true)?;
         if rng.below(2) == 0 {
             let call = tool_call(a, b);
-            out.push((prompt.clone(), call.clone()));
+            for _ in 0..2 {
+                out.push((prompt.clone(), call.clone()));
+            }
             let mut conv = user;
             conv.push(ChatMessage::new("assistant", call));
             conv.push(ChatMessage::tool("calculator", (a * b).to_string()));
             let after = tok.apply_chat_template(&conv, true)?;
-            for _ in 0..8 {
+            for _ in 0..4 {
                 out.push((after.clone(), (a * b).to_string()));
             }
         } else {
@@ -144,7 +153,7 @@ pub fn run(opts: &DemoOptions) -> Result<CalculatorReport> {
         &model_dir,
         &examples,
         opts.sft_steps,
-        3e-3,
+        2e-3,
         opts.seed,
         &device,
     )?;
@@ -162,7 +171,7 @@ pub fn run(opts: &DemoOptions) -> Result<CalculatorReport> {
             .iter()
             .filter_map(|m| m.get(k).copied())
             .collect();
-        let n = crate::demo::REPORT_STEPS.min(v.len()).max(1);
+        let n = REPORT_STEPS.min(v.len()).max(1);
         let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len().max(1) as f64;
         (
             mean(&v[..n.min(v.len())]),

@@ -93,7 +93,8 @@ pub fn warm_up(
 }
 
 /// [`warm_up`] on chat-rendered examples: the prompt is text the chat template rendered
-/// (tokenized as written), the completion the assistant's text, EOS after it.
+/// (tokenized as written), the completion the assistant's text, EOS after it. The learning rate
+/// warms up linearly over the first 5% of steps, then decays as a cosine to 10% of `lr`.
 pub fn warm_up_pairs(
     model_dir: &Path,
     examples: &[(String, String)],
@@ -175,7 +176,19 @@ fn warm_up_with(
         let mut acc = std::collections::HashMap::new();
         accumulate(&mut acc, opt.vars(), &grads)?;
         clip_grad_norm(&mut acc, 1.0)?;
-        opt.step(&acc, lr)?;
+        // Chat warm-ups (`warm_up_pairs`): linear warm-up, cosine decay to 10%.
+        let lr_now = if chat {
+            let w = (steps / 20).max(1);
+            if step < w {
+                lr * (step + 1) as f64 / w as f64
+            } else {
+                let t = (step - w) as f64 / (steps - w).max(1) as f64;
+                lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
+            }
+        } else {
+            lr
+        };
+        opt.step(&acc, lr_now)?;
     }
     grpo_rollout::save_hf_dir(&policy.model.detached(), &tok, model_dir, DType::F32)?;
     Ok((first, last))

@@ -179,7 +179,7 @@ struct DemoArgs {
     /// Run directory (default runs/demo, or runs/calculator).
     #[arg(long)]
     out: Option<std::path::PathBuf>,
-    /// Supervised warm-up steps (default 400 / 300).
+    /// Supervised warm-up steps (default 400 / 800).
     #[arg(long)]
     sft_steps: Option<usize>,
     /// GRPO steps (default 120 / 60).
@@ -259,7 +259,7 @@ fn calculator_demo(a: DemoArgs) -> Result<()> {
     let t0 = std::time::Instant::now();
     let r = grpo_cli::calculator::run(&grpo_cli::demo::DemoOptions {
         out: a.out.unwrap_or_else(grpo_cli::calculator::default_out),
-        sft_steps: a.sft_steps.unwrap_or(300),
+        sft_steps: a.sft_steps.unwrap_or(800),
         grpo_steps: a.steps.unwrap_or(60),
         seed: a.seed,
         progress: true,
@@ -275,7 +275,7 @@ fn calculator_demo(a: DemoArgs) -> Result<()> {
         r.tool_calls.0,
         r.tool_calls.1,
         t0.elapsed().as_secs_f64(),
-        n = grpo_cli::demo::REPORT_STEPS
+        n = grpo_cli::calculator::REPORT_STEPS
     );
     println!("run directory: {}", run.display());
     println!(

@@ -179,6 +179,48 @@ fn init_model_generate_and_logprobs() {
 }
 
 #[test]
+fn bench_model_reports_prefill_decode_and_learner_rates() {
+    let dir = tmp("bench-model");
+    let out = cli(&["init-model", "--out", dir.to_str().unwrap(), "--preset", "tiny"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&[
+        "bench-model",
+        "--model",
+        dir.to_str().unwrap(),
+        "--batch",
+        "8",
+        "--new-tokens",
+        "6",
+        "--prompt-len",
+        "12",
+        "--seq-len",
+        "16",
+        "--reps",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+    // 8 rows x 12 prompt tokens in the prefill; (whole - prefill) over the 5 later steps.
+    assert!((f("prefill_tokens_per_s") * f("prefill_s_median") - 96.0).abs() < 1e-6);
+    assert!((f("generate_tokens_per_s") * f("generate_s_median") - 48.0).abs() < 1e-6);
+    let decode = (f("generate_s_median") - f("prefill_s_median")) / 5.0 * 1e3;
+    assert!((f("decode_ms_per_step") - decode).abs() < 1e-9);
+    assert!((f("fwd_bwd_tflop_per_s") * 1e3 - f("fwd_bwd_gflop_per_s")).abs() < 1e-9);
+    assert!(
+        (f("fwd_bwd_matmul_fraction") - f("fwd_bwd_gflop_per_s") / f("matmul_gflop_per_s")).abs()
+            < 1e-9
+    );
+    assert!(f("matmul_gflop_per_s") > 0.0);
+    assert_eq!(v["device"], "cpu");
+    assert_eq!(v["dtype"], "f32");
+    let out = cli(&["bench-model", "--model", dir.to_str().unwrap(), "--new-tokens", "1"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--new-tokens"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn model_commands_reject_bad_input_in_one_line() {
     for (args, needle) in [
         (

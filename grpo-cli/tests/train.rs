@@ -644,10 +644,11 @@ fn calculator_demo_runs_end_to_end_in_miniature() {
     let line = std::fs::read_to_string(dir.path().join("calc/multiplication.jsonl")).unwrap();
     let row: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
     let q = row["prompt"][0]["content"].as_str().unwrap();
+    // `a = 37, b = 48. What is a * b?`
     let (a, b) = q
-        .trim_start_matches("What is ")
-        .trim_end_matches('?')
-        .split_once(" * ")
+        .trim_start_matches("a = ")
+        .trim_end_matches(". What is a * b?")
+        .split_once(", b = ")
         .unwrap();
     let product: u64 = a.parse::<u64>().unwrap() * b.parse::<u64>().unwrap();
     assert_eq!(row["answer"], product.to_string());

@@ -128,8 +128,14 @@ impl Learner {
 
     /// A detached copy of the current policy for the generator: the trainable weights copied
     /// (for LoRA only the adapters), the frozen ones shared.
+    ///
+    /// On CUDA, candle queues work on the calling thread's default stream, and the generator
+    /// runs on another thread (another stream, which does not wait for this one): the copies
+    /// are waited for here, before another thread can read them.
     pub fn publish(&self) -> Result<Arc<Transformer>> {
-        Ok(Arc::new(self.policy.model.snapshot_trainable()?))
+        let snapshot = self.policy.model.snapshot_trainable()?;
+        snapshot.device().synchronize()?;
+        Ok(Arc::new(snapshot))
     }
 
     /// The trained policy (adapters unmerged).
