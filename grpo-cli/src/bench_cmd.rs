@@ -76,8 +76,13 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         let mut times = Vec::new();
         for r in 0..gen_runs {
             let t = Instant::now();
-            let out =
-                grpo_rollout::generate(&detached, &m.tokenizer, &prompt_ids, groups.max(1), &params(n))?;
+            let out = grpo_rollout::generate(
+                &detached,
+                &m.tokenizer,
+                &prompt_ids,
+                groups.max(1),
+                &params(n),
+            )?;
             let dt = t.elapsed().as_secs_f64();
             anyhow::ensure!(
                 out.iter().all(|c| c.token_ids.len() == n),

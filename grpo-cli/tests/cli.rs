@@ -181,8 +181,18 @@ fn init_model_generate_and_logprobs() {
 #[test]
 fn bench_model_reports_prefill_decode_and_learner_rates() {
     let dir = tmp("bench-model");
-    let out = cli(&["init-model", "--out", dir.to_str().unwrap(), "--preset", "tiny"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&[
+        "init-model",
+        "--out",
+        dir.to_str().unwrap(),
+        "--preset",
+        "tiny",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = cli(&[
         "bench-model",
         "--model",
@@ -198,7 +208,11 @@ fn bench_model_reports_prefill_decode_and_learner_rates() {
         "--reps",
         "1",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
     // 8 rows x 12 prompt tokens in the prefill; (whole - prefill) over the 5 later steps.
@@ -214,7 +228,13 @@ fn bench_model_reports_prefill_decode_and_learner_rates() {
     assert!(f("matmul_gflop_per_s") > 0.0);
     assert_eq!(v["device"], "cpu");
     assert_eq!(v["dtype"], "f32");
-    let out = cli(&["bench-model", "--model", dir.to_str().unwrap(), "--new-tokens", "1"]);
+    let out = cli(&[
+        "bench-model",
+        "--model",
+        dir.to_str().unwrap(),
+        "--new-tokens",
+        "1",
+    ]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--new-tokens"));
     std::fs::remove_dir_all(&dir).ok();
