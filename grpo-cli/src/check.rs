@@ -83,6 +83,34 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             Ok((max_diff(&a, &b)?, tol))
         })(),
     );
+    if !device.is_cpu() {
+        // rollout.device: the CPU model copied to the device, twice; the second copy reuses
+        // every frozen tensor of the first, and both give the CPU's log-probs.
+        push(
+            format!(
+                "copy to {} (rollout.device) vs cpu f32",
+                device_name(device)
+            ),
+            (|| {
+                let mut copies = grpo_rollout::model::DeviceCopies::default();
+                let a = cpu.model.to_device_reusing(device, &mut copies)?;
+                let held = copies.len();
+                let b = cpu.model.to_device_reusing(device, &mut copies)?;
+                let reused = a
+                    .weights()
+                    .iter()
+                    .zip(b.weights())
+                    .all(|((_, x), (_, y))| x.id() == y.id());
+                anyhow::ensure!(
+                    reused && copies.len() == held,
+                    "the second copy moved the weights again"
+                );
+                let want = logprobs(&cpu.model, &rows_ids)?;
+                let got = logprobs(&b, &rows_ids)?;
+                Ok((max_diff(&want, &got)?, 1e-4))
+            })(),
+        );
+    }
     push(
         "gradient checkpointing vs plain backward".into(),
         checkpoint_check(&dev.model, &rows_ids).map(|d| (d, tol)),

@@ -11,11 +11,13 @@
 //! of a whole batch at once (NeMo RL's `global_post_process_and_metrics`): it may adjust them
 //! (e.g. rewards that depend on the group) and returns metrics.
 //!
-//! The seam is synchronous: one call per turn for the whole batch, while generation waits. An
-//! environment that is asynchronous or remote (an HTTP sandbox, a Python process, a judge)
-//! blocks inside `step` until its answers are in, and may fan its own work out in parallel
-//! there (e.g. a tokio runtime it owns with `block_on` over the batch). Implementations are
-//! `Send + Sync` so one environment can serve several generator threads.
+//! Generation calls the seam once per turn for the whole batch and waits for the answer.
+//! [`Environment`] is the synchronous form. An environment that talks to the outside (an HTTP
+//! sandbox, a judge, a database) implements [`AsyncEnvironment`] instead (feature `async`,
+//! on with `remote`): its `step` is an `async fn` that may await every episode's request at
+//! once, and [`Blocking`] runs it on a tokio runtime of its own wherever an [`Environment`]
+//! is expected. Implementations are `Send + Sync` so one environment can serve several
+//! generator threads.
 //!
 //! [`generate_episodes`]: crate::episode::generate_episodes
 
@@ -218,5 +220,116 @@ impl Environment for TimeLimited {
         })?;
         episodes.clone_from_slice(&owned);
         Ok(metrics)
+    }
+}
+
+/// An environment whose calls await the outside (feature `async`): the same calls as
+/// [`Environment`], as futures. `step` sees the whole batch, so it can send every episode's
+/// request at once (e.g. `futures::future::join_all` over an HTTP client's calls) instead of one
+/// after another. Wrap it in [`Blocking`] to use it wherever an [`Environment`] is expected
+/// (`generate_episodes`, the trainer).
+///
+/// Implementations may write `async fn step(&self, logs: &[&[ChatMessage]], metadata:
+/// &[&Value]) -> Result<EnvironmentReturn>` as long as the future is `Send`.
+#[cfg(feature = "async")]
+pub trait AsyncEnvironment: Send + Sync {
+    /// As [`Environment::name`].
+    fn name(&self) -> &str {
+        std::any::type_name::<Self>()
+    }
+
+    /// As [`Environment::tools`].
+    fn tools(&self) -> Vec<Value> {
+        Vec::new()
+    }
+
+    /// As [`Environment::step`], awaited.
+    fn step(
+        &self,
+        logs: &[&[ChatMessage]],
+        metadata: &[&Value],
+    ) -> impl std::future::Future<Output = Result<EnvironmentReturn>> + Send;
+
+    /// As [`Environment::post_process`], awaited. By default nothing changes and there are no
+    /// metrics.
+    fn post_process(
+        &self,
+        episodes: &mut [Episode],
+    ) -> impl std::future::Future<Output = Result<BTreeMap<String, f64>>> + Send {
+        let _ = episodes;
+        async { Ok(BTreeMap::new()) }
+    }
+}
+
+/// An [`AsyncEnvironment`] as an [`Environment`] (feature `async`): each call is driven to its
+/// end on a multi-threaded tokio runtime the wrapper owns (two worker threads, which also run
+/// the tasks the environment spawns, its timers and its sockets). Called from inside another
+/// tokio runtime, the call is driven from a scoped thread of its own, so it never nests
+/// runtimes.
+#[cfg(feature = "async")]
+pub struct Blocking<E> {
+    inner: E,
+    runtime: tokio::runtime::Runtime,
+}
+
+#[cfg(feature = "async")]
+impl<E: AsyncEnvironment> std::fmt::Debug for Blocking<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Blocking")
+            .field("inner", &self.inner.name())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "async")]
+impl<E: AsyncEnvironment> Blocking<E> {
+    /// `inner` with a runtime of its own.
+    pub fn new(inner: E) -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("grpo-environment-async")
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                candle_core::Error::msg(format!(
+                    "environment `{}`: cannot start a tokio runtime: {e}",
+                    inner.name()
+                ))
+            })?;
+        Ok(Self { inner, runtime })
+    }
+
+    /// The wrapped environment.
+    pub fn inner(&self) -> &E {
+        &self.inner
+    }
+
+    fn block_on<T: Send>(&self, fut: impl std::future::Future<Output = T> + Send) -> T {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.runtime.block_on(fut);
+        }
+        std::thread::scope(|s| match s.spawn(|| self.runtime.block_on(fut)).join() {
+            Ok(out) => out,
+            Err(panic) => std::panic::resume_unwind(panic),
+        })
+    }
+}
+
+#[cfg(feature = "async")]
+impl<E: AsyncEnvironment> Environment for Blocking<E> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn tools(&self) -> Vec<Value> {
+        self.inner.tools()
+    }
+
+    fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {
+        self.block_on(self.inner.step(logs, metadata))
+    }
+
+    fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
+        self.block_on(self.inner.post_process(episodes))
     }
 }

@@ -44,6 +44,8 @@ pub mod tools;
 
 pub use config::{Arch, ModelConfig};
 pub use device::{DeviceSpec, Dtype};
+#[cfg(feature = "async")]
+pub use env::{AsyncEnvironment, Blocking};
 pub use env::{Environment, EnvironmentReturn};
 pub use episode::{Episode, EpisodeParams, EpisodePrompt, generate_episodes};
 pub use generate::{Completion, FinishReason, SamplingParams, generate};

@@ -275,6 +275,23 @@ impl Layer {
     }
 }
 
+/// Copies of a model's tensors on another device, by the source tensor
+/// ([`Transformer::to_device_reusing`]).
+#[derive(Debug, Default)]
+pub struct DeviceCopies(HashMap<candle_core::TensorId, Tensor>);
+
+impl DeviceCopies {
+    /// How many tensors are held.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// Per-layer keys and values of the tokens seen so far, in preallocated buffers
 /// `(B, kv_heads, capacity, head_dim)` that each decode step writes into in place (no copy of
 /// the past per step). The buffers grow (doubling) when a forward needs more room.
@@ -716,6 +733,35 @@ impl Transformer {
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
         })
+    }
+
+    /// A detached copy on `device` (a generator on a device of its own, `rollout.device`).
+    /// Tensors already moved by an earlier call with the same `copies` are reused when they
+    /// are the same tensors (a LoRA run's frozen base: moved once, not at every policy
+    /// update); `copies` then holds this call's tensors only. Trainable `Var`s are always
+    /// moved, since they change in place. On the model's own device this is [`Self::detached`].
+    pub fn to_device_reusing(&self, device: &Device, copies: &mut DeviceCopies) -> Result<Self> {
+        if self.device().same_device(device) {
+            return Ok(self.detached());
+        }
+        let old = std::mem::take(&mut copies.0);
+        let kept = std::cell::RefCell::new(HashMap::new());
+        let mv = |t: &Tensor| -> Result<Tensor> {
+            if t.is_variable() {
+                return t.detach().to_device(device);
+            }
+            let c = match old.get(&t.id()) {
+                Some(c) => c.clone(),
+                None => t.detach().to_device(device)?,
+            };
+            kept.borrow_mut().insert(t.id(), c.clone());
+            Ok(c)
+        };
+        let mut m = self.map_tensors(&mv)?;
+        m.rope_cos = mv(&self.rope_cos)?;
+        m.rope_sin = mv(&self.rope_sin)?;
+        copies.0 = kept.into_inner();
+        Ok(m)
     }
 
     /// The same weights without autograd (shared storage): for generation and scoring.

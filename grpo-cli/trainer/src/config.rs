@@ -443,6 +443,10 @@ pub struct RolloutSection {
     pub backend: Backend,
     /// `[rollout.openai]`: the server of `backend = "openai"`.
     pub openai: OpenAiRollout,
+    /// Where the local backend samples (`cpu`, `cuda`, `cuda:N`); absent = `model.device`.
+    /// A device of its own (`cuda:1` beside a learner on `cuda:0`) keeps a copy of the policy
+    /// there, updated at every publish (a LoRA run's frozen base is copied once).
+    pub device: Option<DeviceSpec>,
 }
 
 /// `[rollout.openai]`: generation on an OpenAI-compatible server.
@@ -512,6 +516,7 @@ impl Default for RolloutSection {
             chat_template: true,
             backend: Backend::Local,
             openai: OpenAiRollout::default(),
+            device: None,
         }
     }
 }
@@ -1002,6 +1007,11 @@ impl TrainConfig {
         match r.backend {
             Backend::Local => {}
             Backend::Openai => {
+                if let Some(d) = r.device {
+                    return Err(format!(
+                        "`rollout.device = \"{d}\"`: the openai backend samples on its server; rollout.device is for the local backend"
+                    ));
+                }
                 if self.model.lora.is_none() && self.algorithm == Algorithm::Grpo {
                     return Err("`rollout.backend = \"openai\"` syncs the policy to the server as a LoRA adapter: set `[model.lora]` (full-weight sync is not built; see README, Scaling out)".into());
                 }
@@ -1361,6 +1371,32 @@ layers_to_transform = [0, 1]
         let e = from_tree(t, "c").unwrap_err().to_string();
         assert!(
             e.contains("teacher.student_dtype: expected f32, bf16 or f16, got `int4`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_generator_takes_a_device_of_its_own() {
+        let mut t = minimal();
+        t["rollout"] = serde_json::json!({"device": "cuda:1"});
+        let c = from_tree(t, "c").unwrap();
+        assert_eq!(c.rollout.device, Some(DeviceSpec::Cuda(1)));
+        assert_eq!(c.model.device, DeviceSpec::Cpu);
+        let mut t = minimal();
+        t["rollout"] = serde_json::json!({"device": "gpu"});
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert!(
+            e.contains("rollout.device: expected cpu, cuda or cuda:N, got `gpu`"),
+            "{e}"
+        );
+        // The openai backend samples on its server.
+        let mut t = minimal();
+        t["model"]["lora"] =
+            serde_json::json!({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]});
+        t["rollout"] = serde_json::json!({"device": "cpu", "backend": "openai"});
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert!(
+            e.contains("rollout.device") && e.contains("local backend"),
             "{e}"
         );
     }

@@ -46,6 +46,8 @@ pub struct Setup {
     /// The environment of multi-turn episodes (set in code: `FitOptions::environment`,
     /// `Trainer::with_environment`); `None` = single-turn completions.
     pub environment: Option<Arc<dyn grpo_rollout::Environment>>,
+    /// The local generator's own device (`rollout.device`), when it is not the model's.
+    pub rollout_device: Option<Device>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -184,6 +186,15 @@ pub fn setup_with(
         .device
         .device()
         .map_err(|e| anyhow!("config: `model.device`: {e}"))?;
+    // A spec equal to the model's is the model's device itself (two handles of one GPU are
+    // two devices to candle).
+    let rollout_device = match cfg.rollout.device {
+        Some(spec) if spec != cfg.model.device => Some(
+            spec.device()
+                .map_err(|e| anyhow!("config: `rollout.device`: {e}"))?,
+        ),
+        _ => None,
+    };
     let dtype = cfg.compute_dtype();
     // Without data files the rows come later, from `fit` with a dataset.
     let splits = match cfg.data.path.is_empty() {
@@ -295,6 +306,7 @@ pub fn setup_with(
         remote,
         policy_scorer,
         environment,
+        rollout_device,
         cfg,
     })
 }

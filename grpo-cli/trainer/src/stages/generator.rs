@@ -7,8 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
+use candle_core::Device;
 use grpo_data::Prompt;
 use grpo_rollout::episode::{EpisodeEnd, EpisodeRequest, episode_metrics};
+use grpo_rollout::model::DeviceCopies;
 use grpo_rollout::remote::RemoteGenerator;
 use grpo_rollout::{
     ChatMessage, Completion, Environment, Episode, EpisodeParams, EpisodePrompt, FinishReason,
@@ -36,6 +38,8 @@ pub struct Generator {
     /// next policy version reuses (see `Transformer::for_decoding_reusing`).
     decoding: Option<Transformer>,
     environment: Option<Arc<dyn Environment>>,
+    /// `rollout.device` when it is not the model's, with the weights already copied there.
+    device: Option<(Device, DeviceCopies)>,
 }
 
 impl std::fmt::Debug for Generator {
@@ -61,6 +65,10 @@ impl Generator {
             remote_sync: RemoteSync::new(&setup.cfg),
             decoding: None,
             environment: setup.environment.clone(),
+            device: setup
+                .rollout_device
+                .clone()
+                .map(|d| (d, DeviceCopies::default())),
         }
     }
 
@@ -135,17 +143,9 @@ impl Generator {
                     .map_err(|e| anyhow!("rollout.openai: {e}"))?
             }
             None => {
-                let model = self.frozen_teacher.as_ref().unwrap_or(&self.model);
-                let decoding = model.for_decoding_reusing(self.decoding.as_ref())?;
-                let out =
-                    grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?;
-                // Only an adapter model's copy is worth keeping: its base never changes.
-                let adapters = decoding
-                    .layers
-                    .iter()
-                    .any(|l| l.linears().iter().any(|x| x.lora.is_some()));
-                self.decoding = adapters.then_some(decoding);
-                out
+                let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
+                let decoding = self.decoding_copy(&model)?;
+                grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?
             }
         };
         Ok(Rollouts {
@@ -160,6 +160,27 @@ impl Generator {
             sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
             episodes: None,
         })
+    }
+
+    /// The copy of `model` that samples: on `rollout.device` when it has one, with the
+    /// decoding transposes on the CPU. An adapter model's copy is kept, so the next version
+    /// reuses what its frozen base needs (its copy on the device, its transposes).
+    fn decoding_copy(&mut self, model: &Transformer) -> Result<Transformer> {
+        let moved;
+        let model = match &mut self.device {
+            Some((device, copies)) => {
+                moved = model.to_device_reusing(device, copies)?;
+                &moved
+            }
+            None => model,
+        };
+        let decoding = model.for_decoding_reusing(self.decoding.as_ref())?;
+        let adapters = decoding
+            .layers
+            .iter()
+            .any(|l| l.linears().iter().any(|x| x.lora.is_some()));
+        self.decoding = adapters.then(|| decoding.clone());
+        Ok(decoding)
     }
 
     /// `num_generations` multi-turn episodes per prompt against `env` (local generation with
@@ -198,7 +219,7 @@ impl Generator {
             prompts.push(p);
             prompt_texts.push(text);
         }
-        let env_cfg = &self.cfg.environment;
+        let env_cfg = self.cfg.environment.clone();
         let params = EpisodeParams {
             sampling: self.cfg.rollout.sampling(seed),
             max_turns: env_cfg.max_turns,
@@ -224,7 +245,10 @@ impl Generator {
                     true,
                 )
             }
-            None => generate_episodes(&self.model, &self.tokenizer, env, &prompts, g, &params),
+            None => {
+                let decoding = self.decoding_copy(&self.model.clone())?;
+                generate_episodes(&decoding, &self.tokenizer, env, &prompts, g, &params)
+            }
         };
         let mut episodes = generated.map_err(|e| {
             anyhow!(
