@@ -67,6 +67,18 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         }
     }
     grpo_core::fused::set_enabled(saved_mode.0);
+    push(
+        "attention over a cache view, forward (decode) vs composition".into(),
+        decode_attention_check(device, dtype).map(|d| (d, tol)),
+    );
+    push(
+        "residual add + rms_norm, forward (decode) vs composition".into(),
+        add_rms_check(device, dtype).map(|d| (d, tol)),
+    );
+    push(
+        "KV-cache writes, keys rotated (decode) vs composition".into(),
+        kv_write_check(device, dtype).map(|d| (d, tol)),
+    );
 
     let dir = std::env::temp_dir().join(format!("grpo-check-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -145,6 +157,25 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             Ok(((12 - same) as f64, (12 - need) as f64))
         })(),
     );
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        rows.push(match grpo_rollout::cuda::compile_status(device) {
+            Ok(()) => CheckRow {
+                name: "fused CUDA kernels compiled (NVRTC)".into(),
+                ok: true,
+                detail: if std::env::var("GRPO_CUDA_KERNELS").as_deref() == Ok("0") {
+                    "compiled; GRPO_CUDA_KERNELS=0: the ops above ran the compositions".into()
+                } else {
+                    "the ops above ran them".into()
+                },
+            },
+            Err(e) => CheckRow {
+                name: "fused CUDA kernels compiled (NVRTC)".into(),
+                ok: false,
+                detail: first_line(&e),
+            },
+        });
+    }
     drop(guard);
     Ok(rows)
 }
@@ -207,6 +238,7 @@ fn op_checks(
             }
         }
         let bias = Tensor::from_vec(bias, (b, 1, l, s), d)?.to_dtype(dtype)?;
+        let bias2 = bias.clone();
         let wf = randn(&[24, 16], dtype, d)?;
         let ids = Tensor::new(&[3u32, 0, 39, 7, 7, 12], d)?;
         let ids2 = ids.clone();
@@ -234,6 +266,11 @@ fn op_checks(
                     randn(&[b, nkv, s, hd], dtype, d)?,
                 ],
                 Box::new(move |t: &[Tensor]| fused::attention(&t[0], &t[1], &t[2], &bias, 0.35)),
+            ),
+            (
+                "attention_softmax",
+                vec![randn(&[b, nh, l, s], dtype, d)?],
+                Box::new(move |t: &[Tensor]| fused::attention_softmax(&t[0], &bias2, 0.35)),
             ),
             (
                 "frozen_linear",
@@ -302,6 +339,60 @@ fn op_checks(
         out.push((name, r));
     }
     out
+}
+
+/// Attention of one query row per sequence over a strided view of a KV cache (what a decode
+/// step runs, no gradient: on a GPU the fused kernel) against the composition, relative to the
+/// output's size.
+fn decode_attention_check(device: &Device, dtype: DType) -> Result<f64> {
+    let (b, nh, nkv, hd, cap, s) = (3, 6, 2, 64, 40, 29);
+    let q = randn(&[b, nh, 1, hd], dtype, device)?;
+    let kc = randn(&[b, nkv, cap, hd], dtype, device)?;
+    let vc = randn(&[b, nkv, cap, hd], dtype, device)?;
+    let (k, v) = (kc.narrow(2, 0, s)?, vc.narrow(2, 0, s)?);
+    // Row r left-padded by r positions.
+    let bias: Vec<f32> = (0..b)
+        .flat_map(|r| (0..s).map(move |j| if j < r { -1e9 } else { 0.0 }))
+        .collect();
+    let bias = Tensor::from_vec(bias, (b, 1, 1, s), device)?.to_dtype(dtype)?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let want = fused::attention_composed(&q, &k, &v, &bias, scale)?;
+    let got = fused::attention(&q, &k, &v, &bias, scale)?;
+    Ok(max_diff(&want, &got)? / max_abs(&want)?.max(1.0))
+}
+
+/// The fused residual add + RMSNorm of a decode step against the add and the composition.
+fn add_rms_check(device: &Device, dtype: DType) -> Result<f64> {
+    let (x, r) = (
+        randn(&[5, 96], dtype, device)?,
+        randn(&[5, 96], dtype, device)?,
+    );
+    let w = randn(&[96], dtype, device)?;
+    let (s0, y0) = fused::add_rms_norm_composed(&x, &r, &w, 1e-6)?;
+    let (s1, y1) = fused::add_rms_norm(&x, &r, &w, 1e-6)?;
+    Ok((max_diff(&s0, &s1)? / max_abs(&s0)?.max(1.0))
+        .max(max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0)))
+}
+
+/// A decode step's key and value writes into a KV cache against the composition's rotate,
+/// transpose and copy; positions outside the written ones must not move.
+fn kv_write_check(device: &Device, dtype: DType) -> Result<f64> {
+    let (b, l, g, d, cap, past) = (2, 3, 2, 16, 9, 4);
+    let x = randn(&[b, l, g, d], dtype, device)?;
+    let ang = randn(&[b, l, d / 2], DType::F32, device)?;
+    let (c, s) = (ang.cos()?.to_dtype(dtype)?, ang.sin()?.to_dtype(dtype)?);
+    let mut worst = 0f64;
+    for rot in [Some((&c, &s)), None] {
+        let before = randn(&[b, g, cap, d], dtype, device)?;
+        let want = before.copy()?;
+        fused::kv_write_composed(&want, &x, rot, past)?;
+        let got = before.copy()?;
+        fused::kv_write(&got, &x, rot, past)?;
+        worst = worst.max(max_diff(&want, &got)? / max_abs(&want)?.max(1.0));
+        let moved = max_diff(&before.narrow(2, 0, past)?, &got.narrow(2, 0, past)?)?;
+        anyhow::ensure!(moved == 0.0, "a write changed a cached position before it");
+    }
+    Ok(worst)
 }
 
 fn padded(rows: &[Vec<u32>], device: &Device) -> Result<(Tensor, Tensor)> {

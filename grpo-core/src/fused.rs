@@ -77,6 +77,12 @@ pub fn path(t: &Tensor) -> Path {
     }
 }
 
+/// True when fused kernels are on and not forced to the recompute path: what a device's own
+/// kernels (grpo-rollout's CUDA kernels) check before they take an op.
+pub fn kernels_on() -> bool {
+    mode().load(Ordering::Relaxed) == MODE_ON
+}
+
 /// True when a fused CPU kernel can take `t`: fused ops on (not forced to recompute), CPU, f32
 /// or f64.
 pub fn applies(t: &Tensor) -> bool {

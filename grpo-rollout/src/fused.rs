@@ -20,6 +20,68 @@ use grpo_core::fused::{
 use grpo_core::recompute::Recompute;
 use rayon::prelude::*;
 
+/// [`path`], except that on a CUDA device whose kernels are available ([`crate::cuda`]) the
+/// fused op takes its CUDA kernel where the CPU would take its CPU kernel.
+fn route(t: &Tensor) -> Path {
+    match path(t) {
+        Path::Recompute if grpo_core::fused::kernels_on() && cuda_takes(t) => Path::Kernel,
+        p => p,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_takes(t: &Tensor) -> bool {
+    crate::cuda::takes(t)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_takes(_: &Tensor) -> bool {
+    false
+}
+
+/// Forwards a custom op's `cuda_fwd` to its kernel in [`crate::cuda`].
+macro_rules! cuda_op {
+    (1, $f:expr) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s1: &candle_core::CudaStorage,
+            l1: &Layout,
+        ) -> Result<(candle_core::CudaStorage, Shape)> {
+            #[allow(clippy::redundant_closure_call)]
+            ($f)(self, s1, l1)
+        }
+    };
+    (2, $f:expr) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s1: &candle_core::CudaStorage,
+            l1: &Layout,
+            s2: &candle_core::CudaStorage,
+            l2: &Layout,
+        ) -> Result<(candle_core::CudaStorage, Shape)> {
+            #[allow(clippy::redundant_closure_call)]
+            ($f)(self, s1, l1, s2, l2)
+        }
+    };
+    (3, $f:expr) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            s1: &candle_core::CudaStorage,
+            l1: &Layout,
+            s2: &candle_core::CudaStorage,
+            l2: &Layout,
+            s3: &candle_core::CudaStorage,
+            l3: &Layout,
+        ) -> Result<(candle_core::CudaStorage, Shape)> {
+            #[allow(clippy::redundant_closure_call)]
+            ($f)(self, s1, l1, s2, l2, s3, l3)
+        }
+    };
+}
+
 fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(1)
 }
@@ -29,7 +91,13 @@ fn last_dim(l: &Layout) -> usize {
 /// RMSNorm over the last axis, `x / sqrt(mean(x²) + eps) · w`, computed in f32 for half
 /// precision inputs as transformers does.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    match path(x) {
+    let h = x.dims().last().copied().unwrap_or(1);
+    let p = match route(x) {
+        // The CUDA backward keeps a weight-gradient partial of `h` floats in shared memory.
+        Path::Kernel if !x.device().is_cpu() && h > MAX_DEVICE_HIDDEN => Path::Recompute,
+        p => p,
+    };
+    match p {
         Path::Kernel if x.dtype() == w.dtype() => x
             .contiguous()?
             .apply_op2(&w.contiguous()?, RmsNormOp { eps }),
@@ -40,6 +108,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         _ => rms_norm_composed(x, w, eps),
     }
 }
+
+/// Largest hidden size the RMSNorm kernels take on a GPU (larger: the composition).
+const MAX_DEVICE_HIDDEN: usize = 12 * 1024;
 
 /// [`rms_norm`] as a composition of candle ops.
 pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -162,6 +233,9 @@ impl CustomOp2 for RmsNormOp {
     ) -> Result<(CpuStorage, Shape)> {
         float_dispatch!(s1.dtype(), self.name(), rms_fwd(s1, l1, s2, l2, self.eps))
     }
+    cuda_op!(2, |o: &Self, s1, l1, s2, l2| crate::cuda::rms_fwd(
+        s1, l1, s2, l2, o.eps
+    ));
     fn bwd(
         &self,
         x: &Tensor,
@@ -200,6 +274,279 @@ impl CustomOp3 for RmsNormBwd {
             rms_bwd(s1, l1, s2, l2, s3, l3, self.eps)
         )
     }
+    cuda_op!(3, |o: &Self, s1, l1, s2, l2, s3, l3| crate::cuda::rms_bwd(
+        s1, l1, s2, l2, s3, l3, o.eps
+    ));
+}
+
+// ---------------------------------------------------------------- residual add + RMSNorm
+
+/// The residual add and the RMSNorm after it, `(x + r, rms_norm(x + r, w))`, for passes
+/// without a graph (decoding, frozen models): one kernel (CPU f32/f64, CUDA) where the
+/// composition makes the sum and then normalises it. With an input in a graph, or another
+/// dtype or device, the add and [`rms_norm`].
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let h = x.dims().last().copied().unwrap_or(1);
+    let tracked = x.track_op() || r.track_op() || w.track_op();
+    let fits = x.dtype() == r.dtype()
+        && x.dtype() == w.dtype()
+        && x.dims() == r.dims()
+        && w.elem_count() == h
+        && (x.device().is_cpu() || h <= MAX_DEVICE_HIDDEN);
+    if tracked || !fits || route(x) != Path::Kernel {
+        let sum = (x + r)?;
+        let y = rms_norm(&sum, w, eps)?;
+        return Ok((sum, y));
+    }
+    let out =
+        x.contiguous()?
+            .apply_op3_no_bwd(&r.contiguous()?, &w.contiguous()?, &AddRmsOp { eps })?;
+    let n = x.elem_count();
+    Ok((
+        out.narrow(0, 0, n)?.reshape(x.shape())?,
+        out.narrow(0, n, n)?.reshape(x.shape())?,
+    ))
+}
+
+/// [`add_rms_norm`] as a composition of candle ops.
+pub fn add_rms_norm_composed(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let sum = (x + r)?;
+    let y = rms_norm_composed(&sum, w, eps)?;
+    Ok((sum, y))
+}
+
+/// Forward of [`add_rms_norm`]: inputs `(x, r, w)`, output `[x + r, normed]` flat.
+#[derive(Debug, Clone, Copy)]
+struct AddRmsOp {
+    eps: f64,
+}
+
+fn add_rms_cpu<T: Float>(
+    x: &CpuStorage,
+    lx: &Layout,
+    r: &CpuStorage,
+    lr: &Layout,
+    w: &CpuStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CpuStorage, Shape)> {
+    let h = last_dim(lx);
+    let x = slice::<T>(x, lx, "add_rms_norm")?;
+    let r = slice::<T>(r, lr, "add_rms_norm")?;
+    let w = slice::<T>(w, lw, "add_rms_norm")?;
+    if r.len() != x.len() || w.len() != h {
+        candle_core::bail!(
+            "add_rms_norm: {} and {} elements with a weight of {} for hidden size {h}",
+            x.len(),
+            r.len(),
+            w.len()
+        );
+    }
+    let n = x.len();
+    let mut out = vec![T::zero(); 2 * n];
+    let (sum, normed) = out.split_at_mut(n);
+    sum.par_chunks_mut(h)
+        .zip(normed.par_chunks_mut(h))
+        .zip(x.par_chunks(h).zip(r.par_chunks(h)))
+        .with_min_len(min_rows(h))
+        .for_each(|((s, y), (xr, rr))| {
+            for ((s, &a), &b) in s.iter_mut().zip(xr).zip(rr) {
+                *s = a + b;
+            }
+            // The arithmetic of the RMSNorm kernel, on the sum.
+            let inv = inv_rms(s, eps);
+            for ((y, &sv), &wv) in y.iter_mut().zip(s.iter()).zip(w) {
+                *y = sv * inv * wv;
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), (2 * n).into()))
+}
+
+impl CustomOp3 for AddRmsOp {
+    fn name(&self) -> &'static str {
+        "add_rms_norm"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(
+            s1.dtype(),
+            self.name(),
+            add_rms_cpu(s1, l1, s2, l2, s3, l3, self.eps)
+        )
+    }
+    cuda_op!(3, |o: &Self, s1, l1, s2, l2, s3, l3| {
+        crate::cuda::add_rms_fwd(s1, l1, s2, l2, s3, l3, o.eps)
+    });
+}
+
+// ---------------------------------------------------------------- KV-cache writes
+
+/// Writes a step's new keys (`rot = Some((cos, sin))`: rotated, as [`rope`] rotates them) or
+/// values (`None`) `x` `(B, L, G, D)`, a projection's output, into a KV cache buffer
+/// `(B, G, capacity, D)` at positions `past .. past + L`, in place and without a graph: one
+/// kernel (CPU f32/f64, CUDA) where the composition rotates, transposes, copies and writes.
+pub fn kv_write(
+    cache: &Tensor,
+    x: &Tensor,
+    rot: Option<(&Tensor, &Tensor)>,
+    past: usize,
+) -> Result<()> {
+    let x = x.detach();
+    let same = cache.dtype() == x.dtype()
+        && rot.is_none_or(|(c, s)| c.dtype() == x.dtype() && s.dtype() == x.dtype());
+    if same && cache.is_contiguous() && x.rank() == 4 && route(&x) == Path::Kernel {
+        let op = KvWriteOp {
+            rot: match rot {
+                Some((c, s)) => Some((c.contiguous()?, s.contiguous()?)),
+                None => None,
+            },
+            past,
+        };
+        return cache.inplace_op2(&x.contiguous()?, &op);
+    }
+    let y = match rot {
+        Some((c, s)) => rope(&x, c, s)?,
+        None => x.transpose(1, 2)?.contiguous()?,
+    };
+    cache.slice_set(&y.detach(), 2, past)
+}
+
+/// [`kv_write`] as a composition of candle ops.
+pub fn kv_write_composed(
+    cache: &Tensor,
+    x: &Tensor,
+    rot: Option<(&Tensor, &Tensor)>,
+    past: usize,
+) -> Result<()> {
+    let y = match rot {
+        Some((c, s)) => rope_composed(x, c, s)?,
+        None => x.transpose(1, 2)?.contiguous()?,
+    };
+    cache.slice_set(&y.detach(), 2, past)
+}
+
+#[derive(Debug, Clone)]
+struct KvWriteOp {
+    rot: Option<(Tensor, Tensor)>,
+    past: usize,
+}
+
+fn kv_write_cpu<T: Float>(
+    cache: &mut [T],
+    lc: &Layout,
+    x: &CpuStorage,
+    lx: &Layout,
+    rot: Option<(&[T], &[T])>,
+    past: usize,
+) -> Result<()> {
+    let (b, l, g, d) = lx.shape().dims4()?;
+    let (cb, cg, cap, cd) = lc.shape().dims4()?;
+    if (cb, cg, cd) != (b, g, d) || past + l > cap || d % 2 != 0 {
+        candle_core::bail!(
+            "kv_write: {:?} at position {past} into a cache {:?}",
+            lx.dims(),
+            lc.dims()
+        );
+    }
+    let Some((c0, c1)) = lc.contiguous_offsets() else {
+        candle_core::bail!("kv_write: the cache must be contiguous");
+    };
+    let cache = &mut cache[c0..c1];
+    let x = slice::<T>(x, lx, "kv_write")?;
+    let half = d / 2;
+    if let Some((c, s)) = rot
+        && (c.len() != b * l * half || s.len() != b * l * half)
+    {
+        candle_core::bail!("kv_write: tables must be (B, L, D/2) = ({b}, {l}, {half})");
+    }
+    // Per (batch, kv head): its cache rows past .. past + L.
+    cache
+        .par_chunks_mut(cap * d)
+        .enumerate()
+        .for_each(|(bg, rows)| {
+            let (bi, gi) = (bg / g, bg % g);
+            for li in 0..l {
+                let src = &x[((bi * l + li) * g + gi) * d..][..d];
+                let dst = &mut rows[(past + li) * d..][..d];
+                match rot {
+                    Some((c, s)) => {
+                        let t = (bi * l + li) * half;
+                        let (cr, sr) = (&c[t..t + half], &s[t..t + half]);
+                        for i in 0..half {
+                            let (x1, x2) = (src[i], src[i + half]);
+                            dst[i] = x1 * cr[i] - x2 * sr[i];
+                            dst[i + half] = x2 * cr[i] + x1 * sr[i];
+                        }
+                    }
+                    None => dst.copy_from_slice(src),
+                }
+            }
+        });
+    Ok(())
+}
+
+fn kv_write_run<T: Float + 'static>(
+    op: &KvWriteOp,
+    cache: &mut [T],
+    lc: &Layout,
+    x: &CpuStorage,
+    lx: &Layout,
+) -> Result<()> {
+    match &op.rot {
+        Some((c, s)) => {
+            let (c, s) = (
+                cpu_slice::<T>(c, "kv_write cos")?,
+                cpu_slice::<T>(s, "kv_write sin")?,
+            );
+            kv_write_cpu(cache, lc, x, lx, Some((&c, &s)), op.past)
+        }
+        None => kv_write_cpu(cache, lc, x, lx, None, op.past),
+    }
+}
+
+impl candle_core::InplaceOp2 for KvWriteOp {
+    fn name(&self) -> &'static str {
+        "kv_write"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        match s1 {
+            CpuStorage::F32(c) => kv_write_run::<f32>(self, c, l1, s2, l2),
+            CpuStorage::F64(c) => kv_write_run::<f64>(self, c, l1, s2, l2),
+            other => candle_core::bail!(
+                "kv_write: fused kernel needs f32 or f64, got {:?}",
+                other.dtype()
+            ),
+        }
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        let rot = self.rot.as_ref().map(|(c, s)| (c, s));
+        crate::cuda::kv_write(s1, l1, s2, l2, rot, self.past)
+    }
 }
 
 // ---------------------------------------------------------------- RoPE
@@ -208,7 +555,7 @@ impl CustomOp3 for RmsNormBwd {
 /// (as a projection's output is laid out) and per-token tables `cos`, `sin` `(B, L, D/2)` give
 /// `(B, H, L, D)`, contiguous.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    match path(x) {
+    match route(x) {
         Path::Kernel if x.dtype() == cos.dtype() && x.dtype() == sin.dtype() => {
             x.contiguous()?.apply_op3(
                 &cos.contiguous()?,
@@ -314,6 +661,9 @@ impl CustomOp3 for RopeOp {
             rope_run(s1, l1, s2, l2, s3, l3, self.inverse)
         )
     }
+    cuda_op!(3, |o: &Self, s1, l1, s2, l2, s3, l3| crate::cuda::rope(
+        s1, l1, s2, l2, s3, l3, o.inverse
+    ));
     fn bwd(
         &self,
         x: &Tensor,
@@ -340,7 +690,7 @@ impl CustomOp3 for RopeOp {
 
 /// The gated MLP's `silu(gate) · up`.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    match path(gate) {
+    match route(gate) {
         Path::Kernel if gate.dtype() == up.dtype() && gate.dims() == up.dims() => {
             gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
         }
@@ -431,6 +781,9 @@ impl CustomOp2 for SiluMulOp {
     ) -> Result<(CpuStorage, Shape)> {
         float_dispatch!(s1.dtype(), self.name(), silu_fwd(s1, l1, s2, l2))
     }
+    cuda_op!(2, |_: &Self, s1, l1, s2, l2| crate::cuda::silu_mul_fwd(
+        s1, l1, s2, l2
+    ));
     fn bwd(
         &self,
         a: &Tensor,
@@ -464,6 +817,9 @@ impl CustomOp3 for SiluMulBwd {
     ) -> Result<(CpuStorage, Shape)> {
         float_dispatch!(s1.dtype(), self.name(), silu_bwd(s1, l1, s2, l2, s3, l3))
     }
+    cuda_op!(3, |_: &Self, s1, l1, s2, l2, s3, l3| {
+        crate::cuda::silu_mul_bwd(s1, l1, s2, l2, s3, l3)
+    });
 }
 
 // ---------------------------------------------------------------- attention softmax
@@ -471,7 +827,7 @@ impl CustomOp3 for SiluMulBwd {
 /// Attention probabilities `softmax(scores · scale + bias)` over the last axis: `scores`
 /// `(B, H, L, S)`, `bias` `(B, 1, L, S)` (the additive causal + padding mask, no gradient).
 pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    match path(scores) {
+    match route(scores) {
         Path::Kernel if scores.dtype() == bias.dtype() => scores
             .contiguous()?
             .apply_op2(&bias.contiguous()?, SoftmaxOp { scale }),
@@ -597,6 +953,9 @@ impl CustomOp2 for SoftmaxOp {
             softmax_fwd(s1, l1, s2, l2, self.scale)
         )
     }
+    cuda_op!(2, |o: &Self, s1, l1, s2, l2| crate::cuda::softmax_fwd(
+        s1, l1, s2, l2, o.scale
+    ));
     fn bwd(
         &self,
         x: &Tensor,
@@ -629,6 +988,9 @@ impl CustomOp2 for SoftmaxBwd {
             softmax_bwd(s1, l1, s2, l2, self.scale)
         )
     }
+    cuda_op!(2, |o: &Self, s1, l1, s2, l2| crate::cuda::softmax_bwd(
+        s1, l1, s2, l2, o.scale
+    ));
 }
 
 // ---------------------------------------------------------------- attention
@@ -645,7 +1007,22 @@ impl CustomOp2 for SoftmaxBwd {
 /// zeroed buffer and an add in candle's backward).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
-    match path(q) {
+    let p = match route(q) {
+        // On a GPU the kernel is a forward for a few query rows (decoding, frozen passes);
+        // training keeps the recomputed composition, whose products run on the tensor cores.
+        Path::Kernel if !q.device().is_cpu() => {
+            let tracked = q.track_op() || k.track_op() || v.track_op();
+            let (l, d) = (q.dim(2)?, q.dim(3)?);
+            let unit = |t: &Tensor| t.rank() == 4 && t.stride()[3] == 1;
+            if !tracked && l <= DEVICE_ATTENTION_ROWS && d <= 256 && unit(k) && unit(v) {
+                Path::Kernel
+            } else {
+                Path::Recompute
+            }
+        }
+        p => p,
+    };
+    match p {
         Path::Kernel if same => q.contiguous()?.apply_op3(
             k,
             v,
@@ -666,6 +1043,10 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
         _ => attention_composed(q, k, v, bias, scale),
     }
 }
+
+/// Most query rows per sequence for which a GPU runs the attention kernel (a decode step has
+/// one); longer queries (prefill, training) take the composition's matrix products.
+const DEVICE_ATTENTION_ROWS: usize = 16;
 
 /// [`attention`] as a composition of candle ops (the query heads that share a kv head folded
 /// into the row axis, so k and v are never repeated).
@@ -1183,6 +1564,9 @@ impl CustomOp3 for AttentionOp {
             attn_fwd(self, (s1, l1, s2, l2, s3, l3))
         )
     }
+    cuda_op!(3, |o: &Self, s1, l1, s2, l2, s3, l3| {
+        crate::cuda::attention_rows(s1, l1, s2, l2, s3, l3, &o.bias, o.scale)
+    });
     fn bwd(
         &self,
         q: &Tensor,

@@ -21,6 +21,8 @@
 #![deny(missing_docs)]
 
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod env;
 pub mod episode;

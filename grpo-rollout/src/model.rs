@@ -208,6 +208,44 @@ impl Layer {
         x + self.down_proj.forward(&act)?
     }
 
+    /// The layer in a pass over a KV cache (no graph: decoding, a prefill): `h` is this
+    /// layer's input already normalised, `x` the residual stream. The new keys and values go
+    /// into `cache` (rotated and transposed on the way in), the residual adds are fused with the
+    /// norms after them, the last with `next` (the next layer's input norm, or the model's final
+    /// norm). Returns the residual stream and its `next`-normalised rows.
+    #[allow(clippy::too_many_arguments)]
+    fn cached(
+        &self,
+        c: &LayerCtx,
+        x: &Tensor,
+        h: &Tensor,
+        cache: &mut KvCache,
+        i: usize,
+        past: usize,
+        next: &RmsNorm,
+    ) -> Result<(Tensor, Tensor)> {
+        let q = self.q_proj.forward(h)?.reshape((c.b, c.l, c.nh, c.hd))?;
+        let k = self.k_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let v = self.v_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
+        let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
+        let ctx = crate::fused::attention(&q, &k, &v, &c.bias, c.scale)?;
+        let o = self.o_proj.forward(&ctx)?;
+        let post = &self.post_attention_layernorm;
+        let (x, h) = crate::fused::add_rms_norm(x, &o, &post.weight, post.eps)?;
+        let act = crate::fused::silu_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?;
+        let d = self.down_proj.forward(&act)?;
+        crate::fused::add_rms_norm(&x, &d, &next.weight, next.eps)
+    }
+
     /// The whole layer as one recomputed block (gradient checkpointing): the graph keeps its
     /// inputs and outputs only, and its weights' gradients go to `sink` during backward. With
     /// `collect`, also returns this call's keys and values; with `prefix`, attends over those
@@ -398,24 +436,45 @@ impl KvCache {
         })
     }
 
-    /// Writes layer `i`'s new keys and values `(B, kv_heads, L, D)` (contiguous) after the
-    /// `past` cached positions; returns views of all `past + L` of them.
-    fn append(
+    /// Writes layer `i`'s new keys and values after the `past` cached positions: `k` and `v`
+    /// as the projections give them, `(B, L, kv_heads, D)`, the keys rotated by `cos` / `sin`
+    /// on the way in ([`crate::fused::kv_write`]); returns views of all `past + L` of them.
+    #[allow(clippy::too_many_arguments)]
+    fn write(
         &mut self,
         i: usize,
         past: usize,
         k: &Tensor,
         v: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let (b, h, l, d) = k.dims4()?;
+        let (b, l, h, d) = k.dims4()?;
+        let (kb, vb) = self.room(i, past, (b, h, l, d), k.dtype(), k.device())?;
+        crate::fused::kv_write(kb, k, Some((cos, sin)), past)?;
+        crate::fused::kv_write(vb, v, None, past)?;
+        Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
+    }
+
+    /// Layer `i`'s buffers with room for `L` positions after `past` (allocated at the first
+    /// forward, doubled when full); `dims` = `(B, kv_heads, L, D)`.
+    fn room(
+        &mut self,
+        i: usize,
+        past: usize,
+        dims: (usize, usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(&Tensor, &Tensor)> {
+        let (b, h, l, d) = dims;
         let need = past + l;
         if self.layers.len() == i {
             if past != 0 {
                 bail!("KV cache: layer {i} missing while {past} positions are cached");
             }
             let cap = self.reserve.max(need);
-            let kb = Tensor::zeros((b, h, cap, d), k.dtype(), k.device())?;
-            let vb = Tensor::zeros((b, h, cap, d), v.dtype(), v.device())?;
+            let kb = Tensor::zeros((b, h, cap, d), dtype, device)?;
+            let vb = Tensor::zeros((b, h, cap, d), dtype, device)?;
             self.layers.push((kb, vb));
         }
         let (kb, vb) = &mut self.layers[i];
@@ -434,9 +493,7 @@ impl KvCache {
             *kb = grow(kb)?;
             *vb = grow(vb)?;
         }
-        kb.slice_set(&k.contiguous()?.detach(), 2, past)?;
-        vb.slice_set(&v.contiguous()?.detach(), 2, past)?;
-        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
+        Ok((kb, vb))
     }
 }
 
@@ -950,6 +1007,22 @@ impl Transformer {
         let mut x = self
             .embed_tokens
             .index_select(&input_ids.flatten_all()?, 0)?;
+        if let Kv::Cache(cache) = &mut kv {
+            // A pass over a KV cache has no graph: each residual add runs with the norm after it.
+            let Some(first) = self.layers.first() else {
+                return self.norm.forward(&x)?.reshape((b, l, cfg.hidden_size));
+            };
+            let mut h = first.input_layernorm.forward(&x)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                let next = match self.layers.get(i + 1) {
+                    Some(n) => &n.input_layernorm,
+                    None => &self.norm,
+                };
+                (x, h) = layer.cached(&ctx, &x, &h, cache, i, past, next)?;
+            }
+            cache.len = past + l;
+            return h.reshape((b, l, cfg.hidden_size));
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(sink) = &self.checkpointing
                 && !matches!(kv, Kv::Cache(_))
@@ -969,7 +1042,7 @@ impl Transformer {
             }
             let (q, k, v) = layer.qkv(&ctx, &x)?;
             let (k, v) = match &mut kv {
-                Kv::Cache(c) => c.append(i, past, &k, &v)?,
+                Kv::Cache(_) => unreachable!("a pass over a cache takes the loop above"),
                 Kv::None => (k, v),
                 Kv::Collect(out) => {
                     out.push((k.clone(), v.clone()));
@@ -981,9 +1054,6 @@ impl Transformer {
                 }
             };
             x = layer.finish(&ctx, &x, &q, &k, &v)?;
-        }
-        if let Kv::Cache(c) = kv {
-            c.len = past + l;
         }
         self.norm.forward(&x)?.reshape((b, l, cfg.hidden_size))
     }

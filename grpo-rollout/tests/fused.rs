@@ -364,3 +364,80 @@ fn frozen_linear_gives_the_input_gradient_only() {
         assert!(grads.get(wv.as_tensor()).is_some());
     }
 }
+
+#[test]
+fn add_rms_norm_matches_composition_and_the_norm_kernel() {
+    // 700 rows split across threads; hidden 37 (no multiple of anything).
+    for dtype in [DType::F32, DType::F64] {
+        let x = randn(&[700, 37], dtype);
+        let r = randn(&[700, 37], dtype);
+        let w = randn(&[37], dtype);
+        let (s0, y0) = fused::add_rms_norm_composed(&x, &r, &w, 1e-6).unwrap();
+        let (s1, y1) = fused::add_rms_norm(&x, &r, &w, 1e-6).unwrap();
+        assert!(max_diff(&s0, &s1) <= tol(dtype), "{dtype:?} sum");
+        assert!(max_diff(&y0, &y1) <= tol(dtype), "{dtype:?} normed");
+        // The kernel's normalisation is the RMSNorm kernel's, bit for bit.
+        let y2 = fused::rms_norm(&s1, &w, 1e-6).unwrap();
+        assert_eq!(
+            max_diff(&y1, &y2),
+            0.0,
+            "{dtype:?}: not the RMSNorm kernel's arithmetic"
+        );
+    }
+    // Inputs in a graph take the differentiable add and norm: gradients reach both.
+    let (x, r, w) = (
+        randn(&[5, 8], DType::F32),
+        randn(&[5, 8], DType::F32),
+        randn(&[8], DType::F32),
+    );
+    let (xv, rv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&r).unwrap());
+    let (_, y) = fused::add_rms_norm(&xv, &rv, &w, 1e-6).unwrap();
+    let g = y.sum_all().unwrap().backward().unwrap();
+    assert!(g.get(xv.as_tensor()).is_some() && g.get(rv.as_tensor()).is_some());
+}
+
+#[test]
+fn kv_writes_match_composition_and_touch_only_their_positions() {
+    let (b, l, g, d, cap, past) = (3, 4, 2, 12, 11, 5);
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let x = randn(&[b, l, g, d], DType::F32).to_dtype(dtype).unwrap();
+        let ang = randn(&[b, l, d / 2], DType::F32);
+        let (c, s) = (
+            ang.cos().unwrap().to_dtype(dtype).unwrap(),
+            ang.sin().unwrap().to_dtype(dtype).unwrap(),
+        );
+        for rot in [Some((&c, &s)), None] {
+            let before = randn(&[b, g, cap, d], DType::F32).to_dtype(dtype).unwrap();
+            let want = before.copy().unwrap();
+            fused::kv_write_composed(&want, &x, rot, past).unwrap();
+            let got = before.copy().unwrap();
+            fused::kv_write(&got, &x, rot, past).unwrap();
+            let t = if dtype == DType::F64 { 1e-12 } else { 1e-6 };
+            assert!(
+                max_diff(&want, &got) <= t,
+                "{dtype:?} rotate {}",
+                rot.is_some()
+            );
+            // Positions before `past` and after `past + l` are as they were.
+            for (from, len) in [(0, past), (past + l, cap - past - l)] {
+                let kept = got.narrow(2, from, len).unwrap();
+                let was = before.narrow(2, from, len).unwrap();
+                assert_eq!(
+                    max_diff(&kept, &was),
+                    0.0,
+                    "{dtype:?}: wrote outside its rows"
+                );
+            }
+        }
+    }
+    // A write past the capacity is refused in one line.
+    let cache = Tensor::zeros((1, 1, 4, 2), DType::F32, &Device::Cpu).unwrap();
+    let x = Tensor::ones((1, 2, 1, 2), DType::F32, &Device::Cpu).unwrap();
+    let err = fused::kv_write(&cache, &x, None, 3)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("kv_write: [1, 2, 1, 2] at position 3"),
+        "{err}"
+    );
+}

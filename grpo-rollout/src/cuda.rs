@@ -1,0 +1,781 @@
+//! The fused ops' CUDA kernels (`kernels.cu`): compiled at run time with NVRTC, once per
+//! process and GPU architecture, for the device's own compute capability, and launched by the
+//! `cuda_fwd` of the same custom ops that run the CPU kernels ([`crate::fused`]). They take
+//! f32, bf16 and f16 storage and compute in f32.
+//!
+//! Why NVRTC rather than nvcc at build time: the kernels are built for the GPU the binary finds
+//! (no compute capability fixed at build time), and the build needs nothing beyond what
+//! candle's CUDA backend needs. The cost is a compilation of about a second at first use. When
+//! NVRTC is missing or the compilation fails, the ops say so once on stderr and run their
+//! candle compositions (the [`grpo_core::recompute`] path); `GRPO_CUDA_KERNELS=0` chooses that
+//! path on purpose.
+//!
+//! Launching a kernel and allocating the uninitialised buffer it fills are `unsafe` in cudarc;
+//! each such block says why it holds.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
+
+/// The kernels' source.
+pub const SOURCE: &str = include_str!("kernels.cu");
+const MODULE: &str = "grpo_fused";
+
+/// Largest hidden size the RMSNorm backward takes (its weight-gradient partial lives in shared
+/// memory: 48 KiB without an opt-in).
+pub const RMS_BWD_MAX_H: usize = 12 * 1024;
+/// Largest head dimension of [`attention_rows`].
+pub const ATTN_MAX_D: usize = 256;
+
+fn ptx_cache() -> &'static Mutex<HashMap<usize, std::result::Result<&'static str, String>>> {
+    static C: OnceLock<Mutex<HashMap<usize, std::result::Result<&'static str, String>>>> =
+        OnceLock::new();
+    C.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| {
+        matches!(
+            std::env::var("GRPO_CUDA_KERNELS").as_deref(),
+            Ok("0") | Ok("false")
+        )
+    })
+}
+
+/// Compiles [`SOURCE`] for `arch` (`compute_90`, ...) with NVRTC and returns the PTX.
+pub fn compile(arch: &str) -> std::result::Result<String, String> {
+    let opts = CompileOptions {
+        arch: Some(Box::leak(arch.to_string().into_boxed_str())),
+        options: vec!["--std=c++17".into()],
+        ..Default::default()
+    };
+    compile_ptx_with_opts(SOURCE, opts)
+        .map(|p| p.to_src())
+        .map_err(|e| format!("{e:?}"))
+}
+
+/// The PTX for the GPU `dev` (compiled at first use for its compute capability).
+fn ptx(dev: &CudaDevice) -> std::result::Result<&'static str, String> {
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut cache = ptx_cache().lock().expect("ptx cache poisoned");
+    cache
+        .entry(ordinal)
+        .or_insert_with(|| {
+            let (major, minor) = dev
+                .cuda_stream()
+                .context()
+                .compute_capability()
+                .map_err(|e| format!("{e:?}"))?;
+            let arch = format!("compute_{major}{minor}");
+            let src = compile(&arch).map_err(|e| {
+                let first = e.lines().next().unwrap_or("").to_string();
+                eprintln!(
+                    "grpo: the fused CUDA kernels did not compile for {arch} ({first}); \
+                     running the candle compositions instead"
+                );
+                e
+            })?;
+            Ok(Box::leak(src.into_boxed_str()))
+        })
+        .clone()
+}
+
+/// Whether the kernels run on `dev` (compiled, not switched off); compiles them at first ask.
+pub fn available(dev: &Device) -> bool {
+    match dev {
+        Device::Cuda(cd) => !off() && ptx(cd).is_ok(),
+        _ => false,
+    }
+}
+
+/// Whether a fused op on `t` takes its CUDA kernel: a CUDA tensor of f32, bf16 or f16 with
+/// the kernels available.
+pub fn takes(t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) && available(t.device())
+}
+
+/// The compile error of the kernels on `dev`, if they did not compile (`grpo-cli check`).
+pub fn compile_status(dev: &Device) -> std::result::Result<(), String> {
+    match dev {
+        Device::Cuda(cd) => ptx(cd).map(|_| ()),
+        _ => Err("not a CUDA device".into()),
+    }
+}
+
+/// Kernel handles by (device ordinal, kernel, dtype): a launch in a decode step looks one up
+/// instead of asking the driver again.
+type FuncCache = HashMap<(usize, &'static str, DType), CudaFunction>;
+
+fn func(dev: &CudaDevice, name: &'static str, dtype: DType) -> Result<CudaFunction> {
+    static FUNCS: OnceLock<Mutex<FuncCache>> = OnceLock::new();
+    let key = (dev.cuda_stream().context().ordinal(), name, dtype);
+    let funcs = FUNCS.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(f) = funcs.lock().expect("kernel cache poisoned").get(&key) {
+        return Ok(f.clone());
+    }
+    let ptx = ptx(dev).map_err(|e| candle_core::Error::Msg(format!("CUDA kernels: {e}")))?;
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        d => candle_core::bail!("{name}: no CUDA kernel for {d:?}"),
+    };
+    let f = dev
+        .get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, ptx)?
+        .into_cuda_function();
+    funcs
+        .lock()
+        .expect("kernel cache poisoned")
+        .insert(key, f.clone());
+    Ok(f)
+}
+
+/// Launches kernel `$name` (for `$dtype`) on `$dev`'s stream with the arguments in order
+/// (references to values that live past the launch statement).
+macro_rules! launch {
+    ($dev:expr, $name:expr, $dtype:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let f = func($dev, $name, $dtype)?;
+        let stream = $dev.cuda_stream();
+        let mut b = stream.launch_builder(&f);
+        $( b.arg($arg); )*
+        // SAFETY: the arguments are those of the kernel's signature in kernels.cu, in order and
+        // type, and every buffer holds the elements the kernel reads or writes for this launch
+        // configuration (the caller checked the shapes).
+        unsafe { b.launch($cfg) }.w()?;
+    }};
+}
+
+/// An uninitialised device buffer of `n` elements that a kernel then writes in full.
+fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every caller launches a kernel that writes all `n` elements before anything
+    // reads them.
+    unsafe { dev.alloc::<T>(n) }
+}
+
+/// Storage slice and start offset of a contiguous input.
+fn input<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    op: &str,
+) -> Result<(&'a CudaSlice<T>, i64)> {
+    match l.contiguous_offsets() {
+        Some((a, _)) => Ok((s.as_cuda_slice::<T>()?, a as i64)),
+        None => candle_core::bail!("{op}: input must be contiguous"),
+    }
+}
+
+fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per).max(1) as u32
+}
+
+fn cfg(grid: u32, block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// Threads per block for a reduction over rows of `n`: a multiple of 32, at most 256.
+fn row_threads(n: usize) -> u32 {
+    (n.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+/// Dispatches `$f::<T>(...)` on a storage dtype (f32, bf16, f16).
+macro_rules! typed {
+    ($dtype:expr, $name:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            d => candle_core::bail!("{}: no CUDA kernel for {d:?}", $name),
+        }
+    };
+}
+
+trait Elem: CudaDType + DeviceRepr + candle_core::WithDType {}
+impl Elem for f32 {}
+impl Elem for half::bf16 {}
+impl Elem for half::f16 {}
+
+// ------------------------------------------------------------------ RMSNorm
+
+fn rms_fwd_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let h = lx.dims().last().copied().unwrap_or(1);
+    if lw.shape().elem_count() != h {
+        candle_core::bail!(
+            "rms_norm: weight of {} for hidden size {h}",
+            lw.shape().elem_count()
+        );
+    }
+    let rows = lx.shape().elem_count() / h.max(1);
+    let (xs, xo) = input::<T>(x, lx, "rms_norm")?;
+    let (ws, wo) = input::<T>(w, lw, "rms_norm")?;
+    let out = alloc::<T>(dev, rows * h)?;
+    let (hi, eps) = (h as i32, eps as f32);
+    let c = cfg(rows as u32, row_threads(h), 0);
+    launch!(
+        dev,
+        "rms_fwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, ws, &wo, &out, &hi, &eps]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        lx.shape().clone(),
+    ))
+}
+
+/// RMSNorm forward on CUDA.
+pub fn rms_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(x.dtype(), "rms_norm", rms_fwd_t(x, lx, w, lw, eps))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rms_bwd_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let h = lx.dims().last().copied().unwrap_or(1);
+    if h > RMS_BWD_MAX_H {
+        candle_core::bail!("rms_norm backward: hidden size {h} above {RMS_BWD_MAX_H}");
+    }
+    let n = lx.shape().elem_count();
+    let rows = n / h.max(1);
+    let (xs, xo) = input::<T>(x, lx, "rms_norm_bwd")?;
+    let (ws, wo) = input::<T>(w, lw, "rms_norm_bwd")?;
+    let (gs, go) = input::<T>(g, lg, "rms_norm_bwd")?;
+    let nblk = rows.clamp(1, 256);
+    let out = alloc::<T>(dev, n + h)?;
+    let partial = alloc::<f32>(dev, nblk * h)?;
+    let (ri, hi, eps) = (rows as i32, h as i32, eps as f32);
+    let c = cfg(nblk as u32, row_threads(h), (h * 4) as u32);
+    launch!(
+        dev,
+        "rms_bwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, ws, &wo, gs, &go, &out, &partial, &ri, &hi, &eps]
+    );
+    let (nb, oo) = (nblk as i32, n as i64);
+    let c = cfg(blocks(h, 256), 256, 0);
+    launch!(dev, "col_sum", T::DTYPE, c, [&partial, &nb, &hi, &out, &oo]);
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        (n + h).into(),
+    ))
+}
+
+/// RMSNorm backward on CUDA: `[dx, dw]` flat, as the CPU kernel returns them.
+pub fn rms_bwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(
+        x.dtype(),
+        "rms_norm_bwd",
+        rms_bwd_t(x, lx, w, lw, g, lg, eps)
+    )
+}
+
+fn add_rms_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    r: &CudaStorage,
+    lr: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let h = lx.dims().last().copied().unwrap_or(1);
+    let n = lx.shape().elem_count();
+    if lr.shape().elem_count() != n || lw.shape().elem_count() != h {
+        candle_core::bail!(
+            "add_rms_norm: x {:?}, residual {:?}, weight {:?}",
+            lx.dims(),
+            lr.dims(),
+            lw.dims()
+        );
+    }
+    let rows = n / h.max(1);
+    let (xs, xo) = input::<T>(x, lx, "add_rms_norm")?;
+    let (rs, ro) = input::<T>(r, lr, "add_rms_norm")?;
+    let (ws, wo) = input::<T>(w, lw, "add_rms_norm")?;
+    let out = alloc::<T>(dev, 2 * n)?;
+    let (ni, hi, eps) = (n as i64, h as i32, eps as f32);
+    let c = cfg(rows as u32, row_threads(h), 0);
+    launch!(
+        dev,
+        "add_rms_fwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, rs, &ro, ws, &wo, &out, &ni, &hi, &eps]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        (2 * n).into(),
+    ))
+}
+
+/// The residual add and the RMSNorm after it on CUDA: `[x + r, rms_norm(x + r)]` flat.
+pub fn add_rms_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    r: &CudaStorage,
+    lr: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(
+        x.dtype(),
+        "add_rms_norm",
+        add_rms_t(x, lx, r, lr, w, lw, eps)
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn kv_write_t<T: Elem>(
+    cache: &mut CudaStorage,
+    lc: &Layout,
+    x: &CudaStorage,
+    lx: &Layout,
+    rot: Option<(&Tensor, &Tensor)>,
+    past: usize,
+) -> Result<()> {
+    let dev = x.device.clone();
+    let (b, l, g, d) = lx.shape().dims4()?;
+    let (cb, cg, cap, cd) = lc.shape().dims4()?;
+    if (cb, cg, cd) != (b, g, d) || past + l > cap || d % 2 != 0 {
+        candle_core::bail!(
+            "kv_write: {:?} at position {past} into a cache {:?}",
+            lx.dims(),
+            lc.dims()
+        );
+    }
+    if lc.contiguous_offsets() != Some((0, b * g * cap * d)) {
+        candle_core::bail!("kv_write: the cache must be a whole contiguous buffer");
+    }
+    let (xs, xo) = input::<T>(x, lx, "kv_write")?;
+    let half = d / 2;
+    let tables = match rot {
+        Some((c, s)) => {
+            if c.elem_count() != b * l * half || s.elem_count() != b * l * half {
+                candle_core::bail!("kv_write: tables must be (B, L, D/2) = ({b}, {l}, {half})");
+            }
+            Some((c.storage_and_layout(), s.storage_and_layout()))
+        }
+        None => None,
+    };
+    let [bi, li, gi, di] = [b as i32, l as i32, g as i32, d as i32];
+    let (capi, pasti) = (cap as i64, past as i64);
+    let c = cfg(blocks(b * l * g * half, 256), 256, 0);
+    let cs = cache.as_cuda_slice_mut::<T>()?;
+    match &tables {
+        Some(((cst, cl), (sst, sl))) => {
+            let (candle_core::Storage::Cuda(cc), candle_core::Storage::Cuda(sc)) = (&**cst, &**sst)
+            else {
+                candle_core::bail!("kv_write: the RoPE tables must be on the device of the cache");
+            };
+            let (cts, cto) = input::<T>(cc, cl, "kv_write cos")?;
+            let (sts, sto) = input::<T>(sc, sl, "kv_write sin")?;
+            let rotate = 1i32;
+            launch!(
+                &dev,
+                "kv_write",
+                T::DTYPE,
+                c,
+                [
+                    cs, &capi, xs, &xo, cts, &cto, sts, &sto, &bi, &li, &gi, &di, &pasti, &rotate
+                ]
+            );
+        }
+        None => {
+            // No tables are read without rotation; x stands in for them.
+            let rotate = 0i32;
+            launch!(
+                &dev,
+                "kv_write",
+                T::DTYPE,
+                c,
+                [
+                    cs, &capi, xs, &xo, xs, &xo, xs, &xo, &bi, &li, &gi, &di, &pasti, &rotate
+                ]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// New keys (rotated) or values `(B, L, G, D)` written into a `(B, G, cap, D)` cache at
+/// `past`, on CUDA.
+pub fn kv_write(
+    cache: &mut CudaStorage,
+    lc: &Layout,
+    x: &CudaStorage,
+    lx: &Layout,
+    rot: Option<(&Tensor, &Tensor)>,
+    past: usize,
+) -> Result<()> {
+    typed!(
+        x.dtype(),
+        "kv_write",
+        kv_write_t(cache, lc, x, lx, rot, past)
+    )
+}
+
+// ------------------------------------------------------------------ RoPE
+
+fn rope_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    c: &CudaStorage,
+    lc: &Layout,
+    s: &CudaStorage,
+    ls: &Layout,
+    inverse: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (b, a1, a2, d) = lx.shape().dims4()?;
+    let (l, h) = if inverse { (a2, a1) } else { (a1, a2) };
+    let half = d / 2;
+    if lc.shape().elem_count() != b * l * half || ls.shape().elem_count() != b * l * half {
+        candle_core::bail!("rope: tables must be (B, L, D/2) = ({b}, {l}, {half})");
+    }
+    let (xs, xo) = input::<T>(x, lx, "rope")?;
+    let (cs, co) = input::<T>(c, lc, "rope")?;
+    let (ss, so) = input::<T>(s, ls, "rope")?;
+    let out = alloc::<T>(dev, b * l * h * d)?;
+    let [bi, li, hi, di, inv] = [b as i32, l as i32, h as i32, d as i32, inverse as i32];
+    let c = cfg(blocks(b * h * l * half, 256), 256, 0);
+    launch!(
+        dev,
+        "rope",
+        T::DTYPE,
+        c,
+        [xs, &xo, cs, &co, ss, &so, &out, &bi, &li, &hi, &di, &inv]
+    );
+    let shape: Shape = if inverse { (b, l, h, d) } else { (b, h, l, d) }.into();
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape))
+}
+
+/// RoPE (or, with `inverse`, its backward) on CUDA.
+pub fn rope(
+    x: &CudaStorage,
+    lx: &Layout,
+    c: &CudaStorage,
+    lc: &Layout,
+    s: &CudaStorage,
+    ls: &Layout,
+    inverse: bool,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(x.dtype(), "rope", rope_t(x, lx, c, lc, s, ls, inverse))
+}
+
+// ------------------------------------------------------------------ SiLU · mul
+
+fn silu_fwd_t<T: Elem>(
+    a: &CudaStorage,
+    la: &Layout,
+    u: &CudaStorage,
+    lu: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &a.device;
+    let n = la.shape().elem_count();
+    if lu.shape().elem_count() != n {
+        candle_core::bail!("silu_mul: gate and up differ in size");
+    }
+    let (as_, ao) = input::<T>(a, la, "silu_mul")?;
+    let (us, uo) = input::<T>(u, lu, "silu_mul")?;
+    let out = alloc::<T>(dev, n)?;
+    let ni = n as i64;
+    let c = cfg(blocks(n, 256), 256, 0);
+    launch!(
+        dev,
+        "silu_mul_fwd",
+        T::DTYPE,
+        c,
+        [as_, &ao, us, &uo, &out, &ni]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        la.shape().clone(),
+    ))
+}
+
+/// `silu(gate) · up` on CUDA.
+pub fn silu_mul_fwd(
+    a: &CudaStorage,
+    la: &Layout,
+    u: &CudaStorage,
+    lu: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(a.dtype(), "silu_mul", silu_fwd_t(a, la, u, lu))
+}
+
+fn silu_bwd_t<T: Elem>(
+    a: &CudaStorage,
+    la: &Layout,
+    u: &CudaStorage,
+    lu: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &a.device;
+    let n = la.shape().elem_count();
+    let (as_, ao) = input::<T>(a, la, "silu_mul_bwd")?;
+    let (us, uo) = input::<T>(u, lu, "silu_mul_bwd")?;
+    let (gs, go) = input::<T>(g, lg, "silu_mul_bwd")?;
+    let out = alloc::<T>(dev, 2 * n)?;
+    let ni = n as i64;
+    let c = cfg(blocks(n, 256), 256, 0);
+    launch!(
+        dev,
+        "silu_mul_bwd",
+        T::DTYPE,
+        c,
+        [as_, &ao, us, &uo, gs, &go, &out, &ni]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        (2 * n).into(),
+    ))
+}
+
+/// The backward of `silu(gate) · up` on CUDA: `[dgate, dup]` flat.
+pub fn silu_mul_bwd(
+    a: &CudaStorage,
+    la: &Layout,
+    u: &CudaStorage,
+    lu: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(a.dtype(), "silu_mul_bwd", silu_bwd_t(a, la, u, lu, g, lg))
+}
+
+// ------------------------------------------------------------------ attention softmax
+
+fn softmax_fwd_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    m: &CudaStorage,
+    lm: &Layout,
+    scale: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (b, h, l, s) = lx.shape().dims4()?;
+    if lm.dims() != [b, 1, l, s] {
+        candle_core::bail!(
+            "attention_softmax: bias must be ({b}, 1, {l}, {s}), got {:?}",
+            lm.dims()
+        );
+    }
+    let (xs, xo) = input::<T>(x, lx, "attention_softmax")?;
+    let (ms, mo) = input::<T>(m, lm, "attention_softmax")?;
+    let out = alloc::<T>(dev, b * h * l * s)?;
+    let (hi, li, si, sc) = (h as i32, l as i32, s as i32, scale as f32);
+    let c = cfg((b * h * l) as u32, row_threads(s), 0);
+    launch!(
+        dev,
+        "softmax_fwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, ms, &mo, &out, &hi, &li, &si, &sc]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        lx.shape().clone(),
+    ))
+}
+
+/// The attention softmax on CUDA.
+pub fn softmax_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    m: &CudaStorage,
+    lm: &Layout,
+    scale: f64,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(
+        x.dtype(),
+        "attention_softmax",
+        softmax_fwd_t(x, lx, m, lm, scale)
+    )
+}
+
+fn softmax_bwd_t<T: Elem>(
+    p: &CudaStorage,
+    lp: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    scale: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &p.device;
+    let s = lp.dims().last().copied().unwrap_or(1);
+    let n = lp.shape().elem_count();
+    let (ps, po) = input::<T>(p, lp, "attention_softmax_bwd")?;
+    let (gs, go) = input::<T>(g, lg, "attention_softmax_bwd")?;
+    let out = alloc::<T>(dev, n)?;
+    let (si, sc) = (s as i32, scale as f32);
+    let c = cfg((n / s.max(1)) as u32, row_threads(s), 0);
+    launch!(
+        dev,
+        "softmax_bwd",
+        T::DTYPE,
+        c,
+        [ps, &po, gs, &go, &out, &si, &sc]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        lp.shape().clone(),
+    ))
+}
+
+/// The attention softmax's backward on CUDA.
+pub fn softmax_bwd(
+    p: &CudaStorage,
+    lp: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    scale: f64,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(
+        p.dtype(),
+        "attention_softmax_bwd",
+        softmax_bwd_t(p, lp, g, lg, scale)
+    )
+}
+
+// ------------------------------------------------------------------ attention (few queries)
+
+/// Offset and `(batch, head, position)` strides of a `(B, G, S, D)` key or value view with
+/// unit stride along `D`.
+fn kv_view(l: &Layout, what: &str) -> Result<(i64, [i64; 3])> {
+    let st = l.stride();
+    if l.dims().len() != 4 || st[3] != 1 {
+        candle_core::bail!("attention: {what} needs unit stride along the head dimension");
+    }
+    Ok((
+        l.start_offset() as i64,
+        [st[0] as i64, st[1] as i64, st[2] as i64],
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_rows_t<T: Elem>(
+    q: &CudaStorage,
+    lq: &Layout,
+    k: &CudaStorage,
+    lk: &Layout,
+    v: &CudaStorage,
+    lv: &Layout,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &q.device;
+    let (b, nh, l, d) = lq.shape().dims4()?;
+    let (kb_, nkv, s, kd) = lk.shape().dims4()?;
+    if kb_ != b || kd != d || lv.dims() != lk.dims() || nkv == 0 || nh % nkv != 0 {
+        candle_core::bail!(
+            "attention: q {:?}, k {:?}, v {:?} do not fit",
+            lq.dims(),
+            lk.dims(),
+            lv.dims()
+        );
+    }
+    if d > ATTN_MAX_D {
+        candle_core::bail!("attention: head dimension {d} above {ATTN_MAX_D}");
+    }
+    if bias.dims() != [b, 1, l, s] {
+        candle_core::bail!(
+            "attention: bias must be ({b}, 1, {l}, {s}), got {:?}",
+            bias.dims()
+        );
+    }
+    let (qs, qo) = input::<T>(q, lq, "attention")?;
+    let (ko, [kb, kg, ks]) = kv_view(lk, "k")?;
+    let (vo, [vb, vg, vs]) = kv_view(lv, "v")?;
+    let kst = k.as_cuda_slice::<T>()?;
+    let vst = v.as_cuda_slice::<T>()?;
+    let (bst, bl) = bias.storage_and_layout();
+    let candle_core::Storage::Cuda(bcs) = &*bst else {
+        candle_core::bail!("attention: the bias must be on the device of q");
+    };
+    let (bss, bo) = input::<T>(bcs, bl, "attention bias")?;
+    let out = alloc::<T>(dev, b * l * nh * d)?;
+    let [nhi, nkvi, li, si, di] = [nh as i32, nkv as i32, l as i32, s as i32, d as i32];
+    let sc = scale as f32;
+    // One warp per 16 keys, up to 8 (the kernel's ATTN_MAX_WARPS).
+    let warps = (s / 16).clamp(1, 8);
+    let c = cfg((b * nh * l) as u32, (32 * warps) as u32, 0);
+    launch!(
+        dev,
+        "attention_rows",
+        T::DTYPE,
+        c,
+        [
+            qs, &qo, kst, &ko, &kb, &kg, &ks, vst, &vo, &vb, &vg, &vs, bss, &bo, &out, &nhi, &nkvi,
+            &li, &si, &di, &sc
+        ]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        (b * l, nh * d).into(),
+    ))
+}
+
+/// Attention of a few query rows over (possibly strided) keys and values, on CUDA: context
+/// rows `(B·L, H·D)`. Forward only (decoding, frozen passes).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows(
+    q: &CudaStorage,
+    lq: &Layout,
+    k: &CudaStorage,
+    lk: &Layout,
+    v: &CudaStorage,
+    lv: &Layout,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<(CudaStorage, Shape)> {
+    typed!(
+        q.dtype(),
+        "attention",
+        attention_rows_t(q, lq, k, lk, v, lv, bias, scale)
+    )
+}

@@ -1,0 +1,448 @@
+// CUDA kernels of the decoder's fused ops (grpo_rollout::fused), compiled at run time with
+// NVRTC for the device's own architecture (see cuda.rs). Each has the meaning of its CPU kernel
+// and of its candle composition in fused.rs; arithmetic is in f32 whatever the storage type.
+//
+// The source needs no header: storage types are `float` and the raw bits of bf16 / f16
+// (`unsigned short`), converted with the conversions below. It also compiles as host C++ under
+// an emulation of the CUDA built-ins (tests/cuda_emulation), which is how it is tested on
+// machines without a GPU; GPU_HOST_EMULATION marks what the emulation defines instead.
+
+typedef unsigned short bits16;
+
+#ifndef GPU_HOST_EMULATION
+#define GPU_NEG_INF (-__int_as_float(0x7f800000))
+#define GPU_DYNAMIC_SHARED(name) extern __shared__ float name[]
+__device__ __forceinline__ float gpu_f16_to_f32(bits16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ bits16 gpu_f32_to_f16(float f) {
+    bits16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#endif
+
+struct F32 {
+    typedef float S;
+    static __device__ __forceinline__ float ld(float v) { return v; }
+    static __device__ __forceinline__ float st(float v) { return v; }
+};
+
+struct BF16 {
+    typedef bits16 S;
+    static __device__ __forceinline__ float ld(bits16 v) {
+        return __uint_as_float(((unsigned int)v) << 16);
+    }
+    // Round to nearest even, NaN kept a (quiet) NaN: what the half crate and torch do.
+    static __device__ __forceinline__ bits16 st(float f) {
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return (bits16)((u >> 16) | 0x40u);
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return (bits16)(u >> 16);
+    }
+};
+
+struct F16 {
+    typedef bits16 S;
+    static __device__ __forceinline__ float ld(bits16 v) { return gpu_f16_to_f32(v); }
+    static __device__ __forceinline__ bits16 st(float f) { return gpu_f32_to_f16(f); }
+};
+
+// ------------------------------------------------------------------ reductions
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `sh` holds 33 floats.
+__device__ float block_sum(float v, float* sh) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call's readers are done with sh
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? sh[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) sh[32] = t;
+    }
+    __syncthreads();
+    return sh[32];
+}
+
+__device__ float block_max(float v, float* sh) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? sh[lane] : GPU_NEG_INF;
+        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+        if (lane == 0) sh[32] = t;
+    }
+    __syncthreads();
+    return sh[32];
+}
+
+// ------------------------------------------------------------------ RMSNorm
+
+// One block per row of `h`: y = T(T(x · inv) · w), inv = 1 / sqrt(mean(x²) + eps) — the
+// composition's two roundings to the storage type.
+template <typename T>
+__device__ void rms_fwd(const typename T::S* x, long xo, const typename T::S* w, long wo,
+                        typename T::S* y, int h, float eps) {
+    __shared__ float sh[33];
+    const typename T::S* xr = x + xo + (long)blockIdx.x * h;
+    const typename T::S* wr = w + wo;
+    typename T::S* yr = y + (long)blockIdx.x * h;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v = T::ld(xr[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        yr[i] = T::st(T::ld(T::st(T::ld(xr[i]) * inv)) * T::ld(wr[i]));
+}
+
+// Backward, rows split over the grid: dx (rows · h, into out[0..]) and one f32 partial of dw
+// per block (`partial` is gridDim.x × h), summed in block order by `col_sum`.
+// xhat = x·inv; dx = inv · (g·w − xhat · mean(g·w·xhat)); dw = Σ_rows g·xhat.
+template <typename T>
+__device__ void rms_bwd(const typename T::S* x, long xo, const typename T::S* w, long wo,
+                        const typename T::S* g, long go, typename T::S* dx, float* partial,
+                        int rows, int h, float eps) {
+    __shared__ float sh[33];
+    GPU_DYNAMIC_SHARED(pw);  // h floats
+    for (int i = threadIdx.x; i < h; i += blockDim.x) pw[i] = 0.0f;
+    const typename T::S* wr = w + wo;
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const typename T::S* xr = x + xo + (long)r * h;
+        const typename T::S* gr = g + go + (long)r * h;
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            float v = T::ld(xr[i]);
+            ss += v * v;
+        }
+        ss = block_sum(ss, sh);
+        float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        float dot = 0.0f;
+        for (int i = threadIdx.x; i < h; i += blockDim.x)
+            dot += T::ld(gr[i]) * T::ld(wr[i]) * T::ld(xr[i]) * inv;
+        float mean = block_sum(dot, sh) / (float)h;
+        for (int i = threadIdx.x; i < h; i += blockDim.x) {
+            float xh = T::ld(xr[i]) * inv, gv = T::ld(gr[i]);
+            pw[i] += gv * xh;
+            dx[(long)r * h + i] = T::st(inv * (gv * T::ld(wr[i]) - xh * mean));
+        }
+    }
+    for (int i = threadIdx.x; i < h; i += blockDim.x) partial[(long)blockIdx.x * h + i] = pw[i];
+}
+
+// out[oo + c] = Σ_b partial[b · cols + c] over `blocks` rows, in row order (deterministic).
+template <typename T>
+__device__ void col_sum(const float* partial, int blocks, int cols, typename T::S* out,
+                        long oo) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.0f;
+    for (int b = 0; b < blocks; ++b) s += partial[(long)b * cols + c];
+    out[oo + c] = T::st(s);
+}
+
+// Residual add fused with the RMSNorm that follows it (inference: decoding, frozen passes).
+// One block per row of `h`: s = T(x + r), y = T(T(s · inv) · w); out = [s (n), y (n)].
+template <typename T>
+__device__ void add_rms_fwd(const typename T::S* x, long xo, const typename T::S* r, long ro,
+                            const typename T::S* w, long wo, typename T::S* out, long n, int h,
+                            float eps) {
+    __shared__ float sh[33];
+    long row = blockIdx.x;
+    const typename T::S* xr = x + xo + row * h;
+    const typename T::S* rr = r + ro + row * h;
+    const typename T::S* wr = w + wo;
+    typename T::S* sr = out + row * h;
+    typename T::S* yr = out + n + row * h;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        typename T::S sv = T::st(T::ld(xr[i]) + T::ld(rr[i]));
+        sr[i] = sv;
+        float v = T::ld(sv);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        yr[i] = T::st(T::ld(T::st(T::ld(sr[i]) * inv)) * T::ld(wr[i]));
+}
+
+// ------------------------------------------------------------------ RoPE
+
+// "Rotate half" rotary embedding fused with the head transpose. Forward: x (B, L, H, D) →
+// out (B, H, L, D), rotation by +θ; inverse (its backward): x (B, H, L, D) → out (B, L, H, D),
+// by −θ. cos, sin: (B, L, D/2). One thread per output pair (i, i + D/2).
+template <typename T>
+__device__ void rope(const typename T::S* x, long xo, const typename T::S* c, long co,
+                     const typename T::S* s, long so, typename T::S* out, int b, int l, int h,
+                     int d, int inverse) {
+    int half = d / 2;
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    long total = (long)b * h * l * half;
+    if (idx >= total) return;
+    long r = idx / half;
+    int i = (int)(idx % half);
+    long bi, hi, li, src;
+    if (inverse) {
+        bi = r / ((long)l * h); hi = r % h; li = (r / h) % l;
+        src = ((bi * h + hi) * l + li) * d;
+    } else {
+        bi = r / ((long)h * l); hi = (r / l) % h; li = r % l;
+        src = ((bi * l + li) * h + hi) * d;
+    }
+    long t = (bi * l + li) * half + i;
+    float cv = T::ld(c[co + t]), sv = T::ld(s[so + t]);
+    if (inverse) sv = -sv;
+    float x1 = T::ld(x[xo + src + i]), x2 = T::ld(x[xo + src + i + half]);
+    out[r * d + i] = T::st(x1 * cv - x2 * sv);
+    out[r * d + i + half] = T::st(x2 * cv + x1 * sv);
+}
+
+// A decode step's new keys or values written into a KV cache in place: x (B, L, G, D) (a
+// projection's output) goes to cache (B, G, cap, D) at positions past .. past + L, keys rotated
+// by θ (cos, sin: (B, L, D/2)), values copied (rotate = 0: the storage bits move unchanged).
+// One thread per output pair (i, i + D/2).
+template <typename T>
+__device__ void kv_write(typename T::S* cache, long cap, const typename T::S* x, long xo,
+                         const typename T::S* c, long co, const typename T::S* s, long so,
+                         int b, int l, int g, int d, long past, int rotate) {
+    int half = d / 2;
+    long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long)b * l * g * half) return;
+    long r = idx / half;
+    int i = (int)(idx % half);
+    long gi = r % g, li = (r / g) % l, bi = r / ((long)g * l);
+    const typename T::S* src = x + xo + r * d;
+    typename T::S* dst = cache + ((bi * g + gi) * cap + past + li) * d;
+    if (rotate) {
+        long t = (bi * l + li) * half + i;
+        float cv = T::ld(c[co + t]), sv = T::ld(s[so + t]);
+        float x1 = T::ld(src[i]), x2 = T::ld(src[i + half]);
+        dst[i] = T::st(x1 * cv - x2 * sv);
+        dst[i + half] = T::st(x2 * cv + x1 * sv);
+    } else {
+        dst[i] = src[i];
+        dst[i + half] = src[i + half];
+    }
+}
+
+// ------------------------------------------------------------------ SiLU · mul
+
+template <typename T>
+__device__ void silu_mul_fwd(const typename T::S* a, long ao, const typename T::S* u, long uo,
+                             typename T::S* out, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float av = T::ld(a[ao + i]);
+    float silu = T::ld(T::st(av / (1.0f + expf(-av))));
+    out[i] = T::st(silu * T::ld(u[uo + i]));
+}
+
+// out = [da (n), du (n)]: da = g·u·σ(a)·(1 + a·(1 − σ(a))), du = g·silu(a).
+template <typename T>
+__device__ void silu_mul_bwd(const typename T::S* a, long ao, const typename T::S* u, long uo,
+                             const typename T::S* g, long go, typename T::S* out, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float av = T::ld(a[ao + i]), uv = T::ld(u[uo + i]), gv = T::ld(g[go + i]);
+    float sg = 1.0f / (1.0f + expf(-av));
+    out[i] = T::st(gv * uv * sg * (1.0f + av * (1.0f - sg)));
+    out[n + i] = T::st(gv * av * sg);
+}
+
+// ------------------------------------------------------------------ attention softmax
+
+// One block per row of `s` scores (B, H, L, S): p = softmax(x · scale + bias), bias (B, 1, L, S).
+template <typename T>
+__device__ void softmax_fwd(const typename T::S* x, long xo, const typename T::S* m, long mo,
+                            typename T::S* out, int h, int l, int s, float scale) {
+    __shared__ float sh[33];
+    long r = blockIdx.x;
+    long bi = r / ((long)h * l), li = r % l;
+    const typename T::S* xr = x + xo + r * s;
+    const typename T::S* mr = m + mo + (bi * l + li) * s;
+    typename T::S* orow = out + r * s;
+    float mx = GPU_NEG_INF;
+    for (int j = threadIdx.x; j < s; j += blockDim.x)
+        mx = fmaxf(mx, T::ld(xr[j]) * scale + T::ld(mr[j]));
+    mx = block_max(mx, sh);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < s; j += blockDim.x)
+        sum += expf(T::ld(xr[j]) * scale + T::ld(mr[j]) - mx);
+    float inv = 1.0f / block_sum(sum, sh);
+    for (int j = threadIdx.x; j < s; j += blockDim.x)
+        orow[j] = T::st(expf(T::ld(xr[j]) * scale + T::ld(mr[j]) - mx) * inv);
+}
+
+// Backward per row: scale · p · (g − Σ_j p_j g_j).
+template <typename T>
+__device__ void softmax_bwd(const typename T::S* p, long po, const typename T::S* g, long go,
+                            typename T::S* out, int s, float scale) {
+    __shared__ float sh[33];
+    long r = blockIdx.x;
+    const typename T::S* pr = p + po + r * s;
+    const typename T::S* gr = g + go + r * s;
+    float dot = 0.0f;
+    for (int j = threadIdx.x; j < s; j += blockDim.x) dot += T::ld(pr[j]) * T::ld(gr[j]);
+    dot = block_sum(dot, sh);
+    for (int j = threadIdx.x; j < s; j += blockDim.x)
+        out[r * s + j] = T::st(scale * T::ld(pr[j]) * (T::ld(gr[j]) - dot));
+}
+
+// ------------------------------------------------------------------ attention (few queries)
+
+// Grouped-query attention for a few query positions over many keys (decoding over a KV cache):
+// one block per (batch, head, query row); each warp runs an online softmax over every
+// `warps`-th key, the warps are merged at the end. q (B, H, L, D) contiguous; k, v (B, G, S, D)
+// with element strides (kb, kg, ks) and (vb, vg, vs) and unit stride along D (a KV cache's
+// view); bias (B, 1, L, S); out rows (B·L, H·D). D ≤ 256, blockDim ≤ 256.
+#define ATTN_MAX_D 256
+#define ATTN_MAX_WARPS 8
+template <typename T>
+__device__ void attention_rows(const typename T::S* q, long qo, const typename T::S* k, long ko,
+                               long kb, long kg, long ks, const typename T::S* v, long vo,
+                               long vb, long vg, long vs, const typename T::S* bias, long bo,
+                               typename T::S* out, int nh, int nkv, int l, int s, int d,
+                               float scale) {
+    __shared__ float qs[ATTN_MAX_D];
+    __shared__ float wm[ATTN_MAX_WARPS], wl[ATTN_MAX_WARPS];
+    __shared__ float wacc[ATTN_MAX_WARPS][ATTN_MAX_D];
+    long blk = blockIdx.x;
+    int i = (int)(blk % l);
+    int hd = (int)((blk / l) % nh);
+    long bi = blk / ((long)l * nh);
+    int g = hd / (nh / nkv);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const typename T::S* qr = q + qo + ((bi * nh + hd) * l + i) * d;
+    for (int t = threadIdx.x; t < d; t += blockDim.x) qs[t] = T::ld(qr[t]) * scale;
+    __syncthreads();
+    const typename T::S* kbase = k + ko + bi * kb + g * kg;
+    const typename T::S* vbase = v + vo + bi * vb + g * vg;
+    const typename T::S* br = bias + bo + (bi * l + i) * s;
+    float m = GPU_NEG_INF, lsum = 0.0f;
+    float acc[ATTN_MAX_D / 32];
+    for (int t = 0; t < ATTN_MAX_D / 32; ++t) acc[t] = 0.0f;
+    for (int j = w; j < s; j += nw) {
+        const typename T::S* kr = kbase + (long)j * ks;
+        float dot = 0.0f;
+        for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+            int e = lane + 32 * t;
+            if (e < d) dot += qs[e] * T::ld(kr[e]);
+        }
+        dot = warp_sum(dot);
+        float sc = dot + T::ld(br[j]);
+        if (sc == GPU_NEG_INF) continue;  // a key masked with −inf (f16's −1e9) has no weight
+        float mn = fmaxf(m, sc);
+        float corr = expf(m - mn), p = expf(sc - mn);
+        lsum = lsum * corr + p;
+        const typename T::S* vr = vbase + (long)j * vs;
+        for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+            int e = lane + 32 * t;
+            if (e < d) acc[t] = acc[t] * corr + p * T::ld(vr[e]);
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        wm[w] = m;
+        wl[w] = lsum;
+    }
+    for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+        int e = lane + 32 * t;
+        if (e < d) wacc[w][e] = acc[t];
+    }
+    __syncthreads();
+    float mx = GPU_NEG_INF;
+    for (int u = 0; u < nw; ++u) mx = fmaxf(mx, wm[u]);
+    float total = 0.0f;
+    for (int u = 0; u < nw; ++u)
+        if (wl[u] > 0.0f) total += expf(wm[u] - mx) * wl[u];
+    typename T::S* orow = out + (bi * l + i) * ((long)nh * d) + (long)hd * d;
+    for (int t = threadIdx.x; t < d; t += blockDim.x) {
+        float o = 0.0f;
+        for (int u = 0; u < nw; ++u)
+            if (wl[u] > 0.0f) o += expf(wm[u] - mx) * wacc[u][t];
+        orow[t] = T::st(o / total);
+    }
+}
+
+// ------------------------------------------------------------------ entry points
+
+#define S_OF(T) T::S
+#define GRPO_KERNELS(T, N)                                                                   \
+    extern "C" __global__ void rms_fwd_##N(const S_OF(T) * x, long xo, const S_OF(T) * w,   \
+                                           long wo, S_OF(T) * y, int h, float eps) {        \
+        rms_fwd<T>(x, xo, w, wo, y, h, eps);                                                 \
+    }                                                                                        \
+    extern "C" __global__ void rms_bwd_##N(const S_OF(T) * x, long xo, const S_OF(T) * w,   \
+                                           long wo, const S_OF(T) * g, long go,             \
+                                           S_OF(T) * dx, float* partial, int rows, int h,   \
+                                           float eps) {                                      \
+        rms_bwd<T>(x, xo, w, wo, g, go, dx, partial, rows, h, eps);                          \
+    }                                                                                        \
+    extern "C" __global__ void col_sum_##N(const float* partial, int blocks, int cols,      \
+                                           S_OF(T) * out, long oo) {                         \
+        col_sum<T>(partial, blocks, cols, out, oo);                                          \
+    }                                                                                        \
+    extern "C" __global__ void add_rms_fwd_##N(const S_OF(T) * x, long xo,                 \
+                                               const S_OF(T) * r, long ro,                   \
+                                               const S_OF(T) * w, long wo, S_OF(T) * out,   \
+                                               long n, int h, float eps) {                   \
+        add_rms_fwd<T>(x, xo, r, ro, w, wo, out, n, h, eps);                                 \
+    }                                                                                        \
+    extern "C" __global__ void kv_write_##N(S_OF(T) * cache, long cap, const S_OF(T) * x,   \
+                                            long xo, const S_OF(T) * c, long co,             \
+                                            const S_OF(T) * s, long so, int b, int l, int g, \
+                                            int d, long past, int rotate) {                  \
+        kv_write<T>(cache, cap, x, xo, c, co, s, so, b, l, g, d, past, rotate);              \
+    }                                                                                        \
+    extern "C" __global__ void rope_##N(const S_OF(T) * x, long xo, const S_OF(T) * c,      \
+                                        long co, const S_OF(T) * s, long so, S_OF(T) * out, \
+                                        int b, int l, int h, int d, int inverse) {           \
+        rope<T>(x, xo, c, co, s, so, out, b, l, h, d, inverse);                              \
+    }                                                                                        \
+    extern "C" __global__ void silu_mul_fwd_##N(const S_OF(T) * a, long ao,                 \
+                                                const S_OF(T) * u, long uo, S_OF(T) * out,  \
+                                                long n) {                                    \
+        silu_mul_fwd<T>(a, ao, u, uo, out, n);                                               \
+    }                                                                                        \
+    extern "C" __global__ void silu_mul_bwd_##N(const S_OF(T) * a, long ao,                 \
+                                                const S_OF(T) * u, long uo,                  \
+                                                const S_OF(T) * g, long go, S_OF(T) * out,  \
+                                                long n) {                                    \
+        silu_mul_bwd<T>(a, ao, u, uo, g, go, out, n);                                        \
+    }                                                                                        \
+    extern "C" __global__ void softmax_fwd_##N(const S_OF(T) * x, long xo,                  \
+                                               const S_OF(T) * m, long mo, S_OF(T) * out,   \
+                                               int h, int l, int s, float scale) {           \
+        softmax_fwd<T>(x, xo, m, mo, out, h, l, s, scale);                                   \
+    }                                                                                        \
+    extern "C" __global__ void softmax_bwd_##N(const S_OF(T) * p, long po,                  \
+                                               const S_OF(T) * g, long go, S_OF(T) * out,   \
+                                               int s, float scale) {                         \
+        softmax_bwd<T>(p, po, g, go, out, s, scale);                                         \
+    }                                                                                        \
+    extern "C" __global__ void attention_rows_##N(                                           \
+        const S_OF(T) * q, long qo, const S_OF(T) * k, long ko, long kb, long kg, long ks,  \
+        const S_OF(T) * v, long vo, long vb, long vg, long vs, const S_OF(T) * bias,        \
+        long bo, S_OF(T) * out, int nh, int nkv, int l, int s, int d, float scale) {         \
+        attention_rows<T>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh,    \
+                          nkv, l, s, d, scale);                                              \
+    }
+
+GRPO_KERNELS(F32, f32)
+GRPO_KERNELS(BF16, bf16)
+GRPO_KERNELS(F16, f16)

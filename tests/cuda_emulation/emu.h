@@ -1,0 +1,177 @@
+// A host emulation of the CUDA built-ins that grpo-rollout/src/kernels.cu uses, so that the
+// kernels' own source runs, unchanged, on a machine without a GPU: every thread of a block is a
+// fiber, `__syncthreads` waits for the block, a warp shuffle is an exchange through memory
+// between two waits for the warp, `__shared__` variables are statics (blocks run one after
+// another), and the grid is walked block by block. Slow, and exact about what a kernel computes
+// for given indices — which is what it is for.
+#pragma once
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define GPU_HOST_EMULATION 1
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define GPU_NEG_INF (-INFINITY)
+#define GPU_DYNAMIC_SHARED(name) float* name = emu_dynamic_shared.data()
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+// Set by the scheduler before it switches to a thread, so a thread reads its own.
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+inline std::vector<float> emu_dynamic_shared;
+inline std::vector<float> emu_shuffle;
+
+// Each CUDA thread of the running block is a fiber (ucontext) on the one host thread; a
+// synchronisation point switches back to the scheduler, which resumes the waiting threads
+// when everyone the point waits for has arrived: the whole block for __syncthreads, the
+// thread's warp for a shuffle. A point nobody can complete (a barrier in divergent code) is
+// reported as a deadlock.
+enum EmuState { EMU_RUNNABLE, EMU_AT_BLOCK, EMU_AT_WARP, EMU_DONE };
+struct EmuThread {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    EmuState state;
+};
+inline std::vector<EmuThread> emu_threads;
+inline ucontext_t emu_scheduler;
+inline unsigned emu_current = 0;
+
+inline void emu_wait(EmuState why) {
+    emu_threads[emu_current].state = why;
+    swapcontext(&emu_threads[emu_current].ctx, &emu_scheduler);
+}
+
+inline void __syncthreads() { emu_wait(EMU_AT_BLOCK); }
+
+inline float __shfl_xor_sync(unsigned, float v, int offset) {
+    unsigned t = threadIdx.x, w = t >> 5, lane = t & 31;
+    emu_shuffle[t] = v;
+    emu_wait(EMU_AT_WARP);
+    float r = emu_shuffle[(w << 5) | (lane ^ (unsigned)offset)];
+    emu_wait(EMU_AT_WARP);
+    return r;
+}
+
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+
+// IEEE half precision through the compiler's _Float16 (round to nearest even, as cvt.rn).
+inline float gpu_f16_to_f32(unsigned short h) {
+    _Float16 v;
+    std::memcpy(&v, &h, 2);
+    return (float)v;
+}
+inline unsigned short gpu_f32_to_f16(float f) {
+    _Float16 v = (_Float16)f;
+    unsigned short h;
+    std::memcpy(&h, &v, 2);
+    return h;
+}
+
+// The kernel and its arguments, for the fibers' entry point.
+inline void (*emu_body)(void*) = nullptr;
+inline void* emu_body_arg = nullptr;
+inline void emu_entry() {
+    emu_body(emu_body_arg);
+    emu_threads[emu_current].state = EMU_DONE;
+}
+
+// Runs the block `blockIdx` with `blockDim.x` fibers until all are done.
+inline void emu_run_block() {
+    unsigned n = blockDim.x;
+    emu_threads.resize(n);
+    for (unsigned t = 0; t < n; ++t) {
+        EmuThread& th = emu_threads[t];
+        th.stack.resize(1 << 16);
+        th.state = EMU_RUNNABLE;
+        getcontext(&th.ctx);
+        th.ctx.uc_stack.ss_sp = th.stack.data();
+        th.ctx.uc_stack.ss_size = th.stack.size();
+        th.ctx.uc_link = &emu_scheduler;
+        makecontext(&th.ctx, emu_entry, 0);
+    }
+    for (;;) {
+        bool ran = false;
+        for (unsigned t = 0; t < n; ++t) {
+            if (emu_threads[t].state != EMU_RUNNABLE) continue;
+            emu_current = t;
+            threadIdx.x = t;
+            swapcontext(&emu_scheduler, &emu_threads[t].ctx);
+            ran = true;
+        }
+        // Release every warp whose live lanes all wait at a shuffle.
+        bool released = false;
+        for (unsigned w = 0; w < (n + 31) / 32; ++w) {
+            unsigned lo = w * 32, hi = lo + 32 < n ? lo + 32 : n, at = 0, live = 0;
+            for (unsigned t = lo; t < hi; ++t) {
+                if (emu_threads[t].state != EMU_DONE) ++live;
+                if (emu_threads[t].state == EMU_AT_WARP) ++at;
+            }
+            if (live > 0 && at == live) {
+                for (unsigned t = lo; t < hi; ++t)
+                    if (emu_threads[t].state == EMU_AT_WARP) emu_threads[t].state = EMU_RUNNABLE;
+                released = true;
+            }
+        }
+        if (released) continue;
+        unsigned live = 0, at = 0;
+        for (auto& th : emu_threads) {
+            if (th.state != EMU_DONE) ++live;
+            if (th.state == EMU_AT_BLOCK) ++at;
+        }
+        if (live == 0) return;
+        if (at == live) {
+            for (auto& th : emu_threads) th.state = EMU_RUNNABLE;
+            continue;
+        }
+        if (!ran) {
+            std::fprintf(stderr, "emulation: deadlock in block %u (a barrier not every thread reaches)\n",
+                         blockIdx.x);
+            std::exit(3);
+        }
+    }
+}
+
+template <typename F>
+void emu_trampoline(void* f) {
+    (*static_cast<F*>(f))();
+}
+
+// Runs `kernel<<<grid, block, smem>>>(args...)`.
+template <typename... P, typename... A>
+void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem, A... args) {
+    gridDim.x = grid;
+    blockDim.x = block;
+    emu_dynamic_shared.assign(smem / sizeof(float) + 1, 0.0f);
+    emu_shuffle.assign(block, 0.0f);
+    auto call = [&]() { kernel(static_cast<P>(args)...); };
+    emu_body = &emu_trampoline<decltype(call)>;
+    emu_body_arg = &call;
+    for (unsigned b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        emu_run_block();
+    }
+}

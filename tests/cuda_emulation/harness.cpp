@@ -1,0 +1,193 @@
+// Runs one kernel of grpo-rollout/src/kernels.cu under the host emulation (emu.h), launched as
+// grpo-rollout/src/cuda.rs launches it, on inputs read from files; the Rust test
+// tests/tests/cuda_kernels_emulated.rs writes the inputs and checks the output against the
+// CPU compositions.
+//
+//   harness OP DTYPE DIR ARGS...     inputs DIR/in0.f32, DIR/in1.f32, ... (raw little-endian
+//                                    f32, converted to DTYPE); output DIR/out.f32 (as f32)
+#include "emu.h"
+#include "kernels.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+static std::string dir;
+
+static std::vector<float> read_f32(int i) {
+    std::string p = dir + "/in" + std::to_string(i) + ".f32";
+    FILE* f = std::fopen(p.c_str(), "rb");
+    if (!f) {
+        std::fprintf(stderr, "harness: cannot open %s\n", p.c_str());
+        std::exit(2);
+    }
+    std::vector<float> v;
+    float x;
+    while (std::fread(&x, 4, 1, f) == 1) v.push_back(x);
+    std::fclose(f);
+    return v;
+}
+
+template <typename T>
+static std::vector<typename T::S> to_storage(const std::vector<float>& v) {
+    std::vector<typename T::S> s(v.size());
+    for (size_t i = 0; i < v.size(); ++i) s[i] = T::st(v[i]);
+    return s;
+}
+
+template <typename T>
+static void write_out(const std::vector<typename T::S>& s) {
+    std::string p = dir + "/out.f32";
+    FILE* f = std::fopen(p.c_str(), "wb");
+    for (auto x : s) {
+        float v = T::ld(x);
+        std::fwrite(&v, 4, 1, f);
+    }
+    std::fclose(f);
+}
+
+static unsigned row_threads(long n) {
+    long t = (n + 31) / 32 * 32;
+    return (unsigned)(t < 32 ? 32 : (t > 256 ? 256 : t));
+}
+
+static unsigned blocks(long n, long per) {
+    long b = (n + per - 1) / per;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+
+template <typename T, typename K>
+static int run(const std::string& op, char** a, K k) {
+    typedef typename T::S S;
+    if (op == "rms_fwd") {  // rows h eps
+        long rows = atol(a[0]), h = atol(a[1]);
+        float eps = atof(a[2]);
+        auto x = to_storage<T>(read_f32(0)), w = to_storage<T>(read_f32(1));
+        std::vector<S> y(rows * h);
+        emu_launch(k.rms_fwd, rows, row_threads(h), 0, x.data(), 0L, w.data(), 0L, y.data(),
+                   (int)h, eps);
+        write_out<T>(y);
+    } else if (op == "rms_bwd") {  // rows h eps blocks
+        long rows = atol(a[0]), h = atol(a[1]), nblk = atol(a[3]);
+        float eps = atof(a[2]);
+        auto x = to_storage<T>(read_f32(0)), w = to_storage<T>(read_f32(1)),
+             g = to_storage<T>(read_f32(2));
+        long n = rows * h;
+        std::vector<S> out(n + h);
+        std::vector<float> partial(nblk * h);
+        emu_launch(k.rms_bwd, nblk, row_threads(h), h * 4, x.data(), 0L, w.data(), 0L, g.data(),
+                   0L, out.data(), partial.data(), (int)rows, (int)h, eps);
+        emu_launch(k.col_sum, blocks(h, 256), 256, 0, partial.data(), (int)nblk, (int)h,
+                   out.data(), n);
+        write_out<T>(out);
+    } else if (op == "add_rms") {  // rows h eps
+        long rows = atol(a[0]), h = atol(a[1]);
+        float eps = atof(a[2]);
+        auto x = to_storage<T>(read_f32(0)), r = to_storage<T>(read_f32(1)),
+             w = to_storage<T>(read_f32(2));
+        long n = rows * h;
+        std::vector<S> out(2 * n);
+        emu_launch(k.add_rms, rows, row_threads(h), 0, x.data(), 0L, r.data(), 0L, w.data(), 0L,
+                   out.data(), n, (int)h, eps);
+        write_out<T>(out);
+    } else if (op == "kv_write") {  // b l g d cap past rotate: in0 cache, in1 x, in2 cos, in3 sin
+        int b = atoi(a[0]), l = atoi(a[1]), g = atoi(a[2]), d = atoi(a[3]);
+        long cap = atol(a[4]), past = atol(a[5]);
+        int rotate = atoi(a[6]);
+        auto cache = to_storage<T>(read_f32(0)), x = to_storage<T>(read_f32(1)),
+             c = to_storage<T>(read_f32(2)), s = to_storage<T>(read_f32(3));
+        emu_launch(k.kv_write, blocks((long)b * l * g * (d / 2), 256), 256, 0, cache.data(), cap,
+                   x.data(), 0L, c.data(), 0L, s.data(), 0L, b, l, g, d, past, rotate);
+        write_out<T>(cache);
+    } else if (op == "rope") {  // b l h d inverse
+        int b = atoi(a[0]), l = atoi(a[1]), h = atoi(a[2]), d = atoi(a[3]), inv = atoi(a[4]);
+        auto x = to_storage<T>(read_f32(0)), c = to_storage<T>(read_f32(1)),
+             s = to_storage<T>(read_f32(2));
+        std::vector<S> out(x.size());
+        emu_launch(k.rope, blocks((long)b * h * l * (d / 2), 256), 256, 0, x.data(), 0L, c.data(),
+                   0L, s.data(), 0L, out.data(), b, l, h, d, inv);
+        write_out<T>(out);
+    } else if (op == "silu_fwd") {
+        auto x = to_storage<T>(read_f32(0)), u = to_storage<T>(read_f32(1));
+        long n = x.size();
+        std::vector<S> out(n);
+        emu_launch(k.silu_fwd, blocks(n, 256), 256, 0, x.data(), 0L, u.data(), 0L, out.data(), n);
+        write_out<T>(out);
+    } else if (op == "silu_bwd") {
+        auto x = to_storage<T>(read_f32(0)), u = to_storage<T>(read_f32(1)),
+             g = to_storage<T>(read_f32(2));
+        long n = x.size();
+        std::vector<S> out(2 * n);
+        emu_launch(k.silu_bwd, blocks(n, 256), 256, 0, x.data(), 0L, u.data(), 0L, g.data(), 0L,
+                   out.data(), n);
+        write_out<T>(out);
+    } else if (op == "softmax_fwd") {  // b h l s scale
+        int b = atoi(a[0]), h = atoi(a[1]), l = atoi(a[2]), s = atoi(a[3]);
+        float scale = atof(a[4]);
+        auto x = to_storage<T>(read_f32(0)), m = to_storage<T>(read_f32(1));
+        std::vector<S> out(x.size());
+        emu_launch(k.softmax_fwd, (unsigned)(b * h * l), row_threads(s), 0, x.data(), 0L, m.data(),
+                   0L, out.data(), h, l, s, scale);
+        write_out<T>(out);
+    } else if (op == "softmax_bwd") {  // rows s scale
+        long rows = atol(a[0]);
+        int s = atoi(a[1]);
+        float scale = atof(a[2]);
+        auto p = to_storage<T>(read_f32(0)), g = to_storage<T>(read_f32(1));
+        std::vector<S> out(p.size());
+        emu_launch(k.softmax_bwd, (unsigned)rows, row_threads(s), 0, p.data(), 0L, g.data(), 0L,
+                   out.data(), s, scale);
+        write_out<T>(out);
+    } else if (op == "attention") {  // b nh nkv l s d cap scale: k, v (b, nkv, cap, d), first s
+        int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), s = atoi(a[4]),
+            d = atoi(a[5]), cap = atoi(a[6]);
+        float scale = atof(a[7]);
+        auto q = to_storage<T>(read_f32(0)), kc = to_storage<T>(read_f32(1)),
+             vc = to_storage<T>(read_f32(2)), bias = to_storage<T>(read_f32(3));
+        std::vector<S> out((long)b * l * nh * d);
+        long kb = (long)nkv * cap * d, kg = (long)cap * d, ks = d;
+        int warps = s / 16 < 1 ? 1 : (s / 16 > 8 ? 8 : s / 16);
+        emu_launch(k.attention, (unsigned)(b * nh * l), 32 * warps, 0, q.data(), 0L, kc.data(), 0L,
+                   kb, kg, ks, vc.data(), 0L, kb, kg, ks, bias.data(), 0L, out.data(), nh, nkv, l,
+                   s, d, scale);
+        write_out<T>(out);
+    } else {
+        std::fprintf(stderr, "harness: unknown op %s\n", op.c_str());
+        return 2;
+    }
+    return 0;
+}
+
+#define KERNELS_OF(N)                                                                      \
+    struct Kernels_##N {                                                                   \
+        decltype(&rms_fwd_##N) rms_fwd = &rms_fwd_##N;                                     \
+        decltype(&rms_bwd_##N) rms_bwd = &rms_bwd_##N;                                     \
+        decltype(&col_sum_##N) col_sum = &col_sum_##N;                                     \
+        decltype(&rope_##N) rope = &rope_##N;                                              \
+        decltype(&add_rms_fwd_##N) add_rms = &add_rms_fwd_##N;                             \
+        decltype(&kv_write_##N) kv_write = &kv_write_##N;                                  \
+        decltype(&silu_mul_fwd_##N) silu_fwd = &silu_mul_fwd_##N;                          \
+        decltype(&silu_mul_bwd_##N) silu_bwd = &silu_mul_bwd_##N;                          \
+        decltype(&softmax_fwd_##N) softmax_fwd = &softmax_fwd_##N;                         \
+        decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
+        decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \
+    };
+
+KERNELS_OF(f32)
+KERNELS_OF(bf16)
+KERNELS_OF(f16)
+
+int main(int argc, char** argv) {
+    if (argc < 4) {
+        std::fprintf(stderr, "usage: harness OP DTYPE DIR ARGS...\n");
+        return 2;
+    }
+    std::string op = argv[1], dt = argv[2];
+    dir = argv[3];
+    char** a = argv + 4;
+    if (dt == "f32") return run<F32>(op, a, Kernels_f32{});
+    if (dt == "bf16") return run<BF16>(op, a, Kernels_bf16{});
+    if (dt == "f16") return run<F16>(op, a, Kernels_f16{});
+    std::fprintf(stderr, "harness: unknown dtype %s\n", dt.c_str());
+    return 2;
+}

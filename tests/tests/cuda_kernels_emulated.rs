@@ -1,0 +1,431 @@
+//! The fused ops' CUDA kernels (`grpo-rollout/src/kernels.cu`), their own source, run on the
+//! host under an emulation of the CUDA built-ins (`tests/cuda_emulation`: a thread per CUDA
+//! thread, barriers for `__syncthreads` and warp shuffles), launched as `grpo-rollout/src/cuda.rs`
+//! launches them, against the candle compositions on the CPU: values and gradients, in f32, bf16
+//! and f16, on shapes with partial warps, several rows per block, a strided KV-cache view,
+//! masked keys and grouped-query heads. What this cannot see (the PTX compiler, the driver, real
+//! concurrency) `grpo-cli check --device cuda` checks on a GPU.
+//!
+//! Needs a C++20 compiler (`$CXX`, else `c++`); without one the tests say so and pass.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo_rollout::fused;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The harness binary, compiled once per test process (None: no C++ compiler here).
+fn harness() -> Option<&'static Path> {
+    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let dir = std::env::temp_dir().join(format!("grpo-cuda-emu-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("harness");
+        let r = root();
+        let out = Command::new(&cxx)
+            .args(["-std=c++20", "-O1", "-o"])
+            .arg(&bin)
+            .arg(r.join("tests/cuda_emulation/harness.cpp"))
+            .arg(format!("-I{}", r.join("grpo-rollout/src").display()))
+            .arg(format!("-I{}", r.join("tests/cuda_emulation").display()))
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(bin),
+            Ok(o) => panic!(
+                "the kernels do not compile under the emulation:\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => {
+                eprintln!("skipped: no C++ compiler `{cxx}` ({e})");
+                None
+            }
+        }
+    })
+    .as_deref()
+}
+
+/// Runs `op` in `dtype` on `inputs` (written as f32) with `args`; the output as f32.
+fn run(op: &str, dtype: &str, args: &[String], inputs: &[&Tensor]) -> Option<Vec<f32>> {
+    let bin = harness()?;
+    let dir = tempfile::tempdir().unwrap();
+    for (i, t) in inputs.iter().enumerate() {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(dir.path().join(format!("in{i}.f32")), bytes).unwrap();
+    }
+    let st = Command::new(bin)
+        .arg(op)
+        .arg(dtype)
+        .arg(dir.path())
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(st.success(), "harness {op} {dtype} failed");
+    let bytes = std::fs::read(dir.path().join("out.f32")).unwrap();
+    Some(
+        bytes
+            .chunks(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
+const DTYPES: [(&str, DType, f32); 3] = [
+    ("f32", DType::F32, 2e-5),
+    ("bf16", DType::BF16, 2e-2),
+    ("f16", DType::F16, 3e-3),
+];
+
+/// Random normal f32 tensor (seeded), rounded through `dt` so both sides see the same values.
+fn randn(shape: &[usize], dt: DType, seed: u64) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            // Box–Muller.
+            let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random::<f64>());
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// Every element within `tol · (1 + |want|)`.
+fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0.0f32, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let e = (g - w).abs() / (1.0 + w.abs());
+        if e.is_nan() || e > worst.0 {
+            worst = (if e.is_nan() { f32::INFINITY } else { e }, i);
+        }
+    }
+    assert!(
+        worst.0 <= tol,
+        "{what}: element {} is {} where the composition gives {} (tolerance {tol})",
+        worst.1,
+        got[worst.1],
+        want[worst.1]
+    );
+}
+
+fn s(v: impl ToString) -> String {
+    v.to_string()
+}
+
+#[test]
+fn rms_norm_forward_and_backward_match_the_composition() {
+    // h = 300: a partial last warp; 7 rows over 3 blocks in the backward (several rows per
+    // block, a block with fewer rows).
+    let (rows, h, eps) = (7, 300, 1e-6);
+    for (name, dt, tol) in DTYPES {
+        let x = randn(&[rows, h], dt, 1);
+        let w = randn(&[h], dt, 2);
+        let g = randn(&[rows, h], dt, 3);
+        let args = [s(rows), s(h), s(eps)];
+        let Some(y) = run("rms_fwd", name, &args, &[&x, &w]) else {
+            return;
+        };
+        let want = fused::rms_norm_composed(&x, &w, eps).unwrap();
+        close(&format!("rms_norm {name}"), &y, &flat(&want), tol);
+
+        let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+        let loss = (fused::rms_norm_composed(&xv, &wv, eps).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let (dx, dw) = (grads.get(&xv).unwrap(), grads.get(&wv).unwrap());
+        for blocks in [1, 3, rows] {
+            let args = [s(rows), s(h), s(eps), s(blocks)];
+            let out = run("rms_bwd", name, &args, &[&x, &w, &g]).unwrap();
+            let (gx, gw) = out.split_at(rows * h);
+            close(&format!("rms_norm dx {name}"), gx, &flat(dx), tol * 2.0);
+            // dw sums `rows` products: its rounding grows with them.
+            close(
+                &format!("rms_norm dw {name} ({blocks} blocks)"),
+                gw,
+                &flat(dw),
+                tol * 4.0,
+            );
+        }
+    }
+}
+
+fn rope_tables(b: usize, l: usize, d: usize, dt: DType) -> (Tensor, Tensor) {
+    let theta = (randn(&[b, l, d / 2], DType::F32, 9) * 3.0).unwrap();
+    let c = theta
+        .cos()
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let s = theta
+        .sin()
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    (c, s)
+}
+
+#[test]
+fn rope_forward_and_inverse_match_the_composition() {
+    let (b, l, h, d) = (2, 5, 3, 12);
+    for (name, dt, tol) in DTYPES {
+        let x = randn(&[b, l, h, d], dt, 4);
+        let (c, sn) = rope_tables(b, l, d, dt);
+        let args = [s(b), s(l), s(h), s(d), s(0)];
+        let Some(y) = run("rope", name, &args, &[&x, &c, &sn]) else {
+            return;
+        };
+        let want = fused::rope_composed(&x, &c, &sn).unwrap();
+        close(&format!("rope {name}"), &y, &flat(&want), tol);
+
+        // The inverse is the backward: (B, H, L, D) → (B, L, H, D), rotated by −θ.
+        let xv = Var::from_tensor(&x).unwrap();
+        let g = randn(&[b, h, l, d], dt, 5);
+        let loss = (fused::rope_composed(&xv, &c, &sn).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let dx = loss.backward().unwrap().get(&xv).unwrap().clone();
+        let args = [s(b), s(l), s(h), s(d), s(1)];
+        let got = run("rope", name, &args, &[&g, &c, &sn]).unwrap();
+        close(&format!("rope backward {name}"), &got, &flat(&dx), tol);
+
+        // cos = 1, sin = 0: the storage type's loads and stores round-trip exactly.
+        let ones = Tensor::ones((b, l, d / 2), DType::F32, &Device::Cpu).unwrap();
+        let zeros = ones.zeros_like().unwrap();
+        let args = [s(b), s(l), s(h), s(d), s(0)];
+        let got = run("rope", name, &args, &[&x, &ones, &zeros]).unwrap();
+        let moved = x.transpose(1, 2).unwrap().contiguous().unwrap();
+        assert_eq!(
+            got,
+            flat(&moved),
+            "rope {name}: identity rotation must be exact"
+        );
+    }
+}
+
+#[test]
+fn silu_mul_forward_and_backward_match_the_composition() {
+    let n = 1000; // not a multiple of the block
+    for (name, dt, tol) in DTYPES {
+        let a = (randn(&[n], dt, 6) * 3.0).unwrap();
+        let a = a.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+        let u = randn(&[n], dt, 7);
+        let g = randn(&[n], dt, 8);
+        let Some(y) = run("silu_fwd", name, &[], &[&a, &u]) else {
+            return;
+        };
+        close(
+            &format!("silu_mul {name}"),
+            &y,
+            &flat(&fused::silu_mul_composed(&a, &u).unwrap()),
+            tol,
+        );
+        let (av, uv) = (Var::from_tensor(&a).unwrap(), Var::from_tensor(&u).unwrap());
+        let loss = (fused::silu_mul_composed(&av, &uv).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let out = run("silu_bwd", name, &[], &[&a, &u, &g]).unwrap();
+        let (da, du) = out.split_at(n);
+        close(
+            &format!("silu_mul da {name}"),
+            da,
+            &flat(grads.get(&av).unwrap()),
+            tol,
+        );
+        close(
+            &format!("silu_mul du {name}"),
+            du,
+            &flat(grads.get(&uv).unwrap()),
+            tol,
+        );
+    }
+}
+
+/// A causal + padding bias `(B, 1, L, S)`: 0 where a query may attend, −1e9 elsewhere, the
+/// queries being the last `L` of `S` positions and row `b` left-padded by `b` positions.
+fn bias(b: usize, l: usize, s: usize) -> Tensor {
+    let mut v = Vec::with_capacity(b * l * s);
+    for bi in 0..b {
+        for i in 0..l {
+            let pos = s - l + i;
+            for j in 0..s {
+                v.push(if j <= pos && j >= bi { 0.0f32 } else { -1e9 });
+            }
+        }
+    }
+    Tensor::from_vec(v, (b, 1, l, s), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn attention_softmax_forward_and_backward_match_the_composition() {
+    let (b, h, l, sl) = (2, 3, 4, 70);
+    let scale = 0.125;
+    for (name, dt, tol) in DTYPES {
+        let x = (randn(&[b, h, l, sl], dt, 10) * 4.0).unwrap();
+        let x = x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+        let m = bias(b, l, sl);
+        let args = [s(b), s(h), s(l), s(sl), s(scale)];
+        let Some(p) = run("softmax_fwd", name, &args, &[&x, &m]) else {
+            return;
+        };
+        let want = fused::attention_softmax_composed(&x, &m, scale).unwrap();
+        close(&format!("attention_softmax {name}"), &p, &flat(&want), tol);
+
+        let g = randn(&[b, h, l, sl], dt, 11);
+        let xv = Var::from_tensor(&x).unwrap();
+        let loss = (fused::attention_softmax_composed(&xv, &m, scale).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let dx = loss.backward().unwrap().get(&xv).unwrap().clone();
+        let pt = want.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+        let args = [s(b * h * l), s(sl), s(scale)];
+        let got = run("softmax_bwd", name, &args, &[&pt, &g]).unwrap();
+        close(
+            &format!("attention_softmax backward {name}"),
+            &got,
+            &flat(&dx),
+            tol,
+        );
+    }
+}
+
+#[test]
+fn attention_over_a_strided_cache_matches_the_composition() {
+    // Grouped query heads (6 over 2), a cache of capacity 50 holding 37 positions (a strided
+    // view), one query row (a decode step) and three (a short prefill), head dim 40 (a partial
+    // warp), left padding and causal masking through the bias.
+    let (b, nh, nkv, d, cap) = (2, 6, 2, 40, 50);
+    for (l, sl) in [(1, 37), (3, 37), (1, 5)] {
+        for (name, dt, tol) in DTYPES {
+            let q = randn(&[b, nh, l, d], dt, 12);
+            let kc = randn(&[b, nkv, cap, d], dt, 13);
+            let vc = randn(&[b, nkv, cap, d], dt, 14);
+            let m = bias(b, l, sl);
+            let scale = 1.0 / (d as f64).sqrt();
+            let args = [b, nh, nkv, l, sl, d, cap].map(s);
+            let mut args = args.to_vec();
+            args.push(s(scale));
+            let Some(got) = run("attention", name, &args, &[&q, &kc, &vc, &m]) else {
+                return;
+            };
+            let k = kc.narrow(2, 0, sl).unwrap();
+            let v = vc.narrow(2, 0, sl).unwrap();
+            let want = fused::attention_composed(&q, &k, &v, &m, scale).unwrap();
+            close(
+                &format!("attention {name} (L {l}, S {sl})"),
+                &got,
+                &flat(&want),
+                tol,
+            );
+            // Masked keys carry no weight: row 1 is left-padded by one position, so its key 0
+            // is masked, and a key 0 of 50s there changes nothing; a key 1 of 50s (visible)
+            // changes row 1's outputs.
+            let big = Tensor::full(50f32, (1, nkv, 1, d), &Device::Cpu).unwrap();
+            let masked = kc.slice_assign(&[1..2, 0..nkv, 0..1, 0..d], &big).unwrap();
+            let again = run("attention", name, &args, &[&q, &masked, &vc, &m]).unwrap();
+            assert_eq!(again, got, "attention {name}: a masked key mattered");
+            let visible = kc.slice_assign(&[1..2, 0..nkv, 1..2, 0..d], &big).unwrap();
+            let again = run("attention", name, &args, &[&q, &visible, &vc, &m]).unwrap();
+            let half = l * nh * d;
+            assert_eq!(
+                &again[..half],
+                &got[..half],
+                "attention {name}: row 0 moved"
+            );
+            assert_ne!(
+                &again[half..],
+                &got[half..],
+                "attention {name}: a visible key did not"
+            );
+        }
+    }
+}
+
+#[test]
+fn add_rms_norm_matches_the_composition() {
+    let (rows, h, eps) = (5, 300, 1e-5);
+    for (name, dt, tol) in DTYPES {
+        let x = randn(&[rows, h], dt, 15);
+        let r = randn(&[rows, h], dt, 16);
+        let w = randn(&[h], dt, 17);
+        let Some(out) = run("add_rms", name, &[s(rows), s(h), s(eps)], &[&x, &r, &w]) else {
+            return;
+        };
+        let (sum, y) = fused::add_rms_norm_composed(&x, &r, &w, eps).unwrap();
+        let (gs, gy) = out.split_at(rows * h);
+        close(&format!("add_rms_norm sum {name}"), gs, &flat(&sum), tol);
+        close(
+            &format!("add_rms_norm normed {name}"),
+            gy,
+            &flat(&y),
+            tol * 2.0,
+        );
+    }
+}
+
+#[test]
+fn kv_writes_match_the_composition() {
+    // Two new positions after 3 cached ones in a cache of capacity 7; what was there before
+    // and after the written positions stays.
+    let (b, l, g, d, cap, past) = (2, 2, 3, 10, 7, 3);
+    for (name, dt, _) in DTYPES {
+        let cache = randn(&[b, g, cap, d], dt, 18);
+        let x = randn(&[b, l, g, d], dt, 19);
+        let (c, sn) = rope_tables(b, l, d, dt);
+        for rotate in [true, false] {
+            let args = [b, l, g, d, cap, past, rotate as usize].map(s);
+            let Some(got) = run("kv_write", name, &args, &[&cache, &x, &c, &sn]) else {
+                return;
+            };
+            let want = cache.copy().unwrap();
+            let rot = rotate.then_some((&c, &sn));
+            fused::kv_write_composed(&want, &x, rot, past).unwrap();
+            // Rotation computes in f32 and rounds once; the composition rounds each product.
+            let tol = if rotate && dt != DType::F32 {
+                2e-2
+            } else {
+                2e-6
+            };
+            close(
+                &format!("kv_write {name} rotate {rotate}"),
+                &got,
+                &flat(&want),
+                tol,
+            );
+            if !rotate {
+                assert_eq!(
+                    got,
+                    flat(&want),
+                    "kv_write {name}: values must move unchanged"
+                );
+            }
+        }
+    }
+}
