@@ -5,10 +5,11 @@
 //!
 //! Why NVRTC rather than nvcc at build time: the kernels are built for the GPU the binary finds
 //! (no compute capability fixed at build time), and the build needs nothing beyond what
-//! candle's CUDA backend needs. The cost is a compilation of about a second at first use. When
-//! NVRTC is missing or the compilation fails, the ops say so once on stderr and run their
-//! candle compositions (the [`grpo_core::recompute`] path); `GRPO_CUDA_KERNELS=0` chooses that
-//! path on purpose.
+//! candle's CUDA backend needs (candle links NVRTC already). The cost is a compilation of about a
+//! second at first use. When the compilation or the loading of the module fails (a driver older
+//! than the PTX NVRTC writes, say), the ops say so once on stderr and run their candle
+//! compositions (the [`grpo_core::recompute`] path); `GRPO_CUDA_KERNELS=0` chooses that path on
+//! purpose.
 //!
 //! Launching a kernel and allocating the uninitialised buffer it fills are `unsafe` in cudarc;
 //! each such block says why it holds.
@@ -76,10 +77,16 @@ fn ptx(dev: &CudaDevice) -> std::result::Result<&'static str, String> {
                 .compute_capability()
                 .map_err(|e| format!("{e:?}"))?;
             let arch = format!("compute_{major}{minor}");
-            let src = compile(&arch).map_err(|e| {
+            let loaded = compile(&arch).and_then(|src| {
+                // Load the module now, so that a driver that cannot take it is found here.
+                dev.get_or_load_custom_func("rms_fwd_f32", MODULE, &src)
+                    .map(|_| src)
+                    .map_err(|e| format!("loading the module: {e}"))
+            });
+            let src = loaded.map_err(|e| {
                 let first = e.lines().next().unwrap_or("").to_string();
                 eprintln!(
-                    "grpo: the fused CUDA kernels did not compile for {arch} ({first}); \
+                    "grpo: the fused CUDA kernels are not available for {arch} ({first}); \
                      running the candle compositions instead"
                 );
                 e
@@ -152,6 +159,15 @@ macro_rules! launch {
         // configuration (the caller checked the shapes).
         unsafe { b.launch($cfg) }.w()?;
     }};
+}
+
+/// The storage a kernel filled, and its shape.
+fn done<T: Elem>(
+    out: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<Shape>,
+) -> Result<(CudaStorage, Shape)> {
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape.into()))
 }
 
 /// An uninitialised device buffer of `n` elements that a kernel then writes in full.
@@ -237,10 +253,7 @@ fn rms_fwd_t<T: Elem>(
         c,
         [xs, &xo, ws, &wo, &out, &hi, &eps]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        lx.shape().clone(),
-    ))
+    done(out, dev, lx.shape().clone())
 }
 
 /// RMSNorm forward on CUDA.
@@ -289,10 +302,7 @@ fn rms_bwd_t<T: Elem>(
     let (nb, oo) = (nblk as i32, n as i64);
     let c = cfg(blocks(h, 256), 256, 0);
     launch!(dev, "col_sum", T::DTYPE, c, [&partial, &nb, &hi, &out, &oo]);
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        (n + h).into(),
-    ))
+    done(out, dev, n + h)
 }
 
 /// RMSNorm backward on CUDA: `[dx, dw]` flat, as the CPU kernel returns them.
@@ -346,10 +356,7 @@ fn add_rms_t<T: Elem>(
         c,
         [xs, &xo, rs, &ro, ws, &wo, &out, &ni, &hi, &eps]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        (2 * n).into(),
-    ))
+    done(out, dev, 2 * n)
 }
 
 /// The residual add and the RMSNorm after it on CUDA: `[x + r, rms_norm(x + r)]` flat.
@@ -491,7 +498,7 @@ fn rope_t<T: Elem>(
         [xs, &xo, cs, &co, ss, &so, &out, &bi, &li, &hi, &di, &inv]
     );
     let shape: Shape = if inverse { (b, l, h, d) } else { (b, h, l, d) }.into();
-    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape))
+    done(out, dev, shape)
 }
 
 /// RoPE (or, with `inverse`, its backward) on CUDA.
@@ -532,10 +539,7 @@ fn silu_fwd_t<T: Elem>(
         c,
         [as_, &ao, us, &uo, &out, &ni]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        la.shape().clone(),
-    ))
+    done(out, dev, la.shape().clone())
 }
 
 /// `silu(gate) · up` on CUDA.
@@ -571,10 +575,7 @@ fn silu_bwd_t<T: Elem>(
         c,
         [as_, &ao, us, &uo, gs, &go, &out, &ni]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        (2 * n).into(),
-    ))
+    done(out, dev, 2 * n)
 }
 
 /// The backward of `silu(gate) · up` on CUDA: `[dgate, dup]` flat.
@@ -618,10 +619,7 @@ fn softmax_fwd_t<T: Elem>(
         c,
         [xs, &xo, ms, &mo, &out, &hi, &li, &si, &sc]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        lx.shape().clone(),
-    ))
+    done(out, dev, lx.shape().clone())
 }
 
 /// The attention softmax on CUDA.
@@ -661,10 +659,7 @@ fn softmax_bwd_t<T: Elem>(
         c,
         [ps, &po, gs, &go, &out, &si, &sc]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        lp.shape().clone(),
-    ))
+    done(out, dev, lp.shape().clone())
 }
 
 /// The attention softmax's backward on CUDA.
@@ -754,10 +749,7 @@ fn attention_rows_t<T: Elem>(
             &li, &si, &di, &sc
         ]
     );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        (b * l, nh * d).into(),
-    ))
+    done(out, dev, (b * l, nh * d))
 }
 
 /// Attention of a few query rows over (possibly strided) keys and values, on CUDA: context

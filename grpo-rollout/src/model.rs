@@ -166,13 +166,12 @@ impl Layer {
         out
     }
 
-    /// q `(B, heads, L, D)` (rotated), k `(B, kv_heads, L, D)` (rotated), v `(B, kv_heads, L,
-    /// D)` of rows `x` `(B·L, H)`.
-    fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let h = self.input_layernorm.forward(x)?;
-        let q = self.q_proj.forward(&h)?.reshape((c.b, c.l, c.nh, c.hd))?;
-        let k = self.k_proj.forward(&h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
-        let v = self.v_proj.forward(&h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+    /// q `(B, L, heads, D)`, k and v `(B, L, kv_heads, D)` of normalised rows `h` `(B·L, H)`,
+    /// as the projections lay them out (Qwen3's q/k norms applied, not yet rotated).
+    fn projections(&self, c: &LayerCtx, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let q = self.q_proj.forward(h)?.reshape((c.b, c.l, c.nh, c.hd))?;
+        let k = self.k_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let v = self.v_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -181,6 +180,14 @@ impl Layer {
             Some(n) => n.forward(&k)?,
             None => k,
         };
+        Ok((q, k, v))
+    }
+
+    /// q `(B, heads, L, D)` (rotated), k `(B, kv_heads, L, D)` (rotated), v `(B, kv_heads, L,
+    /// D)` of rows `x` `(B·L, H)`.
+    fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let h = self.input_layernorm.forward(x)?;
+        let (q, k, v) = self.projections(c, &h)?;
         // (B, L, heads, D) → rotated (B, heads, L, D).
         let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
         let k = crate::fused::rope(&k, &c.cos, &c.sin)?;
@@ -224,17 +231,7 @@ impl Layer {
         past: usize,
         next: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
-        let q = self.q_proj.forward(h)?.reshape((c.b, c.l, c.nh, c.hd))?;
-        let k = self.k_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
-        let v = self.v_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q)?,
-            None => q,
-        };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k)?,
-            None => k,
-        };
+        let (q, k, v) = self.projections(c, h)?;
         let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
         let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
         let ctx = crate::fused::attention(&q, &k, &v, &c.bias, c.scale)?;

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU speed of one model in one run on one NVIDIA GPU (the figures docs/GPU_SPEED.md tracks):
+# `grpo-cli check` in f32 and bf16 first (a failure is said above the table), then `grpo-cli bench-model`
+# with our CUDA kernels and without them (GRPO_CUDA_KERNELS=0: the candle compositions), and
+# PyTorch on the same weights (scripts/bench_torch_model.py), each one JSON line; prints decode
+# ms/step, prefill tokens/s, learner TFLOP/s and its share of the matmul peak as a markdown table.
+#
+#   scripts/bench-gpu-speed.sh [--model m770|m319|m29|DIR] [--dtype bf16|f32] [--batch 128]
+#                              [--new-tokens 256] [--prompt-len 64] [--seq-len 320] [--reps 3]
+#                              [--out DIR]
+#
+# Run it on the GPU machine from the project root with .gpu/ as scripts/build-cuda.sh packs it
+# (run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py) and a Python with torch and transformers
+# (PYTHON, default /opt/torch/.venv/bin/python). m770 / m319 / m29 are made on the spot (the
+# models of scripts/bench-gpu-vs-trl.sh); a directory is taken as it is.
+set -euo pipefail
+model=m770 dtype=bf16 batch=128 new=256 plen=64 slen=320 reps=3
+out=${OUT:-/tmp/bench-gpu-speed}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) model=$2; shift 2 ;;
+    --dtype) dtype=$2; shift 2 ;;
+    --batch) batch=$2; shift 2 ;;
+    --new-tokens) new=$2; shift 2 ;;
+    --prompt-len) plen=$2; shift 2 ;;
+    --seq-len) slen=$2; shift 2 ;;
+    --reps) reps=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "bench-gpu-speed.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+here="$(cd "$(dirname "$0")/.." && pwd)"
+gpu="${GPU_DIR:-$here/.gpu}"
+PY=${PYTHON:-/opt/torch/.venv/bin/python}
+[ -x "$gpu/run-gpu.sh" ] || { echo "error: $gpu/run-gpu.sh missing: run scripts/build-cuda.sh first" >&2; exit 2; }
+mkdir -p "$out"
+case "$model" in
+  m29) args="--hidden 512 --layers 8 --heads 8 --kv-heads 4 --vocab 8192" ;;
+  m319) args="--hidden 1024 --layers 24 --heads 16 --kv-heads 8 --vocab 16384" ;;
+  m770) args="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --vocab 16384" ;;
+  *) args="" ;;
+esac
+if [ -n "$args" ]; then
+  dir="$out/models/$model"
+  # shellcheck disable=SC2086
+  [ -f "$dir/config.json" ] || "$PY" "$gpu/make_tiny_model.py" "$dir" $args >/dev/null
+else
+  dir="$model"
+fi
+
+checks=""
+for dt in f32 bf16; do
+  echo "== grpo-cli check --device cuda --dtype $dt"
+  bash "$gpu/run-gpu.sh" check --device cuda --dtype "$dt" 2>&1 | tee "$out/check-$dt.txt" \
+    || checks="$checks check --dtype $dt FAILED;"
+done
+
+flags=(--batch "$batch" --new-tokens "$new" --prompt-len "$plen" --seq-len "$slen" --reps "$reps"
+       --device cuda --dtype "$dtype")
+run() { # name command...
+  local name=$1; shift
+  if "$@" > "$out/$name.jsonl" 2> "$out/$name.err"; then :; else
+    echo "{\"failed\": \"$(tail -n 1 "$out/$name.err" | tr -d '"' | cut -c1-80)\"}" > "$out/$name.jsonl"
+  fi
+}
+run kernels bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
+run compositions env GRPO_CUDA_KERNELS=0 bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
+run torch "$PY" "$here/scripts/bench_torch_model.py" "$dir" "${flags[@]}"
+
+echo
+[ -n "$checks" ] && echo "**$checks see $out/check-*.txt**" && echo
+echo "| $model $dtype, batch $batch, $plen + $new tokens; learner $batch x $slen | decode ms/step | prefill tokens/s | learner TFLOP/s | share of matmul peak |"
+echo "|---|---|---|---|---|"
+for name in kernels compositions torch; do
+  "$PY" - "$out/$name.jsonl" "$name" <<'EOF'
+import json, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith("{")]
+d = json.loads(lines[-1]) if lines else {"failed": "no output"}
+label = {"kernels": "grpo-rs, our CUDA kernels", "compositions": "grpo-rs, GRPO_CUDA_KERNELS=0",
+         "torch": "PyTorch (transformers)"}[sys.argv[2]]
+if "failed" in d:
+    print(f"| {label} | failed: {d['failed']} | | | |")
+else:
+    f = lambda k, p: "—" if d.get(k) is None else f"{d[k]:.{p}f}"
+    print(f"| {label} | {f('decode_ms_per_step', 2)} | {f('prefill_tokens_per_s', 0)} | "
+          f"{f('fwd_bwd_tflop_per_s', 2)} | {f('fwd_bwd_matmul_fraction', 3)} |")
+EOF
+done
