@@ -159,22 +159,32 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     );
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
-        rows.push(match grpo_rollout::cuda::compile_status(device) {
-            Ok(()) => CheckRow {
-                name: "fused CUDA kernels compiled (NVRTC)".into(),
-                ok: true,
-                detail: if std::env::var("GRPO_CUDA_KERNELS").as_deref() == Ok("0") {
-                    "compiled; GRPO_CUDA_KERNELS=0: the ops above ran the compositions".into()
-                } else {
-                    "the ops above ran them".into()
+        let statuses = [
+            ("decoder", grpo_rollout::cuda::compile_status(device)),
+            (
+                "log-probs, entropy",
+                grpo_core::cuda::compile_status(&grpo_core::cuda::HEAD, device),
+            ),
+        ];
+        for (which, status) in statuses {
+            let name = format!("our CUDA kernels ({which}) compiled and loaded");
+            rows.push(match status {
+                Ok(()) => CheckRow {
+                    name,
+                    ok: true,
+                    detail: if std::env::var("GRPO_CUDA_KERNELS").as_deref() == Ok("0") {
+                        "GRPO_CUDA_KERNELS=0: the ops above ran the compositions".into()
+                    } else {
+                        "the ops above ran them".into()
+                    },
                 },
-            },
-            Err(e) => CheckRow {
-                name: "fused CUDA kernels compiled (NVRTC)".into(),
-                ok: false,
-                detail: first_line(&e),
-            },
-        });
+                Err(e) => CheckRow {
+                    name,
+                    ok: false,
+                    detail: first_line(&e),
+                },
+            });
+        }
     }
     drop(guard);
     Ok(rows)

@@ -77,6 +77,27 @@ pub fn path(t: &Tensor) -> Path {
     }
 }
 
+/// The path of the head's ops (log-softmax + gather, entropy) on a chunk of logits `t`:
+/// [`path`], except that on a CUDA device whose kernels are available (`cuda::HEAD`)
+/// they take the CUDA kernels where the CPU takes its own (`u32_ids`: the targets are u32 ids,
+/// what the gather kernel reads; entropy passes `true`).
+pub fn head_path(t: &Tensor, u32_ids: bool) -> Path {
+    match path(t) {
+        Path::Recompute if u32_ids && kernels_on() && head_on_device(t) => Path::Kernel,
+        p => p,
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn head_on_device(t: &Tensor) -> bool {
+    crate::cuda::takes(&crate::cuda::HEAD, t)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn head_on_device(_: &Tensor) -> bool {
+    false
+}
+
 /// True when fused kernels are on and not forced to the recompute path: what a device's own
 /// kernels (grpo-rollout's CUDA kernels) check before they take an op.
 pub fn kernels_on() -> bool {
@@ -304,6 +325,16 @@ impl candle_core::CustomOp2 for LogSoftmaxGather {
     ) -> Result<(CpuStorage, candle_core::Shape)> {
         float_dispatch!(s1.dtype(), self.name(), lsg_fwd(s1, l1, s2, l2))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        crate::cuda::lsg_fwd(s1, l1, s2, l2)
+    }
     fn bwd(
         &self,
         logits: &Tensor,
@@ -334,6 +365,18 @@ impl candle_core::CustomOp3 for LogSoftmaxGatherBwd {
     ) -> Result<(CpuStorage, candle_core::Shape)> {
         float_dispatch!(s1.dtype(), self.name(), lsg_bwd(s1, l1, s2, l2, s3, l3))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        crate::cuda::lsg_bwd(s1, l1, s2, l2, s3, l3)
+    }
 }
 
 impl candle_core::CustomOp1 for Entropy {
@@ -342,6 +385,14 @@ impl candle_core::CustomOp1 for Entropy {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, candle_core::Shape)> {
         float_dispatch!(s.dtype(), self.name(), ent_fwd(s, l))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        crate::cuda::ent_fwd(s, l)
     }
     fn bwd(&self, logits: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         if !logits.track_op() {
@@ -365,6 +416,16 @@ impl candle_core::CustomOp2 for EntropyBwd {
         l2: &Layout,
     ) -> Result<(CpuStorage, candle_core::Shape)> {
         float_dispatch!(s1.dtype(), self.name(), ent_bwd(s1, l1, s2, l2))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        crate::cuda::ent_bwd(s1, l1, s2, l2)
     }
 }
 

@@ -15,6 +15,9 @@
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
 //!   and the gradient sink of gradient checkpointing.
+//! * `cuda` (cargo feature `cuda`) compiles, loads and launches our CUDA kernels — the head's
+//!   log-softmax + gather and entropy here, the decoder's ops for grpo-rollout — with NVRTC at
+//!   run time.
 //!
 //! The scorer (grpo-rewards, through grpo-cli) feeds rewards in; the learner in grpo-cli calls
 //! the loss on log-probs that grpo-rollout's model computes. This crate depends on candle-core
@@ -57,6 +60,8 @@
 #![deny(missing_docs)]
 
 pub mod advantages;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 #[cfg(feature = "candle")]
 pub mod fused;
 #[cfg(feature = "candle")]

@@ -82,7 +82,8 @@ pub fn selective_log_softmax_chunked(
         let len = step.min(n - start);
         let chunk = x.narrow(0, start, len)?;
         let ids_chunk = ids.narrow(0, start, len)?;
-        parts.push(match crate::fused::path(&chunk) {
+        let u32_ids = ids_chunk.dtype() == DType::U32;
+        parts.push(match crate::fused::head_path(&chunk, u32_ids) {
             Path::Kernel => {
                 crate::fused::log_softmax_gather(&chunk, &ids_chunk.flatten_all()?)?.unsqueeze(1)?
             }
@@ -130,7 +131,7 @@ pub fn entropy_from_logits_chunked(
     while start < n {
         let len = step.min(n - start);
         let chunk = x.narrow(0, start, len)?;
-        parts.push(match crate::fused::path(&chunk) {
+        parts.push(match crate::fused::head_path(&chunk, true) {
             Path::Kernel => crate::fused::entropy(&chunk)?.unsqueeze(1)?,
             Path::Composed => entropy_composed(&chunk, dtype)?,
             Path::Recompute => {

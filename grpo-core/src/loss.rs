@@ -345,6 +345,51 @@ pub struct LossOutput {
     pub metrics: LossMetrics,
 }
 
+/// [`LossMetrics`] still on the loss's device: `(kl, clip_ratio/low_mean, clip_ratio/high_mean,
+/// clip_ratio/region_mean)` as one `(4,)` tensor, so that a training step can read the metrics of
+/// all its micro-batches with one copy to the host (each read waits for the device).
+#[derive(Debug, Clone)]
+pub struct DeviceMetrics(Tensor);
+
+impl DeviceMetrics {
+    /// The `(4,)` tensor, in [`LossMetrics`]' field order.
+    pub fn as_tensor(&self) -> &Tensor {
+        &self.0
+    }
+
+    /// Reads the values (one copy to the host).
+    pub fn read(&self) -> Result<LossMetrics> {
+        LossMetrics::from_values(&self.0.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+    }
+}
+
+impl LossMetrics {
+    /// The metrics from the four values of a [`DeviceMetrics`] tensor.
+    pub fn from_values(v: &[f64]) -> Result<Self> {
+        match v {
+            [kl, low, high, region] => Ok(Self {
+                kl: *kl,
+                clip_ratio_low_mean: *low,
+                clip_ratio_high_mean: *high,
+                clip_ratio_region_mean: *region,
+            }),
+            _ => Err(bail(format!(
+                "loss metrics: 4 values expected, got {}",
+                v.len()
+            ))),
+        }
+    }
+}
+
+/// [`LossOutput`] with its metrics still on the device ([`policy_loss_on_device`]).
+#[derive(Debug, Clone)]
+pub struct DeviceLossOutput {
+    /// 0-dimensional loss tensor; call `backward()` on it.
+    pub loss: Tensor,
+    /// Diagnostics, not yet read.
+    pub metrics: DeviceMetrics,
+}
+
 fn bail(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
 }
@@ -374,15 +419,23 @@ fn clamp_like_torch(x: &Tensor, lo: Option<f64>, hi: Option<f64>) -> Result<Tens
 }
 
 /// Mean of `x` over masked tokens when `x` is `(B, T)`, or over rows when it is `(B, 1)`,
-/// as TRL's `global_masked_mean`.
-fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f64> {
-    let x = x.detach();
-    let (num, den) = if x.dim(1)? == 1 && mask.dim(1)? != 1 {
-        (x.sum_all()?, x.dim(0)? as f64)
+/// as TRL's `global_masked_mean`: a 0-dimensional tensor on `x`'s device, in f32 (f64 for
+/// f64 inputs) whatever `x`'s dtype.
+fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let wide = if x.dtype() == DType::F64 {
+        DType::F64
     } else {
-        (x.broadcast_mul(mask)?.sum_all()?, scalar(&mask.sum_all()?)?)
+        DType::F32
     };
-    Ok(scalar(&num)? / den.max(1.0))
+    let x = x.detach().to_dtype(wide)?;
+    if x.dim(1)? == 1 && mask.dim(1)? != 1 {
+        x.sum_all()? / (x.dim(0)? as f64).max(1.0)
+    } else {
+        let mask = mask.to_dtype(wide)?;
+        x.broadcast_mul(&mask)?
+            .sum_all()?
+            .div(&mask.sum_all()?.maximum(1.0)?)
+    }
 }
 
 fn scalar(t: &Tensor) -> Result<f64> {
@@ -397,6 +450,21 @@ fn scalar(t: &Tensor) -> Result<f64> {
 /// # Errors
 /// Mismatched shapes, a missing `ref_per_token_logps` with `beta > 0`, or an invalid config.
 pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutput> {
+    let out = policy_loss_on_device(inputs, cfg)?;
+    Ok(LossOutput {
+        loss: out.loss,
+        metrics: out.metrics.read()?,
+    })
+}
+
+/// [`policy_loss`] without a copy to the host: the metrics stay on the device until
+/// [`DeviceMetrics::read`] (a trainer reads a whole step's at once). With
+/// `num_items_in_batch` given (or any loss type but dapo / cispo), nothing in it waits for the
+/// device.
+pub fn policy_loss_on_device(
+    inputs: &LossInputs<'_>,
+    cfg: &LossConfig,
+) -> Result<DeviceLossOutput> {
     cfg.validate().map_err(bail)?;
     let logp = inputs.per_token_logps;
     let (b, t) = logp.dims2().map_err(|_| {
@@ -513,7 +581,7 @@ pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutp
     // Metrics.
     let kl = match &per_token_kl {
         Some(kl) => masked_mean(kl, &mask)?,
-        None => 0.0,
+        None => masked_mean(&mask.zeros_like()?, &mask)?,
     };
     let flag = |x: Tensor| x.to_dtype(dtype);
     let (low, high) = match cfg.loss_type {
@@ -531,13 +599,19 @@ pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutp
         }
     };
     let region = (&low + &high)?.minimum(1.0)?;
-    let metrics = LossMetrics {
-        kl,
-        clip_ratio_low_mean: masked_mean(&low, &mask)?,
-        clip_ratio_high_mean: masked_mean(&high, &mask)?,
-        clip_ratio_region_mean: masked_mean(&region, &mask)?,
-    };
-    Ok(LossOutput { loss, metrics })
+    let values = Tensor::stack(
+        &[
+            kl,
+            masked_mean(&low, &mask)?,
+            masked_mean(&high, &mask)?,
+            masked_mean(&region, &mask)?,
+        ],
+        0,
+    )?;
+    Ok(DeviceLossOutput {
+        loss,
+        metrics: DeviceMetrics(values),
+    })
 }
 
 #[cfg(test)]

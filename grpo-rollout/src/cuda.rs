@@ -1,34 +1,23 @@
-//! The fused ops' CUDA kernels (`kernels.cu`): compiled at run time with NVRTC, once per
-//! process and GPU architecture, for the device's own compute capability, and launched by the
-//! `cuda_fwd` of the same custom ops that run the CPU kernels ([`crate::fused`]). They take
-//! f32, bf16 and f16 storage and compute in f32.
+//! The decoder's fused ops on CUDA: launchers of the kernels in `kernels.cu` ([`DECODER`]),
+//! called by the `cuda_fwd` of the same custom ops that run the CPU kernels
+//! ([`crate::fused`]). How kernels are compiled (NVRTC at first use, for the GPU found), loaded,
+//! cached and launched, and what happens when they cannot be, is [`grpo_core::cuda`]'s part.
 //!
-//! Why NVRTC rather than nvcc at build time: the kernels are built for the GPU the binary finds
-//! (no compute capability fixed at build time), and the build needs nothing beyond what
-//! candle's CUDA backend needs (candle links NVRTC already). The cost is a compilation of about a
-//! second at first use. When the compilation or the loading of the module fails (a driver older
-//! than the PTX NVRTC writes, say), the ops say so once on stderr and run their candle
-//! compositions (the [`grpo_core::recompute`] path); `GRPO_CUDA_KERNELS=0` chooses that path on
-//! purpose.
-//!
-//! Launching a kernel and allocating the uninitialised buffer it fills are `unsafe` in cudarc;
-//! each such block says why it holds.
+//! Launching a kernel is `unsafe` in cudarc; [`grpo_core::cuda_launch`] says why each launch
+//! holds.
 #![allow(unsafe_code)]
 
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
-
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, Device, Layout, Result, Shape, Tensor};
+use grpo_core::cuda::{Elem, Kernels, alloc, blocks, cfg, done, input, row_threads};
+use grpo_core::{cuda_launch, cuda_typed};
 
-/// The kernels' source.
-pub const SOURCE: &str = include_str!("kernels.cu");
-const MODULE: &str = "grpo_fused";
+/// The decoder's kernels.
+pub static DECODER: Kernels = Kernels {
+    name: "grpo_decoder",
+    source: include_str!("kernels.cu"),
+    probe: "rms_fwd_f32",
+};
 
 /// Largest hidden size the RMSNorm backward takes (its weight-gradient partial lives in shared
 /// memory: 48 KiB without an opt-in).
@@ -36,192 +25,16 @@ pub const RMS_BWD_MAX_H: usize = 12 * 1024;
 /// Largest head dimension of [`attention_rows`].
 pub const ATTN_MAX_D: usize = 256;
 
-fn ptx_cache() -> &'static Mutex<HashMap<usize, std::result::Result<&'static str, String>>> {
-    static C: OnceLock<Mutex<HashMap<usize, std::result::Result<&'static str, String>>>> =
-        OnceLock::new();
-    C.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-fn off() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| {
-        matches!(
-            std::env::var("GRPO_CUDA_KERNELS").as_deref(),
-            Ok("0") | Ok("false")
-        )
-    })
-}
-
-/// Compiles [`SOURCE`] for `arch` (`compute_90`, ...) with NVRTC and returns the PTX.
-pub fn compile(arch: &str) -> std::result::Result<String, String> {
-    let opts = CompileOptions {
-        arch: Some(Box::leak(arch.to_string().into_boxed_str())),
-        options: vec!["--std=c++17".into()],
-        ..Default::default()
-    };
-    compile_ptx_with_opts(SOURCE, opts)
-        .map(|p| p.to_src())
-        .map_err(|e| format!("{e:?}"))
-}
-
-/// The PTX for the GPU `dev` (compiled at first use for its compute capability).
-fn ptx(dev: &CudaDevice) -> std::result::Result<&'static str, String> {
-    let ordinal = dev.cuda_stream().context().ordinal();
-    let mut cache = ptx_cache().lock().expect("ptx cache poisoned");
-    cache
-        .entry(ordinal)
-        .or_insert_with(|| {
-            let (major, minor) = dev
-                .cuda_stream()
-                .context()
-                .compute_capability()
-                .map_err(|e| format!("{e:?}"))?;
-            let arch = format!("compute_{major}{minor}");
-            let loaded = compile(&arch).and_then(|src| {
-                // Load the module now, so that a driver that cannot take it is found here.
-                dev.get_or_load_custom_func("rms_fwd_f32", MODULE, &src)
-                    .map(|_| src)
-                    .map_err(|e| format!("loading the module: {e}"))
-            });
-            let src = loaded.map_err(|e| {
-                let first = e.lines().next().unwrap_or("").to_string();
-                eprintln!(
-                    "grpo: the fused CUDA kernels are not available for {arch} ({first}); \
-                     running the candle compositions instead"
-                );
-                e
-            })?;
-            Ok(Box::leak(src.into_boxed_str()))
-        })
-        .clone()
-}
-
-/// Whether the kernels run on `dev` (compiled, not switched off); compiles them at first ask.
-pub fn available(dev: &Device) -> bool {
-    match dev {
-        Device::Cuda(cd) => !off() && ptx(cd).is_ok(),
-        _ => false,
-    }
-}
-
 /// Whether a fused op on `t` takes its CUDA kernel: a CUDA tensor of f32, bf16 or f16 with
-/// the kernels available.
+/// the kernels available (compiled at the first ask).
 pub fn takes(t: &Tensor) -> bool {
-    matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) && available(t.device())
+    grpo_core::cuda::takes(&DECODER, t)
 }
 
-/// The compile error of the kernels on `dev`, if they did not compile (`grpo-cli check`).
+/// Why the decoder's kernels are not available on `dev`, if they are not (`grpo-cli check`).
 pub fn compile_status(dev: &Device) -> std::result::Result<(), String> {
-    match dev {
-        Device::Cuda(cd) => ptx(cd).map(|_| ()),
-        _ => Err("not a CUDA device".into()),
-    }
+    grpo_core::cuda::compile_status(&DECODER, dev)
 }
-
-/// Kernel handles by (device ordinal, kernel, dtype): a launch in a decode step looks one up
-/// instead of asking the driver again.
-type FuncCache = HashMap<(usize, &'static str, DType), CudaFunction>;
-
-fn func(dev: &CudaDevice, name: &'static str, dtype: DType) -> Result<CudaFunction> {
-    static FUNCS: OnceLock<Mutex<FuncCache>> = OnceLock::new();
-    let key = (dev.cuda_stream().context().ordinal(), name, dtype);
-    let funcs = FUNCS.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(f) = funcs.lock().expect("kernel cache poisoned").get(&key) {
-        return Ok(f.clone());
-    }
-    let ptx = ptx(dev).map_err(|e| candle_core::Error::Msg(format!("CUDA kernels: {e}")))?;
-    let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        d => candle_core::bail!("{name}: no CUDA kernel for {d:?}"),
-    };
-    let f = dev
-        .get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, ptx)?
-        .into_cuda_function();
-    funcs
-        .lock()
-        .expect("kernel cache poisoned")
-        .insert(key, f.clone());
-    Ok(f)
-}
-
-/// Launches kernel `$name` (for `$dtype`) on `$dev`'s stream with the arguments in order
-/// (references to values that live past the launch statement).
-macro_rules! launch {
-    ($dev:expr, $name:expr, $dtype:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
-        let f = func($dev, $name, $dtype)?;
-        let stream = $dev.cuda_stream();
-        let mut b = stream.launch_builder(&f);
-        $( b.arg($arg); )*
-        // SAFETY: the arguments are those of the kernel's signature in kernels.cu, in order and
-        // type, and every buffer holds the elements the kernel reads or writes for this launch
-        // configuration (the caller checked the shapes).
-        unsafe { b.launch($cfg) }.w()?;
-    }};
-}
-
-/// The storage a kernel filled, and its shape.
-fn done<T: Elem>(
-    out: CudaSlice<T>,
-    dev: &CudaDevice,
-    shape: impl Into<Shape>,
-) -> Result<(CudaStorage, Shape)> {
-    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape.into()))
-}
-
-/// An uninitialised device buffer of `n` elements that a kernel then writes in full.
-fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: every caller launches a kernel that writes all `n` elements before anything
-    // reads them.
-    unsafe { dev.alloc::<T>(n) }
-}
-
-/// Storage slice and start offset of a contiguous input.
-fn input<'a, T: CudaDType>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    op: &str,
-) -> Result<(&'a CudaSlice<T>, i64)> {
-    match l.contiguous_offsets() {
-        Some((a, _)) => Ok((s.as_cuda_slice::<T>()?, a as i64)),
-        None => candle_core::bail!("{op}: input must be contiguous"),
-    }
-}
-
-fn blocks(n: usize, per: usize) -> u32 {
-    n.div_ceil(per).max(1) as u32
-}
-
-fn cfg(grid: u32, block: u32, smem: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: smem,
-    }
-}
-
-/// Threads per block for a reduction over rows of `n`: a multiple of 32, at most 256.
-fn row_threads(n: usize) -> u32 {
-    (n.div_ceil(32) * 32).clamp(32, 256) as u32
-}
-
-/// Dispatches `$f::<T>(...)` on a storage dtype (f32, bf16, f16).
-macro_rules! typed {
-    ($dtype:expr, $name:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            DType::F16 => $f::<half::f16>($($arg),*),
-            d => candle_core::bail!("{}: no CUDA kernel for {d:?}", $name),
-        }
-    };
-}
-
-trait Elem: CudaDType + DeviceRepr + candle_core::WithDType {}
-impl Elem for f32 {}
-impl Elem for half::bf16 {}
-impl Elem for half::f16 {}
 
 // ------------------------------------------------------------------ RMSNorm
 
@@ -246,7 +59,8 @@ fn rms_fwd_t<T: Elem>(
     let out = alloc::<T>(dev, rows * h)?;
     let (hi, eps) = (h as i32, eps as f32);
     let c = cfg(rows as u32, row_threads(h), 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "rms_fwd",
         T::DTYPE,
@@ -264,7 +78,7 @@ pub fn rms_fwd(
     lw: &Layout,
     eps: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(x.dtype(), "rms_norm", rms_fwd_t(x, lx, w, lw, eps))
+    cuda_typed!(x.dtype(), "rms_norm", rms_fwd_t(x, lx, w, lw, eps))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -292,7 +106,8 @@ fn rms_bwd_t<T: Elem>(
     let partial = alloc::<f32>(dev, nblk * h)?;
     let (ri, hi, eps) = (rows as i32, h as i32, eps as f32);
     let c = cfg(nblk as u32, row_threads(h), (h * 4) as u32);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "rms_bwd",
         T::DTYPE,
@@ -301,7 +116,14 @@ fn rms_bwd_t<T: Elem>(
     );
     let (nb, oo) = (nblk as i32, n as i64);
     let c = cfg(blocks(h, 256), 256, 0);
-    launch!(dev, "col_sum", T::DTYPE, c, [&partial, &nb, &hi, &out, &oo]);
+    cuda_launch!(
+        &DECODER,
+        dev,
+        "col_sum",
+        T::DTYPE,
+        c,
+        [&partial, &nb, &hi, &out, &oo]
+    );
     done(out, dev, n + h)
 }
 
@@ -315,7 +137,7 @@ pub fn rms_bwd(
     lg: &Layout,
     eps: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(
+    cuda_typed!(
         x.dtype(),
         "rms_norm_bwd",
         rms_bwd_t(x, lx, w, lw, g, lg, eps)
@@ -349,7 +171,8 @@ fn add_rms_t<T: Elem>(
     let out = alloc::<T>(dev, 2 * n)?;
     let (ni, hi, eps) = (n as i64, h as i32, eps as f32);
     let c = cfg(rows as u32, row_threads(h), 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "add_rms_fwd",
         T::DTYPE,
@@ -369,7 +192,7 @@ pub fn add_rms_fwd(
     lw: &Layout,
     eps: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(
+    cuda_typed!(
         x.dtype(),
         "add_rms_norm",
         add_rms_t(x, lx, r, lr, w, lw, eps)
@@ -422,7 +245,8 @@ fn kv_write_t<T: Elem>(
             let (cts, cto) = input::<T>(cc, cl, "kv_write cos")?;
             let (sts, sto) = input::<T>(sc, sl, "kv_write sin")?;
             let rotate = 1i32;
-            launch!(
+            cuda_launch!(
+                &DECODER,
                 &dev,
                 "kv_write",
                 T::DTYPE,
@@ -435,7 +259,8 @@ fn kv_write_t<T: Elem>(
         None => {
             // No tables are read without rotation; x stands in for them.
             let rotate = 0i32;
-            launch!(
+            cuda_launch!(
+                &DECODER,
                 &dev,
                 "kv_write",
                 T::DTYPE,
@@ -459,7 +284,7 @@ pub fn kv_write(
     rot: Option<(&Tensor, &Tensor)>,
     past: usize,
 ) -> Result<()> {
-    typed!(
+    cuda_typed!(
         x.dtype(),
         "kv_write",
         kv_write_t(cache, lc, x, lx, rot, past)
@@ -490,7 +315,8 @@ fn rope_t<T: Elem>(
     let out = alloc::<T>(dev, b * l * h * d)?;
     let [bi, li, hi, di, inv] = [b as i32, l as i32, h as i32, d as i32, inverse as i32];
     let c = cfg(blocks(b * h * l * half, 256), 256, 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "rope",
         T::DTYPE,
@@ -511,7 +337,7 @@ pub fn rope(
     ls: &Layout,
     inverse: bool,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(x.dtype(), "rope", rope_t(x, lx, c, lc, s, ls, inverse))
+    cuda_typed!(x.dtype(), "rope", rope_t(x, lx, c, lc, s, ls, inverse))
 }
 
 // ------------------------------------------------------------------ SiLU · mul
@@ -532,7 +358,8 @@ fn silu_fwd_t<T: Elem>(
     let out = alloc::<T>(dev, n)?;
     let ni = n as i64;
     let c = cfg(blocks(n, 256), 256, 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "silu_mul_fwd",
         T::DTYPE,
@@ -549,7 +376,7 @@ pub fn silu_mul_fwd(
     u: &CudaStorage,
     lu: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(a.dtype(), "silu_mul", silu_fwd_t(a, la, u, lu))
+    cuda_typed!(a.dtype(), "silu_mul", silu_fwd_t(a, la, u, lu))
 }
 
 fn silu_bwd_t<T: Elem>(
@@ -568,7 +395,8 @@ fn silu_bwd_t<T: Elem>(
     let out = alloc::<T>(dev, 2 * n)?;
     let ni = n as i64;
     let c = cfg(blocks(n, 256), 256, 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "silu_mul_bwd",
         T::DTYPE,
@@ -587,7 +415,7 @@ pub fn silu_mul_bwd(
     g: &CudaStorage,
     lg: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(a.dtype(), "silu_mul_bwd", silu_bwd_t(a, la, u, lu, g, lg))
+    cuda_typed!(a.dtype(), "silu_mul_bwd", silu_bwd_t(a, la, u, lu, g, lg))
 }
 
 // ------------------------------------------------------------------ attention softmax
@@ -612,7 +440,8 @@ fn softmax_fwd_t<T: Elem>(
     let out = alloc::<T>(dev, b * h * l * s)?;
     let (hi, li, si, sc) = (h as i32, l as i32, s as i32, scale as f32);
     let c = cfg((b * h * l) as u32, row_threads(s), 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "softmax_fwd",
         T::DTYPE,
@@ -630,7 +459,7 @@ pub fn softmax_fwd(
     lm: &Layout,
     scale: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(
+    cuda_typed!(
         x.dtype(),
         "attention_softmax",
         softmax_fwd_t(x, lx, m, lm, scale)
@@ -652,7 +481,8 @@ fn softmax_bwd_t<T: Elem>(
     let out = alloc::<T>(dev, n)?;
     let (si, sc) = (s as i32, scale as f32);
     let c = cfg((n / s.max(1)) as u32, row_threads(s), 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "softmax_bwd",
         T::DTYPE,
@@ -670,7 +500,7 @@ pub fn softmax_bwd(
     lg: &Layout,
     scale: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(
+    cuda_typed!(
         p.dtype(),
         "attention_softmax_bwd",
         softmax_bwd_t(p, lp, g, lg, scale)
@@ -739,7 +569,8 @@ fn attention_rows_t<T: Elem>(
     // One warp per 16 keys, up to 8 (the kernel's ATTN_MAX_WARPS).
     let warps = (s / 16).clamp(1, 8);
     let c = cfg((b * nh * l) as u32, (32 * warps) as u32, 0);
-    launch!(
+    cuda_launch!(
+        &DECODER,
         dev,
         "attention_rows",
         T::DTYPE,
@@ -765,7 +596,7 @@ pub fn attention_rows(
     bias: &Tensor,
     scale: f64,
 ) -> Result<(CudaStorage, Shape)> {
-    typed!(
+    cuda_typed!(
         q.dtype(),
         "attention",
         attention_rows_t(q, lq, k, lk, v, lv, bias, scale)

@@ -1,12 +1,15 @@
-// Runs one kernel of grpo-rollout/src/kernels.cu under the host emulation (emu.h), launched as
-// grpo-rollout/src/cuda.rs launches it, on inputs read from files; the Rust test
-// tests/tests/cuda_kernels_emulated.rs writes the inputs and checks the output against the
-// CPU compositions.
+// Runs one kernel of grpo-rollout/src/kernels.cu or grpo-core/src/head.cu (after
+// grpo-core/src/cuda_prelude.cu, as NVRTC compiles them) under the host emulation (emu.h),
+// launched as grpo-rollout/src/cuda.rs and grpo-core/src/cuda.rs launch it, on inputs read from
+// files; the Rust test tests/tests/cuda_kernels_emulated.rs writes the inputs and checks the
+// output against the CPU compositions.
 //
 //   harness OP DTYPE DIR ARGS...     inputs DIR/in0.f32, DIR/in1.f32, ... (raw little-endian
 //                                    f32, converted to DTYPE); output DIR/out.f32 (as f32)
 #include "emu.h"
+#include "cuda_prelude.cu"
 #include "kernels.cu"
+#include "head.cu"
 
 #include <cstdio>
 #include <cstdlib>
@@ -99,6 +102,34 @@ static int run(const std::string& op, char** a, K k) {
         emu_launch(k.kv_write, blocks((long)b * l * g * (d / 2), 256), 256, 0, cache.data(), cap,
                    x.data(), 0L, c.data(), 0L, s.data(), 0L, b, l, g, d, past, rotate);
         write_out<T>(cache);
+    } else if (op == "lsg_fwd" || op == "lsg_bwd" || op == "ent_fwd" || op == "ent_bwd") {
+        // n v: in0 logits (n, v), in1 targets (n, as floats), in2 row gradients (n)
+        long n = atol(a[0]);
+        int v = atoi(a[1]);
+        auto x = to_storage<T>(read_f32(0));
+        auto tf = read_f32(1);
+        auto g = read_f32(2);
+        std::vector<unsigned> t(tf.size());
+        for (size_t i = 0; i < tf.size(); ++i) t[i] = (unsigned)tf[i];
+        unsigned threads = row_threads(v);
+        if (op == "lsg_fwd" || op == "ent_fwd") {
+            std::vector<float> out(n);
+            if (op == "lsg_fwd")
+                emu_launch(k.lsg_fwd, (unsigned)n, threads, 0, x.data(), 0L, t.data(), 0L,
+                           out.data(), v);
+            else
+                emu_launch(k.ent_fwd, (unsigned)n, threads, 0, x.data(), 0L, out.data(), v);
+            write_out<F32>(out);
+        } else {
+            std::vector<S> out(n * v);
+            if (op == "lsg_bwd")
+                emu_launch(k.lsg_bwd, (unsigned)n, threads, 0, x.data(), 0L, t.data(), 0L,
+                           g.data(), 0L, out.data(), v);
+            else
+                emu_launch(k.ent_bwd, (unsigned)n, threads, 0, x.data(), 0L, g.data(), 0L,
+                           out.data(), v);
+            write_out<T>(out);
+        }
     } else if (op == "rope") {  // b l h d inverse
         int b = atoi(a[0]), l = atoi(a[1]), h = atoi(a[2]), d = atoi(a[3]), inv = atoi(a[4]);
         auto x = to_storage<T>(read_f32(0)), c = to_storage<T>(read_f32(1)),
@@ -171,6 +202,10 @@ static int run(const std::string& op, char** a, K k) {
         decltype(&softmax_fwd_##N) softmax_fwd = &softmax_fwd_##N;                         \
         decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
         decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \
+        decltype(&lsg_fwd_##N) lsg_fwd = &lsg_fwd_##N;                                     \
+        decltype(&lsg_bwd_##N) lsg_bwd = &lsg_bwd_##N;                                     \
+        decltype(&ent_fwd_##N) ent_fwd = &ent_fwd_##N;                                     \
+        decltype(&ent_bwd_##N) ent_bwd = &ent_bwd_##N;                                     \
     };
 
 KERNELS_OF(f32)

@@ -1,4 +1,5 @@
-//! The fused ops' CUDA kernels (`grpo-rollout/src/kernels.cu`), their own source, run on the
+//! The fused ops' CUDA kernels (`grpo-rollout/src/kernels.cu`, `grpo-core/src/head.cu`, after
+//! `grpo-core/src/cuda_prelude.cu`), their own source, run on the
 //! host under an emulation of the CUDA built-ins (`tests/cuda_emulation`: a thread per CUDA
 //! thread, barriers for `__syncthreads` and warp shuffles), launched as `grpo-rollout/src/cuda.rs`
 //! launches them, against the candle compositions on the CPU: values and gradients, in f32, bf16
@@ -34,6 +35,7 @@ fn harness() -> Option<&'static Path> {
             .arg(&bin)
             .arg(r.join("tests/cuda_emulation/harness.cpp"))
             .arg(format!("-I{}", r.join("grpo-rollout/src").display()))
+            .arg(format!("-I{}", r.join("grpo-core/src").display()))
             .arg(format!("-I{}", r.join("tests/cuda_emulation").display()))
             .output();
         match out {
@@ -427,5 +429,78 @@ fn kv_writes_match_the_composition() {
                 );
             }
         }
+    }
+}
+
+/// `log_softmax(x)[t]` and the entropy of `(n, v)` logits as candle compositions in f32, with
+/// their gradients for row weights `g`: the reference of the head's kernels.
+fn head_reference(x: &Tensor, t: &[u32], g: &Tensor) -> (Tensor, Tensor, Tensor, Tensor) {
+    let xv = Var::from_tensor(x).unwrap();
+    let lse = |x: &Tensor| {
+        let m = x.max_keepdim(1).unwrap().detach();
+        let e = x.broadcast_sub(&m).unwrap().exp().unwrap();
+        e.sum_keepdim(1)
+            .unwrap()
+            .log()
+            .unwrap()
+            .broadcast_add(&m)
+            .unwrap()
+    };
+    let ids = Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(1).unwrap();
+    let lp = (xv.gather(&ids, 1).unwrap() - lse(&xv))
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    let dlp = (&lp * g).unwrap().sum_all().unwrap().backward().unwrap();
+    let dlp = dlp.get(&xv).unwrap().clone();
+    let logp = xv.broadcast_sub(&lse(&xv)).unwrap();
+    let h = (logp.exp().unwrap() * &logp)
+        .unwrap()
+        .sum(1)
+        .unwrap()
+        .neg()
+        .unwrap();
+    let dh = (&h * g).unwrap().sum_all().unwrap().backward().unwrap();
+    let dh = dh.get(&xv).unwrap().clone();
+    (lp, dlp, h, dh)
+}
+
+#[test]
+fn log_softmax_gather_and_entropy_match_the_composition() {
+    // A vocabulary of 1000 (not a multiple of the block), wide logits.
+    let (n, v) = (6, 1000);
+    for (name, dt, tol) in DTYPES {
+        let x = (randn(&[n, v], dt, 20) * 4.0).unwrap();
+        let x = x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+        let t: Vec<u32> = (0..n as u32).map(|i| (i * 163 + 7) % v as u32).collect();
+        let tf = Tensor::new(
+            t.iter().map(|&i| i as f32).collect::<Vec<_>>(),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let g = randn(&[n], DType::F32, 21);
+        let (lp, dlp, h, dh) = head_reference(&x, &t, &g);
+        let args = [s(n), s(v)];
+        let Some(got) = run("lsg_fwd", name, &args, &[&x, &tf, &g]) else {
+            return;
+        };
+        // Row results are f32 whatever the logits' dtype.
+        close(
+            &format!("log_softmax_gather {name}"),
+            &got,
+            &flat(&lp),
+            2e-5,
+        );
+        let got = run("ent_fwd", name, &args, &[&x, &tf, &g]).unwrap();
+        close(&format!("entropy {name}"), &got, &flat(&h), 2e-5);
+        let got = run("lsg_bwd", name, &args, &[&x, &tf, &g]).unwrap();
+        close(
+            &format!("log_softmax_gather backward {name}"),
+            &got,
+            &flat(&dlp),
+            tol,
+        );
+        let got = run("ent_bwd", name, &args, &[&x, &tf, &g]).unwrap();
+        close(&format!("entropy backward {name}"), &got, &flat(&dh), tol);
     }
 }

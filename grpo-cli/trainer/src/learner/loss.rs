@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
-use grpo_core::loss::{LossInputs, LossType, policy_loss};
+use grpo_core::loss::{LossInputs, LossMetrics, LossType, policy_loss_on_device};
 use grpo_rollout::Transformer;
 
 use super::Learner;
@@ -153,7 +153,9 @@ impl Learner {
     }
 
     /// One pass over the micro-batches: the policy loss of each, its backward, the gradients
-    /// summed; the loss, entropy, KL and clip ratios into `sums`.
+    /// summed; the loss, entropy, KL and clip ratios into `sums`. Nothing in a micro-batch waits
+    /// for the device: each one's scalars stay there until the pass ends and are read with one
+    /// copy (a non-finite loss is refused then, before any optimizer step).
     fn loss_and_grads(
         &self,
         s: &Scored,
@@ -168,12 +170,15 @@ impl Learner {
         // dapo and cispo divide by the step's tokens already; the others average micro-batches.
         let dapo_like = matches!(loss_cfg.loss_type, LossType::Dapo | LossType::Cispo);
         let mut acc: HashMap<String, Tensor> = HashMap::new();
+        // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the four loss
+        // metrics].
+        let mut scalars: Vec<Tensor> = Vec::with_capacity(batch.chunks.len());
         for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
             let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
             let mask = batch.mask(a, b, width, &self.device)?;
             let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
-            let out = policy_loss(
+            let out = policy_loss_on_device(
                 &LossInputs {
                     per_token_logps: &lp,
                     old_per_token_logps: old[ci].as_ref(),
@@ -190,29 +195,49 @@ impl Learner {
             } else {
                 (out.loss / ga)?
             };
-            let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let wide = |t: Tensor| t.to_dtype(DType::F64)?.reshape(1);
+            let (es, ms) = match &ent {
+                Some(e) => (
+                    wide((e.detach() * &mask)?.sum_all()?)?,
+                    wide(mask.sum_all()?)?,
+                ),
+                None => {
+                    let zero = Tensor::zeros(1, DType::F64, &self.device)?;
+                    (zero.clone(), zero)
+                }
+            };
+            scalars.push(Tensor::cat(
+                &[
+                    wide(loss.detach())?,
+                    es,
+                    ms,
+                    out.metrics.as_tensor().to_dtype(DType::F64)?,
+                ],
+                0,
+            )?);
+            let grads = self.policy.model.backward(&loss)?;
+            accumulate(&mut acc, self.opt.vars(), &grads)?;
+        }
+        if scalars.is_empty() {
+            return Ok(acc);
+        }
+        let rows: Vec<Vec<f64>> = Tensor::stack(&scalars, 0)?.to_vec2()?;
+        for r in rows {
+            let lv = r[0];
             if !lv.is_finite() {
                 bail!("non-finite loss ({lv}) at step {}", s.rollouts.batch.step);
             }
             sums.add("loss", if dapo_like { lv } else { lv * ga });
-            if let Some(e) = ent {
-                let msum = mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                if msum > 0.0 {
-                    let es = (e.detach() * &mask)?
-                        .sum_all()?
-                        .to_dtype(DType::F64)?
-                        .to_scalar::<f64>()?;
-                    sums.add("entropy", es / msum);
-                }
+            if r[2] > 0.0 {
+                sums.add("entropy", r[1] / r[2]);
             }
+            let m = LossMetrics::from_values(&r[3..7])?;
             if self.reference.is_some() {
-                sums.add("kl", out.metrics.kl);
+                sums.add("kl", m.kl);
             }
-            sums.add("clip_ratio/low_mean", out.metrics.clip_ratio_low_mean);
-            sums.add("clip_ratio/high_mean", out.metrics.clip_ratio_high_mean);
-            sums.add("clip_ratio/region_mean", out.metrics.clip_ratio_region_mean);
-            let grads = self.policy.model.backward(&loss)?;
-            accumulate(&mut acc, self.opt.vars(), &grads)?;
+            sums.add("clip_ratio/low_mean", m.clip_ratio_low_mean);
+            sums.add("clip_ratio/high_mean", m.clip_ratio_high_mean);
+            sums.add("clip_ratio/region_mean", m.clip_ratio_region_mean);
         }
         Ok(acc)
     }

@@ -1,0 +1,436 @@
+//! CUDA kernels of our own, for the fused ops here ([`HEAD`]: log-softmax + gather, entropy)
+//! and in grpo-rollout (the decoder's ops): how they are compiled, loaded and launched.
+//!
+//! Each set of kernels ([`Kernels`]) is CUDA C++ source that is compiled at run time with
+//! NVRTC, after a shared prelude (`cuda_prelude.cu`: storage types, conversions, block
+//! reductions), once per process and GPU, for that GPU's compute capability, and launched by
+//! the `cuda_fwd` of the same custom ops that run the CPU kernels. They take f32, bf16 and f16
+//! storage and compute in f32.
+//!
+//! Why NVRTC rather than nvcc at build time: the kernels are built for the GPU the binary finds
+//! (no compute capability fixed at build time), and the build needs nothing beyond what
+//! candle's CUDA backend needs (candle links NVRTC already). The cost is a compilation of about
+//! a second at first use. When the compilation or the loading of the module fails (a driver
+//! older than the PTX NVRTC writes, say), the ops say so once on stderr and run their candle
+//! compositions (the [`crate::recompute`] path); `GRPO_CUDA_KERNELS=0` chooses that path on
+//! purpose.
+//!
+//! Launching a kernel and allocating the uninitialised buffer it fills are `unsafe` in cudarc;
+//! each such block says why it holds.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::backend::BackendStorage;
+pub use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+pub use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, DriverError};
+use candle_core::cuda_backend::cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
+
+/// The prelude every kernel source is compiled after.
+pub const PRELUDE: &str = include_str!("cuda_prelude.cu");
+
+/// A set of kernels: one NVRTC program, one CUDA module.
+#[derive(Debug)]
+pub struct Kernels {
+    /// The module's name (unique per set).
+    pub name: &'static str,
+    /// The CUDA C++ source (compiled after [`PRELUDE`]).
+    pub source: &'static str,
+    /// A kernel of the set, loaded when the module is first compiled to prove the driver takes
+    /// it.
+    pub probe: &'static str,
+}
+
+/// The kernels of [`crate::fused`]: log-softmax + gather and entropy, forward and backward.
+pub static HEAD: Kernels = Kernels {
+    name: "grpo_head",
+    source: include_str!("head.cu"),
+    probe: "lsg_fwd_f32",
+};
+
+type PtxCache = HashMap<(&'static str, usize), std::result::Result<&'static str, String>>;
+
+fn off() -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    *OFF.get_or_init(|| {
+        matches!(
+            std::env::var("GRPO_CUDA_KERNELS").as_deref(),
+            Ok("0") | Ok("false")
+        )
+    })
+}
+
+/// Compiles `k` (after the prelude) for `arch` (`compute_90`, ...) with NVRTC; the PTX.
+pub fn compile(k: &Kernels, arch: &str) -> std::result::Result<String, String> {
+    let opts = CompileOptions {
+        arch: Some(Box::leak(arch.to_string().into_boxed_str())),
+        options: vec!["--std=c++17".into()],
+        name: Some(format!("{}.cu", k.name)),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(format!("{PRELUDE}\n{}", k.source), opts)
+        .map(|p| p.to_src())
+        .map_err(|e| format!("{e:?}"))
+}
+
+/// The PTX of `k` for the GPU `dev`, compiled and loaded at first use.
+fn ptx(k: &'static Kernels, dev: &CudaDevice) -> std::result::Result<&'static str, String> {
+    static CACHE: OnceLock<Mutex<PtxCache>> = OnceLock::new();
+    let ordinal = dev.cuda_stream().context().ordinal();
+    let mut cache = CACHE
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .expect("ptx cache poisoned");
+    cache
+        .entry((k.name, ordinal))
+        .or_insert_with(|| {
+            let (major, minor) = dev
+                .cuda_stream()
+                .context()
+                .compute_capability()
+                .map_err(|e| format!("{e:?}"))?;
+            let arch = format!("compute_{major}{minor}");
+            let loaded = compile(k, &arch).and_then(|src| {
+                // Load the module now, so that a driver that cannot take it is found here.
+                dev.get_or_load_custom_func(k.probe, k.name, &src)
+                    .map(|_| src)
+                    .map_err(|e| format!("loading the module: {e}"))
+            });
+            let src = loaded.map_err(|e| {
+                let first = e.lines().next().unwrap_or("").to_string();
+                eprintln!(
+                    "grpo: the CUDA kernels `{}` are not available for {arch} ({first}); \
+                     running the candle compositions instead",
+                    k.name
+                );
+                e
+            })?;
+            Ok(Box::leak(src.into_boxed_str()))
+        })
+        .clone()
+}
+
+/// Whether the kernels `k` run on `dev` (compiled, loaded, not switched off); compiles them at
+/// first ask.
+pub fn available(k: &'static Kernels, dev: &Device) -> bool {
+    match dev {
+        Device::Cuda(cd) => !off() && ptx(k, cd).is_ok(),
+        _ => false,
+    }
+}
+
+/// Whether an op on `t` takes a kernel of `k`: a CUDA tensor of f32, bf16 or f16 with the
+/// kernels available.
+pub fn takes(k: &'static Kernels, t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) && available(k, t.device())
+}
+
+/// Why the kernels `k` are not available on `dev`, if they are not (`grpo-cli check`).
+pub fn compile_status(k: &'static Kernels, dev: &Device) -> std::result::Result<(), String> {
+    match dev {
+        Device::Cuda(cd) => ptx(k, cd).map(|_| ()),
+        _ => Err("not a CUDA device".into()),
+    }
+}
+
+/// Kernel handles by (set, device ordinal, kernel, dtype): a launch looks one up instead of
+/// asking the driver again.
+type FuncCache = HashMap<(&'static str, usize, &'static str, DType), CudaFunction>;
+
+/// The kernel `name` of `k` for storage `dtype` (`{name}_f32`, `_bf16`, `_f16`) on `dev`.
+pub fn func(
+    k: &'static Kernels,
+    dev: &CudaDevice,
+    name: &'static str,
+    dtype: DType,
+) -> Result<CudaFunction> {
+    static FUNCS: OnceLock<Mutex<FuncCache>> = OnceLock::new();
+    let key = (k.name, dev.cuda_stream().context().ordinal(), name, dtype);
+    let funcs = FUNCS.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(f) = funcs.lock().expect("kernel cache poisoned").get(&key) {
+        return Ok(f.clone());
+    }
+    let ptx = ptx(k, dev).map_err(|e| candle_core::Error::Msg(format!("CUDA kernels: {e}")))?;
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        d => candle_core::bail!("{name}: no CUDA kernel for {d:?}"),
+    };
+    let f = dev
+        .get_or_load_custom_func(&format!("{name}_{suffix}"), k.name, ptx)?
+        .into_cuda_function();
+    funcs
+        .lock()
+        .expect("kernel cache poisoned")
+        .insert(key, f.clone());
+    Ok(f)
+}
+
+/// A launch's driver result as a candle result.
+pub fn launched<T>(r: std::result::Result<T, DriverError>) -> Result<()> {
+    r.w().map(|_| ())
+}
+
+/// Launches kernel `$name` of the set `$k` (for `$dtype`) on `$dev`'s stream with the
+/// arguments in order (references to values that live past the launch statement). A grid of 0
+/// blocks (an empty tensor) launches nothing. The caller's crate must allow `unsafe_code`: the
+/// launch is an `unsafe` block there.
+#[macro_export]
+macro_rules! cuda_launch {
+    ($k:expr, $dev:expr, $name:expr, $dtype:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let cfg: $crate::cuda::LaunchConfig = $cfg;
+        if cfg.grid_dim.0 > 0 {
+            let f = $crate::cuda::func($k, $dev, $name, $dtype)?;
+            let stream = $dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            $( $crate::cuda::PushKernelArg::arg(&mut b, $arg); )*
+            // SAFETY: the arguments are those of the kernel's signature in its .cu source, in
+            // order and type, and every buffer holds the elements the kernel reads or writes
+            // for this launch configuration (the caller checked the shapes).
+            $crate::cuda::launched(unsafe { b.launch(cfg) })?;
+        }
+    }};
+}
+
+/// Dispatches `$f::<T>(...)` on a storage dtype (f32, bf16, f16); another dtype is an error
+/// naming `$name`.
+#[macro_export]
+macro_rules! cuda_typed {
+    ($dtype:expr, $name:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            candle_core::DType::F32 => $f::<f32>($($arg),*),
+            candle_core::DType::BF16 => $f::<half::bf16>($($arg),*),
+            candle_core::DType::F16 => $f::<half::f16>($($arg),*),
+            d => candle_core::bail!("{}: no CUDA kernel for {d:?}", $name),
+        }
+    };
+}
+
+/// The storage types the kernels take.
+pub trait Elem: CudaDType + DeviceRepr + candle_core::WithDType {}
+impl Elem for f32 {}
+impl Elem for half::bf16 {}
+impl Elem for half::f16 {}
+
+/// The storage a kernel filled, and its shape.
+pub fn done<T: Elem>(
+    out: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<Shape>,
+) -> Result<(CudaStorage, Shape)> {
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape.into()))
+}
+
+/// An uninitialised device buffer of `n` elements that a kernel then writes in full.
+pub fn alloc<T: DeviceRepr>(dev: &CudaDevice, n: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every caller launches a kernel that writes all `n` elements before anything
+    // reads them (at least one element is allocated, so that an empty tensor has a buffer).
+    unsafe { dev.alloc::<T>(n.max(1)) }
+}
+
+/// Storage slice and start offset of a contiguous input.
+pub fn input<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    op: &str,
+) -> Result<(&'a CudaSlice<T>, i64)> {
+    match l.contiguous_offsets() {
+        Some((a, _)) => Ok((s.as_cuda_slice::<T>()?, a as i64)),
+        None => candle_core::bail!("{op}: input must be contiguous"),
+    }
+}
+
+/// Blocks of `per` threads for `n` items (at least one).
+pub fn blocks(n: usize, per: usize) -> u32 {
+    n.div_ceil(per).max(1) as u32
+}
+
+/// A one-dimensional launch configuration.
+pub fn cfg(grid: u32, block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// Threads per block for a reduction over rows of `n`: a multiple of 32, at most 256.
+pub fn row_threads(n: usize) -> u32 {
+    (n.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+// ------------------------------------------------------------------ the head's kernels
+
+/// Rows and vocabulary of `(N, V)` logits.
+fn rows_vocab(l: &Layout, op: &str) -> Result<(usize, usize)> {
+    match l.dims() {
+        [n, v] => Ok((*n, *v)),
+        d => candle_core::bail!("{op}: expected (rows, vocab), got {d:?}"),
+    }
+}
+
+/// `u32` token ids and their offset.
+fn ids<'a>(
+    t: &'a CudaStorage,
+    lt: &Layout,
+    n: usize,
+    op: &str,
+) -> Result<(&'a CudaSlice<u32>, i64)> {
+    if t.dtype() != DType::U32 || lt.shape().elem_count() != n {
+        candle_core::bail!(
+            "{op}: {n} u32 targets expected, got {:?} {:?}",
+            t.dtype(),
+            lt.dims()
+        );
+    }
+    input::<u32>(t, lt, op)
+}
+
+/// `f32` per-row gradients and their offset.
+fn row_grads<'a>(
+    g: &'a CudaStorage,
+    lg: &Layout,
+    n: usize,
+    op: &str,
+) -> Result<(&'a CudaSlice<f32>, i64)> {
+    if g.dtype() != DType::F32 || lg.shape().elem_count() != n {
+        candle_core::bail!(
+            "{op}: {n} f32 row gradients expected, got {:?} {:?}",
+            g.dtype(),
+            lg.dims()
+        );
+    }
+    input::<f32>(g, lg, op)
+}
+
+fn lsg_fwd_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (n, v) = rows_vocab(lx, "log_softmax_gather")?;
+    let (xs, xo) = input::<T>(x, lx, "log_softmax_gather")?;
+    let (ts, to) = ids(t, lt, n, "log_softmax_gather")?;
+    let out = alloc::<f32>(dev, n)?;
+    let vi = v as i32;
+    let c = cfg(n as u32, row_threads(v), 0);
+    cuda_launch!(
+        &HEAD,
+        dev,
+        "lsg_fwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, ts, &to, &out, &vi]
+    );
+    done(out, dev, n)
+}
+
+/// `log_softmax(x)[t]` per row on CUDA: f32 `(N,)`.
+pub fn lsg_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(x.dtype(), "log_softmax_gather", lsg_fwd_t(x, lx, t, lt))
+}
+
+fn lsg_bwd_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (n, v) = rows_vocab(lx, "log_softmax_gather_bwd")?;
+    let (xs, xo) = input::<T>(x, lx, "log_softmax_gather_bwd")?;
+    let (ts, to) = ids(t, lt, n, "log_softmax_gather_bwd")?;
+    let (gs, go) = row_grads(g, lg, n, "log_softmax_gather_bwd")?;
+    let out = alloc::<T>(dev, n * v)?;
+    let vi = v as i32;
+    let c = cfg(n as u32, row_threads(v), 0);
+    cuda_launch!(
+        &HEAD,
+        dev,
+        "lsg_bwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, ts, &to, gs, &go, &out, &vi]
+    );
+    done(out, dev, (n, v))
+}
+
+/// The backward of [`lsg_fwd`]: `g · (onehot(t) − softmax(x))`, `(N, V)` in the logits' dtype.
+pub fn lsg_bwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(
+        x.dtype(),
+        "log_softmax_gather_bwd",
+        lsg_bwd_t(x, lx, t, lt, g, lg)
+    )
+}
+
+fn ent_fwd_t<T: Elem>(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (n, v) = rows_vocab(lx, "entropy")?;
+    let (xs, xo) = input::<T>(x, lx, "entropy")?;
+    let out = alloc::<f32>(dev, n)?;
+    let vi = v as i32;
+    let c = cfg(n as u32, row_threads(v), 0);
+    cuda_launch!(&HEAD, dev, "ent_fwd", T::DTYPE, c, [xs, &xo, &out, &vi]);
+    done(out, dev, n)
+}
+
+/// The entropy of the softmax per row on CUDA: f32 `(N,)`.
+pub fn ent_fwd(x: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(x.dtype(), "entropy", ent_fwd_t(x, lx))
+}
+
+fn ent_bwd_t<T: Elem>(
+    x: &CudaStorage,
+    lx: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (n, v) = rows_vocab(lx, "entropy_bwd")?;
+    let (xs, xo) = input::<T>(x, lx, "entropy_bwd")?;
+    let (gs, go) = row_grads(g, lg, n, "entropy_bwd")?;
+    let out = alloc::<T>(dev, n * v)?;
+    let vi = v as i32;
+    let c = cfg(n as u32, row_threads(v), 0);
+    cuda_launch!(
+        &HEAD,
+        dev,
+        "ent_bwd",
+        T::DTYPE,
+        c,
+        [xs, &xo, gs, &go, &out, &vi]
+    );
+    done(out, dev, (n, v))
+}
+
+/// The backward of [`ent_fwd`]: `−g · p · (log p + H)`, `(N, V)` in the logits' dtype.
+pub fn ent_bwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(x.dtype(), "entropy_bwd", ent_bwd_t(x, lx, g, lg))
+}
