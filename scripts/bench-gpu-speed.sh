@@ -7,14 +7,17 @@
 #
 #   scripts/bench-gpu-speed.sh [--model m770|m319|m29|DIR] [--dtype bf16|f32] [--batch 128]
 #                              [--new-tokens 256] [--prompt-len 64] [--seq-len 320] [--reps 3]
-#                              [--out DIR]
+#                              [--sanitize] [--out DIR]
+#
+# --sanitize also runs `check --device cuda` under compute-sanitizer's memcheck and racecheck
+# (out-of-bounds accesses and shared-memory races in our kernels), where the machine has it.
 #
 # Run it on the GPU machine from the project root with .gpu/ as scripts/build-cuda.sh packs it
 # (run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py) and a Python with torch and transformers
 # (PYTHON, default /opt/torch/.venv/bin/python). m770 / m319 / m29 are made on the spot (the
 # models of scripts/bench-gpu-vs-trl.sh); a directory is taken as it is.
 set -euo pipefail
-model=m770 dtype=bf16 batch=128 new=256 plen=64 slen=320 reps=3
+model=m770 dtype=bf16 batch=128 new=256 plen=64 slen=320 reps=3 sanitize=0
 out=${OUT:-/tmp/bench-gpu-speed}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -25,6 +28,7 @@ while [ $# -gt 0 ]; do
     --prompt-len) plen=$2; shift 2 ;;
     --seq-len) slen=$2; shift 2 ;;
     --reps) reps=$2; shift 2 ;;
+    --sanitize) sanitize=1; shift ;;
     --out) out=$2; shift 2 ;;
     *) echo "bench-gpu-speed.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -54,6 +58,21 @@ for dt in f32 bf16; do
   bash "$gpu/run-gpu.sh" check --device cuda --dtype "$dt" 2>&1 | tee "$out/check-$dt.txt" \
     || checks="$checks check --dtype $dt FAILED;"
 done
+
+if [ "$sanitize" = 1 ]; then
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
+  if [ -z "$san" ]; then
+    checks="$checks compute-sanitizer not found;"
+  else
+    for tool in memcheck racecheck; do
+      echo "== compute-sanitizer --tool $tool grpo-cli check --device cuda"
+      # run-gpu.sh execs the binary, so the sanitizer follows it.
+      "$san" --tool "$tool" --error-exitcode 3 bash "$gpu/run-gpu.sh" check --device cuda \
+        > "$out/sanitize-$tool.txt" 2>&1 || checks="$checks compute-sanitizer $tool FAILED;"
+      tail -n 3 "$out/sanitize-$tool.txt"
+    done
+  fi
+fi
 
 flags=(--batch "$batch" --new-tokens "$new" --prompt-len "$plen" --seq-len "$slen" --reps "$reps"
        --device cuda --dtype "$dtype")

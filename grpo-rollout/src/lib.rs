@@ -18,6 +18,9 @@
 //!
 //! With the cargo feature `remote`, the module `remote` generates the same completions on an
 //! OpenAI-compatible server (vLLM, or `grpo-cli serve`) and syncs LoRA weights to it.
+//!
+//! With the cargo feature `cuda`, the module `cuda` launches the decoder's own CUDA kernels
+//! (`kernels.cu`: the [`fused`] ops on a GPU), compiled at first use by `grpo_core::cuda`.
 #![deny(missing_docs)]
 
 pub mod config;
