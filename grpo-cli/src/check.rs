@@ -79,6 +79,10 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         "KV-cache writes, keys rotated (decode) vs composition".into(),
         kv_write_check(device, dtype).map(|d| (d, tol)),
     );
+    push(
+        "sampling (kernel on CUDA) vs tensor-op sampler, tokens differing".into(),
+        sampling_check(device, dtype),
+    );
 
     let dir = std::env::temp_dir().join(format!("grpo-check-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -403,6 +407,47 @@ fn kv_write_check(device: &Device, dtype: DType) -> Result<f64> {
         anyhow::ensure!(moved == 0.0, "a write changed a cached position before it");
     }
     Ok(worst)
+}
+
+/// One decode step's sampling with every filter on (top-k, top-p, min-p, a repetition
+/// penalty, suppressed stop ids): the sampler's one-kernel path on CUDA against its tensor-op
+/// path (which `top_logprobs` selects), on the same logits and draws. Returns (tokens that
+/// differ + the largest recorded log-prob difference, allowed): 0 tokens may differ.
+fn sampling_check(device: &Device, dtype: DType) -> Result<(f64, f64)> {
+    use grpo_rollout::sample::DeviceSampler;
+    let (n, v) = (16, 500);
+    let logits = (randn(&[n, v], DType::F32, device)? * 3.0)?.to_dtype(dtype)?;
+    let prompts: Vec<Vec<u32>> = (0..n as u32).map(|r| vec![r, 7, 8]).collect();
+    let rows: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let u: Vec<f32> = (0..n).map(|r| (r as f32 * 0.618).fract()).collect();
+    let suppress: Vec<bool> = (0..n).map(|r| r % 2 == 0).collect();
+    let params = SamplingParams {
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.01,
+        repetition_penalty: 1.2,
+        min_new_tokens: 2,
+        ..SamplingParams::default()
+    };
+    let run = |top_logprobs: usize| -> Result<Vec<(u32, f32)>> {
+        let p = SamplingParams {
+            top_logprobs,
+            ..params.clone()
+        };
+        let mut s = DeviceSampler::new(&p, v, &[1, 2], &rows, device)?;
+        let (_, picks) = s.step(&logits, &u, &suppress)?;
+        Ok(picks.into_iter().map(|(t, lp, _)| (t, lp)).collect())
+    };
+    let (a, b) = (run(0)?, run(1)?);
+    let differ = a.iter().zip(&b).filter(|(x, y)| x.0 != y.0).count();
+    let lp = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| f64::from((x.1 - y.1).abs()))
+        .fold(0.0, f64::max);
+    // A token that differs counts 1; log-probs must agree within 1e-3 (f32 reductions in
+    // another order).
+    Ok((differ as f64 + if lp > 1e-3 { 1.0 } else { 0.0 }, 0.0))
 }
 
 fn padded(rows: &[Vec<u32>], device: &Device) -> Result<(Tensor, Tensor)> {

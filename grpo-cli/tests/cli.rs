@@ -323,6 +323,7 @@ fn check_self_test_passes_on_the_cpu() {
             "attention over a cache view",
             "residual add + rms_norm",
             "KV-cache writes",
+            "sampling (kernel on CUDA)",
             "gradient checkpointing",
             "AdamW steps",
             "greedy generation",

@@ -602,3 +602,136 @@ pub fn attention_rows(
         attention_rows_t(q, lq, k, lk, v, lv, bias, scale)
     )
 }
+
+// ------------------------------------------------------------------ sampling
+
+/// The sampling kernel's parameters (`SampleParams` in kernels.cu, field for field).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct SampleParams {
+    /// Temperature divisor (1 when greedy).
+    pub t: f32,
+    /// Repetition penalty.
+    pub rp: f32,
+    /// Nucleus mass (1 = off).
+    pub top_p: f32,
+    /// min-p (0 = off).
+    pub min_p: f32,
+    /// 1: argmax.
+    pub greedy: i32,
+    /// top-k (0 = off).
+    pub top_k: i32,
+    /// Vocabulary (columns sampled from).
+    pub v: i32,
+    /// Whether the bias, seen-token and stop-id inputs are read.
+    pub has_bias: i32,
+    /// See `has_bias`.
+    pub has_seen: i32,
+    /// See `has_bias`.
+    pub has_stop: i32,
+}
+
+// SAFETY: a `repr(C)` struct of 4-byte scalars, laid out as the C struct the kernel takes by
+// value.
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for SampleParams {}
+
+/// One decode step's sampling on CUDA, as `grpo_rollout::sample::DeviceSampler` samples:
+/// inputs `logits` `(n, ≥ v)` and `su` `(n, 2)` f32 (suppress flag, uniform draw) per row;
+/// `bias`, `stop` `(1, v)` and `seen` `(n, v)` f32 when present. Output `(n, 2)` f32: the token
+/// and its recorded log-prob.
+#[derive(Debug, Clone)]
+pub struct SampleOp {
+    /// Logit bias.
+    pub bias: Option<Tensor>,
+    /// Tokens seen per row (repetition penalty).
+    pub seen: Option<Tensor>,
+    /// Stop ids suppressed in rows flagged in `su`.
+    pub stop: Option<Tensor>,
+    /// The knobs.
+    pub params: SampleParams,
+}
+
+impl candle_core::CustomOp2 for SampleOp {
+    fn name(&self) -> &'static str {
+        "sample_rows"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("sample_rows: the sampling kernel runs on CUDA only")
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        su: &CudaStorage,
+        lsu: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        cuda_typed!(x.dtype(), "sample_rows", sample_t(self, x, lx, su, lsu))
+    }
+}
+
+fn sample_t<T: Elem>(
+    op: &SampleOp,
+    x: &CudaStorage,
+    lx: &Layout,
+    su: &CudaStorage,
+    lsu: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &x.device;
+    let (n, ld) = lx.shape().dims2()?;
+    let v = op.params.v as usize;
+    if v == 0 || v > ld || lsu.dims() != [n, 2] || su.dtype() != candle_core::DType::F32 {
+        candle_core::bail!(
+            "sample_rows: logits {:?}, draws {:?} for a vocabulary of {v}",
+            lx.dims(),
+            lsu.dims()
+        );
+    }
+    let (xs, xo) = input::<T>(x, lx, "sample_rows")?;
+    let (sus, suo) = input::<f32>(su, lsu, "sample_rows")?;
+    if suo != 0 {
+        candle_core::bail!("sample_rows: the draws must start their buffer");
+    }
+    // The optional inputs: f32, contiguous from offset 0 (as the sampler makes them); an
+    // absent one is never read, and `su` stands in for its pointer.
+    let guards: Vec<_> = [&op.bias, &op.seen, &op.stop]
+        .iter()
+        .map(|t| t.as_ref().map(|t| t.storage_and_layout()))
+        .collect();
+    let mut ptrs = Vec::with_capacity(3);
+    for (g, want) in guards.iter().zip([v, n * v, v]) {
+        ptrs.push(match g {
+            Some((st, l)) => {
+                let candle_core::Storage::Cuda(cs) = &**st else {
+                    candle_core::bail!("sample_rows: an input is not on the logits' device");
+                };
+                let (s, o) = input::<f32>(cs, l, "sample_rows")?;
+                if o != 0 || l.shape().elem_count() != want {
+                    candle_core::bail!("sample_rows: an input of {:?}", l.dims());
+                }
+                s
+            }
+            None => sus,
+        });
+    }
+    let out = alloc::<f32>(dev, 2 * n)?;
+    let ids = alloc::<u32>(dev, n)?;
+    let ldi = ld as i64;
+    let p = op.params;
+    cuda_launch!(
+        &DECODER,
+        dev,
+        "sample_rows",
+        T::DTYPE,
+        cfg(n as u32, 256, 0),
+        [
+            xs, &xo, &ldi, ptrs[0], ptrs[1], ptrs[2], sus, &out, &ids, &p
+        ]
+    );
+    done(out, dev, (n, 2))
+}

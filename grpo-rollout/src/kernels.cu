@@ -360,3 +360,175 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
 GRPO_KERNELS(F32, f32)
 GRPO_KERNELS(BF16, bf16)
 GRPO_KERNELS(F16, f16)
+
+// ------------------------------------------------------------------ sampling
+
+// One decode step's sampling, one block per row, with the meaning of grpo_rollout::sample's
+// DeviceSampler (and of the host sampler): logit bias, repetition penalty, stop ids suppressed
+// before min_new_tokens, temperature, top-k and top-p thresholds found by BISECTIONS halvings
+// of the value range, min-p, then the first token whose cumulative weight exceeds u · Σw
+// (capped at the last token of positive weight). The recorded log-prob is
+// log_softmax(raw / t) at the token. logits (n, ≥ v) rows of stride `ld`; bias, stop (v) and
+// seen (n, v) f32 are read when their flag is set; su (n, 2) f32 = (suppress, u) per row.
+// out (n, 2) f32 = (token, recorded log-prob); ids (n) u32 = token.
+#define SAMPLE_BISECTIONS 48
+
+struct SampleParams {
+    float t, rp, top_p, min_p;
+    int greedy, top_k, v, has_bias, has_seen, has_stop;
+};
+
+template <typename T>
+__device__ __forceinline__ float sample_logit(const typename T::S* xr, const float* bias,
+                                              const float* seen_r, const float* stop,
+                                              bool suppress, const SampleParams& p, int j) {
+    float l = T::ld(xr[j]);
+    if (p.has_bias) l += bias[j];
+    if (p.has_seen && seen_r[j] != 0.0f) l = l < 0.0f ? l * p.rp : l / p.rp;
+    if (p.has_stop && suppress && stop[j] != 0.0f) l = GPU_NEG_INF;
+    return l / p.t;
+}
+
+template <typename T>
+__device__ void sample_rows(const typename T::S* x, long xo, long ld, const float* bias,
+                            const float* seen, const float* stop, const float* su, float* out,
+                            unsigned* ids, SampleParams p) {
+    __shared__ float sh[33];
+    __shared__ float seg[256];
+    __shared__ int found;
+    long r = blockIdx.x;
+    int v = p.v, tid = threadIdx.x, nt = blockDim.x;
+    const typename T::S* xr = x + xo + r * ld;
+    const float* seen_r = seen + (p.has_seen ? r * v : 0);
+    bool suppress = su[2 * r] != 0.0f;
+    float u = su[2 * r + 1];
+#define L(j) sample_logit<T>(xr, bias, seen_r, stop, suppress, p, (j))
+
+    // The recorded log-prob's normaliser: logsumexp(raw / t).
+    float mraw = GPU_NEG_INF;
+    for (int j = tid; j < v; j += nt) mraw = fmaxf(mraw, T::ld(xr[j]) / p.t);
+    mraw = block_max(mraw, sh);
+    float sraw = 0.0f;
+    for (int j = tid; j < v; j += nt) sraw += expf(T::ld(xr[j]) / p.t - mraw);
+    float lse = logf(block_sum(sraw, sh)) + mraw;
+
+    // m = max l; first index of the max (greedy's pick).
+    float m = GPU_NEG_INF;
+    for (int j = tid; j < v; j += nt) m = fmaxf(m, L(j));
+    m = block_max(m, sh);
+    int token = 0;
+    if (p.greedy) {
+        float first = (float)v;
+        for (int j = tid; j < v; j += nt)
+            if (L(j) == m) first = fminf(first, (float)j);
+        first = -block_max(-first, sh);
+        token = first < (float)v ? (int)first : 0;
+    } else {
+        // top-k: the largest threshold that keeps at least k tokens (ties kept).
+        float kth = GPU_NEG_INF;
+        if (p.top_k > 0 && p.top_k < v) {
+            float lo = m;
+            for (int j = tid; j < v; j += nt) {
+                float l = L(j);
+                if (l != GPU_NEG_INF) lo = fminf(lo, l);
+            }
+            lo = -block_max(-lo, sh);
+            float hi = m + 1.0f;
+            for (int it = 0; it < SAMPLE_BISECTIONS; ++it) {
+                float mid = (lo + hi) * 0.5f, c = 0.0f;
+                for (int j = tid; j < v; j += nt) c += L(j) >= mid ? 1.0f : 0.0f;
+                if (block_sum(c, sh) >= (float)p.top_k) lo = mid; else hi = mid;
+            }
+            kth = lo;
+        }
+#define W0(j) (L(j) < kth ? 0.0f : expf(L(j) - m))
+        float sp = 1.0f, floor_p = 0.0f;  // top-p keeps w / sp ≥ floor_p
+        if (p.top_p < 1.0f) {
+            float s = 0.0f, mx = 0.0f;
+            for (int j = tid; j < v; j += nt) {
+                float w = W0(j);
+                s += w;
+                mx = fmaxf(mx, w);
+            }
+            s = block_sum(s, sh);
+            float lo = 0.0f, hi = block_max(mx, sh) / s;
+            // lo: the mass strictly above it reaches top_p; hi: it does not (the floor).
+            for (int it = 0; it < SAMPLE_BISECTIONS; ++it) {
+                float mid = (lo + hi) * 0.5f, c = 0.0f;
+                for (int j = tid; j < v; j += nt) {
+                    float pj = W0(j) / s;
+                    if (pj > mid) c += pj;
+                }
+                if (block_sum(c, sh) >= p.top_p) lo = mid; else hi = mid;
+            }
+            sp = s;
+            floor_p = hi;
+        }
+#define W1(j) (W0(j) / sp < floor_p ? 0.0f : W0(j))
+        float floor_m = 0.0f;
+        if (p.min_p > 0.0f) {
+            float mx = 0.0f;
+            for (int j = tid; j < v; j += nt) mx = fmaxf(mx, W1(j));
+            floor_m = block_max(mx, sh) * p.min_p;
+        }
+#define W(j) (W1(j) < floor_m ? 0.0f : W1(j))
+        // The draw: each thread sums a contiguous segment; a scan of the segment sums finds
+        // the segment where the cumulative weight passes u · Σw, its thread walks it.
+        int per = (v + nt - 1) / nt, a = tid * per, b = a + per < v ? a + per : v;
+        float mine = 0.0f;
+        int last = -1;
+        for (int j = a; j < b; ++j) {
+            float w = W(j);
+            mine += w;
+            if (w > 0.0f) last = j;
+        }
+        last = (int)block_max((float)last, sh);
+        seg[tid] = mine;
+        __syncthreads();
+        for (int off = 1; off < nt; off <<= 1) {  // inclusive scan of the segment sums
+            float add = tid >= off ? seg[tid - off] : 0.0f;
+            __syncthreads();
+            seg[tid] += add;
+            __syncthreads();
+        }
+        float total = seg[nt - 1], target = u * total;
+        float before = tid > 0 ? seg[tid - 1] : 0.0f;
+        if (tid == 0) found = -1;
+        __syncthreads();
+        if (before <= target && target < seg[tid] && a < b) {
+            float c = before;
+            int pick = b - 1;
+            for (int j = a; j < b; ++j) {
+                c += W(j);
+                if (c > target) {
+                    pick = j;
+                    break;
+                }
+            }
+            found = pick;  // segments are disjoint: at most one thread writes
+        }
+        __syncthreads();
+        token = found < 0 ? last : (found > last ? last : found);
+        if (token < 0) token = 0;
+#undef W
+#undef W1
+#undef W0
+    }
+    if (tid == 0) {
+        out[2 * r] = (float)token;
+        out[2 * r + 1] = T::ld(xr[token]) / p.t - lse;
+        ids[r] = (unsigned)token;
+    }
+#undef L
+}
+
+#define SAMPLE_KERNEL(T, N)                                                                  \
+    extern "C" __global__ void sample_rows_##N(const T::S* x, long xo, long ld,             \
+                                               const float* bias, const float* seen,         \
+                                               const float* stop, const float* su,           \
+                                               float* out, unsigned* ids, SampleParams p) {  \
+        sample_rows<T>(x, xo, ld, bias, seen, stop, su, out, ids, p);                        \
+    }
+SAMPLE_KERNEL(F32, f32)
+SAMPLE_KERNEL(BF16, bf16)
+SAMPLE_KERNEL(F16, f16)

@@ -295,6 +295,10 @@ impl DeviceSampler {
         u: &[f32],
         suppress: &[bool],
     ) -> Result<(Tensor, Vec<Pick>)> {
+        #[cfg(feature = "cuda")]
+        if self.params.top_logprobs == 0 && crate::cuda::takes(logits) {
+            return self.step_kernel(logits, u, suppress);
+        }
         let p = &self.params;
         let dev = logits.device().clone();
         let n = logits.dim(0)?;
@@ -397,6 +401,58 @@ impl DeviceSampler {
                     .collect::<Vec<_>>();
                 (r[0] as u32, r[1], top)
             })
+            .collect();
+        Ok((token.squeeze(1)?, picks))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceSampler {
+    /// [`Self::step`] as one CUDA kernel per step (`sample_rows` in kernels.cu: the same
+    /// filters, bisections and draw, one block per row), where the tensor ops take some sixty
+    /// launches, and over two hundred more with top-k or top-p. Without `top_logprobs`.
+    fn step_kernel(
+        &mut self,
+        logits: &Tensor,
+        u: &[f32],
+        suppress: &[bool],
+    ) -> Result<(Tensor, Vec<Pick>)> {
+        let p = &self.params;
+        let n = logits.dim(0)?;
+        let su: Vec<f32> = u
+            .iter()
+            .zip(suppress)
+            .flat_map(|(&u, &s)| [f32::from(u8::from(s)), u])
+            .collect();
+        let su = Tensor::from_vec(su, (n, 2), logits.device())?;
+        let flag = |b: bool| i32::from(b);
+        let op = crate::cuda::SampleOp {
+            bias: self.bias.clone(),
+            seen: self.seen.clone(),
+            stop: self.stop.clone(),
+            params: crate::cuda::SampleParams {
+                t: divisor(p),
+                rp: p.repetition_penalty as f32,
+                top_p: p.top_p as f32,
+                min_p: p.min_p as f32,
+                greedy: flag(p.temperature == 0.0),
+                top_k: p.top_k.min(i32::MAX as usize) as i32,
+                v: self.vocab as i32,
+                has_bias: flag(self.bias.is_some()),
+                has_seen: flag(self.seen.is_some()),
+                has_stop: flag(self.stop.is_some()),
+            },
+        };
+        let out = logits.contiguous()?.apply_op2_no_bwd(&su, &op)?; // (n, 2)
+        let token = out.narrow(1, 0, 1)?.to_dtype(DType::U32)?; // (n, 1)
+        let host: Vec<Vec<f32>> = out.to_vec2()?;
+        if let Some(seen) = &self.seen {
+            let now = self.ids.broadcast_eq(&token)?.to_dtype(DType::F32)?;
+            self.seen = Some(seen.maximum(&now)?);
+        }
+        let picks = host
+            .into_iter()
+            .map(|r| (r[0] as u32, r[1], Vec::new()))
             .collect();
         Ok((token.squeeze(1)?, picks))
     }

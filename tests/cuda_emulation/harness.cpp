@@ -130,6 +130,33 @@ static int run(const std::string& op, char** a, K k) {
                            out.data(), v);
             write_out<T>(out);
         }
+    } else if (op == "sample") {
+        // n v ld t rp top_p min_p greedy top_k has_bias has_seen has_stop:
+        // in0 logits (n, ld), in1 bias (v), in2 seen (n, v), in3 stop (v), in4 su (n, 2)
+        long n = atol(a[0]), ld = atol(a[2]);
+        SampleParams p;
+        p.v = atoi(a[1]);
+        p.t = atof(a[3]);
+        p.rp = atof(a[4]);
+        p.top_p = atof(a[5]);
+        p.min_p = atof(a[6]);
+        p.greedy = atoi(a[7]);
+        p.top_k = atoi(a[8]);
+        p.has_bias = atoi(a[9]);
+        p.has_seen = atoi(a[10]);
+        p.has_stop = atoi(a[11]);
+        auto x = to_storage<T>(read_f32(0));
+        auto bias = read_f32(1), seen = read_f32(2), stop = read_f32(3), su = read_f32(4);
+        std::vector<float> out(2 * n);
+        std::vector<unsigned> ids(n);
+        emu_launch(k.sample, (unsigned)n, 256, 0, x.data(), 0L, ld, bias.data(), seen.data(),
+                   stop.data(), su.data(), out.data(), ids.data(), p);
+        for (long r = 0; r < n; ++r)
+            if ((float)ids[r] != out[2 * r]) {
+                std::fprintf(stderr, "harness: row %ld: ids and out disagree\n", r);
+                return 4;
+            }
+        write_out<F32>(out);
     } else if (op == "rope") {  // b l h d inverse
         int b = atoi(a[0]), l = atoi(a[1]), h = atoi(a[2]), d = atoi(a[3]), inv = atoi(a[4]);
         auto x = to_storage<T>(read_f32(0)), c = to_storage<T>(read_f32(1)),
@@ -203,6 +230,7 @@ static int run(const std::string& op, char** a, K k) {
         decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
         decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \
         decltype(&lsg_fwd_##N) lsg_fwd = &lsg_fwd_##N;                                     \
+        decltype(&sample_rows_##N) sample = &sample_rows_##N;                              \
         decltype(&lsg_bwd_##N) lsg_bwd = &lsg_bwd_##N;                                     \
         decltype(&ent_fwd_##N) ent_fwd = &ent_fwd_##N;                                     \
         decltype(&ent_bwd_##N) ent_bwd = &ent_bwd_##N;                                     \

@@ -323,8 +323,14 @@ fn attention_over_a_strided_cache_matches_the_composition() {
     // Grouped query heads (6 over 2), a cache of capacity 50 holding 37 positions (a strided
     // view), one query row (a decode step) and three (a short prefill), head dim 40 (a partial
     // warp), left padding and causal masking through the bias.
-    let (b, nh, nkv, d, cap) = (2, 6, 2, 40, 50);
-    for (l, sl) in [(1, 37), (3, 37), (1, 5)] {
+    // Then a decode step of the 0.77B model's shape: head dim 128, 6 query heads per kv head,
+    // 300 cached positions of 320 (the most warps per block, 8).
+    for (b, nh, nkv, d, cap, l, sl) in [
+        (2, 6, 2, 40, 50, 1, 37),
+        (2, 6, 2, 40, 50, 3, 37),
+        (2, 6, 2, 40, 50, 1, 5),
+        (2, 6, 1, 128, 320, 1, 300),
+    ] {
         for (name, dt, tol) in DTYPES {
             let q = randn(&[b, nh, l, d], dt, 12);
             let kc = randn(&[b, nkv, cap, d], dt, 13);
@@ -502,5 +508,156 @@ fn log_softmax_gather_and_entropy_match_the_composition() {
         );
         let got = run("ent_bwd", name, &args, &[&x, &tf, &g]).unwrap();
         close(&format!("entropy backward {name}"), &got, &flat(&dh), tol);
+    }
+}
+
+#[test]
+fn sampling_matches_the_device_sampler() {
+    use grpo_rollout::SamplingParams;
+    use grpo_rollout::sample::DeviceSampler;
+    // 5 rows over a vocabulary of 300 in rows of 320 (the logits' own width may exceed it);
+    // sharp and flat rows; every filter alone and together, penalties, suppression, greedy.
+    let (n, v, ld) = (5usize, 300usize, 320usize);
+    let base = SamplingParams::default();
+    let cases: Vec<(&str, SamplingParams)> = vec![
+        ("plain", base.clone()),
+        (
+            "temperature 0.7",
+            SamplingParams {
+                temperature: 0.7,
+                ..base.clone()
+            },
+        ),
+        (
+            "top_k 7",
+            SamplingParams {
+                top_k: 7,
+                ..base.clone()
+            },
+        ),
+        (
+            "top_p 0.8",
+            SamplingParams {
+                top_p: 0.8,
+                ..base.clone()
+            },
+        ),
+        (
+            "min_p 0.05",
+            SamplingParams {
+                min_p: 0.05,
+                ..base.clone()
+            },
+        ),
+        (
+            "top_k 20 + top_p 0.9 + min_p 0.02",
+            SamplingParams {
+                top_k: 20,
+                top_p: 0.9,
+                min_p: 0.02,
+                ..base.clone()
+            },
+        ),
+        (
+            "repetition penalty 1.3 + logit bias",
+            SamplingParams {
+                repetition_penalty: 1.3,
+                logit_bias: vec![(3, 5.0), (17, -100.0)],
+                ..base.clone()
+            },
+        ),
+        (
+            "min_new_tokens (stop ids suppressed)",
+            SamplingParams {
+                min_new_tokens: 4,
+                ..base.clone()
+            },
+        ),
+        (
+            "greedy",
+            SamplingParams {
+                temperature: 0.0,
+                ..base.clone()
+            },
+        ),
+    ];
+    let stop_ids = [2u32, 11];
+    let prompts: Vec<Vec<u32>> = (0..n as u32).map(|r| vec![r, 5 + r, 40, 41]).collect();
+    let prompt_refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    for (name, dt, _) in DTYPES {
+        // Row r's logits scaled by r + 0.5: from flat to sharp.
+        let scale: Vec<f32> = (0..n).flat_map(|r| vec![r as f32 + 0.5; ld]).collect();
+        let scale = Tensor::from_vec(scale, (n, ld), &Device::Cpu).unwrap();
+        let x = (randn(&[n, ld], dt, 30) * scale).unwrap();
+        let x = x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+        let u: Vec<f32> = (0..n).map(|r| (r as f32 * 0.37 + 0.11).fract()).collect();
+        let suppress = [true, false, true, false, true];
+        for (case, params) in &cases {
+            let mut sampler =
+                DeviceSampler::new(params, v, &stop_ids, &prompt_refs, &Device::Cpu).unwrap();
+            let (_, want) = sampler.step(&x, &u, &suppress).unwrap();
+            // The kernel's inputs, as the sampler holds them.
+            let mut bias = vec![0f32; v];
+            for &(id, b) in &params.logit_bias {
+                bias[id as usize] += b;
+            }
+            let mut seen = vec![0f32; n * v];
+            for (r, p) in prompts.iter().enumerate() {
+                for &t in p {
+                    seen[r * v + t as usize] = 1.0;
+                }
+            }
+            let mut stop = vec![0f32; v];
+            for &t in &stop_ids {
+                stop[t as usize] = 1.0;
+            }
+            let su: Vec<f32> = (0..n)
+                .flat_map(|r| [f32::from(u8::from(suppress[r])), u[r]])
+                .collect();
+            let t = if params.temperature > 0.0 {
+                params.temperature
+            } else {
+                1.0
+            };
+            let args = [
+                s(n),
+                s(v),
+                s(ld),
+                s(t),
+                s(params.repetition_penalty),
+                s(params.top_p),
+                s(params.min_p),
+                s(u8::from(params.temperature == 0.0)),
+                s(params.top_k),
+                s(u8::from(!params.logit_bias.is_empty())),
+                s(u8::from(params.repetition_penalty != 1.0)),
+                s(u8::from(params.min_new_tokens > 0)),
+            ];
+            let t =
+                |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+            let inputs = [
+                &x,
+                &t(bias, &[v]),
+                &t(seen, &[n, v]),
+                &t(stop, &[v]),
+                &t(su, &[n, 2]),
+            ];
+            let Some(got) = run("sample", name, &args, &inputs) else {
+                return;
+            };
+            for (r, (tok, lp, _)) in want.iter().enumerate() {
+                assert_eq!(
+                    got[2 * r] as u32,
+                    *tok,
+                    "{case}, {name}, row {r}: the kernel drew {} where the sampler drew {tok}",
+                    got[2 * r]
+                );
+                assert!(
+                    (got[2 * r + 1] - lp).abs() <= 2e-5 * (1.0 + lp.abs()),
+                    "{case}, {name}, row {r}: recorded log-prob {} against {lp}",
+                    got[2 * r + 1]
+                );
+            }
+        }
     }
 }
