@@ -88,8 +88,8 @@ run torch "$PY" "$here/scripts/bench_torch_model.py" "$dir" "${flags[@]}"
 
 echo
 [ -n "$checks" ] && echo "**$checks see $out/check-*.txt**" && echo
-echo "| $model $dtype, batch $batch, $plen + $new tokens; learner $batch x $slen | decode ms/step | prefill tokens/s | learner TFLOP/s | share of matmul peak |"
-echo "|---|---|---|---|---|"
+echo "| $model $dtype, batch $batch, $plen + $new tokens; learner $batch x $slen | decode ms/step | of which layers / head / sampling ms | prefill tokens/s | learner TFLOP/s (forward s of fwd+bwd s) | share of matmul peak |"
+echo "|---|---|---|---|---|---|"
 for name in kernels compositions torch; do
   "$PY" - "$out/$name.jsonl" "$name" <<'EOF'
 import json, sys
@@ -98,10 +98,13 @@ d = json.loads(lines[-1]) if lines else {"failed": "no output"}
 label = {"kernels": "grpo-rs, our CUDA kernels", "compositions": "grpo-rs, GRPO_CUDA_KERNELS=0",
          "torch": "PyTorch (transformers)"}[sys.argv[2]]
 if "failed" in d:
-    print(f"| {label} | failed: {d['failed']} | | | |")
+    print(f"| {label} | failed: {d['failed']} | | | | |")
 else:
     f = lambda k, p: "—" if d.get(k) is None else f"{d[k]:.{p}f}"
-    print(f"| {label} | {f('decode_ms_per_step', 2)} | {f('prefill_tokens_per_s', 0)} | "
-          f"{f('fwd_bwd_tflop_per_s', 2)} | {f('fwd_bwd_matmul_fraction', 3)} |")
+    print(f"| {label} | {f('decode_ms_per_step', 2)} | "
+          f"{f('decode_layers_ms', 2)} / {f('decode_head_ms', 2)} / {f('decode_sample_ms', 2)} | "
+          f"{f('prefill_tokens_per_s', 0)} | {f('fwd_bwd_tflop_per_s', 2)} "
+          f"({f('fwd_s_median', 3)} of {f('fwd_bwd_s_median', 3)}) | "
+          f"{f('fwd_bwd_matmul_fraction', 3)} |")
 EOF
 done

@@ -96,6 +96,21 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     };
     let gen_s = time_generation(a.new_tokens)?;
     let prefill_s = time_generation(1)?;
+    // Where a decode step goes: layers, head, sampling, each waited for.
+    let breakdown = if gen_runs > 0 {
+        let prompts: Vec<&[u32]> = prompt_ids.iter().map(|p| p.as_slice()).collect();
+        let counts = vec![groups.max(1); prompts.len()];
+        let steps = (a.new_tokens - 1).min(32);
+        Some(grpo_rollout::generate::decode_breakdown(
+            &detached,
+            &prompts,
+            &counts,
+            steps,
+            &params(steps),
+        )?)
+    } else {
+        None
+    };
     // Forward + backward of a log-prob loss on batch x seq_len tokens (last half scored).
     let mut tm = TrainableModel::full(&m.model)?;
     if a.gradient_checkpointing {
@@ -106,19 +121,22 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         .collect();
     let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &device)?;
     let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &device)?;
-    let mut fb_s = Vec::new();
+    let (mut fb_s, mut fwd_s) = (Vec::new(), Vec::new());
     for r in 0..fb_runs {
         let t = Instant::now();
         let (lp, _) = tm
             .model
             .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
-        let grads = tm.model.backward(&lp.mean_all()?.neg()?)?;
         // Kernels run asynchronously on a GPU: wait for them before reading the clock.
+        device.synchronize()?;
+        let fwd = t.elapsed().as_secs_f64();
+        let grads = tm.model.backward(&lp.mean_all()?.neg()?)?;
         device.synchronize()?;
         let dt = t.elapsed().as_secs_f64();
         anyhow::ensure!(grads.get(tm.vars[0].1.as_tensor()).is_some(), "no gradient");
         if r > 0 {
             fb_s.push(dt);
+            fwd_s.push(fwd);
         }
     }
     let g = median(gen_s.clone());
@@ -149,7 +167,11 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "prefill_s_median": p,
             "prefill_tokens_per_s": p.map(|p| batch * a.prompt_len as f64 / p),
             "decode_ms_per_step": g.zip(p).map(|(g, p)| (g - p) / (a.new_tokens - 1) as f64 * 1e3),
+            "decode_layers_ms": breakdown.map(|b| b.layers_ms),
+            "decode_head_ms": breakdown.map(|b| b.head_ms),
+            "decode_sample_ms": breakdown.map(|b| b.sample_ms),
             "fwd_bwd_s_median": fb,
+            "fwd_s_median": median(fwd_s),
             "fwd_bwd_s_all": fb_s,
             "fwd_bwd_gflop": fb_gflop,
             "fwd_bwd_gflop_per_s": fb.map(|t| fb_gflop / t),

@@ -226,6 +226,14 @@ fn bench_model_reports_prefill_decode_and_learner_rates() {
             < 1e-9
     );
     assert!(f("matmul_gflop_per_s") > 0.0);
+    // The decode step's phases, and the forward inside the forward + backward.
+    for k in ["decode_layers_ms", "decode_head_ms", "decode_sample_ms"] {
+        assert!(f(k) > 0.0 && f(k).is_finite(), "{k}: {v}");
+    }
+    assert!(
+        f("fwd_s_median") > 0.0 && f("fwd_s_median") < f("fwd_bwd_s_median"),
+        "{v}"
+    );
     assert_eq!(v["device"], "cpu");
     assert_eq!(v["dtype"], "f32");
     let out = cli(&[

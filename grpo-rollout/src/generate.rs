@@ -548,6 +548,103 @@ pub(crate) fn pick_tokens(
     }
 }
 
+/// Where a decode step's time goes (`grpo-cli bench-model`): medians per step, in
+/// milliseconds, of the decoder layers (with the KV-cache writes), the output head, and the
+/// sampling (with its copy of the picks to the host), each phase waited for on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DecodeBreakdown {
+    /// The layers' forward of one token per row.
+    pub layers_ms: f64,
+    /// The output head (hidden → logits).
+    pub head_ms: f64,
+    /// Choosing the next tokens (device or host sampler, as generation would).
+    pub sample_ms: f64,
+}
+
+/// Decodes `steps` tokens for `counts[p]` samples of each prompt as generation does (prefill
+/// once per prompt, the same sampler), timing each phase of each step on its own
+/// ([`DecodeBreakdown`]). A measuring tool: the waits it adds cost a little of the overlap a
+/// real generation has.
+pub fn decode_breakdown(
+    model: &Transformer,
+    prompts: &[&[u32]],
+    counts: &[usize],
+    steps: usize,
+    params: &SamplingParams,
+) -> Result<DecodeBreakdown> {
+    let model = model.for_decoding()?;
+    let device = model.device().clone();
+    let vocab = model.cfg.vocab_size;
+    let mut state = prefill(&model, 0, prompts, counts, steps + 1)?;
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(counts)
+        .flat_map(|(p, &c)| std::iter::repeat_n(p.to_vec(), c))
+        .collect();
+    let seen: Vec<&[u32]> = rows.iter().map(|r| r.as_slice()).collect();
+    let mut sampler = if device_sampling(&device) {
+        Some(DeviceSampler::new(params, vocab, &[], &seen, &device)?)
+    } else {
+        None
+    };
+    let n = rows.len();
+    let mut rng = row_rng(params.seed, 0);
+    let (mut layers, mut head, mut sample) = (Vec::new(), Vec::new(), Vec::new());
+    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+    for _ in 0..steps {
+        let draws: Vec<f32> = (0..n).map(|_| draw_uniform(&mut rng, params)).collect();
+        let short = vec![false; n];
+        let t = std::time::Instant::now();
+        let (picks, sampled) = pick_tokens(
+            &state.logits,
+            params,
+            vocab,
+            &[],
+            sampler.as_mut(),
+            &seen,
+            &draws,
+            &short,
+        )?;
+        let ids = match sampled {
+            Some(ids) => ids,
+            None => Tensor::from_vec(picks.iter().map(|p| p.0).collect(), n, &device)?,
+        };
+        device.synchronize()?;
+        sample.push(ms(t));
+        let t = std::time::Instant::now();
+        state.key_bias = Tensor::cat(
+            &[
+                &state.key_bias,
+                &Tensor::zeros((n, 1), DType::F32, &device)?,
+            ],
+            1,
+        )?;
+        let s = state.key_bias.dim(1)?;
+        let hidden = model.forward_hidden(
+            &ids.reshape((n, 1))?,
+            &state.next_pos,
+            &state.key_bias.reshape((n, 1, 1, s))?,
+            Some(&mut state.cache),
+        )?;
+        state.next_pos = (&state.next_pos + 1.0)?;
+        device.synchronize()?;
+        layers.push(ms(t));
+        let t = std::time::Instant::now();
+        state.logits = model.logits(&hidden.squeeze(1)?)?;
+        device.synchronize()?;
+        head.push(ms(t));
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    Ok(DecodeBreakdown {
+        layers_ms: median(layers),
+        head_ms: median(head),
+        sample_ms: median(sample),
+    })
+}
+
 thread_local! {
     static DEVICE_SAMPLING: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
