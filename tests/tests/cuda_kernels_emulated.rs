@@ -661,3 +661,67 @@ fn sampling_matches_the_device_sampler() {
         }
     }
 }
+
+#[test]
+fn random_shapes_match_the_composition() {
+    // Shapes drawn at random (seeded): hidden sizes and head dims that are no multiple of
+    // anything up to the kernels' limits, any head grouping, up to 16 query rows over caches of
+    // any fill; f32 and bf16.
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    for case in 0..8 {
+        let (name, dt, tol) = DTYPES[case % 2];
+        // RMSNorm forward and backward.
+        let (rows, h) = (rng.random_range(1..40usize), rng.random_range(1..700usize));
+        let x = randn(&[rows, h], dt, 100 + case as u64);
+        let w = randn(&[h], dt, 200 + case as u64);
+        let g = randn(&[rows, h], dt, 300 + case as u64);
+        let Some(y) = run("rms_fwd", name, &[s(rows), s(h), s(1e-6)], &[&x, &w]) else {
+            return;
+        };
+        let want = fused::rms_norm_composed(&x, &w, 1e-6).unwrap();
+        close(
+            &format!("case {case}: rms_norm ({rows}, {h}) {name}"),
+            &y,
+            &flat(&want),
+            tol,
+        );
+        let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+        let loss = (fused::rms_norm_composed(&xv, &wv, 1e-6).unwrap() * &g)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let blocks = rng.random_range(1..=rows);
+        let args = [s(rows), s(h), s(1e-6), s(blocks)];
+        let out = run("rms_bwd", name, &args, &[&x, &w, &g]).unwrap();
+        let (gx, gw) = out.split_at(rows * h);
+        let what = format!("case {case}: rms_norm backward ({rows}, {h}), {blocks} blocks {name}");
+        close(&what, gx, &flat(grads.get(&xv).unwrap()), tol * 2.0);
+        close(&what, gw, &flat(grads.get(&wv).unwrap()), tol * 8.0);
+
+        // Attention of a few query rows over a partly filled cache.
+        let nkv = rng.random_range(1..4usize);
+        let nh = nkv * rng.random_range(1..5usize);
+        let d = [16usize, 32, 40, 64, 96, 128, 256][rng.random_range(0..7usize)];
+        let b = rng.random_range(1..4usize);
+        let l = rng.random_range(1..17usize);
+        let sl = l + rng.random_range(0..150usize);
+        let cap = sl + rng.random_range(0..20usize);
+        let q = randn(&[b, nh, l, d], dt, 400 + case as u64);
+        let kc = randn(&[b, nkv, cap, d], dt, 500 + case as u64);
+        let vc = randn(&[b, nkv, cap, d], dt, 600 + case as u64);
+        let m = bias(b, l, sl);
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut args = [b, nh, nkv, l, sl, d, cap].map(s).to_vec();
+        args.push(s(scale));
+        let got = run("attention", name, &args, &[&q, &kc, &vc, &m]).unwrap();
+        let k = kc.narrow(2, 0, sl).unwrap();
+        let v = vc.narrow(2, 0, sl).unwrap();
+        let want = fused::attention_composed(&q, &k, &v, &m, scale).unwrap();
+        let what = format!(
+            "case {case}: attention b {b} heads {nh}/{nkv} L {l} S {sl}/{cap} D {d} {name}"
+        );
+        close(&what, &got, &flat(&want), tol);
+    }
+}
