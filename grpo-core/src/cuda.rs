@@ -13,7 +13,8 @@
 //! a second at first use. When the compilation or the loading of the module fails (a driver
 //! older than the PTX NVRTC writes, say), the ops say so once on stderr and run their candle
 //! compositions (the [`crate::recompute`] path); `GRPO_CUDA_KERNELS=0` chooses that path on
-//! purpose.
+//! purpose, `GRPO_CUDA_KERNELS=-attention,-sample` for some ops alone
+//! ([`crate::fused::parse_kernel_switch`]).
 //!
 //! Launching a kernel and allocating the uninitialised buffer it fills are `unsafe` in cudarc;
 //! each such block says why it holds.
@@ -54,14 +55,9 @@ pub static HEAD: Kernels = Kernels {
 
 type PtxCache = HashMap<(&'static str, usize), std::result::Result<&'static str, String>>;
 
+/// `GRPO_CUDA_KERNELS=0` (every kernel off; see [`crate::fused::parse_kernel_switch`]).
 fn off() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| {
-        matches!(
-            std::env::var("GRPO_CUDA_KERNELS").as_deref(),
-            Ok("0") | Ok("false")
-        )
-    })
+    !crate::fused::cuda_op_on("")
 }
 
 /// Compiles `k` (after the prelude) for `arch` (`compute_90`, ...) with NVRTC; the PTX.

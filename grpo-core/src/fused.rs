@@ -77,13 +77,70 @@ pub fn path(t: &Tensor) -> Path {
     }
 }
 
-/// The path of the head's ops (log-softmax + gather, entropy) on a chunk of logits `t`:
+/// What `GRPO_CUDA_KERNELS` says about our CUDA kernels: `(all off, ops switched off)`.
+/// Unset or empty: all on. `0` / `false`: all off (the candle compositions run). A
+/// comma-separated list of op names each prefixed with `-` switches those ops off alone
+/// (`-attention,-sample`), to tell which kernel a problem on a GPU comes from. Op names:
+/// `rms_norm`, `rope`, `silu_mul`, `attention_softmax`, `attention`, `add_rms_norm`,
+/// `kv_write`, `sample`, `log_softmax_gather`, `entropy`. Anything else is an error naming
+/// the value.
+pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), String> {
+    const OPS: [&str; 10] = [
+        "rms_norm",
+        "rope",
+        "silu_mul",
+        "attention_softmax",
+        "attention",
+        "add_rms_norm",
+        "kv_write",
+        "sample",
+        "log_softmax_gather",
+        "entropy",
+    ];
+    let v = v.trim();
+    match v {
+        "" | "1" | "true" => return Ok((false, Vec::new())),
+        "0" | "false" => return Ok((true, Vec::new())),
+        _ => {}
+    }
+    let mut off = Vec::new();
+    for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        match item.strip_prefix('-') {
+            Some(op) if OPS.contains(&op) => off.push(op.to_string()),
+            _ => {
+                return Err(format!(
+                    "GRPO_CUDA_KERNELS={v}: `{item}` is not `-OP` with OP one of {}",
+                    OPS.join(", ")
+                ));
+            }
+        }
+    }
+    Ok((false, off))
+}
+
+/// Whether our CUDA kernel of `op` may run, by `GRPO_CUDA_KERNELS` ([`parse_kernel_switch`];
+/// a value it refuses is said once on stderr and switches every kernel off).
+pub fn cuda_op_on(op: &str) -> bool {
+    static SWITCH: OnceLock<(bool, Vec<String>)> = OnceLock::new();
+    let (all_off, off) = SWITCH.get_or_init(|| {
+        let v = std::env::var("GRPO_CUDA_KERNELS").unwrap_or_default();
+        parse_kernel_switch(&v).unwrap_or_else(|e| {
+            eprintln!("grpo: {e}; running the candle compositions instead");
+            (true, Vec::new())
+        })
+    });
+    !*all_off && !off.iter().any(|o| o == op)
+}
+
+/// The path of the head's ops (log-softmax + gather, entropy: `op`) on a chunk of logits `t`:
 /// [`path`], except that on a CUDA device whose kernels are available (`cuda::HEAD`)
 /// they take the CUDA kernels where the CPU takes its own (`u32_ids`: the targets are u32 ids,
 /// what the gather kernel reads; entropy passes `true`).
-pub fn head_path(t: &Tensor, u32_ids: bool) -> Path {
+pub fn head_path(op: &str, t: &Tensor, u32_ids: bool) -> Path {
     match path(t) {
-        Path::Recompute if u32_ids && kernels_on() && head_on_device(t) => Path::Kernel,
+        Path::Recompute if u32_ids && kernels_on() && cuda_op_on(op) && head_on_device(t) => {
+            Path::Kernel
+        }
         p => p,
     }
 }
@@ -440,4 +497,27 @@ pub fn log_softmax_gather(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// Fused entropy of the softmax of `(N, V)` f32/f64 CPU logits → `(N,)`, with a backward.
 pub fn entropy(logits: &Tensor) -> Result<Tensor> {
     logits.contiguous()?.apply_op1(Entropy)
+}
+
+#[cfg(test)]
+mod switch_tests {
+    use super::parse_kernel_switch;
+
+    #[test]
+    fn the_cuda_kernel_switch_reads_all_none_or_some() {
+        assert_eq!(parse_kernel_switch(""), Ok((false, vec![])));
+        assert_eq!(parse_kernel_switch("1"), Ok((false, vec![])));
+        assert_eq!(parse_kernel_switch("0"), Ok((true, vec![])));
+        assert_eq!(parse_kernel_switch("false"), Ok((true, vec![])));
+        assert_eq!(
+            parse_kernel_switch(" -attention, -sample "),
+            Ok((false, vec!["attention".to_string(), "sample".to_string()]))
+        );
+        let e = parse_kernel_switch("-attention,rope").unwrap_err();
+        assert!(
+            e.starts_with("GRPO_CUDA_KERNELS=-attention,rope: `rope` is not `-OP`"),
+            "{e}"
+        );
+        assert!(parse_kernel_switch("-flash").is_err());
+    }
 }

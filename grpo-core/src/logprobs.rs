@@ -83,16 +83,19 @@ pub fn selective_log_softmax_chunked(
         let chunk = x.narrow(0, start, len)?;
         let ids_chunk = ids.narrow(0, start, len)?;
         let u32_ids = ids_chunk.dtype() == DType::U32;
-        parts.push(match crate::fused::head_path(&chunk, u32_ids) {
-            Path::Kernel => {
-                crate::fused::log_softmax_gather(&chunk, &ids_chunk.flatten_all()?)?.unsqueeze(1)?
-            }
-            Path::Composed => lsg_composed(&chunk, &ids_chunk, dtype)?,
-            Path::Recompute => Recompute::new("log_softmax_gather", move |a, _| {
-                lsg_composed(&a[0], &ids_chunk, dtype)
-            })
-            .apply(&[&chunk])?,
-        });
+        parts.push(
+            match crate::fused::head_path("log_softmax_gather", &chunk, u32_ids) {
+                Path::Kernel => {
+                    crate::fused::log_softmax_gather(&chunk, &ids_chunk.flatten_all()?)?
+                        .unsqueeze(1)?
+                }
+                Path::Composed => lsg_composed(&chunk, &ids_chunk, dtype)?,
+                Path::Recompute => Recompute::new("log_softmax_gather", move |a, _| {
+                    lsg_composed(&a[0], &ids_chunk, dtype)
+                })
+                .apply(&[&chunk])?,
+            },
+        );
         start += len;
     }
     let out = if parts.is_empty() {
@@ -131,7 +134,7 @@ pub fn entropy_from_logits_chunked(
     while start < n {
         let len = step.min(n - start);
         let chunk = x.narrow(0, start, len)?;
-        parts.push(match crate::fused::head_path(&chunk, true) {
+        parts.push(match crate::fused::head_path("entropy", &chunk, true) {
             Path::Kernel => crate::fused::entropy(&chunk)?.unsqueeze(1)?,
             Path::Composed => entropy_composed(&chunk, dtype)?,
             Path::Recompute => {

@@ -22,9 +22,15 @@ use rayon::prelude::*;
 
 /// [`path`], except that on a CUDA device whose kernels are available ([`crate::cuda`]) the
 /// fused op takes its CUDA kernel where the CPU would take its CPU kernel.
-fn route(t: &Tensor) -> Path {
+fn route(op: &str, t: &Tensor) -> Path {
     match path(t) {
-        Path::Recompute if grpo_core::fused::kernels_on() && cuda_takes(t) => Path::Kernel,
+        Path::Recompute
+            if grpo_core::fused::kernels_on()
+                && grpo_core::fused::cuda_op_on(op)
+                && cuda_takes(t) =>
+        {
+            Path::Kernel
+        }
         p => p,
     }
 }
@@ -92,7 +98,7 @@ fn last_dim(l: &Layout) -> usize {
 /// precision inputs as transformers does.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let h = x.dims().last().copied().unwrap_or(1);
-    let p = match route(x) {
+    let p = match route("rms_norm", x) {
         // The CUDA backward keeps a weight-gradient partial of `h` floats in shared memory.
         Path::Kernel if !x.device().is_cpu() && h > MAX_DEVICE_HIDDEN => Path::Recompute,
         p => p,
@@ -293,7 +299,7 @@ pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
         && x.dims() == r.dims()
         && w.elem_count() == h
         && (x.device().is_cpu() || h <= MAX_DEVICE_HIDDEN);
-    if tracked || !fits || route(x) != Path::Kernel {
+    if tracked || !fits || route("add_rms_norm", x) != Path::Kernel {
         let sum = (x + r)?;
         let y = rms_norm(&sum, w, eps)?;
         return Ok((sum, y));
@@ -406,7 +412,7 @@ pub fn kv_write(
     let x = x.detach();
     let same = cache.dtype() == x.dtype()
         && rot.is_none_or(|(c, s)| c.dtype() == x.dtype() && s.dtype() == x.dtype());
-    if same && cache.is_contiguous() && x.rank() == 4 && route(&x) == Path::Kernel {
+    if same && cache.is_contiguous() && x.rank() == 4 && route("kv_write", &x) == Path::Kernel {
         let op = KvWriteOp {
             rot: match rot {
                 Some((c, s)) => Some((c.contiguous()?, s.contiguous()?)),
@@ -555,7 +561,7 @@ impl candle_core::InplaceOp2 for KvWriteOp {
 /// (as a projection's output is laid out) and per-token tables `cos`, `sin` `(B, L, D/2)` give
 /// `(B, H, L, D)`, contiguous.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    match route(x) {
+    match route("rope", x) {
         Path::Kernel if x.dtype() == cos.dtype() && x.dtype() == sin.dtype() => {
             x.contiguous()?.apply_op3(
                 &cos.contiguous()?,
@@ -690,7 +696,7 @@ impl CustomOp3 for RopeOp {
 
 /// The gated MLP's `silu(gate) · up`.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    match route(gate) {
+    match route("silu_mul", gate) {
         Path::Kernel if gate.dtype() == up.dtype() && gate.dims() == up.dims() => {
             gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
         }
@@ -827,7 +833,7 @@ impl CustomOp3 for SiluMulBwd {
 /// Attention probabilities `softmax(scores · scale + bias)` over the last axis: `scores`
 /// `(B, H, L, S)`, `bias` `(B, 1, L, S)` (the additive causal + padding mask, no gradient).
 pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    match route(scores) {
+    match route("attention_softmax", scores) {
         Path::Kernel if scores.dtype() == bias.dtype() => scores
             .contiguous()?
             .apply_op2(&bias.contiguous()?, SoftmaxOp { scale }),
@@ -1007,7 +1013,7 @@ impl CustomOp2 for SoftmaxBwd {
 /// zeroed buffer and an add in candle's backward).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
-    let p = match route(q) {
+    let p = match route("attention", q) {
         // On a GPU the kernel is a forward for a few query rows (decoding, frozen passes);
         // training keeps the recomputed composition, whose products run on the tensor cores.
         Path::Kernel if !q.device().is_cpu() => {

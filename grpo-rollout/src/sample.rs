@@ -296,7 +296,10 @@ impl DeviceSampler {
         suppress: &[bool],
     ) -> Result<(Tensor, Vec<Pick>)> {
         #[cfg(feature = "cuda")]
-        if self.params.top_logprobs == 0 && crate::cuda::takes(logits) {
+        if self.params.top_logprobs == 0
+            && grpo_core::fused::cuda_op_on("sample")
+            && crate::cuda::takes(logits)
+        {
             return self.step_kernel(logits, u, suppress);
         }
         let p = &self.params;
