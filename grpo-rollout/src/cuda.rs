@@ -12,18 +12,14 @@ use candle_core::{CudaStorage, Device, Layout, Result, Shape, Tensor};
 use grpo_core::cuda::{Elem, Kernels, alloc, blocks, cfg, done, input, row_threads};
 use grpo_core::{cuda_launch, cuda_typed};
 
+use crate::fused::{DEVICE_ATTENTION_MAX_D, MAX_DEVICE_HIDDEN};
+
 /// The decoder's kernels.
 pub static DECODER: Kernels = Kernels {
     name: "grpo_decoder",
     source: include_str!("kernels.cu"),
     probe: "rms_fwd_f32",
 };
-
-/// Largest hidden size the RMSNorm backward takes (its weight-gradient partial lives in shared
-/// memory: 48 KiB without an opt-in).
-pub const RMS_BWD_MAX_H: usize = 12 * 1024;
-/// Largest head dimension of [`attention_rows`].
-pub const ATTN_MAX_D: usize = 256;
 
 /// Whether a fused op on `t` takes its CUDA kernel: a CUDA tensor of f32, bf16 or f16 with
 /// the kernels available (compiled at the first ask).
@@ -93,8 +89,8 @@ fn rms_bwd_t<T: Elem>(
 ) -> Result<(CudaStorage, Shape)> {
     let dev = &x.device;
     let h = lx.dims().last().copied().unwrap_or(1);
-    if h > RMS_BWD_MAX_H {
-        candle_core::bail!("rms_norm backward: hidden size {h} above {RMS_BWD_MAX_H}");
+    if h > MAX_DEVICE_HIDDEN {
+        candle_core::bail!("rms_norm backward: hidden size {h} above {MAX_DEVICE_HIDDEN}");
     }
     let n = lx.shape().elem_count();
     let rows = n / h.max(1);
@@ -209,15 +205,7 @@ fn kv_write_t<T: Elem>(
     past: usize,
 ) -> Result<()> {
     let dev = x.device.clone();
-    let (b, l, g, d) = lx.shape().dims4()?;
-    let (cb, cg, cap, cd) = lc.shape().dims4()?;
-    if (cb, cg, cd) != (b, g, d) || past + l > cap || d % 2 != 0 {
-        candle_core::bail!(
-            "kv_write: {:?} at position {past} into a cache {:?}",
-            lx.dims(),
-            lc.dims()
-        );
-    }
+    let (b, l, g, d, cap) = crate::fused::kv_write_dims(lc, lx, past)?;
     if lc.contiguous_offsets() != Some((0, b * g * cap * d)) {
         candle_core::bail!("kv_write: the cache must be a whole contiguous buffer");
     }
@@ -544,8 +532,8 @@ fn attention_rows_t<T: Elem>(
             lv.dims()
         );
     }
-    if d > ATTN_MAX_D {
-        candle_core::bail!("attention: head dimension {d} above {ATTN_MAX_D}");
+    if d > DEVICE_ATTENTION_MAX_D {
+        candle_core::bail!("attention: head dimension {d} above {DEVICE_ATTENTION_MAX_D}");
     }
     if bias.dims() != [b, 1, l, s] {
         candle_core::bail!(

@@ -115,8 +115,10 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     }
 }
 
-/// Largest hidden size the RMSNorm kernels take on a GPU (larger: the composition).
-const MAX_DEVICE_HIDDEN: usize = 12 * 1024;
+/// Largest hidden size the RMSNorm kernels take on a GPU (larger: the composition): the
+/// backward keeps a weight-gradient partial of this many f32 in shared memory (48 KiB without
+/// an opt-in).
+pub(crate) const MAX_DEVICE_HIDDEN: usize = 12 * 1024;
 
 /// [`rms_norm`] as a composition of candle ops.
 pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -443,6 +445,25 @@ pub fn kv_write_composed(
     cache.slice_set(&y.detach(), 2, past)
 }
 
+/// `(b, l, g, d, capacity)` of a [`kv_write`] of `x` `(B, L, G, D)` into a cache `(B, G, cap,
+/// D)` at `past`, or the one-line refusal (shared by the CPU and CUDA kernels).
+pub(crate) fn kv_write_dims(
+    lc: &Layout,
+    lx: &Layout,
+    past: usize,
+) -> Result<(usize, usize, usize, usize, usize)> {
+    let (b, l, g, d) = lx.shape().dims4()?;
+    let (cb, cg, cap, cd) = lc.shape().dims4()?;
+    if (cb, cg, cd) != (b, g, d) || past + l > cap || d % 2 != 0 {
+        candle_core::bail!(
+            "kv_write: {:?} at position {past} into a cache {:?}",
+            lx.dims(),
+            lc.dims()
+        );
+    }
+    Ok((b, l, g, d, cap))
+}
+
 #[derive(Debug, Clone)]
 struct KvWriteOp {
     rot: Option<(Tensor, Tensor)>,
@@ -457,15 +478,7 @@ fn kv_write_cpu<T: Float>(
     rot: Option<(&[T], &[T])>,
     past: usize,
 ) -> Result<()> {
-    let (b, l, g, d) = lx.shape().dims4()?;
-    let (cb, cg, cap, cd) = lc.shape().dims4()?;
-    if (cb, cg, cd) != (b, g, d) || past + l > cap || d % 2 != 0 {
-        candle_core::bail!(
-            "kv_write: {:?} at position {past} into a cache {:?}",
-            lx.dims(),
-            lc.dims()
-        );
-    }
+    let (b, l, g, d, cap) = kv_write_dims(lc, lx, past)?;
     let Some((c0, c1)) = lc.contiguous_offsets() else {
         candle_core::bail!("kv_write: the cache must be contiguous");
     };
@@ -1020,7 +1033,12 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
             let tracked = q.track_op() || k.track_op() || v.track_op();
             let (l, d) = (q.dim(2)?, q.dim(3)?);
             let unit = |t: &Tensor| t.rank() == 4 && t.stride()[3] == 1;
-            if !tracked && l <= DEVICE_ATTENTION_ROWS && d <= 256 && unit(k) && unit(v) {
+            if !tracked
+                && l <= DEVICE_ATTENTION_ROWS
+                && d <= DEVICE_ATTENTION_MAX_D
+                && unit(k)
+                && unit(v)
+            {
                 Path::Kernel
             } else {
                 Path::Recompute
@@ -1053,6 +1071,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
 /// Most query rows per sequence for which a GPU runs the attention kernel (a decode step has
 /// one); longer queries (prefill, training) take the composition's matrix products.
 const DEVICE_ATTENTION_ROWS: usize = 16;
+
+/// Largest head dimension of the GPU attention kernel (`ATTN_MAX_D` in kernels.cu).
+pub(crate) const DEVICE_ATTENTION_MAX_D: usize = 256;
 
 /// [`attention`] as a composition of candle ops (the query heads that share a kv head folded
 /// into the row axis, so k and v are never repeated).

@@ -493,6 +493,14 @@ impl DecodeState {
     /// One decode step: feeds each row's token `ids` `(rows,)` at its next position (the new
     /// key always visible) and leaves the logits of the token after it.
     pub(crate) fn decode_step(&mut self, model: &Transformer, ids: &Tensor) -> Result<()> {
+        let hidden = self.decode_layers(model, ids)?;
+        self.logits = model.logits(&hidden)?;
+        Ok(())
+    }
+
+    /// The decoder layers of [`Self::decode_step`]: the rows' hidden states `(rows, H)` of
+    /// `ids`, their keys and values added to the cache, positions and key bias grown.
+    fn decode_layers(&mut self, model: &Transformer, ids: &Tensor) -> Result<Tensor> {
         let n = ids.dim(0)?;
         let device = model.device();
         self.key_bias = Tensor::cat(
@@ -507,8 +515,7 @@ impl DecodeState {
             Some(&mut self.cache),
         )?;
         self.next_pos = (&self.next_pos + 1.0)?;
-        self.logits = model.logits(&hidden.squeeze(1)?)?;
-        Ok(())
+        hidden.squeeze(1)
     }
 }
 
@@ -612,25 +619,11 @@ pub fn decode_breakdown(
         device.synchronize()?;
         sample.push(ms(t));
         let t = std::time::Instant::now();
-        state.key_bias = Tensor::cat(
-            &[
-                &state.key_bias,
-                &Tensor::zeros((n, 1), DType::F32, &device)?,
-            ],
-            1,
-        )?;
-        let s = state.key_bias.dim(1)?;
-        let hidden = model.forward_hidden(
-            &ids.reshape((n, 1))?,
-            &state.next_pos,
-            &state.key_bias.reshape((n, 1, 1, s))?,
-            Some(&mut state.cache),
-        )?;
-        state.next_pos = (&state.next_pos + 1.0)?;
+        let hidden = state.decode_layers(&model, &ids)?;
         device.synchronize()?;
         layers.push(ms(t));
         let t = std::time::Instant::now();
-        state.logits = model.logits(&hidden.squeeze(1)?)?;
+        state.logits = model.logits(&hidden)?;
         device.synchronize()?;
         head.push(ms(t));
     }

@@ -4,15 +4,12 @@
 
 // ------------------------------------------------------------------ RMSNorm
 
-// One block per row of `h`: y = T(T(x · inv) · w), inv = 1 / sqrt(mean(x²) + eps) — the
-// composition's two roundings to the storage type.
+// A block normalises one row of `h`: y = T(T(x · inv) · w), inv = 1 / sqrt(mean(x²) + eps) —
+// the composition's two roundings to the storage type. Each thread reads only the elements it
+// would write (so a row the same threads just wrote needs no barrier).
 template <typename T>
-__device__ void rms_fwd(const typename T::S* x, long xo, const typename T::S* w, long wo,
-                        typename T::S* y, int h, float eps) {
-    __shared__ float sh[33];
-    const typename T::S* xr = x + xo + (long)blockIdx.x * h;
-    const typename T::S* wr = w + wo;
-    typename T::S* yr = y + (long)blockIdx.x * h;
+__device__ void rms_row(const typename T::S* xr, const typename T::S* wr, typename T::S* yr,
+                        int h, float eps, float* sh) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < h; i += blockDim.x) {
         float v = T::ld(xr[i]);
@@ -22,6 +19,15 @@ __device__ void rms_fwd(const typename T::S* x, long xo, const typename T::S* w,
     float inv = 1.0f / sqrtf(ss / (float)h + eps);
     for (int i = threadIdx.x; i < h; i += blockDim.x)
         yr[i] = T::st(T::ld(T::st(T::ld(xr[i]) * inv)) * T::ld(wr[i]));
+}
+
+// One block per row.
+template <typename T>
+__device__ void rms_fwd(const typename T::S* x, long xo, const typename T::S* w, long wo,
+                        typename T::S* y, int h, float eps) {
+    __shared__ float sh[33];
+    long r = blockIdx.x;
+    rms_row<T>(x + xo + r * h, w + wo, y + r * h, h, eps, sh);
 }
 
 // Backward, rows split over the grid: dx (rows · h, into out[0..]) and one f32 partial of dw
@@ -79,20 +85,9 @@ __device__ void add_rms_fwd(const typename T::S* x, long xo, const typename T::S
     long row = blockIdx.x;
     const typename T::S* xr = x + xo + row * h;
     const typename T::S* rr = r + ro + row * h;
-    const typename T::S* wr = w + wo;
     typename T::S* sr = out + row * h;
-    typename T::S* yr = out + n + row * h;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
-        typename T::S sv = T::st(T::ld(xr[i]) + T::ld(rr[i]));
-        sr[i] = sv;
-        float v = T::ld(sv);
-        ss += v * v;
-    }
-    ss = block_sum(ss, sh);
-    float inv = 1.0f / sqrtf(ss / (float)h + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x)
-        yr[i] = T::st(T::ld(T::st(T::ld(sr[i]) * inv)) * T::ld(wr[i]));
+    for (int i = threadIdx.x; i < h; i += blockDim.x) sr[i] = T::st(T::ld(xr[i]) + T::ld(rr[i]));
+    rms_row<T>(sr, w + wo, out + n + row * h, h, eps, sh);
 }
 
 // ------------------------------------------------------------------ RoPE

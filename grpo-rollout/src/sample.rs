@@ -277,6 +277,15 @@ impl DeviceSampler {
         })
     }
 
+    /// Adds each row's sampled `token` `(rows, 1)` to its seen set (repetition penalty).
+    fn mark_seen(&mut self, token: &Tensor) -> Result<()> {
+        if let Some(seen) = &self.seen {
+            let now = self.ids.broadcast_eq(token)?.to_dtype(DType::F32)?;
+            self.seen = Some(seen.maximum(&now)?);
+        }
+        Ok(())
+    }
+
     /// Keeps only these rows (by index into the current rows), as finished rows leave.
     pub fn select_rows(&mut self, keep: &Tensor) -> Result<()> {
         if let Some(s) = &self.seen {
@@ -391,10 +400,7 @@ impl DeviceSampler {
             }
         }
         let host: Vec<Vec<f32>> = Tensor::cat(&cols, 1)?.to_vec2()?;
-        if let Some(seen) = &self.seen {
-            let now = self.ids.broadcast_eq(&token)?.to_dtype(DType::F32)?;
-            self.seen = Some(seen.maximum(&now)?);
-        }
+        self.mark_seen(&token)?;
         let picks = host
             .into_iter()
             .map(|r| {
@@ -449,10 +455,7 @@ impl DeviceSampler {
         let out = logits.contiguous()?.apply_op2_no_bwd(&su, &op)?; // (n, 2)
         let token = out.narrow(1, 0, 1)?.to_dtype(DType::U32)?; // (n, 1)
         let host: Vec<Vec<f32>> = out.to_vec2()?;
-        if let Some(seen) = &self.seen {
-            let now = self.ids.broadcast_eq(&token)?.to_dtype(DType::F32)?;
-            self.seen = Some(seen.maximum(&now)?);
-        }
+        self.mark_seen(&token)?;
         let picks = host
             .into_iter()
             .map(|r| (r[0] as u32, r[1], Vec::new()))
