@@ -82,10 +82,10 @@ pub fn path(t: &Tensor) -> Path {
 /// comma-separated list of op names each prefixed with `-` switches those ops off alone
 /// (`-attention,-sample`), to tell which kernel a problem on a GPU comes from. Op names:
 /// `rms_norm`, `rope`, `silu_mul`, `attention_softmax`, `attention`, `add_rms_norm`,
-/// `kv_write`, `sample`, `log_softmax_gather`, `entropy`. Anything else is an error naming
-/// the value.
+/// `kv_write`, `cached_attention`, `sample`, `log_softmax_gather`, `entropy`. Anything else is
+/// an error naming the value.
 pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), String> {
-    const OPS: [&str; 10] = [
+    const OPS: [&str; 11] = [
         "rms_norm",
         "rope",
         "silu_mul",
@@ -93,6 +93,7 @@ pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), 
         "attention",
         "add_rms_norm",
         "kv_write",
+        "cached_attention",
         "sample",
         "log_softmax_gather",
         "entropy",

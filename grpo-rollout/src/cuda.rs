@@ -344,7 +344,8 @@ fn silu_fwd_t<T: Elem>(
     let (as_, ao) = input::<T>(a, la, "silu_mul")?;
     let (us, uo) = input::<T>(u, lu, "silu_mul")?;
     let out = alloc::<T>(dev, n)?;
-    let ni = n as i64;
+    // One row of n: both inputs contiguous.
+    let (ni, row) = (n as i64, 0i64);
     let c = cfg(blocks(n, 256), 256, 0);
     cuda_launch!(
         &DECODER,
@@ -352,9 +353,33 @@ fn silu_fwd_t<T: Elem>(
         "silu_mul_fwd",
         T::DTYPE,
         c,
-        [as_, &ao, us, &uo, &out, &ni]
+        [as_, &ao, &row, us, &uo, &row, &out, &ni, &ni]
     );
     done(out, dev, la.shape().clone())
+}
+
+fn silu_packed_t<T: Elem>(gu: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let dev = &gu.device;
+    let (rows, cols) = crate::fused::packed_halves(l)?;
+    let (gs, go) = input::<T>(gu, l, "silu_mul_packed")?;
+    let n = rows * cols;
+    let out = alloc::<T>(dev, n)?;
+    let (ni, ci, stride, uo) = (n as i64, cols as i64, 2 * cols as i64, go + cols as i64);
+    let c = cfg(blocks(n, 256), 256, 0);
+    cuda_launch!(
+        &DECODER,
+        dev,
+        "silu_mul_fwd",
+        T::DTYPE,
+        c,
+        [gs, &go, &stride, gs, &uo, &stride, &out, &ni, &ci]
+    );
+    done(out, dev, (rows, cols))
+}
+
+/// `silu(gate) · up` of rows `[gate | up]` (the packed MLP product) on CUDA.
+pub fn silu_mul_packed(gu: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(gu.dtype(), "silu_mul_packed", silu_packed_t(gu, l))
 }
 
 /// `silu(gate) · up` on CUDA.
@@ -588,6 +613,130 @@ pub fn attention_rows(
         q.dtype(),
         "attention",
         attention_rows_t(q, lq, k, lk, v, lv, bias, scale)
+    )
+}
+
+/// What [`cached_attention`] reads besides the packed projections and the caches.
+#[derive(Debug, Clone)]
+pub struct CachedAttention<'a> {
+    /// RoPE tables of the new positions, `(B, L, D/2)`.
+    pub cos: &'a Tensor,
+    /// See `cos`.
+    pub sin: &'a Tensor,
+    /// `(B, 1, L, past + L)` additive mask.
+    pub bias: &'a Tensor,
+    /// Positions already cached.
+    pub past: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Score scale.
+    pub scale: f64,
+}
+
+/// The CUDA storage behind a tensor's storage guard.
+fn on_cuda<'a>(st: &'a candle_core::Storage, op: &str) -> Result<&'a CudaStorage> {
+    match st {
+        candle_core::Storage::Cuda(cs) => Ok(cs),
+        _ => candle_core::bail!("{op}: every input must be on the CUDA device"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cached_attention_t<T: Elem>(
+    qkv: &CudaStorage,
+    lq: &Layout,
+    kc: &CudaStorage,
+    lk: &Layout,
+    vc: &CudaStorage,
+    lv: &Layout,
+    a: &CachedAttention,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &qkv.device;
+    let (b, l, heads, d) = lq.shape().dims4()?;
+    let nh = a.heads;
+    let (cb, nkv, cap, cd) = lk.shape().dims4()?;
+    let fits = heads == nh + 2 * nkv && cb == b && cd == d && lv.dims() == lk.dims();
+    if !fits || nkv == 0 || nh % nkv != 0 || d % 2 != 0 || d > DEVICE_ATTENTION_MAX_D {
+        candle_core::bail!(
+            "cached_attention: packed q/k/v {:?} with {nh} query heads against caches {:?}",
+            lq.dims(),
+            lk.dims()
+        );
+    }
+    let whole = b * nkv * cap * d;
+    if lk.contiguous_offsets() != Some((0, whole)) || lv.contiguous_offsets() != Some((0, whole)) {
+        candle_core::bail!("cached_attention: the caches must be whole contiguous buffers");
+    }
+    let s = a.past + l;
+    if cap < s || a.bias.dims() != [b, 1, l, s] {
+        candle_core::bail!(
+            "cached_attention: {s} positions in a cache of {cap}, bias {:?}",
+            a.bias.dims()
+        );
+    }
+    let half = d / 2;
+    if a.cos.elem_count() != b * l * half || a.sin.elem_count() != b * l * half {
+        candle_core::bail!("cached_attention: tables must be (B, L, D/2) = ({b}, {l}, {half})");
+    }
+    let (qs, qo) = input::<T>(qkv, lq, "cached_attention")?;
+    // The caches are written in place (rows past .. past + L), as kv_write writes them: a KV
+    // cache's buffers are its own and nothing reads them while a pass runs on this stream.
+    let ks = kc.as_cuda_slice::<T>()?;
+    let vs = vc.as_cuda_slice::<T>()?;
+    let (cst, cl) = a.cos.storage_and_layout();
+    let (sst, sl) = a.sin.storage_and_layout();
+    let (bst, bl) = a.bias.storage_and_layout();
+    let (cs, co) = input::<T>(
+        on_cuda(&cst, "cached_attention")?,
+        cl,
+        "cached_attention cos",
+    )?;
+    let (ss, so) = input::<T>(
+        on_cuda(&sst, "cached_attention")?,
+        sl,
+        "cached_attention sin",
+    )?;
+    let (bs, bo) = input::<T>(
+        on_cuda(&bst, "cached_attention")?,
+        bl,
+        "cached_attention bias",
+    )?;
+    let out = alloc::<T>(dev, b * l * nh * d)?;
+    let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
+    let (capi, pasti, sc) = (cap as i64, a.past as i64, a.scale as f32);
+    let warps = (s / 16).clamp(1, 8);
+    let c = cfg((b * nh * l) as u32, (32 * warps) as u32, 0);
+    cuda_launch!(
+        &DECODER,
+        dev,
+        "cached_attention",
+        T::DTYPE,
+        c,
+        [
+            qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &out, &nhi, &nkvi, &li, &pasti, &di,
+            &sc
+        ]
+    );
+    done(out, dev, (b * l, nh * d))
+}
+
+/// A pass over a KV cache after the packed q/k/v product, one launch: `qkv` `(B, L, H + 2G, D)`
+/// gives the queries (rotated here), and the new keys (rotated) and values, which go into the
+/// `(B, G, cap, D)` caches at `past`; returns the context rows `(B·L, H·D)` over all `past + L`
+/// positions. What `rope`, two `kv_write`s and `attention_rows` compute, to the bit.
+pub fn cached_attention(
+    qkv: &CudaStorage,
+    lq: &Layout,
+    kc: &CudaStorage,
+    lk: &Layout,
+    vc: &CudaStorage,
+    lv: &Layout,
+    a: &CachedAttention,
+) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(
+        qkv.dtype(),
+        "cached_attention",
+        cached_attention_t(qkv, lq, kc, lk, vc, lv, a)
     )
 }
 

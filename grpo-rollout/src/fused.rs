@@ -431,6 +431,103 @@ pub fn kv_write(
     cache.slice_set(&y.detach(), 2, past)
 }
 
+/// A pass over a KV cache after the packed q/k/v product: `qkv` `(B, L, H + 2G, D)` holds the
+/// queries (heads `0..H`), the new keys and the new values of this call's positions as the
+/// projections give them (not yet rotated); the keys (rotated) and values go into the caches
+/// `(B, G, capacity, D)` at `past` ([`kv_write`]) and the queries (rotated, [`rope`]) attend
+/// over all `past + L` positions ([`attention`], `bias` `(B, 1, L, past + L)`). Returns the
+/// context rows `(B·L, H·D)`. No graph.
+///
+/// On CUDA, for up to 16 query rows, this is one kernel (the three ops are four launches);
+/// elsewhere it is those ops on views of `qkv`.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention(
+    qkv: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    bias: &Tensor,
+    past: usize,
+    heads: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let qkv = qkv.detach();
+    let (_, l, total, d) = qkv.dims4()?;
+    if total <= heads || !(total - heads).is_multiple_of(2) {
+        candle_core::bail!(
+            "cached_attention: {total} packed heads cannot be {heads} query heads and k, v heads"
+        );
+    }
+    let nkv = (total - heads) / 2;
+    let dt = qkv.dtype();
+    let same = [k_cache, v_cache, cos, sin, bias]
+        .iter()
+        .all(|t| t.dtype() == dt);
+    if same
+        && !qkv.device().is_cpu()
+        && l <= DEVICE_ATTENTION_ROWS
+        && d <= DEVICE_ATTENTION_MAX_D
+        && route("cached_attention", &qkv) == Path::Kernel
+    {
+        let op = CachedAttentionOp {
+            cos: cos.contiguous()?,
+            sin: sin.contiguous()?,
+            bias: bias.contiguous()?.detach(),
+            past,
+            heads,
+            scale,
+        };
+        return qkv.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op);
+    }
+    let q = rope(&qkv.narrow(2, 0, heads)?, cos, sin)?;
+    kv_write(k_cache, &qkv.narrow(2, heads, nkv)?, Some((cos, sin)), past)?;
+    kv_write(v_cache, &qkv.narrow(2, heads + nkv, nkv)?, None, past)?;
+    let k = k_cache.narrow(2, 0, past + l)?;
+    let v = v_cache.narrow(2, 0, past + l)?;
+    attention(&q, &k, &v, bias, scale)
+}
+
+/// [`cached_attention`]'s CUDA kernel (the caches, its second and third inputs, are written).
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct CachedAttentionOp {
+    cos: Tensor,
+    sin: Tensor,
+    bias: Tensor,
+    past: usize,
+    heads: usize,
+    scale: f64,
+}
+
+impl CustomOp3 for CachedAttentionOp {
+    fn name(&self) -> &'static str {
+        "cached_attention"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("cached_attention: the CPU runs the composition")
+    }
+    cuda_op!(3, |o: &Self, s1, l1, s2, l2, s3, l3| {
+        let a = crate::cuda::CachedAttention {
+            cos: &o.cos,
+            sin: &o.sin,
+            bias: &o.bias,
+            past: o.past,
+            heads: o.heads,
+            scale: o.scale,
+        };
+        crate::cuda::cached_attention(s1, l1, s2, l2, s3, l3, &a)
+    });
+}
+
 /// [`kv_write`] as a composition of candle ops.
 pub fn kv_write_composed(
     cache: &Tensor,
@@ -723,6 +820,56 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// [`silu_mul`] as a composition of candle ops.
 pub fn silu_mul_composed(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.silu()? * up
+}
+
+/// [`silu_mul`] of the packed MLP product's rows `[gate | up]` `(N, 2·I)` → `(N, I)`: one
+/// kernel reading both halves in place (CPU f32/f64, CUDA) when nothing is tracked; otherwise
+/// [`silu_mul`] of the two halves.
+pub fn silu_mul_packed(gu: &Tensor) -> Result<Tensor> {
+    let (_, cols) = packed_halves(gu.layout())?;
+    if !gu.track_op() && route("silu_mul", gu) == Path::Kernel {
+        return gu.contiguous()?.apply_op1_no_bwd(&SiluMulPacked);
+    }
+    silu_mul(&gu.narrow(1, 0, cols)?, &gu.narrow(1, cols, cols)?)
+}
+
+/// `(rows, I)` of packed `[gate | up]` rows `(rows, 2·I)`.
+pub(crate) fn packed_halves(l: &Layout) -> Result<(usize, usize)> {
+    match l.dims() {
+        &[rows, two] if two % 2 == 0 => Ok((rows, two / 2)),
+        d => candle_core::bail!("silu_mul_packed: expected rows [gate | up] (N, 2·I), got {d:?}"),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SiluMulPacked;
+
+fn silu_packed_fwd<T: Float>(gu: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    let (rows, cols) = packed_halves(l)?;
+    let gu = slice::<T>(gu, l, "silu_mul_packed")?;
+    let mut out = vec![T::zero(); rows * cols];
+    let per = (ELEMENTWISE_TASK / cols.max(1)).max(1);
+    out.par_chunks_mut(per * cols)
+        .zip(gu.par_chunks(per * 2 * cols))
+        .for_each(|(o, x)| {
+            for (o, x) in o.chunks_mut(cols).zip(x.chunks(2 * cols)) {
+                let (a, u) = x.split_at(cols);
+                for ((o, &av), &uv) in o.iter_mut().zip(a).zip(u) {
+                    *o = av / (T::one() + (-av).exp()) * uv;
+                }
+            }
+        });
+    Ok((T::to_cpu_storage_owned(out), (rows, cols).into()))
+}
+
+impl CustomOp1 for SiluMulPacked {
+    fn name(&self) -> &'static str {
+        "silu_mul_packed"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        float_dispatch!(s.dtype(), self.name(), silu_packed_fwd(s, l))
+    }
+    cuda_op!(1, |_: &Self, s, l| crate::cuda::silu_mul_packed(s, l));
 }
 
 #[derive(Debug, Clone, Copy)]

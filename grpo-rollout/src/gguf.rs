@@ -901,7 +901,12 @@ pub fn save_gguf(
         let Some(g) = gguf_tensor_name(&hf) else {
             bail!("tensor `{hf}` has no llama.cpp name");
         };
-        let mut t = t.detach().to_device(&cpu)?.to_dtype(DType::F32)?;
+        // A storage of its own: packed weights are views, and quantizing reads the storage whole.
+        let mut t = t
+            .detach()
+            .to_device(&cpu)?
+            .to_dtype(DType::F32)?
+            .force_contiguous()?;
         if cfg.arch == Arch::Llama {
             if g.contains(".attn_q.") {
                 t = permute_qk(&t, cfg.num_attention_heads)?;

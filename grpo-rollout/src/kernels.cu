@@ -151,14 +151,18 @@ __device__ void kv_write(typename T::S* cache, long cap, const typename T::S* x,
 
 // ------------------------------------------------------------------ SiLU · mul
 
+// out (n = rows · cols, contiguous) = T(silu(a)) · u; a and u are rows of `cols` elements `as`
+// and `us` apart (one row: the tensors are contiguous; gate and up halves of the packed MLP
+// product: both rows 2·cols apart, up starting cols after gate).
 template <typename T>
-__device__ void silu_mul_fwd(const typename T::S* a, long ao, const typename T::S* u, long uo,
-                             typename T::S* out, long n) {
+__device__ void silu_mul_fwd(const typename T::S* a, long ao, long as, const typename T::S* u,
+                             long uo, long us, typename T::S* out, long n, long cols) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float av = T::ld(a[ao + i]);
+    long r = i / cols, c = i % cols;
+    float av = T::ld(a[ao + r * as + c]);
     float silu = T::ld(T::st(av / (1.0f + expf(-av))));
-    out[i] = T::st(silu * T::ld(u[uo + i]));
+    out[i] = T::st(silu * T::ld(u[uo + r * us + c]));
 }
 
 // out = [da (n), du (n)]: da = g·u·σ(a)·(1 + a·(1 − σ(a))), du = g·silu(a).
@@ -216,41 +220,71 @@ __device__ void softmax_bwd(const typename T::S* p, long po, const typename T::S
 
 // Grouped-query attention for a few query positions over many keys (decoding over a KV cache):
 // one block per (batch, head, query row); each warp runs an online softmax over every
-// `warps`-th key, the warps are merged at the end. q (B, H, L, D) contiguous; k, v (B, G, S, D)
-// with element strides (kb, kg, ks) and (vb, vg, vs) and unit stride along D (a KV cache's
-// view); bias (B, 1, L, S); out rows (B·L, H·D). D ≤ 256, blockDim ≤ 256.
+// `warps`-th key, the warps are merged at the end. D ≤ 256, blockDim ≤ 256.
 #define ATTN_MAX_D 256
 #define ATTN_MAX_WARPS 8
+
+// Keys and values of one (batch, kv head): rows `ks` / `vs` elements apart, unit stride along D
+// (a KV cache's view).
 template <typename T>
-__device__ void attention_rows(const typename T::S* q, long qo, const typename T::S* k, long ko,
-                               long kb, long kg, long ks, const typename T::S* v, long vo,
-                               long vb, long vg, long vs, const typename T::S* bias, long bo,
-                               typename T::S* out, int nh, int nkv, int l, int s, int d,
-                               float scale) {
-    __shared__ float qs[ATTN_MAX_D];
+struct CacheRows {
+    const typename T::S* k;
+    long ks;
+    const typename T::S* v;
+    long vs;
+    __device__ float key(long j, int e) const { return T::ld(k[j * ks + e]); }
+    __device__ float value(long j, int e) const { return T::ld(v[j * vs + e]); }
+};
+
+// Element `e` of row `x` rotated by the table entries of its pair, rounded to the storage type:
+// the value RoPE and the KV-cache writes store.
+template <typename T>
+__device__ __forceinline__ float rotated(const typename T::S* x, const typename T::S* c,
+                                         const typename T::S* s, int e, int half) {
+    int i = e < half ? e : e - half;
+    float cv = T::ld(c[i]), sv = T::ld(s[i]);
+    float x1 = T::ld(x[i]), x2 = T::ld(x[i + half]);
+    return T::ld(T::st(e < half ? x1 * cv - x2 * sv : x2 * cv + x1 * sv));
+}
+
+// The cache's first `past` positions, then this step's keys (rotated on the fly) and values
+// straight from the packed projections, `ns` elements per position (no block reads a position
+// that this launch writes into the cache).
+template <typename T>
+struct PackedRows {
+    CacheRows<T> cache;
+    long past, ns;
+    const typename T::S* kn;
+    const typename T::S* vn;
+    const typename T::S* c;  // this batch row's tables, half entries per position
+    const typename T::S* s;
+    int half;
+    __device__ float key(long j, int e) const {
+        if (j < past) return cache.key(j, e);
+        long r = j - past;
+        return rotated<T>(kn + r * ns, c + r * half, s + r * half, e, half);
+    }
+    __device__ float value(long j, int e) const {
+        return j < past ? cache.value(j, e) : T::ld(vn[(j - past) * ns + e]);
+    }
+};
+
+// softmax(qs · kᵀ + bias row) · v over keys 0..s into `orow` (d elements); qs is the query row
+// already scaled, in shared memory.
+template <typename T, typename Rows>
+__device__ void attend(const float* qs, const Rows& kv, const typename T::S* br, int s, int d,
+                       typename T::S* orow) {
     __shared__ float wm[ATTN_MAX_WARPS], wl[ATTN_MAX_WARPS];
     __shared__ float wacc[ATTN_MAX_WARPS][ATTN_MAX_D];
-    long blk = blockIdx.x;
-    int i = (int)(blk % l);
-    int hd = (int)((blk / l) % nh);
-    long bi = blk / ((long)l * nh);
-    int g = hd / (nh / nkv);
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const typename T::S* qr = q + qo + ((bi * nh + hd) * l + i) * d;
-    for (int t = threadIdx.x; t < d; t += blockDim.x) qs[t] = T::ld(qr[t]) * scale;
-    __syncthreads();
-    const typename T::S* kbase = k + ko + bi * kb + g * kg;
-    const typename T::S* vbase = v + vo + bi * vb + g * vg;
-    const typename T::S* br = bias + bo + (bi * l + i) * s;
     float m = GPU_NEG_INF, lsum = 0.0f;
     float acc[ATTN_MAX_D / 32];
     for (int t = 0; t < ATTN_MAX_D / 32; ++t) acc[t] = 0.0f;
     for (int j = w; j < s; j += nw) {
-        const typename T::S* kr = kbase + (long)j * ks;
         float dot = 0.0f;
         for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
             int e = lane + 32 * t;
-            if (e < d) dot += qs[e] * T::ld(kr[e]);
+            if (e < d) dot += qs[e] * kv.key(j, e);
         }
         dot = warp_sum(dot);
         float sc = dot + T::ld(br[j]);
@@ -258,10 +292,9 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
         float mn = fmaxf(m, sc);
         float corr = expf(m - mn), p = expf(sc - mn);
         lsum = lsum * corr + p;
-        const typename T::S* vr = vbase + (long)j * vs;
         for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
             int e = lane + 32 * t;
-            if (e < d) acc[t] = acc[t] * corr + p * T::ld(vr[e]);
+            if (e < d) acc[t] = acc[t] * corr + p * kv.value(j, e);
         }
         m = mn;
     }
@@ -279,13 +312,80 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
     float total = 0.0f;
     for (int u = 0; u < nw; ++u)
         if (wl[u] > 0.0f) total += expf(wm[u] - mx) * wl[u];
-    typename T::S* orow = out + (bi * l + i) * ((long)nh * d) + (long)hd * d;
     for (int t = threadIdx.x; t < d; t += blockDim.x) {
         float o = 0.0f;
         for (int u = 0; u < nw; ++u)
             if (wl[u] > 0.0f) o += expf(wm[u] - mx) * wacc[u][t];
         orow[t] = T::st(o / total);
     }
+}
+
+// q (B, H, L, D) contiguous; k, v (B, G, S, D) with element strides (kb, kg, ks) and (vb, vg, vs)
+// and unit stride along D; bias (B, 1, L, S); out rows (B·L, H·D).
+template <typename T>
+__device__ void attention_rows(const typename T::S* q, long qo, const typename T::S* k, long ko,
+                               long kb, long kg, long ks, const typename T::S* v, long vo,
+                               long vb, long vg, long vs, const typename T::S* bias, long bo,
+                               typename T::S* out, int nh, int nkv, int l, int s, int d,
+                               float scale) {
+    __shared__ float qs[ATTN_MAX_D];
+    long blk = blockIdx.x;
+    int i = (int)(blk % l);
+    int hd = (int)((blk / l) % nh);
+    long bi = blk / ((long)l * nh);
+    int g = hd / (nh / nkv);
+    const typename T::S* qr = q + qo + ((bi * nh + hd) * l + i) * d;
+    for (int t = threadIdx.x; t < d; t += blockDim.x) qs[t] = T::ld(qr[t]) * scale;
+    __syncthreads();
+    CacheRows<T> kv = {k + ko + bi * kb + g * kg, ks, v + vo + bi * vb + g * vg, vs};
+    attend<T>(qs, kv, bias + bo + (bi * l + i) * s, s, d,
+              out + (bi * l + i) * ((long)nh * d) + (long)hd * d);
+}
+
+// A pass over a KV cache after the packed q/k/v product, in one launch: RoPE on the queries, the
+// new keys (rotated) and values written into the caches, attention over past + L positions — what
+// rope, two kv_writes and attention_rows do, to the same bits. qkv (B, L, H + 2G, D) contiguous
+// (q heads, then k, then v); caches (B, G, cap, D) whole contiguous buffers; cos, sin (B, L, D/2);
+// bias (B, 1, L, past + L); out rows (B·L, H·D). One block per (batch, head, query row); the block
+// of the first query head of a group also writes its kv head's row for its query position.
+template <typename T>
+__device__ void cached_attention(const typename T::S* qkv, long qo, typename T::S* kc,
+                                 typename T::S* vc, long cap, const typename T::S* c, long co,
+                                 const typename T::S* sn, long so, const typename T::S* bias,
+                                 long bo, typename T::S* out, int nh, int nkv, int l, long past,
+                                 int d, float scale) {
+    __shared__ float qs[ATTN_MAX_D];
+    long blk = blockIdx.x;
+    int i = (int)(blk % l);
+    int hd = (int)((blk / l) % nh);
+    long bi = blk / ((long)l * nh);
+    int grp = nh / nkv, g = hd / grp, half = d / 2;
+    long ns = (long)(nh + 2 * nkv) * d, s = past + l;
+    const typename T::S* row = qkv + qo + (bi * l + i) * ns;
+    const typename T::S* ct = c + co + (bi * l + i) * half;
+    const typename T::S* st = sn + so + (bi * l + i) * half;
+    for (int t = threadIdx.x; t < d; t += blockDim.x)
+        qs[t] = rotated<T>(row + (long)hd * d, ct, st, t, half) * scale;
+    if (hd % grp == 0) {
+        long at = ((bi * nkv + g) * cap + past + i) * d;
+        for (int t = threadIdx.x; t < d; t += blockDim.x) {
+            kc[at + t] = T::st(rotated<T>(row + (long)(nh + g) * d, ct, st, t, half));
+            vc[at + t] = row[(long)(nh + nkv + g) * d + t];
+        }
+    }
+    __syncthreads();
+    const typename T::S* base = qkv + qo + bi * l * ns;
+    PackedRows<T> kv = {
+        {kc + (bi * nkv + g) * cap * d, d, vc + (bi * nkv + g) * cap * d, d},
+        past,
+        ns,
+        base + (long)(nh + g) * d,
+        base + (long)(nh + nkv + g) * d,
+        c + co + bi * l * half,
+        sn + so + bi * l * half,
+        half};
+    attend<T>(qs, kv, bias + bo + (bi * l + i) * s, (int)s, d,
+              out + (bi * l + i) * ((long)nh * d) + (long)hd * d);
 }
 
 // ------------------------------------------------------------------ entry points
@@ -323,10 +423,10 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
                                         int b, int l, int h, int d, int inverse) {           \
         rope<T>(x, xo, c, co, s, so, out, b, l, h, d, inverse);                              \
     }                                                                                        \
-    extern "C" __global__ void silu_mul_fwd_##N(const S_OF(T) * a, long ao,                 \
-                                                const S_OF(T) * u, long uo, S_OF(T) * out,  \
-                                                long n) {                                    \
-        silu_mul_fwd<T>(a, ao, u, uo, out, n);                                               \
+    extern "C" __global__ void silu_mul_fwd_##N(const S_OF(T) * a, long ao, long as,        \
+                                                const S_OF(T) * u, long uo, long us,         \
+                                                S_OF(T) * out, long n, long cols) {          \
+        silu_mul_fwd<T>(a, ao, as, u, uo, us, out, n, cols);                                 \
     }                                                                                        \
     extern "C" __global__ void silu_mul_bwd_##N(const S_OF(T) * a, long ao,                 \
                                                 const S_OF(T) * u, long uo,                  \
@@ -350,6 +450,13 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
         long bo, S_OF(T) * out, int nh, int nkv, int l, int s, int d, float scale) {         \
         attention_rows<T>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh,    \
                           nkv, l, s, d, scale);                                              \
+    }                                                                                        \
+    extern "C" __global__ void cached_attention_##N(                                         \
+        const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
+        const S_OF(T) * c, long co, const S_OF(T) * s, long so, const S_OF(T) * bias,       \
+        long bo, S_OF(T) * out, int nh, int nkv, int l, long past, int d, float scale) {     \
+        cached_attention<T>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, out, nh, nkv, l,   \
+                            past, d, scale);                                                 \
     }
 
 GRPO_KERNELS(F32, f32)

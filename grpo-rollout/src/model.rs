@@ -59,13 +59,17 @@ impl Linear {
         y.reshape(shape)
     }
 
+    /// `x Wᵀ` of rows `(N, in)` (no bias, no adapter).
+    fn product(&self, x2: &Tensor) -> Result<Tensor> {
+        match &self.weight_t {
+            Some(wt) if x2.dim(0)? <= DECODE_ROWS => x2.matmul(wt),
+            _ => crate::fused::frozen_linear(x2, &self.weight),
+        }
+    }
+
     /// [`Self::forward`] on `(N, in)`.
     fn forward_rows(&self, x2: &Tensor) -> Result<Tensor> {
-        let n = x2.dim(0)?;
-        let xw = match &self.weight_t {
-            Some(wt) if n <= DECODE_ROWS => x2.matmul(wt)?,
-            _ => crate::fused::frozen_linear(x2, &self.weight)?,
-        };
+        let xw = self.product(x2)?;
         let mut y = match &self.bias {
             Some(b) => xw.broadcast_add(b)?,
             None => xw.clone(),
@@ -90,6 +94,118 @@ impl RmsNorm {
     /// Normalises over the last axis (fused on CPU, see [`crate::fused::rms_norm`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::fused::rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+/// Linear maps of the same input stored as one: the packed weight `(Σ out, in)` (and bias)
+/// whose row blocks the parts' own weights are views of, so a pass over a KV cache runs q, k, v
+/// as one product and the MLP's gate and up as another, at no memory cost. A part whose weight
+/// or bias is later replaced (a trainable `Var`, merged adapters) makes the pack stale: it is
+/// then not used, and [`Transformer::pack_projections`] packs again.
+#[derive(Debug, Clone)]
+pub struct Packed {
+    /// The packed map (its `weight_t` set on the CPU by [`Transformer::for_decoding`]).
+    pub linear: Linear,
+    /// Output rows of each part, in order.
+    pub sizes: Vec<usize>,
+    /// The parts' weight and bias tensors that are views of the pack.
+    ids: Vec<(candle_core::TensorId, Option<candle_core::TensorId>)>,
+}
+
+impl Packed {
+    /// Packs `parts` (same input size, dtype and device) and makes their weights and biases
+    /// views of the pack; `None` when a part's weight or bias is trainable (a `Var` changes in
+    /// place, a view of a copy would not follow it).
+    fn pack(parts: &mut [&mut Linear]) -> Result<Option<Self>> {
+        let tracked =
+            |l: &Linear| l.weight.is_variable() || l.bias.as_ref().is_some_and(|b| b.is_variable());
+        if parts.len() < 2 || parts.iter().any(|l| tracked(l)) {
+            return Ok(None);
+        }
+        let weights: Vec<Tensor> = parts.iter().map(|l| l.weight.detach()).collect();
+        let sizes = weights
+            .iter()
+            .map(|w| w.dim(0))
+            .collect::<Result<Vec<_>>>()?;
+        let weight = Tensor::cat(&weights, 0)?;
+        let bias = if parts.iter().any(|l| l.bias.is_some()) {
+            let b = parts
+                .iter()
+                .zip(&sizes)
+                .map(|(l, &n)| match &l.bias {
+                    Some(b) => Ok(b.detach()),
+                    None => Tensor::zeros(n, weight.dtype(), weight.device()),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(Tensor::cat(&b, 0)?)
+        } else {
+            None
+        };
+        let linear = Linear {
+            weight,
+            bias,
+            lora: None,
+            weight_t: None,
+        };
+        let mut packed = Self {
+            linear,
+            sizes,
+            ids: Vec::new(),
+        };
+        packed.view_parts(parts)?;
+        Ok(Some(packed))
+    }
+
+    /// Points the parts' weights (and biases, where they have one) at the pack's rows.
+    fn view_parts(&mut self, parts: &mut [&mut Linear]) -> Result<()> {
+        let mut at = 0;
+        self.ids.clear();
+        for (l, &n) in parts.iter_mut().zip(&self.sizes) {
+            l.weight = self.linear.weight.narrow(0, at, n)?;
+            if l.bias.is_some()
+                && let Some(b) = &self.linear.bias
+            {
+                l.bias = Some(b.narrow(0, at, n)?);
+            }
+            l.weight_t = None;
+            self.ids
+                .push((l.weight.id(), l.bias.as_ref().map(|b| b.id())));
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Whether `parts` still are views of this pack.
+    fn holds(&self, parts: &[&Linear]) -> bool {
+        parts.len() == self.ids.len()
+            && parts
+                .iter()
+                .zip(&self.ids)
+                .all(|(l, (w, b))| l.weight.id() == *w && l.bias.as_ref().map(|b| b.id()) == *b)
+    }
+
+    /// The parts' maps of rows `x` `(N, in)` side by side `(N, Σ out)`: one product, then each
+    /// part's LoRA path on its columns.
+    fn forward(&self, x: &Tensor, parts: &[&Linear]) -> Result<Tensor> {
+        let xw = self.linear.product(x)?;
+        let y = match &self.linear.bias {
+            Some(b) => xw.broadcast_add(b)?,
+            None => xw.clone(),
+        };
+        if parts.iter().all(|l| l.lora.is_none()) {
+            return Ok(y);
+        }
+        let mut cols = Vec::with_capacity(parts.len());
+        let mut at = 0;
+        for (l, &n) in parts.iter().zip(&self.sizes) {
+            let part = y.narrow(1, at, n)?;
+            cols.push(match &l.lora {
+                Some(lo) => (part + lo.forward(x, &xw.narrow(1, at, n)?, &l.weight)?)?,
+                None => part,
+            });
+            at += n;
+        }
+        Tensor::cat(&cols, 1)
     }
 }
 
@@ -118,6 +234,10 @@ pub struct Layer {
     pub up_proj: Linear,
     /// MLP down.
     pub down_proj: Linear,
+    /// q, k and v packed (see [`Packed`]).
+    pub qkv: Option<Packed>,
+    /// gate and up packed.
+    pub gate_up: Option<Packed>,
 }
 
 impl Layer {
@@ -231,14 +351,32 @@ impl Layer {
         past: usize,
         next: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
-        let (q, k, v) = self.projections(c, h)?;
-        let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
-        let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
-        let ctx = crate::fused::attention(&q, &k, &v, &c.bias, c.scale)?;
+        let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let ctx = match self.packed(&self.qkv, &attn) {
+            // Qwen3 normalises q and k per head before rotating them: the separate path.
+            Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
+                let qkv = p
+                    .forward(h, &attn)?
+                    .reshape((c.b, c.l, c.nh + 2 * c.nkv, c.hd))?;
+                cache.attend(i, past, &qkv, c)?
+            }
+            _ => {
+                let (q, k, v) = self.projections(c, h)?;
+                let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
+                let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
+                crate::fused::attention(&q, &k, &v, &c.bias, c.scale)?
+            }
+        };
         let o = self.o_proj.forward(&ctx)?;
         let post = &self.post_attention_layernorm;
         let (x, h) = crate::fused::add_rms_norm(x, &o, &post.weight, post.eps)?;
-        let act = crate::fused::silu_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?;
+        let mlp = [&self.gate_proj, &self.up_proj];
+        let act = match self.packed(&self.gate_up, &mlp) {
+            Some(p) => crate::fused::silu_mul_packed(&p.forward(&h, &mlp)?)?,
+            None => {
+                crate::fused::silu_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?
+            }
+        };
         let d = self.down_proj.forward(&act)?;
         crate::fused::add_rms_norm(&x, &d, &next.weight, next.eps)
     }
@@ -294,6 +432,25 @@ impl Layer {
         let k = out.narrow(0, n * h, kv)?.reshape(shape)?;
         let v = out.narrow(0, n * h + kv, kv)?.reshape(shape)?;
         Ok((y, Some((k, v))))
+    }
+
+    /// `pack` when `parts` are still its views.
+    fn packed<'a>(&self, pack: &'a Option<Packed>, parts: &[&Linear]) -> Option<&'a Packed> {
+        pack.as_ref().filter(|p| p.holds(parts))
+    }
+
+    /// Packs q/k/v and gate/up where they are not packed (or the pack is stale) and no part is
+    /// trainable.
+    fn pack(&mut self) -> Result<()> {
+        let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
+        if self.packed(&self.qkv, &attn).is_none() {
+            self.qkv = Packed::pack(&mut [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj])?;
+        }
+        let mlp = [&self.gate_proj, &self.up_proj];
+        if self.packed(&self.gate_up, &mlp).is_none() {
+            self.gate_up = Packed::pack(&mut [&mut self.gate_proj, &mut self.up_proj])?;
+        }
+        Ok(())
     }
 
     /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).
@@ -453,6 +610,15 @@ impl KvCache {
         Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
     }
 
+    /// Layer `i`'s pass after the packed q/k/v product `qkv` `(B, L, heads + 2·kv_heads, D)`:
+    /// the new keys and values written after the `past` cached positions, the queries' attention
+    /// over all of them ([`crate::fused::cached_attention`]); returns the context rows.
+    fn attend(&mut self, i: usize, past: usize, qkv: &Tensor, c: &LayerCtx) -> Result<Tensor> {
+        let dims = (c.b, c.nkv, c.l, c.hd);
+        let (kb, vb) = self.room(i, past, dims, qkv.dtype(), qkv.device())?;
+        crate::fused::cached_attention(qkv, kb, vb, &c.cos, &c.sin, &c.bias, past, c.nh, c.scale)
+    }
+
     /// Layer `i`'s buffers with room for `L` positions after `past` (allocated at the first
     /// forward, doubled when full); `dims` = `(B, kv_heads, L, D)`.
     fn room(
@@ -544,6 +710,59 @@ pub struct Transformer {
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
+}
+
+/// `l` with `f` applied to its tensors.
+fn map_linear(l: &Linear, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Linear> {
+    Ok(Linear {
+        weight: f(&l.weight)?,
+        bias: l.bias.as_ref().map(f).transpose()?,
+        lora: l.lora.as_ref().map(|lo| lo.map_tensors(f)).transpose()?,
+        // A mapped model is a new model: its decoding copies are made again if needed.
+        weight_t: None,
+    })
+}
+
+/// `parts` with `f` applied; with their current `pack`, `f` maps the pack once and the
+/// parts are views of the result (a copy or a move of a packed model stays packed).
+fn map_group<const N: usize>(
+    pack: Option<&Packed>,
+    parts: [&Linear; N],
+    f: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<([Linear; N], Option<Packed>)> {
+    let mut out = Vec::with_capacity(N);
+    let Some(p) = pack else {
+        for l in parts {
+            out.push(map_linear(l, f)?);
+        }
+        return Ok((out.try_into().expect("N parts"), None));
+    };
+    let linear = Linear {
+        weight: f(&p.linear.weight)?,
+        bias: p.linear.bias.as_ref().map(f).transpose()?,
+        lora: None,
+        weight_t: None,
+    };
+    for l in parts {
+        out.push(Linear {
+            weight: l.weight.clone(),
+            bias: l.bias.clone(),
+            lora: l.lora.as_ref().map(|lo| lo.map_tensors(f)).transpose()?,
+            weight_t: None,
+        });
+    }
+    let id = |t: &Option<Tensor>| t.as_ref().map(Tensor::id);
+    let kept = linear.weight.id() == p.linear.weight.id() && id(&linear.bias) == id(&p.linear.bias);
+    let mut packed = Packed {
+        linear,
+        sizes: p.sizes.clone(),
+        ids: p.ids.clone(),
+    };
+    // When `f` kept the pack (detaching a frozen model) the parts stay the same tensors.
+    if !kept {
+        packed.view_parts(&mut out.iter_mut().collect::<Vec<_>>())?;
+    }
+    Ok((out.try_into().expect("N parts"), Some(packed)))
 }
 
 /// Inverse RoPE frequencies, with Llama 3 scaling when configured.
@@ -675,6 +894,8 @@ impl Transformer {
                 gate_proj: linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
                 up_proj: linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
                 down_proj: linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
+                qkv: None,
+                gate_up: None,
             });
         }
         let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
@@ -684,7 +905,7 @@ impl Transformer {
             Some(get("lm_head.weight", &[cfg.vocab_size, h])?)
         };
         let (rope_cos, rope_sin) = rope_tables(cfg, device)?;
-        Ok(Self {
+        let mut model = Self {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
@@ -694,10 +915,23 @@ impl Transformer {
             checkpointing: None,
             rope_cos,
             rope_sin,
-        })
+        };
+        model.pack_projections()?;
+        Ok(model)
     }
 
-    /// All weights by transformers name (LoRA factors excluded; see [`crate::lora`]).
+    /// Stores each layer's q/k/v and gate/up weights packed ([`Packed`]; weights given as
+    /// `Var`s stay as they are). Models are packed when built; a model whose weights were
+    /// replaced since is packed again by this (and by [`Self::for_decoding`] and
+    /// [`Self::snapshot_trainable`]). Packs that are already current are kept.
+    pub fn pack_projections(&mut self) -> Result<()> {
+        self.layers.iter_mut().try_for_each(Layer::pack)
+    }
+
+    /// All weights by transformers name (LoRA factors excluded; see [`crate::lora`]). The q/k/v
+    /// and gate/up weights of a packed layer are views into their pack ([`Packed`]): what reads
+    /// a tensor's storage whole (candle's `QTensor::quantize`) needs `.force_contiguous()` of them (`copy` keeps
+    /// the whole storage).
     pub fn weights(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![(
             "model.embed_tokens.weight".to_string(),
@@ -741,16 +975,9 @@ impl Transformer {
     }
 
     /// Applies `f` to every weight tensor (and LoRA factor), returning a new model.
+    /// A packed group's pack is mapped once and its parts made views of the result again.
     pub fn map_tensors(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
-        let lin = |l: &Linear| -> Result<Linear> {
-            Ok(Linear {
-                weight: f(&l.weight)?,
-                bias: l.bias.as_ref().map(f).transpose()?,
-                lora: l.lora.as_ref().map(|lo| lo.map_tensors(f)).transpose()?,
-                // A mapped model is a new model: its decoding copies are made again if needed.
-                weight_t: None,
-            })
-        };
+        let lin = |l: &Linear| map_linear(l, f);
         let norm = |n: &RmsNorm| -> Result<RmsNorm> {
             Ok(RmsNorm {
                 weight: f(&n.weight)?,
@@ -761,18 +988,25 @@ impl Transformer {
             .layers
             .iter()
             .map(|l| {
+                let attn = [&l.q_proj, &l.k_proj, &l.v_proj];
+                let ([q_proj, k_proj, v_proj], qkv) = map_group(l.packed(&l.qkv, &attn), attn, f)?;
+                let mlp = [&l.gate_proj, &l.up_proj];
+                let ([gate_proj, up_proj], gate_up) =
+                    map_group(l.packed(&l.gate_up, &mlp), mlp, f)?;
                 Ok(Layer {
                     input_layernorm: norm(&l.input_layernorm)?,
-                    q_proj: lin(&l.q_proj)?,
-                    k_proj: lin(&l.k_proj)?,
-                    v_proj: lin(&l.v_proj)?,
+                    q_proj,
+                    k_proj,
+                    v_proj,
                     o_proj: lin(&l.o_proj)?,
                     q_norm: l.q_norm.as_ref().map(norm).transpose()?,
                     k_norm: l.k_norm.as_ref().map(norm).transpose()?,
                     post_attention_layernorm: norm(&l.post_attention_layernorm)?,
-                    gate_proj: lin(&l.gate_proj)?,
-                    up_proj: lin(&l.up_proj)?,
+                    gate_proj,
+                    up_proj,
                     down_proj: lin(&l.down_proj)?,
+                    qkv,
+                    gate_up,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -839,6 +1073,7 @@ impl Transformer {
     /// once, not at every policy update.
     pub fn for_decoding_reusing(&self, prev: Option<&Transformer>) -> Result<Self> {
         let mut m = self.detached();
+        m.pack_projections()?;
         if !self.device().is_cpu() {
             return Ok(m);
         }
@@ -855,10 +1090,38 @@ impl Transformer {
                 }
                 Ok(Some(w.t()?.contiguous()?))
             };
+        // The same pack's transpose (kept by `self` or made for `prev`), if there is one.
+        let same = |p: &Option<Packed>, w: &Tensor| -> Option<Linear> {
+            p.as_ref()
+                .filter(|p| p.linear.weight.id() == w.id())
+                .map(|p| p.linear.clone())
+        };
         for (i, (l, s)) in m.layers.iter_mut().zip(&self.layers).enumerate() {
-            let old = prev.and_then(|p| p.layers.get(i)).map(|p| p.linears());
+            let prev_layer = prev.and_then(|p| p.layers.get(i));
+            let old = prev_layer.map(|p| p.linears());
+            // Packed parts run through their pack in a pass over a cache: no transposes of their
+            // own. (After `pack_projections` every pack is current.)
+            let (qkv, mlp) = (l.qkv.is_some(), l.gate_up.is_some());
+            let packed = [qkv, qkv, qkv, false, mlp, mlp, false];
             for (j, (lin, s)) in l.linears_mut().into_iter().zip(s.linears()).enumerate() {
-                lin.weight_t = tr(&lin.weight, &s.weight_t, old.map(|o| o[j]))?;
+                lin.weight_t = if packed[j] {
+                    None
+                } else {
+                    tr(&lin.weight, &s.weight_t, old.map(|o| o[j]))?
+                };
+            }
+            let olds = [prev_layer.map(|p| &p.qkv), prev_layer.map(|p| &p.gate_up)];
+            for ((pack, src), old) in [&mut l.qkv, &mut l.gate_up]
+                .into_iter()
+                .zip([&s.qkv, &s.gate_up])
+                .zip(olds)
+            {
+                let Some(p) = pack.as_mut() else {
+                    continue;
+                };
+                let kept = same(src, &p.linear.weight).and_then(|k| k.weight_t);
+                let old = old.and_then(|o| same(o, &p.linear.weight));
+                p.linear.weight_t = tr(&p.linear.weight, &kept, old.as_ref())?;
             }
         }
         m.decoding = true;
@@ -879,7 +1142,7 @@ impl Transformer {
 
     /// A deep copy without autograd: a frozen reference that later updates do not touch.
     pub fn snapshot(&self) -> Result<Self> {
-        self.map_tensors(&|t| t.detach().copy())
+        self.map_tensors(&|t| t.detach().force_contiguous())
     }
 
     /// Like [`Self::snapshot`], but copies only the trainable weights (candle `Var`s: every
@@ -887,14 +1150,19 @@ impl Transformer {
     /// frozen ones, which nothing updates in place. This is what the learner publishes to the
     /// generator after each step: the generator never sees a half-updated weight, and with
     /// LoRA only the adapters are copied.
+    ///
+    /// The copies are packed ([`Self::pack_projections`]) as they are made, so the generator's
+    /// packed q/k/v and gate/up cost no second copy.
     pub fn snapshot_trainable(&self) -> Result<Self> {
-        self.map_tensors(&|t| {
+        let mut m = self.map_tensors(&|t| {
             if t.is_variable() {
-                t.detach().copy()
+                t.detach().force_contiguous()
             } else {
                 Ok(t.detach())
             }
-        })
+        })?;
+        m.pack_projections()?;
+        Ok(m)
     }
 
     /// Turns gradient checkpointing on (TRL's `gradient_checkpointing`): a training forward

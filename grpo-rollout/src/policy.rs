@@ -30,7 +30,9 @@ impl TrainableModel {
         let mut vars = Vec::new();
         let mut map = HashMap::new();
         for (name, t) in base.weights() {
-            let v = Var::from_tensor(&t.detach().copy()?)?;
+            // A storage of its own (`make_var` copies the elements the layout holds: a packed
+            // weight's view becomes a tensor of its size, not of its pack's).
+            let v = Var::from_tensor(&t.detach())?;
             map.insert(name.clone(), v.as_tensor().clone());
             vars.push((name, v));
         }

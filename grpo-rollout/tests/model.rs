@@ -266,6 +266,184 @@ fn left_padded_batch_equals_rows_alone() {
     }
 }
 
+/// Logits `(B, V)` of positions 1.. of a left-padded batch from passes over a KV cache: the
+/// first 2 positions prefilled, then one token at a time.
+fn cached_logits(m: &Transformer, ids: &Tensor, mask: &Tensor) -> Vec<Tensor> {
+    let (b, l) = ids.dims2().unwrap();
+    let mask_v: Vec<Vec<u32>> = mask.to_vec2().unwrap();
+    let (pos, bias) =
+        padded_positions_and_bias(&mask.narrow(1, 0, 2).unwrap(), &Device::Cpu).unwrap();
+    let mut cache = KvCache::default();
+    let h = m
+        .forward_hidden(&ids.narrow(1, 0, 2).unwrap(), &pos, &bias, Some(&mut cache))
+        .unwrap();
+    let mut step_logits = vec![
+        m.logits(&h.narrow(1, 1, 1).unwrap().squeeze(1).unwrap())
+            .unwrap(),
+    ];
+    let pos_all: Vec<Vec<u32>> = padded_positions_and_bias(mask, &Device::Cpu)
+        .unwrap()
+        .0
+        .to_vec2()
+        .unwrap();
+    for j in 2..l {
+        let p: Vec<u32> = (0..b).map(|r| pos_all[r][j]).collect();
+        let bias: Vec<f32> = (0..b)
+            .flat_map(|r| {
+                (0..=j)
+                    .map(|k| if mask_v[r][k] == 1 { 0.0 } else { -1e9 })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let h = m
+            .forward_hidden(
+                &ids.narrow(1, j, 1).unwrap(),
+                &Tensor::from_vec(p, (b, 1), &Device::Cpu).unwrap(),
+                &Tensor::from_vec(bias, (b, 1, 1, j + 1), &Device::Cpu).unwrap(),
+                Some(&mut cache),
+            )
+            .unwrap();
+        step_logits.push(m.logits(&h.squeeze(1).unwrap()).unwrap());
+    }
+    assert_eq!(cache.len(), l);
+    step_logits
+}
+
+/// Largest |a − b| over two lists of tensors.
+fn max_diff(a: &[Tensor], b: &[Tensor]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            (x - y)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .fold(0f32, f32::max)
+}
+
+/// Whether two tensors are views of one storage.
+fn same_storage(a: &Tensor, b: &Tensor) -> bool {
+    let (sa, _) = a.storage_and_layout();
+    let (sb, _) = b.storage_and_layout();
+    std::ptr::eq(&*sa, &*sb)
+}
+
+#[test]
+fn packed_projections_are_views_and_decode_as_the_separate_maps() {
+    let (rows, _) = batch();
+    let (ids, mask) = padded(&rows);
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let base = model(arch, DType::F32, false);
+        // Built packed: q, k, v (and gate, up) are consecutive row blocks of one tensor.
+        for l in &base.layers {
+            let (q, k, v) = (&l.q_proj.weight, &l.k_proj.weight, &l.v_proj.weight);
+            assert!(
+                l.qkv.is_some() && l.gate_up.is_some(),
+                "{arch:?}: not packed"
+            );
+            assert!(same_storage(q, k) && same_storage(k, v));
+            assert_eq!(k.layout().start_offset(), q.elem_count());
+            assert!(same_storage(&l.gate_proj.weight, &l.up_proj.weight));
+            if let (Some(bq), Some(bv)) = (&l.q_proj.bias, &l.v_proj.bias) {
+                assert!(same_storage(bq, bv), "{arch:?}: biases not packed");
+            }
+        }
+        // The same weights, each in a tensor of its own and unpacked: the separate path.
+        let mut sep = base.clone();
+        for l in sep.layers.iter_mut() {
+            l.qkv = None;
+            l.gate_up = None;
+            for lin in l.linears_mut() {
+                lin.weight = lin.weight.force_contiguous().unwrap();
+                lin.bias = lin.bias.as_ref().map(|b| b.force_contiguous().unwrap());
+            }
+        }
+        let packed = cached_logits(&base, &ids, &mask);
+        let separate = cached_logits(&sep, &ids, &mask);
+        let d = max_diff(&packed, &separate);
+        assert!(d < 1e-5, "{arch:?}: packed vs separate {d}");
+        // A CPU decoding copy: transposes of the packs, none of the packed parts.
+        let dec = base.for_decoding().unwrap();
+        let l0 = &dec.layers[0];
+        assert!(l0.qkv.as_ref().unwrap().linear.weight_t.is_some());
+        assert!(l0.gate_up.as_ref().unwrap().linear.weight_t.is_some());
+        assert!(l0.q_proj.weight_t.is_none() && l0.o_proj.weight_t.is_some());
+        let d = max_diff(&cached_logits(&dec, &ids, &mask), &separate);
+        assert!(d < 1e-5, "{arch:?}: decoding copy vs separate {d}");
+        // A deep copy stays packed, in storage of its own.
+        let snap = base.snapshot().unwrap();
+        let (a, b) = (&snap.layers[1].q_proj.weight, &snap.layers[1].v_proj.weight);
+        assert!(snap.layers[1].qkv.is_some() && same_storage(a, b));
+        assert!(!same_storage(a, &base.layers[1].q_proj.weight));
+        // A replaced part makes its pack stale: not used, and packed again on request.
+        let mut stale = base.clone();
+        let w = &stale.layers[0].k_proj.weight;
+        stale.layers[0].k_proj.weight = (w * 1.0).unwrap();
+        let d = max_diff(&cached_logits(&stale, &ids, &mask), &separate);
+        assert!(d < 1e-5, "{arch:?}: stale pack {d}");
+        stale.pack_projections().unwrap();
+        let l0 = &stale.layers[0];
+        assert!(same_storage(&l0.q_proj.weight, &l0.k_proj.weight));
+        assert!(!same_storage(
+            &l0.q_proj.weight,
+            &base.layers[0].q_proj.weight
+        ));
+        // LoRA adapters on packed parts: a pass over a cache equals the full forward.
+        let lc = LoraConfig {
+            r: 4,
+            lora_alpha: 8.0,
+            ..LoraConfig::default()
+        };
+        let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
+        nonzero_b(&tm);
+        assert!(
+            tm.model.layers[0].qkv.is_some(),
+            "the LoRA base is not packed"
+        );
+        let adapted = tm
+            .model
+            .snapshot_trainable()
+            .unwrap()
+            .for_decoding()
+            .unwrap();
+        let (b, l) = ids.dims2().unwrap();
+        let full = tm.model.detached().forward_padded(&ids, &mask).unwrap();
+        let full = tm
+            .model
+            .logits(&full.reshape((b * l, base.cfg.hidden_size)).unwrap())
+            .unwrap()
+            .reshape((b, l, VOCAB))
+            .unwrap();
+        let want: Vec<Tensor> = (1..l)
+            .map(|j| full.narrow(1, j, 1).unwrap().squeeze(1).unwrap())
+            .collect();
+        // Only the last position is real in every row.
+        let got = cached_logits(&adapted, &ids, &mask);
+        let d = max_diff(&got[l - 2..], &want[l - 2..]);
+        assert!(
+            d < 1e-4,
+            "{arch:?}: LoRA pass over a cache vs full forward {d}"
+        );
+        // Full fine-tuning: the trainable model is not packed (its weights are Vars); its
+        // published snapshots are.
+        let full_ft = TrainableModel::full(&base).unwrap();
+        let l0 = &full_ft.model.layers[0];
+        assert!(l0.qkv.is_none());
+        // Each Var holds its own elements, not a copy of its pack.
+        assert!(!same_storage(&l0.q_proj.weight, &l0.k_proj.weight));
+        assert_eq!(l0.k_proj.weight.layout().start_offset(), 0);
+        let snap = full_ft.model.snapshot_trainable().unwrap();
+        assert!(snap.layers[0].qkv.is_some());
+        let d = max_diff(&cached_logits(&snap, &ids, &mask), &separate);
+        assert!(d < 1e-5, "{arch:?}: published full fine-tune {d}");
+    }
+}
+
 #[test]
 fn incremental_decoding_matches_the_full_forward() {
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
@@ -279,43 +457,8 @@ fn incremental_decoding_matches_the_full_forward() {
             .unwrap()
             .reshape((b, l, VOCAB))
             .unwrap();
-        // Prefill the first 2 positions, then one token at a time.
         let mask_v: Vec<Vec<u32>> = mask.to_vec2().unwrap();
-        let (pos, bias) =
-            padded_positions_and_bias(&mask.narrow(1, 0, 2).unwrap(), &Device::Cpu).unwrap();
-        let mut cache = KvCache::default();
-        let h = m
-            .forward_hidden(&ids.narrow(1, 0, 2).unwrap(), &pos, &bias, Some(&mut cache))
-            .unwrap();
-        let mut step_logits = vec![
-            m.logits(&h.narrow(1, 1, 1).unwrap().squeeze(1).unwrap())
-                .unwrap(),
-        ];
-        let pos_all: Vec<Vec<u32>> = padded_positions_and_bias(&mask, &Device::Cpu)
-            .unwrap()
-            .0
-            .to_vec2()
-            .unwrap();
-        for j in 2..l {
-            let p: Vec<u32> = (0..b).map(|r| pos_all[r][j]).collect();
-            let bias: Vec<f32> = (0..b)
-                .flat_map(|r| {
-                    (0..=j)
-                        .map(|k| if mask_v[r][k] == 1 { 0.0 } else { -1e9 })
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            let h = m
-                .forward_hidden(
-                    &ids.narrow(1, j, 1).unwrap(),
-                    &Tensor::from_vec(p, (b, 1), &Device::Cpu).unwrap(),
-                    &Tensor::from_vec(bias, (b, 1, 1, j + 1), &Device::Cpu).unwrap(),
-                    Some(&mut cache),
-                )
-                .unwrap();
-            step_logits.push(m.logits(&h.squeeze(1).unwrap()).unwrap());
-        }
-        assert_eq!(cache.len(), l);
+        let step_logits = cached_logits(&m, &ids, &mask);
         for (k, sl) in step_logits.iter().enumerate() {
             let j = k + 1;
             let want = full_logits.narrow(1, j, 1).unwrap().squeeze(1).unwrap();
@@ -890,7 +1033,20 @@ fn a_lora_reference_shares_the_base_and_the_decoding_copy_reuses_its_transposes(
         .for_decoding_reusing(Some(&d1))
         .unwrap();
     for (l1, l2) in d1.layers.iter().zip(&d2.layers) {
-        for (a, b) in l1.linears().iter().zip(l2.linears()) {
+        // The packed maps' transposes, and those of o and down.
+        let mut pairs = vec![
+            (
+                &l1.qkv.as_ref().unwrap().linear,
+                &l2.qkv.as_ref().unwrap().linear,
+            ),
+            (
+                &l1.gate_up.as_ref().unwrap().linear,
+                &l2.gate_up.as_ref().unwrap().linear,
+            ),
+        ];
+        pairs.push((&l1.o_proj, &l2.o_proj));
+        pairs.push((&l1.down_proj, &l2.down_proj));
+        for (a, b) in pairs {
             let (ta, tb) = (a.weight_t.as_ref().unwrap(), b.weight_t.as_ref().unwrap());
             assert_eq!(ta.id(), tb.id(), "a frozen weight was transposed again");
         }

@@ -2,7 +2,8 @@
 // kernels' own source runs, unchanged, on a machine without a GPU: every thread of a block is a
 // fiber, `__syncthreads` waits for the block, a warp shuffle is an exchange through memory
 // between two waits for the warp, `__shared__` variables are statics (blocks run one after
-// another), and the grid is walked block by block. Slow, and exact about what a kernel computes
+// another), and the grid is walked block by block, last block first (CUDA promises no order:
+// a kernel whose blocks read what other blocks of the same launch write fails here). Slow, and exact about what a kernel computes
 // for given indices — which is what it is for.
 #pragma once
 #include <ucontext.h>
@@ -170,7 +171,7 @@ void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem
     auto call = [&]() { kernel(static_cast<P>(args)...); };
     emu_body = &emu_trampoline<decltype(call)>;
     emu_body_arg = &call;
-    for (unsigned b = 0; b < grid; ++b) {
+    for (unsigned b = grid; b-- > 0;) {
         blockIdx.x = b;
         emu_run_block();
     }

@@ -169,7 +169,16 @@ static int run(const std::string& op, char** a, K k) {
         auto x = to_storage<T>(read_f32(0)), u = to_storage<T>(read_f32(1));
         long n = x.size();
         std::vector<S> out(n);
-        emu_launch(k.silu_fwd, blocks(n, 256), 256, 0, x.data(), 0L, u.data(), 0L, out.data(), n);
+        emu_launch(k.silu_fwd, blocks(n, 256), 256, 0, x.data(), 0L, 0L, u.data(), 0L, 0L,
+                   out.data(), n, n);
+        write_out<T>(out);
+    } else if (op == "silu_packed") {  // rows cols: in0 (rows, 2·cols) = [gate | up] per row
+        long rows = atol(a[0]), cols = atol(a[1]);
+        auto gu = to_storage<T>(read_f32(0));
+        long n = rows * cols;
+        std::vector<S> out(n);
+        emu_launch(k.silu_fwd, blocks(n, 256), 256, 0, gu.data(), 0L, 2 * cols, gu.data(), cols,
+                   2 * cols, out.data(), n, cols);
         write_out<T>(out);
     } else if (op == "silu_bwd") {
         auto x = to_storage<T>(read_f32(0)), u = to_storage<T>(read_f32(1)),
@@ -209,6 +218,25 @@ static int run(const std::string& op, char** a, K k) {
                    kb, kg, ks, vc.data(), 0L, kb, kg, ks, bias.data(), 0L, out.data(), nh, nkv, l,
                    s, d, scale);
         write_out<T>(out);
+    } else if (op == "cached_attention") {
+        // b nh nkv l past d cap scale: in0 qkv (b, l, nh + 2·nkv, d), in1 k cache, in2 v cache
+        // (b, nkv, cap, d), in3 cos, in4 sin (b, l, d/2), in5 bias (b, 1, l, past + l);
+        // out = [context (b·l, nh·d), k cache, v cache]
+        int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), d = atoi(a[5]);
+        long past = atol(a[4]), cap = atol(a[6]);
+        float scale = atof(a[7]);
+        auto qkv = to_storage<T>(read_f32(0)), kc = to_storage<T>(read_f32(1)),
+             vc = to_storage<T>(read_f32(2)), c = to_storage<T>(read_f32(3)),
+             sn = to_storage<T>(read_f32(4)), bias = to_storage<T>(read_f32(5));
+        std::vector<S> out((long)b * l * nh * d);
+        long s = past + l;
+        int warps = s / 16 < 1 ? 1 : (s / 16 > 8 ? 8 : (int)(s / 16));
+        emu_launch(k.cached_attention, (unsigned)(b * nh * l), 32 * warps, 0, qkv.data(), 0L,
+                   kc.data(), vc.data(), cap, c.data(), 0L, sn.data(), 0L, bias.data(), 0L,
+                   out.data(), nh, nkv, l, past, d, scale);
+        out.insert(out.end(), kc.begin(), kc.end());
+        out.insert(out.end(), vc.begin(), vc.end());
+        write_out<T>(out);
     } else {
         std::fprintf(stderr, "harness: unknown op %s\n", op.c_str());
         return 2;
@@ -229,6 +257,7 @@ static int run(const std::string& op, char** a, K k) {
         decltype(&softmax_fwd_##N) softmax_fwd = &softmax_fwd_##N;                         \
         decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
         decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \
+        decltype(&cached_attention_##N) cached_attention = &cached_attention_##N;          \
         decltype(&lsg_fwd_##N) lsg_fwd = &lsg_fwd_##N;                                     \
         decltype(&sample_rows_##N) sample = &sample_rows_##N;                              \
         decltype(&lsg_bwd_##N) lsg_bwd = &lsg_bwd_##N;                                     \

@@ -26,20 +26,25 @@ fn harness() -> Option<&'static Path> {
     static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
     BIN.get_or_init(|| {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let dir = std::env::temp_dir().join(format!("grpo-cuda-emu-{}", std::process::id()));
+        // Compiled beside the test binaries, under a name of this process's, then renamed.
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-emulation");
         std::fs::create_dir_all(&dir).unwrap();
         let bin = dir.join("harness");
+        let fresh = dir.join(format!("harness-{}", std::process::id()));
         let r = root();
         let out = Command::new(&cxx)
             .args(["-std=c++20", "-O1", "-o"])
-            .arg(&bin)
+            .arg(&fresh)
             .arg(r.join("tests/cuda_emulation/harness.cpp"))
             .arg(format!("-I{}", r.join("grpo-rollout/src").display()))
             .arg(format!("-I{}", r.join("grpo-core/src").display()))
             .arg(format!("-I{}", r.join("tests/cuda_emulation").display()))
             .output();
         match out {
-            Ok(o) if o.status.success() => Some(bin),
+            Ok(o) if o.status.success() => {
+                std::fs::rename(&fresh, &bin).unwrap();
+                Some(bin)
+            }
             Ok(o) => panic!(
                 "the kernels do not compile under the emulation:\n{}",
                 String::from_utf8_lossy(&o.stderr)
@@ -272,12 +277,19 @@ fn silu_mul_forward_and_backward_match_the_composition() {
 /// A causal + padding bias `(B, 1, L, S)`: 0 where a query may attend, −1e9 elsewhere, the
 /// queries being the last `L` of `S` positions and row `b` left-padded by `b` positions.
 fn bias(b: usize, l: usize, s: usize) -> Tensor {
+    padded_bias(b, l, s, false)
+}
+
+/// [`bias`]; with `own`, a query at a padding position sees itself (as the model's masks keep
+/// every row finite), so that no row is masked whole.
+fn padded_bias(b: usize, l: usize, s: usize, own: bool) -> Tensor {
     let mut v = Vec::with_capacity(b * l * s);
     for bi in 0..b {
         for i in 0..l {
             let pos = s - l + i;
             for j in 0..s {
-                v.push(if j <= pos && j >= bi { 0.0f32 } else { -1e9 });
+                let seen = j <= pos && (j >= bi || (own && j == pos));
+                v.push(if seen { 0.0f32 } else { -1e9 });
             }
         }
     }
@@ -373,6 +385,109 @@ fn attention_over_a_strided_cache_matches_the_composition() {
                 "attention {name}: a visible key did not"
             );
         }
+    }
+}
+
+/// Runs the emulated `cached_attention` kernel and checks it against the CPU's
+/// [`fused::cached_attention`] (rope, two kv_writes and attention on views of the packed
+/// projections) and, to the bit, against the emulated kernels of those ops one after another.
+fn check_cached_attention(dims: [usize; 7], dt: DType, name: &str, tol: f32, seed: u64) -> bool {
+    let [b, nh, nkv, l, past, d, cap] = dims;
+    let sl = past + l;
+    let qkv = randn(&[b, l, nh + 2 * nkv, d], dt, seed);
+    let kc = randn(&[b, nkv, cap, d], dt, seed + 1);
+    let vc = randn(&[b, nkv, cap, d], dt, seed + 2);
+    let (c, sn) = rope_tables(b, l, d, dt);
+    let m = padded_bias(b, l, sl, true);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut args = [b, nh, nkv, l, past, d, cap].map(s).to_vec();
+    args.push(s(scale));
+    let Some(got) = run(
+        "cached_attention",
+        name,
+        &args,
+        &[&qkv, &kc, &vc, &c, &sn, &m],
+    ) else {
+        return false;
+    };
+    let what = format!("cached_attention {name} b {b} heads {nh}/{nkv} L {l} past {past} D {d}");
+    let n = b * l * nh * d;
+    let (ctx, caches) = got.split_at(n);
+    let (gk, gv) = caches.split_at(b * nkv * cap * d);
+    let (wk, wv) = (kc.copy().unwrap(), vc.copy().unwrap());
+    let want = fused::cached_attention(&qkv, &wk, &wv, &c, &sn, &m, past, nh, scale).unwrap();
+    close(&format!("{what}: context"), ctx, &flat(&want), tol * 2.0);
+    close(&format!("{what}: keys"), gk, &flat(&wk), tol);
+    assert_eq!(gv, &flat(&wv)[..], "{what}: values must move unchanged");
+
+    // The ops it replaces, as their own kernels: the same bits.
+    let part = |at: usize, h: usize| qkv.narrow(2, at, h).unwrap().contiguous().unwrap();
+    let q = run(
+        "rope",
+        name,
+        &[b, l, nh, d, 0].map(s),
+        &[&part(0, nh), &c, &sn],
+    )
+    .unwrap();
+    let q = Tensor::from_vec(q, (b, nh, l, d), &Device::Cpu).unwrap();
+    let write = |cache: &Tensor, x: &Tensor, rotate: usize| {
+        let args = [b, l, nkv, d, cap, past, rotate].map(s);
+        let v = run("kv_write", name, &args, &[cache, x, &c, &sn]).unwrap();
+        Tensor::from_vec(v, (b, nkv, cap, d), &Device::Cpu).unwrap()
+    };
+    let k2 = write(&kc, &part(nh, nkv), 1);
+    let v2 = write(&vc, &part(nh + nkv, nkv), 0);
+    let mut args = [b, nh, nkv, l, sl, d, cap].map(s).to_vec();
+    args.push(s(scale));
+    let ctx2 = run("attention", name, &args, &[&q, &k2, &v2, &m]).unwrap();
+    assert_eq!(
+        ctx,
+        &ctx2[..],
+        "{what}: context differs from rope + kv_write + attention"
+    );
+    assert_eq!(gk, &flat(&k2)[..], "{what}: keys differ from kv_write's");
+    true
+}
+
+#[test]
+fn cached_attention_equals_rope_kv_writes_and_attention() {
+    // A decode step over a partly filled cache with grouped heads and a head dim that leaves a
+    // partial warp; a short prefill after cached positions; a first prefill (nothing cached,
+    // one kv head per query head); a decode step of the 0.77B model's shape.
+    for dims in [
+        [2, 6, 2, 1, 36, 40, 50],
+        [2, 6, 2, 3, 34, 40, 50],
+        [2, 4, 4, 5, 0, 16, 8],
+        [2, 12, 2, 1, 299, 128, 320],
+    ] {
+        for (name, dt, tol) in DTYPES {
+            if !check_cached_attention(dims, dt, name, tol, 40) {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn silu_mul_of_packed_rows_matches_the_composition() {
+    let (rows, cols) = (7, 300); // rows that span blocks, a block that spans rows
+    for (name, dt, tol) in DTYPES {
+        let gu = randn(&[rows, 2 * cols], dt, 30);
+        let Some(got) = run("silu_packed", name, &[s(rows), s(cols)], &[&gu]) else {
+            return;
+        };
+        let (g, u) = (
+            gu.narrow(1, 0, cols).unwrap(),
+            gu.narrow(1, cols, cols).unwrap(),
+        );
+        let want = fused::silu_mul_composed(&g, &u).unwrap();
+        close(&format!("silu_mul packed {name}"), &got, &flat(&want), tol);
+        let (g, u) = (g.contiguous().unwrap(), u.contiguous().unwrap());
+        let apart = run("silu_fwd", name, &[], &[&g, &u]).unwrap();
+        assert_eq!(
+            got, apart,
+            "silu_mul packed {name}: differs from the separate halves"
+        );
     }
 }
 
@@ -723,5 +838,13 @@ fn random_shapes_match_the_composition() {
             "case {case}: attention b {b} heads {nh}/{nkv} L {l} S {sl}/{cap} D {d} {name}"
         );
         close(&what, &got, &flat(&want), tol);
+        // The same shape as a pass over a cache after the packed product.
+        check_cached_attention(
+            [b, nh, nkv, l, sl - l, d, cap],
+            dt,
+            name,
+            tol,
+            700 + case as u64,
+        );
     }
 }
