@@ -80,6 +80,21 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         kv_write_check(device, dtype).map(|d| (d, tol)),
     );
     push(
+        "cache pass after packed q/k/v: rope, cache writes, attention (decode) vs composition"
+            .into(),
+        cached_attention_check(device, dtype).map(|d| (d, tol)),
+    );
+    push(
+        "SiLU·mul of packed gate/up rows vs composition".into(),
+        (|| {
+            let gu = randn(&[7, 2 * 300], dtype, device)?;
+            let (g, u) = (gu.narrow(1, 0, 300)?, gu.narrow(1, 300, 300)?);
+            let want = fused::silu_mul_composed(&g, &u)?;
+            let got = fused::silu_mul_packed(&gu)?;
+            Ok((max_diff(&want, &got)? / max_abs(&want)?.max(1.0), tol))
+        })(),
+    );
+    push(
         "sampling (kernel on CUDA) vs tensor-op sampler, tokens differing".into(),
         sampling_check(device, dtype),
     );
@@ -407,6 +422,41 @@ fn kv_write_check(device: &Device, dtype: DType) -> Result<f64> {
         anyhow::ensure!(moved == 0.0, "a write changed a cached position before it");
     }
     Ok(worst)
+}
+
+/// A layer's pass over a KV cache after the packed q/k/v product (on a GPU one kernel) against
+/// the compositions of RoPE, the cache writes and attention: the context and both caches.
+fn cached_attention_check(device: &Device, dtype: DType) -> Result<f64> {
+    let (b, nh, nkv, l, d, cap, past) = (3, 6, 2, 2, 64, 40, 27);
+    let s = past + l;
+    let qkv = randn(&[b, l, nh + 2 * nkv, d], dtype, device)?;
+    let ang = randn(&[b, l, d / 2], DType::F32, device)?;
+    let (c, sn) = (ang.cos()?.to_dtype(dtype)?, ang.sin()?.to_dtype(dtype)?);
+    // Row r left-padded by r positions; causal over the step's two positions.
+    let bias: Vec<f32> = (0..b)
+        .flat_map(|r| {
+            (0..l).flat_map(move |i| {
+                (0..s).map(move |j| if j < r || j > past + i { -1e9 } else { 0.0 })
+            })
+        })
+        .collect();
+    let bias = Tensor::from_vec(bias, (b, 1, l, s), device)?.to_dtype(dtype)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (kc, vc) = (
+        randn(&[b, nkv, cap, d], dtype, device)?,
+        randn(&[b, nkv, cap, d], dtype, device)?,
+    );
+    let (wk, wv) = (kc.copy()?, vc.copy()?);
+    let q = fused::rope_composed(&qkv.narrow(2, 0, nh)?, &c, &sn)?;
+    fused::kv_write_composed(&wk, &qkv.narrow(2, nh, nkv)?, Some((&c, &sn)), past)?;
+    fused::kv_write_composed(&wv, &qkv.narrow(2, nh + nkv, nkv)?, None, past)?;
+    let (k, v) = (wk.narrow(2, 0, s)?, wv.narrow(2, 0, s)?);
+    let want = fused::attention_composed(&q, &k, &v, &bias, scale)?;
+    let (gk, gv) = (kc.copy()?, vc.copy()?);
+    let got = fused::cached_attention(&qkv, &gk, &gv, &c, &sn, &bias, past, nh, scale)?;
+    let rel =
+        |a: &Tensor, b: &Tensor| -> Result<f64> { Ok(max_diff(a, b)? / max_abs(a)?.max(1.0)) };
+    Ok(rel(&want, &got)?.max(rel(&wk, &gk)?).max(rel(&wv, &gv)?))
 }
 
 /// One decode step's sampling with every filter on (top-k, top-p, min-p, a repetition

@@ -331,6 +331,8 @@ fn check_self_test_passes_on_the_cpu() {
             "attention over a cache view",
             "residual add + rms_norm",
             "KV-cache writes",
+            "cache pass after packed q/k/v",
+            "SiLU·mul of packed gate/up",
             "sampling (kernel on CUDA)",
             "gradient checkpointing",
             "AdamW steps",

@@ -649,7 +649,7 @@ fn cached_attention_t<T: Elem>(
     lk: &Layout,
     vc: &CudaStorage,
     lv: &Layout,
-    a: &CachedAttention,
+    a: &CachedAttention<'_>,
 ) -> Result<(CudaStorage, Shape)> {
     let dev = &qkv.device;
     let (b, l, heads, d) = lq.shape().dims4()?;
@@ -731,7 +731,7 @@ pub fn cached_attention(
     lk: &Layout,
     vc: &CudaStorage,
     lv: &Layout,
-    a: &CachedAttention,
+    a: &CachedAttention<'_>,
 ) -> Result<(CudaStorage, Shape)> {
     cuda_typed!(
         qkv.dtype(),
