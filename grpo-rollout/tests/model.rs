@@ -102,6 +102,18 @@ fn nonzero_b(tm: &TrainableModel) {
     }
 }
 
+/// `base` with rank-4 adapters on its default targets, their `B` made nonzero.
+fn adapted(base: &Transformer) -> TrainableModel {
+    let lc = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        ..LoraConfig::default()
+    };
+    let tm = TrainableModel::lora(base, &lc, 5).unwrap();
+    nonzero_b(&tm);
+    tm
+}
+
 #[test]
 fn lora_trains_only_adapters_and_every_factor_gets_a_gradient() {
     let base = model(Arch::Qwen2, DType::F32, false);
@@ -394,13 +406,7 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
             &base.layers[0].q_proj.weight
         ));
         // LoRA adapters on packed parts: a pass over a cache equals the full forward.
-        let lc = LoraConfig {
-            r: 4,
-            lora_alpha: 8.0,
-            ..LoraConfig::default()
-        };
-        let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
-        nonzero_b(&tm);
+        let tm = adapted(&base);
         assert!(
             tm.model.layers[0].qkv.is_some(),
             "the LoRA base is not packed"
@@ -711,14 +717,7 @@ fn shared_prompts_equal_rows_run_alone_with_gradients() {
         for use_lora in [false, true] {
             let base = model(arch, DType::F64, arch == Arch::Qwen3);
             let tm = if use_lora {
-                let lc = LoraConfig {
-                    r: 4,
-                    lora_alpha: 8.0,
-                    ..LoraConfig::default()
-                };
-                let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
-                nonzero_b(&tm);
-                tm
+                adapted(&base)
             } else {
                 TrainableModel::full(&base).unwrap()
             };
@@ -853,13 +852,7 @@ fn shared_prompts_equal_rows_run_alone_with_gradients() {
 fn merging_a_decoding_copy_gives_the_adapted_model() {
     let (rows, _) = batch();
     let (ids, mask) = padded(&rows);
-    let lc = LoraConfig {
-        r: 4,
-        lora_alpha: 8.0,
-        ..LoraConfig::default()
-    };
-    let tm = TrainableModel::lora(&model(Arch::Qwen2, DType::F64, false), &lc, 5).unwrap();
-    nonzero_b(&tm);
+    let tm = adapted(&model(Arch::Qwen2, DType::F64, false));
     let adapted = tm.model.detached();
     let want = adapted.forward_padded(&ids, &mask).unwrap();
     let merged = lora::merge(&adapted.for_decoding().unwrap()).unwrap();
@@ -1001,13 +994,7 @@ fn gradient_checkpointing_gives_the_same_gradients() {
 #[test]
 fn a_lora_reference_shares_the_base_and_the_decoding_copy_reuses_its_transposes() {
     let base = model(Arch::Llama, DType::F32, false);
-    let lc = LoraConfig {
-        r: 4,
-        lora_alpha: 8.0,
-        ..LoraConfig::default()
-    };
-    let tm = TrainableModel::lora(&base, &lc, 5).unwrap();
-    nonzero_b(&tm);
+    let tm = adapted(&base);
     // The reference is the base with adapters off: its log-probs are the base's, its weights
     // the base's own tensors.
     let reference = tm.model.without_adapters();
