@@ -36,7 +36,7 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
         load_hf_dir(path, dtype, device)
     } else if path.extension().and_then(|e| e.to_str()) == Some("gguf") {
         let (cfg, weights, tokenizer) = crate::gguf::load_gguf(path, dtype, device)?;
-        let model = Transformer::from_weights(&cfg, &weights, dtype, device)?;
+        let model = Transformer::from_weights_owned(&cfg, weights, dtype, device)?;
         Ok(LoadedModel {
             model,
             tokenizer,
@@ -100,8 +100,8 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let cfg = ModelConfig::from_hf_file(&dir.join("config.json"))?;
     let weights = read_safetensors(dir, device)?;
-    let model =
-        Transformer::from_weights(&cfg, &weights, dtype, device).map_err(|e| io_err(dir, e))?;
+    let model = Transformer::from_weights_owned(&cfg, weights, dtype, device)
+        .map_err(|e| io_err(dir, e))?;
     let mut eos = cfg.eos_token_ids.clone();
     if let Some(g) = read_json(&dir.join("generation_config.json"))? {
         match g.get("eos_token_id") {

@@ -821,11 +821,37 @@ impl Transformer {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::build(cfg, &|name| weights.get(name).cloned(), dtype, device)
+    }
+
+    /// [`Self::from_weights`] that consumes the map: each weight is let go of as the model
+    /// takes it, so packing a layer's projections frees the separate tensors as it goes (a load
+    /// needs the model's memory plus one layer's, not twice the projections).
+    pub fn from_weights_owned(
+        cfg: &ModelConfig,
+        weights: WeightMap,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let weights = std::cell::RefCell::new(weights);
+        Self::build(
+            cfg,
+            &|name| weights.borrow_mut().remove(name),
+            dtype,
+            device,
+        )
+    }
+
+    /// The model of the weights `take` hands out by name (each asked for once), each layer
+    /// packed as soon as it is built.
+    fn build(
+        cfg: &ModelConfig,
+        take: &dyn Fn(&str) -> Option<Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         cfg.validate()?;
-        let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            let t = weights
-                .get(name)
-                .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
+        let checked = |name: &str, t: Tensor, shape: &[usize]| -> Result<Tensor> {
             if t.dims() != shape {
                 bail!(
                     "weight `{name}` has shape {:?}, expected {shape:?}",
@@ -834,12 +860,13 @@ impl Transformer {
             }
             t.to_dtype(dtype)?.to_device(device)
         };
+        let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            let t = take(name)
+                .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
+            checked(name, t, shape)
+        };
         let opt = |name: &str, shape: &[usize]| -> Result<Option<Tensor>> {
-            if weights.contains_key(name) {
-                get(name, shape).map(Some)
-            } else {
-                Ok(None)
-            }
+            take(name).map(|t| checked(name, t, shape)).transpose()
         };
         let h = cfg.hidden_size;
         let q = cfg.num_attention_heads * cfg.head_dim;
@@ -897,6 +924,9 @@ impl Transformer {
                 qkv: None,
                 gate_up: None,
             });
+            if let Some(l) = layers.last_mut() {
+                l.pack()?;
+            }
         }
         let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let lm_head = if cfg.tie_word_embeddings {
@@ -905,7 +935,7 @@ impl Transformer {
             Some(get("lm_head.weight", &[cfg.vocab_size, h])?)
         };
         let (rope_cos, rope_sin) = rope_tables(cfg, device)?;
-        let mut model = Self {
+        Ok(Self {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
@@ -915,9 +945,7 @@ impl Transformer {
             checkpointing: None,
             rope_cos,
             rope_sin,
-        };
-        model.pack_projections()?;
-        Ok(model)
+        })
     }
 
     /// Stores each layer's q/k/v and gate/up weights packed ([`Packed`]; weights given as
