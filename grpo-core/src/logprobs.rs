@@ -18,16 +18,27 @@ use crate::recompute::Recompute;
 /// Upper bound on the elements of one chunk's `(rows, V)` temporaries (16 MiB of f32).
 pub const CHUNK_ELEMENTS: usize = 1 << 22;
 
+/// [`CHUNK_ELEMENTS`] on a GPU (128 MiB of f32): there a chunk costs the same few kernel
+/// launches (each ≈ 10 µs of host time) whatever its size, so small chunks leave the GPU
+/// waiting for the host (a 32 × 256-token micro-batch at vocabulary 16384 is 32 chunks of
+/// [`CHUNK_ELEMENTS`], 4 of these).
+pub const DEVICE_CHUNK_ELEMENTS: usize = 1 << 25;
+
+/// Rows per chunk of `(rows, V)` logits for a vocabulary of `v` on `device`.
+pub fn chunk_rows_on(v: usize, device: &candle_core::Device) -> usize {
+    let elements = if device.is_cpu() {
+        CHUNK_ELEMENTS
+    } else {
+        DEVICE_CHUNK_ELEMENTS
+    };
+    (elements / v.max(1)).max(1)
+}
+
 fn compute_dtype(dtype: DType) -> DType {
     match dtype {
         DType::F64 => DType::F64,
         _ => DType::F32,
     }
-}
-
-/// Rows per chunk for a vocabulary of `v`.
-fn chunk_rows(v: usize) -> usize {
-    (CHUNK_ELEMENTS / v.max(1)).max(1)
 }
 
 /// Flattens `(..., V)` to `(N, V)`; returns the leading shape too.
@@ -75,7 +86,9 @@ pub fn selective_log_softmax_chunked(
     let n = x.dim(0)?;
     let ids = targets.reshape((n, 1))?.contiguous()?;
     let dtype = compute_dtype(logits.dtype());
-    let step = rows_per_chunk.unwrap_or_else(|| chunk_rows(v)).max(1);
+    let step = rows_per_chunk
+        .unwrap_or_else(|| chunk_rows_on(v, logits.device()))
+        .max(1);
     let mut parts = Vec::with_capacity(n.div_ceil(step));
     let mut start = 0;
     while start < n {
@@ -128,7 +141,9 @@ pub fn entropy_from_logits_chunked(
     let (x, lead, v) = rows(logits)?;
     let n = x.dim(0)?;
     let dtype = compute_dtype(logits.dtype());
-    let step = rows_per_chunk.unwrap_or_else(|| chunk_rows(v)).max(1);
+    let step = rows_per_chunk
+        .unwrap_or_else(|| chunk_rows_on(v, logits.device()))
+        .max(1);
     let mut parts = Vec::with_capacity(n.div_ceil(step));
     let mut start = 0;
     while start < n {
@@ -179,6 +194,15 @@ fn entropy_composed(chunk: &Tensor, dtype: DType) -> Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn chunks_hold_at_most_the_budget_and_at_least_a_row() {
+        let d = Device::Cpu;
+        assert_eq!(chunk_rows_on(16384, &d), CHUNK_ELEMENTS / 16384);
+        assert!(chunk_rows_on(1000, &d) * 1000 <= CHUNK_ELEMENTS);
+        assert_eq!(chunk_rows_on(CHUNK_ELEMENTS * 3, &d), 1);
+        assert_eq!(chunk_rows_on(0, &d), CHUNK_ELEMENTS);
+    }
 
     #[test]
     fn chunking_does_not_change_values() {

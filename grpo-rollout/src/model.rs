@@ -1406,7 +1406,7 @@ impl Transformer {
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let total = h.dim(0)?;
-        let rows = (grpo_core::logprobs::CHUNK_ELEMENTS / self.cfg.vocab_size).max(1);
+        let rows = grpo_core::logprobs::chunk_rows_on(self.cfg.vocab_size, h.device());
         let mut lps = Vec::new();
         let mut ents = Vec::new();
         let mut start = 0;

@@ -48,10 +48,10 @@ use crate::tokenizer::Tokenizer;
 pub const DEFAULT_SCORER_BATCH: usize = 16;
 
 /// `log softmax(logits(h_i))[targets_i]` for hidden states `h` `(N, H)`, a chunk of rows at a
-/// time (at most `CHUNK_ELEMENTS` logits alive). Returns `(N,)` f32.
+/// time (`grpo_core::logprobs::chunk_rows_on`). Returns `(N,)` f32.
 fn hidden_logprobs(model: &Transformer, h: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let n = h.dim(0)?;
-    let rows = (grpo_core::logprobs::CHUNK_ELEMENTS / model.cfg.vocab_size).max(1);
+    let rows = grpo_core::logprobs::chunk_rows_on(model.cfg.vocab_size, h.device());
     let mut out = Vec::new();
     let mut start = 0;
     while start < n {
