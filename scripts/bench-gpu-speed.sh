@@ -7,17 +7,21 @@
 #
 #   scripts/bench-gpu-speed.sh [--model m770|m319|m29|DIR] [--dtype bf16|f32] [--batch 128]
 #                              [--new-tokens 256] [--prompt-len 64] [--seq-len 320] [--reps 3]
-#                              [--sanitize] [--out DIR]
+#                              [--sanitize] [--profile] [--out DIR]
 #
 # --sanitize also runs `check --device cuda` under compute-sanitizer's memcheck and racecheck
 # (out-of-bounds accesses and shared-memory races in our kernels), where the machine has it.
+# --profile also times every kernel of a few decode steps with Nsight Compute (ncu, duration
+# only) and prints the device time per step by kernel beside the step's wall time: a step whose
+# kernels take much less than its wall time is waiting for the host (launches), not the GPU.
+# Always: decode at batch 8 beside batch `--batch` (about the same ms/step = launch-bound).
 #
 # Run it on the GPU machine from the project root with .gpu/ as scripts/build-cuda.sh packs it
 # (run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py) and a Python with torch and transformers
 # (PYTHON, default /opt/torch/.venv/bin/python). m770 / m319 / m29 are made on the spot (the
 # models of scripts/bench-gpu-vs-trl.sh); a directory is taken as it is.
 set -euo pipefail
-model=m770 dtype=bf16 batch=128 new=256 plen=64 slen=320 reps=3 sanitize=0
+model=m770 dtype=bf16 batch=128 new=256 plen=64 slen=320 reps=3 sanitize=0 profile=0
 out=${OUT:-/tmp/bench-gpu-speed}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,6 +33,7 @@ while [ $# -gt 0 ]; do
     --seq-len) slen=$2; shift 2 ;;
     --reps) reps=$2; shift 2 ;;
     --sanitize) sanitize=1; shift ;;
+    --profile) profile=1; shift ;;
     --out) out=$2; shift 2 ;;
     *) echo "bench-gpu-speed.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -85,18 +90,40 @@ run() { # name command...
 run kernels bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
 run compositions env GRPO_CUDA_KERNELS=0 bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
 run torch "$PY" "$here/scripts/bench_torch_model.py" "$dir" "${flags[@]}"
+small=(--batch 8 --new-tokens "$new" --prompt-len "$plen" --reps "$reps" --device cuda --dtype "$dtype")
+run kernels_b8 bash "$gpu/run-gpu.sh" bench-model --model "$dir" --phase generate "${small[@]}"
+
+prof=""
+if [ "$profile" = 1 ]; then
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
+  if [ -z "$ncu" ]; then
+    prof="ncu not found"
+  else
+    # Skip the prefill and the first decode steps by launch count (about 10 launches per layer
+    # and 40 more per step, over-counted), then time the launches of about 8 steps.
+    layers=$(sed -n 's/.*"num_hidden_layers": *\([0-9]*\).*/\1/p' "$dir/config.json")
+    per=$(( 10 * ${layers:-28} + 40 ))
+    echo "== ncu: kernel durations of 8 decode steps"
+    "$ncu" --target-processes all --metrics gpu__time_duration.sum --csv \
+      --launch-skip $(( 12 * per )) --launch-count $(( 8 * per )) \
+      bash "$gpu/run-gpu.sh" bench-model --model "$dir" --phase generate --reps 1 \
+      --batch "$batch" --new-tokens 32 --prompt-len "$plen" --device cuda --dtype "$dtype" \
+      > "$out/ncu.csv" 2> "$out/ncu.err" || prof="ncu failed: $(tail -n 1 "$out/ncu.err")"
+  fi
+fi
 
 echo
 [ -n "$checks" ] && echo "**$checks see $out/check-*.txt**" && echo
 echo "| $model $dtype, batch $batch, $plen + $new tokens; learner $batch x $slen | decode ms/step | of which layers / head / sampling ms | prefill tokens/s | learner TFLOP/s (forward s of fwd+bwd s) | share of matmul peak |"
 echo "|---|---|---|---|---|---|"
-for name in kernels compositions torch; do
+for name in kernels compositions torch kernels_b8; do
   "$PY" - "$out/$name.jsonl" "$name" <<'EOF'
 import json, sys
 lines = [l for l in open(sys.argv[1]) if l.startswith("{")]
 d = json.loads(lines[-1]) if lines else {"failed": "no output"}
 label = {"kernels": "grpo-rs, our CUDA kernels", "compositions": "grpo-rs, GRPO_CUDA_KERNELS=0",
-         "torch": "PyTorch (transformers)"}[sys.argv[2]]
+         "torch": "PyTorch (transformers)",
+         "kernels_b8": "grpo-rs, our CUDA kernels, batch 8 (decode only)"}[sys.argv[2]]
 if "failed" in d:
     print(f"| {label} | failed: {d['failed']} | | | | |")
 else:
@@ -108,3 +135,37 @@ else:
           f"{f('fwd_bwd_matmul_fraction', 3)} |")
 EOF
 done
+
+if [ "$profile" = 1 ]; then
+  echo
+  if [ -n "$prof" ]; then echo "**profile: $prof**"; else
+  # Per-step figures divide by the number of sampling kernels timed (one per decode step).
+  "$PY" - "$out/ncu.csv" "$out/kernels.jsonl" <<'EOF'
+import csv, json, sys, collections
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+if not rows:
+    print("**profile: ncu wrote no rows**"); sys.exit(0)
+head, body = rows[0], rows[1:]
+ki, mi, vi, ui = (head.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
+tot, cnt = collections.Counter(), collections.Counter()
+scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+for r in body:
+    if r[mi] != "gpu__time_duration.sum":
+        continue
+    name = r[ki].split("(")[0].split("<")[0][:60]
+    tot[name] += float(r[vi].replace(",", "")) * scale.get(r[ui], 1e-6)
+    cnt[name] += 1
+lines = [l for l in open(sys.argv[2]) if l.startswith("{")]
+wall = json.loads(lines[-1]).get("decode_ms_per_step") if lines else None
+# One sampling kernel per decode step counts the steps timed.
+steps = sum(c for n, c in cnt.items() if n.startswith("sample_rows")) or 8
+print(f"| kernel (ncu, {steps} decode steps) | launches per step | device ms per step |")
+print("|---|---|---|")
+for name, t in tot.most_common(15):
+    print(f"| {name} | {cnt[name] / steps:.1f} | {t / steps:.3f} |")
+busy = sum(tot.values()) / steps
+w = "?" if wall is None else f"{wall:.3f}"
+print(f"| **all kernels** | {sum(cnt.values()) / steps:.1f} | **{busy:.3f}** (wall {w} ms/step) |")
+EOF
+  fi
+fi
