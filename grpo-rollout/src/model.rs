@@ -289,9 +289,25 @@ impl Layer {
     /// q `(B, L, heads, D)`, k and v `(B, L, kv_heads, D)` of normalised rows `h` `(B·L, H)`,
     /// as the projections lay them out (Qwen3's q/k norms applied, not yet rotated).
     fn projections(&self, c: &LayerCtx, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let q = self.q_proj.forward(h)?.reshape((c.b, c.l, c.nh, c.hd))?;
-        let k = self.k_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
-        let v = self.v_proj.forward(h)?.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let (q, k, v) = (
+            self.q_proj.forward(h)?,
+            self.k_proj.forward(h)?,
+            self.v_proj.forward(h)?,
+        );
+        self.heads(c, &q, &k, &v)
+    }
+
+    /// [`Self::projections`] of the q, k and v rows `(B·L, ·)`.
+    fn heads(
+        &self,
+        c: &LayerCtx,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let q = q.reshape((c.b, c.l, c.nh, c.hd))?;
+        let k = k.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let v = v.reshape((c.b, c.l, c.nkv, c.hd))?;
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -353,15 +369,24 @@ impl Layer {
     ) -> Result<(Tensor, Tensor)> {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
         let ctx = match self.packed(&self.qkv, &attn) {
-            // Qwen3 normalises q and k per head before rotating them: the separate path.
             Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
                 let qkv = p
                     .forward(h, &attn)?
                     .reshape((c.b, c.l, c.nh + 2 * c.nkv, c.hd))?;
                 cache.attend(i, past, &qkv, c)?
             }
-            _ => {
-                let (q, k, v) = self.projections(c, h)?;
+            pack => {
+                let (q, k, v) = match pack {
+                    // Qwen3 normalises q and k per head before rotating them: the pack's
+                    // columns taken apart.
+                    Some(p) => {
+                        let y = p.forward(h, &attn)?;
+                        let (nq, nk) = (c.nh * c.hd, c.nkv * c.hd);
+                        let (q, k) = (y.narrow(1, 0, nq)?, y.narrow(1, nq, nk)?);
+                        self.heads(c, &q, &k, &y.narrow(1, nq + nk, nk)?)?
+                    }
+                    None => self.projections(c, h)?,
+                };
                 let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
                 let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
                 crate::fused::attention(&q, &k, &v, &c.bias, c.scale)?
@@ -958,8 +983,8 @@ impl Transformer {
 
     /// All weights by transformers name (LoRA factors excluded; see [`crate::lora`]). The q/k/v
     /// and gate/up weights of a packed layer are views into their pack ([`Packed`]): what reads
-    /// a tensor's storage whole (candle's `QTensor::quantize`) needs `.force_contiguous()` of them (`copy` keeps
-    /// the whole storage).
+    /// a tensor's storage whole (candle's `QTensor::quantize`; `copy` and `to_device` copy it
+    /// whole) needs `.force_contiguous()` of them.
     pub fn weights(&self) -> Vec<(String, Tensor)> {
         let mut out = vec![(
             "model.embed_tokens.weight".to_string(),
