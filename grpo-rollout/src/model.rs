@@ -122,6 +122,19 @@ impl Packed {
         if parts.len() < 2 || parts.iter().any(|l| tracked(l)) {
             return Ok(None);
         }
+        // Parts that cannot share a storage (mixed types or devices, other input sizes) stay
+        // apart.
+        let w0 = &parts[0].weight;
+        let alike = |t: &Tensor| t.dtype() == w0.dtype() && t.device().same_device(w0.device());
+        let fits = parts.iter().all(|l| {
+            alike(&l.weight)
+                && l.weight.rank() == 2
+                && l.weight.dim(1).ok() == w0.dim(1).ok()
+                && l.bias.as_ref().is_none_or(alike)
+        });
+        if !fits {
+            return Ok(None);
+        }
         let weights: Vec<Tensor> = parts.iter().map(|l| l.weight.detach()).collect();
         let sizes = weights
             .iter()

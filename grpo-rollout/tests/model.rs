@@ -406,6 +406,12 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
             &l0.q_proj.weight,
             &base.layers[0].q_proj.weight
         ));
+        // Parts that cannot share a storage stay apart (no error).
+        let mut mixed = base.clone();
+        let v = &mixed.layers[0].v_proj.weight;
+        mixed.layers[0].v_proj.weight = v.to_dtype(DType::F64).unwrap();
+        mixed.pack_projections().unwrap();
+        assert!(mixed.layers[0].qkv.is_none() && mixed.layers[1].qkv.is_some());
         // LoRA adapters on packed parts: a pass over a cache equals the full forward.
         let tm = adapted(&base);
         assert!(
