@@ -247,11 +247,12 @@ pub fn generate_batch_with(
 
     // Prefill each prompt once, its cache shared across its samples.
     let mut state = prefill(model, pad, &prompts, &counts, params.max_new_tokens)?;
-    let mut rows: Vec<Row> = Vec::with_capacity(counts.iter().sum());
+    // A row of the batch: `None` once it has finished and until the batch is compacted.
+    let mut rows: Vec<Option<Row>> = Vec::with_capacity(counts.iter().sum());
     for (p, &i) in live.iter().enumerate() {
         let req = &requests[i];
         for j in 0..req.n {
-            rows.push(Row {
+            rows.push(Some(Row {
                 prompt_index: i,
                 sample_index: j,
                 rng: row_rng(req.seed, req.first_stream + j as u64),
@@ -259,11 +260,11 @@ pub fn generate_batch_with(
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
                 top: Vec::new(),
-            });
+            }));
         }
     }
     let mut sampler = if device_sampling(&device) {
-        let seen: Vec<&[u32]> = rows.iter().map(|r| r.seen.as_slice()).collect();
+        let seen: Vec<&[u32]> = rows.iter().flatten().map(|r| r.seen.as_slice()).collect();
         Some(DeviceSampler::new(
             params, vocab, &stop_ids, &seen, &device,
         )?)
@@ -271,19 +272,27 @@ pub fn generate_batch_with(
         None
     };
     let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
+    let retire = retire_every(&device, rows.len());
 
     loop {
         // Each row draws one uniform per step from its own stream (none when greedy), so the
         // result depends neither on the batch nor on where the sampling runs.
+        // (Finished rows still in the batch draw nothing; what they sample is dropped.)
         let draws: Vec<f32> = rows
             .iter_mut()
-            .map(|r| draw_uniform(&mut r.rng, params))
+            .map(|r| r.as_mut().map_or(0.5, |r| draw_uniform(&mut r.rng, params)))
             .collect();
         let short: Vec<bool> = rows
             .iter()
-            .map(|r| r.tokens.len() < params.min_new_tokens)
+            .map(|r| {
+                r.as_ref()
+                    .is_some_and(|r| r.tokens.len() < params.min_new_tokens)
+            })
             .collect();
-        let seen: Vec<&[u32]> = rows.iter().map(|r| r.seen.as_slice()).collect();
+        let seen: Vec<&[u32]> = rows
+            .iter()
+            .map(|r| r.as_ref().map_or(&[][..], |r| r.seen.as_slice()))
+            .collect();
         let (picks, sampled) = pick_tokens(
             &state.logits,
             params,
@@ -294,14 +303,12 @@ pub fn generate_batch_with(
             &draws,
             &short,
         )?;
-        // Finished rows (and rows no longer wanted) retire; the rest stay in the batch (and in
-        // the cache).
-        let before = rows.len();
-        let mut keep = Vec::with_capacity(before);
-        let mut next_rows = Vec::with_capacity(before);
-        for (i, (mut row, (tok, lp_tok, top))) in
-            std::mem::take(&mut rows).into_iter().zip(picks).enumerate()
-        {
+        // Finished rows (and rows no longer wanted) retire: out of the batch (and the cache)
+        // once `retire` of them have finished; the rest go on.
+        for (slot, (tok, lp_tok, top)) in rows.iter_mut().zip(picks) {
+            let Some(mut row) = slot.take() else {
+                continue;
+            };
             row.tokens.push(tok);
             row.logprobs.push(lp_tok);
             if params.top_logprobs > 0 {
@@ -343,36 +350,39 @@ pub fn generate_batch_with(
                         finished: None,
                     });
                     if wanted {
-                        keep.push(i as u32);
-                        next_rows.push(row);
+                        *slot = Some(row);
                     }
                 }
             }
         }
-        rows = next_rows;
-        if rows.is_empty() {
+        let keep: Vec<u32> = (0..rows.len() as u32)
+            .filter(|&i| rows[i as usize].is_some())
+            .collect();
+        if keep.is_empty() {
             break;
         }
-        let n = rows.len();
         let mut step_ids = match sampled {
             Some(ids) => ids,
             None => {
                 let ids: Vec<u32> = rows
                     .iter()
-                    .map(|r| *r.tokens.last().unwrap_or(&pad))
+                    .map(|r| {
+                        r.as_ref()
+                            .and_then(|r| r.tokens.last().copied())
+                            .unwrap_or(pad)
+                    })
                     .collect();
-                Tensor::from_vec(ids, n, &device)?
+                Tensor::from_vec(ids, rows.len(), &device)?
             }
         };
-        if n < before {
+        if rows.len() - keep.len() >= retire {
             let keep_t = Tensor::new(keep.as_slice(), &device)?;
             state.keep_rows(&keep_t)?;
-            if step_ids.dim(0)? != n {
-                step_ids = step_ids.index_select(&keep_t, 0)?;
-            }
+            step_ids = step_ids.index_select(&keep_t, 0)?;
             if let Some(s) = sampler.as_mut() {
                 s.select_rows(&keep_t)?;
             }
+            rows.retain(Option::is_some);
         }
         state.decode_step(model, &step_ids)?;
     }
@@ -640,6 +650,29 @@ pub fn decode_breakdown(
 
 thread_local! {
     static DEVICE_SAMPLING: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static RETIRE_EVERY: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// How many finished rows a decode batch of `rows` keeps before it is compacted (finished rows
+/// dropped from the batch and the KV cache). On the CPU at once: a row costs its arithmetic. On
+/// a GPU once a quarter of the batch has finished: a decode step there costs its launches more
+/// than its rows, and each compaction copies the whole KV cache (and holds two for a moment).
+/// [`with_retire_every`] overrides it on this thread. Which rows finish when is the same
+/// either way (each row samples from its own stream).
+pub fn retire_every(device: &Device, rows: usize) -> usize {
+    RETIRE_EVERY
+        .with(|c| c.get())
+        .unwrap_or(if device.is_cpu() { 1 } else { rows / 4 })
+        .max(1)
+}
+
+/// Runs `f` with decode batches compacted once `k` rows have finished, on this thread (tests
+/// run the GPU policy on the CPU with it).
+pub fn with_retire_every<T>(k: usize, f: impl FnOnce() -> T) -> T {
+    let prev = RETIRE_EVERY.with(|c| c.replace(Some(k)));
+    let out = f();
+    RETIRE_EVERY.with(|c| c.set(prev));
+    out
 }
 
 /// Whether generation on `device` samples with tensor ops there ([`DeviceSampler`]): off the

@@ -672,3 +672,59 @@ fn device_sampling_equals_host_sampling() {
         }
     }
 }
+
+/// Finished rows may stay in the decode batch until several have finished (what a GPU does: a
+/// compaction copies the whole KV cache): the completions are those of retiring each row at
+/// once, with the host sampler and the device one, every knob on.
+#[test]
+fn retiring_finished_rows_late_changes_nothing() {
+    use grpo_rollout::generate::{with_device_sampling, with_retire_every};
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let base = SamplingParams {
+        max_new_tokens: 14,
+        seed: 9,
+        stop_token_ids: (20..60).collect(),
+        ..Default::default()
+    };
+    let knobs = SamplingParams {
+        temperature: 0.8,
+        top_k: 12,
+        top_p: 0.95,
+        repetition_penalty: 1.3,
+        min_new_tokens: 2,
+        top_logprobs: 1,
+        ..base.clone()
+    };
+    for p in [base, knobs] {
+        for device in [false, true] {
+            let run = |k: usize| {
+                with_device_sampling(device, || {
+                    with_retire_every(k, || generate(&m, &tok, &ps, 4, &p))
+                })
+                .unwrap()
+            };
+            let eager = run(1);
+            let lens: std::collections::BTreeSet<usize> =
+                eager.iter().map(|c| c.token_ids.len()).collect();
+            assert!(
+                lens.len() > 2,
+                "rows should finish at several steps: {lens:?}"
+            );
+            for k in [3, 1000] {
+                let late = run(k);
+                assert_eq!(late.len(), eager.len());
+                for (a, b) in eager.iter().zip(&late) {
+                    let what = format!("device {device}, retire every {k}, {p:?}");
+                    assert_eq!(a.token_ids, b.token_ids, "{what}");
+                    assert_eq!(a.finish_reason, b.finish_reason, "{what}");
+                    assert_eq!(a.text, b.text, "{what}");
+                    for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                        assert!((x - y).abs() < 1e-5, "{what}: {x} vs {y}");
+                    }
+                    assert_eq!(a.top_logprobs.len(), b.top_logprobs.len(), "{what}");
+                }
+            }
+        }
+    }
+}
