@@ -1,10 +1,12 @@
 //! The transformer: a Llama-family decoder written on differentiable candle ops.
 //!
 //! Every op used has a backward: candle's own (matmul, index_select, ...) or, for RMSNorm, RoPE,
-//! SiLU·mul and the attention softmax, our fused CPU kernels with a real backward
-//! ([`crate::fused`], falling back to differentiable compositions on other devices), never
-//! candle-nn's fused kernels, which cut the gradient (see docs/ARCHITECTURE.md). The same code serves training (weights are candle `Var`s and
-//! record a graph), generation and the frozen reference (weights are detached tensors).
+//! SiLU·mul and the attention softmax, our fused ops with a real backward ([`crate::fused`]: CPU
+//! kernels, CUDA kernels, or compositions recomputed in backward), never candle-nn's fused
+//! kernels, which cut the gradient (see docs/ARCHITECTURE.md). The same code serves training
+//! (weights are candle `Var`s and record a graph), generation and the frozen reference (weights
+//! are detached tensors). Frozen q/k/v and gate/up weights are stored packed ([`Packed`]), so a
+//! pass over a KV cache runs each group as one product.
 
 use std::collections::HashMap;
 use std::sync::Arc;
