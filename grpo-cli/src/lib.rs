@@ -7,7 +7,7 @@
 //!   checkpointing, training, generation).
 //! - [`serve`]: `grpo-cli serve`, an OpenAI-compatible server (completions, chat, vLLM's LoRA
 //!   endpoints) batching concurrent requests on grpo-rollout's generator.
-//! - [`bench`], [`demo`], [`plot`]: the GRPO step benchmark, the offline demo, run curves.
+//! - [`mod@bench`], [`demo`], [`plot`]: the GRPO step benchmark, the offline demo, run curves.
 #![deny(missing_docs)]
 
 pub mod bench;

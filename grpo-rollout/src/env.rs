@@ -13,9 +13,9 @@
 //!
 //! Generation calls the seam once per turn for the whole batch and waits for the answer.
 //! [`Environment`] is the synchronous form. An environment that talks to the outside (an HTTP
-//! sandbox, a judge, a database) implements [`AsyncEnvironment`] instead (feature `async`,
+//! sandbox, a judge, a database) implements `AsyncEnvironment` instead (feature `async`,
 //! on with `remote`): its `step` is an `async fn` that may await every episode's request at
-//! once, and [`Blocking`] runs it on a tokio runtime of its own wherever an [`Environment`]
+//! once, and `Blocking` runs it on a tokio runtime of its own wherever an [`Environment`]
 //! is expected. Implementations are `Send + Sync` so one environment can serve several
 //! generator threads.
 //!

@@ -1,5 +1,5 @@
 //! Generation on an OpenAI-compatible server (vLLM in production, `grpo-cli serve` in tests):
-//! the same [`Completion`]s as [`crate::generate`], from `POST /v1/completions`, and weight
+//! the same [`Completion`]s as [`crate::generate()`], from `POST /v1/completions`, and weight
 //! sync through vLLM's `POST /v1/load_lora_adapter` / `unload_lora_adapter`.
 //!
 //! The client is async-openai's, with its "bring your own types" (`byot`) methods: the request
@@ -352,7 +352,7 @@ impl RemoteGenerator {
     }
 
     /// `num_generations` completions per prompt, from the synced adapter (`use_adapter`) or the
-    /// base model. Completions come back grouped by prompt, as [`crate::generate`]'s do.
+    /// base model. Completions come back grouped by prompt, as [`crate::generate()`]'s do.
     pub fn generate(
         &self,
         tokenizer: &Tokenizer,

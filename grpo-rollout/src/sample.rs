@@ -2,7 +2,7 @@
 //! repetition penalty, min-new-tokens suppression, then temperature, top-k, top-p and min-p, and
 //! a draw. Two implementations with one meaning:
 //!
-//! - [`sample_row`] on host `f32` rows (the CPU device, where logits already live in memory);
+//! - `sample_row` on host `f32` rows (the CPU device, where logits already live in memory);
 //! - [`DeviceSampler`], candle tensor ops on the model's device (CUDA), so that a decode step
 //!   moves only the sampled ids and their log-probs to the host, plus one uniform draw per row
 //!   the other way.

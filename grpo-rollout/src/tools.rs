@@ -19,10 +19,10 @@
 //! episode (the trainer logs them as `env/tool_calls_mean`, `env/tool_errors_mean`).
 //!
 //! **Tools** implement [`Tool`]: a Rust closure ([`FnTool`]), and with the cargo feature
-//! `rewards` a program ([`CommandTool`]: the arguments as JSON on stdin, each also a `{name}`
-//! placeholder of `argv`; stdout is the answer) or a Python function ([`PythonTool`], in
+//! `rewards` a program (`CommandTool`: the arguments as JSON on stdin, each also a `{name}`
+//! placeholder of `argv`; stdout is the answer) or a Python function (`PythonTool`, in
 //! grpo-rewards' shared Python worker; its schema from its signature and docstring as
-//! transformers' `get_json_schema`), both with per-call timeouts, built from [`ToolConfig`].
+//! transformers' `get_json_schema`), both with per-call timeouts, built from `ToolConfig`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -9,7 +9,7 @@
 //! | module | its job |
 //! |---|---|
 //! | [`config`] | the schema (TOML / YAML / JSON, TRL's names), `--set` overrides, validation once |
-//! | [`setup`] | load model, data, rewards, teacher and rollout server; check they fit |
+//! | [`mod@setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
 //! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
 //! | [`learner`] | batch assembly, the GRPO loss, the optimizer step, metrics; SFT / DPO steps |

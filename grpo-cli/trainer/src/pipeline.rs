@@ -10,7 +10,7 @@
 //!
 //! [`run`] wires the stages with `crossbeam_channel::bounded` channels in `std::thread::scope`;
 //! the learner runs on the calling thread, and what follows each of its steps (logs,
-//! checkpoints, callbacks, evaluation) is in [`crate::step_end`]. [`RunMode::Sequential`]
+//! checkpoints, callbacks, evaluation) is in `step_end`. [`RunMode::Sequential`]
 //! calls the same stages in a plain loop, which is how the tests check that the pipeline with
 //! `max_staleness = 0` computes exactly the sequential algorithm. An error in any stage stops
 //! every stage (the channels close) and is returned naming its stage. SFT and DPO run the
