@@ -494,7 +494,7 @@ pub(crate) fn prefill(
 impl DecodeState {
     /// Keeps these rows (indices into the current rows), in this order.
     pub(crate) fn keep_rows(&mut self, keep: &Tensor) -> Result<()> {
-        self.cache = self.cache.select_rows(keep)?;
+        self.cache.keep_rows(keep)?;
         self.key_bias = self.key_bias.index_select(keep, 0)?;
         self.next_pos = self.next_pos.index_select(keep, 0)?;
         Ok(())

@@ -585,6 +585,16 @@ impl KvCache {
         })
     }
 
+    /// [`Self::select_rows`] in place, a layer at a time: each layer's old buffers are let go
+    /// of as its new ones are made, so a compaction holds one layer twice, not the whole cache.
+    pub fn keep_rows(&mut self, rows: &Tensor) -> Result<()> {
+        for (k, v) in self.layers.iter_mut() {
+            *k = k.index_select(rows, 0)?;
+            *v = v.index_select(rows, 0)?;
+        }
+        Ok(())
+    }
+
     /// Stacks the rows of `parts` (in order) into one cache as long as the longest part: a
     /// shorter part's positions past its own length hold zeros, which the caller masks in
     /// those rows' attention bias. The buffers have room for `capacity` positions (at least the

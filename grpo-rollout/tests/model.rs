@@ -1047,3 +1047,48 @@ fn a_lora_reference_shares_the_base_and_the_decoding_copy_reuses_its_transposes(
     }
     assert_eq!(logprobs_of(&d2), logprobs_of(&tm.model));
 }
+
+/// Compacting a KV cache in place, a layer at a time, keeps what `select_rows` keeps: the next
+/// step over either gives the same hidden states, rows reordered and repeated too.
+#[test]
+fn kv_cache_keep_rows_equals_select_rows() {
+    let m = model(Arch::Qwen2, DType::F32, false).detached();
+    let (rows, _) = batch();
+    let (ids, mask) = padded(&rows);
+    let (pos, bias) = padded_positions_and_bias(&mask, &Device::Cpu).unwrap();
+    let mut cache = KvCache::default();
+    m.forward_hidden(&ids, &pos, &bias, Some(&mut cache))
+        .unwrap();
+    let (b, l) = ids.dims2().unwrap();
+    assert_eq!(b, 3);
+    let keep = Tensor::new(&[2u32, 0, 2], &Device::Cpu).unwrap();
+    let selected = cache.select_rows(&keep).unwrap();
+    let mut kept = cache.clone();
+    kept.keep_rows(&keep).unwrap();
+    assert_eq!(kept.len(), selected.len());
+    let step = |mut c: KvCache| {
+        let next = Tensor::new(&[[7u32], [8], [9]], &Device::Cpu).unwrap();
+        let p = Tensor::new(&[[l as u32], [l as u32], [l as u32]], &Device::Cpu).unwrap();
+        let keep_v: Vec<u32> = keep.to_vec1().unwrap();
+        let mask_v: Vec<Vec<u32>> = mask.to_vec2().unwrap();
+        let bias: Vec<f32> = keep_v
+            .iter()
+            .flat_map(|&r| {
+                let mut row: Vec<f32> = mask_v[r as usize]
+                    .iter()
+                    .map(|&x| if x == 1 { 0.0 } else { -1e9 })
+                    .collect();
+                row.push(0.0);
+                row
+            })
+            .collect();
+        let bias = Tensor::from_vec(bias, (3, 1, 1, l + 1), &Device::Cpu).unwrap();
+        m.forward_hidden(&next, &p, &bias, Some(&mut c))
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(step(kept), step(selected));
+}
