@@ -32,6 +32,14 @@ pub fn compile_status(dev: &Device) -> std::result::Result<(), String> {
     grpo_core::cuda::compile_status(&DECODER, dev)
 }
 
+/// The CUDA storage behind a tensor's storage guard; `what` names it in the error.
+fn on_cuda<'a>(st: &'a candle_core::Storage, what: &str) -> Result<&'a CudaStorage> {
+    match st {
+        candle_core::Storage::Cuda(cs) => Ok(cs),
+        _ => candle_core::bail!("{what} must be on the CUDA device"),
+    }
+}
+
 // ------------------------------------------------------------------ RMSNorm
 
 fn rms_fwd_t<T: Elem>(
@@ -226,12 +234,16 @@ fn kv_write_t<T: Elem>(
     let cs = cache.as_cuda_slice_mut::<T>()?;
     match &tables {
         Some(((cst, cl), (sst, sl))) => {
-            let (candle_core::Storage::Cuda(cc), candle_core::Storage::Cuda(sc)) = (&**cst, &**sst)
-            else {
-                candle_core::bail!("kv_write: the RoPE tables must be on the device of the cache");
-            };
-            let (cts, cto) = input::<T>(cc, cl, "kv_write cos")?;
-            let (sts, sto) = input::<T>(sc, sl, "kv_write sin")?;
+            let (cts, cto) = input::<T>(
+                on_cuda(cst, "kv_write: the RoPE tables")?,
+                cl,
+                "kv_write cos",
+            )?;
+            let (sts, sto) = input::<T>(
+                on_cuda(sst, "kv_write: the RoPE tables")?,
+                sl,
+                "kv_write sin",
+            )?;
             let rotate = 1i32;
             cuda_launch!(
                 &DECODER,
@@ -572,10 +584,7 @@ fn attention_rows_t<T: Elem>(
     let kst = k.as_cuda_slice::<T>()?;
     let vst = v.as_cuda_slice::<T>()?;
     let (bst, bl) = bias.storage_and_layout();
-    let candle_core::Storage::Cuda(bcs) = &*bst else {
-        candle_core::bail!("attention: the bias must be on the device of q");
-    };
-    let (bss, bo) = input::<T>(bcs, bl, "attention bias")?;
+    let (bss, bo) = input::<T>(on_cuda(&bst, "attention: the bias")?, bl, "attention bias")?;
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, si, di] = [nh as i32, nkv as i32, l as i32, s as i32, d as i32];
     let sc = scale as f32;
@@ -633,14 +642,6 @@ pub struct CachedAttention<'a> {
     pub scale: f64,
 }
 
-/// The CUDA storage behind a tensor's storage guard.
-fn on_cuda<'a>(st: &'a candle_core::Storage, op: &str) -> Result<&'a CudaStorage> {
-    match st {
-        candle_core::Storage::Cuda(cs) => Ok(cs),
-        _ => candle_core::bail!("{op}: every input must be on the CUDA device"),
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn cached_attention_t<T: Elem>(
     qkv: &CudaStorage,
@@ -686,21 +687,10 @@ fn cached_attention_t<T: Elem>(
     let (cst, cl) = a.cos.storage_and_layout();
     let (sst, sl) = a.sin.storage_and_layout();
     let (bst, bl) = a.bias.storage_and_layout();
-    let (cs, co) = input::<T>(
-        on_cuda(&cst, "cached_attention")?,
-        cl,
-        "cached_attention cos",
-    )?;
-    let (ss, so) = input::<T>(
-        on_cuda(&sst, "cached_attention")?,
-        sl,
-        "cached_attention sin",
-    )?;
-    let (bs, bo) = input::<T>(
-        on_cuda(&bst, "cached_attention")?,
-        bl,
-        "cached_attention bias",
-    )?;
+    let what = "cached_attention: the RoPE tables and the bias";
+    let (cs, co) = input::<T>(on_cuda(&cst, what)?, cl, "cached_attention cos")?;
+    let (ss, so) = input::<T>(on_cuda(&sst, what)?, sl, "cached_attention sin")?;
+    let (bs, bo) = input::<T>(on_cuda(&bst, what)?, bl, "cached_attention bias")?;
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
     let (capi, pasti, sc) = (cap as i64, a.past as i64, a.scale as f32);
@@ -844,10 +834,7 @@ fn sample_t<T: Elem>(
     for (g, want) in guards.iter().zip([v, n * v, v]) {
         ptrs.push(match g {
             Some((st, l)) => {
-                let candle_core::Storage::Cuda(cs) = &**st else {
-                    candle_core::bail!("sample_rows: an input is not on the logits' device");
-                };
-                let (s, o) = input::<f32>(cs, l, "sample_rows")?;
+                let (s, o) = input::<f32>(on_cuda(st, "sample_rows: an input")?, l, "sample_rows")?;
                 if o != 0 || l.shape().elem_count() != want {
                     candle_core::bail!("sample_rows: an input of {:?}", l.dims());
                 }

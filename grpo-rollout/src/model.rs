@@ -1168,12 +1168,6 @@ impl Transformer {
                 }
                 Ok(Some(w.t()?.contiguous()?))
             };
-        // The same pack's transpose (kept by `self` or made for `prev`), if there is one.
-        let same = |p: &Option<Packed>, w: &Tensor| -> Option<Linear> {
-            p.as_ref()
-                .filter(|p| p.linear.weight.id() == w.id())
-                .map(|p| p.linear.clone())
-        };
         for (i, (l, s)) in m.layers.iter_mut().zip(&self.layers).enumerate() {
             let prev_layer = prev.and_then(|p| p.layers.get(i));
             let old = prev_layer.map(|p| p.linears());
@@ -1197,9 +1191,13 @@ impl Transformer {
                 let Some(p) = pack.as_mut() else {
                     continue;
                 };
-                let kept = same(src, &p.linear.weight).and_then(|k| k.weight_t);
-                let old = old.and_then(|o| same(o, &p.linear.weight));
-                p.linear.weight_t = tr(&p.linear.weight, &kept, old.as_ref())?;
+                // `self`'s transpose of this same pack, else `prev`'s (`tr` checks the weight).
+                let kept = src
+                    .as_ref()
+                    .filter(|s| s.linear.weight.id() == p.linear.weight.id())
+                    .and_then(|s| s.linear.weight_t.clone());
+                let old = old.and_then(Option::as_ref).map(|o| &o.linear);
+                p.linear.weight_t = tr(&p.linear.weight, &kept, old)?;
             }
         }
         m.decoding = true;
