@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU speed of one model in one run on one NVIDIA GPU (the figures docs/GPU_SPEED.md tracks):
 # `grpo-cli check` in f32 and bf16 first (a failure is said above the table), then `grpo-cli bench-model`
-# with our CUDA kernels and without them (GRPO_CUDA_KERNELS=0: the candle compositions), and
+# with our CUDA kernels, without the flash attention kernels alone (GRPO_CUDA_KERNELS=-flash_attention:
+# training-length attention as the recomputed composition) and without any (GRPO_CUDA_KERNELS=0), and
 # PyTorch on the same weights (scripts/bench_torch_model.py), each one JSON line; prints decode
 # ms/step, prefill tokens/s, learner TFLOP/s and its share of the matmul peak as a markdown table.
 #
@@ -88,6 +89,7 @@ run() { # name command...
   fi
 }
 run kernels bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
+run no_flash env GRPO_CUDA_KERNELS=-flash_attention bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
 run compositions env GRPO_CUDA_KERNELS=0 bash "$gpu/run-gpu.sh" bench-model --model "$dir" "${flags[@]}"
 run torch "$PY" "$here/scripts/bench_torch_model.py" "$dir" "${flags[@]}"
 small=(--batch 8 --new-tokens "$new" --prompt-len "$plen" --reps "$reps" --device cuda --dtype "$dtype")
@@ -116,12 +118,13 @@ echo
 [ -n "$checks" ] && echo "**$checks see $out/check-*.txt**" && echo
 echo "| $model $dtype, batch $batch, $plen + $new tokens; learner $batch x $slen | decode ms/step | of which layers / head / sampling ms | prefill tokens/s | learner TFLOP/s (forward s of fwd+bwd s) | share of matmul peak |"
 echo "|---|---|---|---|---|---|"
-for name in kernels compositions torch kernels_b8; do
+for name in kernels no_flash compositions torch kernels_b8; do
   "$PY" - "$out/$name.jsonl" "$name" <<'EOF'
 import json, sys
 lines = [l for l in open(sys.argv[1]) if l.startswith("{")]
 d = json.loads(lines[-1]) if lines else {"failed": "no output"}
-label = {"kernels": "grpo-rs, our CUDA kernels", "compositions": "grpo-rs, GRPO_CUDA_KERNELS=0",
+label = {"kernels": "grpo-rs, our CUDA kernels",
+         "no_flash": "grpo-rs, GRPO_CUDA_KERNELS=-flash_attention", "compositions": "grpo-rs, GRPO_CUDA_KERNELS=0",
          "torch": "PyTorch (transformers)",
          "kernels_b8": "grpo-rs, our CUDA kernels, batch 8 (decode only)"}[sys.argv[2]]
 if "failed" in d:

@@ -72,6 +72,12 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         decode_attention_check(device, dtype).map(|d| (d, tol)),
     );
     push(
+        "attention at training lengths, head dims 64 and 128 (flash kernels on CUDA bf16/f16), \
+         values and gradients vs f32 composition"
+            .into(),
+        long_attention_check(device, dtype).map(|d| (d, tol)),
+    );
+    push(
         "residual add + rms_norm, forward (decode) vs composition".into(),
         add_rms_check(device, dtype).map(|d| (d, tol)),
     );
@@ -183,6 +189,10 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             (
                 "log-probs, entropy",
                 grpo_core::cuda::compile_status(&grpo_core::cuda::HEAD, device),
+            ),
+            (
+                "flash attention, sm_80 and later",
+                grpo_rollout::flash::compile_status(device),
             ),
         ];
         for (which, status) in statuses {
@@ -388,6 +398,64 @@ fn decode_attention_check(device: &Device, dtype: DType) -> Result<f64> {
     let want = fused::attention_composed(&q, &k, &v, &bias, scale)?;
     let got = fused::attention(&q, &k, &v, &bias, scale)?;
     Ok(max_diff(&want, &got)? / max_abs(&want)?.max(1.0))
+}
+
+/// Attention over 70 and 33 positions (partial tiles; grouped heads; causal, left-padded rows)
+/// with a graph, as training runs it — on CUDA in bf16/f16 the flash kernels — against the f32
+/// composition of the same inputs: the largest difference of the context and of the q, k, v
+/// gradients, relative to each one's size.
+fn long_attention_check(device: &Device, dtype: DType) -> Result<f64> {
+    let mut worst = 0f64;
+    for (b, nh, nkv, l, hd) in [(2, 4, 2, 70, 64), (2, 6, 2, 33, 128)] {
+        let mut bias = vec![0f32; b * l * l];
+        for r in 0..b {
+            for i in 0..l {
+                for j in 0..l {
+                    if j > i || j < r * 3 {
+                        bias[(r * l + i) * l + j] = -1e9;
+                    }
+                }
+            }
+        }
+        let bias = Tensor::from_vec(bias, (b, 1, l, l), &Device::Cpu)?;
+        let inputs = [
+            randn(&[b, nh, l, hd], dtype, device)?,
+            randn(&[b, nkv, l, hd], dtype, device)?,
+            randn(&[b, nkv, l, hd], dtype, device)?,
+        ];
+        let dout = randn(&[b * l, nh * hd], DType::F32, &Device::Cpu)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let run = |dev: &Device, dt: DType| -> Result<Vec<Tensor>> {
+            let vars = inputs
+                .iter()
+                .map(|t| Var::from_tensor(&t.to_device(dev)?.to_dtype(dt)?))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let bias = bias.to_device(dev)?.to_dtype(dt)?;
+            let [q, k, v] = [0, 1, 2].map(|i| vars[i].as_tensor().clone());
+            let y = fused::attention(&q, &k, &v, &bias, scale)?;
+            let g = (&y * dout.to_device(dev)?.to_dtype(dt)?)?
+                .sum_all()?
+                .backward()?;
+            let mut out = vec![y];
+            for v in &vars {
+                out.push(
+                    g.get(v.as_tensor())
+                        .cloned()
+                        .ok_or_else(|| anyhow::anyhow!("no gradient reached an input"))?,
+                );
+            }
+            Ok(out)
+        };
+        let got = run(device, dtype)?;
+        let saved = grpo_core::fused::enabled();
+        grpo_core::fused::set_enabled(false);
+        let want = run(&Device::Cpu, DType::F32);
+        grpo_core::fused::set_enabled(saved);
+        for (a, w) in got.iter().zip(&want?) {
+            worst = worst.max(max_diff(a, w)? / max_abs(w)?.max(1.0));
+        }
+    }
+    Ok(worst)
 }
 
 /// The fused residual add + RMSNorm of a decode step against the add and the composition.

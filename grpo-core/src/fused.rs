@@ -81,16 +81,17 @@ pub fn path(t: &Tensor) -> Path {
 /// Unset or empty: all on. `0` / `false`: all off (the candle compositions run). A
 /// comma-separated list of op names each prefixed with `-` switches those ops off alone
 /// (`-attention,-sample`), to tell which kernel a problem on a GPU comes from. Op names:
-/// `rms_norm`, `rope`, `silu_mul`, `attention_softmax`, `attention`, `add_rms_norm`,
-/// `kv_write`, `cached_attention`, `sample`, `log_softmax_gather`, `entropy`. Anything else is
+/// `rms_norm`, `rope`, `silu_mul`, `attention_softmax`, `attention`, `flash_attention`,
+/// `add_rms_norm`, `kv_write`, `cached_attention`, `sample`, `log_softmax_gather`, `entropy`. Anything else is
 /// an error naming the value.
 pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), String> {
-    const OPS: [&str; 11] = [
+    const OPS: [&str; 12] = [
         "rms_norm",
         "rope",
         "silu_mul",
         "attention_softmax",
         "attention",
+        "flash_attention",
         "add_rms_norm",
         "kv_write",
         "cached_attention",
@@ -520,5 +521,9 @@ mod switch_tests {
             "{e}"
         );
         assert!(parse_kernel_switch("-flash").is_err());
+        assert_eq!(
+            parse_kernel_switch("-flash_attention"),
+            Ok((false, vec!["flash_attention".to_string()]))
+        );
     }
 }

@@ -1173,9 +1173,13 @@ impl CustomOp2 for SoftmaxBwd {
 /// zeroed buffer and an add in candle's backward).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
+    if flash_takes(q, k, v, bias) {
+        return flash_attention(q, k, v, bias, scale);
+    }
     let p = match route("attention", q) {
-        // On a GPU the kernel is a forward for a few query rows (decoding, frozen passes);
-        // training keeps the recomputed composition, whose products run on the tensor cores.
+        // On a GPU the kernel is a forward for a few query rows (decoding); longer passes and
+        // training take the flash kernels above where they apply (bf16 / f16, sm_80+), else
+        // the recomputed composition, whose products run on cuBLAS.
         Path::Kernel if !q.device().is_cpu() => {
             let tracked = q.track_op() || k.track_op() || v.track_op();
             let (l, d) = (q.dim(2)?, q.dim(3)?);
@@ -1213,6 +1217,41 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
         }
         _ => attention_composed(q, k, v, bias, scale),
     }
+}
+
+/// Whether [`attention`] takes the flash kernels (`crate::flash`): on CUDA in bf16 / f16 with
+/// head dimension 64 or 128 and compute capability 8.0 or later, for a pass with a graph
+/// (training) or over more query rows than the decode kernel takes (prefill, frozen passes).
+#[cfg(feature = "cuda")]
+fn flash_takes(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> bool {
+    let long = q.track_op()
+        || k.track_op()
+        || v.track_op()
+        || q.dim(2).unwrap_or(0) > DEVICE_ATTENTION_ROWS;
+    long && grpo_core::fused::kernels_on()
+        && grpo_core::fused::cuda_op_on("flash_attention")
+        && crate::flash::takes(q, k, v, bias)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn flash_takes(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor) -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    crate::flash::attention(q, k, v, bias, scale)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn flash_attention(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, _: f64) -> Result<Tensor> {
+    candle_core::bail!("flash attention needs the cuda feature")
 }
 
 /// Most query rows per sequence for which a GPU runs the attention kernel (a decode step has

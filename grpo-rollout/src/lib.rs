@@ -20,7 +20,8 @@
 //! OpenAI-compatible server (vLLM, or `grpo-cli serve`) and syncs LoRA weights to it.
 //!
 //! With the cargo feature `cuda`, the module `cuda` launches the decoder's own CUDA kernels
-//! (`kernels.cu`: the [`fused`] ops on a GPU), compiled at first use by `grpo_core::cuda`.
+//! (`kernels.cu`: the [`fused`] ops on a GPU) and `flash` the tensor-core attention of training
+//! and prefill lengths (`flash.cu`), both compiled at first use by `grpo_core::cuda`.
 #![deny(missing_docs)]
 
 pub mod config;
@@ -29,6 +30,8 @@ pub mod cuda;
 pub mod device;
 pub mod env;
 pub mod episode;
+#[cfg(feature = "cuda")]
+pub mod flash;
 pub mod fused;
 pub mod generate;
 pub mod gguf;

@@ -92,6 +92,40 @@ inline unsigned short gpu_f32_to_f16(float f) {
     return h;
 }
 
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.f32 for the calling warp: d (16×8, f32) +=
+// a (16×16) · b (16×8), each lane holding the fragments the PTX ISA lays out (groupID gr =
+// lane / 4, tg = lane % 4; a0 = (gr, 2tg..2tg+1), a1 = (gr+8, 2tg..), a2 = (gr, 2tg+8..), a3 =
+// (gr+8, 2tg+8..); b0 = (k 2tg..2tg+1, n gr), b1 = (k 2tg+8.., n gr); d0, d1 = (gr, 2tg..),
+// d2, d3 = (gr+8, 2tg..); the lower element of a pair in the lower 16 bits). The lanes' registers
+// meet in memory between two waits for the warp; products are exact in f32 and summed in k order.
+inline std::vector<unsigned> emu_mma_regs;  // six per thread: a0..a3, b0, b1
+template <typename T>
+inline void emu_mma_16816(float* d, const unsigned* a, const unsigned* b) {
+    unsigned t = threadIdx.x, w0 = t & ~31u, lane = t & 31;
+    unsigned* mine = &emu_mma_regs[6 * t];
+    for (int i = 0; i < 4; ++i) mine[i] = a[i];
+    mine[4] = b[0];
+    mine[5] = b[1];
+    emu_wait(EMU_AT_WARP);
+    auto half = [](unsigned reg, int hi) { return T::ld((unsigned short)(hi ? reg >> 16 : reg & 0xffffu)); };
+    auto A = [&](int r, int c) {
+        unsigned owner = w0 + (r & 7) * 4 + ((c & 7) >> 1);
+        return half(emu_mma_regs[6 * owner + (r >> 3) + 2 * (c >> 3)], c & 1);
+    };
+    auto B = [&](int k, int n) {
+        unsigned owner = w0 + n * 4 + ((k & 7) >> 1);
+        return half(emu_mma_regs[6 * owner + 4 + (k >> 3)], k & 1);
+    };
+    int gr = (int)(lane >> 2), tg = (int)(lane & 3);
+    for (int i = 0; i < 4; ++i) {
+        int r = gr + (i >= 2 ? 8 : 0), n = 2 * tg + (i & 1);
+        float acc = 0.0f;
+        for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, n);
+        d[i] += acc;
+    }
+    emu_wait(EMU_AT_WARP);
+}
+
 // The kernel and its arguments, for the fibers' entry point.
 inline void (*emu_body)(void*) = nullptr;
 inline void* emu_body_arg = nullptr;
@@ -168,6 +202,7 @@ void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem
     blockDim.x = block;
     emu_dynamic_shared.assign(smem / sizeof(float) + 1, 0.0f);
     emu_shuffle.assign(block, 0.0f);
+    emu_mma_regs.assign(6 * block, 0u);
     auto call = [&]() { kernel(static_cast<P>(args)...); };
     emu_body = &emu_trampoline<decltype(call)>;
     emu_body_arg = &call;

@@ -10,6 +10,7 @@
 #include "cuda_prelude.cu"
 #include "kernels.cu"
 #include "head.cu"
+#include "flash.cu"
 
 #include <cstdio>
 #include <cstdlib>
@@ -244,6 +245,79 @@ static int run(const std::string& op, char** a, K k) {
     return 0;
 }
 
+static void write_f32(const std::vector<float>& v) {
+    std::string p = dir + "/out.f32";
+    FILE* f = std::fopen(p.c_str(), "wb");
+    std::fwrite(v.data(), 4, v.size(), f);
+    std::fclose(f);
+}
+
+// Flash attention (flash.cu), launched as grpo-rollout/src/cuda.rs launches it:
+//   flash_fwd b nh nkv l s d cap scale pairs: in0 q (b, nh, l, d), in1 k, in2 v (b, nkv, cap, d)
+//     of which the first s rows count, in3 bias (b, 1, l, s); out = [context (b·l, nh·d),
+//     stats (b, nh, l, 2)]
+//   flash_bwd (the same arguments): in4 dout (b·l, nh·d); runs the forward, delta as the Rust
+//     side forms it (from the rounded context), then dq and dk/dv; out = [dq, dk, dv]
+template <typename T, int D>
+static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_bf16) fwd,
+                       decltype(&flash_dq_d64_bf16) dqk, decltype(&flash_dkv_d64_bf16) dkvk) {
+    typedef typename T::S S;
+    int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), s = atoi(a[4]),
+        cap = atoi(a[6]), pairs = atoi(a[8]);
+    float scale = atof(a[7]);
+    auto q = to_storage<T>(read_f32(0)), k = to_storage<T>(read_f32(1)),
+         v = to_storage<T>(read_f32(2)), bias = to_storage<T>(read_f32(3));
+    long qb = (long)nh * l * D, qh = (long)l * D, kb = (long)nkv * cap * D, kg = (long)cap * D;
+    std::vector<S> out((long)b * l * nh * D);
+    std::vector<float> stats((long)b * nh * l * 2);
+    unsigned qtiles = (l + FA_BR - 1) / FA_BR, ktiles = (s + FA_BC - 1) / FA_BC;
+    emu_launch(fwd, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
+               kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, out.data(),
+               stats.data(), nh, nkv, l, s, scale, pairs);
+    std::vector<float> res;
+    if (op == "flash_fwd") {
+        for (auto x : out) res.push_back(T::ld(x));
+        res.insert(res.end(), stats.begin(), stats.end());
+        write_f32(res);
+        return 0;
+    }
+    auto dout = to_storage<T>(read_f32(4));
+    std::vector<float> delta((long)b * l * nh);
+    for (long r = 0; r < (long)b * l * nh; ++r) {
+        float acc = 0.0f;
+        for (int e = 0; e < D; ++e) acc += T::ld(dout[r * D + e]) * T::ld(out[r * D + e]);
+        delta[r] = acc;
+    }
+    std::vector<S> dq(q.size()), dkv(2L * b * nkv * s * D);
+    emu_launch(dqk, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
+               kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, dout.data(),
+               stats.data(), delta.data(), dq.data(), nh, nkv, l, s, scale, pairs);
+    emu_launch(dkvk, b * nkv * ktiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(),
+               0L, kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, dout.data(),
+               stats.data(), delta.data(), dkv.data(), nh, nkv, l, s, scale, pairs);
+    for (auto x : dq) res.push_back(T::ld(x));
+    for (auto x : dkv) res.push_back(T::ld(x));
+    write_f32(res);
+    return 0;
+}
+
+template <typename T>
+static int run_flash(const std::string& op, char** a, bool bf16) {
+    int d = atoi(a[5]);
+    if (d == 64)
+        return bf16 ? run_flash_d<T, 64>(op, a, flash_fwd_d64_bf16, flash_dq_d64_bf16,
+                                         flash_dkv_d64_bf16)
+                    : run_flash_d<T, 64>(op, a, flash_fwd_d64_f16, flash_dq_d64_f16,
+                                         flash_dkv_d64_f16);
+    if (d == 128)
+        return bf16 ? run_flash_d<T, 128>(op, a, flash_fwd_d128_bf16, flash_dq_d128_bf16,
+                                          flash_dkv_d128_bf16)
+                    : run_flash_d<T, 128>(op, a, flash_fwd_d128_f16, flash_dq_d128_f16,
+                                          flash_dkv_d128_f16);
+    std::fprintf(stderr, "harness: flash attention has no kernel for head dimension %d\n", d);
+    return 2;
+}
+
 #define KERNELS_OF(N)                                                                      \
     struct Kernels_##N {                                                                   \
         decltype(&rms_fwd_##N) rms_fwd = &rms_fwd_##N;                                     \
@@ -277,6 +351,12 @@ int main(int argc, char** argv) {
     std::string op = argv[1], dt = argv[2];
     dir = argv[3];
     char** a = argv + 4;
+    if (op.rfind("flash_", 0) == 0) {
+        if (dt == "bf16") return run_flash<BF16>(op, a, true);
+        if (dt == "f16") return run_flash<F16>(op, a, false);
+        std::fprintf(stderr, "harness: flash attention takes bf16 or f16, not %s\n", dt.c_str());
+        return 2;
+    }
     if (dt == "f32") return run<F32>(op, a, Kernels_f32{});
     if (dt == "bf16") return run<BF16>(op, a, Kernels_bf16{});
     if (dt == "f16") return run<F16>(op, a, Kernels_f16{});

@@ -33,7 +33,7 @@ fn harness() -> Option<&'static Path> {
         let fresh = dir.join(format!("harness-{}", std::process::id()));
         let r = root();
         let out = Command::new(&cxx)
-            .args(["-std=c++20", "-O1", "-o"])
+            .args(["-std=c++20", "-O1", "-fno-strict-aliasing", "-o"])
             .arg(&fresh)
             .arg(r.join("tests/cuda_emulation/harness.cpp"))
             .arg(format!("-I{}", r.join("grpo-rollout/src").display()))
@@ -383,6 +383,84 @@ fn attention_over_a_strided_cache_matches_the_composition() {
                 &again[half..],
                 &got[half..],
                 "attention {name}: a visible key did not"
+            );
+        }
+    }
+}
+
+#[test]
+fn flash_attention_forward_and_backward_match_the_composition() {
+    // Training lengths on the tensor cores (mma.m16n8k16 emulated with the PTX ISA's fragment
+    // layout): grouped query heads, keys and values as a strided cache view (capacity past S),
+    // partial query and key tiles (70 = 64 + 6; 33), causal + left-padding masks where padded
+    // query rows see only masked keys, head dims 64 and 128, 16-bit and 32-bit row loads.
+    // Reference: the f32 composition on the same (rounded) inputs and its autograd gradients.
+    for (b, nh, nkv, l, d, cap, pairs) in [
+        (2, 4, 2, 70, 64, 75, 1),
+        (2, 4, 2, 70, 64, 75, 0),
+        (3, 6, 2, 33, 128, 33, 1),
+    ] {
+        for (name, dt, tol) in DTYPES.into_iter().filter(|c| c.1 != DType::F32) {
+            let seed = (l + d + pairs) as u64;
+            let q = randn(&[b, nh, l, d], dt, seed);
+            let kc = randn(&[b, nkv, cap, d], dt, seed + 1);
+            let vc = randn(&[b, nkv, cap, d], dt, seed + 2);
+            let dout = randn(&[b * l, nh * d], dt, seed + 3);
+            // The model's mask value: −1e9 would be −inf in f16.
+            let masked = grpo_rollout::model::attention_mask_value(dt);
+            let m = bias(b, l, l).affine(masked / -1e9, 0.0).unwrap();
+            let scale = 1.0 / (d as f64).sqrt();
+            let mut args = [b, nh, nkv, l, l, d, cap].map(s).to_vec();
+            args.push(s(scale));
+            args.push(s(pairs));
+            let Some(fwd) = run("flash_fwd", name, &args, &[&q, &kc, &vc, &m]) else {
+                return;
+            };
+            let what = format!("flash attention {name} (L {l}, D {d}, pairs {pairs})");
+            let (qv, kv, vv) = (
+                Var::from_tensor(&q).unwrap(),
+                Var::from_tensor(&kc.narrow(2, 0, l).unwrap()).unwrap(),
+                Var::from_tensor(&vc.narrow(2, 0, l).unwrap()).unwrap(),
+            );
+            let want = fused::attention_composed(&qv, &kv, &vv, &m, scale).unwrap();
+            let n = b * l * nh * d;
+            close(&what, &fwd[..n], &flat(&want), tol);
+            // The stats: each row's maximum and 1 / Σ exp, finite for every row.
+            let stats = &fwd[n..];
+            assert_eq!(stats.len(), b * nh * l * 2, "{what}: stats");
+            assert!(
+                stats
+                    .chunks(2)
+                    .all(|r| r[0].is_finite() && r[1] > 0.0 && r[1] <= 1.0),
+                "{what}: stats out of range"
+            );
+
+            let grads = (want * &dout)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let got = run("flash_bwd", name, &args, &[&q, &kc, &vc, &m, &dout]).unwrap();
+            let (nq, nk) = (n, b * nkv * l * d);
+            assert_eq!(got.len(), nq + 2 * nk, "{what}: gradient sizes");
+            close(
+                &format!("{what}: dq"),
+                &got[..nq],
+                &flat(grads.get(&qv).unwrap()),
+                tol,
+            );
+            close(
+                &format!("{what}: dk"),
+                &got[nq..nq + nk],
+                &flat(grads.get(&kv).unwrap()),
+                tol,
+            );
+            close(
+                &format!("{what}: dv"),
+                &got[nq + nk..],
+                &flat(grads.get(&vv).unwrap()),
+                tol,
             );
         }
     }
