@@ -152,6 +152,40 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         "gradient checkpointing vs plain backward".into(),
         checkpoint_check(&dev.model, &rows_ids).map(|d| (d, tol)),
     );
+    // A model with head dimension 64 over rows longer than a decode pass: on CUDA in bf16/f16
+    // its attention runs the flash kernels, in the frozen pass and with a graph.
+    let wide = dir.join("hd64");
+    let (wide_cpu, wide_dev) = (|| -> Result<_> {
+        let mut cfg = cpu.model.cfg.clone();
+        (cfg.hidden_size, cfg.num_attention_heads) = (128, 2);
+        (cfg.num_key_value_heads, cfg.head_dim) = (1, 64);
+        let m = grpo_rollout::init::random_weights(&cfg, 11, DType::F32, &Device::Cpu)?;
+        grpo_rollout::loader::save_hf_dir(&m, &cpu.tokenizer, &wide, DType::F32)?;
+        Ok((
+            grpo_rollout::load(&wide, DType::F32, &Device::Cpu)?,
+            grpo_rollout::load(&wide, dtype, device)?,
+        ))
+    })()
+    .context("writing the head-dim-64 check model")?;
+    let long_rows: Vec<Vec<u32>> = vec![
+        (0..40).map(|i| (i * 37 + 5) % 500 + 3).collect(),
+        (0..27).map(|i| (i * 11 + 2) % 500 + 3).collect(),
+    ];
+    push(
+        format!(
+            "log-probs over 40 positions, head dim 64 (flash attention on CUDA bf16/f16), on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let a = logprobs(&wide_cpu.model, &long_rows)?;
+            let b = logprobs(&wide_dev.model, &long_rows)?;
+            Ok((max_diff(&a, &b)?, tol))
+        })(),
+    );
+    push(
+        "gradient checkpointing vs plain backward, head dim 64 over 40 positions".into(),
+        checkpoint_check(&wide_dev.model, &long_rows).map(|d| (d, tol)),
+    );
     push(
         "8 AdamW steps lower the loss".into(),
         training_check(&dev.model, &rows_ids),

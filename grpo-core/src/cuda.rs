@@ -96,14 +96,13 @@ fn ptx(k: &'static Kernels, dev: &CudaDevice) -> std::result::Result<&'static st
                     .map(|_| src)
                     .map_err(|e| format!("loading the module: {e}"))
             });
-            let src = loaded.map_err(|e| {
-                let first = e.lines().next().unwrap_or("").to_string();
+            let src = loaded.inspect_err(|e| {
+                let first = e.lines().next().unwrap_or("");
                 eprintln!(
                     "grpo: the CUDA kernels `{}` are not available for {arch} ({first}); \
                      running the candle compositions instead",
                     k.name
                 );
-                e
             })?;
             Ok(Box::leak(src.into_boxed_str()))
         })

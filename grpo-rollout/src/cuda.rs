@@ -657,7 +657,7 @@ fn cached_attention_t<T: Elem>(
     let nh = a.heads;
     let (cb, nkv, cap, cd) = lk.shape().dims4()?;
     let fits = heads == nh + 2 * nkv && cb == b && cd == d && lv.dims() == lk.dims();
-    if !fits || nkv == 0 || nh % nkv != 0 || d % 2 != 0 || d > DEVICE_ATTENTION_MAX_D {
+    if !fits || nkv == 0 || !nh.is_multiple_of(nkv) || d % 2 != 0 || d > DEVICE_ATTENTION_MAX_D {
         candle_core::bail!(
             "cached_attention: packed q/k/v {:?} with {nh} query heads against caches {:?}",
             lq.dims(),

@@ -59,6 +59,15 @@ pub struct FlashAttention {
     stats: Mutex<Option<Arc<CudaSlice<f32>>>>,
 }
 
+impl std::fmt::Debug for FlashAttention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FlashAttention")
+            .field("bias", &self.bias.dims())
+            .field("scale", &self.scale)
+            .finish_non_exhaustive()
+    }
+}
+
 impl FlashAttention {
     /// The op for an additive `bias` `(B, 1, L, S)` (no gradient) and score `scale`.
     pub fn new(bias: &Tensor, scale: f64) -> Result<Self> {
@@ -84,7 +93,7 @@ struct Dims {
 fn dims(lq: &Layout, lk: &Layout, lv: &Layout, bias: &Tensor) -> Result<Dims> {
     let (b, nh, l, d) = lq.shape().dims4()?;
     let (kb, nkv, s, kd) = lk.shape().dims4()?;
-    if kb != b || kd != d || lv.dims() != lk.dims() || nkv == 0 || nh % nkv != 0 {
+    if kb != b || kd != d || lv.dims() != lk.dims() || nkv == 0 || !nh.is_multiple_of(nkv) {
         candle_core::bail!(
             "flash attention: q {:?}, k {:?}, v {:?} do not fit (B, H, L, D), (B, G, S, D)",
             lq.dims(),
