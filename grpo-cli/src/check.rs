@@ -269,10 +269,19 @@ fn device_name(d: &Device) -> String {
     }
 }
 
+/// The largest absolute difference; NaN when either side has a NaN (a reduction's `max`
+/// would pass over it and call two NaN tensors equal).
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
     let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
     let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?)
+    let d: Vec<f64> = (a - b)?.abs()?.flatten_all()?.to_vec1()?;
+    Ok(d.into_iter().fold(0.0, |m, x| {
+        if m.is_nan() || x.is_nan() {
+            f64::NAN
+        } else {
+            m.max(x)
+        }
+    }))
 }
 
 fn max_abs(a: &Tensor) -> Result<f64> {

@@ -1336,7 +1336,13 @@ impl Transformer {
             hd,
             cos,
             sin,
-            bias: attn_bias.to_dtype(dtype)?,
+            // The masks' −1e9 is −inf in f16: a row whose every key is masked (a left-padded
+            // position) would turn NaN and spread to the real rows through its keys and values.
+            bias: match dtype {
+                DType::F16 => attn_bias.maximum(mask_value(DType::F16))?,
+                _ => attn_bias.clone(),
+            }
+            .to_dtype(dtype)?,
             scale: 1.0 / (hd as f64).sqrt(),
         };
         let past = match &kv {

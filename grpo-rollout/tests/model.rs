@@ -278,6 +278,36 @@ fn left_padded_batch_equals_rows_alone() {
     }
 }
 
+#[test]
+fn half_precision_left_padded_batch_equals_rows_alone() {
+    // The masks' −1e9 is −inf in f16: a padded position, whose every key is masked, turned NaN
+    // and spread to its row's real positions through its keys and values (frozen passes and
+    // passes with a graph alike).
+    for (dtype, tol) in [(DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+        let frozen = model(Arch::Qwen2, dtype, false);
+        let trainable = TrainableModel::full(&frozen).unwrap();
+        for (what, m) in [("frozen", &frozen), ("with a graph", &trainable.model)] {
+            let (rows, t) = batch();
+            let (ids, mask) = padded(&rows);
+            let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+            let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+            for (r, row) in rows.iter().enumerate() {
+                let (ids, mask) = padded(std::slice::from_ref(row));
+                let (alone, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+                let alone: Vec<f32> = alone.flatten_all().unwrap().to_vec1().unwrap();
+                for j in 0..t {
+                    assert!(
+                        (lp[r][j] - alone[j]).abs() < tol,
+                        "{dtype:?} {what}, row {r} pos {j}: {} in the batch, {} alone",
+                        lp[r][j],
+                        alone[j]
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Logits `(B, V)` of positions 1.. of a left-padded batch from passes over a KV cache: the
 /// first 2 positions prefilled, then one token at a time.
 fn cached_logits(m: &Transformer, ids: &Tensor, mask: &Tensor) -> Vec<Tensor> {
