@@ -395,32 +395,35 @@ fn flash_attention_forward_and_backward_match_the_composition() {
     // partial query and key tiles (70 = 64 + 6; 33), causal + left-padding masks where padded
     // query rows see only masked keys, head dims 64 and 128, 16-bit and 32-bit row loads.
     // Reference: the f32 composition on the same (rounded) inputs and its autograd gradients.
-    for (b, nh, nkv, l, d, cap, pairs) in [
-        (2, 4, 2, 70, 64, 75, 1),
-        (2, 4, 2, 70, 64, 75, 0),
-        (3, 6, 2, 33, 128, 33, 1),
+    // Then a prefill after 83 cached positions (17 queries over 100 keys) with the 0.77B
+    // model's head grouping (6 query heads per kv head) and head dim.
+    for (b, nh, nkv, l, sl, d, cap, pairs) in [
+        (2, 4, 2, 70, 70, 64, 75, 1),
+        (2, 4, 2, 70, 70, 64, 75, 0),
+        (3, 6, 2, 33, 33, 128, 33, 1),
+        (2, 6, 1, 17, 100, 128, 128, 1),
     ] {
         for (name, dt, tol) in DTYPES.into_iter().filter(|c| c.1 != DType::F32) {
-            let seed = (l + d + pairs) as u64;
+            let seed = (l + sl + d + pairs) as u64;
             let q = randn(&[b, nh, l, d], dt, seed);
             let kc = randn(&[b, nkv, cap, d], dt, seed + 1);
             let vc = randn(&[b, nkv, cap, d], dt, seed + 2);
             let dout = randn(&[b * l, nh * d], dt, seed + 3);
             // The model's mask value: −1e9 would be −inf in f16.
             let masked = grpo_rollout::model::attention_mask_value(dt);
-            let m = bias(b, l, l).affine(masked / -1e9, 0.0).unwrap();
+            let m = bias(b, l, sl).affine(masked / -1e9, 0.0).unwrap();
             let scale = 1.0 / (d as f64).sqrt();
-            let mut args = [b, nh, nkv, l, l, d, cap].map(s).to_vec();
+            let mut args = [b, nh, nkv, l, sl, d, cap].map(s).to_vec();
             args.push(s(scale));
             args.push(s(pairs));
             let Some(fwd) = run("flash_fwd", name, &args, &[&q, &kc, &vc, &m]) else {
                 return;
             };
-            let what = format!("flash attention {name} (L {l}, D {d}, pairs {pairs})");
+            let what = format!("flash attention {name} (L {l}, S {sl}, D {d}, pairs {pairs})");
             let (qv, kv, vv) = (
                 Var::from_tensor(&q).unwrap(),
-                Var::from_tensor(&kc.narrow(2, 0, l).unwrap()).unwrap(),
-                Var::from_tensor(&vc.narrow(2, 0, l).unwrap()).unwrap(),
+                Var::from_tensor(&kc.narrow(2, 0, sl).unwrap()).unwrap(),
+                Var::from_tensor(&vc.narrow(2, 0, sl).unwrap()).unwrap(),
             );
             let want = fused::attention_composed(&qv, &kv, &vv, &m, scale).unwrap();
             let n = b * l * nh * d;
@@ -442,7 +445,7 @@ fn flash_attention_forward_and_backward_match_the_composition() {
                 .backward()
                 .unwrap();
             let got = run("flash_bwd", name, &args, &[&q, &kc, &vc, &m, &dout]).unwrap();
-            let (nq, nk) = (n, b * nkv * l * d);
+            let (nq, nk) = (n, b * nkv * sl * d);
             assert_eq!(got.len(), nq + 2 * nk, "{what}: gradient sizes");
             close(
                 &format!("{what}: dq"),
