@@ -153,6 +153,25 @@ __device__ __forceinline__ void fa_scores(float (*sc)[4], const bits16* bias_b, 
         }
 }
 
+// The block of a forward or dq launch: (batch, head, 64 query rows from q0); its kv head, and
+// the first of the 16 rows of this thread's warp.
+struct FaRows {
+    long bi;
+    int hd, g, warp, q0, r0;
+};
+__device__ __forceinline__ FaRows fa_rows(int nh, int nkv, int l) {
+    int tiles = (l + FA_BR - 1) / FA_BR;
+    long blk = blockIdx.x;
+    FaRows at;
+    at.hd = (int)((blk / tiles) % nh);
+    at.bi = blk / ((long)tiles * nh);
+    at.g = at.hd / (nh / nkv);
+    at.warp = threadIdx.x >> 5;
+    at.q0 = (int)(blk % tiles) * FA_BR;
+    at.r0 = at.q0 + at.warp * 16;
+    return at;
+}
+
 template <typename T, int D>
 __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, const bits16* k,
                           long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
@@ -160,12 +179,9 @@ __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, c
                           float* stats, int nh, int nkv, int l, int s, float scale, int pairs) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
-    int tiles = (l + FA_BR - 1) / FA_BR;
-    long blk = blockIdx.x;
-    int tile = (int)(blk % tiles), hd = (int)((blk / tiles) % nh);
-    long bi = blk / ((long)tiles * nh);
-    int g = hd / (nh / nkv), warp = threadIdx.x >> 5;
-    int q0 = tile * FA_BR, r0 = q0 + warp * 16;
+    FaRows at = fa_rows(nh, nkv, l);
+    long bi = at.bi;
+    int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
     // The block's query rows pass through shared memory into each warp's A fragments.
     fa_load<D>(sk, q + qo + bi * qb + hd * qh, qr, q0, FA_BR, l, pairs);
     __syncthreads();
@@ -266,12 +282,9 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
                          int l, int s, float scale, int pairs) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
-    int tiles = (l + FA_BR - 1) / FA_BR;
-    long blk = blockIdx.x;
-    int tile = (int)(blk % tiles), hd = (int)((blk / tiles) % nh);
-    long bi = blk / ((long)tiles * nh);
-    int g = hd / (nh / nkv), warp = threadIdx.x >> 5;
-    int q0 = tile * FA_BR, r0 = q0 + warp * 16;
+    FaRows at = fa_rows(nh, nkv, l);
+    long bi = at.bi;
+    int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
     fa_load<D>(sk, q + qo + bi * qb + hd * qh, qr, q0, FA_BR, l, pairs);
     fa_load<D>(sv, dout + bi * (long)l * nh * D + (long)hd * D, (long)nh * D, q0, FA_BR, l, pairs);
     __syncthreads();

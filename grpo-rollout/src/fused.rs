@@ -1173,8 +1173,8 @@ impl CustomOp2 for SoftmaxBwd {
 /// zeroed buffer and an add in candle's backward).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
-    if flash_takes(q, k, v, bias) {
-        return flash_attention(q, k, v, bias, scale);
+    if let Some(ctx) = flash(q, k, v, bias, scale)? {
+        return Ok(ctx);
     }
     let p = match route("attention", q) {
         // On a GPU the kernel is a forward for a few query rows (decoding); longer passes and
@@ -1219,43 +1219,31 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
     }
 }
 
-/// Whether [`attention`] takes the flash kernels (`crate::flash`): on CUDA in bf16 / f16 with
-/// head dimension 64 or 128 and compute capability 8.0 or later, for a pass with a graph
-/// (training) or over more query rows than the decode kernel takes (prefill, frozen passes).
+/// [`attention`] on the flash kernels (`crate::flash`) where they take it: on CUDA in bf16 /
+/// f16 with head dimension 64 or 128 and compute capability 8.0 or later, for a pass with a
+/// graph (training) or over more query rows than the decode kernel takes (prefill, frozen
+/// passes). `None` elsewhere.
 #[cfg(feature = "cuda")]
-fn flash_takes(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> bool {
-    let long = q.track_op()
-        || k.track_op()
-        || v.track_op()
-        || q.dim(2).unwrap_or(0) > DEVICE_ATTENTION_ROWS;
-    long && grpo_core::fused::kernels_on()
+fn flash(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Option<Tensor>> {
+    let tracked = q.track_op() || k.track_op() || v.track_op();
+    let long = tracked || q.dim(2)? > DEVICE_ATTENTION_ROWS;
+    if long
+        && grpo_core::fused::kernels_on()
         && grpo_core::fused::cuda_op_on("flash_attention")
         && crate::flash::takes(q, k, v, bias)
+    {
+        return crate::flash::attention(q, k, v, bias, scale).map(Some);
+    }
+    Ok(None)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn flash_takes(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor) -> bool {
-    false
-}
-
-#[cfg(feature = "cuda")]
-fn flash_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    bias: &Tensor,
-    scale: f64,
-) -> Result<Tensor> {
-    crate::flash::attention(q, k, v, bias, scale)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn flash_attention(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, _: f64) -> Result<Tensor> {
-    candle_core::bail!("flash attention needs the cuda feature")
+fn flash(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, _: f64) -> Result<Option<Tensor>> {
+    Ok(None)
 }
 
 /// Most query rows per sequence for which a GPU runs the attention kernel (a decode step has
-/// one); longer queries (prefill, training) take the composition's matrix products.
+/// one); longer queries (prefill, training) take the flash kernels or the composition.
 const DEVICE_ATTENTION_ROWS: usize = 16;
 
 /// Largest head dimension of the GPU attention kernel (`ATTN_MAX_D` in kernels.cu).

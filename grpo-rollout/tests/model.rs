@@ -254,27 +254,32 @@ fn check_fd(m: &Transformer, v: &Var, g: &Tensor, rows: &[Vec<u32>], t: usize, n
     }
 }
 
+/// Each row's last `t` log-probs in a left-padded batch against the row alone, within `tol`.
+fn assert_batch_equals_rows_alone(m: &Transformer, tol: f32, what: &str) {
+    let (rows, t) = batch();
+    let (ids, mask) = padded(&rows);
+    let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+    let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+    for (r, row) in rows.iter().enumerate() {
+        let (ids, mask) = padded(std::slice::from_ref(row));
+        let (alone, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+        let alone: Vec<f32> = alone.flatten_all().unwrap().to_vec1().unwrap();
+        for j in 0..t {
+            assert!(
+                (lp[r][j] - alone[j]).abs() < tol,
+                "{what}, row {r} pos {j}: {} in the batch, {} alone",
+                lp[r][j],
+                alone[j]
+            );
+        }
+    }
+}
+
 #[test]
 fn left_padded_batch_equals_rows_alone() {
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         let m = model(arch, DType::F32, false);
-        let (rows, t) = batch();
-        let (ids, mask) = padded(&rows);
-        let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
-        let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
-        for (r, row) in rows.iter().enumerate() {
-            let (ids, mask) = padded(std::slice::from_ref(row));
-            let (alone, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
-            let alone: Vec<f32> = alone.flatten_all().unwrap().to_vec1().unwrap();
-            for j in 0..t {
-                assert!(
-                    (lp[r][j] - alone[j]).abs() < 1e-5,
-                    "{arch:?} row {r} pos {j}: {} vs {}",
-                    lp[r][j],
-                    alone[j]
-                );
-            }
-        }
+        assert_batch_equals_rows_alone(&m, 1e-5, &format!("{arch:?}"));
     }
 }
 
@@ -287,23 +292,7 @@ fn half_precision_left_padded_batch_equals_rows_alone() {
         let frozen = model(Arch::Qwen2, dtype, false);
         let trainable = TrainableModel::full(&frozen).unwrap();
         for (what, m) in [("frozen", &frozen), ("with a graph", &trainable.model)] {
-            let (rows, t) = batch();
-            let (ids, mask) = padded(&rows);
-            let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
-            let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
-            for (r, row) in rows.iter().enumerate() {
-                let (ids, mask) = padded(std::slice::from_ref(row));
-                let (alone, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
-                let alone: Vec<f32> = alone.flatten_all().unwrap().to_vec1().unwrap();
-                for j in 0..t {
-                    assert!(
-                        (lp[r][j] - alone[j]).abs() < tol,
-                        "{dtype:?} {what}, row {r} pos {j}: {} in the batch, {} alone",
-                        lp[r][j],
-                        alone[j]
-                    );
-                }
-            }
+            assert_batch_equals_rows_alone(m, tol, &format!("{dtype:?} {what}"));
         }
     }
 }
