@@ -12,7 +12,7 @@ use grpo_rollout::Transformer;
 
 use super::Learner;
 use super::batch::{StepBatch, completion_logps};
-use super::metrics::{MeanOf, OffPolicyStats};
+use super::metrics::{MeanOf, OffPolicyParts, OffPolicyStats};
 use crate::callbacks::Metrics;
 use crate::optim::accumulate;
 use crate::stages::Scored;
@@ -55,23 +55,43 @@ impl Learner {
         // log-probs recorded at generation.
         let correct = (self.cfg.pipeline.max_staleness > 0 || r.sampled_by_other_model)
             && self.cfg.loss.vllm_importance_sampling_correction;
-        let need_old = self.cfg.optim.num_iterations > 1 || correct;
+        // With one update per step the old policy is the policy each micro-batch's own forward
+        // runs (the update comes after the last one): its log-probs, detached, are the old
+        // log-probs, and the importance weights are formed in that pass — no extra forward
+        // (TRL runs one). Several updates need the old log-probs before the first.
+        let need_old = self.cfg.optim.num_iterations > 1;
         let (old, refs) = self.frozen_logps(&batch, need_old)?;
         let mut off_policy = OffPolicyStats::default();
-        let mut is_weights = Vec::with_capacity(batch.chunks.len());
-        for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
-            is_weights.push(match (correct, &old[ci]) {
-                (true, Some(old_lp)) => {
-                    Some(self.importance_weights(s, &batch, a, b, old_lp, &mut off_policy)?)
+        let weights = match (correct, need_old) {
+            (false, _) => Weights::None,
+            (true, false) => Weights::InPass,
+            (true, true) => {
+                let mut w = Vec::with_capacity(batch.chunks.len());
+                for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
+                    w.push(match &old[ci] {
+                        Some(old_lp) => {
+                            let (w, parts) = self.importance_weights(s, &batch, a, b, old_lp)?;
+                            off_policy.add(&parts)?;
+                            Some(w)
+                        }
+                        None => None,
+                    });
                 }
-                _ => None,
-            });
-        }
+                Weights::Given(w)
+            }
+        };
 
         let mut sums = MeanOf::default();
         let (mut grad_norm, mut lr) = (0.0, 0.0);
         for _ in 0..self.cfg.optim.num_iterations {
-            let grads = self.loss_and_grads(s, &batch, &old, &refs, &is_weights, &mut sums)?;
+            let grads = self.loss_and_grads(
+                s,
+                &batch,
+                (&old, &refs),
+                &weights,
+                &mut sums,
+                &mut off_policy,
+            )?;
             (grad_norm, lr) = self.optimizer_step(grads, r.batch.step)?;
         }
         self.state.step = r.batch.step + 1;
@@ -115,7 +135,8 @@ impl Learner {
     }
 
     /// TRL's importance weights of micro-batch `[a, b)`: the ratio of the learner's old
-    /// log-probs to the log-probs the tokens were sampled with.
+    /// log-probs to the log-probs the tokens were sampled with; also what the off-policy
+    /// metrics read. Formed on the device without waiting for it.
     fn importance_weights(
         &self,
         s: &Scored,
@@ -123,21 +144,25 @@ impl Learner {
         a: usize,
         b: usize,
         old_lp: &Tensor,
-        stats: &mut OffPolicyStats,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, OffPolicyParts)> {
         let c = old_lp.dim(1)?;
-        let old_rows: Vec<Vec<f32>> = old_lp.to_dtype(DType::F32)?.to_vec2()?;
         let mut sampled = Vec::with_capacity((b - a) * c);
-        for (comp, old_row) in s.rollouts.completions[a..b].iter().zip(&old_rows) {
-            // A server that gave no usable log-probs (see grpo_rollout::remote): weight 1.
-            if comp.logprobs.len() != comp.token_ids.len() {
-                sampled.extend(old_row);
-                continue;
-            }
-            sampled.extend((0..c).map(|j| comp.logprobs.get(j).copied().unwrap_or(0.0)));
+        let mut usable = Vec::with_capacity(b - a);
+        for comp in &s.rollouts.completions[a..b] {
+            // A server that gave no usable log-probs (see grpo_rollout::remote): weight 1
+            // (the old log-probs stand in for them below).
+            let ok = comp.logprobs.len() == comp.token_ids.len();
+            usable.push(if ok { 1f32 } else { 0.0 });
+            sampled.extend((0..c).map(|j| match ok {
+                true => comp.logprobs.get(j).copied().unwrap_or(0.0),
+                false => 0.0,
+            }));
         }
-        let sampled =
-            Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(old_lp.dtype())?;
+        let dt = old_lp.dtype();
+        let sampled = Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(dt)?;
+        let usable = Tensor::from_vec(usable, (b - a, 1), &self.device)?.to_dtype(dt)?;
+        let sampled = (sampled.broadcast_mul(&usable)?
+            + old_lp.broadcast_mul(&usable.affine(-1.0, 1.0)?)?)?;
         let mask = batch.mask(a, b, c, &self.device)?;
         let l = &self.cfg.loss;
         let w = grpo_core::loss::importance_weights(
@@ -148,8 +173,13 @@ impl Learner {
             l.vllm_importance_sampling_clip_min,
             l.vllm_importance_sampling_clip_max,
         )?;
-        stats.add(&w, old_lp, &sampled, &mask)?;
-        Ok(w)
+        let parts = OffPolicyParts {
+            weights: w.clone(),
+            old: old_lp.clone(),
+            sampled,
+            mask,
+        };
+        Ok((w, parts))
     }
 
     /// One pass over the micro-batches: the policy loss of each, its backward, the gradients
@@ -160,10 +190,10 @@ impl Learner {
         &self,
         s: &Scored,
         batch: &StepBatch<'_>,
-        old: &[Option<Tensor>],
-        refs: &[Option<Tensor>],
-        is_weights: &[Option<Tensor>],
+        (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
+        weights: &Weights,
         sums: &mut MeanOf,
+        off_policy: &mut OffPolicyStats,
     ) -> Result<HashMap<String, Tensor>> {
         let loss_cfg = self.cfg.loss_config();
         let ga = batch.chunks.len() as f64;
@@ -173,9 +203,23 @@ impl Learner {
         // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the four loss
         // metrics].
         let mut scalars: Vec<Tensor> = Vec::with_capacity(batch.chunks.len());
+        // The in-pass weights' metric inputs, read after the pass (no wait inside it).
+        let mut parts = Vec::new();
         for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
             let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
+            let in_pass = match weights {
+                Weights::InPass => {
+                    let (w, part) = self.importance_weights(s, batch, a, b, &lp.detach())?;
+                    parts.push(part);
+                    Some(w)
+                }
+                _ => None,
+            };
+            let is_weights = match weights {
+                Weights::Given(w) => w[ci].as_ref(),
+                _ => in_pass.as_ref(),
+            };
             let mask = batch.mask(a, b, width, &self.device)?;
             let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
             let out = policy_loss_on_device(
@@ -186,7 +230,7 @@ impl Learner {
                     advantages: &adv,
                     completion_mask: &mask,
                     num_items_in_batch: Some(batch.total_tokens as f64),
-                    importance_weights: is_weights[ci].as_ref(),
+                    importance_weights: is_weights,
                 },
                 &loss_cfg,
             )?;
@@ -218,6 +262,9 @@ impl Learner {
             let grads = self.policy.model.backward(&loss)?;
             accumulate(&mut acc, self.opt.vars(), &grads)?;
         }
+        for part in &parts {
+            off_policy.add(part)?;
+        }
         if scalars.is_empty() {
             return Ok(acc);
         }
@@ -241,4 +288,14 @@ impl Learner {
         }
         Ok(acc)
     }
+}
+
+/// Where a step's importance-sampling weights come from.
+enum Weights {
+    /// No correction.
+    None,
+    /// Formed in each micro-batch's pass from its own log-probs (one update per step).
+    InPass,
+    /// Formed before the updates from the old log-probs, one per micro-batch.
+    Given(Vec<Option<Tensor>>),
 }

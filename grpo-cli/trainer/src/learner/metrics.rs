@@ -47,17 +47,25 @@ pub(crate) struct OffPolicyStats {
     diff: (f64, f64, f64),
 }
 
+/// What one micro-batch's off-policy metrics read: its importance weights, old and sampling
+/// log-probs, and loss mask.
+pub(crate) struct OffPolicyParts {
+    pub(crate) weights: Tensor,
+    pub(crate) old: Tensor,
+    pub(crate) sampled: Tensor,
+    pub(crate) mask: Tensor,
+}
+
 impl OffPolicyStats {
-    pub(crate) fn add(
-        &mut self,
-        weights: &Tensor,
-        old: &Tensor,
-        sampled: &Tensor,
-        mask: &Tensor,
-    ) -> Result<()> {
+    /// Adds one micro-batch (reads it from the device).
+    pub(crate) fn add(&mut self, p: &OffPolicyParts) -> Result<()> {
+        let mask = &p.mask;
         self.ratios
-            .push(grpo_core::loss::importance_weight_stats(weights, mask)?);
-        let d: Vec<Vec<f64>> = (old - sampled)?.abs()?.to_dtype(DType::F64)?.to_vec2()?;
+            .push(grpo_core::loss::importance_weight_stats(&p.weights, mask)?);
+        let d: Vec<Vec<f64>> = (&p.old - &p.sampled)?
+            .abs()?
+            .to_dtype(DType::F64)?
+            .to_vec2()?;
         let m: Vec<Vec<f32>> = mask.to_vec2()?;
         for (dr, mr) in d.iter().zip(&m) {
             for (dv, mv) in dr.iter().zip(mr) {
