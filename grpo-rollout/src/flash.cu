@@ -153,6 +153,22 @@ __device__ __forceinline__ void fa_scores(float (*sc)[4], const bits16* bias_b, 
         }
 }
 
+// Causal skipping. With `causal` the bias masks every key after each query's position (the
+// queries are the last l of the s positions), so a key tile wholly after the last row of a
+// block of FA_BR query rows carries no weight for any of them and is skipped: the forward and
+// dq walk keys below `fa_keys_end`, dk/dv start at the first block of rows that reaches its
+// tile. All three make the same choice per (block of rows, key tile). A row whose every key
+// is masked (a left-padded position) then averages the keys up to its block's diagonal rather
+// than all of them; nothing reads such a row.
+__device__ __forceinline__ int fa_keys_end(int q0, int l, int s, int causal) {
+    long end = (long)(s - l) + q0 + FA_BR;
+    return causal && end < s ? (int)end : s;
+}
+__device__ __forceinline__ int fa_rows_start(int j0, int l, int s, int causal) {
+    int need = j0 - (s - l) - (FA_BR - 1);  // the first block start c with s - l + c + FA_BR > j0
+    return causal && need > 0 ? (need + FA_BR - 1) / FA_BR * FA_BR : 0;
+}
+
 // The block of a forward or dq launch: (batch, head, 64 query rows from q0); its kv head, and
 // the first of the 16 rows of this thread's warp.
 struct FaRows {
@@ -176,7 +192,8 @@ template <typename T, int D>
 __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, const bits16* k,
                           long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
                           long vg, long vr, const bits16* bias, long bo, bits16* out,
-                          float* stats, int nh, int nkv, int l, int s, float scale, int pairs) {
+                          float* stats, int nh, int nkv, int l, int s, float scale, int pairs,
+                          int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
     FaRows at = fa_rows(nh, nkv, l);
@@ -198,7 +215,7 @@ __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, c
     const bits16* kh = k + ko + bi * kb + g * kg;
     const bits16* vh = v + vo + bi * vb + g * vg;
     const bits16* bb = bias + bo + bi * (long)l * s;
-    for (int j0 = 0; j0 < s; j0 += FA_BC) {
+    for (int j0 = 0, end = fa_keys_end(q0, l, s, causal); j0 < end; j0 += FA_BC) {
         fa_load<D>(sk, kh, kr, j0, FA_BC, s, pairs);
         fa_load<D>(sv, vh, vr, j0, FA_BC, s, pairs);
         __syncthreads();
@@ -279,7 +296,7 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
                          long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
                          long vg, long vr, const bits16* bias, long bo, const bits16* dout,
                          const float* stats, const float* delta, bits16* dq, int nh, int nkv,
-                         int l, int s, float scale, int pairs) {
+                         int l, int s, float scale, int pairs, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
     FaRows at = fa_rows(nh, nkv, l);
@@ -313,7 +330,7 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
     const bits16* kh = k + ko + bi * kb + g * kg;
     const bits16* vh = v + vo + bi * vb + g * vg;
     const bits16* bb = bias + bo + bi * (long)l * s;
-    for (int j0 = 0; j0 < s; j0 += FA_BC) {
+    for (int j0 = 0, end = fa_keys_end(q0, l, s, causal); j0 < end; j0 += FA_BC) {
         fa_load<D>(sk, kh, kr, j0, FA_BC, s, pairs);
         fa_load<D>(sv, vh, vr, j0, FA_BC, s, pairs);
         __syncthreads();
@@ -377,7 +394,7 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
                           long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
                           long vg, long vr, const bits16* bias, long bo, const bits16* dout,
                           const float* stats, const float* delta, bits16* dkv, int nh, int nkv,
-                          int l, int s, float scale, int pairs) {
+                          int l, int s, float scale, int pairs, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
     __shared__ bits16 sq[FA_BQ][D + FA_PAD];
@@ -400,7 +417,7 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
     for (int hd = g * grp; hd < (g + 1) * grp; ++hd) {
         const bits16* qhd = q + qo + bi * qb + hd * qh;
         const bits16* dhd = dout + bi * (long)l * nh * D + (long)hd * D;
-        for (int c0 = 0; c0 < l; c0 += FA_BQ) {
+        for (int c0 = fa_rows_start(j0, l, s, causal); c0 < l; c0 += FA_BQ) {
             __syncthreads();  // the previous step's readers are done with sq, sd, sm, si, sdel
             fa_load<D>(sq, qhd, qr, c0, FA_BQ, l, pairs);
             fa_load<D>(sd, dhd, (long)nh * D, c0, FA_BQ, l, pairs);
@@ -485,18 +502,19 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
 #define FLASH_KERNELS(T, N, D)                                                                \
     extern "C" __global__ void flash_fwd_d##D##_##N(FA_ARGS, bits16* out, float* stats,      \
                                                      int nh, int nkv, int l, int s,          \
-                                                     float scale, int pairs) {               \
-        flash_fwd<T, D>(FA_PASS, out, stats, nh, nkv, l, s, scale, pairs);                    \
+                                                     float scale, int pairs, int causal) {   \
+        flash_fwd<T, D>(FA_PASS, out, stats, nh, nkv, l, s, scale, pairs, causal);            \
     }                                                                                         \
     extern "C" __global__ void flash_dq_d##D##_##N(                                           \
         FA_ARGS, const bits16* dout, const float* stats, const float* delta, bits16* dq,     \
-        int nh, int nkv, int l, int s, float scale, int pairs) {                              \
-        flash_dq<T, D>(FA_PASS, dout, stats, delta, dq, nh, nkv, l, s, scale, pairs);         \
+        int nh, int nkv, int l, int s, float scale, int pairs, int causal) {                  \
+        flash_dq<T, D>(FA_PASS, dout, stats, delta, dq, nh, nkv, l, s, scale, pairs, causal); \
     }                                                                                         \
     extern "C" __global__ void flash_dkv_d##D##_##N(                                          \
         FA_ARGS, const bits16* dout, const float* stats, const float* delta, bits16* dkv,    \
-        int nh, int nkv, int l, int s, float scale, int pairs) {                              \
-        flash_dkv<T, D>(FA_PASS, dout, stats, delta, dkv, nh, nkv, l, s, scale, pairs);       \
+        int nh, int nkv, int l, int s, float scale, int pairs, int causal) {                  \
+        flash_dkv<T, D>(FA_PASS, dout, stats, delta, dkv, nh, nkv, l, s, scale, pairs,        \
+                        causal);                                                              \
     }
 
 FLASH_KERNELS(BF16, bf16, 64)

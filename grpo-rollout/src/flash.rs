@@ -55,6 +55,7 @@ pub fn takes(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> bool {
 pub struct FlashAttention {
     bias: Tensor,
     scale: f64,
+    causal: bool,
     /// The forward's per-row stats `(B, H, L, 2)`, kept for the backward.
     stats: Mutex<Option<Arc<CudaSlice<f32>>>>,
 }
@@ -64,16 +65,19 @@ impl std::fmt::Debug for FlashAttention {
         f.debug_struct("FlashAttention")
             .field("bias", &self.bias.dims())
             .field("scale", &self.scale)
+            .field("causal", &self.causal)
             .finish_non_exhaustive()
     }
 }
 
 impl FlashAttention {
-    /// The op for an additive `bias` `(B, 1, L, S)` (no gradient) and score `scale`.
-    pub fn new(bias: &Tensor, scale: f64) -> Result<Self> {
+    /// The op for an additive `bias` `(B, 1, L, S)` (no gradient) and score `scale`; with
+    /// `causal` the bias masks every key after each query's position (see [`attention`]).
+    pub fn new(bias: &Tensor, scale: f64, causal: bool) -> Result<Self> {
         Ok(Self {
             bias: bias.contiguous()?.detach(),
             scale,
+            causal,
             stats: Mutex::new(None),
         })
     }
@@ -200,7 +204,7 @@ fn forward_t<T: Elem>(
     let out = alloc::<T>(dev, m.b * m.l * m.nh * m.d)?;
     let stats = alloc::<f32>(dev, m.b * m.nh * m.l * 2)?;
     let [nh, nkv, l, sl] = [m.nh, m.nkv, m.l, m.s].map(|x| x as i32);
-    let sc = op.scale as f32;
+    let (sc, causal) = (op.scale as f32, i32::from(op.causal));
     let ([qo, qb, qh, qr], [ko, kb, kg, kr], [vo, vb, vg, vr]) = (a.vq, a.vk, a.vv);
     let c = cfg((m.b * m.nh * m.l.div_ceil(ROWS)) as u32, THREADS, 0);
     cuda_launch!(
@@ -211,7 +215,7 @@ fn forward_t<T: Elem>(
         c,
         [
             a.q, &qo, &qb, &qh, &qr, a.k, &ko, &kb, &kg, &kr, a.v, &vo, &vb, &vg, &vr, bias, &bo,
-            &out, &stats, &nh, &nkv, &l, &sl, &sc, &a.pairs
+            &out, &stats, &nh, &nkv, &l, &sl, &sc, &a.pairs, &causal
         ]
     );
     *op.stats.lock().expect("flash stats poisoned") = Some(Arc::new(stats));
@@ -232,6 +236,7 @@ struct FlashGrad {
     part: Part,
     bias: Tensor,
     scale: f64,
+    causal: bool,
     stats: Arc<CudaSlice<f32>>,
     /// The context's gradient, rows `(B·L, H·D)` contiguous.
     dout: Tensor,
@@ -259,7 +264,7 @@ fn grad_t<T: Elem>(
     let bias = on_cuda(&bst, "the bias")?.as_cuda_slice::<T>()?;
     let bo = bl.start_offset() as i64;
     let [nh, nkv, l, sl] = [m.nh, m.nkv, m.l, m.s].map(|x| x as i32);
-    let sc = op.scale as f32;
+    let (sc, causal) = (op.scale as f32, i32::from(op.causal));
     let ([qo, qb, qh, qr], [ko, kb, kg, kr], [vo, vb, vg, vr]) = (a.vq, a.vk, a.vv);
     let stats = &*op.stats;
     let (name, n, grid, shape): (_, _, _, Shape) = match op.part {
@@ -286,7 +291,7 @@ fn grad_t<T: Elem>(
         c,
         [
             a.q, &qo, &qb, &qh, &qr, a.k, &ko, &kb, &kg, &kr, a.v, &vo, &vb, &vg, &vr, bias, &bo,
-            &dout, stats, &delta, &out, &nh, &nkv, &l, &sl, &sc, &a.pairs
+            &dout, stats, &delta, &out, &nh, &nkv, &l, &sl, &sc, &a.pairs, &causal
         ]
     );
     done(out, dev, shape)
@@ -357,6 +362,7 @@ impl candle_core::CustomOp3 for FlashAttention {
             part,
             bias: self.bias.clone(),
             scale: self.scale,
+            causal: self.causal,
             stats: stats.clone(),
             dout: dout.clone(),
             delta: delta.clone(),
@@ -400,7 +406,18 @@ impl candle_core::CustomOp3 for FlashGrad {
 }
 
 /// `softmax(q kᵀ · scale + bias) v` with the flash kernels: context rows `(B·L, H·D)`, with a
-/// backward when q, k or v carry a graph. See [`takes`] for what it accepts.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    q.apply_op3(k, v, FlashAttention::new(bias, scale)?)
+/// backward when q, k or v carry a graph. See [`takes`] for what it accepts. With `causal`
+/// the caller promises that the bias masks every key after each query's position (the queries
+/// being the last L of the S positions, as a decoder's passes are), and key tiles above the
+/// diagonal are skipped: the same values on every row with a visible key; a row whose every
+/// key is masked (a left-padded position, never read) is not the composition's average then.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
+    q.apply_op3(k, v, FlashAttention::new(bias, scale, causal)?)
 }

@@ -435,8 +435,8 @@ pub fn kv_write(
 /// queries (heads `0..H`), the new keys and the new values of this call's positions as the
 /// projections give them (not yet rotated); the keys (rotated) and values go into the caches
 /// `(B, G, capacity, D)` at `past` ([`kv_write`]) and the queries (rotated, [`rope`]) attend
-/// over all `past + L` positions ([`attention`], `bias` `(B, 1, L, past + L)`). Returns the
-/// context rows `(B·L, H·D)`. No graph.
+/// over all `past + L` positions ([`causal_attention`]: `bias` `(B, 1, L, past + L)` is a
+/// decoder's causal mask). Returns the context rows `(B·L, H·D)`. No graph.
 ///
 /// On CUDA, for up to 16 query rows, this is one kernel (the three ops are four launches);
 /// elsewhere it is those ops on views of `qkv`.
@@ -485,7 +485,7 @@ pub fn cached_attention(
     kv_write(v_cache, &qkv.narrow(2, heads + nkv, nkv)?, None, past)?;
     let k = k_cache.narrow(2, 0, past + l)?;
     let v = v_cache.narrow(2, 0, past + l)?;
-    attention(&q, &k, &v, bias, scale)
+    causal_attention(&q, &k, &v, bias, scale)
 }
 
 /// [`cached_attention`]'s CUDA kernel (the caches, its second and third inputs, are written).
@@ -1172,8 +1172,34 @@ impl CustomOp2 for SoftmaxBwd {
 /// In the autograd graph it is one node where the composition has ten (each of which costs a
 /// zeroed buffer and an add in candle's backward).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    attention_with(q, k, v, bias, scale, false)
+}
+
+/// [`attention`] for a decoder's causal bias: `bias` masks every key after each query's
+/// position, the queries being the last `L` of the `S` positions (training passes, a prefill
+/// after cached positions). The flash kernels then skip the key tiles above the diagonal;
+/// every row with a visible key gets what [`attention`] gives, while a row whose every key is
+/// masked (a left-padded position, whose outputs nothing reads) may differ.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    attention_with(q, k, v, bias, scale, true)
+}
+
+fn attention_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Tensor> {
     let same = q.dtype() == k.dtype() && q.dtype() == v.dtype() && q.dtype() == bias.dtype();
-    if let Some(ctx) = flash(q, k, v, bias, scale)? {
+    if let Some(ctx) = flash(q, k, v, bias, scale, causal)? {
         return Ok(ctx);
     }
     let p = match route("attention", q) {
@@ -1224,7 +1250,14 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) 
 /// graph (training) or over more query rows than the decode kernel takes (prefill, frozen
 /// passes). `None` elsewhere.
 #[cfg(feature = "cuda")]
-fn flash(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Option<Tensor>> {
+fn flash(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    causal: bool,
+) -> Result<Option<Tensor>> {
     let tracked = q.track_op() || k.track_op() || v.track_op();
     let long = tracked || q.dim(2)? > DEVICE_ATTENTION_ROWS;
     if long
@@ -1232,13 +1265,20 @@ fn flash(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Resul
         && grpo_core::fused::cuda_op_on("flash_attention")
         && crate::flash::takes(q, k, v, bias)
     {
-        return crate::flash::attention(q, k, v, bias, scale).map(Some);
+        return crate::flash::attention(q, k, v, bias, scale, causal).map(Some);
     }
     Ok(None)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn flash(_: &Tensor, _: &Tensor, _: &Tensor, _: &Tensor, _: f64) -> Result<Option<Tensor>> {
+fn flash(
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+    _: f64,
+    _: bool,
+) -> Result<Option<Tensor>> {
     Ok(None)
 }
 

@@ -357,7 +357,7 @@ impl Layer {
         v: &Tensor,
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
-        let ctx = crate::fused::attention(q, k, v, &c.bias, c.scale)?;
+        let ctx = crate::fused::causal_attention(q, k, v, &c.bias, c.scale)?;
         let x = (x + self.o_proj.forward(&ctx)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         let gate = self.gate_proj.forward(&h)?;
@@ -404,7 +404,7 @@ impl Layer {
                 };
                 let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
                 let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
-                crate::fused::attention(&q, &k, &v, &c.bias, c.scale)?
+                crate::fused::causal_attention(&q, &k, &v, &c.bias, c.scale)?
             }
         };
         let o = self.o_proj.forward(&ctx)?;

@@ -397,29 +397,56 @@ fn flash_attention_forward_and_backward_match_the_composition() {
     // Reference: the f32 composition on the same (rounded) inputs and its autograd gradients.
     // Then a prefill after 83 cached positions (17 queries over 100 keys) with the 0.77B
     // model's head grouping (6 query heads per kv head) and head dim.
-    for (b, nh, nkv, l, sl, d, cap, pairs) in [
-        (2, 4, 2, 70, 70, 64, 75, 1),
-        (2, 4, 2, 70, 70, 64, 75, 0),
-        (3, 6, 2, 33, 33, 128, 33, 1),
-        (2, 6, 1, 17, 100, 128, 128, 1),
+    // With `causal`, key tiles above the diagonal are skipped (130 rows: three blocks of 64;
+    // a prefill after cached positions): rows with a visible key must not change, and a row
+    // with none (a padded position) is left out of the comparison, its gradient zero as in the
+    // model.
+    for (b, nh, nkv, l, sl, d, cap, pairs, causal) in [
+        (2, 4, 2, 70, 70, 64, 75, 1, false),
+        (2, 4, 2, 70, 70, 64, 75, 0, false),
+        (3, 6, 2, 33, 33, 128, 33, 1, false),
+        (2, 6, 1, 17, 100, 128, 128, 1, false),
+        (2, 4, 2, 130, 130, 64, 130, 1, true),
+        (2, 6, 1, 80, 150, 64, 150, 1, true),
     ] {
         for (name, dt, tol) in DTYPES.into_iter().filter(|c| c.1 != DType::F32) {
             let seed = (l + sl + d + pairs) as u64;
             let q = randn(&[b, nh, l, d], dt, seed);
             let kc = randn(&[b, nkv, cap, d], dt, seed + 1);
             let vc = randn(&[b, nkv, cap, d], dt, seed + 2);
-            let dout = randn(&[b * l, nh * d], dt, seed + 3);
             // The model's mask value: −1e9 would be −inf in f16.
             let masked = grpo_rollout::model::attention_mask_value(dt);
             let m = bias(b, l, sl).affine(masked / -1e9, 0.0).unwrap();
+            // Rows whose every key is masked.
+            let dead: Vec<bool> = m
+                .flatten_to(2)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+                .iter()
+                .map(|r| r.iter().all(|&x| x < -1.0))
+                .collect();
+            let live = Tensor::from_vec(
+                dead.iter().map(|&d| if d { 0f32 } else { 1.0 }).collect(),
+                (b * l, 1),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let mut dout = randn(&[b * l, nh * d], dt, seed + 3);
+            if causal {
+                dout = dout.broadcast_mul(&live).unwrap();
+            }
             let scale = 1.0 / (d as f64).sqrt();
             let mut args = [b, nh, nkv, l, sl, d, cap].map(s).to_vec();
             args.push(s(scale));
             args.push(s(pairs));
+            args.push(s(u8::from(causal)));
             let Some(fwd) = run("flash_fwd", name, &args, &[&q, &kc, &vc, &m]) else {
                 return;
             };
-            let what = format!("flash attention {name} (L {l}, S {sl}, D {d}, pairs {pairs})");
+            let what = format!(
+                "flash attention {name} (L {l}, S {sl}, D {d}, pairs {pairs}, causal {causal})"
+            );
             let (qv, kv, vv) = (
                 Var::from_tensor(&q).unwrap(),
                 Var::from_tensor(&kc.narrow(2, 0, sl).unwrap()).unwrap(),
@@ -427,7 +454,14 @@ fn flash_attention_forward_and_backward_match_the_composition() {
             );
             let want = fused::attention_composed(&qv, &kv, &vv, &m, scale).unwrap();
             let n = b * l * nh * d;
-            close(&what, &fwd[..n], &flat(&want), tol);
+            let rows_of = |v: &[f32]| -> Vec<f32> {
+                v.chunks(nh * d)
+                    .zip(&dead)
+                    .filter(|(_, dead)| !causal || !**dead)
+                    .flat_map(|(r, _)| r.to_vec())
+                    .collect()
+            };
+            close(&what, &rows_of(&fwd[..n]), &rows_of(&flat(&want)), tol);
             // The stats: each row's maximum and 1 / Σ exp, finite for every row.
             let stats = &fwd[n..];
             assert_eq!(stats.len(), b * nh * l * 2, "{what}: stats");
