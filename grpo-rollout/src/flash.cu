@@ -10,7 +10,8 @@
 //   bias (B, 1, L, S) contiguous (the additive causal + padding mask); out rows (B·L, H·D);
 //   stats (B, H, L, 2) f32 = (row maximum, 1 / Σ exp); dout like out; delta (B, L, H) f32 =
 //   Σ_e dout · out per row and head; dq (B, H, L, D); dkv (2, B, G, S, D) = [dk, dv].
-// `pairs` says every row start is an even element offset (32-bit loads).
+// `align` (8, 2 or 1 elements) divides every row start's element offset: 16-byte, 32-bit or
+// 16-bit loads.
 //
 // Work split. Forward and dq: one block of four warps per (batch, head, 64 query rows), each warp
 // 16 rows, the key tiles of 64 walked in shared memory. dk/dv: one block per (batch, kv head, 64
@@ -83,16 +84,30 @@ __device__ __forceinline__ float fa_xor_sum(float v) {
 }
 
 // Rows r0..r0+n-1 (of `total`) of a matrix whose rows are `rs` elements apart into shared rows;
-// rows past `total` are zeros (so that a product never meets stale values).
+// rows past `total` are zeros (so that a product never meets stale values). Shared rows start
+// 16-byte aligned ((D + FA_PAD) · 2 bytes is a multiple of 16).
+struct alignas(16) FaU4 {
+    unsigned x, y, z, w;
+};
 template <int D>
 __device__ __forceinline__ void fa_load(bits16 (*dst)[D + FA_PAD], const bits16* src, long rs,
-                                        int r0, int n, int total, int pairs) {
+                                        int r0, int n, int total, int align) {
+    if (align == 8) {
+        for (int i = threadIdx.x; i < n * (D / 8); i += blockDim.x) {
+            int r = i / (D / 8), c = (i % (D / 8)) * 8;
+            FaU4 w = {0u, 0u, 0u, 0u};
+            if (r0 + r < total)
+                w = *reinterpret_cast<const FaU4*>(src + (long)(r0 + r) * rs + c);
+            *reinterpret_cast<FaU4*>(&dst[r][c]) = w;
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < n * (D / 2); i += blockDim.x) {
         int r = i / (D / 2), c = (i % (D / 2)) * 2;
         unsigned w = 0;
         if (r0 + r < total) {
             const bits16* p = src + (long)(r0 + r) * rs + c;
-            w = pairs ? fa_ld32(p) : fa_pair(p[0], p[1]);
+            w = align == 2 ? fa_ld32(p) : fa_pair(p[0], p[1]);
         }
         *reinterpret_cast<unsigned*>(&dst[r][c]) = w;
     }
@@ -192,7 +207,7 @@ template <typename T, int D>
 __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, const bits16* k,
                           long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
                           long vg, long vr, const bits16* bias, long bo, bits16* out,
-                          float* stats, int nh, int nkv, int l, int s, float scale, int pairs,
+                          float* stats, int nh, int nkv, int l, int s, float scale, int align,
                           int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
@@ -200,7 +215,7 @@ __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, c
     long bi = at.bi;
     int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
     // The block's query rows pass through shared memory into each warp's A fragments.
-    fa_load<D>(sk, q + qo + bi * qb + hd * qh, qr, q0, FA_BR, l, pairs);
+    fa_load<D>(sk, q + qo + bi * qb + hd * qh, qr, q0, FA_BR, l, align);
     __syncthreads();
     unsigned qf[D / 16][4];
     #pragma unroll
@@ -216,8 +231,8 @@ __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, c
     const bits16* vh = v + vo + bi * vb + g * vg;
     const bits16* bb = bias + bo + bi * (long)l * s;
     for (int j0 = 0, end = fa_keys_end(q0, l, s, causal); j0 < end; j0 += FA_BC) {
-        fa_load<D>(sk, kh, kr, j0, FA_BC, s, pairs);
-        fa_load<D>(sv, vh, vr, j0, FA_BC, s, pairs);
+        fa_load<D>(sk, kh, kr, j0, FA_BC, s, align);
+        fa_load<D>(sv, vh, vr, j0, FA_BC, s, align);
         __syncthreads();
         float sc[FA_BC / 8][4];
         #pragma unroll
@@ -296,14 +311,14 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
                          long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
                          long vg, long vr, const bits16* bias, long bo, const bits16* dout,
                          const float* stats, const float* delta, bits16* dq, int nh, int nkv,
-                         int l, int s, float scale, int pairs, int causal) {
+                         int l, int s, float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
     FaRows at = fa_rows(nh, nkv, l);
     long bi = at.bi;
     int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
-    fa_load<D>(sk, q + qo + bi * qb + hd * qh, qr, q0, FA_BR, l, pairs);
-    fa_load<D>(sv, dout + bi * (long)l * nh * D + (long)hd * D, (long)nh * D, q0, FA_BR, l, pairs);
+    fa_load<D>(sk, q + qo + bi * qb + hd * qh, qr, q0, FA_BR, l, align);
+    fa_load<D>(sv, dout + bi * (long)l * nh * D + (long)hd * D, (long)nh * D, q0, FA_BR, l, align);
     __syncthreads();
     unsigned qf[D / 16][4], df[D / 16][4];
     #pragma unroll
@@ -331,8 +346,8 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
     const bits16* vh = v + vo + bi * vb + g * vg;
     const bits16* bb = bias + bo + bi * (long)l * s;
     for (int j0 = 0, end = fa_keys_end(q0, l, s, causal); j0 < end; j0 += FA_BC) {
-        fa_load<D>(sk, kh, kr, j0, FA_BC, s, pairs);
-        fa_load<D>(sv, vh, vr, j0, FA_BC, s, pairs);
+        fa_load<D>(sk, kh, kr, j0, FA_BC, s, align);
+        fa_load<D>(sv, vh, vr, j0, FA_BC, s, align);
         __syncthreads();
         // 32 keys at a time keeps the scores and their gradient in registers.
         for (int half = 0; half < FA_BC; half += 32) {
@@ -394,7 +409,7 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
                           long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
                           long vg, long vr, const bits16* bias, long bo, const bits16* dout,
                           const float* stats, const float* delta, bits16* dkv, int nh, int nkv,
-                          int l, int s, float scale, int pairs, int causal) {
+                          int l, int s, float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
     __shared__ bits16 sq[FA_BQ][D + FA_PAD];
@@ -406,8 +421,8 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
     long bi = blk / ((long)tiles * nkv);
     int grp = nh / nkv, warp = threadIdx.x >> 5;
     int j0 = tile * FA_BC, kw = warp * 16;  // the warp's keys: j0 + kw ..
-    fa_load<D>(sk, k + ko + bi * kb + g * kg, kr, j0, FA_BC, s, pairs);
-    fa_load<D>(sv, v + vo + bi * vb + g * vg, vr, j0, FA_BC, s, pairs);
+    fa_load<D>(sk, k + ko + bi * kb + g * kg, kr, j0, FA_BC, s, align);
+    fa_load<D>(sv, v + vo + bi * vb + g * vg, vr, j0, FA_BC, s, align);
     float dk[D / 8][4], dv[D / 8][4];
     #pragma unroll
     for (int t = 0; t < D / 8; ++t)
@@ -419,8 +434,8 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
         const bits16* dhd = dout + bi * (long)l * nh * D + (long)hd * D;
         for (int c0 = fa_rows_start(j0, l, s, causal); c0 < l; c0 += FA_BQ) {
             __syncthreads();  // the previous step's readers are done with sq, sd, sm, si, sdel
-            fa_load<D>(sq, qhd, qr, c0, FA_BQ, l, pairs);
-            fa_load<D>(sd, dhd, (long)nh * D, c0, FA_BQ, l, pairs);
+            fa_load<D>(sq, qhd, qr, c0, FA_BQ, l, align);
+            fa_load<D>(sd, dhd, (long)nh * D, c0, FA_BQ, l, align);
             if (threadIdx.x < FA_BQ) {
                 int c = c0 + threadIdx.x;
                 bool in = c < l;
@@ -502,18 +517,18 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
 #define FLASH_KERNELS(T, N, D)                                                                \
     extern "C" __global__ void flash_fwd_d##D##_##N(FA_ARGS, bits16* out, float* stats,      \
                                                      int nh, int nkv, int l, int s,          \
-                                                     float scale, int pairs, int causal) {   \
-        flash_fwd<T, D>(FA_PASS, out, stats, nh, nkv, l, s, scale, pairs, causal);            \
+                                                     float scale, int align, int causal) {   \
+        flash_fwd<T, D>(FA_PASS, out, stats, nh, nkv, l, s, scale, align, causal);            \
     }                                                                                         \
     extern "C" __global__ void flash_dq_d##D##_##N(                                           \
         FA_ARGS, const bits16* dout, const float* stats, const float* delta, bits16* dq,     \
-        int nh, int nkv, int l, int s, float scale, int pairs, int causal) {                  \
-        flash_dq<T, D>(FA_PASS, dout, stats, delta, dq, nh, nkv, l, s, scale, pairs, causal); \
+        int nh, int nkv, int l, int s, float scale, int align, int causal) {                  \
+        flash_dq<T, D>(FA_PASS, dout, stats, delta, dq, nh, nkv, l, s, scale, align, causal); \
     }                                                                                         \
     extern "C" __global__ void flash_dkv_d##D##_##N(                                          \
         FA_ARGS, const bits16* dout, const float* stats, const float* delta, bits16* dkv,    \
-        int nh, int nkv, int l, int s, float scale, int pairs, int causal) {                  \
-        flash_dkv<T, D>(FA_PASS, dout, stats, delta, dkv, nh, nkv, l, s, scale, pairs,        \
+        int nh, int nkv, int l, int s, float scale, int align, int causal) {                  \
+        flash_dkv<T, D>(FA_PASS, dout, stats, delta, dkv, nh, nkv, l, s, scale, align,        \
                         causal);                                                              \
     }
 

@@ -166,8 +166,8 @@ struct Inputs<'a, T> {
     vq: [i64; 4],
     vk: [i64; 4],
     vv: [i64; 4],
-    /// Whether every row starts at an even element (32-bit loads).
-    pairs: i32,
+    /// Elements (8, 2 or 1) that divide every row start: 16-byte, 32-bit or 16-bit loads.
+    align: i32,
 }
 
 fn inputs<'a, T: Elem>(
@@ -175,11 +175,17 @@ fn inputs<'a, T: Elem>(
     extra_offsets: &[i64],
 ) -> Result<Inputs<'a, T>> {
     let [vq, vk, vv] = [view(s[0].1, "q")?, view(s[1].1, "k")?, view(s[2].1, "v")?];
-    let even = [vq, vk, vv]
-        .iter()
-        .flatten()
-        .chain(extra_offsets)
-        .all(|x| x % 2 == 0);
+    let starts = || {
+        [vq, vk, vv]
+            .into_iter()
+            .flatten()
+            .chain(extra_offsets.iter().copied())
+    };
+    let align = match () {
+        _ if starts().all(|x| x % 8 == 0) => 8,
+        _ if starts().all(|x| x % 2 == 0) => 2,
+        _ => 1,
+    };
     Ok(Inputs {
         q: s[0].0.as_cuda_slice::<T>()?,
         k: s[1].0.as_cuda_slice::<T>()?,
@@ -187,7 +193,7 @@ fn inputs<'a, T: Elem>(
         vq,
         vk,
         vv,
-        pairs: i32::from(even),
+        align,
     })
 }
 
@@ -215,7 +221,7 @@ fn forward_t<T: Elem>(
         c,
         [
             a.q, &qo, &qb, &qh, &qr, a.k, &ko, &kb, &kg, &kr, a.v, &vo, &vb, &vg, &vr, bias, &bo,
-            &out, &stats, &nh, &nkv, &l, &sl, &sc, &a.pairs, &causal
+            &out, &stats, &nh, &nkv, &l, &sl, &sc, &a.align, &causal
         ]
     );
     *op.stats.lock().expect("flash stats poisoned") = Some(Arc::new(stats));
@@ -291,7 +297,7 @@ fn grad_t<T: Elem>(
         c,
         [
             a.q, &qo, &qb, &qh, &qr, a.k, &ko, &kb, &kg, &kr, a.v, &vo, &vb, &vg, &vr, bias, &bo,
-            &dout, stats, &delta, &out, &nh, &nkv, &l, &sl, &sc, &a.pairs, &causal
+            &dout, stats, &delta, &out, &nh, &nkv, &l, &sl, &sc, &a.align, &causal
         ]
     );
     done(out, dev, shape)

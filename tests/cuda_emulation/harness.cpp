@@ -253,7 +253,7 @@ static void write_f32(const std::vector<float>& v) {
 }
 
 // Flash attention (flash.cu), launched as grpo-rollout/src/cuda.rs launches it:
-//   flash_fwd b nh nkv l s d cap scale pairs causal: in0 q (b, nh, l, d), in1 k, in2 v (b, nkv, cap, d)
+//   flash_fwd b nh nkv l s d cap scale align causal: in0 q (b, nh, l, d), in1 k, in2 v (b, nkv, cap, d)
 //     of which the first s rows count, in3 bias (b, 1, l, s); out = [context (b·l, nh·d),
 //     stats (b, nh, l, 2)]
 //   flash_bwd (the same arguments): in4 dout (b·l, nh·d); runs the forward, delta as the Rust
@@ -263,7 +263,7 @@ static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_
                        decltype(&flash_dq_d64_bf16) dqk, decltype(&flash_dkv_d64_bf16) dkvk) {
     typedef typename T::S S;
     int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), s = atoi(a[4]),
-        cap = atoi(a[6]), pairs = atoi(a[8]), causal = atoi(a[9]);
+        cap = atoi(a[6]), align = atoi(a[8]), causal = atoi(a[9]);
     float scale = atof(a[7]);
     auto q = to_storage<T>(read_f32(0)), k = to_storage<T>(read_f32(1)),
          v = to_storage<T>(read_f32(2)), bias = to_storage<T>(read_f32(3));
@@ -273,7 +273,7 @@ static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_
     unsigned qtiles = (l + FA_BR - 1) / FA_BR, ktiles = (s + FA_BC - 1) / FA_BC;
     emu_launch(fwd, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
                kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, out.data(),
-               stats.data(), nh, nkv, l, s, scale, pairs, causal);
+               stats.data(), nh, nkv, l, s, scale, align, causal);
     std::vector<float> res;
     if (op == "flash_fwd") {
         for (auto x : out) res.push_back(T::ld(x));
@@ -291,10 +291,10 @@ static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_
     std::vector<S> dq(q.size()), dkv(2L * b * nkv * s * D);
     emu_launch(dqk, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
                kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, dout.data(),
-               stats.data(), delta.data(), dq.data(), nh, nkv, l, s, scale, pairs, causal);
+               stats.data(), delta.data(), dq.data(), nh, nkv, l, s, scale, align, causal);
     emu_launch(dkvk, b * nkv * ktiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(),
                0L, kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, dout.data(),
-               stats.data(), delta.data(), dkv.data(), nh, nkv, l, s, scale, pairs, causal);
+               stats.data(), delta.data(), dkv.data(), nh, nkv, l, s, scale, align, causal);
     for (auto x : dq) res.push_back(T::ld(x));
     for (auto x : dkv) res.push_back(T::ld(x));
     write_f32(res);
