@@ -371,7 +371,8 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int h = e >> 1;
-                    float p = expf(sc[t][e] - mrow[h]) * inv[h];
+                    // A row that saw no key (inv 0) has no weight anywhere (and no −inf − −inf).
+                    float p = inv[h] > 0.0f ? expf(sc[t][e] - mrow[h]) * inv[h] : 0.0f;
                     sc[t][e] = p * (dp[t][e] - del[h]);
                 }
             #pragma unroll
@@ -471,7 +472,7 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
                 for (int e = 0; e < 4; ++e) {
                     int key = j0 + kw + fa_row(e), c = n * 8 + fa_col(e), row = c0 + c;
                     float p = 0.0f;
-                    if (key < s && row < l) {
+                    if (key < s && row < l && si[c] > 0.0f) {
                         float x = st[n][e] * scale + T::ld(bb[(long)row * s + key]);
                         p = expf(x - sm[c]) * si[c];
                     }
