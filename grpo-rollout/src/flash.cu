@@ -34,6 +34,13 @@
 #define FA_PAD 8       // halves of padding per shared row: conflict-free fragment loads
 #define FA_THREADS 128 // four warps
 
+// Every kernel's first arguments: q, k, v views and the bias (see the layouts above).
+#define FA_ARGS                                                                               \
+    const bits16 *q, long qo, long qb, long qh, long qr, const bits16 *k, long ko, long kb,  \
+        long kg, long kr, const bits16 *v, long vo, long vb, long vg, long vr,              \
+        const bits16 *bias, long bo
+#define FA_PASS q, qo, qb, qh, qr, k, ko, kb, kg, kr, v, vo, vb, vg, vr, bias, bo
+
 #ifndef GPU_HOST_EMULATION
 template <typename T>
 struct Mma;
@@ -204,11 +211,8 @@ __device__ __forceinline__ FaRows fa_rows(int nh, int nkv, int l) {
 }
 
 template <typename T, int D>
-__device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, const bits16* k,
-                          long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
-                          long vg, long vr, const bits16* bias, long bo, bits16* out,
-                          float* stats, int nh, int nkv, int l, int s, float scale, int align,
-                          int causal) {
+__device__ void flash_fwd(FA_ARGS, bits16* out, float* stats, int nh, int nkv, int l, int s,
+                          float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
     FaRows at = fa_rows(nh, nkv, l);
@@ -307,9 +311,7 @@ __device__ void flash_fwd(const bits16* q, long qo, long qb, long qh, long qr, c
 
 // dq = scale · Σ_keys dS k with dS = P ∘ (dout vᵀ − delta), P recomputed from the stats.
 template <typename T, int D>
-__device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, const bits16* k,
-                         long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
-                         long vg, long vr, const bits16* bias, long bo, const bits16* dout,
+__device__ void flash_dq(FA_ARGS, const bits16* dout,
                          const float* stats, const float* delta, bits16* dq, int nh, int nkv,
                          int l, int s, float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
@@ -406,9 +408,7 @@ __device__ void flash_dq(const bits16* q, long qo, long qb, long qh, long qr, co
 // dk = scale · Σ dSᵀ q and dv = Σ Pᵀ dout over the group's query heads and every query row, for
 // 64 keys per block (16 per warp), query rows walked 16 at a time.
 template <typename T, int D>
-__device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, const bits16* k,
-                          long ko, long kb, long kg, long kr, const bits16* v, long vo, long vb,
-                          long vg, long vr, const bits16* bias, long bo, const bits16* dout,
+__device__ void flash_dkv(FA_ARGS, const bits16* dout,
                           const float* stats, const float* delta, bits16* dkv, int nh, int nkv,
                           int l, int s, float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
@@ -510,11 +510,6 @@ __device__ void flash_dkv(const bits16* q, long qo, long qb, long qh, long qr, c
 
 // ------------------------------------------------------------------ entry points
 
-#define FA_ARGS                                                                               \
-    const bits16 *q, long qo, long qb, long qh, long qr, const bits16 *k, long ko, long kb,  \
-        long kg, long kr, const bits16 *v, long vo, long vb, long vg, long vr,              \
-        const bits16 *bias, long bo
-#define FA_PASS q, qo, qb, qh, qr, k, ko, kb, kg, kr, v, vo, vb, vg, vr, bias, bo
 #define FLASH_KERNELS(T, N, D)                                                                \
     extern "C" __global__ void flash_fwd_d##D##_##N(FA_ARGS, bits16* out, float* stats,      \
                                                      int nh, int nkv, int l, int s,          \

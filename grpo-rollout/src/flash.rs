@@ -303,47 +303,45 @@ fn grad_t<T: Elem>(
     done(out, dev, shape)
 }
 
-/// Dispatches on the two storage types the kernels take.
-macro_rules! half_typed {
-    ($dtype:expr, $f:ident($($arg:expr),*)) => {
-        match $dtype {
-            DType::BF16 => $f::<half::bf16>($($arg),*),
-            DType::F16 => $f::<half::f16>($($arg),*),
-            d => candle_core::bail!("flash attention: no kernel for {d:?} (bf16 or f16)"),
+/// The CPU refusal and the CUDA forward of a flash op over (q, k, v): `$run::<T>(self, [(q,
+/// lq), (k, lk), (v, lv)])` for the two storage types the kernels take.
+macro_rules! cuda_only {
+    ($run:ident) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+            _: &candle_core::CpuStorage,
+            _: &Layout,
+        ) -> Result<(candle_core::CpuStorage, Shape)> {
+            candle_core::bail!("flash attention runs on CUDA only")
+        }
+        fn cuda_fwd(
+            &self,
+            q: &CudaStorage,
+            lq: &Layout,
+            k: &CudaStorage,
+            lk: &Layout,
+            v: &CudaStorage,
+            lv: &Layout,
+        ) -> Result<(CudaStorage, Shape)> {
+            let s = [(q, lq), (k, lk), (v, lv)];
+            match q.dtype() {
+                DType::BF16 => $run::<half::bf16>(self, s),
+                DType::F16 => $run::<half::f16>(self, s),
+                d => candle_core::bail!("flash attention: no kernel for {d:?} (bf16 or f16)"),
+            }
         }
     };
-}
-
-fn cpu_refused() -> Result<(candle_core::CpuStorage, Shape)> {
-    candle_core::bail!("flash attention runs on CUDA only")
 }
 
 impl candle_core::CustomOp3 for FlashAttention {
     fn name(&self) -> &'static str {
         "flash_attention"
     }
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        cpu_refused()
-    }
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        lq: &Layout,
-        k: &CudaStorage,
-        lk: &Layout,
-        v: &CudaStorage,
-        lv: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        half_typed!(q.dtype(), forward_t(self, [(q, lq), (k, lk), (v, lv)]))
-    }
+    cuda_only!(forward_t);
     fn bwd(
         &self,
         q: &Tensor,
@@ -387,28 +385,7 @@ impl candle_core::CustomOp3 for FlashGrad {
             Part::Dkv => "flash_attention_dkv",
         }
     }
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, Shape)> {
-        cpu_refused()
-    }
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        lq: &Layout,
-        k: &CudaStorage,
-        lk: &Layout,
-        v: &CudaStorage,
-        lv: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        half_typed!(q.dtype(), grad_t(self, [(q, lq), (k, lk), (v, lv)]))
-    }
+    cuda_only!(grad_t);
 }
 
 /// `softmax(q kᵀ · scale + bias) v` with the flash kernels: context rows `(B·L, H·D)`, with a
