@@ -72,8 +72,8 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         decode_attention_check(device, dtype).map(|d| (d, tol)),
     );
     push(
-        "attention at training lengths, head dims 64 and 128 (flash kernels on CUDA bf16/f16), \
-         values and gradients vs f32 composition"
+        "attention at training lengths, head dims 64 and 128, plain and causal (flash kernels on \
+         CUDA bf16/f16), values and gradients vs f32 composition"
             .into(),
         long_attention_check(device, dtype).map(|d| (d, tol)),
     );
@@ -277,13 +277,16 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
     let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
     let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
     let d: Vec<f64> = (a - b)?.abs()?.flatten_all()?.to_vec1()?;
-    Ok(d.into_iter().fold(0.0, |m, x| {
-        if m.is_nan() || x.is_nan() {
-            f64::NAN
-        } else {
-            m.max(x)
-        }
-    }))
+    Ok(d.into_iter().fold(0.0, worse))
+}
+
+/// The larger of two differences; NaN when either is (`f64::max` would drop a NaN).
+fn worse(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 fn max_abs(a: &Tensor) -> Result<f64> {
@@ -416,7 +419,7 @@ fn op_checks(
             let (y1, g1, _) = res?;
             let mut worst = max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0);
             for (a, b) in g0.iter().zip(&g1) {
-                worst = worst.max(max_diff(a, b)? / max_abs(a)?.max(1.0));
+                worst = worse(worst, max_diff(a, b)? / max_abs(a)?.max(1.0));
             }
             Ok(worst)
         })();
@@ -448,36 +451,52 @@ fn decode_attention_check(device: &Device, dtype: DType) -> Result<f64> {
 /// Attention over 70 and 33 positions (partial tiles; grouped heads; causal, left-padded rows)
 /// with a graph, as training runs it — on CUDA in bf16/f16 the flash kernels — against the f32
 /// composition of the same inputs: the largest difference of the context and of the q, k, v
-/// gradients, relative to each one's size.
+/// gradients, relative to each one's size; also [`fused::causal_attention`] (the flash kernels
+/// skip key tiles above the diagonal). Rows with no visible key (padding) are left out, their
+/// gradient zero as in the model: their values mean nothing, and half precision's mask values
+/// make them differ (f16's −6e4 swallows the scores, f32 keeps them).
 fn long_attention_check(device: &Device, dtype: DType) -> Result<f64> {
     let mut worst = 0f64;
+    let masked = grpo_rollout::model::attention_mask_value(dtype) as f32;
     for (b, nh, nkv, l, hd) in [(2, 4, 2, 70, 64), (2, 6, 2, 33, 128)] {
         let mut bias = vec![0f32; b * l * l];
         for r in 0..b {
             for i in 0..l {
                 for j in 0..l {
                     if j > i || j < r * 3 {
-                        bias[(r * l + i) * l + j] = -1e9;
+                        // The model's mask value: −1e9 is −inf in f16.
+                        bias[(r * l + i) * l + j] = masked;
                     }
                 }
             }
         }
+        // Rows whose every key is masked: row r's first 3·r positions.
+        let live: Vec<f32> = (0..b * l)
+            .map(|row| if row % l < (row / l) * 3 { 0.0 } else { 1.0 })
+            .collect();
+        let live = Tensor::from_vec(live, (b * l, 1), &Device::Cpu)?;
         let bias = Tensor::from_vec(bias, (b, 1, l, l), &Device::Cpu)?;
+        // Scores of a trained model's size (std 0.5): half precision's rounding of larger ones
+        // in the composition would be the larger part of the difference.
         let inputs = [
-            randn(&[b, nh, l, hd], dtype, device)?,
+            (randn(&[b, nh, l, hd], DType::F32, device)? * 0.5)?.to_dtype(dtype)?,
             randn(&[b, nkv, l, hd], dtype, device)?,
             randn(&[b, nkv, l, hd], dtype, device)?,
         ];
-        let dout = randn(&[b * l, nh * hd], DType::F32, &Device::Cpu)?;
+        let dout = randn(&[b * l, nh * hd], DType::F32, &Device::Cpu)?.broadcast_mul(&live)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let run = |dev: &Device, dt: DType| -> Result<Vec<Tensor>> {
+        let run = |dev: &Device, dt: DType, causal: bool| -> Result<Vec<Tensor>> {
             let vars = inputs
                 .iter()
                 .map(|t| Var::from_tensor(&t.to_device(dev)?.to_dtype(dt)?))
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let bias = bias.to_device(dev)?.to_dtype(dt)?;
             let [q, k, v] = [0, 1, 2].map(|i| vars[i].as_tensor().clone());
-            let y = fused::attention(&q, &k, &v, &bias, scale)?;
+            let y = match causal {
+                false => fused::attention(&q, &k, &v, &bias, scale)?,
+                true => fused::causal_attention(&q, &k, &v, &bias, scale)?,
+            };
+            let y = y.broadcast_mul(&live.to_device(dev)?.to_dtype(dt)?)?;
             let g = (&y * dout.to_device(dev)?.to_dtype(dt)?)?
                 .sum_all()?
                 .backward()?;
@@ -491,13 +510,15 @@ fn long_attention_check(device: &Device, dtype: DType) -> Result<f64> {
             }
             Ok(out)
         };
-        let got = run(device, dtype)?;
-        let saved = grpo_core::fused::enabled();
-        grpo_core::fused::set_enabled(false);
-        let want = run(&Device::Cpu, DType::F32);
-        grpo_core::fused::set_enabled(saved);
-        for (a, w) in got.iter().zip(&want?) {
-            worst = worst.max(max_diff(a, w)? / max_abs(w)?.max(1.0));
+        for causal in [false, true] {
+            let got = run(device, dtype, causal)?;
+            let saved = grpo_core::fused::enabled();
+            grpo_core::fused::set_enabled(false);
+            let want = run(&Device::Cpu, DType::F32, causal);
+            grpo_core::fused::set_enabled(saved);
+            for (a, w) in got.iter().zip(&want?) {
+                worst = worse(worst, max_diff(a, w)? / max_abs(w)?.max(1.0));
+            }
         }
     }
     Ok(worst)
@@ -512,8 +533,10 @@ fn add_rms_check(device: &Device, dtype: DType) -> Result<f64> {
     let w = randn(&[96], dtype, device)?;
     let (s0, y0) = fused::add_rms_norm_composed(&x, &r, &w, 1e-6)?;
     let (s1, y1) = fused::add_rms_norm(&x, &r, &w, 1e-6)?;
-    Ok((max_diff(&s0, &s1)? / max_abs(&s0)?.max(1.0))
-        .max(max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0)))
+    Ok(worse(
+        max_diff(&s0, &s1)? / max_abs(&s0)?.max(1.0),
+        max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0),
+    ))
 }
 
 /// A decode step's key and value writes into a KV cache against the composition's rotate,
@@ -530,7 +553,7 @@ fn kv_write_check(device: &Device, dtype: DType) -> Result<f64> {
         fused::kv_write_composed(&want, &x, rot, past)?;
         let got = before.copy()?;
         fused::kv_write(&got, &x, rot, past)?;
-        worst = worst.max(max_diff(&want, &got)? / max_abs(&want)?.max(1.0));
+        worst = worse(worst, max_diff(&want, &got)? / max_abs(&want)?.max(1.0));
         let moved = max_diff(&before.narrow(2, 0, past)?, &got.narrow(2, 0, past)?)?;
         anyhow::ensure!(moved == 0.0, "a write changed a cached position before it");
     }
@@ -607,7 +630,7 @@ fn sampling_check(device: &Device, dtype: DType) -> Result<(f64, f64)> {
         .iter()
         .zip(&b)
         .map(|(x, y)| f64::from((x.1 - y.1).abs()))
-        .fold(0.0, f64::max);
+        .fold(0.0, worse);
     // A token that differs counts 1; log-probs must agree within 1e-3 (f32 reductions in
     // another order).
     Ok((differ as f64 + if lp > 1e-3 { 1.0 } else { 0.0 }, 0.0))
@@ -649,7 +672,7 @@ fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
     let (a, b) = (grads(false)?, grads(true)?);
     let mut worst = 0f64;
     for (x, y) in a.iter().zip(&b) {
-        worst = worst.max(max_diff(x, y)? / max_abs(x)?.max(1e-3));
+        worst = worse(worst, max_diff(x, y)? / max_abs(x)?.max(1e-3));
     }
     Ok(worst)
 }
