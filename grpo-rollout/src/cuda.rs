@@ -14,6 +14,10 @@ use grpo_core::{cuda_launch, cuda_typed};
 
 use crate::fused::{DEVICE_ATTENTION_MAX_D, MAX_DEVICE_HIDDEN};
 
+/// Query heads of one kv head that a block of `cached_attention` serves (`ATTN_GROUP` in
+/// kernels.cu).
+const ATTN_GROUP: usize = 8;
+
 /// The decoder's kernels.
 pub static DECODER: Kernels = Kernels {
     name: "grpo_decoder",
@@ -695,11 +699,19 @@ fn cached_attention_t<T: Elem>(
     let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
     let (capi, pasti, sc) = (cap as i64, a.past as i64, a.scale as f32);
     let warps = (s / 16).clamp(1, 8);
-    let c = cfg((b * nh * l) as u32, (32 * warps) as u32, 0);
+    // One block per (row, kv head, up to ATTN_GROUP of its query heads, query position).
+    let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
+    let c = cfg((b * nkv * chunks * l) as u32, (32 * warps) as u32, 0);
+    // Head dims up to 128 take the kernel whose accumulators hold 4 elements per lane.
+    let name = if d <= 128 {
+        "cached_attention"
+    } else {
+        "cached_attention_d256"
+    };
     cuda_launch!(
         &DECODER,
         dev,
-        "cached_attention",
+        name,
         T::DTYPE,
         c,
         [

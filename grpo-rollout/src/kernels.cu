@@ -269,54 +269,82 @@ struct PackedRows {
     }
 };
 
-// softmax(qs · kᵀ + bias row) · v over keys 0..s into `orow` (d elements); qs is the query row
-// already scaled, in shared memory.
-template <typename T, typename Rows>
-__device__ void attend(const float* qs, const Rows& kv, const typename T::S* br, int s, int d,
-                       typename T::S* orow) {
+// softmax(qs[h] · kᵀ + bias row) · v over keys 0..s into `orow + h·d` (d ≤ 32·DC elements) for
+// each of `heads` ≤ G query rows qs[h] (already scaled, in shared memory) that share one kv head:
+// each key and value is read once for all of them. Each warp runs an online softmax per head over
+// every `warps`-th key; the warps are merged at the end, head by head. A head's arithmetic is
+// the same, in the same order, whatever G and `heads` are.
+template <typename T, int G, int DC, typename Rows>
+__device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
+                       const typename T::S* br, int s, int d, typename T::S* orow) {
     __shared__ float wm[ATTN_MAX_WARPS], wl[ATTN_MAX_WARPS];
     __shared__ float wacc[ATTN_MAX_WARPS][ATTN_MAX_D];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float m = GPU_NEG_INF, lsum = 0.0f;
-    float acc[ATTN_MAX_D / 32];
-    for (int t = 0; t < ATTN_MAX_D / 32; ++t) acc[t] = 0.0f;
+    float m[G], lsum[G], acc[G][DC];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = GPU_NEG_INF;
+        lsum[h] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < DC; ++t) acc[h][t] = 0.0f;
+    }
     for (int j = w; j < s; j += nw) {
-        float dot = 0.0f;
-        for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+        float kj[DC], vj[DC];
+#pragma unroll
+        for (int t = 0; t < DC; ++t) {
             int e = lane + 32 * t;
-            if (e < d) dot += qs[e] * kv.key(j, e);
+            kj[t] = e < d ? kv.key(j, e) : 0.0f;
+            vj[t] = e < d ? kv.value(j, e) : 0.0f;
         }
-        dot = warp_sum(dot);
-        float sc = dot + T::ld(br[j]);
-        if (sc == GPU_NEG_INF) continue;  // a key masked with −inf (f16's −1e9) has no weight
-        float mn = fmaxf(m, sc);
-        float corr = expf(m - mn), p = expf(sc - mn);
-        lsum = lsum * corr + p;
-        for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+        float bj = T::ld(br[j]);
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            if (h >= heads) break;
+            float dot = 0.0f;
+#pragma unroll
+            for (int t = 0; t < DC; ++t) {
+                int e = lane + 32 * t;
+                if (e < d) dot += qs[h][e] * kj[t];
+            }
+            dot = warp_sum(dot);
+            float sc = dot + bj;
+            if (sc == GPU_NEG_INF) continue;  // a key masked with −inf (f16's −1e9) has no weight
+            float mn = fmaxf(m[h], sc);
+            float corr = expf(m[h] - mn), p = expf(sc - mn);
+            lsum[h] = lsum[h] * corr + p;
+#pragma unroll
+            for (int t = 0; t < DC; ++t) {
+                int e = lane + 32 * t;
+                if (e < d) acc[h][t] = acc[h][t] * corr + p * vj[t];
+            }
+            m[h] = mn;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        if (h >= heads) break;
+        __syncthreads();  // the previous head's readers are done with wm, wl, wacc
+        if (lane == 0) {
+            wm[w] = m[h];
+            wl[w] = lsum[h];
+        }
+#pragma unroll
+        for (int t = 0; t < DC; ++t) {
             int e = lane + 32 * t;
-            if (e < d) acc[t] = acc[t] * corr + p * kv.value(j, e);
+            if (e < d) wacc[w][e] = acc[h][t];
         }
-        m = mn;
-    }
-    if (lane == 0) {
-        wm[w] = m;
-        wl[w] = lsum;
-    }
-    for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
-        int e = lane + 32 * t;
-        if (e < d) wacc[w][e] = acc[t];
-    }
-    __syncthreads();
-    float mx = GPU_NEG_INF;
-    for (int u = 0; u < nw; ++u) mx = fmaxf(mx, wm[u]);
-    float total = 0.0f;
-    for (int u = 0; u < nw; ++u)
-        if (wl[u] > 0.0f) total += expf(wm[u] - mx) * wl[u];
-    for (int t = threadIdx.x; t < d; t += blockDim.x) {
-        float o = 0.0f;
+        __syncthreads();
+        float mx = GPU_NEG_INF;
+        for (int u = 0; u < nw; ++u) mx = fmaxf(mx, wm[u]);
+        float total = 0.0f;
         for (int u = 0; u < nw; ++u)
-            if (wl[u] > 0.0f) o += expf(wm[u] - mx) * wacc[u][t];
-        orow[t] = T::st(o / total);
+            if (wl[u] > 0.0f) total += expf(wm[u] - mx) * wl[u];
+        for (int t = threadIdx.x; t < d; t += blockDim.x) {
+            float o = 0.0f;
+            for (int u = 0; u < nw; ++u)
+                if (wl[u] > 0.0f) o += expf(wm[u] - mx) * wacc[u][t];
+            orow[(long)h * d + t] = T::st(o / total);
+        }
     }
 }
 
@@ -328,45 +356,56 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
                                long vb, long vg, long vs, const typename T::S* bias, long bo,
                                typename T::S* out, int nh, int nkv, int l, int s, int d,
                                float scale) {
-    __shared__ float qs[ATTN_MAX_D];
+    __shared__ float qs[1][ATTN_MAX_D];
     long blk = blockIdx.x;
     int i = (int)(blk % l);
     int hd = (int)((blk / l) % nh);
     long bi = blk / ((long)l * nh);
     int g = hd / (nh / nkv);
     const typename T::S* qr = q + qo + ((bi * nh + hd) * l + i) * d;
-    for (int t = threadIdx.x; t < d; t += blockDim.x) qs[t] = T::ld(qr[t]) * scale;
+    for (int t = threadIdx.x; t < d; t += blockDim.x) qs[0][t] = T::ld(qr[t]) * scale;
     __syncthreads();
     CacheRows<T> kv = {k + ko + bi * kb + g * kg, ks, v + vo + bi * vb + g * vg, vs};
-    attend<T>(qs, kv, bias + bo + (bi * l + i) * s, s, d,
-              out + (bi * l + i) * ((long)nh * d) + (long)hd * d);
+    attend<T, 1, ATTN_MAX_D / 32>(qs, 1, kv, bias + bo + (bi * l + i) * s, s, d,
+                 out + (bi * l + i) * ((long)nh * d) + (long)hd * d);
 }
+
+// Query heads one block of `cached_attention` serves: those of a kv head (grouped-query
+// attention), ATTN_GROUP at a time.
+#define ATTN_GROUP 8
 
 // A pass over a KV cache after the packed q/k/v product, in one launch: RoPE on the queries, the
 // new keys (rotated) and values written into the caches, attention over past + L positions — what
 // rope, two kv_writes and attention_rows do, to the same bits. qkv (B, L, H + 2G, D) contiguous
 // (q heads, then k, then v); caches (B, G, cap, D) whole contiguous buffers; cos, sin (B, L, D/2);
-// bias (B, 1, L, past + L); out rows (B·L, H·D). One block per (batch, head, query row); the block
-// of the first query head of a group also writes its kv head's row for its query position.
-template <typename T>
+// bias (B, 1, L, past + L); out rows (B·L, H·D). One block per (batch, kv head, up to ATTN_GROUP
+// of its query heads, query row), reading each cached key and value once for those heads; the
+// block of a kv head's first query heads also writes its row for its query position. d ≤ 32·DC
+// (two entry points: DC 4 for head dims up to 128 keeps the registers of 8 heads' accumulators
+// at what one head's took with DC 8).
+template <typename T, int DC>
 __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::S* kc,
                                  typename T::S* vc, long cap, const typename T::S* c, long co,
                                  const typename T::S* sn, long so, const typename T::S* bias,
                                  long bo, typename T::S* out, int nh, int nkv, int l, long past,
                                  int d, float scale) {
-    __shared__ float qs[ATTN_MAX_D];
+    __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
+    int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP, half = d / 2;
     long blk = blockIdx.x;
     int i = (int)(blk % l);
-    int hd = (int)((blk / l) % nh);
-    long bi = blk / ((long)l * nh);
-    int grp = nh / nkv, g = hd / grp, half = d / 2;
+    int ch = (int)((blk / l) % chunks);
+    int g = (int)((blk / ((long)l * chunks)) % nkv);
+    long bi = blk / ((long)l * chunks * nkv);
+    int h0 = g * grp + ch * ATTN_GROUP;
+    int heads = grp - ch * ATTN_GROUP < ATTN_GROUP ? grp - ch * ATTN_GROUP : ATTN_GROUP;
     long ns = (long)(nh + 2 * nkv) * d, s = past + l;
     const typename T::S* row = qkv + qo + (bi * l + i) * ns;
     const typename T::S* ct = c + co + (bi * l + i) * half;
     const typename T::S* st = sn + so + (bi * l + i) * half;
-    for (int t = threadIdx.x; t < d; t += blockDim.x)
-        qs[t] = rotated<T>(row + (long)hd * d, ct, st, t, half) * scale;
-    if (hd % grp == 0) {
+    for (int h = 0; h < heads; ++h)
+        for (int t = threadIdx.x; t < d; t += blockDim.x)
+            qs[h][t] = rotated<T>(row + (long)(h0 + h) * d, ct, st, t, half) * scale;
+    if (ch == 0) {
         long at = ((bi * nkv + g) * cap + past + i) * d;
         for (int t = threadIdx.x; t < d; t += blockDim.x) {
             kc[at + t] = T::st(rotated<T>(row + (long)(nh + g) * d, ct, st, t, half));
@@ -384,13 +423,21 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
         c + co + bi * l * half,
         sn + so + bi * l * half,
         half};
-    attend<T>(qs, kv, bias + bo + (bi * l + i) * s, (int)s, d,
-              out + (bi * l + i) * ((long)nh * d) + (long)hd * d);
+    attend<T, ATTN_GROUP, DC>(qs, heads, kv, bias + bo + (bi * l + i) * s, (int)s, d,
+                              out + (bi * l + i) * ((long)nh * d) + (long)h0 * d);
 }
 
 // ------------------------------------------------------------------ entry points
 
 #define S_OF(T) T::S
+#define CACHED_ATTENTION(T, N, W, DC)                                                        \
+    extern "C" __global__ void cached_attention##W##_##N(                                    \
+        const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
+        const S_OF(T) * c, long co, const S_OF(T) * s, long so, const S_OF(T) * bias,       \
+        long bo, S_OF(T) * out, int nh, int nkv, int l, long past, int d, float scale) {     \
+        cached_attention<T, DC>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, out, nh, nkv,  \
+                                l, past, d, scale);                                          \
+    }
 #define GRPO_KERNELS(T, N)                                                                   \
     extern "C" __global__ void rms_fwd_##N(const S_OF(T) * x, long xo, const S_OF(T) * w,   \
                                            long wo, S_OF(T) * y, int h, float eps) {        \
@@ -451,13 +498,8 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
         attention_rows<T>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh,    \
                           nkv, l, s, d, scale);                                              \
     }                                                                                        \
-    extern "C" __global__ void cached_attention_##N(                                         \
-        const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
-        const S_OF(T) * c, long co, const S_OF(T) * s, long so, const S_OF(T) * bias,       \
-        long bo, S_OF(T) * out, int nh, int nkv, int l, long past, int d, float scale) {     \
-        cached_attention<T>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, out, nh, nkv, l,   \
-                            past, d, scale);                                                 \
-    }
+    CACHED_ATTENTION(T, N, , 4)                                                              \
+    CACHED_ATTENTION(T, N, _d256, 8)
 
 GRPO_KERNELS(F32, f32)
 GRPO_KERNELS(BF16, bf16)

@@ -232,7 +232,9 @@ static int run(const std::string& op, char** a, K k) {
         std::vector<S> out((long)b * l * nh * d);
         long s = past + l;
         int warps = s / 16 < 1 ? 1 : (s / 16 > 8 ? 8 : (int)(s / 16));
-        emu_launch(k.cached_attention, (unsigned)(b * nh * l), 32 * warps, 0, qkv.data(), 0L,
+        int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
+        emu_launch(d <= 128 ? k.cached_attention : k.cached_attention_d256,
+                   (unsigned)(b * nkv * chunks * l), 32 * warps, 0, qkv.data(), 0L,
                    kc.data(), vc.data(), cap, c.data(), 0L, sn.data(), 0L, bias.data(), 0L,
                    out.data(), nh, nkv, l, past, d, scale);
         out.insert(out.end(), kc.begin(), kc.end());
@@ -332,6 +334,7 @@ static int run_flash(const std::string& op, char** a, bool bf16) {
         decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
         decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \
         decltype(&cached_attention_##N) cached_attention = &cached_attention_##N;          \
+        decltype(&cached_attention_d256_##N) cached_attention_d256 = &cached_attention_d256_##N; \
         decltype(&lsg_fwd_##N) lsg_fwd = &lsg_fwd_##N;                                     \
         decltype(&sample_rows_##N) sample = &sample_rows_##N;                              \
         decltype(&lsg_bwd_##N) lsg_bwd = &lsg_bwd_##N;                                     \

@@ -569,12 +569,16 @@ fn check_cached_attention(dims: [usize; 7], dt: DType, name: &str, tol: f32, see
 fn cached_attention_equals_rope_kv_writes_and_attention() {
     // A decode step over a partly filled cache with grouped heads and a head dim that leaves a
     // partial warp; a short prefill after cached positions; a first prefill (nothing cached,
-    // one kv head per query head); a decode step of the 0.77B model's shape.
+    // one kv head per query head); a decode step of the 0.77B model's shape; 18 query heads on
+    // one kv head (blocks of 8, 8 and 2 heads, only the first writing the cache); head dim
+    // 160 (the kernel for head dims above 128).
     for dims in [
         [2, 6, 2, 1, 36, 40, 50],
         [2, 6, 2, 3, 34, 40, 50],
         [2, 4, 4, 5, 0, 16, 8],
         [2, 12, 2, 1, 299, 128, 320],
+        [2, 18, 1, 2, 20, 32, 24],
+        [1, 4, 2, 1, 20, 160, 24],
     ] {
         for (name, dt, tol) in DTYPES {
             if !check_cached_attention(dims, dt, name, tol, 40) {
