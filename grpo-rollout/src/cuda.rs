@@ -14,8 +14,8 @@ use grpo_core::{cuda_launch, cuda_typed};
 
 use crate::fused::{DEVICE_ATTENTION_MAX_D, MAX_DEVICE_HIDDEN};
 
-/// Query heads of one kv head that a block of `cached_attention` serves (`ATTN_GROUP` in
-/// kernels.cu).
+/// Query heads of one kv head that a block of `attention_rows` and `cached_attention` serves
+/// (`ATTN_GROUP` in kernels.cu).
 const ATTN_GROUP: usize = 8;
 
 /// The decoder's kernels.
@@ -592,13 +592,20 @@ fn attention_rows_t<T: Elem>(
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, si, di] = [nh as i32, nkv as i32, l as i32, s as i32, d as i32];
     let sc = scale as f32;
-    // One warp per 16 keys, up to 8 (the kernel's ATTN_MAX_WARPS).
+    // One warp per 16 keys, up to 8 (the kernel's ATTN_MAX_WARPS); one block per (row, kv head,
+    // up to ATTN_GROUP of its query heads, query position).
     let warps = (s / 16).clamp(1, 8);
-    let c = cfg((b * nh * l) as u32, (32 * warps) as u32, 0);
+    let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
+    let c = cfg((b * nkv * chunks * l) as u32, (32 * warps) as u32, 0);
+    let name = if d <= 128 {
+        "attention_rows"
+    } else {
+        "attention_rows_d256"
+    };
     cuda_launch!(
         &DECODER,
         dev,
-        "attention_rows",
+        name,
         T::DTYPE,
         c,
         [

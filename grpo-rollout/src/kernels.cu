@@ -348,31 +348,51 @@ __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
     }
 }
 
+// Query heads one attention block serves: those of a kv head (grouped-query attention),
+// ATTN_GROUP at a time, so that each key and value is read once for them.
+#define ATTN_GROUP 8
+
+// The block of an attention launch of B · G · chunks · L blocks: batch row, kv head, its first
+// query head h0 and how many it serves, query position.
+struct GroupBlock {
+    long bi;
+    int g, h0, heads, i;
+};
+__device__ __forceinline__ GroupBlock group_block(int nh, int nkv, int l) {
+    int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
+    long blk = blockIdx.x;
+    GroupBlock at;
+    at.i = (int)(blk % l);
+    int ch = (int)((blk / l) % chunks);
+    at.g = (int)((blk / ((long)l * chunks)) % nkv);
+    at.bi = blk / ((long)l * chunks * nkv);
+    at.h0 = at.g * grp + ch * ATTN_GROUP;
+    at.heads = grp - ch * ATTN_GROUP < ATTN_GROUP ? grp - ch * ATTN_GROUP : ATTN_GROUP;
+    return at;
+}
+
 // q (B, H, L, D) contiguous; k, v (B, G, S, D) with element strides (kb, kg, ks) and (vb, vg, vs)
-// and unit stride along D; bias (B, 1, L, S); out rows (B·L, H·D).
-template <typename T>
+// and unit stride along D; bias (B, 1, L, S); out rows (B·L, H·D); d ≤ 32·DC. One block per
+// (batch, kv head, up to ATTN_GROUP of its query heads, query row).
+template <typename T, int DC>
 __device__ void attention_rows(const typename T::S* q, long qo, const typename T::S* k, long ko,
                                long kb, long kg, long ks, const typename T::S* v, long vo,
                                long vb, long vg, long vs, const typename T::S* bias, long bo,
                                typename T::S* out, int nh, int nkv, int l, int s, int d,
                                float scale) {
-    __shared__ float qs[1][ATTN_MAX_D];
-    long blk = blockIdx.x;
-    int i = (int)(blk % l);
-    int hd = (int)((blk / l) % nh);
-    long bi = blk / ((long)l * nh);
-    int g = hd / (nh / nkv);
-    const typename T::S* qr = q + qo + ((bi * nh + hd) * l + i) * d;
-    for (int t = threadIdx.x; t < d; t += blockDim.x) qs[0][t] = T::ld(qr[t]) * scale;
+    __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
+    GroupBlock at = group_block(nh, nkv, l);
+    long bi = at.bi;
+    int g = at.g, i = at.i;
+    for (int h = 0; h < at.heads; ++h) {
+        const typename T::S* qr = q + qo + ((bi * nh + at.h0 + h) * l + i) * d;
+        for (int t = threadIdx.x; t < d; t += blockDim.x) qs[h][t] = T::ld(qr[t]) * scale;
+    }
     __syncthreads();
     CacheRows<T> kv = {k + ko + bi * kb + g * kg, ks, v + vo + bi * vb + g * vg, vs};
-    attend<T, 1, ATTN_MAX_D / 32>(qs, 1, kv, bias + bo + (bi * l + i) * s, s, d,
-                 out + (bi * l + i) * ((long)nh * d) + (long)hd * d);
+    attend<T, ATTN_GROUP, DC>(qs, at.heads, kv, bias + bo + (bi * l + i) * s, s, d,
+                              out + (bi * l + i) * ((long)nh * d) + (long)at.h0 * d);
 }
-
-// Query heads one block of `cached_attention` serves: those of a kv head (grouped-query
-// attention), ATTN_GROUP at a time.
-#define ATTN_GROUP 8
 
 // A pass over a KV cache after the packed q/k/v product, in one launch: RoPE on the queries, the
 // new keys (rotated) and values written into the caches, attention over past + L positions — what
@@ -390,14 +410,9 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
                                  long bo, typename T::S* out, int nh, int nkv, int l, long past,
                                  int d, float scale) {
     __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
-    int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP, half = d / 2;
-    long blk = blockIdx.x;
-    int i = (int)(blk % l);
-    int ch = (int)((blk / l) % chunks);
-    int g = (int)((blk / ((long)l * chunks)) % nkv);
-    long bi = blk / ((long)l * chunks * nkv);
-    int h0 = g * grp + ch * ATTN_GROUP;
-    int heads = grp - ch * ATTN_GROUP < ATTN_GROUP ? grp - ch * ATTN_GROUP : ATTN_GROUP;
+    GroupBlock at = group_block(nh, nkv, l);
+    long bi = at.bi;
+    int g = at.g, i = at.i, h0 = at.h0, heads = at.heads, half = d / 2;
     long ns = (long)(nh + 2 * nkv) * d, s = past + l;
     const typename T::S* row = qkv + qo + (bi * l + i) * ns;
     const typename T::S* ct = c + co + (bi * l + i) * half;
@@ -405,7 +420,7 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
     for (int h = 0; h < heads; ++h)
         for (int t = threadIdx.x; t < d; t += blockDim.x)
             qs[h][t] = rotated<T>(row + (long)(h0 + h) * d, ct, st, t, half) * scale;
-    if (ch == 0) {
+    if (h0 == g * (nh / nkv)) {  // the block of the kv head's first query heads
         long at = ((bi * nkv + g) * cap + past + i) * d;
         for (int t = threadIdx.x; t < d; t += blockDim.x) {
             kc[at + t] = T::st(rotated<T>(row + (long)(nh + g) * d, ct, st, t, half));
@@ -430,6 +445,14 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
 // ------------------------------------------------------------------ entry points
 
 #define S_OF(T) T::S
+#define ATTENTION_ROWS(T, N, W, DC)                                                          \
+    extern "C" __global__ void attention_rows##W##_##N(                                      \
+        const S_OF(T) * q, long qo, const S_OF(T) * k, long ko, long kb, long kg, long ks,  \
+        const S_OF(T) * v, long vo, long vb, long vg, long vs, const S_OF(T) * bias,        \
+        long bo, S_OF(T) * out, int nh, int nkv, int l, int s, int d, float scale) {         \
+        attention_rows<T, DC>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh, \
+                              nkv, l, s, d, scale);                                          \
+    }
 #define CACHED_ATTENTION(T, N, W, DC)                                                        \
     extern "C" __global__ void cached_attention##W##_##N(                                    \
         const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
@@ -491,13 +514,8 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
                                                int s, float scale) {                         \
         softmax_bwd<T>(p, po, g, go, out, s, scale);                                         \
     }                                                                                        \
-    extern "C" __global__ void attention_rows_##N(                                           \
-        const S_OF(T) * q, long qo, const S_OF(T) * k, long ko, long kb, long kg, long ks,  \
-        const S_OF(T) * v, long vo, long vb, long vg, long vs, const S_OF(T) * bias,        \
-        long bo, S_OF(T) * out, int nh, int nkv, int l, int s, int d, float scale) {         \
-        attention_rows<T>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh,    \
-                          nkv, l, s, d, scale);                                              \
-    }                                                                                        \
+    ATTENTION_ROWS(T, N, , 4)                                                                \
+    ATTENTION_ROWS(T, N, _d256, 8)                                                           \
     CACHED_ATTENTION(T, N, , 4)                                                              \
     CACHED_ATTENTION(T, N, _d256, 8)
 

@@ -337,11 +337,13 @@ fn attention_over_a_strided_cache_matches_the_composition() {
     // warp), left padding and causal masking through the bias.
     // Then a decode step of the 0.77B model's shape: head dim 128, 6 query heads per kv head,
     // 300 cached positions of 320 (the most warps per block, 8).
+    // And 18 query heads on one kv head (blocks of 8, 8 and 2 heads) with head dim 160.
     for (b, nh, nkv, d, cap, l, sl) in [
         (2, 6, 2, 40, 50, 1, 37),
         (2, 6, 2, 40, 50, 3, 37),
         (2, 6, 2, 40, 50, 1, 5),
         (2, 6, 1, 128, 320, 1, 300),
+        (2, 18, 1, 160, 40, 2, 30),
     ] {
         for (name, dt, tol) in DTYPES {
             let q = randn(&[b, nh, l, d], dt, 12);
