@@ -152,17 +152,17 @@ impl Learner {
             // A server that gave no usable log-probs (see grpo_rollout::remote): weight 1
             // (the old log-probs stand in for them below).
             let ok = comp.logprobs.len() == comp.token_ids.len();
-            usable.push(if ok { 1f32 } else { 0.0 });
+            usable.push(u8::from(ok));
             sampled.extend((0..c).map(|j| match ok {
                 true => comp.logprobs.get(j).copied().unwrap_or(0.0),
                 false => 0.0,
             }));
         }
-        let dt = old_lp.dtype();
-        let sampled = Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(dt)?;
-        let usable = Tensor::from_vec(usable, (b - a, 1), &self.device)?.to_dtype(dt)?;
-        let sampled = (sampled.broadcast_mul(&usable)?
-            + old_lp.broadcast_mul(&usable.affine(-1.0, 1.0)?)?)?;
+        let sampled =
+            Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(old_lp.dtype())?;
+        let sampled = Tensor::from_vec(usable, (b - a, 1), &self.device)?
+            .broadcast_as((b - a, c))?
+            .where_cond(&sampled, old_lp)?;
         let mask = batch.mask(a, b, c, &self.device)?;
         let l = &self.cfg.loss;
         let w = grpo_core::loss::importance_weights(
