@@ -9,7 +9,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, Device, Layout, Result, Shape, Tensor};
-use grpo_core::cuda::{Elem, Kernels, alloc, blocks, cfg, done, input, row_threads};
+use grpo_core::cuda::{Elem, Kernels, LaunchConfig, alloc, blocks, cfg, done, input, row_threads};
 use grpo_core::{cuda_launch, cuda_typed};
 
 use crate::fused::{DEVICE_ATTENTION_MAX_D, MAX_DEVICE_HIDDEN};
@@ -551,6 +551,20 @@ fn kv_view(l: &Layout, what: &str) -> Result<(i64, [i64; 3])> {
     ))
 }
 
+/// The kernel and launch of a grouped attention (`attention_rows`, `cached_attention`) over
+/// `[B, H, G, L, S, D]`: one block per (row, kv head, up to ATTN_GROUP of its query heads, query
+/// position), one warp per 16 keys up to 8 (ATTN_MAX_WARPS); head dims up to 128 take the
+/// kernel whose accumulators hold 4 elements per lane, `names[0]`, larger ones `names[1]`.
+fn grouped_launch(
+    names: [&'static str; 2],
+    [b, nh, nkv, l, s, d]: [usize; 6],
+) -> (&'static str, LaunchConfig) {
+    let warps = (s / 16).clamp(1, 8);
+    let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
+    let c = cfg((b * nkv * chunks * l) as u32, (32 * warps) as u32, 0);
+    (if d <= 128 { names[0] } else { names[1] }, c)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn attention_rows_t<T: Elem>(
     q: &CudaStorage,
@@ -592,16 +606,10 @@ fn attention_rows_t<T: Elem>(
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, si, di] = [nh as i32, nkv as i32, l as i32, s as i32, d as i32];
     let sc = scale as f32;
-    // One warp per 16 keys, up to 8 (the kernel's ATTN_MAX_WARPS); one block per (row, kv head,
-    // up to ATTN_GROUP of its query heads, query position).
-    let warps = (s / 16).clamp(1, 8);
-    let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
-    let c = cfg((b * nkv * chunks * l) as u32, (32 * warps) as u32, 0);
-    let name = if d <= 128 {
-        "attention_rows"
-    } else {
-        "attention_rows_d256"
-    };
+    let (name, c) = grouped_launch(
+        ["attention_rows", "attention_rows_d256"],
+        [b, nh, nkv, l, s, d],
+    );
     cuda_launch!(
         &DECODER,
         dev,
@@ -705,16 +713,10 @@ fn cached_attention_t<T: Elem>(
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
     let (capi, pasti, sc) = (cap as i64, a.past as i64, a.scale as f32);
-    let warps = (s / 16).clamp(1, 8);
-    // One block per (row, kv head, up to ATTN_GROUP of its query heads, query position).
-    let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
-    let c = cfg((b * nkv * chunks * l) as u32, (32 * warps) as u32, 0);
-    // Head dims up to 128 take the kernel whose accumulators hold 4 elements per lane.
-    let name = if d <= 128 {
-        "cached_attention"
-    } else {
-        "cached_attention_d256"
-    };
+    let (name, c) = grouped_launch(
+        ["cached_attention", "cached_attention_d256"],
+        [b, nh, nkv, l, s, d],
+    );
     cuda_launch!(
         &DECODER,
         dev,

@@ -44,26 +44,20 @@
 #ifndef GPU_HOST_EMULATION
 template <typename T>
 struct Mma;
-template <>
-struct Mma<BF16> {
-    static __device__ __forceinline__ void run(float* d, const unsigned* a, const unsigned* b) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
-template <>
-struct Mma<F16> {
-    static __device__ __forceinline__ void run(float* d, const unsigned* a, const unsigned* b) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-};
+// d (16×8 f32) += a (16×16) · b (16×8) for the warp, a and b of storage type TY.
+#define FA_MMA(T, TY)                                                                         \
+    template <>                                                                               \
+    struct Mma<T> {                                                                           \
+        static __device__ __forceinline__ void run(float* d, const unsigned* a,               \
+                                                   const unsigned* b) {                       \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY                   \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"       \
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                     \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])); \
+        }                                                                                     \
+    };
+FA_MMA(BF16, "bf16")
+FA_MMA(F16, "f16")
 #else
 template <typename T>
 struct Mma {
