@@ -51,6 +51,9 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         });
     };
     let saved_mode = (grpo_core::fused::enabled(), false);
+    // `check` reports the kernels as they are: the first-use self-check would switch a wrong
+    // one off before its row ran.
+    let _selfcheck = SelfCheckOff::new();
     // On CPU f32 the kernels run by default; the device-generic path is checked as well.
     let kernels = device.is_cpu() && matches!(dtype, DType::F32 | DType::F64);
     let paths: &[(&str, bool)] = if kernels {
@@ -67,43 +70,16 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         }
     }
     grpo_core::fused::set_enabled(saved_mode.0);
-    push(
-        "attention over a cache view, forward (decode) vs composition".into(),
-        decode_attention_check(device, dtype).map(|d| (d, tol)),
-    );
-    push(
-        "attention at training lengths, head dims 64 and 128, plain and causal (flash kernels on \
-         CUDA bf16/f16), values and gradients vs f32 composition"
-            .into(),
-        long_attention_check(device, dtype).map(|d| (d, tol)),
-    );
-    push(
-        "residual add + rms_norm, forward (decode) vs composition".into(),
-        add_rms_check(device, dtype).map(|d| (d, tol)),
-    );
-    push(
-        "KV-cache writes, keys rotated (decode) vs composition".into(),
-        kv_write_check(device, dtype).map(|d| (d, tol)),
-    );
-    push(
-        "cache pass after packed q/k/v: rope, cache writes, attention (decode) vs composition"
-            .into(),
-        cached_attention_check(device, dtype).map(|d| (d, tol)),
-    );
-    push(
-        "SiLU·mul of packed gate/up rows vs composition".into(),
-        (|| {
-            let gu = randn(&[7, 2 * 300], dtype, device)?;
-            let (g, u) = (gu.narrow(1, 0, 300)?, gu.narrow(1, 300, 300)?);
-            let want = fused::silu_mul_composed(&g, &u)?;
-            let got = fused::silu_mul_packed(&gu)?;
-            Ok((max_diff(&want, &got)? / max_abs(&want)?.max(1.0), tol))
-        })(),
-    );
-    push(
-        "sampling (kernel on CUDA) vs tensor-op sampler, tokens differing".into(),
-        sampling_check(device, dtype),
-    );
+    // The comparisons the first-use self-check runs before our CUDA kernels serve an op (here
+    // with the self-check off, so the kernels themselves are measured).
+    let mut found = grpo_rollout::selfcheck::findings(device, dtype);
+    found.extend(grpo_core::logprobs::head_findings(device, dtype));
+    for f in found {
+        push(
+            f.what,
+            f.diff.map(|d| (d, f.limit)).map_err(anyhow::Error::msg),
+        );
+    }
 
     let dir = std::env::temp_dir().join(format!("grpo-check-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -253,6 +229,23 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     }
     drop(guard);
     Ok(rows)
+}
+
+/// The first-use self-check off until dropped (then as it was).
+struct SelfCheckOff(bool);
+
+impl SelfCheckOff {
+    fn new() -> Self {
+        let was = grpo_core::selfcheck::enabled();
+        grpo_core::selfcheck::set_enabled(false);
+        Self(was)
+    }
+}
+
+impl Drop for SelfCheckOff {
+    fn drop(&mut self) {
+        grpo_core::selfcheck::set_enabled(self.0);
+    }
 }
 
 struct RemoveOnDrop(PathBuf);
@@ -426,214 +419,6 @@ fn op_checks(
         out.push((name, r));
     }
     out
-}
-
-/// Attention of one query row per sequence over a strided view of a KV cache (what a decode
-/// step runs, no gradient: on a GPU the fused kernel) against the composition, relative to the
-/// output's size.
-fn decode_attention_check(device: &Device, dtype: DType) -> Result<f64> {
-    let (b, nh, nkv, hd, cap, s) = (3, 6, 2, 64, 40, 29);
-    let q = randn(&[b, nh, 1, hd], dtype, device)?;
-    let kc = randn(&[b, nkv, cap, hd], dtype, device)?;
-    let vc = randn(&[b, nkv, cap, hd], dtype, device)?;
-    let (k, v) = (kc.narrow(2, 0, s)?, vc.narrow(2, 0, s)?);
-    // Row r left-padded by r positions.
-    let bias: Vec<f32> = (0..b)
-        .flat_map(|r| (0..s).map(move |j| if j < r { -1e9 } else { 0.0 }))
-        .collect();
-    let bias = Tensor::from_vec(bias, (b, 1, 1, s), device)?.to_dtype(dtype)?;
-    let scale = 1.0 / (hd as f64).sqrt();
-    let want = fused::attention_composed(&q, &k, &v, &bias, scale)?;
-    let got = fused::attention(&q, &k, &v, &bias, scale)?;
-    Ok(max_diff(&want, &got)? / max_abs(&want)?.max(1.0))
-}
-
-/// Attention over 70 and 33 positions (partial tiles; grouped heads; causal, left-padded rows)
-/// with a graph, as training runs it — on CUDA in bf16/f16 the flash kernels — against the f32
-/// composition of the same inputs: the largest difference of the context and of the q, k, v
-/// gradients, relative to each one's size; also [`fused::causal_attention`] (the flash kernels
-/// skip key tiles above the diagonal). Rows with no visible key (padding) are left out, their
-/// gradient zero as in the model: their values mean nothing, and half precision's mask values
-/// make them differ (f16's −6e4 swallows the scores, f32 keeps them).
-fn long_attention_check(device: &Device, dtype: DType) -> Result<f64> {
-    let mut worst = 0f64;
-    let masked = grpo_rollout::model::attention_mask_value(dtype) as f32;
-    for (b, nh, nkv, l, hd) in [(2, 4, 2, 70, 64), (2, 6, 2, 33, 128)] {
-        let mut bias = vec![0f32; b * l * l];
-        for r in 0..b {
-            for i in 0..l {
-                for j in 0..l {
-                    if j > i || j < r * 3 {
-                        // The model's mask value: −1e9 is −inf in f16.
-                        bias[(r * l + i) * l + j] = masked;
-                    }
-                }
-            }
-        }
-        // Rows whose every key is masked: row r's first 3·r positions.
-        let live: Vec<f32> = (0..b * l)
-            .map(|row| if row % l < (row / l) * 3 { 0.0 } else { 1.0 })
-            .collect();
-        let live = Tensor::from_vec(live, (b * l, 1), &Device::Cpu)?;
-        let bias = Tensor::from_vec(bias, (b, 1, l, l), &Device::Cpu)?;
-        // Scores of a trained model's size (std 0.5): half precision's rounding of larger ones
-        // in the composition would be the larger part of the difference.
-        let inputs = [
-            (randn(&[b, nh, l, hd], DType::F32, device)? * 0.5)?.to_dtype(dtype)?,
-            randn(&[b, nkv, l, hd], dtype, device)?,
-            randn(&[b, nkv, l, hd], dtype, device)?,
-        ];
-        let dout = randn(&[b * l, nh * hd], DType::F32, &Device::Cpu)?.broadcast_mul(&live)?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let run = |dev: &Device, dt: DType, causal: bool| -> Result<Vec<Tensor>> {
-            let vars = inputs
-                .iter()
-                .map(|t| Var::from_tensor(&t.to_device(dev)?.to_dtype(dt)?))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let bias = bias.to_device(dev)?.to_dtype(dt)?;
-            let [q, k, v] = [0, 1, 2].map(|i| vars[i].as_tensor().clone());
-            let y = match causal {
-                false => fused::attention(&q, &k, &v, &bias, scale)?,
-                true => fused::causal_attention(&q, &k, &v, &bias, scale)?,
-            };
-            let y = y.broadcast_mul(&live.to_device(dev)?.to_dtype(dt)?)?;
-            let g = (&y * dout.to_device(dev)?.to_dtype(dt)?)?
-                .sum_all()?
-                .backward()?;
-            let mut out = vec![y];
-            for v in &vars {
-                out.push(
-                    g.get(v.as_tensor())
-                        .cloned()
-                        .ok_or_else(|| anyhow::anyhow!("no gradient reached an input"))?,
-                );
-            }
-            Ok(out)
-        };
-        for causal in [false, true] {
-            let got = run(device, dtype, causal)?;
-            let saved = grpo_core::fused::enabled();
-            grpo_core::fused::set_enabled(false);
-            let want = run(&Device::Cpu, DType::F32, causal);
-            grpo_core::fused::set_enabled(saved);
-            for (a, w) in got.iter().zip(&want?) {
-                worst = worse(worst, max_diff(a, w)? / max_abs(w)?.max(1.0));
-            }
-        }
-    }
-    Ok(worst)
-}
-
-/// The fused residual add + RMSNorm of a decode step against the add and the composition.
-fn add_rms_check(device: &Device, dtype: DType) -> Result<f64> {
-    let (x, r) = (
-        randn(&[5, 96], dtype, device)?,
-        randn(&[5, 96], dtype, device)?,
-    );
-    let w = randn(&[96], dtype, device)?;
-    let (s0, y0) = fused::add_rms_norm_composed(&x, &r, &w, 1e-6)?;
-    let (s1, y1) = fused::add_rms_norm(&x, &r, &w, 1e-6)?;
-    Ok(worse(
-        max_diff(&s0, &s1)? / max_abs(&s0)?.max(1.0),
-        max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0),
-    ))
-}
-
-/// A decode step's key and value writes into a KV cache against the composition's rotate,
-/// transpose and copy; positions outside the written ones must not move.
-fn kv_write_check(device: &Device, dtype: DType) -> Result<f64> {
-    let (b, l, g, d, cap, past) = (2, 3, 2, 16, 9, 4);
-    let x = randn(&[b, l, g, d], dtype, device)?;
-    let ang = randn(&[b, l, d / 2], DType::F32, device)?;
-    let (c, s) = (ang.cos()?.to_dtype(dtype)?, ang.sin()?.to_dtype(dtype)?);
-    let mut worst = 0f64;
-    for rot in [Some((&c, &s)), None] {
-        let before = randn(&[b, g, cap, d], dtype, device)?;
-        let want = before.copy()?;
-        fused::kv_write_composed(&want, &x, rot, past)?;
-        let got = before.copy()?;
-        fused::kv_write(&got, &x, rot, past)?;
-        worst = worse(worst, max_diff(&want, &got)? / max_abs(&want)?.max(1.0));
-        let moved = max_diff(&before.narrow(2, 0, past)?, &got.narrow(2, 0, past)?)?;
-        anyhow::ensure!(moved == 0.0, "a write changed a cached position before it");
-    }
-    Ok(worst)
-}
-
-/// A layer's pass over a KV cache after the packed q/k/v product (on a GPU one kernel) against
-/// the compositions of RoPE, the cache writes and attention: the context and both caches.
-fn cached_attention_check(device: &Device, dtype: DType) -> Result<f64> {
-    let (b, nh, nkv, l, d, cap, past) = (3, 6, 2, 2, 64, 40, 27);
-    let s = past + l;
-    let qkv = randn(&[b, l, nh + 2 * nkv, d], dtype, device)?;
-    let ang = randn(&[b, l, d / 2], DType::F32, device)?;
-    let (c, sn) = (ang.cos()?.to_dtype(dtype)?, ang.sin()?.to_dtype(dtype)?);
-    // Row r left-padded by r positions; causal over the step's two positions.
-    let bias: Vec<f32> = (0..b)
-        .flat_map(|r| {
-            (0..l).flat_map(move |i| {
-                (0..s).map(move |j| if j < r || j > past + i { -1e9 } else { 0.0 })
-            })
-        })
-        .collect();
-    let bias = Tensor::from_vec(bias, (b, 1, l, s), device)?.to_dtype(dtype)?;
-    let scale = 1.0 / (d as f64).sqrt();
-    let (kc, vc) = (
-        randn(&[b, nkv, cap, d], dtype, device)?,
-        randn(&[b, nkv, cap, d], dtype, device)?,
-    );
-    let (wk, wv) = (kc.copy()?, vc.copy()?);
-    let q = fused::rope_composed(&qkv.narrow(2, 0, nh)?, &c, &sn)?;
-    fused::kv_write_composed(&wk, &qkv.narrow(2, nh, nkv)?, Some((&c, &sn)), past)?;
-    fused::kv_write_composed(&wv, &qkv.narrow(2, nh + nkv, nkv)?, None, past)?;
-    let (k, v) = (wk.narrow(2, 0, s)?, wv.narrow(2, 0, s)?);
-    let want = fused::attention_composed(&q, &k, &v, &bias, scale)?;
-    let (gk, gv) = (kc.copy()?, vc.copy()?);
-    let got = fused::cached_attention(&qkv, &gk, &gv, &c, &sn, &bias, past, nh, scale)?;
-    let rel =
-        |a: &Tensor, b: &Tensor| -> Result<f64> { Ok(max_diff(a, b)? / max_abs(a)?.max(1.0)) };
-    Ok(rel(&want, &got)?.max(rel(&wk, &gk)?).max(rel(&wv, &gv)?))
-}
-
-/// One decode step's sampling with every filter on (top-k, top-p, min-p, a repetition
-/// penalty, suppressed stop ids): the sampler's one-kernel path on CUDA against its tensor-op
-/// path (which `top_logprobs` selects), on the same logits and draws. Returns (tokens that
-/// differ + the largest recorded log-prob difference, allowed): 0 tokens may differ.
-fn sampling_check(device: &Device, dtype: DType) -> Result<(f64, f64)> {
-    use grpo_rollout::sample::DeviceSampler;
-    let (n, v) = (16, 500);
-    let logits = (randn(&[n, v], DType::F32, device)? * 3.0)?.to_dtype(dtype)?;
-    let prompts: Vec<Vec<u32>> = (0..n as u32).map(|r| vec![r, 7, 8]).collect();
-    let rows: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-    let u: Vec<f32> = (0..n).map(|r| (r as f32 * 0.618).fract()).collect();
-    let suppress: Vec<bool> = (0..n).map(|r| r % 2 == 0).collect();
-    let params = SamplingParams {
-        top_k: 40,
-        top_p: 0.9,
-        min_p: 0.01,
-        repetition_penalty: 1.2,
-        min_new_tokens: 2,
-        ..SamplingParams::default()
-    };
-    let run = |top_logprobs: usize| -> Result<Vec<(u32, f32)>> {
-        let p = SamplingParams {
-            top_logprobs,
-            ..params.clone()
-        };
-        let mut s = DeviceSampler::new(&p, v, &[1, 2], &rows, device)?;
-        let (_, picks) = s.step(&logits, &u, &suppress)?;
-        Ok(picks.into_iter().map(|(t, lp, _)| (t, lp)).collect())
-    };
-    let (a, b) = (run(0)?, run(1)?);
-    let differ = a.iter().zip(&b).filter(|(x, y)| x.0 != y.0).count();
-    let lp = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| f64::from((x.1 - y.1).abs()))
-        .fold(0.0, worse);
-    // A token that differs counts 1; log-probs must agree within 1e-3 (f32 reductions in
-    // another order).
-    Ok((differ as f64 + if lp > 1e-3 { 1.0 } else { 0.0 }, 0.0))
 }
 
 fn padded(rows: &[Vec<u32>], device: &Device) -> Result<(Tensor, Tensor)> {

@@ -57,7 +57,7 @@ type PtxCache = HashMap<(&'static str, usize), std::result::Result<&'static str,
 
 /// `GRPO_CUDA_KERNELS=0` (every kernel off; see [`crate::fused::parse_kernel_switch`]).
 fn off() -> bool {
-    !crate::fused::cuda_op_on("")
+    crate::fused::cuda_kernels_off()
 }
 
 /// Compiles `k` (after the prelude) for `arch` (`compute_90`, ...) with NVRTC; the PTX.

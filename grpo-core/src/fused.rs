@@ -11,8 +11,8 @@
 //! Kernels split work by rows over rayon's pool; reductions across rows (a weight's gradient)
 //! are summed in a fixed block order, so results do not depend on thread scheduling.
 
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor, WithDType};
@@ -77,28 +77,29 @@ pub fn path(t: &Tensor) -> Path {
     }
 }
 
+/// The ops that have a CUDA kernel of ours, by the names `GRPO_CUDA_KERNELS` and the
+/// first-use self-check ([`crate::selfcheck`]) use.
+pub const CUDA_OPS: [&str; 12] = [
+    "rms_norm",
+    "rope",
+    "silu_mul",
+    "attention_softmax",
+    "attention",
+    "flash_attention",
+    "add_rms_norm",
+    "kv_write",
+    "cached_attention",
+    "sample",
+    "log_softmax_gather",
+    "entropy",
+];
+
 /// What `GRPO_CUDA_KERNELS` says about our CUDA kernels: `(all off, ops switched off)`.
 /// Unset or empty: all on. `0` / `false`: all off (the candle compositions run). A
 /// comma-separated list of op names each prefixed with `-` switches those ops off alone
 /// (`-attention,-sample`), to tell which kernel a problem on a GPU comes from. Op names:
-/// `rms_norm`, `rope`, `silu_mul`, `attention_softmax`, `attention`, `flash_attention`,
-/// `add_rms_norm`, `kv_write`, `cached_attention`, `sample`, `log_softmax_gather`, `entropy`. Anything else is
-/// an error naming the value.
+/// [`CUDA_OPS`]. Anything else is an error naming the value.
 pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), String> {
-    const OPS: [&str; 12] = [
-        "rms_norm",
-        "rope",
-        "silu_mul",
-        "attention_softmax",
-        "attention",
-        "flash_attention",
-        "add_rms_norm",
-        "kv_write",
-        "cached_attention",
-        "sample",
-        "log_softmax_gather",
-        "entropy",
-    ];
     let v = v.trim();
     match v {
         "" | "1" | "true" => return Ok((false, Vec::new())),
@@ -108,11 +109,11 @@ pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), 
     let mut off = Vec::new();
     for item in v.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         match item.strip_prefix('-') {
-            Some(op) if OPS.contains(&op) => off.push(op.to_string()),
+            Some(op) if CUDA_OPS.contains(&op) => off.push(op.to_string()),
             _ => {
                 return Err(format!(
                     "GRPO_CUDA_KERNELS={v}: `{item}` is not `-OP` with OP one of {}",
-                    OPS.join(", ")
+                    CUDA_OPS.join(", ")
                 ));
             }
         }
@@ -120,18 +121,65 @@ pub fn parse_kernel_switch(v: &str) -> std::result::Result<(bool, Vec<String>), 
     Ok((false, off))
 }
 
-/// Whether our CUDA kernel of `op` may run, by `GRPO_CUDA_KERNELS` ([`parse_kernel_switch`];
-/// a value it refuses is said once on stderr and switches every kernel off).
-pub fn cuda_op_on(op: &str) -> bool {
+/// `GRPO_CUDA_KERNELS`, parsed once (a value [`parse_kernel_switch`] refuses is said once on
+/// stderr and switches every kernel off).
+fn env_switch() -> &'static (bool, Vec<String>) {
     static SWITCH: OnceLock<(bool, Vec<String>)> = OnceLock::new();
-    let (all_off, off) = SWITCH.get_or_init(|| {
+    SWITCH.get_or_init(|| {
         let v = std::env::var("GRPO_CUDA_KERNELS").unwrap_or_default();
         parse_kernel_switch(&v).unwrap_or_else(|e| {
             eprintln!("grpo: {e}; running the candle compositions instead");
             (true, Vec::new())
         })
-    });
-    !*all_off && !off.iter().any(|o| o == op)
+    })
+}
+
+/// Whether `GRPO_CUDA_KERNELS` switches every CUDA kernel off.
+pub fn cuda_kernels_off() -> bool {
+    env_switch().0
+}
+
+/// (op, dtype) pairs switched off while the process runs ([`switch_off_cuda_op`]).
+fn switched() -> &'static Mutex<Vec<(&'static str, DType)>> {
+    static OFF: OnceLock<Mutex<Vec<(&'static str, DType)>>> = OnceLock::new();
+    OFF.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// Set once anything is in [`switched`]: the common case reads one atomic.
+static ANY_SWITCHED: AtomicBool = AtomicBool::new(false);
+
+/// Switches the CUDA kernel of `op` off for tensors of `dtype` for the rest of the process
+/// (the op runs its composition): what the first-use self-check does with a kernel that
+/// disagrees with its composition on the GPU found. An `op` outside [`CUDA_OPS`] is ignored.
+pub fn switch_off_cuda_op(op: &str, dtype: DType) {
+    let Some(&name) = CUDA_OPS.iter().find(|o| **o == op) else {
+        return;
+    };
+    let mut off = switched().lock().unwrap_or_else(|e| e.into_inner());
+    if !off.contains(&(name, dtype)) {
+        off.push((name, dtype));
+    }
+    ANY_SWITCHED.store(true, Ordering::Release);
+}
+
+/// The (op, dtype) pairs [`switch_off_cuda_op`] switched off, in the order it did.
+pub fn switched_off_cuda_ops() -> Vec<(&'static str, DType)> {
+    switched().lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Whether our CUDA kernel of `op` may run on tensors of `dtype`: neither `GRPO_CUDA_KERNELS`
+/// ([`parse_kernel_switch`]) nor [`switch_off_cuda_op`] switched it off.
+pub fn cuda_op_on(op: &str, dtype: DType) -> bool {
+    let (all_off, off) = env_switch();
+    let switched_off = || {
+        ANY_SWITCHED.load(Ordering::Acquire)
+            && switched()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .any(|(o, d)| *o == op && *d == dtype)
+    };
+    !*all_off && !off.iter().any(|o| o == op) && !switched_off()
 }
 
 /// The path of the head's ops (log-softmax + gather, entropy: `op`) on a chunk of logits `t`:
@@ -140,20 +188,24 @@ pub fn cuda_op_on(op: &str) -> bool {
 /// what the gather kernel reads; entropy passes `true`).
 pub fn head_path(op: &str, t: &Tensor, u32_ids: bool) -> Path {
     match path(t) {
-        Path::Recompute if u32_ids && kernels_on() && cuda_op_on(op) && head_on_device(t) => {
-            Path::Kernel
-        }
+        Path::Recompute if u32_ids && kernels_on() && head_on_device(op, t) => Path::Kernel,
         p => p,
     }
 }
 
+/// Whether the head's CUDA kernel of `op` takes `t`: on, available, and (at the first ask for
+/// this GPU and dtype) found equal to the composition by the self-check.
 #[cfg(feature = "cuda")]
-fn head_on_device(t: &Tensor) -> bool {
-    crate::cuda::takes(&crate::cuda::HEAD, t)
+fn head_on_device(op: &str, t: &Tensor) -> bool {
+    let dt = t.dtype();
+    cuda_op_on(op, dt) && crate::cuda::takes(&crate::cuda::HEAD, t) && {
+        crate::selfcheck::guard("grpo_head", t.device(), dt, crate::logprobs::head_findings);
+        cuda_op_on(op, dt)
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn head_on_device(_: &Tensor) -> bool {
+fn head_on_device(_: &str, _: &Tensor) -> bool {
     false
 }
 

@@ -14,7 +14,8 @@
 //!   sigmoid preference loss with TRL's metrics.
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
-//!   and the gradient sink of gradient checkpointing.
+//!   and the gradient sink of gradient checkpointing; [`selfcheck`] runs each CUDA kernel set
+//!   against its composition at first use and switches off a kernel that disagrees.
 //! * `cuda` (cargo feature `cuda`) compiles, loads and launches our CUDA kernels — the head's
 //!   log-softmax + gather and entropy here, the decoder's ops for grpo-rollout — with NVRTC at
 //!   run time.
@@ -72,6 +73,8 @@ pub mod loss;
 pub mod preference;
 #[cfg(feature = "candle")]
 pub mod recompute;
+#[cfg(feature = "candle")]
+pub mod selfcheck;
 #[cfg(feature = "serde")]
 mod serde_names;
 

@@ -14,6 +14,7 @@ use candle_core::{D, DType, Result, Tensor};
 
 use crate::fused::Path;
 use crate::recompute::Recompute;
+use crate::selfcheck::{Finding, randn, rel_diff_all, value_and_grads};
 
 /// Upper bound on the elements of one chunk's `(rows, V)` temporaries (16 MiB of f32).
 pub const CHUNK_ELEMENTS: usize = 1 << 22;
@@ -190,10 +191,73 @@ fn entropy_composed(chunk: &Tensor, dtype: DType) -> Result<Tensor> {
     z.log()? - expected
 }
 
+/// The head's kernels (log-softmax + gather, entropy; forward and backward) against their
+/// compositions on `device` in `dtype`, for the first-use self-check
+/// ([`crate::selfcheck::guard`]): rows of a ragged vocabulary (1000 + 3), scaled logits. The
+/// public functions run as they route (the kernels on a GPU; on the CPU its own kernels in
+/// f32, the recomputed composition in half precision).
+pub fn head_findings(device: &candle_core::Device, dtype: DType) -> Vec<Finding> {
+    let (n, v) = (9, 1003);
+    let case = || -> Result<(Tensor, Tensor, Tensor)> {
+        let x = (randn(&[n, v], DType::F32, device)? * 4.0)?.to_dtype(dtype)?;
+        let ids: Vec<u32> = (0..n as u32).map(|r| (r * 211 + 5) % v as u32).collect();
+        let ids = Tensor::from_vec(ids, n, device)?;
+        let dout = randn(&[n, 1], DType::F32, device)?;
+        Ok((x, ids, dout))
+    };
+    let lsg = (|| {
+        let (x, ids, dout) = case()?;
+        let cd = compute_dtype(dtype);
+        let ids2 = ids.reshape((n, 1))?;
+        let want = value_and_grads(std::slice::from_ref(&x), &dout, |t| {
+            lsg_composed(&t[0], &ids2, cd)
+        })?;
+        let got = value_and_grads(&[x], &dout, |t| {
+            selective_log_softmax(&t[0], &ids)?.unsqueeze(1)
+        })?;
+        rel_diff_all(&want, &got)
+    })();
+    let ent = (|| {
+        let (x, _, dout) = case()?;
+        let cd = compute_dtype(dtype);
+        let want = value_and_grads(std::slice::from_ref(&x), &dout, |t| {
+            entropy_composed(&t[0], cd)
+        })?;
+        let got = value_and_grads(&[x], &dout, |t| entropy_from_logits(&t[0])?.unsqueeze(1))?;
+        rel_diff_all(&want, &got)
+    })();
+    vec![
+        Finding::new(
+            "log-softmax + gather vs composition, values and gradients",
+            &["log_softmax_gather"],
+            dtype,
+            lsg,
+        ),
+        Finding::new(
+            "entropy vs composition, values and gradients",
+            &["entropy"],
+            dtype,
+            ent,
+        ),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn head_kernels_agree_with_their_compositions() {
+        // On the CPU the fused CPU kernels (f32) and their recomputed paths (bf16) run.
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let found = head_findings(&Device::Cpu, dtype);
+            assert_eq!(found.len(), 2);
+            for f in &found {
+                assert!(f.ok(), "{dtype:?} {}: {:?}", f.what, f.diff);
+            }
+        }
+    }
 
     #[test]
     fn chunks_hold_at_most_the_budget_and_at_least_a_row() {

@@ -24,16 +24,36 @@ use rayon::prelude::*;
 /// fused op takes its CUDA kernel where the CPU would take its CPU kernel.
 fn route(op: &str, t: &Tensor) -> Path {
     match path(t) {
-        Path::Recompute
-            if grpo_core::fused::kernels_on()
-                && grpo_core::fused::cuda_op_on(op)
-                && cuda_takes(t) =>
-        {
-            Path::Kernel
-        }
+        Path::Recompute if cuda_kernel(op, t) => Path::Kernel,
         p => p,
     }
 }
+
+/// Whether our CUDA kernel of `op` runs for `t`: kernels on, `op` not switched off for its
+/// dtype, `t` on a GPU that took the decoder's kernels — and, at the first ask for a GPU and
+/// dtype, the self-check ([`crate::selfcheck`]) found the kernel equal to its composition.
+pub(crate) fn cuda_kernel(op: &str, t: &Tensor) -> bool {
+    grpo_core::fused::kernels_on()
+        && grpo_core::fused::cuda_op_on(op, t.dtype())
+        && cuda_takes(t)
+        && {
+            self_checked(t);
+            grpo_core::fused::cuda_op_on(op, t.dtype())
+        }
+}
+
+#[cfg(feature = "cuda")]
+fn self_checked(t: &Tensor) {
+    grpo_core::selfcheck::guard(
+        "grpo_decoder",
+        t.device(),
+        t.dtype(),
+        crate::selfcheck::findings,
+    );
+}
+
+#[cfg(not(feature = "cuda"))]
+fn self_checked(_: &Tensor) {}
 
 #[cfg(feature = "cuda")]
 fn cuda_takes(t: &Tensor) -> bool {
@@ -1260,11 +1280,7 @@ fn flash(
 ) -> Result<Option<Tensor>> {
     let tracked = q.track_op() || k.track_op() || v.track_op();
     let long = tracked || q.dim(2)? > DEVICE_ATTENTION_ROWS;
-    if long
-        && grpo_core::fused::kernels_on()
-        && grpo_core::fused::cuda_op_on("flash_attention")
-        && crate::flash::takes(q, k, v, bias)
-    {
+    if long && crate::flash::takes(q, k, v, bias) && cuda_kernel("flash_attention", q) {
         return crate::flash::attention(q, k, v, bias, scale, causal).map(Some);
     }
     Ok(None)

@@ -21,7 +21,9 @@
 //!
 //! With the cargo feature `cuda`, the module `cuda` launches the decoder's own CUDA kernels
 //! (`kernels.cu`: the [`fused`] ops on a GPU) and `flash` the tensor-core attention of training
-//! and prefill lengths (`flash.cu`), both compiled at first use by `grpo_core::cuda`.
+//! and prefill lengths (`flash.cu`), both compiled at first use by `grpo_core::cuda`. Before
+//! they serve any op on a GPU and dtype, [`selfcheck`] runs each against its composition
+//! once; a kernel that disagrees is switched off and its composition runs.
 #![deny(missing_docs)]
 
 pub mod config;
@@ -47,6 +49,7 @@ pub mod remote;
 pub mod sample;
 #[cfg(feature = "rewards")]
 pub mod scoring;
+pub mod selfcheck;
 pub mod tokenizer;
 pub mod tools;
 

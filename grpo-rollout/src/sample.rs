@@ -305,10 +305,7 @@ impl DeviceSampler {
         suppress: &[bool],
     ) -> Result<(Tensor, Vec<Pick>)> {
         #[cfg(feature = "cuda")]
-        if self.params.top_logprobs == 0
-            && grpo_core::fused::cuda_op_on("sample")
-            && crate::cuda::takes(logits)
-        {
+        if self.params.top_logprobs == 0 && crate::fused::cuda_kernel("sample", logits) {
             return self.step_kernel(logits, u, suppress);
         }
         let p = &self.params;
