@@ -47,10 +47,12 @@ pub fn findings(device: &Device, dtype: DType) -> Vec<Finding> {
             decode_attention(d, dtype),
         ),
     ];
-    // Training lengths: the flash kernels in half precision, the attention path in f32.
-    let long_ops: &'static [&'static str] = match dtype {
-        DType::BF16 | DType::F16 => &["flash_attention"],
-        _ => &["attention"],
+    // Training lengths: the flash kernels where they run, else the recomputed composition
+    // around the softmax kernel.
+    let long_ops: &'static [&'static str] = if flash_runs(d, dtype) {
+        &["flash_attention"]
+    } else {
+        &["attention_softmax"]
     };
     out.push(Finding::new(
         "attention at training lengths (flash kernels on CUDA bf16/f16), head dims 64 and 128, \
@@ -88,6 +90,18 @@ pub fn findings(device: &Device, dtype: DType) -> Vec<Finding> {
         limit: 0.0,
     });
     out
+}
+
+/// Whether attention at training lengths takes the flash kernels on `d` in `dt`.
+#[cfg(feature = "cuda")]
+fn flash_runs(d: &Device, dt: DType) -> bool {
+    matches!(dt, DType::BF16 | DType::F16)
+        && grpo_core::cuda::available(&crate::flash::FLASH, d)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn flash_runs(_: &Device, _: DType) -> bool {
+    false
 }
 
 /// The compositions' side: fused ops off would be a process-wide switch, so the reference
