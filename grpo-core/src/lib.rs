@@ -49,6 +49,8 @@
 //!         completion_mask: &mask,
 //!         num_items_in_batch: None,
 //!         importance_weights: None,
+//!         sampling_per_token_logps: None,
+//!         entropies: None,
 //!     },
 //!     &LossConfig::default(),
 //! )?;

@@ -5,11 +5,17 @@
 //!
 //! * ratio `ρ = exp(logp − old_logp)` per token, or per sequence
 //!   `ρ_i = exp(Σ_t m·Δ / max(1, Σ_t m))` ([`ImportanceSamplingLevel::Sequence`], GSPO);
-//! * grpo, bnpo, dr_grpo, dapo: `ℓ = −min(ρ′·A, clip(ρ, 1−ε_low, 1+ε_high)·A)`, `ρ′ = min(ρ, δ)`
-//!   when `delta` is set; cispo: `ℓ = −stopgrad(min(ρ, ε_high))·A·logp`;
+//! * grpo, bnpo, dr_grpo, dapo, luspo: `ℓ = −min(ρ′·A, clip(ρ, 1−ε_low, 1+ε_high)·A)`,
+//!   `ρ′ = min(ρ, δ)` when `delta` is set; cispo: `ℓ = −stopgrad(min(ρ, ε_high))·A·logp`;
+//!   sapo: `ℓ = −σ(τ·(ρ − 1))·4/τ·A` with `τ` by the sign of `A`; vespo:
+//!   `ℓ = −stopgrad(φ(w))·A·logp`, `φ(w) = e^λ·w^k·e^(−λw)` of the sequence ratio `w`;
+//! * optional masks: sequences with `A < 0` whose mean KL to the sampling policy exceeds
+//!   `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask); tokens below the
+//!   `1 − top_entropy_quantile` quantile of the batch's entropies (Beyond the 80/20 rule);
 //! * β > 0: `KL_t = exp(ref − logp) − (ref − logp) − 1`, times `ρ` when
 //!   `kl_importance_correction` (TRL's `use_bias_correction_kl`), and `ℓ += β·KL`;
-//! * aggregation by [`LossType`].
+//! * aggregation by [`LossType`]; an entropy bonus `− entropy_coef · mean H` over the tokens
+//!   the policy term acts on, whatever the aggregation.
 //!
 //! Gradients match PyTorch's, ties included: `clamp` passes the gradient on its closed
 //! interval and `min` splits it evenly between equal arguments.
@@ -31,6 +37,16 @@ pub enum LossType {
     /// Clipped importance-sampling weights as constants times the log-prob (MiniMax-M1's CISPO);
     /// aggregated as dapo.
     Cispo,
+    /// Soft adaptive policy optimization: a sigmoid gate on the ratio instead of the clip,
+    /// temperatures by the advantage's sign; aggregated as grpo.
+    Sapo,
+    /// The clipped objective, each sequence's token sum averaged over sequences (LUSPO:
+    /// length-unbiased sequence policy optimization).
+    Luspo,
+    /// Gamma-weighted sequence importance weights as constants times the log-prob (VESPO);
+    /// aggregated as dapo. Takes the off-policy weights into the sequence ratio instead of
+    /// multiplying the loss by them.
+    Vespo,
 }
 
 impl std::str::FromStr for LossType {
@@ -43,15 +59,22 @@ impl std::str::FromStr for LossType {
             "dr_grpo" => Ok(Self::DrGrpo),
             "dapo" => Ok(Self::Dapo),
             "cispo" => Ok(Self::Cispo),
+            "sapo" => Ok(Self::Sapo),
+            "luspo" => Ok(Self::Luspo),
+            "vespo" => Ok(Self::Vespo),
             other => Err(format!(
-                "unknown loss_type `{other}`: expected one of grpo, bnpo, dr_grpo, dapo, cispo"
+                "unknown loss_type `{other}`: expected one of grpo, bnpo, dr_grpo, dapo, cispo, \
+                 sapo, luspo, vespo"
             )),
         }
     }
 }
 
 #[cfg(feature = "serde")]
-crate::serde_by_name!(LossType, "grpo, bnpo, dr_grpo, dapo or cispo");
+crate::serde_by_name!(
+    LossType,
+    "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo"
+);
 
 impl LossType {
     /// TRL's spelling.
@@ -62,7 +85,25 @@ impl LossType {
             Self::DrGrpo => "dr_grpo",
             Self::Dapo => "dapo",
             Self::Cispo => "cispo",
+            Self::Sapo => "sapo",
+            Self::Luspo => "luspo",
+            Self::Vespo => "vespo",
         }
+    }
+
+    /// Whether the loss is divided by the tokens of the whole step (`num_items_in_batch`)
+    /// rather than averaged per micro-batch: dapo, cispo, vespo.
+    pub fn normalizes_by_step_tokens(self) -> bool {
+        matches!(self, Self::Dapo | Self::Cispo | Self::Vespo)
+    }
+
+    /// Whether the objective is the clipped ratio (and the clip-ratio metrics mean something):
+    /// grpo, bnpo, dr_grpo, dapo, luspo.
+    pub fn is_clipped(self) -> bool {
+        matches!(
+            self,
+            Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo
+        )
     }
 }
 
@@ -125,6 +166,29 @@ pub struct LossConfig {
     pub importance_sampling_level: ImportanceSamplingLevel,
     /// The dr_grpo normaliser; default 512 (TRL's `max_completion_length`).
     pub max_completion_length: usize,
+    /// sapo's temperature for tokens with positive advantage; default 1.0.
+    pub sapo_temperature_pos: f64,
+    /// sapo's temperature for tokens with non-positive advantage; default 1.05.
+    pub sapo_temperature_neg: f64,
+    /// vespo's power `k` for non-negative advantages; default 2.0.
+    pub vespo_k_pos: f64,
+    /// vespo's decay `λ` for non-negative advantages; default 3.0.
+    pub vespo_lambda_pos: f64,
+    /// vespo's power `k` for negative advantages; default 3.0.
+    pub vespo_k_neg: f64,
+    /// vespo's decay `λ` for negative advantages; default 2.0.
+    pub vespo_lambda_neg: f64,
+    /// Drop sequences with a negative advantage whose mean `sampling − policy` log-prob
+    /// difference exceeds this (DeepSeek-V3.2's off-policy sequence mask, TRL's
+    /// `off_policy_mask_threshold`); default none.
+    pub off_policy_mask_threshold: Option<f64>,
+    /// Keep in the policy term only the tokens whose entropy is at or above this quantile from
+    /// the top of the batch's (TRL's `top_entropy_quantile`, ρ); 1.0 (the default) keeps all.
+    /// Needs [`LossInputs::entropies`] when below 1.
+    pub top_entropy_quantile: f64,
+    /// Coefficient of the entropy bonus subtracted from the loss (TRL's `entropy_coef`, as
+    /// applied this step); 0.0 (the default) adds none. Needs [`LossInputs::entropies`].
+    pub entropy_coef: f64,
 }
 
 impl Default for LossConfig {
@@ -138,6 +202,15 @@ impl Default for LossConfig {
             kl_importance_correction: true,
             importance_sampling_level: ImportanceSamplingLevel::Token,
             max_completion_length: 512,
+            sapo_temperature_pos: 1.0,
+            sapo_temperature_neg: 1.05,
+            vespo_k_pos: 2.0,
+            vespo_lambda_pos: 3.0,
+            vespo_k_neg: 3.0,
+            vespo_lambda_neg: 2.0,
+            off_policy_mask_threshold: None,
+            top_entropy_quantile: 1.0,
+            entropy_coef: 0.0,
         }
     }
 }
@@ -169,6 +242,39 @@ impl LossConfig {
         if self.loss_type == LossType::DrGrpo && self.max_completion_length == 0 {
             return Err("max_completion_length must be >= 1 for loss_type dr_grpo".into());
         }
+        for (name, v) in [
+            ("sapo_temperature_pos", self.sapo_temperature_pos),
+            ("sapo_temperature_neg", self.sapo_temperature_neg),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{name} must be a finite number > 0, got {v}"));
+            }
+        }
+        for (name, v) in [
+            ("vespo_k_pos", self.vespo_k_pos),
+            ("vespo_lambda_pos", self.vespo_lambda_pos),
+            ("vespo_k_neg", self.vespo_k_neg),
+            ("vespo_lambda_neg", self.vespo_lambda_neg),
+        ] {
+            finite_nonneg(name, v)?;
+        }
+        if let Some(t) = self.off_policy_mask_threshold
+            && !t.is_finite()
+        {
+            return Err(format!("off_policy_mask_threshold must be finite, got {t}"));
+        }
+        if !(0.0..=1.0).contains(&self.top_entropy_quantile) {
+            return Err(format!(
+                "top_entropy_quantile must be in [0, 1], got {}",
+                self.top_entropy_quantile
+            ));
+        }
+        if !self.entropy_coef.is_finite() {
+            return Err(format!(
+                "entropy_coef must be finite, got {}",
+                self.entropy_coef
+            ));
+        }
         Ok(())
     }
 }
@@ -185,6 +291,14 @@ pub struct LossInputs<'a> {
     /// `(B, T)` log-probs under the frozen reference model; required when `beta > 0`, and
     /// used for the `kl` metric whenever given.
     pub ref_per_token_logps: Option<&'a Tensor>,
+    /// `(B, T)` log-probs the tokens were sampled with, for the off-policy sequence mask
+    /// (`off_policy_mask_threshold`); `None` = the old log-probs. NaN entries (tokens the
+    /// sampler could not score) count 0.
+    pub sampling_per_token_logps: Option<&'a Tensor>,
+    /// `(B, T)` entropy of the policy's distribution at each completion position, needed by
+    /// `top_entropy_quantile < 1` and `entropy_coef != 0`; differentiable for the entropy
+    /// bonus.
+    pub entropies: Option<&'a Tensor>,
     /// `(B,)` one advantage per completion.
     pub advantages: &'a Tensor,
     /// `(B, T)` 1.0 on real completion tokens, 0.0 on padding (any float or integer dtype).
@@ -334,6 +448,9 @@ pub struct LossMetrics {
     pub clip_ratio_high_mean: f64,
     /// Fraction clipped on either side.
     pub clip_ratio_region_mean: f64,
+    /// vespo: the mean over sequences of the gamma weight `φ(w)` (TRL's
+    /// `vespo/phi_seq_mean`); 0 for the other loss types.
+    pub phi_seq_mean: f64,
 }
 
 /// The scalar loss (differentiable w.r.t. `per_token_logps`) and its metrics.
@@ -346,13 +463,14 @@ pub struct LossOutput {
 }
 
 /// [`LossMetrics`] still on the loss's device: `(kl, clip_ratio/low_mean, clip_ratio/high_mean,
-/// clip_ratio/region_mean)` as one `(4,)` tensor, so that a training step can read the metrics of
-/// all its micro-batches with one copy to the host (each read waits for the device).
+/// clip_ratio/region_mean, phi_seq_mean)` as one `(5,)` tensor, so that a training step can read
+/// the metrics of all its micro-batches with one copy to the host (each read waits for the
+/// device).
 #[derive(Debug, Clone)]
 pub struct DeviceMetrics(Tensor);
 
 impl DeviceMetrics {
-    /// The `(4,)` tensor, in [`LossMetrics`]' field order.
+    /// The `(5,)` tensor, in [`LossMetrics`]' field order.
     pub fn as_tensor(&self) -> &Tensor {
         &self.0
     }
@@ -364,17 +482,21 @@ impl DeviceMetrics {
 }
 
 impl LossMetrics {
-    /// The metrics from the four values of a [`DeviceMetrics`] tensor.
+    /// How many values a [`DeviceMetrics`] tensor holds.
+    pub const LEN: usize = 5;
+
+    /// The metrics from the values of a [`DeviceMetrics`] tensor.
     pub fn from_values(v: &[f64]) -> Result<Self> {
         match v {
-            [kl, low, high, region] => Ok(Self {
+            [kl, low, high, region, phi] => Ok(Self {
                 kl: *kl,
                 clip_ratio_low_mean: *low,
                 clip_ratio_high_mean: *high,
                 clip_ratio_region_mean: *region,
+                phi_seq_mean: *phi,
             }),
             _ => Err(bail(format!(
-                "loss metrics: 4 values expected, got {}",
+                "loss metrics: 5 values expected, got {}",
                 v.len()
             ))),
         }
@@ -384,8 +506,18 @@ impl LossMetrics {
 /// [`LossOutput`] with its metrics still on the device ([`policy_loss_on_device`]).
 #[derive(Debug, Clone)]
 pub struct DeviceLossOutput {
-    /// 0-dimensional loss tensor; call `backward()` on it.
+    /// 0-dimensional policy loss (with the KL term; without the entropy bonus), aggregated by
+    /// the loss type.
     pub loss: Tensor,
+    /// `entropy_coef ×` the mean entropy over the tokens the policy term acts on, 0-dimensional
+    /// and differentiable, when `entropy_coef != 0`: the total loss of one micro-batch is
+    /// `loss − entropy_bonus`; with gradient accumulation over `n` micro-batches TRL divides
+    /// the bonus by `n` whatever the loss type.
+    pub entropy_bonus: Option<Tensor>,
+    /// When entropies were given: `(2,)` f32 — the entropy summed over the tokens the policy
+    /// term acts on, and their count (what TRL's adaptive entropy control averages over an
+    /// optimizer step). No gradient.
+    pub entropy_stats: Option<Tensor>,
     /// Diagnostics, not yet read.
     pub metrics: DeviceMetrics,
 }
@@ -438,6 +570,11 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `1 / (1 + e^(−x))`.
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
 fn scalar(t: &Tensor) -> Result<f64> {
     t.to_dtype(DType::F64)?.to_scalar::<f64>()
 }
@@ -451,10 +588,126 @@ fn scalar(t: &Tensor) -> Result<f64> {
 /// Mismatched shapes, a missing `ref_per_token_logps` with `beta > 0`, or an invalid config.
 pub fn policy_loss(inputs: &LossInputs<'_>, cfg: &LossConfig) -> Result<LossOutput> {
     let out = policy_loss_on_device(inputs, cfg)?;
+    let loss = match &out.entropy_bonus {
+        Some(bonus) => (&out.loss - bonus)?,
+        None => out.loss,
+    };
     Ok(LossOutput {
-        loss: out.loss,
+        loss,
         metrics: out.metrics.read()?,
     })
+}
+
+/// TRL's `torch.quantile` (linear interpolation) of the non-NaN `values`, in f64; `None` when
+/// there are none.
+pub fn quantile(values: &[f32], q: f64) -> Option<f64> {
+    let mut v: Vec<f64> = values
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| f64::from(x))
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let pos = q.clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let lo = pos.floor() as usize;
+    let hi = (lo + 1).min(v.len() - 1);
+    Some(v[lo] + (pos - lo as f64) * (v[hi] - v[lo]))
+}
+
+/// TRL's high-entropy mask (`get_high_entropy_mask`): 1 where a real token's entropy is at
+/// least the `1 − top_entropy_quantile` quantile of the real tokens' entropies (computed in
+/// f32, as TRL does), else 0; all 0 when there are no real tokens. Reads the entropies to the
+/// host (the quantile needs them sorted).
+fn high_entropy_mask(entropies: &Tensor, mask: &Tensor, top_quantile: f64) -> Result<Tensor> {
+    let e32 = entropies.detach().to_dtype(DType::F32)?;
+    let m32 = mask.to_dtype(DType::F32)?;
+    let ev: Vec<f32> = e32.flatten_all()?.to_vec1()?;
+    let mv: Vec<f32> = m32.flatten_all()?.to_vec1()?;
+    let real: Vec<f32> = ev
+        .iter()
+        .zip(&mv)
+        .filter(|&(_, &m)| m != 0.0)
+        .map(|(&e, _)| e)
+        .collect();
+    let Some(threshold) = quantile(&real, 1.0 - top_quantile) else {
+        return mask.zeros_like();
+    };
+    // TRL compares `entropies · mask` (f32) with the f32 quantile.
+    let threshold = threshold as f32;
+    let keep: Vec<f32> = ev
+        .iter()
+        .zip(&mv)
+        .map(|(&e, &m)| f32::from(m != 0.0 && e * m >= threshold))
+        .collect();
+    Tensor::from_vec(keep, mask.dims(), mask.device())?.to_dtype(mask.dtype())
+}
+
+/// VESPO's gamma weights per sequence (TRL's `get_gamma_weights`), `(B, 1)`, no gradient:
+/// `φ(w) = exp(λ + k·log w − λ·w)` of the sequence ratio `log w = clamp(Σ_t m·clamp(Δ_t, ±20)
+/// + Σ_t log clamp(is_t), log 1e-8, 20)`, `k` and `λ` by the advantage's sign (`A ≥ 0`:
+/// the positive pair); non-finite weights become 0.
+fn gamma_weights(
+    adv: &Tensor,
+    log_ratio: &Tensor,
+    mask: &Tensor,
+    is_weights: Option<&Tensor>,
+    cfg: &LossConfig,
+) -> Result<Tensor> {
+    let lower = 1e-8f64.ln();
+    let seq = log_ratio
+        .detach()
+        .clamp(-20.0, 20.0)?
+        .broadcast_mul(mask)?
+        .sum_keepdim(1)?;
+    let seq = match is_weights {
+        Some(w) => {
+            let lw = w
+                .detach()
+                .to_dtype(seq.dtype())?
+                .log()?
+                .clamp(lower, 20.0)?;
+            (seq + lw.sum_keepdim(1)?)?
+        }
+        None => seq,
+    };
+    let log_w = seq.clamp(lower, 20.0)?;
+    let w = log_w.exp()?;
+    let nonneg = adv.ge(0.0)?;
+    let pick = |pos: f64, neg: f64| -> Result<Tensor> {
+        nonneg.where_cond(
+            &adv.ones_like()?.affine(pos, 0.0)?,
+            &adv.ones_like()?.affine(neg, 0.0)?,
+        )
+    };
+    let k = pick(cfg.vespo_k_pos, cfg.vespo_k_neg)?;
+    let lambda = pick(cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)?.maximum(1e-4)?;
+    let log_phi = ((&lambda + (k * &log_w)?)? - (&lambda * &w)?)?;
+    let phi = log_phi.exp()?;
+    // nan_to_num(nan=0, posinf=0, neginf=0): finite values pass, the rest become 0.
+    let finite = phi.abs()?.le(f64::MAX)?;
+    finite.where_cond(&phi, &phi.zeros_like()?)
+}
+
+/// DeepSeek-V3.2's off-policy sequence mask (TRL's `get_off_policy_mask`), `(B, 1)`: keep a
+/// sequence when `A ≥ 0` or its mean `sampling − policy` log-prob difference over real tokens is
+/// at most `threshold` (NaN differences count 0).
+fn off_policy_mask(
+    adv: &Tensor,
+    logp: &Tensor,
+    sampling: &Tensor,
+    mask: &Tensor,
+    threshold: f64,
+) -> Result<Tensor> {
+    let d = (sampling - logp.detach())?;
+    let d = d.eq(&d)?.where_cond(&d, &d.zeros_like()?)?;
+    let avg = d
+        .broadcast_mul(mask)?
+        .sum_keepdim(1)?
+        .div(&mask.sum_keepdim(1)?.maximum(1.0)?)?;
+    let keep = (adv.ge(0.0)?.to_dtype(DType::U8)? + avg.le(threshold)?.to_dtype(DType::U8)?)?;
+    keep.gt(0u8)?.to_dtype(mask.dtype())
 }
 
 /// [`policy_loss`] without a copy to the host: the metrics stay on the device until
@@ -530,10 +783,57 @@ pub fn policy_loss_on_device(
         None => None,
     };
 
+    let needs_entropies = cfg.top_entropy_quantile < 1.0 || cfg.entropy_coef != 0.0;
+    let entropies = match (inputs.entropies, needs_entropies) {
+        (Some(e), _) => Some(same("entropies", e)?),
+        (None, true) => {
+            return Err(bail(
+                "top_entropy_quantile < 1 and entropy_coef != 0 need the entropies".into(),
+            ));
+        }
+        (None, false) => None,
+    };
+    let opsm = match cfg.off_policy_mask_threshold {
+        Some(threshold) => {
+            let sampling = match inputs.sampling_per_token_logps {
+                Some(s) => same("sampling_per_token_logps", s)?.detach(),
+                None => old.clone(),
+            };
+            Some(off_policy_mask(&adv, logp, &sampling, &mask, threshold)?)
+        }
+        None => None,
+    };
+    let entropy_mask = match (&entropies, cfg.top_entropy_quantile < 1.0) {
+        (Some(e), true) => Some(high_entropy_mask(e, &mask, cfg.top_entropy_quantile)?),
+        _ => None,
+    };
+    let is_weights = inputs
+        .importance_weights
+        .map(|w| w.to_dtype(dtype).map(|w| w.detach()))
+        .transpose()?;
+    let mut phi_seq = None;
+
     let per_token_loss = match cfg.loss_type {
         LossType::Cispo => {
             let w = coef_1.minimum(cfg.epsilon_high)?.detach();
             w.broadcast_mul(&adv)?.broadcast_mul(logp)?.neg()?
+        }
+        LossType::Sapo => {
+            let pos = adv.gt(0.0)?;
+            let tau = pos.where_cond(
+                &adv.ones_like()?.affine(cfg.sapo_temperature_pos, 0.0)?,
+                &adv.ones_like()?.affine(cfg.sapo_temperature_neg, 0.0)?,
+            )?;
+            let gate = (&coef_1 - 1.0)?.broadcast_mul(&tau)?;
+            let soft = sigmoid(&gate)?.affine(4.0, 0.0)?.broadcast_div(&tau)?;
+            soft.broadcast_mul(&adv)?.neg()?
+        }
+        LossType::Vespo => {
+            let log_ratio = (logp - &old)?;
+            let phi = gamma_weights(&adv, &log_ratio, &mask, is_weights.as_ref(), cfg)?;
+            let l = phi.broadcast_mul(&adv)?.broadcast_mul(logp)?.neg()?;
+            phi_seq = Some(phi);
+            l
         }
         _ => {
             let coef_2 = clamp_like_torch(
@@ -549,9 +849,18 @@ pub fn policy_loss_on_device(
             l1.minimum(&l2)?.neg()?
         }
     };
-    let per_token_loss = match inputs.importance_weights {
-        Some(w) => per_token_loss.broadcast_mul(&w.to_dtype(logp.dtype())?.detach())?,
+    let per_token_loss = match &opsm {
+        Some(m) => per_token_loss.broadcast_mul(m)?,
         None => per_token_loss,
+    };
+    let per_token_loss = match &entropy_mask {
+        Some(m) => per_token_loss.broadcast_mul(m)?,
+        None => per_token_loss,
+    };
+    // vespo took the off-policy weights into its sequence ratio.
+    let per_token_loss = match (&is_weights, cfg.loss_type) {
+        (Some(w), t) if t != LossType::Vespo => per_token_loss.broadcast_mul(w)?,
+        _ => per_token_loss,
     };
     let per_token_loss = match (&per_token_kl, cfg.beta != 0.0) {
         (Some(kl), true) => per_token_loss.broadcast_add(&(kl * cfg.beta)?)?,
@@ -560,7 +869,7 @@ pub fn policy_loss_on_device(
 
     let masked = per_token_loss.broadcast_mul(&mask)?; // (B, T)
     let loss = match cfg.loss_type {
-        LossType::Grpo => {
+        LossType::Grpo | LossType::Sapo => {
             let tokens = mask.sum_keepdim(1)?.maximum(1.0)?;
             (masked.sum_keepdim(1)?.div(&tokens)?.sum_all()? / b.max(1) as f64)?
         }
@@ -569,13 +878,36 @@ pub fn policy_loss_on_device(
             masked.sum_all()?.div(&tokens)?
         }
         LossType::DrGrpo => (masked.sum_all()? / (b * cfg.max_completion_length).max(1) as f64)?,
-        LossType::Dapo | LossType::Cispo => {
+        LossType::Dapo | LossType::Cispo | LossType::Vespo => {
             let n = match inputs.num_items_in_batch {
                 Some(n) => n,
                 None => scalar(&mask.sum_all()?)?,
             };
             (masked.sum_all()? / n.max(1.0))?
         }
+        LossType::Luspo => (masked.sum_all()? / b.max(1) as f64)?,
+    };
+    // The tokens the policy term acts on: the entropy bonus and its statistics use them.
+    let acts = match &entropy_mask {
+        Some(m) => (&mask * m)?,
+        None => mask.clone(),
+    };
+    let entropy_bonus = match (&entropies, cfg.entropy_coef != 0.0) {
+        (Some(e), true) => {
+            let mean = e
+                .broadcast_mul(&acts)?
+                .sum_all()?
+                .div(&acts.sum_all()?.maximum(1.0)?)?;
+            Some((mean * cfg.entropy_coef)?)
+        }
+        _ => None,
+    };
+    let entropy_stats = match &entropies {
+        Some(e) => {
+            let (e, a) = (e.detach().to_dtype(DType::F32)?, acts.to_dtype(DType::F32)?);
+            Some(Tensor::stack(&[(e * &a)?.sum_all()?, a.sum_all()?], 0)?)
+        }
+        None => None,
     };
 
     // Metrics.
@@ -590,6 +922,8 @@ pub fn policy_loss_on_device(
             let low = high.zeros_like()?;
             (low, high)
         }
+        // No clip: TRL logs no clip ratios for these.
+        LossType::Sapo | LossType::Vespo => (coef_1.zeros_like()?, coef_1.zeros_like()?),
         _ => {
             let low =
                 flag(coef_1.lt(1.0 - cfg.epsilon_low)?)?.broadcast_mul(&flag(adv.lt(0.0)?)?)?;
@@ -599,17 +933,24 @@ pub fn policy_loss_on_device(
         }
     };
     let region = (&low + &high)?.minimum(1.0)?;
+    let phi_mean = match &phi_seq {
+        Some(phi) => masked_mean(phi, &mask)?,
+        None => masked_mean(&mask.zeros_like()?, &mask)?,
+    };
     let values = Tensor::stack(
         &[
             kl,
             masked_mean(&low, &mask)?,
             masked_mean(&high, &mask)?,
             masked_mean(&region, &mask)?,
+            phi_mean,
         ],
         0,
     )?;
     Ok(DeviceLossOutput {
         loss,
+        entropy_bonus,
+        entropy_stats,
         metrics: DeviceMetrics(values),
     })
 }
@@ -673,6 +1014,8 @@ mod tests {
                         completion_mask: &mask,
                         num_items_in_batch: None,
                         importance_weights: w,
+                        sampling_per_token_logps: None,
+                        entropies: None,
                     },
                     &cfg,
                 )
@@ -695,6 +1038,8 @@ mod tests {
                         completion_mask: &mask,
                         num_items_in_batch: None,
                         importance_weights: None,
+                        sampling_per_token_logps: None,
+                        entropies: None,
                     },
                     &cfg,
                 )
@@ -761,6 +1106,8 @@ mod tests {
             completion_mask: &m,
             num_items_in_batch: None,
             importance_weights: None,
+            sampling_per_token_logps: None,
+            entropies: None,
         };
         let cfg = LossConfig {
             beta: 0.1,

@@ -98,6 +98,8 @@ fn grad_of(
             completion_mask: &t.mask,
             num_items_in_batch: None,
             importance_weights: None,
+            sampling_per_token_logps: None,
+            entropies: None,
         },
         cfg,
     )
@@ -288,7 +290,7 @@ proptest! {
         };
         let out = policy_loss(&LossInputs {
             per_token_logps: &logp, old_per_token_logps: Some(&old), ref_per_token_logps: None,
-            advantages: &adv, completion_mask: &mask, num_items_in_batch: None, importance_weights: None,
+            advantages: &adv, completion_mask: &mask, num_items_in_batch: None, importance_weights: None, sampling_per_token_logps: None, entropies: None,
         }, &cfg).unwrap();
         let n: f32 = x.mask[..x.t].iter().sum();
         let s: f32 = (0..x.t).map(|j| x.mask[j] * (x.logp[j] - x.old[j])).sum();

@@ -121,6 +121,8 @@ fn run_case(c: &LossCase, dtype: DType, tol: f64) {
             completion_mask: &mask,
             num_items_in_batch: c.num_items_in_batch,
             importance_weights: None,
+            sampling_per_token_logps: None,
+            entropies: None,
         },
         &config(c),
     )

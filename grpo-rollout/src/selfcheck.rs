@@ -95,8 +95,7 @@ pub fn findings(device: &Device, dtype: DType) -> Vec<Finding> {
 /// Whether attention at training lengths takes the flash kernels on `d` in `dt`.
 #[cfg(feature = "cuda")]
 fn flash_runs(d: &Device, dt: DType) -> bool {
-    matches!(dt, DType::BF16 | DType::F16)
-        && grpo_core::cuda::available(&crate::flash::FLASH, d)
+    matches!(dt, DType::BF16 | DType::F16) && grpo_core::cuda::available(&crate::flash::FLASH, d)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -131,6 +131,8 @@ fn train(loss_type: LossType, num_iterations: usize, steps: usize) -> Run {
                     completion_mask: &mask,
                     num_items_in_batch: None,
                     importance_weights: None,
+                    sampling_per_token_logps: None,
+                    entropies: None,
                 },
                 &cfg,
             )

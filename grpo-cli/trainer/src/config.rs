@@ -545,7 +545,7 @@ impl RolloutSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct LossSection {
-    /// grpo | bnpo | dr_grpo | dapo (default) | cispo.
+    /// grpo | bnpo | dr_grpo | dapo (default) | cispo | sapo | luspo | vespo.
     pub loss_type: LossType,
     /// Lower clip ε.
     pub epsilon: f64,
@@ -577,6 +577,35 @@ pub struct LossSection {
     pub vllm_importance_sampling_clip_min: Option<f64>,
     /// Upper bound of the ratio (3.0).
     pub vllm_importance_sampling_clip_max: f64,
+    /// sapo: temperature for tokens with a positive advantage (1.0).
+    pub sapo_temperature_pos: f64,
+    /// sapo: temperature for tokens with a non-positive advantage (1.05).
+    pub sapo_temperature_neg: f64,
+    /// vespo: power k for non-negative advantages (2.0).
+    pub vespo_k_pos: f64,
+    /// vespo: decay λ for non-negative advantages (3.0).
+    pub vespo_lambda_pos: f64,
+    /// vespo: power k for negative advantages (3.0).
+    pub vespo_k_neg: f64,
+    /// vespo: decay λ for negative advantages (2.0).
+    pub vespo_lambda_neg: f64,
+    /// DeepSeek-V3.2's off-policy sequence mask: drop negative-advantage sequences whose mean
+    /// log-prob gap to the sampling policy exceeds this (none: off).
+    pub off_policy_mask_threshold: Option<f64>,
+    /// Keep only the top ρ quantile of tokens by entropy in the policy loss (1.0: all).
+    pub top_entropy_quantile: f64,
+    /// Entropy bonus coefficient (0.0: none); the starting value with adaptive control.
+    pub entropy_coef: f64,
+    /// Skywork-OR1's adaptive entropy control of `entropy_coef`.
+    pub use_adaptive_entropy: bool,
+    /// Adaptive control: lower bound of the coefficient (0.0).
+    pub entropy_coef_min: f64,
+    /// Adaptive control: upper bound of the coefficient (1.0).
+    pub entropy_coef_max: f64,
+    /// Adaptive control: step of the coefficient per optimizer update (0.005).
+    pub entropy_coef_delta: f64,
+    /// Adaptive control: the bonus applies while the mean entropy is at or below this (0.2).
+    pub entropy_target: f64,
 }
 
 impl Default for LossSection {
@@ -596,6 +625,20 @@ impl Default for LossSection {
             vllm_importance_sampling_mode: ImportanceSamplingMode::SequenceMask,
             vllm_importance_sampling_clip_min: None,
             vllm_importance_sampling_clip_max: 3.0,
+            sapo_temperature_pos: 1.0,
+            sapo_temperature_neg: 1.05,
+            vespo_k_pos: 2.0,
+            vespo_lambda_pos: 3.0,
+            vespo_k_neg: 3.0,
+            vespo_lambda_neg: 2.0,
+            off_policy_mask_threshold: None,
+            top_entropy_quantile: 1.0,
+            entropy_coef: 0.0,
+            use_adaptive_entropy: false,
+            entropy_coef_min: 0.0,
+            entropy_coef_max: 1.0,
+            entropy_coef_delta: 0.005,
+            entropy_target: 0.2,
         }
     }
 }
@@ -1052,6 +1095,16 @@ impl TrainConfig {
         }
         let loss = self.loss_config();
         loss.validate().map_err(|e| format!("`loss`: {e}"))?;
+        let l = &self.loss;
+        if l.use_adaptive_entropy {
+            let ok = |v: f64| v.is_finite() && v >= 0.0;
+            if !(ok(l.entropy_coef_min) && ok(l.entropy_coef_delta) && ok(l.entropy_target))
+                || !l.entropy_coef_max.is_finite()
+                || l.entropy_coef_max < l.entropy_coef_min
+            {
+                return Err("`loss.use_adaptive_entropy` needs finite `entropy_coef_min` <= `entropy_coef_max` and `entropy_coef_delta`, `entropy_target` >= 0".into());
+            }
+        }
         if self.reference.sync_ref_model {
             if self.reference.beta == 0.0 {
                 return Err("`reference.sync_ref_model` needs `reference.beta` > 0 (no reference model is kept when beta = 0)".into());
@@ -1156,6 +1209,15 @@ impl TrainConfig {
             kl_importance_correction: l.use_bias_correction_kl,
             importance_sampling_level: l.importance_sampling_level,
             max_completion_length: self.rollout.max_completion_length,
+            sapo_temperature_pos: l.sapo_temperature_pos,
+            sapo_temperature_neg: l.sapo_temperature_neg,
+            vespo_k_pos: l.vespo_k_pos,
+            vespo_lambda_pos: l.vespo_lambda_pos,
+            vespo_k_neg: l.vespo_k_neg,
+            vespo_lambda_neg: l.vespo_lambda_neg,
+            off_policy_mask_threshold: l.off_policy_mask_threshold,
+            top_entropy_quantile: l.top_entropy_quantile,
+            entropy_coef: l.entropy_coef,
         }
     }
 

@@ -336,6 +336,8 @@ fn token_grads(s: &Scored) -> (Vec<Vec<f32>>, usize) {
             completion_mask: &mask,
             num_items_in_batch: Some(batch.total_tokens as f64),
             importance_weights: Some(&iw),
+            sampling_per_token_logps: None,
+            entropies: None,
         },
         &cfg.loss_config(),
     )

@@ -134,6 +134,28 @@ impl Learner {
         Ok((old, refs))
     }
 
+    /// The log-probs completions `[a, b)` were sampled with, `(b − a, C)` like `old_lp`; a
+    /// completion without usable ones (a server that gave none, see grpo_rollout::remote)
+    /// takes `old_lp`'s row (weight 1, no off-policy evidence).
+    fn sampled_logps(&self, s: &Scored, a: usize, b: usize, old_lp: &Tensor) -> Result<Tensor> {
+        let c = old_lp.dim(1)?;
+        let mut sampled = Vec::with_capacity((b - a) * c);
+        let mut usable = Vec::with_capacity(b - a);
+        for comp in &s.rollouts.completions[a..b] {
+            let ok = comp.logprobs.len() == comp.token_ids.len();
+            usable.push(u8::from(ok));
+            sampled.extend((0..c).map(|j| match ok {
+                true => comp.logprobs.get(j).copied().unwrap_or(0.0),
+                false => 0.0,
+            }));
+        }
+        let sampled =
+            Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(old_lp.dtype())?;
+        Ok(Tensor::from_vec(usable, (b - a, 1), &self.device)?
+            .broadcast_as((b - a, c))?
+            .where_cond(&sampled, old_lp)?)
+    }
+
     /// TRL's importance weights of micro-batch `[a, b)`: the ratio of the learner's old
     /// log-probs to the log-probs the tokens were sampled with; also what the off-policy
     /// metrics read. Formed on the device without waiting for it.
@@ -146,23 +168,7 @@ impl Learner {
         old_lp: &Tensor,
     ) -> Result<(Tensor, OffPolicyParts)> {
         let c = old_lp.dim(1)?;
-        let mut sampled = Vec::with_capacity((b - a) * c);
-        let mut usable = Vec::with_capacity(b - a);
-        for comp in &s.rollouts.completions[a..b] {
-            // A server that gave no usable log-probs (see grpo_rollout::remote): weight 1
-            // (the old log-probs stand in for them below).
-            let ok = comp.logprobs.len() == comp.token_ids.len();
-            usable.push(u8::from(ok));
-            sampled.extend((0..c).map(|j| match ok {
-                true => comp.logprobs.get(j).copied().unwrap_or(0.0),
-                false => 0.0,
-            }));
-        }
-        let sampled =
-            Tensor::from_vec(sampled, (b - a, c), &self.device)?.to_dtype(old_lp.dtype())?;
-        let sampled = Tensor::from_vec(usable, (b - a, 1), &self.device)?
-            .broadcast_as((b - a, c))?
-            .where_cond(&sampled, old_lp)?;
+        let sampled = self.sampled_logps(s, a, b, old_lp)?;
         let mask = batch.mask(a, b, c, &self.device)?;
         let l = &self.cfg.loss;
         let w = grpo_core::loss::importance_weights(
@@ -187,7 +193,7 @@ impl Learner {
     /// for the device: each one's scalars stay there until the pass ends and are read with one
     /// copy (a non-finite loss is refused then, before any optimizer step).
     fn loss_and_grads(
-        &self,
+        &mut self,
         s: &Scored,
         batch: &StepBatch<'_>,
         (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
@@ -195,13 +201,36 @@ impl Learner {
         sums: &mut MeanOf,
         off_policy: &mut OffPolicyStats,
     ) -> Result<HashMap<String, Tensor>> {
-        let loss_cfg = self.cfg.loss_config();
+        let mut loss_cfg = self.cfg.loss_config();
+        let l = &self.cfg.loss;
+        // The entropy bonus: TRL applies the coefficient of the last optimizer update, with
+        // adaptive control only while the entropy it measured is at or below the target.
+        let bonus_on = l.entropy_coef != 0.0 || l.use_adaptive_entropy;
+        let coef = self.state.entropy_coef.unwrap_or(l.entropy_coef);
+        loss_cfg.entropy_coef = match l.use_adaptive_entropy {
+            true if self
+                .state
+                .last_entropy
+                .is_some_and(|e| e <= l.entropy_target) =>
+            {
+                coef
+            }
+            true => 0.0,
+            false => l.entropy_coef,
+        };
+        // The off-policy sequence mask compares with the sampling log-probs when the samples
+        // are off-policy (TRL with vLLM), else with the old log-probs.
+        let correct = (self.cfg.pipeline.max_staleness > 0 || s.rollouts.sampled_by_other_model)
+            && l.vllm_importance_sampling_correction;
+        let opsm_sampled = correct && l.off_policy_mask_threshold.is_some();
         let ga = batch.chunks.len() as f64;
-        // dapo and cispo divide by the step's tokens already; the others average micro-batches.
-        let dapo_like = matches!(loss_cfg.loss_type, LossType::Dapo | LossType::Cispo);
+        // dapo, cispo and vespo divide by the step's tokens already; the others average
+        // micro-batches.
+        let dapo_like = loss_cfg.loss_type.normalizes_by_step_tokens();
         let mut acc: HashMap<String, Tensor> = HashMap::new();
-        // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the four loss
-        // metrics].
+        // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the loss
+        // metrics, the policy loss without the bonus, Σ entropy and count over the tokens the
+        // policy term acts on].
         let mut scalars: Vec<Tensor> = Vec::with_capacity(batch.chunks.len());
         // The in-pass weights' metric inputs, read after the pass (no wait inside it).
         let mut parts = Vec::new();
@@ -222,6 +251,16 @@ impl Learner {
             };
             let mask = batch.mask(a, b, width, &self.device)?;
             let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
+            let sampling = match opsm_sampled {
+                true => {
+                    let old_lp = match &old[ci] {
+                        Some(o) => o.clone(),
+                        None => lp.detach(),
+                    };
+                    Some(self.sampled_logps(s, a, b, &old_lp)?)
+                }
+                false => None,
+            };
             let out = policy_loss_on_device(
                 &LossInputs {
                     per_token_logps: &lp,
@@ -231,13 +270,24 @@ impl Learner {
                     completion_mask: &mask,
                     num_items_in_batch: Some(batch.total_tokens as f64),
                     importance_weights: is_weights,
+                    sampling_per_token_logps: sampling.as_ref(),
+                    entropies: ent.as_ref(),
                 },
                 &loss_cfg,
             )?;
-            let loss = if dapo_like {
+            let policy_part = wide_scalar(&out.loss)?;
+            let mut loss = if dapo_like {
                 out.loss
             } else {
                 (out.loss / ga)?
+            };
+            // TRL divides the bonus by the accumulation steps whatever the loss type.
+            if let Some(bonus) = &out.entropy_bonus {
+                loss = (loss - (bonus / ga)?)?;
+            }
+            let stats = match &out.entropy_stats {
+                Some(t) => t.to_dtype(DType::F64)?,
+                None => Tensor::zeros(2, DType::F64, &self.device)?,
             };
             let wide = |t: Tensor| t.to_dtype(DType::F64)?.reshape(1);
             let (es, ms) = match &ent {
@@ -256,6 +306,8 @@ impl Learner {
                     es,
                     ms,
                     out.metrics.as_tensor().to_dtype(DType::F64)?,
+                    policy_part,
+                    stats,
                 ],
                 0,
             )?);
@@ -269,6 +321,9 @@ impl Learner {
             return Ok(acc);
         }
         let rows: Vec<Vec<f64>> = Tensor::stack(&scalars, 0)?.to_vec2()?;
+        let lt = loss_cfg.loss_type;
+        let n = LossMetrics::LEN;
+        let (mut window_sum, mut window_count) = (0.0, 0.0);
         for r in rows {
             let lv = r[0];
             if !lv.is_finite() {
@@ -278,16 +333,54 @@ impl Learner {
             if r[2] > 0.0 {
                 sums.add("entropy", r[1] / r[2]);
             }
-            let m = LossMetrics::from_values(&r[3..7])?;
+            let m = LossMetrics::from_values(&r[3..3 + n])?;
             if self.reference.is_some() {
                 sums.add("kl", m.kl);
             }
-            sums.add("clip_ratio/low_mean", m.clip_ratio_low_mean);
-            sums.add("clip_ratio/high_mean", m.clip_ratio_high_mean);
-            sums.add("clip_ratio/region_mean", m.clip_ratio_region_mean);
+            // TRL's metrics by loss type: clip ratios for the clipped objectives (and, here,
+            // cispo's cap as before), cispo_clip_ratio, vespo/phi_seq_mean.
+            if lt.is_clipped() || lt == LossType::Cispo {
+                sums.add("clip_ratio/low_mean", m.clip_ratio_low_mean);
+                sums.add("clip_ratio/high_mean", m.clip_ratio_high_mean);
+                sums.add("clip_ratio/region_mean", m.clip_ratio_region_mean);
+            }
+            if lt == LossType::Cispo {
+                sums.add("cispo_clip_ratio", m.clip_ratio_high_mean);
+            }
+            if lt == LossType::Vespo {
+                sums.add("vespo/phi_seq_mean", m.phi_seq_mean);
+            }
+            if bonus_on {
+                sums.add("policy_loss", r[3 + n]);
+            }
+            window_sum += r[4 + n];
+            window_count += r[5 + n];
+        }
+        if l.use_adaptive_entropy {
+            // Skywork-OR1's controller, as TRL: the window's token-weighted mean entropy moves
+            // the coefficient one step toward keeping it above the target.
+            let world = window_sum / window_count.max(1.0);
+            let next = if world <= l.entropy_target {
+                (coef + l.entropy_coef_delta).min(l.entropy_coef_max)
+            } else {
+                (coef - l.entropy_coef_delta).max(l.entropy_coef_min)
+            };
+            self.state.entropy_coef = Some(next);
+            self.state.last_entropy = Some(world);
+        }
+        if bonus_on {
+            sums.add(
+                "entropy_coef",
+                self.state.entropy_coef.unwrap_or(l.entropy_coef),
+            );
         }
         Ok(acc)
     }
+}
+
+/// A 0-dimensional tensor as a `(1,)` f64 one (no gradient).
+fn wide_scalar(t: &Tensor) -> Result<Tensor> {
+    Ok(t.detach().to_dtype(DType::F64)?.reshape(1)?)
 }
 
 /// Where a step's importance-sampling weights come from.

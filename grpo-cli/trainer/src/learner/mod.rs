@@ -45,6 +45,14 @@ pub struct TrainerState {
     pub epoch: f64,
     /// Optimizer updates done (step × num_iterations).
     pub optimizer_steps: usize,
+    /// Adaptive entropy control (`loss.use_adaptive_entropy`): the coefficient after the last
+    /// optimizer update (`None`: `loss.entropy_coef`, not yet adjusted).
+    #[serde(default)]
+    pub entropy_coef: Option<f64>,
+    /// Adaptive entropy control: the mean entropy measured over the last optimizer update's
+    /// tokens (`None`: not measured yet, TRL's `inf`: no bonus applies).
+    #[serde(default)]
+    pub last_entropy: Option<f64>,
 }
 
 /// Computes the loss and updates the weights; its state is what checkpoints hold.
