@@ -801,3 +801,103 @@ fn completion_logps_of_a_group_equal_each_row_alone() {
             .all(|x| x.is_finite())
     );
 }
+
+/// TRL 1.16's loss variants run end to end and log TRL's metrics for them: sapo and vespo
+/// without clip ratios (vespo with its weight), luspo with them; the entropy options change the
+/// loss; adaptive entropy control moves the coefficient one `entropy_coef_delta` per optimizer
+/// update toward the target and checkpoints it.
+#[test]
+fn trl_loss_variants_and_entropy_control_train_and_log() {
+    let f = fixture();
+    let finite = |m: &grpo_trainer::Metrics, k: &str| {
+        let v = m.get(k).copied().unwrap_or(f64::NAN);
+        assert!(v.is_finite(), "{k} = {v}");
+        v
+    };
+    for (lt, clipped) in [("sapo", false), ("luspo", true), ("vespo", false)] {
+        let extra = format!("[loss]\nloss_type = \"{lt}\"\n");
+        let r = run(base_config(&f.root, lt, &extra), RunOptions::default());
+        for m in &r.metrics {
+            finite(m, "loss");
+            assert_eq!(m.contains_key("clip_ratio/region_mean"), clipped, "{lt}");
+            if lt == "vespo" {
+                let phi = finite(m, "vespo/phi_seq_mean");
+                // On-policy (ratio 1): φ(1) = 1 for every sequence.
+                assert!((phi - 1.0).abs() < 1e-4, "{phi}");
+            }
+        }
+    }
+    let base = run(base_config(&f.root, "plain", ""), RunOptions::default());
+    let masked = run(
+        base_config(
+            &f.root,
+            "topent",
+            "[loss]\ntop_entropy_quantile = 0.5\nentropy_coef = 0.01\n",
+        ),
+        RunOptions::default(),
+    );
+    assert_ne!(base.metrics[0]["loss"], masked.metrics[0]["loss"]);
+    assert!(masked.metrics[0].contains_key("policy_loss"));
+    assert!(!base.metrics[0].contains_key("entropy_coef"));
+
+    // Every entropy is below 100 (target reached: the coefficient grows), above 0 (shrinks).
+    for (target, sign) in [(100.0, 1.0), (0.0, -1.0)] {
+        let extra = format!(
+            "[loss]\nuse_adaptive_entropy = true\nentropy_coef = 0.05\nentropy_coef_delta = \
+             0.01\nentropy_target = {target:?}\n"
+        );
+        let name = format!("adaptive{}", target as u32);
+        let r = run(base_config(&f.root, &name, &extra), RunOptions::default());
+        for (s, m) in r.metrics.iter().enumerate() {
+            let want = 0.05 + sign * 0.01 * (s + 1) as f64;
+            assert!((m["entropy_coef"] - want).abs() < 1e-12, "step {s}: {m:?}");
+            finite(m, "policy_loss");
+        }
+        // The controller's state is checkpointed: a run stopped after 2 steps and resumed
+        // logs the same coefficients.
+        let mut cfg = base_config(&f.root, &format!("{name}_killed"), &extra);
+        cfg.train.save_steps = 0;
+        let stop = RunOptions {
+            stop_after: Some(2),
+            ..Default::default()
+        };
+        let part1 = run(cfg.clone(), stop);
+        let resume = RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        };
+        let part2 = run(cfg, resume);
+        let coefs = |ms: &[grpo_trainer::Metrics]| -> Vec<f64> {
+            ms.iter().map(|m| m["entropy_coef"]).collect()
+        };
+        let mut joined = coefs(&part1.metrics);
+        joined.extend(coefs(&part2.metrics));
+        assert_eq!(joined, coefs(&r.metrics));
+    }
+
+    // The off-policy sequence mask against the sampling log-probs of a stale generator.
+    let r = run(
+        base_config(
+            &f.root,
+            "opsm",
+            "[pipeline]\nmax_staleness = 1\n[loss]\noff_policy_mask_threshold = 0.0\n",
+        ),
+        RunOptions::default(),
+    );
+    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
+    for (set, needle) in [
+        ("loss.loss_type=\"ppo\"", "sapo, luspo, vespo"),
+        ("loss.top_entropy_quantile=2.0", "top_entropy_quantile"),
+        (
+            "loss.use_adaptive_entropy=true",
+            "`loss.use_adaptive_entropy` needs",
+        ),
+    ] {
+        let mut sets = vec![set.to_string()];
+        if set.contains("adaptive") {
+            sets.push("loss.entropy_coef_max=-1.0".into());
+        }
+        let e = config::load(&f.root.join("plain.toml"), &sets).unwrap_err();
+        assert!(format!("{e:#}").contains(needle), "{set}: {e:#}");
+    }
+}

@@ -7,11 +7,14 @@ use grpo_core::logprobs::selective_log_softmax;
 use grpo_core::loss::{ImportanceSamplingLevel, LossConfig, LossInputs, LossType, policy_loss};
 use proptest::prelude::*;
 
-const LOSS_TYPES: [LossType; 5] = [
+const LOSS_TYPES: [LossType; 8] = [
     LossType::Grpo,
     LossType::Bnpo,
     LossType::DrGrpo,
     LossType::Dapo,
+    LossType::Sapo,
+    LossType::Luspo,
+    LossType::Vespo,
     LossType::Cispo,
 ];
 
@@ -209,9 +212,13 @@ proptest! {
             for i in 0..x.b {
                 let row: f32 = mask[i * x.t..(i + 1) * x.t].iter().sum();
                 let norm = match lt {
-                    LossType::Grpo => x.b as f32 * row.max(1.0),
-                    LossType::Bnpo | LossType::Dapo | LossType::Cispo => n_tokens.max(1.0),
+                    // sapo's gate has slope 1 at ρ = 1 (σ′(0)·4), vespo's weight is φ(1) = 1.
+                    LossType::Grpo | LossType::Sapo => x.b as f32 * row.max(1.0),
+                    LossType::Bnpo | LossType::Dapo | LossType::Cispo | LossType::Vespo => {
+                        n_tokens.max(1.0)
+                    }
                     LossType::DrGrpo => (x.b * 8) as f32,
+                    LossType::Luspo => x.b as f32,
                 };
                 for j in 0..x.t {
                     let want = -x.adv[i] * mask[i * x.t + j] / norm;
@@ -226,7 +233,7 @@ proptest! {
     #[test]
     fn clipped_tokens_get_zero_gradient(x in batch(2.0)) {
         let t = tensors(&x);
-        for lt in [LossType::Grpo, LossType::Bnpo, LossType::DrGrpo, LossType::Dapo] {
+        for lt in [LossType::Grpo, LossType::Bnpo, LossType::DrGrpo, LossType::Dapo, LossType::Luspo] {
             let cfg = LossConfig { loss_type: lt, ..Default::default() };
             let (_, g, _) = grad_of(&t, Some(&t.old), None, &cfg);
             for i in 0..x.b {

@@ -93,6 +93,7 @@ fn config(c: &LossCase) -> LossConfig {
         kl_importance_correction: c.kl_importance_correction,
         importance_sampling_level: c.level.parse().unwrap(),
         max_completion_length: c.max_completion_length,
+        ..LossConfig::default()
     }
 }
 
