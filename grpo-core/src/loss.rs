@@ -645,9 +645,9 @@ fn high_entropy_mask(entropies: &Tensor, mask: &Tensor, top_quantile: f64) -> Re
 }
 
 /// VESPO's gamma weights per sequence (TRL's `get_gamma_weights`), `(B, 1)`, no gradient:
-/// `φ(w) = exp(λ + k·log w − λ·w)` of the sequence ratio `log w = clamp(Σ_t m·clamp(Δ_t, ±20)
-/// + Σ_t log clamp(is_t), log 1e-8, 20)`, `k` and `λ` by the advantage's sign (`A ≥ 0`:
-/// the positive pair); non-finite weights become 0.
+/// `φ(w) = exp(λ + k·log w − λ·w)` of the sequence ratio
+/// `log w = clamp(Σ_t m·clamp(Δ_t, ±20) + Σ_t log clamp(is_t), log 1e-8, 20)`, `k` and `λ` by
+/// the advantage's sign (`A ≥ 0`: the positive pair); non-finite weights become 0.
 fn gamma_weights(
     adv: &Tensor,
     log_ratio: &Tensor,

@@ -1098,10 +1098,12 @@ impl TrainConfig {
         let l = &self.loss;
         if l.use_adaptive_entropy {
             let ok = |v: f64| v.is_finite() && v >= 0.0;
-            if !(ok(l.entropy_coef_min) && ok(l.entropy_coef_delta) && ok(l.entropy_target))
-                || !l.entropy_coef_max.is_finite()
-                || l.entropy_coef_max < l.entropy_coef_min
-            {
+            let valid = ok(l.entropy_coef_min)
+                && ok(l.entropy_coef_delta)
+                && ok(l.entropy_target)
+                && l.entropy_coef_max.is_finite()
+                && l.entropy_coef_max >= l.entropy_coef_min;
+            if !valid {
                 return Err("`loss.use_adaptive_entropy` needs finite `entropy_coef_min` <= `entropy_coef_max` and `entropy_coef_delta`, `entropy_target` >= 0".into());
             }
         }
