@@ -287,6 +287,109 @@ pub fn combine_rewards(per_function: &[Vec<Option<f32>>], weights: &[f32]) -> Ve
         .collect()
 }
 
+/// How several reward functions make one advantage (TRL's `multi_objective_aggregation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MultiObjectiveAggregation {
+    /// Weighted sum of the raw rewards, then scaled by `scale_rewards`. TRL's default.
+    #[default]
+    SumThenNormalize,
+    /// GDPO: each function's rewards normalised within their group, the weighted sum of those
+    /// normalised across the batch ([`normalize_then_sum_advantages`]); `scale_rewards` does
+    /// not apply.
+    NormalizeThenSum,
+}
+
+impl std::str::FromStr for MultiObjectiveAggregation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "sum_then_normalize" => Ok(Self::SumThenNormalize),
+            "normalize_then_sum" => Ok(Self::NormalizeThenSum),
+            other => Err(format!(
+                "unknown multi_objective_aggregation `{other}`: expected sum_then_normalize or \
+                 normalize_then_sum"
+            )),
+        }
+    }
+}
+
+impl MultiObjectiveAggregation {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SumThenNormalize => "sum_then_normalize",
+            Self::NormalizeThenSum => "normalize_then_sum",
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(
+    MultiObjectiveAggregation,
+    "sum_then_normalize or normalize_then_sum"
+);
+
+/// GDPO's aggregated rewards (TRL's `normalize_then_sum`): each function's rewards centred on
+/// their group's mean and divided by the group's unbiased std + 1e-4 (`None` values left out;
+/// a group of one, or with fewer than two values of a function, gives that function nothing),
+/// then summed with the weights. NaN for a completion no function scored.
+///
+/// # Panics
+/// When `group_size` is 0 or does not divide the completions, or a function's length differs.
+pub fn normalize_then_sum_rewards(
+    per_function: &[Vec<Option<f32>>],
+    weights: &[f32],
+    group_size: usize,
+) -> Vec<f32> {
+    let n = per_function.first().map_or(0, Vec::len);
+    assert!(group_size > 0 && n % group_size == 0, "bad group size");
+    assert!(per_function.iter().all(|f| f.len() == n), "ragged rewards");
+    let mut sum = vec![0f64; n];
+    let mut scored = vec![false; n];
+    for (f, &w) in per_function.iter().zip(weights) {
+        let vals: Vec<f32> = f.iter().map(|v| v.unwrap_or(f32::NAN)).collect();
+        for (g, chunk) in vals.chunks(group_size).enumerate() {
+            let mean = nanmean(chunk);
+            let std = if group_size > 1 { nanstd(chunk) } else { 0.0 };
+            for (j, &v) in chunk.iter().enumerate() {
+                let i = g * group_size + j;
+                if !v.is_nan() {
+                    scored[i] = true;
+                }
+                // nansum: a NaN term (no value, or a std that is undefined) adds nothing.
+                let z = (f64::from(v) - mean) / (std + STD_EPS);
+                if z.is_finite() {
+                    sum[i] += f64::from(w) * z;
+                }
+            }
+        }
+    }
+    sum.iter()
+        .zip(&scored)
+        .map(|(&s, &ok)| if ok { s as f32 } else { f32::NAN })
+        .collect()
+}
+
+/// GDPO's advantages (TRL's `normalize_then_sum`): [`normalize_then_sum_rewards`], then
+/// `(r − mean) / (std + 1e-4)` over the whole batch (unbiased std; 0 for a batch of one).
+/// Unscorable completions get 0.
+pub fn normalize_then_sum_advantages(
+    per_function: &[Vec<Option<f32>>],
+    weights: &[f32],
+    group_size: usize,
+) -> Vec<f32> {
+    let r = normalize_then_sum_rewards(per_function, weights, group_size);
+    let mean = nanmean(&r);
+    let std = if r.len() > 1 { nanstd(&r) } else { 0.0 };
+    r.iter()
+        .map(|&v| {
+            let a = (f64::from(v) - mean) / (std + STD_EPS);
+            if a.is_nan() { 0.0 } else { a as f32 }
+        })
+        .collect()
+}
+
 /// Reward statistics of one generation batch, under TRL's metric names.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RewardStats {
@@ -338,6 +441,39 @@ pub fn reward_stats(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn normalize_then_sum_follows_gdpo_as_trl() {
+        // Values from TRL 1.16's normalize_then_sum branch written out in Python (float64).
+        let n = f32::NAN;
+        let o = |v: &[f32]| -> Vec<Option<f32>> {
+            v.iter().map(|x| (!x.is_nan()).then_some(*x)).collect()
+        };
+        let f0 = o(&[1.0, 0.0, 1.0, 0.5, n, n, 2.0, 2.0, 2.0]);
+        let f1 = o(&[0.2, 0.9, n, 0.1, 0.3, n, 0.0, 1.0, 0.5]);
+        let r = normalize_then_sum_rewards(&[f0.clone(), f1.clone()], &[1.0, 0.5], 3);
+        let want_r = [
+            0.223768, -0.801019, 0.57725, -0.353304, 0.353304, n, -0.4999, 0.4999, 0.0,
+        ];
+        for (g, w) in r.iter().zip(want_r) {
+            assert!(
+                (g.is_nan() && w.is_nan()) || (g - w).abs() < 1e-5,
+                "{g} vs {w}"
+            );
+        }
+        let a = normalize_then_sum_advantages(&[f0, f1], &[1.0, 0.5], 3);
+        let want = [
+            0.444365, -1.590683, 1.146318, -0.701599, 0.701599, 0.0, -0.992714, 0.992714, 0.0,
+        ];
+        for (g, w) in a.iter().zip(want) {
+            assert!((g - w).abs() < 1e-5, "{g} vs {w}");
+        }
+        assert_eq!(
+            "normalize_then_sum".parse::<MultiObjectiveAggregation>(),
+            Ok(MultiObjectiveAggregation::NormalizeThenSum)
+        );
+        assert!("mean".parse::<MultiObjectiveAggregation>().is_err());
+    }
     use super::*;
 
     #[test]

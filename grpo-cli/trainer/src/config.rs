@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use grpo_core::advantages::ScaleRewards;
+use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
@@ -559,6 +559,9 @@ pub struct LossSection {
     pub use_bias_correction_kl: bool,
     /// group (default) | batch | none (TRL's booleans: true = group, false = none).
     pub scale_rewards: ScaleRewards,
+    /// sum_then_normalize (default) | normalize_then_sum (GDPO: each reward normalised in its
+    /// group, the weighted sum normalised over the batch; `scale_rewards` does not apply).
+    pub multi_objective_aggregation: MultiObjectiveAggregation,
     /// NeMo RL's `use_leave_one_out_baseline`: each completion's baseline is the mean of the
     /// other completions of its group (RLOO), and with `scale_rewards = "group"` the centred
     /// reward is divided by the other completions' std (NeMo's `normalize_rewards`); `"none"`
@@ -618,6 +621,7 @@ impl Default for LossSection {
             importance_sampling_level: ImportanceSamplingLevel::Token,
             use_bias_correction_kl: true,
             scale_rewards: ScaleRewards::Group,
+            multi_objective_aggregation: MultiObjectiveAggregation::SumThenNormalize,
             use_leave_one_out_baseline: false,
             mask_truncated_completions: false,
             drop_zero_std_groups: false,
@@ -1031,6 +1035,11 @@ impl TrainConfig {
             );
         }
         env.validate_kind()?;
+        if self.loss.use_leave_one_out_baseline
+            && self.loss.multi_objective_aggregation == MultiObjectiveAggregation::NormalizeThenSum
+        {
+            return Err("`loss.use_leave_one_out_baseline` and `loss.multi_objective_aggregation = \"normalize_then_sum\"` are two different baselines: choose one".into());
+        }
         if self.loss.use_leave_one_out_baseline && self.loss.scale_rewards == ScaleRewards::Batch {
             return Err(
                 "`loss.use_leave_one_out_baseline = true` scales by the group (`scale_rewards = \"group\"`) or not at all (`\"none\"`), not by the batch"

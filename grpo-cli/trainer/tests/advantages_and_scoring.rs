@@ -93,6 +93,50 @@ fn leave_one_out_baseline_gives_nemo_rl_advantages() {
     assert!(e.contains("use_leave_one_out_baseline"), "{e}");
 }
 
+/// `multi_objective_aggregation = "normalize_then_sum"` (GDPO): the logged advantages are
+/// grpo-core's from the logged per-function rewards and weights, and differ from the default
+/// aggregation's.
+#[test]
+fn normalize_then_sum_gives_gdpo_advantages() {
+    use grpo_core::advantages::{MultiObjectiveAggregation, normalize_then_sum_advantages};
+    let dir = tempfile::tempdir().unwrap();
+    init_model_dir(&dir.path().join("model"), Preset::Tiny, Arch::Qwen2, 5).unwrap();
+    let rewards = serde_json::json!([
+        {"type": "format", "name": "digit", "pattern": "(?s).*[0-9].*"},
+        {"type": "overlong", "max_completion_length": 5, "overlong_buffer": 4, "weight": 0.5}
+    ]);
+    let mut cfg = config(dir.path(), "gdpo", rewards.clone());
+    cfg.loss.multi_objective_aggregation = MultiObjectiveAggregation::NormalizeThenSum;
+    fit(dir.path(), cfg, 2);
+    let lines = completions(&dir.path().join("gdpo"));
+    assert_eq!(lines.len(), 2 * 2 * G);
+    for step in lines.chunks(2 * G) {
+        let column = |name: &str| -> Vec<Option<f32>> {
+            step.iter()
+                .map(|l| l["rewards"][name].as_f64().map(|x| x as f32))
+                .collect()
+        };
+        let per_function = [column("digit"), column("overlong")];
+        let logged: Vec<f32> = step.iter().map(|l| f32_of(&l["advantage"])).collect();
+        let want = normalize_then_sum_advantages(&per_function, &[1.0, 0.5], G);
+        for (i, (a, b)) in logged.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() < 1e-5, "completion {i}: {a} vs {b}");
+        }
+    }
+    assert!(
+        lines.iter().any(|l| f32_of(&l["advantage"]) != 0.0),
+        "every completion tied"
+    );
+    // Both baselines at once are refused.
+    let mut cfg = config(dir.path(), "both", rewards);
+    cfg.loss.multi_objective_aggregation = MultiObjectiveAggregation::NormalizeThenSum;
+    cfg.loss.use_leave_one_out_baseline = true;
+    let e = GrpoTrainer::from_pretrained(dir.path().join("model"), cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("multi_objective_aggregation"), "{e}");
+}
+
 /// `inverse_loss` with `model = "policy"` scores each step with the weights that sampled it:
 /// step 2's rewards are −NLL under the step-1 checkpoint, while `model = "reference"` keeps the
 /// weights as loaded.

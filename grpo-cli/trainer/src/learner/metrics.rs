@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
+use grpo_core::advantages::{MultiObjectiveAggregation, nanstd, normalize_then_sum_rewards};
 use grpo_rollout::FinishReason;
 
 use super::Learner;
@@ -135,7 +136,20 @@ impl Learner {
         );
         m.insert("reward".into(), stats.reward);
         m.insert("reward_std".into(), stats.reward_std);
-        m.insert("frac_reward_zero_std".into(), stats.frac_reward_zero_std);
+        let frac_zero_std = match self.cfg.loss.multi_objective_aggregation {
+            // GDPO scales by the batch's std of the normalised sum: every completion or none.
+            MultiObjectiveAggregation::NormalizeThenSum => {
+                let r = normalize_then_sum_rewards(
+                    &sc.per_function,
+                    &weights,
+                    self.cfg.rollout.num_generations,
+                );
+                let std = if r.len() > 1 { nanstd(&r) } else { 0.0 };
+                f64::from(u8::from(std.abs() <= 1e-8))
+            }
+            MultiObjectiveAggregation::SumThenNormalize => stats.frac_reward_zero_std,
+        };
+        m.insert("frac_reward_zero_std".into(), frac_zero_std);
         for (k, v) in &sc.metrics {
             m.insert(k.clone(), *v);
         }

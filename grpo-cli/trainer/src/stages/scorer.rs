@@ -7,7 +7,8 @@ use std::time::Instant;
 use anyhow::{Result, anyhow};
 use crossbeam_channel::bounded;
 use grpo_core::advantages::{
-    ScaleRewards, group_advantages, leave_one_out_normalized, reward_stds,
+    MultiObjectiveAggregation, ScaleRewards, group_advantages, leave_one_out_normalized,
+    normalize_then_sum_advantages, reward_stds,
 };
 use grpo_data::Prompt;
 use grpo_rewards::builtin::{LanguageScorer, ScorerError};
@@ -29,6 +30,7 @@ pub const ENV_REWARD: &str = "env";
 pub struct Scorer {
     rewards: Arc<RewardSet>,
     scale_rewards: ScaleRewards,
+    aggregation: MultiObjectiveAggregation,
     leave_one_out: bool,
     num_generations: usize,
     drop_zero_std: bool,
@@ -46,6 +48,7 @@ impl Scorer {
         Self {
             rewards: setup.rewards.clone(),
             scale_rewards: setup.cfg.loss.scale_rewards,
+            aggregation: setup.cfg.loss.multi_objective_aggregation,
             leave_one_out: setup.cfg.loss.use_leave_one_out_baseline,
             num_generations: setup.cfg.rollout.num_generations,
             drop_zero_std: setup.cfg.loss.drop_zero_std_groups,
@@ -155,6 +158,8 @@ impl Scorer {
         let advantages = if self.leave_one_out {
             let normalize = self.scale_rewards != ScaleRewards::None;
             leave_one_out_normalized(&scores.rewards, g, normalize)
+        } else if self.aggregation == MultiObjectiveAggregation::NormalizeThenSum {
+            normalize_then_sum_advantages(&scores.per_function, &self.weights(&scores), g)
         } else {
             group_advantages(&scores.rewards, g, self.scale_rewards)
         };
@@ -197,10 +202,16 @@ impl Scorer {
         scores.names.push(ENV_REWARD.into());
         scores.per_function.push(column);
         scores.info.push(vec![None; env.len()]);
+        scores.rewards = combine_rewards(&scores.per_function, &self.weights(scores));
+        Ok(())
+    }
+
+    /// The weight of each reward function of `scores`: the reward set's, then 1 for the
+    /// environment's.
+    fn weights(&self, scores: &ScoredBatch) -> Vec<f32> {
         let mut weights = self.rewards.weights();
         weights.resize(scores.per_function.len(), 1.0);
-        scores.rewards = combine_rewards(&scores.per_function, &weights);
-        Ok(())
+        weights
     }
 
     /// The pipeline's scorer stage: scores the rollouts arriving on `input` and sends them on
