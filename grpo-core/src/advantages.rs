@@ -343,7 +343,10 @@ pub fn normalize_then_sum_rewards(
     group_size: usize,
 ) -> Vec<f32> {
     let n = per_function.first().map_or(0, Vec::len);
-    assert!(group_size > 0 && n % group_size == 0, "bad group size");
+    assert!(
+        group_size > 0 && n.is_multiple_of(group_size),
+        "bad group size"
+    );
     assert!(per_function.iter().all(|f| f.len() == n), "ragged rewards");
     let mut sum = vec![0f64; n];
     let mut scored = vec![false; n];
