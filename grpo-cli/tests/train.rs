@@ -901,3 +901,27 @@ fn trl_loss_variants_and_entropy_control_train_and_log() {
         assert!(format!("{e:#}").contains(needle), "{set}: {e:#}");
     }
 }
+
+/// `[model] chat_template_kwargs` (TRL's name) reaches every chat template rendering of the run.
+#[test]
+fn chat_template_kwargs_reach_the_run_tokenizer() {
+    let f = fixture();
+    let cfg = base_config(
+        &f.root,
+        "kwargs",
+        "[model.chat_template_kwargs]\nenable_thinking = false\nstyle = \"terse\"\n",
+    );
+    let setup = trainer::setup(cfg).unwrap();
+    let mut tok = setup.tokenizer.clone();
+    assert_eq!(
+        tok.chat_template_kwargs.get("enable_thinking"),
+        Some(&serde_json::Value::Bool(false))
+    );
+    tok.chat_template =
+        Some("{{ messages[0]['content'] }}|{{ style }}|{{ enable_thinking }}".into());
+    let text = tok
+        .apply_chat_template(&[grpo_rollout::ChatMessage::new("user", "q")], true)
+        .unwrap();
+    // Rendered as jinja2 renders Python values.
+    assert_eq!(text, "q|terse|False");
+}

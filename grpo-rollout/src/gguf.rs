@@ -583,6 +583,7 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         eos_token: eos.map(|(_, t)| t),
         eos_token_ids,
         pad_token_id,
+        chat_template_kwargs: serde_json::Map::new(),
     })
 }
 

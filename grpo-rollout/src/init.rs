@@ -145,6 +145,7 @@ pub fn train_tokenizer_with(vocab_size: usize, split_digits: bool) -> Result<Tok
     Ok(Tokenizer {
         eos_token_ids: vec![id("<|im_end|>")],
         pad_token_id: id("<|endoftext|>"),
+        chat_template_kwargs: serde_json::Map::new(),
         inner,
         chat_template: Some(CHATML_TEMPLATE.to_string()),
         bos_token: None,

@@ -112,6 +112,9 @@ pub struct Tokenizer {
     pub eos_token_ids: Vec<u32>,
     /// Padding id (left padding in batches).
     pub pad_token_id: u32,
+    /// Extra variables every chat template rendering sees (TRL's `chat_template_kwargs`,
+    /// e.g. `enable_thinking = false` for Qwen3).
+    pub chat_template_kwargs: serde_json::Map<String, Value>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -123,6 +126,7 @@ impl std::fmt::Debug for Tokenizer {
             .field("eos_token", &self.eos_token)
             .field("eos_token_ids", &self.eos_token_ids)
             .field("pad_token_id", &self.pad_token_id)
+            .field("chat_template_kwargs", &self.chat_template_kwargs)
             .finish()
     }
 }
@@ -196,6 +200,7 @@ impl Tokenizer {
             eos_token,
             eos_token_ids,
             pad_token_id,
+            chat_template_kwargs: serde_json::Map::new(),
         })
     }
 
@@ -250,11 +255,12 @@ impl Tokenizer {
                 "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja)"
             )
         };
-        ChatTemplate::new(
+        Ok(ChatTemplate::new(
             template,
             self.bos_token.as_deref(),
             self.eos_token.as_deref(),
-        )
+        )?
+        .with_kwargs(&self.chat_template_kwargs))
     }
 }
 
@@ -275,6 +281,7 @@ pub struct ChatTemplate<'a> {
     env: minijinja::Environment<'a>,
     bos_token: Option<&'a str>,
     eos_token: Option<&'a str>,
+    kwargs: Option<&'a serde_json::Map<String, Value>>,
 }
 
 impl std::fmt::Debug for ChatTemplate<'_> {
@@ -327,7 +334,15 @@ impl<'a> ChatTemplate<'a> {
             env,
             bos_token,
             eos_token,
+            kwargs: None,
         })
+    }
+
+    /// Extra template variables (transformers' `apply_chat_template(**kwargs)`); the named
+    /// ones (`messages`, `tools`, `add_generation_prompt`, the special tokens) take precedence.
+    pub fn with_kwargs(mut self, kwargs: &'a serde_json::Map<String, Value>) -> Self {
+        self.kwargs = (!kwargs.is_empty()).then_some(kwargs);
+        self
     }
 
     /// Renders `messages` as transformers' `apply_chat_template(tokenize=False)`.
@@ -351,14 +366,21 @@ impl<'a> ChatTemplate<'a> {
         } else {
             minijinja::Value::from(minijinja::value::Serde(tools))
         };
-        tmpl.render(minijinja::context! {
+        let named = minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(messages)),
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.unwrap_or(""),
             eos_token => self.eos_token.unwrap_or(""),
-        })
-        .map_err(|e| err(format!("chat template failed: {e}")))
+        };
+        let ctx = match self.kwargs {
+            Some(k) => {
+                minijinja::context! { ..named, ..minijinja::Value::from(minijinja::value::Serde(k)) }
+            }
+            None => named,
+        };
+        tmpl.render(ctx)
+            .map_err(|e| err(format!("chat template failed: {e}")))
     }
 }
 
@@ -436,6 +458,25 @@ mod tests {
             s,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn chat_template_kwargs_reach_the_template_as_transformers_kwargs() {
+        // Qwen3's switch, as transformers renders `apply_chat_template(.., enable_thinking=False)`.
+        let t = "{{ messages[0]['content'] }}{% if add_generation_prompt %}<a>{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+        let msgs = [ChatMessage::new("user", "hi")];
+        let mut kw = serde_json::Map::new();
+        kw.insert("enable_thinking".into(), Value::Bool(false));
+        // A kwarg may not override what the call itself passes.
+        kw.insert("add_generation_prompt".into(), Value::Bool(false));
+        let plain = ChatTemplate::new(t, None, None).unwrap();
+        assert_eq!(plain.render(&msgs, true).unwrap(), "hi<a>");
+        let with = ChatTemplate::new(t, None, None).unwrap().with_kwargs(&kw);
+        assert_eq!(
+            with.render(&msgs, true).unwrap(),
+            "hi<a><think>\n\n</think>\n\n"
+        );
+        assert_eq!(with.render(&msgs, false).unwrap(), "hi");
     }
 
     #[test]

@@ -373,6 +373,9 @@ pub struct ModelSection {
     pub device: DeviceSpec,
     /// Train LoRA adapters instead of every weight.
     pub lora: Option<LoraConfig>,
+    /// Extra variables for every chat template rendering (TRL's `chat_template_kwargs`,
+    /// e.g. `{ enable_thinking = false }` for Qwen3).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for ModelSection {
@@ -382,6 +385,7 @@ impl Default for ModelSection {
             dtype: Dtype::F32,
             device: DeviceSpec::Cpu,
             lora: None,
+            chat_template_kwargs: serde_json::Map::new(),
         }
     }
 }

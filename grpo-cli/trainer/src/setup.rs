@@ -214,8 +214,9 @@ pub fn setup_with(
             splits
         }
     };
-    let loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
+    let mut loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
+    loaded.tokenizer.chat_template_kwargs = cfg.model.chat_template_kwargs.clone();
     let mut scoring = models(&loaded.model, &loaded.tokenizer)?;
     let policy_scorer = match scores_with_policy(&cfg) && scoring.policy.is_none() {
         true => {
