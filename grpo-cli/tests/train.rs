@@ -925,3 +925,39 @@ fn chat_template_kwargs_reach_the_run_tokenizer() {
     // Rendered as jinja2 renders Python values.
     assert_eq!(text, "q|terse|False");
 }
+
+/// `train.shuffle_dataset = false` (TRL's name) trains on the rows in file order; the default
+/// shuffles them (seeded).
+#[test]
+fn shuffle_dataset_false_reads_rows_in_file_order() {
+    let f = fixture();
+    let rows: Vec<String> = std::fs::read_to_string(f.root.join("arith.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["prompt"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let order = |name: &str, extra: &str| -> Vec<usize> {
+        let mut cfg = base_config(&f.root, name, extra);
+        cfg.train.num_completions_to_print = 100;
+        run(cfg, RunOptions::default());
+        let text = std::fs::read_to_string(f.root.join(name).join("completions.jsonl")).unwrap();
+        let mut seen: Vec<usize> = Vec::new();
+        for l in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let p = v["prompt"].as_str().unwrap();
+            let i = rows.iter().position(|r| p.contains(r.as_str())).unwrap();
+            if seen.last() != Some(&i) {
+                seen.push(i);
+            }
+        }
+        seen
+    };
+    assert_eq!(
+        order("in_order", "shuffle_dataset = false\n"),
+        (0..8).collect::<Vec<_>>()
+    );
+    assert_ne!(order("shuffled", ""), (0..8).collect::<Vec<_>>());
+}

@@ -737,6 +737,9 @@ pub struct TrainSection {
     pub report_to: Vec<ReportTo>,
     /// TensorBoard's log directory (TRL's name); empty = `OUTPUT_DIR/runs`.
     pub logging_dir: String,
+    /// Shuffle the training rows (TRL's name; seeded by `seed`); `false` reads them in file
+    /// order, epoch after epoch.
+    pub shuffle_dataset: bool,
 }
 
 impl Default for TrainSection {
@@ -757,6 +760,7 @@ impl Default for TrainSection {
             bf16: false,
             report_to: Vec::new(),
             logging_dir: String::new(),
+            shuffle_dataset: true,
         }
     }
 }
