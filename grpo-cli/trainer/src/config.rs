@@ -421,6 +421,8 @@ impl Default for ReferenceSection {
 pub struct RolloutSection {
     /// Completions per prompt (the group).
     pub num_generations: usize,
+    /// Completions per prompt when evaluating (TRL's name); absent = `num_generations`.
+    pub num_generations_eval: Option<usize>,
     /// Prompts longer than this many tokens keep their last tokens (left truncation); 0 = off.
     pub max_prompt_length: usize,
     /// New tokens per completion at most.
@@ -508,6 +510,7 @@ impl Default for RolloutSection {
     fn default() -> Self {
         Self {
             num_generations: 8,
+            num_generations_eval: None,
             max_prompt_length: 512,
             max_completion_length: 256,
             min_completion_length: 0,
@@ -1022,6 +1025,9 @@ impl TrainConfig {
         }
         if let Some(l) = &self.model.lora {
             l.validate().map_err(|e| format!("`model.lora`: {e}"))?;
+        }
+        if r.num_generations_eval == Some(0) {
+            return Err("`rollout.num_generations_eval` must be >= 1".into());
         }
         if r.num_generations < 2 {
             return Err(format!(

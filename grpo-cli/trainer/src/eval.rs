@@ -14,8 +14,10 @@ use crate::stages::{Generator, PromptBatch, Scorer};
 /// Mean reward (and per-function means) on the eval split, sampled with the current policy.
 pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metrics> {
     let model = learner.publish()?;
-    let mut generator = Generator::new(setup, model, learner.state.step);
-    let mut scorer = Scorer::new(setup).without_logs();
+    let r = &setup.cfg.rollout;
+    let g = r.num_generations_eval.unwrap_or(r.num_generations);
+    let mut generator = Generator::new(setup, model, learner.state.step).with_num_generations(g);
+    let mut scorer = Scorer::new(setup).without_logs().with_num_generations(g);
     let sc = StreamConfig {
         seed: setup.cfg.train.seed,
         shuffle: false,

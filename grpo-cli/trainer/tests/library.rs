@@ -412,3 +412,45 @@ fn rust_rewards_through_with_reward_score_what_the_logs_show() {
         assert!((m["rewards/even/mean"] - mean).abs() < 1e-6, "{m:?}");
     }
 }
+
+/// `rollout.num_generations_eval` (TRL's name): evaluation samples that many completions per
+/// prompt; training keeps `num_generations`.
+#[test]
+fn evaluation_samples_num_generations_eval_per_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "eval_g");
+    cfg.train.eval_steps = 2;
+    cfg.rollout.num_generations_eval = Some(3);
+    let sizes = Arc::new(Mutex::new(Vec::new()));
+    let seen = sizes.clone();
+    let reward = move |b: &[RewardInput]| {
+        seen.lock().unwrap().push(b.len());
+        digits(b)
+    };
+    GrpoTrainer::from_pretrained(&m, cfg)
+        .unwrap()
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(4))
+                .eval_dataset(arithmetic(2))
+                .reward("digits", 1.0, reward)
+                .max_steps(4),
+        )
+        .unwrap();
+    let sizes = sizes.lock().unwrap().clone();
+    let g = config(dir.path(), "x").rollout.num_generations;
+    // Each training step scores 2 prompts × g; each evaluation (steps 2 and 4) 2 prompts × 3.
+    assert_eq!(
+        sizes.iter().filter(|&&n| n == 2 * g).count(),
+        4,
+        "{sizes:?}"
+    );
+    assert_eq!(sizes.iter().filter(|&&n| n == 6).count(), 2, "{sizes:?}");
+    let mut bad = config(dir.path(), "bad");
+    bad.rollout.num_generations_eval = Some(0);
+    let e = GrpoTrainer::from_pretrained(&m, bad)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("num_generations_eval"), "{e}");
+}

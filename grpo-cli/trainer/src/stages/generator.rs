@@ -72,6 +72,13 @@ impl Generator {
         }
     }
 
+    /// Samples `g` completions per prompt instead of `rollout.num_generations` (evaluation's
+    /// `num_generations_eval`).
+    pub fn with_num_generations(mut self, g: usize) -> Self {
+        self.cfg.rollout.num_generations = g;
+        self
+    }
+
     /// Installs new weights.
     pub fn publish(&mut self, model: Arc<Transformer>, version: usize) {
         self.model = model;

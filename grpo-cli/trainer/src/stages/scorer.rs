@@ -66,6 +66,13 @@ impl Scorer {
         self
     }
 
+    /// Groups of `g` completions per prompt instead of `rollout.num_generations` (evaluation's
+    /// `num_generations_eval`).
+    pub fn with_num_generations(mut self, g: usize) -> Self {
+        self.num_generations = g;
+        self
+    }
+
     /// Reward inputs of every completion. With `[teacher]` the student answers with each
     /// teaching and without (cached per problem) first, and the inputs carry both answers.
     pub fn inputs(&self, r: &Rollouts) -> Result<Vec<RewardInput>> {
