@@ -961,3 +961,45 @@ fn shuffle_dataset_false_reads_rows_in_file_order() {
     );
     assert_ne!(order("shuffled", ""), (0..8).collect::<Vec<_>>());
 }
+
+/// `train.disable_dropout` (TRL's name) trains LoRA as with `lora_dropout = 0` (the saved
+/// adapter config keeps the configured value); TRL's deprecated `vllm_importance_sampling_cap`
+/// is read as `vllm_importance_sampling_clip_max`.
+#[test]
+fn disable_dropout_trains_lora_without_dropout() {
+    let f = fixture();
+    let lora = |p: f64| {
+        format!(
+            "[model.lora]\nr = 4\nlora_alpha = 8\nlora_dropout = {p:?}\ntarget_modules = [\"q_proj\", \"v_proj\"]\n"
+        )
+    };
+    let runs: Vec<_> = [
+        ("no_dropout", lora(0.0), false),
+        ("disabled", lora(0.5), true),
+        ("dropout", lora(0.5), false),
+    ]
+    .into_iter()
+    .map(|(name, extra, disable)| {
+        let mut cfg = base_config(&f.root, name, &extra);
+        cfg.train.max_steps = Some(2);
+        cfg.train.disable_dropout = disable;
+        run(cfg, RunOptions::default())
+    })
+    .collect();
+    assert_same(&runs[0].metrics, &runs[1].metrics);
+    assert_ne!(
+        strip_timing(&runs[1].metrics),
+        strip_timing(&runs[2].metrics)
+    );
+    let ck = runs[1].best_checkpoint_path.clone().unwrap();
+    let adapter = std::fs::read_to_string(ck.join("adapter/adapter_config.json")).unwrap();
+    assert!(adapter.contains("\"lora_dropout\": 0.5"), "{adapter}");
+
+    let _ = base_config(&f.root, "cap", "");
+    let cfg = config::load(
+        &f.root.join("cap.toml"),
+        &["loss.vllm_importance_sampling_cap=2.5".into()],
+    )
+    .unwrap();
+    assert_eq!(cfg.loss.vllm_importance_sampling_clip_max, 2.5);
+}

@@ -585,7 +585,9 @@ pub struct LossSection {
     pub vllm_importance_sampling_mode: ImportanceSamplingMode,
     /// Lower bound of the ratio (none by default).
     pub vllm_importance_sampling_clip_min: Option<f64>,
-    /// Upper bound of the ratio (3.0).
+    /// Upper bound of the ratio (3.0); TRL's deprecated `vllm_importance_sampling_cap` is
+    /// read as this.
+    #[serde(alias = "vllm_importance_sampling_cap")]
     pub vllm_importance_sampling_clip_max: f64,
     /// sapo: temperature for tokens with a positive advantage (1.0).
     pub sapo_temperature_pos: f64,
@@ -743,6 +745,9 @@ pub struct TrainSection {
     /// Shuffle the training rows (TRL's name; seeded by `seed`); `false` reads them in file
     /// order, epoch after epoch.
     pub shuffle_dataset: bool,
+    /// Train without dropout (TRL's name): the model has none of its own; this zeroes LoRA's
+    /// `lora_dropout` while training (the saved adapter config keeps its value).
+    pub disable_dropout: bool,
 }
 
 impl Default for TrainSection {
@@ -764,6 +769,7 @@ impl Default for TrainSection {
             report_to: Vec::new(),
             logging_dir: String::new(),
             shuffle_dataset: true,
+            disable_dropout: false,
         }
     }
 }

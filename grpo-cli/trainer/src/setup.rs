@@ -9,7 +9,7 @@ use candle_core::Device;
 use grpo_data::Dataset;
 use grpo_rewards::RewardSet;
 use grpo_rollout::remote::RemoteGenerator;
-use grpo_rollout::{Tokenizer, TrainableModel, Transformer};
+use grpo_rollout::{LoraConfig, Tokenizer, TrainableModel, Transformer};
 use grpo_teacher::{LocalModel, TeachingProtocol};
 
 use crate::config::{Algorithm, Backend, TrainConfig};
@@ -267,6 +267,17 @@ pub fn setup_with(
         }
     };
     let mut policy = match &cfg.model.lora {
+        // TRL's `disable_dropout` zeroes every dropout module, LoRA's included; the saved
+        // adapter config keeps the configured value, as PEFT's does.
+        Some(l) if cfg.train.disable_dropout => {
+            let off = LoraConfig {
+                lora_dropout: 0.0,
+                ..l.clone()
+            };
+            let mut p = TrainableModel::lora(&loaded.model, &off, cfg.train.seed)?;
+            p.lora = Some(l.clone());
+            p
+        }
         Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
         None => TrainableModel::full(&loaded.model)?,
     };
