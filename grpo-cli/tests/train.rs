@@ -1003,3 +1003,44 @@ fn disable_dropout_trains_lora_without_dropout() {
     .unwrap();
     assert_eq!(cfg.loss.vllm_importance_sampling_clip_max, 2.5);
 }
+
+/// TRL's `steps_per_generation`: with `gradient_accumulation_steps` equal to it, one update
+/// per batch exactly as the default; with `gradient_accumulation_steps = 1` (TRL's default)
+/// each batch feeds that many updates, the later ones off the old log-probs.
+#[test]
+fn steps_per_generation_splits_a_batch_into_updates() {
+    let f = fixture();
+    struct Updates(std::rc::Rc<std::cell::RefCell<Vec<usize>>>);
+    impl grpo_trainer::Callbacks for Updates {
+        fn on_step_end(&mut self, s: &grpo_trainer::TrainerState, _: &grpo_trainer::Metrics) {
+            self.0.borrow_mut().push(s.optimizer_steps);
+        }
+    }
+    let go = |name: &str, spg: Option<usize>, ga: Option<usize>| {
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let mut cfg = base_config(&f.root, name, "");
+        (
+            cfg.optim.steps_per_generation,
+            cfg.optim.gradient_accumulation_steps,
+        ) = (spg, ga);
+        let setup = trainer::setup(cfg).unwrap();
+        let r = trainer::run(setup, &RunOptions::default(), &mut Updates(seen.clone())).unwrap();
+        let updates = seen.borrow().clone();
+        (r, updates)
+    };
+    let (plain, u0) = go("spg_plain", None, None);
+    let (same, u1) = go("spg_same", Some(2), Some(2));
+    assert_same(&plain.metrics, &same.metrics);
+    assert_eq!((u0, u1), (vec![1, 2, 3, 4], vec![1, 2, 3, 4]));
+    let (split, u2) = go("spg_split", Some(2), None);
+    assert_eq!(u2, vec![2, 4, 6, 8]);
+    assert_ne!(strip_timing(&plain.metrics), strip_timing(&split.metrics));
+    assert!(split.metrics.iter().all(|m| m["loss"].is_finite()));
+    for (set, needle) in [
+        ("optim.steps_per_generation=3", "must divide"),
+        ("optim.steps_per_generation=0", "must be >= 1"),
+    ] {
+        let e = config::load(&f.root.join("spg_plain.toml"), &[set.into()]).unwrap_err();
+        assert!(format!("{e:#}").contains(needle), "{set}: {e:#}");
+    }
+}

@@ -683,6 +683,11 @@ pub struct OptimSection {
     pub gradient_accumulation_steps: Option<usize>,
     /// Optimizer passes over each generation batch (TRL's μ).
     pub num_iterations: usize,
+    /// TRL's `steps_per_generation`: the generation batch is cut into this many micro-batches
+    /// and `gradient_accumulation_steps` of them (default 1, TRL's) make one optimizer update,
+    /// so each batch feeds `steps_per_generation / gradient_accumulation_steps` updates in
+    /// turn. Absent: one update per batch (TRL's default, `gradient_accumulation_steps`).
+    pub steps_per_generation: Option<usize>,
 }
 
 impl Default for OptimSection {
@@ -699,6 +704,7 @@ impl Default for OptimSection {
             max_grad_norm: 1.0,
             gradient_accumulation_steps: None,
             num_iterations: 1,
+            steps_per_generation: None,
         }
     }
 }
@@ -1185,7 +1191,32 @@ impl TrainConfig {
             return Err("`train.logging_steps` must be >= 1".into());
         }
         let n = self.completions_per_step();
+        if let Some(spg) = o.steps_per_generation {
+            let ga = o.gradient_accumulation_steps.unwrap_or(1);
+            if spg == 0 || ga == 0 {
+                return Err("`optim.steps_per_generation` and `optim.gradient_accumulation_steps` must be >= 1".into());
+            }
+            if self.algorithm != Algorithm::Grpo {
+                return Err(
+                    "`optim.steps_per_generation` is GRPO's (SFT and DPO take one update per step)"
+                        .into(),
+                );
+            }
+            if !n.is_multiple_of(spg) || !spg.is_multiple_of(ga) {
+                return Err(format!(
+                    "`optim.steps_per_generation` ({spg}) must divide prompts_per_step × num_generations ({n}) and be a multiple of `optim.gradient_accumulation_steps` ({ga})"
+                ));
+            }
+            if let Some(b) = t.per_device_train_batch_size
+                && b * spg != n
+            {
+                return Err(format!(
+                    "`train.per_device_train_batch_size` ({b}) × `optim.steps_per_generation` ({spg}) must equal prompts_per_step × num_generations ({n})"
+                ));
+            }
+        }
         match (t.per_device_train_batch_size, o.gradient_accumulation_steps) {
+            _ if o.steps_per_generation.is_some() => {}
             (Some(0), _) => return Err("`train.per_device_train_batch_size` must be >= 1".into()),
             (_, Some(0)) => return Err("`optim.gradient_accumulation_steps` must be >= 1".into()),
             (Some(b), Some(ga)) if b * ga != n => {
@@ -1265,6 +1296,9 @@ impl TrainConfig {
     /// into `gradient_accumulation_steps`, else the whole step.
     pub fn micro_batch(&self) -> usize {
         let n = self.completions_per_step();
+        if let Some(spg) = self.optim.steps_per_generation {
+            return (n / spg.max(1)).max(1);
+        }
         match (
             self.train.per_device_train_batch_size,
             self.optim.gradient_accumulation_steps,
@@ -1272,6 +1306,15 @@ impl TrainConfig {
             (Some(b), _) => b.max(1),
             (None, Some(ga)) => (n / ga.max(1)).max(1),
             (None, None) => n,
+        }
+    }
+
+    /// Optimizer updates per step: `steps_per_generation / gradient_accumulation_steps` with
+    /// TRL's `steps_per_generation`, else 1.
+    pub fn updates_per_step(&self) -> usize {
+        match self.optim.steps_per_generation {
+            Some(spg) => (spg / self.optim.gradient_accumulation_steps.unwrap_or(1).max(1)).max(1),
+            None => 1,
         }
     }
 

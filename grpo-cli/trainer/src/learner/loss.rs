@@ -59,7 +59,10 @@ impl Learner {
         // runs (the update comes after the last one): its log-probs, detached, are the old
         // log-probs, and the importance weights are formed in that pass — no extra forward
         // (TRL runs one). Several updates need the old log-probs before the first.
-        let need_old = self.cfg.optim.num_iterations > 1;
+        // TRL's `steps_per_generation`: the batch's micro-batches feed `updates` optimizer
+        // steps in turn, so the policy moves within the batch too.
+        let updates = self.cfg.updates_per_step();
+        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1;
         let (old, refs) = self.frozen_logps(&batch, need_old)?;
         let mut off_policy = OffPolicyStats::default();
         let weights = match (correct, need_old) {
@@ -83,20 +86,27 @@ impl Learner {
 
         let mut sums = MeanOf::default();
         let (mut grad_norm, mut lr) = (0.0, 0.0);
+        let per_update = batch.chunks.len().div_ceil(updates).max(1);
         for _ in 0..self.cfg.optim.num_iterations {
-            let grads = self.loss_and_grads(
-                s,
-                &batch,
-                (&old, &refs),
-                &weights,
-                &mut sums,
-                &mut off_policy,
-            )?;
-            (grad_norm, lr) = self.optimizer_step(grads, r.batch.step)?;
+            for u in 0..updates {
+                let first = (u * per_update).min(batch.chunks.len());
+                let range = first..((u + 1) * per_update).min(batch.chunks.len());
+                let grads = self.loss_and_grads(
+                    s,
+                    &batch,
+                    range,
+                    updates,
+                    (&old, &refs),
+                    &weights,
+                    &mut sums,
+                    &mut off_policy,
+                )?;
+                (grad_norm, lr) = self.optimizer_step(grads, r.batch.step)?;
+            }
         }
         self.state.step = r.batch.step + 1;
         self.sync_reference()?;
-        let mut m = sums.into_metrics(self.cfg.optim.num_iterations);
+        let mut m = sums.into_metrics(self.cfg.optim.num_iterations * updates);
         if self.reference.is_none() {
             m.insert("kl".into(), 0.0);
         }
@@ -192,10 +202,13 @@ impl Learner {
     /// summed; the loss, entropy, KL and clip ratios into `sums`. Nothing in a micro-batch waits
     /// for the device: each one's scalars stay there until the pass ends and are read with one
     /// copy (a non-finite loss is refused then, before any optimizer step).
+    #[allow(clippy::too_many_arguments)]
     fn loss_and_grads(
         &mut self,
         s: &Scored,
         batch: &StepBatch<'_>,
+        range: std::ops::Range<usize>,
+        updates: usize,
         (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
         weights: &Weights,
         sums: &mut MeanOf,
@@ -223,7 +236,9 @@ impl Learner {
         let correct = (self.cfg.pipeline.max_staleness > 0 || s.rollouts.sampled_by_other_model)
             && l.vllm_importance_sampling_correction;
         let opsm_sampled = correct && l.off_policy_mask_threshold.is_some();
-        let ga = batch.chunks.len() as f64;
+        // The micro-batches of this optimizer update (all of the step's but with TRL's
+        // `steps_per_generation`).
+        let ga = range.len().max(1) as f64;
         // dapo, cispo and vespo divide by the step's tokens already; the others average
         // micro-batches.
         let dapo_like = loss_cfg.loss_type.normalizes_by_step_tokens();
@@ -231,10 +246,11 @@ impl Learner {
         // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the loss
         // metrics, the policy loss without the bonus, Σ entropy and count over the tokens the
         // policy term acts on].
-        let mut scalars: Vec<Tensor> = Vec::with_capacity(batch.chunks.len());
+        let mut scalars: Vec<Tensor> = Vec::with_capacity(range.len());
         // The in-pass weights' metric inputs, read after the pass (no wait inside it).
         let mut parts = Vec::new();
-        for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
+        for ci in range {
+            let (a, b) = batch.chunks[ci];
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
             let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
             let in_pass = match weights {
@@ -268,7 +284,9 @@ impl Learner {
                     ref_per_token_logps: refs[ci].as_ref(),
                     advantages: &adv,
                     completion_mask: &mask,
-                    num_items_in_batch: Some(batch.total_tokens as f64),
+                    // TRL: the batch's tokens × gradient_accumulation_steps /
+                    // steps_per_generation, the tokens of one update on average.
+                    num_items_in_batch: Some(batch.total_tokens as f64 / updates as f64),
                     importance_weights: is_weights,
                     sampling_per_token_logps: sampling.as_ref(),
                     entropies: ent.as_ref(),

@@ -43,7 +43,7 @@ pub struct TrainerState {
     pub num_tokens: u64,
     /// Passes over the data.
     pub epoch: f64,
-    /// Optimizer updates done (step × num_iterations).
+    /// Optimizer updates done (step × num_iterations × updates per step).
     pub optimizer_steps: usize,
     /// Adaptive entropy control (`loss.use_adaptive_entropy`): the coefficient after the last
     /// optimizer update (`None`: `loss.entropy_coef`, not yet adjusted).
@@ -103,7 +103,7 @@ impl Learner {
         } else {
             opt
         };
-        let total_updates = setup.total_steps * o.num_iterations;
+        let total_updates = setup.total_steps * o.num_iterations * setup.cfg.updates_per_step();
         let warmup = if o.warmup_steps > 0 {
             o.warmup_steps
         } else {
