@@ -73,33 +73,43 @@ fn close(got: f64, want: f64, what: &str) {
     assert!((got - want).abs() <= tol, "{what}: got {got}, want {want}");
 }
 
+/// The case's loss in `dtype` with the log-probs and entropies as variables.
+fn run(c: &VariantCase, dtype: DType) -> (grpo_core::loss::LossOutput, Var, Var) {
+    let d = Device::Cpu;
+    let t = |v: &[f64]| {
+        Tensor::from_slice(v, (c.b, c.t), &d)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    };
+    let logp = Var::from_tensor(&t(c.logp)).unwrap();
+    let ent = Var::from_tensor(&t(c.entropies)).unwrap();
+    let (old, mask) = (t(c.old), t(c.mask));
+    let sampling = c.sampling.map(t);
+    let weights = c.importance_weights.map(t);
+    let adv = Tensor::from_slice(c.advantages, c.b, &d).unwrap();
+    let out = policy_loss(
+        &LossInputs {
+            per_token_logps: logp.as_tensor(),
+            old_per_token_logps: Some(&old),
+            ref_per_token_logps: None,
+            advantages: &adv,
+            completion_mask: &mask,
+            num_items_in_batch: Some(c.num_items_in_batch),
+            importance_weights: weights.as_ref(),
+            sampling_per_token_logps: sampling.as_ref(),
+            entropies: Some(ent.as_tensor()),
+        },
+        &config(c),
+    )
+    .unwrap();
+    (out, logp, ent)
+}
+
 #[test]
 fn variants_match_trl_loss_and_gradients() {
-    let d = Device::Cpu;
     for c in VARIANTS {
-        let bt = (c.b, c.t);
-        let t = |v: &[f64]| Tensor::from_slice(v, bt, &d).unwrap();
-        let logp = Var::from_tensor(&t(c.logp)).unwrap();
-        let ent = Var::from_tensor(&t(c.entropies)).unwrap();
-        let (old, mask) = (t(c.old), t(c.mask));
-        let sampling = c.sampling.map(t);
-        let weights = c.importance_weights.map(t);
-        let adv = Tensor::from_slice(c.advantages, c.b, &d).unwrap();
-        let out = policy_loss(
-            &LossInputs {
-                per_token_logps: logp.as_tensor(),
-                old_per_token_logps: Some(&old),
-                ref_per_token_logps: None,
-                advantages: &adv,
-                completion_mask: &mask,
-                num_items_in_batch: Some(c.num_items_in_batch),
-                importance_weights: weights.as_ref(),
-                sampling_per_token_logps: sampling.as_ref(),
-                entropies: Some(ent.as_tensor()),
-            },
-            &config(c),
-        )
-        .unwrap();
+        let (out, logp, ent) = run(c, DType::F64);
         let name = c.name;
         close(
             out.loss.to_scalar::<f64>().unwrap(),
@@ -134,34 +144,8 @@ fn variants_match_trl_loss_and_gradients() {
 #[test]
 fn variants_run_in_f32_as_training_does() {
     // The same cases in f32: within f32's rounding of the f64 reference.
-    let d = Device::Cpu;
     for c in VARIANTS {
-        let bt = (c.b, c.t);
-        let t = |v: &[f64]| {
-            Tensor::from_slice(v, bt, &d)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap()
-        };
-        let (logp, ent, old, mask) = (t(c.logp), t(c.entropies), t(c.old), t(c.mask));
-        let sampling = c.sampling.map(t);
-        let weights = c.importance_weights.map(t);
-        let adv = Tensor::from_slice(c.advantages, c.b, &d).unwrap();
-        let out = policy_loss(
-            &LossInputs {
-                per_token_logps: &logp,
-                old_per_token_logps: Some(&old),
-                ref_per_token_logps: None,
-                advantages: &adv,
-                completion_mask: &mask,
-                num_items_in_batch: Some(c.num_items_in_batch),
-                importance_weights: weights.as_ref(),
-                sampling_per_token_logps: sampling.as_ref(),
-                entropies: Some(&ent),
-            },
-            &config(c),
-        )
-        .unwrap();
+        let (out, _, _) = run(c, DType::F32);
         let got = f64::from(out.loss.to_scalar::<f32>().unwrap());
         assert!(
             (got - c.loss).abs() <= 1e-4,
