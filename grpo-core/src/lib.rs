@@ -5,9 +5,11 @@
 //!
 //! * [`advantages`] works on plain `&[f32]`: [`advantages::combine_rewards`] (weighted reward
 //!   functions, `None` = no opinion), [`advantages::group_advantages`] (group / batch / no
-//!   scaling), [`advantages::leave_one_out_advantages`] (RLOO) and TRL's reward metrics.
+//!   scaling), [`advantages::leave_one_out_advantages`] (RLOO),
+//!   [`advantages::normalize_then_sum_advantages`] (GDPO) and TRL's reward metrics.
 //! * [`loss`] works on candle [`Tensor`](candle_core::Tensor)s: [`loss::policy_loss`] for the
-//!   grpo, bnpo, dr_grpo, dapo and cispo objectives, token- or sequence-level importance
+//!   grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo and vespo objectives (with TRL's off-policy
+//!   sequence mask, high-entropy token mask and entropy bonus), token- or sequence-level importance
 //!   ratios, two-sided clipping, and the KL penalty to a reference model.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
 //! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss and DPO's
