@@ -264,3 +264,72 @@ fn new_loss_types_parse_and_validate() {
         assert!(e.contains(name), "{e}");
     }
 }
+
+#[test]
+fn masks_at_their_limits_keep_everything_or_drop_exactly_their_rows() {
+    // top_entropy_quantile = 1 keeps every token; an off-policy threshold no gap reaches keeps
+    // every sequence; one every gap exceeds drops exactly the negative-advantage sequences,
+    // as if their advantages were 0.
+    for c in VARIANTS
+        .iter()
+        .filter(|c| c.loss_type == "dapo" || c.loss_type == "grpo")
+    {
+        let plain = LossConfig {
+            off_policy_mask_threshold: None,
+            top_entropy_quantile: 1.0,
+            entropy_coef: 0.0,
+            ..config(c)
+        };
+        let loss_with = |cfg: &LossConfig, adv: &[f64]| -> f64 {
+            let d = Device::Cpu;
+            let t = |v: &[f64]| Tensor::from_slice(v, (c.b, c.t), &d).unwrap();
+            let (logp, old, mask, ent) = (t(c.logp), t(c.old), t(c.mask), t(c.entropies));
+            let adv = Tensor::from_slice(adv, c.b, &d).unwrap();
+            let out = policy_loss(
+                &LossInputs {
+                    per_token_logps: &logp,
+                    old_per_token_logps: Some(&old),
+                    ref_per_token_logps: None,
+                    advantages: &adv,
+                    completion_mask: &mask,
+                    num_items_in_batch: Some(c.num_items_in_batch),
+                    importance_weights: None,
+                    sampling_per_token_logps: None,
+                    entropies: Some(&ent),
+                },
+                cfg,
+            )
+            .unwrap();
+            out.loss.to_scalar::<f64>().unwrap()
+        };
+        let base = loss_with(&plain, c.advantages);
+        for keep_all in [
+            LossConfig {
+                top_entropy_quantile: 1.0,
+                ..plain.clone()
+            },
+            LossConfig {
+                off_policy_mask_threshold: Some(1e9),
+                ..plain.clone()
+            },
+        ] {
+            assert_eq!(loss_with(&keep_all, c.advantages), base, "{}", c.name);
+        }
+        let drop_all = LossConfig {
+            off_policy_mask_threshold: Some(-1e9),
+            ..plain.clone()
+        };
+        let zeroed: Vec<f64> = c.advantages.iter().map(|&a| a.max(0.0)).collect();
+        let want = loss_with(&plain, &zeroed);
+        assert!(
+            (loss_with(&drop_all, c.advantages) - want).abs() < 1e-12,
+            "{}",
+            c.name
+        );
+        assert!(
+            c.advantages.iter().any(|&a| a < 0.0) && want != base,
+            "{}",
+            c.name
+        );
+    }
+}
