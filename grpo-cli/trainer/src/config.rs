@@ -512,7 +512,7 @@ impl Default for RolloutSection {
             num_generations: 8,
             num_generations_eval: None,
             max_prompt_length: 512,
-            max_completion_length: 256,
+            max_completion_length: 512,
             min_completion_length: 0,
             temperature: 1.0,
             top_p: 1.0,
