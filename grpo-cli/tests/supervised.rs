@@ -499,3 +499,50 @@ fn sft_ignores_the_rewards_section_and_checks_its_columns_before_the_run() {
     );
     assert!(!dir.path().join("no-completion").exists());
 }
+
+/// TRL 1.16's DPO loss types from the config: one name or a weighted list (MPO: sigmoid,
+/// bco_pair and sft), the length-normalised ones (token counts from the rows), an
+/// f-divergence; a `label_smoothing` no chosen type uses is refused.
+#[test]
+fn dpo_loss_types_from_the_config_train() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, extra) in [
+        ("ipo", "loss_type = \"ipo\""),
+        (
+            "mpo",
+            "loss_type = [\"sigmoid\", \"bco_pair\", \"sft\"]\nloss_weights = [0.8, 0.2, 1.0]",
+        ),
+        ("robust", "loss_type = \"robust\"\nlabel_smoothing = 0.1"),
+        (
+            "js",
+            "loss_type = \"sigmoid_norm\"\nf_divergence_type = \"js_divergence\"",
+        ),
+    ] {
+        let r = run(
+            setup(
+                dir.path(),
+                name,
+                "dpo",
+                8,
+                &format!("[dpo]\nbeta = 0.5\n{extra}"),
+            ),
+            &RunOptions::default(),
+        );
+        let (first, last) = (&r.metrics[0], r.metrics.last().unwrap());
+        assert!(
+            first["loss"].is_finite() && last["loss"].is_finite(),
+            "{name}"
+        );
+        assert!(
+            last["rewards/margins"] > first["rewards/margins"],
+            "{name}: {first:?} -> {last:?}"
+        );
+    }
+    let text = config_text(dir.path(), "bad", "dpo", 2, "") + "[dpo]\nlabel_smoothing = 0.1\n";
+    std::fs::write(dir.path().join("bad.toml"), text).unwrap();
+    let e = grpo_trainer::config::load(&dir.path().join("bad.toml"), &[]).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("TRL 1.16's sigmoid ignores it"),
+        "{e:#}"
+    );
+}

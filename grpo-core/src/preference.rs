@@ -1,5 +1,7 @@
-//! The supervised objectives beside GRPO: SFT's masked token loss and DPO's sigmoid
-//! preference loss, as TRL's `SFTTrainer` and `DPOTrainer` compute them.
+//! The supervised objectives beside GRPO: SFT's masked token loss and DPO's preference losses,
+//! as TRL's `SFTTrainer` and `DPOTrainer` compute them: [`dpo_loss_with`] has TRL 1.16's
+//! fifteen `loss_type`s (combined with weights), its f-divergences and metrics;
+//! [`dpo_loss`] is the sigmoid loss with conservative-DPO label smoothing.
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -30,6 +32,12 @@ pub struct DpoInputs<'a> {
     pub reference_chosen: &'a Tensor,
     /// `Σ log π_ref(rejected)`.
     pub reference_rejected: &'a Tensor,
+    /// Completion tokens of each chosen completion, `(B,)`: needed by `ipo`, `sigmoid_norm`
+    /// and `sft` ([`dpo_loss_with`]).
+    pub chosen_tokens: Option<&'a Tensor>,
+    /// Completion tokens of each rejected completion, `(B,)`: needed by `ipo` and
+    /// `sigmoid_norm`.
+    pub rejected_tokens: Option<&'a Tensor>,
 }
 
 /// What [`dpo_loss`] returns: the differentiable loss and TRL's metrics.
@@ -51,22 +59,415 @@ pub struct DpoOutput {
     pub logps_rejected: f64,
 }
 
-/// DPO's sigmoid loss (TRL's `loss_type="sigmoid"`, `label_smoothing` ε):
+/// `log σ(t)` computed stably as `min(t, 0) − log(1 + e^{−|t|})`, written so that candle's
+/// gradient is `σ(−t)` everywhere, `t = 0` included (where the policy equals the reference:
+/// a DPO run's first step). A form through `relu(−t)` takes candle's `relu′(0) = 1` and
+/// `|t|′(0) = 1` and gives 1.5 there instead of 0.5.
+fn log_sigmoid(t: &Tensor) -> Result<Tensor> {
+    let negative = t.lt(0.0)?.where_cond(t, &t.zeros_like()?)?;
+    negative - (t.abs()?.neg()?.exp()? + 1.0)?.log()?
+}
+
+/// `σ(t)`.
+fn sigmoid(t: &Tensor) -> Result<Tensor> {
+    log_sigmoid(t)?.exp()
+}
+
+/// DPO's sigmoid loss with conservative-DPO label smoothing ε:
 /// `z = β ((π_c − π_r) − (ref_c − ref_r))`, loss `= −(1 − ε) log σ(z) − ε log σ(−z)`, the mean
-/// over pairs.
+/// over pairs. At ε = 0 it is TRL 1.16's `sigmoid`; TRL 1.16's sigmoid ignores ε, see
+/// [`dpo_loss_with`] for its loss types.
 pub fn dpo_loss(x: &DpoInputs<'_>, beta: f64, label_smoothing: f64) -> Result<DpoOutput> {
     let chosen = (x.policy_chosen - x.reference_chosen)?;
     let rejected = (x.policy_rejected - x.reference_rejected)?;
     let z = ((&chosen - &rejected)? * beta)?;
-    // log σ(z) = −softplus(−z), computed stably as −(max(−z, 0) + log(1 + e^{−|z|})).
-    let log_sigmoid = |t: &Tensor| -> Result<Tensor> {
-        let softplus_neg = (t.neg()?.relu()? + (t.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
-        softplus_neg.neg()
-    };
     let pos = log_sigmoid(&z)?;
     let neg = log_sigmoid(&z.neg()?)?;
     let per_pair = ((pos * (-(1.0 - label_smoothing)))? + (neg * (-label_smoothing))?)?;
     let loss = per_pair.mean(D::Minus1)?;
+    dpo_output(x, loss, beta)
+}
+
+/// TRL 1.16's DPO loss types (`DPOConfig.loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DpoLossType {
+    /// `−log σ(βΔ)`, Δ the chosen − rejected score (the original DPO). TRL's default.
+    #[default]
+    Sigmoid,
+    /// `relu(1 − βΔ)` (SLiC).
+    Hinge,
+    /// `(Δ_c/n_c − Δ_r/n_r − 1/(2β))²` on token-averaged scores (IPO).
+    Ipo,
+    /// EXO-pref with label smoothing ε (must be > 0).
+    ExoPair,
+    /// NCA: `−log σ(βΔ_c) − ½ log σ(−βΔ_c) − ½ log σ(−βΔ_r)` on the log-ratios.
+    NcaPair,
+    /// Robust DPO: `(−(1−ε) log σ(βΔ) + ε log σ(−βΔ)) / (1 − 2ε)`.
+    Robust,
+    /// BCO on pairs: `−log σ(β r_c) − log σ(−β r_r)`.
+    BcoPair,
+    /// SPPO with hard labels: `(r_c − 1/(2β))² + (r_r + 1/(2β))²`.
+    SppoHard,
+    /// AOT: the batch's policy and reference log-ratio differences sorted, then the smoothed
+    /// sigmoid loss on their differences.
+    Aot,
+    /// AOT unpaired: the chosen and rejected log-ratios sorted separately.
+    AotUnpaired,
+    /// APO-zero: `1 − σ(β r_c) + σ(β r_r)`.
+    ApoZero,
+    /// APO-down: `σ(β r_c) + 1 − σ(β (r_c − r_r))`.
+    ApoDown,
+    /// DiscoPOP: logistic and exponential losses blended by `σ(βΔ/τ)`.
+    Discopop,
+    /// The chosen completions' mean token NLL (an SFT term, for combinations such as MPO).
+    Sft,
+    /// `−log σ(β (Δ_c/n_c − Δ_r/n_r))` on token-averaged scores.
+    SigmoidNorm,
+}
+
+const DPO_LOSS_TYPES: [(&str, DpoLossType); 15] = [
+    ("sigmoid", DpoLossType::Sigmoid),
+    ("hinge", DpoLossType::Hinge),
+    ("ipo", DpoLossType::Ipo),
+    ("exo_pair", DpoLossType::ExoPair),
+    ("nca_pair", DpoLossType::NcaPair),
+    ("robust", DpoLossType::Robust),
+    ("bco_pair", DpoLossType::BcoPair),
+    ("sppo_hard", DpoLossType::SppoHard),
+    ("aot", DpoLossType::Aot),
+    ("aot_unpaired", DpoLossType::AotUnpaired),
+    ("apo_zero", DpoLossType::ApoZero),
+    ("apo_down", DpoLossType::ApoDown),
+    ("discopop", DpoLossType::Discopop),
+    ("sft", DpoLossType::Sft),
+    ("sigmoid_norm", DpoLossType::SigmoidNorm),
+];
+
+impl std::str::FromStr for DpoLossType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        let l = s.to_ascii_lowercase();
+        DPO_LOSS_TYPES
+            .iter()
+            .find(|(n, _)| *n == l)
+            .map(|(_, t)| *t)
+            .ok_or_else(|| {
+                let names: Vec<&str> = DPO_LOSS_TYPES.iter().map(|(n, _)| *n).collect();
+                format!(
+                    "unknown DPO loss_type `{s}`: expected one of {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+impl DpoLossType {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        DPO_LOSS_TYPES
+            .iter()
+            .find(|(_, t)| *t == self)
+            .map_or("sigmoid", |(n, _)| *n)
+    }
+
+    /// Whether `label_smoothing` enters the loss (robust, exo_pair, aot, aot_unpaired).
+    pub fn uses_label_smoothing(self) -> bool {
+        matches!(
+            self,
+            Self::Robust | Self::ExoPair | Self::Aot | Self::AotUnpaired
+        )
+    }
+
+    /// Whether an f-divergence other than the reverse KL applies (the losses built on the
+    /// chosen − rejected score difference).
+    pub fn takes_f_divergence(self) -> bool {
+        matches!(
+            self,
+            Self::Sigmoid
+                | Self::SigmoidNorm
+                | Self::Hinge
+                | Self::Ipo
+                | Self::ExoPair
+                | Self::Robust
+                | Self::Discopop
+                | Self::Sft
+        )
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(DpoLossType, "a DPO loss type (sigmoid, hinge, ipo, ...)");
+
+/// The f-divergence that turns each log-ratio into a score (TRL's `f_divergence_type`, f-DPO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FDivergence {
+    /// The score is the log-ratio (standard DPO). TRL's default.
+    #[default]
+    ReverseKl,
+    /// `1 − e^(−u)`.
+    ForwardKl,
+    /// `log 2 + log σ(u)`.
+    JsDivergence,
+    /// `(e^((α−1)u) − 1)/(α − 1)` (the log-ratio itself at α = 1).
+    AlphaDivergence,
+}
+
+impl std::str::FromStr for FDivergence {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "reverse_kl" => Ok(Self::ReverseKl),
+            "forward_kl" => Ok(Self::ForwardKl),
+            "js_divergence" => Ok(Self::JsDivergence),
+            "alpha_divergence" => Ok(Self::AlphaDivergence),
+            other => Err(format!(
+                "unknown f_divergence_type `{other}`: expected reverse_kl, forward_kl, \
+                 js_divergence or alpha_divergence"
+            )),
+        }
+    }
+}
+
+impl FDivergence {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ReverseKl => "reverse_kl",
+            Self::ForwardKl => "forward_kl",
+            Self::JsDivergence => "js_divergence",
+            Self::AlphaDivergence => "alpha_divergence",
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(
+    FDivergence,
+    "reverse_kl, forward_kl, js_divergence or alpha_divergence"
+);
+
+/// Options of [`dpo_loss_with`]; `Default` is TRL 1.16's `DPOConfig`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DpoConfig {
+    /// The loss types, summed with `loss_weights`.
+    pub loss_type: Vec<DpoLossType>,
+    /// One weight per loss type; `None` = 1 each.
+    pub loss_weights: Option<Vec<f64>>,
+    /// β; 0.1.
+    pub beta: f64,
+    /// ε of robust, exo_pair, aot and aot_unpaired; 0.
+    pub label_smoothing: f64,
+    /// How log-ratios become scores; reverse KL.
+    pub f_divergence_type: FDivergence,
+    /// α of the α-divergence; 0.5.
+    pub f_alpha_divergence_coef: f64,
+    /// DiscoPOP's τ; 0.05.
+    pub discopop_tau: f64,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self {
+            loss_type: vec![DpoLossType::Sigmoid],
+            loss_weights: None,
+            beta: 0.1,
+            label_smoothing: 0.0,
+            f_divergence_type: FDivergence::ReverseKl,
+            f_alpha_divergence_coef: 0.5,
+            discopop_tau: 0.05,
+        }
+    }
+}
+
+impl DpoConfig {
+    /// Checks the values as TRL does, naming the field to fix; also refuses a
+    /// `label_smoothing` that no chosen loss type would use (TRL ignores it).
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.loss_type.is_empty() {
+            return Err("loss_type needs at least one DPO loss type".into());
+        }
+        if let Some(w) = &self.loss_weights
+            && w.len() != self.loss_type.len()
+        {
+            return Err(format!(
+                "loss_weights has {} weights for {} loss types",
+                w.len(),
+                self.loss_type.len()
+            ));
+        }
+        if !(self.beta.is_finite() && self.beta > 0.0) {
+            return Err(format!(
+                "beta must be a finite number > 0, got {}",
+                self.beta
+            ));
+        }
+        let ls = self.label_smoothing;
+        if !(0.0..0.5).contains(&ls) {
+            return Err(format!("label_smoothing must be in [0, 0.5), got {ls}"));
+        }
+        if ls > 0.0 && !self.loss_type.iter().any(|t| t.uses_label_smoothing()) {
+            return Err(format!(
+                "label_smoothing = {ls} is used by robust, exo_pair, aot and aot_unpaired only \
+                 (TRL 1.16's sigmoid ignores it): choose one of them or set it to 0"
+            ));
+        }
+        if self.loss_type.contains(&DpoLossType::ExoPair) && ls == 0.0 {
+            return Err("exo_pair needs label_smoothing > 0 (the EXO paper suggests 1e-3)".into());
+        }
+        if self.f_divergence_type != FDivergence::ReverseKl
+            && let Some(t) = self.loss_type.iter().find(|t| !t.takes_f_divergence())
+        {
+            return Err(format!(
+                "f_divergence_type = {} does not apply to loss_type {} (only to sigmoid, \
+                 sigmoid_norm, hinge, ipo, exo_pair, robust, discopop, sft)",
+                self.f_divergence_type.as_str(),
+                t.as_str()
+            ));
+        }
+        if !(self.discopop_tau.is_finite() && self.discopop_tau > 0.0) {
+            return Err(format!(
+                "discopop_tau must be a finite number > 0, got {}",
+                self.discopop_tau
+            ));
+        }
+        if !self.f_alpha_divergence_coef.is_finite() {
+            return Err("f_alpha_divergence_coef must be finite".into());
+        }
+        Ok(())
+    }
+}
+
+/// TRL 1.16's DPO loss (`DPOTrainer._compute_loss`): each log-ratio `r = π − π_ref` scored by
+/// the f-divergence, `Δ = score_c − score_r`, each loss type's per-pair loss averaged over the
+/// pairs and summed with the weights; the metrics as [`dpo_loss`]'s.
+///
+/// # Errors
+/// An invalid config, or token counts missing for `ipo`, `sigmoid_norm` or `sft`.
+pub fn dpo_loss_with(x: &DpoInputs<'_>, cfg: &DpoConfig) -> Result<DpoOutput> {
+    cfg.validate().map_err(candle_core::Error::Msg)?;
+    let beta = cfg.beta;
+    let eps = cfg.label_smoothing;
+    let cl = (x.policy_chosen - x.reference_chosen)?;
+    let rl = (x.policy_rejected - x.reference_rejected)?;
+    let score = |u: &Tensor| -> Result<Tensor> {
+        match cfg.f_divergence_type {
+            FDivergence::ReverseKl => Ok(u.clone()),
+            FDivergence::ForwardKl => u.neg()?.exp()?.neg()? + 1.0,
+            FDivergence::JsDivergence => log_sigmoid(u)? + std::f64::consts::LN_2,
+            FDivergence::AlphaDivergence => {
+                let a = cfg.f_alpha_divergence_coef;
+                if (a - 1.0).abs() < 1e-6 {
+                    return Ok(u.clone());
+                }
+                // TRL clamps (α − 1)·u at 11 in f16, 80 otherwise, so e^t stays finite.
+                let cap = if u.dtype() == DType::F16 { 11.0 } else { 80.0 };
+                let t = (u * (a - 1.0))?;
+                let t = t.minimum(cap)?;
+                (t.exp()? - 1.0)? * (1.0 / (a - 1.0))
+            }
+        }
+    };
+    let (cs, rs) = (score(&cl)?, score(&rl)?);
+    let delta = (&cs - &rs)?;
+    let tokens = |t: Option<&Tensor>, what: &str| -> Result<Tensor> {
+        match t {
+            Some(n) => n.to_dtype(cl.dtype())?.maximum(1.0),
+            None => {
+                candle_core::bail!("this DPO loss type needs the {what} completions' token counts")
+            }
+        }
+    };
+    let sorted = |t: &Tensor| -> Result<Tensor> {
+        let idx = t.unsqueeze(0)?.arg_sort_last_dim(true)?.squeeze(0)?;
+        t.index_select(&idx, 0)
+    };
+    let smoothed = |d: &Tensor| -> Result<Tensor> {
+        let z = (d * beta)?;
+        (log_sigmoid(&z)? * (-(1.0 - eps)))? - (log_sigmoid(&z.neg()?)? * eps)?
+    };
+    let weights = cfg
+        .loss_weights
+        .clone()
+        .unwrap_or_else(|| vec![1.0; cfg.loss_type.len()]);
+    let mut total: Option<Tensor> = None;
+    for (&lt, &w) in cfg.loss_type.iter().zip(&weights) {
+        let bd = (&delta * beta)?;
+        let per_pair = match lt {
+            DpoLossType::Sigmoid => log_sigmoid(&bd)?.neg()?,
+            DpoLossType::Hinge => (bd.neg()? + 1.0)?.relu()?,
+            DpoLossType::Ipo | DpoLossType::SigmoidNorm => {
+                let nc = tokens(x.chosen_tokens, "chosen")?;
+                let nr = tokens(x.rejected_tokens, "rejected")?;
+                let d = ((&cs / &nc)? - (&rs / &nr)?)?;
+                match lt {
+                    DpoLossType::Ipo => (d - 1.0 / (2.0 * beta))?.sqr()?,
+                    _ => log_sigmoid(&(d * beta)?)?.neg()?,
+                }
+            }
+            DpoLossType::ExoPair => {
+                let (qw, log_qw) = (sigmoid(&bd)?, log_sigmoid(&bd)?);
+                let (ql, log_ql) = (sigmoid(&bd.neg()?)?, log_sigmoid(&bd.neg()?)?);
+                let (log_pw, log_pl) = ((-eps).ln_1p(), eps.ln());
+                ((qw * (log_qw - log_pw)?)? + (ql * (log_ql - log_pl)?)?)?
+            }
+            DpoLossType::NcaPair => {
+                let (c, r) = ((&cl * beta)?, (&rl * beta)?);
+                ((log_sigmoid(&c)?.neg()? - (log_sigmoid(&c.neg()?)? * 0.5)?)?
+                    - (log_sigmoid(&r.neg()?)? * 0.5)?)?
+            }
+            DpoLossType::Robust => {
+                let clean = (log_sigmoid(&bd)? * (-(1.0 - eps)))?;
+                let flipped = (log_sigmoid(&bd.neg()?)? * (-eps))?;
+                ((clean - flipped)? / (1.0 - 2.0 * eps))?
+            }
+            DpoLossType::BcoPair => {
+                (log_sigmoid(&(&cl * beta)?)?.neg()? - log_sigmoid(&(&rl * (-beta))?)?)?
+            }
+            DpoLossType::SppoHard => ((&cl - 0.5 / beta)?.sqr()? + (&rl + 0.5 / beta)?.sqr()?)?,
+            DpoLossType::Aot => {
+                let lr = (x.policy_chosen - x.policy_rejected)?;
+                let rr = (x.reference_chosen - x.reference_rejected)?;
+                smoothed(&(sorted(&lr)? - sorted(&rr)?)?)?
+            }
+            DpoLossType::AotUnpaired => smoothed(&(sorted(&cl)? - sorted(&rl)?)?)?,
+            DpoLossType::ApoZero => {
+                ((sigmoid(&(&cl * beta)?)?.neg()? + 1.0)? + sigmoid(&(&rl * beta)?)?)?
+            }
+            DpoLossType::ApoDown => {
+                let d = ((&cl - &rl)? * beta)?;
+                (sigmoid(&(&cl * beta)?)? + (sigmoid(&d)?.neg()? + 1.0)?)?
+            }
+            DpoLossType::Discopop => {
+                let m = sigmoid(&(&bd / cfg.discopop_tau)?)?;
+                let logistic = log_sigmoid(&bd)?.neg()?;
+                let exp = bd.neg()?.exp()?;
+                ((logistic * (m.neg()? + 1.0)?)? + (exp * m)?)?
+            }
+            DpoLossType::Sft => {
+                let nc = tokens(x.chosen_tokens, "chosen")?;
+                let mean = (x.policy_chosen.sum_all()? / nc.sum_all()?)?.neg()?;
+                mean.broadcast_as(x.policy_chosen.shape())?
+            }
+        };
+        let term = (per_pair.mean(D::Minus1)? * w)?;
+        total = Some(match total {
+            Some(t) => (t + term)?,
+            None => term,
+        });
+    }
+    let loss = match total {
+        Some(t) => t,
+        None => candle_core::bail!("no DPO loss type"),
+    };
+    dpo_output(x, loss, beta)
+}
+
+/// The loss with TRL's metrics (`rewards/*` from `β ×` the log-ratios, `logps/*`).
+fn dpo_output(x: &DpoInputs<'_>, loss: Tensor, beta: f64) -> Result<DpoOutput> {
+    let chosen = (x.policy_chosen - x.reference_chosen)?;
+    let rejected = (x.policy_rejected - x.reference_rejected)?;
     let vec = |t: &Tensor| -> Result<Vec<f64>> { t.detach().to_dtype(DType::F64)?.to_vec1() };
     let rc: Vec<f64> = vec(&chosen)?.into_iter().map(|v| v * beta).collect();
     let rr: Vec<f64> = vec(&rejected)?.into_iter().map(|v| v * beta).collect();

@@ -66,6 +66,8 @@ fn dpo_matches_pytorch() {
                 policy_rejected: pr.as_tensor(),
                 reference_chosen: &rc,
                 reference_rejected: &rr,
+                chosen_tokens: None,
+                rejected_tokens: None,
             },
             beta,
             ls,
@@ -88,6 +90,37 @@ fn dpo_matches_pytorch() {
     }
 }
 
+/// A DPO run's first step: the policy is the reference, every score difference is exactly 0,
+/// and PyTorch's gradient of `−log σ(β·0)` is `−β/2` per pair over the `B` pairs.
+#[test]
+fn dpo_gradient_at_the_reference_is_half_beta() {
+    let dev = Device::Cpu;
+    let pc = Var::from_tensor(&Tensor::new(&[-3.0f64, -7.5], &dev).unwrap()).unwrap();
+    let pr = Var::from_tensor(&Tensor::new(&[-4.0f64, -1.25], &dev).unwrap()).unwrap();
+    let (rc, rr) = (pc.as_tensor().detach(), pr.as_tensor().detach());
+    let out = dpo_loss(
+        &DpoInputs {
+            policy_chosen: pc.as_tensor(),
+            policy_rejected: pr.as_tensor(),
+            reference_chosen: &rc,
+            reference_rejected: &rr,
+            chosen_tokens: None,
+            rejected_tokens: None,
+        },
+        0.1,
+        0.0,
+    )
+    .unwrap();
+    assert!((out.loss.to_scalar::<f64>().unwrap() - std::f64::consts::LN_2).abs() < 1e-12);
+    let g = out.loss.backward().unwrap();
+    let gc: Vec<f64> = g.get(&pc).unwrap().to_vec1().unwrap();
+    let gr: Vec<f64> = g.get(&pr).unwrap().to_vec1().unwrap();
+    for i in 0..2 {
+        assert!((gc[i] + 0.1 / 2.0 / 2.0).abs() < 1e-12, "{gc:?}");
+        assert!((gr[i] - 0.1 / 2.0 / 2.0).abs() < 1e-12, "{gr:?}");
+    }
+}
+
 #[test]
 fn dpo_is_stable_for_large_margins() {
     let dev = Device::Cpu;
@@ -99,6 +132,8 @@ fn dpo_is_stable_for_large_margins() {
             policy_rejected: &zero,
             reference_chosen: &zero,
             reference_rejected: &zero,
+            chosen_tokens: None,
+            rejected_tokens: None,
         },
         1.0,
         0.0,

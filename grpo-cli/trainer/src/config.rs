@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
+use grpo_core::preference::{DpoConfig, DpoLossType, FDivergence};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
 use grpo_rollout::python_env::PythonEnvironmentConfig;
@@ -160,14 +161,27 @@ impl Default for SftSection {
     }
 }
 
-/// `[dpo]`: TRL's DPOTrainer, sigmoid loss against the frozen reference model.
+/// `[dpo]`: TRL's DPOTrainer against the frozen reference model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DpoSection {
     /// The β of the loss (default 0.1).
     pub beta: f64,
-    /// Label smoothing ε (conservative DPO; default 0).
+    /// TRL 1.16's loss types, one name or a list (default `sigmoid`); a list is summed with
+    /// `loss_weights` (MPO-style combinations).
+    #[serde(deserialize_with = "one_or_many")]
+    pub loss_type: Vec<DpoLossType>,
+    /// One weight per loss type (default 1 each).
+    pub loss_weights: Option<Vec<f64>>,
+    /// Label smoothing ε of robust, exo_pair, aot and aot_unpaired (default 0; TRL 1.16's
+    /// sigmoid ignores it, so it is refused there).
     pub label_smoothing: f64,
+    /// reverse_kl (default) | forward_kl | js_divergence | alpha_divergence (f-DPO).
+    pub f_divergence_type: FDivergence,
+    /// α of the α-divergence (default 0.5).
+    pub f_alpha_divergence_coef: f64,
+    /// DiscoPOP's τ (default 0.05).
+    pub discopop_tau: f64,
     /// The preferred completion's column.
     pub chosen_field: String,
     /// The dispreferred completion's column.
@@ -179,11 +193,56 @@ pub struct DpoSection {
     pub precompute_ref_log_probs: bool,
 }
 
+impl DpoSection {
+    /// grpo-core's DPO options.
+    pub fn dpo_config(&self) -> DpoConfig {
+        DpoConfig {
+            loss_type: self.loss_type.clone(),
+            loss_weights: self.loss_weights.clone(),
+            beta: self.beta,
+            label_smoothing: self.label_smoothing,
+            f_divergence_type: self.f_divergence_type,
+            f_alpha_divergence_coef: self.f_alpha_divergence_coef,
+            discopop_tau: self.discopop_tau,
+        }
+    }
+}
+
+/// TRL's `loss_type`: one name or a list of names.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<DpoLossType>, D::Error> {
+    struct V;
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = Vec<DpoLossType>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a DPO loss type or a list of them")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            v.parse().map(|t| vec![t]).map_err(E::custom)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(name) = seq.next_element::<String>()? {
+                out.push(name.parse().map_err(serde::de::Error::custom)?);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(V)
+}
+
 impl Default for DpoSection {
     fn default() -> Self {
         Self {
             beta: 0.1,
+            loss_type: vec![DpoLossType::Sigmoid],
+            loss_weights: None,
             label_smoothing: 0.0,
+            f_divergence_type: FDivergence::ReverseKl,
+            f_alpha_divergence_coef: 0.5,
+            discopop_tau: 0.05,
             chosen_field: "chosen".into(),
             rejected_field: "rejected".into(),
             max_length: 1024,
@@ -1116,12 +1175,9 @@ impl TrainConfig {
             if !(d.beta > 0.0 && d.beta.is_finite()) {
                 return Err(format!("`dpo.beta` must be > 0, got {}", d.beta));
             }
-            if !(0.0..0.5).contains(&d.label_smoothing) {
-                return Err(format!(
-                    "`dpo.label_smoothing` must be in [0, 0.5), got {}",
-                    d.label_smoothing
-                ));
-            }
+            d.dpo_config()
+                .validate()
+                .map_err(|e| format!("`dpo`: {e}"))?;
         }
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{D, DType, Tensor};
-use grpo_core::preference::{DpoInputs, dpo_loss, sft_loss};
+use grpo_core::preference::{DpoInputs, dpo_loss_with, sft_loss};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
@@ -315,15 +315,23 @@ impl Learner {
                 let dev = pol.device().clone();
                 let rc = Tensor::from_vec(rc, k, &dev)?.to_dtype(dt)?;
                 let rr = Tensor::from_vec(rr, k, &dev)?.to_dtype(dt)?;
-                let out = dpo_loss(
+                // Completion tokens of each pair's two sides (ipo, sigmoid_norm, sft).
+                let count = |f: &dyn Fn(&Row) -> usize| -> Result<Tensor> {
+                    let n: Vec<f64> = part.iter().map(|r| f(r) as f64).collect();
+                    Ok(Tensor::from_vec(n, k, &dev)?.to_dtype(dt)?)
+                };
+                let nc = count(&|r| r.completion.len())?;
+                let nr = count(&|r| r.rejected.len())?;
+                let out = dpo_loss_with(
                     &DpoInputs {
                         policy_chosen: &pol.narrow(0, 0, k)?,
                         policy_rejected: &pol.narrow(0, k, k)?,
                         reference_chosen: &rc,
                         reference_rejected: &rr,
+                        chosen_tokens: Some(&nc),
+                        rejected_tokens: Some(&nr),
                     },
-                    self.cfg.dpo.beta,
-                    self.cfg.dpo.label_smoothing,
+                    &self.cfg.dpo.dpo_config(),
                 )?;
                 add("rewards/chosen", out.rewards_chosen, share);
                 add("rewards/rejected", out.rewards_rejected, share);
