@@ -396,7 +396,11 @@ pub fn dpo_loss_with(x: &DpoInputs<'_>, cfg: &DpoConfig) -> Result<DpoOutput> {
         let bd = (&delta * beta)?;
         let per_pair = match lt {
             DpoLossType::Sigmoid => log_sigmoid(&bd)?.neg()?,
-            DpoLossType::Hinge => (bd.neg()? + 1.0)?.relu()?,
+            // torch's relu has slope 0 at 0, candle's 1: a where keeps torch's.
+            DpoLossType::Hinge => {
+                let h = (bd.neg()? + 1.0)?;
+                h.gt(0.0)?.where_cond(&h, &h.zeros_like()?)?
+            }
             DpoLossType::Ipo | DpoLossType::SigmoidNorm => {
                 let nc = tokens(x.chosen_tokens, "chosen")?;
                 let nr = tokens(x.rejected_tokens, "rejected")?;
