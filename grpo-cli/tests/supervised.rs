@@ -546,3 +546,31 @@ fn dpo_loss_types_from_the_config_train() {
         "{e:#}"
     );
 }
+
+/// `sft.loss_type = "dft"` (TRL's name) trains with the probability-weighted NLL, not the NLL;
+/// `train.disable_dropout` defaults to TRL's per algorithm (on for DPO only).
+#[test]
+fn sft_dft_loss_and_per_algorithm_dropout_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let nll = run(
+        setup(dir.path(), "nll", "sft", 3, ""),
+        &RunOptions::default(),
+    );
+    let dft = run(
+        setup(dir.path(), "dft", "sft", 3, "[sft]\nloss_type = \"dft\""),
+        &RunOptions::default(),
+    );
+    for (a, b) in nll.metrics.iter().zip(&dft.metrics) {
+        assert!(
+            b["loss"].is_finite() && b["loss"] < a["loss"],
+            "{a:?} {b:?}"
+        );
+    }
+    let mut cfg = grpo_trainer::TrainConfig::default();
+    for (alg, off) in [("grpo", false), ("sft", false), ("dpo", true)] {
+        cfg.algorithm = alg.parse().unwrap();
+        assert_eq!(cfg.dropout_disabled(), off, "{alg}");
+    }
+    cfg.train.disable_dropout = Some(false);
+    assert!(!cfg.dropout_disabled());
+}

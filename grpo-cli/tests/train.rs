@@ -982,7 +982,7 @@ fn disable_dropout_trains_lora_without_dropout() {
     .map(|(name, extra, disable)| {
         let mut cfg = base_config(&f.root, name, &extra);
         cfg.train.max_steps = Some(2);
-        cfg.train.disable_dropout = disable;
+        cfg.train.disable_dropout = Some(disable);
         run(cfg, RunOptions::default())
     })
     .collect();

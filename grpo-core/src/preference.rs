@@ -12,12 +12,66 @@ use candle_core::{D, DType, Result, Tensor};
 /// averaged over (pass the whole step's count when a step has several micro-batches, as
 /// TRL's `num_items_in_batch`; `None` = this batch's `mask.sum()`).
 pub fn sft_loss(per_token_logps: &Tensor, mask: &Tensor, num_items: Option<f64>) -> Result<Tensor> {
+    sft_loss_typed(per_token_logps, mask, num_items, SftLossType::Nll)
+}
+
+/// TRL's SFT `loss_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SftLossType {
+    /// The negative log-likelihood (TRL's default).
+    #[default]
+    Nll,
+    /// Dynamic fine-tuning: each token's NLL weighted by its probability, as a constant
+    /// (`−p·log p`, `p` without gradient).
+    Dft,
+}
+
+impl std::str::FromStr for SftLossType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "nll" => Ok(Self::Nll),
+            "dft" => Ok(Self::Dft),
+            other => Err(format!(
+                "unknown SFT loss_type `{other}`: expected nll or dft"
+            )),
+        }
+    }
+}
+
+impl SftLossType {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Nll => "nll",
+            Self::Dft => "dft",
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(SftLossType, "nll or dft");
+
+/// [`sft_loss`] with TRL's `loss_type`: `nll`, or `dft` (each token's NLL times its
+/// probability, detached), summed over the masked tokens and divided by `num_items`.
+pub fn sft_loss_typed(
+    per_token_logps: &Tensor,
+    mask: &Tensor,
+    num_items: Option<f64>,
+    loss_type: SftLossType,
+) -> Result<Tensor> {
     let mask = mask.to_dtype(per_token_logps.dtype())?;
     let n = match num_items {
         Some(n) => n,
         None => mask.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?,
     };
-    (per_token_logps * &mask)?.sum_all()?.neg()? / n.max(1.0)
+    let nll = per_token_logps.neg()?;
+    let per_token = match loss_type {
+        SftLossType::Nll => nll,
+        SftLossType::Dft => (nll * per_token_logps.detach().exp()?)?,
+    };
+    (per_token * &mask)?.sum_all()? / n.max(1.0)
 }
 
 /// Inputs of [`dpo_loss`]: summed log-probs of each pair's chosen and rejected completions,

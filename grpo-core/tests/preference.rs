@@ -172,3 +172,28 @@ fn sft_loss_ignores_masked_positions() {
     let loss = sft_loss(lp.as_tensor(), &mask, Some(6.0)).unwrap();
     assert!((loss.to_scalar::<f64>().unwrap() - 11.0 / 6.0).abs() < 1e-12);
 }
+
+/// TRL's `loss_type = "dft"`: `Σ −log p · stopgrad(p)` over the masked tokens / their count;
+/// the gradient of each token is `−p / n`.
+#[test]
+fn sft_dft_weights_each_token_by_its_detached_probability() {
+    use grpo_core::preference::{SftLossType, sft_loss_typed};
+    let dev = Device::Cpu;
+    let lp = Var::from_tensor(&Tensor::new(&[[-0.5f64, -2.0, -1.0]], &dev).unwrap()).unwrap();
+    let mask = Tensor::new(&[[1f64, 1.0, 0.0]], &dev).unwrap();
+    let loss = sft_loss_typed(lp.as_tensor(), &mask, None, SftLossType::Dft).unwrap();
+    let want = (0.5 * (-0.5f64).exp() + 2.0 * (-2.0f64).exp()) / 2.0;
+    assert!((loss.to_scalar::<f64>().unwrap() - want).abs() < 1e-12);
+    let g: Vec<Vec<f64>> = loss
+        .backward()
+        .unwrap()
+        .get(&lp)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let gw = [-(-0.5f64).exp() / 2.0, -(-2.0f64).exp() / 2.0, 0.0];
+    for (a, b) in g[0].iter().zip(gw) {
+        assert!((a - b).abs() < 1e-12, "{g:?}");
+    }
+    assert_eq!("DFT".parse::<SftLossType>(), Ok(SftLossType::Dft));
+}

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
-use grpo_core::preference::{DpoConfig, DpoLossType, FDivergence};
+use grpo_core::preference::{DpoConfig, DpoLossType, FDivergence, SftLossType};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
 use grpo_rollout::python_env::PythonEnvironmentConfig;
@@ -149,6 +149,9 @@ pub struct SftSection {
     /// Concatenate rows (each ended by EOS) into sequences of `max_length` tokens, the loss on
     /// every completion token (TRL's wrapped packing: a row may attend to the one before it).
     pub packing: bool,
+    /// nll (default) | dft (TRL's names: dynamic fine-tuning weighs each token's NLL by its
+    /// probability, as a constant).
+    pub loss_type: SftLossType,
 }
 
 impl Default for SftSection {
@@ -157,6 +160,7 @@ impl Default for SftSection {
             completion_field: "completion".into(),
             max_length: 1024,
             packing: false,
+            loss_type: SftLossType::Nll,
         }
     }
 }
@@ -811,8 +815,9 @@ pub struct TrainSection {
     /// order, epoch after epoch.
     pub shuffle_dataset: bool,
     /// Train without dropout (TRL's name): the model has none of its own; this zeroes LoRA's
-    /// `lora_dropout` while training (the saved adapter config keeps its value).
-    pub disable_dropout: bool,
+    /// `lora_dropout` while training (the saved adapter config keeps its value). Absent: TRL's
+    /// default of the algorithm, on for DPO, off for GRPO and SFT.
+    pub disable_dropout: Option<bool>,
 }
 
 impl Default for TrainSection {
@@ -834,7 +839,7 @@ impl Default for TrainSection {
             report_to: Vec::new(),
             logging_dir: String::new(),
             shuffle_dataset: true,
-            disable_dropout: false,
+            disable_dropout: None,
         }
     }
 }
@@ -1363,6 +1368,14 @@ impl TrainConfig {
             (None, Some(ga)) => (n / ga.max(1)).max(1),
             (None, None) => n,
         }
+    }
+
+    /// Whether dropout is off while training: `train.disable_dropout`, else TRL's default of
+    /// the algorithm (DPOConfig's true, GRPOConfig's false, none in SFTConfig).
+    pub fn dropout_disabled(&self) -> bool {
+        self.train
+            .disable_dropout
+            .unwrap_or(self.algorithm == Algorithm::Dpo)
     }
 
     /// Optimizer updates per step: `steps_per_generation / gradient_accumulation_steps` with

@@ -269,7 +269,7 @@ pub fn setup_with(
     let mut policy = match &cfg.model.lora {
         // TRL's `disable_dropout` zeroes every dropout module, LoRA's included; the saved
         // adapter config keeps the configured value, as PEFT's does.
-        Some(l) if cfg.train.disable_dropout => {
+        Some(l) if cfg.dropout_disabled() => {
             let off = LoraConfig {
                 lora_dropout: 0.0,
                 ..l.clone()

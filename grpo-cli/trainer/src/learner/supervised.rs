@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{D, DType, Tensor};
-use grpo_core::preference::{DpoInputs, dpo_loss_with, sft_loss};
+use grpo_core::preference::{DpoInputs, dpo_loss_with, sft_loss_typed};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
@@ -358,7 +358,7 @@ impl Learner {
                 )?;
                 let masks: Vec<&[u8]> = part.iter().map(|r| r.mask.as_slice()).collect();
                 let mask = mask_tensor(&masks, c, lp.dtype(), lp.device())?;
-                sft_loss(&lp, &mask, Some(total_tokens))?
+                sft_loss_typed(&lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
             };
             let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             if !lv.is_finite() {
