@@ -187,7 +187,7 @@ fn resume_is_exact_for_sft_and_dpo() {
 fn conversations_train_on_assistant_turns_only() {
     let dir = fixture(Arch::Qwen2);
     let text = config_text(dir.path(), "chat", "sft", 2, "").replace("sft.jsonl", "chat.jsonl")
-        + "\n[sft]\nmax_length = 512\n";
+        + "\n[sft]\nmax_length = 512\nassistant_only_loss = true\n";
     let text = text.replace("[data]\n", "[data]\nprompt_field = \"messages\"\n");
     let p = dir.path().join("chat.toml");
     std::fs::write(&p, text).unwrap();
@@ -573,4 +573,52 @@ fn sft_dft_loss_and_per_algorithm_dropout_default() {
     }
     cfg.train.disable_dropout = Some(false);
     assert!(!cfg.dropout_disabled());
+}
+
+/// TRL's SFT defaults: a conversation trains on every token after the first
+/// (`assistant_only_loss = false`), a prompt/completion row on its completion unless
+/// `completion_only_loss = false`, which adds the prompt.
+#[test]
+fn sft_loss_masks_follow_trl_defaults() {
+    let dir = fixture(Arch::Qwen2);
+    let rows_of = |name: &str, data: &str, prompt_field: &str, extra: &str| {
+        let text = config_text(dir.path(), name, "sft", 2, "").replace("sft.jsonl", data)
+            + &format!("\n[sft]\nmax_length = 512\n{extra}");
+        let text = text.replace(
+            "[data]\n",
+            &format!("[data]\nprompt_field = \"{prompt_field}\"\n"),
+        );
+        let p = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+        let samples = first_rows(&s.train, 1);
+        let r = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap()[0].clone();
+        let text = s.tokenizer.decode(&r.completion, false).unwrap();
+        (r, text)
+    };
+    // A conversation: all of it after the first token.
+    let (r, text) = rows_of("conv_all", "chat.jsonl", "messages", "");
+    assert_eq!(r.prompt.len(), 1);
+    assert!(r.mask.iter().all(|&m| m == 1));
+    for part in ["hi there", "hello friend", "and then?", "goodbye now"] {
+        assert!(text.contains(part), "{part}: {text:?}");
+    }
+    // Prompt/completion: the completion alone by default, everything with the switch off.
+    let (only, _) = rows_of("pc_only", "sft.jsonl", "prompt", "");
+    assert!(only.prompt.len() > 1 && only.mask.iter().all(|&m| m == 1));
+    let (all, text) = rows_of(
+        "pc_all",
+        "sft.jsonl",
+        "prompt",
+        "completion_only_loss = false\n",
+    );
+    assert_eq!(all.prompt.len(), 1);
+    assert_eq!(
+        all.completion.len(),
+        only.prompt.len() - 1 + only.completion.len()
+    );
+    assert!(
+        text.contains("What is 0 + 1?") || text.contains("+ 1?"),
+        "{text:?}"
+    );
 }

@@ -152,6 +152,12 @@ pub struct SftSection {
     /// nll (default) | dft (TRL's names: dynamic fine-tuning weighs each token's NLL by its
     /// probability, as a constant).
     pub loss_type: SftLossType,
+    /// Conversations (no completion column) train on their assistant turns only (TRL's name);
+    /// default false, as TRL: every token after the first.
+    pub assistant_only_loss: bool,
+    /// Prompt/completion rows train on the completion only (TRL's name; absent = true, as
+    /// TRL); false trains on the prompt's tokens too.
+    pub completion_only_loss: Option<bool>,
 }
 
 impl Default for SftSection {
@@ -161,6 +167,8 @@ impl Default for SftSection {
             max_length: 1024,
             packing: false,
             loss_type: SftLossType::Nll,
+            assistant_only_loss: false,
+            completion_only_loss: None,
         }
     }
 }

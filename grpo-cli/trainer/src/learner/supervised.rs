@@ -123,6 +123,23 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             )
         })?,
     };
+    // TRL's defaults: a conversation trains on every token (`assistant_only_loss` keeps its
+    // assistant turns alone), a prompt/completion row on its completion
+    // (`completion_only_loss = false` adds the prompt). Trained on the whole sequence, the
+    // first token is the only "prompt" (it has no prediction).
+    let whole = match has_completion {
+        true => cfg.sft.completion_only_loss == Some(false),
+        false => !cfg.sft.assistant_only_loss,
+    };
+    let (prompt, completion, mask) = match whole {
+        true => {
+            let all: Vec<u32> = prompt.iter().chain(&completion).copied().collect();
+            let rest = all[1.min(all.len())..].to_vec();
+            let ones = vec![1u8; rest.len()];
+            (all[..1.min(all.len())].to_vec(), rest, ones)
+        }
+        false => (prompt, completion, mask),
+    };
     let mut completion = completion;
     let mut mask = mask;
     let room = max.saturating_sub(prompt.len()).max(1);
