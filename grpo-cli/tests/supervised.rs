@@ -622,3 +622,29 @@ fn sft_loss_masks_follow_trl_defaults() {
         "{text:?}"
     );
 }
+
+/// TRL's language-modelling rows: `data.prompt_field` naming `sft.dataset_text_field` ("text"
+/// by default), no completion column, every token trained; the run lowers its loss.
+#[test]
+fn sft_trains_language_modelling_text_rows() {
+    let dir = fixture(Arch::Qwen2);
+    let lines: String = (0..8)
+        .map(|i| format!("{{\"text\": \"the number {i} comes before {}\"}}\n", i + 1))
+        .collect();
+    std::fs::write(dir.path().join("text.jsonl"), lines).unwrap();
+    let text = config_text(dir.path(), "lm", "sft", 12, "")
+        .replace("sft.jsonl", "text.jsonl")
+        .replace("[data]\n", "[data]\nprompt_field = \"text\"\n");
+    let p = dir.path().join("lm.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let samples = first_rows(&s.train, 1);
+    let r = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap()[0].clone();
+    assert_eq!(r.prompt.len(), 1);
+    assert!(r.mask.iter().all(|&m| m == 1));
+    let decoded = s.tokenizer.decode(&r.completion, false).unwrap();
+    assert!(decoded.contains("comes before"), "{decoded:?}");
+    let res = run(s, &RunOptions::default());
+    let (first, last) = (res.metrics[0]["loss"], res.metrics.last().unwrap()["loss"]);
+    assert!(last < first, "{first} -> {last}");
+}

@@ -158,6 +158,10 @@ pub struct SftSection {
     /// Prompt/completion rows train on the completion only (TRL's name; absent = true, as
     /// TRL); false trains on the prompt's tokens too.
     pub completion_only_loss: Option<bool>,
+    /// TRL's language-modelling column: when `data.prompt_field` names it (e.g. both
+    /// `"text"`) and a row has no completion, the row's plain text (EOS appended) trains on
+    /// every token. Default `"text"`.
+    pub dataset_text_field: String,
 }
 
 impl Default for SftSection {
@@ -169,6 +173,7 @@ impl Default for SftSection {
             loss_type: SftLossType::Nll,
             assistant_only_loss: false,
             completion_only_loss: None,
+            dataset_text_field: "text".into(),
         }
     }
 }

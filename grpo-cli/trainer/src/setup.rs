@@ -153,10 +153,18 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
                 data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
             }
         }
-        Algorithm::Sft if !data.conversation_prompts() => data.require_column(
-            &cfg.sft.completion_field,
-            "SFT (`sft.completion_field`, or conversational prompts with assistant turns)",
-        )?,
+        // Language-modelling text (`data.prompt_field` = `sft.dataset_text_field`) needs no
+        // completion column; plain prompts otherwise do.
+        Algorithm::Sft
+            if !data.conversation_prompts()
+                && cfg.data.prompt_field != cfg.sft.dataset_text_field =>
+        {
+            data.require_column(
+                &cfg.sft.completion_field,
+                "SFT (`sft.completion_field`, conversational prompts with assistant turns, or \
+                 language-modelling text: `data.prompt_field` = `sft.dataset_text_field`)",
+            )?
+        }
         _ => {}
     }
     Ok(())

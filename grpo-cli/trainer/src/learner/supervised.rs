@@ -109,7 +109,27 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
     let has_completion = s
         .get(&cfg.sft.completion_field)
         .is_some_and(|v| !v.is_null());
+    let lm_text = match &s.prompt {
+        Prompt::Text(t)
+            if !has_completion && cfg.data.prompt_field == cfg.sft.dataset_text_field =>
+        {
+            Some(t)
+        }
+        _ => None,
+    };
     let (prompt, completion, mask) = match has_completion {
+        // Language-modelling text: every token after the first (TRL's `dataset_text_field`).
+        false if lm_text.is_some() => {
+            let ids = text_ids(tok, lm_text.map_or("", |t| t.as_str()))?;
+            if ids.len() < 2 {
+                bail!(
+                    "row {}: `{}` has fewer than two tokens",
+                    s.index,
+                    cfg.data.prompt_field
+                );
+            }
+            (ids[..1].to_vec(), ids[1..].to_vec(), vec![1; ids.len() - 1])
+        }
         true => {
             let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
             let completion = completion_ids(tok, s, &cfg.sft.completion_field)?;
