@@ -648,3 +648,37 @@ fn sft_trains_language_modelling_text_rows() {
     let (first, last) = (res.metrics[0]["loss"], res.metrics.last().unwrap()["loss"]);
     assert!(last < first, "{first} -> {last}");
 }
+
+/// TRL's `dpo.ld_alpha` (LD-DPO): α = 1 is plain DPO exactly; below 1 the tokens of the longer
+/// completion past the shorter one's length count less (the chosen " yes, gladly" is longer
+/// than the rejected " no", so its summed log-prob rises toward 0); outside [0, 1] it is refused.
+#[test]
+fn dpo_ld_alpha_discounts_the_longer_completions_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let go = |name: &str, extra: &str| {
+        run(
+            setup(
+                dir.path(),
+                name,
+                "dpo",
+                3,
+                &format!("[dpo]\nbeta = 0.5\n{extra}"),
+            ),
+            &RunOptions::default(),
+        )
+    };
+    let plain = go("plain", "");
+    let one = go("one", "ld_alpha = 1.0");
+    let half = go("half", "ld_alpha = 0.5");
+    for (a, b) in plain.metrics.iter().zip(&one.metrics) {
+        assert_eq!(a["loss"], b["loss"]);
+        assert_eq!(a["logps/chosen"], b["logps/chosen"]);
+    }
+    let (p0, h0) = (&plain.metrics[0], &half.metrics[0]);
+    assert!(h0["logps/chosen"] > p0["logps/chosen"], "{p0:?} {h0:?}");
+    assert_eq!(h0["logps/rejected"], p0["logps/rejected"]);
+    let text = config_text(dir.path(), "bad", "dpo", 2, "") + "[dpo]\nld_alpha = 1.5\n";
+    std::fs::write(dir.path().join("bad.toml"), text).unwrap();
+    let e = grpo_trainer::config::load(&dir.path().join("bad.toml"), &[]).unwrap_err();
+    assert!(format!("{e:#}").contains("`dpo.ld_alpha`"), "{e:#}");
+}

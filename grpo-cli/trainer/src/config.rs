@@ -199,6 +199,9 @@ pub struct DpoSection {
     pub f_alpha_divergence_coef: f64,
     /// DiscoPOP's τ (default 0.05).
     pub discopop_tau: f64,
+    /// LD-DPO's α in [0, 1] (TRL's `ld_alpha`): each pair's tokens past the shorter
+    /// completion's length count α in the summed log-probs; absent = 1 (plain DPO).
+    pub ld_alpha: Option<f64>,
     /// The preferred completion's column.
     pub chosen_field: String,
     /// The dispreferred completion's column.
@@ -260,6 +263,7 @@ impl Default for DpoSection {
             f_divergence_type: FDivergence::ReverseKl,
             f_alpha_divergence_coef: 0.5,
             discopop_tau: 0.05,
+            ld_alpha: None,
             chosen_field: "chosen".into(),
             rejected_field: "rejected".into(),
             max_length: 1024,
@@ -1196,6 +1200,11 @@ impl TrainConfig {
             d.dpo_config()
                 .validate()
                 .map_err(|e| format!("`dpo`: {e}"))?;
+            if let Some(a) = d.ld_alpha
+                && !(0.0..=1.0).contains(&a)
+            {
+                return Err(format!("`dpo.ld_alpha` must be in [0, 1], got {a}"));
+            }
         }
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)

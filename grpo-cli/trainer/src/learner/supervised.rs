@@ -279,9 +279,29 @@ impl Learner {
             1.0,
             false,
         )?;
-        let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
-        let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
-        let mask = mask_tensor(&refs, c, lp.dtype(), lp.device())?;
+        let mask = match self.cfg.dpo.ld_alpha {
+            // LD-DPO (TRL's `ld_alpha`): the completions are a batch's chosen then its rejected
+            // ones; each pair's tokens past the shorter one's length count α.
+            Some(alpha) if self.cfg.algorithm == Algorithm::Dpo => {
+                let k = completions.len() / 2;
+                let mut w = Vec::with_capacity(completions.len() * c);
+                for (i, x) in completions.iter().enumerate() {
+                    let other = completions[if i < k { i + k } else { i - k }].len();
+                    let shared = x.len().min(other);
+                    w.extend((0..c).map(|j| match j {
+                        j if j < shared => 1.0,
+                        j if j < x.len() => alpha,
+                        _ => 0.0,
+                    }));
+                }
+                Tensor::from_vec(w, (completions.len(), c), lp.device())?.to_dtype(lp.dtype())?
+            }
+            _ => {
+                let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
+                let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
+                mask_tensor(&refs, c, lp.dtype(), lp.device())?
+            }
+        };
         Ok((lp * mask)?.sum(D::Minus1)?)
     }
 
