@@ -73,7 +73,9 @@ impl Learner {
                 for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
                     w.push(match &old[ci] {
                         Some(old_lp) => {
-                            let (w, parts) = self.importance_weights(s, &batch, a, b, old_lp)?;
+                            let sampled = self.sampled_logps(s, a, b, old_lp)?;
+                            let mask = batch.mask(a, b, old_lp.dim(1)?, &self.device)?;
+                            let (w, parts) = self.importance_weights(old_lp, sampled, mask)?;
                             off_policy.add(&parts)?;
                             Some(w)
                         }
@@ -166,20 +168,16 @@ impl Learner {
             .where_cond(&sampled, old_lp)?)
     }
 
-    /// TRL's importance weights of micro-batch `[a, b)`: the ratio of the learner's old
-    /// log-probs to the log-probs the tokens were sampled with; also what the off-policy
-    /// metrics read. Formed on the device without waiting for it.
+    /// TRL's importance weights of a micro-batch: the ratio of the learner's old log-probs to
+    /// the log-probs the tokens were `sampled` with ([`Self::sampled_logps`]), over its loss
+    /// `mask`; also what the off-policy metrics read. Formed on the device without waiting
+    /// for it.
     fn importance_weights(
         &self,
-        s: &Scored,
-        batch: &StepBatch<'_>,
-        a: usize,
-        b: usize,
         old_lp: &Tensor,
+        sampled: Tensor,
+        mask: Tensor,
     ) -> Result<(Tensor, OffPolicyParts)> {
-        let c = old_lp.dim(1)?;
-        let sampled = self.sampled_logps(s, a, b, old_lp)?;
-        let mask = batch.mask(a, b, c, &self.device)?;
         let l = &self.cfg.loss;
         let w = grpo_core::loss::importance_weights(
             old_lp,
@@ -219,6 +217,7 @@ impl Learner {
         // The entropy bonus: TRL applies the coefficient of the last optimizer update, with
         // adaptive control only while the entropy it measured is at or below the target.
         let bonus_on = l.entropy_coef != 0.0 || l.use_adaptive_entropy;
+        let wants_entropies = bonus_on || l.top_entropy_quantile < 1.0;
         let coef = self.state.entropy_coef.unwrap_or(l.entropy_coef);
         loss_cfg.entropy_coef = match l.use_adaptive_entropy {
             true if self
@@ -253,9 +252,21 @@ impl Learner {
             let (a, b) = batch.chunks[ci];
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
             let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
-            let in_pass = match weights {
-                Weights::InPass => {
-                    let (w, part) = self.importance_weights(s, batch, a, b, &lp.detach())?;
+            let mask = batch.mask(a, b, width, &self.device)?;
+            // The sampling log-probs, built once for the in-pass weights and the off-policy
+            // mask (with one update per step the old log-probs are this pass's own).
+            let in_pass_weights = matches!(weights, Weights::InPass);
+            let old_lp = match &old[ci] {
+                Some(o) => o.clone(),
+                None => lp.detach(),
+            };
+            let sampled = match in_pass_weights || opsm_sampled {
+                true => Some(self.sampled_logps(s, a, b, &old_lp)?),
+                false => None,
+            };
+            let in_pass = match (&sampled, in_pass_weights) {
+                (Some(sp), true) => {
+                    let (w, part) = self.importance_weights(&old_lp, sp.clone(), mask.clone())?;
                     parts.push(part);
                     Some(w)
                 }
@@ -265,18 +276,7 @@ impl Learner {
                 Weights::Given(w) => w[ci].as_ref(),
                 _ => in_pass.as_ref(),
             };
-            let mask = batch.mask(a, b, width, &self.device)?;
             let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
-            let sampling = match opsm_sampled {
-                true => {
-                    let old_lp = match &old[ci] {
-                        Some(o) => o.clone(),
-                        None => lp.detach(),
-                    };
-                    Some(self.sampled_logps(s, a, b, &old_lp)?)
-                }
-                false => None,
-            };
             let out = policy_loss_on_device(
                 &LossInputs {
                     per_token_logps: &lp,
@@ -288,8 +288,9 @@ impl Learner {
                     // steps_per_generation, the tokens of one update on average.
                     num_items_in_batch: Some(batch.total_tokens as f64 / updates as f64),
                     importance_weights: is_weights,
-                    sampling_per_token_logps: sampling.as_ref(),
-                    entropies: ent.as_ref(),
+                    sampling_per_token_logps: sampled.as_ref().filter(|_| opsm_sampled),
+                    // Only the entropy options read them (the metric takes `ent` below).
+                    entropies: ent.as_ref().filter(|_| wants_entropies),
                 },
                 &loss_cfg,
             )?;
