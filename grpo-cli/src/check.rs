@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
+use grpo_core::selfcheck::{randn, rel_diff, rel_diff_all, worse};
 use grpo_rollout::fused;
 use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_rollout::policy::TrainableModel;
@@ -273,23 +274,8 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(d.into_iter().fold(0.0, worse))
 }
 
-/// The larger of two differences; NaN when either is (`f64::max` would drop a NaN).
-fn worse(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else {
-        a.max(b)
-    }
-}
-
 fn max_abs(a: &Tensor) -> Result<f64> {
     max_diff(a, &a.zeros_like()?)
-}
-
-fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-    Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
-        .to_dtype(dtype)?
-        .to_device(device)?)
 }
 
 type OpFn<'a> = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor> + 'a>;
@@ -410,11 +396,7 @@ fn op_checks(
             let res = run(&inputs, Some(&r));
             grpo_core::fused::set_force_recompute(false);
             let (y1, g1, _) = res?;
-            let mut worst = max_diff(&y0, &y1)? / max_abs(&y0)?.max(1.0);
-            for (a, b) in g0.iter().zip(&g1) {
-                worst = worse(worst, max_diff(a, b)? / max_abs(a)?.max(1.0));
-            }
-            Ok(worst)
+            Ok(worse(rel_diff(&y0, &y1)?, rel_diff_all(&g0, &g1)?))
         })();
         out.push((name, r));
     }
