@@ -570,6 +570,14 @@ fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `pos` where `pred` holds, else `neg`, in the shape and dtype of `like`.
+fn by_sign(pred: &Tensor, like: &Tensor, pos: f64, neg: f64) -> Result<Tensor> {
+    pred.where_cond(
+        &like.ones_like()?.affine(pos, 0.0)?,
+        &like.ones_like()?.affine(neg, 0.0)?,
+    )
+}
+
 /// `1 / (1 + e^(−x))`.
 fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
@@ -675,14 +683,9 @@ fn gamma_weights(
     let log_w = seq.clamp(lower, 20.0)?;
     let w = log_w.exp()?;
     let nonneg = adv.ge(0.0)?;
-    let pick = |pos: f64, neg: f64| -> Result<Tensor> {
-        nonneg.where_cond(
-            &adv.ones_like()?.affine(pos, 0.0)?,
-            &adv.ones_like()?.affine(neg, 0.0)?,
-        )
-    };
-    let k = pick(cfg.vespo_k_pos, cfg.vespo_k_neg)?;
-    let lambda = pick(cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)?.maximum(1e-4)?;
+    let k = by_sign(&nonneg, adv, cfg.vespo_k_pos, cfg.vespo_k_neg)?;
+    let lambda =
+        by_sign(&nonneg, adv, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)?.maximum(1e-4)?;
     let log_phi = ((&lambda + (k * &log_w)?)? - (&lambda * &w)?)?;
     let phi = log_phi.exp()?;
     // nan_to_num(nan=0, posinf=0, neginf=0): finite values pass, the rest become 0.
@@ -819,10 +822,11 @@ pub fn policy_loss_on_device(
             w.broadcast_mul(&adv)?.broadcast_mul(logp)?.neg()?
         }
         LossType::Sapo => {
-            let pos = adv.gt(0.0)?;
-            let tau = pos.where_cond(
-                &adv.ones_like()?.affine(cfg.sapo_temperature_pos, 0.0)?,
-                &adv.ones_like()?.affine(cfg.sapo_temperature_neg, 0.0)?,
+            let tau = by_sign(
+                &adv.gt(0.0)?,
+                &adv,
+                cfg.sapo_temperature_pos,
+                cfg.sapo_temperature_neg,
             )?;
             let gate = (&coef_1 - 1.0)?.broadcast_mul(&tau)?;
             let soft = sigmoid(&gate)?.affine(4.0, 0.0)?.broadcast_div(&tau)?;
