@@ -128,7 +128,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
                     cfg.data.prompt_field
                 );
             }
-            (ids[..1].to_vec(), ids[1..].to_vec(), vec![1; ids.len() - 1])
+            (ids, Vec::new(), Vec::new())
         }
         true => {
             let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
@@ -149,7 +149,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
     // first token is the only "prompt" (it has no prediction).
     let whole = match has_completion {
         true => cfg.sft.completion_only_loss == Some(false),
-        false => !cfg.sft.assistant_only_loss,
+        false => lm_text.is_some() || !cfg.sft.assistant_only_loss,
     };
     let (prompt, completion, mask) = match whole {
         true => {
