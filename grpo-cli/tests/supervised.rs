@@ -383,39 +383,135 @@ fn sft_eval_split_and_packing() {
     // The model learns, so the held-out loss falls too.
     assert!(evals[1]["eval/loss"].as_f64() < evals[0]["eval/loss"].as_f64());
 
-    // Packing: rows concatenated and cut into max_length sequences, the loss still only on
-    // completion tokens.
-    let text = config_text(dir.path(), "packed", "sft", 2, "")
-        + "[sft]\npacking = true\nmax_length = 16\n";
-    let p = dir.path().join("packed.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
-    let samples = first_rows(&s.train, 4);
-    let mut unpacked_cfg = s.cfg.clone();
-    unpacked_cfg.sft.packing = false;
-    let plain = trainer::supervised::rows(&unpacked_cfg, &s.tokenizer, &samples).unwrap();
-    let packed = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
-    let total: usize = plain
+    // Packing (TRL's strategies) is tested in `sft_packing_strategies`.
+}
+
+fn loss_tokens(rows: &[trainer::supervised::Row]) -> usize {
+    rows.iter()
+        .map(|r| r.mask.iter().filter(|&&m| m == 1).count())
+        .sum()
+}
+
+fn tokens(rows: &[trainer::supervised::Row]) -> usize {
+    rows.iter()
+        .map(|r| r.prompt.len() + r.completion.len())
+        .sum()
+}
+
+#[test]
+fn sft_packing_strategies() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = setup(dir.path(), "plain", "sft", 3, "");
+    let samples = first_rows(&s.train, 8);
+    let plain = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let longest = plain
         .iter()
         .map(|r| r.prompt.len() + r.completion.len())
-        .sum();
-    assert_eq!(packed.len(), total.div_ceil(16));
-    assert!(
-        packed
-            .iter()
-            .all(|r| r.prompt.len() + r.completion.len() <= 16)
-    );
-    let loss_tokens = |rows: &[trainer::supervised::Row]| -> usize {
-        rows.iter()
-            .map(|r| r.mask.iter().filter(|&&m| m == 1).count())
-            .sum()
+        .max()
+        .unwrap();
+    let with = |strategy: &str, max: usize| {
+        let mut c = s.cfg.clone();
+        c.sft.packing = true;
+        c.sft.max_length = max;
+        c.sft.packing_strategy = toml::from_str::<toml::Value>(&format!("v = \"{strategy}\""))
+            .unwrap()["v"]
+            .clone()
+            .try_into()
+            .unwrap();
+        trainer::supervised::rows(&c, &s.tokenizer, &samples).unwrap()
     };
-    // Every completion token keeps its loss, except one that lands first in a packed
-    // sequence (the first token of a sequence has no prediction).
-    let lost = loss_tokens(&plain) - loss_tokens(&packed);
-    assert!(lost < packed.len(), "{lost}");
-    let r = run(s, &RunOptions::default());
-    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
+    // bfd: whole rows, fewer sequences, every loss token kept (a completion never starts a row).
+    let bfd = with("bfd", 2 * longest);
+    assert!(bfd.len() < plain.len() && bfd.len() >= plain.len().div_ceil(2));
+    for r in &bfd {
+        let n = r.prompt.len() + r.completion.len();
+        assert!(
+            n <= 2 * longest && r.segments.iter().sum::<usize>() == n,
+            "{r:?}"
+        );
+    }
+    assert_eq!(tokens(&bfd), tokens(&plain));
+    assert_eq!(loss_tokens(&bfd), loss_tokens(&plain));
+    // bfd_split: rows of 4, no token lost; bfd cuts each row at 4 instead.
+    let split = with("bfd_split", 4);
+    assert_eq!(tokens(&split), tokens(&plain));
+    assert!(split.iter().all(|r| r.segments.iter().sum::<usize>() <= 4));
+    let cut = with("bfd", 4);
+    assert_eq!(tokens(&cut), 4 * plain.len());
+    // wrapped: end to end, full rows but the last, one sequence each.
+    let wrapped = with("wrapped", 16);
+    assert_eq!(wrapped.len(), tokens(&plain).div_ceil(16));
+    assert!(wrapped.iter().all(|r| r.segments.is_empty()));
+    assert_eq!(tokens(&wrapped), tokens(&plain));
+    // A completion token that lands first in a wrapped row has no prediction: its loss goes.
+    let lost = loss_tokens(&plain) - loss_tokens(&wrapped);
+    assert!(lost < wrapped.len(), "{lost}");
+
+    // Training: bfd packs rows that attend only to themselves, on their own positions, so a
+    // step's loss and update are the unpacked step's (up to float rounding), in fewer rows.
+    let plain_run = run(s, &RunOptions::default());
+    let packed = setup(
+        dir.path(),
+        "bfd",
+        "sft",
+        3,
+        &format!("[sft]\npacking = true\nmax_length = {}\n", 2 * longest),
+    );
+    assert_eq!(
+        packed.cfg.sft.packing_strategy,
+        config::PackingStrategy::Bfd
+    );
+    let packed_run = run(packed, &RunOptions::default());
+    for (a, b) in plain_run.metrics.iter().zip(&packed_run.metrics) {
+        for k in ["loss", "grad_norm", "num_tokens"] {
+            let (x, y) = (a[k], b[k]);
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs(),
+                "{k}: unpacked {x}, bfd {y}"
+            );
+        }
+    }
+    // eval_packing packs the eval split alone: the same eval loss.
+    let eval_extra =
+        |packed: bool| format!("eval_steps = 1\n[sft]\neval_packing = {packed}\nmax_length = 64\n");
+    let eval_loss = |name: &str, packed: bool| {
+        let text = config_text(dir.path(), name, "sft", 1, &eval_extra(packed))
+            .replace("[data]\n", "[data]\neval_fraction = 0.25\n");
+        let p = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        run(
+            trainer::setup(config::load(&p, &[]).unwrap()).unwrap(),
+            &RunOptions::default(),
+        );
+        let log = std::fs::read_to_string(dir.path().join(name).join("metrics.jsonl")).unwrap();
+        log.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find_map(|v| v.get("eval/loss").and_then(serde_json::Value::as_f64))
+            .unwrap()
+    };
+    let (a, b) = (
+        eval_loss("eval_plain", false),
+        eval_loss("eval_packed", true),
+    );
+    assert!(
+        (a - b).abs() <= 1e-5 * a,
+        "eval loss unpacked {a}, packed {b}"
+    );
+    // A strategy TRL does not have is refused, naming the choices.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        config_text(
+            dir.path(),
+            "bad",
+            "sft",
+            1,
+            "[sft]\npacking_strategy = \"ffd\"\n",
+        ),
+    )
+    .unwrap();
+    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    assert!(e.contains("ffd") && e.contains("bfd_split"), "{e}");
 }
 
 #[test]

@@ -10,6 +10,8 @@
 //! - [`SampleStream`] walks it in epochs with a seeded block shuffle, in batches of prompts;
 //!   its [`Position`] (serde) goes into a checkpoint and [`SampleStream::resume`] continues
 //!   with exactly the next sample. Memory is one shuffle window, never the whole file.
+//! - [`packing::pack`] packs token sequences into fixed-length rows as TRL's `pack_dataset` does
+//!   (best-fit decreasing, or wrapped).
 //! - [`synth::ArithmeticConfig`] makes the built-in `arithmetic` data; [`write_batches`]
 //!   writes any format.
 //!
@@ -52,6 +54,7 @@ mod convert;
 mod dataset;
 mod error;
 mod format;
+pub mod packing;
 pub mod rng;
 mod sample;
 mod stream;

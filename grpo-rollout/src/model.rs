@@ -1436,11 +1436,35 @@ impl Transformer {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        self.logprobs_with(
+            input_ids,
+            &positions,
+            &bias,
+            logits_to_keep,
+            temperature,
+            with_entropy,
+        )
+    }
+
+    /// [`Self::completion_logprobs`] with the position ids `(B, L)` and the additive attention
+    /// bias `(B, 1, L, L)` given, e.g. [`packed_positions_and_bias`] for rows that hold several
+    /// sequences: the log-prob of each of the last `logits_to_keep` tokens of each row given
+    /// the positions before it that the bias lets it see.
+    pub fn logprobs_with(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        bias: &Tensor,
+        logits_to_keep: usize,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (b, l) = input_ids.dims2()?;
         if logits_to_keep == 0 || logits_to_keep >= l {
             bail!("logits_to_keep must be in 1..{l} (the sequence length), got {logits_to_keep}");
         }
-        let hidden = self.forward_padded(input_ids, attention_mask)?;
+        let hidden = self.forward_hidden(input_ids, positions, bias, None)?;
         let t = logits_to_keep;
         let h = hidden
             .narrow(1, l - t - 1, t)?
@@ -1635,6 +1659,44 @@ pub fn padded_positions_and_bias(
         .broadcast_add(&padding)?
         .clamp(0.0, 1.0)?
         .affine(mask_value(DType::F32), 0.0)?;
+    Ok((pos, bias))
+}
+
+/// Position ids and the additive attention bias `(B, 1, L, L)` for rows that each hold several
+/// sequences end to end (packed rows, TRL's padding-free batches): `seq_lengths[r]` are row
+/// `r`'s sequence lengths in order; each sequence counts its positions from 0 and attends only
+/// to its own earlier tokens, so it gets what it would get alone. Positions past a row's
+/// sequences (right padding up to `l`) are one more sequence, whose outputs nothing reads.
+pub fn packed_positions_and_bias(
+    seq_lengths: &[Vec<usize>],
+    l: usize,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let b = seq_lengths.len();
+    let (mut pos, mut seg) = (Vec::with_capacity(b * l), Vec::with_capacity(b * l));
+    for (r, lens) in seq_lengths.iter().enumerate() {
+        let used: usize = lens.iter().sum();
+        if used > l || lens.contains(&0) {
+            bail!("packed row {r}: sequences of {lens:?} tokens in a row of {l}");
+        }
+        for (k, &n) in lens.iter().enumerate() {
+            pos.extend(0..n as u32);
+            seg.extend(std::iter::repeat_n(k as f32, n));
+        }
+        pos.extend(0..(l - used) as u32);
+        seg.extend(std::iter::repeat_n(lens.len() as f32, l - used));
+    }
+    let pos = Tensor::from_vec(pos, (b, l), device)?;
+    let seg = Tensor::from_vec(seg, (b, l), device)?;
+    let other = seg
+        .reshape((b, l, 1))?
+        .broadcast_ne(&seg.reshape((b, 1, l))?)?
+        .to_dtype(DType::F32)?;
+    let bias = other
+        .broadcast_add(&causal_blocked(l, device)?.reshape((1, l, l))?)?
+        .clamp(0.0, 1.0)?
+        .affine(mask_value(DType::F32), 0.0)?
+        .reshape((b, 1, l, l))?;
     Ok((pos, bias))
 }
 

@@ -865,6 +865,122 @@ fn shared_prompts_equal_rows_run_alone_with_gradients() {
     assert!(e.contains("1 prompt indices"), "{e}");
 }
 
+/// Rows that hold several sequences end to end (packed SFT rows) give each sequence what it
+/// gets alone, log-probs and gradients: positions restart and attention stays inside it.
+#[test]
+fn packed_rows_equal_their_sequences_alone_with_gradients() {
+    use grpo_rollout::model::packed_positions_and_bias;
+    let dev = Device::Cpu;
+    let seqs: Vec<Vec<u32>> = vec![
+        vec![5, 9, 2, 33, 7],
+        vec![8, 3],
+        vec![17, 6, 50, 4],
+        vec![12, 40, 3, 9, 9, 27],
+        vec![31, 2, 14],
+    ];
+    // Two packed rows of 10 (the second right-padded): [0, 1, 4] and [3, 2].
+    let rows: Vec<Vec<usize>> = vec![vec![0, 1, 4], vec![3, 2]];
+    let l = 10;
+    let w = |s: usize, j: usize| ((s * 13 + j * 7) % 9) as f64 / 4.0 - 1.0;
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
+        for arch in [Arch::Llama, Arch::Qwen3] {
+            let base = model(arch, dtype, arch == Arch::Qwen3);
+            let tm = TrainableModel::full(&base).unwrap();
+            let m = &tm.model;
+            let mut alone = Tensor::zeros((), dtype, &dev).unwrap();
+            let mut alone_lp = Vec::new();
+            for (s, ids) in seqs.iter().enumerate() {
+                let n = ids.len();
+                let t = Tensor::from_vec(ids.clone(), (1, n), &dev).unwrap();
+                let mask = Tensor::ones((1, n), DType::U32, &dev).unwrap();
+                let (lp, _) = m.completion_logprobs(&t, &mask, n - 1, 1.0, false).unwrap();
+                let wv: Vec<f64> = (1..n).map(|j| w(s, j)).collect();
+                let wt = Tensor::from_vec(wv, (1, n - 1), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                alone = (alone + (&lp * &wt).unwrap().sum_all().unwrap()).unwrap();
+                alone_lp.push(
+                    lp.to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap(),
+                );
+            }
+            let (mut ids, mut wv, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+            for r in &rows {
+                let mut row: Vec<u32> = r.iter().flat_map(|&s| seqs[s].clone()).collect();
+                let mut rw = Vec::new();
+                for &s in r {
+                    // Token j of a sequence is predicted from j - 1; its first token is not.
+                    rw.push(0.0);
+                    rw.extend((1..seqs[s].len()).map(|j| w(s, j)));
+                }
+                lens.push(r.iter().map(|&s| seqs[s].len()).collect::<Vec<_>>());
+                row.resize(l, 0);
+                rw.resize(l, 0.0);
+                ids.extend(row);
+                wv.extend(rw[1..].iter().copied());
+            }
+            let ids = Tensor::from_vec(ids, (rows.len(), l), &dev).unwrap();
+            let (pos, bias) = packed_positions_and_bias(&lens, l, &dev).unwrap();
+            let (lp, _) = m
+                .logprobs_with(&ids, &pos, &bias, l - 1, 1.0, false)
+                .unwrap();
+            let lpv: Vec<Vec<f64>> = lp.to_dtype(DType::F64).unwrap().to_vec2().unwrap();
+            for (r, row) in rows.iter().enumerate() {
+                let mut at = 0;
+                for &s in row {
+                    for j in 1..seqs[s].len() {
+                        let (a, p) = (alone_lp[s][j - 1], lpv[r][at + j - 1]);
+                        assert!(
+                            (a - p).abs() < tol,
+                            "{arch:?} {dtype:?} seq {s} token {j}: alone {a}, packed {p}"
+                        );
+                    }
+                    at += seqs[s].len();
+                }
+            }
+            let wt = Tensor::from_vec(wv, (rows.len(), l - 1), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let packed = (&lp * &wt).unwrap().sum_all().unwrap();
+            let ga = alone.backward().unwrap();
+            let gp = packed.backward().unwrap();
+            for (name, v) in &tm.vars {
+                let f = |g: &candle_core::backprop::GradStore| -> Vec<f64> {
+                    g.get(v.as_tensor())
+                        .unwrap()
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap()
+                };
+                let (a, p) = (f(&ga), f(&gp));
+                let scale = a.iter().fold(0f64, |m, x| m.max(x.abs()));
+                let err = a
+                    .iter()
+                    .zip(&p)
+                    .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+                assert!(
+                    scale > 0.0 && err < 50.0 * tol * scale.max(1.0),
+                    "{arch:?} {dtype:?} `{name}`: gradient differs by {err} (scale {scale})"
+                );
+            }
+        }
+    }
+    // A row's sequences must fit it.
+    let e = packed_positions_and_bias(&[vec![4, 7]], 10, &dev)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("packed row 0") && e.contains("row of 10"), "{e}");
+}
+
 /// Merging LoRA into a decoding copy (which keeps transposed weights for few-row products)
 /// gives the adapted model's outputs: no transpose of an old weight survives the merge.
 #[test]

@@ -146,9 +146,16 @@ pub struct SftSection {
     pub completion_field: String,
     /// Most prompt + completion tokens of a row (the completion's end is cut). Default 1024.
     pub max_length: usize,
-    /// Concatenate rows (each ended by EOS) into sequences of `max_length` tokens, the loss on
-    /// every completion token (TRL's wrapped packing: a row may attend to the one before it).
+    /// Pack a step's rows into sequences of `max_length` tokens (TRL's `packing`), as
+    /// `packing_strategy` says.
     pub packing: bool,
+    /// bfd (default, TRL's): best-fit decreasing, each row kept whole (cut at `max_length`),
+    /// its positions restarting at 0 and its attention kept inside it | bfd_split: rows longer
+    /// than `max_length` cut into pieces that are packed too | wrapped: rows end to end, cut
+    /// every `max_length` tokens (a row attends to the one before it).
+    pub packing_strategy: PackingStrategy,
+    /// Pack the eval split (TRL's name; absent = as `packing`).
+    pub eval_packing: Option<bool>,
     /// nll (default) | dft (TRL's names: dynamic fine-tuning weighs each token's NLL by its
     /// probability, as a constant).
     pub loss_type: SftLossType,
@@ -170,10 +177,38 @@ impl Default for SftSection {
             completion_field: "completion".into(),
             max_length: 1024,
             packing: false,
+            packing_strategy: PackingStrategy::Bfd,
+            eval_packing: None,
             loss_type: SftLossType::Nll,
             assistant_only_loss: false,
             completion_only_loss: None,
             dataset_text_field: "text".into(),
+        }
+    }
+}
+
+/// `[sft] packing_strategy`: TRL's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PackingStrategy {
+    /// Best-fit decreasing, rows whole (cut at `max_length`), attention inside each row.
+    #[default]
+    Bfd,
+    /// Best-fit decreasing, long rows cut into pieces that are packed too (TRL's former name
+    /// `bfd-requeue` is read too).
+    #[serde(alias = "bfd-requeue")]
+    BfdSplit,
+    /// End to end, cut every `max_length` tokens.
+    Wrapped,
+}
+
+impl PackingStrategy {
+    /// The data crate's strategy.
+    pub fn strategy(self) -> grpo_data::packing::Strategy {
+        match self {
+            Self::Bfd => grpo_data::packing::Strategy::Bfd,
+            Self::BfdSplit => grpo_data::packing::Strategy::BfdSplit,
+            Self::Wrapped => grpo_data::packing::Strategy::Wrapped,
         }
     }
 }

@@ -19,7 +19,7 @@ use grpo_data::{Prompt, Sample};
 use super::Learner;
 use super::batch::completion_logps;
 use crate::callbacks::{Callbacks, Metrics};
-use crate::config::Algorithm;
+use crate::config::{Algorithm, PackingStrategy};
 use crate::optim::{accumulate, clip_grad_norm};
 use crate::pipeline::{RunOptions, TrainingResult};
 use crate::setup::Setup;
@@ -40,43 +40,95 @@ pub struct Row {
     pub mask: Vec<u8>,
     /// DPO: the rejected completion.
     pub rejected: Vec<u32>,
+    /// A packed SFT row (`bfd`, `bfd_split`): the lengths of the sequences it holds end to
+    /// end (prompt + completion together); each restarts its positions and attends only to
+    /// itself. Empty: one sequence.
+    pub segments: Vec<usize>,
 }
 
-/// Tokenises a batch of samples for the run's algorithm (with `sft.packing`, the rows are
-/// concatenated and cut into `sft.max_length`-token sequences).
+/// Tokenises a batch of samples for the run's algorithm; SFT rows are packed into
+/// `sft.max_length`-token sequences with `sft.packing` (see [`rows_packed`]).
 pub fn rows(
     cfg: &crate::config::TrainConfig,
     tok: &grpo_rollout::Tokenizer,
     samples: &[Sample],
 ) -> Result<Vec<Row>> {
+    rows_packed(cfg, tok, samples, cfg.sft.packing)
+}
+
+/// [`rows`], packing SFT rows when `packing` (as TRL packs a dataset: `sft.packing_strategy`
+/// over this batch's rows, `grpo_data::packing`; the rows are cut at `sft.max_length` only as
+/// the strategy says). A `bfd` or `bfd_split` sequence's first token carries no loss (it would
+/// be predicted from the sequence before it), as in TRL's padding-free batches.
+pub fn rows_packed(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    samples: &[Sample],
+    packing: bool,
+) -> Result<Vec<Row>> {
     let rows = samples
         .iter()
         .map(|s| row(cfg, tok, s))
         .collect::<Result<Vec<_>>>()?;
-    if cfg.algorithm != Algorithm::Sft || !cfg.sft.packing {
-        return Ok(rows);
+    let sft = cfg.algorithm == Algorithm::Sft;
+    if !sft || !packing {
+        let max = if sft {
+            cfg.sft.max_length
+        } else {
+            cfg.dpo.max_length
+        };
+        return Ok(rows.into_iter().map(|r| truncated(r, max)).collect());
     }
-    let (mut ids, mut mask) = (Vec::new(), Vec::new());
-    for r in &rows {
-        ids.extend_from_slice(&r.prompt);
-        mask.extend(std::iter::repeat_n(0u8, r.prompt.len()));
-        ids.extend_from_slice(&r.completion);
-        mask.extend_from_slice(&r.mask);
-    }
-    let len = cfg.sft.max_length;
-    Ok(ids
-        .chunks(len)
-        .zip(mask.chunks(len))
-        .filter(|(c, _)| c.len() >= 2)
-        .map(|(c, m)| Row {
-            index: rows.first().map_or(0, |r| r.index),
-            // The first token has no prediction: it is the "prompt" of the packed sequence.
-            prompt: c[..1].to_vec(),
-            completion: c[1..].to_vec(),
-            mask: m[1..].to_vec(),
-            rejected: Vec::new(),
+    // Each row as one sequence: its ids and, per token, whether that token is trained.
+    let seqs: Vec<(Vec<u32>, Vec<u8>)> = rows
+        .iter()
+        .map(|r| {
+            let ids = r.prompt.iter().chain(&r.completion).copied().collect();
+            let labels = std::iter::repeat_n(0u8, r.prompt.len())
+                .chain(r.mask.iter().copied())
+                .collect();
+            (ids, labels)
+        })
+        .collect();
+    let lengths: Vec<usize> = seqs.iter().map(|(ids, _)| ids.len()).collect();
+    let strategy = cfg.sft.packing_strategy;
+    let separate = strategy != PackingStrategy::Wrapped;
+    let packed = grpo_data::packing::pack(&lengths, cfg.sft.max_length, strategy.strategy());
+    Ok(packed
+        .iter()
+        .filter_map(|pieces| {
+            let (mut ids, mut labels, mut segments) = (Vec::new(), Vec::new(), Vec::new());
+            for p in pieces {
+                let (i, l) = &seqs[p.seq];
+                ids.extend_from_slice(&i[p.start..p.start + p.len]);
+                let at = labels.len();
+                labels.extend_from_slice(&l[p.start..p.start + p.len]);
+                if separate {
+                    labels[at] = 0;
+                    segments.push(p.len);
+                }
+            }
+            // The first token has no prediction: it is the "prompt" of the packed row.
+            (ids.len() >= 2).then(|| Row {
+                index: rows[pieces[0].seq].index,
+                prompt: ids[..1].to_vec(),
+                completion: ids[1..].to_vec(),
+                mask: labels[1..].to_vec(),
+                rejected: Vec::new(),
+                segments,
+            })
         })
         .collect())
+}
+
+/// A row cut to `max` prompt + completion tokens (the completion's end; at least one
+/// completion token stays).
+fn truncated(mut r: Row, max: usize) -> Row {
+    let room = max.saturating_sub(r.prompt.len()).max(1);
+    r.completion.truncate(room);
+    r.mask.truncate(room);
+    r.rejected.truncate(room);
+    r
 }
 
 fn text_ids(tok: &grpo_rollout::Tokenizer, text: &str) -> Result<Vec<u32>> {
@@ -92,20 +144,17 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
     if cfg.algorithm == Algorithm::Dpo {
         let d = &cfg.dpo;
         let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
-        let mut chosen = completion_ids(tok, s, &d.chosen_field)?;
-        let mut rejected = completion_ids(tok, s, &d.rejected_field)?;
-        let room = d.max_length.saturating_sub(prompt.len()).max(1);
-        chosen.truncate(room);
-        rejected.truncate(room);
+        let chosen = completion_ids(tok, s, &d.chosen_field)?;
+        let rejected = completion_ids(tok, s, &d.rejected_field)?;
         return Ok(Row {
             index: s.index,
             mask: vec![1; chosen.len()],
             prompt,
             completion: chosen,
             rejected,
+            segments: Vec::new(),
         });
     }
-    let max = cfg.sft.max_length;
     let has_completion = s
         .get(&cfg.sft.completion_field)
         .is_some_and(|v| !v.is_null());
@@ -160,17 +209,13 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         }
         false => (prompt, completion, mask),
     };
-    let mut completion = completion;
-    let mut mask = mask;
-    let room = max.saturating_sub(prompt.len()).max(1);
-    completion.truncate(room);
-    mask.truncate(room);
     Ok(Row {
         index: s.index,
         prompt,
         completion,
         mask,
         rejected: Vec::new(),
+        segments: Vec::new(),
     })
 }
 
@@ -247,6 +292,37 @@ fn assistant_turns(
         }
     }
     Ok((prompt.clone(), full[prompt.len()..].to_vec(), mask))
+}
+
+/// Log-probs `(B, c)` of packed rows' tokens after the first, each sequence of a row on its
+/// own positions and attending only to itself (`Row::segments`), the rows right-padded.
+fn packed_logps(
+    model: &grpo_rollout::Transformer,
+    pad: u32,
+    rows: &[Row],
+) -> Result<(Tensor, usize)> {
+    let l = rows
+        .iter()
+        .map(|r| r.prompt.len() + r.completion.len())
+        .max()
+        .unwrap_or(0)
+        .max(2);
+    let mut ids = Vec::with_capacity(rows.len() * l);
+    let mut lens = Vec::with_capacity(rows.len());
+    for r in rows {
+        let n = r.prompt.len() + r.completion.len();
+        ids.extend(r.prompt.iter().chain(&r.completion));
+        ids.extend(std::iter::repeat_n(pad, l - n));
+        lens.push(match r.segments.is_empty() {
+            true => vec![n],
+            false => r.segments.clone(),
+        });
+    }
+    let dev = model.device();
+    let ids = Tensor::from_vec(ids, (rows.len(), l), dev)?;
+    let (pos, bias) = grpo_rollout::model::packed_positions_and_bias(&lens, l, dev)?;
+    let (lp, _) = model.logprobs_with(&ids, &pos, &bias, l - 1, 1.0, false)?;
+    Ok((lp, l - 1))
 }
 
 /// `(B, c)` 0/1 mask of the completions' loss tokens, right-padded to `c`.
@@ -405,14 +481,19 @@ impl Learner {
                 } else {
                     self.policy.model.detached()
                 };
-                let (lp, _, c) = completion_logps(
-                    &model,
-                    self.tokenizer.pad_token_id,
-                    &prompts,
-                    &comps,
-                    1.0,
-                    false,
-                )?;
+                let (lp, c) = if part.iter().any(|r| !r.segments.is_empty()) {
+                    packed_logps(&model, self.tokenizer.pad_token_id, part)?
+                } else {
+                    let (lp, _, c) = completion_logps(
+                        &model,
+                        self.tokenizer.pad_token_id,
+                        &prompts,
+                        &comps,
+                        1.0,
+                        false,
+                    )?;
+                    (lp, c)
+                };
                 let masks: Vec<&[u8]> = part.iter().map(|r| r.mask.as_slice()).collect();
                 let mask = mask_tensor(&masks, c, lp.dtype(), lp.device())?;
                 sft_loss_typed(&lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
@@ -508,7 +589,8 @@ pub fn evaluate(
     let mut sums: Metrics = Metrics::new();
     let mut batches = 0.0;
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("{e}"))? {
-        let rows = rows(&setup.cfg, &setup.tokenizer, &samples)?;
+        let packing = setup.cfg.sft.eval_packing.unwrap_or(setup.cfg.sft.packing);
+        let rows = rows_packed(&setup.cfg, &setup.tokenizer, &samples, packing)?;
         let m = learner.supervised_step(&rows, dpo_ref, false)?;
         for (k, v) in m {
             *sums.entry(k).or_insert(0.0) += v;
