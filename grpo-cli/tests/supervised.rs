@@ -148,6 +148,76 @@ fn a_tiny_dpo_run_raises_the_margin_and_the_accuracy() {
     }
 }
 
+/// WPO (`use_weighting`): at the first step the policy is the reference, so each pair's
+/// sigmoid loss is ln 2 and the step's loss is ln 2 times the mean pair weight — computed here
+/// from the model's full softmax, row by row.
+#[test]
+fn dpo_wpo_weights_the_first_step_by_the_policy_probabilities() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(setup(dir.path(), "first", "dpo", 1, ""));
+    let text = config_text(dir.path(), "wpo", "dpo", 3, "[dpo]\nuse_weighting = true")
+        .replace("prompts_per_step = 4", "prompts_per_step = 16");
+    let p = dir.path().join("wpo.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let samples = first_rows(&s.train, 16);
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let m = s.policy.model.detached();
+    let weight = |prompt: &[u32], completion: &[u32]| -> f64 {
+        let ids: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+        let n = ids.len();
+        let dev = candle_core::Device::Cpu;
+        let t = candle_core::Tensor::from_vec(ids, (1, n), &dev).unwrap();
+        let mask = candle_core::Tensor::ones((1, n), candle_core::DType::U32, &dev).unwrap();
+        let k = completion.len();
+        let h = m.forward_padded(&t, &mask).unwrap();
+        let hs = h.dim(2).unwrap();
+        let h = h.narrow(1, n - k - 1, k).unwrap().reshape((k, hs)).unwrap();
+        let logits: Vec<Vec<f32>> = m.logits(&h).unwrap().to_vec2().unwrap();
+        let mut sum = 0.0;
+        for (j, z) in logits.iter().enumerate() {
+            let z: Vec<f64> = z.iter().map(|&v| f64::from(v)).collect();
+            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+            let s1: f64 = z.iter().map(|v| (v - mx).exp()).sum();
+            let s2: f64 = z.iter().map(|v| (2.0 * (v - mx)).exp()).sum();
+            let logp = z[completion[j] as usize] - mx - s1.ln();
+            sum += logp - (s2.ln() - 2.0 * s1.ln());
+        }
+        (sum / k as f64).exp()
+    };
+    let w: Vec<f64> = rows
+        .iter()
+        .map(|r| weight(&r.prompt, &r.completion) * weight(&r.prompt, &r.rejected))
+        .collect();
+    let want = std::f64::consts::LN_2 * w.iter().sum::<f64>() / w.len() as f64;
+    let r = run(s, &RunOptions::default());
+    let got = r.metrics[0]["loss"];
+    assert!(
+        (got - want).abs() < 1e-5 * want,
+        "WPO first-step loss {got}, expected {want}"
+    );
+    assert!(
+        (got - std::f64::consts::LN_2).abs() > 1e-3,
+        "the weights changed nothing"
+    );
+    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
+    // aot sorts the pairs: WPO's per-pair weights are refused, as in TRL.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        config_text(
+            dir.path(),
+            "bad",
+            "dpo",
+            1,
+            "[dpo]\nuse_weighting = true\nloss_type = \"aot\"",
+        ),
+    )
+    .unwrap();
+    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    assert!(e.contains("use_weighting") && e.contains("aot"), "{e}");
+}
+
 #[test]
 fn resume_is_exact_for_sft_and_dpo() {
     let dir = tempfile::tempdir().unwrap();

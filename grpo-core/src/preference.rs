@@ -92,6 +92,44 @@ pub struct DpoInputs<'a> {
     /// Completion tokens of each rejected completion, `(B,)`: needed by `ipo` and
     /// `sigmoid_norm`.
     pub rejected_tokens: Option<&'a Tensor>,
+    /// WPO's weight of each pair, `(B,)` ([`wpo_pair_weights`]), a constant factor of every
+    /// loss type's per-pair loss; needed when [`DpoConfig::use_weighting`], refused otherwise.
+    pub pair_weights: Option<&'a Tensor>,
+}
+
+/// WPO's pair weights (TRL's `use_weighting`, eq. 2 of the WPO paper), without gradient: for
+/// each completion, `w = exp(mean over its tokens of (log π(y_t) − log Σ_v π(v)²))` — how
+/// likely the completion is under the policy's own sampling, relative to the distribution's
+/// sharpness — and for each pair `w_chosen · w_rejected`. `per_token_logps`, `log_sum_sq`
+/// (`log Σ_v p_v²` at each position) and the 0/1 `mask` are `(2B, T)`: the B chosen
+/// completions, then the B rejected ones. Returns `(B,)`.
+///
+/// # Errors
+/// Shapes that differ, or an odd number of rows.
+pub fn wpo_pair_weights(
+    per_token_logps: &Tensor,
+    log_sum_sq: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let (n, _) = per_token_logps.dims2()?;
+    if n % 2 != 0
+        || log_sum_sq.dims() != per_token_logps.dims()
+        || mask.dims() != per_token_logps.dims()
+    {
+        candle_core::bail!(
+            "wpo_pair_weights: log-probs {:?}, log Σp² {:?} and mask {:?} must be one (2B, T) shape",
+            per_token_logps.dims(),
+            log_sum_sq.dims(),
+            mask.dims()
+        );
+    }
+    let dt = per_token_logps.dtype();
+    let mask = mask.to_dtype(dt)?;
+    let aligned = ((per_token_logps.detach() - log_sum_sq.detach().to_dtype(dt)?)? * &mask)?;
+    let lengths = mask.sum(D::Minus1)?.maximum(1.0)?;
+    let w = (aligned.sum(D::Minus1)? / lengths)?.exp()?;
+    let b = n / 2;
+    w.narrow(0, 0, b)? * w.narrow(0, b, b)?
 }
 
 /// What [`dpo_loss`] returns: the differentiable loss and TRL's metrics.
@@ -130,8 +168,11 @@ fn sigmoid(t: &Tensor) -> Result<Tensor> {
 /// DPO's sigmoid loss with conservative-DPO label smoothing ε:
 /// `z = β ((π_c − π_r) − (ref_c − ref_r))`, loss `= −(1 − ε) log σ(z) − ε log σ(−z)`, the mean
 /// over pairs. At ε = 0 it is TRL 1.16's `sigmoid`; TRL 1.16's sigmoid ignores ε, see
-/// [`dpo_loss_with`] for its loss types.
+/// [`dpo_loss_with`] for its loss types (and WPO's `pair_weights`, which this one refuses).
 pub fn dpo_loss(x: &DpoInputs<'_>, beta: f64, label_smoothing: f64) -> Result<DpoOutput> {
+    if x.pair_weights.is_some() {
+        candle_core::bail!("dpo_loss takes no pair_weights: use dpo_loss_with with use_weighting");
+    }
     let chosen = (x.policy_chosen - x.reference_chosen)?;
     let rejected = (x.policy_rejected - x.reference_rejected)?;
     let z = ((&chosen - &rejected)? * beta)?;
@@ -233,6 +274,12 @@ impl DpoLossType {
         )
     }
 
+    /// Whether the loss sorts the pairs' log-ratios (aot, aot_unpaired), so that per-pair
+    /// weights do not apply.
+    pub fn sorts_pairs(self) -> bool {
+        matches!(self, Self::Aot | Self::AotUnpaired)
+    }
+
     /// Whether an f-divergence other than the reverse KL applies (the losses built on the
     /// chosen − rejected score difference).
     pub fn takes_f_divergence(self) -> bool {
@@ -319,6 +366,9 @@ pub struct DpoConfig {
     pub f_alpha_divergence_coef: f64,
     /// DiscoPOP's τ; 0.05.
     pub discopop_tau: f64,
+    /// WPO (TRL's `use_weighting`): each pair's loss weighted by [`wpo_pair_weights`], passed
+    /// as [`DpoInputs::pair_weights`]; false.
+    pub use_weighting: bool,
 }
 
 impl Default for DpoConfig {
@@ -331,6 +381,7 @@ impl Default for DpoConfig {
             f_divergence_type: FDivergence::ReverseKl,
             f_alpha_divergence_coef: 0.5,
             discopop_tau: 0.05,
+            use_weighting: false,
         }
     }
 }
@@ -389,6 +440,15 @@ impl DpoConfig {
         if !self.f_alpha_divergence_coef.is_finite() {
             return Err("f_alpha_divergence_coef must be finite".into());
         }
+        if self.use_weighting
+            && let Some(t) = self.loss_type.iter().find(|t| t.sorts_pairs())
+        {
+            return Err(format!(
+                "use_weighting (WPO) does not apply to loss_type {}: it sorts the pairs, so \
+                 per-pair weights would not line up (as in TRL)",
+                t.as_str()
+            ));
+        }
         Ok(())
     }
 }
@@ -425,6 +485,14 @@ pub fn dpo_loss_with(x: &DpoInputs<'_>, cfg: &DpoConfig) -> Result<DpoOutput> {
     };
     let (cs, rs) = (score(&cl)?, score(&rl)?);
     let delta = (&cs - &rs)?;
+    let pair_weights = match (cfg.use_weighting, x.pair_weights) {
+        (true, Some(w)) => Some(w.detach().to_dtype(cl.dtype())?),
+        (false, None) => None,
+        (true, None) => candle_core::bail!("use_weighting needs DpoInputs::pair_weights"),
+        (false, Some(_)) => {
+            candle_core::bail!("pair_weights given without use_weighting in the DPO config")
+        }
+    };
     let tokens = |t: Option<&Tensor>, what: &str| -> Result<Tensor> {
         match t {
             Some(n) => n.to_dtype(cl.dtype())?.maximum(1.0),
@@ -508,6 +576,10 @@ pub fn dpo_loss_with(x: &DpoInputs<'_>, cfg: &DpoConfig) -> Result<DpoOutput> {
                 let mean = (x.policy_chosen.sum_all()? / nc.sum_all()?)?.neg()?;
                 mean.broadcast_as(x.policy_chosen.shape())?
             }
+        };
+        let per_pair = match &pair_weights {
+            Some(pw) => (per_pair * pw)?,
+            None => per_pair,
         };
         let term = (per_pair.mean(D::Minus1)? * w)?;
         total = Some(match total {

@@ -16,6 +16,7 @@ pub struct DpoCase {
     pub f_divergence: &'static str,
     pub alpha: f64,
     pub tau: f64,
+    pub pair_weighted: bool,
     pub loss: f64,
     pub grad_chosen: &'static [f64],
     pub grad_rejected: &'static [f64],
@@ -32,6 +33,7 @@ fn config(c: &DpoCase) -> DpoConfig {
         f_divergence_type: c.f_divergence.parse().unwrap(),
         f_alpha_divergence_coef: c.alpha,
         discopop_tau: c.tau,
+        use_weighting: c.pair_weighted,
     }
 }
 
@@ -39,9 +41,12 @@ fn config(c: &DpoCase) -> DpoConfig {
 fn every_trl_loss_type_matches_loss_and_gradients() {
     let d = Device::Cpu;
     let t = |v: &[f64]| Tensor::new(v, &d).unwrap();
-    let (rc, rr, nc, nr) = (t(RC), t(RR), t(NC), t(NR));
+    let (rc, rr, nc, nr, w) = (t(RC), t(RR), t(NC), t(NR), t(W));
     assert_eq!(
-        DPO_CASES.iter().filter(|c| c.loss_type.len() == 1).count(),
+        DPO_CASES
+            .iter()
+            .filter(|c| c.loss_type.len() == 1 && !c.pair_weighted)
+            .count(),
         15 + 1,
         "every TRL loss type (and discopop again) once"
     );
@@ -56,6 +61,7 @@ fn every_trl_loss_type_matches_loss_and_gradients() {
                 reference_rejected: &rr,
                 chosen_tokens: Some(&nc),
                 rejected_tokens: Some(&nr),
+                pair_weights: c.pair_weighted.then_some(&w),
             },
             &config(c),
         )
@@ -101,6 +107,7 @@ fn sigmoid_equals_the_smoothed_loss_at_zero_smoothing_and_runs_in_f32() {
         reference_rejected: &rr,
         chosen_tokens: None,
         rejected_tokens: None,
+        pair_weights: None,
     };
     let a = dpo_loss(&x, 0.1, 0.0)
         .unwrap()
@@ -171,4 +178,81 @@ fn invalid_configs_name_what_to_fix() {
         "aot_unpaired".parse::<DpoLossType>().unwrap().as_str(),
         "aot_unpaired"
     );
+}
+
+#[test]
+fn wpo_pair_weights_follow_the_paper_and_carry_no_gradient() {
+    let d = Device::Cpu;
+    // Two pairs: rows 0, 1 chosen, rows 2, 3 rejected; 3 positions, row 1 and 3 padded.
+    let lp = [
+        [-1.0, -2.0, -0.5],
+        [-0.2, -3.0, 0.0],
+        [-4.0, -1.0, -2.5],
+        [-0.7, 0.0, 0.0],
+    ];
+    let lss = [
+        [-1.5, -1.2, -0.9],
+        [-2.0, -1.0, 0.0],
+        [-3.0, -0.5, -2.0],
+        [-1.1, 0.0, 0.0],
+    ];
+    let m = [
+        [1.0, 1.0, 1.0],
+        [1.0, 1.0, 0.0],
+        [1.0, 1.0, 1.0],
+        [1.0, 0.0, 0.0],
+    ];
+    let want: Vec<f64> = {
+        let w = |r: usize| {
+            let n: f64 = m[r].iter().sum();
+            let s: f64 = (0..3).map(|j| (lp[r][j] - lss[r][j]) * m[r][j]).sum();
+            (s / n).exp()
+        };
+        vec![w(0) * w(2), w(1) * w(3)]
+    };
+    let t = |a: &[[f64; 3]; 4]| Tensor::new(a, &d).unwrap();
+    let v = Var::from_tensor(&t(&lp)).unwrap();
+    let got = grpo_core::preference::wpo_pair_weights(v.as_tensor(), &t(&lss), &t(&m)).unwrap();
+    let g: Vec<f64> = got.to_vec1().unwrap();
+    for (a, b) in g.iter().zip(&want) {
+        assert!((a - b).abs() < 1e-12, "{g:?} vs {want:?}");
+    }
+    // A constant: no gradient flows back into the log-probs.
+    let grads = got.sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(v.as_tensor()).is_none());
+    // Shapes are checked.
+    let e =
+        grpo_core::preference::wpo_pair_weights(&t(&lp).narrow(0, 0, 3).unwrap(), &t(&lss), &t(&m))
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("(2B, T)"), "{e}");
+    // use_weighting and the weights go together; aot sorts pairs and refuses them.
+    let (pc, pr) = (Tensor::new(PC, &d).unwrap(), Tensor::new(PR, &d).unwrap());
+    let (rc, rr) = (Tensor::new(RC, &d).unwrap(), Tensor::new(RR, &d).unwrap());
+    let w = Tensor::new(W, &d).unwrap();
+    let x = |pw| DpoInputs {
+        policy_chosen: &pc,
+        policy_rejected: &pr,
+        reference_chosen: &rc,
+        reference_rejected: &rr,
+        chosen_tokens: None,
+        rejected_tokens: None,
+        pair_weights: pw,
+    };
+    let weighted = DpoConfig {
+        use_weighting: true,
+        ..DpoConfig::default()
+    };
+    let e = dpo_loss_with(&x(None), &weighted).unwrap_err().to_string();
+    assert!(e.contains("pair_weights"), "{e}");
+    let e = dpo_loss_with(&x(Some(&w)), &DpoConfig::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("use_weighting"), "{e}");
+    let aot = DpoConfig {
+        loss_type: vec![DpoLossType::Aot],
+        ..weighted
+    };
+    let e = dpo_loss_with(&x(Some(&w)), &aot).unwrap_err().to_string();
+    assert!(e.contains("use_weighting") && e.contains("aot"), "{e}");
 }

@@ -1460,17 +1460,75 @@ impl Transformer {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (h, targets, shape) = self.scored_rows(input_ids, positions, bias, logits_to_keep)?;
+        self.target_logprobs(&h, &targets, shape, temperature, with_entropy)
+    }
+
+    /// [`Self::completion_logprobs`] at temperature 1, with `log Σ_v p_v²` of each token's
+    /// distribution beside its log-prob (no gradient): WPO's two ingredients
+    /// (`grpo_core::preference::wpo_pair_weights`) from one forward. Both `(B, logits_to_keep)`.
+    pub fn completion_logprobs_and_sum_sq(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        logits_to_keep: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        let (h, targets, shape) = self.scored_rows(input_ids, &positions, &bias, logits_to_keep)?;
+        let (lp, _) = self.target_logprobs(&h, &targets, shape, 1.0, false)?;
+        let sum_sq = self.log_sum_sq_probs(&h)?.reshape(shape)?;
+        Ok((lp, sum_sq))
+    }
+
+    /// `log Σ_v p_v²` of the next-token distribution at each hidden row `(N, H)`, `(N,)` in f32
+    /// (f64 for f64 models), without gradient; the logits formed a chunk of rows at a time.
+    pub fn log_sum_sq_probs(&self, h: &Tensor) -> Result<Tensor> {
+        let h = h.detach();
+        let total = h.dim(0)?;
+        let rows = grpo_core::logprobs::chunk_rows_on(self.cfg.vocab_size, h.device());
+        let wide = match self.dtype() {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        let mut out = Vec::new();
+        let mut start = 0;
+        while start < total {
+            let n = rows.min(total - start);
+            let z = self
+                .logits(&h.narrow(0, start, n)?)?
+                .detach()
+                .to_dtype(wide)?;
+            let z = z.broadcast_sub(&z.max_keepdim(1)?)?;
+            let once = z.exp()?.sum_keepdim(1)?.log()?;
+            let twice = (&z * 2.0)?.exp()?.sum_keepdim(1)?.log()?;
+            out.push((twice - (once * 2.0)?)?.squeeze(1)?);
+            start += n;
+        }
+        if out.is_empty() {
+            return Tensor::zeros(0, wide, h.device());
+        }
+        Tensor::cat(&out, 0)
+    }
+
+    /// The hidden rows `(B·t, H)` that predict the last `t` tokens of each row, those tokens
+    /// `(B·t,)`, and `(B, t)`.
+    fn scored_rows(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        bias: &Tensor,
+        t: usize,
+    ) -> Result<(Tensor, Tensor, (usize, usize))> {
         let (b, l) = input_ids.dims2()?;
-        if logits_to_keep == 0 || logits_to_keep >= l {
-            bail!("logits_to_keep must be in 1..{l} (the sequence length), got {logits_to_keep}");
+        if t == 0 || t >= l {
+            bail!("logits_to_keep must be in 1..{l} (the sequence length), got {t}");
         }
         let hidden = self.forward_hidden(input_ids, positions, bias, None)?;
-        let t = logits_to_keep;
         let h = hidden
             .narrow(1, l - t - 1, t)?
             .reshape((b * t, self.cfg.hidden_size))?;
         let targets = input_ids.narrow(1, l - t, t)?.reshape(b * t)?;
-        self.target_logprobs(&h, &targets, (b, t), temperature, with_entropy)
+        Ok((h, targets, (b, t)))
     }
 
     /// Log-probs (and entropies) of `targets` `(N,)` under the logits of hidden states `h`

@@ -981,6 +981,46 @@ fn packed_rows_equal_their_sequences_alone_with_gradients() {
     assert!(e.contains("packed row 0") && e.contains("row of 10"), "{e}");
 }
 
+/// WPO's ingredients from one forward: the log-probs are `completion_logprobs`'s, and
+/// `log Σ_v p_v²` is that of the full softmax of each position's logits.
+#[test]
+fn log_sum_sq_probs_equal_the_full_softmax() {
+    let (rows, t) = batch();
+    for dtype in [DType::F64, DType::F32, DType::BF16] {
+        let m = model(Arch::Qwen2, dtype, true);
+        let (ids, mask) = padded(&rows);
+        let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+        let (lp2, lss) = m.completion_logprobs_and_sum_sq(&ids, &mask, t).unwrap();
+        let f =
+            |x: &Tensor| -> Vec<Vec<f64>> { x.to_dtype(DType::F64).unwrap().to_vec2().unwrap() };
+        assert_eq!(f(&lp), f(&lp2), "{dtype:?}");
+        // The full logits of the positions that predict the last t tokens, softmaxed in f64.
+        let hidden = m.forward_padded(&ids, &mask).unwrap();
+        let (b, l, h) = hidden.dims3().unwrap();
+        let rows_h = hidden
+            .narrow(1, l - t - 1, t)
+            .unwrap()
+            .reshape((b * t, h))
+            .unwrap();
+        let logits: Vec<Vec<f64>> = f(&m.logits(&rows_h).unwrap());
+        let got = f(&lss);
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-4 };
+        for (i, z) in logits.iter().enumerate() {
+            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+            let s1: f64 = z.iter().map(|v| (v - mx).exp()).sum();
+            let s2: f64 = z.iter().map(|v| (2.0 * (v - mx)).exp()).sum();
+            let want = s2.ln() - 2.0 * s1.ln();
+            let g = got[i / t][i % t];
+            assert!(
+                (g - want).abs() < tol * want.abs().max(1.0),
+                "{dtype:?} row {i}: {g} vs {want}"
+            );
+            // log Σp² ≤ log max p ≤ 0.
+            assert!(g <= 1e-6);
+        }
+    }
+}
+
 /// Merging LoRA into a decoding copy (which keeps transposed weights for few-row products)
 /// gives the adapted model's outputs: no transpose of an old weight survives the merge.
 #[test]

@@ -237,6 +237,10 @@ pub struct DpoSection {
     /// LD-DPO's α in [0, 1] (TRL's `ld_alpha`): each pair's tokens past the shorter
     /// completion's length count α in the summed log-probs; absent = 1 (plain DPO).
     pub ld_alpha: Option<f64>,
+    /// WPO (TRL's `use_weighting`): each pair's loss weighted by how likely both completions
+    /// are under the policy's own sampling (`grpo_core::preference::wpo_pair_weights`);
+    /// default false. Not with aot / aot_unpaired.
+    pub use_weighting: bool,
     /// The preferred completion's column.
     pub chosen_field: String,
     /// The dispreferred completion's column.
@@ -259,6 +263,7 @@ impl DpoSection {
             f_divergence_type: self.f_divergence_type,
             f_alpha_divergence_coef: self.f_alpha_divergence_coef,
             discopop_tau: self.discopop_tau,
+            use_weighting: self.use_weighting,
         }
     }
 }
@@ -299,6 +304,7 @@ impl Default for DpoSection {
             f_alpha_divergence_coef: 0.5,
             discopop_tau: 0.05,
             ld_alpha: None,
+            use_weighting: false,
             chosen_field: "chosen".into(),
             rejected_field: "rejected".into(),
             max_length: 1024,

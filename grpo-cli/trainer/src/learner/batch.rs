@@ -171,14 +171,56 @@ pub fn completion_logps(
         )?;
         return Ok((lp, ent, c));
     }
+    let (ids, mask, c) = padded_batch(pad, prompts, completions, device)?;
+    let (lp, ent) = model.completion_logprobs(&ids, &mask, c, temperature, with_entropy)?;
+    Ok((lp, ent, c))
+}
+
+/// [`completion_logps`] at temperature 1 with `log Σ_v p_v²` of each token's distribution
+/// (no gradient) beside its log-prob, for WPO's weights: `(logps, log_sum_sq, width)`.
+pub fn completion_logps_and_sum_sq(
+    model: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+) -> Result<(Tensor, Tensor, usize)> {
+    let (ids, mask, c) = padded_batch(pad, prompts, completions, model.device())?;
+    let (lp, sum_sq) = model.completion_logprobs_and_sum_sq(&ids, &mask, c)?;
+    Ok((lp, sum_sq, c))
+}
+
+/// Each prompt left-padded to the longest, each completion right-padded to the longest after
+/// it: ids and attention mask `(B, P + C)`, and `C` (at least 1).
+fn padded_batch(
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    device: &Device,
+) -> Result<(Tensor, Tensor, usize)> {
+    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
+    let c = completions
+        .iter()
+        .map(|x| x.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let b = prompts.len();
     let mut ids = Vec::with_capacity(b * (p + c));
     let mut mask = Vec::with_capacity(b * (p + c));
     for (pr, co) in prompts.iter().zip(completions) {
-        push(&mut ids, &mut mask, pr, p, true);
-        push(&mut ids, &mut mask, co, c, false);
+        let fill = p - pr.len();
+        ids.extend(std::iter::repeat_n(pad, fill));
+        mask.extend(std::iter::repeat_n(0u32, fill));
+        ids.extend(*pr);
+        mask.extend(std::iter::repeat_n(1u32, pr.len()));
+        ids.extend(*co);
+        mask.extend(std::iter::repeat_n(1u32, co.len()));
+        ids.extend(std::iter::repeat_n(pad, c - co.len()));
+        mask.extend(std::iter::repeat_n(0u32, c - co.len()));
     }
-    let ids = Tensor::from_vec(ids, (b, p + c), device)?;
-    let mask = Tensor::from_vec(mask, (b, p + c), device)?;
-    let (lp, ent) = model.completion_logprobs(&ids, &mask, c, temperature, with_entropy)?;
-    Ok((lp, ent, c))
+    Ok((
+        Tensor::from_vec(ids, (b, p + c), device)?,
+        Tensor::from_vec(mask, (b, p + c), device)?,
+        c,
+    ))
 }

@@ -17,7 +17,7 @@ use grpo_core::preference::{DpoInputs, dpo_loss_with, sft_loss_typed};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
-use super::batch::completion_logps;
+use super::batch::{completion_logps, completion_logps_and_sum_sq};
 use crate::callbacks::{Callbacks, Metrics};
 use crate::config::{Algorithm, PackingStrategy};
 use crate::optim::{accumulate, clip_grad_norm};
@@ -355,6 +355,33 @@ impl Learner {
             1.0,
             false,
         )?;
+        self.summed(&lp, completions, c)
+    }
+
+    /// The policy's summed log-probs `(2k,)` of a batch's chosen then rejected completions
+    /// and, with `dpo.use_weighting`, WPO's pair weights `(k,)` from the same forward.
+    fn policy_logps(
+        &self,
+        model: &grpo_rollout::Transformer,
+        prompts: &[&[u32]],
+        completions: &[&[u32]],
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if !self.cfg.dpo.use_weighting {
+            return Ok((self.summed_logps(model, prompts, completions)?, None));
+        }
+        let pad = self.tokenizer.pad_token_id;
+        let (lp, sum_sq, c) = completion_logps_and_sum_sq(model, pad, prompts, completions)?;
+        // TRL averages over every completion token (LD-DPO's α does not enter the weights).
+        let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
+        let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
+        let mask = mask_tensor(&refs, c, lp.dtype(), lp.device())?;
+        let weights = grpo_core::preference::wpo_pair_weights(&lp, &sum_sq, &mask)?;
+        Ok((self.summed(&lp, completions, c)?, Some(weights)))
+    }
+
+    /// Per-token log-probs `(B, c)` summed over each completion's tokens (LD-DPO's `ld_alpha`
+    /// weighing each pair's tokens past the shorter completion), `(B,)`.
+    fn summed(&self, lp: &Tensor, completions: &[&[u32]], c: usize) -> Result<Tensor> {
         let mask = match self.cfg.dpo.ld_alpha {
             // LD-DPO (TRL's `ld_alpha`): the completions are a batch's chosen then its rejected
             // ones; each pair's tokens past the shorter one's length count α.
@@ -422,7 +449,7 @@ impl Learner {
                 } else {
                     self.policy.model.detached()
                 };
-                let pol = self.summed_logps(&model, &prompts, &comps)?;
+                let (pol, pair_weights) = self.policy_logps(&model, &prompts, &comps)?;
                 let k = b - a;
                 let missing = part.iter().any(|r| !dpo_ref.contains_key(&r.index));
                 let (rc, rr) = if missing || !self.cfg.dpo.precompute_ref_log_probs {
@@ -463,6 +490,7 @@ impl Learner {
                         reference_rejected: &rr,
                         chosen_tokens: Some(&nc),
                         rejected_tokens: Some(&nr),
+                        pair_weights: pair_weights.as_ref(),
                     },
                     &self.cfg.dpo.dpo_config(),
                 )?;
