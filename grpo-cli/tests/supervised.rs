@@ -848,3 +848,88 @@ fn dpo_ld_alpha_discounts_the_longer_completions_tail() {
     let e = grpo_trainer::config::load(&dir.path().join("bad.toml"), &[]).unwrap_err();
     assert!(format!("{e:#}").contains("`dpo.ld_alpha`"), "{e:#}");
 }
+
+/// `max_length` as TRL applies it (`keep_start`, its only supported truncation): a row is cut
+/// to its first `max_length` tokens, and a row left with nothing to learn from — an SFT row
+/// whose loss tokens are all cut, a DPO pair whose prompt alone fills `max_length` — is
+/// dropped; a step whose rows are all dropped makes no update.
+#[test]
+fn max_length_keeps_the_start_and_drops_rows_with_nothing_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = setup(dir.path(), "sft", "sft", 2, "");
+    let samples = first_rows(&s.train, 4);
+    let full = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let p = full.iter().map(|r| r.prompt.len()).min().unwrap();
+    let longest = full
+        .iter()
+        .map(|r| r.prompt.len() + r.completion.len())
+        .max()
+        .unwrap();
+    assert!(
+        full.iter().all(|r| r.completion.len() >= 2),
+        "the fixture's completions"
+    );
+    for max in [p + 1, p + 2, longest] {
+        let mut c = s.cfg.clone();
+        c.sft.max_length = max;
+        let cut = trainer::supervised::rows(&c, &s.tokenizer, &samples).unwrap();
+        // Rows whose prompt fits keep their start, up to max tokens in all.
+        let kept: Vec<_> = full.iter().filter(|r| r.prompt.len() < max).collect();
+        assert_eq!(cut.len(), kept.len(), "max_length {max}");
+        for (a, b) in kept.iter().zip(&cut) {
+            assert_eq!(a.prompt, b.prompt);
+            let n = (max - a.prompt.len()).min(a.completion.len());
+            assert_eq!(b.completion, a.completion[..n], "max_length {max}");
+            assert!(b.prompt.len() + b.completion.len() <= max);
+        }
+    }
+    // A max_length no prompt fits in: every row dropped; the steps make no update.
+    let text = config_text(
+        dir.path(),
+        "none",
+        "sft",
+        2,
+        &format!("[sft]\nmax_length = {p}\n"),
+    );
+    let path = dir.path().join("none.toml");
+    std::fs::write(&path, text).unwrap();
+    let setup_none = trainer::setup(config::load(&path, &[]).unwrap()).unwrap();
+    let before = setup_none.policy.model.weights();
+    let r = run(setup_none, &RunOptions::default());
+    assert_eq!(r.total_steps, 2);
+    assert!(
+        r.metrics.iter().all(|m| !m.contains_key("loss")),
+        "{:?}",
+        r.metrics
+    );
+    let saved = candle_core::safetensors::load(
+        dir.path()
+            .join("none/checkpoints/step-2/model/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    for (name, w) in before {
+        let a: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = saved[&name].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a, b, "{name} changed without a row to learn from");
+    }
+    // DPO: a pair whose prompt fills max_length is dropped, the others cut at the start.
+    let d = setup(dir.path(), "dpo", "dpo", 1, "");
+    let samples = first_rows(&d.train, 4);
+    let full = trainer::supervised::rows(&d.cfg, &d.tokenizer, &samples).unwrap();
+    let p = full[0].prompt.len();
+    let mut c = d.cfg.clone();
+    c.dpo.max_length = p + 1;
+    let cut = trainer::supervised::rows(&c, &d.tokenizer, &samples).unwrap();
+    assert!(!cut.is_empty());
+    for r in &cut {
+        assert!(r.prompt.len() < p + 1 && r.completion.len() == p + 1 - r.prompt.len());
+        assert!(r.rejected.len() <= p + 1 - r.prompt.len());
+    }
+    c.dpo.max_length = full.iter().map(|r| r.prompt.len()).min().unwrap();
+    assert!(
+        trainer::supervised::rows(&c, &d.tokenizer, &samples)
+            .unwrap()
+            .is_empty()
+    );
+}

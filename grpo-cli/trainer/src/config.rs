@@ -144,7 +144,8 @@ pub struct SftSection {
     /// The completion column of prompt/completion data. When a row lacks it, the prompt must
     /// be a conversation and the loss covers its assistant turns.
     pub completion_field: String,
-    /// Most prompt + completion tokens of a row (the completion's end is cut). Default 1024.
+    /// Most prompt + completion tokens of a row: its start is kept, and a row with no loss
+    /// token left is dropped (TRL's `keep_start`); with `packing`, the packed length. Default 1024.
     pub max_length: usize,
     /// Pack a step's rows into sequences of `max_length` tokens (TRL's `packing`), as
     /// `packing_strategy` says.
@@ -245,7 +246,8 @@ pub struct DpoSection {
     pub chosen_field: String,
     /// The dispreferred completion's column.
     pub rejected_field: String,
-    /// Most prompt + completion tokens of a row (the completion's end is cut). Default 1024.
+    /// Most prompt + completion tokens of a row: its start is kept, and a pair whose prompt
+    /// alone fills it is dropped (TRL's `keep_start`). Default 1024.
     pub max_length: usize,
     /// Compute each pair's reference log-probs once (cached by row, reused every epoch) instead
     /// of at every step.

@@ -77,7 +77,7 @@ pub fn rows_packed(
         } else {
             cfg.dpo.max_length
         };
-        return Ok(rows.into_iter().map(|r| truncated(r, max)).collect());
+        return Ok(rows.into_iter().filter_map(|r| truncated(r, max)).collect());
     }
     // Each row as one sequence: its ids and, per token, whether that token is trained.
     let seqs: Vec<(Vec<u32>, Vec<u8>)> = rows
@@ -121,14 +121,18 @@ pub fn rows_packed(
         .collect())
 }
 
-/// A row cut to `max` prompt + completion tokens (the completion's end; at least one
-/// completion token stays).
-fn truncated(mut r: Row, max: usize) -> Row {
-    let room = max.saturating_sub(r.prompt.len()).max(1);
+/// A row cut to `max` prompt + completion tokens, keeping the start (TRL's `keep_start`, its
+/// only supported truncation); `None` when nothing is left to learn from, as TRL drops such
+/// rows: an SFT row without a loss token, a DPO pair whose prompt alone fills `max`.
+fn truncated(mut r: Row, max: usize) -> Option<Row> {
+    if r.prompt.len() >= max {
+        return None;
+    }
+    let room = max - r.prompt.len();
     r.completion.truncate(room);
     r.mask.truncate(room);
     r.rejected.truncate(room);
-    r
+    r.mask.contains(&1).then_some(r)
 }
 
 fn text_ids(tok: &grpo_rollout::Tokenizer, text: &str) -> Result<Vec<u32>> {
@@ -417,6 +421,10 @@ impl Learner {
         train: bool,
     ) -> Result<Metrics> {
         let n = rows.len();
+        if n == 0 {
+            // Every row of the batch was dropped (see `rows`): nothing to learn from.
+            return Ok(Metrics::new());
+        }
         let micro = self.cfg.micro_batch().max(1);
         let chunks: Vec<(usize, usize)> = (0..n)
             .step_by(micro)
@@ -572,6 +580,18 @@ pub fn run(
         while let Some(batch) = loader.process().context(Stage::Data)? {
             let t0 = Instant::now();
             let rows = rows(&setup.cfg, &setup.tokenizer, &batch.samples).context(Stage::Data)?;
+            if rows.is_empty() {
+                eprintln!(
+                    "step {}: all {} rows left nothing to train on within max_length = {} (a \
+                     prompt fills it, or no loss token is left): no update at this step",
+                    batch.step + 1,
+                    batch.samples.len(),
+                    match setup.cfg.algorithm {
+                        Algorithm::Dpo => setup.cfg.dpo.max_length,
+                        _ => setup.cfg.sft.max_length,
+                    }
+                );
+            }
             ends.step_begin(&learner);
             let m = learner
                 .supervised_step(&rows, &mut dpo_ref, true)
@@ -619,6 +639,9 @@ pub fn evaluate(
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("{e}"))? {
         let packing = setup.cfg.sft.eval_packing.unwrap_or(setup.cfg.sft.packing);
         let rows = rows_packed(&setup.cfg, &setup.tokenizer, &samples, packing)?;
+        if rows.is_empty() {
+            continue;
+        }
         let m = learner.supervised_step(&rows, dpo_ref, false)?;
         for (k, v) in m {
             *sums.entry(k).or_insert(0.0) += v;
