@@ -221,14 +221,21 @@ fn dpo_wpo_weights_the_first_step_by_the_policy_probabilities() {
 #[test]
 fn resume_is_exact_for_sft_and_dpo() {
     let dir = tempfile::tempdir().unwrap();
-    for alg in ["sft", "dpo"] {
+    // DPO with TR-DPO's reference sync: the synced reference is part of the checkpoint.
+    let sync = "[reference]\nsync_ref_model = true\nref_model_mixup_alpha = 0.5\nref_model_sync_steps = 1\n";
+    for (alg, extra) in [("sft", ""), ("dpo", ""), ("dpo", sync)] {
+        let tag = if extra.is_empty() {
+            alg.to_string()
+        } else {
+            format!("{alg}-sync")
+        };
         let straight = run(
-            setup(dir.path(), &format!("{alg}-all"), alg, 4, ""),
+            setup(dir.path(), &format!("{tag}-all"), alg, 4, extra),
             &RunOptions::default(),
         );
-        let name = format!("{alg}-parts");
+        let name = format!("{tag}-parts");
         let first = run(
-            setup(dir.path(), &name, alg, 4, ""),
+            setup(dir.path(), &name, alg, 4, extra),
             &RunOptions {
                 stop_after: Some(2),
                 ..Default::default()
@@ -236,7 +243,7 @@ fn resume_is_exact_for_sft_and_dpo() {
         );
         assert!(first.interrupted);
         let rest = run(
-            setup(dir.path(), &name, alg, 4, ""),
+            setup(dir.path(), &name, alg, 4, extra),
             &RunOptions {
                 resume: Some(None),
                 ..Default::default()
@@ -249,7 +256,7 @@ fn resume_is_exact_for_sft_and_dpo() {
             .map(|m| m["loss"])
             .collect();
         let all: Vec<f64> = straight.metrics.iter().map(|m| m["loss"]).collect();
-        assert_eq!(joined, all, "{alg}");
+        assert_eq!(joined, all, "{tag}");
     }
 }
 
@@ -931,5 +938,57 @@ fn max_length_keeps_the_start_and_drops_rows_with_nothing_left() {
         trainer::supervised::rows(&c, &d.tokenizer, &samples)
             .unwrap()
             .is_empty()
+    );
+}
+
+/// TR-DPO (`reference.sync_ref_model`, TRL's DPO keys): with α = 1 and a sync after every
+/// step the reference is the policy at each step's start, so every step's rewards are 0 and
+/// its loss ln 2; without the sync the second step's are not.
+#[test]
+fn dpo_syncs_its_reference_as_tr_dpo() {
+    let dir = tempfile::tempdir().unwrap();
+    let sync = "[reference]\nsync_ref_model = true\nref_model_mixup_alpha = 1.0\nref_model_sync_steps = 1\n";
+    let lora = format!(
+        "{sync}[model.lora]\nr = 4\nlora_alpha = 8\ntarget_modules = [\"q_proj\", \"v_proj\"]\n"
+    );
+    for (name, extra) in [("synced", sync.to_string()), ("synced-lora", lora)] {
+        let synced = run(
+            setup(dir.path(), name, "dpo", 3, &extra),
+            &RunOptions::default(),
+        );
+        for m in &synced.metrics {
+            assert!(m["rewards/chosen"].abs() < 1e-6, "{name}: {m:?}");
+            assert!(
+                (m["loss"] - std::f64::consts::LN_2).abs() < 1e-5,
+                "{name}: {m:?}"
+            );
+        }
+    }
+    let fixed = run(
+        setup(dir.path(), "fixed", "dpo", 3, ""),
+        &RunOptions::default(),
+    );
+    assert!(
+        fixed.metrics[1]["rewards/margins"].abs() > 1e-4,
+        "{:?}",
+        fixed.metrics[1]
+    );
+    // A precomputed reference cannot follow the sync.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        config_text(
+            dir.path(),
+            "bad",
+            "dpo",
+            1,
+            &format!("{sync}[dpo]\nprecompute_ref_log_probs = true\n"),
+        ),
+    )
+    .unwrap();
+    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    assert!(
+        e.contains("sync_ref_model") && e.contains("precompute_ref_log_probs"),
+        "{e}"
     );
 }

@@ -1248,6 +1248,11 @@ impl TrainConfig {
             {
                 return Err(format!("`dpo.ld_alpha` must be in [0, 1], got {a}"));
             }
+            if self.reference.sync_ref_model && d.precompute_ref_log_probs {
+                return Err("`reference.sync_ref_model` moves the reference, so \
+                            `dpo.precompute_ref_log_probs` would go stale: set one of them to false"
+                    .into());
+            }
         }
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)
@@ -1269,7 +1274,11 @@ impl TrainConfig {
             }
         }
         if self.reference.sync_ref_model {
-            if self.reference.beta == 0.0 {
+            if self.algorithm == Algorithm::Sft {
+                return Err("`reference.sync_ref_model` applies to GRPO and DPO; SFT has no reference model".into());
+            }
+            // GRPO keeps a reference only when beta > 0; DPO always has one (`dpo.beta`).
+            if self.reference.beta == 0.0 && self.algorithm == Algorithm::Grpo {
                 return Err("`reference.sync_ref_model` needs `reference.beta` > 0 (no reference model is kept when beta = 0)".into());
             }
             if !(0.0..=1.0).contains(&self.reference.ref_model_mixup_alpha) {

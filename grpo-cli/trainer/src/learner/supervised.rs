@@ -597,6 +597,8 @@ pub fn run(
                 .supervised_step(&rows, &mut dpo_ref, true)
                 .context(Stage::Learner)?;
             learner.state.step = batch.step + 1;
+            // TR-DPO (`reference.sync_ref_model`): the reference moves toward the policy.
+            learner.sync_reference().context(Stage::Learner)?;
             learner.state.position = Some(batch.position);
             let secs = t0.elapsed().as_secs_f64();
             let eval = |l: &mut Learner| {
