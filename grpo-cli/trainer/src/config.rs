@@ -22,7 +22,7 @@ use grpo_teacher::TeacherConfig;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use crate::optim::ScheduleKind;
+pub use crate::optim::{ScheduleKind, ScheduleKwargs};
 
 /// The objective the learner optimises (`algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -793,8 +793,12 @@ pub struct OptimSection {
     pub adam_epsilon: f64,
     /// Decoupled weight decay.
     pub weight_decay: f64,
-    /// constant | linear (default) | cosine.
+    /// transformers' names: linear (default) | constant | constant_with_warmup | cosine |
+    /// cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr |
+    /// warmup_stable_decay.
     pub lr_scheduler_type: ScheduleKind,
+    /// The shape's own parameters (TRL's `lr_scheduler_kwargs`), e.g. `{ num_cycles = 2 }`.
+    pub lr_scheduler_kwargs: ScheduleKwargs,
     /// Warm-up as a fraction of the total steps.
     pub warmup_ratio: f64,
     /// Warm-up steps (wins over `warmup_ratio` when > 0).
@@ -822,6 +826,7 @@ impl Default for OptimSection {
             adam_epsilon: 1e-8,
             weight_decay: 0.0,
             lr_scheduler_type: ScheduleKind::Linear,
+            lr_scheduler_kwargs: ScheduleKwargs::default(),
             warmup_ratio: 0.0,
             warmup_steps: 0,
             max_grad_norm: 1.0,
@@ -1303,6 +1308,14 @@ impl TrainConfig {
         if o.adam_epsilon.is_nan() || o.adam_epsilon <= 0.0 {
             return Err("`optim.adam_epsilon` must be > 0".into());
         }
+        crate::optim::Schedule {
+            kind: o.lr_scheduler_type,
+            lr: o.learning_rate,
+            warmup: usize::from(o.warmup_steps > 0 || o.warmup_ratio > 0.0),
+            total: 0,
+            kwargs: o.lr_scheduler_kwargs.clone(),
+        }
+        .validate()?;
         if !(0.0..1.0).contains(&o.warmup_ratio) {
             return Err("`optim.warmup_ratio` must be in [0, 1)".into());
         }

@@ -244,9 +244,9 @@ pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Res
 }
 
 /// The learning-rate schedule.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Schedule {
-    /// `constant`, `linear` or `cosine` (as `transformers`' `get_*_schedule_with_warmup`).
+    /// The shape, as `transformers`' `get_scheduler` names it.
     pub kind: ScheduleKind,
     /// Peak learning rate.
     pub lr: f64,
@@ -254,34 +254,275 @@ pub struct Schedule {
     pub warmup: usize,
     /// Total optimizer steps.
     pub total: usize,
+    /// The shape's own parameters (`optim.lr_scheduler_kwargs`).
+    pub kwargs: ScheduleKwargs,
 }
 
-/// Schedule shapes (`optim.lr_scheduler_type`).
+/// Schedule shapes (`optim.lr_scheduler_type`, `transformers`' `SchedulerType` names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
-    /// Warm-up then flat.
+    /// Flat, no warm-up (transformers' `constant` ignores the warm-up too).
     Constant,
+    /// Warm-up then flat.
+    ConstantWithWarmup,
     /// Warm-up then linear decay to 0 at `total`.
     Linear,
-    /// Warm-up then half a cosine to 0 at `total`.
+    /// Warm-up then a cosine to 0 at `total` (`num_cycles` waves, default half of one).
     Cosine,
+    /// Warm-up then `num_cycles` (default 1) cosines from the peak to 0, each restarting hard.
+    CosineWithRestarts,
+    /// Warm-up then `(lr − lr_end) · remaining^power + lr_end` (defaults 1e-7 and 1).
+    Polynomial,
+    /// Warm-up then `1 / sqrt((step + timescale − warmup) / timescale)` (timescale: the
+    /// warm-up, or 10,000 without one).
+    InverseSqrt,
+    /// As `cosine`, to `min_lr` (or `min_lr_rate` × the peak) instead of 0.
+    CosineWithMinLr,
+    /// Warm-up, `num_stable_steps` flat, then `num_decay_steps` of decay to `min_lr_ratio` ×
+    /// the peak (`warmup_type`, `decay_type`: linear, cosine or 1-sqrt).
+    WarmupStableDecay,
+}
+
+impl ScheduleKind {
+    /// transformers' spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Constant => "constant",
+            Self::ConstantWithWarmup => "constant_with_warmup",
+            Self::Linear => "linear",
+            Self::Cosine => "cosine",
+            Self::CosineWithRestarts => "cosine_with_restarts",
+            Self::Polynomial => "polynomial",
+            Self::InverseSqrt => "inverse_sqrt",
+            Self::CosineWithMinLr => "cosine_with_min_lr",
+            Self::WarmupStableDecay => "warmup_stable_decay",
+        }
+    }
+}
+
+/// `optim.lr_scheduler_kwargs` (TRL's / transformers' `lr_scheduler_kwargs`): each shape's
+/// own parameters, by transformers' names. A key the chosen shape does not take is refused.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScheduleKwargs {
+    /// cosine, cosine_with_min_lr, warmup_stable_decay (0.5); cosine_with_restarts (1).
+    pub num_cycles: Option<f64>,
+    /// polynomial: the final learning rate (1e-7).
+    pub lr_end: Option<f64>,
+    /// polynomial: the power (1).
+    pub power: Option<f64>,
+    /// inverse_sqrt: the time scale.
+    pub timescale: Option<usize>,
+    /// cosine_with_min_lr: the floor, absolute.
+    pub min_lr: Option<f64>,
+    /// cosine_with_min_lr: the floor as a fraction of the peak.
+    pub min_lr_rate: Option<f64>,
+    /// warmup_stable_decay: decay steps (required).
+    pub num_decay_steps: Option<usize>,
+    /// warmup_stable_decay: flat steps (default: what warm-up and decay leave of the total).
+    pub num_stable_steps: Option<usize>,
+    /// warmup_stable_decay: linear (default), cosine or 1-sqrt.
+    pub warmup_type: Option<String>,
+    /// warmup_stable_decay: cosine (default), linear or 1-sqrt.
+    pub decay_type: Option<String>,
+    /// warmup_stable_decay: the floor as a fraction of the peak (0).
+    pub min_lr_ratio: Option<f64>,
+}
+
+impl ScheduleKwargs {
+    /// The keys given, with transformers' names.
+    fn given(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        let mut add = |set: bool, name| {
+            if set {
+                out.push(name);
+            }
+        };
+        add(self.num_cycles.is_some(), "num_cycles");
+        add(self.lr_end.is_some(), "lr_end");
+        add(self.power.is_some(), "power");
+        add(self.timescale.is_some(), "timescale");
+        add(self.min_lr.is_some(), "min_lr");
+        add(self.min_lr_rate.is_some(), "min_lr_rate");
+        add(self.num_decay_steps.is_some(), "num_decay_steps");
+        add(self.num_stable_steps.is_some(), "num_stable_steps");
+        add(self.warmup_type.is_some(), "warmup_type");
+        add(self.decay_type.is_some(), "decay_type");
+        add(self.min_lr_ratio.is_some(), "min_lr_ratio");
+        out
+    }
+}
+
+/// The three curves of warmup_stable_decay.
+fn wsd_curve(name: &str, progress: f64, warmup: bool) -> f64 {
+    use std::f64::consts::PI;
+    match (name, warmup) {
+        ("cosine", true) => 0.5 * (1.0 - (PI * progress).cos()),
+        ("1-sqrt", true) => 1.0 - (1.0 - progress).sqrt(),
+        ("linear", true) => progress,
+        ("linear", false) => 1.0 - progress,
+        ("1-sqrt", false) => 1.0 - progress.sqrt(),
+        _ => f64::NAN, // "cosine" decay is computed by the caller (it takes num_cycles)
+    }
 }
 
 impl Schedule {
-    /// The learning rate for optimizer step `step` (0-based), as the HF `LambdaLR` gives it.
-    pub fn lr_at(&self, step: usize) -> f64 {
-        let s = step as f64;
-        if step < self.warmup {
-            return self.lr * s / (self.warmup.max(1) as f64);
+    /// Checks `kwargs` against the shape and the peak learning rate, naming the key to fix.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let k = &self.kwargs;
+        let takes: &[&str] = match self.kind {
+            ScheduleKind::Constant | ScheduleKind::ConstantWithWarmup | ScheduleKind::Linear => &[],
+            ScheduleKind::Cosine | ScheduleKind::CosineWithRestarts => &["num_cycles"],
+            ScheduleKind::Polynomial => &["lr_end", "power"],
+            ScheduleKind::InverseSqrt => &["timescale"],
+            ScheduleKind::CosineWithMinLr => &["num_cycles", "min_lr", "min_lr_rate"],
+            ScheduleKind::WarmupStableDecay => &[
+                "num_decay_steps",
+                "num_stable_steps",
+                "warmup_type",
+                "decay_type",
+                "min_lr_ratio",
+                "num_cycles",
+            ],
+        };
+        if let Some(bad) = k.given().into_iter().find(|g| !takes.contains(g)) {
+            return Err(format!(
+                "`optim.lr_scheduler_kwargs.{bad}` does not apply to lr_scheduler_type = \"{}\"{}",
+                self.kind.as_str(),
+                match takes.is_empty() {
+                    true => " (it takes no kwargs)".to_string(),
+                    false => format!(" (it takes {})", takes.join(", ")),
+                }
+            ));
         }
-        let span = (self.total.saturating_sub(self.warmup)).max(1) as f64;
-        let progress = (s - self.warmup as f64) / span;
+        if self.kind == ScheduleKind::Constant && self.warmup > 0 {
+            return Err(
+                "`optim.lr_scheduler_type = \"constant\"` has no warm-up (as in \
+                        transformers, which ignores it): use \"constant_with_warmup\", or set \
+                        `warmup_ratio` and `warmup_steps` to 0"
+                    .into(),
+            );
+        }
+        match self.kind {
+            ScheduleKind::Polynomial => {
+                let end = k.lr_end.unwrap_or(1e-7);
+                if end >= self.lr {
+                    return Err(format!(
+                        "`optim.lr_scheduler_kwargs.lr_end` ({end}) must be below the learning rate ({})",
+                        self.lr
+                    ));
+                }
+            }
+            ScheduleKind::CosineWithMinLr => {
+                match (k.min_lr, k.min_lr_rate) {
+                    (Some(_), Some(_)) => {
+                        return Err("`optim.lr_scheduler_kwargs`: set one of min_lr and min_lr_rate, not both".into());
+                    }
+                    (None, None) => {
+                        return Err("lr_scheduler_type = \"cosine_with_min_lr\" needs \
+                                `optim.lr_scheduler_kwargs.min_lr` or `min_lr_rate`"
+                            .into());
+                    }
+                    _ => {}
+                }
+            }
+            ScheduleKind::WarmupStableDecay => {
+                if k.num_decay_steps.is_none() {
+                    return Err("lr_scheduler_type = \"warmup_stable_decay\" needs \
+                                `optim.lr_scheduler_kwargs.num_decay_steps`"
+                        .into());
+                }
+                for (key, v) in [
+                    ("warmup_type", &k.warmup_type),
+                    ("decay_type", &k.decay_type),
+                ] {
+                    if let Some(v) = v
+                        && !["linear", "cosine", "1-sqrt"].contains(&v.as_str())
+                    {
+                        return Err(format!(
+                            "`optim.lr_scheduler_kwargs.{key}` must be linear, cosine or 1-sqrt, got {v:?}"
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The learning rate for optimizer step `step` (0-based), as the HF `LambdaLR` of
+    /// `transformers.get_scheduler(kind, warmup, total, **kwargs)` gives it.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        use std::f64::consts::PI;
+        let s = step as f64;
+        let k = &self.kwargs;
+        let (w, total) = (self.warmup as f64, self.total as f64);
+        let ramp = || s / w.max(1.0);
+        let span = (total - w).max(1.0);
+        let progress = (s - w) / span;
+        let cosine = |cycles: f64| 0.5 * (1.0 + (PI * cycles * 2.0 * progress).cos());
         let f = match self.kind {
             ScheduleKind::Constant => 1.0,
-            ScheduleKind::Linear => ((self.total as f64 - s) / span).max(0.0),
-            ScheduleKind::Cosine => {
-                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+            _ if self.kind != ScheduleKind::WarmupStableDecay && step < self.warmup => ramp(),
+            ScheduleKind::ConstantWithWarmup => 1.0,
+            ScheduleKind::Linear => ((total - s) / span).max(0.0),
+            ScheduleKind::Cosine => cosine(k.num_cycles.unwrap_or(0.5)).max(0.0),
+            ScheduleKind::CosineWithRestarts => {
+                if progress >= 1.0 {
+                    0.0
+                } else {
+                    let cycles = k.num_cycles.unwrap_or(1.0).trunc();
+                    (0.5 * (1.0 + (PI * ((cycles * progress) % 1.0)).cos())).max(0.0)
+                }
+            }
+            ScheduleKind::Polynomial => {
+                let end = k.lr_end.unwrap_or(1e-7);
+                if s > total {
+                    end / self.lr
+                } else {
+                    let remaining = 1.0 - (s - w) / (total - w).max(1.0);
+                    ((self.lr - end) * remaining.powf(k.power.unwrap_or(1.0)) + end) / self.lr
+                }
+            }
+            ScheduleKind::InverseSqrt => {
+                let t = k
+                    .timescale
+                    .unwrap_or(if self.warmup > 0 { self.warmup } else { 10_000 })
+                    as f64;
+                1.0 / ((s + t - w) / t).sqrt()
+            }
+            ScheduleKind::CosineWithMinLr => {
+                let rate = k
+                    .min_lr_rate
+                    .unwrap_or_else(|| k.min_lr.unwrap_or(0.0) / self.lr);
+                (cosine(k.num_cycles.unwrap_or(0.5)) * (1.0 - rate) + rate).max(0.0)
+            }
+            ScheduleKind::WarmupStableDecay => {
+                let decay = k.num_decay_steps.unwrap_or(0);
+                let stable = k
+                    .num_stable_steps
+                    .unwrap_or_else(|| self.total.saturating_sub(self.warmup + decay));
+                let floor = k.min_lr_ratio.unwrap_or(0.0);
+                let warm = k.warmup_type.as_deref().unwrap_or("linear");
+                let down = k.decay_type.as_deref().unwrap_or("cosine");
+                if step < self.warmup {
+                    let p = ramp();
+                    (wsd_curve(warm, p, true) * (1.0 - floor) + floor).max(0.0)
+                } else if step < self.warmup + stable {
+                    1.0
+                } else if step < self.warmup + stable + decay {
+                    let p = (s - w - stable as f64) / (decay.max(1) as f64);
+                    let c = match down {
+                        "cosine" => {
+                            0.5 * (1.0 + (PI * k.num_cycles.unwrap_or(0.5) * 2.0 * p).cos())
+                        }
+                        other => wsd_curve(other, p, false),
+                    };
+                    (c * (1.0 - floor) + floor).max(0.0)
+                } else {
+                    floor
+                }
             }
         };
         self.lr * f
@@ -402,6 +643,7 @@ mod tests {
             lr: 1.0,
             warmup: 2,
             total: 10,
+            kwargs: ScheduleKwargs::default(),
         };
         let got: Vec<f64> = (0..11).map(|s| lin.lr_at(s)).collect();
         let want = [
@@ -412,7 +654,7 @@ mod tests {
         }
         let cos = Schedule {
             kind: ScheduleKind::Cosine,
-            ..lin
+            ..lin.clone()
         };
         let want_cos = [
             0.0,
@@ -431,11 +673,131 @@ mod tests {
             assert!((cos.lr_at(s) - b).abs() < 1e-12, "cosine at {s}");
         }
         let c = Schedule {
-            kind: ScheduleKind::Constant,
-            ..lin
+            kind: ScheduleKind::ConstantWithWarmup,
+            ..lin.clone()
         };
         assert_eq!(c.lr_at(1), 0.5);
         assert_eq!(c.lr_at(9), 1.0);
+    }
+
+    /// The other transformers shapes, at steps where their formulas give round values.
+    #[test]
+    fn every_transformers_schedule_shape() {
+        let at = |kind, warmup, total, kwargs: ScheduleKwargs, steps: &[usize]| -> Vec<f64> {
+            let s = Schedule {
+                kind,
+                lr: 2.0,
+                warmup,
+                total,
+                kwargs,
+            };
+            s.validate().unwrap();
+            steps.iter().map(|&t| s.lr_at(t)).collect()
+        };
+        let close = |got: Vec<f64>, want: &[f64], what: &str| {
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() < 1e-12, "{what}: {got:?} vs {want:?}");
+            }
+        };
+        let kw = ScheduleKwargs::default;
+        // constant: no warm-up at all.
+        close(
+            at(ScheduleKind::Constant, 0, 10, kw(), &[0, 5, 10]),
+            &[2.0; 3],
+            "constant",
+        );
+        // cosine with 1 cycle: back to the peak at the end.
+        let one = ScheduleKwargs {
+            num_cycles: Some(1.0),
+            ..kw()
+        };
+        close(
+            at(ScheduleKind::Cosine, 0, 8, one.clone(), &[0, 2, 4, 6, 8]),
+            &[2.0, 1.0, 0.0, 1.0, 2.0],
+            "cosine 1 cycle",
+        );
+        // cosine with 2 hard restarts over 8 steps after 2 of warm-up: peaks at 2 and 6.
+        let two = ScheduleKwargs {
+            num_cycles: Some(2.0),
+            ..kw()
+        };
+        close(
+            at(
+                ScheduleKind::CosineWithRestarts,
+                2,
+                10,
+                two,
+                &[1, 2, 4, 6, 8, 10, 11],
+            ),
+            &[1.0, 2.0, 1.0, 2.0, 1.0, 0.0, 0.0],
+            "cosine_with_restarts",
+        );
+        // polynomial, power 2, lr_end 0.5: (2 − 0.5)·r² + 0.5 with r the remaining fraction.
+        let poly = ScheduleKwargs {
+            power: Some(2.0),
+            lr_end: Some(0.5),
+            ..kw()
+        };
+        close(
+            at(ScheduleKind::Polynomial, 2, 6, poly, &[1, 2, 4, 6, 9]),
+            &[1.0, 2.0, 1.5 * 0.25 + 0.5, 0.5, 0.5],
+            "polynomial",
+        );
+        // inverse_sqrt, warm-up 4 (the time scale): 1/sqrt(step/4) after it.
+        close(
+            at(ScheduleKind::InverseSqrt, 4, 100, kw(), &[2, 4, 16, 36]),
+            &[1.0, 2.0, 1.0, 2.0 / 3.0],
+            "inverse_sqrt",
+        );
+        // cosine_with_min_lr: half a cosine from 2 down to min_lr 0.5.
+        let floor = ScheduleKwargs {
+            min_lr: Some(0.5),
+            ..kw()
+        };
+        close(
+            at(ScheduleKind::CosineWithMinLr, 0, 4, floor, &[0, 2, 4]),
+            &[2.0, 1.25, 0.5],
+            "cosine_with_min_lr",
+        );
+        // warmup_stable_decay: 2 warm-up (linear from the floor), 3 flat, 4 linear decay to 0.25·peak.
+        let wsd = ScheduleKwargs {
+            num_decay_steps: Some(4),
+            decay_type: Some("linear".into()),
+            min_lr_ratio: Some(0.25),
+            ..kw()
+        };
+        close(
+            at(
+                ScheduleKind::WarmupStableDecay,
+                2,
+                9,
+                wsd,
+                &[0, 1, 2, 4, 5, 7, 9, 12],
+            ),
+            &[0.5, 1.25, 2.0, 2.0, 2.0, 1.25, 0.5, 0.5],
+            "warmup_stable_decay",
+        );
+        // What does not fit is refused, naming the key.
+        let bad = |kind, warmup, kwargs| {
+            Schedule {
+                kind,
+                lr: 1.0,
+                warmup,
+                total: 10,
+                kwargs,
+            }
+            .validate()
+            .unwrap_err()
+        };
+        assert!(bad(ScheduleKind::Linear, 0, one.clone()).contains("num_cycles"));
+        assert!(bad(ScheduleKind::Constant, 3, kw()).contains("constant_with_warmup"));
+        assert!(bad(ScheduleKind::CosineWithMinLr, 0, kw()).contains("min_lr"));
+        assert!(bad(ScheduleKind::WarmupStableDecay, 0, kw()).contains("num_decay_steps"));
+        let end = ScheduleKwargs {
+            lr_end: Some(1.0),
+            ..kw()
+        };
+        assert!(bad(ScheduleKind::Polynomial, 0, end).contains("lr_end"));
     }
 
     #[test]

@@ -121,6 +121,7 @@ impl Learner {
                 lr: o.learning_rate,
                 warmup,
                 total: total_updates,
+                kwargs: o.lr_scheduler_kwargs.clone(),
             },
             reward_weights: setup.rewards.weights(),
             state: TrainerState {
