@@ -1044,3 +1044,53 @@ fn steps_per_generation_splits_a_batch_into_updates() {
         assert!(format!("{e:#}").contains(needle), "{set}: {e:#}");
     }
 }
+
+/// TRL's `cast_lm_head_to_fp32` on a bf16 model: the head trains in f32 beside bf16 layers
+/// (the checkpoint holds it in f32), a synced reference keeps it, and resume is exact.
+#[test]
+fn an_f32_head_on_a_bf16_model_trains_syncs_and_resumes() {
+    let f = fixture();
+    let extra = "[reference]\nbeta = 0.04\nsync_ref_model = true\nref_model_sync_steps = 2\n";
+    let with_head = |out: &str| {
+        let mut c = base_config(&f.root, out, extra);
+        c.model.dtype = grpo_rollout::Dtype::Bf16;
+        c.model.cast_lm_head_to_fp32 = true;
+        c
+    };
+    let straight = run(with_head("f32head"), RunOptions::default());
+    assert!(straight.metrics.iter().all(|m| m["loss"].is_finite()));
+    let mut cfg = with_head("f32head-parts");
+    cfg.train.save_steps = 0;
+    let part1 = run(
+        cfg.clone(),
+        RunOptions {
+            stop_after: Some(2),
+            ..Default::default()
+        },
+    );
+    let part2 = run(
+        cfg,
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    let mut joined = part1.metrics.clone();
+    joined.extend(part2.metrics);
+    assert_same(&straight.metrics, &joined);
+    let saved = candle_core::safetensors::load(
+        f.root
+            .join("f32head/checkpoints/step-4/model/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let head = saved
+        .get("lm_head.weight")
+        .or_else(|| saved.get("model.embed_tokens.weight"))
+        .unwrap();
+    assert_eq!(head.dtype(), candle_core::DType::F32);
+    assert_eq!(
+        saved["model.layers.0.mlp.up_proj.weight"].dtype(),
+        candle_core::DType::BF16
+    );
+}

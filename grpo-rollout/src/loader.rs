@@ -123,7 +123,8 @@ pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedMo
     })
 }
 
-/// Writes a Hugging Face directory: `config.json`, `model.safetensors` (in `dtype`),
+/// Writes a Hugging Face directory: `config.json`, `model.safetensors` (in `dtype`; an f32
+/// head of a half-precision model stays f32),
 /// `generation_config.json`, `tokenizer.json`, `tokenizer_config.json` (with the chat
 /// template) and `chat_template.jinja`. LoRA adapters, if any, must be merged first.
 pub fn save_hf_dir(
@@ -175,10 +176,24 @@ pub fn save_hf_dir(
             "bos_token_id": cfg.bos_token_id,
         }),
     )?;
+    // An f32 head beside half-precision layers (`cast_head_to_f32`) is saved in f32, as
+    // transformers saves a model whose lm_head was cast.
+    let head = match model.lm_head {
+        Some(_) => "lm_head.weight",
+        None => "model.embed_tokens.weight",
+    };
+    let cast_head = model.head().dtype() == DType::F32 && model.dtype() != DType::F32;
     let tensors: HashMap<String, Tensor> = model
         .weights()
         .into_iter()
-        .map(|(k, t)| Ok((k, t.detach().to_dtype(dtype)?.to_device(&Device::Cpu)?)))
+        .map(|(k, t)| {
+            let dt = if cast_head && k == head {
+                DType::F32
+            } else {
+                dtype
+            };
+            Ok((k, t.detach().to_dtype(dt)?.to_device(&Device::Cpu)?))
+        })
         .collect::<Result<_>>()?;
     let st = dir.join("model.safetensors");
     candle_core::safetensors::save(&tensors, &st).map_err(|e| io_err(&st, e))?;

@@ -874,6 +874,25 @@ impl Transformer {
         Self::build(cfg, &|name| weights.get(name).cloned(), dtype, device)
     }
 
+    /// [`Self::from_weights`] in `like`'s config, dtypes and device: the weights of a model
+    /// built from another's (trainable copies, a synced reference) keep an f32 head
+    /// ([`Self::cast_head_to_f32`]) in f32.
+    pub fn from_weights_like(like: &Transformer, weights: &WeightMap) -> Result<Self> {
+        let mut m = Self::from_weights(&like.cfg, weights, like.dtype(), like.device())?;
+        let dt = like.head().dtype();
+        if m.head().dtype() != dt {
+            let name = match like.lm_head {
+                Some(_) => "lm_head.weight",
+                None => "model.embed_tokens.weight",
+            };
+            let t = weights
+                .get(name)
+                .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
+            m.replace_head(t.to_dtype(dt)?.to_device(like.device())?)?;
+        }
+        Ok(m)
+    }
+
     /// [`Self::from_weights`] that consumes the map: each weight is let go of as the model
     /// takes it, so packing a layer's projections frees the separate tensors as it goes (a load
     /// needs the model's memory plus one layer's, not twice the projections).
@@ -1269,9 +1288,54 @@ impl Transformer {
         }
     }
 
-    /// Weight dtype.
+    /// Weight dtype (of the layers: the output head may be f32 beside them, see
+    /// [`Self::cast_head_to_f32`]).
     pub fn dtype(&self) -> DType {
-        self.embed_tokens.dtype()
+        self.norm.weight.dtype()
+    }
+
+    /// TRL's `cast_lm_head_to_fp32` (the ScaleRL recipe): the output head kept and computed in
+    /// f32 — its weight converted once, the hidden states converted before each product — so
+    /// the logits and log-probs of a half-precision model are formed in f32, in generation and
+    /// in training alike. A tied head converts the shared embedding, whose lookups return the
+    /// model's dtype. Trainable models take their variables from the converted weight, so a
+    /// full fine-tuning run updates an f32 head. No-op for an f32 (or f64) model.
+    pub fn cast_head_to_f32(&mut self) -> Result<()> {
+        if matches!(self.dtype(), DType::F32 | DType::F64) {
+            return Ok(());
+        }
+        match &mut self.lm_head {
+            Some(h) => *h = h.to_dtype(DType::F32)?,
+            None => self.embed_tokens = self.embed_tokens.to_dtype(DType::F32)?,
+        }
+        Ok(())
+    }
+
+    /// Replaces the output head's weight (the embedding when tied), keeping the given tensor's
+    /// dtype: e.g. an f32 head computed outside the model.
+    pub fn replace_head(&mut self, head: Tensor) -> Result<()> {
+        if head.dims() != self.head().dims() {
+            bail!(
+                "replace_head: shape {:?}, the head's is {:?}",
+                head.dims(),
+                self.head().dims()
+            );
+        }
+        match &mut self.lm_head {
+            Some(h) => *h = head,
+            None => self.embed_tokens = head,
+        }
+        Ok(())
+    }
+
+    /// Hidden rows in the head's dtype (f32 when the head was cast, else unchanged).
+    fn for_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let dt = self.head().dtype();
+        if hidden.dtype() == dt {
+            Ok(hidden.clone())
+        } else {
+            hidden.to_dtype(dt)
+        }
     }
 
     /// Device of the weights.
@@ -1354,6 +1418,10 @@ impl Transformer {
         let mut x = self
             .embed_tokens
             .index_select(&input_ids.flatten_all()?, 0)?;
+        if x.dtype() != dtype {
+            // A tied head cast to f32 (`cast_head_to_f32`): lookups keep the model's dtype.
+            x = x.to_dtype(dtype)?;
+        }
         if let Kv::Cache(cache) = &mut kv {
             // A pass over a KV cache has no graph: each residual add runs with the norm after it.
             let Some(first) = self.layers.first() else {
@@ -1407,6 +1475,7 @@ impl Transformer {
 
     /// Logits `(N, V)` of hidden states `(N, H)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        let hidden = &self.for_head(hidden)?;
         if self.decoding && hidden.dim(0)? <= DECODE_ROWS {
             self.head()
                 .matmul(&hidden.t()?.contiguous()?)?
@@ -1548,7 +1617,7 @@ impl Transformer {
         let mut start = 0;
         while start < total {
             let n = rows.min(total - start);
-            let hc = h.narrow(0, start, n)?;
+            let hc = self.for_head(&h.narrow(0, start, n)?)?;
             let tg = targets.narrow(0, start, n)?;
             if grpo_core::fused::path(&hc) == Path::Recompute && !self.decoding {
                 // Head, log-softmax and entropy as one node that keeps only the hidden rows:

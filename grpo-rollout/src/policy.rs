@@ -36,7 +36,7 @@ impl TrainableModel {
             map.insert(name.clone(), v.as_tensor().clone());
             vars.push((name, v));
         }
-        let model = Transformer::from_weights(&base.cfg, &map, base.dtype(), base.device())?;
+        let model = Transformer::from_weights_like(base, &map)?;
         Ok(Self {
             model,
             vars,

@@ -1021,6 +1021,72 @@ fn log_sum_sq_probs_equal_the_full_softmax() {
     }
 }
 
+/// TRL's `cast_lm_head_to_fp32`: a bf16 model's head kept and computed in f32 — logits are the
+/// f32 product of the (bf16) hidden states and the f32 head, tied or not; a trainable copy
+/// keeps the f32 head as its variable and trains it; decoding copies keep it.
+#[test]
+fn an_f32_head_beside_bf16_layers() {
+    let (rows, t) = batch();
+    let (ids, mask) = padded(&rows);
+    for untied in [true, false] {
+        let mut m = model(Arch::Qwen2, DType::BF16, untied);
+        m.cast_head_to_f32().unwrap();
+        assert_eq!((m.dtype(), m.head().dtype()), (DType::BF16, DType::F32));
+        let hidden = m.forward_padded(&ids, &mask).unwrap();
+        assert_eq!(
+            hidden.dtype(),
+            DType::BF16,
+            "the embedding lookup keeps the layers' dtype"
+        );
+        let (b, l, h) = hidden.dims3().unwrap();
+        let rows_h = hidden.reshape((b * l, h)).unwrap();
+        let logits = m.logits(&rows_h).unwrap();
+        assert_eq!(logits.dtype(), DType::F32);
+        let want = rows_h
+            .to_dtype(DType::F32)
+            .unwrap()
+            .matmul(&m.head().t().unwrap())
+            .unwrap();
+        let d: f32 = (&logits - &want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        assert!(d < 1e-5, "untied={untied}: {d}");
+        // The same logits from a decoding copy (few-row products as head · hᵀ).
+        let dec = m.for_decoding().unwrap();
+        let few = rows_h.narrow(0, 0, 3).unwrap();
+        let a: Vec<Vec<f32>> = dec.logits(&few).unwrap().to_vec2().unwrap();
+        let w: Vec<Vec<f32>> = want.narrow(0, 0, 3).unwrap().to_vec2().unwrap();
+        for (x, y) in a.iter().flatten().zip(w.iter().flatten()) {
+            assert!((x - y).abs() < 1e-4, "decoding copy: {x} vs {y}");
+        }
+        // A trainable copy: the head variable is f32 and gets an f32 gradient.
+        let tm = TrainableModel::full(&m).unwrap();
+        assert_eq!(tm.model.head().dtype(), DType::F32);
+        let (lp, _) = tm
+            .model
+            .completion_logprobs(&ids, &mask, t, 1.0, false)
+            .unwrap();
+        assert_eq!(lp.dtype(), DType::F32);
+        let g = lp.sum_all().unwrap().backward().unwrap();
+        let name = if untied {
+            "lm_head.weight"
+        } else {
+            "model.embed_tokens.weight"
+        };
+        let (_, v) = tm.vars.iter().find(|(n, _)| n == name).unwrap();
+        assert_eq!(v.dtype(), DType::F32);
+        let gh = g.get(v.as_tensor()).expect("a gradient for the f32 head");
+        assert_eq!(gh.dtype(), DType::F32);
+        let norm: f32 = gh.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+        assert!(norm > 0.0);
+    }
+}
+
 /// Merging LoRA into a decoding copy (which keeps transposed weights for few-row products)
 /// gives the adapted model's outputs: no transpose of an old weight survives the merge.
 #[test]

@@ -163,7 +163,6 @@ impl Learner {
     /// Restores weights, optimizer, reference and state from a checkpoint.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let state = read_state(dir)?;
-        let dtype = self.policy.model.dtype();
         let weights: HashMap<String, Tensor> = match &self.policy.lora {
             Some(_) => {
                 let p = dir.join("adapter").join("adapter_model.safetensors");
@@ -199,7 +198,8 @@ impl Learner {
                     var.dims()
                 );
             }
-            var.set(&t.to_dtype(dtype)?)?;
+            // Each variable keeps its own dtype (an f32 head beside bf16 layers).
+            var.set(&t.to_dtype(var.dtype())?)?;
         }
         // Tied heads: the model shares the embedding tensor with its var, so nothing else to do.
         self.opt.load(&dir.join(OPT_FILE))?;
@@ -209,12 +209,7 @@ impl Learner {
             let p = dir.join(REF_FILE);
             let map = candle_core::safetensors::load(&p, &self.device)
                 .with_context(|| format!("{}: cannot read", p.display()))?;
-            self.reference = Some(Transformer::from_weights(
-                &r.cfg,
-                &map,
-                r.dtype(),
-                r.device(),
-            )?);
+            self.reference = Some(Transformer::from_weights_like(r, &map)?);
         }
         self.state = TrainerState {
             max_steps: self.state.max_steps,

@@ -499,6 +499,10 @@ pub struct ModelSection {
     /// Extra variables for every chat template rendering (TRL's `chat_template_kwargs`,
     /// e.g. `{ enable_thinking = false }` for Qwen3).
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// TRL's `cast_lm_head_to_fp32` (the ScaleRL recipe): with a bf16 / f16 compute dtype, the
+    /// output head of the policy, the reference and the generator is kept and computed in f32
+    /// (`Transformer::cast_head_to_f32`). Default false.
+    pub cast_lm_head_to_fp32: bool,
 }
 
 impl Default for ModelSection {
@@ -509,6 +513,7 @@ impl Default for ModelSection {
             device: DeviceSpec::Cpu,
             lora: None,
             chat_template_kwargs: serde_json::Map::new(),
+            cast_lm_head_to_fp32: false,
         }
     }
 }

@@ -225,6 +225,11 @@ pub fn setup_with(
     let mut loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
     loaded.tokenizer.chat_template_kwargs = cfg.model.chat_template_kwargs.clone();
+    if cfg.model.cast_lm_head_to_fp32 {
+        // Before anything shares the weights: the policy, its reference, the generator's
+        // copies and the scorers all read this head.
+        loaded.model.cast_head_to_f32()?;
+    }
     let mut scoring = models(&loaded.model, &loaded.tokenizer)?;
     let policy_scorer = match scores_with_policy(&cfg) && scoring.policy.is_none() {
         true => {

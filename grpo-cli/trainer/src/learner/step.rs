@@ -47,12 +47,7 @@ impl Learner {
             let p = pw.get(&k).with_context(|| format!("policy has no `{k}`"))?;
             new_w.insert(k, ((p * alpha)? + (rw * (1.0 - alpha))?)?);
         }
-        self.reference = Some(Transformer::from_weights(
-            &reference.cfg,
-            &new_w,
-            reference.dtype(),
-            reference.device(),
-        )?);
+        self.reference = Some(Transformer::from_weights_like(reference, &new_w)?);
         Ok(())
     }
 }
