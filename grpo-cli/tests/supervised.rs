@@ -992,3 +992,42 @@ fn dpo_syncs_its_reference_as_tr_dpo() {
         "{e}"
     );
 }
+
+/// `model.chat_template_path` (TRL's `chat_template_path`): conversations render with the
+/// given Jinja template; a bad path stops the run before it starts, naming the key.
+#[test]
+fn chat_template_path_renders_the_rows() {
+    let dir = fixture(Arch::Qwen2);
+    let jinja = dir.path().join("plain.jinja");
+    std::fs::write(
+        &jinja,
+        "{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:\n{% endif %}",
+    )
+    .unwrap();
+    let conf = |path: &std::path::Path| {
+        let text = config_text(dir.path(), "tpl", "sft", 1, "")
+            .replace("sft.jsonl", "chat.jsonl")
+            .replace("[data]\n", "[data]\nprompt_field = \"messages\"\n")
+            .replace(
+                "[model]\n",
+                &format!("[model]\nchat_template_path = \"{}\"\n", path.display()),
+            );
+        let p = dir.path().join("tpl.toml");
+        std::fs::write(&p, text).unwrap();
+        trainer::setup(config::load(&p, &[]).unwrap())
+    };
+    let s = conf(&jinja).unwrap();
+    let samples = first_rows(&s.train, 1);
+    let r = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap()[0];
+    let ids: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
+    let text = s.tokenizer.decode(&ids, false).unwrap();
+    assert!(
+        text.starts_with("user:\nhi there\nassistant:\nhello friend\n"),
+        "{text:?}"
+    );
+    let e = format!("{:#}", conf(&dir.path().join("missing.jinja")).unwrap_err());
+    assert!(
+        e.contains("model.chat_template_path") && e.contains("missing.jinja"),
+        "{e}"
+    );
+}

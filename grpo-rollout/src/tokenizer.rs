@@ -204,6 +204,65 @@ impl Tokenizer {
         })
     }
 
+    /// TRL's `chat_template_path`: takes the chat template of `path` — a Jinja file, or a
+    /// Hugging Face model directory whose template and end-of-turn (EOS) token replace this
+    /// tokenizer's, as TRL's `clone_chat_template` does. TRL also adds the directory's special
+    /// tokens this vocabulary lacks and resizes the embeddings; that is not built, so a
+    /// directory whose special tokens are not all in this vocabulary is refused, naming them.
+    pub fn set_chat_template_from(&mut self, path: &Path) -> Result<()> {
+        if path.is_file() {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| err(format!("{}: {e}", path.display())))?;
+            ChatTemplate::new(&text, None, None).map_err(|e| {
+                err(format!(
+                    "{}: not a usable chat template: {e}",
+                    path.display()
+                ))
+            })?;
+            self.chat_template = Some(text);
+            return Ok(());
+        }
+        if !path.is_dir() {
+            return Err(err(format!(
+                "{}: no such file or directory",
+                path.display()
+            )));
+        }
+        let source = Self::from_hf_dir(path, &[])?;
+        let Some(template) = source.chat_template else {
+            return Err(err(format!("{}: has no chat template", path.display())));
+        };
+        let mut missing: Vec<String> = source
+            .inner
+            .get_added_tokens_decoder()
+            .values()
+            .map(|t| t.content.clone())
+            .filter(|c| self.inner.token_to_id(c).is_none())
+            .collect();
+        missing.sort();
+        if !missing.is_empty() {
+            return Err(err(format!(
+                "{}: its tokens {} are not in this model's vocabulary (TRL's clone_chat_template \
+                 adds them and resizes the embeddings; not built here): use a Jinja file written \
+                 with this model's tokens",
+                path.display(),
+                missing.join(", ")
+            )));
+        }
+        if let Some(eos) = &source.eos_token {
+            let id = self.inner.token_to_id(eos).ok_or_else(|| {
+                err(format!(
+                    "{}: its eos token {eos} is not in this model's vocabulary",
+                    path.display()
+                ))
+            })?;
+            self.eos_token = Some(eos.clone());
+            self.eos_token_ids = vec![id];
+        }
+        self.chat_template = Some(template);
+        Ok(())
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         Ok(self

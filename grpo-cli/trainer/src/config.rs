@@ -503,6 +503,9 @@ pub struct ModelSection {
     /// output head of the policy, the reference and the generator is kept and computed in f32
     /// (`Transformer::cast_head_to_f32`). Default false.
     pub cast_lm_head_to_fp32: bool,
+    /// TRL's `chat_template_path`: the chat template of a Jinja file, or of a model directory
+    /// (its template and EOS token), in place of the model's own. Absent: the model's.
+    pub chat_template_path: Option<PathBuf>,
 }
 
 impl Default for ModelSection {
@@ -514,6 +517,7 @@ impl Default for ModelSection {
             lora: None,
             chat_template_kwargs: serde_json::Map::new(),
             cast_lm_head_to_fp32: false,
+            chat_template_path: None,
         }
     }
 }

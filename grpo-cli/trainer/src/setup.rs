@@ -225,6 +225,12 @@ pub fn setup_with(
     let mut loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
     loaded.tokenizer.chat_template_kwargs = cfg.model.chat_template_kwargs.clone();
+    if let Some(p) = &cfg.model.chat_template_path {
+        loaded
+            .tokenizer
+            .set_chat_template_from(p)
+            .map_err(|e| anyhow!("`model.chat_template_path`: {e}"))?;
+    }
     if cfg.model.cast_lm_head_to_fp32 {
         // Before anything shares the weights: the policy, its reference, the generator's
         // copies and the scorers all read this head.
