@@ -77,6 +77,13 @@ fn setup(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) ->
     trainer::setup(config::load(&p, &[]).unwrap()).unwrap()
 }
 
+/// The one-line error of loading a config with `extra` (a name under the test directory).
+fn config_error(root: &Path, algorithm: &str, extra: &str) -> String {
+    let bad = root.join("bad.toml");
+    std::fs::write(&bad, config_text(root, "bad", algorithm, 1, extra)).unwrap();
+    format!("{:#}", config::load(&bad, &[]).unwrap_err())
+}
+
 fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_trainer::TrainingResult {
     trainer::run(s, opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
@@ -202,19 +209,11 @@ fn dpo_wpo_weights_the_first_step_by_the_policy_probabilities() {
     );
     assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
     // aot sorts the pairs: WPO's per-pair weights are refused, as in TRL.
-    let bad = dir.path().join("bad.toml");
-    std::fs::write(
-        &bad,
-        config_text(
-            dir.path(),
-            "bad",
-            "dpo",
-            1,
-            "[dpo]\nuse_weighting = true\nloss_type = \"aot\"",
-        ),
-    )
-    .unwrap();
-    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    let e = config_error(
+        dir.path(),
+        "dpo",
+        "[dpo]\nuse_weighting = true\nloss_type = \"aot\"",
+    );
     assert!(e.contains("use_weighting") && e.contains("aot"), "{e}");
 }
 
@@ -575,19 +574,7 @@ fn sft_packing_strategies() {
         "eval loss unpacked {a}, packed {b}"
     );
     // A strategy TRL does not have is refused, naming the choices.
-    let bad = dir.path().join("bad.toml");
-    std::fs::write(
-        &bad,
-        config_text(
-            dir.path(),
-            "bad",
-            "sft",
-            1,
-            "[sft]\npacking_strategy = \"ffd\"\n",
-        ),
-    )
-    .unwrap();
-    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    let e = config_error(dir.path(), "sft", "[sft]\npacking_strategy = \"ffd\"\n");
     assert!(e.contains("ffd") && e.contains("bfd_split"), "{e}");
 }
 
@@ -974,19 +961,11 @@ fn dpo_syncs_its_reference_as_tr_dpo() {
         fixed.metrics[1]
     );
     // A precomputed reference cannot follow the sync.
-    let bad = dir.path().join("bad.toml");
-    std::fs::write(
-        &bad,
-        config_text(
-            dir.path(),
-            "bad",
-            "dpo",
-            1,
-            &format!("{sync}[dpo]\nprecompute_ref_log_probs = true\n"),
-        ),
-    )
-    .unwrap();
-    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    let e = config_error(
+        dir.path(),
+        "dpo",
+        &format!("{sync}[dpo]\nprecompute_ref_log_probs = true\n"),
+    );
     assert!(
         e.contains("sync_ref_model") && e.contains("precompute_ref_log_probs"),
         "{e}"

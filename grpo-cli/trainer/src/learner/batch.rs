@@ -116,13 +116,7 @@ pub fn completion_logps(
     temperature: f64,
     with_entropy: bool,
 ) -> Result<(Tensor, Option<Tensor>, usize)> {
-    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
-    let c = completions
-        .iter()
-        .map(|x| x.len())
-        .max()
-        .unwrap_or(0)
-        .max(1);
+    let (p, c) = widths(prompts, completions);
     let b = prompts.len();
     let device = model.device();
     let mut distinct: Vec<&[u32]> = Vec::new();
@@ -189,6 +183,13 @@ pub fn completion_logps_and_sum_sq(
     Ok((lp, sum_sq, c))
 }
 
+/// The longest prompt and the longest completion (at least 1).
+fn widths(prompts: &[&[u32]], completions: &[&[u32]]) -> (usize, usize) {
+    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
+    let c = completions.iter().map(|x| x.len()).max().unwrap_or(0);
+    (p, c.max(1))
+}
+
 /// Each prompt left-padded to the longest, each completion right-padded to the longest after
 /// it: ids and attention mask `(B, P + C)`, and `C` (at least 1).
 fn padded_batch(
@@ -197,13 +198,7 @@ fn padded_batch(
     completions: &[&[u32]],
     device: &Device,
 ) -> Result<(Tensor, Tensor, usize)> {
-    let p = prompts.iter().map(|x| x.len()).max().unwrap_or(0);
-    let c = completions
-        .iter()
-        .map(|x| x.len())
-        .max()
-        .unwrap_or(0)
-        .max(1);
+    let (p, c) = widths(prompts, completions);
     let b = prompts.len();
     let mut ids = Vec::with_capacity(b * (p + c));
     let mut mask = Vec::with_capacity(b * (p + c));
