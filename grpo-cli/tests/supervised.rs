@@ -1010,3 +1010,94 @@ fn chat_template_path_renders_the_rows() {
         "{e}"
     );
 }
+
+/// Tokenisation as TRL 1.16's SFT and DPO trainers do it: plain text is tokenised as one
+/// string (prompt + completion + EOS, with the tokenizer's special tokens), so tokens merge
+/// across the boundary; the completion starts where the prompt alone and prompt + completion
+/// diverge — also when a chat template renders the prompt alone differently (an empty thought
+/// block after the generation prompt, as Gemma's and Qwen3's do).
+#[test]
+fn rows_are_tokenised_jointly_and_split_where_trl_splits_them() {
+    let dir = fixture(Arch::Qwen2);
+    let rows_of = |algorithm: &str, lines: &str, model_extra: &str| {
+        let file = dir.path().join(format!("{algorithm}-joint.jsonl"));
+        std::fs::write(&file, lines).unwrap();
+        let data = if algorithm == "dpo" {
+            "dpo.jsonl"
+        } else {
+            "sft.jsonl"
+        };
+        let text = config_text(dir.path(), "joint", algorithm, 1, "")
+            .replace(data, file.file_name().unwrap().to_str().unwrap())
+            .replace("[model]\n", &format!("[model]\n{model_extra}"));
+        let p = dir.path().join("joint.toml");
+        std::fs::write(&p, text).unwrap();
+        let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+        let samples = first_rows(&s.train, 1);
+        (
+            trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap(),
+            s.tokenizer,
+        )
+    };
+    // A prompt that ends with a space: " 4" is one word for the tokenizer when joined.
+    let (rows, tok) = rows_of(
+        "sft",
+        "{\"prompt\": \"What is 2 + 2? Answer: \", \"completion\": \"4\"}\n",
+        "",
+    );
+    let r = &rows[0];
+    let joint = tok
+        .encode("What is 2 + 2? Answer: 4<|im_end|>", true)
+        .unwrap();
+    let ids: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
+    assert_eq!(ids, joint);
+    let alone = tok.encode("What is 2 + 2? Answer: ", true).unwrap();
+    assert!(
+        alone.starts_with(&r.prompt),
+        "the prompt is a prefix of the prompt alone"
+    );
+    assert!(
+        r.prompt.len() < alone.len(),
+        "' 4' merges: the split moves back into the prompt"
+    );
+    assert_eq!(r.mask, vec![1; r.completion.len()]);
+    // DPO: both completions after the prompt both share.
+    let (rows, _) = rows_of(
+        "dpo",
+        "{\"prompt\": \"Pick: \", \"chosen\": \"yes\", \"rejected\": \"no\"}\n",
+        "",
+    );
+    let r = &rows[0];
+    let chosen: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
+    let rejected: Vec<u32> = r.prompt.iter().chain(&r.rejected).copied().collect();
+    assert_eq!(chosen, tok.encode("Pick: yes<|im_end|>", true).unwrap());
+    assert_eq!(rejected, tok.encode("Pick: no<|im_end|>", true).unwrap());
+    // A template whose generation prompt adds an empty thought block that the rendered
+    // conversation does not have: the completion starts where they diverge.
+    let jinja = dir.path().join("think.jinja");
+    std::fs::write(
+        &jinja,
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}",
+    )
+    .unwrap();
+    let conv = "{\"prompt\": [{\"role\": \"user\", \"content\": \"hi\"}], \"completion\": [{\"role\": \"assistant\", \"content\": \"hello\"}]}\n";
+    let (rows, tok) = rows_of(
+        "sft",
+        conv,
+        &format!("chat_template_path = \"{}\"\n", jinja.display()),
+    );
+    let r = &rows[0];
+    let full = tok
+        .encode(
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n",
+            false,
+        )
+        .unwrap();
+    let ids: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
+    assert_eq!(ids, full);
+    assert_eq!(
+        tok.decode(&r.completion, false).unwrap(),
+        "hello<|im_end|>\n",
+        "the completion starts after `assistant\\n`, where the two renderings part"
+    );
+}

@@ -135,25 +135,37 @@ fn truncated(mut r: Row, max: usize) -> Option<Row> {
     r.mask.contains(&1).then_some(r)
 }
 
+/// `text` ended by the tokenizer's EOS text (unless it ends with it already), tokenised with
+/// the tokenizer's special tokens: TRL's `add_eos` then `tokenizer(text=...)`.
 fn text_ids(tok: &grpo_rollout::Tokenizer, text: &str) -> Result<Vec<u32>> {
-    let mut ids = tok.encode(text, false)?;
-    if let Some(&eos) = tok.eos_token_ids.first() {
-        ids.push(eos);
+    Ok(tok.encode(&with_eos(tok, text), true)?)
+}
+
+/// `text` with the tokenizer's EOS text appended, as TRL's `add_eos` does.
+fn with_eos(tok: &grpo_rollout::Tokenizer, text: &str) -> String {
+    match tok.eos_token.as_deref() {
+        Some(eos) if !text.ends_with(eos) => format!("{text}{eos}"),
+        _ => text.to_string(),
     }
-    Ok(ids)
+}
+
+/// How many leading tokens `a` and `b` share (TRL's `common_prefix_length`).
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
-    let at = || format!("row {}", s.index);
     if cfg.algorithm == Algorithm::Dpo {
         let d = &cfg.dpo;
-        let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
-        let chosen = completion_ids(tok, s, &d.chosen_field)?;
-        let rejected = completion_ids(tok, s, &d.rejected_field)?;
+        let (prompt, chosen) = prompt_and_full(cfg, tok, s, &d.chosen_field)?;
+        let (_, rejected) = prompt_and_full(cfg, tok, s, &d.rejected_field)?;
+        // TRL: the completions start where the prompt alone and prompt + completion diverge.
+        let n = common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected));
+        let (chosen, rejected) = (chosen[n..].to_vec(), rejected[n..].to_vec());
         return Ok(Row {
             index: s.index,
             mask: vec![1; chosen.len()],
-            prompt,
+            prompt: prompt[..n].to_vec(),
             completion: chosen,
             rejected,
             segments: Vec::new(),
@@ -184,10 +196,11 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             (ids, Vec::new(), Vec::new())
         }
         true => {
-            let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
-            let completion = completion_ids(tok, s, &cfg.sft.completion_field)?;
+            let (prompt, full) = prompt_and_full(cfg, tok, s, &cfg.sft.completion_field)?;
+            let n = common_prefix(&prompt, &full);
+            let completion = full[n..].to_vec();
             let mask = vec![1; completion.len()];
-            (prompt, completion, mask)
+            (prompt[..n].to_vec(), completion, mask)
         }
         false => assistant_turns(tok, &s.prompt).with_context(|| {
             format!(
@@ -223,34 +236,55 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
     })
 }
 
-/// The token ids of a completion column: a string (EOS appended), or a conversation's
-/// continuation (e.g. `[{"role": "assistant", ...}]`) rendered after the conversational prompt
-/// with the chat template — the tokens the template adds after the prompt's generation prompt.
-fn completion_ids(tok: &grpo_rollout::Tokenizer, s: &Sample, field: &str) -> Result<Vec<u32>> {
-    match s.get(field) {
-        Some(grpo_data::Value::Messages(turns)) => {
-            let Prompt::Conversation(p) = &s.prompt else {
-                bail!(
-                    "row {}: `{field}` is a conversation but the prompt is plain text",
-                    s.index
-                );
+/// A row's prompt alone and its prompt followed by the completion column `field`, tokenised
+/// as TRL 1.16's SFT and DPO trainers do: plain text as one string (`prompt + completion +
+/// EOS`, with the tokenizer's special tokens), so tokens merge across the boundary as they do
+/// at inference; a conversation rendered with the chat template, the prompt with the
+/// generation prompt, prompt + completion (the `field` turns) without. The caller takes the
+/// completion from where the two diverge.
+fn prompt_and_full(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    s: &Sample,
+    field: &str,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let at = || format!("row {}", s.index);
+    match (&s.prompt, s.get(field)) {
+        (Prompt::Conversation(p), Some(grpo_data::Value::Messages(turns))) => {
+            let render = |msgs: &[grpo_data::Message], generation: bool| -> Result<Vec<u32>> {
+                let text = tok.apply_chat_template(&chat_messages(msgs), generation)?;
+                Ok(tok.encode(&text, false)?)
             };
-            let prefix = tok.encode(&tok.apply_chat_template(&chat_messages(p), true)?, false)?;
             let mut all = p.clone();
             all.extend(turns.iter().cloned());
-            let full = tok.encode(
-                &tok.apply_chat_template(&chat_messages(&all), false)?,
-                false,
-            )?;
-            if !full.starts_with(&prefix) || full.len() == prefix.len() {
+            let prompt = render(p, true).with_context(at)?;
+            let full = render(&all, false).with_context(at)?;
+            if common_prefix(&prompt, &full) == full.len() {
                 bail!(
-                    "row {}: the chat template does not render `{field}` as a continuation of the prompt",
+                    "row {}: the chat template renders nothing of `{field}` after the prompt",
                     s.index
                 );
             }
-            Ok(full[prefix.len()..].to_vec())
+            Ok((prompt, full))
         }
-        Some(v) if !v.is_null() => text_ids(tok, &v.as_text().unwrap_or_default()),
+        (Prompt::Text(_), Some(grpo_data::Value::Messages(_))) => bail!(
+            "row {}: `{field}` is a conversation but the prompt is plain text",
+            s.index
+        ),
+        (Prompt::Text(p), Some(v)) if !v.is_null() => {
+            let c = v.as_text().unwrap_or_default();
+            let prompt = tok.encode(p, true)?;
+            let full = tok.encode(&with_eos(tok, &format!("{p}{c}")), true)?;
+            Ok((prompt, full))
+        }
+        // A conversation prompt with a plain-text completion: the rendered prompt, then the
+        // completion's own tokens.
+        (Prompt::Conversation(_), Some(v)) if !v.is_null() => {
+            let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
+            let mut full = prompt.clone();
+            full.extend(text_ids(tok, &v.as_text().unwrap_or_default())?);
+            Ok((prompt, full))
+        }
         _ => bail!("row {}: column `{field}` is empty", s.index),
     }
 }
