@@ -763,6 +763,12 @@ fn sft_loss_masks_follow_trl_defaults() {
     for part in ["hi there", "hello friend", "and then?", "goodbye now"] {
         assert!(text.contains(part), "{part}: {text:?}");
     }
+    // As TRL renders it: the whole conversation, a trailing user turn too.
+    let trailing = r#"{"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "one more"}]}"#;
+    std::fs::write(dir.path().join("trailing.jsonl"), format!("{trailing}\n")).unwrap();
+    let (r, text) = rows_of("conv_trailing", "trailing.jsonl", "messages", "");
+    assert!(r.mask.iter().all(|&m| m == 1));
+    assert!(text.ends_with("one more<|im_end|>\n"), "{text:?}");
     // Prompt/completion: the completion alone by default, everything with the switch off.
     let (only, _) = rows_of("pc_only", "sft.jsonl", "prompt", "");
     assert!(only.prompt.len() > 1 && only.mask.iter().all(|&m| m == 1));

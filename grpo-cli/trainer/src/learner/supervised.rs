@@ -202,6 +202,21 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             let mask = vec![1; completion.len()];
             (prompt[..n].to_vec(), completion, mask)
         }
+        // A conversation trained on every token (TRL's default): the rendered conversation as
+        // it is; no turn boundaries are needed.
+        false if !cfg.sft.assistant_only_loss => {
+            let Prompt::Conversation(msgs) = &s.prompt else {
+                bail!(
+                    "row {}: no `{}` column and the prompt is not a conversation",
+                    s.index,
+                    cfg.sft.completion_field
+                );
+            };
+            let text = tok
+                .apply_chat_template(&chat_messages(msgs), false)
+                .with_context(|| format!("row {}", s.index))?;
+            (tok.encode(&text, false)?, Vec::new(), Vec::new())
+        }
         false => assistant_turns(tok, &s.prompt).with_context(|| {
             format!(
                 "row {}: no `{}` column and no conversation with assistant turns",
