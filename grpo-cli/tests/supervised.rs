@@ -1107,3 +1107,63 @@ fn rows_are_tokenised_jointly_and_split_where_trl_splits_them() {
         "the completion starts after `assistant\\n`, where the two renderings part"
     );
 }
+
+/// DPO data without a prompt column (TRL's implicit prompt, e.g. ultrafeedback_binarized):
+/// the prompt is the common beginning of `chosen` and `rejected`, found as TRL finds it, and
+/// the run trains as with an explicit prompt.
+#[test]
+fn dpo_rows_without_a_prompt_column_share_their_beginning() {
+    let dir = fixture(Arch::Qwen2);
+    let conv = |answer: &str| {
+        format!(
+            r#"[{{"role": "user", "content": "What color is the sky?"}}, {{"role": "assistant", "content": "{answer}"}}]"#
+        )
+    };
+    let lines: String = (0..4)
+        .map(|_| {
+            format!(
+                "{{\"chosen\": {}, \"rejected\": {}}}\n",
+                conv("It is blue."),
+                conv("It is green.")
+            )
+        })
+        .collect();
+    std::fs::write(dir.path().join("implicit.jsonl"), lines).unwrap();
+    let row = r#"{"prompt": [{"role": "user", "content": "What color is the sky?"}], "chosen": [{"role": "assistant", "content": "It is blue."}], "rejected": [{"role": "assistant", "content": "It is green."}]}"#;
+    let explicit = format!("{row}\n").repeat(4);
+    std::fs::write(dir.path().join("explicit.jsonl"), explicit).unwrap();
+    let setup_of = |name: &str, file: &str| {
+        let text = config_text(dir.path(), name, "dpo", 2, "").replace("dpo.jsonl", file);
+        let p = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap()
+    };
+    let (a, b) = (
+        setup_of("implicit", "implicit.jsonl"),
+        setup_of("explicit", "explicit.jsonl"),
+    );
+    let ra = trainer::supervised::rows(&a.cfg, &a.tokenizer, &first_rows(&a.train, 1)).unwrap();
+    let rb = trainer::supervised::rows(&b.cfg, &b.tokenizer, &first_rows(&b.train, 1)).unwrap();
+    assert_eq!(
+        (&ra[0].prompt, &ra[0].completion, &ra[0].rejected),
+        (&rb[0].prompt, &rb[0].completion, &rb[0].rejected)
+    );
+    let (x, y) = (
+        run(a, &RunOptions::default()),
+        run(b, &RunOptions::default()),
+    );
+    for (m, n) in x.metrics.iter().zip(&y.metrics) {
+        assert_eq!(m["loss"], n["loss"]);
+    }
+    // Without a prompt column and without both completion columns: the usual one-line error.
+    std::fs::write(dir.path().join("neither.jsonl"), "{\"chosen\": \"a\"}\n").unwrap();
+    let text =
+        config_text(dir.path(), "neither", "dpo", 1, "").replace("dpo.jsonl", "neither.jsonl");
+    let p = dir.path().join("neither.toml");
+    std::fs::write(&p, text).unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap_err()
+    );
+    assert!(e.contains("no prompt column"), "{e}");
+}

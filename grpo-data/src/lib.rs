@@ -11,7 +11,8 @@
 //!   its [`Position`] (serde) goes into a checkpoint and [`SampleStream::resume`] continues
 //!   with exactly the next sample. Memory is one shuffle window, never the whole file.
 //! - [`packing::pack`] packs token sequences into fixed-length rows as TRL's `pack_dataset` does
-//!   (best-fit decreasing, or wrapped).
+//!   (best-fit decreasing, or wrapped); [`preference::extract_prompt`] splits preference rows
+//!   without a prompt column as TRL does.
 //! - [`synth::ArithmeticConfig`] makes the built-in `arithmetic` data; [`write_batches`]
 //!   writes any format.
 //!
@@ -55,6 +56,7 @@ mod dataset;
 mod error;
 mod format;
 pub mod packing;
+pub mod preference;
 pub mod rng;
 mod sample;
 mod stream;

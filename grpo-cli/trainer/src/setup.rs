@@ -185,7 +185,7 @@ pub fn total_steps(cfg: &TrainConfig, rows: u64) -> usize {
 /// [`setup`] with the scoring models (for `inverse_loss`, `coverage_ce`, `reward_model`)
 /// built by `models` from the loaded policy and tokenizer.
 pub fn setup_with(
-    cfg: TrainConfig,
+    mut cfg: TrainConfig,
     models: impl FnOnce(&Transformer, &Tokenizer) -> Result<grpo_rewards::ScoringModels>,
 ) -> Result<Setup> {
     cfg.validate().map_err(|e| anyhow!("config: {e}"))?;
@@ -211,10 +211,21 @@ pub fn setup_with(
             eval: None,
         },
         false => {
-            let splits = cfg
-                .data
-                .open(cfg.train.seed)
-                .map_err(|e| anyhow!("data: {e}"))?;
+            let splits = match cfg.data.open(cfg.train.seed) {
+                // DPO data with the prompt inside `chosen` and `rejected` (TRL's implicit
+                // prompt): the rows are read by their `chosen` column and the prompt is their
+                // common beginning (see `learner::supervised`).
+                Err(grpo_data::DataError::NoPromptColumn { found, .. })
+                    if cfg.algorithm == Algorithm::Dpo
+                        && found.contains(&cfg.dpo.chosen_field)
+                        && found.contains(&cfg.dpo.rejected_field) =>
+                {
+                    cfg.data.prompt_field = cfg.dpo.chosen_field.clone();
+                    cfg.data.open(cfg.train.seed)
+                }
+                other => other,
+            }
+            .map_err(|e| anyhow!("data: {e}"))?;
             if splits.train.is_empty() {
                 bail!("data: {:?} has no rows", cfg.data.path);
             }

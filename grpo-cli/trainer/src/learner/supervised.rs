@@ -157,8 +157,21 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
     if cfg.algorithm == Algorithm::Dpo {
         let d = &cfg.dpo;
-        let (prompt, chosen) = prompt_and_full(cfg, tok, s, &d.chosen_field)?;
-        let (_, rejected) = prompt_and_full(cfg, tok, s, &d.rejected_field)?;
+        let (prompt, chosen, rejected) = match cfg.data.prompt_field == d.chosen_field {
+            // TRL's implicit prompt: the rows are read by `chosen`; the prompt is the common
+            // beginning of `chosen` and `rejected`.
+            true => implicit_prompt(s, &d.rejected_field)?,
+            false => (
+                s.prompt.clone(),
+                s.get(&d.chosen_field).cloned(),
+                s.get(&d.rejected_field).cloned(),
+            ),
+        };
+        let of = |v: Option<&grpo_data::Value>, field: &str| {
+            prompt_and_full(cfg, tok, s.index, &prompt, v, field)
+        };
+        let (prompt, chosen) = of(chosen.as_ref(), &d.chosen_field)?;
+        let (_, rejected) = of(rejected.as_ref(), &d.rejected_field)?;
         // TRL: the completions start where the prompt alone and prompt + completion diverge.
         let n = common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected));
         let (chosen, rejected) = (chosen[n..].to_vec(), rejected[n..].to_vec());
@@ -196,7 +209,9 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             (ids, Vec::new(), Vec::new())
         }
         true => {
-            let (prompt, full) = prompt_and_full(cfg, tok, s, &cfg.sft.completion_field)?;
+            let field = &cfg.sft.completion_field;
+            let (prompt, full) =
+                prompt_and_full(cfg, tok, s.index, &s.prompt, s.get(field), field)?;
             let n = common_prefix(&prompt, &full);
             let completion = full[n..].to_vec();
             let mask = vec![1; completion.len()];
@@ -260,11 +275,13 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
 fn prompt_and_full(
     cfg: &crate::config::TrainConfig,
     tok: &grpo_rollout::Tokenizer,
-    s: &Sample,
+    index: u64,
+    prompt: &Prompt,
+    completion: Option<&grpo_data::Value>,
     field: &str,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
-    let at = || format!("row {}", s.index);
-    match (&s.prompt, s.get(field)) {
+    let at = || format!("row {index}");
+    match (prompt, completion) {
         (Prompt::Conversation(p), Some(grpo_data::Value::Messages(turns))) => {
             let render = |msgs: &[grpo_data::Message], generation: bool| -> Result<Vec<u32>> {
                 let text = tok.apply_chat_template(&chat_messages(msgs), generation)?;
@@ -276,16 +293,14 @@ fn prompt_and_full(
             let full = render(&all, false).with_context(at)?;
             if common_prefix(&prompt, &full) == full.len() {
                 bail!(
-                    "row {}: the chat template renders nothing of `{field}` after the prompt",
-                    s.index
+                    "row {index}: the chat template renders nothing of `{field}` after the prompt"
                 );
             }
             Ok((prompt, full))
         }
-        (Prompt::Text(_), Some(grpo_data::Value::Messages(_))) => bail!(
-            "row {}: `{field}` is a conversation but the prompt is plain text",
-            s.index
-        ),
+        (Prompt::Text(_), Some(grpo_data::Value::Messages(_))) => {
+            bail!("row {index}: `{field}` is a conversation but the prompt is plain text")
+        }
         (Prompt::Text(p), Some(v)) if !v.is_null() => {
             let c = v.as_text().unwrap_or_default();
             let prompt = tok.encode(p, true)?;
@@ -295,13 +310,42 @@ fn prompt_and_full(
         // A conversation prompt with a plain-text completion: the rendered prompt, then the
         // completion's own tokens.
         (Prompt::Conversation(_), Some(v)) if !v.is_null() => {
-            let (_, prompt) = encode_prompt(tok, cfg, &s.prompt).with_context(at)?;
+            let (_, prompt) = encode_prompt(tok, cfg, prompt).with_context(at)?;
             let mut full = prompt.clone();
             full.extend(text_ids(tok, &v.as_text().unwrap_or_default())?);
             Ok((prompt, full))
         }
-        _ => bail!("row {}: column `{field}` is empty", s.index),
+        _ => bail!("row {index}: column `{field}` is empty"),
     }
+}
+
+/// TRL's implicit prompt for preference rows without a prompt column: the row was read by
+/// its chosen column (`s.prompt`); [`grpo_data::preference::extract_prompt`] splits chosen and
+/// rejected into the prompt they share and the completions.
+fn implicit_prompt(
+    s: &Sample,
+    rejected_field: &str,
+) -> Result<(Prompt, Option<grpo_data::Value>, Option<grpo_data::Value>)> {
+    use grpo_data::Value;
+    let rejected = match s.get(rejected_field) {
+        Some(Value::Messages(m)) => Prompt::Conversation(m.clone()),
+        Some(v) if !v.is_null() => Prompt::Text(v.as_text().unwrap_or_default()),
+        _ => bail!("row {}: column `{rejected_field}` is empty", s.index),
+    };
+    let Some((prompt, chosen, rejected)) =
+        grpo_data::preference::extract_prompt(&s.prompt, &rejected)
+    else {
+        bail!(
+            "row {}: without a prompt column, `chosen` and `{rejected_field}` must both be \
+             non-empty conversations or both non-empty strings",
+            s.index
+        );
+    };
+    let value = |p: Prompt| match p {
+        Prompt::Text(t) => Value::Str(t),
+        Prompt::Conversation(m) => Value::Messages(m),
+    };
+    Ok((prompt, Some(value(chosen)), Some(value(rejected))))
 }
 
 /// A conversation as (prompt before the first assistant turn, the rest, assistant-token mask):
