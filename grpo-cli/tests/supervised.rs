@@ -1167,3 +1167,24 @@ fn dpo_rows_without_a_prompt_column_share_their_beginning() {
     );
     assert!(e.contains("no prompt column"), "{e}");
 }
+
+/// SFT data in TRL's conversational (`messages`) and language-modelling (`text`) formats
+/// trains without naming the column, as TRL finds them.
+#[test]
+fn sft_finds_messages_and_text_columns_as_trl_does() {
+    let dir = fixture(Arch::Qwen2);
+    std::fs::write(
+        dir.path().join("text.jsonl"),
+        "{\"text\": \"the sky is blue\"}\n".repeat(4),
+    )
+    .unwrap();
+    for (file, column) in [("chat.jsonl", "messages"), ("text.jsonl", "text")] {
+        let text = config_text(dir.path(), column, "sft", 1, "").replace("sft.jsonl", file);
+        let p = dir.path().join(format!("{column}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+        assert_eq!(s.cfg.data.prompt_field, column);
+        let r = run(s, &RunOptions::default());
+        assert!(r.metrics[0]["loss"].is_finite());
+    }
+}

@@ -223,6 +223,19 @@ pub fn setup_with(
                     cfg.data.prompt_field = cfg.dpo.chosen_field.clone();
                     cfg.data.open(cfg.train.seed)
                 }
+                // SFT data in TRL's other two formats: conversations in `messages`, or
+                // language-modelling text in `sft.dataset_text_field`.
+                Err(grpo_data::DataError::NoPromptColumn { found, .. })
+                    if cfg.algorithm == Algorithm::Sft
+                        && (found.iter().any(|c| c == "messages")
+                            || found.contains(&cfg.sft.dataset_text_field)) =>
+                {
+                    cfg.data.prompt_field = match found.iter().any(|c| c == "messages") {
+                        true => "messages".to_string(),
+                        false => cfg.sft.dataset_text_field.clone(),
+                    };
+                    cfg.data.open(cfg.train.seed)
+                }
                 other => other,
             }
             .map_err(|e| anyhow!("data: {e}"))?;
