@@ -30,6 +30,8 @@ enum Command {
     Generate(model_cmd::GenerateArgs),
     /// Log-probs of a completion's tokens given a prompt.
     Logprobs(model_cmd::LogprobsArgs),
+    /// Render a conversation with a model's (or a file's) chat template, as transformers does.
+    ChatTemplate(model_cmd::ChatTemplateArgs),
     /// Write a random-weight model directory (byte-level BPE tokenizer, ChatML template).
     InitModel(model_cmd::InitModelArgs),
     /// Export a checkpoint as a Hugging Face model directory (LoRA adapters merged).
@@ -104,6 +106,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         }
         Some(Command::Generate(a)) => model_cmd::generate(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
+        Some(Command::ChatTemplate(a)) => model_cmd::chat_template(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),
         Some(Command::Export(a)) => model_cmd::export(a),
         Some(Command::Serve(a)) => model_cmd::serve(a),

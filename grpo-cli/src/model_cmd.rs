@@ -75,6 +75,43 @@ pub struct LogprobsArgs {
     json: bool,
 }
 
+/// `grpo-cli chat-template`.
+#[derive(Debug, Args)]
+pub struct ChatTemplateArgs {
+    /// A model directory: its tokenizer's chat template and special tokens (and `--ids`).
+    #[arg(
+        long,
+        conflicts_with = "template",
+        required_unless_present = "template"
+    )]
+    model: Option<PathBuf>,
+    /// A Jinja template file instead of a model's.
+    #[arg(long)]
+    template: Option<PathBuf>,
+    /// The conversation: a JSON list of `{role, content, ...}` messages, or `@FILE`.
+    #[arg(long)]
+    messages: String,
+    /// Tool schemas: a JSON list, or `@FILE`.
+    #[arg(long)]
+    tools: Option<String>,
+    /// Extra template variables: a JSON object, or `@FILE` (e.g. `{"enable_thinking": false}`).
+    #[arg(long)]
+    kwargs: Option<String>,
+    /// End with the generation prompt (the assistant's turn opened).
+    #[arg(long)]
+    add_generation_prompt: bool,
+    /// `bos_token` for the template (with `--template`; a model's own otherwise).
+    #[arg(long)]
+    bos_token: Option<String>,
+    /// `eos_token` for the template (with `--template`; a model's own otherwise).
+    #[arg(long)]
+    eos_token: Option<String>,
+    /// Print `{"text": ..., "generation_spans": [[start, end], ...]}` (byte offsets of the
+    /// `{% generation %}` blocks' output), and `"ids"` with `--model`.
+    #[arg(long)]
+    json: bool,
+}
+
 /// `grpo-cli init-model`.
 #[derive(Debug, Args)]
 pub struct InitModelArgs {
@@ -146,6 +183,73 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
             println!("{}", c.text);
         }
     }
+    Ok(())
+}
+
+/// A JSON argument, or `@FILE` holding it.
+fn json_arg(what: &str, arg: &str) -> Result<serde_json::Value> {
+    let text = match arg.strip_prefix('@') {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("--{what}: cannot read {path}"))?,
+        None => arg.to_string(),
+    };
+    serde_json::from_str(&text).with_context(|| format!("--{what}: not valid JSON"))
+}
+
+/// Renders a conversation with a chat template as transformers' `apply_chat_template` does
+/// (`{% generation %}` blocks reported as byte spans): to check a template, or a model's.
+pub fn chat_template(a: ChatTemplateArgs) -> Result<()> {
+    let messages: Vec<ChatMessage> = serde_json::from_value(json_arg("messages", &a.messages)?)
+        .context("--messages: a list of {role, content} messages")?;
+    let tools: Vec<serde_json::Value> = match &a.tools {
+        Some(t) => serde_json::from_value(json_arg("tools", t)?).context("--tools: a JSON list")?,
+        None => Vec::new(),
+    };
+    let kwargs = match &a.kwargs {
+        Some(k) => match json_arg("kwargs", k)? {
+            serde_json::Value::Object(m) => m,
+            _ => bail!("--kwargs: a JSON object"),
+        },
+        None => serde_json::Map::new(),
+    };
+    let tokenizer = match &a.model {
+        Some(dir) => Some(grpo_rollout::Tokenizer::from_hf_dir(dir, &[])?),
+        None => None,
+    };
+    let source = match (&a.template, &tokenizer) {
+        (Some(p), _) => std::fs::read_to_string(p)
+            .with_context(|| format!("--template: cannot read {}", p.display()))?,
+        (None, Some(t)) => t
+            .chat_template
+            .clone()
+            .with_context(|| "--model: the model has no chat template")?,
+        (None, None) => bail!("give --model or --template"),
+    };
+    let bos = a
+        .bos_token
+        .clone()
+        .or_else(|| tokenizer.as_ref()?.bos_token.clone());
+    let eos = a
+        .eos_token
+        .clone()
+        .or_else(|| tokenizer.as_ref()?.eos_token.clone());
+    let template =
+        grpo_rollout::tokenizer::ChatTemplate::new(&source, bos.as_deref(), eos.as_deref())?
+            .with_kwargs(&kwargs);
+    let (text, spans) =
+        template.render_tracked_with_tools(&messages, &tools, a.add_generation_prompt)?;
+    if !a.json {
+        print!("{text}");
+        return Ok(());
+    }
+    let mut out = serde_json::json!({
+        "text": text,
+        "generation_spans": spans.iter().map(|r| [r.start, r.end]).collect::<Vec<_>>(),
+    });
+    if let Some(t) = &tokenizer {
+        out["ids"] = serde_json::json!(t.encode(&text, false)?);
+    }
+    println!("{out}");
     Ok(())
 }
 

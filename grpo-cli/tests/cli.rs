@@ -357,3 +357,60 @@ fn check_self_test_passes_on_the_cpu() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dtype"));
 }
+
+/// `chat-template`: a model's template as `Tokenizer::apply_chat_template` renders it, the
+/// token ids, a file's template with its generation spans, and bad JSON named.
+#[test]
+fn chat_template_renders_a_models_and_a_files_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    let out = cli(&["init-model", "--out", model.to_str().unwrap()]);
+    assert!(out.status.success());
+    let msgs = r#"[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]"#;
+    let out = cli(&[
+        "chat-template",
+        "--model",
+        model.to_str().unwrap(),
+        "--messages",
+        msgs,
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tok = grpo_rollout::Tokenizer::from_hf_dir(&model, &[]).unwrap();
+    let want = tok
+        .apply_chat_template(
+            &serde_json::from_str::<Vec<grpo_rollout::ChatMessage>>(msgs).unwrap(),
+            false,
+        )
+        .unwrap();
+    assert_eq!(v["text"], want.as_str());
+    let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
+    assert_eq!(ids, tok.encode(&want, false).unwrap());
+    let file = dir.path().join("t.jinja");
+    std::fs::write(&file, "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}|{% endif %}{% endfor %}").unwrap();
+    let out = cli(&[
+        "chat-template",
+        "--template",
+        file.to_str().unwrap(),
+        "--messages",
+        msgs,
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["text"], "hi|hello");
+    assert_eq!(v["generation_spans"], serde_json::json!([[3, 8]]));
+    let out = cli(&[
+        "chat-template",
+        "--template",
+        file.to_str().unwrap(),
+        "--messages",
+        "[{",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--messages"));
+}

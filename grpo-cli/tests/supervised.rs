@@ -1188,3 +1188,46 @@ fn sft_finds_messages_and_text_columns_as_trl_does() {
         assert!(r.metrics[0]["loss"].is_finite());
     }
 }
+
+/// `assistant_only_loss` with a template that marks assistant output with `{% generation %}`
+/// (TRL's training templates): the loss tokens are exactly those the blocks produced, as
+/// transformers' `return_assistant_tokens_mask` marks them.
+#[test]
+fn assistant_only_loss_follows_generation_blocks() {
+    let dir = fixture(Arch::Qwen2);
+    let jinja = dir.path().join("train.jinja");
+    std::fs::write(
+        &jinja,
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}\n{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}",
+    )
+    .unwrap();
+    let text = config_text(dir.path(), "gen", "sft", 1, "")
+        .replace("sft.jsonl", "chat.jsonl")
+        .replace(
+            "[model]\n",
+            &format!("[model]\nchat_template_path = \"{}\"\n", jinja.display()),
+        )
+        + "\n[sft]\nmax_length = 512\nassistant_only_loss = true\n";
+    let p = dir.path().join("gen.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let r = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap()[0];
+    let kept: Vec<u32> = r
+        .completion
+        .iter()
+        .zip(&r.mask)
+        .filter(|(_, m)| **m == 1)
+        .map(|(t, _)| *t)
+        .collect();
+    assert_eq!(
+        s.tokenizer.decode(&kept, false).unwrap(),
+        "hello friend<|im_end|>goodbye now<|im_end|>"
+    );
+    let all: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
+    assert!(
+        s.tokenizer
+            .decode(&all, false)
+            .unwrap()
+            .starts_with("<|im_start|>user\nhi there")
+    );
+}

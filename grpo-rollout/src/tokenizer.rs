@@ -263,6 +263,31 @@ impl Tokenizer {
         Ok(())
     }
 
+    /// transformers' `apply_chat_template(messages, return_assistant_tokens_mask=True)` (TRL's
+    /// `assistant_only_loss`): the conversation rendered and tokenised, each token marked 1
+    /// when it carries text of a `{% generation %}` block. `None` when the template has no such
+    /// blocks.
+    pub fn assistant_tokens_mask(
+        &self,
+        messages: &[ChatMessage],
+    ) -> Result<Option<(Vec<u32>, Vec<u8>)>> {
+        let template = self.compile_chat_template()?;
+        if !template.tracks_generation() {
+            return Ok(None);
+        }
+        let (text, spans) = template.render_tracked(messages, false)?;
+        let enc = self
+            .inner
+            .encode(text.as_str(), false)
+            .map_err(|e| err(format!("tokenizer: {e}")))?;
+        let mask = enc
+            .get_offsets()
+            .iter()
+            .map(|&(a, b)| u8::from(spans.iter().any(|r| a < r.end && b > r.start)))
+            .collect();
+        Ok(Some((enc.get_ids().to_vec(), mask)))
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         Ok(self
@@ -341,6 +366,57 @@ pub struct ChatTemplate<'a> {
     bos_token: Option<&'a str>,
     eos_token: Option<&'a str>,
     kwargs: Option<&'a serde_json::Map<String, Value>>,
+    /// The template marks assistant output with `{% generation %}` blocks.
+    tracks_generation: bool,
+}
+
+/// Where a `{% generation %}` block's output starts and ends in a rendering (private-use
+/// characters, removed before the text is returned).
+const GEN_START: char = '\u{E000}';
+const GEN_END: char = '\u{E001}';
+
+/// transformers' `{% generation %}` / `{% endgeneration %}` tags (its `AssistantTracker`
+/// extension, which TRL's training templates use for `assistant_only_loss`) rewritten as
+/// block tags minijinja knows around a marker, so whitespace control (`-`, trim_blocks,
+/// lstrip_blocks) applies as it does to the original tags. Returns the source and whether any
+/// tag was found.
+fn mark_generation_blocks(template: &str) -> (String, bool) {
+    let re = regex::Regex::new(r"\{%(-?)\s*(generation|endgeneration)\s*(-?)%\}")
+        .expect("a valid pattern");
+    let mut found = false;
+    let out = re.replace_all(template, |c: &regex::Captures<'_>| {
+        found = true;
+        let marker = if &c[2] == "generation" {
+            GEN_START
+        } else {
+            GEN_END
+        };
+        format!(
+            "{{%{} if true %}}{{{{ \"{}\" }}}}{{% endif {}%}}",
+            &c[1], marker, &c[3]
+        )
+    });
+    (out.into_owned(), found)
+}
+
+/// The rendering without its generation markers, and the byte ranges (in it) that the
+/// `{% generation %}` blocks produced.
+fn strip_generation_markers(text: &str) -> (String, Vec<std::ops::Range<usize>>) {
+    let mut out = String::with_capacity(text.len());
+    let mut spans = Vec::new();
+    let mut start = None;
+    for ch in text.chars() {
+        match ch {
+            GEN_START => start = Some(out.len()),
+            GEN_END => {
+                if let Some(s) = start.take() {
+                    spans.push(s..out.len());
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    (out, spans)
 }
 
 impl std::fmt::Debug for ChatTemplate<'_> {
@@ -378,6 +454,12 @@ impl<'a> ChatTemplate<'a> {
             },
         );
         env.add_filter("tojson", python_tojson);
+        // jinja2's `is iterable` (Python's `iter(x)` succeeds): false for none and undefined,
+        // which minijinja iterates as empty. transformers passes `tools=None` without tools,
+        // and templates guard `tools | length` with `tools is iterable`.
+        env.add_test("iterable", |v: minijinja::Value| {
+            !(v.is_none() || v.is_undefined()) && v.try_iter().is_ok()
+        });
         env.add_function("strftime_now", |fmt: String| -> String {
             // Templates use this for "today's date" in system prompts; a fixed date keeps
             // prompts, and so caches and tests, reproducible.
@@ -387,13 +469,17 @@ impl<'a> ChatTemplate<'a> {
                 .replace("%B", "January")
                 .replace("%b", "Jan")
         });
-        env.add_template("chat", template)
+        // jinja2 reads every newline of a template (\r\n, \r) as \n.
+        let template = template.replace("\r\n", "\n").replace('\r', "\n");
+        let (source, tracks_generation) = mark_generation_blocks(&template);
+        env.add_template_owned("chat", source)
             .map_err(|e| err(format!("chat template does not parse: {e}")))?;
         Ok(Self {
             env,
             bos_token,
             eos_token,
             kwargs: None,
+            tracks_generation,
         })
     }
 
@@ -409,8 +495,51 @@ impl<'a> ChatTemplate<'a> {
         self.render_with_tools(messages, &[], add_generation_prompt)
     }
 
+    /// Whether the template marks assistant output with `{% generation %}` blocks.
+    pub fn tracks_generation(&self) -> bool {
+        self.tracks_generation
+    }
+
+    /// [`Self::render`] with the byte ranges of the text that `{% generation %}` blocks
+    /// produced (transformers' `return_assistant_tokens_mask`); empty without such blocks.
+    pub fn render_tracked(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<std::ops::Range<usize>>)> {
+        self.render_tracked_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`Self::render_tracked`] with the `tools` variable.
+    pub fn render_tracked_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<std::ops::Range<usize>>)> {
+        Ok(strip_generation_markers(&self.render_marked(
+            messages,
+            tools,
+            add_generation_prompt,
+        )?))
+    }
+
     /// [`Self::render`] with the `tools` variable (JSON schemas); an empty list is `None`.
     pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let text = self.render_marked(messages, tools, add_generation_prompt)?;
+        Ok(match self.tracks_generation {
+            true => strip_generation_markers(&text).0,
+            false => text,
+        })
+    }
+
+    /// The rendering, generation markers included.
+    fn render_marked(
         &self,
         messages: &[ChatMessage],
         tools: &[Value],
@@ -443,48 +572,148 @@ impl<'a> ChatTemplate<'a> {
     }
 }
 
-/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=indent)`.
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=None,
+/// separators=None, sort_keys=False)`, each of those four a keyword a template may set.
 fn python_tojson(
     value: minijinja::Value,
     kwargs: minijinja::value::Kwargs,
 ) -> std::result::Result<minijinja::Value, minijinja::Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
+    let invalid = |m: String| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, m);
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let indent: Option<minijinja::Value> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let bad = |e: serde_json::Error| {
-        minijinja::Error::new(
-            minijinja::ErrorKind::InvalidOperation,
-            format!("tojson: {e}"),
-        )
+    // Python: an int is that many spaces, a string is used as it is, None is no indent.
+    let indent = match indent {
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(match v.as_str() {
+            Some(s) => s.to_string(),
+            None => " ".repeat(
+                usize::try_from(v.clone()).map_err(|_| invalid(format!("tojson: indent {v}")))?,
+            ),
+        }),
+        None => None,
     };
-    let mut out = Vec::new();
-    match indent {
-        Some(n) => {
-            let pad = vec![b' '; n];
-            let f = serde_json::ser::PrettyFormatter::with_indent(&pad);
-            let mut ser = serde_json::Serializer::with_formatter(&mut out, f);
-            serde::Serialize::serialize(&value, &mut ser).map_err(bad)?;
-        }
-        None => {
-            let mut ser = serde_json::Serializer::with_formatter(&mut out, PythonFormatter);
-            serde::Serialize::serialize(&value, &mut ser).map_err(bad)?;
-        }
+    let (item, key) = match (separators.as_deref(), &indent) {
+        (Some([i, k]), _) => (i.clone(), k.clone()),
+        (Some(other), _) => return Err(invalid(format!("tojson: separators {other:?}"))),
+        (None, Some(_)) => (",".into(), ": ".into()),
+        (None, None) => (", ".into(), ": ".into()),
+    };
+    let mut json = serde_json::to_value(&value).map_err(|e| invalid(format!("tojson: {e}")))?;
+    if sort_keys == Some(true) {
+        sort_json_keys(&mut json);
     }
-    let text = String::from_utf8(out).map_err(|e| {
-        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
-    })?;
+    let mut out = Vec::new();
+    let f = PythonFormatter {
+        item: item.into_bytes(),
+        key: key.into_bytes(),
+        indent: indent.map(String::into_bytes),
+        open: Vec::new(),
+    };
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, f);
+    serde::Serialize::serialize(&json, &mut ser).map_err(|e| invalid(format!("tojson: {e}")))?;
+    let mut text = String::from_utf8(out).map_err(|e| invalid(e.to_string()))?;
+    if ensure_ascii == Some(true) {
+        // Non-ASCII text only occurs inside JSON strings: escape it as Python does.
+        text = text
+            .chars()
+            .flat_map(|c| match c.is_ascii() {
+                true => vec![c.to_string()],
+                false => {
+                    let mut units = [0u16; 2];
+                    c.encode_utf16(&mut units)
+                        .iter()
+                        .map(|u| format!("\\u{u:04x}"))
+                        .collect()
+                }
+            })
+            .collect();
+    }
     Ok(minijinja::Value::from_safe_string(text))
 }
 
-/// Python's default `json.dumps` separators: `", "` between items, `": "` after keys.
-struct PythonFormatter;
+/// Object keys in sorted order, at every depth (Python's `sort_keys=True`).
+fn sort_json_keys(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            let mut entries: Vec<(String, Value)> = std::mem::take(m).into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, mut x) in entries {
+                sort_json_keys(&mut x);
+                m.insert(k, x);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(sort_json_keys),
+        _ => {}
+    }
+}
+
+/// Python's `json.dumps` layout: `item` between items, `key` after keys, and with an indent
+/// each item on its own line, indented by depth.
+struct PythonFormatter {
+    item: Vec<u8>,
+    key: Vec<u8>,
+    indent: Option<Vec<u8>>,
+    /// Per open container: whether it has had an item.
+    open: Vec<bool>,
+}
+
+impl PythonFormatter {
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W, depth: usize) -> std::io::Result<()> {
+        if let Some(ind) = &self.indent {
+            w.write_all(b"\n")?;
+            for _ in 0..depth {
+                w.write_all(ind)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn item<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(&self.item)?;
+        }
+        if let Some(last) = self.open.last_mut() {
+            *last = true;
+        }
+        self.newline(w, self.open.len())
+    }
+
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, end: &[u8]) -> std::io::Result<()> {
+        if self.open.pop() == Some(true) {
+            self.newline(w, self.open.len())?;
+        }
+        w.write_all(end)
+    }
+}
 
 impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open.push(false);
+        w.write_all(b"[")
+    }
+
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+
     fn begin_array_value<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        self.item(w, first)
+    }
+
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open.push(false);
+        w.write_all(b"{")
+    }
+
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -492,11 +721,11 @@ impl serde_json::ser::Formatter for PythonFormatter {
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        self.item(w, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
+        w.write_all(&self.key)
     }
 }
 
@@ -517,6 +746,79 @@ mod tests {
             s,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// `tojson` as Python's `json.dumps` with each keyword transformers' filter takes
+    /// (expected strings printed by CPython 3).
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let t = |args: &str| {
+            let src = format!("{{{{ x | tojson{args} }}}}");
+            let tpl = ChatTemplate::new(&src, None, None).unwrap();
+            let x = serde_json::json!({"b": [1, {"z": "é", "a": null}], "a": "ü😀"});
+            let mut kw = serde_json::Map::new();
+            kw.insert("x".into(), x);
+            tpl.with_kwargs(&kw).render(&[], false).unwrap()
+        };
+        assert_eq!(t(""), r#"{"b": [1, {"z": "é", "a": null}], "a": "ü😀"}"#);
+        assert_eq!(
+            t("(ensure_ascii=True)"),
+            r#"{"b": [1, {"z": "\u00e9", "a": null}], "a": "\u00fc\ud83d\ude00"}"#
+        );
+        assert_eq!(
+            t("(indent=2)"),
+            "{\n  \"b\": [\n    1,\n    {\n      \"z\": \"é\",\n      \"a\": null\n    }\n  ],\n  \"a\": \"ü😀\"\n}"
+        );
+        assert_eq!(
+            t("(separators=(',', ':'), sort_keys=True)"),
+            r#"{"a":"ü😀","b":[1,{"a":null,"z":"é"}]}"#
+        );
+        let e = |src: &str| {
+            ChatTemplate::new(src, None, None)
+                .unwrap()
+                .render(&[], false)
+                .unwrap()
+        };
+        assert_eq!(e("{{ [] | tojson(indent=2) }}"), "[]");
+        assert_eq!(
+            e("{{ {'a': []} | tojson(indent='\t') }}"),
+            "{\n\t\"a\": []\n}"
+        );
+    }
+
+    /// What real templates use beyond the basics, as jinja2 renders it: macros, `loop.nextitem`,
+    /// `none is iterable` being false (transformers passes `tools=None`), and \r\n line ends
+    /// read as \n. (`scripts/check_chat_templates.py` compares whole model templates.)
+    #[test]
+    fn macros_adjacent_items_iterable_and_newlines_as_jinja2() {
+        let r = |src: &str, tools: &[Value]| {
+            let msgs = [
+                ChatMessage::new("user", "a"),
+                ChatMessage::new("assistant", "b"),
+            ];
+            ChatTemplate::new(src, None, None)
+                .unwrap()
+                .render_with_tools(&msgs, tools, false)
+                .unwrap()
+        };
+        assert_eq!(
+            r(
+                "{% macro f(x) %}[{{ x }}]{% endmacro %}{{ f(messages[0].content) }}",
+                &[]
+            ),
+            "[a]"
+        );
+        assert_eq!(
+            r(
+                "{% for m in messages %}{{ m.role }}{% if loop.nextitem is defined %}>{{ loop.nextitem.role }};{% endif %}{% endfor %}",
+                &[]
+            ),
+            "user>assistant;assistant"
+        );
+        let tools = "{% if tools is iterable and tools | length > 0 %}T{{ tools | length }}{% else %}none{% endif %}";
+        assert_eq!(r(tools, &[]), "none");
+        assert_eq!(r(tools, &[serde_json::json!({"name": "f"})]), "T1");
+        assert_eq!(r("x\r\n{{ messages[1].content }}\ry", &[]), "x\nb\ny");
     }
 
     #[test]

@@ -81,3 +81,33 @@ fn a_jinja_file_or_a_directory_replaces_the_template() {
         .to_string();
     assert!(e.contains("nowhere"), "{e}");
 }
+
+/// transformers' `{% generation %}` blocks (TRL's training templates): the template renders
+/// as without them, whitespace control included, and the blocks' output is reported as byte
+/// ranges — what `return_assistant_tokens_mask` marks.
+#[test]
+fn generation_blocks_render_and_mark_the_assistant_text() {
+    use grpo_rollout::tokenizer::ChatTemplate;
+    let plain = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{{ m.content }}<|im_end|>\n{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}";
+    let tagged = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}\n  {%- generation -%}\n{{ m.content }}<|im_end|>\n  {%- endgeneration %}\n\n{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}";
+    let msgs = vec![
+        ChatMessage::new("user", "hi"),
+        ChatMessage::new("assistant", "hello"),
+        ChatMessage::new("user", "bye"),
+        ChatMessage::new("assistant", "see you"),
+    ];
+    let a = ChatTemplate::new(plain, None, None).unwrap();
+    let b = ChatTemplate::new(tagged, None, None).unwrap();
+    assert!(!a.tracks_generation() && b.tracks_generation());
+    let (text, spans) = b.render_tracked(&msgs, false).unwrap();
+    assert_eq!(text, a.render(&msgs, false).unwrap());
+    assert_eq!(
+        b.render(&msgs, false).unwrap(),
+        text,
+        "no marker left in a plain rendering"
+    );
+    let marked: Vec<&str> = spans.iter().map(|r| &text[r.clone()]).collect();
+    // `{%- endgeneration %}` trims the newline inside; the one after it is outside.
+    assert_eq!(marked, vec!["hello<|im_end|>", "see you<|im_end|>"]);
+    assert!(a.render_tracked(&msgs, false).unwrap().1.is_empty());
+}

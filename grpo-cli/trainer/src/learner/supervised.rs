@@ -358,6 +358,14 @@ fn assistant_turns(
     let Prompt::Conversation(msgs) = p else {
         bail!("the prompt is plain text");
     };
+    // A template with `{% generation %}` blocks says itself which tokens are the assistant's
+    // (TRL's way): the whole conversation, its first token the "prompt".
+    if let Some((ids, mask)) = tok.assistant_tokens_mask(&chat_messages(msgs))? {
+        if ids.len() < 2 {
+            bail!("the conversation renders to fewer than two tokens");
+        }
+        return Ok((ids[..1].to_vec(), ids[1..].to_vec(), mask[1..].to_vec()));
+    }
     let turns: Vec<usize> = msgs
         .iter()
         .enumerate()
