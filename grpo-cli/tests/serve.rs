@@ -584,7 +584,9 @@ fn a_full_queue_answers_429_and_the_server_keeps_serving() {
     let busy: Vec<_> = answers.iter().filter(|a| a.0 == 429).collect();
     let ok = answers.iter().filter(|a| a.0 == 200).count();
     assert!(!busy.is_empty(), "no request was turned away");
-    assert!(ok >= 2, "{ok} served");
+    // At least the first is served; whether the one queued behind it is depends on whether
+    // the engine took the first off the queue before the burst arrived (a loaded machine: no).
+    assert!(ok >= 1, "{ok} served");
     assert_eq!(busy.len() + ok, 16);
     for (_, body, retry) in &busy {
         assert_eq!(retry.as_deref(), Some("1"));
