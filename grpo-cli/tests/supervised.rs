@@ -1231,3 +1231,46 @@ fn assistant_only_loss_follows_generation_blocks() {
             .starts_with("<|im_start|>user\nhi there")
     );
 }
+
+/// Tool-calling SFT rows (TRL's format): messages with `tool_calls`, tool turns, and a `tools`
+/// column reach the chat template as transformers hands them to it.
+#[test]
+fn tool_calling_rows_render_their_calls_and_tools() {
+    let dir = fixture(Arch::Qwen2);
+    let row = r#"{"messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, {"role": "tool", "content": "sunny", "name": "get_weather"}, {"role": "assistant", "content": "It is sunny."}], "tools": [{"type": "function", "function": {"name": "get_weather"}}]}"#;
+    std::fs::write(dir.path().join("tools.jsonl"), format!("{row}\n")).unwrap();
+    let jinja = dir.path().join("tools.jinja");
+    std::fs::write(
+        &jinja,
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}{% endfor %}</tools>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}\n{% if m.tool_calls %}{% for c in m.tool_calls %}<call>{{ c.function.name }}({{ c.function.arguments | tojson }})</call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}",
+    )
+    .unwrap();
+    let text = config_text(dir.path(), "tools", "sft", 1, "")
+        .replace("sft.jsonl", "tools.jsonl")
+        .replace(
+            "[model]\n",
+            &format!("[model]\nchat_template_path = \"{}\"\n", jinja.display()),
+        );
+    let p = dir.path().join("tools.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let r = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap()[0];
+    let ids: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
+    assert_eq!(
+        s.tokenizer.decode(&ids, false).unwrap(),
+        // (trim_blocks eats the newline after `{% endif %}`, as jinja2 does.)
+        "<tools>get_weather</tools>\n<|im_start|>userWeather in Paris?<|im_end|>\n<|im_start|>assistant<call>get_weather({\"city\": \"Paris\"})</call><|im_end|>\n<|im_start|>tool:get_weathersunny<|im_end|>\n<|im_start|>assistantIt is sunny.<|im_end|>\n"
+    );
+    // A `tools` cell that is not a list of schemas is named.
+    std::fs::write(
+        dir.path().join("tools.jsonl"),
+        r#"{"messages": [{"role": "user", "content": "hi"}], "tools": "nope"}"#.to_string() + "\n",
+    )
+    .unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap_err()
+    );
+    assert!(e.contains("`tools`"), "{e}");
+}

@@ -104,9 +104,41 @@ enum Col {
     Float(Float64Array),
     Str(StringArray),
     StrList(GenericListArray<i32>),
-    /// A list of `{role, content}` structs: (list, role, content).
-    Messages(Box<(GenericListArray<i32>, StringArray, StringArray)>),
+    /// A list of `{role, content, ...}` structs: (list, role, content, each message's other
+    /// fields).
+    #[allow(clippy::type_complexity)]
+    Messages(
+        Box<(
+            GenericListArray<i32>,
+            StringArray,
+            StringArray,
+            Vec<serde_json::Map<String, serde_json::Value>>,
+        )>,
+    ),
+    /// Nested values (lists, structs, maps) as JSON text, per row (`None` for null).
+    Json(Vec<Option<String>>),
     Display(ArrayRef),
+}
+
+/// A nested column's rows as JSON text (e.g. a `tools` column of tool schemas).
+fn json_rows(a: &ArrayRef) -> std::result::Result<Vec<Option<String>>, arrow::error::ArrowError> {
+    let field = Field::new("v", a.data_type().clone(), true);
+    let schema = Arc::new(arrow::datatypes::Schema::new(vec![field]));
+    let batch = RecordBatch::try_new(schema, vec![a.clone()])?;
+    let mut buf = Vec::new();
+    let mut w = arrow::json::LineDelimitedWriter::new(&mut buf);
+    w.write(&batch)?;
+    w.finish()?;
+    drop(w);
+    String::from_utf8_lossy(&buf)
+        .lines()
+        .map(|l| match serde_json::from_str::<serde_json::Value>(l) {
+            Ok(serde_json::Value::Object(mut m)) => Ok(m.remove("v").map(|v| v.to_string())),
+            _ => Err(arrow::error::ArrowError::JsonError(format!(
+                "nested value: {l}"
+            ))),
+        })
+        .collect()
 }
 
 impl Col {
@@ -141,8 +173,10 @@ impl Col {
                         Ok(cast(col, &D::Utf8)?.as_string::<i32>().clone())
                     };
                 let (role, content) = (text("role")?, text("content")?);
-                Col::Messages(Box::new((list, role, content)))
+                let extras = struct_extras(&values)?;
+                Col::Messages(Box::new((list, role, content, extras)))
             }
+            D::List(_) | D::LargeList(_) | D::Struct(_) | D::Map(_, _) => Col::Json(json_rows(a)?),
             _ => Col::Display(a.clone()),
         })
     }
@@ -175,7 +209,7 @@ impl Col {
                 )
             }
             Col::Messages(m) if m.0.is_valid(i) => {
-                let (list, role, content) = &**m;
+                let (list, role, content, extras) = &**m;
                 let offs = list.value_offsets();
                 let (s, e) = (offs[i] as usize, offs[i + 1] as usize);
                 Value::Messages(
@@ -191,10 +225,15 @@ impl Col {
                             } else {
                                 String::new()
                             },
+                            extra: extras[j].clone(),
                         })
                         .collect(),
                 )
             }
+            Col::Json(rows) => match &rows[i] {
+                Some(text) => Value::Str(text.clone()),
+                None => Value::Null,
+            },
             Col::Display(a) if a.is_valid(i) => {
                 match arrow::util::display::array_value_to_string(a, i) {
                     Ok(s) => Value::Str(s),
@@ -319,6 +358,7 @@ fn conversations<O: OffsetSizeTrait>(
     };
     let role = field("role")?;
     let content = field("content")?;
+    let extras = struct_extras(values)?;
     let offs = list.value_offsets();
     for i in 0..list.len() {
         let at = ctx.numbering.at(ctx.file_row + i as u64);
@@ -333,10 +373,10 @@ fn conversations<O: OffsetSizeTrait>(
         }
         let mut msgs = Vec::with_capacity(e - s);
         let mut err = None;
-        for j in s..e {
+        for (j, extra) in extras.iter().enumerate().take(e).skip(s) {
             let missing = if values.is_null(j) || role.is_null(j) {
                 Some("role")
-            } else if content.is_null(j) {
+            } else if content.is_null(j) && !calls_tools(extra) {
                 Some("content")
             } else {
                 None
@@ -353,7 +393,11 @@ fn conversations<O: OffsetSizeTrait>(
             }
             msgs.push(Message {
                 role: role.value(j).to_string(),
-                content: content.value(j).to_string(),
+                content: match content.is_null(j) {
+                    true => String::new(),
+                    false => content.value(j).to_string(),
+                },
+                extra: extra.clone(),
             });
         }
         out.push(match err {
@@ -362,6 +406,47 @@ fn conversations<O: OffsetSizeTrait>(
         });
     }
     Ok(())
+}
+
+/// Each row of a message struct array: its fields other than `role` and `content`, as JSON
+/// (null fields left out, as a file that lacks them would have them).
+fn struct_extras(
+    values: &arrow::array::StructArray,
+) -> std::result::Result<Vec<serde_json::Map<String, serde_json::Value>>, arrow::error::ArrowError>
+{
+    let (fields, columns): (Vec<_>, Vec<_>) = values
+        .fields()
+        .iter()
+        .zip(values.columns())
+        .filter(|(f, _)| f.name() != "role" && f.name() != "content")
+        .map(|(f, c)| (f.clone(), c.clone()))
+        .unzip();
+    if fields.is_empty() {
+        return Ok(vec![serde_json::Map::new(); values.len()]);
+    }
+    let schema = Arc::new(arrow::datatypes::Schema::new(fields));
+    let batch = RecordBatch::try_new(schema, columns)?;
+    let mut buf = Vec::new();
+    let mut w = arrow::json::LineDelimitedWriter::new(&mut buf);
+    w.write(&batch)?;
+    w.finish()?;
+    drop(w);
+    let text = String::from_utf8_lossy(&buf);
+    text.lines()
+        .map(|l| match serde_json::from_str::<serde_json::Value>(l) {
+            Ok(serde_json::Value::Object(m)) => Ok(m),
+            _ => Err(arrow::error::ArrowError::JsonError(format!(
+                "message fields: {l}"
+            ))),
+        })
+        .collect()
+}
+
+/// A message that calls tools may have no text (`content` null).
+fn calls_tools(extra: &serde_json::Map<String, serde_json::Value>) -> bool {
+    extra
+        .get("tool_calls")
+        .is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()))
 }
 
 fn json_type(v: &serde_json::Value) -> &'static str {
@@ -375,10 +460,28 @@ fn json_type(v: &serde_json::Value) -> &'static str {
     }
 }
 
-/// `{"role": "...", "content": "..."}` (other keys allowed).
+/// `{"role": "...", "content": "..."}` (other keys allowed; `content` null or absent in a
+/// turn that calls tools).
 fn is_message(v: &serde_json::Value) -> bool {
-    v.get("role").is_some_and(serde_json::Value::is_string)
-        && v.get("content").is_some_and(serde_json::Value::is_string)
+    let text = v.get("content").is_some_and(serde_json::Value::is_string);
+    let calls = v.as_object().is_some_and(calls_tools)
+        && v.get("content").is_none_or(serde_json::Value::is_null);
+    v.get("role").is_some_and(serde_json::Value::is_string) && (text || calls)
+}
+
+/// A JSON message object (see [`is_message`]) as a [`Message`].
+fn json_message(mut m: serde_json::Map<String, serde_json::Value>) -> Message {
+    let mut text = |k: &str| match m.remove(k) {
+        Some(serde_json::Value::String(s)) => s,
+        _ => String::new(),
+    };
+    let (role, content) = (text("role"), text("content"));
+    m.retain(|_, v| !v.is_null());
+    Message {
+        role,
+        content,
+        extra: m,
+    }
 }
 
 /// A struct type with `role` and `content` fields (a chat message).
@@ -405,9 +508,9 @@ fn json_value(v: serde_json::Value) -> Value {
         J::Array(items) if !items.is_empty() && items.iter().all(is_message) => Value::Messages(
             items
                 .into_iter()
-                .map(|i| Message {
-                    role: i["role"].as_str().unwrap_or_default().to_owned(),
-                    content: i["content"].as_str().unwrap_or_default().to_owned(),
+                .map(|i| match i {
+                    J::Object(m) => json_message(m),
+                    _ => Message::new("", ""),
                 })
                 .collect(),
         ),
@@ -498,7 +601,11 @@ pub(crate) fn json_line(
                         json_type(&item)
                     )));
                 };
+                let tool_call = calls_tools(&m);
                 let mut take = |name: &'static str| match m.remove(name) {
+                    None | Some(serde_json::Value::Null) if name == "content" && tool_call => {
+                        Ok(String::new())
+                    }
                     None | Some(serde_json::Value::Null) => Err(DataError::ConversationEntry {
                         path: path.to_path_buf(),
                         column: prompt_field.to_string(),
@@ -514,7 +621,12 @@ pub(crate) fn json_line(
                 };
                 let role = take("role")?;
                 let content = take("content")?;
-                msgs.push(Message { role, content });
+                m.retain(|_, v| !v.is_null());
+                msgs.push(Message {
+                    role,
+                    content,
+                    extra: m,
+                });
             }
             Prompt::Conversation(msgs)
         }

@@ -12,7 +12,7 @@ use crate::Prompt;
 ///
 /// ```
 /// use grpo_data::{Message, Prompt, preference::extract_prompt};
-/// let m = |r: &str, c: &str| Message { role: r.into(), content: c.into() };
+/// let m = |r: &str, c: &str| Message::new(r, c);
 /// let chosen = Prompt::Conversation(vec![m("user", "Sky?"), m("assistant", "Blue.")]);
 /// let rejected = Prompt::Conversation(vec![m("user", "Sky?"), m("assistant", "Green.")]);
 /// let (prompt, c, r) = extract_prompt(&chosen, &rejected).unwrap();

@@ -10,8 +10,23 @@ use serde::{Deserialize, Serialize};
 pub struct Message {
     /// `system`, `user`, `assistant`, ...
     pub role: String,
-    /// The message text.
+    /// The message text (empty for an assistant turn that only calls tools).
     pub content: String,
+    /// The message's other keys as the file has them (`tool_calls`, `tool_call_id`, `name`,
+    /// `reasoning_content`, ...): chat templates see them, as transformers' do.
+    #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Message {
+    /// A message with a role and a text, no other keys.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            extra: serde_json::Map::new(),
+        }
+    }
 }
 
 /// The prompt of a sample: plain text, or a conversation for a chat template.

@@ -19,14 +19,7 @@ mod reference;
 fn prompt(v: V) -> Prompt {
     match v {
         S(s) => Prompt::Text(s.to_string()),
-        M(m) => Prompt::Conversation(
-            m.iter()
-                .map(|(r, c)| Message {
-                    role: r.to_string(),
-                    content: c.to_string(),
-                })
-                .collect(),
-        ),
+        M(m) => Prompt::Conversation(m.iter().map(|(r, c)| Message::new(*r, *c)).collect()),
     }
 }
 

@@ -33,6 +33,10 @@ pub struct ChatMessage {
     /// A `tool` message's tool name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Any other keys the template may read, as a dataset's messages carry them (e.g.
+    /// `reasoning_content`, or `tool_calls` in the dataset's own shape).
+    #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 impl ChatMessage {
@@ -44,6 +48,7 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            extra: serde_json::Map::new(),
         }
     }
 
@@ -266,16 +271,17 @@ impl Tokenizer {
     /// transformers' `apply_chat_template(messages, return_assistant_tokens_mask=True)` (TRL's
     /// `assistant_only_loss`): the conversation rendered and tokenised, each token marked 1
     /// when it carries text of a `{% generation %}` block. `None` when the template has no such
-    /// blocks.
+    /// blocks. `tools`: the tool schemas the template renders (none: empty).
     pub fn assistant_tokens_mask(
         &self,
         messages: &[ChatMessage],
+        tools: &[Value],
     ) -> Result<Option<(Vec<u32>, Vec<u8>)>> {
         let template = self.compile_chat_template()?;
         if !template.tracks_generation() {
             return Ok(None);
         }
-        let (text, spans) = template.render_tracked(messages, false)?;
+        let (text, spans) = template.render_tracked_with_tools(messages, tools, false)?;
         let enc = self
             .inner
             .encode(text.as_str(), false)

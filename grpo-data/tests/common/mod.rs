@@ -155,14 +155,8 @@ pub fn conversation_expected(n: usize) -> Vec<Sample> {
         .map(|i| Sample {
             index: i as u64,
             prompt: Prompt::Conversation(vec![
-                Message {
-                    role: "system".into(),
-                    content: "Be brief.".into(),
-                },
-                Message {
-                    role: "user".into(),
-                    content: format!("What is {i} + 1?"),
-                },
+                Message::new("system", "Be brief."),
+                Message::new("user", format!("What is {i} + 1?")),
             ]),
             columns: vec![("answer".into(), Value::Str((i + 1).to_string()))],
         })

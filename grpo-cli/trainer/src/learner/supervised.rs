@@ -149,6 +149,23 @@ fn with_eos(tok: &grpo_rollout::Tokenizer, text: &str) -> String {
     }
 }
 
+/// A row's `tools` column (TRL's per-example tool schemas, a JSON list or its text), for
+/// the chat template; empty without one.
+fn row_tools(s: &Sample) -> Result<Vec<serde_json::Value>> {
+    let text = match s.get("tools") {
+        None | Some(grpo_data::Value::Null) => return Ok(Vec::new()),
+        Some(v) => v.as_text().unwrap_or_default(),
+    };
+    match serde_json::from_str(&text) {
+        Ok(serde_json::Value::Array(tools)) => Ok(tools),
+        Ok(serde_json::Value::Null) => Ok(Vec::new()),
+        _ => bail!(
+            "row {}: column `tools` is not a JSON list of tool schemas",
+            s.index
+        ),
+    }
+}
+
 /// How many leading tokens `a` and `b` share (TRL's `common_prefix_length`).
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
@@ -168,7 +185,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             ),
         };
         let of = |v: Option<&grpo_data::Value>, field: &str| {
-            prompt_and_full(cfg, tok, s.index, &prompt, v, field)
+            prompt_and_full(cfg, tok, s, &prompt, v, field)
         };
         let (prompt, chosen) = of(chosen.as_ref(), &d.chosen_field)?;
         let (_, rejected) = of(rejected.as_ref(), &d.rejected_field)?;
@@ -210,8 +227,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         }
         true => {
             let field = &cfg.sft.completion_field;
-            let (prompt, full) =
-                prompt_and_full(cfg, tok, s.index, &s.prompt, s.get(field), field)?;
+            let (prompt, full) = prompt_and_full(cfg, tok, s, &s.prompt, s.get(field), field)?;
             let n = common_prefix(&prompt, &full);
             let completion = full[n..].to_vec();
             let mask = vec![1; completion.len()];
@@ -228,11 +244,11 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
                 );
             };
             let text = tok
-                .apply_chat_template(&chat_messages(msgs), false)
+                .apply_chat_template_with_tools(&chat_messages(msgs), &row_tools(s)?, false)
                 .with_context(|| format!("row {}", s.index))?;
             (tok.encode(&text, false)?, Vec::new(), Vec::new())
         }
-        false => assistant_turns(tok, &s.prompt).with_context(|| {
+        false => assistant_turns(tok, &s.prompt, &row_tools(s)?).with_context(|| {
             format!(
                 "row {}: no `{}` column and no conversation with assistant turns",
                 s.index, cfg.sft.completion_field
@@ -275,16 +291,19 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
 fn prompt_and_full(
     cfg: &crate::config::TrainConfig,
     tok: &grpo_rollout::Tokenizer,
-    index: u64,
+    s: &Sample,
     prompt: &Prompt,
     completion: Option<&grpo_data::Value>,
     field: &str,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
+    let index = s.index;
     let at = || format!("row {index}");
     match (prompt, completion) {
         (Prompt::Conversation(p), Some(grpo_data::Value::Messages(turns))) => {
+            let tools = row_tools(s)?;
             let render = |msgs: &[grpo_data::Message], generation: bool| -> Result<Vec<u32>> {
-                let text = tok.apply_chat_template(&chat_messages(msgs), generation)?;
+                let text =
+                    tok.apply_chat_template_with_tools(&chat_messages(msgs), &tools, generation)?;
                 Ok(tok.encode(&text, false)?)
             };
             let mut all = p.clone();
@@ -354,13 +373,14 @@ fn implicit_prompt(
 fn assistant_turns(
     tok: &grpo_rollout::Tokenizer,
     p: &Prompt,
+    tools: &[serde_json::Value],
 ) -> Result<(Vec<u32>, Vec<u32>, Vec<u8>)> {
     let Prompt::Conversation(msgs) = p else {
         bail!("the prompt is plain text");
     };
     // A template with `{% generation %}` blocks says itself which tokens are the assistant's
     // (TRL's way): the whole conversation, its first token the "prompt".
-    if let Some((ids, mask)) = tok.assistant_tokens_mask(&chat_messages(msgs))? {
+    if let Some((ids, mask)) = tok.assistant_tokens_mask(&chat_messages(msgs), tools)? {
         if ids.len() < 2 {
             bail!("the conversation renders to fewer than two tokens");
         }
@@ -376,7 +396,11 @@ fn assistant_turns(
         bail!("the conversation has no assistant turn");
     };
     let render = |upto: usize, generation_prompt: bool| -> Result<Vec<u32>> {
-        let text = tok.apply_chat_template(&chat_messages(&msgs[..upto]), generation_prompt)?;
+        let text = tok.apply_chat_template_with_tools(
+            &chat_messages(&msgs[..upto]),
+            tools,
+            generation_prompt,
+        )?;
         Ok(tok.encode(&text, false)?)
     };
     let prompt = render(first, true)?;

@@ -116,10 +116,7 @@ impl Generator {
                     let user = tp
                         .teacher_prompt(question, diag)
                         .map_err(|e| anyhow!("row {}: {e}", s.index))?;
-                    Prompt::Conversation(vec![grpo_data::Message {
-                        role: "user".into(),
-                        content: user,
-                    }])
+                    Prompt::Conversation(vec![grpo_data::Message::new("user", user)])
                 }
                 _ => s.prompt.clone(),
             };
@@ -403,6 +400,9 @@ pub fn encode_prompt(
 /// grpo-data's messages as the tokenizer's chat messages.
 pub fn chat_messages(msgs: &[grpo_data::Message]) -> Vec<ChatMessage> {
     msgs.iter()
-        .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+        .map(|m| ChatMessage {
+            extra: m.extra.clone(),
+            ..ChatMessage::new(m.role.clone(), m.content.clone())
+        })
         .collect()
 }
