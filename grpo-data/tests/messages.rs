@@ -40,15 +40,8 @@ fn jsonl_message_columns() {
 fn parquet_message_columns() {
     let dir = tmp();
     // The same rows through Arrow's JSON reader (schema inferred: list<struct<content, role>>).
-    let (schema, _) =
-        grpo_data::arrow::json::reader::infer_json_schema(Cursor::new(ROWS), None).unwrap();
-    let schema = Arc::new(schema);
-    let reader = grpo_data::arrow::json::ReaderBuilder::new(schema.clone())
-        .build(Cursor::new(ROWS))
-        .unwrap();
-    let batches: Vec<_> = reader.map(|b| Ok(b.unwrap())).collect();
     let p = dir.path().join("c.parquet");
-    grpo_data::write_batches(&p, None, schema, batches).unwrap();
+    parquet_of(ROWS, &p);
     check(&Dataset::open(&[p.to_string_lossy()], &opts(8)).unwrap());
 }
 
@@ -91,14 +84,19 @@ fn tool_calling_conversations_keep_their_keys() {
         ..opts(8)
     };
     check_tools(&Dataset::open(&[p.to_string_lossy()], &o).unwrap());
+    let q = dir.path().join("t.parquet");
+    parquet_of(TOOL_ROWS, &q);
+    check_tools(&Dataset::open(&[q.to_string_lossy()], &o).unwrap());
+}
+
+/// JSON lines written as Parquet through Arrow's JSON reader (the schema inferred).
+fn parquet_of(rows: &str, path: &std::path::Path) {
     let (schema, _) =
-        grpo_data::arrow::json::reader::infer_json_schema(Cursor::new(TOOL_ROWS), None).unwrap();
+        grpo_data::arrow::json::reader::infer_json_schema(Cursor::new(rows), None).unwrap();
     let schema = Arc::new(schema);
     let reader = grpo_data::arrow::json::ReaderBuilder::new(schema.clone())
-        .build(Cursor::new(TOOL_ROWS))
+        .build(Cursor::new(rows))
         .unwrap();
     let batches: Vec<_> = reader.map(|b| Ok(b.unwrap())).collect();
-    let q = dir.path().join("t.parquet");
-    grpo_data::write_batches(&q, None, schema, batches).unwrap();
-    check_tools(&Dataset::open(&[q.to_string_lossy()], &o).unwrap());
+    grpo_data::write_batches(path, None, schema, batches).unwrap();
 }
