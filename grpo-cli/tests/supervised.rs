@@ -1274,3 +1274,42 @@ fn tool_calling_rows_render_their_calls_and_tools() {
     );
     assert!(e.contains("`tools`"), "{e}");
 }
+
+/// TRL's SFTConfig `eos_token` / `pad_token`: completions end with the given token; one the
+/// vocabulary lacks is refused, naming the key.
+#[test]
+fn sft_eos_and_pad_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = setup(
+        dir.path(),
+        "eos",
+        "sft",
+        1,
+        "[sft]\neos_token = \"<|endoftext|>\"\npad_token = \"<|im_start|>\"\n",
+    );
+    let eos = s.tokenizer.inner.token_to_id("<|endoftext|>").unwrap();
+    assert_eq!(
+        s.tokenizer.pad_token_id,
+        s.tokenizer.inner.token_to_id("<|im_start|>").unwrap()
+    );
+    let r = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap()[0];
+    assert_eq!(r.completion.last(), Some(&eos));
+    assert!(run(s, &RunOptions::default()).metrics[0]["loss"].is_finite());
+    let p = dir.path().join("bad.toml");
+    std::fs::write(
+        &p,
+        config_text(
+            dir.path(),
+            "bad",
+            "sft",
+            1,
+            "[sft]\neos_token = \"<nope>\"\n",
+        ),
+    )
+    .unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap_err()
+    );
+    assert!(e.contains("sft.eos_token") && e.contains("<nope>"), "{e}");
+}

@@ -166,6 +166,12 @@ pub struct SftSection {
     /// Prompt/completion rows train on the completion only (TRL's name; absent = true, as
     /// TRL); false trains on the prompt's tokens too.
     pub completion_only_loss: Option<bool>,
+    /// TRL's `eos_token`: the token that ends each completion and text (and the chat
+    /// template's `eos_token`) in place of the tokenizer's; it must be in the vocabulary.
+    pub eos_token: Option<String>,
+    /// TRL's `pad_token`: the padding token of batches in place of the tokenizer's; it must be
+    /// in the vocabulary (padded positions carry no loss, whatever the token).
+    pub pad_token: Option<String>,
     /// TRL's language-modelling column: when `data.prompt_field` names it (e.g. both
     /// `"text"`) and a row has no completion, the row's plain text (EOS appended) trains on
     /// every token. Default `"text"`.
@@ -184,6 +190,8 @@ impl Default for SftSection {
             assistant_only_loss: false,
             completion_only_loss: None,
             dataset_text_field: "text".into(),
+            eos_token: None,
+            pad_token: None,
         }
     }
 }

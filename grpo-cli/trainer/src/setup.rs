@@ -249,6 +249,23 @@ pub fn setup_with(
     let mut loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
     loaded.tokenizer.chat_template_kwargs = cfg.model.chat_template_kwargs.clone();
+    if cfg.algorithm == Algorithm::Sft {
+        // TRL's SFTConfig `eos_token` / `pad_token`: tokens of the vocabulary, by their text.
+        let tok = &mut loaded.tokenizer;
+        let id = |t: &str, key: &str| {
+            tok.inner
+                .token_to_id(t)
+                .ok_or_else(|| anyhow!("`sft.{key}`: {t:?} is not in the model's vocabulary"))
+        };
+        if let Some(t) = &cfg.sft.eos_token {
+            let eos = id(t, "eos_token")?;
+            tok.eos_token = Some(t.clone());
+            tok.eos_token_ids = vec![eos];
+        }
+        if let Some(t) = &cfg.sft.pad_token {
+            tok.pad_token_id = id(t, "pad_token")?;
+        }
+    }
     if let Some(p) = &cfg.model.chat_template_path {
         loaded
             .tokenizer
