@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Renders conversations with chat templates through `grpo-cli chat-template` and through
+"""Renders conversations (chat, generation prompt, system + turns, tool calls and schemas,
+string arguments, reasoning content; with and without `enable_thinking=False`) with chat templates through `grpo-cli chat-template` and through
 jinja2 set up as transformers' `apply_chat_template` sets it up (trim_blocks, lstrip_blocks,
 loop controls, a `{% generation %}` tag, `tojson` without ASCII escapes, `raise_exception`,
 `strftime_now` fixed at 2026-01-01), and compares the texts and the generation spans.
@@ -107,10 +108,46 @@ CASES = [
         [WEATHER],
         False,
     ),
+    (
+        "tool prompt",
+        [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris and Rome?"}],
+        [WEATHER],
+        True,
+    ),
+    (
+        "two calls, string arguments",
+        [
+            {"role": "user", "content": "Paris and Rome?"},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    CALL,
+                    {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+                ],
+            },
+            {"role": "tool", "content": "sunny", "tool_call_id": "a"},
+            {"role": "tool", "content": "rain", "tool_call_id": "b"},
+            {"role": "assistant", "content": "Paris sunny, Rome rain."},
+        ],
+        [WEATHER],
+        False,
+    ),
+    (
+        "reasoning",
+        [
+            {"role": "user", "content": "2 + 2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."},
+            {"role": "user", "content": "3 + 3?"},
+        ],
+        None,
+        True,
+    ),
 ]
+KWARGS = [None, {"enable_thinking": False}]
 
 
-def ours(binary, template, messages, tools, generation_prompt):
+def ours(binary, template, messages, tools, generation_prompt, kwargs=None):
     with tempfile.TemporaryDirectory() as d:
         m = pathlib.Path(d, "m.json")
         m.write_text(json.dumps(messages))
@@ -122,6 +159,8 @@ def ours(binary, template, messages, tools, generation_prompt):
             cmd += ["--tools", f"@{t}"]
         if generation_prompt:
             cmd.append("--add-generation-prompt")
+        if kwargs:
+            cmd += ["--kwargs", json.dumps(kwargs)]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             return None, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "failed"
@@ -129,11 +168,11 @@ def ours(binary, template, messages, tools, generation_prompt):
         return (out["text"], out["generation_spans"]), None
 
 
-def theirs(env, template, messages, tools, generation_prompt):
+def theirs(env, template, messages, tools, generation_prompt, kwargs=None):
     try:
         t = env.from_string(pathlib.Path(template).read_text())
         marked = t.render(messages=messages, tools=tools, add_generation_prompt=generation_prompt,
-                          bos_token="<s>", eos_token="</s>")
+                          bos_token="<s>", eos_token="</s>", **(kwargs or {}))
     except Exception as e:  # noqa: BLE001 — a template error is an outcome to compare
         return None, f"{type(e).__name__}: {e}"
     return spans_of(marked), None
@@ -150,8 +189,10 @@ def main():
     env, bad = environment(), 0
     for f in files:
         verdicts = []
-        for name, messages, tools, gp in CASES:
-            (a, ea), (b, eb) = ours(args.bin, f, messages, tools, gp), theirs(env, f, messages, tools, gp)
+        for (name, messages, tools, gp), kw in ((c, k) for c in CASES for k in KWARGS):
+            name = name + (f" {kw}" if kw else "")
+            (a, ea) = ours(args.bin, f, messages, tools, gp, kw)
+            (b, eb) = theirs(env, f, messages, tools, gp, kw)
             if ea and eb:
                 continue
             if ea or eb:
