@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Renders conversations (chat, generation prompt, system + turns, tool calls and schemas,
 string arguments, reasoning content; with and without `enable_thinking=False`) with chat
-templates through `grpo-cli chat-template` and through jinja2 set up as transformers' `apply_chat_template` sets it up (trim_blocks, lstrip_blocks,
-loop controls, a `{% generation %}` tag, `tojson` without ASCII escapes, `raise_exception`,
-`strftime_now` fixed at 2026-01-01), and compares the texts and the generation spans.
+templates through `grpo-cli chat-template` and through jinja2 set up as transformers'
+`apply_chat_template` sets it up (trim_blocks, lstrip_blocks, loop controls, a
+`{% generation %}` tag, `tojson` without ASCII escapes, `raise_exception`, `strftime_now` fixed
+at 2026-01-01), and compares the texts and the generation spans.
 
     pip install jinja2
     python3 scripts/check_chat_templates.py [--bin target/release/grpo-cli] TEMPLATE.jinja|DIR ...
