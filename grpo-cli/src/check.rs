@@ -162,6 +162,13 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         })(),
     );
     push(
+        format!(
+            "packed rows (SFT packing: 60 + 40 positions, kept apart) vs each alone, head dim 64, on {}",
+            device_name(device)
+        ),
+        packed_check(&wide_dev.model, &long_rows[0][..60], &long_rows[1][..40]).map(|d| (d, tol)),
+    );
+    push(
         "gradient checkpointing vs plain backward, head dim 64 over 100 positions".into(),
         checkpoint_check(&wide_dev.model, &long_rows).map(|d| (d, tol)),
     );
@@ -420,6 +427,28 @@ fn nll(m: &Transformer, rows: &[Vec<u32>]) -> Result<Tensor> {
 }
 
 /// Largest gradient difference (relative) between a checkpointed and a plain backward.
+/// Two sequences in one packed row (each on its own positions, attending to itself) give the
+/// log-probs each gives alone: the largest difference.
+fn packed_check(m: &Transformer, a: &[u32], b: &[u32]) -> Result<f64> {
+    let dev = m.device();
+    let alone = |s: &[u32]| -> Result<Tensor> {
+        let ids = Tensor::new(s, dev)?.unsqueeze(0)?;
+        let mask = Tensor::ones((1, s.len()), DType::U32, dev)?;
+        Ok(m.completion_logprobs(&ids, &mask, s.len() - 1, 1.0, false)?
+            .0)
+    };
+    let l = a.len() + b.len();
+    let ids: Vec<u32> = a.iter().chain(b).copied().collect();
+    let ids = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
+    let lens = [vec![a.len(), b.len()]];
+    let (pos, bias) = grpo_rollout::model::packed_positions_and_bias(&lens, l, dev)?;
+    let (packed, _) = m.logprobs_with(&ids, &pos, &bias, l - 1, 1.0, false)?;
+    // Position j predicts token j + 1: a's tokens 1.., then (after the boundary) b's.
+    let da = max_diff(&packed.narrow(1, 0, a.len() - 1)?, &alone(a)?)?;
+    let db = max_diff(&packed.narrow(1, a.len(), b.len() - 1)?, &alone(b)?)?;
+    Ok(da.max(db))
+}
+
 fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
     let grads = |ckpt: bool| -> Result<Vec<Tensor>> {
         let mut tm = TrainableModel::full(base)?;

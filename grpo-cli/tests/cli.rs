@@ -337,6 +337,7 @@ fn check_self_test_passes_on_the_cpu() {
             "attention at training lengths",
             "log-softmax + gather vs composition",
             "gradient checkpointing",
+            "packed rows (SFT packing",
             "AdamW steps",
             "greedy generation",
         ] {
