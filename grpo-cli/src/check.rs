@@ -97,6 +97,19 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             Ok((max_diff(&a, &b)?, tol))
         })(),
     );
+    push(
+        format!(
+            "log-probs with an f32 head (cast_lm_head_to_fp32) on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let mut m = dev.model.clone();
+            m.cast_head_to_f32()?;
+            let a = logprobs(&cpu.model, &rows_ids)?;
+            let b = logprobs(&m, &rows_ids)?;
+            Ok((max_diff(&a, &b)?, tol))
+        })(),
+    );
     if !device.is_cpu() {
         // rollout.device: the CPU model copied to the device, twice; the second copy reuses
         // every frozen tensor of the first, and both give the CPU's log-probs.

@@ -338,6 +338,7 @@ fn check_self_test_passes_on_the_cpu() {
             "log-softmax + gather vs composition",
             "gradient checkpointing",
             "packed rows (SFT packing",
+            "an f32 head (cast_lm_head_to_fp32)",
             "AdamW steps",
             "greedy generation",
         ] {
