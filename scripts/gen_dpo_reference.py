@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reference values for grpo-core's DPO loss types (TRL 1.16), in plain Python (float64).
 
-Writes grpo-core/tests/data/dpo_variants.rs: for every `loss_type` of TRL 1.16's DPOTrainer
+Writes grpo-core/tests/data/dpo_variants.rs (and KTO's cases: TRL 1.16's KTOTrainer loss on
+unpaired labelled rows with a given KL estimate): for every `loss_type` of TRL 1.16's DPOTrainer
 (and a weighted combination, and each f-divergence), the loss of a batch of pairs and its
 gradient with respect to the policy's summed chosen and rejected log-probs (central
 differences, h = 1e-6), also with WPO's per-pair weights (`use_weighting`) as constants. The
@@ -137,6 +138,42 @@ WPO_CASES = [
 CASES = [c + (False,) for c in CASES] + WPO_CASES
 
 
+# KTO (TRL 1.16's KTOTrainer._compute_loss): unpaired rows, labels, the batch's KL estimate.
+LABELS = [True, False, True, True, False]
+
+
+def kto(pc, kl, beta, wd, wu, lt):
+    per = []
+    for i, lab in enumerate(LABELS):
+        r = pc[i] - RC[i]
+        z = kl if lt == "kto" else 0.0
+        if lab:
+            per.append(wd * (1 - sig(beta * (r - z))))
+        elif lt == "kto":
+            per.append(wu * (1 - sig(beta * (z - r))))
+        else:
+            per.append(wu * sig(beta * r))
+    return sum(per) / len(per)
+
+
+def kto_grad(args):
+    h = 1e-6
+    out = []
+    for k in range(len(PC)):
+        p, m = list(PC), list(PC)
+        p[k] += h
+        m[k] -= h
+        out.append((kto(p, *args) - kto(m, *args)) / (2 * h))
+    return out
+
+
+KTO = [
+    ("kto", 0.0, 0.1, 1.0, 1.0, "kto"),
+    ("kto_kl", 0.37, 0.5, 1.0, 1.33, "kto"),
+    ("apo_zero_unpaired", 0.37, 0.2, 0.8, 1.0, "apo_zero_unpaired"),
+]
+
+
 def arr(xs):
     return "&[" + ", ".join(repr(float(x)) for x in xs) + "]"
 
@@ -157,6 +194,14 @@ for name, types, weights, beta, eps, f, alpha, tau, wpo in CASES:
         f'label_smoothing: {eps!r}, f_divergence: "{f}", alpha: {alpha!r}, tau: {tau!r}, '
         f'pair_weighted: {"true" if wpo else "false"}, '
         f'loss: {l!r}, grad_chosen: {arr(gc)}, grad_rejected: {arr(gr)} }},')
+lines.append("];")
+lines.append("pub const KTO_LABELS: &[bool] = &[" + ", ".join("true" if b else "false" for b in LABELS) + "];")
+lines.append("pub const KTO_CASES: &[KtoCase] = &[")
+for name, kl, beta, wd, wu, lt in KTO:
+    args = (kl, beta, wd, wu, lt)
+    lines.append(
+        f'    KtoCase {{ name: "{name}", kl: {kl!r}, beta: {beta!r}, desirable_weight: {wd!r}, '
+        f'undesirable_weight: {wu!r}, loss_type: "{lt}", loss: {kto(PC, *args)!r}, grad: {arr(kto_grad(args))} }},')
 lines.append("];")
 OUT.write_text("\n".join(lines) + "\n")
 print(f"wrote {OUT} ({len(CASES)} cases)")

@@ -613,3 +613,156 @@ fn dpo_output(x: &DpoInputs<'_>, loss: Tensor, beta: f64) -> Result<DpoOutput> {
         logps_rejected: mean(&vec(x.policy_rejected)?),
     })
 }
+
+/// TRL's KTO `loss_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KtoLossType {
+    /// KTO (eq. 7 of the KTO paper): desirable `1 − σ(β(r − z))`, undesirable `1 − σ(β(z − r))`
+    /// with `z` the batch's KL estimate (TRL's default).
+    #[default]
+    Kto,
+    /// APO-zero on unpaired rows: desirable `1 − σ(βr)`, undesirable `σ(βr)`; no KL estimate.
+    ApoZeroUnpaired,
+}
+
+impl std::str::FromStr for KtoLossType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "kto" => Ok(Self::Kto),
+            "apo_zero_unpaired" => Ok(Self::ApoZeroUnpaired),
+            other => Err(format!(
+                "unknown KTO loss_type `{other}`: expected kto or apo_zero_unpaired"
+            )),
+        }
+    }
+}
+
+impl KtoLossType {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kto => "kto",
+            Self::ApoZeroUnpaired => "apo_zero_unpaired",
+        }
+    }
+
+    /// Whether the loss uses the KL estimate from mismatched (prompt, completion) pairs.
+    pub fn uses_kl(self) -> bool {
+        self == Self::Kto
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(KtoLossType, "kto or apo_zero_unpaired");
+
+/// Options of [`kto_loss`]; `Default` is TRL 1.16's `KTOConfig`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KtoConfig {
+    /// β; 0.1.
+    pub beta: f64,
+    /// The weight of each desirable row's loss; 1.
+    pub desirable_weight: f64,
+    /// The weight of each undesirable row's loss; 1.
+    pub undesirable_weight: f64,
+    /// kto or apo_zero_unpaired.
+    pub loss_type: KtoLossType,
+}
+
+impl Default for KtoConfig {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            desirable_weight: 1.0,
+            undesirable_weight: 1.0,
+            loss_type: KtoLossType::Kto,
+        }
+    }
+}
+
+/// What [`kto_loss`] returns: the loss and the sums TRL's metrics are made of.
+#[derive(Debug, Clone)]
+pub struct KtoOutput {
+    /// The mean of the rows' weighted losses.
+    pub loss: Tensor,
+    /// Σ β·(π − π_ref) over the desirable rows, and their count.
+    pub chosen_rewards: (f64, usize),
+    /// Σ β·(π − π_ref) over the undesirable rows, and their count.
+    pub rejected_rewards: (f64, usize),
+    /// Σ π over the desirable rows.
+    pub chosen_logps: f64,
+    /// Σ π over the undesirable rows.
+    pub rejected_logps: f64,
+}
+
+/// TRL 1.16's KTO loss (`KTOTrainer._compute_loss`) on a batch of unpaired rows: `policy` and
+/// `reference` are each completion's summed log-probs `(B,)`, `desirable` each row's label,
+/// `kl` the batch's KL estimate (TRL: the mean of policy − reference log-probs of mismatched
+/// prompt/completion pairs, clamped at 0, no gradient; ignored by apo_zero_unpaired). The
+/// loss is the mean over the rows of each row's loss times its label's weight.
+///
+/// # Errors
+/// Shapes that differ from `desirable`'s length, or an empty batch.
+pub fn kto_loss(
+    policy: &Tensor,
+    reference: &Tensor,
+    desirable: &[bool],
+    kl: f64,
+    cfg: &KtoConfig,
+) -> Result<KtoOutput> {
+    let n = desirable.len();
+    if n == 0 || policy.dims() != [n] || reference.dims() != [n] {
+        candle_core::bail!(
+            "kto_loss: log-probs {:?} and {:?} for {n} labels",
+            policy.dims(),
+            reference.dims()
+        );
+    }
+    let beta = cfg.beta;
+    let dt = policy.dtype();
+    let dev = policy.device();
+    let r = (policy - reference)?;
+    let z = if cfg.loss_type.uses_kl() { kl } else { 0.0 };
+    // Desirable rows: 1 − σ(β(r − z)); undesirable: 1 − σ(β(z − r)) = σ(β(r − z)) for kto,
+    // σ(βr) for apo_zero_unpaired — both σ(β(r − z)) with z = 0 there.
+    let s = sigmoid(&((&r - z)? * beta)?)?;
+    let sign: Vec<f64> = desirable
+        .iter()
+        .map(|&d| if d { -1.0 } else { 1.0 })
+        .collect();
+    let offset: Vec<f64> = desirable
+        .iter()
+        .map(|&d| if d { 1.0 } else { 0.0 })
+        .collect();
+    let weight: Vec<f64> = desirable
+        .iter()
+        .map(|&d| {
+            if d {
+                cfg.desirable_weight
+            } else {
+                cfg.undesirable_weight
+            }
+        })
+        .collect();
+    let t = |v: Vec<f64>| -> Result<Tensor> { Tensor::from_vec(v, n, dev)?.to_dtype(dt) };
+    let per_row = ((s * t(sign)?)? + t(offset)?)?;
+    let loss = (per_row * t(weight)?)?.mean_all()?;
+    let rv: Vec<f64> = r.detach().to_dtype(DType::F64)?.to_vec1()?;
+    let pv: Vec<f64> = policy.detach().to_dtype(DType::F64)?.to_vec1()?;
+    let sum = |want: bool, v: &[f64], scale: f64| -> f64 {
+        v.iter()
+            .zip(desirable)
+            .filter(|(_, d)| **d == want)
+            .map(|(x, _)| x * scale)
+            .sum()
+    };
+    let count = |want: bool| desirable.iter().filter(|&&d| d == want).count();
+    Ok(KtoOutput {
+        loss,
+        chosen_rewards: (sum(true, &rv, beta), count(true)),
+        rejected_rewards: (sum(false, &rv, beta), count(false)),
+        chosen_logps: sum(true, &pv, 1.0),
+        rejected_logps: sum(false, &pv, 1.0),
+    })
+}

@@ -4,7 +4,9 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo_core::preference::{DpoConfig, DpoInputs, DpoLossType, dpo_loss, dpo_loss_with};
+use grpo_core::preference::{
+    DpoConfig, DpoInputs, DpoLossType, KtoConfig, dpo_loss, dpo_loss_with, kto_loss,
+};
 
 #[derive(Debug)]
 pub struct DpoCase {
@@ -20,6 +22,18 @@ pub struct DpoCase {
     pub loss: f64,
     pub grad_chosen: &'static [f64],
     pub grad_rejected: &'static [f64],
+}
+
+#[derive(Debug)]
+pub struct KtoCase {
+    pub name: &'static str,
+    pub kl: f64,
+    pub beta: f64,
+    pub desirable_weight: f64,
+    pub undesirable_weight: f64,
+    pub loss_type: &'static str,
+    pub loss: f64,
+    pub grad: &'static [f64],
 }
 
 include!("data/dpo_variants.rs");
@@ -255,4 +269,60 @@ fn wpo_pair_weights_follow_the_paper_and_carry_no_gradient() {
     };
     let e = dpo_loss_with(&x(Some(&w)), &aot).unwrap_err().to_string();
     assert!(e.contains("use_weighting") && e.contains("aot"), "{e}");
+}
+
+/// TRL 1.16's KTO loss (and apo_zero_unpaired) on unpaired labelled rows: loss and gradient
+/// against TRL's formula; the reward and log-prob sums its metrics come from.
+#[test]
+fn kto_matches_trl() {
+    let d = Device::Cpu;
+    let rc = Tensor::new(RC, &d).unwrap();
+    for c in KTO_CASES {
+        let pc = Var::from_tensor(&Tensor::new(PC, &d).unwrap()).unwrap();
+        let cfg = KtoConfig {
+            beta: c.beta,
+            desirable_weight: c.desirable_weight,
+            undesirable_weight: c.undesirable_weight,
+            loss_type: c.loss_type.parse().unwrap(),
+        };
+        let out = kto_loss(pc.as_tensor(), &rc, KTO_LABELS, c.kl, &cfg).unwrap();
+        let l = out.loss.to_scalar::<f64>().unwrap();
+        assert!((l - c.loss).abs() < 1e-12, "{}: {l} vs {}", c.name, c.loss);
+        let g: Vec<f64> = out
+            .loss
+            .backward()
+            .unwrap()
+            .get(pc.as_tensor())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (i, (a, b)) in g.iter().zip(c.grad).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-7,
+                "{} d/dpolicy[{i}]: {a} vs {b}",
+                c.name
+            );
+        }
+        let r: f64 = PC
+            .iter()
+            .zip(RC)
+            .zip(KTO_LABELS)
+            .filter(|(_, l)| **l)
+            .map(|((p, q), _)| c.beta * (p - q))
+            .sum();
+        assert!((out.chosen_rewards.0 - r).abs() < 1e-9 && out.chosen_rewards.1 == 3);
+        assert_eq!(out.rejected_rewards.1, 2);
+    }
+    // At the reference (the first step) every row's loss is 1/2 whatever the label.
+    let cfg = KtoConfig::default();
+    let l = kto_loss(&rc, &rc, KTO_LABELS, 0.0, &cfg)
+        .unwrap()
+        .loss
+        .to_scalar::<f64>()
+        .unwrap();
+    assert!((l - 0.5).abs() < 1e-12);
+    let e = kto_loss(&rc, &rc, &KTO_LABELS[..2], 0.0, &cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2 labels"), "{e}");
 }

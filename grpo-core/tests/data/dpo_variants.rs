@@ -32,3 +32,9 @@ pub const DPO_CASES: &[DpoCase] = &[
     DpoCase { name: "wpo_mpo_combination", loss_type: &["sigmoid", "bco_pair", "sft"], weights: &[0.8, 0.2, 1.0], beta: 0.5, label_smoothing: 0.0, f_divergence: "reverse_kl", alpha: 0.5, tau: 0.05, pair_weighted: true, loss: 1.776931035958823, grad_chosen: &[-0.06867847690550377, -0.025094604616526794, -0.059462150758804455, -0.01901471424758938, -0.034563276685162236], grad_rejected: &[0.05342678599529194, 0.00848135295328234, 0.04397769692854325, 0.00270531430590637, 0.017638595695146364] },
     DpoCase { name: "wpo_ipo_robust_js", loss_type: &["ipo", "robust"], weights: &[1.0, 0.5], beta: 0.2, label_smoothing: 0.1, f_divergence: "js_divergence", alpha: 0.5, tau: 0.05, pair_weighted: true, loss: 3.8026842319954692, grad_chosen: &[-0.11090724982842914, -0.03979031237832942, -0.02689986922099763, -0.008697950582003955, -0.02354620010081021], grad_rejected: &[0.040404296131058004, 0.062071823681009164, 0.057963614796818774, 0.007239979504802818, 0.04222151939181629] },
 ];
+pub const KTO_LABELS: &[bool] = &[true, false, true, true, false];
+pub const KTO_CASES: &[KtoCase] = &[
+    KtoCase { name: "kto", kl: 0.0, beta: 0.1, desirable_weight: 1.0, undesirable_weight: 1.0, loss_type: "kto", loss: 0.510244745474083, grad: &[-0.00499687624611056, 0.004987520896282405, -0.004992975366491237, -0.004995502733695645, 0.004993880031722853] },
+    KtoCase { name: "kto_kl", kl: 0.37, beta: 0.5, desirable_weight: 1.0, undesirable_weight: 1.33, loss_type: "kto", loss: 0.6334511106209477, grad: &[-0.02385366604240602, 0.03243864310498168, -0.02477572558223784, -0.023585616570898083, 0.03302471512922622] },
+    KtoCase { name: "apo_zero_unpaired", kl: 0.37, beta: 0.2, desirable_weight: 0.8, undesirable_weight: 1.0, loss_type: "apo_zero_unpaired", loss: 0.4597575315181005, grad: &[-0.007980033300825085, 0.009900662900630408, -0.007955168218609643, -0.007971268978224089, 0.009951159618548644] },
+];
