@@ -68,6 +68,8 @@ enum Command {
     Sft(train_cmd::TrainArgs),
     /// Direct preference optimisation (the config's `[dpo]`) against the frozen reference.
     Dpo(train_cmd::TrainArgs),
+    /// Kahneman-Tversky optimisation (the config's `[kto]`) on unpaired, labelled completions.
+    Kto(train_cmd::TrainArgs),
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
@@ -83,6 +85,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Train(a)) => Ok(ExitCode::from(train_cmd::train(a)?)),
         Some(Command::Sft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sft"))?)),
         Some(Command::Dpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("dpo"))?)),
+        Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
@@ -144,7 +147,13 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             Ok(())
         }
         Some(Command::Data { command }) => data_cmd::run(command),
-        Some(Command::Train(_) | Command::Sft(_) | Command::Dpo(_) | Command::Check(_)) => {
+        Some(
+            Command::Train(_)
+            | Command::Sft(_)
+            | Command::Dpo(_)
+            | Command::Kto(_)
+            | Command::Check(_),
+        ) => {
             unreachable!("handled in run")
         }
         Some(Command::Demo(a)) => demo(a),

@@ -14,7 +14,17 @@ use grpo_trainer::{self as trainer, RunOptions};
 fn write_data(root: &Path) {
     let mut sft = String::new();
     let mut dpo = String::new();
+    let mut kto = String::new();
     for i in 0..16 {
+        // Unpaired, labelled: the right answer is desirable, a wrong one is not.
+        let (answer, good) = if i % 2 == 0 {
+            (i + 1, true)
+        } else {
+            (i + 7, false)
+        };
+        kto.push_str(&format!(
+            "{{\"prompt\": \"What is {i} + 1?\", \"completion\": \" {answer}\", \"label\": {good}}}\n"
+        ));
         sft.push_str(&format!(
             "{{\"prompt\": \"What is {i} + 1?\", \"completion\": \" {}\"}}\n",
             i + 1
@@ -25,6 +35,7 @@ fn write_data(root: &Path) {
     }
     std::fs::write(root.join("sft.jsonl"), sft).unwrap();
     std::fs::write(root.join("dpo.jsonl"), dpo).unwrap();
+    std::fs::write(root.join("kto.jsonl"), kto).unwrap();
     let chat = r#"{"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}, {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "goodbye now"}]}"#;
     std::fs::write(root.join("chat.jsonl"), format!("{chat}\n{chat}\n")).unwrap();
 }
@@ -38,10 +49,10 @@ fn fixture(arch: Arch) -> tempfile::TempDir {
 }
 
 fn config_text(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> String {
-    let data = if algorithm == "dpo" {
-        "dpo.jsonl"
-    } else {
-        "sft.jsonl"
+    let data = match algorithm {
+        "dpo" => "dpo.jsonl",
+        "kto" => "kto.jsonl",
+        _ => "sft.jsonl",
     };
     format!(
         r#"
@@ -222,7 +233,7 @@ fn resume_is_exact_for_sft_and_dpo() {
     let dir = tempfile::tempdir().unwrap();
     // DPO with TR-DPO's reference sync: the synced reference is part of the checkpoint.
     let sync = "[reference]\nsync_ref_model = true\nref_model_mixup_alpha = 0.5\nref_model_sync_steps = 1\n";
-    for (alg, extra) in [("sft", ""), ("dpo", ""), ("dpo", sync)] {
+    for (alg, extra) in [("sft", ""), ("dpo", ""), ("dpo", sync), ("kto", "")] {
         let tag = if extra.is_empty() {
             alg.to_string()
         } else {
@@ -309,7 +320,7 @@ fn conversations_train_on_assistant_turns_only() {
 #[test]
 fn sft_and_dpo_subcommands() {
     let dir = fixture(Arch::Llama);
-    for alg in ["sft", "dpo"] {
+    for alg in ["sft", "dpo", "kto"] {
         // The config says grpo; the subcommand decides.
         let text =
             config_text(dir.path(), alg, alg, 2, "").replace(&format!("algorithm = \"{alg}\""), "");
@@ -350,12 +361,15 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     let s = setup(dir.path(), "api-seed", "sft", 4, "");
     let cfg = s.cfg.clone();
     drop(s);
-    assert_eq!(grpo_trainer::list_algorithms(), vec!["dpo", "grpo", "sft"]);
+    assert_eq!(
+        grpo_trainer::list_algorithms(),
+        vec!["dpo", "grpo", "kto", "sft"]
+    );
     assert!(
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of dpo, grpo, sft")
+            .contains("expected one of dpo, grpo, kto, sft")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
@@ -386,6 +400,15 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         .fit()
         .unwrap();
     assert!(r.metrics[0].contains_key("rewards/margins"));
+    let mut c = cfg.clone();
+    c.data.path = vec![dir.path().join("kto.jsonl").display().to_string()];
+    c.output_dir = dir.path().join("api-kto");
+    c.train.max_steps = Some(1);
+    let r = grpo_trainer::KtoTrainer::from_pretrained(dir.path().join("model"), c)
+        .unwrap()
+        .fit()
+        .unwrap();
+    assert!(r.metrics[0].contains_key("kl"));
 
     // fit_on: another dataset than the config's (4 rows), steps from its size (16 rows / 4).
     let mut c = cfg.clone();
@@ -1312,4 +1335,66 @@ fn sft_eos_and_pad_tokens() {
         trainer::setup(config::load(&p, &[]).unwrap()).unwrap_err()
     );
     assert!(e.contains("sft.eos_token") && e.contains("<nope>"), "{e}");
+}
+
+/// KTO (TRL 1.16's KTOTrainer) on unpaired, labelled rows: the first step, where the policy is
+/// the reference, has loss 1/2 and KL 0; training raises the desirable completions' reward over
+/// the undesirable ones'; apo_zero_unpaired trains too; what cannot work is refused.
+#[test]
+fn a_tiny_kto_run_separates_desirable_from_undesirable() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = run(
+        setup(dir.path(), "kto", "kto", 16, "[kto]\nbeta = 0.5\n"),
+        &RunOptions::default(),
+    );
+    let m0 = &r.metrics[0];
+    assert!((m0["loss"] - 0.5).abs() < 1e-6, "{m0:?}");
+    assert!(
+        m0["kl"].abs() < 1e-6 && m0["rewards/chosen"].abs() < 1e-6,
+        "{m0:?}"
+    );
+    let last = r.metrics.last().unwrap();
+    assert!(last["rewards/margins"] > 0.5, "{last:?}");
+    assert!(last["loss"] < 0.45, "{last:?}");
+    for k in [
+        "rewards/rejected",
+        "logps/chosen",
+        "logps/rejected",
+        "grad_norm",
+    ] {
+        assert!(last[k].is_finite(), "{k}");
+    }
+    let apo = run(
+        setup(
+            dir.path(),
+            "apo",
+            "kto",
+            4,
+            "[kto]\nloss_type = \"apo_zero_unpaired\"\n",
+        ),
+        &RunOptions::default(),
+    );
+    assert!((apo.metrics[0]["loss"] - 0.5).abs() < 1e-6);
+    // The KL estimate pairs each prompt with another row's completion: a micro-batch of one
+    // has none.
+    let bad = dir.path().join("one.toml");
+    let text = config_text(dir.path(), "one", "kto", 1, "").replace(
+        "per_device_train_batch_size = 2",
+        "per_device_train_batch_size = 1",
+    );
+    std::fs::write(&bad, text).unwrap();
+    let e = format!("{:#}", config::load(&bad, &[]).unwrap_err());
+    assert!(e.contains("per_device_train_batch_size"), "{e}");
+    // A label that is not a boolean is named with its row.
+    std::fs::write(
+        dir.path().join("kto.jsonl"),
+        "{\"prompt\": \"a\", \"completion\": \" b\", \"label\": \"yes\"}\n".repeat(4),
+    )
+    .unwrap();
+    let s = setup(dir.path(), "badlabel", "kto", 1, "");
+    let e = format!(
+        "{:#}",
+        trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap_err()
+    );
+    assert!(e.contains("row 0") && e.contains("`label`"), "{e}");
 }

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
-use grpo_core::preference::{DpoConfig, DpoLossType, FDivergence, SftLossType};
+use grpo_core::preference::{
+    DpoConfig, DpoLossType, FDivergence, KtoConfig, KtoLossType, SftLossType,
+};
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
 use grpo_rollout::python_env::PythonEnvironmentConfig;
@@ -35,11 +37,18 @@ pub enum Algorithm {
     Sft,
     /// Direct preference optimisation (`[dpo]`).
     Dpo,
+    /// Kahneman-Tversky optimisation on unpaired, labelled rows (`[kto]`).
+    Kto,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 3] = [Algorithm::Grpo, Algorithm::Sft, Algorithm::Dpo];
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::Grpo,
+        Algorithm::Sft,
+        Algorithm::Dpo,
+        Algorithm::Kto,
+    ];
 
     /// The config's spelling.
     pub fn as_str(self) -> &'static str {
@@ -47,6 +56,7 @@ impl Algorithm {
             Self::Grpo => "grpo",
             Self::Sft => "sft",
             Self::Dpo => "dpo",
+            Self::Kto => "kto",
         }
     }
 }
@@ -58,7 +68,7 @@ impl std::str::FromStr for Algorithm {
         Self::ALL
             .into_iter()
             .find(|a| a.as_str() == s)
-            .ok_or_else(|| format!("unknown algorithm `{s}`; expected one of dpo, grpo, sft"))
+            .ok_or_else(|| format!("unknown algorithm `{s}`; expected one of dpo, grpo, kto, sft"))
     }
 }
 
@@ -135,6 +145,8 @@ pub struct TrainConfig {
     pub sft: SftSection,
     /// Direct preference optimisation (`algorithm = "dpo"`).
     pub dpo: DpoSection,
+    /// Kahneman-Tversky optimisation (`algorithm = "kto"`).
+    pub kto: KtoSection,
 }
 
 /// `[sft]`: TRL's SFTTrainer on prompt/completion rows or conversations.
@@ -218,6 +230,54 @@ impl PackingStrategy {
             Self::Bfd => grpo_data::packing::Strategy::Bfd,
             Self::BfdSplit => grpo_data::packing::Strategy::BfdSplit,
             Self::Wrapped => grpo_data::packing::Strategy::Wrapped,
+        }
+    }
+}
+
+/// `[kto]`: TRL's KTOTrainer on unpaired rows (prompt, completion, label) against the frozen
+/// reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KtoSection {
+    /// β (default 0.1).
+    pub beta: f64,
+    /// kto (default) | apo_zero_unpaired.
+    pub loss_type: KtoLossType,
+    /// The weight of desirable rows' losses (default 1).
+    pub desirable_weight: f64,
+    /// The weight of undesirable rows' losses (default 1).
+    pub undesirable_weight: f64,
+    /// The completion column.
+    pub completion_field: String,
+    /// The label column: true (desirable) or false (undesirable).
+    pub label_field: String,
+    /// Most prompt + completion tokens of a row: its start is kept, and a row whose prompt
+    /// alone fills it is dropped. Default 1024.
+    pub max_length: usize,
+}
+
+impl Default for KtoSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            loss_type: KtoLossType::Kto,
+            desirable_weight: 1.0,
+            undesirable_weight: 1.0,
+            completion_field: "completion".into(),
+            label_field: "label".into(),
+            max_length: 1024,
+        }
+    }
+}
+
+impl KtoSection {
+    /// grpo-core's options.
+    pub fn kto_config(&self) -> KtoConfig {
+        KtoConfig {
+            beta: self.beta,
+            desirable_weight: self.desirable_weight,
+            undesirable_weight: self.undesirable_weight,
+            loss_type: self.loss_type,
         }
     }
 }
@@ -346,6 +406,7 @@ impl Default for TrainConfig {
             algorithm: Algorithm::Grpo,
             sft: SftSection::default(),
             dpo: DpoSection::default(),
+            kto: KtoSection::default(),
         }
     }
 }
@@ -1276,8 +1337,28 @@ impl TrainConfig {
                     .into());
             }
         }
+        if self.algorithm == Algorithm::Kto {
+            let k = &self.kto;
+            if !(k.beta > 0.0 && k.beta.is_finite()) {
+                return Err(format!("`kto.beta` must be > 0, got {}", k.beta));
+            }
+            for (key, w) in [
+                ("desirable_weight", k.desirable_weight),
+                ("undesirable_weight", k.undesirable_weight),
+            ] {
+                if !(w >= 0.0 && w.is_finite()) {
+                    return Err(format!("`kto.{key}` must be >= 0, got {w}"));
+                }
+            }
+            if k.loss_type.uses_kl() && self.micro_batch() < 2 {
+                return Err("`kto.loss_type = \"kto\"` estimates the KL term from the other rows of \
+                            a micro-batch: `train.per_device_train_batch_size` must be > 1 (as in TRL)"
+                    .into());
+            }
+        }
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)
+            || (self.algorithm == Algorithm::Kto && self.kto.max_length < 2)
         {
             return Err(format!("`{}.max_length` must be >= 2", self.algorithm));
         }
@@ -1453,7 +1534,7 @@ impl TrainConfig {
     pub fn completions_per_step(&self) -> usize {
         match self.algorithm {
             Algorithm::Grpo => self.train.prompts_per_step * self.rollout.num_generations,
-            Algorithm::Sft | Algorithm::Dpo => self.train.prompts_per_step,
+            Algorithm::Sft | Algorithm::Dpo | Algorithm::Kto => self.train.prompts_per_step,
         }
     }
 
@@ -1479,7 +1560,7 @@ impl TrainConfig {
     pub fn dropout_disabled(&self) -> bool {
         self.train
             .disable_dropout
-            .unwrap_or(self.algorithm == Algorithm::Dpo)
+            .unwrap_or(matches!(self.algorithm, Algorithm::Dpo | Algorithm::Kto))
     }
 
     /// Optimizer updates per step: `steps_per_generation / gradient_accumulation_steps` with

@@ -26,7 +26,7 @@
 //! cfg.rewards = serde_json::from_value(serde_json::json!([{"type": "accuracy"}])).unwrap();
 //! let mut trainer = GrpoTrainer::from_pretrained("models/tiny", cfg).unwrap();
 //! let result = trainer.fit_with(FitOptions::default().max_steps(10)).unwrap();
-//! // SFT and DPO the same way: SftTrainer::from_pretrained(..), DpoTrainer::from_pretrained(..),
+//! // SFT, DPO and KTO the same way: SftTrainer::from_pretrained(..), DpoTrainer::from_pretrained(..),
 //! // or grpo_trainer::create_trainer("sft", "models/tiny", cfg).
 //! println!("{} steps, last reward {:?}", result.total_steps, result.metrics.last().map(|m| m["reward"]));
 //! ```
@@ -58,8 +58,8 @@ pub use learner::{Learner, TrainerState, batch::completion_logps, supervised};
 pub use pipeline::{RunMode, RunOptions, TrainingResult, run};
 pub use setup::{Setup, setup, setup_with};
 pub use trainer::{
-    AnyTrainer, ByName, Dpo, DpoTrainer, FitOptions, Grpo, GrpoTrainer, Sft, SftTrainer, Trainer,
-    TrainerKind, create_trainer, get_algorithm, list_algorithms,
+    AnyTrainer, ByName, Dpo, DpoTrainer, FitOptions, Grpo, GrpoTrainer, Kto, KtoTrainer, Sft,
+    SftTrainer, Trainer, TrainerKind, create_trainer, get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

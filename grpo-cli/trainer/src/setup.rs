@@ -153,6 +153,11 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
                 data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
             }
         }
+        Algorithm::Kto => {
+            for col in [&cfg.kto.completion_field, &cfg.kto.label_field] {
+                data.require_column(col, "KTO (`kto.completion_field` / `kto.label_field`)")?;
+            }
+        }
         // Language-modelling text (`data.prompt_field` = `sft.dataset_text_field`) needs no
         // completion column; plain prompts otherwise do.
         Algorithm::Sft
@@ -346,16 +351,17 @@ pub fn setup_with(
     }
     // The loaded weights are never written in place (full fine-tuning trains its own copies),
     // so every frozen model shares them: the reference, the scorers, the teacher.
-    let reference = if cfg.reference.beta > 0.0 || cfg.algorithm == Algorithm::Dpo {
-        Some(match &cfg.model.lora {
-            // LoRA: the policy's own base with its adapters switched off, as TRL does with
-            // peft: no copy at all.
-            Some(_) => policy.model.without_adapters(),
-            None => loaded.model.detached(),
-        })
-    } else {
-        None
-    };
+    let reference =
+        if cfg.reference.beta > 0.0 || matches!(cfg.algorithm, Algorithm::Dpo | Algorithm::Kto) {
+            Some(match &cfg.model.lora {
+                // LoRA: the policy's own base with its adapters switched off, as TRL does with
+                // peft: no copy at all.
+                Some(_) => policy.model.without_adapters(),
+                None => loaded.model.detached(),
+            })
+        } else {
+            None
+        };
     let remote = if cfg.rollout.backend == Backend::Openai && cfg.algorithm == Algorithm::Grpo {
         let g = RemoteGenerator::connect(cfg.rollout.openai.remote_config())
             .map_err(|e| anyhow!("rollout.openai ({}): {e}", cfg.rollout.openai.base_url))?;

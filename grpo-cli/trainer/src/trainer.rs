@@ -1,5 +1,5 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
-//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`]) or chosen by name
+//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -29,6 +29,9 @@ pub struct Sft;
 /// Direct preference optimisation (`[dpo]`).
 #[derive(Debug, Clone, Copy)]
 pub struct Dpo;
+/// KTO (`[kto]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Kto;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -42,6 +45,9 @@ impl TrainerKind for Sft {
 impl TrainerKind for Dpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Dpo);
 }
+impl TrainerKind for Kto {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Kto);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -54,6 +60,8 @@ pub type GrpoTrainer = Trainer<Grpo>;
 pub type SftTrainer = Trainer<Sft>;
 /// A DPO trainer.
 pub type DpoTrainer = Trainer<Dpo>;
+/// A KTO trainer.
+pub type KtoTrainer = Trainer<Kto>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

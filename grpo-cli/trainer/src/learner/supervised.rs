@@ -1,4 +1,4 @@
-//! SFT and DPO on the GRPO learner: the same optimizer, schedule, gradient accumulation and
+//! SFT, DPO and KTO on the GRPO learner: the same optimizer, schedule, gradient accumulation and
 //! clipping, run directory, metrics, progress, checkpoints and exact resume; only the step's
 //! loss differs (grpo-core's `preference` module).
 //!
@@ -7,13 +7,15 @@
 //!   tokens only; or a conversation whose assistant turns carry the loss.
 //! * DPO: prompt + `dpo.chosen_field` / `dpo.rejected_field`, each completion's summed log-prob
 //!   under the policy and the frozen reference.
+//! * KTO: prompt + `kto.completion_field` + `kto.label_field`, the completion's summed log-prob
+//!   under both, and the micro-batch's KL estimate from mismatched prompt/completion pairs.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{D, DType, Tensor};
-use grpo_core::preference::{DpoInputs, dpo_loss_with, sft_loss_typed};
+use grpo_core::preference::{DpoInputs, dpo_loss_with, kto_loss, sft_loss_typed};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
@@ -40,6 +42,8 @@ pub struct Row {
     pub mask: Vec<u8>,
     /// DPO: the rejected completion.
     pub rejected: Vec<u32>,
+    /// KTO: whether the completion is desirable (the label column); true otherwise.
+    pub desirable: bool,
     /// A packed SFT row (`bfd`, `bfd_split`): the lengths of the sequences it holds end to
     /// end (prompt + completion together); each restarts its positions and attends only to
     /// itself. Empty: one sequence.
@@ -72,10 +76,10 @@ pub fn rows_packed(
         .collect::<Result<Vec<_>>>()?;
     let sft = cfg.algorithm == Algorithm::Sft;
     if !sft || !packing {
-        let max = if sft {
-            cfg.sft.max_length
-        } else {
-            cfg.dpo.max_length
+        let max = match cfg.algorithm {
+            Algorithm::Dpo => cfg.dpo.max_length,
+            Algorithm::Kto => cfg.kto.max_length,
+            _ => cfg.sft.max_length,
         };
         return Ok(rows.into_iter().filter_map(|r| truncated(r, max)).collect());
     }
@@ -115,6 +119,7 @@ pub fn rows_packed(
                 completion: ids[1..].to_vec(),
                 mask: labels[1..].to_vec(),
                 rejected: Vec::new(),
+                desirable: true,
                 segments,
             })
         })
@@ -172,6 +177,31 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
+    if cfg.algorithm == Algorithm::Kto {
+        let k = &cfg.kto;
+        let field = &k.completion_field;
+        let (prompt, full) = prompt_and_full(cfg, tok, s, &s.prompt, s.get(field), field)?;
+        let n = common_prefix(&prompt, &full);
+        let completion = full[n..].to_vec();
+        let desirable = match s.get(&k.label_field) {
+            Some(grpo_data::Value::Bool(b)) => *b,
+            Some(grpo_data::Value::Int(i @ (0 | 1))) => *i == 1,
+            other => bail!(
+                "row {}: column `{}` must be true or false (the completion is desirable or not), found {other:?}",
+                s.index,
+                k.label_field
+            ),
+        };
+        return Ok(Row {
+            index: s.index,
+            mask: vec![1; completion.len()],
+            prompt: prompt[..n].to_vec(),
+            completion,
+            rejected: Vec::new(),
+            desirable,
+            segments: Vec::new(),
+        });
+    }
     if cfg.algorithm == Algorithm::Dpo {
         let d = &cfg.dpo;
         let (prompt, chosen, rejected) = match cfg.data.prompt_field == d.chosen_field {
@@ -198,6 +228,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             prompt: prompt[..n].to_vec(),
             completion: chosen,
             rejected,
+            desirable: true,
             segments: Vec::new(),
         });
     }
@@ -278,6 +309,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         completion,
         mask,
         rejected: Vec::new(),
+        desirable: true,
         segments: Vec::new(),
     })
 }
@@ -556,6 +588,10 @@ impl Learner {
             .map(|a| (a, (a + micro).min(n)))
             .collect();
         let dpo = self.cfg.algorithm == Algorithm::Dpo;
+        let kto = self.cfg.algorithm == Algorithm::Kto;
+        // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
+        // then undesirable rows, and the KL estimate weighted by micro-batch share.
+        let (mut kto_sums, mut kto_kl) = ([0f64; 6], 0f64);
         let total_tokens: f64 = rows
             .iter()
             .map(|r| r.mask.iter().map(|&m| f64::from(m)).sum::<f64>())
@@ -634,6 +670,53 @@ impl Learner {
                 add("logps/chosen", out.logps_chosen, share);
                 add("logps/rejected", out.logps_rejected, share);
                 (out.loss * share)?
+            } else if kto {
+                let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
+                let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
+                let model = if train {
+                    self.policy.model.clone()
+                } else {
+                    self.policy.model.detached()
+                };
+                let reference = self
+                    .reference
+                    .as_ref()
+                    .context("KTO needs the reference model")?;
+                let pol = self.summed_logps(&model, &prompts, &comps)?;
+                let refl = self
+                    .summed_logps(reference, &prompts, &comps)?
+                    .detach()
+                    .to_dtype(pol.dtype())?;
+                let cfg = self.cfg.kto.kto_config();
+                // TRL's KL estimate: each prompt with the completion of the row before it (the
+                // first with the last), policy − reference, averaged, clamped at 0; no gradient.
+                let kl = if cfg.loss_type.uses_kl() {
+                    let k = comps.len();
+                    let shifted: Vec<&[u32]> = (0..k).map(|i| comps[(i + k - 1) % k]).collect();
+                    let p = self.summed_logps(&self.policy.model.detached(), &prompts, &shifted)?;
+                    let r = self.summed_logps(reference, &prompts, &shifted)?;
+                    let d = (p - r.to_dtype(pol.dtype()))?
+                        .mean_all()?
+                        .to_dtype(DType::F64)?
+                        .to_scalar::<f64>()?;
+                    d.max(0.0)
+                } else {
+                    0.0
+                };
+                let desirable: Vec<bool> = part.iter().map(|r| r.desirable).collect();
+                let out = kto_loss(&pol, &refl, &desirable, kl, &cfg)?;
+                kto_kl += kl * share;
+                for (slot, v) in kto_sums.iter_mut().zip([
+                    out.chosen_rewards.0,
+                    out.chosen_logps,
+                    out.chosen_rewards.1 as f64,
+                    out.rejected_rewards.0,
+                    out.rejected_logps,
+                    out.rejected_rewards.1 as f64,
+                ]) {
+                    *slot += v;
+                }
+                (out.loss * share)?
             } else {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
                 let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
@@ -667,6 +750,22 @@ impl Learner {
             if train {
                 let grads = self.policy.model.backward(&loss)?;
                 accumulate(&mut acc, self.opt.vars(), &grads)?;
+            }
+        }
+        if kto {
+            // TRL's KTO metrics: means over the desirable and the undesirable rows.
+            let [cr, cl, cn, rr, rl, rn] = kto_sums;
+            m.insert("kl".into(), kto_kl);
+            if cn > 0.0 {
+                m.insert("rewards/chosen".into(), cr / cn);
+                m.insert("logps/chosen".into(), cl / cn);
+            }
+            if rn > 0.0 {
+                m.insert("rewards/rejected".into(), rr / rn);
+                m.insert("logps/rejected".into(), rl / rn);
+            }
+            if cn > 0.0 && rn > 0.0 {
+                m.insert("rewards/margins".into(), cr / cn - rr / rn);
             }
         }
         if train {
@@ -713,6 +812,7 @@ pub fn run(
                     batch.samples.len(),
                     match setup.cfg.algorithm {
                         Algorithm::Dpo => setup.cfg.dpo.max_length,
+                        Algorithm::Kto => setup.cfg.kto.max_length,
                         _ => setup.cfg.sft.max_length,
                     }
                 );
