@@ -275,13 +275,13 @@ fn tensorboard_scalars_match_the_metrics() {
 
 #[test]
 fn algorithms_by_name() {
-    assert_eq!(grpo_trainer::list_algorithms(), ["dpo", "grpo", "sft"]);
+    assert_eq!(grpo_trainer::list_algorithms(), ["dpo", "grpo", "kto", "sft"]);
     assert_eq!(
         grpo_trainer::get_algorithm("sft").unwrap(),
         grpo_trainer::Algorithm::Sft
     );
     let e = grpo_trainer::get_algorithm("ppo").unwrap_err().to_string();
-    for name in ["ppo", "grpo", "sft", "dpo"] {
+    for name in ["ppo", "grpo", "sft", "dpo", "kto"] {
         assert!(e.contains(name), "{e}");
     }
 }
