@@ -1398,3 +1398,37 @@ fn a_tiny_kto_run_separates_desirable_from_undesirable() {
     );
     assert!(e.contains("row 0") && e.contains("`label`"), "{e}");
 }
+
+/// KTO on preference pairs (TRL unpairs them): each pair gives a desirable row (chosen) and an
+/// undesirable one (rejected), the batch's chosen first; training separates them.
+#[test]
+fn kto_unpairs_preference_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(setup(dir.path(), "first", "kto", 1, ""));
+    let text = config_text(dir.path(), "paired", "kto", 12, "[kto]\nbeta = 0.5\n")
+        .replace("kto.jsonl", "dpo.jsonl");
+    let p = dir.path().join("paired.toml");
+    std::fs::write(&p, text).unwrap();
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let samples = first_rows(&s.train, 2);
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(
+        rows.iter().map(|r| r.desirable).collect::<Vec<_>>(),
+        vec![true, true, false, false]
+    );
+    let yes = s.tokenizer.decode(&rows[0].completion, false).unwrap();
+    let no = s.tokenizer.decode(&rows[2].completion, false).unwrap();
+    assert!(
+        yes.starts_with(" yes, gladly") && no.starts_with(" no"),
+        "{yes:?} / {no:?}"
+    );
+    assert_eq!(rows[0].prompt, rows[2].prompt);
+    let r = run(s, &RunOptions::default());
+    assert!((r.metrics[0]["loss"] - 0.5).abs() < 1e-6);
+    assert!(
+        r.metrics.last().unwrap()["rewards/margins"] > 0.5,
+        "{:?}",
+        r.metrics.last()
+    );
+}

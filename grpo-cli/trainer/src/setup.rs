@@ -153,9 +153,16 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
                 data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
             }
         }
-        Algorithm::Kto => {
+        // Unpaired rows, or preference rows that KTO unpairs (as TRL does).
+        Algorithm::Kto
+            if !(data.require_column("chosen", "").is_ok()
+                && data.require_column("rejected", "").is_ok()) =>
+        {
             for col in [&cfg.kto.completion_field, &cfg.kto.label_field] {
-                data.require_column(col, "KTO (`kto.completion_field` / `kto.label_field`)")?;
+                data.require_column(
+                    col,
+                    "KTO (`kto.completion_field` / `kto.label_field`, or `chosen` / `rejected` pairs)",
+                )?;
             }
         }
         // Language-modelling text (`data.prompt_field` = `sft.dataset_text_field`) needs no
@@ -226,6 +233,15 @@ pub fn setup_with(
                         && found.contains(&cfg.dpo.rejected_field) =>
                 {
                     cfg.data.prompt_field = cfg.dpo.chosen_field.clone();
+                    cfg.data.open(cfg.train.seed)
+                }
+                // KTO on such pairs: TRL extracts the prompt, then unpairs.
+                Err(grpo_data::DataError::NoPromptColumn { found, .. })
+                    if cfg.algorithm == Algorithm::Kto
+                        && found.iter().any(|c| c == "chosen")
+                        && found.iter().any(|c| c == "rejected") =>
+                {
+                    cfg.data.prompt_field = "chosen".into();
                     cfg.data.open(cfg.train.seed)
                 }
                 // SFT data in TRL's other two formats: conversations in `messages`, or

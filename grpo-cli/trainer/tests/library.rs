@@ -275,7 +275,10 @@ fn tensorboard_scalars_match_the_metrics() {
 
 #[test]
 fn algorithms_by_name() {
-    assert_eq!(grpo_trainer::list_algorithms(), ["dpo", "grpo", "kto", "sft"]);
+    assert_eq!(
+        grpo_trainer::list_algorithms(),
+        ["dpo", "grpo", "kto", "sft"]
+    );
     assert_eq!(
         grpo_trainer::get_algorithm("sft").unwrap(),
         grpo_trainer::Algorithm::Sft

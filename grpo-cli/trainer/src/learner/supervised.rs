@@ -70,10 +70,13 @@ pub fn rows_packed(
     samples: &[Sample],
     packing: bool,
 ) -> Result<Vec<Row>> {
-    let rows = samples
-        .iter()
-        .map(|s| row(cfg, tok, s))
-        .collect::<Result<Vec<_>>>()?;
+    let rows = match cfg.algorithm {
+        Algorithm::Kto => kto_rows(cfg, tok, samples)?,
+        _ => samples
+            .iter()
+            .map(|s| row(cfg, tok, s))
+            .collect::<Result<Vec<_>>>()?,
+    };
     let sft = cfg.algorithm == Algorithm::Sft;
     if !sft || !packing {
         let max = match cfg.algorithm {
@@ -124,6 +127,70 @@ pub fn rows_packed(
             })
         })
         .collect())
+}
+
+/// KTO's rows: a prompt, a completion and its label each; a preference row (`chosen` and
+/// `rejected`, no completion column) gives two, as TRL's `unpair_preference_dataset` does — the
+/// batch's chosen completions (desirable) first, then its rejected ones.
+fn kto_rows(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    samples: &[Sample],
+) -> Result<Vec<Row>> {
+    let k = &cfg.kto;
+    let one = |s: &Sample,
+               prompt: &Prompt,
+               v: Option<&grpo_data::Value>,
+               field: &str,
+               desirable: bool| {
+        let (p, full) = prompt_and_full(cfg, tok, s, prompt, v, field)?;
+        let n = common_prefix(&p, &full);
+        let completion = full[n..].to_vec();
+        Ok(Row {
+            index: s.index,
+            mask: vec![1; completion.len()],
+            prompt: p[..n].to_vec(),
+            completion,
+            rejected: Vec::new(),
+            desirable,
+            segments: Vec::new(),
+        })
+    };
+    let paired = |s: &Sample| s.get(&k.completion_field).is_none_or(|v| v.is_null());
+    if samples.iter().all(paired) {
+        let mut chosen = Vec::with_capacity(samples.len());
+        let mut rejected = Vec::with_capacity(samples.len());
+        for s in samples {
+            let (prompt, c, r) = match cfg.data.prompt_field == "chosen" {
+                true => implicit_prompt(s, "rejected")?,
+                false => (
+                    s.prompt.clone(),
+                    s.get("chosen").cloned(),
+                    s.get("rejected").cloned(),
+                ),
+            };
+            chosen.push(one(s, &prompt, c.as_ref(), "chosen", true)?);
+            rejected.push(one(s, &prompt, r.as_ref(), "rejected", false)?);
+        }
+        chosen.extend(rejected);
+        return Ok(chosen);
+    }
+    samples
+        .iter()
+        .map(|s| {
+            let desirable = match s.get(&k.label_field) {
+                Some(grpo_data::Value::Bool(b)) => *b,
+                Some(grpo_data::Value::Int(i @ (0 | 1))) => *i == 1,
+                other => bail!(
+                    "row {}: column `{}` must be true or false (the completion is desirable or not), found {other:?}",
+                    s.index,
+                    k.label_field
+                ),
+            };
+            let field = &k.completion_field;
+            one(s, &s.prompt, s.get(field), field, desirable)
+        })
+        .collect()
 }
 
 /// A row cut to `max` prompt + completion tokens, keeping the start (TRL's `keep_start`, its
@@ -177,31 +244,6 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
-    if cfg.algorithm == Algorithm::Kto {
-        let k = &cfg.kto;
-        let field = &k.completion_field;
-        let (prompt, full) = prompt_and_full(cfg, tok, s, &s.prompt, s.get(field), field)?;
-        let n = common_prefix(&prompt, &full);
-        let completion = full[n..].to_vec();
-        let desirable = match s.get(&k.label_field) {
-            Some(grpo_data::Value::Bool(b)) => *b,
-            Some(grpo_data::Value::Int(i @ (0 | 1))) => *i == 1,
-            other => bail!(
-                "row {}: column `{}` must be true or false (the completion is desirable or not), found {other:?}",
-                s.index,
-                k.label_field
-            ),
-        };
-        return Ok(Row {
-            index: s.index,
-            mask: vec![1; completion.len()],
-            prompt: prompt[..n].to_vec(),
-            completion,
-            rejected: Vec::new(),
-            desirable,
-            segments: Vec::new(),
-        });
-    }
     if cfg.algorithm == Algorithm::Dpo {
         let d = &cfg.dpo;
         let (prompt, chosen, rejected) = match cfg.data.prompt_field == d.chosen_field {
