@@ -95,6 +95,12 @@ fn config_error(root: &Path, algorithm: &str, extra: &str) -> String {
     format!("{:#}", config::load(&bad, &[]).unwrap_err())
 }
 
+/// A setup from config `text` written to `path`.
+fn setup_text(path: &Path, text: String) -> trainer::Setup {
+    std::fs::write(path, text).unwrap();
+    trainer::setup(config::load(path, &[]).unwrap()).unwrap()
+}
+
 fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_trainer::TrainingResult {
     trainer::run(s, opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
@@ -175,9 +181,7 @@ fn dpo_wpo_weights_the_first_step_by_the_policy_probabilities() {
     drop(setup(dir.path(), "first", "dpo", 1, ""));
     let text = config_text(dir.path(), "wpo", "dpo", 3, "[dpo]\nuse_weighting = true")
         .replace("prompts_per_step = 4", "prompts_per_step = 16");
-    let p = dir.path().join("wpo.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("wpo.toml"), text);
     let samples = first_rows(&s.train, 16);
     let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
     let m = s.policy.model.detached();
@@ -276,9 +280,7 @@ fn conversations_train_on_assistant_turns_only() {
     let text = config_text(dir.path(), "chat", "sft", 2, "").replace("sft.jsonl", "chat.jsonl")
         + "\n[sft]\nmax_length = 512\nassistant_only_loss = true\n";
     let text = text.replace("[data]\n", "[data]\nprompt_field = \"messages\"\n");
-    let p = dir.path().join("chat.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("chat.toml"), text);
     let samples = first_rows(&s.train, 2);
     let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
     let r = &rows[0];
@@ -457,9 +459,7 @@ fn sft_eval_split_and_packing() {
     drop(setup(dir.path(), "first", "sft", 1, ""));
     let text = config_text(dir.path(), "eval", "sft", 4, "eval_steps = 2")
         .replace("[data]\n", "[data]\neval_fraction = 0.25\n");
-    let p = dir.path().join("eval.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("eval.toml"), text);
     run(s, &RunOptions::default());
     let lines: Vec<serde_json::Value> =
         std::fs::read_to_string(dir.path().join("eval/metrics.jsonl"))
@@ -824,9 +824,7 @@ fn sft_trains_language_modelling_text_rows() {
     let text = config_text(dir.path(), "lm", "sft", 12, "")
         .replace("sft.jsonl", "text.jsonl")
         .replace("[data]\n", "[data]\nprompt_field = \"text\"\n");
-    let p = dir.path().join("lm.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("lm.toml"), text);
     let samples = first_rows(&s.train, 1);
     let r = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap()[0].clone();
     assert_eq!(r.prompt.len(), 1);
@@ -1231,9 +1229,7 @@ fn assistant_only_loss_follows_generation_blocks() {
             &format!("[model]\nchat_template_path = \"{}\"\n", jinja.display()),
         )
         + "\n[sft]\nmax_length = 512\nassistant_only_loss = true\n";
-    let p = dir.path().join("gen.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("gen.toml"), text);
     let r = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap()[0];
     let kept: Vec<u32> = r
         .completion
@@ -1274,9 +1270,7 @@ fn tool_calling_rows_render_their_calls_and_tools() {
             "[model]\n",
             &format!("[model]\nchat_template_path = \"{}\"\n", jinja.display()),
         );
-    let p = dir.path().join("tools.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("tools.toml"), text);
     let r = &trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap()[0];
     let ids: Vec<u32> = r.prompt.iter().chain(&r.completion).copied().collect();
     assert_eq!(
@@ -1290,6 +1284,7 @@ fn tool_calling_rows_render_their_calls_and_tools() {
         r#"{"messages": [{"role": "user", "content": "hi"}], "tools": "nope"}"#.to_string() + "\n",
     )
     .unwrap();
+    let p = dir.path().join("tools.toml");
     let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
     let e = format!(
         "{:#}",
@@ -1407,9 +1402,7 @@ fn kto_unpairs_preference_rows() {
     drop(setup(dir.path(), "first", "kto", 1, ""));
     let text = config_text(dir.path(), "paired", "kto", 12, "[kto]\nbeta = 0.5\n")
         .replace("kto.jsonl", "dpo.jsonl");
-    let p = dir.path().join("paired.toml");
-    std::fs::write(&p, text).unwrap();
-    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let s = setup_text(&dir.path().join("paired.toml"), text);
     let samples = first_rows(&s.train, 2);
     let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
     assert_eq!(rows.len(), 4);

@@ -644,6 +644,11 @@ impl Learner {
         for &(a, b) in &chunks {
             let part = &rows[a..b];
             let share = (b - a) as f64 / n as f64;
+            let model = if train {
+                self.policy.model.clone()
+            } else {
+                self.policy.model.detached()
+            };
             let loss = if dpo {
                 let prompts: Vec<&[u32]> = part
                     .iter()
@@ -655,11 +660,6 @@ impl Learner {
                     .map(|r| r.completion.as_slice())
                     .chain(part.iter().map(|r| r.rejected.as_slice()))
                     .collect();
-                let model = if train {
-                    self.policy.model.clone()
-                } else {
-                    self.policy.model.detached()
-                };
                 let (pol, pair_weights) = self.policy_logps(&model, &prompts, &comps)?;
                 let k = b - a;
                 let missing = part.iter().any(|r| !dpo_ref.contains_key(&r.index));
@@ -715,11 +715,6 @@ impl Learner {
             } else if kto {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
                 let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
-                let model = if train {
-                    self.policy.model.clone()
-                } else {
-                    self.policy.model.detached()
-                };
                 let reference = self
                     .reference
                     .as_ref()
@@ -762,11 +757,6 @@ impl Learner {
             } else {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
                 let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
-                let model = if train {
-                    self.policy.model.clone()
-                } else {
-                    self.policy.model.detached()
-                };
                 let (lp, c) = if part.iter().any(|r| !r.segments.is_empty()) {
                     packed_logps(&model, self.tokenizer.pad_token_id, part)?
                 } else {
