@@ -959,6 +959,54 @@ pub fn policy_loss_on_device(
     })
 }
 
+/// TRL 1.16's RLOO loss (`RLOOTrainer._compute_loss`): PPO's clip on whole sequences. Each
+/// completion's log-prob is the sum over its masked tokens; `ρ = exp(Σ log π − Σ log π_old)`
+/// (`old_per_token_logps` `None`: the policy's own, detached, so ρ = 1); the loss is the mean
+/// over sequences of `−min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)A)`. No KL term: RLOO puts the KL
+/// penalty in the reward ([`crate::advantages::rloo_advantages`]). The metrics are the
+/// sequence-level clip ratios (`kl` and `phi_seq_mean` 0).
+///
+/// # Errors
+/// Shapes that disagree.
+pub fn rloo_loss(
+    per_token_logps: &Tensor,
+    old_per_token_logps: Option<&Tensor>,
+    completion_mask: &Tensor,
+    advantages: &Tensor,
+    epsilon_low: f64,
+    epsilon_high: f64,
+) -> Result<(Tensor, DeviceMetrics)> {
+    let dtype = per_token_logps.dtype();
+    let mask = completion_mask.to_dtype(dtype)?;
+    let logps = (per_token_logps * &mask)?.sum(1)?;
+    let old = match old_per_token_logps {
+        Some(o) => (o.to_dtype(dtype)? * &mask)?.sum(1)?,
+        None => logps.detach(),
+    };
+    let adv = advantages.to_dtype(dtype)?;
+    let coef_1 = (&logps - &old)?.exp()?;
+    let coef_2 = coef_1.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)?;
+    let per_sequence = (&coef_1 * &adv)?.minimum(&(&coef_2 * &adv)?)?.neg()?;
+    let loss = per_sequence.mean_all()?;
+    let c = coef_1.detach();
+    let flag = |x: Tensor| x.to_dtype(dtype);
+    let low = (flag(c.lt(1.0 - epsilon_low)?)? * flag(adv.lt(0.0)?)?)?;
+    let high = (flag(c.gt(1.0 + epsilon_high)?)? * flag(adv.gt(0.0)?)?)?;
+    let region = (&low + &high)?.minimum(1.0)?;
+    let zero = low.zeros_like()?.mean_all()?;
+    let values = Tensor::stack(
+        &[
+            zero.clone(),
+            low.mean_all()?,
+            high.mean_all()?,
+            region.mean_all()?,
+            zero,
+        ],
+        0,
+    )?;
+    Ok((loss, DeviceMetrics(values)))
+}
+
 #[cfg(test)]
 mod tests {
 

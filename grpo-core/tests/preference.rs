@@ -200,3 +200,113 @@ fn sft_dft_weights_each_token_by_its_detached_probability() {
     }
     assert_eq!("DFT".parse::<SftLossType>(), Ok(SftLossType::Dft));
 }
+
+/// TRL 1.16's RLOO loss: PPO's clip on summed sequence log-probs, mean over sequences, and the
+/// sequence-level clip ratios; the gradient is −Aρ/N per masked token where the unclipped term
+/// is the minimum, 0 where the clipped one is.
+#[test]
+fn rloo_loss_clips_whole_sequences() {
+    use candle_core::{Device, Tensor, Var};
+    let d = Device::Cpu;
+    let lp = [[-1.0f64, -0.5, -2.0], [-0.3, -0.2, -9.0]];
+    let old = [[-1.1f64, -0.5, -7.0], [-0.2, -0.1, 0.0]];
+    let mask = [[1f64, 1.0, 0.0], [1.0, 1.0, 0.0]];
+    let adv = [1.5f64, -0.5];
+    let (el, eh) = (0.2, 0.28);
+    let v = Var::from_tensor(&Tensor::new(&lp, &d).unwrap()).unwrap();
+    let (loss, metrics) = grpo_core::loss::rloo_loss(
+        v.as_tensor(),
+        Some(&Tensor::new(&old, &d).unwrap()),
+        &Tensor::new(&mask, &d).unwrap(),
+        &Tensor::new(&adv, &d).unwrap(),
+        el,
+        eh,
+    )
+    .unwrap();
+    // By hand: sequence 0: Σ lp − Σ old = 0.1, ρ = e^0.1 = 1.105 (inside the clip), term −1.5ρ;
+    // sequence 1: −0.2, ρ = e^−0.2 = 0.819 (inside [0.8, 1.28]): −(−0.5ρ).
+    let rho = [0.1f64.exp(), (-0.2f64).exp()];
+    let want = -(rho[0] * adv[0] + rho[1] * adv[1]) / 2.0;
+    let got = loss.to_scalar::<f64>().unwrap();
+    assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    let g: Vec<Vec<f64>> = loss
+        .backward()
+        .unwrap()
+        .get(v.as_tensor())
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    for s in 0..2 {
+        for t in 0..3 {
+            let want = -adv[s] * rho[s] / 2.0 * mask[s][t];
+            assert!(
+                (g[s][t] - want).abs() < 1e-12,
+                "grad [{s}][{t}]: {} vs {want}",
+                g[s][t]
+            );
+        }
+    }
+    assert_eq!(metrics.read().unwrap().clip_ratio_region_mean, 0.0);
+    // A sequence far above the clip with A > 0: the clipped term is the minimum, no gradient,
+    // counted in the high clip ratio.
+    let far = [[-0.1f64, -0.1, 0.0], [-0.3, -0.2, 0.0]];
+    let v = Var::from_tensor(&Tensor::new(&far, &d).unwrap()).unwrap();
+    let (loss, metrics) = grpo_core::loss::rloo_loss(
+        v.as_tensor(),
+        Some(&Tensor::new(&old, &d).unwrap()),
+        &Tensor::new(&mask, &d).unwrap(),
+        &Tensor::new(&adv, &d).unwrap(),
+        el,
+        eh,
+    )
+    .unwrap();
+    let rho1 = (-0.2f64).exp();
+    let want = -((1.0 + eh) * adv[0] + rho1 * adv[1]) / 2.0;
+    assert!((loss.to_scalar::<f64>().unwrap() - want).abs() < 1e-12);
+    let g: Vec<Vec<f64>> = loss
+        .backward()
+        .unwrap()
+        .get(v.as_tensor())
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    assert!(g[0].iter().all(|x| *x == 0.0), "{g:?}");
+    let m = metrics.read().unwrap();
+    assert_eq!(
+        (
+            m.clip_ratio_high_mean,
+            m.clip_ratio_low_mean,
+            m.clip_ratio_region_mean
+        ),
+        (0.5, 0.0, 0.5)
+    );
+}
+
+/// TRL's RLOO advantages: leave-one-out over scorable siblings, batch normalisation with
+/// Bessel's correction, unscorable and lone completions 0.
+#[test]
+fn rloo_advantages_follow_trl() {
+    use grpo_core::advantages::rloo_advantages;
+    let r = [
+        1.0f32,
+        0.0,
+        0.5,
+        f32::NAN,
+        2.0,
+        f32::NAN,
+        f32::NAN,
+        f32::NAN,
+    ];
+    let a = rloo_advantages(&r, 4, false);
+    assert_eq!(a, vec![0.75, -0.75, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    let n = rloo_advantages(&r, 4, true);
+    // The scorable advantages [0.75, −0.75, 0]: mean 0, Bessel std 0.75.
+    let s = 0.75f64 + 1e-4;
+    for (x, want) in n
+        .iter()
+        .zip([0.75 / s, -0.75 / s, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    {
+        assert!((f64::from(*x) - want).abs() < 1e-6, "{n:?}");
+    }
+    assert_eq!(rloo_advantages(&[3.0, 1.0], 1, true), vec![0.0, 0.0]);
+}
