@@ -442,6 +442,54 @@ pub fn reward_stats(
     }
 }
 
+/// TRL 1.16's RLOO advantages (`RLOOTrainer`): each completion's reward minus the mean of its
+/// group's other scorable rewards (a NaN reward is unscorable: it neither has a baseline nor
+/// enters its siblings'); with `normalize`, the scorable advantages of the whole batch are
+/// centred and divided by their standard deviation (Bessel-corrected) + 1e-4; unscorable ones,
+/// and a group's only scorable one, get 0. The KL penalty, when there is one, is in `rewards`
+/// already (`reward − β·Σ_t (log π_old − log π_ref)`).
+///
+/// ```
+/// use grpo_core::advantages::rloo_advantages;
+/// let a = rloo_advantages(&[1.0, 0.0, 0.5, f32::NAN], 4, false);
+/// assert_eq!(a, vec![0.75, -0.75, 0.0, 0.0]);
+/// ```
+pub fn rloo_advantages(rewards: &[f32], group_size: usize, normalize: bool) -> Vec<f32> {
+    check_groups(rewards.len(), group_size);
+    let mut adv: Vec<f64> = rewards
+        .chunks(group_size)
+        .flat_map(|g| {
+            let (sum, n) = g
+                .iter()
+                .filter(|r| !r.is_nan())
+                .fold((0f64, 0usize), |(s, n), &r| (s + f64::from(r), n + 1));
+            g.iter().map(move |&r| match (r.is_nan(), n) {
+                (true, _) | (false, 0 | 1) if group_size > 1 => f64::NAN,
+                (_, _) if group_size <= 1 => 0.0,
+                _ => f64::from(r) - (sum - f64::from(r)) / (n - 1) as f64,
+            })
+        })
+        .collect();
+    if normalize {
+        let ok: Vec<f64> = adv.iter().copied().filter(|a| !a.is_nan()).collect();
+        if !ok.is_empty() {
+            let mean = ok.iter().sum::<f64>() / ok.len() as f64;
+            let var = ok.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / ok.len() as f64;
+            let var = if ok.len() > 1 {
+                var * ok.len() as f64 / (ok.len() - 1) as f64
+            } else {
+                f64::NAN
+            };
+            for a in &mut adv {
+                *a = (*a - mean) / (var.sqrt() + 1e-4);
+            }
+        }
+    }
+    adv.into_iter()
+        .map(|a| if a.is_nan() { 0.0 } else { a as f32 })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -537,52 +585,4 @@ mod tests {
     fn ragged_groups_panic() {
         group_advantages(&[1.0, 2.0, 3.0], 2, ScaleRewards::Group);
     }
-}
-
-/// TRL 1.16's RLOO advantages (`RLOOTrainer`): each completion's reward minus the mean of its
-/// group's other scorable rewards (a NaN reward is unscorable: it neither has a baseline nor
-/// enters its siblings'); with `normalize`, the scorable advantages of the whole batch are
-/// centred and divided by their standard deviation (Bessel-corrected) + 1e-4; unscorable ones,
-/// and a group's only scorable one, get 0. The KL penalty, when there is one, is in `rewards`
-/// already (`reward − β·Σ_t (log π_old − log π_ref)`).
-///
-/// ```
-/// use grpo_core::advantages::rloo_advantages;
-/// let a = rloo_advantages(&[1.0, 0.0, 0.5, f32::NAN], 4, false);
-/// assert_eq!(a, vec![0.75, -0.75, 0.0, 0.0]);
-/// ```
-pub fn rloo_advantages(rewards: &[f32], group_size: usize, normalize: bool) -> Vec<f32> {
-    check_groups(rewards.len(), group_size);
-    let mut adv: Vec<f64> = rewards
-        .chunks(group_size)
-        .flat_map(|g| {
-            let (sum, n) = g
-                .iter()
-                .filter(|r| !r.is_nan())
-                .fold((0f64, 0usize), |(s, n), &r| (s + f64::from(r), n + 1));
-            g.iter().map(move |&r| match (r.is_nan(), n) {
-                (true, _) | (false, 0 | 1) if group_size > 1 => f64::NAN,
-                (_, _) if group_size <= 1 => 0.0,
-                _ => f64::from(r) - (sum - f64::from(r)) / (n - 1) as f64,
-            })
-        })
-        .collect();
-    if normalize {
-        let ok: Vec<f64> = adv.iter().copied().filter(|a| !a.is_nan()).collect();
-        if !ok.is_empty() {
-            let mean = ok.iter().sum::<f64>() / ok.len() as f64;
-            let var = ok.iter().map(|a| (a - mean).powi(2)).sum::<f64>() / ok.len() as f64;
-            let var = if ok.len() > 1 {
-                var * ok.len() as f64 / (ok.len() - 1) as f64
-            } else {
-                f64::NAN
-            };
-            for a in &mut adv {
-                *a = (*a - mean) / (var.sqrt() + 1e-4);
-            }
-        }
-    }
-    adv.into_iter()
-        .map(|a| if a.is_nan() { 0.0 } else { a as f32 })
-        .collect()
 }
