@@ -70,6 +70,8 @@ enum Command {
     Dpo(train_cmd::TrainArgs),
     /// Kahneman-Tversky optimisation (the config's `[kto]`) on unpaired, labelled completions.
     Kto(train_cmd::TrainArgs),
+    /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
+    Rloo(train_cmd::TrainArgs),
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
@@ -86,6 +88,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Sft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sft"))?)),
         Some(Command::Dpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("dpo"))?)),
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
+        Some(Command::Rloo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("rloo"))?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
@@ -152,6 +155,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Sft(_)
             | Command::Dpo(_)
             | Command::Kto(_)
+            | Command::Rloo(_)
             | Command::Check(_),
         ) => {
             unreachable!("handled in run")

@@ -1094,3 +1094,79 @@ fn an_f32_head_on_a_bf16_model_trains_syncs_and_resumes() {
         candle_core::DType::BF16
     );
 }
+
+/// RLOO (TRL 1.16's RLOOTrainer) on the GRPO pipeline: the KL penalty is 0 while the policy
+/// is the reference and then changes the advantages; the sequence clip ratios are logged;
+/// resume is exact; what RLOO cannot use is refused.
+#[test]
+fn rloo_trains_with_the_kl_in_the_reward_and_resumes() {
+    let f = fixture();
+    let with_rloo = |out: &str| {
+        let mut c = base_config(&f.root, out, "");
+        c.algorithm = grpo_trainer::Algorithm::Rloo;
+        c.rloo.beta = 0.1;
+        c
+    };
+    let straight = run(with_rloo("rloo"), RunOptions::default());
+    let m = &straight.metrics;
+    assert_eq!(m.len(), 4);
+    for k in [
+        "loss",
+        "kl",
+        "reward",
+        "clip_ratio/region_mean",
+        "entropy",
+        "grad_norm",
+    ] {
+        assert!(m.iter().all(|x| x[k].is_finite()), "{k}: {m:?}");
+    }
+    // Step 1 runs at learning rate 0 (one warm-up step): steps 1 and 2 see the reference.
+    for x in &m[..2] {
+        assert!(x["loss"].abs() < 1e-6, "{x:?}");
+        assert!(x["kl"].abs() < 1e-6, "{x:?}");
+    }
+    // Step 2 updated the policy (with advantages the penalty did not change yet: KL 0), so
+    // step 3 samples the same completions with and without the penalty; there the KL is not 0
+    // and the penalised advantages, so the gradient, differ from the unpenalised ones (β = 0:
+    // no reference model). (The loss itself is 0 either way: leave-one-out advantages sum to 0
+    // over a group, and ρ = 1 with one update per batch.)
+    assert!(m[2]["kl"].abs() > 1e-7, "{:?}", m[2]);
+    let mut c = with_rloo("rloo-nokl");
+    c.rloo.beta = 0.0;
+    let free = run(c, RunOptions::default());
+    let (a, b) = (&free.metrics[2], &m[2]);
+    assert_eq!(a["reward"], b["reward"]);
+    assert!(a["loss"].abs() < 1e-6 && b["loss"].abs() < 1e-6);
+    let (ga, gb) = (a["grad_norm"], b["grad_norm"]);
+    assert!(
+        (ga - gb).abs() > 1e-6 * ga.max(gb),
+        "grad norms {ga} and {gb}"
+    );
+    let mut cfg = with_rloo("rloo-parts");
+    cfg.train.save_steps = 0;
+    let part1 = run(
+        cfg.clone(),
+        RunOptions {
+            stop_after: Some(2),
+            ..Default::default()
+        },
+    );
+    let part2 = run(
+        cfg,
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    let mut joined = part1.metrics.clone();
+    joined.extend(part2.metrics);
+    assert_same(&straight.metrics, &joined);
+    // One generation has no leave-one-out baseline; the KL penalty is `rloo.beta`.
+    let mut c = with_rloo("bad");
+    c.rollout.num_generations = 1;
+    let e = c.validate().unwrap_err();
+    assert!(e.contains("num_generations"), "{e}");
+    let mut c = with_rloo("bad");
+    c.reference.beta = 0.04;
+    assert!(c.validate().unwrap_err().contains("rloo.beta"));
+}

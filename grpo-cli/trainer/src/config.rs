@@ -39,16 +39,25 @@ pub enum Algorithm {
     Dpo,
     /// Kahneman-Tversky optimisation on unpaired, labelled rows (`[kto]`).
     Kto,
+    /// REINFORCE leave-one-out (TRL's RLOOTrainer): the GRPO pipeline with RLOO's advantages,
+    /// the KL penalty in the reward and a sequence-level clipped loss (`[rloo]`).
+    Rloo,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 4] = [
+    pub const ALL: [Algorithm; 5] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
         Algorithm::Kto,
+        Algorithm::Rloo,
     ];
+
+    /// Whether the run generates completions and scores them with rewards (GRPO, RLOO).
+    pub fn generates(self) -> bool {
+        matches!(self, Algorithm::Grpo | Algorithm::Rloo)
+    }
 
     /// The config's spelling.
     pub fn as_str(self) -> &'static str {
@@ -57,6 +66,7 @@ impl Algorithm {
             Self::Sft => "sft",
             Self::Dpo => "dpo",
             Self::Kto => "kto",
+            Self::Rloo => "rloo",
         }
     }
 }
@@ -68,7 +78,9 @@ impl std::str::FromStr for Algorithm {
         Self::ALL
             .into_iter()
             .find(|a| a.as_str() == s)
-            .ok_or_else(|| format!("unknown algorithm `{s}`; expected one of dpo, grpo, kto, sft"))
+            .ok_or_else(|| {
+                format!("unknown algorithm `{s}`; expected one of dpo, grpo, kto, rloo, sft")
+            })
     }
 }
 
@@ -147,6 +159,8 @@ pub struct TrainConfig {
     pub dpo: DpoSection,
     /// Kahneman-Tversky optimisation (`algorithm = "kto"`).
     pub kto: KtoSection,
+    /// REINFORCE leave-one-out (`algorithm = "rloo"`).
+    pub rloo: RlooSection,
 }
 
 /// `[sft]`: TRL's SFTTrainer on prompt/completion rows or conversations.
@@ -230,6 +244,29 @@ impl PackingStrategy {
             Self::Bfd => grpo_data::packing::Strategy::Bfd,
             Self::BfdSplit => grpo_data::packing::Strategy::BfdSplit,
             Self::Wrapped => grpo_data::packing::Strategy::Wrapped,
+        }
+    }
+}
+
+/// `[rloo]`: TRL's RLOOTrainer's own keys (the rest are GRPO's: `[rollout]`, `[loss]`
+/// `epsilon` / `epsilon_high` / `mask_truncated_completions`, `[optim]`, `[train]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RlooSection {
+    /// The KL penalty's coefficient in the reward (default 0.05; 0: no reference model).
+    pub beta: f64,
+    /// Centre the batch's advantages and divide by their standard deviation (default false).
+    pub normalize_advantages: bool,
+    /// Clip the combined reward to `[low, high]` before the KL penalty (default: none).
+    pub reward_clip_range: Option<[f64; 2]>,
+}
+
+impl Default for RlooSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.05,
+            normalize_advantages: false,
+            reward_clip_range: None,
         }
     }
 }
@@ -407,6 +444,7 @@ impl Default for TrainConfig {
             sft: SftSection::default(),
             dpo: DpoSection::default(),
             kto: KtoSection::default(),
+            rloo: RlooSection::default(),
         }
     }
 }
@@ -1206,7 +1244,7 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     if cfg.data.path.is_empty() {
         bail!("{source}: `data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)");
     }
-    if cfg.algorithm == Algorithm::Grpo && cfg.rewards.is_empty() && cfg.teacher.is_none() {
+    if cfg.algorithm.generates() && cfg.rewards.is_empty() && cfg.teacher.is_none() {
         bail!(
             "{source}: `rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
         );
@@ -1297,7 +1335,7 @@ impl TrainConfig {
                         "`rollout.device = \"{d}\"`: the openai backend samples on its server; rollout.device is for the local backend"
                     ));
                 }
-                if self.model.lora.is_none() && self.algorithm == Algorithm::Grpo {
+                if self.model.lora.is_none() && self.algorithm.generates() {
                     return Err("`rollout.backend = \"openai\"` syncs the policy to the server as a LoRA adapter: set `[model.lora]` (full-weight sync is not built; see README, Scaling out)".into());
                 }
                 let o = &r.openai;
@@ -1335,6 +1373,28 @@ impl TrainConfig {
                 return Err("`reference.sync_ref_model` moves the reference, so \
                             `dpo.precompute_ref_log_probs` would go stale: set one of them to false"
                     .into());
+            }
+        }
+        if self.algorithm == Algorithm::Rloo {
+            let r = &self.rloo;
+            if !(r.beta >= 0.0 && r.beta.is_finite()) {
+                return Err(format!("`rloo.beta` must be >= 0, got {}", r.beta));
+            }
+            if let Some([lo, hi]) = r.reward_clip_range
+                && (lo > hi || lo.is_nan() || hi.is_nan())
+            {
+                return Err(format!(
+                    "`rloo.reward_clip_range` must be [low, high] with low <= high, got [{lo}, {hi}]"
+                ));
+            }
+            if self.rollout.num_generations < 2 {
+                return Err("`rollout.num_generations` must be >= 2 for RLOO: each completion's baseline is the mean of the others".into());
+            }
+            if self.reference.beta != 0.0 {
+                return Err(
+                    "RLOO's KL penalty is `rloo.beta` (in the reward); leave `reference.beta` at 0"
+                        .into(),
+                );
             }
         }
         if self.algorithm == Algorithm::Kto {
@@ -1442,9 +1502,9 @@ impl TrainConfig {
             if spg == 0 || ga == 0 {
                 return Err("`optim.steps_per_generation` and `optim.gradient_accumulation_steps` must be >= 1".into());
             }
-            if self.algorithm != Algorithm::Grpo {
+            if !self.algorithm.generates() {
                 return Err(
-                    "`optim.steps_per_generation` is GRPO's (SFT and DPO take one update per step)"
+                    "`optim.steps_per_generation` is GRPO's and RLOO's (SFT, DPO and KTO take one update per step)"
                         .into(),
                 );
             }
@@ -1533,7 +1593,9 @@ impl TrainConfig {
     /// `prompts_per_step` rows (SFT, DPO).
     pub fn completions_per_step(&self) -> usize {
         match self.algorithm {
-            Algorithm::Grpo => self.train.prompts_per_step * self.rollout.num_generations,
+            Algorithm::Grpo | Algorithm::Rloo => {
+                self.train.prompts_per_step * self.rollout.num_generations
+            }
             Algorithm::Sft | Algorithm::Dpo | Algorithm::Kto => self.train.prompts_per_step,
         }
     }

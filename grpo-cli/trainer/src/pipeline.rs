@@ -27,7 +27,7 @@ use grpo_rollout::Transformer;
 use serde::{Deserialize, Serialize};
 
 use crate::callbacks::{Callbacks, Metrics};
-use crate::config::Algorithm;
+
 use crate::events::SharedSink;
 use crate::learner::Learner;
 use crate::setup::Setup;
@@ -125,7 +125,7 @@ pub fn run(
     if setup.train.is_empty() {
         bail!("no training data: set `data.path`, or pass a dataset to fit");
     }
-    if setup.cfg.algorithm != Algorithm::Grpo {
+    if !setup.cfg.algorithm.generates() {
         return crate::learner::supervised::run(setup, opts, callbacks);
     }
     if let Some(env) = setup.environment.take() {

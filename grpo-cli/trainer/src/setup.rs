@@ -114,7 +114,7 @@ fn scores_with_policy(cfg: &TrainConfig) -> bool {
 /// The rewards the run scores with: the config's `[[rewards]]` for GRPO; none for SFT and DPO,
 /// which never read them (a config shared with a GRPO run may keep its section).
 fn used_rewards(cfg: &TrainConfig) -> &[grpo_rewards::RewardSpec] {
-    if cfg.algorithm == Algorithm::Grpo {
+    if cfg.algorithm.generates() {
         &cfg.rewards
     } else {
         &[]
@@ -367,18 +367,20 @@ pub fn setup_with(
     }
     // The loaded weights are never written in place (full fine-tuning trains its own copies),
     // so every frozen model shares them: the reference, the scorers, the teacher.
-    let reference =
-        if cfg.reference.beta > 0.0 || matches!(cfg.algorithm, Algorithm::Dpo | Algorithm::Kto) {
-            Some(match &cfg.model.lora {
-                // LoRA: the policy's own base with its adapters switched off, as TRL does with
-                // peft: no copy at all.
-                Some(_) => policy.model.without_adapters(),
-                None => loaded.model.detached(),
-            })
-        } else {
-            None
-        };
-    let remote = if cfg.rollout.backend == Backend::Openai && cfg.algorithm == Algorithm::Grpo {
+    let reference = if cfg.reference.beta > 0.0
+        || matches!(cfg.algorithm, Algorithm::Dpo | Algorithm::Kto)
+        || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
+    {
+        Some(match &cfg.model.lora {
+            // LoRA: the policy's own base with its adapters switched off, as TRL does with
+            // peft: no copy at all.
+            Some(_) => policy.model.without_adapters(),
+            None => loaded.model.detached(),
+        })
+    } else {
+        None
+    };
+    let remote = if cfg.rollout.backend == Backend::Openai && cfg.algorithm.generates() {
         let g = RemoteGenerator::connect(cfg.rollout.openai.remote_config())
             .map_err(|e| anyhow!("rollout.openai ({}): {e}", cfg.rollout.openai.base_url))?;
         Some(Arc::new(Mutex::new(g)))
@@ -414,9 +416,9 @@ fn configured_environment(
     let env = &cfg.environment;
     Ok(match env.kind {
         None => None,
-        Some(_) if cfg.algorithm != Algorithm::Grpo => {
+        Some(_) if !cfg.algorithm.generates() => {
             bail!(
-                "environment.type: only GRPO runs episodes (algorithm = {:?})",
+                "environment.type: only GRPO and RLOO run episodes (algorithm = {:?})",
                 cfg.algorithm
             )
         }

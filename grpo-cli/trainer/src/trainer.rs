@@ -1,5 +1,5 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
-//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`]) or chosen by name
+//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`], [`RlooTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -32,6 +32,9 @@ pub struct Dpo;
 /// KTO (`[kto]`).
 #[derive(Debug, Clone, Copy)]
 pub struct Kto;
+/// RLOO (`[rloo]`, on the GRPO pipeline).
+#[derive(Debug, Clone, Copy)]
+pub struct Rloo;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -48,6 +51,9 @@ impl TrainerKind for Dpo {
 impl TrainerKind for Kto {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Kto);
 }
+impl TrainerKind for Rloo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Rloo);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -62,6 +68,8 @@ pub type SftTrainer = Trainer<Sft>;
 pub type DpoTrainer = Trainer<Dpo>;
 /// A KTO trainer.
 pub type KtoTrainer = Trainer<Kto>;
+/// An RLOO trainer.
+pub type RlooTrainer = Trainer<Rloo>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {
@@ -330,8 +338,11 @@ impl<K> Trainer<K> {
 
     fn set_environment(&mut self, env: Arc<dyn Environment>) -> Result<()> {
         let s = self.setup_mut()?;
-        if s.cfg.algorithm != Algorithm::Grpo {
-            bail!("environment `{}`: only GRPO runs episodes", env.name());
+        if !s.cfg.algorithm.generates() {
+            bail!(
+                "environment `{}`: only GRPO and RLOO run episodes",
+                env.name()
+            );
         }
         s.environment = Some(env);
         Ok(())
@@ -339,8 +350,8 @@ impl<K> Trainer<K> {
 
     fn push_reward(&mut self, name: String, weight: f32, f: RewardFn) -> Result<()> {
         let s = self.setup_mut()?;
-        if s.cfg.algorithm != Algorithm::Grpo {
-            bail!("reward `{name}`: only GRPO scores completions with rewards");
+        if !s.cfg.algorithm.generates() {
+            bail!("reward `{name}`: only GRPO and RLOO score completions with rewards");
         }
         let set = Arc::get_mut(&mut s.rewards)
             .context("the reward set is in use; add rewards before fit()")?;

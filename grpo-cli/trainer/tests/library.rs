@@ -277,14 +277,14 @@ fn tensorboard_scalars_match_the_metrics() {
 fn algorithms_by_name() {
     assert_eq!(
         grpo_trainer::list_algorithms(),
-        ["dpo", "grpo", "kto", "sft"]
+        ["dpo", "grpo", "kto", "rloo", "sft"]
     );
     assert_eq!(
         grpo_trainer::get_algorithm("sft").unwrap(),
         grpo_trainer::Algorithm::Sft
     );
     let e = grpo_trainer::get_algorithm("ppo").unwrap_err().to_string();
-    for name in ["ppo", "grpo", "sft", "dpo", "kto"] {
+    for name in ["ppo", "grpo", "sft", "dpo", "kto", "rloo"] {
         assert!(e.contains(name), "{e}");
     }
 }

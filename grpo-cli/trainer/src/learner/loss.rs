@@ -7,13 +7,14 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
-use grpo_core::loss::{LossInputs, LossMetrics, LossType, policy_loss_on_device};
+use grpo_core::loss::{LossInputs, LossMetrics, LossType, policy_loss_on_device, rloo_loss};
 use grpo_rollout::Transformer;
 
 use super::Learner;
 use super::batch::{StepBatch, completion_logps};
 use super::metrics::{MeanOf, OffPolicyParts, OffPolicyStats};
 use crate::callbacks::Metrics;
+use crate::config::Algorithm;
 use crate::optim::accumulate;
 use crate::stages::Scored;
 
@@ -62,8 +63,20 @@ impl Learner {
         // TRL's `steps_per_generation`: the batch's micro-batches feed `updates` optimizer
         // steps in turn, so the policy moves within the batch too.
         let updates = self.cfg.updates_per_step();
-        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1;
+        // RLOO with a KL penalty needs the old and reference log-probs of the whole batch
+        // before its advantages (the penalty is in the reward), as TRL computes them.
+        let rloo = self.cfg.algorithm == Algorithm::Rloo;
+        let rloo_kl = rloo && self.cfg.rloo.beta > 0.0 && self.reference.is_some();
+        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1 || rloo_kl;
         let (old, refs) = self.frozen_logps(&batch, need_old)?;
+        let (rloo_advantages, rloo_kl_mean) = match rloo {
+            true => {
+                let (a, kl) = self.rloo_advantages(s, &batch, &old, &refs)?;
+                (Some(a), kl)
+            }
+            false => (None, None),
+        };
+        let advantages: &[f32] = rloo_advantages.as_deref().unwrap_or(&s.advantages);
         let mut off_policy = OffPolicyStats::default();
         let weights = match (correct, need_old) {
             (false, _) => Weights::None,
@@ -99,6 +112,7 @@ impl Learner {
                     range,
                     updates,
                     (&old, &refs),
+                    advantages,
                     &weights,
                     &mut sums,
                     &mut off_policy,
@@ -112,6 +126,9 @@ impl Learner {
         if self.reference.is_none() {
             m.insert("kl".into(), 0.0);
         }
+        if let Some(kl) = rloo_kl_mean {
+            m.insert("kl".into(), kl);
+        }
         m.insert("grad_norm".into(), grad_norm);
         m.insert("learning_rate".into(), lr);
         self.step_metrics(s, &batch, &off_policy, &mut m);
@@ -119,6 +136,48 @@ impl Learner {
         self.state.position = Some(r.batch.position);
         self.updating = false;
         Ok(m)
+    }
+
+    /// TRL's RLOO advantages of the step's completions: the combined rewards, clipped to
+    /// `rloo.reward_clip_range`, minus `rloo.beta` × each completion's summed `log π_old −
+    /// log π_ref` (RLOO's first-order KL, a reward penalty), then the leave-one-out baseline
+    /// (grpo-core's `rloo_advantages`). Also the per-token mean of that KL (TRL's `kl`).
+    fn rloo_advantages(
+        &self,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        old: &[Option<Tensor>],
+        refs: &[Option<Tensor>],
+    ) -> Result<(Vec<f32>, Option<f64>)> {
+        let r = &self.cfg.rloo;
+        let mut rewards = s.scores.rewards.clone();
+        if let Some([lo, hi]) = r.reward_clip_range {
+            for x in rewards.iter_mut().filter(|x| !x.is_nan()) {
+                *x = x.clamp(lo as f32, hi as f32);
+            }
+        }
+        let mut kl_mean = None;
+        if r.beta > 0.0 {
+            let (mut kl_sum, mut tokens) = (0f64, 0f64);
+            for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
+                let (Some(o), Some(rf)) = (&old[ci], &refs[ci]) else {
+                    continue;
+                };
+                let mask = batch.mask(a, b, o.dim(1)?, &self.device)?;
+                let per_token = ((o - rf.to_dtype(o.dtype())?)?.to_dtype(DType::F32)? * &mask)?;
+                let per_seq: Vec<f32> = per_token.sum(1)?.to_vec1()?;
+                kl_sum += f64::from(per_token.sum_all()?.to_scalar::<f32>()?);
+                tokens += f64::from(mask.sum_all()?.to_scalar::<f32>()?);
+                for (i, kl) in (a..b).zip(per_seq) {
+                    rewards[i] -= (r.beta as f32) * kl;
+                }
+            }
+            kl_mean = Some(kl_sum / tokens.max(1.0));
+        }
+        let g = self.cfg.rollout.num_generations;
+        let adv =
+            grpo_core::advantages::rloo_advantages(&rewards, g.max(1), r.normalize_advantages);
+        Ok((adv, kl_mean))
     }
 
     /// Old-policy log-probs (when `need_old`) and reference log-probs of every micro-batch,
@@ -208,6 +267,7 @@ impl Learner {
         range: std::ops::Range<usize>,
         updates: usize,
         (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
+        advantages: &[f32],
         weights: &Weights,
         sums: &mut MeanOf,
         off_policy: &mut OffPolicyStats,
@@ -240,7 +300,8 @@ impl Learner {
         let ga = range.len().max(1) as f64;
         // dapo, cispo and vespo divide by the step's tokens already; the others average
         // micro-batches.
-        let dapo_like = loss_cfg.loss_type.normalizes_by_step_tokens();
+        let rloo = self.cfg.algorithm == Algorithm::Rloo;
+        let dapo_like = !rloo && loss_cfg.loss_type.normalizes_by_step_tokens();
         let mut acc: HashMap<String, Tensor> = HashMap::new();
         // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the loss
         // metrics, the policy loss without the bonus, Σ entropy and count over the tokens the
@@ -276,7 +337,46 @@ impl Learner {
                 Weights::Given(w) => w[ci].as_ref(),
                 _ => in_pass.as_ref(),
             };
-            let adv = Tensor::from_slice(&s.advantages[a..b], b - a, &self.device)?;
+            let adv = Tensor::from_slice(&advantages[a..b], b - a, &self.device)?;
+            if rloo {
+                // TRL's RLOO: the clipped ratio of whole sequences, no KL term (it is in the
+                // reward), the mean over sequences averaged over micro-batches.
+                let (out, metrics) = rloo_loss(
+                    &lp,
+                    old[ci].as_ref(),
+                    &mask,
+                    &adv,
+                    loss_cfg.epsilon_low,
+                    loss_cfg.epsilon_high,
+                )?;
+                let policy_part = wide_scalar(&out)?;
+                let loss = (out / ga)?;
+                let wide = |t: Tensor| t.to_dtype(DType::F64)?.reshape(1);
+                let (es, ms) = match &ent {
+                    Some(e) => (
+                        wide((e.detach() * &mask)?.sum_all()?)?,
+                        wide(mask.sum_all()?)?,
+                    ),
+                    None => {
+                        let zero = Tensor::zeros(1, DType::F64, &self.device)?;
+                        (zero.clone(), zero)
+                    }
+                };
+                scalars.push(Tensor::cat(
+                    &[
+                        wide(loss.detach())?,
+                        es,
+                        ms,
+                        metrics.as_tensor().to_dtype(DType::F64)?,
+                        policy_part,
+                        Tensor::zeros(2, DType::F64, &self.device)?,
+                    ],
+                    0,
+                )?);
+                let grads = self.policy.model.backward(&loss)?;
+                accumulate(&mut acc, self.opt.vars(), &grads)?;
+                continue;
+            }
             let out = policy_loss_on_device(
                 &LossInputs {
                     per_token_logps: &lp,
@@ -353,20 +453,21 @@ impl Learner {
                 sums.add("entropy", r[1] / r[2]);
             }
             let m = LossMetrics::from_values(&r[3..3 + n])?;
-            if self.reference.is_some() {
+            // (RLOO's KL is the reward penalty's, set by `process`.)
+            if self.reference.is_some() && !rloo {
                 sums.add("kl", m.kl);
             }
             // TRL's metrics by loss type: clip ratios for the clipped objectives (and, here,
             // cispo's cap as before), cispo_clip_ratio, vespo/phi_seq_mean.
-            if lt.is_clipped() || lt == LossType::Cispo {
+            if rloo || lt.is_clipped() || lt == LossType::Cispo {
                 sums.add("clip_ratio/low_mean", m.clip_ratio_low_mean);
                 sums.add("clip_ratio/high_mean", m.clip_ratio_high_mean);
                 sums.add("clip_ratio/region_mean", m.clip_ratio_region_mean);
             }
-            if lt == LossType::Cispo {
+            if lt == LossType::Cispo && !rloo {
                 sums.add("cispo_clip_ratio", m.clip_ratio_high_mean);
             }
-            if lt == LossType::Vespo {
+            if lt == LossType::Vespo && !rloo {
                 sums.add("vespo/phi_seq_mean", m.phi_seq_mean);
             }
             if bonus_on {
