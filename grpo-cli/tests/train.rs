@@ -1169,4 +1169,7 @@ fn rloo_trains_with_the_kl_in_the_reward_and_resumes() {
     let mut c = with_rloo("bad");
     c.reference.beta = 0.04;
     assert!(c.validate().unwrap_err().contains("rloo.beta"));
+    let mut c = with_rloo("bad");
+    c.pipeline.max_staleness = 1;
+    assert!(c.validate().unwrap_err().contains("max_staleness"));
 }

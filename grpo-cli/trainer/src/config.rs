@@ -1396,6 +1396,12 @@ impl TrainConfig {
                         .into(),
                 );
             }
+            if self.pipeline.max_staleness > 0 {
+                return Err(
+                    "RLOO applies no off-policy correction: `pipeline.max_staleness` must be 0"
+                        .into(),
+                );
+            }
         }
         if self.algorithm == Algorithm::Kto {
             let k = &self.kto;
