@@ -387,8 +387,14 @@ const GEN_END: char = '\u{E001}';
 /// lstrip_blocks) applies as it does to the original tags. Returns the source and whether any
 /// tag was found.
 fn mark_generation_blocks(template: &str) -> (String, bool) {
-    let re = regex::Regex::new(r"\{%(-?)\s*(generation|endgeneration)\s*(-?)%\}")
-        .expect("a valid pattern");
+    static TAG: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let re = TAG.get_or_init(|| {
+        regex::Regex::new(r"\{%(-?)\s*(generation|endgeneration)\s*(-?)%\}")
+            .expect("a valid pattern")
+    });
+    if !template.contains("generation") {
+        return (template.to_string(), false);
+    }
     let mut found = false;
     let out = re.replace_all(template, |c: &regex::Captures<'_>| {
         found = true;
