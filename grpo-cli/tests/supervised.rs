@@ -1359,6 +1359,29 @@ fn a_tiny_kto_run_separates_desirable_from_undesirable() {
     ] {
         assert!(last[k].is_finite(), "{k}");
     }
+    // Reference log-probs precomputed (cached by row, over two epochs): the same run.
+    let plain = run(
+        setup(dir.path(), "kto-fly", "kto", 8, ""),
+        &RunOptions::default(),
+    );
+    let cached = run(
+        setup(
+            dir.path(),
+            "kto-cached",
+            "kto",
+            8,
+            "[kto]\nprecompute_ref_log_probs = true\n",
+        ),
+        &RunOptions::default(),
+    );
+    for (a, b) in plain.metrics.iter().zip(&cached.metrics) {
+        assert!(
+            (a["loss"] - b["loss"]).abs() < 1e-9,
+            "{} vs {}",
+            a["loss"],
+            b["loss"]
+        );
+    }
     let apo = run(
         setup(
             dir.path(),

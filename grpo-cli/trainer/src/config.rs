@@ -291,6 +291,9 @@ pub struct KtoSection {
     /// Most prompt + completion tokens of a row: its start is kept, and a row whose prompt
     /// alone fills it is dropped. Default 1024.
     pub max_length: usize,
+    /// Compute each row's reference log-probs once (cached by row, reused every epoch); the KL
+    /// estimate's mismatched pairs still run the reference, as they change with the batch.
+    pub precompute_ref_log_probs: bool,
 }
 
 impl Default for KtoSection {
@@ -303,6 +306,7 @@ impl Default for KtoSection {
             completion_field: "completion".into(),
             label_field: "label".into(),
             max_length: 1024,
+            precompute_ref_log_probs: false,
         }
     }
 }
@@ -1405,6 +1409,11 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Kto {
             let k = &self.kto;
+            if self.reference.sync_ref_model && k.precompute_ref_log_probs {
+                return Err("`reference.sync_ref_model` moves the reference, so \
+                            `kto.precompute_ref_log_probs` would go stale: set one of them to false"
+                    .into());
+            }
             if !(k.beta > 0.0 && k.beta.is_finite()) {
                 return Err(format!("`kto.beta` must be > 0, got {}", k.beta));
             }

@@ -720,10 +720,40 @@ impl Learner {
                     .as_ref()
                     .context("KTO needs the reference model")?;
                 let pol = self.summed_logps(&model, &prompts, &comps)?;
-                let refl = self
-                    .summed_logps(reference, &prompts, &comps)?
-                    .detach()
-                    .to_dtype(pol.dtype())?;
+                // The cache (`kto.precompute_ref_log_probs`) holds a row index's desirable
+                // completion's reference log-prob first, its undesirable one's second.
+                let slot = |r: &Row, v: &(f64, f64)| if r.desirable { v.0 } else { v.1 };
+                let cached: Option<Vec<f64>> = part
+                    .iter()
+                    .map(|r| {
+                        let v = dpo_ref.get(&r.index)?;
+                        let x = slot(r, v);
+                        (!x.is_nan()).then_some(x)
+                    })
+                    .collect();
+                let precompute = self.cfg.kto.precompute_ref_log_probs;
+                let refl = match cached.filter(|_| precompute) {
+                    Some(v) => {
+                        Tensor::from_vec(v, part.len(), pol.device())?.to_dtype(pol.dtype())?
+                    }
+                    None => {
+                        let r = self
+                            .summed_logps(reference, &prompts, &comps)?
+                            .detach()
+                            .to_dtype(pol.dtype())?;
+                        if precompute {
+                            let v: Vec<f64> = r.to_dtype(DType::F64)?.to_vec1()?;
+                            for (row, x) in part.iter().zip(v) {
+                                let e = dpo_ref.entry(row.index).or_insert((f64::NAN, f64::NAN));
+                                match row.desirable {
+                                    true => e.0 = x,
+                                    false => e.1 = x,
+                                }
+                            }
+                        }
+                        r
+                    }
+                };
                 let cfg = self.cfg.kto.kto_config();
                 // TRL's KL estimate: each prompt with the completion of the row before it (the
                 // first with the last), policy − reference, averaged, clamped at 0; no gradient.
