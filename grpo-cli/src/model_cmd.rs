@@ -78,7 +78,7 @@ pub struct LogprobsArgs {
 /// `grpo-cli chat-template`.
 #[derive(Debug, Args)]
 pub struct ChatTemplateArgs {
-    /// A model directory: its tokenizer's chat template and special tokens (and `--ids`).
+    /// A model (directory or .gguf file): its tokenizer's chat template and special tokens.
     #[arg(
         long,
         conflicts_with = "template",
@@ -213,7 +213,7 @@ pub fn chat_template(a: ChatTemplateArgs) -> Result<()> {
         None => serde_json::Map::new(),
     };
     let tokenizer = match &a.model {
-        Some(dir) => Some(grpo_rollout::Tokenizer::from_hf_dir(dir, &[])?),
+        Some(path) => Some(grpo_rollout::loader::load_tokenizer(path)?),
         None => None,
     };
     let source = match (&a.template, &tokenizer) {

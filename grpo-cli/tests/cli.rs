@@ -393,6 +393,37 @@ fn chat_template_renders_a_models_and_a_files_template() {
     assert_eq!(v["text"], want.as_str());
     let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
     assert_eq!(ids, tok.encode(&want, false).unwrap());
+    // The same model as a GGUF file: the template and tokens from its metadata.
+    let gguf = dir.path().join("m.gguf");
+    let out = cli(&[
+        "export",
+        "--checkpoint",
+        model.to_str().unwrap(),
+        "--format",
+        "gguf",
+        "--out",
+        gguf.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(&[
+        "chat-template",
+        "--model",
+        gguf.to_str().unwrap(),
+        "--messages",
+        msgs,
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let g: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((&g["text"], &g["ids"]), (&v["text"], &v["ids"]));
     let file = dir.path().join("t.jinja");
     std::fs::write(&file, "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}|{% endif %}{% endfor %}").unwrap();
     let out = cli(&[

@@ -50,6 +50,24 @@ pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     }
 }
 
+/// The tokenizer (special tokens, chat template) of `path` — a Hugging Face directory, or a
+/// `.gguf` file's metadata — without reading any weights.
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
+    if path.is_dir() {
+        return Tokenizer::from_hf_dir(path, &[]);
+    }
+    if path.extension().and_then(|e| e.to_str()) != Some("gguf") {
+        bail!(
+            "{}: expected a Hugging Face model directory or a .gguf file",
+            path.display()
+        )
+    }
+    let mut file = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
+    let content =
+        candle_core::quantized::gguf_file::Content::read(&mut file).map_err(|e| io_err(path, e))?;
+    crate::gguf::tokenizer_from_metadata(&content.metadata).map_err(|e| io_err(path, e))
+}
+
 /// Reads the weights of a Hugging Face directory: `model.safetensors`, or the shards listed
 /// in `model.safetensors.index.json`.
 pub fn read_safetensors(dir: &Path, device: &Device) -> Result<WeightMap> {
