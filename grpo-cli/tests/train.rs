@@ -127,6 +127,8 @@ fn pipeline_with_staleness_0_equals_the_sequential_loop() {
         "clip_ratio/low_mean",
         "clip_ratio/high_mean",
         "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
         "completions/mean_length",
         "completions/clipped_ratio",
         "loss",
