@@ -561,13 +561,18 @@ fn sft_packing_strategies() {
         config::PackingStrategy::Bfd
     );
     let packed_run = run(packed, &RunOptions::default());
-    for (a, b) in plain_run.metrics.iter().zip(&packed_run.metrics) {
-        for k in ["loss", "grad_norm", "num_tokens"] {
-            let (x, y) = (a[k], b[k]);
-            assert!(
-                (x - y).abs() <= 1e-4 * x.abs(),
-                "{k}: unpacked {x}, bfd {y}"
-            );
+    // TRL's padding_free: each micro-batch as one sequence of kept-apart rows, the same too.
+    let free = setup(dir.path(), "free", "sft", 3, "[sft]\npadding_free = true\n");
+    let free_run = run(free, &RunOptions::default());
+    for (name, other) in [("bfd", &packed_run), ("padding_free", &free_run)] {
+        for (a, b) in plain_run.metrics.iter().zip(&other.metrics) {
+            for k in ["loss", "grad_norm", "num_tokens"] {
+                let (x, y) = (a[k], b[k]);
+                assert!(
+                    (x - y).abs() <= 1e-4 * x.abs(),
+                    "{k}: unpacked {x}, {name} {y}"
+                );
+            }
         }
     }
     // eval_packing packs the eval split alone: the same eval loss.

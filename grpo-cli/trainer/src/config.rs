@@ -183,6 +183,10 @@ pub struct SftSection {
     pub packing_strategy: PackingStrategy,
     /// Pack the eval split (TRL's name; absent = as `packing`).
     pub eval_packing: Option<bool>,
+    /// TRL's `padding_free`: each micro-batch's rows run as one sequence, each row on its own
+    /// positions and attending only to itself — no padding, the same loss. (Attention then
+    /// spans the micro-batch's tokens, more work than padding when rows are many.)
+    pub padding_free: bool,
     /// nll (default) | dft (TRL's names: dynamic fine-tuning weighs each token's NLL by its
     /// probability, as a constant).
     pub loss_type: SftLossType,
@@ -212,6 +216,7 @@ impl Default for SftSection {
             packing: false,
             packing_strategy: PackingStrategy::Bfd,
             eval_packing: None,
+            padding_free: false,
             loss_type: SftLossType::Nll,
             assistant_only_loss: false,
             completion_only_loss: None,

@@ -497,6 +497,33 @@ fn assistant_turns(
     Ok((prompt.clone(), full[prompt.len()..].to_vec(), mask))
 }
 
+/// Rows as one packed row (TRL's `padding_free`): each row a sequence of its own positions,
+/// attending only to itself; the loss mask the rows' (a row's first token carries none).
+fn one_sequence(rows: &[Row]) -> Row {
+    let (mut ids, mut labels, mut segments) = (Vec::new(), Vec::new(), Vec::new());
+    for r in rows {
+        ids.extend(r.prompt.iter().chain(&r.completion));
+        labels.extend(std::iter::repeat_n(0u8, r.prompt.len()));
+        labels.extend(&r.mask);
+        if let Some(first) = labels
+            .len()
+            .checked_sub(r.prompt.len() + r.completion.len())
+        {
+            labels[first] = 0;
+        }
+        segments.push(r.prompt.len() + r.completion.len());
+    }
+    Row {
+        index: rows.first().map_or(0, |r| r.index),
+        prompt: ids[..1.min(ids.len())].to_vec(),
+        completion: ids[1.min(ids.len())..].to_vec(),
+        mask: labels[1.min(labels.len())..].to_vec(),
+        rejected: Vec::new(),
+        desirable: true,
+        segments,
+    }
+}
+
 /// Log-probs `(B, c)` of packed rows' tokens after the first, each sequence of a row on its
 /// own positions and attending only to itself (`Row::segments`), the rows right-padded.
 fn packed_logps(
@@ -787,6 +814,16 @@ impl Learner {
             } else {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
                 let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
+                // TRL's `padding_free`: the micro-batch's rows as one sequence, kept apart.
+                let flat;
+                let part =
+                    match self.cfg.sft.padding_free && part.iter().all(|r| r.segments.is_empty()) {
+                        true => {
+                            flat = [one_sequence(part)];
+                            &flat[..]
+                        }
+                        false => part,
+                    };
                 let (lp, c) = if part.iter().any(|r| !r.segments.is_empty()) {
                     packed_logps(&model, self.tokenizer.pad_token_id, part)?
                 } else {
