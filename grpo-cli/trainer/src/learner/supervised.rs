@@ -25,7 +25,7 @@ use crate::config::{Algorithm, PackingStrategy};
 use crate::optim::{accumulate, clip_grad_norm};
 use crate::pipeline::{RunOptions, TrainingResult};
 use crate::setup::Setup;
-use crate::stages::{Loader, Stage, chat_messages, encode_prompt};
+use crate::stages::{Loader, Stage, chat_messages};
 use crate::step_end::StepEnd;
 
 /// One tokenised row: the prompt, the completion(s) and, per completion token, whether it
@@ -143,7 +143,7 @@ fn kto_rows(
                v: Option<&grpo_data::Value>,
                field: &str,
                desirable: bool| {
-        let (p, full) = prompt_and_full(cfg, tok, s, prompt, v, field)?;
+        let (p, full) = prompt_and_full(tok, s, prompt, v, field)?;
         let n = common_prefix(&p, &full);
         let completion = full[n..].to_vec();
         Ok(Row {
@@ -256,9 +256,8 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
                 s.get(&d.rejected_field).cloned(),
             ),
         };
-        let of = |v: Option<&grpo_data::Value>, field: &str| {
-            prompt_and_full(cfg, tok, s, &prompt, v, field)
-        };
+        let of =
+            |v: Option<&grpo_data::Value>, field: &str| prompt_and_full(tok, s, &prompt, v, field);
         let (prompt, chosen) = of(chosen.as_ref(), &d.chosen_field)?;
         let (_, rejected) = of(rejected.as_ref(), &d.rejected_field)?;
         // TRL: the completions start where the prompt alone and prompt + completion diverge.
@@ -300,7 +299,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         }
         true => {
             let field = &cfg.sft.completion_field;
-            let (prompt, full) = prompt_and_full(cfg, tok, s, &s.prompt, s.get(field), field)?;
+            let (prompt, full) = prompt_and_full(tok, s, &s.prompt, s.get(field), field)?;
             let n = common_prefix(&prompt, &full);
             let completion = full[n..].to_vec();
             let mask = vec![1; completion.len()];
@@ -363,7 +362,6 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
 /// generation prompt, prompt + completion (the `field` turns) without. The caller takes the
 /// completion from where the two diverge.
 fn prompt_and_full(
-    cfg: &crate::config::TrainConfig,
     tok: &grpo_rollout::Tokenizer,
     s: &Sample,
     prompt: &Prompt,
@@ -400,10 +398,13 @@ fn prompt_and_full(
             let full = tok.encode(&with_eos(tok, &format!("{p}{c}")), true)?;
             Ok((prompt, full))
         }
-        // A conversation prompt with a plain-text completion: the rendered prompt, then the
-        // completion's own tokens.
-        (Prompt::Conversation(_), Some(v)) if !v.is_null() => {
-            let (_, prompt) = encode_prompt(tok, cfg, prompt).with_context(at)?;
+        // A conversation prompt with a plain-text completion: the rendered prompt (whole: GRPO's
+        // `rollout.max_prompt_length` is not SFT's or DPO's), then the completion's own tokens.
+        (Prompt::Conversation(msgs), Some(v)) if !v.is_null() => {
+            let text = tok
+                .apply_chat_template_with_tools(&chat_messages(msgs), &row_tools(s)?, true)
+                .with_context(at)?;
+            let prompt = tok.encode(&text, false)?;
             let mut full = prompt.clone();
             full.extend(text_ids(tok, &v.as_text().unwrap_or_default())?);
             Ok((prompt, full))
