@@ -671,7 +671,8 @@ pub struct RolloutSection {
     pub num_generations: usize,
     /// Completions per prompt when evaluating (TRL's name); absent = `num_generations`.
     pub num_generations_eval: Option<usize>,
-    /// Prompts longer than this many tokens keep their last tokens (left truncation); 0 = off.
+    /// Prompts longer than this many tokens keep their last tokens (left truncation); 0 = off,
+    /// the default (TRL 1.16 has no `max_prompt_length`: prompts are not cut).
     pub max_prompt_length: usize,
     /// New tokens per completion at most.
     pub max_completion_length: usize,
@@ -759,7 +760,7 @@ impl Default for RolloutSection {
         Self {
             num_generations: 8,
             num_generations_eval: None,
-            max_prompt_length: 512,
+            max_prompt_length: 0,
             max_completion_length: 512,
             min_completion_length: 0,
             temperature: 1.0,
