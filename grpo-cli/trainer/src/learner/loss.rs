@@ -338,7 +338,9 @@ impl Learner {
                 _ => in_pass.as_ref(),
             };
             let adv = Tensor::from_slice(&advantages[a..b], b - a, &self.device)?;
-            if rloo {
+            // Per micro-batch: the loss to differentiate, the undivided policy loss, the loss
+            // metrics and the entropy-bonus statistics.
+            let (loss, policy_part, metrics, stats) = if rloo {
                 // TRL's RLOO: the clipped ratio of whole sequences, no KL term (it is in the
                 // reward), the mean over sequences averaged over micro-batches.
                 let (out, metrics) = rloo_loss(
@@ -350,63 +352,41 @@ impl Learner {
                     loss_cfg.epsilon_high,
                 )?;
                 let policy_part = wide_scalar(&out)?;
-                let loss = (out / ga)?;
-                let wide = |t: Tensor| t.to_dtype(DType::F64)?.reshape(1);
-                let (es, ms) = match &ent {
-                    Some(e) => (
-                        wide((e.detach() * &mask)?.sum_all()?)?,
-                        wide(mask.sum_all()?)?,
-                    ),
-                    None => {
-                        let zero = Tensor::zeros(1, DType::F64, &self.device)?;
-                        (zero.clone(), zero)
-                    }
-                };
-                scalars.push(Tensor::cat(
-                    &[
-                        wide(loss.detach())?,
-                        es,
-                        ms,
-                        metrics.as_tensor().to_dtype(DType::F64)?,
-                        policy_part,
-                        Tensor::zeros(2, DType::F64, &self.device)?,
-                    ],
-                    0,
-                )?);
-                let grads = self.policy.model.backward(&loss)?;
-                accumulate(&mut acc, self.opt.vars(), &grads)?;
-                continue;
-            }
-            let out = policy_loss_on_device(
-                &LossInputs {
-                    per_token_logps: &lp,
-                    old_per_token_logps: old[ci].as_ref(),
-                    ref_per_token_logps: refs[ci].as_ref(),
-                    advantages: &adv,
-                    completion_mask: &mask,
-                    // TRL: the batch's tokens × gradient_accumulation_steps /
-                    // steps_per_generation, the tokens of one update on average.
-                    num_items_in_batch: Some(batch.total_tokens as f64 / updates as f64),
-                    importance_weights: is_weights,
-                    sampling_per_token_logps: sampled.as_ref().filter(|_| opsm_sampled),
-                    // Only the entropy options read them (the metric takes `ent` below).
-                    entropies: ent.as_ref().filter(|_| wants_entropies),
-                },
-                &loss_cfg,
-            )?;
-            let policy_part = wide_scalar(&out.loss)?;
-            let mut loss = if dapo_like {
-                out.loss
+                let zeros = Tensor::zeros(2, DType::F64, &self.device)?;
+                ((out / ga)?, policy_part, metrics, zeros)
             } else {
-                (out.loss / ga)?
-            };
-            // TRL divides the bonus by the accumulation steps whatever the loss type.
-            if let Some(bonus) = &out.entropy_bonus {
-                loss = (loss - (bonus / ga)?)?;
-            }
-            let stats = match &out.entropy_stats {
-                Some(t) => t.to_dtype(DType::F64)?,
-                None => Tensor::zeros(2, DType::F64, &self.device)?,
+                let out = policy_loss_on_device(
+                    &LossInputs {
+                        per_token_logps: &lp,
+                        old_per_token_logps: old[ci].as_ref(),
+                        ref_per_token_logps: refs[ci].as_ref(),
+                        advantages: &adv,
+                        completion_mask: &mask,
+                        // TRL: the batch's tokens × gradient_accumulation_steps /
+                        // steps_per_generation, the tokens of one update on average.
+                        num_items_in_batch: Some(batch.total_tokens as f64 / updates as f64),
+                        importance_weights: is_weights,
+                        sampling_per_token_logps: sampled.as_ref().filter(|_| opsm_sampled),
+                        // Only the entropy options read them (the metric takes `ent` below).
+                        entropies: ent.as_ref().filter(|_| wants_entropies),
+                    },
+                    &loss_cfg,
+                )?;
+                let policy_part = wide_scalar(&out.loss)?;
+                let mut loss = if dapo_like {
+                    out.loss
+                } else {
+                    (out.loss / ga)?
+                };
+                // TRL divides the bonus by the accumulation steps whatever the loss type.
+                if let Some(bonus) = &out.entropy_bonus {
+                    loss = (loss - (bonus / ga)?)?;
+                }
+                let stats = match &out.entropy_stats {
+                    Some(t) => t.to_dtype(DType::F64)?,
+                    None => Tensor::zeros(2, DType::F64, &self.device)?,
+                };
+                (loss, policy_part, out.metrics, stats)
             };
             let wide = |t: Tensor| t.to_dtype(DType::F64)?.reshape(1);
             let (es, ms) = match &ent {
@@ -424,7 +404,7 @@ impl Learner {
                     wide(loss.detach())?,
                     es,
                     ms,
-                    out.metrics.as_tensor().to_dtype(DType::F64)?,
+                    metrics.as_tensor().to_dtype(DType::F64)?,
                     policy_part,
                     stats,
                 ],
