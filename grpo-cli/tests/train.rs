@@ -85,6 +85,27 @@ fn run(cfg: TrainConfig, opts: RunOptions) -> grpo_trainer::TrainingResult {
     trainer::run(setup, &opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
 
+/// The metrics of a run of `cfg` stopped after `k` steps and resumed to the end.
+fn stopped_and_resumed(cfg: TrainConfig, k: usize) -> Vec<grpo_trainer::Metrics> {
+    let part1 = run(
+        cfg.clone(),
+        RunOptions {
+            stop_after: Some(k),
+            ..Default::default()
+        },
+    );
+    let part2 = run(
+        cfg,
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    let mut joined = part1.metrics;
+    joined.extend(part2.metrics);
+    joined
+}
+
 fn assert_same(a: &[grpo_trainer::Metrics], b: &[grpo_trainer::Metrics]) {
     let (a, b) = (strip_timing(a), strip_timing(b));
     assert_eq!(a.len(), b.len());
@@ -1063,23 +1084,7 @@ fn an_f32_head_on_a_bf16_model_trains_syncs_and_resumes() {
     assert!(straight.metrics.iter().all(|m| m["loss"].is_finite()));
     let mut cfg = with_head("f32head-parts");
     cfg.train.save_steps = 0;
-    let part1 = run(
-        cfg.clone(),
-        RunOptions {
-            stop_after: Some(2),
-            ..Default::default()
-        },
-    );
-    let part2 = run(
-        cfg,
-        RunOptions {
-            resume: Some(None),
-            ..Default::default()
-        },
-    );
-    let mut joined = part1.metrics.clone();
-    joined.extend(part2.metrics);
-    assert_same(&straight.metrics, &joined);
+    assert_same(&straight.metrics, &stopped_and_resumed(cfg, 2));
     let saved = candle_core::safetensors::load(
         f.root
             .join("f32head/checkpoints/step-4/model/model.safetensors"),
@@ -1146,23 +1151,7 @@ fn rloo_trains_with_the_kl_in_the_reward_and_resumes() {
     );
     let mut cfg = with_rloo("rloo-parts");
     cfg.train.save_steps = 0;
-    let part1 = run(
-        cfg.clone(),
-        RunOptions {
-            stop_after: Some(2),
-            ..Default::default()
-        },
-    );
-    let part2 = run(
-        cfg,
-        RunOptions {
-            resume: Some(None),
-            ..Default::default()
-        },
-    );
-    let mut joined = part1.metrics.clone();
-    joined.extend(part2.metrics);
-    assert_same(&straight.metrics, &joined);
+    assert_same(&straight.metrics, &stopped_and_resumed(cfg, 2));
     // One generation has no leave-one-out baseline; the KL penalty is `rloo.beta`.
     let mut c = with_rloo("bad");
     c.rollout.num_generations = 1;
