@@ -213,29 +213,34 @@ fn rloo_loss_clips_whole_sequences() {
     let mask = [[1f64, 1.0, 0.0], [1.0, 1.0, 0.0]];
     let adv = [1.5f64, -0.5];
     let (el, eh) = (0.2, 0.28);
+    let grad_of = |loss: &Tensor, v: &Var| -> Vec<Vec<f64>> {
+        loss.backward()
+            .unwrap()
+            .get(v.as_tensor())
+            .unwrap()
+            .to_vec2()
+            .unwrap()
+    };
+    let loss_of = |v: &Var| {
+        grpo_core::loss::rloo_loss(
+            v.as_tensor(),
+            Some(&Tensor::new(&old, &d).unwrap()),
+            &Tensor::new(&mask, &d).unwrap(),
+            &Tensor::new(&adv, &d).unwrap(),
+            el,
+            eh,
+        )
+        .unwrap()
+    };
     let v = Var::from_tensor(&Tensor::new(&lp, &d).unwrap()).unwrap();
-    let (loss, metrics) = grpo_core::loss::rloo_loss(
-        v.as_tensor(),
-        Some(&Tensor::new(&old, &d).unwrap()),
-        &Tensor::new(&mask, &d).unwrap(),
-        &Tensor::new(&adv, &d).unwrap(),
-        el,
-        eh,
-    )
-    .unwrap();
+    let (loss, metrics) = loss_of(&v);
     // By hand: sequence 0: Σ lp − Σ old = 0.1, ρ = e^0.1 = 1.105 (inside the clip), term −1.5ρ;
     // sequence 1: −0.2, ρ = e^−0.2 = 0.819 (inside [0.8, 1.28]): −(−0.5ρ).
     let rho = [0.1f64.exp(), (-0.2f64).exp()];
     let want = -(rho[0] * adv[0] + rho[1] * adv[1]) / 2.0;
     let got = loss.to_scalar::<f64>().unwrap();
     assert!((got - want).abs() < 1e-12, "{got} vs {want}");
-    let g: Vec<Vec<f64>> = loss
-        .backward()
-        .unwrap()
-        .get(v.as_tensor())
-        .unwrap()
-        .to_vec2()
-        .unwrap();
+    let g = grad_of(&loss, &v);
     for s in 0..2 {
         for t in 0..3 {
             let want = -adv[s] * rho[s] / 2.0 * mask[s][t];
@@ -251,25 +256,11 @@ fn rloo_loss_clips_whole_sequences() {
     // counted in the high clip ratio.
     let far = [[-0.1f64, -0.1, 0.0], [-0.3, -0.2, 0.0]];
     let v = Var::from_tensor(&Tensor::new(&far, &d).unwrap()).unwrap();
-    let (loss, metrics) = grpo_core::loss::rloo_loss(
-        v.as_tensor(),
-        Some(&Tensor::new(&old, &d).unwrap()),
-        &Tensor::new(&mask, &d).unwrap(),
-        &Tensor::new(&adv, &d).unwrap(),
-        el,
-        eh,
-    )
-    .unwrap();
+    let (loss, metrics) = loss_of(&v);
     let rho1 = (-0.2f64).exp();
     let want = -((1.0 + eh) * adv[0] + rho1 * adv[1]) / 2.0;
     assert!((loss.to_scalar::<f64>().unwrap() - want).abs() < 1e-12);
-    let g: Vec<Vec<f64>> = loss
-        .backward()
-        .unwrap()
-        .get(v.as_tensor())
-        .unwrap()
-        .to_vec2()
-        .unwrap();
+    let g = grad_of(&loss, &v);
     assert!(g[0].iter().all(|x| *x == 0.0), "{g:?}");
     let m = metrics.read().unwrap();
     assert_eq!(
