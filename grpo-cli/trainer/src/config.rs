@@ -1379,11 +1379,6 @@ impl TrainConfig {
             {
                 return Err(format!("`dpo.ld_alpha` must be in [0, 1], got {a}"));
             }
-            if self.reference.sync_ref_model && d.precompute_ref_log_probs {
-                return Err("`reference.sync_ref_model` moves the reference, so \
-                            `dpo.precompute_ref_log_probs` would go stale: set one of them to false"
-                    .into());
-            }
         }
         if self.algorithm == Algorithm::Rloo {
             let r = &self.rloo;
@@ -1413,13 +1408,21 @@ impl TrainConfig {
                 );
             }
         }
+        let precomputed = match self.algorithm {
+            Algorithm::Dpo => Some(("dpo", self.dpo.precompute_ref_log_probs)),
+            Algorithm::Kto => Some(("kto", self.kto.precompute_ref_log_probs)),
+            _ => None,
+        };
+        if let Some((section, true)) = precomputed
+            && self.reference.sync_ref_model
+        {
+            return Err(format!(
+                "`reference.sync_ref_model` moves the reference, so \
+                 `{section}.precompute_ref_log_probs` would go stale: set one of them to false"
+            ));
+        }
         if self.algorithm == Algorithm::Kto {
             let k = &self.kto;
-            if self.reference.sync_ref_model && k.precompute_ref_log_probs {
-                return Err("`reference.sync_ref_model` moves the reference, so \
-                            `kto.precompute_ref_log_probs` would go stale: set one of them to false"
-                    .into());
-            }
             if !(k.beta > 0.0 && k.beta.is_finite()) {
                 return Err(format!("`kto.beta` must be > 0, got {}", k.beta));
             }

@@ -145,6 +145,24 @@ pub fn check_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()>
     supervised_columns(cfg, data)
 }
 
+/// The column to read rows by when the prompt column is missing, as TRL reads such data:
+/// DPO and KTO pairs by `chosen` (the prompt is their common beginning, see
+/// `learner::supervised`), SFT conversations in `messages` or text in `sft.dataset_text_field`.
+fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
+    let has = |c: &str| found.iter().any(|f| f == c);
+    match cfg.algorithm {
+        Algorithm::Dpo if has(&cfg.dpo.chosen_field) && has(&cfg.dpo.rejected_field) => {
+            Some(cfg.dpo.chosen_field.clone())
+        }
+        Algorithm::Kto if has("chosen") && has("rejected") => Some("chosen".into()),
+        Algorithm::Sft if has("messages") => Some("messages".into()),
+        Algorithm::Sft if has(&cfg.sft.dataset_text_field) => {
+            Some(cfg.sft.dataset_text_field.clone())
+        }
+        _ => None,
+    }
+}
+
 /// Checks that the data has the columns SFT and DPO read.
 pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()> {
     match cfg.algorithm {
@@ -223,41 +241,19 @@ pub fn setup_with(
             eval: None,
         },
         false => {
-            let splits = match cfg.data.open(cfg.train.seed) {
-                // DPO data with the prompt inside `chosen` and `rejected` (TRL's implicit
-                // prompt): the rows are read by their `chosen` column and the prompt is their
-                // common beginning (see `learner::supervised`).
-                Err(grpo_data::DataError::NoPromptColumn { found, .. })
-                    if cfg.algorithm == Algorithm::Dpo
-                        && found.contains(&cfg.dpo.chosen_field)
-                        && found.contains(&cfg.dpo.rejected_field) =>
-                {
-                    cfg.data.prompt_field = cfg.dpo.chosen_field.clone();
+            let opened = cfg.data.open(cfg.train.seed);
+            let implied = match &opened {
+                Err(grpo_data::DataError::NoPromptColumn { found, .. }) => {
+                    implied_prompt_field(&cfg, found)
+                }
+                _ => None,
+            };
+            let splits = match implied {
+                Some(column) => {
+                    cfg.data.prompt_field = column;
                     cfg.data.open(cfg.train.seed)
                 }
-                // KTO on such pairs: TRL extracts the prompt, then unpairs.
-                Err(grpo_data::DataError::NoPromptColumn { found, .. })
-                    if cfg.algorithm == Algorithm::Kto
-                        && found.iter().any(|c| c == "chosen")
-                        && found.iter().any(|c| c == "rejected") =>
-                {
-                    cfg.data.prompt_field = "chosen".into();
-                    cfg.data.open(cfg.train.seed)
-                }
-                // SFT data in TRL's other two formats: conversations in `messages`, or
-                // language-modelling text in `sft.dataset_text_field`.
-                Err(grpo_data::DataError::NoPromptColumn { found, .. })
-                    if cfg.algorithm == Algorithm::Sft
-                        && (found.iter().any(|c| c == "messages")
-                            || found.contains(&cfg.sft.dataset_text_field)) =>
-                {
-                    cfg.data.prompt_field = match found.iter().any(|c| c == "messages") {
-                        true => "messages".to_string(),
-                        false => cfg.sft.dataset_text_field.clone(),
-                    };
-                    cfg.data.open(cfg.train.seed)
-                }
-                other => other,
+                None => opened,
             }
             .map_err(|e| anyhow!("data: {e}"))?;
             if splits.train.is_empty() {
