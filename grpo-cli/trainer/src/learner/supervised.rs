@@ -373,9 +373,9 @@ fn prompt_and_full(
     match (prompt, completion) {
         (Prompt::Conversation(p), Some(grpo_data::Value::Messages(turns))) => {
             let tools = row_tools(s)?;
+            let template = tok.compile_chat_template().with_context(at)?;
             let render = |msgs: &[grpo_data::Message], generation: bool| -> Result<Vec<u32>> {
-                let text =
-                    tok.apply_chat_template_with_tools(&chat_messages(msgs), &tools, generation)?;
+                let text = template.render_with_tools(&chat_messages(msgs), &tools, generation)?;
                 Ok(tok.encode(&text, false)?)
             };
             let mut all = p.clone();
@@ -470,12 +470,11 @@ fn assistant_turns(
     let (Some(&first), Some(&last)) = (turns.first(), turns.last()) else {
         bail!("the conversation has no assistant turn");
     };
+    // Parsed once: a conversation renders once per assistant turn, twice.
+    let template = tok.compile_chat_template()?;
     let render = |upto: usize, generation_prompt: bool| -> Result<Vec<u32>> {
-        let text = tok.apply_chat_template_with_tools(
-            &chat_messages(&msgs[..upto]),
-            tools,
-            generation_prompt,
-        )?;
+        let text =
+            template.render_with_tools(&chat_messages(&msgs[..upto]), tools, generation_prompt)?;
         Ok(tok.encode(&text, false)?)
     };
     let prompt = render(first, true)?;
