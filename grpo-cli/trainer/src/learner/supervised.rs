@@ -86,17 +86,7 @@ pub fn rows_packed(
         };
         return Ok(rows.into_iter().filter_map(|r| truncated(r, max)).collect());
     }
-    // Each row as one sequence: its ids and, per token, whether that token is trained.
-    let seqs: Vec<(Vec<u32>, Vec<u8>)> = rows
-        .iter()
-        .map(|r| {
-            let ids = r.prompt.iter().chain(&r.completion).copied().collect();
-            let labels = std::iter::repeat_n(0u8, r.prompt.len())
-                .chain(r.mask.iter().copied())
-                .collect();
-            (ids, labels)
-        })
-        .collect();
+    let seqs: Vec<(Vec<u32>, Vec<u8>)> = rows.iter().map(sequence_of).collect();
     let lengths: Vec<usize> = seqs.iter().map(|(ids, _)| ids.len()).collect();
     let strategy = cfg.sft.packing_strategy;
     let separate = strategy != PackingStrategy::Wrapped;
@@ -104,29 +94,53 @@ pub fn rows_packed(
     Ok(packed
         .iter()
         .filter_map(|pieces| {
-            let (mut ids, mut labels, mut segments) = (Vec::new(), Vec::new(), Vec::new());
-            for p in pieces {
+            let runs = pieces.iter().map(|p| {
                 let (i, l) = &seqs[p.seq];
-                ids.extend_from_slice(&i[p.start..p.start + p.len]);
-                let at = labels.len();
-                labels.extend_from_slice(&l[p.start..p.start + p.len]);
-                if separate {
-                    labels[at] = 0;
-                    segments.push(p.len);
-                }
-            }
-            // The first token has no prediction: it is the "prompt" of the packed row.
-            (ids.len() >= 2).then(|| Row {
-                index: rows[pieces[0].seq].index,
-                prompt: ids[..1].to_vec(),
-                completion: ids[1..].to_vec(),
-                mask: labels[1..].to_vec(),
-                rejected: Vec::new(),
-                desirable: true,
-                segments,
-            })
+                let r = p.start..p.start + p.len;
+                (&i[r.clone()], &l[r])
+            });
+            packed_row(rows[pieces[0].seq].index, runs, separate)
         })
         .collect())
+}
+
+/// A row as one sequence: its ids and, per token, whether that token is trained.
+fn sequence_of(r: &Row) -> (Vec<u32>, Vec<u8>) {
+    let ids = r.prompt.iter().chain(&r.completion).copied().collect();
+    let labels = std::iter::repeat_n(0u8, r.prompt.len())
+        .chain(r.mask.iter().copied())
+        .collect();
+    (ids, labels)
+}
+
+/// One packed row of `runs` (ids and their labels) end to end; with `separate`, each run is a
+/// sequence of its own (`Row::segments`) whose first token carries no loss (it would be
+/// predicted from the run before). `None` for fewer than two tokens. The first token has no
+/// prediction: it is the "prompt" of the packed row.
+fn packed_row<'a>(
+    index: u64,
+    runs: impl IntoIterator<Item = (&'a [u32], &'a [u8])>,
+    separate: bool,
+) -> Option<Row> {
+    let (mut ids, mut labels, mut segments) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, l) in runs {
+        let at = labels.len();
+        ids.extend_from_slice(i);
+        labels.extend_from_slice(l);
+        if separate && !l.is_empty() {
+            labels[at] = 0;
+            segments.push(l.len());
+        }
+    }
+    (ids.len() >= 2).then(|| Row {
+        index,
+        prompt: ids[..1].to_vec(),
+        completion: ids[1..].to_vec(),
+        mask: labels[1..].to_vec(),
+        rejected: Vec::new(),
+        desirable: true,
+        segments,
+    })
 }
 
 /// KTO's rows: a prompt, a completion and its label each; a preference row (`chosen` and
@@ -499,29 +513,10 @@ fn assistant_turns(
 
 /// Rows as one packed row (TRL's `padding_free`): each row a sequence of its own positions,
 /// attending only to itself; the loss mask the rows' (a row's first token carries none).
-fn one_sequence(rows: &[Row]) -> Row {
-    let (mut ids, mut labels, mut segments) = (Vec::new(), Vec::new(), Vec::new());
-    for r in rows {
-        ids.extend(r.prompt.iter().chain(&r.completion));
-        labels.extend(std::iter::repeat_n(0u8, r.prompt.len()));
-        labels.extend(&r.mask);
-        if let Some(first) = labels
-            .len()
-            .checked_sub(r.prompt.len() + r.completion.len())
-        {
-            labels[first] = 0;
-        }
-        segments.push(r.prompt.len() + r.completion.len());
-    }
-    Row {
-        index: rows.first().map_or(0, |r| r.index),
-        prompt: ids[..1.min(ids.len())].to_vec(),
-        completion: ids[1.min(ids.len())..].to_vec(),
-        mask: labels[1.min(labels.len())..].to_vec(),
-        rejected: Vec::new(),
-        desirable: true,
-        segments,
-    }
+fn one_sequence(rows: &[Row]) -> Option<Row> {
+    let seqs: Vec<(Vec<u32>, Vec<u8>)> = rows.iter().map(sequence_of).collect();
+    let runs = seqs.iter().map(|(i, l)| (i.as_slice(), l.as_slice()));
+    packed_row(rows.first().map_or(0, |r| r.index), runs, true)
 }
 
 /// Log-probs `(B, c)` of packed rows' tokens after the first, each sequence of a row on its
@@ -815,11 +810,11 @@ impl Learner {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
                 let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
                 // TRL's `padding_free`: the micro-batch's rows as one sequence, kept apart.
-                let flat;
+                let flat: Vec<Row>;
                 let part =
                     match self.cfg.sft.padding_free && part.iter().all(|r| r.segments.is_empty()) {
                         true => {
-                            flat = [one_sequence(part)];
+                            flat = one_sequence(part).into_iter().collect();
                             &flat[..]
                         }
                         false => part,
