@@ -72,6 +72,9 @@ enum Command {
     Kto(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
+    /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
+    /// classifier learns to score each chosen sequence above its rejected one.
+    Reward(train_cmd::TrainArgs),
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
@@ -89,6 +92,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Dpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("dpo"))?)),
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
         Some(Command::Rloo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("rloo"))?)),
+        Some(Command::Reward(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("reward"))?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
@@ -156,6 +160,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Dpo(_)
             | Command::Kto(_)
             | Command::Rloo(_)
+            | Command::Reward(_)
             | Command::Check(_),
         ) => {
             unreachable!("handled in run")

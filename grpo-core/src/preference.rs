@@ -1,7 +1,8 @@
 //! The supervised objectives beside GRPO: SFT's masked token loss and DPO's preference losses,
 //! as TRL's `SFTTrainer` and `DPOTrainer` compute them: [`dpo_loss_with`] has TRL 1.16's
 //! fifteen `loss_type`s (combined with weights), its f-divergences and metrics;
-//! [`dpo_loss`] is the sigmoid loss with conservative-DPO label smoothing.
+//! [`dpo_loss`] is the sigmoid loss with conservative-DPO label smoothing; [`kto_loss`] is
+//! TRL's KTO, [`reward_loss`] its RewardTrainer's Bradley-Terry loss for reward models.
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -764,5 +765,71 @@ pub fn kto_loss(
         rejected_rewards: (sum(false, &rv, beta), count(false)),
         chosen_logps: sum(true, &pv, 1.0),
         rejected_logps: sum(false, &pv, 1.0),
+    })
+}
+
+/// What [`reward_loss`] returns: the loss (with its graph) and TRL's `RewardTrainer` metrics.
+#[derive(Debug, Clone)]
+pub struct RewardOutput {
+    /// `−log σ(r_c − r_r − margin)` averaged over the pairs, plus the centring term.
+    pub loss: Tensor,
+    /// `accuracy`: the share of pairs with `r_c > r_r` (strictly).
+    pub accuracy: f64,
+    /// `margin`: the mean of `r_c − r_r`.
+    pub margin: f64,
+    /// `min_reward`, `mean_reward`, `max_reward`: over every score of the batch, chosen and
+    /// rejected.
+    pub min_reward: f64,
+    /// See `min_reward`.
+    pub mean_reward: f64,
+    /// See `min_reward`.
+    pub max_reward: f64,
+}
+
+/// TRL 1.16's `RewardTrainer` loss (Bradley-Terry): the reward model's scores of each pair's
+/// chosen (`chosen`, `(n,)`) and rejected (`rejected`) sequence give
+/// `−log σ(r_c − r_r − m)` averaged over the pairs, with `m` the row's `margin` when given
+/// (zero otherwise), plus `center · mean((r_c + r_r)²)` when `center_rewards_coefficient` is
+/// set (Eisenstein et al.'s centring: scores stay near zero).
+///
+/// # Errors
+/// Shapes that differ, or an empty batch.
+pub fn reward_loss(
+    chosen: &Tensor,
+    rejected: &Tensor,
+    margin: Option<&Tensor>,
+    center_rewards_coefficient: Option<f64>,
+) -> Result<RewardOutput> {
+    let n = chosen.elem_count();
+    if n == 0 || chosen.dims() != [n] || rejected.dims() != [n] {
+        candle_core::bail!(
+            "reward_loss: scores {:?} (chosen) and {:?} (rejected), expected two (n,) vectors",
+            chosen.dims(),
+            rejected.dims()
+        );
+    }
+    let diff = (chosen - rejected)?;
+    let shifted = match margin {
+        Some(m) if m.dims() != [n] => {
+            candle_core::bail!("reward_loss: margins {:?} for {n} pairs", m.dims())
+        }
+        Some(m) => (&diff - m.to_dtype(diff.dtype())?)?,
+        None => diff.clone(),
+    };
+    let mut loss = log_sigmoid(&shifted)?.mean_all()?.neg()?;
+    if let Some(c) = center_rewards_coefficient {
+        loss = (loss + ((chosen + rejected)?.sqr()?.mean_all()? * c)?)?;
+    }
+    let d: Vec<f64> = diff.detach().to_dtype(DType::F64)?.to_vec1()?;
+    let all: Vec<f64> = Tensor::cat(&[chosen.detach(), rejected.detach()], 0)?
+        .to_dtype(DType::F64)?
+        .to_vec1()?;
+    Ok(RewardOutput {
+        loss,
+        accuracy: d.iter().filter(|&&x| x > 0.0).count() as f64 / n as f64,
+        margin: d.iter().sum::<f64>() / n as f64,
+        min_reward: all.iter().copied().fold(f64::INFINITY, f64::min),
+        mean_reward: all.iter().sum::<f64>() / all.len() as f64,
+        max_reward: all.iter().copied().fold(f64::NEG_INFINITY, f64::max),
     })
 }

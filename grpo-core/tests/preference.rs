@@ -301,3 +301,102 @@ fn rloo_advantages_follow_trl() {
     }
     assert_eq!(rloo_advantages(&[3.0, 1.0], 1, true), vec![0.0, 0.0]);
 }
+
+/// TRL 1.16's `RewardTrainer.compute_loss`, computed in float64 with Python's `math`
+/// (`-logsigmoid(c - r - m).mean() + coef * ((c + r) ** 2).mean()`, gradients by hand:
+/// ∂/∂c_i = (−σ(−d_i) + 2·coef·(c_i + r_i)) / n):
+/// the third pair ties (accuracy counts it as wrong, as TRL's strict `>` does).
+#[test]
+fn reward_loss_matches_trl() {
+    use grpo_core::preference::reward_loss;
+    let dev = Device::Cpu;
+    let c = [1.25, -0.5, 2.0, 0.3, -1.75];
+    let r = [0.5, 0.25, 2.0, -1.2, -1.0];
+    let m = Tensor::new(&[0.0, 1.0, 0.5, -0.25, 2.0], &dev).unwrap();
+    // (margins, centring coefficient, loss, ∂/∂chosen, ∂/∂rejected)
+    type Case<'a> = (Option<&'a Tensor>, Option<f64>, f64, [f64; 5], [f64; 5]);
+    let cases: [Case<'_>; 3] = [
+        (
+            None,
+            None,
+            0.7110346953774795,
+            [
+                -0.06416426016492141,
+                -0.1358357398350786,
+                -0.1,
+                -0.03648510476127127,
+                -0.1358357398350786,
+            ],
+            [
+                0.06416426016492141,
+                0.1358357398350786,
+                0.1,
+                0.03648510476127127,
+                0.1358357398350786,
+            ],
+        ),
+        (
+            Some(&m),
+            None,
+            1.248672776034876,
+            [
+                -0.06416426016492141,
+                -0.17039056039366213,
+                -0.12449186624037092,
+                -0.029609439606337894,
+                -0.18798266996519847,
+            ],
+            [
+                0.06416426016492141,
+                0.17039056039366213,
+                0.12449186624037092,
+                0.029609439606337894,
+                0.18798266996519847,
+            ],
+        ),
+        (
+            Some(&m),
+            Some(0.01),
+            1.3036677760348758,
+            [
+                -0.05716426016492141,
+                -0.17139056039366213,
+                -0.10849186624037092,
+                -0.0332094396063379,
+                -0.19898266996519848,
+            ],
+            [
+                0.07116426016492142,
+                0.16939056039366213,
+                0.1404918662403709,
+                0.026009439606337895,
+                0.17698266996519846,
+            ],
+        ),
+    ];
+    for (margin, coef, want, gc_want, gr_want) in cases {
+        let cv = Var::new(&c, &dev).unwrap();
+        let rv = Var::new(&r, &dev).unwrap();
+        let out = reward_loss(cv.as_tensor(), rv.as_tensor(), margin, coef).unwrap();
+        let loss = out.loss.to_scalar::<f64>().unwrap();
+        assert!((loss - want).abs() < 1e-12, "{loss} vs {want}");
+        let g = out.loss.backward().unwrap();
+        let gc: Vec<f64> = g.get(cv.as_tensor()).unwrap().to_vec1().unwrap();
+        let gr: Vec<f64> = g.get(rv.as_tensor()).unwrap().to_vec1().unwrap();
+        for (a, b) in gc.iter().zip(gc_want).chain(gr.iter().zip(gr_want)) {
+            assert!((a - b).abs() < 1e-12, "{gc:?} {gr:?}");
+        }
+        assert_eq!(out.accuracy, 0.4);
+        assert!((out.margin - (0.75 - 0.75 + 0.0 + 1.5 - 0.75) / 5.0).abs() < 1e-12);
+        assert_eq!((out.min_reward, out.max_reward), (-1.75, 2.0));
+        assert!(
+            (out.mean_reward - (c.iter().sum::<f64>() + r.iter().sum::<f64>()) / 10.0).abs()
+                < 1e-12
+        );
+    }
+    // Bad shapes are one-line errors.
+    let a = Tensor::new(&[1.0f64, 2.0], &dev).unwrap();
+    let b = Tensor::new(&[1.0f64], &dev).unwrap();
+    assert!(reward_loss(&a, &b, None, None).is_err());
+    assert!(reward_loss(&a, &a, Some(&b), None).is_err());
+}

@@ -91,6 +91,10 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// Padding token id, if declared.
     pub pad_token_id: Option<u32>,
+    /// A `*ForSequenceClassification` checkpoint (a reward model): a `score` head `(1,
+    /// hidden)` in place of the LM head ([`crate::Transformer::score`]).
+    #[serde(default)]
+    pub sequence_classification: bool,
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
@@ -214,6 +218,14 @@ impl ModelConfig {
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: ids(v.get("eos_token_id")),
             pad_token_id: ids(v.get("pad_token_id")).first().copied(),
+            sequence_classification: v
+                .get("architectures")
+                .and_then(Value::as_array)
+                .is_some_and(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .any(|a| a.ends_with("ForSequenceClassification"))
+                }),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -253,11 +265,18 @@ impl ModelConfig {
     /// The Hugging Face `config.json` for this model (what transformers reads back).
     pub fn to_hf_json(&self) -> Value {
         let mut v = serde_json::json!({
-            "architectures": [match self.arch {
-                Arch::Llama => "LlamaForCausalLM",
-                Arch::Qwen2 => "Qwen2ForCausalLM",
-                Arch::Qwen3 => "Qwen3ForCausalLM",
-            }],
+            "architectures": [format!(
+                "{}{}",
+                match self.arch {
+                    Arch::Llama => "Llama",
+                    Arch::Qwen2 => "Qwen2",
+                    Arch::Qwen3 => "Qwen3",
+                },
+                match self.sequence_classification {
+                    true => "ForSequenceClassification",
+                    false => "ForCausalLM",
+                }
+            )],
             "model_type": self.arch.as_str(),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -286,6 +305,11 @@ impl ModelConfig {
                     "original_max_position_embeddings": s.original_max_position_embeddings,
                 }),
             );
+        }
+        if self.sequence_classification {
+            // transformers' `num_labels = 1`, as its configs save it.
+            obj.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
+            obj.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
         }
         if self.arch == Arch::Llama {
             obj.insert("attention_bias".into(), self.attention_bias.into());

@@ -194,6 +194,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             .into_iter()
             .collect(),
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
+        sequence_classification: false,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -865,6 +866,12 @@ pub fn save_gguf(
     ty: GgufType,
     name: &str,
 ) -> Result<Vec<(String, String)>> {
+    if model.score.is_some() {
+        bail!(
+            "{}: a sequence classifier (reward model) has no GGUF form here; export it as a Hugging Face directory (--format hf)",
+            path.display()
+        );
+    }
     let cfg = &model.cfg;
     let arch = cfg.arch.as_str();
     let a = |k: &str| format!("{arch}.{k}");

@@ -197,6 +197,7 @@ pub fn preset_config(
         bos_token_id: None,
         eos_token_ids: vec![eos],
         pad_token_id: Some(pad),
+        sequence_classification: false,
     }
 }
 
@@ -256,7 +257,9 @@ pub fn random_weights(
         shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
     }
     shapes.push(("model.norm.weight".into(), vec![h], true));
-    if !cfg.tie_word_embeddings {
+    if cfg.sequence_classification {
+        shapes.push(("score.weight".into(), vec![1, h], false));
+    } else if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
     }
     let mut map = HashMap::new();

@@ -554,8 +554,16 @@ fn visit(
             }
         }
     }
+    // A sequence classifier's head is trained whole beside the adapters (PEFT's
+    // `modules_to_save = ["score"]`, as TRL advises for reward models).
+    if let Some(s) = model.score.as_mut() {
+        f(SCORE_KEY.to_string(), s)?;
+    }
     Ok(())
 }
+
+/// The PEFT key of a sequence classifier's `score` head, trained whole (`modules_to_save`).
+pub const SCORE_KEY: &str = "base_model.model.score.weight";
 
 /// Adds fresh adapters to `model` as PEFT initialises them: `A` Kaiming-uniform (bound
 /// `1/sqrt(in)`), `B` and `lora_B`'s bias zero, DoRA's magnitude the row norms of `W`, so the
@@ -688,9 +696,10 @@ pub fn save_peft(
         TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(TARGET_MODULES),
         t => serde_json::json!(t),
     };
+    let classifier = model.score.is_some();
     let config = serde_json::json!({
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": if classifier { "SEQ_CLS" } else { "CAUSAL_LM" },
         "base_model_name_or_path": base_model,
         "r": cfg.r,
         "lora_alpha": cfg.lora_alpha,
@@ -702,7 +711,7 @@ pub fn save_peft(
         "fan_in_fan_out": false,
         "inference_mode": true,
         "init_lora_weights": true,
-        "modules_to_save": null,
+        "modules_to_save": if classifier { serde_json::json!(["score"]) } else { serde_json::Value::Null },
         "use_rslora": cfg.use_rslora,
         "use_dora": cfg.use_dora,
         "layers_to_transform": cfg.layers_to_transform,
@@ -828,10 +837,12 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
                     ));
                 }
             },
+            // A reward model's head, trained whole beside the adapters (see `load_peft`).
+            "modules_to_save" if x == &serde_json::json!(["score"]) => {}
             "modules_to_save" => {
                 return Err(bad(
                     k,
-                    "full copies of base modules in an adapter are not supported",
+                    "full copies of base modules in an adapter are not supported (except a sequence classifier's [\"score\"])",
                 ));
             }
             _ => {
@@ -859,10 +870,16 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
     let v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display())))?;
     let cfg = config_from_peft(&v, &path)?;
-    attach(model, &cfg, 0)
-        .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let file = dir.join("adapter_model.safetensors");
     let loaded = candle_core::safetensors::load(&file, model.device())?;
+    // An adapter that carries a `score` head (a reward model, `task_type = "SEQ_CLS"`) makes a
+    // causal base a sequence classifier, whose head the file then sets.
+    let score_keys = [SCORE_KEY, "base_model.model.score.default.weight"];
+    if model.score.is_none() && score_keys.iter().any(|k| loaded.contains_key(*k)) {
+        *model = model.clone().into_sequence_classifier(0)?;
+    }
+    attach(model, &cfg, 0)
+        .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let (dtype, dev) = (model.dtype(), model.device().clone());
     // PEFT may save keys with the adapter name (`lora_A.default.weight`); accept both.
     let mut tensors: HashMap<String, Tensor> = loaded
@@ -877,6 +894,10 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .collect::<Result<_>>()?;
     let in_file =
         |e: candle_core::Error| candle_core::Error::msg(format!("{}: {e}", file.display()));
+    // A classifier base with an adapter that did not train its head keeps the base's head.
+    if let (Some(s), false) = (&model.score, tensors.contains_key(SCORE_KEY)) {
+        tensors.insert(SCORE_KEY.to_string(), s.clone());
+    }
     set_factors(model, &LoraConfig::default(), &tensors).map_err(in_file)?;
     for (k, _) in factors(model, &LoraConfig::default()) {
         tensors.remove(&k);

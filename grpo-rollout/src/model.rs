@@ -750,6 +750,9 @@ pub struct Transformer {
     pub norm: RmsNorm,
     /// `(vocab, hidden)` output head; `None` when tied to the embeddings.
     pub lm_head: Option<Tensor>,
+    /// A sequence classifier's (reward model's) `score` head `(1, hidden)`, in place of the LM
+    /// head (`cfg.sequence_classification`): see [`Self::sequence_scores`].
+    pub score: Option<Tensor>,
     /// Set by [`Self::for_decoding`]: few-row logits are computed as `W · hᵀ` (the head's
     /// rows against the hidden states), which candle's gemm runs up to 2x faster than `h · Wᵀ`
     /// for a wide head.
@@ -998,10 +1001,13 @@ impl Transformer {
             }
         }
         let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
+        // A classifier has no LM head (transformers' `*ForSequenceClassification` keeps none).
+        let (lm_head, score) = if cfg.sequence_classification {
+            (None, Some(get("score.weight", &[1, h])?))
+        } else if cfg.tie_word_embeddings {
+            (None, None)
         } else {
-            Some(get("lm_head.weight", &[cfg.vocab_size, h])?)
+            (Some(get("lm_head.weight", &[cfg.vocab_size, h])?), None)
         };
         let (rope_cos, rope_sin) = rope_tables(cfg, device)?;
         Ok(Self {
@@ -1010,6 +1016,7 @@ impl Transformer {
             layers,
             norm: norm("model.norm.weight", h)?,
             lm_head,
+            score,
             decoding: false,
             checkpointing: None,
             rope_cos,
@@ -1068,6 +1075,9 @@ impl Transformer {
         if let Some(h) = &self.lm_head {
             out.push(("lm_head.weight".to_string(), h.clone()));
         }
+        if let Some(s) = &self.score {
+            out.push(("score.weight".to_string(), s.clone()));
+        }
         out
     }
 
@@ -1113,6 +1123,7 @@ impl Transformer {
             layers,
             norm: norm(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(f).transpose()?,
+            score: self.score.as_ref().map(f).transpose()?,
             decoding: false,
             checkpointing: None,
             rope_cos: self.rope_cos.clone(),
@@ -1491,6 +1502,69 @@ impl Transformer {
     pub fn forward_padded(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
         self.forward_hidden(input_ids, &positions, &bias, None)
+    }
+
+    /// The model as a sequence classifier with one label (a reward model), as transformers'
+    /// `AutoModelForSequenceClassification.from_pretrained(causal_lm, num_labels=1)` makes it:
+    /// the LM head dropped, a new `score` head `(1, hidden)` drawn from N(0, 0.02²)
+    /// (transformers' default `initializer_range`) with `seed`, in the model's dtype and device.
+    /// A classifier is returned unchanged.
+    pub fn into_sequence_classifier(mut self, seed: u64) -> Result<Self> {
+        use rand::SeedableRng;
+        use rand_distr::Distribution;
+        if self.score.is_some() {
+            return Ok(self);
+        }
+        let h = self.cfg.hidden_size;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let normal = rand_distr::Normal::new(0.0f32, 0.02)
+            .map_err(|e| candle_core::Error::msg(e.to_string()))?;
+        let w: Vec<f32> = (0..h).map(|_| normal.sample(&mut rng)).collect();
+        let score = Tensor::from_vec(w, (1, h), self.device())?.to_dtype(self.dtype())?;
+        self.score = Some(score);
+        self.lm_head = None;
+        self.cfg.sequence_classification = true;
+        Ok(self)
+    }
+
+    /// A sequence classifier's scores `(B,)` of `rows` (token ids, right-padded here with
+    /// `pad`), each read at its last token that is not `pad`, as transformers'
+    /// `*ForSequenceClassification` picks it (the rightmost non-pad position: with the pad id
+    /// equal to EOS, a row ending in EOS is scored at the token before it, as TRL's reward
+    /// models are). `pad = None` (no padding token) scores each row at its last token. The
+    /// graph is kept: the scores train the head and the decoder (TRL's `RewardTrainer`).
+    pub fn sequence_scores(&self, rows: &[&[u32]], pad: Option<u32>) -> Result<Tensor> {
+        let Some(score) = &self.score else {
+            bail!("sequence_scores: the model has no score head (it is not a sequence classifier)")
+        };
+        let b = rows.len();
+        let t = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+        if b == 0 || t == 0 {
+            bail!("sequence_scores: {b} rows of at most {t} tokens");
+        }
+        let mut ids = Vec::with_capacity(b * t);
+        let mut at = Vec::with_capacity(b);
+        for (i, r) in rows.iter().enumerate() {
+            ids.extend_from_slice(r);
+            ids.extend(std::iter::repeat_n(pad.unwrap_or(0), t - r.len()));
+            let last = match pad {
+                Some(p) => r.iter().rposition(|&x| x != p).unwrap_or(0),
+                None => r.len().saturating_sub(1),
+            };
+            at.push((i * t + last) as u32);
+        }
+        let dev = self.device();
+        let input = Tensor::from_vec(ids, (b, t), dev)?;
+        // Right padding is never attended by the real tokens (causal): every position is real,
+        // position ids 0..T, as transformers' are for right-padded rows.
+        let mask = Tensor::ones((b, t), DType::U32, dev)?;
+        let h = self
+            .forward_padded(&input, &mask)?
+            .reshape((b * t, self.cfg.hidden_size))?;
+        let picked = h
+            .index_select(&Tensor::from_vec(at, b, dev)?, 0)?
+            .to_dtype(score.dtype())?;
+        picked.matmul(&score.t()?)?.squeeze(1)
     }
 
     /// Per-token log-probs of the last `logits_to_keep` tokens of each row of a left-padded

@@ -254,10 +254,10 @@ impl ClassifierModel {
                 cfg_path.display()
             );
         }
-        let mut cfg = ModelConfig::from_hf_json(&v)
+        // `sequence_classification` (from `architectures`): the decoder reads `score.weight`
+        // in place of an LM head.
+        let cfg = ModelConfig::from_hf_json(&v)
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", cfg_path.display())))?;
-        // A classifier has no LM head; tying makes the decoder not ask for `lm_head.weight`.
-        cfg.tie_word_embeddings = true;
         let num_labels = v
             .get("num_labels")
             .and_then(Value::as_u64)
@@ -289,9 +289,9 @@ impl ClassifierModel {
                 cfg.hidden_size
             );
         }
-        let score = score.to_dtype(dtype)?.to_device(device)?;
         let model = Transformer::from_weights(&cfg, &weights, dtype, device)
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", wfile.display())))?;
+        let score = model.score.clone().unwrap_or_else(|| score.clone());
         let tokenizer = Tokenizer::from_hf_dir(dir, &[])?;
         Ok(Self {
             model,

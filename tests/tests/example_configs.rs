@@ -494,3 +494,38 @@ fn use_reference_teacher_model_samples_from_the_frozen_teacher() {
     assert_eq!(frozen[..8], moving[..8]);
     assert_ne!(frozen[8..], moving[8..]);
 }
+
+#[test]
+fn reward_model_config_trains_a_classifier_on_its_pairs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = fixture(dir.path());
+    let data = configs_dir().join("data/preference_pairs.jsonl");
+    let sets = vec![
+        format!("output_dir={}", quote(&dir.path().join("run"))),
+        format!("model.path={}", quote(&model)),
+        format!("data.path=[{}]", quote(&data)),
+        "train.max_steps=2".to_string(),
+        "train.save_steps=2".to_string(),
+    ];
+    let cfg = config::load(&configs_dir().join("reward_model.toml"), &sets).unwrap();
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Reward);
+    let r = trainer::run(
+        trainer::setup(cfg).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.total_steps, 2);
+    assert!(
+        r.metrics
+            .iter()
+            .all(|m| m["loss"].is_finite() && m.contains_key("accuracy"))
+    );
+    let ck = r.best_checkpoint_path.unwrap().join("model");
+    grpo_rollout::scoring::ClassifierModel::load(
+        &ck,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+}

@@ -42,16 +42,20 @@ pub enum Algorithm {
     /// REINFORCE leave-one-out (TRL's RLOOTrainer): the GRPO pipeline with RLOO's advantages,
     /// the KL penalty in the reward and a sequence-level clipped loss (`[rloo]`).
     Rloo,
+    /// A reward model (TRL's RewardTrainer): a sequence classifier trained on preference
+    /// pairs with the Bradley-Terry loss (`[reward]`).
+    Reward,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 5] = [
+    pub const ALL: [Algorithm; 6] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
         Algorithm::Kto,
         Algorithm::Rloo,
+        Algorithm::Reward,
     ];
 
     /// Whether the run generates completions and scores them with rewards (GRPO, RLOO).
@@ -67,6 +71,7 @@ impl Algorithm {
             Self::Dpo => "dpo",
             Self::Kto => "kto",
             Self::Rloo => "rloo",
+            Self::Reward => "reward",
         }
     }
 }
@@ -79,7 +84,9 @@ impl std::str::FromStr for Algorithm {
             .into_iter()
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
-                format!("unknown algorithm `{s}`; expected one of dpo, grpo, kto, rloo, sft")
+                format!(
+                    "unknown algorithm `{s}`; expected one of dpo, grpo, kto, reward, rloo, sft"
+                )
             })
     }
 }
@@ -161,6 +168,48 @@ pub struct TrainConfig {
     pub kto: KtoSection,
     /// REINFORCE leave-one-out (`algorithm = "rloo"`).
     pub rloo: RlooSection,
+    /// Reward-model training (`algorithm = "reward"`, TRL's RewardConfig).
+    pub reward: RewardSection,
+}
+
+/// `[reward]`: TRL's RewardTrainer. The model (a causal LM gets a fresh `score` head, a
+/// `*ForSequenceClassification` checkpoint keeps its own) learns to score each pair's chosen
+/// sequence above its rejected one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardSection {
+    /// The preferred completion (or whole conversation) column.
+    pub chosen_field: String,
+    /// The dispreferred one.
+    pub rejected_field: String,
+    /// An optional per-pair margin column: the loss is `−log σ(r_c − r_r − margin)` where the
+    /// data has it (TRL reads a column named `margin`).
+    pub margin_field: String,
+    /// Pairs with a chosen or rejected sequence longer than this are dropped (TRL filters, it
+    /// does not cut). Default 1024.
+    pub max_length: usize,
+    /// `center · mean((r_c + r_r)²)` added to the loss, keeping scores near zero (default
+    /// none, as in TRL).
+    pub center_rewards_coefficient: Option<f64>,
+    /// The EOS token appended to plain-text sequences (its text; default the tokenizer's).
+    pub eos_token: Option<String>,
+    /// The padding token (its text; default the tokenizer's, else its EOS). The saved model's
+    /// `pad_token_id`: scores are read at each sequence's last token that is not it.
+    pub pad_token: Option<String>,
+}
+
+impl Default for RewardSection {
+    fn default() -> Self {
+        Self {
+            chosen_field: "chosen".into(),
+            rejected_field: "rejected".into(),
+            margin_field: "margin".into(),
+            max_length: 1024,
+            center_rewards_coefficient: None,
+            eos_token: None,
+            pad_token: None,
+        }
+    }
 }
 
 /// `[sft]`: TRL's SFTTrainer on prompt/completion rows or conversations.
@@ -454,6 +503,7 @@ impl Default for TrainConfig {
             dpo: DpoSection::default(),
             kto: KtoSection::default(),
             rloo: RlooSection::default(),
+            reward: RewardSection::default(),
         }
     }
 }
@@ -1443,7 +1493,11 @@ impl TrainConfig {
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)
             || (self.algorithm == Algorithm::Kto && self.kto.max_length < 2)
+            || (self.algorithm == Algorithm::Reward && self.reward.max_length < 1)
         {
+            if self.algorithm == Algorithm::Reward {
+                return Err("`reward.max_length` must be >= 1".into());
+            }
             return Err(format!("`{}.max_length` must be >= 2", self.algorithm));
         }
         let loss = self.loss_config();
@@ -1460,7 +1514,25 @@ impl TrainConfig {
                 return Err("`loss.use_adaptive_entropy` needs finite `entropy_coef_min` <= `entropy_coef_max` and `entropy_coef_delta`, `entropy_target` >= 0".into());
             }
         }
+        if self.algorithm == Algorithm::Reward {
+            if let Some(c) = self.reward.center_rewards_coefficient
+                && !(c >= 0.0 && c.is_finite())
+            {
+                return Err(format!(
+                    "`reward.center_rewards_coefficient` must be >= 0, got {c}"
+                ));
+            }
+            if self.model.cast_lm_head_to_fp32 {
+                return Err("`model.cast_lm_head_to_fp32` casts an LM head; a reward model has none (its `score` head is trained in the model's dtype)".into());
+            }
+            if self.reward.chosen_field == self.reward.rejected_field {
+                return Err("`reward.chosen_field` and `reward.rejected_field` must differ".into());
+            }
+        }
         if self.reference.sync_ref_model {
+            if self.algorithm == Algorithm::Reward {
+                return Err("`reference.sync_ref_model` does not apply to a reward model (no reference model)".into());
+            }
             if self.algorithm == Algorithm::Sft {
                 return Err("`reference.sync_ref_model` applies to GRPO and DPO; SFT has no reference model".into());
             }
@@ -1620,7 +1692,9 @@ impl TrainConfig {
             Algorithm::Grpo | Algorithm::Rloo => {
                 self.train.prompts_per_step * self.rollout.num_generations
             }
-            Algorithm::Sft | Algorithm::Dpo | Algorithm::Kto => self.train.prompts_per_step,
+            Algorithm::Sft | Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward => {
+                self.train.prompts_per_step
+            }
         }
     }
 
@@ -1644,9 +1718,10 @@ impl TrainConfig {
     /// Whether dropout is off while training: `train.disable_dropout`, else TRL's default of
     /// the algorithm (DPOConfig's true, GRPOConfig's false, none in SFTConfig).
     pub fn dropout_disabled(&self) -> bool {
-        self.train
-            .disable_dropout
-            .unwrap_or(matches!(self.algorithm, Algorithm::Dpo | Algorithm::Kto))
+        self.train.disable_dropout.unwrap_or(matches!(
+            self.algorithm,
+            Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward
+        ))
     }
 
     /// Optimizer updates per step: `steps_per_generation / gradient_accumulation_steps` with

@@ -155,6 +155,9 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
             Some(cfg.dpo.chosen_field.clone())
         }
         Algorithm::Kto if has("chosen") && has("rejected") => Some("chosen".into()),
+        Algorithm::Reward if has(&cfg.reward.chosen_field) && has(&cfg.reward.rejected_field) => {
+            Some(cfg.reward.chosen_field.clone())
+        }
         Algorithm::Sft if has("messages") => Some("messages".into()),
         Algorithm::Sft if has(&cfg.sft.dataset_text_field) => {
             Some(cfg.sft.dataset_text_field.clone())
@@ -169,6 +172,14 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
         Algorithm::Dpo => {
             for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
                 data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
+            }
+        }
+        Algorithm::Reward => {
+            for col in [&cfg.reward.chosen_field, &cfg.reward.rejected_field] {
+                data.require_column(
+                    col,
+                    "reward modelling (`reward.chosen_field` / `reward.rejected_field`)",
+                )?;
             }
         }
         // Unpaired rows, or preference rows that KTO unpairs (as TRL does).
@@ -266,22 +277,43 @@ pub fn setup_with(
     let mut loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
     loaded.tokenizer.chat_template_kwargs = cfg.model.chat_template_kwargs.clone();
-    if cfg.algorithm == Algorithm::Sft {
-        // TRL's SFTConfig `eos_token` / `pad_token`: tokens of the vocabulary, by their text.
+    // TRL's SFTConfig and RewardConfig `eos_token` / `pad_token`: tokens of the vocabulary,
+    // by their text.
+    let special = match cfg.algorithm {
+        Algorithm::Sft => Some((&cfg.sft.eos_token, &cfg.sft.pad_token)),
+        Algorithm::Reward => Some((&cfg.reward.eos_token, &cfg.reward.pad_token)),
+        _ => None,
+    };
+    if let Some((eos_token, pad_token)) = special {
         let tok = &mut loaded.tokenizer;
+        let section = cfg.algorithm;
         let id = |t: &str, key: &str| {
             tok.inner
                 .token_to_id(t)
-                .ok_or_else(|| anyhow!("`sft.{key}`: {t:?} is not in the model's vocabulary"))
+                .ok_or_else(|| anyhow!("`{section}.{key}`: {t:?} is not in the model's vocabulary"))
         };
-        if let Some(t) = &cfg.sft.eos_token {
+        if let Some(t) = eos_token {
             let eos = id(t, "eos_token")?;
             tok.eos_token = Some(t.clone());
             tok.eos_token_ids = vec![eos];
         }
-        if let Some(t) = &cfg.sft.pad_token {
+        if let Some(t) = pad_token {
             tok.pad_token_id = id(t, "pad_token")?;
         }
+    }
+    // A reward model is a sequence classifier: a causal LM gets a fresh `score` head (as
+    // transformers' `AutoModelForSequenceClassification` makes one, seeded by `train.seed`);
+    // a classifier checkpoint keeps its own. Every other algorithm needs an LM head.
+    match (cfg.algorithm, loaded.model.score.is_some()) {
+        (Algorithm::Reward, _) => {
+            loaded.model = loaded.model.into_sequence_classifier(cfg.train.seed)?;
+        }
+        (a, true) => bail!(
+            "model: {} is a sequence classifier (a reward model, no LM head); algorithm = \"{a}\" \
+             trains a causal LM (a reward model trains with algorithm = \"reward\")",
+            cfg.model.path.display()
+        ),
+        _ => {}
     }
     if let Some(p) = &cfg.model.chat_template_path {
         loaded
@@ -363,7 +395,7 @@ pub fn setup_with(
     }
     // The loaded weights are never written in place (full fine-tuning trains its own copies),
     // so every frozen model shares them: the reference, the scorers, the teacher.
-    let reference = if cfg.reference.beta > 0.0
+    let reference = if (cfg.reference.beta > 0.0 && cfg.algorithm != Algorithm::Reward)
         || matches!(cfg.algorithm, Algorithm::Dpo | Algorithm::Kto)
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
     {

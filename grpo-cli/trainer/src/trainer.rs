@@ -1,5 +1,6 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
-//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`], [`RlooTrainer`]) or chosen by name
+//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`], [`RlooTrainer`],
+//! [`RewardTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -35,6 +36,9 @@ pub struct Kto;
 /// RLOO (`[rloo]`, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct Rloo;
+/// Reward modelling (`[reward]`, TRL's RewardTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct RewardModeling;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -54,6 +58,9 @@ impl TrainerKind for Kto {
 impl TrainerKind for Rloo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Rloo);
 }
+impl TrainerKind for RewardModeling {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Reward);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -70,6 +77,8 @@ pub type DpoTrainer = Trainer<Dpo>;
 pub type KtoTrainer = Trainer<Kto>;
 /// An RLOO trainer.
 pub type RlooTrainer = Trainer<Rloo>;
+/// A reward-model trainer: a sequence classifier learns to score chosen above rejected.
+pub type RewardTrainer = Trainer<RewardModeling>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

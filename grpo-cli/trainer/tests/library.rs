@@ -277,7 +277,7 @@ fn tensorboard_scalars_match_the_metrics() {
 fn algorithms_by_name() {
     assert_eq!(
         grpo_trainer::list_algorithms(),
-        ["dpo", "grpo", "kto", "rloo", "sft"]
+        ["dpo", "grpo", "kto", "reward", "rloo", "sft"]
     );
     assert_eq!(
         grpo_trainer::get_algorithm("sft").unwrap(),

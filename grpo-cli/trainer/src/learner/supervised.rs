@@ -1,4 +1,4 @@
-//! SFT, DPO and KTO on the GRPO learner: the same optimizer, schedule, gradient accumulation and
+//! SFT, DPO, KTO and reward models on the GRPO learner: the same optimizer, schedule, gradient accumulation and
 //! clipping, run directory, metrics, progress, checkpoints and exact resume; only the step's
 //! loss differs (grpo-core's `preference` module).
 //!
@@ -9,6 +9,8 @@
 //!   under the policy and the frozen reference.
 //! * KTO: prompt + `kto.completion_field` + `kto.label_field`, the completion's summed log-prob
 //!   under both, and the micro-batch's KL estimate from mismatched prompt/completion pairs.
+//! * Reward: prompt + `reward.chosen_field` / `reward.rejected_field` as two whole sequences,
+//!   each scored by the classifier's `score` head (TRL's RewardTrainer, Bradley-Terry loss).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -48,6 +50,8 @@ pub struct Row {
     /// end (prompt + completion together); each restarts its positions and attends only to
     /// itself. Empty: one sequence.
     pub segments: Vec<usize>,
+    /// Reward modelling: the pair's margin (`reward.margin_field`; 0 without the column).
+    pub margin: f64,
 }
 
 /// Tokenises a batch of samples for the run's algorithm; SFT rows are packed into
@@ -72,6 +76,8 @@ pub fn rows_packed(
 ) -> Result<Vec<Row>> {
     let rows = match cfg.algorithm {
         Algorithm::Kto => kto_rows(cfg, tok, samples)?,
+        // TRL filters reward pairs by length; it does not cut them.
+        Algorithm::Reward => return reward_rows(cfg, tok, samples),
         _ => samples
             .iter()
             .map(|s| row(cfg, tok, s))
@@ -140,6 +146,7 @@ fn packed_row<'a>(
         rejected: Vec::new(),
         desirable: true,
         segments,
+        margin: 0.0,
     })
 }
 
@@ -168,6 +175,7 @@ fn kto_rows(
             rejected: Vec::new(),
             desirable,
             segments: Vec::new(),
+            margin: 0.0,
         })
     };
     let paired = |s: &Sample| s.get(&k.completion_field).is_none_or(|v| v.is_null());
@@ -205,6 +213,94 @@ fn kto_rows(
             one(s, &s.prompt, s.get(field), field, desirable)
         })
         .collect()
+}
+
+/// Reward-model pairs as TRL 1.16's RewardTrainer tokenises them: each side whole (`prompt +
+/// chosen`, `prompt + rejected`; no prompt column: the columns hold whole sequences), plain
+/// text with the EOS text appended and the tokenizer's special tokens, a conversation rendered
+/// by the chat template (no generation prompt) with the row's `tools`. A pair with a side
+/// longer than `reward.max_length` is dropped. `Row::completion` is the chosen sequence,
+/// `Row::rejected` the rejected one, `Row::margin` the margin column's value (0 without it).
+fn reward_rows(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    samples: &[Sample],
+) -> Result<Vec<Row>> {
+    use grpo_data::Value;
+    let r = &cfg.reward;
+    let whole = cfg.data.prompt_field == r.chosen_field;
+    let mut out = Vec::with_capacity(samples.len());
+    for s in samples {
+        let side = |field: &str| -> Result<Vec<u32>> {
+            let v = match (whole && field == r.chosen_field, s.get(field)) {
+                (true, _) => match &s.prompt {
+                    Prompt::Text(t) => Value::Str(t.clone()),
+                    Prompt::Conversation(m) => Value::Messages(m.clone()),
+                },
+                (false, Some(v)) if !v.is_null() => v.clone(),
+                _ => bail!("row {}: column `{field}` is empty", s.index),
+            };
+            let prompt = match whole {
+                true => None,
+                false => Some(&s.prompt),
+            };
+            match (prompt, v) {
+                (None | Some(Prompt::Conversation(_)), Value::Messages(m)) => {
+                    let mut all = match prompt {
+                        Some(Prompt::Conversation(p)) => p.clone(),
+                        _ => Vec::new(),
+                    };
+                    all.extend(m);
+                    let text = tok
+                        .apply_chat_template_with_tools(&chat_messages(&all), &row_tools(s)?, false)
+                        .with_context(|| format!("row {}", s.index))?;
+                    Ok(tok.encode(&text, false)?)
+                }
+                (Some(Prompt::Conversation(_)), _) => bail!(
+                    "row {}: the prompt is a conversation but `{field}` is plain text",
+                    s.index
+                ),
+                (_, Value::Messages(_)) => bail!(
+                    "row {}: `{field}` is a conversation but the prompt is plain text",
+                    s.index
+                ),
+                (p, v) => {
+                    let p = match p {
+                        Some(Prompt::Text(t)) => t.as_str(),
+                        _ => "",
+                    };
+                    let c = v.as_text().unwrap_or_default();
+                    Ok(tok.encode(&format!("{p}{}", with_eos(tok, &c)), true)?)
+                }
+            }
+        };
+        let chosen = side(&r.chosen_field)?;
+        let rejected = side(&r.rejected_field)?;
+        if chosen.len() > r.max_length || rejected.len() > r.max_length {
+            continue;
+        }
+        let margin = match s.get(&r.margin_field) {
+            None | Some(Value::Null) => 0.0,
+            Some(Value::Float(x)) => *x,
+            Some(Value::Int(i)) => *i as f64,
+            Some(other) => bail!(
+                "row {}: column `{}` must be a number (the pair's margin), found {other:?}",
+                s.index,
+                r.margin_field
+            ),
+        };
+        out.push(Row {
+            index: s.index,
+            prompt: Vec::new(),
+            mask: vec![1; chosen.len()],
+            completion: chosen,
+            rejected,
+            desirable: true,
+            segments: Vec::new(),
+            margin,
+        });
+    }
+    Ok(out)
 }
 
 /// A row cut to `max` prompt + completion tokens, keeping the start (TRL's `keep_start`, its
@@ -285,6 +381,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             rejected,
             desirable: true,
             segments: Vec::new(),
+            margin: 0.0,
         });
     }
     let has_completion = s
@@ -366,6 +463,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         rejected: Vec::new(),
         desirable: true,
         segments: Vec::new(),
+        margin: 0.0,
     })
 }
 
@@ -653,6 +751,7 @@ impl Learner {
             .collect();
         let dpo = self.cfg.algorithm == Algorithm::Dpo;
         let kto = self.cfg.algorithm == Algorithm::Kto;
+        let reward = self.cfg.algorithm == Algorithm::Reward;
         // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
         // then undesirable rows, and the KL estimate weighted by micro-batch share.
         let (mut kto_sums, mut kto_kl) = ([0f64; 6], 0f64);
@@ -733,6 +832,31 @@ impl Learner {
                 add("rewards/margins", out.rewards_margins, share);
                 add("logps/chosen", out.logps_chosen, share);
                 add("logps/rejected", out.logps_rejected, share);
+                (out.loss * share)?
+            } else if reward {
+                // TRL's RewardTrainer: chosen and rejected scored in one batch.
+                let seqs: Vec<&[u32]> = part
+                    .iter()
+                    .map(|r| r.completion.as_slice())
+                    .chain(part.iter().map(|r| r.rejected.as_slice()))
+                    .collect();
+                let k = b - a;
+                let scores = model
+                    .sequence_scores(&seqs, Some(self.tokenizer.pad_token_id))?
+                    .to_dtype(DType::F32)?;
+                let margins: Vec<f32> = part.iter().map(|r| r.margin as f32).collect();
+                let margin = Tensor::from_vec(margins, k, scores.device())?;
+                let out = grpo_core::preference::reward_loss(
+                    &scores.narrow(0, 0, k)?,
+                    &scores.narrow(0, k, k)?,
+                    Some(&margin),
+                    self.cfg.reward.center_rewards_coefficient,
+                )?;
+                add("accuracy", out.accuracy, share);
+                add("margin", out.margin, share);
+                add("min_reward", out.min_reward, share);
+                add("mean_reward", out.mean_reward, share);
+                add("max_reward", out.max_reward, share);
                 (out.loss * share)?
             } else if kto {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
@@ -899,16 +1023,22 @@ pub fn run(
             let t0 = Instant::now();
             let rows = rows(&setup.cfg, &setup.tokenizer, &batch.samples).context(Stage::Data)?;
             if rows.is_empty() {
+                let c = &setup.cfg;
+                let (max, why) = match c.algorithm {
+                    Algorithm::Dpo => (c.dpo.max_length, "a prompt fills it"),
+                    Algorithm::Kto => (c.kto.max_length, "a prompt fills it"),
+                    Algorithm::Reward => (c.reward.max_length, "a side of each pair is longer"),
+                    _ => (
+                        c.sft.max_length,
+                        "a prompt fills it, or no loss token is left",
+                    ),
+                };
                 eprintln!(
-                    "step {}: all {} rows left nothing to train on within max_length = {} (a \
-                     prompt fills it, or no loss token is left): no update at this step",
+                    "step {}: all {} rows left nothing to train on within {}.max_length = \
+                     {max} ({why}): no update at this step",
                     batch.step + 1,
                     batch.samples.len(),
-                    match setup.cfg.algorithm {
-                        Algorithm::Dpo => setup.cfg.dpo.max_length,
-                        Algorithm::Kto => setup.cfg.kto.max_length,
-                        _ => setup.cfg.sft.max_length,
-                    }
+                    c.algorithm,
                 );
             }
             ends.step_begin(&learner);
