@@ -193,9 +193,12 @@ impl Tokenizer {
         }
         eos_token_ids.sort_unstable();
         eos_token_ids.dedup();
+        // No padding token: the EOS token, as TRL's trainers pad (the tokenizer's own EOS,
+        // before any extra end-of-turn ids).
         let pad_token_id = pad_token
             .as_deref()
             .and_then(|t| inner.token_to_id(t))
+            .or_else(|| eos_token.as_deref().and_then(|t| inner.token_to_id(t)))
             .or_else(|| eos_token_ids.first().copied())
             .unwrap_or(0);
         Ok(Self {
