@@ -166,6 +166,17 @@ fn pipeline_with_staleness_0_equals_the_sequential_loop() {
     ] {
         assert!(last.contains_key(key), "metric {key} missing");
     }
+    for m in &seq.metrics {
+        let (lo, mid, hi) = (
+            m["completions/min_terminated_length"],
+            m["completions/mean_terminated_length"],
+            m["completions/max_terminated_length"],
+        );
+        assert!(
+            lo <= mid && mid <= hi && hi <= m["completions/max_length"],
+            "{m:?}"
+        );
+    }
     assert!(
         seq.metrics.iter().any(|m| m["grad_norm"] > 0.0),
         "some step has a gradient"

@@ -16,7 +16,9 @@
 //! exception, a non-zero exit, a timeout) are answered `error: ...`, which the model sees:
 //! nothing crashes. The environment's turn rewards are 0; the run's reward functions score
 //! the transcript. `post_process` reports `tool_calls_mean` and `tool_errors_mean` per
-//! episode (the trainer logs them as `env/tool_calls_mean`, `env/tool_errors_mean`).
+//! episode (the trainer logs them as `env/tool_calls_mean`, `env/tool_errors_mean`), and TRL's
+//! `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed calls
+//! per call).
 //!
 //! **Tools** implement [`Tool`]: a Rust closure ([`FnTool`]), and with the cargo feature
 //! `rewards` a program (`CommandTool`: the arguments as JSON on stdin, each also a `{name}`
@@ -326,6 +328,16 @@ impl Environment for ToolEnvironment {
         Ok(BTreeMap::from([
             ("tool_calls_mean".to_owned(), calls as f64 / n),
             ("tool_errors_mean".to_owned(), errors as f64 / n),
+            // TRL's names (logged as they are): calls per completion, failures per call.
+            ("tools/call_frequency".to_owned(), calls as f64 / n),
+            (
+                "tools/failure_frequency".to_owned(),
+                if calls == 0 {
+                    0.0
+                } else {
+                    errors as f64 / calls as f64
+                },
+            ),
         ]))
     }
 }

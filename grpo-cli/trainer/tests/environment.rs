@@ -670,6 +670,14 @@ argv = ["echo", "{{text}}"]
     ] {
         assert!(metrics.contains_key(k), "{k} missing from {metrics:?}");
     }
+    // TRL's tool metrics: calls per completion, failed calls per call.
+    let calls = metrics["env/tool_calls_mean"];
+    assert_eq!(metrics["tools/call_frequency"], calls);
+    let want = match calls > 0.0 {
+        true => metrics["env/tool_errors_mean"] / calls,
+        false => 0.0,
+    };
+    assert!((metrics["tools/failure_frequency"] - want).abs() < 1e-12);
     let line = std::fs::read_to_string(dir.path().join("run/completions.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
     let prompt = first["prompt"].as_str().unwrap();

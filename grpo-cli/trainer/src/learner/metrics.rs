@@ -184,9 +184,16 @@ impl Learner {
             .filter(|(_, t)| !**t)
             .map(|(l, _)| *l)
             .collect();
+        // TRL: with no terminated completion, the three are 0.
+        let term = if term.is_empty() { vec![0.0] } else { term };
+        m.insert("completions/mean_terminated_length".into(), mean(&term));
         m.insert(
-            "completions/mean_terminated_length".into(),
-            if term.is_empty() { 0.0 } else { mean(&term) },
+            "completions/min_terminated_length".into(),
+            term.iter().copied().fold(f64::INFINITY, f64::min),
+        );
+        m.insert(
+            "completions/max_terminated_length".into(),
+            term.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         );
         let prompt_tokens: usize = batch.prompts.iter().map(|p| p.len()).sum();
         self.state.num_tokens += (prompt_tokens + batch.lens.iter().sum::<usize>()) as u64;

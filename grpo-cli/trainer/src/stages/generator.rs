@@ -332,8 +332,13 @@ pub fn episode_completions(
         "env/reward_mean".into(),
         rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n,
     );
+    // An environment's own metrics under `env/`; a name with a `/` (a family of its own, such
+    // as TRL's `tools/...`) as it is.
     for (k, v) in post {
-        metrics.insert(format!("env/{k}"), v);
+        match k.contains('/') {
+            true => metrics.insert(k, v),
+            false => metrics.insert(format!("env/{k}"), v),
+        };
     }
     let info = EpisodeBatch {
         model_masks: episodes.iter().map(|e| e.is_model_token.clone()).collect(),
