@@ -1043,6 +1043,64 @@ fn chat_template_path_renders_the_rows() {
     );
 }
 
+/// `chat_template_path` naming a model directory whose tokens this model lacks: TRL's
+/// `clone_chat_template` — the tokens added, the embeddings grown to a multiple of 64 (fillers
+/// `<extra_id_N>`), its EOS; the run trains and saves the grown model. With LoRA the new rows
+/// would stay untrained: refused, naming the tokens.
+#[test]
+fn chat_template_path_adds_a_directorys_missing_tokens() {
+    let dir = fixture(Arch::Qwen2);
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../grpo-rollout/tests/fixtures/clone-source");
+    let conf = |name: &str, extra: &str| {
+        let text = config_text(dir.path(), name, "sft", 2, extra)
+            .replace("sft.jsonl", "chat.jsonl")
+            .replace("[data]\n", "[data]\nprompt_field = \"messages\"\n")
+            .replace(
+                "[model]\n",
+                &format!("[model]\nchat_template_path = \"{}\"\n", source.display()),
+            );
+        let p = dir.path().join(format!("{name}.toml"));
+        std::fs::write(&p, text).unwrap();
+        trainer::setup(config::load(&p, &[]).unwrap())
+    };
+    let before = grpo_rollout::Tokenizer::from_hf_dir(&dir.path().join("model"), &[]).unwrap();
+    let s = conf("clone", "").unwrap();
+    let n = (before.vocab_size() + 4).div_ceil(64) * 64;
+    assert_eq!(s.tokenizer.vocab_size(), n);
+    assert_eq!(s.policy.model.cfg.vocab_size, n);
+    let eot = s.tokenizer.inner.token_to_id("<|eot|>").unwrap();
+    assert_eq!(s.tokenizer.eos_token_ids, vec![eot]);
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &first_rows(&s.train, 1)).unwrap();
+    assert!(
+        rows[0].completion.contains(&eot),
+        "turns end with the cloned template's <|eot|>"
+    );
+    let r = run(s, &RunOptions::default());
+    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
+    let saved = r.best_checkpoint_path.unwrap().join("model");
+    let m = grpo_rollout::load(&saved, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(m.model.embed_tokens.dims()[0], n);
+    assert_eq!(m.tokenizer.inner.token_to_id("<|eot|>"), Some(eot));
+    assert_eq!(
+        m.tokenizer.inner.token_to_id("<extra_id_0>"),
+        Some(before.vocab_size() as u32 + 4)
+    );
+    // LoRA would leave the new rows untrained: refused, naming the tokens.
+    let lora = "[model.lora]\nr = 2\nlora_alpha = 4\ntarget_modules = [\"q_proj\"]\n";
+    let text = config_text(dir.path(), "clone-lora", "sft", 1, "").replace(
+        "[model]\n",
+        &format!("[model]\nchat_template_path = \"{}\"\n", source.display()),
+    ) + lora;
+    let p = dir.path().join("clone-lora.toml");
+    std::fs::write(&p, text).unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap_err()
+    );
+    assert!(e.contains("<|eot|>") && e.contains("LoRA"), "{e}");
+}
+
 /// Tokenisation as TRL 1.16's SFT and DPO trainers do it: plain text is tokenised as one
 /// string (prompt + completion + EOS, with the tokenizer's special tokens), so tokens merge
 /// across the boundary; the completion starts where the prompt alone and prompt + completion

@@ -1504,6 +1504,40 @@ impl Transformer {
         self.forward_hidden(input_ids, &positions, &bias, None)
     }
 
+    /// The embedding (and an untied LM head) resized to `n` rows, as transformers'
+    /// `resize_token_embeddings(n)` does with its default `mean_resizing`: rows past the old
+    /// vocabulary start at the mean of the old rows (transformers draws them from a normal with
+    /// that mean and 1e-9 times the rows' covariance: the mean to within ~1e-5 of a row's
+    /// spread), and a smaller `n` drops the last rows. `cfg.vocab_size` becomes `n`. A
+    /// sequence classifier's score head is unchanged.
+    pub fn resize_token_embeddings(&mut self, n: usize) -> Result<()> {
+        let old = self.cfg.vocab_size;
+        if n == 0 {
+            bail!("resize_token_embeddings: 0 rows");
+        }
+        if n == old {
+            return Ok(());
+        }
+        let resize = |w: &Tensor| -> Result<Tensor> {
+            if n < old {
+                return w.narrow(0, 0, n)?.contiguous();
+            }
+            let mean = w
+                .to_dtype(DType::F32)?
+                .mean_keepdim(0)?
+                .to_dtype(w.dtype())?
+                .broadcast_as((n - old, w.dim(1)?))?;
+            Tensor::cat(&[w, &mean], 0)
+        };
+        self.embed_tokens = resize(&self.embed_tokens)?;
+        if let Some(h) = &self.lm_head {
+            self.lm_head = Some(resize(h)?);
+        }
+        self.cfg.vocab_size = n;
+        self.decoding = false;
+        Ok(())
+    }
+
     /// The model as a sequence classifier with one label (a reward model), as transformers'
     /// `AutoModelForSequenceClassification.from_pretrained(causal_lm, num_labels=1)` makes it:
     /// the LM head dropped, a new `score` head `(1, hidden)` drawn from N(0, 0.02²)

@@ -213,11 +213,12 @@ impl Tokenizer {
     }
 
     /// TRL's `chat_template_path`: takes the chat template of `path` — a Jinja file, or a
-    /// Hugging Face model directory whose template and end-of-turn (EOS) token replace this
-    /// tokenizer's, as TRL's `clone_chat_template` does. TRL also adds the directory's special
-    /// tokens this vocabulary lacks and resizes the embeddings; that is not built, so a
-    /// directory whose special tokens are not all in this vocabulary is refused, naming them.
-    pub fn set_chat_template_from(&mut self, path: &Path) -> Result<()> {
+    /// Hugging Face model directory, whose template and end-of-turn (EOS) token replace this
+    /// tokenizer's as TRL's `clone_chat_template` does: the directory's added tokens that this
+    /// vocabulary lacks are added (in id order, with their flags). Returns the ids of the added
+    /// tokens: the model's embeddings must then grow to [`Self::vocab_size`] (TRL rounds up to a
+    /// multiple of 64 and fills the vocabulary with [`Self::pad_vocab_to`]).
+    pub fn set_chat_template_from(&mut self, path: &Path) -> Result<Vec<u32>> {
         if path.is_file() {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| err(format!("{}: {e}", path.display())))?;
@@ -228,7 +229,7 @@ impl Tokenizer {
                 ))
             })?;
             self.chat_template = Some(text);
-            return Ok(());
+            return Ok(Vec::new());
         }
         if !path.is_dir() {
             return Err(err(format!(
@@ -240,22 +241,17 @@ impl Tokenizer {
         let Some(template) = source.chat_template else {
             return Err(err(format!("{}: has no chat template", path.display())));
         };
-        let mut missing: Vec<String> = source
+        let mut missing: Vec<(u32, tokenizers::AddedToken)> = source
             .inner
             .get_added_tokens_decoder()
-            .values()
-            .map(|t| t.content.clone())
-            .filter(|c| self.inner.token_to_id(c).is_none())
+            .into_iter()
+            .filter(|(_, t)| self.inner.token_to_id(&t.content).is_none())
             .collect();
-        missing.sort();
-        if !missing.is_empty() {
-            return Err(err(format!(
-                "{}: its tokens {} are not in this model's vocabulary (TRL's clone_chat_template \
-                 adds them and resizes the embeddings; not built here): use a Jinja file written \
-                 with this model's tokens",
-                path.display(),
-                missing.join(", ")
-            )));
+        missing.sort_by_key(|(id, _)| *id);
+        let mut added = Vec::with_capacity(missing.len());
+        for (_, t) in missing {
+            self.inner.add_tokens(std::slice::from_ref(&t));
+            added.extend(self.inner.token_to_id(&t.content));
         }
         if let Some(eos) = &source.eos_token {
             let id = self.inner.token_to_id(eos).ok_or_else(|| {
@@ -268,7 +264,23 @@ impl Tokenizer {
             self.eos_token_ids = vec![id];
         }
         self.chat_template = Some(template);
-        Ok(())
+        Ok(added)
+    }
+
+    /// Adds `<extra_id_0>`, `<extra_id_1>`, ... (those not in the vocabulary already) until the
+    /// vocabulary has `n` tokens, as TRL's `clone_chat_template` fills the rows it rounded the
+    /// embeddings up to. Returns the ids added.
+    pub fn pad_vocab_to(&mut self, n: usize) -> Vec<u32> {
+        let mut added = Vec::new();
+        let mut i = 0;
+        while self.vocab_size() < n {
+            let t = tokenizers::AddedToken::from(format!("<extra_id_{i}>"), false);
+            i += 1;
+            if self.inner.add_tokens(std::slice::from_ref(&t)) == 1 {
+                added.extend(self.inner.token_to_id(&t.content));
+            }
+        }
+        added
     }
 
     /// transformers' `apply_chat_template(messages, return_assistant_tokens_mask=True)` (TRL's

@@ -316,10 +316,32 @@ pub fn setup_with(
         _ => {}
     }
     if let Some(p) = &cfg.model.chat_template_path {
-        loaded
+        let added = loaded
             .tokenizer
             .set_chat_template_from(p)
             .map_err(|e| anyhow!("`model.chat_template_path`: {e}"))?;
+        if p.is_dir() {
+            // TRL's `clone_chat_template`: the embeddings resized to the vocabulary rounded up
+            // to a multiple of 64 (new rows at the mean of the old ones), the rounding filled
+            // with `<extra_id_N>` tokens.
+            let n = loaded.tokenizer.vocab_size().div_ceil(64) * 64;
+            loaded.model.resize_token_embeddings(n)?;
+            loaded.tokenizer.pad_vocab_to(n);
+            if !added.is_empty() && cfg.model.lora.is_some() {
+                let names: Vec<String> = added
+                    .iter()
+                    .filter_map(|&id| loaded.tokenizer.inner.id_to_token(id))
+                    .collect();
+                bail!(
+                    "`model.chat_template_path`: {} adds tokens this model lacks ({}); with LoRA \
+                     their new embeddings would stay untrained (TRL trains them through PEFT's \
+                     `trainable_token_indices`, not built here): train without LoRA, or give a \
+                     Jinja template written with this model's tokens",
+                    p.display(),
+                    names.join(", ")
+                );
+            }
+        }
     }
     if cfg.model.cast_lm_head_to_fp32 {
         // Before anything shares the weights: the policy, its reference, the generator's
