@@ -1171,7 +1171,48 @@ fn rloo_trains_with_the_kl_in_the_reward_and_resumes() {
     let mut c = with_rloo("bad");
     c.reference.beta = 0.04;
     assert!(c.validate().unwrap_err().contains("rloo.beta"));
+    // Its loss is per sequence: a token-level off-policy correction is refused.
     let mut c = with_rloo("bad");
-    c.pipeline.max_staleness = 1;
-    assert!(c.validate().unwrap_err().contains("max_staleness"));
+    c.loss.vllm_importance_sampling_mode = grpo_core::loss::ImportanceSamplingMode::TokenTruncate;
+    assert!(c.validate().unwrap_err().contains("sequence_mask"));
+}
+
+/// RLOO on the pipelined loop with `max_staleness = 1`: step s samples with version s − 1, each
+/// sequence is weighed by its sampling ratio (sequence_mask, TRL's default mode), runs are
+/// reproducible, and the correction changes the update once the samples are off-policy.
+#[test]
+fn rloo_overlaps_generation_with_staleness_and_corrects_it() {
+    let f = fixture();
+    let stale = |out: &str, correct: bool| {
+        let mut c = base_config(&f.root, out, "");
+        c.algorithm = grpo_trainer::Algorithm::Rloo;
+        c.rloo.beta = 0.1;
+        c.pipeline.max_staleness = 1;
+        c.loss.vllm_importance_sampling_correction = correct;
+        c
+    };
+    let a = run(stale("rloo-stale-a", true), RunOptions::default());
+    let b = run(stale("rloo-stale-b", true), RunOptions::default());
+    assert_same(&a.metrics, &b.metrics);
+    for (s, m) in a.metrics.iter().enumerate() {
+        assert_eq!(m["policy_version"], s.saturating_sub(1) as f64, "step {s}");
+        let (lo, hi) = (
+            m["sampling/importance_sampling_ratio/min"],
+            m["sampling/importance_sampling_ratio/max"],
+        );
+        assert!(
+            lo >= 0.0 && hi <= 3.0 && m["loss"].is_finite(),
+            "step {s}: {m:?}"
+        );
+    }
+    let off = run(stale("rloo-stale-off", false), RunOptions::default());
+    let differs = a.metrics.iter().zip(&off.metrics).any(|(x, y)| {
+        let (g, h) = (x["grad_norm"], y["grad_norm"]);
+        (g - h).abs() > 1e-6 * g.max(h)
+    });
+    let off_policy = a.metrics[1..]
+        .iter()
+        .any(|m| m["sampling/sampling_logp_difference/max"] > 1e-4);
+    assert!(off_policy, "later batches are sampled by an older policy");
+    assert!(differs, "the correction changed no update");
 }

@@ -966,6 +966,11 @@ pub fn policy_loss_on_device(
 /// penalty in the reward ([`crate::advantages::rloo_advantages`]). The metrics are the
 /// sequence-level clip ratios (`kl` and `phi_seq_mean` 0).
 ///
+/// `importance_weights` `(B, 1)` (sequence-level, from [`importance_weights`] in a sequence
+/// mode) multiply each sequence's term: the off-policy correction of samples drawn by another
+/// or an older policy (TRL's RLOO has none; GRPO's `vllm_importance_sampling_*` applied to
+/// whole sequences).
+///
 /// # Errors
 /// Shapes that disagree.
 pub fn rloo_loss(
@@ -975,6 +980,7 @@ pub fn rloo_loss(
     advantages: &Tensor,
     epsilon_low: f64,
     epsilon_high: f64,
+    importance_weights: Option<&Tensor>,
 ) -> Result<(Tensor, DeviceMetrics)> {
     let dtype = per_token_logps.dtype();
     let mask = completion_mask.to_dtype(dtype)?;
@@ -986,7 +992,17 @@ pub fn rloo_loss(
     let adv = advantages.to_dtype(dtype)?;
     let coef_1 = (&logps - &old)?.exp()?;
     let coef_2 = coef_1.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)?;
-    let per_sequence = (&coef_1 * &adv)?.minimum(&(&coef_2 * &adv)?)?.neg()?;
+    let mut per_sequence = (&coef_1 * &adv)?.minimum(&(&coef_2 * &adv)?)?.neg()?;
+    if let Some(w) = importance_weights {
+        let n = per_sequence.dim(0)?;
+        if w.dims() != [n, 1] {
+            candle_core::bail!(
+                "rloo_loss: importance weights {:?}, expected one per sequence ({n}, 1)",
+                w.dims()
+            );
+        }
+        per_sequence = (per_sequence * w.detach().to_dtype(dtype)?.squeeze(1)?)?;
+    }
     let loss = per_sequence.mean_all()?;
     let c = coef_1.detach();
     let flag = |x: Tensor| x.to_dtype(dtype);

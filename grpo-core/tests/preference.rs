@@ -229,6 +229,7 @@ fn rloo_loss_clips_whole_sequences() {
             &Tensor::new(&adv, &d).unwrap(),
             el,
             eh,
+            None,
         )
         .unwrap()
     };
@@ -270,6 +271,40 @@ fn rloo_loss_clips_whole_sequences() {
             m.clip_ratio_region_mean
         ),
         (0.5, 0.0, 0.5)
+    );
+    // Sequence-level importance weights multiply each sequence's term (and its gradient).
+    let v = Var::from_tensor(&Tensor::new(&lp, &d).unwrap()).unwrap();
+    let w = [0.5f64, 2.0];
+    let (loss, _) = grpo_core::loss::rloo_loss(
+        v.as_tensor(),
+        Some(&Tensor::new(&old, &d).unwrap()),
+        &Tensor::new(&mask, &d).unwrap(),
+        &Tensor::new(&adv, &d).unwrap(),
+        el,
+        eh,
+        Some(&Tensor::new(&[[w[0]], [w[1]]], &d).unwrap()),
+    )
+    .unwrap();
+    let want = -(w[0] * rho[0] * adv[0] + w[1] * rho[1] * adv[1]) / 2.0;
+    assert!((loss.to_scalar::<f64>().unwrap() - want).abs() < 1e-12);
+    let g = grad_of(&loss, &v);
+    assert!(
+        (g[1][0] - (-adv[1] * rho[1] * w[1] / 2.0)).abs() < 1e-12,
+        "{g:?}"
+    );
+    // Token-level weights do not fit a sequence loss.
+    let token_w = Tensor::ones((2, 3), candle_core::DType::F64, &d).unwrap();
+    assert!(
+        grpo_core::loss::rloo_loss(
+            v.as_tensor(),
+            None,
+            &Tensor::new(&mask, &d).unwrap(),
+            &Tensor::new(&adv, &d).unwrap(),
+            el,
+            eh,
+            Some(&token_w),
+        )
+        .is_err()
     );
 }
 

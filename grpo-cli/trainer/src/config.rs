@@ -1451,11 +1451,16 @@ impl TrainConfig {
                         .into(),
                 );
             }
-            if self.pipeline.max_staleness > 0 {
-                return Err(
-                    "RLOO applies no off-policy correction: `pipeline.max_staleness` must be 0"
-                        .into(),
-                );
+            if self.loss.vllm_importance_sampling_correction
+                && !matches!(
+                    self.loss.vllm_importance_sampling_mode,
+                    ImportanceSamplingMode::SequenceMask | ImportanceSamplingMode::SequenceTruncate
+                )
+            {
+                return Err("RLOO's loss is per sequence: its off-policy correction needs \
+                            `loss.vllm_importance_sampling_mode` = \"sequence_mask\" or \
+                            \"sequence_truncate\" (or `vllm_importance_sampling_correction = false`)"
+                    .into());
             }
         }
         let precomputed = match self.algorithm {

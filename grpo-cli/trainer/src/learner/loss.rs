@@ -343,6 +343,8 @@ impl Learner {
             let (loss, policy_part, metrics, stats) = if rloo {
                 // TRL's RLOO: the clipped ratio of whole sequences, no KL term (it is in the
                 // reward), the mean over sequences averaged over micro-batches.
+                // Off-policy samples (staleness, a rollout server, teacher samples): each
+                // sequence weighed by its truncated or masked sampling ratio (sequence modes).
                 let (out, metrics) = rloo_loss(
                     &lp,
                     old[ci].as_ref(),
@@ -350,6 +352,7 @@ impl Learner {
                     &adv,
                     loss_cfg.epsilon_low,
                     loss_cfg.epsilon_high,
+                    is_weights,
                 )?;
                 let policy_part = wide_scalar(&out)?;
                 let zeros = Tensor::zeros(2, DType::F64, &self.device)?;
