@@ -420,6 +420,49 @@ fn resume_is_exact_and_lora_trains_the_head_whole() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("sequence classifier"));
 }
 
+/// An eval split is scored as TRL evaluates a reward model: `eval/loss`, `eval/accuracy`,
+/// `eval/margin`, ... on held-out pairs, without updates; the accuracy rises as the model
+/// learns.
+#[test]
+fn the_eval_split_reports_trls_reward_metrics() {
+    let dir = fixture();
+    let root = dir.path();
+    let text = config_text(root, "eval", "pairs.jsonl", 8, "eval_steps = 4")
+        .replace("[data]\n", "[data]\neval_fraction = 0.25\n");
+    let p = root.join("eval.toml");
+    std::fs::write(&p, text).unwrap();
+    run(
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap(),
+        &RunOptions::default(),
+    );
+    let evals: Vec<serde_json::Value> = std::fs::read_to_string(root.join("eval/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l.get("eval/loss").is_some())
+        .collect();
+    assert_eq!(evals.len(), 2);
+    for k in [
+        "eval/accuracy",
+        "eval/margin",
+        "eval/min_reward",
+        "eval/mean_reward",
+        "eval/max_reward",
+    ] {
+        assert!(
+            evals.iter().all(|e| e[k].as_f64().unwrap().is_finite()),
+            "{k}"
+        );
+    }
+    assert_eq!(
+        evals[1]["eval/accuracy"].as_f64(),
+        Some(1.0),
+        "{:?}",
+        evals[1]
+    );
+    assert!(evals[1]["eval/loss"].as_f64() < evals[0]["eval/loss"].as_f64());
+}
+
 #[test]
 fn the_reward_subcommand() {
     let dir = fixture();
