@@ -49,7 +49,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     anyhow::ensure!(a.new_tokens >= 2, "--new-tokens must be at least 2");
     anyhow::ensure!(a.prompt_len >= 1, "--prompt-len must be at least 1");
     let (device, dtype) = a.place.resolve()?;
-    let m = grpo_rollout::load(&a.model, dtype, &device)?;
+    let m =
+        grpo_rollout::load(&a.model, dtype, &device).and_then(grpo_rollout::LoadedModel::causal)?;
     let vocab = m.model.cfg.vocab_size as u32;
     // Generation: 4 prompts x (batch / 4) samples (the TRL bench shape), EOS suppressed.
     let prompt_ids: Vec<Vec<u32>> = (0..4u32)

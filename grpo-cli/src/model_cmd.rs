@@ -139,6 +139,7 @@ pub fn device(s: &str) -> Result<Device> {
 fn load(args: &ModelArgs) -> Result<grpo_rollout::LoadedModel> {
     let dtype = grpo_cli::parse_dtype_arg(&args.dtype)?;
     let mut m = grpo_rollout::load(&args.model, dtype, &device(&args.device)?)
+        .and_then(grpo_rollout::LoadedModel::causal)
         .with_context(|| format!("--model {}", args.model.display()))?;
     if let Some(dir) = &args.adapter {
         grpo_rollout::lora::load_peft(&mut m.model, dir)

@@ -245,6 +245,7 @@ pub fn start(opts: ServeOptions) -> Result<Server> {
         anyhow::bail!("--max-queue and --max-batch-requests must be >= 1");
     }
     let loaded = grpo_rollout::load(&opts.model, opts.dtype, &opts.device)
+        .and_then(grpo_rollout::LoadedModel::causal)
         .with_context(|| format!("--model {}", opts.model.display()))?;
     let base = Arc::new(loaded.model.for_decoding()?);
     let max_model_len = opts

@@ -483,4 +483,24 @@ fn the_reward_subcommand() {
     assert!(stdout.contains("trained 2 steps; loss"), "{stdout}");
     let metrics = std::fs::read_to_string(root.join("cli/metrics.jsonl")).unwrap();
     assert!(metrics.lines().count() == 2 && metrics.contains("\"accuracy\""));
+    // A reward model scores; it does not generate: one line, exit 2.
+    let rm =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../grpo-rollout/tests/fixtures/tiny-qwen2-rm");
+    for args in [
+        vec!["generate", "--prompt", "hi"],
+        vec!["logprobs", "--prompt", "hi", "--completion", " there"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+            .args(&args)
+            .arg("--model")
+            .arg(&rm)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("sequence classifier") && err.contains("tiny-qwen2-rm"),
+            "{err}"
+        );
+    }
 }

@@ -23,6 +23,21 @@ pub struct LoadedModel {
     pub source: PathBuf,
 }
 
+impl LoadedModel {
+    /// The model, refused when it is a sequence classifier (a reward model has a `score` head,
+    /// no LM head: it scores texts, it does not generate or give token log-probs).
+    pub fn causal(self) -> Result<Self> {
+        if self.model.score.is_some() {
+            bail!(
+                "{}: a sequence classifier (a reward model, *ForSequenceClassification) has no LM \
+                 head: it scores texts (a GRPO run's `reward_model_path`), it does not generate",
+                self.source.display()
+            );
+        }
+        Ok(self)
+    }
+}
+
 fn io_err(path: &Path, e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::msg(format!("{}: {e}", path.display()))
 }
