@@ -75,6 +75,9 @@ enum Command {
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
     /// classifier learns to score each chosen sequence above its rejected one.
     Reward(train_cmd::TrainArgs),
+    /// On-policy distillation (the config's `[distillation]`, TRL's DistillationTrainer): the
+    /// policy samples completions and learns the teacher's next-token distributions on them.
+    Distillation(train_cmd::TrainArgs),
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
@@ -93,6 +96,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
         Some(Command::Rloo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("rloo"))?)),
         Some(Command::Reward(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("reward"))?)),
+        Some(Command::Distillation(a)) => Ok(ExitCode::from(train_cmd::train_as(
+            a,
+            Some("distillation"),
+        )?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
@@ -161,6 +168,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Kto(_)
             | Command::Rloo(_)
             | Command::Reward(_)
+            | Command::Distillation(_)
             | Command::Check(_),
         ) => {
             unreachable!("handled in run")

@@ -84,7 +84,11 @@ pub fn train_as(mut a: TrainArgs, algorithm: Option<&str>) -> Result<u8> {
     };
     let out = setup.cfg.output_dir.clone();
     let r = trainer::run(setup, &opts, &mut trainer::NoCallbacks)?;
-    let key = if r.metrics.iter().any(|m| m.contains_key("reward")) {
+    let key = if r
+        .metrics
+        .iter()
+        .any(|m| m.get("reward").is_some_and(|v| v.is_finite()))
+    {
         "reward"
     } else {
         "loss"

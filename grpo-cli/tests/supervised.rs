@@ -365,13 +365,21 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     drop(s);
     assert_eq!(
         grpo_trainer::list_algorithms(),
-        vec!["dpo", "grpo", "kto", "reward", "rloo", "sft"]
+        vec![
+            "distillation",
+            "dpo",
+            "grpo",
+            "kto",
+            "reward",
+            "rloo",
+            "sft"
+        ]
     );
     assert!(
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of dpo, grpo, kto, reward, rloo, sft")
+            .contains("expected one of distillation, dpo, grpo, kto, reward, rloo, sft")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");

@@ -12,8 +12,9 @@
 //!   sequence mask, high-entropy token mask and entropy bonus), token- or sequence-level importance
 //!   ratios, two-sided clipping, and the KL penalty to a reference model.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
-//! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss and DPO's
-//!   sigmoid preference loss with TRL's metrics.
+//! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss, DPO's and KTO's
+//!   preference losses and the reward model's Bradley-Terry loss, with TRL's metrics;
+//!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD).
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
 //!   and the gradient sink of gradient checkpointing; [`selfcheck`] runs each CUDA kernel set
@@ -67,6 +68,8 @@
 pub mod advantages;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "candle")]
+pub mod distill;
 #[cfg(feature = "candle")]
 pub mod fused;
 #[cfg(feature = "candle")]

@@ -1687,6 +1687,76 @@ impl Transformer {
         Tensor::cat(&out, 0)
     }
 
+    /// The hidden rows `(B·t, H)` that predict the last `t` tokens of each row of a
+    /// left-padded batch (`attention_mask` `(B, L)`), with the graph: what
+    /// [`Self::distill_rows`] takes.
+    pub fn completion_hidden(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        t: usize,
+    ) -> Result<Tensor> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        Ok(self.scored_rows(input_ids, &positions, &bias, t)?.0)
+    }
+
+    /// On-policy distillation (TRL's `DistillationTrainer`): at each hidden row of this model
+    /// (the student, `h` `(N, H)`, with the graph) the divergence of its next-token
+    /// distribution from `teacher`'s at its rows `teacher_h` (`grpo_core::distill`: forward KL
+    /// at `beta` = 0, reverse KL at 1, the generalized JSD between; both at `temperature`), and
+    /// the student's entropy (no gradient); both `(N,)`, f32 (f64 for f64 models). Logits are
+    /// formed a chunk of rows at a time; where the fused path recomputes, a chunk keeps only its
+    /// hidden rows for backward. A teacher with a larger vocabulary is read over the student's
+    /// (the padding rows past it are ignored, as TRL's projection does).
+    pub fn distill_rows(
+        &self,
+        h: &Tensor,
+        teacher: &Transformer,
+        teacher_h: &Tensor,
+        beta: f64,
+        temperature: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let v = self.cfg.vocab_size;
+        if teacher.cfg.vocab_size < v {
+            bail!(
+                "distillation: the teacher's vocabulary ({}) is smaller than the student's ({v})",
+                teacher.cfg.vocab_size
+            );
+        }
+        let total = h.dim(0)?;
+        let rows = grpo_core::logprobs::chunk_rows_on(v, h.device());
+        let (mut divs, mut ents) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        while start < total {
+            let n = rows.min(total - start);
+            let zt = teacher
+                .logits(&teacher_h.narrow(0, start, n)?.detach())?
+                .detach()
+                .narrow(1, 0, v)?;
+            let hc = self.for_head(&h.narrow(0, start, n)?)?;
+            let pair = move |z: &Tensor, zt: &Tensor| -> Result<Tensor> {
+                let zt = zt.to_device(z.device())?;
+                let div = grpo_core::distill::generalized_jsd(z, &zt, beta, temperature)?;
+                let ent = grpo_core::logprobs::entropy_from_logits(&(z.detach() / temperature)?)?
+                    .to_dtype(div.dtype())?;
+                Tensor::stack(&[div, ent], 1)
+            };
+            let out = if grpo_core::fused::path(&hc) == Path::Recompute && !self.decoding {
+                let head = self.head().clone();
+                Recompute::new("distill_head", move |a, _| {
+                    pair(&crate::fused::frozen_linear(&a[0], &a[1])?, &zt)
+                })
+                .apply(&[&hc, &head])?
+            } else {
+                pair(&self.logits(&hc)?, &zt)?
+            };
+            divs.push(out.narrow(1, 0, 1)?.squeeze(1)?);
+            ents.push(out.narrow(1, 1, 1)?.squeeze(1)?.detach());
+            start += n;
+        }
+        Ok((Tensor::cat(&divs, 0)?, Tensor::cat(&ents, 0)?))
+    }
+
     /// The hidden rows `(B·t, H)` that predict the last `t` tokens of each row, those tokens
     /// `(B·t,)`, and `(B, t)`.
     fn scored_rows(

@@ -45,21 +45,34 @@ pub enum Algorithm {
     /// A reward model (TRL's RewardTrainer): a sequence classifier trained on preference
     /// pairs with the Bradley-Terry loss (`[reward]`).
     Reward,
+    /// On-policy distillation (TRL's DistillationTrainer): the policy samples completions and
+    /// learns the teacher's next-token distributions on them (`[distillation]`).
+    Distillation,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 6] = [
+    pub const ALL: [Algorithm; 7] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
         Algorithm::Kto,
         Algorithm::Rloo,
         Algorithm::Reward,
+        Algorithm::Distillation,
     ];
 
-    /// Whether the run generates completions and scores them with rewards (GRPO, RLOO).
+    /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
+    /// on-policy distillation).
     pub fn generates(self) -> bool {
+        matches!(
+            self,
+            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation
+        )
+    }
+
+    /// Whether the run learns from rewards (GRPO, RLOO; distillation only logs them).
+    pub fn learns_from_rewards(self) -> bool {
         matches!(self, Algorithm::Grpo | Algorithm::Rloo)
     }
 
@@ -72,6 +85,7 @@ impl Algorithm {
             Self::Kto => "kto",
             Self::Rloo => "rloo",
             Self::Reward => "reward",
+            Self::Distillation => "distillation",
         }
     }
 }
@@ -85,7 +99,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of dpo, grpo, kto, reward, rloo, sft"
+                    "unknown algorithm `{s}`; expected one of distillation, dpo, grpo, kto, reward, rloo, sft"
                 )
             })
     }
@@ -170,6 +184,36 @@ pub struct TrainConfig {
     pub rloo: RlooSection,
     /// Reward-model training (`algorithm = "reward"`, TRL's RewardConfig).
     pub reward: RewardSection,
+    /// On-policy distillation (`algorithm = "distillation"`, TRL's DistillationConfig).
+    pub distillation: DistillationSection,
+}
+
+/// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
+/// with `[rollout]`'s settings; the loss at each completion token is the divergence of its
+/// next-token distribution from the teacher's (`grpo_core::distill`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DistillationSection {
+    /// The teacher: a Hugging Face directory or a GGUF file with the student's tokenizer.
+    pub teacher_model_name_or_path: Option<PathBuf>,
+    /// 0: forward KL(teacher ‖ student); 1 (the default, as TRL): reverse KL(student ‖
+    /// teacher); between: the generalized JSD with the mixture `(1 − β) student + β teacher`.
+    pub beta: f64,
+    /// Where the teacher runs (default `model.device`).
+    pub teacher_device: Option<DeviceSpec>,
+    /// The teacher's dtype (default the policy's compute dtype).
+    pub teacher_dtype: Option<Dtype>,
+}
+
+impl Default for DistillationSection {
+    fn default() -> Self {
+        Self {
+            teacher_model_name_or_path: None,
+            beta: 1.0,
+            teacher_device: None,
+            teacher_dtype: None,
+        }
+    }
 }
 
 /// `[reward]`: TRL's RewardTrainer. The model (a causal LM gets a fresh `score` head, a
@@ -504,6 +548,7 @@ impl Default for TrainConfig {
             kto: KtoSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
+            distillation: DistillationSection::default(),
         }
     }
 }
@@ -1304,7 +1349,7 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     if cfg.data.path.is_empty() {
         bail!("{source}: `data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)");
     }
-    if cfg.algorithm.generates() && cfg.rewards.is_empty() && cfg.teacher.is_none() {
+    if cfg.algorithm.learns_from_rewards() && cfg.rewards.is_empty() && cfg.teacher.is_none() {
         bail!(
             "{source}: `rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
         );
@@ -1346,7 +1391,8 @@ impl TrainConfig {
         if r.num_generations_eval == Some(0) {
             return Err("`rollout.num_generations_eval` must be >= 1".into());
         }
-        if r.num_generations < 2 {
+        // Distillation trains on each completion alone (TRL samples one per prompt).
+        if r.num_generations < 2 && self.algorithm != Algorithm::Distillation {
             return Err(format!(
                 "`rollout.num_generations` must be >= 2 (a group needs two completions to compare), got {}",
                 r.num_generations
@@ -1519,6 +1565,36 @@ impl TrainConfig {
                 return Err("`loss.use_adaptive_entropy` needs finite `entropy_coef_min` <= `entropy_coef_max` and `entropy_coef_delta`, `entropy_target` >= 0".into());
             }
         }
+        if self.algorithm == Algorithm::Distillation {
+            let d = &self.distillation;
+            if d.teacher_model_name_or_path.is_none() {
+                return Err(
+                    "`distillation.teacher_model_name_or_path` is required (the teacher model)"
+                        .into(),
+                );
+            }
+            if !(0.0..=1.0).contains(&d.beta) {
+                return Err(format!(
+                    "`distillation.beta` must be in [0, 1], got {}",
+                    d.beta
+                ));
+            }
+            if self.reference.beta != 0.0 || self.reference.sync_ref_model {
+                return Err(
+                    "distillation has no reference model: leave `reference.beta` at 0 (its \
+                            divergence is `distillation.beta`)"
+                        .into(),
+                );
+            }
+            if self.teacher.is_some() {
+                return Err(
+                    "`[teacher]` (two-pass teaching) and distillation cannot be combined".into(),
+                );
+            }
+            if self.loss.drop_zero_std_groups {
+                return Err("`loss.drop_zero_std_groups` drops groups by their rewards; distillation trains on every completion".into());
+            }
+        }
         if self.algorithm == Algorithm::Reward {
             if let Some(c) = self.reward.center_rewards_coefficient
                 && !(c >= 0.0 && c.is_finite())
@@ -1605,7 +1681,7 @@ impl TrainConfig {
             }
             if !self.algorithm.generates() {
                 return Err(
-                    "`optim.steps_per_generation` is GRPO's and RLOO's (SFT, DPO and KTO take one update per step)"
+                    "`optim.steps_per_generation` is for runs that generate (GRPO, RLOO, distillation); SFT, DPO, KTO and reward models take one update per step"
                         .into(),
                 );
             }
@@ -1694,7 +1770,7 @@ impl TrainConfig {
     /// `prompts_per_step` rows (SFT, DPO).
     pub fn completions_per_step(&self) -> usize {
         match self.algorithm {
-            Algorithm::Grpo | Algorithm::Rloo => {
+            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation => {
                 self.train.prompts_per_step * self.rollout.num_generations
             }
             Algorithm::Sft | Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward => {

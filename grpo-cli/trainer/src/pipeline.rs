@@ -134,7 +134,8 @@ pub fn run(
         let limit = std::time::Duration::from_secs_f64(setup.cfg.environment.step_timeout);
         setup.environment = Some(Arc::new(grpo_rollout::env::TimeLimited::new(env, limit)));
     }
-    if setup.rewards.is_empty() && setup.environment.is_none() {
+    let needs_reward = setup.cfg.algorithm.learns_from_rewards();
+    if needs_reward && setup.rewards.is_empty() && setup.environment.is_none() {
         bail!(
             "no reward: add [[rewards]] to the config, or a reward function to the trainer (with_reward, or fit with FitOptions::reward)"
         );

@@ -48,6 +48,8 @@ pub struct Setup {
     pub environment: Option<Arc<dyn grpo_rollout::Environment>>,
     /// The local generator's own device (`rollout.device`), when it is not the model's.
     pub rollout_device: Option<Device>,
+    /// On-policy distillation's teacher (`distillation.teacher_model_name_or_path`), frozen.
+    pub distillation_teacher: Option<Transformer>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -437,6 +439,14 @@ pub fn setup_with(
     } else {
         None
     };
+    let distillation_teacher = match cfg.algorithm {
+        Algorithm::Distillation => Some(distillation_teacher(
+            &cfg,
+            &policy.model,
+            &loaded.tokenizer,
+        )?),
+        _ => None,
+    };
     let total_steps = total_steps(&cfg, splits.train.len());
     Ok(Setup {
         device,
@@ -453,8 +463,54 @@ pub fn setup_with(
         policy_scorer,
         environment,
         rollout_device,
+        distillation_teacher,
         cfg,
     })
+}
+
+/// Loads `distillation.teacher_model_name_or_path` on `distillation.teacher_device` (default
+/// the model's) in `distillation.teacher_dtype` (default the compute dtype). It must be a causal
+/// LM whose vocabulary covers the student's; its tokenizer must encode as the student's does
+/// (the completions are the student's tokens).
+fn distillation_teacher(
+    cfg: &TrainConfig,
+    student: &Transformer,
+    tokenizer: &Tokenizer,
+) -> Result<Transformer> {
+    let d = &cfg.distillation;
+    let path = d
+        .teacher_model_name_or_path
+        .as_ref()
+        .context("`distillation.teacher_model_name_or_path` is required")?;
+    let device = match d.teacher_device {
+        Some(spec) if spec != cfg.model.device => spec
+            .device()
+            .map_err(|e| anyhow!("config: `distillation.teacher_device`: {e}"))?,
+        _ => student.device().clone(),
+    };
+    let dtype = d
+        .teacher_dtype
+        .map_or_else(|| cfg.compute_dtype(), |t| t.dtype());
+    let teacher = grpo_rollout::load(path, dtype, &device)
+        .and_then(grpo_rollout::LoadedModel::causal)
+        .map_err(|e| anyhow!("distillation teacher: {}", first_line(&e.to_string())))?;
+    let (tv, sv) = (teacher.model.cfg.vocab_size, student.cfg.vocab_size);
+    if tv < sv {
+        bail!(
+            "distillation teacher {}: its vocabulary has {tv} tokens, the student's {sv}: the two \
+             must share the student's tokenizer",
+            path.display()
+        );
+    }
+    let probe = "The teacher and the student read the same tokens: 12 + 30 = 42.";
+    if teacher.tokenizer.encode(probe, false)? != tokenizer.encode(probe, false)? {
+        bail!(
+            "distillation teacher {}: its tokenizer encodes text differently from the student's \
+             (the teacher scores the student's tokens, so they must share a tokenizer)",
+            path.display()
+        );
+    }
+    Ok(teacher.model)
 }
 
 /// The environment `[environment] type` names, built (`None` without `type`).

@@ -1,6 +1,6 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`], [`RlooTrainer`],
-//! [`RewardTrainer`]) or chosen by name
+//! [`RewardTrainer`], [`DistillationTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -39,6 +39,9 @@ pub struct Rloo;
 /// Reward modelling (`[reward]`, TRL's RewardTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct RewardModeling;
+/// On-policy distillation (`[distillation]`, TRL's DistillationTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Distillation;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -61,6 +64,9 @@ impl TrainerKind for Rloo {
 impl TrainerKind for RewardModeling {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Reward);
 }
+impl TrainerKind for Distillation {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Distillation);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -79,6 +85,9 @@ pub type KtoTrainer = Trainer<Kto>;
 pub type RlooTrainer = Trainer<Rloo>;
 /// A reward-model trainer: a sequence classifier learns to score chosen above rejected.
 pub type RewardTrainer = Trainer<RewardModeling>;
+/// An on-policy distillation trainer: the policy learns a teacher's distributions on its own
+/// samples.
+pub type DistillationTrainer = Trainer<Distillation>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

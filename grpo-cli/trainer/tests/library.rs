@@ -277,7 +277,15 @@ fn tensorboard_scalars_match_the_metrics() {
 fn algorithms_by_name() {
     assert_eq!(
         grpo_trainer::list_algorithms(),
-        ["dpo", "grpo", "kto", "reward", "rloo", "sft"]
+        [
+            "distillation",
+            "dpo",
+            "grpo",
+            "kto",
+            "reward",
+            "rloo",
+            "sft"
+        ]
     );
     assert_eq!(
         grpo_trainer::get_algorithm("sft").unwrap(),

@@ -55,7 +55,7 @@ impl<'a> StepBatch<'a> {
                 let truncated = c.finish_reason == FinishReason::Length
                     && c.token_ids.last().is_none_or(|t| !eos.contains(t));
                 let masked = mask_truncated && truncated;
-                !masked && !s.zero_std[i]
+                !masked && !s.zero_std.get(i).copied().unwrap_or(false)
             })
             .collect();
         let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
@@ -192,7 +192,7 @@ fn widths(prompts: &[&[u32]], completions: &[&[u32]]) -> (usize, usize) {
 
 /// Each prompt left-padded to the longest, each completion right-padded to the longest after
 /// it: ids and attention mask `(B, P + C)`, and `C` (at least 1).
-fn padded_batch(
+pub(crate) fn padded_batch(
     pad: u32,
     prompts: &[&[u32]],
     completions: &[&[u32]],

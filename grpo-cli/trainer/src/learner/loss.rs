@@ -40,6 +40,9 @@ impl Learner {
     /// micro-batches, metrics. Returns the step's metrics.
     pub fn process(&mut self, s: &Scored) -> Result<Metrics> {
         let t0 = Instant::now();
+        if self.cfg.algorithm == Algorithm::Distillation {
+            return self.distill_step(s, t0);
+        }
         let r = &s.rollouts;
         let eos = self.tokenizer.eos_token_ids.clone();
         let batch = StepBatch::new(

@@ -5,11 +5,14 @@
 //!   gradients over the micro-batches);
 //! - [`step`]: the optimizer update (clipping, schedule, AdamW) and the reference sync;
 //! - [`metrics`]: the step's metrics by TRL's names;
-//! - [`supervised`]: the SFT and DPO steps on the same learner.
+//! - [`supervised`]: the SFT, DPO, KTO and reward-model steps on the same learner;
+//! - [`distill`]: on-policy distillation's step (the teacher's distributions on the policy's
+//!   samples).
 //!
 //! Checkpoints of the learner are in [`crate::checkpoint`].
 
 pub mod batch;
+pub mod distill;
 pub mod loss;
 pub mod metrics;
 pub mod step;
@@ -62,6 +65,8 @@ pub struct Learner {
     pub(crate) tokenizer: Tokenizer,
     pub(crate) policy: TrainableModel,
     pub(crate) reference: Option<Transformer>,
+    /// On-policy distillation's frozen teacher.
+    pub(crate) distillation_teacher: Option<Transformer>,
     pub(crate) opt: AdamW,
     pub(crate) schedule: Schedule,
     /// The reward set's weights, in its order (for the reward metrics).
@@ -115,6 +120,7 @@ impl Learner {
             tokenizer: setup.tokenizer.clone(),
             policy: setup.policy.clone(),
             reference: setup.reference.clone(),
+            distillation_teacher: setup.distillation_teacher.clone(),
             opt,
             schedule: Schedule {
                 kind: o.lr_scheduler_type,

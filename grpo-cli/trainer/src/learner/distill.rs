@@ -1,0 +1,110 @@
+//! On-policy distillation's step (TRL 1.16's `DistillationTrainer`): the policy (the student)
+//! sampled the step's completions; at each of their tokens the loss is the divergence of the
+//! student's next-token distribution from the frozen teacher's (`distillation.beta`: forward
+//! KL, reverse KL or the generalized JSD, at `rollout.temperature`), summed over the loss tokens
+//! and divided by the step's loss tokens (per optimizer update), as TRL's
+//! `num_items_in_batch`. Rewards, when the config has any, are scored and logged, not trained
+//! on.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Tensor};
+
+use super::Learner;
+use super::batch::{StepBatch, padded_batch};
+use super::metrics::OffPolicyStats;
+use crate::callbacks::Metrics;
+use crate::optim::accumulate;
+use crate::stages::Scored;
+
+impl Learner {
+    /// One distillation step over the scored completions `s`: for each of `num_iterations`
+    /// passes, the micro-batches' losses and gradients, one optimizer update per
+    /// `steps_per_generation` share; TRL's metrics (`loss`, `entropy`) and the step's
+    /// completion and reward metrics.
+    pub(crate) fn distill_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
+        let r = &s.rollouts;
+        let eos = self.tokenizer.eos_token_ids.clone();
+        // Every sampled token carries loss (TRL masks only padding and environment tokens).
+        let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
+        let teacher = self
+            .distillation_teacher
+            .clone()
+            .context("distillation needs its teacher (distillation.teacher_model_name_or_path)")?;
+        let (beta, temperature) = (self.cfg.distillation.beta, self.cfg.rollout.temperature);
+        let updates = self.cfg.updates_per_step();
+        let per_update = batch.chunks.len().div_ceil(updates).max(1);
+        // TRL divides each micro-batch's summed divergence by the loss tokens of the batch an
+        // update trains on.
+        let denom = (batch.total_tokens as f64 / updates as f64).max(1.0);
+        let pad = self.tokenizer.pad_token_id;
+        let (mut loss_sum, mut ent_sum, mut tok_sum, mut passes) = (0.0, 0.0, 0.0, 0.0f64);
+        let (mut grad_norm, mut lr) = (0.0, 0.0);
+        for _ in 0..self.cfg.optim.num_iterations {
+            for u in 0..updates {
+                let first = (u * per_update).min(batch.chunks.len());
+                let last = ((u + 1) * per_update).min(batch.chunks.len());
+                let mut acc = std::collections::HashMap::new();
+                let mut update_loss = 0.0;
+                for &(a, b) in &batch.chunks[first..last] {
+                    let (ids, mask, c) = padded_batch(
+                        pad,
+                        &batch.prompts[a..b],
+                        &batch.completions[a..b],
+                        &self.device,
+                    )?;
+                    let h = self.policy.model.completion_hidden(&ids, &mask, c)?;
+                    let td = teacher.device();
+                    let th = teacher
+                        .completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, c)?
+                        .detach();
+                    let (div, ent) =
+                        self.policy
+                            .model
+                            .distill_rows(&h, &teacher, &th, beta, temperature)?;
+                    let loss_mask = batch
+                        .mask(a, b, c, &self.device)?
+                        .flatten_all()?
+                        .to_dtype(div.dtype())?;
+                    let loss = ((&div * &loss_mask)?.sum_all()? / denom)?;
+                    let wide = |t: &Tensor| -> Result<f64> {
+                        Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+                    };
+                    update_loss += wide(&loss)?;
+                    ent_sum += wide(&(ent * &loss_mask)?.sum_all()?)?;
+                    tok_sum += wide(&loss_mask.sum_all()?)?;
+                    let grads = self.policy.model.backward(&loss)?;
+                    accumulate(&mut acc, self.opt.vars(), &grads)?;
+                }
+                if !update_loss.is_finite() {
+                    anyhow::bail!(
+                        "non-finite loss ({update_loss}) at step {}",
+                        r.batch.step + 1
+                    );
+                }
+                loss_sum += update_loss;
+                passes += 1.0;
+                (grad_norm, lr) = self.optimizer_step(acc, r.batch.step)?;
+            }
+        }
+        self.state.step = r.batch.step + 1;
+        let mut m = Metrics::new();
+        m.insert("loss".into(), loss_sum / passes.max(1.0));
+        m.insert(
+            "entropy".into(),
+            if tok_sum > 0.0 {
+                ent_sum / tok_sum
+            } else {
+                0.0
+            },
+        );
+        m.insert("grad_norm".into(), grad_norm);
+        m.insert("learning_rate".into(), lr);
+        self.step_metrics(s, &batch, &OffPolicyStats::default(), &mut m);
+        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
+        self.state.position = Some(r.batch.position);
+        self.updating = false;
+        Ok(m)
+    }
+}
