@@ -185,6 +185,37 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         "gradient checkpointing vs plain backward, head dim 64 over 100 positions".into(),
         checkpoint_check(&wide_dev.model, &long_rows).map(|d| (d, tol)),
     );
+    // On-policy distillation: the head-dim-64 model teaches the check model (same vocabulary).
+    push(
+        format!(
+            "distillation divergence (generalized JSD, beta 0.5) and its gradient norm on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let a = distill_check(&cpu.model, &wide_cpu.model, &rows_ids)?;
+            let b = distill_check(&dev.model, &wide_dev.model, &rows_ids)?;
+            Ok((
+                (a.0 - b.0).abs().max((a.1 - b.1).abs() / a.1.max(1e-6)),
+                tol,
+            ))
+        })(),
+    );
+    push(
+        format!(
+            "reward-model scores (score head) on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let refs: Vec<&[u32]> = rows_ids.iter().map(Vec::as_slice).collect();
+            let a = cpu.model.clone().into_sequence_classifier(3)?;
+            let b = dev.model.clone().into_sequence_classifier(3)?;
+            let (x, y) = (
+                a.sequence_scores(&refs, Some(0))?,
+                b.sequence_scores(&refs, Some(0))?,
+            );
+            Ok((max_diff(&x, &y)? / max_abs(&x)?.max(1e-3), tol))
+        })(),
+    );
     push(
         "8 AdamW steps lower the loss".into(),
         training_check(&dev.model, &rows_ids),
@@ -487,6 +518,35 @@ fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
 }
 
 /// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).
+/// The mean distillation divergence of `student` from `teacher` over `rows` (every token after
+/// the first) and the norm of its gradient over the student's weights.
+fn distill_check(
+    student: &Transformer,
+    teacher: &Transformer,
+    rows: &[Vec<u32>],
+) -> Result<(f64, f64)> {
+    let s = grpo_rollout::TrainableModel::full(student)?;
+    let (ids, mask) = padded(rows, student.device())?;
+    let t = ids.dim(1)? - 1;
+    let h = s.model.completion_hidden(&ids, &mask, t)?;
+    let td = teacher.device();
+    let th = teacher.completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, t)?;
+    let (div, _) = s.model.distill_rows(&h, teacher, &th, 0.5, 1.0)?;
+    let loss = div.mean_all()?;
+    let grads = s.model.backward(&loss)?;
+    let mut sq = 0.0;
+    for (_, v) in &s.vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            sq += g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+        }
+    }
+    Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, sq.sqrt()))
+}
+
 fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
     let tm = TrainableModel::full(base)?;
     let params = AdamWParams {
