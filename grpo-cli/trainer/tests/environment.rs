@@ -701,3 +701,32 @@ argv = ["echo", "{{text}}"]
         toml::from_str::<grpo_trainer::config::EnvironmentSection>("type = \"tool\"\n").is_err()
     );
 }
+
+/// On-policy distillation over multi-turn episodes: the student plays the environment, the
+/// teacher's distributions are learnt on the student's turns only (the environment's tokens
+/// carry no loss); the environment's rewards are logged.
+#[test]
+fn distillation_runs_over_multi_turn_episodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let teacher = dir.path().join("teacher");
+    init_model_dir(&teacher, Preset::Tiny, Arch::Qwen2, 11).unwrap();
+    let mut cfg = config(dir.path(), "distill");
+    cfg.algorithm = grpo_trainer::Algorithm::Distillation;
+    cfg.distillation.teacher_model_name_or_path = Some(teacher);
+    let r = grpo_trainer::DistillationTrainer::from_pretrained(&m, cfg)
+        .unwrap()
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(4))
+                .environment(GuessEnv::default())
+                .max_steps(2),
+        )
+        .unwrap();
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite() && m["loss"] > 0.0, "{m:?}");
+        assert!(m["episodes/environment_tokens"] > 0.0, "{m:?}");
+        assert!(m["rewards/env/mean"].is_finite(), "{m:?}");
+    }
+}
