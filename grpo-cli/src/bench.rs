@@ -123,7 +123,7 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
     cfg.rollout.min_completion_length = opts.completion;
     cfg.rollout.max_prompt_length = 0;
     cfg.reference.beta = opts.beta;
-    cfg.optim.learning_rate = 1e-5;
+    cfg.optim.learning_rate = Some(1e-5);
     cfg.train.max_steps = Some(opts.steps);
     cfg.train.prompts_per_step = opts.prompts;
     cfg.train.seed = 0;

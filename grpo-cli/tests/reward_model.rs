@@ -467,7 +467,10 @@ fn the_eval_split_reports_trls_reward_metrics() {
 fn the_reward_subcommand() {
     let dir = fixture();
     let root = dir.path();
-    let text = config_text(root, "cli", "pairs.jsonl", 2, "").replace("algorithm = \"reward\"", "");
+    // No learning rate: TRL RewardConfig's 1e-4, recorded in the run's config.json.
+    let text = config_text(root, "cli", "pairs.jsonl", 2, "")
+        .replace("algorithm = \"reward\"", "")
+        .replace("learning_rate = 1e-2\n", "");
     let p = root.join("cli.toml");
     std::fs::write(&p, text).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
@@ -483,6 +486,10 @@ fn the_reward_subcommand() {
     assert!(stdout.contains("trained 2 steps; loss"), "{stdout}");
     let metrics = std::fs::read_to_string(root.join("cli/metrics.jsonl")).unwrap();
     assert!(metrics.lines().count() == 2 && metrics.contains("\"accuracy\""));
+    let cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("cli/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cj["optim"]["learning_rate"], 1e-4);
     // A reward model scores; it does not generate: one line, exit 2.
     let rm =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../grpo-rollout/tests/fixtures/tiny-qwen2-rm");

@@ -76,6 +76,16 @@ impl Algorithm {
         matches!(self, Algorithm::Grpo | Algorithm::Rloo)
     }
 
+    /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
+    /// RewardConfig 1e-4, the others (GRPO, RLOO, DPO, KTO, distillation) 1e-6.
+    pub fn default_learning_rate(self) -> f64 {
+        match self {
+            Self::Sft => 2e-5,
+            Self::Reward => 1e-4,
+            _ => 1e-6,
+        }
+    }
+
     /// The config's spelling.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -1004,8 +1014,9 @@ impl Default for LossSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct OptimSection {
-    /// Peak learning rate (TRL's default 1e-6).
-    pub learning_rate: f64,
+    /// Peak learning rate; absent: TRL's default for the algorithm
+    /// ([`Algorithm::default_learning_rate`]).
+    pub learning_rate: Option<f64>,
     /// AdamW β1.
     pub adam_beta1: f64,
     /// AdamW β2.
@@ -1041,7 +1052,7 @@ pub struct OptimSection {
 impl Default for OptimSection {
     fn default() -> Self {
         Self {
-            learning_rate: 1e-6,
+            learning_rate: None,
             adam_beta1: 0.9,
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
@@ -1365,6 +1376,13 @@ pub fn load(path: &Path, sets: &[String]) -> Result<TrainConfig> {
 }
 
 impl TrainConfig {
+    /// The peak learning rate: `optim.learning_rate`, else TRL's default for the algorithm.
+    pub fn learning_rate(&self) -> f64 {
+        self.optim
+            .learning_rate
+            .unwrap_or_else(|| self.algorithm.default_learning_rate())
+    }
+
     /// The rewards as grpo-rewards' config.
     pub fn rewards_config(&self) -> RewardsConfig {
         RewardsConfig {
@@ -1629,11 +1647,9 @@ impl TrainConfig {
             }
         }
         let o = &self.optim;
-        if !o.learning_rate.is_finite() || o.learning_rate < 0.0 {
-            return Err(format!(
-                "`optim.learning_rate` must be >= 0, got {}",
-                o.learning_rate
-            ));
+        let lr = self.learning_rate();
+        if !lr.is_finite() || lr < 0.0 {
+            return Err(format!("`optim.learning_rate` must be >= 0, got {lr}"));
         }
         for (k, v) in [("adam_beta1", o.adam_beta1), ("adam_beta2", o.adam_beta2)] {
             if !(0.0..1.0).contains(&v) {
@@ -1645,7 +1661,7 @@ impl TrainConfig {
         }
         crate::optim::Schedule {
             kind: o.lr_scheduler_type,
-            lr: o.learning_rate,
+            lr,
             warmup: usize::from(o.warmup_steps > 0 || o.warmup_ratio > 0.0),
             total: 0,
             kwargs: o.lr_scheduler_kwargs.clone(),
@@ -1892,7 +1908,7 @@ mod tests {
         )
         .unwrap();
         let c = from_tree(t, "c").unwrap();
-        assert_eq!(c.optim.learning_rate, 3e-5);
+        assert_eq!(c.optim.learning_rate, Some(3e-5));
         assert_eq!(c.rollout.stop, vec!["\n".to_string()]);
         assert_eq!(c.output_dir, PathBuf::from("runs/x"));
         assert_eq!(c.model.lora.as_ref().map(|l| l.r), Some(4));

@@ -231,6 +231,9 @@ pub fn setup_with(
     mut cfg: TrainConfig,
     models: impl FnOnce(&Transformer, &Tokenizer) -> Result<grpo_rewards::ScoringModels>,
 ) -> Result<Setup> {
+    // The resolved learning rate (TRL's default for the algorithm when absent) is what the
+    // run directory's config.json records.
+    cfg.optim.learning_rate = Some(cfg.learning_rate());
     cfg.validate().map_err(|e| anyhow!("config: {e}"))?;
     let device = cfg
         .model

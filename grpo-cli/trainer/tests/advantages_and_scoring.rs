@@ -24,7 +24,7 @@ fn config(root: &Path, out: &str, rewards: serde_json::Value) -> TrainConfig {
     c.train.prompts_per_step = 2;
     c.train.save_steps = 1;
     c.train.num_completions_to_print = 1000;
-    c.optim.learning_rate = 5e-2;
+    c.optim.learning_rate = Some(5e-2);
     c.rewards = serde_json::from_value(rewards).unwrap();
     c
 }

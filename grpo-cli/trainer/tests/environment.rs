@@ -39,7 +39,7 @@ fn config(root: &Path, out: &str) -> TrainConfig {
     c.train.per_device_train_batch_size = Some(4);
     c.train.save_steps = 0;
     c.train.num_completions_to_print = 100;
-    c.optim.learning_rate = 1e-3;
+    c.optim.learning_rate = Some(1e-3);
     c.environment.max_turns = 3;
     c.environment.max_total_tokens = Some(80);
     c

@@ -31,7 +31,7 @@ fn config(root: &Path, out: &str) -> TrainConfig {
     c.train.prompts_per_step = 2;
     c.train.per_device_train_batch_size = Some(4);
     c.train.save_steps = 0;
-    c.optim.learning_rate = 1e-3;
+    c.optim.learning_rate = Some(1e-3);
     c
 }
 
@@ -464,4 +464,28 @@ fn evaluation_samples_num_generations_eval_per_prompt() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("num_generations_eval"), "{e}");
+}
+
+/// Without `optim.learning_rate` each algorithm takes its TRL trainer's default, and the run's
+/// resolved config records it; a value given is kept.
+#[test]
+fn learning_rate_defaults_follow_each_trl_trainer() {
+    use grpo_trainer::Algorithm;
+    for (a, want) in [
+        (Algorithm::Grpo, 1e-6),
+        (Algorithm::Rloo, 1e-6),
+        (Algorithm::Sft, 2e-5),
+        (Algorithm::Dpo, 1e-6),
+        (Algorithm::Kto, 1e-6),
+        (Algorithm::Reward, 1e-4),
+        (Algorithm::Distillation, 1e-6),
+    ] {
+        let mut c = TrainConfig {
+            algorithm: a,
+            ..Default::default()
+        };
+        assert_eq!(c.learning_rate(), want, "{a}");
+        c.optim.learning_rate = Some(3e-3);
+        assert_eq!(c.learning_rate(), 3e-3, "{a}");
+    }
 }

@@ -124,7 +124,7 @@ impl Learner {
             opt,
             schedule: Schedule {
                 kind: o.lr_scheduler_type,
-                lr: o.learning_rate,
+                lr: setup.cfg.learning_rate(),
                 warmup,
                 total: total_updates,
                 kwargs: o.lr_scheduler_kwargs.clone(),
