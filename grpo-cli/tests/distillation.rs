@@ -211,6 +211,41 @@ fn lora_checkpointing_and_staleness_run() {
     assert!(ck.join("adapter/adapter_model.safetensors").exists());
 }
 
+/// An eval split reports the divergence from the teacher on the policy's samples of held-out
+/// prompts (`eval/loss`, per token) and the student's entropy, without updates; distilled from
+/// itself the student's eval loss is 0.
+#[test]
+fn the_eval_split_reports_the_divergence() {
+    let f = fixture();
+    let mut cfg = load(&f.root, "eval", "teacher", 4, "");
+    cfg.data.eval_fraction = Some(0.25);
+    cfg.train.eval_steps = 2;
+    run(cfg, RunOptions::default());
+    let evals: Vec<serde_json::Value> = std::fs::read_to_string(f.root.join("eval/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l.get("eval/loss").is_some())
+        .collect();
+    assert_eq!(evals.len(), 2);
+    for e in &evals {
+        assert!(e["eval/loss"].as_f64().unwrap() > 0.0, "{e}");
+        assert!(e["eval/entropy"].as_f64().unwrap() > 0.0, "{e}");
+    }
+    let mut cfg = load(&f.root, "eval-self", "student", 1, "");
+    cfg.data.eval_fraction = Some(0.25);
+    cfg.train.eval_steps = 1;
+    cfg.optim.learning_rate = Some(0.0);
+    run(cfg, RunOptions::default());
+    let line = std::fs::read_to_string(f.root.join("eval-self/metrics.jsonl")).unwrap();
+    let e: serde_json::Value = line
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|l| l.get("eval/loss").is_some())
+        .unwrap();
+    assert!(e["eval/loss"].as_f64().unwrap().abs() < 1e-7, "{e}");
+}
+
 #[test]
 fn what_distillation_cannot_take_is_refused_in_one_line() {
     let f = fixture();

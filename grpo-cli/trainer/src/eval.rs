@@ -1,5 +1,6 @@
 //! Evaluation of a GRPO policy: mean rewards on the eval split, sampled with the current
-//! policy (SFT and DPO evaluate in [`crate::learner::supervised`]).
+//! policy, and for distillation the divergence from the teacher on those samples (SFT, DPO,
+//! KTO and reward models evaluate in [`crate::learner::supervised`]).
 
 use std::collections::BTreeMap;
 
@@ -27,6 +28,9 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     };
     let mut stream = SampleStream::new(eval.clone(), sc).map_err(|e| anyhow!("eval data: {e}"))?;
     let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    // Distillation: the divergence and the student's entropy per loss token over the split.
+    let distill = setup.cfg.algorithm == crate::config::Algorithm::Distillation;
+    let (mut div, mut ent, mut tokens) = (0.0, 0.0, 0.0);
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("eval data: {e}"))? {
         let batch = PromptBatch {
             step: usize::MAX / 2,
@@ -35,6 +39,10 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
         };
         let r = generator.process(batch)?;
         let s = scorer.process(r)?;
+        if distill {
+            let (d, e, t) = learner.distill_eval(&s)?;
+            (div, ent, tokens) = (div + d, ent + e, tokens + t);
+        }
         for (i, name) in s.scores.names.iter().enumerate() {
             for v in s.scores.per_function[i].iter().flatten() {
                 let e = sums
@@ -54,6 +62,10 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
         .into_iter()
         .map(|(k, (s, c))| (k, s / c.max(1.0)))
         .collect();
+    if distill {
+        m.insert("eval/loss".into(), div / tokens.max(1.0));
+        m.insert("eval/entropy".into(), ent / tokens.max(1.0));
+    }
     if let Some(a) = m.get("eval/rewards/accuracy/mean").copied() {
         m.insert("eval/accuracy".into(), a);
     }

@@ -32,13 +32,11 @@ impl Learner {
             .distillation_teacher
             .clone()
             .context("distillation needs its teacher (distillation.teacher_model_name_or_path)")?;
-        let (beta, temperature) = (self.cfg.distillation.beta, self.cfg.rollout.temperature);
         let updates = self.cfg.updates_per_step();
         let per_update = batch.chunks.len().div_ceil(updates).max(1);
         // TRL divides each micro-batch's summed divergence by the loss tokens of the batch an
         // update trains on.
         let denom = (batch.total_tokens as f64 / updates as f64).max(1.0);
-        let pad = self.tokenizer.pad_token_id;
         let (mut loss_sum, mut ent_sum, mut tok_sum, mut passes) = (0.0, 0.0, 0.0, 0.0f64);
         let (mut grad_norm, mut lr) = (0.0, 0.0);
         for _ in 0..self.cfg.optim.num_iterations {
@@ -48,32 +46,11 @@ impl Learner {
                 let mut acc = std::collections::HashMap::new();
                 let mut update_loss = 0.0;
                 for &(a, b) in &batch.chunks[first..last] {
-                    let (ids, mask, c) = padded_batch(
-                        pad,
-                        &batch.prompts[a..b],
-                        &batch.completions[a..b],
-                        &self.device,
-                    )?;
-                    let h = self.policy.model.completion_hidden(&ids, &mask, c)?;
-                    let td = teacher.device();
-                    let th = teacher
-                        .completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, c)?
-                        .detach();
-                    let (div, ent) =
-                        self.policy
-                            .model
-                            .distill_rows(&h, &teacher, &th, beta, temperature)?;
-                    let loss_mask = batch
-                        .mask(a, b, c, &self.device)?
-                        .flatten_all()?
-                        .to_dtype(div.dtype())?;
-                    let loss = ((&div * &loss_mask)?.sum_all()? / denom)?;
-                    let wide = |t: &Tensor| -> Result<f64> {
-                        Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
-                    };
-                    update_loss += wide(&loss)?;
-                    ent_sum += wide(&(ent * &loss_mask)?.sum_all()?)?;
-                    tok_sum += wide(&loss_mask.sum_all()?)?;
+                    let part = self.distill_part(&self.policy.model, &teacher, &batch, a, b)?;
+                    let loss = (part.divergence / denom)?;
+                    update_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    ent_sum += part.entropy;
+                    tok_sum += part.tokens;
                     let grads = self.policy.model.backward(&loss)?;
                     accumulate(&mut acc, self.opt.vars(), &grads)?;
                 }
@@ -107,4 +84,66 @@ impl Learner {
         self.updating = false;
         Ok(m)
     }
+
+    /// The summed divergence (with `model`'s graph) of micro-batch `[a, b)` of `batch`, its
+    /// summed student entropy and its loss tokens.
+    fn distill_part(
+        &self,
+        model: &grpo_rollout::Transformer,
+        teacher: &grpo_rollout::Transformer,
+        batch: &StepBatch<'_>,
+        a: usize,
+        b: usize,
+    ) -> Result<DistillPart> {
+        let (beta, temperature) = (self.cfg.distillation.beta, self.cfg.rollout.temperature);
+        let (ids, mask, c) = padded_batch(
+            self.tokenizer.pad_token_id,
+            &batch.prompts[a..b],
+            &batch.completions[a..b],
+            &self.device,
+        )?;
+        let h = model.completion_hidden(&ids, &mask, c)?;
+        let td = teacher.device();
+        let th = teacher
+            .completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, c)?
+            .detach();
+        let (div, ent) = model.distill_rows(&h, teacher, &th, beta, temperature)?;
+        let loss_mask = batch
+            .mask(a, b, c, &self.device)?
+            .flatten_all()?
+            .to_dtype(div.dtype())?;
+        let wide = |t: Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+        Ok(DistillPart {
+            divergence: (&div * &loss_mask)?.sum_all()?,
+            entropy: wide((ent * &loss_mask)?.sum_all()?)?,
+            tokens: wide(loss_mask.sum_all()?)?,
+        })
+    }
+
+    /// Evaluation: the summed divergence, student entropy and loss tokens of scored
+    /// completions `s` under the current policy, without gradients.
+    pub(crate) fn distill_eval(&self, s: &Scored) -> Result<(f64, f64, f64)> {
+        let teacher = self
+            .distillation_teacher
+            .as_ref()
+            .context("distillation needs its teacher")?;
+        let eos = self.tokenizer.eos_token_ids.clone();
+        let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
+        let model = self.policy.model.detached();
+        let (mut div, mut ent, mut tok) = (0.0, 0.0, 0.0);
+        for &(a, b) in &batch.chunks {
+            let p = self.distill_part(&model, teacher, &batch, a, b)?;
+            div += p.divergence.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            ent += p.entropy;
+            tok += p.tokens;
+        }
+        Ok((div, ent, tok))
+    }
+}
+
+/// One micro-batch's share of a distillation step.
+struct DistillPart {
+    divergence: Tensor,
+    entropy: f64,
+    tokens: f64,
 }
