@@ -95,6 +95,10 @@ pub struct ModelConfig {
     /// hidden)` in place of the LM head ([`crate::Transformer::score`]).
     #[serde(default)]
     pub sequence_classification: bool,
+    /// transformers' `initializer_range` (the std of new weights, e.g. a reward model's fresh
+    /// `score` head); `None`: not in the config (0.02, transformers' default, is used).
+    #[serde(default)]
+    pub initializer_range: Option<f64>,
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
@@ -226,6 +230,7 @@ impl ModelConfig {
                         .filter_map(Value::as_str)
                         .any(|a| a.ends_with("ForSequenceClassification"))
                 }),
+            initializer_range: v.get("initializer_range").and_then(Value::as_f64),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -305,6 +310,9 @@ impl ModelConfig {
                     "original_max_position_embeddings": s.original_max_position_embeddings,
                 }),
             );
+        }
+        if let Some(r) = self.initializer_range {
+            obj.insert("initializer_range".into(), r.into());
         }
         if self.sequence_classification {
             // transformers' `num_labels = 1`, as its configs save it.

@@ -195,6 +195,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             .collect(),
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
         sequence_classification: false,
+        initializer_range: None,
     };
     cfg.validate()?;
     Ok(cfg)

@@ -198,6 +198,7 @@ pub fn preset_config(
         eos_token_ids: vec![eos],
         pad_token_id: Some(pad),
         sequence_classification: false,
+        initializer_range: None,
     }
 }
 

@@ -1540,8 +1540,9 @@ impl Transformer {
 
     /// The model as a sequence classifier with one label (a reward model), as transformers'
     /// `AutoModelForSequenceClassification.from_pretrained(causal_lm, num_labels=1)` makes it:
-    /// the LM head dropped, a new `score` head `(1, hidden)` drawn from N(0, 0.02²)
-    /// (transformers' default `initializer_range`) with `seed`, in the model's dtype and device.
+    /// the LM head dropped, a new `score` head `(1, hidden)` drawn from N(0, r²) with `r` the
+    /// config's `initializer_range` (transformers' default 0.02 when absent) and `seed`, in the
+    /// model's dtype and device.
     /// A classifier is returned unchanged.
     pub fn into_sequence_classifier(mut self, seed: u64) -> Result<Self> {
         use rand::SeedableRng;
@@ -1551,7 +1552,8 @@ impl Transformer {
         }
         let h = self.cfg.hidden_size;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let normal = rand_distr::Normal::new(0.0f32, 0.02)
+        let std = self.cfg.initializer_range.unwrap_or(0.02) as f32;
+        let normal = rand_distr::Normal::new(0.0f32, std)
             .map_err(|e| candle_core::Error::msg(e.to_string()))?;
         let w: Vec<f32> = (0..h).map(|_| normal.sample(&mut rng)).collect();
         let score = Tensor::from_vec(w, (1, h), self.device())?.to_dtype(self.dtype())?;

@@ -122,6 +122,20 @@ fn a_causal_lm_becomes_a_classifier_that_trains_saves_and_loads() {
     assert_eq!(w.len(), h);
     let std = (w.iter().map(|x| x * x).sum::<f32>() / h as f32).sqrt();
     assert!((0.01..0.03).contains(&std), "N(0, 0.02²) head, std {std}");
+    // The config's `initializer_range` (SmolLM2's is 1/24) sets the head's spread.
+    let mut wide = base.model.clone();
+    wide.cfg.initializer_range = Some(0.2);
+    let w2: Vec<f32> = wide
+        .into_sequence_classifier(11)
+        .unwrap()
+        .score
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let std2 = (w2.iter().map(|x| x * x).sum::<f32>() / h as f32).sqrt();
+    assert!((0.1..0.3).contains(&std2), "N(0, 0.2²) head, std {std2}");
     // Seeded: the same seed, the same head; another, another.
     let again = base.model.clone().into_sequence_classifier(11).unwrap();
     assert_eq!(

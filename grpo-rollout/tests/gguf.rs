@@ -684,6 +684,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         eos_token_ids: vec![],
         pad_token_id: None,
         sequence_classification: false,
+        initializer_range: None,
     };
     let inv = grpo_rollout::model::rope_inv_freq(&cfg);
     for ((got, f), r) in inv.iter().zip(&freqs).zip(&factors) {
