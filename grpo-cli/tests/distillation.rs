@@ -278,6 +278,25 @@ fn what_distillation_cannot_take_is_refused_in_one_line() {
     assert!(e.contains("teacher_model_name_or_path"), "{e}");
 }
 
+/// A distillation config without `rollout.num_generations` samples one completion per prompt,
+/// as TRL's DistillationTrainer; a value given is kept; GRPO keeps its group of 8.
+#[test]
+fn one_completion_per_prompt_unless_the_config_says_otherwise() {
+    let f = fixture();
+    let text = config_text(&f.root, "one", "teacher", 1, "").replace("num_generations = 2\n", "");
+    let p = f.root.join("one.toml");
+    std::fs::write(&p, &text).unwrap();
+    assert_eq!(config::load(&p, &[]).unwrap().rollout.num_generations, 1);
+    let given = load(&f.root, "two", "teacher", 1, "");
+    assert_eq!(given.rollout.num_generations, 2);
+    let grpo = text.replace("algorithm = \"distillation\"", "").replace(
+        "[distillation]",
+        "[[rewards]]\ntype = \"accuracy\"\n[distillation]",
+    );
+    std::fs::write(&p, grpo).unwrap();
+    assert_eq!(config::load(&p, &[]).unwrap().rollout.num_generations, 8);
+}
+
 #[test]
 fn the_distillation_subcommand() {
     let f = fixture();

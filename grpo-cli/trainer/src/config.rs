@@ -1331,11 +1331,19 @@ pub fn closest_key(unknown: &str) -> Option<String> {
 
 /// Deserializes the tree, refusing unknown keys with a suggestion, then validates.
 pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
+    // TRL's DistillationTrainer samples one completion per prompt: a distillation config
+    // without `rollout.num_generations` takes 1, not GRPO's group of 8.
+    let distill_generations = tree.get("algorithm").and_then(Value::as_str)
+        == Some(Algorithm::Distillation.as_str())
+        && tree
+            .get("rollout")
+            .and_then(|r| r.get("num_generations"))
+            .is_none();
     let mut unknown: Vec<String> = Vec::new();
     let mut note = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
     // serde_path_to_error names the section of a type or missing-field error
     // (`model.lora: missing field `lora_alpha``).
-    let cfg: TrainConfig =
+    let mut cfg: TrainConfig =
         serde_path_to_error::deserialize(serde_ignored::Deserializer::new(tree, &mut note))
             .map_err(|e| {
                 let path = e.path().to_string();
@@ -1353,6 +1361,9 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
             .map(|k| format!(" (did you mean `{k}`?)"))
             .unwrap_or_default();
         bail!("{source}: unknown key `{key}`{hint}");
+    }
+    if distill_generations {
+        cfg.rollout.num_generations = 1;
     }
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
