@@ -193,6 +193,29 @@ fn rewards_are_logged_not_trained_on_and_resume_is_exact() {
     assert_eq!(joined, all);
 }
 
+/// Gradient checkpointing recomputes each layer in backward: the same steps as the plain run.
+#[test]
+fn gradient_checkpointing_gives_the_same_steps() {
+    let f = fixture();
+    let plain = run(
+        load(&f.root, "plain", "teacher", 2, ""),
+        RunOptions::default(),
+    );
+    let mut cfg = load(&f.root, "ckpt", "teacher", 2, "");
+    cfg.train.gradient_checkpointing = true;
+    let ckpt = run(cfg, RunOptions::default());
+    for (a, b) in plain.metrics.iter().zip(&ckpt.metrics) {
+        for k in ["loss", "grad_norm"] {
+            assert!(
+                (a[k] - b[k]).abs() <= 1e-6 * a[k].abs().max(1.0),
+                "{k}: {} vs {}",
+                a[k],
+                b[k]
+            );
+        }
+    }
+}
+
 /// LoRA adapters on the student, gradient checkpointing and a one-step-stale pipeline.
 #[test]
 fn lora_checkpointing_and_staleness_run() {

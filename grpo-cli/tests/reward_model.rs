@@ -463,6 +463,38 @@ fn the_eval_split_reports_trls_reward_metrics() {
     assert!(evals[1]["eval/loss"].as_f64() < evals[0]["eval/loss"].as_f64());
 }
 
+/// Gradient checkpointing recomputes each layer in backward: the same losses and gradient
+/// norms as the plain run.
+#[test]
+fn gradient_checkpointing_gives_the_same_steps() {
+    let dir = fixture();
+    let root = dir.path();
+    let plain = run(
+        setup(root, "plain", "pairs.jsonl", 3, ""),
+        &RunOptions::default(),
+    );
+    let ckpt = run(
+        setup(
+            root,
+            "ckpt",
+            "pairs.jsonl",
+            3,
+            "gradient_checkpointing = true",
+        ),
+        &RunOptions::default(),
+    );
+    for (a, b) in plain.metrics.iter().zip(&ckpt.metrics) {
+        for k in ["loss", "grad_norm", "accuracy"] {
+            assert!(
+                (a[k] - b[k]).abs() <= 1e-6 * a[k].abs().max(1.0),
+                "{k}: {} vs {}",
+                a[k],
+                b[k]
+            );
+        }
+    }
+}
+
 #[test]
 fn the_reward_subcommand() {
     let dir = fixture();
