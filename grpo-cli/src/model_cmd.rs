@@ -397,6 +397,18 @@ pub fn export(a: ExportArgs) -> Result<()> {
         };
         let mut m = grpo_rollout::load(&base, DType::F32, &dev)
             .with_context(|| format!("base model {}", base.display()))?;
+        // The run's `model.chat_template_path` (its template, and a model directory's added
+        // tokens, which the adapter's trainable tokens may index) applies to the base again.
+        let run_cfg: Option<serde_json::Value> = std::fs::read_to_string(ck.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        if let Some(p) = run_cfg
+            .as_ref()
+            .and_then(|v| v["model"]["chat_template_path"].as_str())
+        {
+            m.clone_chat_template(std::path::Path::new(p))
+                .with_context(|| format!("the run's model.chat_template_path {p}"))?;
+        }
         grpo_rollout::lora::load_peft(&mut m.model, &ck.join("adapter"))
             .with_context(|| format!("{}", ck.join("adapter").display()))?;
         (grpo_rollout::lora::merge(&m.model)?, m.tokenizer)

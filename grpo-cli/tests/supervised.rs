@@ -1094,19 +1094,90 @@ fn chat_template_path_adds_a_directorys_missing_tokens() {
         m.tokenizer.inner.token_to_id("<extra_id_0>"),
         Some(before.vocab_size() as u32 + 4)
     );
-    // LoRA would leave the new rows untrained: refused, naming the tokens.
+    // With LoRA the added tokens' rows are trained as TRL trains them (PEFT's
+    // trainable_token_indices): saved in the adapter, and `export --format merged` replays the
+    // run's chat_template_path on the base before merging.
     let lora = "[model.lora]\nr = 2\nlora_alpha = 4\ntarget_modules = [\"q_proj\"]\n";
-    let text = config_text(dir.path(), "clone-lora", "sft", 1, "").replace(
-        "[model]\n",
-        &format!("[model]\nchat_template_path = \"{}\"\n", source.display()),
-    ) + lora;
+    let text = config_text(dir.path(), "clone-lora", "sft", 2, "")
+        .replace("sft.jsonl", "chat.jsonl")
+        .replace("[data]\n", "[data]\nprompt_field = \"messages\"\n")
+        .replace(
+            "[model]\n",
+            &format!("[model]\nchat_template_path = \"{}\"\n", source.display()),
+        )
+        + lora;
     let p = dir.path().join("clone-lora.toml");
     std::fs::write(&p, text).unwrap();
-    let e = format!(
-        "{:#}",
-        trainer::setup(config::load(&p, &[]).unwrap()).unwrap_err()
+    let s = trainer::setup(config::load(&p, &[]).unwrap()).unwrap();
+    let ids = s
+        .cfg
+        .model
+        .lora
+        .as_ref()
+        .unwrap()
+        .trainable_token_indices
+        .clone()
+        .unwrap();
+    let ids = ids.embedding().unwrap();
+    assert_eq!(
+        ids.len(),
+        n - before.vocab_size(),
+        "the four added tokens and the fillers"
     );
-    assert!(e.contains("<|eot|>") && e.contains("LoRA"), "{e}");
+    assert!(ids.contains(&eot));
+    assert!(
+        s.policy
+            .vars
+            .iter()
+            .any(|(k, _)| k == grpo_rollout::lora::TOKENS_KEY)
+    );
+    let r = run(s, &RunOptions::default());
+    let ck = r.best_checkpoint_path.unwrap();
+    let ac: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ck.join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        ac["trainable_token_indices"]["embed_tokens"]
+            .as_array()
+            .unwrap()
+            .len()
+            == ids.len()
+    );
+    let out = dir.path().join("clone-merged");
+    let o = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args(["export", "--checkpoint"])
+        .arg(&ck)
+        .args(["--format", "merged", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let merged =
+        grpo_rollout::load(&out, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(merged.model.cfg.vocab_size, n);
+    assert_eq!(merged.tokenizer.inner.token_to_id("<|eot|>"), Some(eot));
+    // <|eot|> ends every assistant turn: its row moved away from the mean it started at.
+    let rows = merged
+        .model
+        .embed_tokens
+        .narrow(0, 0, before.vocab_size())
+        .unwrap();
+    let mean = rows.mean_keepdim(0).unwrap();
+    let row = merged
+        .model
+        .embed_tokens
+        .narrow(0, eot as usize, 1)
+        .unwrap();
+    let moved = (row - mean)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(moved > 1e-4, "{moved}");
 }
 
 /// Tokenisation as TRL 1.16's SFT and DPO trainers do it: plain text is tokenised as one

@@ -24,6 +24,22 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
+    /// TRL's `chat_template_path`: a Jinja file's template; or a model directory's template and
+    /// EOS with TRL's `clone_chat_template` — the directory's tokens this vocabulary lacks
+    /// added, the embeddings resized to the vocabulary rounded up to a multiple of 64 (new rows
+    /// at the mean of the old ones), the rounding filled with `<extra_id_N>` tokens. Returns
+    /// the ids of every token added (fillers included: TRL trains them all with LoRA's
+    /// `trainable_token_indices`).
+    pub fn clone_chat_template(&mut self, path: &Path) -> Result<Vec<u32>> {
+        let mut added = self.tokenizer.set_chat_template_from(path)?;
+        if path.is_dir() {
+            let n = self.tokenizer.vocab_size().div_ceil(64) * 64;
+            self.model.resize_token_embeddings(n)?;
+            added.extend(self.tokenizer.pad_vocab_to(n));
+        }
+        Ok(added)
+    }
+
     /// The model, refused when it is a sequence classifier (a reward model has a `score` head,
     /// no LM head: it scores texts, it does not generate or give token log-probs).
     pub fn causal(self) -> Result<Self> {

@@ -106,6 +106,46 @@ pub struct LoraConfig {
     /// Only these decoder layers get adapters (all when unset).
     #[serde(default)]
     pub layers_to_transform: Option<Layers>,
+    /// PEFT's trainable tokens: these token ids' embedding rows are trained beside the
+    /// adapters (a list, or `{embed_tokens = [...]}`; with a tied head its rows too). TRL sets
+    /// it for the tokens `chat_template_path` adds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable_token_indices: Option<TokenIndices>,
+}
+
+/// `trainable_token_indices`: PEFT's list (the embedding's) or map by layer name (only
+/// `embed_tokens` here).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIndices {
+    /// The embedding's token ids.
+    List(Vec<u32>),
+    /// Token ids by layer name.
+    ByLayer(BTreeMap<String, Vec<u32>>),
+}
+
+impl TokenIndices {
+    /// The embedding's token ids, in order, without repeats; a layer other than the embedding is
+    /// an error.
+    pub fn embedding(&self) -> Result<Vec<u32>> {
+        let raw = match self {
+            Self::List(v) => v.clone(),
+            Self::ByLayer(m) => {
+                let mut out = Vec::new();
+                for (k, v) in m {
+                    if k.rsplit('.').next() != Some("embed_tokens") {
+                        bail!(
+                            "lora.trainable_token_indices: `{k}`: only the embedding (`embed_tokens`) takes trainable tokens here"
+                        );
+                    }
+                    out.extend(v);
+                }
+                out
+            }
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        Ok(raw.into_iter().filter(|i| seen.insert(*i)).collect())
+    }
 }
 
 impl Default for LoraConfig {
@@ -123,6 +163,7 @@ impl Default for LoraConfig {
             rank_pattern: BTreeMap::new(),
             alpha_pattern: BTreeMap::new(),
             layers_to_transform: None,
+            trainable_token_indices: None,
         }
     }
 }
@@ -554,6 +595,10 @@ fn visit(
             }
         }
     }
+    // PEFT's trainable tokens of the embedding (tied to the head when it is).
+    if let Some(d) = model.token_delta.as_mut() {
+        f(TOKENS_KEY.to_string(), &mut d.delta)?;
+    }
     // A sequence classifier's head is trained whole beside the adapters (PEFT's
     // `modules_to_save = ["score"]`, as TRL advises for reward models).
     if let Some(s) = model.score.as_mut() {
@@ -564,6 +609,10 @@ fn visit(
 
 /// The PEFT key of a sequence classifier's `score` head, trained whole (`modules_to_save`).
 pub const SCORE_KEY: &str = "base_model.model.score.weight";
+
+/// The PEFT key of the embedding's trainable tokens (`trainable_token_indices`).
+pub const TOKENS_KEY: &str =
+    "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta";
 
 /// Adds fresh adapters to `model` as PEFT initialises them: `A` Kaiming-uniform (bound
 /// `1/sqrt(in)`), `B` and `lora_B`'s bias zero, DoRA's magnitude the row norms of `W`, so the
@@ -622,6 +671,22 @@ pub fn attach(
             "lora.target_modules: no module of the model matches (with exclude_modules and layers_to_transform)"
         );
     }
+    // Trainable tokens start at their rows of the embedding (PEFT copies them).
+    model.token_delta = match &cfg.trainable_token_indices {
+        None => None,
+        Some(t) => {
+            let indices = t.embedding()?;
+            let v = model.cfg.vocab_size as u32;
+            if let Some(bad) = indices.iter().find(|&&i| i >= v) {
+                bail!(
+                    "lora.trainable_token_indices: token {bad} is outside the vocabulary ({v} tokens)"
+                );
+            }
+            let idx = Tensor::from_vec(indices.clone(), indices.len(), model.device())?;
+            let delta = model.embed_tokens.detach().index_select(&idx, 0)?.copy()?;
+            Some(crate::model::TokenDelta { indices, delta })
+        }
+    };
     Ok(factors(model, cfg))
 }
 
@@ -665,6 +730,7 @@ pub fn factors(model: &Transformer, cfg: &LoraConfig) -> Vec<(String, Tensor)> {
 /// [`Lora::merged`]) and removes the adapters.
 pub fn merge(model: &Transformer) -> Result<Transformer> {
     let mut m = model.detached();
+    m.merge_token_delta()?;
     for (i, layer) in m.layers.iter_mut().enumerate() {
         for name in TARGET_MODULES {
             let Some((group, lin)) = module(layer, name) else {
@@ -698,6 +764,7 @@ pub fn save_peft(
     };
     let classifier = model.score.is_some();
     let config = serde_json::json!({
+        "trainable_token_indices": cfg.trainable_token_indices,
         "peft_type": "LORA",
         "task_type": if classifier { "SEQ_CLS" } else { "CAUSAL_LM" },
         "base_model_name_or_path": base_model,
@@ -811,6 +878,11 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
             "rank_pattern" => cfg.rank_pattern = parse(&p, k, x)?,
             "alpha_pattern" => cfg.alpha_pattern = parse(&p, k, x)?,
             "layers_to_transform" => cfg.layers_to_transform = Some(parse(&p, k, x)?),
+            "trainable_token_indices" => {
+                let t: TokenIndices = parse(&p, k, x)?;
+                t.embedding().map_err(|e| bad(k, &e.to_string()))?;
+                cfg.trainable_token_indices = Some(t);
+            }
             "layers_pattern" => {
                 let ok = match x {
                     serde_json::Value::String(s) => s == "layers",

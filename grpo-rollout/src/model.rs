@@ -753,6 +753,10 @@ pub struct Transformer {
     /// A sequence classifier's (reward model's) `score` head `(1, hidden)`, in place of the LM
     /// head (`cfg.sequence_classification`): see [`Self::sequence_scores`].
     pub score: Option<Tensor>,
+    /// PEFT's trainable tokens (a LoRA config's `trainable_token_indices`): embedding rows
+    /// replaced by values of their own, trained beside the adapters (and, with a tied head,
+    /// the head's rows too). See [`Self::embedding_weight`].
+    pub token_delta: Option<TokenDelta>,
     /// Set by [`Self::for_decoding`]: few-row logits are computed as `W · hᵀ` (the head's
     /// rows against the hidden states), which candle's gemm runs up to 2x faster than `h · Wᵀ`
     /// for a wide head.
@@ -864,6 +868,17 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
 
 /// Weights needed by name, in transformers' naming (`model.layers.0.self_attn.q_proj.weight`).
 pub type WeightMap = HashMap<String, Tensor>;
+
+/// PEFT's `TrainableTokensLayer` on the embedding: the rows `indices` of the embedding weight
+/// read from `delta` `(indices, hidden)` instead (PEFT's `trainable_tokens_delta`, which holds
+/// the rows' values, not a difference).
+#[derive(Debug, Clone)]
+pub struct TokenDelta {
+    /// The token ids whose rows are trained.
+    pub indices: Vec<u32>,
+    /// Their rows `(indices.len(), hidden)`.
+    pub delta: Tensor,
+}
 
 impl Transformer {
     /// Builds the model from a map of transformers-named weights. Every tensor is converted to
@@ -1017,6 +1032,7 @@ impl Transformer {
             norm: norm("model.norm.weight", h)?,
             lm_head,
             score,
+            token_delta: None,
             decoding: false,
             checkpointing: None,
             rope_cos,
@@ -1124,6 +1140,16 @@ impl Transformer {
             norm: norm(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(f).transpose()?,
             score: self.score.as_ref().map(f).transpose()?,
+            token_delta: self
+                .token_delta
+                .as_ref()
+                .map(|d| -> Result<TokenDelta> {
+                    Ok(TokenDelta {
+                        indices: d.indices.clone(),
+                        delta: f(&d.delta)?,
+                    })
+                })
+                .transpose()?,
             decoding: false,
             checkpointing: None,
             rope_cos: self.rope_cos.clone(),
@@ -1181,6 +1207,7 @@ impl Transformer {
     /// once, not at every policy update.
     pub fn for_decoding_reusing(&self, prev: Option<&Transformer>) -> Result<Self> {
         let mut m = self.detached();
+        m.merge_token_delta()?;
         m.pack_projections()?;
         if !self.device().is_cpu() {
             return Ok(m);
@@ -1238,6 +1265,7 @@ impl Transformer {
     /// frozen reference, as TRL gets it from peft's `disable_adapter()`, at no memory cost.
     pub fn without_adapters(&self) -> Self {
         let mut m = self.detached();
+        m.token_delta = None;
         for l in m.layers.iter_mut() {
             for lin in l.linears_mut() {
                 lin.lora = None;
@@ -1354,7 +1382,41 @@ impl Transformer {
         self.embed_tokens.device()
     }
 
-    /// Output head weight `(vocab, hidden)`.
+    /// The embedding weight `(vocab, hidden)` the forward reads: with trainable tokens
+    /// ([`TokenDelta`]) their rows replaced by the trained values (PEFT's `index_copy`; the
+    /// gradient reaches the trained rows only).
+    pub fn embedding_weight(&self) -> Result<Tensor> {
+        let Some(d) = &self.token_delta else {
+            return Ok(self.embed_tokens.clone());
+        };
+        let n = d.indices.len();
+        let idx = Tensor::from_vec(d.indices.clone(), n, self.embed_tokens.device())?;
+        let base = self.embed_tokens.detach();
+        let old = base.index_select(&idx, 0)?;
+        base.index_add(&idx, &(d.delta.to_dtype(base.dtype())? - old)?, 0)
+    }
+
+    /// The output head weight the forward reads: the LM head, or the embedding it is tied to
+    /// with its trainable tokens ([`Self::embedding_weight`]; PEFT ties them to the head too).
+    pub fn head_weight(&self) -> Result<Tensor> {
+        match &self.lm_head {
+            Some(h) => Ok(h.clone()),
+            None => self.embedding_weight(),
+        }
+    }
+
+    /// Folds trainable tokens ([`TokenDelta`]) into the embedding (PEFT's merge): the same
+    /// model without them.
+    pub fn merge_token_delta(&mut self) -> Result<()> {
+        if self.token_delta.is_some() {
+            self.embed_tokens = self.embedding_weight()?.detach();
+            self.token_delta = None;
+        }
+        Ok(())
+    }
+
+    /// Output head weight `(vocab, hidden)` as stored (without trainable tokens; the forward
+    /// reads [`Self::head_weight`]).
     pub fn head(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
@@ -1427,7 +1489,7 @@ impl Transformer {
 
         // The residual stream as rows `(B·L, H)`: the projections need no reshape.
         let mut x = self
-            .embed_tokens
+            .embedding_weight()?
             .index_select(&input_ids.flatten_all()?, 0)?;
         if x.dtype() != dtype {
             // A tied head cast to f32 (`cast_head_to_f32`): lookups keep the model's dtype.
@@ -1487,13 +1549,11 @@ impl Transformer {
     /// Logits `(N, V)` of hidden states `(N, H)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let hidden = &self.for_head(hidden)?;
+        let head = self.head_weight()?;
         if self.decoding && hidden.dim(0)? <= DECODE_ROWS {
-            self.head()
-                .matmul(&hidden.t()?.contiguous()?)?
-                .t()?
-                .contiguous()
+            head.matmul(&hidden.t()?.contiguous()?)?.t()?.contiguous()
         } else {
-            crate::fused::frozen_linear(hidden, self.head())
+            crate::fused::frozen_linear(hidden, &head)
         }
     }
 
@@ -1727,6 +1787,7 @@ impl Transformer {
         }
         let total = h.dim(0)?;
         let rows = grpo_core::logprobs::chunk_rows_on(v, h.device());
+        let head_w = self.head_weight()?;
         let (mut divs, mut ents) = (Vec::new(), Vec::new());
         let mut start = 0;
         while start < total {
@@ -1744,7 +1805,7 @@ impl Transformer {
                 Tensor::stack(&[div, ent], 1)
             };
             let out = if grpo_core::fused::path(&hc) == Path::Recompute && !self.decoding {
-                let head = self.head().clone();
+                let head = head_w.clone();
                 Recompute::new("distill_head", move |a, _| {
                     pair(&crate::fused::frozen_linear(&a[0], &a[1])?, &zt)
                 })
@@ -1792,6 +1853,7 @@ impl Transformer {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let total = h.dim(0)?;
         let rows = grpo_core::logprobs::chunk_rows_on(self.cfg.vocab_size, h.device());
+        let head_w = self.head_weight()?;
         let mut lps = Vec::new();
         let mut ents = Vec::new();
         let mut start = 0;
@@ -1802,7 +1864,7 @@ impl Transformer {
             if grpo_core::fused::path(&hc) == Path::Recompute && !self.decoding {
                 // Head, log-softmax and entropy as one node that keeps only the hidden rows:
                 // no (rows, vocab) logits, in any dtype, are stored for backward.
-                let head = self.head().clone();
+                let head = head_w.clone();
                 let out = Recompute::new("head_logprobs", move |a, _| {
                     head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy)
                 })

@@ -178,7 +178,10 @@ fn unsupported_peft_options_are_refused_by_name() {
             "target_parameters",
             serde_json::json!(["mlp.experts.gate_up_proj"]),
         ),
-        ("trainable_token_indices", serde_json::json!([3, 4])),
+        (
+            "trainable_token_indices",
+            serde_json::json!({"lm_head": [3, 4]}),
+        ),
         ("alora_invocation_tokens", serde_json::json!([7])),
         ("use_bdlora", serde_json::json!({"nblocks": 2})),
         ("a_future_option", serde_json::json!(1)),

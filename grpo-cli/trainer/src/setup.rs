@@ -320,32 +320,29 @@ pub fn setup_with(
         ),
         _ => {}
     }
-    if let Some(p) = &cfg.model.chat_template_path {
+    if let Some(p) = cfg.model.chat_template_path.clone() {
         let added = loaded
-            .tokenizer
-            .set_chat_template_from(p)
+            .clone_chat_template(&p)
             .map_err(|e| anyhow!("`model.chat_template_path`: {e}"))?;
-        if p.is_dir() {
-            // TRL's `clone_chat_template`: the embeddings resized to the vocabulary rounded up
-            // to a multiple of 64 (new rows at the mean of the old ones), the rounding filled
-            // with `<extra_id_N>` tokens.
-            let n = loaded.tokenizer.vocab_size().div_ceil(64) * 64;
-            loaded.model.resize_token_embeddings(n)?;
-            loaded.tokenizer.pad_vocab_to(n);
-            if !added.is_empty() && cfg.model.lora.is_some() {
-                let names: Vec<String> = added
+        // With LoRA the added tokens' rows are trained as TRL trains them: PEFT's
+        // `trainable_token_indices` on the embedding (extended, when the config has some).
+        if let (false, Some(l)) = (added.is_empty(), cfg.model.lora.as_mut()) {
+            let mut ids = match &l.trainable_token_indices {
+                Some(t) => t
+                    .embedding()
+                    .map_err(|e| anyhow!("config: model.lora.{e}"))?,
+                None => Vec::new(),
+            };
+            ids.extend(
+                added
                     .iter()
-                    .filter_map(|&id| loaded.tokenizer.inner.id_to_token(id))
-                    .collect();
-                bail!(
-                    "`model.chat_template_path`: {} adds tokens this model lacks ({}); with LoRA \
-                     their new embeddings would stay untrained (TRL trains them through PEFT's \
-                     `trainable_token_indices`, not built here): train without LoRA, or give a \
-                     Jinja template written with this model's tokens",
-                    p.display(),
-                    names.join(", ")
-                );
-            }
+                    .filter(|i| !ids.contains(i))
+                    .copied()
+                    .collect::<Vec<_>>(),
+            );
+            l.trainable_token_indices = Some(grpo_rollout::lora::TokenIndices::ByLayer(
+                [("embed_tokens".to_string(), ids)].into(),
+            ));
         }
     }
     if cfg.model.cast_lm_head_to_fp32 {
