@@ -128,3 +128,45 @@ fn trainable_tokens_train_save_load_merge_and_decode() {
     let bad = TokenIndices::ByLayer([("lm_head".to_string(), vec![1])].into());
     assert!(bad.embedding().unwrap_err().to_string().contains("lm_head"));
 }
+
+/// An adapter PEFT 0.21 wrote (`scripts/gen_trainers_reference.py`: LoRA on q_proj and v_proj
+/// with `trainable_token_indices = [3, 7]`, every trained tensor random) gives PEFT's logits,
+/// adapted and merged.
+#[test]
+fn a_peft_adapter_with_trainable_tokens_gives_pefts_logits() {
+    let fix = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fix.join("trainers_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let p = &r["peft"];
+    let dev = Device::Cpu;
+    let mut m = grpo_rollout::load(&fix.join("bench-qwen2-micro"), DType::F32, &dev)
+        .unwrap()
+        .model;
+    let cfg = lora::load_peft(&mut m, &fix.join("peft-trainable-tokens")).unwrap();
+    assert_eq!(
+        cfg.trainable_token_indices,
+        Some(TokenIndices::List(vec![3, 7]))
+    );
+    let rows: Vec<Vec<u32>> = serde_json::from_value(p["rows"].clone()).unwrap();
+    let (b, l) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, l), &dev).unwrap();
+    let mask = Tensor::ones((b, l), DType::U32, &dev).unwrap();
+    let logits = |m: &grpo_rollout::Transformer| {
+        let h = m.forward_padded(&ids, &mask).unwrap();
+        m.logits(&h.reshape((b * l, m.cfg.hidden_size)).unwrap())
+            .unwrap()
+            .reshape((b, l, m.cfg.vocab_size))
+            .unwrap()
+    };
+    let want = |k: &str| {
+        let v: Vec<Vec<Vec<f32>>> = serde_json::from_value(p[k].clone()).unwrap();
+        Tensor::new(v, &dev).unwrap()
+    };
+    let d = max_diff(&logits(&m), &want("logits"));
+    assert!(d < 1e-4, "adapted: max |ours - PEFT| = {d}");
+    let merged = lora::merge(&m).unwrap();
+    let d = max_diff(&logits(&merged), &want("merged_logits"));
+    assert!(d < 1e-4, "merged: max |ours - PEFT| = {d}");
+}

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Reference values from TRL 1.16, transformers and PEFT for the reward-model trainer, the
+distillation divergence and PEFT's trainable tokens (grpo-cli/tests/trl_reference.rs,
+grpo-rollout/tests/trainable_tokens.rs).
+
+    python3 -m venv /tmp/tfvenv
+    /tmp/tfvenv/bin/pip install torch trl==1.16.0 peft accelerate datasets
+    /tmp/tfvenv/bin/python scripts/gen_trainers_reference.py
+
+Writes, under grpo-rollout/tests/fixtures/:
+  * micro-teacher/: a second random Qwen2ForCausalLM with bench-qwen2-micro's config and
+    tokenizer (seed 11), the teacher of the distillation reference.
+  * peft-trainable-tokens/: a PEFT LoRA adapter (q_proj, v_proj, r 2) with
+    `trainable_token_indices = [3, 7]` on bench-qwen2-micro, its factors and token rows set to
+    seeded random values.
+  * trainers_reference.json:
+    - "reward": TRL's RewardTrainer on tiny-qwen2-rm (a Qwen2ForSequenceClassification,
+      pad_token_id 0) over reward_pairs.jsonl (4 pairs, one batch per step, AdamW lr 1e-3
+      constant, max_grad_norm 1, 3 steps): each step's loss, accuracy, margin, min/mean/max
+      reward, num_tokens and grad_norm as TRL logs them;
+    - "distill": TRL's `_chunked_divergence_loss` (the DistillationTrainer's loss) between
+      bench-qwen2-micro (student) and micro-teacher on fixed rows (left-padded prompts, right
+      padded completions), for several beta and temperatures: the mean divergence over the
+      completion tokens and the student's mean entropy;
+    - "peft": the adapted model's logits (PEFT, eager attention) on fixed rows, and after
+      `merge_and_unload`.
+"""
+import json
+import os
+import shutil
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from trl import RewardConfig, RewardTrainer
+from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIX = os.path.join(HERE, "..", "grpo-rollout", "tests", "fixtures")
+LM = os.path.join(FIX, "bench-qwen2-micro")
+RM = os.path.join(FIX, "tiny-qwen2-rm")
+TEACHER = os.path.join(FIX, "micro-teacher")
+ADAPTER = os.path.join(FIX, "peft-trainable-tokens")
+
+PAIRS = [
+    {"prompt": "What is 2 + 2?", "chosen": " The answer is 4.", "rejected": " Five.", "margin": 0.5},
+    {"prompt": "Name a colour:", "chosen": " blue", "rejected": " a number", "margin": 0.0},
+    {"prompt": "Say hi.", "chosen": " Hello there!", "rejected": " no", "margin": 1.0},
+    {"prompt": "Count:", "chosen": " one two three", "rejected": " three", "margin": 0.25},
+]
+
+
+def reward_reference(out_dir):
+    with open(os.path.join(FIX, "reward_pairs.jsonl"), "w") as f:
+        for p in PAIRS:
+            f.write(json.dumps(p) + "\n")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(RM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(RM)
+    args = RewardConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        dataloader_drop_last=False,
+    )
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm"]
+    steps = [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    return steps
+
+
+def distill_reference():
+    torch.manual_seed(11)
+    cfg = AutoModelForCausalLM.from_pretrained(LM).config
+    teacher = AutoModelForCausalLM.from_config(cfg)
+    if os.path.exists(TEACHER):
+        shutil.rmtree(TEACHER)
+    teacher.save_pretrained(TEACHER)
+    tok = AutoTokenizer.from_pretrained(LM)
+    tok.save_pretrained(TEACHER)
+    student = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    teacher = AutoModelForCausalLM.from_pretrained(TEACHER, dtype=torch.float32, attn_implementation="eager")
+    rows = [([5, 9, 12], [33, 7, 2]), ([8, 3, 20, 11, 44], [40, 12])]
+    p = max(len(a) for a, _ in rows)
+    c = max(len(b) for _, b in rows)
+    ids, att, cmask = [], [], []
+    for a, b in rows:
+        ids.append([0] * (p - len(a)) + a + b + [0] * (c - len(b)))
+        att.append([0] * (p - len(a)) + [1] * (len(a) + len(b)) + [0] * (c - len(b)))
+        cmask.append([1] * len(b) + [0] * (c - len(b)))
+    ids, att, cmask = torch.tensor(ids), torch.tensor(att), torch.tensor(cmask)
+
+    def hidden(m):
+        out = m.model(input_ids=ids, attention_mask=att)
+        return out.last_hidden_state[:, p - 1 : p + c - 1, :]
+
+    cases = []
+    for beta, t in [(0.0, 1.0), (1.0, 1.0), (0.5, 1.0), (0.25, 0.7)]:
+        with torch.no_grad():
+            loss, ent, n = _chunked_divergence_loss(
+                hidden(student),
+                hidden(teacher),
+                student.lm_head.weight,
+                teacher.lm_head.weight,
+                cmask,
+                beta,
+                temperature=t,
+            )
+        cases.append({"beta": beta, "temperature": t, "loss": float(loss), "entropy": float(ent / n)})
+    return {"rows": [[a, b] for a, b in rows], "cases": cases}
+
+
+def peft_reference():
+    torch.manual_seed(5)
+    base = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], trainable_token_indices=[3, 7])
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, prm in model.named_parameters():
+            if prm.requires_grad:
+                prm.copy_(torch.randn_like(prm) * 0.3)
+    if os.path.exists(ADAPTER):
+        shutil.rmtree(ADAPTER)
+    model.save_pretrained(ADAPTER)
+    # Keep the fixture small and free of this machine's paths.
+    os.remove(os.path.join(ADAPTER, "README.md"))
+    cfg_path = os.path.join(ADAPTER, "adapter_config.json")
+    with open(cfg_path) as f:
+        adapter_cfg = json.load(f)
+    adapter_cfg["base_model_name_or_path"] = "bench-qwen2-micro"
+    with open(cfg_path, "w") as f:
+        json.dump(adapter_cfg, f, indent=2)
+    rows = [[5, 3, 12, 40, 11], [7, 9, 2, 3, 1]]
+    ids = torch.tensor(rows)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    base2 = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    merged = PeftModel.from_pretrained(base2, ADAPTER).merge_and_unload()
+    with torch.no_grad():
+        merged_logits = merged(input_ids=ids).logits
+    return {"rows": rows, "logits": logits.tolist(), "merged_logits": merged_logits.tolist()}
+
+
+def main():
+    out = {
+        "reward": reward_reference("/tmp/trl-reward-ref"),
+        "distill": distill_reference(),
+        "peft": peft_reference(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "trl": __import__("trl").__version__,
+            "peft": __import__("peft").__version__,
+        },
+    }
+    with open(os.path.join(FIX, "trainers_reference.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps({k: out[k] for k in ["reward", "versions"]}, indent=1))
+    print(json.dumps(out["distill"]["cases"]))
+
+
+if __name__ == "__main__":
+    main()
