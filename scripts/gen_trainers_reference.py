@@ -33,7 +33,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import RewardConfig, RewardTrainer
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,6 +80,62 @@ def reward_reference(out_dir):
     keys = ["loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm"]
     steps = [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
     return steps
+
+
+SFT_ROWS = [
+    {"prompt": "What is 2 + 2?", "completion": " The answer is 4."},
+    {"prompt": "Name a colour:", "completion": " blue"},
+    {"prompt": "Say hi.", "completion": " Hello there!"},
+    {"prompt": "Count:", "completion": " one two three"},
+]
+
+
+def common_args(cls, out_dir, **kw):
+    return cls(
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        **kw,
+    )
+
+
+def sft_reference(out_dir):
+    """TRL's SFTTrainer on bench-qwen2-micro over sft_rows.jsonl (prompt/completion, the loss
+    on the completion tokens), 3 steps of one batch."""
+    with open(os.path.join(FIX, "sft_rows.jsonl"), "w") as f:
+        for r in SFT_ROWS:
+            f.write(json.dumps(r) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(LM)
+    args = common_args(SFTConfig, out_dir)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(SFT_ROWS), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "grad_norm", "num_tokens"]
+    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
+def dpo_reference(out_dir):
+    """TRL's DPOTrainer (sigmoid, beta 0.1) on bench-qwen2-micro over reward_pairs.jsonl's
+    prompt/chosen/rejected, the reference a frozen copy, 3 steps of one batch."""
+    rows = [{k: p[k] for k in ["prompt", "chosen", "rejected"]} for p in PAIRS]
+    model = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(LM)
+    args = common_args(DPOConfig, out_dir, beta=0.1)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]
+    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
 def distill_reference():
@@ -158,6 +214,8 @@ def peft_reference():
 def main():
     out = {
         "reward": reward_reference("/tmp/trl-reward-ref"),
+        "sft": sft_reference("/tmp/trl-sft-ref"),
+        "dpo": dpo_reference("/tmp/trl-dpo-ref"),
         "distill": distill_reference(),
         "peft": peft_reference(),
         "versions": {
@@ -169,7 +227,7 @@ def main():
     }
     with open(os.path.join(FIX, "trainers_reference.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: out[k] for k in ["reward", "versions"]}, indent=1))
+    print(json.dumps({k: out[k] for k in ["reward", "sft", "dpo", "versions"]}, indent=1))
     print(json.dumps(out["distill"]["cases"]))
 
 
