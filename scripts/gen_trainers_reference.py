@@ -33,7 +33,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,6 +138,30 @@ def dpo_reference(out_dir):
     return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
+KTO_ROWS = [
+    {"prompt": "What is 2 + 2?", "completion": " The answer is 4.", "label": True},
+    {"prompt": "Name a colour:", "completion": " a number", "label": False},
+    {"prompt": "Say hi.", "completion": " Hello there!", "label": True},
+    {"prompt": "Count:", "completion": " three", "label": False},
+]
+
+
+def kto_reference(out_dir):
+    """TRL's KTOTrainer (kto loss, beta 0.1, its default sequential order: each row's KL
+    completion is the row before it's) on bench-qwen2-micro over kto_rows.jsonl, 3 steps of
+    one batch."""
+    with open(os.path.join(FIX, "kto_rows.jsonl"), "w") as f:
+        for r in KTO_ROWS:
+            f.write(json.dumps(r) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(LM)
+    args = common_args(KTOConfig, out_dir, beta=0.1)
+    trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(KTO_ROWS), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"]
+    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
 def distill_reference():
     torch.manual_seed(11)
     cfg = AutoModelForCausalLM.from_pretrained(LM).config
@@ -216,6 +240,7 @@ def main():
         "reward": reward_reference("/tmp/trl-reward-ref"),
         "sft": sft_reference("/tmp/trl-sft-ref"),
         "dpo": dpo_reference("/tmp/trl-dpo-ref"),
+        "kto": kto_reference("/tmp/trl-kto-ref"),
         "distill": distill_reference(),
         "peft": peft_reference(),
         "versions": {
@@ -227,7 +252,7 @@ def main():
     }
     with open(os.path.join(FIX, "trainers_reference.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: out[k] for k in ["reward", "sft", "dpo", "versions"]}, indent=1))
+    print(json.dumps({k: out[k] for k in ["reward", "sft", "dpo", "kto", "versions"]}, indent=1))
     print(json.dumps(out["distill"]["cases"]))
 
 

@@ -100,3 +100,25 @@ fn three_dpo_steps_match_trls_dpo_trainer() {
         ],
     );
 }
+
+/// KTO in TRL's default order (`train_sampling_strategy = "sequential"`: each row's KL
+/// completion is the completion of the row before it), which is ours for KTO too
+/// (`train.shuffle_dataset` absent).
+#[test]
+fn three_kto_steps_match_trls_kto_trainer() {
+    let ours = run("kto", "kto_rows.jsonl", "[kto]\nbeta = 0.1\n");
+    compare(
+        &ours,
+        &reference()["kto"],
+        &[
+            "loss",
+            "grad_norm",
+            "kl",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "logps/chosen",
+            "logps/rejected",
+        ],
+    );
+}

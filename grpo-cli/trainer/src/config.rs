@@ -1109,8 +1109,10 @@ pub struct TrainSection {
     /// TensorBoard's log directory (TRL's name); empty = `OUTPUT_DIR/runs`.
     pub logging_dir: String,
     /// Shuffle the training rows (TRL's name; seeded by `seed`); `false` reads them in file
-    /// order, epoch after epoch.
-    pub shuffle_dataset: bool,
+    /// order, epoch after epoch. Absent: TRL's default of the algorithm — shuffled, but KTO's
+    /// rows in file order (its `train_sampling_strategy = "sequential"`: each row's KL
+    /// completion is its predecessor's). See [`TrainConfig::shuffles`].
+    pub shuffle_dataset: Option<bool>,
     /// Train without dropout (TRL's name): the model has none of its own; this zeroes LoRA's
     /// `lora_dropout` while training (the saved adapter config keeps its value). Absent: TRL's
     /// default of the algorithm, on for DPO, off for GRPO and SFT.
@@ -1135,7 +1137,7 @@ impl Default for TrainSection {
             bf16: false,
             report_to: Vec::new(),
             logging_dir: String::new(),
-            shuffle_dataset: true,
+            shuffle_dataset: None,
             disable_dropout: None,
         }
     }
@@ -1387,6 +1389,14 @@ pub fn load(path: &Path, sets: &[String]) -> Result<TrainConfig> {
 }
 
 impl TrainConfig {
+    /// Whether the training rows are shuffled: `train.shuffle_dataset`, else TRL's default
+    /// (KTO reads its rows in order, every other trainer shuffles).
+    pub fn shuffles(&self) -> bool {
+        self.train
+            .shuffle_dataset
+            .unwrap_or(self.algorithm != Algorithm::Kto)
+    }
+
     /// The peak learning rate: `optim.learning_rate`, else TRL's default for the algorithm.
     pub fn learning_rate(&self) -> f64 {
         self.optim

@@ -19,7 +19,7 @@ impl Loader {
     pub fn new(setup: &Setup, start_step: usize, position: Option<Position>) -> Result<Self> {
         let sc = StreamConfig {
             seed: setup.cfg.train.seed,
-            shuffle: setup.cfg.train.shuffle_dataset,
+            shuffle: setup.cfg.shuffles(),
             batch_size: setup.cfg.train.prompts_per_step,
             epochs: None,
             ..Default::default()
