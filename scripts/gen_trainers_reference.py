@@ -125,6 +125,31 @@ def sft_reference(out_dir):
     return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]},
+    {"messages": [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."},
+                  {"role": "user", "content": "Bye."}, {"role": "assistant", "content": "See you."}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Colour?"},
+                  {"role": "assistant", "content": "Blue."}]},
+    {"messages": [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "one two three"}]},
+]
+
+
+def sft_chat_reference(out_dir):
+    """TRL's SFTTrainer on conversations (`messages`, rendered by the chat template, every token
+    trained: TRL's default), 3 steps of one batch."""
+    with open(os.path.join(FIX, "sft_chat.jsonl"), "w") as f:
+        for r in CHAT_ROWS:
+            f.write(json.dumps(r) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(LM)
+    args = common_args(SFTConfig, out_dir)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHAT_ROWS), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "grad_norm", "num_tokens"]
+    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
 def dpo_reference(out_dir):
     """TRL's DPOTrainer (sigmoid, beta 0.1) on bench-qwen2-micro over reward_pairs.jsonl's
     prompt/chosen/rejected, the reference a frozen copy, 3 steps of one batch."""
@@ -239,6 +264,7 @@ def main():
     out = {
         "reward": reward_reference("/tmp/trl-reward-ref"),
         "sft": sft_reference("/tmp/trl-sft-ref"),
+        "sft_chat": sft_chat_reference("/tmp/trl-sft-chat-ref"),
         "dpo": dpo_reference("/tmp/trl-dpo-ref"),
         "kto": kto_reference("/tmp/trl-kto-ref"),
         "distill": distill_reference(),
@@ -252,7 +278,7 @@ def main():
     }
     with open(os.path.join(FIX, "trainers_reference.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: out[k] for k in ["reward", "sft", "dpo", "kto", "versions"]}, indent=1))
+    print(json.dumps({k: out[k] for k in ["reward", "sft", "sft_chat", "dpo", "kto", "versions"]}, indent=1))
     print(json.dumps(out["distill"]["cases"]))
 
 

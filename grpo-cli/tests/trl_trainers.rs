@@ -82,6 +82,18 @@ fn three_sft_steps_match_trls_sft_trainer() {
     );
 }
 
+/// Conversations (a `messages` column, found without naming it), rendered by the model's chat
+/// template and trained on every token: TRL's default.
+#[test]
+fn three_sft_steps_on_conversations_match_trls_sft_trainer() {
+    let ours = run("sft", "sft_chat.jsonl", "");
+    compare(
+        &ours,
+        &reference()["sft_chat"],
+        &["loss", "grad_norm", "num_tokens"],
+    );
+}
+
 #[test]
 fn three_dpo_steps_match_trls_dpo_trainer() {
     let ours = run("dpo", "reward_pairs.jsonl", "[dpo]\nbeta = 0.1\n");
