@@ -51,45 +51,6 @@ PAIRS = [
 ]
 
 
-def reward_reference(out_dir):
-    with open(os.path.join(FIX, "reward_pairs.jsonl"), "w") as f:
-        for p in PAIRS:
-            f.write(json.dumps(p) + "\n")
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(RM, dtype=torch.float32, attn_implementation="eager")
-    tok = AutoTokenizer.from_pretrained(RM)
-    args = RewardConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=4,
-        max_steps=3,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-        dataloader_drop_last=False,
-    )
-    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
-    trainer.train()
-    keys = ["loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm"]
-    steps = [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
-    return steps
-
-
-SFT_ROWS = [
-    {"prompt": "What is 2 + 2?", "completion": " The answer is 4."},
-    {"prompt": "Name a colour:", "completion": " blue"},
-    {"prompt": "Say hi.", "completion": " Hello there!"},
-    {"prompt": "Count:", "completion": " one two three"},
-]
-
-
 def common_args(cls, out_dir, **kw):
     return cls(
         output_dir=out_dir,
@@ -108,6 +69,29 @@ def common_args(cls, out_dir, **kw):
         seed=0,
         **kw,
     )
+
+
+def reward_reference(out_dir):
+    with open(os.path.join(FIX, "reward_pairs.jsonl"), "w") as f:
+        for p in PAIRS:
+            f.write(json.dumps(p) + "\n")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(RM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(RM)
+    args = common_args(RewardConfig, out_dir)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm"]
+    steps = [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    return steps
+
+
+SFT_ROWS = [
+    {"prompt": "What is 2 + 2?", "completion": " The answer is 4."},
+    {"prompt": "Name a colour:", "completion": " blue"},
+    {"prompt": "Say hi.", "completion": " Hello there!"},
+    {"prompt": "Count:", "completion": " one two three"},
+]
 
 
 def sft_reference(out_dir):

@@ -1,4 +1,5 @@
-//! SFT and DPO against TRL 1.16's SFTTrainer and DPOTrainer themselves
+//! SFT, DPO, KTO and reward models against TRL 1.16's SFTTrainer, DPOTrainer, KTOTrainer and
+//! RewardTrainer themselves
 //! (`scripts/gen_trainers_reference.py`, transformers 5.24, torch on the CPU): the same tiny
 //! model (`bench-qwen2-micro`) and rows, one batch per step, AdamW at 1e-3 with gradients
 //! clipped at 1; each of 3 steps' metrics equal within 1e-4 — the first from the same weights,
@@ -21,8 +22,9 @@ fn reference() -> serde_json::Value {
     .unwrap()
 }
 
-/// Runs `algorithm` for 3 steps on `data` with TRL's settings of the reference run.
-fn run(algorithm: &str, data: &str, extra: &str) -> Vec<grpo_trainer::Metrics> {
+/// Runs `algorithm` for 3 steps on `model` (a fixture) and `data` with TRL's settings of the
+/// reference run.
+fn run_on(model: &str, algorithm: &str, data: &str, extra: &str) -> Vec<grpo_trainer::Metrics> {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
         r#"
@@ -46,7 +48,7 @@ save_steps = 0
 {extra}
 "#,
         out = dir.path().join("run").display(),
-        model = fixtures().join("bench-qwen2-micro").display(),
+        model = fixtures().join(model).display(),
         data = fixtures().join(data).display(),
     );
     let p = dir.path().join("run.toml");
@@ -55,6 +57,10 @@ save_steps = 0
     trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks)
         .unwrap()
         .metrics
+}
+
+fn run(algorithm: &str, data: &str, extra: &str) -> Vec<grpo_trainer::Metrics> {
+    run_on("bench-qwen2-micro", algorithm, data, extra)
 }
 
 fn compare(ours: &[grpo_trainer::Metrics], trl: &serde_json::Value, keys: &[&str]) {
@@ -131,6 +137,27 @@ fn three_kto_steps_match_trls_kto_trainer() {
             "rewards/margins",
             "logps/chosen",
             "logps/rejected",
+        ],
+    );
+}
+
+/// Reward modelling on transformers' tiny Qwen2ForSequenceClassification (`tiny-qwen2-rm`),
+/// the pairs with margins: loss, accuracy, margin, reward range, token count, gradient norm.
+#[test]
+fn three_reward_model_steps_match_trls_reward_trainer() {
+    let ours = run_on("tiny-qwen2-rm", "reward", "reward_pairs.jsonl", "");
+    compare(
+        &ours,
+        &reference()["reward"],
+        &[
+            "loss",
+            "accuracy",
+            "margin",
+            "min_reward",
+            "mean_reward",
+            "max_reward",
+            "num_tokens",
+            "grad_norm",
         ],
     );
 }
