@@ -529,3 +529,35 @@ fn reward_model_config_trains_a_classifier_on_its_pairs() {
     )
     .unwrap();
 }
+
+#[test]
+fn distillation_config_trains_the_student_on_its_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let teacher = dir.path().join("teacher");
+    init_model_dir(&teacher, Preset::Tiny, Arch::Llama, 9).unwrap();
+    let sets = vec![
+        format!("output_dir={}", quote(&dir.path().join("run"))),
+        format!("model.path={}", quote(&model)),
+        format!("data.path=[{}]", quote(&data)),
+        format!(
+            "distillation.teacher_model_name_or_path={}",
+            quote(&teacher)
+        ),
+        "train.max_steps=2".to_string(),
+        "train.save_steps=2".to_string(),
+    ];
+    let cfg = config::load(&configs_dir().join("distillation.toml"), &sets).unwrap();
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Distillation);
+    let r = trainer::run(
+        trainer::setup(cfg).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite() && m["loss"] > 0.0, "{m:?}");
+        assert!(m.contains_key("rewards/accuracy/mean"));
+    }
+}
