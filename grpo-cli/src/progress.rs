@@ -1,4 +1,4 @@
-//! Progress: an indicatif bar (step, reward, kl, step time, ETA) when stderr is a terminal,
+//! Progress: an indicatif bar (step, the algorithm's metrics, loss, step time, ETA) when stderr is a terminal,
 //! plain log lines otherwise. It is an event sink: the trainer's events thread drives it, so
 //! drawing never holds the learner.
 
@@ -20,16 +20,27 @@ impl Progress {
         Self::default()
     }
 
-    /// The one-line summary of a step's metrics.
+    /// The one-line summary of a step's metrics: those of the run's algorithm that it logs
+    /// (GRPO's reward and KL, a reward model's accuracy, DPO's and KTO's margin, ...), then the
+    /// loss and the step time.
     pub fn line(m: &grpo_trainer::Metrics) -> String {
-        let get = |k: &str| m.get(k).copied().unwrap_or(f64::NAN);
-        format!(
-            "reward {:.3}  kl {:.4}  loss {:.4}  {:.2} s/step",
-            get("reward"),
-            get("kl"),
-            get("loss"),
-            get("step_time")
-        )
+        let mut parts: Vec<String> = [
+            ("reward", "reward", 3),
+            ("kl", "kl", 4),
+            ("accuracy", "accuracy", 3),
+            ("rewards/margins", "margin", 3),
+            ("loss", "loss", 4),
+        ]
+        .iter()
+        .filter_map(|&(k, label, digits)| {
+            let v = m.get(k).copied().filter(|v| v.is_finite())?;
+            Some(format!("{label} {v:.digits$}"))
+        })
+        .collect();
+        if let Some(t) = m.get("step_time") {
+            parts.push(format!("{t:.2} s/step"));
+        }
+        parts.join("  ")
     }
 }
 
@@ -67,5 +78,37 @@ impl EventSink for Progress {
             _ => {}
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Progress;
+
+    #[test]
+    fn the_line_shows_what_the_algorithm_logs() {
+        let m = |kv: &[(&str, f64)]| kv.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        assert_eq!(
+            Progress::line(&m(&[
+                ("reward", 0.5),
+                ("kl", 0.01),
+                ("loss", 0.2),
+                ("step_time", 1.5)
+            ])),
+            "reward 0.500  kl 0.0100  loss 0.2000  1.50 s/step"
+        );
+        // A distillation run without rewards: no NaN reward, no KL.
+        assert_eq!(
+            Progress::line(&m(&[
+                ("reward", f64::NAN),
+                ("loss", 0.01),
+                ("step_time", 0.08)
+            ])),
+            "loss 0.0100  0.08 s/step"
+        );
+        assert_eq!(
+            Progress::line(&m(&[("accuracy", 1.0), ("loss", 0.1), ("step_time", 0.1)])),
+            "accuracy 1.000  loss 0.1000  0.10 s/step"
+        );
     }
 }
