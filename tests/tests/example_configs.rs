@@ -390,6 +390,99 @@ fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_trainer::Trai
     .unwrap()
 }
 
+/// An environment that answers the teacher's first turn once ("Check your guidance.") and
+/// ends the episode at its second, rewarding the second turn's length parity.
+struct Review;
+
+impl grpo_rollout::Environment for Review {
+    fn name(&self) -> &str {
+        "review"
+    }
+
+    fn step(
+        &self,
+        logs: &[&[grpo_rollout::ChatMessage]],
+        _: &[&serde_json::Value],
+    ) -> candle_core::Result<grpo_rollout::EnvironmentReturn> {
+        let mut out = grpo_rollout::EnvironmentReturn::empty(logs.len());
+        for (i, log) in logs.iter().enumerate() {
+            let turns = log.iter().filter(|m| m.role == "assistant").count();
+            if turns >= 2 {
+                out.terminateds[i] = true;
+                out.rewards[i] = (log.last().unwrap().content.len() % 2) as f32;
+            } else {
+                out.observations[i] = Some(grpo_rollout::ChatMessage::new(
+                    "user",
+                    "Check your guidance.",
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `[teacher]` with an environment: the teacher's guidance is a multi-turn episode (its turns
+/// and the environment's answers) written from the teacher prompt, which the student then
+/// reads; the teaching reward and the environment's reward both count.
+#[test]
+fn teacher_config_runs_with_an_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    fixture(dir.path());
+    let sets = vec![
+        format!("output_dir={}", quote(&dir.path().join("env"))),
+        format!("model.path={}", quote(&dir.path().join("model"))),
+        format!("data.path=[{}]", quote(&dir.path().join("arith.parquet"))),
+        "teacher.max_probe_tokens=4".to_string(),
+        "teacher.max_student_tokens=6".to_string(),
+        "teacher.logging_prob=1.0".to_string(),
+        "train.max_steps=2".to_string(),
+        "train.prompts_per_step=2".to_string(),
+        "train.num_completions_to_print=8".to_string(),
+        "rollout.num_generations=4".to_string(),
+        "rollout.max_completion_length=6".to_string(),
+        "environment.max_turns=2".to_string(),
+        "environment.max_total_tokens=80".to_string(),
+    ];
+    let mut cfg = config::load(&configs_dir().join("teacher.toml"), &sets).unwrap();
+    cfg.teacher.as_mut().unwrap().student_model = None;
+    let mut setup = trainer::setup(cfg).unwrap();
+    setup.environment = Some(std::sync::Arc::new(Review));
+    let r = trainer::run(
+        setup,
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite(), "{m:?}");
+        for k in [
+            "rewards/adaptive_teaching/mean",
+            "rewards/env/mean",
+            "env/turns_mean",
+            "teacher/baseline_accuracy",
+        ] {
+            assert!(m[k].is_finite(), "{k}: {m:?}");
+        }
+        assert!(m["env/turns_mean"] > 1.0, "{m:?}");
+    }
+    // The teacher's episodes start from the teacher prompt, and the environment's answer is
+    // part of the guidance the student read.
+    let lines = completions(&dir.path().join("env"));
+    assert!(!lines.is_empty());
+    for l in &lines {
+        assert!(
+            l["completion"]
+                .as_str()
+                .unwrap()
+                .contains("Check your guidance."),
+            "{l}"
+        );
+    }
+    let log = std::fs::read_to_string(dir.path().join("env/teacher_log.jsonl")).unwrap();
+    assert!(log.contains("Check your guidance."));
+}
+
 fn completions(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("completions.jsonl"))
         .unwrap()

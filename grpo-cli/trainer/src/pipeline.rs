@@ -99,11 +99,8 @@ impl Default for RunOptions {
     }
 }
 
-/// What an environment run cannot have yet: `[teacher]`, a reward named `env`.
+/// What an environment run cannot have: a reward named `env`.
 fn check_environment(setup: &Setup, name: &str) -> Result<()> {
-    if setup.cfg.teacher.is_some() {
-        bail!("environment `{name}`: [teacher] and an environment cannot be combined yet");
-    }
     if setup
         .rewards
         .names()

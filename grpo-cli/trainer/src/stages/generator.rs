@@ -192,19 +192,29 @@ impl Generator {
     /// with the model mask and the environment's rewards beside them.
     fn episodes(&mut self, batch: PromptBatch, env: &dyn Environment) -> Result<Rollouts> {
         let t0 = Instant::now();
-        if self.frozen_teacher.is_some() || self.teaching.is_some() {
-            bail!(
-                "environment `{}`: episodes are generated with the policy: [teacher] and an environment cannot be combined yet",
-                env.name()
-            );
-        }
         let seed = step_seed(self.cfg.train.seed, batch.step as u64);
+        // With `[teacher]` the student probes each problem first, and the teacher's episode
+        // starts from the teacher prompt: its guidance is the episode (its turns and the
+        // environment's answers), which the student then reads.
+        let teaching = match &self.teaching {
+            Some(tp) => Some(crate::teacher::probe(tp, &batch, seed)?),
+            None => None,
+        };
         let mut prompts = Vec::with_capacity(batch.samples.len());
         let mut prompt_texts = Vec::with_capacity(batch.samples.len());
-        for s in &batch.samples {
-            let messages = match &s.prompt {
-                Prompt::Conversation(m) => chat_messages(m),
-                other => vec![ChatMessage::new("user", other.text())],
+        for (i, s) in batch.samples.iter().enumerate() {
+            let messages = match (&self.teaching, &teaching) {
+                (Some(tp), Some(t)) => {
+                    let (question, diag) = &t[i];
+                    let user = tp
+                        .teacher_prompt(question, diag)
+                        .map_err(|e| anyhow!("row {}: {e}", s.index))?;
+                    vec![ChatMessage::new("user", user)]
+                }
+                _ => match &s.prompt {
+                    Prompt::Conversation(m) => chat_messages(m),
+                    other => vec![ChatMessage::new("user", other.text())],
+                },
             };
             let metadata = serde_json::Value::Object(
                 s.columns
@@ -237,8 +247,12 @@ impl Generator {
                 let mut server = remote
                     .lock()
                     .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
-                self.remote_sync
-                    .sync(&mut server, &self.model, self.version)?;
+                // The frozen teacher is the served base model; the policy is its synced adapter.
+                let policy = self.frozen_teacher.is_none();
+                if policy {
+                    self.remote_sync
+                        .sync(&mut server, &self.model, self.version)?;
+                }
                 let requests = EpisodeRequest::grouped(&prompts, g, params.sampling.seed);
                 grpo_rollout::episode::generate_episodes_remote(
                     &server,
@@ -246,11 +260,12 @@ impl Generator {
                     env,
                     &requests,
                     &params,
-                    true,
+                    policy,
                 )
             }
             None => {
-                let decoding = self.decoding_copy(&self.model.clone())?;
+                let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
+                let decoding = self.decoding_copy(&model)?;
                 generate_episodes(&decoding, &self.tokenizer, env, &prompts, g, &params)
             }
         };
@@ -280,8 +295,8 @@ impl Generator {
             version: self.version,
             weights: self.model.clone(),
             seconds: t0.elapsed().as_secs_f64(),
-            teaching: None,
-            sampled_by_other_model: self.remote.is_some(),
+            teaching,
+            sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
             episodes: Some(info),
         })
     }
