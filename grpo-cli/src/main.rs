@@ -61,8 +61,8 @@ enum Command {
         /// The run directory (with metrics.jsonl).
         run_dir: std::path::PathBuf,
     },
-    /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo"` in the
-    /// config runs those instead.
+    /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
+    /// "rloo" | "reward" | "distillation"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
