@@ -1548,12 +1548,17 @@ impl Transformer {
 
     /// Logits `(N, V)` of hidden states `(N, H)`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.logits_with(hidden, &self.head_weight()?)
+    }
+
+    /// [`Self::logits`] with the head weight given ([`Self::head_weight`], formed once for the
+    /// chunks of a pass: with trainable tokens it is a composition).
+    fn logits_with(&self, hidden: &Tensor, head: &Tensor) -> Result<Tensor> {
         let hidden = &self.for_head(hidden)?;
-        let head = self.head_weight()?;
         if self.decoding && hidden.dim(0)? <= DECODE_ROWS {
             head.matmul(&hidden.t()?.contiguous()?)?.t()?.contiguous()
         } else {
-            crate::fused::frozen_linear(hidden, &head)
+            crate::fused::frozen_linear(hidden, head)
         }
     }
 
@@ -1811,7 +1816,7 @@ impl Transformer {
                 })
                 .apply(&[&hc, &head])?
             } else {
-                pair(&self.logits(&hc)?, &zt)?
+                pair(&self.logits_with(&hc, &head_w)?, &zt)?
             };
             divs.push(out.narrow(1, 0, 1)?.squeeze(1)?);
             ents.push(out.narrow(1, 1, 1)?.squeeze(1)?.detach());
@@ -1876,7 +1881,7 @@ impl Transformer {
                 start += n;
                 continue;
             }
-            let mut logits = self.logits(&hc)?;
+            let mut logits = self.logits_with(&hc, &head_w)?;
             if temperature != 1.0 && temperature > 0.0 {
                 logits = (logits / temperature)?;
             }
