@@ -505,3 +505,42 @@ fn episodes_run_through_the_openai_backend() {
     let transcript = first["completion"].as_str().unwrap();
     assert_eq!(transcript.matches("Try again.").count(), 2, "{transcript}");
 }
+
+/// On-policy distillation with its samples from the server: the synced LoRA student samples on
+/// `grpo-cli serve`, and the first step equals the local backend's (same engine, same seeds:
+/// the same completions, so the same divergence from the teacher).
+#[test]
+fn distillation_samples_through_the_openai_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
+    let srv = serve(root);
+    let distill = |out: &str, extra: &str| {
+        let mut c = config(root, out, extra);
+        c.algorithm = grpo_trainer::Algorithm::Distillation;
+        c.distillation.teacher_model_name_or_path = Some(root.join("teacher"));
+        c.rewards.clear();
+        c.train.max_steps = Some(3);
+        c.optim.learning_rate = Some(1e-3);
+        trainer::run(
+            trainer::setup(c).unwrap(),
+            &RunOptions::default(),
+            &mut grpo_trainer::NoCallbacks,
+        )
+        .unwrap()
+    };
+    let local = distill("d-local", "");
+    let remote_extra = format!(
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n",
+        srv.base_url()
+    );
+    let remote = distill("d-remote", &remote_extra);
+    assert_eq!(remote.metrics.len(), 3);
+    let (l, r) = (local.metrics[0]["loss"], remote.metrics[0]["loss"]);
+    assert!(
+        l > 0.0 && (l - r).abs() < 1e-4 * l,
+        "first-step loss {l} vs {r}"
+    );
+    assert!(remote.metrics.iter().all(|m| m["loss"].is_finite()));
+}
