@@ -241,7 +241,38 @@ def peft_reference():
     merged = PeftModel.from_pretrained(base2, ADAPTER).merge_and_unload()
     with torch.no_grad():
         merged_logits = merged(input_ids=ids).logits
-    return {"rows": rows, "logits": logits.tolist(), "merged_logits": merged_logits.tolist()}
+    # A vocabulary resized to 320 before the adapter (TRL's clone_chat_template with LoRA): PEFT
+    # saves the resized embedding (and the tied head's copies) with the adapter.
+    torch.manual_seed(6)
+    base3 = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    base3.resize_token_embeddings(320)
+    cfg3 = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], trainable_token_indices=[300, 305])
+    model3 = get_peft_model(base3, cfg3)
+    with torch.no_grad():
+        for n, prm in model3.named_parameters():
+            if prm.requires_grad:
+                prm.copy_(torch.randn_like(prm) * 0.3)
+    resized = ADAPTER + "-resized"
+    if os.path.exists(resized):
+        shutil.rmtree(resized)
+    model3.save_pretrained(resized)
+    os.remove(os.path.join(resized, "README.md"))
+    with open(os.path.join(resized, "adapter_config.json")) as f:
+        c3 = json.load(f)
+    c3["base_model_name_or_path"] = "bench-qwen2-micro"
+    with open(os.path.join(resized, "adapter_config.json"), "w") as f:
+        json.dump(c3, f, indent=2)
+    rows3 = [[5, 300, 12, 305, 11], [319, 9, 2, 3, 1]]
+    model3.eval()
+    with torch.no_grad():
+        logits3 = model3(input_ids=torch.tensor(rows3)).logits
+    return {
+        "rows": rows,
+        "logits": logits.tolist(),
+        "merged_logits": merged_logits.tolist(),
+        "resized_rows": rows3,
+        "resized_logits": logits3.tolist(),
+    }
 
 
 def main():

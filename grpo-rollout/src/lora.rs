@@ -793,12 +793,44 @@ pub fn save_peft(
         serde_json::to_string_pretty(&config).unwrap_or_default(),
     )
     .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
-    let tensors: HashMap<String, Tensor> = factors(model, cfg)
+    let mut tensors: HashMap<String, Tensor> = factors(model, cfg)
         .into_iter()
         .map(|(k, t)| Ok((k, t.detach().to_dtype(DType::F32)?)))
         .collect::<Result<_>>()?;
+    // PEFT's `save_embedding_layers = "auto"`: a vocabulary resized since the base (TRL's
+    // `clone_chat_template`) travels with the adapter, so a base of the original size loads it.
+    let base_vocab = std::fs::read_to_string(Path::new(base_model).join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("vocab_size").and_then(serde_json::Value::as_u64));
+    if base_vocab.is_some_and(|v| v as usize != model.cfg.vocab_size) {
+        let (embed, head) = match model.token_delta.is_some() {
+            true => (EMBED_KEYS[0], HEAD_KEYS[0]),
+            false => (EMBED_KEYS[1], HEAD_KEYS[1]),
+        };
+        tensors.insert(
+            embed.into(),
+            model.embed_tokens.detach().to_dtype(DType::F32)?,
+        );
+        if let Some(h) = &model.lm_head {
+            tensors.insert(head.into(), h.detach().to_dtype(DType::F32)?);
+        }
+    }
     candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))
 }
+
+/// Where PEFT saves a resized embedding (with trainable tokens, without).
+const EMBED_KEYS: [&str; 2] = [
+    "base_model.model.model.embed_tokens.token_adapter.base_layer.weight",
+    "base_model.model.model.embed_tokens.weight",
+];
+/// Where PEFT saves a resized output head (with trainable tokens tied to it, without).
+const HEAD_KEYS: [&str; 2] = [
+    "base_model.model.lm_head.token_adapter.base_layer.weight",
+    "base_model.model.lm_head.weight",
+];
+/// PEFT's trainable tokens of a head tied to the embedding: the embedding's, saved again.
+const TIED_HEAD_TOKENS_KEY: &str = "base_model.model.lm_head.token_adapter.trainable_tokens_delta";
 
 /// `init_lora_weights` values that only choose how a new adapter starts.
 const INIT_ONLY: [&str; 4] = ["gaussian", "eva", "orthogonal", "loftq"];
@@ -943,7 +975,38 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .map_err(|e| candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display())))?;
     let cfg = config_from_peft(&v, &path)?;
     let file = dir.join("adapter_model.safetensors");
-    let loaded = candle_core::safetensors::load(&file, model.device())?;
+    let mut loaded = candle_core::safetensors::load(&file, model.device())?;
+    // A resized vocabulary saved with the adapter (PEFT's `save_embedding_layers`): the
+    // embedding (and an untied head) replace the base's; a tied head's copies are the
+    // embedding's.
+    let take =
+        |m: &mut HashMap<String, Tensor>, keys: &[&str]| keys.iter().find_map(|k| m.remove(*k));
+    if let Some(e) = take(&mut loaded, &EMBED_KEYS) {
+        let h = model.cfg.hidden_size;
+        if e.rank() != 2 || e.dim(1)? != h {
+            bail!(
+                "{}: the saved embedding has shape {:?}, expected (vocab, {h})",
+                file.display(),
+                e.dims()
+            );
+        }
+        let (dtype, dev) = (model.dtype(), model.device().clone());
+        model.cfg.vocab_size = e.dim(0)?;
+        model.embed_tokens = e.to_dtype(model.embed_tokens.dtype())?.to_device(&dev)?;
+        // A tied head's saved copy is the embedding itself.
+        let head = take(&mut loaded, &HEAD_KEYS);
+        match (&model.lm_head, head) {
+            (Some(_), Some(t)) => model.lm_head = Some(t.to_dtype(dtype)?.to_device(&dev)?),
+            (Some(_), None) => bail!(
+                "{}: the embedding is resized but the untied output head is not saved",
+                file.display()
+            ),
+            (None, _) => {}
+        }
+    }
+    if model.lm_head.is_none() {
+        loaded.remove(TIED_HEAD_TOKENS_KEY);
+    }
     // An adapter that carries a `score` head (a reward model, `task_type = "SEQ_CLS"`) makes a
     // causal base a sequence classifier, whose head the file then sets.
     let score_keys = [SCORE_KEY, "base_model.model.score.default.weight"];

@@ -170,3 +170,61 @@ fn a_peft_adapter_with_trainable_tokens_gives_pefts_logits() {
     let d = max_diff(&logits(&merged), &want("merged_logits"));
     assert!(d < 1e-4, "merged: max |ours - PEFT| = {d}");
 }
+
+/// A vocabulary resized before the adapter (TRL's `clone_chat_template` with LoRA): PEFT saves the
+/// resized embedding (and the tied head's copies) with the adapter. Loaded onto the base of the
+/// original size, it gives PEFT's logits, new tokens included; and our adapter of a resized
+/// model carries its embedding the same way, so the original base loads it back.
+#[test]
+fn adapters_of_a_resized_vocabulary_carry_their_embedding() {
+    let fix = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fix.join("trainers_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let p = &r["peft"];
+    let dev = Device::Cpu;
+    let base_dir = fix.join("bench-qwen2-micro");
+    let rows: Vec<Vec<u32>> = serde_json::from_value(p["resized_rows"].clone()).unwrap();
+    let (b, l) = (rows.len(), rows[0].len());
+    let ids = Tensor::from_vec(rows.concat(), (b, l), &dev).unwrap();
+    let mask = Tensor::ones((b, l), DType::U32, &dev).unwrap();
+    let logits = |m: &grpo_rollout::Transformer| {
+        let h = m.forward_padded(&ids, &mask).unwrap();
+        m.logits(&h.reshape((b * l, m.cfg.hidden_size)).unwrap())
+            .unwrap()
+            .reshape((b, l, m.cfg.vocab_size))
+            .unwrap()
+    };
+    let mut m = grpo_rollout::load(&base_dir, DType::F32, &dev)
+        .unwrap()
+        .model;
+    assert_eq!(m.cfg.vocab_size, 300);
+    lora::load_peft(&mut m, &fix.join("peft-trainable-tokens-resized")).unwrap();
+    assert_eq!(m.cfg.vocab_size, 320);
+    let want: Vec<Vec<Vec<f32>>> = serde_json::from_value(p["resized_logits"].clone()).unwrap();
+    let d = max_diff(&logits(&m), &Tensor::new(want, &dev).unwrap());
+    assert!(d < 1e-4, "max |ours - PEFT| = {d}");
+
+    // Ours: save the adapted resized model against the original base, load it back.
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = LoraConfig {
+        r: 2,
+        lora_alpha: 4.0,
+        target_modules: lora::TargetModules::Names(vec!["q_proj".into()]),
+        trainable_token_indices: Some(TokenIndices::List(vec![300, 305])),
+        ..LoraConfig::default()
+    };
+    let ad = tmp.path().join("adapter");
+    lora::save_peft(&m, &cfg, &ad, base_dir.to_str().unwrap()).unwrap();
+    let file = candle_core::safetensors::load(ad.join("adapter_model.safetensors"), &dev).unwrap();
+    assert_eq!(
+        file["base_model.model.model.embed_tokens.token_adapter.base_layer.weight"].dims(),
+        [320, m.cfg.hidden_size]
+    );
+    let mut back = grpo_rollout::load(&base_dir, DType::F32, &dev)
+        .unwrap()
+        .model;
+    lora::load_peft(&mut back, &ad).unwrap();
+    assert!(max_diff(&logits(&back), &logits(&m)) < 1e-5);
+}
