@@ -218,20 +218,35 @@ fn unsupported_peft_options_are_refused_by_name() {
         });
         lora::load_peft(&mut base(), &dir).unwrap_or_else(|e| panic!("{key}: {e}"));
     }
-    // A tensor the adapter should not hold (e.g. resized embeddings) is named.
-    let dir = edited(&tmp.path().join("extra"), &|_| {});
-    let mut t = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
-        .unwrap();
-    t.insert(
-        "base_model.model.model.embed_tokens.weight".into(),
-        Tensor::zeros((300, 32), DType::F32, &Device::Cpu).unwrap(),
-    );
-    candle_core::safetensors::save(&t, dir.join("adapter_model.safetensors")).unwrap();
-    let err = lora::load_peft(&mut base(), &dir).unwrap_err().to_string();
-    assert!(
-        err.contains("embed_tokens.weight") && err.contains("adapter_model.safetensors"),
-        "{err}"
-    );
+    // A tensor the adapter should not hold (a full copy of a norm) is named, and so is a saved
+    // (resized) embedding of the wrong width.
+    for (key, shape, want) in [
+        (
+            "base_model.model.model.norm.weight",
+            vec![32usize],
+            "model.norm.weight",
+        ),
+        (
+            "base_model.model.model.embed_tokens.weight",
+            vec![300, 31],
+            "saved embedding has shape",
+        ),
+    ] {
+        let dir = edited(&tmp.path().join("extra"), &|_| {});
+        let mut t =
+            candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+                .unwrap();
+        t.insert(
+            key.into(),
+            Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap(),
+        );
+        candle_core::safetensors::save(&t, dir.join("adapter_model.safetensors")).unwrap();
+        let err = lora::load_peft(&mut base(), &dir).unwrap_err().to_string();
+        assert!(
+            err.contains(want) && err.contains("adapter_model.safetensors"),
+            "{err}"
+        );
+    }
 }
 
 /// Sets every trainable tensor to pseudo-random values (B non-zero), as training would.
