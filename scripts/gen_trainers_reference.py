@@ -134,6 +134,24 @@ def sft_chat_reference(out_dir):
     return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
+def sft_assistant_only_reference(out_dir):
+    """TRL's SFTTrainer on the same conversations with `assistant_only_loss` (the assistant
+    tokens marked by the `{% generation %}` blocks of chatml_generation.jinja, given as
+    `chat_template_path`), 3 steps of one batch."""
+    model = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(LM)
+    args = common_args(
+        SFTConfig,
+        out_dir,
+        assistant_only_loss=True,
+        chat_template_path=os.path.join(FIX, "chatml_generation.jinja"),
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHAT_ROWS), processing_class=tok)
+    trainer.train()
+    keys = ["loss", "grad_norm", "num_tokens"]
+    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
 def dpo_reference(out_dir):
     """TRL's DPOTrainer (sigmoid, beta 0.1) on bench-qwen2-micro over reward_pairs.jsonl's
     prompt/chosen/rejected, the reference a frozen copy, 3 steps of one batch."""
@@ -280,6 +298,7 @@ def main():
         "reward": reward_reference("/tmp/trl-reward-ref"),
         "sft": sft_reference("/tmp/trl-sft-ref"),
         "sft_chat": sft_chat_reference("/tmp/trl-sft-chat-ref"),
+        "sft_assistant_only": sft_assistant_only_reference("/tmp/trl-sft-ao-ref"),
         "dpo": dpo_reference("/tmp/trl-dpo-ref"),
         "kto": kto_reference("/tmp/trl-kto-ref"),
         "distill": distill_reference(),
@@ -293,7 +312,7 @@ def main():
     }
     with open(os.path.join(FIX, "trainers_reference.json"), "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: out[k] for k in ["reward", "sft", "sft_chat", "dpo", "kto", "versions"]}, indent=1))
+    print(json.dumps({k: out[k] for k in ["reward", "sft", "sft_chat", "sft_assistant_only", "dpo", "kto", "versions"]}, indent=1))
     print(json.dumps(out["distill"]["cases"]))
 
 

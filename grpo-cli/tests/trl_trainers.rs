@@ -25,6 +25,17 @@ fn reference() -> serde_json::Value {
 /// Runs `algorithm` for 3 steps on `model` (a fixture) and `data` with TRL's settings of the
 /// reference run.
 fn run_on(model: &str, algorithm: &str, data: &str, extra: &str) -> Vec<grpo_trainer::Metrics> {
+    run_on_with(model, algorithm, data, extra, "")
+}
+
+/// [`run_on`] with `model_extra` lines in the `[model]` section.
+fn run_on_with(
+    model: &str,
+    algorithm: &str,
+    data: &str,
+    extra: &str,
+    model_extra: &str,
+) -> Vec<grpo_trainer::Metrics> {
     let dir = tempfile::tempdir().unwrap();
     let text = format!(
         r#"
@@ -32,6 +43,7 @@ algorithm = "{algorithm}"
 output_dir = "{out}"
 [model]
 path = "{model}"
+{model_extra}
 [data]
 path = ["{data}"]
 [optim]
@@ -96,6 +108,26 @@ fn three_sft_steps_on_conversations_match_trls_sft_trainer() {
     compare(
         &ours,
         &reference()["sft_chat"],
+        &["loss", "grad_norm", "num_tokens"],
+    );
+}
+
+/// `assistant_only_loss` with a template whose `{% generation %}` blocks mark the assistant's
+/// tokens (`chat_template_path`, a Jinja file), as TRL requires for it.
+#[test]
+fn three_assistant_only_sft_steps_match_trls_sft_trainer() {
+    let path = fixtures().join("chatml_generation.jinja");
+    let extra = "[sft]\nassistant_only_loss = true\n".to_string();
+    let ours = run_on_with(
+        "bench-qwen2-micro",
+        "sft",
+        "sft_chat.jsonl",
+        &extra,
+        &format!("chat_template_path = \"{}\"\n", path.display()),
+    );
+    compare(
+        &ours,
+        &reference()["sft_assistant_only"],
         &["loss", "grad_norm", "num_tokens"],
     );
 }
