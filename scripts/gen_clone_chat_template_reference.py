@@ -2,8 +2,8 @@
 """Reference values for `model.chat_template_path` given a model directory (TRL's
 `clone_chat_template`), from transformers' tokenizers (no torch needed).
 
-    python3 -m venv /tmp/tfvenv && /tmp/tfvenv/bin/pip install transformers tokenizers jinja2
-    /tmp/tfvenv/bin/python scripts/gen_clone_chat_template_reference.py
+    python3 -m venv ~/trl-venv && ~/trl-venv/bin/pip install transformers tokenizers jinja2
+    ~/trl-venv/bin/python scripts/gen_clone_chat_template_reference.py
 
 Writes, under grpo-rollout/tests/fixtures/:
   * clone-source/: a tokenizer (bench-qwen2-micro's vocabulary) whose chat template ends turns

@@ -3,9 +3,9 @@
 distillation divergence and PEFT's trainable tokens (grpo-cli/tests/trl_reference.rs,
 grpo-rollout/tests/trainable_tokens.rs).
 
-    python3 -m venv /tmp/tfvenv
-    /tmp/tfvenv/bin/pip install torch trl==1.16.0 peft accelerate datasets
-    /tmp/tfvenv/bin/python scripts/gen_trainers_reference.py
+    python3 -m venv ~/trl-venv
+    ~/trl-venv/bin/pip install torch trl==1.16.0 peft accelerate datasets
+    ~/trl-venv/bin/python scripts/gen_trainers_reference.py
 
 Writes, under grpo-rollout/tests/fixtures/:
   * micro-teacher/: a second random Qwen2ForCausalLM with bench-qwen2-micro's config and
