@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Reference values from TRL 1.16, transformers and PEFT for the reward-model trainer, the
-distillation divergence and PEFT's trainable tokens (grpo-cli/tests/trl_reference.rs,
-grpo-rollout/tests/trainable_tokens.rs).
+"""Reference values from TRL 1.16, transformers and PEFT themselves: three steps of TRL's
+SFTTrainer (prompt/completion rows, conversations, assistant_only_loss), DPOTrainer, KTOTrainer
+and RewardTrainer (grpo-cli/tests/trl_trainers.rs), the DistillationTrainer's divergence
+(grpo-rollout/tests/distill.rs) and PEFT adapters with trainable tokens, also of a resized
+vocabulary (grpo-rollout/tests/trainable_tokens.rs).
 
     python3 -m venv ~/trl-venv
     ~/trl-venv/bin/pip install torch trl==1.16.0 peft accelerate datasets
@@ -13,7 +15,9 @@ Writes, under grpo-rollout/tests/fixtures/:
   * peft-trainable-tokens/: a PEFT LoRA adapter (q_proj, v_proj, r 2) with
     `trainable_token_indices = [3, 7]` on bench-qwen2-micro, its factors and token rows set to
     seeded random values.
-  * trainers_reference.json:
+  * reward_pairs.jsonl, sft_rows.jsonl, sft_chat.jsonl, kto_rows.jsonl: the rows.
+  * trainers_reference.json (also "sft", "sft_chat", "sft_assistant_only", "dpo", "kto": each
+    step's metrics as TRL logs them, same settings as "reward"):
     - "reward": TRL's RewardTrainer on tiny-qwen2-rm (a Qwen2ForSequenceClassification,
       pad_token_id 0) over reward_pairs.jsonl (4 pairs, one batch per step, AdamW lr 1e-3
       constant, max_grad_norm 1, 3 steps): each step's loss, accuracy, margin, min/mean/max
