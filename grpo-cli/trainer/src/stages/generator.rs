@@ -103,25 +103,12 @@ impl Generator {
         }
         let t0 = Instant::now();
         let seed = step_seed(self.cfg.train.seed, batch.step as u64);
-        let teaching = match &self.teaching {
-            Some(tp) => Some(crate::teacher::probe(tp, &batch, seed)?),
-            None => None,
-        };
+        let (teaching, prompts) = self.step_prompts(&batch, seed)?;
         let mut prompt_texts = Vec::with_capacity(batch.samples.len());
         let mut prompt_ids = Vec::with_capacity(batch.samples.len());
-        for (i, s) in batch.samples.iter().enumerate() {
-            let prompt = match (&self.teaching, &teaching) {
-                (Some(tp), Some(t)) => {
-                    let (question, diag) = &t[i];
-                    let user = tp
-                        .teacher_prompt(question, diag)
-                        .map_err(|e| anyhow!("row {}: {e}", s.index))?;
-                    Prompt::Conversation(vec![grpo_data::Message::new("user", user)])
-                }
-                _ => s.prompt.clone(),
-            };
+        for (s, prompt) in batch.samples.iter().zip(&prompts) {
             let (t, ids) = self
-                .prompt_tokens(&prompt)
+                .prompt_tokens(prompt)
                 .with_context(|| format!("prompt of row {}", s.index))?;
             if ids.is_empty() {
                 bail!("row {}: the prompt is empty after tokenisation", s.index);
@@ -133,15 +120,7 @@ impl Generator {
         let g = self.cfg.rollout.num_generations;
         let completions = match self.remote.clone() {
             Some(remote) => {
-                let mut server = remote
-                    .lock()
-                    .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
-                // The frozen teacher is the served base model; the policy is its synced adapter.
-                let policy = self.frozen_teacher.is_none();
-                if policy {
-                    self.remote_sync
-                        .sync(&mut server, &self.model, self.version)?;
-                }
+                let (server, policy) = self.synced_server(&remote)?;
                 server
                     .generate(&self.tokenizer, &prompt_ids, g, &params, policy)
                     .map_err(|e| anyhow!("rollout.openai: {e}"))?
@@ -187,34 +166,72 @@ impl Generator {
         Ok(decoding)
     }
 
+    /// The step's prompts: each row's own, or with `[teacher]` (after the student's probe of
+    /// each problem, returned beside them) the teacher prompt as one user turn.
+    #[allow(clippy::type_complexity)]
+    fn step_prompts(
+        &self,
+        batch: &PromptBatch,
+        seed: u64,
+    ) -> Result<(
+        Option<Vec<(String, grpo_teacher::DiagnosticResult)>>,
+        Vec<Prompt>,
+    )> {
+        let Some(tp) = &self.teaching else {
+            return Ok((
+                None,
+                batch.samples.iter().map(|s| s.prompt.clone()).collect(),
+            ));
+        };
+        let probes = crate::teacher::probe(tp, batch, seed)?;
+        let prompts = batch
+            .samples
+            .iter()
+            .zip(&probes)
+            .map(|(s, (question, diag))| {
+                let user = tp
+                    .teacher_prompt(question, diag)
+                    .map_err(|e| anyhow!("row {}: {e}", s.index))?;
+                Ok(Prompt::Conversation(vec![grpo_data::Message::new(
+                    "user", user,
+                )]))
+            })
+            .collect::<Result<_>>()?;
+        Ok((Some(probes), prompts))
+    }
+
+    /// The rollout server, locked, and whether the policy samples there: its adapter synced to
+    /// this version; with a frozen teacher the served base model samples instead (`false`).
+    fn synced_server<'a>(
+        &mut self,
+        remote: &'a Mutex<RemoteGenerator>,
+    ) -> Result<(std::sync::MutexGuard<'a, RemoteGenerator>, bool)> {
+        let mut server = remote
+            .lock()
+            .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
+        let policy = self.frozen_teacher.is_none();
+        if policy {
+            self.remote_sync
+                .sync(&mut server, &self.model, self.version)?;
+        }
+        Ok((server, policy))
+    }
+
     /// `num_generations` multi-turn episodes per prompt against `env` (local generation with
     /// the policy), as completions whose tokens are the whole transcript after the prompt,
     /// with the model mask and the environment's rewards beside them.
     fn episodes(&mut self, batch: PromptBatch, env: &dyn Environment) -> Result<Rollouts> {
         let t0 = Instant::now();
         let seed = step_seed(self.cfg.train.seed, batch.step as u64);
-        // With `[teacher]` the student probes each problem first, and the teacher's episode
-        // starts from the teacher prompt: its guidance is the episode (its turns and the
-        // environment's answers), which the student then reads.
-        let teaching = match &self.teaching {
-            Some(tp) => Some(crate::teacher::probe(tp, &batch, seed)?),
-            None => None,
-        };
+        // With `[teacher]` the teacher's episode starts from the teacher prompt: its guidance is
+        // the episode (its turns and the environment's answers), which the student then reads.
+        let (teaching, step_prompts) = self.step_prompts(&batch, seed)?;
         let mut prompts = Vec::with_capacity(batch.samples.len());
         let mut prompt_texts = Vec::with_capacity(batch.samples.len());
-        for (i, s) in batch.samples.iter().enumerate() {
-            let messages = match (&self.teaching, &teaching) {
-                (Some(tp), Some(t)) => {
-                    let (question, diag) = &t[i];
-                    let user = tp
-                        .teacher_prompt(question, diag)
-                        .map_err(|e| anyhow!("row {}: {e}", s.index))?;
-                    vec![ChatMessage::new("user", user)]
-                }
-                _ => match &s.prompt {
-                    Prompt::Conversation(m) => chat_messages(m),
-                    other => vec![ChatMessage::new("user", other.text())],
-                },
+        for (s, prompt) in batch.samples.iter().zip(step_prompts) {
+            let messages = match prompt {
+                Prompt::Conversation(m) => chat_messages(&m),
+                other => vec![ChatMessage::new("user", other.text())],
             };
             let metadata = serde_json::Value::Object(
                 s.columns
@@ -244,15 +261,7 @@ impl Generator {
         let generated = match self.remote.clone() {
             // The policy's turns on the rollout server (its synced adapter).
             Some(remote) => {
-                let mut server = remote
-                    .lock()
-                    .map_err(|_| anyhow!("the rollout server client is poisoned"))?;
-                // The frozen teacher is the served base model; the policy is its synced adapter.
-                let policy = self.frozen_teacher.is_none();
-                if policy {
-                    self.remote_sync
-                        .sync(&mut server, &self.model, self.version)?;
-                }
+                let (server, policy) = self.synced_server(&remote)?;
                 let requests = EpisodeRequest::grouped(&prompts, g, params.sampling.seed);
                 grpo_rollout::episode::generate_episodes_remote(
                     &server,
