@@ -1635,9 +1635,9 @@ impl Transformer {
     /// models are). `pad = None` (no padding token) scores each row at its last token. The
     /// graph is kept: the scores train the head and the decoder (TRL's `RewardTrainer`).
     pub fn sequence_scores(&self, rows: &[&[u32]], pad: Option<u32>) -> Result<Tensor> {
-        let Some(score) = &self.score else {
+        if self.score.is_none() {
             bail!("sequence_scores: the model has no score head (it is not a sequence classifier)")
-        };
+        }
         let b = rows.len();
         let t = rows.iter().map(|r| r.len()).max().unwrap_or(0);
         if b == 0 || t == 0 {
@@ -1662,10 +1662,15 @@ impl Transformer {
         let h = self
             .forward_padded(&input, &mask)?
             .reshape((b * t, self.cfg.hidden_size))?;
-        let picked = h
-            .index_select(&Tensor::from_vec(at, b, dev)?, 0)?
-            .to_dtype(score.dtype())?;
-        picked.matmul(&score.t()?)?.squeeze(1)
+        self.score_rows(&h.index_select(&Tensor::from_vec(at, b, dev)?, 0)?)
+    }
+
+    /// A sequence classifier's `score` head over hidden rows `(N, H)`: `(N,)`, with the graph.
+    pub fn score_rows(&self, h: &Tensor) -> Result<Tensor> {
+        let Some(score) = &self.score else {
+            bail!("the model has no score head (it is not a sequence classifier)")
+        };
+        h.to_dtype(score.dtype())?.matmul(&score.t()?)?.squeeze(1)
     }
 
     /// Per-token log-probs of the last `logits_to_keep` tokens of each row of a left-padded

@@ -220,8 +220,8 @@ impl LanguageScorer for ModelScorer {
 /// position ids from 0, as transformers does for right padding.
 #[derive(Debug, Clone)]
 pub struct ClassifierModel {
+    /// The decoder with its `score` head ([`Transformer::score`]).
     model: Transformer,
-    score: Tensor,
     tokenizer: Tokenizer,
     pad_token_id: Option<u32>,
 }
@@ -291,11 +291,9 @@ impl ClassifierModel {
         }
         let model = Transformer::from_weights(&cfg, &weights, dtype, device)
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", wfile.display())))?;
-        let score = model.score.clone().unwrap_or_else(|| score.clone());
         let tokenizer = Tokenizer::from_hf_dir(dir, &[])?;
         Ok(Self {
             model,
-            score,
             tokenizer,
             pad_token_id: cfg.pad_token_id,
         })
@@ -316,9 +314,12 @@ impl ClassifierModel {
                 model.cfg.hidden_size
             );
         }
+        let mut model = model.detached();
+        model.score = Some(score.detach());
+        model.lm_head = None;
+        model.cfg.sequence_classification = true;
         Ok(Self {
-            model: model.detached(),
-            score: score.detach(),
+            model,
             tokenizer,
             pad_token_id,
         })
@@ -365,7 +366,8 @@ impl ClassifierModel {
             .model
             .forward_padded(&input, &mask)?
             .reshape((b * t, self.model.cfg.hidden_size))?;
-        h.matmul(&self.score.t()?)?
+        self.model
+            .score_rows(&h)?
             .reshape((b, t))?
             .to_dtype(DType::F32)?
             .to_vec2()
