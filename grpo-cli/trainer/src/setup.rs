@@ -79,7 +79,7 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
     let rm_dtype = cfg
         .reward_model_dtype
         .map_or_else(|| cfg.compute_dtype(), |d| d.dtype());
-    let rm_device = cfg.reward_model_device;
+    let (rm_device, model_spec) = (cfg.reward_model_device, cfg.model.device);
     setup_with(cfg, move |model, tok| {
         let mut m = grpo_rewards::ScoringModels::default();
         if needs_lm {
@@ -90,12 +90,7 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
             let path = rm_path.context(
                 "config: a `reward_model` reward needs `reward_model_path` (a *ForSequenceClassification directory)",
             )?;
-            let device = match rm_device {
-                Some(d) => d
-                    .device()
-                    .map_err(|e| anyhow!("reward_model_device: {e}"))?,
-                None => model.device().clone(),
-            };
+            let device = side_device(rm_device, model_spec, model.device(), "reward_model_device")?;
             let rm = grpo_rollout::scoring::ClassifierModel::load(&path, rm_dtype, &device)
                 .map_err(|e| anyhow!("reward model: {}", first_line(&e.to_string())))?;
             m.classifier = Some(Arc::new(rm));
@@ -377,12 +372,12 @@ pub fn setup_with(
             let chat = cfg.rollout.chat_template;
             let student = match &t.student_model {
                 Some(p) => {
-                    let sdev = match t.student_device {
-                        Some(d) => d
-                            .device()
-                            .map_err(|e| anyhow!("teacher.student_device: {e}"))?,
-                        None => device.clone(),
-                    };
+                    let sdev = side_device(
+                        t.student_device,
+                        cfg.model.device,
+                        &device,
+                        "teacher.student_device",
+                    )?;
                     let sdtype = t.student_dtype.map_or(dtype, |d| d.dtype());
                     LocalModel::load(p, sdtype, &sdev, chat)
                         .map_err(|e| anyhow!("teacher.student_model: {e}"))?
@@ -482,12 +477,12 @@ fn distillation_teacher(
         .teacher_model_name_or_path
         .as_ref()
         .context("`distillation.teacher_model_name_or_path` is required")?;
-    let device = match d.teacher_device {
-        Some(spec) if spec != cfg.model.device => spec
-            .device()
-            .map_err(|e| anyhow!("config: `distillation.teacher_device`: {e}"))?,
-        _ => student.device().clone(),
-    };
+    let device = side_device(
+        d.teacher_device,
+        cfg.model.device,
+        student.device(),
+        "distillation.teacher_device",
+    )?;
     let dtype = d
         .teacher_dtype
         .map_or_else(|| cfg.compute_dtype(), |t| t.dtype());
@@ -511,6 +506,21 @@ fn distillation_teacher(
         );
     }
     Ok(teacher.model)
+}
+
+/// The device of a side model (reward model, student, distillation teacher): its own `spec`,
+/// else the model's. A spec equal to `model.device` is the model's device itself (two candle
+/// handles of one GPU are two devices).
+fn side_device(
+    spec: Option<grpo_rollout::DeviceSpec>,
+    model_spec: grpo_rollout::DeviceSpec,
+    model: &Device,
+    key: &str,
+) -> Result<Device> {
+    match spec {
+        Some(s) if s != model_spec => s.device().map_err(|e| anyhow!("config: `{key}`: {e}")),
+        _ => Ok(model.clone()),
+    }
 }
 
 /// The environment `[environment] type` names, built (`None` without `type`).
