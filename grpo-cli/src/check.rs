@@ -517,7 +517,6 @@ fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
     Ok(worst)
 }
 
-/// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).
 /// The mean distillation divergence of `student` from `teacher` over `rows` (every token after
 /// the first) and the norm of its gradient over the student's weights.
 fn distill_check(
@@ -525,7 +524,7 @@ fn distill_check(
     teacher: &Transformer,
     rows: &[Vec<u32>],
 ) -> Result<(f64, f64)> {
-    let s = grpo_rollout::TrainableModel::full(student)?;
+    let s = TrainableModel::full(student)?;
     let (ids, mask) = padded(rows, student.device())?;
     let t = ids.dim(1)? - 1;
     let h = s.model.completion_hidden(&ids, &mask, t)?;
@@ -547,6 +546,7 @@ fn distill_check(
     Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, sq.sqrt()))
 }
 
+/// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).
 fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
     let tm = TrainableModel::full(base)?;
     let params = AdamWParams {
