@@ -14,6 +14,9 @@ use grpo_rollout::init::{Preset, init_model_dir, init_model_dir_with};
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunOptions};
 
+mod common;
+use common::{assert_same_steps, eval_lines};
+
 struct Fixture {
     _dir: tempfile::TempDir,
     root: PathBuf,
@@ -204,16 +207,7 @@ fn gradient_checkpointing_gives_the_same_steps() {
     let mut cfg = load(&f.root, "ckpt", "teacher", 2, "");
     cfg.train.gradient_checkpointing = true;
     let ckpt = run(cfg, RunOptions::default());
-    for (a, b) in plain.metrics.iter().zip(&ckpt.metrics) {
-        for k in ["loss", "grad_norm"] {
-            assert!(
-                (a[k] - b[k]).abs() <= 1e-6 * a[k].abs().max(1.0),
-                "{k}: {} vs {}",
-                a[k],
-                b[k]
-            );
-        }
-    }
+    assert_same_steps(&plain.metrics, &ckpt.metrics, &["loss", "grad_norm"]);
 }
 
 /// LoRA adapters on the student, gradient checkpointing and a one-step-stale pipeline.
@@ -244,12 +238,7 @@ fn the_eval_split_reports_the_divergence() {
     cfg.data.eval_fraction = Some(0.25);
     cfg.train.eval_steps = 2;
     run(cfg, RunOptions::default());
-    let evals: Vec<serde_json::Value> = std::fs::read_to_string(f.root.join("eval/metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|l| l.get("eval/loss").is_some())
-        .collect();
+    let evals = eval_lines(&f.root.join("eval"));
     assert_eq!(evals.len(), 2);
     for e in &evals {
         assert!(e["eval/loss"].as_f64().unwrap() > 0.0, "{e}");
@@ -260,12 +249,7 @@ fn the_eval_split_reports_the_divergence() {
     cfg.train.eval_steps = 1;
     cfg.optim.learning_rate = Some(0.0);
     run(cfg, RunOptions::default());
-    let line = std::fs::read_to_string(f.root.join("eval-self/metrics.jsonl")).unwrap();
-    let e: serde_json::Value = line
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .find(|l| l.get("eval/loss").is_some())
-        .unwrap();
+    let e = eval_lines(&f.root.join("eval-self")).remove(0);
     assert!(e["eval/loss"].as_f64().unwrap().abs() < 1e-7, "{e}");
 }
 

@@ -14,6 +14,9 @@ use grpo_rollout::scoring::ClassifierModel;
 use grpo_trainer::config;
 use grpo_trainer::{self as trainer, RunOptions};
 
+mod common;
+use common::{all_rows, assert_same_steps, eval_lines};
+
 /// Pairs: a polite answer is preferred to a curt one.
 fn pairs(n: usize, margin: bool) -> String {
     (0..n)
@@ -70,20 +73,6 @@ fn setup(root: &Path, name: &str, data: &str, steps: usize, extra: &str) -> trai
 
 fn run(s: trainer::Setup, opts: &RunOptions) -> trainer::TrainingResult {
     trainer::run(s, opts, &mut trainer::NoCallbacks).unwrap()
-}
-
-fn all_rows(d: &grpo_data::Dataset) -> Vec<grpo_data::Sample> {
-    let sc = grpo_data::StreamConfig {
-        shuffle: false,
-        batch_size: d.len() as usize,
-        epochs: Some(1),
-        ..Default::default()
-    };
-    grpo_data::SampleStream::new(d.clone(), sc)
-        .unwrap()
-        .next_batch()
-        .unwrap()
-        .unwrap()
 }
 
 #[test]
@@ -435,12 +424,7 @@ fn the_eval_split_reports_trls_reward_metrics() {
         trainer::setup(config::load(&p, &[]).unwrap()).unwrap(),
         &RunOptions::default(),
     );
-    let evals: Vec<serde_json::Value> = std::fs::read_to_string(root.join("eval/metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|l| l.get("eval/loss").is_some())
-        .collect();
+    let evals = eval_lines(&root.join("eval"));
     assert_eq!(evals.len(), 2);
     for k in [
         "eval/accuracy",
@@ -483,16 +467,11 @@ fn gradient_checkpointing_gives_the_same_steps() {
         ),
         &RunOptions::default(),
     );
-    for (a, b) in plain.metrics.iter().zip(&ckpt.metrics) {
-        for k in ["loss", "grad_norm", "accuracy"] {
-            assert!(
-                (a[k] - b[k]).abs() <= 1e-6 * a[k].abs().max(1.0),
-                "{k}: {} vs {}",
-                a[k],
-                b[k]
-            );
-        }
-    }
+    assert_same_steps(
+        &plain.metrics,
+        &ckpt.metrics,
+        &["loss", "grad_norm", "accuracy"],
+    );
 }
 
 #[test]

@@ -11,6 +11,9 @@ use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_trainer::config;
 use grpo_trainer::{self as trainer, RunOptions};
 
+mod common;
+use common::{eval_lines, first_rows};
+
 fn write_data(root: &Path) {
     let mut sft = String::new();
     let mut dpo = String::new();
@@ -103,21 +106,6 @@ fn setup_text(path: &Path, text: String) -> trainer::Setup {
 
 fn run(s: trainer::Setup, opts: &RunOptions) -> grpo_trainer::TrainingResult {
     trainer::run(s, opts, &mut grpo_trainer::NoCallbacks).unwrap()
-}
-
-/// The first `n` rows of a dataset, in file order.
-fn first_rows(d: &grpo_data::Dataset, n: usize) -> Vec<grpo_data::Sample> {
-    let sc = grpo_data::StreamConfig {
-        shuffle: false,
-        batch_size: n,
-        epochs: Some(1),
-        ..Default::default()
-    };
-    grpo_data::SampleStream::new(d.clone(), sc)
-        .unwrap()
-        .next_batch()
-        .unwrap()
-        .unwrap()
 }
 
 fn mean(ms: &[grpo_trainer::Metrics], k: &str) -> f64 {
@@ -469,16 +457,7 @@ fn sft_eval_split_and_packing() {
         .replace("[data]\n", "[data]\neval_fraction = 0.25\n");
     let s = setup_text(&dir.path().join("eval.toml"), text);
     run(s, &RunOptions::default());
-    let lines: Vec<serde_json::Value> =
-        std::fs::read_to_string(dir.path().join("eval/metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-    let evals: Vec<&serde_json::Value> = lines
-        .iter()
-        .filter(|l| l.get("eval/loss").is_some())
-        .collect();
+    let evals = eval_lines(&dir.path().join("eval"));
     assert_eq!(evals.len(), 2);
     for e in &evals {
         let (l, ppl) = (
