@@ -381,5 +381,23 @@ fn assemble(entries: &[Entry], n: usize, results: Vec<RewardOutput>) -> Result<S
         &out.per_function,
         &entries.iter().map(|e| e.weight).collect::<Vec<_>>(),
     );
+    // One reward per completion, also from an empty set: NaN, as for any completion no function
+    // scored.
+    out.rewards.resize(n, f32::NAN);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An empty set still gives one reward per completion: NaN, unscored.
+    #[test]
+    fn an_empty_set_leaves_every_completion_unscored() {
+        let batch = [RewardInput::new("p", "a"), RewardInput::new("p", "b")];
+        let out = RewardSet::new().score(&batch).unwrap();
+        assert!(out.per_function.is_empty());
+        assert_eq!(out.rewards.len(), 2);
+        assert!(out.rewards.iter().all(|r| r.is_nan()));
+    }
 }

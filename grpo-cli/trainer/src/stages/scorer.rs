@@ -158,10 +158,6 @@ impl Scorer {
         if let Some(e) = &rollouts.episodes {
             self.add_environment_reward(&mut scores, &e.rewards)?;
         }
-        // No reward at all (distillation without `[[rewards]]`): every completion unscored.
-        if scores.per_function.is_empty() && scores.rewards.len() < rollouts.completions.len() {
-            scores.rewards = vec![f32::NAN; rollouts.completions.len()];
-        }
         if let Some(log) = &self.teacher_log {
             log.write(&rollouts, inputs, &scores)?;
         }
