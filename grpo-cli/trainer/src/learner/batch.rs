@@ -55,7 +55,7 @@ impl<'a> StepBatch<'a> {
                 let truncated = c.finish_reason == FinishReason::Length
                     && c.token_ids.last().is_none_or(|t| !eos.contains(t));
                 let masked = mask_truncated && truncated;
-                !masked && !s.zero_std.get(i).copied().unwrap_or(false)
+                !masked && !s.zero_std[i]
             })
             .collect();
         let lens: Vec<usize> = r.completions.iter().map(|c| c.token_ids.len()).collect();
