@@ -2,7 +2,9 @@
 //! as TRL's `SFTTrainer` and `DPOTrainer` compute them: [`dpo_loss_with`] has TRL 1.16's
 //! fifteen `loss_type`s (combined with weights), its f-divergences and metrics;
 //! [`dpo_loss`] is the sigmoid loss with conservative-DPO label smoothing; [`kto_loss`] is
-//! TRL's KTO, [`reward_loss`] its RewardTrainer's Bradley-Terry loss for reward models.
+//! TRL's KTO, [`reward_loss`] its RewardTrainer's Bradley-Terry loss for reward models;
+//! [`orpo_loss`] and [`cpo_loss`] (with SimPO and AlphaPO) are the reference-free preference
+//! losses of TRL's experimental ORPO and CPO trainers.
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -832,4 +834,287 @@ pub fn reward_loss(
         mean_reward: all.iter().sum::<f64>() / all.len() as f64,
         max_reward: all.iter().copied().fold(f64::NEG_INFINITY, f64::max),
     })
+}
+
+/// TRL's CPO `loss_type` (its experimental `CPOTrainer`); `alphapo` is `simpo` with
+/// `cpo_alpha = 0` (see [`CpoConfig::alphapo`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpoLossType {
+    /// `−(1−ε) log σ(βΔ) − ε log σ(−βΔ)` on the summed log-probs (CPO, eq. 3). The default.
+    #[default]
+    Sigmoid,
+    /// `relu(1 − βΔ)` on the summed log-probs (SLiC).
+    Hinge,
+    /// `(Δ − 1/(2β))²` on the token-averaged log-probs (IPO).
+    Ipo,
+    /// `−(1−ε) log σ(βΔ − γ) − ε log σ(−(βΔ − γ))` on the token-averaged log-probs (SimPO, γ =
+    /// `simpo_gamma`).
+    Simpo,
+}
+
+impl std::str::FromStr for CpoLossType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "sigmoid" => Ok(Self::Sigmoid),
+            "hinge" => Ok(Self::Hinge),
+            "ipo" => Ok(Self::Ipo),
+            "simpo" => Ok(Self::Simpo),
+            other => Err(format!(
+                "unknown CPO loss_type `{other}`: expected sigmoid, hinge, ipo, simpo or alphapo"
+            )),
+        }
+    }
+}
+
+impl CpoLossType {
+    /// TRL's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sigmoid => "sigmoid",
+            Self::Hinge => "hinge",
+            Self::Ipo => "ipo",
+            Self::Simpo => "simpo",
+        }
+    }
+
+    /// Whether the loss takes each completion's mean token log-prob (ipo, simpo) rather than
+    /// the sum (TRL's `average_log_prob`).
+    pub fn averages_log_probs(self) -> bool {
+        matches!(self, Self::Ipo | Self::Simpo)
+    }
+
+    /// Whether `label_smoothing` enters the loss (sigmoid, simpo).
+    pub fn uses_label_smoothing(self) -> bool {
+        matches!(self, Self::Sigmoid | Self::Simpo)
+    }
+}
+
+/// Options of [`cpo_loss`]; `Default` is TRL 1.16's `CPOConfig`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CpoConfig {
+    /// β; 0.1. For ipo it is the regulariser τ.
+    pub beta: f64,
+    /// Label smoothing ε of sigmoid and simpo; 0.
+    pub label_smoothing: f64,
+    /// The loss type; sigmoid.
+    pub loss_type: CpoLossType,
+    /// The weight of the behaviour-cloning term (the chosen completions' mean token NLL); 1.
+    pub cpo_alpha: f64,
+    /// SimPO's target margin γ; 0.5.
+    pub simpo_gamma: f64,
+    /// AlphaPO's α: when non-zero each completion's reward is `(1 − p^(−α)) / α` with `p` the
+    /// exponentiated log-prob, instead of the log-prob itself; 0.
+    pub alpha: f64,
+}
+
+impl Default for CpoConfig {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            label_smoothing: 0.0,
+            loss_type: CpoLossType::Sigmoid,
+            cpo_alpha: 1.0,
+            simpo_gamma: 0.5,
+            alpha: 0.0,
+        }
+    }
+}
+
+impl CpoConfig {
+    /// TRL's `loss_type = "alphapo"`: SimPO without the behaviour-cloning term, with AlphaPO's
+    /// reward shape `alpha`.
+    pub fn alphapo(alpha: f64) -> Self {
+        Self {
+            loss_type: CpoLossType::Simpo,
+            cpo_alpha: 0.0,
+            alpha,
+            ..Self::default()
+        }
+    }
+
+    /// Checks the options: β > 0, ε in [0, 0.5) and only where it applies, finite weights.
+    ///
+    /// # Errors
+    /// The first option out of range, in one line.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if !(self.beta > 0.0 && self.beta.is_finite()) {
+            return Err(format!("beta must be > 0, got {}", self.beta));
+        }
+        let ls = self.label_smoothing;
+        if !(0.0..0.5).contains(&ls) {
+            return Err(format!("label_smoothing must be in [0, 0.5), got {ls}"));
+        }
+        if ls > 0.0 && !self.loss_type.uses_label_smoothing() {
+            return Err(format!(
+                "label_smoothing does not apply to loss_type {} (only to sigmoid and simpo)",
+                self.loss_type.as_str()
+            ));
+        }
+        if !(self.cpo_alpha >= 0.0 && self.cpo_alpha.is_finite()) {
+            return Err(format!("cpo_alpha must be >= 0, got {}", self.cpo_alpha));
+        }
+        if !self.simpo_gamma.is_finite() || !self.alpha.is_finite() {
+            return Err("simpo_gamma and alpha must be finite".into());
+        }
+        Ok(())
+    }
+}
+
+/// What [`cpo_loss`] and [`orpo_loss`] return: the differentiable loss and TRL's metrics.
+#[derive(Debug, Clone)]
+pub struct PairLossOutput {
+    /// The scalar loss: the mean pair loss plus the NLL term.
+    pub loss: Tensor,
+    /// `rewards/chosen`: mean of β × the chosen completions' reward (log-prob, or AlphaPO's).
+    pub rewards_chosen: f64,
+    /// `rewards/rejected`: the same for the rejected completions.
+    pub rewards_rejected: f64,
+    /// `rewards/accuracies`: the share of pairs whose chosen reward is strictly larger.
+    pub rewards_accuracies: f64,
+    /// `rewards/margins`: mean of chosen − rejected reward.
+    pub rewards_margins: f64,
+    /// `logps/chosen`: mean log-prob of the chosen completions as the loss takes them (summed
+    /// or token-averaged).
+    pub logps_chosen: f64,
+    /// `logps/rejected`: the same for the rejected ones.
+    pub logps_rejected: f64,
+    /// `nll_loss`: the NLL term before its weight.
+    pub nll_loss: f64,
+    /// ORPO's `log_odds_ratio`: mean of `log σ(log odds(chosen) − log odds(rejected))`.
+    pub log_odds_ratio: Option<f64>,
+    /// ORPO's `log_odds_chosen`: mean of the log odds ratio itself.
+    pub log_odds_chosen: Option<f64>,
+}
+
+fn check_pairs(what: &str, chosen: &Tensor, rejected: &Tensor, nll: &Tensor) -> Result<usize> {
+    let n = chosen.elem_count();
+    if n == 0 || chosen.dims() != [n] || rejected.dims() != [n] || nll.elem_count() != 1 {
+        candle_core::bail!(
+            "{what}: log-probs {:?} (chosen) and {:?} (rejected), NLL {:?}: expected two (n,) \
+             vectors and a scalar",
+            chosen.dims(),
+            rejected.dims(),
+            nll.dims()
+        );
+    }
+    Ok(n)
+}
+
+/// Rewards `β r` of both sides and the metrics shared by CPO and ORPO.
+fn pair_output(
+    loss: Tensor,
+    (chosen, rejected): (&Tensor, &Tensor),
+    (reward_chosen, reward_rejected): (&Tensor, &Tensor),
+    beta: f64,
+    nll: &Tensor,
+) -> Result<PairLossOutput> {
+    let vec = |t: &Tensor| -> Result<Vec<f64>> { t.detach().to_dtype(DType::F64)?.to_vec1() };
+    let rc: Vec<f64> = vec(reward_chosen)?.into_iter().map(|v| v * beta).collect();
+    let rr: Vec<f64> = vec(reward_rejected)?
+        .into_iter()
+        .map(|v| v * beta)
+        .collect();
+    let n = rc.len().max(1) as f64;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / n;
+    Ok(PairLossOutput {
+        loss,
+        rewards_chosen: mean(&rc),
+        rewards_rejected: mean(&rr),
+        rewards_accuracies: rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / n,
+        rewards_margins: rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / n,
+        logps_chosen: mean(&vec(chosen)?),
+        logps_rejected: mean(&vec(rejected)?),
+        nll_loss: nll
+            .detach()
+            .flatten_all()?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?[0],
+        log_odds_ratio: None,
+        log_odds_chosen: None,
+    })
+}
+
+/// TRL 1.16's CPO loss (its experimental `CPOTrainer`), reference-free: `chosen` and
+/// `rejected` are the policy's log-probs of each pair's completions, `(n,)` — summed over the
+/// completion tokens, or token-averaged for ipo and simpo
+/// ([`CpoLossType::averages_log_probs`]); `nll` is the chosen completions' mean token NLL (a
+/// scalar, TRL's `CrossEntropyLoss` over the batch's chosen completion tokens). With AlphaPO's
+/// `alpha ≠ 0` each side's reward is `(1 − e^{−α·logp}) / α`, otherwise the log-prob; `Δ` is
+/// the chosen − rejected reward, and the loss is the loss type's mean over the pairs plus
+/// `cpo_alpha · nll`.
+///
+/// # Errors
+/// Shapes that differ, or an empty batch.
+pub fn cpo_loss(
+    chosen: &Tensor,
+    rejected: &Tensor,
+    nll: &Tensor,
+    cfg: &CpoConfig,
+) -> Result<PairLossOutput> {
+    check_pairs("cpo_loss", chosen, rejected, nll)?;
+    let beta = cfg.beta;
+    // AlphaPO: (1 − p^(−α)) / α = (1 − e^(−α·logp)) / α.
+    let reward = |lp: &Tensor| -> Result<Tensor> {
+        match cfg.alpha {
+            0.0 => Ok(lp.clone()),
+            a => ((lp * -a)?.exp()?.neg()? + 1.0)? / a,
+        }
+    };
+    let (rc, rr) = (reward(chosen)?, reward(rejected)?);
+    let delta = (&rc - &rr)?;
+    let ls = cfg.label_smoothing;
+    let smoothed = |z: &Tensor| -> Result<Tensor> {
+        let pos = log_sigmoid(z)?;
+        let neg = log_sigmoid(&z.neg()?)?;
+        (pos * (-(1.0 - ls)))? + (neg * (-ls))?
+    };
+    let per_pair = match cfg.loss_type {
+        CpoLossType::Sigmoid => smoothed(&(&delta * beta)?)?,
+        CpoLossType::Simpo => smoothed(&((&delta * beta)? - cfg.simpo_gamma)?)?,
+        CpoLossType::Hinge => ((&delta * -beta)? + 1.0)?.relu()?,
+        CpoLossType::Ipo => (&delta - 1.0 / (2.0 * beta))?.sqr()?,
+    };
+    let mut loss = per_pair.mean_all()?;
+    if cfg.cpo_alpha != 0.0 {
+        let nll = nll.flatten_all()?.squeeze(0)?.to_dtype(loss.dtype())?;
+        loss = (loss + (nll * cfg.cpo_alpha)?)?;
+    }
+    pair_output(loss, (chosen, rejected), (&rc, &rr), beta, nll)
+}
+
+/// `log(1 − e^x)` for `x < 0`, in f64 (TRL's `log1mexp`; f64 keeps `1 − e^x` accurate as `x`
+/// nears 0, where TRL takes `expm1`).
+fn log1mexp(x: &Tensor) -> Result<Tensor> {
+    (x.to_dtype(DType::F64)?.exp()?.neg()? + 1.0)?.log()
+}
+
+/// TRL 1.16's ORPO loss (its experimental `ORPOTrainer`), reference-free: `chosen` and
+/// `rejected` are the policy's token-averaged log-probs of each pair's completions, `(n,)`;
+/// `nll` is the chosen sequences' mean token NLL (a scalar: ORPO's NLL covers prompt and
+/// completion). With `log odds(y) = logp − log(1 − e^logp)` and
+/// `L_OR = log σ(log odds(chosen) − log odds(rejected))`, the loss is `nll − β · mean(L_OR)`;
+/// the rewards are `β · logp`.
+///
+/// # Errors
+/// Shapes that differ, or an empty batch.
+pub fn orpo_loss(
+    chosen: &Tensor,
+    rejected: &Tensor,
+    nll: &Tensor,
+    beta: f64,
+) -> Result<PairLossOutput> {
+    check_pairs("orpo_loss", chosen, rejected, nll)?;
+    let (c, r) = (chosen.to_dtype(DType::F64)?, rejected.to_dtype(DType::F64)?);
+    let log_odds = ((&c - &r)? - (log1mexp(&c)? - log1mexp(&r)?)?)?;
+    let ratio = log_sigmoid(&log_odds)?;
+    let nll_t = nll.flatten_all()?.squeeze(0)?;
+    let odds_term = (ratio.mean_all()? * beta)?.to_dtype(nll_t.dtype())?;
+    let loss = (&nll_t - odds_term)?;
+    let mean = |t: &Tensor| -> Result<f64> { t.detach().mean_all()?.to_scalar::<f64>() };
+    let mut out = pair_output(loss, (chosen, rejected), (chosen, rejected), beta, nll)?;
+    out.log_odds_ratio = Some(mean(&ratio)?);
+    out.log_odds_chosen = Some(mean(&log_odds)?);
+    Ok(out)
 }
