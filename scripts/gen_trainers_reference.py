@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Reference values from TRL 1.16, transformers and PEFT themselves: three steps of TRL's
-SFTTrainer (prompt/completion rows, conversations, assistant_only_loss), DPOTrainer, KTOTrainer
-and RewardTrainer (grpo-cli/tests/trl_trainers.rs), the DistillationTrainer's divergence
+SFTTrainer (prompt/completion rows, conversations, assistant_only_loss), DPOTrainer, KTOTrainer,
+RewardTrainer and the experimental ORPOTrainer and CPOTrainer (grpo-cli/tests/trl_trainers.rs), the DistillationTrainer's divergence
 (grpo-rollout/tests/distill.rs) and PEFT adapters with trainable tokens, also of a resized
 vocabulary (grpo-rollout/tests/trainable_tokens.rs).
 
     python3 -m venv ~/trl-venv
     ~/trl-venv/bin/pip install torch trl==1.16.0 peft accelerate datasets
-    ~/trl-venv/bin/python scripts/gen_trainers_reference.py
+    ~/trl-venv/bin/python scripts/gen_trainers_reference.py            # everything
+    ~/trl-venv/bin/python scripts/gen_trainers_reference.py orpo_cpo   # ORPO and CPO only
 
 Writes, under grpo-rollout/tests/fixtures/:
   * micro-teacher/: a second random Qwen2ForCausalLM with bench-qwen2-micro's config and
@@ -15,8 +16,10 @@ Writes, under grpo-rollout/tests/fixtures/:
   * peft-trainable-tokens/: a PEFT LoRA adapter (q_proj, v_proj, r 2) with
     `trainable_token_indices = [3, 7]` on bench-qwen2-micro, its factors and token rows set to
     seeded random values.
-  * reward_pairs.jsonl, sft_rows.jsonl, sft_chat.jsonl, kto_rows.jsonl: the rows.
-  * trainers_reference.json (also "sft", "sft_chat", "sft_assistant_only", "dpo", "kto": each
+  * reward_pairs.jsonl, sft_rows.jsonl, sft_chat.jsonl, kto_rows.jsonl, pairs_chat.jsonl,
+    pairs_merge.jsonl: the rows.
+  * trainers_reference.json (also "sft", "sft_chat", "sft_assistant_only", "dpo", "kto", "orpo",
+    "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo": each
     step's metrics as TRL logs them, same settings as "reward"):
     - "reward": TRL's RewardTrainer on tiny-qwen2-rm (a Qwen2ForSequenceClassification,
       pad_token_id 0) over reward_pairs.jsonl (4 pairs, one batch per step, AdamW lr 1e-3
@@ -169,6 +172,97 @@ def dpo_reference(out_dir):
     return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
+PAIR_KEYS = [
+    "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+    "logps/chosen", "logps/rejected", "nll_loss",
+]
+
+
+def pair_reference(out_dir, trainer_cls, config_cls, rows, keys, bos=None, **kw):
+    """TRL's experimental ORPOTrainer or CPOTrainer on bench-qwen2-micro (no reference model),
+    3 steps of one batch with `common_args`; `bos`: the tokenizer's BOS token."""
+    model = AutoModelForCausalLM.from_pretrained(LM, dtype=torch.float32, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(LM)
+    if bos is not None:
+        tok.bos_token = bos
+    args = common_args(config_cls, out_dir, **kw)
+    trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer.train()
+    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+
+
+def orpo_cpo_references():
+    """ORPO (beta 0.1) and CPO (sigmoid; simpo with the BC term; alphapo) on reward_pairs.jsonl's
+    prompt/chosen/rejected, and ORPO on sft_chat-style conversations (pairs_chat.jsonl)."""
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    rows = [{k: p[k] for k in ["prompt", "chosen", "rejected"]} for p in PAIRS]
+    with open(os.path.join(FIX, "pairs_chat.jsonl"), "w") as f:
+        for r in PAIRS_CHAT:
+            f.write(json.dumps(r) + "\n")
+    orpo_keys = PAIR_KEYS + ["log_odds_ratio", "log_odds_chosen"]
+    with open(os.path.join(FIX, "pairs_merge.jsonl"), "w") as f:
+        for r in PAIRS_MERGE:
+            f.write(json.dumps(r) + "\n")
+    # The merge rows really exercise TRL's "last prompt token merged" rule.
+    tok = AutoTokenizer.from_pretrained(LM)
+    p, a = PAIRS_MERGE[0]["prompt"], PAIRS_MERGE[0]["chosen"]
+    ids = tok(p, add_special_tokens=False)["input_ids"]
+    assert tok(p + a, add_special_tokens=False)["input_ids"][: len(ids)] != ids
+    return {
+        "orpo_bos_merge": pair_reference(
+            "/tmp/trl-orpo-bos-ref", ORPOTrainer, ORPOConfig, PAIRS_MERGE, orpo_keys,
+            bos="<|im_start|>", beta=0.1, max_length=14,
+        ),
+        "orpo": pair_reference("/tmp/trl-orpo-ref", ORPOTrainer, ORPOConfig, rows, orpo_keys, beta=0.1),
+        "orpo_chat": pair_reference("/tmp/trl-orpo-chat-ref", ORPOTrainer, ORPOConfig, PAIRS_CHAT, orpo_keys, beta=0.25),
+        "cpo": pair_reference("/tmp/trl-cpo-ref", CPOTrainer, CPOConfig, rows, PAIR_KEYS, beta=0.1),
+        "cpo_simpo": pair_reference(
+            "/tmp/trl-cpo-simpo-ref", CPOTrainer, CPOConfig, rows, PAIR_KEYS,
+            loss_type="simpo", beta=2.0, simpo_gamma=0.5, cpo_alpha=0.5,
+        ),
+        "cpo_alphapo": pair_reference(
+            "/tmp/trl-cpo-alphapo-ref", CPOTrainer, CPOConfig, rows, PAIR_KEYS,
+            loss_type="alphapo", beta=2.5, alpha=0.25,
+        ),
+    }
+
+
+# Prompts whose last token merges into the chosen completion ("s" + "e" -> "se"), a chosen
+# completion that already ends with the EOS text, and sides cut at max_length = 14.
+PAIRS_MERGE = [
+    {"prompt": "The colour s", "chosen": "e is nice.", "rejected": "o what"},
+    {"prompt": "The colour r", "chosen": "ed<|im_end|>", "rejected": "e is red and blue and green"},
+    {"prompt": "Say hi.", "chosen": " Hello there!", "rejected": " no"},
+    {"prompt": "Count:", "chosen": " one two three", "rejected": " three"},
+]
+
+
+PAIRS_CHAT = [
+    {
+        "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+        "chosen": [{"role": "assistant", "content": "The answer is 4."}],
+        "rejected": [{"role": "assistant", "content": "Five."}],
+    },
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        "chosen": [{"role": "assistant", "content": "Blue."}],
+        "rejected": [{"role": "assistant", "content": "I cannot say."}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "Say hi."}],
+        "chosen": [{"role": "assistant", "content": "Hello there!"}],
+        "rejected": [{"role": "assistant", "content": "no"}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "Count to three."}],
+        "chosen": [{"role": "assistant", "content": "one two three"}],
+        "rejected": [{"role": "assistant", "content": "three"}],
+    },
+]
+
+
 KTO_ROWS = [
     {"prompt": "What is 2 + 2?", "completion": " The answer is 4.", "label": True},
     {"prompt": "Name a colour:", "completion": " a number", "label": False},
@@ -298,6 +392,18 @@ def peft_reference():
 
 
 def main():
+    import sys
+
+    path = os.path.join(FIX, "trainers_reference.json")
+    if sys.argv[1:] == ["orpo_cpo"]:
+        # Only the ORPO and CPO runs, merged into the existing file.
+        with open(path) as f:
+            out = json.load(f)
+        out.update(orpo_cpo_references())
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps({k: out[k] for k in ["orpo", "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo"]}, indent=1))
+        return
     out = {
         "reward": reward_reference("/tmp/trl-reward-ref"),
         "sft": sft_reference("/tmp/trl-sft-ref"),
@@ -305,6 +411,7 @@ def main():
         "sft_assistant_only": sft_assistant_only_reference("/tmp/trl-sft-ao-ref"),
         "dpo": dpo_reference("/tmp/trl-dpo-ref"),
         "kto": kto_reference("/tmp/trl-kto-ref"),
+        **orpo_cpo_references(),
         "distill": distill_reference(),
         "peft": peft_reference(),
         "versions": {

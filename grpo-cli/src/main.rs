@@ -62,7 +62,7 @@ enum Command {
         run_dir: std::path::PathBuf,
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
-    /// "rloo" | "reward" | "distillation"` in the config runs that instead.
+    /// "orpo" | "cpo" | "rloo" | "reward" | "distillation"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -70,6 +70,12 @@ enum Command {
     Dpo(train_cmd::TrainArgs),
     /// Kahneman-Tversky optimisation (the config's `[kto]`) on unpaired, labelled completions.
     Kto(train_cmd::TrainArgs),
+    /// Odds-ratio preference optimisation (the config's `[orpo]`, TRL's ORPOTrainer): no
+    /// reference model; the chosen sequences' NLL plus an odds-ratio term.
+    Orpo(train_cmd::TrainArgs),
+    /// Contrastive preference optimisation (the config's `[cpo]`, TRL's CPOTrainer), with the
+    /// SimPO and AlphaPO loss types: no reference model.
+    Cpo(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -94,6 +100,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Sft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sft"))?)),
         Some(Command::Dpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("dpo"))?)),
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
+        Some(Command::Orpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("orpo"))?)),
+        Some(Command::Cpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("cpo"))?)),
         Some(Command::Rloo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("rloo"))?)),
         Some(Command::Reward(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("reward"))?)),
         Some(Command::Distillation(a)) => Ok(ExitCode::from(train_cmd::train_as(
@@ -166,6 +174,8 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Sft(_)
             | Command::Dpo(_)
             | Command::Kto(_)
+            | Command::Orpo(_)
+            | Command::Cpo(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -1,5 +1,5 @@
-//! SFT, DPO, KTO and reward models against TRL 1.16's SFTTrainer, DPOTrainer, KTOTrainer and
-//! RewardTrainer themselves
+//! SFT, DPO, KTO, ORPO, CPO (SimPO, AlphaPO) and reward models against TRL 1.16's SFTTrainer,
+//! DPOTrainer, KTOTrainer, RewardTrainer and experimental ORPOTrainer and CPOTrainer themselves
 //! (`scripts/gen_trainers_reference.py`, transformers 5.24, torch on the CPU): the same tiny
 //! model (`bench-qwen2-micro`) and rows, one batch per step, AdamW at 1e-3 with gradients
 //! clipped at 1; each of 3 steps' metrics equal within 1e-4 — the first from the same weights,
@@ -192,4 +192,84 @@ fn three_reward_model_steps_match_trls_reward_trainer() {
             "grad_norm",
         ],
     );
+}
+
+const PAIR_KEYS: &[&str] = &[
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "nll_loss",
+];
+
+fn with_odds(keys: &[&'static str]) -> Vec<&'static str> {
+    let mut k = keys.to_vec();
+    k.extend(["log_odds_ratio", "log_odds_chosen"]);
+    k
+}
+
+/// ORPO (TRL's experimental ORPOTrainer): no reference model; the NLL over the chosen
+/// sequences' prompt and completion, the odds ratio on token-averaged log-probs.
+#[test]
+fn three_orpo_steps_match_trls_orpo_trainer() {
+    let ours = run("orpo", "reward_pairs.jsonl", "[orpo]\nbeta = 0.1\n");
+    compare(&ours, &reference()["orpo"], &with_odds(PAIR_KEYS));
+}
+
+/// ORPO on conversations (a system turn in one prompt): the chat template renders the prompt
+/// with the generation prompt, each completion is the rest of prompt + completion.
+#[test]
+fn three_orpo_steps_on_conversations_match_trls_orpo_trainer() {
+    let ours = run("orpo", "pairs_chat.jsonl", "[orpo]\nbeta = 0.25\n");
+    compare(&ours, &reference()["orpo_chat"], &with_odds(PAIR_KEYS));
+}
+
+/// CPO's default sigmoid loss on summed log-probs with the behaviour-cloning term.
+#[test]
+fn three_cpo_steps_match_trls_cpo_trainer() {
+    let ours = run("cpo", "reward_pairs.jsonl", "[cpo]\nbeta = 0.1\n");
+    compare(&ours, &reference()["cpo"], PAIR_KEYS);
+}
+
+/// SimPO (CPO's `simpo` loss type: token-averaged log-probs, target margin γ) with a
+/// behaviour-cloning term, and AlphaPO (`alphapo`: simpo without it, AlphaPO's reward shape).
+#[test]
+fn three_simpo_and_alphapo_steps_match_trls_cpo_trainer() {
+    let simpo = "[cpo]\nloss_type = \"simpo\"\nbeta = 2.0\nsimpo_gamma = 0.5\ncpo_alpha = 0.5\n";
+    let ours = run("cpo", "reward_pairs.jsonl", simpo);
+    compare(&ours, &reference()["cpo_simpo"], PAIR_KEYS);
+    let alphapo = "[cpo]\nloss_type = \"alphapo\"\nbeta = 2.5\nalpha = 0.25\n";
+    let ours = run("cpo", "reward_pairs.jsonl", alphapo);
+    compare(&ours, &reference()["cpo_alphapo"], PAIR_KEYS);
+}
+
+/// TRL's `tokenize_row` details: a prompt whose last token merges into the chosen completion
+/// (the chosen side's prompt one token shorter than the rejected side's), BOS put before every
+/// prompt (the tokenizer given `<|im_start|>` as its BOS token), EOS after every completion
+/// unless the text ends with it, and completions cut at `max_length` after their prompt.
+#[test]
+fn three_orpo_steps_with_bos_merges_and_truncation_match_trls_orpo_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("bos-model");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(fixtures().join("bench-qwen2-micro")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), model.join(e.file_name())).unwrap();
+    }
+    let cfg_path = model.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["bos_token"] = "<|im_start|>".into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let ours = run_on(
+        model.to_str().unwrap(),
+        "orpo",
+        "pairs_merge.jsonl",
+        "[orpo]\nbeta = 0.1\nmax_length = 14\n",
+    );
+    compare(&ours, &reference()["orpo_bos_merge"], &with_odds(PAIR_KEYS));
 }

@@ -13,7 +13,8 @@ use anyhow::{Context, Result, bail};
 use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
 use grpo_core::preference::{
-    DpoConfig, DpoLossType, FDivergence, KtoConfig, KtoLossType, SftLossType,
+    CpoConfig, CpoLossType, DpoConfig, DpoLossType, FDivergence, KtoConfig, KtoLossType,
+    SftLossType,
 };
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
@@ -48,11 +49,17 @@ pub enum Algorithm {
     /// On-policy distillation (TRL's DistillationTrainer): the policy samples completions and
     /// learns the teacher's next-token distributions on them (`[distillation]`).
     Distillation,
+    /// Odds-ratio preference optimisation (TRL's ORPOTrainer): preference pairs, no reference
+    /// model; the chosen sequences' NLL plus an odds-ratio term (`[orpo]`).
+    Orpo,
+    /// Contrastive preference optimisation (TRL's CPOTrainer) with its SimPO and AlphaPO loss
+    /// types: preference pairs, no reference model (`[cpo]`).
+    Cpo,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 7] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -60,6 +67,8 @@ impl Algorithm {
         Algorithm::Rloo,
         Algorithm::Reward,
         Algorithm::Distillation,
+        Algorithm::Orpo,
+        Algorithm::Cpo,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -77,7 +86,7 @@ impl Algorithm {
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, the others (GRPO, RLOO, DPO, KTO, distillation) 1e-6.
+    /// RewardConfig 1e-4, the others (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Sft => 2e-5,
@@ -96,7 +105,14 @@ impl Algorithm {
             Self::Rloo => "rloo",
             Self::Reward => "reward",
             Self::Distillation => "distillation",
+            Self::Orpo => "orpo",
+            Self::Cpo => "cpo",
         }
+    }
+
+    /// Whether the run trains on preference pairs without a reference model (ORPO, CPO).
+    pub fn reference_free_pairs(self) -> bool {
+        matches!(self, Algorithm::Orpo | Algorithm::Cpo)
     }
 }
 
@@ -109,7 +125,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of distillation, dpo, grpo, kto, reward, rloo, sft"
+                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, grpo, kto, orpo, reward, rloo, sft"
                 )
             })
     }
@@ -196,6 +212,11 @@ pub struct TrainConfig {
     pub reward: RewardSection,
     /// On-policy distillation (`algorithm = "distillation"`, TRL's DistillationConfig).
     pub distillation: DistillationSection,
+    /// Odds-ratio preference optimisation (`algorithm = "orpo"`, TRL's ORPOConfig).
+    pub orpo: OrpoSection,
+    /// Contrastive preference optimisation, SimPO and AlphaPO (`algorithm = "cpo"`, TRL's
+    /// CPOConfig).
+    pub cpo: CpoSection,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -431,6 +452,115 @@ impl KtoSection {
     }
 }
 
+/// `[orpo]`: TRL's ORPOTrainer (odds-ratio preference optimisation) on preference pairs, no
+/// reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OrpoSection {
+    /// λ of the paper, the odds-ratio term's weight (TRL's `beta`, default 0.1).
+    pub beta: f64,
+    /// The preferred completion's column.
+    pub chosen_field: String,
+    /// The dispreferred completion's column.
+    pub rejected_field: String,
+    /// Most prompt + completion tokens of each side: the completion is cut to fit after its
+    /// prompt, and a pair with nothing left of a completion is dropped. Default 1024.
+    pub max_length: usize,
+}
+
+impl Default for OrpoSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            chosen_field: "chosen".into(),
+            rejected_field: "rejected".into(),
+            max_length: 1024,
+        }
+    }
+}
+
+/// CPO's `loss_type` as the config spells it: grpo-core's types and TRL's `alphapo` (simpo
+/// without the behaviour-cloning term).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpoLoss {
+    /// CPO's sigmoid loss on summed log-probs (the default).
+    #[default]
+    Sigmoid,
+    /// SLiC's hinge loss.
+    Hinge,
+    /// IPO on token-averaged log-probs.
+    Ipo,
+    /// SimPO on token-averaged log-probs with the target margin `simpo_gamma`.
+    Simpo,
+    /// AlphaPO: simpo with `cpo_alpha = 0` and the reward shape `alpha`.
+    Alphapo,
+}
+
+/// `[cpo]`: TRL's CPOTrainer (contrastive preference optimisation; SimPO and AlphaPO as its
+/// loss types) on preference pairs, no reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CpoSection {
+    /// β (default 0.1); ipo's τ.
+    pub beta: f64,
+    /// sigmoid (default) | hinge | ipo | simpo | alphapo.
+    pub loss_type: CpoLoss,
+    /// Label smoothing ε of sigmoid and simpo (default 0).
+    pub label_smoothing: f64,
+    /// The behaviour-cloning term's weight (the chosen completions' NLL): default 1, 0 with
+    /// `alphapo` (which refuses another value).
+    pub cpo_alpha: Option<f64>,
+    /// SimPO's target reward margin γ (default 0.5).
+    pub simpo_gamma: f64,
+    /// AlphaPO's reward shape α: 0 (default) rewards the log-prob, otherwise
+    /// `(1 − p^(−α)) / α`; every loss type takes it.
+    pub alpha: f64,
+    /// The preferred completion's column.
+    pub chosen_field: String,
+    /// The dispreferred completion's column.
+    pub rejected_field: String,
+    /// Most prompt + completion tokens of each side (as `orpo.max_length`). Default 1024.
+    pub max_length: usize,
+}
+
+impl Default for CpoSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.1,
+            loss_type: CpoLoss::Sigmoid,
+            label_smoothing: 0.0,
+            cpo_alpha: None,
+            simpo_gamma: 0.5,
+            alpha: 0.0,
+            chosen_field: "chosen".into(),
+            rejected_field: "rejected".into(),
+            max_length: 1024,
+        }
+    }
+}
+
+impl CpoSection {
+    /// grpo-core's CPO options (`alphapo` resolved to simpo without the NLL term).
+    pub fn cpo_config(&self) -> CpoConfig {
+        let (loss_type, bc) = match self.loss_type {
+            CpoLoss::Sigmoid => (CpoLossType::Sigmoid, 1.0),
+            CpoLoss::Hinge => (CpoLossType::Hinge, 1.0),
+            CpoLoss::Ipo => (CpoLossType::Ipo, 1.0),
+            CpoLoss::Simpo => (CpoLossType::Simpo, 1.0),
+            CpoLoss::Alphapo => (CpoLossType::Simpo, 0.0),
+        };
+        CpoConfig {
+            beta: self.beta,
+            label_smoothing: self.label_smoothing,
+            loss_type,
+            cpo_alpha: self.cpo_alpha.unwrap_or(bc),
+            simpo_gamma: self.simpo_gamma,
+            alpha: self.alpha,
+        }
+    }
+}
+
 /// `[dpo]`: TRL's DPOTrainer against the frozen reference model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -556,6 +686,8 @@ impl Default for TrainConfig {
             sft: SftSection::default(),
             dpo: DpoSection::default(),
             kto: KtoSection::default(),
+            orpo: OrpoSection::default(),
+            cpo: CpoSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -1389,6 +1521,14 @@ pub fn load(path: &Path, sets: &[String]) -> Result<TrainConfig> {
 }
 
 impl TrainConfig {
+    /// ORPO's or CPO's chosen and rejected columns (`[orpo]` or `[cpo]`, by the algorithm).
+    pub fn pair_fields(&self) -> (&str, &str) {
+        match self.algorithm {
+            Algorithm::Cpo => (&self.cpo.chosen_field, &self.cpo.rejected_field),
+            _ => (&self.orpo.chosen_field, &self.orpo.rejected_field),
+        }
+    }
+
     /// Whether the training rows are shuffled: `train.shuffle_dataset`, else TRL's default
     /// (KTO reads its rows in order, every other trainer shuffles).
     pub fn shuffles(&self) -> bool {
@@ -1515,6 +1655,41 @@ impl TrainConfig {
                 return Err(format!("`dpo.ld_alpha` must be in [0, 1], got {a}"));
             }
         }
+        if self.algorithm == Algorithm::Orpo {
+            let b = self.orpo.beta;
+            if !(b > 0.0 && b.is_finite()) {
+                return Err(format!("`orpo.beta` must be > 0, got {b}"));
+            }
+        }
+        if self.algorithm == Algorithm::Cpo {
+            let c = &self.cpo;
+            if c.loss_type == CpoLoss::Alphapo && c.cpo_alpha.is_some_and(|a| a != 0.0) {
+                return Err(
+                    "`cpo.loss_type = \"alphapo\"` is simpo with `cpo_alpha = 0`: for a \
+                            behaviour-cloning term use loss_type = \"simpo\" with `alpha`"
+                        .into(),
+                );
+            }
+            c.cpo_config()
+                .validate()
+                .map_err(|e| format!("`cpo`: {e}"))?;
+        }
+        if self.algorithm.reference_free_pairs() {
+            let (chosen, rejected) = self.pair_fields();
+            if chosen == rejected {
+                return Err(format!(
+                    "`{a}.chosen_field` and `{a}.rejected_field` must differ",
+                    a = self.algorithm
+                ));
+            }
+            if self.reference.beta != 0.0 || self.reference.sync_ref_model {
+                return Err(format!(
+                    "{} has no reference model: leave `reference.beta` at 0 and \
+                     `reference.sync_ref_model` off",
+                    self.algorithm
+                ));
+            }
+        }
         if self.algorithm == Algorithm::Rloo {
             let r = &self.rloo;
             if !(r.beta >= 0.0 && r.beta.is_finite()) {
@@ -1583,6 +1758,8 @@ impl TrainConfig {
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)
             || (self.algorithm == Algorithm::Kto && self.kto.max_length < 2)
+            || (self.algorithm == Algorithm::Orpo && self.orpo.max_length < 2)
+            || (self.algorithm == Algorithm::Cpo && self.cpo.max_length < 2)
             || (self.algorithm == Algorithm::Reward && self.reward.max_length < 1)
         {
             if self.algorithm == Algorithm::Reward {
@@ -1810,9 +1987,12 @@ impl TrainConfig {
             Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation => {
                 self.train.prompts_per_step * self.rollout.num_generations
             }
-            Algorithm::Sft | Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward => {
-                self.train.prompts_per_step
-            }
+            Algorithm::Sft
+            | Algorithm::Dpo
+            | Algorithm::Kto
+            | Algorithm::Reward
+            | Algorithm::Orpo
+            | Algorithm::Cpo => self.train.prompts_per_step,
         }
     }
 
@@ -1838,7 +2018,7 @@ impl TrainConfig {
     pub fn dropout_disabled(&self) -> bool {
         self.train.disable_dropout.unwrap_or(matches!(
             self.algorithm,
-            Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward
+            Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward | Algorithm::Orpo | Algorithm::Cpo
         ))
     }
 

@@ -152,6 +152,11 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
             Some(cfg.dpo.chosen_field.clone())
         }
         Algorithm::Kto if has("chosen") && has("rejected") => Some("chosen".into()),
+        Algorithm::Orpo | Algorithm::Cpo
+            if has(cfg.pair_fields().0) && has(cfg.pair_fields().1) =>
+        {
+            Some(cfg.pair_fields().0.to_string())
+        }
         Algorithm::Reward if has(&cfg.reward.chosen_field) && has(&cfg.reward.rejected_field) => {
             Some(cfg.reward.chosen_field.clone())
         }
@@ -169,6 +174,19 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
         Algorithm::Dpo => {
             for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
                 data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
+            }
+        }
+        Algorithm::Orpo | Algorithm::Cpo => {
+            let a = cfg.algorithm;
+            let (chosen, rejected) = cfg.pair_fields();
+            for col in [chosen, rejected] {
+                data.require_column(
+                    col,
+                    &format!(
+                        "{} (`{a}.chosen_field` / `{a}.rejected_field`)",
+                        a.as_str().to_uppercase()
+                    ),
+                )?;
             }
         }
         Algorithm::Reward => {

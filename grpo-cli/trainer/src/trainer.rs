@@ -1,6 +1,6 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
-//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`], [`RlooTrainer`],
-//! [`RewardTrainer`], [`DistillationTrainer`]) or chosen by name
+//! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
+//! [`OrpoTrainer`], [`CpoTrainer`], [`RlooTrainer`], [`RewardTrainer`], [`DistillationTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -33,6 +33,12 @@ pub struct Dpo;
 /// KTO (`[kto]`).
 #[derive(Debug, Clone, Copy)]
 pub struct Kto;
+/// ORPO (`[orpo]`, TRL's ORPOTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Orpo;
+/// CPO, SimPO and AlphaPO (`[cpo]`, TRL's CPOTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Cpo;
 /// RLOO (`[rloo]`, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct Rloo;
@@ -58,6 +64,12 @@ impl TrainerKind for Dpo {
 impl TrainerKind for Kto {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Kto);
 }
+impl TrainerKind for Orpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Orpo);
+}
+impl TrainerKind for Cpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Cpo);
+}
 impl TrainerKind for Rloo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Rloo);
 }
@@ -81,6 +93,11 @@ pub type SftTrainer = Trainer<Sft>;
 pub type DpoTrainer = Trainer<Dpo>;
 /// A KTO trainer.
 pub type KtoTrainer = Trainer<Kto>;
+/// An ORPO trainer: preference pairs, no reference model.
+pub type OrpoTrainer = Trainer<Orpo>;
+/// A CPO trainer (also SimPO and AlphaPO, by `cpo.loss_type`): preference pairs, no reference
+/// model.
+pub type CpoTrainer = Trainer<Cpo>;
 /// An RLOO trainer.
 pub type RlooTrainer = Trainer<Rloo>;
 /// A reward-model trainer: a sequence classifier learns to score chosen above rejected.

@@ -1,4 +1,4 @@
-//! SFT, DPO, KTO and reward models on the GRPO learner: the same optimizer, schedule, gradient accumulation and
+//! SFT, DPO, KTO, ORPO, CPO and reward models on the GRPO learner: the same optimizer, schedule, gradient accumulation and
 //! clipping, run directory, metrics, progress, checkpoints and exact resume; only the step's
 //! loss differs (grpo-core's `preference` module).
 //!
@@ -11,6 +11,8 @@
 //!   under both, and the micro-batch's KL estimate from mismatched prompt/completion pairs.
 //! * Reward: prompt + `reward.chosen_field` / `reward.rejected_field` as two whole sequences,
 //!   each scored by the classifier's `score` head (TRL's RewardTrainer, Bradley-Terry loss).
+//! * ORPO and CPO: prompt + chosen / rejected as TRL's experimental trainers tokenise them,
+//!   the policy's log-probs alone (no reference model) and an NLL term on the chosen side.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -52,6 +54,10 @@ pub struct Row {
     pub segments: Vec<usize>,
     /// Reward modelling: the pair's margin (`reward.margin_field`; 0 without the column).
     pub margin: f64,
+    /// ORPO and CPO: the rejected side's prompt ids when they differ from `prompt` (TRL
+    /// tokenises each side's prompt with its completion, so a merged last token can differ);
+    /// empty: the same as `prompt`.
+    pub rejected_prompt: Vec<u32>,
 }
 
 /// Tokenises a batch of samples for the run's algorithm; SFT rows are packed into
@@ -78,6 +84,16 @@ pub fn rows_packed(
         Algorithm::Kto => kto_rows(cfg, tok, samples)?,
         // TRL filters reward pairs by length; it does not cut them.
         Algorithm::Reward => return reward_rows(cfg, tok, samples),
+        // TRL's ORPO and CPO cut each side's completion to fit after its prompt themselves.
+        a if a.reference_free_pairs() => {
+            return Ok(samples
+                .iter()
+                .map(|s| pair_row(cfg, tok, s))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .flatten()
+                .collect());
+        }
         _ => samples
             .iter()
             .map(|s| row(cfg, tok, s))
@@ -146,6 +162,7 @@ fn packed_row<'a>(
         rejected: Vec::new(),
         desirable: true,
         segments,
+        rejected_prompt: Vec::new(),
         margin: 0.0,
     })
 }
@@ -175,6 +192,7 @@ fn kto_rows(
             rejected: Vec::new(),
             desirable,
             segments: Vec::new(),
+            rejected_prompt: Vec::new(),
             margin: 0.0,
         })
     };
@@ -297,10 +315,172 @@ fn reward_rows(
             rejected,
             desirable: true,
             segments: Vec::new(),
+            rejected_prompt: Vec::new(),
             margin,
         });
     }
     Ok(out)
+}
+
+/// A preference pair as TRL 1.16's experimental ORPO and CPO trainers read it: the prompt,
+/// chosen and rejected texts (a conversation rendered by the chat template, TRL's
+/// `maybe_apply_chat_template`: the prompt with the generation prompt, each completion as the
+/// rest of the rendered prompt + completion), then TRL's `tokenize_row`: each side tokenised
+/// as prompt + completion without special tokens, its prompt the leading tokens of the prompt
+/// alone (one fewer when the last one merges into the completion), BOS put before each prompt
+/// and EOS after each completion unless already there, each completion cut to
+/// `max_length` − its prompt. `None` (dropped) when a completion has no token left to score
+/// (TRL's loss would be NaN).
+fn pair_row(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    s: &Sample,
+) -> Result<Option<Row>> {
+    let (chosen_field, rejected_field) = cfg.pair_fields();
+    let max_length = match cfg.algorithm {
+        Algorithm::Cpo => cfg.cpo.max_length,
+        _ => cfg.orpo.max_length,
+    };
+    let (prompt, chosen, rejected) = match cfg.data.prompt_field == chosen_field {
+        true => implicit_prompt(s, rejected_field)?,
+        false => (
+            s.prompt.clone(),
+            s.get(chosen_field).cloned(),
+            s.get(rejected_field).cloned(),
+        ),
+    };
+    let (p, c, r) = pair_texts(
+        tok,
+        s,
+        &prompt,
+        [
+            (chosen.as_ref(), chosen_field),
+            (rejected.as_ref(), rejected_field),
+        ],
+    )?;
+    let prompt_ids = tok.encode(&p, false)?;
+    // TRL's `build_tokenized_answer`.
+    let side = |answer: &str| -> Result<(Vec<u32>, Vec<u32>)> {
+        let full = tok.encode(&format!("{p}{answer}"), false)?;
+        let mut start = prompt_ids.len();
+        if full.get(..start) != Some(&prompt_ids[..]) {
+            start = start.saturating_sub(1);
+        }
+        let start = start.min(full.len());
+        Ok((full[..start].to_vec(), full[start..].to_vec()))
+    };
+    let (mut cp, mut ca) = side(&c)?;
+    let (mut rp, mut ra) = side(&r)?;
+    let differ = cp.iter().zip(&rp).filter(|(a, b)| a != b).count();
+    if differ > 1 || cp.len().abs_diff(rp.len()) > 1 {
+        bail!(
+            "row {}: the prompt tokenises differently before `{chosen_field}` and              `{rejected_field}` beyond its last token",
+            s.index
+        );
+    }
+    let id = |t: Option<&str>| t.and_then(|t| tok.inner.token_to_id(t));
+    if let Some(bos) = id(tok.bos_token.as_deref()) {
+        for ids in [&mut cp, &mut rp] {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+    }
+    let eos = id(tok.eos_token.as_deref()).or(tok.eos_token_ids.first().copied());
+    if let Some(eos) = eos {
+        for ids in [&mut ca, &mut ra] {
+            if ids.last() != Some(&eos) {
+                ids.push(eos);
+            }
+        }
+    }
+    ca.truncate(max_length.saturating_sub(cp.len()));
+    ra.truncate(max_length.saturating_sub(rp.len()));
+    // A completion's tokens with a prediction (without a prompt its first token has none).
+    let scored = |p: &[u32], a: &[u32]| a.len() - usize::from(p.is_empty() && !a.is_empty());
+    if scored(&cp, &ca) == 0 || scored(&rp, &ra) == 0 {
+        return Ok(None);
+    }
+    Ok(Some(Row {
+        index: s.index,
+        mask: vec![1; ca.len()],
+        rejected_prompt: if rp == cp { Vec::new() } else { rp },
+        prompt: cp,
+        completion: ca,
+        rejected: ra,
+        desirable: true,
+        segments: Vec::new(),
+        margin: 0.0,
+    }))
+}
+
+/// The prompt, chosen and rejected texts of a pair, as TRL's `maybe_apply_chat_template`
+/// makes them: plain text as it is; a conversation's prompt rendered with the generation
+/// prompt (none after an assistant turn) and each completion the rest of the rendered prompt
+/// + completion after the three renderings' common beginning; a plain-text completion after a
+/// conversation prompt as it is.
+fn pair_texts(
+    tok: &grpo_rollout::Tokenizer,
+    s: &Sample,
+    prompt: &Prompt,
+    sides: [(Option<&grpo_data::Value>, &str); 2],
+) -> Result<(String, String, String)> {
+    use grpo_data::Value;
+    let index = s.index;
+    let at = || format!("row {index}");
+    for (v, field) in sides {
+        if v.is_none_or(Value::is_null) {
+            bail!("row {index}: column `{field}` is empty");
+        }
+        if let (Prompt::Text(_), Some(Value::Messages(_))) = (prompt, v) {
+            bail!("row {index}: `{field}` is a conversation but the prompt is plain text");
+        }
+    }
+    let [(c, _), (r, _)] = sides;
+    let text = |v: Option<&Value>| v.and_then(Value::as_text).unwrap_or_default();
+    let Prompt::Conversation(p) = prompt else {
+        let Prompt::Text(p) = prompt else {
+            unreachable!()
+        };
+        return Ok((p.clone(), text(c), text(r)));
+    };
+    let tools = row_tools(s)?;
+    let template = tok.compile_chat_template().with_context(at)?;
+    let generation = p.last().is_none_or(|m| m.role != "assistant");
+    let rendered = template
+        .render_with_tools(&chat_messages(p), &tools, generation)
+        .with_context(at)?;
+    let whole = |v: Option<&Value>| -> Result<Option<String>> {
+        let Some(Value::Messages(turns)) = v else {
+            return Ok(None);
+        };
+        let mut all = p.clone();
+        all.extend(turns.iter().cloned());
+        Ok(Some(
+            template
+                .render_with_tools(&chat_messages(&all), &tools, false)
+                .with_context(at)?,
+        ))
+    };
+    let (wc, wr) = (whole(c)?, whole(r)?);
+    let mut shared = rendered.len();
+    for w in [&wc, &wr].into_iter().flatten() {
+        shared = shared.min(common_char_prefix(&rendered, w));
+    }
+    let prompt_text = rendered[..shared].to_string();
+    let rest = |w: Option<String>, v: Option<&Value>| match w {
+        Some(w) => w[shared..].to_string(),
+        None => text(v),
+    };
+    Ok((prompt_text, rest(wc, c), rest(wr, r)))
+}
+
+/// The byte length of the longest common prefix of `a` and `b`, in whole characters.
+fn common_char_prefix(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map_or(a.len().min(b.len()), |((i, _), _)| i)
 }
 
 /// A row cut to `max` prompt + completion tokens, keeping the start (TRL's `keep_start`, its
@@ -381,6 +561,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
             rejected,
             desirable: true,
             segments: Vec::new(),
+            rejected_prompt: Vec::new(),
             margin: 0.0,
         });
     }
@@ -463,6 +644,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         rejected: Vec::new(),
         desirable: true,
         segments: Vec::new(),
+        rejected_prompt: Vec::new(),
         margin: 0.0,
     })
 }
@@ -731,6 +913,71 @@ impl Learner {
         Ok((lp * mask)?.sum(D::Minus1)?)
     }
 
+    /// ORPO's or CPO's loss on a micro-batch of pairs, as TRL's experimental trainers compute
+    /// it: the chosen then the rejected sequences in one forward; each completion's log-prob
+    /// summed, or averaged over its tokens (ORPO; CPO's ipo and simpo); the NLL term the mean
+    /// token NLL of the chosen sequences (ORPO: prompt and completion, every token after the
+    /// first; CPO: the completion).
+    fn pair_loss(
+        &self,
+        model: &grpo_rollout::Transformer,
+        part: &[Row],
+    ) -> Result<grpo_core::preference::PairLossOutput> {
+        let orpo = self.cfg.algorithm == Algorithm::Orpo;
+        let cpo = self.cfg.cpo.cpo_config();
+        let k = part.len();
+        let seqs: Vec<(Vec<u32>, usize)> = part
+            .iter()
+            .map(|r| {
+                let seq = r.prompt.iter().chain(&r.completion).copied().collect();
+                (seq, r.prompt.len())
+            })
+            .chain(part.iter().map(|r| {
+                let p = match r.rejected_prompt.is_empty() {
+                    true => &r.prompt,
+                    false => &r.rejected_prompt,
+                };
+                (p.iter().chain(&r.rejected).copied().collect(), p.len())
+            }))
+            .collect();
+        // Every sequence whole after its first token: position t predicts token t + 1.
+        let firsts: Vec<&[u32]> = seqs.iter().map(|(q, _)| &q[..1]).collect();
+        let rests: Vec<&[u32]> = seqs.iter().map(|(q, _)| &q[1..]).collect();
+        let pad = self.tokenizer.pad_token_id;
+        let (lp, _, c) = completion_logps(model, pad, &firsts, &rests, 1.0, false)?;
+        let (mut answer, mut nll) = (vec![0f32; 2 * k * c], vec![0f32; 2 * k * c]);
+        for (j, (q, plen)) in seqs.iter().enumerate() {
+            let (start, end) = (plen.saturating_sub(1), q.len() - 1);
+            answer[j * c + start..j * c + end].fill(1.0);
+            if j < k {
+                let from = if orpo { 0 } else { start };
+                nll[j * c + from..j * c + end].fill(1.0);
+            }
+        }
+        let (dt, dev) = (lp.dtype(), lp.device());
+        let mask = |v: Vec<f32>| -> Result<Tensor> {
+            Ok(Tensor::from_vec(v, (2 * k, c), dev)?.to_dtype(dt)?)
+        };
+        let answer = mask(answer)?;
+        let mut logps = (&lp * &answer)?.sum(D::Minus1)?;
+        if orpo || cpo.loss_type.averages_log_probs() {
+            logps = (logps / answer.sum(D::Minus1)?)?;
+        }
+        let (chosen, rejected) = (logps.narrow(0, 0, k)?, logps.narrow(0, k, k)?);
+        // TRL's `CrossEntropyLoss` over the chosen tokens (CPO skips it at cpo_alpha = 0).
+        let nll = match orpo || cpo.cpo_alpha != 0.0 {
+            true => {
+                let nll = mask(nll)?;
+                ((&lp * &nll)?.sum_all()?.neg()? / nll.sum_all()?)?
+            }
+            false => Tensor::zeros((), dt, dev)?,
+        };
+        Ok(match orpo {
+            true => grpo_core::preference::orpo_loss(&chosen, &rejected, &nll, self.cfg.orpo.beta)?,
+            false => grpo_core::preference::cpo_loss(&chosen, &rejected, &nll, &cpo)?,
+        })
+    }
+
     /// One SFT or DPO step over `rows`: the losses of the micro-batches, their gradients summed,
     /// clipped, one AdamW update. `dpo_ref`: cached reference log-probs by row index.
     pub fn supervised_step(
@@ -752,6 +999,7 @@ impl Learner {
         let dpo = self.cfg.algorithm == Algorithm::Dpo;
         let kto = self.cfg.algorithm == Algorithm::Kto;
         let reward = self.cfg.algorithm == Algorithm::Reward;
+        let pairs = self.cfg.algorithm.reference_free_pairs();
         // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
         // then undesirable rows, and the KL estimate weighted by micro-batch share.
         let (mut kto_sums, mut kto_kl) = ([0f64; 6], 0f64);
@@ -832,6 +1080,20 @@ impl Learner {
                 add("rewards/margins", out.rewards_margins, share);
                 add("logps/chosen", out.logps_chosen, share);
                 add("logps/rejected", out.logps_rejected, share);
+                (out.loss * share)?
+            } else if pairs {
+                let out = self.pair_loss(&model, part)?;
+                add("rewards/chosen", out.rewards_chosen, share);
+                add("rewards/rejected", out.rewards_rejected, share);
+                add("rewards/accuracies", out.rewards_accuracies, share);
+                add("rewards/margins", out.rewards_margins, share);
+                add("logps/chosen", out.logps_chosen, share);
+                add("logps/rejected", out.logps_rejected, share);
+                add("nll_loss", out.nll_loss, share);
+                if let (Some(r), Some(c)) = (out.log_odds_ratio, out.log_odds_chosen) {
+                    add("log_odds_ratio", r, share);
+                    add("log_odds_chosen", c, share);
+                }
                 (out.loss * share)?
             } else if reward {
                 // TRL's RewardTrainer: chosen and rejected scored in one batch.
@@ -998,7 +1260,15 @@ impl Learner {
             m.insert("learning_rate".into(), lr);
             let tokens: usize = rows
                 .iter()
-                .map(|r| r.prompt.len() + r.completion.len() + r.rejected.len())
+                .map(|r| {
+                    let rp =
+                        match r.rejected.is_empty() || !self.cfg.algorithm.reference_free_pairs() {
+                            true => 0,
+                            false if r.rejected_prompt.is_empty() => r.prompt.len(),
+                            false => r.rejected_prompt.len(),
+                        };
+                    r.prompt.len() + r.completion.len() + rp + r.rejected.len()
+                })
                 .sum();
             self.state.num_tokens += tokens as u64;
             m.insert("num_tokens".into(), self.state.num_tokens as f64);
@@ -1028,6 +1298,8 @@ pub fn run(
                     Algorithm::Dpo => (c.dpo.max_length, "a prompt fills it"),
                     Algorithm::Kto => (c.kto.max_length, "a prompt fills it"),
                     Algorithm::Reward => (c.reward.max_length, "a side of each pair is longer"),
+                    Algorithm::Orpo => (c.orpo.max_length, "a prompt fills it"),
+                    Algorithm::Cpo => (c.cpo.max_length, "a prompt fills it"),
                     _ => (
                         c.sft.max_length,
                         "a prompt fills it, or no loss token is left",
