@@ -53,7 +53,7 @@ fn fixture(arch: Arch) -> tempfile::TempDir {
 
 fn config_text(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> String {
     let data = match algorithm {
-        "dpo" => "dpo.jsonl",
+        "dpo" | "orpo" | "cpo" => "dpo.jsonl",
         "kto" => "kto.jsonl",
         _ => "sft.jsonl",
     };
@@ -225,11 +225,19 @@ fn resume_is_exact_for_sft_and_dpo() {
     let dir = tempfile::tempdir().unwrap();
     // DPO with TR-DPO's reference sync: the synced reference is part of the checkpoint.
     let sync = "[reference]\nsync_ref_model = true\nref_model_mixup_alpha = 0.5\nref_model_sync_steps = 1\n";
-    for (alg, extra) in [("sft", ""), ("dpo", ""), ("dpo", sync), ("kto", "")] {
+    let lora = "[model.lora]\nr = 4\nlora_alpha = 8\n";
+    for (alg, extra) in [
+        ("sft", ""),
+        ("dpo", ""),
+        ("dpo", sync),
+        ("kto", ""),
+        ("orpo", ""),
+        ("cpo", lora),
+    ] {
         let tag = if extra.is_empty() {
             alg.to_string()
         } else {
-            format!("{alg}-sync")
+            format!("{alg}-{}", extra.len())
         };
         let straight = run(
             setup(dir.path(), &format!("{tag}-all"), alg, 4, extra),
@@ -310,7 +318,7 @@ fn conversations_train_on_assistant_turns_only() {
 #[test]
 fn sft_and_dpo_subcommands() {
     let dir = fixture(Arch::Llama);
-    for alg in ["sft", "dpo", "kto"] {
+    for alg in ["sft", "dpo", "kto", "orpo", "cpo"] {
         // The config says grpo; the subcommand decides.
         let text =
             config_text(dir.path(), alg, alg, 2, "").replace(&format!("algorithm = \"{alg}\""), "");
@@ -354,10 +362,12 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
     assert_eq!(
         grpo_trainer::list_algorithms(),
         vec![
+            "cpo",
             "distillation",
             "dpo",
             "grpo",
             "kto",
+            "orpo",
             "reward",
             "rloo",
             "sft"
@@ -367,7 +377,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of distillation, dpo, grpo, kto, reward, rloo, sft")
+            .contains("expected one of cpo, distillation, dpo, grpo, kto, orpo, reward, rloo, sft")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
@@ -1575,5 +1585,186 @@ fn kto_unpairs_preference_rows() {
         r.metrics.last().unwrap()["rewards/margins"] > 0.5,
         "{:?}",
         r.metrics.last()
+    );
+}
+
+/// ORPO and CPO's SimPO learn the preference without a reference model (none is loaded):
+/// the margin and the accuracy rise, the chosen side's NLL falls, on the CPU and with LoRA
+/// and gradient checkpointing.
+#[test]
+fn orpo_and_simpo_runs_raise_the_margin_without_a_reference_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let simpo = "[cpo]\nloss_type = \"simpo\"\nbeta = 2.0\nsimpo_gamma = 0.5\n";
+    let lora = "gradient_checkpointing = true\n[model.lora]\nr = 8\nlora_alpha = 16\n\
+                target_modules = \"all-linear\"\n";
+    for (alg, extra) in [
+        ("orpo", "[orpo]\nbeta = 0.5\n".to_string()),
+        ("cpo", simpo.to_string()),
+        ("orpo", format!("{lora}[orpo]\nbeta = 0.5\n")),
+    ] {
+        let s = setup(
+            dir.path(),
+            &format!("{alg}-{}", extra.len()),
+            alg,
+            16,
+            &extra,
+        );
+        assert!(s.reference.is_none(), "{alg} keeps no reference model");
+        let r = run(s, &RunOptions::default());
+        let (m0, last) = (&r.metrics[0], r.metrics.last().unwrap());
+        assert!(
+            last["rewards/margins"] > m0["rewards/margins"] + 0.1,
+            "{alg}: {m0:?} -> {last:?}"
+        );
+        assert_eq!(last["rewards/accuracies"], 1.0, "{alg}: {last:?}");
+        assert!(
+            last["nll_loss"] < m0["nll_loss"],
+            "{alg}: {m0:?} -> {last:?}"
+        );
+        assert!(last["loss"] < m0["loss"], "{alg}");
+        if alg == "orpo" {
+            assert!(last["log_odds_chosen"] > m0["log_odds_chosen"], "{last:?}");
+        }
+    }
+}
+
+/// The held-out split reports ORPO's metrics under `eval/`.
+#[test]
+fn orpo_eval_split_reports_its_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(setup(dir.path(), "first", "orpo", 1, ""));
+    let text = config_text(dir.path(), "eval", "orpo", 4, "eval_steps = 2")
+        .replace("[data]\n", "[data]\neval_fraction = 0.25\n");
+    run(
+        setup_text(&dir.path().join("eval.toml"), text),
+        &RunOptions::default(),
+    );
+    let evals = eval_lines(&dir.path().join("eval"));
+    assert_eq!(evals.len(), 2);
+    for e in &evals {
+        for k in [
+            "eval/loss",
+            "eval/rewards/accuracies",
+            "eval/nll_loss",
+            "eval/log_odds_ratio",
+        ] {
+            assert!(e[k].as_f64().is_some_and(f64::is_finite), "{k}: {e}");
+        }
+    }
+}
+
+/// ORPO's and CPO's settings are checked before anything loads, in one line each; a pair
+/// whose completion is missing names its row.
+#[test]
+fn orpo_and_cpo_refuse_bad_settings_and_rows_in_one_line() {
+    let dir = fixture(Arch::Llama);
+    let cases = [
+        ("orpo", "[orpo]\nbeta = 0.0\n", "`orpo.beta` must be > 0"),
+        (
+            "orpo",
+            "[reference]\nbeta = 0.1\n",
+            "orpo has no reference model",
+        ),
+        (
+            "cpo",
+            "[cpo]\nloss_type = \"alphapo\"\ncpo_alpha = 1.0\n",
+            "is simpo with `cpo_alpha = 0`",
+        ),
+        (
+            "cpo",
+            "[cpo]\nloss_type = \"hinge\"\nlabel_smoothing = 0.1\n",
+            "does not apply to loss_type hinge",
+        ),
+        (
+            "cpo",
+            "[cpo]\nloss_type = \"dpo\"\n",
+            "unknown variant `dpo`",
+        ),
+        (
+            "cpo",
+            "[cpo]\nchosen_field = \"rejected\"\n",
+            "`cpo.chosen_field` and `cpo.rejected_field` must differ",
+        ),
+    ];
+    for (alg, extra, want) in cases {
+        let e = config_error(dir.path(), alg, extra);
+        assert!(
+            e.contains(want) && !e.trim().contains('\n'),
+            "{alg} {extra}: {e}"
+        );
+    }
+    // A missing column is named before the run; an empty completion names its row.
+    let text = config_text(
+        dir.path(),
+        "cols",
+        "orpo",
+        1,
+        "[orpo]\nrejected_field = \"worse\"\n",
+    );
+    std::fs::write(dir.path().join("cols.toml"), text).unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::setup(config::load(&dir.path().join("cols.toml"), &[]).unwrap()).unwrap_err()
+    );
+    assert!(e.contains("worse") && e.contains("ORPO"), "{e}");
+    std::fs::write(
+        dir.path().join("dpo.jsonl"),
+        "{\"prompt\": \"a\", \"chosen\": \" b\", \"rejected\": \" c\"}\n\
+         {\"prompt\": \"a\", \"chosen\": null, \"rejected\": \" c\"}\n",
+    )
+    .unwrap();
+    let text = config_text(dir.path(), "rows", "cpo", 1, "")
+        .replace("prompts_per_step = 4", "prompts_per_step = 2")
+        .replace("[train]\n", "[train]\nshuffle_dataset = false\n");
+    let s = setup_text(&dir.path().join("rows.toml"), text);
+    let e = format!(
+        "{:#}",
+        trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap_err()
+    );
+    assert!(e.contains("row 1: column `chosen` is empty"), "{e}");
+}
+
+/// ORPO's rows as TRL tokenises them: without a prompt column the prompt is the pair's common
+/// beginning; every prompt keeps its tokens, the completions end with EOS and are cut to fit
+/// `max_length` after their prompt; a pair left without a completion token is dropped.
+#[test]
+fn orpo_rows_keep_the_prompt_and_cut_the_completions() {
+    let dir = fixture(Arch::Llama);
+    std::fs::write(
+        dir.path().join("implicit.jsonl"),
+        "{\"chosen\": \"Question: yes indeed\", \"rejected\": \"Question: no\"}\n",
+    )
+    .unwrap();
+    let text = config_text(dir.path(), "rows", "orpo", 1, "[orpo]\nmax_length = 8\n").replace(
+        &dir.path().join("dpo.jsonl").display().to_string(),
+        &dir.path().join("implicit.jsonl").display().to_string(),
+    );
+    let s = setup_text(&dir.path().join("rows.toml"), text);
+    let samples = first_rows(&s.train, 1);
+    let tok = &s.tokenizer;
+    let rows = trainer::supervised::rows(&s.cfg, tok, &samples).unwrap();
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    let eos = tok.eos_token_ids[0];
+    let prompt = tok.encode("Question:", false).unwrap();
+    assert_eq!(r.prompt, prompt);
+    assert!(r.rejected_prompt.is_empty(), "both sides share the prompt");
+    for side in [&r.completion, &r.rejected] {
+        assert!(r.prompt.len() + side.len() <= 8);
+    }
+    let whole = |c: &str| {
+        let mut ids = tok.encode(&format!("Question:{c}"), false).unwrap()[prompt.len()..].to_vec();
+        ids.push(eos);
+        ids
+    };
+    assert_eq!(r.rejected, whole(" no")[..r.rejected.len()]);
+    assert_eq!(r.completion, whole(" yes indeed")[..8 - prompt.len()]);
+    // A prompt that fills max_length leaves nothing to score: the pair is dropped.
+    let mut cfg = s.cfg.clone();
+    cfg.orpo.max_length = prompt.len();
+    assert!(
+        trainer::supervised::rows(&cfg, tok, &samples)
+            .unwrap()
+            .is_empty()
     );
 }

@@ -65,20 +65,38 @@ fn bias_none() -> String {
     "none".into()
 }
 
+/// PEFT's `LoraConfig` defaults: r 8, lora_alpha 8, and for Llama, Mistral, Qwen2 and Qwen3
+/// (PEFT's table of default targets) the query and value projections.
+fn peft_r() -> usize {
+    8
+}
+
+fn peft_alpha() -> f64 {
+    8.0
+}
+
+fn peft_targets() -> TargetModules {
+    TargetModules::names(&["q_proj", "v_proj"])
+}
+
 /// LoRA hyper-parameters, with PEFT's names and meanings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoraConfig {
-    /// Rank.
+    /// Rank (PEFT's default 8).
+    #[serde(default = "peft_r")]
     pub r: usize,
     /// Scale numerator: the low-rank path is multiplied by `lora_alpha / r`
-    /// (`lora_alpha / sqrt(r)` with `use_rslora`).
+    /// (`lora_alpha / sqrt(r)` with `use_rslora`); PEFT's default 8.
+    #[serde(default = "peft_alpha")]
     pub lora_alpha: f64,
     /// Dropout on the adapter's input during training.
     #[serde(default)]
     pub lora_dropout: f64,
     /// Which linear layers get adapters: names (any of [`TARGET_MODULES`], or longer suffixes
     /// of a module's full name), `"all-linear"`, or a regular expression on the full name.
+    /// Absent: PEFT's default for these architectures, `["q_proj", "v_proj"]`.
+    #[serde(default = "peft_targets")]
     pub target_modules: TargetModules,
     /// Modules left out even when `target_modules` matches them (same forms).
     #[serde(default)]

@@ -2149,6 +2149,15 @@ layers_to_transform = [0, 1]
             l.layers_to_transform,
             Some(grpo_rollout::lora::Layers::Many(vec![0, 1]))
         );
+        // An empty section takes PEFT's LoraConfig defaults (r 8, alpha 8, q_proj and v_proj).
+        let mut t = minimal();
+        t["model"]["lora"] = serde_json::json!({});
+        let l = from_tree(t, "c").unwrap().model.lora.unwrap();
+        assert_eq!((l.r, l.lora_alpha), (8, 8.0));
+        assert_eq!(
+            l.target_modules,
+            grpo_rollout::lora::TargetModules::Names(vec!["q_proj".into(), "v_proj".into()])
+        );
         // A single layer, as peft also writes it.
         let mut t = minimal();
         t["model"]["lora"] = parse_toml_tree(
