@@ -654,3 +654,36 @@ fn distillation_config_trains_the_student_on_its_samples() {
         assert!(m.contains_key("rewards/accuracy/mean"));
     }
 }
+
+/// `configs/orpo.toml` and `configs/simpo.toml` train on the example preference pairs without a
+/// reference model.
+#[test]
+fn orpo_and_simpo_configs_train_on_the_example_pairs() {
+    for (name, algorithm) in [
+        ("orpo.toml", grpo_trainer::Algorithm::Orpo),
+        ("simpo.toml", grpo_trainer::Algorithm::Cpo),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (model, _) = fixture(dir.path());
+        let data = configs_dir().join("data/preference_pairs.jsonl");
+        let sets = vec![
+            format!("output_dir={}", quote(&dir.path().join("run"))),
+            format!("model.path={}", quote(&model)),
+            format!("data.path=[{}]", quote(&data)),
+            "train.max_steps=2".to_string(),
+            "train.save_steps=2".to_string(),
+        ];
+        let cfg = config::load(&configs_dir().join(name), &sets).unwrap();
+        assert_eq!(cfg.algorithm, algorithm);
+        let s = trainer::setup(cfg).unwrap();
+        assert!(s.reference.is_none(), "{name}");
+        let r = trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
+        assert_eq!(r.total_steps, 2);
+        for m in &r.metrics {
+            assert!(
+                m["loss"].is_finite() && m["rewards/margins"].is_finite(),
+                "{name}: {m:?}"
+            );
+        }
+    }
+}

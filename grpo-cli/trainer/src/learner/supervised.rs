@@ -416,9 +416,9 @@ fn pair_row(
 
 /// The prompt, chosen and rejected texts of a pair, as TRL's `maybe_apply_chat_template`
 /// makes them: plain text as it is; a conversation's prompt rendered with the generation
-/// prompt (none after an assistant turn) and each completion the rest of the rendered prompt
-/// + completion after the three renderings' common beginning; a plain-text completion after a
-/// conversation prompt as it is.
+/// prompt (none after an assistant turn) and each completion the rest of the rendered
+/// prompt-and-completion after the three renderings' common beginning; a plain-text completion
+/// after a conversation prompt as it is.
 fn pair_texts(
     tok: &grpo_rollout::Tokenizer,
     s: &Sample,
