@@ -202,6 +202,21 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     );
     push(
         format!(
+            "ORPO and SimPO losses (f64 odds) and their gradient norms on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let a = pair_check(&cpu.model, &rows_ids)?;
+            let b = pair_check(&dev.model, &rows_ids)?;
+            let rel = |x: f64, y: f64| (x - y).abs() / x.abs().max(1e-6);
+            Ok((
+                rel(a[0], b[0]).max(rel(a[1], b[1])).max(rel(a[2], b[2])),
+                tol,
+            ))
+        })(),
+    );
+    push(
+        format!(
             "reward-model scores (score head) on {} vs cpu f32",
             device_name(device)
         ),
@@ -544,6 +559,36 @@ fn distill_check(
         }
     }
     Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, sq.sqrt()))
+}
+
+/// ORPO's loss (the first row as chosen, the second as rejected, token-averaged log-probs),
+/// SimPO's with a behaviour-cloning term, and the norm of the ORPO loss's gradient.
+fn pair_check(m: &Transformer, rows: &[Vec<u32>]) -> Result<[f64; 3]> {
+    let s = TrainableModel::full(m)?;
+    let lp = logprobs(&s.model, rows)?;
+    let avg = lp.mean(1)?;
+    let (c, r) = (avg.narrow(0, 0, 1)?, avg.narrow(0, 1, 1)?);
+    let nll = lp.narrow(0, 0, 1)?.mean_all()?.neg()?;
+    let orpo = grpo_core::preference::orpo_loss(&c, &r, &nll, 0.1)?.loss;
+    let cfg = grpo_core::preference::CpoConfig {
+        loss_type: grpo_core::preference::CpoLossType::Simpo,
+        beta: 2.0,
+        ..Default::default()
+    };
+    let simpo = grpo_core::preference::cpo_loss(&c, &r, &nll, &cfg)?.loss;
+    let grads = s.model.backward(&orpo)?;
+    let mut sq = 0.0;
+    for (_, v) in &s.vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            sq += g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?;
+        }
+    }
+    let f = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+    Ok([f(&orpo)?, f(&simpo)?, sq.sqrt()])
 }
 
 /// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).
