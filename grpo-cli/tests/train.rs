@@ -848,12 +848,21 @@ fn trl_loss_variants_and_entropy_control_train_and_log() {
         assert!(v.is_finite(), "{k} = {v}");
         v
     };
-    for (lt, clipped) in [("sapo", false), ("luspo", true), ("vespo", false)] {
+    for (lt, clipped) in [
+        ("sapo", false),
+        ("luspo", true),
+        ("vespo", false),
+        ("gmpo", true),
+    ] {
         let extra = format!("[loss]\nloss_type = \"{lt}\"\n");
         let r = run(base_config(&f.root, lt, &extra), RunOptions::default());
         for m in &r.metrics {
             finite(m, "loss");
             assert_eq!(m.contains_key("clip_ratio/region_mean"), clipped, "{lt}");
+            if lt == "gmpo" {
+                // On-policy every sequence's weight is exp(0) = 1: nothing is clipped.
+                assert_eq!(m["clip_ratio/high_max"], 0.0, "{m:?}");
+            }
             if lt == "vespo" {
                 let phi = finite(m, "vespo/phi_seq_mean");
                 // On-policy (ratio 1): φ(1) = 1 for every sequence.
@@ -919,15 +928,34 @@ fn trl_loss_variants_and_entropy_control_train_and_log() {
         RunOptions::default(),
     );
     assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
+    // GMPO off-policy: a stale generator's samples, its log-space clip at TRL's 0.4 default,
+    // the sequence-level importance weights.
+    let cfg = base_config(
+        &f.root,
+        "gmpo_stale",
+        "[pipeline]\nmax_staleness = 1\n[loss]\nloss_type = \"gmpo\"\n",
+    );
+    let lc = cfg.loss_config();
+    assert_eq!((lc.epsilon_low, lc.epsilon_high), (0.4, 0.4));
+    let r = run(cfg, RunOptions::default());
+    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
     for (set, needle) in [
-        ("loss.loss_type=\"ppo\"", "sapo, luspo, vespo"),
+        ("loss.loss_type=\"ppo\"", "sapo, luspo, vespo, gmpo"),
+        (
+            "loss.loss_type=\"gmpo\"\nloss.vllm_importance_sampling_mode=\"token_mask\"",
+            "weighs whole sequences",
+        ),
+        (
+            "loss.loss_type=\"gmpo\"\nloss.delta=2.0",
+            "does not apply to loss_type gmpo",
+        ),
         ("loss.top_entropy_quantile=2.0", "top_entropy_quantile"),
         (
             "loss.use_adaptive_entropy=true",
             "`loss.use_adaptive_entropy` needs",
         ),
     ] {
-        let mut sets = vec![set.to_string()];
+        let mut sets: Vec<String> = set.split('\n').map(String::from).collect();
         if set.contains("adaptive") {
             sets.push("loss.entropy_coef_max=-1.0".into());
         }

@@ -8,7 +8,7 @@
 //!   scaling), [`advantages::leave_one_out_advantages`] (RLOO),
 //!   [`advantages::normalize_then_sum_advantages`] (GDPO) and TRL's reward metrics.
 //! * [`loss`] works on candle [`Tensor`](candle_core::Tensor)s: [`loss::policy_loss`] for the
-//!   grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo and vespo objectives (with TRL's off-policy
+//!   grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo and gmpo objectives (with TRL's off-policy
 //!   sequence mask, high-entropy token mask and entropy bonus), token- or sequence-level importance
 //!   ratios, two-sided clipping, and the KL penalty to a reference model.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.

@@ -9,6 +9,9 @@
 //!   `ρ′ = min(ρ, δ)` when `delta` is set; cispo: `ℓ = −stopgrad(min(ρ, ε_high))·A·logp`;
 //!   sapo: `ℓ = −σ(τ·(ρ − 1))·4/τ·A` with `τ` by the sign of `A`; vespo:
 //!   `ℓ = −stopgrad(φ(w))·A·logp`, `φ(w) = e^λ·w^k·e^(−λw)` of the sequence ratio `w`;
+//!   gmpo (TRL's experimental GMPO): per sequence `ℓ = −exp(mean_t clip±(Δ_t))·A`, the token
+//!   log-ratios clipped in log space on the advantage's pessimistic side, averaged over
+//!   sequences (its KL is the sequence's mean, without importance correction);
 //! * optional masks: sequences with `A < 0` whose mean KL to the sampling policy exceeds
 //!   `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask); tokens below the
 //!   `1 − top_entropy_quantile` quantile of the batch's entropies (Beyond the 80/20 rule);
@@ -47,6 +50,11 @@ pub enum LossType {
     /// aggregated as dapo. Takes the off-policy weights into the sequence ratio instead of
     /// multiplying the loss by them.
     Vespo,
+    /// Geometric-mean policy optimization (TRL's experimental GMPO): each sequence's weight is
+    /// the geometric mean of its token ratios, clipped sign-aware in log space to
+    /// `[−epsilon_low, epsilon_high]`; the loss is the mean over sequences of `−w·A` (plus
+    /// `β ×` the sequence's mean KL, without importance correction).
+    Gmpo,
 }
 
 impl std::str::FromStr for LossType {
@@ -62,9 +70,10 @@ impl std::str::FromStr for LossType {
             "sapo" => Ok(Self::Sapo),
             "luspo" => Ok(Self::Luspo),
             "vespo" => Ok(Self::Vespo),
+            "gmpo" => Ok(Self::Gmpo),
             other => Err(format!(
                 "unknown loss_type `{other}`: expected one of grpo, bnpo, dr_grpo, dapo, cispo, \
-                 sapo, luspo, vespo"
+                 sapo, luspo, vespo, gmpo"
             )),
         }
     }
@@ -73,7 +82,7 @@ impl std::str::FromStr for LossType {
 #[cfg(feature = "serde")]
 crate::serde_by_name!(
     LossType,
-    "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo"
+    "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo or gmpo"
 );
 
 impl LossType {
@@ -88,6 +97,16 @@ impl LossType {
             Self::Sapo => "sapo",
             Self::Luspo => "luspo",
             Self::Vespo => "vespo",
+            Self::Gmpo => "gmpo",
+        }
+    }
+
+    /// TRL's default `epsilon` for the loss type: 0.4 (in log space) for gmpo, as
+    /// `GMPOConfig`; 0.2 otherwise.
+    pub fn default_epsilon(self) -> f64 {
+        match self {
+            Self::Gmpo => 0.4,
+            _ => 0.2,
         }
     }
 
@@ -98,11 +117,11 @@ impl LossType {
     }
 
     /// Whether the objective is the clipped ratio (and the clip-ratio metrics mean something):
-    /// grpo, bnpo, dr_grpo, dapo, luspo.
+    /// grpo, bnpo, dr_grpo, dapo, luspo, and gmpo (clipped in log space).
     pub fn is_clipped(self) -> bool {
         matches!(
             self,
-            Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo
+            Self::Grpo | Self::Bnpo | Self::DrGrpo | Self::Dapo | Self::Luspo | Self::Gmpo
         )
     }
 }
@@ -238,6 +257,23 @@ impl LossConfig {
             && !(d.is_finite() && d > 0.0)
         {
             return Err(format!("delta must be a finite number > 0, got {d}"));
+        }
+        if self.loss_type == LossType::Gmpo {
+            if self.delta.is_some() {
+                return Err(
+                    "delta (two-sided GRPO) does not apply to loss_type gmpo: its clip \
+                            is in log space, epsilon and epsilon_high"
+                        .into(),
+                );
+            }
+            if self.importance_sampling_level == ImportanceSamplingLevel::Sequence {
+                return Err(
+                    "importance_sampling_level = \"sequence\" does not apply to \
+                            loss_type gmpo: gmpo's ratio is already one per sequence (the \
+                            geometric mean of its clipped token ratios)"
+                        .into(),
+                );
+            }
         }
         if self.loss_type == LossType::DrGrpo && self.max_completion_length == 0 {
             return Err("max_completion_length must be >= 1 for loss_type dr_grpo".into());
@@ -451,6 +487,11 @@ pub struct LossMetrics {
     /// vespo: the mean over sequences of the gamma weight `φ(w)` (TRL's
     /// `vespo/phi_seq_mean`); 0 for the other loss types.
     pub phi_seq_mean: f64,
+    /// TRL's `clip_ratio/low_min`: the token objectives log the low fraction of the batch (one
+    /// process: `clip_ratio_low_mean`); gmpo the smallest per-sequence fraction.
+    pub clip_ratio_low_min: f64,
+    /// TRL's `clip_ratio/high_max`: as `clip_ratio_low_min`, the largest high fraction.
+    pub clip_ratio_high_max: f64,
 }
 
 /// The scalar loss (differentiable w.r.t. `per_token_logps`) and its metrics.
@@ -463,14 +504,15 @@ pub struct LossOutput {
 }
 
 /// [`LossMetrics`] still on the loss's device: `(kl, clip_ratio/low_mean, clip_ratio/high_mean,
-/// clip_ratio/region_mean, phi_seq_mean)` as one `(5,)` tensor, so that a training step can read
+/// clip_ratio/region_mean, phi_seq_mean, clip_ratio/low_min, clip_ratio/high_max)` as one `(7,)`
+/// tensor, so that a training step can read
 /// the metrics of all its micro-batches with one copy to the host (each read waits for the
 /// device).
 #[derive(Debug, Clone)]
 pub struct DeviceMetrics(Tensor);
 
 impl DeviceMetrics {
-    /// The `(5,)` tensor, in [`LossMetrics`]' field order.
+    /// The `(7,)` tensor, in [`LossMetrics`]' field order.
     pub fn as_tensor(&self) -> &Tensor {
         &self.0
     }
@@ -483,20 +525,22 @@ impl DeviceMetrics {
 
 impl LossMetrics {
     /// How many values a [`DeviceMetrics`] tensor holds.
-    pub const LEN: usize = 5;
+    pub const LEN: usize = 7;
 
     /// The metrics from the values of a [`DeviceMetrics`] tensor.
     pub fn from_values(v: &[f64]) -> Result<Self> {
         match v {
-            [kl, low, high, region, phi] => Ok(Self {
+            [kl, low, high, region, phi, low_min, high_max] => Ok(Self {
                 kl: *kl,
                 clip_ratio_low_mean: *low,
                 clip_ratio_high_mean: *high,
                 clip_ratio_region_mean: *region,
                 phi_seq_mean: *phi,
+                clip_ratio_low_min: *low_min,
+                clip_ratio_high_max: *high_max,
             }),
             _ => Err(bail(format!(
-                "loss metrics: 5 values expected, got {}",
+                "loss metrics: 7 values expected, got {}",
                 v.len()
             ))),
         }
@@ -814,6 +858,27 @@ pub fn policy_loss_on_device(
         .importance_weights
         .map(|w| w.to_dtype(dtype).map(|w| w.detach()))
         .transpose()?;
+    if cfg.loss_type == LossType::Gmpo {
+        let parts = GmpoParts {
+            logp,
+            old: &old,
+            reference: reference.as_ref(),
+            adv: &adv,
+            mask: &mask,
+            entropy_mask: entropy_mask.as_ref(),
+            opsm: opsm.as_ref(),
+            is_weights: is_weights.as_ref(),
+        };
+        let (loss, metrics) = gmpo_loss(&parts, cfg)?;
+        let (entropy_bonus, entropy_stats) =
+            entropy_terms(entropies.as_ref(), &mask, entropy_mask.as_ref(), cfg)?;
+        return Ok(DeviceLossOutput {
+            loss,
+            entropy_bonus,
+            entropy_stats,
+            metrics,
+        });
+    }
     let mut phi_seq = None;
 
     let per_token_loss = match cfg.loss_type {
@@ -890,29 +955,10 @@ pub fn policy_loss_on_device(
             (masked.sum_all()? / n.max(1.0))?
         }
         LossType::Luspo => (masked.sum_all()? / b.max(1) as f64)?,
+        LossType::Gmpo => unreachable!("gmpo returned above"),
     };
-    // The tokens the policy term acts on: the entropy bonus and its statistics use them.
-    let acts = match &entropy_mask {
-        Some(m) => (&mask * m)?,
-        None => mask.clone(),
-    };
-    let entropy_bonus = match (&entropies, cfg.entropy_coef != 0.0) {
-        (Some(e), true) => {
-            let mean = e
-                .broadcast_mul(&acts)?
-                .sum_all()?
-                .div(&acts.sum_all()?.maximum(1.0)?)?;
-            Some((mean * cfg.entropy_coef)?)
-        }
-        _ => None,
-    };
-    let entropy_stats = match &entropies {
-        Some(e) => {
-            let (e, a) = (e.detach().to_dtype(DType::F32)?, acts.to_dtype(DType::F32)?);
-            Some(Tensor::stack(&[(e * &a)?.sum_all()?, a.sum_all()?], 0)?)
-        }
-        None => None,
-    };
+    let (entropy_bonus, entropy_stats) =
+        entropy_terms(entropies.as_ref(), &mask, entropy_mask.as_ref(), cfg)?;
 
     // Metrics.
     let kl = match &per_token_kl {
@@ -941,13 +987,16 @@ pub fn policy_loss_on_device(
         Some(phi) => masked_mean(phi, &mask)?,
         None => masked_mean(&mask.zeros_like()?, &mask)?,
     };
+    let (low, high) = (masked_mean(&low, &mask)?, masked_mean(&high, &mask)?);
     let values = Tensor::stack(
         &[
             kl,
-            masked_mean(&low, &mask)?,
-            masked_mean(&high, &mask)?,
+            low.clone(),
+            high.clone(),
             masked_mean(&region, &mask)?,
             phi_mean,
+            low,
+            high,
         ],
         0,
     )?;
@@ -957,6 +1006,148 @@ pub fn policy_loss_on_device(
         entropy_stats,
         metrics: DeviceMetrics(values),
     })
+}
+
+/// The entropy bonus (`entropy_coef ×` the mean entropy over the tokens the policy term acts
+/// on, differentiable) and the entropy statistics `(Σ entropy, count)` over those tokens.
+fn entropy_terms(
+    entropies: Option<&Tensor>,
+    mask: &Tensor,
+    entropy_mask: Option<&Tensor>,
+    cfg: &LossConfig,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let acts = match entropy_mask {
+        Some(m) => (mask * m)?,
+        None => mask.clone(),
+    };
+    let bonus = match (entropies, cfg.entropy_coef != 0.0) {
+        (Some(e), true) => {
+            let mean = e
+                .broadcast_mul(&acts)?
+                .sum_all()?
+                .div(&acts.sum_all()?.maximum(1.0)?)?;
+            Some((mean * cfg.entropy_coef)?)
+        }
+        _ => None,
+    };
+    let stats = match entropies {
+        Some(e) => {
+            let (e, a) = (e.detach().to_dtype(DType::F32)?, acts.to_dtype(DType::F32)?);
+            Some(Tensor::stack(&[(e * &a)?.sum_all()?, a.sum_all()?], 0)?)
+        }
+        None => None,
+    };
+    Ok((bonus, stats))
+}
+
+/// What [`gmpo_loss`] reads, prepared by [`policy_loss_on_device`]: `(B, T)` log-probs, old
+/// log-probs, reference log-probs, mask and high-entropy mask; `(B, 1)` advantages, off-policy
+/// sequence mask and sequence importance weights.
+struct GmpoParts<'a> {
+    logp: &'a Tensor,
+    old: &'a Tensor,
+    reference: Option<&'a Tensor>,
+    adv: &'a Tensor,
+    mask: &'a Tensor,
+    entropy_mask: Option<&'a Tensor>,
+    opsm: Option<&'a Tensor>,
+    is_weights: Option<&'a Tensor>,
+}
+
+/// TRL's `GMPOTrainer._compute_loss`: each token's log-ratio `logp − old` clipped in log space
+/// to `[−epsilon_low, epsilon_high]` on the side the advantage's sign makes pessimistic
+/// (`A > 0`: `min(r, clip(r))`, else `max`), the sequence weight `w = exp(mean of the clipped
+/// log-ratios over its tokens)` (the high-entropy mask narrows the mean, as TRL), the loss the
+/// mean over sequences of `−w·A`, plus `β ×` each sequence's mean KL (`e^(ref−logp) −
+/// (ref−logp) − 1`, no importance correction). Beyond TRL's GMPO (which has neither), the
+/// off-policy sequence mask and sequence-level importance weights multiply `−w·A`.
+fn gmpo_loss(p: &GmpoParts<'_>, cfg: &LossConfig) -> Result<(Tensor, DeviceMetrics)> {
+    let dtype = p.logp.dtype();
+    let log_ratio = (p.logp - p.old)?;
+    let clamped = clamp_like_torch(&log_ratio, Some(-cfg.epsilon_low), Some(cfg.epsilon_high))?;
+    let positive = p.adv.gt(0.0)?.broadcast_as(log_ratio.shape())?;
+    let clipped =
+        positive.where_cond(&log_ratio.minimum(&clamped)?, &log_ratio.maximum(&clamped)?)?;
+    let seq_mask = match p.entropy_mask {
+        Some(m) => (p.mask * m)?,
+        None => p.mask.clone(),
+    };
+    let log_w = (clipped * &seq_mask)?
+        .sum_keepdim(1)?
+        .div(&seq_mask.sum_keepdim(1)?.maximum(1.0)?)?;
+    let mut per_seq = (log_w.exp()? * p.adv)?.neg()?; // (B, 1)
+    if let Some(m) = p.opsm {
+        per_seq = (per_seq * m)?;
+    }
+    if let Some(w) = p.is_weights {
+        if w.dim(1)? != 1 {
+            return Err(bail(
+                "loss_type gmpo takes one importance weight per sequence (a sequence_* \
+                 importance sampling mode), got per-token weights"
+                    .into(),
+            ));
+        }
+        per_seq = (per_seq * w)?;
+    }
+    let tokens = p.mask.sum_keepdim(1)?.maximum(1.0)?;
+    let per_token_kl = match p.reference {
+        Some(r) => {
+            let d = (r - p.logp)?;
+            Some(((d.exp()? - &d)? - 1.0)?)
+        }
+        None => None,
+    };
+    if let (Some(kl), true) = (&per_token_kl, cfg.beta != 0.0) {
+        let seq_kl = (kl * p.mask)?.sum_keepdim(1)?.div(&tokens)?;
+        per_seq = (per_seq + (seq_kl * cfg.beta)?)?;
+    }
+    let loss = per_seq.mean_all()?;
+
+    // Metrics: clipped tokens in log space, their masked means and per-sequence extremes.
+    let lr = log_ratio.detach();
+    let flag = |x: Tensor| x.to_dtype(dtype);
+    let low = flag(lr.lt(-cfg.epsilon_low)?)?.broadcast_mul(&flag(p.adv.lt(0.0)?)?)?;
+    let high = flag(lr.gt(cfg.epsilon_high)?)?.broadcast_mul(&flag(p.adv.gt(0.0)?)?)?;
+    let region = (&low + &high)?.minimum(1.0)?;
+    let kl = match &per_token_kl {
+        Some(kl) => masked_mean(kl, p.mask)?,
+        None => masked_mean(&p.mask.zeros_like()?, p.mask)?,
+    };
+    // TRL's nanmin / nanmax over sequences of each one's fraction (a sequence without tokens
+    // is NaN there and skipped; none at all gives 0 here).
+    let extreme = |x: &Tensor, max: bool| -> Result<Tensor> {
+        let wide = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let m = p.mask.to_dtype(wide)?;
+        let n = m.sum(1)?;
+        let frac = (x.to_dtype(wide)? * &m)?.sum(1)?.div(&n.maximum(1.0)?)?;
+        let has = n.gt(0.0)?;
+        let fill = if max {
+            f64::NEG_INFINITY
+        } else {
+            f64::INFINITY
+        };
+        let v = has.where_cond(&frac, &frac.ones_like()?.affine(0.0, fill)?)?;
+        let e = if max { v.max(0)? } else { v.min(0)? };
+        let finite = e.abs()?.le(f64::MAX)?;
+        finite.where_cond(&e, &e.zeros_like()?)
+    };
+    let values = Tensor::stack(
+        &[
+            kl,
+            masked_mean(&low, p.mask)?,
+            masked_mean(&high, p.mask)?,
+            masked_mean(&region, p.mask)?,
+            masked_mean(&p.mask.zeros_like()?, p.mask)?,
+            extreme(&low, false)?,
+            extreme(&high, true)?,
+        ],
+        0,
+    )?;
+    Ok((loss, DeviceMetrics(values)))
 }
 
 /// TRL 1.16's RLOO loss (`RLOOTrainer._compute_loss`): PPO's clip on whole sequences. Each
@@ -1010,13 +1201,16 @@ pub fn rloo_loss(
     let high = (flag(c.gt(1.0 + epsilon_high)?)? * flag(adv.gt(0.0)?)?)?;
     let region = (&low + &high)?.minimum(1.0)?;
     let zero = low.zeros_like()?.mean_all()?;
+    let (low, high) = (low.mean_all()?, high.mean_all()?);
     let values = Tensor::stack(
         &[
             zero.clone(),
-            low.mean_all()?,
-            high.mean_all()?,
+            low.clone(),
+            high.clone(),
             region.mean_all()?,
             zero,
+            low,
+            high,
         ],
         0,
     )?;

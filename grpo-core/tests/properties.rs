@@ -7,7 +7,7 @@ use grpo_core::logprobs::selective_log_softmax;
 use grpo_core::loss::{ImportanceSamplingLevel, LossConfig, LossInputs, LossType, policy_loss};
 use proptest::prelude::*;
 
-const LOSS_TYPES: [LossType; 8] = [
+const LOSS_TYPES: [LossType; 9] = [
     LossType::Grpo,
     LossType::Bnpo,
     LossType::DrGrpo,
@@ -16,6 +16,7 @@ const LOSS_TYPES: [LossType; 8] = [
     LossType::Luspo,
     LossType::Vespo,
     LossType::Cispo,
+    LossType::Gmpo,
 ];
 
 fn scale() -> impl Strategy<Value = ScaleRewards> {
@@ -200,7 +201,8 @@ proptest! {
         let t = tensors(&x);
         let mask = &x.mask;
         let n_tokens: f32 = mask.iter().sum();
-        for lt in LOSS_TYPES {
+        // gmpo's ratio is per sequence already: it refuses the sequence level.
+        for lt in LOSS_TYPES.into_iter().filter(|&lt| !(seq && lt == LossType::Gmpo)) {
             let cfg = LossConfig {
                 loss_type: lt,
                 epsilon_high: if lt == LossType::Cispo { 5.0 } else { 0.2 },
@@ -212,8 +214,9 @@ proptest! {
             for i in 0..x.b {
                 let row: f32 = mask[i * x.t..(i + 1) * x.t].iter().sum();
                 let norm = match lt {
-                    // sapo's gate has slope 1 at ρ = 1 (σ′(0)·4), vespo's weight is φ(1) = 1.
-                    LossType::Grpo | LossType::Sapo => x.b as f32 * row.max(1.0),
+                    // sapo's gate has slope 1 at ρ = 1 (σ′(0)·4), vespo's weight is φ(1) = 1,
+                    // gmpo's geometric mean exp(mean log ρ) has slope 1/n per token.
+                    LossType::Grpo | LossType::Sapo | LossType::Gmpo => x.b as f32 * row.max(1.0),
                     LossType::Bnpo | LossType::Dapo | LossType::Cispo | LossType::Vespo => {
                         n_tokens.max(1.0)
                     }
@@ -263,11 +266,11 @@ proptest! {
     #[test]
     fn loss_and_gradient_are_finite(x in batch(20.0), beta in 0f64..1.0, seq in any::<bool>()) {
         let t = tensors(&x);
-        for lt in LOSS_TYPES {
+        for lt in LOSS_TYPES.into_iter().filter(|&lt| !(seq && lt == LossType::Gmpo)) {
             let cfg = LossConfig {
                 loss_type: lt,
                 beta,
-                delta: if beta > 0.5 { Some(1.5) } else { None },
+                delta: if beta > 0.5 && lt != LossType::Gmpo { Some(1.5) } else { None },
                 importance_sampling_level: if seq { ImportanceSamplingLevel::Sequence } else { ImportanceSamplingLevel::Token },
                 ..Default::default()
             };

@@ -1038,10 +1038,10 @@ impl RolloutSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct LossSection {
-    /// grpo | bnpo | dr_grpo | dapo (default) | cispo | sapo | luspo | vespo.
+    /// grpo | bnpo | dr_grpo | dapo (default) | cispo | sapo | luspo | vespo | gmpo.
     pub loss_type: LossType,
-    /// Lower clip ε.
-    pub epsilon: f64,
+    /// Lower clip ε; absent: TRL's default for the loss type (0.2; gmpo 0.4, in log space).
+    pub epsilon: Option<f64>,
     /// Upper clip ε (default: `epsilon`).
     pub epsilon_high: Option<f64>,
     /// Two-sided GRPO cap on the ratio.
@@ -1110,7 +1110,7 @@ impl Default for LossSection {
     fn default() -> Self {
         Self {
             loss_type: LossType::Dapo,
-            epsilon: 0.2,
+            epsilon: None,
             epsilon_high: None,
             delta: None,
             importance_sampling_level: ImportanceSamplingLevel::Token,
@@ -1690,6 +1690,21 @@ impl TrainConfig {
                 ));
             }
         }
+        if self.algorithm == Algorithm::Grpo
+            && self.loss.loss_type == LossType::Gmpo
+            && self.loss.vllm_importance_sampling_correction
+            && !matches!(
+                self.loss.vllm_importance_sampling_mode,
+                ImportanceSamplingMode::SequenceMask | ImportanceSamplingMode::SequenceTruncate
+            )
+        {
+            return Err(
+                "`loss.loss_type = \"gmpo\"` weighs whole sequences: its off-policy \
+                        correction needs `loss.vllm_importance_sampling_mode` = \"sequence_mask\" \
+                        or \"sequence_truncate\" (or `vllm_importance_sampling_correction = false`)"
+                    .into(),
+            );
+        }
         if self.algorithm == Algorithm::Rloo {
             let r = &self.rloo;
             if !(r.beta >= 0.0 && r.beta.is_finite()) {
@@ -1961,8 +1976,11 @@ impl TrainConfig {
         let l = &self.loss;
         LossConfig {
             loss_type: l.loss_type,
-            epsilon_low: l.epsilon,
-            epsilon_high: l.epsilon_high.unwrap_or(l.epsilon),
+            epsilon_low: l.epsilon.unwrap_or(l.loss_type.default_epsilon()),
+            epsilon_high: l
+                .epsilon_high
+                .or(l.epsilon)
+                .unwrap_or(l.loss_type.default_epsilon()),
             delta: l.delta,
             beta: self.reference.beta,
             kl_importance_correction: l.use_bias_correction_kl,

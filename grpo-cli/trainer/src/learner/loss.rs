@@ -448,9 +448,10 @@ impl Learner {
             if rloo || lt.is_clipped() || lt == LossType::Cispo {
                 sums.add("clip_ratio/low_mean", m.clip_ratio_low_mean);
                 sums.add("clip_ratio/high_mean", m.clip_ratio_high_mean);
-                // TRL's min / max over processes of each micro-batch's ratio: one process here.
-                sums.add("clip_ratio/low_min", m.clip_ratio_low_mean);
-                sums.add("clip_ratio/high_max", m.clip_ratio_high_mean);
+                // TRL's min / max over processes of each micro-batch's ratio (one process
+                // here); gmpo's over its sequences.
+                sums.add("clip_ratio/low_min", m.clip_ratio_low_min);
+                sums.add("clip_ratio/high_max", m.clip_ratio_high_max);
                 sums.add("clip_ratio/region_mean", m.clip_ratio_region_mean);
             }
             if lt == LossType::Cispo && !rloo {
