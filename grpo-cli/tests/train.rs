@@ -348,8 +348,8 @@ fn bad_inputs_fail_before_any_work_with_one_line() {
             "shout",
         ),
         (
-            vec!["--set".into(), "model.lora={r = 4}".into()],
-            "model.lora: missing field `lora_alpha`",
+            vec!["--set".into(), "model.lora={r = 0}".into()],
+            "lora.r must be >= 1",
         ),
         (
             vec!["--set".into(), "optim.learning_rate=\"fast\"".into()],
