@@ -62,7 +62,8 @@ enum Command {
         run_dir: std::path::PathBuf,
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
-    /// "orpo" | "cpo" | "rloo" | "reward" | "distillation"` in the config runs that instead.
+    /// "orpo" | "cpo" | "online_dpo" | "rloo" | "reward" | "distillation"` in the config runs
+    /// that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -76,6 +77,10 @@ enum Command {
     /// Contrastive preference optimisation (the config's `[cpo]`, TRL's CPOTrainer), with the
     /// SimPO and AlphaPO loss types: no reference model.
     Cpo(train_cmd::TrainArgs),
+    /// Online DPO (the config's `[online_dpo]`, TRL's OnlineDPOTrainer): two samples per
+    /// prompt, the rewards pick the chosen one, DPO's loss against the frozen reference.
+    #[command(alias = "online_dpo")]
+    OnlineDpo(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -102,6 +107,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
         Some(Command::Orpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("orpo"))?)),
         Some(Command::Cpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("cpo"))?)),
+        Some(Command::OnlineDpo(a)) => {
+            Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
+        }
         Some(Command::Rloo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("rloo"))?)),
         Some(Command::Reward(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("reward"))?)),
         Some(Command::Distillation(a)) => Ok(ExitCode::from(train_cmd::train_as(
@@ -176,6 +184,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Kto(_)
             | Command::Orpo(_)
             | Command::Cpo(_)
+            | Command::OnlineDpo(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -79,7 +79,8 @@ fn peft_targets() -> TargetModules {
     TargetModules::names(&["q_proj", "v_proj"])
 }
 
-/// LoRA hyper-parameters, with PEFT's names and meanings.
+/// LoRA hyper-parameters, with PEFT's names, meanings and defaults (`Default` and absent keys:
+/// r 8, lora_alpha 8, `q_proj` and `v_proj`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoraConfig {
@@ -169,10 +170,10 @@ impl TokenIndices {
 impl Default for LoraConfig {
     fn default() -> Self {
         Self {
-            r: 16,
-            lora_alpha: 32.0,
+            r: peft_r(),
+            lora_alpha: peft_alpha(),
             lora_dropout: 0.0,
-            target_modules: TargetModules::names(&["q_proj", "k_proj", "v_proj", "o_proj"]),
+            target_modules: peft_targets(),
             exclude_modules: None,
             use_rslora: false,
             use_dora: false,

@@ -29,7 +29,7 @@ pub use crate::optim::{ScheduleKind, ScheduleKwargs};
 
 /// The objective the learner optimises (`algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Algorithm {
     /// GRPO: rewards, group advantages, the clipped policy loss (the default).
     #[default]
@@ -55,11 +55,15 @@ pub enum Algorithm {
     /// Contrastive preference optimisation (TRL's CPOTrainer) with its SimPO and AlphaPO loss
     /// types: preference pairs, no reference model (`[cpo]`).
     Cpo,
+    /// Online DPO (TRL's OnlineDPOTrainer): the policy samples two completions per prompt, the
+    /// rewards pick the chosen one, and DPO's loss against the frozen reference trains on the
+    /// pair (`[online_dpo]`).
+    OnlineDpo,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 9] = [
+    pub const ALL: [Algorithm; 10] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -69,28 +73,35 @@ impl Algorithm {
         Algorithm::Distillation,
         Algorithm::Orpo,
         Algorithm::Cpo,
+        Algorithm::OnlineDpo,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
-    /// on-policy distillation).
+    /// on-policy distillation, online DPO).
     pub fn generates(self) -> bool {
         matches!(
             self,
-            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation
+            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation | Algorithm::OnlineDpo
         )
     }
 
-    /// Whether the run learns from rewards (GRPO, RLOO; distillation only logs them).
+    /// Whether the run learns from rewards (GRPO, RLOO, online DPO; distillation only logs
+    /// them).
     pub fn learns_from_rewards(self) -> bool {
-        matches!(self, Algorithm::Grpo | Algorithm::Rloo)
+        matches!(
+            self,
+            Algorithm::Grpo | Algorithm::Rloo | Algorithm::OnlineDpo
+        )
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, the others (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
+    /// RewardConfig 1e-4, OnlineDPOConfig 5e-7, the others (GRPO, RLOO, DPO, KTO,
+    /// distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Sft => 2e-5,
             Self::Reward => 1e-4,
+            Self::OnlineDpo => 5e-7,
             _ => 1e-6,
         }
     }
@@ -107,6 +118,7 @@ impl Algorithm {
             Self::Distillation => "distillation",
             Self::Orpo => "orpo",
             Self::Cpo => "cpo",
+            Self::OnlineDpo => "online_dpo",
         }
     }
 
@@ -125,7 +137,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, grpo, kto, orpo, reward, rloo, sft"
+                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, grpo, kto, online_dpo, orpo, reward, rloo, sft"
                 )
             })
     }
@@ -217,6 +229,8 @@ pub struct TrainConfig {
     /// Contrastive preference optimisation, SimPO and AlphaPO (`algorithm = "cpo"`, TRL's
     /// CPOConfig).
     pub cpo: CpoSection,
+    /// Online DPO (`algorithm = "online_dpo"`, TRL's OnlineDPOConfig).
+    pub online_dpo: OnlineDpoSection,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -561,6 +575,71 @@ impl CpoSection {
     }
 }
 
+/// TRL's OnlineDPOConfig `beta`: one value, or one per epoch (the last for the epochs after).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Betas {
+    /// One β for the whole run.
+    One(f64),
+    /// β of epoch 0, 1, ...; the last one for the rest.
+    PerEpoch(Vec<f64>),
+}
+
+impl Betas {
+    /// β at `epoch` (0-based).
+    pub fn at(&self, epoch: u64) -> f64 {
+        match self {
+            Self::One(b) => *b,
+            Self::PerEpoch(v) => {
+                let i = usize::try_from(epoch).unwrap_or(usize::MAX);
+                v.get(i).or(v.last()).copied().unwrap_or(0.1)
+            }
+        }
+    }
+
+    fn values(&self) -> Vec<f64> {
+        match self {
+            Self::One(b) => vec![*b],
+            Self::PerEpoch(v) => v.clone(),
+        }
+    }
+}
+
+/// Online DPO's `loss_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnlineDpoLoss {
+    /// `−log σ(β Δ)` (the default).
+    #[default]
+    Sigmoid,
+    /// `(Δ − 1/(2β))²`, on the summed log-probs.
+    Ipo,
+}
+
+/// `[online_dpo]`: TRL's OnlineDPOTrainer on the GRPO pipeline: two completions per prompt,
+/// the rewards (`[[rewards]]`: functions, a reward model, LLM judges) pick the chosen one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OnlineDpoSection {
+    /// β, or a list: one per epoch, the last for the rest (default 0.1).
+    pub beta: Betas,
+    /// sigmoid (default) | ipo.
+    pub loss_type: OnlineDpoLoss,
+    /// Subtracted from the reward of a completion without an EOS token (TRL's name); absent:
+    /// none.
+    pub missing_eos_penalty: Option<f64>,
+}
+
+impl Default for OnlineDpoSection {
+    fn default() -> Self {
+        Self {
+            beta: Betas::One(0.1),
+            loss_type: OnlineDpoLoss::Sigmoid,
+            missing_eos_penalty: None,
+        }
+    }
+}
+
 /// `[dpo]`: TRL's DPOTrainer against the frozen reference model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -688,6 +767,7 @@ impl Default for TrainConfig {
             kto: KtoSection::default(),
             orpo: OrpoSection::default(),
             cpo: CpoSection::default(),
+            online_dpo: OnlineDpoSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -1467,12 +1547,16 @@ pub fn closest_key(unknown: &str) -> Option<String> {
 pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     // TRL's DistillationTrainer samples one completion per prompt: a distillation config
     // without `rollout.num_generations` takes 1, not GRPO's group of 8.
-    let distill_generations = tree.get("algorithm").and_then(Value::as_str)
-        == Some(Algorithm::Distillation.as_str())
-        && tree
-            .get("rollout")
-            .and_then(|r| r.get("num_generations"))
-            .is_none();
+    let algorithm = tree.get("algorithm").and_then(Value::as_str);
+    let rollout_has = |k: &str| tree.get("rollout").and_then(|r| r.get(k)).is_some();
+    let distill_generations =
+        algorithm == Some(Algorithm::Distillation.as_str()) && !rollout_has("num_generations");
+    // TRL's OnlineDPOTrainer samples two completions per prompt at temperature 0.9.
+    let online_dpo = algorithm == Some(Algorithm::OnlineDpo.as_str());
+    let (pair_generations, online_temperature) = (
+        online_dpo && !rollout_has("num_generations"),
+        online_dpo && !rollout_has("temperature"),
+    );
     let mut unknown: Vec<String> = Vec::new();
     let mut note = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
     // serde_path_to_error names the section of a type or missing-field error
@@ -1498,6 +1582,12 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     }
     if distill_generations {
         cfg.rollout.num_generations = 1;
+    }
+    if pair_generations {
+        cfg.rollout.num_generations = 2;
+    }
+    if online_temperature {
+        cfg.rollout.temperature = 0.9;
     }
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
@@ -1673,6 +1763,60 @@ impl TrainConfig {
             c.cpo_config()
                 .validate()
                 .map_err(|e| format!("`cpo`: {e}"))?;
+        }
+        if self.algorithm == Algorithm::OnlineDpo {
+            let o = &self.online_dpo;
+            if let Some(b) = o
+                .beta
+                .values()
+                .into_iter()
+                .find(|b| !(*b > 0.0 && b.is_finite()))
+            {
+                return Err(format!("`online_dpo.beta` must be > 0, got {b}"));
+            }
+            if matches!(&o.beta, Betas::PerEpoch(v) if v.is_empty()) {
+                return Err("`online_dpo.beta` is an empty list".into());
+            }
+            if let Some(p) = o.missing_eos_penalty
+                && !(p >= 0.0 && p.is_finite())
+            {
+                return Err(format!(
+                    "`online_dpo.missing_eos_penalty` must be >= 0, got {p}"
+                ));
+            }
+            if self.rollout.num_generations != 2 {
+                return Err(format!(
+                    "online DPO compares two completions per prompt: `rollout.num_generations` \
+                     must be 2, got {}",
+                    self.rollout.num_generations
+                ));
+            }
+            if self.micro_batch() % 2 != 0 {
+                return Err(format!(
+                    "online DPO keeps each prompt's two completions in one micro-batch: \
+                     `train.per_device_train_batch_size` must be even, got {}",
+                    self.micro_batch()
+                ));
+            }
+            if self.reference.beta != 0.0 {
+                return Err(
+                    "online DPO's beta is `online_dpo.beta`; leave `reference.beta` at 0".into(),
+                );
+            }
+            if self.teacher.is_some() || self.environment.kind.is_some() {
+                return Err(
+                    "online DPO trains on single-turn completions: `[teacher]` and \
+                     `[environment]` are not supported with it"
+                        .into(),
+                );
+            }
+            if self.loss.drop_zero_std_groups {
+                return Err(
+                    "`loss.drop_zero_std_groups` drops groups by their rewards; online \
+                            DPO trains on every pair (a tie keeps the first completion as chosen)"
+                        .into(),
+                );
+            }
         }
         if self.algorithm.reference_free_pairs() {
             let (chosen, rejected) = self.pair_fields();
@@ -2002,7 +2146,7 @@ impl TrainConfig {
     /// `prompts_per_step` rows (SFT, DPO).
     pub fn completions_per_step(&self) -> usize {
         match self.algorithm {
-            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation => {
+            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation | Algorithm::OnlineDpo => {
                 self.train.prompts_per_step * self.rollout.num_generations
             }
             Algorithm::Sft
@@ -2036,7 +2180,12 @@ impl TrainConfig {
     pub fn dropout_disabled(&self) -> bool {
         self.train.disable_dropout.unwrap_or(matches!(
             self.algorithm,
-            Algorithm::Dpo | Algorithm::Kto | Algorithm::Reward | Algorithm::Orpo | Algorithm::Cpo
+            Algorithm::Dpo
+                | Algorithm::Kto
+                | Algorithm::Reward
+                | Algorithm::Orpo
+                | Algorithm::Cpo
+                | Algorithm::OnlineDpo
         ))
     }
 

@@ -433,7 +433,10 @@ pub fn setup_with(
     // The loaded weights are never written in place (full fine-tuning trains its own copies),
     // so every frozen model shares them: the reference, the scorers, the teacher.
     let reference = if (cfg.reference.beta > 0.0 && cfg.algorithm != Algorithm::Reward)
-        || matches!(cfg.algorithm, Algorithm::Dpo | Algorithm::Kto)
+        || matches!(
+            cfg.algorithm,
+            Algorithm::Dpo | Algorithm::Kto | Algorithm::OnlineDpo
+        )
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
     {
         Some(match &cfg.model.lora {

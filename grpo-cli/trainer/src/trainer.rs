@@ -1,6 +1,7 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
-//! [`OrpoTrainer`], [`CpoTrainer`], [`RlooTrainer`], [`RewardTrainer`], [`DistillationTrainer`]) or chosen by name
+//! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`RlooTrainer`], [`RewardTrainer`],
+//! [`DistillationTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -39,6 +40,9 @@ pub struct Orpo;
 /// CPO, SimPO and AlphaPO (`[cpo]`, TRL's CPOTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Cpo;
+/// Online DPO (`[online_dpo]`, TRL's OnlineDPOTrainer, on the GRPO pipeline).
+#[derive(Debug, Clone, Copy)]
+pub struct OnlineDpo;
 /// RLOO (`[rloo]`, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct Rloo;
@@ -70,6 +74,9 @@ impl TrainerKind for Orpo {
 impl TrainerKind for Cpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Cpo);
 }
+impl TrainerKind for OnlineDpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::OnlineDpo);
+}
 impl TrainerKind for Rloo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Rloo);
 }
@@ -98,6 +105,8 @@ pub type OrpoTrainer = Trainer<Orpo>;
 /// A CPO trainer (also SimPO and AlphaPO, by `cpo.loss_type`): preference pairs, no reference
 /// model.
 pub type CpoTrainer = Trainer<Cpo>;
+/// An online DPO trainer: pairs of the policy's own samples, ranked by the rewards.
+pub type OnlineDpoTrainer = Trainer<OnlineDpo>;
 /// An RLOO trainer.
 pub type RlooTrainer = Trainer<Rloo>;
 /// A reward-model trainer: a sequence classifier learns to score chosen above rejected.

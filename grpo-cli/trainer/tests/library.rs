@@ -278,10 +278,13 @@ fn algorithms_by_name() {
     assert_eq!(
         grpo_trainer::list_algorithms(),
         [
+            "cpo",
             "distillation",
             "dpo",
             "grpo",
             "kto",
+            "online_dpo",
+            "orpo",
             "reward",
             "rloo",
             "sft"
@@ -292,7 +295,17 @@ fn algorithms_by_name() {
         grpo_trainer::Algorithm::Sft
     );
     let e = grpo_trainer::get_algorithm("ppo").unwrap_err().to_string();
-    for name in ["ppo", "grpo", "sft", "dpo", "kto", "rloo"] {
+    for name in [
+        "ppo",
+        "grpo",
+        "sft",
+        "dpo",
+        "kto",
+        "rloo",
+        "orpo",
+        "cpo",
+        "online_dpo",
+    ] {
         assert!(e.contains(name), "{e}");
     }
 }

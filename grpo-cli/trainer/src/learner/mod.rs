@@ -5,9 +5,11 @@
 //!   gradients over the micro-batches);
 //! - [`step`]: the optimizer update (clipping, schedule, AdamW) and the reference sync;
 //! - [`metrics`]: the step's metrics by TRL's names;
-//! - [`supervised`]: the SFT, DPO, KTO and reward-model steps on the same learner;
+//! - [`supervised`]: the SFT, DPO, KTO, ORPO, CPO and reward-model steps on the same learner;
 //! - [`distill`]: on-policy distillation's step (the teacher's distributions on the policy's
-//!   samples).
+//!   samples);
+//! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
+//!   one, DPO's loss against the reference).
 //!
 //! Checkpoints of the learner are in [`crate::checkpoint`].
 
@@ -15,6 +17,7 @@ pub mod batch;
 pub mod distill;
 pub mod loss;
 pub mod metrics;
+pub mod online_dpo;
 pub mod step;
 pub mod supervised;
 

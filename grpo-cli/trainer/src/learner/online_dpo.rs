@@ -1,0 +1,311 @@
+//! Online DPO's step (TRL's experimental `OnlineDPOTrainer`): the policy sampled two
+//! completions per prompt; their rewards (any `[[rewards]]`: functions, a reward model, LLM
+//! judges; TRL's `missing_eos_penalty` subtracted from a completion without EOS; an unscored
+//! reward counts 0, as TRL's `nansum`) pick the chosen one — the first on a tie — and DPO's
+//! sigmoid or IPO loss on the completions' summed log-probs, against the frozen reference,
+//! trains on the pair. The loss is the mean over the pairs of an optimizer update.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use candle_core::{D, DType, Tensor};
+use grpo_core::preference::{DpoConfig, DpoInputs, DpoLossType, dpo_loss_with};
+
+use super::Learner;
+use super::batch::{StepBatch, completion_logps};
+use super::metrics::OffPolicyStats;
+use crate::callbacks::Metrics;
+use crate::config::OnlineDpoLoss;
+use crate::optim::accumulate;
+use crate::stages::Scored;
+
+impl Learner {
+    /// One online DPO step over the scored pairs `s`: for each of `num_iterations` passes,
+    /// the micro-batches' losses and gradients, one optimizer update per
+    /// `steps_per_generation` share; TRL's metrics (`rewards/*`, `logps/*`, `objective/*`,
+    /// `val/contain_eos_token`, `beta`) and the step's completion and reward metrics.
+    pub(crate) fn online_dpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
+        let r = &s.rollouts;
+        if r.episodes.is_some() {
+            bail!("online DPO trains on single-turn completions, not environment episodes");
+        }
+        let eos = self.tokenizer.eos_token_ids.clone();
+        let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
+        let reference = self
+            .reference
+            .clone()
+            .context("online DPO needs the reference model")?;
+        let o = &self.cfg.online_dpo;
+        // TRL picks β by the epoch the batch was drawn from.
+        let p = &r.batch.position;
+        let epoch = match (p.index, p.epoch) {
+            (0, e) if e > 0 => e - 1,
+            (_, e) => e,
+        };
+        let beta = o.beta.at(epoch);
+        let n = batch.completions.len();
+        let has_eos: Vec<bool> = batch
+            .completions
+            .iter()
+            .map(|c| c.iter().any(|t| eos.contains(t)))
+            .collect();
+        let (rewards, chosen_first) =
+            pair_rewards(&s.scores.rewards, &has_eos, o.missing_eos_penalty);
+        let cfg = DpoConfig {
+            loss_type: vec![match o.loss_type {
+                OnlineDpoLoss::Sigmoid => DpoLossType::Sigmoid,
+                OnlineDpoLoss::Ipo => DpoLossType::Ipo,
+            }],
+            beta,
+            ..DpoConfig::default()
+        };
+        let updates = self.cfg.updates_per_step();
+        let per_update = batch.chunks.len().div_ceil(updates).max(1);
+        let mut sums = PairSums::default();
+        let (mut loss_sum, mut passes) = (0.0, 0.0f64);
+        let (mut grad_norm, mut lr) = (0.0, 0.0);
+        for iteration in 0..self.cfg.optim.num_iterations {
+            for u in 0..updates {
+                let chunks = &batch.chunks[(u * per_update).min(batch.chunks.len())
+                    ..((u + 1) * per_update).min(batch.chunks.len())];
+                let pairs: usize = chunks.iter().map(|(a, b)| (b - a) / 2).sum();
+                let mut acc = std::collections::HashMap::new();
+                let mut update_loss = 0.0;
+                for &(a, b) in chunks {
+                    let share = ((b - a) / 2) as f64 / pairs.max(1) as f64;
+                    let part = self.pair_part(
+                        &reference,
+                        &batch,
+                        (a, b),
+                        &chosen_first[a / 2..b / 2],
+                        &cfg,
+                    )?;
+                    let loss = (&part.loss * share)?;
+                    update_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    sums.add(&part, share, iteration == 0);
+                    let grads = self.policy.model.backward(&loss)?;
+                    accumulate(&mut acc, self.opt.vars(), &grads)?;
+                }
+                if !update_loss.is_finite() {
+                    bail!(
+                        "non-finite loss ({update_loss}) at step {}",
+                        r.batch.step + 1
+                    );
+                }
+                loss_sum += update_loss;
+                passes += 1.0;
+                (grad_norm, lr) = self.optimizer_step(acc, r.batch.step)?;
+            }
+        }
+        self.state.step = r.batch.step + 1;
+        let mut m = Metrics::new();
+        m.insert("loss".into(), loss_sum / passes.max(1.0));
+        let w = sums.weight.max(1e-12);
+        for (k, v) in [
+            ("rewards/chosen", sums.rewards_chosen),
+            ("rewards/rejected", sums.rewards_rejected),
+            ("rewards/margins", sums.rewards_margins),
+            ("rewards/accuracies", sums.rewards_accuracies),
+            ("logps/chosen", sums.logps_chosen),
+            ("logps/rejected", sums.logps_rejected),
+        ] {
+            m.insert(k.into(), v / w);
+        }
+        // Per completion, over the whole batch, from the first pass (before any update of
+        // this step, as TRL's values with one pass).
+        let kl_per = &sums.kl_per_completion;
+        let kl = kl_per.iter().sum::<f64>() / n.max(1) as f64;
+        m.insert("objective/kl".into(), kl);
+        m.insert("objective/entropy".into(), sums.entropy / n.max(1) as f64);
+        m.insert("objective/non_score_reward".into(), -beta * kl);
+        let rlhf: f64 = rewards
+            .iter()
+            .zip(kl_per)
+            .map(|(r, k)| r - beta * k)
+            .sum::<f64>()
+            / n.max(1) as f64;
+        m.insert("objective/rlhf_reward".into(), rlhf);
+        m.insert(
+            "objective/scores".into(),
+            rewards.iter().sum::<f64>() / n.max(1) as f64,
+        );
+        let margin: f64 = chosen_first
+            .iter()
+            .enumerate()
+            .map(|(k, &f)| {
+                let (c, r) = (rewards[2 * k], rewards[2 * k + 1]);
+                if f { c - r } else { r - c }
+            })
+            .sum::<f64>()
+            / chosen_first.len().max(1) as f64;
+        m.insert("objective/scores_margin".into(), margin);
+        m.insert(
+            "val/contain_eos_token".into(),
+            has_eos.iter().filter(|&&e| e).count() as f64 / n.max(1) as f64,
+        );
+        m.insert("beta".into(), beta);
+        m.insert("grad_norm".into(), grad_norm);
+        m.insert("learning_rate".into(), lr);
+        self.step_metrics(s, &batch, &OffPolicyStats::default(), &mut m);
+        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
+        self.state.position = Some(r.batch.position);
+        self.updating = false;
+        Ok(m)
+    }
+
+    /// The DPO loss (with the policy's graph) of the pairs in micro-batch `[a, b)` and their
+    /// metrics.
+    fn pair_part(
+        &self,
+        reference: &grpo_rollout::Transformer,
+        batch: &StepBatch<'_>,
+        (a, b): (usize, usize),
+        chosen_first: &[bool],
+        cfg: &DpoConfig,
+    ) -> Result<PairPart> {
+        let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+        let pad = self.tokenizer.pad_token_id;
+        // TRL's `_forward` scores the raw logits (no sampling temperature).
+        let (lp, _, width) = completion_logps(&self.policy.model, pad, p, c, 1.0, false)?;
+        let (rlp, _, _) = completion_logps(reference, pad, p, c, 1.0, false)?;
+        let rlp = rlp.detach().to_dtype(lp.dtype())?;
+        let mut m = Vec::with_capacity((b - a) * width);
+        for x in c {
+            m.extend((0..width).map(|j| f32::from(u8::from(j < x.len()))));
+        }
+        let mask = Tensor::from_vec(m, (b - a, width), lp.device())?.to_dtype(lp.dtype())?;
+        let sums = (&lp * &mask)?.sum(D::Minus1)?;
+        let ref_sums = (&rlp * &mask)?.sum(D::Minus1)?;
+        let k = chosen_first.len();
+        let idx = |chosen: bool| -> Result<Tensor> {
+            let v: Vec<u32> = (0..k)
+                .map(|i| (2 * i + usize::from(chosen_first[i] != chosen)) as u32)
+                .collect();
+            Ok(Tensor::from_vec(v, k, lp.device())?)
+        };
+        let (ci, ri) = (idx(true)?, idx(false)?);
+        let ones = Tensor::ones(k, lp.dtype(), lp.device())?;
+        let out = dpo_loss_with(
+            &DpoInputs {
+                policy_chosen: &sums.index_select(&ci, 0)?,
+                policy_rejected: &sums.index_select(&ri, 0)?,
+                reference_chosen: &ref_sums.index_select(&ci, 0)?,
+                reference_rejected: &ref_sums.index_select(&ri, 0)?,
+                // Online DPO's IPO takes the summed log-probs: one "token" per completion.
+                chosen_tokens: Some(&ones),
+                rejected_tokens: Some(&ones),
+                pair_weights: None,
+            },
+            cfg,
+        )?;
+        let wide = |t: &Tensor| -> Result<Vec<f64>> {
+            Ok(t.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?)
+        };
+        let (pol, refv) = (wide(&sums)?, wide(&ref_sums)?);
+        Ok(PairPart {
+            loss: out.loss,
+            rewards_chosen: out.rewards_chosen,
+            rewards_rejected: out.rewards_rejected,
+            rewards_margins: out.rewards_margins,
+            rewards_accuracies: out.rewards_accuracies,
+            logps_chosen: out.logps_chosen,
+            logps_rejected: out.logps_rejected,
+            kl: pol.iter().zip(&refv).map(|(p, r)| p - r).collect(),
+            entropy: -pol.iter().sum::<f64>(),
+        })
+    }
+}
+
+/// TRL's online DPO ranking: each completion's reward (an unscored one counts 0, as TRL's
+/// `nansum`; `missing_eos_penalty` subtracted when it has no EOS), and for each pair of
+/// neighbours `(2k, 2k + 1)` whether the first is chosen (`r_2k >= r_2k+1`: a tie keeps the
+/// first).
+fn pair_rewards(
+    rewards: &[f32],
+    has_eos: &[bool],
+    missing_eos_penalty: Option<f64>,
+) -> (Vec<f64>, Vec<bool>) {
+    let r: Vec<f64> = has_eos
+        .iter()
+        .enumerate()
+        .map(|(i, &eos)| {
+            let v = rewards.get(i).copied().unwrap_or(f32::NAN);
+            let v = if v.is_nan() { 0.0 } else { f64::from(v) };
+            match (missing_eos_penalty, eos) {
+                (Some(pen), false) => v - pen,
+                _ => v,
+            }
+        })
+        .collect();
+    let first = (0..r.len() / 2).map(|k| r[2 * k] >= r[2 * k + 1]).collect();
+    (r, first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pair_rewards;
+
+    #[test]
+    fn pairs_rank_by_reward_with_ties_nan_and_the_eos_penalty() {
+        let nan = f32::NAN;
+        let (r, first) = pair_rewards(&[0.5, 1.0, 2.0, 2.0, nan, -0.5, 1.0, 0.8], &[true; 8], None);
+        assert_eq!(
+            r,
+            vec![0.5, 1.0, 2.0, 2.0, 0.0, -0.5, 1.0, 0.800000011920929]
+        );
+        assert_eq!(first, vec![false, true, true, true]);
+        // Without EOS the first completion loses 1.0 and its pair flips.
+        let (r, first) = pair_rewards(&[1.0, 0.5], &[false, true], Some(1.0));
+        assert_eq!((r, first), (vec![0.0, 0.5], vec![false]));
+        // Missing scores (a shorter list) count 0.
+        let (r, _) = pair_rewards(&[], &[true, true], None);
+        assert_eq!(r, vec![0.0, 0.0]);
+    }
+}
+
+/// One micro-batch's share of an online DPO step.
+struct PairPart {
+    loss: Tensor,
+    rewards_chosen: f64,
+    rewards_rejected: f64,
+    rewards_margins: f64,
+    rewards_accuracies: f64,
+    logps_chosen: f64,
+    logps_rejected: f64,
+    /// Per completion: Σ (log π − log π_ref).
+    kl: Vec<f64>,
+    /// −Σ log π over the micro-batch's completions.
+    entropy: f64,
+}
+
+/// A step's pair metrics, weighted by each micro-batch's share of its update's pairs.
+#[derive(Default)]
+struct PairSums {
+    weight: f64,
+    rewards_chosen: f64,
+    rewards_rejected: f64,
+    rewards_margins: f64,
+    rewards_accuracies: f64,
+    logps_chosen: f64,
+    logps_rejected: f64,
+    /// The first pass's −Σ log π over the batch's completions.
+    entropy: f64,
+    /// The first pass's Σ (log π − log π_ref) of each completion, in the batch's order.
+    kl_per_completion: Vec<f64>,
+}
+
+impl PairSums {
+    fn add(&mut self, p: &PairPart, share: f64, first_pass: bool) {
+        self.weight += share;
+        self.rewards_chosen += p.rewards_chosen * share;
+        self.rewards_rejected += p.rewards_rejected * share;
+        self.rewards_margins += p.rewards_margins * share;
+        self.rewards_accuracies += p.rewards_accuracies * share;
+        self.logps_chosen += p.logps_chosen * share;
+        self.logps_rejected += p.logps_rejected * share;
+        if first_pass {
+            self.entropy += p.entropy;
+            self.kl_per_completion.extend_from_slice(&p.kl);
+        }
+    }
+}
