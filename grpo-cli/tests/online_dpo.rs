@@ -301,3 +301,29 @@ fn resume_is_exact_and_the_subcommand_runs() {
     assert_eq!(metrics.lines().count(), 2);
     assert!(metrics.contains("objective/scores_margin"), "{metrics}");
 }
+
+/// With LoRA the reference is the base with the adapters off (no copy); with
+/// `max_staleness = 1` the generator samples step s with version s − 1 while the learner trains.
+#[test]
+fn lora_and_a_stale_generator_train() {
+    let f = fixture();
+    let mut cfg = load(&f.root, "lora", 4, "");
+    cfg.model.lora = Some(grpo_rollout::LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        ..Default::default()
+    });
+    cfg.pipeline.max_staleness = 1;
+    let r = run(cfg, RunOptions::default());
+    assert_eq!(r.metrics.len(), 4);
+    assert!((r.metrics[0]["loss"] - std::f64::consts::LN_2).abs() < 1e-5);
+    for m in &r.metrics {
+        for k in ["loss", "grad_norm", "rewards/margins", "objective/kl"] {
+            assert!(m[k].is_finite(), "{k}: {m:?}");
+        }
+    }
+    assert!(
+        r.metrics[3]["rewards/margins"].abs() > 1e-6,
+        "the adapters moved"
+    );
+}

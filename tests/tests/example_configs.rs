@@ -687,3 +687,21 @@ fn orpo_and_simpo_configs_train_on_the_example_pairs() {
         }
     }
 }
+
+/// `configs/online_dpo.toml` trains pairs of samples ranked by the accuracy reward.
+#[test]
+fn online_dpo_config_trains_on_ranked_pairs() {
+    let (_dir, r) = train(
+        "online_dpo.toml",
+        &[
+            "rollout.num_generations=2".to_string(),
+            "train.per_device_train_batch_size=4".to_string(),
+        ],
+    );
+    for m in &r.metrics {
+        assert!(
+            m["objective/scores_margin"] >= 0.0 && m["beta"] == 0.1,
+            "{m:?}"
+        );
+    }
+}

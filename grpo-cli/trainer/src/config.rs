@@ -1791,7 +1791,7 @@ impl TrainConfig {
                     self.rollout.num_generations
                 ));
             }
-            if self.micro_batch() % 2 != 0 {
+            if !self.micro_batch().is_multiple_of(2) {
                 return Err(format!(
                     "online DPO keeps each prompt's two completions in one micro-batch: \
                      `train.per_device_train_batch_size` must be even, got {}",
