@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The TRL side of `scripts/bench-trainers-vs-trl.sh`: seconds per optimizer step of TRL 1.16's
-SFTTrainer, DPOTrainer or RewardTrainer on a model directory, over the rows that
+SFTTrainer, DPOTrainer, RewardTrainer or experimental ORPOTrainer / CPOTrainer on a model directory, over the rows that
 `--write-data` writes (the same file `grpo-cli` reads).
 
-    python bench/trl_trainers_bench.py MODEL_DIR sft|dpo|reward DATA.jsonl [--steps N] [--batch B]
+    python bench/trl_trainers_bench.py MODEL_DIR sft|dpo|reward|orpo|cpo DATA.jsonl [--steps N] [--batch B]
     python bench/trl_trainers_bench.py --write-data OUT_DIR [--rows N]
 
 Prints one JSON line: {"trainer", "steps", "s_per_step_median", "s_per_step_all"}. The first step
@@ -38,7 +38,7 @@ def write_data(out_dir, rows):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?")
-    ap.add_argument("trainer", nargs="?", choices=["sft", "dpo", "reward"])
+    ap.add_argument("trainer", nargs="?", choices=["sft", "dpo", "reward", "orpo", "cpo"])
     ap.add_argument("data", nargs="?")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
@@ -80,6 +80,14 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="eager")
         if a.trainer == "sft":
             trainer = SFTTrainer(model=model, args=SFTConfig(**common), train_dataset=data, processing_class=tok)
+        elif a.trainer == "orpo":
+            from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+            trainer = ORPOTrainer(model=model, args=ORPOConfig(**common), train_dataset=data, processing_class=tok)
+        elif a.trainer == "cpo":
+            from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+            trainer = CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=data, processing_class=tok)
         else:
             trainer = DPOTrainer(model=model, args=DPOConfig(**common), train_dataset=data, processing_class=tok)
 

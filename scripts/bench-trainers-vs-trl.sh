@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# SFT, DPO and reward-model steps against TRL 1.16's SFTTrainer, DPOTrainer and RewardTrainer,
+# SFT, DPO, reward-model, ORPO and CPO steps against TRL 1.16's SFTTrainer, DPOTrainer,
+# RewardTrainer and experimental ORPOTrainer / CPOTrainer,
 # in one run on this machine (CPU, float32): the same model directory, the same rows
 # (bench/trl_trainers_bench.py --write-data), batches of 8, AdamW at 1e-5, no checkpointing.
 #
@@ -7,7 +8,7 @@
 #
 # For each trainer it runs grpo-cli and TRL alternately R times (default 2) and prints the
 # medians of seconds per step (the first step of each run left out) and their ratio (ours / TRL:
-# below 1 is faster). Needs the release build (`cargo build --release -p grpo-cli`) and a Python
+# below 1 is faster); TRAINERS="orpo cpo" picks some. Needs the release build (`cargo build --release -p grpo-cli`) and a Python
 # with torch and TRL (PYTHON, default ~/trl-venv/bin/python; see bench/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +57,7 @@ PYEOF
 }
 
 printf "%-8s %12s %12s %8s\n" trainer "ours s/step" "TRL s/step" ratio
-for t in sft dpo reward; do
+for t in ${TRAINERS:-sft dpo reward orpo cpo}; do
   data="$work/data/pairs.jsonl"
   [ "$t" = sft ] && data="$work/data/sft.jsonl"
   ours=(); theirs=()
