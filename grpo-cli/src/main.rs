@@ -62,8 +62,8 @@ enum Command {
         run_dir: std::path::PathBuf,
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
-    /// "orpo" | "cpo" | "online_dpo" | "rloo" | "reward" | "distillation"` in the config runs
-    /// that instead.
+    /// "orpo" | "cpo" | "online_dpo" | "rloo" | "reward" | "distillation" | "gkd"` in the config
+    /// runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -89,6 +89,10 @@ enum Command {
     /// On-policy distillation (the config's `[distillation]`, TRL's DistillationTrainer): the
     /// policy samples completions and learns the teacher's next-token distributions on them.
     Distillation(train_cmd::TrainArgs),
+    /// Generalized knowledge distillation (the config's `[distillation]` with TRL's GKDTrainer
+    /// defaults): each step on the student's samples with probability `lmbda`, else on the
+    /// dataset's completions (or the teacher's samples, `seq_kd`).
+    Gkd(train_cmd::TrainArgs),
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
@@ -116,6 +120,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             a,
             Some("distillation"),
         )?)),
+        Some(Command::Gkd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("gkd"))?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
@@ -188,6 +193,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)
+            | Command::Gkd(_)
             | Command::Check(_),
         ) => {
             unreachable!("handled in run")

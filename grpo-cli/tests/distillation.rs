@@ -322,3 +322,239 @@ fn the_distillation_subcommand() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("trained 2 steps; loss"));
 }
+
+/// Prompt/completion rows for GKD's off-policy steps, and conversations that end with the
+/// assistant's turn (TRL's GKD `messages`).
+fn write_gkd_data(root: &Path) {
+    let mut rows = String::new();
+    let mut chats = String::new();
+    for i in 0..8 {
+        rows.push_str(&format!(
+            "{{\"prompt\": \"What is {i} + 2?\", \"completion\": \" It is {}.\"}}\n",
+            i + 2
+        ));
+        chats.push_str(&format!(
+            "{{\"messages\": [{{\"role\": \"user\", \"content\": \"Add {i} and 3.\"}}, \
+             {{\"role\": \"assistant\", \"content\": \"The sum is {}.\"}}]}}\n",
+            i + 3
+        ));
+    }
+    std::fs::write(root.join("rows.jsonl"), rows).unwrap();
+    std::fs::write(root.join("chats.jsonl"), chats).unwrap();
+}
+
+fn gkd_config(root: &Path, out: &str, data: &str, teacher: &str, extra: &str) -> TrainConfig {
+    let text = config_text(root, out, teacher, 4, extra)
+        .replace("algorithm = \"distillation\"", "algorithm = \"gkd\"")
+        .replace(
+            &root.join("arith.jsonl").display().to_string(),
+            &root.join(data).display().to_string(),
+        )
+        .replace("num_generations = 2\n", "");
+    let p = root.join(format!("{out}.toml"));
+    std::fs::write(&p, text).unwrap();
+    let mut cfg = config::load(&p, &[]).unwrap();
+    cfg.train.shuffle_dataset = Some(false);
+    cfg
+}
+
+/// The completion tokens of `prompt` + `completion` (SFT's joint tokenisation, EOS added) and
+/// the summed per-token divergence of `student` from `teacher` over them at temperature 1.
+fn completion_divergence(
+    student: &Path,
+    teacher: &Path,
+    prompt: &str,
+    completion: &str,
+    beta: f64,
+) -> (f64, usize) {
+    let s = grpo_rollout::load(student, DType::F32, &Device::Cpu).unwrap();
+    let t = grpo_rollout::load(teacher, DType::F32, &Device::Cpu).unwrap();
+    let eos = s.tokenizer.eos_token.clone().unwrap();
+    let p = s.tokenizer.encode(prompt, true).unwrap();
+    let full = s
+        .tokenizer
+        .encode(&format!("{prompt}{completion}{eos}"), true)
+        .unwrap();
+    let shared = p.iter().zip(&full).take_while(|(a, b)| a == b).count();
+    let n = full.len() - shared;
+    let len = full.len();
+    let ids = Tensor::from_vec(full, (1, len), &Device::Cpu).unwrap();
+    let mask = Tensor::ones((1, len), DType::U32, &Device::Cpu).unwrap();
+    let h = s.model.completion_hidden(&ids, &mask, n).unwrap();
+    let th = t.model.completion_hidden(&ids, &mask, n).unwrap();
+    let (d, _) = s.model.distill_rows(&h, &t.model, &th, beta, 1.0).unwrap();
+    (d.sum_all().unwrap().to_scalar::<f32>().unwrap() as f64, n)
+}
+
+/// `algorithm = "gkd"` takes TRL's GKDConfig defaults where the config is silent.
+#[test]
+fn gkd_takes_trls_defaults() {
+    let f = fixture();
+    write_gkd_data(&f.root);
+    let text = config_text(&f.root, "d", "teacher", 1, "")
+        .replace("algorithm = \"distillation\"", "algorithm = \"gkd\"")
+        .replace("num_generations = 2\nmax_completion_length = 8\n", "")
+        .replace("learning_rate = 3e-3\n", "")
+        .replace(
+            &f.root.join("arith.jsonl").display().to_string(),
+            &f.root.join("rows.jsonl").display().to_string(),
+        );
+    std::fs::write(f.root.join("d.toml"), text).unwrap();
+    let c = config::load(&f.root.join("d.toml"), &[]).unwrap();
+    assert_eq!(c.distillation.lmbda_for(c.algorithm), 0.5);
+    assert_eq!(c.distillation.beta, 0.5);
+    assert!(!c.distillation.seq_kd);
+    assert_eq!(c.rollout.temperature, 0.9);
+    assert_eq!(c.rollout.num_generations, 1);
+    assert_eq!(c.rollout.max_completion_length, 128);
+    assert_eq!(c.learning_rate(), 2e-5);
+    assert!(c.dropout_disabled());
+}
+
+/// λ = 0: every step trains on the dataset's completions; the first step's loss is the
+/// divergence over those completions' tokens (joint tokenisation, EOS), at temperature 1.
+#[test]
+fn gkd_off_policy_steps_train_on_the_datasets_completions() {
+    let f = fixture();
+    write_gkd_data(&f.root);
+    let mut cfg = gkd_config(
+        &f.root,
+        "offp",
+        "rows.jsonl",
+        "teacher",
+        "lmbda = 0.0\nbeta = 0.5\n",
+    );
+    cfg.rollout.temperature = 0.7; // sampling only: GKD's divergence is at temperature 1
+    let r = run(cfg, RunOptions::default());
+    let (mut sum, mut tokens) = (0.0, 0);
+    for i in 0..4 {
+        let (d, n) = completion_divergence(
+            &f.root.join("student"),
+            &f.root.join("teacher"),
+            &format!("What is {i} + 2?"),
+            &format!(" It is {}.", i + 2),
+            0.5,
+        );
+        sum += d;
+        tokens += n;
+    }
+    let m0 = &r.metrics[0];
+    let want = sum / tokens as f64;
+    assert!(
+        (m0["loss"] - want).abs() < 1e-5 * want.max(1.0),
+        "loss {} vs {want}",
+        m0["loss"]
+    );
+    assert!(r.metrics.iter().all(|m| m["on_policy"] == 0.0));
+    let logged = std::fs::read_to_string(f.root.join("offp/completions.jsonl")).unwrap();
+    assert!(logged.contains("It is 2."), "{logged}");
+}
+
+/// Conversations that end with the assistant's turn: the prompt is the conversation before
+/// it, the completion that turn (TRL's GKD); a student distilled from itself has loss 0 on the
+/// dataset's completions and on the teacher's samples (`seq_kd`).
+#[test]
+fn gkd_reads_conversations_and_seq_kd_samples_with_the_teacher() {
+    let f = fixture();
+    write_gkd_data(&f.root);
+    let r = run(
+        gkd_config(&f.root, "chat", "chats.jsonl", "teacher", "lmbda = 0.0\n"),
+        RunOptions::default(),
+    );
+    let logged = std::fs::read_to_string(f.root.join("chat/completions.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(logged.lines().next().unwrap()).unwrap();
+    assert_eq!(first["completion"], "The sum is 3.", "{first}");
+    assert!(
+        !first["prompt"].as_str().unwrap().contains("The sum is"),
+        "the answer is not in the prompt: {first}"
+    );
+    assert!(r.metrics[0]["loss"] > 0.0);
+    for (name, extra) in [
+        ("self", "lmbda = 0.0\n"),
+        ("seqkd", "lmbda = 0.0\nseq_kd = true\n"),
+    ] {
+        let r = run(
+            gkd_config(&f.root, name, "chats.jsonl", "student", extra),
+            RunOptions::default(),
+        );
+        for m in &r.metrics {
+            assert!(m["loss"].abs() < 1e-6, "{name}: {m:?}");
+            assert_eq!(m["on_policy"], 0.0);
+        }
+    }
+    // The teacher's samples are not the dataset's answers.
+    let logged = std::fs::read_to_string(f.root.join("seqkd/completions.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(logged.lines().next().unwrap()).unwrap();
+    assert_ne!(first["completion"], "The sum is 3.");
+}
+
+/// λ = 0.5 mixes both kinds of step by a coin seeded per step, so a resumed run draws the
+/// same; λ = 1 is on-policy distillation (at temperature 1 the same steps as
+/// `algorithm = "distillation"`).
+#[test]
+fn gkd_mixes_steps_by_lmbda_resumes_exactly_and_lmbda_one_is_distillation() {
+    let f = fixture();
+    write_gkd_data(&f.root);
+    let mut cfg = gkd_config(&f.root, "mix", "rows.jsonl", "teacher", "lmbda = 0.5\n");
+    cfg.train.max_steps = Some(8);
+    cfg.train.save_steps = 0;
+    // With seed 0 the coins of steps 2 and 7 come up on-policy (u = 0.008 and 0.36).
+    cfg.train.seed = 0;
+    let all = run(cfg.clone(), RunOptions::default());
+    let kinds: Vec<f64> = all.metrics.iter().map(|m| m["on_policy"]).collect();
+    assert!(kinds.contains(&0.0) && kinds.contains(&1.0), "{kinds:?}");
+    cfg.output_dir = f.root.join("mix-parts");
+    let first = run(
+        cfg.clone(),
+        RunOptions {
+            stop_after: Some(3),
+            ..Default::default()
+        },
+    );
+    let rest = run(
+        cfg,
+        RunOptions {
+            resume: Some(None),
+            ..Default::default()
+        },
+    );
+    let mut joined = first.metrics.clone();
+    joined.extend(rest.metrics.iter().cloned());
+    assert_same_steps(&joined, &all.metrics, &["loss", "on_policy"]);
+
+    let mut g = gkd_config(
+        &f.root,
+        "one",
+        "rows.jsonl",
+        "teacher",
+        "lmbda = 1.0\nbeta = 1.0\n",
+    );
+    g.rollout.temperature = 1.0;
+    let mut d = g.clone();
+    d.algorithm = grpo_trainer::Algorithm::Distillation;
+    d.output_dir = f.root.join("one-d");
+    let (a, b) = (run(g, RunOptions::default()), run(d, RunOptions::default()));
+    assert!(!a.metrics[0].contains_key("on_policy"));
+    assert_same_steps(&a.metrics, &b.metrics, &["loss", "grad_norm"]);
+}
+
+#[test]
+fn gkd_refuses_a_bad_lmbda_and_data_without_completions() {
+    let f = fixture();
+    write_gkd_data(&f.root);
+    let p = f.root.join("bad.toml");
+    let text = config_text(&f.root, "bad", "teacher", 1, "lmbda = 1.5\n")
+        .replace("algorithm = \"distillation\"", "algorithm = \"gkd\"");
+    std::fs::write(&p, text).unwrap();
+    let e = format!("{:#}", config::load(&p, &[]).unwrap_err());
+    assert!(e.contains("`distillation.lmbda` must be in [0, 1]"), "{e}");
+    // Arithmetic prompts have no completion column: GKD's off-policy steps need one.
+    let text = config_text(&f.root, "nocol", "teacher", 1, "")
+        .replace("algorithm = \"distillation\"", "algorithm = \"gkd\"");
+    std::fs::write(&p, text).unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap_err()
+    );
+    assert!(e.contains("completion") && e.contains("lmbda"), "{e}");
+}

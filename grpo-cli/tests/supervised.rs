@@ -365,6 +365,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "cpo",
             "distillation",
             "dpo",
+            "gkd",
             "grpo",
             "kto",
             "online_dpo",
@@ -378,7 +379,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of cpo, distillation, dpo, grpo, kto, online_dpo, orpo, reward, rloo, sft")
+            .contains("expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");

@@ -59,11 +59,15 @@ pub enum Algorithm {
     /// rewards pick the chosen one, and DPO's loss against the frozen reference trains on the
     /// pair (`[online_dpo]`).
     OnlineDpo,
+    /// Generalized knowledge distillation (TRL's GKDTrainer): distillation's `[distillation]`
+    /// with GKD's defaults — each step on the student's own samples with probability
+    /// `lmbda`, else on the dataset's completions (or the teacher's, `seq_kd`).
+    Gkd,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 10] = [
+    pub const ALL: [Algorithm; 11] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -74,6 +78,7 @@ impl Algorithm {
         Algorithm::Orpo,
         Algorithm::Cpo,
         Algorithm::OnlineDpo,
+        Algorithm::Gkd,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -81,8 +86,17 @@ impl Algorithm {
     pub fn generates(self) -> bool {
         matches!(
             self,
-            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation | Algorithm::OnlineDpo
+            Algorithm::Grpo
+                | Algorithm::Rloo
+                | Algorithm::Distillation
+                | Algorithm::OnlineDpo
+                | Algorithm::Gkd
         )
+    }
+
+    /// Whether the run distils a teacher (`[distillation]`): on-policy distillation or GKD.
+    pub fn is_distillation(self) -> bool {
+        matches!(self, Algorithm::Distillation | Algorithm::Gkd)
     }
 
     /// Whether the run learns from rewards (GRPO, RLOO, online DPO; distillation only logs
@@ -95,11 +109,11 @@ impl Algorithm {
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, OnlineDPOConfig 5e-7, the others (GRPO, RLOO, DPO, KTO,
-    /// distillation, ORPO, CPO) 1e-6.
+    /// RewardConfig 1e-4, OnlineDPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig), the others
+    /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
-            Self::Sft => 2e-5,
+            Self::Sft | Self::Gkd => 2e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo => 5e-7,
             _ => 1e-6,
@@ -119,6 +133,7 @@ impl Algorithm {
             Self::Orpo => "orpo",
             Self::Cpo => "cpo",
             Self::OnlineDpo => "online_dpo",
+            Self::Gkd => "gkd",
         }
     }
 
@@ -137,7 +152,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, grpo, kto, online_dpo, orpo, reward, rloo, sft"
+                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft"
                 )
             })
     }
@@ -248,6 +263,17 @@ pub struct DistillationSection {
     pub teacher_device: Option<DeviceSpec>,
     /// The teacher's dtype (default the policy's compute dtype).
     pub teacher_dtype: Option<Dtype>,
+    /// GKD's λ: the share of steps trained on the student's own samples; the others train on
+    /// the dataset's completions (or, with `seq_kd`, the teacher's samples). Absent: 1 for
+    /// distillation (always on-policy), 0.5 for `algorithm = "gkd"`.
+    pub lmbda: Option<f64>,
+    /// GKD's sequence-level KD: the off-policy steps train on the teacher's samples instead of
+    /// the dataset's completions (default false).
+    pub seq_kd: bool,
+    /// The dataset's completion column for the off-policy steps (text or messages; a
+    /// conversation prompt whose last turn is the assistant's needs none: that turn is the
+    /// completion, as TRL's GKD reads `messages`). Default `completion`.
+    pub completion_field: String,
 }
 
 impl Default for DistillationSection {
@@ -257,7 +283,20 @@ impl Default for DistillationSection {
             beta: 1.0,
             teacher_device: None,
             teacher_dtype: None,
+            lmbda: None,
+            seq_kd: false,
+            completion_field: "completion".into(),
         }
+    }
+}
+
+impl DistillationSection {
+    /// λ, resolved for the algorithm (see [`DistillationSection::lmbda`]).
+    pub fn lmbda_for(&self, algorithm: Algorithm) -> f64 {
+        self.lmbda.unwrap_or(match algorithm {
+            Algorithm::Gkd => 0.5,
+            _ => 1.0,
+        })
     }
 }
 
@@ -1549,8 +1588,17 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     // without `rollout.num_generations` takes 1, not GRPO's group of 8.
     let algorithm = tree.get("algorithm").and_then(Value::as_str);
     let rollout_has = |k: &str| tree.get("rollout").and_then(|r| r.get(k)).is_some();
-    let distill_generations =
-        algorithm == Some(Algorithm::Distillation.as_str()) && !rollout_has("num_generations");
+    let gkd = algorithm == Some(Algorithm::Gkd.as_str());
+    let distill_generations = (gkd || algorithm == Some(Algorithm::Distillation.as_str()))
+        && !rollout_has("num_generations");
+    // TRL's GKDConfig: beta 0.5, temperature 0.9, max_new_tokens 128.
+    let gkd_beta = gkd
+        && tree
+            .get("distillation")
+            .and_then(|d| d.get("beta"))
+            .is_none();
+    let gkd_temperature = gkd && !rollout_has("temperature");
+    let gkd_tokens = gkd && !rollout_has("max_completion_length");
     // TRL's OnlineDPOTrainer samples two completions per prompt at temperature 0.9.
     let online_dpo = algorithm == Some(Algorithm::OnlineDpo.as_str());
     let (pair_generations, online_temperature) = (
@@ -1585,6 +1633,15 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     }
     if pair_generations {
         cfg.rollout.num_generations = 2;
+    }
+    if gkd_beta {
+        cfg.distillation.beta = 0.5;
+    }
+    if gkd_temperature {
+        cfg.rollout.temperature = 0.9;
+    }
+    if gkd_tokens {
+        cfg.rollout.max_completion_length = 128;
     }
     if online_temperature {
         cfg.rollout.temperature = 0.9;
@@ -1661,7 +1718,7 @@ impl TrainConfig {
             return Err("`rollout.num_generations_eval` must be >= 1".into());
         }
         // Distillation trains on each completion alone (TRL samples one per prompt).
-        if r.num_generations < 2 && self.algorithm != Algorithm::Distillation {
+        if r.num_generations < 2 && !self.algorithm.is_distillation() {
             return Err(format!(
                 "`rollout.num_generations` must be >= 2 (a group needs two completions to compare), got {}",
                 r.num_generations
@@ -1940,8 +1997,13 @@ impl TrainConfig {
                 return Err("`loss.use_adaptive_entropy` needs finite `entropy_coef_min` <= `entropy_coef_max` and `entropy_coef_delta`, `entropy_target` >= 0".into());
             }
         }
-        if self.algorithm == Algorithm::Distillation {
+        if self.algorithm.is_distillation() {
             let d = &self.distillation;
+            if let Some(l) = d.lmbda
+                && !(0.0..=1.0).contains(&l)
+            {
+                return Err(format!("`distillation.lmbda` must be in [0, 1], got {l}"));
+            }
             if d.teacher_model_name_or_path.is_none() {
                 return Err(
                     "`distillation.teacher_model_name_or_path` is required (the teacher model)"
@@ -2146,9 +2208,11 @@ impl TrainConfig {
     /// `prompts_per_step` rows (SFT, DPO).
     pub fn completions_per_step(&self) -> usize {
         match self.algorithm {
-            Algorithm::Grpo | Algorithm::Rloo | Algorithm::Distillation | Algorithm::OnlineDpo => {
-                self.train.prompts_per_step * self.rollout.num_generations
-            }
+            Algorithm::Grpo
+            | Algorithm::Rloo
+            | Algorithm::Distillation
+            | Algorithm::OnlineDpo
+            | Algorithm::Gkd => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -2186,6 +2250,7 @@ impl TrainConfig {
                 | Algorithm::Orpo
                 | Algorithm::Cpo
                 | Algorithm::OnlineDpo
+                | Algorithm::Gkd
         ))
     }
 

@@ -29,7 +29,7 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     let mut stream = SampleStream::new(eval.clone(), sc).map_err(|e| anyhow!("eval data: {e}"))?;
     let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     // Distillation: the divergence and the student's entropy per loss token over the split.
-    let distill = setup.cfg.algorithm == crate::config::Algorithm::Distillation;
+    let distill = setup.cfg.algorithm.is_distillation();
     let (mut div, mut ent, mut tokens) = (0.0, 0.0, 0.0);
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("eval data: {e}"))? {
         let batch = PromptBatch {

@@ -60,9 +60,9 @@ pub use pipeline::{RunMode, RunOptions, TrainingResult, run};
 pub use setup::{Setup, setup, setup_with};
 pub use trainer::{
     AnyTrainer, ByName, Cpo, CpoTrainer, Distillation, DistillationTrainer, Dpo, DpoTrainer,
-    FitOptions, Grpo, GrpoTrainer, Kto, KtoTrainer, OnlineDpo, OnlineDpoTrainer, Orpo, OrpoTrainer,
-    RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sft, SftTrainer, Trainer, TrainerKind,
-    create_trainer, get_algorithm, list_algorithms,
+    FitOptions, Gkd, GkdTrainer, Grpo, GrpoTrainer, Kto, KtoTrainer, OnlineDpo, OnlineDpoTrainer,
+    Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sft, SftTrainer, Trainer,
+    TrainerKind, create_trainer, get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

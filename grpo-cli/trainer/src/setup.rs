@@ -160,7 +160,9 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
         Algorithm::Reward if has(&cfg.reward.chosen_field) && has(&cfg.reward.rejected_field) => {
             Some(cfg.reward.chosen_field.clone())
         }
-        Algorithm::Sft if has("messages") => Some("messages".into()),
+        Algorithm::Sft | Algorithm::Gkd | Algorithm::Distillation if has("messages") => {
+            Some("messages".into())
+        }
         Algorithm::Sft if has(&cfg.sft.dataset_text_field) => {
             Some(cfg.sft.dataset_text_field.clone())
         }
@@ -175,6 +177,19 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
             for col in [&cfg.dpo.chosen_field, &cfg.dpo.rejected_field] {
                 data.require_column(col, "DPO (`dpo.chosen_field` / `dpo.rejected_field`)")?;
             }
+        }
+        // GKD's off-policy steps read the dataset's completions (unless the teacher samples
+        // them): a completion column, or conversations that end with the assistant's turn.
+        Algorithm::Distillation | Algorithm::Gkd
+            if cfg.distillation.lmbda_for(cfg.algorithm) < 1.0
+                && !cfg.distillation.seq_kd
+                && !data.conversation_prompts() =>
+        {
+            data.require_column(
+                &cfg.distillation.completion_field,
+                "the off-policy steps of distillation.lmbda < 1 (`distillation.completion_field`, \
+                 or conversation prompts ending with the assistant's turn)",
+            )?
         }
         Algorithm::Orpo | Algorithm::Cpo => {
             let a = cfg.algorithm;
@@ -456,7 +471,7 @@ pub fn setup_with(
         None
     };
     let distillation_teacher = match cfg.algorithm {
-        Algorithm::Distillation => Some(distillation_teacher(
+        Algorithm::Distillation | Algorithm::Gkd => Some(distillation_teacher(
             &cfg,
             &policy.model,
             &loaded.tokenizer,

@@ -1,7 +1,7 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
 //! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`RlooTrainer`], [`RewardTrainer`],
-//! [`DistillationTrainer`]) or chosen by name
+//! [`DistillationTrainer`], [`GkdTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -52,6 +52,10 @@ pub struct RewardModeling;
 /// On-policy distillation (`[distillation]`, TRL's DistillationTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Distillation;
+/// Generalized knowledge distillation (`[distillation]` with GKD's defaults, TRL's
+/// GKDTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Gkd;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -86,6 +90,9 @@ impl TrainerKind for RewardModeling {
 impl TrainerKind for Distillation {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Distillation);
 }
+impl TrainerKind for Gkd {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Gkd);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -114,6 +121,10 @@ pub type RewardTrainer = Trainer<RewardModeling>;
 /// An on-policy distillation trainer: the policy learns a teacher's distributions on its own
 /// samples.
 pub type DistillationTrainer = Trainer<Distillation>;
+
+/// A GKD trainer: the student learns the teacher's distributions on its own samples (a share
+/// `lmbda` of the steps) and on the dataset's completions or the teacher's samples.
+pub type GkdTrainer = Trainer<Gkd>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

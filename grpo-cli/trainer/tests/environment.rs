@@ -279,6 +279,7 @@ fn scored(masks: bool) -> Scored {
             teaching: None,
             sampled_by_other_model: false,
             episodes,
+            source: Default::default(),
         },
         scores: ScoredBatch::default(),
         advantages: vec![1.0, -1.0],

@@ -281,6 +281,7 @@ fn algorithms_by_name() {
             "cpo",
             "distillation",
             "dpo",
+            "gkd",
             "grpo",
             "kto",
             "online_dpo",

@@ -4,7 +4,9 @@
 //! KL, reverse KL or the generalized JSD, at `rollout.temperature`), summed over the loss tokens
 //! and divided by the step's loss tokens (per optimizer update), as TRL's
 //! `num_items_in_batch`. Rewards, when the config has any, are scored and logged, not trained
-//! on.
+//! on. GKD (TRL's GKDTrainer) is the same step on whatever completions the generator gave
+//! (the student's, the dataset's or the teacher's), its divergence at temperature 1 as TRL's
+//! `compute_loss` takes it.
 
 use std::time::Instant;
 
@@ -78,6 +80,11 @@ impl Learner {
         );
         m.insert("grad_norm".into(), grad_norm);
         m.insert("learning_rate".into(), lr);
+        if self.cfg.distillation.lmbda_for(self.cfg.algorithm) < 1.0 {
+            // GKD: whether this step trained on the student's own samples.
+            let on = r.source == crate::stages::CompletionSource::Policy;
+            m.insert("on_policy".into(), f64::from(u8::from(on)));
+        }
         self.step_metrics(s, &batch, &OffPolicyStats::default(), &mut m);
         m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
         self.state.position = Some(r.batch.position);
@@ -95,7 +102,13 @@ impl Learner {
         a: usize,
         b: usize,
     ) -> Result<DistillPart> {
-        let (beta, temperature) = (self.cfg.distillation.beta, self.cfg.rollout.temperature);
+        // TRL's GKD takes the divergence at temperature 1 (its sampling temperature is the
+        // generator's); the DistillationTrainer at the sampling temperature.
+        let temperature = match self.cfg.algorithm {
+            crate::config::Algorithm::Gkd => 1.0,
+            _ => self.cfg.rollout.temperature,
+        };
+        let beta = self.cfg.distillation.beta;
         let (ids, mask, c) = padded_batch(
             self.tokenizer.pad_token_id,
             &batch.prompts[a..b],

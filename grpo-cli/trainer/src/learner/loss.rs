@@ -40,7 +40,7 @@ impl Learner {
     /// micro-batches, metrics. Returns the step's metrics.
     pub fn process(&mut self, s: &Scored) -> Result<Metrics> {
         let t0 = Instant::now();
-        if self.cfg.algorithm == Algorithm::Distillation {
+        if self.cfg.algorithm.is_distillation() {
             return self.distill_step(s, t0);
         }
         if self.cfg.algorithm == Algorithm::OnlineDpo {

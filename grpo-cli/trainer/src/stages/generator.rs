@@ -18,7 +18,7 @@ use grpo_rollout::{
 };
 use grpo_teacher::TeachingProtocol;
 
-use super::{EpisodeBatch, PromptBatch, Rollouts, step_seed};
+use super::{CompletionSource, EpisodeBatch, PromptBatch, Rollouts, step_seed};
 use crate::config::{EnvironmentReward, TrainConfig};
 use crate::remote::RemoteSync;
 use crate::setup::Setup;
@@ -40,6 +40,8 @@ pub struct Generator {
     environment: Option<Arc<dyn Environment>>,
     /// `rollout.device` when it is not the model's, with the weights already copied there.
     device: Option<(Device, DeviceCopies)>,
+    /// GKD's `seq_kd`: the distillation teacher, which samples the off-policy steps.
+    seq_kd_teacher: Option<Transformer>,
 }
 
 impl std::fmt::Debug for Generator {
@@ -69,6 +71,10 @@ impl Generator {
                 .rollout_device
                 .clone()
                 .map(|d| (d, DeviceCopies::default())),
+            seq_kd_teacher: match setup.cfg.distillation.seq_kd {
+                true => setup.distillation_teacher.clone(),
+                false => None,
+            },
         }
     }
 
@@ -118,19 +124,35 @@ impl Generator {
         }
         let params = self.cfg.rollout.sampling(seed);
         let g = self.cfg.rollout.num_generations;
-        let completions = match self.remote.clone() {
-            Some(remote) => {
-                let (server, policy) = self.synced_server(&remote)?;
-                server
-                    .generate(&self.tokenizer, &prompt_ids, g, &params, policy)
-                    .map_err(|e| anyhow!("rollout.openai: {e}"))?
+        let source = self.completion_source(batch.step);
+        let completions = match (source, self.remote.clone()) {
+            (CompletionSource::Dataset, _) => {
+                dataset_completions(&self.tokenizer, &self.cfg, &batch, &prompt_texts, g)?
             }
-            None => {
-                let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
-                let decoding = self.decoding_copy(&model)?;
-                grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?
+            (CompletionSource::Teacher, _) => {
+                let teacher = self
+                    .seq_kd_teacher
+                    .as_ref()
+                    .context("distillation.seq_kd needs the distillation teacher")?;
+                let prompts_on: Vec<Vec<u32>> = prompt_ids.clone();
+                let decoding = teacher.for_decoding_reusing(None)?;
+                grpo_rollout::generate(&decoding, &self.tokenizer, &prompts_on, g, &params)?
             }
+            (CompletionSource::Policy, remote) => match remote {
+                Some(remote) => {
+                    let (server, policy) = self.synced_server(&remote)?;
+                    server
+                        .generate(&self.tokenizer, &prompt_ids, g, &params, policy)
+                        .map_err(|e| anyhow!("rollout.openai: {e}"))?
+                }
+                None => {
+                    let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
+                    let decoding = self.decoding_copy(&model)?;
+                    grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?
+                }
+            },
         };
+        let other = self.frozen_teacher.is_some() || self.remote.is_some();
         Ok(Rollouts {
             batch,
             prompt_texts,
@@ -140,9 +162,31 @@ impl Generator {
             weights: self.model.clone(),
             seconds: t0.elapsed().as_secs_f64(),
             teaching,
-            sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
+            sampled_by_other_model: other || source != CompletionSource::Policy,
             episodes: None,
+            source,
         })
+    }
+
+    /// GKD: the step's completions come from the policy with probability `distillation.lmbda`
+    /// (a coin seeded by the run's seed and the step, so a resumed run draws the same), else
+    /// from the teacher (`seq_kd`) or the dataset. Every other algorithm: the policy.
+    fn completion_source(&self, step: usize) -> CompletionSource {
+        let cfg = &self.cfg;
+        if !cfg.algorithm.is_distillation() {
+            return CompletionSource::Policy;
+        }
+        let lmbda = cfg.distillation.lmbda_for(cfg.algorithm);
+        if lmbda >= 1.0 {
+            return CompletionSource::Policy;
+        }
+        let bits = grpo_data::rng::mix(cfg.train.seed, 0x676b_645f_6c6d_6264, step as u64);
+        let u = (bits >> 11) as f64 / (1u64 << 53) as f64;
+        match (u < lmbda, cfg.distillation.seq_kd) {
+            (true, _) => CompletionSource::Policy,
+            (false, true) => CompletionSource::Teacher,
+            (false, false) => CompletionSource::Dataset,
+        }
     }
 
     /// The copy of `model` that samples: on `rollout.device` when it has one, with the
@@ -166,8 +210,10 @@ impl Generator {
         Ok(decoding)
     }
 
-    /// The step's prompts: each row's own, or with `[teacher]` (after the student's probe of
-    /// each problem, returned beside them) the teacher prompt as one user turn.
+    /// The step's prompts: each row's own (for distillation, a conversation that ends with
+    /// the assistant's turn without that turn: TRL's GKD reads `messages` so), or with
+    /// `[teacher]` (after the student's probe of each problem, returned beside them) the
+    /// teacher prompt as one user turn.
     #[allow(clippy::type_complexity)]
     fn step_prompts(
         &self,
@@ -178,9 +224,17 @@ impl Generator {
         Vec<Prompt>,
     )> {
         let Some(tp) = &self.teaching else {
+            let distill = self.cfg.algorithm.is_distillation();
             return Ok((
                 None,
-                batch.samples.iter().map(|s| s.prompt.clone()).collect(),
+                batch
+                    .samples
+                    .iter()
+                    .map(|s| match distill {
+                        true => split_last_assistant(&s.prompt).0,
+                        false => s.prompt.clone(),
+                    })
+                    .collect(),
             ));
         };
         let probes = crate::teacher::probe(tp, batch, seed)?;
@@ -307,6 +361,7 @@ impl Generator {
             teaching,
             sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
             episodes: Some(info),
+            source: CompletionSource::Policy,
         })
     }
 }
@@ -424,6 +479,106 @@ pub fn encode_prompt(
         ids
     };
     Ok((text, ids))
+}
+
+/// A conversation that ends with the assistant's turn as (the conversation before it, that
+/// turn); any other prompt as it is, without one.
+fn split_last_assistant(p: &Prompt) -> (Prompt, Option<grpo_data::Message>) {
+    if let Prompt::Conversation(m) = p
+        && let Some((last, rest)) = m.split_last()
+        && !rest.is_empty()
+        && last.role == "assistant"
+    {
+        return (Prompt::Conversation(rest.to_vec()), Some(last.clone()));
+    }
+    (p.clone(), None)
+}
+
+/// The dataset's completions of a step's prompts (GKD's off-policy steps), `g` copies each:
+/// the row's `distillation.completion_field` (text: after the prompt text, with EOS, as SFT
+/// tokenises prompt + completion; messages: the rest of the rendered conversation), or the
+/// final assistant turn of a conversation prompt (TRL's GKD). The tokens are those of the
+/// whole sequence after where it and the prompt alone part, cut at
+/// `rollout.max_completion_length`.
+fn dataset_completions(
+    tok: &Tokenizer,
+    cfg: &TrainConfig,
+    batch: &PromptBatch,
+    prompt_texts: &[String],
+    g: usize,
+) -> Result<Vec<Completion>> {
+    let field = &cfg.distillation.completion_field;
+    let mut out = Vec::with_capacity(batch.samples.len() * g);
+    for (i, (s, prompt_text)) in batch.samples.iter().zip(prompt_texts).enumerate() {
+        let (prompt, last) = split_last_assistant(&s.prompt);
+        let value = s.get(field).filter(|v| !v.is_null()).cloned();
+        let full = match (&prompt, value, last) {
+            (Prompt::Conversation(p), Some(grpo_data::Value::Messages(turns)), _) => {
+                let mut all = p.clone();
+                all.extend(turns);
+                tok.apply_chat_template(&chat_messages(&all), false)?
+            }
+            (Prompt::Conversation(p), None, Some(turn)) => {
+                let mut all = p.clone();
+                all.push(turn);
+                tok.apply_chat_template(&chat_messages(&all), false)?
+            }
+            (_, Some(grpo_data::Value::Messages(_)), _) => bail!(
+                "row {}: `{field}` is a conversation but the prompt is plain text",
+                s.index
+            ),
+            (_, Some(v), _) => {
+                let text = v.as_text().unwrap_or_default();
+                let eos = tok.eos_token.as_deref().unwrap_or("");
+                match text.ends_with(eos) {
+                    true => format!("{prompt_text}{text}"),
+                    false => format!("{prompt_text}{text}{eos}"),
+                }
+            }
+            (_, None, _) => bail!(
+                "row {}: no completion for distillation's off-policy step: column `{field}` is \
+                 empty and the prompt does not end with an assistant turn",
+                s.index
+            ),
+        };
+        let conversation = matches!(prompt, Prompt::Conversation(_)) && cfg.rollout.chat_template;
+        let prompt_ids = tok.encode(prompt_text, !conversation)?;
+        let full_ids = tok.encode(&full, !conversation)?;
+        let shared = prompt_ids
+            .iter()
+            .zip(&full_ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let mut ids = full_ids[shared..].to_vec();
+        if ids.is_empty() {
+            bail!(
+                "row {}: the completion renders to no tokens after the prompt",
+                s.index
+            );
+        }
+        let max = cfg.rollout.max_completion_length;
+        let finish_reason = match ids.len() > max {
+            true => {
+                ids.truncate(max);
+                FinishReason::Length
+            }
+            false if ids.last().is_some_and(|t| tok.eos_token_ids.contains(t)) => FinishReason::Eos,
+            false => FinishReason::Stop,
+        };
+        let text = tok.decode(&ids, true)?;
+        for j in 0..g {
+            out.push(Completion {
+                prompt_index: i,
+                sample_index: j,
+                token_ids: ids.clone(),
+                text: text.clone(),
+                logprobs: Vec::new(),
+                finish_reason,
+                top_logprobs: Vec::new(),
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// grpo-data's messages as the tokenizer's chat messages.

@@ -57,6 +57,22 @@ pub struct Rollouts {
     /// model mask, the environment's rewards, their metrics). `None` for single-turn
     /// completions, whose every token is the model's.
     pub episodes: Option<EpisodeBatch>,
+    /// Where the completions come from: the policy's samples, or (GKD's off-policy steps) the
+    /// dataset's completions or the distillation teacher's samples.
+    pub source: CompletionSource,
+}
+
+/// Where a step's completions come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CompletionSource {
+    /// Sampled by the policy (or, with `teacher.use_reference_teacher_model`, the frozen
+    /// teacher; or on a rollout server).
+    #[default]
+    Policy,
+    /// The dataset's completion column (GKD with `distillation.lmbda` < 1).
+    Dataset,
+    /// Sampled by the distillation teacher (GKD's `seq_kd`).
+    Teacher,
 }
 
 /// What multi-turn episodes add to a step's completions (one entry per completion, in order).
