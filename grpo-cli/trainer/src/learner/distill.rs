@@ -17,7 +17,6 @@ use super::Learner;
 use super::batch::{StepBatch, padded_batch};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
-use crate::optim::accumulate;
 use crate::stages::Scored;
 
 impl Learner {
@@ -34,42 +33,20 @@ impl Learner {
             .distillation_teacher
             .clone()
             .context("distillation needs its teacher (distillation.teacher_model_name_or_path)")?;
-        let updates = self.cfg.updates_per_step();
-        let per_update = batch.chunks.len().div_ceil(updates).max(1);
         // TRL divides each micro-batch's summed divergence by the loss tokens of the batch an
         // update trains on.
-        let denom = (batch.total_tokens as f64 / updates as f64).max(1.0);
-        let (mut loss_sum, mut ent_sum, mut tok_sum, mut passes) = (0.0, 0.0, 0.0, 0.0f64);
-        let (mut grad_norm, mut lr) = (0.0, 0.0);
-        for _ in 0..self.cfg.optim.num_iterations {
-            for u in 0..updates {
-                let first = (u * per_update).min(batch.chunks.len());
-                let last = ((u + 1) * per_update).min(batch.chunks.len());
-                let mut acc = std::collections::HashMap::new();
-                let mut update_loss = 0.0;
-                for &(a, b) in &batch.chunks[first..last] {
-                    let part = self.distill_part(&self.policy.model, &teacher, &batch, a, b)?;
-                    let loss = (part.divergence / denom)?;
-                    update_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                    ent_sum += part.entropy;
-                    tok_sum += part.tokens;
-                    let grads = self.policy.model.backward(&loss)?;
-                    accumulate(&mut acc, self.opt.vars(), &grads)?;
-                }
-                if !update_loss.is_finite() {
-                    anyhow::bail!(
-                        "non-finite loss ({update_loss}) at step {}",
-                        r.batch.step + 1
-                    );
-                }
-                loss_sum += update_loss;
-                passes += 1.0;
-                (grad_norm, lr) = self.optimizer_step(acc, r.batch.step)?;
-            }
-        }
+        let denom = (batch.total_tokens as f64 / self.cfg.updates_per_step() as f64).max(1.0);
+        let (mut ent_sum, mut tok_sum) = (0.0, 0.0);
+        let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
+            let (a, b) = c.range;
+            let part = l.distill_part(&l.policy.model, &teacher, &batch, a, b)?;
+            ent_sum += part.entropy;
+            tok_sum += part.tokens;
+            Ok((part.divergence / denom)?)
+        })?;
         self.state.step = r.batch.step + 1;
         let mut m = Metrics::new();
-        m.insert("loss".into(), loss_sum / passes.max(1.0));
+        m.insert("loss".into(), loss);
         m.insert(
             "entropy".into(),
             if tok_sum > 0.0 {

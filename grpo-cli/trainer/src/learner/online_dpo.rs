@@ -16,7 +16,6 @@ use super::batch::{StepBatch, completion_logps};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
 use crate::config::OnlineDpoLoss;
-use crate::optim::accumulate;
 use crate::stages::Scored;
 
 impl Learner {
@@ -59,47 +58,24 @@ impl Learner {
             beta,
             ..DpoConfig::default()
         };
-        let updates = self.cfg.updates_per_step();
-        let per_update = batch.chunks.len().div_ceil(updates).max(1);
         let mut sums = PairSums::default();
-        let (mut loss_sum, mut passes) = (0.0, 0.0f64);
-        let (mut grad_norm, mut lr) = (0.0, 0.0);
-        for iteration in 0..self.cfg.optim.num_iterations {
-            for u in 0..updates {
-                let chunks = &batch.chunks[(u * per_update).min(batch.chunks.len())
-                    ..((u + 1) * per_update).min(batch.chunks.len())];
-                let pairs: usize = chunks.iter().map(|(a, b)| (b - a) / 2).sum();
-                let mut acc = std::collections::HashMap::new();
-                let mut update_loss = 0.0;
-                for &(a, b) in chunks {
-                    let share = ((b - a) / 2) as f64 / pairs.max(1) as f64;
-                    let part = self.pair_part(
-                        &reference,
-                        &batch,
-                        (a, b),
-                        &chosen_first[a / 2..b / 2],
-                        &cfg,
-                    )?;
-                    let loss = (&part.loss * share)?;
-                    update_loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                    sums.add(&part, share, iteration == 0);
-                    let grads = self.policy.model.backward(&loss)?;
-                    accumulate(&mut acc, self.opt.vars(), &grads)?;
-                }
-                if !update_loss.is_finite() {
-                    bail!(
-                        "non-finite loss ({update_loss}) at step {}",
-                        r.batch.step + 1
-                    );
-                }
-                loss_sum += update_loss;
-                passes += 1.0;
-                (grad_norm, lr) = self.optimizer_step(acc, r.batch.step)?;
-            }
-        }
+        let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
+            let (a, b) = c.range;
+            let pairs: usize = c.update.iter().map(|(a, b)| (b - a) / 2).sum();
+            let share = ((b - a) / 2) as f64 / pairs.max(1) as f64;
+            let part = l.pair_part(
+                &reference,
+                &batch,
+                (a, b),
+                &chosen_first[a / 2..b / 2],
+                &cfg,
+            )?;
+            sums.add(&part, share, c.iteration == 0);
+            Ok((&part.loss * share)?)
+        })?;
         self.state.step = r.batch.step + 1;
         let mut m = Metrics::new();
-        m.insert("loss".into(), loss_sum / passes.max(1.0));
+        m.insert("loss".into(), loss);
         let w = sums.weight.max(1e-12);
         for (k, v) in [
             ("rewards/chosen", sums.rewards_chosen),

@@ -1,5 +1,6 @@
-//! The optimizer update (global-norm clipping, the schedule's learning rate, AdamW) and the
-//! TR-DPO reference sync.
+//! The optimizer update (global-norm clipping, the schedule's learning rate, AdamW), the
+//! update loop of the steps that train on their micro-batches directly (distillation, online
+//! DPO), and the TR-DPO reference sync.
 
 use std::collections::HashMap;
 
@@ -8,7 +9,19 @@ use candle_core::Tensor;
 use grpo_rollout::{TrainableModel, Transformer};
 
 use super::Learner;
-use crate::optim::clip_grad_norm;
+use crate::optim::{accumulate, clip_grad_norm};
+
+/// One micro-batch as [`Learner::chunked_updates`] hands it to the loss: the pass
+/// (`num_iterations`), the micro-batch's completions `[a, b)`, and the micro-batches of its
+/// optimizer update.
+pub(crate) struct Chunk<'a> {
+    /// 0 for the first pass over the step.
+    pub iteration: usize,
+    /// The micro-batch's completions.
+    pub range: (usize, usize),
+    /// The micro-batches that make its optimizer update.
+    pub update: &'a [(usize, usize)],
+}
 
 impl Learner {
     /// Clips `grads` to `optim.max_grad_norm` and applies one AdamW update at the schedule's
@@ -27,6 +40,51 @@ impl Learner {
         self.opt.step(&grads, lr)?;
         self.state.optimizer_steps += 1;
         Ok((norm, lr))
+    }
+
+    /// The update loop: `optim.num_iterations` passes over the step's micro-batches `chunks`,
+    /// cut into `updates_per_step` optimizer updates; `loss_of` gives each micro-batch's loss
+    /// (with the policy's graph, already scaled to its share of the update), whose gradients
+    /// are summed into the update. Returns the mean update loss, and the last update's gradient
+    /// norm and learning rate. A non-finite loss fails the step (before its update).
+    pub(crate) fn chunked_updates(
+        &mut self,
+        chunks: &[(usize, usize)],
+        step: usize,
+        mut loss_of: impl FnMut(&Self, Chunk<'_>) -> Result<Tensor>,
+    ) -> Result<(f64, f64, f64)> {
+        let updates = self.cfg.updates_per_step();
+        let per_update = chunks.len().div_ceil(updates).max(1);
+        let (mut loss_sum, mut passes) = (0.0, 0.0f64);
+        let (mut grad_norm, mut lr) = (0.0, 0.0);
+        for iteration in 0..self.cfg.optim.num_iterations {
+            for u in 0..updates {
+                let update = &chunks
+                    [(u * per_update).min(chunks.len())..((u + 1) * per_update).min(chunks.len())];
+                let mut acc = HashMap::new();
+                let mut update_loss = 0.0;
+                for &range in update {
+                    let loss = loss_of(
+                        self,
+                        Chunk {
+                            iteration,
+                            range,
+                            update,
+                        },
+                    )?;
+                    update_loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+                    let grads = self.policy.model.backward(&loss)?;
+                    accumulate(&mut acc, self.opt.vars(), &grads)?;
+                }
+                if !update_loss.is_finite() {
+                    bail!("non-finite loss ({update_loss}) at step {}", step + 1);
+                }
+                loss_sum += update_loss;
+                passes += 1.0;
+                (grad_norm, lr) = self.optimizer_step(acc, step)?;
+            }
+        }
+        Ok((loss_sum / passes.max(1.0), grad_norm, lr))
     }
 
     /// TR-DPO's reference sync: every `ref_model_sync_steps` steps,
