@@ -154,6 +154,21 @@ pub struct DpoOutput {
     pub logps_rejected: f64,
 }
 
+impl DpoOutput {
+    /// The metrics by TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/accuracies`,
+    /// `rewards/margins`, `logps/chosen`, `logps/rejected`.
+    pub fn metrics(&self) -> Vec<(&'static str, f64)> {
+        vec![
+            ("rewards/chosen", self.rewards_chosen),
+            ("rewards/rejected", self.rewards_rejected),
+            ("rewards/accuracies", self.rewards_accuracies),
+            ("rewards/margins", self.rewards_margins),
+            ("logps/chosen", self.logps_chosen),
+            ("logps/rejected", self.logps_rejected),
+        ]
+    }
+}
+
 /// `log σ(t)` computed stably as `min(t, 0) − log(1 + e^{−|t|})`, written so that candle's
 /// gradient is `σ(−t)` everywhere, `t = 0` included (where the policy equals the reference:
 /// a DPO run's first step). A form through `relu(−t)` takes candle's `relu′(0) = 1` and
@@ -986,6 +1001,26 @@ pub struct PairLossOutput {
     pub log_odds_ratio: Option<f64>,
     /// ORPO's `log_odds_chosen`: mean of the log odds ratio itself.
     pub log_odds_chosen: Option<f64>,
+}
+
+impl PairLossOutput {
+    /// The metrics by TRL's names: DPO's six ([`DpoOutput::metrics`]), `nll_loss`, and ORPO's
+    /// `log_odds_ratio` and `log_odds_chosen`.
+    pub fn metrics(&self) -> Vec<(&'static str, f64)> {
+        let mut m = vec![
+            ("rewards/chosen", self.rewards_chosen),
+            ("rewards/rejected", self.rewards_rejected),
+            ("rewards/accuracies", self.rewards_accuracies),
+            ("rewards/margins", self.rewards_margins),
+            ("logps/chosen", self.logps_chosen),
+            ("logps/rejected", self.logps_rejected),
+            ("nll_loss", self.nll_loss),
+        ];
+        if let (Some(r), Some(c)) = (self.log_odds_ratio, self.log_odds_chosen) {
+            m.extend([("log_odds_ratio", r), ("log_odds_chosen", c)]);
+        }
+        m
+    }
 }
 
 fn check_pairs(what: &str, chosen: &Tensor, rejected: &Tensor, nll: &Tensor) -> Result<usize> {

@@ -77,15 +77,8 @@ impl Learner {
         let mut m = Metrics::new();
         m.insert("loss".into(), loss);
         let w = sums.weight.max(1e-12);
-        for (k, v) in [
-            ("rewards/chosen", sums.rewards_chosen),
-            ("rewards/rejected", sums.rewards_rejected),
-            ("rewards/margins", sums.rewards_margins),
-            ("rewards/accuracies", sums.rewards_accuracies),
-            ("logps/chosen", sums.logps_chosen),
-            ("logps/rejected", sums.logps_rejected),
-        ] {
-            m.insert(k.into(), v / w);
+        for (k, v) in &sums.dpo {
+            m.insert((*k).into(), v / w);
         }
         // Per completion, over the whole batch, from the first pass (before any update of
         // this step, as TRL's values with one pass).
@@ -179,13 +172,8 @@ impl Learner {
         };
         let (pol, refv) = (wide(&sums)?, wide(&ref_sums)?);
         Ok(PairPart {
+            dpo: out.metrics(),
             loss: out.loss,
-            rewards_chosen: out.rewards_chosen,
-            rewards_rejected: out.rewards_rejected,
-            rewards_margins: out.rewards_margins,
-            rewards_accuracies: out.rewards_accuracies,
-            logps_chosen: out.logps_chosen,
-            logps_rejected: out.logps_rejected,
             kl: pol.iter().zip(&refv).map(|(p, r)| p - r).collect(),
             entropy: -pol.iter().sum::<f64>(),
         })
@@ -242,12 +230,8 @@ mod tests {
 /// One micro-batch's share of an online DPO step.
 struct PairPart {
     loss: Tensor,
-    rewards_chosen: f64,
-    rewards_rejected: f64,
-    rewards_margins: f64,
-    rewards_accuracies: f64,
-    logps_chosen: f64,
-    logps_rejected: f64,
+    /// DPO's metrics by TRL's names.
+    dpo: Vec<(&'static str, f64)>,
     /// Per completion: Σ (log π − log π_ref).
     kl: Vec<f64>,
     /// −Σ log π over the micro-batch's completions.
@@ -258,12 +242,8 @@ struct PairPart {
 #[derive(Default)]
 struct PairSums {
     weight: f64,
-    rewards_chosen: f64,
-    rewards_rejected: f64,
-    rewards_margins: f64,
-    rewards_accuracies: f64,
-    logps_chosen: f64,
-    logps_rejected: f64,
+    /// DPO's metrics, share-weighted sums.
+    dpo: Vec<(&'static str, f64)>,
     /// The first pass's −Σ log π over the batch's completions.
     entropy: f64,
     /// The first pass's Σ (log π − log π_ref) of each completion, in the batch's order.
@@ -273,12 +253,12 @@ struct PairSums {
 impl PairSums {
     fn add(&mut self, p: &PairPart, share: f64, first_pass: bool) {
         self.weight += share;
-        self.rewards_chosen += p.rewards_chosen * share;
-        self.rewards_rejected += p.rewards_rejected * share;
-        self.rewards_margins += p.rewards_margins * share;
-        self.rewards_accuracies += p.rewards_accuracies * share;
-        self.logps_chosen += p.logps_chosen * share;
-        self.logps_rejected += p.logps_rejected * share;
+        if self.dpo.is_empty() {
+            self.dpo = p.dpo.iter().map(|&(k, _)| (k, 0.0)).collect();
+        }
+        for ((_, sum), (_, v)) in self.dpo.iter_mut().zip(&p.dpo) {
+            *sum += v * share;
+        }
         if first_pass {
             self.entropy += p.entropy;
             self.kl_per_completion.extend_from_slice(&p.kl);

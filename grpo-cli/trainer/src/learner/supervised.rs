@@ -1074,25 +1074,14 @@ impl Learner {
                     },
                     &self.cfg.dpo.dpo_config(),
                 )?;
-                add("rewards/chosen", out.rewards_chosen, share);
-                add("rewards/rejected", out.rewards_rejected, share);
-                add("rewards/accuracies", out.rewards_accuracies, share);
-                add("rewards/margins", out.rewards_margins, share);
-                add("logps/chosen", out.logps_chosen, share);
-                add("logps/rejected", out.logps_rejected, share);
+                for (k, v) in out.metrics() {
+                    add(k, v, share);
+                }
                 (out.loss * share)?
             } else if pairs {
                 let out = self.pair_loss(&model, part)?;
-                add("rewards/chosen", out.rewards_chosen, share);
-                add("rewards/rejected", out.rewards_rejected, share);
-                add("rewards/accuracies", out.rewards_accuracies, share);
-                add("rewards/margins", out.rewards_margins, share);
-                add("logps/chosen", out.logps_chosen, share);
-                add("logps/rejected", out.logps_rejected, share);
-                add("nll_loss", out.nll_loss, share);
-                if let (Some(r), Some(c)) = (out.log_odds_ratio, out.log_odds_chosen) {
-                    add("log_odds_ratio", r, share);
-                    add("log_odds_chosen", c, share);
+                for (k, v) in out.metrics() {
+                    add(k, v, share);
                 }
                 (out.loss * share)?
             } else if reward {
