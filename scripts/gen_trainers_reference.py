@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reference values from TRL 1.16, transformers and PEFT themselves: three steps of TRL's
 SFTTrainer (prompt/completion rows, conversations, assistant_only_loss), DPOTrainer, KTOTrainer,
-RewardTrainer and the experimental ORPOTrainer and CPOTrainer (grpo-cli/tests/trl_trainers.rs), the DistillationTrainer's divergence
+RewardTrainer and the experimental ORPOTrainer, CPOTrainer and TPOTrainer
+(grpo-cli/tests/trl_trainers.rs), the DistillationTrainer's divergence
 (grpo-rollout/tests/distill.rs) and PEFT adapters with trainable tokens, also of a resized
 vocabulary (grpo-rollout/tests/trainable_tokens.rs).
 
@@ -17,9 +18,9 @@ Writes, under grpo-rollout/tests/fixtures/:
     `trainable_token_indices = [3, 7]` on bench-qwen2-micro, its factors and token rows set to
     seeded random values.
   * reward_pairs.jsonl, sft_rows.jsonl, sft_chat.jsonl, kto_rows.jsonl, pairs_chat.jsonl,
-    pairs_merge.jsonl: the rows.
+    pairs_merge.jsonl, triples.jsonl: the rows.
   * trainers_reference.json (also "sft", "sft_chat", "sft_assistant_only", "dpo", "kto", "orpo",
-    "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo": each
+    "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo", "tpo", "tpo_l": each
     step's metrics as TRL logs them, same settings as "reward"):
     - "reward": TRL's RewardTrainer on tiny-qwen2-rm (a Qwen2ForSequenceClassification,
       pad_token_id 0) over reward_pairs.jsonl (4 pairs, one batch per step, AdamW lr 1e-3
@@ -226,6 +227,34 @@ def orpo_cpo_references():
             "/tmp/trl-cpo-alphapo-ref", CPOTrainer, CPOConfig, rows, PAIR_KEYS,
             loss_type="alphapo", beta=2.5, alpha=0.25,
         ),
+        **tpo_references(),
+    }
+
+
+TRIPLES = [
+    {"prompt": "What is 2 + 2?", "chosen": " The answer is 4.", "rejected": " Five.", "reference": " 4, since 2 + 2 = 4."},
+    {"prompt": "Name a colour:", "chosen": " blue", "rejected": " a number", "reference": " Blue."},
+    {"prompt": "Say hi.", "chosen": " Hello there!", "rejected": " no", "reference": " Hi!"},
+    {"prompt": "Count:", "chosen": " one two three", "rejected": " three", "reference": " one, two, three"},
+]
+
+
+def tpo_references():
+    """TRL's experimental TPOTrainer on triples.jsonl (prompt, chosen, rejected, reference): the
+    sigmoid loss with the gold NLL (beta 0.1), and TPO-L with label smoothing (beta 2,
+    tpo_l_gamma 0.5, tpo_alpha 0.5)."""
+    from trl.experimental.tpo import TPOConfig, TPOTrainer
+
+    with open(os.path.join(FIX, "triples.jsonl"), "w") as f:
+        for r in TRIPLES:
+            f.write(json.dumps(r) + "\n")
+    keys = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]
+    return {
+        "tpo": pair_reference("/tmp/trl-tpo-ref", TPOTrainer, TPOConfig, TRIPLES, keys, beta=0.1),
+        "tpo_l": pair_reference(
+            "/tmp/trl-tpo-l-ref", TPOTrainer, TPOConfig, TRIPLES, keys,
+            loss_type="tpo-l", beta=2.0, tpo_l_gamma=0.5, tpo_alpha=0.5, label_smoothing=0.1,
+        ),
     }
 
 
@@ -402,7 +431,7 @@ def main():
         out.update(orpo_cpo_references())
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
-        print(json.dumps({k: out[k] for k in ["orpo", "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo"]}, indent=1))
+        print(json.dumps({k: out[k] for k in ["orpo", "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo", "tpo", "tpo_l"]}, indent=1))
         return
     out = {
         "reward": reward_reference("/tmp/trl-reward-ref"),

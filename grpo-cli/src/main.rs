@@ -62,8 +62,8 @@ enum Command {
         run_dir: std::path::PathBuf,
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
-    /// "orpo" | "cpo" | "online_dpo" | "rloo" | "reward" | "distillation" | "gkd"` in the config
-    /// runs that instead.
+    /// "orpo" | "cpo" | "tpo" | "online_dpo" | "rloo" | "reward" | "distillation" | "gkd"` in the
+    /// config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -77,6 +77,9 @@ enum Command {
     /// Contrastive preference optimisation (the config's `[cpo]`, TRL's CPOTrainer), with the
     /// SimPO and AlphaPO loss types: no reference model.
     Cpo(train_cmd::TrainArgs),
+    /// Triple preference optimisation (the config's `[tpo]`, TRL's TPOTrainer): chosen,
+    /// rejected and a gold completion, no reference model.
+    Tpo(train_cmd::TrainArgs),
     /// Online DPO (the config's `[online_dpo]`, TRL's OnlineDPOTrainer): two samples per
     /// prompt, the rewards pick the chosen one, DPO's loss against the frozen reference.
     #[command(alias = "online_dpo")]
@@ -111,6 +114,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
         Some(Command::Orpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("orpo"))?)),
         Some(Command::Cpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("cpo"))?)),
+        Some(Command::Tpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("tpo"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
         }
@@ -189,6 +193,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Kto(_)
             | Command::Orpo(_)
             | Command::Cpo(_)
+            | Command::Tpo(_)
             | Command::OnlineDpo(_)
             | Command::Rloo(_)
             | Command::Reward(_)

@@ -53,7 +53,7 @@ fn fixture(arch: Arch) -> tempfile::TempDir {
 
 fn config_text(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> String {
     let data = match algorithm {
-        "dpo" | "orpo" | "cpo" => "dpo.jsonl",
+        "dpo" | "orpo" | "cpo" | "tpo" => "dpo.jsonl",
         "kto" => "kto.jsonl",
         _ => "sft.jsonl",
     };
@@ -372,14 +372,15 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "orpo",
             "reward",
             "rloo",
-            "sft"
+            "sft",
+            "tpo"
         ]
     );
     assert!(
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft")
+            .contains("expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft, tpo")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
@@ -1769,4 +1770,95 @@ fn orpo_rows_keep_the_prompt_and_cut_the_completions() {
             .unwrap()
             .is_empty()
     );
+}
+
+/// TPO's rows: without a prompt column the prompt `chosen` and `rejected` share is stripped
+/// from the gold column too (which must start with it, else the row is named); a missing gold
+/// column is named before the run; a tiny run learns the preference with no reference model,
+/// and `tpo_alpha = 0` trains without the gold sequence.
+#[test]
+fn tpo_rows_runs_and_refusals() {
+    let dir = fixture(Arch::Llama);
+    std::fs::write(
+        dir.path().join("implicit.jsonl"),
+        "{\"chosen\": \"Question: yes\", \"rejected\": \"Question: no\", \"reference\": \"Question: yes indeed\"}\n\
+         {\"chosen\": \"Q: a\", \"rejected\": \"Q: b\", \"reference\": \"Other: a\"}\n",
+    )
+    .unwrap();
+    let implicit = dir.path().join("implicit.jsonl").display().to_string();
+    let dpo = dir.path().join("dpo.jsonl").display().to_string();
+    let text = config_text(dir.path(), "rows", "tpo", 1, "").replace(&dpo, &implicit);
+    let s = setup_text(&dir.path().join("rows.toml"), text);
+    let samples = first_rows(&s.train, 2);
+    let tok = &s.tokenizer;
+    let r = &trainer::supervised::rows(&s.cfg, tok, &samples[..1]).unwrap()[0];
+    let prompt = tok.encode("Question:", false).unwrap();
+    assert_eq!(r.prompt, prompt);
+    let mut gold = tok.encode("Question: yes indeed", false).unwrap()[prompt.len()..].to_vec();
+    gold.extend(tok.eos_token_ids.first());
+    assert_eq!(r.gold, gold);
+    let e = format!(
+        "{:#}",
+        trainer::supervised::rows(&s.cfg, tok, &samples[1..]).unwrap_err()
+    );
+    assert!(
+        e.contains("row 1") && e.contains("`reference` does not start with the prompt"),
+        "{e}"
+    );
+
+    // The DPO rows have no gold column: named before the run.
+    let text = config_text(dir.path(), "nogold", "tpo", 1, "");
+    std::fs::write(dir.path().join("nogold.toml"), text).unwrap();
+    let e = format!(
+        "{:#}",
+        trainer::setup(config::load(&dir.path().join("nogold.toml"), &[]).unwrap()).unwrap_err()
+    );
+    assert!(e.contains("reference") && e.contains("TPO"), "{e}");
+
+    let mut triples = String::new();
+    for i in 0..16 {
+        triples.push_str(&format!(
+            "{{\"prompt\": \"Question {i}:\", \"chosen\": \" yes, gladly\", \"rejected\": \" no\", \
+             \"reference\": \" yes, gladly!\"}}\n"
+        ));
+    }
+    std::fs::write(dir.path().join("triples.jsonl"), triples).unwrap();
+    let data = dir.path().join("triples.jsonl").display().to_string();
+    for (name, extra) in [
+        ("tpo", "[tpo]\nbeta = 0.5\n"),
+        ("tpo0", "[tpo]\nbeta = 0.5\ntpo_alpha = 0.0\n"),
+    ] {
+        let text = config_text(dir.path(), name, "tpo", 12, extra).replace(&dpo, &data);
+        let s = setup_text(&dir.path().join(format!("{name}.toml")), text);
+        assert!(s.reference.is_none());
+        let r = run(s, &RunOptions::default());
+        let (m0, last) = (&r.metrics[0], r.metrics.last().unwrap());
+        assert!(
+            last["rewards/margins"] > m0["rewards/margins"] + 0.1,
+            "{name}: {m0:?} -> {last:?}"
+        );
+        assert_eq!(last["rewards/accuracies"], 1.0, "{name}");
+        assert_eq!(m0["nll_loss"] == 0.0, name == "tpo0", "{name}: {m0:?}");
+    }
+    // The subcommand (the config says nothing of the algorithm).
+    let text = config_text(dir.path(), "cli", "tpo", 2, "")
+        .replace(&dpo, &data)
+        .replace("algorithm = \"tpo\"", "");
+    let p = dir.path().join("cli.toml");
+    std::fs::write(&p, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args(["tpo", "--config", p.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = std::fs::read_to_string(dir.path().join("cli/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2);
+    let e = config_error(dir.path(), "tpo", "[tpo]\nloss_type = \"simpo\"\n");
+    assert!(e.contains("unknown variant `simpo`"), "{e}");
+    let e = config_error(dir.path(), "tpo", "[tpo]\nreference_field = \"chosen\"\n");
+    assert!(e.contains("must differ"), "{e}");
 }

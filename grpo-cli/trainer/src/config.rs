@@ -63,11 +63,15 @@ pub enum Algorithm {
     /// with GKD's defaults — each step on the student's own samples with probability
     /// `lmbda`, else on the dataset's completions (or the teacher's, `seq_kd`).
     Gkd,
+    /// Triple preference optimisation (TRL's TPOTrainer): chosen, rejected and a gold
+    /// reference completion; CPO's contrastive loss plus an NLL term on the gold one, no
+    /// reference model (`[tpo]`).
+    Tpo,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 11] = [
+    pub const ALL: [Algorithm; 12] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -79,6 +83,7 @@ impl Algorithm {
         Algorithm::Cpo,
         Algorithm::OnlineDpo,
         Algorithm::Gkd,
+        Algorithm::Tpo,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -109,13 +114,13 @@ impl Algorithm {
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, OnlineDPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig), the others
+    /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Sft | Self::Gkd => 2e-5,
             Self::Reward => 1e-4,
-            Self::OnlineDpo => 5e-7,
+            Self::OnlineDpo | Self::Tpo => 5e-7,
             _ => 1e-6,
         }
     }
@@ -134,12 +139,13 @@ impl Algorithm {
             Self::Cpo => "cpo",
             Self::OnlineDpo => "online_dpo",
             Self::Gkd => "gkd",
+            Self::Tpo => "tpo",
         }
     }
 
-    /// Whether the run trains on preference pairs without a reference model (ORPO, CPO).
+    /// Whether the run trains on preference pairs without a reference model (ORPO, CPO, TPO).
     pub fn reference_free_pairs(self) -> bool {
-        matches!(self, Algorithm::Orpo | Algorithm::Cpo)
+        matches!(self, Algorithm::Orpo | Algorithm::Cpo | Algorithm::Tpo)
     }
 }
 
@@ -152,7 +158,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft"
+                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft, tpo"
                 )
             })
     }
@@ -246,6 +252,8 @@ pub struct TrainConfig {
     pub cpo: CpoSection,
     /// Online DPO (`algorithm = "online_dpo"`, TRL's OnlineDPOConfig).
     pub online_dpo: OnlineDpoSection,
+    /// Triple preference optimisation (`algorithm = "tpo"`, TRL's TPOConfig).
+    pub tpo: TpoSection,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -614,6 +622,87 @@ impl CpoSection {
     }
 }
 
+/// TPO's `loss_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum TpoLoss {
+    /// The Bradley-Terry loss on the summed log-probs (the default).
+    #[default]
+    #[serde(rename = "sigmoid")]
+    Sigmoid,
+    /// SLiC's hinge loss.
+    #[serde(rename = "hinge")]
+    Hinge,
+    /// IPO on token-averaged log-probs.
+    #[serde(rename = "ipo")]
+    Ipo,
+    /// TPO-L: token-averaged, with the target margin `tpo_l_gamma`.
+    #[serde(rename = "tpo-l")]
+    TpoL,
+}
+
+/// `[tpo]`: TRL's TPOTrainer (triple preference optimisation) on rows with a chosen, a
+/// rejected and a gold (reference) completion; no reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TpoSection {
+    /// β (default 0.01); ipo's τ.
+    pub beta: f64,
+    /// sigmoid (default) | hinge | ipo | tpo-l.
+    pub loss_type: TpoLoss,
+    /// Label smoothing ε of sigmoid and tpo-l (default 0).
+    pub label_smoothing: f64,
+    /// The weight of the NLL term on the gold completion (default 1; 0 leaves it out and does
+    /// not run the gold sequence).
+    pub tpo_alpha: f64,
+    /// TPO-L's target reward margin γ (default 0.5).
+    pub tpo_l_gamma: f64,
+    /// The preferred completion's column.
+    pub chosen_field: String,
+    /// The dispreferred completion's column.
+    pub rejected_field: String,
+    /// The gold completion's column (TRL's `reference`).
+    pub reference_field: String,
+    /// Most prompt + completion tokens of each completion, the start kept (TRL's
+    /// `keep_start`); a row whose prompt alone fills it is dropped. Default 1024.
+    pub max_length: usize,
+}
+
+impl Default for TpoSection {
+    fn default() -> Self {
+        Self {
+            beta: 0.01,
+            loss_type: TpoLoss::Sigmoid,
+            label_smoothing: 0.0,
+            tpo_alpha: 1.0,
+            tpo_l_gamma: 0.5,
+            chosen_field: "chosen".into(),
+            rejected_field: "rejected".into(),
+            reference_field: "reference".into(),
+            max_length: 1024,
+        }
+    }
+}
+
+impl TpoSection {
+    /// TPO's loss as grpo-core's CPO loss: the same contrastive loss types (tpo-l is SimPO's
+    /// with γ = `tpo_l_gamma`), the NLL term on the gold completion weighted by `tpo_alpha`.
+    pub fn cpo_config(&self) -> CpoConfig {
+        CpoConfig {
+            beta: self.beta,
+            label_smoothing: self.label_smoothing,
+            loss_type: match self.loss_type {
+                TpoLoss::Sigmoid => CpoLossType::Sigmoid,
+                TpoLoss::Hinge => CpoLossType::Hinge,
+                TpoLoss::Ipo => CpoLossType::Ipo,
+                TpoLoss::TpoL => CpoLossType::Simpo,
+            },
+            cpo_alpha: self.tpo_alpha,
+            simpo_gamma: self.tpo_l_gamma,
+            alpha: 0.0,
+        }
+    }
+}
+
 /// TRL's OnlineDPOConfig `beta`: one value, or one per epoch (the last for the epochs after).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -807,6 +896,7 @@ impl Default for TrainConfig {
             orpo: OrpoSection::default(),
             cpo: CpoSection::default(),
             online_dpo: OnlineDpoSection::default(),
+            tpo: TpoSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -1672,6 +1762,7 @@ impl TrainConfig {
     pub fn pair_fields(&self) -> (&str, &str) {
         match self.algorithm {
             Algorithm::Cpo => (&self.cpo.chosen_field, &self.cpo.rejected_field),
+            Algorithm::Tpo => (&self.tpo.chosen_field, &self.tpo.rejected_field),
             _ => (&self.orpo.chosen_field, &self.orpo.rejected_field),
         }
     }
@@ -1820,6 +1911,17 @@ impl TrainConfig {
             c.cpo_config()
                 .validate()
                 .map_err(|e| format!("`cpo`: {e}"))?;
+        }
+        if self.algorithm == Algorithm::Tpo {
+            let t = &self.tpo;
+            t.cpo_config()
+                .validate()
+                .map_err(|e| format!("`tpo`: {}", e.replace("cpo_alpha", "tpo_alpha")))?;
+            if t.reference_field == t.chosen_field || t.reference_field == t.rejected_field {
+                return Err(
+                    "`tpo.reference_field` must differ from the chosen and rejected columns".into(),
+                );
+            }
         }
         if self.algorithm == Algorithm::OnlineDpo {
             let o = &self.online_dpo;
@@ -1976,6 +2078,7 @@ impl TrainConfig {
             || (self.algorithm == Algorithm::Kto && self.kto.max_length < 2)
             || (self.algorithm == Algorithm::Orpo && self.orpo.max_length < 2)
             || (self.algorithm == Algorithm::Cpo && self.cpo.max_length < 2)
+            || (self.algorithm == Algorithm::Tpo && self.tpo.max_length < 2)
             || (self.algorithm == Algorithm::Reward && self.reward.max_length < 1)
         {
             if self.algorithm == Algorithm::Reward {
@@ -2218,7 +2321,8 @@ impl TrainConfig {
             | Algorithm::Kto
             | Algorithm::Reward
             | Algorithm::Orpo
-            | Algorithm::Cpo => self.train.prompts_per_step,
+            | Algorithm::Cpo
+            | Algorithm::Tpo => self.train.prompts_per_step,
         }
     }
 
@@ -2251,6 +2355,7 @@ impl TrainConfig {
                 | Algorithm::Cpo
                 | Algorithm::OnlineDpo
                 | Algorithm::Gkd
+                | Algorithm::Tpo
         ))
     }
 

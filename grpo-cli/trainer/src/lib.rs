@@ -61,8 +61,8 @@ pub use setup::{Setup, setup, setup_with};
 pub use trainer::{
     AnyTrainer, ByName, Cpo, CpoTrainer, Distillation, DistillationTrainer, Dpo, DpoTrainer,
     FitOptions, Gkd, GkdTrainer, Grpo, GrpoTrainer, Kto, KtoTrainer, OnlineDpo, OnlineDpoTrainer,
-    Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sft, SftTrainer, Trainer,
-    TrainerKind, create_trainer, get_algorithm, list_algorithms,
+    Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sft, SftTrainer, Tpo,
+    TpoTrainer, Trainer, TrainerKind, create_trainer, get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

@@ -152,7 +152,7 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
             Some(cfg.dpo.chosen_field.clone())
         }
         Algorithm::Kto if has("chosen") && has("rejected") => Some("chosen".into()),
-        Algorithm::Orpo | Algorithm::Cpo
+        Algorithm::Orpo | Algorithm::Cpo | Algorithm::Tpo
             if has(cfg.pair_fields().0) && has(cfg.pair_fields().1) =>
         {
             Some(cfg.pair_fields().0.to_string())
@@ -191,15 +191,21 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
                  or conversation prompts ending with the assistant's turn)",
             )?
         }
-        Algorithm::Orpo | Algorithm::Cpo => {
+        Algorithm::Orpo | Algorithm::Cpo | Algorithm::Tpo => {
             let a = cfg.algorithm;
             let (chosen, rejected) = cfg.pair_fields();
-            for col in [chosen, rejected] {
+            let gold = (a == Algorithm::Tpo).then_some(cfg.tpo.reference_field.as_str());
+            for col in [chosen, rejected].into_iter().chain(gold) {
                 data.require_column(
                     col,
                     &format!(
-                        "{} (`{a}.chosen_field` / `{a}.rejected_field`)",
-                        a.as_str().to_uppercase()
+                        "{} (`{a}.chosen_field` / `{a}.rejected_field`{})",
+                        a.as_str().to_uppercase(),
+                        if gold.is_some() {
+                            " / `tpo.reference_field`"
+                        } else {
+                            ""
+                        }
                     ),
                 )?;
             }

@@ -1,7 +1,7 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
 //! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`RlooTrainer`], [`RewardTrainer`],
-//! [`DistillationTrainer`], [`GkdTrainer`]) or chosen by name
+//! [`DistillationTrainer`], [`GkdTrainer`], [`TpoTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -56,6 +56,9 @@ pub struct Distillation;
 /// GKDTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Gkd;
+/// Triple preference optimisation (`[tpo]`, TRL's TPOTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Tpo;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -93,6 +96,9 @@ impl TrainerKind for Distillation {
 impl TrainerKind for Gkd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Gkd);
 }
+impl TrainerKind for Tpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Tpo);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -125,6 +131,9 @@ pub type DistillationTrainer = Trainer<Distillation>;
 /// A GKD trainer: the student learns the teacher's distributions on its own samples (a share
 /// `lmbda` of the steps) and on the dataset's completions or the teacher's samples.
 pub type GkdTrainer = Trainer<Gkd>;
+
+/// A TPO trainer: chosen, rejected and gold completions, no reference model.
+pub type TpoTrainer = Trainer<Tpo>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

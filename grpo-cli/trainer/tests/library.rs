@@ -288,7 +288,8 @@ fn algorithms_by_name() {
             "orpo",
             "reward",
             "rloo",
-            "sft"
+            "sft",
+            "tpo"
         ]
     );
     assert_eq!(

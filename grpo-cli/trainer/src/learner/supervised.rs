@@ -12,7 +12,8 @@
 //! * Reward: prompt + `reward.chosen_field` / `reward.rejected_field` as two whole sequences,
 //!   each scored by the classifier's `score` head (TRL's RewardTrainer, Bradley-Terry loss).
 //! * ORPO and CPO: prompt + chosen / rejected as TRL's experimental trainers tokenise them,
-//!   the policy's log-probs alone (no reference model) and an NLL term on the chosen side.
+//!   the policy's log-probs alone (no reference model) and an NLL term on the chosen side;
+//!   TPO: DPO's rows with a third, gold completion that carries the NLL term.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -58,6 +59,8 @@ pub struct Row {
     /// tokenises each side's prompt with its completion, so a merged last token can differ);
     /// empty: the same as `prompt`.
     pub rejected_prompt: Vec<u32>,
+    /// TPO: the gold (reference) completion after `prompt`; empty otherwise.
+    pub gold: Vec<u32>,
 }
 
 /// Tokenises a batch of samples for the run's algorithm; SFT rows are packed into
@@ -85,7 +88,7 @@ pub fn rows_packed(
         // TRL filters reward pairs by length; it does not cut them.
         Algorithm::Reward => return reward_rows(cfg, tok, samples),
         // TRL's ORPO and CPO cut each side's completion to fit after its prompt themselves.
-        a if a.reference_free_pairs() => {
+        a if a.reference_free_pairs() && a != Algorithm::Tpo => {
             return Ok(samples
                 .iter()
                 .map(|s| pair_row(cfg, tok, s))
@@ -104,6 +107,7 @@ pub fn rows_packed(
         let max = match cfg.algorithm {
             Algorithm::Dpo => cfg.dpo.max_length,
             Algorithm::Kto => cfg.kto.max_length,
+            Algorithm::Tpo => cfg.tpo.max_length,
             _ => cfg.sft.max_length,
         };
         return Ok(rows.into_iter().filter_map(|r| truncated(r, max)).collect());
@@ -163,6 +167,7 @@ fn packed_row<'a>(
         desirable: true,
         segments,
         rejected_prompt: Vec::new(),
+        gold: Vec::new(),
         margin: 0.0,
     })
 }
@@ -193,6 +198,7 @@ fn kto_rows(
             desirable,
             segments: Vec::new(),
             rejected_prompt: Vec::new(),
+            gold: Vec::new(),
             margin: 0.0,
         })
     };
@@ -316,6 +322,7 @@ fn reward_rows(
             desirable: true,
             segments: Vec::new(),
             rejected_prompt: Vec::new(),
+            gold: Vec::new(),
             margin,
         });
     }
@@ -405,6 +412,7 @@ fn pair_row(
         index: s.index,
         mask: vec![1; ca.len()],
         rejected_prompt: if rp == cp { Vec::new() } else { rp },
+        gold: Vec::new(),
         prompt: cp,
         completion: ca,
         rejected: ra,
@@ -494,6 +502,7 @@ fn truncated(mut r: Row, max: usize) -> Option<Row> {
     r.completion.truncate(room);
     r.mask.truncate(room);
     r.rejected.truncate(room);
+    r.gold.truncate(room);
     r.mask.contains(&1).then_some(r)
 }
 
@@ -533,37 +542,102 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// A DPO pair, or TPO's triple with its gold completion (`gold`: its column), as TRL 1.16's
+/// DPOTrainer and TPOTrainer tokenise them: without a prompt column the prompt is the common
+/// beginning of `chosen` and `rejected` (and is stripped from the gold completion, which must
+/// start with it); each completion is tokenised with the prompt, and all start where the prompt
+/// alone and the first of them part.
+fn preference_row(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    s: &Sample,
+    (chosen_field, rejected_field): (&str, &str),
+    gold: Option<&str>,
+) -> Result<Row> {
+    let (prompt, chosen, rejected) = match cfg.data.prompt_field == chosen_field {
+        // TRL's implicit prompt: the rows are read by `chosen`; the prompt is the common
+        // beginning of `chosen` and `rejected`.
+        true => implicit_prompt(s, rejected_field)?,
+        false => (
+            s.prompt.clone(),
+            s.get(chosen_field).cloned(),
+            s.get(rejected_field).cloned(),
+        ),
+    };
+    let gold_value = match gold {
+        Some(field) if cfg.data.prompt_field == chosen_field => {
+            Some((strip_prompt(s, &prompt, field)?, field))
+        }
+        Some(field) => Some((s.get(field).cloned(), field)),
+        None => None,
+    };
+    let of = |v: Option<&grpo_data::Value>, field: &str| prompt_and_full(tok, s, &prompt, v, field);
+    let (prompt, chosen) = of(chosen.as_ref(), chosen_field)?;
+    let (_, rejected) = of(rejected.as_ref(), rejected_field)?;
+    let gold = match gold_value {
+        Some((v, field)) => Some(of(v.as_ref(), field)?.1),
+        None => None,
+    };
+    // TRL: the completions start where the prompt alone and prompt + completion diverge.
+    let n = [&chosen, &rejected]
+        .into_iter()
+        .chain(gold.as_ref())
+        .map(|full| common_prefix(&prompt, full))
+        .min()
+        .unwrap_or(0);
+    Ok(Row {
+        index: s.index,
+        mask: vec![1; chosen.len() - n],
+        prompt: prompt[..n].to_vec(),
+        completion: chosen[n..].to_vec(),
+        rejected: rejected[n..].to_vec(),
+        desirable: true,
+        segments: Vec::new(),
+        rejected_prompt: Vec::new(),
+        margin: 0.0,
+        gold: gold.map(|g| g[n..].to_vec()).unwrap_or_default(),
+    })
+}
+
+/// TPO's gold column without the implicit prompt `prompt` it must start with (TRL's
+/// `_extract_triple_prompt`).
+fn strip_prompt(s: &Sample, prompt: &Prompt, field: &str) -> Result<Option<grpo_data::Value>> {
+    use grpo_data::Value;
+    let missing = || {
+        anyhow!(
+            "row {}: column `{field}` does not start with the prompt that `chosen` and `rejected` share: give the rows a prompt column",
+            s.index
+        )
+    };
+    Ok(match (s.get(field), prompt) {
+        (Some(Value::Messages(m)), Prompt::Conversation(p)) => {
+            if m.len() < p.len() || m[..p.len()] != p[..] {
+                return Err(missing());
+            }
+            Some(Value::Messages(m[p.len()..].to_vec()))
+        }
+        (Some(v), Prompt::Text(p)) if !v.is_null() => {
+            let t = v.as_text().unwrap_or_default();
+            Some(Value::Str(
+                t.strip_prefix(p.as_str()).ok_or_else(missing)?.to_string(),
+            ))
+        }
+        (other, _) => other.cloned(),
+    })
+}
+
 fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Sample) -> Result<Row> {
-    if cfg.algorithm == Algorithm::Dpo {
-        let d = &cfg.dpo;
-        let (prompt, chosen, rejected) = match cfg.data.prompt_field == d.chosen_field {
-            // TRL's implicit prompt: the rows are read by `chosen`; the prompt is the common
-            // beginning of `chosen` and `rejected`.
-            true => implicit_prompt(s, &d.rejected_field)?,
-            false => (
-                s.prompt.clone(),
-                s.get(&d.chosen_field).cloned(),
-                s.get(&d.rejected_field).cloned(),
-            ),
-        };
-        let of =
-            |v: Option<&grpo_data::Value>, field: &str| prompt_and_full(tok, s, &prompt, v, field);
-        let (prompt, chosen) = of(chosen.as_ref(), &d.chosen_field)?;
-        let (_, rejected) = of(rejected.as_ref(), &d.rejected_field)?;
-        // TRL: the completions start where the prompt alone and prompt + completion diverge.
-        let n = common_prefix(&prompt, &chosen).min(common_prefix(&prompt, &rejected));
-        let (chosen, rejected) = (chosen[n..].to_vec(), rejected[n..].to_vec());
-        return Ok(Row {
-            index: s.index,
-            mask: vec![1; chosen.len()],
-            prompt: prompt[..n].to_vec(),
-            completion: chosen,
-            rejected,
-            desirable: true,
-            segments: Vec::new(),
-            rejected_prompt: Vec::new(),
-            margin: 0.0,
-        });
+    match cfg.algorithm {
+        Algorithm::Dpo => {
+            let d = &cfg.dpo;
+            return preference_row(cfg, tok, s, (&d.chosen_field, &d.rejected_field), None);
+        }
+        Algorithm::Tpo => {
+            let t = &cfg.tpo;
+            let fields = (t.chosen_field.as_str(), t.rejected_field.as_str());
+            return preference_row(cfg, tok, s, fields, Some(&t.reference_field));
+        }
+        _ => {}
     }
     let has_completion = s
         .get(&cfg.sft.completion_field)
@@ -645,6 +719,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         desirable: true,
         segments: Vec::new(),
         rejected_prompt: Vec::new(),
+        gold: Vec::new(),
         margin: 0.0,
     })
 }
@@ -913,19 +988,27 @@ impl Learner {
         Ok((lp * mask)?.sum(D::Minus1)?)
     }
 
-    /// ORPO's or CPO's loss on a micro-batch of pairs, as TRL's experimental trainers compute
-    /// it: the chosen then the rejected sequences in one forward; each completion's log-prob
-    /// summed, or averaged over its tokens (ORPO; CPO's ipo and simpo); the NLL term the mean
-    /// token NLL of the chosen sequences (ORPO: prompt and completion, every token after the
-    /// first; CPO: the completion).
+    /// ORPO's, CPO's or TPO's loss on a micro-batch of pairs, as TRL's experimental trainers
+    /// compute it: the chosen, the rejected (and TPO's gold) sequences in one forward; each
+    /// completion's log-prob summed, or averaged over its tokens (ORPO; CPO's ipo and simpo;
+    /// TPO's ipo and tpo-l); the NLL term the mean token NLL of the chosen sequences (ORPO:
+    /// prompt and completion, every token after the first; CPO: the completion) or of TPO's
+    /// gold completions.
     fn pair_loss(
         &self,
         model: &grpo_rollout::Transformer,
         part: &[Row],
     ) -> Result<grpo_core::preference::PairLossOutput> {
         let orpo = self.cfg.algorithm == Algorithm::Orpo;
-        let cpo = self.cfg.cpo.cpo_config();
+        let tpo = self.cfg.algorithm == Algorithm::Tpo;
+        let cpo = match tpo {
+            true => self.cfg.tpo.cpo_config(),
+            false => self.cfg.cpo.cpo_config(),
+        };
+        // TPO's NLL is on a third sequence, the gold completion (left out at tpo_alpha = 0).
+        let with_gold = tpo && cpo.cpo_alpha != 0.0;
         let k = part.len();
+        let rows = if with_gold { 3 * k } else { 2 * k };
         let seqs: Vec<(Vec<u32>, usize)> = part
             .iter()
             .map(|r| {
@@ -939,35 +1022,47 @@ impl Learner {
                 };
                 (p.iter().chain(&r.rejected).copied().collect(), p.len())
             }))
+            .chain(part.iter().filter(|_| with_gold).map(|r| {
+                let seq = r.prompt.iter().chain(&r.gold).copied().collect();
+                (seq, r.prompt.len())
+            }))
             .collect();
         // Every sequence whole after its first token: position t predicts token t + 1.
         let firsts: Vec<&[u32]> = seqs.iter().map(|(q, _)| &q[..1]).collect();
         let rests: Vec<&[u32]> = seqs.iter().map(|(q, _)| &q[1..]).collect();
         let pad = self.tokenizer.pad_token_id;
         let (lp, _, c) = completion_logps(model, pad, &firsts, &rests, 1.0, false)?;
-        let (mut answer, mut nll) = (vec![0f32; 2 * k * c], vec![0f32; 2 * k * c]);
+        let (mut answer, mut nll) = (vec![0f32; 2 * k * c], vec![0f32; rows * c]);
         for (j, (q, plen)) in seqs.iter().enumerate() {
             let (start, end) = (plen.saturating_sub(1), q.len() - 1);
-            answer[j * c + start..j * c + end].fill(1.0);
-            if j < k {
+            if j < 2 * k {
+                answer[j * c + start..j * c + end].fill(1.0);
+            }
+            // The NLL rows: ORPO's chosen sequences whole, CPO's chosen completions, TPO's
+            // gold completions.
+            let nll_row = match tpo {
+                true => j >= 2 * k,
+                false => j < k,
+            };
+            if nll_row {
                 let from = if orpo { 0 } else { start };
                 nll[j * c + from..j * c + end].fill(1.0);
             }
         }
         let (dt, dev) = (lp.dtype(), lp.device());
-        let mask = |v: Vec<f32>| -> Result<Tensor> {
-            Ok(Tensor::from_vec(v, (2 * k, c), dev)?.to_dtype(dt)?)
+        let mask = |v: Vec<f32>, n: usize| -> Result<Tensor> {
+            Ok(Tensor::from_vec(v, (n, c), dev)?.to_dtype(dt)?)
         };
-        let answer = mask(answer)?;
-        let mut logps = (&lp * &answer)?.sum(D::Minus1)?;
+        let answer = mask(answer, 2 * k)?;
+        let mut logps = (&lp.narrow(0, 0, 2 * k)? * &answer)?.sum(D::Minus1)?;
         if orpo || cpo.loss_type.averages_log_probs() {
             logps = (logps / answer.sum(D::Minus1)?)?;
         }
         let (chosen, rejected) = (logps.narrow(0, 0, k)?, logps.narrow(0, k, k)?);
-        // TRL's `CrossEntropyLoss` over the chosen tokens (CPO skips it at cpo_alpha = 0).
+        // TRL's `CrossEntropyLoss` over the NLL tokens (CPO and TPO skip it at a zero weight).
         let nll = match orpo || cpo.cpo_alpha != 0.0 {
             true => {
-                let nll = mask(nll)?;
+                let nll = mask(nll, rows)?;
                 ((&lp * &nll)?.sum_all()?.neg()? / nll.sum_all()?)?
             }
             false => Tensor::zeros((), dt, dev)?,
@@ -1289,6 +1384,7 @@ pub fn run(
                     Algorithm::Reward => (c.reward.max_length, "a side of each pair is longer"),
                     Algorithm::Orpo => (c.orpo.max_length, "a prompt fills it"),
                     Algorithm::Cpo => (c.cpo.max_length, "a prompt fills it"),
+                    Algorithm::Tpo => (c.tpo.max_length, "a prompt fills it"),
                     _ => (
                         c.sft.max_length,
                         "a prompt fills it, or no loss token is left",
