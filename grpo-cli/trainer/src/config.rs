@@ -2411,6 +2411,42 @@ impl TrainConfig {
 
 #[cfg(test)]
 mod tests {
+
+    /// Every config key is in the README: as `section.key`, as `key =` in a config example,
+    /// or as `` `key` `` in a table (the README is the user's reference of the schema).
+    #[test]
+    fn every_config_key_is_in_the_readme() {
+        let readme = include_str!("../../../README.md");
+        let mut missing = Vec::new();
+        for k in known_keys() {
+            let leaf = k.rsplit('.').next().unwrap_or(&k);
+            let as_assignment = readme.lines().any(|l| {
+                let t = l.trim_start_matches(['#', ' ']);
+                t.starts_with(&format!("{leaf} =")) || t.starts_with(&format!("{leaf}="))
+            });
+            // A nested table's keys may be listed by name beside their parent key.
+            let word = |w: &str| {
+                readme
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .any(|x| x == w)
+            };
+            let listed = k
+                .rsplit('.')
+                .nth(1)
+                .is_some_and(|parent| readme.contains(&format!("{parent} =")) && word(leaf));
+            let found = readme.contains(k.as_str())
+                || as_assignment
+                || readme.contains(&format!("`{leaf}`"))
+                || listed;
+            if !found {
+                missing.push(k);
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "config keys missing from README.md: {missing:?}"
+        );
+    }
     use super::*;
 
     fn minimal() -> Value {
