@@ -13,7 +13,8 @@
 //!   ratios, two-sided clipping, and the KL penalty to a reference model.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
 //! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss, DPO's and KTO's
-//!   preference losses and the reward model's Bradley-Terry loss, with TRL's metrics;
+//!   preference losses, the reference-free ORPO and CPO losses (SimPO, AlphaPO; TPO reuses
+//!   CPO's) and the reward model's Bradley-Terry loss, with TRL's metrics;
 //!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD).
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
