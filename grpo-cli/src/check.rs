@@ -548,17 +548,8 @@ fn distill_check(
     let (div, _) = s.model.distill_rows(&h, teacher, &th, 0.5, 1.0)?;
     let loss = div.mean_all()?;
     let grads = s.model.backward(&loss)?;
-    let mut sq = 0.0;
-    for (_, v) in &s.vars {
-        if let Some(g) = grads.get(v.as_tensor()) {
-            sq += g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
-        }
-    }
-    Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, sq.sqrt()))
+    let norm = grad_norm(&s, &grads)?;
+    Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, norm))
 }
 
 /// ORPO's loss (the first row as chosen, the second as rejected, token-averaged log-probs),
@@ -577,8 +568,15 @@ fn pair_check(m: &Transformer, rows: &[Vec<u32>]) -> Result<[f64; 3]> {
     };
     let simpo = grpo_core::preference::cpo_loss(&c, &r, &nll, &cfg)?.loss;
     let grads = s.model.backward(&orpo)?;
+    let norm = grad_norm(&s, &grads)?;
+    let f = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+    Ok([f(&orpo)?, f(&simpo)?, norm])
+}
+
+/// The global norm of `grads` over the trainable weights of `m`.
+fn grad_norm(m: &TrainableModel, grads: &candle_core::backprop::GradStore) -> Result<f64> {
     let mut sq = 0.0;
-    for (_, v) in &s.vars {
+    for (_, v) in &m.vars {
         if let Some(g) = grads.get(v.as_tensor()) {
             sq += g
                 .to_dtype(DType::F64)?
@@ -587,8 +585,7 @@ fn pair_check(m: &Transformer, rows: &[Vec<u32>]) -> Result<[f64; 3]> {
                 .to_scalar::<f64>()?;
         }
     }
-    let f = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
-    Ok([f(&orpo)?, f(&simpo)?, sq.sqrt()])
+    Ok(sq.sqrt())
 }
 
 /// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).

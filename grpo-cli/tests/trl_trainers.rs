@@ -135,20 +135,7 @@ fn three_assistant_only_sft_steps_match_trls_sft_trainer() {
 #[test]
 fn three_dpo_steps_match_trls_dpo_trainer() {
     let ours = run("dpo", "reward_pairs.jsonl", "[dpo]\nbeta = 0.1\n");
-    compare(
-        &ours,
-        &reference()["dpo"],
-        &[
-            "loss",
-            "grad_norm",
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/margins",
-            "rewards/accuracies",
-            "logps/chosen",
-            "logps/rejected",
-        ],
-    );
+    compare(&ours, &reference()["dpo"], DPO_KEYS);
 }
 
 /// KTO in TRL's default order (`train_sampling_strategy = "sequential"`: each row's KL
@@ -194,6 +181,19 @@ fn three_reward_model_steps_match_trls_reward_trainer() {
     );
 }
 
+/// DPO's metrics (and TPO's, whose NLL TRL folds into the loss).
+const DPO_KEYS: &[&str] = &[
+    "loss",
+    "grad_norm",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+];
+
+/// ORPO's and CPO's: DPO's and the NLL term.
 const PAIR_KEYS: &[&str] = &[
     "loss",
     "grad_norm",
@@ -274,26 +274,15 @@ fn three_orpo_steps_with_bos_merges_and_truncation_match_trls_orpo_trainer() {
     compare(&ours, &reference()["orpo_bos_merge"], &with_odds(PAIR_KEYS));
 }
 
-const TPO_KEYS: &[&str] = &[
-    "loss",
-    "grad_norm",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/margins",
-    "rewards/accuracies",
-    "logps/chosen",
-    "logps/rejected",
-];
-
 /// TPO (TRL's experimental TPOTrainer): DPO's tokenisation with a third, gold completion whose
 /// NLL joins the contrastive loss; the sigmoid loss, and TPO-L with label smoothing and a
 /// halved NLL weight.
 #[test]
 fn three_tpo_steps_match_trls_tpo_trainer() {
     let ours = run("tpo", "triples.jsonl", "[tpo]\nbeta = 0.1\n");
-    compare(&ours, &reference()["tpo"], TPO_KEYS);
+    compare(&ours, &reference()["tpo"], DPO_KEYS);
     let tpo_l = "[tpo]\nloss_type = \"tpo-l\"\nbeta = 2.0\ntpo_l_gamma = 0.5\ntpo_alpha = 0.5\n\
                  label_smoothing = 0.1\n";
     let ours = run("tpo", "triples.jsonl", tpo_l);
-    compare(&ours, &reference()["tpo_l"], TPO_KEYS);
+    compare(&ours, &reference()["tpo_l"], DPO_KEYS);
 }
