@@ -766,6 +766,38 @@ impl Dataset {
         })
     }
 
+    /// This dataset without the rows whose index ([`Sample::index`]) is in `rows` (indices it
+    /// does not hold are ignored). Keeps a bit set of its rows: `len / 8` bytes.
+    pub fn without_rows(&self, rows: &HashSet<u64>) -> Dataset {
+        let total = self.chunks.last().map_or(0, |c| c.global + c.rows);
+        let mut bits = match &self.members {
+            Some(m) => m.as_ref().clone(),
+            None => {
+                let mut b = vec![0u64; total.div_ceil(64) as usize];
+                for c in self.chunks.iter() {
+                    for g in c.global..c.global + c.rows {
+                        b[(g / 64) as usize] |= 1 << (g % 64);
+                    }
+                }
+                b
+            }
+        };
+        let mut len = self.len;
+        for &g in rows {
+            if let Some(w) = bits.get_mut((g / 64) as usize)
+                && *w >> (g % 64) & 1 == 1
+            {
+                *w &= !(1 << (g % 64));
+                len -= 1;
+            }
+        }
+        Dataset {
+            members: Some(Arc::new(bits)),
+            len,
+            ..self.clone()
+        }
+    }
+
     /// Split off an evaluation set of `round(fraction · len)` samples (at least 1, and at least
     /// 1 left for training), chosen by `seed` (same seed → same split on any machine). Returns
     /// `(train, eval)`. Each keeps a bit set of its rows: `len / 8` bytes.

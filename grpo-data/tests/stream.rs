@@ -212,6 +212,31 @@ fn max_samples_and_eval_split() {
     assert!(s.next_sample().expect("end").is_none());
 }
 
+/// `without_rows` leaves the named rows out of a whole dataset and of a split (an index it does
+/// not hold changes nothing); a shuffled stream covers what is left once per epoch.
+#[test]
+fn without_rows_leaves_rows_out() {
+    let dir = tmp();
+    let d = parquet_dataset(&dir, 40, 8);
+    let gone: HashSet<u64> = [0, 7, 8, 39, 1000].into_iter().collect();
+    let kept = d.without_rows(&gone);
+    assert_eq!(kept.len(), 36);
+    let read = |d: &Dataset| -> HashSet<u64> { read_all(d).iter().map(|s| s.index).collect() };
+    let want: HashSet<u64> = (0..40).filter(|i| !gone.contains(i)).collect();
+    assert_eq!(read(&kept), want);
+    let mut s = SampleStream::new(kept.clone(), StreamConfig::default()).expect("stream");
+    let got: HashSet<u64> = indices(&mut s, 36).into_iter().collect();
+    assert_eq!(got, want);
+    // On a split: only its own rows count.
+    let (train, eval) = d.split_eval(0.25, 3).expect("split");
+    let ev = read(&eval);
+    let some_eval = *ev.iter().next().expect("eval rows");
+    let t2 = train.without_rows(&[some_eval, 5].into_iter().collect());
+    let expect = if ev.contains(&5) { 30 } else { 29 };
+    assert_eq!(t2.len(), expect);
+    assert!(!read(&t2).contains(&5) && read(&t2).is_disjoint(&ev));
+}
+
 #[test]
 fn eval_from_separate_files() {
     let dir = tmp();
