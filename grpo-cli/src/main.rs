@@ -62,8 +62,8 @@ enum Command {
         run_dir: std::path::PathBuf,
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
-    /// "orpo" | "cpo" | "tpo" | "online_dpo" | "rloo" | "reward" | "distillation" | "gkd"` in the
-    /// config runs that instead.
+    /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
+    /// "gkd"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -84,6 +84,9 @@ enum Command {
     /// prompt, the rewards pick the chosen one, DPO's loss against the frozen reference.
     #[command(alias = "online_dpo")]
     OnlineDpo(train_cmd::TrainArgs),
+    /// A*-PO (the config's `[a2po]`, TRL's A2POTrainer): optimal values estimated from the
+    /// reference's samples, then one sample per prompt regressed onto its optimal advantage.
+    A2po(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -115,6 +118,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Orpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("orpo"))?)),
         Some(Command::Cpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("cpo"))?)),
         Some(Command::Tpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("tpo"))?)),
+        Some(Command::A2po(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("a2po"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
         }
@@ -195,6 +199,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Cpo(_)
             | Command::Tpo(_)
             | Command::OnlineDpo(_)
+            | Command::A2po(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -67,11 +67,15 @@ pub enum Algorithm {
     /// reference completion; CPO's contrastive loss plus an NLL term on the gold one, no
     /// reference model (`[tpo]`).
     Tpo,
+    /// A*-PO (TRL's A2POTrainer): the optimal value of each prompt estimated once from the
+    /// reference's samples, then one sample per prompt whose log-ratio to the reference
+    /// regresses onto its optimal advantage (`[a2po]`).
+    A2po,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 12] = [
+    pub const ALL: [Algorithm; 13] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -84,6 +88,7 @@ impl Algorithm {
         Algorithm::OnlineDpo,
         Algorithm::Gkd,
         Algorithm::Tpo,
+        Algorithm::A2po,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -96,6 +101,7 @@ impl Algorithm {
                 | Algorithm::Distillation
                 | Algorithm::OnlineDpo
                 | Algorithm::Gkd
+                | Algorithm::A2po
         )
     }
 
@@ -109,16 +115,18 @@ impl Algorithm {
     pub fn learns_from_rewards(self) -> bool {
         matches!(
             self,
-            Algorithm::Grpo | Algorithm::Rloo | Algorithm::OnlineDpo
+            Algorithm::Grpo | Algorithm::Rloo | Algorithm::OnlineDpo | Algorithm::A2po
         )
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig), the others
+    /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
+    /// A2POConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Sft | Self::Gkd => 2e-5,
+            Self::A2po => 5e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo | Self::Tpo => 5e-7,
             _ => 1e-6,
@@ -140,6 +148,7 @@ impl Algorithm {
             Self::OnlineDpo => "online_dpo",
             Self::Gkd => "gkd",
             Self::Tpo => "tpo",
+            Self::A2po => "a2po",
         }
     }
 
@@ -158,7 +167,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft, tpo"
                 )
             })
     }
@@ -254,6 +263,8 @@ pub struct TrainConfig {
     pub online_dpo: OnlineDpoSection,
     /// Triple preference optimisation (`algorithm = "tpo"`, TRL's TPOConfig).
     pub tpo: TpoSection,
+    /// A*-PO (`algorithm = "a2po"`, TRL's A2POConfig).
+    pub a2po: A2poSection,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -622,6 +633,32 @@ impl CpoSection {
     }
 }
 
+/// `[a2po]`: TRL's A2POTrainer (A*-PO, optimal advantage regression).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct A2poSection {
+    /// Stage 1: samples of the reference per prompt that estimate its optimal value (default
+    /// 8).
+    pub num_value_samples: usize,
+    /// Stage 1's KL temperature: `V* = β1 · log mean exp(r / β1)` (default 0.5).
+    pub beta1: f64,
+    /// Stage 2's KL temperature: `β2 · log(π / π_ref)` regresses onto `r − V*` (default 1e-3).
+    pub beta2: f64,
+    /// Leave out the training prompts whose reference samples all scored 0 (default true).
+    pub filter_all_incorrect: bool,
+}
+
+impl Default for A2poSection {
+    fn default() -> Self {
+        Self {
+            num_value_samples: 8,
+            beta1: 0.5,
+            beta2: 1e-3,
+            filter_all_incorrect: true,
+        }
+    }
+}
+
 /// TPO's `loss_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum TpoLoss {
@@ -897,6 +934,7 @@ impl Default for TrainConfig {
             cpo: CpoSection::default(),
             online_dpo: OnlineDpoSection::default(),
             tpo: TpoSection::default(),
+            a2po: A2poSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -1679,7 +1717,9 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     let algorithm = tree.get("algorithm").and_then(Value::as_str);
     let rollout_has = |k: &str| tree.get("rollout").and_then(|r| r.get(k)).is_some();
     let gkd = algorithm == Some(Algorithm::Gkd.as_str());
-    let distill_generations = (gkd || algorithm == Some(Algorithm::Distillation.as_str()))
+    let distill_generations = (gkd
+        || algorithm == Some(Algorithm::Distillation.as_str())
+        || algorithm == Some(Algorithm::A2po.as_str()))
         && !rollout_has("num_generations");
     // TRL's GKDConfig: beta 0.5, temperature 0.9, max_new_tokens 128.
     let gkd_beta = gkd
@@ -1809,7 +1849,10 @@ impl TrainConfig {
             return Err("`rollout.num_generations_eval` must be >= 1".into());
         }
         // Distillation trains on each completion alone (TRL samples one per prompt).
-        if r.num_generations < 2 && !self.algorithm.is_distillation() {
+        if r.num_generations < 2
+            && !self.algorithm.is_distillation()
+            && self.algorithm != Algorithm::A2po
+        {
             return Err(format!(
                 "`rollout.num_generations` must be >= 2 (a group needs two completions to compare), got {}",
                 r.num_generations
@@ -1973,6 +2016,34 @@ impl TrainConfig {
                 return Err(
                     "`loss.drop_zero_std_groups` drops groups by their rewards; online \
                             DPO trains on every pair (a tie keeps the first completion as chosen)"
+                        .into(),
+                );
+            }
+        }
+        if self.algorithm == Algorithm::A2po {
+            let a = &self.a2po;
+            if a.num_value_samples == 0 {
+                return Err("`a2po.num_value_samples` must be >= 1".into());
+            }
+            for (key, v) in [("beta1", a.beta1), ("beta2", a.beta2)] {
+                if !(v > 0.0 && v.is_finite()) {
+                    return Err(format!("`a2po.{key}` must be > 0, got {v}"));
+                }
+            }
+            if self.reference.beta != 0.0 {
+                return Err("A*-PO's KL temperatures are `a2po.beta1` / `beta2`; leave \
+                            `reference.beta` at 0"
+                    .into());
+            }
+            if self.teacher.is_some() || self.environment.kind.is_some() {
+                return Err("A*-PO trains on single-turn completions: `[teacher]` and \
+                            `[environment]` are not supported with it"
+                    .into());
+            }
+            if self.loss.drop_zero_std_groups {
+                return Err(
+                    "`loss.drop_zero_std_groups` drops groups by their rewards; A*-PO \
+                            regresses every completion (one per prompt by default)"
                         .into(),
                 );
             }
@@ -2315,7 +2386,8 @@ impl TrainConfig {
             | Algorithm::Rloo
             | Algorithm::Distillation
             | Algorithm::OnlineDpo
-            | Algorithm::Gkd => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::Gkd
+            | Algorithm::A2po => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto

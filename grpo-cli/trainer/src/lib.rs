@@ -59,10 +59,11 @@ pub use learner::{Learner, TrainerState, batch::completion_logps, supervised};
 pub use pipeline::{RunMode, RunOptions, TrainingResult, run};
 pub use setup::{Setup, setup, setup_with};
 pub use trainer::{
-    AnyTrainer, ByName, Cpo, CpoTrainer, Distillation, DistillationTrainer, Dpo, DpoTrainer,
-    FitOptions, Gkd, GkdTrainer, Grpo, GrpoTrainer, Kto, KtoTrainer, OnlineDpo, OnlineDpoTrainer,
-    Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sft, SftTrainer, Tpo,
-    TpoTrainer, Trainer, TrainerKind, create_trainer, get_algorithm, list_algorithms,
+    A2po, A2poTrainer, AnyTrainer, ByName, Cpo, CpoTrainer, Distillation, DistillationTrainer, Dpo,
+    DpoTrainer, FitOptions, Gkd, GkdTrainer, Grpo, GrpoTrainer, Kto, KtoTrainer, OnlineDpo,
+    OnlineDpoTrainer, Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sft,
+    SftTrainer, Tpo, TpoTrainer, Trainer, TrainerKind, create_trainer, get_algorithm,
+    list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

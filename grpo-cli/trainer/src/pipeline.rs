@@ -137,6 +137,9 @@ pub fn run(
             "no reward: add [[rewards]] to the config, or a reward function to the trainer (with_reward, or fit with FitOptions::reward)"
         );
     }
+    if setup.cfg.algorithm == crate::config::Algorithm::A2po {
+        crate::learner::a2po::stage_one(&mut setup).context(Stage::Generator)?;
+    }
     let (mut learner, run_dir) = crate::run_dir::open_run(&setup, opts)?;
     let start = learner.state.step;
     let mut loader = Loader::new(&setup, start, learner.state.position)?;

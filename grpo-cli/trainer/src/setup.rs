@@ -50,6 +50,9 @@ pub struct Setup {
     pub rollout_device: Option<Device>,
     /// On-policy distillation's teacher (`distillation.teacher_model_name_or_path`), frozen.
     pub distillation_teacher: Option<Transformer>,
+    /// A*-PO's optimal value of each training prompt by row index (set by its stage 1 when the
+    /// run starts).
+    pub a2po_values: Option<Arc<std::collections::HashMap<u64, f64>>>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -456,7 +459,7 @@ pub fn setup_with(
     let reference = if (cfg.reference.beta > 0.0 && cfg.algorithm != Algorithm::Reward)
         || matches!(
             cfg.algorithm,
-            Algorithm::Dpo | Algorithm::Kto | Algorithm::OnlineDpo
+            Algorithm::Dpo | Algorithm::Kto | Algorithm::OnlineDpo | Algorithm::A2po
         )
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
     {
@@ -501,6 +504,7 @@ pub fn setup_with(
         environment,
         rollout_device,
         distillation_teacher,
+        a2po_values: None,
         cfg,
     })
 }

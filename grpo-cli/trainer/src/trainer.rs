@@ -1,7 +1,7 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
 //! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`RlooTrainer`], [`RewardTrainer`],
-//! [`DistillationTrainer`], [`GkdTrainer`], [`TpoTrainer`]) or chosen by name
+//! [`DistillationTrainer`], [`GkdTrainer`], [`TpoTrainer`], [`A2poTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
 use std::path::Path;
@@ -59,6 +59,9 @@ pub struct Gkd;
 /// Triple preference optimisation (`[tpo]`, TRL's TPOTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Tpo;
+/// A*-PO (`[a2po]`, TRL's A2POTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct A2po;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -99,6 +102,9 @@ impl TrainerKind for Gkd {
 impl TrainerKind for Tpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Tpo);
 }
+impl TrainerKind for A2po {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::A2po);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -134,6 +140,9 @@ pub type GkdTrainer = Trainer<Gkd>;
 
 /// A TPO trainer: chosen, rejected and gold completions, no reference model.
 pub type TpoTrainer = Trainer<Tpo>;
+
+/// An A*-PO trainer: optimal advantage regression against the reference.
+pub type A2poTrainer = Trainer<A2po>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

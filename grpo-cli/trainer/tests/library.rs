@@ -278,6 +278,7 @@ fn algorithms_by_name() {
     assert_eq!(
         grpo_trainer::list_algorithms(),
         [
+            "a2po",
             "cpo",
             "distillation",
             "dpo",

@@ -8,11 +8,13 @@
 //! - [`supervised`]: the SFT, DPO, KTO, ORPO, CPO and reward-model steps on the same learner;
 //! - [`distill`]: on-policy distillation's step (the teacher's distributions on the policy's
 //!   samples);
+//! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
 //! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
 //!   one, DPO's loss against the reference).
 //!
 //! Checkpoints of the learner are in [`crate::checkpoint`].
 
+pub mod a2po;
 pub mod batch;
 pub mod distill;
 pub mod loss;
@@ -70,6 +72,8 @@ pub struct Learner {
     pub(crate) reference: Option<Transformer>,
     /// On-policy distillation's frozen teacher.
     pub(crate) distillation_teacher: Option<Transformer>,
+    /// A*-PO's optimal values by row index.
+    pub(crate) a2po_values: Option<std::sync::Arc<std::collections::HashMap<u64, f64>>>,
     pub(crate) opt: AdamW,
     pub(crate) schedule: Schedule,
     /// The reward set's weights, in its order (for the reward metrics).
@@ -124,6 +128,7 @@ impl Learner {
             policy: setup.policy.clone(),
             reference: setup.reference.clone(),
             distillation_teacher: setup.distillation_teacher.clone(),
+            a2po_values: setup.a2po_values.clone(),
             opt,
             schedule: Schedule {
                 kind: o.lr_scheduler_type,

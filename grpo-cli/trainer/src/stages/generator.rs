@@ -85,6 +85,13 @@ impl Generator {
         self
     }
 
+    /// Samples with its own model here, never on the rollout server (A*-PO's value estimation
+    /// samples the frozen reference).
+    pub fn local(mut self) -> Self {
+        self.remote = None;
+        self
+    }
+
     /// Installs new weights.
     pub fn publish(&mut self, model: Arc<Transformer>, version: usize) {
         self.model = model;
