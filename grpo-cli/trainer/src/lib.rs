@@ -1,7 +1,7 @@
 //! # grpo-trainer: the trainer as a library
 //!
-//! One job: train a policy with GRPO (or RLOO, distillation, SFT, DPO, KTO, ORPO, CPO, a reward
-//! model) from a typed config, on the CPU or CUDA,
+//! One job: train a policy with GRPO (or RLOO, online DPO, A*-PO, distillation, GKD, SFT, DPO,
+//! KTO, ORPO, CPO, TPO, a reward model) from a typed config, on the CPU or CUDA,
 //! writing a run directory (metrics, completions, checkpoints with exact resume). No command
 //! line, no server, no progress bar: the `grpo-cli` binary is a thin layer over this crate.
 //!
