@@ -6,7 +6,7 @@
 //!    optimal value `V*(x) = β1 · log mean_i exp(r_i / β1)`; prompts whose samples all scored 0
 //!    leave the training set (`filter_all_incorrect`). The samples are seeded by the run's
 //!    seed, so a resumed run estimates the same values.
-//! 2. [`Learner::a2po_step`]: the policy samples (one completion per prompt by default); the
+//! 2. `Learner::a2po_step`: the policy samples (one completion per prompt by default); the
 //!    loss is the mean over the completions of `(β2 · log(π(y|x) / π_ref(y|x)) − (r − V*))²`,
 //!    the summed log-probs taken from the raw logits.
 
