@@ -705,3 +705,56 @@ fn online_dpo_config_trains_on_ranked_pairs() {
         );
     }
 }
+
+/// `configs/gkd.toml` (teacher samples on its off-policy steps) and `configs/a2po.toml` (stage 1
+/// over the prompts, then the regression) train on the arithmetic fixture.
+#[test]
+fn gkd_and_a2po_configs_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let teacher = dir.path().join("teacher");
+    init_model_dir(&teacher, Preset::Tiny, Arch::Llama, 9).unwrap();
+    let base = |out: &str| {
+        vec![
+            format!("output_dir={}", quote(&dir.path().join(out))),
+            format!("model.path={}", quote(&model)),
+            format!("data.path=[{}]", quote(&data)),
+            "train.max_steps=3".to_string(),
+            "train.save_steps=0".to_string(),
+        ]
+    };
+    let mut sets = base("gkd");
+    sets.push(format!(
+        "distillation.teacher_model_name_or_path={}",
+        quote(&teacher)
+    ));
+    let cfg = config::load(&configs_dir().join("gkd.toml"), &sets).unwrap();
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Gkd);
+    let r = trainer::run(
+        trainer::setup(cfg).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    for m in &r.metrics {
+        assert!(
+            m["loss"].is_finite() && m.contains_key("on_policy"),
+            "{m:?}"
+        );
+    }
+    // A random model solves nothing: stage 1 would leave every problem out, so keep them.
+    let mut sets = base("a2po");
+    sets.push("a2po.filter_all_incorrect=false".into());
+    let cfg = config::load(&configs_dir().join("a2po.toml"), &sets).unwrap();
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::A2po);
+    let r = trainer::run(
+        trainer::setup(cfg).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.total_steps, 3);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite() && m["v_star"].is_finite(), "{m:?}");
+    }
+}
