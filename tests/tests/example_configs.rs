@@ -33,6 +33,32 @@ fn quote(p: &Path) -> String {
     format!("\"{}\"", p.display())
 }
 
+/// `configs/{name}` on `model` and `data` for `steps` steps into `dir/{out}` (checkpoints at the
+/// end), with `extra` overrides.
+fn load_example(
+    name: &str,
+    dir: &Path,
+    out: &str,
+    (model, data): (&Path, &Path),
+    steps: usize,
+    extra: &[String],
+) -> config::TrainConfig {
+    let mut sets = vec![
+        format!("output_dir={}", quote(&dir.join(out))),
+        format!("model.path={}", quote(model)),
+        format!("data.path=[{}]", quote(data)),
+        format!("train.max_steps={steps}"),
+        format!("train.save_steps={steps}"),
+    ];
+    sets.extend_from_slice(extra);
+    config::load(&configs_dir().join(name), &sets).unwrap()
+}
+
+/// Runs a loaded setup to its end.
+fn run_setup(s: trainer::Setup) -> grpo_trainer::TrainingResult {
+    trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap()
+}
+
 fn train(name: &str, extra: &[String]) -> (tempfile::TempDir, grpo_trainer::TrainingResult) {
     let dir = tempfile::tempdir().unwrap();
     let (model, data) = fixture(dir.path());
@@ -593,21 +619,16 @@ fn reward_model_config_trains_a_classifier_on_its_pairs() {
     let dir = tempfile::tempdir().unwrap();
     let (model, _) = fixture(dir.path());
     let data = configs_dir().join("data/preference_pairs.jsonl");
-    let sets = vec![
-        format!("output_dir={}", quote(&dir.path().join("run"))),
-        format!("model.path={}", quote(&model)),
-        format!("data.path=[{}]", quote(&data)),
-        "train.max_steps=2".to_string(),
-        "train.save_steps=2".to_string(),
-    ];
-    let cfg = config::load(&configs_dir().join("reward_model.toml"), &sets).unwrap();
+    let cfg = load_example(
+        "reward_model.toml",
+        dir.path(),
+        "run",
+        (&model, &data),
+        2,
+        &[],
+    );
     assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Reward);
-    let r = trainer::run(
-        trainer::setup(cfg).unwrap(),
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap();
+    let r = run_setup(trainer::setup(cfg).unwrap());
     assert_eq!(r.total_steps, 2);
     assert!(
         r.metrics
@@ -629,25 +650,20 @@ fn distillation_config_trains_the_student_on_its_samples() {
     let (model, data) = fixture(dir.path());
     let teacher = dir.path().join("teacher");
     init_model_dir(&teacher, Preset::Tiny, Arch::Llama, 9).unwrap();
-    let sets = vec![
-        format!("output_dir={}", quote(&dir.path().join("run"))),
-        format!("model.path={}", quote(&model)),
-        format!("data.path=[{}]", quote(&data)),
-        format!(
-            "distillation.teacher_model_name_or_path={}",
-            quote(&teacher)
-        ),
-        "train.max_steps=2".to_string(),
-        "train.save_steps=2".to_string(),
-    ];
-    let cfg = config::load(&configs_dir().join("distillation.toml"), &sets).unwrap();
+    let teacher_set = format!(
+        "distillation.teacher_model_name_or_path={}",
+        quote(&teacher)
+    );
+    let cfg = load_example(
+        "distillation.toml",
+        dir.path(),
+        "run",
+        (&model, &data),
+        2,
+        &[teacher_set],
+    );
     assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Distillation);
-    let r = trainer::run(
-        trainer::setup(cfg).unwrap(),
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap();
+    let r = run_setup(trainer::setup(cfg).unwrap());
     assert_eq!(r.total_steps, 2);
     for m in &r.metrics {
         assert!(m["loss"].is_finite() && m["loss"] > 0.0, "{m:?}");
@@ -666,18 +682,11 @@ fn orpo_and_simpo_configs_train_on_the_example_pairs() {
         let dir = tempfile::tempdir().unwrap();
         let (model, _) = fixture(dir.path());
         let data = configs_dir().join("data/preference_pairs.jsonl");
-        let sets = vec![
-            format!("output_dir={}", quote(&dir.path().join("run"))),
-            format!("model.path={}", quote(&model)),
-            format!("data.path=[{}]", quote(&data)),
-            "train.max_steps=2".to_string(),
-            "train.save_steps=2".to_string(),
-        ];
-        let cfg = config::load(&configs_dir().join(name), &sets).unwrap();
+        let cfg = load_example(name, dir.path(), "run", (&model, &data), 2, &[]);
         assert_eq!(cfg.algorithm, algorithm);
         let s = trainer::setup(cfg).unwrap();
         assert!(s.reference.is_none(), "{name}");
-        let r = trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
+        let r = run_setup(s);
         assert_eq!(r.total_steps, 2);
         for m in &r.metrics {
             assert!(
@@ -714,28 +723,20 @@ fn gkd_and_a2po_configs_train() {
     let (model, data) = fixture(dir.path());
     let teacher = dir.path().join("teacher");
     init_model_dir(&teacher, Preset::Tiny, Arch::Llama, 9).unwrap();
-    let base = |out: &str| {
-        vec![
-            format!("output_dir={}", quote(&dir.path().join(out))),
-            format!("model.path={}", quote(&model)),
-            format!("data.path=[{}]", quote(&data)),
-            "train.max_steps=3".to_string(),
-            "train.save_steps=0".to_string(),
-        ]
-    };
-    let mut sets = base("gkd");
-    sets.push(format!(
+    let teacher_set = format!(
         "distillation.teacher_model_name_or_path={}",
         quote(&teacher)
-    ));
-    let cfg = config::load(&configs_dir().join("gkd.toml"), &sets).unwrap();
+    );
+    let cfg = load_example(
+        "gkd.toml",
+        dir.path(),
+        "gkd",
+        (&model, &data),
+        3,
+        &[teacher_set],
+    );
     assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Gkd);
-    let r = trainer::run(
-        trainer::setup(cfg).unwrap(),
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap();
+    let r = run_setup(trainer::setup(cfg).unwrap());
     for m in &r.metrics {
         assert!(
             m["loss"].is_finite() && m.contains_key("on_policy"),
@@ -743,16 +744,10 @@ fn gkd_and_a2po_configs_train() {
         );
     }
     // A random model solves nothing: stage 1 would leave every problem out, so keep them.
-    let mut sets = base("a2po");
-    sets.push("a2po.filter_all_incorrect=false".into());
-    let cfg = config::load(&configs_dir().join("a2po.toml"), &sets).unwrap();
+    let keep = ["a2po.filter_all_incorrect=false".to_string()];
+    let cfg = load_example("a2po.toml", dir.path(), "a2po", (&model, &data), 3, &keep);
     assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::A2po);
-    let r = trainer::run(
-        trainer::setup(cfg).unwrap(),
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap();
+    let r = run_setup(trainer::setup(cfg).unwrap());
     assert_eq!(r.total_steps, 3);
     for m in &r.metrics {
         assert!(m["loss"].is_finite() && m["v_star"].is_finite(), "{m:?}");
