@@ -158,15 +158,58 @@ impl DpoOutput {
     /// The metrics by TRL's names: `rewards/chosen`, `rewards/rejected`, `rewards/accuracies`,
     /// `rewards/margins`, `logps/chosen`, `logps/rejected`.
     pub fn metrics(&self) -> Vec<(&'static str, f64)> {
-        vec![
-            ("rewards/chosen", self.rewards_chosen),
-            ("rewards/rejected", self.rewards_rejected),
-            ("rewards/accuracies", self.rewards_accuracies),
-            ("rewards/margins", self.rewards_margins),
-            ("logps/chosen", self.logps_chosen),
-            ("logps/rejected", self.logps_rejected),
-        ]
+        named_pair_metrics([
+            self.rewards_chosen,
+            self.rewards_rejected,
+            self.rewards_accuracies,
+            self.rewards_margins,
+            self.logps_chosen,
+            self.logps_rejected,
+        ])
     }
+}
+
+/// DPO's six metrics by TRL's names, in [`DpoOutput`]'s field order.
+fn named_pair_metrics(v: [f64; 6]) -> Vec<(&'static str, f64)> {
+    [
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ]
+    .into_iter()
+    .zip(v)
+    .collect()
+}
+
+/// DPO's metrics of a batch of pairs: the rewards `β ×` `reward_chosen` / `reward_rejected`
+/// (their means, the share of pairs whose chosen reward is strictly larger, the mean margin)
+/// and the mean policy log-probs `logps_chosen` / `logps_rejected`; all `(n,)`.
+fn pair_metrics(
+    loss: Tensor,
+    (reward_chosen, reward_rejected): (&Tensor, &Tensor),
+    beta: f64,
+    (logps_chosen, logps_rejected): (&Tensor, &Tensor),
+) -> Result<DpoOutput> {
+    let vec = |t: &Tensor| -> Result<Vec<f64>> { t.detach().to_dtype(DType::F64)?.to_vec1() };
+    let rc: Vec<f64> = vec(reward_chosen)?.into_iter().map(|v| v * beta).collect();
+    let rr: Vec<f64> = vec(reward_rejected)?
+        .into_iter()
+        .map(|v| v * beta)
+        .collect();
+    let n = rc.len().max(1) as f64;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / n;
+    Ok(DpoOutput {
+        loss,
+        rewards_chosen: mean(&rc),
+        rewards_rejected: mean(&rr),
+        rewards_accuracies: rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / n,
+        rewards_margins: rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / n,
+        logps_chosen: mean(&vec(logps_chosen)?),
+        logps_rejected: mean(&vec(logps_rejected)?),
+    })
 }
 
 /// `log σ(t)` computed stably as `min(t, 0) − log(1 + e^{−|t|})`, written so that candle's
@@ -616,20 +659,12 @@ pub fn dpo_loss_with(x: &DpoInputs<'_>, cfg: &DpoConfig) -> Result<DpoOutput> {
 fn dpo_output(x: &DpoInputs<'_>, loss: Tensor, beta: f64) -> Result<DpoOutput> {
     let chosen = (x.policy_chosen - x.reference_chosen)?;
     let rejected = (x.policy_rejected - x.reference_rejected)?;
-    let vec = |t: &Tensor| -> Result<Vec<f64>> { t.detach().to_dtype(DType::F64)?.to_vec1() };
-    let rc: Vec<f64> = vec(&chosen)?.into_iter().map(|v| v * beta).collect();
-    let rr: Vec<f64> = vec(&rejected)?.into_iter().map(|v| v * beta).collect();
-    let n = rc.len().max(1) as f64;
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / n;
-    Ok(DpoOutput {
+    pair_metrics(
         loss,
-        rewards_chosen: mean(&rc),
-        rewards_rejected: mean(&rr),
-        rewards_accuracies: rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / n,
-        rewards_margins: rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / n,
-        logps_chosen: mean(&vec(x.policy_chosen)?),
-        logps_rejected: mean(&vec(x.policy_rejected)?),
-    })
+        (&chosen, &rejected),
+        beta,
+        (x.policy_chosen, x.policy_rejected),
+    )
 }
 
 /// TRL's KTO `loss_type`.
@@ -1007,15 +1042,15 @@ impl PairLossOutput {
     /// The metrics by TRL's names: DPO's six ([`DpoOutput::metrics`]), `nll_loss`, and ORPO's
     /// `log_odds_ratio` and `log_odds_chosen`.
     pub fn metrics(&self) -> Vec<(&'static str, f64)> {
-        let mut m = vec![
-            ("rewards/chosen", self.rewards_chosen),
-            ("rewards/rejected", self.rewards_rejected),
-            ("rewards/accuracies", self.rewards_accuracies),
-            ("rewards/margins", self.rewards_margins),
-            ("logps/chosen", self.logps_chosen),
-            ("logps/rejected", self.logps_rejected),
-            ("nll_loss", self.nll_loss),
-        ];
+        let mut m = named_pair_metrics([
+            self.rewards_chosen,
+            self.rewards_rejected,
+            self.rewards_accuracies,
+            self.rewards_margins,
+            self.logps_chosen,
+            self.logps_rejected,
+        ]);
+        m.push(("nll_loss", self.nll_loss));
         if let (Some(r), Some(c)) = (self.log_odds_ratio, self.log_odds_chosen) {
             m.extend([("log_odds_ratio", r), ("log_odds_chosen", c)]);
         }
@@ -1045,22 +1080,20 @@ fn pair_output(
     beta: f64,
     nll: &Tensor,
 ) -> Result<PairLossOutput> {
-    let vec = |t: &Tensor| -> Result<Vec<f64>> { t.detach().to_dtype(DType::F64)?.to_vec1() };
-    let rc: Vec<f64> = vec(reward_chosen)?.into_iter().map(|v| v * beta).collect();
-    let rr: Vec<f64> = vec(reward_rejected)?
-        .into_iter()
-        .map(|v| v * beta)
-        .collect();
-    let n = rc.len().max(1) as f64;
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / n;
-    Ok(PairLossOutput {
+    let d = pair_metrics(
         loss,
-        rewards_chosen: mean(&rc),
-        rewards_rejected: mean(&rr),
-        rewards_accuracies: rc.iter().zip(&rr).filter(|(c, r)| c > r).count() as f64 / n,
-        rewards_margins: rc.iter().zip(&rr).map(|(c, r)| c - r).sum::<f64>() / n,
-        logps_chosen: mean(&vec(chosen)?),
-        logps_rejected: mean(&vec(rejected)?),
+        (reward_chosen, reward_rejected),
+        beta,
+        (chosen, rejected),
+    )?;
+    Ok(PairLossOutput {
+        loss: d.loss,
+        rewards_chosen: d.rewards_chosen,
+        rewards_rejected: d.rewards_rejected,
+        rewards_accuracies: d.rewards_accuracies,
+        rewards_margins: d.rewards_margins,
+        logps_chosen: d.logps_chosen,
+        logps_rejected: d.logps_rejected,
         nll_loss: nll
             .detach()
             .flatten_all()?
