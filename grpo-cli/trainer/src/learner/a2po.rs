@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
-use candle_core::{D, DType, Tensor};
+use candle_core::{DType, Tensor};
 use grpo_data::{SampleStream, StreamConfig};
 
 use super::Learner;
-use super::batch::{StepBatch, completion_logps};
+use super::batch::{rewards_or_zero, summed_policy_and_reference};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
 use crate::setup::Setup;
@@ -114,26 +114,13 @@ impl Learner {
     /// `implicit_reward`, `advantage`) and the step's completion and reward metrics.
     pub(crate) fn a2po_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
         let r = &s.rollouts;
-        if r.episodes.is_some() {
-            bail!("A*-PO trains on single-turn completions, not environment episodes");
-        }
-        let eos = self.tokenizer.eos_token_ids.clone();
-        let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
-        let reference = self
-            .reference
-            .clone()
-            .context("A*-PO needs the reference model")?;
+        let (batch, reference) = self.single_turn_batch(s, "A*-PO")?;
         let values = self
             .a2po_values
             .clone()
             .context("A*-PO's optimal values were not estimated (stage 1)")?;
         let n = batch.completions.len();
-        let rewards: Vec<f64> = (0..n)
-            .map(|i| match s.scores.rewards.get(i).copied() {
-                Some(v) if !v.is_nan() => f64::from(v),
-                _ => 0.0,
-            })
-            .collect();
+        let rewards = rewards_or_zero(&s.scores.rewards, n);
         let v_star: Vec<f64> = r
             .completions
             .iter()
@@ -151,20 +138,13 @@ impl Learner {
         let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
             let (a, b) = c.range;
             let update: usize = c.update.iter().map(|(a, b)| b - a).sum();
-            let (p, comps) = (&batch.prompts[a..b], &batch.completions[a..b]);
             // TRL's `_get_sequence_logps`: the raw logits, summed over the completion.
-            let (lp, _, width) = completion_logps(&l.policy.model, pad, p, comps, 1.0, false)?;
-            let (rlp, _, _) = completion_logps(&reference, pad, p, comps, 1.0, false)?;
-            let mut m = Vec::with_capacity((b - a) * width);
-            for x in comps {
-                m.extend((0..width).map(|j| f32::from(u8::from(j < x.len()))));
-            }
-            let mask = Tensor::from_vec(m, (b - a, width), lp.device())?.to_dtype(lp.dtype())?;
-            let log_ratio =
-                ((&lp - rlp.detach().to_dtype(lp.dtype())?)? * &mask)?.sum(D::Minus1)?;
-            let implicit = (log_ratio * beta2)?;
+            let (pol, refs) =
+                summed_policy_and_reference(&l.policy.model, &reference, pad, &batch, (a, b))?;
+            let implicit = ((pol - refs)? * beta2)?;
             let target: Vec<f64> = (a..b).map(|i| rewards[i] - v_star[i]).collect();
-            let target = Tensor::from_vec(target, b - a, lp.device())?.to_dtype(lp.dtype())?;
+            let target =
+                Tensor::from_vec(target, b - a, implicit.device())?.to_dtype(implicit.dtype())?;
             if c.iteration == 0 {
                 implicit_sum += implicit
                     .detach()

@@ -170,6 +170,63 @@ pub fn completion_logps(
     Ok((lp, ent, c))
 }
 
+/// The combined reward of each of `n` completions, an unscored one (NaN, or missing) as 0: TRL's
+/// `nansum` in its online trainers.
+pub fn rewards_or_zero(rewards: &[f32], n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| match rewards.get(i) {
+            Some(v) if !v.is_nan() => f64::from(*v),
+            _ => 0.0,
+        })
+        .collect()
+}
+
+impl crate::learner::Learner {
+    /// The step batch of `s` for the learners that train on single-turn completions against
+    /// the frozen reference (online DPO, A*-PO; `what` names it in errors), and the reference.
+    pub(crate) fn single_turn_batch<'s>(
+        &self,
+        s: &'s Scored,
+        what: &str,
+    ) -> Result<(StepBatch<'s>, Transformer)> {
+        if s.rollouts.episodes.is_some() {
+            anyhow::bail!("{what} trains on single-turn completions, not environment episodes");
+        }
+        let eos = &self.tokenizer.eos_token_ids;
+        let batch = StepBatch::new(s, eos, self.cfg.micro_batch(), false);
+        let reference = self
+            .reference
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("{what} needs the reference model"))?;
+        Ok((batch, reference))
+    }
+}
+
+/// Micro-batch `[a, b)`'s summed completion log-probs `(b − a,)` under `policy` (with its
+/// graph) and under `reference` (detached), from the raw logits as TRL's online trainers score
+/// them (no sampling temperature), every completion token counted.
+pub fn summed_policy_and_reference(
+    policy: &Transformer,
+    reference: &Transformer,
+    pad: u32,
+    batch: &StepBatch<'_>,
+    (a, b): (usize, usize),
+) -> Result<(Tensor, Tensor)> {
+    let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+    let (lp, _, width) = completion_logps(policy, pad, p, c, 1.0, false)?;
+    let (rlp, _, _) = completion_logps(reference, pad, p, c, 1.0, false)?;
+    let mut m = Vec::with_capacity((b - a) * width);
+    for x in c {
+        m.extend((0..width).map(|j| f32::from(u8::from(j < x.len()))));
+    }
+    let mask = Tensor::from_vec(m, (b - a, width), lp.device())?.to_dtype(lp.dtype())?;
+    let rlp = rlp.detach().to_dtype(lp.dtype())?;
+    Ok((
+        (&lp * &mask)?.sum(candle_core::D::Minus1)?,
+        (&rlp * &mask)?.sum(candle_core::D::Minus1)?,
+    ))
+}
+
 /// [`completion_logps`] at temperature 1 with `log Σ_v p_v²` of each token's distribution
 /// (no gradient) beside its log-prob, for WPO's weights: `(logps, log_sum_sq, width)`.
 pub fn completion_logps_and_sum_sq(

@@ -7,12 +7,12 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
-use candle_core::{D, DType, Tensor};
+use anyhow::Result;
+use candle_core::{DType, Tensor};
 use grpo_core::preference::{DpoConfig, DpoInputs, DpoLossType, dpo_loss_with};
 
 use super::Learner;
-use super::batch::{StepBatch, completion_logps};
+use super::batch::{StepBatch, rewards_or_zero, summed_policy_and_reference};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
 use crate::config::OnlineDpoLoss;
@@ -25,15 +25,8 @@ impl Learner {
     /// `val/contain_eos_token`, `beta`) and the step's completion and reward metrics.
     pub(crate) fn online_dpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
         let r = &s.rollouts;
-        if r.episodes.is_some() {
-            bail!("online DPO trains on single-turn completions, not environment episodes");
-        }
-        let eos = self.tokenizer.eos_token_ids.clone();
-        let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
-        let reference = self
-            .reference
-            .clone()
-            .context("online DPO needs the reference model")?;
+        let (batch, reference) = self.single_turn_batch(s, "online DPO")?;
+        let eos = &self.tokenizer.eos_token_ids;
         let o = &self.cfg.online_dpo;
         // TRL picks β by the epoch the batch was drawn from.
         let p = &r.batch.position;
@@ -132,28 +125,20 @@ impl Learner {
         chosen_first: &[bool],
         cfg: &DpoConfig,
     ) -> Result<PairPart> {
-        let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-        let pad = self.tokenizer.pad_token_id;
         // TRL's `_forward` scores the raw logits (no sampling temperature).
-        let (lp, _, width) = completion_logps(&self.policy.model, pad, p, c, 1.0, false)?;
-        let (rlp, _, _) = completion_logps(reference, pad, p, c, 1.0, false)?;
-        let rlp = rlp.detach().to_dtype(lp.dtype())?;
-        let mut m = Vec::with_capacity((b - a) * width);
-        for x in c {
-            m.extend((0..width).map(|j| f32::from(u8::from(j < x.len()))));
-        }
-        let mask = Tensor::from_vec(m, (b - a, width), lp.device())?.to_dtype(lp.dtype())?;
-        let sums = (&lp * &mask)?.sum(D::Minus1)?;
-        let ref_sums = (&rlp * &mask)?.sum(D::Minus1)?;
+        let pad = self.tokenizer.pad_token_id;
+        let (sums, ref_sums) =
+            summed_policy_and_reference(&self.policy.model, reference, pad, batch, (a, b))?;
+        let (dt, dev) = (sums.dtype(), sums.device().clone());
         let k = chosen_first.len();
         let idx = |chosen: bool| -> Result<Tensor> {
             let v: Vec<u32> = (0..k)
                 .map(|i| (2 * i + usize::from(chosen_first[i] != chosen)) as u32)
                 .collect();
-            Ok(Tensor::from_vec(v, k, lp.device())?)
+            Ok(Tensor::from_vec(v, k, &dev)?)
         };
         let (ci, ri) = (idx(true)?, idx(false)?);
-        let ones = Tensor::ones(k, lp.dtype(), lp.device())?;
+        let ones = Tensor::ones(k, dt, &dev)?;
         let out = dpo_loss_with(
             &DpoInputs {
                 policy_chosen: &sums.index_select(&ci, 0)?,
@@ -189,16 +174,12 @@ fn pair_rewards(
     has_eos: &[bool],
     missing_eos_penalty: Option<f64>,
 ) -> (Vec<f64>, Vec<bool>) {
-    let r: Vec<f64> = has_eos
-        .iter()
-        .enumerate()
-        .map(|(i, &eos)| {
-            let v = rewards.get(i).copied().unwrap_or(f32::NAN);
-            let v = if v.is_nan() { 0.0 } else { f64::from(v) };
-            match (missing_eos_penalty, eos) {
-                (Some(pen), false) => v - pen,
-                _ => v,
-            }
+    let r: Vec<f64> = rewards_or_zero(rewards, has_eos.len())
+        .into_iter()
+        .zip(has_eos)
+        .map(|(v, &eos)| match (missing_eos_penalty, eos) {
+            (Some(pen), false) => v - pen,
+            _ => v,
         })
         .collect();
     let first = (0..r.len() / 2).map(|k| r[2 * k] >= r[2 * k + 1]).collect();
