@@ -164,12 +164,14 @@ impl Learner {
         m.insert("implicit_reward".into(), implicit_sum / n.max(1) as f64);
         let adv: Vec<f64> = rewards.iter().zip(&v_star).map(|(r, v)| r - v).collect();
         m.insert("advantage".into(), mean(&adv));
-        m.insert("grad_norm".into(), grad_norm);
-        m.insert("learning_rate".into(), lr);
-        self.step_metrics(s, &batch, &OffPolicyStats::default(), &mut m);
-        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
-        self.state.position = Some(r.batch.position);
-        self.updating = false;
+        self.end_step(
+            s,
+            &batch,
+            &OffPolicyStats::default(),
+            (grad_norm, lr),
+            t0,
+            &mut m,
+        );
         Ok(m)
     }
 }

@@ -55,17 +55,19 @@ impl Learner {
                 0.0
             },
         );
-        m.insert("grad_norm".into(), grad_norm);
-        m.insert("learning_rate".into(), lr);
         if self.cfg.distillation.lmbda_for(self.cfg.algorithm) < 1.0 {
             // GKD: whether this step trained on the student's own samples.
             let on = r.source == crate::stages::CompletionSource::Policy;
             m.insert("on_policy".into(), f64::from(u8::from(on)));
         }
-        self.step_metrics(s, &batch, &OffPolicyStats::default(), &mut m);
-        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
-        self.state.position = Some(r.batch.position);
-        self.updating = false;
+        self.end_step(
+            s,
+            &batch,
+            &OffPolicyStats::default(),
+            (grad_norm, lr),
+            t0,
+            &mut m,
+        );
         Ok(m)
     }
 

@@ -138,12 +138,7 @@ impl Learner {
         if let Some(kl) = rloo_kl_mean {
             m.insert("kl".into(), kl);
         }
-        m.insert("grad_norm".into(), grad_norm);
-        m.insert("learning_rate".into(), lr);
-        self.step_metrics(s, &batch, &off_policy, &mut m);
-        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
-        self.state.position = Some(r.batch.position);
-        self.updating = false;
+        self.end_step(s, &batch, &off_policy, (grad_norm, lr), t0, &mut m);
         Ok(m)
     }
 

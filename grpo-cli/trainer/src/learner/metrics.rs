@@ -108,6 +108,26 @@ impl OffPolicyStats {
 }
 
 impl Learner {
+    /// The end of a step: the last update's gradient norm and learning rate, the step's
+    /// completion and reward metrics ([`Self::step_metrics`]), its learner time since `t0`; the
+    /// data position moves past the step's batch.
+    pub(crate) fn end_step(
+        &mut self,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        off_policy: &OffPolicyStats,
+        (grad_norm, lr): (f64, f64),
+        t0: std::time::Instant,
+        m: &mut Metrics,
+    ) {
+        m.insert("grad_norm".into(), grad_norm);
+        m.insert("learning_rate".into(), lr);
+        self.step_metrics(s, batch, off_policy, m);
+        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
+        self.state.position = Some(s.rollouts.batch.position);
+        self.updating = false;
+    }
+
     /// Adds the step's reward, completion, token, staleness, off-policy and timing metrics.
     pub(crate) fn step_metrics(
         &mut self,

@@ -106,12 +106,14 @@ impl Learner {
             has_eos.iter().filter(|&&e| e).count() as f64 / n.max(1) as f64,
         );
         m.insert("beta".into(), beta);
-        m.insert("grad_norm".into(), grad_norm);
-        m.insert("learning_rate".into(), lr);
-        self.step_metrics(s, &batch, &OffPolicyStats::default(), &mut m);
-        m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
-        self.state.position = Some(r.batch.position);
-        self.updating = false;
+        self.end_step(
+            s,
+            &batch,
+            &OffPolicyStats::default(),
+            (grad_norm, lr),
+            t0,
+            &mut m,
+        );
         Ok(m)
     }
 
