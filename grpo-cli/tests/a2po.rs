@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use grpo_rewards::RewardInput;
 use grpo_rollout::Arch;
@@ -16,7 +15,7 @@ use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, A2poTrainer, FitOptions, RunOptions};
 
 mod common;
-use common::assert_same_steps;
+use common::{assert_same_steps, grpo_cli_ok, stopped_and_resumed};
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -200,22 +199,7 @@ fn a2po_raises_the_reward_and_resumes_exactly() {
 
     let all = fit(load(&f.root, "all", 4, ""), None);
     let cfg = load(&f.root, "parts", 4, "");
-    let first = fit(
-        cfg.clone(),
-        Some(RunOptions {
-            stop_after: Some(2),
-            ..Default::default()
-        }),
-    );
-    let rest = fit(
-        cfg,
-        Some(RunOptions {
-            resume: Some(None),
-            ..Default::default()
-        }),
-    );
-    let mut joined = first.metrics.clone();
-    joined.extend(rest.metrics.iter().cloned());
+    let joined = stopped_and_resumed(2, |o| fit(cfg.clone(), Some(o)));
     assert_eq!(joined.len(), 4);
     assert_same_steps(
         &joined,
@@ -251,15 +235,7 @@ fn every_prompt_filtered_is_refused_and_the_subcommand_runs() {
         .replace("algorithm = \"a2po\"", "")
         .replace("[a2po]", "[a2po]\nfilter_all_incorrect = false");
     std::fs::write(&p, text).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
-        .args(["a2po", "--config", p.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    grpo_cli_ok(&["a2po", "--config", p.to_str().unwrap()]);
     let metrics = std::fs::read_to_string(f.root.join("acc/metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2);
     assert!(metrics.contains("v_star"), "{metrics}");

@@ -15,7 +15,7 @@ use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunOptions};
 
 mod common;
-use common::{assert_same_steps, eval_lines};
+use common::{assert_same_steps, eval_lines, stopped_and_resumed};
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -504,22 +504,7 @@ fn gkd_mixes_steps_by_lmbda_resumes_exactly_and_lmbda_one_is_distillation() {
     let kinds: Vec<f64> = all.metrics.iter().map(|m| m["on_policy"]).collect();
     assert!(kinds.contains(&0.0) && kinds.contains(&1.0), "{kinds:?}");
     cfg.output_dir = f.root.join("mix-parts");
-    let first = run(
-        cfg.clone(),
-        RunOptions {
-            stop_after: Some(3),
-            ..Default::default()
-        },
-    );
-    let rest = run(
-        cfg,
-        RunOptions {
-            resume: Some(None),
-            ..Default::default()
-        },
-    );
-    let mut joined = first.metrics.clone();
-    joined.extend(rest.metrics.iter().cloned());
+    let joined = stopped_and_resumed(3, |o| run(cfg.clone(), o));
     assert_same_steps(&joined, &all.metrics, &["loss", "on_policy"]);
 
     let mut g = gkd_config(

@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use grpo_data::synth::ArithmeticConfig;
 use grpo_rewards::RewardInput;
@@ -17,7 +16,7 @@ use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, FitOptions, OnlineDpoTrainer, RunOptions};
 
 mod common;
-use common::assert_same_steps;
+use common::{assert_same_steps, grpo_cli_ok, stopped_and_resumed};
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -257,22 +256,7 @@ fn resume_is_exact_and_the_subcommand_runs() {
     let all = run(load(&f.root, "all", 4, ""), RunOptions::default());
     let mut cfg = load(&f.root, "parts", 4, "");
     cfg.train.save_steps = 2;
-    let first = run(
-        cfg.clone(),
-        RunOptions {
-            stop_after: Some(2),
-            ..Default::default()
-        },
-    );
-    let rest = run(
-        cfg,
-        RunOptions {
-            resume: Some(None),
-            ..Default::default()
-        },
-    );
-    let mut joined = first.metrics.clone();
-    joined.extend(rest.metrics.iter().cloned());
+    let joined = stopped_and_resumed(2, |o| run(cfg.clone(), o));
     assert_eq!(joined.len(), 4);
     assert_same_steps(
         &joined,
@@ -288,15 +272,7 @@ fn resume_is_exact_and_the_subcommand_runs() {
     let text = config_text(&f.root, "cli", 2, "").replace("algorithm = \"online_dpo\"", "");
     let p = f.root.join("cli.toml");
     std::fs::write(&p, text).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
-        .args(["online-dpo", "--config", p.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    grpo_cli_ok(&["online-dpo", "--config", p.to_str().unwrap()]);
     let metrics = std::fs::read_to_string(f.root.join("cli/metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2);
     assert!(metrics.contains("objective/scores_margin"), "{metrics}");

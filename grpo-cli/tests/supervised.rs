@@ -12,7 +12,7 @@ use grpo_trainer::config;
 use grpo_trainer::{self as trainer, RunOptions};
 
 mod common;
-use common::{eval_lines, first_rows};
+use common::{eval_lines, first_rows, grpo_cli_ok};
 
 fn write_data(root: &Path) {
     let mut sft = String::new();
@@ -1847,15 +1847,7 @@ fn tpo_rows_runs_and_refusals() {
         .replace("algorithm = \"tpo\"", "");
     let p = dir.path().join("cli.toml");
     std::fs::write(&p, text).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
-        .args(["tpo", "--config", p.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    grpo_cli_ok(&["tpo", "--config", p.to_str().unwrap()]);
     let metrics = std::fs::read_to_string(dir.path().join("cli/metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2);
     let e = config_error(dir.path(), "tpo", "[tpo]\nloss_type = \"simpo\"\n");

@@ -46,3 +46,35 @@ pub fn assert_same_steps(a: &[grpo_trainer::Metrics], b: &[grpo_trainer::Metrics
         }
     }
 }
+
+/// A run stopped after `k` steps and resumed from its last checkpoint: the steps of both parts
+/// in order. `run` runs the same config with the options it is given.
+pub fn stopped_and_resumed(
+    k: usize,
+    mut run: impl FnMut(grpo_trainer::RunOptions) -> grpo_trainer::TrainingResult,
+) -> Vec<grpo_trainer::Metrics> {
+    let first = run(grpo_trainer::RunOptions {
+        stop_after: Some(k),
+        ..Default::default()
+    });
+    assert!(first.interrupted, "the first part stops after {k} steps");
+    let rest = run(grpo_trainer::RunOptions {
+        resume: Some(None),
+        ..Default::default()
+    });
+    first.metrics.into_iter().chain(rest.metrics).collect()
+}
+
+/// `grpo-cli` with `args`, which must succeed (its stderr is the failure message).
+pub fn grpo_cli_ok(args: &[&str]) -> std::process::Output {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_grpo-cli"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "grpo-cli {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
