@@ -1710,36 +1710,57 @@ pub fn closest_key(unknown: &str) -> Option<String> {
     best.filter(|(s, _)| *s > 0.75).map(|(_, k)| k)
 }
 
+/// The defaults of the trainer `algorithm` names where TRL's config for it differs from
+/// GRPOConfig's, as `(section, key, value)`: one completion per prompt for distillation, GKD and
+/// A*-PO, two at temperature 0.9 for online DPO, and GKDConfig's β, temperature and
+/// `max_new_tokens`.
+fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)> {
+    use serde_json::json;
+    match algorithm {
+        "distillation" | "a2po" => vec![("rollout", "num_generations", json!(1))],
+        "gkd" => vec![
+            ("rollout", "num_generations", json!(1)),
+            ("rollout", "temperature", json!(0.9)),
+            ("rollout", "max_completion_length", json!(128)),
+            ("distillation", "beta", json!(0.5)),
+        ],
+        "online_dpo" => vec![
+            ("rollout", "num_generations", json!(2)),
+            ("rollout", "temperature", json!(0.9)),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// Writes [`trainer_defaults`] of the tree's algorithm into the keys the config leaves out.
+fn fill_trainer_defaults(tree: &mut Value) {
+    let algorithm = tree
+        .get("algorithm")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let Some(root) = tree.as_object_mut() else {
+        return;
+    };
+    for (section, key, value) in trainer_defaults(&algorithm) {
+        let table = root
+            .entry(section)
+            .or_insert_with(|| Value::Object(Default::default()));
+        if let Some(t) = table.as_object_mut() {
+            t.entry(key).or_insert(value);
+        }
+    }
+}
+
 /// Deserializes the tree, refusing unknown keys with a suggestion, then validates.
 pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
-    // TRL's DistillationTrainer samples one completion per prompt: a distillation config
-    // without `rollout.num_generations` takes 1, not GRPO's group of 8.
-    let algorithm = tree.get("algorithm").and_then(Value::as_str);
-    let rollout_has = |k: &str| tree.get("rollout").and_then(|r| r.get(k)).is_some();
-    let gkd = algorithm == Some(Algorithm::Gkd.as_str());
-    let distill_generations = (gkd
-        || algorithm == Some(Algorithm::Distillation.as_str())
-        || algorithm == Some(Algorithm::A2po.as_str()))
-        && !rollout_has("num_generations");
-    // TRL's GKDConfig: beta 0.5, temperature 0.9, max_new_tokens 128.
-    let gkd_beta = gkd
-        && tree
-            .get("distillation")
-            .and_then(|d| d.get("beta"))
-            .is_none();
-    let gkd_temperature = gkd && !rollout_has("temperature");
-    let gkd_tokens = gkd && !rollout_has("max_completion_length");
-    // TRL's OnlineDPOTrainer samples two completions per prompt at temperature 0.9.
-    let online_dpo = algorithm == Some(Algorithm::OnlineDpo.as_str());
-    let (pair_generations, online_temperature) = (
-        online_dpo && !rollout_has("num_generations"),
-        online_dpo && !rollout_has("temperature"),
-    );
+    let mut tree = tree;
+    fill_trainer_defaults(&mut tree);
     let mut unknown: Vec<String> = Vec::new();
     let mut note = |path: serde_ignored::Path<'_>| unknown.push(path.to_string());
     // serde_path_to_error names the section of a type or missing-field error
     // (`model.lora: missing field `lora_alpha``).
-    let mut cfg: TrainConfig =
+    let cfg: TrainConfig =
         serde_path_to_error::deserialize(serde_ignored::Deserializer::new(tree, &mut note))
             .map_err(|e| {
                 let path = e.path().to_string();
@@ -1757,24 +1778,6 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
             .map(|k| format!(" (did you mean `{k}`?)"))
             .unwrap_or_default();
         bail!("{source}: unknown key `{key}`{hint}");
-    }
-    if distill_generations {
-        cfg.rollout.num_generations = 1;
-    }
-    if pair_generations {
-        cfg.rollout.num_generations = 2;
-    }
-    if gkd_beta {
-        cfg.distillation.beta = 0.5;
-    }
-    if gkd_temperature {
-        cfg.rollout.temperature = 0.9;
-    }
-    if gkd_tokens {
-        cfg.rollout.max_completion_length = 128;
-    }
-    if online_temperature {
-        cfg.rollout.temperature = 0.9;
     }
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
