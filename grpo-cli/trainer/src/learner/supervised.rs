@@ -34,7 +34,7 @@ use crate::stages::{Loader, Stage, chat_messages};
 use crate::step_end::StepEnd;
 
 /// One tokenised row: the prompt, the completion(s) and, per completion token, whether it
-/// carries the loss.
+/// carries the loss. `Default`: empty, desirable, one sequence, no margin.
 #[derive(Debug, Clone)]
 pub struct Row {
     /// The row's index in the dataset (for the DPO reference cache).
@@ -61,6 +61,23 @@ pub struct Row {
     pub rejected_prompt: Vec<u32>,
     /// TPO: the gold (reference) completion after `prompt`; empty otherwise.
     pub gold: Vec<u32>,
+}
+
+impl Default for Row {
+    fn default() -> Self {
+        Self {
+            index: 0,
+            prompt: Vec::new(),
+            completion: Vec::new(),
+            mask: Vec::new(),
+            rejected: Vec::new(),
+            desirable: true,
+            segments: Vec::new(),
+            margin: 0.0,
+            rejected_prompt: Vec::new(),
+            gold: Vec::new(),
+        }
+    }
 }
 
 /// Tokenises a batch of samples for the run's algorithm; SFT rows are packed into
@@ -163,12 +180,8 @@ fn packed_row<'a>(
         prompt: ids[..1].to_vec(),
         completion: ids[1..].to_vec(),
         mask: labels[1..].to_vec(),
-        rejected: Vec::new(),
-        desirable: true,
         segments,
-        rejected_prompt: Vec::new(),
-        gold: Vec::new(),
-        margin: 0.0,
+        ..Row::default()
     })
 }
 
@@ -194,12 +207,8 @@ fn kto_rows(
             mask: vec![1; completion.len()],
             prompt: p[..n].to_vec(),
             completion,
-            rejected: Vec::new(),
             desirable,
-            segments: Vec::new(),
-            rejected_prompt: Vec::new(),
-            gold: Vec::new(),
-            margin: 0.0,
+            ..Row::default()
         })
     };
     let paired = |s: &Sample| s.get(&k.completion_field).is_none_or(|v| v.is_null());
@@ -315,15 +324,11 @@ fn reward_rows(
         };
         out.push(Row {
             index: s.index,
-            prompt: Vec::new(),
             mask: vec![1; chosen.len()],
             completion: chosen,
             rejected,
-            desirable: true,
-            segments: Vec::new(),
-            rejected_prompt: Vec::new(),
-            gold: Vec::new(),
             margin,
+            ..Row::default()
         });
     }
     Ok(out)
@@ -412,13 +417,10 @@ fn pair_row(
         index: s.index,
         mask: vec![1; ca.len()],
         rejected_prompt: if rp == cp { Vec::new() } else { rp },
-        gold: Vec::new(),
         prompt: cp,
         completion: ca,
         rejected: ra,
-        desirable: true,
-        segments: Vec::new(),
-        margin: 0.0,
+        ..Row::default()
     }))
 }
 
@@ -591,11 +593,8 @@ fn preference_row(
         prompt: prompt[..n].to_vec(),
         completion: chosen[n..].to_vec(),
         rejected: rejected[n..].to_vec(),
-        desirable: true,
-        segments: Vec::new(),
-        rejected_prompt: Vec::new(),
-        margin: 0.0,
         gold: gold.map(|g| g[n..].to_vec()).unwrap_or_default(),
+        ..Row::default()
     })
 }
 
@@ -715,12 +714,7 @@ fn row(cfg: &crate::config::TrainConfig, tok: &grpo_rollout::Tokenizer, s: &Samp
         prompt,
         completion,
         mask,
-        rejected: Vec::new(),
-        desirable: true,
-        segments: Vec::new(),
-        rejected_prompt: Vec::new(),
-        gold: Vec::new(),
-        margin: 0.0,
+        ..Row::default()
     })
 }
 
