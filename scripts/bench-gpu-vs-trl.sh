@@ -5,7 +5,12 @@
 # step time (median over the steps after the first) and peak GPU memory (nvidia-smi's
 # memory.used sampled every 200 ms, the maximum during the run) as a markdown table.
 #
-#   scripts/bench-gpu-vs-trl.sh [--steps N] [--rows quick|all] [--out DIR]
+#   scripts/bench-gpu-vs-trl.sh [--steps N] [--rows quick|all|NAME,NAME,...] [--budget SECONDS]
+#                               [--sides both|ours|trl] [--out DIR]
+#
+# --rows takes workload names from the table below (in the order given); --budget stops starting
+# runs once that many seconds have passed (a run is also cut at what is left: its cell then says
+# `timed out`) — for a lent GPU whose time is counted.
 #
 # Run it on the GPU machine from a directory that holds what scripts/build-cuda.sh packs
 # (.gpu/: run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py, trl_grpo_bench_gpu.py) with a
@@ -14,15 +19,20 @@
 set -euo pipefail
 steps=6
 rows=all
+budget=0
+sides=both
 out=${OUT:-/tmp/bench-gpu}
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps=$2; shift 2 ;;
     --rows) rows=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --sides) sides=$2; shift 2 ;;
     *) echo "bench-gpu-vs-trl.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+start=$SECONDS
 here="$(cd "$(dirname "$0")/.." && pwd)"
 gpu="${GPU_DIR:-$here/.gpu}"
 PY=${PYTHON:-/opt/torch/.venv/bin/python}
@@ -42,10 +52,17 @@ mk m770 1536 28 12 2 16384
 peak_of() {
   local log=$1; shift
   local smi="$log.smi"
+  local rc=0
+  local limit=()
+  if [ "$budget" != 0 ]; then
+    local left=$((start + budget - SECONDS))
+    if [ "$left" -lt 20 ]; then peak="-"; echo "skipped: out of budget" > "$log.err"; return 3; fi
+    limit=(timeout "$left")
+  fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$smi" &
   local spid=$!
-  local rc=0
-  "$@" > "$log" 2> "$log.err" || rc=$?
+  ${limit[@]+"${limit[@]}"} "$@" > "$log" 2> "$log.err" || rc=$?
+  [ "$rc" = 124 ] && echo "timed out (budget)" >> "$log.err"
   kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null || true
   peak=$(sort -n "$smi" | tail -n 1)
   return $rc
@@ -64,7 +81,19 @@ all_rows=(
   "0.77B-bf16-8x16x256-mb32 m770 bf16 8 16 256 32 0"
   "0.77B-bf16-lora16-8x16x256-mb32 m770 bf16 8 16 256 32 16"
 )
-[ "$rows" = quick ] && all_rows=("${all_rows[@]:0:2}")
+case "$rows" in
+  all) ;;
+  quick) all_rows=("${all_rows[@]:0:2}") ;;
+  *) picked=()
+     IFS=, read -r -a names <<< "$rows"
+     for n in "${names[@]}"; do
+       hit=""
+       for r in "${all_rows[@]}"; do [ "${r%% *}" = "$n" ] && hit=$r; done
+       [ -n "$hit" ] || { echo "bench-gpu-vs-trl.sh: --rows: no workload named $n" >&2; exit 2; }
+       picked+=("$hit")
+     done
+     all_rows=("${picked[@]}") ;;
+esac
 
 table="| workload | grpo-rs s/step | grpo-rs peak MiB | grpo-rs + checkpointing s/step | peak MiB | TRL s/step | TRL peak MiB |\n|---|---|---|---|---|---|---|"
 for row in "${all_rows[@]}"; do
@@ -77,6 +106,7 @@ for row in "${all_rows[@]}"; do
   [ "$lora" != 0 ] && { ours+=(--lora-r "$lora"); trl+=(--lora-r "$lora"); }
   cells=()
   for ck in no yes; do
+    [ "$sides" = trl ] && { cells+=("-" "-"); continue; }
     extra=(); [ "$ck" = yes ] && extra=(--gradient-checkpointing)
     log="$out/$name-ours-ckpt-$ck.jsonl"
     if peak_of "$log" bash "$gpu/run-gpu.sh" "${ours[@]}" "${extra[@]}"; then
@@ -86,7 +116,9 @@ for row in "${all_rows[@]}"; do
     fi
   done
   log="$out/$name-trl.jsonl"
-  if peak_of "$log" "${trl[@]}"; then
+  if [ "$sides" = ours ]; then
+    cells+=("-" "-")
+  elif peak_of "$log" "${trl[@]}"; then
     cells+=("$(field step_s_median "$log")" "$peak")
   else
     cells+=("failed: $(tail -n 1 "$log.err" | cut -c1-60)" "$peak")
@@ -94,6 +126,7 @@ for row in "${all_rows[@]}"; do
   line="| $name | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} | ${cells[4]} | ${cells[5]} |"
   echo "$line"
   table="$table\n$line"
+  printf '%b\n' "$table" > "$out/table.md"
 done
 echo
 printf '%b\n' "$table" | tee "$out/table.md"

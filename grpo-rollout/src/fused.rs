@@ -1318,9 +1318,9 @@ pub fn attention_composed(
     let (_, nkv, s, _) = k.dims4()?;
     let rep = nh / nkv;
     let qg = q.reshape((b, nkv, rep * l, d))?;
-    let scores = qg.matmul(&k.t()?)?.reshape((b, nh, l, s))?;
+    let scores = matmul(&qg, &k.t()?)?.reshape((b, nh, l, s))?;
     let probs = attention_softmax(&scores, bias, scale)?.reshape((b, nkv, rep * l, s))?;
-    let ctx = probs.matmul(v)?.reshape((b, nh, l, d))?;
+    let ctx = matmul(&probs, v)?.reshape((b, nh, l, d))?;
     ctx.transpose(1, 2)?.reshape((b * l, nh * d))
 }
 
@@ -1837,6 +1837,44 @@ impl CustomOp3 for AttentionOp {
     }
 }
 
+// ---------------------------------------------------------------- matmul operands
+
+/// Whether candle's CUDA matmul (cuBLAS through `gemm_config`) takes an operand with these
+/// dims and strides: its last two axes row-major with packed rows or column-major with packed
+/// columns (a size-1 axis takes any stride), and at most two batch axes that one stride walks.
+/// The CPU's matmul takes any strides, so a row view of a wider tensor (the last position of
+/// each sequence, a column block of a packed projection) works there and fails on a GPU.
+pub fn cublas_layout_ok(dims: &[usize], stride: &[usize]) -> bool {
+    let n = dims.len();
+    if n < 2 {
+        return false;
+    }
+    let (r, c) = (dims[n - 2], dims[n - 1]);
+    let (s2, s1) = (stride[n - 2], stride[n - 1]);
+    let plain = (s1 == 1 || c == 1) && (s2 == c || r == 1);
+    let transposed = (s1 == r || c == 1) && (s2 == 1 || r == 1);
+    let batch = match (&dims[..n - 2], &stride[..n - 2]) {
+        ([], _) | ([_], _) => true,
+        ([d0, d1], [s0, s1b]) => *s0 == s1b * d1 || *d0 == 1 || *d1 == 1,
+        _ => false,
+    };
+    (plain || transposed) && batch
+}
+
+/// `a.matmul(b)` with each operand copied to a contiguous layout first where candle's CUDA
+/// matmul would refuse its strides ([`cublas_layout_ok`]); on every device, so the CPU tests
+/// run the same operands a GPU gets.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let ready = |t: &Tensor| -> Result<Tensor> {
+        if cublas_layout_ok(t.dims(), t.stride()) {
+            Ok(t.clone())
+        } else {
+            t.contiguous()
+        }
+    };
+    ready(a)?.matmul(&ready(b)?)
+}
+
 // ---------------------------------------------------------------- frozen linear
 
 /// `x · wᵀ` for rows `x` `(N, in)` and a weight `w` `(out, in)`. When `x` carries a graph and
@@ -1853,12 +1891,12 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (wf, wb) = (w.detach(), w.detach());
         Recompute::explicit(
             "frozen_linear",
-            move |a, _| a[0].matmul(&wf.t()?),
-            move |_, grad| Ok(vec![Some(grad.matmul(&wb)?)]),
+            move |a, _| matmul(&a[0], &wf.t()?),
+            move |_, grad| Ok(vec![Some(matmul(grad, &wb)?)]),
         )
         .apply(&[x])
     } else {
-        x.matmul(&w.t()?)
+        matmul(x, &w.t()?)
     }
 }
 

@@ -441,7 +441,7 @@ impl Lora {
         } else {
             x.clone()
         };
-        let mut low = x.matmul(&self.a.t()?)?.matmul(&self.b.t()?)?;
+        let mut low = crate::fused::matmul(&crate::fused::matmul(&x, &self.a.t()?)?, &self.b.t()?)?;
         if let Some(bb) = &self.b_bias {
             low = low.broadcast_add(bb)?;
         }

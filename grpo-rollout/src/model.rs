@@ -64,7 +64,7 @@ impl Linear {
     /// `x Wᵀ` of rows `(N, in)` (no bias, no adapter).
     fn product(&self, x2: &Tensor) -> Result<Tensor> {
         match &self.weight_t {
-            Some(wt) if x2.dim(0)? <= DECODE_ROWS => x2.matmul(wt),
+            Some(wt) if x2.dim(0)? <= DECODE_ROWS => crate::fused::matmul(x2, wt),
             _ => crate::fused::frozen_linear(x2, &self.weight),
         }
     }
@@ -521,6 +521,12 @@ impl DeviceCopies {
     /// Whether none is held.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The ids of the copies held (a packed group's parts are views of its copied pack, made
+    /// anew by each call: the copies, not the model's tensors, say what was moved).
+    pub fn copy_ids(&self) -> std::collections::HashSet<candle_core::TensorId> {
+        self.0.values().map(|t| t.id()).collect()
     }
 }
 
@@ -1670,7 +1676,7 @@ impl Transformer {
         let Some(score) = &self.score else {
             bail!("the model has no score head (it is not a sequence classifier)")
         };
-        h.to_dtype(score.dtype())?.matmul(&score.t()?)?.squeeze(1)
+        crate::fused::matmul(&h.to_dtype(score.dtype())?, &score.t()?)?.squeeze(1)
     }
 
     /// Per-token log-probs of the last `logits_to_keep` tokens of each row of a left-padded

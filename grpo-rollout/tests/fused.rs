@@ -441,3 +441,37 @@ fn kv_writes_match_composition_and_touch_only_their_positions() {
         "{err}"
     );
 }
+
+/// candle's CUDA matmul refuses an operand whose rows are not packed (the last position of
+/// each sequence, taken from `(B, L, H)`); `fused::matmul` copies exactly those, and the rule
+/// it uses is candle's `gemm_config` rule.
+#[test]
+fn matmul_operands_follow_the_cublas_layout_rule() -> candle_core::Result<()> {
+    use grpo_rollout::fused::{cublas_layout_ok, matmul};
+    let dev = Device::Cpu;
+    let h = Tensor::randn(0f32, 1.0, (3, 5, 8), &dev)?;
+    let w = Tensor::randn(0f32, 1.0, (6, 8), &dev)?;
+    let last = h.narrow(1, 4, 1)?.squeeze(1)?; // (3, 8), rows 40 apart
+    assert!(!cublas_layout_ok(last.dims(), last.stride()));
+    assert!(cublas_layout_ok(w.dims(), w.stride()));
+    assert!(cublas_layout_ok(w.t()?.dims(), w.t()?.stride()));
+    // A column block of a packed projection: rows 8 wide inside rows of 16.
+    let packed = Tensor::randn(0f32, 1.0, (4, 16), &dev)?;
+    let cols = packed.narrow(1, 8, 8)?;
+    assert!(!cublas_layout_ok(cols.dims(), cols.stride()));
+    // A single row takes any row stride; a batch of matrices one stride apart is fine, a
+    // batch axis pair that no one stride walks is not.
+    assert!(cublas_layout_ok(&[1, 8], &[40, 1]));
+    assert!(cublas_layout_ok(&[2, 3, 4, 5], &[60, 20, 5, 1]));
+    assert!(!cublas_layout_ok(&[2, 3, 4, 5], &[100, 20, 5, 1]));
+    assert!(!cublas_layout_ok(&[2, 2, 3, 4, 5], &[120, 60, 20, 5, 1]));
+    // Same values as candle's matmul (which takes the strided view on the CPU).
+    let want = last.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+    let got = matmul(&last, &w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+    assert_eq!(want, got);
+    let got = grpo_rollout::fused::frozen_linear(&last, &w)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    assert_eq!(want, got);
+    Ok(())
+}
