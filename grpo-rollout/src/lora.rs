@@ -459,6 +459,59 @@ impl Lora {
         base.broadcast_mul(&(&s - 1.0)?)? + low.broadcast_mul(&s)?
     }
 
+    /// The whole adapted projection `x Wᵀ + bias + scale · (x Aᵀ) Bᵀ` as one graph node, for
+    /// a plain adapter (no active dropout, no `lora_bias`, no DoRA) on a frozen base `weight`:
+    /// `None` otherwise (the caller composes). The composition leaves three output-sized
+    /// tensors in the graph per projection until backward ends (the base product, the low-rank
+    /// product, its scaled copy), where backward needs none of them: this node keeps only its
+    /// inputs and its output, and its backward forms `dx = g W + s (g B) A`, `dA = s (g B)ᵀ x`,
+    /// `dB = s gᵀ (x Aᵀ)` (the `(n, r)` product recomputed) — never the frozen weight's
+    /// gradient. `GRPO_FUSED=0` composes.
+    pub fn fused_projection(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let plain = self.b_bias.is_none()
+            && self.magnitude.is_none()
+            && !(self.dropout > 0.0 && self.a.is_variable());
+        if !plain
+            || weight.track_op()
+            || bias.is_some_and(|b| b.track_op())
+            || x.rank() != 2
+            || !grpo_core::fused::enabled()
+            || !(x.track_op() || self.trainable())
+        {
+            return Ok(None);
+        }
+        use crate::fused::matmul;
+        let s = self.scale;
+        let (wf, wb) = (weight.detach(), weight.detach());
+        let bias = bias.map(|b| b.detach());
+        let node = grpo_core::recompute::Recompute::explicit(
+            "lora_projection",
+            move |a, _| {
+                let (x, la, lb) = (&a[0], &a[1], &a[2]);
+                let mut y = matmul(x, &wf.t()?)?;
+                if let Some(b) = &bias {
+                    y = y.broadcast_add(b)?;
+                }
+                y + (matmul(&matmul(x, &la.t()?)?, &lb.t()?)? * s)?
+            },
+            move |a, g| {
+                let (x, la, lb) = (&a[0], &a[1], &a[2]);
+                let gb = (matmul(g, lb)? * s)?; // (n, r)
+                let dx = (matmul(g, &wb)? + matmul(&gb, la)?)?;
+                let da = matmul(&gb.t()?, x)?;
+                let u = matmul(x, &la.t()?)?;
+                let db = (matmul(&g.t()?, &u)? * s)?;
+                Ok(vec![Some(dx), Some(da), Some(db)])
+            },
+        );
+        Ok(Some(node.apply(&[x, &self.a, &self.b])?))
+    }
+
     /// `‖W + scale·B·A‖` per output row, without gradient.
     fn dora_norm(&self, weight: &Tensor) -> Result<Tensor> {
         if let Some(n) = self.norm.get() {

@@ -71,6 +71,11 @@ impl Linear {
 
     /// [`Self::forward`] on `(N, in)`.
     fn forward_rows(&self, x2: &Tensor) -> Result<Tensor> {
+        if let Some(l) = &self.lora
+            && let Some(y) = l.fused_projection(x2, &self.weight, self.bias.as_ref())?
+        {
+            return Ok(y);
+        }
         let xw = self.product(x2)?;
         let mut y = match &self.bias {
             Some(b) => xw.broadcast_add(b)?,

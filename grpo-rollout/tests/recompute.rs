@@ -296,3 +296,87 @@ fn the_decoder_on_the_recompute_path_equals_the_composition() {
         }
     }
 }
+
+/// LoRA training graphs: each adapted projection is one node (`Lora::fused_projection`) with
+/// the composition's log-probs and every adapter factor's gradient, and the graph holds far
+/// fewer bytes (no base product, low-rank product or scaled copy per projection).
+#[test]
+fn lora_projections_as_one_node_equal_the_composition() {
+    use grpo_rollout::lora::{self, LoraConfig, TargetModules};
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let rows = vec![vec![5u32, 9, 2, 33, 7, 12, 40], vec![8, 3, 20, 11]];
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let cfg = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        lora_dropout: 0.0,
+        target_modules: TargetModules::Pattern(lora::ALL_LINEAR.into()),
+        ..LoraConfig::default()
+    };
+    for arch in [Arch::Qwen2, Arch::Llama] {
+        for dtype in [DType::F32, DType::BF16] {
+            let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
+            c.hidden_size = 32;
+            c.num_attention_heads = 4;
+            c.num_key_value_heads = 2;
+            c.head_dim = 8;
+            c.intermediate_size = 48;
+            c.attention_bias = arch == Arch::Qwen2;
+            let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
+            let mut outs = Vec::new();
+            for on in [true, false] {
+                grpo_core::fused::set_enabled(on);
+                let tm = TrainableModel::lora(&base, &cfg, 1).unwrap();
+                for (i, (name, v)) in tm.vars.iter().enumerate() {
+                    if name.contains("lora_B") {
+                        let n = v.elem_count();
+                        let vals: Vec<f32> =
+                            (0..n).map(|j| 0.05 * ((j * 7 + i) as f32).sin()).collect();
+                        let t = Tensor::from_vec(vals, v.shape(), &Device::Cpu).unwrap();
+                        v.set(&t.to_dtype(v.dtype()).unwrap()).unwrap();
+                    }
+                }
+                let (lp, _) = tm
+                    .model
+                    .completion_logprobs(&ids, &mask, 3, 1.0, false)
+                    .unwrap();
+                let loss = (&lp * 0.3).unwrap().sum_all().unwrap();
+                let bytes: usize = loss
+                    .sorted_nodes()
+                    .iter()
+                    .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+                    .sum();
+                let grads = loss.backward().unwrap();
+                let g: Vec<(String, Tensor)> = tm
+                    .vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
+                    .collect();
+                outs.push((lp, g, bytes));
+            }
+            grpo_core::fused::set_enabled(true);
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let (a, b) = (&outs[0], &outs[1]);
+            assert!(
+                max_abs(&(f32(&a.0) - f32(&b.0)).unwrap()) < tol,
+                "{arch:?} {dtype:?} log-probs"
+            );
+            for ((name, ga), (_, gb)) in a.1.iter().zip(&b.1) {
+                let scale = max_abs(gb).max(1e-3);
+                let d = max_abs(&(f32(ga) - f32(gb)).unwrap());
+                assert!(
+                    d / scale < tol * 10.0,
+                    "{arch:?} {dtype:?} gradient of {name}: {d} ({scale})"
+                );
+            }
+            eprintln!("{arch:?} {dtype:?}: graph {} vs {} bytes", a.2, b.2);
+            assert!(
+                (a.2 as f64) < 0.6 * b.2 as f64,
+                "{arch:?} {dtype:?}: graph {} bytes vs the composition's {}",
+                a.2,
+                b.2
+            );
+        }
+    }
+}
