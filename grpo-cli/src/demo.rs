@@ -20,7 +20,7 @@ use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_rollout::{Arch, TrainableModel};
 
 use grpo_trainer::config::{self, TrainConfig};
-use grpo_trainer::optim::{AdamW, AdamWParams, accumulate, clip_grad_norm};
+use grpo_trainer::optim::{AdamW, AdamWParams, clip_grad_norm};
 use grpo_trainer::{RunOptions, TrainingResult, completion_logps};
 
 /// Demo knobs.
@@ -174,7 +174,7 @@ fn warm_up_with(
         last = lv;
         let grads = loss.backward()?;
         let mut acc = std::collections::HashMap::new();
-        accumulate(&mut acc, opt.vars(), &grads)?;
+        opt.accumulate(&mut acc, &grads)?;
         clip_grad_norm(&mut acc, 1.0)?;
         // Chat warm-ups (`warm_up_pairs`): linear warm-up, cosine decay to 10%.
         let lr_now = if chat {

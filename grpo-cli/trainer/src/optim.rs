@@ -29,6 +29,9 @@ pub struct AdamWParams {
 pub struct AdamW {
     params: AdamWParams,
     vars: Vec<(String, Var)>,
+    /// First and second moments: f32 for f32/f64 variables and under mixed precision, the
+    /// variable's own dtype for pure half-precision training (as PyTorch's AdamW keeps them in
+    /// the parameter's dtype); each update computes in f32.
     m: Vec<Tensor>,
     v: Vec<Tensor>,
     /// f32 master copies of half-precision variables (mixed precision, TRL's `bf16 = true`):
@@ -43,8 +46,13 @@ impl AdamW {
         let mut m = Vec::with_capacity(vars.len());
         let mut v = Vec::with_capacity(vars.len());
         for (_, var) in &vars {
-            m.push(var.zeros_like()?.to_dtype(DType::F32)?);
-            v.push(var.zeros_like()?.to_dtype(DType::F32)?);
+            let dt = if is_half(var.dtype()) {
+                var.dtype()
+            } else {
+                DType::F32
+            };
+            m.push(var.zeros_like()?.to_dtype(dt)?);
+            v.push(var.zeros_like()?.to_dtype(dt)?);
         }
         let master = vec![None; vars.len()];
         Ok(Self {
@@ -58,16 +66,40 @@ impl AdamW {
     }
 
     /// Mixed precision: every half-precision variable gets an f32 master copy that the updates
-    /// accumulate in (AdamW's moments are f32 already), as PyTorch's AMP keeps f32 parameters
-    /// for a bf16 forward. Without it a bf16 weight rounds each update to 8 bits of mantissa,
-    /// and updates below its spacing are lost.
+    /// accumulate in, and f32 moments and gradient sums, as PyTorch's AMP keeps f32
+    /// parameters for a bf16 forward. Without it a bf16 weight rounds each update to 8 bits of
+    /// mantissa, and updates below its spacing are lost.
     pub fn with_master_weights(mut self) -> Result<Self> {
         for (i, (_, var)) in self.vars.iter().enumerate() {
-            if var.dtype() != DType::F32 && var.dtype() != DType::F64 {
+            if is_half(var.dtype()) {
                 self.master[i] = Some(var.as_tensor().to_dtype(DType::F32)?);
+                self.m[i] = self.m[i].to_dtype(DType::F32)?;
+                self.v[i] = self.v[i].to_dtype(DType::F32)?;
             }
         }
         Ok(self)
+    }
+
+    /// The dtype gradients of variable `i` are summed in over micro-batches: f32, except for
+    /// pure half-precision training, where it is the variable's (PyTorch accumulates `.grad`
+    /// in the parameter's dtype) — half the memory of an f32 sum.
+    fn sum_dtype(&self, i: usize) -> DType {
+        self.m[i].dtype()
+    }
+
+    /// [`accumulate`] in each variable's sum dtype ([`Self::with_master_weights`] says which).
+    pub fn accumulate(&self, acc: &mut HashMap<String, Tensor>, grads: &GradStore) -> Result<()> {
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let g = g.to_dtype(self.sum_dtype(i))?;
+                let sum = match acc.remove(name) {
+                    Some(prev) => (prev.to_dtype(g.dtype())? + g)?,
+                    None => g,
+                };
+                acc.insert(name.clone(), sum);
+            }
+        }
+        Ok(())
     }
 
     /// Optimizer steps taken.
@@ -91,8 +123,9 @@ impl AdamW {
         for (i, (name, var)) in self.vars.iter().enumerate() {
             let Some(g) = grads.get(name) else { continue };
             let g = g.to_dtype(DType::F32)?;
-            let m = ((&self.m[i] * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
-            let v = ((&self.v[i] * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
+            let keep = self.m[i].dtype();
+            let m = ((self.m[i].to_dtype(DType::F32)? * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
+            let v = ((self.v[i].to_dtype(DType::F32)? * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
             let w = match &self.master[i] {
                 Some(w) => w.clone(),
                 None => var.as_tensor().to_dtype(DType::F32)?,
@@ -110,8 +143,8 @@ impl AdamW {
             if self.master[i].is_some() {
                 self.master[i] = Some(w);
             }
-            self.m[i] = m;
-            self.v[i] = v;
+            self.m[i] = m.to_dtype(keep)?;
+            self.v[i] = v.to_dtype(keep)?;
         }
         Ok(())
     }
@@ -168,7 +201,7 @@ impl AdamW {
                         var.dims()
                     );
                 }
-                *slot = t.to_dtype(DType::F32)?;
+                *slot = t.to_dtype(slot.dtype())?;
             }
             if self.master[i].is_some() {
                 // A checkpoint without masters (saved without mixed precision): start them
@@ -195,7 +228,11 @@ pub fn save_state(state: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
         .with_context(|| format!("{}: cannot write optimizer state", path.display()))
 }
 
-/// Sums gradients of `vars` from several backward passes (accumulation).
+fn is_half(d: DType) -> bool {
+    matches!(d, DType::BF16 | DType::F16)
+}
+
+/// Sums gradients of `vars` from several backward passes (accumulation), in f32.
 pub fn accumulate(
     acc: &mut HashMap<String, Tensor>,
     vars: &[(String, Var)],
@@ -570,6 +607,72 @@ mod tests {
     }
 
     const REFERENCE_ADAMW: [f32; 3] = [0.731_942_06, -1.859_604_2, 2.769_154];
+
+    /// Pure bf16 (no master weights) keeps its moments and gradient sums in bf16, as PyTorch's
+    /// AdamW does for a bf16 parameter; reference from PyTorch 2.x on the CPU:
+    /// ```python
+    /// p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.015625, 7.5], dtype=torch.bfloat16))
+    /// opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    /// for g in ([0.5, -1.0, 2.0, 0.01, -3.0], [0.1, 0.2, -0.3, 0.02, 1.0],
+    ///           [1.0, 1.0, 1.0, -0.5, 0.25]):
+    ///     p.grad = torch.tensor(g, dtype=torch.bfloat16); opt.step()
+    /// ```
+    /// (PyTorch rounds to bf16 after each of its in-place ops, we after the f32 update: the
+    /// results agree to a bf16 step.)
+    #[test]
+    fn pure_bf16_keeps_bf16_moments_as_pytorch() {
+        let dev = Device::Cpu;
+        let init = Tensor::new(&[1.0f32, -2.0, 3.0, 0.015625, 7.5], &dev).unwrap();
+        let var = Var::from_tensor(&init.to_dtype(DType::BF16).unwrap()).unwrap();
+        let params = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        };
+        let mut opt = AdamW::new(vec![("p".into(), var.clone())], params).unwrap();
+        let grads = [
+            [0.5f32, -1.0, 2.0, 0.01, -3.0],
+            [0.1, 0.2, -0.3, 0.02, 1.0],
+            [1.0, 1.0, 1.0, -0.5, 0.25],
+        ];
+        for g in grads {
+            // Through `accumulate` (one micro-batch): the sum stays bf16.
+            let gt = Tensor::new(&g, &dev).unwrap().to_dtype(DType::BF16).unwrap();
+            let store = (var.as_tensor() * &gt).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut acc = HashMap::new();
+            opt.accumulate(&mut acc, &store).unwrap();
+            assert_eq!(acc["p"].dtype(), DType::BF16);
+            opt.step(&acc, 0.1).unwrap();
+        }
+        let state = opt.state().unwrap();
+        assert_eq!(state["p.exp_avg"].dtype(), DType::BF16);
+        assert_eq!(state["p.exp_avg_sq"].dtype(), DType::BF16);
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        let close = |got: &[f32], want: &[f32]| {
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() <= 1e-2 * b.abs().max(0.05), "{got:?} vs {want:?}");
+            }
+        };
+        close(
+            &f(var.as_tensor()),
+            &[0.730_468_75, -1.859_375, 2.781_25, -0.119_628_906, 7.656_25],
+        );
+        close(
+            &f(&state["p.exp_avg"]),
+            &[0.149_414_06, 0.036_621_094, 0.235_351_56, -0.047_363_28, -0.128_906_25],
+        );
+        close(
+            &f(&state["p.exp_avg_sq"]),
+            &[0.012_573_242, 0.020_141_602, 0.050_048_828, 0.002_502_441, 0.098_144_53],
+        );
+        // Mixed precision keeps them in f32.
+        let mixed = AdamW::new(vec![("p".into(), var.clone())], params)
+            .unwrap()
+            .with_master_weights()
+            .unwrap();
+        assert_eq!(mixed.state().unwrap()["p.exp_avg"].dtype(), DType::F32);
+    }
 
     /// Mixed precision: a bf16 variable with an f32 master follows the f32 trajectory (to bf16
     /// rounding), where pure bf16 loses updates below its spacing; the master survives a save

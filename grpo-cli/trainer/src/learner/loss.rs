@@ -15,7 +15,6 @@ use super::batch::{StepBatch, completion_logps};
 use super::metrics::{MeanOf, OffPolicyParts, OffPolicyStats};
 use crate::callbacks::Metrics;
 use crate::config::Algorithm;
-use crate::optim::accumulate;
 use crate::stages::Scored;
 
 impl Learner {
@@ -418,7 +417,8 @@ impl Learner {
                 0,
             )?);
             let grads = self.policy.model.backward(&loss)?;
-            accumulate(&mut acc, self.opt.vars(), &grads)?;
+            drop(loss);
+            self.opt.accumulate(&mut acc, &grads)?;
         }
         for part in &parts {
             off_policy.add(part)?;

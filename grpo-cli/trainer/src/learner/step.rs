@@ -9,7 +9,7 @@ use candle_core::Tensor;
 use grpo_rollout::{TrainableModel, Transformer};
 
 use super::Learner;
-use crate::optim::{accumulate, clip_grad_norm};
+use crate::optim::clip_grad_norm;
 
 /// One micro-batch as [`Learner::chunked_updates`] hands it to the loss: the pass
 /// (`num_iterations`), the micro-batch's completions `[a, b)`, and the micro-batches of its
@@ -74,7 +74,9 @@ impl Learner {
                     )?;
                     update_loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
                     let grads = self.policy.model.backward(&loss)?;
-                    accumulate(&mut acc, self.opt.vars(), &grads)?;
+                    // The forward graph (every activation) goes before the sums are made.
+                    drop(loss);
+                    self.opt.accumulate(&mut acc, &grads)?;
                 }
                 if !update_loss.is_finite() {
                     bail!("non-finite loss ({update_loss}) at step {}", step + 1);

@@ -27,7 +27,7 @@ use super::Learner;
 use super::batch::{completion_logps, completion_logps_and_sum_sq};
 use crate::callbacks::{Callbacks, Metrics};
 use crate::config::{Algorithm, PackingStrategy};
-use crate::optim::{accumulate, clip_grad_norm};
+use crate::optim::clip_grad_norm;
 use crate::pipeline::{RunOptions, TrainingResult};
 use crate::setup::Setup;
 use crate::stages::{Loader, Stage, chat_messages};
@@ -1307,7 +1307,8 @@ impl Learner {
             add("loss", lv, 1.0);
             if train {
                 let grads = self.policy.model.backward(&loss)?;
-                accumulate(&mut acc, self.opt.vars(), &grads)?;
+                drop(loss);
+                self.opt.accumulate(&mut acc, &grads)?;
             }
         }
         if kto {
