@@ -78,6 +78,8 @@ pub mod logprobs;
 #[cfg(feature = "candle")]
 pub mod loss;
 #[cfg(feature = "candle")]
+pub mod memlog;
+#[cfg(feature = "candle")]
 pub mod preference;
 #[cfg(feature = "candle")]
 pub mod recompute;

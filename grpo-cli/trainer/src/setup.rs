@@ -318,6 +318,7 @@ pub fn setup_with(
     };
     let mut loaded = grpo_rollout::load(&cfg.model.path, dtype, &device)
         .map_err(|e| anyhow!("model: {}", first_line(&e.to_string())))?;
+    grpo_core::memlog::log("setup: model loaded", &device);
     loaded.tokenizer.chat_template_kwargs = cfg.model.chat_template_kwargs.clone();
     // TRL's SFTConfig and RewardConfig `eos_token` / `pad_token`: tokens of the vocabulary,
     // by their text.
@@ -472,6 +473,7 @@ pub fn setup_with(
     } else {
         None
     };
+    grpo_core::memlog::log("setup: policy and reference ready", &device);
     let remote = if cfg.rollout.backend == Backend::Openai && cfg.algorithm.generates() {
         let g = RemoteGenerator::connect(cfg.rollout.openai.remote_config())
             .map_err(|e| anyhow!("rollout.openai ({}): {e}", cfg.rollout.openai.base_url))?;

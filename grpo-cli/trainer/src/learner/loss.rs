@@ -416,9 +416,13 @@ impl Learner {
                 ],
                 0,
             )?);
+            grpo_core::memlog::log("learner: micro-batch forward", &self.device);
             let grads = self.policy.model.backward(&loss)?;
+            grpo_core::memlog::log("learner: backward (graph alive)", &self.device);
             drop(loss);
             self.opt.accumulate(&mut acc, &grads)?;
+            drop(grads);
+            grpo_core::memlog::log("learner: gradients summed", &self.device);
         }
         for part in &parts {
             off_policy.add(part)?;

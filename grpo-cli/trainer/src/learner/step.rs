@@ -38,6 +38,10 @@ impl Learner {
         let lr = self.schedule.lr_at(self.state.optimizer_steps);
         self.updating = true;
         self.opt.step(&grads, lr)?;
+        drop(grads);
+        if let Some((_, v)) = self.opt.vars().first() {
+            grpo_core::memlog::log("learner: optimizer step", v.device());
+        }
         self.state.optimizer_steps += 1;
         Ok((norm, lr))
     }
@@ -73,10 +77,15 @@ impl Learner {
                         },
                     )?;
                     update_loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+                    let dev = loss.device().clone();
+                    grpo_core::memlog::log("learner: micro-batch forward", &dev);
                     let grads = self.policy.model.backward(&loss)?;
+                    grpo_core::memlog::log("learner: backward (graph alive)", &dev);
                     // The forward graph (every activation) goes before the sums are made.
                     drop(loss);
                     self.opt.accumulate(&mut acc, &grads)?;
+                    drop(grads);
+                    grpo_core::memlog::log("learner: gradients summed", &dev);
                 }
                 if !update_loss.is_finite() {
                     bail!("non-finite loss ({update_loss}) at step {}", step + 1);
