@@ -1875,6 +1875,90 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     ready(a)?.matmul(&ready(b)?)
 }
 
+// ---------------------------------------------------------------- affine nodes
+
+/// `[res +] x Wᵀ [+ b]` for rows `x` `(N, in)` as one graph node that keeps only its inputs
+/// and its output, where the composition also keeps the product before the bias and before
+/// the residual add (each output-sized) until backward ends. Its backward: `dres = g`,
+/// `dx = g W`, `dW = gᵀ x`, `db = Σ_rows g`, for those that carry a graph (at most three:
+/// a full fine-tune's o/down projection with a bias composes). `None` where it does not apply
+/// (fused ops off, inside a recomputed block, the CPU kernels' path — CPU f32/f64 —, nothing
+/// to fuse, more than three tracked inputs): the caller composes. Same values and gradients
+/// as the composition (tests).
+pub fn affine(
+    res: Option<&Tensor>,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    // Where the CPU kernels run (CPU f32/f64) candle's product and add are kept: the node's
+    // output copy cost ≈ 3 % of a CPU step there (measured), and a GPU is where memory counts.
+    if (res.is_none() && b.is_none()) || x.rank() != 2 || path(x) != Path::Recompute {
+        return Ok(None);
+    }
+    // Slots in order res, x, w, b: an input of the node (tracked) or a constant.
+    #[derive(Clone)]
+    enum Slot {
+        In(usize),
+        Const(Tensor),
+        Absent,
+    }
+    let mut inputs: Vec<&Tensor> = Vec::new();
+    let mut slots: Vec<Slot> = Vec::with_capacity(4);
+    for t in [res, Some(x), Some(w), b] {
+        slots.push(match t {
+            None => Slot::Absent,
+            Some(t) if t.track_op() => {
+                inputs.push(t);
+                Slot::In(inputs.len() - 1)
+            }
+            Some(t) => Slot::Const(t.detach()),
+        });
+    }
+    if inputs.is_empty() || inputs.len() > 3 {
+        return Ok(None);
+    }
+    let get = |s: &Slot, a: &[Tensor]| -> Option<Tensor> {
+        match s {
+            Slot::In(i) => Some(a[*i].clone()),
+            Slot::Const(t) => Some(t.clone()),
+            Slot::Absent => None,
+        }
+    };
+    let fwd_slots = slots.clone();
+    let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
+        let (x, w) = (get(&fwd_slots[1], a).expect("x"), get(&fwd_slots[2], a).expect("w"));
+        let mut y = matmul(&x, &w.t()?)?;
+        if let Some(b) = get(&fwd_slots[3], a) {
+            y = y.broadcast_add(&b)?;
+        }
+        if let Some(r) = get(&fwd_slots[0], a) {
+            y = (y + r)?;
+        }
+        Ok(y)
+    };
+    let backward = move |a: &[Tensor], g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let mut out: Vec<Option<Tensor>> = vec![None; a.len()];
+        let (x, w) = (get(&slots[1], a).expect("x"), get(&slots[2], a).expect("w"));
+        if let Slot::In(i) = slots[0] {
+            out[i] = Some(g.clone());
+        }
+        if let Slot::In(i) = slots[1] {
+            out[i] = Some(matmul(g, &w)?);
+        }
+        if let Slot::In(i) = slots[2] {
+            out[i] = Some(matmul(&g.t()?, &x)?);
+        }
+        if let Slot::In(i) = slots[3] {
+            out[i] = Some(g.sum(0)?);
+        }
+        Ok(out)
+    };
+    Recompute::explicit("affine", forward, backward)
+        .apply(&inputs)
+        .map(Some)
+}
+
 // ---------------------------------------------------------------- frozen linear
 
 /// `x · wᵀ` for rows `x` `(N, in)` and a weight `w` `(out, in)`. When `x` carries a graph and

@@ -61,6 +61,18 @@ impl Linear {
         y.reshape(shape)
     }
 
+    /// `res + self(x)` for rows `x` `(N, in)` and `res` `(N, out)` (a residual add after the
+    /// projection): one graph node without an adapter ([`crate::fused::affine`]).
+    pub fn forward_residual(&self, res: &Tensor, x: &Tensor) -> Result<Tensor> {
+        if self.lora.is_none()
+            && x.rank() == 2
+            && let Some(y) = crate::fused::affine(Some(res), x, &self.weight, self.bias.as_ref())?
+        {
+            return Ok(y);
+        }
+        res + self.forward(x)?
+    }
+
     /// `x Wᵀ` of rows `(N, in)` (no bias, no adapter).
     fn product(&self, x2: &Tensor) -> Result<Tensor> {
         match &self.weight_t {
@@ -73,6 +85,12 @@ impl Linear {
     fn forward_rows(&self, x2: &Tensor) -> Result<Tensor> {
         if let Some(l) = &self.lora
             && let Some(y) = l.fused_projection(x2, &self.weight, self.bias.as_ref())?
+        {
+            return Ok(y);
+        }
+        if self.lora.is_none()
+            && let Some(b) = &self.bias
+            && let Some(y) = crate::fused::affine(None, x2, &self.weight, Some(b))?
         {
             return Ok(y);
         }
@@ -363,12 +381,12 @@ impl Layer {
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
         let ctx = crate::fused::causal_attention(q, k, v, &c.bias, c.scale)?;
-        let x = (x + self.o_proj.forward(&ctx)?)?;
+        let x = self.o_proj.forward_residual(x, &ctx)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         let gate = self.gate_proj.forward(&h)?;
         let up = self.up_proj.forward(&h)?;
         let act = crate::fused::silu_mul(&gate, &up)?;
-        x + self.down_proj.forward(&act)?
+        self.down_proj.forward_residual(&x, &act)
     }
 
     /// The layer in a pass over a KV cache (no graph: decoding, a prefill): `h` is this

@@ -380,3 +380,84 @@ fn lora_projections_as_one_node_equal_the_composition() {
         }
     }
 }
+
+/// `fused::affine` (`[res +] x Wᵀ [+ b]` as one node) against the composition: values and the
+/// gradient of every tracked input (f64 to 1e-12), for each mix of tracked and frozen inputs;
+/// its graph keeps no product before the bias or the residual; four tracked inputs compose.
+#[test]
+fn affine_node_equals_the_composition() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    grpo_core::fused::set_force_recompute(true);
+    let dev = Device::Cpu;
+    let rnd = |s: &[usize]| Tensor::randn(0f64, 1.0, s, &dev).unwrap();
+    let (n, i, o) = (7, 5, 6);
+    let (x0, w0, b0, r0) = (rnd(&[n, i]), rnd(&[o, i]), rnd(&[o]), rnd(&[n, o]));
+    let weights = rnd(&[n, o]);
+    // (residual, bias, tracked: res x w b)
+    let cases: [(bool, bool, [bool; 4]); 5] = [
+        (true, false, [true, true, true, false]),
+        (false, true, [false, true, false, false]),
+        (true, true, [true, true, false, false]),
+        (false, true, [false, true, true, true]),
+        (true, true, [true, true, false, true]),
+    ];
+    for (res_on, bias_on, tr) in cases {
+        let make = |t: &Tensor, on: bool| -> Tensor {
+            if on {
+                Var::from_tensor(t).unwrap().as_tensor().clone()
+            } else {
+                t.clone()
+            }
+        };
+        let run = |fused: bool| {
+            let (r, x, w, b) = (make(&r0, tr[0]), make(&x0, tr[1]), make(&w0, tr[2]), make(&b0, tr[3]));
+            let (rr, bb) = (res_on.then_some(&r), bias_on.then_some(&b));
+            let y = if fused {
+                fused::affine(rr, &x, &w, bb).unwrap().expect("applies")
+            } else {
+                let mut y = x.matmul(&w.t().unwrap()).unwrap();
+                if let Some(b) = bb {
+                    y = y.broadcast_add(b).unwrap();
+                }
+                if let Some(r) = rr {
+                    y = (r + y).unwrap();
+                }
+                y
+            };
+            let bytes: usize = y
+                .sorted_nodes()
+                .iter()
+                .filter(|t| !t.is_variable())
+                .map(|t| t.elem_count())
+                .sum();
+            let g = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+            let grads: Vec<Option<Tensor>> = [&r, &x, &w, &b]
+                .iter()
+                .map(|t| g.get(t).cloned())
+                .collect();
+            (y, grads, bytes)
+        };
+        let (a, b) = (run(true), run(false));
+        assert!(max_abs(&(&a.0 - &b.0).unwrap()) < 1e-12);
+        for (k, (ga, gb)) in a.1.iter().zip(&b.1).enumerate() {
+            match (ga, gb) {
+                (Some(ga), Some(gb)) => {
+                    assert!(max_abs(&(ga - gb).unwrap()) < 1e-12, "input {k}")
+                }
+                (None, None) => {}
+                _ => panic!("input {k}: gradient on one side only"),
+            }
+        }
+        // The composition keeps the product (and the biased product) beside the output.
+        assert!(a.2 < b.2, "{res_on} {bias_on} {tr:?}: {} vs {}", a.2, b.2);
+    }
+    // Four tracked inputs: not one node.
+    let t = |v: &Tensor| Var::from_tensor(v).unwrap().as_tensor().clone();
+    let (r, x, w, b) = (t(&r0), t(&x0), t(&w0), t(&b0));
+    assert!(fused::affine(Some(&r), &x, &w, Some(&b)).unwrap().is_none());
+    // Nothing to fuse: a plain product is the caller's.
+    assert!(fused::affine(None, &x, &w, None).unwrap().is_none());
+    // The CPU kernels' path (f64 here) keeps candle's ops.
+    grpo_core::fused::set_enabled(true);
+    assert!(fused::affine(Some(&r), &x, &w, None).unwrap().is_none());
+}
