@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call on a lent GPU, in the order that matters when its minutes are counted:
+# `grpo-cli check --device cuda` in f32, bf16 and f16, then scripts/bench-gpu-vs-trl.sh under a
+# time budget (our runs with GRPO_MEMLOG=1, so each run's log says which phase holds memory),
+# then `bench-model` on the 0.77B model beside torch if time is left. Everything lands under
+# $OUT (res.tgz: logs, nvidia-smi timelines, tables; table.md), packed every 20 s so that a
+# call cut at its limit still returns what it had.
+#
+#   bash scripts/gpu-session.sh          (from the project root, with .gpu/ from scripts/build-cuda.sh
+#                                         and TRL's wheels in .gpu/whl/ for the TRL side)
+#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1   (environment knobs)
+set -u
+T0=$SECONDS
+END=${END:-555}
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUDA_CACHE_MAXSIZE=4294967296
+R=/tmp/res; mkdir -p $R/models
+pack() { (cd /tmp && tar czf "$OUT/res.tgz" --exclude=res/models res) 2>/dev/null; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $R/gpu.txt
+if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+PY=$(command -v python3); export PYTHON=$PY
+for m in "m29 512 8 8 4 8192" "m319 1024 24 16 8 16384" "m770 1536 28 12 2 16384"; do
+  set -- $m
+  $PY .gpu/make_tiny_model.py $R/models/$1 --hidden $2 --layers $3 --heads $4 --kv-heads $5 \
+    --vocab $6 > $R/models-$1.log 2>&1 &
+done
+for dt in f32 bf16 f16; do
+  timeout 100 bash .gpu/run-gpu.sh check --device cuda --dtype $dt > $R/check-$dt.txt 2>&1
+  echo "== check $dt rc=$? at $((SECONDS-T0))s"
+  grep -E -i "passed|FAIL|switch|error|panick" $R/check-$dt.txt | head -20
+done
+pack
+wait; echo "models done at $((SECONDS-T0))s"
+ROWS=${ROWS:-0.77B-bf16-lora16-8x16x256-mb32,0.77B-bf16-8x16x256-mb32,319M-bf16-8x16x256-mb32,319M-bf16-4x8x64,29M-f32-4x8x64,319M-bf16-lora16-4x8x64,319M-f32-4x8x64}
+left=$((END - (SECONDS - T0) - ${SPEED:-0} * 60))
+GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
+  --budget $left --sides ${SIDES:-both} --out $R 2>&1 | tee $R/bench.txt &
+BPID=$!
+while kill -0 $BPID 2>/dev/null; do sleep 20; pack; done
+if [ "${SPEED:-0}" = 1 ]; then
+  M=$R/models/m770
+  for b in 128 8; do
+    timeout 60 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 --batch $b \
+      --new-tokens 256 --prompt-len 64 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$b.json
+  done
+fi
+pack; cp $R/table.md "$OUT/" 2>/dev/null
+echo "== done at $((SECONDS-T0))s"
