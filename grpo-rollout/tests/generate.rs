@@ -728,3 +728,46 @@ fn retiring_finished_rows_late_changes_nothing() {
         }
     }
 }
+
+/// LoRA: sampling from the merged decoding copy (a GPU generator's) draws the tokens the
+/// unmerged adapters draw, seeded, at temperature 1.
+#[test]
+fn the_merged_lora_copy_samples_the_adapted_models_tokens() {
+    use grpo_rollout::lora::{LoraConfig, merged_for_decoding};
+    use grpo_rollout::policy::TrainableModel;
+    let (m, tok) = setup();
+    let tm = TrainableModel::lora(
+        &m,
+        &LoraConfig {
+            r: 4,
+            lora_alpha: 8.0,
+            ..LoraConfig::default()
+        },
+        3,
+    )
+    .unwrap();
+    for (name, v) in &tm.vars {
+        if name.contains("lora_B") {
+            let n = v.elem_count();
+            let vals: Vec<f32> = (0..n).map(|j| 0.3 * ((j * 5 + 1) as f32).sin()).collect();
+            v.set(&Tensor::from_vec(vals, v.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    let snap = tm.model.snapshot_trainable().unwrap();
+    let p = SamplingParams {
+        max_new_tokens: 10,
+        seed: 7,
+        ..Default::default()
+    };
+    let ids = |model: &Transformer| -> Vec<Vec<u32>> {
+        generate(model, &tok, &prompts(&tok), 2, &p)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.token_ids)
+            .collect()
+    };
+    let adapted = ids(&snap.for_decoding().unwrap());
+    assert_eq!(ids(&merged_for_decoding(&snap).unwrap()), adapted);
+    assert_ne!(ids(&m.for_decoding().unwrap()), adapted, "the adapters change the samples");
+}

@@ -1326,3 +1326,26 @@ fn kv_cache_keep_rows_equals_select_rows() {
     };
     assert_eq!(step(kept), step(selected));
 }
+
+/// The merged decoding copy (what a GPU generator samples from with LoRA) gives the adapted
+/// model's log-probs, with no adapter left and its q/k/v and gate/up packed from the merged
+/// weights (not the base's pack, which would drop the adapters silently).
+#[test]
+fn the_merged_decoding_copy_decodes_as_the_adapted_model() {
+    for arch in [Arch::Llama, Arch::Qwen2] {
+        let base = model(arch, DType::F32, false);
+        let tm = adapted(&base);
+        let snap = tm.model.snapshot_trainable().unwrap();
+        let merged = grpo_rollout::lora::merged_for_decoding(&snap).unwrap();
+        assert!(
+            merged
+                .layers
+                .iter()
+                .all(|l| l.linears().iter().all(|x| x.lora.is_none()))
+        );
+        let (a, b) = (logprobs_of(&merged), logprobs_of(&tm.model));
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "{arch:?}: {d}");
+        assert_ne!(logprobs_of(&base), b, "the adapters change the model");
+    }
+}

@@ -212,11 +212,20 @@ impl Generator {
             }
             None => model,
         };
-        let decoding = model.for_decoding_reusing(self.decoding.as_ref())?;
-        let adapters = decoding
+        let adapters = model
             .layers
             .iter()
             .any(|l| l.linears().iter().any(|x| x.lora.is_some()));
+        if adapters && !model.device().is_cpu() {
+            // On a GPU a decode step is bound by kernel launches, and unmerged adapters add
+            // three per adapted map: generate from the merged weights (as TRL's vLLM path
+            // does). The copy lives for this generation only. On the CPU the unmerged
+            // adapters reuse the base's transposes instead (merging would transpose every
+            // adapted weight again at each version).
+            self.decoding = None;
+            return Ok(grpo_rollout::lora::merged_for_decoding(model)?);
+        }
+        let decoding = model.for_decoding_reusing(self.decoding.as_ref())?;
         self.decoding = adapters.then(|| decoding.clone());
         Ok(decoding)
     }
