@@ -1244,3 +1244,40 @@ fn rloo_overlaps_generation_with_staleness_and_corrects_it() {
     assert!(off_policy, "later batches are sampled by an older policy");
     assert!(differs, "the correction changed no update");
 }
+
+/// A full fine-tune at `max_staleness = 0` publishes its own weights (no copy: an update
+/// written into the learner's variables shows in the published version), at staleness 1 a
+/// copy (the generator samples while the learner updates).
+#[test]
+fn a_full_fine_tune_at_staleness_0_publishes_its_own_weights() {
+    let f = fixture();
+    for (staleness, shared) in [(0usize, true), (1, false)] {
+        let cfg = base_config(
+            &f.root,
+            &format!("share{staleness}"),
+            &format!("[pipeline]\nmax_staleness = {staleness}\n"),
+        );
+        let setup = trainer::setup(cfg).unwrap();
+        let (learner, _) = trainer::run_dir::open_run(&setup, &RunOptions::default()).unwrap();
+        assert_eq!(learner.shares_published_weights(), shared);
+        let published = learner.publish().unwrap();
+        let name = "model.layers.0.mlp.down_proj.weight";
+        let (_, var) = learner
+            .policy()
+            .vars
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap();
+        let before: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        var.set(&(var.as_tensor() * 2.0).unwrap()).unwrap();
+        let (_, w) = published
+            .weights()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap();
+        let seen: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let doubled: Vec<f32> = before.iter().map(|x| x * 2.0).collect();
+        assert_eq!(seen == doubled, shared, "staleness {staleness}");
+        assert_eq!(seen == before, !shared, "staleness {staleness}");
+    }
+}

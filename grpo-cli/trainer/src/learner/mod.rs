@@ -149,16 +149,31 @@ impl Learner {
         })
     }
 
-    /// A detached copy of the current policy for the generator: the trainable weights copied
-    /// (for LoRA only the adapters), the frozen ones shared.
+    /// The current policy for the generator, detached: the trainable weights copied (for LoRA
+    /// only the adapters), the frozen ones shared — or, for a full fine-tune at
+    /// `pipeline.max_staleness = 0`, every weight shared ([`Self::shares_published_weights`]).
     ///
     /// On CUDA, candle queues work on the calling thread's default stream, and the generator
     /// runs on another thread (another stream, which does not wait for this one): the copies
-    /// are waited for here, before another thread can read them.
+    /// (and the optimizer's writes) are waited for here, before another thread can read them.
     pub fn publish(&self) -> Result<Arc<Transformer>> {
-        let snapshot = self.policy.model.snapshot_trainable()?;
+        let snapshot = if self.shares_published_weights() {
+            self.policy.model.detached()
+        } else {
+            self.policy.model.snapshot_trainable()?
+        };
         snapshot.device().synchronize()?;
         Ok(Arc::new(snapshot))
+    }
+
+    /// Whether [`Self::publish`] hands out the learner's own weights instead of a copy: a full
+    /// fine-tune at `max_staleness = 0`, where nothing samples or scores with a version while
+    /// the next update writes the weights (the generator waits for each version before its
+    /// batch, the learner for that batch before its update; evaluation and checkpoints run
+    /// between updates on this thread). Saves a copy of every weight for the whole run; the
+    /// generator's packed q/k/v and gate/up copy then lives for a generation only.
+    pub fn shares_published_weights(&self) -> bool {
+        self.cfg.pipeline.max_staleness == 0 && self.policy.lora.is_none()
     }
 
     /// The trained policy (adapters unmerged).
