@@ -14,7 +14,9 @@
 # (out-of-bounds accesses and shared-memory races in our kernels), where the machine has it.
 # --profile also times every kernel of a few decode steps with Nsight Compute (ncu, duration
 # only) and prints the device time per step by kernel beside the step's wall time: a step whose
-# kernels take much less than its wall time is waiting for the host (launches), not the GPU.
+# kernels take much less than its wall time is waiting for the host (launches), not the GPU;
+# and every kernel of a learner forward + backward (batch 8), summed by name: which products,
+# which of our kernels and which of candle's elementwise ops hold the learner's time.
 # Always: decode at batch 8 beside batch `--batch` (about the same ms/step = launch-bound).
 #
 # Run it on the GPU machine from the project root with .gpu/ as scripts/build-cuda.sh packs it
@@ -111,6 +113,13 @@ if [ "$profile" = 1 ]; then
       bash "$gpu/run-gpu.sh" bench-model --model "$dir" --phase generate --reps 1 \
       --batch "$batch" --new-tokens 32 --prompt-len "$plen" --device cuda --dtype "$dtype" \
       > "$out/ncu.csv" 2> "$out/ncu.err" || prof="ncu failed: $(tail -n 1 "$out/ncu.err")"
+    # The learner: every kernel of a forward + backward at batch 8 (its warm-up run and one
+    # timed run, and the matmul-peak products of bench-model), summed by kernel name.
+    echo "== ncu: kernel durations of the learner's forward + backward (batch 8)"
+    "$ncu" --target-processes all --metrics gpu__time_duration.sum --csv \
+      bash "$gpu/run-gpu.sh" bench-model --model "$dir" --phase fwd-bwd --reps 1 \
+      --batch 8 --seq-len "$slen" --device cuda --dtype "$dtype" \
+      > "$out/ncu-learner.csv" 2> "$out/ncu-learner.err" || prof="$prof; ncu (learner) failed"
   fi
 fi
 
@@ -169,6 +178,32 @@ for name, t in tot.most_common(15):
 busy = sum(tot.values()) / steps
 w = "?" if wall is None else f"{wall:.3f}"
 print(f"| **all kernels** | {sum(cnt.values()) / steps:.1f} | **{busy:.3f}** (wall {w} ms/step) |")
+EOF
+  echo
+  "$PY" - "$out/ncu-learner.csv" <<'EOF'
+import csv, sys, collections
+try:
+    rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
+except OSError:
+    rows = []
+if not rows:
+    print("**learner profile: ncu wrote no rows**"); sys.exit(0)
+head, body = rows[0], rows[1:]
+ki, mi, vi, ui = (head.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
+tot, cnt = collections.Counter(), collections.Counter()
+scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+for r in body:
+    if r[mi] != "gpu__time_duration.sum":
+        continue
+    name = r[ki].split("(")[0].split("<")[0][:60]
+    tot[name] += float(r[vi].replace(",", "")) * scale.get(r[ui], 1e-6)
+    cnt[name] += 1
+all_ms = sum(tot.values())
+print("| kernel (ncu, learner forward + backward, 2 runs + matmul peak) | launches | device ms | share |")
+print("|---|---|---|---|")
+for name, t in tot.most_common(20):
+    print(f"| {name} | {cnt[name]} | {t:.2f} | {100 * t / all_ms:.1f} % |")
+print(f"| **all kernels** | {sum(cnt.values())} | **{all_ms:.2f}** | |")
 EOF
   fi
 fi
