@@ -1927,7 +1927,10 @@ pub fn affine(
     };
     let fwd_slots = slots.clone();
     let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
-        let (x, w) = (get(&fwd_slots[1], a).expect("x"), get(&fwd_slots[2], a).expect("w"));
+        let (x, w) = (
+            get(&fwd_slots[1], a).expect("x"),
+            get(&fwd_slots[2], a).expect("w"),
+        );
         let mut y = matmul(&x, &w.t()?)?;
         if let Some(b) = get(&fwd_slots[3], a) {
             y = y.broadcast_add(&b)?;

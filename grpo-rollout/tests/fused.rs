@@ -475,4 +475,3 @@ fn matmul_operands_follow_the_cublas_layout_rule() -> candle_core::Result<()> {
     assert_eq!(want, got);
     Ok(())
 }
-

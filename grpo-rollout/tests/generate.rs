@@ -769,5 +769,9 @@ fn the_merged_lora_copy_samples_the_adapted_models_tokens() {
     };
     let adapted = ids(&snap.for_decoding().unwrap());
     assert_eq!(ids(&merged_for_decoding(&snap).unwrap()), adapted);
-    assert_ne!(ids(&m.for_decoding().unwrap()), adapted, "the adapters change the samples");
+    assert_ne!(
+        ids(&m.for_decoding().unwrap()),
+        adapted,
+        "the adapters change the samples"
+    );
 }

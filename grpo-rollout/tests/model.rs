@@ -1344,7 +1344,11 @@ fn the_merged_decoding_copy_decodes_as_the_adapted_model() {
                 .all(|l| l.linears().iter().all(|x| x.lora.is_none()))
         );
         let (a, b) = (logprobs_of(&merged), logprobs_of(&tm.model));
-        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let d = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
         assert!(d < 1e-4, "{arch:?}: {d}");
         assert_ne!(logprobs_of(&base), b, "the adapters change the model");
     }

@@ -410,7 +410,12 @@ fn affine_node_equals_the_composition() {
             }
         };
         let run = |fused: bool| {
-            let (r, x, w, b) = (make(&r0, tr[0]), make(&x0, tr[1]), make(&w0, tr[2]), make(&b0, tr[3]));
+            let (r, x, w, b) = (
+                make(&r0, tr[0]),
+                make(&x0, tr[1]),
+                make(&w0, tr[2]),
+                make(&b0, tr[3]),
+            );
             let (rr, bb) = (res_on.then_some(&r), bias_on.then_some(&b));
             let y = if fused {
                 fused::affine(rr, &x, &w, bb).unwrap().expect("applies")
@@ -430,11 +435,14 @@ fn affine_node_equals_the_composition() {
                 .filter(|t| !t.is_variable())
                 .map(|t| t.elem_count())
                 .sum();
-            let g = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
-            let grads: Vec<Option<Tensor>> = [&r, &x, &w, &b]
-                .iter()
-                .map(|t| g.get(t).cloned())
-                .collect();
+            let g = (&y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grads: Vec<Option<Tensor>> =
+                [&r, &x, &w, &b].iter().map(|t| g.get(t).cloned()).collect();
             (y, grads, bytes)
         };
         let (a, b) = (run(true), run(false));

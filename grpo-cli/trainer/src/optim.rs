@@ -638,8 +638,16 @@ mod tests {
         ];
         for g in grads {
             // Through `accumulate` (one micro-batch): the sum stays bf16.
-            let gt = Tensor::new(&g, &dev).unwrap().to_dtype(DType::BF16).unwrap();
-            let store = (var.as_tensor() * &gt).unwrap().sum_all().unwrap().backward().unwrap();
+            let gt = Tensor::new(&g, &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            let store = (var.as_tensor() * &gt)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
             let mut acc = HashMap::new();
             opt.accumulate(&mut acc, &store).unwrap();
             assert_eq!(acc["p"].dtype(), DType::BF16);
@@ -651,7 +659,10 @@ mod tests {
         let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
         let close = |got: &[f32], want: &[f32]| {
             for (a, b) in got.iter().zip(want) {
-                assert!((a - b).abs() <= 1e-2 * b.abs().max(0.05), "{got:?} vs {want:?}");
+                assert!(
+                    (a - b).abs() <= 1e-2 * b.abs().max(0.05),
+                    "{got:?} vs {want:?}"
+                );
             }
         };
         close(
@@ -660,11 +671,23 @@ mod tests {
         );
         close(
             &f(&state["p.exp_avg"]),
-            &[0.149_414_06, 0.036_621_094, 0.235_351_56, -0.047_363_28, -0.128_906_25],
+            &[
+                0.149_414_06,
+                0.036_621_094,
+                0.235_351_56,
+                -0.047_363_28,
+                -0.128_906_25,
+            ],
         );
         close(
             &f(&state["p.exp_avg_sq"]),
-            &[0.012_573_242, 0.020_141_602, 0.050_048_828, 0.002_502_441, 0.098_144_53],
+            &[
+                0.012_573_242,
+                0.020_141_602,
+                0.050_048_828,
+                0.002_502_441,
+                0.098_144_53,
+            ],
         );
         // Mixed precision keeps them in f32.
         let mixed = AdamW::new(vec![("p".into(), var.clone())], params)

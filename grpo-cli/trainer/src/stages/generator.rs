@@ -156,8 +156,13 @@ impl Generator {
                     let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
                     let decoding = self.decoding_copy(&model)?;
                     grpo_core::memlog::log("generator: decoding copy", decoding.device());
-                    let out =
-                        grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?;
+                    let out = grpo_rollout::generate(
+                        &decoding,
+                        &self.tokenizer,
+                        &prompt_ids,
+                        g,
+                        &params,
+                    )?;
                     grpo_core::memlog::log("generator: generated", decoding.device());
                     out
                 }
