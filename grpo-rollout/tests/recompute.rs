@@ -469,3 +469,102 @@ fn affine_node_equals_the_composition() {
     grpo_core::fused::set_enabled(true);
     assert!(fused::affine(Some(&r), &x, &w, None).unwrap().is_none());
 }
+
+/// Bytes of the tensors a training graph keeps (weights excluded), each storage once.
+fn graph_bytes(loss: &Tensor) -> usize {
+    use candle_core::{CpuStorage, Storage};
+    let ptr_len = |t: &Tensor| -> (usize, usize) {
+        let (st, _) = t.storage_and_layout();
+        match &*st {
+            Storage::Cpu(CpuStorage::BF16(v)) => (v.as_ptr() as usize, v.len() * 2),
+            Storage::Cpu(CpuStorage::F16(v)) => (v.as_ptr() as usize, v.len() * 2),
+            Storage::Cpu(CpuStorage::F32(v)) => (v.as_ptr() as usize, v.len() * 4),
+            Storage::Cpu(CpuStorage::F64(v)) => (v.as_ptr() as usize, v.len() * 8),
+            Storage::Cpu(CpuStorage::U32(v)) => (v.as_ptr() as usize, v.len() * 4),
+            Storage::Cpu(CpuStorage::I64(v)) => (v.as_ptr() as usize, v.len() * 8),
+            Storage::Cpu(CpuStorage::U8(v)) => (v.as_ptr() as usize, v.len()),
+            _ => (0, 0),
+        }
+    };
+    let nodes = loss.sorted_nodes();
+    let weights: std::collections::HashSet<usize> = nodes
+        .iter()
+        .filter(|t| t.is_variable())
+        .map(|t| ptr_len(t).0)
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    nodes
+        .iter()
+        .filter(|t| !t.is_variable())
+        .map(|t| ptr_len(t))
+        .filter(|(p, _)| !weights.contains(p) && seen.insert(*p))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// What the GPU's path keeps for backward, per position and decoder layer, against what
+/// PyTorch saves on the same small Qwen2 in bf16 (transformers' sdpa attention; peft for LoRA;
+/// `scripts/gen_activation_reference.py`): no more, full fine-tune and LoRA. The difference
+/// between 4 and 2 layers isolates the layers from the embedding and the head.
+#[test]
+fn the_training_graph_keeps_no_more_than_torch_saves() {
+    use grpo_rollout::lora::{self, LoraConfig, TargetModules};
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/activation_reference.json"
+    );
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let (batch, positions, completion) = (4usize, 40usize, 30usize);
+    let rows: Vec<Vec<u32>> = (0..batch)
+        .map(|r| {
+            (0..positions)
+                .map(|i| ((i * 7 + r * 3) % 127) as u32)
+                .collect()
+        })
+        .collect();
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    grpo_core::fused::set_force_recompute(true);
+    let bytes = |layers: usize, adapters: bool| -> usize {
+        let mut c = preset_config(Preset::Tiny, Arch::Qwen2, 128, 1, 0);
+        c.hidden_size = 64;
+        c.num_attention_heads = 4;
+        c.num_key_value_heads = 2;
+        c.head_dim = 16;
+        c.intermediate_size = 192;
+        c.num_hidden_layers = layers;
+        c.attention_bias = true;
+        c.tie_word_embeddings = true;
+        let base = random_weights(&c, 5, DType::BF16, &Device::Cpu).unwrap();
+        let tm = if adapters {
+            let cfg = LoraConfig {
+                r: 4,
+                lora_alpha: 8.0,
+                target_modules: TargetModules::Pattern(lora::ALL_LINEAR.into()),
+                ..LoraConfig::default()
+            };
+            TrainableModel::lora(&base, &cfg, 1).unwrap()
+        } else {
+            TrainableModel::full(&base).unwrap()
+        };
+        let (lp, _) = tm
+            .model
+            .completion_logprobs(&ids, &mask, completion, 1.0, false)
+            .unwrap();
+        graph_bytes(&lp.sum_all().unwrap())
+    };
+    for (adapters, key) in [
+        (false, "full_values_per_position_layer"),
+        (true, "lora_values_per_position_layer"),
+    ] {
+        let ours = (bytes(4, adapters) - bytes(2, adapters)) as f64
+            / 2.0
+            / (batch * positions) as f64
+            / 2.0;
+        let torch = reference[key].as_f64().unwrap();
+        eprintln!("{key}: ours {ours}, torch {torch}");
+        assert!(ours <= torch, "{key}: ours {ours} > torch's {torch}");
+    }
+    grpo_core::fused::set_enabled(true);
+}
