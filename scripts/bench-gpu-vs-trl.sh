@@ -6,11 +6,12 @@
 # memory.used sampled every 200 ms, the maximum during the run) as a markdown table.
 #
 #   scripts/bench-gpu-vs-trl.sh [--steps N] [--rows quick|all|NAME,NAME,...] [--budget SECONDS]
-#                               [--sides both|ours|trl] [--out DIR]
+#                               [--sides both|ours|trl] [--overlap] [--out DIR]
 #
 # --rows takes workload names from the table below (in the order given); --budget stops starting
 # runs once that many seconds have passed (a run is also cut at what is left: its cell then says
-# `timed out`) — for a lent GPU whose time is counted.
+# `timed out`) — for a lent GPU whose time is counted. --overlap adds our run at
+# `pipeline.max_staleness = 1` (the next step's generation overlapping the learner's step).
 #
 # Run it on the GPU machine from a directory that holds what scripts/build-cuda.sh packs
 # (.gpu/: run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py, trl_grpo_bench_gpu.py) with a
@@ -21,6 +22,7 @@ steps=6
 rows=all
 budget=0
 sides=both
+overlap=0
 out=${OUT:-/tmp/bench-gpu}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,6 +31,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --sides) sides=$2; shift 2 ;;
+    --overlap) overlap=1; shift ;;
     *) echo "bench-gpu-vs-trl.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -95,7 +98,13 @@ case "$rows" in
      all_rows=("${picked[@]}") ;;
 esac
 
-table="| workload | grpo-rs s/step | grpo-rs peak MiB | grpo-rs + checkpointing s/step | peak MiB | TRL s/step | TRL peak MiB |\n|---|---|---|---|---|---|---|"
+table="| workload | grpo-rs s/step | grpo-rs peak MiB | grpo-rs + checkpointing s/step | peak MiB | TRL s/step | TRL peak MiB |"
+sep="|---|---|---|---|---|---|---|"
+if [ "$overlap" = 1 ]; then
+  table="$table grpo-rs, max_staleness 1 s/step | peak MiB |"
+  sep="$sep---|---|"
+fi
+table="$table\n$sep"
 for row in "${all_rows[@]}"; do
   read -r name model dtype prompts g tokens mb lora <<< "$row"
   ours=(bench --model "$models/$model" --device cuda --dtype "$dtype" --steps "$steps"
@@ -124,6 +133,16 @@ for row in "${all_rows[@]}"; do
     cells+=("failed: $(tail -n 1 "$log.err" | cut -c1-60)" "$peak")
   fi
   line="| $name | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} | ${cells[4]} | ${cells[5]} |"
+  if [ "$overlap" = 1 ]; then
+    log="$out/$name-ours-staleness-1.jsonl"
+    if [ "$sides" = trl ]; then
+      line="$line - | - |"
+    elif peak_of "$log" bash "$gpu/run-gpu.sh" "${ours[@]}" --max-staleness 1; then
+      line="$line $(field step_s_median "$log") | $peak |"
+    else
+      line="$line failed: $(tail -n 1 "$log.err" | cut -c1-60) | $peak |"
+    fi
+  fi
   echo "$line"
   table="$table\n$line"
   printf '%b\n' "$table" > "$out/table.md"

@@ -8,7 +8,8 @@
 #
 #   bash scripts/gpu-session.sh          (from the project root, with .gpu/ from scripts/build-cuda.sh
 #                                         and TRL's wheels in .gpu/whl/ for the TRL side)
-#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1   (environment knobs)
+#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1 OVERLAP=1   (environment knobs;
+#   OVERLAP=1 adds our runs at max_staleness 1)
 set -u
 T0=$SECONDS
 END=${END:-555}
@@ -38,7 +39,8 @@ wait; echo "models done at $((SECONDS-T0))s"
 ROWS=${ROWS:-0.77B-bf16-lora16-8x16x256-mb32,0.77B-bf16-8x16x256-mb32,319M-bf16-8x16x256-mb32,319M-bf16-4x8x64,29M-f32-4x8x64,319M-bf16-lora16-4x8x64,319M-f32-4x8x64}
 left=$((END - (SECONDS - T0) - ${SPEED:-0} * 60))
 GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
-  --budget $left --sides ${SIDES:-both} --out $R 2>&1 | tee $R/bench.txt &
+  --budget $left --sides ${SIDES:-both} $([ "${OVERLAP:-0}" = 1 ] && echo --overlap) --out $R 2>&1 \
+  | tee $R/bench.txt &
 BPID=$!
 while kill -0 $BPID 2>/dev/null; do sleep 20; pack; done
 if [ "${SPEED:-0}" = 1 ]; then

@@ -37,6 +37,9 @@ pub struct BenchOptions {
     pub micro_batch: Option<usize>,
     /// `train.gradient_checkpointing`.
     pub gradient_checkpointing: bool,
+    /// `pipeline.max_staleness`: with 1 or more, generation of the next step overlaps the
+    /// learner's step (off-policy by up to that many versions, corrected as configured).
+    pub max_staleness: usize,
 }
 
 impl Default for BenchOptions {
@@ -52,6 +55,7 @@ impl Default for BenchOptions {
             dtype: "f32".into(),
             micro_batch: None,
             gradient_checkpointing: false,
+            max_staleness: 0,
         }
     }
 }
@@ -107,6 +111,7 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         .map_err(|e| anyhow!("--dtype {}: {e}", opts.dtype))?;
     cfg.train.per_device_train_batch_size = opts.micro_batch;
     cfg.train.gradient_checkpointing = opts.gradient_checkpointing;
+    cfg.pipeline.max_staleness = opts.max_staleness;
     if let Some(r) = opts.lora_r {
         cfg.model.lora = Some(grpo_rollout::LoraConfig {
             r,
@@ -174,5 +179,6 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         "peak_rss_mib": times.last().map(|m| m["peak_rss_mib"]),
         "completion_length": opts.completion,
         "lora_r": opts.lora_r,
+        "max_staleness": opts.max_staleness,
     }))
 }

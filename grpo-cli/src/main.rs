@@ -222,6 +222,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
                 generations: a.generations,
                 micro_batch: a.micro_batch,
                 gradient_checkpointing: a.gradient_checkpointing,
+                max_staleness: a.max_staleness,
                 device: a.place.device.clone(),
                 dtype: a.place.dtype.clone(),
                 ..Default::default()
@@ -285,6 +286,10 @@ struct BenchArgs {
     /// `train.gradient_checkpointing = true`.
     #[arg(long)]
     gradient_checkpointing: bool,
+    /// `pipeline.max_staleness`: 1 or more overlaps the next step's generation with the
+    /// learner's step (off-policy by up to that many versions).
+    #[arg(long, default_value_t = 0)]
+    max_staleness: usize,
     #[command(flatten)]
     place: grpo_cli::DeviceArgs,
 }
