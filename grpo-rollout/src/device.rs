@@ -23,10 +23,39 @@ impl DeviceSpec {
         let first = |e: candle_core::Error| e.to_string().lines().next().unwrap_or("").to_string();
         match self {
             Self::Cpu => Ok(Device::Cpu),
-            Self::Cuda(n) => Device::new_cuda(n).map_err(first),
+            Self::Cuda(n) => {
+                let d = Device::new_cuda(n).map_err(first)?;
+                without_event_tracking(&d);
+                Ok(d)
+            }
         }
     }
 }
+
+/// Turns off cudarc's event tracking for the device's context: by default every CUDA
+/// allocation creates two events and every free destroys them (four driver calls per candle
+/// op), to order uses between streams that cudarc created (`new_stream`, `fork`: its
+/// "multi-stream mode"). candle's `Device::new_cuda` runs each thread on its own per-thread
+/// default stream and neither candle nor this project creates a stream, so the events are
+/// never used; hand-overs between threads are synchronised explicitly (the learner's
+/// `publish`). A decode step is bound by this host work (≈ 240 ops per step on the 0.77B
+/// model). `GRPO_CUDA_EVENTS=1` keeps the tracking.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn without_event_tracking(d: &Device) {
+    if std::env::var("GRPO_CUDA_EVENTS").is_ok_and(|v| v == "1") {
+        return;
+    }
+    if let Device::Cuda(cd) = d {
+        // SAFETY: cudarc's contract for turning tracking off is that the caller orders uses
+        // across streams itself; no stream of cudarc's multi-stream mode exists here (see
+        // above), and slices made before this call keep their events.
+        unsafe { cd.cuda_stream().context().disable_event_tracking() };
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn without_event_tracking(_: &Device) {}
 
 impl FromStr for DeviceSpec {
     type Err = String;
