@@ -151,59 +151,8 @@ done
 if [ "$profile" = 1 ]; then
   echo
   if [ -n "$prof" ]; then echo "**profile: $prof**"; else
-  # Per-step figures divide by the number of sampling kernels timed (one per decode step).
-  "$PY" - "$out/ncu.csv" "$out/kernels.jsonl" <<'EOF'
-import csv, json, sys, collections
-rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
-if not rows:
-    print("**profile: ncu wrote no rows**"); sys.exit(0)
-head, body = rows[0], rows[1:]
-ki, mi, vi, ui = (head.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
-tot, cnt = collections.Counter(), collections.Counter()
-scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
-for r in body:
-    if r[mi] != "gpu__time_duration.sum":
-        continue
-    name = r[ki].split("(")[0].split("<")[0][:60]
-    tot[name] += float(r[vi].replace(",", "")) * scale.get(r[ui], 1e-6)
-    cnt[name] += 1
-lines = [l for l in open(sys.argv[2]) if l.startswith("{")]
-wall = json.loads(lines[-1]).get("decode_ms_per_step") if lines else None
-# One sampling kernel per decode step counts the steps timed.
-steps = sum(c for n, c in cnt.items() if n.startswith("sample_rows")) or 8
-print(f"| kernel (ncu, {steps} decode steps) | launches per step | device ms per step |")
-print("|---|---|---|")
-for name, t in tot.most_common(15):
-    print(f"| {name} | {cnt[name] / steps:.1f} | {t / steps:.3f} |")
-busy = sum(tot.values()) / steps
-w = "?" if wall is None else f"{wall:.3f}"
-print(f"| **all kernels** | {sum(cnt.values()) / steps:.1f} | **{busy:.3f}** (wall {w} ms/step) |")
-EOF
+  "$PY" "$here/scripts/ncu_summary.py" "$out/ncu.csv" decode "$out/kernels.jsonl"
   echo
-  "$PY" - "$out/ncu-learner.csv" <<'EOF'
-import csv, sys, collections
-try:
-    rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
-except OSError:
-    rows = []
-if not rows:
-    print("**learner profile: ncu wrote no rows**"); sys.exit(0)
-head, body = rows[0], rows[1:]
-ki, mi, vi, ui = (head.index(k) for k in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
-tot, cnt = collections.Counter(), collections.Counter()
-scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
-for r in body:
-    if r[mi] != "gpu__time_duration.sum":
-        continue
-    name = r[ki].split("(")[0].split("<")[0][:60]
-    tot[name] += float(r[vi].replace(",", "")) * scale.get(r[ui], 1e-6)
-    cnt[name] += 1
-all_ms = sum(tot.values())
-print("| kernel (ncu, learner forward + backward, 2 runs + matmul peak) | launches | device ms | share |")
-print("|---|---|---|---|")
-for name, t in tot.most_common(20):
-    print(f"| {name} | {cnt[name]} | {t:.2f} | {100 * t / all_ms:.1f} % |")
-print(f"| **all kernels** | {sum(cnt.values())} | **{all_ms:.2f}** | |")
-EOF
+  "$PY" "$here/scripts/ncu_summary.py" "$out/ncu-learner.csv" learner
   fi
 fi

@@ -35,6 +35,48 @@ fn randn(shape: &[usize], dtype: DType) -> Tensor {
         .unwrap()
 }
 
+/// A small decoder: `hidden` wide, 4 heads on 2 kv heads, an MLP of 3 × `hidden`, q/k/v
+/// biases where `bias`.
+fn small(arch: Arch, vocab: usize, hidden: usize, bias: bool) -> grpo_rollout::config::ModelConfig {
+    let mut c = preset_config(Preset::Tiny, arch, vocab, 1, 0);
+    c.hidden_size = hidden;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = hidden / 4;
+    c.intermediate_size = 3 * hidden;
+    c.attention_bias = bias;
+    c
+}
+
+/// Backward from `loss`: each trainable variable's gradient, by name.
+fn var_grads(loss: &Tensor, tm: &TrainableModel) -> Vec<(String, Tensor)> {
+    let grads = loss.backward().unwrap();
+    tm.vars
+        .iter()
+        .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
+        .collect()
+}
+
+/// `a` and `b` within `tol` (compared in f32).
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let d = max_abs(&(f32(a) - f32(b)).unwrap());
+    assert!(d < tol, "{what}: {d}");
+}
+
+/// Each named gradient of `a` within `tol × 10` of `b`'s, relative to `b`'s largest value.
+fn assert_grads_close(what: &str, a: &[(String, Tensor)], b: &[(String, Tensor)], tol: f64) {
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    for ((name, ga), (_, gb)) in a.iter().zip(b) {
+        let scale = max_abs(gb).max(1e-3);
+        let d = max_abs(&(f32(ga) - f32(gb)).unwrap());
+        assert!(
+            d / scale < tol * 10.0,
+            "{what} gradient of {name}: {d} ({scale})"
+        );
+    }
+}
+
 /// Output, input gradients and graph size of `f` on fresh Vars, under `Σ out · r`.
 fn run(
     inputs: &[Tensor],
@@ -220,13 +262,7 @@ fn the_decoder_on_the_recompute_path_equals_the_composition() {
     let vocab = 61;
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         for dtype in [DType::F32, DType::BF16] {
-            let mut c = preset_config(Preset::Tiny, arch, vocab, 1, 0);
-            c.hidden_size = 32;
-            c.num_attention_heads = 4;
-            c.num_key_value_heads = 2;
-            c.head_dim = 8;
-            c.intermediate_size = 48;
-            c.attention_bias = arch != Arch::Qwen3;
+            let c = small(arch, vocab, 32, arch != Arch::Qwen3);
             let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
             let mut outs = Vec::new();
             for recompute in [true, false] {
@@ -248,34 +284,15 @@ fn the_decoder_on_the_recompute_path_equals_the_composition() {
                     .iter()
                     .map(|t| t.dims().to_vec())
                     .collect();
-                let grads = loss.backward().unwrap();
-                let g: Vec<(String, Tensor)> = tm
-                    .vars
-                    .iter()
-                    .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
-                    .collect();
-                outs.push((lp, ent, g, shapes));
+                outs.push((lp, ent, var_grads(&loss, &tm), shapes));
             }
             grpo_core::fused::set_enabled(true);
             let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
             let (a, b) = (&outs[0], &outs[1]);
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-            assert!(
-                max_abs(&(f32(&a.0) - f32(&b.0)).unwrap()) < tol,
-                "{arch:?} {dtype:?} log-probs"
-            );
-            assert!(
-                max_abs(&(f32(&a.1) - f32(&b.1)).unwrap()) < tol,
-                "{arch:?} {dtype:?} entropies"
-            );
-            for ((name, ga), (_, gb)) in a.2.iter().zip(&b.2) {
-                let scale = max_abs(gb).max(1e-3);
-                let d = max_abs(&(f32(ga) - f32(gb)).unwrap());
-                assert!(
-                    d / scale < tol * 10.0,
-                    "{arch:?} {dtype:?} gradient of {name}: {d} ({scale})"
-                );
-            }
+            let what = format!("{arch:?} {dtype:?}");
+            assert_close(&format!("{what} log-probs"), &a.0, &b.0, tol);
+            assert_close(&format!("{what} entropies"), &a.1, &b.1, tol);
+            assert_grads_close(&what, &a.2, &b.2, tol);
             let (shapes, plain) = (&a.3, &b.3);
             let logits_like =
                 |s: &Vec<usize>| s.last() == Some(&vocab) && s.len() >= 2 && s[0] != vocab;
@@ -315,13 +332,7 @@ fn lora_projections_as_one_node_equal_the_composition() {
     };
     for arch in [Arch::Qwen2, Arch::Llama] {
         for dtype in [DType::F32, DType::BF16] {
-            let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
-            c.hidden_size = 32;
-            c.num_attention_heads = 4;
-            c.num_key_value_heads = 2;
-            c.head_dim = 8;
-            c.intermediate_size = 48;
-            c.attention_bias = arch == Arch::Qwen2;
+            let c = small(arch, 61, 32, arch == Arch::Qwen2);
             let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
             let mut outs = Vec::new();
             for on in [true, false] {
@@ -341,35 +352,15 @@ fn lora_projections_as_one_node_equal_the_composition() {
                     .completion_logprobs(&ids, &mask, 3, 1.0, false)
                     .unwrap();
                 let loss = (&lp * 0.3).unwrap().sum_all().unwrap();
-                let bytes: usize = loss
-                    .sorted_nodes()
-                    .iter()
-                    .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-                    .sum();
-                let grads = loss.backward().unwrap();
-                let g: Vec<(String, Tensor)> = tm
-                    .vars
-                    .iter()
-                    .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
-                    .collect();
-                outs.push((lp, g, bytes));
+                let bytes = graph_bytes(&loss);
+                outs.push((lp, var_grads(&loss, &tm), bytes));
             }
             grpo_core::fused::set_enabled(true);
             let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-            let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
             let (a, b) = (&outs[0], &outs[1]);
-            assert!(
-                max_abs(&(f32(&a.0) - f32(&b.0)).unwrap()) < tol,
-                "{arch:?} {dtype:?} log-probs"
-            );
-            for ((name, ga), (_, gb)) in a.1.iter().zip(&b.1) {
-                let scale = max_abs(gb).max(1e-3);
-                let d = max_abs(&(f32(ga) - f32(gb)).unwrap());
-                assert!(
-                    d / scale < tol * 10.0,
-                    "{arch:?} {dtype:?} gradient of {name}: {d} ({scale})"
-                );
-            }
+            let what = format!("{arch:?} {dtype:?}");
+            assert_close(&format!("{what} log-probs"), &a.0, &b.0, tol);
+            assert_grads_close(&what, &a.1, &b.1, tol);
             eprintln!("{arch:?} {dtype:?}: graph {} vs {} bytes", a.2, b.2);
             assert!(
                 (a.2 as f64) < 0.6 * b.2 as f64,
@@ -527,14 +518,8 @@ fn the_training_graph_keeps_no_more_than_torch_saves() {
     let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
     grpo_core::fused::set_force_recompute(true);
     let bytes = |layers: usize, adapters: bool| -> usize {
-        let mut c = preset_config(Preset::Tiny, Arch::Qwen2, 128, 1, 0);
-        c.hidden_size = 64;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = 2;
-        c.head_dim = 16;
-        c.intermediate_size = 192;
+        let mut c = small(Arch::Qwen2, 128, 64, true);
         c.num_hidden_layers = layers;
-        c.attention_bias = true;
         c.tie_word_embeddings = true;
         let base = random_weights(&c, 5, DType::BF16, &Device::Cpu).unwrap();
         let tm = if adapters {
