@@ -429,3 +429,40 @@ pub fn ent_bwd(
 ) -> Result<(CudaStorage, Shape)> {
     cuda_typed!(x.dtype(), "entropy_bwd", ent_bwd_t(x, lx, g, lg))
 }
+
+/// The device's default memory pool, where cudarc's stream-ordered allocations come from:
+/// bytes `[in use now, in use at most, reserved now, reserved at most]`, the maxima since the
+/// previous call (each call resets them), so that a log line per phase gives that phase's
+/// peak of live tensors (in use) and the pool's footprint around it (reserved: what nvidia-smi
+/// counts). `None` where the driver does not answer.
+pub fn pool_usage(dev: &CudaDevice) -> Option<[u64; 4]> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    use sys::CUmemPool_attribute as A;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().ok()?;
+    // SAFETY: the device handle is the context's own; the pool is the driver's default one.
+    let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()?;
+    let get = |a: A| -> Option<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: these four attributes are 64-bit values (CUDA driver API).
+        unsafe { sys::cuMemPoolGetAttribute(pool, a, (&mut v as *mut u64).cast()) }
+            .result()
+            .ok()?;
+        Some(v)
+    };
+    let out = [
+        get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+    ];
+    for a in [
+        A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the high-water attributes may only be set to 0 (a reset).
+        let _ = unsafe { sys::cuMemPoolSetAttribute(pool, a, (&mut zero as *mut u64).cast()) };
+    }
+    Some(out)
+}

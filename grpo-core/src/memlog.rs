@@ -2,7 +2,8 @@
 //! the device's (`cuMemGetInfo`: total − free, what nvidia-smi shows, after a synchronisation),
 //! on the CPU the process's resident set — so that a run shows where its peak comes from: the
 //! loaded policy, the reference, the decoding copy, a generation, each micro-batch's forward
-//! (its graph alive) and backward (its gradients), the optimizer update.
+//! (its graph alive) and backward (its gradients), the optimizer update. On a GPU each line also
+//! gives the allocation pool's peak of live tensors since the previous line, and its reserve.
 
 use std::sync::OnceLock;
 
@@ -38,13 +39,38 @@ pub fn used_mib(dev: &Device) -> Option<f64> {
     }
 }
 
-/// Prints `memlog <MiB> <phase>` when [`enabled`].
+/// Prints `memlog <MiB> <phase>` when [`enabled`]; on a GPU also the allocation pool's bytes
+/// in use now and at most since the previous line (the phase's peak of live tensors), and
+/// what the pool reserved (now, at most).
 pub fn log(phase: &str, dev: &Device) {
-    if enabled()
-        && let Some(m) = used_mib(dev)
-    {
-        eprintln!("memlog {m:>9.0} MiB  {phase}");
+    if !enabled() {
+        return;
     }
+    let Some(m) = used_mib(dev) else { return };
+    let pool = pool_line(dev);
+    eprintln!("memlog {m:>9.0} MiB  {phase}{pool}");
+}
+
+#[cfg(feature = "cuda")]
+fn pool_line(dev: &Device) -> String {
+    match dev {
+        Device::Cuda(d) => match crate::cuda::pool_usage(d) {
+            Some([used, used_hi, res, res_hi]) => format!(
+                "  (pool: in use {:.0}, peak {:.0}; reserved {:.0}, peak {:.0} MiB)",
+                used as f64 / MIB,
+                used_hi as f64 / MIB,
+                res as f64 / MIB,
+                res_hi as f64 / MIB
+            ),
+            None => String::new(),
+        },
+        _ => String::new(),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn pool_line(_: &Device) -> String {
+    String::new()
 }
 
 #[cfg(test)]
