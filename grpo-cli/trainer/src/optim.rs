@@ -262,10 +262,18 @@ pub fn clip_grad_norm(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Res
         return Ok(0.0);
     }
     // Each tensor's sum of squares stays on the device; they are added in name order (so a
-    // run is reproducible to the bit) and the total crosses to the host once.
+    // run is reproducible to the bit) and the total crosses to the host once. Half-precision
+    // gradients (pure bf16 sums them in bf16) are squared and summed in f32.
     let sums = names
         .into_iter()
-        .map(|n| grads[n].sqr()?.sum_all()?.to_dtype(DType::F64))
+        .map(|n| {
+            let g = &grads[n];
+            let g = match is_half(g.dtype()) {
+                true => g.to_dtype(DType::F32)?,
+                false => g.clone(),
+            };
+            g.sqr()?.sum_all()?.to_dtype(DType::F64)
+        })
         .collect::<candle_core::Result<Vec<_>>>()?;
     let total = Tensor::stack(&sums, 0)?.sum_all()?.to_scalar::<f64>()?;
     let norm = total.sqrt();
@@ -607,6 +615,21 @@ mod tests {
     }
 
     const REFERENCE_ADAMW: [f32; 3] = [0.731_942_06, -1.859_604_2, 2.769_154];
+
+    /// A bf16 gradient's norm is summed in f32: 4096 squares of 0.01 summed in bf16 would stop
+    /// growing far below the true 0.4096 (bf16 keeps 8 bits of mantissa).
+    #[test]
+    fn the_norm_of_bf16_gradients_is_summed_in_f32() {
+        let g = Tensor::full(0.01f32, 4096, &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let mut grads = HashMap::from([("p".to_string(), g)]);
+        let norm = clip_grad_norm(&mut grads, 0.0).unwrap();
+        // 0.01 in bf16 is 0.010009765625.
+        let want = (4096.0f64 * 0.010_009_765_625f64.powi(2)).sqrt();
+        assert!((norm - want).abs() < 1e-6, "{norm} vs {want}");
+    }
 
     /// Pure bf16 (no master weights) keeps its moments and gradient sums in bf16, as PyTorch's
     /// AdamW does for a bf16 parameter; reference from PyTorch 2.x on the CPU:
