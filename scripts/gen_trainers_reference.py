@@ -10,6 +10,7 @@ vocabulary (grpo-rollout/tests/trainable_tokens.rs).
     ~/trl-venv/bin/pip install torch trl==1.16.0 peft accelerate datasets
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py            # everything
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py orpo_cpo   # ORPO and CPO only
+    ~/trl-venv/bin/python scripts/gen_trainers_reference.py sft        # the three SFT runs only
 
 Writes, under grpo-rollout/tests/fixtures/:
   * micro-teacher/: a second random Qwen2ForCausalLM with bench-qwen2-micro's config and
@@ -102,6 +103,9 @@ SFT_ROWS = [
 ]
 
 
+SFT_KEYS = ["loss", "grad_norm", "num_tokens", "entropy", "mean_token_accuracy"]
+
+
 def sft_reference(out_dir):
     """TRL's SFTTrainer on bench-qwen2-micro over sft_rows.jsonl (prompt/completion, the loss
     on the completion tokens), 3 steps of one batch."""
@@ -113,8 +117,7 @@ def sft_reference(out_dir):
     args = common_args(SFTConfig, out_dir)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(SFT_ROWS), processing_class=tok)
     trainer.train()
-    keys = ["loss", "grad_norm", "num_tokens"]
-    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    return [{k: float(h[k]) for k in SFT_KEYS if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
 CHAT_ROWS = [
@@ -138,8 +141,7 @@ def sft_chat_reference(out_dir):
     args = common_args(SFTConfig, out_dir)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHAT_ROWS), processing_class=tok)
     trainer.train()
-    keys = ["loss", "grad_norm", "num_tokens"]
-    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    return [{k: float(h[k]) for k in SFT_KEYS if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
 def sft_assistant_only_reference(out_dir):
@@ -156,8 +158,7 @@ def sft_assistant_only_reference(out_dir):
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHAT_ROWS), processing_class=tok)
     trainer.train()
-    keys = ["loss", "grad_norm", "num_tokens"]
-    return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
+    return [{k: float(h[k]) for k in SFT_KEYS if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
 def dpo_reference(out_dir):
@@ -424,6 +425,17 @@ def main():
     import sys
 
     path = os.path.join(FIX, "trainers_reference.json")
+    if sys.argv[1:] == ["sft"]:
+        # Only the SFT runs (with TRL's entropy and mean_token_accuracy), merged into the file.
+        with open(path) as f:
+            out = json.load(f)
+        out["sft"] = sft_reference("/tmp/trl-sft-ref")
+        out["sft_chat"] = sft_chat_reference("/tmp/trl-sft-chat-ref")
+        out["sft_assistant_only"] = sft_assistant_only_reference("/tmp/trl-sft-ao-ref")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps({k: out[k] for k in ["sft", "sft_chat", "sft_assistant_only"]}, indent=1))
+        return
     if sys.argv[1:] == ["orpo_cpo"]:
         # Only the ORPO and CPO runs, merged into the existing file.
         with open(path) as f:

@@ -90,14 +90,20 @@ fn compare(ours: &[grpo_trainer::Metrics], trl: &serde_json::Value, keys: &[&str
     }
 }
 
+/// What TRL's SFTTrainer logs each step (its entropy and mean_token_accuracy are the means
+/// over the loss tokens of each micro-batch).
+const SFT_KEYS: &[&str] = &[
+    "loss",
+    "grad_norm",
+    "num_tokens",
+    "entropy",
+    "mean_token_accuracy",
+];
+
 #[test]
 fn three_sft_steps_match_trls_sft_trainer() {
     let ours = run("sft", "sft_rows.jsonl", "");
-    compare(
-        &ours,
-        &reference()["sft"],
-        &["loss", "grad_norm", "num_tokens"],
-    );
+    compare(&ours, &reference()["sft"], SFT_KEYS);
 }
 
 /// Conversations (a `messages` column, found without naming it), rendered by the model's chat
@@ -105,11 +111,7 @@ fn three_sft_steps_match_trls_sft_trainer() {
 #[test]
 fn three_sft_steps_on_conversations_match_trls_sft_trainer() {
     let ours = run("sft", "sft_chat.jsonl", "");
-    compare(
-        &ours,
-        &reference()["sft_chat"],
-        &["loss", "grad_norm", "num_tokens"],
-    );
+    compare(&ours, &reference()["sft_chat"], SFT_KEYS);
 }
 
 /// `assistant_only_loss` with a template whose `{% generation %}` blocks mark the assistant's
@@ -125,11 +127,7 @@ fn three_assistant_only_sft_steps_match_trls_sft_trainer() {
         &extra,
         &format!("chat_template_path = \"{}\"\n", path.display()),
     );
-    compare(
-        &ours,
-        &reference()["sft_assistant_only"],
-        &["loss", "grad_norm", "num_tokens"],
-    );
+    compare(&ours, &reference()["sft_assistant_only"], SFT_KEYS);
 }
 
 #[test]

@@ -1742,6 +1742,31 @@ impl Transformer {
         self.target_logprobs(&h, &targets, shape, temperature, with_entropy)
     }
 
+    /// [`Self::logprobs_with`] at temperature 1 with each token's entropy and whether it is
+    /// the head's most likely token (1.0 / 0.0, no gradient): TRL's SFT metrics.
+    pub fn logprobs_stats_with(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        bias: &Tensor,
+        logits_to_keep: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (h, targets, shape) = self.scored_rows(input_ids, positions, bias, logits_to_keep)?;
+        token_stats(self.target_stats(&h, &targets, shape, 1.0, true, true)?)
+    }
+
+    /// [`Self::completion_logprobs`] at temperature 1 with entropies and top-1 indicators
+    /// ([`Self::logprobs_stats_with`]).
+    pub fn completion_stats(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        logits_to_keep: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        self.logprobs_stats_with(input_ids, &positions, &bias, logits_to_keep)
+    }
+
     /// [`Self::completion_logprobs`] at temperature 1, with `log Σ_v p_v²` of each token's
     /// distribution beside its log-prob (no gradient): WPO's two ingredients
     /// (`grpo_core::preference::wpo_pair_weights`) from one forward. Both `(B, logits_to_keep)`.
@@ -1890,11 +1915,27 @@ impl Transformer {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (lp, ent, _) =
+            self.target_stats(h, targets, shape, temperature, with_entropy, false)?;
+        Ok((lp, ent))
+    }
+
+    /// [`Self::target_logprobs`], and with `with_top1` whether each target is the head's
+    /// most likely token (1.0 or 0.0, no gradient: TRL's `mean_token_accuracy`), from the
+    /// same chunks of logits.
+    fn target_stats(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        shape: (usize, usize),
+        temperature: f64,
+        with_entropy: bool,
+        with_top1: bool,
+    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
         let total = h.dim(0)?;
         let rows = grpo_core::logprobs::chunk_rows_on(self.cfg.vocab_size, h.device());
         let head_w = self.head_weight()?;
-        let mut lps = Vec::new();
-        let mut ents = Vec::new();
+        let (mut lps, mut ents, mut tops) = (Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
         while start < total {
             let n = rows.min(total - start);
@@ -1904,13 +1945,23 @@ impl Transformer {
                 // Head, log-softmax and entropy as one node that keeps only the hidden rows:
                 // no (rows, vocab) logits, in any dtype, are stored for backward.
                 let head = head_w.clone();
-                let out = Recompute::new("head_logprobs", move |a, _| {
-                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy)
+                let out = Recompute::new("head_logprobs", move |a, recomputing| {
+                    // The indicator has no gradient: zeros when backward recomputes.
+                    let top1 = match (with_top1, recomputing) {
+                        (false, _) => Top1::No,
+                        (true, true) => Top1::Zeros,
+                        (true, false) => Top1::Compute,
+                    };
+                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1)
                 })
                 .apply(&[&hc, &head])?;
                 lps.push(out.narrow(1, 0, 1)?.squeeze(1)?);
                 if with_entropy {
                     ents.push(out.narrow(1, 1, 1)?.squeeze(1)?);
+                }
+                if with_top1 {
+                    let k = out.dim(1)? - 1;
+                    tops.push(out.narrow(1, k, 1)?.squeeze(1)?.detach());
                 }
                 start += n;
                 continue;
@@ -1923,15 +1974,19 @@ impl Transformer {
             if with_entropy {
                 ents.push(grpo_core::logprobs::entropy_from_logits(&logits)?);
             }
+            if with_top1 {
+                tops.push(top1_of(&logits.detach(), &tg)?);
+            }
             start += n;
         }
         let lp = Tensor::cat(&lps, 0)?.reshape(shape)?;
-        let ent = if with_entropy {
-            Some(Tensor::cat(&ents, 0)?.reshape(shape)?)
-        } else {
-            None
+        let cat = |v: &[Tensor], on: bool| -> Result<Option<Tensor>> {
+            match on {
+                true => Ok(Some(Tensor::cat(v, 0)?.reshape(shape)?)),
+                false => Ok(None),
+            }
         };
-        Ok((lp, ent))
+        Ok((lp, cat(&ents, with_entropy)?, cat(&tops, with_top1)?))
     }
 
     /// [`Self::completion_logprobs`] for completions that share prompts, each prompt run once.
@@ -1956,6 +2011,46 @@ impl Transformer {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (h, targets, shape) = self.shared_prompt_rows(
+            prompt_ids,
+            prompt_mask,
+            prompt_of,
+            completion_ids,
+            completion_mask,
+        )?;
+        self.target_logprobs(&h, &targets, shape, temperature, with_entropy)
+    }
+
+    /// [`Self::shared_prompt_logprobs`] at temperature 1 with entropies and top-1 indicators
+    /// ([`Self::logprobs_stats_with`]).
+    pub fn shared_prompt_stats(
+        &self,
+        prompt_ids: &Tensor,
+        prompt_mask: &Tensor,
+        prompt_of: &[u32],
+        completion_ids: &Tensor,
+        completion_mask: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (h, targets, shape) = self.shared_prompt_rows(
+            prompt_ids,
+            prompt_mask,
+            prompt_of,
+            completion_ids,
+            completion_mask,
+        )?;
+        token_stats(self.target_stats(&h, &targets, shape, 1.0, true, true)?)
+    }
+
+    /// The hidden rows that predict each completion token of [`Self::shared_prompt_logprobs`],
+    /// its targets and the `(B, C)` shape.
+    fn shared_prompt_rows(
+        &self,
+        prompt_ids: &Tensor,
+        prompt_mask: &Tensor,
+        prompt_of: &[u32],
+        completion_ids: &Tensor,
+        completion_mask: &Tensor,
+    ) -> Result<(Tensor, Tensor, (usize, usize))> {
         let dev = self.device();
         let (u, p) = prompt_ids.dims2()?;
         let (b, c) = completion_ids.dims2()?;
@@ -2022,8 +2117,28 @@ impl Transformer {
         }
         .reshape((b * c, hs))?;
         let targets = completion_ids.reshape(b * c)?;
-        self.target_logprobs(&h, &targets, (b, c), temperature, with_entropy)
+        Ok((h, targets, (b, c)))
     }
+}
+
+/// The three outputs of a stats pass, all present.
+fn token_stats(
+    (lp, ent, top): (Tensor, Option<Tensor>, Option<Tensor>),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    match (ent, top) {
+        (Some(e), Some(t)) => Ok((lp, e, t)),
+        _ => bail!("token stats: entropy and top-1 were asked for"),
+    }
+}
+
+/// 1.0 where `targets` `(N,)` is the largest of its row of `logits` `(N, V)` (ties count),
+/// 0.0 elsewhere, in f32.
+fn top1_of(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let at = logits
+        .contiguous()?
+        .gather(&targets.unsqueeze(1)?.contiguous()?, 1)?
+        .squeeze(1)?;
+    at.ge(&logits.max(1)?)?.to_dtype(DType::F32)
 }
 
 /// Log-probs of `targets` under `h · headᵀ / temperature` (and entropies): `(N, 1)`, or `(N, 2)`
@@ -2034,18 +2149,35 @@ fn head_logprobs(
     targets: &Tensor,
     temperature: f64,
     with_entropy: bool,
+    top1: Top1,
 ) -> Result<Tensor> {
     let mut logits = crate::fused::frozen_linear(h, head)?;
     if temperature != 1.0 && temperature > 0.0 {
         logits = (logits / temperature)?;
     }
     let lp = grpo_core::logprobs::selective_log_softmax(&logits, targets)?;
+    let mut cols = vec![lp.clone()];
     if with_entropy {
-        let e = grpo_core::logprobs::entropy_from_logits(&logits)?;
-        Tensor::stack(&[lp, e], 1)
-    } else {
-        lp.unsqueeze(1)
+        cols.push(grpo_core::logprobs::entropy_from_logits(&logits)?);
     }
+    match top1 {
+        Top1::No => {}
+        Top1::Zeros => cols.push(lp.zeros_like()?),
+        Top1::Compute => cols.push(top1_of(&logits.detach(), targets)?.to_dtype(lp.dtype())?),
+    }
+    match cols.len() {
+        1 => lp.unsqueeze(1),
+        _ => Tensor::stack(&cols, 1),
+    }
+}
+
+/// Whether [`head_logprobs`] adds the top-1 column, and how.
+#[derive(Clone, Copy)]
+enum Top1 {
+    No,
+    /// Zeros (a recomputation for backward: the indicator has no gradient).
+    Zeros,
+    Compute,
 }
 
 /// Position ids (each row counts from 0 at its first real token) and the additive causal +

@@ -553,3 +553,45 @@ fn the_training_graph_keeps_no_more_than_torch_saves() {
     }
     grpo_core::fused::set_enabled(true);
 }
+
+/// The SFT statistics (`completion_stats`: log-probs, entropies, top-1 indicators) on the
+/// GPU's path equal the CPU kernels' (the indicator computed in the head's node, zeros when
+/// backward recomputes it), and the log-probs' gradient is unchanged by the extra column.
+#[test]
+fn completion_stats_on_the_recompute_path_equal_the_kernels() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let rows = vec![vec![5u32, 9, 2, 33, 7, 12, 40], vec![8, 3, 20, 11]];
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let base = random_weights(
+        &small(Arch::Qwen2, 61, 32, true),
+        5,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut outs = Vec::new();
+    for recompute in [true, false] {
+        grpo_core::fused::set_force_recompute(recompute);
+        let tm = TrainableModel::full(&base).unwrap();
+        let (lp, ent, top1) = tm.model.completion_stats(&ids, &mask, 4).unwrap();
+        let (plain, _) = tm
+            .model
+            .completion_logprobs(&ids, &mask, 4, 1.0, false)
+            .unwrap();
+        assert_close("log-probs with and without stats", &lp, &plain, 1e-6);
+        let loss = (&lp * 0.3).unwrap().sum_all().unwrap();
+        outs.push((lp, ent, top1, var_grads(&loss, &tm)));
+    }
+    grpo_core::fused::set_enabled(true);
+    let (a, b) = (&outs[0], &outs[1]);
+    assert_close("log-probs", &a.0, &b.0, 1e-5);
+    assert_close("entropies", &a.1, &b.1, 1e-5);
+    assert_eq!(
+        a.2.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        b.2.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    );
+    let top: Vec<f32> = b.2.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(top.iter().all(|&x| x == 0.0 || x == 1.0));
+    assert!(!a.2.track_op(), "the indicator carries no graph");
+    assert_grads_close("stats", &a.3, &b.3, 1e-5);
+}

@@ -106,16 +106,29 @@ impl<'a> StepBatch<'a> {
     }
 }
 
-/// Per-token log-probabilities (and entropies with `with_entropy`) of `completions` after
-/// `prompts` under `model`, left-padded with `pad` into one batch: `(logps, entropies, width)`.
-pub fn completion_logps(
+/// The model inputs of `completions` after `prompts`: the distinct prompts once and the
+/// completions after them when prompts repeat (each prompt's forward shared by its
+/// completions), else one left-padded batch.
+enum CompletionInputs {
+    Shared {
+        prompts: Tensor,
+        prompt_mask: Tensor,
+        prompt_of: Vec<u32>,
+        completions: Tensor,
+        completion_mask: Tensor,
+    },
+    Padded {
+        ids: Tensor,
+        mask: Tensor,
+    },
+}
+
+fn completion_inputs(
     model: &Transformer,
     pad: u32,
     prompts: &[&[u32]],
     completions: &[&[u32]],
-    temperature: f64,
-    with_entropy: bool,
-) -> Result<(Tensor, Option<Tensor>, usize)> {
+) -> Result<(CompletionInputs, usize)> {
     let (p, c) = widths(prompts, completions);
     let b = prompts.len();
     let device = model.device();
@@ -154,20 +167,80 @@ pub fn completion_logps(
         for co in completions {
             push(&mut cids, &mut cmask, co, c, false);
         }
-        let (lp, ent) = model.shared_prompt_logprobs(
-            &Tensor::from_vec(pids, (u, p), device)?,
-            &Tensor::from_vec(pmask, (u, p), device)?,
-            &prompt_of,
-            &Tensor::from_vec(cids, (b, c), device)?,
-            &Tensor::from_vec(cmask, (b, c), device)?,
-            temperature,
-            with_entropy,
-        )?;
-        return Ok((lp, ent, c));
+        let inputs = CompletionInputs::Shared {
+            prompts: Tensor::from_vec(pids, (u, p), device)?,
+            prompt_mask: Tensor::from_vec(pmask, (u, p), device)?,
+            prompt_of,
+            completions: Tensor::from_vec(cids, (b, c), device)?,
+            completion_mask: Tensor::from_vec(cmask, (b, c), device)?,
+        };
+        return Ok((inputs, c));
     }
     let (ids, mask, c) = padded_batch(pad, prompts, completions, device)?;
-    let (lp, ent) = model.completion_logprobs(&ids, &mask, c, temperature, with_entropy)?;
+    Ok((CompletionInputs::Padded { ids, mask }, c))
+}
+
+/// Per-token log-probabilities (and entropies with `with_entropy`) of `completions` after
+/// `prompts` under `model`, left-padded with `pad` into one batch: `(logps, entropies, width)`.
+pub fn completion_logps(
+    model: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    temperature: f64,
+    with_entropy: bool,
+) -> Result<(Tensor, Option<Tensor>, usize)> {
+    let (inputs, c) = completion_inputs(model, pad, prompts, completions)?;
+    let (lp, ent) = match &inputs {
+        CompletionInputs::Shared {
+            prompts,
+            prompt_mask,
+            prompt_of,
+            completions,
+            completion_mask,
+        } => model.shared_prompt_logprobs(
+            prompts,
+            prompt_mask,
+            prompt_of,
+            completions,
+            completion_mask,
+            temperature,
+            with_entropy,
+        )?,
+        CompletionInputs::Padded { ids, mask } => {
+            model.completion_logprobs(ids, mask, c, temperature, with_entropy)?
+        }
+    };
     Ok((lp, ent, c))
+}
+
+/// [`completion_logps`] at temperature 1 with each token's entropy and whether it is the
+/// model's most likely token (1.0 / 0.0, no gradient): `(logps, entropies, top1, width)`, the
+/// inputs of TRL's SFT metrics `entropy` and `mean_token_accuracy`.
+pub fn completion_stats(
+    model: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+) -> Result<(Tensor, Tensor, Tensor, usize)> {
+    let (inputs, c) = completion_inputs(model, pad, prompts, completions)?;
+    let (lp, ent, top1) = match &inputs {
+        CompletionInputs::Shared {
+            prompts,
+            prompt_mask,
+            prompt_of,
+            completions,
+            completion_mask,
+        } => model.shared_prompt_stats(
+            prompts,
+            prompt_mask,
+            prompt_of,
+            completions,
+            completion_mask,
+        )?,
+        CompletionInputs::Padded { ids, mask } => model.completion_stats(ids, mask, c)?,
+    };
+    Ok((lp, ent, top1, c))
 }
 
 /// The combined reward of each of `n` completions, an unscored one (NaN, or missing) as 0: TRL's

@@ -24,7 +24,7 @@ use grpo_core::preference::{DpoInputs, dpo_loss_with, kto_loss, sft_loss_typed};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
-use super::batch::{completion_logps, completion_logps_and_sum_sq};
+use super::batch::{completion_logps, completion_logps_and_sum_sq, completion_stats};
 use crate::callbacks::{Callbacks, Metrics};
 use crate::config::{Algorithm, PackingStrategy};
 use crate::optim::clip_grad_norm;
@@ -870,11 +870,28 @@ fn one_sequence(rows: &[Row]) -> Option<Row> {
 
 /// Log-probs `(B, c)` of packed rows' tokens after the first, each sequence of a row on its
 /// own positions and attending only to itself (`Row::segments`), the rows right-padded.
+/// Means of `entropy` and `top1` `(B, c)` over the tokens where `mask` is 1 (0 for both when
+/// there are none, as TRL logs them).
+fn token_means(entropy: &Tensor, top1: &Tensor, mask: &Tensor) -> Result<(f64, f64)> {
+    let m = mask.detach().to_dtype(DType::F32)?;
+    let mean = |t: &Tensor| -> Result<f64> {
+        let w = (t.detach().to_dtype(DType::F32)? * &m)?;
+        Ok(w.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+    };
+    let n = m.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    if n <= 0.0 {
+        return Ok((0.0, 0.0));
+    }
+    Ok((mean(entropy)? / n, mean(top1)? / n))
+}
+
+/// Per-token log-probs, entropies and top-1 indicators of packed rows (several sequences in a
+/// row, kept apart by the attention bias), and the width.
 fn packed_logps(
     model: &grpo_rollout::Transformer,
     pad: u32,
     rows: &[Row],
-) -> Result<(Tensor, usize)> {
+) -> Result<(Tensor, Tensor, Tensor, usize)> {
     let l = rows
         .iter()
         .map(|r| r.prompt.len() + r.completion.len())
@@ -895,8 +912,8 @@ fn packed_logps(
     let dev = model.device();
     let ids = Tensor::from_vec(ids, (rows.len(), l), dev)?;
     let (pos, bias) = grpo_rollout::model::packed_positions_and_bias(&lens, l, dev)?;
-    let (lp, _) = model.logprobs_with(&ids, &pos, &bias, l - 1, 1.0, false)?;
-    Ok((lp, l - 1))
+    let (lp, ent, top1) = model.logprobs_stats_with(&ids, &pos, &bias, l - 1)?;
+    Ok((lp, ent, top1, l - 1))
 }
 
 /// `(B, c)` 0/1 mask of the completions' loss tokens, right-padded to `c`.
@@ -1283,21 +1300,19 @@ impl Learner {
                         }
                         false => part,
                     };
-                let (lp, c) = if part.iter().any(|r| !r.segments.is_empty()) {
+                let (lp, ent, top1, c) = if part.iter().any(|r| !r.segments.is_empty()) {
                     packed_logps(&model, self.tokenizer.pad_token_id, part)?
                 } else {
-                    let (lp, _, c) = completion_logps(
-                        &model,
-                        self.tokenizer.pad_token_id,
-                        &prompts,
-                        &comps,
-                        1.0,
-                        false,
-                    )?;
-                    (lp, c)
+                    completion_stats(&model, self.tokenizer.pad_token_id, &prompts, &comps)?
                 };
                 let masks: Vec<&[u8]> = part.iter().map(|r| r.mask.as_slice()).collect();
                 let mask = mask_tensor(&masks, c, lp.dtype(), lp.device())?;
+                // TRL's SFT metrics: the mean entropy and top-1 accuracy over the loss
+                // tokens of each micro-batch, averaged over the step's micro-batches.
+                let per = 1.0 / chunks.len() as f64;
+                let (e, hit) = token_means(&ent, &top1, &mask)?;
+                add("entropy", e, per);
+                add("mean_token_accuracy", hit, per);
                 sft_loss_typed(&lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
             };
             let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
