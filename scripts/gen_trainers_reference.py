@@ -11,6 +11,7 @@ vocabulary (grpo-rollout/tests/trainable_tokens.rs).
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py            # everything
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py orpo_cpo   # ORPO and CPO only
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py sft        # the three SFT runs only
+    ~/trl-venv/bin/python scripts/gen_trainers_reference.py dpo        # the DPO run only
 
 Writes, under grpo-rollout/tests/fixtures/:
   * micro-teacher/: a second random Qwen2ForCausalLM with bench-qwen2-micro's config and
@@ -170,7 +171,8 @@ def dpo_reference(out_dir):
     args = common_args(DPOConfig, out_dir, beta=0.1)
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     trainer.train()
-    keys = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]
+    keys = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+            "logps/chosen", "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"]
     return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
@@ -425,6 +427,15 @@ def main():
     import sys
 
     path = os.path.join(FIX, "trainers_reference.json")
+    if sys.argv[1:] == ["dpo"]:
+        # Only the DPO run (with TRL's token metrics), merged into the file.
+        with open(path) as f:
+            out = json.load(f)
+        out["dpo"] = dpo_reference("/tmp/trl-dpo-ref")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out["dpo"], indent=1))
+        return
     if sys.argv[1:] == ["sft"]:
         # Only the SFT runs (with TRL's entropy and mean_token_accuracy), merged into the file.
         with open(path) as f:

@@ -133,7 +133,16 @@ fn three_assistant_only_sft_steps_match_trls_sft_trainer() {
 #[test]
 fn three_dpo_steps_match_trls_dpo_trainer() {
     let ours = run("dpo", "reward_pairs.jsonl", "[dpo]\nbeta = 0.1\n");
-    compare(&ours, &reference()["dpo"], DPO_KEYS);
+    let mut keys = DPO_KEYS.to_vec();
+    // DPOTrainer's token metrics: entropy over both sides' tokens, each side's mean logit,
+    // the top-1 accuracy on the chosen tokens.
+    keys.extend([
+        "entropy",
+        "logits/chosen",
+        "logits/rejected",
+        "mean_token_accuracy",
+    ]);
+    compare(&ours, &reference()["dpo"], &keys);
 }
 
 /// KTO in TRL's default order (`train_sampling_strategy = "sequential"`: each row's KL

@@ -1742,27 +1742,26 @@ impl Transformer {
         self.target_logprobs(&h, &targets, shape, temperature, with_entropy)
     }
 
-    /// [`Self::logprobs_with`] at temperature 1 with each token's entropy and whether it is
-    /// the head's most likely token (1.0 / 0.0, no gradient): TRL's SFT metrics.
+    /// [`Self::logprobs_with`] at temperature 1 with each token's entropy, whether it is the
+    /// head's most likely token and the mean logit ([`TokenStats`]): TRL's metric inputs.
     pub fn logprobs_stats_with(
         &self,
         input_ids: &Tensor,
         positions: &Tensor,
         bias: &Tensor,
         logits_to_keep: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<TokenStats> {
         let (h, targets, shape) = self.scored_rows(input_ids, positions, bias, logits_to_keep)?;
         token_stats(self.target_stats(&h, &targets, shape, 1.0, true, true)?)
     }
 
-    /// [`Self::completion_logprobs`] at temperature 1 with entropies and top-1 indicators
-    /// ([`Self::logprobs_stats_with`]).
+    /// [`Self::completion_logprobs`] at temperature 1 with [`TokenStats`].
     pub fn completion_stats(
         &self,
         input_ids: &Tensor,
         attention_mask: &Tensor,
         logits_to_keep: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<TokenStats> {
         let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
         self.logprobs_stats_with(input_ids, &positions, &bias, logits_to_keep)
     }
@@ -1781,6 +1780,20 @@ impl Transformer {
         let (lp, _) = self.target_logprobs(&h, &targets, shape, 1.0, false)?;
         let sum_sq = self.log_sum_sq_probs(&h)?.reshape(shape)?;
         Ok((lp, sum_sq))
+    }
+
+    /// [`Self::completion_logprobs_and_sum_sq`] with [`TokenStats`] (holding the log-probs).
+    pub fn completion_stats_and_sum_sq(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        logits_to_keep: usize,
+    ) -> Result<(TokenStats, Tensor)> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        let (h, targets, shape) = self.scored_rows(input_ids, &positions, &bias, logits_to_keep)?;
+        let stats = token_stats(self.target_stats(&h, &targets, shape, 1.0, true, true)?)?;
+        let sum_sq = self.log_sum_sq_probs(&h)?.reshape(shape)?;
+        Ok((stats, sum_sq))
     }
 
     /// `log Σ_v p_v²` of the next-token distribution at each hidden row `(N, H)`, `(N,)` in f32
@@ -1920,9 +1933,10 @@ impl Transformer {
         Ok((lp, ent))
     }
 
-    /// [`Self::target_logprobs`], and with `with_top1` whether each target is the head's
-    /// most likely token (1.0 or 0.0, no gradient: TRL's `mean_token_accuracy`), from the
-    /// same chunks of logits.
+    /// [`Self::target_logprobs`], and with `with_extras` two more per-token values without
+    /// gradient from the same chunks of logits: whether the target is the head's most likely
+    /// token (1.0 / 0.0) and the mean of the row's logits — TRL's `mean_token_accuracy` and
+    /// `logits/*` inputs.
     fn target_stats(
         &self,
         h: &Tensor,
@@ -1930,12 +1944,14 @@ impl Transformer {
         shape: (usize, usize),
         temperature: f64,
         with_entropy: bool,
-        with_top1: bool,
-    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        with_extras: bool,
+    ) -> Result<StatsPass> {
+        let with_top1 = with_extras;
         let total = h.dim(0)?;
         let rows = grpo_core::logprobs::chunk_rows_on(self.cfg.vocab_size, h.device());
         let head_w = self.head_weight()?;
-        let (mut lps, mut ents, mut tops) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut lps, mut ents, mut tops, mut means) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut start = 0;
         while start < total {
             let n = rows.min(total - start);
@@ -1960,8 +1976,9 @@ impl Transformer {
                     ents.push(out.narrow(1, 1, 1)?.squeeze(1)?);
                 }
                 if with_top1 {
-                    let k = out.dim(1)? - 1;
+                    let k = out.dim(1)? - 2;
                     tops.push(out.narrow(1, k, 1)?.squeeze(1)?.detach());
+                    means.push(out.narrow(1, k + 1, 1)?.squeeze(1)?.detach());
                 }
                 start += n;
                 continue;
@@ -1976,17 +1993,21 @@ impl Transformer {
             }
             if with_top1 {
                 tops.push(top1_of(&logits.detach(), &tg)?);
+                means.push(logits.detach().to_dtype(DType::F32)?.mean(1)?);
             }
             start += n;
         }
         let lp = Tensor::cat(&lps, 0)?.reshape(shape)?;
-        let cat = |v: &[Tensor], on: bool| -> Result<Option<Tensor>> {
-            match on {
-                true => Ok(Some(Tensor::cat(v, 0)?.reshape(shape)?)),
-                false => Ok(None),
-            }
+        let cat = |v: &[Tensor]| -> Result<Tensor> { Tensor::cat(v, 0)?.reshape(shape) };
+        let ent = match with_entropy {
+            true => Some(cat(&ents)?),
+            false => None,
         };
-        Ok((lp, cat(&ents, with_entropy)?, cat(&tops, with_top1)?))
+        let extras = match with_extras {
+            true => Some((cat(&tops)?, cat(&means)?)),
+            false => None,
+        };
+        Ok((lp, ent, extras))
     }
 
     /// [`Self::completion_logprobs`] for completions that share prompts, each prompt run once.
@@ -2021,8 +2042,7 @@ impl Transformer {
         self.target_logprobs(&h, &targets, shape, temperature, with_entropy)
     }
 
-    /// [`Self::shared_prompt_logprobs`] at temperature 1 with entropies and top-1 indicators
-    /// ([`Self::logprobs_stats_with`]).
+    /// [`Self::shared_prompt_logprobs`] at temperature 1 with [`TokenStats`].
     pub fn shared_prompt_stats(
         &self,
         prompt_ids: &Tensor,
@@ -2030,7 +2050,7 @@ impl Transformer {
         prompt_of: &[u32],
         completion_ids: &Tensor,
         completion_mask: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<TokenStats> {
         let (h, targets, shape) = self.shared_prompt_rows(
             prompt_ids,
             prompt_mask,
@@ -2121,13 +2141,34 @@ impl Transformer {
     }
 }
 
-/// The three outputs of a stats pass, all present.
-fn token_stats(
-    (lp, ent, top): (Tensor, Option<Tensor>, Option<Tensor>),
-) -> Result<(Tensor, Tensor, Tensor)> {
-    match (ent, top) {
-        (Some(e), Some(t)) => Ok((lp, e, t)),
-        _ => bail!("token stats: entropy and top-1 were asked for"),
+/// Per-token values of a pass over completion tokens, each `(B, C)`: what TRL's trainers log
+/// beside their losses.
+#[derive(Debug, Clone)]
+pub struct TokenStats {
+    /// Log-probabilities (with the autograd graph).
+    pub logps: Tensor,
+    /// Entropy of the next-token distribution (no gradient).
+    pub entropy: Tensor,
+    /// 1.0 where the token is the most likely one, else 0.0 (no gradient).
+    pub top1: Tensor,
+    /// Mean of the row's logits (no gradient).
+    pub mean_logits: Tensor,
+}
+
+/// A chunked head pass: log-probs, entropies if asked, and if asked the top-1 indicators with
+/// the mean logits.
+type StatsPass = (Tensor, Option<Tensor>, Option<(Tensor, Tensor)>);
+
+/// The outputs of a stats pass, all present.
+fn token_stats((lp, ent, extras): StatsPass) -> Result<TokenStats> {
+    match (ent, extras) {
+        (Some(entropy), Some((top1, mean_logits))) => Ok(TokenStats {
+            logps: lp,
+            entropy,
+            top1,
+            mean_logits,
+        }),
+        _ => bail!("token stats: entropy, top-1 and mean logits were asked for"),
     }
 }
 
@@ -2162,8 +2203,15 @@ fn head_logprobs(
     }
     match top1 {
         Top1::No => {}
-        Top1::Zeros => cols.push(lp.zeros_like()?),
-        Top1::Compute => cols.push(top1_of(&logits.detach(), targets)?.to_dtype(lp.dtype())?),
+        Top1::Zeros => {
+            cols.push(lp.zeros_like()?);
+            cols.push(lp.zeros_like()?);
+        }
+        Top1::Compute => {
+            let z = logits.detach();
+            cols.push(top1_of(&z, targets)?.to_dtype(lp.dtype())?);
+            cols.push(z.to_dtype(DType::F32)?.mean(1)?.to_dtype(lp.dtype())?);
+        }
     }
     match cols.len() {
         1 => lp.unsqueeze(1),
@@ -2171,11 +2219,11 @@ fn head_logprobs(
     }
 }
 
-/// Whether [`head_logprobs`] adds the top-1 column, and how.
+/// Whether [`head_logprobs`] adds the top-1 and mean-logit columns, and how.
 #[derive(Clone, Copy)]
 enum Top1 {
     No,
-    /// Zeros (a recomputation for backward: the indicator has no gradient).
+    /// Zeros (a recomputation for backward: neither has a gradient).
     Zeros,
     Compute,
 }

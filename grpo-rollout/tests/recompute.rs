@@ -554,7 +554,7 @@ fn the_training_graph_keeps_no_more_than_torch_saves() {
     grpo_core::fused::set_enabled(true);
 }
 
-/// The SFT statistics (`completion_stats`: log-probs, entropies, top-1 indicators) on the
+/// The token statistics (`completion_stats`: log-probs, entropies, top-1, mean logits) on the
 /// GPU's path equal the CPU kernels' (the indicator computed in the head's node, zeros when
 /// backward recomputes it), and the log-probs' gradient is unchanged by the extra column.
 #[test]
@@ -573,14 +573,15 @@ fn completion_stats_on_the_recompute_path_equal_the_kernels() {
     for recompute in [true, false] {
         grpo_core::fused::set_force_recompute(recompute);
         let tm = TrainableModel::full(&base).unwrap();
-        let (lp, ent, top1) = tm.model.completion_stats(&ids, &mask, 4).unwrap();
+        let st = tm.model.completion_stats(&ids, &mask, 4).unwrap();
         let (plain, _) = tm
             .model
             .completion_logprobs(&ids, &mask, 4, 1.0, false)
             .unwrap();
-        assert_close("log-probs with and without stats", &lp, &plain, 1e-6);
-        let loss = (&lp * 0.3).unwrap().sum_all().unwrap();
-        outs.push((lp, ent, top1, var_grads(&loss, &tm)));
+        assert_close("log-probs with and without stats", &st.logps, &plain, 1e-6);
+        let loss = (&st.logps * 0.3).unwrap().sum_all().unwrap();
+        let g = var_grads(&loss, &tm);
+        outs.push((st.logps, st.entropy, st.top1, g, st.mean_logits));
     }
     grpo_core::fused::set_enabled(true);
     let (a, b) = (&outs[0], &outs[1]);
@@ -594,4 +595,6 @@ fn completion_stats_on_the_recompute_path_equal_the_kernels() {
     assert!(top.iter().all(|&x| x == 0.0 || x == 1.0));
     assert!(!a.2.track_op(), "the indicator carries no graph");
     assert_grads_close("stats", &a.3, &b.3, 1e-5);
+    assert_close("mean logits", &a.4, &b.4, 1e-5);
+    assert!(!a.4.track_op(), "the mean logits carry no graph");
 }

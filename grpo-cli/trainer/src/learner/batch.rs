@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
+use grpo_rollout::model::TokenStats;
 use grpo_rollout::{FinishReason, Transformer};
 
 use crate::stages::Scored;
@@ -214,17 +215,17 @@ pub fn completion_logps(
     Ok((lp, ent, c))
 }
 
-/// [`completion_logps`] at temperature 1 with each token's entropy and whether it is the
-/// model's most likely token (1.0 / 0.0, no gradient): `(logps, entropies, top1, width)`, the
-/// inputs of TRL's SFT metrics `entropy` and `mean_token_accuracy`.
+/// [`completion_logps`] at temperature 1 with each token's entropy, whether it is the model's
+/// most likely token and its mean logit (`TokenStats`, no gradient beside the log-probs) and
+/// the width: the inputs of TRL's `entropy`, `mean_token_accuracy` and `logits/*` metrics.
 pub fn completion_stats(
     model: &Transformer,
     pad: u32,
     prompts: &[&[u32]],
     completions: &[&[u32]],
-) -> Result<(Tensor, Tensor, Tensor, usize)> {
+) -> Result<(TokenStats, usize)> {
     let (inputs, c) = completion_inputs(model, pad, prompts, completions)?;
-    let (lp, ent, top1) = match &inputs {
+    let stats = match &inputs {
         CompletionInputs::Shared {
             prompts,
             prompt_mask,
@@ -240,7 +241,7 @@ pub fn completion_stats(
         )?,
         CompletionInputs::Padded { ids, mask } => model.completion_stats(ids, mask, c)?,
     };
-    Ok((lp, ent, top1, c))
+    Ok((stats, c))
 }
 
 /// The combined reward of each of `n` completions, an unscored one (NaN, or missing) as 0: TRL's
@@ -300,17 +301,17 @@ pub fn summed_policy_and_reference(
     ))
 }
 
-/// [`completion_logps`] at temperature 1 with `log Σ_v p_v²` of each token's distribution
-/// (no gradient) beside its log-prob, for WPO's weights: `(logps, log_sum_sq, width)`.
+/// [`completion_stats`] (padded) with `log Σ_v p_v²` of each token's distribution (no
+/// gradient), for WPO's weights: `(stats, log_sum_sq, width)`.
 pub fn completion_logps_and_sum_sq(
     model: &Transformer,
     pad: u32,
     prompts: &[&[u32]],
     completions: &[&[u32]],
-) -> Result<(Tensor, Tensor, usize)> {
+) -> Result<(TokenStats, Tensor, usize)> {
     let (ids, mask, c) = padded_batch(pad, prompts, completions, model.device())?;
-    let (lp, sum_sq) = model.completion_logprobs_and_sum_sq(&ids, &mask, c)?;
-    Ok((lp, sum_sq, c))
+    let (stats, sum_sq) = model.completion_stats_and_sum_sq(&ids, &mask, c)?;
+    Ok((stats, sum_sq, c))
 }
 
 /// The longest prompt and the longest completion (at least 1).

@@ -32,6 +32,7 @@ use crate::pipeline::{RunOptions, TrainingResult};
 use crate::setup::Setup;
 use crate::stages::{Loader, Stage, chat_messages};
 use crate::step_end::StepEnd;
+use grpo_rollout::model::TokenStats;
 
 /// One tokenised row: the prompt, the completion(s) and, per completion token, whether it
 /// carries the loss. `Default`: empty, desirable, one sequence, no margin.
@@ -870,28 +871,25 @@ fn one_sequence(rows: &[Row]) -> Option<Row> {
 
 /// Log-probs `(B, c)` of packed rows' tokens after the first, each sequence of a row on its
 /// own positions and attending only to itself (`Row::segments`), the rows right-padded.
-/// Means of `entropy` and `top1` `(B, c)` over the tokens where `mask` is 1 (0 for both when
-/// there are none, as TRL logs them).
-fn token_means(entropy: &Tensor, top1: &Tensor, mask: &Tensor) -> Result<(f64, f64)> {
+/// Mean of `x` `(B, c)` over the tokens where `mask` is 1, 0 when there are none (as TRL logs
+/// its token metrics).
+fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f64> {
     let m = mask.detach().to_dtype(DType::F32)?;
-    let mean = |t: &Tensor| -> Result<f64> {
-        let w = (t.detach().to_dtype(DType::F32)? * &m)?;
-        Ok(w.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?)
-    };
     let n = m.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     if n <= 0.0 {
-        return Ok((0.0, 0.0));
+        return Ok(0.0);
     }
-    Ok((mean(entropy)? / n, mean(top1)? / n))
+    let s = (x.detach().to_dtype(DType::F32)? * &m)?.sum_all()?;
+    Ok(s.to_dtype(DType::F64)?.to_scalar::<f64>()? / n)
 }
 
-/// Per-token log-probs, entropies and top-1 indicators of packed rows (several sequences in a
-/// row, kept apart by the attention bias), and the width.
+/// Per-token log-probs and statistics of packed rows (several sequences in a row, kept apart
+/// by the attention bias), and the width.
 fn packed_logps(
     model: &grpo_rollout::Transformer,
     pad: u32,
     rows: &[Row],
-) -> Result<(Tensor, Tensor, Tensor, usize)> {
+) -> Result<(TokenStats, usize)> {
     let l = rows
         .iter()
         .map(|r| r.prompt.len() + r.completion.len())
@@ -912,8 +910,7 @@ fn packed_logps(
     let dev = model.device();
     let ids = Tensor::from_vec(ids, (rows.len(), l), dev)?;
     let (pos, bias) = grpo_rollout::model::packed_positions_and_bias(&lens, l, dev)?;
-    let (lp, ent, top1) = model.logprobs_stats_with(&ids, &pos, &bias, l - 1)?;
-    Ok((lp, ent, top1, l - 1))
+    Ok((model.logprobs_stats_with(&ids, &pos, &bias, l - 1)?, l - 1))
 }
 
 /// `(B, c)` 0/1 mask of the completions' loss tokens, right-padded to `c`.
@@ -949,25 +946,37 @@ impl Learner {
         self.summed(&lp, completions, c)
     }
 
-    /// The policy's summed log-probs `(2k,)` of a batch's chosen then rejected completions
-    /// and, with `dpo.use_weighting`, WPO's pair weights `(k,)` from the same forward.
+    /// The policy's summed log-probs `(2k,)` of a batch's chosen then rejected completions,
+    /// with `dpo.use_weighting` WPO's pair weights `(k,)`, and the per-token statistics and
+    /// completion-token mask `(2k, c)` of TRL's metrics, all from the same forward.
     fn policy_logps(
         &self,
         model: &grpo_rollout::Transformer,
         prompts: &[&[u32]],
         completions: &[&[u32]],
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        if !self.cfg.dpo.use_weighting {
-            return Ok((self.summed_logps(model, prompts, completions)?, None));
-        }
+    ) -> Result<(Tensor, Option<Tensor>, TokenStats, Tensor)> {
         let pad = self.tokenizer.pad_token_id;
-        let (lp, sum_sq, c) = completion_logps_and_sum_sq(model, pad, prompts, completions)?;
-        // TRL averages over every completion token (LD-DPO's α does not enter the weights).
+        let (st, sum_sq, c) = match self.cfg.dpo.use_weighting {
+            true => {
+                let (st, sum_sq, c) =
+                    completion_logps_and_sum_sq(model, pad, prompts, completions)?;
+                (st, Some(sum_sq), c)
+            }
+            false => {
+                let (st, c) = completion_stats(model, pad, prompts, completions)?;
+                (st, None, c)
+            }
+        };
+        let lp = &st.logps;
+        // Every completion token (LD-DPO's α enters neither WPO's weights nor the metrics).
         let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
         let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
         let mask = mask_tensor(&refs, c, lp.dtype(), lp.device())?;
-        let weights = grpo_core::preference::wpo_pair_weights(&lp, &sum_sq, &mask)?;
-        Ok((self.summed(&lp, completions, c)?, Some(weights)))
+        let weights = match &sum_sq {
+            Some(sq) => Some(grpo_core::preference::wpo_pair_weights(lp, sq, &mask)?),
+            None => None,
+        };
+        Ok((self.summed(lp, completions, c)?, weights, st, mask))
     }
 
     /// Per-token log-probs `(B, c)` summed over each completion's tokens (LD-DPO's `ld_alpha`
@@ -1135,8 +1144,30 @@ impl Learner {
                     .map(|r| r.completion.as_slice())
                     .chain(part.iter().map(|r| r.rejected.as_slice()))
                     .collect();
-                let (pol, pair_weights) = self.policy_logps(&model, &prompts, &comps)?;
+                let (pol, pair_weights, st, tok_mask) =
+                    self.policy_logps(&model, &prompts, &comps)?;
                 let k = b - a;
+                // TRL's DPO token metrics, per micro-batch, averaged over the step's: the
+                // entropy over both sides' tokens, the mean logit of each side's tokens, the
+                // top-1 accuracy on the chosen side.
+                let per = 1.0 / chunks.len() as f64;
+                let half = |t: &Tensor, i: usize| t.narrow(0, i * k, k);
+                add("entropy", masked_mean(&st.entropy, &tok_mask)?, per);
+                add(
+                    "logits/chosen",
+                    masked_mean(&half(&st.mean_logits, 0)?, &half(&tok_mask, 0)?)?,
+                    per,
+                );
+                add(
+                    "logits/rejected",
+                    masked_mean(&half(&st.mean_logits, 1)?, &half(&tok_mask, 1)?)?,
+                    per,
+                );
+                add(
+                    "mean_token_accuracy",
+                    masked_mean(&half(&st.top1, 0)?, &half(&tok_mask, 0)?)?,
+                    per,
+                );
                 let missing = part.iter().any(|r| !dpo_ref.contains_key(&r.index));
                 let (rc, rr) = if missing || !self.cfg.dpo.precompute_ref_log_probs {
                     let reference = self
@@ -1300,20 +1331,20 @@ impl Learner {
                         }
                         false => part,
                     };
-                let (lp, ent, top1, c) = if part.iter().any(|r| !r.segments.is_empty()) {
+                let (st, c) = if part.iter().any(|r| !r.segments.is_empty()) {
                     packed_logps(&model, self.tokenizer.pad_token_id, part)?
                 } else {
                     completion_stats(&model, self.tokenizer.pad_token_id, &prompts, &comps)?
                 };
+                let lp = &st.logps;
                 let masks: Vec<&[u8]> = part.iter().map(|r| r.mask.as_slice()).collect();
                 let mask = mask_tensor(&masks, c, lp.dtype(), lp.device())?;
                 // TRL's SFT metrics: the mean entropy and top-1 accuracy over the loss
                 // tokens of each micro-batch, averaged over the step's micro-batches.
                 let per = 1.0 / chunks.len() as f64;
-                let (e, hit) = token_means(&ent, &top1, &mask)?;
-                add("entropy", e, per);
-                add("mean_token_accuracy", hit, per);
-                sft_loss_typed(&lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
+                add("entropy", masked_mean(&st.entropy, &mask)?, per);
+                add("mean_token_accuracy", masked_mean(&st.top1, &mask)?, per);
+                sft_loss_typed(lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
             };
             let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             if !lv.is_finite() {
