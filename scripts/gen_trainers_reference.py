@@ -12,6 +12,7 @@ vocabulary (grpo-rollout/tests/trainable_tokens.rs).
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py orpo_cpo   # ORPO and CPO only
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py sft        # the three SFT runs only
     ~/trl-venv/bin/python scripts/gen_trainers_reference.py dpo        # the DPO run only
+    ~/trl-venv/bin/python scripts/gen_trainers_reference.py kto        # the KTO run only
 
 Writes, under grpo-rollout/tests/fixtures/:
   * micro-teacher/: a second random Qwen2ForCausalLM with bench-qwen2-micro's config and
@@ -315,7 +316,8 @@ def kto_reference(out_dir):
     args = common_args(KTOConfig, out_dir, beta=0.1)
     trainer = KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(KTO_ROWS), processing_class=tok)
     trainer.train()
-    keys = ["loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"]
+    keys = ["loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected", "entropy", "logits/chosen", "logits/rejected"]
     return [{k: float(h[k]) for k in keys if k in h} for h in trainer.state.log_history if "loss" in h]
 
 
@@ -427,6 +429,15 @@ def main():
     import sys
 
     path = os.path.join(FIX, "trainers_reference.json")
+    if sys.argv[1:] == ["kto"]:
+        # Only the KTO run (with TRL's token metrics), merged into the file.
+        with open(path) as f:
+            out = json.load(f)
+        out["kto"] = kto_reference("/tmp/trl-kto-ref")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(json.dumps(out["kto"], indent=1))
+        return
     if sys.argv[1:] == ["dpo"]:
         # Only the DPO run (with TRL's token metrics), merged into the file.
         with open(path) as f:

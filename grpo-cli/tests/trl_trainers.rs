@@ -163,6 +163,9 @@ fn three_kto_steps_match_trls_kto_trainer() {
             "rewards/margins",
             "logps/chosen",
             "logps/rejected",
+            "entropy",
+            "logits/chosen",
+            "logits/rejected",
         ],
     );
 }

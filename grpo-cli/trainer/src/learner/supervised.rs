@@ -874,13 +874,18 @@ fn one_sequence(rows: &[Row]) -> Option<Row> {
 /// Mean of `x` `(B, c)` over the tokens where `mask` is 1, 0 when there are none (as TRL logs
 /// its token metrics).
 fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f64> {
+    Ok(masked_mean_opt(x, mask)?.unwrap_or(0.0))
+}
+
+/// [`masked_mean`], `None` when the mask holds no token.
+fn masked_mean_opt(x: &Tensor, mask: &Tensor) -> Result<Option<f64>> {
     let m = mask.detach().to_dtype(DType::F32)?;
     let n = m.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     if n <= 0.0 {
-        return Ok(0.0);
+        return Ok(None);
     }
     let s = (x.detach().to_dtype(DType::F32)? * &m)?.sum_all()?;
-    Ok(s.to_dtype(DType::F64)?.to_scalar::<f64>()? / n)
+    Ok(Some(s.to_dtype(DType::F64)?.to_scalar::<f64>()? / n))
 }
 
 /// Per-token log-probs and statistics of packed rows (several sequences in a row, kept apart
@@ -1118,6 +1123,8 @@ impl Learner {
         // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
         // then undesirable rows, and the KL estimate weighted by micro-batch share.
         let (mut kto_sums, mut kto_kl) = ([0f64; 6], 0f64);
+        // KTO's mean logits: (Σ micro-batch means, count) of the desirable, then undesirable side.
+        let mut kto_logits = [0f64; 4];
         let total_tokens: f64 = rows
             .iter()
             .map(|r| r.mask.iter().map(|&m| f64::from(m)).sum::<f64>())
@@ -1253,7 +1260,31 @@ impl Learner {
                     .reference
                     .as_ref()
                     .context("KTO needs the reference model")?;
-                let pol = self.summed_logps(&model, &prompts, &comps)?;
+                let pad = self.tokenizer.pad_token_id;
+                let (st, c) = completion_stats(&model, pad, &prompts, &comps)?;
+                let pol = self.summed(&st.logps, &comps, c)?;
+                // KTOTrainer's token metrics, per micro-batch: the entropy over every
+                // completion token, each side's mean logit where the side has tokens.
+                let lens: Vec<Vec<u8>> = comps.iter().map(|x| vec![1u8; x.len()]).collect();
+                let refs: Vec<&[u8]> = lens.iter().map(Vec::as_slice).collect();
+                let tok_mask = mask_tensor(&refs, c, DType::F32, st.logps.device())?;
+                add(
+                    "entropy",
+                    masked_mean(&st.entropy, &tok_mask)?,
+                    1.0 / chunks.len() as f64,
+                );
+                for (slot, want) in [(0, true), (2, false)] {
+                    let side: Vec<f32> = part
+                        .iter()
+                        .map(|r| f32::from(u8::from(r.desirable == want)))
+                        .collect();
+                    let side = Tensor::from_vec(side, (part.len(), 1), st.logps.device())?;
+                    let m2 = tok_mask.broadcast_mul(&side)?;
+                    if let Some(v) = masked_mean_opt(&st.mean_logits, &m2)? {
+                        kto_logits[slot] += v;
+                        kto_logits[slot + 1] += 1.0;
+                    }
+                }
                 // The cache (`kto.precompute_ref_log_probs`) holds a row index's desirable
                 // completion's reference log-prob first, its undesirable one's second.
                 let slot = |r: &Row, v: &(f64, f64)| if r.desirable { v.0 } else { v.1 };
@@ -1371,6 +1402,13 @@ impl Learner {
             }
             if cn > 0.0 && rn > 0.0 {
                 m.insert("rewards/margins".into(), cr / cn - rr / rn);
+            }
+            let [lc, nc, lr, nr] = kto_logits;
+            if nc > 0.0 {
+                m.insert("logits/chosen".into(), lc / nc);
+            }
+            if nr > 0.0 {
+                m.insert("logits/rejected".into(), lr / nr);
             }
         }
         if train {
