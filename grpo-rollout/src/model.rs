@@ -1762,38 +1762,34 @@ impl Transformer {
         attention_mask: &Tensor,
         logits_to_keep: usize,
     ) -> Result<TokenStats> {
-        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        self.logprobs_stats_with(input_ids, &positions, &bias, logits_to_keep)
+        let (h, targets, shape) = self.padded_rows(input_ids, attention_mask, logits_to_keep)?;
+        token_stats(self.target_stats(&h, &targets, shape, 1.0, true, true)?)
     }
 
-    /// [`Self::completion_logprobs`] at temperature 1, with `log Σ_v p_v²` of each token's
-    /// distribution beside its log-prob (no gradient): WPO's two ingredients
-    /// (`grpo_core::preference::wpo_pair_weights`) from one forward. Both `(B, logits_to_keep)`.
-    pub fn completion_logprobs_and_sum_sq(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        logits_to_keep: usize,
-    ) -> Result<(Tensor, Tensor)> {
-        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        let (h, targets, shape) = self.scored_rows(input_ids, &positions, &bias, logits_to_keep)?;
-        let (lp, _) = self.target_logprobs(&h, &targets, shape, 1.0, false)?;
-        let sum_sq = self.log_sum_sq_probs(&h)?.reshape(shape)?;
-        Ok((lp, sum_sq))
-    }
-
-    /// [`Self::completion_logprobs_and_sum_sq`] with [`TokenStats`] (holding the log-probs).
+    /// [`Self::completion_stats`] with `log Σ_v p_v²` of each token's distribution (no
+    /// gradient): WPO's ingredients (`grpo_core::preference::wpo_pair_weights`) and the token
+    /// metrics from one forward. All `(B, logits_to_keep)`.
     pub fn completion_stats_and_sum_sq(
         &self,
         input_ids: &Tensor,
         attention_mask: &Tensor,
         logits_to_keep: usize,
     ) -> Result<(TokenStats, Tensor)> {
-        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        let (h, targets, shape) = self.scored_rows(input_ids, &positions, &bias, logits_to_keep)?;
+        let (h, targets, shape) = self.padded_rows(input_ids, attention_mask, logits_to_keep)?;
         let stats = token_stats(self.target_stats(&h, &targets, shape, 1.0, true, true)?)?;
         let sum_sq = self.log_sum_sq_probs(&h)?.reshape(shape)?;
         Ok((stats, sum_sq))
+    }
+
+    /// [`Self::scored_rows`] of a left-padded batch (its positions and causal bias from the mask).
+    fn padded_rows(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        logits_to_keep: usize,
+    ) -> Result<(Tensor, Tensor, (usize, usize))> {
+        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
+        self.scored_rows(input_ids, &positions, &bias, logits_to_keep)
     }
 
     /// `log Σ_v p_v²` of the next-token distribution at each hidden row `(N, H)`, `(N,)` in f32
@@ -1835,8 +1831,7 @@ impl Transformer {
         attention_mask: &Tensor,
         t: usize,
     ) -> Result<Tensor> {
-        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        Ok(self.scored_rows(input_ids, &positions, &bias, t)?.0)
+        Ok(self.padded_rows(input_ids, attention_mask, t)?.0)
     }
 
     /// On-policy distillation (TRL's `DistillationTrainer`): at each hidden row of this model

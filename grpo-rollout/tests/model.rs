@@ -990,7 +990,8 @@ fn log_sum_sq_probs_equal_the_full_softmax() {
         let m = model(Arch::Qwen2, dtype, true);
         let (ids, mask) = padded(&rows);
         let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
-        let (lp2, lss) = m.completion_logprobs_and_sum_sq(&ids, &mask, t).unwrap();
+        let (stats, lss) = m.completion_stats_and_sum_sq(&ids, &mask, t).unwrap();
+        let lp2 = stats.logps;
         let f =
             |x: &Tensor| -> Vec<Vec<f64>> { x.to_dtype(DType::F64).unwrap().to_vec2().unwrap() };
         assert_eq!(f(&lp), f(&lp2), "{dtype:?}");

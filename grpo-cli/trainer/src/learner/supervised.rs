@@ -871,21 +871,30 @@ fn one_sequence(rows: &[Row]) -> Option<Row> {
 
 /// Log-probs `(B, c)` of packed rows' tokens after the first, each sequence of a row on its
 /// own positions and attending only to itself (`Row::segments`), the rows right-padded.
-/// Mean of `x` `(B, c)` over the tokens where `mask` is 1, 0 when there are none (as TRL logs
-/// its token metrics).
-fn masked_mean(x: &Tensor, mask: &Tensor) -> Result<f64> {
-    Ok(masked_mean_opt(x, mask)?.unwrap_or(0.0))
+/// The mean of each `x` `(B, c)` over the tokens where its mask is 1 (`None` where the mask
+/// holds none: TRL then logs 0 or skips the value), read from the device with one copy.
+fn masked_means(pairs: &[(&Tensor, &Tensor)]) -> Result<Vec<Option<f64>>> {
+    let mut parts = Vec::with_capacity(2 * pairs.len());
+    for (x, mask) in pairs {
+        let m = mask.detach().to_dtype(DType::F32)?;
+        parts.push((x.detach().to_dtype(DType::F32)? * &m)?.sum_all()?);
+        parts.push(m.sum_all()?);
+    }
+    let v: Vec<f64> = Tensor::stack(&parts, 0)?.to_dtype(DType::F64)?.to_vec1()?;
+    Ok(v.chunks(2)
+        .map(|c| (c[1] > 0.0).then(|| c[0] / c[1]))
+        .collect())
 }
 
-/// [`masked_mean`], `None` when the mask holds no token.
-fn masked_mean_opt(x: &Tensor, mask: &Tensor) -> Result<Option<f64>> {
-    let m = mask.detach().to_dtype(DType::F32)?;
-    let n = m.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    if n <= 0.0 {
-        return Ok(None);
-    }
-    let s = (x.detach().to_dtype(DType::F32)? * &m)?.sum_all()?;
-    Ok(Some(s.to_dtype(DType::F64)?.to_scalar::<f64>()? / n))
+/// 0/1 mask `(B, c)` of every token of each completion (right-padded to `c`), f32.
+fn completion_mask(
+    completions: &[&[u32]],
+    c: usize,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
+    let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
+    mask_tensor(&refs, c, DType::F32, device)
 }
 
 /// Per-token log-probs and statistics of packed rows (several sequences in a row, kept apart
@@ -974,9 +983,7 @@ impl Learner {
         };
         let lp = &st.logps;
         // Every completion token (LD-DPO's α enters neither WPO's weights nor the metrics).
-        let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
-        let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
-        let mask = mask_tensor(&refs, c, lp.dtype(), lp.device())?;
+        let mask = completion_mask(completions, c, lp.device())?.to_dtype(lp.dtype())?;
         let weights = match &sum_sq {
             Some(sq) => Some(grpo_core::preference::wpo_pair_weights(lp, sq, &mask)?),
             None => None,
@@ -1004,11 +1011,7 @@ impl Learner {
                 }
                 Tensor::from_vec(w, (completions.len(), c), lp.device())?.to_dtype(lp.dtype())?
             }
-            _ => {
-                let masks: Vec<Vec<u8>> = completions.iter().map(|x| vec![1u8; x.len()]).collect();
-                let refs: Vec<&[u8]> = masks.iter().map(Vec::as_slice).collect();
-                mask_tensor(&refs, c, lp.dtype(), lp.device())?
-            }
+            _ => completion_mask(completions, c, lp.device())?.to_dtype(lp.dtype())?,
         };
         Ok((lp * mask)?.sum(D::Minus1)?)
     }
@@ -1159,22 +1162,24 @@ impl Learner {
                 // top-1 accuracy on the chosen side.
                 let per = 1.0 / chunks.len() as f64;
                 let half = |t: &Tensor, i: usize| t.narrow(0, i * k, k);
-                add("entropy", masked_mean(&st.entropy, &tok_mask)?, per);
-                add(
+                let (chosen, rejected) = (half(&tok_mask, 0)?, half(&tok_mask, 1)?);
+                let means = masked_means(&[
+                    (&st.entropy, &tok_mask),
+                    (&half(&st.mean_logits, 0)?, &chosen),
+                    (&half(&st.mean_logits, 1)?, &rejected),
+                    (&half(&st.top1, 0)?, &chosen),
+                ])?;
+                for (key, v) in [
+                    "entropy",
                     "logits/chosen",
-                    masked_mean(&half(&st.mean_logits, 0)?, &half(&tok_mask, 0)?)?,
-                    per,
-                );
-                add(
                     "logits/rejected",
-                    masked_mean(&half(&st.mean_logits, 1)?, &half(&tok_mask, 1)?)?,
-                    per,
-                );
-                add(
                     "mean_token_accuracy",
-                    masked_mean(&half(&st.top1, 0)?, &half(&tok_mask, 0)?)?,
-                    per,
-                );
+                ]
+                .into_iter()
+                .zip(means)
+                {
+                    add(key, v.unwrap_or(0.0), per);
+                }
                 let missing = part.iter().any(|r| !dpo_ref.contains_key(&r.index));
                 let (rc, rr) = if missing || !self.cfg.dpo.precompute_ref_log_probs {
                     let reference = self
@@ -1265,22 +1270,27 @@ impl Learner {
                 let pol = self.summed(&st.logps, &comps, c)?;
                 // KTOTrainer's token metrics, per micro-batch: the entropy over every
                 // completion token, each side's mean logit where the side has tokens.
-                let lens: Vec<Vec<u8>> = comps.iter().map(|x| vec![1u8; x.len()]).collect();
-                let refs: Vec<&[u8]> = lens.iter().map(Vec::as_slice).collect();
-                let tok_mask = mask_tensor(&refs, c, DType::F32, st.logps.device())?;
-                add(
-                    "entropy",
-                    masked_mean(&st.entropy, &tok_mask)?,
-                    1.0 / chunks.len() as f64,
-                );
-                for (slot, want) in [(0, true), (2, false)] {
-                    let side: Vec<f32> = part
+                let tok_mask = completion_mask(&comps, c, st.logps.device())?;
+                let side = |want: bool| -> Result<Tensor> {
+                    let rows: Vec<f32> = part
                         .iter()
                         .map(|r| f32::from(u8::from(r.desirable == want)))
                         .collect();
-                    let side = Tensor::from_vec(side, (part.len(), 1), st.logps.device())?;
-                    let m2 = tok_mask.broadcast_mul(&side)?;
-                    if let Some(v) = masked_mean_opt(&st.mean_logits, &m2)? {
+                    let rows = Tensor::from_vec(rows, (part.len(), 1), st.logps.device())?;
+                    Ok(tok_mask.broadcast_mul(&rows)?)
+                };
+                let means = masked_means(&[
+                    (&st.entropy, &tok_mask),
+                    (&st.mean_logits, &side(true)?),
+                    (&st.mean_logits, &side(false)?),
+                ])?;
+                add(
+                    "entropy",
+                    means[0].unwrap_or(0.0),
+                    1.0 / chunks.len() as f64,
+                );
+                for (slot, v) in [(0, means[1]), (2, means[2])] {
+                    if let Some(v) = v {
                         kto_logits[slot] += v;
                         kto_logits[slot + 1] += 1.0;
                     }
@@ -1373,8 +1383,9 @@ impl Learner {
                 // TRL's SFT metrics: the mean entropy and top-1 accuracy over the loss
                 // tokens of each micro-batch, averaged over the step's micro-batches.
                 let per = 1.0 / chunks.len() as f64;
-                add("entropy", masked_mean(&st.entropy, &mask)?, per);
-                add("mean_token_accuracy", masked_mean(&st.top1, &mask)?, per);
+                let means = masked_means(&[(&st.entropy, &mask), (&st.top1, &mask)])?;
+                add("entropy", means[0].unwrap_or(0.0), per);
+                add("mean_token_accuracy", means[1].unwrap_or(0.0), per);
                 sft_loss_typed(lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
             };
             let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
