@@ -429,43 +429,27 @@ def main():
     import sys
 
     path = os.path.join(FIX, "trainers_reference.json")
-    if sys.argv[1:] == ["kto"]:
-        # Only the KTO run (with TRL's token metrics), merged into the file.
+    # Runs that can be regenerated alone, merged into the existing file.
+    parts = {
+        "sft": lambda: {
+            "sft": sft_reference("/tmp/trl-sft-ref"),
+            "sft_chat": sft_chat_reference("/tmp/trl-sft-chat-ref"),
+            "sft_assistant_only": sft_assistant_only_reference("/tmp/trl-sft-ao-ref"),
+        },
+        "dpo": lambda: {"dpo": dpo_reference("/tmp/trl-dpo-ref")},
+        "kto": lambda: {"kto": kto_reference("/tmp/trl-kto-ref")},
+        "orpo_cpo": orpo_cpo_references,
+    }
+    if sys.argv[1:]:
+        if len(sys.argv) != 2 or sys.argv[1] not in parts:
+            sys.exit(f"usage: gen_trainers_reference.py [{' | '.join(parts)}]")
         with open(path) as f:
             out = json.load(f)
-        out["kto"] = kto_reference("/tmp/trl-kto-ref")
+        new = parts[sys.argv[1]]()
+        out.update(new)
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
-        print(json.dumps(out["kto"], indent=1))
-        return
-    if sys.argv[1:] == ["dpo"]:
-        # Only the DPO run (with TRL's token metrics), merged into the file.
-        with open(path) as f:
-            out = json.load(f)
-        out["dpo"] = dpo_reference("/tmp/trl-dpo-ref")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps(out["dpo"], indent=1))
-        return
-    if sys.argv[1:] == ["sft"]:
-        # Only the SFT runs (with TRL's entropy and mean_token_accuracy), merged into the file.
-        with open(path) as f:
-            out = json.load(f)
-        out["sft"] = sft_reference("/tmp/trl-sft-ref")
-        out["sft_chat"] = sft_chat_reference("/tmp/trl-sft-chat-ref")
-        out["sft_assistant_only"] = sft_assistant_only_reference("/tmp/trl-sft-ao-ref")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps({k: out[k] for k in ["sft", "sft_chat", "sft_assistant_only"]}, indent=1))
-        return
-    if sys.argv[1:] == ["orpo_cpo"]:
-        # Only the ORPO and CPO runs, merged into the existing file.
-        with open(path) as f:
-            out = json.load(f)
-        out.update(orpo_cpo_references())
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
-        print(json.dumps({k: out[k] for k in ["orpo", "orpo_chat", "orpo_bos_merge", "cpo", "cpo_simpo", "cpo_alphapo", "tpo", "tpo_l"]}, indent=1))
+        print(json.dumps(new, indent=1))
         return
     out = {
         "reward": reward_reference("/tmp/trl-reward-ref"),
