@@ -6,32 +6,23 @@
 //! subcommand.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use grpo_rewards::RewardInput;
-use grpo_rollout::Arch;
-use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, A2poTrainer, FitOptions, RunOptions};
 
 mod common;
-use common::{assert_same_steps, grpo_cli_ok, stopped_and_resumed};
-
-struct Fixture {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
+use common::{Fixture, assert_same_steps, grpo_cli_ok, stopped_and_resumed};
 
 /// A tiny model and 12 prompts: "Say a digit (i)" for i < 12.
 fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().to_path_buf();
-    init_model_dir(&root.join("model"), Preset::Tiny, Arch::Qwen2, 3).unwrap();
+    let f = Fixture::new().model("model", 3);
     let rows: String = (0..12)
         .map(|i| format!("{{\"prompt\": \"Say a digit ({i}):\"}}\n"))
         .collect();
-    std::fs::write(root.join("prompts.jsonl"), rows).unwrap();
-    Fixture { _dir: dir, root }
+    std::fs::write(f.root.join("prompts.jsonl"), rows).unwrap();
+    f
 }
 
 fn config_text(root: &Path, out: &str, steps: usize, extra: &str) -> String {

@@ -4,39 +4,24 @@
 //! the subcommand.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
-use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
-use grpo_rollout::init::{Preset, init_model_dir, init_model_dir_with};
+use grpo_rollout::init::{Preset, init_model_dir_with};
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunOptions};
 
 mod common;
-use common::{assert_same_steps, eval_lines, stopped_and_resumed};
-
-struct Fixture {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
+use common::{Fixture, assert_same_steps, eval_lines, stopped_and_resumed};
 
 /// A student, a teacher (another random model with the same tokenizer) and arithmetic prompts.
 fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().to_path_buf();
-    init_model_dir(&root.join("student"), Preset::Tiny, Arch::Qwen2, 3).unwrap();
-    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
-    ArithmeticConfig {
-        n: 40,
-        seed: 1,
-        digits: 1,
-        steps: 1,
-    }
-    .write(&root.join("arith.jsonl"))
-    .unwrap();
-    Fixture { _dir: dir, root }
+    Fixture::new()
+        .model("student", 3)
+        .model("teacher", 11)
+        .arithmetic(40)
 }
 
 fn config_text(root: &Path, out: &str, teacher: &str, steps: usize, extra: &str) -> String {

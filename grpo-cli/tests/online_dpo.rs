@@ -6,36 +6,17 @@
 //! refusals, exact resume and the subcommand.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use grpo_data::synth::ArithmeticConfig;
 use grpo_rewards::RewardInput;
-use grpo_rollout::Arch;
-use grpo_rollout::init::{Preset, init_model_dir};
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, FitOptions, OnlineDpoTrainer, RunOptions};
 
 mod common;
-use common::{assert_same_steps, grpo_cli_ok, stopped_and_resumed};
-
-struct Fixture {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
+use common::{Fixture, assert_same_steps, grpo_cli_ok, stopped_and_resumed};
 
 fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().to_path_buf();
-    init_model_dir(&root.join("model"), Preset::Tiny, Arch::Qwen2, 3).unwrap();
-    ArithmeticConfig {
-        n: 16,
-        seed: 1,
-        digits: 1,
-        steps: 1,
-    }
-    .write(&root.join("arith.jsonl"))
-    .unwrap();
-    Fixture { _dir: dir, root }
+    Fixture::new().model("model", 3).arithmetic(16)
 }
 
 fn config_text(root: &Path, out: &str, steps: usize, extra: &str) -> String {

@@ -4,29 +4,16 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use grpo_data::synth::ArithmeticConfig;
 use grpo_rollout::Arch;
-use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_rollout::init::Preset;
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunMode, RunOptions};
 
-struct Fixture {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
+mod common;
+use common::Fixture;
 
 fn fixture() -> Fixture {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().to_path_buf();
-    init_model_dir(&root.join("model"), Preset::Tiny, Arch::Qwen2, 3).unwrap();
-    let synth = ArithmeticConfig {
-        n: 40,
-        seed: 1,
-        digits: 1,
-        steps: 1,
-    };
-    synth.write(&root.join("arith.jsonl")).unwrap();
-    Fixture { _dir: dir, root }
+    Fixture::new().model("model", 3).arithmetic(40)
 }
 
 fn base_config(root: &Path, out: &str, extra: &str) -> TrainConfig {

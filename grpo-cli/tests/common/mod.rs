@@ -1,7 +1,48 @@
 //! Helpers the trainer tests share.
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// A temporary directory for a test's files (removed when dropped), filled step by step.
+pub struct Fixture {
+    _dir: tempfile::TempDir,
+    /// Its path.
+    pub root: PathBuf,
+}
+
+impl Fixture {
+    /// An empty directory.
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        Self { _dir: dir, root }
+    }
+
+    /// A tiny random Qwen2 model (weights from `seed`) in `root/name`.
+    pub fn model(self, name: &str, seed: u64) -> Self {
+        grpo_rollout::init::init_model_dir(
+            &self.root.join(name),
+            grpo_rollout::init::Preset::Tiny,
+            grpo_rollout::Arch::Qwen2,
+            seed,
+        )
+        .unwrap();
+        self
+    }
+
+    /// `root/arith.jsonl`: `n` one-digit, one-step sums (seed 1).
+    pub fn arithmetic(self, n: u64) -> Self {
+        grpo_data::synth::ArithmeticConfig {
+            n,
+            seed: 1,
+            digits: 1,
+            steps: 1,
+        }
+        .write(&self.root.join("arith.jsonl"))
+        .unwrap();
+        self
+    }
+}
 
 /// The first `n` rows of a dataset, in file order.
 pub fn first_rows(d: &grpo_data::Dataset, n: usize) -> Vec<grpo_data::Sample> {
