@@ -316,7 +316,7 @@ fn model_commands_reject_bad_input_in_one_line() {
 /// bf16; a device this build cannot use is one line naming `--device`.
 #[test]
 fn check_self_test_passes_on_the_cpu() {
-    for dtype in ["f32", "bf16"] {
+    for dtype in ["f32", "bf16", "f16"] {
         let out = cli(&["check", "--dtype", dtype]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(

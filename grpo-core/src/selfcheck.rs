@@ -11,12 +11,15 @@
 //! The checks are ordinary device-generic code: on the CPU they compare the CPU kernels with
 //! the same compositions, which is how the tests run them.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
 
 /// One comparison of a kernel with its composition.
 #[derive(Debug, Clone)]
@@ -122,9 +125,29 @@ pub fn rel_diff_all(want: &[Tensor], got: &[Tensor]) -> Result<f64> {
         .try_fold(0.0, |w, (a, b)| Ok(worse(w, rel_diff(a, b)?)))
 }
 
-/// Standard normal values of `shape` in `dtype` on `device` (drawn on the CPU).
+thread_local! {
+    /// The checks' draws: seeded, so a check's inputs are the same on every run and machine (an
+    /// unlucky draw must not switch a sound kernel off, nor fail `grpo-cli check` now and then).
+    static DRAWS: RefCell<ChaCha8Rng> = RefCell::new(ChaCha8Rng::seed_from_u64(SEED));
+}
+
+const SEED: u64 = 0x6772_706f;
+
+/// Restarts this thread's draws for [`randn`] from the fixed seed: a check set calls it first,
+/// so its inputs do not depend on what ran before it on the thread.
+pub fn reseed() {
+    DRAWS.with(|r| *r.borrow_mut() = ChaCha8Rng::seed_from_u64(SEED));
+}
+
+/// Standard normal values of `shape` in `dtype` on `device`, drawn on the CPU from this
+/// thread's seeded generator (see [`reseed`]).
 pub fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-    Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?
+    let n = shape.iter().product();
+    let v: Vec<f32> = DRAWS.with(|r| {
+        let mut r = r.borrow_mut();
+        (0..n).map(|_| StandardNormal.sample(&mut *r)).collect()
+    });
+    Tensor::from_vec(v, shape, &Device::Cpu)?
         .to_dtype(dtype)?
         .to_device(device)
 }
@@ -263,6 +286,28 @@ mod tests {
         guard("test_set", &Device::Cpu, DType::U8, counting);
         assert_eq!(RUNS.load(Ordering::SeqCst), 2);
         assert!(crate::fused::cuda_op_on("entropy", DType::F64));
+    }
+
+    /// The checks' inputs are the same whatever ran before on the thread: a check's outcome
+    /// must not depend on a draw.
+    #[test]
+    fn draws_restart_from_the_seed() -> Result<()> {
+        reseed();
+        let a = randn(&[3, 5], DType::F32, &Device::Cpu)?;
+        let b = randn(&[3, 5], DType::F32, &Device::Cpu)?;
+        reseed();
+        let c = randn(&[3, 5], DType::F32, &Device::Cpu)?;
+        assert_eq!(rel_diff(&a, &c)?, 0.0);
+        assert!(rel_diff(&a, &b)? > 0.1);
+        // Standard normal: mean near 0 and variance near 1 over many draws.
+        let v: Vec<f32> = randn(&[20_000], DType::F32, &Device::Cpu)?.to_vec1()?;
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32;
+        assert!(
+            mean.abs() < 0.03 && (var - 1.0).abs() < 0.05,
+            "{mean} {var}"
+        );
+        Ok(())
     }
 
     #[test]

@@ -14,6 +14,7 @@ use crate::generate::SamplingParams;
 
 /// Every comparison, in the order `grpo-cli check` prints them.
 pub fn findings(device: &Device, dtype: DType) -> Vec<Finding> {
+    grpo_core::selfcheck::reseed();
     let d = device;
     let mut out = vec![
         Finding::new(

@@ -29,9 +29,9 @@ pub struct AdamWParams {
 pub struct AdamW {
     params: AdamWParams,
     vars: Vec<(String, Var)>,
-    /// First and second moments: f32 for f32/f64 variables and under mixed precision, the
-    /// variable's own dtype for pure half-precision training (as PyTorch's AdamW keeps them in
-    /// the parameter's dtype); each update computes in f32.
+    /// First and second moments: bf16 for pure bf16 training (as PyTorch's AdamW keeps them in
+    /// the parameter's dtype), f32 otherwise (f32/f64 and f16 variables, mixed precision); each
+    /// update computes in f32.
     m: Vec<Tensor>,
     v: Vec<Tensor>,
     /// f32 master copies of half-precision variables (mixed precision, TRL's `bf16 = true`):
@@ -46,8 +46,11 @@ impl AdamW {
         let mut m = Vec::with_capacity(vars.len());
         let mut v = Vec::with_capacity(vars.len());
         for (_, var) in &vars {
-            let dt = if is_half(var.dtype()) {
-                var.dtype()
+            // bf16 has f32's exponent range; f16's does not: a second moment (1 − β2)·g² of a
+            // gradient near 1e-3 is below its smallest value, and the update m / (0 + ε) blows
+            // up. f16 variables keep f32 moments.
+            let dt = if var.dtype() == DType::BF16 {
+                DType::BF16
             } else {
                 DType::F32
             };
@@ -81,8 +84,8 @@ impl AdamW {
     }
 
     /// The dtype gradients of variable `i` are summed in over micro-batches: f32, except for
-    /// pure half-precision training, where it is the variable's (PyTorch accumulates `.grad`
-    /// in the parameter's dtype) — half the memory of an f32 sum.
+    /// pure bf16 training, where it is bf16 (PyTorch accumulates `.grad` in the parameter's
+    /// dtype) — half the memory of an f32 sum.
     fn sum_dtype(&self, i: usize) -> DType {
         self.m[i].dtype()
     }
@@ -629,6 +632,50 @@ mod tests {
         // 0.01 in bf16 is 0.010009765625.
         let want = (4096.0f64 * 0.010_009_765_625f64.powi(2)).sqrt();
         assert!((norm - want).abs() < 1e-6, "{norm} vs {want}");
+    }
+
+    /// Pure f16 keeps f32 moments: small gradients' second moments underflow f16 (1e-3² ·
+    /// 0.001 is below its smallest subnormal), and with f16 moments the step would be
+    /// m / ε ≈ 1e5 times the learning rate.
+    #[test]
+    fn pure_f16_steps_small_gradients_like_f32() {
+        let dev = Device::Cpu;
+        let params = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let init = [1.0f32, -2.0, 0.5, 3.0];
+        let g = [1e-3f32, -2e-4, 5e-4, 1e-5];
+        let run = |dt: DType| -> Vec<f32> {
+            let var =
+                Var::from_tensor(&Tensor::new(&init, &dev).unwrap().to_dtype(dt).unwrap()).unwrap();
+            let mut opt = AdamW::new(vec![("p".into(), var.clone())], params).unwrap();
+            for _ in 0..3 {
+                let gt = Tensor::new(&g, &dev).unwrap().to_dtype(dt).unwrap();
+                let store = (var.as_tensor() * &gt)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let mut acc = HashMap::new();
+                opt.accumulate(&mut acc, &store).unwrap();
+                opt.step(&acc, 1e-3).unwrap();
+            }
+            assert_eq!(opt.state().unwrap()["p.exp_avg_sq"].dtype(), DType::F32);
+            let w = var.as_tensor().to_dtype(DType::F32).unwrap();
+            w.to_vec1::<f32>().unwrap()
+        };
+        let (half, full) = (run(DType::F16), run(DType::F32));
+        for (h, f) in half.iter().zip(&full) {
+            // Three steps of ≈ 1e-3 each, to within f16's spacing at the weight.
+            assert!(
+                (h - f).abs() <= 2e-3 * f.abs().max(1.0),
+                "{half:?} vs {full:?}"
+            );
+        }
     }
 
     /// Pure bf16 (no master weights) keeps its moments and gradient sums in bf16, as PyTorch's
