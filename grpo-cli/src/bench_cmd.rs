@@ -116,6 +116,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     let mut tm = TrainableModel::full(&m.model)?;
     if a.gradient_checkpointing {
         tm.model.enable_gradient_checkpointing();
+    } else if grpo_rollout::model::layer_segments_wanted() {
+        tm.model.enable_layer_segments();
     }
     let ids: Vec<u32> = (0..a.batch * a.seq_len)
         .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 7) % vocab)

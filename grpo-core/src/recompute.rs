@@ -17,6 +17,13 @@
 //! recomputation, go to a [`GradSink`] that the caller merges into the gradient store after
 //! `backward()`.
 //!
+//! [`Recompute::segment`] is the same node without the recomputation: the block's graph is built
+//! once, in the forward, and kept *inside the node*; its backward differentiates that graph and
+//! drops it. candle's `backward()` keeps every activation of a graph alive until it returns (the
+//! loss owns the whole graph), so all activations and all weight gradients coexist at its end;
+//! with a decoder layer per segment each layer's activations are freed as soon as its gradients
+//! are formed, as PyTorch frees a node's saved tensors.
+//!
 //! The cost: one copy of the op's output (the forward result is moved into the graph node by a
 //! device copy, since candle offers no way to adopt a storage) and, for [`Recompute::new`], one
 //! more forward of the composition in backward.
@@ -101,6 +108,36 @@ impl GradSink {
 enum Backward {
     Recompute,
     Explicit(Arc<BackwardFn>),
+    /// The graph built in the forward, kept by the node ([`Recompute::segment`]).
+    Retained,
+}
+
+/// Segments whose graph is alive (built by a forward, not yet differentiated or dropped).
+static LIVE_SEGMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many [`Recompute::segment`] graphs are alive in the process: each forward adds one per
+/// segment, its backward (or dropping the graph that holds it) removes it.
+pub fn live_segments() -> usize {
+    LIVE_SEGMENTS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// A segment's graph: the leaves its inputs became and its tracked output.
+struct Local {
+    leaves: Vec<Tensor>,
+    y: Tensor,
+}
+
+impl Local {
+    fn new(leaves: Vec<Tensor>, y: Tensor) -> Self {
+        LIVE_SEGMENTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self { leaves, y }
+    }
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        LIVE_SEGMENTS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// An op (or block) whose graph node keeps only its inputs; see the module docs.
@@ -150,8 +187,26 @@ impl Recompute {
         }
     }
 
+    /// A block whose graph is built once, in the forward (`forward` called with the flag true,
+    /// on leaves for its tracked inputs), and kept by the node; backward differentiates it and
+    /// frees it. No recomputation: the same activations as the plain composition, freed a block
+    /// at a time during backward. One backward per forward.
+    pub fn segment(
+        name: &'static str,
+        forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            forward: Arc::new(forward),
+            backward: Backward::Retained,
+            params: Vec::new(),
+            sink: None,
+        }
+    }
+
     /// Trainable weights (candle `Var`s) that `forward` uses when its flag is true: their
-    /// gradients from the recomputation go to `sink`. Only for [`Recompute::new`].
+    /// gradients from the recomputation (or the segment's graph) go to `sink`. For
+    /// [`Recompute::new`] and [`Recompute::segment`].
     pub fn with_params(mut self, params: Vec<Tensor>, sink: Arc<GradSink>) -> Self {
         self.params = params;
         self.sink = Some(sink);
@@ -161,9 +216,18 @@ impl Recompute {
     /// Runs the op on up to three inputs. Without a tracked input or a trainable weight the
     /// plain result is returned (no node, no copy).
     pub fn apply(self, args: &[&Tensor]) -> Result<Tensor> {
-        let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
-        let y = (self.forward)(&detached, false)?;
         let tracked = args.iter().any(|a| a.track_op());
+        let (y, local) = match self.backward {
+            Backward::Retained if tracked || !self.params.is_empty() => {
+                let leaves = leaves(args)?;
+                let y = (self.forward)(&leaves, true)?;
+                (y.detach(), Some(Local::new(leaves, y)))
+            }
+            _ => {
+                let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+                ((self.forward)(&detached, false)?, None)
+            }
+        };
         if !tracked && self.params.is_empty() {
             return Ok(y);
         }
@@ -183,6 +247,7 @@ impl Recompute {
         let node = Node {
             op: self,
             out: Mutex::new(Some(y)),
+            local: Mutex::new(local),
             n_args: args.len(),
         };
         match inputs.as_slice() {
@@ -199,7 +264,64 @@ impl Recompute {
 struct Node {
     op: Recompute,
     out: Mutex<Option<Tensor>>,
+    /// A segment's graph until its backward.
+    local: Mutex<Option<Local>>,
     n_args: usize,
+}
+
+/// `y`'s graph differentiated with `grad` as `y`'s gradient: `backward()` of a one-element
+/// node whose own backward hands `grad` to `y` (what `(y · grad).sum().backward()` gives,
+/// without its four `y`-sized products and sums).
+pub fn seeded_backward(y: &Tensor, grad: &Tensor) -> Result<GradStore> {
+    if grad.dims() != y.dims() {
+        candle_core::bail!(
+            "seeded backward: gradient {:?} for {:?}",
+            grad.dims(),
+            y.dims()
+        );
+    }
+    y.apply_op1(Seed(grad.detach()))?.backward()
+}
+
+/// The one-element node of [`seeded_backward`].
+struct Seed(Tensor);
+
+impl CustomOp1 for Seed {
+    fn name(&self) -> &'static str {
+        "seed"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let shape = Shape::from(());
+        Ok((s.device().zeros_impl(&shape, s.dtype())?, shape))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let shape = Shape::from(());
+        Ok((s.device().zeros_impl(&shape, s.dtype())?, shape))
+    }
+    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.0.clone()))
+    }
+}
+
+/// Fresh leaves for a local graph: a variable for each tracked input, the detached tensor for
+/// the others (both share the input's storage).
+fn leaves(args: &[&Tensor]) -> Result<Vec<Tensor>> {
+    args.iter()
+        .map(|a| {
+            if a.track_op() {
+                Ok(Var::from_tensor(&a.detach())?.into_inner())
+            } else {
+                Ok(a.detach())
+            }
+        })
+        .collect()
 }
 
 impl Node {
@@ -239,6 +361,7 @@ impl Node {
         let mut out = match &self.op.backward {
             Backward::Explicit(f) => f(&detached, grad)?,
             Backward::Recompute => self.recompute(args, grad)?,
+            Backward::Retained => self.differentiate_segment(args, grad)?,
         };
         for (g, a) in out.iter_mut().zip(args) {
             if !a.track_op() {
@@ -250,24 +373,50 @@ impl Node {
     }
 
     fn recompute(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let leaves = args
-            .iter()
-            .map(|a| {
-                if a.track_op() {
-                    Ok(Var::from_tensor(&a.detach())?.into_inner())
-                } else {
-                    Ok(a.detach())
-                }
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let leaves = leaves(args)?;
         let was = IN_RECOMPUTE.with(|c| c.replace(true));
         let run = || -> Result<GradStore> {
             let y = (self.op.forward)(&leaves, true)?;
-            (y * grad.detach())?.sum_all()?.backward()
+            seeded_backward(&y, grad)
         };
         let grads = run();
         IN_RECOMPUTE.with(|c| c.set(was));
-        let grads = grads?;
+        self.collect(args, &leaves, grads?)
+    }
+
+    /// A segment's backward: its kept graph differentiated with `grad`, then dropped (its
+    /// activations freed before the blocks below it run their backward).
+    fn differentiate_segment(
+        &self,
+        args: &[&Tensor],
+        grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let local = self
+            .local
+            .lock()
+            .map_err(|_| candle_core::Error::msg("recompute node poisoned"))?
+            .take()
+            .ok_or_else(|| {
+                candle_core::Error::msg(format!(
+                    "{}: a second backward through one forward (its graph was freed by the \
+                     first)",
+                    self.op.name
+                ))
+            })?;
+        let Local { leaves, y } = &local;
+        let grads = seeded_backward(y, grad)?;
+        let leaves = leaves.clone();
+        drop(local);
+        self.collect(args, &leaves, grads)
+    }
+
+    /// The weights' gradients to the sink; the tracked inputs' gradients, in input order.
+    fn collect(
+        &self,
+        args: &[&Tensor],
+        leaves: &[Tensor],
+        grads: GradStore,
+    ) -> Result<Vec<Option<Tensor>>> {
         if let Some(sink) = &self.op.sink {
             for p in &self.op.params {
                 if let Some(g) = grads.get(p) {
@@ -441,6 +590,79 @@ mod tests {
         .to_dtype(DType::F64)?
         .to_scalar::<f64>()?;
         assert!(d < 1e-6, "{d}");
+        Ok(())
+    }
+
+    /// A segment: the composition's values and gradients (weights through the sink), its graph
+    /// freed by its backward while the outer graph (the loss) is still alive, and a second
+    /// backward through the same forward refused.
+    #[test]
+    fn segments_match_the_composition_and_free_their_graph_in_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f64, 0.5, (3, 4), &dev)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f64, 0.5, (4, 4), &dev)?)?;
+        let dout = Tensor::randn(0f64, 1.0, (3, 4), &dev)?;
+        let block =
+            |a: &Tensor, w: &Tensor| -> Result<Tensor> { (a.matmul(w)?.tanh()? + a)?.exp() };
+        // Two blocks in a row, as decoder layers.
+        let want = block(&block(x.as_tensor(), w.as_tensor())?, w.as_tensor())?;
+        let gw = (&want * &dout)?.sum_all()?.backward()?;
+        let sink = GradSink::new();
+        let seg = |a: &Tensor| -> Result<Tensor> {
+            let wv = w.as_tensor().clone();
+            Recompute::segment("block", move |t, _| block(&t[0], &wv))
+                .with_params(vec![w.as_tensor().clone()], sink.clone())
+                .apply(&[a])
+        };
+        let before = live_segments();
+        let got = seg(&seg(x.as_tensor())?)?;
+        assert_eq!(live_segments(), before + 2);
+        let loss = (&got * &dout)?.sum_all()?;
+        let mut gg = loss.backward()?;
+        // The loss (and so the outer graph) is alive: the segments' graphs went in backward.
+        assert_eq!(live_segments(), before);
+        sink.drain_into(&mut gg)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f64> {
+            (a - b)?.abs()?.max_all()?.to_scalar::<f64>()
+        };
+        assert!(diff(&want, &got)? < 1e-12);
+        for v in [&x, &w] {
+            let (a, b) = (gw.get(v.as_tensor()), gg.get(v.as_tensor()));
+            assert!(diff(a.expect("want"), b.expect("got"))? < 1e-12);
+        }
+        let again = loss.backward().map(|_| ()).unwrap_err().to_string();
+        assert!(again.contains("a second backward"), "{again}");
+        // A forward never differentiated frees its graph with the outer one.
+        let unused = seg(x.as_tensor())?;
+        assert_eq!(live_segments(), before + 1);
+        drop(unused);
+        assert_eq!(live_segments(), before);
+        Ok(())
+    }
+
+    /// A seeded backward gives the gradients of `(y · g).sum()`, and refuses a gradient of
+    /// another shape.
+    #[test]
+    fn seeded_backward_is_the_weighted_sums_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        let a = Var::from_tensor(&Tensor::randn(0f64, 0.3, (4, 4), &dev)?)?;
+        let b = Var::from_tensor(&Tensor::randn(0f64, 0.3, (4, 4), &dev)?)?;
+        let g = Tensor::randn(0f64, 1.0, (4, 4), &dev)?;
+        let y = composed(&[a.as_tensor().clone(), b.as_tensor().clone()], true)?;
+        let want = (&y * &g)?.sum_all()?.backward()?;
+        let got = seeded_backward(&y, &g)?;
+        for v in [&a, &b] {
+            let d = (want.get(v.as_tensor()).expect("want")
+                - got.get(v.as_tensor()).expect("got"))?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+            assert!(d < 1e-12, "{d}");
+        }
+        let bad = seeded_backward(&y, &g.narrow(0, 0, 2)?)
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("gradient [2, 4] for [4, 4]"), "{bad}");
         Ok(())
     }
 

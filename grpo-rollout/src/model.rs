@@ -444,17 +444,17 @@ impl Layer {
         crate::fused::add_rms_norm(&x, &d, &next.weight, next.eps)
     }
 
-    /// The whole layer as one recomputed block (gradient checkpointing): the graph keeps its
-    /// inputs and outputs only, and its weights' gradients go to `sink` during backward. With
-    /// `collect`, also returns this call's keys and values; with `prefix`, attends over those
-    /// earlier positions first.
-    fn checkpointed(
+    /// The whole layer as one graph node ([`LayerBlocks`]): recomputed in backward (gradient
+    /// checkpointing) or a segment that keeps its own graph until its backward; either way its
+    /// weights' gradients go to the blocks' sink during backward. With `collect`, also returns
+    /// this call's keys and values; with `prefix`, attends over those earlier positions first.
+    fn as_block(
         &self,
         c: &LayerCtx,
         x: &Tensor,
         prefix: Option<&(Tensor, Tensor)>,
         collect: bool,
-        sink: &std::sync::Arc<grpo_core::recompute::GradSink>,
+        blocks: &LayerBlocks,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let layer = self.clone();
         let ctx = c.clone();
@@ -472,14 +472,19 @@ impl Layer {
                 Ok(y)
             }
         };
-        let op = grpo_core::recompute::Recompute::new("decoder_layer", move |a, replay| {
-            if replay {
-                crate::lora::replay_dropout(&saved, || run(a))?
-            } else {
-                run(a)
-            }
-        })
-        .with_params(self.vars(), sink.clone());
+        let op = if blocks.recompute {
+            Recompute::new("decoder_layer", move |a, replay| {
+                if replay {
+                    crate::lora::replay_dropout(&saved, || run(a))?
+                } else {
+                    run(a)
+                }
+            })
+        } else {
+            // Run once: dropout draws as the plain forward's.
+            Recompute::segment("decoder_layer", move |a, _| run(a))
+        }
+        .with_params(self.vars(), blocks.sink.clone());
         let out = match prefix {
             Some((pk, pv)) => op.apply(&[x, pk, pv])?,
             None => op.apply(&[x])?,
@@ -766,6 +771,25 @@ enum Kv<'a> {
     Prefix(&'a [(Tensor, Tensor)]),
 }
 
+/// Whether trainers run a full fine-tune's decoder layers as segments
+/// ([`Transformer::enable_layer_segments`]): yes, unless `GRPO_LAYER_SEGMENTS=0` (to measure
+/// the difference).
+pub fn layer_segments_wanted() -> bool {
+    std::env::var("GRPO_LAYER_SEGMENTS").as_deref() != Ok("0")
+}
+
+/// How a training forward runs each decoder layer as one graph node
+/// ([`Transformer::layer_blocks`]).
+#[derive(Debug, Clone)]
+pub struct LayerBlocks {
+    /// Where the layers' weight gradients wait during backward ([`Transformer::backward`]
+    /// merges them into the store).
+    pub sink: Arc<GradSink>,
+    /// Gradient checkpointing (the layer recomputed in backward) when true; a segment (its
+    /// graph kept by the node, freed by its backward) when false.
+    pub recompute: bool,
+}
+
 /// The decoder: embeddings, layers, final norm, output head.
 #[derive(Debug, Clone)]
 pub struct Transformer {
@@ -790,9 +814,10 @@ pub struct Transformer {
     /// rows against the hidden states), which candle's gemm runs up to 2x faster than `h · Wᵀ`
     /// for a wide head.
     pub decoding: bool,
-    /// Gradient checkpointing: when set, a training forward runs each decoder layer as one
-    /// recomputed block (see [`Self::enable_gradient_checkpointing`]).
-    pub checkpointing: Option<Arc<GradSink>>,
+    /// When set, a training forward runs each decoder layer as one graph node: recomputed in
+    /// backward (gradient checkpointing, [`Self::enable_gradient_checkpointing`]) or its graph
+    /// kept in the node and freed by its backward ([`Self::enable_layer_segments`]).
+    pub layer_blocks: Option<LayerBlocks>,
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
@@ -1063,7 +1088,7 @@ impl Transformer {
             score,
             token_delta: None,
             decoding: false,
-            checkpointing: None,
+            layer_blocks: None,
             rope_cos,
             rope_sin,
         })
@@ -1180,7 +1205,7 @@ impl Transformer {
                 })
                 .transpose()?,
             decoding: false,
-            checkpointing: None,
+            layer_blocks: None,
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
         })
@@ -1333,15 +1358,36 @@ impl Transformer {
     /// time. Gradients are those of the plain forward (tested); use [`Self::backward`], which
     /// collects the recomputed layers' weight gradients.
     pub fn enable_gradient_checkpointing(&mut self) {
-        if self.checkpointing.is_none() {
-            self.checkpointing = Some(GradSink::new());
+        let sink = match self.layer_blocks.take() {
+            Some(b) => b.sink,
+            None => GradSink::new(),
+        };
+        self.layer_blocks = Some(LayerBlocks {
+            sink,
+            recompute: true,
+        });
+    }
+
+    /// A training forward keeps each decoder layer's graph inside one node, which its backward
+    /// differentiates and frees ([`grpo_core::recompute::Recompute::segment`]): the same
+    /// activations and gradients as the plain forward, but each layer's activations are freed
+    /// as soon as its weights' gradients exist, so a full fine-tune's backward never holds all
+    /// activations and all weight gradients at once (candle's backward keeps the whole graph
+    /// until it returns; PyTorch frees as it goes). Costs one copy of each layer's output.
+    /// One backward per forward. No-op under gradient checkpointing, which already frees.
+    pub fn enable_layer_segments(&mut self) {
+        if self.layer_blocks.is_none() {
+            self.layer_blocks = Some(LayerBlocks {
+                sink: GradSink::new(),
+                recompute: false,
+            });
         }
     }
 
     /// `loss.backward()`, plus the weight gradients that checkpointed layers formed during it.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let grads = loss.backward();
-        match &self.checkpointing {
+        match self.layer_blocks.as_ref().map(|b| &b.sink) {
             Some(sink) => match grads {
                 Ok(mut g) => {
                     sink.drain_into(&mut g)?;
@@ -1541,7 +1587,7 @@ impl Transformer {
             return h.reshape((b, l, cfg.hidden_size));
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            if let Some(sink) = &self.checkpointing
+            if let Some(blocks) = &self.layer_blocks
                 && !matches!(kv, Kv::Cache(_))
                 && (x.track_op() || !layer.vars().is_empty())
             {
@@ -1550,7 +1596,7 @@ impl Transformer {
                     _ => None,
                 };
                 let collect = matches!(kv, Kv::Collect(_));
-                let (y, kvs) = layer.checkpointed(&ctx, &x, prefix, collect, sink)?;
+                let (y, kvs) = layer.as_block(&ctx, &x, prefix, collect, blocks)?;
                 if let (Kv::Collect(out), Some(kvs)) = (&mut kv, kvs) {
                     out.push(kvs);
                 }

@@ -1110,10 +1110,11 @@ fn merging_a_decoding_copy_gives_the_adapted_model() {
     assert!(d < 1e-10, "merged decoding copy differs by {d}");
 }
 
-/// Gradient checkpointing gives the plain forward's log-probs and gradients (f32, 1e-6
-/// relative) for full fine-tuning and for LoRA with dropout (the recomputation replays the
-/// same masks), on both the padded-batch path and the shared-prompt path; its autograd graph is
-/// a few nodes per layer instead of dozens.
+/// Gradient checkpointing and layer segments give the plain forward's log-probs and gradients
+/// (f32, 1e-6 relative) for full fine-tuning and for LoRA with dropout (the recomputation
+/// replays the same masks), on both the padded-batch path and the shared-prompt path; the
+/// autograd graph is a few nodes per layer instead of dozens, and the segments' own graphs are
+/// freed by the backward, before the loss is dropped.
 #[test]
 fn gradient_checkpointing_gives_the_same_gradients() {
     let dev = Device::Cpu;
@@ -1136,7 +1137,8 @@ fn gradient_checkpointing_gives_the_same_gradients() {
         for use_lora in [false, true] {
             for shared in [false, true] {
                 let base = model(arch, DType::F32, arch == Arch::Qwen2);
-                let run = |checkpointing: bool| {
+                // 0: plain, 1: gradient checkpointing, 2: layer segments.
+                let run = |mode: u8| {
                     let mut tm = if use_lora {
                         let lc = LoraConfig {
                             r: 4,
@@ -1169,8 +1171,10 @@ fn gradient_checkpointing_gives_the_same_gradients() {
                     } else {
                         TrainableModel::full(&base).unwrap()
                     };
-                    if checkpointing {
-                        tm.model.enable_gradient_checkpointing();
+                    match mode {
+                        1 => tm.model.enable_gradient_checkpointing(),
+                        2 => tm.model.enable_layer_segments(),
+                        _ => {}
                     }
                     let (lp, ent) = if shared {
                         tm.model
@@ -1190,7 +1194,10 @@ fn gradient_checkpointing_gives_the_same_gradients() {
                         - (ent.sqr().unwrap() * 0.1).unwrap().sum_all().unwrap())
                     .unwrap();
                     let nodes = l.sorted_nodes().len();
+                    let live = grpo_core::recompute::live_segments();
+                    assert_eq!(live > 0, mode == 2, "{live} segments alive before backward");
                     let grads = tm.model.backward(&l).unwrap();
+                    assert_eq!(grpo_core::recompute::live_segments(), 0);
                     let g: Vec<(String, Tensor)> = tm
                         .vars
                         .iter()
@@ -1203,31 +1210,30 @@ fn gradient_checkpointing_gives_the_same_gradients() {
                         .collect();
                     (lp, g, nodes)
                 };
-                let (lp0, g0, n0) = run(false);
-                let (lp1, g1, n1) = run(true);
-                let what = format!("{arch:?} lora={use_lora} shared={shared}");
-                let d = (&lp0 - &lp1).unwrap().abs().unwrap().max_all().unwrap();
-                assert!(d.to_scalar::<f32>().unwrap() < 1e-6, "{what}: log-probs");
-                for ((name, a), (_, b)) in g0.iter().zip(&g1) {
-                    let scale = a
-                        .abs()
-                        .unwrap()
-                        .max_all()
-                        .unwrap()
-                        .to_scalar::<f32>()
-                        .unwrap();
-                    let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-                    let d = d.to_scalar::<f32>().unwrap();
-                    assert!(scale > 0.0, "{what}: zero gradient for {name}");
-                    assert!(
-                        d <= 1e-6 * scale.max(1e-3),
-                        "{what}: {name} differs by {d} ({scale})"
-                    );
+                let (lp0, g0, n0) = run(0);
+                for mode in [1, 2] {
+                    let (lp1, g1, n1) = run(mode);
+                    let what = format!("{arch:?} lora={use_lora} shared={shared} mode={mode}");
+                    let d = (&lp0 - &lp1).unwrap().abs().unwrap().max_all().unwrap();
+                    assert!(d.to_scalar::<f32>().unwrap() < 1e-6, "{what}: log-probs");
+                    for ((name, a), (_, b)) in g0.iter().zip(&g1) {
+                        let scale = a
+                            .abs()
+                            .unwrap()
+                            .max_all()
+                            .unwrap()
+                            .to_scalar::<f32>()
+                            .unwrap();
+                        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                        let d = d.to_scalar::<f32>().unwrap();
+                        assert!(scale > 0.0, "{what}: zero gradient for {name}");
+                        assert!(
+                            d <= 1e-6 * scale.max(1e-3),
+                            "{what}: {name} differs by {d} ({scale})"
+                        );
+                    }
+                    assert!(n1 < n0 / 2, "{what}: {n1} graph nodes vs {n0}");
                 }
-                assert!(
-                    n1 < n0 / 2,
-                    "{what}: {n1} graph nodes with checkpointing vs {n0}"
-                );
             }
         }
     }
