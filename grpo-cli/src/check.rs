@@ -19,6 +19,54 @@ use grpo_rollout::{Arch, SamplingParams, Transformer};
 
 use grpo_trainer::optim::{AdamW, AdamWParams, accumulate};
 
+/// A generation decoded with CUDA graphs against the same without: the log-probs of the tokens
+/// both chose, per row up to their first difference (f32 must agree throughout; half precision
+/// may part ways after a near-tie). Fails when no step was captured.
+fn graph_check(
+    model: &Transformer,
+    tokenizer: &grpo_rollout::Tokenizer,
+    prompts: &[Vec<u32>],
+    dtype: DType,
+    tol: f64,
+) -> Result<(f64, f64)> {
+    let p = SamplingParams {
+        max_new_tokens: 24,
+        min_new_tokens: 24,
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let prompts = &prompts[..prompts.len().min(2)];
+    grpo_rollout::graph::set_enabled(false);
+    let eager = grpo_rollout::generate(model, tokenizer, prompts, 4, &p);
+    grpo_rollout::graph::set_enabled(true);
+    let before = grpo_rollout::graph::captures();
+    let graphed = grpo_rollout::generate(model, tokenizer, prompts, 4, &p)?;
+    let eager = eager?;
+    if grpo_rollout::graph::captures() == before {
+        anyhow::bail!("no decode step was captured (stderr says why)");
+    }
+    let mut worst = 0f64;
+    for (a, b) in eager.iter().zip(&graphed) {
+        let same = a
+            .token_ids
+            .iter()
+            .zip(&b.token_ids)
+            .take_while(|(x, y)| x == y)
+            .count();
+        if b.token_ids.len() != 24 || (matches!(dtype, DType::F32) && same < 24) {
+            anyhow::bail!(
+                "graphed tokens {:?} against eager {:?}",
+                b.token_ids,
+                a.token_ids
+            );
+        }
+        for i in 0..same {
+            worst = worse(worst, f64::from((a.logprobs[i] - b.logprobs[i]).abs()));
+        }
+    }
+    Ok((worst, tol))
+}
+
 /// One row of the table.
 #[derive(Debug, Clone)]
 pub struct CheckRow {
@@ -260,6 +308,14 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             Ok(((12 - same) as f64, (12 - need) as f64))
         })(),
     );
+    if device.is_cuda() {
+        push(
+            "decode steps replayed from CUDA graphs vs eager steps, greedy, 8 rows x 24 tokens: \
+             log-probs of the same tokens"
+                .into(),
+            graph_check(&dev.model, &dev.tokenizer, &rows_ids, dtype, tol),
+        );
+    }
     #[cfg(feature = "cuda")]
     if device.is_cuda() {
         let statuses = [

@@ -8,7 +8,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 use grpo_core::cuda::{Elem, Kernels, LaunchConfig, alloc, blocks, cfg, done, input, row_threads};
 use grpo_core::{cuda_launch, cuda_typed};
 
@@ -651,10 +651,14 @@ pub struct CachedAttention<'a> {
     pub cos: &'a Tensor,
     /// See `cos`.
     pub sin: &'a Tensor,
-    /// `(B, 1, L, past + L)` additive mask.
+    /// `(B, 1, L, past + L)` additive mask; with `past_at`, `(B, 1, L, cap)`, of which the
+    /// first `past + L` columns are read.
     pub bias: &'a Tensor,
     /// Positions already cached.
     pub past: usize,
+    /// The cached length as a `(1,)` u32 tensor on the device, read by the kernel in place of
+    /// `past` (a decode step captured in a CUDA graph: its launch arguments are fixed).
+    pub past_at: Option<&'a Tensor>,
     /// Query heads.
     pub heads: usize,
     /// Score scale.
@@ -687,7 +691,12 @@ fn cached_attention_t<T: Elem>(
     if lk.contiguous_offsets() != Some((0, whole)) || lv.contiguous_offsets() != Some((0, whole)) {
         candle_core::bail!("cached_attention: the caches must be whole contiguous buffers");
     }
-    let s = a.past + l;
+    // With the length on the device, the bias spans the cache and the launch is sized for a
+    // full one (the same graph serves every step).
+    let s = match a.past_at {
+        Some(_) => cap,
+        None => a.past + l,
+    };
     if cap < s || a.bias.dims() != [b, 1, l, s] {
         candle_core::bail!(
             "cached_attention: {s} positions in a cache of {cap}, bias {:?}",
@@ -712,22 +721,47 @@ fn cached_attention_t<T: Elem>(
     let (bs, bo) = input::<T>(on_cuda(&bst, what)?, bl, "cached_attention bias")?;
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
-    let (capi, pasti, sc) = (cap as i64, a.past as i64, a.scale as f32);
+    let (capi, pasti, sc, bstride) = (cap as i64, a.past as i64, a.scale as f32, s as i64);
     let (name, c) = grouped_launch(
         ["cached_attention", "cached_attention_d256"],
         [b, nh, nkv, l, s, d],
     );
-    cuda_launch!(
-        &DECODER,
-        dev,
-        name,
-        T::DTYPE,
-        c,
-        [
-            qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &out, &nhi, &nkvi, &li, &pasti, &di,
-            &sc
-        ]
-    );
+    match a.past_at {
+        None => {
+            let null = 0u64;
+            cuda_launch!(
+                &DECODER,
+                dev,
+                name,
+                T::DTYPE,
+                c,
+                [
+                    qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &bstride, &out, &nhi, &nkvi,
+                    &li, &pasti, &null, &di, &sc
+                ]
+            );
+        }
+        Some(p) => {
+            let (pst, pl) = p.storage_and_layout();
+            if p.dtype() != DType::U32 || pl.contiguous_offsets() != Some((0, 1)) {
+                candle_core::bail!("cached_attention: the cached length must be a fresh (1,) u32");
+            }
+            let ps =
+                on_cuda(&pst, "cached_attention: the cached length")?.as_cuda_slice::<u32>()?;
+            let zero = 0i64;
+            cuda_launch!(
+                &DECODER,
+                dev,
+                name,
+                T::DTYPE,
+                c,
+                [
+                    qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &bstride, &out, &nhi, &nkvi,
+                    &li, &zero, ps, &di, &sc
+                ]
+            );
+        }
+    }
     done(out, dev, (b * l, nh * d))
 }
 

@@ -495,6 +495,7 @@ pub fn cached_attention(
             sin: sin.contiguous()?,
             bias: bias.contiguous()?.detach(),
             past,
+            past_at: None,
             heads,
             scale,
         };
@@ -508,6 +509,54 @@ pub fn cached_attention(
     causal_attention(&q, &k, &v, bias, scale)
 }
 
+/// [`cached_attention`] with the cached length read from the device (`past_at`, a `(1,)` u32
+/// tensor) and a `bias` `(B, 1, L, capacity)` of which the first `past + L` columns count:
+/// the launch is the same at every step, so a decode step captured in a CUDA graph replays it
+/// ([`crate::graph`]). On the CPU the length is read and the bias cut to it (the tests of
+/// the captured step); on a GPU without the kernel, an error.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention_at(
+    qkv: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    bias: &Tensor,
+    past_at: &Tensor,
+    heads: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let qkv = qkv.detach();
+    let (_, l, _, d) = qkv.dims4()?;
+    let kernel = !qkv.device().is_cpu()
+        && l <= DEVICE_ATTENTION_ROWS
+        && d <= DEVICE_ATTENTION_MAX_D
+        && [k_cache, v_cache, cos, sin, bias]
+            .iter()
+            .all(|t| t.dtype() == qkv.dtype())
+        && route("cached_attention", &qkv) == Path::Kernel;
+    if !kernel {
+        if qkv.device().is_cpu() {
+            // The same step on the host (the CPU tests of the captured step): the length read,
+            // the bias cut to it, the pass as `cached_attention` runs it.
+            let past = past_at.flatten_all()?.to_vec1::<u32>()?[0] as usize;
+            let bias = bias.narrow(3, 0, past + l)?;
+            return cached_attention(&qkv, k_cache, v_cache, cos, sin, &bias, past, heads, scale);
+        }
+        candle_core::bail!("cached_attention_at: the length on the device needs the CUDA kernel");
+    }
+    let op = CachedAttentionOp {
+        cos: cos.contiguous()?,
+        sin: sin.contiguous()?,
+        bias: bias.contiguous()?.detach(),
+        past: 0,
+        past_at: Some(past_at.clone()),
+        heads,
+        scale,
+    };
+    qkv.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)
+}
+
 /// [`cached_attention`]'s CUDA kernel (the caches, its second and third inputs, are written).
 #[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -516,6 +565,7 @@ struct CachedAttentionOp {
     sin: Tensor,
     bias: Tensor,
     past: usize,
+    past_at: Option<Tensor>,
     heads: usize,
     scale: f64,
 }
@@ -541,6 +591,7 @@ impl CustomOp3 for CachedAttentionOp {
             sin: &o.sin,
             bias: &o.bias,
             past: o.past,
+            past_at: o.past_at.as_ref(),
             heads: o.heads,
             scale: o.scale,
         };

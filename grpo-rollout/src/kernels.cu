@@ -398,18 +398,21 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
 // new keys (rotated) and values written into the caches, attention over past + L positions — what
 // rope, two kv_writes and attention_rows do, to the same bits. qkv (B, L, H + 2G, D) contiguous
 // (q heads, then k, then v); caches (B, G, cap, D) whole contiguous buffers; cos, sin (B, L, D/2);
-// bias (B, 1, L, past + L); out rows (B·L, H·D). One block per (batch, kv head, up to ATTN_GROUP
-// of its query heads, query row), reading each cached key and value once for those heads; the
-// block of a kv head's first query heads also writes its row for its query position. d ≤ 32·DC
-// (two entry points: DC 4 for head dims up to 128 keeps the registers of 8 heads' accumulators
-// at what one head's took with DC 8).
+// bias (B, 1, L, ·) with rows `bstride` apart, of which the first past + L are read; out rows
+// (B·L, H·D). One block per (batch, kv head, up to ATTN_GROUP of its query heads, query row),
+// reading each cached key and value once for those heads; the block of a kv head's first query
+// heads also writes its row for its query position. d ≤ 32·DC (two entry points: DC 4 for head
+// dims up to 128 keeps the registers of 8 heads' accumulators at what one head's took with DC
+// 8). `pastp`, when not null, holds the cached length in device memory and takes the place of
+// `past` (a decode step replayed from a CUDA graph, whose arguments are fixed at its capture).
 template <typename T, int DC>
 __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::S* kc,
                                  typename T::S* vc, long cap, const typename T::S* c, long co,
                                  const typename T::S* sn, long so, const typename T::S* bias,
-                                 long bo, typename T::S* out, int nh, int nkv, int l, long past,
-                                 int d, float scale) {
+                                 long bo, long bstride, typename T::S* out, int nh, int nkv,
+                                 int l, long past, const unsigned* pastp, int d, float scale) {
     __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
+    if (pastp) past = (long)*pastp;
     GroupBlock at = group_block(nh, nkv, l);
     long bi = at.bi;
     int g = at.g, i = at.i, h0 = at.h0, heads = at.heads, half = d / 2;
@@ -438,7 +441,7 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
         c + co + bi * l * half,
         sn + so + bi * l * half,
         half};
-    attend<T, ATTN_GROUP, DC>(qs, heads, kv, bias + bo + (bi * l + i) * s, (int)s, d,
+    attend<T, ATTN_GROUP, DC>(qs, heads, kv, bias + bo + (bi * l + i) * bstride, (int)s, d,
                               out + (bi * l + i) * ((long)nh * d) + (long)h0 * d);
 }
 
@@ -457,9 +460,10 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
     extern "C" __global__ void cached_attention##W##_##N(                                    \
         const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
         const S_OF(T) * c, long co, const S_OF(T) * s, long so, const S_OF(T) * bias,       \
-        long bo, S_OF(T) * out, int nh, int nkv, int l, long past, int d, float scale) {     \
-        cached_attention<T, DC>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, out, nh, nkv,  \
-                                l, past, d, scale);                                          \
+        long bo, long bstride, S_OF(T) * out, int nh, int nkv, int l, long past,             \
+        const unsigned* pastp, int d, float scale) {                                         \
+        cached_attention<T, DC>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, bstride, out,  \
+                                nh, nkv, l, past, pastp, d, scale);                          \
     }
 #define GRPO_KERNELS(T, N)                                                                   \
     extern "C" __global__ void rms_fwd_##N(const S_OF(T) * x, long xo, const S_OF(T) * w,   \

@@ -41,6 +41,7 @@ pub mod flash;
 pub mod fused;
 pub mod generate;
 pub mod gguf;
+pub mod graph;
 pub mod init;
 pub mod loader;
 pub mod lora;

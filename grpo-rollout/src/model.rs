@@ -569,6 +569,9 @@ pub struct KvCache {
     layers: Vec<(Tensor, Tensor)>,
     len: usize,
     reserve: usize,
+    /// The cached length on the device, which a pass reads in place of `len` (a decode step
+    /// captured in a CUDA graph, [`crate::graph`]); the attention bias then spans the capacity.
+    pub(crate) past_at: Option<Tensor>,
 }
 
 impl Clone for KvCache {
@@ -582,6 +585,7 @@ impl Clone for KvCache {
             layers,
             len: self.len,
             reserve: self.reserve,
+            past_at: None,
         }
     }
 }
@@ -600,6 +604,20 @@ impl KvCache {
         self.len
     }
 
+    /// Sets the cached length (a step replayed from a CUDA graph writes the cache without this
+    /// host count seeing it).
+    pub(crate) fn set_len(&mut self, len: usize) {
+        self.len = len;
+    }
+
+    /// Positions the buffers hold room for (0 before the first forward).
+    pub fn capacity(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|(k, _)| k.dim(2).ok())
+            .unwrap_or(0)
+    }
+
     /// True before the first forward.
     pub fn is_empty(&self) -> bool {
         self.len == 0
@@ -616,6 +634,7 @@ impl KvCache {
             layers,
             len: self.len,
             reserve: self.reserve,
+            past_at: None,
         })
     }
 
@@ -671,6 +690,7 @@ impl KvCache {
             layers,
             len,
             reserve: first.reserve,
+            past_at: None,
         })
     }
 
@@ -699,8 +719,16 @@ impl KvCache {
     /// over all of them ([`crate::fused::cached_attention`]); returns the context rows.
     fn attend(&mut self, i: usize, past: usize, qkv: &Tensor, c: &LayerCtx) -> Result<Tensor> {
         let dims = (c.b, c.nkv, c.l, c.hd);
+        let at = self.past_at.clone();
         let (kb, vb) = self.room(i, past, dims, qkv.dtype(), qkv.device())?;
-        crate::fused::cached_attention(qkv, kb, vb, &c.cos, &c.sin, &c.bias, past, c.nh, c.scale)
+        match at {
+            Some(at) => crate::fused::cached_attention_at(
+                qkv, kb, vb, &c.cos, &c.sin, &c.bias, &at, c.nh, c.scale,
+            ),
+            None => crate::fused::cached_attention(
+                qkv, kb, vb, &c.cos, &c.sin, &c.bias, past, c.nh, c.scale,
+            ),
+        }
     }
 
     /// Layer `i`'s buffers with room for `L` positions after `past` (allocated at the first
@@ -1488,6 +1516,18 @@ impl Transformer {
             self.token_delta = None;
         }
         Ok(())
+    }
+
+    /// Whether a decode step can be captured in a CUDA graph ([`crate::graph`]): every layer
+    /// takes the one-kernel cache pass (packed q/k/v, no per-head q/k norms), whose launch
+    /// reads the cached length from the device.
+    pub(crate) fn graphable(&self) -> bool {
+        self.layers.iter().all(|l| {
+            l.q_norm.is_none()
+                && l.k_norm.is_none()
+                && l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
+                    .is_some()
+        })
     }
 
     /// Output head weight `(vocab, hidden)` as stored (without trainable tokens; the forward

@@ -729,6 +729,53 @@ fn retiring_finished_rows_late_changes_nothing() {
     }
 }
 
+/// The decode step as a CUDA graph replays it (its buffers written in place, the cached length
+/// read from a tensor, the bias spanning the cache), run on the CPU: the same tokens and
+/// log-probs as the eager step, through rows finishing at different steps and the batch
+/// compacting (a new "capture" per batch size), with the host sampler and the device one.
+#[test]
+fn decode_steps_as_a_graph_replays_them_change_nothing() {
+    use grpo_rollout::generate::{with_device_sampling, with_retire_every};
+    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let p = SamplingParams {
+        max_new_tokens: 14,
+        seed: 4,
+        stop_token_ids: (20..60).collect(),
+        temperature: 0.9,
+        top_p: 0.95,
+        repetition_penalty: 1.2,
+        min_new_tokens: 1,
+        ..Default::default()
+    };
+    for device in [false, true] {
+        let run = || {
+            with_device_sampling(device, || {
+                with_retire_every(3, || generate(&m, &tok, &ps, 4, &p))
+            })
+            .unwrap()
+        };
+        let eager = run();
+        let before = captures();
+        let graphed = replayed_on_the_host(run);
+        // One per batch size: the first and at least one after a compaction.
+        assert!(captures() >= before + 2, "{} captures", captures() - before);
+        let lens: std::collections::BTreeSet<usize> =
+            eager.iter().map(|c| c.token_ids.len()).collect();
+        assert!(
+            lens.len() > 2,
+            "rows should finish at several steps: {lens:?}"
+        );
+        assert_eq!(graphed.len(), eager.len());
+        for (a, b) in eager.iter().zip(&graphed) {
+            assert_eq!(a.token_ids, b.token_ids, "device sampler {device}");
+            assert_eq!(a.logprobs, b.logprobs, "device sampler {device}");
+            assert_eq!(a.finish_reason, b.finish_reason);
+        }
+    }
+}
+
 /// LoRA: sampling from the merged decoding copy (a GPU generator's) draws the tokens the
 /// unmerged adapters draw, seeded, at temperature 1.
 #[test]

@@ -564,6 +564,27 @@ fn check_cached_attention(dims: [usize; 7], dt: DType, name: &str, tol: f32, see
         "{what}: context differs from rope + kv_write + attention"
     );
     assert_eq!(gk, &flat(&k2)[..], "{what}: keys differ from kv_write's");
+
+    // As a decode step captured in a CUDA graph launches it: the cached length read from
+    // device memory (the argument says 0), the bias `cap` wide with rows `cap` apart, 8 warps.
+    // The columns past `past + L` hold NaN: reading one would show.
+    let wide = {
+        let nan = Tensor::full(f32::NAN, (b, 1, l, cap - sl), &Device::Cpu).unwrap();
+        Tensor::cat(&[&m, &nan], 3).unwrap()
+    };
+    let mut args = [b, nh, nkv, l, past, d, cap].map(s).to_vec();
+    args.push(s(scale));
+    args.push(s(1));
+    let graphed = run(
+        "cached_attention",
+        name,
+        &args,
+        &[&qkv, &kc, &vc, &c, &sn, &wide],
+    )
+    .unwrap();
+    let (gctx, gcaches) = graphed.split_at(n);
+    close(&format!("{what}: graphed context"), gctx, ctx, tol);
+    assert_eq!(gcaches, caches, "{what}: graphed cache writes differ");
     true
 }
 
