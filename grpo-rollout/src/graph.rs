@@ -88,7 +88,8 @@ struct Buffers {
     pos: Tensor,
     /// `(1,)` u32: the cached length, advanced by the step.
     past: Tensor,
-    /// `(n, capacity)` f32: each row's key bias (its prompt's padding masked, 0 after).
+    /// `(n, capacity)`: each row's key bias (its prompt's padding masked, 0 after); f32, or
+    /// f16 clamped to f16's mask value for an f16 model.
     bias: Tensor,
     /// `(n, vocab)`: the logits the step leaves.
     logits: Tensor,
@@ -145,15 +146,24 @@ impl GraphStep {
         if len == 0 || len >= capacity {
             return Ok(None);
         }
-        // The buffers, made (and filled) before the capture.
+        // The buffers, made (and filled) before the capture. An f16 model's bias is clamped to
+        // f16's mask value and kept in f16 here (the forward's own clamp would upload a scalar
+        // inside the capture).
         let free = Tensor::zeros((n, capacity - len), DType::F32, dev)?;
+        let bias = Tensor::cat(&[&state.key_bias.to_dtype(DType::F32)?, &free], 1)?;
+        let bias = match model.dtype() {
+            DType::F16 => bias
+                .maximum(crate::model::attention_mask_value(DType::F16))?
+                .to_dtype(DType::F16)?,
+            _ => bias,
+        };
         let bufs = Buffers {
             n,
             capacity,
             ids: Tensor::zeros(n, DType::U32, dev)?,
             pos: state.next_pos.copy()?,
             past: Tensor::new(&[len as u32], dev)?,
-            bias: Tensor::cat(&[&state.key_bias.to_dtype(DType::F32)?, &free], 1)?,
+            bias,
             logits: state.logits.zeros_like()?,
         };
         if dev.is_cpu() {
@@ -236,7 +246,12 @@ impl GraphStep {
     pub(crate) fn release(self, state: &mut DecodeState) -> Result<()> {
         let len = state.cache.len();
         state.next_pos = self.bufs.pos.copy()?;
-        state.key_bias = self.bufs.bias.narrow(1, 0, len)?.contiguous()?;
+        state.key_bias = self
+            .bufs
+            .bias
+            .narrow(1, 0, len)?
+            .to_dtype(DType::F32)?
+            .contiguous()?;
         state.logits = self.bufs.logits.copy()?;
         Ok(())
     }

@@ -1590,8 +1590,11 @@ impl Transformer {
             sin,
             // The masks' −1e9 is −inf in f16: a row whose every key is masked (a left-padded
             // position) would turn NaN and spread to the real rows through its keys and values.
-            bias: match dtype {
-                DType::F16 => attn_bias.maximum(mask_value(DType::F16))?,
+            // A bias given in f16 is taken as clamped already (a captured decode step's: the
+            // clamp's scalar is an upload, which a CUDA graph capture refuses).
+            bias: match (dtype, attn_bias.dtype()) {
+                (DType::F16, DType::F16) => attn_bias.clone(),
+                (DType::F16, _) => attn_bias.maximum(mask_value(DType::F16))?,
                 _ => attn_bias.clone(),
             }
             .to_dtype(dtype)?,

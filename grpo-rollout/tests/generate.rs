@@ -737,7 +737,7 @@ fn retiring_finished_rows_late_changes_nothing() {
 fn decode_steps_as_a_graph_replays_them_change_nothing() {
     use grpo_rollout::generate::{with_device_sampling, with_retire_every};
     use grpo_rollout::graph::{captures, replayed_on_the_host};
-    let (m, tok) = setup();
+    let (m32, tok) = setup();
     let ps = prompts(&tok);
     let p = SamplingParams {
         max_new_tokens: 14,
@@ -749,10 +749,14 @@ fn decode_steps_as_a_graph_replays_them_change_nothing() {
         min_new_tokens: 1,
         ..Default::default()
     };
-    for device in [false, true] {
+    // f16 too: its bias buffer is clamped and kept in f16.
+    let m16 = random_weights(&m32.cfg, 11, DType::F16, &Device::Cpu)
+        .unwrap()
+        .detached();
+    for (m, device) in [(&m32, false), (&m32, true), (&m16, true)] {
         let run = || {
             with_device_sampling(device, || {
-                with_retire_every(3, || generate(&m, &tok, &ps, 4, &p))
+                with_retire_every(3, || generate(m, &tok, &ps, 4, &p))
             })
             .unwrap()
         };
