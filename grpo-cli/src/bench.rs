@@ -180,5 +180,7 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         "completion_length": opts.completion,
         "lora_r": opts.lora_r,
         "max_staleness": opts.max_staleness,
+        // Decode steps captured as CUDA graphs (0: every step ran eagerly).
+        "decode_graphs": grpo_rollout::graph::captures(),
     }))
 }

@@ -173,6 +173,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "decode_layers_ms": breakdown.map(|b| b.layers_ms),
             "decode_head_ms": breakdown.map(|b| b.head_ms),
             "decode_sample_ms": breakdown.map(|b| b.sample_ms),
+            // Decode steps captured as CUDA graphs (0: every step ran eagerly).
+            "decode_graphs": grpo_rollout::graph::captures(),
             "fwd_bwd_s_median": fb,
             "fwd_s_median": median(fwd_s),
             "fwd_bwd_s_all": fb_s,
