@@ -668,6 +668,34 @@ fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
     Ok((last / first, 0.9))
 }
 
+/// What the device holds besides the checks' results, printed under the table: on CUDA, what
+/// our kernels take per thread (the driver reserves local memory for every resident thread by
+/// the largest need) and the memory in use outside the allocation pool (context, modules,
+/// local memory, libraries' workspaces). Nothing on the CPU.
+pub fn device_notes(device: &Device) -> Vec<String> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let mut out = grpo_core::cuda::kernel_resources(d);
+        if let (Some([_, _, reserved, _]), Ok((free, total))) = (
+            grpo_core::cuda::pool_usage(d),
+            candle_core::cuda_backend::cudarc::driver::result::mem_get_info(),
+        ) {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            let used = (total - free) as u64;
+            out.push(format!(
+                "device memory in use {:.0} MiB, of which the allocation pool {:.0} MiB: {:.0} MiB \
+                 outside it (context, modules, local memory, workspaces)",
+                mib(used),
+                mib(reserved),
+                mib(used.saturating_sub(reserved))
+            ));
+        }
+        return out;
+    }
+    let _ = device;
+    Vec::new()
+}
+
 /// Prints the table; true when every check passed.
 pub fn print_table(rows: &[CheckRow]) -> bool {
     let w = rows.iter().map(|r| r.name.len()).max().unwrap_or(10);

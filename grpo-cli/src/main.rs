@@ -132,7 +132,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
-            Ok(if grpo_cli::check::print_table(&rows) {
+            let ok = grpo_cli::check::print_table(&rows);
+            for line in grpo_cli::check::device_notes(&device) {
+                println!("{line}");
+            }
+            Ok(if ok {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

@@ -136,6 +136,8 @@ pub fn compile_status(k: &'static Kernels, dev: &Device) -> std::result::Result<
 /// asking the driver again.
 type FuncCache = HashMap<(&'static str, usize, &'static str, DType), CudaFunction>;
 
+static FUNCS: OnceLock<Mutex<FuncCache>> = OnceLock::new();
+
 /// The kernel `name` of `k` for storage `dtype` (`{name}_f32`, `_bf16`, `_f16`) on `dev`.
 pub fn func(
     k: &'static Kernels,
@@ -143,7 +145,6 @@ pub fn func(
     name: &'static str,
     dtype: DType,
 ) -> Result<CudaFunction> {
-    static FUNCS: OnceLock<Mutex<FuncCache>> = OnceLock::new();
     let key = (k.name, dev.cuda_stream().context().ordinal(), name, dtype);
     let funcs = FUNCS.get_or_init(|| Mutex::new(HashMap::new()));
     if let Some(f) = funcs.lock().expect("kernel cache poisoned").get(&key) {
@@ -428,6 +429,46 @@ pub fn ent_bwd(
     lg: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
     cuda_typed!(x.dtype(), "entropy_bwd", ent_bwd_t(x, lx, g, lg))
+}
+
+/// What the kernels of ours loaded so far take per thread, and the context's stack limit: the
+/// driver reserves local memory (stack and spills) for every thread the GPU can hold at once,
+/// sized by the largest need of any kernel launched, so one kernel that spills costs device
+/// memory for the whole run. Lines for `grpo-cli check`; empty where nothing was loaded.
+pub fn kernel_resources(dev: &CudaDevice) -> Vec<String> {
+    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    let mut rows: Vec<(i32, i32, String)> = FUNCS
+        .get()
+        .and_then(|m| m.lock().ok())
+        .map(|m| {
+            m.iter()
+                .map(|((set, _, name, dt), f)| {
+                    (
+                        f.local_size_bytes().unwrap_or(-1),
+                        f.num_regs().unwrap_or(-1),
+                        format!("{set}/{name} {dt:?}"),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    rows.sort();
+    let mut out = Vec::new();
+    if let Some((local, regs, name)) = rows.last() {
+        out.push(format!(
+            "our kernels ({} loaded): the most local memory per thread {local} bytes ({name}, {regs} registers)",
+            rows.len()
+        ));
+    }
+    if dev.cuda_stream().context().bind_to_thread().is_ok()
+        && let Ok(stack) = result::ctx::get_limit(sys::CUlimit::CU_LIMIT_STACK_SIZE)
+    {
+        out.push(format!("context stack limit: {stack} bytes per thread"));
+    }
+    out
 }
 
 /// The device's default memory pool, where cudarc's stream-ordered allocations come from:
