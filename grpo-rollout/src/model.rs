@@ -413,18 +413,18 @@ impl Layer {
                     .reshape((c.b, c.l, c.nh + 2 * c.nkv, c.hd))?;
                 cache.attend(i, past, &qkv, c)?
             }
-            pack => {
-                let (q, k, v) = match pack {
-                    // Qwen3 normalises q and k per head before rotating them: the pack's
-                    // columns taken apart.
-                    Some(p) => {
-                        let y = p.forward(h, &attn)?;
-                        let (nq, nk) = (c.nh * c.hd, c.nkv * c.hd);
-                        let (q, k) = (y.narrow(1, 0, nq)?, y.narrow(1, nq, nk)?);
-                        self.heads(c, &q, &k, &y.narrow(1, nq + nk, nk)?)?
-                    }
-                    None => self.projections(c, h)?,
-                };
+            Some(p) => {
+                // Qwen3 normalises q and k per head before rotating them: the pack's columns
+                // taken apart, normalised and packed again for the one-kernel cache pass
+                // (which also makes the step capturable as a CUDA graph).
+                let y = p.forward(h, &attn)?;
+                let (nq, nk) = (c.nh * c.hd, c.nkv * c.hd);
+                let (q, k) = (y.narrow(1, 0, nq)?, y.narrow(1, nq, nk)?);
+                let (q, k, v) = self.heads(c, &q, &k, &y.narrow(1, nq + nk, nk)?)?;
+                cache.attend(i, past, &Tensor::cat(&[&q, &k, &v], 2)?, c)?
+            }
+            None => {
+                let (q, k, v) = self.projections(c, h)?;
                 let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
                 let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
                 crate::fused::causal_attention(&q, &k, &v, &c.bias, c.scale)?
@@ -1519,14 +1519,12 @@ impl Transformer {
     }
 
     /// Whether a decode step can be captured in a CUDA graph ([`crate::graph`]): every layer
-    /// takes the one-kernel cache pass (packed q/k/v, no per-head q/k norms), whose launch
-    /// reads the cached length from the device.
+    /// takes the one-kernel cache pass (packed q/k/v), whose launch reads the cached length
+    /// from the device.
     pub(crate) fn graphable(&self) -> bool {
         self.layers.iter().all(|l| {
-            l.q_norm.is_none()
-                && l.k_norm.is_none()
-                && l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
-                    .is_some()
+            l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
+                .is_some()
         })
     }
 

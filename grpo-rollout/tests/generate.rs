@@ -749,11 +749,24 @@ fn decode_steps_as_a_graph_replays_them_change_nothing() {
         min_new_tokens: 1,
         ..Default::default()
     };
-    // f16 too: its bias buffer is clamped and kept in f16.
+    // f16 too: its bias buffer is clamped and kept in f16. And Qwen3, whose per-head q/k norms
+    // go before the packed cache pass.
     let m16 = random_weights(&m32.cfg, 11, DType::F16, &Device::Cpu)
         .unwrap()
         .detached();
-    for (m, device) in [(&m32, false), (&m32, true), (&m16, true)] {
+    let qwen3 = {
+        let cfg = preset_config(
+            Preset::Tiny,
+            Arch::Qwen3,
+            tok.vocab_size(),
+            tok.eos_token_ids[0],
+            tok.pad_token_id,
+        );
+        random_weights(&cfg, 12, DType::F32, &Device::Cpu)
+            .unwrap()
+            .detached()
+    };
+    for (m, device) in [(&m32, false), (&m32, true), (&m16, true), (&qwen3, true)] {
         let run = || {
             with_device_sampling(device, || {
                 with_retire_every(3, || generate(m, &tok, &ps, 4, &p))
