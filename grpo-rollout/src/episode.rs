@@ -49,8 +49,9 @@ use serde_json::Value;
 use crate::env::Environment;
 use crate::generate::{
     DecodeState, FinishReason, SamplingParams, contains_stop, device_sampling, draw_uniform,
-    pick_tokens, prefill, row_rng, stop_ids,
+    pick_tokens, prefill, retire_every, row_rng, stop_ids,
 };
+use crate::graph::GraphStep;
 use crate::model::{KvCache, Transformer, attention_mask_value};
 use crate::sample::DeviceSampler;
 use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
@@ -716,8 +717,11 @@ pub fn generate_episodes_remote(
     finish_episodes(eps, tokenizer)
 }
 
-/// Samples one turn of every running episode. An episode whose turn is over leaves the batch;
-/// the returned groups hold the rows in the order they left.
+/// Samples one turn of every running episode. An episode whose turn is over leaves the batch
+/// (its cache rows and key bias set aside at once); the returned groups hold the rows in the
+/// order they left. Finished rows stay in the decode batch (their tokens unused) until
+/// `retire_every` of them have finished, then the batch is compacted: on a GPU that keeps the
+/// batch size, and so a captured decode step ([`crate::graph`]), for many steps.
 fn model_turn(
     model: &Transformer,
     tokenizer: &Tokenizer,
@@ -729,25 +733,33 @@ fn model_turn(
 ) -> Result<Vec<Parked>> {
     let device = model.device().clone();
     let vocab = model.cfg.vocab_size;
-    let mut active: Vec<usize> = running.to_vec();
+    // A row of the batch: its episode, `None` once its turn is over and until a compaction.
+    let mut rows: Vec<Option<usize>> = running.iter().map(|&e| Some(e)).collect();
     let mut sampler = if device_sampling(&device) {
-        let seen: Vec<&[u32]> = active.iter().map(|&e| eps[e].seen.as_slice()).collect();
+        let seen: Vec<&[u32]> = running.iter().map(|&e| eps[e].seen.as_slice()).collect();
         Some(DeviceSampler::new(sp, vocab, stop_ids, &seen, &device)?)
     } else {
         None
     };
+    let retire = retire_every(&device, rows.len());
+    let mut graph: Option<GraphStep> = None;
+    let mut eager_at_size = 0usize;
     let mut parked = Vec::new();
     loop {
-        let draws: Vec<f32> = active
+        // Rows whose turn is over draw nothing; what they sample is dropped.
+        let draws: Vec<f32> = rows
             .iter()
-            .map(|&e| draw_uniform(&mut eps[e].rng, sp))
+            .map(|r| r.map_or(0.5, |e| draw_uniform(&mut eps[e].rng, sp)))
             .collect();
-        let short: Vec<bool> = active
+        let short: Vec<bool> = rows
             .iter()
-            .map(|&e| eps[e].tokens.len() - eps[e].turn_start < sp.min_new_tokens)
+            .map(|r| r.is_some_and(|e| eps[e].tokens.len() - eps[e].turn_start < sp.min_new_tokens))
             .collect();
         let (picks, sampled) = {
-            let seen: Vec<&[u32]> = active.iter().map(|&e| eps[e].seen.as_slice()).collect();
+            let seen: Vec<&[u32]> = rows
+                .iter()
+                .map(|r| r.map_or(&[][..], |e| eps[e].seen.as_slice()))
+                .collect();
             pick_tokens(
                 &state.logits,
                 sp,
@@ -759,9 +771,11 @@ fn model_turn(
                 &short,
             )?
         };
-        let mut keep: Vec<u32> = Vec::with_capacity(active.len());
         let mut out: Vec<u32> = Vec::new();
-        for (i, (&e, (tok, lp, _))) in active.iter().zip(picks).enumerate() {
+        for (i, (slot, (tok, lp, _))) in rows.iter().zip(picks).enumerate() {
+            let Some(e) = *slot else {
+                continue;
+            };
             let ep = &mut eps[e];
             ep.tokens.push(tok);
             ep.is_model.push(true);
@@ -783,45 +797,77 @@ fn model_turn(
             ep.finish = reason;
             if reason.is_some() {
                 out.push(i as u32);
-            } else {
-                keep.push(i as u32);
             }
         }
-        if keep.is_empty() {
-            // Everyone left at this step: the batch is set aside whole.
+        if out.len() == rows.len() {
+            // Everyone left at this step (none had before): the batch is set aside whole.
+            if let Some(g) = graph.take() {
+                g.release(&mut state)?;
+            }
             parked.push(Parked {
                 cache: state.cache,
                 key_bias: state.key_bias,
-                rows: active,
+                rows: rows.into_iter().flatten().collect(),
             });
+            return Ok(parked);
+        }
+        if !out.is_empty() {
+            let out_t = Tensor::new(out.as_slice(), &device)?;
+            let key_bias = match &graph {
+                Some(g) => g.key_bias(&state)?,
+                None => state.key_bias.clone(),
+            };
+            parked.push(Parked {
+                cache: state.cache.select_rows(&out_t)?,
+                key_bias: key_bias.index_select(&out_t, 0)?,
+                rows: out.iter().filter_map(|&i| rows[i as usize]).collect(),
+            });
+            for &i in &out {
+                rows[i as usize] = None;
+            }
+        }
+        let keep: Vec<u32> = (0..rows.len() as u32)
+            .filter(|&i| rows[i as usize].is_some())
+            .collect();
+        if keep.is_empty() {
             return Ok(parked);
         }
         let mut step_ids = match sampled {
             Some(ids) => ids,
             None => {
-                let ids: Vec<u32> = active
+                let ids: Vec<u32> = rows
                     .iter()
-                    .map(|&e| *eps[e].tokens.last().unwrap_or(&0))
+                    .map(|r| r.map_or(0, |e| *eps[e].tokens.last().unwrap_or(&0)))
                     .collect();
-                Tensor::from_vec(ids, active.len(), &device)?
+                Tensor::from_vec(ids, rows.len(), &device)?
             }
         };
-        if !out.is_empty() {
-            let out_t = Tensor::new(out.as_slice(), &device)?;
-            parked.push(Parked {
-                cache: state.cache.select_rows(&out_t)?,
-                key_bias: state.key_bias.index_select(&out_t, 0)?,
-                rows: out.iter().map(|&i| active[i as usize]).collect(),
-            });
+        if rows.len() - keep.len() >= retire {
+            if let Some(g) = graph.take() {
+                g.release(&mut state)?;
+            }
+            eager_at_size = 0;
             let keep_t = Tensor::new(keep.as_slice(), &device)?;
             state.keep_rows(&keep_t)?;
             step_ids = step_ids.index_select(&keep_t, 0)?;
             if let Some(s) = sampler.as_mut() {
                 s.select_rows(&keep_t)?;
             }
-            active = keep.iter().map(|&i| active[i as usize]).collect();
+            rows.retain(Option::is_some);
         }
-        state.decode_step(model, &step_ids)?;
+        if graph.is_none() && eager_at_size > 0 && crate::graph::enabled(&device) {
+            graph = GraphStep::capture(model, &mut state)?;
+        }
+        match &graph {
+            Some(g) if g.fits(&state) => g.step(model, &mut state, &step_ids)?,
+            _ => {
+                if let Some(g) = graph.take() {
+                    g.release(&mut state)?;
+                }
+                state.decode_step(model, &step_ids)?;
+                eager_at_size += 1;
+            }
+        }
     }
 }
 

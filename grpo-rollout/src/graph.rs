@@ -244,16 +244,20 @@ impl GraphStep {
     /// or an eager step): the rows' next positions, their key bias over the cached positions,
     /// the last logits as a tensor of their own.
     pub(crate) fn release(self, state: &mut DecodeState) -> Result<()> {
-        let len = state.cache.len();
+        state.key_bias = self.key_bias(state)?;
         state.next_pos = self.bufs.pos.copy()?;
-        state.key_bias = self
-            .bufs
-            .bias
-            .narrow(1, 0, len)?
-            .to_dtype(DType::F32)?
-            .contiguous()?;
         state.logits = self.bufs.logits.copy()?;
         Ok(())
+    }
+
+    /// The rows' key bias over the cached positions `(n, len)` f32, as the eager step keeps it
+    /// (`state.key_bias` is stale while the graph runs the steps).
+    pub(crate) fn key_bias(&self, state: &DecodeState) -> Result<Tensor> {
+        self.bufs
+            .bias
+            .narrow(1, 0, state.cache.len())?
+            .to_dtype(DType::F32)?
+            .contiguous()
     }
 }
 

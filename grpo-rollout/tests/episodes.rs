@@ -447,6 +447,55 @@ fn device_sampling_equals_host_sampling() {
     }
 }
 
+/// Finished rows kept in the decode batch until several have finished (a GPU's policy), and the
+/// decode steps as a CUDA graph replays them (run on the host): the same episodes, tokens and
+/// turns as compacting at every finish with eager steps, log-probs to 1e-5.
+#[test]
+fn late_compaction_and_graph_replayed_steps_change_no_episode() {
+    use grpo_rollout::generate::with_retire_every;
+    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let mut p = params(3, 12, 300);
+    p.sampling.repetition_penalty = 1.2;
+    // Turns that end on any of many tokens, so rows leave the batch at different steps.
+    p.sampling.stop_token_ids = (20..60).collect();
+    for device in [false, true] {
+        let run = |k: usize| {
+            with_device_sampling(device, || {
+                with_retire_every(k, || {
+                    generate_episodes(&m, &tok, &GuessEnv::new(100), &ps, 4, &p)
+                })
+            })
+            .unwrap()
+        };
+        let eager = run(1);
+        let lens: BTreeSet<usize> = eager
+            .iter()
+            .flat_map(|e| e.turns.iter().map(|t| t.model_tokens.len()))
+            .collect();
+        assert!(
+            lens.len() > 2,
+            "turns should end at several steps: {lens:?}"
+        );
+        let late = run(3);
+        let before = captures();
+        let graphed = replayed_on_the_host(|| run(3));
+        assert!(captures() > before, "no step was replayed as a graph");
+        for other in [&late, &graphed] {
+            assert_eq!(other.len(), eager.len());
+            for (a, b) in eager.iter().zip(other) {
+                assert_eq!(a.token_ids, b.token_ids, "device sampler {device}");
+                assert_eq!(a.turns.len(), b.turns.len());
+                // A batch of another size may round a product differently.
+                for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                    assert!((x - y).abs() < 1e-5, "device sampler {device}: {x} vs {y}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_group_shares_its_prefill_and_equals_its_prompts_run_alone() {
     let (m, tok) = setup();
