@@ -125,21 +125,32 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     let ids = Tensor::from_vec(ids, (a.batch, a.seq_len), &device)?;
     let mask = Tensor::ones((a.batch, a.seq_len), DType::U32, &device)?;
     let (mut fb_s, mut fwd_s) = (Vec::new(), Vec::new());
+    // On a GPU the host only queues kernels: the time until a pass returns, before waiting for
+    // the device, is the host's share. Close to the pass's whole time means the GPU waited
+    // for the host (launch-bound), far below it means the GPU was the bound.
+    let (mut fwd_issue, mut bwd_issue, mut bwd_s) = (Vec::new(), Vec::new(), Vec::new());
     for r in 0..fb_runs {
         let t = Instant::now();
         let (lp, _) = tm
             .model
             .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
+        let fwd_queued = t.elapsed().as_secs_f64();
         // Kernels run asynchronously on a GPU: wait for them before reading the clock.
         device.synchronize()?;
         let fwd = t.elapsed().as_secs_f64();
+        let tb = Instant::now();
         let grads = tm.model.backward(&lp.mean_all()?.neg()?)?;
+        let bwd_queued = tb.elapsed().as_secs_f64();
         device.synchronize()?;
+        let bwd = tb.elapsed().as_secs_f64();
         let dt = t.elapsed().as_secs_f64();
         anyhow::ensure!(grads.get(tm.vars[0].1.as_tensor()).is_some(), "no gradient");
         if r > 0 {
             fb_s.push(dt);
             fwd_s.push(fwd);
+            fwd_issue.push(fwd_queued);
+            bwd_issue.push(bwd_queued);
+            bwd_s.push(bwd);
         }
     }
     let g = median(gen_s.clone());
@@ -177,6 +188,9 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "decode_graphs": grpo_rollout::graph::captures(),
             "fwd_bwd_s_median": fb,
             "fwd_s_median": median(fwd_s),
+            "bwd_s_median": median(bwd_s),
+            "fwd_issue_s_median": median(fwd_issue),
+            "bwd_issue_s_median": median(bwd_issue),
             "fwd_bwd_s_all": fb_s,
             "fwd_bwd_gflop": fb_gflop,
             "fwd_bwd_gflop_per_s": fb.map(|t| fb_gflop / t),

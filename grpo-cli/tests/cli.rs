@@ -234,6 +234,18 @@ fn bench_model_reports_prefill_decode_and_learner_rates() {
         f("fwd_s_median") > 0.0 && f("fwd_s_median") < f("fwd_bwd_s_median"),
         "{v}"
     );
+    // The passes' host shares: on the CPU a pass is done when its call returns.
+    assert!(
+        f("bwd_s_median") > 0.0 && f("bwd_s_median") < f("fwd_bwd_s_median"),
+        "{v}"
+    );
+    for (issue, pass) in [
+        ("fwd_issue_s_median", "fwd_s_median"),
+        ("bwd_issue_s_median", "bwd_s_median"),
+    ] {
+        assert!(f(issue) > 0.0 && f(issue) <= f(pass), "{issue}: {v}");
+    }
+    assert_eq!(v["decode_graphs"], 0, "{v}");
     assert_eq!(v["device"], "cpu");
     assert_eq!(v["dtype"], "f32");
     let out = cli(&[
