@@ -51,7 +51,7 @@ use crate::generate::{
     DecodeState, FinishReason, SamplingParams, contains_stop, device_sampling, draw_uniform,
     pick_tokens, prefill, retire_every, row_rng, stop_ids,
 };
-use crate::graph::GraphStep;
+use crate::graph::Decoder;
 use crate::model::{KvCache, Transformer, attention_mask_value};
 use crate::sample::DeviceSampler;
 use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
@@ -742,8 +742,7 @@ fn model_turn(
         None
     };
     let retire = retire_every(&device, rows.len());
-    let mut graph: Option<GraphStep> = None;
-    let mut eager_at_size = 0usize;
+    let mut decoder = Decoder::default();
     let mut parked = Vec::new();
     loop {
         // Rows whose turn is over draw nothing; what they sample is dropped.
@@ -801,9 +800,7 @@ fn model_turn(
         }
         if out.len() == rows.len() {
             // Everyone left at this step (none had before): the batch is set aside whole.
-            if let Some(g) = graph.take() {
-                g.release(&mut state)?;
-            }
+            decoder.release(&mut state)?;
             parked.push(Parked {
                 cache: state.cache,
                 key_bias: state.key_bias,
@@ -813,10 +810,7 @@ fn model_turn(
         }
         if !out.is_empty() {
             let out_t = Tensor::new(out.as_slice(), &device)?;
-            let key_bias = match &graph {
-                Some(g) => g.key_bias(&state)?,
-                None => state.key_bias.clone(),
-            };
+            let key_bias = decoder.key_bias(&state)?;
             parked.push(Parked {
                 cache: state.cache.select_rows(&out_t)?,
                 key_bias: key_bias.index_select(&out_t, 0)?,
@@ -843,10 +837,7 @@ fn model_turn(
             }
         };
         if rows.len() - keep.len() >= retire {
-            if let Some(g) = graph.take() {
-                g.release(&mut state)?;
-            }
-            eager_at_size = 0;
+            decoder.resize(&mut state)?;
             let keep_t = Tensor::new(keep.as_slice(), &device)?;
             state.keep_rows(&keep_t)?;
             step_ids = step_ids.index_select(&keep_t, 0)?;
@@ -855,19 +846,7 @@ fn model_turn(
             }
             rows.retain(Option::is_some);
         }
-        if graph.is_none() && eager_at_size > 0 && crate::graph::enabled(&device) {
-            graph = GraphStep::capture(model, &mut state)?;
-        }
-        match &graph {
-            Some(g) if g.fits(&state) => g.step(model, &mut state, &step_ids)?,
-            _ => {
-                if let Some(g) = graph.take() {
-                    g.release(&mut state)?;
-                }
-                state.decode_step(model, &step_ids)?;
-                eager_at_size += 1;
-            }
-        }
+        decoder.step(model, &mut state, &step_ids)?;
     }
 }
 

@@ -274,8 +274,7 @@ pub fn generate_batch_with(
     let mut done: Vec<Completion> = Vec::with_capacity(rows.len());
     let retire = retire_every(&device, rows.len());
     // On a GPU, steps replay a CUDA graph captured after one eager step at each batch size.
-    let mut graph: Option<crate::graph::GraphStep> = None;
-    let mut eager_at_size = 0usize;
+    let mut decoder = crate::graph::Decoder::default();
 
     loop {
         // Each row draws one uniform per step from its own stream (none when greedy), so the
@@ -379,10 +378,7 @@ pub fn generate_batch_with(
             }
         };
         if rows.len() - keep.len() >= retire {
-            if let Some(g) = graph.take() {
-                g.release(&mut state)?;
-            }
-            eager_at_size = 0;
+            decoder.resize(&mut state)?;
             let keep_t = Tensor::new(keep.as_slice(), &device)?;
             state.keep_rows(&keep_t)?;
             step_ids = step_ids.index_select(&keep_t, 0)?;
@@ -391,19 +387,7 @@ pub fn generate_batch_with(
             }
             rows.retain(Option::is_some);
         }
-        if graph.is_none() && eager_at_size > 0 && crate::graph::enabled(&device) {
-            graph = crate::graph::GraphStep::capture(model, &mut state)?;
-        }
-        match &graph {
-            Some(g) if g.fits(&state) => g.step(model, &mut state, &step_ids)?,
-            _ => {
-                if let Some(g) = graph.take() {
-                    g.release(&mut state)?;
-                }
-                state.decode_step(model, &step_ids)?;
-                eager_at_size += 1;
-            }
-        }
+        decoder.step(model, &mut state, &step_ids)?;
     }
     done.sort_by_key(|c| (c.prompt_index, c.sample_index));
     Ok(done)

@@ -261,6 +261,61 @@ impl GraphStep {
     }
 }
 
+/// The decode loop's side of the graphs: each step replays the captured step where it fits and
+/// runs eagerly otherwise, capturing once one eager step has run at the batch's size.
+#[derive(Default)]
+pub(crate) struct Decoder {
+    graph: Option<GraphStep>,
+    eager_at_size: usize,
+}
+
+impl Decoder {
+    /// One decode step of the rows' tokens `ids`.
+    pub(crate) fn step(
+        &mut self,
+        model: &Transformer,
+        state: &mut DecodeState,
+        ids: &Tensor,
+    ) -> Result<()> {
+        if self.graph.is_none() && self.eager_at_size > 0 && enabled(model.device()) {
+            self.graph = GraphStep::capture(model, state)?;
+        }
+        match &self.graph {
+            Some(g) if g.fits(state) => g.step(model, state, ids),
+            _ => {
+                self.release(state)?;
+                self.eager_at_size += 1;
+                state.decode_step(model, ids)
+            }
+        }
+    }
+
+    /// Hands a running graph's state back to `state` (before the batch changes: a compaction,
+    /// or the rows set aside whole).
+    pub(crate) fn release(&mut self, state: &mut DecodeState) -> Result<()> {
+        match self.graph.take() {
+            Some(g) => g.release(state),
+            None => Ok(()),
+        }
+    }
+
+    /// Before a compaction: the state handed back, and the next size runs one eager step
+    /// before its capture.
+    pub(crate) fn resize(&mut self, state: &mut DecodeState) -> Result<()> {
+        self.eager_at_size = 0;
+        self.release(state)
+    }
+
+    /// The rows' key bias over the cached positions, `(n, len)` f32, whether or not a graph
+    /// runs the steps.
+    pub(crate) fn key_bias(&self, state: &DecodeState) -> Result<Tensor> {
+        match &self.graph {
+            Some(g) => g.key_bias(state),
+            None => Ok(state.key_bias.clone()),
+        }
+    }
+}
+
 /// A failed capture's aftermath: the stream out of capture mode, the error the driver recorded
 /// cleared (so that later calls do not report it), graphs off for the process, one line on
 /// stderr.
