@@ -473,23 +473,14 @@ pub fn cached_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let qkv = qkv.detach();
-    let (_, l, total, d) = qkv.dims4()?;
+    let (_, l, total, _) = qkv.dims4()?;
     if total <= heads || !(total - heads).is_multiple_of(2) {
         candle_core::bail!(
             "cached_attention: {total} packed heads cannot be {heads} query heads and k, v heads"
         );
     }
     let nkv = (total - heads) / 2;
-    let dt = qkv.dtype();
-    let same = [k_cache, v_cache, cos, sin, bias]
-        .iter()
-        .all(|t| t.dtype() == dt);
-    if same
-        && !qkv.device().is_cpu()
-        && l <= DEVICE_ATTENTION_ROWS
-        && d <= DEVICE_ATTENTION_MAX_D
-        && route("cached_attention", &qkv) == Path::Kernel
-    {
+    if cache_pass_kernel(&qkv, &[k_cache, v_cache, cos, sin, bias])? {
         let op = CachedAttentionOp {
             cos: cos.contiguous()?,
             sin: sin.contiguous()?,
@@ -527,15 +518,8 @@ pub fn cached_attention_at(
     scale: f64,
 ) -> Result<Tensor> {
     let qkv = qkv.detach();
-    let (_, l, _, d) = qkv.dims4()?;
-    let kernel = !qkv.device().is_cpu()
-        && l <= DEVICE_ATTENTION_ROWS
-        && d <= DEVICE_ATTENTION_MAX_D
-        && [k_cache, v_cache, cos, sin, bias]
-            .iter()
-            .all(|t| t.dtype() == qkv.dtype())
-        && route("cached_attention", &qkv) == Path::Kernel;
-    if !kernel {
+    let l = qkv.dim(1)?;
+    if !cache_pass_kernel(&qkv, &[k_cache, v_cache, cos, sin, bias])? {
         if qkv.device().is_cpu() {
             // The same step on the host (the CPU tests of the captured step): the length read,
             // the bias cut to it, the pass as `cached_attention` runs it.
@@ -555,6 +539,18 @@ pub fn cached_attention_at(
         scale,
     };
     qkv.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)
+}
+
+/// Whether the cache pass over `qkv` `(B, L, heads, D)` runs the CUDA kernel: off the CPU, up to
+/// 16 query rows, a supported head dim, `others` (caches, tables, bias) in `qkv`'s dtype, the
+/// kernel on.
+fn cache_pass_kernel(qkv: &Tensor, others: &[&Tensor]) -> Result<bool> {
+    let (_, l, _, d) = qkv.dims4()?;
+    Ok(!qkv.device().is_cpu()
+        && l <= DEVICE_ATTENTION_ROWS
+        && d <= DEVICE_ATTENTION_MAX_D
+        && others.iter().all(|t| t.dtype() == qkv.dtype())
+        && route("cached_attention", qkv) == Path::Kernel)
 }
 
 /// [`cached_attention`]'s CUDA kernel (the caches, its second and third inputs, are written).
