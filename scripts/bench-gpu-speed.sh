@@ -108,7 +108,7 @@ if [ "$profile" = 1 ]; then
     layers=$(sed -n 's/.*"num_hidden_layers": *\([0-9]*\).*/\1/p' "$dir/config.json")
     per=$(( 10 * ${layers:-28} + 40 ))
     echo "== ncu: kernel durations of 8 decode steps"
-    "$ncu" --target-processes all --metrics gpu__time_duration.sum --csv \
+    "$ncu" --target-processes all --clock-control none --metrics gpu__time_duration.sum --csv \
       --launch-skip $(( 12 * per )) --launch-count $(( 8 * per )) \
       bash "$gpu/run-gpu.sh" bench-model --model "$dir" --phase generate --reps 1 \
       --batch "$batch" --new-tokens 32 --prompt-len "$plen" --device cuda --dtype "$dtype" \
@@ -116,7 +116,7 @@ if [ "$profile" = 1 ]; then
     # The learner: every kernel of a forward + backward at batch 8 (its warm-up run and one
     # timed run, and the matmul-peak products of bench-model), summed by kernel name.
     echo "== ncu: kernel durations of the learner's forward + backward (batch 8)"
-    "$ncu" --target-processes all --metrics gpu__time_duration.sum --csv \
+    "$ncu" --target-processes all --clock-control none --metrics gpu__time_duration.sum --csv \
       bash "$gpu/run-gpu.sh" bench-model --model "$dir" --phase fwd-bwd --reps 1 \
       --batch 8 --seq-len "$slen" --device cuda --dtype "$dtype" \
       > "$out/ncu-learner.csv" 2> "$out/ncu-learner.err" || prof="$prof; ncu (learner) failed"

@@ -38,7 +38,7 @@ done
 pack
 wait; echo "models done at $((SECONDS-T0))s"
 ROWS=${ROWS:-0.77B-bf16-lora16-8x16x256-mb32,0.77B-bf16-8x16x256-mb32,319M-bf16-8x16x256-mb32,319M-bf16-4x8x64,29M-f32-4x8x64,319M-bf16-lora16-4x8x64,319M-f32-4x8x64}
-left=$((END - (SECONDS - T0) - ${SPEED:-0} * 60 - ${PROFILE:-0} * 150))
+left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - ${PROFILE:-0} * 150))
 GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
   --budget $left --sides ${SIDES:-both} $([ "${OVERLAP:-0}" = 1 ] && echo --overlap) --out $R 2>&1 \
   | tee $R/bench.txt &
@@ -50,11 +50,17 @@ if [ "${SPEED:-0}" = 1 ]; then
     timeout 60 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 --batch $b \
       --new-tokens 256 --prompt-len 64 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$b.json
   done
+  # The learner by variants (no profiler needed): without the flash kernels, without layer
+  # segments; each line's bwd_issue_s_median beside bwd_s_median says launch- or device-bound.
+  for v in GRPO_CUDA_KERNELS=-flash_attention GRPO_LAYER_SEGMENTS=0; do
+    env $v timeout 40 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 \
+      --phase fwd-bwd --batch 32 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$v.json
+  done
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
   if [ -n "$ncu" ]; then
-    timeout 140 "$ncu" --target-processes all --metrics gpu__time_duration.sum --csv \
+    timeout 140 "$ncu" --target-processes all --clock-control none --metrics gpu__time_duration.sum --csv \
       bash .gpu/run-gpu.sh bench-model --model $R/models/m770 --phase fwd-bwd --reps 1 --batch 8 \
       --seq-len 320 --device cuda --dtype bf16 > $R/ncu-learner.csv 2> $R/ncu-learner.err
     echo "== ncu rc=$? at $((SECONDS-T0))s"
