@@ -27,7 +27,8 @@
 //! (`kernels.cu`: the [`fused`] ops on a GPU) and `flash` the tensor-core attention of training
 //! and prefill lengths (`flash.cu`), both compiled at first use by `grpo_core::cuda`. Before
 //! they serve any op on a GPU and dtype, [`selfcheck`] runs each against its composition
-//! once; a kernel that disagrees is switched off and its composition runs.
+//! once; a kernel that disagrees is switched off and its composition runs. On a GPU the decode
+//! step is captured once per batch size and replayed as a CUDA graph ([`graph`]).
 #![deny(missing_docs)]
 
 pub mod config;
