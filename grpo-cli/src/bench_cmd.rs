@@ -153,6 +153,26 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             bwd_s.push(bwd);
         }
     }
+    // One more pass with each decoder layer's forward and backward timed on its own (layer
+    // segments; each waited for): the layers' share of the learner against the rest.
+    let (layer_fwd, layer_bwd) =
+        if fb_runs > 0 && tm.model.layer_blocks.as_ref().is_some_and(|b| !b.recompute) {
+            grpo_core::recompute::set_segment_timing(true);
+            let pass = (|| -> Result<()> {
+                let (lp, _) =
+                    tm.model
+                        .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
+                tm.model.backward(&lp.mean_all()?.neg()?)?;
+                device.synchronize()?;
+                Ok(())
+            })();
+            grpo_core::recompute::set_segment_timing(false);
+            pass?;
+            let (f, b) = grpo_core::recompute::take_segment_times();
+            (Some(f.iter().sum::<f64>()), Some(b.iter().sum::<f64>()))
+        } else {
+            (None, None)
+        };
     let g = median(gen_s.clone());
     let p = median(prefill_s.clone());
     // The matmul work of forward + backward: every row through the layers, the full L x L
@@ -191,6 +211,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "bwd_s_median": median(bwd_s),
             "fwd_issue_s_median": median(fwd_issue),
             "bwd_issue_s_median": median(bwd_issue),
+            "layers_fwd_s": layer_fwd,
+            "layers_bwd_s": layer_bwd,
             "fwd_bwd_s_all": fb_s,
             "fwd_bwd_gflop": fb_gflop,
             "fwd_bwd_gflop_per_s": fb.map(|t| fb_gflop / t),

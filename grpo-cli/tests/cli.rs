@@ -246,6 +246,17 @@ fn bench_model_reports_prefill_decode_and_learner_rates() {
         assert!(f(issue) > 0.0 && f(issue) <= f(pass), "{issue}: {v}");
     }
     assert_eq!(v["decode_graphs"], 0, "{v}");
+    // The layers timed one by one: most of each pass, not more than all of it (with room for
+    // the timing pass's own noise).
+    for (layers, pass) in [
+        ("layers_fwd_s", "fwd_s_median"),
+        ("layers_bwd_s", "bwd_s_median"),
+    ] {
+        assert!(
+            f(layers) > 0.0 && f(layers) < 2.0 * f(pass),
+            "{layers}: {v}"
+        );
+    }
     assert_eq!(v["device"], "cpu");
     assert_eq!(v["dtype"], "f32");
     let out = cli(&[

@@ -121,6 +121,40 @@ pub fn live_segments() -> usize {
     LIVE_SEGMENTS.load(std::sync::atomic::Ordering::SeqCst)
 }
 
+static TIMING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// (backward?, seconds) of each timed segment pass.
+static TIMES: Mutex<Vec<(bool, f64)>> = Mutex::new(Vec::new());
+
+/// Times every segment's forward and backward from now on (each waited for on its device
+/// before and after: slower, for a breakdown only), or stops. `bench-model` uses it to split
+/// the learner's time between the decoder layers and the rest (embedding, head, loss).
+pub fn set_segment_timing(on: bool) {
+    TIMING.store(on, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The segment times recorded since the last call: `(forwards, backwards)`, seconds each.
+pub fn take_segment_times() -> (Vec<f64>, Vec<f64>) {
+    let all = std::mem::take(&mut *TIMES.lock().unwrap_or_else(|e| e.into_inner()));
+    let pick = |bwd: bool| all.iter().filter(|t| t.0 == bwd).map(|t| t.1).collect();
+    (pick(false), pick(true))
+}
+
+/// `f`, timed when segment timing is on.
+fn timed<T>(bwd: bool, device: &candle_core::Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    if !TIMING.load(std::sync::atomic::Ordering::SeqCst) {
+        return f();
+    }
+    device.synchronize()?;
+    let t = std::time::Instant::now();
+    let out = f()?;
+    device.synchronize()?;
+    TIMES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((bwd, t.elapsed().as_secs_f64()));
+    Ok(out)
+}
+
 /// A segment's graph: the leaves its inputs became and its tracked output.
 struct Local {
     leaves: Vec<Tensor>,
@@ -220,7 +254,7 @@ impl Recompute {
         let (y, local) = match self.backward {
             Backward::Retained if tracked || !self.params.is_empty() => {
                 let leaves = leaves(args)?;
-                let y = (self.forward)(&leaves, true)?;
+                let y = timed(false, args[0].device(), || (self.forward)(&leaves, true))?;
                 (y.detach(), Some(Local::new(leaves, y)))
             }
             _ => {
@@ -404,7 +438,7 @@ impl Node {
                 ))
             })?;
         let Local { leaves, y } = &local;
-        let grads = seeded_backward(y, grad)?;
+        let grads = timed(true, y.device(), || seeded_backward(y, grad))?;
         let leaves = leaves.clone();
         drop(local);
         self.collect(args, &leaves, grads)
