@@ -21,7 +21,8 @@ use grpo_trainer::optim::{AdamW, AdamWParams, accumulate};
 
 /// A generation decoded with CUDA graphs against the same without: the log-probs of the tokens
 /// both chose, per row up to their first difference (f32 must agree throughout; half precision
-/// may part ways after a near-tie). Fails when no step was captured.
+/// may part ways after a near-tie). Fails when no step was captured or the first replay's check
+/// against the eager step switched graphs off.
 fn graph_check(
     model: &Transformer,
     tokenizer: &grpo_rollout::Tokenizer,
@@ -44,6 +45,11 @@ fn graph_check(
     let eager = eager?;
     if grpo_rollout::graph::captures() == before {
         anyhow::bail!("no decode step was captured (stderr says why)");
+    }
+    // A first replay that differed from the eager step switched graphs off (and the eager
+    // results stood): that is a failure of the graphs, whatever the tokens say.
+    if !grpo_rollout::graph::enabled(model.device()) {
+        anyhow::bail!("graphs were switched off during the generation (stderr says why)");
     }
     let mut worst = 0f64;
     for (a, b) in eager.iter().zip(&graphed) {

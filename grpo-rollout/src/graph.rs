@@ -42,6 +42,18 @@ static CAPTURES: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static ON_THE_HOST: Cell<bool> = const { Cell::new(false) };
+    static CORRUPT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The dtypes whose first captured step was checked against the eager step in this process.
+static VERIFIED: std::sync::Mutex<Vec<DType>> = std::sync::Mutex::new(Vec::new());
+
+/// Runs `f` with the host-replayed steps' logits spoiled (tests of the replay check).
+pub fn with_corrupted_replays<T>(f: impl FnOnce() -> T) -> T {
+    let prev = CORRUPT.with(|c| c.replace(true));
+    let out = f();
+    CORRUPT.with(|c| c.set(prev));
+    out
 }
 
 /// Decode steps captured in this process (each a graph replayed until its batch changes; on the
@@ -233,7 +245,13 @@ impl GraphStep {
             Replay::Cuda(g) => g
                 .launch()
                 .map_err(|e| candle_core::Error::msg(format!("CUDA graph launch: {e}")))?,
-            Replay::Host => self.bufs.run(model, state)?,
+            Replay::Host => {
+                self.bufs.run(model, state)?;
+                if CORRUPT.with(Cell::get) {
+                    let bad = (&self.bufs.logits + 1.0)?;
+                    self.bufs.logits.slice_set(&bad, 0, 0)?;
+                }
+            }
         }
         state.cache.set_len(state.cache.len() + 1);
         state.logits = self.bufs.logits.clone();
@@ -262,11 +280,15 @@ impl GraphStep {
 }
 
 /// The decode loop's side of the graphs: each step replays the captured step where it fits and
-/// runs eagerly otherwise, capturing once one eager step has run at the batch's size.
+/// runs eagerly otherwise, capturing once one eager step has run at the batch's size. The first
+/// replay in a dtype is checked against the eager step on the same state (its cache writes are
+/// the replay's own: the same keys and values at the same positions); a replay that differs
+/// turns graphs off, and the eager step's result stands.
 #[derive(Default)]
 pub(crate) struct Decoder {
     graph: Option<GraphStep>,
     eager_at_size: usize,
+    off: bool,
 }
 
 impl Decoder {
@@ -277,11 +299,47 @@ impl Decoder {
         state: &mut DecodeState,
         ids: &Tensor,
     ) -> Result<()> {
-        if self.graph.is_none() && self.eager_at_size > 0 && enabled(model.device()) {
+        let mut fresh = false;
+        if self.graph.is_none() && !self.off && self.eager_at_size > 0 && enabled(model.device()) {
             self.graph = GraphStep::capture(model, state)?;
+            fresh = self.graph.is_some();
         }
         match &self.graph {
-            Some(g) if g.fits(state) => g.step(model, state, ids),
+            Some(g) if g.fits(state) => {
+                // Once per dtype on a GPU; every capture on the CPU (its host replays are for
+                // tests).
+                let dt = model.dtype();
+                let gpu = model.device().is_cuda();
+                let checked = gpu && VERIFIED.lock().map(|v| v.contains(&dt)).unwrap_or(true);
+                if !fresh || checked {
+                    return g.step(model, state, ids);
+                }
+                // The replay, then the eager step from the same state (its count put back).
+                let len = state.cache.len();
+                g.step(model, state, ids)?;
+                let replayed = state.logits.copy()?;
+                state.cache.set_len(len);
+                state.decode_step(model, ids)?;
+                let diff = grpo_core::selfcheck::rel_diff(&state.logits, &replayed)?;
+                let limit = 2.5 * grpo_core::selfcheck::tolerance(dt);
+                if diff <= limit {
+                    if gpu && let Ok(mut v) = VERIFIED.lock() {
+                        v.push(dt);
+                    }
+                    return Ok(());
+                }
+                // The eager step's state stands; the graph goes.
+                self.graph = None;
+                self.off = true;
+                switch_off(
+                    gpu,
+                    &format!(
+                        "a replayed step's logits differ from the eager step's by {diff:.2e} \
+                     (limit {limit:.0e})"
+                    ),
+                );
+                Ok(())
+            }
             _ => {
                 self.release(state)?;
                 self.eager_at_size += 1;
@@ -316,6 +374,18 @@ impl Decoder {
     }
 }
 
+/// Graphs off for the process (for the GPUs: the CPU's host replays are tests'), with one line
+/// on stderr.
+fn switch_off(gpu: bool, why: &str) {
+    if gpu {
+        OFF.store(true, Ordering::Relaxed);
+    }
+    eprintln!(
+        "grpo: decode steps are not replayed as CUDA graphs: {why}; decoding without them \
+         (GRPO_CUDA_GRAPHS=0 does so on purpose)"
+    );
+}
+
 /// A failed capture's aftermath: the stream out of capture mode, the error the driver recorded
 /// cleared (so that later calls do not report it), graphs off for the process, one line on
 /// stderr.
@@ -332,11 +402,12 @@ fn give_up<T>(
         let _ = stream.end_capture(sys::CUgraphInstantiate_flags(0));
     }
     let _ = stream.context().check_err();
-    OFF.store(true, Ordering::Relaxed);
-    eprintln!(
-        "grpo: a decode step could not be captured as a CUDA graph ({}); decoding without \
-         graphs (GRPO_CUDA_GRAPHS=0 does so on purpose)",
-        why.lines().next().unwrap_or("")
+    switch_off(
+        true,
+        &format!(
+            "a decode step could not be captured ({})",
+            why.lines().next().unwrap_or("")
+        ),
     );
     None
 }

@@ -793,6 +793,30 @@ fn decode_steps_as_a_graph_replays_them_change_nothing() {
     }
 }
 
+/// The first replay is checked against the eager step: replays whose logits are spoiled are
+/// caught, and the generation is the eager one (the graph dropped at its first replay).
+#[test]
+fn a_replay_that_differs_from_the_eager_step_is_dropped() {
+    use grpo_rollout::graph::{captures, replayed_on_the_host, with_corrupted_replays};
+    let (m, tok) = setup();
+    let ps = prompts(&tok);
+    let p = SamplingParams {
+        max_new_tokens: 10,
+        seed: 2,
+        temperature: 0.8,
+        ..Default::default()
+    };
+    let eager = generate(&m, &tok, &ps, 3, &p).unwrap();
+    let before = captures();
+    let spoiled =
+        replayed_on_the_host(|| with_corrupted_replays(|| generate(&m, &tok, &ps, 3, &p))).unwrap();
+    assert!(captures() > before, "nothing was captured");
+    for (a, b) in eager.iter().zip(&spoiled) {
+        assert_eq!(a.token_ids, b.token_ids);
+        assert_eq!(a.logprobs, b.logprobs);
+    }
+}
+
 /// LoRA: sampling from the merged decoding copy (a GPU generator's) draws the tokens the
 /// unmerged adapters draw, seeded, at temperature 1.
 #[test]
