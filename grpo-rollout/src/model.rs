@@ -1537,6 +1537,8 @@ impl Transformer {
     /// Runs the decoder on `input_ids` `(B, L)` with position ids `positions` `(B, L)` and an
     /// additive attention bias `(B, 1, L, S)` (`S` = cached + new tokens), appending the new
     /// keys and values to `cache` when given. Returns final-normed hidden states `(B, L, H)`.
+    /// An f16 model clamps an f32 bias to f16's range (−1e9 would be −inf there); a bias given
+    /// in f16 is taken as it is, so clamp it first (`attention_mask_value(DType::F16)`).
     pub fn forward_hidden(
         &self,
         input_ids: &Tensor,
