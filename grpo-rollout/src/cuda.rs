@@ -8,6 +8,7 @@
 #![allow(unsafe_code)]
 
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::DevicePtr;
 use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
 use grpo_core::cuda::{Elem, Kernels, LaunchConfig, alloc, blocks, cfg, done, input, row_threads};
 use grpo_core::{cuda_launch, cuda_typed};
@@ -721,47 +722,47 @@ fn cached_attention_t<T: Elem>(
     let (bs, bo) = input::<T>(on_cuda(&bst, what)?, bl, "cached_attention bias")?;
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
-    let (capi, pasti, sc, bstride) = (cap as i64, a.past as i64, a.scale as f32, s as i64);
+    let (capi, sc, bstride) = (cap as i64, a.scale as f32, s as i64);
     let (name, c) = grouped_launch(
         ["cached_attention", "cached_attention_d256"],
         [b, nh, nkv, l, s, d],
     );
-    match a.past_at {
-        None => {
-            let null = 0u64;
-            cuda_launch!(
-                &DECODER,
-                dev,
-                name,
-                T::DTYPE,
-                c,
-                [
-                    qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &bstride, &out, &nhi, &nkvi,
-                    &li, &pasti, &null, &di, &sc
-                ]
-            );
-        }
+    // The length as an argument, or (a captured step's) the device address that holds it, the
+    // argument then 0; a null address otherwise.
+    let stream = dev.cuda_stream();
+    let held = match a.past_at {
         Some(p) => {
-            let (pst, pl) = p.storage_and_layout();
-            if p.dtype() != DType::U32 || pl.contiguous_offsets() != Some((0, 1)) {
+            if p.dtype() != DType::U32 || p.layout().contiguous_offsets() != Some((0, 1)) {
                 candle_core::bail!("cached_attention: the cached length must be a fresh (1,) u32");
             }
-            let ps =
-                on_cuda(&pst, "cached_attention: the cached length")?.as_cuda_slice::<u32>()?;
-            let zero = 0i64;
-            cuda_launch!(
-                &DECODER,
-                dev,
-                name,
-                T::DTYPE,
-                c,
-                [
-                    qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &bstride, &out, &nhi, &nkvi,
-                    &li, &zero, ps, &di, &sc
-                ]
-            );
+            Some(p.storage_and_layout().0)
         }
-    }
+        None => None,
+    };
+    let at = match &held {
+        Some(st) => Some(
+            on_cuda(st, "cached_attention: the cached length")?
+                .as_cuda_slice::<u32>()?
+                .device_ptr(&stream),
+        ),
+        None => None,
+    };
+    let (pasti, past_ptr) = match &at {
+        Some((ptr, _)) => (0i64, *ptr),
+        None => (a.past as i64, 0),
+    };
+    cuda_launch!(
+        &DECODER,
+        dev,
+        name,
+        T::DTYPE,
+        c,
+        [
+            qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &bstride, &out, &nhi, &nkvi, &li,
+            &pasti, &past_ptr, &di, &sc
+        ]
+    );
+    drop(at);
     done(out, dev, (b * l, nh * d))
 }
 

@@ -69,10 +69,11 @@ pub fn enabled(device: &Device) -> bool {
     if device.is_cpu() {
         return ON_THE_HOST.with(Cell::get);
     }
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     device.is_cuda()
         && cfg!(feature = "cuda")
         && !OFF.load(Ordering::Relaxed)
-        && std::env::var("GRPO_CUDA_GRAPHS").as_deref() != Ok("0")
+        && *WANTED.get_or_init(|| std::env::var("GRPO_CUDA_GRAPHS").as_deref() != Ok("0"))
 }
 
 /// Turns graphs off (or back on) for the process: `grpo-cli check` compares both ways.
@@ -92,8 +93,6 @@ pub fn replayed_on_the_host<T>(f: impl FnOnce() -> T) -> T {
 
 /// The buffers a captured step reads and writes in place.
 struct Buffers {
-    n: usize,
-    capacity: usize,
     /// `(n,)` u32: the rows' input tokens.
     ids: Tensor,
     /// `(n, 1)` u32: their positions, advanced by the step.
@@ -110,7 +109,7 @@ struct Buffers {
 impl Buffers {
     /// The step's ops: what the graph records.
     fn run(&self, model: &Transformer, state: &mut DecodeState) -> Result<()> {
-        let (n, cap) = (self.n, self.capacity);
+        let (n, cap) = self.bias.dims2()?;
         let len = state.cache.len();
         state.cache.past_at = Some(self.past.clone());
         let run = (|| -> Result<()> {
@@ -170,8 +169,6 @@ impl GraphStep {
             _ => bias,
         };
         let bufs = Buffers {
-            n,
-            capacity,
             ids: Tensor::zeros(n, DType::U32, dev)?,
             pos: state.next_pos.copy()?,
             past: Tensor::new(&[len as u32], dev)?,
@@ -226,9 +223,10 @@ impl GraphStep {
 
     /// Whether the next step of `state` can be replayed: the same rows, room in the cache.
     pub(crate) fn fits(&self, state: &DecodeState) -> bool {
-        state.cache.len() < self.bufs.capacity
-            && state.cache.capacity() == self.bufs.capacity
-            && state.next_pos.dim(0).is_ok_and(|n| n == self.bufs.n)
+        let (n, capacity) = self.bufs.bias.dims2().unwrap_or((0, 0));
+        state.cache.len() < capacity
+            && state.cache.capacity() == capacity
+            && state.next_pos.dim(0).is_ok_and(|rows| rows == n)
     }
 
     /// One decode step of the rows' tokens `ids` `(n,)`: the graph replayed, the cache's count
@@ -292,60 +290,71 @@ pub(crate) struct Decoder {
 }
 
 impl Decoder {
-    /// One decode step of the rows' tokens `ids`.
+    /// One decode step of the rows' tokens `ids`. A capture that is not possible (graphs off,
+    /// a model without the one-kernel cache pass, a full cache) is not tried again in this
+    /// decode loop.
     pub(crate) fn step(
         &mut self,
         model: &Transformer,
         state: &mut DecodeState,
         ids: &Tensor,
     ) -> Result<()> {
-        let mut fresh = false;
-        if self.graph.is_none() && !self.off && self.eager_at_size > 0 && enabled(model.device()) {
-            self.graph = GraphStep::capture(model, state)?;
-            fresh = self.graph.is_some();
+        if self.graph.is_none() && !self.off && self.eager_at_size > 0 {
+            match GraphStep::capture(model, state)? {
+                Some(g) => return self.first_replay(g, model, state, ids),
+                None => self.off = true,
+            }
         }
         match &self.graph {
-            Some(g) if g.fits(state) => {
-                // Once per dtype on a GPU; every capture on the CPU (its host replays are for
-                // tests).
-                let dt = model.dtype();
-                let gpu = model.device().is_cuda();
-                let checked = gpu && VERIFIED.lock().map(|v| v.contains(&dt)).unwrap_or(true);
-                if !fresh || checked {
-                    return g.step(model, state, ids);
-                }
-                // The replay, then the eager step from the same state (its count put back).
-                let len = state.cache.len();
-                g.step(model, state, ids)?;
-                let replayed = state.logits.copy()?;
-                state.cache.set_len(len);
-                state.decode_step(model, ids)?;
-                let diff = grpo_core::selfcheck::rel_diff(&state.logits, &replayed)?;
-                let limit = 2.5 * grpo_core::selfcheck::tolerance(dt);
-                if diff <= limit {
-                    if gpu && let Ok(mut v) = VERIFIED.lock() {
-                        v.push(dt);
-                    }
-                    return Ok(());
-                }
-                // The eager step's state stands; the graph goes.
-                self.graph = None;
-                self.off = true;
-                switch_off(
-                    gpu,
-                    &format!(
-                        "a replayed step's logits differ from the eager step's by {diff:.2e} \
-                     (limit {limit:.0e})"
-                    ),
-                );
-                Ok(())
-            }
+            Some(g) if g.fits(state) => g.step(model, state, ids),
             _ => {
                 self.release(state)?;
                 self.eager_at_size += 1;
                 state.decode_step(model, ids)
             }
         }
+    }
+
+    /// The first step of a graph just captured (it fits the state it was captured from): on a
+    /// GPU, the first in its dtype in the process, and every one on the CPU (whose host replays
+    /// are tests'), replayed and then checked against the eager step from the same state (its
+    /// count put back); a replay that differs goes, and the eager step's state stands.
+    fn first_replay(
+        &mut self,
+        g: GraphStep,
+        model: &Transformer,
+        state: &mut DecodeState,
+        ids: &Tensor,
+    ) -> Result<()> {
+        let dt = model.dtype();
+        let gpu = model.device().is_cuda();
+        let checked = gpu && VERIFIED.lock().map(|v| v.contains(&dt)).unwrap_or(true);
+        g.step(model, state, ids)?;
+        if checked {
+            self.graph = Some(g);
+            return Ok(());
+        }
+        let replayed = state.logits.copy()?;
+        state.cache.set_len(state.cache.len() - 1);
+        state.decode_step(model, ids)?;
+        let diff = grpo_core::selfcheck::rel_diff(&state.logits, &replayed)?;
+        let limit = 2.5 * grpo_core::selfcheck::tolerance(dt);
+        if diff <= limit {
+            if gpu && let Ok(mut v) = VERIFIED.lock() {
+                v.push(dt);
+            }
+            self.graph = Some(g);
+            return Ok(());
+        }
+        self.off = true;
+        switch_off(
+            gpu,
+            &format!(
+                "a replayed step's logits differ from the eager step's by {diff:.2e} (limit \
+                 {limit:.0e})"
+            ),
+        );
+        Ok(())
     }
 
     /// Hands a running graph's state back to `state` (before the batch changes: a compaction,
