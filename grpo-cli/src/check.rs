@@ -44,12 +44,18 @@ fn graph_check(
     let graphed = grpo_rollout::generate(model, tokenizer, prompts, 4, &p)?;
     let eager = eager?;
     if grpo_rollout::graph::captures() == before {
-        anyhow::bail!("no decode step was captured (stderr says why)");
+        anyhow::bail!(
+            "no decode step was captured (stderr says why; last capture: {})",
+            grpo_rollout::graph::last_capture_nodes()
+        );
     }
     // A first replay that differed from the eager step switched graphs off (and the eager
     // results stood): that is a failure of the graphs, whatever the tokens say.
     if !grpo_rollout::graph::enabled(model.device()) {
-        anyhow::bail!("graphs were switched off during the generation (stderr says why)");
+        anyhow::bail!(
+            "graphs were switched off during the generation (stderr says why; last capture: {})",
+            grpo_rollout::graph::last_capture_nodes()
+        );
     }
     let mut worst = 0f64;
     for (a, b) in eager.iter().zip(&graphed) {

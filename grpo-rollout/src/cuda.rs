@@ -552,17 +552,20 @@ fn kv_view(l: &Layout, what: &str) -> Result<(i64, [i64; 3])> {
     ))
 }
 
+/// Threads of a grouped attention block (the kernels' ATTN_THREADS: their per-thread output
+/// registers are sized for it).
+const ATTN_THREADS: u32 = 256;
+
 /// The kernel and launch of a grouped attention (`attention_rows`, `cached_attention`) over
-/// `[B, H, G, L, S, D]`: one block per (row, kv head, up to ATTN_GROUP of its query heads, query
-/// position), one warp per 16 keys up to 8 (ATTN_MAX_WARPS); head dims up to 128 take the
-/// kernel whose accumulators hold 4 elements per lane, `names[0]`, larger ones `names[1]`.
+/// `[B, H, G, L, S, D]`: one block of ATTN_THREADS per (row, kv head, up to ATTN_GROUP of its
+/// query heads, query position); head dims up to 128 take the kernel whose output pairs are 4
+/// per thread, `names[0]`, larger ones `names[1]`.
 fn grouped_launch(
     names: [&'static str; 2],
-    [b, nh, nkv, l, s, d]: [usize; 6],
+    [b, nh, nkv, l, _s, d]: [usize; 6],
 ) -> (&'static str, LaunchConfig) {
-    let warps = (s / 16).clamp(1, 8);
     let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
-    let c = cfg((b * nkv * chunks * l) as u32, (32 * warps) as u32, 0);
+    let c = cfg((b * nkv * chunks * l) as u32, ATTN_THREADS, 0);
     (if d <= 128 { names[0] } else { names[1] }, c)
 }
 

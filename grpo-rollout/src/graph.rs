@@ -197,6 +197,18 @@ impl GraphStep {
         let Device::Cuda(cd) = model.device() else {
             return Ok(None);
         };
+        // candle uploads a strided op's dims and strides from a host vector that is freed when
+        // the op returns: captured, that copy would read freed host memory at every replay.
+        // candle's parameter cache keeps each such upload in a device buffer of its own that
+        // outlives the graph, and refuses an upload it has not cached while a capture runs. A
+        // warm-up run of the step, eager and under the cache, makes the uploads the capture
+        // then finds; it writes the cache's keys and values at the position the first replay
+        // writes again, and the buffers it advances are put back.
+        let _params = cd.enable_cuda_graph_htod_cache();
+        let (pos, past) = (bufs.pos.copy()?, bufs.past.copy()?);
+        bufs.run(model, state)?;
+        bufs.pos.slice_set(&pos, 0, 0)?;
+        bufs.past.slice_set(&past, 0, 0)?;
         model.device().synchronize()?;
         let stream = cd.cuda_stream();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
@@ -211,6 +223,13 @@ impl GraphStep {
             (_, Err(e)) => return Ok(give_up(&e.to_string(), &stream)),
             (_, Ok(None)) => return Ok(give_up("nothing was recorded", &stream)),
         };
+        let nodes = audit(&graph);
+        if let Ok(mut last) = LAST_NODES.lock() {
+            *last = nodes.summary();
+        }
+        if let Some(why) = nodes.unsafe_replay() {
+            return Ok(give_up(&why, &stream));
+        }
         if let Err(e) = graph.upload() {
             return Ok(give_up(&e.to_string(), &stream));
         }
@@ -395,6 +414,117 @@ fn switch_off(gpu: bool, why: &str) {
     );
 }
 
+/// The nodes of the last captured step by kind (kernels, copies, allocations, frees...), for
+/// `grpo-cli check`'s graph row; empty before the first capture.
+pub fn last_capture_nodes() -> String {
+    LAST_NODES.lock().map(|s| s.clone()).unwrap_or_default()
+}
+
+static LAST_NODES: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+/// A captured graph's nodes by kind.
+#[derive(Debug, Default, Clone, PartialEq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Nodes {
+    kernels: usize,
+    /// Copies whose source is host memory (a replay would read it again).
+    host_copies: usize,
+    device_copies: usize,
+    memsets: usize,
+    allocs: usize,
+    frees: usize,
+    other: usize,
+    /// Why the nodes could not be read, if they could not.
+    unreadable: Option<String>,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl Nodes {
+    fn summary(&self) -> String {
+        if let Some(e) = &self.unreadable {
+            return format!("nodes unreadable: {e}");
+        }
+        format!(
+            "{} kernels, {} device copies, {} host copies, {} memsets, {} allocations, {} \
+             frees, {} other",
+            self.kernels,
+            self.device_copies,
+            self.host_copies,
+            self.memsets,
+            self.allocs,
+            self.frees,
+            self.other
+        )
+    }
+
+    /// Why replaying these nodes would be wrong: a copy from host memory (freed since the
+    /// capture), or a free of memory the graph did not allocate (freed again at each replay).
+    fn unsafe_replay(&self) -> Option<String> {
+        if self.host_copies > 0 {
+            return Some(format!(
+                "the step copies from host memory ({})",
+                self.summary()
+            ));
+        }
+        if self.frees > self.allocs {
+            return Some(format!(
+                "the step frees memory it did not allocate ({})",
+                self.summary()
+            ));
+        }
+        None
+    }
+}
+
+/// The kinds of `graph`'s nodes, read from the driver.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn audit(graph: &candle_core::cuda_backend::cudarc::driver::CudaGraph) -> Nodes {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use sys::CUgraphNodeType as T;
+    let mut out = Nodes::default();
+    let ok = |r: sys::CUresult| r == sys::CUresult::CUDA_SUCCESS;
+    let g = graph.cu_graph();
+    let mut n = 0usize;
+    // SAFETY: `g` is the live graph `graph` owns; a null node array asks for the count only,
+    // and the second call fills exactly `n` handles.
+    if !ok(unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) }) {
+        out.unreadable = Some("cuGraphGetNodes failed".into());
+        return out;
+    }
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    if !ok(unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut n) }) {
+        out.unreadable = Some("cuGraphGetNodes failed".into());
+        return out;
+    }
+    for &node in &nodes[..n] {
+        let mut kind = T::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is one of `g`'s nodes, read into a local.
+        if !ok(unsafe { sys::cuGraphNodeGetType(node, &mut kind) }) {
+            out.unreadable = Some("cuGraphNodeGetType failed".into());
+            return out;
+        }
+        match kind {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => out.kernels += 1,
+            T::CU_GRAPH_NODE_TYPE_MEMCPY => {
+                // SAFETY: a memcpy node's parameters, read into a zeroed plain-data struct.
+                let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+                let read = ok(unsafe { sys::cuGraphMemcpyNodeGetParams(node, &mut p) });
+                if !read || p.srcMemoryType == sys::CUmemorytype::CU_MEMORYTYPE_HOST {
+                    out.host_copies += 1;
+                } else {
+                    out.device_copies += 1;
+                }
+            }
+            T::CU_GRAPH_NODE_TYPE_MEMSET => out.memsets += 1,
+            T::CU_GRAPH_NODE_TYPE_MEM_ALLOC => out.allocs += 1,
+            T::CU_GRAPH_NODE_TYPE_MEM_FREE => out.frees += 1,
+            _ => out.other += 1,
+        }
+    }
+    out
+}
+
 /// A failed capture's aftermath: the stream out of capture mode, the error the driver recorded
 /// cleared (so that later calls do not report it), graphs off for the process, one line on
 /// stderr.
@@ -419,4 +549,53 @@ fn give_up<T>(
         ),
     );
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Nodes;
+
+    #[test]
+    fn a_graph_that_copies_from_the_host_or_frees_outside_memory_is_not_replayed() {
+        let sound = Nodes {
+            kernels: 240,
+            device_copies: 3,
+            allocs: 40,
+            frees: 40,
+            ..Nodes::default()
+        };
+        assert_eq!(sound.unsafe_replay(), None);
+        assert!(
+            sound
+                .summary()
+                .starts_with("240 kernels, 3 device copies, 0 host copies")
+        );
+        let host = Nodes {
+            host_copies: 1,
+            ..sound.clone()
+        };
+        assert!(
+            host.unsafe_replay()
+                .unwrap()
+                .contains("copies from host memory")
+        );
+        let frees = Nodes {
+            frees: 41,
+            ..sound.clone()
+        };
+        assert!(
+            frees
+                .unsafe_replay()
+                .unwrap()
+                .contains("frees memory it did not allocate")
+        );
+        let unreadable = Nodes {
+            unreadable: Some("cuGraphGetNodes failed".into()),
+            ..Nodes::default()
+        };
+        assert_eq!(
+            unreadable.summary(),
+            "nodes unreadable: cuGraphGetNodes failed"
+        );
+    }
 }

@@ -219,10 +219,9 @@ __device__ void softmax_bwd(const typename T::S* p, long po, const typename T::S
 // ------------------------------------------------------------------ attention (few queries)
 
 // Grouped-query attention for a few query positions over many keys (decoding over a KV cache):
-// one block per (batch, head, query row); each warp runs an online softmax over every
-// `warps`-th key, the warps are merged at the end. D ≤ 256, blockDim ≤ 256.
+// one block per (batch, kv head, its query heads, query row), keys in tiles (`attend`).
+// D ≤ 256, blockDim = ATTN_THREADS.
 #define ATTN_MAX_D 256
-#define ATTN_MAX_WARPS 8
 
 // Keys and values of one (batch, kv head): rows `ks` / `vs` elements apart, unit stride along D
 // (a KV cache's view).
@@ -271,81 +270,93 @@ struct PackedRows {
 
 // softmax(qs[h] · kᵀ + bias row) · v over keys 0..s into `orow + h·d` (d ≤ 32·DC elements) for
 // each of `heads` ≤ G query rows qs[h] (already scaled, in shared memory) that share one kv head:
-// each key and value is read once for all of them. Each warp runs an online softmax per head over
-// every `warps`-th key; the warps are merged at the end, head by head. A head's arithmetic is
-// the same, in the same order, whatever G and `heads` are.
+// each key and value is read once for all of them. Keys go in tiles of ATTN_TILE: each thread
+// scores its own keys of the tile for every head (a dot over d, no shuffles), warp w then takes
+// heads w, w + warps, ... for the tile's maximum and probabilities (an online softmax across
+// tiles), and each thread accumulates its (head, element) pairs of the output over the tile's
+// values, in key order. A head's arithmetic is the same, in the same order, whatever G and
+// `heads` are. A key masked with −inf (f16's mask too) has no weight.
+#define ATTN_TILE 256
+// Threads of an attention block (the launch's block size, whatever the number of keys): its
+// output pairs, G heads of up to 32·DC elements, are ATTN_PAIRS per thread.
+#define ATTN_THREADS 256
+#define ATTN_PAIRS (G * DC * 32 / ATTN_THREADS)
 template <typename T, int G, int DC, typename Rows>
 __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
                        const typename T::S* br, int s, int d, typename T::S* orow) {
-    __shared__ float wm[ATTN_MAX_WARPS], wl[ATTN_MAX_WARPS];
-    __shared__ float wacc[ATTN_MAX_WARPS][ATTN_MAX_D];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float m[G], lsum[G], acc[G][DC];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        m[h] = GPU_NEG_INF;
-        lsum[h] = 0.0f;
-#pragma unroll
-        for (int t = 0; t < DC; ++t) acc[h][t] = 0.0f;
+    __shared__ float pr[G][ATTN_TILE];
+    __shared__ float mh[G], lh[G], corr[G];
+    int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, w = tid >> 5, nw = nt >> 5;
+    int pairs = heads * d;
+    if (tid < G) {
+        mh[tid] = GPU_NEG_INF;
+        lh[tid] = 0.0f;
     }
-    for (int j = w; j < s; j += nw) {
-        float kj[DC], vj[DC];
+    // This thread's output pairs: tid + nt·t = head · d + element, for t while below heads · d
+    // (nt = ATTN_THREADS covers G · 32·DC of them).
+    float acc[ATTN_PAIRS];
+    int hs[ATTN_PAIRS], es[ATTN_PAIRS];
 #pragma unroll
-        for (int t = 0; t < DC; ++t) {
-            int e = lane + 32 * t;
-            kj[t] = e < d ? kv.key(j, e) : 0.0f;
-            vj[t] = e < d ? kv.value(j, e) : 0.0f;
-        }
-        float bj = T::ld(br[j]);
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-            if (h >= heads) break;
-            float dot = 0.0f;
-#pragma unroll
-            for (int t = 0; t < DC; ++t) {
-                int e = lane + 32 * t;
-                if (e < d) dot += qs[h][e] * kj[t];
-            }
-            dot = warp_sum(dot);
-            float sc = dot + bj;
-            if (sc == GPU_NEG_INF) continue;  // a key masked with −inf (f16's −1e9) has no weight
-            float mn = fmaxf(m[h], sc);
-            float corr = expf(m[h] - mn), p = expf(sc - mn);
-            lsum[h] = lsum[h] * corr + p;
-#pragma unroll
-            for (int t = 0; t < DC; ++t) {
-                int e = lane + 32 * t;
-                if (e < d) acc[h][t] = acc[h][t] * corr + p * vj[t];
-            }
-            m[h] = mn;
-        }
+    for (int t = 0; t < ATTN_PAIRS; ++t) {
+        int at = tid + nt * t;
+        acc[t] = 0.0f;
+        hs[t] = at < pairs ? at / d : -1;
+        es[t] = at < pairs ? at - hs[t] * d : 0;
     }
+    for (int j0 = 0; j0 < s; j0 += ATTN_TILE) {
+        int n = s - j0 < ATTN_TILE ? s - j0 : ATTN_TILE;
+        for (int jj = tid; jj < n; jj += nt) {
+            long j = j0 + jj;
+            float dot[G];
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-        if (h >= heads) break;
-        __syncthreads();  // the previous head's readers are done with wm, wl, wacc
-        if (lane == 0) {
-            wm[w] = m[h];
-            wl[w] = lsum[h];
-        }
+            for (int h = 0; h < G; ++h) dot[h] = 0.0f;
+            for (int e = 0; e < d; ++e) {
+                float k = kv.key(j, e);
 #pragma unroll
-        for (int t = 0; t < DC; ++t) {
-            int e = lane + 32 * t;
-            if (e < d) wacc[w][e] = acc[h][t];
+                for (int h = 0; h < G; ++h)
+                    if (h < heads) dot[h] += qs[h][e] * k;
+            }
+            float bj = T::ld(br[j]);
+#pragma unroll
+            for (int h = 0; h < G; ++h)
+                if (h < heads) pr[h][jj] = dot[h] + bj;
         }
         __syncthreads();
-        float mx = GPU_NEG_INF;
-        for (int u = 0; u < nw; ++u) mx = fmaxf(mx, wm[u]);
-        float total = 0.0f;
-        for (int u = 0; u < nw; ++u)
-            if (wl[u] > 0.0f) total += expf(wm[u] - mx) * wl[u];
-        for (int t = threadIdx.x; t < d; t += blockDim.x) {
-            float o = 0.0f;
-            for (int u = 0; u < nw; ++u)
-                if (wl[u] > 0.0f) o += expf(wm[u] - mx) * wacc[u][t];
-            orow[(long)h * d + t] = T::st(o / total);
+        for (int h = w; h < heads; h += nw) {
+            float mx = GPU_NEG_INF;
+            for (int jj = lane; jj < n; jj += 32) mx = fmaxf(mx, pr[h][jj]);
+            float mn = fmaxf(mh[h], warp_max(mx));
+            float sum = 0.0f;
+            for (int jj = lane; jj < n; jj += 32) {
+                float sc = pr[h][jj];
+                float p = sc == GPU_NEG_INF ? 0.0f : expf(sc - mn);
+                pr[h][jj] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                float c = mh[h] == GPU_NEG_INF ? 0.0f : expf(mh[h] - mn);
+                corr[h] = c;
+                lh[h] = lh[h] * c + sum;
+                mh[h] = mn;
+            }
         }
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < ATTN_PAIRS; ++t)
+            if (hs[t] >= 0) acc[t] *= corr[hs[t]];
+        for (int jj = 0; jj < n; ++jj) {
+            long j = j0 + jj;
+#pragma unroll
+            for (int t = 0; t < ATTN_PAIRS; ++t)
+                if (hs[t] >= 0) acc[t] += pr[hs[t]][jj] * kv.value(j, es[t]);
+        }
+        __syncthreads();  // the tile's readers are done with pr before the next tile
     }
+#pragma unroll
+    for (int t = 0; t < ATTN_PAIRS; ++t)
+        if (hs[t] >= 0) orow[tid + nt * t] = T::st(acc[t] / lh[hs[t]]);
 }
 
 // Query heads one attention block serves: those of a kv head (grouped-query attention),
@@ -412,7 +423,10 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
                                  long bo, long bstride, typename T::S* out, int nh, int nkv,
                                  int l, long past, const unsigned* pastp, int d, float scale) {
     __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
-    if (pastp) past = (long)*pastp;
+    if (pastp) {  // a length past the capacity (never written so) is kept inside the cache
+        past = (long)*pastp;
+        if (past > cap - l) past = cap - l > 0 ? cap - l : 0;
+    }
     GroupBlock at = group_block(nh, nkv, l);
     long bi = at.bi;
     int g = at.g, i = at.i, h0 = at.h0, heads = at.heads, half = d / 2;

@@ -53,6 +53,7 @@ inline void emu_wait(EmuState why) {
 }
 
 inline void __syncthreads() { emu_wait(EMU_AT_BLOCK); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wait(EMU_AT_WARP); }
 
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
     unsigned t = threadIdx.x, w = t >> 5, lane = t & 31;

@@ -214,10 +214,9 @@ static int run(const std::string& op, char** a, K k) {
              vc = to_storage<T>(read_f32(2)), bias = to_storage<T>(read_f32(3));
         std::vector<S> out((long)b * l * nh * d);
         long kb = (long)nkv * cap * d, kg = (long)cap * d, ks = d;
-        int warps = s / 16 < 1 ? 1 : (s / 16 > 8 ? 8 : s / 16);
         int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
         emu_launch(d <= 128 ? k.attention : k.attention_d256, (unsigned)(b * nkv * chunks * l),
-                   32 * warps, 0, q.data(), 0L, kc.data(), 0L,
+                   ATTN_THREADS, 0, q.data(), 0L, kc.data(), 0L,
                    kb, kg, ks, vc.data(), 0L, kb, kg, ks, bias.data(), 0L, out.data(), nh, nkv, l,
                    s, d, scale);
         write_out<T>(out);
@@ -225,7 +224,7 @@ static int run(const std::string& op, char** a, K k) {
         // b nh nkv l past d cap scale [graphed]: in0 qkv (b, l, nh + 2·nkv, d), in1 k cache,
         // in2 v cache (b, nkv, cap, d), in3 cos, in4 sin (b, l, d/2), in5 bias (b, 1, l,
         // past + l), or with `graphed` = 1 (b, 1, l, cap) with the cached length read from
-        // device memory (the argument `past` given as 0) and 8 warps, as a captured decode
+        // device memory (the argument `past` given as 0), as a captured decode
         // step launches it; out = [context (b·l, nh·d), k cache, v cache]
         int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), d = atoi(a[5]);
         long past = atol(a[4]), cap = atol(a[6]);
@@ -236,12 +235,10 @@ static int run(const std::string& op, char** a, K k) {
              sn = to_storage<T>(read_f32(4)), bias = to_storage<T>(read_f32(5));
         std::vector<S> out((long)b * l * nh * d);
         long s = past + l;
-        int warps = s / 16 < 1 ? 1 : (s / 16 > 8 ? 8 : (int)(s / 16));
         unsigned past_at = (unsigned)past;
-        if (graphed) warps = 8;
         int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
         emu_launch(d <= 128 ? k.cached_attention : k.cached_attention_d256,
-                   (unsigned)(b * nkv * chunks * l), 32 * warps, 0, qkv.data(), 0L,
+                   (unsigned)(b * nkv * chunks * l), ATTN_THREADS, 0, qkv.data(), 0L,
                    kc.data(), vc.data(), cap, c.data(), 0L, sn.data(), 0L, bias.data(), 0L,
                    graphed ? cap : s, out.data(), nh, nkv, l, graphed ? 0L : past,
                    graphed ? (const unsigned*)&past_at : (const unsigned*)nullptr, d, scale);

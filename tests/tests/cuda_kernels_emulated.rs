@@ -336,7 +336,7 @@ fn attention_over_a_strided_cache_matches_the_composition() {
     // view), one query row (a decode step) and three (a short prefill), head dim 40 (a partial
     // warp), left padding and causal masking through the bias.
     // Then a decode step of the 0.77B model's shape: head dim 128, 6 query heads per kv head,
-    // 300 cached positions of 320 (the most warps per block, 8).
+    // 300 cached positions of 320 (two tiles of keys).
     // And 18 query heads on one kv head (blocks of 8, 8 and 2 heads) with head dim 160.
     for (b, nh, nkv, d, cap, l, sl) in [
         (2, 6, 2, 40, 50, 1, 37),
@@ -566,7 +566,7 @@ fn check_cached_attention(dims: [usize; 7], dt: DType, name: &str, tol: f32, see
     assert_eq!(gk, &flat(&k2)[..], "{what}: keys differ from kv_write's");
 
     // As a decode step captured in a CUDA graph launches it: the cached length read from
-    // device memory (the argument says 0), the bias `cap` wide with rows `cap` apart, 8 warps.
+    // device memory (the argument says 0), the bias `cap` wide with rows `cap` apart.
     // The columns past `past + L` hold NaN: reading one would show.
     let wide = {
         let nan = Tensor::full(f32::NAN, (b, 1, l, cap - sl), &Device::Cpu).unwrap();
