@@ -154,9 +154,14 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         }
     }
     // One more pass with each decoder layer's forward and backward timed on its own (layer
-    // segments; each waited for): the layers' share of the learner against the rest.
+    // segments, switched on for this pass; each waited for): the layers' share of the learner
+    // against the rest.
+    let plain = tm.model.layer_blocks.is_none();
     let (layer_fwd, layer_bwd) =
-        if fb_runs > 0 && tm.model.layer_blocks.as_ref().is_some_and(|b| !b.recompute) {
+        if fb_runs > 0 && (plain || tm.model.layer_blocks.as_ref().is_some_and(|b| !b.recompute)) {
+            if plain {
+                tm.model.enable_layer_segments();
+            }
             grpo_core::recompute::set_segment_timing(true);
             let pass = (|| -> Result<()> {
                 let (lp, _) =
@@ -167,6 +172,9 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
                 Ok(())
             })();
             grpo_core::recompute::set_segment_timing(false);
+            if plain {
+                tm.model.layer_blocks = None;
+            }
             pass?;
             let (f, b) = grpo_core::recompute::take_segment_times();
             (Some(f.iter().sum::<f64>()), Some(b.iter().sum::<f64>()))

@@ -682,12 +682,20 @@ fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
 
 /// What the device holds besides the checks' results, printed under the table: on CUDA, what
 /// our kernels take per thread (the driver reserves local memory for every resident thread by
-/// the largest need) and the memory in use outside the allocation pool (context, modules,
-/// local memory, libraries' workspaces). Nothing on the CPU.
+/// the largest need), the decode steps captured as CUDA graphs and the last one's nodes by
+/// kind, and the memory in use outside the allocation pool (context, modules, local memory,
+/// libraries' workspaces). Nothing on the CPU.
 pub fn device_notes(device: &Device) -> Vec<String> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
         let mut out = grpo_core::cuda::kernel_resources(d);
+        if grpo_rollout::graph::captures() > 0 {
+            out.push(format!(
+                "decode steps captured as CUDA graphs: {}; the last one's nodes: {}",
+                grpo_rollout::graph::captures(),
+                grpo_rollout::graph::last_capture_nodes()
+            ));
+        }
         if let (Some([_, _, reserved, _]), Ok((free, total))) = (
             grpo_core::cuda::pool_usage(d),
             candle_core::cuda_backend::cudarc::driver::result::mem_get_info(),
