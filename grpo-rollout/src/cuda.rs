@@ -552,21 +552,16 @@ fn kv_view(l: &Layout, what: &str) -> Result<(i64, [i64; 3])> {
     ))
 }
 
-/// Threads of a grouped attention block (the kernels' ATTN_THREADS: their per-thread output
-/// registers are sized for it).
+/// Threads of a grouped attention block (the kernels' ATTN_THREADS: their output elements are
+/// shared out over that many).
 const ATTN_THREADS: u32 = 256;
 
-/// The kernel and launch of a grouped attention (`attention_rows`, `cached_attention`) over
+/// The launch of a grouped attention (`attention_rows`, `cached_attention`) over
 /// `[B, H, G, L, S, D]`: one block of ATTN_THREADS per (row, kv head, up to ATTN_GROUP of its
-/// query heads, query position); head dims up to 128 take the kernel whose output pairs are 4
-/// per thread, `names[0]`, larger ones `names[1]`.
-fn grouped_launch(
-    names: [&'static str; 2],
-    [b, nh, nkv, l, _s, d]: [usize; 6],
-) -> (&'static str, LaunchConfig) {
+/// query heads, query position).
+fn grouped_launch([b, nh, nkv, l]: [usize; 4]) -> LaunchConfig {
     let chunks = (nh / nkv).div_ceil(ATTN_GROUP);
-    let c = cfg((b * nkv * chunks * l) as u32, ATTN_THREADS, 0);
-    (if d <= 128 { names[0] } else { names[1] }, c)
+    cfg((b * nkv * chunks * l) as u32, ATTN_THREADS, 0)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -610,10 +605,7 @@ fn attention_rows_t<T: Elem>(
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, si, di] = [nh as i32, nkv as i32, l as i32, s as i32, d as i32];
     let sc = scale as f32;
-    let (name, c) = grouped_launch(
-        ["attention_rows", "attention_rows_d256"],
-        [b, nh, nkv, l, s, d],
-    );
+    let (name, c) = ("attention_rows", grouped_launch([b, nh, nkv, l]));
     cuda_launch!(
         &DECODER,
         dev,
@@ -726,10 +718,7 @@ fn cached_attention_t<T: Elem>(
     let out = alloc::<T>(dev, b * l * nh * d)?;
     let [nhi, nkvi, li, di] = [nh as i32, nkv as i32, l as i32, d as i32];
     let (capi, sc, bstride) = (cap as i64, a.scale as f32, s as i64);
-    let (name, c) = grouped_launch(
-        ["cached_attention", "cached_attention_d256"],
-        [b, nh, nkv, l, s, d],
-    );
+    let (name, c) = ("cached_attention", grouped_launch([b, nh, nkv, l]));
     // The length as an argument, or (a captured step's) the device address that holds it, the
     // argument then 0; a null address otherwise.
     let stream = dev.cuda_stream();

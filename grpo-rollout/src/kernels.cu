@@ -233,6 +233,8 @@ struct CacheRows {
     long vs;
     __device__ float key(long j, int e) const { return T::ld(k[j * ks + e]); }
     __device__ float value(long j, int e) const { return T::ld(v[j * vs + e]); }
+    // Key j's stored row (every row here is stored).
+    __device__ const typename T::S* stored_key(long j) const { return k + j * ks; }
 };
 
 // Element `e` of row `x` rotated by the table entries of its pair, rounded to the storage type:
@@ -266,43 +268,105 @@ struct PackedRows {
     __device__ float value(long j, int e) const {
         return j < past ? cache.value(j, e) : T::ld(vn[(j - past) * ns + e]);
     }
+    // Key j's stored row, or null for this step's keys (rotated on the fly).
+    __device__ const typename T::S* stored_key(long j) const {
+        return j < past ? cache.stored_key(j) : nullptr;
+    }
 };
 
-// softmax(qs[h] · kᵀ + bias row) · v over keys 0..s into `orow + h·d` (d ≤ 32·DC elements) for
-// each of `heads` ≤ G query rows qs[h] (already scaled, in shared memory) that share one kv head:
+// Keys per tile of `attend`.
+#define ATTN_TILE 256
+
+// 16 bytes loaded in one instruction: 8 bf16/f16 or 4 f32 values, or 4 f32 of shared memory.
+struct alignas(16) Vec16 {
+    unsigned u[4];
+};
+template <typename T>
+union Lanes16 {
+    Vec16 v;
+    typename T::S s[16 / sizeof(typename T::S)];
+};
+
+// dot[h] += Σ_x qs[h][x] · key[x] for the heads below `heads`, x in order: the same arithmetic
+// whether the key is read element by element (`kv.key`) or, for a stored row that allows it,
+// in 16-byte loads (with the queries' rows in 16-byte shared loads).
+template <typename T, int G, typename Rows>
+__device__ __forceinline__ void score_key(float* dot, const float (*qs)[ATTN_MAX_D], int heads,
+                                          const Rows& kv, long j, int d) {
+    const int n = 16 / sizeof(typename T::S);
+    const typename T::S* row = kv.stored_key(j);
+    if (row && d % n == 0 && ((unsigned long long)row & 15) == 0) {
+        for (int x = 0; x < d; x += n) {
+            Lanes16<T> kl;
+            kl.v = *reinterpret_cast<const Vec16*>(row + x);
+#pragma unroll
+            for (int c = 0; c < n; c += 4) {
+#pragma unroll
+                for (int h = 0; h < G; ++h) {
+                    if (h >= heads) break;
+                    Vec16 q = *reinterpret_cast<const Vec16*>(&qs[h][x + c]);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+                        dot[h] += __uint_as_float(q.u[u]) * T::ld(kl.s[c + u]);
+                }
+            }
+        }
+        return;
+    }
+    for (int x = 0; x < d; ++x) {
+        float k = kv.key(j, x);
+#pragma unroll
+        for (int h = 0; h < G; ++h)
+            if (h < heads) dot[h] += qs[h][x] * k;
+    }
+}
+
+// Output accumulation over a tile of `n` keys from j0: acc[t] is element e of head hg + groups·t
+// for the TN (≥ this thread's count) heads a thread can serve; rescaled by the tile's
+// correction first.
+template <typename T, int G, int TN, typename Rows>
+__device__ __forceinline__ void gather_values(float* acc, const float (*pr)[ATTN_TILE],
+                                              const float* corr, const Rows& kv, long j0, int n,
+                                              int e, int hg, int groups, int heads) {
+#pragma unroll
+    for (int t = 0; t < TN; ++t)
+        if (hg + groups * t < heads) acc[t] *= corr[hg + groups * t];
+    for (int jj = 0; jj < n; ++jj) {
+        float v = kv.value(j0 + jj, e);
+#pragma unroll
+        for (int t = 0; t < TN; ++t)
+            if (hg + groups * t < heads) acc[t] += pr[hg + groups * t][jj] * v;
+    }
+}
+
+// softmax(qs[h] · kᵀ + bias row) · v over keys 0..s into `orow + h·d` (d ≤ ATTN_MAX_D) for each
+// of `heads` ≤ G query rows qs[h] (already scaled, in shared memory) that share one kv head:
 // each key and value is read once for all of them. Keys go in tiles of ATTN_TILE: each thread
 // scores its own keys of the tile for every head (a dot over d, no shuffles), warp w then takes
 // heads w, w + warps, ... for the tile's maximum and probabilities (an online softmax across
-// tiles), and each thread accumulates its (head, element) pairs of the output over the tile's
-// values, in key order. A head's arithmetic is the same, in the same order, whatever G and
-// `heads` are. A key masked with −inf (f16's mask too) has no weight.
-#define ATTN_TILE 256
-// Threads of an attention block (the launch's block size, whatever the number of keys): its
-// output pairs, G heads of up to 32·DC elements, are ATTN_PAIRS per thread.
+// tiles), and each thread accumulates one element of the output for its heads (`groups` =
+// ATTN_THREADS / d threads share an element's heads) over the tile's values, in key order, one
+// value read serving them all. A head's arithmetic is the same, in the same order, whatever G
+// and `heads` are. A key masked with −inf (f16's mask too) has no weight.
+// Threads of an attention block: the launch's block size, whatever the number of keys.
 #define ATTN_THREADS 256
-#define ATTN_PAIRS (G * DC * 32 / ATTN_THREADS)
-template <typename T, int G, int DC, typename Rows>
+template <typename T, int G, typename Rows>
 __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
                        const typename T::S* br, int s, int d, typename T::S* orow) {
-    __shared__ float pr[G][ATTN_TILE];
+    alignas(16) __shared__ float pr[G][ATTN_TILE];
     __shared__ float mh[G], lh[G], corr[G];
     int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, w = tid >> 5, nw = nt >> 5;
-    int pairs = heads * d;
+    // Output element e of heads hg, hg + groups, ... (threads from groups · d on own none).
+    int groups = nt / d, e = tid % d, hg = tid / d;
+    bool owner = tid < groups * d;
+    int tn = (heads - hg + groups - 1) / groups;  // the heads this thread serves
     if (tid < G) {
         mh[tid] = GPU_NEG_INF;
         lh[tid] = 0.0f;
     }
-    // This thread's output pairs: tid + nt·t = head · d + element, for t while below heads · d
-    // (nt = ATTN_THREADS covers G · 32·DC of them).
-    float acc[ATTN_PAIRS];
-    int hs[ATTN_PAIRS], es[ATTN_PAIRS];
+    float acc[G];
 #pragma unroll
-    for (int t = 0; t < ATTN_PAIRS; ++t) {
-        int at = tid + nt * t;
-        acc[t] = 0.0f;
-        hs[t] = at < pairs ? at / d : -1;
-        es[t] = at < pairs ? at - hs[t] * d : 0;
-    }
+    for (int t = 0; t < G; ++t) acc[t] = 0.0f;
     for (int j0 = 0; j0 < s; j0 += ATTN_TILE) {
         int n = s - j0 < ATTN_TILE ? s - j0 : ATTN_TILE;
         for (int jj = tid; jj < n; jj += nt) {
@@ -310,12 +374,7 @@ __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
             float dot[G];
 #pragma unroll
             for (int h = 0; h < G; ++h) dot[h] = 0.0f;
-            for (int e = 0; e < d; ++e) {
-                float k = kv.key(j, e);
-#pragma unroll
-                for (int h = 0; h < G; ++h)
-                    if (h < heads) dot[h] += qs[h][e] * k;
-            }
+            score_key<T, G>(dot, qs, heads, kv, j, d);
             float bj = T::ld(br[j]);
 #pragma unroll
             for (int h = 0; h < G; ++h)
@@ -343,20 +402,25 @@ __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
             }
         }
         __syncthreads();
-#pragma unroll
-        for (int t = 0; t < ATTN_PAIRS; ++t)
-            if (hs[t] >= 0) acc[t] *= corr[hs[t]];
-        for (int jj = 0; jj < n; ++jj) {
-            long j = j0 + jj;
-#pragma unroll
-            for (int t = 0; t < ATTN_PAIRS; ++t)
-                if (hs[t] >= 0) acc[t] += pr[hs[t]][jj] * kv.value(j, es[t]);
+        if (owner) {  // templated on the heads a thread serves: no idle unrolled steps
+            if (tn <= 1)
+                gather_values<T, G, 1>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
+            else if (tn <= 2)
+                gather_values<T, G, 2>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
+            else if (tn <= 4)
+                gather_values<T, G, 4>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
+            else
+                gather_values<T, G, G>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
         }
         __syncthreads();  // the tile's readers are done with pr before the next tile
     }
+    if (owner) {
 #pragma unroll
-    for (int t = 0; t < ATTN_PAIRS; ++t)
-        if (hs[t] >= 0) orow[tid + nt * t] = T::st(acc[t] / lh[hs[t]]);
+        for (int t = 0; t < G; ++t) {
+            int h = hg + groups * t;
+            if (h < heads) orow[(long)h * d + e] = T::st(acc[t] / lh[h]);
+        }
+    }
 }
 
 // Query heads one attention block serves: those of a kv head (grouped-query attention),
@@ -383,15 +447,15 @@ __device__ __forceinline__ GroupBlock group_block(int nh, int nkv, int l) {
 }
 
 // q (B, H, L, D) contiguous; k, v (B, G, S, D) with element strides (kb, kg, ks) and (vb, vg, vs)
-// and unit stride along D; bias (B, 1, L, S); out rows (B·L, H·D); d ≤ 32·DC. One block per
-// (batch, kv head, up to ATTN_GROUP of its query heads, query row).
-template <typename T, int DC>
+// and unit stride along D; bias (B, 1, L, S); out rows (B·L, H·D); d ≤ ATTN_MAX_D. One block
+// per (batch, kv head, up to ATTN_GROUP of its query heads, query row).
+template <typename T>
 __device__ void attention_rows(const typename T::S* q, long qo, const typename T::S* k, long ko,
                                long kb, long kg, long ks, const typename T::S* v, long vo,
                                long vb, long vg, long vs, const typename T::S* bias, long bo,
                                typename T::S* out, int nh, int nkv, int l, int s, int d,
                                float scale) {
-    __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
+    alignas(16) __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
     GroupBlock at = group_block(nh, nkv, l);
     long bi = at.bi;
     int g = at.g, i = at.i;
@@ -401,8 +465,8 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
     }
     __syncthreads();
     CacheRows<T> kv = {k + ko + bi * kb + g * kg, ks, v + vo + bi * vb + g * vg, vs};
-    attend<T, ATTN_GROUP, DC>(qs, at.heads, kv, bias + bo + (bi * l + i) * s, s, d,
-                              out + (bi * l + i) * ((long)nh * d) + (long)at.h0 * d);
+    attend<T, ATTN_GROUP>(qs, at.heads, kv, bias + bo + (bi * l + i) * s, s, d,
+                          out + (bi * l + i) * ((long)nh * d) + (long)at.h0 * d);
 }
 
 // A pass over a KV cache after the packed q/k/v product, in one launch: RoPE on the queries, the
@@ -412,17 +476,16 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
 // bias (B, 1, L, ·) with rows `bstride` apart, of which the first past + L are read; out rows
 // (B·L, H·D). One block per (batch, kv head, up to ATTN_GROUP of its query heads, query row),
 // reading each cached key and value once for those heads; the block of a kv head's first query
-// heads also writes its row for its query position. d ≤ 32·DC (two entry points: DC 4 for head
-// dims up to 128 keeps the registers of 8 heads' accumulators at what one head's took with DC
-// 8). `pastp`, when not null, holds the cached length in device memory and takes the place of
-// `past` (a decode step replayed from a CUDA graph, whose arguments are fixed at its capture).
-template <typename T, int DC>
+// heads also writes its row for its query position. d ≤ ATTN_MAX_D. `pastp`, when not null,
+// holds the cached length in device memory and takes the place of `past` (a decode step
+// replayed from a CUDA graph, whose arguments are fixed at its capture).
+template <typename T>
 __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::S* kc,
                                  typename T::S* vc, long cap, const typename T::S* c, long co,
                                  const typename T::S* sn, long so, const typename T::S* bias,
                                  long bo, long bstride, typename T::S* out, int nh, int nkv,
                                  int l, long past, const unsigned* pastp, int d, float scale) {
-    __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
+    alignas(16) __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
     if (pastp) {  // a length past the capacity (never written so) is kept inside the cache
         past = (long)*pastp;
         if (past > cap - l) past = cap - l > 0 ? cap - l : 0;
@@ -455,29 +518,29 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
         c + co + bi * l * half,
         sn + so + bi * l * half,
         half};
-    attend<T, ATTN_GROUP, DC>(qs, heads, kv, bias + bo + (bi * l + i) * bstride, (int)s, d,
-                              out + (bi * l + i) * ((long)nh * d) + (long)h0 * d);
+    attend<T, ATTN_GROUP>(qs, heads, kv, bias + bo + (bi * l + i) * bstride, (int)s, d,
+                          out + (bi * l + i) * ((long)nh * d) + (long)h0 * d);
 }
 
 // ------------------------------------------------------------------ entry points
 
 #define S_OF(T) T::S
-#define ATTENTION_ROWS(T, N, W, DC)                                                          \
-    extern "C" __global__ void attention_rows##W##_##N(                                      \
+#define ATTENTION_ROWS(T, N)                                                                \
+    extern "C" __global__ void attention_rows_##N(                                          \
         const S_OF(T) * q, long qo, const S_OF(T) * k, long ko, long kb, long kg, long ks,  \
         const S_OF(T) * v, long vo, long vb, long vg, long vs, const S_OF(T) * bias,        \
-        long bo, S_OF(T) * out, int nh, int nkv, int l, int s, int d, float scale) {         \
-        attention_rows<T, DC>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh, \
-                              nkv, l, s, d, scale);                                          \
+        long bo, S_OF(T) * out, int nh, int nkv, int l, int s, int d, float scale) {        \
+        attention_rows<T>(q, qo, k, ko, kb, kg, ks, v, vo, vb, vg, vs, bias, bo, out, nh,   \
+                          nkv, l, s, d, scale);                                             \
     }
-#define CACHED_ATTENTION(T, N, W, DC)                                                        \
-    extern "C" __global__ void cached_attention##W##_##N(                                    \
+#define CACHED_ATTENTION(T, N)                                                              \
+    extern "C" __global__ void cached_attention_##N(                                        \
         const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
         const S_OF(T) * c, long co, const S_OF(T) * s, long so, const S_OF(T) * bias,       \
-        long bo, long bstride, S_OF(T) * out, int nh, int nkv, int l, long past,             \
-        const unsigned* pastp, int d, float scale) {                                         \
-        cached_attention<T, DC>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, bstride, out,  \
-                                nh, nkv, l, past, pastp, d, scale);                          \
+        long bo, long bstride, S_OF(T) * out, int nh, int nkv, int l, long past,            \
+        const unsigned* pastp, int d, float scale) {                                        \
+        cached_attention<T>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, bstride, out,     \
+                            nh, nkv, l, past, pastp, d, scale);                             \
     }
 #define GRPO_KERNELS(T, N)                                                                   \
     extern "C" __global__ void rms_fwd_##N(const S_OF(T) * x, long xo, const S_OF(T) * w,   \
@@ -532,10 +595,8 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
                                                int s, float scale) {                         \
         softmax_bwd<T>(p, po, g, go, out, s, scale);                                         \
     }                                                                                        \
-    ATTENTION_ROWS(T, N, , 4)                                                                \
-    ATTENTION_ROWS(T, N, _d256, 8)                                                           \
-    CACHED_ATTENTION(T, N, , 4)                                                              \
-    CACHED_ATTENTION(T, N, _d256, 8)
+    ATTENTION_ROWS(T, N)                                                                     \
+    CACHED_ATTENTION(T, N)
 
 GRPO_KERNELS(F32, f32)
 GRPO_KERNELS(BF16, bf16)

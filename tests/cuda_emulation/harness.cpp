@@ -215,7 +215,7 @@ static int run(const std::string& op, char** a, K k) {
         std::vector<S> out((long)b * l * nh * d);
         long kb = (long)nkv * cap * d, kg = (long)cap * d, ks = d;
         int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
-        emu_launch(d <= 128 ? k.attention : k.attention_d256, (unsigned)(b * nkv * chunks * l),
+        emu_launch(k.attention, (unsigned)(b * nkv * chunks * l),
                    ATTN_THREADS, 0, q.data(), 0L, kc.data(), 0L,
                    kb, kg, ks, vc.data(), 0L, kb, kg, ks, bias.data(), 0L, out.data(), nh, nkv, l,
                    s, d, scale);
@@ -237,7 +237,7 @@ static int run(const std::string& op, char** a, K k) {
         long s = past + l;
         unsigned past_at = (unsigned)past;
         int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
-        emu_launch(d <= 128 ? k.cached_attention : k.cached_attention_d256,
+        emu_launch(k.cached_attention,
                    (unsigned)(b * nkv * chunks * l), ATTN_THREADS, 0, qkv.data(), 0L,
                    kc.data(), vc.data(), cap, c.data(), 0L, sn.data(), 0L, bias.data(), 0L,
                    graphed ? cap : s, out.data(), nh, nkv, l, graphed ? 0L : past,
@@ -338,9 +338,7 @@ static int run_flash(const std::string& op, char** a, bool bf16) {
         decltype(&softmax_fwd_##N) softmax_fwd = &softmax_fwd_##N;                         \
         decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
         decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \
-        decltype(&attention_rows_d256_##N) attention_d256 = &attention_rows_d256_##N;      \
         decltype(&cached_attention_##N) cached_attention = &cached_attention_##N;          \
-        decltype(&cached_attention_d256_##N) cached_attention_d256 = &cached_attention_d256_##N; \
         decltype(&lsg_fwd_##N) lsg_fwd = &lsg_fwd_##N;                                     \
         decltype(&sample_rows_##N) sample = &sample_rows_##N;                              \
         decltype(&lsg_bwd_##N) lsg_bwd = &lsg_bwd_##N;                                     \

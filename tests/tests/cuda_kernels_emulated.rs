@@ -344,6 +344,8 @@ fn attention_over_a_strided_cache_matches_the_composition() {
         (2, 6, 2, 40, 50, 1, 5),
         (2, 6, 1, 128, 320, 1, 300),
         (2, 18, 1, 160, 40, 2, 30),
+        // Head dim 36: rows of 16-bit keys that 16-byte loads cannot take (read one by one).
+        (2, 6, 2, 36, 50, 1, 37),
     ] {
         for (name, dt, tol) in DTYPES {
             let q = randn(&[b, nh, l, d], dt, 12);
@@ -594,7 +596,7 @@ fn cached_attention_equals_rope_kv_writes_and_attention() {
     // partial warp; a short prefill after cached positions; a first prefill (nothing cached,
     // one kv head per query head); a decode step of the 0.77B model's shape; 18 query heads on
     // one kv head (blocks of 8, 8 and 2 heads, only the first writing the cache); head dim
-    // 160 (the kernel for head dims above 128).
+    // 160; head dim 36 (16-bit cached keys read one by one, f32 ones in 16-byte loads).
     for dims in [
         [2, 6, 2, 1, 36, 40, 50],
         [2, 6, 2, 3, 34, 40, 50],
@@ -602,6 +604,7 @@ fn cached_attention_equals_rope_kv_writes_and_attention() {
         [2, 12, 2, 1, 299, 128, 320],
         [2, 18, 1, 2, 20, 32, 24],
         [1, 4, 2, 1, 20, 160, 24],
+        [2, 6, 2, 1, 20, 36, 24],
     ] {
         for (name, dt, tol) in DTYPES {
             if !check_cached_attention(dims, dt, name, tol, 40) {
