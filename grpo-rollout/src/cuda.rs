@@ -659,6 +659,9 @@ pub struct CachedAttention<'a> {
     pub heads: usize,
     /// Score scale.
     pub scale: f64,
+    /// The packed projection's bias `((heads + 2·kv heads)·D,)`, contiguous, added to q, k and
+    /// v as the kernel reads them (in place of a separate add).
+    pub proj_bias: Option<&'a Tensor>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -743,6 +746,28 @@ fn cached_attention_t<T: Elem>(
         Some((ptr, _)) => (0i64, *ptr),
         None => (a.past as i64, 0),
     };
+    let pb_held = match a.proj_bias {
+        Some(pb) => {
+            if pb.dtype() != T::DTYPE || pb.layout().contiguous_offsets() != Some((0, heads * d)) {
+                candle_core::bail!(
+                    "cached_attention: the projection bias must be a fresh contiguous ({}) {:?}",
+                    heads * d,
+                    T::DTYPE
+                );
+            }
+            Some(pb.storage_and_layout().0)
+        }
+        None => None,
+    };
+    let pb_at = match &pb_held {
+        Some(st) => Some(
+            on_cuda(st, "cached_attention: the projection bias")?
+                .as_cuda_slice::<T>()?
+                .device_ptr(&stream),
+        ),
+        None => None,
+    };
+    let pb_ptr = pb_at.as_ref().map_or(0, |(p, _)| *p);
     cuda_launch!(
         &DECODER,
         dev,
@@ -751,10 +776,11 @@ fn cached_attention_t<T: Elem>(
         c,
         [
             qs, &qo, ks, vs, &capi, cs, &co, ss, &so, bs, &bo, &bstride, &out, &nhi, &nkvi, &li,
-            &pasti, &past_ptr, &di, &sc
+            &pasti, &past_ptr, &di, &sc, &pb_ptr
         ]
     );
     drop(at);
+    drop(pb_at);
     done(out, dev, (b * l, nh * d))
 }
 

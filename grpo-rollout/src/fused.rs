@@ -472,6 +472,27 @@ pub fn cached_attention(
     heads: usize,
     scale: f64,
 ) -> Result<Tensor> {
+    cached_attention_biased(
+        qkv, None, k_cache, v_cache, cos, sin, bias, past, heads, scale,
+    )
+}
+
+/// `qkv`'s projection bias `proj_bias` `((H + 2G)·D,)`, when given, added to `qkv` (in its dtype,
+/// as a separate add would), then [`cached_attention`]: the CUDA kernel adds it as it reads q,
+/// k and v (one launch less per layer of a decode step); elsewhere the add runs first.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention_biased(
+    qkv: &Tensor,
+    proj_bias: Option<&Tensor>,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    bias: &Tensor,
+    past: usize,
+    heads: usize,
+    scale: f64,
+) -> Result<Tensor> {
     let qkv = qkv.detach();
     let (_, l, total, _) = qkv.dims4()?;
     if total <= heads || !(total - heads).is_multiple_of(2) {
@@ -480,7 +501,10 @@ pub fn cached_attention(
         );
     }
     let nkv = (total - heads) / 2;
-    if cache_pass_kernel(&qkv, &[k_cache, v_cache, cos, sin, bias])? {
+    let pb = proj_bias.map(|b| proj_bias_of(b, &qkv)).transpose()?;
+    if cache_pass_kernel(&qkv, &[k_cache, v_cache, cos, sin, bias])?
+        && pb.as_ref().is_none_or(|b| b.dtype() == qkv.dtype())
+    {
         let op = CachedAttentionOp {
             cos: cos.contiguous()?,
             sin: sin.contiguous()?,
@@ -489,9 +513,14 @@ pub fn cached_attention(
             past_at: None,
             heads,
             scale,
+            proj_bias: pb,
         };
         return qkv.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op);
     }
+    let qkv = match &pb {
+        Some(b) => qkv.broadcast_add(&b.reshape((total, qkv.dim(3)?))?)?,
+        None => qkv,
+    };
     let q = rope(&qkv.narrow(2, 0, heads)?, cos, sin)?;
     kv_write(k_cache, &qkv.narrow(2, heads, nkv)?, Some((cos, sin)), past)?;
     kv_write(v_cache, &qkv.narrow(2, heads + nkv, nkv)?, None, past)?;
@@ -517,15 +546,48 @@ pub fn cached_attention_at(
     heads: usize,
     scale: f64,
 ) -> Result<Tensor> {
+    cached_attention_at_biased(
+        qkv, None, k_cache, v_cache, cos, sin, bias, past_at, heads, scale,
+    )
+}
+
+/// [`cached_attention_at`] with [`cached_attention_biased`]'s projection bias.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention_at_biased(
+    qkv: &Tensor,
+    proj_bias: Option<&Tensor>,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    bias: &Tensor,
+    past_at: &Tensor,
+    heads: usize,
+    scale: f64,
+) -> Result<Tensor> {
     let qkv = qkv.detach();
     let l = qkv.dim(1)?;
-    if !cache_pass_kernel(&qkv, &[k_cache, v_cache, cos, sin, bias])? {
+    let pb = proj_bias.map(|b| proj_bias_of(b, &qkv)).transpose()?;
+    if !cache_pass_kernel(&qkv, &[k_cache, v_cache, cos, sin, bias])?
+        || pb.as_ref().is_some_and(|b| b.dtype() != qkv.dtype())
+    {
         if qkv.device().is_cpu() {
             // The same step on the host (the CPU tests of the captured step): the length read,
-            // the bias cut to it, the pass as `cached_attention` runs it.
+            // the bias cut to it, the pass as `cached_attention_biased` runs it.
             let past = past_at.flatten_all()?.to_vec1::<u32>()?[0] as usize;
             let bias = bias.narrow(3, 0, past + l)?;
-            return cached_attention(&qkv, k_cache, v_cache, cos, sin, &bias, past, heads, scale);
+            return cached_attention_biased(
+                &qkv,
+                pb.as_ref(),
+                k_cache,
+                v_cache,
+                cos,
+                sin,
+                &bias,
+                past,
+                heads,
+                scale,
+            );
         }
         candle_core::bail!("cached_attention_at: the length on the device needs the CUDA kernel");
     }
@@ -537,6 +599,7 @@ pub fn cached_attention_at(
         past_at: Some(past_at.clone()),
         heads,
         scale,
+        proj_bias: pb,
     };
     qkv.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, &op)
 }
@@ -564,6 +627,20 @@ struct CachedAttentionOp {
     past_at: Option<Tensor>,
     heads: usize,
     scale: f64,
+    proj_bias: Option<Tensor>,
+}
+
+/// A packed projection's bias for the cache pass over `qkv` `(B, L, H + 2G, D)`: `((H + 2G)·D,)`
+/// contiguous and detached, or the one-line refusal.
+fn proj_bias_of(b: &Tensor, qkv: &Tensor) -> Result<Tensor> {
+    let (_, _, total, d) = qkv.dims4()?;
+    if b.elem_count() != total * d {
+        candle_core::bail!(
+            "cached_attention: a projection bias of {:?} for {total} packed heads of {d}",
+            b.dims()
+        );
+    }
+    b.detach().flatten_all()?.contiguous()
 }
 
 impl CustomOp3 for CachedAttentionOp {
@@ -590,6 +667,7 @@ impl CustomOp3 for CachedAttentionOp {
             past_at: o.past_at.as_ref(),
             heads: o.heads,
             scale: o.scale,
+            proj_bias: o.proj_bias.as_ref(),
         };
         crate::cuda::cached_attention(s1, l1, s2, l2, s3, l3, &a)
     });

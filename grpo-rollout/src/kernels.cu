@@ -237,14 +237,22 @@ struct CacheRows {
     __device__ const typename T::S* stored_key(long j) const { return k + j * ks; }
 };
 
-// Element `e` of row `x` rotated by the table entries of its pair, rounded to the storage type:
-// the value RoPE and the KV-cache writes store.
+// Element i of a projection's output row `x` with its bias `b` (null: none) added, rounded to
+// the storage type as the separate add would store it.
+template <typename T>
+__device__ __forceinline__ float biased(const typename T::S* x, const typename T::S* b, long i) {
+    return b ? T::ld(T::st(T::ld(x[i]) + T::ld(b[i]))) : T::ld(x[i]);
+}
+
+// Element `e` of row `x` (bias `b`, null: none) rotated by the table entries of its pair,
+// rounded to the storage type: the value RoPE and the KV-cache writes store.
 template <typename T>
 __device__ __forceinline__ float rotated(const typename T::S* x, const typename T::S* c,
-                                         const typename T::S* s, int e, int half) {
+                                         const typename T::S* s, int e, int half,
+                                         const typename T::S* b = nullptr) {
     int i = e < half ? e : e - half;
     float cv = T::ld(c[i]), sv = T::ld(s[i]);
-    float x1 = T::ld(x[i]), x2 = T::ld(x[i + half]);
+    float x1 = biased<T>(x, b, i), x2 = biased<T>(x, b, i + half);
     return T::ld(T::st(e < half ? x1 * cv - x2 * sv : x2 * cv + x1 * sv));
 }
 
@@ -260,13 +268,15 @@ struct PackedRows {
     const typename T::S* c;  // this batch row's tables, half entries per position
     const typename T::S* s;
     int half;
+    const typename T::S* kb;  // the key and value parts' biases (null: none)
+    const typename T::S* vb;
     __device__ float key(long j, int e) const {
         if (j < past) return cache.key(j, e);
         long r = j - past;
-        return rotated<T>(kn + r * ns, c + r * half, s + r * half, e, half);
+        return rotated<T>(kn + r * ns, c + r * half, s + r * half, e, half, kb);
     }
     __device__ float value(long j, int e) const {
-        return j < past ? cache.value(j, e) : T::ld(vn[(j - past) * ns + e]);
+        return j < past ? cache.value(j, e) : biased<T>(vn + (j - past) * ns, vb, e);
     }
     // Key j's stored row, or null for this step's keys (rotated on the fly).
     __device__ const typename T::S* stored_key(long j) const {
@@ -478,13 +488,16 @@ __device__ void attention_rows(const typename T::S* q, long qo, const typename T
 // reading each cached key and value once for those heads; the block of a kv head's first query
 // heads also writes its row for its query position. d ≤ ATTN_MAX_D. `pastp`, when not null,
 // holds the cached length in device memory and takes the place of `past` (a decode step
-// replayed from a CUDA graph, whose arguments are fixed at its capture).
+// replayed from a CUDA graph, whose arguments are fixed at its capture). `pb`, when not null, is
+// the packed projection's bias ((H + 2G)·D), added to q, k and v as they are read (rounded as
+// the separate add would store them): one launch less per layer.
 template <typename T>
 __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::S* kc,
                                  typename T::S* vc, long cap, const typename T::S* c, long co,
                                  const typename T::S* sn, long so, const typename T::S* bias,
                                  long bo, long bstride, typename T::S* out, int nh, int nkv,
-                                 int l, long past, const unsigned* pastp, int d, float scale) {
+                                 int l, long past, const unsigned* pastp, int d, float scale,
+                                 const typename T::S* pb) {
     alignas(16) __shared__ float qs[ATTN_GROUP][ATTN_MAX_D];
     if (pastp) {  // a length past the capacity (never written so) is kept inside the cache
         past = (long)*pastp;
@@ -494,17 +507,22 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
     long bi = at.bi;
     int g = at.g, i = at.i, h0 = at.h0, heads = at.heads, half = d / 2;
     long ns = (long)(nh + 2 * nkv) * d, s = past + l;
+    const typename T::S* kb = pb ? pb + (long)(nh + g) * d : nullptr;
+    const typename T::S* vb = pb ? pb + (long)(nh + nkv + g) * d : nullptr;
     const typename T::S* row = qkv + qo + (bi * l + i) * ns;
     const typename T::S* ct = c + co + (bi * l + i) * half;
     const typename T::S* st = sn + so + (bi * l + i) * half;
     for (int h = 0; h < heads; ++h)
         for (int t = threadIdx.x; t < d; t += blockDim.x)
-            qs[h][t] = rotated<T>(row + (long)(h0 + h) * d, ct, st, t, half) * scale;
+            qs[h][t] = rotated<T>(row + (long)(h0 + h) * d, ct, st, t, half,
+                                  pb ? pb + (long)(h0 + h) * d : nullptr) *
+                       scale;
     if (h0 == g * (nh / nkv)) {  // the block of the kv head's first query heads
         long at = ((bi * nkv + g) * cap + past + i) * d;
         for (int t = threadIdx.x; t < d; t += blockDim.x) {
-            kc[at + t] = T::st(rotated<T>(row + (long)(nh + g) * d, ct, st, t, half));
-            vc[at + t] = row[(long)(nh + nkv + g) * d + t];
+            kc[at + t] = T::st(rotated<T>(row + (long)(nh + g) * d, ct, st, t, half, kb));
+            const typename T::S* vr = row + (long)(nh + nkv + g) * d;
+            vc[at + t] = vb ? T::st(biased<T>(vr, vb, t)) : vr[t];
         }
     }
     __syncthreads();
@@ -517,7 +535,9 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
         base + (long)(nh + nkv + g) * d,
         c + co + bi * l * half,
         sn + so + bi * l * half,
-        half};
+        half,
+        kb,
+        vb};
     attend<T, ATTN_GROUP>(qs, heads, kv, bias + bo + (bi * l + i) * bstride, (int)s, d,
                           out + (bi * l + i) * ((long)nh * d) + (long)h0 * d);
 }
@@ -538,9 +558,9 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
         const S_OF(T) * qkv, long qo, S_OF(T) * kc, S_OF(T) * vc, long cap,                 \
         const S_OF(T) * c, long co, const S_OF(T) * s, long so, const S_OF(T) * bias,       \
         long bo, long bstride, S_OF(T) * out, int nh, int nkv, int l, long past,            \
-        const unsigned* pastp, int d, float scale) {                                        \
+        const unsigned* pastp, int d, float scale, const S_OF(T) * pb) {                    \
         cached_attention<T>(qkv, qo, kc, vc, cap, c, co, s, so, bias, bo, bstride, out,     \
-                            nh, nkv, l, past, pastp, d, scale);                             \
+                            nh, nkv, l, past, pastp, d, scale, pb);                         \
     }
 #define GRPO_KERNELS(T, N)                                                                   \
     extern "C" __global__ void rms_fwd_##N(const S_OF(T) * x, long xo, const S_OF(T) * w,   \

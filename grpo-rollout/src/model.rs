@@ -408,10 +408,19 @@ impl Layer {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
         let ctx = match self.packed(&self.qkv, &attn) {
             Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
-                let qkv = p
-                    .forward(h, &attn)?
-                    .reshape((c.b, c.l, c.nh + 2 * c.nkv, c.hd))?;
-                cache.attend(i, past, &qkv, c)?
+                let shape = (c.b, c.l, c.nh + 2 * c.nkv, c.hd);
+                match &p.linear.bias {
+                    // The bias goes to the cache pass, which adds it as it reads q, k and v
+                    // (one launch less per layer on a GPU); with adapters it stays before them.
+                    Some(b) if attn.iter().all(|l| l.lora.is_none()) => {
+                        let qkv = p.linear.product(h)?.reshape(shape)?;
+                        cache.attend(i, past, &qkv, Some(b), c)?
+                    }
+                    _ => {
+                        let qkv = p.forward(h, &attn)?.reshape(shape)?;
+                        cache.attend(i, past, &qkv, None, c)?
+                    }
+                }
             }
             Some(p) => {
                 // Qwen3 normalises q and k per head before rotating them: the pack's columns
@@ -421,7 +430,7 @@ impl Layer {
                 let (nq, nk) = (c.nh * c.hd, c.nkv * c.hd);
                 let (q, k) = (y.narrow(1, 0, nq)?, y.narrow(1, nq, nk)?);
                 let (q, k, v) = self.heads(c, &q, &k, &y.narrow(1, nq + nk, nk)?)?;
-                cache.attend(i, past, &Tensor::cat(&[&q, &k, &v], 2)?, c)?
+                cache.attend(i, past, &Tensor::cat(&[&q, &k, &v], 2)?, None, c)?
             }
             None => {
                 let (q, k, v) = self.projections(c, h)?;
@@ -714,19 +723,27 @@ impl KvCache {
         Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
     }
 
-    /// Layer `i`'s pass after the packed q/k/v product `qkv` `(B, L, heads + 2·kv_heads, D)`:
-    /// the new keys and values written after the `past` cached positions, the queries' attention
-    /// over all of them ([`crate::fused::cached_attention`]); returns the context rows.
-    fn attend(&mut self, i: usize, past: usize, qkv: &Tensor, c: &LayerCtx) -> Result<Tensor> {
+    /// Layer `i`'s pass after the packed q/k/v product `qkv` `(B, L, heads + 2·kv_heads, D)`
+    /// (its bias `proj_bias` not yet added, when given): the new keys and values written after
+    /// the `past` cached positions, the queries' attention over all of them
+    /// ([`crate::fused::cached_attention_biased`]); returns the context rows.
+    fn attend(
+        &mut self,
+        i: usize,
+        past: usize,
+        qkv: &Tensor,
+        proj_bias: Option<&Tensor>,
+        c: &LayerCtx,
+    ) -> Result<Tensor> {
         let dims = (c.b, c.nkv, c.l, c.hd);
         let at = self.past_at.clone();
         let (kb, vb) = self.room(i, past, dims, qkv.dtype(), qkv.device())?;
         match at {
-            Some(at) => crate::fused::cached_attention_at(
-                qkv, kb, vb, &c.cos, &c.sin, &c.bias, &at, c.nh, c.scale,
+            Some(at) => crate::fused::cached_attention_at_biased(
+                qkv, proj_bias, kb, vb, &c.cos, &c.sin, &c.bias, &at, c.nh, c.scale,
             ),
-            None => crate::fused::cached_attention(
-                qkv, kb, vb, &c.cos, &c.sin, &c.bias, past, c.nh, c.scale,
+            None => crate::fused::cached_attention_biased(
+                qkv, proj_bias, kb, vb, &c.cos, &c.sin, &c.bias, past, c.nh, c.scale,
             ),
         }
     }

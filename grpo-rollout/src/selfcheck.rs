@@ -76,7 +76,7 @@ pub fn findings(device: &Device, dtype: DType) -> Vec<Finding> {
             kv_write(d, dtype),
         ),
         Finding::new(
-            "cache pass after packed q/k/v: rope, cache writes, attention (decode) vs composition",
+            "cache pass after packed q/k/v: bias, rope, cache writes, attention (decode) vs composition",
             &["cached_attention"],
             dtype,
             cached_attention(d, dtype),
@@ -303,13 +303,15 @@ fn kv_write(d: &Device, dt: DType) -> Result<f64> {
     Ok(worst)
 }
 
-/// A layer's pass over a KV cache after the packed q/k/v product (on a GPU one kernel)
-/// against the compositions of RoPE, the cache writes and attention: the context and both
-/// caches.
+/// A layer's pass over a KV cache after the packed q/k/v product (on a GPU one kernel, which
+/// also adds the product's bias) against the compositions of the bias add, RoPE, the cache
+/// writes and attention: the context and both caches.
 fn cached_attention(d: &Device, dt: DType) -> Result<f64> {
     let (b, nh, nkv, l, hd, cap, past) = (3, 6, 2, 2, 64, 40, 27);
     let s = past + l;
-    let qkv = randn(&[b, l, nh + 2 * nkv, hd], dt, d)?;
+    let raw = randn(&[b, l, nh + 2 * nkv, hd], dt, d)?;
+    let pb = randn(&[(nh + 2 * nkv) * hd], dt, d)?;
+    let qkv = raw.broadcast_add(&pb.reshape((nh + 2 * nkv, hd))?)?;
     let ang = randn(&[b, l, hd / 2], DType::F32, d)?;
     let (c, sn) = (ang.cos()?.to_dtype(dt)?, ang.sin()?.to_dtype(dt)?);
     let bias = decoder_bias(b, l, s, -1e9, d, dt)?;
@@ -325,7 +327,8 @@ fn cached_attention(d: &Device, dt: DType) -> Result<f64> {
     let (k, v) = (wk.narrow(2, 0, s)?, wv.narrow(2, 0, s)?);
     let want = attention_reference(&q, &k, &v, &bias, scale)?;
     let (gk, gv) = (kc.copy()?, vc.copy()?);
-    let got = fused::cached_attention(&qkv, &gk, &gv, &c, &sn, &bias, past, nh, scale)?;
+    let got =
+        fused::cached_attention_biased(&raw, Some(&pb), &gk, &gv, &c, &sn, &bias, past, nh, scale)?;
     Ok(worse(
         rel_diff(&want, &got)?,
         worse(rel_diff(&wk, &gk)?, rel_diff(&wv, &gv)?),

@@ -32,6 +32,14 @@ static std::vector<float> read_f32(int i) {
     return v;
 }
 
+// Whether input i was given (optional inputs).
+static bool has_input(int i) {
+    std::string p = dir + "/in" + std::to_string(i) + ".f32";
+    FILE* f = std::fopen(p.c_str(), "rb");
+    if (f) std::fclose(f);
+    return f != nullptr;
+}
+
 template <typename T>
 static std::vector<typename T::S> to_storage(const std::vector<float>& v) {
     std::vector<typename T::S> s(v.size());
@@ -225,7 +233,8 @@ static int run(const std::string& op, char** a, K k) {
         // in2 v cache (b, nkv, cap, d), in3 cos, in4 sin (b, l, d/2), in5 bias (b, 1, l,
         // past + l), or with `graphed` = 1 (b, 1, l, cap) with the cached length read from
         // device memory (the argument `past` given as 0), as a captured decode
-        // step launches it; out = [context (b·l, nh·d), k cache, v cache]
+        // step launches it; in6, when given, the packed projection's bias ((nh + 2·nkv)·d),
+        // added as q, k, v are read; out = [context (b·l, nh·d), k cache, v cache]
         int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), d = atoi(a[5]);
         long past = atol(a[4]), cap = atol(a[6]);
         float scale = atof(a[7]);
@@ -233,6 +242,8 @@ static int run(const std::string& op, char** a, K k) {
         auto qkv = to_storage<T>(read_f32(0)), kc = to_storage<T>(read_f32(1)),
              vc = to_storage<T>(read_f32(2)), c = to_storage<T>(read_f32(3)),
              sn = to_storage<T>(read_f32(4)), bias = to_storage<T>(read_f32(5));
+        std::vector<S> pb;
+        if (has_input(6)) pb = to_storage<T>(read_f32(6));
         std::vector<S> out((long)b * l * nh * d);
         long s = past + l;
         unsigned past_at = (unsigned)past;
@@ -241,7 +252,8 @@ static int run(const std::string& op, char** a, K k) {
                    (unsigned)(b * nkv * chunks * l), ATTN_THREADS, 0, qkv.data(), 0L,
                    kc.data(), vc.data(), cap, c.data(), 0L, sn.data(), 0L, bias.data(), 0L,
                    graphed ? cap : s, out.data(), nh, nkv, l, graphed ? 0L : past,
-                   graphed ? (const unsigned*)&past_at : (const unsigned*)nullptr, d, scale);
+                   graphed ? (const unsigned*)&past_at : (const unsigned*)nullptr, d, scale,
+                   pb.empty() ? (const S*)nullptr : (const S*)pb.data());
         out.insert(out.end(), kc.begin(), kc.end());
         out.insert(out.end(), vc.begin(), vc.end());
         write_out<T>(out);

@@ -587,6 +587,24 @@ fn check_cached_attention(dims: [usize; 7], dt: DType, name: &str, tol: f32, see
     let (gctx, gcaches) = graphed.split_at(n);
     close(&format!("{what}: graphed context"), gctx, ctx, tol);
     assert_eq!(gcaches, caches, "{what}: graphed cache writes differ");
+
+    // With the packed projection's bias given to the kernel (added as q, k, v are read): the
+    // same bits as the pass over q/k/v with the bias added first, in the storage type.
+    let pb = randn(&[(nh + 2 * nkv) * d], dt, seed + 3);
+    let added = qkv
+        .to_dtype(dt)
+        .unwrap()
+        .broadcast_add(&pb.to_dtype(dt).unwrap().reshape((nh + 2 * nkv, d)).unwrap())
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let mut args = [b, nh, nkv, l, past, d, cap].map(s).to_vec();
+    args.push(s(scale));
+    let inputs = [&added, &kc, &vc, &c, &sn, &m];
+    let want = run("cached_attention", name, &args, &inputs).unwrap();
+    let inputs = [&qkv, &kc, &vc, &c, &sn, &m, &pb];
+    let got = run("cached_attention", name, &args, &inputs).unwrap();
+    assert_eq!(got, want, "{what}: the bias added in the kernel differs");
     true
 }
 
