@@ -8,9 +8,11 @@
 #
 #   bash scripts/gpu-session.sh          (from the project root, with .gpu/ from scripts/build-cuda.sh
 #                                         and TRL's wheels in .gpu/whl/ for the TRL side)
-#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1 OVERLAP=1 PROFILE=1   (environment
-#   knobs; OVERLAP=1 adds our runs at max_staleness 1; PROFILE=1 ends with Nsight Compute's
-#   kernel times of one learner forward + backward on the 0.77B model, summed by kernel name)
+#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1 OVERLAP=1 PROFILE=1|decode|both
+#   (environment knobs; OVERLAP=1 adds our runs at max_staleness 1; PROFILE=1 ends with Nsight
+#   Compute's kernel times of one learner forward + backward on the 0.77B model, summed by
+#   kernel name; PROFILE=decode those of a few eager decode steps at 128 rows, per step;
+#   PROFILE=both both)
 set -u
 T0=$SECONDS
 END=${END:-555}
@@ -38,7 +40,9 @@ done
 pack
 wait; echo "models done at $((SECONDS-T0))s"
 ROWS=${ROWS:-0.77B-bf16-lora16-8x16x256-mb32,0.77B-bf16-8x16x256-mb32,319M-bf16-8x16x256-mb32,319M-bf16-4x8x64,29M-f32-4x8x64,319M-bf16-lora16-4x8x64,319M-f32-4x8x64}
-left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - ${PROFILE:-0} * 150))
+PROFILE=${PROFILE:-0}
+case "$PROFILE" in 1) PROF_S=150 ;; decode) PROF_S=100 ;; both) PROF_S=250 ;; *) PROF_S=0 ;; esac
+left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - PROF_S))
 GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
   --budget $left --sides ${SIDES:-both} $([ "${OVERLAP:-0}" = 1 ] && echo --overlap) --out $R 2>&1 \
   | tee $R/bench.txt &
@@ -57,8 +61,22 @@ if [ "${SPEED:-0}" = 1 ]; then
       --phase fwd-bwd --batch 32 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$v.json
   done
 fi
-if [ "${PROFILE:-0}" = 1 ]; then
-  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
+ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
+if [ "$PROFILE" = decode ] || [ "$PROFILE" = both ]; then
+  if [ -n "$ncu" ]; then
+    # Eager steps (graphs off: the same kernels, each one timed); the bench line gives the wall.
+    GRPO_CUDA_GRAPHS=0 timeout 95 "$ncu" --target-processes all --clock-control none \
+      --metrics gpu__time_duration.sum --csv bash .gpu/run-gpu.sh bench-model \
+      --model $R/models/m770 --phase generate --reps 1 --batch 128 --new-tokens 8 \
+      --prompt-len 64 --seq-len 320 --device cuda --dtype bf16 > $R/ncu-decode.csv 2> $R/ncu-decode.err
+    echo "== ncu decode rc=$? at $((SECONDS-T0))s"
+    $PY scripts/ncu_summary.py $R/ncu-decode.csv decode $R/bench-model-128.json 2>&1 \
+      | tee $R/ncu-decode.md | head -20
+  else
+    echo "== ncu not found"
+  fi
+fi
+if [ "$PROFILE" = 1 ] || [ "$PROFILE" = both ]; then
   if [ -n "$ncu" ]; then
     timeout 140 "$ncu" --target-processes all --clock-control none --metrics gpu__time_duration.sum --csv \
       bash .gpu/run-gpu.sh bench-model --model $R/models/m770 --phase fwd-bwd --reps 1 --batch 8 \

@@ -1,7 +1,7 @@
 """Sums Nsight Compute's kernel durations (`ncu --metrics gpu__time_duration.sum --csv`) by
 kernel name and prints a markdown table (scripts/bench-gpu-speed.sh --profile).
 
-usage: python3 ncu_summary.py NCU_CSV decode BENCH_JSONL   # per decode step, beside its wall time
+usage: python3 ncu_summary.py NCU_CSV decode [BENCH_JSONL] # per decode step, beside its wall time
        python3 ncu_summary.py NCU_CSV learner              # totals of a learner's forward + backward
 """
 import collections, csv, json, sys
@@ -37,7 +37,10 @@ def main():
         return
     tot, cnt = got
     if mode == "decode":
-        lines = [l for l in open(sys.argv[3]) if l.startswith("{")]
+        try:
+            lines = [l for l in open(sys.argv[3]) if l.startswith("{")] if len(sys.argv) > 3 else []
+        except OSError:
+            lines = []
         wall = json.loads(lines[-1]).get("decode_ms_per_step") if lines else None
         # One sampling kernel per decode step counts the steps timed.
         steps = sum(c for n, c in cnt.items() if n.startswith("sample_rows")) or 8
