@@ -204,13 +204,15 @@ impl GraphStep {
         // warm-up run of the step, eager and under the cache, makes the uploads the capture
         // then finds; it writes the cache's keys and values at the position the first replay
         // writes again, and the buffers it advances are put back.
+        let stream = cd.cuda_stream();
         let _params = cd.enable_cuda_graph_htod_cache();
         let (pos, past) = (bufs.pos.copy()?, bufs.past.copy()?);
-        bufs.run(model, state)?;
+        if let Err(e) = bufs.run(model, state) {
+            return Ok(give_up(&format!("the warm-up step failed: {e}"), &stream));
+        }
         bufs.pos.slice_set(&pos, 0, 0)?;
         bufs.past.slice_set(&past, 0, 0)?;
         model.device().synchronize()?;
-        let stream = cd.cuda_stream();
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         if let Err(e) = stream.begin_capture(mode) {
             return Ok(give_up(&e.to_string(), &stream));
