@@ -2006,10 +2006,13 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// and its output, where the composition also keeps the product before the bias and before
 /// the residual add (each output-sized) until backward ends. Its backward: `dres = g`,
 /// `dx = g W`, `dW = gᵀ x`, `db = Σ_rows g`, for those that carry a graph (at most three:
-/// a full fine-tune's o/down projection with a bias composes). `None` where it does not apply
-/// (fused ops off, inside a recomputed block, the CPU kernels' path — CPU f32/f64 —, nothing
-/// to fuse, more than three tracked inputs): the caller composes. Same values and gradients
-/// as the composition (tests).
+/// a full fine-tune's o/down projection with a bias composes). A trainable `W` alone (no
+/// residual, no bias) is a node too: candle's `x.matmul(&w.t())` is two, the transpose's
+/// backward adding a transposed (strided) weight-sized gradient into a zeroed buffer. `None`
+/// where it does not apply (fused ops off, inside a recomputed block, the CPU kernels' path —
+/// CPU f32/f64 —, a frozen `W` with nothing to fuse — [`frozen_linear`] —, more than three
+/// tracked inputs): the caller composes. Same values and gradients as the composition
+/// (tests).
 pub fn affine(
     res: Option<&Tensor>,
     x: &Tensor,
@@ -2018,7 +2021,8 @@ pub fn affine(
 ) -> Result<Option<Tensor>> {
     // Where the CPU kernels run (CPU f32/f64) candle's product and add are kept: the node's
     // output copy cost ≈ 3 % of a CPU step there (measured), and a GPU is where memory counts.
-    if (res.is_none() && b.is_none()) || x.rank() != 2 || path(x) != Path::Recompute {
+    let nothing = res.is_none() && b.is_none() && !w.track_op();
+    if nothing || x.rank() != 2 || path(x) != Path::Recompute {
         return Ok(None);
     }
     // Slots in order res, x, w, b: an input of the node (tracked) or a constant.

@@ -89,8 +89,8 @@ impl Linear {
             return Ok(y);
         }
         if self.lora.is_none()
-            && let Some(b) = &self.bias
-            && let Some(y) = crate::fused::affine(None, x2, &self.weight, Some(b))?
+            && (self.bias.is_some() || self.weight.track_op())
+            && let Some(y) = crate::fused::affine(None, x2, &self.weight, self.bias.as_ref())?
         {
             return Ok(y);
         }

@@ -373,8 +373,9 @@ fn lora_projections_as_one_node_equal_the_composition() {
 }
 
 /// `fused::affine` (`[res +] x Wᵀ [+ b]` as one node) against the composition: values and the
-/// gradient of every tracked input (f64 to 1e-12), for each mix of tracked and frozen inputs;
-/// its graph keeps no product before the bias or the residual; four tracked inputs compose.
+/// gradient of every tracked input (f64 to 1e-12), for each mix of tracked and frozen inputs
+/// (a trainable weight alone too); its graph keeps no product before the bias or the residual,
+/// nor a transposed view of the weight; four tracked inputs compose.
 #[test]
 fn affine_node_equals_the_composition() {
     let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
@@ -385,8 +386,10 @@ fn affine_node_equals_the_composition() {
     let (x0, w0, b0, r0) = (rnd(&[n, i]), rnd(&[o, i]), rnd(&[o]), rnd(&[n, o]));
     let weights = rnd(&[n, o]);
     // (residual, bias, tracked: res x w b)
-    let cases: [(bool, bool, [bool; 4]); 5] = [
+    let cases: [(bool, bool, [bool; 4]); 6] = [
         (true, false, [true, true, true, false]),
+        // A trainable weight alone: one node where candle's product is two (the transpose).
+        (false, false, [false, true, true, false]),
         (false, true, [false, true, false, false]),
         (true, true, [true, true, false, false]),
         (false, true, [false, true, true, true]),
@@ -454,8 +457,8 @@ fn affine_node_equals_the_composition() {
     let t = |v: &Tensor| Var::from_tensor(v).unwrap().as_tensor().clone();
     let (r, x, w, b) = (t(&r0), t(&x0), t(&w0), t(&b0));
     assert!(fused::affine(Some(&r), &x, &w, Some(&b)).unwrap().is_none());
-    // Nothing to fuse: a plain product is the caller's.
-    assert!(fused::affine(None, &x, &w, None).unwrap().is_none());
+    // Nothing to fuse: a plain product of a frozen weight is the caller's (frozen_linear).
+    assert!(fused::affine(None, &x, &w0, None).unwrap().is_none());
     // The CPU kernels' path (f64 here) keeps candle's ops.
     grpo_core::fused::set_enabled(true);
     assert!(fused::affine(Some(&r), &x, &w, None).unwrap().is_none());
