@@ -702,7 +702,11 @@ __device__ void sample_rows(const typename T::S* x, long xo, long ld, const floa
             }
             kth = lo;
         }
-#define W0(j) (L(j) < kth ? 0.0f : expf(L(j) - m))
+        // Each weight computed once per token (the same arithmetic as written out in place).
+        auto W0 = [&](int j) {
+            float l = L(j);
+            return l < kth ? 0.0f : expf(l - m);
+        };
         float sp = 1.0f, floor_p = 0.0f;  // top-p keeps w / sp ≥ floor_p
         if (p.top_p < 1.0f) {
             float s = 0.0f, mx = 0.0f;
@@ -725,14 +729,20 @@ __device__ void sample_rows(const typename T::S* x, long xo, long ld, const floa
             sp = s;
             floor_p = hi;
         }
-#define W1(j) (W0(j) / sp < floor_p ? 0.0f : W0(j))
+        auto W1 = [&](int j) {
+            float w = W0(j);
+            return w / sp < floor_p ? 0.0f : w;
+        };
         float floor_m = 0.0f;
         if (p.min_p > 0.0f) {
             float mx = 0.0f;
             for (int j = tid; j < v; j += nt) mx = fmaxf(mx, W1(j));
             floor_m = block_max(mx, sh) * p.min_p;
         }
-#define W(j) (W1(j) < floor_m ? 0.0f : W1(j))
+        auto W = [&](int j) {
+            float w = W1(j);
+            return w < floor_m ? 0.0f : w;
+        };
         // The draw: each thread sums a contiguous segment; a scan of the segment sums finds
         // the segment where the cumulative weight passes u · Σw, its thread walks it.
         int per = (v + nt - 1) / nt, a = tid * per, b = a + per < v ? a + per : v;
@@ -771,9 +781,6 @@ __device__ void sample_rows(const typename T::S* x, long xo, long ld, const floa
         __syncthreads();
         token = found < 0 ? last : (found > last ? last : found);
         if (token < 0) token = 0;
-#undef W
-#undef W1
-#undef W0
     }
     if (tid == 0) {
         out[2 * r] = (float)token;
