@@ -2091,6 +2091,121 @@ pub fn affine(
         .map(Some)
 }
 
+/// Rows `x` `(B·L, in)` through a q, k or v projection `x Wᵀ [+ b]`, as heads `(B, H, L, D)`
+/// (`dims` = `(B, L, H, D)`), rotated by RoPE when `rot` = `(cos, sin)` is given (q, k) or just
+/// laid out as heads (v): one graph node, where the composition is three or four (the product,
+/// a reshape, RoPE or a transpose and its copy), keeps the projection's output until backward
+/// ends (RoPE's input) and adds an output-sized gradient into a zeroed buffer at each of them.
+/// Its backward: the heads' gradient back through RoPE (or the layout) to `gy` `(B·L, H·D)`,
+/// then `dx = gy W`, `dW = gyᵀ x`, `db = Σ_rows gy`, for those that carry a graph. `None` where
+/// it does not apply (as [`affine`]: the CPU kernels' path, fused ops off, inside a recomputed
+/// block, no tracked input): the caller composes. Same values and gradients as the composition
+/// (tests).
+pub fn project_heads(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dims: (usize, usize, usize, usize),
+    rot: Option<(&Tensor, &Tensor)>,
+) -> Result<Option<Tensor>> {
+    let (bsz, l, h, d) = dims;
+    if x.rank() != 2 || path(x) != Path::Recompute || x.dim(0)? != bsz * l || w.dim(0)? != h * d {
+        return Ok(None);
+    }
+    // Slots in order x, w, b: an input of the node (tracked) or a constant.
+    #[derive(Clone)]
+    enum Slot {
+        In(usize),
+        Const(Tensor),
+        Absent,
+    }
+    let mut inputs: Vec<&Tensor> = Vec::new();
+    let mut slots: Vec<Slot> = Vec::with_capacity(3);
+    for t in [Some(x), Some(w), b] {
+        slots.push(match t {
+            None => Slot::Absent,
+            Some(t) if t.track_op() => {
+                inputs.push(t);
+                Slot::In(inputs.len() - 1)
+            }
+            Some(t) => Slot::Const(t.detach()),
+        });
+    }
+    if inputs.is_empty() {
+        return Ok(None);
+    }
+    let get = |s: &Slot, a: &[Tensor]| -> Option<Tensor> {
+        match s {
+            Slot::In(i) => Some(a[*i].clone()),
+            Slot::Const(t) => Some(t.clone()),
+            Slot::Absent => None,
+        }
+    };
+    let rot_f = rot.map(|(c, s)| (c.detach(), s.detach()));
+    let rot_b = rot_f.clone();
+    let fwd_slots = slots.clone();
+    let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
+        let (x, w) = (
+            get(&fwd_slots[0], a).expect("x"),
+            get(&fwd_slots[1], a).expect("w"),
+        );
+        let mut y = matmul(&x, &w.t()?)?;
+        if let Some(b) = get(&fwd_slots[2], a) {
+            y = y.broadcast_add(&b)?;
+        }
+        let y = y.reshape((bsz, l, h, d))?;
+        match &rot_f {
+            Some((c, s)) => rope(&y, c, s),
+            None => y.transpose(1, 2)?.contiguous(),
+        }
+    };
+    let backward = move |a: &[Tensor], g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let mut out: Vec<Option<Tensor>> = vec![None; a.len()];
+        let gy = match &rot_b {
+            Some((c, s)) => rope_inverse(g, c, s)?,
+            None => g.transpose(1, 2)?.contiguous()?,
+        }
+        .reshape((bsz * l, h * d))?;
+        let (x, w) = (get(&slots[0], a).expect("x"), get(&slots[1], a).expect("w"));
+        if let Slot::In(i) = slots[0] {
+            out[i] = Some(matmul(&gy, &w)?);
+        }
+        if let Slot::In(i) = slots[1] {
+            out[i] = Some(matmul(&gy.t()?, &x)?);
+        }
+        if let Slot::In(i) = slots[2] {
+            out[i] = Some(gy.sum(0)?);
+        }
+        Ok(out)
+    };
+    Recompute::explicit("project_heads", forward, backward)
+        .apply(&inputs)
+        .map(Some)
+}
+
+/// RoPE's backward: the gradient `g` `(B, H, L, D)` of rotated heads back to the unrotated
+/// `(B, L, H, D)` layout (a rotation by −θ): our kernel where [`rope`] runs it, else candle ops.
+pub(crate) fn rope_inverse(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if route("rope", g) == Path::Kernel && g.dtype() == cos.dtype() && g.dtype() == sin.dtype() {
+        return g.contiguous()?.apply_op3_no_bwd(
+            &cos.contiguous()?,
+            &sin.contiguous()?,
+            &RopeOp { inverse: true },
+        );
+    }
+    let (b, _, l, d) = g.dims4()?;
+    let half = d / 2;
+    let cos = cos.reshape((b, 1, l, half))?;
+    let sin = sin.reshape((b, 1, l, half))?;
+    let g1 = g.narrow(D::Minus1, 0, half)?;
+    let g2 = g.narrow(D::Minus1, half, half)?;
+    let o1 = (g1.broadcast_mul(&cos)? + g2.broadcast_mul(&sin)?)?;
+    let o2 = (g2.broadcast_mul(&cos)? - g1.broadcast_mul(&sin)?)?;
+    Tensor::cat(&[o1, o2], D::Minus1)?
+        .transpose(1, 2)?
+        .contiguous()
+}
+
 // ---------------------------------------------------------------- frozen linear
 
 /// `x · wᵀ` for rows `x` `(N, in)` and a weight `w` `(out, in)`. When `x` carries a graph and

@@ -361,12 +361,47 @@ impl Layer {
     /// D)` of rows `x` `(B·L, H)`.
     fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let h = self.input_layernorm.forward(x)?;
+        if let Some(heads) = self.projected_heads(c, &h)? {
+            return Ok(heads);
+        }
         let (q, k, v) = self.projections(c, &h)?;
         // (B, L, heads, D) → rotated (B, heads, L, D).
         let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
         let k = crate::fused::rope(&k, &c.cos, &c.sin)?;
         let v = v.transpose(1, 2)?.contiguous()?;
         Ok((q, k, v))
+    }
+
+    /// [`Self::qkv`]'s q, k (rotated) and v as heads, each projection one graph node
+    /// ([`crate::fused::project_heads`]) where that applies: a training graph off the CPU
+    /// kernels' path, no adapters on q/k/v, no per-head q/k norms (Qwen3's sit between the
+    /// product and RoPE). `None`: the caller composes.
+    fn projected_heads(
+        &self,
+        c: &LayerCtx,
+        h: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+        let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
+        if self.q_norm.is_some() || self.k_norm.is_some() || attn.iter().any(|l| l.lora.is_some()) {
+            return Ok(None);
+        }
+        let rot = Some((&c.cos, &c.sin));
+        let mut out = Vec::with_capacity(3);
+        for (l, heads, rot) in [
+            (&self.q_proj, c.nh, rot),
+            (&self.k_proj, c.nkv, rot),
+            (&self.v_proj, c.nkv, None),
+        ] {
+            let dims = (c.b, c.l, heads, c.hd);
+            match crate::fused::project_heads(h, &l.weight, l.bias.as_ref(), dims, rot)? {
+                Some(t) => out.push(t),
+                None => return Ok(None),
+            }
+        }
+        let v = out.pop().expect("v");
+        let k = out.pop().expect("k");
+        let q = out.pop().expect("q");
+        Ok(Some((q, k, v)))
     }
 
     /// The rest of the layer after [`Self::qkv`]: attention over `k`, `v` (this call's

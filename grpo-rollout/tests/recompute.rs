@@ -464,6 +464,81 @@ fn affine_node_equals_the_composition() {
     assert!(fused::affine(Some(&r), &x, &w, None).unwrap().is_none());
 }
 
+/// `fused::project_heads` (a q/k/v projection as rotated heads, or v's heads, in one node)
+/// against the composition — product, bias, reshape, RoPE (or transpose and copy): values and
+/// the gradients of x, W and b (f64 to 1e-12), trainable and frozen weights; its graph keeps
+/// neither the projection's output nor a view of the weight.
+#[test]
+fn project_heads_node_equals_the_composition() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    grpo_core::fused::set_force_recompute(true);
+    let dev = Device::Cpu;
+    let rnd = |s: &[usize]| Tensor::randn(0f64, 1.0, s, &dev).unwrap();
+    let (b, l, h, d, i) = (2, 3, 2, 4, 5);
+    let (x0, w0, b0) = (rnd(&[b * l, i]), rnd(&[h * d, i]), rnd(&[h * d]));
+    let ang = rnd(&[b, l, d / 2]);
+    let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
+    let weights = rnd(&[b, h, l, d]);
+    for rotate in [true, false] {
+        for (bias_on, w_tracked) in [(true, true), (false, true), (true, false)] {
+            let run = |fused: bool| {
+                let var = |t: &Tensor| Var::from_tensor(t).unwrap().as_tensor().clone();
+                let x = var(&x0);
+                let w = if w_tracked { var(&w0) } else { w0.clone() };
+                let bb = var(&b0);
+                let bias = bias_on.then_some(&bb);
+                let rot = rotate.then_some((&cos, &sin));
+                let y = if fused {
+                    fused::project_heads(&x, &w, bias, (b, l, h, d), rot)
+                        .unwrap()
+                        .expect("applies")
+                } else {
+                    let mut y = x.matmul(&w.t().unwrap()).unwrap();
+                    if let Some(bb) = bias {
+                        y = y.broadcast_add(bb).unwrap();
+                    }
+                    let y = y.reshape((b, l, h, d)).unwrap();
+                    match rot {
+                        Some((c, s)) => fused::rope_composed(&y, c, s).unwrap(),
+                        None => y.transpose(1, 2).unwrap().contiguous().unwrap(),
+                    }
+                };
+                let nodes = y.sorted_nodes().len();
+                let g = (&y * &weights)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let grads: Vec<Option<Tensor>> =
+                    [&x, &w, &bb].iter().map(|t| g.get(t).cloned()).collect();
+                (y, grads, nodes)
+            };
+            let (a, c) = (run(true), run(false));
+            let what = format!("rotate {rotate}, bias {bias_on}, trainable W {w_tracked}");
+            assert!(max_abs(&(&a.0 - &c.0).unwrap()) < 1e-12, "{what}: values");
+            for (k, (ga, gc)) in a.1.iter().zip(&c.1).enumerate() {
+                match (ga, gc) {
+                    (Some(ga), Some(gc)) => {
+                        assert!(max_abs(&(ga - gc).unwrap()) < 1e-12, "{what}: input {k}")
+                    }
+                    (None, None) => {}
+                    _ => panic!("{what}: input {k}: gradient on one side only"),
+                }
+            }
+            assert!(a.2 < c.2, "{what}: {} nodes vs {}", a.2, c.2);
+        }
+    }
+    // The CPU kernels' path keeps the composition.
+    grpo_core::fused::set_enabled(true);
+    let x = Var::from_tensor(&x0).unwrap().as_tensor().clone();
+    assert!(
+        fused::project_heads(&x, &w0, None, (b, l, h, d), None)
+            .unwrap()
+            .is_none()
+    );
+}
+
 /// Bytes of the tensors a training graph keeps (weights excluded), each storage once.
 fn graph_bytes(loss: &Tensor) -> usize {
     use candle_core::{CpuStorage, Storage};
