@@ -116,7 +116,7 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     let mut tm = TrainableModel::full(&m.model)?;
     if a.gradient_checkpointing {
         tm.model.enable_gradient_checkpointing();
-    } else if grpo_rollout::model::layer_segments_wanted() {
+    } else if grpo_rollout::model::layer_segments_wanted(&device) {
         tm.model.enable_layer_segments();
     }
     let ids: Vec<u32> = (0..a.batch * a.seq_len)

@@ -454,7 +454,9 @@ pub fn setup_with(
     };
     if cfg.train.gradient_checkpointing {
         policy.model.enable_gradient_checkpointing();
-    } else if cfg.model.lora.is_none() && grpo_rollout::model::layer_segments_wanted() {
+    } else if cfg.model.lora.is_none()
+        && grpo_rollout::model::layer_segments_wanted(policy.model.device())
+    {
         // A full fine-tune's weight gradients then never coexist with all its activations.
         policy.model.enable_layer_segments();
     }
