@@ -2002,6 +2002,43 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 // ---------------------------------------------------------------- affine nodes
 
+/// An argument of a projection node ([`affine`], [`project_heads`]): an input of the node (it
+/// carries a graph; its index among the node's inputs), a constant, or absent.
+#[derive(Clone)]
+enum Slot {
+    In(usize),
+    Const(Tensor),
+    Absent,
+}
+
+impl Slot {
+    /// The slots of `args` in order, and the node's inputs (the tracked ones).
+    fn of<'a>(args: &[Option<&'a Tensor>]) -> (Vec<&'a Tensor>, Vec<Slot>) {
+        let mut inputs = Vec::new();
+        let slots = args
+            .iter()
+            .map(|t| match t {
+                None => Slot::Absent,
+                Some(t) if t.track_op() => {
+                    inputs.push(*t);
+                    Slot::In(inputs.len() - 1)
+                }
+                Some(t) => Slot::Const(t.detach()),
+            })
+            .collect();
+        (inputs, slots)
+    }
+
+    /// The slot's tensor given the node's inputs `a`.
+    fn get(&self, a: &[Tensor]) -> Option<Tensor> {
+        match self {
+            Slot::In(i) => Some(a[*i].clone()),
+            Slot::Const(t) => Some(t.clone()),
+            Slot::Absent => None,
+        }
+    }
+}
+
 /// `[res +] x Wᵀ [+ b]` for rows `x` `(N, in)` as one graph node that keeps only its inputs
 /// and its output, where the composition also keeps the product before the bias and before
 /// the residual add (each output-sized) until backward ends. Its backward: `dres = g`,
@@ -2025,35 +2062,12 @@ pub fn affine(
     if nothing || x.rank() != 2 || path(x) != Path::Recompute {
         return Ok(None);
     }
-    // Slots in order res, x, w, b: an input of the node (tracked) or a constant.
-    #[derive(Clone)]
-    enum Slot {
-        In(usize),
-        Const(Tensor),
-        Absent,
-    }
-    let mut inputs: Vec<&Tensor> = Vec::new();
-    let mut slots: Vec<Slot> = Vec::with_capacity(4);
-    for t in [res, Some(x), Some(w), b] {
-        slots.push(match t {
-            None => Slot::Absent,
-            Some(t) if t.track_op() => {
-                inputs.push(t);
-                Slot::In(inputs.len() - 1)
-            }
-            Some(t) => Slot::Const(t.detach()),
-        });
-    }
+    // Slots in order res, x, w, b.
+    let (inputs, slots) = Slot::of(&[res, Some(x), Some(w), b]);
     if inputs.is_empty() || inputs.len() > 3 {
         return Ok(None);
     }
-    let get = |s: &Slot, a: &[Tensor]| -> Option<Tensor> {
-        match s {
-            Slot::In(i) => Some(a[*i].clone()),
-            Slot::Const(t) => Some(t.clone()),
-            Slot::Absent => None,
-        }
-    };
+    let get = Slot::get;
     let fwd_slots = slots.clone();
     let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
         let (x, w) = (
@@ -2112,35 +2126,12 @@ pub fn project_heads(
     if x.rank() != 2 || path(x) != Path::Recompute || x.dim(0)? != bsz * l || w.dim(0)? != h * d {
         return Ok(None);
     }
-    // Slots in order x, w, b: an input of the node (tracked) or a constant.
-    #[derive(Clone)]
-    enum Slot {
-        In(usize),
-        Const(Tensor),
-        Absent,
-    }
-    let mut inputs: Vec<&Tensor> = Vec::new();
-    let mut slots: Vec<Slot> = Vec::with_capacity(3);
-    for t in [Some(x), Some(w), b] {
-        slots.push(match t {
-            None => Slot::Absent,
-            Some(t) if t.track_op() => {
-                inputs.push(t);
-                Slot::In(inputs.len() - 1)
-            }
-            Some(t) => Slot::Const(t.detach()),
-        });
-    }
+    // Slots in order x, w, b.
+    let (inputs, slots) = Slot::of(&[Some(x), Some(w), b]);
     if inputs.is_empty() {
         return Ok(None);
     }
-    let get = |s: &Slot, a: &[Tensor]| -> Option<Tensor> {
-        match s {
-            Slot::In(i) => Some(a[*i].clone()),
-            Slot::Const(t) => Some(t.clone()),
-            Slot::Absent => None,
-        }
-    };
+    let get = Slot::get;
     let rot_f = rot.map(|(c, s)| (c.detach(), s.detach()));
     let rot_b = rot_f.clone();
     let fwd_slots = slots.clone();
