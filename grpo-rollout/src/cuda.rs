@@ -436,6 +436,52 @@ fn silu_bwd_t<T: Elem>(
     done(out, dev, 2 * n)
 }
 
+fn silu_packed_bwd_t<T: Elem>(
+    gu: &CudaStorage,
+    lgu: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &gu.device;
+    let (rows, cols) = crate::fused::packed_halves(lgu)?;
+    if lg.dims() != [rows, cols] {
+        candle_core::bail!(
+            "silu_mul_packed backward: gradient {:?} for rows {:?}",
+            lg.dims(),
+            lgu.dims()
+        );
+    }
+    let (gus, guo) = input::<T>(gu, lgu, "silu_mul_packed_bwd")?;
+    let (gs, go) = input::<T>(g, lg, "silu_mul_packed_bwd")?;
+    let out = alloc::<T>(dev, 2 * rows * cols)?;
+    let (ri, ci) = (rows as i64, cols as i32);
+    let c = cfg(blocks(rows * cols, 256), 256, 0);
+    cuda_launch!(
+        &DECODER,
+        dev,
+        "silu_mul_packed_bwd",
+        T::DTYPE,
+        c,
+        [gus, &guo, gs, &go, &out, &ri, &ci]
+    );
+    done(out, dev, (rows, 2 * cols))
+}
+
+/// The backward of `silu(gate) · up` over packed rows `[gate | up]` on CUDA, given the
+/// product's gradient `(rows, I)`: `[dgate | dup]` `(rows, 2·I)`.
+pub fn silu_mul_packed_bwd(
+    gu: &CudaStorage,
+    lgu: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    cuda_typed!(
+        gu.dtype(),
+        "silu_mul_packed_bwd",
+        silu_packed_bwd_t(gu, lgu, g, lg)
+    )
+}
+
 /// The backward of `silu(gate) · up` on CUDA: `[dgate, dup]` flat.
 pub fn silu_mul_bwd(
     a: &CudaStorage,

@@ -2174,6 +2174,142 @@ pub fn project_heads(
         .map(Some)
 }
 
+/// The gated MLP's input side as one graph node: rows `x` `(N, in)` through the gate and up
+/// projections (`w1`, `w2`, no biases) side by side, `[x W1ᵀ | x W2ᵀ]` `(N, 2·I)` — one product
+/// of the two weights stacked (a weight-sized copy per call), where the composition is two
+/// nodes. Its backward: `dx = g [W1; W2]`, and `gᵀ x` split by rows into the two weights'
+/// gradients. `None` where [`affine`] would not apply: the caller composes.
+pub fn project_pair(x: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<Option<Tensor>> {
+    if x.rank() != 2 || path(x) != Path::Recompute || w1.dims() != w2.dims() {
+        return Ok(None);
+    }
+    let (inputs, slots) = Slot::of(&[Some(x), Some(w1), Some(w2)]);
+    if inputs.is_empty() {
+        return Ok(None);
+    }
+    let rows = w1.dim(0)?;
+    let fwd_slots = slots.clone();
+    let stacked = |s: &[Slot], a: &[Tensor]| -> Result<Tensor> {
+        let (w1, w2) = (s[1].get(a).expect("w1"), s[2].get(a).expect("w2"));
+        Tensor::cat(&[&w1, &w2], 0)
+    };
+    let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
+        let x = fwd_slots[0].get(a).expect("x");
+        matmul(&x, &stacked(&fwd_slots, a)?.t()?)
+    };
+    let backward = move |a: &[Tensor], g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let mut out: Vec<Option<Tensor>> = vec![None; a.len()];
+        let x = slots[0].get(a).expect("x");
+        if let Slot::In(i) = slots[0] {
+            out[i] = Some(matmul(g, &stacked(&slots, a)?)?);
+        }
+        if matches!(slots[1], Slot::In(_)) || matches!(slots[2], Slot::In(_)) {
+            let dw = matmul(&g.t()?, &x)?;
+            for (k, at) in [(1, 0), (2, rows)] {
+                if let Slot::In(i) = slots[k] {
+                    out[i] = Some(dw.narrow(0, at, rows)?);
+                }
+            }
+        }
+        Ok(out)
+    };
+    Recompute::explicit("project_pair", forward, backward)
+        .apply(&inputs)
+        .map(Some)
+}
+
+/// The gated MLP's output side as one graph node: `res + (silu(gate) · up) Wᵀ` of packed rows
+/// `gu` = `[gate | up]` `(N, 2·I)` ([`project_pair`]'s output) and the down projection `w`
+/// (no bias), the residual `res` `(N, out)`. The product `silu(gate) · up` is not kept for
+/// backward (the composition keeps it, `I` values per row): the backward forms it again from
+/// `gu` (one elementwise kernel), then `dres = g`, `dW = gᵀ act`, `dgu` = SiLU·mul's backward
+/// of `g W`. `None` where [`affine`] would not apply: the caller composes.
+pub fn down_silu(res: &Tensor, gu: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    if gu.rank() != 2 || path(gu) != Path::Recompute {
+        return Ok(None);
+    }
+    let (_, cols) = packed_halves(gu.layout())?;
+    if w.dims() != [res.dim(1)?, cols] {
+        return Ok(None);
+    }
+    let (inputs, slots) = Slot::of(&[Some(res), Some(gu), Some(w)]);
+    if inputs.is_empty() {
+        return Ok(None);
+    }
+    let fwd_slots = slots.clone();
+    let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
+        let (r, gu, w) = (
+            fwd_slots[0].get(a).expect("res"),
+            fwd_slots[1].get(a).expect("gu"),
+            fwd_slots[2].get(a).expect("w"),
+        );
+        matmul(&silu_mul_packed(&gu)?, &w.t()?)? + r
+    };
+    let backward = move |a: &[Tensor], g: &Tensor| -> Result<Vec<Option<Tensor>>> {
+        let mut out: Vec<Option<Tensor>> = vec![None; a.len()];
+        let (gu, w) = (slots[1].get(a).expect("gu"), slots[2].get(a).expect("w"));
+        if let Slot::In(i) = slots[0] {
+            out[i] = Some(g.clone());
+        }
+        if let Slot::In(i) = slots[2] {
+            out[i] = Some(matmul(&g.t()?, &silu_mul_packed(&gu)?)?);
+        }
+        if let Slot::In(i) = slots[1] {
+            out[i] = Some(silu_mul_packed_backward(&gu, &matmul(g, &w)?)?);
+        }
+        Ok(out)
+    };
+    Recompute::explicit("down_silu", forward, backward)
+        .apply(&inputs)
+        .map(Some)
+}
+
+/// The backward of [`silu_mul_packed`]: `[dgate | dup]` `(N, 2·I)` of packed rows `gu` and the
+/// product's gradient `g` `(N, I)`, no graph. Our CUDA kernel where `silu_mul` runs one, else
+/// candle ops (in f32, or f64 for f64).
+pub(crate) fn silu_mul_packed_backward(gu: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let (_, cols) = packed_halves(gu.layout())?;
+    if !gu.device().is_cpu() && route("silu_mul", gu) == Path::Kernel && gu.dtype() == g.dtype() {
+        return gu
+            .contiguous()?
+            .apply_op2_no_bwd(&g.contiguous()?, &SiluMulPackedBwd);
+    }
+    let wide = if gu.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let a = gu.narrow(1, 0, cols)?.to_dtype(wide)?;
+    let u = gu.narrow(1, cols, cols)?.to_dtype(wide)?;
+    let g = g.to_dtype(wide)?;
+    let sg = (a.neg()?.exp()? + 1.0)?.recip()?;
+    let da = ((&g * &u)? * &sg)?.mul(&((&a * (1.0 - &sg)?)? + 1.0)?)?;
+    let du = ((&g * &a)? * &sg)?;
+    Tensor::cat(&[&da, &du], 1)?.to_dtype(gu.dtype())
+}
+
+/// [`silu_mul_packed_backward`]'s CUDA kernel (inputs: the packed rows, the gradient).
+#[derive(Debug, Clone, Copy)]
+struct SiluMulPackedBwd;
+
+impl CustomOp2 for SiluMulPackedBwd {
+    fn name(&self) -> &'static str {
+        "silu_mul_packed_bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("silu_mul_packed_bwd: the CPU runs the composition")
+    }
+    cuda_op!(2, |_: &Self, s1, l1, s2, l2| {
+        crate::cuda::silu_mul_packed_bwd(s1, l1, s2, l2)
+    });
+}
+
 /// RoPE's backward: the gradient `g` `(B, H, L, D)` of rotated heads back to the unrotated
 /// `(B, L, H, D)` layout (a rotation by −θ): our kernel where [`rope`] runs it, else candle ops.
 pub(crate) fn rope_inverse(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {

@@ -177,6 +177,20 @@ __device__ void silu_mul_bwd(const typename T::S* a, long ao, const typename T::
     out[n + i] = T::st(gv * av * sg);
 }
 
+// The backward of `silu(gate) · up` over packed rows gu = [gate | up] (rows, 2·cols): out rows
+// [dgate | dup] in the same layout, the arithmetic of silu_mul_bwd.
+template <typename T>
+__device__ void silu_mul_packed_bwd(const typename T::S* gu, long guo, const typename T::S* g,
+                                    long go, typename T::S* out, long rows, int cols) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    long r = i / cols, c = i % cols, at = r * 2 * cols + c;
+    float av = T::ld(gu[guo + at]), uv = T::ld(gu[guo + at + cols]), gv = T::ld(g[go + i]);
+    float sg = 1.0f / (1.0f + expf(-av));
+    out[at] = T::st(gv * uv * sg * (1.0f + av * (1.0f - sg)));
+    out[at + cols] = T::st(gv * av * sg);
+}
+
 // ------------------------------------------------------------------ attention softmax
 
 // One block per row of `s` scores (B, H, L, S): p = softmax(x · scale + bias), bias (B, 1, L, S).
@@ -604,6 +618,11 @@ __device__ void cached_attention(const typename T::S* qkv, long qo, typename T::
                                                 const S_OF(T) * g, long go, S_OF(T) * out,  \
                                                 long n) {                                    \
         silu_mul_bwd<T>(a, ao, u, uo, g, go, out, n);                                        \
+    }                                                                                        \
+    extern "C" __global__ void silu_mul_packed_bwd_##N(const S_OF(T) * gu, long guo,        \
+                                                       const S_OF(T) * g, long go,          \
+                                                       S_OF(T) * out, long rows, int cols) { \
+        silu_mul_packed_bwd<T>(gu, guo, g, go, out, rows, cols);                             \
     }                                                                                        \
     extern "C" __global__ void softmax_fwd_##N(const S_OF(T) * x, long xo,                  \
                                                const S_OF(T) * m, long mo, S_OF(T) * out,   \

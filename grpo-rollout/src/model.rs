@@ -404,6 +404,29 @@ impl Layer {
         Ok(Some((q, k, v)))
     }
 
+    /// The MLP of a training graph as two nodes ([`crate::fused::project_pair`]: gate and up
+    /// side by side; [`crate::fused::down_silu`]: SiLU·mul, the down projection and the
+    /// residual, the product not kept for backward) where they apply: off the CPU kernels'
+    /// path, no adapters, no MLP biases. Returns the residual stream, or `None`: the caller
+    /// composes.
+    fn mlp_nodes(&self, x: &Tensor, h: &Tensor) -> Result<Option<Tensor>> {
+        let mlp = [&self.gate_proj, &self.up_proj, &self.down_proj];
+        if mlp.iter().any(|l| l.lora.is_some() || l.bias.is_some()) {
+            return Ok(None);
+        }
+        let Some(gu) = crate::fused::project_pair(h, &self.gate_proj.weight, &self.up_proj.weight)?
+        else {
+            return Ok(None);
+        };
+        match crate::fused::down_silu(x, &gu, &self.down_proj.weight)? {
+            Some(y) => Ok(Some(y)),
+            None => {
+                let act = crate::fused::silu_mul_packed(&gu)?;
+                Ok(Some(self.down_proj.forward_residual(x, &act)?))
+            }
+        }
+    }
+
     /// The rest of the layer after [`Self::qkv`]: attention over `k`, `v` (this call's
     /// positions, possibly after earlier ones), the residual, the MLP. Returns rows `(B·L, H)`.
     fn finish(
@@ -418,6 +441,9 @@ impl Layer {
         let ctx = crate::fused::causal_attention(q, k, v, &c.bias, c.scale)?;
         let x = self.o_proj.forward_residual(x, &ctx)?;
         let h = self.post_attention_layernorm.forward(&x)?;
+        if let Some(y) = self.mlp_nodes(&x, &h)? {
+            return Ok(y);
+        }
         let gate = self.gate_proj.forward(&h)?;
         let up = self.up_proj.forward(&h)?;
         let act = crate::fused::silu_mul(&gate, &up)?;

@@ -30,7 +30,7 @@ pub fn findings(device: &Device, dtype: DType) -> Vec<Finding> {
             rope(d, dtype),
         ),
         Finding::new(
-            "SiLU·mul vs composition, values and gradients; of packed gate/up rows",
+            "SiLU·mul vs composition, values and gradients; of packed gate/up rows, and back",
             &["silu_mul"],
             dtype,
             silu_mul(d, dtype),
@@ -140,9 +140,12 @@ fn silu_mul(d: &Device, dt: DType) -> Result<f64> {
     let got = value_and_grads(&inputs, &dout, |t| fused::silu_mul(&t[0], &t[1]))?;
     let gu = Tensor::cat(&inputs, 1)?;
     let packed = fused::silu_mul_packed(&gu)?;
+    // The backward over packed rows (the training MLP's node): [dgate | dup].
+    let dpacked = fused::silu_mul_packed_backward(&gu, &dout.to_dtype(dt)?)?;
+    let dwant = Tensor::cat(&[&want[1], &want[2]], 1)?;
     Ok(worse(
-        rel_diff_all(&want, &got)?,
-        rel_diff(&want[0], &packed)?,
+        worse(rel_diff_all(&want, &got)?, rel_diff(&want[0], &packed)?),
+        rel_diff(&dwant, &dpacked)?,
     ))
 }
 

@@ -539,6 +539,73 @@ fn project_heads_node_equals_the_composition() {
     );
 }
 
+/// The MLP as two nodes (`fused::project_pair`: gate and up side by side; `fused::down_silu`:
+/// SiLU·mul, the down projection and the residual, recomputing the product in backward)
+/// against the composition: values and the gradients of the residual, the input and the three
+/// weights (f64 to 1e-12), trainable and frozen weights; the graph keeps fewer nodes and not the
+/// product.
+#[test]
+fn mlp_nodes_equal_the_composition() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    grpo_core::fused::set_force_recompute(true);
+    let dev = Device::Cpu;
+    let rnd = |s: &[usize]| Tensor::randn(0f64, 1.0, s, &dev).unwrap();
+    let (n, hidden, inter) = (6, 5, 7);
+    let (x0, r0) = (rnd(&[n, hidden]), rnd(&[n, hidden]));
+    let (wg0, wu0, wd0) = (
+        rnd(&[inter, hidden]),
+        rnd(&[inter, hidden]),
+        rnd(&[hidden, inter]),
+    );
+    let weights = rnd(&[n, hidden]);
+    for trainable in [true, false] {
+        let run = |fused: bool| {
+            let var = |t: &Tensor| Var::from_tensor(t).unwrap().as_tensor().clone();
+            let w = |t: &Tensor| if trainable { var(t) } else { t.clone() };
+            let (x, r) = (var(&x0), var(&r0));
+            let (wg, wu, wd) = (w(&wg0), w(&wu0), w(&wd0));
+            let y = if fused {
+                let gu = fused::project_pair(&x, &wg, &wu).unwrap().expect("applies");
+                fused::down_silu(&r, &gu, &wd).unwrap().expect("applies")
+            } else {
+                let gate = x.matmul(&wg.t().unwrap()).unwrap();
+                let up = x.matmul(&wu.t().unwrap()).unwrap();
+                let act = fused::silu_mul_composed(&gate, &up).unwrap();
+                (&r + act.matmul(&wd.t().unwrap()).unwrap()).unwrap()
+            };
+            let nodes = y.sorted_nodes().len();
+            let g = (&y * &weights)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grads: Vec<Option<Tensor>> = [&x, &r, &wg, &wu, &wd]
+                .iter()
+                .map(|t| g.get(t).cloned())
+                .collect();
+            (y, grads, nodes)
+        };
+        let (a, c) = (run(true), run(false));
+        assert!(max_abs(&(&a.0 - &c.0).unwrap()) < 1e-12, "values");
+        for (k, (ga, gc)) in a.1.iter().zip(&c.1).enumerate() {
+            match (ga, gc) {
+                (Some(ga), Some(gc)) => assert!(
+                    max_abs(&(ga - gc).unwrap()) < 1e-12,
+                    "trainable {trainable}: input {k}"
+                ),
+                (None, None) => {}
+                _ => panic!("trainable {trainable}: input {k}: gradient on one side only"),
+            }
+        }
+        assert!(a.2 < c.2, "trainable {trainable}: {} nodes vs {}", a.2, c.2);
+    }
+    // The CPU kernels' path keeps the composition.
+    grpo_core::fused::set_enabled(true);
+    let x = Var::from_tensor(&x0).unwrap().as_tensor().clone();
+    assert!(fused::project_pair(&x, &wg0, &wu0).unwrap().is_none());
+}
+
 /// Bytes of the tensors a training graph keeps (weights excluded), each storage once.
 fn graph_bytes(loss: &Tensor) -> usize {
     use candle_core::{CpuStorage, Storage};

@@ -197,6 +197,13 @@ static int run(const std::string& op, char** a, K k) {
         emu_launch(k.silu_bwd, blocks(n, 256), 256, 0, x.data(), 0L, u.data(), 0L, g.data(), 0L,
                    out.data(), n);
         write_out<T>(out);
+    } else if (op == "silu_packed_bwd") {  // rows cols: in0 [gate | up] (rows, 2·cols), in1 g
+        long rows = atol(a[0]), cols = atol(a[1]);
+        auto gu = to_storage<T>(read_f32(0)), g = to_storage<T>(read_f32(1));
+        std::vector<S> out(2 * rows * cols);
+        emu_launch(k.silu_packed_bwd, blocks(rows * cols, 256), 256, 0, gu.data(), 0L, g.data(),
+                   0L, out.data(), rows, (int)cols);
+        write_out<T>(out);
     } else if (op == "softmax_fwd") {  // b h l s scale
         int b = atoi(a[0]), h = atoi(a[1]), l = atoi(a[2]), s = atoi(a[3]);
         float scale = atof(a[4]);
@@ -347,6 +354,7 @@ static int run_flash(const std::string& op, char** a, bool bf16) {
         decltype(&kv_write_##N) kv_write = &kv_write_##N;                                  \
         decltype(&silu_mul_fwd_##N) silu_fwd = &silu_mul_fwd_##N;                          \
         decltype(&silu_mul_bwd_##N) silu_bwd = &silu_mul_bwd_##N;                          \
+        decltype(&silu_mul_packed_bwd_##N) silu_packed_bwd = &silu_mul_packed_bwd_##N;    \
         decltype(&softmax_fwd_##N) softmax_fwd = &softmax_fwd_##N;                         \
         decltype(&softmax_bwd_##N) softmax_bwd = &softmax_bwd_##N;                         \
         decltype(&attention_rows_##N) attention = &attention_rows_##N;                     \

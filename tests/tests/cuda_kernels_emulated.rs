@@ -634,6 +634,8 @@ fn cached_attention_equals_rope_kv_writes_and_attention() {
 
 #[test]
 fn silu_mul_of_packed_rows_matches_the_composition() {
+    // Forward, and the backward over packed rows against the separate halves' (which the test
+    // above checks against candle's autograd).
     let (rows, cols) = (7, 300); // rows that span blocks, a block that spans rows
     for (name, dt, tol) in DTYPES {
         let gu = randn(&[rows, 2 * cols], dt, 30);
@@ -652,6 +654,25 @@ fn silu_mul_of_packed_rows_matches_the_composition() {
             got, apart,
             "silu_mul packed {name}: differs from the separate halves"
         );
+        // The backward over the packed rows: [dgate | dup] in their layout, the same bits as
+        // the backward of the separate halves.
+        let grad = randn(&[rows, cols], dt, 31);
+        let packed = run("silu_packed_bwd", name, &[s(rows), s(cols)], &[&gu, &grad]).unwrap();
+        let flat_apart = run("silu_bwd", name, &[], &[&g, &u, &grad]).unwrap();
+        let (da, du) = flat_apart.split_at(rows * cols);
+        for r in 0..rows {
+            let row = &packed[r * 2 * cols..(r + 1) * 2 * cols];
+            assert_eq!(
+                &row[..cols],
+                &da[r * cols..(r + 1) * cols],
+                "{name}: dgate row {r}"
+            );
+            assert_eq!(
+                &row[cols..],
+                &du[r * cols..(r + 1) * cols],
+                "{name}: dup row {r}"
+            );
+        }
     }
 }
 
