@@ -2266,7 +2266,8 @@ pub fn down_silu(res: &Tensor, gu: &Tensor, w: &Tensor) -> Result<Option<Tensor>
 
 /// The backward of [`silu_mul_packed`]: `[dgate | dup]` `(N, 2·I)` of packed rows `gu` and the
 /// product's gradient `g` `(N, I)`, no graph. Our CUDA kernel where `silu_mul` runs one, else
-/// candle ops (in f32, or f64 for f64).
+/// candle ops in the rows' dtype, those candle's autograd of [`silu_mul_composed`] runs (so
+/// the CPU's half-precision path rounds as it did with the composition).
 pub(crate) fn silu_mul_packed_backward(gu: &Tensor, g: &Tensor) -> Result<Tensor> {
     let (_, cols) = packed_halves(gu.layout())?;
     if !gu.device().is_cpu() && route("silu_mul", gu) == Path::Kernel && gu.dtype() == g.dtype() {
@@ -2274,18 +2275,15 @@ pub(crate) fn silu_mul_packed_backward(gu: &Tensor, g: &Tensor) -> Result<Tensor
             .contiguous()?
             .apply_op2_no_bwd(&g.contiguous()?, &SiluMulPackedBwd);
     }
-    let wide = if gu.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let a = gu.narrow(1, 0, cols)?.to_dtype(wide)?;
-    let u = gu.narrow(1, cols, cols)?.to_dtype(wide)?;
-    let g = g.to_dtype(wide)?;
+    let a = gu.narrow(1, 0, cols)?;
+    let u = gu.narrow(1, cols, cols)?;
+    let g = g.to_dtype(gu.dtype())?;
+    let silu = a.silu()?;
     let sg = (a.neg()?.exp()? + 1.0)?.recip()?;
-    let da = ((&g * &u)? * &sg)?.mul(&((&a * (1.0 - &sg)?)? + 1.0)?)?;
-    let du = ((&g * &a)? * &sg)?;
-    Tensor::cat(&[&da, &du], 1)?.to_dtype(gu.dtype())
+    let silu_grad = ((&sg * (1.0 - &silu)?)? + &silu)?;
+    let da = ((&g * &u)? * silu_grad)?;
+    let du = (&g * &silu)?;
+    Tensor::cat(&[&da, &du], 1)
 }
 
 /// [`silu_mul_packed_backward`]'s CUDA kernel (inputs: the packed rows, the gradient).
