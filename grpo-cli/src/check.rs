@@ -596,18 +596,11 @@ fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
     // largest gradient of all: a weight whose gradient is a near-cancelling sum (a k bias: a
     // shift of every key that softmax all but ignores) is rounding noise in half precision,
     // whichever order the two backwards sum in.
-    let scale = a
-        .iter()
-        .map(max_abs)
-        .collect::<Result<Vec<f64>>>()?
-        .into_iter()
-        .fold(0f64, f64::max);
+    let maxima = a.iter().map(max_abs).collect::<Result<Vec<f64>>>()?;
+    let scale = maxima.iter().copied().fold(0f64, f64::max);
     let mut worst = 0f64;
-    for (x, y) in a.iter().zip(&b) {
-        worst = worse(
-            worst,
-            max_diff(x, y)? / max_abs(x)?.max(0.1 * scale).max(1e-3),
-        );
+    for ((x, y), m) in a.iter().zip(&b).zip(maxima) {
+        worst = worse(worst, max_diff(x, y)? / m.max(0.1 * scale).max(1e-3));
     }
     Ok(worst)
 }

@@ -458,30 +458,14 @@ pub fn kv_write(
 /// over all `past + L` positions ([`causal_attention`]: `bias` `(B, 1, L, past + L)` is a
 /// decoder's causal mask). Returns the context rows `(B·L, H·D)`. No graph.
 ///
+/// `proj_bias` `((H + 2G)·D,)`, when given, is `qkv`'s projection bias, not yet added: it is
+/// added in `qkv`'s dtype, as a separate add would (the CUDA kernel adds it as it reads q, k
+/// and v: one launch less per layer of a decode step).
+///
 /// On CUDA, for up to 16 query rows, this is one kernel (the three ops are four launches);
 /// elsewhere it is those ops on views of `qkv`.
 #[allow(clippy::too_many_arguments)]
 pub fn cached_attention(
-    qkv: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    bias: &Tensor,
-    past: usize,
-    heads: usize,
-    scale: f64,
-) -> Result<Tensor> {
-    cached_attention_biased(
-        qkv, None, k_cache, v_cache, cos, sin, bias, past, heads, scale,
-    )
-}
-
-/// `qkv`'s projection bias `proj_bias` `((H + 2G)·D,)`, when given, added to `qkv` (in its dtype,
-/// as a separate add would), then [`cached_attention`]: the CUDA kernel adds it as it reads q,
-/// k and v (one launch less per layer of a decode step); elsewhere the add runs first.
-#[allow(clippy::too_many_arguments)]
-pub fn cached_attention_biased(
     qkv: &Tensor,
     proj_bias: Option<&Tensor>,
     k_cache: &Tensor,
@@ -537,24 +521,6 @@ pub fn cached_attention_biased(
 #[allow(clippy::too_many_arguments)]
 pub fn cached_attention_at(
     qkv: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    bias: &Tensor,
-    past_at: &Tensor,
-    heads: usize,
-    scale: f64,
-) -> Result<Tensor> {
-    cached_attention_at_biased(
-        qkv, None, k_cache, v_cache, cos, sin, bias, past_at, heads, scale,
-    )
-}
-
-/// [`cached_attention_at`] with [`cached_attention_biased`]'s projection bias.
-#[allow(clippy::too_many_arguments)]
-pub fn cached_attention_at_biased(
-    qkv: &Tensor,
     proj_bias: Option<&Tensor>,
     k_cache: &Tensor,
     v_cache: &Tensor,
@@ -573,10 +539,10 @@ pub fn cached_attention_at_biased(
     {
         if qkv.device().is_cpu() {
             // The same step on the host (the CPU tests of the captured step): the length read,
-            // the bias cut to it, the pass as `cached_attention_biased` runs it.
+            // the bias cut to it, the pass as `cached_attention` runs it.
             let past = past_at.flatten_all()?.to_vec1::<u32>()?[0] as usize;
             let bias = bias.narrow(3, 0, past + l)?;
-            return cached_attention_biased(
+            return cached_attention(
                 &qkv,
                 pb.as_ref(),
                 k_cache,

@@ -385,22 +385,18 @@ impl Layer {
         if self.q_norm.is_some() || self.k_norm.is_some() || attn.iter().any(|l| l.lora.is_some()) {
             return Ok(None);
         }
-        let rot = Some((&c.cos, &c.sin));
-        let mut out = Vec::with_capacity(3);
-        for (l, heads, rot) in [
-            (&self.q_proj, c.nh, rot),
-            (&self.k_proj, c.nkv, rot),
-            (&self.v_proj, c.nkv, None),
-        ] {
+        let head = |l: &Linear, heads: usize, rot: Option<(&Tensor, &Tensor)>| {
             let dims = (c.b, c.l, heads, c.hd);
-            match crate::fused::project_heads(h, &l.weight, l.bias.as_ref(), dims, rot)? {
-                Some(t) => out.push(t),
-                None => return Ok(None),
-            }
-        }
-        let v = out.pop().expect("v");
-        let k = out.pop().expect("k");
-        let q = out.pop().expect("q");
+            crate::fused::project_heads(h, &l.weight, l.bias.as_ref(), dims, rot)
+        };
+        let rot = Some((&c.cos, &c.sin));
+        let (Some(q), Some(k), Some(v)) = (
+            head(&self.q_proj, c.nh, rot)?,
+            head(&self.k_proj, c.nkv, rot)?,
+            head(&self.v_proj, c.nkv, None)?,
+        ) else {
+            return Ok(None);
+        };
         Ok(Some((q, k, v)))
     }
 
@@ -787,7 +783,7 @@ impl KvCache {
     /// Layer `i`'s pass after the packed q/k/v product `qkv` `(B, L, heads + 2·kv_heads, D)`
     /// (its bias `proj_bias` not yet added, when given): the new keys and values written after
     /// the `past` cached positions, the queries' attention over all of them
-    /// ([`crate::fused::cached_attention_biased`]); returns the context rows.
+    /// ([`crate::fused::cached_attention`]); returns the context rows.
     fn attend(
         &mut self,
         i: usize,
@@ -800,10 +796,10 @@ impl KvCache {
         let at = self.past_at.clone();
         let (kb, vb) = self.room(i, past, dims, qkv.dtype(), qkv.device())?;
         match at {
-            Some(at) => crate::fused::cached_attention_at_biased(
+            Some(at) => crate::fused::cached_attention_at(
                 qkv, proj_bias, kb, vb, &c.cos, &c.sin, &c.bias, &at, c.nh, c.scale,
             ),
-            None => crate::fused::cached_attention_biased(
+            None => crate::fused::cached_attention(
                 qkv, proj_bias, kb, vb, &c.cos, &c.sin, &c.bias, past, c.nh, c.scale,
             ),
         }

@@ -330,8 +330,7 @@ fn cached_attention(d: &Device, dt: DType) -> Result<f64> {
     let (k, v) = (wk.narrow(2, 0, s)?, wv.narrow(2, 0, s)?);
     let want = attention_reference(&q, &k, &v, &bias, scale)?;
     let (gk, gv) = (kc.copy()?, vc.copy()?);
-    let got =
-        fused::cached_attention_biased(&raw, Some(&pb), &gk, &gv, &c, &sn, &bias, past, nh, scale)?;
+    let got = fused::cached_attention(&raw, Some(&pb), &gk, &gv, &c, &sn, &bias, past, nh, scale)?;
     Ok(worse(
         rel_diff(&want, &got)?,
         worse(rel_diff(&wk, &gk)?, rel_diff(&wv, &gv)?),

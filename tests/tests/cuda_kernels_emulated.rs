@@ -535,7 +535,7 @@ fn check_cached_attention(dims: [usize; 7], dt: DType, name: &str, tol: f32, see
     let (ctx, caches) = got.split_at(n);
     let (gk, gv) = caches.split_at(b * nkv * cap * d);
     let (wk, wv) = (kc.copy().unwrap(), vc.copy().unwrap());
-    let want = fused::cached_attention(&qkv, &wk, &wv, &c, &sn, &m, past, nh, scale).unwrap();
+    let want = fused::cached_attention(&qkv, None, &wk, &wv, &c, &sn, &m, past, nh, scale).unwrap();
     close(&format!("{what}: context"), ctx, &flat(&want), tol * 2.0);
     close(&format!("{what}: keys"), gk, &flat(&wk), tol);
     assert_eq!(gv, &flat(&wv)[..], "{what}: values must move unchanged");
