@@ -922,6 +922,10 @@ impl candle_core::CustomOp2 for SampleOp {
     }
 }
 
+/// Threads of a sampling block: `SAMPLE_THREADS` in kernels.cu (its shared scan's size and
+/// the kernel's launch bound).
+const SAMPLE_THREADS: u32 = 1024;
+
 fn sample_t<T: Elem>(
     op: &SampleOp,
     x: &CudaStorage,
@@ -972,7 +976,7 @@ fn sample_t<T: Elem>(
         dev,
         "sample_rows",
         T::DTYPE,
-        cfg(n as u32, 256, 0),
+        cfg(n as u32, SAMPLE_THREADS, 0),
         [
             xs, &xo, &ldi, ptrs[0], ptrs[1], ptrs[2], sus, &out, &ids, &p
         ]

@@ -75,8 +75,15 @@ __device__ void col_sum(const float* partial, int blocks, int cols, typename T::
     out[oo + c] = T::st(s);
 }
 
+// Elements of a row a thread keeps in registers (`add_rms_fwd`): rows up to ROW_REGS × the
+// block's threads take one round of loads.
+#define ROW_REGS 8
+
 // Residual add fused with the RMSNorm that follows it (inference: decoding, frozen passes).
-// One block per row of `h`: s = T(x + r), y = T(T(s · inv) · w); out = [s (n), y (n)].
+// One block per row of `h`: s = T(x + r), y = T(T(s · inv) · w); out = [s (n), y (n)]. A row
+// that fits is read once into registers, every load issued before the first use (a decode
+// step's rows are few: the kernel's time is its chain of memory latencies), with rms_row's
+// arithmetic in rms_row's order: the same bits.
 template <typename T>
 __device__ void add_rms_fwd(const typename T::S* x, long xo, const typename T::S* r, long ro,
                             const typename T::S* w, long wo, typename T::S* out, long n, int h,
@@ -85,9 +92,43 @@ __device__ void add_rms_fwd(const typename T::S* x, long xo, const typename T::S
     long row = blockIdx.x;
     const typename T::S* xr = x + xo + row * h;
     const typename T::S* rr = r + ro + row * h;
+    const typename T::S* wr = w + wo;
     typename T::S* sr = out + row * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) sr[i] = T::st(T::ld(xr[i]) + T::ld(rr[i]));
-    rms_row<T>(sr, w + wo, out + n + row * h, h, eps, sh);
+    typename T::S* yr = out + n + row * h;
+    int tid = threadIdx.x, nt = blockDim.x;
+    if (h <= ROW_REGS * nt) {
+        typename T::S xa[ROW_REGS], ra[ROW_REGS], wa[ROW_REGS];
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            if (i < h) {
+                xa[k] = xr[i];
+                ra[k] = rr[i];
+                wa[k] = wr[i];
+            }
+        }
+        float sv[ROW_REGS], ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            if (i < h) {
+                typename T::S st = T::st(T::ld(xa[k]) + T::ld(ra[k]));
+                sr[i] = st;
+                sv[k] = T::ld(st);
+                ss += sv[k] * sv[k];
+            }
+        }
+        ss = block_sum(ss, sh);
+        float inv = 1.0f / sqrtf(ss / (float)h + eps);
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            if (i < h) yr[i] = T::st(T::ld(T::st(sv[k] * inv)) * T::ld(wa[k]));
+        }
+        return;
+    }
+    for (int i = tid; i < h; i += nt) sr[i] = T::st(T::ld(xr[i]) + T::ld(rr[i]));
+    rms_row<T>(sr, wr, yr, h, eps, sh);
 }
 
 // ------------------------------------------------------------------ RoPE
@@ -249,6 +290,9 @@ struct CacheRows {
     __device__ float value(long j, int e) const { return T::ld(v[j * vs + e]); }
     // Key j's stored row (every row here is stored).
     __device__ const typename T::S* stored_key(long j) const { return k + j * ks; }
+    // Keys 0 .. stored() are read from memory as they are (`stored_value`: a plain load).
+    __device__ long stored() const { return 1L << 62; }
+    __device__ float stored_value(long j, int e) const { return value(j, e); }
 };
 
 // Element i of a projection's output row `x` with its bias `b` (null: none) added, rounded to
@@ -296,6 +340,8 @@ struct PackedRows {
     __device__ const typename T::S* stored_key(long j) const {
         return j < past ? cache.stored_key(j) : nullptr;
     }
+    __device__ long stored() const { return past; }
+    __device__ float stored_value(long j, int e) const { return cache.value(j, e); }
 };
 
 // Keys per tile of `attend`.
@@ -311,6 +357,9 @@ union Lanes16 {
     typename T::S s[16 / sizeof(typename T::S)];
 };
 
+// 16-byte loads of a key row in flight at once.
+#define KEY_BATCH 4
+
 // dot[h] += Σ_x qs[h][x] · key[x] for the heads below `heads`, x in order: the same arithmetic
 // whether the key is read element by element (`kv.key`) or, for a stored row that allows it,
 // in 16-byte loads (with the queries' rows in 16-byte shared loads).
@@ -320,18 +369,27 @@ __device__ __forceinline__ void score_key(float* dot, const float (*qs)[ATTN_MAX
     const int n = 16 / sizeof(typename T::S);
     const typename T::S* row = kv.stored_key(j);
     if (row && d % n == 0 && ((unsigned long long)row & 15) == 0) {
-        for (int x = 0; x < d; x += n) {
-            Lanes16<T> kl;
-            kl.v = *reinterpret_cast<const Vec16*>(row + x);
+        // KEY_BATCH loads issued before the first product (each would otherwise wait for the
+        // one before it: the heads' early exit keeps the compiler from hoisting them).
+        for (int x0 = 0; x0 < d; x0 += KEY_BATCH * n) {
+            Lanes16<T> kl[KEY_BATCH];
 #pragma unroll
-            for (int c = 0; c < n; c += 4) {
+            for (int b = 0; b < KEY_BATCH; ++b)
+                if (x0 + b * n < d) kl[b].v = *reinterpret_cast<const Vec16*>(row + x0 + b * n);
 #pragma unroll
-                for (int h = 0; h < G; ++h) {
-                    if (h >= heads) break;
-                    Vec16 q = *reinterpret_cast<const Vec16*>(&qs[h][x + c]);
+            for (int b = 0; b < KEY_BATCH; ++b) {
+                int x = x0 + b * n;
+                if (x >= d) break;
 #pragma unroll
-                    for (int u = 0; u < 4; ++u)
-                        dot[h] += __uint_as_float(q.u[u]) * T::ld(kl.s[c + u]);
+                for (int c = 0; c < n; c += 4) {
+#pragma unroll
+                    for (int h = 0; h < G; ++h) {
+                        if (h >= heads) break;
+                        Vec16 q = *reinterpret_cast<const Vec16*>(&qs[h][x + c]);
+#pragma unroll
+                        for (int u = 0; u < 4; ++u)
+                            dot[h] += __uint_as_float(q.u[u]) * T::ld(kl[b].s[c + u]);
+                    }
                 }
             }
         }
@@ -345,21 +403,38 @@ __device__ __forceinline__ void score_key(float* dot, const float (*qs)[ATTN_MAX
     }
 }
 
-// Output accumulation over a tile of `n` keys from j0: acc[t] is element e of head hg + groups·t
-// for the TN (≥ this thread's count) heads a thread can serve; rescaled by the tile's
-// correction first.
-template <typename T, int G, int TN, typename Rows>
+// Values a thread loads before it uses the first of them (stored keys): one load's latency is
+// hidden behind the others' instead of each waiting for the last.
+#define GATHER_BATCH 8
+
+// Output accumulation over a tile of `n` keys from j0: acc[h] is this thread's part of element
+// e of head h, over the tile's keys kg, kg + groups, ... (the `groups` = blockDim / d threads
+// of an element split its keys, each value read by one thread for every head); rescaled by the
+// tile's correction first. A thread's keys are summed in order whatever the batching.
+template <typename T, int G, typename Rows>
 __device__ __forceinline__ void gather_values(float* acc, const float (*pr)[ATTN_TILE],
                                               const float* corr, const Rows& kv, long j0, int n,
-                                              int e, int hg, int groups, int heads) {
+                                              int e, int kg, int groups, int heads) {
 #pragma unroll
-    for (int t = 0; t < TN; ++t)
-        if (hg + groups * t < heads) acc[t] *= corr[hg + groups * t];
-    for (int jj = 0; jj < n; ++jj) {
+    for (int h = 0; h < G; ++h)
+        if (h < heads) acc[h] *= corr[h];
+    long left = kv.stored() - j0;
+    int stored = left <= 0 ? 0 : (left < n ? (int)left : n), jj = kg;
+    for (; jj + (GATHER_BATCH - 1) * groups < stored; jj += GATHER_BATCH * groups) {
+        float v[GATHER_BATCH];
+#pragma unroll
+        for (int u = 0; u < GATHER_BATCH; ++u) v[u] = kv.stored_value(j0 + jj + u * groups, e);
+#pragma unroll
+        for (int u = 0; u < GATHER_BATCH; ++u)
+#pragma unroll
+            for (int h = 0; h < G; ++h)
+                if (h < heads) acc[h] += pr[h][jj + u * groups] * v[u];
+    }
+    for (; jj < n; jj += groups) {
         float v = kv.value(j0 + jj, e);
 #pragma unroll
-        for (int t = 0; t < TN; ++t)
-            if (hg + groups * t < heads) acc[t] += pr[hg + groups * t][jj] * v;
+        for (int h = 0; h < G; ++h)
+            if (h < heads) acc[h] += pr[h][jj] * v;
     }
 }
 
@@ -368,22 +443,24 @@ __device__ __forceinline__ void gather_values(float* acc, const float (*pr)[ATTN
 // each key and value is read once for all of them. Keys go in tiles of ATTN_TILE: each thread
 // scores its own keys of the tile for every head (a dot over d, no shuffles), warp w then takes
 // heads w, w + warps, ... for the tile's maximum and probabilities (an online softmax across
-// tiles), and each thread accumulates one element of the output for its heads (`groups` =
-// ATTN_THREADS / d threads share an element's heads) over the tile's values, in key order, one
-// value read serving them all. A head's arithmetic is the same, in the same order, whatever G
-// and `heads` are. A key masked with −inf (f16's mask too) has no weight.
+// tiles), and each thread accumulates one element of the output for every head over its share
+// of the tile's values (`groups` = ATTN_THREADS / d threads split an element's keys, each value
+// read once for all heads); the shares are summed in a fixed order at the end. A head's
+// arithmetic is the same, in the same order, whatever G and `heads` are. A key masked with −inf
+// (f16's mask too) has no weight.
 // Threads of an attention block: the launch's block size, whatever the number of keys.
 #define ATTN_THREADS 256
+static_assert(ATTN_THREADS <= ATTN_TILE, "attend sums the output shares through pr");
 template <typename T, int G, typename Rows>
 __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
                        const typename T::S* br, int s, int d, typename T::S* orow) {
     alignas(16) __shared__ float pr[G][ATTN_TILE];
     __shared__ float mh[G], lh[G], corr[G];
     int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, w = tid >> 5, nw = nt >> 5;
-    // Output element e of heads hg, hg + groups, ... (threads from groups · d on own none).
-    int groups = nt / d, e = tid % d, hg = tid / d;
+    // Output element e of every head, over keys kg, kg + groups, ... of each tile (threads from
+    // groups · d on own none).
+    int groups = nt / d, e = tid % d, kg = tid / d;
     bool owner = tid < groups * d;
-    int tn = (heads - hg + groups - 1) / groups;  // the heads this thread serves
     if (tid < G) {
         mh[tid] = GPU_NEG_INF;
         lh[tid] = 0.0f;
@@ -426,24 +503,21 @@ __device__ void attend(const float (*qs)[ATTN_MAX_D], int heads, const Rows& kv,
             }
         }
         __syncthreads();
-        if (owner) {  // templated on the heads a thread serves: no idle unrolled steps
-            if (tn <= 1)
-                gather_values<T, G, 1>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
-            else if (tn <= 2)
-                gather_values<T, G, 2>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
-            else if (tn <= 4)
-                gather_values<T, G, 4>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
-            else
-                gather_values<T, G, G>(acc, pr, corr, kv, j0, n, e, hg, groups, heads);
-        }
+        if (owner) gather_values<T, G>(acc, pr, corr, kv, j0, n, e, kg, groups, heads);
         __syncthreads();  // the tile's readers are done with pr before the next tile
     }
+    // The shares of each element, through pr (ATTN_THREADS ≤ ATTN_TILE), summed in share order.
     if (owner) {
 #pragma unroll
-        for (int t = 0; t < G; ++t) {
-            int h = hg + groups * t;
-            if (h < heads) orow[(long)h * d + e] = T::st(acc[t] / lh[h]);
-        }
+        for (int h = 0; h < G; ++h)
+            if (h < heads) pr[h][tid] = acc[h];
+    }
+    __syncthreads();
+    for (int i = tid; i < heads * d; i += nt) {
+        int h = i / d, x = i % d;
+        float sum = 0.0f;
+        for (int g = 0; g < groups; ++g) sum += pr[h][g * d + x];
+        orow[(long)h * d + x] = T::st(sum / lh[h]);
     }
 }
 
@@ -669,12 +743,16 @@ __device__ __forceinline__ float sample_logit(const typename T::S* xr, const flo
     return l / p.t;
 }
 
+// Threads of a sampling block (the launch's block size): many, so that each pass over a row
+// of the vocabulary is a few loads deep per thread.
+#define SAMPLE_THREADS 1024
+
 template <typename T>
 __device__ void sample_rows(const typename T::S* x, long xo, long ld, const float* bias,
                             const float* seen, const float* stop, const float* su, float* out,
                             unsigned* ids, SampleParams p) {
     __shared__ float sh[33];
-    __shared__ float seg[256];
+    __shared__ float seg[SAMPLE_THREADS];
     __shared__ int found;
     long r = blockIdx.x;
     int v = p.v, tid = threadIdx.x, nt = blockDim.x;
@@ -684,23 +762,31 @@ __device__ void sample_rows(const typename T::S* x, long xo, long ld, const floa
     float u = su[2 * r + 1];
 #define L(j) sample_logit<T>(xr, bias, seen_r, stop, suppress, p, (j))
 
-    // The recorded log-prob's normaliser: logsumexp(raw / t).
-    float mraw = GPU_NEG_INF;
-    for (int j = tid; j < v; j += nt) mraw = fmaxf(mraw, T::ld(xr[j]) / p.t);
-    mraw = block_max(mraw, sh);
-    float sraw = 0.0f;
-    for (int j = tid; j < v; j += nt) sraw += expf(T::ld(xr[j]) / p.t - mraw);
-    float lse = logf(block_sum(sraw, sh)) + mraw;
-
-    // m = max l; first index of the max (greedy's pick).
-    float m = GPU_NEG_INF;
-    for (int j = tid; j < v; j += nt) m = fmaxf(m, L(j));
+    // One read of the row for the recorded log-prob's normaliser, logsumexp(raw / t) (a running
+    // maximum and sum per thread), and for m = max l with its first index (greedy's pick).
+    float mraw = GPU_NEG_INF, sraw = 0.0f, m = GPU_NEG_INF;
+    int mi = v;
+    for (int j = tid; j < v; j += nt) {
+        float raw = T::ld(xr[j]) / p.t;
+        if (raw > mraw) {
+            sraw = sraw * expf(mraw - raw) + 1.0f;
+            mraw = raw;
+        } else if (raw != GPU_NEG_INF) {
+            sraw += expf(raw - mraw);
+        }
+        float l = L(j);
+        if (l > m) {
+            m = l;
+            mi = j;
+        }
+    }
+    float mall = block_max(mraw, sh);
+    float lse = logf(block_sum(mraw == GPU_NEG_INF ? 0.0f : sraw * expf(mraw - mall), sh)) + mall;
+    float mt = m;
     m = block_max(m, sh);
     int token = 0;
     if (p.greedy) {
-        float first = (float)v;
-        for (int j = tid; j < v; j += nt)
-            if (L(j) == m) first = fminf(first, (float)j);
+        float first = mt == m ? (float)mi : (float)v;
         first = -block_max(-first, sh);
         token = first < (float)v ? (int)first : 0;
     } else {
@@ -767,6 +853,7 @@ __device__ void sample_rows(const typename T::S* x, long xo, long ld, const floa
         int per = (v + nt - 1) / nt, a = tid * per, b = a + per < v ? a + per : v;
         float mine = 0.0f;
         int last = -1;
+#pragma unroll 4
         for (int j = a; j < b; ++j) {
             float w = W(j);
             mine += w;
@@ -810,10 +897,10 @@ __device__ void sample_rows(const typename T::S* x, long xo, long ld, const floa
 }
 
 #define SAMPLE_KERNEL(T, N)                                                                  \
-    extern "C" __global__ void sample_rows_##N(const T::S* x, long xo, long ld,             \
-                                               const float* bias, const float* seen,         \
-                                               const float* stop, const float* su,           \
-                                               float* out, unsigned* ids, SampleParams p) {  \
+    extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)                             \
+        sample_rows_##N(const T::S* x, long xo, long ld, const float* bias,                  \
+                        const float* seen, const float* stop, const float* su, float* out,   \
+                        unsigned* ids, SampleParams p) {                                     \
         sample_rows<T>(x, xo, ld, bias, seen, stop, su, out, ids, p);                        \
     }
 SAMPLE_KERNEL(F32, f32)

@@ -19,6 +19,7 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static
 #define GPU_NEG_INF (-INFINITY)
 #define GPU_DYNAMIC_SHARED(name) float* name = emu_dynamic_shared.data()

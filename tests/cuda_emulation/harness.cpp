@@ -158,7 +158,7 @@ static int run(const std::string& op, char** a, K k) {
         auto bias = read_f32(1), seen = read_f32(2), stop = read_f32(3), su = read_f32(4);
         std::vector<float> out(2 * n);
         std::vector<unsigned> ids(n);
-        emu_launch(k.sample, (unsigned)n, 256, 0, x.data(), 0L, ld, bias.data(), seen.data(),
+        emu_launch(k.sample, (unsigned)n, SAMPLE_THREADS, 0, x.data(), 0L, ld, bias.data(), seen.data(),
                    stop.data(), su.data(), out.data(), ids.data(), p);
         for (long r = 0; r < n; ++r)
             if ((float)ids[r] != out[2 * r]) {

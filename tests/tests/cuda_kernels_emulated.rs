@@ -678,8 +678,12 @@ fn silu_mul_of_packed_rows_matches_the_composition() {
 
 #[test]
 fn add_rms_norm_matches_the_composition() {
-    let (rows, h, eps) = (5, 300, 1e-5);
-    for (name, dt, tol) in DTYPES {
+    // h = 300: the row in registers; 2,100: above what a block's registers hold (the loop).
+    let (rows, eps) = (5, 1e-5);
+    for (h, (name, dt, tol)) in [300usize, 2100]
+        .into_iter()
+        .flat_map(|h| DTYPES.into_iter().map(move |d| (h, d)))
+    {
         let x = randn(&[rows, h], dt, 15);
         let r = randn(&[rows, h], dt, 16);
         let w = randn(&[h], dt, 17);
@@ -694,6 +698,16 @@ fn add_rms_norm_matches_the_composition() {
             gy,
             &flat(&y),
             tol * 2.0,
+        );
+        // The normed half is, to the bit, the RMSNorm kernel's of the stored sum.
+        let sum = Tensor::from_vec(gs.to_vec(), (rows, h), &Device::Cpu).unwrap();
+        let normed = run("rms_fwd", name, &[s(rows), s(h), s(eps)], &[&sum, &w]).unwrap();
+        assert!(
+            normed
+                .iter()
+                .zip(gy)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "add_rms_norm {name}, h {h}: not the RMSNorm kernel's bits"
         );
     }
 }
@@ -815,9 +829,11 @@ fn log_softmax_gather_and_entropy_match_the_composition() {
 fn sampling_matches_the_device_sampler() {
     use grpo_rollout::SamplingParams;
     use grpo_rollout::sample::DeviceSampler;
-    // 5 rows over a vocabulary of 300 in rows of 320 (the logits' own width may exceed it);
-    // sharp and flat rows; every filter alone and together, penalties, suppression, greedy.
-    let (n, v, ld) = (5usize, 300usize, 320usize);
+    // 5 rows over a vocabulary of 300 in rows of 320 (the logits' own width may exceed it), and
+    // of 2,600 (more than a block's threads: every thread's passes loop, its segment of the
+    // draw is several tokens long); sharp and flat rows; every filter alone and together,
+    // penalties, suppression, greedy.
+    let n = 5usize;
     let base = SamplingParams::default();
     let cases: Vec<(&str, SamplingParams)> = vec![
         ("plain", base.clone()),
@@ -884,79 +900,82 @@ fn sampling_matches_the_device_sampler() {
     let stop_ids = [2u32, 11];
     let prompts: Vec<Vec<u32>> = (0..n as u32).map(|r| vec![r, 5 + r, 40, 41]).collect();
     let prompt_refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-    for (name, dt, _) in DTYPES {
-        // Row r's logits scaled by r + 0.5: from flat to sharp.
-        let scale: Vec<f32> = (0..n).flat_map(|r| vec![r as f32 + 0.5; ld]).collect();
-        let scale = Tensor::from_vec(scale, (n, ld), &Device::Cpu).unwrap();
-        let x = (randn(&[n, ld], dt, 30) * scale).unwrap();
-        let x = x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
-        let u: Vec<f32> = (0..n).map(|r| (r as f32 * 0.37 + 0.11).fract()).collect();
-        let suppress = [true, false, true, false, true];
-        for (case, params) in &cases {
-            let mut sampler =
-                DeviceSampler::new(params, v, &stop_ids, &prompt_refs, &Device::Cpu).unwrap();
-            let (_, want) = sampler.step(&x, &u, &suppress).unwrap();
-            // The kernel's inputs, as the sampler holds them.
-            let mut bias = vec![0f32; v];
-            for &(id, b) in &params.logit_bias {
-                bias[id as usize] += b;
-            }
-            let mut seen = vec![0f32; n * v];
-            for (r, p) in prompts.iter().enumerate() {
-                for &t in p {
-                    seen[r * v + t as usize] = 1.0;
+    for (v, ld) in [(300usize, 320usize), (2600, 2608)] {
+        for (name, dt, _) in DTYPES {
+            // Row r's logits scaled by r + 0.5: from flat to sharp.
+            let scale: Vec<f32> = (0..n).flat_map(|r| vec![r as f32 + 0.5; ld]).collect();
+            let scale = Tensor::from_vec(scale, (n, ld), &Device::Cpu).unwrap();
+            let x = (randn(&[n, ld], dt, 30) * scale).unwrap();
+            let x = x.to_dtype(dt).unwrap().to_dtype(DType::F32).unwrap();
+            let u: Vec<f32> = (0..n).map(|r| (r as f32 * 0.37 + 0.11).fract()).collect();
+            let suppress = [true, false, true, false, true];
+            for (case, params) in &cases {
+                let mut sampler =
+                    DeviceSampler::new(params, v, &stop_ids, &prompt_refs, &Device::Cpu).unwrap();
+                let (_, want) = sampler.step(&x, &u, &suppress).unwrap();
+                // The kernel's inputs, as the sampler holds them.
+                let mut bias = vec![0f32; v];
+                for &(id, b) in &params.logit_bias {
+                    bias[id as usize] += b;
                 }
-            }
-            let mut stop = vec![0f32; v];
-            for &t in &stop_ids {
-                stop[t as usize] = 1.0;
-            }
-            let su: Vec<f32> = (0..n)
-                .flat_map(|r| [f32::from(u8::from(suppress[r])), u[r]])
-                .collect();
-            let t = if params.temperature > 0.0 {
-                params.temperature
-            } else {
-                1.0
-            };
-            let args = [
-                s(n),
-                s(v),
-                s(ld),
-                s(t),
-                s(params.repetition_penalty),
-                s(params.top_p),
-                s(params.min_p),
-                s(u8::from(params.temperature == 0.0)),
-                s(params.top_k),
-                s(u8::from(!params.logit_bias.is_empty())),
-                s(u8::from(params.repetition_penalty != 1.0)),
-                s(u8::from(params.min_new_tokens > 0)),
-            ];
-            let t =
-                |v: Vec<f32>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
-            let inputs = [
-                &x,
-                &t(bias, &[v]),
-                &t(seen, &[n, v]),
-                &t(stop, &[v]),
-                &t(su, &[n, 2]),
-            ];
-            let Some(got) = run("sample", name, &args, &inputs) else {
-                return;
-            };
-            for (r, (tok, lp, _)) in want.iter().enumerate() {
-                assert_eq!(
-                    got[2 * r] as u32,
-                    *tok,
-                    "{case}, {name}, row {r}: the kernel drew {} where the sampler drew {tok}",
-                    got[2 * r]
-                );
-                assert!(
-                    (got[2 * r + 1] - lp).abs() <= 2e-5 * (1.0 + lp.abs()),
-                    "{case}, {name}, row {r}: recorded log-prob {} against {lp}",
-                    got[2 * r + 1]
-                );
+                let mut seen = vec![0f32; n * v];
+                for (r, p) in prompts.iter().enumerate() {
+                    for &t in p {
+                        seen[r * v + t as usize] = 1.0;
+                    }
+                }
+                let mut stop = vec![0f32; v];
+                for &t in &stop_ids {
+                    stop[t as usize] = 1.0;
+                }
+                let su: Vec<f32> = (0..n)
+                    .flat_map(|r| [f32::from(u8::from(suppress[r])), u[r]])
+                    .collect();
+                let t = if params.temperature > 0.0 {
+                    params.temperature
+                } else {
+                    1.0
+                };
+                let args = [
+                    s(n),
+                    s(v),
+                    s(ld),
+                    s(t),
+                    s(params.repetition_penalty),
+                    s(params.top_p),
+                    s(params.min_p),
+                    s(u8::from(params.temperature == 0.0)),
+                    s(params.top_k),
+                    s(u8::from(!params.logit_bias.is_empty())),
+                    s(u8::from(params.repetition_penalty != 1.0)),
+                    s(u8::from(params.min_new_tokens > 0)),
+                ];
+                let t = |v: Vec<f32>, shape: &[usize]| {
+                    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+                };
+                let inputs = [
+                    &x,
+                    &t(bias, &[v]),
+                    &t(seen, &[n, v]),
+                    &t(stop, &[v]),
+                    &t(su, &[n, 2]),
+                ];
+                let Some(got) = run("sample", name, &args, &inputs) else {
+                    return;
+                };
+                for (r, (tok, lp, _)) in want.iter().enumerate() {
+                    assert_eq!(
+                        got[2 * r] as u32,
+                        *tok,
+                        "{case}, {name}, vocabulary {v}, row {r}: the kernel drew {} where the sampler drew {tok}",
+                        got[2 * r]
+                    );
+                    assert!(
+                        (got[2 * r + 1] - lp).abs() <= 2e-5 * (1.0 + lp.abs()),
+                        "{case}, {name}, row {r}: recorded log-prob {} against {lp}",
+                        got[2 * r + 1]
+                    );
+                }
             }
         }
     }
