@@ -30,6 +30,10 @@ __device__ void rms_fwd(const typename T::S* x, long xo, const typename T::S* w,
     rms_row<T>(x + xo + r * h, w + wo, y + r * h, h, eps, sh);
 }
 
+// Elements of a row a thread keeps in registers (`rms_bwd`, `add_rms_fwd`): rows up to
+// ROW_REGS × the block's threads take one round of loads.
+#define ROW_REGS 8
+
 // Backward, rows split over the grid: dx (rows · h, into out[0..]) and one f32 partial of dw
 // per block (`partial` is gridDim.x × h), summed in block order by `col_sum`.
 // xhat = x·inv; dx = inv · (g·w − xhat · mean(g·w·xhat)); dw = Σ_rows g·xhat.
@@ -39,8 +43,69 @@ __device__ void rms_bwd(const typename T::S* x, long xo, const typename T::S* w,
                         int rows, int h, float eps) {
     __shared__ float sh[33];
     GPU_DYNAMIC_SHARED(pw);  // h floats
-    for (int i = threadIdx.x; i < h; i += blockDim.x) pw[i] = 0.0f;
     const typename T::S* wr = w + wo;
+    int tid = threadIdx.x, nt = blockDim.x;
+    if (h <= ROW_REGS * nt) {
+        // Rows that fit in registers: w and the dw partial held for the whole walk, each row's
+        // x and g loaded once, the next row's loads issued before this row's reductions (the
+        // kernel's time is otherwise its chain of memory latencies); the loop's arithmetic in
+        // the loop's order below: the same bits.
+        float wv[ROW_REGS], pr[ROW_REGS];
+        typename T::S xa[ROW_REGS], ga[ROW_REGS], xn[ROW_REGS], gn[ROW_REGS];
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            wv[k] = i < h ? T::ld(wr[i]) : 0.0f;
+            pr[k] = 0.0f;
+        }
+        auto load = [&](typename T::S* xd, typename T::S* gd, int r) {
+#pragma unroll
+            for (int k = 0; k < ROW_REGS; ++k) {
+                int i = tid + k * nt;
+                if (r < rows && i < h) {
+                    xd[k] = x[xo + (long)r * h + i];
+                    gd[k] = g[go + (long)r * h + i];
+                }
+            }
+        };
+        load(xa, ga, blockIdx.x);
+        for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+            load(xn, gn, r + gridDim.x);
+            float ss = 0.0f;
+#pragma unroll
+            for (int k = 0; k < ROW_REGS; ++k) {
+                if (tid + k * nt < h) {
+                    float v = T::ld(xa[k]);
+                    ss += v * v;
+                }
+            }
+            ss = block_sum(ss, sh);
+            float inv = 1.0f / sqrtf(ss / (float)h + eps);
+            float dot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < ROW_REGS; ++k)
+                if (tid + k * nt < h) dot += T::ld(ga[k]) * wv[k] * T::ld(xa[k]) * inv;
+            float mean = block_sum(dot, sh) / (float)h;
+#pragma unroll
+            for (int k = 0; k < ROW_REGS; ++k) {
+                int i = tid + k * nt;
+                if (i < h) {
+                    float xh = T::ld(xa[k]) * inv, gv = T::ld(ga[k]);
+                    pr[k] += gv * xh;
+                    dx[(long)r * h + i] = T::st(inv * (gv * wv[k] - xh * mean));
+                }
+                xa[k] = xn[k];
+                ga[k] = gn[k];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            if (i < h) partial[(long)blockIdx.x * h + i] = pr[k];
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < h; i += blockDim.x) pw[i] = 0.0f;
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const typename T::S* xr = x + xo + (long)r * h;
         const typename T::S* gr = g + go + (long)r * h;
@@ -74,10 +139,6 @@ __device__ void col_sum(const float* partial, int blocks, int cols, typename T::
     for (int b = 0; b < blocks; ++b) s += partial[(long)b * cols + c];
     out[oo + c] = T::st(s);
 }
-
-// Elements of a row a thread keeps in registers (`add_rms_fwd`): rows up to ROW_REGS × the
-// block's threads take one round of loads.
-#define ROW_REGS 8
 
 // Residual add fused with the RMSNorm that follows it (inference: decoding, frozen passes).
 // One block per row of `h`: s = T(x + r), y = T(T(s · inv) · w); out = [s (n), y (n)]. A row

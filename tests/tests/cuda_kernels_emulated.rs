@@ -140,9 +140,13 @@ fn s(v: impl ToString) -> String {
 #[test]
 fn rms_norm_forward_and_backward_match_the_composition() {
     // h = 300: a partial last warp; 7 rows over 3 blocks in the backward (several rows per
-    // block, a block with fewer rows).
-    let (rows, h, eps) = (7, 300, 1e-6);
-    for (name, dt, tol) in DTYPES {
+    // block, a block with fewer rows). h = 2,100: rows above what the backward holds in
+    // registers (its loop over the row).
+    let (rows, eps) = (7, 1e-6);
+    for (h, (name, dt, tol)) in [300usize, 2100]
+        .into_iter()
+        .flat_map(|h| DTYPES.into_iter().map(move |d| (h, d)))
+    {
         let x = randn(&[rows, h], dt, 1);
         let w = randn(&[h], dt, 2);
         let g = randn(&[rows, h], dt, 3);
