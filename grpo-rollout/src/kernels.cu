@@ -7,9 +7,42 @@
 // A block normalises one row of `h`: y = T(T(x · inv) · w), inv = 1 / sqrt(mean(x²) + eps) —
 // the composition's two roundings to the storage type. Each thread reads only the elements it
 // would write (so a row the same threads just wrote needs no barrier).
+// Elements of a row a thread keeps in registers (`rms_row`, `rms_bwd`, `add_rms_fwd`): rows up
+// to ROW_REGS × the block's threads take one round of loads, every load issued before the first
+// use, with the loop's arithmetic in the loop's order (the same bits).
+#define ROW_REGS 8
+
 template <typename T>
 __device__ void rms_row(const typename T::S* xr, const typename T::S* wr, typename T::S* yr,
                         int h, float eps, float* sh) {
+    int tid = threadIdx.x, nt = blockDim.x;
+    if (h <= ROW_REGS * nt) {
+        typename T::S xa[ROW_REGS], wa[ROW_REGS];
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            if (i < h) {
+                xa[k] = xr[i];
+                wa[k] = wr[i];
+            }
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            if (tid + k * nt < h) {
+                float v = T::ld(xa[k]);
+                ss += v * v;
+            }
+        }
+        ss = block_sum(ss, sh);
+        float inv = 1.0f / sqrtf(ss / (float)h + eps);
+#pragma unroll
+        for (int k = 0; k < ROW_REGS; ++k) {
+            int i = tid + k * nt;
+            if (i < h) yr[i] = T::st(T::ld(T::st(T::ld(xa[k]) * inv)) * T::ld(wa[k]));
+        }
+        return;
+    }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < h; i += blockDim.x) {
         float v = T::ld(xr[i]);
@@ -29,10 +62,6 @@ __device__ void rms_fwd(const typename T::S* x, long xo, const typename T::S* w,
     long r = blockIdx.x;
     rms_row<T>(x + xo + r * h, w + wo, y + r * h, h, eps, sh);
 }
-
-// Elements of a row a thread keeps in registers (`rms_bwd`, `add_rms_fwd`): rows up to
-// ROW_REGS × the block's threads take one round of loads.
-#define ROW_REGS 8
 
 // Backward, rows split over the grid: dx (rows · h, into out[0..]) and one f32 partial of dw
 // per block (`partial` is gridDim.x × h), summed in block order by `col_sum`.
@@ -142,9 +171,8 @@ __device__ void col_sum(const float* partial, int blocks, int cols, typename T::
 
 // Residual add fused with the RMSNorm that follows it (inference: decoding, frozen passes).
 // One block per row of `h`: s = T(x + r), y = T(T(s · inv) · w); out = [s (n), y (n)]. A row
-// that fits is read once into registers, every load issued before the first use (a decode
-// step's rows are few: the kernel's time is its chain of memory latencies), with rms_row's
-// arithmetic in rms_row's order: the same bits.
+// that fits is read once into registers (a decode step's rows are few: the kernel's time is
+// its chain of memory latencies), with rms_row's arithmetic: the same bits.
 template <typename T>
 __device__ void add_rms_fwd(const typename T::S* x, long xo, const typename T::S* r, long ro,
                             const typename T::S* w, long wo, typename T::S* out, long n, int h,
