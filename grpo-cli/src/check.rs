@@ -201,6 +201,10 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         "gradient checkpointing vs plain backward".into(),
         checkpoint_check(&dev.model, &rows_ids).map(|d| (d, tol)),
     );
+    push(
+        "layer blocks (taped where every op records) vs plain backward".into(),
+        taped_check(&dev.model, &rows_ids).map(|d| (d, tol)),
+    );
     // A model with head dimension 64 over rows longer than a decode pass: on CUDA in bf16/f16
     // its attention runs the flash kernels (causal), in the frozen pass and with a graph.
     let wide = dir.join("hd64");
@@ -243,6 +247,10 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     push(
         "gradient checkpointing vs plain backward, head dim 64 over 100 positions".into(),
         checkpoint_check(&wide_dev.model, &long_rows).map(|d| (d, tol)),
+    );
+    push(
+        "layer blocks vs plain backward, head dim 64 over 100 positions".into(),
+        taped_check(&wide_dev.model, &long_rows).map(|d| (d, tol)),
     );
     // On-policy distillation: the head-dim-64 model teaches the check model (same vocabulary).
     push(
@@ -576,10 +584,32 @@ fn packed_check(m: &Transformer, a: &[u32], b: &[u32]) -> Result<f64> {
 }
 
 fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
-    let grads = |ckpt: bool| -> Result<Vec<Tensor>> {
+    blocks_check(base, rows, true)
+}
+
+/// Like [`checkpoint_check`] for layer blocks without recomputation
+/// (`Transformer::enable_layer_segments`: taped blocks where every op of a layer records, as
+/// on a GPU's bf16/f16 path; segments elsewhere on the CPU). Fails when a layer that should
+/// record fell back.
+fn taped_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
+    let before = grpo_core::recompute::tape_fallbacks();
+    let d = blocks_check(base, rows, false)?;
+    anyhow::ensure!(
+        grpo_core::recompute::tape_fallbacks() == before,
+        "a decoder layer's tape was incomplete (it ran as a segment)"
+    );
+    Ok(d)
+}
+
+/// The largest gradient difference between a plain backward and one through layer blocks
+/// (recomputed with `ckpt`, else taped or segments).
+fn blocks_check(base: &Transformer, rows: &[Vec<u32>], ckpt: bool) -> Result<f64> {
+    let grads = |blocks: bool| -> Result<Vec<Tensor>> {
         let mut tm = TrainableModel::full(base)?;
-        if ckpt {
+        if blocks && ckpt {
             tm.model.enable_gradient_checkpointing();
+        } else if blocks {
+            tm.model.enable_layer_segments();
         }
         let g = tm.model.backward(&nll(&tm.model, rows)?)?;
         tm.vars

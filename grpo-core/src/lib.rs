@@ -87,6 +87,8 @@ pub mod recompute;
 pub mod selfcheck;
 #[cfg(feature = "serde")]
 mod serde_names;
+#[cfg(feature = "candle")]
+pub mod tape;
 
 pub use advantages::{
     ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages,

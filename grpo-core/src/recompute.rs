@@ -110,6 +110,17 @@ enum Backward {
     Explicit(Arc<BackwardFn>),
     /// The graph built in the forward, kept by the node ([`Recompute::segment`]).
     Retained,
+    /// The ops recorded on a tape in the forward, kept by the node ([`Recompute::taped`]); a
+    /// block whose tape broke keeps its graph instead, as a segment.
+    Taped,
+}
+
+static TAPE_FALLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many [`Recompute::taped`] blocks in the process fell back to a segment because an op
+/// inside them did not record (each once told on stderr with the reason, the first time).
+pub fn tape_fallbacks() -> usize {
+    TAPE_FALLBACKS.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// Segments whose graph is alive (built by a forward, not yet differentiated or dropped).
@@ -155,16 +166,18 @@ fn timed<T>(bwd: bool, device: &candle_core::Device, f: impl FnOnce() -> Result<
     Ok(out)
 }
 
-/// A segment's graph: the leaves its inputs became and its tracked output.
+/// A segment's graph: the leaves its inputs became and its tracked output — or, for a taped
+/// block, its output and tape.
 struct Local {
     leaves: Vec<Tensor>,
     y: Tensor,
+    tape: Option<crate::tape::Tape>,
 }
 
 impl Local {
-    fn new(leaves: Vec<Tensor>, y: Tensor) -> Self {
+    fn new(leaves: Vec<Tensor>, y: Tensor, tape: Option<crate::tape::Tape>) -> Self {
         LIVE_SEGMENTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Self { leaves, y }
+        Self { leaves, y, tape }
     }
 }
 
@@ -238,9 +251,26 @@ impl Recompute {
         }
     }
 
+    /// [`Recompute::segment`] whose forward records its ops on a tape ([`crate::tape`]) instead
+    /// of building a graph: its backward walks the tape (no zeroed buffer and add per graph
+    /// edge, no copy of each op's output). Every op inside must record (the fused ops do); if
+    /// one does not, the block says so once on stderr and runs as a segment.
+    pub fn taped(
+        name: &'static str,
+        forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            forward: Arc::new(forward),
+            backward: Backward::Taped,
+            params: Vec::new(),
+            sink: None,
+        }
+    }
+
     /// Trainable weights (candle `Var`s) that `forward` uses when its flag is true: their
     /// gradients from the recomputation (or the segment's graph) go to `sink`. For
-    /// [`Recompute::new`] and [`Recompute::segment`].
+    /// [`Recompute::new`], [`Recompute::segment`] and [`Recompute::taped`].
     pub fn with_params(mut self, params: Vec<Tensor>, sink: Arc<GradSink>) -> Self {
         self.params = params;
         self.sink = Some(sink);
@@ -250,12 +280,57 @@ impl Recompute {
     /// Runs the op on up to three inputs. Without a tracked input or a trainable weight the
     /// plain result is returned (no node, no copy).
     pub fn apply(self, args: &[&Tensor]) -> Result<Tensor> {
+        if crate::tape::recording() && self.params.is_empty() {
+            // Inside a taped block: this op records itself instead of becoming a node.
+            let fwd = self.forward.clone();
+            let back: Option<Arc<crate::tape::TapeBackward>> = match &self.backward {
+                Backward::Explicit(f) => {
+                    let f = f.clone();
+                    Some(Arc::new(move |x, _, _, g| f(x, g)))
+                }
+                Backward::Recompute => {
+                    let f = fwd.clone();
+                    Some(Arc::new(move |x, needs, _, g| {
+                        recompute_grads(&*f, x, needs, g)
+                    }))
+                }
+                _ => None,
+            };
+            if let Some(back) = back
+                && let Some(y) = crate::tape::taped(args, |d| fwd(d, false), back)?
+            {
+                return Ok(y);
+            }
+        }
         let tracked = args.iter().any(|a| a.track_op());
         let (y, local) = match self.backward {
+            Backward::Taped if tracked || !self.params.is_empty() => {
+                let leaves = leaves(args)?;
+                let mut start: Vec<&Tensor> = leaves.iter().filter(|l| l.is_variable()).collect();
+                start.extend(self.params.iter());
+                let (y, tape) = timed(false, args[0].device(), || {
+                    crate::tape::record(&start, || (self.forward)(&leaves, true))
+                })?;
+                match tape.broken(&y) {
+                    None => (y.clone(), Some(Local::new(leaves, y, Some(tape)))),
+                    Some(why) => {
+                        if TAPE_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                            eprintln!(
+                                "{}: runs as a segment (its ops' tape is incomplete: {why})",
+                                self.name
+                            );
+                        }
+                        drop((y, tape));
+                        let leaves = self::leaves(args)?;
+                        let y = timed(false, args[0].device(), || (self.forward)(&leaves, true))?;
+                        (y.detach(), Some(Local::new(leaves, y, None)))
+                    }
+                }
+            }
             Backward::Retained if tracked || !self.params.is_empty() => {
                 let leaves = leaves(args)?;
                 let y = timed(false, args[0].device(), || (self.forward)(&leaves, true))?;
-                (y.detach(), Some(Local::new(leaves, y)))
+                (y.detach(), Some(Local::new(leaves, y, None)))
             }
             _ => {
                 let detached: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
@@ -344,6 +419,36 @@ impl CustomOp1 for Seed {
     }
 }
 
+/// A recomputed op's input gradients on a tape ([`crate::tape`]): `forward` run again on
+/// leaves (variables where `needs`) under a local graph, differentiated with `grad`.
+fn recompute_grads(
+    forward: &ForwardFn,
+    inputs: &[Tensor],
+    needs: &[bool],
+    grad: &Tensor,
+) -> Result<Vec<Option<Tensor>>> {
+    let leaves = inputs
+        .iter()
+        .zip(needs)
+        .map(|(t, n)| {
+            if *n {
+                Ok(Var::from_tensor(t)?.into_inner())
+            } else {
+                Ok(t.clone())
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let was = IN_RECOMPUTE.with(|c| c.replace(true));
+    let grads = (forward)(&leaves, true).and_then(|y| seeded_backward(&y, grad));
+    IN_RECOMPUTE.with(|c| c.set(was));
+    let grads = grads?;
+    Ok(leaves
+        .iter()
+        .zip(needs)
+        .map(|(l, n)| if *n { grads.get(l).cloned() } else { None })
+        .collect())
+}
+
 /// Fresh leaves for a local graph: a variable for each tracked input, the detached tensor for
 /// the others (both share the input's storage).
 fn leaves(args: &[&Tensor]) -> Result<Vec<Tensor>> {
@@ -395,7 +500,7 @@ impl Node {
         let mut out = match &self.op.backward {
             Backward::Explicit(f) => f(&detached, grad)?,
             Backward::Recompute => self.recompute(args, grad)?,
-            Backward::Retained => self.differentiate_segment(args, grad)?,
+            Backward::Retained | Backward::Taped => self.differentiate_segment(args, grad)?,
         };
         for (g, a) in out.iter_mut().zip(args) {
             if !a.track_op() {
@@ -415,7 +520,8 @@ impl Node {
         };
         let grads = run();
         IN_RECOMPUTE.with(|c| c.set(was));
-        self.collect(args, &leaves, grads?)
+        let grads = grads?;
+        self.collect(args, &leaves, |t| grads.get(t).cloned())
     }
 
     /// A segment's backward: its kept graph differentiated with `grad`, then dropped (its
@@ -437,11 +543,17 @@ impl Node {
                     self.op.name
                 ))
             })?;
-        let Local { leaves, y } = &local;
-        let grads = timed(true, y.device(), || seeded_backward(y, grad))?;
-        let leaves = leaves.clone();
+        let mut local = local;
+        let leaves = std::mem::take(&mut local.leaves);
+        if let Some(tape) = local.tape.take() {
+            let y = local.y.clone();
+            drop(local);
+            let mut grads = timed(true, y.device(), || tape.backward(&y, grad))?;
+            return self.collect(args, &leaves, |t| grads.remove(&t.id()));
+        }
+        let grads = timed(true, local.y.device(), || seeded_backward(&local.y, grad))?;
         drop(local);
-        self.collect(args, &leaves, grads)
+        self.collect(args, &leaves, |t| grads.get(t).cloned())
     }
 
     /// The weights' gradients to the sink; the tracked inputs' gradients, in input order.
@@ -449,25 +561,19 @@ impl Node {
         &self,
         args: &[&Tensor],
         leaves: &[Tensor],
-        grads: GradStore,
+        mut grads: impl FnMut(&Tensor) -> Option<Tensor>,
     ) -> Result<Vec<Option<Tensor>>> {
         if let Some(sink) = &self.op.sink {
             for p in &self.op.params {
-                if let Some(g) = grads.get(p) {
-                    sink.push(p.clone(), g.clone())?;
+                if let Some(g) = grads(p) {
+                    sink.push(p.clone(), g)?;
                 }
             }
         }
         Ok(leaves
             .iter()
             .zip(args)
-            .map(|(l, a)| {
-                if a.track_op() {
-                    grads.get(l).cloned()
-                } else {
-                    None
-                }
-            })
+            .map(|(l, a)| if a.track_op() { grads(l) } else { None })
             .collect())
     }
 }

@@ -402,5 +402,5 @@ pub fn attention(
     scale: f64,
     causal: bool,
 ) -> Result<Tensor> {
-    q.apply_op3(k, v, FlashAttention::new(bias, scale, causal)?)
+    grpo_core::tape::apply_op3(q, k, v, FlashAttention::new(bias, scale, causal)?)
 }

@@ -18,6 +18,7 @@ use grpo_core::fused::{
     Float, Path, REDUCE_BLOCK_ROWS, applies, cst, enabled, fmax, min_rows, path, slice,
 };
 use grpo_core::recompute::Recompute;
+use grpo_core::tape;
 use rayon::prelude::*;
 
 /// [`path`], except that on a CUDA device whose kernels are available ([`crate::cuda`]) the
@@ -124,9 +125,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         p => p,
     };
     match p {
-        Path::Kernel if x.dtype() == w.dtype() => x
-            .contiguous()?
-            .apply_op2(&w.contiguous()?, RmsNormOp { eps }),
+        Path::Kernel if x.dtype() == w.dtype() => {
+            tape::apply_op2(&x.contiguous()?, &w.contiguous()?, RmsNormOp { eps })
+        }
         Path::Recompute => {
             Recompute::new("rms_norm", move |a, _| rms_norm_composed(&a[0], &a[1], eps))
                 .apply(&[x, w])
@@ -271,7 +272,7 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        if !x.track_op() && !w.track_op() {
+        if !tape::needs_grad(x) && !tape::needs_grad(w) {
             return Ok((None, None));
         }
         let flat = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormBwd { eps: self.eps })?;
@@ -279,7 +280,10 @@ impl CustomOp2 for RmsNormOp {
         let dx = flat.narrow(0, 0, n)?.reshape(x.shape())?;
         let dw = flat.narrow(0, n, w.elem_count())?.reshape(w.shape())?;
         // Only inputs in the graph get a gradient (a frozen weight must not).
-        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)))
+        Ok((
+            tape::needs_grad(x).then_some(dx),
+            tape::needs_grad(w).then_some(dw),
+        ))
     }
 }
 
@@ -315,7 +319,7 @@ impl CustomOp3 for RmsNormBwd {
 /// dtype or device, the add and [`rms_norm`].
 pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     let h = x.dims().last().copied().unwrap_or(1);
-    let tracked = x.track_op() || r.track_op() || w.track_op();
+    let tracked = tape::needs_grad(x) || tape::needs_grad(r) || tape::needs_grad(w);
     let fits = x.dtype() == r.dtype()
         && x.dtype() == w.dtype()
         && x.dims() == r.dims()
@@ -783,13 +787,12 @@ impl candle_core::InplaceOp2 for KvWriteOp {
 /// `(B, H, L, D)`, contiguous.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     match route("rope", x) {
-        Path::Kernel if x.dtype() == cos.dtype() && x.dtype() == sin.dtype() => {
-            x.contiguous()?.apply_op3(
-                &cos.contiguous()?,
-                &sin.contiguous()?,
-                RopeOp { inverse: false },
-            )
-        }
+        Path::Kernel if x.dtype() == cos.dtype() && x.dtype() == sin.dtype() => tape::apply_op3(
+            &x.contiguous()?,
+            &cos.contiguous()?,
+            &sin.contiguous()?,
+            RopeOp { inverse: false },
+        ),
         Path::Recompute => {
             let (cos, sin) = (cos.detach(), sin.detach());
             Recompute::new("rope", move |a, _| rope_composed(&a[0], &cos, &sin)).apply(&[x])
@@ -899,7 +902,7 @@ impl CustomOp3 for RopeOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        if !x.track_op() {
+        if !tape::needs_grad(x) {
             return Ok((None, None, None));
         }
         let dx = grad.contiguous()?.apply_op3_no_bwd(
@@ -919,7 +922,7 @@ impl CustomOp3 for RopeOp {
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     match route("silu_mul", gate) {
         Path::Kernel if gate.dtype() == up.dtype() && gate.dims() == up.dims() => {
-            gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMulOp)
+            tape::apply_op2(&gate.contiguous()?, &up.contiguous()?, SiluMulOp)
         }
         Path::Recompute => {
             Recompute::new("silu_mul", |a, _| silu_mul_composed(&a[0], &a[1])).apply(&[gate, up])
@@ -938,7 +941,7 @@ pub fn silu_mul_composed(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// [`silu_mul`] of the two halves.
 pub fn silu_mul_packed(gu: &Tensor) -> Result<Tensor> {
     let (_, cols) = packed_halves(gu.layout())?;
-    if !gu.track_op() && route("silu_mul", gu) == Path::Kernel {
+    if !tape::needs_grad(gu) && route("silu_mul", gu) == Path::Kernel {
         return gu.contiguous()?.apply_op1_no_bwd(&SiluMulPacked);
     }
     silu_mul(&gu.narrow(1, 0, cols)?, &gu.narrow(1, cols, cols)?)
@@ -1068,14 +1071,17 @@ impl CustomOp2 for SiluMulOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        if !a.track_op() && !u.track_op() {
+        if !tape::needs_grad(a) && !tape::needs_grad(u) {
             return Ok((None, None));
         }
         let flat = a.apply_op3_no_bwd(u, &grad.contiguous()?, &SiluMulBwd)?;
         let n = a.elem_count();
         let da = flat.narrow(0, 0, n)?.reshape(a.shape())?;
         let du = flat.narrow(0, n, n)?.reshape(u.shape())?;
-        Ok((a.track_op().then_some(da), u.track_op().then_some(du)))
+        Ok((
+            tape::needs_grad(a).then_some(da),
+            tape::needs_grad(u).then_some(du),
+        ))
     }
 }
 
@@ -1105,9 +1111,11 @@ impl CustomOp3 for SiluMulBwd {
 /// `(B, H, L, S)`, `bias` `(B, 1, L, S)` (the additive causal + padding mask, no gradient).
 pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     match route("attention_softmax", scores) {
-        Path::Kernel if scores.dtype() == bias.dtype() => scores
-            .contiguous()?
-            .apply_op2(&bias.contiguous()?, SoftmaxOp { scale }),
+        Path::Kernel if scores.dtype() == bias.dtype() => tape::apply_op2(
+            &scores.contiguous()?,
+            &bias.contiguous()?,
+            SoftmaxOp { scale },
+        ),
         Path::Recompute => {
             let bias = bias.detach();
             Recompute::new("attention_softmax", move |a, _| {
@@ -1240,7 +1248,7 @@ impl CustomOp2 for SoftmaxOp {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        if !x.track_op() {
+        if !tape::needs_grad(x) {
             return Ok((None, None));
         }
         let d = res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBwd { scale: self.scale })?;
@@ -1318,7 +1326,7 @@ fn attention_with(
         // training take the flash kernels above where they apply (bf16 / f16, sm_80+), else
         // the recomputed composition, whose products run on cuBLAS.
         Path::Kernel if !q.device().is_cpu() => {
-            let tracked = q.track_op() || k.track_op() || v.track_op();
+            let tracked = tape::needs_grad(q) || tape::needs_grad(k) || tape::needs_grad(v);
             let (l, d) = (q.dim(2)?, q.dim(3)?);
             let unit = |t: &Tensor| t.rank() == 4 && t.stride()[3] == 1;
             if !tracked
@@ -1335,7 +1343,8 @@ fn attention_with(
         p => p,
     };
     match p {
-        Path::Kernel if same => q.contiguous()?.apply_op3(
+        Path::Kernel if same => tape::apply_op3(
+            &q.contiguous()?,
             k,
             v,
             AttentionOp {
@@ -1369,7 +1378,7 @@ fn flash(
     scale: f64,
     causal: bool,
 ) -> Result<Option<Tensor>> {
-    let tracked = q.track_op() || k.track_op() || v.track_op();
+    let tracked = tape::needs_grad(q) || tape::needs_grad(k) || tape::needs_grad(v);
     let long = tracked || q.dim(2)? > DEVICE_ATTENTION_ROWS;
     if long && crate::flash::takes(q, k, v, bias) && cuda_kernel("flash_attention", q) {
         return crate::flash::attention(q, k, v, bias, scale, causal).map(Some);
@@ -1985,7 +1994,7 @@ impl Slot {
             .iter()
             .map(|t| match t {
                 None => Slot::Absent,
-                Some(t) if t.track_op() => {
+                Some(t) if tape::needs_grad(t) => {
                     inputs.push(*t);
                     Slot::In(inputs.len() - 1)
                 }
@@ -2024,7 +2033,7 @@ pub fn affine(
 ) -> Result<Option<Tensor>> {
     // Where the CPU kernels run (CPU f32/f64) candle's product and add are kept: the node's
     // output copy cost ≈ 3 % of a CPU step there (measured), and a GPU is where memory counts.
-    let nothing = res.is_none() && b.is_none() && !w.track_op();
+    let nothing = res.is_none() && b.is_none() && !tape::needs_grad(w);
     if nothing || x.rank() != 2 || path(x) != Path::Recompute {
         return Ok(None);
     }
@@ -2305,9 +2314,9 @@ pub(crate) fn rope_inverse(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Ten
 /// of a weight nobody asked for (as many products as the forward, and a weight-sized buffer
 /// per layer kept to the end of backward). Otherwise it is candle's matmul.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let frozen = x.track_op() && !w.track_op() && x.rank() == 2 && enabled();
+    let frozen = tape::needs_grad(x) && !tape::needs_grad(w) && x.rank() == 2 && enabled();
     if frozen && applies(x) && x.dtype() == w.dtype() {
-        x.contiguous()?.apply_op1(FrozenLinear { w: w.detach() })
+        tape::apply_op1(&x.contiguous()?, FrozenLinear { w: w.detach() })
     } else if frozen {
         // Every other device and dtype: candle's matmul forward, a backward of one product.
         let (wf, wb) = (w.detach(), w.detach());

@@ -546,6 +546,10 @@ impl Layer {
                     run(a)
                 }
             })
+        } else if prefix.is_none() && !collect && self.tapeable(x) {
+            // Every op records on a tape: the backward walks it (no zeroed buffer and add per
+            // graph edge, no copy per op).
+            Recompute::taped("decoder_layer", move |a, _| run(a))
         } else {
             // Run once: dropout draws as the plain forward's.
             Recompute::segment("decoder_layer", move |a, _| run(a))
@@ -566,6 +570,25 @@ impl Layer {
         let k = out.narrow(0, n * h, kv)?.reshape(shape)?;
         let v = out.narrow(0, n * h + kv, kv)?.reshape(shape)?;
         Ok((y, Some((k, v))))
+    }
+
+    /// Whether each op of this layer's training forward on `x` records on a tape
+    /// ([`grpo_core::tape`]): the graph-node path (off the CPU kernels' f32/f64 path, fused ops
+    /// on), no adapters, no per-head q/k norms, no MLP or output-projection biases — the path
+    /// of [`Self::projected_heads`], [`Self::mlp_nodes`] and `affine`.
+    pub fn tapeable(&self, x: &Tensor) -> bool {
+        grpo_core::fused::path(x) == grpo_core::fused::Path::Recompute
+            && self.q_norm.is_none()
+            && self.k_norm.is_none()
+            && self.linears().iter().all(|l| l.lora.is_none())
+            && [
+                &self.o_proj,
+                &self.gate_proj,
+                &self.up_proj,
+                &self.down_proj,
+            ]
+            .iter()
+            .all(|l| l.bias.is_none())
     }
 
     /// `pack` when `parts` are still its views.
@@ -873,17 +896,20 @@ enum Kv<'a> {
     Prefix(&'a [(Tensor, Tensor)]),
 }
 
-/// Whether trainers run a full fine-tune's decoder layers on `device` as segments
-/// ([`Transformer::enable_layer_segments`]): on the CPU, where they take 6 % off the learner's
-/// peak at the same speed; not on a GPU, where (an H100, 0.77B bf16, micro-batch 32 × 320
-/// positions) they raised the GRPO step's peak by 1.4 GB and doubled the learner's backward.
-/// `GRPO_LAYER_SEGMENTS=1` / `=0` turns them on / off on every device.
-pub fn layer_segments_wanted(device: &Device) -> bool {
-    match std::env::var("GRPO_LAYER_SEGMENTS").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
-        _ => device.is_cpu(),
-    }
+/// Whether trainers run a full fine-tune's decoder layers as blocks
+/// ([`Transformer::enable_layer_segments`]): yes unless `GRPO_LAYER_SEGMENTS=0`. A layer whose
+/// ops all record on a tape ([`Layer::tapeable`]) is a taped block everywhere; another one is a
+/// segment on the CPU (6 % off the learner's peak at the same speed) and no block on a GPU,
+/// where (an H100, 0.77B bf16, micro-batch 32 × 320 positions) segments raised the GRPO step's
+/// peak by 1.4 GB and doubled the learner's backward — unless `GRPO_LAYER_SEGMENTS=1`.
+pub fn layer_segments_wanted(_device: &Device) -> bool {
+    std::env::var("GRPO_LAYER_SEGMENTS").as_deref() != Ok("0")
+}
+
+/// Whether a layer that cannot be taped runs without a block on `device`
+/// ([`LayerBlocks::taped_only`]): on a GPU, unless `GRPO_LAYER_SEGMENTS=1`.
+fn taped_only_on(device: &Device) -> bool {
+    !device.is_cpu() && std::env::var("GRPO_LAYER_SEGMENTS").as_deref() != Ok("1")
 }
 
 /// How a training forward runs each decoder layer as one graph node
@@ -893,9 +919,12 @@ pub struct LayerBlocks {
     /// Where the layers' weight gradients wait during backward ([`Transformer::backward`]
     /// merges them into the store).
     pub sink: Arc<GradSink>,
-    /// Gradient checkpointing (the layer recomputed in backward) when true; a segment (its
-    /// graph kept by the node, freed by its backward) when false.
+    /// Gradient checkpointing (the layer recomputed in backward) when true; a taped block or
+    /// a segment (its tape or graph kept by the node, freed by its backward) when false.
     pub recompute: bool,
+    /// Without `recompute`: a layer whose ops cannot all be taped runs as a plain graph rather
+    /// than a segment.
+    pub taped_only: bool,
 }
 
 /// The decoder: embeddings, layers, final norm, output head.
@@ -1473,6 +1502,7 @@ impl Transformer {
         self.layer_blocks = Some(LayerBlocks {
             sink,
             recompute: true,
+            taped_only: false,
         });
     }
 
@@ -1483,11 +1513,18 @@ impl Transformer {
     /// activations and all weight gradients at once (candle's backward keeps the whole graph
     /// until it returns; PyTorch frees as it goes). Costs one copy of each layer's output.
     /// One backward per forward. No-op under gradient checkpointing, which already frees.
+    ///
+    /// A layer whose ops all record on a tape ([`Layer::tapeable`]) is a taped block instead
+    /// ([`grpo_core::recompute::Recompute::taped`]): the same activations, freed the same way,
+    /// and a backward that walks the tape — no zeroed buffer and add per graph edge, no copy of
+    /// each op's output. On a GPU only those layers become blocks (`GRPO_LAYER_SEGMENTS=1`:
+    /// every layer).
     pub fn enable_layer_segments(&mut self) {
         if self.layer_blocks.is_none() {
             self.layer_blocks = Some(LayerBlocks {
                 sink: GradSink::new(),
                 recompute: false,
+                taped_only: taped_only_on(self.embed_tokens.device()),
             });
         }
     }
@@ -1713,6 +1750,9 @@ impl Transformer {
             if let Some(blocks) = &self.layer_blocks
                 && !matches!(kv, Kv::Cache(_))
                 && (x.track_op() || !layer.vars().is_empty())
+                && (blocks.recompute
+                    || !blocks.taped_only
+                    || (matches!(kv, Kv::None) && layer.tapeable(&x)))
             {
                 let prefix = match &kv {
                     Kv::Prefix(pre) => Some(&pre[i]),

@@ -743,3 +743,74 @@ fn completion_stats_on_the_recompute_path_equal_the_kernels() {
     assert_close("mean logits", &a.4, &b.4, 1e-5);
     assert!(!a.4.track_op(), "the mean logits carry no graph");
 }
+
+#[test]
+fn taped_layers_give_the_plain_graphs_values_and_gradients() {
+    // The GPU's node path (forced on the CPU): a full fine-tune's decoder layers as taped
+    // blocks (`enable_layer_segments` where every op records) against the same ops as graph
+    // nodes — log-probs, entropies and every weight's gradient; no tape fell back; the blocks
+    // are freed by backward; the loss graph keeps one node per layer instead of each op's.
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    grpo_core::fused::set_force_recompute(true);
+    let rows = vec![
+        vec![5u32, 9, 2, 33, 7, 12, 40],
+        vec![8, 3, 20, 11],
+        vec![17, 6, 50, 4, 9],
+    ];
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let fallbacks = grpo_core::recompute::tape_fallbacks();
+    // Qwen2 with its q/k/v biases; Llama without biases (an o_proj bias composes: no tape).
+    for (arch, bias) in [(Arch::Qwen2, true), (Arch::Llama, false)] {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let mut c = small(arch, 61, 32, bias);
+            c.num_hidden_layers = 2;
+            let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
+            let run = |taped: bool| {
+                let mut tm = TrainableModel::full(&base).unwrap();
+                if taped {
+                    tm.model.enable_layer_segments();
+                }
+                let (lp, ent) = tm
+                    .model
+                    .completion_logprobs(&ids, &mask, 3, 0.7, true)
+                    .unwrap();
+                let ent = ent.unwrap();
+                let loss =
+                    ((&lp * 0.3).unwrap().sum_all().unwrap() - ent.sum_all().unwrap()).unwrap();
+                let nodes = loss.sorted_nodes().len();
+                let live = grpo_core::recompute::live_segments();
+                let grads = tm.model.backward(&loss).unwrap();
+                assert_eq!(
+                    grpo_core::recompute::live_segments(),
+                    0,
+                    "blocks outlive backward"
+                );
+                let g: Vec<(String, Tensor)> = tm
+                    .vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).unwrap().clone()))
+                    .collect();
+                (lp, ent, g, nodes, live)
+            };
+            let (plain, taped) = (run(false), run(true));
+            let what = format!("{arch:?} {dtype:?}");
+            assert_eq!(plain.4, 0, "{what}: blocks without enabling them");
+            assert_eq!(taped.4, 2, "{what}: one block per layer");
+            assert_close(&format!("{what} log-probs"), &taped.0, &plain.0, tol);
+            assert_close(&format!("{what} entropies"), &taped.1, &plain.1, tol);
+            assert_grads_close(&what, &taped.2, &plain.2, tol / 10.0);
+            assert!(
+                taped.3 * 2 < plain.3,
+                "{what}: {} graph nodes taped, {} plain",
+                taped.3,
+                plain.3
+            );
+        }
+    }
+    assert_eq!(
+        grpo_core::recompute::tape_fallbacks(),
+        fallbacks,
+        "a layer's tape was incomplete"
+    );
+    grpo_core::fused::set_force_recompute(false);
+}

@@ -1,0 +1,305 @@
+//! A tape: a block's backward (a decoder layer's) without candle's autograd graph inside it.
+//!
+//! candle's `backward()` gives every graph edge a zeroed buffer and an add (`or_insert` then
+//! `add`), even for a tensor used once, and an op node of [`crate::recompute`] a copy of its
+//! output; on a GPU those are a memset, an add and an allocation per edge, device traffic of
+//! several times the activations. While a tape records on this thread (a
+//! [`crate::recompute::Recompute::taped`] block's forward), the fused ops compute on detached
+//! inputs — no graph node — and push their inputs, output and backward here. The block's node
+//! walks the tape backwards: each output's gradient goes through its op's backward; an input's
+//! gradient is stored as it is when it is the first, added only when the input has one already
+//! (a residual stream, a normalised row feeding three projections); each op's saved tensors
+//! are freed once its backward has run.
+//!
+//! The ops record themselves through [`apply_op1`] / [`apply_op2`] / [`apply_op3`] (a candle
+//! `CustomOp` with its `bwd`) or [`taped`] (an explicit backward). Anything else inside a
+//! recording block breaks the tape, which the block notices and reports ([`Tape::broken`]):
+//! an input that carries a graph of its own (built by an op that does not record), an output
+//! that no later op consumes and that is not the block's output (consumed by an op that does
+//! not record), a block output the tape did not produce.
+
+use std::cell::RefCell;
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use candle_core::{CustomOp1, CustomOp2, CustomOp3, Result, Tensor, TensorId};
+
+/// An op's backward: `(inputs, whether each needs a gradient, output, output's gradient)` →
+/// one gradient per input (`None`: none). The inputs come detached: ask [`needs_grad`], not
+/// `track_op`.
+pub type TapeBackward =
+    dyn Fn(&[Tensor], &[bool], &Tensor, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+
+struct Entry {
+    inputs: Vec<Tensor>,
+    out: Tensor,
+    backward: Arc<TapeBackward>,
+}
+
+/// What a block's forward recorded.
+pub struct Tape {
+    entries: Vec<Entry>,
+    /// Tensors whose gradient the walk carries: the block's tracked inputs, its trainable
+    /// weights, the outputs of recorded ops that depend on them.
+    tracked: HashSet<TensorId>,
+    /// Outputs not yet consumed by a later recorded op.
+    unconsumed: HashSet<TensorId>,
+    broken: Option<String>,
+}
+
+impl std::fmt::Debug for Tape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tape")
+            .field("ops", &self.entries.len())
+            .field("broken", &self.broken)
+            .finish()
+    }
+}
+
+thread_local! {
+    static TAPE: RefCell<Option<Tape>> = const { RefCell::new(None) };
+    /// The tracked set of the tape whose backward walks on this thread.
+    static WALK: RefCell<Option<HashSet<TensorId>>> = const { RefCell::new(None) };
+}
+
+/// True while a block's forward records on this thread.
+pub fn recording() -> bool {
+    TAPE.with(|t| t.borrow().is_some())
+}
+
+/// Whether `t` takes part in a differentiated computation: it carries a candle graph, or a
+/// tape recording (or walking) on this thread carries its gradient. What an op asks where it
+/// would ask `t.track_op()`: a recorded op's output carries no graph of its own.
+pub fn needs_grad(t: &Tensor) -> bool {
+    t.track_op()
+        || TAPE.with(|tape| {
+            tape.borrow()
+                .as_ref()
+                .is_some_and(|tape| tape.tracked.contains(&t.id()))
+        })
+        || WALK.with(|w| w.borrow().as_ref().is_some_and(|w| w.contains(&t.id())))
+}
+
+/// Runs `f` with a tape recording on this thread; `tracked` are the tensors whose gradients the
+/// walk carries from the start (the block's tracked inputs and trainable weights). Returns
+/// `f`'s result and the tape, whose [`Tape::broken`] says whether it holds the whole block.
+pub fn record<T>(tracked: &[&Tensor], f: impl FnOnce() -> Result<T>) -> Result<(T, Tape)> {
+    if recording() {
+        candle_core::bail!("tape: a recording block inside another");
+    }
+    let tape = Tape {
+        entries: Vec::new(),
+        tracked: tracked.iter().map(|t| t.id()).collect(),
+        unconsumed: HashSet::new(),
+        broken: None,
+    };
+    TAPE.with(|t| *t.borrow_mut() = Some(tape));
+    let out = f();
+    let tape = TAPE.with(|t| t.borrow_mut().take());
+    let tape = tape.ok_or_else(|| candle_core::Error::msg("tape: the recording vanished"))?;
+    Ok((out?, tape))
+}
+
+impl Tape {
+    /// Why the tape does not hold the whole block ending in `y`, if it does not.
+    pub fn broken(&self, y: &Tensor) -> Option<String> {
+        if let Some(b) = &self.broken {
+            return Some(b.clone());
+        }
+        if !self.tracked.contains(&y.id()) {
+            return Some("the block's output was not produced by a recorded op".into());
+        }
+        if let Some(e) = self
+            .entries
+            .iter()
+            .find(|e| e.out.id() != y.id() && self.unconsumed.contains(&e.out.id()))
+        {
+            return Some(format!(
+                "an op that does not record consumed a recorded output of {:?}",
+                e.out.dims()
+            ));
+        }
+        None
+    }
+
+    /// Recorded ops.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The walk: `grad` as `y`'s gradient, back through every recorded op in reverse order.
+    /// Returns the gradients of the tensors given to [`record`] as tracked (those that got one),
+    /// by id. Consumes the tape: each op's tensors are dropped once its backward has run.
+    pub fn backward(self, y: &Tensor, grad: &Tensor) -> Result<HashMap<TensorId, Tensor>> {
+        if grad.dims() != y.dims() {
+            candle_core::bail!("tape: gradient {:?} for {:?}", grad.dims(), y.dims());
+        }
+        let Tape {
+            mut entries,
+            tracked,
+            ..
+        } = self;
+        // The ops' backwards ask `needs_grad` of their inputs (the tape's own tensors carry no
+        // graph): the tracked set answers while the walk runs.
+        struct Walking;
+        impl Drop for Walking {
+            fn drop(&mut self) {
+                WALK.with(|w| *w.borrow_mut() = None);
+            }
+        }
+        if WALK.with(|w| w.borrow().is_some()) {
+            candle_core::bail!("tape: a walk inside another");
+        }
+        WALK.with(|w| *w.borrow_mut() = Some(tracked.clone()));
+        let _walking = Walking;
+        let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
+        grads.insert(y.id(), grad.detach());
+        while let Some(e) = entries.pop() {
+            let Some(g) = grads.remove(&e.out.id()) else {
+                continue;
+            };
+            let needs: Vec<bool> = e.inputs.iter().map(|t| tracked.contains(&t.id())).collect();
+            // Detached (a leaf's or weight's graph is not the backward's business, and a
+            // gradient computed from it would keep it alive), the needed ones told to
+            // `needs_grad` under their detached ids.
+            let detached: Vec<Tensor> = e.inputs.iter().map(|t| t.detach()).collect();
+            WALK.with(|w| {
+                if let Some(w) = w.borrow_mut().as_mut() {
+                    w.extend(
+                        detached
+                            .iter()
+                            .zip(&needs)
+                            .filter(|p| *p.1)
+                            .map(|p| p.0.id()),
+                    );
+                }
+            });
+            let gs = (e.backward)(&detached, &needs, &e.out, &g)?;
+            drop(g);
+            for ((inp, need), gi) in e.inputs.iter().zip(&needs).zip(gs) {
+                let (Some(gi), true) = (gi, *need) else {
+                    continue;
+                };
+                match grads.entry(inp.id()) {
+                    MapEntry::Vacant(v) => {
+                        v.insert(gi);
+                    }
+                    MapEntry::Occupied(mut o) => {
+                        let sum = (o.get() + &gi)?;
+                        *o.get_mut() = sum;
+                    }
+                }
+            }
+        }
+        Ok(grads)
+    }
+}
+
+/// An op application: while a tape records, `forward` runs on the inputs detached (no graph
+/// node) and is recorded with `backward`; `None` when no tape records (the caller builds its
+/// graph node as usual).
+pub fn taped(
+    inputs: &[&Tensor],
+    forward: impl FnOnce(&[Tensor]) -> Result<Tensor>,
+    backward: Arc<TapeBackward>,
+) -> Result<Option<Tensor>> {
+    if !recording() {
+        return Ok(None);
+    }
+    let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+    let out = forward(&detached)?;
+    TAPE.with(|t| {
+        let mut t = t.borrow_mut();
+        let Some(tape) = t.as_mut() else {
+            return;
+        };
+        let mut depends = false;
+        for inp in inputs {
+            if tape.tracked.contains(&inp.id()) {
+                depends = true;
+                tape.unconsumed.remove(&inp.id());
+            } else if inp.track_op() && tape.broken.is_none() {
+                tape.broken = Some("an input carries a graph built outside the tape".into());
+            }
+        }
+        if out.track_op() && tape.broken.is_none() {
+            tape.broken = Some("a recorded op built a graph node".into());
+        }
+        if depends {
+            tape.tracked.insert(out.id());
+            tape.unconsumed.insert(out.id());
+            tape.entries.push(Entry {
+                inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+                out: out.clone(),
+                backward,
+            });
+        }
+    });
+    Ok(Some(out))
+}
+
+/// `a.apply_op1(c)`, recorded while a tape records.
+pub fn apply_op1<C: CustomOp1 + Send + Sync + 'static>(a: &Tensor, c: C) -> Result<Tensor> {
+    if !recording() {
+        return a.apply_op1(c);
+    }
+    let c = Arc::new(c);
+    let op = c.clone();
+    let y = taped(
+        &[a],
+        |d| d[0].apply_op1_no_bwd(&*c),
+        Arc::new(move |x, _, y, g| Ok(vec![op.bwd(&x[0], y, g)?])),
+    )?;
+    y.ok_or_else(|| candle_core::Error::msg("tape: stopped recording"))
+}
+
+/// `a.apply_op2(b, c)`, recorded while a tape records.
+pub fn apply_op2<C: CustomOp2 + Send + Sync + 'static>(
+    a: &Tensor,
+    b: &Tensor,
+    c: C,
+) -> Result<Tensor> {
+    if !recording() {
+        return a.apply_op2(b, c);
+    }
+    let c = Arc::new(c);
+    let op = c.clone();
+    let y = taped(
+        &[a, b],
+        |d| d[0].apply_op2_no_bwd(&d[1], &*c),
+        Arc::new(move |x, _, y, g| {
+            let (ga, gb) = op.bwd(&x[0], &x[1], y, g)?;
+            Ok(vec![ga, gb])
+        }),
+    )?;
+    y.ok_or_else(|| candle_core::Error::msg("tape: stopped recording"))
+}
+
+/// `a.apply_op3(b, c, op)`, recorded while a tape records.
+pub fn apply_op3<C: CustomOp3 + Send + Sync + 'static>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    op: C,
+) -> Result<Tensor> {
+    if !recording() {
+        return a.apply_op3(b, c, op);
+    }
+    let op = Arc::new(op);
+    let bw = op.clone();
+    let y = taped(
+        &[a, b, c],
+        |d| d[0].apply_op3_no_bwd(&d[1], &d[2], &*op),
+        Arc::new(move |x, _, y, g| {
+            let (ga, gb, gc) = bw.bwd(&x[0], &x[1], &x[2], y, g)?;
+            Ok(vec![ga, gb, gc])
+        }),
+    )?;
+    y.ok_or_else(|| candle_core::Error::msg("tape: stopped recording"))
+}
