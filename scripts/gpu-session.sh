@@ -55,8 +55,9 @@ if [ "${SPEED:-0}" = 1 ]; then
       --new-tokens 256 --prompt-len 64 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$b.json
   done
   # The learner by variants (no profiler needed): without the flash kernels, without layer
-  # segments; each line's bwd_issue_s_median beside bwd_s_median says launch- or device-bound.
-  for v in GRPO_CUDA_KERNELS=-flash_attention GRPO_LAYER_SEGMENTS=1; do
+  # blocks (the default tapes each layer: this is the plain graph); each line's
+  # bwd_issue_s_median beside bwd_s_median says launch- or device-bound.
+  for v in GRPO_CUDA_KERNELS=-flash_attention GRPO_LAYER_SEGMENTS=0; do
     env $v timeout 40 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 \
       --phase fwd-bwd --batch 32 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$v.json
   done
