@@ -575,7 +575,7 @@ impl Layer {
     /// Whether each op of this layer's training forward on `x` records on a tape
     /// ([`grpo_core::tape`]): the graph-node path (off the CPU kernels' f32/f64 path, fused ops
     /// on), no adapters, no per-head q/k norms, no MLP or output-projection biases — the path
-    /// of [`Self::projected_heads`], [`Self::mlp_nodes`] and `affine`.
+    /// of `projected_heads`, `mlp_nodes` and [`crate::fused::affine`].
     pub fn tapeable(&self, x: &Tensor) -> bool {
         grpo_core::fused::path(x) == grpo_core::fused::Path::Recompute
             && self.q_norm.is_none()
