@@ -502,6 +502,22 @@ __device__ void flash_dkv(FA_ARGS, const bits16* dout,
     }
 }
 
+// delta[w] = Σ_e dout[w·D + e] · out[w·D + e] in f32, w = (row, head) of rows (B·L, H·D)
+// contiguous — the (B, L, H) sums the dq and dk/dv kernels read. One warp per w.
+template <typename T>
+__device__ void flash_delta(const bits16* dout, long go, const bits16* out, long oo,
+                            float* delta, long n, int d) {
+    long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (w >= n) return;  // a whole warp: w is the warp's
+    const bits16* g = dout + go + w * d;
+    const bits16* o = out + oo + w * d;
+    float acc = 0.0f;
+    for (int e = lane; e < d; e += 32) acc += T::ld(g[e]) * T::ld(o[e]);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[w] = acc;
+}
+
 // ------------------------------------------------------------------ entry points
 
 #define FLASH_KERNELS(T, N, D)                                                                \
@@ -526,3 +542,11 @@ FLASH_KERNELS(BF16, bf16, 64)
 FLASH_KERNELS(BF16, bf16, 128)
 FLASH_KERNELS(F16, f16, 64)
 FLASH_KERNELS(F16, f16, 128)
+
+#define FLASH_DELTA(T, N)                                                                     \
+    extern "C" __global__ void flash_delta_##N(const bits16* dout, long go, const bits16* out, \
+                                               long oo, float* delta, long n, int d) {        \
+        flash_delta<T>(dout, go, out, oo, delta, n, d);                                       \
+    }
+FLASH_DELTA(BF16, bf16)
+FLASH_DELTA(F16, f16)

@@ -358,10 +358,7 @@ impl candle_core::CustomOp3 for FlashAttention {
             .ok_or_else(|| candle_core::Error::Msg("flash attention: no forward stats".into()))?;
         let (b, nh, l, d) = q.dims4()?;
         let dout = grad.contiguous()?;
-        let delta = (dout.to_dtype(DType::F32)? * res.to_dtype(DType::F32)?)?
-            .reshape((b, l, nh, d))?
-            .sum(3)?
-            .contiguous()?;
+        let delta = dout.apply_op2_no_bwd(&res.contiguous()?, &FlashDelta { b, nh, l, d })?;
         let grad_op = |part| FlashGrad {
             part,
             bias: self.bias.clone(),
@@ -375,6 +372,78 @@ impl candle_core::CustomOp3 for FlashAttention {
         let dq = q.apply_op3(&k, &v, grad_op(Part::Dq))?;
         let dkv = q.apply_op3(&k, &v, grad_op(Part::Dkv))?;
         Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
+    }
+}
+
+/// The backward's `delta`, `Σ_e dout · out` per row and head: rows `(B·L, H·D)` of the
+/// context's gradient and of the context → `(B, L, H)` f32, one kernel (candle's two casts,
+/// product and sum were four launches and three f32 copies of the context).
+struct FlashDelta {
+    b: usize,
+    nh: usize,
+    l: usize,
+    d: usize,
+}
+
+fn delta_t<T: Elem>(
+    op: &FlashDelta,
+    g: &CudaStorage,
+    lg: &Layout,
+    o: &CudaStorage,
+    lo: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let n = op.b * op.l * op.nh;
+    let want = [op.b * op.l, op.nh * op.d];
+    if lg.dims() != want || lo.dims() != want || !lg.is_contiguous() || !lo.is_contiguous() {
+        candle_core::bail!(
+            "flash attention delta: gradient {:?} and context {:?}, want contiguous {want:?}",
+            lg.dims(),
+            lo.dims()
+        );
+    }
+    let dev = &g.device;
+    let gs = g.as_cuda_slice::<T>()?;
+    let os = o.as_cuda_slice::<T>()?;
+    let (go, oo) = (lg.start_offset() as i64, lo.start_offset() as i64);
+    let out = alloc::<f32>(dev, n)?;
+    let (ni, di) = (n as i64, op.d as i32);
+    let c = cfg((n * 32).div_ceil(256) as u32, 256, 0);
+    cuda_launch!(
+        &FLASH,
+        dev,
+        "flash_delta",
+        T::DTYPE,
+        c,
+        [gs, &go, os, &oo, &out, &ni, &di]
+    );
+    done(out, dev, (op.b, op.l, op.nh))
+}
+
+impl candle_core::CustomOp2 for FlashDelta {
+    fn name(&self) -> &'static str {
+        "flash_attention_delta"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("flash attention runs on CUDA only")
+    }
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        lg: &Layout,
+        o: &CudaStorage,
+        lo: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        match g.dtype() {
+            DType::BF16 => delta_t::<half::bf16>(self, g, lg, o, lo),
+            DType::F16 => delta_t::<half::f16>(self, g, lg, o, lo),
+            d => candle_core::bail!("flash attention delta: no kernel for {d:?}"),
+        }
     }
 }
 

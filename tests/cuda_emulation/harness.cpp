@@ -282,11 +282,12 @@ static void write_f32(const std::vector<float>& v) {
 //   flash_fwd b nh nkv l s d cap scale align causal: in0 q (b, nh, l, d), in1 k, in2 v (b, nkv, cap, d)
 //     of which the first s rows count, in3 bias (b, 1, l, s); out = [context (b·l, nh·d),
 //     stats (b, nh, l, 2)]
-//   flash_bwd (the same arguments): in4 dout (b·l, nh·d); runs the forward, delta as the Rust
-//     side forms it (from the rounded context), then dq and dk/dv; out = [dq, dk, dv]
+//   flash_bwd (the same arguments): in4 dout (b·l, nh·d); runs the forward, delta's kernel (over
+//     the rounded context), then dq and dk/dv; out = [dq, dk, dv]
 template <typename T, int D>
 static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_bf16) fwd,
-                       decltype(&flash_dq_d64_bf16) dqk, decltype(&flash_dkv_d64_bf16) dkvk) {
+                       decltype(&flash_dq_d64_bf16) dqk, decltype(&flash_dkv_d64_bf16) dkvk,
+                       decltype(&flash_delta_bf16) deltak) {
     typedef typename T::S S;
     int b = atoi(a[0]), nh = atoi(a[1]), nkv = atoi(a[2]), l = atoi(a[3]), s = atoi(a[4]),
         cap = atoi(a[6]), align = atoi(a[8]), causal = atoi(a[9]);
@@ -308,12 +309,10 @@ static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_
         return 0;
     }
     auto dout = to_storage<T>(read_f32(4));
-    std::vector<float> delta((long)b * l * nh);
-    for (long r = 0; r < (long)b * l * nh; ++r) {
-        float acc = 0.0f;
-        for (int e = 0; e < D; ++e) acc += T::ld(dout[r * D + e]) * T::ld(out[r * D + e]);
-        delta[r] = acc;
-    }
+    long nd = (long)b * l * nh;
+    std::vector<float> delta(nd);
+    emu_launch(deltak, (unsigned)((nd * 32 + 255) / 256), 256, 0, dout.data(), 0L, out.data(), 0L,
+               delta.data(), nd, D);
     std::vector<S> dq(q.size()), dkv(2L * b * nkv * s * D);
     emu_launch(dqk, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
                kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, dout.data(),
@@ -332,14 +331,14 @@ static int run_flash(const std::string& op, char** a, bool bf16) {
     int d = atoi(a[5]);
     if (d == 64)
         return bf16 ? run_flash_d<T, 64>(op, a, flash_fwd_d64_bf16, flash_dq_d64_bf16,
-                                         flash_dkv_d64_bf16)
+                                         flash_dkv_d64_bf16, flash_delta_bf16)
                     : run_flash_d<T, 64>(op, a, flash_fwd_d64_f16, flash_dq_d64_f16,
-                                         flash_dkv_d64_f16);
+                                         flash_dkv_d64_f16, flash_delta_f16);
     if (d == 128)
         return bf16 ? run_flash_d<T, 128>(op, a, flash_fwd_d128_bf16, flash_dq_d128_bf16,
-                                          flash_dkv_d128_bf16)
+                                          flash_dkv_d128_bf16, flash_delta_bf16)
                     : run_flash_d<T, 128>(op, a, flash_fwd_d128_f16, flash_dq_d128_f16,
-                                          flash_dkv_d128_f16);
+                                          flash_dkv_d128_f16, flash_delta_f16);
     std::fprintf(stderr, "harness: flash attention has no kernel for head dimension %d\n", d);
     return 2;
 }
