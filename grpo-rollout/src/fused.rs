@@ -1975,6 +1975,17 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     ready(a)?.matmul(&ready(b)?)
 }
 
+/// `Σ_rows g` of rows `(N, out)` (a bias's gradient) as the product `1ᵀ g`: cuBLAS reads the
+/// rows once, in order, with f32 accumulation, where candle's `sum(0)` on CUDA gives each
+/// column a block that walks the rows at a stride of the row (attempt 17's profile:
+/// `fast_sum`, ≈ 18 µs a call at 2,560 rows). The same on the CPU.
+fn row_sums(g: &Tensor) -> Result<Tensor> {
+    let n = g.dim(0)?;
+    Tensor::ones((1, n), g.dtype(), g.device())?
+        .matmul(&g.contiguous()?)?
+        .squeeze(0)
+}
+
 // ---------------------------------------------------------------- affine nodes
 
 /// An argument of a projection node ([`affine`], [`project_heads`]): an input of the node (it
@@ -2071,7 +2082,7 @@ pub fn affine(
             out[i] = Some(matmul(&g.t()?, &x)?);
         }
         if let Slot::In(i) = slots[3] {
-            out[i] = Some(g.sum(0)?);
+            out[i] = Some(row_sums(g)?);
         }
         Ok(out)
     };
@@ -2140,7 +2151,7 @@ pub fn project_heads(
             out[i] = Some(matmul(&gy.t()?, &x)?);
         }
         if let Slot::In(i) = slots[2] {
-            out[i] = Some(gy.sum(0)?);
+            out[i] = Some(row_sums(&gy)?);
         }
         Ok(out)
     };
