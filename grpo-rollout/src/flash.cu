@@ -155,16 +155,32 @@ __device__ __forceinline__ void fa_a_of_c(unsigned* a, const float* c0, const fl
 __device__ __forceinline__ int fa_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >> 1) * 8; }
 __device__ __forceinline__ int fa_col(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
 
-// The scores of query rows r0.. (tile rows) against keys j0..: scale, bias; keys past `s` −inf.
+// A tile of the bias: `R` query rows from r0 (of l) by FA_BC keys from j0 (of s), loaded with
+// the key and value tiles (coalesced, off the products' critical path) where each score read
+// its own element from global memory after the products. Outside the bias: 0 (never used).
+#define FA_BPAD 8
+template <int R>
+__device__ __forceinline__ void fa_load_bias(bits16 (*dst)[FA_BC + FA_BPAD], const bits16* bb,
+                                             int r0, int j0, int l, int s) {
+    for (int i = threadIdx.x; i < R * FA_BC; i += blockDim.x) {
+        int r = i / FA_BC, c = i % FA_BC, row = r0 + r, key = j0 + c;
+        dst[r][c] = row < l && key < s ? bb[(long)row * s + key] : (bits16)0;
+    }
+}
+
+// The scores of query rows r0.. (tile rows; row rr0.. of the bias tile `sb` loaded from j0)
+// against keys j0 + kc0..: scale, bias; keys past `s` −inf.
 template <typename T, int N>
-__device__ __forceinline__ void fa_scores(float (*sc)[4], const bits16* bias_b, int r0, int j0,
-                                          int l, int s, float scale) {
+__device__ __forceinline__ void fa_scores(float (*sc)[4], const bits16 (*sb)[FA_BC + FA_BPAD],
+                                          int rr0, int kc0, int r0, int j0, int l, int s,
+                                          float scale) {
     #pragma unroll
     for (int t = 0; t < N; ++t)
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            int row = r0 + fa_row(e), key = j0 + t * 8 + fa_col(e);
-            float b = row < l && key < s ? T::ld(bias_b[(long)row * s + key]) : 0.0f;
+            int kc = kc0 + t * 8 + fa_col(e);
+            int row = r0 + fa_row(e), key = j0 + kc;
+            float b = row < l && key < s ? T::ld(sb[rr0 + fa_row(e)][kc]) : 0.0f;
             sc[t][e] = key < s ? sc[t][e] * scale + b : GPU_NEG_INF;
         }
 }
@@ -209,6 +225,7 @@ __device__ void flash_fwd(FA_ARGS, bits16* out, float* stats, int nh, int nkv, i
                           float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
+    __shared__ bits16 sb[FA_BR][FA_BC + FA_BPAD];
     FaRows at = fa_rows(nh, nkv, l);
     long bi = at.bi;
     int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
@@ -231,6 +248,7 @@ __device__ void flash_fwd(FA_ARGS, bits16* out, float* stats, int nh, int nkv, i
     for (int j0 = 0, end = fa_keys_end(q0, l, s, causal); j0 < end; j0 += FA_BC) {
         fa_load<D>(sk, kh, kr, j0, FA_BC, s, align);
         fa_load<D>(sv, vh, vr, j0, FA_BC, s, align);
+        fa_load_bias<FA_BR>(sb, bb, q0, j0, l, s);
         __syncthreads();
         float sc[FA_BC / 8][4];
         #pragma unroll
@@ -244,7 +262,7 @@ __device__ void flash_fwd(FA_ARGS, bits16* out, float* stats, int nh, int nkv, i
                 Mma<T>::run(sc[t], qf[kk], b);
             }
         }
-        fa_scores<T, FA_BC / 8>(sc, bb, r0, j0, l, s, scale);
+        fa_scores<T, FA_BC / 8>(sc, sb, warp * 16, 0, r0, j0, l, s, scale);
         // Online softmax per row (the four threads of a group hold one row's columns).
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -310,6 +328,7 @@ __device__ void flash_dq(FA_ARGS, const bits16* dout,
                          int l, int s, float scale, int align, int causal) {
     __shared__ bits16 sk[FA_BC][D + FA_PAD];
     __shared__ bits16 sv[FA_BC][D + FA_PAD];
+    __shared__ bits16 sb[FA_BR][FA_BC + FA_BPAD];
     FaRows at = fa_rows(nh, nkv, l);
     long bi = at.bi;
     int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
@@ -344,6 +363,7 @@ __device__ void flash_dq(FA_ARGS, const bits16* dout,
     for (int j0 = 0, end = fa_keys_end(q0, l, s, causal); j0 < end; j0 += FA_BC) {
         fa_load<D>(sk, kh, kr, j0, FA_BC, s, align);
         fa_load<D>(sv, vh, vr, j0, FA_BC, s, align);
+        fa_load_bias<FA_BR>(sb, bb, q0, j0, l, s);
         __syncthreads();
         // 32 keys at a time keeps the scores and their gradient in registers.
         for (int half = 0; half < FA_BC; half += 32) {
@@ -361,7 +381,7 @@ __device__ void flash_dq(FA_ARGS, const bits16* dout,
                     Mma<T>::run(dp[t], df[kk], b);
                 }
             }
-            fa_scores<T, 4>(sc, bb, r0, j0 + half, l, s, scale);
+            fa_scores<T, 4>(sc, sb, warp * 16, half, r0, j0, l, s, scale);
             #pragma unroll
             for (int t = 0; t < 4; ++t)
                 #pragma unroll
@@ -410,6 +430,7 @@ __device__ void flash_dkv(FA_ARGS, const bits16* dout,
     __shared__ bits16 sq[FA_BQ][D + FA_PAD];
     __shared__ bits16 sd[FA_BQ][D + FA_PAD];
     __shared__ float sm[FA_BQ], si[FA_BQ], sdel[FA_BQ];
+    __shared__ bits16 sb[FA_BQ][FA_BC + FA_BPAD];
     int tiles = (s + FA_BC - 1) / FA_BC;
     long blk = blockIdx.x;
     int tile = (int)(blk % tiles), g = (int)((blk / tiles) % nkv);
@@ -431,6 +452,7 @@ __device__ void flash_dkv(FA_ARGS, const bits16* dout,
             __syncthreads();  // the previous step's readers are done with sq, sd, sm, si, sdel
             fa_load<D>(sq, qhd, qr, c0, FA_BQ, l, align);
             fa_load<D>(sd, dhd, (long)nh * D, c0, FA_BQ, l, align);
+            fa_load_bias<FA_BQ>(sb, bb, c0, j0, l, s);
             if (threadIdx.x < FA_BQ) {
                 int c = c0 + threadIdx.x;
                 bool in = c < l;
@@ -467,7 +489,7 @@ __device__ void flash_dkv(FA_ARGS, const bits16* dout,
                     int key = j0 + kw + fa_row(e), c = n * 8 + fa_col(e), row = c0 + c;
                     float p = 0.0f;
                     if (key < s && row < l && si[c] > 0.0f) {
-                        float x = st[n][e] * scale + T::ld(bb[(long)row * s + key]);
+                        float x = st[n][e] * scale + T::ld(sb[c][kw + fa_row(e)]);
                         p = expf(x - sm[c]) * si[c];
                     }
                     st[n][e] = p;
