@@ -12,6 +12,23 @@
 // use, with the loop's arithmetic in the loop's order (the same bits).
 #define ROW_REGS 8
 
+// 1 / sqrt(mean(x²) + eps) of a row held in registers (`xa[k]` = element tid + k · blockDim),
+// summed in the loop's order.
+template <typename T>
+__device__ __forceinline__ float regs_inv(const typename T::S* xa, int h, float eps, float* sh) {
+    int tid = threadIdx.x, nt = blockDim.x;
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < ROW_REGS; ++k) {
+        if (tid + k * nt < h) {
+            float v = T::ld(xa[k]);
+            ss += v * v;
+        }
+    }
+    ss = block_sum(ss, sh);
+    return 1.0f / sqrtf(ss / (float)h + eps);
+}
+
 template <typename T>
 __device__ void rms_row(const typename T::S* xr, const typename T::S* wr, typename T::S* yr,
                         int h, float eps, float* sh) {
@@ -26,16 +43,7 @@ __device__ void rms_row(const typename T::S* xr, const typename T::S* wr, typena
                 wa[k] = wr[i];
             }
         }
-        float ss = 0.0f;
-#pragma unroll
-        for (int k = 0; k < ROW_REGS; ++k) {
-            if (tid + k * nt < h) {
-                float v = T::ld(xa[k]);
-                ss += v * v;
-            }
-        }
-        ss = block_sum(ss, sh);
-        float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        float inv = regs_inv<T>(xa, h, eps, sh);
 #pragma unroll
         for (int k = 0; k < ROW_REGS; ++k) {
             int i = tid + k * nt;
@@ -100,16 +108,7 @@ __device__ void rms_bwd(const typename T::S* x, long xo, const typename T::S* w,
         load(xa, ga, blockIdx.x);
         for (int r = blockIdx.x; r < rows; r += gridDim.x) {
             load(xn, gn, r + gridDim.x);
-            float ss = 0.0f;
-#pragma unroll
-            for (int k = 0; k < ROW_REGS; ++k) {
-                if (tid + k * nt < h) {
-                    float v = T::ld(xa[k]);
-                    ss += v * v;
-                }
-            }
-            ss = block_sum(ss, sh);
-            float inv = 1.0f / sqrtf(ss / (float)h + eps);
+            float inv = regs_inv<T>(xa, h, eps, sh);
             float dot = 0.0f;
 #pragma unroll
             for (int k = 0; k < ROW_REGS; ++k)

@@ -1056,3 +1056,4 @@ fn random_shapes_match_the_composition() {
         );
     }
 }
+
