@@ -1056,4 +1056,3 @@ fn random_shapes_match_the_composition() {
         );
     }
 }
-
