@@ -419,8 +419,68 @@ __device__ void flash_dq(FA_ARGS, const bits16* dout,
     }
 }
 
+// One 16-row step of dk/dv (the rows c0.. of one query head, already in sq, sd, the stats and
+// the bias tile sb): the warp's 16 keys' dk and dv accumulate Σ dSᵀ q and Σ Pᵀ dout.
+template <typename T, int D>
+__device__ __forceinline__ void fa_dkv_step(float (*dk)[4], float (*dv)[4],
+                                            const bits16 (*sk)[D + FA_PAD],
+                                            const bits16 (*sv)[D + FA_PAD],
+                                            const bits16 (*sq)[D + FA_PAD],
+                                            const bits16 (*sd)[D + FA_PAD], const float* sm,
+                                            const float* si, const float* sdel,
+                                            const bits16 (*sb)[FA_BC + FA_BPAD], int j0, int kw,
+                                            int c0, int l, int s, float scale) {
+    // Sᵀ = k qᵀ and dPᵀ = v doutᵀ for the warp's 16 keys × 16 query rows.
+    float st[2][4], dp[2][4];
+    #pragma unroll
+    for (int n = 0; n < 2; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) st[n][e] = dp[n][e] = 0.0f;
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned ak[4], av[4];
+        fa_frag_a(ak, sk, kw, kk * 16);
+        fa_frag_a(av, sv, kw, kk * 16);
+        #pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            unsigned b[2];
+            fa_frag_bt(b, sq, n * 8, kk * 16);
+            Mma<T>::run(st[n], ak, b);
+            fa_frag_bt(b, sd, n * 8, kk * 16);
+            Mma<T>::run(dp[n], av, b);
+        }
+    }
+    #pragma unroll
+    for (int n = 0; n < 2; ++n)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int key = j0 + kw + fa_row(e), c = n * 8 + fa_col(e), row = c0 + c;
+            float p = 0.0f;
+            if (key < s && row < l && si[c] > 0.0f) {
+                float x = st[n][e] * scale + T::ld(sb[c][kw + fa_row(e)]);
+                p = expf(x - sm[c]) * si[c];
+            }
+            st[n][e] = p;
+            dp[n][e] = p * (dp[n][e] - sdel[c]);
+        }
+    unsigned pa[4], da[4];
+    fa_a_of_c<T>(pa, st[0], st[1]);
+    fa_a_of_c<T>(da, dp[0], dp[1]);
+    #pragma unroll
+    for (int t = 0; t < D / 8; ++t) {
+        unsigned b[2];
+        fa_frag_b(b, sd, 0, t * 8);
+        Mma<T>::run(dv[t], pa, b);
+        fa_frag_b(b, sq, 0, t * 8);
+        Mma<T>::run(dk[t], da, b);
+    }
+}
+
 // dk = scale · Σ dSᵀ q and dv = Σ Pᵀ dout over the group's query heads and every query row, for
-// 64 keys per block (16 per warp), query rows walked 16 at a time.
+// 64 keys per block (16 per warp), query rows walked 16 at a time. With head dim 128 and
+// 16-byte rows the next step's query and gradient rows, bias tile and stats are loaded into
+// registers while this step computes (a step's loads were otherwise its whole latency: 4 warps
+// a block, 2 blocks per SM); the same values reach shared memory either way: the same bits.
 template <typename T, int D>
 __device__ void flash_dkv(FA_ARGS, const bits16* dout,
                           const float* stats, const float* delta, bits16* dkv, int nh, int nkv,
@@ -445,66 +505,95 @@ __device__ void flash_dkv(FA_ARGS, const bits16* dout,
         #pragma unroll
         for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.0f;
     const bits16* bb = bias + bo + bi * (long)l * s;
-    for (int hd = g * grp; hd < (g + 1) * grp; ++hd) {
-        const bits16* qhd = q + qo + bi * qb + hd * qh;
-        const bits16* dhd = dout + bi * (long)l * nh * D + (long)hd * D;
-        for (int c0 = fa_rows_start(j0, l, s, causal); c0 < l; c0 += FA_BQ) {
-            __syncthreads();  // the previous step's readers are done with sq, sd, sm, si, sdel
-            fa_load<D>(sq, qhd, qr, c0, FA_BQ, l, align);
-            fa_load<D>(sd, dhd, (long)nh * D, c0, FA_BQ, l, align);
-            fa_load_bias<FA_BQ>(sb, bb, c0, j0, l, s);
-            if (threadIdx.x < FA_BQ) {
-                int c = c0 + threadIdx.x;
+    int start = fa_rows_start(j0, l, s, causal);
+    int per = start < l ? (l - start + FA_BQ - 1) / FA_BQ : 0;  // steps per query head
+    // Head dim 128 only: at 64 the registers the prefetch holds took the kernel from 125 to 231
+    // registers (ptxas), halving the blocks an SM keeps; at 128 it stays at 2 blocks per SM.
+    if (D == 128 && align == 8) {
+        // Chunks of 16 bytes per thread for 16 rows of q and of dout; bias elements per thread.
+        const int PF = (FA_BQ * (D / 8) + FA_THREADS - 1) / FA_THREADS;
+        const int PB = (FA_BQ * FA_BC + FA_THREADS - 1) / FA_THREADS;
+        FaU4 pq[PF], pd[PF];
+        bits16 pb[PB];
+        float pm = 0.0f, pi = 0.0f, pdel = 0.0f;
+        int tid = threadIdx.x;
+        auto fetch = [&](int t) {
+            int hd = g * grp + t / per, c0 = start + (t % per) * FA_BQ;
+            const bits16* qhd = q + qo + bi * qb + hd * qh;
+            const bits16* dhd = dout + bi * (long)l * nh * D + (long)hd * D;
+            #pragma unroll
+            for (int x = 0; x < PF; ++x) {
+                int i = tid + x * FA_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+                bool in = i < FA_BQ * (D / 8) && c0 + r < l;
+                pq[x] = pd[x] = FaU4{0u, 0u, 0u, 0u};
+                if (in) {
+                    pq[x] = *reinterpret_cast<const FaU4*>(qhd + (long)(c0 + r) * qr + c);
+                    pd[x] = *reinterpret_cast<const FaU4*>(dhd + (long)(c0 + r) * nh * D + c);
+                }
+            }
+            #pragma unroll
+            for (int x = 0; x < PB; ++x) {
+                int i = tid + x * FA_THREADS, r = i / FA_BC, c = i % FA_BC;
+                int row = c0 + r, key = j0 + c;
+                pb[x] = i < FA_BQ * FA_BC && row < l && key < s ? bb[(long)row * s + key]
+                                                                 : (bits16)0;
+            }
+            if (tid < FA_BQ) {
+                int c = c0 + tid;
                 bool in = c < l;
                 const float* st = stats + (((bi * nh + hd) * l) + (in ? c : 0)) * 2;
-                sm[threadIdx.x] = in ? st[0] : 0.0f;
-                si[threadIdx.x] = in ? st[1] : 0.0f;
-                sdel[threadIdx.x] = in ? delta[(bi * l + c) * nh + hd] : 0.0f;
+                pm = in ? st[0] : 0.0f;
+                pi = in ? st[1] : 0.0f;
+                pdel = in ? delta[(bi * l + c) * nh + hd] : 0.0f;
+            }
+        };
+        int steps = per * grp;
+        if (steps > 0) fetch(0);
+        for (int t = 0; t < steps; ++t) {
+            __syncthreads();  // the previous step's readers are done with the shared rows
+            #pragma unroll
+            for (int x = 0; x < PF; ++x) {
+                int i = tid + x * FA_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+                if (i < FA_BQ * (D / 8)) {
+                    *reinterpret_cast<FaU4*>(&sq[r][c]) = pq[x];
+                    *reinterpret_cast<FaU4*>(&sd[r][c]) = pd[x];
+                }
+            }
+            #pragma unroll
+            for (int x = 0; x < PB; ++x) {
+                int i = tid + x * FA_THREADS;
+                if (i < FA_BQ * FA_BC) sb[i / FA_BC][i % FA_BC] = pb[x];
+            }
+            if (tid < FA_BQ) {
+                sm[tid] = pm;
+                si[tid] = pi;
+                sdel[tid] = pdel;
             }
             __syncthreads();
-            // Sᵀ = k qᵀ and dPᵀ = v doutᵀ for the warp's 16 keys × 16 query rows.
-            float st[2][4], dp[2][4];
-            #pragma unroll
-            for (int n = 0; n < 2; ++n)
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) st[n][e] = dp[n][e] = 0.0f;
-            #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned ak[4], av[4];
-                fa_frag_a(ak, sk, kw, kk * 16);
-                fa_frag_a(av, sv, kw, kk * 16);
-                #pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    unsigned b[2];
-                    fa_frag_bt(b, sq, n * 8, kk * 16);
-                    Mma<T>::run(st[n], ak, b);
-                    fa_frag_bt(b, sd, n * 8, kk * 16);
-                    Mma<T>::run(dp[n], av, b);
+            if (t + 1 < steps) fetch(t + 1);
+            fa_dkv_step<T, D>(dk, dv, sk, sv, sq, sd, sm, si, sdel, sb, j0, kw,
+                              start + (t % per) * FA_BQ, l, s, scale);
+        }
+    } else {
+        for (int hd = g * grp; hd < (g + 1) * grp; ++hd) {
+            const bits16* qhd = q + qo + bi * qb + hd * qh;
+            const bits16* dhd = dout + bi * (long)l * nh * D + (long)hd * D;
+            for (int c0 = start; c0 < l; c0 += FA_BQ) {
+                __syncthreads();  // the previous step's readers are done with the shared rows
+                fa_load<D>(sq, qhd, qr, c0, FA_BQ, l, align);
+                fa_load<D>(sd, dhd, (long)nh * D, c0, FA_BQ, l, align);
+                fa_load_bias<FA_BQ>(sb, bb, c0, j0, l, s);
+                if (threadIdx.x < FA_BQ) {
+                    int c = c0 + threadIdx.x;
+                    bool in = c < l;
+                    const float* st = stats + (((bi * nh + hd) * l) + (in ? c : 0)) * 2;
+                    sm[threadIdx.x] = in ? st[0] : 0.0f;
+                    si[threadIdx.x] = in ? st[1] : 0.0f;
+                    sdel[threadIdx.x] = in ? delta[(bi * l + c) * nh + hd] : 0.0f;
                 }
-            }
-            #pragma unroll
-            for (int n = 0; n < 2; ++n)
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int key = j0 + kw + fa_row(e), c = n * 8 + fa_col(e), row = c0 + c;
-                    float p = 0.0f;
-                    if (key < s && row < l && si[c] > 0.0f) {
-                        float x = st[n][e] * scale + T::ld(sb[c][kw + fa_row(e)]);
-                        p = expf(x - sm[c]) * si[c];
-                    }
-                    st[n][e] = p;
-                    dp[n][e] = p * (dp[n][e] - sdel[c]);
-                }
-            unsigned pa[4], da[4];
-            fa_a_of_c<T>(pa, st[0], st[1]);
-            fa_a_of_c<T>(da, dp[0], dp[1]);
-            #pragma unroll
-            for (int t = 0; t < D / 8; ++t) {
-                unsigned b[2];
-                fa_frag_b(b, sd, 0, t * 8);
-                Mma<T>::run(dv[t], pa, b);
-                fa_frag_b(b, sq, 0, t * 8);
-                Mma<T>::run(dk[t], da, b);
+                __syncthreads();
+                fa_dkv_step<T, D>(dk, dv, sk, sv, sq, sd, sm, si, sdel, sb, j0, kw, c0, l, s,
+                                  scale);
             }
         }
     }

@@ -409,7 +409,7 @@ fn flash_attention_forward_and_backward_match_the_composition() {
     // With `causal`, key tiles above the diagonal are skipped (130 rows: three blocks of 64;
     // a prefill after cached positions): rows with a visible key must not change, and a row
     // with none (a padded position) is left out of the comparison, its gradient zero as in the
-    // model.
+    // model. Head dim 128 with 16-byte rows: dk/dv's prefetching loop, causal steps included.
     for (b, nh, nkv, l, sl, d, cap, align, causal) in [
         (2, 4, 2, 70, 70, 64, 75, 8, false),
         (2, 4, 2, 70, 70, 64, 75, 1, false),
@@ -417,6 +417,7 @@ fn flash_attention_forward_and_backward_match_the_composition() {
         (2, 6, 1, 17, 100, 128, 128, 8, false),
         (2, 4, 2, 130, 130, 64, 130, 8, true),
         (2, 6, 1, 80, 150, 64, 150, 2, true),
+        (1, 4, 2, 130, 130, 128, 130, 8, true),
     ] {
         for (name, dt, tol) in DTYPES.into_iter().filter(|c| c.1 != DType::F32) {
             let seed = (l + sl + d + align) as u64;
