@@ -94,9 +94,18 @@ pub fn record<T>(tracked: &[&Tensor], f: impl FnOnce() -> Result<T>) -> Result<(
         unconsumed: HashSet::new(),
         broken: None,
     };
+    // Recording stops when `f` returns, fails or unwinds.
+    struct Recording;
+    impl Drop for Recording {
+        fn drop(&mut self) {
+            TAPE.with(|t| t.borrow_mut().take());
+        }
+    }
     TAPE.with(|t| *t.borrow_mut() = Some(tape));
+    let guard = Recording;
     let out = f();
     let tape = TAPE.with(|t| t.borrow_mut().take());
+    drop(guard);
     let tape = tape.ok_or_else(|| candle_core::Error::msg("tape: the recording vanished"))?;
     Ok((out?, tape))
 }
@@ -302,4 +311,100 @@ pub fn apply_op3<C: CustomOp3 + Send + Sync + 'static>(
         }),
     )?;
     y.ok_or_else(|| candle_core::Error::msg("tape: stopped recording"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// `a · b` elementwise, recorded with its backward.
+    fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let y = taped(
+            &[a, b],
+            |x| x[0].mul(&x[1]),
+            Arc::new(|x, needs, _, g| {
+                Ok(vec![
+                    needs[0].then(|| g.mul(&x[1])).transpose()?,
+                    needs[1].then(|| g.mul(&x[0])).transpose()?,
+                ])
+            }),
+        )?;
+        Ok(y.expect("recording"))
+    }
+
+    /// `a + b`, recorded.
+    fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let y = taped(
+            &[a, b],
+            |x| x[0].add(&x[1]),
+            Arc::new(|_, _, _, g| Ok(vec![Some(g.clone()), Some(g.clone())])),
+        )?;
+        Ok(y.expect("recording"))
+    }
+
+    #[test]
+    fn the_walk_gives_autograds_gradients_with_a_tensor_used_twice() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::new(&[1.5f64, -2.0, 0.25], &dev)?;
+        let w = Var::new(&[0.5f64, 3.0, -1.0], &dev)?;
+        let c = Tensor::new(&[2.0f64, 2.0, 2.0], &dev)?; // a constant: no gradient
+        let g = Tensor::new(&[1.0f64, -1.0, 0.5], &dev)?;
+        // z = (x·w + x)·c: x reaches z along two paths.
+        let (z, tape) = record(&[x.as_tensor(), w.as_tensor()], || {
+            let y = mul(&x, &w)?;
+            mul(&add(&y, &x)?, &c)
+        })?;
+        assert_eq!(tape.broken(&z), None);
+        assert_eq!(tape.len(), 3);
+        assert!(!z.track_op(), "a recorded output carries no graph");
+        let grads = tape.backward(&z, &g)?;
+        let plain = ((x.mul(&w)? + x.as_tensor())? * &c)?;
+        let want = (plain * &g)?.sum_all()?.backward()?;
+        for v in [&x, &w] {
+            let (a, b) = (&grads[&v.id()], want.get(v).expect("autograd"));
+            assert_eq!(a.to_vec1::<f64>()?, b.to_vec1::<f64>()?);
+        }
+        assert!(!grads.contains_key(&c.id()), "a constant got a gradient");
+        Ok(())
+    }
+
+    #[test]
+    fn an_op_outside_the_tape_breaks_it() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::new(&[1.0f64, 2.0], &dev)?;
+        // A recorded output consumed by a plain candle op.
+        let (z, tape) = record(&[x.as_tensor()], || {
+            let y = mul(&x, &x)?;
+            let y2 = (&y * 3.0)?;
+            add(&y2, &y2)
+        })?;
+        assert!(tape.broken(&z).is_some(), "{tape:?}");
+        // A graph built outside the tape fed to a recorded op.
+        let (z, tape) = record(&[x.as_tensor()], || mul(&x.exp()?, &x))?;
+        assert!(tape.broken(&z).is_some(), "{tape:?}");
+        // The block's output not recorded.
+        let (z, tape) = record(&[x.as_tensor()], || mul(&x, &x)?.exp())?;
+        assert!(tape.broken(&z).is_some(), "{tape:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn recording_ends_on_error_and_panic_and_does_not_nest() {
+        let dev = Device::Cpu;
+        let x = Var::new(&[1.0f64], &dev).expect("var");
+        let r = record(&[x.as_tensor()], || -> Result<()> {
+            assert!(recording());
+            assert!(record(&[], || Ok(())).is_err(), "nested recording");
+            candle_core::bail!("failed")
+        });
+        assert!(r.is_err());
+        assert!(!recording());
+        let r = std::panic::catch_unwind(|| {
+            let _ = record(&[], || -> Result<()> { panic!("inside") });
+        });
+        assert!(r.is_err());
+        assert!(!recording(), "a panic left the tape recording");
+        assert!(!needs_grad(&Tensor::new(&[1.0f64], &dev).expect("tensor")));
+    }
 }
