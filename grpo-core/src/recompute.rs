@@ -284,14 +284,17 @@ impl Recompute {
             // Inside a taped block: this op records itself instead of becoming a node.
             let fwd = self.forward.clone();
             let back: Option<Arc<crate::tape::TapeBackward>> = match &self.backward {
+                // Both compute values, as a node's backward does (no tape inside them).
                 Backward::Explicit(f) => {
                     let f = f.clone();
-                    Some(Arc::new(move |x, _, _, g| f(x, g)))
+                    Some(Arc::new(move |x, _, _, g| {
+                        crate::tape::suspended(|| f(x, g))
+                    }))
                 }
                 Backward::Recompute => {
                     let f = fwd.clone();
                     Some(Arc::new(move |x, needs, _, g| {
-                        recompute_grads(&*f, x, needs, g)
+                        crate::tape::suspended(|| recompute_grads(&*f, x, needs, g))
                     }))
                 }
                 _ => None,

@@ -61,24 +61,46 @@ thread_local! {
     static TAPE: RefCell<Option<Tape>> = const { RefCell::new(None) };
     /// The tracked set of the tape whose backward walks on this thread.
     static WALK: RefCell<Option<HashSet<TensorId>>> = const { RefCell::new(None) };
+    /// Inside a recorded op's own forward or explicit backward: no tape on this thread.
+    static SUSPENDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// True while a block's forward records on this thread.
+/// True while a block's forward records on this thread (not inside a recorded op's own
+/// computation).
 pub fn recording() -> bool {
-    TAPE.with(|t| t.borrow().is_some())
+    !SUSPENDED.with(|s| s.get()) && TAPE.with(|t| t.borrow().is_some())
+}
+
+/// `f` as if no tape recorded or walked on this thread: what a recorded op's own forward and
+/// an explicit backward compute is values, as a graph node's do, so the ops inside them neither
+/// record nor take a tape's tensors for ones that need a gradient (a packed kernel is chosen
+/// by `needs_grad` of its input, for one).
+pub fn suspended<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SUSPENDED.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SUSPENDED.with(|s| s.replace(true)));
+    f()
 }
 
 /// Whether `t` takes part in a differentiated computation: it carries a candle graph, or a
 /// tape recording (or walking) on this thread carries its gradient. What an op asks where it
 /// would ask `t.track_op()`: a recorded op's output carries no graph of its own.
 pub fn needs_grad(t: &Tensor) -> bool {
-    t.track_op()
-        || TAPE.with(|tape| {
-            tape.borrow()
-                .as_ref()
-                .is_some_and(|tape| tape.tracked.contains(&t.id()))
-        })
-        || WALK.with(|w| w.borrow().as_ref().is_some_and(|w| w.contains(&t.id())))
+    if t.track_op() {
+        return true;
+    }
+    if SUSPENDED.with(|s| s.get()) {
+        return false;
+    }
+    TAPE.with(|tape| {
+        tape.borrow()
+            .as_ref()
+            .is_some_and(|tape| tape.tracked.contains(&t.id()))
+    }) || WALK.with(|w| w.borrow().as_ref().is_some_and(|w| w.contains(&t.id())))
 }
 
 /// Runs `f` with a tape recording on this thread; `tracked` are the tensors whose gradients the
@@ -222,7 +244,7 @@ pub fn taped(
         return Ok(None);
     }
     let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
-    let out = forward(&detached)?;
+    let out = suspended(|| forward(&detached))?;
     TAPE.with(|t| {
         let mut t = t.borrow_mut();
         let Some(tape) = t.as_mut() else {
@@ -316,7 +338,7 @@ pub fn apply_op3<C: CustomOp3 + Send + Sync + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     /// `a · b` elementwise, recorded with its backward.
     fn mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -386,6 +408,35 @@ mod tests {
         // The block's output not recorded.
         let (z, tape) = record(&[x.as_tensor()], || mul(&x, &x)?.exp())?;
         assert!(tape.broken(&z).is_some(), "{tape:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_recorded_ops_own_computation_sees_no_tape() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::new(&[1.0f64, 2.0], &dev)?;
+        let (z, tape) = record(&[x.as_tensor()], || {
+            let y = mul(&x, &x)?;
+            assert!(needs_grad(&y), "a recorded output needs its gradient");
+            let z = taped(
+                &[&y],
+                |d| {
+                    // What a node's forward would see: no recording, no tracked input.
+                    assert!(!recording() && !needs_grad(&d[0]));
+                    d[0].exp()
+                },
+                Arc::new(|x, _, out, g| {
+                    assert!(needs_grad(&x[0]), "the walk answers for the op's inputs");
+                    Ok(vec![Some(g.mul(out)?)])
+                }),
+            )?;
+            Ok(z.expect("recording"))
+        })?;
+        assert_eq!(tape.broken(&z), None);
+        let grads = tape.backward(&z, &Tensor::ones(2, DType::F64, &dev)?)?;
+        // d exp(x²)/dx = 2x·exp(x²).
+        let want = (x.as_tensor() * 2.0)?.mul(&x.sqr()?.exp()?)?;
+        assert_eq!(grads[&x.id()].to_vec1::<f64>()?, want.to_vec1::<f64>()?);
         Ok(())
     }
 
