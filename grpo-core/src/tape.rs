@@ -275,6 +275,46 @@ pub fn taped(
     Ok(Some(out))
 }
 
+/// `Tensor::cat(ts, dim)`, recorded while a tape records (its backward: each part's slice of
+/// the gradient, contiguous).
+pub fn cat(ts: &[&Tensor], dim: usize) -> Result<Tensor> {
+    if !recording() {
+        return Tensor::cat(ts, dim);
+    }
+    let sizes = ts.iter().map(|t| t.dim(dim)).collect::<Result<Vec<_>>>()?;
+    let y = taped(
+        ts,
+        |d| Tensor::cat(d, dim),
+        Arc::new(move |_, needs, _, g| {
+            let mut at = 0;
+            let mut out = Vec::with_capacity(sizes.len());
+            for (n, need) in sizes.iter().zip(needs) {
+                out.push(match need {
+                    true => Some(g.narrow(dim, at, *n)?.contiguous()?),
+                    false => None,
+                });
+                at += n;
+            }
+            Ok(out)
+        }),
+    )?;
+    y.ok_or_else(|| candle_core::Error::msg("tape: stopped recording"))
+}
+
+/// `t.flatten_all()`, recorded while a tape records.
+pub fn flatten_all(t: &Tensor) -> Result<Tensor> {
+    if !recording() {
+        return t.flatten_all();
+    }
+    let shape = t.shape().clone();
+    let y = taped(
+        &[t],
+        |d| d[0].flatten_all(),
+        Arc::new(move |_, _, _, g| Ok(vec![Some(g.reshape(shape.clone())?)])),
+    )?;
+    y.ok_or_else(|| candle_core::Error::msg("tape: stopped recording"))
+}
+
 /// `a.apply_op1(c)`, recorded while a tape records.
 pub fn apply_op1<C: CustomOp1 + Send + Sync + 'static>(a: &Tensor, c: C) -> Result<Tensor> {
     if !recording() {

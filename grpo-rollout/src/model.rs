@@ -527,13 +527,18 @@ impl Layer {
         let saved = self.dropout_states();
         let run = move |a: &[Tensor]| -> Result<Tensor> {
             let (q, k, v) = layer.qkv(&ctx, &a[0])?;
+            // Recorded where a tape records (a taped block), plain candle ops otherwise.
+            use grpo_core::tape::{cat, flatten_all};
             let (ka, va) = match a.get(1..3) {
-                Some([pk, pv]) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+                Some([pk, pv]) => (cat(&[pk, &k], 2)?, cat(&[pv, &v], 2)?),
                 _ => (k.clone(), v.clone()),
             };
             let y = layer.finish(&ctx, &a[0], &q, &ka, &va)?;
             if collect {
-                Tensor::cat(&[y.flatten_all()?, k.flatten_all()?, v.flatten_all()?], 0)
+                cat(
+                    &[&flatten_all(&y)?, &flatten_all(&k)?, &flatten_all(&v)?],
+                    0,
+                )
             } else {
                 Ok(y)
             }
@@ -546,7 +551,7 @@ impl Layer {
                     run(a)
                 }
             })
-        } else if prefix.is_none() && !collect && self.tapeable(x) {
+        } else if self.tapeable(x) {
             // Every op records on a tape: the backward walks it (no zeroed buffer and add per
             // graph edge, no copy per op).
             Recompute::taped("decoder_layer", move |a, _| run(a))
@@ -1750,9 +1755,7 @@ impl Transformer {
             if let Some(blocks) = &self.layer_blocks
                 && !matches!(kv, Kv::Cache(_))
                 && (x.track_op() || !layer.vars().is_empty())
-                && (blocks.recompute
-                    || !blocks.taped_only
-                    || (matches!(kv, Kv::None) && layer.tapeable(&x)))
+                && (blocks.recompute || !blocks.taped_only || layer.tapeable(&x))
             {
                 let prefix = match &kv {
                     Kv::Prefix(pre) => Some(&pre[i]),

@@ -748,8 +748,9 @@ fn completion_stats_on_the_recompute_path_equal_the_kernels() {
 fn taped_layers_give_the_plain_graphs_values_and_gradients() {
     // The GPU's node path (forced on the CPU): a full fine-tune's decoder layers as taped
     // blocks (`enable_layer_segments` where every op records) against the same ops as graph
-    // nodes — log-probs, entropies and every weight's gradient; no tape fell back; the blocks
-    // are freed by backward; the loss graph keeps one node per layer instead of each op's.
+    // nodes — log-probs, entropies and every weight's gradient, padded rows and GRPO's shared
+    // prompts; no tape fell back; the blocks are freed by backward; the loss graph keeps one
+    // node per layer instead of each op's.
     let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     grpo_core::fused::set_force_recompute(true);
     let rows = vec![
@@ -758,9 +759,30 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
         vec![17, 6, 50, 4, 9],
     ];
     let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    // GRPO's shared prompts: each distinct prompt once (its keys and values collected), the
+    // completions after them (attending over those as a prefix).
+    let dev = Device::Cpu;
+    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 2, 33], vec![8, 3, 20, 11, 44, 1, 7]];
+    let (pids, pmask) = grpo_rollout::generate::left_pad(&prompts, 0, &dev).unwrap();
+    let prompt_of: Vec<u32> = vec![0, 1, 1, 0];
+    let comps: Vec<Vec<u32>> = vec![vec![12, 40, 3], vec![9, 9, 27, 5], vec![31], vec![4, 22]];
+    let cl = comps.iter().map(|c| c.len()).max().unwrap();
+    let (mut cid, mut cmask) = (Vec::new(), Vec::new());
+    for c in &comps {
+        for j in 0..cl {
+            cid.push(c.get(j).copied().unwrap_or(0));
+            cmask.push(u32::from(j < c.len()));
+        }
+    }
+    let cid = Tensor::from_vec(cid, (comps.len(), cl), &dev).unwrap();
+    let cmask = Tensor::from_vec(cmask, (comps.len(), cl), &dev).unwrap();
     let fallbacks = grpo_core::recompute::tape_fallbacks();
     // Qwen2 with its q/k/v biases; Llama without biases (an o_proj bias composes: no tape).
-    for (arch, bias) in [(Arch::Qwen2, true), (Arch::Llama, false)] {
+    for (arch, bias, shared) in [
+        (Arch::Qwen2, true, false),
+        (Arch::Llama, false, false),
+        (Arch::Qwen2, true, true),
+    ] {
         for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5), (DType::BF16, 2e-2)] {
             let mut c = small(arch, 61, 32, bias);
             c.num_hidden_layers = 2;
@@ -770,10 +792,15 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
                 if taped {
                     tm.model.enable_layer_segments();
                 }
-                let (lp, ent) = tm
-                    .model
-                    .completion_logprobs(&ids, &mask, 3, 0.7, true)
-                    .unwrap();
+                let (lp, ent) = if shared {
+                    tm.model
+                        .shared_prompt_logprobs(&pids, &pmask, &prompt_of, &cid, &cmask, 0.7, true)
+                        .unwrap()
+                } else {
+                    tm.model
+                        .completion_logprobs(&ids, &mask, 3, 0.7, true)
+                        .unwrap()
+                };
                 let ent = ent.unwrap();
                 let loss =
                     ((&lp * 0.3).unwrap().sum_all().unwrap() - ent.sum_all().unwrap()).unwrap();
@@ -793,9 +820,11 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
                 (lp, ent, g, nodes, live)
             };
             let (plain, taped) = (run(false), run(true));
-            let what = format!("{arch:?} {dtype:?}");
+            let what = format!("{arch:?} {dtype:?} shared={shared}");
             assert_eq!(plain.4, 0, "{what}: blocks without enabling them");
-            assert_eq!(taped.4, 2, "{what}: one block per layer");
+            // One block per layer and pass (the shared prompts' pass, then the completions').
+            let passes = if shared { 2 } else { 1 };
+            assert_eq!(taped.4, 2 * passes, "{what}: one block per layer");
             assert_close(&format!("{what} log-probs"), &taped.0, &plain.0, tol);
             assert_close(&format!("{what} entropies"), &taped.1, &plain.1, tol);
             assert_grads_close(&what, &taped.2, &plain.2, tol / 10.0);
