@@ -308,8 +308,13 @@ impl Recompute {
         let tracked = args.iter().any(|a| a.track_op());
         let (y, local) = match self.backward {
             Backward::Taped if tracked || !self.params.is_empty() => {
-                let leaves = leaves(args)?;
-                let mut start: Vec<&Tensor> = leaves.iter().filter(|l| l.is_variable()).collect();
+                // The inputs detached (no copy: the tape carries gradients by tensor id, a
+                // segment's variables would copy each tracked input).
+                let leaves: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+                let mut start: Vec<&Tensor> = (leaves.iter().zip(args))
+                    .filter(|(_, a)| a.track_op())
+                    .map(|(l, _)| l)
+                    .collect();
                 start.extend(self.params.iter());
                 let (y, tape) = timed(false, args[0].device(), || {
                     crate::tape::record(&start, || (self.forward)(&leaves, true))
