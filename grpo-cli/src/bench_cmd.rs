@@ -228,6 +228,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "matmul_gflop_per_s": mm,
             "fwd_bwd_matmul_fraction": fb.zip(mm).map(|(t, mm)| fb_gflop / t / mm),
             "peak_rss_mib": grpo_cli::trainer::peak_rss_mib(),
+            // Taped layer blocks that fell back to segments (an op inside did not record).
+            "tape_fallbacks": grpo_core::recompute::tape_fallbacks(),
         })
     );
     Ok(())
