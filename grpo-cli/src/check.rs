@@ -589,21 +589,25 @@ fn checkpoint_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
 
 /// Like [`checkpoint_check`] for layer blocks without recomputation
 /// (`Transformer::enable_layer_segments`: taped blocks where every op of a layer records, as
-/// on a GPU's bf16/f16 path; segments elsewhere on the CPU). Fails when a layer that should
-/// record fell back.
+/// on a GPU's path; segments elsewhere on the CPU).
 fn taped_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<f64> {
+    blocks_check(base, rows, false)
+}
+
+/// The largest gradient difference between a plain backward and one through layer blocks
+/// (recomputed with `ckpt`, else taped or segments). Fails when a layer whose ops should all
+/// record on a tape fell back (a segment, or a recomputation under a local graph).
+fn blocks_check(base: &Transformer, rows: &[Vec<u32>], ckpt: bool) -> Result<f64> {
     let before = grpo_core::recompute::tape_fallbacks();
-    let d = blocks_check(base, rows, false)?;
+    let d = blocks_diff(base, rows, ckpt)?;
     anyhow::ensure!(
         grpo_core::recompute::tape_fallbacks() == before,
-        "a decoder layer's tape was incomplete (it ran as a segment)"
+        "a decoder layer's tape was incomplete (it ran without one)"
     );
     Ok(d)
 }
 
-/// The largest gradient difference between a plain backward and one through layer blocks
-/// (recomputed with `ckpt`, else taped or segments).
-fn blocks_check(base: &Transformer, rows: &[Vec<u32>], ckpt: bool) -> Result<f64> {
+fn blocks_diff(base: &Transformer, rows: &[Vec<u32>], ckpt: bool) -> Result<f64> {
     let grads = |blocks: bool| -> Result<Vec<Tensor>> {
         let mut tm = TrainableModel::full(base)?;
         if blocks && ckpt {

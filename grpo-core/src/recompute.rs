@@ -117,8 +117,9 @@ enum Backward {
 
 static TAPE_FALLBACKS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// How many [`Recompute::taped`] blocks in the process fell back to a segment because an op
-/// inside them did not record (each once told on stderr with the reason, the first time).
+/// How many [`Recompute::taped`] blocks in the process fell back to a segment, or taped
+/// recomputations ([`Recompute::with_taped_recompute`]) to a local graph, because an op inside
+/// them did not record (told once on stderr with the reason, the first time).
 pub fn tape_fallbacks() -> usize {
     TAPE_FALLBACKS.load(std::sync::atomic::Ordering::SeqCst)
 }
@@ -194,6 +195,8 @@ pub struct Recompute {
     backward: Backward,
     params: Vec<Tensor>,
     sink: Option<Arc<GradSink>>,
+    /// [`Recompute::new`]'s recomputation records on a tape ([`Recompute::with_taped_recompute`]).
+    taped_recompute: bool,
 }
 
 impl std::fmt::Debug for Recompute {
@@ -216,6 +219,7 @@ impl Recompute {
             backward: Backward::Recompute,
             params: Vec::new(),
             sink: None,
+            taped_recompute: false,
         }
     }
 
@@ -231,6 +235,7 @@ impl Recompute {
             backward: Backward::Explicit(Arc::new(backward)),
             params: Vec::new(),
             sink: None,
+            taped_recompute: false,
         }
     }
 
@@ -248,6 +253,7 @@ impl Recompute {
             backward: Backward::Retained,
             params: Vec::new(),
             sink: None,
+            taped_recompute: false,
         }
     }
 
@@ -265,6 +271,7 @@ impl Recompute {
             backward: Backward::Taped,
             params: Vec::new(),
             sink: None,
+            taped_recompute: false,
         }
     }
 
@@ -274,6 +281,17 @@ impl Recompute {
     pub fn with_params(mut self, params: Vec<Tensor>, sink: Arc<GradSink>) -> Self {
         self.params = params;
         self.sink = Some(sink);
+        self
+    }
+
+    /// For [`Recompute::new`] (gradient checkpointing of a block whose ops all record): the
+    /// backward's recomputation records on a tape and walks it ([`crate::tape`]) instead of
+    /// differentiating the plain composition under a local graph — the ops keep their
+    /// graph-node paths (flash attention, no probabilities or MLP products kept), no zeroed
+    /// buffer and add per edge. A tape that breaks falls back to the local graph (said once
+    /// on stderr).
+    pub fn with_taped_recompute(mut self) -> Self {
+        self.taped_recompute = true;
         self
     }
 
@@ -520,6 +538,32 @@ impl Node {
     }
 
     fn recompute(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        if self.op.taped_recompute {
+            // The recomputation records on a tape (the ops take their graph-node path, not the
+            // plain compositions a local graph needs), then the tape is walked; a tape that
+            // broke falls back to the local graph below.
+            let leaves: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+            let mut start: Vec<&Tensor> = (leaves.iter().zip(args))
+                .filter(|(_, a)| a.track_op())
+                .map(|(l, _)| l)
+                .collect();
+            start.extend(self.op.params.iter());
+            let (y, tape) = crate::tape::record(&start, || (self.op.forward)(&leaves, true))?;
+            match tape.broken(&y) {
+                None => {
+                    let mut grads = tape.backward(&y, grad)?;
+                    return self.collect(args, &leaves, |t| grads.remove(&t.id()));
+                }
+                Some(why) => {
+                    if TAPE_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                        eprintln!(
+                            "{}: recomputed without a tape (its ops' tape is incomplete: {why})",
+                            self.op.name
+                        );
+                    }
+                }
+            }
+        }
         let leaves = leaves(args)?;
         let was = IN_RECOMPUTE.with(|c| c.replace(true));
         let run = || -> Result<GradStore> {

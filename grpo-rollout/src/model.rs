@@ -544,13 +544,20 @@ impl Layer {
             }
         };
         let op = if blocks.recompute {
-            Recompute::new("decoder_layer", move |a, replay| {
+            let op = Recompute::new("decoder_layer", move |a, replay| {
                 if replay {
                     crate::lora::replay_dropout(&saved, || run(a))?
                 } else {
                     run(a)
                 }
-            })
+            });
+            // Every op records: the recomputation is taped too (graph-node paths, no
+            // zeroed buffer and add per edge).
+            if self.tapeable(x) {
+                op.with_taped_recompute()
+            } else {
+                op
+            }
         } else if self.tapeable(x) {
             // Every op records on a tape: the backward walks it (no zeroed buffer and add per
             // graph edge, no copy per op).

@@ -787,10 +787,13 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
             let mut c = small(arch, 61, 32, bias);
             c.num_hidden_layers = 2;
             let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
-            let run = |taped: bool| {
+            // 0: the plain graph; 1: taped blocks; 2: gradient checkpointing (taped recompute).
+            let run = |mode: u8| {
                 let mut tm = TrainableModel::full(&base).unwrap();
-                if taped {
-                    tm.model.enable_layer_segments();
+                match mode {
+                    1 => tm.model.enable_layer_segments(),
+                    2 => tm.model.enable_gradient_checkpointing(),
+                    _ => {}
                 }
                 let (lp, ent) = if shared {
                     tm.model
@@ -819,7 +822,7 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
                     .collect();
                 (lp, ent, g, nodes, live)
             };
-            let (plain, taped) = (run(false), run(true));
+            let (plain, taped, ckpt) = (run(0), run(1), run(2));
             let what = format!("{arch:?} {dtype:?} shared={shared}");
             assert_eq!(plain.4, 0, "{what}: blocks without enabling them");
             // One block per layer and pass (the shared prompts' pass, then the completions').
@@ -834,6 +837,9 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
                 taped.3,
                 plain.3
             );
+            let what = format!("{what} checkpointing");
+            assert_close(&format!("{what} log-probs"), &ckpt.0, &plain.0, tol);
+            assert_grads_close(&what, &ckpt.2, &plain.2, tol / 10.0);
         }
     }
     assert_eq!(
