@@ -849,3 +849,65 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
     );
     grpo_core::fused::set_force_recompute(false);
 }
+
+#[test]
+fn kernel_ops_record_on_a_tape_with_their_nodes_gradients() {
+    // The ops that are candle CustomOps with their own backward (the kernels: here the CPU
+    // f32 ones, as CUDA's run on a GPU) through `tape::apply_op*` while a tape records: the
+    // walk's gradients are the node's under candle's backward, to the bit, and only inputs
+    // that carry a gradient get one (the tables and the bias are constants).
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    grpo_core::fused::set_enabled(true);
+    let (x, w) = (randn(&[6, 16], DType::F32), randn(&[16], DType::F32));
+    let (a, u) = (randn(&[6, 16], DType::F32), randn(&[6, 16], DType::F32));
+    let q = randn(&[2, 3, 4, 8], DType::F32); // (B, L, H, D)
+    let (cos, sin) = (randn(&[2, 3, 4], DType::F32), randn(&[2, 3, 4], DType::F32));
+    let (sc, bias) = (
+        randn(&[2, 4, 3, 3], DType::F32),
+        randn(&[2, 1, 3, 3], DType::F32),
+    );
+    type Op = fn(&[Tensor]) -> candle_core::Result<Tensor>;
+    let cases: Vec<(&str, Vec<Tensor>, Op)> = vec![
+        ("rms_norm", vec![x, w], |t| {
+            fused::rms_norm(&t[0], &t[1], 1e-6)
+        }),
+        ("silu_mul", vec![a, u], |t| fused::silu_mul(&t[0], &t[1])),
+        ("rope", vec![q, cos, sin], |t| {
+            fused::rope(&t[0], &t[1], &t[2])
+        }),
+        ("attention_softmax", vec![sc, bias], |t| {
+            fused::attention_softmax(&t[0], &t[1], 0.5)
+        }),
+    ];
+    for (name, inputs, op) in cases {
+        // The first input (and the norm's weight) trained, the rest constants.
+        let trained = if name == "rms_norm" { 2 } else { 1 };
+        let vars: Vec<Var> = inputs[..trained]
+            .iter()
+            .map(|t| Var::from_tensor(t).unwrap())
+            .collect();
+        let args: Vec<Tensor> = vars
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .chain(inputs[trained..].iter().cloned())
+            .collect();
+        let y = op(&args).unwrap();
+        let r = randn(y.dims(), DType::F32);
+        let want = (&y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+        let tracked: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+        let (yt, tape) = grpo_core::tape::record(&tracked, || op(&args)).unwrap();
+        assert_eq!(tape.broken(&yt), None, "{name}");
+        assert_eq!(tape.len(), 1, "{name}: one recorded op");
+        assert_close(&format!("{name} output"), &yt, &y, 1e-30);
+        let got = tape.backward(&yt, &r).unwrap();
+        for v in &vars {
+            let (g, w) = (&got[&v.id()], want.get(v).unwrap());
+            assert_eq!(
+                g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                "{name}: gradient"
+            );
+        }
+        assert_eq!(got.len(), vars.len(), "{name}: a constant got a gradient");
+    }
+}
