@@ -11,8 +11,12 @@
 //! (a residual stream, a normalised row feeding three projections); each op's saved tensors
 //! are freed once its backward has run.
 //!
+//! Gradient checkpointing uses it too: a recomputed block's ops record, and the tape is walked
+//! ([`crate::recompute::Recompute::with_taped_recompute`]).
+//!
 //! The ops record themselves through [`apply_op1`] / [`apply_op2`] / [`apply_op3`] (a candle
-//! `CustomOp` with its `bwd`) or [`taped`] (an explicit backward). Anything else inside a
+//! `CustomOp` with its `bwd`), [`cat`] and [`flatten_all`], or [`taped`] (an explicit
+//! backward; [`crate::recompute::Recompute::apply`] records this way). Anything else inside a
 //! recording block breaks the tape, which the block notices and reports ([`Tape::broken`]):
 //! an input that carries a graph of its own (built by an op that does not record), an output
 //! that no later op consumes and that is not the block's output (consumed by an op that does
