@@ -221,6 +221,11 @@ impl Tape {
                 let (Some(gi), true) = (gi, *need) else {
                     continue;
                 };
+                // Detached, as candle's backward detaches each gradient it passes on: a
+                // gradient formed from a recomputation's variables carries that local graph,
+                // and one kept (a weight's, into the optimizer's moments) would keep it alive
+                // step after step.
+                let gi = gi.detach();
                 match grads.entry(inp.id()) {
                     MapEntry::Vacant(v) => {
                         v.insert(gi);

@@ -94,7 +94,9 @@ impl AdamW {
     pub fn accumulate(&self, acc: &mut HashMap<String, Tensor>, grads: &GradStore) -> Result<()> {
         for (i, (name, var)) in self.vars.iter().enumerate() {
             if let Some(g) = grads.get(var.as_tensor()) {
-                let g = g.to_dtype(self.sum_dtype(i))?;
+                // Detached: the moments are built from these sums, and a gradient carrying a
+                // graph would chain them (and what that graph holds) from step to step.
+                let g = g.detach().to_dtype(self.sum_dtype(i))?;
                 let sum = match acc.remove(name) {
                     Some(prev) => (prev.to_dtype(g.dtype())? + g)?,
                     None => g,
@@ -243,7 +245,7 @@ pub fn accumulate(
 ) -> Result<()> {
     for (name, var) in vars {
         if let Some(g) = grads.get(var.as_tensor()) {
-            let g = g.to_dtype(DType::F32)?;
+            let g = g.detach().to_dtype(DType::F32)?;
             let sum = match acc.remove(name) {
                 Some(prev) => (prev + g)?,
                 None => g,
