@@ -64,6 +64,20 @@ fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
     assert!(d < tol, "{what}: {d}");
 }
 
+/// The same inputs have gradients on both sides, equal within 1e-12 (f64 nodes against their
+/// compositions).
+fn assert_same_grads(what: &str, a: &[Option<Tensor>], b: &[Option<Tensor>]) {
+    for (k, (ga, gb)) in a.iter().zip(b).enumerate() {
+        match (ga, gb) {
+            (Some(ga), Some(gb)) => {
+                assert!(max_abs(&(ga - gb).unwrap()) < 1e-12, "{what}input {k}")
+            }
+            (None, None) => {}
+            _ => panic!("{what}input {k}: gradient on one side only"),
+        }
+    }
+}
+
 /// Each named gradient of `a` within `tol × 10` of `b`'s, relative to `b`'s largest value.
 fn assert_grads_close(what: &str, a: &[(String, Tensor)], b: &[(String, Tensor)], tol: f64) {
     let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
@@ -441,15 +455,7 @@ fn affine_node_equals_the_composition() {
         };
         let (a, b) = (run(true), run(false));
         assert!(max_abs(&(&a.0 - &b.0).unwrap()) < 1e-12);
-        for (k, (ga, gb)) in a.1.iter().zip(&b.1).enumerate() {
-            match (ga, gb) {
-                (Some(ga), Some(gb)) => {
-                    assert!(max_abs(&(ga - gb).unwrap()) < 1e-12, "input {k}")
-                }
-                (None, None) => {}
-                _ => panic!("input {k}: gradient on one side only"),
-            }
-        }
+        assert_same_grads("", &a.1, &b.1);
         // The composition keeps the product (and the biased product) beside the output.
         assert!(a.2 < b.2, "{res_on} {bias_on} {tr:?}: {} vs {}", a.2, b.2);
     }
@@ -517,15 +523,7 @@ fn project_heads_node_equals_the_composition() {
             let (a, c) = (run(true), run(false));
             let what = format!("rotate {rotate}, bias {bias_on}, trainable W {w_tracked}");
             assert!(max_abs(&(&a.0 - &c.0).unwrap()) < 1e-12, "{what}: values");
-            for (k, (ga, gc)) in a.1.iter().zip(&c.1).enumerate() {
-                match (ga, gc) {
-                    (Some(ga), Some(gc)) => {
-                        assert!(max_abs(&(ga - gc).unwrap()) < 1e-12, "{what}: input {k}")
-                    }
-                    (None, None) => {}
-                    _ => panic!("{what}: input {k}: gradient on one side only"),
-                }
-            }
+            assert_same_grads(&format!("{what}: "), &a.1, &c.1);
             assert!(a.2 < c.2, "{what}: {} nodes vs {}", a.2, c.2);
         }
     }
@@ -588,16 +586,7 @@ fn mlp_nodes_equal_the_composition() {
         };
         let (a, c) = (run(true), run(false));
         assert!(max_abs(&(&a.0 - &c.0).unwrap()) < 1e-12, "values");
-        for (k, (ga, gc)) in a.1.iter().zip(&c.1).enumerate() {
-            match (ga, gc) {
-                (Some(ga), Some(gc)) => assert!(
-                    max_abs(&(ga - gc).unwrap()) < 1e-12,
-                    "trainable {trainable}: input {k}"
-                ),
-                (None, None) => {}
-                _ => panic!("trainable {trainable}: input {k}: gradient on one side only"),
-            }
-        }
+        assert_same_grads(&format!("trainable {trainable}: "), &a.1, &c.1);
         assert!(a.2 < c.2, "trainable {trainable}: {} nodes vs {}", a.2, c.2);
     }
     // The CPU kernels' path keeps the composition.
