@@ -1992,6 +1992,37 @@ fn row_sums(g: &Tensor) -> Result<Tensor> {
 
 // ---------------------------------------------------------------- affine nodes
 
+/// `x Wᵀ [+ b]` of the slots `[x, w, b]` given a node's inputs `a`.
+fn linear_rows(s: &[Slot], a: &[Tensor]) -> Result<Tensor> {
+    let (x, w) = (s[0].get(a).expect("x"), s[1].get(a).expect("w"));
+    let y = matmul(&x, &w.t()?)?;
+    match s[2].get(a) {
+        Some(b) => y.broadcast_add(&b),
+        None => Ok(y),
+    }
+}
+
+/// [`linear_rows`]' backward for the output gradient `g` `(N, out)`: `dx = g W`, `dW = gᵀ x`,
+/// `db = Σ_rows g` into `out` for the slots that are inputs.
+fn linear_rows_grads(
+    s: &[Slot],
+    a: &[Tensor],
+    g: &Tensor,
+    out: &mut [Option<Tensor>],
+) -> Result<()> {
+    let (x, w) = (s[0].get(a).expect("x"), s[1].get(a).expect("w"));
+    if let Slot::In(i) = s[0] {
+        out[i] = Some(matmul(g, &w)?);
+    }
+    if let Slot::In(i) = s[1] {
+        out[i] = Some(matmul(&g.t()?, &x)?);
+    }
+    if let Slot::In(i) = s[2] {
+        out[i] = Some(row_sums(g)?);
+    }
+    Ok(())
+}
+
 /// An argument of a projection node ([`affine`], [`project_heads`]): an input of the node (it
 /// carries a graph; its index among the node's inputs), a constant, or absent.
 #[derive(Clone)]
@@ -2060,34 +2091,18 @@ pub fn affine(
     let get = Slot::get;
     let fwd_slots = slots.clone();
     let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
-        let (x, w) = (
-            get(&fwd_slots[1], a).expect("x"),
-            get(&fwd_slots[2], a).expect("w"),
-        );
-        let mut y = matmul(&x, &w.t()?)?;
-        if let Some(b) = get(&fwd_slots[3], a) {
-            y = y.broadcast_add(&b)?;
+        let y = linear_rows(&fwd_slots[1..], a)?;
+        match get(&fwd_slots[0], a) {
+            Some(r) => y + r,
+            None => Ok(y),
         }
-        if let Some(r) = get(&fwd_slots[0], a) {
-            y = (y + r)?;
-        }
-        Ok(y)
     };
     let backward = move |a: &[Tensor], g: &Tensor| -> Result<Vec<Option<Tensor>>> {
         let mut out: Vec<Option<Tensor>> = vec![None; a.len()];
-        let (x, w) = (get(&slots[1], a).expect("x"), get(&slots[2], a).expect("w"));
         if let Slot::In(i) = slots[0] {
             out[i] = Some(g.clone());
         }
-        if let Slot::In(i) = slots[1] {
-            out[i] = Some(matmul(g, &w)?);
-        }
-        if let Slot::In(i) = slots[2] {
-            out[i] = Some(matmul(&g.t()?, &x)?);
-        }
-        if let Slot::In(i) = slots[3] {
-            out[i] = Some(row_sums(g)?);
-        }
+        linear_rows_grads(&slots[1..], a, g, &mut out)?;
         Ok(out)
     };
     Recompute::explicit("affine", forward, backward)
@@ -2121,20 +2136,11 @@ pub fn project_heads(
     if inputs.is_empty() {
         return Ok(None);
     }
-    let get = Slot::get;
     let rot_f = rot.map(|(c, s)| (c.detach(), s.detach()));
     let rot_b = rot_f.clone();
     let fwd_slots = slots.clone();
     let forward = move |a: &[Tensor], _: bool| -> Result<Tensor> {
-        let (x, w) = (
-            get(&fwd_slots[0], a).expect("x"),
-            get(&fwd_slots[1], a).expect("w"),
-        );
-        let mut y = matmul(&x, &w.t()?)?;
-        if let Some(b) = get(&fwd_slots[2], a) {
-            y = y.broadcast_add(&b)?;
-        }
-        let y = y.reshape((bsz, l, h, d))?;
+        let y = linear_rows(&fwd_slots, a)?.reshape((bsz, l, h, d))?;
         match &rot_f {
             Some((c, s)) => rope(&y, c, s),
             None => y.transpose(1, 2)?.contiguous(),
@@ -2147,16 +2153,7 @@ pub fn project_heads(
             None => g.transpose(1, 2)?.contiguous()?,
         }
         .reshape((bsz * l, h * d))?;
-        let (x, w) = (get(&slots[0], a).expect("x"), get(&slots[1], a).expect("w"));
-        if let Slot::In(i) = slots[0] {
-            out[i] = Some(matmul(&gy, &w)?);
-        }
-        if let Slot::In(i) = slots[1] {
-            out[i] = Some(matmul(&gy.t()?, &x)?);
-        }
-        if let Slot::In(i) = slots[2] {
-            out[i] = Some(row_sums(&gy)?);
-        }
+        linear_rows_grads(&slots, a, &gy, &mut out)?;
         Ok(out)
     };
     Recompute::explicit("project_heads", forward, backward)
