@@ -208,19 +208,23 @@ impl std::fmt::Debug for Recompute {
 }
 
 impl Recompute {
+    fn with(name: &'static str, forward: Arc<ForwardFn>, backward: Backward) -> Self {
+        Self {
+            name,
+            forward,
+            backward,
+            params: Vec::new(),
+            sink: None,
+            taped_recompute: false,
+        }
+    }
+
     /// Backward by recomputing `forward` with a local graph.
     pub fn new(
         name: &'static str,
         forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            name,
-            forward: Arc::new(forward),
-            backward: Backward::Recompute,
-            params: Vec::new(),
-            sink: None,
-            taped_recompute: false,
-        }
+        Self::with(name, Arc::new(forward), Backward::Recompute)
     }
 
     /// Backward by an explicit formula (nothing recomputed).
@@ -229,14 +233,11 @@ impl Recompute {
         forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
         backward: impl Fn(&[Tensor], &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync + 'static,
     ) -> Self {
-        Self {
+        Self::with(
             name,
-            forward: Arc::new(forward),
-            backward: Backward::Explicit(Arc::new(backward)),
-            params: Vec::new(),
-            sink: None,
-            taped_recompute: false,
-        }
+            Arc::new(forward),
+            Backward::Explicit(Arc::new(backward)),
+        )
     }
 
     /// A block whose graph is built once, in the forward (`forward` called with the flag true,
@@ -247,14 +248,7 @@ impl Recompute {
         name: &'static str,
         forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            name,
-            forward: Arc::new(forward),
-            backward: Backward::Retained,
-            params: Vec::new(),
-            sink: None,
-            taped_recompute: false,
-        }
+        Self::with(name, Arc::new(forward), Backward::Retained)
     }
 
     /// [`Recompute::segment`] whose forward records its ops on a tape ([`crate::tape`]) instead
@@ -265,14 +259,7 @@ impl Recompute {
         name: &'static str,
         forward: impl Fn(&[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            name,
-            forward: Arc::new(forward),
-            backward: Backward::Taped,
-            params: Vec::new(),
-            sink: None,
-            taped_recompute: false,
-        }
+        Self::with(name, Arc::new(forward), Backward::Taped)
     }
 
     /// Trainable weights (candle `Var`s) that `forward` uses when its flag is true: their
@@ -293,6 +280,36 @@ impl Recompute {
     pub fn with_taped_recompute(mut self) -> Self {
         self.taped_recompute = true;
         self
+    }
+
+    /// `forward` on the inputs detached (no copy: the tape carries gradients by tensor id, where
+    /// a local graph's variables copy each tracked input) while a tape records, the tracked
+    /// inputs and the weights its start: `(leaves, output, tape)`, or `None` where an op did
+    /// not record (counted, and told once on stderr: "{name}: {fallback} (...)").
+    fn record_forward(
+        &self,
+        args: &[&Tensor],
+        fallback: &str,
+    ) -> Result<Option<(Vec<Tensor>, Tensor, crate::tape::Tape)>> {
+        let leaves: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+        let mut start: Vec<&Tensor> = (leaves.iter().zip(args))
+            .filter(|(_, a)| a.track_op())
+            .map(|(l, _)| l)
+            .collect();
+        start.extend(self.params.iter());
+        let (y, tape) = crate::tape::record(&start, || (self.forward)(&leaves, true))?;
+        match tape.broken(&y) {
+            None => Ok(Some((leaves, y, tape))),
+            Some(why) => {
+                if TAPE_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                    eprintln!(
+                        "{}: {fallback} (its ops' tape is incomplete: {why})",
+                        self.name
+                    );
+                }
+                Ok(None)
+            }
+        }
     }
 
     /// Runs the op on up to three inputs. Without a tracked input or a trainable weight the
@@ -326,28 +343,13 @@ impl Recompute {
         let tracked = args.iter().any(|a| a.track_op());
         let (y, local) = match self.backward {
             Backward::Taped if tracked || !self.params.is_empty() => {
-                // The inputs detached (no copy: the tape carries gradients by tensor id, a
-                // segment's variables would copy each tracked input).
-                let leaves: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
-                let mut start: Vec<&Tensor> = (leaves.iter().zip(args))
-                    .filter(|(_, a)| a.track_op())
-                    .map(|(l, _)| l)
-                    .collect();
-                start.extend(self.params.iter());
-                let (y, tape) = timed(false, args[0].device(), || {
-                    crate::tape::record(&start, || (self.forward)(&leaves, true))
+                let taped = timed(false, args[0].device(), || {
+                    self.record_forward(args, "runs as a segment")
                 })?;
-                match tape.broken(&y) {
-                    None => (y.clone(), Some(Local::new(leaves, y, Some(tape)))),
-                    Some(why) => {
-                        if TAPE_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-                            eprintln!(
-                                "{}: runs as a segment (its ops' tape is incomplete: {why})",
-                                self.name
-                            );
-                        }
-                        drop((y, tape));
-                        let leaves = self::leaves(args)?;
+                match taped {
+                    Some((leaves, y, tape)) => (y.clone(), Some(Local::new(leaves, y, Some(tape)))),
+                    None => {
+                        let leaves = leaves(args)?;
                         let y = timed(false, args[0].device(), || (self.forward)(&leaves, true))?;
                         (y.detach(), Some(Local::new(leaves, y, None)))
                     }
@@ -542,26 +544,11 @@ impl Node {
             // The recomputation records on a tape (the ops take their graph-node path, not the
             // plain compositions a local graph needs), then the tape is walked; a tape that
             // broke falls back to the local graph below.
-            let leaves: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
-            let mut start: Vec<&Tensor> = (leaves.iter().zip(args))
-                .filter(|(_, a)| a.track_op())
-                .map(|(l, _)| l)
-                .collect();
-            start.extend(self.op.params.iter());
-            let (y, tape) = crate::tape::record(&start, || (self.op.forward)(&leaves, true))?;
-            match tape.broken(&y) {
-                None => {
-                    let mut grads = tape.backward(&y, grad)?;
-                    return self.collect(args, &leaves, |t| grads.remove(&t.id()));
-                }
-                Some(why) => {
-                    if TAPE_FALLBACKS.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-                        eprintln!(
-                            "{}: recomputed without a tape (its ops' tape is incomplete: {why})",
-                            self.op.name
-                        );
-                    }
-                }
+            if let Some((leaves, y, tape)) =
+                self.op.record_forward(args, "recomputed without a tape")?
+            {
+                let mut grads = tape.backward(&y, grad)?;
+                return self.collect(args, &leaves, |t| grads.remove(&t.id()));
             }
         }
         let leaves = leaves(args)?;
