@@ -4,9 +4,6 @@
 
 // ------------------------------------------------------------------ RMSNorm
 
-// A block normalises one row of `h`: y = T(T(x · inv) · w), inv = 1 / sqrt(mean(x²) + eps) —
-// the composition's two roundings to the storage type. Each thread reads only the elements it
-// would write (so a row the same threads just wrote needs no barrier).
 // Elements of a row a thread keeps in registers (`rms_row`, `rms_bwd`, `add_rms_fwd`): rows up
 // to ROW_REGS × the block's threads take one round of loads, every load issued before the first
 // use, with the loop's arithmetic in the loop's order (the same bits).
@@ -29,6 +26,22 @@ __device__ __forceinline__ float regs_inv(const typename T::S* xa, int h, float 
     return 1.0f / sqrtf(ss / (float)h + eps);
 }
 
+// RMSNorm of a row held in registers (xa, wa as `regs_inv` lays them out) into `yr`.
+template <typename T>
+__device__ __forceinline__ void regs_rms(const typename T::S* xa, const typename T::S* wa,
+                                         typename T::S* yr, int h, float eps, float* sh) {
+    int tid = threadIdx.x, nt = blockDim.x;
+    float inv = regs_inv<T>(xa, h, eps, sh);
+#pragma unroll
+    for (int k = 0; k < ROW_REGS; ++k) {
+        int i = tid + k * nt;
+        if (i < h) yr[i] = T::st(T::ld(T::st(T::ld(xa[k]) * inv)) * T::ld(wa[k]));
+    }
+}
+
+// A block normalises one row of `h`: y = T(T(x · inv) · w), inv = 1 / sqrt(mean(x²) + eps) —
+// the composition's two roundings to the storage type. Each thread reads only the elements it
+// would write (so a row the same threads just wrote needs no barrier).
 template <typename T>
 __device__ void rms_row(const typename T::S* xr, const typename T::S* wr, typename T::S* yr,
                         int h, float eps, float* sh) {
@@ -43,12 +56,7 @@ __device__ void rms_row(const typename T::S* xr, const typename T::S* wr, typena
                 wa[k] = wr[i];
             }
         }
-        float inv = regs_inv<T>(xa, h, eps, sh);
-#pragma unroll
-        for (int k = 0; k < ROW_REGS; ++k) {
-            int i = tid + k * nt;
-            if (i < h) yr[i] = T::st(T::ld(T::st(T::ld(xa[k]) * inv)) * T::ld(wa[k]));
-        }
+        regs_rms<T>(xa, wa, yr, h, eps, sh);
         return;
     }
     float ss = 0.0f;
@@ -195,24 +203,16 @@ __device__ void add_rms_fwd(const typename T::S* x, long xo, const typename T::S
                 wa[k] = wr[i];
             }
         }
-        float sv[ROW_REGS], ss = 0.0f;
+        typename T::S sa[ROW_REGS];
 #pragma unroll
         for (int k = 0; k < ROW_REGS; ++k) {
             int i = tid + k * nt;
             if (i < h) {
-                typename T::S st = T::st(T::ld(xa[k]) + T::ld(ra[k]));
-                sr[i] = st;
-                sv[k] = T::ld(st);
-                ss += sv[k] * sv[k];
+                sa[k] = T::st(T::ld(xa[k]) + T::ld(ra[k]));
+                sr[i] = sa[k];
             }
         }
-        ss = block_sum(ss, sh);
-        float inv = 1.0f / sqrtf(ss / (float)h + eps);
-#pragma unroll
-        for (int k = 0; k < ROW_REGS; ++k) {
-            int i = tid + k * nt;
-            if (i < h) yr[i] = T::st(T::ld(T::st(sv[k] * inv)) * T::ld(wa[k]));
-        }
+        regs_rms<T>(sa, wa, yr, h, eps, sh);
         return;
     }
     for (int i = tid; i < h; i += nt) sr[i] = T::st(T::ld(xr[i]) + T::ld(rr[i]));
