@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Tensor};
-use grpo_core::cuda::{Elem, Kernels, alloc, cfg, done};
+use grpo_core::cuda::{Elem, Kernels, alloc, cfg, done, input};
 use grpo_core::cuda_launch;
 
 /// The flash attention kernels.
@@ -394,17 +394,16 @@ fn delta_t<T: Elem>(
 ) -> Result<(CudaStorage, Shape)> {
     let n = op.b * op.l * op.nh;
     let want = [op.b * op.l, op.nh * op.d];
-    if lg.dims() != want || lo.dims() != want || !lg.is_contiguous() || !lo.is_contiguous() {
+    if lg.dims() != want || lo.dims() != want {
         candle_core::bail!(
-            "flash attention delta: gradient {:?} and context {:?}, want contiguous {want:?}",
+            "flash attention delta: gradient {:?} and context {:?}, want {want:?}",
             lg.dims(),
             lo.dims()
         );
     }
     let dev = &g.device;
-    let gs = g.as_cuda_slice::<T>()?;
-    let os = o.as_cuda_slice::<T>()?;
-    let (go, oo) = (lg.start_offset() as i64, lo.start_offset() as i64);
+    let (gs, go) = input::<T>(g, lg, "flash attention delta")?;
+    let (os, oo) = input::<T>(o, lo, "flash attention delta")?;
     let out = alloc::<f32>(dev, n)?;
     let (ni, di) = (n as i64, op.d as i32);
     let c = cfg((n * 32).div_ceil(256) as u32, 256, 0);
