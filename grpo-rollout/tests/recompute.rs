@@ -64,6 +64,17 @@ fn assert_close(what: &str, a: &Tensor, b: &Tensor, tol: f64) {
     assert!(d < tol, "{what}: {d}");
 }
 
+/// Each input's gradient (if any) under `Σ y · weights`.
+fn weighted_grads(y: &Tensor, weights: &Tensor, inputs: &[&Tensor]) -> Vec<Option<Tensor>> {
+    let g = (y * weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    inputs.iter().map(|t| g.get(t).cloned()).collect()
+}
+
 /// The same inputs have gradients on both sides, equal within 1e-12 (f64 nodes against their
 /// compositions).
 fn assert_same_grads(what: &str, a: &[Option<Tensor>], b: &[Option<Tensor>]) {
@@ -443,14 +454,7 @@ fn affine_node_equals_the_composition() {
                 .filter(|t| !t.is_variable())
                 .map(|t| t.elem_count())
                 .sum();
-            let g = (&y * &weights)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            let grads: Vec<Option<Tensor>> =
-                [&r, &x, &w, &b].iter().map(|t| g.get(t).cloned()).collect();
+            let grads = weighted_grads(&y, &weights, &[&r, &x, &w, &b]);
             (y, grads, bytes)
         };
         let (a, b) = (run(true), run(false));
@@ -510,14 +514,7 @@ fn project_heads_node_equals_the_composition() {
                     }
                 };
                 let nodes = y.sorted_nodes().len();
-                let g = (&y * &weights)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .backward()
-                    .unwrap();
-                let grads: Vec<Option<Tensor>> =
-                    [&x, &w, &bb].iter().map(|t| g.get(t).cloned()).collect();
+                let grads = weighted_grads(&y, &weights, &[&x, &w, &bb]);
                 (y, grads, nodes)
             };
             let (a, c) = (run(true), run(false));
@@ -572,16 +569,7 @@ fn mlp_nodes_equal_the_composition() {
                 (&r + act.matmul(&wd.t().unwrap()).unwrap()).unwrap()
             };
             let nodes = y.sorted_nodes().len();
-            let g = (&y * &weights)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            let grads: Vec<Option<Tensor>> = [&x, &r, &wg, &wu, &wd]
-                .iter()
-                .map(|t| g.get(t).cloned())
-                .collect();
+            let grads = weighted_grads(&y, &weights, &[&x, &r, &wg, &wu, &wd]);
             (y, grads, nodes)
         };
         let (a, c) = (run(true), run(false));
