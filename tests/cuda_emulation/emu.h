@@ -4,7 +4,10 @@
 // between two waits for the warp, `__shared__` variables are statics (blocks run one after
 // another), and the grid is walked block by block, last block first (CUDA promises no order:
 // a kernel whose blocks read what other blocks of the same launch write fails here). Slow, and exact about what a kernel computes
-// for given indices — which is what it is for.
+// for given indices — which is what it is for. Three GPU faults show: a race (the tests run
+// each kernel with the threads resumed in both orders and require the same bits), a read of
+// dynamic shared memory before any write (it starts as NaN), and a warp-wide exchange that
+// not all 32 lanes reach (an error).
 #pragma once
 #include <ucontext.h>
 
@@ -13,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
 #define GPU_HOST_EMULATION 1
@@ -136,6 +140,15 @@ inline void emu_entry() {
     emu_threads[emu_current].state = EMU_DONE;
 }
 
+// The order in which the scheduler resumes the runnable threads between two synchronisation
+// points: by index, or (GPU_EMU_ORDER=reverse) last first. A kernel whose output depends on it
+// reads what another thread writes without a barrier between them — a race on a GPU — and the
+// tests run every kernel both ways and require the same bits.
+inline const bool emu_reverse = [] {
+    const char* o = std::getenv("GPU_EMU_ORDER");
+    return o != nullptr && std::strcmp(o, "reverse") == 0;
+}();
+
 // Runs the block `blockIdx` with `blockDim.x` fibers until all are done.
 inline void emu_run_block() {
     unsigned n = blockDim.x;
@@ -152,7 +165,8 @@ inline void emu_run_block() {
     }
     for (;;) {
         bool ran = false;
-        for (unsigned t = 0; t < n; ++t) {
+        for (unsigned i = 0; i < n; ++i) {
+            unsigned t = emu_reverse ? n - 1 - i : i;
             if (emu_threads[t].state != EMU_RUNNABLE) continue;
             emu_current = t;
             threadIdx.x = t;
@@ -168,6 +182,16 @@ inline void emu_run_block() {
                 if (emu_threads[t].state == EMU_AT_WARP) ++at;
             }
             if (live > 0 && at == live) {
+                // Every `_sync` built-in here names the whole warp (mask 0xffffffff); on a GPU a
+                // lane that has returned, or is missing from a partial last warp, never
+                // arrives, and the result is undefined.
+                if (live != 32) {
+                    std::fprintf(stderr,
+                                 "emulation: block %u warp %u: a warp-wide exchange with %u of 32 "
+                                 "lanes present\n",
+                                 blockIdx.x, w, live);
+                    std::exit(3);
+                }
                 for (unsigned t = lo; t < hi; ++t)
                     if (emu_threads[t].state == EMU_AT_WARP) emu_threads[t].state = EMU_RUNNABLE;
                 released = true;
@@ -202,7 +226,7 @@ template <typename... P, typename... A>
 void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem, A... args) {
     gridDim.x = grid;
     blockDim.x = block;
-    emu_dynamic_shared.assign(smem / sizeof(float) + 1, 0.0f);
+    emu_dynamic_shared.resize(smem / sizeof(float) + 1);
     emu_shuffle.assign(block, 0.0f);
     emu_mma_regs.assign(6 * block, 0u);
     auto call = [&]() { kernel(static_cast<P>(args)...); };
@@ -210,6 +234,11 @@ void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem
     emu_body_arg = &call;
     for (unsigned b = grid; b-- > 0;) {
         blockIdx.x = b;
+        // Dynamic shared memory starts as NaN in every block (on a GPU it holds whatever the
+        // block before left), so a read before a write shows in the output. (Static `__shared__`
+        // arrays keep the previous block's values: GCC does not let a template's statics be
+        // placed where they could be reset.)
+        std::fill(emu_dynamic_shared.begin(), emu_dynamic_shared.end(), std::nanf(""));
         emu_run_block();
     }
 }

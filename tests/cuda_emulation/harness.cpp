@@ -369,6 +369,30 @@ KERNELS_OF(f32)
 KERNELS_OF(bf16)
 KERNELS_OF(f16)
 
+// Two faulty kernels the tests feed to the emulation to show that it catches what a GPU would
+// get wrong: each thread reads its neighbour's shared slot with no barrier after the writes
+// (a race), and each thread reads a dynamic shared slot nobody wrote (stale memory).
+__global__ void probe_race(float* out) {
+    __shared__ float slot[64];
+    unsigned t = threadIdx.x;
+    slot[t] = (float)t;
+    out[t] = slot[(t + 1) % blockDim.x];
+}
+__global__ void probe_unwritten(float* out) {
+    GPU_DYNAMIC_SHARED(slot);
+    unsigned t = threadIdx.x;
+    if (t > 0) slot[t] = (float)t;
+    __syncthreads();
+    out[t] = slot[t] + slot[0];
+}
+
+// A warp reduction after half the warp has returned.
+__global__ void probe_exited(float* out) {
+    unsigned t = threadIdx.x;
+    if (t % 32 >= 16) return;
+    out[t] = warp_sum(1.0f);
+}
+
 int main(int argc, char** argv) {
     if (argc < 4) {
         std::fprintf(stderr, "usage: harness OP DTYPE DIR ARGS...\n");
@@ -377,6 +401,13 @@ int main(int argc, char** argv) {
     std::string op = argv[1], dt = argv[2];
     dir = argv[3];
     char** a = argv + 4;
+    if (op.rfind("probe_", 0) == 0) {
+        std::vector<float> out(64);
+        emu_launch(op == "probe_race" ? probe_race : op == "probe_unwritten" ? probe_unwritten : probe_exited,
+                   1, 64, 64 * 4, out.data());
+        write_out<F32>(out);
+        return 0;
+    }
     if (op.rfind("flash_", 0) == 0) {
         if (dt == "bf16") return run_flash<BF16>(op, a, true);
         if (dt == "f16") return run_flash<F16>(op, a, false);

@@ -4,7 +4,8 @@
 //! thread, barriers for `__syncthreads` and warp shuffles), launched as `grpo-rollout/src/cuda.rs`
 //! launches them, against the candle compositions on the CPU: values and gradients, in f32, bf16
 //! and f16, on shapes with partial warps, several rows per block, a strided KV-cache view,
-//! masked keys and grouped-query heads. What this cannot see (the PTX compiler, the driver, real
+//! masked keys and grouped-query heads — each run twice, the threads resumed in opposite
+//! orders, the two outputs required to be the same bits (a race would differ). What this cannot see (the PTX compiler, the driver, real
 //! concurrency) `grpo-cli check --device cuda` checks on a GPU.
 //!
 //! Needs a C++20 compiler (`$CXX`, else `c++`); without one the tests say so and pass.
@@ -67,21 +68,61 @@ fn run(op: &str, dtype: &str, args: &[String], inputs: &[&Tensor]) -> Option<Vec
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         std::fs::write(dir.path().join(format!("in{i}.f32")), bytes).unwrap();
     }
+    // Twice: the scheduler resuming threads by index, then last first. A kernel whose bits
+    // differ reads what another thread writes with no barrier between (a race on a GPU).
+    let [forward, reverse] =
+        ["forward", "reverse"].map(|order| run_in(bin, op, dtype, dir.path(), args, order));
+    assert!(
+        forward == reverse,
+        "harness {op} {dtype} {args:?}: the output depends on the order threads run in (a race)"
+    );
+    Some(forward)
+}
+
+/// One harness run with the scheduler's thread order (`GPU_EMU_ORDER`); its output as f32.
+fn run_in(bin: &Path, op: &str, dtype: &str, dir: &Path, args: &[String], order: &str) -> Vec<f32> {
     let st = Command::new(bin)
         .arg(op)
         .arg(dtype)
-        .arg(dir.path())
+        .arg(dir)
         .args(args)
+        .env("GPU_EMU_ORDER", order)
         .status()
         .unwrap();
-    assert!(st.success(), "harness {op} {dtype} failed");
-    let bytes = std::fs::read(dir.path().join("out.f32")).unwrap();
-    Some(
-        bytes
-            .chunks(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
+    assert!(st.success(), "harness {op} {dtype} failed ({order} order)");
+    let bytes = std::fs::read(dir.join("out.f32")).unwrap();
+    bytes
+        .chunks(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn the_emulation_shows_races_unwritten_shared_memory_and_exited_lanes() {
+    let Some(bin) = harness() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    // Each thread reads its neighbour's slot with no barrier after the writes.
+    let [forward, reverse] =
+        ["forward", "reverse"].map(|o| run_in(bin, "probe_race", "f32", dir.path(), &[], o));
+    assert_ne!(
+        forward.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        reverse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "the two thread orders must tell a race"
+    );
+    // Slot 0 of the dynamic shared memory is read by every thread and written by none.
+    let stale = run_in(bin, "probe_unwritten", "f32", dir.path(), &[], "forward");
+    assert!(stale.iter().all(|x| x.is_nan()), "{stale:?}");
+    // A warp-wide shuffle after half the warp returned: the emulation stops with an error.
+    let out = Command::new(bin)
+        .args(["probe_exited", "f32"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("16 of 32 lanes present"),
+        "{out:?}"
+    );
 }
 
 const DTYPES: [(&str, DType, f32); 3] = [
