@@ -129,8 +129,10 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     // the device, is the host's share. Close to the pass's whole time means the GPU waited
     // for the host (launch-bound), far below it means the GPU was the bound.
     let (mut fwd_issue, mut bwd_issue, mut bwd_s) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fwd_tensors, mut bwd_tensors) = (0, 0);
     for r in 0..fb_runs {
         let t = Instant::now();
+        let t0 = tensors_created(&device)?;
         let (lp, _) = tm
             .model
             .completion_logprobs(&ids, &mask, a.seq_len / 2, 1.0, false)?;
@@ -139,8 +141,11 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
         device.synchronize()?;
         let fwd = t.elapsed().as_secs_f64();
         let tb = Instant::now();
+        let t1 = tensors_created(&device)?;
         let grads = tm.model.backward(&lp.mean_all()?.neg()?)?;
         let bwd_queued = tb.elapsed().as_secs_f64();
+        let t2 = tensors_created(&device)?;
+        (fwd_tensors, bwd_tensors) = (t1 - t0 - 1, t2 - t1 - 1);
         device.synchronize()?;
         let bwd = tb.elapsed().as_secs_f64();
         let dt = t.elapsed().as_secs_f64();
@@ -230,9 +235,22 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "peak_rss_mib": grpo_cli::trainer::peak_rss_mib(),
             // Taped layer blocks that fell back to segments (an op inside did not record).
             "tape_fallbacks": grpo_core::recompute::tape_fallbacks(),
+            // Tensors (op results and views) one forward / one backward creates: the host's
+            // work per pass, on any device (each op result is an allocation and a launch on a GPU).
+            "fwd_tensors": fwd_tensors,
+            "bwd_tensors": bwd_tensors,
         })
     );
     Ok(())
+}
+
+/// How many tensors this process has created so far (candle numbers them in order).
+fn tensors_created(device: &Device) -> Result<usize> {
+    let id = format!("{:?}", Tensor::zeros((), DType::U8, device)?.id());
+    id.trim_start_matches("TensorId(")
+        .trim_end_matches(')')
+        .parse()
+        .map_err(|_| anyhow::anyhow!("unexpected tensor id {id}"))
 }
 
 /// The matrix-product rate candle reaches on `device` in `dtype`, GFLOP/s: the best of 20

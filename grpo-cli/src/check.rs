@@ -349,6 +349,9 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 grpo_rollout::flash::compile_status(device),
             ),
         ];
+        if let Device::Cuda(d) = device {
+            rows.push(pool_row(d));
+        }
         for (which, status) in statuses {
             let name = format!("our CUDA kernels ({which}) compiled and loaded");
             rows.push(match status {
@@ -371,6 +374,61 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     }
     drop(guard);
     Ok(rows)
+}
+
+/// The allocation pool keeps a freed block across a synchronisation and gives it back where a
+/// phase ends (`grpo_core::cuda::keep_pool_across_syncs`, `trim_pool`): 64 MiB allocated,
+/// freed, the device waited for, then the phase ended; the pool's unused reserve read at each.
+#[cfg(feature = "cuda")]
+fn pool_row(d: &candle_core::CudaDevice) -> CheckRow {
+    use grpo_core::cuda::{pool_release_threshold, pool_released_at_syncs, pool_usage, trim_pool};
+    const BLOCK: u64 = 64 << 20;
+    let name = "allocation pool: a freed block kept across a synchronisation, returned where a \
+                phase ends"
+        .to_string();
+    let device = Device::Cuda(d.clone());
+    let unused = || pool_usage(d).map(|[used, _, reserved, _]| reserved.saturating_sub(used));
+    let measured = (|| -> Result<(u64, u64)> {
+        drop(Tensor::zeros((BLOCK / 4) as usize, DType::F32, &device)?);
+        device.synchronize()?;
+        let kept = unused().context("the driver does not report the pool")?;
+        trim_pool(d);
+        let left = unused().context("the driver does not report the pool")?;
+        Ok((kept, left))
+    })();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    match measured {
+        Err(e) => CheckRow {
+            name,
+            ok: false,
+            detail: first_line(&e.to_string()),
+        },
+        Ok((kept, left)) if pool_released_at_syncs() => CheckRow {
+            name,
+            ok: true,
+            detail: format!(
+                "GRPO_CUDA_POOL=sync: the driver's default (unused after the sync {:.0} MiB, \
+                 after the phase end {:.0} MiB)",
+                mib(kept),
+                mib(left)
+            ),
+        },
+        Ok((kept, left)) => CheckRow {
+            name,
+            ok: pool_release_threshold(d) == Some(u64::MAX) && kept >= BLOCK && left < BLOCK,
+            detail: format!(
+                "release threshold {}; unused after the sync {:.0} MiB (want >= 64), after the \
+                 phase end {:.0} MiB (want < 64)",
+                match pool_release_threshold(d) {
+                    Some(u64::MAX) => "max".to_string(),
+                    Some(t) => t.to_string(),
+                    None => "unknown".into(),
+                },
+                mib(kept),
+                mib(left)
+            ),
+        },
+    }
 }
 
 /// The first-use self-check off until dropped (then as it was).

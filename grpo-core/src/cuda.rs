@@ -471,18 +471,93 @@ pub fn kernel_resources(dev: &CudaDevice) -> Vec<String> {
     out
 }
 
+/// The device's default memory pool (cudarc allocates with `cuMemAllocAsync` from it), with
+/// its context bound to this thread.
+fn default_pool(
+    dev: &CudaDevice,
+) -> Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().ok()?;
+    // SAFETY: the device handle is the context's own; the pool is the driver's default one.
+    unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()
+}
+
+/// Whether `GRPO_CUDA_POOL=sync` asks for the driver's own pool behaviour (read once).
+pub fn pool_released_at_syncs() -> bool {
+    static SYNC: OnceLock<bool> = OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("GRPO_CUDA_POOL").as_deref() == Ok("sync"))
+}
+
+/// Keeps freed memory in the device's pool across synchronisations. The driver's default
+/// release threshold is 0: at every stream, event or context synchronisation the pool hands
+/// all its unused memory back, and the next allocations map it again through the driver — a
+/// learner that reads its loss after each micro-batch, or a decode loop that reads its
+/// sampled ids every step, pays that on each (the host stalls in `cuMemAllocAsync`). With the
+/// threshold at its maximum the pool keeps what it has, as torch's caching allocator does;
+/// [`trim_pool`] gives the unused part back where a phase ends, so that one phase's free
+/// blocks do not add to the next one's peak. `GRPO_CUDA_POOL=sync` keeps the driver's
+/// default (for comparison).
+pub fn keep_pool_across_syncs(dev: &CudaDevice) {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    if pool_released_at_syncs() {
+        return;
+    }
+    let Some(pool) = default_pool(dev) else {
+        return;
+    };
+    let mut max = u64::MAX;
+    // SAFETY: the release threshold is a 64-bit value (CUDA driver API).
+    let _ = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut max as *mut u64).cast(),
+        )
+    };
+}
+
+/// The pool's release threshold, bytes (`None` where the driver does not answer).
+pub fn pool_release_threshold(dev: &CudaDevice) -> Option<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
+    let mut v: u64 = 0;
+    // SAFETY: the release threshold is a 64-bit value (CUDA driver API).
+    unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut v as *mut u64).cast(),
+        )
+    }
+    .result()
+    .ok()?;
+    Some(v)
+}
+
+/// Gives the pool's unused memory back to the driver (after waiting for the device, so that
+/// the frees queued so far count). Called where a phase ends: a generation, an optimizer step.
+pub fn trim_pool(dev: &CudaDevice) {
+    use candle_core::cuda_backend::cudarc::driver::result;
+    if dev.cuda_stream().synchronize().is_err() {
+        return;
+    }
+    let Some(pool) = default_pool(dev) else {
+        return;
+    };
+    // SAFETY: the pool is the device's default one, alive as long as its context.
+    let _ = unsafe { result::mem_pool::trim_to(pool, 0) };
+}
+
 /// The device's default memory pool, where cudarc's stream-ordered allocations come from:
 /// bytes `[in use now, in use at most, reserved now, reserved at most]`, the maxima since the
 /// previous call (each call resets them), so that a log line per phase gives that phase's
 /// peak of live tensors (in use) and the pool's footprint around it (reserved: what nvidia-smi
 /// counts). `None` where the driver does not answer.
 pub fn pool_usage(dev: &CudaDevice) -> Option<[u64; 4]> {
-    use candle_core::cuda_backend::cudarc::driver::{result, sys};
+    use candle_core::cuda_backend::cudarc::driver::sys;
     use sys::CUmemPool_attribute as A;
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().ok()?;
-    // SAFETY: the device handle is the context's own; the pool is the driver's default one.
-    let pool = unsafe { result::device::get_default_mem_pool(ctx.cu_device()) }.ok()?;
+    let pool = default_pool(dev)?;
     let get = |a: A| -> Option<u64> {
         let mut v: u64 = 0;
         // SAFETY: these four attributes are 64-bit values (CUDA driver API).

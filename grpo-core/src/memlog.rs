@@ -51,6 +51,18 @@ pub fn log(phase: &str, dev: &Device) {
     eprintln!("memlog {m:>9.0} MiB  {phase}{pool}");
 }
 
+/// Where a phase of a run ends (a generation, an optimizer step): on a GPU the allocation
+/// pool gives its unused memory back to the driver, so the next phase's peak does not sit on
+/// this one's free blocks (the pool keeps them across the phase's own synchronisations:
+/// `grpo_core::cuda::keep_pool_across_syncs`). Nothing on the CPU.
+pub fn phase_end(dev: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        crate::cuda::trim_pool(d);
+    }
+    let _ = dev;
+}
+
 #[cfg(feature = "cuda")]
 fn pool_line(dev: &Device) -> String {
     match dev {

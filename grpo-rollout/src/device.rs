@@ -26,6 +26,10 @@ impl DeviceSpec {
             Self::Cuda(n) => {
                 let d = Device::new_cuda(n).map_err(first)?;
                 without_event_tracking(&d);
+                #[cfg(feature = "cuda")]
+                if let Device::Cuda(cd) = &d {
+                    grpo_core::cuda::keep_pool_across_syncs(cd);
+                }
                 Ok(d)
             }
         }

@@ -111,6 +111,17 @@ impl Generator {
     /// Generates `num_generations` completions per prompt, seeded by (seed, step). With
     /// `[teacher]`, the student first probes each problem and the prompts become the teacher's.
     pub fn process(&mut self, batch: PromptBatch) -> Result<Rollouts> {
+        let out = self.rollouts(batch);
+        // A generation is a phase: its KV caches and decode buffers go back to the driver.
+        let device = match &self.device {
+            Some((device, _)) => device.clone(),
+            None => self.model.device().clone(),
+        };
+        grpo_core::memlog::phase_end(&device);
+        out
+    }
+
+    fn rollouts(&mut self, batch: PromptBatch) -> Result<Rollouts> {
         if let Some(env) = self.environment.clone() {
             return self.episodes(batch, env.as_ref());
         }
