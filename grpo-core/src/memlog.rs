@@ -51,11 +51,12 @@ pub fn log(phase: &str, dev: &Device) {
     eprintln!("memlog {m:>9.0} MiB  {phase}{pool}");
 }
 
-/// Where a phase of a run ends (a generation, an optimizer step): on a GPU the allocation
+/// Where a phase of a run ends (a generation, an optimizer step) or a large buffer was just
+/// replaced (a decode batch's KV cache after finished rows left it): on a GPU the allocation
 /// pool gives its unused memory back to the driver, so the next phase's peak does not sit on
-/// this one's free blocks (the pool keeps them across the phase's own synchronisations:
+/// this one's free blocks (the pool keeps them across a phase's own synchronisations:
 /// `grpo_core::cuda::keep_pool_across_syncs`). Nothing on the CPU.
-pub fn phase_end(dev: &Device) {
+pub fn release_unused(dev: &Device) {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = dev {
         crate::cuda::trim_pool(d);

@@ -386,6 +386,9 @@ pub fn generate_batch_with(
                 s.select_rows(&keep_t)?;
             }
             rows.retain(Option::is_some);
+            // The larger cache just freed goes back to the driver before the next step's
+            // graph (its memory the driver's, not the pool's) is captured at the new size.
+            grpo_core::memlog::release_unused(&device);
         }
         decoder.step(model, &mut state, &step_ids)?;
     }

@@ -41,7 +41,7 @@ impl Learner {
         drop(grads);
         if let Some((_, v)) = self.opt.vars().first() {
             grpo_core::memlog::log("learner: optimizer step", v.device());
-            grpo_core::memlog::phase_end(v.device());
+            grpo_core::memlog::release_unused(v.device());
         }
         self.state.optimizer_steps += 1;
         Ok((norm, lr))

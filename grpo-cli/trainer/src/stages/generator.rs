@@ -117,7 +117,7 @@ impl Generator {
             Some((device, _)) => device.clone(),
             None => self.model.device().clone(),
         };
-        grpo_core::memlog::phase_end(&device);
+        grpo_core::memlog::release_unused(&device);
         out
     }
 
