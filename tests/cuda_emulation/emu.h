@@ -2,12 +2,14 @@
 // kernels' own source runs, unchanged, on a machine without a GPU: every thread of a block is a
 // fiber, `__syncthreads` waits for the block, a warp shuffle is an exchange through memory
 // between two waits for the warp, `__shared__` variables are statics (blocks run one after
-// another), and the grid is walked block by block, last block first (CUDA promises no order:
-// a kernel whose blocks read what other blocks of the same launch write fails here). Slow, and exact about what a kernel computes
-// for given indices — which is what it is for. Three GPU faults show: a race (the tests run
-// each kernel with the threads resumed in both orders and require the same bits), a read of
-// dynamic shared memory before any write (it starts as NaN), and a warp-wide exchange that
-// not all 32 lanes reach (an error).
+// another), and the grid is walked block by block. Slow, and exact about what a kernel
+// computes for given indices — which is what it is for. Three GPU faults show: a race (the
+// tests run each kernel twice, threads and blocks taken first to last and then last to first
+// — `GPU_EMU_ORDER=reverse` — and require the same bits: a thread reading what another writes
+// without a barrier between, a block reading what another block of the launch writes, or
+// shared memory read before the block wrote it, differ), a read of dynamic shared memory
+// before any write (it starts as NaN), and a warp-wide exchange that not all 32 lanes reach
+// (an error).
 #pragma once
 #include <ucontext.h>
 
@@ -141,9 +143,9 @@ inline void emu_entry() {
 }
 
 // The order in which the scheduler resumes the runnable threads between two synchronisation
-// points: by index, or (GPU_EMU_ORDER=reverse) last first. A kernel whose output depends on it
-// reads what another thread writes without a barrier between them — a race on a GPU — and the
-// tests run every kernel both ways and require the same bits.
+// points, and runs the grid's blocks: by index, or (GPU_EMU_ORDER=reverse) last first. A
+// kernel whose output depends on it has a race on a GPU; the tests run every kernel both ways
+// and require the same bits.
 inline const bool emu_reverse = [] {
     const char* o = std::getenv("GPU_EMU_ORDER");
     return o != nullptr && std::strcmp(o, "reverse") == 0;
@@ -232,12 +234,12 @@ void emu_launch(void (*kernel)(P...), unsigned grid, unsigned block, size_t smem
     auto call = [&]() { kernel(static_cast<P>(args)...); };
     emu_body = &emu_trampoline<decltype(call)>;
     emu_body_arg = &call;
-    for (unsigned b = grid; b-- > 0;) {
-        blockIdx.x = b;
+    for (unsigned i = 0; i < grid; ++i) {
+        blockIdx.x = emu_reverse ? grid - 1 - i : i;
         // Dynamic shared memory starts as NaN in every block (on a GPU it holds whatever the
         // block before left), so a read before a write shows in the output. (Static `__shared__`
-        // arrays keep the previous block's values: GCC does not let a template's statics be
-        // placed where they could be reset.)
+        // arrays keep the previous block's values — which differ between the two orders: GCC
+        // does not let a template's statics be placed where they could be reset.)
         std::fill(emu_dynamic_shared.begin(), emu_dynamic_shared.end(), std::nanf(""));
         emu_run_block();
     }

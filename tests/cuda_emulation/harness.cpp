@@ -386,6 +386,13 @@ __global__ void probe_unwritten(float* out) {
     out[t] = slot[t] + slot[0];
 }
 
+// Block 1 reads what block 0 of the same launch writes.
+__global__ void probe_blocks(float* out) {
+    if (threadIdx.x != 0) return;
+    if (blockIdx.x == 0) out[0] = 1.0f;
+    else out[1] = out[0];
+}
+
 // A warp reduction after half the warp has returned.
 __global__ void probe_exited(float* out) {
     unsigned t = threadIdx.x;
@@ -403,8 +410,11 @@ int main(int argc, char** argv) {
     char** a = argv + 4;
     if (op.rfind("probe_", 0) == 0) {
         std::vector<float> out(64);
-        emu_launch(op == "probe_race" ? probe_race : op == "probe_unwritten" ? probe_unwritten : probe_exited,
-                   1, 64, 64 * 4, out.data());
+        auto probe = op == "probe_race"        ? probe_race
+                     : op == "probe_unwritten" ? probe_unwritten
+                     : op == "probe_blocks"    ? probe_blocks
+                                               : probe_exited;
+        emu_launch(probe, op == "probe_blocks" ? 2 : 1, 64, 64 * 4, out.data());
         write_out<F32>(out);
         return 0;
     }

@@ -98,17 +98,20 @@ fn run_in(bin: &Path, op: &str, dtype: &str, dir: &Path, args: &[String], order:
 }
 
 #[test]
-fn the_emulation_shows_races_unwritten_shared_memory_and_exited_lanes() {
+fn the_emulation_shows_races_between_threads_and_blocks_unwritten_shared_memory_and_exited_lanes() {
     let Some(bin) = harness() else { return };
     let dir = tempfile::tempdir().unwrap();
-    // Each thread reads its neighbour's slot with no barrier after the writes.
-    let [forward, reverse] =
-        ["forward", "reverse"].map(|o| run_in(bin, "probe_race", "f32", dir.path(), &[], o));
-    assert_ne!(
-        forward.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-        reverse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-        "the two thread orders must tell a race"
-    );
+    // Each thread reads its neighbour's slot with no barrier after the writes; block 1 reads
+    // what block 0 writes.
+    for probe in ["probe_race", "probe_blocks"] {
+        let [forward, reverse] =
+            ["forward", "reverse"].map(|o| run_in(bin, probe, "f32", dir.path(), &[], o));
+        assert_ne!(
+            forward.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            reverse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{probe}: the two orders must tell a race"
+        );
+    }
     // Slot 0 of the dynamic shared memory is read by every thread and written by none.
     let stale = run_in(bin, "probe_unwritten", "f32", dir.path(), &[], "forward");
     assert!(stale.iter().all(|x| x.is_nan()), "{stale:?}");
