@@ -393,6 +393,12 @@ __global__ void probe_blocks(float* out) {
     else out[1] = out[0];
 }
 
+// Each thread copies its right neighbour's element: the last reads past the buffer.
+__global__ void probe_overflow(float* out, const float* in) {
+    unsigned t = threadIdx.x;
+    out[t] = in[t + 1];
+}
+
 // A warp reduction after half the warp has returned.
 __global__ void probe_exited(float* out) {
     unsigned t = threadIdx.x;
@@ -408,6 +414,12 @@ int main(int argc, char** argv) {
     std::string op = argv[1], dt = argv[2];
     dir = argv[3];
     char** a = argv + 4;
+    if (op == "probe_overflow") {
+        std::vector<float> out(64), in(64, 1.0f);
+        emu_launch(probe_overflow, 1, 64, 0, out.data(), (const float*)in.data());
+        write_out<F32>(out);
+        return 0;
+    }
     if (op.rfind("probe_", 0) == 0) {
         std::vector<float> out(64);
         auto probe = op == "probe_race"        ? probe_race

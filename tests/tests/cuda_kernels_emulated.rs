@@ -5,7 +5,8 @@
 //! launches them, against the candle compositions on the CPU: values and gradients, in f32, bf16
 //! and f16, on shapes with partial warps, several rows per block, a strided KV-cache view,
 //! masked keys and grouped-query heads — each run twice, the threads resumed in opposite
-//! orders, the two outputs required to be the same bits (a race would differ). What this cannot see (the PTX compiler, the driver, real
+//! orders, the two outputs required to be the same bits (a race would differ), under
+//! AddressSanitizer where the compiler has it (a read or write past a buffer stops it). What this cannot see (the PTX compiler, the driver, real
 //! concurrency) `grpo-cli check --device cuda` checks on a GPU.
 //!
 //! Needs a C++20 compiler (`$CXX`, else `c++`); without one the tests say so and pass.
@@ -22,9 +23,10 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The harness binary, compiled once per test process (None: no C++ compiler here).
-fn harness() -> Option<&'static Path> {
-    static BIN: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// The harness binary, compiled once per test process (None: no C++ compiler here), and
+/// whether it runs under AddressSanitizer.
+fn harness_build() -> Option<&'static (PathBuf, bool)> {
+    static BIN: OnceLock<Option<(PathBuf, bool)>> = OnceLock::new();
     BIN.get_or_init(|| {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         // Compiled beside the test binaries, under a name of this process's, then renamed.
@@ -33,18 +35,32 @@ fn harness() -> Option<&'static Path> {
         let bin = dir.join("harness");
         let fresh = dir.join(format!("harness-{}", std::process::id()));
         let r = root();
-        let out = Command::new(&cxx)
-            .args(["-std=c++20", "-O1", "-fno-strict-aliasing", "-o"])
-            .arg(&fresh)
-            .arg(r.join("tests/cuda_emulation/harness.cpp"))
-            .arg(format!("-I{}", r.join("grpo-rollout/src").display()))
-            .arg(format!("-I{}", r.join("grpo-core/src").display()))
-            .arg(format!("-I{}", r.join("tests/cuda_emulation").display()))
-            .output();
+        let compile = |extra: &[&str]| {
+            Command::new(&cxx)
+                .args(extra)
+                .args(["-std=c++20", "-O1", "-fno-strict-aliasing", "-o"])
+                .arg(&fresh)
+                .arg(r.join("tests/cuda_emulation/harness.cpp"))
+                .arg(format!("-I{}", r.join("grpo-rollout/src").display()))
+                .arg(format!("-I{}", r.join("grpo-core/src").display()))
+                .arg(format!("-I{}", r.join("tests/cuda_emulation").display()))
+                .output()
+        };
+        // With AddressSanitizer where the compiler has it: a kernel that reads or writes past
+        // a buffer (an illegal address, or garbage, on a GPU) stops the harness.
+        let asan = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"];
+        let (out, sanitized) = match compile(&asan) {
+            Ok(o) if o.status.success() => (Ok(o), true),
+            Ok(_) => {
+                eprintln!("note: the harness runs without AddressSanitizer (`{cxx}` lacks it)");
+                (compile(&[]), false)
+            }
+            Err(e) => (Err(e), false),
+        };
         match out {
             Ok(o) if o.status.success() => {
                 std::fs::rename(&fresh, &bin).unwrap();
-                Some(bin)
+                Some((bin, sanitized))
             }
             Ok(o) => panic!(
                 "the kernels do not compile under the emulation:\n{}",
@@ -56,7 +72,12 @@ fn harness() -> Option<&'static Path> {
             }
         }
     })
-    .as_deref()
+    .as_ref()
+}
+
+/// The harness binary (None: no C++ compiler here).
+fn harness() -> Option<&'static Path> {
+    harness_build().map(|(bin, _)| bin.as_path())
 }
 
 /// Runs `op` in `dtype` on `inputs` (written as f32) with `args`; the output as f32.
@@ -98,7 +119,7 @@ fn run_in(bin: &Path, op: &str, dtype: &str, dir: &Path, args: &[String], order:
 }
 
 #[test]
-fn the_emulation_shows_races_between_threads_and_blocks_unwritten_shared_memory_and_exited_lanes() {
+fn the_emulation_shows_races_unwritten_shared_memory_exited_lanes_and_overflows() {
     let Some(bin) = harness() else { return };
     let dir = tempfile::tempdir().unwrap();
     // Each thread reads its neighbour's slot with no barrier after the writes; block 1 reads
@@ -126,6 +147,19 @@ fn the_emulation_shows_races_between_threads_and_blocks_unwritten_shared_memory_
         String::from_utf8_lossy(&out.stderr).contains("16 of 32 lanes present"),
         "{out:?}"
     );
+    // The last thread reads one element past its buffer: AddressSanitizer stops the harness.
+    if harness_build().is_some_and(|(_, sanitized)| *sanitized) {
+        let out = Command::new(bin)
+            .args(["probe_overflow", "f32"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("heap-buffer-overflow"),
+            "{out:?}"
+        );
+    }
 }
 
 const DTYPES: [(&str, DType, f32); 3] = [
