@@ -40,6 +40,16 @@ static bool has_input(int i) {
     return f != nullptr;
 }
 
+// A kernel's output buffer as the GPU gives it (uninitialised: cudarc's `alloc`), every bit
+// set — NaN in f32, bf16 and f16, 0xffffffff as an index — so that an element the kernel
+// does not write shows in the output rather than passing as zero.
+template <typename V>
+static std::vector<V> poisoned(long n) {
+    std::vector<V> v((size_t)n);
+    std::memset(v.data(), 0xff, v.size() * sizeof(V));
+    return v;
+}
+
 template <typename T>
 static std::vector<typename T::S> to_storage(const std::vector<float>& v) {
     std::vector<typename T::S> s(v.size());
@@ -75,7 +85,7 @@ static int run(const std::string& op, char** a, K k) {
         long rows = atol(a[0]), h = atol(a[1]);
         float eps = atof(a[2]);
         auto x = to_storage<T>(read_f32(0)), w = to_storage<T>(read_f32(1));
-        std::vector<S> y(rows * h);
+        auto y = poisoned<S>(rows * h);
         emu_launch(k.rms_fwd, rows, row_threads(h), 0, x.data(), 0L, w.data(), 0L, y.data(),
                    (int)h, eps);
         write_out<T>(y);
@@ -85,8 +95,8 @@ static int run(const std::string& op, char** a, K k) {
         auto x = to_storage<T>(read_f32(0)), w = to_storage<T>(read_f32(1)),
              g = to_storage<T>(read_f32(2));
         long n = rows * h;
-        std::vector<S> out(n + h);
-        std::vector<float> partial(nblk * h);
+        auto out = poisoned<S>(n + h);
+        auto partial = poisoned<float>(nblk * h);
         emu_launch(k.rms_bwd, nblk, row_threads(h), h * 4, x.data(), 0L, w.data(), 0L, g.data(),
                    0L, out.data(), partial.data(), (int)rows, (int)h, eps);
         emu_launch(k.col_sum, blocks(h, 256), 256, 0, partial.data(), (int)nblk, (int)h,
@@ -98,7 +108,7 @@ static int run(const std::string& op, char** a, K k) {
         auto x = to_storage<T>(read_f32(0)), r = to_storage<T>(read_f32(1)),
              w = to_storage<T>(read_f32(2));
         long n = rows * h;
-        std::vector<S> out(2 * n);
+        auto out = poisoned<S>(2 * n);
         emu_launch(k.add_rms, rows, row_threads(h), 0, x.data(), 0L, r.data(), 0L, w.data(), 0L,
                    out.data(), n, (int)h, eps);
         write_out<T>(out);
@@ -122,7 +132,7 @@ static int run(const std::string& op, char** a, K k) {
         for (size_t i = 0; i < tf.size(); ++i) t[i] = (unsigned)tf[i];
         unsigned threads = row_threads(v);
         if (op == "lsg_fwd" || op == "ent_fwd") {
-            std::vector<float> out(n);
+            auto out = poisoned<float>(n);
             if (op == "lsg_fwd")
                 emu_launch(k.lsg_fwd, (unsigned)n, threads, 0, x.data(), 0L, t.data(), 0L,
                            out.data(), v);
@@ -130,7 +140,7 @@ static int run(const std::string& op, char** a, K k) {
                 emu_launch(k.ent_fwd, (unsigned)n, threads, 0, x.data(), 0L, out.data(), v);
             write_out<F32>(out);
         } else {
-            std::vector<S> out(n * v);
+            auto out = poisoned<S>(n * v);
             if (op == "lsg_bwd")
                 emu_launch(k.lsg_bwd, (unsigned)n, threads, 0, x.data(), 0L, t.data(), 0L,
                            g.data(), 0L, out.data(), v);
@@ -156,8 +166,8 @@ static int run(const std::string& op, char** a, K k) {
         p.has_stop = atoi(a[11]);
         auto x = to_storage<T>(read_f32(0));
         auto bias = read_f32(1), seen = read_f32(2), stop = read_f32(3), su = read_f32(4);
-        std::vector<float> out(2 * n);
-        std::vector<unsigned> ids(n);
+        auto out = poisoned<float>(2 * n);
+        auto ids = poisoned<unsigned>(n);
         emu_launch(k.sample, (unsigned)n, SAMPLE_THREADS, 0, x.data(), 0L, ld, bias.data(), seen.data(),
                    stop.data(), su.data(), out.data(), ids.data(), p);
         for (long r = 0; r < n; ++r)
@@ -170,14 +180,14 @@ static int run(const std::string& op, char** a, K k) {
         int b = atoi(a[0]), l = atoi(a[1]), h = atoi(a[2]), d = atoi(a[3]), inv = atoi(a[4]);
         auto x = to_storage<T>(read_f32(0)), c = to_storage<T>(read_f32(1)),
              s = to_storage<T>(read_f32(2));
-        std::vector<S> out(x.size());
+        auto out = poisoned<S>(x.size());
         emu_launch(k.rope, blocks((long)b * h * l * (d / 2), 256), 256, 0, x.data(), 0L, c.data(),
                    0L, s.data(), 0L, out.data(), b, l, h, d, inv);
         write_out<T>(out);
     } else if (op == "silu_fwd") {
         auto x = to_storage<T>(read_f32(0)), u = to_storage<T>(read_f32(1));
         long n = x.size();
-        std::vector<S> out(n);
+        auto out = poisoned<S>(n);
         emu_launch(k.silu_fwd, blocks(n, 256), 256, 0, x.data(), 0L, 0L, u.data(), 0L, 0L,
                    out.data(), n, n);
         write_out<T>(out);
@@ -185,7 +195,7 @@ static int run(const std::string& op, char** a, K k) {
         long rows = atol(a[0]), cols = atol(a[1]);
         auto gu = to_storage<T>(read_f32(0));
         long n = rows * cols;
-        std::vector<S> out(n);
+        auto out = poisoned<S>(n);
         emu_launch(k.silu_fwd, blocks(n, 256), 256, 0, gu.data(), 0L, 2 * cols, gu.data(), cols,
                    2 * cols, out.data(), n, cols);
         write_out<T>(out);
@@ -193,14 +203,14 @@ static int run(const std::string& op, char** a, K k) {
         auto x = to_storage<T>(read_f32(0)), u = to_storage<T>(read_f32(1)),
              g = to_storage<T>(read_f32(2));
         long n = x.size();
-        std::vector<S> out(2 * n);
+        auto out = poisoned<S>(2 * n);
         emu_launch(k.silu_bwd, blocks(n, 256), 256, 0, x.data(), 0L, u.data(), 0L, g.data(), 0L,
                    out.data(), n);
         write_out<T>(out);
     } else if (op == "silu_packed_bwd") {  // rows cols: in0 [gate | up] (rows, 2·cols), in1 g
         long rows = atol(a[0]), cols = atol(a[1]);
         auto gu = to_storage<T>(read_f32(0)), g = to_storage<T>(read_f32(1));
-        std::vector<S> out(2 * rows * cols);
+        auto out = poisoned<S>(2 * rows * cols);
         emu_launch(k.silu_packed_bwd, blocks(rows * cols, 256), 256, 0, gu.data(), 0L, g.data(),
                    0L, out.data(), rows, (int)cols);
         write_out<T>(out);
@@ -208,7 +218,7 @@ static int run(const std::string& op, char** a, K k) {
         int b = atoi(a[0]), h = atoi(a[1]), l = atoi(a[2]), s = atoi(a[3]);
         float scale = atof(a[4]);
         auto x = to_storage<T>(read_f32(0)), m = to_storage<T>(read_f32(1));
-        std::vector<S> out(x.size());
+        auto out = poisoned<S>(x.size());
         emu_launch(k.softmax_fwd, (unsigned)(b * h * l), row_threads(s), 0, x.data(), 0L, m.data(),
                    0L, out.data(), h, l, s, scale);
         write_out<T>(out);
@@ -217,7 +227,7 @@ static int run(const std::string& op, char** a, K k) {
         int s = atoi(a[1]);
         float scale = atof(a[2]);
         auto p = to_storage<T>(read_f32(0)), g = to_storage<T>(read_f32(1));
-        std::vector<S> out(p.size());
+        auto out = poisoned<S>(p.size());
         emu_launch(k.softmax_bwd, (unsigned)rows, row_threads(s), 0, p.data(), 0L, g.data(), 0L,
                    out.data(), s, scale);
         write_out<T>(out);
@@ -227,7 +237,7 @@ static int run(const std::string& op, char** a, K k) {
         float scale = atof(a[7]);
         auto q = to_storage<T>(read_f32(0)), kc = to_storage<T>(read_f32(1)),
              vc = to_storage<T>(read_f32(2)), bias = to_storage<T>(read_f32(3));
-        std::vector<S> out((long)b * l * nh * d);
+        auto out = poisoned<S>((long)b * l * nh * d);
         long kb = (long)nkv * cap * d, kg = (long)cap * d, ks = d;
         int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
         emu_launch(k.attention, (unsigned)(b * nkv * chunks * l),
@@ -251,7 +261,7 @@ static int run(const std::string& op, char** a, K k) {
              sn = to_storage<T>(read_f32(4)), bias = to_storage<T>(read_f32(5));
         std::vector<S> pb;
         if (has_input(6)) pb = to_storage<T>(read_f32(6));
-        std::vector<S> out((long)b * l * nh * d);
+        auto out = poisoned<S>((long)b * l * nh * d);
         long s = past + l;
         unsigned past_at = (unsigned)past;
         int grp = nh / nkv, chunks = (grp + ATTN_GROUP - 1) / ATTN_GROUP;
@@ -295,8 +305,8 @@ static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_
     auto q = to_storage<T>(read_f32(0)), k = to_storage<T>(read_f32(1)),
          v = to_storage<T>(read_f32(2)), bias = to_storage<T>(read_f32(3));
     long qb = (long)nh * l * D, qh = (long)l * D, kb = (long)nkv * cap * D, kg = (long)cap * D;
-    std::vector<S> out((long)b * l * nh * D);
-    std::vector<float> stats((long)b * nh * l * 2);
+    auto out = poisoned<S>((long)b * l * nh * D);
+    auto stats = poisoned<float>((long)b * nh * l * 2);
     unsigned qtiles = (l + FA_BR - 1) / FA_BR, ktiles = (s + FA_BC - 1) / FA_BC;
     emu_launch(fwd, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
                kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, out.data(),
@@ -310,10 +320,11 @@ static int run_flash_d(const std::string& op, char** a, decltype(&flash_fwd_d64_
     }
     auto dout = to_storage<T>(read_f32(4));
     long nd = (long)b * l * nh;
-    std::vector<float> delta(nd);
+    auto delta = poisoned<float>(nd);
     emu_launch(deltak, (unsigned)((nd * 32 + 255) / 256), 256, 0, dout.data(), 0L, out.data(), 0L,
                delta.data(), nd, D);
-    std::vector<S> dq(q.size()), dkv(2L * b * nkv * s * D);
+    auto dq = poisoned<S>(q.size());
+    auto dkv = poisoned<S>(2L * b * nkv * s * D);
     emu_launch(dqk, b * nh * qtiles, FA_THREADS, 0, q.data(), 0L, qb, qh, (long)D, k.data(), 0L,
                kb, kg, (long)D, v.data(), 0L, kb, kg, (long)D, bias.data(), 0L, dout.data(),
                stats.data(), delta.data(), dq.data(), nh, nkv, l, s, scale, align, causal);
