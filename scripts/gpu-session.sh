@@ -42,7 +42,7 @@ wait; echo "models done at $((SECONDS-T0))s"
 ROWS=${ROWS:-0.77B-bf16-lora16-8x16x256-mb32,0.77B-bf16-8x16x256-mb32,319M-bf16-8x16x256-mb32,319M-bf16-4x8x64,29M-f32-4x8x64,319M-bf16-lora16-4x8x64,319M-f32-4x8x64}
 PROFILE=${PROFILE:-0}
 case "$PROFILE" in 1) PROF_S=150 ;; decode) PROF_S=100 ;; both) PROF_S=250 ;; *) PROF_S=0 ;; esac
-left=$((END - (SECONDS - T0) - ${SPEED:-0} * 160 - PROF_S))
+left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - PROF_S))
 GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
   --budget $left --sides ${SIDES:-both} $([ "${OVERLAP:-0}" = 1 ] && echo --overlap) --out $R 2>&1 \
   | tee $R/bench.txt &
@@ -54,11 +54,12 @@ if [ "${SPEED:-0}" = 1 ]; then
     timeout 60 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 --batch $b \
       --new-tokens 256 --prompt-len 64 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$b.json
   done
-  # The learner by variants (no profiler needed): without the flash kernels, without layer
-  # blocks (the default tapes each layer: this is the plain graph), with the driver's pool
-  # releasing its free memory at every synchronisation; each line's bwd_issue_s_median beside
-  # bwd_s_median says launch- or device-bound.
-  for v in GRPO_CUDA_KERNELS=-flash_attention GRPO_LAYER_SEGMENTS=0 GRPO_CUDA_POOL=sync; do
+  # The learner by variants (no profiler needed): without layer blocks (the default tapes
+  # each layer: this is the plain graph), with the driver's pool releasing its free memory at
+  # every synchronisation (the default keeps it); each line's bwd_issue_s_median beside
+  # bwd_s_median says launch- or device-bound. (GRPO_CUDA_KERNELS=-flash_attention: without
+  # the flash kernels, measured in attempts 7 and 17.)
+  for v in GRPO_LAYER_SEGMENTS=0 GRPO_CUDA_POOL=sync; do
     env $v timeout 40 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 \
       --phase fwd-bwd --batch 32 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$v.json
   done
