@@ -102,15 +102,20 @@ fn run(op: &str, dtype: &str, args: &[String], inputs: &[&Tensor]) -> Option<Vec
 
 /// One harness run with the scheduler's thread order (`GPU_EMU_ORDER`); its output as f32.
 fn run_in(bin: &Path, op: &str, dtype: &str, dir: &Path, args: &[String], order: &str) -> Vec<f32> {
-    let st = Command::new(bin)
+    // Its stderr (AddressSanitizer's note on fibers at every start) only when it fails.
+    let out = Command::new(bin)
         .arg(op)
         .arg(dtype)
         .arg(dir)
         .args(args)
         .env("GPU_EMU_ORDER", order)
-        .status()
+        .output()
         .unwrap();
-    assert!(st.success(), "harness {op} {dtype} failed ({order} order)");
+    assert!(
+        out.status.success(),
+        "harness {op} {dtype} failed ({order} order):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let bytes = std::fs::read(dir.join("out.f32")).unwrap();
     bytes
         .chunks(4)
