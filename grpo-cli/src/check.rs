@@ -303,6 +303,12 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         training_check(&dev.model, &rows_ids),
     );
     push(
+        "matrix products from two threads at once (the overlapped generator and learner) vs \
+         the same products alone"
+            .into(),
+        concurrent_products_check(device, dtype).map(|d| (d, tol)),
+    );
+    push(
         format!("greedy generation on {} vs cpu f32", device_name(device)),
         (|| {
             let p = SamplingParams {
@@ -776,6 +782,55 @@ fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
     }
     let first = first.unwrap_or(1.0);
     Ok((last / first, 0.9))
+}
+
+/// Matrix products issued from two threads at once against the same products alone: the
+/// largest difference relative to the largest product. With `max_staleness >= 1` on one GPU
+/// the generator and the learner run their products concurrently, each thread on its own
+/// per-thread stream, through the one cuBLAS handle candle keeps per device; cuBLAS promises
+/// correct results from one handle shared by threads, and this checks it on the shapes where
+/// it splits the inner dimension (a long `k`, few rows and columns) and so uses its workspace.
+fn concurrent_products_check(device: &Device, dtype: DType) -> Result<f64> {
+    let shapes = [(32usize, 16384usize, 32usize), (64, 8192, 128)];
+    let mut pairs = Vec::new();
+    for &(m, k, n) in &shapes {
+        let a = randn(&[m, k], dtype, device)?;
+        let b = randn(&[k, n], dtype, device)?;
+        let alone = a.matmul(&b)?;
+        pairs.push((a, b, alone));
+    }
+    device.synchronize()?;
+    let worst = std::thread::scope(|s| -> Result<f64> {
+        let runs: Vec<_> = pairs
+            .iter()
+            .map(|(a, b, alone)| {
+                s.spawn(move || -> Result<(f64, f64)> {
+                    // Kept on the device until the end: no synchronisation between the products.
+                    let mut diffs = Vec::new();
+                    for _ in 0..64 {
+                        let y = a.matmul(b)?;
+                        diffs.push((y - alone)?.abs()?.max_all()?.to_dtype(DType::F32)?);
+                    }
+                    let worst = Tensor::stack(&diffs, 0)?.max_all()?.to_scalar::<f32>()?;
+                    let size = alone
+                        .abs()?
+                        .max_all()?
+                        .to_dtype(DType::F32)?
+                        .to_scalar::<f32>()?;
+                    Ok((f64::from(worst), f64::from(size).max(1e-6)))
+                })
+            })
+            .collect();
+        let mut worst = 0.0;
+        for r in runs {
+            let (d, size) = r
+                .join()
+                .map_err(|_| anyhow::anyhow!("a product thread panicked"))??;
+            worst = worse(worst, d / size);
+        }
+        Ok(worst)
+    })?;
+    Ok(worst)
 }
 
 /// What the device holds besides the checks' results, printed under the table: on CUDA, what
