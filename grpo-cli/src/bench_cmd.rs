@@ -130,6 +130,9 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
     // for the host (launch-bound), far below it means the GPU was the bound.
     let (mut fwd_issue, mut bwd_issue, mut bwd_s) = (Vec::new(), Vec::new(), Vec::new());
     let (mut fwd_tensors, mut bwd_tensors) = (0, 0);
+    device.synchronize()?;
+    // Resets the pool's peaks: the next read gives the forward + backward passes' own.
+    grpo_core::memlog::pool_peaks_mib(&device);
     for r in 0..fb_runs {
         let t = Instant::now();
         let t0 = tensors_created(&device)?;
@@ -158,6 +161,8 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             bwd_s.push(bwd);
         }
     }
+    device.synchronize()?;
+    let pool_peaks = grpo_core::memlog::pool_peaks_mib(&device);
     // One more pass with each decoder layer's forward and backward timed on its own (layer
     // segments, switched on for this pass; each waited for): the layers' share of the learner
     // against the rest.
@@ -233,6 +238,10 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "matmul_gflop_per_s": mm,
             "fwd_bwd_matmul_fraction": fb.zip(mm).map(|(t, mm)| fb_gflop / t / mm),
             "peak_rss_mib": grpo_cli::trainer::peak_rss_mib(),
+            // On a GPU: the allocation pool's peaks over the forward + backward passes, MiB
+            // (live tensors; reserved, which is what the device shows in use).
+            "fwd_bwd_pool_in_use_peak_mib": pool_peaks.map(|p| p.0),
+            "fwd_bwd_pool_reserved_peak_mib": pool_peaks.map(|p| p.1),
             // Taped layer blocks that fell back to segments (an op inside did not record).
             "tape_fallbacks": grpo_core::recompute::tape_fallbacks(),
             // Tensors (op results and views) one forward / one backward creates: the host's

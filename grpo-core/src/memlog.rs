@@ -64,6 +64,18 @@ pub fn release_unused(dev: &Device) {
     let _ = dev;
 }
 
+/// On a GPU, the allocation pool's peaks since the previous call (this one or [`log`]'s),
+/// MiB: `(live tensors at most, reserved at most)`; `None` on the CPU.
+pub fn pool_peaks_mib(dev: &Device) -> Option<(f64, f64)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        let [_, used_hi, _, res_hi] = crate::cuda::pool_usage(d)?;
+        return Some((used_hi as f64 / MIB, res_hi as f64 / MIB));
+    }
+    let _ = dev;
+    None
+}
+
 #[cfg(feature = "cuda")]
 fn pool_line(dev: &Device) -> String {
     match dev {
