@@ -419,21 +419,24 @@ fn pool_row(d: &candle_core::CudaDevice) -> CheckRow {
                 mib(left)
             ),
         },
-        Ok((kept, left)) => CheckRow {
-            name,
-            ok: pool_release_threshold(d) == Some(u64::MAX) && kept >= BLOCK && left < BLOCK,
-            detail: format!(
-                "release threshold {}; unused after the sync {:.0} MiB (want >= 64), after the \
-                 phase end {:.0} MiB (want < 64)",
-                match pool_release_threshold(d) {
-                    Some(u64::MAX) => "max".to_string(),
-                    Some(t) => t.to_string(),
-                    None => "unknown".into(),
-                },
-                mib(kept),
-                mib(left)
-            ),
-        },
+        Ok((kept, left)) => {
+            let threshold = pool_release_threshold(d);
+            CheckRow {
+                name,
+                ok: threshold == Some(u64::MAX) && kept >= BLOCK && left < BLOCK,
+                detail: format!(
+                    "release threshold {}; unused after the sync {:.0} MiB (want >= 64), after \
+                     the phase end {:.0} MiB (want < 64)",
+                    match threshold {
+                        Some(u64::MAX) => "max".to_string(),
+                        Some(t) => t.to_string(),
+                        None => "unknown".into(),
+                    },
+                    mib(kept),
+                    mib(left)
+                ),
+            }
+        }
     }
 }
 
