@@ -1,6 +1,8 @@
 //! The transformer: gradients, finite differences, padding, KV cache, LoRA, saving.
 #![allow(clippy::unwrap_used, clippy::needless_range_loop, missing_docs)]
 
+mod common;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -1118,21 +1120,13 @@ fn merging_a_decoding_copy_gives_the_adapted_model() {
 #[test]
 fn gradient_checkpointing_gives_the_same_gradients() {
     let dev = Device::Cpu;
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 2, 33], vec![8, 3, 20, 11, 44, 1, 7]];
-    let prompt_of: Vec<u32> = vec![0, 1, 1, 0];
-    let comps: Vec<Vec<u32>> = vec![vec![12, 40, 3], vec![9, 9, 27, 5], vec![31], vec![4, 22]];
-    let (pids, pmask) = padded(&prompts);
-    let cl = comps.iter().map(|c| c.len()).max().unwrap();
-    let mut cid = Vec::new();
-    let mut cmask = Vec::new();
-    for c in &comps {
-        for j in 0..cl {
-            cid.push(c.get(j).copied().unwrap_or(0));
-            cmask.push(u32::from(j < c.len()));
-        }
-    }
-    let cid = Tensor::from_vec(cid, (comps.len(), cl), &dev).unwrap();
-    let cmask = Tensor::from_vec(cmask, (comps.len(), cl), &dev).unwrap();
+    let common::SharedPromptBatch {
+        pids,
+        pmask,
+        prompt_of,
+        cid,
+        cmask,
+    } = common::shared_prompt_batch();
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         for use_lora in [false, true] {
             for shared in [false, true] {

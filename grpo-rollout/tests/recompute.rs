@@ -6,6 +6,8 @@
 //! switch.
 #![allow(clippy::unwrap_used, missing_docs)]
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
 use grpo_rollout::config::Arch;
 use grpo_rollout::fused;
@@ -738,21 +740,13 @@ fn taped_layers_give_the_plain_graphs_values_and_gradients() {
     let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
     // GRPO's shared prompts: each distinct prompt once (its keys and values collected), the
     // completions after them (attending over those as a prefix).
-    let dev = Device::Cpu;
-    let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 2, 33], vec![8, 3, 20, 11, 44, 1, 7]];
-    let (pids, pmask) = grpo_rollout::generate::left_pad(&prompts, 0, &dev).unwrap();
-    let prompt_of: Vec<u32> = vec![0, 1, 1, 0];
-    let comps: Vec<Vec<u32>> = vec![vec![12, 40, 3], vec![9, 9, 27, 5], vec![31], vec![4, 22]];
-    let cl = comps.iter().map(|c| c.len()).max().unwrap();
-    let (mut cid, mut cmask) = (Vec::new(), Vec::new());
-    for c in &comps {
-        for j in 0..cl {
-            cid.push(c.get(j).copied().unwrap_or(0));
-            cmask.push(u32::from(j < c.len()));
-        }
-    }
-    let cid = Tensor::from_vec(cid, (comps.len(), cl), &dev).unwrap();
-    let cmask = Tensor::from_vec(cmask, (comps.len(), cl), &dev).unwrap();
+    let common::SharedPromptBatch {
+        pids,
+        pmask,
+        prompt_of,
+        cid,
+        cmask,
+    } = common::shared_prompt_batch();
     let fallbacks = grpo_core::recompute::tape_fallbacks();
     // Qwen2 with its q/k/v biases; Llama without biases (an o_proj bias composes: no tape).
     for (arch, bias, shared) in [
