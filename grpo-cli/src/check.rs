@@ -303,11 +303,48 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         training_check(&dev.model, &rows_ids),
     );
     push(
-        "matrix products from two threads at once (the overlapped generator and learner) vs \
-         the same products alone"
+        "matrix products from two threads at once through one device handle vs the same \
+         products alone"
             .into(),
-        concurrent_products_check(device, dtype).map(|d| (d, tol)),
+        concurrent_products_check([device, device], dtype).map(|d| (d, tol)),
     );
+    if let Some(ordinal) = cuda_ordinal(device) {
+        // The overlapped generator's own handle of this GPU (`max_staleness >= 1`): the
+        // policy published onto it (a full fine-tune's variables and a frozen base), its
+        // log-probs there, and products from the two handles' threads at once.
+        let second = grpo_rollout::DeviceSpec::Cuda(ordinal).device();
+        push(
+            "policy published onto a second handle of the GPU (the overlapped generator's) vs \
+             cpu f32"
+                .into(),
+            (|| {
+                let second = second.clone().map_err(anyhow::Error::msg)?;
+                let tm = TrainableModel::full(&dev.model)?;
+                let mut copies = grpo_rollout::model::DeviceCopies::default();
+                let published = tm.model.snapshot_onto(&second, &mut copies)?;
+                anyhow::ensure!(
+                    published.device().same_device(&second),
+                    "the published copy is not on the second handle"
+                );
+                // Written after publishing: the published copy must not see it.
+                for (_, v) in &tm.vars {
+                    v.set(&v.as_tensor().zeros_like()?)?;
+                }
+                let want = logprobs(&cpu.model, &rows_ids)?;
+                let got = logprobs(&published, &rows_ids)?;
+                Ok((max_diff(&want, &got)?, tol))
+            })(),
+        );
+        push(
+            "matrix products from two threads at once, each through its own handle of the GPU \
+             (the overlapped generator's), vs the same products alone"
+                .into(),
+            (|| {
+                let second = second.clone().map_err(anyhow::Error::msg)?;
+                Ok((concurrent_products_check([device, &second], dtype)?, tol))
+            })(),
+        );
+    }
     push(
         format!("greedy generation on {} vs cpu f32", device_name(device)),
         (|| {
@@ -462,6 +499,14 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The ordinal of a CUDA device (`None` on the CPU).
+fn cuda_ordinal(d: &Device) -> Option<usize> {
+    match d.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => Some(gpu_id),
+        _ => None,
     }
 }
 
@@ -793,16 +838,17 @@ fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
 /// per-thread stream, through the one cuBLAS handle candle keeps per device; cuBLAS promises
 /// correct results from one handle shared by threads, and this checks it on the shapes where
 /// it splits the inner dimension (a long `k`, few rows and columns) and so uses its workspace.
-fn concurrent_products_check(device: &Device, dtype: DType) -> Result<f64> {
+/// `devices` are the two threads' devices: the same one twice, or two handles of one GPU.
+fn concurrent_products_check(devices: [&Device; 2], dtype: DType) -> Result<f64> {
     let shapes = [(32usize, 16384usize, 32usize), (64, 8192, 128)];
     let mut pairs = Vec::new();
-    for &(m, k, n) in &shapes {
+    for (&(m, k, n), device) in shapes.iter().zip(devices) {
         let a = randn(&[m, k], dtype, device)?;
         let b = randn(&[k, n], dtype, device)?;
         let alone = a.matmul(&b)?;
+        device.synchronize()?;
         pairs.push((a, b, alone));
     }
-    device.synchronize()?;
     let worst = std::thread::scope(|s| -> Result<f64> {
         let runs: Vec<_> = pairs
             .iter()

@@ -1502,6 +1502,20 @@ impl Transformer {
         Ok(m)
     }
 
+    /// [`Self::snapshot_trainable`] made on `device` (the generator's own device, or a second
+    /// handle of the model's GPU): the trainable weights copied straight there from the
+    /// variables, one copy and none left behind on the model's device; the frozen ones moved
+    /// once and reused through `copies` (see [`Self::to_device_reusing`]). On the model's own
+    /// device it is [`Self::snapshot_trainable`].
+    pub fn snapshot_onto(&self, device: &Device, copies: &mut DeviceCopies) -> Result<Self> {
+        if self.device().same_device(device) {
+            return self.snapshot_trainable();
+        }
+        let mut m = self.to_device_reusing(device, copies)?;
+        m.pack_projections()?;
+        Ok(m)
+    }
+
     /// Turns gradient checkpointing on (TRL's `gradient_checkpointing`): a training forward
     /// keeps only each decoder layer's input and output, and backward recomputes one layer at a
     /// time. Gradients are those of the plain forward (tested); use [`Self::backward`], which

@@ -475,6 +475,19 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         assert!(snap.layers[0].qkv.is_some());
         let d = max_diff(&cached_logits(&snap, &ids, &mask), &separate);
         assert!(d < 1e-5, "{arch:?}: published full fine-tune {d}");
+        // Published onto the generator's device (here the model's own): the same snapshot, and
+        // a later write to the variables does not reach it.
+        let mut copies = grpo_rollout::model::DeviceCopies::default();
+        let onto = full_ft
+            .model
+            .snapshot_onto(&Device::Cpu, &mut copies)
+            .unwrap();
+        assert!(onto.layers[0].qkv.is_some() && copies.is_empty());
+        for (_, v) in &full_ft.vars {
+            v.set(&v.as_tensor().zeros_like().unwrap()).unwrap();
+        }
+        let d = max_diff(&cached_logits(&onto, &ids, &mask), &separate);
+        assert!(d < 1e-5, "{arch:?}: published onto its device {d}");
     }
 }
 

@@ -46,7 +46,8 @@ pub struct Setup {
     /// The environment of multi-turn episodes (set in code: `FitOptions::environment`,
     /// `Trainer::with_environment`); `None` = single-turn completions.
     pub environment: Option<Arc<dyn grpo_rollout::Environment>>,
-    /// The local generator's own device (`rollout.device`), when it is not the model's.
+    /// The local generator's own device: `rollout.device` when it is not the model's, or its own
+    /// handle of the model's GPU when it overlaps the learner there ([`own_generator_handle`]).
     pub rollout_device: Option<Device>,
     /// On-policy distillation's teacher (`distillation.teacher_model_name_or_path`), frozen.
     pub distillation_teacher: Option<Transformer>,
@@ -278,11 +279,18 @@ pub fn setup_with(
         .device()
         .map_err(|e| anyhow!("config: `model.device`: {e}"))?;
     // A spec equal to the model's is the model's device itself (two handles of one GPU are
-    // two devices to candle).
+    // two devices to candle) — except for a generator that overlaps the learner on one GPU,
+    // which gets a handle of its own.
     let rollout_device = match cfg.rollout.device {
         Some(spec) if spec != cfg.model.device => Some(
             spec.device()
                 .map_err(|e| anyhow!("config: `rollout.device`: {e}"))?,
+        ),
+        _ if own_generator_handle(&cfg, std::env::var("GRPO_GENERATOR_HANDLE").ok()) => Some(
+            cfg.model
+                .device
+                .device()
+                .map_err(|e| anyhow!("config: `model.device`: {e}"))?,
         ),
         _ => None,
     };
@@ -561,6 +569,25 @@ fn distillation_teacher(
     Ok(teacher.model)
 }
 
+/// Whether the local generator samples through a candle device of its own on the model's GPU:
+/// when it overlaps the learner there (`pipeline.max_staleness >= 1`, no other
+/// `rollout.device`). candle keeps one cuBLAS handle per device, and cuBLAS advises against
+/// one handle shared by threads that run at once (its workspace is chosen per stream, and
+/// both threads issue on the per-thread default stream, one stream value); torch keeps a
+/// handle per thread. Each version is then published onto the generator's device (a
+/// device-to-device copy of the trainable weights, the copy a stale version needs anyway; a
+/// LoRA run also keeps one copy of its frozen base there). `GRPO_GENERATOR_HANDLE=shared`
+/// (`env`) keeps the one handle.
+pub fn own_generator_handle(cfg: &TrainConfig, env: Option<String>) -> bool {
+    use crate::config::Backend;
+    matches!(cfg.model.device, grpo_rollout::DeviceSpec::Cuda(_))
+        && cfg.rollout.device.is_none_or(|d| d == cfg.model.device)
+        && cfg.rollout.backend == Backend::Local
+        && cfg.pipeline.max_staleness >= 1
+        && cfg.algorithm.generates()
+        && env.as_deref() != Some("shared")
+}
+
 /// The device of a side model (reward model, student, distillation teacher): its own `spec`,
 /// else the model's. A spec equal to `model.device` is the model's device itself (two candle
 /// handles of one GPU are two devices).
@@ -613,4 +640,44 @@ fn configured_environment(
             Some(Arc::new(e))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_generator_handle;
+    use crate::config::{Algorithm, Backend, TrainConfig};
+    use grpo_rollout::DeviceSpec;
+
+    /// The overlapped generator on one GPU gets a handle of its own, and only it.
+    #[test]
+    fn an_overlapped_generator_on_one_gpu_gets_its_own_handle() {
+        let overlapped = || {
+            let mut c = TrainConfig::default();
+            c.model.device = DeviceSpec::Cuda(0);
+            c.pipeline.max_staleness = 1;
+            c
+        };
+        assert!(own_generator_handle(&overlapped(), None));
+        // The same GPU named again is still the one GPU.
+        let mut c = overlapped();
+        c.rollout.device = Some(DeviceSpec::Cuda(0));
+        assert!(own_generator_handle(&c, None));
+        // Not: the switch, the CPU, on-policy, another device, a server, no generation.
+        assert!(!own_generator_handle(&overlapped(), Some("shared".into())));
+        let mut c = overlapped();
+        c.model.device = DeviceSpec::Cpu;
+        assert!(!own_generator_handle(&c, None));
+        let mut c = overlapped();
+        c.pipeline.max_staleness = 0;
+        assert!(!own_generator_handle(&c, None));
+        let mut c = overlapped();
+        c.rollout.device = Some(DeviceSpec::Cuda(1));
+        assert!(!own_generator_handle(&c, None));
+        let mut c = overlapped();
+        c.rollout.backend = Backend::Openai;
+        assert!(!own_generator_handle(&c, None));
+        let mut c = overlapped();
+        c.algorithm = Algorithm::Sft;
+        assert!(!own_generator_handle(&c, None));
+    }
 }

@@ -29,6 +29,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use candle_core::Device;
 use grpo_data::Position;
+use grpo_rollout::model::DeviceCopies;
 use grpo_rollout::{Tokenizer, TrainableModel, Transformer};
 use serde::{Deserialize, Serialize};
 
@@ -87,6 +88,9 @@ pub struct Learner {
     /// True while a step has changed weights it has not finished: a checkpoint then would mix
     /// two steps.
     pub(crate) updating: bool,
+    /// The generator's own device (`Setup::rollout_device`), where published copies are made,
+    /// with the frozen weights already moved there.
+    publish_to: Option<(Device, std::sync::Mutex<DeviceCopies>)>,
 }
 
 impl std::fmt::Debug for Learner {
@@ -146,21 +150,31 @@ impl Learner {
             base_model: setup.cfg.model.path.display().to_string(),
             checkpoints: Vec::new(),
             updating: false,
+            publish_to: setup
+                .rollout_device
+                .clone()
+                .map(|d| (d, std::sync::Mutex::new(DeviceCopies::default()))),
         })
     }
 
     /// The current policy for the generator, detached: the trainable weights copied (for LoRA
     /// only the adapters), the frozen ones shared — or, for a full fine-tune at
     /// `pipeline.max_staleness = 0`, every weight shared ([`Self::shares_published_weights`]).
+    /// When the generator has a device of its own (`rollout.device`, or its own handle of the
+    /// GPU when it overlaps the learner: [`crate::setup::own_generator_handle`]), the copies
+    /// are made there, the frozen weights moved once.
     ///
     /// On CUDA, candle queues work on the calling thread's default stream, and the generator
     /// runs on another thread (another stream, which does not wait for this one): the copies
     /// (and the optimizer's writes) are waited for here, before another thread can read them.
     pub fn publish(&self) -> Result<Arc<Transformer>> {
-        let snapshot = if self.shares_published_weights() {
-            self.policy.model.detached()
-        } else {
-            self.policy.model.snapshot_trainable()?
+        let snapshot = match &self.publish_to {
+            _ if self.shares_published_weights() => self.policy.model.detached(),
+            Some((device, copies)) => {
+                let mut copies = copies.lock().unwrap_or_else(|e| e.into_inner());
+                self.policy.model.snapshot_onto(device, &mut copies)?
+            }
+            None => self.policy.model.snapshot_trainable()?,
         };
         snapshot.device().synchronize()?;
         Ok(Arc::new(snapshot))

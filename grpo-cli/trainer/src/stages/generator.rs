@@ -38,7 +38,7 @@ pub struct Generator {
     /// next policy version reuses (see `Transformer::for_decoding_reusing`).
     decoding: Option<Transformer>,
     environment: Option<Arc<dyn Environment>>,
-    /// `rollout.device` when it is not the model's, with the weights already copied there.
+    /// Its own device (`Setup::rollout_device`), with the frozen weights already copied there.
     device: Option<(Device, DeviceCopies)>,
     /// GKD's `seq_kd`: the distillation teacher, which samples the off-policy steps.
     seq_kd_teacher: Option<Transformer>,
