@@ -53,6 +53,13 @@ pub static HEAD: Kernels = Kernels {
     probe: "lsg_fwd_f32",
 };
 
+/// The kernel of [`crate::quant`]: the 8-bit optimizer states' nearest-code quantizer.
+pub static QUANT: Kernels = Kernels {
+    name: "grpo_quant",
+    source: include_str!("quant.cu"),
+    probe: "quantize_code_f32",
+};
+
 type PtxCache = HashMap<(&'static str, usize), std::result::Result<&'static str, String>>;
 
 /// `GRPO_CUDA_KERNELS=0` (every kernel off; see [`crate::fused::parse_kernel_switch`]).
@@ -581,4 +588,52 @@ pub fn pool_usage(dev: &CudaDevice) -> Option<[u64; 4]> {
         let _ = unsafe { sys::cuMemPoolSetAttribute(pool, a, (&mut zero as *mut u64).cast()) };
     }
     Some(out)
+}
+
+/// [`crate::quant`]'s nearest-code bytes on CUDA: rows `(blocks, 256)` f32, their maxima
+/// `(blocks, 1)` f32 and the code `(256,)` f32 in; u8 `(blocks, 256)` out.
+pub fn quantize_code(
+    x: &CudaStorage,
+    lx: &Layout,
+    a: &CudaStorage,
+    la: &Layout,
+    c: &CudaStorage,
+    lc: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let op = "quantize";
+    let dev = &x.device;
+    let n = lx.shape().elem_count();
+    if lx.dims().last() != Some(&crate::quant::BLOCK)
+        || la.shape().elem_count() * crate::quant::BLOCK != n
+        || lc.shape().elem_count() != 256
+    {
+        candle_core::bail!(
+            "{op}: expected (blocks, 256), (blocks, 1) and (256,), got {:?}, {:?}, {:?}",
+            lx.dims(),
+            la.dims(),
+            lc.dims()
+        );
+    }
+    let (xs, xo) = input::<f32>(x, lx, op)?;
+    let (as_, ao) = input::<f32>(a, la, op)?;
+    let (cs, co) = input::<f32>(c, lc, op)?;
+    let out = alloc::<u8>(dev, n)?;
+    let nl = n as i64;
+    let c = cfg(
+        blocks(n, crate::quant::BLOCK),
+        crate::quant::BLOCK as u32,
+        0,
+    );
+    cuda_launch!(
+        &QUANT,
+        dev,
+        "quantize_code",
+        DType::F32,
+        c,
+        [xs, &xo, as_, &ao, cs, &co, &out, &nl]
+    );
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        lx.shape().clone(),
+    ))
 }

@@ -20,6 +20,8 @@
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
 //!   and the gradient sink of gradient checkpointing; [`selfcheck`] runs each CUDA kernel set
 //!   against its composition at first use and switches off a kernel that disagrees.
+//! * [`quant`] quantizes tensors in blocks of 256 to one byte per value (bitsandbytes' dynamic
+//!   maps): the 8-bit optimizer state of `optim = "adamw_8bit"`.
 //! * `cuda` (cargo feature `cuda`) compiles, loads and launches our CUDA kernels — the head's
 //!   log-softmax + gather and entropy here, the decoder's ops for grpo-rollout — with NVRTC at
 //!   run time.
@@ -81,6 +83,8 @@ pub mod loss;
 pub mod memlog;
 #[cfg(feature = "candle")]
 pub mod preference;
+#[cfg(feature = "candle")]
+pub mod quant;
 #[cfg(feature = "candle")]
 pub mod recompute;
 #[cfg(feature = "candle")]

@@ -1421,6 +1421,10 @@ pub struct OptimSection {
     pub gradient_accumulation_steps: Option<usize>,
     /// Optimizer passes over each generation batch (TRL's μ).
     pub num_iterations: usize,
+    /// transformers' `optim`: `adamw_torch` (the default; `adamw_torch_fused` and
+    /// `paged_adamw_32bit` are the same update here) or bitsandbytes' 8-bit AdamW
+    /// (`adamw_8bit`, `adamw_bnb_8bit`, `paged_adamw_8bit`): the moments in one byte per value.
+    pub optim: OptimName,
     /// TRL's `steps_per_generation`: the generation batch is cut into this many micro-batches
     /// and `gradient_accumulation_steps` of them (default 1, TRL's) make one optimizer update,
     /// so each batch feeds `steps_per_generation / gradient_accumulation_steps` updates in
@@ -1444,7 +1448,43 @@ impl Default for OptimSection {
             gradient_accumulation_steps: None,
             num_iterations: 1,
             steps_per_generation: None,
+            optim: OptimName::default(),
         }
+    }
+}
+
+/// `optim.optim`: the optimizer, by transformers' `OptimizerNames`. Every one is AdamW;
+/// they differ in how its moments are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum OptimName {
+    /// PyTorch's AdamW, f32 moments (bf16 in pure bf16 training).
+    #[default]
+    #[serde(rename = "adamw_torch")]
+    AdamwTorch,
+    /// PyTorch's fused AdamW (transformers 5's default): the same update.
+    #[serde(rename = "adamw_torch_fused")]
+    AdamwTorchFused,
+    /// bitsandbytes' paged 32-bit AdamW: the same update (paging to host memory is not built).
+    #[serde(rename = "paged_adamw_32bit")]
+    PagedAdamw32bit,
+    /// bitsandbytes' 8-bit AdamW ([`crate::optim::AdamW::with_8bit_states`]).
+    #[serde(rename = "adamw_8bit")]
+    Adamw8bit,
+    /// The same (transformers' other name for it).
+    #[serde(rename = "adamw_bnb_8bit")]
+    AdamwBnb8bit,
+    /// bitsandbytes' paged 8-bit AdamW: the 8-bit update (paging is not built).
+    #[serde(rename = "paged_adamw_8bit")]
+    PagedAdamw8bit,
+}
+
+impl OptimName {
+    /// Whether the moments are kept in 8 bits.
+    pub fn eight_bit(self) -> bool {
+        matches!(
+            self,
+            Self::Adamw8bit | Self::AdamwBnb8bit | Self::PagedAdamw8bit
+        )
     }
 }
 

@@ -10,6 +10,7 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
+use grpo_core::quant::{Blockwise, dequantize, quantize};
 
 /// AdamW hyper-parameters (PyTorch's `torch.optim.AdamW` semantics).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -24,16 +25,33 @@ pub struct AdamWParams {
     pub weight_decay: f64,
 }
 
+/// How Adam's two moments of one variable are kept.
+#[derive(Debug, Clone)]
+enum Moments {
+    /// Tensors of the variable's shape: bf16 for pure bf16 training (as PyTorch's AdamW keeps
+    /// them in the parameter's dtype), f32 otherwise (f32/f64 and f16 variables, mixed
+    /// precision).
+    Full { m: Tensor, v: Tensor },
+    /// bitsandbytes' 8-bit blockwise state (`optim = "adamw_8bit"`): one byte per value and an
+    /// f32 maximum per block of 256, the first moment on the signed dynamic map, the second on
+    /// the unsigned one ([`grpo_core::quant`]).
+    Int8 { m: Blockwise, v: Blockwise },
+}
+
+/// bitsandbytes' `min_8bit_size`: variables with fewer values keep 32-bit moments.
+pub const MIN_8BIT_SIZE: usize = 4096;
+
 /// AdamW over named `Var`s.
 #[derive(Debug)]
 pub struct AdamW {
     params: AdamWParams,
     vars: Vec<(String, Var)>,
-    /// First and second moments: bf16 for pure bf16 training (as PyTorch's AdamW keeps them in
-    /// the parameter's dtype), f32 otherwise (f32/f64 and f16 variables, mixed precision); each
-    /// update computes in f32.
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    /// First and second moments; each update computes in f32.
+    moments: Vec<Moments>,
+    /// The dtype each variable's gradients are summed in over micro-batches.
+    sums: Vec<DType>,
+    /// The signed and unsigned dynamic maps on the variables' device (8-bit state only).
+    maps: Option<(Tensor, Tensor)>,
     /// f32 master copies of half-precision variables (mixed precision, TRL's `bf16 = true`):
     /// updates land here and the variable gets the rounded result.
     master: Vec<Option<Tensor>>,
@@ -43,8 +61,8 @@ pub struct AdamW {
 impl AdamW {
     /// Zero moments for `vars`.
     pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
-        let mut m = Vec::with_capacity(vars.len());
-        let mut v = Vec::with_capacity(vars.len());
+        let mut moments = Vec::with_capacity(vars.len());
+        let mut sums = Vec::with_capacity(vars.len());
         for (_, var) in &vars {
             // bf16 has f32's exponent range; f16's does not: a second moment (1 − β2)·g² of a
             // gradient near 1e-3 is below its smallest value, and the update m / (0 + ε) blows
@@ -54,15 +72,19 @@ impl AdamW {
             } else {
                 DType::F32
             };
-            m.push(var.zeros_like()?.to_dtype(dt)?);
-            v.push(var.zeros_like()?.to_dtype(dt)?);
+            moments.push(Moments::Full {
+                m: var.zeros_like()?.to_dtype(dt)?,
+                v: var.zeros_like()?.to_dtype(dt)?,
+            });
+            sums.push(dt);
         }
         let master = vec![None; vars.len()];
         Ok(Self {
             params,
             vars,
-            m,
-            v,
+            moments,
+            sums,
+            maps: None,
             master,
             step: 0,
         })
@@ -76,18 +98,96 @@ impl AdamW {
         for (i, (_, var)) in self.vars.iter().enumerate() {
             if is_half(var.dtype()) {
                 self.master[i] = Some(var.as_tensor().to_dtype(DType::F32)?);
-                self.m[i] = self.m[i].to_dtype(DType::F32)?;
-                self.v[i] = self.v[i].to_dtype(DType::F32)?;
+                if let Moments::Full { m, v } = &self.moments[i] {
+                    self.moments[i] = Moments::Full {
+                        m: m.to_dtype(DType::F32)?,
+                        v: v.to_dtype(DType::F32)?,
+                    };
+                }
+                self.sums[i] = DType::F32;
             }
         }
         Ok(self)
+    }
+
+    /// bitsandbytes' 8-bit AdamW (transformers' `optim = "adamw_8bit"`): the moments of every
+    /// variable with at least [`MIN_8BIT_SIZE`] values in 8-bit blockwise state — 1 + 4/256
+    /// bytes per value and moment where f32 takes 4 — except those `keep_32bit` names
+    /// (transformers keeps embeddings' state in 32 bits). The update itself is AdamW's in f32.
+    pub fn with_8bit_states(mut self, keep_32bit: impl Fn(&str) -> bool) -> Result<Self> {
+        for (i, (name, var)) in self.vars.iter().enumerate() {
+            if var.elem_count() < MIN_8BIT_SIZE || keep_32bit(name) {
+                continue;
+            }
+            let n = var.elem_count();
+            self.moments[i] = Moments::Int8 {
+                m: Blockwise::zeros(n, var.device())?,
+                v: Blockwise::zeros(n, var.device())?,
+            };
+            if self.maps.is_none() {
+                self.maps = Some(maps(var.device())?);
+            }
+        }
+        Ok(self)
+    }
+
+    /// Bytes the moments hold (both, every variable).
+    pub fn state_bytes(&self) -> usize {
+        self.moments
+            .iter()
+            .map(|mo| match mo {
+                Moments::Full { m, v } => {
+                    (m.elem_count() * m.dtype().size_in_bytes())
+                        + (v.elem_count() * v.dtype().size_in_bytes())
+                }
+                Moments::Int8 { m, v } => m.bytes() + v.bytes(),
+            })
+            .sum()
+    }
+
+    /// The two moments of variable `i` in f32, in its shape.
+    fn moments_f32(&self, i: usize) -> Result<(Tensor, Tensor)> {
+        let shape = self.vars[i].1.shape();
+        Ok(match &self.moments[i] {
+            Moments::Full { m, v } => (m.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?),
+            Moments::Int8 { m, v } => {
+                let (sm, um) = self.maps_or_err()?;
+                (dequantize(m, sm, shape)?, dequantize(v, um, shape)?)
+            }
+        })
+    }
+
+    /// Stores f32 moments `m`, `v` of variable `i` in its kind and dtype.
+    fn store_moments(&mut self, i: usize, m: &Tensor, v: &Tensor) -> Result<()> {
+        let next = match &self.moments[i] {
+            Moments::Full { m: old, .. } => Moments::Full {
+                m: m.to_dtype(old.dtype())?,
+                v: v.to_dtype(old.dtype())?,
+            },
+            Moments::Int8 { .. } => {
+                let (sm, um) = self.maps_or_err()?;
+                Moments::Int8 {
+                    m: quantize(m, sm)?,
+                    v: quantize(v, um)?,
+                }
+            }
+        };
+        self.moments[i] = next;
+        Ok(())
+    }
+
+    fn maps_or_err(&self) -> Result<(&Tensor, &Tensor)> {
+        match &self.maps {
+            Some((s, u)) => Ok((s, u)),
+            None => bail!("8-bit optimizer state without its maps"),
+        }
     }
 
     /// The dtype gradients of variable `i` are summed in over micro-batches: f32, except for
     /// pure bf16 training, where it is bf16 (PyTorch accumulates `.grad` in the parameter's
     /// dtype) — half the memory of an f32 sum.
     fn sum_dtype(&self, i: usize) -> DType {
-        self.m[i].dtype()
+        self.sums[i]
     }
 
     /// [`accumulate`] in each variable's sum dtype ([`Self::with_master_weights`] says which).
@@ -125,12 +225,13 @@ impl AdamW {
         let t = self.step as i32;
         let bc1 = 1.0 - p.beta1.powi(t);
         let bc2 = 1.0 - p.beta2.powi(t);
-        for (i, (name, var)) in self.vars.iter().enumerate() {
+        for i in 0..self.vars.len() {
+            let (name, var) = &self.vars[i];
             let Some(g) = grads.get(name) else { continue };
             let g = g.to_dtype(DType::F32)?;
-            let keep = self.m[i].dtype();
-            let m = ((self.m[i].to_dtype(DType::F32)? * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
-            let v = ((self.v[i].to_dtype(DType::F32)? * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
+            let (m, v) = self.moments_f32(i)?;
+            let m = ((m * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
+            let v = ((v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
             let w = match &self.master[i] {
                 Some(w) => w.clone(),
                 None => var.as_tensor().to_dtype(DType::F32)?,
@@ -148,8 +249,7 @@ impl AdamW {
             if self.master[i].is_some() {
                 self.master[i] = Some(w);
             }
-            self.m[i] = m.to_dtype(keep)?;
-            self.v[i] = v.to_dtype(keep)?;
+            self.store_moments(i, &m, &v)?;
         }
         Ok(())
     }
@@ -165,8 +265,18 @@ impl AdamW {
     pub fn state(&self) -> Result<HashMap<String, Tensor>> {
         let mut map: HashMap<String, Tensor> = HashMap::new();
         for (i, (name, _)) in self.vars.iter().enumerate() {
-            map.insert(format!("{name}.exp_avg"), self.m[i].clone());
-            map.insert(format!("{name}.exp_avg_sq"), self.v[i].clone());
+            match &self.moments[i] {
+                Moments::Full { m, v } => {
+                    map.insert(format!("{name}.exp_avg"), m.clone());
+                    map.insert(format!("{name}.exp_avg_sq"), v.clone());
+                }
+                Moments::Int8 { m, v } => {
+                    for (key, q) in [("exp_avg", m), ("exp_avg_sq", v)] {
+                        map.insert(format!("{name}.{key}.q8"), q.codes.clone());
+                        map.insert(format!("{name}.{key}.absmax"), q.absmax.clone());
+                    }
+                }
+            }
             if let Some(w) = &self.master[i] {
                 map.insert(format!("{name}.master"), w.clone());
             }
@@ -187,27 +297,10 @@ impl AdamW {
             .unwrap_or(candle_core::Device::Cpu);
         let map = candle_core::safetensors::load(path, &device)
             .with_context(|| format!("{}: cannot read optimizer state", path.display()))?;
-        for (i, (name, var)) in self.vars.iter().enumerate() {
-            for (key, slot) in [
-                (format!("{name}.exp_avg"), &mut self.m[i]),
-                (format!("{name}.exp_avg_sq"), &mut self.v[i]),
-            ] {
-                let t = map.get(&key).with_context(|| {
-                    format!(
-                        "{}: no `{key}` (a checkpoint of another model?)",
-                        path.display()
-                    )
-                })?;
-                if t.dims() != var.dims() {
-                    bail!(
-                        "{}: `{key}` has shape {:?}, the model's is {:?}",
-                        path.display(),
-                        t.dims(),
-                        var.dims()
-                    );
-                }
-                *slot = t.to_dtype(slot.dtype())?;
-            }
+        for i in 0..self.vars.len() {
+            let (m, v) = self.saved_moments(&map, i, path)?;
+            self.restore(i, m, v)?;
+            let (name, var) = &self.vars[i];
             if self.master[i].is_some() {
                 // A checkpoint without masters (saved without mixed precision): start them
                 // from the weights.
@@ -225,6 +318,107 @@ impl AdamW {
         self.step = step.first().copied().unwrap_or(0).max(0) as usize;
         Ok(())
     }
+}
+
+/// A moment as a checkpoint holds it.
+enum Saved {
+    /// A tensor of the variable's shape.
+    Full(Tensor),
+    /// 8-bit blockwise, and whether on the signed map.
+    Q8(Blockwise, bool),
+}
+
+impl AdamW {
+    /// Variable `i`'s two moments as a saved state holds them (checked against its shape).
+    fn saved_moments(
+        &self,
+        map: &HashMap<String, Tensor>,
+        i: usize,
+        path: &Path,
+    ) -> Result<(Saved, Saved)> {
+        let (name, var) = &self.vars[i];
+        let mut out = Vec::with_capacity(2);
+        for (key, signed) in [("exp_avg", true), ("exp_avg_sq", false)] {
+            let full = format!("{name}.{key}");
+            if let Some(t) = map.get(&full) {
+                if t.dims() != var.dims() {
+                    bail!(
+                        "{}: `{full}` has shape {:?}, the model's is {:?}",
+                        path.display(),
+                        t.dims(),
+                        var.dims()
+                    );
+                }
+                out.push(Saved::Full(t.clone()));
+                continue;
+            }
+            let q8 = format!("{full}.q8");
+            let amax = format!("{full}.absmax");
+            let (Some(codes), Some(absmax)) = (map.get(&q8), map.get(&amax)) else {
+                bail!(
+                    "{}: no `{full}` (a checkpoint of another model?)",
+                    path.display()
+                );
+            };
+            let blocks = var.elem_count().div_ceil(grpo_core::quant::BLOCK);
+            if codes.dims() != [blocks * grpo_core::quant::BLOCK] || absmax.dims() != [blocks] {
+                bail!(
+                    "{}: `{q8}` / `{amax}` have shapes {:?} / {:?}; the model's {:?} needs [{}] / [{blocks}]",
+                    path.display(),
+                    codes.dims(),
+                    absmax.dims(),
+                    var.dims(),
+                    blocks * grpo_core::quant::BLOCK
+                );
+            }
+            let q = Blockwise {
+                codes: codes.to_dtype(DType::U8)?,
+                absmax: absmax.to_dtype(DType::F32)?,
+            };
+            out.push(Saved::Q8(q, signed));
+        }
+        let v = out.pop().context("two moments")?;
+        let m = out.pop().context("two moments")?;
+        Ok((m, v))
+    }
+
+    /// Variable `i`'s moments from a checkpoint: 8-bit state into 8-bit state as it is (so a
+    /// resumed run continues bit for bit), otherwise through f32 (a run may resume with
+    /// another `optim`: f32 state quantized, 8-bit state dequantized).
+    fn restore(&mut self, i: usize, m: Saved, v: Saved) -> Result<()> {
+        if let (Moments::Int8 { .. }, Saved::Q8(qm, _), Saved::Q8(qv, _)) =
+            (&self.moments[i], &m, &v)
+        {
+            self.moments[i] = Moments::Int8 {
+                m: qm.clone(),
+                v: qv.clone(),
+            };
+            return Ok(());
+        }
+        let shape = self.vars[i].1.shape().clone();
+        let quantized = |s: &Saved| matches!(s, Saved::Q8(..));
+        let int8 = matches!(self.moments[i], Moments::Int8 { .. });
+        if self.maps.is_none() && (int8 || quantized(&m) || quantized(&v)) {
+            self.maps = Some(maps(self.vars[i].1.device())?);
+        }
+        let mut f32s = Vec::with_capacity(2);
+        for s in [m, v] {
+            f32s.push(match s {
+                Saved::Full(t) => t.to_dtype(DType::F32)?,
+                Saved::Q8(q, signed) => {
+                    let (sm, um) = self.maps_or_err()?;
+                    dequantize(&q, if signed { sm } else { um }, &shape)?
+                }
+            });
+        }
+        self.store_moments(i, &f32s[0], &f32s[1])
+    }
+}
+
+/// bitsandbytes' signed and unsigned dynamic maps on `device`.
+fn maps(device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+    let map = |signed| Tensor::new(grpo_core::quant::dynamic_map(signed).as_slice(), device);
+    Ok((map(true)?, map(false)?))
 }
 
 /// Writes an optimizer state ([`AdamW::state`]) to a safetensors file.
@@ -830,6 +1024,256 @@ mod tests {
         for (x, y) in a.iter().zip(&master) {
             assert!((x - y).abs() < 1e-5, "master {master:?} vs f32 {a:?}");
         }
+    }
+
+    /// bitsandbytes 0.50.2's `AdamW(optim_bits=8)` on the CPU, three steps, with its CPU
+    /// table quantizer replaced by the nearest-entry rule (its CUDA kernel's, and ours; see
+    /// `scripts/gen_adamw8bit_reference.py`): its maps to the bit, its parameters to f32
+    /// rounding, and its 8-bit state (bytes and block maxima); the small parameter in 32 bits.
+    #[test]
+    fn adamw_8bit_matches_bitsandbytes() {
+        let r: serde_json::Value =
+            serde_json::from_str(include_str!("../tests/fixtures/adamw8bit_reference.json"))
+                .unwrap();
+        let floats = |v: &serde_json::Value| -> Vec<f32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        };
+        for (key, signed) in [("signed_map", true), ("unsigned_map", false)] {
+            let want = floats(&r[key]);
+            let got = grpo_core::quant::dynamic_map(signed);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{key}"
+            );
+        }
+        let dev = Device::Cpu;
+        let params = AdamWParams {
+            beta1: r["betas"][0].as_f64().unwrap(),
+            beta2: r["betas"][1].as_f64().unwrap(),
+            eps: r["eps"].as_f64().unwrap(),
+            weight_decay: r["weight_decay"].as_f64().unwrap(),
+        };
+        // The script's integer formulas, in the same f64 arithmetic then rounded to f32.
+        let initial = |n: usize, salt: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i * 7919 + salt) % 2001) as f64 - 1000.0) / 1000.0)
+                .map(|x| x as f32)
+                .collect()
+        };
+        let grad = |n: usize, step: usize, salt: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let u = (((i * 104729 + step * 7727 + salt) % 4001) as f64 - 2000.0) / 2000.0;
+                    let scale = match (i * 31 + step) % 97 {
+                        0 => 10.0,
+                        _ => 0.01 * (1 + i % 5) as f64,
+                    };
+                    (u * scale) as f32
+                })
+                .collect()
+        };
+        let mut vars = Vec::new();
+        for name in ["big", "small"] {
+            let p = &r["params"][name];
+            let shape: Vec<usize> = p["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as usize)
+                .collect();
+            let salt = p["salt"].as_u64().unwrap() as usize;
+            let n = shape.iter().product();
+            let t = Tensor::from_vec(initial(n, salt), shape.as_slice(), &dev).unwrap();
+            vars.push((name.to_string(), Var::from_tensor(&t).unwrap(), n, salt));
+        }
+        let named = vars
+            .iter()
+            .map(|(n, v, ..)| (n.clone(), v.clone()))
+            .collect();
+        let mut opt = AdamW::new(named, params)
+            .unwrap()
+            .with_8bit_states(|_| false)
+            .unwrap();
+        // The small one keeps 32-bit moments, as bitsandbytes' min_8bit_size says.
+        assert!(matches!(opt.moments[0], Moments::Int8 { .. }));
+        assert!(matches!(opt.moments[1], Moments::Full { .. }));
+        let lr = r["lr"].as_f64().unwrap();
+        for step in 1..=r["steps"].as_u64().unwrap() as usize {
+            let mut g = HashMap::new();
+            for (name, var, n, salt) in &vars {
+                let t = Tensor::from_vec(grad(*n, step, *salt), var.shape(), &dev).unwrap();
+                g.insert(name.clone(), t);
+            }
+            opt.step(&g, lr).unwrap();
+        }
+        for (name, var, ..) in &vars {
+            let want = floats(&r["params"][name]["final"]);
+            let got: Vec<f32> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            // Three steps of at most lr (1e-3) each: equal up to f32 rounding.
+            assert!(worst < 5e-7, "{name}: parameters differ by up to {worst}");
+        }
+        // The 8-bit state: the same block maxima and bytes.
+        let Moments::Int8 { m, v } = &opt.moments[0] else {
+            unreachable!()
+        };
+        let st = &r["big_state"];
+        for (q, codes, absmax) in [(m, "m_codes", "m_absmax"), (v, "v_codes", "v_absmax")] {
+            let want_a = floats(&st[absmax]);
+            let got_a: Vec<f32> = q.absmax.to_vec1().unwrap();
+            for (a, b) in got_a.iter().zip(&want_a) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                    "{absmax}: {a} vs {b}"
+                );
+            }
+            let want_c: Vec<i64> = st[codes]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_i64().unwrap())
+                .collect();
+            let got_c: Vec<u8> = q.codes.to_vec1().unwrap();
+            let n = want_c.len();
+            let got_c: Vec<i64> = got_c[..n].iter().map(|b| *b as i64).collect();
+            assert_eq!(got_c, want_c, "{codes}");
+        }
+    }
+
+    /// 8-bit state: about a quarter of f32's; a checkpoint restores it to the bit (a resumed
+    /// run continues exactly), and a run may resume across `optim` kinds.
+    #[test]
+    fn adamw_8bit_state_is_small_and_resumes_exactly() {
+        let dev = Device::Cpu;
+        let params = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let init: Vec<f32> = (0..5000)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let mk = |eight: bool| {
+            let v = Var::from_tensor(&Tensor::from_vec(init.clone(), (50, 100), &dev).unwrap())
+                .unwrap();
+            let o = AdamW::new(vec![("w".into(), v.clone())], params).unwrap();
+            let o = match eight {
+                true => o.with_8bit_states(|_| false).unwrap(),
+                false => o,
+            };
+            (v, o)
+        };
+        let grad = |s: usize| {
+            let g: Vec<f32> = (0..5000)
+                .map(|i| (((i * 13 + s * 7) % 97) as f32 - 48.0) / 480.0)
+                .collect();
+            let mut m = HashMap::new();
+            m.insert(
+                "w".to_string(),
+                Tensor::from_vec(g, (50, 100), &dev).unwrap(),
+            );
+            m
+        };
+        let (v8, mut o8) = mk(true);
+        let (_, mut o32) = mk(false);
+        // 2 moments × 5,000 values: 40,000 bytes in f32, 2 × (5,120 + 20 × 4) in 8 bits.
+        assert_eq!(o32.state_bytes(), 40_000);
+        assert_eq!(o8.state_bytes(), 2 * (5_120 + 80));
+        for s in 0..4 {
+            o8.step(&grad(s), 1e-2).unwrap();
+            o32.step(&grad(s), 1e-2).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p8 = dir.path().join("o8.safetensors");
+        let p32 = dir.path().join("o32.safetensors");
+        o8.save(&p8).unwrap();
+        o32.save(&p32).unwrap();
+        let saved8 = o8.moments_f32(0).unwrap();
+        let saved32 = o32.moments_f32(0).unwrap();
+        // Resumed 8-bit: the same bits as going on.
+        let (r8v, mut r8) = mk(true);
+        r8v.set(v8.as_tensor()).unwrap();
+        r8.load(&p8).unwrap();
+        for s in 4..7 {
+            o8.step(&grad(s), 1e-2).unwrap();
+            r8.step(&grad(s), 1e-2).unwrap();
+        }
+        let bits = |v: &Var| -> Vec<u32> {
+            let x: Vec<f32> = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            x.iter().map(|f| f.to_bits()).collect()
+        };
+        assert_eq!(
+            bits(&v8),
+            bits(&r8v),
+            "a resumed 8-bit run continues to the bit"
+        );
+        // The 8-bit run tracks the f32 one: the moments' rounding moves a weight by a small
+        // part of the 4 steps' travel.
+        let a: Vec<f32> = v8.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let w32 = {
+            let (w, mut o) = mk(false);
+            for s in 0..7 {
+                o.step(&grad(s), 1e-2).unwrap();
+            }
+            w.as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let worst = a
+            .iter()
+            .zip(&w32)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 0.07 * 7.0 * 1e-2,
+            "8-bit vs f32 after 7 steps: {worst}"
+        );
+        // Across kinds: 8-bit state into an f32 optimizer (dequantized, the same values), f32
+        // state into an 8-bit one (quantized: within each block's code spacing).
+        let flat = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        let (_, mut x32) = mk(false);
+        x32.load(&p8).unwrap();
+        assert!(matches!(x32.moments[0], Moments::Full { .. }));
+        let (m, v) = x32.moments_f32(0).unwrap();
+        assert_eq!(flat(&m), flat(&saved8.0));
+        assert_eq!(flat(&v), flat(&saved8.1));
+        let (_, mut x8) = mk(true);
+        x8.load(&p32).unwrap();
+        assert!(matches!(x8.moments[0], Moments::Int8 { .. }));
+        let (m, v) = x8.moments_f32(0).unwrap();
+        for (got, want) in [(flat(&m), flat(&saved32.0)), (flat(&v), flat(&saved32.1))] {
+            let top = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() <= 0.008 * top, "{a} vs {b}");
+            }
+        }
+        // A checkpoint of another shape names the tensor.
+        let bad = AdamW::new(
+            vec![(
+                "w".into(),
+                Var::from_tensor(&Tensor::zeros((60, 100), DType::F32, &dev).unwrap()).unwrap(),
+            )],
+            params,
+        )
+        .unwrap()
+        .with_8bit_states(|_| false)
+        .unwrap()
+        .load(&p8)
+        .unwrap_err()
+        .to_string();
+        assert!(bad.contains("w.exp_avg.q8"), "{bad}");
     }
 
     #[test]

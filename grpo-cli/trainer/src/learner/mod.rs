@@ -119,6 +119,11 @@ impl Learner {
         } else {
             opt
         };
+        // transformers keeps the embeddings' state in 32 bits under bitsandbytes.
+        let opt = match o.optim.eight_bit() {
+            true => opt.with_8bit_states(|name| name.ends_with("embed_tokens.weight"))?,
+            false => opt,
+        };
         let total_updates = setup.total_steps * o.num_iterations * setup.cfg.updates_per_step();
         let warmup = if o.warmup_steps > 0 {
             o.warmup_steps
