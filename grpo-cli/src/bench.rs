@@ -40,6 +40,8 @@ pub struct BenchOptions {
     /// `pipeline.max_staleness`: with 1 or more, generation of the next step overlaps the
     /// learner's step (off-policy by up to that many versions, corrected as configured).
     pub max_staleness: usize,
+    /// `optim.optim` by transformers' name (`adamw_torch`, `adamw_8bit`, ...).
+    pub optim: String,
 }
 
 impl Default for BenchOptions {
@@ -56,6 +58,7 @@ impl Default for BenchOptions {
             micro_batch: None,
             gradient_checkpointing: false,
             max_staleness: 0,
+            optim: "adamw_torch".into(),
         }
     }
 }
@@ -112,6 +115,8 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
     cfg.train.per_device_train_batch_size = opts.micro_batch;
     cfg.train.gradient_checkpointing = opts.gradient_checkpointing;
     cfg.pipeline.max_staleness = opts.max_staleness;
+    cfg.optim.optim = serde_json::from_value(serde_json::json!(opts.optim))
+        .map_err(|e| anyhow!("--optim {}: {e}", opts.optim))?;
     if let Some(r) = opts.lora_r {
         cfg.model.lora = Some(grpo_rollout::LoraConfig {
             r,
@@ -180,6 +185,7 @@ pub fn run(model: &Path, opts: &BenchOptions) -> Result<serde_json::Value> {
         "completion_length": opts.completion,
         "lora_r": opts.lora_r,
         "max_staleness": opts.max_staleness,
+        "optim": opts.optim,
         // Decode steps captured as CUDA graphs (0: every step ran eagerly).
         "decode_graphs": grpo_rollout::graph::captures(),
     }))

@@ -298,6 +298,15 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             Ok((max_diff(&x, &y)? / max_abs(&x)?.max(1e-3), tol))
         })(),
     );
+    if device.is_cuda() {
+        push(
+            "8-bit optimizer state (optim = adamw_8bit): quantizer bytes on the device vs cpu"
+                .into(),
+            grpo_core::quant::device_mismatches(device)
+                .map(|n| (n as f64, 0.0))
+                .map_err(anyhow::Error::from),
+        );
+    }
     push(
         "8 AdamW steps lower the loss".into(),
         training_check(&dev.model, &rows_ids),

@@ -227,6 +227,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
                 micro_batch: a.micro_batch,
                 gradient_checkpointing: a.gradient_checkpointing,
                 max_staleness: a.max_staleness,
+                optim: a.optim.clone(),
                 device: a.place.device.clone(),
                 dtype: a.place.dtype.clone(),
                 ..Default::default()
@@ -294,6 +295,9 @@ struct BenchArgs {
     /// learner's step (off-policy by up to that many versions).
     #[arg(long, default_value_t = 0)]
     max_staleness: usize,
+    /// `optim.optim`: `adamw_torch` (default) or `adamw_8bit` (bitsandbytes' 8-bit AdamW).
+    #[arg(long, default_value = "adamw_torch")]
+    optim: String,
     #[command(flatten)]
     place: grpo_cli::DeviceArgs,
 }

@@ -1268,3 +1268,66 @@ fn a_full_fine_tune_at_staleness_0_publishes_its_own_weights() {
         assert_eq!(seen == before, !shared, "staleness {staleness}");
     }
 }
+
+/// `optim.optim = "adamw_8bit"` (bitsandbytes' 8-bit AdamW): a GRPO run trains, its
+/// checkpoint holds the 8-bit state (bytes and block maxima, the embeddings' moments in f32
+/// as transformers keeps them), and a stopped run resumes to the same metrics; TRL's other
+/// names for it parse, an unknown one is refused naming the key.
+#[test]
+fn adamw_8bit_trains_checkpoints_its_state_and_resumes() {
+    let f = fixture();
+    let eight = |out: &str| {
+        let mut c = base_config(&f.root, out, "");
+        c.optim.optim = grpo_trainer::config::OptimName::Adamw8bit;
+        c
+    };
+    let straight = run(eight("adam8"), RunOptions::default());
+    assert!(straight.metrics.iter().all(|m| m["loss"].is_finite()));
+    let ck = straight.best_checkpoint_path.clone().unwrap();
+    let state = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("optim"))
+        .expect("an optimizer state file");
+    let saved = candle_core::safetensors::load(&state, &candle_core::Device::Cpu).unwrap();
+    let q8: Vec<&String> = saved
+        .keys()
+        .filter(|k| k.ends_with(".exp_avg.q8"))
+        .collect();
+    assert!(!q8.is_empty(), "8-bit moments saved: {:?}", saved.keys());
+    for k in &q8 {
+        assert_eq!(saved[*k].dtype(), candle_core::DType::U8);
+    }
+    assert_eq!(
+        saved["model.embed_tokens.weight.exp_avg"].dtype(),
+        candle_core::DType::F32
+    );
+    let mut cfg = eight("adam8-parts");
+    cfg.train.save_steps = 0;
+    assert_same(&straight.metrics, &stopped_and_resumed(cfg, 2));
+    // The 8-bit run follows the 32-bit one closely on this tiny model (same data, seed).
+    let plain = run(base_config(&f.root, "adam32", ""), RunOptions::default());
+    let (a, b) = (
+        straight.metrics.last().unwrap()["loss"],
+        plain.metrics.last().unwrap()["loss"],
+    );
+    assert!(
+        (a - b).abs() < 0.05 * b.abs().max(1.0),
+        "8-bit {a} vs 32-bit {b}"
+    );
+    // transformers' names, from a config or --set; an unknown one is refused naming the key.
+    let file = f.root.join("adam32.toml");
+    for name in [
+        "adamw_8bit",
+        "adamw_bnb_8bit",
+        "paged_adamw_8bit",
+        "adamw_torch_fused",
+    ] {
+        let c = config::load(&file, &[format!("optim.optim={name}")]).unwrap();
+        assert_eq!(c.optim.optim.eight_bit(), name.contains("8bit"), "{name}");
+    }
+    let e = config::load(&file, &["optim.optim=lion_8bit".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("optim.optim") && e.contains("adamw_8bit"), "{e}");
+}

@@ -1,4 +1,4 @@
-// Runs one kernel of grpo-rollout/src/kernels.cu or grpo-core/src/head.cu (after
+// Runs one kernel of grpo-rollout/src/kernels.cu, grpo-core/src/head.cu or quant.cu (after
 // grpo-core/src/cuda_prelude.cu, as NVRTC compiles them) under the host emulation (emu.h),
 // launched as grpo-rollout/src/cuda.rs and grpo-core/src/cuda.rs launch it, on inputs read from
 // files; the Rust test tests/tests/cuda_kernels_emulated.rs writes the inputs and checks the
@@ -11,6 +11,7 @@
 #include "kernels.cu"
 #include "head.cu"
 #include "flash.cu"
+#include "quant.cu"
 
 #include <cstdio>
 #include <cstdlib>
@@ -439,6 +440,18 @@ int main(int argc, char** argv) {
                                                : probe_exited;
         emu_launch(probe, op == "probe_blocks" ? 2 : 1, 64, 64 * 4, out.data());
         write_out<F32>(out);
+        return 0;
+    }
+    if (op == "quantize_code") {
+        // blocks: in0 values (blocks, 256), in1 block maxima (blocks), in2 code (256); the
+        // bytes out as floats.
+        long blocks = atol(a[0]);
+        auto x = read_f32(0), am = read_f32(1), code = read_f32(2);
+        auto out = poisoned<unsigned char>(blocks * 256);
+        emu_launch(quantize_code_f32, (unsigned)blocks, 256, 0, (const float*)x.data(), 0L,
+                   (const float*)am.data(), 0L, (const float*)code.data(), 0L, out.data(),
+                   blocks * 256);
+        write_out<F32>(std::vector<float>(out.begin(), out.end()));
         return 0;
     }
     if (op.rfind("flash_", 0) == 0) {

@@ -1,4 +1,5 @@
-//! The fused ops' CUDA kernels (`grpo-rollout/src/kernels.cu`, `grpo-core/src/head.cu`, after
+//! The fused ops' CUDA kernels (`grpo-rollout/src/kernels.cu`, `grpo-core/src/head.cu`, the
+//! 8-bit optimizer state's `grpo-core/src/quant.cu`, after
 //! `grpo-core/src/cuda_prelude.cu`), their own source, run on the
 //! host under an emulation of the CUDA built-ins (`tests/cuda_emulation`: a thread per CUDA
 //! thread, barriers for `__syncthreads` and warp shuffles), launched as `grpo-rollout/src/cuda.rs`
@@ -910,6 +911,51 @@ fn log_softmax_gather_and_entropy_match_the_composition() {
         );
         let got = run("ent_bwd", name, &args, &[&x, &tf, &g]).unwrap();
         close(&format!("entropy backward {name}"), &got, &flat(&dh), tol);
+    }
+}
+
+/// The 8-bit optimizer states' quantizer (`grpo-core/src/quant.cu`) against
+/// `grpo_core::quant::quantize` on the CPU: the same bytes, on blocks with values over seven
+/// decades of both signs, tiny ones (kept nonzero), exact midpoints between code entries, a
+/// block of zeros, both maps.
+#[test]
+fn the_8bit_state_quantizer_gives_the_cpu_bytes() {
+    use grpo_core::quant::{BLOCK, dynamic_map, quantize};
+    let blocks = 6;
+    for signed in [true, false] {
+        let code = dynamic_map(signed);
+        let mut vals = Vec::with_capacity(blocks * BLOCK);
+        for i in 0..blocks * BLOCK {
+            let b = i / BLOCK;
+            let u = ((i * 7919 + 13) % 2001) as f32 / 1000.0 - 1.0;
+            let v = match b {
+                0 => u,
+                1 => u * 10f32.powi((i % 8) as i32 - 7),
+                2 => 0.0,
+                // Midpoints of neighbouring entries (the block maximum is the code's 1.0).
+                3 => match i % BLOCK {
+                    0 => 1.0,
+                    k => (code[k % 255] + code[k % 255 + 1]) / 2.0,
+                },
+                4 => u * 1e-30,
+                _ => -u.abs() * 3e3,
+            };
+            vals.push(if signed { v } else { v.abs() });
+        }
+        let x = Tensor::from_vec(vals.clone(), blocks * BLOCK, &Device::Cpu).unwrap();
+        let code_t = Tensor::new(code.as_slice(), &Device::Cpu).unwrap();
+        let q = quantize(&x, &code_t).unwrap();
+        let want: Vec<f32> = q.codes.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+        let absmax = q.absmax.clone();
+        let Some(got) = run(
+            "quantize_code",
+            "f32",
+            &[s(blocks)],
+            &[&x, &absmax, &code_t],
+        ) else {
+            return;
+        };
+        assert_eq!(got, want, "signed map: {signed}");
     }
 }
 
