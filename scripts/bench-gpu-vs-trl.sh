@@ -6,12 +6,14 @@
 # memory.used sampled every 200 ms, the maximum during the run) as a markdown table.
 #
 #   scripts/bench-gpu-vs-trl.sh [--steps N] [--rows quick|all|NAME,NAME,...] [--budget SECONDS]
-#                               [--sides both|ours|trl] [--overlap] [--out DIR]
+#                               [--sides both|ours|trl] [--overlap] [--optim8 NAME,...] [--out DIR]
 #
 # --rows takes workload names from the table below (in the order given); --budget stops starting
 # runs once that many seconds have passed (a run is also cut at what is left: its cell then says
 # `timed out`) — for a lent GPU whose time is counted. --overlap adds our run at
 # `pipeline.max_staleness = 1` (the next step's generation overlapping the learner's step).
+# --optim8 adds, on the workloads named, our run with gradient checkpointing and
+# `optim.optim = "adamw_8bit"` (bitsandbytes' 8-bit AdamW: the memory floor of a full fine-tune).
 #
 # Run it on the GPU machine from a directory that holds what scripts/build-cuda.sh packs
 # (.gpu/: run-gpu.sh, the xz'd CUDA binary, make_tiny_model.py, trl_grpo_bench_gpu.py) with a
@@ -23,6 +25,7 @@ rows=all
 budget=0
 sides=both
 overlap=0
+optim8=""
 out=${OUT:-/tmp/bench-gpu}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,6 +35,7 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift 2 ;;
     --sides) sides=$2; shift 2 ;;
     --overlap) overlap=1; shift ;;
+    --optim8) optim8=",$2,"; shift 2 ;;
     *) echo "bench-gpu-vs-trl.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -104,6 +108,10 @@ if [ "$overlap" = 1 ]; then
   table="$table grpo-rs, max_staleness 1 s/step | peak MiB |"
   sep="$sep---|---|"
 fi
+if [ -n "$optim8" ]; then
+  table="$table grpo-rs + checkpointing + adamw_8bit s/step | peak MiB |"
+  sep="$sep---|---|"
+fi
 table="$table\n$sep"
 for row in "${all_rows[@]}"; do
   read -r name model dtype prompts g tokens mb lora <<< "$row"
@@ -138,6 +146,16 @@ for row in "${all_rows[@]}"; do
     if [ "$sides" = trl ]; then
       line="$line - | - |"
     elif peak_of "$log" bash "$gpu/run-gpu.sh" "${ours[@]}" --max-staleness 1; then
+      line="$line $(field step_s_median "$log") | $peak |"
+    else
+      line="$line failed: $(tail -n 1 "$log.err" | cut -c1-60) | $peak |"
+    fi
+  fi
+  if [ -n "$optim8" ]; then
+    log="$out/$name-ours-ckpt-adamw8bit.jsonl"
+    if [ "$sides" = trl ] || [ "${optim8#*,$name,}" = "$optim8" ]; then
+      line="$line - | - |"
+    elif peak_of "$log" bash "$gpu/run-gpu.sh" "${ours[@]}" --gradient-checkpointing --optim adamw_8bit; then
       line="$line $(field step_s_median "$log") | $peak |"
     else
       line="$line failed: $(tail -n 1 "$log.err" | cut -c1-60) | $peak |"
