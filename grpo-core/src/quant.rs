@@ -1017,7 +1017,7 @@ mod tests {
         for signed in [true, false] {
             let code = dynamic_map(signed);
             let bounds = Bounds::new(&code);
-            let mut check = |y: f32| {
+            let check = |y: f32| {
                 assert_eq!(
                     bounds.nearest(y),
                     nearest(&code, y),
