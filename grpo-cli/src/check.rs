@@ -309,7 +309,11 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     }
     push(
         "8 AdamW steps lower the loss".into(),
-        training_check(&dev.model, &rows_ids),
+        training_check(&dev.model, &rows_ids, false),
+    );
+    push(
+        "8 steps of the 8-bit AdamW (optim = adamw_8bit) lower the loss".into(),
+        training_check(&dev.model, &rows_ids, true),
     );
     push(
         "matrix products from two threads at once through one device handle vs the same \
@@ -816,8 +820,10 @@ fn grad_norm(m: &TrainableModel, grads: &candle_core::backprop::GradStore) -> Re
     Ok(sq.sqrt())
 }
 
-/// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9).
-fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
+/// Loss after 8 AdamW steps on one batch, as a fraction of the first loss (must be < 0.9);
+/// with `eight_bit`, the moments in bitsandbytes' 8-bit state (`optim = "adamw_8bit"`: the
+/// device's quantizer and lookups).
+fn training_check(base: &Transformer, rows: &[Vec<u32>], eight_bit: bool) -> Result<(f64, f64)> {
     let tm = TrainableModel::full(base)?;
     let params = AdamWParams {
         beta1: 0.9,
@@ -826,6 +832,10 @@ fn training_check(base: &Transformer, rows: &[Vec<u32>]) -> Result<(f64, f64)> {
         weight_decay: 0.0,
     };
     let mut opt = AdamW::new(tm.vars.clone(), params)?;
+    if eight_bit {
+        opt = opt.with_8bit_states(|_| false)?;
+        anyhow::ensure!(opt.state_bytes() > 0, "no optimizer state");
+    }
     let mut first = None;
     let mut last = 0.0;
     for _ in 0..8 {

@@ -363,6 +363,8 @@ fn check_self_test_passes_on_the_cpu() {
             "packed rows (SFT packing",
             "an f32 head (cast_lm_head_to_fp32)",
             "AdamW steps",
+            "8-bit AdamW",
+            "matrix products from two threads at once",
             "greedy generation",
         ] {
             assert!(stdout.contains(row), "{dtype}: no `{row}` row in\n{stdout}");
