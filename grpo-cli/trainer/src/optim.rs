@@ -50,6 +50,8 @@ pub struct AdamW {
     moments: Vec<Moments>,
     /// The dtype each variable's gradients are summed in over micro-batches.
     sums: Vec<DType>,
+    /// Whether weight decay applies to each variable ([`decays`]).
+    decay: Vec<bool>,
     /// The signed and unsigned dynamic maps on the variables' device (8-bit state only).
     maps: Option<(Tensor, Tensor)>,
     /// f32 master copies of half-precision variables (mixed precision, TRL's `bf16 = true`):
@@ -79,11 +81,13 @@ impl AdamW {
             sums.push(dt);
         }
         let master = vec![None; vars.len()];
+        let decay = vars.iter().map(|(name, _)| decays(name)).collect();
         Ok(Self {
             params,
             vars,
             moments,
             sums,
+            decay,
             maps: None,
             master,
             step: 0,
@@ -237,7 +241,7 @@ impl AdamW {
                 None => var.as_tensor().to_dtype(DType::F32)?,
             };
             // PyTorch: p ← p·(1 − lr·wd); p ← p − lr/bc1 · m / (sqrt(v)/sqrt(bc2) + ε)
-            let w = if p.weight_decay != 0.0 {
+            let w = if p.weight_decay != 0.0 && self.decay[i] {
                 (w * (1.0 - lr * p.weight_decay))?
             } else {
                 w
@@ -318,6 +322,21 @@ impl AdamW {
         self.step = step.first().copied().unwrap_or(0).max(0) as usize;
         Ok(())
     }
+}
+
+/// Whether weight decay applies to the parameter `name` (transformers' names), as transformers'
+/// `Trainer` groups parameters for its optimizer (`get_decay_parameter_names`): not to a name
+/// that, lowercased, contains `bias`, `layernorm` or `rmsnorm`, has a `norm` component, or a
+/// component ending in `_norm` — biases and every normalisation weight (`input_layernorm`,
+/// `model.norm`, Qwen3's `q_norm` / `k_norm`, a LoRA adapter's `lora_B.bias`) — and to every
+/// other one (the projections, the embeddings, LoRA's factors and DoRA's magnitudes).
+pub fn decays(name: &str) -> bool {
+    let n = name.to_lowercase();
+    let parts: Vec<&str> = n.split('.').collect();
+    !(n.contains("bias")
+        || n.contains("layernorm")
+        || n.contains("rmsnorm")
+        || parts.iter().any(|p| *p == "norm" || p.ends_with("_norm")))
 }
 
 /// A moment as a checkpoint holds it.
@@ -1274,6 +1293,66 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(bad.contains("w.exp_avg.q8"), "{bad}");
+    }
+
+    /// transformers' `get_decay_parameter_names` on Qwen3 / Llama / PEFT names (its regexes:
+    /// `bias`, `layernorm`, `rmsnorm`, `(?:^|\.)norm(?:$|\.)`, `_norm(?:$|\.)`), and an update
+    /// that decays only those.
+    #[test]
+    fn weight_decay_skips_biases_and_norms_as_transformers() {
+        for (name, want) in [
+            ("model.embed_tokens.weight", true),
+            ("model.layers.0.self_attn.q_proj.weight", true),
+            ("model.layers.0.self_attn.q_proj.bias", false),
+            ("model.layers.0.input_layernorm.weight", false),
+            ("model.layers.0.post_attention_layernorm.weight", false),
+            ("model.layers.0.self_attn.q_norm.weight", false),
+            ("model.layers.0.self_attn.k_norm.weight", false),
+            ("model.norm.weight", false),
+            ("lm_head.weight", true),
+            (
+                "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+                true,
+            ),
+            (
+                "base_model.model.model.layers.0.mlp.up_proj.lora_B.bias",
+                false,
+            ),
+            (
+                "base_model.model.model.layers.0.self_attn.v_proj.lora_magnitude_vector",
+                true,
+            ),
+            ("score.weight", true),
+            ("normalizer.weight", true),
+        ] {
+            assert_eq!(decays(name), want, "{name}");
+        }
+        let dev = Device::Cpu;
+        let params = AdamWParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.5,
+        };
+        let v = |x: f32| Var::from_tensor(&Tensor::new(&[x], &dev).unwrap()).unwrap();
+        let (w, n) = (v(2.0), v(2.0));
+        let mut o = AdamW::new(
+            vec![
+                ("model.layers.0.mlp.up_proj.weight".into(), w.clone()),
+                ("model.norm.weight".into(), n.clone()),
+            ],
+            params,
+        )
+        .unwrap();
+        let mut g = HashMap::new();
+        for name in ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"] {
+            g.insert(name.to_string(), Tensor::new(&[0f32], &dev).unwrap());
+        }
+        o.step(&g, 0.1).unwrap();
+        let at = |v: &Var| v.as_tensor().to_vec1::<f32>().unwrap()[0];
+        // A zero gradient: only the decay moves a weight (2 · (1 − 0.1 · 0.5) = 1.9).
+        assert!((at(&w) - 1.9).abs() < 1e-6, "{}", at(&w));
+        assert_eq!(at(&n), 2.0);
     }
 
     #[test]
