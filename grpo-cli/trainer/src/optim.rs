@@ -797,6 +797,16 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    /// PyTorch's AdamW defaults (β 0.9 / 0.999, ε 1e-8) with weight decay `wd`.
+    fn torch_params(weight_decay: f64) -> AdamWParams {
+        AdamWParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay,
+        }
+    }
+
     /// Reference from PyTorch 2.x:
     /// ```python
     /// import torch
@@ -855,12 +865,7 @@ mod tests {
     #[test]
     fn pure_f16_steps_small_gradients_like_f32() {
         let dev = Device::Cpu;
-        let params = AdamWParams {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let params = torch_params(0.0);
         let init = [1.0f32, -2.0, 0.5, 3.0];
         let g = [1e-3f32, -2e-4, 5e-4, 1e-5];
         let run = |dt: DType| -> Vec<f32> {
@@ -988,12 +993,7 @@ mod tests {
     #[test]
     fn master_weights_keep_small_updates_and_round_trip() {
         let dev = Device::Cpu;
-        let params = AdamWParams {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let params = torch_params(0.0);
         let init = [1.0f32, -2.0, 300.0];
         let make = |dtype: DType| {
             Var::from_tensor(&Tensor::new(&init, &dev).unwrap().to_dtype(dtype).unwrap()).unwrap()
@@ -1173,12 +1173,7 @@ mod tests {
     #[test]
     fn adamw_8bit_state_is_small_and_resumes_exactly() {
         let dev = Device::Cpu;
-        let params = AdamWParams {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let params = torch_params(0.0);
         let init: Vec<f32> = (0..5000)
             .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
             .collect();
@@ -1328,12 +1323,7 @@ mod tests {
             assert_eq!(decays(name), want, "{name}");
         }
         let dev = Device::Cpu;
-        let params = AdamWParams {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.5,
-        };
+        let params = torch_params(0.5);
         let v = |x: f32| Var::from_tensor(&Tensor::new(&[x], &dev).unwrap()).unwrap();
         let (w, n) = (v(2.0), v(2.0));
         let mut o = AdamW::new(
