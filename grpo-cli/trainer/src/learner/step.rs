@@ -67,7 +67,10 @@ impl Learner {
                 let update = &chunks
                     [(u * per_update).min(chunks.len())..((u + 1) * per_update).min(chunks.len())];
                 let mut acc = HashMap::new();
-                let mut update_loss = 0.0;
+                // The micro-batches' losses stay on the device and cross to the host once per
+                // update: a read per micro-batch would make the host wait for each forward
+                // before issuing its backward.
+                let mut losses = Vec::with_capacity(update.len());
                 for &range in update {
                     let loss = loss_of(
                         self,
@@ -77,7 +80,7 @@ impl Learner {
                             update,
                         },
                     )?;
-                    update_loss += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+                    losses.push(loss.detach().to_dtype(candle_core::DType::F64)?);
                     let dev = loss.device().clone();
                     grpo_core::memlog::log("learner: micro-batch forward", &dev);
                     let grads = self.policy.model.backward(&loss)?;
@@ -88,6 +91,10 @@ impl Learner {
                     drop(grads);
                     grpo_core::memlog::log("learner: gradients summed", &dev);
                 }
+                let update_loss = match losses.is_empty() {
+                    true => 0.0,
+                    false => Tensor::stack(&losses, 0)?.sum_all()?.to_scalar::<f64>()?,
+                };
                 if !update_loss.is_finite() {
                     bail!("non-finite loss ({update_loss}) at step {}", step + 1);
                 }
