@@ -209,6 +209,7 @@ fn out_of_memory_is_one_line_with_the_ways_out_and_a_checkpoint() {
             "per_device_train_batch_size",
             "gradient_checkpointing = true",
             "LoRA",
+            "adamw_8bit",
         ] {
             assert!(msg.contains(part), "`{part}` missing: {msg}");
         }

@@ -28,6 +28,9 @@ pub fn out_of_memory_message(cfg: &TrainConfig, step: usize, checkpoint: Option<
     if cfg.model.lora.is_none() {
         ways.push("LoRA adapters (`[model.lora]`)".into());
     }
+    if cfg.model.lora.is_none() && !cfg.optim.optim.eight_bit() {
+        ways.push("8-bit AdamW state (`optim.optim = \"adamw_8bit\"`)".into());
+    }
     if cfg.model.dtype == grpo_rollout::Dtype::F32 {
         ways.push("`model.dtype = \"bf16\"`".into());
     }
