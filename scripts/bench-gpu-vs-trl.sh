@@ -6,12 +6,14 @@
 # memory.used sampled every 200 ms, the maximum during the run) as a markdown table.
 #
 #   scripts/bench-gpu-vs-trl.sh [--steps N] [--rows quick|all|NAME,NAME,...] [--budget SECONDS]
-#                               [--sides both|ours|trl] [--overlap] [--optim8 NAME,...] [--out DIR]
+#                               [--sides both|ours|trl] [--overlap | --overlap-rows NAME,...]
+#                               [--optim8 NAME,...] [--out DIR]
 #
 # --rows takes workload names from the table below (in the order given); --budget stops starting
 # runs once that many seconds have passed (a run is also cut at what is left: its cell then says
 # `timed out`) — for a lent GPU whose time is counted. --overlap adds our run at
-# `pipeline.max_staleness = 1` (the next step's generation overlapping the learner's step).
+# `pipeline.max_staleness = 1` (the next step's generation overlapping the learner's step);
+# --overlap-rows on the workloads named only.
 # --optim8 adds, on the workloads named, our run with gradient checkpointing and
 # `optim.optim = "adamw_8bit"` (bitsandbytes' 8-bit AdamW: the memory floor of a full fine-tune).
 #
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift 2 ;;
     --sides) sides=$2; shift 2 ;;
     --overlap) overlap=1; shift ;;
+    --overlap-rows) overlap=",$2,"; shift 2 ;;
     --optim8) optim8=",$2,"; shift 2 ;;
     *) echo "bench-gpu-vs-trl.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -104,7 +107,7 @@ esac
 
 table="| workload | grpo-rs s/step | grpo-rs peak MiB | grpo-rs + checkpointing s/step | peak MiB | TRL s/step | TRL peak MiB |"
 sep="|---|---|---|---|---|---|---|"
-if [ "$overlap" = 1 ]; then
+if [ "$overlap" != 0 ]; then
   table="$table grpo-rs, max_staleness 1 s/step | peak MiB |"
   sep="$sep---|---|"
 fi
@@ -141,9 +144,9 @@ for row in "${all_rows[@]}"; do
     cells+=("failed: $(tail -n 1 "$log.err" | cut -c1-60)" "$peak")
   fi
   line="| $name | ${cells[0]} | ${cells[1]} | ${cells[2]} | ${cells[3]} | ${cells[4]} | ${cells[5]} |"
-  if [ "$overlap" = 1 ]; then
+  if [ "$overlap" != 0 ]; then
     log="$out/$name-ours-staleness-1.jsonl"
-    if [ "$sides" = trl ]; then
+    if [ "$sides" = trl ] || { [ "$overlap" != 1 ] && [ "${overlap#*,$name,}" = "$overlap" ]; }; then
       line="$line - | - |"
     elif peak_of "$log" bash "$gpu/run-gpu.sh" "${ours[@]}" --max-staleness 1; then
       line="$line $(field step_s_median "$log") | $peak |"

@@ -8,9 +8,10 @@
 #
 #   bash scripts/gpu-session.sh          (from the project root, with .gpu/ from scripts/build-cuda.sh
 #                                         and TRL's wheels in .gpu/whl/ for the TRL side)
-#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1 OVERLAP=1 OPTIM8=name,name
-#   PROFILE=1|decode|both
-#   (environment knobs; OVERLAP=1 adds our runs at max_staleness 1; OPTIM8 our runs with
+#   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1 OVERLAP=1|name,name
+#   OPTIM8=name,name PROFILE=1|decode|both
+#   (environment knobs; OVERLAP=1 adds our runs at max_staleness 1, OVERLAP=name,name on those
+#   workloads only; OPTIM8 our runs with
 #   checkpointing and the 8-bit AdamW on the workloads named; PROFILE=1 ends with Nsight
 #   Compute's kernel times of one learner forward + backward on the 0.77B model, summed by
 #   kernel name; PROFILE=decode those of a few eager decode steps at 128 rows, per step;
@@ -46,7 +47,8 @@ PROFILE=${PROFILE:-0}
 case "$PROFILE" in 1) PROF_S=150 ;; decode) PROF_S=100 ;; both) PROF_S=250 ;; *) PROF_S=0 ;; esac
 left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - PROF_S))
 GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
-  --budget $left --sides ${SIDES:-both} $([ "${OVERLAP:-0}" = 1 ] && echo --overlap) \
+  --budget $left --sides ${SIDES:-both} $(case "${OVERLAP:-0}" in 0) ;; 1) echo --overlap ;;
+    *) echo --overlap-rows "$OVERLAP" ;; esac) \
   $([ -n "${OPTIM8:-}" ] && echo --optim8 "$OPTIM8") --out $R 2>&1 \
   | tee $R/bench.txt &
 BPID=$!
