@@ -7,8 +7,9 @@
 //!
 //! [`quantize`] and [`dequantize`] take and give candle tensors and run where they live: the
 //! dequantization is a lookup ([`Tensor::index_select`]) and a product, the block maxima a
-//! reduction; the nearest-code search is an op of its own (a binary search per value, rayon
-//! on the CPU, a kernel on CUDA), the same bits on both.
+//! reduction; the nearest-code search is an op of its own (a table of bounds and rayon on the
+//! CPU, a binary search per value in a kernel on CUDA), the same bytes on both. On the CPU the
+//! lookup is an op of its own too (one pass).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -54,7 +55,8 @@ pub fn nearest(code: &[f32], y: f32) -> u8 {
 /// code's entries are at least 0.8 % apart relatively, so a range holds at most a boundary or
 /// two and a step or two from the table's entry finds it — the same index as the binary
 /// search (tested on every range's ends and random values), without its eight unpredictable
-/// branches. The CPU's op uses it (≈ 6× faster on 8 M values); the CUDA kernel searches.
+/// branches. The CPU's op uses it ([`quantize`] of 8 M values: 163 → 40 ms on 2 cores); the
+/// CUDA kernel searches.
 struct Bounds {
     code: Vec<f32>,
     first: Vec<u16>,
