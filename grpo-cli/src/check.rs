@@ -300,7 +300,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     );
     if device.is_cuda() {
         push(
-            "8-bit optimizer state (optim = adamw_8bit): quantizer bytes on the device vs cpu"
+            "8-bit optimizer state (optim = adamw_8bit): quantizer bytes and lookup values on the device vs cpu"
                 .into(),
             grpo_core::quant::device_mismatches(device)
                 .map(|n| (n as f64, 0.0))

@@ -637,3 +637,45 @@ pub fn quantize_code(
         lx.shape().clone(),
     ))
 }
+
+/// [`crate::quant`]'s lookup on CUDA: bytes `(blocks · 256,)` u8, block maxima `(blocks,)` f32
+/// and the code `(256,)` f32 in; `code[byte] · absmax[block]` f32 out.
+pub fn dequantize_code(
+    q: &CudaStorage,
+    lq: &Layout,
+    a: &CudaStorage,
+    la: &Layout,
+    c: &CudaStorage,
+    lc: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let op = "dequantize";
+    let dev = &q.device;
+    let n = lq.shape().elem_count();
+    if la.shape().elem_count() * crate::quant::BLOCK != n || lc.shape().elem_count() != 256 {
+        candle_core::bail!(
+            "{op}: expected (blocks · 256,), (blocks,) and (256,), got {:?}, {:?}, {:?}",
+            lq.dims(),
+            la.dims(),
+            lc.dims()
+        );
+    }
+    let (qs, qo) = input::<u8>(q, lq, op)?;
+    let (as_, ao) = input::<f32>(a, la, op)?;
+    let (cs, co) = input::<f32>(c, lc, op)?;
+    let out = alloc::<f32>(dev, n)?;
+    let nl = n as i64;
+    let c = cfg(
+        blocks(n, crate::quant::BLOCK),
+        crate::quant::BLOCK as u32,
+        0,
+    );
+    cuda_launch!(
+        &QUANT,
+        dev,
+        "dequantize_code",
+        DType::F32,
+        c,
+        [qs, &qo, as_, &ao, cs, &co, &out, &nl]
+    );
+    done(out, dev, n)
+}

@@ -42,3 +42,15 @@ extern "C" __global__ void quantize_code_f32(const float* x, long xo, const floa
     float inv = 1.0f / fmaxf(absmax[ao + i / 256], 1.17549435e-38f);
     out[i] = quantize_value(c, x[xo + i] * inv);
 }
+
+// quant::dequantize: out[i] = code[bytes[i]] · absmax[i / 256], f32; one thread per value.
+extern "C" __global__ void dequantize_code_f32(const unsigned char* q, long qo,
+                                               const float* absmax, long ao, const float* code,
+                                               long co, float* out, long n) {
+    __shared__ float c[256];
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) c[i] = code[co + i];
+    __syncthreads();
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = c[q[qo + i]] * absmax[ao + i / 256];
+}

@@ -8,8 +8,8 @@
 //! [`quantize`] and [`dequantize`] take and give candle tensors and run where they live: the
 //! dequantization is a lookup ([`Tensor::index_select`]) and a product, the block maxima a
 //! reduction; the nearest-code search is an op of its own (a table of bounds and rayon on the
-//! CPU, a binary search per value in a kernel on CUDA), the same bytes on both. On the CPU the
-//! lookup is an op of its own too (one pass).
+//! CPU, a binary search per value in a kernel on CUDA), the same bytes on both. The lookup is an
+//! op of its own too (one pass, on the CPU and in a kernel).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -244,7 +244,7 @@ fn kernel_here(device: &candle_core::Device) -> bool {
                 Ok(0) => true,
                 Ok(n) => {
                     eprintln!(
-                        "warning: the 8-bit optimizer state's CUDA quantizer gave {n} bytes unlike the CPU's on cuda:{gpu_id}; quantizing on the CPU"
+                        "warning: the 8-bit optimizer state's CUDA kernels gave {n} values unlike the CPU's on cuda:{gpu_id}; quantizing on the CPU"
                     );
                     false
                 }
@@ -266,8 +266,9 @@ fn kernel_here(device: &candle_core::Device) -> bool {
 }
 
 /// How many bytes the nearest-code op on `device` gives unlike the CPU's, on three blocks of
-/// both maps (values over seven decades and of both signs, a block of zeros): 0 when the
-/// device's quantizer is right (`grpo-cli check` reports it).
+/// both maps (values over seven decades and of both signs, a block of zeros), and how many
+/// values its lookup of the CPU's bytes gives unlike the CPU's: 0 when the device's quantizer
+/// and lookup are right (`grpo-cli check` reports it).
 pub fn device_mismatches(device: &candle_core::Device) -> Result<usize> {
     let cpu = candle_core::Device::Cpu;
     let vals: Vec<f32> = (0..3 * BLOCK)
@@ -297,6 +298,26 @@ pub fn device_mismatches(device: &candle_core::Device) -> Result<usize> {
             .flatten_all()?
             .to_vec1()?;
         differ += want.iter().zip(&got).filter(|(a, b)| a != b).count();
+        let bytes = Tensor::from_vec(want, 3 * BLOCK, &cpu)?;
+        let maxima = absmax.flatten_all()?;
+        let want: Vec<u32> = bytes
+            .apply_op3_no_bwd(&maxima, &code, &Lookup)?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        let got: Vec<u32> = bytes
+            .to_device(device)?
+            .apply_op3_no_bwd(
+                &maxima.to_device(device)?,
+                &code.to_device(device)?,
+                &Lookup,
+            )?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        differ += want.iter().zip(&got).filter(|(a, b)| a != b).count();
     }
     Ok(differ)
 }
@@ -304,7 +325,7 @@ pub fn device_mismatches(device: &candle_core::Device) -> Result<usize> {
 /// The f32 values of `q` in `shape`: `code[byte] · max|block|`.
 pub fn dequantize(q: &Blockwise, code: &Tensor, shape: &Shape) -> Result<Tensor> {
     let blocks = q.absmax.dim(0)?;
-    if q.codes.device().is_cpu() {
+    if kernel_here(q.codes.device()) {
         // One pass (the composition below takes three, and a u32 copy of the bytes).
         return q
             .codes
@@ -323,8 +344,8 @@ pub fn dequantize(q: &Blockwise, code: &Tensor, shape: &Shape) -> Result<Tensor>
 }
 
 /// `(bytes (blocks · BLOCK,) u8, absmax (blocks,) f32, code (256,) f32)` → `code[byte] ·
-/// absmax[block]`, f32 `(blocks · BLOCK,)`: [`dequantize`] on the CPU, the same products as
-/// the composition.
+/// absmax[block]`, f32 `(blocks · BLOCK,)`: [`dequantize`] on the CPU and on a GPU with our
+/// kernel, the same products as the composition.
 struct Lookup;
 
 impl CustomOp3 for Lookup {
@@ -358,6 +379,19 @@ impl CustomOp3 for Lookup {
                 }
             });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::dequantize_code(s1, l1, s2, l2, s3, l3)
     }
 }
 

@@ -454,6 +454,18 @@ int main(int argc, char** argv) {
         write_out<F32>(std::vector<float>(out.begin(), out.end()));
         return 0;
     }
+    if (op == "dequantize_code") {
+        // blocks: in0 bytes (blocks · 256, as floats), in1 block maxima, in2 code (256).
+        long blocks = atol(a[0]);
+        auto qf = read_f32(0), am = read_f32(1), code = read_f32(2);
+        std::vector<unsigned char> q(qf.begin(), qf.end());
+        auto out = poisoned<float>(blocks * 256);
+        emu_launch(dequantize_code_f32, (unsigned)blocks, 256, 0, (const unsigned char*)q.data(),
+                   0L, (const float*)am.data(), 0L, (const float*)code.data(), 0L, out.data(),
+                   blocks * 256);
+        write_out<F32>(out);
+        return 0;
+    }
     if (op.rfind("flash_", 0) == 0) {
         if (dt == "bf16") return run_flash<BF16>(op, a, true);
         if (dt == "f16") return run_flash<F16>(op, a, false);

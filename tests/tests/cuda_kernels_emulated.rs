@@ -914,8 +914,9 @@ fn log_softmax_gather_and_entropy_match_the_composition() {
     }
 }
 
-/// The 8-bit optimizer states' quantizer (`grpo-core/src/quant.cu`) against
-/// `grpo_core::quant::quantize` on the CPU: the same bytes, on blocks with values over seven
+/// The 8-bit optimizer states' quantizer and lookup (`grpo-core/src/quant.cu`) against
+/// `grpo_core::quant::quantize` and `dequantize` on the CPU: the same bytes and values, on
+/// blocks with values over seven
 /// decades of both signs, tiny ones (kept nonzero), exact midpoints between code entries, a
 /// block of zeros, both maps.
 #[test]
@@ -956,6 +957,21 @@ fn the_8bit_state_quantizer_gives_the_cpu_bytes() {
             return;
         };
         assert_eq!(got, want, "signed map: {signed}");
+        // The lookup back: the CPU's values to the bit.
+        let back: Vec<f32> = grpo_core::quant::dequantize(&q, &code_t, x.shape())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let bytes = q.codes.to_dtype(DType::F32).unwrap();
+        let got = run(
+            "dequantize_code",
+            "f32",
+            &[s(blocks)],
+            &[&bytes, &absmax, &code_t],
+        )
+        .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&back), "lookup, signed map: {signed}");
     }
 }
 
