@@ -362,22 +362,10 @@ impl CustomOp3 for Lookup {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use rayon::prelude::*;
-        let bytes = match (s1, l1.contiguous_offsets()) {
-            (CpuStorage::U8(v), Some((a, b))) => &v[a..b],
-            _ => candle_core::bail!("dequantize: the bytes must be contiguous u8"),
-        };
-        let absmax = contiguous_f32(s2, l2, "block maxima")?;
-        let code = contiguous_f32(s3, l3, "code")?;
-        let mut out = vec![0f32; bytes.len()];
-        out.par_chunks_mut(BLOCK)
-            .zip(bytes.par_chunks(BLOCK))
-            .zip(absmax.par_iter())
-            .for_each(|((o, bs), &a)| {
-                for (o, &b) in o.iter_mut().zip(bs) {
-                    *o = code[b as usize] * a;
-                }
-            });
+        let bytes = contiguous::<u8>(s1, l1, "dequantize", "bytes")?;
+        let absmax = contiguous::<f32>(s2, l2, "dequantize", "block maxima")?;
+        let code = contiguous::<f32>(s3, l3, "dequantize", "code")?;
+        let out = per_block(bytes, absmax, |b, a| code[b as usize] * a);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -399,12 +387,37 @@ impl CustomOp3 for Lookup {
 /// entry of each `row / max(absmax, TINY)` ([`quantize_value`]): u8 `(blocks, BLOCK)`.
 struct NearestCode;
 
-fn contiguous_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let v = s.as_slice::<f32>()?;
+/// The elements of a contiguous CPU input of `op`.
+fn contiguous<'a, T: candle_core::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    op: &str,
+    what: &str,
+) -> Result<&'a [T]> {
+    let v = s.as_slice::<T>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("quantize: {what} must be contiguous"),
+        None => candle_core::bail!("{op}: {what} must be contiguous"),
     }
+}
+
+/// `f(value, its block's scale)` for every value, blocks in parallel (rayon).
+fn per_block<I: Copy + Sync, O: Copy + Default + Send>(
+    values: &[I],
+    scales: &[f32],
+    f: impl Fn(I, f32) -> O + Sync,
+) -> Vec<O> {
+    use rayon::prelude::*;
+    let mut out = vec![O::default(); values.len()];
+    out.par_chunks_mut(BLOCK)
+        .zip(values.par_chunks(BLOCK))
+        .zip(scales.par_iter())
+        .for_each(|((o, vs), &a)| {
+            for (o, &v) in o.iter_mut().zip(vs) {
+                *o = f(v, a);
+            }
+        });
+    out
 }
 
 impl CustomOp3 for NearestCode {
@@ -421,21 +434,12 @@ impl CustomOp3 for NearestCode {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        use rayon::prelude::*;
-        let x = contiguous_f32(s1, l1, "values")?;
-        let absmax = contiguous_f32(s2, l2, "block maxima")?;
-        let code = contiguous_f32(s3, l3, "code")?;
+        let x = contiguous::<f32>(s1, l1, "quantize", "values")?;
+        let absmax = contiguous::<f32>(s2, l2, "quantize", "block maxima")?;
+        let code = contiguous::<f32>(s3, l3, "quantize", "code")?;
         let bounds = Bounds::of(code);
-        let mut out = vec![0u8; x.len()];
-        out.par_chunks_mut(BLOCK)
-            .zip(x.par_chunks(BLOCK))
-            .zip(absmax.par_iter())
-            .for_each(|((o, xs), &a)| {
-                let inv = 1.0 / a.max(TINY);
-                for (o, &v) in o.iter_mut().zip(xs) {
-                    *o = bounds.quantize_value(v * inv);
-                }
-            });
+        let inv: Vec<f32> = absmax.iter().map(|a| 1.0 / a.max(TINY)).collect();
+        let out = per_block(x, &inv, |v, inv| bounds.quantize_value(v * inv));
         Ok((CpuStorage::U8(out), l1.shape().clone()))
     }
 
