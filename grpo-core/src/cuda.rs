@@ -600,42 +600,7 @@ pub fn quantize_code(
     c: &CudaStorage,
     lc: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let op = "quantize";
-    let dev = &x.device;
-    let n = lx.shape().elem_count();
-    if lx.dims().last() != Some(&crate::quant::BLOCK)
-        || la.shape().elem_count() * crate::quant::BLOCK != n
-        || lc.shape().elem_count() != 256
-    {
-        candle_core::bail!(
-            "{op}: expected (blocks, 256), (blocks, 1) and (256,), got {:?}, {:?}, {:?}",
-            lx.dims(),
-            la.dims(),
-            lc.dims()
-        );
-    }
-    let (xs, xo) = input::<f32>(x, lx, op)?;
-    let (as_, ao) = input::<f32>(a, la, op)?;
-    let (cs, co) = input::<f32>(c, lc, op)?;
-    let out = alloc::<u8>(dev, n)?;
-    let nl = n as i64;
-    let c = cfg(
-        blocks(n, crate::quant::BLOCK),
-        crate::quant::BLOCK as u32,
-        0,
-    );
-    cuda_launch!(
-        &QUANT,
-        dev,
-        "quantize_code",
-        DType::F32,
-        c,
-        [xs, &xo, as_, &ao, cs, &co, &out, &nl]
-    );
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        lx.shape().clone(),
-    ))
+    code_kernel::<f32, u8>("quantize", "quantize_code", (x, lx), (a, la), (c, lc))
 }
 
 /// [`crate::quant`]'s lookup on CUDA: bytes `(blocks · 256,)` u8, block maxima `(blocks,)` f32
@@ -648,34 +613,45 @@ pub fn dequantize_code(
     c: &CudaStorage,
     lc: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let op = "dequantize";
-    let dev = &q.device;
-    let n = lq.shape().elem_count();
+    code_kernel::<u8, f32>("dequantize", "dequantize_code", (q, lq), (a, la), (c, lc))
+}
+
+/// Launches a kernel of [`QUANT`] over `values` (blocks of 256, one thread each) with their
+/// blocks' `scales` and the 256-entry `code`: an output of the values' shape, in `O`.
+fn code_kernel<I: CudaDType + DeviceRepr, O: CudaDType + DeviceRepr>(
+    op: &str,
+    kernel: &'static str,
+    (v, lv): (&CudaStorage, &Layout),
+    (a, la): (&CudaStorage, &Layout),
+    (c, lc): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = &v.device;
+    let n = lv.shape().elem_count();
     if la.shape().elem_count() * crate::quant::BLOCK != n || lc.shape().elem_count() != 256 {
         candle_core::bail!(
-            "{op}: expected (blocks · 256,), (blocks,) and (256,), got {:?}, {:?}, {:?}",
-            lq.dims(),
+            "{op}: expected blocks of 256 values, a scale per block and a code of 256, got {:?}, {:?}, {:?}",
+            lv.dims(),
             la.dims(),
             lc.dims()
         );
     }
-    let (qs, qo) = input::<u8>(q, lq, op)?;
+    let (vs, vo) = input::<I>(v, lv, op)?;
     let (as_, ao) = input::<f32>(a, la, op)?;
     let (cs, co) = input::<f32>(c, lc, op)?;
-    let out = alloc::<f32>(dev, n)?;
+    let out = alloc::<O>(dev, n)?;
     let nl = n as i64;
-    let c = cfg(
-        blocks(n, crate::quant::BLOCK),
-        crate::quant::BLOCK as u32,
-        0,
-    );
+    let block = crate::quant::BLOCK;
+    let c = cfg(blocks(n, block), block as u32, 0);
     cuda_launch!(
         &QUANT,
         dev,
-        "dequantize_code",
+        kernel,
         DType::F32,
         c,
-        [qs, &qo, as_, &ao, cs, &co, &out, &nl]
+        [vs, &vo, as_, &ao, cs, &co, &out, &nl]
     );
-    done(out, dev, n)
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        lv.shape().clone(),
+    ))
 }
