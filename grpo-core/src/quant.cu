@@ -40,7 +40,9 @@ extern "C" __global__ void quantize_code_f32(const float* x, long xo, const floa
     if (i >= n) return;
     // The smallest normal float: a block of zeros quantizes to the code's 0.
     float inv = 1.0f / fmaxf(absmax[ao + i / 256], 1.17549435e-38f);
-    out[i] = quantize_value(c, x[xo + i] * inv);
+    // The product rounded once, as the CPU's: NVRTC would otherwise fuse it into the search's
+    // differences (`c[lo] - y` as one fma), which can pick the other neighbour at a near-tie.
+    out[i] = quantize_value(c, __fmul_rn(x[xo + i], inv));
 }
 
 // quant::dequantize: out[i] = code[bytes[i]] · absmax[i / 256], f32; one thread per value.

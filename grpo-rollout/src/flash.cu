@@ -86,7 +86,7 @@ __device__ __forceinline__ float fa_xor_sum(float v) {
 
 // Rows r0..r0+n-1 (of `total`) of a matrix whose rows are `rs` elements apart into shared rows;
 // rows past `total` are zeros (so that a product never meets stale values). Shared rows start
-// 16-byte aligned ((D + FA_PAD) · 2 bytes is a multiple of 16).
+// 16-byte aligned (the arrays are `alignas(16)` and (D + FA_PAD) · 2 bytes is a multiple of 16).
 struct alignas(16) FaU4 {
     unsigned x, y, z, w;
 };
@@ -223,9 +223,9 @@ __device__ __forceinline__ FaRows fa_rows(int nh, int nkv, int l) {
 template <typename T, int D>
 __device__ void flash_fwd(FA_ARGS, bits16* out, float* stats, int nh, int nkv, int l, int s,
                           float scale, int align, int causal) {
-    __shared__ bits16 sk[FA_BC][D + FA_PAD];
-    __shared__ bits16 sv[FA_BC][D + FA_PAD];
-    __shared__ bits16 sb[FA_BR][FA_BC + FA_BPAD];
+    alignas(16) __shared__ bits16 sk[FA_BC][D + FA_PAD];
+    alignas(16) __shared__ bits16 sv[FA_BC][D + FA_PAD];
+    alignas(16) __shared__ bits16 sb[FA_BR][FA_BC + FA_BPAD];
     FaRows at = fa_rows(nh, nkv, l);
     long bi = at.bi;
     int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
@@ -326,9 +326,9 @@ template <typename T, int D>
 __device__ void flash_dq(FA_ARGS, const bits16* dout,
                          const float* stats, const float* delta, bits16* dq, int nh, int nkv,
                          int l, int s, float scale, int align, int causal) {
-    __shared__ bits16 sk[FA_BC][D + FA_PAD];
-    __shared__ bits16 sv[FA_BC][D + FA_PAD];
-    __shared__ bits16 sb[FA_BR][FA_BC + FA_BPAD];
+    alignas(16) __shared__ bits16 sk[FA_BC][D + FA_PAD];
+    alignas(16) __shared__ bits16 sv[FA_BC][D + FA_PAD];
+    alignas(16) __shared__ bits16 sb[FA_BR][FA_BC + FA_BPAD];
     FaRows at = fa_rows(nh, nkv, l);
     long bi = at.bi;
     int hd = at.hd, g = at.g, warp = at.warp, q0 = at.q0, r0 = at.r0;
@@ -485,12 +485,12 @@ template <typename T, int D>
 __device__ void flash_dkv(FA_ARGS, const bits16* dout,
                           const float* stats, const float* delta, bits16* dkv, int nh, int nkv,
                           int l, int s, float scale, int align, int causal) {
-    __shared__ bits16 sk[FA_BC][D + FA_PAD];
-    __shared__ bits16 sv[FA_BC][D + FA_PAD];
-    __shared__ bits16 sq[FA_BQ][D + FA_PAD];
-    __shared__ bits16 sd[FA_BQ][D + FA_PAD];
+    alignas(16) __shared__ bits16 sk[FA_BC][D + FA_PAD];
+    alignas(16) __shared__ bits16 sv[FA_BC][D + FA_PAD];
+    alignas(16) __shared__ bits16 sq[FA_BQ][D + FA_PAD];
+    alignas(16) __shared__ bits16 sd[FA_BQ][D + FA_PAD];
     __shared__ float sm[FA_BQ], si[FA_BQ], sdel[FA_BQ];
-    __shared__ bits16 sb[FA_BQ][FA_BC + FA_BPAD];
+    alignas(16) __shared__ bits16 sb[FA_BQ][FA_BC + FA_BPAD];
     int tiles = (s + FA_BC - 1) / FA_BC;
     long blk = blockIdx.x;
     int tile = (int)(blk % tiles), g = (int)((blk / tiles) % nkv);

@@ -137,9 +137,10 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// Largest hidden size the RMSNorm kernels take on a GPU (larger: the composition): the
-/// backward keeps a weight-gradient partial of this many f32 in shared memory (48 KiB without
-/// an opt-in).
-pub(crate) const MAX_DEVICE_HIDDEN: usize = 12 * 1024;
+/// backward keeps a weight-gradient partial of this many f32 in shared memory, beside its block
+/// reduction's 132 bytes: together at most the 48 KiB a launch gets without an opt-in.
+pub(crate) const MAX_DEVICE_HIDDEN: usize = 12 * 1024 - 64;
+const _: () = assert!(MAX_DEVICE_HIDDEN * 4 + 33 * 4 <= 48 * 1024);
 
 /// [`rms_norm`] as a composition of candle ops.
 pub fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {

@@ -87,6 +87,10 @@ inline float __int_as_float(int i) {
     return f;
 }
 
+// A product rounded to nearest, never fused into a following add (nor is any product here:
+// ISO C++ mode does not contract, and x86-64 has no fma without -mfma).
+inline float __fmul_rn(float a, float b) { return a * b; }
+
 // IEEE half precision through the compiler's _Float16 (round to nearest even, as cvt.rn).
 inline float gpu_f16_to_f32(unsigned short h) {
     _Float16 v;

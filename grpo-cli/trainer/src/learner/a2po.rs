@@ -57,9 +57,15 @@ pub fn stage_one(setup: &mut Setup) -> Result<()> {
         .clone()
         .context("A*-PO needs the reference model")?;
     let n = a.num_value_samples;
-    let mut generator = Generator::new(setup, Arc::new(reference), 0)
+    let generator = Generator::new(setup, Arc::new(reference), 0)
         .with_num_generations(n)
         .local();
+    // No learner runs yet: the overlapped generator's own handle of the GPU would only hold a
+    // second copy of the reference (a `rollout.device` of its own is kept).
+    let mut generator = match cfg.rollout.device.is_none_or(|d| d == cfg.model.device) {
+        true => generator.on_model_device(),
+        false => generator,
+    };
     let mut scorer = Scorer::new(setup).without_logs().with_num_generations(n);
     let sc = StreamConfig {
         seed: cfg.train.seed,

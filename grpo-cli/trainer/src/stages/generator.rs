@@ -92,6 +92,14 @@ impl Generator {
         self
     }
 
+    /// Samples on the model's own device: no copy onto `rollout.device` or onto the overlapped
+    /// generator's own handle of the GPU (for sampling before training, where no learner runs
+    /// beside it).
+    pub fn on_model_device(mut self) -> Self {
+        self.device = None;
+        self
+    }
+
     /// Installs new weights.
     pub fn publish(&mut self, model: Arc<Transformer>, version: usize) {
         self.model = model;
