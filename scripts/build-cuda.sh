@@ -39,6 +39,9 @@ export CUDA_ROOT="$ROOT" CUDA_PATH="$ROOT" CUDA_HOME="$ROOT" CUDA_TOOLKIT_ROOT_D
 export PATH="$ROOT/bin:$PATH" LIBRARY_PATH="$ROOT/lib:$ROOT/lib/stubs" CUDA_COMPUTE_CAP=90
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/cuda-target}"
 cargo build --release -p grpo-cli --features cuda
+# The kernels compile at first use on the GPU: compile them now with the same NVRTC (and ptxas),
+# so that a compile error, a spill or a block over 48 KiB of shared memory shows here.
+if [[ -x "$VENV/bin/python" ]]; then "$VENV/bin/python" "$SRC/scripts/nvrtc_check.py" --arch 90; fi
 
 mkdir -p "$OUT"
 cp "$CARGO_TARGET_DIR/release/grpo-cli" "$OUT/grpo-cli-cuda"; strip "$OUT/grpo-cli-cuda"
