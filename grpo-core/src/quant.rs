@@ -11,6 +11,7 @@
 //! CPU, a binary search per value in a kernel on CUDA), the same bytes on both. The lookup is an
 //! op of its own too (one pass, on the CPU and in a kernel).
 
+use crate::fused::slice;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 /// Values per block (bitsandbytes' optimizers use 256).
@@ -362,9 +363,9 @@ impl CustomOp3 for Lookup {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let bytes = contiguous::<u8>(s1, l1, "dequantize", "bytes")?;
-        let absmax = contiguous::<f32>(s2, l2, "dequantize", "block maxima")?;
-        let code = contiguous::<f32>(s3, l3, "dequantize", "code")?;
+        let bytes = slice::<u8>(s1, l1, "dequantize (bytes)")?;
+        let absmax = slice::<f32>(s2, l2, "dequantize (block maxima)")?;
+        let code = slice::<f32>(s3, l3, "dequantize (code)")?;
         let out = per_block(bytes, absmax, |b, a| code[b as usize] * a);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -386,20 +387,6 @@ impl CustomOp3 for Lookup {
 /// `(rows (blocks, BLOCK) f32, absmax (blocks, 1) f32, code (256,) f32)` → the nearest code
 /// entry of each `row / max(absmax, TINY)` ([`quantize_value`]): u8 `(blocks, BLOCK)`.
 struct NearestCode;
-
-/// The elements of a contiguous CPU input of `op`.
-fn contiguous<'a, T: candle_core::WithDType>(
-    s: &'a CpuStorage,
-    l: &Layout,
-    op: &str,
-    what: &str,
-) -> Result<&'a [T]> {
-    let v = s.as_slice::<T>()?;
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&v[a..b]),
-        None => candle_core::bail!("{op}: {what} must be contiguous"),
-    }
-}
 
 /// `f(value, its block's scale)` for every value, blocks in parallel (rayon).
 fn per_block<I: Copy + Sync, O: Copy + Default + Send>(
@@ -434,9 +421,9 @@ impl CustomOp3 for NearestCode {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = contiguous::<f32>(s1, l1, "quantize", "values")?;
-        let absmax = contiguous::<f32>(s2, l2, "quantize", "block maxima")?;
-        let code = contiguous::<f32>(s3, l3, "quantize", "code")?;
+        let x = slice::<f32>(s1, l1, "quantize (values)")?;
+        let absmax = slice::<f32>(s2, l2, "quantize (block maxima)")?;
+        let code = slice::<f32>(s3, l3, "quantize (code)")?;
         let bounds = Bounds::of(code);
         let inv: Vec<f32> = absmax.iter().map(|a| 1.0 / a.max(TINY)).collect();
         let out = per_block(x, &inv, |v, inv| bounds.quantize_value(v * inv));
