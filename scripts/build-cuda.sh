@@ -46,6 +46,10 @@ if [[ -x "$VENV/bin/python" ]]; then "$VENV/bin/python" "$SRC/scripts/nvrtc_chec
 mkdir -p "$OUT"
 cp "$CARGO_TARGET_DIR/release/grpo-cli" "$OUT/grpo-cli-cuda"; strip "$OUT/grpo-cli-cuda"
 (cd "$OUT" && sha256sum grpo-cli-cuda > grpo-cli-cuda.sha256 && xz -T2 -6 -f grpo-cli-cuda)
+# Which source the binary is: the commit, and the files that differed from it at build time.
+if git -C "$SRC" rev-parse -q HEAD >/dev/null 2>&1; then
+    { git -C "$SRC" rev-parse HEAD; git -C "$SRC" status --porcelain --untracked-files=no; } > "$OUT/built-from.txt"
+fi
 cp "$SRC/scripts/run-gpu.sh" "$SRC/bench/trl_grpo_bench_gpu.py" "$SRC/bench/make_tiny_model.py" "$OUT/"
 if [[ "$OUT" == "$SRC/.gpu" ]] && [[ -d "$SRC/.git" ]]; then
     mkdir -p "$SRC/.git/info"; grep -qxF '/.gpu/' "$SRC/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$SRC/.git/info/exclude"
