@@ -42,6 +42,9 @@ pub struct Generator {
     device: Option<(Device, DeviceCopies)>,
     /// GKD's `seq_kd`: the distillation teacher, which samples the off-policy steps.
     seq_kd_teacher: Option<Transformer>,
+    /// The teacher's copy on `device` (made once: the learner reads the teacher on its own
+    /// handle at the same time, and two threads must not share one).
+    seq_kd_copies: DeviceCopies,
 }
 
 impl std::fmt::Debug for Generator {
@@ -75,6 +78,7 @@ impl Generator {
                 true => setup.distillation_teacher.clone(),
                 false => None,
             },
+            seq_kd_copies: DeviceCopies::default(),
         }
     }
 
@@ -160,9 +164,18 @@ impl Generator {
                     .seq_kd_teacher
                     .as_ref()
                     .context("distillation.seq_kd needs the distillation teacher")?;
-                let prompts_on: Vec<Vec<u32>> = prompt_ids.clone();
+                // On the generator's own device (`rollout.device`, or its own handle of the
+                // learner's GPU) the teacher samples from its copy there, as the policy does.
+                let moved;
+                let teacher = match &self.device {
+                    Some((device, _)) => {
+                        moved = teacher.to_device_reusing(device, &mut self.seq_kd_copies)?;
+                        &moved
+                    }
+                    None => teacher,
+                };
                 let decoding = teacher.for_decoding_reusing(None)?;
-                grpo_rollout::generate(&decoding, &self.tokenizer, &prompts_on, g, &params)?
+                grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?
             }
             (CompletionSource::Policy, remote) => match remote {
                 Some(remote) => {
