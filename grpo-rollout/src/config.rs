@@ -52,6 +52,152 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// YaRN RoPE scaling (`rope_type = "yarn"`, Qwen2.5 / Qwen3 long-context configs), with
+/// transformers' defaults resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct YarnRopeScaling {
+    /// Context extension factor (interpolated frequencies are divided by it).
+    pub factor: f64,
+    /// The context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+    /// Rotations above which a frequency is extrapolated (kept); default 32.
+    pub beta_fast: f64,
+    /// Rotations below which a frequency is interpolated; default 1.
+    pub beta_slow: f64,
+    /// Whether the ramp's ends are rounded to whole dimensions (default true).
+    pub truncate: bool,
+    /// The factor on cos and sin: the config's `attention_factor`, else `0.1 ln(factor) + 1`
+    /// (or its `mscale` / `mscale_all_dim` ratio), as transformers resolves it.
+    pub attention_factor: f64,
+}
+
+/// RoPE scaling of `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5), each
+/// computed as transformers' `modeling_rope_utils` does.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Llama 3.x.
+    Llama3(Llama3RopeScaling),
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Dynamic NTK: transformers rescales only for sequences beyond `max_position_embeddings`,
+    /// which the RoPE tables do not reach (such a sequence is refused), so the frequencies are
+    /// the unscaled ones; kept to write the config back.
+    Dynamic {
+        /// The factor of the rescaling beyond `max_position_embeddings`.
+        factor: f64,
+    },
+    /// YaRN.
+    Yarn(YarnRopeScaling),
+}
+
+impl RopeScaling {
+    /// Parses a `rope_scaling` / `rope_parameters` object (`rope_type`, or the older `type`);
+    /// `None` for `default`. `max_position_embeddings` is transformers' default for a missing
+    /// `original_max_position_embeddings`.
+    pub fn from_hf_json(s: &Value, max_position_embeddings: usize) -> Result<Option<Self>> {
+        let kind = s
+            .get("rope_type")
+            .or_else(|| s.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let num = |k: &str| s.get(k).filter(|x| !x.is_null()).and_then(Value::as_f64);
+        let f = |k: &str| {
+            num(k).ok_or_else(|| {
+                candle_core::Error::msg(format!("rope_scaling.{k} is missing (rope_type `{kind}`)"))
+            })
+        };
+        if let Some(p) = num("partial_rotary_factor")
+            && p != 1.0
+        {
+            bail!("rope_scaling.partial_rotary_factor = {p} is not supported (only 1)");
+        }
+        let original = || {
+            num("original_max_position_embeddings").map_or(max_position_embeddings, |x| x as usize)
+        };
+        Ok(match kind {
+            "default" => None,
+            "llama3" => Some(RopeScaling::Llama3(Llama3RopeScaling {
+                factor: f("factor")?,
+                low_freq_factor: f("low_freq_factor")?,
+                high_freq_factor: f("high_freq_factor")?,
+                original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
+            })),
+            "linear" => Some(RopeScaling::Linear {
+                factor: f("factor")?,
+            }),
+            "dynamic" => Some(RopeScaling::Dynamic {
+                factor: f("factor")?,
+            }),
+            "yarn" => {
+                let original = original();
+                // DeepSeek-V3's layout: no factor, the ratio of the two lengths.
+                let factor = num("factor")
+                    .unwrap_or(max_position_embeddings as f64 / original.max(1) as f64);
+                let mscale = |scale: f64, m: f64| match scale <= 1.0 {
+                    true => 1.0,
+                    false => 0.1 * m * scale.ln() + 1.0,
+                };
+                let attention_factor = match (
+                    num("attention_factor"),
+                    num("mscale"),
+                    num("mscale_all_dim"),
+                ) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                        mscale(factor, m) / mscale(factor, all)
+                    }
+                    _ => mscale(factor, 1.0),
+                };
+                // transformers' `or`: a 0 (or null) falls back to the default too.
+                let beta = |k: &str, d: f64| num(k).filter(|x| *x != 0.0).unwrap_or(d);
+                Some(RopeScaling::Yarn(YarnRopeScaling {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast: beta("beta_fast", 32.0),
+                    beta_slow: beta("beta_slow", 1.0),
+                    truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                    attention_factor,
+                }))
+            }
+            other => bail!(
+                "rope_scaling type `{other}` is not supported (supported: default, linear, dynamic, yarn, llama3)"
+            ),
+        })
+    }
+
+    /// The `rope_scaling` object of `config.json` (what [`Self::from_hf_json`] reads back).
+    pub fn to_hf_json(&self) -> Value {
+        match self {
+            RopeScaling::Llama3(s) => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }),
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Dynamic { factor } => {
+                serde_json::json!({"rope_type": "dynamic", "factor": factor})
+            }
+            RopeScaling::Yarn(y) => serde_json::json!({
+                "rope_type": "yarn",
+                "factor": y.factor,
+                "original_max_position_embeddings": y.original_max_position_embeddings,
+                "beta_fast": y.beta_fast,
+                "beta_slow": y.beta_slow,
+                "truncate": y.truncate,
+                "attention_factor": y.attention_factor,
+            }),
+        }
+    }
+}
+
 /// Everything the transformer needs to know about its shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -75,8 +221,8 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     /// RoPE base.
     pub rope_theta: f64,
-    /// Llama 3 RoPE scaling, if any.
-    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// RoPE scaling, if any.
+    pub rope_scaling: Option<RopeScaling>,
     /// Maximum positions (for RoPE tables).
     pub max_position_embeddings: usize,
     /// Output projection shares the embedding matrix.
@@ -158,38 +304,16 @@ impl ModelConfig {
             .or_else(|| rope_params.and_then(|p| p.get("rope_theta")))
             .and_then(Value::as_f64)
             .unwrap_or(10_000.0);
-        let scaling = v
+        let max_position_embeddings = v
+            .get("max_position_embeddings")
+            .and_then(Value::as_u64)
+            .unwrap_or(4096) as usize;
+        let rope_scaling = match v
             .get("rope_scaling")
             .filter(|s| !s.is_null())
-            .or(rope_params);
-        let rope_scaling = match scaling {
-            Some(s) => {
-                let kind = s
-                    .get("rope_type")
-                    .or_else(|| s.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                match kind {
-                    "default" => None,
-                    "llama3" => {
-                        let f = |k: &str| {
-                            s.get(k).and_then(Value::as_f64).ok_or_else(|| {
-                                candle_core::Error::msg(format!("rope_scaling.{k} is missing"))
-                            })
-                        };
-                        Some(Llama3RopeScaling {
-                            factor: f("factor")?,
-                            low_freq_factor: f("low_freq_factor")?,
-                            high_freq_factor: f("high_freq_factor")?,
-                            original_max_position_embeddings: f("original_max_position_embeddings")?
-                                as usize,
-                        })
-                    }
-                    other => bail!(
-                        "rope_scaling type `{other}` is not supported (supported: default, llama3)"
-                    ),
-                }
-            }
+            .or(rope_params)
+        {
+            Some(s) => RopeScaling::from_hf_json(s, max_position_embeddings)?,
             None => None,
         };
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
@@ -208,10 +332,7 @@ impl ModelConfig {
                 .unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: v
-                .get("max_position_embeddings")
-                .and_then(Value::as_u64)
-                .unwrap_or(4096) as usize,
+            max_position_embeddings,
             tie_word_embeddings: flag("tie_word_embeddings", false),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
@@ -300,16 +421,7 @@ impl ModelConfig {
         });
         let obj = v.as_object_mut().expect("a JSON object");
         if let Some(s) = &self.rope_scaling {
-            obj.insert(
-                "rope_scaling".into(),
-                serde_json::json!({
-                    "rope_type": "llama3",
-                    "factor": s.factor,
-                    "low_freq_factor": s.low_freq_factor,
-                    "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_max_position_embeddings,
-                }),
-            );
+            obj.insert("rope_scaling".into(), s.to_hf_json());
         }
         if let Some(r) = self.initializer_range {
             obj.insert("initializer_range".into(), r.into());
@@ -439,7 +551,7 @@ mod tests {
         });
         let c = ModelConfig::from_hf_json(&v).unwrap();
         assert_eq!(c.rope_theta, 500000.0);
-        assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3(s)) if s.factor == 8.0));
         assert_eq!(c.eos_token_ids, vec![1, 2]);
         assert_eq!(c.num_key_value_heads, 2);
     }

@@ -36,7 +36,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-use crate::config::{Arch, Llama3RopeScaling, ModelConfig};
+use crate::config::{Arch, Llama3RopeScaling, ModelConfig, RopeScaling};
 use crate::model::WeightMap;
 use crate::tokenizer::Tokenizer;
 
@@ -61,9 +61,14 @@ pub fn load_gguf(
             .and_then(|q| q.dequantize(&Device::Cpu))
             .and_then(|t| t.flatten_all()?.to_vec1())
             .map_err(ctx)?;
-        cfg.rope_scaling = Some(
+        if cfg.rope_scaling.is_some() {
+            return Err(ctx(err(
+                "both `rope_freqs.weight` and a `rope.scaling.type`: one RoPE scaling expected",
+            )));
+        }
+        cfg.rope_scaling = Some(RopeScaling::Llama3(
             llama3_scaling_from_rope_freqs(&factors, cfg.rope_theta, cfg.head_dim).map_err(ctx)?,
-        );
+        ));
     }
     let weights = read_weights(&content, &mut file, &cfg, dtype, device).map_err(ctx)?;
     let tokenizer = tokenizer_from_metadata(&content.metadata).map_err(ctx)?;
@@ -152,14 +157,28 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .get("token_embd.weight")
         .ok_or_else(|| err("tensor `token_embd.weight` is missing"))?;
     let vocab_size = embed.shape.dims().first().copied().unwrap_or(0);
-    if let Some(kind) = md.get(&key("rope.scaling.type")).and_then(as_str)
-        && kind != "none"
-    {
-        bail!(
-            "RoPE scaling `{kind}` ({}) is not supported",
+    // llama.cpp's linear scaling is transformers' (every frequency divided by the factor);
+    // its YaRN and LongRoPE are not read.
+    let rope_scaling = match md.get(&key("rope.scaling.type")).and_then(as_str) {
+        None | Some("none") => None,
+        Some("linear") => {
+            let factor = md
+                .get(&key("rope.scaling.factor"))
+                .and_then(as_f64)
+                .filter(|f| *f > 0.0)
+                .ok_or_else(|| {
+                    err(format!(
+                        "metadata `{}` is missing for linear RoPE scaling",
+                        key("rope.scaling.factor")
+                    ))
+                })?;
+            Some(RopeScaling::Linear { factor })
+        }
+        Some(kind) => bail!(
+            "RoPE scaling `{kind}` ({}) is not supported (supported: none, linear)",
             key("rope.scaling.type")
-        );
-    }
+        ),
+    };
     let has = |name: &str| content.tensor_infos.contains_key(name);
     let cfg = ModelConfig {
         arch,
@@ -178,7 +197,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             .get(&key("rope.freq_base"))
             .and_then(as_f64)
             .unwrap_or(10_000.0),
-        rope_scaling: None, // `load_gguf` reads it from `rope_freqs.weight`
+        // Llama 3's: `load_gguf` reads it from `rope_freqs.weight`.
+        rope_scaling,
         max_position_embeddings: md
             .get(&key("context_length"))
             .and_then(as_u64)
@@ -897,6 +917,18 @@ pub fn save_gguf(
             Value::F32(cfg.rms_norm_eps as f32),
         ),
     ];
+    match cfg.rope_scaling {
+        Some(RopeScaling::Linear { factor }) => {
+            md.push((a("rope.scaling.type"), Value::String("linear".into())));
+            md.push((a("rope.scaling.factor"), Value::F32(factor as f32)));
+        }
+        Some(RopeScaling::Yarn(_)) => bail!(
+            "YaRN RoPE scaling is not written to GGUF (llama.cpp's YaRN is not checked against transformers'): export the model as safetensors"
+        ),
+        // Dynamic NTK changes nothing within the context length (llama.cpp has none);
+        // Llama 3's goes in `rope_freqs.weight` below.
+        Some(RopeScaling::Dynamic { .. } | RopeScaling::Llama3(_)) | None => {}
+    }
     if cfg.arch == Arch::Llama {
         md.push((a("rope.dimension_count"), u(cfg.head_dim)));
         md.push((a("vocab_size"), u(cfg.vocab_size)));
@@ -945,7 +977,7 @@ pub fn save_gguf(
         written.push((g.clone(), format!("{chosen:?}")));
         tensors.push((g, q));
     }
-    if let (Arch::Llama, Some(s)) = (cfg.arch, &cfg.rope_scaling) {
+    if let (Arch::Llama, Some(RopeScaling::Llama3(s))) = (cfg.arch, &cfg.rope_scaling) {
         let f = rope_freqs(s, cfg.rope_theta, cfg.head_dim);
         let n = f.len();
         let t = Tensor::from_vec(f, n, &cpu)?;
@@ -954,7 +986,7 @@ pub fn save_gguf(
             QTensor::quantize(&t, GgmlDType::F32)?,
         ));
         written.push(("rope_freqs.weight".into(), "F32".into()));
-    } else if cfg.rope_scaling.is_some() {
+    } else if let Some(RopeScaling::Llama3(_)) = cfg.rope_scaling {
         bail!(
             "Llama 3 RoPE scaling is only written for the llama architecture (llama.cpp reads rope_freqs for llama only)"
         );

@@ -1025,42 +1025,80 @@ fn map_group<const N: usize>(
     Ok((out.try_into().expect("N parts"), Some(packed)))
 }
 
-/// Inverse RoPE frequencies, with Llama 3 scaling when configured.
+/// Inverse RoPE frequencies, scaled as `cfg.rope_scaling` says (transformers'
+/// `modeling_rope_utils`).
 pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
+    use crate::config::RopeScaling;
     let half = cfg.head_dim / 2;
+    let dim = cfg.head_dim as f64;
     let mut inv: Vec<f64> = (0..half)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / cfg.head_dim as f64))
+        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / dim))
         .collect();
-    if let Some(s) = &cfg.rope_scaling {
-        let old = s.original_max_position_embeddings as f64;
-        let low_wavelen = old / s.low_freq_factor;
-        let high_wavelen = old / s.high_freq_factor;
-        for f in inv.iter_mut() {
-            let wavelen = 2.0 * std::f64::consts::PI / *f;
-            if wavelen > low_wavelen {
-                *f /= s.factor;
-            } else if wavelen >= high_wavelen {
-                let smooth =
-                    (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-                *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+    match &cfg.rope_scaling {
+        None | Some(RopeScaling::Dynamic { .. }) => {}
+        Some(RopeScaling::Linear { factor }) => inv.iter_mut().for_each(|f| *f /= factor),
+        Some(RopeScaling::Llama3(s)) => {
+            let old = s.original_max_position_embeddings as f64;
+            let low_wavelen = old / s.low_freq_factor;
+            let high_wavelen = old / s.high_freq_factor;
+            for f in inv.iter_mut() {
+                let wavelen = 2.0 * std::f64::consts::PI / *f;
+                if wavelen > low_wavelen {
+                    *f /= s.factor;
+                } else if wavelen >= high_wavelen {
+                    let smooth = (old / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                }
+            }
+        }
+        Some(RopeScaling::Yarn(y)) => {
+            // The dimension at which a frequency turns `rotations` times over the original
+            // context; below `low` frequencies are kept (extrapolated), above `high` divided
+            // by the factor (interpolated), a linear ramp between.
+            let corr = |rotations: f64| {
+                let ctx = y.original_max_position_embeddings as f64;
+                dim * (ctx / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * cfg.rope_theta.ln())
+            };
+            let (mut low, mut high) = (corr(y.beta_fast), corr(y.beta_slow));
+            if y.truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            for (i, f) in inv.iter_mut().enumerate() {
+                let kept = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                *f = *f / y.factor * (1.0 - kept) + *f * kept;
             }
         }
     }
     inv
 }
 
+/// The factor on RoPE's cos and sin (YaRN's attention factor; 1 otherwise).
+pub fn rope_attention_factor(cfg: &ModelConfig) -> f64 {
+    match &cfg.rope_scaling {
+        Some(crate::config::RopeScaling::Yarn(y)) => y.attention_factor,
+        _ => 1.0,
+    }
+}
+
 fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let inv = rope_inv_freq(cfg);
+    let scale = rope_attention_factor(cfg) as f32;
     let half = inv.len();
     let n = cfg.max_position_embeddings.max(1);
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
     for p in 0..n {
         for f in &inv {
-            // transformers computes the angle in f32.
+            // transformers computes the angle, and the scaled cos and sin, in f32.
             let a = (p as f32) * (*f as f32);
-            cos.push(a.cos());
-            sin.push(a.sin());
+            cos.push(a.cos() * scale);
+            sin.push(a.sin() * scale);
         }
     }
     Ok((
@@ -1712,6 +1750,20 @@ impl Transformer {
             cfg.head_dim,
         );
         let dtype = self.dtype();
+        // The RoPE tables end at `max_position_embeddings`: a longer sequence is refused here
+        // (one line) rather than by an index error deep in a kernel.
+        let earlier = match &kv {
+            Kv::Cache(c) => c.len(),
+            Kv::Prefix(pre) => pre.first().map_or(Ok(0), |(k, _)| k.dim(2))?,
+            Kv::None | Kv::Collect(_) => 0,
+        };
+        if earlier + l > self.rope_cos.dim(0)? {
+            bail!(
+                "a sequence of {} positions is longer than the model's max_position_embeddings ({}, config.json)",
+                earlier + l,
+                self.rope_cos.dim(0)?
+            );
+        }
         let pos = positions.flatten_all()?;
         let cos = self
             .rope_cos

@@ -675,7 +675,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         head_dim: hd,
         rms_norm_eps: 1e-5,
         rope_theta: theta,
-        rope_scaling: Some(s),
+        rope_scaling: Some(grpo_rollout::config::RopeScaling::Llama3(s)),
         max_position_embeddings: 16,
         tie_word_embeddings: true,
         attention_bias: false,

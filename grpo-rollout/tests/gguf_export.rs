@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use grpo_rollout::config::{Llama3RopeScaling, ModelConfig};
+use grpo_rollout::config::{Llama3RopeScaling, ModelConfig, RopeScaling};
 use grpo_rollout::gguf::{GgufType, permute_qk, save_gguf, unpermute_qk};
 use grpo_rollout::init::{Preset, preset_config, random_weights, train_tokenizer};
 use grpo_rollout::{Arch, ChatMessage, Tokenizer, Transformer};
@@ -102,7 +102,16 @@ fn f32_round_trips_exactly_for_every_arch() {
     let cases: Vec<(Arch, Edit)> = vec![
         (
             Arch::Llama,
-            Box::new(move |c: &mut ModelConfig| c.rope_scaling = Some(scaling)),
+            Box::new(move |c: &mut ModelConfig| {
+                c.rope_scaling = Some(RopeScaling::Llama3(scaling))
+            }),
+        ),
+        // Linear scaling goes in llama.cpp's `rope.scaling.*` metadata.
+        (
+            Arch::Qwen2,
+            Box::new(|c: &mut ModelConfig| {
+                c.rope_scaling = Some(RopeScaling::Linear { factor: 2.5 })
+            }),
         ),
         (
             Arch::Llama,
@@ -136,7 +145,7 @@ fn f32_round_trips_exactly_for_every_arch() {
         );
         assert_eq!(
             written.iter().any(|(n, _)| n == "rope_freqs.weight"),
-            m.cfg.rope_scaling.is_some()
+            matches!(m.cfg.rope_scaling, Some(RopeScaling::Llama3(_)))
         );
         llama_cpp_check(&path, &m.cfg);
     }
@@ -326,7 +335,7 @@ print("ok")
         "heads": cfg.num_attention_heads, "head_dim": cfg.head_dim, "layers": cfg.num_hidden_layers,
         "tied": cfg.tie_word_embeddings, "qkv_bias": cfg.attention_bias,
         "o_bias": cfg.attention_bias && cfg.arch == Arch::Llama,
-        "rope_freqs": cfg.rope_scaling.is_some(),
+        "rope_freqs": matches!(cfg.rope_scaling, Some(RopeScaling::Llama3(_))),
     });
     let out = std::process::Command::new(&python)
         .args(["-c", script, path.to_str().unwrap(), &c.to_string()])

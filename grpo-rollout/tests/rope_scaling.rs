@@ -1,0 +1,241 @@
+//! RoPE scaling (linear, dynamic, YaRN, Llama 3) against transformers.
+//!
+//! Reference values: `fixtures/rope_reference.json`, written with the one-layer model
+//! `fixtures/rope-qwen2-micro` by `scripts/gen_rope_reference.py` (transformers 5.24):
+//!   * `frequencies`: transformers' `ROPE_INIT_FUNCTIONS[rope_type](config)` (inverse
+//!     frequencies, cos/sin factor) for configs in transformers 4's `rope_scaling` layout
+//!     (`type` or `rope_type`), each scaling's optional keys set and unset;
+//!   * `logprobs`: that model with each `rope_scaling` in its config.json, log-probs of the last
+//!     `t` tokens of left-padded rows (40 and 27 tokens) longer than the scaled configs' original
+//!     context (16), float32, eager attention, per-row position ids.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use grpo_rollout::config::{ModelConfig, RopeScaling};
+use grpo_rollout::generate::left_pad;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("rope_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn frequencies_and_attention_factor_match_transformers() {
+    let r = reference();
+    let cases = r["frequencies"].as_array().unwrap();
+    assert!(cases.len() >= 8);
+    let mut kinds = std::collections::BTreeSet::new();
+    for case in cases {
+        let cfg = ModelConfig::from_hf_json(&case["config"]).unwrap();
+        let what = case["config"]["rope_scaling"].to_string();
+        kinds.insert(match cfg.rope_scaling {
+            Some(RopeScaling::Llama3(_)) => "llama3",
+            Some(RopeScaling::Linear { .. }) => "linear",
+            Some(RopeScaling::Dynamic { .. }) => "dynamic",
+            Some(RopeScaling::Yarn(_)) => "yarn",
+            None => "none",
+        });
+        let want: Vec<f64> = serde_json::from_value(case["inv_freq"].clone()).unwrap();
+        let got = grpo_rollout::model::rope_inv_freq(&cfg);
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // transformers computes in f32 (a few roundings: ≈ 3e-7 seen), here in f64.
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs(),
+                "{what}: inv_freq[{i}] {g} vs {w}"
+            );
+        }
+        let af = case["attention_factor"].as_f64().unwrap();
+        let got = grpo_rollout::model::rope_attention_factor(&cfg);
+        assert!(
+            (got - af).abs() <= 1e-12,
+            "{what}: attention factor {got} vs {af}"
+        );
+        // What the config writes back reads back the same.
+        let back = ModelConfig::from_hf_json(&cfg.to_hf_json()).unwrap();
+        assert_eq!(back.rope_scaling, cfg.rope_scaling, "{what}");
+    }
+    assert_eq!(
+        kinds.len(),
+        4,
+        "llama3, linear, dynamic and yarn cases: {kinds:?}"
+    );
+}
+
+/// A copy of the micro model with `rope_scaling` in its config.json (as the script wrote it).
+fn model_with(scaling: &Value, dir: &Path) -> PathBuf {
+    let d = dir.join("m");
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(fixtures().join("rope-qwen2-micro")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+    }
+    let path = d.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    if !scaling.is_null() {
+        let o = cfg.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.insert("rope_theta".into(), 10000.0.into());
+        o.insert("rope_scaling".into(), scaling.clone());
+    }
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    d
+}
+
+#[test]
+fn logprobs_match_transformers_under_each_scaling() {
+    let r = reference();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let cases = r["logprobs"].as_object().unwrap();
+    assert!(cases.len() >= 5);
+    let mut seen = Vec::new();
+    for (name, case) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = model_with(&case["rope_scaling"], tmp.path());
+        let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
+        let (lp, _) = m
+            .model
+            .completion_logprobs(&ids, &mask, t, 1.0, false)
+            .unwrap();
+        let got: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+        let want: Vec<Vec<f64>> = serde_json::from_value(case["logprobs"].clone()).unwrap();
+        let mut max = 0f64;
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            max = max.max((*g as f64 - w).abs());
+        }
+        eprintln!("{name}: max |ours - transformers| = {max:e}");
+        assert!(max <= 1e-4, "{name}: max |ours - transformers| = {max:e}");
+        seen.push((name.clone(), want));
+    }
+    // The cases differ from the unscaled model by far more than the tolerance (dynamic aside:
+    // within the context it is the unscaled RoPE), so the test sees the scaling.
+    let plain = &seen.iter().find(|(n, _)| n == "default").unwrap().1;
+    for (name, want) in &seen {
+        let d = want
+            .iter()
+            .flatten()
+            .zip(plain.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f64, f64::max);
+        match name.as_str() {
+            "default" | "dynamic" => assert!(d < 1e-9, "{name}: {d}"),
+            _ => assert!(d > 0.05, "{name}: {d}"),
+        }
+    }
+}
+
+#[test]
+fn unsupported_scalings_are_refused_by_name() {
+    let base = |scaling: Value| {
+        serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 10, "hidden_size": 16, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": scaling,
+        })
+    };
+    let e = ModelConfig::from_hf_json(&base(serde_json::json!({"rope_type": "longrope"})))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`longrope`") && e.contains("yarn"), "{e}");
+    let e = ModelConfig::from_hf_json(&base(serde_json::json!({"type": "linear"})))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rope_scaling.factor is missing"), "{e}");
+    let e = ModelConfig::from_hf_json(&base(
+        serde_json::json!({"rope_type": "default", "partial_rotary_factor": 0.5}),
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    // YaRN without `original_max_position_embeddings`: transformers takes
+    // `max_position_embeddings` (4096 when absent).
+    let c = ModelConfig::from_hf_json(&base(
+        serde_json::json!({"rope_type": "yarn", "factor": 2.0}),
+    ))
+    .unwrap();
+    match c.rope_scaling {
+        Some(RopeScaling::Yarn(y)) => {
+            assert_eq!(y.original_max_position_embeddings, 4096);
+            assert!((y.attention_factor - (0.1 * 2f64.ln() + 1.0)).abs() < 1e-15);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_sequence_beyond_the_rope_tables_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = model_with(
+        &serde_json::json!({"rope_type": "dynamic", "factor": 2.0}),
+        tmp.path(),
+    );
+    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let n = m.model.cfg.max_position_embeddings + 1;
+    let row: Vec<u32> = (0..n as u32).map(|i| 3 + i % 200).collect();
+    let (ids, mask) = left_pad(&[row], 0, &Device::Cpu).unwrap();
+    let e = m
+        .model
+        .completion_logprobs(&ids, &mask, 4, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("max_position_embeddings"), "{e}");
+}
+
+#[test]
+fn gguf_takes_linear_scaling_and_refuses_yarn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16});
+    let m = grpo_rollout::load(&model_with(&yarn, tmp.path()), DType::F32, &Device::Cpu).unwrap();
+    let path = tmp.path().join("yarn.gguf");
+    let e = grpo_rollout::gguf::save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &path,
+        grpo_rollout::gguf::GgufType::F32,
+        "t",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("YaRN") && e.contains("safetensors"), "{e}");
+    assert!(!path.exists());
+    // Linear: written as llama.cpp's `rope.scaling.*`, read back with the same log-probs.
+    let tmp = tempfile::tempdir().unwrap();
+    let linear = serde_json::json!({"rope_type": "linear", "factor": 2.5});
+    let m = grpo_rollout::load(&model_with(&linear, tmp.path()), DType::F32, &Device::Cpu).unwrap();
+    let path = tmp.path().join("linear.gguf");
+    grpo_rollout::gguf::save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &path,
+        grpo_rollout::gguf::GgufType::F32,
+        "t",
+    )
+    .unwrap();
+    let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(
+        back.model.cfg.rope_scaling,
+        Some(RopeScaling::Linear { factor: 2.5 })
+    );
+    let r = reference();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let lp = |m: &grpo_rollout::model::Transformer| -> Vec<f32> {
+        let (lp, _) = m.completion_logprobs(&ids, &mask, 8, 1.0, false).unwrap();
+        lp.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let want: Vec<f64> =
+        serde_json::from_value::<Vec<Vec<f64>>>(r["logprobs"]["linear"]["logprobs"].clone())
+            .unwrap()
+            .concat();
+    for (g, w) in lp(&back.model).iter().zip(&want) {
+        assert!((*g as f64 - w).abs() <= 1e-4, "{g} vs {w}");
+    }
+}
