@@ -317,6 +317,38 @@ impl ModelConfig {
             None => None,
         };
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
+        // What these architectures may switch that the model does not implement: refused by
+        // name rather than computed differently from transformers.
+        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+            && act != "swish"
+        {
+            bail!("hidden_act `{act}` is not supported (the MLP is SiLU-gated: silu)");
+        }
+        // Qwen2/Qwen3's sliding-window attention: transformers windows the layers from
+        // `max_window_layers` on (or those `layer_types` names) when `use_sliding_window`; a
+        // window as long as the context changes nothing.
+        let window = v.get("sliding_window").and_then(Value::as_u64);
+        if arch != Arch::Llama
+            && flag("use_sliding_window", false)
+            && let Some(w) = window.filter(|w| (*w as usize) < max_position_embeddings)
+        {
+            let windowed = match v.get("layer_types").and_then(Value::as_array) {
+                Some(t) => t.iter().any(|x| x.as_str() == Some("sliding_attention")),
+                None => {
+                    let from = v
+                        .get("max_window_layers")
+                        .and_then(Value::as_u64)
+                        .unwrap_or(28);
+                    (req("num_hidden_layers")? as u64) > from
+                }
+            };
+            if windowed {
+                bail!(
+                    "sliding-window attention (use_sliding_window, sliding_window = {w}) is not supported"
+                );
+            }
+        }
         let cfg = ModelConfig {
             arch,
             vocab_size: req("vocab_size")?,
@@ -537,6 +569,41 @@ mod tests {
             e.contains("gpt2") && e.contains("llama, qwen2, qwen3"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn another_activation_or_a_sliding_window_is_refused_by_name() {
+        let base = serde_json::json!({
+            "model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "max_position_embeddings": 64,
+        });
+        let with = |k: &str, x: Value| {
+            let mut v = base.clone();
+            v[k] = x;
+            v
+        };
+        let e = ModelConfig::from_hf_json(&with("hidden_act", "gelu".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hidden_act `gelu`"), "{e}");
+        assert!(ModelConfig::from_hf_json(&with("hidden_act", "silu".into())).is_ok());
+        // Qwen2.5's saved configs: a window, switched off.
+        let mut v = with("sliding_window", 32.into());
+        v["max_window_layers"] = 2.into();
+        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        v["use_sliding_window"] = true.into();
+        let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+        assert!(e.contains("sliding_window = 32"), "{e}");
+        // On, but from a layer past the last, or the layers all full, or as long as the context.
+        v["max_window_layers"] = 4.into();
+        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        v["max_window_layers"] = 0.into();
+        v["layer_types"] = serde_json::json!(vec!["full_attention"; 4]);
+        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        v["layer_types"][3] = "sliding_attention".into();
+        assert!(ModelConfig::from_hf_json(&v).is_err());
+        v["sliding_window"] = 64.into();
+        assert!(ModelConfig::from_hf_json(&v).is_ok());
     }
 
     #[test]
