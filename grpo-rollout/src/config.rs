@@ -296,7 +296,11 @@ impl ModelConfig {
             .get("head_dim")
             .and_then(Value::as_u64)
             .map(|x| x as usize)
-            .unwrap_or(hidden_size / num_attention_heads.max(1));
+            // transformers' defaults: Qwen3Config's 128, else hidden / heads.
+            .unwrap_or(match arch {
+                Arch::Qwen3 => 128,
+                _ => hidden_size / num_attention_heads.max(1),
+            });
         // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`.
         let rope_params = v.get("rope_parameters");
         let rope_theta = v
@@ -307,7 +311,11 @@ impl ModelConfig {
         let max_position_embeddings = v
             .get("max_position_embeddings")
             .and_then(Value::as_u64)
-            .unwrap_or(4096) as usize;
+            // transformers' defaults per architecture.
+            .unwrap_or(match arch {
+                Arch::Llama => 2048,
+                Arch::Qwen2 | Arch::Qwen3 => 32768,
+            }) as usize;
         let rope_scaling = match v
             .get("rope_scaling")
             .filter(|s| !s.is_null())

@@ -156,14 +156,14 @@ fn unsupported_scalings_are_refused_by_name() {
     .to_string();
     assert!(e.contains("partial_rotary_factor"), "{e}");
     // YaRN without `original_max_position_embeddings`: transformers takes
-    // `max_position_embeddings` (4096 when absent).
+    // `max_position_embeddings` (Qwen2Config's 32768 when absent).
     let c = ModelConfig::from_hf_json(&base(
         serde_json::json!({"rope_type": "yarn", "factor": 2.0}),
     ))
     .unwrap();
     match c.rope_scaling {
         Some(RopeScaling::Yarn(y)) => {
-            assert_eq!(y.original_max_position_embeddings, 4096);
+            assert_eq!(y.original_max_position_embeddings, 32768);
             assert!((y.attention_factor - (0.1 * 2f64.ln() + 1.0)).abs() < 1e-15);
         }
         other => panic!("{other:?}"),
