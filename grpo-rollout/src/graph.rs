@@ -242,10 +242,13 @@ impl GraphStep {
         }))
     }
 
-    /// Whether the next step of `state` can be replayed: the same rows, room in the cache.
-    pub(crate) fn fits(&self, state: &DecodeState) -> bool {
+    /// Whether the next step of `state` can be replayed: the same rows, room in the cache, a
+    /// position within the RoPE tables (past them the eager step refuses the sequence, where a
+    /// CUDA replay, which runs no host code, would read past the tables).
+    pub(crate) fn fits(&self, model: &Transformer, state: &DecodeState) -> bool {
         let (n, capacity) = self.bufs.bias.dims2().unwrap_or((0, 0));
         state.cache.len() < capacity
+            && state.cache.len() < model.max_positions()
             && state.cache.capacity() == capacity
             && state.next_pos.dim(0).is_ok_and(|rows| rows == n)
     }
@@ -327,7 +330,7 @@ impl Decoder {
             }
         }
         match &self.graph {
-            Some(g) if g.fits(state) => g.step(model, state, ids),
+            Some(g) if g.fits(model, state) => g.step(model, state, ids),
             _ => {
                 self.release(state)?;
                 self.eager_at_size += 1;

@@ -1611,6 +1611,12 @@ impl Transformer {
         }
     }
 
+    /// Positions the RoPE tables hold (`max_position_embeddings`): a sequence is at most this
+    /// long.
+    pub fn max_positions(&self) -> usize {
+        self.rope_cos.dim(0).unwrap_or(0)
+    }
+
     /// Weight dtype (of the layers: the output head may be f32 beside them, see
     /// [`Self::cast_head_to_f32`]).
     pub fn dtype(&self) -> DType {
@@ -1757,11 +1763,11 @@ impl Transformer {
             Kv::Prefix(pre) => pre.first().map_or(Ok(0), |(k, _)| k.dim(2))?,
             Kv::None | Kv::Collect(_) => 0,
         };
-        if earlier + l > self.rope_cos.dim(0)? {
+        if earlier + l > self.max_positions() {
             bail!(
                 "a sequence of {} positions is longer than the model's max_position_embeddings ({}, config.json)",
                 earlier + l,
-                self.rope_cos.dim(0)?
+                self.max_positions()
             );
         }
         let pos = positions.flatten_all()?;

@@ -190,6 +190,46 @@ fn a_sequence_beyond_the_rope_tables_is_refused() {
 }
 
 #[test]
+fn a_generation_running_past_the_rope_tables_stops_with_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = model_with(&Value::Null, tmp.path());
+    let path = dir.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = 24.into();
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(m.model.max_positions(), 24);
+    let prompt: Vec<u32> = (0..20).map(|i| 3 + i).collect();
+    let params = |n: usize| grpo_rollout::SamplingParams {
+        max_new_tokens: n,
+        min_new_tokens: n,
+        seed: 1,
+        ..Default::default()
+    };
+    let decoding = m.model.for_decoding().unwrap();
+    // 20 + 4 positions fit; the 25th does not.
+    let out =
+        grpo_rollout::generate(&decoding, &m.tokenizer, &[prompt.clone()], 2, &params(4)).unwrap();
+    assert!(out.iter().all(|c| c.token_ids.len() == 4));
+    let e = grpo_rollout::generate(&decoding, &m.tokenizer, &[prompt.clone()], 2, &params(6))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("max_position_embeddings (24"), "{e}");
+    // The decode step as a GPU replays it (captured once, replayed while it fits): the same
+    // refusal. (On a GPU the replay runs no host code, so `GraphStep::fits` hands the step past
+    // the tables to the eager step; here the host replay runs the forward's check itself.)
+    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    let before = captures();
+    let e = replayed_on_the_host(|| {
+        grpo_rollout::generate(&decoding, &m.tokenizer, &[prompt], 2, &params(6))
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(captures() > before, "no step was replayed");
+    assert!(e.contains("max_position_embeddings (24"), "{e}");
+}
+
+#[test]
 fn gguf_takes_linear_scaling_and_refuses_yarn() {
     let tmp = tempfile::tempdir().unwrap();
     let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16});
