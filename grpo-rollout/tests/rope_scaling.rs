@@ -199,7 +199,7 @@ fn a_generation_running_past_the_rope_tables_stops_with_one_line() {
     std::fs::write(&path, cfg.to_string()).unwrap();
     let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(m.model.max_positions(), 24);
-    let prompt: Vec<u32> = (0..20).map(|i| 3 + i).collect();
+    let prompts: Vec<Vec<u32>> = vec![(0..20).map(|i| 3 + i).collect()];
     let params = |n: usize| grpo_rollout::SamplingParams {
         max_new_tokens: n,
         min_new_tokens: n,
@@ -208,10 +208,9 @@ fn a_generation_running_past_the_rope_tables_stops_with_one_line() {
     };
     let decoding = m.model.for_decoding().unwrap();
     // 20 + 4 positions fit; the 25th does not.
-    let out =
-        grpo_rollout::generate(&decoding, &m.tokenizer, &[prompt.clone()], 2, &params(4)).unwrap();
+    let out = grpo_rollout::generate(&decoding, &m.tokenizer, &prompts, 2, &params(4)).unwrap();
     assert!(out.iter().all(|c| c.token_ids.len() == 4));
-    let e = grpo_rollout::generate(&decoding, &m.tokenizer, &[prompt.clone()], 2, &params(6))
+    let e = grpo_rollout::generate(&decoding, &m.tokenizer, &prompts, 2, &params(6))
         .unwrap_err()
         .to_string();
     assert!(e.contains("max_position_embeddings (24"), "{e}");
@@ -221,7 +220,7 @@ fn a_generation_running_past_the_rope_tables_stops_with_one_line() {
     use grpo_rollout::graph::{captures, replayed_on_the_host};
     let before = captures();
     let e = replayed_on_the_host(|| {
-        grpo_rollout::generate(&decoding, &m.tokenizer, &[prompt], 2, &params(6))
+        grpo_rollout::generate(&decoding, &m.tokenizer, &prompts, 2, &params(6))
     })
     .unwrap_err()
     .to_string();
