@@ -143,9 +143,9 @@ pub(crate) struct GraphStep {
 
 impl GraphStep {
     /// Captures `state`'s next decode step on `model` (`state` as the eager step leaves it).
-    /// `None` where the step cannot be captured: no room left in the cache, a model whose
-    /// cache pass is not the one kernel, or a capture the driver refused (then graphs are off
-    /// for the process, said once on stderr).
+    /// `None` where the step cannot be captured: no room left in the cache or the RoPE tables,
+    /// a model whose cache pass is not the one kernel, or a capture the driver refused (then
+    /// graphs are off for the process, said once on stderr).
     pub(crate) fn capture(model: &Transformer, state: &mut DecodeState) -> Result<Option<Self>> {
         let dev = model.device();
         if !enabled(dev) || !model.graphable() {
@@ -154,7 +154,7 @@ impl GraphStep {
         let n = state.next_pos.dim(0)?;
         let len = state.cache.len();
         let capacity = state.cache.capacity();
-        if len == 0 || len >= capacity {
+        if len == 0 || len >= capacity || len >= model.max_positions() {
             return Ok(None);
         }
         // The buffers, made (and filled) before the capture. An f16 model's bias is clamped to
@@ -243,8 +243,8 @@ impl GraphStep {
     }
 
     /// Whether the next step of `state` can be replayed: the same rows, room in the cache, a
-    /// position within the RoPE tables (past them the eager step refuses the sequence, where a
-    /// CUDA replay, which runs no host code, would read past the tables).
+    /// position within the RoPE tables (past them the eager step computes its cos and sin,
+    /// where a CUDA replay, which runs no host code, would read past the tables).
     pub(crate) fn fits(&self, model: &Transformer, state: &DecodeState) -> bool {
         let (n, capacity) = self.bufs.bias.dims2().unwrap_or((0, 0));
         state.cache.len() < capacity

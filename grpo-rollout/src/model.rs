@@ -1611,10 +1611,35 @@ impl Transformer {
         }
     }
 
-    /// Positions the RoPE tables hold (`max_position_embeddings`): a sequence is at most this
-    /// long.
+    /// Positions the RoPE tables hold (`max_position_embeddings`); a longer sequence has its
+    /// cos and sin computed per call ([`Self::rope_at`]).
     pub fn max_positions(&self) -> usize {
         self.rope_cos.dim(0).unwrap_or(0)
+    }
+
+    /// RoPE's cos and sin `(N, head_dim / 2)` (f32) of positions `pos` `(N,)` past the tables,
+    /// computed as the tables are (the angle one f32 product, then cos and sin and the
+    /// scaling's factor). Dynamic NTK is refused there: transformers rescales its frequencies
+    /// for such a length. `reach` is the sequence's length, for the message.
+    pub fn rope_at(&self, pos: &Tensor, reach: usize) -> Result<(Tensor, Tensor)> {
+        if let Some(crate::config::RopeScaling::Dynamic { .. }) = self.cfg.rope_scaling {
+            bail!(
+                "a sequence of {reach} positions is longer than the model's max_position_embeddings ({}, config.json), past which dynamic NTK RoPE rescales its frequencies (not supported)",
+                self.max_positions()
+            );
+        }
+        let inv: Vec<f32> = rope_inv_freq(&self.cfg).iter().map(|f| *f as f32).collect();
+        let half = inv.len();
+        let inv = Tensor::from_vec(inv, (1, half), pos.device())?;
+        let angle = pos
+            .to_dtype(DType::F32)?
+            .reshape((pos.elem_count(), 1))?
+            .broadcast_mul(&inv)?;
+        let scale = rope_attention_factor(&self.cfg) as f32 as f64;
+        Ok((
+            angle.cos()?.affine(scale, 0.0)?,
+            angle.sin()?.affine(scale, 0.0)?,
+        ))
     }
 
     /// Weight dtype (of the layers: the output head may be f32 beside them, see
@@ -1756,31 +1781,24 @@ impl Transformer {
             cfg.head_dim,
         );
         let dtype = self.dtype();
-        // The RoPE tables end at `max_position_embeddings`: a longer sequence is refused here
-        // (one line) rather than by an index error deep in a kernel.
+        // The RoPE tables hold `max_position_embeddings` positions; a longer sequence has its
+        // cos and sin computed for its positions, as transformers computes them for any.
         let earlier = match &kv {
             Kv::Cache(c) => c.len(),
             Kv::Prefix(pre) => pre.first().map_or(Ok(0), |(k, _)| k.dim(2))?,
             Kv::None | Kv::Collect(_) => 0,
         };
-        if earlier + l > self.max_positions() {
-            bail!(
-                "a sequence of {} positions is longer than the model's max_position_embeddings ({}, config.json)",
-                earlier + l,
-                self.max_positions()
-            );
-        }
         let pos = positions.flatten_all()?;
-        let cos = self
-            .rope_cos
-            .index_select(&pos, 0)?
-            .reshape((b, l, hd / 2))?
-            .to_dtype(dtype)?;
-        let sin = self
-            .rope_sin
-            .index_select(&pos, 0)?
-            .reshape((b, l, hd / 2))?
-            .to_dtype(dtype)?;
+        let (cos, sin) = if earlier + l <= self.max_positions() {
+            (
+                self.rope_cos.index_select(&pos, 0)?,
+                self.rope_sin.index_select(&pos, 0)?,
+            )
+        } else {
+            self.rope_at(&pos, earlier + l)?
+        };
+        let cos = cos.reshape((b, l, hd / 2))?.to_dtype(dtype)?;
+        let sin = sin.reshape((b, l, hd / 2))?.to_dtype(dtype)?;
         let ctx = LayerCtx {
             b,
             l,

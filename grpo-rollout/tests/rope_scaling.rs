@@ -8,6 +8,9 @@
 //!   * `logprobs`: that model with each `rope_scaling` in its config.json, log-probs of the last
 //!     `t` tokens of left-padded rows (40 and 27 tokens) longer than the scaled configs' original
 //!     context (16), float32, eager attention, per-row position ids.
+//!
+//! And positions past `max_position_embeddings` (where the RoPE tables end), which transformers
+//! computes as any other.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::path::{Path, PathBuf};
@@ -170,62 +173,103 @@ fn unsupported_scalings_are_refused_by_name() {
     }
 }
 
-#[test]
-fn a_sequence_beyond_the_rope_tables_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = model_with(
-        &serde_json::json!({"rope_type": "dynamic", "factor": 2.0}),
-        tmp.path(),
-    );
-    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    let n = m.model.cfg.max_position_embeddings + 1;
-    let row: Vec<u32> = (0..n as u32).map(|i| 3 + i % 200).collect();
-    let (ids, mask) = left_pad(&[row], 0, &Device::Cpu).unwrap();
-    let e = m
-        .model
-        .completion_logprobs(&ids, &mask, 4, 1.0, false)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("max_position_embeddings"), "{e}");
+/// [`model_with`] with `max_position_embeddings` set to `n` (the RoPE tables' length).
+fn model_with_tables(scaling: &Value, dir: &Path, n: usize) -> grpo_rollout::LoadedModel {
+    let d = model_with(scaling, dir);
+    let path = d.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = n.into();
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let m = grpo_rollout::load(&d, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(m.model.max_positions(), n);
+    m
 }
 
+/// Past `max_position_embeddings` transformers computes RoPE for any position; so do we, and
+/// to the bit as the tables hold it (the same f32 product, cos and sin).
 #[test]
-fn a_generation_running_past_the_rope_tables_stops_with_one_line() {
+fn positions_past_the_tables_are_computed_as_in_the_tables() {
+    let r = reference();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let lp = |m: &grpo_rollout::LoadedModel| -> Vec<f32> {
+        let (lp, _) = m
+            .model
+            .completion_logprobs(&ids, &mask, t, 1.0, false)
+            .unwrap();
+        lp.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    for name in ["default", "linear", "yarn", "yarn-legacy"] {
+        let case = &r["logprobs"][name];
+        let tmp = tempfile::tempdir().unwrap();
+        // Rows of 40 positions: 24 in the tables, the rest computed.
+        let short = lp(&model_with_tables(
+            &case["rope_scaling"],
+            &tmp.path().join("a"),
+            24,
+        ));
+        let long = lp(&model_with_tables(
+            &case["rope_scaling"],
+            &tmp.path().join("b"),
+            256,
+        ));
+        assert_eq!(short, long, "{name}");
+        let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(case["logprobs"].clone())
+            .unwrap()
+            .concat();
+        for (g, w) in short.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() <= 1e-4, "{name}: {g} vs {w}");
+        }
+    }
+    // Dynamic NTK rescales past the context in transformers: refused there, in one line.
     let tmp = tempfile::tempdir().unwrap();
-    let dir = model_with(&Value::Null, tmp.path());
-    let path = dir.join("config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    cfg["max_position_embeddings"] = 24.into();
-    std::fs::write(&path, cfg.to_string()).unwrap();
-    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    assert_eq!(m.model.max_positions(), 24);
-    let prompts: Vec<Vec<u32>> = vec![(0..20).map(|i| 3 + i).collect()];
-    let params = |n: usize| grpo_rollout::SamplingParams {
-        max_new_tokens: n,
-        min_new_tokens: n,
+    let m = model_with_tables(
+        &serde_json::json!({"rope_type": "dynamic", "factor": 2.0}),
+        tmp.path(),
+        24,
+    );
+    let e = m
+        .model
+        .completion_logprobs(&ids, &mask, t, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("max_position_embeddings (24") && e.contains("dynamic NTK"),
+        "{e}"
+    );
+}
+
+/// A generation that runs past the tables samples the same tokens as with longer tables, eager
+/// and with the decode step replayed as a GPU replays it (a replay stops at the tables' end:
+/// `GraphStep::fits`; the eager step then computes the positions).
+#[test]
+fn a_generation_past_the_tables_samples_as_with_longer_tables() {
+    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16});
+    let tmp = tempfile::tempdir().unwrap();
+    let short = model_with_tables(&yarn, &tmp.path().join("a"), 24);
+    let long = model_with_tables(&yarn, &tmp.path().join("b"), 256);
+    let prompts: Vec<Vec<u32>> = vec![(0..20).map(|i| 3 + i).collect(), vec![7, 8, 9]];
+    let params = grpo_rollout::SamplingParams {
+        max_new_tokens: 12,
+        min_new_tokens: 12,
         seed: 1,
         ..Default::default()
     };
-    let decoding = m.model.for_decoding().unwrap();
-    // 20 + 4 positions fit; the 25th does not.
-    let out = grpo_rollout::generate(&decoding, &m.tokenizer, &prompts, 2, &params(4)).unwrap();
-    assert!(out.iter().all(|c| c.token_ids.len() == 4));
-    let e = grpo_rollout::generate(&decoding, &m.tokenizer, &prompts, 2, &params(6))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("max_position_embeddings (24"), "{e}");
-    // The decode step as a GPU replays it (captured once, replayed while it fits): the same
-    // refusal. (On a GPU the replay runs no host code, so `GraphStep::fits` hands the step past
-    // the tables to the eager step; here the host replay runs the forward's check itself.)
-    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    let run = |m: &grpo_rollout::LoadedModel| {
+        let d = m.model.for_decoding().unwrap();
+        grpo_rollout::generate(&d, &m.tokenizer, &prompts, 2, &params)
+            .unwrap()
+            .into_iter()
+            .map(|c| c.token_ids)
+            .collect::<Vec<_>>()
+    };
+    let want = run(&long);
+    assert_eq!(run(&short), want);
     let before = captures();
-    let e = replayed_on_the_host(|| {
-        grpo_rollout::generate(&decoding, &m.tokenizer, &prompts, 2, &params(6))
-    })
-    .unwrap_err()
-    .to_string();
+    assert_eq!(replayed_on_the_host(|| run(&short)), want);
     assert!(captures() > before, "no step was replayed");
-    assert!(e.contains("max_position_embeddings (24"), "{e}");
 }
 
 #[test]
