@@ -83,9 +83,9 @@ pub enum RopeScaling {
         /// The divisor.
         factor: f64,
     },
-    /// Dynamic NTK: transformers rescales only for sequences beyond `max_position_embeddings`,
-    /// which the RoPE tables do not reach (such a sequence is refused), so the frequencies are
-    /// the unscaled ones; kept to write the config back.
+    /// Dynamic NTK: transformers rescales only for sequences beyond `max_position_embeddings`
+    /// (refused here: [`crate::model::Transformer::rope_at`]), so the frequencies are the
+    /// unscaled ones; kept to write the config back.
     Dynamic {
         /// The factor of the rescaling beyond `max_position_embeddings`.
         factor: f64,
@@ -115,9 +115,6 @@ impl RopeScaling {
         {
             bail!("rope_scaling.partial_rotary_factor = {p} is not supported (only 1)");
         }
-        let original = || {
-            num("original_max_position_embeddings").map_or(max_position_embeddings, |x| x as usize)
-        };
         Ok(match kind {
             "default" => None,
             "llama3" => Some(RopeScaling::Llama3(Llama3RopeScaling {
@@ -133,7 +130,8 @@ impl RopeScaling {
                 factor: f("factor")?,
             }),
             "yarn" => {
-                let original = original();
+                let original = num("original_max_position_embeddings")
+                    .map_or(max_position_embeddings, |x| x as usize);
                 // DeepSeek-V3's layout: no factor, the ratio of the two lengths.
                 let factor = num("factor")
                     .unwrap_or(max_position_embeddings as f64 / original.max(1) as f64);

@@ -1086,25 +1086,29 @@ pub fn rope_attention_factor(cfg: &ModelConfig) -> f64 {
     }
 }
 
-fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
-    let inv = rope_inv_freq(cfg);
-    let scale = rope_attention_factor(cfg) as f32;
+/// RoPE's cos and sin `(N, head_dim / 2)` (f32) of positions `pos` `(N,)` (u32), on its
+/// device: the angle one f32 product of position and inverse frequency (as transformers
+/// computes it), then cos and sin times the scaling's factor (in f32 too).
+fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
+    let inv: Vec<f32> = rope_inv_freq(cfg).iter().map(|f| *f as f32).collect();
     let half = inv.len();
-    let n = cfg.max_position_embeddings.max(1);
-    let mut cos = Vec::with_capacity(n * half);
-    let mut sin = Vec::with_capacity(n * half);
-    for p in 0..n {
-        for f in &inv {
-            // transformers computes the angle, and the scaled cos and sin, in f32.
-            let a = (p as f32) * (*f as f32);
-            cos.push(a.cos() * scale);
-            sin.push(a.sin() * scale);
-        }
-    }
+    let inv = Tensor::from_vec(inv, (1, half), pos.device())?;
+    let angle = pos
+        .to_dtype(DType::F32)?
+        .reshape((pos.elem_count(), 1))?
+        .broadcast_mul(&inv)?;
+    let scale = rope_attention_factor(cfg) as f32 as f64;
     Ok((
-        Tensor::from_vec(cos, (n, half), device)?,
-        Tensor::from_vec(sin, (n, half), device)?,
+        angle.cos()?.affine(scale, 0.0)?,
+        angle.sin()?.affine(scale, 0.0)?,
     ))
+}
+
+/// [`rope_cos_sin`] of every position up to `max_position_embeddings`, computed on the host.
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let n = cfg.max_position_embeddings.max(1) as u32;
+    let (cos, sin) = rope_cos_sin(cfg, &Tensor::arange(0u32, n, &Device::Cpu)?)?;
+    Ok((cos.to_device(device)?, sin.to_device(device)?))
 }
 
 /// Weights needed by name, in transformers' naming (`model.layers.0.self_attn.q_proj.weight`).
@@ -1618,9 +1622,8 @@ impl Transformer {
     }
 
     /// RoPE's cos and sin `(N, head_dim / 2)` (f32) of positions `pos` `(N,)` past the tables,
-    /// computed as the tables are (the angle one f32 product, then cos and sin and the
-    /// scaling's factor). Dynamic NTK is refused there: transformers rescales its frequencies
-    /// for such a length. `reach` is the sequence's length, for the message.
+    /// computed as the tables are. Dynamic NTK is refused there: transformers rescales its
+    /// frequencies for such a length. `reach` is the sequence's length, for the message.
     pub fn rope_at(&self, pos: &Tensor, reach: usize) -> Result<(Tensor, Tensor)> {
         if let Some(crate::config::RopeScaling::Dynamic { .. }) = self.cfg.rope_scaling {
             bail!(
@@ -1628,18 +1631,7 @@ impl Transformer {
                 self.max_positions()
             );
         }
-        let inv: Vec<f32> = rope_inv_freq(&self.cfg).iter().map(|f| *f as f32).collect();
-        let half = inv.len();
-        let inv = Tensor::from_vec(inv, (1, half), pos.device())?;
-        let angle = pos
-            .to_dtype(DType::F32)?
-            .reshape((pos.elem_count(), 1))?
-            .broadcast_mul(&inv)?;
-        let scale = rope_attention_factor(&self.cfg) as f32 as f64;
-        Ok((
-            angle.cos()?.affine(scale, 0.0)?,
-            angle.sin()?.affine(scale, 0.0)?,
-        ))
+        rope_cos_sin(&self.cfg, pos)
     }
 
     /// Weight dtype (of the layers: the output head may be f32 beside them, see

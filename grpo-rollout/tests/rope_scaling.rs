@@ -29,6 +29,13 @@ fn reference() -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The reference's left-padded rows (ids, mask) and how many last tokens are scored.
+fn reference_batch(r: &Value) -> (candle_core::Tensor, candle_core::Tensor, usize) {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    (ids, mask, r["t"].as_u64().unwrap() as usize)
+}
+
 #[test]
 fn frequencies_and_attention_factor_match_transformers() {
     let r = reference();
@@ -95,9 +102,7 @@ fn model_with(scaling: &Value, dir: &Path) -> PathBuf {
 #[test]
 fn logprobs_match_transformers_under_each_scaling() {
     let r = reference();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
-    let t = r["t"].as_u64().unwrap() as usize;
-    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let (ids, mask, t) = reference_batch(&r);
     let cases = r["logprobs"].as_object().unwrap();
     assert!(cases.len() >= 5);
     let mut seen = Vec::new();
@@ -190,9 +195,7 @@ fn model_with_tables(scaling: &Value, dir: &Path, n: usize) -> grpo_rollout::Loa
 #[test]
 fn positions_past_the_tables_are_computed_as_in_the_tables() {
     let r = reference();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
-    let t = r["t"].as_u64().unwrap() as usize;
-    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let (ids, mask, t) = reference_batch(&r);
     let lp = |m: &grpo_rollout::LoadedModel| -> Vec<f32> {
         let (lp, _) = m
             .model
@@ -308,10 +311,9 @@ fn gguf_takes_linear_scaling_and_refuses_yarn() {
         Some(RopeScaling::Linear { factor: 2.5 })
     );
     let r = reference();
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
-    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let (ids, mask, t) = reference_batch(&r);
     let lp = |m: &grpo_rollout::model::Transformer| -> Vec<f32> {
-        let (lp, _) = m.completion_logprobs(&ids, &mask, 8, 1.0, false).unwrap();
+        let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
         lp.flatten_all().unwrap().to_vec1().unwrap()
     };
     let want: Vec<f64> =
