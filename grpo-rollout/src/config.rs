@@ -16,6 +16,10 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: RMSNorm on each head's q and k, explicit head_dim, no biases.
     Qwen3,
+    /// Mistral: llama's layers without biases, sliding-window attention (`sliding_window`).
+    Mistral,
+    /// SmolLM3: llama's layers, every `no_rope_layer_interval`-th without RoPE (NoPE).
+    SmolLM3,
 }
 
 impl Arch {
@@ -25,7 +29,15 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Mistral => "mistral",
+            Arch::SmolLM3 => "smollm3",
         }
+    }
+
+    /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
+    /// `attention_bias` (where the family has it) also biases `o_proj`.
+    pub fn llama_like(self) -> bool {
+        matches!(self, Arch::Llama | Arch::Mistral | Arch::SmolLM3)
     }
 
     /// Parses a `model_type`, or fails naming it and listing the supported ones.
@@ -34,7 +46,11 @@ impl Arch {
             "llama" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "qwen3" => Ok(Arch::Qwen3),
-            other => bail!("unsupported model_type `{other}`: supported are llama, qwen2, qwen3"),
+            "mistral" => Ok(Arch::Mistral),
+            "smollm3" => Ok(Arch::SmolLM3),
+            other => bail!(
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3"
+            ),
         }
     }
 }
@@ -243,6 +259,16 @@ pub struct ModelConfig {
     /// `score` head); `None`: not in the config (0.02, transformers' default, is used).
     #[serde(default)]
     pub initializer_range: Option<f64>,
+    /// Sliding-window attention (`sliding_window`, where the config switches it on): a query
+    /// attends to itself and the `w − 1` cache positions before it only.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// The layers that have the window (Qwen's / SmolLM3's `layer_types`); empty: all of them.
+    #[serde(default)]
+    pub sliding_layers: Vec<usize>,
+    /// Layers that apply no RoPE (SmolLM3's `no_rope_layers` zeros); empty: all rotate.
+    #[serde(default)]
+    pub nope_layers: Vec<usize>,
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
@@ -305,14 +331,19 @@ impl ModelConfig {
             .get("rope_theta")
             .or_else(|| rope_params.and_then(|p| p.get("rope_theta")))
             .and_then(Value::as_f64)
-            .unwrap_or(10_000.0);
+            // transformers' `default_theta` (SmolLM3Config's 2e6, else 10000).
+            .unwrap_or(match arch {
+                Arch::SmolLM3 => 2_000_000.0,
+                _ => 10_000.0,
+            });
         let max_position_embeddings = v
             .get("max_position_embeddings")
             .and_then(Value::as_u64)
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
                 Arch::Llama => 2048,
-                Arch::Qwen2 | Arch::Qwen3 => 32768,
+                Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
+                Arch::Mistral => 4096 * 32,
             }) as usize;
         let rope_scaling = match v
             .get("rope_scaling")
@@ -331,36 +362,90 @@ impl ModelConfig {
         {
             bail!("hidden_act `{act}` is not supported (the MLP is SiLU-gated: silu)");
         }
-        // Qwen2/Qwen3's sliding-window attention: transformers windows the layers from
-        // `max_window_layers` on (or those `layer_types` names) when `use_sliding_window`; a
-        // window as long as the context changes nothing.
-        let window = v.get("sliding_window").and_then(Value::as_u64);
-        if arch != Arch::Llama
-            && flag("use_sliding_window", false)
-            && let Some(w) = window.filter(|w| (*w as usize) < max_position_embeddings)
-        {
-            let windowed = match v.get("layer_types").and_then(Value::as_array) {
-                Some(t) => t.iter().any(|x| x.as_str() == Some("sliding_attention")),
+        let num_hidden_layers = req("num_hidden_layers")?;
+        // SmolLM3's NoPE layers: `no_rope_layers` (1 = RoPE) or every
+        // `no_rope_layer_interval`-th layer (default 4), as transformers fills them in.
+        let nope_layers: Vec<usize> = match arch {
+            Arch::SmolLM3 => match v.get("no_rope_layers").filter(|x| !x.is_null()) {
+                Some(list) => {
+                    let list = list.as_array().filter(|a| a.len() >= num_hidden_layers);
+                    let Some(list) = list else {
+                        bail!(
+                            "field `no_rope_layers` must list 0 or 1 for each of the {num_hidden_layers} layers"
+                        );
+                    };
+                    let mut out = Vec::new();
+                    for (i, x) in list.iter().take(num_hidden_layers).enumerate() {
+                        match x.as_u64() {
+                            Some(0) => out.push(i),
+                            Some(1) => {}
+                            _ => bail!("field `no_rope_layers[{i}]` must be 0 or 1, not {x}"),
+                        }
+                    }
+                    out
+                }
+                None => {
+                    let every = v
+                        .get("no_rope_layer_interval")
+                        .and_then(Value::as_u64)
+                        .unwrap_or(4) as usize;
+                    if every == 0 {
+                        bail!("field `no_rope_layer_interval` must be > 0");
+                    }
+                    (0..num_hidden_layers)
+                        .filter(|i| (i + 1).is_multiple_of(every))
+                        .collect()
+                }
+            },
+            _ => Vec::new(),
+        };
+        // Sliding-window attention, where the config switches it on: Mistral's `sliding_window`
+        // (every layer, default 4096, null = none); Qwen2/Qwen3's and SmolLM3's with
+        // `use_sliding_window`, on the layers `layer_types` names (else Qwen's from
+        // `max_window_layers` on, SmolLM3's NoPE layers).
+        let window = match v.get("sliding_window") {
+            Some(Value::Null) => None,
+            Some(w) => Some(w.as_u64().filter(|w| *w > 0).ok_or_else(|| {
+                candle_core::Error::msg(format!(
+                    "field `sliding_window` must be a positive integer or null, not {w}"
+                ))
+            })? as usize),
+            None if arch == Arch::Mistral => Some(4096),
+            None => None,
+        };
+        let sliding_layers: Vec<usize> = match arch {
+            Arch::Llama => Vec::new(),
+            Arch::Mistral => (0..num_hidden_layers).collect(),
+            Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 if !flag("use_sliding_window", false) => {
+                Vec::new()
+            }
+            _ => match v.get("layer_types").and_then(Value::as_array) {
+                Some(t) => (0..num_hidden_layers)
+                    .filter(|i| t.get(*i).and_then(Value::as_str) == Some("sliding_attention"))
+                    .collect(),
+                None if arch == Arch::SmolLM3 => nope_layers.clone(),
                 None => {
                     let from = v
                         .get("max_window_layers")
                         .and_then(Value::as_u64)
-                        .unwrap_or(28);
-                    (req("num_hidden_layers")? as u64) > from
+                        .unwrap_or(28) as usize;
+                    (from.min(num_hidden_layers)..num_hidden_layers).collect()
                 }
-            };
-            if windowed {
-                bail!(
-                    "sliding-window attention (use_sliding_window, sliding_window = {w}) is not supported"
-                );
+            },
+        };
+        let (sliding_window, sliding_layers) = match window {
+            Some(w) if !sliding_layers.is_empty() => {
+                let all = sliding_layers.len() == num_hidden_layers;
+                (Some(w), if all { Vec::new() } else { sliding_layers })
             }
-        }
+            _ => (None, Vec::new()),
+        };
         let cfg = ModelConfig {
             arch,
             vocab_size: req("vocab_size")?,
             hidden_size,
             intermediate_size: req("intermediate_size")?,
-            num_hidden_layers: req("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -371,13 +456,14 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            tie_word_embeddings: flag("tie_word_embeddings", false),
+            // transformers' defaults: SmolLM3Config ties, the others do not.
+            tie_word_embeddings: flag("tie_word_embeddings", arch == Arch::SmolLM3),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
-                Arch::Llama => flag("attention_bias", false),
-                Arch::Qwen3 => flag("attention_bias", false),
+                Arch::Mistral => false,
+                Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 => flag("attention_bias", false),
             },
-            mlp_bias: flag("mlp_bias", false),
+            mlp_bias: arch != Arch::Mistral && flag("mlp_bias", false),
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: ids(v.get("eos_token_id")),
             pad_token_id: ids(v.get("pad_token_id")).first().copied(),
@@ -390,6 +476,9 @@ impl ModelConfig {
                         .any(|a| a.ends_with("ForSequenceClassification"))
                 }),
             initializer_range: v.get("initializer_range").and_then(Value::as_f64),
+            sliding_window,
+            sliding_layers,
+            nope_layers,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -435,6 +524,8 @@ impl ModelConfig {
                     Arch::Llama => "Llama",
                     Arch::Qwen2 => "Qwen2",
                     Arch::Qwen3 => "Qwen3",
+                    Arch::Mistral => "Mistral",
+                    Arch::SmolLM3 => "SmolLM3",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -469,13 +560,36 @@ impl ModelConfig {
             obj.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
             obj.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
         }
-        if self.arch == Arch::Llama {
+        if matches!(self.arch, Arch::Llama | Arch::SmolLM3) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
         }
-        if let Some(b) = self.bos_token_id {
-            obj.insert("bos_token_id".into(), b.into());
+        if self.arch == Arch::SmolLM3 {
+            let rope: Vec<u32> = (0..self.num_hidden_layers)
+                .map(|i| u32::from(self.uses_rope(i)))
+                .collect();
+            obj.insert("no_rope_layers".into(), rope.into());
         }
+        match (self.arch, self.sliding_window) {
+            (Arch::Mistral, w) => {
+                obj.insert("sliding_window".into(), w.into());
+            }
+            (Arch::Llama, _) | (_, None) => {}
+            (_, Some(w)) => {
+                let types: Vec<&str> = (0..self.num_hidden_layers)
+                    .map(|i| match self.windowed(i) {
+                        true => "sliding_attention",
+                        false => "full_attention",
+                    })
+                    .collect();
+                obj.insert("use_sliding_window".into(), true.into());
+                obj.insert("sliding_window".into(), w.into());
+                obj.insert("layer_types".into(), types.into());
+            }
+        }
+        // `null` when there is none: transformers' defaults (1 for llama, 128000 for SmolLM3)
+        // would name a token the model does not have.
+        obj.insert("bos_token_id".into(), self.bos_token_id.into());
         match self.eos_token_ids.as_slice() {
             [] => {}
             [e] => {
@@ -489,6 +603,17 @@ impl ModelConfig {
             obj.insert("pad_token_id".into(), p.into());
         }
         v
+    }
+
+    /// Whether layer `i` rotates its queries and keys (all but SmolLM3's NoPE layers).
+    pub fn uses_rope(&self, i: usize) -> bool {
+        !self.nope_layers.contains(&i)
+    }
+
+    /// Whether layer `i` has the sliding window ([`Self::sliding_window`]).
+    pub fn windowed(&self, i: usize) -> bool {
+        self.sliding_window.is_some()
+            && (self.sliding_layers.is_empty() || self.sliding_layers.contains(&i))
     }
 
     /// Number of parameters (tied embeddings counted once).
@@ -572,13 +697,13 @@ mod tests {
         let v = serde_json::json!({"model_type": "gpt2"});
         let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
         assert!(
-            e.contains("gpt2") && e.contains("llama, qwen2, qwen3"),
+            e.contains("gpt2") && e.contains("llama, qwen2, qwen3, mistral, smollm3"),
             "{e}"
         );
     }
 
     #[test]
-    fn another_activation_or_a_sliding_window_is_refused_by_name() {
+    fn another_activation_is_refused_by_name_and_windowed_layers_are_found() {
         let base = serde_json::json!({
             "model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 4, "num_attention_heads": 2, "max_position_embeddings": 64,
@@ -593,23 +718,27 @@ mod tests {
             .to_string();
         assert!(e.contains("hidden_act `gelu`"), "{e}");
         assert!(ModelConfig::from_hf_json(&with("hidden_act", "silu".into())).is_ok());
+        let windowed = |v: &Value| {
+            let c = ModelConfig::from_hf_json(v).unwrap();
+            let layers: Vec<usize> = (0..4).filter(|i| c.windowed(*i)).collect();
+            assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+            (c.sliding_window, layers)
+        };
         // Qwen2.5's saved configs: a window, switched off.
         let mut v = with("sliding_window", 32.into());
         v["max_window_layers"] = 2.into();
-        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        assert_eq!(windowed(&v), (None, vec![]));
+        // On: the layers from max_window_layers, or those layer_types names.
         v["use_sliding_window"] = true.into();
-        let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
-        assert!(e.contains("sliding_window = 32"), "{e}");
-        // On, but from a layer past the last, or the layers all full, or as long as the context.
+        assert_eq!(windowed(&v), (Some(32), vec![2, 3]));
         v["max_window_layers"] = 4.into();
-        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        assert_eq!(windowed(&v), (None, vec![]));
         v["max_window_layers"] = 0.into();
+        assert_eq!(windowed(&v), (Some(32), vec![0, 1, 2, 3]));
         v["layer_types"] = serde_json::json!(vec!["full_attention"; 4]);
-        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        assert_eq!(windowed(&v), (None, vec![]));
         v["layer_types"][3] = "sliding_attention".into();
-        assert!(ModelConfig::from_hf_json(&v).is_err());
-        v["sliding_window"] = 64.into();
-        assert!(ModelConfig::from_hf_json(&v).is_ok());
+        assert_eq!(windowed(&v), (Some(32), vec![3]));
     }
 
     #[test]

@@ -2,12 +2,12 @@
 //! the metadata.
 //!
 //! What is read:
-//! - `general.architecture` (`llama`, `qwen2`, `qwen3`) and the `{arch}.*` hyper-parameters
-//!   into a [`ModelConfig`]; the vocabulary size comes from `token_embd.weight`, biases and
+//! - `general.architecture` (`llama`, `qwen2`, `qwen3`, `smollm3`; Mistral models are `llama`
+//!   files) and the `{arch}.*` hyper-parameters into a [`ModelConfig`]; the vocabulary size comes from `token_embd.weight`, biases and
 //!   tied embeddings from which tensors are present (no `output.weight` = tied).
 //! - every tensor, dequantised with candle's [`QTensor::dequantize`], renamed from llama.cpp's
 //!   names (`blk.0.attn_q.weight`) to transformers' (`model.layers.0.self_attn.q_proj.weight`).
-//!   llama.cpp's converter permutes the rows of the `llama` Q and K projections (weights and
+//!   llama.cpp's converter permutes the rows of the `llama` / `smollm3` Q and K projections (weights and
 //!   biases) for its interleaved RoPE; we undo that so the weights fit the "rotate half" RoPE
 //!   of transformers (and of our model). `qwen2` / `qwen3` files are not permuted.
 //! - `tokenizer.ggml.*` into a byte-level BPE `tokenizers::Tokenizer` (`tokenizer.ggml.model =
@@ -125,11 +125,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .get("general.architecture")
         .and_then(as_str)
         .ok_or_else(|| err("metadata `general.architecture` is missing"))?;
-    let arch = Arch::parse(arch_name).map_err(|_| {
-        err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3)"
-        ))
-    })?;
+    // llama.cpp writes Mistral models as `llama`.
+    let arch = Arch::parse(arch_name)
+        .ok()
+        .filter(|a| *a != Arch::Mistral)
+        .ok_or_else(|| {
+            err(format!(
+                "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3)"
+            ))
+        })?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let req = |k: &str| -> Result<usize> {
         md.get(&key(k))
@@ -206,7 +210,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         tie_word_embeddings: !has("output.weight"),
         attention_bias: match arch {
             Arch::Qwen2 => true,
-            Arch::Llama | Arch::Qwen3 => has("blk.0.attn_q.bias"),
+            _ => has("blk.0.attn_q.bias"),
         },
         mlp_bias: has("blk.0.ffn_gate.bias"),
         bos_token_id: md_u32(md, "tokenizer.ggml.bos_token_id"),
@@ -216,6 +220,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
         sequence_classification: false,
         initializer_range: None,
+        sliding_window: None,
+        sliding_layers: Vec::new(),
+        // llama.cpp's smollm3: RoPE skipped on every 4th layer.
+        nope_layers: match arch {
+            Arch::SmolLM3 => (0..req("block_count")?)
+                .filter(|i| (i + 1) % 4 == 0)
+                .collect(),
+            _ => Vec::new(),
+        },
     };
     cfg.validate()?;
     Ok(cfg)
@@ -360,7 +373,7 @@ fn read_weights<R: Read + Seek>(
             .tensor(reader, name, &Device::Cpu)
             .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
         let mut t = q.dequantize(&Device::Cpu)?;
-        if cfg.arch == Arch::Llama {
+        if cfg.arch.llama_like() {
             if hf.contains(".self_attn.q_proj.") {
                 t = unpermute_qk(&t, cfg.num_attention_heads)?;
             } else if hf.contains(".self_attn.k_proj.") {
@@ -894,7 +907,21 @@ pub fn save_gguf(
         );
     }
     let cfg = &model.cfg;
-    let arch = cfg.arch.as_str();
+    // llama.cpp's names: Mistral's layers are `llama` (which has no sliding window: within it
+    // nothing differs); `smollm3` skips RoPE on every 4th layer, a step no key can change.
+    let arch = match cfg.arch {
+        Arch::Mistral => "llama",
+        a => a.as_str(),
+    };
+    let every_4th: Vec<usize> = (0..cfg.num_hidden_layers)
+        .filter(|i| (i + 1) % 4 == 0)
+        .collect();
+    if cfg.arch == Arch::SmolLM3 && cfg.nope_layers != every_4th {
+        bail!(
+            "SmolLM3 with NoPE layers {:?} has no GGUF form (llama.cpp's smollm3 skips RoPE on every 4th layer): export it as safetensors",
+            cfg.nope_layers
+        );
+    }
     let a = |k: &str| format!("{arch}.{k}");
     let u = |x: usize| Value::U32(x as u32);
     let mut md: Vec<(String, Value)> = vec![
@@ -929,7 +956,7 @@ pub fn save_gguf(
         // Llama 3's goes in `rope_freqs.weight` below.
         Some(RopeScaling::Dynamic { .. } | RopeScaling::Llama3(_)) | None => {}
     }
-    if cfg.arch == Arch::Llama {
+    if cfg.arch.llama_like() {
         md.push((a("rope.dimension_count"), u(cfg.head_dim)));
         md.push((a("vocab_size"), u(cfg.vocab_size)));
     }
@@ -948,7 +975,7 @@ pub fn save_gguf(
             .to_device(&cpu)?
             .to_dtype(DType::F32)?
             .force_contiguous()?;
-        if cfg.arch == Arch::Llama {
+        if cfg.arch.llama_like() {
             if g.contains(".attn_q.") {
                 t = permute_qk(&t, cfg.num_attention_heads)?;
             } else if g.contains(".attn_k.") {
@@ -977,7 +1004,9 @@ pub fn save_gguf(
         written.push((g.clone(), format!("{chosen:?}")));
         tensors.push((g, q));
     }
-    if let (Arch::Llama, Some(RopeScaling::Llama3(s))) = (cfg.arch, &cfg.rope_scaling) {
+    if let (Arch::Llama | Arch::Mistral, Some(RopeScaling::Llama3(s))) =
+        (cfg.arch, &cfg.rope_scaling)
+    {
         let f = rope_freqs(s, cfg.rope_theta, cfg.head_dim);
         let n = f.len();
         let t = Tensor::from_vec(f, n, &cpu)?;

@@ -154,7 +154,7 @@ impl GraphStep {
         let n = state.next_pos.dim(0)?;
         let len = state.cache.len();
         let capacity = state.cache.capacity();
-        if len == 0 || len >= capacity || len >= model.max_positions() {
+        if len == 0 || len >= capacity || len >= model.graph_positions() {
             return Ok(None);
         }
         // The buffers, made (and filled) before the capture. An f16 model's bias is clamped to
@@ -243,12 +243,13 @@ impl GraphStep {
     }
 
     /// Whether the next step of `state` can be replayed: the same rows, room in the cache, a
-    /// position within the RoPE tables (past them the eager step computes its cos and sin,
-    /// where a CUDA replay, which runs no host code, would read past the tables).
+    /// position within the RoPE tables and any sliding window (past them the eager step
+    /// computes its cos and sin, or refuses the length, where a CUDA replay, which runs no
+    /// host code, would read past the tables).
     pub(crate) fn fits(&self, model: &Transformer, state: &DecodeState) -> bool {
         let (n, capacity) = self.bufs.bias.dims2().unwrap_or((0, 0));
         state.cache.len() < capacity
-            && state.cache.len() < model.max_positions()
+            && state.cache.len() < model.graph_positions()
             && state.cache.capacity() == capacity
             && state.next_pos.dim(0).is_ok_and(|rows| rows == n)
     }

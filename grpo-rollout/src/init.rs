@@ -199,6 +199,13 @@ pub fn preset_config(
         pad_token_id: Some(pad),
         sequence_classification: false,
         initializer_range: None,
+        // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
+        sliding_window: (arch == Arch::Mistral).then_some(4096),
+        sliding_layers: Vec::new(),
+        nope_layers: match arch {
+            Arch::SmolLM3 => (0..layers).filter(|i| (i + 1) % 4 == 0).collect(),
+            _ => Vec::new(),
+        },
     }
 }
 
@@ -232,7 +239,7 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch == Arch::Llama {
+            if cfg.arch.llama_like() {
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }

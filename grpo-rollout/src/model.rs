@@ -1235,7 +1235,7 @@ impl Transformer {
                     &format!("{p}.self_attn.o_proj"),
                     h,
                     q,
-                    cfg.attention_bias && cfg.arch == Arch::Llama,
+                    cfg.attention_bias && cfg.arch.llama_like(),
                 )?,
                 q_norm: match cfg.arch {
                     Arch::Qwen3 => {
@@ -1621,6 +1621,13 @@ impl Transformer {
         self.rope_cos.dim(0).unwrap_or(0)
     }
 
+    /// Positions a captured decode step may reach ([`crate::graph`]): within the RoPE tables
+    /// and any sliding window (past either the eager step computes, or refuses, in host code).
+    pub(crate) fn graph_positions(&self) -> usize {
+        self.max_positions()
+            .min(self.cfg.sliding_window.unwrap_or(usize::MAX))
+    }
+
     /// RoPE's cos and sin `(N, head_dim / 2)` (f32) of positions `pos` `(N,)` past the tables,
     /// computed as the tables are. Dynamic NTK is refused there: transformers rescales its
     /// frequencies for such a length. `reach` is the sequence's length, for the message.
@@ -1791,6 +1798,18 @@ impl Transformer {
         };
         let cos = cos.reshape((b, l, hd / 2))?.to_dtype(dtype)?;
         let sin = sin.reshape((b, l, hd / 2))?.to_dtype(dtype)?;
+        // The masks' −1e9 is −inf in f16: a row whose every key is masked (a left-padded
+        // position) would turn NaN and spread to the real rows through its keys and values.
+        // A bias given in f16 is taken as clamped already (a captured decode step's: the
+        // clamp's scalar is an upload, which a CUDA graph capture refuses).
+        let layer_bias = |bias: &Tensor| -> Result<Tensor> {
+            match (dtype, bias.dtype()) {
+                (DType::F16, DType::F16) => Ok(bias.clone()),
+                (DType::F16, _) => bias.maximum(mask_value(DType::F16)),
+                _ => Ok(bias.clone()),
+            }?
+            .to_dtype(dtype)
+        };
         let ctx = LayerCtx {
             b,
             l,
@@ -1799,17 +1818,56 @@ impl Transformer {
             hd,
             cos,
             sin,
-            // The masks' −1e9 is −inf in f16: a row whose every key is masked (a left-padded
-            // position) would turn NaN and spread to the real rows through its keys and values.
-            // A bias given in f16 is taken as clamped already (a captured decode step's: the
-            // clamp's scalar is an upload, which a CUDA graph capture refuses).
-            bias: match (dtype, attn_bias.dtype()) {
-                (DType::F16, DType::F16) => attn_bias.clone(),
-                (DType::F16, _) => attn_bias.maximum(mask_value(DType::F16))?,
-                _ => attn_bias.clone(),
-            }
-            .to_dtype(dtype)?,
+            bias: layer_bias(attn_bias)?,
             scale: 1.0 / (hd as f64).sqrt(),
+        };
+        // Variants of `ctx` for the layers that differ. SmolLM3's NoPE layers rotate by
+        // nothing: cos 1 and sin 0 (x·1 − y·0 is x exactly), made on the device from the rows'
+        // cos and sin so that a captured decode step holds them. Sliding-window layers: keys
+        // `w` or more cache positions before the query masked too, as transformers' mask (its
+        // positions are the padded sequence's, as the cache's are) — only for a sequence longer
+        // than the window, which a captured step never reaches ([`Self::graph_positions`]).
+        let nope = |c: &LayerCtx| -> Result<LayerCtx> {
+            Ok(LayerCtx {
+                cos: c.cos.affine(0.0, 1.0)?,
+                sin: c.sin.affine(0.0, 0.0)?,
+                ..c.clone()
+            })
+        };
+        let windowed = match cfg.sliding_window {
+            Some(w) if earlier + l > w => {
+                let s = attn_bias.dim(candle_core::D::Minus1)?;
+                let masked = mask_value(DType::F32) as f32;
+                let band: Vec<f32> = (0..l * s)
+                    .map(|x| match earlier + x / s >= x % s + w {
+                        true => masked,
+                        false => 0.0,
+                    })
+                    .collect();
+                let band = Tensor::from_vec(band, (1, 1, l, s), attn_bias.device())?;
+                let bias = attn_bias.broadcast_add(&band.to_dtype(attn_bias.dtype())?)?;
+                Some(LayerCtx {
+                    bias: layer_bias(&bias)?,
+                    ..ctx.clone()
+                })
+            }
+            _ => None,
+        };
+        let any_nope = !cfg.nope_layers.is_empty();
+        let nope_ctx = any_nope.then(|| nope(&ctx)).transpose()?;
+        let nope_windowed = windowed
+            .as_ref()
+            .filter(|_| any_nope)
+            .map(nope)
+            .transpose()?;
+        let ctx_of = |i: usize| -> &LayerCtx {
+            let variant = match (cfg.uses_rope(i), cfg.windowed(i)) {
+                (true, false) => None,
+                (true, true) => windowed.as_ref(),
+                (false, false) => nope_ctx.as_ref(),
+                (false, true) => nope_windowed.as_ref().or(nope_ctx.as_ref()),
+            };
+            variant.unwrap_or(&ctx)
         };
         let past = match &kv {
             Kv::Cache(c) => c.len(),
@@ -1835,7 +1893,7 @@ impl Transformer {
                     Some(n) => &n.input_layernorm,
                     None => &self.norm,
                 };
-                (x, h) = layer.cached(&ctx, &x, &h, cache, i, past, next)?;
+                (x, h) = layer.cached(ctx_of(i), &x, &h, cache, i, past, next)?;
             }
             cache.len = past + l;
             return h.reshape((b, l, cfg.hidden_size));
@@ -1851,14 +1909,15 @@ impl Transformer {
                     _ => None,
                 };
                 let collect = matches!(kv, Kv::Collect(_));
-                let (y, kvs) = layer.as_block(&ctx, &x, prefix, collect, blocks)?;
+                let (y, kvs) = layer.as_block(ctx_of(i), &x, prefix, collect, blocks)?;
                 if let (Kv::Collect(out), Some(kvs)) = (&mut kv, kvs) {
                     out.push(kvs);
                 }
                 x = y;
                 continue;
             }
-            let (q, k, v) = layer.qkv(&ctx, &x)?;
+            let c = ctx_of(i);
+            let (q, k, v) = layer.qkv(c, &x)?;
             let (k, v) = match &mut kv {
                 Kv::Cache(_) => unreachable!("a pass over a cache takes the loop above"),
                 Kv::None => (k, v),
@@ -1871,7 +1930,7 @@ impl Transformer {
                     (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
                 }
             };
-            x = layer.finish(&ctx, &x, &q, &k, &v)?;
+            x = layer.finish(c, &x, &q, &k, &v)?;
         }
         self.norm.forward(&x)?.reshape((b, l, cfg.hidden_size))
     }

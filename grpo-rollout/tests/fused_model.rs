@@ -29,9 +29,20 @@ fn fused_and_composed_decoders_agree() {
         vec![17, 6, 50, 4, 9],
     ];
     let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+    for arch in [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Mistral,
+        Arch::SmolLM3,
+    ] {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
+            c.nope_layers = match arch {
+                Arch::SmolLM3 => vec![0],
+                _ => vec![],
+            };
+            c.sliding_window = (arch == Arch::Mistral).then_some(4);
             c.hidden_size = 32;
             c.num_attention_heads = 4;
             c.num_key_value_heads = 2;

@@ -685,6 +685,9 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         pad_token_id: None,
         sequence_classification: false,
         initializer_range: None,
+        sliding_window: None,
+        sliding_layers: vec![],
+        nope_layers: vec![],
     };
     let inv = grpo_rollout::model::rope_inv_freq(&cfg);
     for ((got, f), r) in inv.iter().zip(&freqs).zip(&factors) {

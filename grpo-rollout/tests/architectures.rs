@@ -1,0 +1,290 @@
+//! Mistral (sliding-window attention) and SmolLM3 (NoPE layers) against transformers.
+//!
+//! Reference values: `fixtures/arch_reference.json`, written with the micro models
+//! `fixtures/arch-mistral-micro` (2 layers, untied) and `fixtures/arch-smollm3-micro` (3 layers,
+//! tied) by `scripts/gen_arch_reference.py` (transformers 5.24): for variants of their
+//! config.json (`sliding_window` null / 64 / 12; `no_rope_layers` listed, derived from
+//! `no_rope_layer_interval`, all ones; SmolLM3's window on its NoPE layers), log-probs of the
+//! last `t` tokens of left-padded rows of 40 and 27 tokens (float32, eager attention, per-row
+//! position ids), and the variant's config as transformers resolves it.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use grpo_rollout::config::{Arch, ModelConfig};
+use grpo_rollout::generate::left_pad;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("arch_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A copy of the case's micro model with the case's changes in its config.json (and its
+/// `layer_types` left for the reader to derive, as the script did).
+fn model_dir(case: &Value, dir: &Path) -> PathBuf {
+    let d = dir.join(case["model"].as_str().unwrap());
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(fixtures().join(case["model"].as_str().unwrap())).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+    }
+    let path = d.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let o = cfg.as_object_mut().unwrap();
+    for (k, v) in case["config"].as_object().unwrap() {
+        o.insert(k.clone(), v.clone());
+    }
+    o.remove("layer_types");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    d
+}
+
+fn batch(r: &Value) -> (Tensor, Tensor, usize) {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    (ids, mask, r["t"].as_u64().unwrap() as usize)
+}
+
+fn logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f32> {
+    let (ids, mask, t) = batch(r);
+    let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+    lp.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max)
+}
+
+fn want(case: &Value) -> Vec<f64> {
+    serde_json::from_value::<Vec<Vec<f64>>>(case["logprobs"].clone())
+        .unwrap()
+        .concat()
+}
+
+#[test]
+fn logprobs_match_transformers_for_each_variant() {
+    let r = reference();
+    let cases = r["cases"].as_object().unwrap();
+    assert!(cases.len() >= 7);
+    for (name, case) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = grpo_rollout::load(&model_dir(case, tmp.path()), DType::F32, &Device::Cpu).unwrap();
+        let cfg = &m.model.cfg;
+        // The config as transformers resolves it: which layers rotate, which are windowed.
+        let res = &case["resolved"];
+        let layers = cfg.num_hidden_layers;
+        if let Some(rope) = res["no_rope_layers"].as_array() {
+            let rope: Vec<bool> = rope.iter().map(|x| x.as_u64() == Some(1)).collect();
+            let ours: Vec<bool> = (0..layers).map(|i| cfg.uses_rope(i)).collect();
+            assert_eq!(ours, rope[..layers], "{name}: RoPE layers");
+        }
+        let windowed: Vec<bool> = match res["layer_types"].as_array() {
+            Some(t) => t.iter().map(|x| x == "sliding_attention").collect(),
+            None => vec![res["sliding_window"].is_u64(); layers],
+        };
+        let ours: Vec<bool> = (0..layers).map(|i| cfg.windowed(i)).collect();
+        assert_eq!(ours, windowed, "{name}: windowed layers");
+        if windowed.contains(&true) {
+            assert_eq!(
+                cfg.sliding_window.map(|w| w as u64),
+                res["sliding_window"].as_u64()
+            );
+        }
+        let got: Vec<f64> = logprobs(&m.model, &r).iter().map(|x| *x as f64).collect();
+        let d = max_diff(&got, &want(case));
+        eprintln!("{name}: max |ours - transformers| = {d:e}");
+        assert!(d <= 1e-4, "{name}: max |ours - transformers| = {d:e}");
+        // What the config writes back reads back the same.
+        assert_eq!(&ModelConfig::from_hf_json(&cfg.to_hf_json()).unwrap(), cfg);
+    }
+    // The variants differ where they should by far more than the tolerance: the test sees the
+    // window and the NoPE layer.
+    let d = |a: &str, b: &str| max_diff(&want(&cases[a]), &want(&cases[b]));
+    assert!(d("mistral-window-12", "mistral-no-window") > 0.05);
+    assert!(d("mistral-window-64", "mistral-no-window") < 1e-12);
+    assert!(d("smollm3-all-rope", "smollm3-nope-1") > 0.05);
+    assert!(d("smollm3-window-12", "smollm3-nope-1") > 0.05);
+    assert!(d("smollm3-interval-2", "smollm3-nope-1") < 1e-12);
+}
+
+/// Greedy generation through the KV cache (the window's mask and the NoPE layers' identity
+/// rotation built per step), eager and with the decode step replayed as a GPU replays it (a
+/// replay stops at the window: the eager step builds its mask), records the log-probs the full
+/// forward gives the same tokens.
+#[test]
+fn cached_decoding_matches_the_full_forward_past_the_window() {
+    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    let r = reference();
+    for name in ["mistral-window-12", "smollm3-window-12", "smollm3-nope-1"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = grpo_rollout::load(
+            &model_dir(&r["cases"][name], tmp.path()),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let prompts: Vec<Vec<u32>> = vec![(0..9).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
+        let params = grpo_rollout::SamplingParams {
+            max_new_tokens: 14,
+            min_new_tokens: 14,
+            temperature: 1.0,
+            seed: 3,
+            ..Default::default()
+        };
+        let d = m.model.for_decoding().unwrap();
+        let run = || grpo_rollout::generate(&d, &m.tokenizer, &prompts, 1, &params).unwrap();
+        let eager = run();
+        let before = captures();
+        let replayed = replayed_on_the_host(run);
+        assert!(captures() > before, "{name}: no step was replayed");
+        for (a, b) in eager.iter().zip(&replayed) {
+            assert_eq!(a.token_ids, b.token_ids, "{name}");
+        }
+        // The full forward over prompt + completion, left-padded together.
+        let rows: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(&eager)
+            .map(|(p, c)| [p.as_slice(), &c.token_ids].concat())
+            .collect();
+        assert!(rows[0].len() > 12, "{name}: the rows pass the window");
+        let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+        let (lp, _) = m
+            .model
+            .completion_logprobs(&ids, &mask, 14, 1.0, false)
+            .unwrap();
+        let full: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+        for (c, f) in eager.iter().zip(&full) {
+            for (a, b) in c.logprobs.iter().zip(f) {
+                assert!((a - b).abs() < 1e-4, "{name}: cached {a} vs full {b}");
+            }
+        }
+    }
+}
+
+/// GGUF as llama.cpp writes these families: Mistral as `llama` (which has no window; the same
+/// within it), SmolLM3 as `smollm3` with RoPE skipped on every 4th layer — another pattern has
+/// no GGUF form and is refused.
+#[test]
+fn gguf_writes_mistral_as_llama_and_smollm3_with_its_fixed_pattern() {
+    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let mistral = grpo_rollout::load(
+        &model_dir(&r["cases"]["mistral-window-64"], &tmp.path().join("m")),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let path = tmp.path().join("mistral.gguf");
+    save_gguf(
+        &mistral.model,
+        &mistral.tokenizer,
+        &path,
+        GgufType::F32,
+        "m",
+    )
+    .unwrap();
+    let (cfg, _, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(cfg.arch, Arch::Llama);
+    let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    let (a, b) = (logprobs(&mistral.model, &r), logprobs(&back.model, &r));
+    let d = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(d < 1e-5, "mistral through GGUF: {d}");
+
+    // SmolLM3 with llama.cpp's pattern (4 layers: the last without RoPE) round-trips.
+    let mut c = grpo_rollout::init::preset_config(
+        grpo_rollout::init::Preset::Tiny,
+        Arch::SmolLM3,
+        300,
+        2,
+        0,
+    );
+    c.num_hidden_layers = 4;
+    c.nope_layers = vec![3];
+    let m = grpo_rollout::init::random_weights(&c, 4, DType::F32, &Device::Cpu).unwrap();
+    let path = tmp.path().join("smollm3.gguf");
+    save_gguf(&m, &mistral.tokenizer, &path, GgufType::F32, "s").unwrap();
+    let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(back.model.cfg.arch, Arch::SmolLM3);
+    assert_eq!(back.model.cfg.nope_layers, vec![3]);
+    let (a, b) = (logprobs(&m, &r), logprobs(&back.model, &r));
+    let d = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(d < 1e-5, "smollm3 through GGUF: {d}");
+    // The micro model's pattern ([1, 0, 1]) is not llama.cpp's.
+    let s = grpo_rollout::load(
+        &model_dir(&r["cases"]["smollm3-nope-1"], &tmp.path().join("s")),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let e = save_gguf(
+        &s.model,
+        &s.tokenizer,
+        &tmp.path().join("x.gguf"),
+        GgufType::F32,
+        "x",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("NoPE layers [1]") && e.contains("every 4th"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_nope_and_window_fields_are_named() {
+    let base = serde_json::json!({
+        "model_type": "smollm3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 3, "num_attention_heads": 2,
+    });
+    let with = |k: &str, x: Value| {
+        let mut v = base.clone();
+        v[k] = x;
+        ModelConfig::from_hf_json(&v)
+    };
+    let e = with("no_rope_layers", serde_json::json!([1, 0]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no_rope_layers") && e.contains("3 layers"),
+        "{e}"
+    );
+    let e = with("no_rope_layers", serde_json::json!([1, 2, 1]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no_rope_layers[1]"), "{e}");
+    let e = with("sliding_window", serde_json::json!("big"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sliding_window"), "{e}");
+    // transformers' SmolLM3 defaults: tied, RoPE base 2e6, every 4th layer NoPE (none of 3).
+    let c = ModelConfig::from_hf_json(&base).unwrap();
+    assert!(c.tie_word_embeddings && c.nope_layers.is_empty() && c.rope_theta == 2e6);
+    // Mistral's: a 4096-position window unless null, never biases.
+    let mut v = base.clone();
+    v["model_type"] = "mistral".into();
+    v["attention_bias"] = true.into();
+    let c = ModelConfig::from_hf_json(&v).unwrap();
+    assert_eq!(c.sliding_window, Some(4096));
+    assert!(!c.attention_bias && !c.tie_word_embeddings);
+    v["sliding_window"] = Value::Null;
+    assert_eq!(ModelConfig::from_hf_json(&v).unwrap().sliding_window, None);
+}

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Reference log-probs from transformers for grpo-rollout/tests/architectures.rs.
+
+Writes two micro models (seeded weights, q and k large enough that positions matter;
+bench-qwen2-micro's tokenizer) into the fixtures directory and, for variants of their
+config.json, the log-probs of the last T tokens of left-padded rows (float32, eager attention,
+per-row position ids), as grpo-rollout's completion_logprobs computes them:
+
+  * arch-mistral-micro (MistralForCausalLM, 2 layers, untied): `sliding_window` null, 64 (longer
+    than the rows: no effect) and 12 (shorter: windowed attention);
+  * arch-smollm3-micro (SmolLM3ForCausalLM, 3 layers, tied): `no_rope_layers` [1, 0, 1],
+    none (every `no_rope_layer_interval`-th layer: 2 here), all ones (plain RoPE), and with
+    `use_sliding_window` (window 12 on the NoPE layers).
+
+Also each variant's config as transformers resolves it (no_rope_layers, layer_types).
+
+    python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures
+"""
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOKENIZER = os.path.join(HERE, "..", "grpo-rollout", "tests", "fixtures", "bench-qwen2-micro")
+
+# Rows of 40 and 27 tokens, longer than the windowed variants' window (12).
+ROWS = [[(7 * i + 3) % 300 for i in range(40)], [(11 * i + 5) % 300 for i in range(27)]]
+T = 24
+
+SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, pad_token_id=0)
+
+MODELS = {
+    "arch-mistral-micro": (
+        "mistral",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None),
+        {
+            "mistral-no-window": {"sliding_window": None},
+            "mistral-window-64": {"sliding_window": 64},
+            "mistral-window-12": {"sliding_window": 12},
+        },
+    ),
+    "arch-smollm3-micro": (
+        "smollm3",
+        dict(num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=True, no_rope_layers=[1, 0, 1]),
+        {
+            "smollm3-nope-1": {"no_rope_layers": [1, 0, 1]},
+            "smollm3-interval-2": {"no_rope_layers": None, "no_rope_layer_interval": 2},
+            "smollm3-all-rope": {"no_rope_layers": [1, 1, 1]},
+            "smollm3-window-12": {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,
+                                  "sliding_window": 12},
+        },
+    ),
+}
+
+
+def logprobs(path):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    length = max(len(r) for r in ROWS)
+    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
+    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    logits = logits[:, -T - 1 : -1, :]
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    resolved = {k: getattr(model.config, k, None) for k in ("no_rope_layers", "layer_types", "sliding_window")}
+    return lp.tolist(), resolved
+
+
+def micro_model(path, model_type, kw):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **SHAPE, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name) else 0.15)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TOKENIZER, f), path)
+
+
+def main():
+    fixtures = sys.argv[1]
+    out = {"transformers": transformers.__version__, "rows": ROWS, "t": T, "cases": {}}
+    for name, (model_type, kw, variants) in MODELS.items():
+        path = os.path.join(fixtures, name)
+        micro_model(path, model_type, kw)
+        with tempfile.TemporaryDirectory() as tmp:
+            for case, change in variants.items():
+                d = os.path.join(tmp, case)
+                shutil.copytree(path, d)
+                with open(os.path.join(d, "config.json")) as f:
+                    cfg = json.load(f)
+                for k, v in change.items():
+                    cfg[k] = copy.deepcopy(v)
+                # Let transformers derive what the variant leaves out.
+                cfg.pop("layer_types", None)
+                with open(os.path.join(d, "config.json"), "w") as f:
+                    json.dump(cfg, f, indent=1)
+                lp, resolved = logprobs(d)
+                out["cases"][case] = {"model": name, "config": change, "resolved": resolved, "logprobs": lp}
+    with open(os.path.join(fixtures, "arch_reference.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
