@@ -10,7 +10,11 @@ per-row position ids), as grpo-rollout's completion_logprobs computes them:
     than the rows: no effect) and 12 (shorter: windowed attention);
   * arch-smollm3-micro (SmolLM3ForCausalLM, 3 layers, tied): `no_rope_layers` [1, 0, 1],
     none (every `no_rope_layer_interval`-th layer: 2 here), all ones (plain RoPE), and with
-    `use_sliding_window` (window 12 on the NoPE layers).
+    `use_sliding_window` (window 12 on the NoPE layers);
+  * arch-gemma3-micro (Gemma3ForCausalLM, `gemma3_text`, 3 layers: sliding, full, sliding;
+    norm weights drawn too, so that their `1 + w` shows; `query_pre_attn_scalar` 16 against a
+    head_dim of 8; RoPE base 1000 on the full layer, 10000 on the sliding ones): window 12, 64,
+    the full layer's RoPE scaled (linear, 2), the layer types from `sliding_window_pattern` 2.
 
 Also each variant's config as transformers resolves it (no_rope_layers, layer_types).
 
@@ -51,11 +55,24 @@ MODELS = {
         "smollm3",
         dict(num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=True, no_rope_layers=[1, 0, 1]),
         {
-            "smollm3-nope-1": {"no_rope_layers": [1, 0, 1]},
-            "smollm3-interval-2": {"no_rope_layers": None, "no_rope_layer_interval": 2},
-            "smollm3-all-rope": {"no_rope_layers": [1, 1, 1]},
+            "smollm3-nope-1": {"no_rope_layers": [1, 0, 1], "layer_types": None},
+            "smollm3-interval-2": {"no_rope_layers": None, "no_rope_layer_interval": 2, "layer_types": None},
+            "smollm3-all-rope": {"no_rope_layers": [1, 1, 1], "layer_types": None},
             "smollm3-window-12": {"no_rope_layers": [1, 0, 1], "use_sliding_window": True,
-                                  "sliding_window": 12},
+                                  "sliding_window": 12, "layer_types": None},
+        },
+    ),
+    "arch-gemma3-micro": (
+        "gemma3_text",
+        dict(num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=16, sliding_window=12,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        {
+            "gemma3-window-12": {},
+            "gemma3-window-64": {"sliding_window": 64},
+            "gemma3-linear-full": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+            "gemma3-pattern-2": {"sliding_window_pattern": 2, "layer_types": None},
         },
     ),
 }
@@ -84,6 +101,8 @@ def micro_model(path, model_type, kw):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name) else 0.15)
+            elif model_type == "gemma3_text":
+                p.normal_(0, 0.3)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(TOKENIZER, f), path)
@@ -103,8 +122,6 @@ def main():
                     cfg = json.load(f)
                 for k, v in change.items():
                     cfg[k] = copy.deepcopy(v)
-                # Let transformers derive what the variant leaves out.
-                cfg.pop("layer_types", None)
                 with open(os.path.join(d, "config.json"), "w") as f:
                     json.dump(cfg, f, indent=1)
                 lp, resolved = logprobs(d)

@@ -20,6 +20,22 @@ pub enum Arch {
     Mistral,
     /// SmolLM3: llama's layers, every `no_rope_layer_interval`-th without RoPE (NoPE).
     SmolLM3,
+    /// Gemma 3 (text, `gemma3_text`): RMSNorms scaled by `1 + w`, each sublayer's output
+    /// normalised before its residual add, q/k norms, GELU-tanh MLP, embeddings scaled by
+    /// `sqrt(hidden)`, sliding-window layers with a RoPE base of their own.
+    #[serde(rename = "gemma3_text")]
+    Gemma3,
+}
+
+/// The MLP's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// SiLU (`silu` / `swish`): Llama, Qwen, Mistral, SmolLM.
+    #[default]
+    Silu,
+    /// GELU, tanh approximation (`gelu_pytorch_tanh`): Gemma.
+    GeluPytorchTanh,
 }
 
 impl Arch {
@@ -31,6 +47,7 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Mistral => "mistral",
             Arch::SmolLM3 => "smollm3",
+            Arch::Gemma3 => "gemma3_text",
         }
     }
 
@@ -48,8 +65,12 @@ impl Arch {
             "qwen3" => Ok(Arch::Qwen3),
             "mistral" => Ok(Arch::Mistral),
             "smollm3" => Ok(Arch::SmolLM3),
+            "gemma3_text" => Ok(Arch::Gemma3),
+            "gemma3" => bail!(
+                "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
+            ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma3_text"
             ),
         }
     }
@@ -269,6 +290,17 @@ pub struct ModelConfig {
     /// Layers that apply no RoPE (SmolLM3's `no_rope_layers` zeros); empty: all rotate.
     #[serde(default)]
     pub nope_layers: Vec<usize>,
+    /// The MLP's gate activation.
+    #[serde(default)]
+    pub activation: Activation,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` (Gemma) instead of
+    /// `head_dim^-1/2`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// The RoPE base of the sliding-window layers, unscaled (Gemma 3's
+    /// `rope_local_base_freq`); `None`: every layer uses `rope_theta` and `rope_scaling`.
+    #[serde(default)]
+    pub local_rope_theta: Option<f64>,
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
@@ -323,19 +355,50 @@ impl ModelConfig {
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
                 Arch::Qwen3 => 128,
+                Arch::Gemma3 => 256,
                 _ => hidden_size / num_attention_heads.max(1),
             });
-        // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`.
-        let rope_params = v.get("rope_parameters");
+        // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`; Gemma 3's
+        // holds one set per layer type (`full_attention`, `sliding_attention`).
+        let mut rope_params = v.get("rope_parameters").filter(|p| !p.is_null());
+        let mut local_params = None;
+        if arch == Arch::Gemma3
+            && let Some(p) = rope_params
+            && p.get("full_attention").is_some()
+        {
+            (rope_params, local_params) = (p.get("full_attention"), p.get("sliding_attention"));
+        }
         let rope_theta = v
             .get("rope_theta")
             .or_else(|| rope_params.and_then(|p| p.get("rope_theta")))
             .and_then(Value::as_f64)
-            // transformers' `default_theta` (SmolLM3Config's 2e6, else 10000).
+            // transformers' `default_theta` (SmolLM3Config's 2e6, Gemma 3's 1e6, else 10000).
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
+                Arch::Gemma3 => 1_000_000.0,
                 _ => 10_000.0,
             });
+        // Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), unscaled.
+        let local_rope_theta = match arch {
+            Arch::Gemma3 => {
+                if let Some(kind) = local_params
+                    .and_then(|p| p.get("rope_type"))
+                    .and_then(Value::as_str)
+                    .filter(|k| *k != "default")
+                {
+                    bail!(
+                        "rope_parameters.sliding_attention.rope_type `{kind}` is not supported (only default)"
+                    );
+                }
+                Some(
+                    v.get("rope_local_base_freq")
+                        .or_else(|| local_params.and_then(|p| p.get("rope_theta")))
+                        .and_then(Value::as_f64)
+                        .unwrap_or(10_000.0),
+                )
+            }
+            _ => None,
+        };
         let max_position_embeddings = v
             .get("max_position_embeddings")
             .and_then(Value::as_u64)
@@ -343,7 +406,7 @@ impl ModelConfig {
             .unwrap_or(match arch {
                 Arch::Llama => 2048,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
-                Arch::Mistral => 4096 * 32,
+                Arch::Mistral | Arch::Gemma3 => 4096 * 32,
             }) as usize;
         let rope_scaling = match v
             .get("rope_scaling")
@@ -356,11 +419,25 @@ impl ModelConfig {
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
         // What these architectures may switch that the model does not implement: refused by
         // name rather than computed differently from transformers.
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
-            && act != "swish"
-        {
-            bail!("hidden_act `{act}` is not supported (the MLP is SiLU-gated: silu)");
+        let act_key = match v.get("hidden_activation").filter(|x| !x.is_null()) {
+            Some(_) => "hidden_activation",
+            None => "hidden_act",
+        };
+        let activation = match v.get(act_key).and_then(Value::as_str) {
+            None if arch == Arch::Gemma3 => Activation::GeluPytorchTanh,
+            None | Some("silu" | "swish") => Activation::Silu,
+            Some("gelu_pytorch_tanh") => Activation::GeluPytorchTanh,
+            Some(act) => bail!(
+                "{act_key} `{act}` is not supported (the gated MLP takes silu or gelu_pytorch_tanh)"
+            ),
+        };
+        for k in ["attn_logit_softcapping", "final_logit_softcapping"] {
+            if let Some(x) = v.get(k).filter(|x| !x.is_null()) {
+                bail!("{k} = {x} is not supported (Gemma 2's soft-capping; Gemma 3 has none)");
+            }
+        }
+        if flag("use_bidirectional_attention", false) {
+            bail!("use_bidirectional_attention = true is not supported (a causal language model)");
         }
         let num_hidden_layers = req("num_hidden_layers")?;
         // SmolLM3's NoPE layers: `no_rope_layers` (1 = RoPE) or every
@@ -410,12 +487,27 @@ impl ModelConfig {
                     "field `sliding_window` must be a positive integer or null, not {w}"
                 ))
             })? as usize),
-            None if arch == Arch::Mistral => Some(4096),
+            None if matches!(arch, Arch::Mistral | Arch::Gemma3) => Some(4096),
             None => None,
         };
         let sliding_layers: Vec<usize> = match arch {
             Arch::Llama => Vec::new(),
             Arch::Mistral => (0..num_hidden_layers).collect(),
+            // Gemma 3: `layer_types`, else every layer but each `sliding_window_pattern`-th (6).
+            Arch::Gemma3 => match v.get("layer_types").and_then(Value::as_array) {
+                Some(t) => (0..num_hidden_layers)
+                    .filter(|i| t.get(*i).and_then(Value::as_str) == Some("sliding_attention"))
+                    .collect(),
+                None => {
+                    let every = v
+                        .get("sliding_window_pattern")
+                        .and_then(Value::as_u64)
+                        .unwrap_or(6) as usize;
+                    (0..num_hidden_layers)
+                        .filter(|i| every == 0 || !(i + 1).is_multiple_of(every))
+                        .collect()
+                }
+            },
             Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 if !flag("use_sliding_window", false) => {
                 Vec::new()
             }
@@ -433,6 +525,11 @@ impl ModelConfig {
                 }
             },
         };
+        if arch == Arch::Gemma3 && window.is_none() {
+            bail!(
+                "sliding_window = null is not supported for gemma3_text (its sliding layers' own RoPE base comes with the window)"
+            );
+        }
         let (sliding_window, sliding_layers) = match window {
             Some(w) if !sliding_layers.is_empty() => {
                 let all = sliding_layers.len() == num_hidden_layers;
@@ -456,12 +553,17 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            // transformers' defaults: SmolLM3Config ties, the others do not.
-            tie_word_embeddings: flag("tie_word_embeddings", arch == Arch::SmolLM3),
+            // transformers' defaults: SmolLM3Config and Gemma3TextConfig tie, the others do not.
+            tie_word_embeddings: flag(
+                "tie_word_embeddings",
+                matches!(arch, Arch::SmolLM3 | Arch::Gemma3),
+            ),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
                 Arch::Mistral => false,
-                Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 => flag("attention_bias", false),
+                Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 | Arch::Gemma3 => {
+                    flag("attention_bias", false)
+                }
             },
             mlp_bias: arch != Arch::Mistral && flag("mlp_bias", false),
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
@@ -479,6 +581,16 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             nope_layers,
+            activation,
+            query_pre_attn_scalar: match arch {
+                Arch::Gemma3 => Some(
+                    v.get("query_pre_attn_scalar")
+                        .and_then(Value::as_f64)
+                        .unwrap_or(256.0),
+                ),
+                _ => None,
+            },
+            local_rope_theta,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -526,6 +638,7 @@ impl ModelConfig {
                     Arch::Qwen3 => "Qwen3",
                     Arch::Mistral => "Mistral",
                     Arch::SmolLM3 => "SmolLM3",
+                    Arch::Gemma3 => "Gemma3",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -544,7 +657,6 @@ impl ModelConfig {
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
             "torch_dtype": "float32",
             "use_cache": true,
         });
@@ -560,9 +672,24 @@ impl ModelConfig {
             obj.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
             obj.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
         }
-        if matches!(self.arch, Arch::Llama | Arch::SmolLM3) {
+        if matches!(self.arch, Arch::Llama | Arch::SmolLM3 | Arch::Gemma3) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
+        }
+        if matches!(self.arch, Arch::Llama | Arch::SmolLM3) {
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
+        }
+        let act = match self.activation {
+            Activation::Silu => "silu",
+            Activation::GeluPytorchTanh => "gelu_pytorch_tanh",
+        };
+        obj.insert("hidden_act".into(), act.into());
+        if self.arch == Arch::Gemma3 {
+            obj.insert("hidden_activation".into(), act.into());
+            obj.insert(
+                "query_pre_attn_scalar".into(),
+                self.query_pre_attn_scalar.into(),
+            );
+            obj.insert("rope_local_base_freq".into(), self.local_rope_theta.into());
         }
         if self.arch == Arch::SmolLM3 {
             let rope: Vec<u32> = (0..self.num_hidden_layers)
@@ -573,6 +700,16 @@ impl ModelConfig {
         match (self.arch, self.sliding_window) {
             (Arch::Mistral, w) => {
                 obj.insert("sliding_window".into(), w.into());
+            }
+            (Arch::Gemma3, Some(w)) => {
+                let types: Vec<&str> = (0..self.num_hidden_layers)
+                    .map(|i| match self.windowed(i) {
+                        true => "sliding_attention",
+                        false => "full_attention",
+                    })
+                    .collect();
+                obj.insert("sliding_window".into(), w.into());
+                obj.insert("layer_types".into(), types.into());
             }
             (Arch::Llama, _) | (_, None) => {}
             (_, Some(w)) => {
@@ -616,6 +753,25 @@ impl ModelConfig {
             && (self.sliding_layers.is_empty() || self.sliding_layers.contains(&i))
     }
 
+    /// The RoPE of layer `i`'s own: Gemma 3's sliding-window layers rotate with
+    /// [`Self::local_rope_theta`], unscaled.
+    pub fn local_rope(&self, i: usize) -> bool {
+        self.local_rope_theta.is_some() && self.windowed(i)
+    }
+
+    /// The attention scores' scale: `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim as f64)
+            .sqrt()
+    }
+
+    /// Gemma's RMSNorms scale by `1 + w` (their weights are stored as `w`).
+    pub fn unit_offset_norms(&self) -> bool {
+        self.arch == Arch::Gemma3
+    }
+
     /// Number of parameters (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
@@ -625,8 +781,11 @@ impl ModelConfig {
         if self.attention_bias {
             layer += q + 2 * kv;
         }
-        if self.arch == Arch::Qwen3 {
+        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
             layer += 2 * self.head_dim;
+        }
+        if self.arch == Arch::Gemma3 {
+            layer += 2 * h; // the sublayers' output norms
         }
         let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
         if !self.tie_word_embeddings {

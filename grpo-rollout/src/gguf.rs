@@ -229,6 +229,9 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
                 .collect(),
             _ => Vec::new(),
         },
+        activation: Default::default(),
+        query_pre_attn_scalar: None,
+        local_rope_theta: None,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -913,6 +916,11 @@ pub fn save_gguf(
         Arch::Mistral => "llama",
         a => a.as_str(),
     };
+    if cfg.arch == Arch::Gemma3 {
+        bail!(
+            "Gemma 3 has no GGUF form here (llama.cpp's gemma3 is not checked against transformers'): export it as safetensors"
+        );
+    }
     let every_4th: Vec<usize> = (0..cfg.num_hidden_layers)
         .filter(|i| (i + 1) % 4 == 0)
         .collect();

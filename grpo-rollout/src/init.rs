@@ -200,12 +200,20 @@ pub fn preset_config(
         sequence_classification: false,
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
-        sliding_window: (arch == Arch::Mistral).then_some(4096),
+        sliding_window: matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(4096),
         sliding_layers: Vec::new(),
         nope_layers: match arch {
             Arch::SmolLM3 => (0..layers).filter(|i| (i + 1) % 4 == 0).collect(),
             _ => Vec::new(),
         },
+        // Gemma 3's: GELU-tanh, scores scaled by 256^-1/2, a local RoPE base of 10000 on the
+        // sliding layers (every layer but each 6th: here all of them, with a window of 4096).
+        activation: match arch {
+            Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
+            _ => crate::config::Activation::Silu,
+        },
+        query_pre_attn_scalar: (arch == Arch::Gemma3).then_some(256.0),
+        local_rope_theta: (arch == Arch::Gemma3).then_some(10_000.0),
     }
 }
 
@@ -239,11 +247,11 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch.llama_like() {
+            if cfg.arch.llama_like() || cfg.arch == Arch::Gemma3 {
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
-        if cfg.arch == Arch::Qwen3 {
+        if matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3) {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![cfg.head_dim],
@@ -260,6 +268,11 @@ pub fn random_weights(
             vec![h],
             true,
         ));
+        if cfg.arch == Arch::Gemma3 {
+            for n in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                shapes.push((format!("{p}.{n}.weight"), vec![h], true));
+            }
+        }
         shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
         shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));
         shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
@@ -270,13 +283,15 @@ pub fn random_weights(
     } else if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
     }
+    // Norms scale by 1 (Gemma's store `1 + w` as `w`: 0).
+    let unit = if cfg.unit_offset_norms() { 0.0 } else { 1.0 };
     let mut map = HashMap::new();
     for (name, shape, is_norm) in shapes {
         let n: usize = shape.iter().product();
         let data: Vec<f32> = (0..n)
             .map(|_| {
                 let x = normal.sample(&mut rng);
-                if is_norm { 1.0 + 5.0 * x } else { x }
+                if is_norm { unit + 5.0 * x } else { x }
             })
             .collect();
         map.insert(name, Tensor::from_vec(data, shape, device)?);

@@ -113,12 +113,23 @@ pub struct RmsNorm {
     pub weight: Tensor,
     /// Epsilon.
     pub eps: f64,
+    /// Gemma's: the rows are scaled by `1 + weight`.
+    pub unit_offset: bool,
 }
 
 impl RmsNorm {
     /// Normalises over the last axis (fused on CPU, see [`crate::fused::rms_norm`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        crate::fused::rms_norm(x, &self.weight, self.eps)
+        crate::fused::rms_norm(x, &self.scale()?, self.eps)
+    }
+
+    /// What the normalised rows are multiplied by: the weight, or `1 + weight` (made per
+    /// call, with the weight's gradient through it, on the weight's device).
+    pub fn scale(&self) -> Result<Tensor> {
+        match self.unit_offset {
+            true => self.weight.affine(1.0, 1.0),
+            false => Ok(self.weight.clone()),
+        }
     }
 }
 
@@ -264,8 +275,15 @@ pub struct Layer {
     pub q_norm: Option<RmsNorm>,
     /// Qwen3's per-head key norm.
     pub k_norm: Option<RmsNorm>,
-    /// Pre-MLP norm.
+    /// Pre-MLP norm (Gemma's `pre_feedforward_layernorm`).
     pub post_attention_layernorm: RmsNorm,
+    /// Gemma's norm of the attention's output before its residual add (its
+    /// `post_attention_layernorm`).
+    pub attn_out_norm: Option<RmsNorm>,
+    /// Gemma's norm of the MLP's output before its residual add (`post_feedforward_layernorm`).
+    pub mlp_out_norm: Option<RmsNorm>,
+    /// The MLP's gate activation.
+    pub activation: crate::config::Activation,
     /// MLP gate.
     pub gate_proj: Linear,
     /// MLP up.
@@ -298,6 +316,7 @@ impl Layer {
         let mut out: Vec<Tensor> = Vec::new();
         let mut norms = vec![&self.input_layernorm, &self.post_attention_layernorm];
         norms.extend(self.q_norm.iter().chain(self.k_norm.iter()));
+        norms.extend(self.attn_out_norm.iter().chain(self.mlp_out_norm.iter()));
         out.extend(norms.iter().map(|n| n.weight.clone()));
         for l in self.linears() {
             out.push(l.weight.clone());
@@ -407,7 +426,10 @@ impl Layer {
     /// composes.
     fn mlp_nodes(&self, x: &Tensor, h: &Tensor) -> Result<Option<Tensor>> {
         let mlp = [&self.gate_proj, &self.up_proj, &self.down_proj];
-        if mlp.iter().any(|l| l.lora.is_some() || l.bias.is_some()) {
+        if mlp.iter().any(|l| l.lora.is_some() || l.bias.is_some())
+            || self.activation != crate::config::Activation::Silu
+            || self.mlp_out_norm.is_some()
+        {
             return Ok(None);
         }
         let Some(gu) = crate::fused::project_pair(h, &self.gate_proj.weight, &self.up_proj.weight)?
@@ -435,15 +457,42 @@ impl Layer {
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
         let ctx = crate::fused::causal_attention(q, k, v, &c.bias, c.scale)?;
-        let x = self.o_proj.forward_residual(x, &ctx)?;
+        let x = match &self.attn_out_norm {
+            Some(n) => (x + n.forward(&self.o_proj.forward(&ctx)?)?)?,
+            None => self.o_proj.forward_residual(x, &ctx)?,
+        };
         let h = self.post_attention_layernorm.forward(&x)?;
         if let Some(y) = self.mlp_nodes(&x, &h)? {
             return Ok(y);
         }
         let gate = self.gate_proj.forward(&h)?;
         let up = self.up_proj.forward(&h)?;
-        let act = crate::fused::silu_mul(&gate, &up)?;
-        self.down_proj.forward_residual(&x, &act)
+        let act = self.act_mul(&gate, &up)?;
+        match &self.mlp_out_norm {
+            Some(n) => &x + n.forward(&self.down_proj.forward(&act)?)?,
+            None => self.down_proj.forward_residual(&x, &act),
+        }
+    }
+
+    /// The MLP's `act(gate) · up` (SiLU fused, see [`crate::fused::silu_mul`]).
+    fn act_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            crate::config::Activation::Silu => crate::fused::silu_mul(gate, up),
+            // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
+            crate::config::Activation::GeluPytorchTanh => gate.gelu()? * up,
+        }
+    }
+
+    /// [`Self::act_mul`] of gate and up side by side in `gu` `(rows, 2·inter)`.
+    fn act_mul_packed(&self, gu: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            crate::config::Activation::Silu => crate::fused::silu_mul_packed(gu),
+            crate::config::Activation::GeluPytorchTanh => {
+                let last = gu.rank() - 1;
+                let n = gu.dim(last)? / 2;
+                self.act_mul(&gu.narrow(last, 0, n)?, &gu.narrow(last, n, n)?)
+            }
+        }
     }
 
     /// The layer in a pass over a KV cache (no graph: decoding, a prefill): `h` is this
@@ -496,18 +545,22 @@ impl Layer {
                 crate::fused::causal_attention(&q, &k, &v, &c.bias, c.scale)?
             }
         };
-        let o = self.o_proj.forward(&ctx)?;
+        let mut o = self.o_proj.forward(&ctx)?;
+        if let Some(n) = &self.attn_out_norm {
+            o = n.forward(&o)?;
+        }
         let post = &self.post_attention_layernorm;
-        let (x, h) = crate::fused::add_rms_norm(x, &o, &post.weight, post.eps)?;
+        let (x, h) = crate::fused::add_rms_norm(x, &o, &post.scale()?, post.eps)?;
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
-            Some(p) => crate::fused::silu_mul_packed(&p.forward(&h, &mlp)?)?,
-            None => {
-                crate::fused::silu_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?
-            }
+            Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
+            None => self.act_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?,
         };
-        let d = self.down_proj.forward(&act)?;
-        crate::fused::add_rms_norm(&x, &d, &next.weight, next.eps)
+        let mut d = self.down_proj.forward(&act)?;
+        if let Some(n) = &self.mlp_out_norm {
+            d = n.forward(&d)?;
+        }
+        crate::fused::add_rms_norm(&x, &d, &next.scale()?, next.eps)
     }
 
     /// The whole layer as one graph node ([`LayerBlocks`]): recomputed in backward (gradient
@@ -592,6 +645,9 @@ impl Layer {
         grpo_core::fused::path(x) == grpo_core::fused::Path::Recompute
             && self.q_norm.is_none()
             && self.k_norm.is_none()
+            && self.attn_out_norm.is_none()
+            && self.mlp_out_norm.is_none()
+            && self.activation == crate::config::Activation::Silu
             && self.linears().iter().all(|l| l.lora.is_none())
             && [
                 &self.o_proj,
@@ -881,6 +937,19 @@ impl KvCache {
     }
 }
 
+/// The transformers names of a layer's MLP-input norm and of Gemma's sublayer-output norms
+/// (our `post_attention_layernorm`, `attn_out_norm`, `mlp_out_norm`).
+fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
+    match arch {
+        Arch::Gemma3 => [
+            "pre_feedforward_layernorm",
+            "post_attention_layernorm",
+            "post_feedforward_layernorm",
+        ],
+        _ => ["post_attention_layernorm", "", ""],
+    }
+}
+
 /// What every layer of one forward call shares: shapes, RoPE tables of its positions, the
 /// attention bias.
 #[derive(Debug, Clone)]
@@ -970,6 +1039,8 @@ pub struct Transformer {
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
+    /// Gemma 3's sliding layers' tables ([`ModelConfig::local_rope_theta`]).
+    rope_local: Option<(Tensor, Tensor)>,
 }
 
 /// `l` with `f` applied to its tensors.
@@ -1104,6 +1175,15 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
     ))
 }
 
+/// The config Gemma 3's sliding layers rotate with: its local base, unscaled.
+fn local_rope_config(cfg: &ModelConfig) -> Option<ModelConfig> {
+    cfg.local_rope_theta.map(|theta| ModelConfig {
+        rope_theta: theta,
+        rope_scaling: None,
+        ..cfg.clone()
+    })
+}
+
 /// [`rope_cos_sin`] of every position up to `max_position_embeddings`, computed on the host.
 fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let n = cfg.max_position_embeddings.max(1) as u32;
@@ -1220,12 +1300,15 @@ impl Transformer {
             Ok(RmsNorm {
                 weight: get(name, &[n])?,
                 eps: cfg.rms_norm_eps,
+                unit_offset: cfg.unit_offset_norms(),
             })
         };
+        let gemma = cfg.arch == Arch::Gemma3;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let qkv_bias = cfg.attention_bias;
+            let [mlp_norm, attn_out, mlp_out] = layer_norm_names(cfg.arch);
             layers.push(Layer {
                 input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
                 q_proj: linear(&format!("{p}.self_attn.q_proj"), q, h, qkv_bias)?,
@@ -1235,21 +1318,28 @@ impl Transformer {
                     &format!("{p}.self_attn.o_proj"),
                     h,
                     q,
-                    cfg.attention_bias && cfg.arch.llama_like(),
+                    cfg.attention_bias && (cfg.arch.llama_like() || gemma),
                 )?,
                 q_norm: match cfg.arch {
-                    Arch::Qwen3 => {
+                    Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
                     _ => None,
                 },
                 k_norm: match cfg.arch {
-                    Arch::Qwen3 => {
+                    Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
                     _ => None,
                 },
-                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                post_attention_layernorm: norm(&format!("{p}.{mlp_norm}.weight"), h)?,
+                attn_out_norm: gemma
+                    .then(|| norm(&format!("{p}.{attn_out}.weight"), h))
+                    .transpose()?,
+                mlp_out_norm: gemma
+                    .then(|| norm(&format!("{p}.{mlp_out}.weight"), h))
+                    .transpose()?,
+                activation: cfg.activation,
                 gate_proj: linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
                 up_proj: linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
                 down_proj: linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
@@ -1270,6 +1360,10 @@ impl Transformer {
             (Some(get("lm_head.weight", &[cfg.vocab_size, h])?), None)
         };
         let (rope_cos, rope_sin) = rope_tables(cfg, device)?;
+        let rope_local = match local_rope_config(cfg) {
+            Some(local) => Some(rope_tables(&local, device)?),
+            None => None,
+        };
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens,
@@ -1282,6 +1376,7 @@ impl Transformer {
             layer_blocks: None,
             rope_cos,
             rope_sin,
+            rope_local,
         })
     }
 
@@ -1308,6 +1403,7 @@ impl Transformer {
                 out.push((format!("{p}.bias"), b.clone()));
             }
         };
+        let [mlp_norm, attn_out, mlp_out] = layer_norm_names(self.cfg.arch);
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             out.push((
@@ -1325,9 +1421,15 @@ impl Transformer {
                 out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
             }
             out.push((
-                format!("{p}.post_attention_layernorm.weight"),
+                format!("{p}.{mlp_norm}.weight"),
                 layer.post_attention_layernorm.weight.clone(),
             ));
+            if let Some(n) = &layer.attn_out_norm {
+                out.push((format!("{p}.{attn_out}.weight"), n.weight.clone()));
+            }
+            if let Some(n) = &layer.mlp_out_norm {
+                out.push((format!("{p}.{mlp_out}.weight"), n.weight.clone()));
+            }
             lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
             lin(&mut out, format!("{p}.mlp.up_proj"), &layer.up_proj);
             lin(&mut out, format!("{p}.mlp.down_proj"), &layer.down_proj);
@@ -1350,6 +1452,7 @@ impl Transformer {
             Ok(RmsNorm {
                 weight: f(&n.weight)?,
                 eps: n.eps,
+                unit_offset: n.unit_offset,
             })
         };
         let layers = self
@@ -1370,6 +1473,9 @@ impl Transformer {
                     q_norm: l.q_norm.as_ref().map(norm).transpose()?,
                     k_norm: l.k_norm.as_ref().map(norm).transpose()?,
                     post_attention_layernorm: norm(&l.post_attention_layernorm)?,
+                    attn_out_norm: l.attn_out_norm.as_ref().map(norm).transpose()?,
+                    mlp_out_norm: l.mlp_out_norm.as_ref().map(norm).transpose()?,
+                    activation: l.activation,
                     gate_proj,
                     up_proj,
                     down_proj: lin(&l.down_proj)?,
@@ -1399,6 +1505,7 @@ impl Transformer {
             layer_blocks: None,
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
+            rope_local: self.rope_local.clone(),
         })
     }
 
@@ -1427,6 +1534,10 @@ impl Transformer {
         let mut m = self.map_tensors(&mv)?;
         m.rope_cos = mv(&self.rope_cos)?;
         m.rope_sin = mv(&self.rope_sin)?;
+        m.rope_local = match &self.rope_local {
+            Some((c, s)) => Some((mv(c)?, mv(s)?)),
+            None => None,
+        };
         copies.0 = kept.into_inner();
         Ok(m)
     }
@@ -1788,16 +1899,28 @@ impl Transformer {
             Kv::None | Kv::Collect(_) => 0,
         };
         let pos = positions.flatten_all()?;
-        let (cos, sin) = if earlier + l <= self.max_positions() {
-            (
+        let rows = |(cos, sin): (Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+            Ok((
+                cos.reshape((b, l, hd / 2))?.to_dtype(dtype)?,
+                sin.reshape((b, l, hd / 2))?.to_dtype(dtype)?,
+            ))
+        };
+        let within = earlier + l <= self.max_positions();
+        let (cos, sin) = rows(match within {
+            true => (
                 self.rope_cos.index_select(&pos, 0)?,
                 self.rope_sin.index_select(&pos, 0)?,
-            )
-        } else {
-            self.rope_at(&pos, earlier + l)?
+            ),
+            false => self.rope_at(&pos, earlier + l)?,
+        })?;
+        // Gemma 3's sliding layers: their own base.
+        let local = match (&self.rope_local, local_rope_config(cfg)) {
+            (Some((c, s)), Some(_)) if within => {
+                Some(rows((c.index_select(&pos, 0)?, s.index_select(&pos, 0)?))?)
+            }
+            (_, Some(local)) => Some(rows(rope_cos_sin(&local, &pos)?)?),
+            _ => None,
         };
-        let cos = cos.reshape((b, l, hd / 2))?.to_dtype(dtype)?;
-        let sin = sin.reshape((b, l, hd / 2))?.to_dtype(dtype)?;
         // The masks' −1e9 is −inf in f16: a row whose every key is masked (a left-padded
         // position) would turn NaN and spread to the real rows through its keys and values.
         // A bias given in f16 is taken as clamped already (a captured decode step's: the
@@ -1819,7 +1942,7 @@ impl Transformer {
             cos,
             sin,
             bias: layer_bias(attn_bias)?,
-            scale: 1.0 / (hd as f64).sqrt(),
+            scale: cfg.attention_scale(),
         };
         // Variants of `ctx` for the layers that differ. SmolLM3's NoPE layers rotate by
         // nothing: cos 1 and sin 0 (x·1 − y·0 is x exactly), made on the device from the rows'
@@ -1835,19 +1958,28 @@ impl Transformer {
             })
         };
         let windowed = match cfg.sliding_window {
-            Some(w) if earlier + l > w => {
-                let s = attn_bias.dim(candle_core::D::Minus1)?;
-                let masked = mask_value(DType::F32) as f32;
-                let band: Vec<f32> = (0..l * s)
-                    .map(|x| match earlier + x / s >= x % s + w {
-                        true => masked,
-                        false => 0.0,
-                    })
-                    .collect();
-                let band = Tensor::from_vec(band, (1, 1, l, s), attn_bias.device())?;
-                let bias = attn_bias.broadcast_add(&band.to_dtype(attn_bias.dtype())?)?;
+            Some(w) if earlier + l > w || local.is_some() => {
+                // The band is an upload: made only past the window (never in a captured step).
+                let bias = match earlier + l > w {
+                    true => {
+                        let s = attn_bias.dim(candle_core::D::Minus1)?;
+                        let masked = mask_value(DType::F32) as f32;
+                        let band: Vec<f32> = (0..l * s)
+                            .map(|x| match earlier + x / s >= x % s + w {
+                                true => masked,
+                                false => 0.0,
+                            })
+                            .collect();
+                        let band = Tensor::from_vec(band, (1, 1, l, s), attn_bias.device())?;
+                        attn_bias.broadcast_add(&band.to_dtype(attn_bias.dtype())?)?
+                    }
+                    false => attn_bias.clone(),
+                };
+                let (cos, sin) = local.clone().unwrap_or((ctx.cos.clone(), ctx.sin.clone()));
                 Some(LayerCtx {
                     bias: layer_bias(&bias)?,
+                    cos,
+                    sin,
                     ..ctx.clone()
                 })
             }
@@ -1860,6 +1992,7 @@ impl Transformer {
             .filter(|_| any_nope)
             .map(nope)
             .transpose()?;
+        // Gemma 3's sliding layers have their own RoPE: `windowed` holds it.
         let ctx_of = |i: usize| -> &LayerCtx {
             let variant = match (cfg.uses_rope(i), cfg.windowed(i)) {
                 (true, false) => None,
@@ -1878,6 +2011,16 @@ impl Transformer {
         let mut x = self
             .embedding_weight()?
             .index_select(&input_ids.flatten_all()?, 0)?;
+        if cfg.arch == Arch::Gemma3 {
+            // Gemma's embeddings times sqrt(hidden), the factor rounded to the weights' dtype
+            // as transformers' `Gemma3TextScaledWordEmbedding` rounds it.
+            let scale = (cfg.hidden_size as f64).sqrt() as f32;
+            let scale = Tensor::new(&[scale], &Device::Cpu)?
+                .to_dtype(x.dtype())?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?[0];
+            x = x.affine(scale, 0.0)?;
+        }
         if x.dtype() != dtype {
             // A tied head cast to f32 (`cast_head_to_f32`): lookups keep the model's dtype.
             x = x.to_dtype(dtype)?;

@@ -1,10 +1,14 @@
-//! Mistral (sliding-window attention) and SmolLM3 (NoPE layers) against transformers.
+//! Mistral (sliding-window attention), SmolLM3 (NoPE layers) and Gemma 3 (`1 + w` norms,
+//! sublayer output norms, GELU-tanh, scaled embeddings, sliding layers with a RoPE base of
+//! their own) against transformers.
 //!
 //! Reference values: `fixtures/arch_reference.json`, written with the micro models
-//! `fixtures/arch-mistral-micro` (2 layers, untied) and `fixtures/arch-smollm3-micro` (3 layers,
-//! tied) by `scripts/gen_arch_reference.py` (transformers 5.24): for variants of their
-//! config.json (`sliding_window` null / 64 / 12; `no_rope_layers` listed, derived from
-//! `no_rope_layer_interval`, all ones; SmolLM3's window on its NoPE layers), log-probs of the
+//! `fixtures/arch-mistral-micro` (2 layers, untied), `fixtures/arch-smollm3-micro` (3 layers,
+//! tied) and `fixtures/arch-gemma3-micro` (3 layers: sliding, full, sliding) by
+//! `scripts/gen_arch_reference.py` (transformers 5.24): for variants of their config.json
+//! (`sliding_window` null / 64 / 12; `no_rope_layers` listed, derived from
+//! `no_rope_layer_interval`, all ones; SmolLM3's window on its NoPE layers; Gemma's full layer
+//! with linear RoPE scaling, its layer types from `sliding_window_pattern`), log-probs of the
 //! last `t` tokens of left-padded rows of 40 and 27 tokens (float32, eager attention, per-row
 //! position ids), and the variant's config as transformers resolves it.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -25,8 +29,7 @@ fn reference() -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-/// A copy of the case's micro model with the case's changes in its config.json (and its
-/// `layer_types` left for the reader to derive, as the script did).
+/// A copy of the case's micro model with the case's changes in its config.json.
 fn model_dir(case: &Value, dir: &Path) -> PathBuf {
     let d = dir.join(case["model"].as_str().unwrap());
     std::fs::create_dir_all(&d).unwrap();
@@ -37,10 +40,10 @@ fn model_dir(case: &Value, dir: &Path) -> PathBuf {
     let path = d.join("config.json");
     let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let o = cfg.as_object_mut().unwrap();
+    // A null `layer_types` lets the reader derive them, as the script let transformers.
     for (k, v) in case["config"].as_object().unwrap() {
         o.insert(k.clone(), v.clone());
     }
-    o.remove("layer_types");
     std::fs::write(&path, cfg.to_string()).unwrap();
     d
 }
@@ -74,7 +77,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 7);
+    assert!(cases.len() >= 11);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = grpo_rollout::load(&model_dir(case, tmp.path()), DType::F32, &Device::Cpu).unwrap();
@@ -114,6 +117,63 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("smollm3-all-rope", "smollm3-nope-1") > 0.05);
     assert!(d("smollm3-window-12", "smollm3-nope-1") > 0.05);
     assert!(d("smollm3-interval-2", "smollm3-nope-1") < 1e-12);
+    assert!(d("gemma3-window-12", "gemma3-window-64") > 0.05);
+    assert!(d("gemma3-linear-full", "gemma3-window-12") > 0.05);
+    assert!(d("gemma3-pattern-2", "gemma3-window-12") < 1e-12);
+}
+
+/// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
+/// attention scale and the activation changed one at a time move the log-probs by far more
+/// than the tolerance (the norms' `1 + w` and the embedding scale: see the unit tests).
+#[test]
+fn each_gemma_piece_moves_the_logprobs() {
+    let r = reference();
+    let case = &r["cases"]["gemma3-window-64"];
+    let tmp = tempfile::tempdir().unwrap();
+    let m = grpo_rollout::load(&model_dir(case, tmp.path()), DType::F32, &Device::Cpu).unwrap();
+    let base = logprobs(&m.model, &r);
+    assert_eq!(base.len(), want(case).len());
+    let weights: std::collections::HashMap<String, Tensor> =
+        m.model.weights().into_iter().collect();
+    let moved = |cfg: ModelConfig| {
+        let other =
+            grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu)
+                .unwrap();
+        let lp = logprobs(&other, &r);
+        lp.iter()
+            .zip(&base)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    };
+    let c = m.model.cfg.clone();
+    let same = moved(c.clone());
+    assert_eq!(same, 0.0);
+    for (what, cfg) in [
+        (
+            "local base",
+            ModelConfig {
+                local_rope_theta: Some(c.rope_theta),
+                ..c.clone()
+            },
+        ),
+        (
+            "scale",
+            ModelConfig {
+                query_pre_attn_scalar: None,
+                ..c.clone()
+            },
+        ),
+        (
+            "activation",
+            ModelConfig {
+                activation: grpo_rollout::config::Activation::Silu,
+                ..c.clone()
+            },
+        ),
+    ] {
+        let d = moved(cfg);
+        assert!(d > 0.05, "{what}: {d}");
+    }
 }
 
 /// Greedy generation through the KV cache (the window's mask and the NoPE layers' identity
@@ -124,7 +184,12 @@ fn logprobs_match_transformers_for_each_variant() {
 fn cached_decoding_matches_the_full_forward_past_the_window() {
     use grpo_rollout::graph::{captures, replayed_on_the_host};
     let r = reference();
-    for name in ["mistral-window-12", "smollm3-window-12", "smollm3-nope-1"] {
+    for name in [
+        "mistral-window-12",
+        "smollm3-window-12",
+        "smollm3-nope-1",
+        "gemma3-window-12",
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = grpo_rollout::load(
             &model_dir(&r["cases"][name], tmp.path()),
@@ -247,6 +312,23 @@ fn gguf_writes_mistral_as_llama_and_smollm3_with_its_fixed_pattern() {
         e.contains("NoPE layers [1]") && e.contains("every 4th"),
         "{e}"
     );
+    // Gemma 3 has none.
+    let g = grpo_rollout::load(
+        &model_dir(&r["cases"]["gemma3-window-12"], &tmp.path().join("g")),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let e = save_gguf(
+        &g.model,
+        &g.tokenizer,
+        &tmp.path().join("g.gguf"),
+        GgufType::F32,
+        "g",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("Gemma 3 has no GGUF form"), "{e}");
 }
 
 #[test]
@@ -287,4 +369,26 @@ fn bad_nope_and_window_fields_are_named() {
     assert!(!c.attention_bias && !c.tie_word_embeddings);
     v["sliding_window"] = Value::Null;
     assert_eq!(ModelConfig::from_hf_json(&v).unwrap().sliding_window, None);
+    // Gemma 3's: GELU-tanh, scale 256^-1/2, window 4096 on all but each 6th layer, RoPE bases
+    // 1e6 and 1e4; Gemma 2's soft-capping and the multimodal config are refused by name.
+    let mut v = base.clone();
+    v["model_type"] = "gemma3_text".into();
+    v["num_hidden_layers"] = 7.into();
+    let c = ModelConfig::from_hf_json(&v).unwrap();
+    assert_eq!(
+        c.activation,
+        grpo_rollout::config::Activation::GeluPytorchTanh
+    );
+    assert_eq!((c.head_dim, c.sliding_window), (256, Some(4096)));
+    assert_eq!(c.attention_scale(), 1.0 / 16.0);
+    assert_eq!((c.rope_theta, c.local_rope_theta), (1e6, Some(1e4)));
+    let local: Vec<usize> = (0..7).filter(|i| c.local_rope(*i)).collect();
+    assert_eq!(local, vec![0, 1, 2, 3, 4, 6]);
+    assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+    v["final_logit_softcapping"] = 30.0.into();
+    let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+    assert!(e.contains("final_logit_softcapping"), "{e}");
+    v["model_type"] = "gemma3".into();
+    let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+    assert!(e.contains("gemma3_text"), "{e}");
 }

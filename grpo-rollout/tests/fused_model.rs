@@ -35,6 +35,7 @@ fn fused_and_composed_decoders_agree() {
         Arch::Qwen3,
         Arch::Mistral,
         Arch::SmolLM3,
+        Arch::Gemma3,
     ] {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
@@ -42,7 +43,11 @@ fn fused_and_composed_decoders_agree() {
                 Arch::SmolLM3 => vec![0],
                 _ => vec![],
             };
-            c.sliding_window = (arch == Arch::Mistral).then_some(4);
+            c.sliding_window = matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(4);
+            c.sliding_layers = match arch {
+                Arch::Gemma3 => vec![1],
+                _ => vec![],
+            };
             c.hidden_size = 32;
             c.num_attention_heads = 4;
             c.num_key_value_heads = 2;

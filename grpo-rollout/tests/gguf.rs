@@ -688,6 +688,9 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         sliding_window: None,
         sliding_layers: vec![],
         nope_layers: vec![],
+        activation: Default::default(),
+        query_pre_attn_scalar: None,
+        local_rope_theta: None,
     };
     let inv = grpo_rollout::model::rope_inv_freq(&cfg);
     for ((got, f), r) in inv.iter().zip(&freqs).zip(&factors) {

@@ -27,16 +27,21 @@ fn cfg(arch: Arch) -> ModelConfig {
     if arch == Arch::Mistral {
         c.sliding_window = Some(5); // shorter than the batch's rows
     }
+    if arch == Arch::Gemma3 {
+        c.sliding_window = Some(5);
+        c.sliding_layers = vec![0]; // a sliding layer and a full one
+    }
     c
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 5] = [
+const ARCHES: [Arch; 6] = [
     Arch::Llama,
     Arch::Qwen2,
     Arch::Qwen3,
     Arch::Mistral,
     Arch::SmolLM3,
+    Arch::Gemma3,
 ];
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
