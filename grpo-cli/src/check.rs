@@ -252,6 +252,68 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         "layer blocks vs plain backward, head dim 64 over 100 positions".into(),
         taped_check(&wide_dev.model, &long_rows).map(|d| (d, tol)),
     );
+    // The architectures with pieces of their own, head dim 64: Mistral's sliding window (20
+    // positions, shorter than the rows and than a generation), SmolLM3's NoPE layer, Gemma 3's
+    // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
+    // with its own RoPE base beside a full one). Log-probs over 100 positions against the CPU,
+    // gradient checkpointing, and a generation past the window with CUDA graphs against one
+    // without (a replay stops at the window; the eager step masks past it).
+    for arch in [Arch::Mistral, Arch::SmolLM3, Arch::Gemma3] {
+        let name = arch.as_str();
+        let loaded = (|| -> Result<_> {
+            let mut cfg = wide_cpu.model.cfg.clone();
+            cfg.arch = arch;
+            cfg.num_hidden_layers = 2;
+            cfg.attention_bias = false;
+            let g = grpo_rollout::init::preset_config(Preset::Tiny, arch, 2, 1, 0);
+            (cfg.activation, cfg.query_pre_attn_scalar) = (g.activation, g.query_pre_attn_scalar);
+            cfg.local_rope_theta = g.local_rope_theta;
+            cfg.nope_layers = match arch {
+                Arch::SmolLM3 => vec![1],
+                _ => vec![],
+            };
+            cfg.sliding_window = (arch != Arch::SmolLM3).then_some(20);
+            cfg.sliding_layers = match arch {
+                Arch::Gemma3 => vec![0],
+                _ => vec![],
+            };
+            let m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;
+            let d = dir.join(name);
+            grpo_rollout::loader::save_hf_dir(&m, &cpu.tokenizer, &d, DType::F32)?;
+            Ok((
+                grpo_rollout::load(&d, DType::F32, &Device::Cpu)?,
+                grpo_rollout::load(&d, dtype, device)?,
+            ))
+        })();
+        let (a_cpu, a_dev) = match loaded {
+            Ok(m) => m,
+            Err(e) => {
+                push(format!("{name}: the check model"), Err(e));
+                continue;
+            }
+        };
+        push(
+            format!(
+                "{name} log-probs over 100 positions on {} vs cpu f32",
+                device_name(device)
+            ),
+            (|| {
+                let a = logprobs(&a_cpu.model, &long_rows)?;
+                let b = logprobs(&a_dev.model, &long_rows)?;
+                Ok((max_diff(&a, &b)?, tol))
+            })(),
+        );
+        push(
+            format!("{name} gradient checkpointing vs plain backward over 100 positions"),
+            checkpoint_check(&a_dev.model, &long_rows).map(|d| (d, tol)),
+        );
+        if !device.is_cpu() {
+            push(
+                format!("{name} generation past the window, CUDA graphs vs eager"),
+                graph_check(&a_dev.model, &a_dev.tokenizer, &rows_ids, dtype, tol),
+            );
+        }
+    }
     // On-policy distillation: the head-dim-64 model teaches the check model (same vocabulary).
     push(
         format!(

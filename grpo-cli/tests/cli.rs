@@ -368,6 +368,9 @@ fn check_self_test_passes_on_the_cpu() {
             "8-bit AdamW",
             "matrix products from two threads at once",
             "greedy generation",
+            "mistral log-probs over 100 positions",
+            "smollm3 gradient checkpointing",
+            "gemma3_text log-probs over 100 positions",
         ] {
             assert!(stdout.contains(row), "{dtype}: no `{row}` row in\n{stdout}");
         }
