@@ -468,32 +468,15 @@ fn string_list<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a 
         .collect()
 }
 
-/// Builds the tokenizer (byte-level BPE, special tokens, chat template) from GGUF metadata.
-pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer> {
-    let model = md
-        .get("tokenizer.ggml.model")
-        .and_then(as_str)
-        .unwrap_or("");
-    if model != "gpt2" {
-        bail!(
-            "tokenizer.ggml.model `{model}` is not supported: only byte-level BPE (`gpt2`) vocabularies load from GGUF; use the Hugging Face directory"
-        );
-    }
-    let tokens = string_list(md, "tokenizer.ggml.tokens")?;
+/// The byte-level BPE of a `gpt2` vocabulary: tokens (respelled into the byte alphabet where a
+/// file spells one otherwise), merges, the pre-tokenizer `tokenizer.ggml.pre` names.
+fn byte_level_tokenizer(
+    md: &HashMap<String, Value>,
+    tokens: &[&str],
+    table: &[char],
+    spelled: &dyn Fn(&str) -> bool,
+) -> Result<tokenizers::Tokenizer> {
     let merges = string_list(md, "tokenizer.ggml.merges")?;
-    let token_types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|x| match x {
-                Value::I32(v) => *v as i64,
-                other => as_u64(other).map_or(1, |v| v as i64),
-            })
-            .collect(),
-        _ => Vec::new(),
-    };
-    let table = byte_alphabet();
-    let alphabet: HashSet<char> = table.iter().copied().collect();
-    let spelled = |t: &str| t.chars().all(|c| alphabet.contains(&c));
     // A token that is not spelled in the byte alphabet (a literal space, say) is respelled.
     let vocab: Vocab = tokens
         .iter()
@@ -534,6 +517,142 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
         inner.with_normalizer(Some(tokenizers::normalizers::NFC));
     }
     inner.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+    Ok(inner)
+}
+
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Mistral, TinyLlama
+/// files) as llama.cpp tokenises it: spaces are `▁`, one is put before the text and after each
+/// special token (`tokenizer.ggml.add_space_prefix`, default on), the best-scoring adjacent
+/// pair is merged first (BPE merges ranked by the score of the token they make, as
+/// transformers derives them from a SentencePiece vocabulary), and characters outside the
+/// vocabulary fall back to their `<0xXX>` byte tokens.
+fn sentencepiece_tokenizer(
+    md: &HashMap<String, Value>,
+    tokens: &[&str],
+    token_types: &[i64],
+) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::decoders::{
+        DecoderWrapper, byte_fallback::ByteFallback, fuse::Fuse, sequence::Sequence as Decoders,
+        strip::Strip,
+    };
+    let scores: Vec<f64> = match md.get("tokenizer.ggml.scores") {
+        Some(Value::Array(a)) => a.iter().map(|x| as_f64(x).unwrap_or(0.0)).collect(),
+        _ => bail!(
+            "metadata `tokenizer.ggml.scores` is missing (a SentencePiece vocabulary needs it)"
+        ),
+    };
+    if scores.len() != tokens.len() {
+        bail!(
+            "metadata `tokenizer.ggml.scores` has {} entries for {} tokens",
+            scores.len(),
+            tokens.len()
+        );
+    }
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    // Every split of a token into two tokens is a merge, ranked by the token's score (then
+    // the longer left part first), each token's splits in vocabulary order.
+    let mut merges: Vec<(f64, usize, usize, usize, usize)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if token_types.get(i).is_some_and(|ty| *ty != 1) {
+            continue; // only normal tokens are made by merging
+        }
+        let mut local = Vec::new();
+        for (cut, _) in t.char_indices().skip(1) {
+            let (l, r) = (&t[..cut], &t[cut..]);
+            if let (Some(&a), Some(&b)) = (vocab.get(l), vocab.get(r)) {
+                local.push((a as usize, b as usize, l.chars().count(), r.chars().count()));
+            }
+        }
+        local.sort_by_key(|&(a, b, _, _)| (a, b));
+        merges.extend(
+            local
+                .into_iter()
+                .map(|(a, b, la, lb)| (scores[i], la, lb, a, b)),
+        );
+    }
+    merges.sort_by(|x, y| y.0.total_cmp(&x.0).then(y.1.cmp(&x.1)).then(y.2.cmp(&x.2)));
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|(_, _, _, a, b)| (tokens[a].to_string(), tokens[b].to_string()))
+        .collect();
+    let unk = token_types
+        .iter()
+        .position(|ty| *ty == 2)
+        .and_then(|i| tokens.get(i));
+    let mut bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
+    if let Some(u) = unk {
+        bpe = bpe.unk_token(u.to_string());
+    }
+    let bpe = bpe.build().map_err(|e| err(format!("BPE: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let prefix = md
+        .get("tokenizer.ggml.add_space_prefix")
+        .and_then(as_bool)
+        .unwrap_or(true);
+    // As normalizers, which run on each stretch of text between special tokens: llama.cpp puts
+    // its space before every such stretch, even one that starts with a space (Metaspace's
+    // prepend would not).
+    use tokenizers::normalizers::{Prepend, Replace, Sequence as Normalizers};
+    let space = Replace::new(" ", "▁").map_err(|e| err(format!("normalizer: {e}")))?;
+    let mut norms = vec![space.into()];
+    if prefix {
+        norms.insert(0, Prepend::new("▁".into()).into());
+    }
+    inner.with_normalizer(Some(Normalizers::new(norms)));
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        tokenizers::normalizers::replace::Replace::new("▁", " ")
+            .map_err(|e| err(format!("decoder: {e}")))?
+            .into(),
+        ByteFallback::default().into(),
+        Fuse::default().into(),
+    ];
+    if prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    inner.with_decoder(Some(Decoders::new(decoders)));
+    Ok(inner)
+}
+
+/// Builds the tokenizer (byte-level BPE, or a SentencePiece vocabulary; special tokens, chat
+/// template) from GGUF metadata.
+pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer> {
+    let model = md
+        .get("tokenizer.ggml.model")
+        .and_then(as_str)
+        .unwrap_or("");
+    let sentencepiece = match model {
+        "gpt2" => false,
+        "llama" => true,
+        other => bail!(
+            "tokenizer.ggml.model `{other}` is not supported: byte-level BPE (`gpt2`) and SentencePiece (`llama`) vocabularies load from GGUF; use the Hugging Face directory"
+        ),
+    };
+    let tokens = string_list(md, "tokenizer.ggml.tokens")?;
+    let token_types: Vec<i64> = match md.get("tokenizer.ggml.token_type") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| match x {
+                Value::I32(v) => *v as i64,
+                other => as_u64(other).map_or(1, |v| v as i64),
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let table = byte_alphabet();
+    let alphabet: HashSet<char> = table.iter().copied().collect();
+    // Byte-level tokens are spelled in the byte alphabet; a SentencePiece vocabulary as it is.
+    let spelled = |t: &str| sentencepiece || t.chars().all(|c| alphabet.contains(&c));
+    let mut inner = match sentencepiece {
+        true => sentencepiece_tokenizer(md, &tokens, &token_types)?,
+        false => byte_level_tokenizer(md, &tokens, &table, &spelled)?,
+    };
 
     // Control tokens (type 3) are special; user-defined ones (type 4, like `<think>`) are matched
     // whole but not special. A control token not spelled in the byte alphabet is a llama.cpp
@@ -558,10 +677,11 @@ pub fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<Tokenizer>
     };
     let bos = token_of("tokenizer.ggml.bos_token_id");
     let eos = token_of("tokenizer.ggml.eos_token_id");
-    let flag = |k: &str| md.get(k).and_then(as_bool).unwrap_or(false);
+    let flag = |k: &str, default: bool| md.get(k).and_then(as_bool).unwrap_or(default);
+    // llama.cpp adds BOS to a SentencePiece vocabulary's text unless the file says otherwise.
     let (add_bos, add_eos) = (
-        flag("tokenizer.ggml.add_bos_token"),
-        flag("tokenizer.ggml.add_eos_token"),
+        flag("tokenizer.ggml.add_bos_token", sentencepiece),
+        flag("tokenizer.ggml.add_eos_token", false),
     );
     let with_bos = bos.as_ref().filter(|_| add_bos);
     let with_eos = eos.as_ref().filter(|_| add_eos);
@@ -753,6 +873,13 @@ pub fn gguf_pre_tokenizer(tokenizer: &tokenizers::Tokenizer) -> Result<&'static 
         }
         _ => None,
     };
+    let sentencepiece = serde_json::to_value(tokenizer.get_model())
+        .is_ok_and(|m| m["type"] == "BPE" && m["byte_fallback"] == true);
+    if name.is_none() && sentencepiece {
+        bail!(
+            "a SentencePiece vocabulary (BPE with byte fallback: Llama 2, Mistral) is not written to GGUF here (llama.cpp's needs per-token scores): export it as a Hugging Face directory (--format hf)"
+        );
+    }
     name.ok_or_else(|| {
         err(format!(
             "the tokenizer's pre-tokenizer has no llama.cpp equivalent (supported: GPT-2 byte-level, SmolLM, Llama 3, Qwen2): {}",
