@@ -22,6 +22,16 @@ fn reference() -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The fixture file, loaded.
+fn micro() -> grpo_rollout::LoadedModel {
+    grpo_rollout::load(
+        &fixtures().join("spm-llama-micro.gguf"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     serde_json::from_value(v.clone()).unwrap()
 }
@@ -29,12 +39,7 @@ fn ids(v: &Value) -> Vec<u32> {
 #[test]
 fn tokenises_as_llama_cpp_and_decodes_back() {
     let r = reference();
-    let m = grpo_rollout::load(
-        &fixtures().join("spm-llama-micro.gguf"),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let m = micro();
     let tok = &m.tokenizer;
     let cases = r["texts"].as_array().unwrap();
     assert!(cases.len() >= 10);
@@ -59,12 +64,7 @@ fn tokenises_as_llama_cpp_and_decodes_back() {
 #[test]
 fn logprobs_match_llama_cpp() {
     let r = reference();
-    let m = grpo_rollout::load(
-        &fixtures().join("spm-llama-micro.gguf"),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let m = micro();
     let (p, c) = (ids(&r["prompt_ids"]), ids(&r["completion_ids"]));
     // The prompt's and completion's ids as we make them are llama.cpp's.
     assert_eq!(
@@ -104,12 +104,7 @@ fn logprobs_match_llama_cpp() {
 #[test]
 fn exports_to_hf_with_the_same_ids_and_refuses_gguf_by_name() {
     let r = reference();
-    let m = grpo_rollout::load(
-        &fixtures().join("spm-llama-micro.gguf"),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let m = micro();
     let tmp = tempfile::tempdir().unwrap();
     grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, tmp.path(), DType::F32).unwrap();
     let back = grpo_rollout::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
