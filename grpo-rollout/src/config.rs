@@ -685,10 +685,13 @@ impl ModelConfig {
         obj.insert("hidden_act".into(), act.into());
         if self.arch == Arch::Gemma3 {
             obj.insert("hidden_activation".into(), act.into());
-            obj.insert(
-                "query_pre_attn_scalar".into(),
-                self.query_pre_attn_scalar.into(),
-            );
+            // An integer in transformers' (strictly typed) Gemma3TextConfig.
+            let scalar = self.query_pre_attn_scalar.unwrap_or(256.0);
+            let scalar: Value = match scalar.fract() == 0.0 {
+                true => (scalar as i64).into(),
+                false => scalar.into(),
+            };
+            obj.insert("query_pre_attn_scalar".into(), scalar);
             obj.insert("rope_local_base_freq".into(), self.local_rope_theta.into());
         }
         if self.arch == Arch::SmolLM3 {

@@ -385,6 +385,8 @@ fn bad_nope_and_window_fields_are_named() {
     let local: Vec<usize> = (0..7).filter(|i| c.local_rope(*i)).collect();
     assert_eq!(local, vec![0, 1, 2, 3, 4, 6]);
     assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+    // transformers' Gemma3TextConfig is strictly typed: an integer there.
+    assert!(c.to_hf_json()["query_pre_attn_scalar"].is_i64());
     v["final_logit_softcapping"] = 30.0.into();
     let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
     assert!(e.contains("final_logit_softcapping"), "{e}");
