@@ -257,7 +257,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
     // with its own RoPE base beside a full one). Log-probs over 100 positions against the CPU,
     // gradient checkpointing, and a generation past the window with CUDA graphs against one
-    // without (a replay stops at the window; the eager step masks past it).
+    // without (a replay makes the window's band on the device, from the cached length).
     for arch in [Arch::Mistral, Arch::SmolLM3, Arch::Gemma3] {
         let name = arch.as_str();
         let loaded = (|| -> Result<_> {

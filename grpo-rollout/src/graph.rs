@@ -11,7 +11,8 @@
 //!   the cache's capacity (columns past the length are not read), and the step's inputs and
 //!   outputs are buffers made before the capture and written in place: the token ids, the
 //!   next positions, the length, the logits. The replay ends by advancing positions and length
-//!   itself.
+//!   itself. A sliding window's band (keys `w` or more positions back masked) is made from the
+//!   length on the device too, against a buffer of the cache positions.
 //! - **No host traffic inside.** The sampler (which uploads the rows' uniforms and brings back
 //!   the sampled ids) runs between replays, as do the ids' copy into the graph's buffer.
 //! - **Allocations inside the step** become the graph's own (cudarc allocates stream-ordered),
@@ -39,6 +40,7 @@ use crate::model::Transformer;
 
 static OFF: AtomicBool = AtomicBool::new(false);
 static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+static REPLAYS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static ON_THE_HOST: Cell<bool> = const { Cell::new(false) };
@@ -54,6 +56,11 @@ pub fn with_corrupted_replays<T>(f: impl FnOnce() -> T) -> T {
     let out = f();
     CORRUPT.with(|c| c.set(prev));
     out
+}
+
+/// Decode steps replayed in this process (on the CPU, under [`replayed_on_the_host`]).
+pub fn replays() -> usize {
+    REPLAYS.load(Ordering::Relaxed)
 }
 
 /// Decode steps captured in this process (each a graph replayed until its batch changes; on the
@@ -104,6 +111,9 @@ struct Buffers {
     bias: Tensor,
     /// `(n, vocab)`: the logits the step leaves.
     logits: Tensor,
+    /// `(1, capacity)` f32: the cache positions, for a sliding window's band (made on the
+    /// device from `past` at each replay); `None` without a window.
+    keys: Option<Tensor>,
 }
 
 impl Buffers {
@@ -112,6 +122,7 @@ impl Buffers {
         let (n, cap) = self.bias.dims2()?;
         let len = state.cache.len();
         state.cache.past_at = Some(self.past.clone());
+        state.cache.key_index = self.keys.clone();
         let run = (|| -> Result<()> {
             let bias = self.bias.reshape((n, 1, 1, cap))?;
             let ids = self.ids.reshape((n, 1))?;
@@ -123,6 +134,7 @@ impl Buffers {
         })();
         // The host's count is the caller's to advance (a capture runs nothing).
         state.cache.past_at = None;
+        state.cache.key_index = None;
         state.cache.set_len(len);
         run
     }
@@ -174,6 +186,14 @@ impl GraphStep {
             past: Tensor::new(&[len as u32], dev)?,
             bias,
             logits: state.logits.zeros_like()?,
+            keys: match model.cfg.sliding_window {
+                Some(_) => Some(
+                    Tensor::arange(0u32, capacity as u32, dev)?
+                        .to_dtype(DType::F32)?
+                        .reshape((1, capacity))?,
+                ),
+                None => None,
+            },
         };
         if dev.is_cpu() {
             CAPTURES.fetch_add(1, Ordering::Relaxed);
@@ -243,9 +263,9 @@ impl GraphStep {
     }
 
     /// Whether the next step of `state` can be replayed: the same rows, room in the cache, a
-    /// position within the RoPE tables and any sliding window (past them the eager step
-    /// computes its cos and sin, or refuses the length, where a CUDA replay, which runs no
-    /// host code, would read past the tables).
+    /// position within the RoPE tables (past them the eager step computes its cos and sin,
+    /// where a CUDA replay, which runs no host code, would read past the tables). A sliding
+    /// window's band the replay makes itself, from the cached length on the device.
     pub(crate) fn fits(&self, model: &Transformer, state: &DecodeState) -> bool {
         let (n, capacity) = self.bufs.bias.dims2().unwrap_or((0, 0));
         state.cache.len() < capacity
@@ -278,6 +298,7 @@ impl GraphStep {
         }
         state.cache.set_len(state.cache.len() + 1);
         state.logits = self.bufs.logits.clone();
+        REPLAYS.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 

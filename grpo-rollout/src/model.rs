@@ -729,6 +729,9 @@ pub struct KvCache {
     /// The cached length on the device, which a pass reads in place of `len` (a decode step
     /// captured in a CUDA graph, [`crate::graph`]); the attention bias then spans the capacity.
     pub(crate) past_at: Option<Tensor>,
+    /// With `past_at`, for a sliding window: the cache positions `0..capacity` as `(1,
+    /// capacity)` f32, from which the step makes the window's band on the device.
+    pub(crate) key_index: Option<Tensor>,
 }
 
 impl Clone for KvCache {
@@ -743,6 +746,7 @@ impl Clone for KvCache {
             len: self.len,
             reserve: self.reserve,
             past_at: None,
+            key_index: None,
         }
     }
 }
@@ -792,6 +796,7 @@ impl KvCache {
             len: self.len,
             reserve: self.reserve,
             past_at: None,
+            key_index: None,
         })
     }
 
@@ -848,6 +853,7 @@ impl KvCache {
             len,
             reserve: first.reserve,
             past_at: None,
+            key_index: None,
         })
     }
 
@@ -1173,6 +1179,25 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
         angle.cos()?.affine(scale, 0.0)?,
         angle.sin()?.affine(scale, 0.0)?,
     ))
+}
+
+/// A captured decode step's attention bias `(n, 1, 1, cap)` with the sliding window applied:
+/// the keys `w` or more cache positions before the query (at the cached length `at`, `(1,)`
+/// u32) masked, from the positions `keys` `(1, cap)` f32, with device ops only (no upload: the
+/// step is replayed as recorded). `bias + m · (mask − bias)`, `m` 1 on the masked keys: a key
+/// masked twice stays at the mask value (an f16 bias does not overflow).
+fn window_band_at(bias: &Tensor, at: &Tensor, keys: &Tensor, w: usize) -> Result<Tensor> {
+    let dist = at
+        .to_dtype(DType::F32)?
+        .reshape((1, 1))?
+        .broadcast_sub(keys)?;
+    // Integral distances: relu(d − w + 1) − relu(d − w) is 1 for d ≥ w, 0 below.
+    let w = w as f64;
+    let m = (dist.affine(1.0, 1.0 - w)?.relu()? - dist.affine(1.0, -w)?.relu()?)?;
+    let cap = keys.dim(1)?;
+    let m = m.reshape((1, 1, 1, cap))?.to_dtype(bias.dtype())?;
+    let toward = bias.affine(-1.0, mask_value(bias.dtype()))?;
+    bias + toward.broadcast_mul(&m)?
 }
 
 /// The config Gemma 3's sliding layers rotate with: its local base, unscaled.
@@ -1733,10 +1758,10 @@ impl Transformer {
     }
 
     /// Positions a captured decode step may reach ([`crate::graph`]): within the RoPE tables
-    /// and any sliding window (past either the eager step computes, or refuses, in host code).
+    /// (past them the eager step computes cos and sin in host code). A sliding window's band
+    /// the step makes on the device ([`window_band_at`]).
     pub(crate) fn graph_positions(&self) -> usize {
         self.max_positions()
-            .min(self.cfg.sliding_window.unwrap_or(usize::MAX))
     }
 
     /// RoPE's cos and sin `(N, head_dim / 2)` (f32) of positions `pos` `(N,)` past the tables,
@@ -1958,10 +1983,18 @@ impl Transformer {
             })
         };
         let windowed = match cfg.sliding_window {
-            Some(w) if earlier + l > w || local.is_some() => {
-                // The band is an upload: made only past the window (never in a captured step).
-                let bias = match earlier + l > w {
-                    true => {
+            Some(w) => {
+                let bias = match &kv {
+                    // A captured decode step (one query row at the cached length `at`): keys
+                    // `w` or more before it masked, made on the device from the length, so that
+                    // every replay masks for its own length.
+                    Kv::Cache(KvCache {
+                        past_at: Some(at),
+                        key_index: Some(keys),
+                        ..
+                    }) => Some(window_band_at(attn_bias, at, keys, w)?),
+                    // The band is an upload: made only past the window.
+                    _ if earlier + l > w => {
                         let s = attn_bias.dim(candle_core::D::Minus1)?;
                         let masked = mask_value(DType::F32) as f32;
                         let band: Vec<f32> = (0..l * s)
@@ -1971,19 +2004,28 @@ impl Transformer {
                             })
                             .collect();
                         let band = Tensor::from_vec(band, (1, 1, l, s), attn_bias.device())?;
-                        attn_bias.broadcast_add(&band.to_dtype(attn_bias.dtype())?)?
+                        Some(attn_bias.broadcast_add(&band.to_dtype(attn_bias.dtype())?)?)
                     }
-                    false => attn_bias.clone(),
+                    _ => None,
                 };
-                let (cos, sin) = local.clone().unwrap_or((ctx.cos.clone(), ctx.sin.clone()));
-                Some(LayerCtx {
-                    bias: layer_bias(&bias)?,
-                    cos,
-                    sin,
-                    ..ctx.clone()
-                })
+                match (bias, &local) {
+                    (None, None) => None,
+                    (bias, local) => {
+                        let (cos, sin) =
+                            local.clone().unwrap_or((ctx.cos.clone(), ctx.sin.clone()));
+                        Some(LayerCtx {
+                            bias: match bias {
+                                Some(b) => layer_bias(&b)?,
+                                None => ctx.bias.clone(),
+                            },
+                            cos,
+                            sin,
+                            ..ctx.clone()
+                        })
+                    }
+                }
             }
-            _ => None,
+            None => None,
         };
         let any_nope = !cfg.nope_layers.is_empty();
         let nope_ctx = any_nope.then(|| nope(&ctx)).transpose()?;

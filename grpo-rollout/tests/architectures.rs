@@ -177,12 +177,12 @@ fn each_gemma_piece_moves_the_logprobs() {
 }
 
 /// Greedy generation through the KV cache (the window's mask and the NoPE layers' identity
-/// rotation built per step), eager and with the decode step replayed as a GPU replays it (a
-/// replay stops at the window: the eager step builds its mask), records the log-probs the full
-/// forward gives the same tokens.
+/// rotation built per step), eager and with the decode step replayed as a GPU replays it (the
+/// replay makes the window's band from the cached length on the device, so it goes on past
+/// the window), records the log-probs the full forward gives the same tokens.
 #[test]
 fn cached_decoding_matches_the_full_forward_past_the_window() {
-    use grpo_rollout::graph::{captures, replayed_on_the_host};
+    use grpo_rollout::graph::{captures, replayed_on_the_host, replays};
     let r = reference();
     for name in [
         "mistral-window-12",
@@ -208,11 +208,17 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         let d = m.model.for_decoding().unwrap();
         let run = || grpo_rollout::generate(&d, &m.tokenizer, &prompts, 1, &params).unwrap();
         let eager = run();
-        let before = captures();
+        let (before, replays_before) = (captures(), replays());
         let replayed = replayed_on_the_host(run);
-        assert!(captures() > before, "{name}: no step was replayed");
+        assert!(captures() > before, "{name}: no step was captured");
+        // 14 steps, the first eager: the replays run on past the window (from position 12).
+        let n = replays() - replays_before;
+        assert!(n >= 12, "{name}: {n} steps replayed");
         for (a, b) in eager.iter().zip(&replayed) {
             assert_eq!(a.token_ids, b.token_ids, "{name}");
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-5, "{name}: replayed {y} vs eager {x}");
+            }
         }
         // The full forward over prompt + completion, left-padded together.
         let rows: Vec<Vec<u32>> = prompts
