@@ -14,7 +14,9 @@ per-row position ids), as grpo-rollout's completion_logprobs computes them:
   * arch-gemma3-micro (Gemma3ForCausalLM, `gemma3_text`, 3 layers: sliding, full, sliding;
     norm weights drawn too, so that their `1 + w` shows; `query_pre_attn_scalar` 16 against a
     head_dim of 8; RoPE base 1000 on the full layer, 10000 on the sliding ones): window 12, 64,
-    the full layer's RoPE scaled (linear, 2), the layer types from `sliding_window_pattern` 2.
+    the full layer's RoPE scaled (linear, 2), the layer types from `sliding_window_pattern` 2;
+  * arch-olmo2-micro (Olmo2ForCausalLM, 2 layers, untied; norm weights drawn around 1): as it
+    is, and with linear RoPE scaling.
 
 Also each variant's config as transformers resolves it (no_rope_layers, layer_types).
 
@@ -75,6 +77,14 @@ MODELS = {
             "gemma3-pattern-2": {"sliding_window_pattern": 2, "layer_types": None},
         },
     ),
+    "arch-olmo2-micro": (
+        "olmo2",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
+        {
+            "olmo2": {},
+            "olmo2-linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        },
+    ),
 }
 
 
@@ -103,6 +113,8 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name) else 0.15)
             elif model_type == "gemma3_text":
                 p.normal_(0, 0.3)
+            elif model_type == "olmo2":
+                p.normal_(1, 0.3)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(TOKENIZER, f), path)

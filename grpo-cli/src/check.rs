@@ -255,10 +255,11 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // The architectures with pieces of their own, head dim 64: Mistral's sliding window (20
     // positions, shorter than the rows and than a generation), SmolLM3's NoPE layer, Gemma 3's
     // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
-    // with its own RoPE base beside a full one). Log-probs over 100 positions against the CPU,
-    // gradient checkpointing, and a generation past the window with CUDA graphs against one
-    // without (a replay makes the window's band on the device, from the cached length).
-    for arch in [Arch::Mistral, Arch::SmolLM3, Arch::Gemma3] {
+    // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms.
+    // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
+    // with CUDA graphs against one without (a replay makes the window's band on the device,
+    // from the cached length).
+    for arch in [Arch::Mistral, Arch::SmolLM3, Arch::Gemma3, Arch::Olmo2] {
         let name = arch.as_str();
         let loaded = (|| -> Result<_> {
             let mut cfg = wide_cpu.model.cfg.clone();
@@ -272,7 +273,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 Arch::SmolLM3 => vec![1],
                 _ => vec![],
             };
-            cfg.sliding_window = (arch != Arch::SmolLM3).then_some(20);
+            cfg.sliding_window = matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(20);
             cfg.sliding_layers = match arch {
                 Arch::Gemma3 => vec![0],
                 _ => vec![],

@@ -371,6 +371,7 @@ fn check_self_test_passes_on_the_cpu() {
             "mistral log-probs over 100 positions",
             "smollm3 gradient checkpointing",
             "gemma3_text log-probs over 100 positions",
+            "olmo2 log-probs over 100 positions",
         ] {
             assert!(stdout.contains(row), "{dtype}: no `{row}` row in\n{stdout}");
         }

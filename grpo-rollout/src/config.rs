@@ -25,6 +25,9 @@ pub enum Arch {
     /// `sqrt(hidden)`, sliding-window layers with a RoPE base of their own.
     #[serde(rename = "gemma3_text")]
     Gemma3,
+    /// OLMo 2: no pre-norms — each sublayer's output normalised before its residual add — and
+    /// RMSNorms over all heads' q and k.
+    Olmo2,
 }
 
 /// The MLP's gate activation.
@@ -48,6 +51,7 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::SmolLM3 => "smollm3",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Olmo2 => "olmo2",
         }
     }
 
@@ -66,11 +70,12 @@ impl Arch {
             "mistral" => Ok(Arch::Mistral),
             "smollm3" => Ok(Arch::SmolLM3),
             "gemma3_text" => Ok(Arch::Gemma3),
+            "olmo2" => Ok(Arch::Olmo2),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma3_text"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2"
             ),
         }
     }
@@ -404,7 +409,7 @@ impl ModelConfig {
             .and_then(Value::as_u64)
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
-                Arch::Llama => 2048,
+                Arch::Llama | Arch::Olmo2 => 2048,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
                 Arch::Mistral | Arch::Gemma3 => 4096 * 32,
             }) as usize;
@@ -549,7 +554,8 @@ impl ModelConfig {
             rms_norm_eps: v
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
-                .unwrap_or(1e-6),
+                // transformers' defaults: Olmo2Config's 1e-5, the others' 1e-6.
+                .unwrap_or(if arch == Arch::Olmo2 { 1e-5 } else { 1e-6 }),
             rope_theta,
             rope_scaling,
             max_position_embeddings,
@@ -561,7 +567,7 @@ impl ModelConfig {
             attention_bias: match arch {
                 Arch::Qwen2 => true,
                 Arch::Mistral => false,
-                Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 | Arch::Gemma3 => {
+                Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 | Arch::Gemma3 | Arch::Olmo2 => {
                     flag("attention_bias", false)
                 }
             },
@@ -639,6 +645,7 @@ impl ModelConfig {
                     Arch::Mistral => "Mistral",
                     Arch::SmolLM3 => "SmolLM3",
                     Arch::Gemma3 => "Gemma3",
+                    Arch::Olmo2 => "Olmo2",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -672,7 +679,10 @@ impl ModelConfig {
             obj.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
             obj.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
         }
-        if matches!(self.arch, Arch::Llama | Arch::SmolLM3 | Arch::Gemma3) {
+        if matches!(
+            self.arch,
+            Arch::Llama | Arch::SmolLM3 | Arch::Gemma3 | Arch::Olmo2
+        ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
         if matches!(self.arch, Arch::Llama | Arch::SmolLM3) {
@@ -789,6 +799,9 @@ impl ModelConfig {
         }
         if self.arch == Arch::Gemma3 {
             layer += 2 * h; // the sublayers' output norms
+        }
+        if self.arch == Arch::Olmo2 {
+            layer += q + kv; // q/k norms over all heads; the output norms replace the pre-norms
         }
         let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
         if !self.tie_word_embeddings {

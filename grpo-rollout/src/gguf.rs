@@ -128,7 +128,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     // llama.cpp writes Mistral models as `llama`.
     let arch = Arch::parse(arch_name)
         .ok()
-        .filter(|a| *a != Arch::Mistral)
+        .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
         .ok_or_else(|| {
             err(format!(
                 "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3)"
@@ -1043,9 +1043,13 @@ pub fn save_gguf(
         Arch::Mistral => "llama",
         a => a.as_str(),
     };
-    if cfg.arch == Arch::Gemma3 {
+    if matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2) {
         bail!(
-            "Gemma 3 has no GGUF form here (llama.cpp's gemma3 is not checked against transformers'): export it as safetensors"
+            "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
+            match cfg.arch {
+                Arch::Gemma3 => "Gemma 3",
+                _ => "OLMo 2",
+            }
         );
     }
     let every_4th: Vec<usize> = (0..cfg.num_hidden_layers)

@@ -236,9 +236,12 @@ pub fn random_weights(
         vec![cfg.vocab_size, h],
         false,
     )];
+    let olmo = cfg.arch == Arch::Olmo2;
     for i in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{i}");
-        shapes.push((format!("{p}.input_layernorm.weight"), vec![h], true));
+        if !olmo {
+            shapes.push((format!("{p}.input_layernorm.weight"), vec![h], true));
+        }
         shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
         shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
         shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
@@ -247,7 +250,7 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch.llama_like() || cfg.arch == Arch::Gemma3 {
+            if cfg.arch.llama_like() || matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2) {
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
@@ -272,6 +275,15 @@ pub fn random_weights(
             for n in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
                 shapes.push((format!("{p}.{n}.weight"), vec![h], true));
             }
+        }
+        if olmo {
+            shapes.push((
+                format!("{p}.post_feedforward_layernorm.weight"),
+                vec![h],
+                true,
+            ));
+            shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![q], true));
+            shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], true));
         }
         shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
         shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));

@@ -115,12 +115,27 @@ pub struct RmsNorm {
     pub eps: f64,
     /// Gemma's: the rows are scaled by `1 + weight`.
     pub unit_offset: bool,
+    /// No norm at all: the rows pass as they are (OLMo 2's layers have no pre-norms; the
+    /// weight is an empty placeholder, neither trained nor saved).
+    pub identity: bool,
 }
 
 impl RmsNorm {
     /// Normalises over the last axis (fused on CPU, see [`crate::fused::rms_norm`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.identity {
+            return Ok(x.clone());
+        }
         crate::fused::rms_norm(x, &self.scale()?, self.eps)
+    }
+
+    /// `x + y` and its normalised rows ([`crate::fused::add_rms_norm`]).
+    pub fn add_forward(&self, x: &Tensor, y: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.identity {
+            let s = (x + y)?;
+            return Ok((s.clone(), s));
+        }
+        crate::fused::add_rms_norm(x, y, &self.scale()?, self.eps)
     }
 
     /// What the normalised rows are multiplied by: the weight, or `1 + weight` (made per
@@ -362,17 +377,20 @@ impl Layer {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let q = q.reshape((c.b, c.l, c.nh, c.hd))?;
-        let k = k.reshape((c.b, c.l, c.nkv, c.hd))?;
+        // Per head (Qwen3, Gemma 3), or over all heads' width (OLMo 2), as the weight is long.
+        let norm = |n: &Option<RmsNorm>, t: &Tensor, heads: usize| -> Result<Tensor> {
+            let shape = (c.b, c.l, heads, c.hd);
+            match n {
+                Some(n) if heads > 1 && n.weight.dim(0)? == heads * c.hd => {
+                    n.forward(t)?.reshape(shape)
+                }
+                Some(n) => n.forward(&t.reshape(shape)?),
+                None => t.reshape(shape),
+            }
+        };
+        let q = norm(&self.q_norm, q, c.nh)?;
+        let k = norm(&self.k_norm, k, c.nkv)?;
         let v = v.reshape((c.b, c.l, c.nkv, c.hd))?;
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q)?,
-            None => q,
-        };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k)?,
-            None => k,
-        };
         Ok((q, k, v))
     }
 
@@ -549,8 +567,7 @@ impl Layer {
         if let Some(n) = &self.attn_out_norm {
             o = n.forward(&o)?;
         }
-        let post = &self.post_attention_layernorm;
-        let (x, h) = crate::fused::add_rms_norm(x, &o, &post.scale()?, post.eps)?;
+        let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
             Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
@@ -560,7 +577,7 @@ impl Layer {
         if let Some(n) = &self.mlp_out_norm {
             d = n.forward(&d)?;
         }
-        crate::fused::add_rms_norm(&x, &d, &next.scale()?, next.eps)
+        next.add_forward(&x, &d)
     }
 
     /// The whole layer as one graph node ([`LayerBlocks`]): recomputed in backward (gradient
@@ -647,6 +664,7 @@ impl Layer {
             && self.k_norm.is_none()
             && self.attn_out_norm.is_none()
             && self.mlp_out_norm.is_none()
+            && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
             && self.linears().iter().all(|l| l.lora.is_none())
             && [
@@ -952,6 +970,7 @@ fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
             "post_attention_layernorm",
             "post_feedforward_layernorm",
         ],
+        Arch::Olmo2 => ["", "post_attention_layernorm", "post_feedforward_layernorm"],
         _ => ["post_attention_layernorm", "", ""],
     }
 }
@@ -1326,16 +1345,30 @@ impl Transformer {
                 weight: get(name, &[n])?,
                 eps: cfg.rms_norm_eps,
                 unit_offset: cfg.unit_offset_norms(),
+                identity: false,
             })
         };
-        let gemma = cfg.arch == Arch::Gemma3;
+        let olmo = cfg.arch == Arch::Olmo2;
+        // OLMo 2's missing pre-norms.
+        let identity = || -> Result<RmsNorm> {
+            Ok(RmsNorm {
+                weight: Tensor::zeros(0, dtype, device)?,
+                eps: cfg.rms_norm_eps,
+                unit_offset: false,
+                identity: true,
+            })
+        };
+        let output_norms = matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2);
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let qkv_bias = cfg.attention_bias;
             let [mlp_norm, attn_out, mlp_out] = layer_norm_names(cfg.arch);
             layers.push(Layer {
-                input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
+                input_layernorm: match olmo {
+                    true => identity()?,
+                    false => norm(&format!("{p}.input_layernorm.weight"), h)?,
+                },
                 q_proj: linear(&format!("{p}.self_attn.q_proj"), q, h, qkv_bias)?,
                 k_proj: linear(&format!("{p}.self_attn.k_proj"), kv, h, qkv_bias)?,
                 v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, h, qkv_bias)?,
@@ -1343,25 +1376,30 @@ impl Transformer {
                     &format!("{p}.self_attn.o_proj"),
                     h,
                     q,
-                    cfg.attention_bias && (cfg.arch.llama_like() || gemma),
+                    cfg.attention_bias && (cfg.arch.llama_like() || output_norms),
                 )?,
                 q_norm: match cfg.arch {
                     Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
+                    Arch::Olmo2 => Some(norm(&format!("{p}.self_attn.q_norm.weight"), q)?),
                     _ => None,
                 },
                 k_norm: match cfg.arch {
                     Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
+                    Arch::Olmo2 => Some(norm(&format!("{p}.self_attn.k_norm.weight"), kv)?),
                     _ => None,
                 },
-                post_attention_layernorm: norm(&format!("{p}.{mlp_norm}.weight"), h)?,
-                attn_out_norm: gemma
+                post_attention_layernorm: match olmo {
+                    true => identity()?,
+                    false => norm(&format!("{p}.{mlp_norm}.weight"), h)?,
+                },
+                attn_out_norm: output_norms
                     .then(|| norm(&format!("{p}.{attn_out}.weight"), h))
                     .transpose()?,
-                mlp_out_norm: gemma
+                mlp_out_norm: output_norms
                     .then(|| norm(&format!("{p}.{mlp_out}.weight"), h))
                     .transpose()?,
                 activation: cfg.activation,
@@ -1431,10 +1469,12 @@ impl Transformer {
         let [mlp_norm, attn_out, mlp_out] = layer_norm_names(self.cfg.arch);
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            out.push((
-                format!("{p}.input_layernorm.weight"),
-                layer.input_layernorm.weight.clone(),
-            ));
+            if !layer.input_layernorm.identity {
+                out.push((
+                    format!("{p}.input_layernorm.weight"),
+                    layer.input_layernorm.weight.clone(),
+                ));
+            }
             lin(&mut out, format!("{p}.self_attn.q_proj"), &layer.q_proj);
             lin(&mut out, format!("{p}.self_attn.k_proj"), &layer.k_proj);
             lin(&mut out, format!("{p}.self_attn.v_proj"), &layer.v_proj);
@@ -1445,10 +1485,12 @@ impl Transformer {
             if let Some(n) = &layer.k_norm {
                 out.push((format!("{p}.self_attn.k_norm.weight"), n.weight.clone()));
             }
-            out.push((
-                format!("{p}.{mlp_norm}.weight"),
-                layer.post_attention_layernorm.weight.clone(),
-            ));
+            if !layer.post_attention_layernorm.identity {
+                out.push((
+                    format!("{p}.{mlp_norm}.weight"),
+                    layer.post_attention_layernorm.weight.clone(),
+                ));
+            }
             if let Some(n) = &layer.attn_out_norm {
                 out.push((format!("{p}.{attn_out}.weight"), n.weight.clone()));
             }
@@ -1478,6 +1520,7 @@ impl Transformer {
                 weight: f(&n.weight)?,
                 eps: n.eps,
                 unit_offset: n.unit_offset,
+                identity: n.identity,
             })
         };
         let layers = self

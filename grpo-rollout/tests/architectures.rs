@@ -1,11 +1,13 @@
-//! Mistral (sliding-window attention), SmolLM3 (NoPE layers) and Gemma 3 (`1 + w` norms,
+//! Mistral (sliding-window attention), SmolLM3 (NoPE layers), Gemma 3 (`1 + w` norms,
 //! sublayer output norms, GELU-tanh, scaled embeddings, sliding layers with a RoPE base of
-//! their own) against transformers.
+//! their own) and OLMo 2 (output norms without pre-norms, q/k norms over all heads) against
+//! transformers.
 //!
 //! Reference values: `fixtures/arch_reference.json`, written with the micro models
 //! `fixtures/arch-mistral-micro` (2 layers, untied), `fixtures/arch-smollm3-micro` (3 layers,
 //! tied) and `fixtures/arch-gemma3-micro` (3 layers: sliding, full, sliding) by
-//! `scripts/gen_arch_reference.py` (transformers 5.24): for variants of their config.json
+//! `scripts/gen_arch_reference.py` (transformers 5.24), and `fixtures/arch-olmo2-micro` (2 layers,
+//! no pre-norms, q/k norms over all heads): for variants of their config.json
 //! (`sliding_window` null / 64 / 12; `no_rope_layers` listed, derived from
 //! `no_rope_layer_interval`, all ones; SmolLM3's window on its NoPE layers; Gemma's full layer
 //! with linear RoPE scaling, its layer types from `sliding_window_pattern`), log-probs of the
@@ -77,7 +79,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 11);
+    assert!(cases.len() >= 13);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = grpo_rollout::load(&model_dir(case, tmp.path()), DType::F32, &Device::Cpu).unwrap();
@@ -120,6 +122,7 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("gemma3-window-12", "gemma3-window-64") > 0.05);
     assert!(d("gemma3-linear-full", "gemma3-window-12") > 0.05);
     assert!(d("gemma3-pattern-2", "gemma3-window-12") < 1e-12);
+    assert!(d("olmo2-linear", "olmo2") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -189,6 +192,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "smollm3-window-12",
         "smollm3-nope-1",
         "gemma3-window-12",
+        "olmo2",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = grpo_rollout::load(

@@ -36,6 +36,7 @@ fn fused_and_composed_decoders_agree() {
         Arch::Mistral,
         Arch::SmolLM3,
         Arch::Gemma3,
+        Arch::Olmo2,
     ] {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);

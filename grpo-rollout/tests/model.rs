@@ -35,13 +35,14 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 6] = [
+const ARCHES: [Arch; 7] = [
     Arch::Llama,
     Arch::Qwen2,
     Arch::Qwen3,
     Arch::Mistral,
     Arch::SmolLM3,
     Arch::Gemma3,
+    Arch::Olmo2,
 ];
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {

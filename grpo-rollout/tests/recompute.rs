@@ -287,7 +287,13 @@ fn the_decoder_on_the_recompute_path_equals_the_composition() {
     ];
     let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
     let vocab = 61;
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3] {
+    for arch in [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma3,
+        Arch::Olmo2,
+    ] {
         for dtype in [DType::F32, DType::BF16] {
             let c = small(arch, vocab, 32, arch != Arch::Qwen3);
             let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
