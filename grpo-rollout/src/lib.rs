@@ -4,10 +4,10 @@
 //! (llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2) whose every weight receives
 //! a gradient, loaded from a Hugging Face directory or a GGUF file, with its tokenizer and
 //! chat template, batched KV-cache generation with TRL's sampling knobs, LoRA adapters (with
-//! PEFT's trainable tokens), and saving in Hugging Face / PEFT formats. The same transformer is a sequence classifier (a reward model)
-//! with a `score` head in place of the LM head (`Transformer::into_sequence_classifier`,
-//! `Transformer::sequence_scores`), and a distillation student
-//! (`Transformer::distill_rows`).
+//! PEFT's trainable tokens), and saving in Hugging Face / PEFT formats. The same transformer
+//! is a sequence classifier (a reward model) with a `score` head in place of the LM head
+//! (`Transformer::into_sequence_classifier`, `Transformer::sequence_scores`), and a
+//! distillation student (`Transformer::distill_rows`).
 //!
 //! Multi-turn episodes against an environment (NeMo RL's `EnvironmentInterface`): the seam in
 //! [`mod@env`], generation that keeps each episode's KV cache across turns in [`episode`], and
