@@ -308,6 +308,14 @@ pub struct ModelConfig {
     pub local_rope_theta: Option<f64>,
 }
 
+/// Every `every`-th of `layers` layers (1-based: the `every − 1`-th, ...): SmolLM3's NoPE
+/// layers from `no_rope_layer_interval` (llama.cpp's smollm3 fixes it at 4).
+pub fn nope_every(layers: usize, every: usize) -> Vec<usize> {
+    (0..layers)
+        .filter(|i| (i + 1).is_multiple_of(every))
+        .collect()
+}
+
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
@@ -474,9 +482,7 @@ impl ModelConfig {
                     if every == 0 {
                         bail!("field `no_rope_layer_interval` must be > 0");
                     }
-                    (0..num_hidden_layers)
-                        .filter(|i| (i + 1).is_multiple_of(every))
-                        .collect()
+                    nope_every(num_hidden_layers, every)
                 }
             },
             _ => Vec::new(),
@@ -495,14 +501,18 @@ impl ModelConfig {
             None if matches!(arch, Arch::Mistral | Arch::Gemma3) => Some(4096),
             None => None,
         };
+        // The layers `layer_types` names sliding, where it is given.
+        let listed: Option<Vec<usize>> = v.get("layer_types").and_then(Value::as_array).map(|t| {
+            (0..num_hidden_layers)
+                .filter(|i| t.get(*i).and_then(Value::as_str) == Some("sliding_attention"))
+                .collect()
+        });
         let sliding_layers: Vec<usize> = match arch {
             Arch::Llama => Vec::new(),
             Arch::Mistral => (0..num_hidden_layers).collect(),
             // Gemma 3: `layer_types`, else every layer but each `sliding_window_pattern`-th (6).
-            Arch::Gemma3 => match v.get("layer_types").and_then(Value::as_array) {
-                Some(t) => (0..num_hidden_layers)
-                    .filter(|i| t.get(*i).and_then(Value::as_str) == Some("sliding_attention"))
-                    .collect(),
+            Arch::Gemma3 => match listed {
+                Some(t) => t,
                 None => {
                     let every = v
                         .get("sliding_window_pattern")
@@ -516,10 +526,8 @@ impl ModelConfig {
             Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 if !flag("use_sliding_window", false) => {
                 Vec::new()
             }
-            _ => match v.get("layer_types").and_then(Value::as_array) {
-                Some(t) => (0..num_hidden_layers)
-                    .filter(|i| t.get(*i).and_then(Value::as_str) == Some("sliding_attention"))
-                    .collect(),
+            _ => match listed {
+                Some(t) => t,
                 None if arch == Arch::SmolLM3 => nope_layers.clone(),
                 None => {
                     let from = v
@@ -714,25 +722,18 @@ impl ModelConfig {
             (Arch::Mistral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
-            (Arch::Gemma3, Some(w)) => {
-                let types: Vec<&str> = (0..self.num_hidden_layers)
-                    .map(|i| match self.windowed(i) {
-                        true => "sliding_attention",
-                        false => "full_attention",
-                    })
-                    .collect();
-                obj.insert("sliding_window".into(), w.into());
-                obj.insert("layer_types".into(), types.into());
-            }
             (Arch::Llama, _) | (_, None) => {}
-            (_, Some(w)) => {
+            (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|i| match self.windowed(i) {
                         true => "sliding_attention",
                         false => "full_attention",
                     })
                     .collect();
-                obj.insert("use_sliding_window".into(), true.into());
+                // Gemma 3 always windows its sliding layers; the others switch it on.
+                if arch != Arch::Gemma3 {
+                    obj.insert("use_sliding_window".into(), true.into());
+                }
                 obj.insert("sliding_window".into(), w.into());
                 obj.insert("layer_types".into(), types.into());
             }

@@ -224,9 +224,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         sliding_layers: Vec::new(),
         // llama.cpp's smollm3: RoPE skipped on every 4th layer.
         nope_layers: match arch {
-            Arch::SmolLM3 => (0..req("block_count")?)
-                .filter(|i| (i + 1) % 4 == 0)
-                .collect(),
+            Arch::SmolLM3 => crate::config::nope_every(req("block_count")?, 4),
             _ => Vec::new(),
         },
         activation: Default::default(),
@@ -535,6 +533,7 @@ fn sentencepiece_tokenizer(
         DecoderWrapper, byte_fallback::ByteFallback, fuse::Fuse, sequence::Sequence as Decoders,
         strip::Strip,
     };
+    use tokenizers::normalizers::{Prepend, Replace, Sequence as Normalizers};
     let scores: Vec<f64> = match md.get("tokenizer.ggml.scores") {
         Some(Value::Array(a)) => a.iter().map(|x| as_f64(x).unwrap_or(0.0)).collect(),
         _ => bail!(
@@ -599,7 +598,6 @@ fn sentencepiece_tokenizer(
     // As normalizers, which run on each stretch of text between special tokens: llama.cpp puts
     // its space before every such stretch, even one that starts with a space (Metaspace's
     // prepend would not).
-    use tokenizers::normalizers::{Prepend, Replace, Sequence as Normalizers};
     let space = Replace::new(" ", "▁").map_err(|e| err(format!("normalizer: {e}")))?;
     let mut norms = vec![space.into()];
     if prefix {
@@ -607,7 +605,7 @@ fn sentencepiece_tokenizer(
     }
     inner.with_normalizer(Some(Normalizers::new(norms)));
     let mut decoders: Vec<DecoderWrapper> = vec![
-        tokenizers::normalizers::replace::Replace::new("▁", " ")
+        Replace::new("▁", " ")
             .map_err(|e| err(format!("decoder: {e}")))?
             .into(),
         ByteFallback::default().into(),
@@ -1052,10 +1050,9 @@ pub fn save_gguf(
             }
         );
     }
-    let every_4th: Vec<usize> = (0..cfg.num_hidden_layers)
-        .filter(|i| (i + 1) % 4 == 0)
-        .collect();
-    if cfg.arch == Arch::SmolLM3 && cfg.nope_layers != every_4th {
+    if cfg.arch == Arch::SmolLM3
+        && cfg.nope_layers != crate::config::nope_every(cfg.num_hidden_layers, 4)
+    {
         bail!(
             "SmolLM3 with NoPE layers {:?} has no GGUF form (llama.cpp's smollm3 skips RoPE on every 4th layer): export it as safetensors",
             cfg.nope_layers

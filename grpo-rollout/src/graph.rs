@@ -166,7 +166,7 @@ impl GraphStep {
         let n = state.next_pos.dim(0)?;
         let len = state.cache.len();
         let capacity = state.cache.capacity();
-        if len == 0 || len >= capacity || len >= model.graph_positions() {
+        if len == 0 || len >= capacity || len >= model.max_positions() {
             return Ok(None);
         }
         // The buffers, made (and filled) before the capture. An f16 model's bias is clamped to
@@ -269,7 +269,7 @@ impl GraphStep {
     pub(crate) fn fits(&self, model: &Transformer, state: &DecodeState) -> bool {
         let (n, capacity) = self.bufs.bias.dims2().unwrap_or((0, 0));
         state.cache.len() < capacity
-            && state.cache.len() < model.graph_positions()
+            && state.cache.len() < model.max_positions()
             && state.cache.capacity() == capacity
             && state.next_pos.dim(0).is_ok_and(|rows| rows == n)
     }

@@ -203,7 +203,7 @@ pub fn preset_config(
         sliding_window: matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(4096),
         sliding_layers: Vec::new(),
         nope_layers: match arch {
-            Arch::SmolLM3 => (0..layers).filter(|i| (i + 1) % 4 == 0).collect(),
+            Arch::SmolLM3 => crate::config::nope_every(layers, 4),
             _ => Vec::new(),
         },
         // Gemma 3's: GELU-tanh, scores scaled by 256^-1/2, a local RoPE base of 10000 on the

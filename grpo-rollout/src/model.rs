@@ -1200,6 +1200,22 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
     ))
 }
 
+/// `bias` `(B, 1, L, S)` of `L` queries after `earlier` cached positions with the sliding
+/// window applied: keys `w` or more cache positions before a query masked (a host-made band,
+/// uploaded: the eager passes').
+fn window_band(bias: &Tensor, earlier: usize, l: usize, w: usize) -> Result<Tensor> {
+    let s = bias.dim(candle_core::D::Minus1)?;
+    let masked = mask_value(DType::F32) as f32;
+    let band: Vec<f32> = (0..l * s)
+        .map(|x| match earlier + x / s >= x % s + w {
+            true => masked,
+            false => 0.0,
+        })
+        .collect();
+    let band = Tensor::from_vec(band, (1, 1, l, s), bias.device())?;
+    bias.broadcast_add(&band.to_dtype(bias.dtype())?)
+}
+
 /// A captured decode step's attention bias `(n, 1, 1, cap)` with the sliding window applied:
 /// the keys `w` or more cache positions before the query (at the cached length `at`, `(1,)`
 /// u32) masked, from the positions `keys` `(1, cap)` f32, with device ops only (no upload: the
@@ -1800,13 +1816,6 @@ impl Transformer {
         self.rope_cos.dim(0).unwrap_or(0)
     }
 
-    /// Positions a captured decode step may reach ([`crate::graph`]): within the RoPE tables
-    /// (past them the eager step computes cos and sin in host code). A sliding window's band
-    /// the step makes on the device ([`window_band_at`]).
-    pub(crate) fn graph_positions(&self) -> usize {
-        self.max_positions()
-    }
-
     /// RoPE's cos and sin `(N, head_dim / 2)` (f32) of positions `pos` `(N,)` past the tables,
     /// computed as the tables are. Dynamic NTK is refused there: transformers rescales its
     /// frequencies for such a length. `reach` is the sequence's length, for the message.
@@ -1981,13 +1990,15 @@ impl Transformer {
             ),
             false => self.rope_at(&pos, earlier + l)?,
         })?;
-        // Gemma 3's sliding layers: their own base.
-        let local = match (&self.rope_local, local_rope_config(cfg)) {
-            (Some((c, s)), Some(_)) if within => {
+        // Gemma 3's sliding layers: their own base (the tables are there exactly when it is).
+        let local = match &self.rope_local {
+            Some((c, s)) if within => {
                 Some(rows((c.index_select(&pos, 0)?, s.index_select(&pos, 0)?))?)
             }
-            (_, Some(local)) => Some(rows(rope_cos_sin(&local, &pos)?)?),
-            _ => None,
+            Some(_) => local_rope_config(cfg)
+                .map(|local| rows(rope_cos_sin(&local, &pos)?))
+                .transpose()?,
+            None => None,
         };
         // The masks' −1e9 is −inf in f16: a row whose every key is masked (a left-padded
         // position) would turn NaN and spread to the real rows through its keys and values.
@@ -2016,8 +2027,7 @@ impl Transformer {
         // nothing: cos 1 and sin 0 (x·1 − y·0 is x exactly), made on the device from the rows'
         // cos and sin so that a captured decode step holds them. Sliding-window layers: keys
         // `w` or more cache positions before the query masked too, as transformers' mask (its
-        // positions are the padded sequence's, as the cache's are) — only for a sequence longer
-        // than the window, which a captured step never reaches ([`Self::graph_positions`]).
+        // positions are the padded sequence's, as the cache's are), and Gemma 3's local RoPE.
         let nope = |c: &LayerCtx| -> Result<LayerCtx> {
             Ok(LayerCtx {
                 cos: c.cos.affine(0.0, 1.0)?,
@@ -2025,50 +2035,31 @@ impl Transformer {
                 ..c.clone()
             })
         };
-        let windowed = match cfg.sliding_window {
-            Some(w) => {
-                let bias = match &kv {
-                    // A captured decode step (one query row at the cached length `at`): keys
-                    // `w` or more before it masked, made on the device from the length, so that
-                    // every replay masks for its own length.
-                    Kv::Cache(KvCache {
-                        past_at: Some(at),
-                        key_index: Some(keys),
-                        ..
-                    }) => Some(window_band_at(attn_bias, at, keys, w)?),
-                    // The band is an upload: made only past the window.
-                    _ if earlier + l > w => {
-                        let s = attn_bias.dim(candle_core::D::Minus1)?;
-                        let masked = mask_value(DType::F32) as f32;
-                        let band: Vec<f32> = (0..l * s)
-                            .map(|x| match earlier + x / s >= x % s + w {
-                                true => masked,
-                                false => 0.0,
-                            })
-                            .collect();
-                        let band = Tensor::from_vec(band, (1, 1, l, s), attn_bias.device())?;
-                        Some(attn_bias.broadcast_add(&band.to_dtype(attn_bias.dtype())?)?)
-                    }
-                    _ => None,
-                };
-                match (bias, &local) {
-                    (None, None) => None,
-                    (bias, local) => {
-                        let (cos, sin) =
-                            local.clone().unwrap_or((ctx.cos.clone(), ctx.sin.clone()));
-                        Some(LayerCtx {
-                            bias: match bias {
-                                Some(b) => layer_bias(&b)?,
-                                None => ctx.bias.clone(),
-                            },
-                            cos,
-                            sin,
-                            ..ctx.clone()
-                        })
-                    }
-                }
+        let band = match (cfg.sliding_window, &kv) {
+            // A captured decode step (one query row at the cached length `at`): its band made
+            // on the device from the length, so that every replay masks for its own length.
+            (
+                Some(w),
+                Kv::Cache(KvCache {
+                    past_at: Some(at),
+                    key_index: Some(keys),
+                    ..
+                }),
+            ) => Some(window_band_at(attn_bias, at, keys, w)?),
+            (Some(w), _) if earlier + l > w => Some(window_band(attn_bias, earlier, l, w)?),
+            _ => None,
+        };
+        let windowed = match (band, &local) {
+            (None, None) => None,
+            (band, local) => {
+                let (cos, sin) = local.clone().unwrap_or((ctx.cos.clone(), ctx.sin.clone()));
+                Some(LayerCtx {
+                    bias: band.as_ref().map_or(Ok(ctx.bias.clone()), layer_bias)?,
+                    cos,
+                    sin,
+                    ..ctx.clone()
+                })
             }
-            None => None,
         };
         let any_nope = !cfg.nope_layers.is_empty();
         let nope_ctx = any_nope.then(|| nope(&ctx)).transpose()?;

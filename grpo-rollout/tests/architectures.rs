@@ -50,6 +50,11 @@ fn model_dir(case: &Value, dir: &Path) -> PathBuf {
     d
 }
 
+/// [`model_dir`] of `case`, loaded in f32 on the CPU.
+fn load_case(case: &Value, dir: &Path) -> grpo_rollout::LoadedModel {
+    grpo_rollout::load(&model_dir(case, dir), DType::F32, &Device::Cpu).unwrap()
+}
+
 fn batch(r: &Value) -> (Tensor, Tensor, usize) {
     let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
     let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
@@ -82,7 +87,7 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(cases.len() >= 13);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
-        let m = grpo_rollout::load(&model_dir(case, tmp.path()), DType::F32, &Device::Cpu).unwrap();
+        let m = load_case(case, tmp.path());
         let cfg = &m.model.cfg;
         // The config as transformers resolves it: which layers rotate, which are windowed.
         let res = &case["resolved"];
@@ -133,7 +138,7 @@ fn each_gemma_piece_moves_the_logprobs() {
     let r = reference();
     let case = &r["cases"]["gemma3-window-64"];
     let tmp = tempfile::tempdir().unwrap();
-    let m = grpo_rollout::load(&model_dir(case, tmp.path()), DType::F32, &Device::Cpu).unwrap();
+    let m = load_case(case, tmp.path());
     let base = logprobs(&m.model, &r);
     assert_eq!(base.len(), want(case).len());
     let weights: std::collections::HashMap<String, Tensor> =
@@ -195,12 +200,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "olmo2",
     ] {
         let tmp = tempfile::tempdir().unwrap();
-        let m = grpo_rollout::load(
-            &model_dir(&r["cases"][name], tmp.path()),
-            DType::F32,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let m = load_case(&r["cases"][name], tmp.path());
         let prompts: Vec<Vec<u32>> = vec![(0..9).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
         let params = grpo_rollout::SamplingParams {
             max_new_tokens: 14,
@@ -253,12 +253,7 @@ fn gguf_writes_mistral_as_llama_and_smollm3_with_its_fixed_pattern() {
     use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
     let r = reference();
     let tmp = tempfile::tempdir().unwrap();
-    let mistral = grpo_rollout::load(
-        &model_dir(&r["cases"]["mistral-window-64"], &tmp.path().join("m")),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let mistral = load_case(&r["cases"]["mistral-window-64"], &tmp.path().join("m"));
     let path = tmp.path().join("mistral.gguf");
     save_gguf(
         &mistral.model,
@@ -303,42 +298,24 @@ fn gguf_writes_mistral_as_llama_and_smollm3_with_its_fixed_pattern() {
         .fold(0f32, f32::max);
     assert!(d < 1e-5, "smollm3 through GGUF: {d}");
     // The micro model's pattern ([1, 0, 1]) is not llama.cpp's.
-    let s = grpo_rollout::load(
-        &model_dir(&r["cases"]["smollm3-nope-1"], &tmp.path().join("s")),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let e = save_gguf(
-        &s.model,
-        &s.tokenizer,
-        &tmp.path().join("x.gguf"),
-        GgufType::F32,
-        "x",
-    )
-    .unwrap_err()
-    .to_string();
+    let s = load_case(&r["cases"]["smollm3-nope-1"], &tmp.path().join("s"));
+    let e = gguf_refusal(&s, &tmp.path().join("x.gguf"));
     assert!(
         e.contains("NoPE layers [1]") && e.contains("every 4th"),
         "{e}"
     );
     // Gemma 3 has none.
-    let g = grpo_rollout::load(
-        &model_dir(&r["cases"]["gemma3-window-12"], &tmp.path().join("g")),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let e = save_gguf(
-        &g.model,
-        &g.tokenizer,
-        &tmp.path().join("g.gguf"),
-        GgufType::F32,
-        "g",
-    )
-    .unwrap_err()
-    .to_string();
+    let g = load_case(&r["cases"]["gemma3-window-12"], &tmp.path().join("g"));
+    let e = gguf_refusal(&g, &tmp.path().join("g.gguf"));
     assert!(e.contains("Gemma 3 has no GGUF form"), "{e}");
+}
+
+/// The one-line error writing `m` as GGUF gives.
+fn gguf_refusal(m: &grpo_rollout::LoadedModel, path: &Path) -> String {
+    use grpo_rollout::gguf::{GgufType, save_gguf};
+    save_gguf(&m.model, &m.tokenizer, path, GgufType::F32, "x")
+        .unwrap_err()
+        .to_string()
 }
 
 #[test]
