@@ -20,7 +20,12 @@ per-row position ids), as grpo-rollout's completion_logprobs computes them:
 
 Also each variant's config as transformers resolves it (no_rope_layers, layer_types).
 
-    python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures
+  * arch-phi3-micro (Phi3ForCausalLM, 2 layers, untied; fused qkv_proj and gate_up_proj; a
+    pre-training length of 64): as it is, window 12, half the head rotating
+    (`partial_rotary_factor` 0.5), LongRoPE with three quarters rotating (transformers 5's
+    `rope_parameters`, and transformers 4's layout: top-level factor, `rope_scaling.type`).
+
+    python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
 import json
@@ -85,6 +90,26 @@ MODELS = {
             "olmo2-linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
         },
     ),
+    "arch-phi3-micro": (
+        "phi3",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None,
+             original_max_position_embeddings=64),
+        {
+            "phi3": {},
+            "phi3-window-12": {"sliding_window": 12},
+            "phi3-partial-half": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.5}},
+            "phi3-longrope-partial": {"rope_parameters": {
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.7, 2.9], "long_factor": [1.5, 3.0, 9.0]}},
+            # transformers 4's layout of a Phi-4-mini config: top-level partial_rotary_factor,
+            # `rope_scaling` with the older `type`, no factor (the context ratio, 4, gives
+            # the attention factor).
+            "phi3-longrope-v4-layout": {"rope_parameters": None, "partial_rotary_factor": 0.75,
+                                        "rope_scaling": {"type": "longrope", "short_factor": [1.1, 1.3, 4.0],
+                                                         "long_factor": [2.0, 2.0, 2.0]}},
+        },
+    ),
 }
 
 
@@ -110,7 +135,7 @@ def micro_model(path, model_type, kw):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
-                p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name) else 0.15)
+                p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type == "gemma3_text":
                 p.normal_(0, 0.3)
             elif model_type == "olmo2":
@@ -122,8 +147,16 @@ def micro_model(path, model_type, kw):
 
 def main():
     fixtures = sys.argv[1]
+    # `--only NAME...`: (re)make those models only, keeping the other cases of the reference.
+    only = sys.argv[3:] if len(sys.argv) > 2 and sys.argv[2] == "--only" else None
+    ref = os.path.join(fixtures, "arch_reference.json")
     out = {"transformers": transformers.__version__, "rows": ROWS, "t": T, "cases": {}}
+    if only and os.path.exists(ref):
+        with open(ref) as f:
+            out["cases"] = {k: v for k, v in json.load(f)["cases"].items() if v["model"] not in only}
     for name, (model_type, kw, variants) in MODELS.items():
+        if only and name not in only:
+            continue
         path = os.path.join(fixtures, name)
         micro_model(path, model_type, kw)
         with tempfile.TemporaryDirectory() as tmp:
@@ -133,12 +166,15 @@ def main():
                 with open(os.path.join(d, "config.json")) as f:
                     cfg = json.load(f)
                 for k, v in change.items():
-                    cfg[k] = copy.deepcopy(v)
+                    if v is None and k == "rope_parameters":
+                        cfg.pop(k, None)
+                    else:
+                        cfg[k] = copy.deepcopy(v)
                 with open(os.path.join(d, "config.json"), "w") as f:
                     json.dump(cfg, f, indent=1)
                 lp, resolved = logprobs(d)
                 out["cases"][case] = {"model": name, "config": change, "resolved": resolved, "logprobs": lp}
-    with open(os.path.join(fixtures, "arch_reference.json"), "w") as f:
+    with open(ref, "w") as f:
         json.dump(out, f, indent=1)
 
 

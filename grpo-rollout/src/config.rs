@@ -28,6 +28,11 @@ pub enum Arch {
     /// OLMo 2: no pre-norms — each sublayer's output normalised before its residual add — and
     /// RMSNorms over all heads' q and k.
     Olmo2,
+    /// Phi-3 / Phi-3.5 / Phi-4 (`phi3`): llama's layers with q, k, v stored as one `qkv_proj`
+    /// and gate, up as one `gate_up_proj` (split on load, joined on save: [`crate::layout`]),
+    /// partial rotary embeddings (`partial_rotary_factor`, Phi-4-mini), LongRoPE, a window on
+    /// every layer when `sliding_window` is set.
+    Phi3,
 }
 
 /// The MLP's gate activation.
@@ -52,6 +57,7 @@ impl Arch {
             Arch::SmolLM3 => "smollm3",
             Arch::Gemma3 => "gemma3_text",
             Arch::Olmo2 => "olmo2",
+            Arch::Phi3 => "phi3",
         }
     }
 
@@ -71,11 +77,12 @@ impl Arch {
             "smollm3" => Ok(Arch::SmolLM3),
             "gemma3_text" => Ok(Arch::Gemma3),
             "olmo2" => Ok(Arch::Olmo2),
+            "phi3" => Ok(Arch::Phi3),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2, phi3"
             ),
         }
     }
@@ -115,7 +122,7 @@ pub struct YarnRopeScaling {
 
 /// RoPE scaling of `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5), each
 /// computed as transformers' `modeling_rope_utils` does.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
     /// Llama 3.x.
@@ -134,6 +141,30 @@ pub enum RopeScaling {
     },
     /// YaRN.
     Yarn(YarnRopeScaling),
+    /// LongRoPE (Phi-3.5, Phi-4-mini): each rotary frequency divided by its `short_factor`.
+    /// transformers switches every position to the `long_factor`s once a sequence passes
+    /// `original_max_position_embeddings`; such sequences are refused here
+    /// ([`crate::model::Transformer::rope_at`]).
+    LongRope(LongRopeScaling),
+}
+
+/// LongRoPE's factors (`rope_type = "longrope"`, also the older `su` / `yarn` names of Phi-3
+/// configs), with transformers' attention factor resolved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LongRopeScaling {
+    /// One divisor per rotary frequency for sequences within the original context.
+    pub short_factor: Vec<f64>,
+    /// One divisor per rotary frequency past it (kept to write the config back).
+    pub long_factor: Vec<f64>,
+    /// The config's `factor`, if given (else the ratio of the two context lengths is used).
+    pub factor: Option<f64>,
+    /// The factor on cos and sin: `attention_factor`, else `sqrt(1 + ln s / ln original)` with
+    /// `s` the factor (1 when `s <= 1`).
+    pub attention_factor: f64,
+    /// Whether `attention_factor` was given (written back only then).
+    pub attention_factor_given: bool,
+    /// The context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
 }
 
 impl RopeScaling {
@@ -146,17 +177,17 @@ impl RopeScaling {
             .or_else(|| s.get("type"))
             .and_then(Value::as_str)
             .unwrap_or("default");
+        // Phi-3's older names of LongRoPE (transformers renames them so).
+        let kind = match kind {
+            "su" | "yarn" if s.get("short_factor").is_some() => "longrope",
+            k => k,
+        };
         let num = |k: &str| s.get(k).filter(|x| !x.is_null()).and_then(Value::as_f64);
         let f = |k: &str| {
             num(k).ok_or_else(|| {
                 candle_core::Error::msg(format!("rope_scaling.{k} is missing (rope_type `{kind}`)"))
             })
         };
-        if let Some(p) = num("partial_rotary_factor")
-            && p != 1.0
-        {
-            bail!("rope_scaling.partial_rotary_factor = {p} is not supported (only 1)");
-        }
         Ok(match kind {
             "default" => None,
             "llama3" => Some(RopeScaling::Llama3(Llama3RopeScaling {
@@ -203,8 +234,44 @@ impl RopeScaling {
                     attention_factor,
                 }))
             }
+            "longrope" => {
+                let list = |k: &str| -> Result<Vec<f64>> {
+                    let a = s.get(k).and_then(Value::as_array).ok_or_else(|| {
+                        candle_core::Error::msg(format!(
+                            "rope_scaling.{k} is missing or not a list (rope_type `longrope`)"
+                        ))
+                    })?;
+                    a.iter()
+                        .enumerate()
+                        .map(|(i, x)| {
+                            x.as_f64().ok_or_else(|| {
+                                candle_core::Error::msg(format!(
+                                    "rope_scaling.{k}[{i}] must be a number, not {x}"
+                                ))
+                            })
+                        })
+                        .collect()
+                };
+                let original = num("original_max_position_embeddings")
+                    .map_or(max_position_embeddings, |x| x as usize);
+                let factor = num("factor");
+                let scale = factor.unwrap_or(max_position_embeddings as f64 / original.max(1) as f64);
+                let attention_factor = match num("attention_factor") {
+                    Some(a) => a,
+                    None if scale <= 1.0 => 1.0,
+                    None => (1.0 + scale.ln() / (original as f64).ln()).sqrt(),
+                };
+                Some(RopeScaling::LongRope(LongRopeScaling {
+                    short_factor: list("short_factor")?,
+                    long_factor: list("long_factor")?,
+                    factor,
+                    attention_factor,
+                    attention_factor_given: num("attention_factor").is_some(),
+                    original_max_position_embeddings: original,
+                }))
+            }
             other => bail!(
-                "rope_scaling type `{other}` is not supported (supported: default, linear, dynamic, yarn, llama3)"
+                "rope_scaling type `{other}` is not supported (supported: default, linear, dynamic, yarn, llama3, longrope)"
             ),
         })
     }
@@ -234,6 +301,21 @@ impl RopeScaling {
                 "truncate": y.truncate,
                 "attention_factor": y.attention_factor,
             }),
+            RopeScaling::LongRope(l) => {
+                let mut v = serde_json::json!({
+                    "rope_type": "longrope",
+                    "short_factor": l.short_factor,
+                    "long_factor": l.long_factor,
+                });
+                let o = v.as_object_mut().expect("a JSON object");
+                if let Some(f) = l.factor {
+                    o.insert("factor".into(), f.into());
+                }
+                if l.attention_factor_given {
+                    o.insert("attention_factor".into(), l.attention_factor.into());
+                }
+                v
+            }
         }
     }
 }
@@ -306,6 +388,10 @@ pub struct ModelConfig {
     /// `rope_local_base_freq`); `None`: every layer uses `rope_theta` and `rope_scaling`.
     #[serde(default)]
     pub local_rope_theta: Option<f64>,
+    /// The share of each head's dimensions that rotate (`partial_rotary_factor`, Phi-4-mini's
+    /// 0.75); `None`: all of them. See [`Self::rotary_dim`].
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
 }
 
 /// Every `every`-th of `layers` layers (1-based: the `every − 1`-th, ...): SmolLM3's NoPE
@@ -418,17 +504,42 @@ impl ModelConfig {
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
                 Arch::Llama | Arch::Olmo2 => 2048,
+                Arch::Phi3 => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
                 Arch::Mistral | Arch::Gemma3 => 4096 * 32,
             }) as usize;
-        let rope_scaling = match v
+        let mut rope_dict = v
             .get("rope_scaling")
             .filter(|s| !s.is_null())
             .or(rope_params)
+            .cloned();
+        // Phi-3's pre-training length is a top-level field (default 4096) that transformers
+        // puts into the RoPE parameters over theirs.
+        if arch == Arch::Phi3
+            && let Some(Value::Object(o)) = rope_dict.as_mut()
         {
+            let original = v
+                .get("original_max_position_embeddings")
+                .and_then(Value::as_u64)
+                .unwrap_or(4096);
+            o.insert("original_max_position_embeddings".into(), original.into());
+        }
+        let rope_scaling = match &rope_dict {
             Some(s) => RopeScaling::from_hf_json(s, max_position_embeddings)?,
             None => None,
         };
+        // Partial rotary embeddings: a top-level `partial_rotary_factor` (transformers 4's Phi-3
+        // configs) or one in the RoPE parameters (transformers 5).
+        let partial_rotary_factor = v
+            .get("partial_rotary_factor")
+            .or_else(|| rope_dict.as_ref().and_then(|d| d.get("partial_rotary_factor")))
+            .and_then(Value::as_f64)
+            .filter(|p| *p != 1.0);
+        if let Some(p) = partial_rotary_factor
+            && arch != Arch::Phi3
+        {
+            bail!("partial_rotary_factor = {p} is not supported for {model_type} (only phi3's)");
+        }
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
         // What these architectures may switch that the model does not implement: refused by
         // name rather than computed differently from transformers.
@@ -509,7 +620,7 @@ impl ModelConfig {
         });
         let sliding_layers: Vec<usize> = match arch {
             Arch::Llama => Vec::new(),
-            Arch::Mistral => (0..num_hidden_layers).collect(),
+            Arch::Mistral | Arch::Phi3 => (0..num_hidden_layers).collect(),
             // Gemma 3: `layer_types`, else every layer but each `sliding_window_pattern`-th (6).
             Arch::Gemma3 => match listed {
                 Some(t) => t,
@@ -562,8 +673,11 @@ impl ModelConfig {
             rms_norm_eps: v
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
-                // transformers' defaults: Olmo2Config's 1e-5, the others' 1e-6.
-                .unwrap_or(if arch == Arch::Olmo2 { 1e-5 } else { 1e-6 }),
+                // transformers' defaults: Olmo2Config's and Phi3Config's 1e-5, the others' 1e-6.
+                .unwrap_or(match arch {
+                    Arch::Olmo2 | Arch::Phi3 => 1e-5,
+                    _ => 1e-6,
+                }),
             rope_theta,
             rope_scaling,
             max_position_embeddings,
@@ -574,12 +688,12 @@ impl ModelConfig {
             ),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
-                Arch::Mistral => false,
+                Arch::Mistral | Arch::Phi3 => false,
                 Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 | Arch::Gemma3 | Arch::Olmo2 => {
                     flag("attention_bias", false)
                 }
             },
-            mlp_bias: arch != Arch::Mistral && flag("mlp_bias", false),
+            mlp_bias: !matches!(arch, Arch::Mistral | Arch::Phi3) && flag("mlp_bias", false),
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: ids(v.get("eos_token_id")),
             pad_token_id: ids(v.get("pad_token_id")).first().copied(),
@@ -605,6 +719,7 @@ impl ModelConfig {
                 _ => None,
             },
             local_rope_theta,
+            partial_rotary_factor,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -638,6 +753,26 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", self.head_dim);
         }
+        let r = self.rotary_dim();
+        if let Some(p) = self.partial_rotary_factor
+            && (r == 0 || !r.is_multiple_of(2) || r > self.head_dim)
+        {
+            bail!(
+                "partial_rotary_factor = {p} rotates {r} of head_dim {} dimensions: it must be an even number from 2 to head_dim",
+                self.head_dim
+            );
+        }
+        if let Some(RopeScaling::LongRope(l)) = &self.rope_scaling {
+            for (k, f) in [("short_factor", &l.short_factor), ("long_factor", &l.long_factor)] {
+                if f.len() != r / 2 {
+                    bail!(
+                        "rope_scaling.{k} has {} values, expected {} (one per rotary frequency: head_dim × partial_rotary_factor / 2)",
+                        f.len(),
+                        r / 2
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
@@ -654,6 +789,7 @@ impl ModelConfig {
                     Arch::SmolLM3 => "SmolLM3",
                     Arch::Gemma3 => "Gemma3",
                     Arch::Olmo2 => "Olmo2",
+                    Arch::Phi3 => "Phi3",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -718,8 +854,17 @@ impl ModelConfig {
                 .collect();
             obj.insert("no_rope_layers".into(), rope.into());
         }
+        if let Some(RopeScaling::LongRope(l)) = &self.rope_scaling {
+            obj.insert(
+                "original_max_position_embeddings".into(),
+                l.original_max_position_embeddings.into(),
+            );
+        }
+        if let Some(p) = self.partial_rotary_factor {
+            obj.insert("partial_rotary_factor".into(), p.into());
+        }
         match (self.arch, self.sliding_window) {
-            (Arch::Mistral, w) => {
+            (Arch::Mistral | Arch::Phi3, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
             (Arch::Llama, _) | (_, None) => {}
@@ -754,6 +899,17 @@ impl ModelConfig {
             obj.insert("pad_token_id".into(), p.into());
         }
         v
+    }
+
+    /// The dimensions of each head that RoPE rotates: `head_dim`, or `head_dim ×
+    /// partial_rotary_factor` (the first ones, in transformers' layout; the model keeps each
+    /// head's dimensions reordered so its rotation pairs are `head_dim / 2` apart, see
+    /// [`crate::layout`]).
+    pub fn rotary_dim(&self) -> usize {
+        match self.partial_rotary_factor {
+            Some(p) => (self.head_dim as f64 * p) as usize,
+            None => self.head_dim,
+        }
     }
 
     /// Whether layer `i` rotates its queries and keys (all but SmolLM3's NoPE layers).

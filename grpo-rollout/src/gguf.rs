@@ -230,6 +230,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         activation: Default::default(),
         query_pre_attn_scalar: None,
         local_rope_theta: None,
+        partial_rotary_factor: None,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -1041,11 +1042,12 @@ pub fn save_gguf(
         Arch::Mistral => "llama",
         a => a.as_str(),
     };
-    if matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2) {
+    if matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2 | Arch::Phi3) {
         bail!(
             "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
             match cfg.arch {
                 Arch::Gemma3 => "Gemma 3",
+                Arch::Phi3 => "Phi-3",
                 _ => "OLMo 2",
             }
         );
@@ -1080,11 +1082,14 @@ pub fn save_gguf(
             Value::F32(cfg.rms_norm_eps as f32),
         ),
     ];
-    match cfg.rope_scaling {
+    match &cfg.rope_scaling {
         Some(RopeScaling::Linear { factor }) => {
             md.push((a("rope.scaling.type"), Value::String("linear".into())));
-            md.push((a("rope.scaling.factor"), Value::F32(factor as f32)));
+            md.push((a("rope.scaling.factor"), Value::F32(*factor as f32)));
         }
+        Some(RopeScaling::LongRope(_)) => bail!(
+            "LongRoPE scaling is not written to GGUF: export the model as safetensors"
+        ),
         Some(RopeScaling::Yarn(_)) => bail!(
             "YaRN RoPE scaling is not written to GGUF (llama.cpp's YaRN is not checked against transformers'): export the model as safetensors"
         ),

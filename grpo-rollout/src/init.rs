@@ -214,6 +214,8 @@ pub fn preset_config(
         },
         query_pre_attn_scalar: (arch == Arch::Gemma3).then_some(256.0),
         local_rope_theta: (arch == Arch::Gemma3).then_some(10_000.0),
+        // Phi-4-mini's three quarters of each head rotating.
+        partial_rotary_factor: (arch == Arch::Phi3).then_some(0.75),
     }
 }
 

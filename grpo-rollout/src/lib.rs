@@ -1,7 +1,7 @@
 //! # grpo-rollout: the policy
 //!
 //! One job: be the language model that GRPO trains. A Llama-family transformer of our own
-//! (llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2) whose every weight receives
+//! (llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2, phi3) whose every weight receives
 //! a gradient, loaded from a Hugging Face directory or a GGUF file, with its tokenizer and
 //! chat template, batched KV-cache generation with TRL's sampling knobs, LoRA adapters (with
 //! PEFT's trainable tokens), and saving in Hugging Face / PEFT formats. The same transformer
@@ -44,6 +44,7 @@ pub mod generate;
 pub mod gguf;
 pub mod graph;
 pub mod init;
+pub mod layout;
 pub mod loader;
 pub mod lora;
 pub mod model;

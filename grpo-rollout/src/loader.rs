@@ -135,6 +135,12 @@ pub fn read_safetensors(dir: &Path, device: &Device) -> Result<WeightMap> {
     Ok(out)
 }
 
+/// [`read_safetensors`] in the model's layout ([`crate::layout::from_hf`]: Phi-3's fused maps
+/// split, partial-rotary heads reordered).
+pub fn read_model_weights(dir: &Path, cfg: &ModelConfig, device: &Device) -> Result<WeightMap> {
+    crate::layout::from_hf(cfg, read_safetensors(dir, device)?).map_err(|e| io_err(dir, e))
+}
+
 fn read_json(path: &Path) -> Result<Option<Value>> {
     if !path.exists() {
         return Ok(None);
@@ -148,7 +154,7 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 /// Loads a Hugging Face directory (config, weights, tokenizer, generation config).
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let cfg = ModelConfig::from_hf_file(&dir.join("config.json"))?;
-    let weights = read_safetensors(dir, device)?;
+    let weights = read_model_weights(dir, &cfg, device)?;
     let model = Transformer::from_weights_owned(&cfg, weights, dtype, device)
         .map_err(|e| io_err(dir, e))?;
     let mut eos = cfg.eos_token_ids.clone();
@@ -232,8 +238,7 @@ pub fn save_hf_dir(
         None => "model.embed_tokens.weight",
     };
     let cast_head = model.head().dtype() == DType::F32 && model.dtype() != DType::F32;
-    let tensors: HashMap<String, Tensor> = model
-        .weights()
+    let tensors: HashMap<String, Tensor> = crate::layout::to_hf(&model.cfg, model.weights())?
         .into_iter()
         .map(|(k, t)| {
             let dt = if cast_head && k == head {

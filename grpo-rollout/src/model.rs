@@ -1125,12 +1125,14 @@ fn map_group<const N: usize>(
 /// `modeling_rope_utils`).
 pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
     use crate::config::RopeScaling;
-    let half = cfg.head_dim / 2;
-    let dim = cfg.head_dim as f64;
+    // With partial rotary embeddings the frequencies are those of a `rotary_dim`-wide head;
+    // the other pairs ([`crate::layout`]'s order) do not turn (frequency 0: cos 1, sin 0).
+    let half = cfg.rotary_dim() / 2;
+    let dim = cfg.rotary_dim() as f64;
     let mut inv: Vec<f64> = (0..half)
         .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / dim))
         .collect();
-    match &cfg.rope_scaling {
+    let inv_scaled = |inv: &mut Vec<f64>| match &cfg.rope_scaling {
         None | Some(RopeScaling::Dynamic { .. }) => {}
         Some(RopeScaling::Linear { factor }) => inv.iter_mut().for_each(|f| *f /= factor),
         Some(RopeScaling::Llama3(s)) => {
@@ -1170,7 +1172,16 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
                 *f = *f / y.factor * (1.0 - kept) + *f * kept;
             }
         }
-    }
+        // transformers: `1 / (short_factor · base^(2i/d))`, the product in f32.
+        Some(RopeScaling::LongRope(l)) => {
+            for (i, f) in inv.iter_mut().enumerate() {
+                let base = cfg.rope_theta.powf(2.0 * i as f64 / dim) as f32;
+                *f = 1.0 / (l.short_factor[i] as f32 * base) as f64;
+            }
+        }
+    };
+    inv_scaled(&mut inv);
+    inv.resize(cfg.head_dim / 2, 0.0);
     inv
 }
 
@@ -1178,6 +1189,7 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
 pub fn rope_attention_factor(cfg: &ModelConfig) -> f64 {
     match &cfg.rope_scaling {
         Some(crate::config::RopeScaling::Yarn(y)) => y.attention_factor,
+        Some(crate::config::RopeScaling::LongRope(l)) => l.attention_factor,
         _ => 1.0,
     }
 }
@@ -1194,9 +1206,20 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
         .reshape((pos.elem_count(), 1))?
         .broadcast_mul(&inv)?;
     let scale = rope_attention_factor(cfg) as f32 as f64;
-    Ok((
+    let (cos, sin) = (
         angle.cos()?.affine(scale, 0.0)?,
         angle.sin()?.affine(scale, 0.0)?,
+    );
+    // The pairs that do not rotate (partial rotary) pass unscaled: cos 1, sin 0.
+    let turning = cfg.rotary_dim() / 2;
+    if turning == half || scale == 1.0 {
+        return Ok((cos, sin));
+    }
+    let n = pos.elem_count();
+    let ones = Tensor::ones((n, half - turning), DType::F32, pos.device())?;
+    Ok((
+        Tensor::cat(&[&cos.narrow(1, 0, turning)?, &ones], 1)?,
+        Tensor::cat(&[&sin.narrow(1, 0, turning)?, &ones.zeros_like()?], 1)?,
     ))
 }
 
@@ -1246,7 +1269,14 @@ fn local_rope_config(cfg: &ModelConfig) -> Option<ModelConfig> {
 
 /// [`rope_cos_sin`] of every position up to `max_position_embeddings`, computed on the host.
 fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
-    let n = cfg.max_position_embeddings.max(1) as u32;
+    // LongRoPE's short factors hold up to the pre-training length only.
+    let n = match &cfg.rope_scaling {
+        Some(crate::config::RopeScaling::LongRope(l)) => cfg
+            .max_position_embeddings
+            .min(l.original_max_position_embeddings),
+        _ => cfg.max_position_embeddings,
+    };
+    let n = n.max(1) as u32;
     let (cos, sin) = rope_cos_sin(cfg, &Tensor::arange(0u32, n, &Device::Cpu)?)?;
     Ok((cos.to_device(device)?, sin.to_device(device)?))
 }
@@ -1824,6 +1854,12 @@ impl Transformer {
             bail!(
                 "a sequence of {reach} positions is longer than the model's max_position_embeddings ({}, config.json), past which dynamic NTK RoPE rescales its frequencies (not supported)",
                 self.max_positions()
+            );
+        }
+        if let Some(crate::config::RopeScaling::LongRope(l)) = &self.cfg.rope_scaling {
+            bail!(
+                "a sequence of {reach} positions is longer than the model's original_max_position_embeddings ({}, config.json), past which LongRoPE switches every position to its long factors (not supported)",
+                l.original_max_position_embeddings
             );
         }
         rope_cos_sin(&self.cfg, pos)

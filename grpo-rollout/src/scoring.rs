@@ -40,7 +40,7 @@ use serde_json::Value;
 
 use crate::config::ModelConfig;
 use crate::generate::left_pad;
-use crate::loader::read_safetensors;
+use crate::loader::read_model_weights;
 use crate::model::Transformer;
 use crate::tokenizer::Tokenizer;
 
@@ -273,7 +273,7 @@ impl ClassifierModel {
                 cfg_path.display()
             );
         }
-        let weights = read_safetensors(dir, device)?;
+        let weights = read_model_weights(dir, &cfg, device)?;
         let wfile = dir.join("model.safetensors");
         let Some(score) = weights.get("score.weight") else {
             bail!(

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 13);
+    assert!(cases.len() >= 18);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -128,6 +128,10 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("gemma3-linear-full", "gemma3-window-12") > 0.05);
     assert!(d("gemma3-pattern-2", "gemma3-window-12") < 1e-12);
     assert!(d("olmo2-linear", "olmo2") > 0.05);
+    assert!(d("phi3-window-12", "phi3") > 0.05);
+    assert!(d("phi3-partial-half", "phi3") > 0.05);
+    assert!(d("phi3-longrope-partial", "phi3") > 0.05);
+    assert!(d("phi3-longrope-v4-layout", "phi3-longrope-partial") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -198,6 +202,8 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "smollm3-nope-1",
         "gemma3-window-12",
         "olmo2",
+        "phi3-window-12",
+        "phi3-longrope-partial",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());

@@ -181,7 +181,8 @@ impl Learner {
             }
             None => {
                 let d = dir.join("model");
-                grpo_rollout::loader::read_safetensors(&d, &self.device)?
+                let cfg = &self.policy.model.cfg;
+                grpo_rollout::loader::read_model_weights(&d, cfg, &self.device)?
                     .into_iter()
                     .collect()
             }

@@ -1,0 +1,191 @@
+//! How a family's checkpoint lays its weights out, against the model's own layout: the model
+//! keeps q, k, v and gate, up as separate maps (packed again for speed: [`crate::model::Packed`])
+//! and each head's dimensions in the order its fused RoPE kernels rotate (pairs `head_dim / 2`
+//! apart). Files are read and written in the family's layout:
+//!
+//! * Phi-3 stores q, k, v as one `qkv_proj` (rows q, then k, then v) and gate, up as one
+//!   `gate_up_proj` (gate rows first): split on load ([`from_hf`]), joined on save ([`to_hf`]);
+//!   PEFT adapters on those modules likewise ([`crate::lora`]).
+//! * Partial rotary embeddings (`partial_rotary_factor`): transformers rotates the first
+//!   `r` dimensions of a head, pairing `i` with `i + r/2`, and passes the rest. The model
+//!   reorders each head of q and k (the same way for both, so every score `q·k` is unchanged)
+//!   to `[rotated 0..r/2, passed first half, rotated r/2..r, passed second half]`: the rotated
+//!   pairs are then `head_dim / 2` apart, the passed ones pair among themselves with frequency
+//!   0 (cos 1, sin 0), and every RoPE path — the fused CPU op, the CUDA kernels, CUDA graphs —
+//!   serves it unchanged.
+
+use candle_core::{Result, Tensor, bail};
+
+use crate::config::{Arch, ModelConfig};
+use crate::model::WeightMap;
+
+/// For each of the model's head dimensions, the transformers dimension it holds (`None` when
+/// every dimension rotates: the orders agree).
+pub fn rotary_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
+    let (hd, r) = (cfg.head_dim, cfg.rotary_dim());
+    if r == hd {
+        return None;
+    }
+    let (hr, hp) = (r / 2, (hd - r) / 2);
+    let mut order: Vec<usize> = (0..hr).collect();
+    order.extend(r..r + hp);
+    order.extend(hr..r);
+    order.extend(r + hp..hd);
+    Some(order)
+}
+
+/// Rows `(heads · head_dim, …)` (a q or k weight, bias, LoRA `B` or DoRA magnitude) from
+/// transformers' head order to the model's (`to_model`) or back.
+pub fn reorder_heads(cfg: &ModelConfig, t: &Tensor, to_model: bool) -> Result<Tensor> {
+    let Some(order) = rotary_order(cfg) else {
+        return Ok(t.clone());
+    };
+    let hd = cfg.head_dim;
+    let rows = t.dim(0)?;
+    if !rows.is_multiple_of(hd) {
+        bail!("{rows} rows are not whole heads of {hd}");
+    }
+    let index: Vec<u32> = match to_model {
+        true => order.iter().map(|&i| i as u32).collect(),
+        false => {
+            let mut inv = vec![0u32; hd];
+            for (j, &i) in order.iter().enumerate() {
+                inv[i] = j as u32;
+            }
+            inv
+        }
+    };
+    let index = Tensor::from_vec(index, hd, t.device())?;
+    let mut shape = t.dims().to_vec();
+    let (heads, rest): (usize, Vec<usize>) = (rows / hd, shape[1..].to_vec());
+    let mut split = vec![heads, hd];
+    split.extend(&rest);
+    let out = t.reshape(split)?.index_select(&index, 1)?;
+    shape[0] = rows;
+    out.reshape(shape)
+}
+
+/// The fused maps of `arch`'s files: `(fused name, [(part name, rows)…])` per layer group.
+pub fn fused_parts(cfg: &ModelConfig) -> Vec<(&'static str, &'static str, [(&'static str, usize); 3])> {
+    if cfg.arch != Arch::Phi3 {
+        return Vec::new();
+    }
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let im = cfg.intermediate_size;
+    vec![
+        ("self_attn", "qkv_proj", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]),
+        ("mlp", "gate_up_proj", [("gate_proj", im), ("up_proj", im), ("", 0)]),
+    ]
+}
+
+/// Whether a part's rows are reordered for partial rotary embeddings (q and k).
+pub fn rotated(part: &str) -> bool {
+    matches!(part, "q_proj" | "k_proj")
+}
+
+/// `weights` as read from a checkpoint of `cfg`'s family, in the model's layout: fused maps
+/// split, q and k reordered for partial rotary embeddings. A fused weight of the wrong shape is
+/// an error naming it.
+pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
+    let fused = fused_parts(cfg);
+    for i in 0..cfg.num_hidden_layers {
+        for (group, name, parts) in &fused {
+            for kind in ["weight", "bias"] {
+                let key = format!("model.layers.{i}.{group}.{name}.{kind}");
+                let Some(t) = weights.remove(&key) else {
+                    continue;
+                };
+                let total: usize = parts.iter().map(|p| p.1).sum();
+                if t.dim(0).ok() != Some(total) {
+                    bail!(
+                        "weight `{key}` has shape {:?}, expected {total} rows (config.json's heads and sizes)",
+                        t.dims()
+                    );
+                }
+                let mut at = 0;
+                for (part, n) in parts.iter().filter(|p| p.1 > 0) {
+                    weights.insert(
+                        format!("model.layers.{i}.{group}.{part}.{kind}"),
+                        t.narrow(0, at, *n)?.contiguous()?,
+                    );
+                    at += n;
+                }
+            }
+        }
+        if rotary_order(cfg).is_some() {
+            for part in ["q_proj", "k_proj"] {
+                for kind in ["weight", "bias"] {
+                    let key = format!("model.layers.{i}.self_attn.{part}.{kind}");
+                    if let Some(t) = weights.remove(&key) {
+                        let t = reorder_heads(cfg, &t, true)?;
+                        weights.insert(key, t);
+                    }
+                }
+            }
+        }
+    }
+    Ok(weights)
+}
+
+/// The model's weights ([`crate::Transformer::weights`]) in `cfg`'s family layout, as its
+/// checkpoints store them (the inverse of [`from_hf`]).
+pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    let reorder = rotary_order(cfg).is_some();
+    let fused = fused_parts(cfg);
+    if !reorder && fused.is_empty() {
+        return Ok(weights);
+    }
+    let mut map: std::collections::HashMap<String, Tensor> = weights.iter().cloned().collect();
+    let mut out = Vec::with_capacity(weights.len());
+    let mut done = std::collections::HashSet::new();
+    for (k, _) in &weights {
+        if done.contains(k) {
+            continue;
+        }
+        let part_of = |k: &str| {
+            let (layer, rest) = k.strip_prefix("model.layers.")?.split_once('.')?;
+            let (group, rest) = rest.split_once('.')?;
+            let (part, kind) = rest.split_once('.')?;
+            Some((layer.to_string(), group.to_string(), part.to_string(), kind.to_string()))
+        };
+        let Some((layer, group, part, kind)) = part_of(k) else {
+            out.push((k.clone(), map[k].clone()));
+            continue;
+        };
+        let fetch = |map: &mut std::collections::HashMap<String, Tensor>, part: &str| {
+            let key = format!("model.layers.{layer}.{group}.{part}.{kind}");
+            let t = map.remove(&key).ok_or_else(|| {
+                candle_core::Error::msg(format!("weight `{key}` is missing"))
+            })?;
+            match reorder && rotated(part) {
+                true => reorder_heads(cfg, &t, false),
+                false => Ok(t),
+            }
+            .map(|t| (key, t))
+        };
+        match fused
+            .iter()
+            .find(|(g, _, parts)| *g == group && parts.iter().any(|p| p.0 == part))
+        {
+            Some((_, name, parts)) => {
+                let mut rows = Vec::new();
+                for (p, _) in parts.iter().filter(|p| p.1 > 0) {
+                    let (key, t) = fetch(&mut map, p)?;
+                    done.insert(key);
+                    rows.push(t);
+                }
+                out.push((
+                    format!("model.layers.{layer}.{group}.{name}.{kind}"),
+                    Tensor::cat(&rows, 0)?,
+                ));
+            }
+            None => {
+                let (key, t) = fetch(&mut map, &part)?;
+                done.insert(key.clone());
+                out.push((key, t));
+            }
+        }
+    }
+    Ok(out)
+}
