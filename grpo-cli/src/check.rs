@@ -255,11 +255,18 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // The architectures with pieces of their own, head dim 64: Mistral's sliding window (20
     // positions, shorter than the rows and than a generation), SmolLM3's NoPE layer, Gemma 3's
     // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
-    // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms.
+    // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms,
+    // Phi-3's fused files with three quarters of each head rotating and a window.
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).
-    for arch in [Arch::Mistral, Arch::SmolLM3, Arch::Gemma3, Arch::Olmo2] {
+    for arch in [
+        Arch::Mistral,
+        Arch::SmolLM3,
+        Arch::Gemma3,
+        Arch::Olmo2,
+        Arch::Phi3,
+    ] {
         let name = arch.as_str();
         let loaded = (|| -> Result<_> {
             let mut cfg = wide_cpu.model.cfg.clone();
@@ -269,11 +276,13 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             let g = grpo_rollout::init::preset_config(Preset::Tiny, arch, 2, 1, 0);
             (cfg.activation, cfg.query_pre_attn_scalar) = (g.activation, g.query_pre_attn_scalar);
             cfg.local_rope_theta = g.local_rope_theta;
+            cfg.partial_rotary_factor = g.partial_rotary_factor;
             cfg.nope_layers = match arch {
                 Arch::SmolLM3 => vec![1],
                 _ => vec![],
             };
-            cfg.sliding_window = matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(20);
+            cfg.sliding_window =
+                matches!(arch, Arch::Mistral | Arch::Gemma3 | Arch::Phi3).then_some(20);
             cfg.sliding_layers = match arch {
                 Arch::Gemma3 => vec![0],
                 _ => vec![],

@@ -255,7 +255,8 @@ impl RopeScaling {
                 let original = num("original_max_position_embeddings")
                     .map_or(max_position_embeddings, |x| x as usize);
                 let factor = num("factor");
-                let scale = factor.unwrap_or(max_position_embeddings as f64 / original.max(1) as f64);
+                let scale =
+                    factor.unwrap_or(max_position_embeddings as f64 / original.max(1) as f64);
                 let attention_factor = match num("attention_factor") {
                     Some(a) => a,
                     None if scale <= 1.0 => 1.0,
@@ -532,7 +533,11 @@ impl ModelConfig {
         // configs) or one in the RoPE parameters (transformers 5).
         let partial_rotary_factor = v
             .get("partial_rotary_factor")
-            .or_else(|| rope_dict.as_ref().and_then(|d| d.get("partial_rotary_factor")))
+            .or_else(|| {
+                rope_dict
+                    .as_ref()
+                    .and_then(|d| d.get("partial_rotary_factor"))
+            })
             .and_then(Value::as_f64)
             .filter(|p| *p != 1.0);
         if let Some(p) = partial_rotary_factor
@@ -763,7 +768,10 @@ impl ModelConfig {
             );
         }
         if let Some(RopeScaling::LongRope(l)) = &self.rope_scaling {
-            for (k, f) in [("short_factor", &l.short_factor), ("long_factor", &l.long_factor)] {
+            for (k, f) in [
+                ("short_factor", &l.short_factor),
+                ("long_factor", &l.long_factor),
+            ] {
                 if f.len() != r / 2 {
                     bail!(
                         "rope_scaling.{k} has {} values, expected {} (one per rotary frequency: head_dim × partial_rotary_factor / 2)",

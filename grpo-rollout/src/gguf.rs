@@ -1087,9 +1087,9 @@ pub fn save_gguf(
             md.push((a("rope.scaling.type"), Value::String("linear".into())));
             md.push((a("rope.scaling.factor"), Value::F32(*factor as f32)));
         }
-        Some(RopeScaling::LongRope(_)) => bail!(
-            "LongRoPE scaling is not written to GGUF: export the model as safetensors"
-        ),
+        Some(RopeScaling::LongRope(_)) => {
+            bail!("LongRoPE scaling is not written to GGUF: export the model as safetensors")
+        }
         Some(RopeScaling::Yarn(_)) => bail!(
             "YaRN RoPE scaling is not written to GGUF (llama.cpp's YaRN is not checked against transformers'): export the model as safetensors"
         ),

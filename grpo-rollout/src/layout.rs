@@ -66,7 +66,9 @@ pub fn reorder_heads(cfg: &ModelConfig, t: &Tensor, to_model: bool) -> Result<Te
 }
 
 /// The fused maps of `arch`'s files: `(fused name, [(part name, rows)…])` per layer group.
-pub fn fused_parts(cfg: &ModelConfig) -> Vec<(&'static str, &'static str, [(&'static str, usize); 3])> {
+pub fn fused_parts(
+    cfg: &ModelConfig,
+) -> Vec<(&'static str, &'static str, [(&'static str, usize); 3])> {
     if cfg.arch != Arch::Phi3 {
         return Vec::new();
     }
@@ -74,8 +76,16 @@ pub fn fused_parts(cfg: &ModelConfig) -> Vec<(&'static str, &'static str, [(&'st
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let im = cfg.intermediate_size;
     vec![
-        ("self_attn", "qkv_proj", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]),
-        ("mlp", "gate_up_proj", [("gate_proj", im), ("up_proj", im), ("", 0)]),
+        (
+            "self_attn",
+            "qkv_proj",
+            [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+        ),
+        (
+            "mlp",
+            "gate_up_proj",
+            [("gate_proj", im), ("up_proj", im), ("", 0)],
+        ),
     ]
 }
 
@@ -147,7 +157,12 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             let (layer, rest) = k.strip_prefix("model.layers.")?.split_once('.')?;
             let (group, rest) = rest.split_once('.')?;
             let (part, kind) = rest.split_once('.')?;
-            Some((layer.to_string(), group.to_string(), part.to_string(), kind.to_string()))
+            Some((
+                layer.to_string(),
+                group.to_string(),
+                part.to_string(),
+                kind.to_string(),
+            ))
         };
         let Some((layer, group, part, kind)) = part_of(k) else {
             out.push((k.clone(), map[k].clone()));
@@ -155,9 +170,9 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
         };
         let fetch = |map: &mut std::collections::HashMap<String, Tensor>, part: &str| {
             let key = format!("model.layers.{layer}.{group}.{part}.{kind}");
-            let t = map.remove(&key).ok_or_else(|| {
-                candle_core::Error::msg(format!("weight `{key}` is missing"))
-            })?;
+            let t = map
+                .remove(&key)
+                .ok_or_else(|| candle_core::Error::msg(format!("weight `{key}` is missing")))?;
             match reorder && rotated(part) {
                 true => reorder_heads(cfg, &t, false),
                 false => Ok(t),

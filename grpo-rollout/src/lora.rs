@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Linear, Transformer};
+use crate::model::Transformer;
 
 /// The modules LoRA can target.
 pub const TARGET_MODULES: [&str; 7] = [
@@ -23,6 +23,92 @@ pub const TARGET_MODULES: [&str; 7] = [
     "up_proj",
     "down_proj",
 ];
+
+/// Phi-3's fused modules (q, k, v as `qkv_proj`; gate, up as `gate_up_proj`), which PEFT
+/// adapts as one each: one `A` shared by the parts, `B` rows for each ([`modules`]).
+pub const FUSED_MODULES: [&str; 2] = ["qkv_proj", "gate_up_proj"];
+
+/// One module as PEFT adapts it: its group (`self_attn` / `mlp`), its name, and the model's
+/// linear maps it stands for (indices into [`crate::model::Layer::linears_mut`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Module {
+    /// `self_attn` or `mlp`.
+    pub group: &'static str,
+    /// PEFT's module name.
+    pub name: &'static str,
+    /// The parts, as (name, index into [`crate::model::Layer::linears_mut`]).
+    pub parts: &'static [(&'static str, usize)],
+}
+
+const SEPARATE: [Module; 7] = [
+    Module {
+        group: "self_attn",
+        name: "q_proj",
+        parts: &[("q_proj", 0)],
+    },
+    Module {
+        group: "self_attn",
+        name: "k_proj",
+        parts: &[("k_proj", 1)],
+    },
+    Module {
+        group: "self_attn",
+        name: "v_proj",
+        parts: &[("v_proj", 2)],
+    },
+    Module {
+        group: "self_attn",
+        name: "o_proj",
+        parts: &[("o_proj", 3)],
+    },
+    Module {
+        group: "mlp",
+        name: "gate_proj",
+        parts: &[("gate_proj", 4)],
+    },
+    Module {
+        group: "mlp",
+        name: "up_proj",
+        parts: &[("up_proj", 5)],
+    },
+    Module {
+        group: "mlp",
+        name: "down_proj",
+        parts: &[("down_proj", 6)],
+    },
+];
+
+const PHI3: [Module; 4] = [
+    Module {
+        group: "self_attn",
+        name: "qkv_proj",
+        parts: &[("q_proj", 0), ("k_proj", 1), ("v_proj", 2)],
+    },
+    Module {
+        group: "self_attn",
+        name: "o_proj",
+        parts: &[("o_proj", 3)],
+    },
+    Module {
+        group: "mlp",
+        name: "gate_up_proj",
+        parts: &[("gate_proj", 4), ("up_proj", 5)],
+    },
+    Module {
+        group: "mlp",
+        name: "down_proj",
+        parts: &[("down_proj", 6)],
+    },
+];
+
+/// The modules of `arch` that LoRA can adapt, in PEFT's names: the seven projections, or
+/// Phi-3's four (two of them fused).
+pub fn modules(arch: crate::config::Arch) -> &'static [Module] {
+    match arch {
+        crate::config::Arch::Phi3 => &PHI3,
+        _ => &SEPARATE,
+    }
+}
 
 /// Which modules get adapters (PEFT's `target_modules` / `exclude_modules`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -196,9 +282,13 @@ enum Matcher {
 impl Matcher {
     fn new(t: &TargetModules, field: &str) -> Result<Self> {
         Ok(match t {
-            TargetModules::Pattern(p) if p == ALL_LINEAR => {
-                Self::Names(TARGET_MODULES.map(String::from).to_vec())
-            }
+            TargetModules::Pattern(p) if p == ALL_LINEAR => Self::Names(
+                TARGET_MODULES
+                    .iter()
+                    .chain(&FUSED_MODULES)
+                    .map(|s| s.to_string())
+                    .collect(),
+            ),
             TargetModules::Pattern(p) => Self::Regex(anchored(&format!("^(?:{p})$"), field, p)?),
             TargetModules::Names(v) => Self::Names(v.clone()),
         })
@@ -296,9 +386,9 @@ impl LoraConfig {
                         "lora.{field}: `{m}`: LoRA on the embeddings or the output head is not supported (only {TARGET_MODULES:?})"
                     );
                 }
-                if !TARGET_MODULES.contains(&last) {
+                if !TARGET_MODULES.contains(&last) && !FUSED_MODULES.contains(&last) {
                     bail!(
-                        "lora.{field}: unknown module `{m}`, expected any of {TARGET_MODULES:?} (or \"{ALL_LINEAR}\")"
+                        "lora.{field}: unknown module `{m}`, expected any of {TARGET_MODULES:?} (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), or \"{ALL_LINEAR}\""
                     );
                 }
             }
@@ -600,22 +690,6 @@ pub(crate) fn replay_dropout<T>(saved: &[DropoutState], f: impl FnOnce() -> T) -
     Ok(out)
 }
 
-fn module<'a>(
-    layer: &'a mut crate::model::Layer,
-    name: &str,
-) -> Option<(&'static str, &'a mut Linear)> {
-    Some(match name {
-        "q_proj" => ("self_attn", &mut layer.q_proj),
-        "k_proj" => ("self_attn", &mut layer.k_proj),
-        "v_proj" => ("self_attn", &mut layer.v_proj),
-        "o_proj" => ("self_attn", &mut layer.o_proj),
-        "gate_proj" => ("mlp", &mut layer.gate_proj),
-        "up_proj" => ("mlp", &mut layer.up_proj),
-        "down_proj" => ("mlp", &mut layer.down_proj),
-        _ => return None,
-    })
-}
-
 /// PEFT key of a LoRA factor: `base_model.model.model.layers.{i}.{group}.{module}.lora_{A,B}.weight`.
 pub fn peft_key(layer: usize, group: &str, module: &str, factor: char) -> String {
     format!("{}.lora_{factor}.weight", peft_prefix(layer, group, module))
@@ -625,45 +699,60 @@ fn peft_prefix(layer: usize, group: &str, module: &str) -> String {
     format!("base_model.model.{}", module_name(layer, group, module))
 }
 
-/// Visits every adapter tensor of `model` with its PEFT key: `lora_A.weight`,
-/// `lora_B.weight`, `lora_B.bias` (`lora_bias`), `lora_magnitude_vector` (DoRA), and the
-/// base biases that `bias` trains (`{module}.base_layer.bias` on adapted layers,
-/// `{module}.bias` on the others, as PEFT names them).
+/// Visits every adapter tensor of `model` with its key: `lora_A.weight`, `lora_B.weight`,
+/// `lora_B.bias` (`lora_bias`), `lora_magnitude_vector` (DoRA), and the base biases that `bias`
+/// trains (`{module}.base_layer.bias` on adapted layers, `{module}.bias` on the others, as PEFT
+/// names them). The keys are PEFT's, except on a fused module ([`FUSED_MODULES`]): there `A`
+/// is the module's (one tensor, shared by its parts: a replaced `A` is given to every part)
+/// and the rest each part's, under the part's name (`…self_attn.q_proj.lora_B.weight`, rows in
+/// the model's order); [`to_peft_layout`] joins them as PEFT saves them.
 fn visit(
     model: &mut Transformer,
     bias: &str,
     f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
 ) -> Result<()> {
+    let arch = model.cfg.arch;
     for (i, layer) in model.layers.iter_mut().enumerate() {
-        for m in TARGET_MODULES {
-            let Some((group, lin)) = module(layer, m) else {
-                continue;
-            };
-            let p = peft_prefix(i, group, m);
-            let adapted = lin.lora.is_some();
-            if let Some(l) = lin.lora.as_mut() {
+        let lins = layer.linears_mut();
+        for m in modules(arch) {
+            let p = peft_prefix(i, m.group, m.name);
+            let (_, first) = m.parts[0];
+            let adapted = lins[first].lora.is_some();
+            if let Some(l) = lins[first].lora.as_mut() {
                 f(format!("{p}.lora_A.weight"), &mut l.a)?;
-                f(format!("{p}.lora_B.weight"), &mut l.b)?;
-                if let Some(t) = l.b_bias.as_mut() {
-                    f(format!("{p}.lora_B.bias"), t)?;
+                let a = l.a.clone();
+                for &(_, j) in &m.parts[1..] {
+                    if let Some(l) = lins[j].lora.as_mut() {
+                        l.a = a.clone();
+                    }
                 }
-                if let Some(t) = l.magnitude.as_mut() {
-                    f(format!("{p}.lora_magnitude_vector"), t)?;
-                }
-                l.norm = OnceLock::new();
             }
-            let trained = match bias {
-                "all" => true,
-                "lora_only" => adapted,
-                _ => false,
-            };
-            if let (true, Some(b)) = (trained, lin.bias.as_mut()) {
-                let key = if adapted {
-                    format!("{p}.base_layer.bias")
-                } else {
-                    format!("{p}.bias")
+            for &(part, j) in m.parts {
+                let q = peft_prefix(i, m.group, part);
+                let lin = &mut *lins[j];
+                if let Some(l) = lin.lora.as_mut() {
+                    f(format!("{q}.lora_B.weight"), &mut l.b)?;
+                    if let Some(t) = l.b_bias.as_mut() {
+                        f(format!("{q}.lora_B.bias"), t)?;
+                    }
+                    if let Some(t) = l.magnitude.as_mut() {
+                        f(format!("{q}.lora_magnitude_vector"), t)?;
+                    }
+                    l.norm = OnceLock::new();
+                }
+                let trained = match bias {
+                    "all" => true,
+                    "lora_only" => adapted,
+                    _ => false,
                 };
-                f(key, b)?;
+                if let (true, Some(b)) = (trained, lin.bias.as_mut()) {
+                    let key = if adapted {
+                        format!("{q}.base_layer.bias")
+                    } else {
+                        format!("{q}.bias")
+                    };
+                    f(key, b)?;
+                }
             }
         }
     }
@@ -675,6 +764,114 @@ fn visit(
     // `modules_to_save = ["score"]`, as TRL advises for reward models).
     if let Some(s) = model.score.as_mut() {
         f(SCORE_KEY.to_string(), s)?;
+    }
+    Ok(())
+}
+
+/// The suffixes of a fused module's per-part tensors ([`visit`]).
+const PART_TENSORS: [&str; 3] = ["lora_B.weight", "lora_B.bias", "lora_magnitude_vector"];
+
+/// Adapter tensors by [`visit`]'s keys in PEFT's layout: a fused module's parts joined
+/// (`qkv_proj.lora_B.weight` = q, k, v rows; q and k rows back in transformers' order).
+pub fn to_peft_layout(
+    cfg: &crate::config::ModelConfig,
+    tensors: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    let fused = crate::layout::fused_parts(cfg);
+    if fused.is_empty() {
+        return Ok(tensors);
+    }
+    let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
+    for i in 0..cfg.num_hidden_layers {
+        for (group, name, parts) in &fused {
+            for suffix in PART_TENSORS {
+                let keys: Vec<(String, &str)> = parts
+                    .iter()
+                    .filter(|p| p.1 > 0)
+                    .map(|p| (format!("{}.{suffix}", peft_prefix(i, group, p.0)), p.0))
+                    .collect();
+                if !keys.iter().all(|(k, _)| map.contains_key(k)) {
+                    continue;
+                }
+                let rows = keys
+                    .iter()
+                    .map(|(k, part)| {
+                        let t = map.remove(k).expect("checked above");
+                        match crate::layout::rotated(part) {
+                            true => crate::layout::reorder_heads(cfg, &t, false),
+                            false => Ok(t),
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                map.insert(
+                    format!("{}.{suffix}", peft_prefix(i, group, name)),
+                    Tensor::cat(&rows, 0)?,
+                );
+            }
+        }
+    }
+    let mut out: Vec<(String, Tensor)> = map.into_iter().collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+/// PEFT's adapter tensors (keys without adapter names) in [`visit`]'s layout: a fused module's
+/// `lora_B` rows, `lora_B` bias and DoRA magnitude split into its parts (the inverse of
+/// [`to_peft_layout`]). A fused tensor of the wrong size is an error naming it.
+pub fn from_peft_layout(
+    cfg: &crate::config::ModelConfig,
+    mut map: HashMap<String, Tensor>,
+) -> Result<HashMap<String, Tensor>> {
+    for i in 0..cfg.num_hidden_layers {
+        for (group, name, parts) in crate::layout::fused_parts(cfg) {
+            for suffix in PART_TENSORS {
+                let key = format!("{}.{suffix}", peft_prefix(i, group, name));
+                let Some(t) = map.remove(&key) else {
+                    continue;
+                };
+                let total: usize = parts.iter().map(|p| p.1).sum();
+                if t.dim(0).ok() != Some(total) {
+                    bail!(
+                        "adapter tensor `{key}` has shape {:?}, expected {total} rows",
+                        t.dims()
+                    );
+                }
+                let mut at = 0;
+                for (part, n) in parts.iter().filter(|p| p.1 > 0) {
+                    let piece = t.narrow(0, at, *n)?.contiguous()?;
+                    let piece = match crate::layout::rotated(part) {
+                        true => crate::layout::reorder_heads(cfg, &piece, true)?,
+                        false => piece,
+                    };
+                    map.insert(format!("{}.{suffix}", peft_prefix(i, group, part)), piece);
+                    at += n;
+                }
+            }
+        }
+    }
+    Ok(map)
+}
+
+/// A `target_modules` list that names modules `arch` does not have as PEFT sees them: Phi-3's
+/// q/k/v and gate/up (fused there), or the fused names on the other families.
+fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
+    let TargetModules::Names(v) = &cfg.target_modules else {
+        return Ok(());
+    };
+    let phi3 = arch == crate::config::Arch::Phi3;
+    for m in v {
+        let last = m.rsplit('.').next().unwrap_or(m);
+        if phi3 && ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"].contains(&last) {
+            bail!(
+                "lora.target_modules: `{m}`: Phi-3 stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj` (as PEFT adapts them): name qkv_proj, o_proj, gate_up_proj, down_proj, or \"{ALL_LINEAR}\""
+            );
+        }
+        if !phi3 && FUSED_MODULES.contains(&last) {
+            bail!(
+                "lora.target_modules: `{m}`: only Phi-3 has fused projections; {} has {TARGET_MODULES:?}",
+                arch.as_str()
+            );
+        }
     }
     Ok(())
 }
@@ -701,41 +898,46 @@ pub fn attach(
     let drop_rng = Arc::new(Mutex::new(ChaCha8Rng::seed_from_u64(
         seed ^ 0x9e37_79b9_7f4a_7c15,
     )));
+    check_targets(cfg, model.cfg.arch)?;
+    let arch = model.cfg.arch;
     let mut any = false;
     for (i, layer) in model.layers.iter_mut().enumerate() {
-        for m in TARGET_MODULES {
-            let Some((group, lin)) = module(layer, m) else {
-                continue;
-            };
-            let Some((r, scale)) = resolved.adapter(i, group, m) else {
+        let lins = layer.linears_mut();
+        for m in modules(arch) {
+            let Some((r, scale)) = resolved.adapter(i, m.group, m.name) else {
                 continue;
             };
             any = true;
-            let (o, inp) = lin.weight.dims2()?;
+            // One `A` for the module (its parts share their input), `B` for each part.
+            let inp = lins[m.parts[0].1].weight.dim(1)?;
             let bound = 1.0 / (inp as f64).sqrt();
             let a: Vec<f32> = (0..r * inp)
                 .map(|_| rng.random_range(-bound..bound) as f32)
                 .collect();
             let a = Tensor::from_vec(a, (r, inp), &device)?.to_dtype(dtype)?;
-            let b = Tensor::zeros((o, r), dtype, &device)?;
-            let b_bias = cfg
-                .lora_bias
-                .then(|| Tensor::zeros(o, dtype, &device))
-                .transpose()?;
-            let magnitude = cfg
-                .use_dora
-                .then(|| lin.weight.detach().sqr()?.sum(1)?.sqrt())
-                .transpose()?;
-            lin.lora = Some(Lora {
-                a,
-                b,
-                b_bias,
-                magnitude,
-                scale,
-                dropout: cfg.lora_dropout,
-                rng: drop_rng.clone(),
-                norm: OnceLock::new(),
-            });
+            for &(_, j) in m.parts {
+                let lin = &mut *lins[j];
+                let o = lin.weight.dim(0)?;
+                let b = Tensor::zeros((o, r), dtype, &device)?;
+                let b_bias = cfg
+                    .lora_bias
+                    .then(|| Tensor::zeros(o, dtype, &device))
+                    .transpose()?;
+                let magnitude = cfg
+                    .use_dora
+                    .then(|| lin.weight.detach().sqr()?.sum(1)?.sqrt())
+                    .transpose()?;
+                lin.lora = Some(Lora {
+                    a: a.clone(),
+                    b,
+                    b_bias,
+                    magnitude,
+                    scale,
+                    dropout: cfg.lora_dropout,
+                    rng: drop_rng.clone(),
+                    norm: OnceLock::new(),
+                });
+            }
         }
     }
     if !any {
@@ -803,17 +1005,22 @@ pub fn factors(model: &Transformer, cfg: &LoraConfig) -> Vec<(String, Tensor)> {
 pub fn merge(model: &Transformer) -> Result<Transformer> {
     let mut m = model.detached();
     m.merge_token_delta()?;
+    let arch = m.cfg.arch;
     for (i, layer) in m.layers.iter_mut().enumerate() {
-        for name in TARGET_MODULES {
-            let Some((group, lin)) = module(layer, name) else {
-                continue;
-            };
-            if let Some(l) = lin.lora.take() {
-                let (w, b) = l.merged(&lin.weight, lin.bias.as_ref()).map_err(|e| {
-                    candle_core::Error::msg(format!("{}: {e}", module_name(i, group, name)))
-                })?;
-                lin.weight = w;
-                lin.bias = b;
+        let lins = layer.linears_mut();
+        for module in modules(arch) {
+            for &(part, j) in module.parts {
+                let lin = &mut *lins[j];
+                if let Some(l) = lin.lora.take() {
+                    let (w, b) = l.merged(&lin.weight, lin.bias.as_ref()).map_err(|e| {
+                        candle_core::Error::msg(format!(
+                            "{}: {e}",
+                            module_name(i, module.group, part)
+                        ))
+                    })?;
+                    lin.weight = w;
+                    lin.bias = b;
+                }
             }
         }
     }
@@ -840,7 +1047,12 @@ pub fn save_peft(
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", dir.display())))?;
     // PEFT saves "all-linear" as the module names it stands for.
     let targets = match &cfg.target_modules {
-        TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(TARGET_MODULES),
+        TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(
+            modules(model.cfg.arch)
+                .iter()
+                .map(|m| m.name)
+                .collect::<Vec<_>>()
+        ),
         t => serde_json::json!(t),
     };
     let classifier = model.score.is_some();
@@ -874,7 +1086,7 @@ pub fn save_peft(
         serde_json::to_string_pretty(&config).unwrap_or_default(),
     )
     .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
-    let mut tensors: HashMap<String, Tensor> = factors(model, cfg)
+    let mut tensors: HashMap<String, Tensor> = to_peft_layout(&model.cfg, factors(model, cfg))?
         .into_iter()
         .map(|(k, t)| Ok((k, t.detach().to_dtype(DType::F32)?)))
         .collect::<Result<_>>()?;
@@ -1098,7 +1310,7 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let (dtype, dev) = (model.dtype(), model.device().clone());
     // PEFT may save keys with the adapter name (`lora_A.default.weight`); accept both.
-    let mut tensors: HashMap<String, Tensor> = loaded
+    let tensors: HashMap<String, Tensor> = loaded
         .into_iter()
         .map(|(k, t)| {
             let k = k
@@ -1110,6 +1322,7 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .collect::<Result<_>>()?;
     let in_file =
         |e: candle_core::Error| candle_core::Error::msg(format!("{}: {e}", file.display()));
+    let mut tensors = from_peft_layout(&model.cfg, tensors).map_err(in_file)?;
     // A classifier base with an adapter that did not train its head keeps the base's head.
     if let (Some(s), false) = (&model.score, tensors.contains_key(SCORE_KEY)) {
         tensors.insert(SCORE_KEY.to_string(), s.clone());

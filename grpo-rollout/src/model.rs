@@ -341,7 +341,9 @@ impl Layer {
                 out.push(lo.b.clone());
             }
         }
-        out.retain(|t| t.is_variable());
+        // Phi-3's fused modules give their parts one `A`: each variable once.
+        let mut seen = std::collections::HashSet::new();
+        out.retain(|t| t.is_variable() && seen.insert(t.id()));
         out
     }
 

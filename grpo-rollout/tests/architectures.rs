@@ -18,7 +18,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use grpo_rollout::config::{Arch, ModelConfig};
+use grpo_rollout::config::{Arch, ModelConfig, RopeScaling};
 use grpo_rollout::generate::left_pad;
 use serde_json::Value;
 
@@ -386,4 +386,273 @@ fn bad_nope_and_window_fields_are_named() {
     v["model_type"] = "gemma3".into();
     let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
     assert!(e.contains("gemma3_text"), "{e}");
+}
+
+/// Phi-3's files keep `qkv_proj` and `gate_up_proj` fused: a model saved and read back is the
+/// one loaded (the fused weights byte for byte, q/k rows back in transformers' order under
+/// partial rotary), and the config reads back equal.
+#[test]
+fn phi3_saves_its_fused_layout_and_reads_back_the_same() {
+    let r = reference();
+    for name in ["phi3", "phi3-longrope-partial"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = load_case(&r["cases"][name], tmp.path());
+        let out = tmp.path().join("saved");
+        grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+        let saved = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu).unwrap();
+        let original = grpo_rollout::loader::read_safetensors(
+            &fixtures().join("arch-phi3-micro"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mut keys: Vec<&String> = saved.keys().collect();
+        keys.sort();
+        let mut want: Vec<&String> = original.keys().collect();
+        want.sort();
+        assert_eq!(keys, want, "{name}: the saved names are transformers'");
+        assert!(keys.iter().any(|k| k.ends_with("qkv_proj.weight")));
+        for (k, t) in &saved {
+            let d = (t - &original[k])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(d, 0.0, "{name}: {k}");
+        }
+        let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(back.model.cfg, m.model.cfg, "{name}");
+        assert_eq!(logprobs(&back.model, &r), logprobs(&m.model, &r), "{name}");
+    }
+}
+
+fn phi3_peft() -> Value {
+    let p = fixtures().join("peft-phi3/reference.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+/// Adapters peft wrote on Phi-3's fused modules (one `A` for q, k, v; `B` rows for each; DoRA
+/// magnitudes per row) give peft's log-probs, adapted and merged, on a base whose q/k rows the
+/// model reorders (three quarters of each head rotating), and save back as peft wrote them.
+#[test]
+fn phi3_peft_adapters_on_fused_modules_match_peft() {
+    let r = reference();
+    let p = phi3_peft();
+    let case = serde_json::json!({"model": "arch-phi3-micro", "config": p["config"]});
+    let mut seen = 0;
+    for (name, want) in p["cases"].as_object().unwrap() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = load_case(&case, tmp.path());
+        let dir = fixtures().join("peft-phi3").join(name);
+        let cfg = grpo_rollout::lora::load_peft(&mut m.model, &dir).unwrap();
+        // q, k and v share the module's `A`.
+        let l = &m.model.layers[0];
+        if let (Some(q), Some(v)) = (&l.q_proj.lora, &l.v_proj.lora) {
+            assert_eq!(q.a.id(), v.a.id(), "{name}: one A for qkv_proj");
+        }
+        let flat = |v: &Value| -> Vec<f64> {
+            serde_json::from_value::<Vec<Vec<f64>>>(v.clone())
+                .unwrap()
+                .concat()
+        };
+        let got: Vec<f64> = logprobs(&m.model, &r).iter().map(|x| *x as f64).collect();
+        let d = max_diff(&got, &flat(&want["adapted"]));
+        assert!(d < 1e-4, "{name}: adapted, max |ours - peft| = {d:e}");
+        assert!(
+            max_diff(&got, &flat(&p["base"])) > 0.5,
+            "{name}: the adapter shows"
+        );
+        let merged = grpo_rollout::lora::merge(&m.model).unwrap();
+        let got: Vec<f64> = logprobs(&merged, &r).iter().map(|x| *x as f64).collect();
+        let d = max_diff(&got, &flat(&want["merged"]));
+        assert!(d < 1e-4, "{name}: merged, max |ours - peft| = {d:e}");
+        // Saved again: peft's tensors under peft's keys.
+        let out = tmp.path().join("adapter");
+        grpo_rollout::lora::save_peft(&m.model, &cfg, &out, "base").unwrap();
+        let a = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+        let b = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+        let mut ka: Vec<&String> = a.keys().collect();
+        let mut kb: Vec<&String> = b.keys().collect();
+        ka.sort();
+        kb.sort();
+        assert_eq!(ka, kb, "{name}");
+        for (k, t) in &a {
+            let d = (t - &b[k])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(d, 0.0, "{name}: {k}");
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, 3);
+}
+
+/// Training adapters on Phi-3's fused modules: one variable per module's `A` (PEFT's count of
+/// trainable parameters), whose gradient gathers the q, k and v paths — equal with gradient
+/// checkpointing and to a finite difference (f64). Naming q_proj on Phi-3 is refused.
+#[test]
+fn phi3_lora_trains_one_a_per_fused_module() {
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    use grpo_rollout::policy::TrainableModel;
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let case = r["cases"]["phi3-longrope-partial"].clone();
+    let m = grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F64, &Device::Cpu).unwrap();
+    let cfg = LoraConfig {
+        r: 2,
+        lora_alpha: 4.0,
+        target_modules: TargetModules::Pattern("all-linear".into()),
+        ..LoraConfig::default()
+    };
+    let c = &m.model.cfg;
+    let (h, q, kv, im) = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    );
+    // PEFT's count: qkv_proj (A 2×h, B (q+2kv)×2), o_proj, gate_up_proj, down_proj.
+    let per_layer =
+        (2 * h + (q + 2 * kv) * 2) + (2 * q + h * 2) + (2 * h + 2 * im * 2) + (2 * im + h * 2);
+    let (ids, mask, t) = batch(&r);
+    let grad_of_a = |checkpointing: bool, nudge: f64| {
+        let mut tm = TrainableModel::lora(&m.model, &cfg, 7).unwrap();
+        assert_eq!(tm.num_trainable(), per_layer * c.num_hidden_layers);
+        // B away from zero, so that A's gradient is not zero.
+        let mut filled = std::collections::HashMap::new();
+        for (i, (k, v)) in tm.vars.iter().enumerate() {
+            let t = v.as_tensor();
+            let n = t.elem_count();
+            let noise = Tensor::arange(0f64, n as f64, &Device::Cpu)
+                .unwrap()
+                .affine(0.37, i as f64)
+                .unwrap()
+                .sin()
+                .unwrap()
+                .affine(0.5, 0.0)
+                .unwrap()
+                .reshape(t.shape())
+                .unwrap();
+            let mut x = if k.contains("lora_B") {
+                noise
+            } else {
+                t.copy().unwrap()
+            };
+            if k.ends_with("layers.1.self_attn.qkv_proj.lora_A.weight") {
+                let bump = Tensor::zeros(t.shape(), DType::F64, &Device::Cpu)
+                    .unwrap()
+                    .slice_assign(
+                        &[0..1, 3..4],
+                        &Tensor::full(nudge, (1, 1), &Device::Cpu).unwrap(),
+                    )
+                    .unwrap();
+                x = (x + bump).unwrap();
+            }
+            v.set(&x).unwrap();
+            filled.insert(k.clone(), v.as_tensor().clone());
+        }
+        grpo_rollout::lora::set_factors(&mut tm.model, &cfg, &filled).unwrap();
+        if checkpointing {
+            tm.model.enable_gradient_checkpointing();
+        }
+        let (lp, _) = tm
+            .model
+            .completion_logprobs(&ids, &mask, t, 1.0, false)
+            .unwrap();
+        let loss = lp.sum_all().unwrap();
+        let grads = tm.model.backward(&loss).unwrap();
+        let (_, a) = tm
+            .vars
+            .iter()
+            .find(|(k, _)| k.ends_with("layers.1.self_attn.qkv_proj.lora_A.weight"))
+            .unwrap();
+        let g: Vec<Vec<f64>> = grads.get(a.as_tensor()).unwrap().to_vec2().unwrap();
+        (loss.to_scalar::<f64>().unwrap(), g[0][3])
+    };
+    let (_, plain) = grad_of_a(false, 0.0);
+    let (_, ckpt) = grad_of_a(true, 0.0);
+    let eps = 1e-5;
+    let (up, _) = grad_of_a(false, eps);
+    let (down, _) = grad_of_a(false, -eps);
+    let fd = (up - down) / (2.0 * eps);
+    assert!(plain.abs() > 1e-3, "A's gradient {plain}");
+    assert!(
+        (plain - fd).abs() < 1e-6 * fd.abs().max(1.0),
+        "autograd {plain} vs finite difference {fd}"
+    );
+    assert!(
+        (plain - ckpt).abs() < 1e-9 * plain.abs().max(1.0),
+        "checkpointing {ckpt} vs {plain}"
+    );
+    // q_proj is not a module of Phi-3's as PEFT sees it.
+    let bad = LoraConfig {
+        target_modules: TargetModules::Names(vec!["q_proj".into(), "v_proj".into()]),
+        ..LoraConfig::default()
+    };
+    let e = TrainableModel::lora(&m.model, &bad, 7)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("qkv_proj") && e.contains("`q_proj`"), "{e}");
+}
+
+/// Phi-3's refusals name what to change: GGUF, LongRoPE past the pre-training length, factor
+/// lists of the wrong length, partial rotary elsewhere.
+#[test]
+fn phi3_refusals_are_named() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["phi3-longrope-partial"], tmp.path());
+    let e = gguf_refusal(&m, &tmp.path().join("p.gguf"));
+    assert!(e.contains("Phi-3 has no GGUF form"), "{e}");
+    // 64 positions pre-trained: 70 are refused, naming the field.
+    let rows = vec![(0..70u32).map(|i| 3 + i % 200).collect::<Vec<_>>()];
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let e = m
+        .model
+        .completion_logprobs(&ids, &mask, 4, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("original_max_position_embeddings (64"), "{e}");
+    let mut v: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("arch-phi3-micro/config.json")).unwrap(),
+    )
+    .unwrap();
+    v["rope_parameters"]["rope_type"] = "longrope".into();
+    v["rope_parameters"]["short_factor"] = serde_json::json!([1.0, 2.0]);
+    v["rope_parameters"]["long_factor"] = serde_json::json!([1.0, 2.0, 3.0, 4.0]);
+    let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+    assert!(e.contains("short_factor has 2 values, expected 4"), "{e}");
+    v["model_type"] = "llama".into();
+    v["rope_parameters"] =
+        serde_json::json!({"rope_type": "default", "partial_rotary_factor": 0.5});
+    let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+    assert!(
+        e.contains("partial_rotary_factor = 0.5") && e.contains("llama"),
+        "{e}"
+    );
+    // transformers' Phi3Config defaults: a 4096-position pre-training length, eps 1e-5, no
+    // window.
+    let c = ModelConfig::from_hf_json(&serde_json::json!({
+        "model_type": "phi3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2,
+        "rope_scaling": {"type": "su", "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]},
+        "max_position_embeddings": 16384,
+    }))
+    .unwrap();
+    let Some(RopeScaling::LongRope(l)) = &c.rope_scaling else {
+        panic!("{:?}", c.rope_scaling)
+    };
+    assert_eq!(l.original_max_position_embeddings, 4096);
+    // sqrt(1 + ln 4 / ln 4096)
+    assert!((l.attention_factor - (1.0f64 + 4f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12);
+    assert_eq!((c.rms_norm_eps, c.sliding_window), (1e-5, None));
 }

@@ -37,6 +37,7 @@ fn fused_and_composed_decoders_agree() {
         Arch::SmolLM3,
         Arch::Gemma3,
         Arch::Olmo2,
+        Arch::Phi3,
     ] {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);

@@ -49,6 +49,7 @@ fn frequencies_and_attention_factor_match_transformers() {
             Some(RopeScaling::Llama3(_)) => "llama3",
             Some(RopeScaling::Linear { .. }) => "linear",
             Some(RopeScaling::Dynamic { .. }) => "dynamic",
+            Some(RopeScaling::LongRope(_)) => "longrope",
             Some(RopeScaling::Yarn(_)) => "yarn",
             None => "none",
         });

@@ -168,9 +168,13 @@ impl Learner {
                 let p = dir.join("adapter").join("adapter_model.safetensors");
                 let raw = candle_core::safetensors::load(&p, &self.device)
                     .with_context(|| format!("{}: cannot read the adapter", p.display()))?;
+                // Phi-3's fused modules: their parts' tensors, as the variables hold them.
+                let raw = grpo_rollout::lora::from_peft_layout(&self.policy.model.cfg, raw)
+                    .with_context(|| p.display().to_string())?;
                 // PEFT keys carry the `base_model.model.` prefix and no adapter name.
                 let mut m = HashMap::new();
-                // Our LoRA variables are named by their PEFT keys.
+                // Our LoRA variables are named by their PEFT keys (a fused module's parts by
+                // their own names).
                 for (k, _) in self.opt.vars() {
                     let t = raw
                         .get(k)
