@@ -468,6 +468,16 @@ impl LoraConfig {
         }
     }
 
+    /// This config for a model of `arch`: PEFT's default targets there when `target_modules`
+    /// is the default (`["q_proj", "v_proj"]`, which Phi-3 does not have: its `["qkv_proj"]`).
+    pub fn for_arch(&self, arch: crate::config::Arch) -> Self {
+        let mut c = self.clone();
+        if arch == crate::config::Arch::Phi3 && c.target_modules == peft_targets() {
+            c.target_modules = TargetModules::names(&["qkv_proj"]);
+        }
+        c
+    }
+
     /// The scale of a module without a rank or alpha pattern.
     pub fn scale(&self) -> f64 {
         self.scale_for(self.r, self.lora_alpha)
@@ -1045,6 +1055,7 @@ pub fn save_peft(
 ) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", dir.display())))?;
+    let cfg = &cfg.for_arch(model.cfg.arch);
     // PEFT saves "all-linear" as the module names it stands for.
     let targets = match &cfg.target_modules {
         TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(

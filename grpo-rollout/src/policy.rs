@@ -45,8 +45,10 @@ impl TrainableModel {
     }
 
     /// LoRA: the base frozen (detached), fresh adapters as `Var`s (`B = 0`, so the adapted
-    /// model starts equal to the base).
+    /// model starts equal to the base). The default targets become the architecture's
+    /// ([`LoraConfig::for_arch`]).
     pub fn lora(base: &Transformer, cfg: &LoraConfig, seed: u64) -> Result<Self> {
+        let cfg = &cfg.for_arch(base.cfg.arch);
         let mut model = base.detached();
         for l in model.layers.iter_mut() {
             for lin in l.linears_mut() {

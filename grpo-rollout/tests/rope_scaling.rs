@@ -150,10 +150,14 @@ fn unsupported_scalings_are_refused_by_name() {
             "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": scaling,
         })
     };
+    let e = ModelConfig::from_hf_json(&base(serde_json::json!({"rope_type": "proportional"})))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`proportional`") && e.contains("longrope"), "{e}");
     let e = ModelConfig::from_hf_json(&base(serde_json::json!({"rope_type": "longrope"})))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`longrope`") && e.contains("yarn"), "{e}");
+    assert!(e.contains("rope_scaling.short_factor is missing"), "{e}");
     let e = ModelConfig::from_hf_json(&base(serde_json::json!({"type": "linear"})))
         .unwrap_err()
         .to_string();
