@@ -596,7 +596,11 @@ fn phi3_lora_trains_one_a_per_fused_module() {
     // PEFT's default targets on Phi-3 are its qkv_proj; q_proj is not a module of Phi-3's as
     // PEFT sees it.
     let tm = TrainableModel::lora(&m.model, &LoraConfig::default(), 7).unwrap();
-    assert!(tm.vars.iter().all(|(k, _)| !k.contains("o_proj") && !k.contains("mlp")));
+    assert!(
+        tm.vars
+            .iter()
+            .all(|(k, _)| !k.contains("o_proj") && !k.contains("mlp"))
+    );
     assert!(m.model.layers.iter().all(|l| l.q_proj.lora.is_none()));
     assert!(tm.model.layers.iter().all(|l| l.k_proj.lora.is_some()));
     let bad = LoraConfig {

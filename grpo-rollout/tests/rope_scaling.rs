@@ -153,7 +153,10 @@ fn unsupported_scalings_are_refused_by_name() {
     let e = ModelConfig::from_hf_json(&base(serde_json::json!({"rope_type": "proportional"})))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`proportional`") && e.contains("longrope"), "{e}");
+    assert!(
+        e.contains("`proportional`") && e.contains("longrope"),
+        "{e}"
+    );
     let e = ModelConfig::from_hf_json(&base(serde_json::json!({"rope_type": "longrope"})))
         .unwrap_err()
         .to_string();
