@@ -65,10 +65,20 @@ pub fn reorder_heads(cfg: &ModelConfig, t: &Tensor, to_model: bool) -> Result<Te
     out.reshape(shape)
 }
 
-/// The fused maps of `arch`'s files: `(fused name, [(part name, rows)…])` per layer group.
-pub fn fused_parts(
-    cfg: &ModelConfig,
-) -> Vec<(&'static str, &'static str, [(&'static str, usize); 3])> {
+/// A map that a family's files store fused: its group, its name, and its parts' names and
+/// rows, in order.
+#[derive(Debug, Clone)]
+pub struct Fused {
+    /// `self_attn` or `mlp`.
+    pub group: &'static str,
+    /// The fused map's name (`qkv_proj`).
+    pub name: &'static str,
+    /// The model's maps it holds, with their output rows.
+    pub parts: Vec<(&'static str, usize)>,
+}
+
+/// The fused maps of `cfg`'s family (Phi-3's `qkv_proj` and `gate_up_proj`; none elsewhere).
+pub fn fused_parts(cfg: &ModelConfig) -> Vec<Fused> {
     if cfg.arch != Arch::Phi3 {
         return Vec::new();
     }
@@ -76,16 +86,16 @@ pub fn fused_parts(
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let im = cfg.intermediate_size;
     vec![
-        (
-            "self_attn",
-            "qkv_proj",
-            [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-        ),
-        (
-            "mlp",
-            "gate_up_proj",
-            [("gate_proj", im), ("up_proj", im), ("", 0)],
-        ),
+        Fused {
+            group: "self_attn",
+            name: "qkv_proj",
+            parts: vec![("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+        },
+        Fused {
+            group: "mlp",
+            name: "gate_up_proj",
+            parts: vec![("gate_proj", im), ("up_proj", im)],
+        },
     ]
 }
 
@@ -100,7 +110,7 @@ pub fn rotated(part: &str) -> bool {
 pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
-        for (group, name, parts) in &fused {
+        for Fused { group, name, parts } in &fused {
             for kind in ["weight", "bias"] {
                 let key = format!("model.layers.{i}.{group}.{name}.{kind}");
                 let Some(t) = weights.remove(&key) else {
@@ -114,7 +124,7 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
                     );
                 }
                 let mut at = 0;
-                for (part, n) in parts.iter().filter(|p| p.1 > 0) {
+                for (part, n) in parts {
                     weights.insert(
                         format!("model.layers.{i}.{group}.{part}.{kind}"),
                         t.narrow(0, at, *n)?.contiguous()?,
@@ -181,11 +191,11 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
         };
         match fused
             .iter()
-            .find(|(g, _, parts)| *g == group && parts.iter().any(|p| p.0 == part))
+            .find(|f| f.group == group && f.parts.iter().any(|p| p.0 == part))
         {
-            Some((_, name, parts)) => {
+            Some(Fused { name, parts, .. }) => {
                 let mut rows = Vec::new();
-                for (p, _) in parts.iter().filter(|p| p.1 > 0) {
+                for (p, _) in parts {
                     let (key, t) = fetch(&mut map, p)?;
                     done.insert(key);
                     rows.push(t);

@@ -781,7 +781,7 @@ fn visit(
 /// The suffixes of a fused module's per-part tensors ([`visit`]).
 const PART_TENSORS: [&str; 3] = ["lora_B.weight", "lora_B.bias", "lora_magnitude_vector"];
 
-/// Adapter tensors by [`visit`]'s keys in PEFT's layout: a fused module's parts joined
+/// Adapter tensors by [`factors`]' keys in PEFT's layout: a fused module's parts joined
 /// (`qkv_proj.lora_B.weight` = q, k, v rows; q and k rows back in transformers' order).
 pub fn to_peft_layout(
     cfg: &crate::config::ModelConfig,
@@ -793,11 +793,10 @@ pub fn to_peft_layout(
     }
     let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
     for i in 0..cfg.num_hidden_layers {
-        for (group, name, parts) in &fused {
+        for crate::layout::Fused { group, name, parts } in &fused {
             for suffix in PART_TENSORS {
                 let keys: Vec<(String, &str)> = parts
                     .iter()
-                    .filter(|p| p.1 > 0)
                     .map(|p| (format!("{}.{suffix}", peft_prefix(i, group, p.0)), p.0))
                     .collect();
                 if !keys.iter().all(|(k, _)| map.contains_key(k)) {
@@ -825,7 +824,7 @@ pub fn to_peft_layout(
     Ok(out)
 }
 
-/// PEFT's adapter tensors (keys without adapter names) in [`visit`]'s layout: a fused module's
+/// PEFT's adapter tensors (keys without adapter names) in [`factors`]' layout: a fused module's
 /// `lora_B` rows, `lora_B` bias and DoRA magnitude split into its parts (the inverse of
 /// [`to_peft_layout`]). A fused tensor of the wrong size is an error naming it.
 pub fn from_peft_layout(
@@ -833,7 +832,7 @@ pub fn from_peft_layout(
     mut map: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
     for i in 0..cfg.num_hidden_layers {
-        for (group, name, parts) in crate::layout::fused_parts(cfg) {
+        for crate::layout::Fused { group, name, parts } in crate::layout::fused_parts(cfg) {
             for suffix in PART_TENSORS {
                 let key = format!("{}.{suffix}", peft_prefix(i, group, name));
                 let Some(t) = map.remove(&key) else {
@@ -847,7 +846,7 @@ pub fn from_peft_layout(
                     );
                 }
                 let mut at = 0;
-                for (part, n) in parts.iter().filter(|p| p.1 > 0) {
+                for (part, n) in &parts {
                     let piece = t.narrow(0, at, *n)?.contiguous()?;
                     let piece = match crate::layout::rotated(part) {
                         true => crate::layout::reorder_heads(cfg, &piece, true)?,
@@ -998,7 +997,8 @@ pub fn set_factors(
 }
 
 /// The adapter tensors by PEFT key: the factors, `lora_B` biases, DoRA magnitudes and the
-/// base biases `cfg.bias` trains.
+/// base biases `cfg.bias` trains. On a fused module (Phi-3's) `A` is the module's and the
+/// rest each part's, under the part's name ([`to_peft_layout`] joins them).
 pub fn factors(model: &Transformer, cfg: &LoraConfig) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     let mut m = model.clone();
