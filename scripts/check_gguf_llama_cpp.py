@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks a GGUF file in real llama.cpp (llama-cpp-python) against grpo-rs.
 
-    python scripts/check_gguf_llama_cpp.py FILE.gguf [--prompt P] [--completion C] [--kv-f16]
+    python scripts/check_gguf_llama_cpp.py FILE.gguf [--prompt P] [--completion C] [--kv-f16] [--n-ctx N]
 
 Loads FILE with llama.cpp, compares its tokenisation of a few texts with ours, and the log-probs
 of the completion's tokens given the prompt (llama.cpp's logits, log-softmaxed here) with
@@ -21,6 +21,9 @@ ap.add_argument("--prompt", default="The capital of France is")
 ap.add_argument("--completion", default=" Paris. It is a big city.")
 ap.add_argument("--kv-f16", action="store_true")
 ap.add_argument("--bin", default="target/release/grpo-cli")
+# llama.cpp picks LongRoPE's long factors when its context passes the pre-training length:
+# a context within it compares with transformers' (and our) short factors.
+ap.add_argument("--n-ctx", type=int, default=512)
 a = ap.parse_args()
 
 
@@ -37,7 +40,7 @@ prompt_ids = ours("x", a.prompt)["token_ids"]
 mine = ours(a.prompt, a.completion)
 del vocab
 kv = {} if a.kv_f16 else dict(type_k=0, type_v=0)
-m = Llama(model_path=a.gguf, n_ctx=512, logits_all=True, verbose=False, n_threads=2, **kv)
+m = Llama(model_path=a.gguf, n_ctx=a.n_ctx, logits_all=True, verbose=False, n_threads=2, **kv)
 ids = prompt_ids + mine["token_ids"]
 m.eval(ids)
 s = np.array(m.scores[: len(ids)], dtype=np.float64)

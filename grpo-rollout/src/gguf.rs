@@ -70,10 +70,50 @@ pub fn load_gguf(
             llama3_scaling_from_rope_freqs(&factors, cfg.rope_theta, cfg.head_dim).map_err(ctx)?,
         ));
     }
+    // Phi-3's LongRoPE: its short and long factors as tensors.
+    if content.tensor_infos.contains_key(ROPE_SHORT) {
+        let mut read = |name: &str| -> Result<Vec<f64>> {
+            let v: Vec<f32> = content
+                .tensor(&mut file, name, &Device::Cpu)
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .and_then(|t| t.flatten_all()?.to_vec1())
+                .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
+            Ok(v.into_iter().map(f64::from).collect())
+        };
+        let (short, long) = (
+            read(ROPE_SHORT).map_err(ctx)?,
+            read(ROPE_LONG).map_err(ctx)?,
+        );
+        let key = |k: &str| format!("{}.{k}", cfg.arch.as_str());
+        let md = &content.metadata;
+        let attention_factor = md
+            .get(&key("rope.scaling.attn_factor"))
+            .and_then(as_f64)
+            .unwrap_or(1.0);
+        let original = md
+            .get(&key("rope.scaling.original_context_length"))
+            .and_then(as_u64)
+            .map_or(cfg.max_position_embeddings, |x| x as usize);
+        cfg.rope_scaling = Some(RopeScaling::LongRope(crate::config::LongRopeScaling {
+            short_factor: short,
+            long_factor: long,
+            factor: None,
+            attention_factor,
+            attention_factor_given: true,
+            original_max_position_embeddings: original,
+        }));
+        cfg.validate().map_err(ctx)?;
+    }
     let weights = read_weights(&content, &mut file, &cfg, dtype, device).map_err(ctx)?;
+    let weights = crate::layout::from_hf(&cfg, weights).map_err(ctx)?;
     let tokenizer = tokenizer_from_metadata(&content.metadata).map_err(ctx)?;
     Ok((cfg, weights, tokenizer))
 }
+
+/// llama.cpp's tensors of Phi-3's LongRoPE factors.
+const ROPE_SHORT: &str = "rope_factors_short.weight";
+const ROPE_FREQS: &str = "rope_freqs.weight";
+const ROPE_LONG: &str = "rope_factors_long.weight";
 
 /// Any integer-typed metadata value as `u64` (files differ in the width they use).
 fn as_u64(v: &Value) -> Option<u64> {
@@ -131,7 +171,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
         .ok_or_else(|| {
             err(format!(
-                "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3)"
+                "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3, phi3)"
             ))
         })?;
     let key = |k: &str| format!("{arch_name}.{k}");
@@ -220,7 +260,14 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
         sequence_classification: false,
         initializer_range: None,
-        sliding_window: None,
+        sliding_window: match arch {
+            Arch::Phi3 => md
+                .get(&key("attention.sliding_window"))
+                .and_then(as_u64)
+                .filter(|w| *w > 0)
+                .map(|w| w as usize),
+            _ => None,
+        },
         sliding_layers: Vec::new(),
         // llama.cpp's smollm3: RoPE skipped on every 4th layer.
         nope_layers: match arch {
@@ -230,7 +277,11 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         activation: Default::default(),
         query_pre_attn_scalar: None,
         local_rope_theta: None,
-        partial_rotary_factor: None,
+        // Phi-3's rotary dimensions (`rope.dimension_count`, fewer than a head's: Phi-4-mini).
+        partial_rotary_factor: match (arch, md.get(&key("rope.dimension_count")).and_then(as_u64)) {
+            (Arch::Phi3, Some(r)) if r as usize != head_dim => Some(r as f64 / head_dim as f64),
+            _ => None,
+        },
     };
     cfg.validate()?;
     Ok(cfg)
@@ -310,6 +361,7 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
     }
     let hf = match module {
         "attn_norm" => "input_layernorm",
+        "attn_qkv" => "self_attn.qkv_proj",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
@@ -366,11 +418,15 @@ fn read_weights<R: Read + Seek>(
     names.sort();
     let mut out = WeightMap::new();
     for name in names {
-        if name == "rope_freqs.weight" {
+        if [ROPE_FREQS, ROPE_SHORT, ROPE_LONG].contains(&name.as_str()) {
             continue; // read into the config's RoPE scaling
         }
-        let hf = hf_tensor_name(name)
+        let mut hf = hf_tensor_name(name)
             .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
+        // Phi-3's `ffn_up` holds gate and up (`gate_up_proj`).
+        if cfg.arch == Arch::Phi3 && hf.contains(".mlp.up_proj.") {
+            hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.");
+        }
         let q = content
             .tensor(reader, name, &Device::Cpu)
             .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
@@ -819,6 +875,8 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
     let (module, suffix) = rest.rsplit_once('.')?;
     let g = match module {
         "input_layernorm" => "attn_norm",
+        "self_attn.qkv_proj" => "attn_qkv",
+        "mlp.gate_up_proj" => "ffn_up",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
@@ -1042,14 +1100,22 @@ pub fn save_gguf(
         Arch::Mistral => "llama",
         a => a.as_str(),
     };
-    if matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2 | Arch::Phi3) {
+    if matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2) {
         bail!(
             "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
             match cfg.arch {
                 Arch::Gemma3 => "Gemma 3",
-                Arch::Phi3 => "Phi-3",
                 _ => "OLMo 2",
             }
+        );
+    }
+    // llama.cpp's phi3 reads q, k and v as views of one product at offsets of the hidden size.
+    if cfg.arch == Arch::Phi3 && cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size {
+        bail!(
+            "Phi-3 with {} heads × head_dim {} ≠ hidden_size {} has no GGUF form (llama.cpp's phi3 needs them equal): export it as safetensors",
+            cfg.num_attention_heads,
+            cfg.head_dim,
+            cfg.hidden_size
         );
     }
     if cfg.arch == Arch::SmolLM3
@@ -1087,8 +1153,22 @@ pub fn save_gguf(
             md.push((a("rope.scaling.type"), Value::String("linear".into())));
             md.push((a("rope.scaling.factor"), Value::F32(*factor as f32)));
         }
+        // Phi-3's: the factors as tensors (below), llama.cpp's attention factor and
+        // pre-training length as keys.
+        Some(RopeScaling::LongRope(l)) if cfg.arch == Arch::Phi3 => {
+            md.push((
+                a("rope.scaling.attn_factor"),
+                Value::F32(l.attention_factor as f32),
+            ));
+            md.push((
+                a("rope.scaling.original_context_length"),
+                u(l.original_max_position_embeddings),
+            ));
+        }
         Some(RopeScaling::LongRope(_)) => {
-            bail!("LongRoPE scaling is not written to GGUF: export the model as safetensors")
+            bail!(
+                "LongRoPE scaling is written to GGUF for phi3 only: export the model as safetensors"
+            )
         }
         Some(RopeScaling::Yarn(_)) => bail!(
             "YaRN RoPE scaling is not written to GGUF (llama.cpp's YaRN is not checked against transformers'): export the model as safetensors"
@@ -1101,12 +1181,22 @@ pub fn save_gguf(
         md.push((a("rope.dimension_count"), u(cfg.head_dim)));
         md.push((a("vocab_size"), u(cfg.vocab_size)));
     }
+    if cfg.arch == Arch::Phi3 {
+        // Partial rotary: the first `rotary_dim` of each head (llama.cpp's NEOX pairs, as
+        // transformers'); the window as its converter writes it (0: none).
+        md.push((a("rope.dimension_count"), u(cfg.rotary_dim())));
+        md.push((
+            a("attention.sliding_window"),
+            u(cfg.sliding_window.unwrap_or(0)),
+        ));
+    }
     md.extend(tokenizer_metadata(tokenizer, cfg)?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut written = Vec::new();
     let cpu = Device::Cpu;
-    for (hf, t) in model.weights() {
+    // The family's file layout (Phi-3's fused maps, q/k heads in transformers' order).
+    for (hf, t) in crate::layout::to_hf(cfg, model.weights())? {
         let Some(g) = gguf_tensor_name(&hf) else {
             bail!("tensor `{hf}` has no llama.cpp name");
         };
@@ -1156,6 +1246,14 @@ pub fn save_gguf(
             QTensor::quantize(&t, GgmlDType::F32)?,
         ));
         written.push(("rope_freqs.weight".into(), "F32".into()));
+    } else if let Some(RopeScaling::LongRope(l)) = &cfg.rope_scaling {
+        for (name, f) in [(ROPE_LONG, &l.long_factor), (ROPE_SHORT, &l.short_factor)] {
+            let f: Vec<f32> = f.iter().map(|x| *x as f32).collect();
+            let n = f.len();
+            let t = Tensor::from_vec(f, n, &cpu)?;
+            tensors.push((name.into(), QTensor::quantize(&t, GgmlDType::F32)?));
+            written.push((name.into(), "F32".into()));
+        }
     } else if let Some(RopeScaling::Llama3(_)) = cfg.rope_scaling {
         bail!(
             "Llama 3 RoPE scaling is only written for the llama architecture (llama.cpp reads rope_freqs for llama only)"

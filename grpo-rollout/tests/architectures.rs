@@ -613,15 +613,78 @@ fn phi3_lora_trains_one_a_per_fused_module() {
     assert!(e.contains("qkv_proj") && e.contains("`q_proj`"), "{e}");
 }
 
-/// Phi-3's refusals name what to change: GGUF, LongRoPE past the pre-training length, factor
-/// lists of the wrong length, partial rotary elsewhere.
+/// Phi-3 as llama.cpp's `phi3` GGUF: fused `attn_qkv` and `ffn_up` (gate and up), the rotary
+/// dimensions as `rope.dimension_count`, LongRoPE's factors as `rope_factors_short` /
+/// `rope_factors_long` with its attention factor and pre-training length as keys. Read back,
+/// the model is the one written (log-probs within 1e-5, the config's pieces equal).
+#[test]
+fn phi3_gguf_round_trips() {
+    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
+    let r = reference();
+    for name in ["phi3", "phi3-longrope-partial", "phi3-window-12"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = load_case(&r["cases"][name], tmp.path());
+        let path = tmp.path().join("p.gguf");
+        let written = save_gguf(&m.model, &m.tokenizer, &path, GgufType::F32, "p").unwrap();
+        assert!(
+            written.iter().any(|(n, _)| n == "blk.0.attn_qkv.weight"),
+            "{name}"
+        );
+        assert!(
+            written.iter().all(|(n, _)| !n.contains("ffn_gate")),
+            "{name}"
+        );
+        let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+        let c = &m.model.cfg;
+        assert_eq!(
+            (cfg.arch, cfg.rotary_dim(), cfg.sliding_window),
+            (Arch::Phi3, c.rotary_dim(), c.sliding_window),
+            "{name}"
+        );
+        match (&cfg.rope_scaling, &c.rope_scaling) {
+            (Some(RopeScaling::LongRope(a)), Some(RopeScaling::LongRope(b))) => {
+                // Stored as f32 (as the model uses them).
+                let f32s = |v: &[f64]| v.iter().map(|x| *x as f32).collect::<Vec<_>>();
+                assert_eq!(f32s(&a.short_factor), f32s(&b.short_factor));
+                assert_eq!(f32s(&a.long_factor), f32s(&b.long_factor));
+                assert_eq!(
+                    a.original_max_position_embeddings,
+                    b.original_max_position_embeddings
+                );
+                assert!((a.attention_factor - b.attention_factor).abs() < 1e-6);
+            }
+            (None, None) => {}
+            (a, b) => panic!("{name}: {a:?} vs {b:?}"),
+        }
+        let back =
+            grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu)
+                .unwrap();
+        let (a, b) = (logprobs(&back, &r), logprobs(&m.model, &r));
+        let d = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(d < 1e-5, "{name} through GGUF: {d}");
+    }
+}
+
+/// Phi-3's refusals name what to change: LongRoPE past the pre-training length, factor lists of
+/// the wrong length, partial rotary elsewhere, a GGUF of heads that do not fill the hidden size.
 #[test]
 fn phi3_refusals_are_named() {
     let r = reference();
     let tmp = tempfile::tempdir().unwrap();
     let m = load_case(&r["cases"]["phi3-longrope-partial"], tmp.path());
-    let e = gguf_refusal(&m, &tmp.path().join("p.gguf"));
-    assert!(e.contains("Phi-3 has no GGUF form"), "{e}");
+    let mut wide = m.model.clone();
+    wide.cfg.hidden_size = 64;
+    let wide = grpo_rollout::LoadedModel {
+        model: wide,
+        tokenizer: m.tokenizer.clone(),
+        source: m.source.clone(),
+    };
+    let e = gguf_refusal(&wide, &tmp.path().join("p.gguf"));
+    assert!(e.contains("≠ hidden_size 64") && e.contains("phi3"), "{e}");
     // 64 positions pre-trained: 70 are refused, naming the field.
     let rows = vec![(0..70u32).map(|i| 3 + i % 200).collect::<Vec<_>>()];
     let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
