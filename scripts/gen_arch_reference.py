@@ -15,6 +15,10 @@ per-row position ids), as grpo-rollout's completion_logprobs computes them:
     norm weights drawn too, so that their `1 + w` shows; `query_pre_attn_scalar` 16 against a
     head_dim of 8; RoPE base 1000 on the full layer, 10000 on the sliding ones): window 12, 64,
     the full layer's RoPE scaled (linear, 2), the layer types from `sliding_window_pattern` 2;
+  * arch-gemma2-micro (Gemma2ForCausalLM, 3 layers: sliding, full, sliding as transformers
+    derives them; norm weights drawn; `query_pre_attn_scalar` 16): soft caps 4 on the scores and
+    3 on the logits (small, so that they bind), none, transformers' defaults (50, 30), and a
+    window of 64;
   * arch-olmo2-micro (Olmo2ForCausalLM, 2 layers, untied; norm weights drawn around 1): as it
     is, and with linear RoPE scaling.
 
@@ -82,6 +86,17 @@ MODELS = {
             "gemma3-pattern-2": {"sliding_window_pattern": 2, "layer_types": None},
         },
     ),
+    "arch-gemma2-micro": (
+        "gemma2",
+        dict(num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=16, sliding_window=12,
+             attn_logit_softcapping=4.0, final_logit_softcapping=3.0),
+        {
+            "gemma2-caps": {},
+            "gemma2-no-caps": {"attn_logit_softcapping": None, "final_logit_softcapping": None},
+            "gemma2-default-caps": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+            "gemma2-window-64": {"sliding_window": 64},
+        },
+    ),
     "arch-olmo2-micro": (
         "olmo2",
         dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5),
@@ -136,7 +151,7 @@ def micro_model(path, model_type, kw):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
-            elif model_type == "gemma3_text":
+            elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
             elif model_type == "olmo2":
                 p.normal_(1, 0.3)

@@ -256,7 +256,8 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // positions, shorter than the rows and than a generation), SmolLM3's NoPE layer, Gemma 3's
     // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
     // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms,
-    // Phi-3's fused files with three quarters of each head rotating and a window.
+    // Phi-3's fused files with three quarters of each head rotating and a window, Gemma 2's
+    // soft caps (scores and logits) beside a sliding layer.
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).
@@ -266,6 +267,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         Arch::Gemma3,
         Arch::Olmo2,
         Arch::Phi3,
+        Arch::Gemma2,
     ] {
         let name = arch.as_str();
         let loaded = (|| -> Result<_> {
@@ -277,14 +279,19 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             (cfg.activation, cfg.query_pre_attn_scalar) = (g.activation, g.query_pre_attn_scalar);
             cfg.local_rope_theta = g.local_rope_theta;
             cfg.partial_rotary_factor = g.partial_rotary_factor;
+            (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) =
+                (g.attn_logit_softcapping, g.final_logit_softcapping);
             cfg.nope_layers = match arch {
                 Arch::SmolLM3 => vec![1],
                 _ => vec![],
             };
-            cfg.sliding_window =
-                matches!(arch, Arch::Mistral | Arch::Gemma3 | Arch::Phi3).then_some(20);
+            cfg.sliding_window = matches!(
+                arch,
+                Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Phi3
+            )
+            .then_some(20);
             cfg.sliding_layers = match arch {
-                Arch::Gemma3 => vec![0],
+                Arch::Gemma2 | Arch::Gemma3 => vec![0],
                 _ => vec![],
             };
             let m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;

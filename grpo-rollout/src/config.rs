@@ -25,6 +25,9 @@ pub enum Arch {
     /// `sqrt(hidden)`, sliding-window layers with a RoPE base of their own.
     #[serde(rename = "gemma3_text")]
     Gemma3,
+    /// Gemma 2: Gemma 3's layers without q/k norms, every other layer sliding-window, the
+    /// attention scores and the final logits soft-capped (`cap · tanh(x / cap)`).
+    Gemma2,
     /// OLMo 2: no pre-norms — each sublayer's output normalised before its residual add — and
     /// RMSNorms over all heads' q and k.
     Olmo2,
@@ -56,6 +59,7 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::SmolLM3 => "smollm3",
             Arch::Gemma3 => "gemma3_text",
+            Arch::Gemma2 => "gemma2",
             Arch::Olmo2 => "olmo2",
             Arch::Phi3 => "phi3",
         }
@@ -67,6 +71,12 @@ impl Arch {
         matches!(self, Arch::Llama | Arch::Mistral | Arch::SmolLM3)
     }
 
+    /// Gemma 2 or 3: `1 + w` RMSNorms, the sublayers' outputs normalised, embeddings scaled
+    /// by `sqrt(hidden)`, GELU-tanh by default, `query_pre_attn_scalar`.
+    pub fn gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+
     /// Parses a `model_type`, or fails naming it and listing the supported ones.
     pub fn parse(model_type: &str) -> Result<Self> {
         match model_type {
@@ -76,13 +86,14 @@ impl Arch {
             "mistral" => Ok(Arch::Mistral),
             "smollm3" => Ok(Arch::SmolLM3),
             "gemma3_text" => Ok(Arch::Gemma3),
+            "gemma2" => Ok(Arch::Gemma2),
             "olmo2" => Ok(Arch::Olmo2),
             "phi3" => Ok(Arch::Phi3),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma3_text, olmo2, phi3"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3"
             ),
         }
     }
@@ -393,6 +404,12 @@ pub struct ModelConfig {
     /// 0.75); `None`: all of them. See [`Self::rotary_dim`].
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
+    /// Gemma 2's cap on the attention scores: `cap · tanh(s / cap)` before the mask.
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma 2's cap on the output logits, `cap · tanh(z / cap)`.
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 /// Every `every`-th of `layers` layers (1-based: the `every − 1`-th, ...): SmolLM3's NoPE
@@ -455,7 +472,7 @@ impl ModelConfig {
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
                 Arch::Qwen3 => 128,
-                Arch::Gemma3 => 256,
+                Arch::Gemma2 | Arch::Gemma3 => 256,
                 _ => hidden_size / num_attention_heads.max(1),
             });
         // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`; Gemma 3's
@@ -508,6 +525,7 @@ impl ModelConfig {
                 Arch::Phi3 => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
                 Arch::Mistral | Arch::Gemma3 => 4096 * 32,
+                Arch::Gemma2 => 8192,
             }) as usize;
         let mut rope_dict = v
             .get("rope_scaling")
@@ -553,18 +571,30 @@ impl ModelConfig {
             None => "hidden_act",
         };
         let activation = match v.get(act_key).and_then(Value::as_str) {
-            None if arch == Arch::Gemma3 => Activation::GeluPytorchTanh,
+            None if arch.gemma() => Activation::GeluPytorchTanh,
             None | Some("silu" | "swish") => Activation::Silu,
             Some("gelu_pytorch_tanh") => Activation::GeluPytorchTanh,
             Some(act) => bail!(
                 "{act_key} `{act}` is not supported (the gated MLP takes silu or gelu_pytorch_tanh)"
             ),
         };
-        for k in ["attn_logit_softcapping", "final_logit_softcapping"] {
-            if let Some(x) = v.get(k).filter(|x| !x.is_null()) {
-                bail!("{k} = {x} is not supported (Gemma 2's soft-capping; Gemma 3 has none)");
+        // Gemma 2's soft-capping (transformers' defaults 50 and 30; null switches it off);
+        // elsewhere refused by name.
+        let softcap = |k: &str, default: f64| -> Result<Option<f64>> {
+            match (arch, v.get(k)) {
+                (Arch::Gemma2, None) => Ok(Some(default)),
+                (_, None | Some(Value::Null)) => Ok(None),
+                (Arch::Gemma2, Some(x)) => match x.as_f64().filter(|c| *c > 0.0) {
+                    Some(c) => Ok(Some(c)),
+                    None => bail!("field `{k}` must be a positive number or null, not {x}"),
+                },
+                (_, Some(x)) => {
+                    bail!("{k} = {x} is not supported for {model_type} (Gemma 2's soft-capping)")
+                }
             }
-        }
+        };
+        let attn_logit_softcapping = softcap("attn_logit_softcapping", 50.0)?;
+        let final_logit_softcapping = softcap("final_logit_softcapping", 30.0)?;
         if flag("use_bidirectional_attention", false) {
             bail!("use_bidirectional_attention = true is not supported (a causal language model)");
         }
@@ -614,7 +644,7 @@ impl ModelConfig {
                     "field `sliding_window` must be a positive integer or null, not {w}"
                 ))
             })? as usize),
-            None if matches!(arch, Arch::Mistral | Arch::Gemma3) => Some(4096),
+            None if matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3) => Some(4096),
             None => None,
         };
         // The layers `layer_types` names sliding, where it is given.
@@ -639,6 +669,8 @@ impl ModelConfig {
                         .collect()
                 }
             },
+            // Gemma 2: `layer_types`, else every other layer from the first.
+            Arch::Gemma2 => listed.unwrap_or_else(|| (0..num_hidden_layers).step_by(2).collect()),
             Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 if !flag("use_sliding_window", false) => {
                 Vec::new()
             }
@@ -654,9 +686,9 @@ impl ModelConfig {
                 }
             },
         };
-        if arch == Arch::Gemma3 && window.is_none() {
+        if arch.gemma() && window.is_none() {
             bail!(
-                "sliding_window = null is not supported for gemma3_text (its sliding layers' own RoPE base comes with the window)"
+                "sliding_window = null is not supported for {model_type} (its sliding layers come with the window)"
             );
         }
         let (sliding_window, sliding_layers) = match window {
@@ -686,17 +718,20 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            // transformers' defaults: SmolLM3Config and Gemma3TextConfig tie, the others do not.
+            // transformers' defaults: SmolLM3Config and the Gemma configs tie, the others do not.
             tie_word_embeddings: flag(
                 "tie_word_embeddings",
-                matches!(arch, Arch::SmolLM3 | Arch::Gemma3),
+                matches!(arch, Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3),
             ),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
                 Arch::Mistral | Arch::Phi3 => false,
-                Arch::Llama | Arch::Qwen3 | Arch::SmolLM3 | Arch::Gemma3 | Arch::Olmo2 => {
-                    flag("attention_bias", false)
-                }
+                Arch::Llama
+                | Arch::Qwen3
+                | Arch::SmolLM3
+                | Arch::Gemma2
+                | Arch::Gemma3
+                | Arch::Olmo2 => flag("attention_bias", false),
             },
             mlp_bias: !matches!(arch, Arch::Mistral | Arch::Phi3) && flag("mlp_bias", false),
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
@@ -716,7 +751,7 @@ impl ModelConfig {
             nope_layers,
             activation,
             query_pre_attn_scalar: match arch {
-                Arch::Gemma3 => Some(
+                Arch::Gemma2 | Arch::Gemma3 => Some(
                     v.get("query_pre_attn_scalar")
                         .and_then(Value::as_f64)
                         .unwrap_or(256.0),
@@ -725,6 +760,8 @@ impl ModelConfig {
             },
             local_rope_theta,
             partial_rotary_factor,
+            attn_logit_softcapping,
+            final_logit_softcapping,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -796,6 +833,7 @@ impl ModelConfig {
                     Arch::Mistral => "Mistral",
                     Arch::SmolLM3 => "SmolLM3",
                     Arch::Gemma3 => "Gemma3",
+                    Arch::Gemma2 => "Gemma2",
                     Arch::Olmo2 => "Olmo2",
                     Arch::Phi3 => "Phi3",
                 },
@@ -833,7 +871,7 @@ impl ModelConfig {
         }
         if matches!(
             self.arch,
-            Arch::Llama | Arch::SmolLM3 | Arch::Gemma3 | Arch::Olmo2
+            Arch::Llama | Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -845,16 +883,28 @@ impl ModelConfig {
             Activation::GeluPytorchTanh => "gelu_pytorch_tanh",
         };
         obj.insert("hidden_act".into(), act.into());
-        if self.arch == Arch::Gemma3 {
+        if self.arch.gemma() {
             obj.insert("hidden_activation".into(), act.into());
-            // An integer in transformers' (strictly typed) Gemma3TextConfig.
+            // An integer in transformers' (strictly typed) Gemma configs.
             let scalar = self.query_pre_attn_scalar.unwrap_or(256.0);
             let scalar: Value = match scalar.fract() == 0.0 {
                 true => (scalar as i64).into(),
                 false => scalar.into(),
             };
             obj.insert("query_pre_attn_scalar".into(), scalar);
+        }
+        if self.arch == Arch::Gemma3 {
             obj.insert("rope_local_base_freq".into(), self.local_rope_theta.into());
+        }
+        if self.arch == Arch::Gemma2 {
+            obj.insert(
+                "attn_logit_softcapping".into(),
+                self.attn_logit_softcapping.into(),
+            );
+            obj.insert(
+                "final_logit_softcapping".into(),
+                self.final_logit_softcapping.into(),
+            );
         }
         if self.arch == Arch::SmolLM3 {
             let rope: Vec<u32> = (0..self.num_hidden_layers)
@@ -883,8 +933,8 @@ impl ModelConfig {
                         false => "full_attention",
                     })
                     .collect();
-                // Gemma 3 always windows its sliding layers; the others switch it on.
-                if arch != Arch::Gemma3 {
+                // Gemma always windows its sliding layers; the others switch it on.
+                if !arch.gemma() {
                     obj.insert("use_sliding_window".into(), true.into());
                 }
                 obj.insert("sliding_window".into(), w.into());
@@ -947,7 +997,7 @@ impl ModelConfig {
 
     /// Gemma's RMSNorms scale by `1 + w` (their weights are stored as `w`).
     pub fn unit_offset_norms(&self) -> bool {
-        self.arch == Arch::Gemma3
+        self.arch.gemma()
     }
 
     /// Number of parameters (tied embeddings counted once).
@@ -962,7 +1012,7 @@ impl ModelConfig {
         if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
             layer += 2 * self.head_dim;
         }
-        if self.arch == Arch::Gemma3 {
+        if self.arch.gemma() {
             layer += 2 * h; // the sublayers' output norms
         }
         if self.arch == Arch::Olmo2 {

@@ -1425,6 +1425,49 @@ pub fn attention_composed(
     ctx.transpose(1, 2)?.reshape((b * l, nh * d))
 }
 
+/// Attention with the scores soft-capped (Gemma 2's `attn_logit_softcapping`):
+/// `softmax(cap · tanh(q kᵀ · scale / cap) + bias) v`, shapes as [`attention`]'s. No fused
+/// kernel takes the cap: on a training graph it is one recomputed node (scores and
+/// probabilities not kept for backward; `GRPO_FUSED=0` composes), elsewhere the composition.
+pub fn softcapped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    cap: f64,
+) -> Result<Tensor> {
+    let tracked = tape::needs_grad(q) || tape::needs_grad(k) || tape::needs_grad(v);
+    if tracked && path(q) != Path::Composed {
+        let bias = bias.detach();
+        return Recompute::new("softcapped_attention", move |a, _| {
+            softcapped_attention_composed(&a[0], &a[1], &a[2], &bias, scale, cap)
+        })
+        .apply(&[q, k, v]);
+    }
+    softcapped_attention_composed(q, k, v, bias, scale, cap)
+}
+
+/// [`softcapped_attention`] as a composition of candle ops.
+pub fn softcapped_attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    cap: f64,
+) -> Result<Tensor> {
+    let (b, nh, l, d) = q.dims4()?;
+    let (_, nkv, s, _) = k.dims4()?;
+    let rep = nh / nkv;
+    let qg = q.reshape((b, nkv, rep * l, d))?;
+    let scores = matmul(&qg, &k.t()?)?.reshape((b, nh, l, s))?;
+    let capped = ((scores * (scale / cap))?.tanh()? * cap)?;
+    let probs = attention_softmax_composed(&capped, bias, 1.0)?.reshape((b, nkv, rep * l, s))?;
+    let ctx = matmul(&probs, v)?.reshape((b, nh, l, d))?;
+    ctx.transpose(1, 2)?.reshape((b * l, nh * d))
+}
+
 #[derive(Debug, Clone)]
 struct AttentionOp {
     bias: Tensor,

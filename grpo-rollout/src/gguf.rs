@@ -282,6 +282,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             (Arch::Phi3, Some(r)) if r as usize != head_dim => Some(r as f64 / head_dim as f64),
             _ => None,
         },
+        attn_logit_softcapping: None,
+        final_logit_softcapping: None,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -1100,10 +1102,11 @@ pub fn save_gguf(
         Arch::Mistral => "llama",
         a => a.as_str(),
     };
-    if matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2) {
+    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2) {
         bail!(
             "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
             match cfg.arch {
+                Arch::Gemma2 => "Gemma 2",
                 Arch::Gemma3 => "Gemma 3",
                 _ => "OLMo 2",
             }

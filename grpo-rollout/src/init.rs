@@ -200,7 +200,7 @@ pub fn preset_config(
         sequence_classification: false,
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
-        sliding_window: matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(4096),
+        sliding_window: matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3).then_some(4096),
         sliding_layers: Vec::new(),
         nope_layers: match arch {
             Arch::SmolLM3 => crate::config::nope_every(layers, 4),
@@ -209,13 +209,16 @@ pub fn preset_config(
         // Gemma 3's: GELU-tanh, scores scaled by 256^-1/2, a local RoPE base of 10000 on the
         // sliding layers (every layer but each 6th: here all of them, with a window of 4096).
         activation: match arch {
-            Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
+            Arch::Gemma2 | Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
             _ => crate::config::Activation::Silu,
         },
-        query_pre_attn_scalar: (arch == Arch::Gemma3).then_some(256.0),
+        query_pre_attn_scalar: arch.gemma().then_some(256.0),
         local_rope_theta: (arch == Arch::Gemma3).then_some(10_000.0),
         // Phi-4-mini's three quarters of each head rotating.
         partial_rotary_factor: (arch == Arch::Phi3).then_some(0.75),
+        // Gemma 2's soft caps (transformers' defaults).
+        attn_logit_softcapping: (arch == Arch::Gemma2).then_some(50.0),
+        final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
     }
 }
 
@@ -252,7 +255,7 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch.llama_like() || matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2) {
+            if cfg.arch.llama_like() || cfg.arch.gemma() || cfg.arch == Arch::Olmo2 {
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
@@ -273,7 +276,7 @@ pub fn random_weights(
             vec![h],
             true,
         ));
-        if cfg.arch == Arch::Gemma3 {
+        if cfg.arch.gemma() {
             for n in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
                 shapes.push((format!("{p}.{n}.weight"), vec![h], true));
             }

@@ -476,7 +476,7 @@ impl Layer {
         v: &Tensor,
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
-        let ctx = crate::fused::causal_attention(q, k, v, &c.bias, c.scale)?;
+        let ctx = c.attention(q, k, v)?;
         let x = match &self.attn_out_norm {
             Some(n) => (x + n.forward(&self.o_proj.forward(&ctx)?)?)?,
             None => self.o_proj.forward_residual(x, &ctx)?,
@@ -532,7 +532,12 @@ impl Layer {
         next: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let ctx = match self.packed(&self.qkv, &attn) {
+        // The cache kernel takes no soft cap (Gemma 2): its layers write the cache and attend
+        // apart.
+        let pack = self
+            .packed(&self.qkv, &attn)
+            .filter(|_| c.softcap.is_none());
+        let ctx = match pack {
             Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
                 let shape = (c.b, c.l, c.nh + 2 * c.nkv, c.hd);
                 match &p.linear.bias {
@@ -562,7 +567,7 @@ impl Layer {
                 let (q, k, v) = self.projections(c, h)?;
                 let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
                 let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
-                crate::fused::causal_attention(&q, &k, &v, &c.bias, c.scale)?
+                c.attention(&q, &k, &v)?
             }
         };
         let mut o = self.o_proj.forward(&ctx)?;
@@ -967,7 +972,7 @@ impl KvCache {
 /// (our `post_attention_layernorm`, `attn_out_norm`, `mlp_out_norm`).
 fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
     match arch {
-        Arch::Gemma3 => [
+        Arch::Gemma2 | Arch::Gemma3 => [
             "pre_feedforward_layernorm",
             "post_attention_layernorm",
             "post_feedforward_layernorm",
@@ -990,6 +995,19 @@ struct LayerCtx {
     sin: Tensor,
     bias: Tensor,
     scale: f64,
+    /// Gemma 2's cap on the attention scores.
+    softcap: Option<f64>,
+}
+
+impl LayerCtx {
+    /// The attention of `q` over `k`, `v` ([`crate::fused::causal_attention`], or with the
+    /// scores soft-capped).
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        match self.softcap {
+            Some(cap) => crate::fused::softcapped_attention(q, k, v, &self.bias, self.scale, cap),
+            None => crate::fused::causal_attention(q, k, v, &self.bias, self.scale),
+        }
+    }
 }
 
 /// What a forward pass does with each layer's keys and values.
@@ -1406,7 +1424,7 @@ impl Transformer {
                 identity: true,
             })
         };
-        let output_norms = matches!(cfg.arch, Arch::Gemma3 | Arch::Olmo2);
+        let output_norms = cfg.arch.gemma() || cfg.arch == Arch::Olmo2;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -1959,10 +1977,11 @@ impl Transformer {
     /// takes the one-kernel cache pass (packed q/k/v), whose launch reads the cached length
     /// from the device.
     pub(crate) fn graphable(&self) -> bool {
-        self.layers.iter().all(|l| {
-            l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
-                .is_some()
-        })
+        self.cfg.attn_logit_softcapping.is_none()
+            && self.layers.iter().all(|l| {
+                l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
+                    .is_some()
+            })
     }
 
     /// Output head weight `(vocab, hidden)` as stored (without trainable tokens; the forward
@@ -2060,6 +2079,7 @@ impl Transformer {
             sin,
             bias: layer_bias(attn_bias)?,
             scale: cfg.attention_scale(),
+            softcap: cfg.attn_logit_softcapping,
         };
         // Variants of `ctx` for the layers that differ. SmolLM3's NoPE layers rotate by
         // nothing: cos 1 and sin 0 (x·1 − y·0 is x exactly), made on the device from the rows'
@@ -2125,7 +2145,7 @@ impl Transformer {
         let mut x = self
             .embedding_weight()?
             .index_select(&input_ids.flatten_all()?, 0)?;
-        if cfg.arch == Arch::Gemma3 {
+        if cfg.arch.gemma() {
             // Gemma's embeddings times sqrt(hidden), the factor rounded to the weights' dtype
             // as transformers' `Gemma3TextScaledWordEmbedding` rounds it.
             let scale = (cfg.hidden_size as f64).sqrt() as f32;
@@ -2201,11 +2221,12 @@ impl Transformer {
     /// chunks of a pass: with trainable tokens it is a composition).
     fn logits_with(&self, hidden: &Tensor, head: &Tensor) -> Result<Tensor> {
         let hidden = &self.for_head(hidden)?;
-        if self.decoding && hidden.dim(0)? <= DECODE_ROWS {
-            head.matmul(&hidden.t()?.contiguous()?)?.t()?.contiguous()
+        let logits = if self.decoding && hidden.dim(0)? <= DECODE_ROWS {
+            head.matmul(&hidden.t()?.contiguous()?)?.t()?.contiguous()?
         } else {
-            crate::fused::frozen_linear(hidden, head)
-        }
+            crate::fused::frozen_linear(hidden, head)?
+        };
+        soft_cap(logits, self.cfg.final_logit_softcapping)
     }
 
     /// Full-sequence forward on a left-padded batch: `input_ids` `(B, L)` and
@@ -2573,6 +2594,7 @@ impl Transformer {
                 // Head, log-softmax and entropy as one node that keeps only the hidden rows:
                 // no (rows, vocab) logits, in any dtype, are stored for backward.
                 let head = head_w.clone();
+                let cap = self.cfg.final_logit_softcapping;
                 let out = Recompute::new("head_logprobs", move |a, recomputing| {
                     // The indicator has no gradient: zeros when backward recomputes.
                     let top1 = match (with_top1, recomputing) {
@@ -2580,7 +2602,7 @@ impl Transformer {
                         (true, true) => Top1::Zeros,
                         (true, false) => Top1::Compute,
                     };
-                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1)
+                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1, cap)
                 })
                 .apply(&[&hc, &head])?;
                 lps.push(out.narrow(1, 0, 1)?.squeeze(1)?);
@@ -2794,6 +2816,14 @@ fn top1_of(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     at.ge(&logits.max(1)?)?.to_dtype(DType::F32)
 }
 
+/// Gemma 2's cap on the output logits, `cap · tanh(z / cap)` (`None`: `z`).
+fn soft_cap(logits: Tensor, cap: Option<f64>) -> Result<Tensor> {
+    match cap {
+        Some(c) => (logits / c)?.tanh()? * c,
+        None => Ok(logits),
+    }
+}
+
 /// Log-probs of `targets` under `h · headᵀ / temperature` (and entropies): `(N, 1)`, or `(N, 2)`
 /// with the entropy in the second column.
 fn head_logprobs(
@@ -2803,8 +2833,9 @@ fn head_logprobs(
     temperature: f64,
     with_entropy: bool,
     top1: Top1,
+    cap: Option<f64>,
 ) -> Result<Tensor> {
-    let mut logits = crate::fused::frozen_linear(h, head)?;
+    let mut logits = soft_cap(crate::fused::frozen_linear(h, head)?, cap)?;
     if temperature != 1.0 && temperature > 0.0 {
         logits = (logits / temperature)?;
     }

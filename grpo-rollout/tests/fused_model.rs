@@ -38,6 +38,7 @@ fn fused_and_composed_decoders_agree() {
         Arch::Gemma3,
         Arch::Olmo2,
         Arch::Phi3,
+        Arch::Gemma2,
     ] {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
@@ -45,11 +46,16 @@ fn fused_and_composed_decoders_agree() {
                 Arch::SmolLM3 => vec![0],
                 _ => vec![],
             };
-            c.sliding_window = matches!(arch, Arch::Mistral | Arch::Gemma3).then_some(4);
+            c.sliding_window =
+                matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3).then_some(4);
             c.sliding_layers = match arch {
-                Arch::Gemma3 => vec![1],
+                Arch::Gemma2 | Arch::Gemma3 => vec![1],
                 _ => vec![],
             };
+            if arch == Arch::Gemma2 {
+                // Caps that bind on these small random weights.
+                (c.attn_logit_softcapping, c.final_logit_softcapping) = (Some(0.5), Some(2.0));
+            }
             c.hidden_size = 32;
             c.num_attention_heads = 4;
             c.num_key_value_heads = 2;

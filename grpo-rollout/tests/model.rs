@@ -31,6 +31,12 @@ fn cfg(arch: Arch) -> ModelConfig {
         c.sliding_window = Some(5);
         c.sliding_layers = vec![0]; // a sliding layer and a full one
     }
+    if arch == Arch::Gemma2 {
+        c.sliding_window = Some(5);
+        c.sliding_layers = vec![0];
+        // Caps that bind on these small random weights.
+        (c.attn_logit_softcapping, c.final_logit_softcapping) = (Some(0.5), Some(2.0));
+    }
     if arch == Arch::Phi3 {
         c.sliding_window = Some(5); // beside 6 of 8 dimensions rotating (the preset's 0.75)
     }
@@ -38,7 +44,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 8] = [
+const ARCHES: [Arch; 9] = [
     Arch::Llama,
     Arch::Qwen2,
     Arch::Qwen3,
@@ -47,6 +53,7 @@ const ARCHES: [Arch; 8] = [
     Arch::Gemma3,
     Arch::Olmo2,
     Arch::Phi3,
+    Arch::Gemma2,
 ];
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
