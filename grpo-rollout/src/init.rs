@@ -201,7 +201,11 @@ pub fn preset_config(
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
         sliding_window: matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3).then_some(4096),
-        sliding_layers: Vec::new(),
+        // Gemma 2's: every other layer from the first (the others: all of them).
+        sliding_layers: match arch {
+            Arch::Gemma2 if layers > 1 => (0..layers).step_by(2).collect(),
+            _ => Vec::new(),
+        },
         nope_layers: match arch {
             Arch::SmolLM3 => crate::config::nope_every(layers, 4),
             _ => Vec::new(),
