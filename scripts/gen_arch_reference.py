@@ -19,6 +19,9 @@ per-row position ids), as grpo-rollout's completion_logprobs computes them:
     derives them; norm weights drawn; `query_pre_attn_scalar` 16): soft caps 4 on the scores and
     3 on the logits (small, so that they bind), none, transformers' defaults (50, 30), and a
     window of 64;
+  * arch-granite-micro (GraniteForCausalLM, 2 layers, tied): embedding, attention, residual
+    multipliers 3, 0.2, 0.5 and logits_scaling 2.5; and all at their neutral values (the
+    attention's 8^-1/2: llama's);
   * arch-olmo2-micro (Olmo2ForCausalLM, 2 layers, untied; norm weights drawn around 1): as it
     is, and with linear RoPE scaling.
 
@@ -95,6 +98,16 @@ MODELS = {
             "gemma2-no-caps": {"attn_logit_softcapping": None, "final_logit_softcapping": None},
             "gemma2-default-caps": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
             "gemma2-window-64": {"sliding_window": 64},
+        },
+    ),
+    "arch-granite-micro": (
+        "granite",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=True, embedding_multiplier=3.0,
+             attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5),
+        {
+            "granite": {},
+            "granite-unit": {"embedding_multiplier": 1.0, "attention_multiplier": 0.35355339059327373,
+                             "residual_multiplier": 1.0, "logits_scaling": 1.0},
         },
     ),
     "arch-olmo2-micro": (

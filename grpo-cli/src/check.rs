@@ -257,7 +257,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
     // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms,
     // Phi-3's fused files with three quarters of each head rotating and a window, Gemma 2's
-    // soft caps (scores and logits) beside a sliding layer.
+    // soft caps (scores and logits) beside a sliding layer, Granite's four multipliers.
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).
@@ -268,6 +268,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
         Arch::Olmo2,
         Arch::Phi3,
         Arch::Gemma2,
+        Arch::Granite,
     ] {
         let name = arch.as_str();
         let loaded = (|| -> Result<_> {
@@ -281,6 +282,10 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             cfg.partial_rotary_factor = g.partial_rotary_factor;
             (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) =
                 (g.attn_logit_softcapping, g.final_logit_softcapping);
+            cfg.granite = g.granite.map(|mut s| {
+                s.attention_multiplier = 1.0 / (cfg.head_dim as f64).sqrt();
+                s
+            });
             cfg.nope_layers = match arch {
                 Arch::SmolLM3 => vec![1],
                 _ => vec![],

@@ -31,6 +31,11 @@ pub enum Arch {
     /// OLMo 2: no pre-norms — each sublayer's output normalised before its residual add — and
     /// RMSNorms over all heads' q and k.
     Olmo2,
+    /// IBM Granite 3.x (`granite`): llama's layers with four scalars — the embeddings times
+    /// `embedding_multiplier`, the attention scores times `attention_multiplier` (in place of
+    /// `head_dim^-1/2`), each sublayer's output times `residual_multiplier` before its residual
+    /// add, the logits divided by `logits_scaling`.
+    Granite,
     /// Phi-3 / Phi-3.5 / Phi-4 (`phi3`): llama's layers with q, k, v stored as one `qkv_proj`
     /// and gate, up as one `gate_up_proj` (split on load, joined on save: [`crate::layout`]),
     /// partial rotary embeddings (`partial_rotary_factor`, Phi-4-mini), LongRoPE, a window on
@@ -62,13 +67,17 @@ impl Arch {
             Arch::Gemma2 => "gemma2",
             Arch::Olmo2 => "olmo2",
             Arch::Phi3 => "phi3",
+            Arch::Granite => "granite",
         }
     }
 
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
     /// `attention_bias` (where the family has it) also biases `o_proj`.
     pub fn llama_like(self) -> bool {
-        matches!(self, Arch::Llama | Arch::Mistral | Arch::SmolLM3)
+        matches!(
+            self,
+            Arch::Llama | Arch::Mistral | Arch::SmolLM3 | Arch::Granite
+        )
     }
 
     /// Gemma 2 or 3: `1 + w` RMSNorms, the sublayers' outputs normalised, embeddings scaled
@@ -89,11 +98,12 @@ impl Arch {
             "gemma2" => Ok(Arch::Gemma2),
             "olmo2" => Ok(Arch::Olmo2),
             "phi3" => Ok(Arch::Phi3),
+            "granite" => Ok(Arch::Granite),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite"
             ),
         }
     }
@@ -410,6 +420,22 @@ pub struct ModelConfig {
     /// Gemma 2's cap on the output logits, `cap · tanh(z / cap)`.
     #[serde(default)]
     pub final_logit_softcapping: Option<f64>,
+    /// Granite's four scalars (transformers' defaults 1).
+    #[serde(default)]
+    pub granite: Option<GraniteScalars>,
+}
+
+/// IBM Granite's multipliers ([`Arch::Granite`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GraniteScalars {
+    /// The embeddings' factor.
+    pub embedding_multiplier: f64,
+    /// The attention scores' scale (in place of `head_dim^-1/2`).
+    pub attention_multiplier: f64,
+    /// Each sublayer's output factor before its residual add.
+    pub residual_multiplier: f64,
+    /// The logits' divisor.
+    pub logits_scaling: f64,
 }
 
 /// Every `every`-th of `layers` layers (1-based: the `every − 1`-th, ...): SmolLM3's NoPE
@@ -521,7 +547,7 @@ impl ModelConfig {
             .and_then(Value::as_u64)
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
-                Arch::Llama | Arch::Olmo2 => 2048,
+                Arch::Llama | Arch::Olmo2 | Arch::Granite => 2048,
                 Arch::Phi3 => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
                 Arch::Mistral | Arch::Gemma3 => 4096 * 32,
@@ -654,7 +680,7 @@ impl ModelConfig {
                 .collect()
         });
         let sliding_layers: Vec<usize> = match arch {
-            Arch::Llama => Vec::new(),
+            Arch::Llama | Arch::Granite => Vec::new(),
             Arch::Mistral | Arch::Phi3 => (0..num_hidden_layers).collect(),
             // Gemma 3: `layer_types`, else every layer but each `sliding_window_pattern`-th (6).
             Arch::Gemma3 => match listed {
@@ -727,6 +753,7 @@ impl ModelConfig {
                 Arch::Qwen2 => true,
                 Arch::Mistral | Arch::Phi3 => false,
                 Arch::Llama
+                | Arch::Granite
                 | Arch::Qwen3
                 | Arch::SmolLM3
                 | Arch::Gemma2
@@ -734,6 +761,27 @@ impl ModelConfig {
                 | Arch::Olmo2 => flag("attention_bias", false),
             },
             mlp_bias: !matches!(arch, Arch::Mistral | Arch::Phi3) && flag("mlp_bias", false),
+            granite: match arch {
+                Arch::Granite => {
+                    let m = |k: &str| -> Result<f64> {
+                        match v.get(k) {
+                            None | Some(Value::Null) => Ok(1.0),
+                            Some(x) => x.as_f64().ok_or_else(|| {
+                                candle_core::Error::msg(format!(
+                                    "field `{k}` must be a number, not {x}"
+                                ))
+                            }),
+                        }
+                    };
+                    Some(GraniteScalars {
+                        embedding_multiplier: m("embedding_multiplier")?,
+                        attention_multiplier: m("attention_multiplier")?,
+                        residual_multiplier: m("residual_multiplier")?,
+                        logits_scaling: m("logits_scaling")?,
+                    })
+                }
+                _ => None,
+            },
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
             eos_token_ids: ids(v.get("eos_token_id")),
             pad_token_id: ids(v.get("pad_token_id")).first().copied(),
@@ -836,6 +884,7 @@ impl ModelConfig {
                     Arch::Gemma2 => "Gemma2",
                     Arch::Olmo2 => "Olmo2",
                     Arch::Phi3 => "Phi3",
+                    Arch::Granite => "Granite",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -871,12 +920,18 @@ impl ModelConfig {
         }
         if matches!(
             self.arch,
-            Arch::Llama | Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2
+            Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
-        if matches!(self.arch, Arch::Llama | Arch::SmolLM3) {
+        if matches!(self.arch, Arch::Llama | Arch::Granite | Arch::SmolLM3) {
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
+        }
+        if let Some(g) = &self.granite {
+            obj.insert("embedding_multiplier".into(), g.embedding_multiplier.into());
+            obj.insert("attention_multiplier".into(), g.attention_multiplier.into());
+            obj.insert("residual_multiplier".into(), g.residual_multiplier.into());
+            obj.insert("logits_scaling".into(), g.logits_scaling.into());
         }
         let act = match self.activation {
             Activation::Silu => "silu",
@@ -925,7 +980,7 @@ impl ModelConfig {
             (Arch::Mistral | Arch::Phi3, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
-            (Arch::Llama, _) | (_, None) => {}
+            (Arch::Llama | Arch::Granite, _) | (_, None) => {}
             (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|i| match self.windowed(i) {
@@ -987,8 +1042,12 @@ impl ModelConfig {
         self.local_rope_theta.is_some() && self.windowed(i)
     }
 
-    /// The attention scores' scale: `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.
+    /// The attention scores' scale: Granite's `attention_multiplier`,
+    /// `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.
     pub fn attention_scale(&self) -> f64 {
+        if let Some(g) = &self.granite {
+            return g.attention_multiplier;
+        }
         1.0 / self
             .query_pre_attn_scalar
             .unwrap_or(self.head_dim as f64)

@@ -171,7 +171,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
         .ok_or_else(|| {
             err(format!(
-                "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3, phi3)"
+                "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3, phi3, granite)"
             ))
         })?;
     let key = |k: &str| format!("{arch_name}.{k}");
@@ -284,6 +284,22 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         },
         attn_logit_softcapping: None,
         final_logit_softcapping: None,
+        granite: match arch {
+            Arch::Granite => {
+                let f = |k: &str| -> Result<f64> {
+                    md.get(&key(k))
+                        .and_then(as_f64)
+                        .ok_or_else(|| err(format!("metadata `{}` is missing (Granite)", key(k))))
+                };
+                Some(crate::config::GraniteScalars {
+                    embedding_multiplier: f("embedding_scale")?,
+                    attention_multiplier: f("attention.scale")?,
+                    residual_multiplier: f("residual_scale")?,
+                    logits_scaling: f("logit_scale")?,
+                })
+            }
+            _ => None,
+        },
     };
     cfg.validate()?;
     Ok(cfg)
@@ -1183,6 +1199,17 @@ pub fn save_gguf(
     if cfg.arch.llama_like() {
         md.push((a("rope.dimension_count"), u(cfg.head_dim)));
         md.push((a("vocab_size"), u(cfg.vocab_size)));
+    }
+    // Granite's scalars under llama.cpp's names (its logit scale divides, as transformers').
+    if let Some(g) = &cfg.granite {
+        for (k, x) in [
+            ("embedding_scale", g.embedding_multiplier),
+            ("residual_scale", g.residual_multiplier),
+            ("attention.scale", g.attention_multiplier),
+            ("logit_scale", g.logits_scaling),
+        ] {
+            md.push((a(k), Value::F32(x as f32)));
+        }
     }
     if cfg.arch == Arch::Phi3 {
         // Partial rotary: the first `rotary_dim` of each head (llama.cpp's NEOX pairs, as

@@ -223,6 +223,14 @@ pub fn preset_config(
         // Gemma 2's soft caps (transformers' defaults).
         attn_logit_softcapping: (arch == Arch::Gemma2).then_some(50.0),
         final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
+        // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
+        // this head size.
+        granite: (arch == Arch::Granite).then(|| crate::config::GraniteScalars {
+            embedding_multiplier: 12.0,
+            attention_multiplier: 1.0 / (hidden / heads) as f64,
+            residual_multiplier: 0.22,
+            logits_scaling: 8.0,
+        }),
     }
 }
 

@@ -1,9 +1,9 @@
 //! # grpo-rollout: the policy
 //!
 //! One job: be the language model that GRPO trains. A Llama-family transformer of our own
-//! (llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3) whose every
-//! weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with its
-//! tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
+//! (llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite) whose
+//! every weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with
+//! its tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
 //! adapters (with PEFT's trainable tokens), and saving in Hugging Face / PEFT formats (a
 //! family's own file layout: [`layout`]). The same transformer
 //! is a sequence classifier (a reward model) with a `score` head in place of the LM head

@@ -299,6 +299,8 @@ pub struct Layer {
     pub mlp_out_norm: Option<RmsNorm>,
     /// The MLP's gate activation.
     pub activation: crate::config::Activation,
+    /// Granite's factor on each sublayer's output before its residual add.
+    pub residual_scale: Option<f64>,
     /// MLP gate.
     pub gate_proj: Linear,
     /// MLP up.
@@ -449,6 +451,7 @@ impl Layer {
         if mlp.iter().any(|l| l.lora.is_some() || l.bias.is_some())
             || self.activation != crate::config::Activation::Silu
             || self.mlp_out_norm.is_some()
+            || self.residual_scale.is_some()
         {
             return Ok(None);
         }
@@ -477,9 +480,9 @@ impl Layer {
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
         let ctx = c.attention(q, k, v)?;
-        let x = match &self.attn_out_norm {
-            Some(n) => (x + n.forward(&self.o_proj.forward(&ctx)?)?)?,
-            None => self.o_proj.forward_residual(x, &ctx)?,
+        let x = match (&self.attn_out_norm, self.residual_scale) {
+            (None, None) => self.o_proj.forward_residual(x, &ctx)?,
+            (n, _) => (x + self.sublayer_out(n, self.o_proj.forward(&ctx)?)?)?,
         };
         let h = self.post_attention_layernorm.forward(&x)?;
         if let Some(y) = self.mlp_nodes(&x, &h)? {
@@ -488,9 +491,22 @@ impl Layer {
         let gate = self.gate_proj.forward(&h)?;
         let up = self.up_proj.forward(&h)?;
         let act = self.act_mul(&gate, &up)?;
-        match &self.mlp_out_norm {
-            Some(n) => &x + n.forward(&self.down_proj.forward(&act)?)?,
-            None => self.down_proj.forward_residual(&x, &act),
+        match (&self.mlp_out_norm, self.residual_scale) {
+            (None, None) => self.down_proj.forward_residual(&x, &act),
+            (n, _) => &x + self.sublayer_out(n, self.down_proj.forward(&act)?)?,
+        }
+    }
+
+    /// A sublayer's output `y` as its residual add takes it: Gemma's / OLMo 2's output norm
+    /// `n`, Granite's factor.
+    fn sublayer_out(&self, n: &Option<RmsNorm>, y: Tensor) -> Result<Tensor> {
+        let y = match n {
+            Some(n) => n.forward(&y)?,
+            None => y,
+        };
+        match self.residual_scale {
+            Some(r) => y.affine(r, 0.0),
+            None => Ok(y),
         }
     }
 
@@ -570,20 +586,14 @@ impl Layer {
                 c.attention(&q, &k, &v)?
             }
         };
-        let mut o = self.o_proj.forward(&ctx)?;
-        if let Some(n) = &self.attn_out_norm {
-            o = n.forward(&o)?;
-        }
+        let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
         let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
             Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
             None => self.act_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?,
         };
-        let mut d = self.down_proj.forward(&act)?;
-        if let Some(n) = &self.mlp_out_norm {
-            d = n.forward(&d)?;
-        }
+        let d = self.sublayer_out(&self.mlp_out_norm, self.down_proj.forward(&act)?)?;
         next.add_forward(&x, &d)
     }
 
@@ -671,6 +681,7 @@ impl Layer {
             && self.k_norm.is_none()
             && self.attn_out_norm.is_none()
             && self.mlp_out_norm.is_none()
+            && self.residual_scale.is_none()
             && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
             && self.linears().iter().all(|l| l.lora.is_none())
@@ -1469,6 +1480,7 @@ impl Transformer {
                     .then(|| norm(&format!("{p}.{mlp_out}.weight"), h))
                     .transpose()?,
                 activation: cfg.activation,
+                residual_scale: cfg.granite.map(|g| g.residual_multiplier),
                 gate_proj: linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
                 up_proj: linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
                 down_proj: linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
@@ -1610,6 +1622,7 @@ impl Transformer {
                     attn_out_norm: l.attn_out_norm.as_ref().map(norm).transpose()?,
                     mlp_out_norm: l.mlp_out_norm.as_ref().map(norm).transpose()?,
                     activation: l.activation,
+                    residual_scale: l.residual_scale,
                     gate_proj,
                     up_proj,
                     down_proj: lin(&l.down_proj)?,
@@ -2155,6 +2168,9 @@ impl Transformer {
                 .to_vec1::<f64>()?[0];
             x = x.affine(scale, 0.0)?;
         }
+        if let Some(g) = &cfg.granite {
+            x = x.affine(g.embedding_multiplier, 0.0)?;
+        }
         if x.dtype() != dtype {
             // A tied head cast to f32 (`cast_head_to_f32`): lookups keep the model's dtype.
             x = x.to_dtype(dtype)?;
@@ -2226,7 +2242,7 @@ impl Transformer {
         } else {
             crate::fused::frozen_linear(hidden, head)?
         };
-        soft_cap(logits, self.cfg.final_logit_softcapping)
+        logits_out(logits, &self.cfg)
     }
 
     /// Full-sequence forward on a left-padded batch: `input_ids` `(B, L)` and
@@ -2594,7 +2610,7 @@ impl Transformer {
                 // Head, log-softmax and entropy as one node that keeps only the hidden rows:
                 // no (rows, vocab) logits, in any dtype, are stored for backward.
                 let head = head_w.clone();
-                let cap = self.cfg.final_logit_softcapping;
+                let cfg = self.cfg.clone();
                 let out = Recompute::new("head_logprobs", move |a, recomputing| {
                     // The indicator has no gradient: zeros when backward recomputes.
                     let top1 = match (with_top1, recomputing) {
@@ -2602,7 +2618,7 @@ impl Transformer {
                         (true, true) => Top1::Zeros,
                         (true, false) => Top1::Compute,
                     };
-                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1, cap)
+                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1, &cfg)
                 })
                 .apply(&[&hc, &head])?;
                 lps.push(out.narrow(1, 0, 1)?.squeeze(1)?);
@@ -2816,9 +2832,14 @@ fn top1_of(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     at.ge(&logits.max(1)?)?.to_dtype(DType::F32)
 }
 
-/// Gemma 2's cap on the output logits, `cap · tanh(z / cap)` (`None`: `z`).
-fn soft_cap(logits: Tensor, cap: Option<f64>) -> Result<Tensor> {
-    match cap {
+/// The head's products `z` as the model's logits: divided by Granite's `logits_scaling`,
+/// capped by Gemma 2's `final_logit_softcapping` (`cap · tanh(z / cap)`); `z` elsewhere.
+fn logits_out(logits: Tensor, cfg: &ModelConfig) -> Result<Tensor> {
+    let logits = match &cfg.granite {
+        Some(g) if g.logits_scaling != 1.0 => (logits / g.logits_scaling)?,
+        _ => logits,
+    };
+    match cfg.final_logit_softcapping {
         Some(c) => (logits / c)?.tanh()? * c,
         None => Ok(logits),
     }
@@ -2833,9 +2854,9 @@ fn head_logprobs(
     temperature: f64,
     with_entropy: bool,
     top1: Top1,
-    cap: Option<f64>,
+    cfg: &ModelConfig,
 ) -> Result<Tensor> {
-    let mut logits = soft_cap(crate::fused::frozen_linear(h, head)?, cap)?;
+    let mut logits = logits_out(crate::fused::frozen_linear(h, head)?, cfg)?;
     if temperature != 1.0 && temperature > 0.0 {
         logits = (logits / temperature)?;
     }

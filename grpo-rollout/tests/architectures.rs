@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 22);
+    assert!(cases.len() >= 24);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -131,6 +131,7 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("gemma2-caps", "gemma2-no-caps") > 0.05);
     assert!(d("gemma2-default-caps", "gemma2-no-caps") > 1e-3);
     assert!(d("gemma2-window-64", "gemma2-caps") > 0.05);
+    assert!(d("granite", "granite-unit") > 0.05);
     assert!(d("phi3-window-12", "phi3") > 0.05);
     assert!(d("phi3-partial-half", "phi3") > 0.05);
     assert!(d("phi3-longrope-partial", "phi3") > 0.05);
@@ -208,6 +209,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "phi3-window-12",
         "phi3-longrope-partial",
         "gemma2-caps",
+        "granite",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
@@ -676,6 +678,38 @@ fn phi3_gguf_round_trips() {
             .fold(0f32, f32::max);
         assert!(d < 1e-5, "{name} through GGUF: {d}");
     }
+}
+
+/// Granite as llama.cpp's `granite` GGUF: llama's tensors (q/k rows permuted) with the four
+/// scalars as `embedding_scale`, `attention.scale`, `residual_scale`, `logit_scale`; read back,
+/// the same model.
+#[test]
+fn granite_gguf_round_trips() {
+    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["granite"], tmp.path());
+    let path = tmp.path().join("g.gguf");
+    save_gguf(&m.model, &m.tokenizer, &path, GgufType::F32, "g").unwrap();
+    let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+    let (a, b) = (cfg.granite.unwrap(), m.model.cfg.granite.unwrap());
+    for (x, y) in [
+        (a.embedding_multiplier, b.embedding_multiplier),
+        (a.attention_multiplier, b.attention_multiplier),
+        (a.residual_multiplier, b.residual_multiplier),
+        (a.logits_scaling, b.logits_scaling),
+    ] {
+        assert_eq!(x as f32, y as f32);
+    }
+    let back =
+        grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu).unwrap();
+    let (a, b) = (logprobs(&back, &r), logprobs(&m.model, &r));
+    let d = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(d < 1e-5, "granite through GGUF: {d}");
 }
 
 /// Phi-3's refusals name what to change: LongRoPE past the pre-training length, factor lists of

@@ -39,6 +39,7 @@ fn fused_and_composed_decoders_agree() {
         Arch::Olmo2,
         Arch::Phi3,
         Arch::Gemma2,
+        Arch::Granite,
     ] {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);

@@ -44,7 +44,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 9] = [
+const ARCHES: [Arch; 10] = [
     Arch::Llama,
     Arch::Qwen2,
     Arch::Qwen3,
@@ -54,6 +54,7 @@ const ARCHES: [Arch; 9] = [
     Arch::Olmo2,
     Arch::Phi3,
     Arch::Gemma2,
+    Arch::Granite,
 ];
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {

@@ -295,6 +295,7 @@ fn the_decoder_on_the_recompute_path_equals_the_composition() {
         Arch::Olmo2,
         Arch::Phi3,
         Arch::Gemma2,
+        Arch::Granite,
     ] {
         for dtype in [DType::F32, DType::BF16] {
             let c = small(arch, vocab, 32, arch != Arch::Qwen3);
