@@ -144,6 +144,12 @@ MODELS = {
 def logprobs(path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    resolved = {k: getattr(model.config, k, None) for k in ("no_rope_layers", "layer_types", "sliding_window")}
+    return rows_logprobs(model), resolved
+
+
+def rows_logprobs(model):
+    """Log-probs of the last T tokens of ROWS, left-padded, per-row position ids."""
     length = max(len(r) for r in ROWS)
     ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
     mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
@@ -152,8 +158,7 @@ def logprobs(path):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     logits = logits[:, -T - 1 : -1, :]
     lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
-    resolved = {k: getattr(model.config, k, None) for k in ("no_rope_layers", "layer_types", "sliding_window")}
-    return lp.tolist(), resolved
+    return lp.tolist()
 
 
 def micro_model(path, model_type, kw):

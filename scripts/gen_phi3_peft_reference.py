@@ -27,12 +27,14 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gen_arch_reference import rows_logprobs  # noqa: E402  (the arch reference's rows and T)
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "grpo-rollout", "tests", "fixtures")
 OUT = os.path.join(ROOT, "peft-phi3")
 with open(os.path.join(ROOT, "arch_reference.json")) as f:
     ARCH = json.load(f)
 CHANGE = ARCH["cases"]["phi3-longrope-partial"]["config"]
-ROWS, T = ARCH["rows"], ARCH["t"]
 COMMON = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0)
 CASES = {
     "all_linear": dict(target_modules="all-linear"),
@@ -58,15 +60,7 @@ def base(tmp):
 
 
 def logprobs(model):
-    length = max(len(r) for r in ROWS)
-    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
-    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    logits = logits[:, -T - 1 : -1, :]
-    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
-    return lp.tolist()
+    return rows_logprobs(model)
 
 
 def randomize(model, seed):

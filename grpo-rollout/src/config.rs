@@ -55,6 +55,20 @@ pub enum Activation {
 }
 
 impl Arch {
+    /// Every architecture.
+    pub const ALL: [Arch; 10] = [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Mistral,
+        Arch::SmolLM3,
+        Arch::Gemma3,
+        Arch::Gemma2,
+        Arch::Olmo2,
+        Arch::Granite,
+        Arch::Phi3,
+    ];
+
     /// The `model_type` string of `config.json`.
     pub fn as_str(self) -> &'static str {
         match self {

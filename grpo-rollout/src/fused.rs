@@ -1415,14 +1415,7 @@ pub fn attention_composed(
     bias: &Tensor,
     scale: f64,
 ) -> Result<Tensor> {
-    let (b, nh, l, d) = q.dims4()?;
-    let (_, nkv, s, _) = k.dims4()?;
-    let rep = nh / nkv;
-    let qg = q.reshape((b, nkv, rep * l, d))?;
-    let scores = matmul(&qg, &k.t()?)?.reshape((b, nh, l, s))?;
-    let probs = attention_softmax(&scores, bias, scale)?.reshape((b, nkv, rep * l, s))?;
-    let ctx = matmul(&probs, v)?.reshape((b, nh, l, d))?;
-    ctx.transpose(1, 2)?.reshape((b * l, nh * d))
+    grouped_attention(q, k, v, |scores| attention_softmax(scores, bias, scale))
 }
 
 /// Attention with the scores soft-capped (Gemma 2's `attn_logit_softcapping`):
@@ -1457,14 +1450,27 @@ pub fn softcapped_attention_composed(
     scale: f64,
     cap: f64,
 ) -> Result<Tensor> {
+    grouped_attention(q, k, v, |scores| {
+        let capped = ((scores * (scale / cap))?.tanh()? * cap)?;
+        attention_softmax_composed(&capped, bias, 1.0)
+    })
+}
+
+/// Grouped-query attention with the probabilities `probs` makes of the scores `(B, H, L, S)`:
+/// the context as rows `(B·L, H·D)`.
+fn grouped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    probs: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     let (b, nh, l, d) = q.dims4()?;
     let (_, nkv, s, _) = k.dims4()?;
     let rep = nh / nkv;
     let qg = q.reshape((b, nkv, rep * l, d))?;
     let scores = matmul(&qg, &k.t()?)?.reshape((b, nh, l, s))?;
-    let capped = ((scores * (scale / cap))?.tanh()? * cap)?;
-    let probs = attention_softmax_composed(&capped, bias, 1.0)?.reshape((b, nkv, rep * l, s))?;
-    let ctx = matmul(&probs, v)?.reshape((b, nh, l, d))?;
+    let p = probs(&scores)?.reshape((b, nkv, rep * l, s))?;
+    let ctx = matmul(&p, v)?.reshape((b, nh, l, d))?;
     ctx.transpose(1, 2)?.reshape((b * l, nh * d))
 }
 

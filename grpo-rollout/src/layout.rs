@@ -104,36 +104,74 @@ pub fn rotated(part: &str) -> bool {
     matches!(part, "q_proj" | "k_proj")
 }
 
+impl Fused {
+    /// The rows of `t` `(Σ rows, …)` (a fused weight, bias, LoRA `B`, DoRA magnitude) as its
+    /// parts', in the model's layout (q and k reordered for partial rotary). `what` names `t` in
+    /// the error of a wrong size.
+    pub fn split(
+        &self,
+        cfg: &ModelConfig,
+        t: &Tensor,
+        what: &str,
+    ) -> Result<Vec<(&'static str, Tensor)>> {
+        let total: usize = self.parts.iter().map(|p| p.1).sum();
+        if t.dim(0).ok() != Some(total) {
+            bail!(
+                "{what} has shape {:?}, expected {total} rows (config.json's heads and sizes)",
+                t.dims()
+            );
+        }
+        let mut at = 0;
+        let mut out = Vec::with_capacity(self.parts.len());
+        for &(part, n) in &self.parts {
+            let piece = t.narrow(0, at, n)?.contiguous()?;
+            out.push((
+                part,
+                match rotated(part) {
+                    true => reorder_heads(cfg, &piece, true)?,
+                    false => piece,
+                },
+            ));
+            at += n;
+        }
+        Ok(out)
+    }
+
+    /// The parts' tensors (in [`Self::parts`]' order, the model's layout) joined as the family's
+    /// files hold them (the inverse of [`Self::split`]).
+    pub fn join(&self, cfg: &ModelConfig, parts: &[Tensor]) -> Result<Tensor> {
+        let rows = self
+            .parts
+            .iter()
+            .zip(parts)
+            .map(|(&(part, _), t)| match rotated(part) {
+                true => reorder_heads(cfg, t, false),
+                false => Ok(t.clone()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&rows, 0)
+    }
+}
+
 /// `weights` as read from a checkpoint of `cfg`'s family, in the model's layout: fused maps
 /// split, q and k reordered for partial rotary embeddings. A fused weight of the wrong shape is
 /// an error naming it.
 pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
-        for Fused { group, name, parts } in &fused {
+        for f in &fused {
             for kind in ["weight", "bias"] {
-                let key = format!("model.layers.{i}.{group}.{name}.{kind}");
+                let key = format!("model.layers.{i}.{}.{}.{kind}", f.group, f.name);
                 let Some(t) = weights.remove(&key) else {
                     continue;
                 };
-                let total: usize = parts.iter().map(|p| p.1).sum();
-                if t.dim(0).ok() != Some(total) {
-                    bail!(
-                        "weight `{key}` has shape {:?}, expected {total} rows (config.json's heads and sizes)",
-                        t.dims()
-                    );
-                }
-                let mut at = 0;
-                for (part, n) in parts {
-                    weights.insert(
-                        format!("model.layers.{i}.{group}.{part}.{kind}"),
-                        t.narrow(0, at, *n)?.contiguous()?,
-                    );
-                    at += n;
+                for (part, piece) in f.split(cfg, &t, &format!("weight `{key}`"))? {
+                    weights.insert(format!("model.layers.{i}.{}.{part}.{kind}", f.group), piece);
                 }
             }
         }
-        if rotary_order(cfg).is_some() {
+        // Separate q and k (a family without fused maps) reordered here.
+        if fused.is_empty() && rotary_order(cfg).is_some() {
             for part in ["q_proj", "k_proj"] {
                 for kind in ["weight", "bias"] {
                     let key = format!("model.layers.{i}.self_attn.{part}.{kind}");
@@ -183,30 +221,30 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             let t = map
                 .remove(&key)
                 .ok_or_else(|| candle_core::Error::msg(format!("weight `{key}` is missing")))?;
-            match reorder && rotated(part) {
-                true => reorder_heads(cfg, &t, false),
-                false => Ok(t),
-            }
-            .map(|t| (key, t))
+            Ok::<_, candle_core::Error>((key, t))
         };
         match fused
             .iter()
             .find(|f| f.group == group && f.parts.iter().any(|p| p.0 == part))
         {
-            Some(Fused { name, parts, .. }) => {
+            Some(f) => {
                 let mut rows = Vec::new();
-                for (p, _) in parts {
+                for (p, _) in &f.parts {
                     let (key, t) = fetch(&mut map, p)?;
                     done.insert(key);
                     rows.push(t);
                 }
                 out.push((
-                    format!("model.layers.{layer}.{group}.{name}.{kind}"),
-                    Tensor::cat(&rows, 0)?,
+                    format!("model.layers.{layer}.{group}.{}.{kind}", f.name),
+                    f.join(cfg, &rows)?,
                 ));
             }
             None => {
                 let (key, t) = fetch(&mut map, &part)?;
+                let t = match reorder && rotated(&part) {
+                    true => reorder_heads(cfg, &t, false)?,
+                    false => t,
+                };
                 done.insert(key.clone());
                 out.push((key, t));
             }

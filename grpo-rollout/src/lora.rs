@@ -793,28 +793,20 @@ pub fn to_peft_layout(
     }
     let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
     for i in 0..cfg.num_hidden_layers {
-        for crate::layout::Fused { group, name, parts } in &fused {
+        for f in &fused {
             for suffix in PART_TENSORS {
-                let keys: Vec<(String, &str)> = parts
+                let keys: Vec<String> = f
+                    .parts
                     .iter()
-                    .map(|p| (format!("{}.{suffix}", peft_prefix(i, group, p.0)), p.0))
+                    .map(|p| format!("{}.{suffix}", peft_prefix(i, f.group, p.0)))
                     .collect();
-                if !keys.iter().all(|(k, _)| map.contains_key(k)) {
+                if !keys.iter().all(|k| map.contains_key(k)) {
                     continue;
                 }
-                let rows = keys
-                    .iter()
-                    .map(|(k, part)| {
-                        let t = map.remove(k).expect("checked above");
-                        match crate::layout::rotated(part) {
-                            true => crate::layout::reorder_heads(cfg, &t, false),
-                            false => Ok(t),
-                        }
-                    })
-                    .collect::<Result<Vec<_>>>()?;
+                let rows: Vec<Tensor> = keys.iter().filter_map(|k| map.remove(k)).collect();
                 map.insert(
-                    format!("{}.{suffix}", peft_prefix(i, group, name)),
-                    Tensor::cat(&rows, 0)?,
+                    format!("{}.{suffix}", peft_prefix(i, f.group, f.name)),
+                    f.join(cfg, &rows)?,
                 );
             }
         }
@@ -832,28 +824,14 @@ pub fn from_peft_layout(
     mut map: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
     for i in 0..cfg.num_hidden_layers {
-        for crate::layout::Fused { group, name, parts } in crate::layout::fused_parts(cfg) {
+        for f in crate::layout::fused_parts(cfg) {
             for suffix in PART_TENSORS {
-                let key = format!("{}.{suffix}", peft_prefix(i, group, name));
+                let key = format!("{}.{suffix}", peft_prefix(i, f.group, f.name));
                 let Some(t) = map.remove(&key) else {
                     continue;
                 };
-                let total: usize = parts.iter().map(|p| p.1).sum();
-                if t.dim(0).ok() != Some(total) {
-                    bail!(
-                        "adapter tensor `{key}` has shape {:?}, expected {total} rows",
-                        t.dims()
-                    );
-                }
-                let mut at = 0;
-                for (part, n) in &parts {
-                    let piece = t.narrow(0, at, *n)?.contiguous()?;
-                    let piece = match crate::layout::rotated(part) {
-                        true => crate::layout::reorder_heads(cfg, &piece, true)?,
-                        false => piece,
-                    };
-                    map.insert(format!("{}.{suffix}", peft_prefix(i, group, part)), piece);
-                    at += n;
+                for (part, piece) in f.split(cfg, &t, &format!("adapter tensor `{key}`"))? {
+                    map.insert(format!("{}.{suffix}", peft_prefix(i, f.group, part)), piece);
                 }
             }
         }

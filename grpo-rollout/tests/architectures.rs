@@ -630,13 +630,12 @@ fn phi3_lora_trains_one_a_per_fused_module() {
 /// the model is the one written (log-probs within 1e-5, the config's pieces equal).
 #[test]
 fn phi3_gguf_round_trips() {
-    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
     let r = reference();
     for name in ["phi3", "phi3-longrope-partial", "phi3-window-12"] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
-        let path = tmp.path().join("p.gguf");
-        let written = save_gguf(&m.model, &m.tokenizer, &path, GgufType::F32, "p").unwrap();
+        let (written, cfg, d) = through_gguf(&m, &r, tmp.path());
+        assert!(d < 1e-5, "{name} through GGUF: {d}");
         assert!(
             written.iter().any(|(n, _)| n == "blk.0.attn_qkv.weight"),
             "{name}"
@@ -645,7 +644,6 @@ fn phi3_gguf_round_trips() {
             written.iter().all(|(n, _)| !n.contains("ffn_gate")),
             "{name}"
         );
-        let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
         let c = &m.model.cfg;
         assert_eq!(
             (cfg.arch, cfg.rotary_dim(), cfg.sliding_window),
@@ -667,17 +665,29 @@ fn phi3_gguf_round_trips() {
             (None, None) => {}
             (a, b) => panic!("{name}: {a:?} vs {b:?}"),
         }
-        let back =
-            grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu)
-                .unwrap();
-        let (a, b) = (logprobs(&back, &r), logprobs(&m.model, &r));
-        let d = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(d < 1e-5, "{name} through GGUF: {d}");
     }
+}
+
+/// `m` written as an f32 GGUF in `dir` and read back: the tensors written, the config read, and
+/// the largest log-prob difference from `m`.
+fn through_gguf(
+    m: &grpo_rollout::LoadedModel,
+    r: &Value,
+    dir: &Path,
+) -> (Vec<(String, String)>, ModelConfig, f32) {
+    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
+    let path = dir.join("m.gguf");
+    let written = save_gguf(&m.model, &m.tokenizer, &path, GgufType::F32, "m").unwrap();
+    let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+    let back =
+        grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu).unwrap();
+    let (a, b) = (logprobs(&back, r), logprobs(&m.model, r));
+    let d = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    (written, cfg, d)
 }
 
 /// Granite as llama.cpp's `granite` GGUF: llama's tensors (q/k rows permuted) with the four
@@ -685,13 +695,11 @@ fn phi3_gguf_round_trips() {
 /// the same model.
 #[test]
 fn granite_gguf_round_trips() {
-    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
     let r = reference();
     let tmp = tempfile::tempdir().unwrap();
     let m = load_case(&r["cases"]["granite"], tmp.path());
-    let path = tmp.path().join("g.gguf");
-    save_gguf(&m.model, &m.tokenizer, &path, GgufType::F32, "g").unwrap();
-    let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+    let (_, cfg, d) = through_gguf(&m, &r, tmp.path());
+    assert!(d < 1e-5, "granite through GGUF: {d}");
     let (a, b) = (cfg.granite.unwrap(), m.model.cfg.granite.unwrap());
     for (x, y) in [
         (a.embedding_multiplier, b.embedding_multiplier),
@@ -701,15 +709,6 @@ fn granite_gguf_round_trips() {
     ] {
         assert_eq!(x as f32, y as f32);
     }
-    let back =
-        grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu).unwrap();
-    let (a, b) = (logprobs(&back, &r), logprobs(&m.model, &r));
-    let d = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert!(d < 1e-5, "granite through GGUF: {d}");
 }
 
 /// Phi-3's refusals name what to change: LongRoPE past the pre-training length, factor lists of

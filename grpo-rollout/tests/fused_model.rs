@@ -29,18 +29,7 @@ fn fused_and_composed_decoders_agree() {
         vec![17, 6, 50, 4, 9],
     ];
     let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
-    for arch in [
-        Arch::Llama,
-        Arch::Qwen2,
-        Arch::Qwen3,
-        Arch::Mistral,
-        Arch::SmolLM3,
-        Arch::Gemma3,
-        Arch::Olmo2,
-        Arch::Phi3,
-        Arch::Gemma2,
-        Arch::Granite,
-    ] {
+    for arch in Arch::ALL {
         for dtype in [DType::F64, DType::F32] {
             let mut c = preset_config(Preset::Tiny, arch, 61, 1, 0);
             c.nope_layers = match arch {

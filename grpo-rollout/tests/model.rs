@@ -44,18 +44,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 10] = [
-    Arch::Llama,
-    Arch::Qwen2,
-    Arch::Qwen3,
-    Arch::Mistral,
-    Arch::SmolLM3,
-    Arch::Gemma3,
-    Arch::Olmo2,
-    Arch::Phi3,
-    Arch::Gemma2,
-    Arch::Granite,
-];
+const ARCHES: [Arch; 10] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
