@@ -416,26 +416,35 @@ fn phi3_saves_its_fused_layout_and_reads_back_the_same() {
             &Device::Cpu,
         )
         .unwrap();
-        let mut keys: Vec<&String> = saved.keys().collect();
-        keys.sort();
-        let mut want: Vec<&String> = original.keys().collect();
-        want.sort();
-        assert_eq!(keys, want, "{name}: the saved names are transformers'");
-        assert!(keys.iter().any(|k| k.ends_with("qkv_proj.weight")));
-        for (k, t) in &saved {
-            let d = (t - &original[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert_eq!(d, 0.0, "{name}: {k}");
-        }
+        same_tensors(&saved, &original, name);
+        assert!(saved.keys().any(|k| k.ends_with("qkv_proj.weight")));
         let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(back.model.cfg, m.model.cfg, "{name}");
         assert_eq!(logprobs(&back.model, &r), logprobs(&m.model, &r), "{name}");
+    }
+}
+
+/// `got` holds `want`'s tensors under the same names, bit for bit.
+fn same_tensors(
+    got: &std::collections::HashMap<String, Tensor>,
+    want: &std::collections::HashMap<String, Tensor>,
+    what: &str,
+) {
+    let mut a: Vec<&String> = got.keys().collect();
+    let mut b: Vec<&String> = want.keys().collect();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "{what}: the names");
+    for (k, t) in got {
+        let d = (t - &want[k])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(d, 0.0, "{what}: {k}");
     }
 }
 
@@ -486,22 +495,7 @@ fn phi3_peft_adapters_on_fused_modules_match_peft() {
             .unwrap();
         let b = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
             .unwrap();
-        let mut ka: Vec<&String> = a.keys().collect();
-        let mut kb: Vec<&String> = b.keys().collect();
-        ka.sort();
-        kb.sort();
-        assert_eq!(ka, kb, "{name}");
-        for (k, t) in &a {
-            let d = (t - &b[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert_eq!(d, 0.0, "{name}: {k}");
-        }
+        same_tensors(&b, &a, name);
         seen += 1;
     }
     assert_eq!(seen, 3);
