@@ -948,19 +948,89 @@ pub fn gguf_pre_tokenizer(tokenizer: &tokenizers::Tokenizer) -> Result<&'static 
         }
         _ => None,
     };
-    let sentencepiece = serde_json::to_value(tokenizer.get_model())
-        .is_ok_and(|m| m["type"] == "BPE" && m["byte_fallback"] == true);
-    if name.is_none() && sentencepiece {
-        bail!(
-            "a SentencePiece vocabulary (BPE with byte fallback: Llama 2, Mistral) is not written to GGUF here (llama.cpp's needs per-token scores): export it as a Hugging Face directory (--format hf)"
-        );
-    }
     name.ok_or_else(|| {
         err(format!(
-            "the tokenizer's pre-tokenizer has no llama.cpp equivalent (supported: GPT-2 byte-level, SmolLM, Llama 3, Qwen2): {}",
+            "the tokenizer's pre-tokenizer has no llama.cpp equivalent (supported: GPT-2 byte-level, SmolLM, Llama 3, Qwen2, SentencePiece-style `▁` spaces with byte fallback): {}",
             v.to_string().chars().take(200).collect::<String>()
         ))
     })
+}
+
+/// Whether `tokenizer` is a SentencePiece-style BPE (byte fallback, spaces spelled `▁` by its
+/// normalizer or a `Metaspace` pre-tokenizer: Llama 2, Mistral, Phi-3, TinyLlama), and then
+/// whether it puts a `▁` before the text (llama.cpp's `add_space_prefix`).
+pub fn sentencepiece_style(tokenizer: &tokenizers::Tokenizer) -> Option<bool> {
+    let model = serde_json::to_value(tokenizer.get_model()).ok()?;
+    if model["type"] != "BPE" || model["byte_fallback"] != true {
+        return None;
+    }
+    let norm = serde_json::to_value(tokenizer.get_normalizer()).unwrap_or_default();
+    let pre = serde_json::to_value(tokenizer.get_pre_tokenizer()).unwrap_or_default();
+    let flat = |v: &serde_json::Value, key: &str| -> Vec<serde_json::Value> {
+        match v[key].as_array() {
+            Some(items) => items.clone(),
+            None if v.is_null() => Vec::new(),
+            None => vec![v.clone()],
+        }
+    };
+    let norms = flat(&norm, "normalizers");
+    let pres = flat(&pre, "pretokenizers");
+    let replaces = norms
+        .iter()
+        .any(|n| n["type"] == "Replace" && n["content"] == "▁" && n["pattern"]["String"] == " ");
+    let metaspace = pres.iter().find(|p| p["type"] == "Metaspace");
+    if !replaces && metaspace.is_none() {
+        return None;
+    }
+    let prepends = norms
+        .iter()
+        .any(|n| n["type"] == "Prepend" && n["prepend"] == "▁");
+    let meta_prepends = metaspace.is_some_and(|m| {
+        m["prepend_scheme"]
+            .as_str()
+            .map_or(m["add_prefix_space"] == true, |s| s != "never")
+    });
+    Some(prepends || meta_prepends)
+}
+
+/// SentencePiece scores for a BPE vocabulary: each token made by a merge scores minus the rank
+/// of the first merge that makes it (llama.cpp merges the best-scored pair first, as BPE the
+/// lowest-ranked), the others 0.
+fn merge_scores(
+    model: &serde_json::Value,
+    id_of: &dyn Fn(&str) -> Option<u32>,
+    n: usize,
+) -> Vec<f32> {
+    let mut scores = vec![0f32; n];
+    let mut seen = vec![false; n];
+    let merges = model["merges"].as_array().cloned().unwrap_or_default();
+    for (rank, m) in merges.iter().enumerate() {
+        let pair = match m {
+            serde_json::Value::String(s) => s
+                .split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string())),
+            serde_json::Value::Array(p) => Some((
+                p.first()
+                    .and_then(|x| x.as_str())
+                    .unwrap_or_default()
+                    .to_string(),
+                p.get(1)
+                    .and_then(|x| x.as_str())
+                    .unwrap_or_default()
+                    .to_string(),
+            )),
+            _ => None,
+        };
+        let Some((a, b)) = pair else { continue };
+        if let Some(id) = id_of(&format!("{a}{b}")).map(|i| i as usize)
+            && id < n
+            && !seen[id]
+        {
+            seen[id] = true;
+            scores[id] = -(rank as f32) - 1.0;
+        }
+    }
+    scores
 }
 
 /// The GGUF metadata of a tokenizer (`tokenizer.ggml.*`, `tokenizer.chat_template`) for a model
@@ -977,26 +1047,40 @@ fn tokenizer_metadata(tok: &Tokenizer, cfg: &ModelConfig) -> Result<Vec<(String,
         tokens[*id as usize] = Some(t.clone());
     }
     let added = inner.get_added_tokens_decoder();
+    let model = serde_json::to_value(inner.get_model())
+        .map_err(|e| err(format!("tokenizer model: {e}")))?;
+    let spm = sentencepiece_style(inner);
+    let unk = model["unk_token"].as_str();
+    // SentencePiece's byte tokens, `<0x00>` .. `<0xFF>`.
+    let byte_token = |t: &str| {
+        t.len() == 6
+            && t.starts_with("<0x")
+            && t.ends_with('>')
+            && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
+    };
     let mut types = Vec::with_capacity(n_vocab);
     let tokens: Vec<Value> = tokens
         .into_iter()
         .enumerate()
         .map(|(i, t)| {
             let ty = match (&t, added.get(&(i as u32))) {
-                (None, _) => 5,                       // unused
-                (Some(_), Some(a)) if a.special => 3, // control
-                (Some(_), Some(_)) => 4,              // user-defined
-                _ => 1,                               // normal
+                (None, _) => 5,                                                   // unused
+                (Some(_), Some(a)) if a.special => 3,                             // control
+                (Some(_), Some(_)) => 4,                                          // user-defined
+                (Some(t), None) if spm.is_some() && Some(t.as_str()) == unk => 2, // unknown
+                (Some(t), None) if spm.is_some() && byte_token(t) => 6,           // byte
+                _ => 1,                                                           // normal
             };
             types.push(Value::I32(ty));
             Value::String(t.unwrap_or_else(|| format!("[PAD{i}]")))
         })
         .collect();
-    let model = serde_json::to_value(inner.get_model())
-        .map_err(|e| err(format!("tokenizer model: {e}")))?;
+    if let Some(prefix) = spm {
+        return sentencepiece_metadata(tok, cfg, &model, tokens, types, prefix);
+    }
     if model["type"] != "BPE" {
         bail!(
-            "only byte-level BPE tokenizers can be written to GGUF (this one is {})",
+            "only BPE tokenizers (byte-level, or SentencePiece-style with byte fallback) can be written to GGUF (this one is {})",
             model["type"]
         );
     }
@@ -1061,6 +1145,59 @@ fn tokenizer_metadata(tok: &Tokenizer, cfg: &ModelConfig) -> Result<Vec<(String,
     ));
     if let Some(e) = eos {
         md.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(e)));
+    }
+    if let Some(t) = &tok.chat_template {
+        md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
+    }
+    Ok(md)
+}
+
+/// [`tokenizer_metadata`] of a SentencePiece-style vocabulary: llama.cpp's `llama` tokenizer,
+/// the tokens with scores from the merges' ranks ([`merge_scores`]) and their types (byte,
+/// unknown, control), `add_space_prefix`, no merges and no pre-tokenizer.
+fn sentencepiece_metadata(
+    tok: &Tokenizer,
+    cfg: &ModelConfig,
+    model: &serde_json::Value,
+    tokens: Vec<Value>,
+    types: Vec<Value>,
+    prefix: bool,
+) -> Result<Vec<(String, Value)>> {
+    let inner = &tok.inner;
+    let id_of = |t: &str| inner.token_to_id(t);
+    let scores = merge_scores(model, &id_of, tokens.len())
+        .into_iter()
+        .map(Value::F32)
+        .collect();
+    let named = |t: &Option<String>| t.as_deref().and_then(id_of);
+    let bos = cfg.bos_token_id.or_else(|| named(&tok.bos_token));
+    let eos = named(&tok.eos_token).or_else(|| tok.eos_token_ids.first().copied());
+    let probe = |special: bool| {
+        inner
+            .encode("a", special)
+            .map(|e| e.get_ids().to_vec())
+            .unwrap_or_default()
+    };
+    let (with, without) = (probe(true), probe(false));
+    let add_bos = bos.is_some() && with.len() > without.len() && with.first().copied() == bos;
+    let add_eos = eos.is_some() && with.len() > without.len() && with.last().copied() == eos;
+    let s = |k: &str| format!("tokenizer.ggml.{k}");
+    let mut md = vec![
+        (s("model"), Value::String("llama".into())),
+        (s("tokens"), Value::Array(tokens)),
+        (s("scores"), Value::Array(scores)),
+        (s("token_type"), Value::Array(types)),
+        (s("add_space_prefix"), Value::Bool(prefix)),
+        (s("add_bos_token"), Value::Bool(add_bos)),
+        (s("add_eos_token"), Value::Bool(add_eos)),
+        (s("padding_token_id"), Value::U32(tok.pad_token_id)),
+        (s("bos_token_id"), Value::U32(bos.or(eos).unwrap_or(0))),
+    ];
+    if let Some(e) = eos {
+        md.push((s("eos_token_id"), Value::U32(e)));
+    }
+    if let Some(u) = model["unk_token"].as_str().and_then(id_of) {
+        md.push((s("unknown_token_id"), Value::U32(u)));
     }
     if let Some(t) = &tok.chat_template {
         md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));

@@ -99,31 +99,50 @@ fn logprobs_match_llama_cpp() {
     assert!(d < 1e-4, "max |ours - llama.cpp| = {d:e}");
 }
 
-/// The model exports as a Hugging Face directory whose tokenizer gives the same ids; GGUF
-/// export of a SentencePiece vocabulary is refused in one line.
+/// The model exports as a Hugging Face directory, and as GGUF again (llama.cpp's `llama`
+/// tokenizer: scores from the merges' ranks, byte / unknown / control types), each reading
+/// back with llama.cpp's ids for every text and the same log-probs.
 #[test]
-fn exports_to_hf_with_the_same_ids_and_refuses_gguf_by_name() {
+fn exports_to_hf_and_to_gguf_with_the_same_ids() {
     let r = reference();
     let m = micro();
     let tmp = tempfile::tempdir().unwrap();
     grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, tmp.path(), DType::F32).unwrap();
-    let back = grpo_rollout::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
-    for c in r["texts"].as_array().unwrap() {
-        let text = c["text"].as_str().unwrap();
-        assert_eq!(
-            back.tokenizer.encode(text, true).unwrap(),
-            ids(&c["ids"]),
-            "{text:?}"
-        );
-    }
-    let e = grpo_rollout::gguf::save_gguf(
+    let hf = grpo_rollout::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    let path = tmp.path().join("again.gguf");
+    grpo_rollout::gguf::save_gguf(
         &m.model,
         &m.tokenizer,
-        &tmp.path().join("x.gguf"),
+        &path,
         grpo_rollout::gguf::GgufType::F32,
-        "x",
+        "again",
     )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("SentencePiece vocabulary"), "{e}");
+    .unwrap();
+    let again = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    for back in [&hf, &again] {
+        for c in r["texts"].as_array().unwrap() {
+            let text = c["text"].as_str().unwrap();
+            assert_eq!(
+                back.tokenizer.encode(text, true).unwrap(),
+                ids(&c["ids"]),
+                "{text:?}"
+            );
+        }
+    }
+    // The same vocabulary and types as the file llama.cpp wrote (scores: the same order).
+    let md = |p: &Path| {
+        let mut f = std::fs::File::open(p).unwrap();
+        candle_core::quantized::gguf_file::Content::read(&mut f)
+            .unwrap()
+            .metadata
+    };
+    let (a, b) = (md(&fixtures().join("spm-llama-micro.gguf")), md(&path));
+    for k in [
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+    ] {
+        assert_eq!(format!("{:?}", a[k]), format!("{:?}", b[k]), "{k}");
+    }
+    assert!(!b.contains_key("tokenizer.ggml.merges"));
 }
