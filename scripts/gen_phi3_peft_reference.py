@@ -28,7 +28,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_arch_reference import rows_logprobs  # noqa: E402  (the arch reference's rows and T)
+from gen_arch_reference import rows_logprobs as logprobs  # noqa: E402  (its rows and T)
+from gen_peft_fixtures import randomize  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "grpo-rollout", "tests", "fixtures")
 OUT = os.path.join(ROOT, "peft-phi3")
@@ -57,23 +58,6 @@ def base_dir(tmp):
 
 def base(tmp):
     return AutoModelForCausalLM.from_pretrained(base_dir(tmp), dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def logprobs(model):
-    return rows_logprobs(model)
-
-
-def randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            noise = torch.randn(p.shape, generator=g)
-            if "lora_magnitude_vector" in name:
-                p.mul_(1.0 + 0.3 * noise)
-            else:
-                p.copy_(0.3 * noise)
 
 
 def load_adapted(tmp, path):

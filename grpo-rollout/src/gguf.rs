@@ -1075,9 +1075,23 @@ fn tokenizer_metadata(tok: &Tokenizer, cfg: &ModelConfig) -> Result<Vec<(String,
             Value::String(t.unwrap_or_else(|| format!("[PAD{i}]")))
         })
         .collect();
-    if let Some(prefix) = spm {
-        return sentencepiece_metadata(tok, cfg, &model, tokens, types, prefix);
-    }
+    let mut md = match spm {
+        Some(prefix) => sentencepiece_vocab(tok, &model, tokens, types, prefix),
+        None => byte_level_vocab(tok, &model, tokens, types)?,
+    };
+    md.extend(special_token_metadata(tok, cfg));
+    Ok(md)
+}
+
+/// The vocabulary keys of a byte-level BPE tokenizer: llama.cpp's `gpt2` model, its tokens,
+/// types, merges and pre-tokenizer.
+fn byte_level_vocab(
+    tok: &Tokenizer,
+    model: &serde_json::Value,
+    tokens: Vec<Value>,
+    types: Vec<Value>,
+) -> Result<Vec<(String, Value)>> {
+    let inner = &tok.inner;
     if model["type"] != "BPE" {
         bail!(
             "only BPE tokenizers (byte-level, or SentencePiece-style with byte fallback) can be written to GGUF (this one is {})",
@@ -1103,75 +1117,52 @@ fn tokenizer_metadata(tok: &Tokenizer, cfg: &ModelConfig) -> Result<Vec<(String,
         bail!("the tokenizer has no BPE merges (llama.cpp refuses an empty merge list)");
     }
     let pre = gguf_pre_tokenizer(inner)?;
-    let id_of = |t: &Option<String>| t.as_deref().and_then(|t| inner.token_to_id(t));
-    let bos = cfg.bos_token_id.or_else(|| id_of(&tok.bos_token));
-    let eos = id_of(&tok.eos_token).or_else(|| tok.eos_token_ids.first().copied());
-    // Whether encoding adds BOS / EOS: seen from what the tokenizer does.
-    let probe = |special: bool| {
-        inner
-            .encode("a", special)
-            .map(|e| e.get_ids().to_vec())
-            .unwrap_or_default()
-    };
-    let (with, without) = (probe(true), probe(false));
-    let add_bos = bos.is_some() && with.len() > without.len() && with.first().copied() == bos;
-    let add_eos = eos.is_some() && with.len() > without.len() && with.last().copied() == eos;
-    let mut md = vec![
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("gpt2".into()),
-        ),
-        ("tokenizer.ggml.pre".to_string(), Value::String(pre.into())),
-        ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens)),
-        ("tokenizer.ggml.token_type".to_string(), Value::Array(types)),
-        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
-        (
-            "tokenizer.ggml.add_bos_token".to_string(),
-            Value::Bool(add_bos),
-        ),
-        (
-            "tokenizer.ggml.add_eos_token".to_string(),
-            Value::Bool(add_eos),
-        ),
-        (
-            "tokenizer.ggml.padding_token_id".to_string(),
-            Value::U32(tok.pad_token_id),
-        ),
-    ];
-    // llama.cpp defaults missing BOS/EOS ids to 11: always write them (EOS stands in for BOS).
-    md.push((
-        "tokenizer.ggml.bos_token_id".into(),
-        Value::U32(bos.or(eos).unwrap_or(0)),
-    ));
-    if let Some(e) = eos {
-        md.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(e)));
-    }
-    if let Some(t) = &tok.chat_template {
-        md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
-    }
-    Ok(md)
+    let s = |k: &str| format!("tokenizer.ggml.{k}");
+    Ok(vec![
+        (s("model"), Value::String("gpt2".into())),
+        (s("pre"), Value::String(pre.into())),
+        (s("tokens"), Value::Array(tokens)),
+        (s("token_type"), Value::Array(types)),
+        (s("merges"), Value::Array(merges)),
+    ])
 }
 
-/// [`tokenizer_metadata`] of a SentencePiece-style vocabulary: llama.cpp's `llama` tokenizer,
-/// the tokens with scores from the merges' ranks ([`merge_scores`]) and their types (byte,
-/// unknown, control), `add_space_prefix`, no merges and no pre-tokenizer.
-fn sentencepiece_metadata(
+/// The vocabulary keys of a SentencePiece-style tokenizer: llama.cpp's `llama` model, the
+/// tokens with scores from the merges' ranks ([`merge_scores`]) and their types (byte,
+/// unknown, control), `add_space_prefix`, the unknown token; no merges, no pre-tokenizer.
+fn sentencepiece_vocab(
     tok: &Tokenizer,
-    cfg: &ModelConfig,
     model: &serde_json::Value,
     tokens: Vec<Value>,
     types: Vec<Value>,
     prefix: bool,
-) -> Result<Vec<(String, Value)>> {
-    let inner = &tok.inner;
-    let id_of = |t: &str| inner.token_to_id(t);
+) -> Vec<(String, Value)> {
+    let id_of = |t: &str| tok.inner.token_to_id(t);
     let scores = merge_scores(model, &id_of, tokens.len())
         .into_iter()
         .map(Value::F32)
         .collect();
-    let named = |t: &Option<String>| t.as_deref().and_then(id_of);
-    let bos = cfg.bos_token_id.or_else(|| named(&tok.bos_token));
-    let eos = named(&tok.eos_token).or_else(|| tok.eos_token_ids.first().copied());
+    let s = |k: &str| format!("tokenizer.ggml.{k}");
+    let mut md = vec![
+        (s("model"), Value::String("llama".into())),
+        (s("tokens"), Value::Array(tokens)),
+        (s("scores"), Value::Array(scores)),
+        (s("token_type"), Value::Array(types)),
+        (s("add_space_prefix"), Value::Bool(prefix)),
+    ];
+    if let Some(u) = model["unk_token"].as_str().and_then(id_of) {
+        md.push((s("unknown_token_id"), Value::U32(u)));
+    }
+    md
+}
+
+/// The keys of the special tokens, whatever the vocabulary: BOS / EOS / padding ids, whether
+/// encoding adds BOS / EOS (seen from what the tokenizer does), and the chat template.
+fn special_token_metadata(tok: &Tokenizer, cfg: &ModelConfig) -> Vec<(String, Value)> {
+    let inner = &tok.inner;
+    let id_of = |t: &Option<String>| t.as_deref().and_then(|t| inner.token_to_id(t));
+    let bos = cfg.bos_token_id.or_else(|| id_of(&tok.bos_token));
+    let eos = id_of(&tok.eos_token).or_else(|| tok.eos_token_ids.first().copied());
     let probe = |special: bool| {
         inner
             .encode("a", special)
@@ -1183,26 +1174,20 @@ fn sentencepiece_metadata(
     let add_eos = eos.is_some() && with.len() > without.len() && with.last().copied() == eos;
     let s = |k: &str| format!("tokenizer.ggml.{k}");
     let mut md = vec![
-        (s("model"), Value::String("llama".into())),
-        (s("tokens"), Value::Array(tokens)),
-        (s("scores"), Value::Array(scores)),
-        (s("token_type"), Value::Array(types)),
-        (s("add_space_prefix"), Value::Bool(prefix)),
         (s("add_bos_token"), Value::Bool(add_bos)),
         (s("add_eos_token"), Value::Bool(add_eos)),
         (s("padding_token_id"), Value::U32(tok.pad_token_id)),
+        // llama.cpp defaults missing BOS/EOS ids to 11: always write them (EOS stands in for
+        // BOS).
         (s("bos_token_id"), Value::U32(bos.or(eos).unwrap_or(0))),
     ];
     if let Some(e) = eos {
         md.push((s("eos_token_id"), Value::U32(e)));
     }
-    if let Some(u) = model["unk_token"].as_str().and_then(id_of) {
-        md.push((s("unknown_token_id"), Value::U32(u)));
-    }
     if let Some(t) = &tok.chat_template {
         md.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
     }
-    Ok(md)
+    md
 }
 
 /// Llama 3 RoPE scaling as llama.cpp's `rope_freqs.weight`: the factor dividing each of the

@@ -2242,7 +2242,7 @@ impl Transformer {
         } else {
             crate::fused::frozen_linear(hidden, head)?
         };
-        logits_out(logits, &self.cfg)
+        LogitsOut::of(&self.cfg).apply(logits)
     }
 
     /// Full-sequence forward on a left-padded batch: `input_ids` `(B, L)` and
@@ -2610,7 +2610,7 @@ impl Transformer {
                 // Head, log-softmax and entropy as one node that keeps only the hidden rows:
                 // no (rows, vocab) logits, in any dtype, are stored for backward.
                 let head = head_w.clone();
-                let cfg = self.cfg.clone();
+                let out = LogitsOut::of(&self.cfg);
                 let out = Recompute::new("head_logprobs", move |a, recomputing| {
                     // The indicator has no gradient: zeros when backward recomputes.
                     let top1 = match (with_top1, recomputing) {
@@ -2618,7 +2618,7 @@ impl Transformer {
                         (true, true) => Top1::Zeros,
                         (true, false) => Top1::Compute,
                     };
-                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1, &cfg)
+                    head_logprobs(&a[0], &a[1], &tg, temperature, with_entropy, top1, out)
                 })
                 .apply(&[&hc, &head])?;
                 lps.push(out.narrow(1, 0, 1)?.squeeze(1)?);
@@ -2832,16 +2832,31 @@ fn top1_of(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     at.ge(&logits.max(1)?)?.to_dtype(DType::F32)
 }
 
-/// The head's products `z` as the model's logits: divided by Granite's `logits_scaling`,
-/// capped by Gemma 2's `final_logit_softcapping` (`cap · tanh(z / cap)`); `z` elsewhere.
-fn logits_out(logits: Tensor, cfg: &ModelConfig) -> Result<Tensor> {
-    let logits = match &cfg.granite {
-        Some(g) if g.logits_scaling != 1.0 => (logits / g.logits_scaling)?,
-        _ => logits,
-    };
-    match cfg.final_logit_softcapping {
-        Some(c) => (logits / c)?.tanh()? * c,
-        None => Ok(logits),
+/// What turns the head's products `z` into the model's logits: Granite's `logits_scaling`
+/// divides, Gemma 2's `final_logit_softcapping` caps (`cap · tanh(z / cap)`); `z` elsewhere.
+#[derive(Debug, Clone, Copy)]
+struct LogitsOut {
+    divide: Option<f64>,
+    cap: Option<f64>,
+}
+
+impl LogitsOut {
+    fn of(cfg: &ModelConfig) -> Self {
+        Self {
+            divide: cfg.granite.map(|g| g.logits_scaling).filter(|d| *d != 1.0),
+            cap: cfg.final_logit_softcapping,
+        }
+    }
+
+    fn apply(self, logits: Tensor) -> Result<Tensor> {
+        let logits = match self.divide {
+            Some(d) => (logits / d)?,
+            None => logits,
+        };
+        match self.cap {
+            Some(c) => (logits / c)?.tanh()? * c,
+            None => Ok(logits),
+        }
     }
 }
 
@@ -2854,9 +2869,9 @@ fn head_logprobs(
     temperature: f64,
     with_entropy: bool,
     top1: Top1,
-    cfg: &ModelConfig,
+    out: LogitsOut,
 ) -> Result<Tensor> {
-    let mut logits = logits_out(crate::fused::frozen_linear(h, head)?, cfg)?;
+    let mut logits = out.apply(crate::fused::frozen_linear(h, head)?)?;
     if temperature != 1.0 && temperature > 0.0 {
         logits = (logits / temperature)?;
     }
