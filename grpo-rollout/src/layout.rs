@@ -196,9 +196,9 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
     }
     let mut map: std::collections::HashMap<String, Tensor> = weights.iter().cloned().collect();
     let mut out = Vec::with_capacity(weights.len());
-    let mut done = std::collections::HashSet::new();
     for (k, _) in &weights {
-        if done.contains(k) {
+        // Taken already: a part of a fused map written with its first part.
+        if !map.contains_key(k) {
             continue;
         }
         let part_of = |k: &str| {
@@ -213,7 +213,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             ))
         };
         let Some((layer, group, part, kind)) = part_of(k) else {
-            out.push((k.clone(), map[k].clone()));
+            out.push((k.clone(), map.remove(k).expect("checked above")));
             continue;
         };
         let fetch = |map: &mut std::collections::HashMap<String, Tensor>, part: &str| {
@@ -230,9 +230,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             Some(f) => {
                 let mut rows = Vec::new();
                 for (p, _) in &f.parts {
-                    let (key, t) = fetch(&mut map, p)?;
-                    done.insert(key);
-                    rows.push(t);
+                    rows.push(fetch(&mut map, p)?.1);
                 }
                 out.push((
                     format!("model.layers.{layer}.{group}.{}.{kind}", f.name),
@@ -245,7 +243,6 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
                     true => reorder_heads(cfg, &t, false)?,
                     false => t,
                 };
-                done.insert(key.clone());
                 out.push((key, t));
             }
         }
