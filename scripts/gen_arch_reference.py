@@ -32,6 +32,14 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     (`partial_rotary_factor` 0.5), LongRoPE with three quarters rotating (transformers 5's
     `rope_parameters`, and transformers 4's layout: top-level factor, `rope_scaling.type`).
 
+  * arch-qwen3moe-micro (Qwen3MoeForCausalLM, 3 layers, the middle one dense via
+    `mlp_only_layers`; 6 experts): 2 per token as it is, renormalised (`norm_topk_prob`), 3 per
+    token;
+  * arch-qwen2moe-micro (Qwen2MoeForCausalLM, 2 layers, 4 experts and the shared expert):
+    as it is, renormalised;
+  * arch-mixtral-micro (MixtralForCausalLM, 2 layers, 4 experts): 2 per token, 1 per token,
+    window 12.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -136,6 +144,35 @@ MODELS = {
             "phi3-longrope-v4-layout": {"rope_parameters": None, "partial_rotary_factor": 0.75,
                                         "rope_scaling": {"type": "longrope", "short_factor": [1.1, 1.3, 4.0],
                                                          "long_factor": [2.0, 2.0, 2.0]}},
+        },
+    ),
+    "arch-qwen3moe-micro": (
+        "qwen3_moe",
+        dict(num_hidden_layers=3, rope_theta=10000.0, tie_word_embeddings=False, head_dim=8, num_experts=6,
+             num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1]),
+        {
+            "qwen3moe": {},
+            "qwen3moe-norm": {"norm_topk_prob": True},
+            "qwen3moe-top3": {"num_experts_per_tok": 3},
+        },
+    ),
+    "arch-qwen2moe-micro": (
+        "qwen2_moe",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
+        {
+            "qwen2moe": {},
+            "qwen2moe-norm": {"norm_topk_prob": True},
+        },
+    ),
+    "arch-mixtral-micro": (
+        "mixtral",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=None),
+        {
+            "mixtral": {},
+            "mixtral-top1": {"num_experts_per_tok": 1},
+            "mixtral-window-12": {"sliding_window": 12},
         },
     ),
 }

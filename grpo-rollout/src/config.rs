@@ -41,6 +41,16 @@ pub enum Arch {
     /// partial rotary embeddings (`partial_rotary_factor`, Phi-4-mini), LongRoPE, a window on
     /// every layer when `sliding_window` is set.
     Phi3,
+    /// Qwen3-MoE (`qwen3_moe`): Qwen3's attention, a mixture-of-experts MLP ([`MoeConfig`]).
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
+    /// Qwen2-MoE / Qwen1.5-MoE (`qwen2_moe`): Qwen2's attention (q/k/v biases), experts plus a
+    /// shared expert behind a sigmoid gate.
+    #[serde(rename = "qwen2_moe")]
+    Qwen2Moe,
+    /// Mixtral (`mixtral`): Mistral's attention, a mixture of experts (`block_sparse_moe`, the
+    /// experts' `w1`/`w3`/`w2` = gate/up/down) whose top-k weights always sum to 1.
+    Mixtral,
 }
 
 /// The MLP's gate activation.
@@ -56,7 +66,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 10] = [
+    pub const ALL: [Arch; 13] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -67,6 +77,9 @@ impl Arch {
         Arch::Olmo2,
         Arch::Granite,
         Arch::Phi3,
+        Arch::Qwen3Moe,
+        Arch::Qwen2Moe,
+        Arch::Mixtral,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -82,7 +95,26 @@ impl Arch {
             Arch::Olmo2 => "olmo2",
             Arch::Phi3 => "phi3",
             Arch::Granite => "granite",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::Mixtral => "mixtral",
         }
+    }
+
+    /// The dense family whose attention this architecture's layers have (a mixture-of-experts
+    /// family's; the architecture itself otherwise).
+    pub fn attention(self) -> Self {
+        match self {
+            Arch::Qwen3Moe => Arch::Qwen3,
+            Arch::Qwen2Moe => Arch::Qwen2,
+            Arch::Mixtral => Arch::Mistral,
+            a => a,
+        }
+    }
+
+    /// Whether the MLPs are mixtures of experts ([`MoeConfig`]).
+    pub fn moe(self) -> bool {
+        self.attention() != self
     }
 
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
@@ -90,7 +122,7 @@ impl Arch {
     pub fn llama_like(self) -> bool {
         matches!(
             self,
-            Arch::Llama | Arch::Mistral | Arch::SmolLM3 | Arch::Granite
+            Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::SmolLM3 | Arch::Granite
         )
     }
 
@@ -113,11 +145,14 @@ impl Arch {
             "olmo2" => Ok(Arch::Olmo2),
             "phi3" => Ok(Arch::Phi3),
             "granite" => Ok(Arch::Granite),
+            "qwen3_moe" => Ok(Arch::Qwen3Moe),
+            "qwen2_moe" => Ok(Arch::Qwen2Moe),
+            "mixtral" => Ok(Arch::Mixtral),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral"
             ),
         }
     }
@@ -437,6 +472,9 @@ pub struct ModelConfig {
     /// Granite's four scalars (transformers' defaults 1).
     #[serde(default)]
     pub granite: Option<GraniteScalars>,
+    /// The mixture-of-experts MLPs' shape (the MoE families).
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
 }
 
 /// IBM Granite's multipliers ([`Arch::Granite`]).
@@ -450,6 +488,153 @@ pub struct GraniteScalars {
     pub residual_multiplier: f64,
     /// The logits' divisor.
     pub logits_scaling: f64,
+}
+
+/// A mixture-of-experts MLP's shape ([`Arch::Qwen3Moe`], [`Arch::Qwen2Moe`], [`Arch::Mixtral`]):
+/// a router (`gate`) scores the experts for each token, the `num_experts_per_tok` best take
+/// it, their outputs weighted by the router's softmax probabilities (renormalised over the
+/// chosen ones when `norm_topk_prob`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_experts`, Mixtral's `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub num_experts_per_tok: usize,
+    /// Each expert's MLP width (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    pub moe_intermediate_size: usize,
+    /// The chosen experts' probabilities renormalised to sum to 1 (Mixtral: always).
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is an MoE layer (1: all of them).
+    pub decoder_sparse_step: usize,
+    /// Layers with a dense MLP (`intermediate_size` wide) instead.
+    pub mlp_only_layers: Vec<usize>,
+    /// Qwen2-MoE's shared expert's width (`shared_expert_intermediate_size`).
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// The load-balancing loss's weight the config declares (`router_aux_loss_coef`).
+    pub router_aux_loss_coef: f64,
+}
+
+impl MoeConfig {
+    /// Reads the MoE fields of a `config.json` with transformers' defaults per family.
+    fn from_hf_json(v: &Value, arch: Arch, intermediate_size: usize) -> Result<Self> {
+        let int = |k: &str, default: usize| -> Result<usize> {
+            match v.get(k) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x.as_u64().map(|x| x as usize).ok_or_else(|| {
+                    candle_core::Error::msg(format!("field `{k}` must be an integer, not {x}"))
+                }),
+            }
+        };
+        let (experts, k, width) = match arch {
+            Arch::Qwen3Moe => (128, 8, 768),
+            Arch::Qwen2Moe => (60, 4, 1408),
+            _ => (8, 2, intermediate_size),
+        };
+        let num_experts = match v.get("num_experts").filter(|x| !x.is_null()) {
+            Some(_) => int("num_experts", experts)?,
+            None => int("num_local_experts", experts)?,
+        };
+        let num_experts_per_tok = int("num_experts_per_tok", k)?;
+        if num_experts == 0 || num_experts_per_tok == 0 || num_experts_per_tok > num_experts {
+            bail!(
+                "num_experts_per_tok = {num_experts_per_tok} must be from 1 to num_experts ({num_experts})"
+            );
+        }
+        let decoder_sparse_step = int("decoder_sparse_step", 1)?;
+        if decoder_sparse_step == 0 {
+            bail!("field `decoder_sparse_step` must be > 0");
+        }
+        let mlp_only_layers = match v.get("mlp_only_layers") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64().map(|x| x as usize).ok_or_else(|| {
+                        candle_core::Error::msg(format!(
+                            "field `mlp_only_layers` must list layer indices, not {x}"
+                        ))
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(x) => bail!("field `mlp_only_layers` must be a list, not {x}"),
+        };
+        if let Some(j) = v.get("router_jitter_noise").and_then(Value::as_f64)
+            && j != 0.0
+        {
+            bail!(
+                "router_jitter_noise = {j} is not supported (only 0: no noise on the router's input)"
+            );
+        }
+        let moe_intermediate_size = match arch {
+            Arch::Mixtral => intermediate_size,
+            _ => int("moe_intermediate_size", width)?,
+        };
+        if moe_intermediate_size == 0 {
+            bail!("field `moe_intermediate_size` must be > 0");
+        }
+        Ok(MoeConfig {
+            num_experts,
+            num_experts_per_tok,
+            moe_intermediate_size,
+            norm_topk_prob: arch == Arch::Mixtral
+                || v.get("norm_topk_prob")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+            decoder_sparse_step,
+            mlp_only_layers,
+            shared_expert_intermediate_size: match arch {
+                Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
+                _ => None,
+            },
+            router_aux_loss_coef: v
+                .get("router_aux_loss_coef")
+                .and_then(Value::as_f64)
+                .unwrap_or(0.001),
+        })
+    }
+
+    /// Whether layer `i` routes through experts (transformers' rule: not in
+    /// `mlp_only_layers`, and `i + 1` a multiple of `decoder_sparse_step`).
+    pub fn sparse(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+
+    /// The fields of `config.json` for `arch`.
+    fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>) {
+        let experts = match arch {
+            Arch::Mixtral => "num_local_experts",
+            _ => "num_experts",
+        };
+        obj.insert(experts.into(), self.num_experts.into());
+        obj.insert(
+            "num_experts_per_tok".into(),
+            self.num_experts_per_tok.into(),
+        );
+        obj.insert(
+            "router_aux_loss_coef".into(),
+            self.router_aux_loss_coef.into(),
+        );
+        obj.insert("output_router_logits".into(), false.into());
+        if arch == Arch::Mixtral {
+            return;
+        }
+        obj.insert(
+            "moe_intermediate_size".into(),
+            self.moe_intermediate_size.into(),
+        );
+        obj.insert("norm_topk_prob".into(), self.norm_topk_prob.into());
+        obj.insert(
+            "decoder_sparse_step".into(),
+            self.decoder_sparse_step.into(),
+        );
+        obj.insert(
+            "mlp_only_layers".into(),
+            self.mlp_only_layers.clone().into(),
+        );
+        if let Some(s) = self.shared_expert_intermediate_size {
+            obj.insert("shared_expert_intermediate_size".into(), s.into());
+        }
+    }
 }
 
 /// Every `every`-th of `layers` layers (1-based: the `every − 1`-th, ...): SmolLM3's NoPE
@@ -512,6 +697,7 @@ impl ModelConfig {
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
                 Arch::Qwen3 => 128,
+                // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
                 Arch::Gemma2 | Arch::Gemma3 => 256,
                 _ => hidden_size / num_attention_heads.max(1),
             });
@@ -532,7 +718,7 @@ impl ModelConfig {
             // transformers' `default_theta` (SmolLM3Config's 2e6, Gemma 3's 1e6, else 10000).
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
-                Arch::Gemma3 => 1_000_000.0,
+                Arch::Gemma3 | Arch::Mixtral => 1_000_000.0,
                 _ => 10_000.0,
             });
         // Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), unscaled.
@@ -563,8 +749,10 @@ impl ModelConfig {
             .unwrap_or(match arch {
                 Arch::Llama | Arch::Olmo2 | Arch::Granite => 2048,
                 Arch::Phi3 => 4096,
-                Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 => 32768,
-                Arch::Mistral | Arch::Gemma3 => 4096 * 32,
+                Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
+                    32768
+                }
+                Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
                 Arch::Gemma2 => 8192,
             }) as usize;
         let mut rope_dict = v
@@ -677,7 +865,10 @@ impl ModelConfig {
         // (every layer, default 4096, null = none); Qwen2/Qwen3's and SmolLM3's with
         // `use_sliding_window`, on the layers `layer_types` names (else Qwen's from
         // `max_window_layers` on, SmolLM3's NoPE layers).
+        let qwen_like = matches!(arch.attention(), Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3);
         let window = match v.get("sliding_window") {
+            // Off unless `use_sliding_window` (Qwen2-MoE's configs write 0 then).
+            _ if qwen_like && !flag("use_sliding_window", false) => None,
             Some(Value::Null) => None,
             Some(w) => Some(w.as_u64().filter(|w| *w > 0).ok_or_else(|| {
                 candle_core::Error::msg(format!(
@@ -685,6 +876,7 @@ impl ModelConfig {
                 ))
             })? as usize),
             None if matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3) => Some(4096),
+            // Mixtral's default is none.
             None => None,
         };
         // The layers `layer_types` names sliding, where it is given.
@@ -695,7 +887,10 @@ impl ModelConfig {
         });
         let sliding_layers: Vec<usize> = match arch {
             Arch::Llama | Arch::Granite => Vec::new(),
-            Arch::Mistral | Arch::Phi3 => (0..num_hidden_layers).collect(),
+            // Qwen3-MoE's window (when switched on) is on every layer.
+            Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
+                (0..num_hidden_layers).collect()
+            }
             // Gemma 3: `layer_types`, else every layer but each `sliding_window_pattern`-th (6).
             Arch::Gemma3 => match listed {
                 Some(t) => t,
@@ -711,9 +906,7 @@ impl ModelConfig {
             },
             // Gemma 2: `layer_types`, else every other layer from the first.
             Arch::Gemma2 => listed.unwrap_or_else(|| (0..num_hidden_layers).step_by(2).collect()),
-            Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 if !flag("use_sliding_window", false) => {
-                Vec::new()
-            }
+            _ if qwen_like && !flag("use_sliding_window", false) => Vec::new(),
             _ => match listed {
                 Some(t) => t,
                 None if arch == Arch::SmolLM3 => nope_layers.clone(),
@@ -765,16 +958,20 @@ impl ModelConfig {
             ),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
-                Arch::Mistral | Arch::Phi3 => false,
+                // transformers 5's Qwen2-MoE names it `qkv_bias` (4's always has them).
+                Arch::Qwen2Moe => flag("qkv_bias", true),
+                Arch::Mistral | Arch::Phi3 | Arch::Mixtral => false,
                 Arch::Llama
                 | Arch::Granite
                 | Arch::Qwen3
+                | Arch::Qwen3Moe
                 | Arch::SmolLM3
                 | Arch::Gemma2
                 | Arch::Gemma3
                 | Arch::Olmo2 => flag("attention_bias", false),
             },
-            mlp_bias: !matches!(arch, Arch::Mistral | Arch::Phi3) && flag("mlp_bias", false),
+            mlp_bias: matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLM3)
+                && flag("mlp_bias", false),
             granite: match arch {
                 Arch::Granite => {
                     let m = |k: &str| -> Result<f64> {
@@ -824,6 +1021,10 @@ impl ModelConfig {
             partial_rotary_factor,
             attn_logit_softcapping,
             final_logit_softcapping,
+            moe: match arch.moe() {
+                true => Some(MoeConfig::from_hf_json(v, arch, req("intermediate_size")?)?),
+                false => None,
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -899,6 +1100,9 @@ impl ModelConfig {
                     Arch::Olmo2 => "Olmo2",
                     Arch::Phi3 => "Phi3",
                     Arch::Granite => "Granite",
+                    Arch::Qwen3Moe => "Qwen3Moe",
+                    Arch::Qwen2Moe => "Qwen2Moe",
+                    Arch::Mixtral => "Mixtral",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -940,6 +1144,12 @@ impl ModelConfig {
         }
         if matches!(self.arch, Arch::Llama | Arch::Granite | Arch::SmolLM3) {
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
+        }
+        if let Some(m) = &self.moe {
+            m.write(self.arch, obj);
+        }
+        if self.arch == Arch::Qwen2Moe {
+            obj.insert("qkv_bias".into(), self.attention_bias.into());
         }
         if let Some(g) = &self.granite {
             obj.insert("embedding_multiplier".into(), g.embedding_multiplier.into());
@@ -991,7 +1201,7 @@ impl ModelConfig {
             obj.insert("partial_rotary_factor".into(), p.into());
         }
         match (self.arch, self.sliding_window) {
-            (Arch::Mistral | Arch::Phi3, w) => {
+            (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
             (Arch::Llama | Arch::Granite, _) | (_, None) => {}
@@ -1082,9 +1292,10 @@ impl ModelConfig {
         if self.attention_bias {
             layer += q + 2 * kv;
         }
-        if matches!(self.arch, Arch::Qwen3 | Arch::Gemma3) {
+        if matches!(self.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3) {
             layer += 2 * self.head_dim;
         }
+
         if self.arch.gemma() {
             layer += 2 * h; // the sublayers' output norms
         }
@@ -1092,6 +1303,15 @@ impl ModelConfig {
             layer += q + kv; // q/k norms over all heads; the output norms replace the pre-norms
         }
         let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
+        // An MoE layer's router and experts in place of the dense MLP.
+        if let Some(m) = &self.moe {
+            let sparse = (0..self.num_hidden_layers).filter(|i| m.sparse(*i)).count();
+            let moe = h * m.num_experts
+                + 3 * h * m.moe_intermediate_size * m.num_experts
+                + m.shared_expert_intermediate_size
+                    .map_or(0, |s| 3 * h * s + h);
+            n = n + sparse * moe - sparse * 3 * h * self.intermediate_size;
+        }
         if !self.tie_word_embeddings {
             n += self.vocab_size * h;
         }
@@ -1108,9 +1328,21 @@ impl ModelConfig {
         let h = self.hidden_size as f64;
         let q = (self.num_attention_heads * self.head_dim) as f64;
         let kv = (self.num_key_value_heads * self.head_dim) as f64;
-        let per_row = h * q + 2.0 * h * kv + q * h + 3.0 * h * self.intermediate_size as f64;
+        let mlp = |i: usize| match &self.moe {
+            // The router, the experts each row goes to, the shared expert.
+            Some(m) if m.sparse(i) => {
+                let e =
+                    (m.num_experts + 3 * m.num_experts_per_tok * m.moe_intermediate_size) as f64;
+                let shared = m.shared_expert_intermediate_size.map_or(0, |s| 3 * s + 1) as f64;
+                h * (e + shared)
+            }
+            _ => 3.0 * h * self.intermediate_size as f64,
+        };
+        let per_row: f64 = (0..self.num_hidden_layers)
+            .map(|i| h * q + 2.0 * h * kv + q * h + mlp(i))
+            .sum();
         let layers = self.num_hidden_layers as f64;
-        2.0 * rows as f64 * per_row * layers
+        2.0 * rows as f64 * per_row
             + 2.0 * 2.0 * attention_pairs as f64 * q * layers
             + 2.0 * head_rows as f64 * h * self.vocab_size as f64
     }

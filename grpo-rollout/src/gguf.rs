@@ -253,6 +253,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             _ => has("blk.0.attn_q.bias"),
         },
         mlp_bias: has("blk.0.ffn_gate.bias"),
+        moe: None,
         bos_token_id: md_u32(md, "tokenizer.ggml.bos_token_id"),
         eos_token_ids: md_u32(md, "tokenizer.ggml.eos_token_id")
             .into_iter()
@@ -1240,13 +1241,14 @@ pub fn save_gguf(
         Arch::Mistral => "llama",
         a => a.as_str(),
     };
-    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2) {
+    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2) || cfg.arch.moe() {
         bail!(
             "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
             match cfg.arch {
                 Arch::Gemma2 => "Gemma 2",
                 Arch::Gemma3 => "Gemma 3",
-                _ => "OLMo 2",
+                Arch::Olmo2 => "OLMo 2",
+                _ => "a mixture-of-experts model",
             }
         );
     }

@@ -192,7 +192,7 @@ pub fn preset_config(
         rope_scaling: None,
         max_position_embeddings: 2048,
         tie_word_embeddings: true,
-        attention_bias: arch == Arch::Qwen2,
+        attention_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
         mlp_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![eos],
@@ -225,6 +225,21 @@ pub fn preset_config(
         final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
         // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
         // this head size.
+        // Four experts, two per token (the tiny preset: a dense second layer too); Qwen2-MoE's
+        // shared expert.
+        moe: arch.moe().then(|| crate::config::MoeConfig {
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: inter / 2,
+            norm_topk_prob: arch == Arch::Mixtral,
+            decoder_sparse_step: 1,
+            mlp_only_layers: match (preset, arch) {
+                (Preset::Tiny, Arch::Qwen3Moe) => vec![1],
+                _ => Vec::new(),
+            },
+            shared_expert_intermediate_size: (arch == Arch::Qwen2Moe).then_some(inter),
+            router_aux_loss_coef: 0.001,
+        }),
         granite: (arch == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
             attention_multiplier: 1.0 / (hidden / heads) as f64,
@@ -271,7 +286,7 @@ pub fn random_weights(
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
-        if matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3) {
+        if matches!(cfg.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3) {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![cfg.head_dim],
@@ -302,9 +317,32 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![q], true));
             shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], true));
         }
-        shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
-        shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));
-        shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
+        match cfg.moe.as_ref().filter(|m| m.sparse(i)) {
+            Some(m) => {
+                let names = crate::model::MoeNames::of(cfg.arch);
+                let e = m.num_experts;
+                shapes.push((names.router(i), vec![e, h], false));
+                let mi = m.moe_intermediate_size;
+                for x in 0..e {
+                    let [g, u, d] = names.expert(i, x);
+                    shapes.push((g, vec![mi, h], false));
+                    shapes.push((u, vec![mi, h], false));
+                    shapes.push((d, vec![h, mi], false));
+                }
+                if let Some(si) = m.shared_expert_intermediate_size {
+                    let [g, u, d] = names.shared(i);
+                    shapes.push((g, vec![si, h], false));
+                    shapes.push((u, vec![si, h], false));
+                    shapes.push((d, vec![h, si], false));
+                    shapes.push((names.shared_gate(i), vec![1, h], false));
+                }
+            }
+            None => {
+                shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
+                shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));
+                shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
+            }
+        }
     }
     shapes.push(("model.norm.weight".into(), vec![h], true));
     if cfg.sequence_classification {

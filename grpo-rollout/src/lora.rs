@@ -842,12 +842,24 @@ pub fn from_peft_layout(
 /// A `target_modules` list that names modules `arch` does not have as PEFT sees them: Phi-3's
 /// q/k/v and gate/up (fused there), or the fused names on the other families.
 fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
-    let TargetModules::Names(v) = &cfg.target_modules else {
-        return Ok(());
+    // PEFT adapts Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) for these.
+    let shared = |m: &str| {
+        bail!(
+            "lora.target_modules: `{m}` on Qwen2-MoE would adapt its shared expert (as PEFT does), which is not supported here: name attention modules (q_proj, k_proj, v_proj, o_proj)"
+        )
+    };
+    let qwen2_moe = arch == crate::config::Arch::Qwen2Moe;
+    let v = match &cfg.target_modules {
+        TargetModules::Names(v) => v,
+        TargetModules::Pattern(p) if qwen2_moe && p == ALL_LINEAR => return shared(p),
+        TargetModules::Pattern(_) => return Ok(()),
     };
     let phi3 = arch == crate::config::Arch::Phi3;
     for m in v {
         let last = m.rsplit('.').next().unwrap_or(m);
+        if qwen2_moe && ["gate_proj", "up_proj", "down_proj"].contains(&last) {
+            return shared(m);
+        }
         if phi3 && ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"].contains(&last) {
             bail!(
                 "lora.target_modules: `{m}`: Phi-3 stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj` (as PEFT adapts them): name qkv_proj, o_proj, gate_up_proj, down_proj, or \"{ALL_LINEAR}\""
@@ -891,6 +903,10 @@ pub fn attach(
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let lins = layer.linears_mut();
         for m in modules(arch) {
+            // An MoE layer has no dense MLP (PEFT matches no module there either).
+            if lins[m.parts[0].1].is_absent() {
+                continue;
+            }
             let Some((r, scale)) = resolved.adapter(i, m.group, m.name) else {
                 continue;
             };

@@ -42,6 +42,163 @@ pub struct Linear {
     pub weight_t: Option<Tensor>,
 }
 
+impl Linear {
+    /// The stand-in for a dense MLP map an MoE layer does not have (no elements; skipped by
+    /// [`Transformer::weights`], adapters and packing).
+    pub fn absent(dtype: DType, device: &Device) -> Result<Self> {
+        Ok(Linear {
+            weight: Tensor::zeros((0, 0), dtype, device)?,
+            bias: None,
+            lora: None,
+            weight_t: None,
+        })
+    }
+
+    /// Whether this is [`Self::absent`]'s stand-in.
+    pub fn is_absent(&self) -> bool {
+        self.weight.elem_count() == 0
+    }
+}
+
+/// The tensor names of an MoE layer as its family's checkpoints store them (transformers 5
+/// writes this per-expert layout too, and fuses the experts only in memory).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeNames {
+    block: &'static str,
+    parts: [&'static str; 3],
+}
+
+impl MoeNames {
+    /// Mixtral's `block_sparse_moe` with `w1`/`w3`/`w2`; Qwen's `mlp` with gate/up/down.
+    pub fn of(arch: Arch) -> Self {
+        match arch {
+            Arch::Mixtral => MoeNames {
+                block: "block_sparse_moe",
+                parts: ["w1", "w3", "w2"],
+            },
+            _ => MoeNames {
+                block: "mlp",
+                parts: ["gate_proj", "up_proj", "down_proj"],
+            },
+        }
+    }
+
+    /// The router's weight `(experts, hidden)`.
+    pub fn router(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}.gate.weight", self.block)
+    }
+
+    /// Expert `e`'s gate, up and down weights.
+    pub fn expert(&self, layer: usize, e: usize) -> [String; 3] {
+        self.parts
+            .map(|p| format!("model.layers.{layer}.{}.experts.{e}.{p}.weight", self.block))
+    }
+
+    /// Qwen2-MoE's shared expert's gate, up and down weights.
+    pub fn shared(&self, layer: usize) -> [String; 3] {
+        ["gate_proj", "up_proj", "down_proj"]
+            .map(|p| format!("model.layers.{layer}.mlp.shared_expert.{p}.weight"))
+    }
+
+    /// Qwen2-MoE's shared expert's gate `(1, hidden)`.
+    pub fn shared_gate(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.mlp.shared_expert_gate.weight")
+    }
+}
+
+/// One expert of an MoE layer: a gated MLP of its own.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// Gate `(width, hidden)`.
+    pub gate_proj: Linear,
+    /// Up `(width, hidden)`.
+    pub up_proj: Linear,
+    /// Down `(hidden, width)`.
+    pub down_proj: Linear,
+}
+
+impl Expert {
+    fn linears(&self) -> [&Linear; 3] {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+
+    fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Expert {
+            gate_proj: map_linear(&self.gate_proj, f)?,
+            up_proj: map_linear(&self.up_proj, f)?,
+            down_proj: map_linear(&self.down_proj, f)?,
+        })
+    }
+}
+
+/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), computed as transformers
+/// does: the router's logits → softmax in f32 → each token's `top_k` experts, their
+/// probabilities (renormalised when `norm_topk_prob`) weighting the experts' outputs; Qwen2-MoE
+/// adds a shared expert times `sigmoid(shared_expert_gate · h)`. Each expert runs once on the
+/// rows routed to it (gathered, then put back in place): the gradient reaches the router
+/// through the chosen probabilities and each expert through its own rows.
+#[derive(Debug, Clone)]
+pub struct Moe {
+    /// The router `(experts, hidden)` (the checkpoints' `gate`).
+    pub router: Linear,
+    /// The experts.
+    pub experts: Vec<Expert>,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the chosen probabilities.
+    pub norm_topk_prob: bool,
+    /// Qwen2-MoE's shared expert and its gate `(1, hidden)`.
+    pub shared: Option<(Expert, Linear)>,
+}
+
+impl Moe {
+    /// Every linear map: the router, the experts', the shared expert's and its gate.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out = vec![&self.router];
+        out.extend(self.experts.iter().flat_map(Expert::linears));
+        if let Some((e, g)) = &self.shared {
+            out.extend(e.linears());
+            out.push(g);
+        }
+        out
+    }
+
+    fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Moe {
+            router: map_linear(&self.router, f)?,
+            experts: self
+                .experts
+                .iter()
+                .map(|e| e.map(f))
+                .collect::<Result<_>>()?,
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+            shared: match &self.shared {
+                Some((e, g)) => Some((e.map(f)?, map_linear(g, f)?)),
+                None => None,
+            },
+        })
+    }
+
+    /// Each row's experts `(N, top_k)` (best first) and their weights `(N, top_k)` in f32
+    /// (with the graph back to the router), of the router's logits `(N, experts)`.
+    pub fn route(&self, logits: &Tensor) -> Result<(Tensor, Tensor)> {
+        let z = logits.to_dtype(DType::F32)?;
+        let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
+        let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
+        let top = probs
+            .detach()
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let mut w = probs.gather(&top, 1)?;
+        if self.norm_topk_prob {
+            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        Ok((top, w))
+    }
+}
+
 /// Up to this many rows, a matmul uses the stored transpose when there is one.
 const DECODE_ROWS: usize = 512;
 
@@ -311,6 +468,9 @@ pub struct Layer {
     pub qkv: Option<Packed>,
     /// gate and up packed.
     pub gate_up: Option<Packed>,
+    /// The mixture of experts in place of the MLP (gate, up and down then
+    /// [`Linear::absent`]).
+    pub moe: Option<Moe>,
 }
 
 impl Layer {
@@ -335,7 +495,8 @@ impl Layer {
         norms.extend(self.q_norm.iter().chain(self.k_norm.iter()));
         norms.extend(self.attn_out_norm.iter().chain(self.mlp_out_norm.iter()));
         out.extend(norms.iter().map(|n| n.weight.clone()));
-        for l in self.linears() {
+        let moe = self.moe.iter().flat_map(Moe::linears);
+        for l in self.linears().into_iter().chain(moe) {
             out.push(l.weight.clone());
             out.extend(l.bias.iter().cloned());
             if let Some(lo) = &l.lora {
@@ -485,6 +646,9 @@ impl Layer {
             (n, _) => (x + self.sublayer_out(n, self.o_proj.forward(&ctx)?)?)?,
         };
         let h = self.post_attention_layernorm.forward(&x)?;
+        if let Some(m) = &self.moe {
+            return &x + self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, &h)?)?;
+        }
         if let Some(y) = self.mlp_nodes(&x, &h)? {
             return Ok(y);
         }
@@ -529,6 +693,55 @@ impl Layer {
                 self.act_mul(&gu.narrow(last, 0, n)?, &gu.narrow(last, n, n)?)
             }
         }
+    }
+
+    /// An expert's (or the shared expert's) gated MLP of rows `h` `(n, hidden)`.
+    fn expert_mlp(&self, e: &Expert, h: &Tensor) -> Result<Tensor> {
+        let act = self.act_mul(&e.gate_proj.forward(h)?, &e.up_proj.forward(h)?)?;
+        e.down_proj.forward(&act)
+    }
+
+    /// The mixture of experts ([`Moe`]) of normalised rows `h` `(N, hidden)`: each expert
+    /// runs on its rows gathered (one host read of the routing, `N · top_k` ids), the outputs
+    /// put back in (row, choice) order and summed with their weights.
+    fn moe_mlp(&self, m: &Moe, h: &Tensor) -> Result<Tensor> {
+        let (n, hidden) = h.dims2()?;
+        let k = m.top_k;
+        let (top, w) = m.route(&m.router.forward(h)?)?;
+        let top: Vec<u32> = top.flatten_all()?.to_vec1()?;
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); m.experts.len()];
+        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); m.experts.len()];
+        for (p, &e) in top.iter().enumerate() {
+            let e = e as usize;
+            rows[e].push((p / k) as u32);
+            slots[e].push(p as u32);
+        }
+        let dev = h.device();
+        let mut outs = Vec::new();
+        let mut order = Vec::with_capacity(n * k);
+        for (e, expert) in m.experts.iter().enumerate() {
+            if rows[e].is_empty() {
+                continue;
+            }
+            let idx = Tensor::new(rows[e].as_slice(), dev)?;
+            outs.push(self.expert_mlp(expert, &h.index_select(&idx, 0)?)?);
+            order.extend_from_slice(&slots[e]);
+        }
+        let mut back = vec![0u32; n * k];
+        for (j, &p) in order.iter().enumerate() {
+            back[p as usize] = j as u32;
+        }
+        let y = Tensor::cat(&outs, 0)?
+            .index_select(&Tensor::new(back, dev)?, 0)?
+            .reshape((n, k, hidden))?;
+        let w = w.to_dtype(y.dtype())?.unsqueeze(2)?;
+        let mut out = y.broadcast_mul(&w)?.sum(1)?;
+        if let Some((e, g)) = &m.shared {
+            let gate = g.forward(h)?;
+            let gate = (gate.neg()?.exp()? + 1.0)?.recip()?;
+            out = (out + self.expert_mlp(e, h)?.broadcast_mul(&gate)?)?;
+        }
+        Ok(out)
     }
 
     /// The layer in a pass over a KV cache (no graph: decoding, a prefill): `h` is this
@@ -588,6 +801,10 @@ impl Layer {
         };
         let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
         let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
+        if let Some(m) = &self.moe {
+            let d = self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, &h)?)?;
+            return next.add_forward(&x, &d);
+        }
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
             Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
@@ -682,6 +899,7 @@ impl Layer {
             && self.attn_out_norm.is_none()
             && self.mlp_out_norm.is_none()
             && self.residual_scale.is_none()
+            && self.moe.is_none()
             && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
             && self.linears().iter().all(|l| l.lora.is_none())
@@ -708,7 +926,7 @@ impl Layer {
             self.qkv = Packed::pack(&mut [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj])?;
         }
         let mlp = [&self.gate_proj, &self.up_proj];
-        if self.packed(&self.gate_up, &mlp).is_none() {
+        if self.moe.is_none() && self.packed(&self.gate_up, &mlp).is_none() {
             self.gate_up = Packed::pack(&mut [&mut self.gate_proj, &mut self.up_proj])?;
         }
         Ok(())
@@ -1441,6 +1659,43 @@ impl Transformer {
             let p = format!("model.layers.{i}");
             let qkv_bias = cfg.attention_bias;
             let [mlp_norm, attn_out, mlp_out] = layer_norm_names(cfg.arch);
+            let moe = match cfg.moe.as_ref().filter(|m| m.sparse(i)) {
+                Some(m) => {
+                    let names = MoeNames::of(cfg.arch);
+                    let lin = |name: String, out: usize, inp: usize| -> Result<Linear> {
+                        Ok(Linear {
+                            weight: get(&name, &[out, inp])?,
+                            bias: None,
+                            lora: None,
+                            weight_t: None,
+                        })
+                    };
+                    let expert = |[g, u, d]: [String; 3], w: usize| -> Result<Expert> {
+                        Ok(Expert {
+                            gate_proj: lin(g, w, h)?,
+                            up_proj: lin(u, w, h)?,
+                            down_proj: lin(d, h, w)?,
+                        })
+                    };
+                    let w = m.moe_intermediate_size;
+                    Some(Moe {
+                        router: lin(names.router(i), m.num_experts, h)?,
+                        experts: (0..m.num_experts)
+                            .map(|e| expert(names.expert(i, e), w))
+                            .collect::<Result<_>>()?,
+                        top_k: m.num_experts_per_tok,
+                        norm_topk_prob: m.norm_topk_prob,
+                        shared: match m.shared_expert_intermediate_size {
+                            Some(s) => Some((
+                                expert(names.shared(i), s)?,
+                                lin(names.shared_gate(i), 1, h)?,
+                            )),
+                            None => None,
+                        },
+                    })
+                }
+                None => None,
+            };
             layers.push(Layer {
                 input_layernorm: match olmo {
                     true => identity()?,
@@ -1455,14 +1710,14 @@ impl Transformer {
                     q,
                     cfg.attention_bias && (cfg.arch.llama_like() || output_norms),
                 )?,
-                q_norm: match cfg.arch {
+                q_norm: match cfg.arch.attention() {
                     Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
                     Arch::Olmo2 => Some(norm(&format!("{p}.self_attn.q_norm.weight"), q)?),
                     _ => None,
                 },
-                k_norm: match cfg.arch {
+                k_norm: match cfg.arch.attention() {
                     Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
@@ -1481,11 +1736,21 @@ impl Transformer {
                     .transpose()?,
                 activation: cfg.activation,
                 residual_scale: cfg.granite.map(|g| g.residual_multiplier),
-                gate_proj: linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
-                up_proj: linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
-                down_proj: linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
+                gate_proj: match moe.is_some() {
+                    true => Linear::absent(dtype, device)?,
+                    false => linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
+                },
+                up_proj: match moe.is_some() {
+                    true => Linear::absent(dtype, device)?,
+                    false => linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
+                },
+                down_proj: match moe.is_some() {
+                    true => Linear::absent(dtype, device)?,
+                    false => linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
+                },
                 qkv: None,
                 gate_up: None,
+                moe,
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -1575,9 +1840,26 @@ impl Transformer {
             if let Some(n) = &layer.mlp_out_norm {
                 out.push((format!("{p}.{mlp_out}.weight"), n.weight.clone()));
             }
-            lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
-            lin(&mut out, format!("{p}.mlp.up_proj"), &layer.up_proj);
-            lin(&mut out, format!("{p}.mlp.down_proj"), &layer.down_proj);
+            let Some(m) = &layer.moe else {
+                lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
+                lin(&mut out, format!("{p}.mlp.up_proj"), &layer.up_proj);
+                lin(&mut out, format!("{p}.mlp.down_proj"), &layer.down_proj);
+                continue;
+            };
+            let names = MoeNames::of(self.cfg.arch);
+            out.push((names.router(i), m.router.weight.clone()));
+            let mut expert = |n: [String; 3], e: &Expert| {
+                for (name, l) in n.into_iter().zip(e.linears()) {
+                    out.push((name, l.weight.clone()));
+                }
+            };
+            for (e, x) in m.experts.iter().enumerate() {
+                expert(names.expert(i, e), x);
+            }
+            if let Some((x, g)) = &m.shared {
+                expert(names.shared(i), x);
+                out.push((names.shared_gate(i), g.weight.clone()));
+            }
         }
         out.push(("model.norm.weight".to_string(), self.norm.weight.clone()));
         if let Some(h) = &self.lm_head {
@@ -1628,6 +1910,7 @@ impl Transformer {
                     down_proj: lin(&l.down_proj)?,
                     qkv,
                     gate_up,
+                    moe: l.moe.as_ref().map(|m| m.map(f)).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -1988,12 +2271,14 @@ impl Transformer {
 
     /// Whether a decode step can be captured in a CUDA graph ([`crate::graph`]): every layer
     /// takes the one-kernel cache pass (packed q/k/v), whose launch reads the cached length
-    /// from the device.
+    /// from the device, and no layer routes through experts (which reads the routing on the
+    /// host).
     pub(crate) fn graphable(&self) -> bool {
         self.cfg.attn_logit_softcapping.is_none()
             && self.layers.iter().all(|l| {
-                l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
-                    .is_some()
+                l.moe.is_none()
+                    && l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
+                        .is_some()
             })
     }
 

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 24);
+    assert!(cases.len() >= 32);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -136,6 +136,12 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("phi3-partial-half", "phi3") > 0.05);
     assert!(d("phi3-longrope-partial", "phi3") > 0.05);
     assert!(d("phi3-longrope-v4-layout", "phi3-longrope-partial") > 0.05);
+    // The routing's settings each matter.
+    assert!(d("qwen3moe-norm", "qwen3moe") > 0.05);
+    assert!(d("qwen3moe-top3", "qwen3moe") > 0.05);
+    assert!(d("qwen2moe-norm", "qwen2moe") > 0.05);
+    assert!(d("mixtral-top1", "mixtral") > 0.05);
+    assert!(d("mixtral-window-12", "mixtral") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
