@@ -867,8 +867,10 @@ impl ModelConfig {
         // `max_window_layers` on, SmolLM3's NoPE layers).
         let qwen_like = matches!(arch.attention(), Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3);
         let window = match v.get("sliding_window") {
-            // Off unless `use_sliding_window` (Qwen2-MoE's configs write 0 then).
-            _ if qwen_like && !flag("use_sliding_window", false) => None,
+            // Qwen2-MoE's configs write 0 when `use_sliding_window` is off.
+            Some(w) if qwen_like && w.as_u64() == Some(0) && !flag("use_sliding_window", false) => {
+                None
+            }
             Some(Value::Null) => None,
             Some(w) => Some(w.as_u64().filter(|w| *w > 0).ok_or_else(|| {
                 candle_core::Error::msg(format!(

@@ -180,10 +180,14 @@ impl Moe {
         })
     }
 
-    /// Each row's experts `(N, top_k)` (best first) and their weights `(N, top_k)` in f32
-    /// (with the graph back to the router), of the router's logits `(N, experts)`.
+    /// Each row's experts `(N, top_k)` (best first) and their weights `(N, top_k)` in f32 (f64
+    /// for an f64 model), with the graph back to the router, of the router's logits
+    /// `(N, experts)`.
     pub fn route(&self, logits: &Tensor) -> Result<(Tensor, Tensor)> {
-        let z = logits.to_dtype(DType::F32)?;
+        let z = match logits.dtype() {
+            DType::F64 => logits.clone(),
+            _ => logits.to_dtype(DType::F32)?,
+        };
         let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
         let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
         let top = probs

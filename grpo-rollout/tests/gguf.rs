@@ -695,6 +695,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         attn_logit_softcapping: None,
         final_logit_softcapping: None,
         granite: None,
+        moe: None,
     };
     let inv = grpo_rollout::model::rope_inv_freq(&cfg);
     for ((got, f), r) in inv.iter().zip(&freqs).zip(&factors) {
