@@ -257,7 +257,8 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // everything (1 + w norms, output norms, GELU-tanh, scaled embeddings, a sliding layer
     // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms,
     // Phi-3's fused files with three quarters of each head rotating and a window, Gemma 2's
-    // soft caps (scores and logits) beside a sliding layer, Granite's four multipliers.
+    // soft caps (scores and logits) beside a sliding layer, Granite's four multipliers, the
+    // mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral).
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).
@@ -277,6 +278,18 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             cfg.partial_rotary_factor = g.partial_rotary_factor;
             (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) =
                 (g.attn_logit_softcapping, g.final_logit_softcapping);
+            // Four experts, two per token, at this width (Qwen2-MoE's shared expert too).
+            cfg.moe = g.moe.map(|mut m| {
+                m.moe_intermediate_size = match arch {
+                    Arch::Mixtral => cfg.intermediate_size,
+                    _ => cfg.intermediate_size / 2,
+                };
+                m.mlp_only_layers.clear();
+                if m.shared_expert_intermediate_size.is_some() {
+                    m.shared_expert_intermediate_size = Some(cfg.intermediate_size);
+                }
+                m
+            });
             cfg.granite = g.granite.map(|mut s| {
                 s.attention_multiplier = 1.0 / (cfg.head_dim as f64).sqrt();
                 s

@@ -121,7 +121,8 @@ pub struct InitModelArgs {
     /// tiny or small.
     #[arg(long, default_value = "tiny")]
     preset: String,
-    /// llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3 or granite.
+    /// llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite,
+    /// qwen3_moe, qwen2_moe or mixtral.
     #[arg(long, default_value = "qwen2")]
     arch: String,
     /// Weight seed.

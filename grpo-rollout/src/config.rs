@@ -1060,6 +1060,16 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", self.head_dim);
         }
+        if let Some(m) = &self.moe
+            && self.arch == Arch::Mixtral
+            && m.moe_intermediate_size != self.intermediate_size
+        {
+            bail!(
+                "Mixtral's experts are intermediate_size ({}) wide, not {}",
+                self.intermediate_size,
+                m.moe_intermediate_size
+            );
+        }
         let r = self.rotary_dim();
         if let Some(p) = self.partial_rotary_factor
             && (r == 0 || !r.is_multiple_of(2) || r > self.head_dim)

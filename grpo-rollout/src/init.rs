@@ -230,7 +230,12 @@ pub fn preset_config(
         moe: arch.moe().then(|| crate::config::MoeConfig {
             num_experts: 4,
             num_experts_per_tok: 2,
-            moe_intermediate_size: inter / 2,
+            // Mixtral's experts are `intermediate_size` wide.
+            moe_intermediate_size: if arch == Arch::Mixtral {
+                inter
+            } else {
+                inter / 2
+            },
             norm_topk_prob: arch == Arch::Mixtral,
             decoder_sparse_step: 1,
             mlp_only_layers: match (preset, arch) {
