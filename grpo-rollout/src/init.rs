@@ -324,7 +324,7 @@ pub fn random_weights(
         }
         match cfg.moe.as_ref().filter(|m| m.sparse(i)) {
             Some(m) => {
-                let names = crate::model::MoeNames::of(cfg.arch);
+                let names = crate::moe::MoeNames::of(cfg.arch);
                 let e = m.num_experts;
                 shapes.push((names.router(i), vec![e, h], false));
                 let mi = m.moe_intermediate_size;

@@ -49,6 +49,7 @@ pub mod layout;
 pub mod loader;
 pub mod lora;
 pub mod model;
+pub mod moe;
 pub mod policy;
 #[cfg(feature = "rewards")]
 pub mod python_env;

@@ -18,6 +18,7 @@ use grpo_core::recompute::{GradSink, Recompute};
 
 use crate::config::{Arch, ModelConfig};
 use crate::lora::Lora;
+use crate::moe::{Expert, Moe, MoeNames};
 
 /// A large finite negative used for masked attention scores (never -inf: fully masked rows
 /// must stay finite).
@@ -57,149 +58,6 @@ impl Linear {
     /// Whether this is [`Self::absent`]'s stand-in.
     pub fn is_absent(&self) -> bool {
         self.weight.elem_count() == 0
-    }
-}
-
-/// The tensor names of an MoE layer as its family's checkpoints store them (transformers 5
-/// writes this per-expert layout too, and fuses the experts only in memory).
-#[derive(Debug, Clone, Copy)]
-pub struct MoeNames {
-    block: &'static str,
-    parts: [&'static str; 3],
-}
-
-impl MoeNames {
-    /// Mixtral's `block_sparse_moe` with `w1`/`w3`/`w2`; Qwen's `mlp` with gate/up/down.
-    pub fn of(arch: Arch) -> Self {
-        match arch {
-            Arch::Mixtral => MoeNames {
-                block: "block_sparse_moe",
-                parts: ["w1", "w3", "w2"],
-            },
-            _ => MoeNames {
-                block: "mlp",
-                parts: ["gate_proj", "up_proj", "down_proj"],
-            },
-        }
-    }
-
-    /// The router's weight `(experts, hidden)`.
-    pub fn router(&self, layer: usize) -> String {
-        format!("model.layers.{layer}.{}.gate.weight", self.block)
-    }
-
-    /// Expert `e`'s gate, up and down weights.
-    pub fn expert(&self, layer: usize, e: usize) -> [String; 3] {
-        self.parts
-            .map(|p| format!("model.layers.{layer}.{}.experts.{e}.{p}.weight", self.block))
-    }
-
-    /// Qwen2-MoE's shared expert's gate, up and down weights.
-    pub fn shared(&self, layer: usize) -> [String; 3] {
-        ["gate_proj", "up_proj", "down_proj"]
-            .map(|p| format!("model.layers.{layer}.mlp.shared_expert.{p}.weight"))
-    }
-
-    /// Qwen2-MoE's shared expert's gate `(1, hidden)`.
-    pub fn shared_gate(&self, layer: usize) -> String {
-        format!("model.layers.{layer}.mlp.shared_expert_gate.weight")
-    }
-}
-
-/// One expert of an MoE layer: a gated MLP of its own.
-#[derive(Debug, Clone)]
-pub struct Expert {
-    /// Gate `(width, hidden)`.
-    pub gate_proj: Linear,
-    /// Up `(width, hidden)`.
-    pub up_proj: Linear,
-    /// Down `(hidden, width)`.
-    pub down_proj: Linear,
-}
-
-impl Expert {
-    fn linears(&self) -> [&Linear; 3] {
-        [&self.gate_proj, &self.up_proj, &self.down_proj]
-    }
-
-    fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
-        Ok(Expert {
-            gate_proj: map_linear(&self.gate_proj, f)?,
-            up_proj: map_linear(&self.up_proj, f)?,
-            down_proj: map_linear(&self.down_proj, f)?,
-        })
-    }
-}
-
-/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), computed as transformers
-/// does: the router's logits → softmax in f32 → each token's `top_k` experts, their
-/// probabilities (renormalised when `norm_topk_prob`) weighting the experts' outputs; Qwen2-MoE
-/// adds a shared expert times `sigmoid(shared_expert_gate · h)`. Each expert runs once on the
-/// rows routed to it (gathered, then put back in place): the gradient reaches the router
-/// through the chosen probabilities and each expert through its own rows.
-#[derive(Debug, Clone)]
-pub struct Moe {
-    /// The router `(experts, hidden)` (the checkpoints' `gate`).
-    pub router: Linear,
-    /// The experts.
-    pub experts: Vec<Expert>,
-    /// Experts per token.
-    pub top_k: usize,
-    /// Renormalise the chosen probabilities.
-    pub norm_topk_prob: bool,
-    /// Qwen2-MoE's shared expert and its gate `(1, hidden)`.
-    pub shared: Option<(Expert, Linear)>,
-}
-
-impl Moe {
-    /// Every linear map: the router, the experts', the shared expert's and its gate.
-    pub fn linears(&self) -> Vec<&Linear> {
-        let mut out = vec![&self.router];
-        out.extend(self.experts.iter().flat_map(Expert::linears));
-        if let Some((e, g)) = &self.shared {
-            out.extend(e.linears());
-            out.push(g);
-        }
-        out
-    }
-
-    fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
-        Ok(Moe {
-            router: map_linear(&self.router, f)?,
-            experts: self
-                .experts
-                .iter()
-                .map(|e| e.map(f))
-                .collect::<Result<_>>()?,
-            top_k: self.top_k,
-            norm_topk_prob: self.norm_topk_prob,
-            shared: match &self.shared {
-                Some((e, g)) => Some((e.map(f)?, map_linear(g, f)?)),
-                None => None,
-            },
-        })
-    }
-
-    /// Each row's experts `(N, top_k)` (best first) and their weights `(N, top_k)` in f32 (f64
-    /// for an f64 model), with the graph back to the router, of the router's logits
-    /// `(N, experts)`.
-    pub fn route(&self, logits: &Tensor) -> Result<(Tensor, Tensor)> {
-        let z = match logits.dtype() {
-            DType::F64 => logits.clone(),
-            _ => logits.to_dtype(DType::F32)?,
-        };
-        let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
-        let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
-        let top = probs
-            .detach()
-            .arg_sort_last_dim(false)?
-            .narrow(1, 0, self.top_k)?
-            .contiguous()?;
-        let mut w = probs.gather(&top, 1)?;
-        if self.norm_topk_prob {
-            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
-        }
-        Ok((top, w))
     }
 }
 
@@ -651,7 +509,7 @@ impl Layer {
         };
         let h = self.post_attention_layernorm.forward(&x)?;
         if let Some(m) = &self.moe {
-            return &x + self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, &h)?)?;
+            return &x + self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, c, &h)?)?;
         }
         if let Some(y) = self.mlp_nodes(&x, &h)? {
             return Ok(y);
@@ -699,53 +557,10 @@ impl Layer {
         }
     }
 
-    /// An expert's (or the shared expert's) gated MLP of rows `h` `(n, hidden)`.
-    fn expert_mlp(&self, e: &Expert, h: &Tensor) -> Result<Tensor> {
-        let act = self.act_mul(&e.gate_proj.forward(h)?, &e.up_proj.forward(h)?)?;
-        e.down_proj.forward(&act)
-    }
-
-    /// The mixture of experts ([`Moe`]) of normalised rows `h` `(N, hidden)`: each expert
-    /// runs on its rows gathered (one host read of the routing, `N · top_k` ids), the outputs
-    /// put back in (row, choice) order and summed with their weights.
-    fn moe_mlp(&self, m: &Moe, h: &Tensor) -> Result<Tensor> {
-        let (n, hidden) = h.dims2()?;
-        let k = m.top_k;
-        let (top, w) = m.route(&m.router.forward(h)?)?;
-        let top: Vec<u32> = top.flatten_all()?.to_vec1()?;
-        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); m.experts.len()];
-        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); m.experts.len()];
-        for (p, &e) in top.iter().enumerate() {
-            let e = e as usize;
-            rows[e].push((p / k) as u32);
-            slots[e].push(p as u32);
-        }
-        let dev = h.device();
-        let mut outs = Vec::new();
-        let mut order = Vec::with_capacity(n * k);
-        for (e, expert) in m.experts.iter().enumerate() {
-            if rows[e].is_empty() {
-                continue;
-            }
-            let idx = Tensor::new(rows[e].as_slice(), dev)?;
-            outs.push(self.expert_mlp(expert, &h.index_select(&idx, 0)?)?);
-            order.extend_from_slice(&slots[e]);
-        }
-        let mut back = vec![0u32; n * k];
-        for (j, &p) in order.iter().enumerate() {
-            back[p as usize] = j as u32;
-        }
-        let y = Tensor::cat(&outs, 0)?
-            .index_select(&Tensor::new(back, dev)?, 0)?
-            .reshape((n, k, hidden))?;
-        let w = w.to_dtype(y.dtype())?.unsqueeze(2)?;
-        let mut out = y.broadcast_mul(&w)?.sum(1)?;
-        if let Some((e, g)) = &m.shared {
-            let gate = g.forward(h)?;
-            let gate = (gate.neg()?.exp()? + 1.0)?.recip()?;
-            out = (out + self.expert_mlp(e, h)?.broadcast_mul(&gate)?)?;
-        }
-        Ok(out)
+    /// The mixture of experts of normalised rows `h` `(N, hidden)` ([`Moe::forward`] with
+    /// this layer's activation), recording the load-balancing statistics where `c` says.
+    fn moe_mlp(&self, m: &Moe, c: &LayerCtx, h: &Tensor) -> Result<Tensor> {
+        m.forward(h, &|g, u| self.act_mul(g, u), c.aux.as_ref())
     }
 
     /// The layer in a pass over a KV cache (no graph: decoding, a prefill): `h` is this
@@ -806,7 +621,7 @@ impl Layer {
         let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
         let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
         if let Some(m) = &self.moe {
-            let d = self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, &h)?)?;
+            let d = self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, c, &h)?)?;
             return next.add_forward(&x, &d);
         }
         let mlp = [&self.gate_proj, &self.up_proj];
@@ -854,7 +669,7 @@ impl Layer {
         let op = if blocks.recompute {
             let op = Recompute::new("decoder_layer", move |a, replay| {
                 if replay {
-                    crate::lora::replay_dropout(&saved, || run(a))?
+                    crate::moe::replaying(|| crate::lora::replay_dropout(&saved, || run(a)))?
                 } else {
                     run(a)
                 }
@@ -1230,6 +1045,8 @@ struct LayerCtx {
     scale: f64,
     /// Gemma 2's cap on the attention scores.
     softcap: Option<f64>,
+    /// Where an MoE layer records its load-balancing statistics ([`crate::moe::AuxRows`]).
+    aux: Option<crate::moe::AuxRows>,
 }
 
 impl LayerCtx {
@@ -1322,7 +1139,7 @@ pub struct Transformer {
 }
 
 /// `l` with `f` applied to its tensors.
-fn map_linear(l: &Linear, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Linear> {
+pub(crate) fn map_linear(l: &Linear, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Linear> {
     Ok(Linear {
         weight: f(&l.weight)?,
         bias: l.bias.as_ref().map(f).transpose()?,
@@ -2382,6 +2199,10 @@ impl Transformer {
             bias: layer_bias(attn_bias)?,
             scale: cfg.attention_scale(),
             softcap: cfg.attn_logit_softcapping,
+            aux: match (&kv, cfg.moe.is_some()) {
+                (Kv::Cache(_), _) | (_, false) => None,
+                _ => crate::moe::current(),
+            },
         };
         // Variants of `ctx` for the layers that differ. SmolLM3's NoPE layers rotate by
         // nothing: cos 1 and sin 0 (x·1 − y·0 is x exactly), made on the device from the rows'
@@ -2658,14 +2479,17 @@ impl Transformer {
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        self.logprobs_with(
-            input_ids,
-            &positions,
-            &bias,
-            logits_to_keep,
-            temperature,
-            with_entropy,
-        )
+        let rows = self.aux_rows(attention_mask, None)?;
+        crate::moe::with_rows(rows, || {
+            self.logprobs_with(
+                input_ids,
+                &positions,
+                &bias,
+                logits_to_keep,
+                temperature,
+                with_entropy,
+            )
+        })
     }
 
     /// [`Self::completion_logprobs`] with the position ids `(B, L)` and the additive attention
@@ -2732,7 +2556,28 @@ impl Transformer {
         logits_to_keep: usize,
     ) -> Result<(Tensor, Tensor, (usize, usize))> {
         let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        self.scored_rows(input_ids, &positions, &bias, logits_to_keep)
+        let rows = self.aux_rows(attention_mask, None)?;
+        crate::moe::with_rows(rows, || {
+            self.scored_rows(input_ids, &positions, &bias, logits_to_keep)
+        })
+    }
+
+    /// The weights of a batch's rows in the MoE load-balancing loss, when it is recorded
+    /// ([`crate::moe::recording`]): the mask `(B, L)` flattened, each row times `times[b]`
+    /// (a shared prompt's completions) where given.
+    fn aux_rows(&self, mask: &Tensor, times: Option<&[u32]>) -> Result<Option<Tensor>> {
+        if self.cfg.moe.is_none() || !crate::moe::is_recording() {
+            return Ok(None);
+        }
+        let m = mask.to_dtype(DType::F32)?;
+        let m = match times {
+            Some(t) => {
+                let t = Tensor::from_iter(t.iter().map(|&x| x as f32), mask.device())?;
+                m.broadcast_mul(&t.unsqueeze(1)?)?
+            }
+            None => m,
+        };
+        Ok(Some(m.flatten_all()?))
     }
 
     /// `log Σ_v p_v²` of the next-token distribution at each hidden row `(N, H)`, `(N,)` in f32
@@ -3035,7 +2880,15 @@ impl Transformer {
         // The prompts alone, collecting each layer's keys and values.
         let (ppos, pbias) = padded_positions_and_bias(prompt_mask, dev)?;
         let mut prefix = Vec::with_capacity(self.layers.len());
-        let ph = self.forward_kv(prompt_ids, &ppos, &pbias, Kv::Collect(&mut prefix))?;
+        // A prompt's rows count once per completion in the MoE load-balancing loss, as in the
+        // padded rows that repeat them.
+        let mut times = vec![0u32; u];
+        for &g in prompt_of {
+            times[g as usize] += 1;
+        }
+        let ph = crate::moe::with_rows(self.aux_rows(prompt_mask, Some(&times))?, || {
+            self.forward_kv(prompt_ids, &ppos, &pbias, Kv::Collect(&mut prefix))
+        })?;
         let rows = Tensor::from_vec(prompt_of.to_vec(), b, dev)?;
         let prefix = prefix
             .iter()
@@ -3062,7 +2915,9 @@ impl Transformer {
             .clamp(0.0, 1.0)?;
         let bias = Tensor::cat(&[&prompt_blocked.contiguous()?, &completion_blocked], 3)?
             .affine(mask_value(DType::F32), 0.0)?;
-        let ch = self.forward_kv(completion_ids, &pos, &bias, Kv::Prefix(&prefix))?;
+        let ch = crate::moe::with_rows(self.aux_rows(completion_mask, None)?, || {
+            self.forward_kv(completion_ids, &pos, &bias, Kv::Prefix(&prefix))
+        })?;
         // Token j is predicted from position j - 1: the prompt's last for j = 0.
         let hs = self.cfg.hidden_size;
         let last = ph

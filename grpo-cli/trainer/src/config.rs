@@ -1351,6 +1351,11 @@ pub struct LossSection {
     pub entropy_coef_delta: f64,
     /// Adaptive control: the bonus applies while the mean entropy is at or below this (0.2).
     pub entropy_target: f64,
+    /// TRL's `router_aux_loss_coef`: the weight of a mixture-of-experts model's load-balancing
+    /// loss in the training loss (divided by the micro-batches of the update, as TRL does);
+    /// absent: the model config's `router_aux_loss_coef` (0.001 by default), 0: off. An error
+    /// on a model without experts.
+    pub router_aux_loss_coef: Option<f64>,
 }
 
 impl Default for LossSection {
@@ -1385,6 +1390,7 @@ impl Default for LossSection {
             entropy_coef_max: 1.0,
             entropy_coef_delta: 0.005,
             entropy_target: 0.2,
+            router_aux_loss_coef: None,
         }
     }
 }
@@ -2203,6 +2209,13 @@ impl TrainConfig {
         let loss = self.loss_config();
         loss.validate().map_err(|e| format!("`loss`: {e}"))?;
         let l = &self.loss;
+        if let Some(c) = l.router_aux_loss_coef
+            && !c.is_finite()
+        {
+            return Err(format!(
+                "`loss.router_aux_loss_coef` must be a finite number, not {c}"
+            ));
+        }
         if l.use_adaptive_entropy {
             let ok = |v: f64| v.is_finite() && v >= 0.0;
             let valid = ok(l.entropy_coef_min)

@@ -505,3 +505,82 @@ fn learning_rate_defaults_follow_each_trl_trainer() {
         assert_eq!(c.learning_rate(), 3e-3, "{a}");
     }
 }
+
+/// An MoE policy's training loss carries TRL's load-balancing term (`router_aux_loss_coef`,
+/// the model config's 0.001 by default): logged as `aux_loss`, its gradient moves the routers;
+/// 0 switches it off; on a dense model a coefficient is an error.
+#[test]
+fn moe_policy_adds_the_load_balancing_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("moe");
+    init_model_dir(&m, Preset::Tiny, Arch::Qwen3Moe, 3).unwrap();
+    let run = |name: &str, coef: Option<f64>| {
+        let mut cfg = config(dir.path(), name);
+        cfg.loss.router_aux_loss_coef = coef;
+        cfg.train.save_steps = 1;
+        let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+        let r = t
+            .fit_with(
+                FitOptions::default()
+                    .dataset(arithmetic(4))
+                    .reward("digits", 1.0, digits)
+                    .max_steps(1),
+            )
+            .unwrap();
+        let ckpt = r.best_checkpoint_path.unwrap();
+        let model = grpo_rollout::load(
+            &ckpt.join("model"),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+        .model;
+        let router = model.layers[0].moe.as_ref().unwrap().router.weight.clone();
+        (r.metrics[0].clone(), router)
+    };
+    let (with, r_with) = run("default", None);
+    let aux = with["aux_loss"];
+    // Near-uniform routing of 4 experts, 2 per token: about E · Σ (2/E)(1/E) = 2.
+    assert!(aux > 1.5 && aux < 3.0, "aux_loss {aux}");
+    let (off, r_off) = run("off", Some(0.0));
+    assert!(!off.contains_key("aux_loss"), "{off:?}");
+    let (big, r_big) = run("big", Some(50.0));
+    assert!(big.contains_key("aux_loss"));
+    let diff = |a: &candle_core::Tensor, b: &candle_core::Tensor| -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    };
+    // The term moves the routers, the more the larger its weight.
+    assert!(
+        diff(&r_big, &r_off) > diff(&r_with, &r_off),
+        "{} vs {}",
+        diff(&r_big, &r_off),
+        diff(&r_with, &r_off)
+    );
+    assert!(diff(&r_big, &r_off) > 0.0);
+    // A dense model has no such loss.
+    let dense = model(dir.path());
+    let mut cfg = config(dir.path(), "dense");
+    cfg.loss.router_aux_loss_coef = Some(0.01);
+    let e = GrpoTrainer::from_pretrained(&dense, cfg)
+        .and_then(|mut t| {
+            t.fit_with(
+                FitOptions::default()
+                    .dataset(arithmetic(4))
+                    .reward("digits", 1.0, digits)
+                    .max_steps(1),
+            )
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("router_aux_loss_coef") && e.contains("not a mixture-of-experts"),
+        "{e}"
+    );
+}

@@ -315,7 +315,12 @@ impl Learner {
         for ci in range {
             let (a, b) = batch.chunks[ci];
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-            let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
+            // An MoE policy's load-balancing loss: recorded by this forward, its gradient
+            // handed to the routers in the backward below.
+            let aux = self.aux_collector(ga);
+            let (lp, ent, width) = grpo_rollout::moe::recording(aux.clone(), || {
+                self.logps(&self.policy.model, p, c, true)
+            })?;
             let mask = batch.mask(a, b, width, &self.device)?;
             // The sampling log-probs, built once for the in-pass weights and the off-policy
             // mask (with one update per step the old log-probs are this pass's own).
@@ -393,6 +398,16 @@ impl Learner {
                     None => Tensor::zeros(2, DType::F64, &self.device)?,
                 };
                 (loss, policy_part, out.metrics, stats)
+            };
+            // The loss's value with TRL's `coef · aux / accumulation steps` (the gradient is
+            // already in the graph).
+            let loss = match &aux {
+                Some(c) => {
+                    let aux_loss = c.loss();
+                    sums.add("aux_loss", aux_loss);
+                    (loss + c.scaled(aux_loss))?
+                }
+                None => loss,
             };
             let wide = |t: Tensor| t.to_dtype(DType::F64)?.reshape(1);
             let (es, ms) = match &ent {

@@ -93,6 +93,24 @@ pub struct Learner {
     publish_to: Option<(Device, std::sync::Mutex<DeviceCopies>)>,
 }
 
+impl Learner {
+    /// The load-balancing loss's collector for one micro-batch of an update of `ga`
+    /// micro-batches (TRL's `router_aux_loss_coef · aux / gradient_accumulation_steps`), or
+    /// `None` when the policy has no experts or the coefficient is 0.
+    pub(crate) fn aux_collector(
+        &self,
+        ga: f64,
+    ) -> Option<std::sync::Arc<grpo_rollout::moe::AuxCollector>> {
+        let moe = self.policy.model.cfg.moe.as_ref()?;
+        let coef = self
+            .cfg
+            .loss
+            .router_aux_loss_coef
+            .unwrap_or(moe.router_aux_loss_coef);
+        (coef != 0.0).then(|| grpo_rollout::moe::AuxCollector::new(coef / ga))
+    }
+}
+
 impl std::fmt::Debug for Learner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Learner")
@@ -104,6 +122,15 @@ impl std::fmt::Debug for Learner {
 impl Learner {
     /// Takes the policy out of `setup`.
     pub fn new(setup: &Setup, run_dir: &Path) -> Result<Self> {
+        if let Some(c) = setup.cfg.loss.router_aux_loss_coef
+            && c != 0.0
+            && setup.policy.model.cfg.moe.is_none()
+        {
+            anyhow::bail!(
+                "loss.router_aux_loss_coef = {c}, but {} is not a mixture-of-experts model: there is no load-balancing loss to weight",
+                setup.policy.model.cfg.arch.as_str()
+            );
+        }
         let o = &setup.cfg.optim;
         let opt = AdamW::new(
             setup.policy.vars.clone(),

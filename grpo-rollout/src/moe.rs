@@ -1,0 +1,377 @@
+//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): the MoE MLP that takes a dense MLP's
+//! place in a decoder layer ([`Moe`]), its checkpoints' names ([`MoeNames`]), and the
+//! load-balancing loss TRL adds to an MoE model's training loss ([`AuxCollector`]:
+//! transformers' `load_balancing_loss_func`, its gradient given to each layer's router in the
+//! backward pass, inside gradient-checkpointed layers too).
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Result, Tensor};
+use grpo_core::recompute::Recompute;
+
+use crate::config::Arch;
+use crate::model::{Linear, map_linear};
+
+/// The tensor names of an MoE layer as its family's checkpoints store them (transformers 5
+/// writes this per-expert layout too, and fuses the experts only in memory).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeNames {
+    block: &'static str,
+    parts: [&'static str; 3],
+}
+
+impl MoeNames {
+    /// Mixtral's `block_sparse_moe` with `w1`/`w3`/`w2`; Qwen's `mlp` with gate/up/down.
+    pub fn of(arch: Arch) -> Self {
+        match arch {
+            Arch::Mixtral => MoeNames {
+                block: "block_sparse_moe",
+                parts: ["w1", "w3", "w2"],
+            },
+            _ => MoeNames {
+                block: "mlp",
+                parts: ["gate_proj", "up_proj", "down_proj"],
+            },
+        }
+    }
+
+    /// The router's weight `(experts, hidden)`.
+    pub fn router(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}.gate.weight", self.block)
+    }
+
+    /// Expert `e`'s gate, up and down weights.
+    pub fn expert(&self, layer: usize, e: usize) -> [String; 3] {
+        self.parts
+            .map(|p| format!("model.layers.{layer}.{}.experts.{e}.{p}.weight", self.block))
+    }
+
+    /// Qwen2-MoE's shared expert's gate, up and down weights.
+    pub fn shared(&self, layer: usize) -> [String; 3] {
+        ["gate_proj", "up_proj", "down_proj"]
+            .map(|p| format!("model.layers.{layer}.mlp.shared_expert.{p}.weight"))
+    }
+
+    /// Qwen2-MoE's shared expert's gate `(1, hidden)`.
+    pub fn shared_gate(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.mlp.shared_expert_gate.weight")
+    }
+}
+
+/// One expert of an MoE layer: a gated MLP of its own.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// Gate `(width, hidden)`.
+    pub gate_proj: Linear,
+    /// Up `(width, hidden)`.
+    pub up_proj: Linear,
+    /// Down `(hidden, width)`.
+    pub down_proj: Linear,
+}
+
+impl Expert {
+    /// Gate, up and down.
+    pub fn linears(&self) -> [&Linear; 3] {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+
+    pub(crate) fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Expert {
+            gate_proj: map_linear(&self.gate_proj, f)?,
+            up_proj: map_linear(&self.up_proj, f)?,
+            down_proj: map_linear(&self.down_proj, f)?,
+        })
+    }
+}
+
+/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), computed as transformers
+/// does: the router's logits → softmax in f32 → each token's `top_k` experts, their
+/// probabilities (renormalised when `norm_topk_prob`) weighting the experts' outputs; Qwen2-MoE
+/// adds a shared expert times `sigmoid(shared_expert_gate · h)`. Each expert runs once on the
+/// rows routed to it (gathered, then put back in place): the gradient reaches the router
+/// through the chosen probabilities and each expert through its own rows.
+#[derive(Debug, Clone)]
+pub struct Moe {
+    /// The router `(experts, hidden)` (the checkpoints' `gate`).
+    pub router: Linear,
+    /// The experts.
+    pub experts: Vec<Expert>,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the chosen probabilities.
+    pub norm_topk_prob: bool,
+    /// Qwen2-MoE's shared expert and its gate `(1, hidden)`.
+    pub shared: Option<(Expert, Linear)>,
+}
+
+impl Moe {
+    /// Every linear map: the router, the experts', the shared expert's and its gate.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out = vec![&self.router];
+        out.extend(self.experts.iter().flat_map(Expert::linears));
+        if let Some((e, g)) = &self.shared {
+            out.extend(e.linears());
+            out.push(g);
+        }
+        out
+    }
+
+    pub(crate) fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Moe {
+            router: map_linear(&self.router, f)?,
+            experts: self
+                .experts
+                .iter()
+                .map(|e| e.map(f))
+                .collect::<Result<_>>()?,
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+            shared: match &self.shared {
+                Some((e, g)) => Some((e.map(f)?, map_linear(g, f)?)),
+                None => None,
+            },
+        })
+    }
+
+    /// Each row's experts `(N, top_k)` (best first), their weights `(N, top_k)` and every
+    /// expert's probability `(N, experts)`, in f32 (f64 for an f64 model) with the graph back
+    /// to the router, of the router's logits `(N, experts)`.
+    pub fn route(&self, logits: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let z = match logits.dtype() {
+            DType::F64 => logits.clone(),
+            _ => logits.to_dtype(DType::F32)?,
+        };
+        let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
+        let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
+        let top = probs
+            .detach()
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let mut w = probs.gather(&top, 1)?;
+        if self.norm_topk_prob {
+            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        Ok((top, w, probs))
+    }
+
+    /// The MLP of normalised rows `h` `(N, hidden)` with the gate activation `act(gate, up)`:
+    /// each expert runs on its rows gathered (one host read of the routing, `N · top_k` ids),
+    /// the outputs put back in (row, choice) order and summed with their weights. With `aux`,
+    /// the rows' load-balancing statistics go to its collector and the output carries the
+    /// loss's gradient to the router ([`AuxCollector`]).
+    pub fn forward(
+        &self,
+        h: &Tensor,
+        act: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        aux: Option<&AuxRows>,
+    ) -> Result<Tensor> {
+        let (n, hidden) = h.dims2()?;
+        let k = self.top_k;
+        let (top, w, probs) = self.route(&self.router.forward(h)?)?;
+        let top: Vec<u32> = top.flatten_all()?.to_vec1()?;
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        let mut slots: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
+        for (p, &e) in top.iter().enumerate() {
+            let e = e as usize;
+            rows[e].push((p / k) as u32);
+            slots[e].push(p as u32);
+        }
+        let dev = h.device();
+        let mlp = |e: &Expert, x: &Tensor| -> Result<Tensor> {
+            e.down_proj
+                .forward(&act(&e.gate_proj.forward(x)?, &e.up_proj.forward(x)?)?)
+        };
+        let mut outs = Vec::new();
+        let mut order = Vec::with_capacity(n * k);
+        for (e, expert) in self.experts.iter().enumerate() {
+            if rows[e].is_empty() {
+                continue;
+            }
+            let idx = Tensor::new(rows[e].as_slice(), dev)?;
+            outs.push(mlp(expert, &h.index_select(&idx, 0)?)?);
+            order.extend_from_slice(&slots[e]);
+        }
+        let mut back = vec![0u32; n * k];
+        for (j, &p) in order.iter().enumerate() {
+            back[p as usize] = j as u32;
+        }
+        let y = Tensor::cat(&outs, 0)?
+            .index_select(&Tensor::new(back, dev)?, 0)?
+            .reshape((n, k, hidden))?;
+        let w = w.to_dtype(y.dtype())?.unsqueeze(2)?;
+        let mut out = y.broadcast_mul(&w)?.sum(1)?;
+        if let Some((e, g)) = &self.shared {
+            let gate = g.forward(h)?;
+            let gate = (gate.neg()?.exp()? + 1.0)?.recip()?;
+            out = (out + mlp(e, h)?.broadcast_mul(&gate)?)?;
+        }
+        match aux {
+            Some(a) => a.tap(out, &probs, &top, k),
+            None => Ok(out),
+        }
+    }
+}
+
+/// transformers' load-balancing loss over one micro-batch's forward passes, as TRL adds it to
+/// an MoE model's loss (`router_aux_loss_coef · aux / gradient_accumulation_steps`): over
+/// every MoE layer's non-padding rows `r` (weights `w_r`), `T_e` the (row, choice) pairs routed
+/// to expert `e` and `P_e` the sum of its router probabilities,
+/// `aux = E · Σ_e T_e P_e / R²` with `R = Σ w_r` over the layers. `T` is constant, so the
+/// gradient is `scale · E · T_e / R²` on each `P_e`: the layers' outputs carry it to their
+/// routers in the backward pass that follows the forward ([`AuxRows::tap`]), once every layer
+/// has counted its rows.
+#[derive(Debug)]
+pub struct AuxCollector {
+    /// The loss's factor in the training loss (the coefficient over the accumulation steps).
+    scale: f64,
+    sums: Mutex<AuxSums>,
+}
+
+#[derive(Debug, Default)]
+struct AuxSums {
+    /// `T_e` (weighted).
+    counts: Vec<f64>,
+    /// `P_e`.
+    probs: Vec<f64>,
+    /// `R`.
+    rows: f64,
+}
+
+impl AuxCollector {
+    /// An empty collector whose loss enters the training loss times `scale`.
+    pub fn new(scale: f64) -> Arc<Self> {
+        Arc::new(AuxCollector {
+            scale,
+            sums: Mutex::new(AuxSums::default()),
+        })
+    }
+
+    fn sums(&self) -> std::sync::MutexGuard<'_, AuxSums> {
+        self.sums.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The loss `E · Σ_e T_e P_e / R²` of what was recorded (0 when nothing was).
+    pub fn loss(&self) -> f64 {
+        let s = self.sums();
+        if s.rows <= 0.0 {
+            return 0.0;
+        }
+        let dot: f64 = s.counts.iter().zip(&s.probs).map(|(t, p)| t * p).sum();
+        s.counts.len() as f64 * dot / (s.rows * s.rows)
+    }
+
+    /// `scale · aux`: what the loss adds to a training loss.
+    pub fn scaled(&self, aux: f64) -> f64 {
+        self.scale * aux
+    }
+
+    /// `∂(scale · aux)/∂P_e` for every expert.
+    fn gradient(&self) -> Vec<f64> {
+        let s = self.sums();
+        if s.rows <= 0.0 {
+            return vec![0.0; s.counts.len()];
+        }
+        let f = self.scale * s.counts.len() as f64 / (s.rows * s.rows);
+        s.counts.iter().map(|t| f * t).collect()
+    }
+
+    fn add(&self, counts: &[f64], probs: &[f64], rows: f64) {
+        let mut s = self.sums();
+        if s.counts.is_empty() {
+            s.counts = vec![0.0; counts.len()];
+            s.probs = vec![0.0; probs.len()];
+        }
+        for (a, b) in s.counts.iter_mut().zip(counts) {
+            *a += b;
+        }
+        for (a, b) in s.probs.iter_mut().zip(probs) {
+            *a += b;
+        }
+        s.rows += rows;
+    }
+}
+
+/// A collector and the weights `(N,)` of one forward call's rows (0 for padding; a shared
+/// prompt's rows count once per completion that follows them).
+#[derive(Debug, Clone)]
+pub struct AuxRows {
+    collector: Arc<AuxCollector>,
+    weights: Tensor,
+}
+
+thread_local! {
+    static COLLECTOR: RefCell<Option<Arc<AuxCollector>>> = const { RefCell::new(None) };
+    static ROWS: RefCell<Option<Tensor>> = const { RefCell::new(None) };
+    static REPLAY: RefCell<bool> = const { RefCell::new(false) };
+}
+
+fn scoped<S: 'static, T>(
+    key: &'static std::thread::LocalKey<RefCell<S>>,
+    value: S,
+    f: impl FnOnce() -> T,
+) -> T {
+    let old = key.with(|c| c.replace(value));
+    let out = f();
+    key.with(|c| *c.borrow_mut() = old);
+    out
+}
+
+/// Runs `f` (the policy's training forward of one micro-batch) with `collector` recording
+/// the MoE layers' load-balancing statistics of the padded or shared-prompt row batches the
+/// model's log-prob functions pass (their masks give each row's weight).
+pub fn recording<T>(collector: Option<Arc<AuxCollector>>, f: impl FnOnce() -> T) -> T {
+    scoped(&COLLECTOR, collector, f)
+}
+
+/// Whether a collector is recording.
+pub(crate) fn is_recording() -> bool {
+    COLLECTOR.with(|c| c.borrow().is_some())
+}
+
+/// Runs `f` with `weights` `(N,)` as the weights of the rows of its forward calls.
+pub(crate) fn with_rows<T>(weights: Option<Tensor>, f: impl FnOnce() -> T) -> T {
+    scoped(&ROWS, weights, f)
+}
+
+/// A backward pass's recomputation of a layer (gradient checkpointing): its rows were
+/// counted in the forward pass already.
+pub(crate) fn replaying<T>(f: impl FnOnce() -> T) -> T {
+    scoped(&REPLAY, true, f)
+}
+
+/// The collector and row weights a forward call's layers record with, if any.
+pub(crate) fn current() -> Option<AuxRows> {
+    let collector = COLLECTOR.with(|c| c.borrow().clone())?;
+    let weights = ROWS.with(|r| r.borrow().clone())?;
+    Some(AuxRows { collector, weights })
+}
+
+impl AuxRows {
+    /// Counts the rows (unless replaying) and returns `out` through a node whose backward
+    /// also hands `P_e`'s gradient to the router's probabilities `probs` `(N, experts)`.
+    fn tap(&self, out: Tensor, probs: &Tensor, top: &[u32], k: usize) -> Result<Tensor> {
+        let w = self.weights.to_dtype(probs.dtype())?;
+        let p_sum = w.unsqueeze(0)?.matmul(probs)?.squeeze(0)?;
+        if !REPLAY.with(|r| *r.borrow()) {
+            let wv: Vec<f64> = self.weights.to_dtype(DType::F64)?.to_vec1()?;
+            let mut counts = vec![0.0; probs.dim(1)?];
+            for (p, &e) in top.iter().enumerate() {
+                counts[e as usize] += wv[p / k];
+            }
+            let ps: Vec<f64> = p_sum.detach().to_dtype(DType::F64)?.to_vec1()?;
+            self.collector.add(&counts, &ps, wv.iter().sum());
+        }
+        let c = self.collector.clone();
+        Recompute::explicit(
+            "moe_load_balancing",
+            |a, _| Ok(a[0].clone()),
+            move |a, g| {
+                let grad = Tensor::new(c.gradient(), a[1].device())?.to_dtype(a[1].dtype())?;
+                Ok(vec![Some(g.clone()), Some(grad)])
+            },
+        )
+        .apply(&[&out, &p_sum])
+    }
+}

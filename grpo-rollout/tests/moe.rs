@@ -1,0 +1,215 @@
+//! The MoE load-balancing loss (`grpo_rollout::moe::AuxCollector`) against transformers'
+//! `aux_loss` and its gradient (`fixtures/moe_aux_reference.json`, written by
+//! `scripts/gen_moe_aux_reference.py` with the MoE micro models of
+//! `scripts/gen_arch_reference.py`): plain, gradient-checkpointed (the layers' recomputation
+//! counts nothing twice) and with layer segments; and the shared-prompt path against padded rows
+//! that repeat each prompt.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use grpo_rollout::generate::left_pad;
+use grpo_rollout::moe::{AuxCollector, MoeNames, recording};
+use grpo_rollout::policy::TrainableModel;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("moe_aux_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn flat(v: &Value) -> Vec<f64> {
+    serde_json::from_value::<Vec<Vec<f64>>>(v.clone())
+        .unwrap()
+        .concat()
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// `0 · Σ lp` as a product with a zero tensor (candle's backward skips an `affine` by 0, and
+/// everything under it).
+fn zero_times(lp: &Tensor) -> Tensor {
+    let zero = Tensor::zeros((), lp.dtype(), lp.device()).unwrap();
+    lp.sum_all().unwrap().broadcast_mul(&zero).unwrap()
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max)
+}
+
+/// The aux loss recorded over the padded rows and the gradients of `scale · aux` by var name
+/// (the log-probs enter the loss times 0: only the aux gradient is left).
+fn aux_of(
+    tm: &TrainableModel,
+    ids: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> (f64, std::collections::HashMap<String, Vec<f64>>) {
+    let c = AuxCollector::new(scale);
+    let (lp, _) = recording(Some(c.clone()), || {
+        tm.model.completion_logprobs(ids, mask, 24, 1.0, false)
+    })
+    .unwrap();
+    let loss = zero_times(&lp);
+    let grads = tm.model.backward(&loss).unwrap();
+    let by_name = tm
+        .vars
+        .iter()
+        .filter_map(|(n, v)| grads.get(v.as_tensor()).map(|g| (n.clone(), values(g))))
+        .collect();
+    (c.loss(), by_name)
+}
+
+#[test]
+fn load_balancing_loss_and_gradient_match_transformers() {
+    let r = reference();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    for (name, case) in r["cases"].as_object().unwrap() {
+        let m = grpo_rollout::load(&fixtures().join(name), DType::F32, &Device::Cpu).unwrap();
+        let names = MoeNames::of(m.model.cfg.arch);
+        let moe_layers: Vec<usize> = (0..m.model.layers.len())
+            .filter(|&i| m.model.layers[i].moe.is_some())
+            .collect();
+        for mode in ["plain", "checkpointing", "segments"] {
+            let mut tm = TrainableModel::full(&m.model).unwrap();
+            match mode {
+                "checkpointing" => tm.model.enable_gradient_checkpointing(),
+                "segments" => tm.model.enable_layer_segments(),
+                _ => {}
+            }
+            let (aux, grads) = aux_of(&tm, &ids, &mask, 1.0);
+            let want = case["aux_loss"].as_f64().unwrap();
+            assert!(
+                (aux - want).abs() < 1e-5 * want,
+                "{name} {mode}: aux {aux} vs transformers {want}"
+            );
+            let g = &case["grads"];
+            let mut checked = 0;
+            for &i in &moe_layers {
+                let want = flat(&g[format!("{i}.router")]);
+                let got = &grads[&names.router(i)];
+                let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+                let d = max_diff(got, &want);
+                assert!(
+                    scale > 0.0 && d < 1e-4 * scale,
+                    "{name} {mode} layer {i} router: {d} (scale {scale})"
+                );
+                checked += 1;
+            }
+            // Through the routers' inputs into the attention below them.
+            let want = flat(&g["0.q_proj"]);
+            let got = &grads["model.layers.0.self_attn.q_proj.weight"];
+            let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let d = max_diff(got, &want);
+            assert!(
+                scale > 0.0 && d < 1e-4 * scale,
+                "{name} {mode} q_proj: {d} (scale {scale})"
+            );
+            assert_eq!(checked, g.as_object().unwrap().len() - 1);
+            eprintln!(
+                "{name} {mode}: aux {aux:.6} (transformers {want_aux:.6})",
+                want_aux = case["aux_loss"]
+            );
+        }
+        // The factor scales the gradient, not the loss.
+        let tm = TrainableModel::full(&m.model).unwrap();
+        let (a1, g1) = aux_of(&tm, &ids, &mask, 1.0);
+        let (a2, g2) = aux_of(&tm, &ids, &mask, 0.25);
+        assert!((a1 - a2).abs() < 1e-12);
+        let k = names.router(moe_layers[0]);
+        let twice: Vec<f64> = g2[&k].iter().map(|x| 4.0 * x).collect();
+        assert!(max_diff(&twice, &g1[&k]) < 1e-6);
+    }
+}
+
+/// Shared prompts count each prompt once per completion, as the padded rows repeating it do.
+#[test]
+fn shared_prompts_count_as_repeated_rows() {
+    let m = grpo_rollout::load(
+        &fixtures().join("arch-qwen3moe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let prompts: Vec<Vec<u32>> = vec![(3..14).collect(), (40..47).collect()];
+    let comps: Vec<Vec<u32>> = vec![
+        vec![60, 61, 62, 63],
+        vec![70, 71],
+        vec![80, 81, 82],
+        vec![90, 91, 92, 93],
+        vec![100],
+    ];
+    let prompt_of = [0u32, 0, 1, 1, 1];
+    let dev = Device::Cpu;
+    let tm = TrainableModel::full(&m.model).unwrap();
+    let name = MoeNames::of(m.model.cfg.arch).router(0);
+    // Padded: each row its prompt then its completion (right-padded), left-padded overall.
+    let cmax = comps.iter().map(Vec::len).max().unwrap();
+    let rows: Vec<Vec<u32>> = comps
+        .iter()
+        .zip(prompt_of)
+        .map(|(c, g)| [prompts[g as usize].clone(), c.clone()].concat())
+        .collect();
+    let (ids, mask) = left_pad(&rows, 0, &dev).unwrap();
+    let c = AuxCollector::new(1.0);
+    let (lp, _) = recording(Some(c.clone()), || {
+        tm.model.completion_logprobs(&ids, &mask, 1, 1.0, false)
+    })
+    .unwrap();
+    let g = tm.model.backward(&zero_times(&lp)).unwrap();
+    let var = |n: &str| tm.vars.iter().find(|(k, _)| k == n).unwrap().1.clone();
+    let padded = (c.loss(), values(g.get(var(&name).as_tensor()).unwrap()));
+    // Shared.
+    let (pids, pmask) = left_pad(&prompts, 0, &dev).unwrap();
+    let mut cids = Vec::new();
+    let mut cm = Vec::new();
+    for co in &comps {
+        for j in 0..cmax {
+            cids.push(co.get(j).copied().unwrap_or(0));
+            cm.push(u32::from(j < co.len()));
+        }
+    }
+    let cids = Tensor::from_vec(cids, (comps.len(), cmax), &dev).unwrap();
+    let cm = Tensor::from_vec(cm, (comps.len(), cmax), &dev).unwrap();
+    let c = AuxCollector::new(1.0);
+    let (lp, _) = recording(Some(c.clone()), || {
+        tm.model
+            .shared_prompt_logprobs(&pids, &pmask, &prompt_of, &cids, &cm, 1.0, false)
+    })
+    .unwrap();
+    let g = tm.model.backward(&zero_times(&lp)).unwrap();
+    let shared = (c.loss(), values(g.get(var(&name).as_tensor()).unwrap()));
+    assert!(
+        (padded.0 - shared.0).abs() < 1e-6,
+        "{} vs {}",
+        padded.0,
+        shared.0
+    );
+    let d = max_diff(&padded.1, &shared.1);
+    assert!(d < 1e-6, "router gradient: {d}");
+    // Without a collector nothing is recorded and the gradient is the log-probs' alone (0).
+    let (lp, _) = tm
+        .model
+        .completion_logprobs(&ids, &mask, 1, 1.0, false)
+        .unwrap();
+    let g = tm.model.backward(&zero_times(&lp)).unwrap();
+    let none = values(g.get(var(&name).as_tensor()).unwrap());
+    assert!(none.iter().all(|x| *x == 0.0));
+}
