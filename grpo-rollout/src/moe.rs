@@ -220,7 +220,7 @@ impl Moe {
 /// to expert `e` and `P_e` the sum of its router probabilities,
 /// `aux = E · Σ_e T_e P_e / R²` with `R = Σ w_r` over the layers. `T` is constant, so the
 /// gradient is `scale · E · T_e / R²` on each `P_e`: the layers' outputs carry it to their
-/// routers in the backward pass that follows the forward ([`AuxRows::tap`]), once every layer
+/// routers in the backward pass that follows the forward (`AuxRows::tap`), once every layer
 /// has counted its rows.
 #[derive(Debug)]
 pub struct AuxCollector {

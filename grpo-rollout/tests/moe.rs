@@ -213,3 +213,69 @@ fn shared_prompts_count_as_repeated_rows() {
     let none = values(g.get(var(&name).as_tensor()).unwrap());
     assert!(none.iter().all(|x| *x == 0.0));
 }
+
+/// What the MoE families do not support is refused by name: GGUF export, LoRA on Qwen2-MoE's
+/// shared expert; LoRA on the attention works and leaves the experts frozen.
+#[test]
+fn moe_refusals_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = grpo_rollout::load(
+        &fixtures().join("arch-qwen2moe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let e = grpo_rollout::gguf::save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &tmp.path().join("x.gguf"),
+        grpo_rollout::gguf::GgufType::F32,
+        "x",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("mixture-of-experts"), "{e}");
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    for t in [
+        TargetModules::Pattern("all-linear".into()),
+        TargetModules::Names(vec!["q_proj".into(), "gate_proj".into()]),
+    ] {
+        let lc = LoraConfig {
+            target_modules: t,
+            ..Default::default()
+        };
+        let e = TrainableModel::lora(&m.model, &lc, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shared expert"), "{e}");
+    }
+    let lc = LoraConfig {
+        target_modules: TargetModules::Names(vec!["q_proj".into(), "o_proj".into()]),
+        ..Default::default()
+    };
+    let tm = TrainableModel::lora(&m.model, &lc, 1).unwrap();
+    assert_eq!(
+        tm.vars.len(),
+        2 * 2 * 2,
+        "{:?}",
+        tm.vars.iter().map(|v| &v.0).collect::<Vec<_>>()
+    );
+    // Qwen3-MoE's gate_proj exists only in its dense layer (as PEFT sees transformers 5's).
+    let m = grpo_rollout::load(
+        &fixtures().join("arch-qwen3moe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let lc = LoraConfig {
+        target_modules: TargetModules::Names(vec!["gate_proj".into()]),
+        ..Default::default()
+    };
+    let tm = TrainableModel::lora(&m.model, &lc, 1).unwrap();
+    let names: Vec<&String> = tm.vars.iter().map(|v| &v.0).collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        names.iter().all(|n| n.contains("layers.1.mlp.gate_proj")),
+        "{names:?}"
+    );
+}
