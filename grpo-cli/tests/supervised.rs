@@ -1855,3 +1855,42 @@ fn tpo_rows_runs_and_refusals() {
     let e = config_error(dir.path(), "tpo", "[tpo]\nreference_field = \"chosen\"\n");
     assert!(e.contains("must differ"), "{e}");
 }
+
+/// An MoE policy's SFT (padded and packed), DPO, KTO and ORPO losses carry TRL's
+/// load-balancing term (the model config's `router_aux_loss_coef` by default), logged as
+/// `aux_loss`; `loss.router_aux_loss_coef = 0` switches it off.
+#[test]
+fn moe_supervised_runs_add_the_load_balancing_loss() {
+    let dir = fixture(Arch::Mixtral);
+    let cases = [
+        ("sft", ""),
+        ("sft-packed", "[sft]\npacking = true\nmax_length = 64\n"),
+        ("dpo", ""),
+        ("kto", ""),
+        ("orpo", ""),
+    ];
+    for (name, extra) in cases {
+        let alg = name.split('-').next().unwrap();
+        let r = run(
+            setup(dir.path(), name, alg, 1, extra),
+            &RunOptions::default(),
+        );
+        let aux = r.metrics[0]
+            .get("aux_loss")
+            .copied()
+            .unwrap_or_else(|| panic!("{name}: no aux_loss in {:?}", r.metrics[0]));
+        // Near-uniform routing of 4 experts, 2 per token: about E · Σ (2/E)(1/E) = 2.
+        assert!(aux > 1.5 && aux < 3.0, "{name}: aux_loss {aux}");
+    }
+    let r = run(
+        setup(
+            dir.path(),
+            "off",
+            "sft",
+            1,
+            "[loss]\nrouter_aux_loss_coef = 0.0\n",
+        ),
+        &RunOptions::default(),
+    );
+    assert!(!r.metrics[0].contains_key("aux_loss"));
+}

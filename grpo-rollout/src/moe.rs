@@ -326,12 +326,14 @@ pub fn recording<T>(collector: Option<Arc<AuxCollector>>, f: impl FnOnce() -> T)
 }
 
 /// Whether a collector is recording.
-pub(crate) fn is_recording() -> bool {
+pub fn is_recording() -> bool {
     COLLECTOR.with(|c| c.borrow().is_some())
 }
 
-/// Runs `f` with `weights` `(N,)` as the weights of the rows of its forward calls.
-pub(crate) fn with_rows<T>(weights: Option<Tensor>, f: impl FnOnce() -> T) -> T {
+/// Runs `f` with `weights` `(N,)` (f32, 0 for padding) as the weights of the rows of its
+/// forward calls: for forwards the log-prob functions do not weigh themselves (packed rows,
+/// `Transformer::logprobs_stats_with`).
+pub fn with_rows<T>(weights: Option<Tensor>, f: impl FnOnce() -> T) -> T {
     scoped(&ROWS, weights, f)
 }
 

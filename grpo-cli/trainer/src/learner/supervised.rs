@@ -922,9 +922,26 @@ fn packed_logps(
         });
     }
     let dev = model.device();
+    // An MoE policy's load-balancing loss counts every packed token, not the padding after.
+    let weights = match grpo_rollout::moe::is_recording() {
+        true => {
+            let w: Vec<f32> = lens
+                .iter()
+                .flat_map(|s| {
+                    let n: usize = s.iter().sum();
+                    (0..l).map(move |j| f32::from(u8::from(j < n)))
+                })
+                .collect();
+            Some(Tensor::from_vec(w, rows.len() * l, dev)?)
+        }
+        false => None,
+    };
     let ids = Tensor::from_vec(ids, (rows.len(), l), dev)?;
     let (pos, bias) = grpo_rollout::model::packed_positions_and_bias(&lens, l, dev)?;
-    Ok((model.logprobs_stats_with(&ids, &pos, &bias, l - 1)?, l - 1))
+    let st = grpo_rollout::moe::with_rows(weights, || {
+        model.logprobs_stats_with(&ids, &pos, &bias, l - 1)
+    })?;
+    Ok((st, l - 1))
 }
 
 /// `(B, c)` 0/1 mask of the completions' loss tokens, right-padded to `c`.
@@ -1143,6 +1160,12 @@ impl Learner {
             } else {
                 self.policy.model.detached()
             };
+            // An MoE policy's load-balancing loss (TRL's SFT, DPO, KTO, CPO and ORPO trainers
+            // add it too): recorded by the policy's forward only.
+            let aux = match train && !reward {
+                true => self.aux_collector(chunks.len() as f64),
+                false => None,
+            };
             let loss = if dpo {
                 let prompts: Vec<&[u32]> = part
                     .iter()
@@ -1155,7 +1178,9 @@ impl Learner {
                     .chain(part.iter().map(|r| r.rejected.as_slice()))
                     .collect();
                 let (pol, pair_weights, st, tok_mask) =
-                    self.policy_logps(&model, &prompts, &comps)?;
+                    grpo_rollout::moe::recording(aux.clone(), || {
+                        self.policy_logps(&model, &prompts, &comps)
+                    })?;
                 let k = b - a;
                 // TRL's DPO token metrics, per micro-batch, averaged over the step's: the
                 // entropy over both sides' tokens, the mean logit of each side's tokens, the
@@ -1228,7 +1253,8 @@ impl Learner {
                 }
                 (out.loss * share)?
             } else if pairs {
-                let out = self.pair_loss(&model, part)?;
+                let out =
+                    grpo_rollout::moe::recording(aux.clone(), || self.pair_loss(&model, part))?;
                 for (k, v) in out.metrics() {
                     add(k, v, share);
                 }
@@ -1266,7 +1292,9 @@ impl Learner {
                     .as_ref()
                     .context("KTO needs the reference model")?;
                 let pad = self.tokenizer.pad_token_id;
-                let (st, c) = completion_stats(&model, pad, &prompts, &comps)?;
+                let (st, c) = grpo_rollout::moe::recording(aux.clone(), || {
+                    completion_stats(&model, pad, &prompts, &comps)
+                })?;
                 let pol = self.summed(&st.logps, &comps, c)?;
                 // KTOTrainer's token metrics, per micro-batch: the entropy over every
                 // completion token, each side's mean logit where the side has tokens.
@@ -1372,11 +1400,13 @@ impl Learner {
                         }
                         false => part,
                     };
-                let (st, c) = if part.iter().any(|r| !r.segments.is_empty()) {
-                    packed_logps(&model, self.tokenizer.pad_token_id, part)?
-                } else {
-                    completion_stats(&model, self.tokenizer.pad_token_id, &prompts, &comps)?
-                };
+                let pad = self.tokenizer.pad_token_id;
+                let (st, c) = grpo_rollout::moe::recording(aux.clone(), || {
+                    match part.iter().any(|r| !r.segments.is_empty()) {
+                        true => packed_logps(&model, pad, part),
+                        false => completion_stats(&model, pad, &prompts, &comps),
+                    }
+                })?;
                 let lp = &st.logps;
                 let masks: Vec<&[u8]> = part.iter().map(|r| r.mask.as_slice()).collect();
                 let mask = mask_tensor(&masks, c, lp.dtype(), lp.device())?;
@@ -1387,6 +1417,16 @@ impl Learner {
                 add("entropy", means[0].unwrap_or(0.0), per);
                 add("mean_token_accuracy", means[1].unwrap_or(0.0), per);
                 sft_loss_typed(lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
+            };
+            // TRL's `coef · aux / accumulation steps` in the loss's value (the gradient is in
+            // the graph already).
+            let loss = match &aux {
+                Some(c) => {
+                    let aux_loss = c.loss();
+                    add("aux_loss", aux_loss, 1.0 / chunks.len() as f64);
+                    (loss + c.scaled(aux_loss))?
+                }
+                None => loss,
             };
             let lv = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             if !lv.is_finite() {
