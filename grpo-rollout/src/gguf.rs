@@ -165,16 +165,24 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .get("general.architecture")
         .and_then(as_str)
         .ok_or_else(|| err("metadata `general.architecture` is missing"))?;
-    // llama.cpp writes Mistral models as `llama`.
-    let arch = Arch::parse(arch_name)
-        .ok()
-        .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
-        .ok_or_else(|| {
-            err(format!(
-                "GGUF architecture `{arch_name}` is not supported (supported: llama, qwen2, qwen3, smollm3, phi3, granite)"
-            ))
-        })?;
     let key = |k: &str| format!("{arch_name}.{k}");
+    let experts = md.get(&key("expert_count")).and_then(as_u64).unwrap_or(0) as usize;
+    // llama.cpp writes Mistral models as `llama`, Mixtral as `llama` with experts; its MoE
+    // Qwens are `qwen3moe` and `qwen2moe`.
+    let arch = match arch_name {
+        "llama" if experts > 0 => Ok(Arch::Mixtral),
+        "qwen3moe" => Ok(Arch::Qwen3Moe),
+        "qwen2moe" => Ok(Arch::Qwen2Moe),
+        "qwen3_moe" | "qwen2_moe" | "mixtral" => Err(()),
+        name => Arch::parse(name).map_err(|_| ()),
+    }
+    .ok()
+    .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
+    .ok_or_else(|| {
+        err(format!(
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, smollm3, phi3, granite)"
+        ))
+    })?;
     let req = |k: &str| -> Result<usize> {
         md.get(&key(k))
             .and_then(as_u64)
@@ -253,7 +261,26 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             _ => has("blk.0.attn_q.bias"),
         },
         mlp_bias: has("blk.0.ffn_gate.bias"),
-        moe: None,
+        // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
+        moe: match arch.moe() {
+            true => Some(crate::config::MoeConfig {
+                num_experts: experts,
+                num_experts_per_tok: req("expert_used_count")?,
+                moe_intermediate_size: match arch {
+                    Arch::Mixtral => req("feed_forward_length")?,
+                    _ => req("expert_feed_forward_length")?,
+                },
+                norm_topk_prob: arch != Arch::Qwen2Moe,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+                shared_expert_intermediate_size: match arch {
+                    Arch::Qwen2Moe => Some(req("expert_shared_feed_forward_length")?),
+                    _ => None,
+                },
+                router_aux_loss_coef: 0.001,
+            }),
+            false => None,
+        },
         bos_token_id: md_u32(md, "tokenizer.ggml.bos_token_id"),
         eos_token_ids: md_u32(md, "tokenizer.ggml.eos_token_id")
             .into_iter()
@@ -391,6 +418,16 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // Mixtures of experts (Qwen's names; the loader renames Mixtral's and splits the
+        // stacked experts).
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.experts.gate_proj",
+        "ffn_up_exps" => "mlp.experts.up_proj",
+        "ffn_down_exps" => "mlp.experts.down_proj",
+        "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp" => "mlp.shared_expert.up_proj",
+        "ffn_down_shexp" => "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp" => "mlp.shared_expert_gate",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
@@ -450,6 +487,38 @@ fn read_weights<R: Read + Seek>(
             .tensor(reader, name, &Device::Cpu)
             .map_err(|e| err(format!("tensor `{name}`: {e}")))?;
         let mut t = q.dequantize(&Device::Cpu)?;
+        // An MoE layer's stacked experts, one tensor each (Mixtral under its own names).
+        if let Some(m) = &cfg.moe {
+            let names = crate::moe::MoeNames::of(cfg.arch);
+            let layer = || -> Result<usize> {
+                name.split('.')
+                    .nth(1)
+                    .and_then(|i| i.parse().ok())
+                    .ok_or_else(|| err(format!("tensor `{name}`: no layer index")))
+            };
+            let part = ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+                .iter()
+                .position(|p| name.contains(&format!(".{p}.")));
+            if let Some(j) = part {
+                let (i, e) = (layer()?, m.num_experts);
+                if t.rank() != 3 || t.dim(0)? != e {
+                    bail!(
+                        "tensor `{name}` has shape {:?}, expected {e} stacked experts",
+                        t.dims()
+                    );
+                }
+                for x in 0..e {
+                    let n = names.expert(i, x)[j].clone();
+                    out.insert(n, t.get(x)?.to_dtype(dtype)?.to_device(device)?);
+                }
+                continue;
+            }
+            if name.contains(".ffn_gate_inp.") {
+                hf = names.router(layer()?);
+            } else if name.contains(".ffn_gate_inp_shexp.") {
+                t = t.reshape((1, t.elem_count()))?;
+            }
+        }
         if cfg.arch.llama_like() {
             if hf.contains(".self_attn.q_proj.") {
                 t = unpermute_qk(&t, cfg.num_attention_heads)?;
@@ -906,9 +975,88 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // Mixtures of experts: the router, the experts stacked ([`stack_experts`]), Qwen2-MoE's
+        // shared expert and its gate.
+        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        "mlp.experts.gate_proj" | "block_sparse_moe.experts.w1" => "ffn_gate_exps",
+        "mlp.experts.up_proj" | "block_sparse_moe.experts.w3" => "ffn_up_exps",
+        "mlp.experts.down_proj" | "block_sparse_moe.experts.w2" => "ffn_down_exps",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.{suffix}"))
+}
+
+/// What llama.cpp computes of an MoE model ([`ModelConfig::moe`]) as transformers does, or an
+/// error naming what it does not: experts in every layer, and its fixed renormalisation of
+/// the chosen experts' weights per architecture (`qwen3moe` and Mixtral's `llama`: always;
+/// `qwen2moe`: never).
+fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()> {
+    if !(0..cfg.num_hidden_layers).all(|i| m.sparse(i)) {
+        bail!(
+            "llama.cpp's {} has experts in every layer; this model's mlp_only_layers {:?} / decoder_sparse_step {} make some dense: export it as safetensors",
+            cfg.arch.as_str(),
+            m.mlp_only_layers,
+            m.decoder_sparse_step
+        );
+    }
+    let llama_cpp_norm = cfg.arch != Arch::Qwen2Moe;
+    if m.norm_topk_prob != llama_cpp_norm {
+        bail!(
+            "llama.cpp's {} {} the chosen experts' weights; this model has norm_topk_prob = {}: export it as safetensors",
+            cfg.arch.as_str(),
+            if llama_cpp_norm {
+                "renormalises"
+            } else {
+                "does not renormalise"
+            },
+            m.norm_topk_prob
+        );
+    }
+    Ok(())
+}
+
+/// An MoE model's tensors with each layer's experts stacked, `(experts, out, in)` under the
+/// name without the expert index (`model.layers.3.mlp.experts.gate_proj.weight`), as llama.cpp's
+/// `ffn_{gate,up,down}_exps` hold them; Qwen2-MoE's shared-expert gate `(1, hidden)` as the
+/// vector llama.cpp reads. The others pass unchanged.
+fn stack_experts(weights: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    // In order; a stack's place is its first expert's, filled when all are seen.
+    let mut out: Vec<(String, Option<Tensor>)> = Vec::new();
+    let mut stacks: HashMap<String, (usize, Vec<(usize, Tensor)>)> = HashMap::new();
+    for (name, t) in weights {
+        let expert = name.split_once(".experts.").and_then(|(head, rest)| {
+            let (e, tail) = rest.split_once('.')?;
+            Some((format!("{head}.experts.{tail}"), e.parse::<usize>().ok()?))
+        });
+        match expert {
+            Some((stacked, e)) => {
+                let slot = stacks.entry(stacked.clone()).or_insert_with(|| {
+                    out.push((stacked, None));
+                    (out.len() - 1, Vec::new())
+                });
+                slot.1.push((e, t));
+            }
+            None if name.ends_with(".mlp.shared_expert_gate.weight") => {
+                out.push((name, Some(t.flatten_all()?)));
+            }
+            None => out.push((name, Some(t))),
+        }
+    }
+    for (_, (at, mut parts)) in stacks {
+        parts.sort_by_key(|(e, _)| *e);
+        let ts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
+        out[at].1 = Some(Tensor::stack(&ts, 0)?);
+    }
+    out.into_iter()
+        .map(|(n, t)| {
+            t.map(|t| (n, t))
+                .ok_or_else(|| err("an empty expert stack"))
+        })
+        .collect()
 }
 
 /// llama.cpp's Q/K row permutation for its interleaved RoPE (`convert_hf_to_gguf.py`'s
@@ -1237,20 +1385,25 @@ pub fn save_gguf(
     let cfg = &model.cfg;
     // llama.cpp's names: Mistral's layers are `llama` (which has no sliding window: within it
     // nothing differs); `smollm3` skips RoPE on every 4th layer, a step no key can change.
+    // Mixtral's too (llama with experts).
     let arch = match cfg.arch {
-        Arch::Mistral => "llama",
+        Arch::Mistral | Arch::Mixtral => "llama",
+        Arch::Qwen3Moe => "qwen3moe",
+        Arch::Qwen2Moe => "qwen2moe",
         a => a.as_str(),
     };
-    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2) || cfg.arch.moe() {
+    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2) {
         bail!(
             "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
             match cfg.arch {
                 Arch::Gemma2 => "Gemma 2",
                 Arch::Gemma3 => "Gemma 3",
-                Arch::Olmo2 => "OLMo 2",
-                _ => "a mixture-of-experts model",
+                _ => "OLMo 2",
             }
         );
+    }
+    if let Some(m) = &cfg.moe {
+        moe_exportable(cfg, m)?;
     }
     // llama.cpp's phi3 reads q, k and v as views of one product at offsets of the hidden size.
     if cfg.arch == Arch::Phi3 && cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size {
@@ -1335,6 +1488,16 @@ pub fn save_gguf(
             md.push((a(k), Value::F32(x as f32)));
         }
     }
+    if let Some(m) = &cfg.moe {
+        md.push((a("expert_count"), u(m.num_experts)));
+        md.push((a("expert_used_count"), u(m.num_experts_per_tok)));
+        if cfg.arch != Arch::Mixtral {
+            md.push((a("expert_feed_forward_length"), u(m.moe_intermediate_size)));
+        }
+        if let Some(s) = m.shared_expert_intermediate_size {
+            md.push((a("expert_shared_feed_forward_length"), u(s)));
+        }
+    }
     if cfg.arch == Arch::Phi3 {
         // Partial rotary: the first `rotary_dim` of each head (llama.cpp's NEOX pairs, as
         // transformers'); the window as its converter writes it (0: none).
@@ -1349,8 +1512,14 @@ pub fn save_gguf(
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     let mut written = Vec::new();
     let cpu = Device::Cpu;
-    // The family's file layout (Phi-3's fused maps, q/k heads in transformers' order).
-    for (hf, t) in crate::layout::to_hf(cfg, model.weights())? {
+    // The family's file layout (Phi-3's fused maps, q/k heads in transformers' order), an MoE
+    // layer's experts stacked as llama.cpp holds them.
+    let weights = crate::layout::to_hf(cfg, model.weights())?;
+    let weights = match cfg.moe.is_some() {
+        true => stack_experts(weights)?,
+        false => weights,
+    };
+    for (hf, t) in weights {
         let Some(g) = gguf_tensor_name(&hf) else {
             bail!("tensor `{hf}` has no llama.cpp name");
         };

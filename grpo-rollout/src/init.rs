@@ -225,7 +225,7 @@ pub fn preset_config(
         final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
         // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
         // this head size.
-        // Four experts, two per token (the tiny preset: a dense second layer too); Qwen2-MoE's
+        // Four experts, two per token (the tiny Qwen3-MoE: a dense second layer too); Qwen2-MoE's
         // shared expert.
         moe: arch.moe().then(|| crate::config::MoeConfig {
             num_experts: 4,
@@ -236,7 +236,8 @@ pub fn preset_config(
             } else {
                 inter / 2
             },
-            norm_topk_prob: arch == Arch::Mixtral,
+            // Mixtral's always; Qwen3-MoE's released models set it (Qwen2-MoE's do not).
+            norm_topk_prob: arch != Arch::Qwen2Moe,
             decoder_sparse_step: 1,
             mlp_only_layers: match (preset, arch) {
                 (Preset::Tiny, Arch::Qwen3Moe) => vec![1],

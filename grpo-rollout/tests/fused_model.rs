@@ -51,6 +51,10 @@ fn fused_and_composed_decoders_agree() {
             c.num_key_value_heads = 2;
             c.head_dim = 8;
             c.intermediate_size = 48;
+            // Mixtral's experts are the MLP's width.
+            if let Some(m) = c.moe.as_mut() {
+                m.moe_intermediate_size = if arch == Arch::Mixtral { 48 } else { 24 };
+            }
             c.attention_bias = arch != Arch::Qwen3;
             let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
             let mut outs = Vec::new();

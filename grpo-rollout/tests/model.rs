@@ -21,6 +21,10 @@ fn cfg(arch: Arch) -> ModelConfig {
     c.num_key_value_heads = 2;
     c.head_dim = 8;
     c.intermediate_size = 48;
+    // Mixtral's experts are the MLP's width.
+    if let (Arch::Mixtral, Some(m)) = (arch, c.moe.as_mut()) {
+        m.moe_intermediate_size = c.intermediate_size;
+    }
     if arch == Arch::SmolLM3 {
         c.nope_layers = vec![1]; // of the two layers (transformers' default: every 4th)
     }

@@ -214,27 +214,103 @@ fn shared_prompts_count_as_repeated_rows() {
     assert!(none.iter().all(|x| *x == 0.0));
 }
 
-/// What the MoE families do not support is refused by name: GGUF export, LoRA on Qwen2-MoE's
+/// Each MoE family as llama.cpp's GGUF (`qwen3moe`, `qwen2moe`, Mixtral as `llama` with
+/// experts): the experts stacked as `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`,
+/// Qwen2-MoE's shared expert `ffn_*_shexp` and its gate; read back, the same model and config.
+#[test]
+fn moe_gguf_round_trips() {
+    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
+    use grpo_rollout::init::{Preset, preset_config, random_weights};
+    let tmp = tempfile::tempdir().unwrap();
+    let rows: Vec<Vec<u32>> = vec![(5..40).collect(), (100..121).collect()];
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let tok = grpo_rollout::load(
+        &fixtures().join("arch-qwen2moe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+    .tokenizer;
+    for arch in [
+        grpo_rollout::Arch::Qwen3Moe,
+        grpo_rollout::Arch::Qwen2Moe,
+        grpo_rollout::Arch::Mixtral,
+    ] {
+        let mut c = preset_config(Preset::Small, arch, 300, 2, 0);
+        c.tie_word_embeddings = false;
+        let m = random_weights(&c, 9, DType::F32, &Device::Cpu).unwrap();
+        let path = tmp.path().join(format!("{}.gguf", arch.as_str()));
+        let written = save_gguf(&m, &tok, &path, GgufType::F32, "m").unwrap();
+        let names: Vec<&str> = written.iter().map(|(n, _)| n.as_str()).collect();
+        for n in [
+            "blk.0.ffn_gate_inp.weight",
+            "blk.0.ffn_gate_exps.weight",
+            "blk.3.ffn_down_exps.weight",
+        ] {
+            assert!(names.contains(&n), "{arch:?}: {names:?}");
+        }
+        assert!(!names.iter().any(|n| n.contains("experts")), "{names:?}");
+        let shared = names.contains(&"blk.0.ffn_gate_inp_shexp.weight");
+        assert_eq!(shared, arch == grpo_rollout::Arch::Qwen2Moe);
+        let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(cfg.arch, arch);
+        assert_eq!(cfg.moe, c.moe, "{arch:?}");
+        let back =
+            grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu)
+                .unwrap();
+        let lp = |t: &grpo_rollout::Transformer| {
+            values(
+                &t.completion_logprobs(&ids, &mask, 16, 1.0, false)
+                    .unwrap()
+                    .0,
+            )
+        };
+        let d = max_diff(&lp(&back), &lp(&m));
+        assert!(d < 1e-5, "{arch:?}: {d}");
+    }
+}
+
+/// What the MoE families do not support is refused by name: GGUF of what llama.cpp computes
+/// otherwise (dense layers among the MoE ones, another renormalisation), LoRA on Qwen2-MoE's
 /// shared expert; LoRA on the attention works and leaves the experts frozen.
 #[test]
 fn moe_refusals_are_named() {
     let tmp = tempfile::tempdir().unwrap();
+    let gguf = |m: &grpo_rollout::LoadedModel, model: &grpo_rollout::Transformer| {
+        grpo_rollout::gguf::save_gguf(
+            model,
+            &m.tokenizer,
+            &tmp.path().join("x.gguf"),
+            grpo_rollout::gguf::GgufType::F32,
+            "x",
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let q3 = grpo_rollout::load(
+        &fixtures().join("arch-qwen3moe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let e = gguf(&q3, &q3.model);
+    assert!(
+        e.contains("mlp_only_layers [1]") && e.contains("every layer"),
+        "{e}"
+    );
     let m = grpo_rollout::load(
         &fixtures().join("arch-qwen2moe-micro"),
         DType::F32,
         &Device::Cpu,
     )
     .unwrap();
-    let e = grpo_rollout::gguf::save_gguf(
-        &m.model,
-        &m.tokenizer,
-        &tmp.path().join("x.gguf"),
-        grpo_rollout::gguf::GgufType::F32,
-        "x",
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("mixture-of-experts"), "{e}");
+    let mut renorm = m.model.clone();
+    renorm.cfg.moe.as_mut().unwrap().norm_topk_prob = true;
+    let e = gguf(&m, &renorm);
+    assert!(
+        e.contains("norm_topk_prob = true") && e.contains("qwen2_moe"),
+        "{e}"
+    );
     use grpo_rollout::lora::{LoraConfig, TargetModules};
     for t in [
         TargetModules::Pattern("all-linear".into()),
