@@ -38,7 +38,9 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
   * arch-qwen2moe-micro (Qwen2MoeForCausalLM, 2 layers, 4 experts and the shared expert):
     as it is, renormalised;
   * arch-mixtral-micro (MixtralForCausalLM, 2 layers, 4 experts): 2 per token, 1 per token,
-    window 12.
+    window 12;
+  * arch-olmoe-micro (OlmoeForCausalLM, 2 layers, 4 experts, q/k norms over all heads; norm
+    weights drawn around 1): as it is, renormalised.
 
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
@@ -175,6 +177,15 @@ MODELS = {
             "mixtral-window-12": {"sliding_window": 12},
         },
     ),
+    "arch-olmoe-micro": (
+        "olmoe",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, num_experts=4,
+             num_experts_per_tok=2, rms_norm_eps=1e-5),
+        {
+            "olmoe": {},
+            "olmoe-norm": {"norm_topk_prob": True},
+        },
+    ),
 }
 
 
@@ -208,7 +219,7 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
-            elif model_type == "olmo2":
+            elif model_type in ("olmo2", "olmoe"):
                 p.normal_(1, 0.3)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -2,7 +2,7 @@
 """Reference load-balancing losses from transformers for grpo-rollout/tests/moe.rs.
 
 For the MoE micro models of scripts/gen_arch_reference.py (arch-qwen3moe-micro,
-arch-qwen2moe-micro, arch-mixtral-micro) and the same left-padded rows: transformers' `aux_loss`
+arch-qwen2moe-micro, arch-mixtral-micro, arch-olmoe-micro) and the same left-padded rows: transformers' `aux_loss`
 (`output_router_logits=True`, the attention mask given: what TRL's GRPOTrainer adds to its loss
 times `router_aux_loss_coef`), and its gradient with respect to each MoE layer's router and to
 layer 0's q_proj (float32, eager attention, per-row position ids).
@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gen_arch_reference import ROWS  # noqa: E402
 
-MODELS = ["arch-qwen3moe-micro", "arch-qwen2moe-micro", "arch-mixtral-micro"]
+MODELS = ["arch-qwen3moe-micro", "arch-qwen2moe-micro", "arch-mixtral-micro", "arch-olmoe-micro"]
 
 
 def main():

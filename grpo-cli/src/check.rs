@@ -258,7 +258,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // with its own RoPE base beside a full one), OLMo 2's output norms without pre-norms,
     // Phi-3's fused files with three quarters of each head rotating and a window, Gemma 2's
     // soft caps (scores and logits) beside a sliding layer, Granite's four multipliers, the
-    // mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral).
+    // mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, OLMoE).
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).
@@ -280,9 +280,9 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 (g.attn_logit_softcapping, g.final_logit_softcapping);
             // Four experts, two per token, at this width (Qwen2-MoE's shared expert too).
             cfg.moe = g.moe.map(|mut m| {
-                m.moe_intermediate_size = match arch {
-                    Arch::Mixtral => cfg.intermediate_size,
-                    _ => cfg.intermediate_size / 2,
+                m.moe_intermediate_size = match arch.experts_mlp_wide() {
+                    true => cfg.intermediate_size,
+                    false => cfg.intermediate_size / 2,
                 };
                 m.mlp_only_layers.clear();
                 if m.shared_expert_intermediate_size.is_some() {

@@ -51,6 +51,9 @@ pub enum Arch {
     /// Mixtral (`mixtral`): Mistral's attention, a mixture of experts (`block_sparse_moe`, the
     /// experts' `w1`/`w3`/`w2` = gate/up/down) whose top-k weights always sum to 1.
     Mixtral,
+    /// OLMoE (`olmoe`): llama's layers with RMSNorms over all heads' q and k (OLMo 2's, before
+    /// the heads are split, but with the pre-norms), experts `intermediate_size` wide.
+    Olmoe,
 }
 
 /// The MLP's gate activation.
@@ -66,7 +69,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 13] = [
+    pub const ALL: [Arch; 14] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -80,6 +83,7 @@ impl Arch {
         Arch::Qwen3Moe,
         Arch::Qwen2Moe,
         Arch::Mixtral,
+        Arch::Olmoe,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -98,11 +102,12 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Mixtral => "mixtral",
+            Arch::Olmoe => "olmoe",
         }
     }
 
     /// The dense family whose attention this architecture's layers have (a mixture-of-experts
-    /// family's; the architecture itself otherwise).
+    /// family's; the architecture itself otherwise, OLMoE's own included).
     pub fn attention(self) -> Self {
         match self {
             Arch::Qwen3Moe => Arch::Qwen3,
@@ -114,7 +119,16 @@ impl Arch {
 
     /// Whether the MLPs are mixtures of experts ([`MoeConfig`]).
     pub fn moe(self) -> bool {
-        self.attention() != self
+        matches!(
+            self,
+            Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::Olmoe
+        )
+    }
+
+    /// Whether the experts are `intermediate_size` wide (Mixtral, OLMoE: no
+    /// `moe_intermediate_size`).
+    pub fn experts_mlp_wide(self) -> bool {
+        matches!(self, Arch::Mixtral | Arch::Olmoe)
     }
 
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
@@ -148,11 +162,12 @@ impl Arch {
             "qwen3_moe" => Ok(Arch::Qwen3Moe),
             "qwen2_moe" => Ok(Arch::Qwen2Moe),
             "mixtral" => Ok(Arch::Mixtral),
+            "olmoe" => Ok(Arch::Olmoe),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe"
             ),
         }
     }
@@ -528,6 +543,7 @@ impl MoeConfig {
         let (experts, k, width) = match arch {
             Arch::Qwen3Moe => (128, 8, 768),
             Arch::Qwen2Moe => (60, 4, 1408),
+            Arch::Olmoe => (64, 8, intermediate_size),
             _ => (8, 2, intermediate_size),
         };
         let num_experts = match v.get("num_experts").filter(|x| !x.is_null()) {
@@ -565,9 +581,9 @@ impl MoeConfig {
                 "router_jitter_noise = {j} is not supported (only 0: no noise on the router's input)"
             );
         }
-        let moe_intermediate_size = match arch {
-            Arch::Mixtral => intermediate_size,
-            _ => int("moe_intermediate_size", width)?,
+        let moe_intermediate_size = match arch.experts_mlp_wide() {
+            true => intermediate_size,
+            false => int("moe_intermediate_size", width)?,
         };
         if moe_intermediate_size == 0 {
             bail!("field `moe_intermediate_size` must be > 0");
@@ -586,10 +602,11 @@ impl MoeConfig {
                 Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
                 _ => None,
             },
+            // transformers' defaults: OLMoE's 0.01, the others' 0.001.
             router_aux_loss_coef: v
                 .get("router_aux_loss_coef")
                 .and_then(Value::as_f64)
-                .unwrap_or(0.001),
+                .unwrap_or(if arch == Arch::Olmoe { 0.01 } else { 0.001 }),
         })
     }
 
@@ -618,11 +635,14 @@ impl MoeConfig {
         if arch == Arch::Mixtral {
             return;
         }
+        obj.insert("norm_topk_prob".into(), self.norm_topk_prob.into());
+        if arch == Arch::Olmoe {
+            return;
+        }
         obj.insert(
             "moe_intermediate_size".into(),
             self.moe_intermediate_size.into(),
         );
-        obj.insert("norm_topk_prob".into(), self.norm_topk_prob.into());
         obj.insert(
             "decoder_sparse_step".into(),
             self.decoder_sparse_step.into(),
@@ -748,7 +768,7 @@ impl ModelConfig {
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
                 Arch::Llama | Arch::Olmo2 | Arch::Granite => 2048,
-                Arch::Phi3 => 4096,
+                Arch::Phi3 | Arch::Olmoe => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
                 }
@@ -823,6 +843,9 @@ impl ModelConfig {
         };
         let attn_logit_softcapping = softcap("attn_logit_softcapping", 50.0)?;
         let final_logit_softcapping = softcap("final_logit_softcapping", 30.0)?;
+        if let Some(c) = v.get("clip_qkv").filter(|c| !c.is_null()) {
+            bail!("clip_qkv = {c} is not supported (only null: q, k and v unclipped)");
+        }
         if flag("use_bidirectional_attention", false) {
             bail!("use_bidirectional_attention = true is not supported (a causal language model)");
         }
@@ -945,9 +968,9 @@ impl ModelConfig {
             rms_norm_eps: v
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
-                // transformers' defaults: Olmo2Config's and Phi3Config's 1e-5, the others' 1e-6.
+                // transformers' defaults: OLMo's, Phi3Config's, Mixtral's 1e-5, the others' 1e-6.
                 .unwrap_or(match arch {
-                    Arch::Olmo2 | Arch::Phi3 => 1e-5,
+                    Arch::Olmo2 | Arch::Olmoe | Arch::Phi3 | Arch::Mixtral => 1e-5,
                     _ => 1e-6,
                 }),
             rope_theta,
@@ -970,7 +993,8 @@ impl ModelConfig {
                 | Arch::SmolLM3
                 | Arch::Gemma2
                 | Arch::Gemma3
-                | Arch::Olmo2 => flag("attention_bias", false),
+                | Arch::Olmo2
+                | Arch::Olmoe => flag("attention_bias", false),
             },
             mlp_bias: matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLM3)
                 && flag("mlp_bias", false),
@@ -1061,11 +1085,12 @@ impl ModelConfig {
             bail!("head_dim ({}) must be even for RoPE", self.head_dim);
         }
         if let Some(m) = &self.moe
-            && self.arch == Arch::Mixtral
+            && self.arch.experts_mlp_wide()
             && m.moe_intermediate_size != self.intermediate_size
         {
             bail!(
-                "Mixtral's experts are intermediate_size ({}) wide, not {}",
+                "{}'s experts are intermediate_size ({}) wide, not {}",
+                self.arch.as_str(),
                 self.intermediate_size,
                 m.moe_intermediate_size
             );
@@ -1115,6 +1140,7 @@ impl ModelConfig {
                     Arch::Qwen3Moe => "Qwen3Moe",
                     Arch::Qwen2Moe => "Qwen2Moe",
                     Arch::Mixtral => "Mixtral",
+                    Arch::Olmoe => "Olmoe",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1150,7 +1176,13 @@ impl ModelConfig {
         }
         if matches!(
             self.arch,
-            Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2
+            Arch::Llama
+                | Arch::Granite
+                | Arch::SmolLM3
+                | Arch::Gemma2
+                | Arch::Gemma3
+                | Arch::Olmo2
+                | Arch::Olmoe
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -1313,6 +1345,9 @@ impl ModelConfig {
         }
         if self.arch == Arch::Olmo2 {
             layer += q + kv; // q/k norms over all heads; the output norms replace the pre-norms
+        }
+        if self.arch == Arch::Olmoe {
+            layer += q + kv; // q/k norms over all heads
         }
         let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
         // An MoE layer's router and experts in place of the dense MLP.

@@ -180,7 +180,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, smollm3, phi3, granite)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, smollm3, phi3, granite)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -266,18 +266,18 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             true => Some(crate::config::MoeConfig {
                 num_experts: experts,
                 num_experts_per_tok: req("expert_used_count")?,
-                moe_intermediate_size: match arch {
-                    Arch::Mixtral => req("feed_forward_length")?,
-                    _ => req("expert_feed_forward_length")?,
+                moe_intermediate_size: match arch.experts_mlp_wide() {
+                    true => req("feed_forward_length")?,
+                    false => req("expert_feed_forward_length")?,
                 },
-                norm_topk_prob: arch != Arch::Qwen2Moe,
+                norm_topk_prob: !matches!(arch, Arch::Qwen2Moe | Arch::Olmoe),
                 decoder_sparse_step: 1,
                 mlp_only_layers: Vec::new(),
                 shared_expert_intermediate_size: match arch {
                     Arch::Qwen2Moe => Some(req("expert_shared_feed_forward_length")?),
                     _ => None,
                 },
-                router_aux_loss_coef: 0.001,
+                router_aux_loss_coef: if arch == Arch::Olmoe { 0.01 } else { 0.001 },
             }),
             false => None,
         },
@@ -991,9 +991,10 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
 }
 
 /// What llama.cpp computes of an MoE model ([`ModelConfig::moe`]) as transformers does, or an
-/// error naming what it does not: experts in every layer, and its fixed renormalisation of
+/// error naming what it does not: experts in every layer, OLMoE without grouped-query heads,
+/// and its fixed renormalisation of
 /// the chosen experts' weights per architecture (`qwen3moe` and Mixtral's `llama`: always;
-/// `qwen2moe`: never).
+/// `qwen2moe` and `olmoe`: never).
 fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()> {
     if !(0..cfg.num_hidden_layers).all(|i| m.sparse(i)) {
         bail!(
@@ -1003,7 +1004,15 @@ fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()>
             m.decoder_sparse_step
         );
     }
-    let llama_cpp_norm = cfg.arch != Arch::Qwen2Moe;
+    // llama.cpp's olmoe normalises k over `hidden_size`: all heads, no grouped-query ones.
+    if cfg.arch == Arch::Olmoe && cfg.num_key_value_heads != cfg.num_attention_heads {
+        bail!(
+            "llama.cpp's olmoe reads k_norm over all {} heads; this model has num_key_value_heads = {}: export it as safetensors",
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads
+        );
+    }
+    let llama_cpp_norm = !matches!(cfg.arch, Arch::Qwen2Moe | Arch::Olmoe);
     if m.norm_topk_prob != llama_cpp_norm {
         bail!(
             "llama.cpp's {} {} the chosen experts' weights; this model has norm_topk_prob = {}: export it as safetensors",
@@ -1491,7 +1500,7 @@ pub fn save_gguf(
     if let Some(m) = &cfg.moe {
         md.push((a("expert_count"), u(m.num_experts)));
         md.push((a("expert_used_count"), u(m.num_experts_per_tok)));
-        if cfg.arch != Arch::Mixtral {
+        if !cfg.arch.experts_mlp_wide() {
             md.push((a("expert_feed_forward_length"), u(m.moe_intermediate_size)));
         }
         if let Some(s) = m.shared_expert_intermediate_size {

@@ -230,21 +230,22 @@ pub fn preset_config(
         moe: arch.moe().then(|| crate::config::MoeConfig {
             num_experts: 4,
             num_experts_per_tok: 2,
-            // Mixtral's experts are `intermediate_size` wide.
-            moe_intermediate_size: if arch == Arch::Mixtral {
+            // Mixtral's and OLMoE's experts are `intermediate_size` wide.
+            moe_intermediate_size: if arch.experts_mlp_wide() {
                 inter
             } else {
                 inter / 2
             },
-            // Mixtral's always; Qwen3-MoE's released models set it (Qwen2-MoE's do not).
-            norm_topk_prob: arch != Arch::Qwen2Moe,
+            // Mixtral's always; Qwen3-MoE's released models set it (Qwen2-MoE's and OLMoE's
+            // do not).
+            norm_topk_prob: !matches!(arch, Arch::Qwen2Moe | Arch::Olmoe),
             decoder_sparse_step: 1,
             mlp_only_layers: match (preset, arch) {
                 (Preset::Tiny, Arch::Qwen3Moe) => vec![1],
                 _ => Vec::new(),
             },
             shared_expert_intermediate_size: (arch == Arch::Qwen2Moe).then_some(inter),
-            router_aux_loss_coef: 0.001,
+            router_aux_loss_coef: if arch == Arch::Olmoe { 0.01 } else { 0.001 },
         }),
         granite: (arch == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
@@ -288,7 +289,10 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch.llama_like() || cfg.arch.gemma() || cfg.arch == Arch::Olmo2 {
+            if cfg.arch.llama_like()
+                || cfg.arch.gemma()
+                || matches!(cfg.arch, Arch::Olmo2 | Arch::Olmoe)
+            {
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
@@ -303,6 +307,10 @@ pub fn random_weights(
                 vec![cfg.head_dim],
                 true,
             ));
+        }
+        if cfg.arch == Arch::Olmoe {
+            shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![q], true));
+            shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], true));
         }
         shapes.push((
             format!("{p}.post_attention_layernorm.weight"),

@@ -1529,20 +1529,25 @@ impl Transformer {
                     &format!("{p}.self_attn.o_proj"),
                     h,
                     q,
-                    cfg.attention_bias && (cfg.arch.llama_like() || output_norms),
+                    cfg.attention_bias
+                        && (cfg.arch.llama_like() || output_norms || cfg.arch == Arch::Olmoe),
                 )?,
                 q_norm: match cfg.arch.attention() {
                     Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
-                    Arch::Olmo2 => Some(norm(&format!("{p}.self_attn.q_norm.weight"), q)?),
+                    Arch::Olmo2 | Arch::Olmoe => {
+                        Some(norm(&format!("{p}.self_attn.q_norm.weight"), q)?)
+                    }
                     _ => None,
                 },
                 k_norm: match cfg.arch.attention() {
                     Arch::Qwen3 | Arch::Gemma3 => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
-                    Arch::Olmo2 => Some(norm(&format!("{p}.self_attn.k_norm.weight"), kv)?),
+                    Arch::Olmo2 | Arch::Olmoe => {
+                        Some(norm(&format!("{p}.self_attn.k_norm.weight"), kv)?)
+                    }
                     _ => None,
                 },
                 post_attention_layernorm: match olmo {

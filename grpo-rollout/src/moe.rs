@@ -1,4 +1,4 @@
-//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral): the MoE MLP that takes a dense MLP's
+//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the MoE MLP that takes a dense MLP's
 //! place in a decoder layer ([`Moe`]), its checkpoints' names ([`MoeNames`]), and the
 //! load-balancing loss TRL adds to an MoE model's training loss ([`AuxCollector`]:
 //! transformers' `load_balancing_loss_func`, its gradient given to each layer's router in the
@@ -85,7 +85,7 @@ impl Expert {
     }
 }
 
-/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral), computed as transformers
+/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), computed as transformers
 /// does: the router's logits → softmax in f32 → each token's `top_k` experts, their
 /// probabilities (renormalised when `norm_topk_prob`) weighting the experts' outputs; Qwen2-MoE
 /// adds a shared expert times `sigmoid(shared_expert_gate · h)`. Each expert runs once on the

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 32);
+    assert!(cases.len() >= 34);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -142,6 +142,7 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("qwen2moe-norm", "qwen2moe") > 0.05);
     assert!(d("mixtral-top1", "mixtral") > 0.05);
     assert!(d("mixtral-window-12", "mixtral") > 0.05);
+    assert!(d("olmoe-norm", "olmoe") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the

@@ -21,8 +21,8 @@ fn cfg(arch: Arch) -> ModelConfig {
     c.num_key_value_heads = 2;
     c.head_dim = 8;
     c.intermediate_size = 48;
-    // Mixtral's experts are the MLP's width.
-    if let (Arch::Mixtral, Some(m)) = (arch, c.moe.as_mut()) {
+    // Mixtral's and OLMoE's experts are the MLP's width.
+    if let (true, Some(m)) = (arch.experts_mlp_wide(), c.moe.as_mut()) {
         m.moe_intermediate_size = c.intermediate_size;
     }
     if arch == Arch::SmolLM3 {
@@ -48,7 +48,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 13] = Arch::ALL;
+const ARCHES: [Arch; 14] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);

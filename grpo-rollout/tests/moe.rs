@@ -215,7 +215,7 @@ fn shared_prompts_count_as_repeated_rows() {
 }
 
 /// Each MoE family as llama.cpp's GGUF (`qwen3moe`, `qwen2moe`, Mixtral as `llama` with
-/// experts): the experts stacked as `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`,
+/// experts, `olmoe`): the experts stacked as `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`,
 /// Qwen2-MoE's shared expert `ffn_*_shexp` and its gate; read back, the same model and config.
 #[test]
 fn moe_gguf_round_trips() {
@@ -235,9 +235,14 @@ fn moe_gguf_round_trips() {
         grpo_rollout::Arch::Qwen3Moe,
         grpo_rollout::Arch::Qwen2Moe,
         grpo_rollout::Arch::Mixtral,
+        grpo_rollout::Arch::Olmoe,
     ] {
         let mut c = preset_config(Preset::Small, arch, 300, 2, 0);
         c.tie_word_embeddings = false;
+        // llama.cpp's olmoe has no grouped-query heads.
+        if arch == grpo_rollout::Arch::Olmoe {
+            c.num_key_value_heads = c.num_attention_heads;
+        }
         let m = random_weights(&c, 9, DType::F32, &Device::Cpu).unwrap();
         let path = tmp.path().join(format!("{}.gguf", arch.as_str()));
         let written = save_gguf(&m, &tok, &path, GgufType::F32, "m").unwrap();
@@ -296,6 +301,17 @@ fn moe_refusals_are_named() {
     let e = gguf(&q3, &q3.model);
     assert!(
         e.contains("mlp_only_layers [1]") && e.contains("every layer"),
+        "{e}"
+    );
+    let ol = grpo_rollout::load(
+        &fixtures().join("arch-olmoe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let e = gguf(&ol, &ol.model);
+    assert!(
+        e.contains("num_key_value_heads = 2") && e.contains("olmoe"),
         "{e}"
     );
     let m = grpo_rollout::load(

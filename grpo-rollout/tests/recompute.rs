@@ -46,8 +46,8 @@ fn small(arch: Arch, vocab: usize, hidden: usize, bias: bool) -> grpo_rollout::c
     c.num_key_value_heads = 2;
     c.head_dim = hidden / 4;
     c.intermediate_size = 3 * hidden;
-    // Mixtral's experts are the MLP's width.
-    if let (Arch::Mixtral, Some(m)) = (arch, c.moe.as_mut()) {
+    // Mixtral's and OLMoE's experts are the MLP's width.
+    if let (true, Some(m)) = (arch.experts_mlp_wide(), c.moe.as_mut()) {
         m.moe_intermediate_size = c.intermediate_size;
     }
     c.attention_bias = bias;
