@@ -125,6 +125,15 @@ impl Arch {
         )
     }
 
+    /// transformers' default `router_aux_loss_coef` of an MoE family: OLMoE's 0.01, the
+    /// others' 0.001.
+    pub fn default_router_aux_loss_coef(self) -> f64 {
+        match self {
+            Arch::Olmoe => 0.01,
+            _ => 0.001,
+        }
+    }
+
     /// Whether the experts are `intermediate_size` wide (Mixtral, OLMoE: no
     /// `moe_intermediate_size`).
     pub fn experts_mlp_wide(self) -> bool {
@@ -505,7 +514,8 @@ pub struct GraniteScalars {
     pub logits_scaling: f64,
 }
 
-/// A mixture-of-experts MLP's shape ([`Arch::Qwen3Moe`], [`Arch::Qwen2Moe`], [`Arch::Mixtral`]):
+/// A mixture-of-experts MLP's shape ([`Arch::Qwen3Moe`], [`Arch::Qwen2Moe`], [`Arch::Mixtral`],
+/// [`Arch::Olmoe`]):
 /// a router (`gate`) scores the experts for each token, the `num_experts_per_tok` best take
 /// it, their outputs weighted by the router's softmax probabilities (renormalised over the
 /// chosen ones when `norm_topk_prob`).
@@ -602,11 +612,10 @@ impl MoeConfig {
                 Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
                 _ => None,
             },
-            // transformers' defaults: OLMoE's 0.01, the others' 0.001.
             router_aux_loss_coef: v
                 .get("router_aux_loss_coef")
                 .and_then(Value::as_f64)
-                .unwrap_or(if arch == Arch::Olmoe { 0.01 } else { 0.001 }),
+                .unwrap_or(arch.default_router_aux_loss_coef()),
         })
     }
 

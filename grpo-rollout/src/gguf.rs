@@ -270,14 +270,14 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
                     true => req("feed_forward_length")?,
                     false => req("expert_feed_forward_length")?,
                 },
-                norm_topk_prob: !matches!(arch, Arch::Qwen2Moe | Arch::Olmoe),
+                norm_topk_prob: llama_cpp_renormalises(arch),
                 decoder_sparse_step: 1,
                 mlp_only_layers: Vec::new(),
                 shared_expert_intermediate_size: match arch {
                     Arch::Qwen2Moe => Some(req("expert_shared_feed_forward_length")?),
                     _ => None,
                 },
-                router_aux_loss_coef: if arch == Arch::Olmoe { 0.01 } else { 0.001 },
+                router_aux_loss_coef: arch.default_router_aux_loss_coef(),
             }),
             false => None,
         },
@@ -990,11 +990,17 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{g}.{suffix}"))
 }
 
+/// Whether llama.cpp renormalises the chosen experts' weights for an MoE architecture: fixed
+/// per architecture (it reads no `expert_weights_norm` there), always for `qwen3moe` and
+/// Mixtral's `llama`, never for `qwen2moe` and `olmoe`.
+fn llama_cpp_renormalises(arch: Arch) -> bool {
+    !matches!(arch, Arch::Qwen2Moe | Arch::Olmoe)
+}
+
 /// What llama.cpp computes of an MoE model ([`ModelConfig::moe`]) as transformers does, or an
 /// error naming what it does not: experts in every layer, OLMoE without grouped-query heads,
-/// and its fixed renormalisation of
-/// the chosen experts' weights per architecture (`qwen3moe` and Mixtral's `llama`: always;
-/// `qwen2moe` and `olmoe`: never).
+/// and its fixed renormalisation of the chosen experts' weights
+/// ([`llama_cpp_renormalises`]).
 fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()> {
     if !(0..cfg.num_hidden_layers).all(|i| m.sparse(i)) {
         bail!(
@@ -1012,7 +1018,7 @@ fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()>
             cfg.num_key_value_heads
         );
     }
-    let llama_cpp_norm = !matches!(cfg.arch, Arch::Qwen2Moe | Arch::Olmoe);
+    let llama_cpp_norm = llama_cpp_renormalises(cfg.arch);
     if m.norm_topk_prob != llama_cpp_norm {
         bail!(
             "llama.cpp's {} {} the chosen experts' weights; this model has norm_topk_prob = {}: export it as safetensors",

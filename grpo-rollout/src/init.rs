@@ -223,8 +223,6 @@ pub fn preset_config(
         // Gemma 2's soft caps (transformers' defaults).
         attn_logit_softcapping: (arch == Arch::Gemma2).then_some(50.0),
         final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
-        // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
-        // this head size.
         // Four experts, two per token (the tiny Qwen3-MoE: a dense second layer too); Qwen2-MoE's
         // shared expert.
         moe: arch.moe().then(|| crate::config::MoeConfig {
@@ -245,8 +243,10 @@ pub fn preset_config(
                 _ => Vec::new(),
             },
             shared_expert_intermediate_size: (arch == Arch::Qwen2Moe).then_some(inter),
-            router_aux_loss_coef: if arch == Arch::Olmoe { 0.01 } else { 0.001 },
+            router_aux_loss_coef: arch.default_router_aux_loss_coef(),
         }),
+        // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
+        // this head size.
         granite: (arch == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
             attention_multiplier: 1.0 / (hidden / heads) as f64,

@@ -1517,6 +1517,11 @@ impl Transformer {
                 }
                 None => None,
             };
+            // The dense MLP's maps (stand-ins in an MoE layer).
+            let dense = |name: &str, out: usize, inp: usize| match moe.is_some() {
+                true => Linear::absent(dtype, device),
+                false => linear(&format!("{p}.mlp.{name}"), out, inp, cfg.mlp_bias),
+            };
             layers.push(Layer {
                 input_layernorm: match olmo {
                     true => identity()?,
@@ -1562,18 +1567,9 @@ impl Transformer {
                     .transpose()?,
                 activation: cfg.activation,
                 residual_scale: cfg.granite.map(|g| g.residual_multiplier),
-                gate_proj: match moe.is_some() {
-                    true => Linear::absent(dtype, device)?,
-                    false => linear(&format!("{p}.mlp.gate_proj"), im, h, cfg.mlp_bias)?,
-                },
-                up_proj: match moe.is_some() {
-                    true => Linear::absent(dtype, device)?,
-                    false => linear(&format!("{p}.mlp.up_proj"), im, h, cfg.mlp_bias)?,
-                },
-                down_proj: match moe.is_some() {
-                    true => Linear::absent(dtype, device)?,
-                    false => linear(&format!("{p}.mlp.down_proj"), h, im, cfg.mlp_bias)?,
-                },
+                gate_proj: dense("gate_proj", im, h)?,
+                up_proj: dense("up_proj", im, h)?,
+                down_proj: dense("down_proj", h, im)?,
                 qkv: None,
                 gate_up: None,
                 moe,
@@ -2483,18 +2479,8 @@ impl Transformer {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (positions, bias) = padded_positions_and_bias(attention_mask, self.device())?;
-        let rows = self.aux_rows(attention_mask, None)?;
-        crate::moe::with_rows(rows, || {
-            self.logprobs_with(
-                input_ids,
-                &positions,
-                &bias,
-                logits_to_keep,
-                temperature,
-                with_entropy,
-            )
-        })
+        let (h, targets, shape) = self.padded_rows(input_ids, attention_mask, logits_to_keep)?;
+        self.target_logprobs(&h, &targets, shape, temperature, with_entropy)
     }
 
     /// [`Self::completion_logprobs`] with the position ids `(B, L)` and the additive attention

@@ -262,9 +262,11 @@ impl AuxCollector {
         s.counts.len() as f64 * dot / (s.rows * s.rows)
     }
 
-    /// `scale · aux`: what the loss adds to a training loss.
-    pub fn scaled(&self, aux: f64) -> f64 {
-        self.scale * aux
+    /// `loss + scale · aux` (the value only: the gradient is in the graph already) and the
+    /// recorded `aux`.
+    pub fn add_to(&self, loss: Tensor) -> Result<(Tensor, f64)> {
+        let aux = self.loss();
+        Ok(((loss + self.scale * aux)?, aux))
     }
 
     /// `∂(scale · aux)/∂P_e` for every expert.

@@ -399,13 +399,12 @@ impl Learner {
                 };
                 (loss, policy_part, out.metrics, stats)
             };
-            // The loss's value with TRL's `coef · aux / accumulation steps` (the gradient is
-            // already in the graph).
+            // The loss's value with TRL's `coef · aux / accumulation steps`.
             let loss = match &aux {
                 Some(c) => {
-                    let aux_loss = c.loss();
+                    let (loss, aux_loss) = c.add_to(loss)?;
                     sums.add("aux_loss", aux_loss);
-                    (loss + c.scaled(aux_loss))?
+                    loss
                 }
                 None => loss,
             };

@@ -93,6 +93,14 @@ pub struct Learner {
     publish_to: Option<(Device, std::sync::Mutex<DeviceCopies>)>,
 }
 
+impl std::fmt::Debug for Learner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Learner")
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Learner {
     /// The load-balancing loss's collector for one micro-batch of an update of `ga`
     /// micro-batches (TRL's `router_aux_loss_coef · aux / gradient_accumulation_steps`), or
@@ -109,17 +117,7 @@ impl Learner {
             .unwrap_or(moe.router_aux_loss_coef);
         (coef != 0.0).then(|| grpo_rollout::moe::AuxCollector::new(coef / ga))
     }
-}
 
-impl std::fmt::Debug for Learner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Learner")
-            .field("state", &self.state)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Learner {
     /// Takes the policy out of `setup`.
     pub fn new(setup: &Setup, run_dir: &Path) -> Result<Self> {
         if let Some(c) = setup.cfg.loss.router_aux_loss_coef

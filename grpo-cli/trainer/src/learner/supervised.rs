@@ -1418,13 +1418,12 @@ impl Learner {
                 add("mean_token_accuracy", means[1].unwrap_or(0.0), per);
                 sft_loss_typed(lp, &mask, Some(total_tokens), self.cfg.sft.loss_type)?
             };
-            // TRL's `coef · aux / accumulation steps` in the loss's value (the gradient is in
-            // the graph already).
+            // The loss's value with TRL's `coef · aux / accumulation steps`.
             let loss = match &aux {
                 Some(c) => {
-                    let aux_loss = c.loss();
+                    let (loss, aux_loss) = c.add_to(loss)?;
                     add("aux_loss", aux_loss, 1.0 / chunks.len() as f64);
-                    (loss + c.scaled(aux_loss))?
+                    loss
                 }
                 None => loss,
             };
