@@ -2,9 +2,13 @@
 //! the metadata.
 //!
 //! What is read:
-//! - `general.architecture` (`llama`, `qwen2`, `qwen3`, `smollm3`; Mistral models are `llama`
-//!   files) and the `{arch}.*` hyper-parameters into a [`ModelConfig`]; the vocabulary size comes from `token_embd.weight`, biases and
-//!   tied embeddings from which tensors are present (no `output.weight` = tied).
+//! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
+//!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
+//!   `qwen2moe`, `olmoe`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what
+//!   llama.cpp fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's
+//!   NoPE layers, the experts' renormalisation); the vocabulary size comes from
+//!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
+//!   `output.weight` = tied). Gemma's norm weights are `1 + w` in the file, `w` here.
 //! - every tensor, dequantised with candle's [`QTensor::dequantize`], renamed from llama.cpp's
 //!   names (`blk.0.attn_q.weight`) to transformers' (`model.layers.0.self_attn.q_proj.weight`).
 //!   llama.cpp's converter permutes the rows of the `llama` / `smollm3` Q and K projections (weights and
@@ -173,14 +177,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "llama" if experts > 0 => Ok(Arch::Mixtral),
         "qwen3moe" => Ok(Arch::Qwen3Moe),
         "qwen2moe" => Ok(Arch::Qwen2Moe),
-        "qwen3_moe" | "qwen2_moe" | "mixtral" => Err(()),
+        "gemma3" => Ok(Arch::Gemma3),
+        "qwen3_moe" | "qwen2_moe" | "mixtral" | "gemma3_text" => Err(()),
         name => Arch::parse(name).map_err(|_| ()),
     }
     .ok()
-    .filter(|a| !matches!(a, Arch::Mistral | Arch::Olmo2))
+    .filter(|a| *a != Arch::Mistral)
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, smollm3, phi3, granite)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -232,12 +237,37 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         ),
     };
     let has = |name: &str| content.tensor_infos.contains_key(name);
+    let num_hidden_layers = req("block_count")?;
+    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
+    // Gemma's window and soft caps as llama.cpp reads them (Gemma 2's defaults: a window of
+    // 4096, caps of 50 and 30; Gemma 3's window is required and its logits uncapped).
+    let sliding_window = match arch {
+        Arch::Phi3 | Arch::Gemma2 | Arch::Gemma3 => md
+            .get(&key("attention.sliding_window"))
+            .and_then(as_u64)
+            .or((arch == Arch::Gemma2).then_some(4096))
+            .filter(|w| *w > 0)
+            .map(|w| w as usize),
+        _ => None,
+    };
+    if arch.gemma() && sliding_window.is_none() {
+        bail!(
+            "metadata `{}` is 0: Gemma without its sliding window is not supported",
+            key("attention.sliding_window")
+        );
+    }
+    if arch == Arch::Gemma3 && float("final_logit_softcapping").is_some_and(|c| c != 0.0) {
+        bail!(
+            "metadata `{}`: Gemma 3 with capped logits is not supported (llama.cpp's sliding-window gemma3 does not cap them)",
+            key("final_logit_softcapping")
+        );
+    }
     let cfg = ModelConfig {
         arch,
         vocab_size,
         hidden_size,
         intermediate_size: req("feed_forward_length")?,
-        num_hidden_layers: req("block_count")?,
+        num_hidden_layers,
         num_attention_heads,
         num_key_value_heads,
         head_dim,
@@ -288,30 +318,42 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
         sequence_classification: false,
         initializer_range: None,
-        sliding_window: match arch {
-            Arch::Phi3 => md
-                .get(&key("attention.sliding_window"))
-                .and_then(as_u64)
-                .filter(|w| *w > 0)
-                .map(|w| w as usize),
-            _ => None,
+        sliding_window,
+        sliding_layers: match arch.gemma() {
+            true => llama_cpp_sliding_layers(arch, num_hidden_layers),
+            false => Vec::new(),
         },
-        sliding_layers: Vec::new(),
         // llama.cpp's smollm3: RoPE skipped on every 4th layer.
         nope_layers: match arch {
             Arch::SmolLM3 => crate::config::nope_every(req("block_count")?, 4),
             _ => Vec::new(),
         },
-        activation: Default::default(),
-        query_pre_attn_scalar: None,
-        local_rope_theta: None,
+        activation: match arch.gemma() {
+            true => crate::config::Activation::GeluPytorchTanh,
+            false => Default::default(),
+        },
+        query_pre_attn_scalar: arch.gemma().then(|| {
+            llama_cpp_query_scalar(
+                arch,
+                num_hidden_layers,
+                hidden_size,
+                num_attention_heads,
+                head_dim,
+            )
+        }),
+        // Gemma 3's sliding layers rotate with a base of their own (llama.cpp's fixed 10000
+        // where the file does not say).
+        local_rope_theta: (arch == Arch::Gemma3)
+            .then(|| float("rope.freq_base_swa").unwrap_or(10_000.0)),
         // Phi-3's rotary dimensions (`rope.dimension_count`, fewer than a head's: Phi-4-mini).
         partial_rotary_factor: match (arch, md.get(&key("rope.dimension_count")).and_then(as_u64)) {
             (Arch::Phi3, Some(r)) if r as usize != head_dim => Some(r as f64 / head_dim as f64),
             _ => None,
         },
-        attn_logit_softcapping: None,
-        final_logit_softcapping: None,
+        attn_logit_softcapping: (arch == Arch::Gemma2)
+            .then(|| float("attn_logit_softcapping").unwrap_or(50.0)),
+        final_logit_softcapping: (arch == Arch::Gemma2)
+            .then(|| float("final_logit_softcapping").unwrap_or(30.0)),
         granite: match arch {
             Arch::Granite => {
                 let f = |k: &str| -> Result<f64> {
@@ -387,8 +429,11 @@ pub fn llama3_scaling_from_rope_freqs(
     Ok(scaling)
 }
 
-/// The transformers name of a llama.cpp tensor name, or `None` if it is not one we know.
-pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
+/// The transformers name of a llama.cpp tensor name in a file of `arch`, or `None` if it is not
+/// one we know. Gemma's and OLMo 2's norms of the sublayers' outputs are llama.cpp's
+/// `post_attention_norm` and `post_ffw_norm`; Gemma's MLP-input norm (`ffn_norm` elsewhere:
+/// `post_attention_layernorm`) is its `pre_feedforward_layernorm`.
+pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
     let fixed = match gguf_name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -414,7 +459,10 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
         "attn_output" => "self_attn.o_proj",
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
+        "ffn_norm" if arch.gemma() => "pre_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
+        "post_attention_norm" if output_norms(arch) => "post_attention_layernorm",
+        "post_ffw_norm" if output_norms(arch) => "post_feedforward_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
@@ -477,7 +525,7 @@ fn read_weights<R: Read + Seek>(
         if [ROPE_FREQS, ROPE_SHORT, ROPE_LONG].contains(&name.as_str()) {
             continue; // read into the config's RoPE scaling
         }
-        let mut hf = hf_tensor_name(name)
+        let mut hf = hf_tensor_name(name, cfg.arch)
             .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
         // Phi-3's `ffn_up` holds gate and up (`gate_up_proj`).
         if cfg.arch == Arch::Phi3 && hf.contains(".mlp.up_proj.") {
@@ -518,6 +566,10 @@ fn read_weights<R: Read + Seek>(
             } else if name.contains(".ffn_gate_inp_shexp.") {
                 t = t.reshape((1, t.elem_count()))?;
             }
+        }
+        // Gemma's norms scale by `1 + w`: llama.cpp's files hold `1 + w`, transformers' `w`.
+        if cfg.arch.gemma() && name.ends_with("norm.weight") {
+            t = t.affine(1.0, -1.0)?;
         }
         if cfg.arch.llama_like() {
             if hf.contains(".self_attn.q_proj.") {
@@ -946,8 +998,15 @@ impl GgufType {
     }
 }
 
-/// The llama.cpp name of a transformers tensor name (the inverse of [`hf_tensor_name`]).
-pub fn gguf_tensor_name(hf: &str) -> Option<String> {
+/// Whether `arch`'s layers normalise each sublayer's output (Gemma's and OLMo 2's
+/// `post_attention_layernorm` and `post_feedforward_layernorm`).
+fn output_norms(arch: Arch) -> bool {
+    arch.gemma() || arch == Arch::Olmo2
+}
+
+/// The llama.cpp name of a transformers tensor name of an `arch` model (the inverse of
+/// [`hf_tensor_name`]).
+pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -971,7 +1030,10 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
         "self_attn.o_proj" => "attn_output",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
+        "post_attention_layernorm" if output_norms(arch) => "post_attention_norm",
         "post_attention_layernorm" => "ffn_norm",
+        "pre_feedforward_layernorm" if arch.gemma() => "ffn_norm",
+        "post_feedforward_layernorm" if output_norms(arch) => "post_ffw_norm",
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
@@ -995,6 +1057,103 @@ pub fn gguf_tensor_name(hf: &str) -> Option<String> {
 /// Mixtral's `llama`, never for `qwen2moe` and `olmoe`.
 fn llama_cpp_renormalises(arch: Arch) -> bool {
     !matches!(arch, Arch::Qwen2Moe | Arch::Olmoe)
+}
+
+/// llama.cpp's sliding-window layers of Gemma, fixed by the architecture (its
+/// `set_swa_pattern`): Gemma 2 every other layer from the first, Gemma 3 all but every 6th. As
+/// [`ModelConfig::sliding_layers`] holds them: empty when every layer slides.
+fn llama_cpp_sliding_layers(arch: Arch, layers: usize) -> Vec<usize> {
+    let every = if arch == Arch::Gemma2 { 2 } else { 6 };
+    let s: Vec<usize> = (0..layers)
+        .filter(|i| !(i + 1).is_multiple_of(every))
+        .collect();
+    if s.len() == layers { Vec::new() } else { s }
+}
+
+/// The `query_pre_attn_scalar` llama.cpp's Gemma attention implies: it scales the queries by
+/// `(hidden / heads)^-1/2` (integer division) for the 27B sizes it knows by their layer count
+/// (Gemma 2's 46, Gemma 3's 62), by `head_dim^-1/2` otherwise; it reads no key for it.
+fn llama_cpp_query_scalar(
+    arch: Arch,
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    head_dim: usize,
+) -> f64 {
+    let big = if arch == Arch::Gemma2 { 46 } else { 62 };
+    match layers == big {
+        true => (hidden / heads.max(1)) as f64,
+        false => head_dim as f64,
+    }
+}
+
+/// What llama.cpp computes of a Gemma 2 / Gemma 3 model as transformers does, or an error
+/// naming what it does not: its fixed sliding-window layers and attention scale
+/// ([`llama_cpp_sliding_layers`], [`llama_cpp_query_scalar`]), GELU-tanh, Gemma 2's soft caps
+/// (always applied) and tied embeddings (it has no `output.weight`), Gemma 3 without caps and
+/// with its fixed local RoPE base of 10000.
+fn gemma_exportable(cfg: &ModelConfig) -> Result<()> {
+    let (name, llama) = match cfg.arch {
+        Arch::Gemma2 => ("Gemma 2", "gemma2"),
+        _ => ("Gemma 3", "gemma3"),
+    };
+    let n = cfg.num_hidden_layers;
+    let pattern = llama_cpp_sliding_layers(cfg.arch, n);
+    let slides = |i: usize| pattern.is_empty() || pattern.contains(&i);
+    if cfg.sliding_window.is_none() || (0..n).any(|i| cfg.windowed(i) != slides(i)) {
+        let ours: Vec<usize> = (0..n).filter(|i| cfg.windowed(*i)).collect();
+        let theirs: Vec<usize> = (0..n).filter(|i| slides(*i)).collect();
+        bail!(
+            "{name} with sliding-window layers {ours:?} has no GGUF form (llama.cpp's {llama} slides on layers {theirs:?}): export it as safetensors"
+        );
+    }
+    let scalar = cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim as f64);
+    let theirs = llama_cpp_query_scalar(
+        cfg.arch,
+        n,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.head_dim,
+    );
+    if (scalar - theirs).abs() > 1e-9 {
+        bail!(
+            "{name} with query_pre_attn_scalar = {scalar} has no GGUF form (llama.cpp's {llama} with {n} layers scales the queries by {theirs}^-1/2): export it as safetensors"
+        );
+    }
+    if cfg.activation != crate::config::Activation::GeluPytorchTanh {
+        bail!(
+            "{name} with hidden_activation {:?} has no GGUF form (llama.cpp's {llama} uses gelu_pytorch_tanh): export it as safetensors",
+            cfg.activation
+        );
+    }
+    match cfg.arch {
+        Arch::Gemma2 => {
+            if cfg.attn_logit_softcapping.is_none() || cfg.final_logit_softcapping.is_none() {
+                bail!(
+                    "Gemma 2 without attn_logit_softcapping or final_logit_softcapping has no GGUF form (llama.cpp's gemma2 always caps both): export it as safetensors"
+                );
+            }
+            if !cfg.tie_word_embeddings {
+                bail!(
+                    "Gemma 2 with tie_word_embeddings = false has no GGUF form (llama.cpp's gemma2 reads the embeddings as its output): export it as safetensors"
+                );
+            }
+        }
+        _ => {
+            if let Some(c) = cfg.attn_logit_softcapping.or(cfg.final_logit_softcapping) {
+                bail!(
+                    "Gemma 3 with a soft cap ({c}) has no GGUF form (llama.cpp's gemma3 caps nothing): export it as safetensors"
+                );
+            }
+            if cfg.local_rope_theta != Some(10_000.0) {
+                bail!(
+                    "Gemma 3 with rope_local_base_freq = {:?} has no GGUF form (llama.cpp's gemma3 fixes it at 10000): export it as safetensors",
+                    cfg.local_rope_theta
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What llama.cpp computes of an MoE model ([`ModelConfig::moe`]) as transformers does, or an
@@ -1379,7 +1538,8 @@ pub fn rope_freqs(s: &Llama3RopeScaling, rope_theta: f64, head_dim: usize) -> Ve
 
 /// Writes `model` and `tokenizer` as a llama.cpp GGUF file: llama.cpp's tensor names and
 /// `{arch}.*` metadata, llama's Q/K rows permuted for its RoPE, the tokenizer and chat template
-/// in `tokenizer.*`, tied embeddings as a missing `output.weight`. Matrices get `ty`; norms,
+/// in `tokenizer.*`, tied embeddings as a missing `output.weight` (OLMo 2's written, as llama.cpp
+/// requires it), Gemma's norm weights as `1 + w`. Matrices get `ty`; norms,
 /// biases and `rope_freqs` stay f32 (as llama.cpp needs). A matrix whose rows do not split into
 /// `ty`'s blocks falls back as llama-quantize does (q4_k → q5_0 → f16; q8_0/q4_0 → f16). With
 /// 4-bit types the embedding (and output) matrices are stored q8_0, as llama.cpp keeps them at
@@ -1405,16 +1565,25 @@ pub fn save_gguf(
         Arch::Mistral | Arch::Mixtral => "llama",
         Arch::Qwen3Moe => "qwen3moe",
         Arch::Qwen2Moe => "qwen2moe",
+        Arch::Gemma3 => "gemma3",
         a => a.as_str(),
     };
-    if matches!(cfg.arch, Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2) {
+    if cfg.arch.gemma() {
+        gemma_exportable(cfg)?;
+    }
+    // llama.cpp's gemma and olmo2 graphs add no biases; its olmo2 reads a head as hidden / heads.
+    if output_norms(cfg.arch) && (cfg.attention_bias || cfg.mlp_bias) {
         bail!(
-            "{} has no GGUF form here (llama.cpp's is not checked against transformers'): export it as safetensors",
-            match cfg.arch {
-                Arch::Gemma2 => "Gemma 2",
-                Arch::Gemma3 => "Gemma 3",
-                _ => "OLMo 2",
-            }
+            "{} with attention_bias or mlp_bias has no GGUF form (llama.cpp's has no biases there): export it as safetensors",
+            cfg.arch.as_str()
+        );
+    }
+    if cfg.arch == Arch::Olmo2 && cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size {
+        bail!(
+            "OLMo 2 with {} heads × head_dim {} ≠ hidden_size {} has no GGUF form (llama.cpp's olmo2 needs them equal): export it as safetensors",
+            cfg.num_attention_heads,
+            cfg.head_dim,
+            cfg.hidden_size
         );
     }
     if let Some(m) = &cfg.moe {
@@ -1513,6 +1682,21 @@ pub fn save_gguf(
             md.push((a("expert_shared_feed_forward_length"), u(s)));
         }
     }
+    // Gemma's window (its layers fixed by llama.cpp: [`gemma_exportable`]) and Gemma 2's caps.
+    if cfg.arch.gemma() {
+        md.push((
+            a("attention.sliding_window"),
+            u(cfg.sliding_window.unwrap_or(0)),
+        ));
+    }
+    for (k, c) in [
+        ("attn_logit_softcapping", cfg.attn_logit_softcapping),
+        ("final_logit_softcapping", cfg.final_logit_softcapping),
+    ] {
+        if let Some(c) = c {
+            md.push((a(k), Value::F32(c as f32)));
+        }
+    }
     if cfg.arch == Arch::Phi3 {
         // Partial rotary: the first `rotary_dim` of each head (llama.cpp's NEOX pairs, as
         // transformers'); the window as its converter writes it (0: none).
@@ -1530,12 +1714,16 @@ pub fn save_gguf(
     // The family's file layout (Phi-3's fused maps, q/k heads in transformers' order), an MoE
     // layer's experts stacked as llama.cpp holds them.
     let weights = crate::layout::to_hf(cfg, model.weights())?;
-    let weights = match cfg.moe.is_some() {
+    let mut weights = match cfg.moe.is_some() {
         true => stack_experts(weights)?,
         false => weights,
     };
+    // llama.cpp's olmo2 requires `output.weight`: tied embeddings written twice.
+    if cfg.arch == Arch::Olmo2 && model.lm_head.is_none() {
+        weights.push(("lm_head.weight".into(), model.embed_tokens.clone()));
+    }
     for (hf, t) in weights {
-        let Some(g) = gguf_tensor_name(&hf) else {
+        let Some(g) = gguf_tensor_name(&hf, cfg.arch) else {
             bail!("tensor `{hf}` has no llama.cpp name");
         };
         // A storage of its own: packed weights are views, and quantizing reads the storage whole.
@@ -1544,6 +1732,10 @@ pub fn save_gguf(
             .to_device(&cpu)?
             .to_dtype(DType::F32)?
             .force_contiguous()?;
+        // Gemma's `1 + w` norms as llama.cpp holds them (their `1 + w`).
+        if cfg.arch.gemma() && g.ends_with("norm.weight") {
+            t = t.affine(1.0, 1.0)?;
+        }
         if cfg.arch.llama_like() {
             if g.contains(".attn_q.") {
                 t = permute_qk(&t, cfg.num_attention_heads)?;

@@ -348,3 +348,174 @@ print("ok")
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Gemma 2, Gemma 3 and OLMo 2 as llama.cpp's `gemma2`, `gemma3`, `olmo2`: the sublayer-output
+/// norms as `post_attention_norm` / `post_ffw_norm` (Gemma's MLP-input norm `ffn_norm`), Gemma's
+/// `1 + w` norms stored as llama.cpp holds them, its window, soft caps and (Gemma 3) global
+/// RoPE scaling in metadata, OLMo 2's tied embeddings written as the `output.weight` llama.cpp
+/// requires. Read back: the same config (sliding layers, caps, scales llama.cpp fixes) and
+/// log-probs over sequences three times the window.
+#[test]
+fn gemma_and_olmo2_round_trip_as_llama_cpps_families() {
+    let tmp = tempfile::tempdir().unwrap();
+    type Edit = Box<dyn FnOnce(&mut ModelConfig)>;
+    let cases: Vec<(Arch, Edit)> = vec![
+        (
+            Arch::Gemma2,
+            Box::new(|c: &mut ModelConfig| {
+                c.num_hidden_layers = 3;
+                c.sliding_window = Some(12);
+                c.sliding_layers = vec![0, 2];
+                c.query_pre_attn_scalar = Some(c.head_dim as f64);
+                c.attn_logit_softcapping = Some(4.0);
+                c.final_logit_softcapping = Some(3.0);
+            }),
+        ),
+        (
+            Arch::Gemma3,
+            Box::new(|c: &mut ModelConfig| {
+                c.num_hidden_layers = 7;
+                c.sliding_window = Some(12);
+                c.sliding_layers = vec![0, 1, 2, 3, 4, 6];
+                c.query_pre_attn_scalar = Some(c.head_dim as f64);
+                c.rope_theta = 1e6;
+                c.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 });
+            }),
+        ),
+        (Arch::Olmo2, Box::new(|_: &mut ModelConfig| {})),
+        (
+            Arch::Olmo2,
+            Box::new(|c: &mut ModelConfig| c.tie_word_embeddings = false),
+        ),
+    ];
+    for (i, (arch, f)) in cases.into_iter().enumerate() {
+        let (m, tok) = tiny(arch, f);
+        // Norm weights away from their initial 0 / 1, so that Gemma's offset shows.
+        let m = m
+            .map_tensors(&|t| match t.rank() {
+                1 => t.affine(1.0, 0.0)? + t.ones_like()?.cumsum(0)?.affine(0.01, -0.2)?,
+                _ => Ok(t.clone()),
+            })
+            .unwrap();
+        let sub = tmp.path().join(i.to_string());
+        let (back, written, _) = round_trip(&m, &tok, &sub, GgufType::F32);
+        let (a, b) = (&m.cfg, &back.model.cfg);
+        assert_eq!(b.arch, arch);
+        assert_eq!(
+            (b.sliding_window, &b.sliding_layers, b.local_rope_theta),
+            (a.sliding_window, &a.sliding_layers, a.local_rope_theta),
+            "{arch:?}"
+        );
+        assert_eq!(
+            (b.attn_logit_softcapping, b.final_logit_softcapping),
+            (a.attn_logit_softcapping, a.final_logit_softcapping)
+        );
+        assert_eq!(
+            (b.query_pre_attn_scalar, b.activation, &b.rope_scaling),
+            (a.query_pre_attn_scalar, a.activation, &a.rope_scaling)
+        );
+        let (max, _) = diff(&logps(&m), &logps(&back.model));
+        assert!(max < 1e-5, "{arch:?}: {max}");
+        same_tokenizer(&tok, &back.tokenizer);
+        let names: Vec<&str> = written.iter().map(|(n, _)| n.as_str()).collect();
+        for n in [
+            "blk.0.post_attention_norm.weight",
+            "blk.0.post_ffw_norm.weight",
+        ] {
+            assert!(names.contains(&n), "{arch:?}: {names:?}");
+        }
+        assert_eq!(
+            names.contains(&"blk.0.ffn_norm.weight"),
+            arch != Arch::Olmo2
+        );
+        assert_eq!(
+            names.contains(&"blk.0.attn_norm.weight"),
+            arch != Arch::Olmo2
+        );
+        assert_eq!(
+            names.contains(&"blk.0.attn_q_norm.weight"),
+            arch != Arch::Gemma2
+        );
+        // llama.cpp's gemma2 has no output matrix, its olmo2 always one.
+        assert_eq!(names.contains(&"output.weight"), arch == Arch::Olmo2);
+        // The file holds `1 + w` for Gemma's norms.
+        let g = |n: &str| -> f32 {
+            let mut f = std::fs::File::open(sub.join(format!("{arch:?}-F32.gguf"))).unwrap();
+            let c = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+            let t = c.tensor(&mut f, n, &Device::Cpu).unwrap();
+            t.dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()[0]
+        };
+        let w: Vec<f32> = m.layers[0]
+            .mlp_out_norm
+            .as_ref()
+            .unwrap()
+            .weight
+            .to_vec1()
+            .unwrap();
+        let offset = if arch == Arch::Olmo2 { 0.0 } else { 1.0 };
+        assert!((g("blk.0.post_ffw_norm.weight") - (w[0] + offset)).abs() < 1e-6);
+    }
+}
+
+/// What llama.cpp computes otherwise is refused by name: Gemma's sliding layers and attention
+/// scale are fixed by its architecture and layer count, Gemma 2 always caps and ties, Gemma 3's
+/// local RoPE base is 10000 and it caps nothing; OLMo 2 with biases.
+#[test]
+fn gemma_and_olmo2_that_llama_cpp_computes_otherwise_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let refusal = |arch: Arch, f: &dyn Fn(&mut ModelConfig)| -> String {
+        let (m, tok) = tiny(arch, |c| {
+            c.query_pre_attn_scalar = arch.gemma().then_some(c.head_dim as f64);
+            f(c)
+        });
+        save_gguf(&m, &tok, &tmp.path().join("x.gguf"), GgufType::F32, "x")
+            .unwrap_err()
+            .to_string()
+    };
+    for (arch, f, want) in [
+        (
+            Arch::Gemma3,
+            &(|c: &mut ModelConfig| {
+                c.num_hidden_layers = 3;
+                c.sliding_layers = vec![0, 2];
+            }) as &dyn Fn(&mut ModelConfig),
+            "sliding-window layers [0, 2] has no GGUF form (llama.cpp's gemma3 slides on layers [0, 1, 2])",
+        ),
+        (
+            Arch::Gemma2,
+            &|c: &mut ModelConfig| c.query_pre_attn_scalar = Some(256.0),
+            "query_pre_attn_scalar = 256",
+        ),
+        (
+            Arch::Gemma2,
+            &|c: &mut ModelConfig| c.tie_word_embeddings = false,
+            "tie_word_embeddings = false",
+        ),
+        (
+            Arch::Gemma2,
+            &|c: &mut ModelConfig| c.final_logit_softcapping = None,
+            "always caps both",
+        ),
+        (
+            Arch::Gemma3,
+            &|c: &mut ModelConfig| c.local_rope_theta = Some(20_000.0),
+            "rope_local_base_freq = Some(20000.0)",
+        ),
+        (
+            Arch::Gemma3,
+            &|c: &mut ModelConfig| c.final_logit_softcapping = Some(30.0),
+            "soft cap (30)",
+        ),
+        (
+            Arch::Olmo2,
+            &|c: &mut ModelConfig| c.attention_bias = true,
+            "olmo2 with attention_bias",
+        ),
+    ] {
+        let e = refusal(arch, f);
+        assert!(e.contains(want), "{arch:?}: {e}");
+    }
+}
