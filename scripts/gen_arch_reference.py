@@ -42,6 +42,10 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
   * arch-olmoe-micro (OlmoeForCausalLM, 2 layers, 4 experts, q/k norms over all heads; norm
     weights drawn around 1): as it is, renormalised.
 
+  * arch-granitemoe-micro (GraniteMoeForCausalLM, 2 layers, untied, 4 experts stored fused
+    as `input_linear` / `output_linear`; Granite's multipliers 3, 0.2, 0.5 and 2.5): 2 per token,
+    1 per token, 3 per token.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -184,6 +188,17 @@ MODELS = {
         {
             "olmoe": {},
             "olmoe-norm": {"norm_topk_prob": True},
+        },
+    ),
+    "arch-granitemoe-micro": (
+        "granitemoe",
+        dict(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=False, num_local_experts=4,
+             num_experts_per_tok=2, embedding_multiplier=3.0, attention_multiplier=0.2,
+             residual_multiplier=0.5, logits_scaling=2.5),
+        {
+            "granitemoe": {},
+            "granitemoe-top1": {"num_experts_per_tok": 1},
+            "granitemoe-top3": {"num_experts_per_tok": 3},
         },
     ),
 }

@@ -2,7 +2,7 @@
 """Reference load-balancing losses from transformers for grpo-rollout/tests/moe.rs.
 
 For the MoE micro models of scripts/gen_arch_reference.py (arch-qwen3moe-micro,
-arch-qwen2moe-micro, arch-mixtral-micro, arch-olmoe-micro) and the same left-padded rows: transformers' `aux_loss`
+arch-qwen2moe-micro, arch-mixtral-micro, arch-olmoe-micro, arch-granitemoe-micro) and the same left-padded rows: transformers' `aux_loss`
 (`output_router_logits=True`, the attention mask given: what TRL's GRPOTrainer adds to its loss
 times `router_aux_loss_coef`), and its gradient with respect to each MoE layer's router and to
 layer 0's q_proj (float32, eager attention, per-row position ids).
@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gen_arch_reference import ROWS  # noqa: E402
 
-MODELS = ["arch-qwen3moe-micro", "arch-qwen2moe-micro", "arch-mixtral-micro", "arch-olmoe-micro"]
+MODELS = ["arch-qwen3moe-micro", "arch-qwen2moe-micro", "arch-mixtral-micro", "arch-olmoe-micro",
+          "arch-granitemoe-micro"]
 
 
 def main():
@@ -38,7 +39,8 @@ def main():
         aux.backward()
         grads = {}
         for pname, p in model.named_parameters():
-            if pname.endswith("mlp.gate.weight") or pname == "model.layers.0.self_attn.q_proj.weight":
+            router = pname.endswith("mlp.gate.weight") or pname.endswith("block_sparse_moe.router.weight")
+            if router or pname == "model.layers.0.self_attn.q_proj.weight":
                 layer = pname.split(".")[2]
                 key = "q_proj" if "q_proj" in pname else "router"
                 grads[f"{layer}.{key}"] = p.grad.tolist()

@@ -122,7 +122,7 @@ pub struct InitModelArgs {
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite,
-    /// qwen3_moe, qwen2_moe, mixtral or olmoe.
+    /// qwen3_moe, qwen2_moe, mixtral, olmoe or granitemoe.
     #[arg(long, default_value = "qwen2")]
     arch: String,
     /// Weight seed.

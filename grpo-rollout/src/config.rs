@@ -54,6 +54,12 @@ pub enum Arch {
     /// OLMoE (`olmoe`): llama's layers with RMSNorms over all heads' q and k (OLMo 2's, before
     /// the heads are split, but with the pre-norms), experts `intermediate_size` wide.
     Olmoe,
+    /// IBM Granite MoE (`granitemoe`, granite-3.x-1b-a400m / 3b-a800m): Granite's layers and
+    /// multipliers, a mixture of experts `intermediate_size` wide whose chosen logits are
+    /// softmaxed (the renormalised probabilities), stored fused per layer: `input_linear`
+    /// `(experts, 2 · width, hidden)` (gate rows, then up), `output_linear`, `router.layer`.
+    #[serde(rename = "granitemoe")]
+    GraniteMoe,
 }
 
 /// The MLP's gate activation.
@@ -69,7 +75,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 14] = [
+    pub const ALL: [Arch; 15] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -84,6 +90,7 @@ impl Arch {
         Arch::Qwen2Moe,
         Arch::Mixtral,
         Arch::Olmoe,
+        Arch::GraniteMoe,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -103,6 +110,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Mixtral => "mixtral",
             Arch::Olmoe => "olmoe",
+            Arch::GraniteMoe => "granitemoe",
         }
     }
 
@@ -113,6 +121,7 @@ impl Arch {
             Arch::Qwen3Moe => Arch::Qwen3,
             Arch::Qwen2Moe => Arch::Qwen2,
             Arch::Mixtral => Arch::Mistral,
+            Arch::GraniteMoe => Arch::Granite,
             a => a,
         }
     }
@@ -121,7 +130,7 @@ impl Arch {
     pub fn moe(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::Olmoe
+            Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::Olmoe | Arch::GraniteMoe
         )
     }
 
@@ -134,10 +143,10 @@ impl Arch {
         }
     }
 
-    /// Whether the experts are `intermediate_size` wide (Mixtral, OLMoE: no
+    /// Whether the experts are `intermediate_size` wide (Mixtral, OLMoE, Granite MoE: no
     /// `moe_intermediate_size`).
     pub fn experts_mlp_wide(self) -> bool {
-        matches!(self, Arch::Mixtral | Arch::Olmoe)
+        matches!(self, Arch::Mixtral | Arch::Olmoe | Arch::GraniteMoe)
     }
 
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
@@ -145,7 +154,12 @@ impl Arch {
     pub fn llama_like(self) -> bool {
         matches!(
             self,
-            Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::SmolLM3 | Arch::Granite
+            Arch::Llama
+                | Arch::Mistral
+                | Arch::Mixtral
+                | Arch::SmolLM3
+                | Arch::Granite
+                | Arch::GraniteMoe
         )
     }
 
@@ -172,11 +186,12 @@ impl Arch {
             "qwen2_moe" => Ok(Arch::Qwen2Moe),
             "mixtral" => Ok(Arch::Mixtral),
             "olmoe" => Ok(Arch::Olmoe),
+            "granitemoe" => Ok(Arch::GraniteMoe),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe"
             ),
         }
     }
@@ -501,7 +516,7 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
 }
 
-/// IBM Granite's multipliers ([`Arch::Granite`]).
+/// IBM Granite's multipliers ([`Arch::Granite`], [`Arch::GraniteMoe`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct GraniteScalars {
     /// The embeddings' factor.
@@ -515,7 +530,7 @@ pub struct GraniteScalars {
 }
 
 /// A mixture-of-experts MLP's shape ([`Arch::Qwen3Moe`], [`Arch::Qwen2Moe`], [`Arch::Mixtral`],
-/// [`Arch::Olmoe`]):
+/// [`Arch::Olmoe`], [`Arch::GraniteMoe`]):
 /// a router (`gate`) scores the experts for each token, the `num_experts_per_tok` best take
 /// it, their outputs weighted by the router's softmax probabilities (renormalised over the
 /// chosen ones when `norm_topk_prob`).
@@ -602,7 +617,8 @@ impl MoeConfig {
             num_experts,
             num_experts_per_tok,
             moe_intermediate_size,
-            norm_topk_prob: arch == Arch::Mixtral
+            // Mixtral's and Granite MoE's (a softmax over the chosen logits) always sum to 1.
+            norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe)
                 || v.get("norm_topk_prob")
                     .and_then(Value::as_bool)
                     .unwrap_or(false),
@@ -628,7 +644,7 @@ impl MoeConfig {
     /// The fields of `config.json` for `arch`.
     fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>) {
         let experts = match arch {
-            Arch::Mixtral => "num_local_experts",
+            Arch::Mixtral | Arch::GraniteMoe => "num_local_experts",
             _ => "num_experts",
         };
         obj.insert(experts.into(), self.num_experts.into());
@@ -641,7 +657,7 @@ impl MoeConfig {
             self.router_aux_loss_coef.into(),
         );
         obj.insert("output_router_logits".into(), false.into());
-        if arch == Arch::Mixtral {
+        if matches!(arch, Arch::Mixtral | Arch::GraniteMoe) {
             return;
         }
         obj.insert("norm_topk_prob".into(), self.norm_topk_prob.into());
@@ -776,7 +792,7 @@ impl ModelConfig {
             .and_then(Value::as_u64)
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
-                Arch::Llama | Arch::Olmo2 | Arch::Granite => 2048,
+                Arch::Llama | Arch::Olmo2 | Arch::Granite | Arch::GraniteMoe => 2048,
                 Arch::Phi3 | Arch::Olmoe => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
@@ -920,7 +936,7 @@ impl ModelConfig {
                 .collect()
         });
         let sliding_layers: Vec<usize> = match arch {
-            Arch::Llama | Arch::Granite => Vec::new(),
+            Arch::Llama | Arch::Granite | Arch::GraniteMoe => Vec::new(),
             // Qwen3-MoE's window (when switched on) is on every layer.
             Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
@@ -997,6 +1013,7 @@ impl ModelConfig {
                 Arch::Mistral | Arch::Phi3 | Arch::Mixtral => false,
                 Arch::Llama
                 | Arch::Granite
+                | Arch::GraniteMoe
                 | Arch::Qwen3
                 | Arch::Qwen3Moe
                 | Arch::SmolLM3
@@ -1008,7 +1025,7 @@ impl ModelConfig {
             mlp_bias: matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLM3)
                 && flag("mlp_bias", false),
             granite: match arch {
-                Arch::Granite => {
+                Arch::Granite | Arch::GraniteMoe => {
                     let m = |k: &str| -> Result<f64> {
                         match v.get(k) {
                             None | Some(Value::Null) => Ok(1.0),
@@ -1150,6 +1167,7 @@ impl ModelConfig {
                     Arch::Qwen2Moe => "Qwen2Moe",
                     Arch::Mixtral => "Mixtral",
                     Arch::Olmoe => "Olmoe",
+                    Arch::GraniteMoe => "GraniteMoe",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1187,6 +1205,7 @@ impl ModelConfig {
             self.arch,
             Arch::Llama
                 | Arch::Granite
+                | Arch::GraniteMoe
                 | Arch::SmolLM3
                 | Arch::Gemma2
                 | Arch::Gemma3
@@ -1257,7 +1276,7 @@ impl ModelConfig {
             (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
-            (Arch::Llama | Arch::Granite, _) | (_, None) => {}
+            (Arch::Llama | Arch::Granite | Arch::GraniteMoe, _) | (_, None) => {}
             (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|i| match self.windowed(i) {

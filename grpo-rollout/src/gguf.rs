@@ -185,7 +185,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| *a != Arch::Mistral)
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -355,7 +355,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         final_logit_softcapping: (arch == Arch::Gemma2)
             .then(|| float("final_logit_softcapping").unwrap_or(30.0)),
         granite: match arch {
-            Arch::Granite => {
+            Arch::Granite | Arch::GraniteMoe => {
                 let f = |k: &str| -> Result<f64> {
                     md.get(&key(k))
                         .and_then(as_f64)
@@ -1040,9 +1040,15 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
         // Mixtures of experts: the router, the experts stacked ([`stack_experts`]), Qwen2-MoE's
         // shared expert and its gate.
         "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
-        "mlp.experts.gate_proj" | "block_sparse_moe.experts.w1" => "ffn_gate_exps",
-        "mlp.experts.up_proj" | "block_sparse_moe.experts.w3" => "ffn_up_exps",
-        "mlp.experts.down_proj" | "block_sparse_moe.experts.w2" => "ffn_down_exps",
+        "mlp.experts.gate_proj"
+        | "block_sparse_moe.experts.w1"
+        | "block_sparse_moe.experts.gate_proj" => "ffn_gate_exps",
+        "mlp.experts.up_proj"
+        | "block_sparse_moe.experts.w3"
+        | "block_sparse_moe.experts.up_proj" => "ffn_up_exps",
+        "mlp.experts.down_proj"
+        | "block_sparse_moe.experts.w2"
+        | "block_sparse_moe.experts.down_proj" => "ffn_down_exps",
         "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
         "mlp.shared_expert.up_proj" => "ffn_up_shexp",
         "mlp.shared_expert.down_proj" => "ffn_down_shexp",
@@ -1713,7 +1719,11 @@ pub fn save_gguf(
     let cpu = Device::Cpu;
     // The family's file layout (Phi-3's fused maps, q/k heads in transformers' order), an MoE
     // layer's experts stacked as llama.cpp holds them.
-    let weights = crate::layout::to_hf(cfg, model.weights())?;
+    // (Granite MoE's: the model's per-expert names, stacked below, not its fused files'.)
+    let weights = match cfg.arch {
+        Arch::GraniteMoe => model.weights(),
+        _ => crate::layout::to_hf(cfg, model.weights())?,
+    };
     let mut weights = match cfg.moe.is_some() {
         true => stack_experts(weights)?,
         false => weights,

@@ -228,14 +228,14 @@ pub fn preset_config(
         moe: arch.moe().then(|| crate::config::MoeConfig {
             num_experts: 4,
             num_experts_per_tok: 2,
-            // Mixtral's and OLMoE's experts are `intermediate_size` wide.
+            // Mixtral's, OLMoE's and Granite MoE's experts are `intermediate_size` wide.
             moe_intermediate_size: if arch.experts_mlp_wide() {
                 inter
             } else {
                 inter / 2
             },
-            // Mixtral's always; Qwen3-MoE's released models set it (Qwen2-MoE's and OLMoE's
-            // do not).
+            // Mixtral's and Granite MoE's always; Qwen3-MoE's released models set it (Qwen2-MoE's
+            // and OLMoE's do not).
             norm_topk_prob: !matches!(arch, Arch::Qwen2Moe | Arch::Olmoe),
             decoder_sparse_step: 1,
             mlp_only_layers: match (preset, arch) {
@@ -247,7 +247,7 @@ pub fn preset_config(
         }),
         // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
         // this head size.
-        granite: (arch == Arch::Granite).then(|| crate::config::GraniteScalars {
+        granite: (arch.attention() == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
             attention_multiplier: 1.0 / (hidden / heads) as f64,
             residual_multiplier: 0.22,

@@ -13,6 +13,10 @@
 //!   pairs are then `head_dim / 2` apart, the passed ones pair among themselves with frequency
 //!   0 (cos 1, sin 0), and every RoPE path — the fused CPU op, the CUDA kernels, CUDA graphs —
 //!   serves it unchanged.
+//! * Granite MoE stores each layer's experts fused: `block_sparse_moe.input_linear.weight`
+//!   `(experts, 2 · width, hidden)` (each expert's gate rows, then its up rows),
+//!   `output_linear.weight` `(experts, hidden, width)` and the router as `router.layer.weight`;
+//!   the model holds one gate, up and down per expert ([`crate::moe::MoeNames`]).
 
 use candle_core::{Result, Tensor, bail};
 
@@ -157,6 +161,9 @@ impl Fused {
 /// split, q and k reordered for partial rotary embeddings. A fused weight of the wrong shape is
 /// an error naming it.
 pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
+    if cfg.arch == Arch::GraniteMoe {
+        split_granite_experts(cfg, &mut weights)?;
+    }
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
@@ -189,6 +196,10 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
 /// The model's weights ([`crate::Transformer::weights`]) in `cfg`'s family layout, as its
 /// checkpoints store them (the inverse of [`from_hf`]).
 pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    let weights = match cfg.arch {
+        Arch::GraniteMoe => fuse_granite_experts(cfg, weights)?,
+        _ => weights,
+    };
     let reorder = rotary_order(cfg).is_some();
     let fused = fused_parts(cfg);
     if !reorder && fused.is_empty() {
@@ -246,6 +257,105 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
                 out.push((key, t));
             }
         }
+    }
+    Ok(out)
+}
+
+/// Granite MoE's file names of layer `i`'s fused experts and router.
+fn granite_files(i: usize) -> [String; 3] {
+    ["input_linear", "output_linear", "router.layer"]
+        .map(|n| format!("model.layers.{i}.block_sparse_moe.{n}.weight"))
+}
+
+/// Granite MoE's fused experts and router (as its files hold them) under the model's names,
+/// one gate, up and down per expert. A tensor of the wrong shape is an error naming it.
+fn split_granite_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
+    let Some(m) = &cfg.moe else {
+        return Ok(());
+    };
+    let names = crate::moe::MoeNames::of(cfg.arch);
+    let (e, w, h) = (m.num_experts, m.moe_intermediate_size, cfg.hidden_size);
+    for i in 0..cfg.num_hidden_layers {
+        let [input, output, router] = granite_files(i);
+        let mut take = |key: &str, shape: &[usize]| -> Result<Option<Tensor>> {
+            let Some(t) = weights.remove(key) else {
+                return Ok(None);
+            };
+            if t.dims() != shape {
+                bail!(
+                    "weight `{key}` has shape {:?}, expected {shape:?} (config.json's num_local_experts, intermediate_size, hidden_size)",
+                    t.dims()
+                );
+            }
+            Ok(Some(t))
+        };
+        let gate_up = take(&input, &[e, 2 * w, h])?;
+        let down = take(&output, &[e, h, w])?;
+        if let Some(r) = take(&router, &[e, h])? {
+            weights.insert(names.router(i), r);
+        }
+        for x in 0..e {
+            let [g, u, d] = names.expert(i, x);
+            if let Some(t) = &gate_up {
+                let t = t.get(x)?;
+                weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
+                weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
+            }
+            if let Some(t) = &down {
+                weights.insert(d, t.get(x)?.contiguous()?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The inverse of [`split_granite_experts`]: each layer's experts fused where its router was
+/// (the model lists the router first), the rest in order.
+fn fuse_granite_experts(
+    cfg: &ModelConfig,
+    weights: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    let Some(m) = &cfg.moe else {
+        return Ok(weights);
+    };
+    let names = crate::moe::MoeNames::of(cfg.arch);
+    let all: std::collections::HashMap<&str, &Tensor> =
+        weights.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let mut map: std::collections::HashMap<String, Tensor> = weights.iter().cloned().collect();
+    let mut layer_of = std::collections::HashMap::new();
+    for i in 0..cfg.num_hidden_layers {
+        layer_of.insert(names.router(i), i);
+        for x in 0..m.num_experts {
+            for n in names.expert(i, x) {
+                map.remove(&n);
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (k, _) in &weights {
+        let Some(t) = map.remove(k) else {
+            continue; // an expert's part: fused with its router
+        };
+        let Some(&i) = layer_of.get(k) else {
+            out.push((k.clone(), t));
+            continue;
+        };
+        let part = |x: usize, j: usize| -> Result<Tensor> {
+            let n = &names.expert(i, x)[j];
+            all.get(n.as_str())
+                .map(|t| (*t).clone())
+                .ok_or_else(|| candle_core::Error::msg(format!("weight `{n}` is missing")))
+        };
+        let mut gate_up = Vec::with_capacity(m.num_experts);
+        let mut down = Vec::with_capacity(m.num_experts);
+        for x in 0..m.num_experts {
+            gate_up.push(Tensor::cat(&[part(x, 0)?, part(x, 1)?], 0)?);
+            down.push(part(x, 2)?);
+        }
+        let [input, output, router] = granite_files(i);
+        out.push((router, t));
+        out.push((input, Tensor::stack(&gate_up, 0)?));
+        out.push((output, Tensor::stack(&down, 0)?));
     }
     Ok(out)
 }

@@ -1,4 +1,4 @@
-//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the MoE MLP that takes a dense MLP's
+//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE): the MoE MLP that takes a dense MLP's
 //! place in a decoder layer ([`Moe`]), its checkpoints' names ([`MoeNames`]), and the
 //! load-balancing loss TRL adds to an MoE model's training loss ([`AuxCollector`]:
 //! transformers' `load_balancing_loss_func`, its gradient given to each layer's router in the
@@ -13,8 +13,9 @@ use grpo_core::recompute::Recompute;
 use crate::config::Arch;
 use crate::model::{Linear, map_linear};
 
-/// The tensor names of an MoE layer as its family's checkpoints store them (transformers 5
-/// writes this per-expert layout too, and fuses the experts only in memory).
+/// The tensor names of an MoE layer in the model: as its family's checkpoints store them
+/// (transformers 5 writes this per-expert layout too, and fuses the experts only in memory),
+/// Granite MoE's split from its fused files ([`crate::layout`]).
 #[derive(Debug, Clone, Copy)]
 pub struct MoeNames {
     block: &'static str,
@@ -22,12 +23,18 @@ pub struct MoeNames {
 }
 
 impl MoeNames {
-    /// Mixtral's `block_sparse_moe` with `w1`/`w3`/`w2`; Qwen's `mlp` with gate/up/down.
+    /// Mixtral's `block_sparse_moe` with `w1`/`w3`/`w2`; Qwen's `mlp` with gate/up/down; Granite
+    /// MoE's `block_sparse_moe` with gate/up/down (the model's names: its files fuse them,
+    /// [`crate::layout`]).
     pub fn of(arch: Arch) -> Self {
         match arch {
             Arch::Mixtral => MoeNames {
                 block: "block_sparse_moe",
                 parts: ["w1", "w3", "w2"],
+            },
+            Arch::GraniteMoe => MoeNames {
+                block: "block_sparse_moe",
+                parts: ["gate_proj", "up_proj", "down_proj"],
             },
             _ => MoeNames {
                 block: "mlp",

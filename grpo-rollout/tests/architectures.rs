@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 34);
+    assert!(cases.len() >= 37);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -143,6 +143,8 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("mixtral-top1", "mixtral") > 0.05);
     assert!(d("mixtral-window-12", "mixtral") > 0.05);
     assert!(d("olmoe-norm", "olmoe") > 0.05);
+    assert!(d("granitemoe-top1", "granitemoe") > 0.05);
+    assert!(d("granitemoe-top3", "granitemoe") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the

@@ -215,7 +215,7 @@ fn shared_prompts_count_as_repeated_rows() {
 }
 
 /// Each MoE family as llama.cpp's GGUF (`qwen3moe`, `qwen2moe`, Mixtral as `llama` with
-/// experts, `olmoe`): the experts stacked as `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`,
+/// experts, `olmoe`, `granitemoe` with Granite's scalars): the experts stacked as `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`,
 /// Qwen2-MoE's shared expert `ffn_*_shexp` and its gate; read back, the same model and config.
 #[test]
 fn moe_gguf_round_trips() {
@@ -236,6 +236,7 @@ fn moe_gguf_round_trips() {
         grpo_rollout::Arch::Qwen2Moe,
         grpo_rollout::Arch::Mixtral,
         grpo_rollout::Arch::Olmoe,
+        grpo_rollout::Arch::GraniteMoe,
     ] {
         let mut c = preset_config(Preset::Small, arch, 300, 2, 0);
         c.tie_word_embeddings = false;
