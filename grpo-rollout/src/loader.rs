@@ -189,15 +189,7 @@ pub fn save_hf_dir(
     dtype: DType,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, e))?;
-    if model.layers.iter().any(|l| {
-        l.q_proj.lora.is_some()
-            || l.v_proj.lora.is_some()
-            || l.k_proj.lora.is_some()
-            || l.o_proj.lora.is_some()
-            || l.gate_proj.lora.is_some()
-            || l.up_proj.lora.is_some()
-            || l.down_proj.lora.is_some()
-    }) {
+    if model.layers.iter().any(|l| l.has_adapters()) {
         bail!(
             "the model has LoRA adapters: merge them (lora::merge) or save the adapter (lora::save_peft)"
         );

@@ -216,6 +216,13 @@ pub struct LoraConfig {
     /// it for the tokens `chat_template_path` adds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainable_token_indices: Option<TokenIndices>,
+    /// PEFT's `target_parameters`: a mixture of experts' stacked expert weights, adapted as
+    /// PEFT's `ParamWrapper` does — `gate_up_proj` and/or `down_proj`, named as transformers 5
+    /// holds them (`mlp.experts.gate_up_proj`; Granite MoE's `block_sparse_moe.experts.…`),
+    /// matched as the end of `model.layers.N.….experts.{param}`. Each expert gets its own `A`
+    /// and `B` (one `A` shared by its gate and up rows); no dropout, DoRA or `lora_bias` there.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub target_parameters: Vec<String>,
 }
 
 /// `trainable_token_indices`: PEFT's list (the embedding's) or map by layer name (only
@@ -269,6 +276,7 @@ impl Default for LoraConfig {
             alpha_pattern: BTreeMap::new(),
             layers_to_transform: None,
             trainable_token_indices: None,
+            target_parameters: Vec::new(),
         }
     }
 }
@@ -321,6 +329,21 @@ fn module_name(layer: usize, group: &str, module: &str) -> String {
     format!("model.layers.{layer}.{group}.{module}")
 }
 
+/// The experts' stacked weights PEFT's `target_parameters` can name, in the order transformers
+/// registers them: when both are targeted PEFT wraps `gate_up_proj` first, so its tensors are
+/// the inner wrapper's (`experts.base_layer.lora_A`) and `down_proj`'s the outer one's.
+pub const EXPERT_PARAMETERS: [&str; 2] = ["gate_up_proj", "down_proj"];
+
+/// The full name of layer `layer`'s experts module as transformers 5 holds it in memory (where
+/// PEFT's `target_parameters` match): `mlp.experts`, Granite MoE's `block_sparse_moe.experts`.
+fn experts_module(layer: usize, arch: crate::config::Arch) -> String {
+    let block = match arch {
+        crate::config::Arch::GraniteMoe => "block_sparse_moe",
+        _ => "mlp",
+    };
+    format!("model.layers.{layer}.{block}.experts")
+}
+
 /// The config resolved for matching: which modules get adapters, with which rank and alpha.
 struct Resolved<'a> {
     cfg: &'a LoraConfig,
@@ -354,6 +377,37 @@ impl Resolved<'_> {
             .map_or(self.cfg.lora_alpha, |(_, a)| *a);
         Some((r, self.cfg.scale_for(r, alpha)))
     }
+
+    /// `(r, scale)` of the adapter on the experts' `param` of layer `layer`, if
+    /// `target_parameters` names it (PEFT matches them in every layer, whatever
+    /// `layers_to_transform` and `exclude_modules` say; rank and alpha patterns apply).
+    fn expert_adapter(
+        &self,
+        layer: usize,
+        arch: crate::config::Arch,
+        param: &str,
+    ) -> Option<(usize, f64)> {
+        let key = format!("{}.{param}", experts_module(layer, arch));
+        let hit = self
+            .cfg
+            .target_parameters
+            .iter()
+            .any(|t| key == *t || key.ends_with(&format!(".{t}")));
+        if !hit {
+            return None;
+        }
+        let r = self
+            .rank
+            .iter()
+            .find(|(re, _)| re.is_match(&key))
+            .map_or(self.cfg.r, |(_, r)| *r);
+        let alpha = self
+            .alpha
+            .iter()
+            .find(|(re, _)| re.is_match(&key))
+            .map_or(self.cfg.lora_alpha, |(_, a)| *a);
+        Some((r, self.cfg.scale_for(r, alpha)))
+    }
 }
 
 impl LoraConfig {
@@ -376,7 +430,7 @@ impl LoraConfig {
             let TargetModules::Names(v) = t else {
                 return Ok(());
             };
-            if v.is_empty() && field == "target_modules" {
+            if v.is_empty() && field == "target_modules" && self.target_parameters.is_empty() {
                 bail!("lora.target_modules is empty: name at least one of {TARGET_MODULES:?}");
             }
             for m in v {
@@ -421,6 +475,25 @@ impl LoraConfig {
         }
         if self.lora_bias && self.use_dora {
             bail!("lora.lora_bias cannot be used with lora.use_dora (as in peft)");
+        }
+        for t in &self.target_parameters {
+            let last = t.rsplit('.').next().unwrap_or(t);
+            if !EXPERT_PARAMETERS.contains(&last) {
+                bail!(
+                    "lora.target_parameters: `{t}`: expected a mixture of experts' `gate_up_proj` or `down_proj` (e.g. \"mlp.experts.gate_up_proj\")"
+                );
+            }
+        }
+        if !self.target_parameters.is_empty() {
+            for (set, what) in [
+                (self.lora_dropout != 0.0, "lora_dropout != 0"),
+                (self.use_dora, "use_dora"),
+                (self.lora_bias, "lora_bias"),
+            ] {
+                if set {
+                    bail!("lora.target_parameters does not work with {what} (as in peft)");
+                }
+            }
         }
         let rank = self
             .rank_pattern
@@ -765,6 +838,34 @@ fn visit(
                 }
             }
         }
+        // The experts' adapters (`target_parameters`), per expert: `A` of `gate_up_proj` shared
+        // by the gate and up maps, `B` for each; [`to_peft_layout`] stacks them as PEFT does.
+        if let Some(moe) = layer.moe.as_mut() {
+            let p = format!("base_model.model.{}", experts_module(i, arch));
+            for (e, x) in moe.experts.iter_mut().enumerate() {
+                let q = format!("{p}.{e}");
+                if let Some(l) = x.gate_proj.lora.as_mut() {
+                    f(format!("{q}.gate_up_proj.lora_A.weight"), &mut l.a)?;
+                    let a = l.a.clone();
+                    if let Some(u) = x.up_proj.lora.as_mut() {
+                        u.a = a;
+                    }
+                }
+                for (part, lin) in [
+                    ("gate_proj", &mut x.gate_proj),
+                    ("up_proj", &mut x.up_proj),
+                    ("down_proj", &mut x.down_proj),
+                ] {
+                    if let Some(l) = lin.lora.as_mut() {
+                        if part == "down_proj" {
+                            f(format!("{q}.down_proj.lora_A.weight"), &mut l.a)?;
+                        }
+                        f(format!("{q}.{part}.lora_B.weight"), &mut l.b)?;
+                        l.norm = OnceLock::new();
+                    }
+                }
+            }
+        }
     }
     // PEFT's trainable tokens of the embedding (tied to the head when it is).
     if let Some(d) = model.token_delta.as_mut() {
@@ -788,10 +889,11 @@ pub fn to_peft_layout(
     tensors: Vec<(String, Tensor)>,
 ) -> Result<Vec<(String, Tensor)>> {
     let fused = crate::layout::fused_parts(cfg);
-    if fused.is_empty() {
+    if fused.is_empty() && cfg.moe.is_none() {
         return Ok(tensors);
     }
     let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
+    stack_expert_adapters(cfg, &mut map)?;
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
             for suffix in PART_TENSORS {
@@ -823,6 +925,7 @@ pub fn from_peft_layout(
     cfg: &crate::config::ModelConfig,
     mut map: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
+    split_expert_adapters(cfg, &mut map)?;
     for i in 0..cfg.num_hidden_layers {
         for f in crate::layout::fused_parts(cfg) {
             for suffix in PART_TENSORS {
@@ -837,6 +940,156 @@ pub fn from_peft_layout(
         }
     }
     Ok(map)
+}
+
+/// Where PEFT keeps the adapter of layer `i`'s experts' `param`: under the experts module, or
+/// its `base_layer` for `gate_up_proj` when `down_proj` is adapted too (PEFT wraps the first
+/// registered parameter first, [`EXPERT_PARAMETERS`]).
+fn expert_peft_prefix(
+    cfg: &crate::config::ModelConfig,
+    i: usize,
+    param: &str,
+    both: bool,
+) -> String {
+    let p = format!("base_model.model.{}", experts_module(i, cfg.arch));
+    match both && param == EXPERT_PARAMETERS[0] {
+        true => format!("{p}.base_layer"),
+        false => p,
+    }
+}
+
+/// The experts' per-expert adapters ([`visit`]'s keys) stacked as PEFT's ParamWrapper holds
+/// them: `lora_A` `(r · experts, in)` with expert `e`'s rows at `e·r…`, `lora_B`
+/// `(out, r · experts)` whose column `j·experts + e` is expert `e`'s column `j`; `gate_up_proj`'s
+/// `B` rows are the gate's, then the up's.
+fn stack_expert_adapters(
+    cfg: &crate::config::ModelConfig,
+    map: &mut HashMap<String, Tensor>,
+) -> Result<()> {
+    let Some(m) = &cfg.moe else {
+        return Ok(());
+    };
+    for i in (0..cfg.num_hidden_layers).filter(|i| m.sparse(*i)) {
+        let p = format!("base_model.model.{}", experts_module(i, cfg.arch));
+        let present: Vec<&str> = EXPERT_PARAMETERS
+            .into_iter()
+            .filter(|q| map.contains_key(&format!("{p}.0.{q}.lora_A.weight")))
+            .collect();
+        let both = present.len() == EXPERT_PARAMETERS.len();
+        for param in present {
+            let parts: &[&str] = match param {
+                "gate_up_proj" => &["gate_proj", "up_proj"],
+                _ => &["down_proj"],
+            };
+            let mut a = Vec::with_capacity(m.num_experts);
+            let mut b = Vec::with_capacity(m.num_experts);
+            for e in 0..m.num_experts {
+                let mut take = |k: String| {
+                    map.remove(&k).ok_or_else(|| {
+                        candle_core::Error::msg(format!("adapter tensor `{k}` is missing"))
+                    })
+                };
+                a.push(take(format!("{p}.{e}.{param}.lora_A.weight"))?);
+                let rows = parts
+                    .iter()
+                    .map(|part| take(format!("{p}.{e}.{part}.lora_B.weight")))
+                    .collect::<Result<Vec<_>>>()?;
+                b.push(Tensor::cat(&rows, 0)?);
+            }
+            let b = Tensor::stack(&b, 2)?;
+            let (out, r, e) = b.dims3()?;
+            let q = expert_peft_prefix(cfg, i, param, both);
+            map.insert(format!("{q}.lora_A.weight"), Tensor::cat(&a, 0)?);
+            map.insert(format!("{q}.lora_B.weight"), b.reshape((out, r * e))?);
+        }
+    }
+    Ok(())
+}
+
+/// PEFT's stacked expert adapters split per expert (the inverse of [`stack_expert_adapters`]).
+/// One adapter alone under the experts module is told apart by its shape (`gate_up_proj`:
+/// `A` over `hidden`, `B` over twice the experts' width); a shape that fits neither, or a rank
+/// that does not divide by the expert count, is an error naming the tensor.
+fn split_expert_adapters(
+    cfg: &crate::config::ModelConfig,
+    map: &mut HashMap<String, Tensor>,
+) -> Result<()> {
+    let Some(m) = &cfg.moe else {
+        return Ok(());
+    };
+    let (h, w, n) = (cfg.hidden_size, m.moe_intermediate_size, m.num_experts);
+    for i in (0..cfg.num_hidden_layers).filter(|i| m.sparse(*i)) {
+        let inner = expert_peft_prefix(cfg, i, EXPERT_PARAMETERS[0], true);
+        let outer = expert_peft_prefix(cfg, i, EXPERT_PARAMETERS[1], true);
+        let both = map.contains_key(&format!("{inner}.lora_A.weight"));
+        let mut found = Vec::new();
+        if both {
+            found.push((inner, EXPERT_PARAMETERS[0]));
+            found.push((outer, EXPERT_PARAMETERS[1]));
+        } else if let (Some(a), Some(b)) = (
+            map.get(&format!("{outer}.lora_A.weight")),
+            map.get(&format!("{outer}.lora_B.weight")),
+        ) {
+            let param = match (a.dim(1)?, b.dim(0)?) {
+                (x, y) if x == h && y == 2 * w => EXPERT_PARAMETERS[0],
+                (x, y) if x == w && y == h => EXPERT_PARAMETERS[1],
+                _ => bail!(
+                    "adapter tensors `{outer}.lora_A.weight` {:?} / `lora_B.weight` {:?} fit neither the experts' gate_up_proj nor their down_proj",
+                    a.dims(),
+                    b.dims()
+                ),
+            };
+            found.push((outer, param));
+        }
+        let p = format!("base_model.model.{}", experts_module(i, cfg.arch));
+        for (q, param) in found {
+            let (ka, kb) = (format!("{q}.lora_A.weight"), format!("{q}.lora_B.weight"));
+            let missing =
+                |k: &str| candle_core::Error::msg(format!("adapter tensor `{k}` is missing"));
+            let a = map.remove(&ka).ok_or_else(|| missing(&ka))?;
+            let b = map.remove(&kb).ok_or_else(|| missing(&kb))?;
+            let rows = a.dim(0)?;
+            if !rows.is_multiple_of(n) || b.rank() != 2 || b.dim(1)? != rows {
+                bail!(
+                    "adapter tensors `{ka}` {:?} / `{kb}` {:?} are not the stacked factors of {n} experts",
+                    a.dims(),
+                    b.dims()
+                );
+            }
+            let r = rows / n;
+            let out = b.dim(0)?;
+            let (want_in, want_out) = match param == EXPERT_PARAMETERS[0] {
+                true => (h, 2 * w),
+                false => (w, h),
+            };
+            if (a.dim(1)?, out) != (want_in, want_out) {
+                bail!(
+                    "adapter tensors `{ka}` {:?} / `{kb}` {:?} do not fit the experts' {param} ({want_out} × {want_in} per expert)",
+                    a.dims(),
+                    [out, rows]
+                );
+            }
+            let b = b.reshape((out, r, n))?;
+            for e in 0..n {
+                map.insert(
+                    format!("{p}.{e}.{param}.lora_A.weight"),
+                    a.narrow(0, e * r, r)?.contiguous()?,
+                );
+                let be = b.narrow(2, e, 1)?.squeeze(2)?.contiguous()?;
+                if param == EXPERT_PARAMETERS[0] {
+                    for (j, part) in ["gate_proj", "up_proj"].iter().enumerate() {
+                        map.insert(
+                            format!("{p}.{e}.{part}.lora_B.weight"),
+                            be.narrow(0, j * w, w)?.contiguous()?,
+                        );
+                    }
+                } else {
+                    map.insert(format!("{p}.{e}.down_proj.lora_B.weight"), be);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A `target_modules` list that names modules `arch` does not have as PEFT sees them: Phi-3's
@@ -900,6 +1153,7 @@ pub fn attach(
     check_targets(cfg, model.cfg.arch)?;
     let arch = model.cfg.arch;
     let mut any = false;
+    let mut any_param = false;
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let lins = layer.linears_mut();
         for m in modules(arch) {
@@ -942,6 +1196,52 @@ pub fn attach(
                 });
             }
         }
+        // The experts' stacked weights (`target_parameters`), as PEFT's ParamWrapper adapts
+        // them: per expert an `A` (Kaiming-uniform over its input, as PEFT's stacked `lora_A`
+        // rows) and a zero `B`; gate and up share their `A` (one `gate_up_proj`).
+        let Some(moe) = layer.moe.as_mut() else {
+            continue;
+        };
+        for param in EXPERT_PARAMETERS {
+            let Some((r, scale)) = resolved.expert_adapter(i, arch, param) else {
+                continue;
+            };
+            any = true;
+            any_param = true;
+            for x in moe.experts.iter_mut() {
+                let parts: Vec<&mut crate::model::Linear> = match param {
+                    "gate_up_proj" => vec![&mut x.gate_proj, &mut x.up_proj],
+                    _ => vec![&mut x.down_proj],
+                };
+                let inp = parts[0].weight.dim(1)?;
+                let bound = 1.0 / (inp as f64).sqrt();
+                let a: Vec<f32> = (0..r * inp)
+                    .map(|_| rng.random_range(-bound..bound) as f32)
+                    .collect();
+                let a = Tensor::from_vec(a, (r, inp), &device)?.to_dtype(dtype)?;
+                for lin in parts {
+                    let o = lin.weight.dim(0)?;
+                    lin.lora = Some(Lora {
+                        a: a.clone(),
+                        b: Tensor::zeros((o, r), dtype, &device)?,
+                        b_bias: None,
+                        magnitude: None,
+                        scale,
+                        dropout: 0.0,
+                        rng: drop_rng.clone(),
+                        norm: OnceLock::new(),
+                    });
+                }
+            }
+        }
+    }
+    if !cfg.target_parameters.is_empty() && !any_param {
+        bail!(
+            "lora.target_parameters {:?}: no experts' weight of this {} model matches (they are a mixture of experts' `{}.gate_up_proj` / `down_proj`)",
+            cfg.target_parameters,
+            arch.as_str(),
+            experts_module(0, arch).trim_start_matches("model.layers.0."),
+        );
     }
     if !any {
         bail!(
@@ -1027,6 +1327,15 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
                 }
             }
         }
+        if let Some(moe) = layer.moe.as_mut() {
+            for x in moe.experts.iter_mut() {
+                for lin in [&mut x.gate_proj, &mut x.up_proj, &mut x.down_proj] {
+                    if let Some(l) = lin.lora.take() {
+                        lin.weight = (&lin.weight + l.delta()?.to_dtype(lin.weight.dtype())?)?;
+                    }
+                }
+            }
+        }
     }
     Ok(m)
 }
@@ -1070,6 +1379,10 @@ pub fn save_peft(
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,
         "target_modules": targets,
+        "target_parameters": match cfg.target_parameters.is_empty() {
+            true => serde_json::Value::Null,
+            false => serde_json::json!(cfg.target_parameters),
+        },
         "exclude_modules": cfg.exclude_modules,
         "bias": cfg.bias,
         "lora_bias": cfg.lora_bias,
@@ -1176,6 +1489,15 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
         serde_json::from_value(x.clone())
             .map_err(|e| candle_core::Error::msg(format!("{p}: `{k}`: {e}")))
     }
+    let target_parameters: Vec<String> = match obj.get("target_parameters") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(x) => parse(&p, "target_parameters", x)?,
+    };
+    // PEFT leaves `target_modules` unset when only parameters are targeted.
+    let target_modules = match obj.get("target_modules").filter(|x| !x.is_null()) {
+        None if !target_parameters.is_empty() => TargetModules::Names(Vec::new()),
+        _ => parse(&p, "target_modules", field("target_modules")?)?,
+    };
     let mut cfg = LoraConfig {
         r: field("r")?
             .as_u64()
@@ -1183,7 +1505,8 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
         lora_alpha: field("lora_alpha")?
             .as_f64()
             .ok_or_else(|| bad("lora_alpha", "expected a number"))?,
-        target_modules: parse(&p, "target_modules", field("target_modules")?)?,
+        target_modules,
+        target_parameters,
         ..LoraConfig::default()
     };
     // An option that is unset, false or empty changes nothing: peft's defaults.
@@ -1196,7 +1519,7 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
     };
     for (k, x) in obj {
         match k.as_str() {
-            "peft_type" | "r" | "lora_alpha" | "target_modules" => {}
+            "peft_type" | "r" | "lora_alpha" | "target_modules" | "target_parameters" => {}
             _ if IGNORED.contains(&k.as_str()) => {}
             "lora_dropout" => cfg.lora_dropout = x.as_f64().unwrap_or(0.0),
             _ if unset(x) => {}
@@ -1251,7 +1574,7 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
                 return Err(bad(
                     k,
                     &format!(
-                        "{x} is not supported (LoRA options supported: r, lora_alpha, lora_dropout, target_modules, exclude_modules, use_rslora, use_dora, bias, lora_bias, rank_pattern, alpha_pattern, layers_to_transform)"
+                        "{x} is not supported (LoRA options supported: r, lora_alpha, lora_dropout, target_modules, target_parameters, exclude_modules, use_rslora, use_dora, bias, lora_bias, rank_pattern, alpha_pattern, layers_to_transform)"
                     ),
                 ));
             }
@@ -1360,7 +1683,7 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
     .map_err(in_file)?;
     if let Some(k) = tensors.keys().min() {
         return Err(in_file(candle_core::Error::msg(format!(
-            "tensor `{k}` is not a LoRA tensor of this model (only q/k/v/o/gate/up/down_proj adapters, DoRA magnitudes, lora_B and base-layer biases are supported)"
+            "tensor `{k}` is not a LoRA tensor of this model (only q/k/v/o/gate/up/down_proj adapters, the experts' gate_up_proj/down_proj (target_parameters), DoRA magnitudes, lora_B and base-layer biases are supported)"
         ))));
     }
     Ok(cfg)

@@ -751,6 +751,51 @@ impl Layer {
         Ok(())
     }
 
+    /// Every linear map that can hold a LoRA adapter: the seven of [`Self::linears_mut`] and
+    /// the experts' gate, up and down (PEFT's `target_parameters`).
+    pub fn adaptable_mut(&mut self) -> Vec<&mut Linear> {
+        let Layer {
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            gate_proj,
+            up_proj,
+            down_proj,
+            moe,
+            ..
+        } = self;
+        let mut out = vec![
+            q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,
+        ];
+        if let Some(m) = moe.as_mut() {
+            for e in m.experts.iter_mut() {
+                out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
+            }
+        }
+        out
+    }
+
+    /// Whether any map holds a LoRA adapter.
+    pub fn has_adapters(&self) -> bool {
+        let dense = [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ];
+        dense.iter().any(|l| l.lora.is_some())
+            || self.moe.as_ref().is_some_and(|m| {
+                m.experts
+                    .iter()
+                    .flat_map(crate::moe::Expert::linears)
+                    .any(|l| l.lora.is_some())
+            })
+    }
+
     /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).
     pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
         [
@@ -1875,7 +1920,7 @@ impl Transformer {
         let mut m = self.detached();
         m.token_delta = None;
         for l in m.layers.iter_mut() {
-            for lin in l.linears_mut() {
+            for lin in l.adaptable_mut() {
                 lin.lora = None;
             }
         }

@@ -51,7 +51,7 @@ impl TrainableModel {
         let cfg = &cfg.for_arch(base.cfg.arch);
         let mut model = base.detached();
         for l in model.layers.iter_mut() {
-            for lin in l.linears_mut() {
+            for lin in l.adaptable_mut() {
                 lin.lora = None;
             }
         }

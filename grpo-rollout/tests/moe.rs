@@ -372,3 +372,175 @@ fn moe_refusals_are_named() {
         "{names:?}"
     );
 }
+
+fn peft_reference() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("moe_peft_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn rows_logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f64> {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    values(&m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0)
+}
+
+/// PEFT's adapters on the experts' stacked weights (`target_parameters`: PEFT's ParamWrapper on
+/// transformers 5's `gate_up_proj` / `down_proj`, nested when both; one alone on Mixtral and
+/// OLMoE), beside `q_proj`, for each MoE family (`scripts/gen_moe_peft_reference.py`): loaded,
+/// the adapted log-probs equal PEFT's, merged its `merge_and_unload()`'s; saved again, the
+/// same tensors under the same keys and the same `target_parameters`.
+#[test]
+fn peft_expert_adapters_match_peft() {
+    let r = peft_reference();
+    let cases = r["cases"].as_object().unwrap();
+    assert_eq!(cases.len(), 6);
+    for (name, case) in cases {
+        let base = grpo_rollout::load(
+            &fixtures().join(case["model"].as_str().unwrap()),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let dir = fixtures().join(case["adapter"].as_str().unwrap());
+        let mut m = base.model.clone();
+        let cfg = grpo_rollout::lora::load_peft(&mut m, &dir).unwrap();
+        assert!(!cfg.target_parameters.is_empty(), "{name}");
+        let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(case["adapted"].clone())
+            .unwrap()
+            .concat();
+        let d = max_diff(&rows_logprobs(&m, &r), &want);
+        eprintln!("{name}: adapted {d:e}");
+        assert!(d < 2e-5, "{name}: adapted {d}");
+        // The adapter moves them by far more than the tolerance.
+        assert!(max_diff(&rows_logprobs(&base.model, &r), &want) > 1e-2);
+        let merged = grpo_rollout::lora::merge(&m).unwrap();
+        let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(case["merged"].clone())
+            .unwrap()
+            .concat();
+        let d = max_diff(&rows_logprobs(&merged, &r), &want);
+        assert!(d < 2e-5, "{name}: merged {d}");
+        // Saved again: PEFT's keys, tensors and targets.
+        let tmp = tempfile::tempdir().unwrap();
+        grpo_rollout::lora::save_peft(&m, &cfg, tmp.path(), "base").unwrap();
+        let theirs =
+            candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let ours = candle_core::safetensors::load(
+            tmp.path().join("adapter_model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mut keys: Vec<&String> = ours.keys().collect();
+        keys.sort();
+        let mut want_keys: Vec<&String> = theirs.keys().collect();
+        want_keys.sort();
+        assert_eq!(keys, want_keys, "{name}");
+        for (k, t) in &theirs {
+            assert_eq!(values(&ours[k]), values(t), "{name}: {k}");
+        }
+        let saved: Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let peft: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            saved["target_parameters"], peft["target_parameters"],
+            "{name}"
+        );
+    }
+}
+
+/// Training adapters on the experts: each expert's `A` and `B` (gate and up sharing one `A`)
+/// are trainable variables beside the attention's; a backward through the adapted model
+/// reaches every expert that took rows; what PEFT's ParamWrapper refuses is refused here too.
+#[test]
+fn expert_adapters_train_per_expert() {
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    let m = grpo_rollout::load(
+        &fixtures().join("arch-mixtral-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let lc = LoraConfig {
+        target_modules: TargetModules::Names(vec![]),
+        target_parameters: vec!["gate_up_proj".into(), "experts.down_proj".into()],
+        r: 2,
+        ..Default::default()
+    };
+    let tm = TrainableModel::lora(&m.model, &lc, 3).unwrap();
+    // 2 layers × 4 experts × (A and two Bs of gate_up, A and B of down).
+    assert_eq!(tm.vars.len(), 2 * 4 * 5);
+    let rows: Vec<Vec<u32>> = vec![(5..40).collect(), (100..121).collect()];
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let (lp, _) = tm
+        .model
+        .completion_logprobs(&ids, &mask, 16, 1.0, false)
+        .unwrap();
+    let g = tm.model.backward(&lp.sum_all().unwrap()).unwrap();
+    let mut moved = 0;
+    for (n, v) in &tm.vars {
+        let grad = g.get(v.as_tensor()).map(values).unwrap_or_default();
+        // B starts at 0, so A's gradient is 0 at first; every B of an expert with rows moves.
+        if n.ends_with("lora_B.weight") && grad.iter().any(|x| *x != 0.0) {
+            moved += 1;
+        }
+    }
+    assert!(
+        moved >= 2 * 3 * 3,
+        "{moved} of the experts' B factors got a gradient"
+    );
+    for (what, lc) in [
+        (
+            "lora_dropout != 0",
+            LoraConfig {
+                target_parameters: vec!["down_proj".into()],
+                lora_dropout: 0.1,
+                ..Default::default()
+            },
+        ),
+        (
+            "use_dora",
+            LoraConfig {
+                target_parameters: vec!["down_proj".into()],
+                use_dora: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "`mlp.experts.w1`",
+            LoraConfig {
+                target_parameters: vec!["mlp.experts.w1".into()],
+                ..Default::default()
+            },
+        ),
+    ] {
+        let e = TrainableModel::lora(&m.model, &lc, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(what), "{e}");
+    }
+    // A dense model has no experts to match.
+    let dense = grpo_rollout::load(
+        &fixtures().join("arch-mistral-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let lc = LoraConfig {
+        target_modules: TargetModules::Names(vec![]),
+        target_parameters: vec!["down_proj".into()],
+        ..Default::default()
+    };
+    let e = TrainableModel::lora(&dense.model, &lc, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no experts' weight of this mistral model matches"),
+        "{e}"
+    );
+}

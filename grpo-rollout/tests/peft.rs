@@ -174,6 +174,7 @@ fn unsupported_peft_options_are_refused_by_name() {
         ("fan_in_fan_out", serde_json::json!(true)),
         ("init_lora_weights", serde_json::json!("pissa")),
         ("init_lora_weights", serde_json::json!("olora")),
+        // This model has no experts (a mixture of experts takes them: tests/moe.rs).
         (
             "target_parameters",
             serde_json::json!(["mlp.experts.gate_up_proj"]),
