@@ -46,6 +46,9 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     as `input_linear` / `output_linear`; Granite's multipliers 3, 0.2, 0.5 and 2.5): 2 per token,
     1 per token, 3 per token.
 
+  * arch-ernie45-micro (Ernie4_5ForCausalLM, 2 layers, tied; RoPE on adjacent pairs): as it is,
+    and with `use_bias` (every projection biased).
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -199,6 +202,15 @@ MODELS = {
             "granitemoe": {},
             "granitemoe-top1": {"num_experts_per_tok": 1},
             "granitemoe-top3": {"num_experts_per_tok": 3},
+        },
+    ),
+    "arch-ernie45-micro": (
+        "ernie4_5",
+        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=True, use_bias=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "ernie45-bias": {},
+            "ernie45": {"use_bias": False},
         },
     ),
 }

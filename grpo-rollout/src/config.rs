@@ -60,6 +60,11 @@ pub enum Arch {
     /// `(experts, 2 · width, hidden)` (gate rows, then up), `output_linear`, `router.layer`.
     #[serde(rename = "granitemoe")]
     GraniteMoe,
+    /// Baidu ERNIE 4.5 (`ernie4_5`, ERNIE-4.5-0.3B): llama's layers whose RoPE rotates
+    /// adjacent pairs of each head's dimensions (`(2i, 2i + 1)`: the model reorders q and k to
+    /// its rotate-half layout, [`crate::layout`]), `use_bias` on every projection.
+    #[serde(rename = "ernie4_5")]
+    Ernie45,
 }
 
 /// The MLP's gate activation.
@@ -75,7 +80,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 15] = [
+    pub const ALL: [Arch; 16] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -91,6 +96,7 @@ impl Arch {
         Arch::Mixtral,
         Arch::Olmoe,
         Arch::GraniteMoe,
+        Arch::Ernie45,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -111,6 +117,7 @@ impl Arch {
             Arch::Mixtral => "mixtral",
             Arch::Olmoe => "olmoe",
             Arch::GraniteMoe => "granitemoe",
+            Arch::Ernie45 => "ernie4_5",
         }
     }
 
@@ -163,6 +170,19 @@ impl Arch {
         )
     }
 
+    /// Whether `attention_bias` also biases `o_proj` (Qwen's and Phi-3's leave it unbiased).
+    pub fn biases_o_proj(self) -> bool {
+        self.llama_like()
+            || self.gemma()
+            || matches!(self, Arch::Olmo2 | Arch::Olmoe | Arch::Ernie45)
+    }
+
+    /// Whether transformers rotates adjacent pairs `(2i, 2i + 1)` of each head (GLM's
+    /// `rotate_half`: ERNIE 4.5), not `(i, i + head_dim / 2)`.
+    pub fn interleaved_rope(self) -> bool {
+        self == Arch::Ernie45
+    }
+
     /// Gemma 2 or 3: `1 + w` RMSNorms, the sublayers' outputs normalised, embeddings scaled
     /// by `sqrt(hidden)`, GELU-tanh by default, `query_pre_attn_scalar`.
     pub fn gemma(self) -> bool {
@@ -187,11 +207,12 @@ impl Arch {
             "mixtral" => Ok(Arch::Mixtral),
             "olmoe" => Ok(Arch::Olmoe),
             "granitemoe" => Ok(Arch::GraniteMoe),
+            "ernie4_5" => Ok(Arch::Ernie45),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5"
             ),
         }
     }
@@ -741,7 +762,7 @@ impl ModelConfig {
             .map(|x| x as usize)
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
-                Arch::Qwen3 => 128,
+                Arch::Qwen3 | Arch::Ernie45 => 128,
                 // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
                 Arch::Gemma2 | Arch::Gemma3 => 256,
                 _ => hidden_size / num_attention_heads.max(1),
@@ -764,6 +785,7 @@ impl ModelConfig {
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
                 Arch::Gemma3 | Arch::Mixtral => 1_000_000.0,
+                Arch::Ernie45 => 500_000.0,
                 _ => 10_000.0,
             });
         // Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), unscaled.
@@ -798,6 +820,7 @@ impl ModelConfig {
                     32768
                 }
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
+                Arch::Ernie45 => 131_072,
                 Arch::Gemma2 => 8192,
             }) as usize;
         let mut rope_dict = v
@@ -936,7 +959,7 @@ impl ModelConfig {
                 .collect()
         });
         let sliding_layers: Vec<usize> = match arch {
-            Arch::Llama | Arch::Granite | Arch::GraniteMoe => Vec::new(),
+            Arch::Llama | Arch::Granite | Arch::GraniteMoe | Arch::Ernie45 => Vec::new(),
             // Qwen3-MoE's window (when switched on) is on every layer.
             Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
@@ -995,7 +1018,7 @@ impl ModelConfig {
                 .and_then(Value::as_f64)
                 // transformers' defaults: OLMo's, Phi3Config's, Mixtral's 1e-5, the others' 1e-6.
                 .unwrap_or(match arch {
-                    Arch::Olmo2 | Arch::Olmoe | Arch::Phi3 | Arch::Mixtral => 1e-5,
+                    Arch::Olmo2 | Arch::Olmoe | Arch::Phi3 | Arch::Mixtral | Arch::Ernie45 => 1e-5,
                     _ => 1e-6,
                 }),
             rope_theta,
@@ -1004,13 +1027,18 @@ impl ModelConfig {
             // transformers' defaults: SmolLM3Config and the Gemma configs tie, the others do not.
             tie_word_embeddings: flag(
                 "tie_word_embeddings",
-                matches!(arch, Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3),
+                matches!(
+                    arch,
+                    Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Ernie45
+                ),
             ),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
                 // transformers 5's Qwen2-MoE names it `qkv_bias` (4's always has them).
                 Arch::Qwen2Moe => flag("qkv_bias", true),
                 Arch::Mistral | Arch::Phi3 | Arch::Mixtral => false,
+                // ERNIE 4.5's `use_bias`: every projection's.
+                Arch::Ernie45 => flag("use_bias", false),
                 Arch::Llama
                 | Arch::Granite
                 | Arch::GraniteMoe
@@ -1022,8 +1050,13 @@ impl ModelConfig {
                 | Arch::Olmo2
                 | Arch::Olmoe => flag("attention_bias", false),
             },
-            mlp_bias: matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLM3)
-                && flag("mlp_bias", false),
+            mlp_bias: match arch {
+                Arch::Ernie45 => flag("use_bias", false),
+                _ => {
+                    matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLM3)
+                        && flag("mlp_bias", false)
+                }
+            },
             granite: match arch {
                 Arch::Granite | Arch::GraniteMoe => {
                     let m = |k: &str| -> Result<f64> {
@@ -1097,6 +1130,20 @@ impl ModelConfig {
                 bail!("config field `{k}` must be > 0");
             }
         }
+        // ERNIE 4.5 has one `use_bias` for all its projections.
+        if self.arch == Arch::Ernie45 && self.attention_bias != self.mlp_bias {
+            bail!(
+                "ernie4_5 has one use_bias for every projection: attention_bias ({}) and mlp_bias ({}) must agree",
+                self.attention_bias,
+                self.mlp_bias
+            );
+        }
+        if self.arch.interleaved_rope() && self.partial_rotary_factor.is_some() {
+            bail!(
+                "partial_rotary_factor is not supported with {}'s interleaved RoPE",
+                self.arch.as_str()
+            );
+        }
         if !self
             .num_attention_heads
             .is_multiple_of(self.num_key_value_heads)
@@ -1168,6 +1215,7 @@ impl ModelConfig {
                     Arch::Mixtral => "Mixtral",
                     Arch::Olmoe => "Olmoe",
                     Arch::GraniteMoe => "GraniteMoe",
+                    Arch::Ernie45 => "Ernie4_5",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1216,6 +1264,9 @@ impl ModelConfig {
         }
         if matches!(self.arch, Arch::Llama | Arch::Granite | Arch::SmolLM3) {
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
+        }
+        if self.arch == Arch::Ernie45 {
+            obj.insert("use_bias".into(), self.attention_bias.into());
         }
         if let Some(m) = &self.moe {
             m.write(self.arch, obj);
@@ -1276,7 +1327,7 @@ impl ModelConfig {
             (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
-            (Arch::Llama | Arch::Granite | Arch::GraniteMoe, _) | (_, None) => {}
+            (Arch::Llama | Arch::Granite | Arch::GraniteMoe | Arch::Ernie45, _) | (_, None) => {}
             (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|i| match self.windowed(i) {

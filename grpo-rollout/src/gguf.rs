@@ -185,7 +185,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| *a != Arch::Mistral)
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -1582,6 +1582,11 @@ pub fn save_gguf(
         bail!(
             "{} with attention_bias or mlp_bias has no GGUF form (llama.cpp's has no biases there): export it as safetensors",
             cfg.arch.as_str()
+        );
+    }
+    if cfg.arch == Arch::Ernie45 && cfg.attention_bias {
+        bail!(
+            "ERNIE 4.5 with use_bias has no GGUF form (llama.cpp's ernie4_5 adds no o_proj or MLP biases): export it as safetensors"
         );
     }
     if cfg.arch == Arch::Olmo2 && cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size {

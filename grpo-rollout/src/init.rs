@@ -289,10 +289,7 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch.llama_like()
-                || cfg.arch.gemma()
-                || matches!(cfg.arch, Arch::Olmo2 | Arch::Olmoe)
-            {
+            if cfg.arch.biases_o_proj() {
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
@@ -355,6 +352,11 @@ pub fn random_weights(
                 shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
                 shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));
                 shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
+                if cfg.mlp_bias {
+                    for (n, d) in [("gate_proj", im), ("up_proj", im), ("down_proj", h)] {
+                        shapes.push((format!("{p}.mlp.{n}.bias"), vec![d], false));
+                    }
+                }
             }
         }
     }

@@ -13,6 +13,8 @@
 //!   pairs are then `head_dim / 2` apart, the passed ones pair among themselves with frequency
 //!   0 (cos 1, sin 0), and every RoPE path — the fused CPU op, the CUDA kernels, CUDA graphs —
 //!   serves it unchanged.
+//! * An interleaved RoPE (ERNIE 4.5: pairs `(2i, 2i + 1)`) is reordered the same way, to the
+//!   model's pairs `(i, i + head_dim / 2)`.
 //! * Granite MoE stores each layer's experts fused: `block_sparse_moe.input_linear.weight`
 //!   `(experts, 2 · width, hidden)` (each expert's gate rows, then its up rows),
 //!   `output_linear.weight` `(experts, hidden, width)` and the router as `router.layer.weight`;
@@ -24,9 +26,15 @@ use crate::config::{Arch, ModelConfig};
 use crate::model::WeightMap;
 
 /// For each of the model's head dimensions, the transformers dimension it holds (`None` when
-/// every dimension rotates: the orders agree).
+/// every dimension rotates in rotate-half pairs: the orders agree). An interleaved RoPE
+/// ([`Arch::interleaved_rope`]) pairs `(2i, 2i + 1)`: the model holds `2i` at `i` and `2i + 1`
+/// at `i + head_dim / 2` (llama.cpp's un-permutation).
 pub fn rotary_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
     let (hd, r) = (cfg.head_dim, cfg.rotary_dim());
+    if cfg.arch.interleaved_rope() {
+        let half = hd / 2;
+        return Some((0..hd).map(|j| 2 * (j % half) + j / half).collect());
+    }
     if r == hd {
         return None;
     }

@@ -889,11 +889,15 @@ pub fn to_peft_layout(
     tensors: Vec<(String, Tensor)>,
 ) -> Result<Vec<(String, Tensor)>> {
     let fused = crate::layout::fused_parts(cfg);
-    if fused.is_empty() && cfg.moe.is_none() {
+    let reordered = fused.is_empty() && crate::layout::rotary_order(cfg).is_some();
+    if fused.is_empty() && cfg.moe.is_none() && !reordered {
         return Ok(tensors);
     }
     let mut map: HashMap<String, Tensor> = tensors.into_iter().collect();
     stack_expert_adapters(cfg, &mut map)?;
+    if reordered {
+        reorder_qk_rows(cfg, &mut map, false)?;
+    }
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
             for suffix in PART_TENSORS {
@@ -926,6 +930,9 @@ pub fn from_peft_layout(
     mut map: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
     split_expert_adapters(cfg, &mut map)?;
+    if crate::layout::fused_parts(cfg).is_empty() && crate::layout::rotary_order(cfg).is_some() {
+        reorder_qk_rows(cfg, &mut map, true)?;
+    }
     for i in 0..cfg.num_hidden_layers {
         for f in crate::layout::fused_parts(cfg) {
             for suffix in PART_TENSORS {
@@ -940,6 +947,32 @@ pub fn from_peft_layout(
         }
     }
     Ok(map)
+}
+
+/// A family whose q and k rows the model reorders ([`crate::layout::rotary_order`]: ERNIE 4.5's
+/// interleaved RoPE) without fused maps: the rows of its q / k adapters' `lora_B`, `lora_B`
+/// bias, DoRA magnitude and trained base biases, to the model's order (`to_model`) or back to
+/// transformers' (PEFT's).
+fn reorder_qk_rows(
+    cfg: &crate::config::ModelConfig,
+    map: &mut HashMap<String, Tensor>,
+    to_model: bool,
+) -> Result<()> {
+    for i in 0..cfg.num_hidden_layers {
+        for part in ["q_proj", "k_proj"] {
+            let p = peft_prefix(i, "self_attn", part);
+            for suffix in PART_TENSORS.iter().chain(&["base_layer.bias", "bias"]) {
+                let key = format!("{p}.{suffix}");
+                if let Some(t) = map.remove(&key) {
+                    let t = crate::layout::reorder_heads(cfg, &t, to_model).map_err(|e| {
+                        candle_core::Error::msg(format!("adapter tensor `{key}`: {e}"))
+                    })?;
+                    map.insert(key, t);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Where PEFT keeps the adapter of layer `i`'s experts' `param`: under the experts module, or

@@ -1482,9 +1482,6 @@ impl Transformer {
                 .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
             checked(name, t, shape)
         };
-        let opt = |name: &str, shape: &[usize]| -> Result<Option<Tensor>> {
-            take(name).map(|t| checked(name, t, shape)).transpose()
-        };
         let h = cfg.hidden_size;
         let q = cfg.num_attention_heads * cfg.head_dim;
         let kv = cfg.num_key_value_heads * cfg.head_dim;
@@ -1492,10 +1489,10 @@ impl Transformer {
         let linear = |p: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             Ok(Linear {
                 weight: get(&format!("{p}.weight"), &[out, inp])?,
-                bias: if bias {
-                    Some(get(&format!("{p}.bias"), &[out])?)
-                } else {
-                    opt(&format!("{p}.bias"), &[out])?
+                // A bias the config does not declare is left out, as transformers leaves it.
+                bias: match bias {
+                    true => Some(get(&format!("{p}.bias"), &[out])?),
+                    false => None,
                 },
                 lora: None,
                 weight_t: None,
@@ -1579,8 +1576,7 @@ impl Transformer {
                     &format!("{p}.self_attn.o_proj"),
                     h,
                     q,
-                    cfg.attention_bias
-                        && (cfg.arch.llama_like() || output_norms || cfg.arch == Arch::Olmoe),
+                    cfg.attention_bias && cfg.arch.biases_o_proj(),
                 )?,
                 q_norm: match cfg.arch.attention() {
                     Arch::Qwen3 | Arch::Gemma3 => {

@@ -56,6 +56,8 @@ fn fused_and_composed_decoders_agree() {
                 m.moe_intermediate_size = if arch.experts_mlp_wide() { 48 } else { 24 };
             }
             c.attention_bias = arch != Arch::Qwen3;
+            // ERNIE 4.5's one `use_bias` biases the MLP too.
+            c.mlp_bias = arch == Arch::Ernie45;
             let base = random_weights(&c, 5, dtype, &Device::Cpu).unwrap();
             let mut outs = Vec::new();
             for on in [true, false] {

@@ -122,6 +122,8 @@ fn f32_round_trips_exactly_for_every_arch() {
         ),
         (Arch::Qwen2, Box::new(|_: &mut ModelConfig| {})),
         (Arch::Qwen3, Box::new(|c: &mut ModelConfig| c.head_dim = 32)),
+        // ERNIE 4.5's interleaved q/k rows as transformers (and llama.cpp) hold them.
+        (Arch::Ernie45, Box::new(|_: &mut ModelConfig| {})),
     ];
     for (i, (arch, f)) in cases.into_iter().enumerate() {
         let (m, tok) = tiny(arch, f);
@@ -462,7 +464,7 @@ fn gemma_and_olmo2_round_trip_as_llama_cpps_families() {
 
 /// What llama.cpp computes otherwise is refused by name: Gemma's sliding layers and attention
 /// scale are fixed by its architecture and layer count, Gemma 2 always caps and ties, Gemma 3's
-/// local RoPE base is 10000 and it caps nothing; OLMo 2 with biases.
+/// local RoPE base is 10000 and it caps nothing; OLMo 2 and ERNIE 4.5 with biases.
 #[test]
 fn gemma_and_olmo2_that_llama_cpp_computes_otherwise_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -513,6 +515,11 @@ fn gemma_and_olmo2_that_llama_cpp_computes_otherwise_are_refused() {
             Arch::Olmo2,
             &|c: &mut ModelConfig| c.attention_bias = true,
             "olmo2 with attention_bias",
+        ),
+        (
+            Arch::Ernie45,
+            &|c: &mut ModelConfig| (c.attention_bias, c.mlp_bias) = (true, true),
+            "ERNIE 4.5 with use_bias",
         ),
     ] {
         let e = refusal(arch, f);
