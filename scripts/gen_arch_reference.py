@@ -49,6 +49,11 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
   * arch-ernie45-micro (Ernie4_5ForCausalLM, 2 layers, tied; RoPE on adjacent pairs): as it is,
     and with `use_bias` (every projection biased).
 
+  * arch-exaone4-micro (Exaone4ForCausalLM, 4 layers, untied; OLMo 2's post-norms with per-head
+    q/k norms; norm weights drawn around 1): a window of 12 on layers 0–2 and the global layer 3
+    without RoPE, no window (every layer global and rotating), and the layer types from
+    `sliding_window_pattern` 2.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -213,6 +218,17 @@ MODELS = {
             "ernie45": {"use_bias": False},
         },
     ),
+    "arch-exaone4-micro": (
+        "exaone4",
+        dict(num_hidden_layers=4, tie_word_embeddings=False, sliding_window=12,
+             layer_types=["sliding_attention"] * 3 + ["full_attention"],
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "exaone4-window-12": {},
+            "exaone4-no-window": {"sliding_window": None, "layer_types": ["full_attention"] * 4},
+            "exaone4-pattern-2": {"layer_types": None, "sliding_window_pattern": 2},
+        },
+    ),
 }
 
 
@@ -246,7 +262,7 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
-            elif model_type in ("olmo2", "olmoe"):
+            elif model_type in ("olmo2", "olmoe", "exaone4"):
                 p.normal_(1, 0.3)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -65,6 +65,11 @@ pub enum Arch {
     /// its rotate-half layout, [`crate::layout`]), `use_bias` on every projection.
     #[serde(rename = "ernie4_5")]
     Ernie45,
+    /// LG EXAONE 4.0 (`exaone4`, EXAONE-4.0-1.2B / 32B): OLMo 2's layers (no pre-norms, each
+    /// sublayer's output normalised) with Qwen3's per-head q/k norms; with a `sliding_window`,
+    /// the sliding layers (`layer_types`, else `sliding_window_pattern`) rotate and the global
+    /// ones do not (NoPE).
+    Exaone4,
 }
 
 /// The MLP's gate activation.
@@ -80,7 +85,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 16] = [
+    pub const ALL: [Arch; 17] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -97,6 +102,7 @@ impl Arch {
         Arch::Olmoe,
         Arch::GraniteMoe,
         Arch::Ernie45,
+        Arch::Exaone4,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -118,6 +124,7 @@ impl Arch {
             Arch::Olmoe => "olmoe",
             Arch::GraniteMoe => "granitemoe",
             Arch::Ernie45 => "ernie4_5",
+            Arch::Exaone4 => "exaone4",
         }
     }
 
@@ -170,11 +177,26 @@ impl Arch {
         )
     }
 
+    /// Whether the layers have no pre-norms and normalise each sublayer's output before its
+    /// residual add (OLMo 2, EXAONE 4).
+    pub fn post_norms_only(self) -> bool {
+        matches!(self, Arch::Olmo2 | Arch::Exaone4)
+    }
+
+    /// Whether q and k are RMS-normalised per head (`head_dim` weights: Qwen3, Gemma 3,
+    /// EXAONE 4), not over all heads (OLMo 2, OLMoE).
+    pub fn head_qk_norm(self) -> bool {
+        matches!(self.attention(), Arch::Qwen3 | Arch::Gemma3 | Arch::Exaone4)
+    }
+
     /// Whether `attention_bias` also biases `o_proj` (Qwen's and Phi-3's leave it unbiased).
     pub fn biases_o_proj(self) -> bool {
         self.llama_like()
             || self.gemma()
-            || matches!(self, Arch::Olmo2 | Arch::Olmoe | Arch::Ernie45)
+            || matches!(
+                self,
+                Arch::Olmo2 | Arch::Olmoe | Arch::Ernie45 | Arch::Exaone4
+            )
     }
 
     /// Whether transformers rotates adjacent pairs `(2i, 2i + 1)` of each head (GLM's
@@ -208,11 +230,12 @@ impl Arch {
             "olmoe" => Ok(Arch::Olmoe),
             "granitemoe" => Ok(Arch::GraniteMoe),
             "ernie4_5" => Ok(Arch::Ernie45),
+            "exaone4" => Ok(Arch::Exaone4),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4"
             ),
         }
     }
@@ -703,6 +726,35 @@ impl MoeConfig {
     }
 }
 
+/// EXAONE 4's sliding layers from `sliding_window_pattern`: every layer but each n-th (an
+/// integer, default 4; 0: none), or a string of `L` (local: sliding) and `G` (global) repeated
+/// from layer 0 (`"LLLG"`).
+fn exaone_sliding_layers(pattern: Option<&Value>, layers: usize) -> Result<Vec<usize>> {
+    match pattern {
+        None | Some(Value::Null) => {
+            Ok((0..layers).filter(|i| !(i + 1).is_multiple_of(4)).collect())
+        }
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(0) => Ok(Vec::new()),
+            Some(every) => Ok((0..layers)
+                .filter(|i| !(i + 1).is_multiple_of(every as usize))
+                .collect()),
+            None => bail!(
+                "field `sliding_window_pattern` must be a non-negative integer or a string of L and G, not {n}"
+            ),
+        },
+        Some(Value::String(s)) if !s.is_empty() && s.chars().all(|c| c == 'L' || c == 'G') => {
+            let kinds: Vec<char> = s.chars().collect();
+            Ok((0..layers)
+                .filter(|i| kinds[i % kinds.len()] == 'L')
+                .collect())
+        }
+        Some(x) => bail!(
+            "field `sliding_window_pattern` must be a non-negative integer or a string of L and G, not {x}"
+        ),
+    }
+}
+
 /// Every `every`-th of `layers` layers (1-based: the `every − 1`-th, ...): SmolLM3's NoPE
 /// layers from `no_rope_layer_interval` (llama.cpp's smollm3 fixes it at 4).
 pub fn nope_every(layers: usize, every: usize) -> Vec<usize> {
@@ -814,7 +866,9 @@ impl ModelConfig {
             .and_then(Value::as_u64)
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
-                Arch::Llama | Arch::Olmo2 | Arch::Granite | Arch::GraniteMoe => 2048,
+                Arch::Llama | Arch::Olmo2 | Arch::Granite | Arch::GraniteMoe | Arch::Exaone4 => {
+                    2048
+                }
                 Arch::Phi3 | Arch::Olmoe => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
@@ -900,7 +954,7 @@ impl ModelConfig {
         let num_hidden_layers = req("num_hidden_layers")?;
         // SmolLM3's NoPE layers: `no_rope_layers` (1 = RoPE) or every
         // `no_rope_layer_interval`-th layer (default 4), as transformers fills them in.
-        let nope_layers: Vec<usize> = match arch {
+        let mut nope_layers: Vec<usize> = match arch {
             Arch::SmolLM3 => match v.get("no_rope_layers").filter(|x| !x.is_null()) {
                 Some(list) => {
                     let list = list.as_array().filter(|a| a.len() >= num_hidden_layers);
@@ -948,7 +1002,13 @@ impl ModelConfig {
                     "field `sliding_window` must be a positive integer or null, not {w}"
                 ))
             })? as usize),
-            None if matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3) => Some(4096),
+            None if matches!(
+                arch,
+                Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4
+            ) =>
+            {
+                Some(4096)
+            }
             // Mixtral's default is none.
             None => None,
         };
@@ -977,6 +1037,11 @@ impl ModelConfig {
                         .collect()
                 }
             },
+            // EXAONE 4: `layer_types`, else `sliding_window_pattern`.
+            Arch::Exaone4 => match listed {
+                Some(t) => t,
+                None => exaone_sliding_layers(v.get("sliding_window_pattern"), num_hidden_layers)?,
+            },
             // Gemma 2: `layer_types`, else every other layer from the first.
             Arch::Gemma2 => listed.unwrap_or_else(|| (0..num_hidden_layers).step_by(2).collect()),
             _ if qwen_like && !flag("use_sliding_window", false) => Vec::new(),
@@ -992,6 +1057,12 @@ impl ModelConfig {
                 }
             },
         };
+        // EXAONE 4 with a window: its global layers without RoPE.
+        if arch == Arch::Exaone4 && window.is_some() {
+            nope_layers = (0..num_hidden_layers)
+                .filter(|i| !sliding_layers.contains(i))
+                .collect();
+        }
         if arch.gemma() && window.is_none() {
             bail!(
                 "sliding_window = null is not supported for {model_type} (its sliding layers come with the window)"
@@ -1018,7 +1089,12 @@ impl ModelConfig {
                 .and_then(Value::as_f64)
                 // transformers' defaults: OLMo's, Phi3Config's, Mixtral's 1e-5, the others' 1e-6.
                 .unwrap_or(match arch {
-                    Arch::Olmo2 | Arch::Olmoe | Arch::Phi3 | Arch::Mixtral | Arch::Ernie45 => 1e-5,
+                    Arch::Olmo2
+                    | Arch::Olmoe
+                    | Arch::Phi3
+                    | Arch::Mixtral
+                    | Arch::Ernie45
+                    | Arch::Exaone4 => 1e-5,
                     _ => 1e-6,
                 }),
             rope_theta,
@@ -1036,7 +1112,7 @@ impl ModelConfig {
                 Arch::Qwen2 => true,
                 // transformers 5's Qwen2-MoE names it `qkv_bias` (4's always has them).
                 Arch::Qwen2Moe => flag("qkv_bias", true),
-                Arch::Mistral | Arch::Phi3 | Arch::Mixtral => false,
+                Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => false,
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
                 Arch::Llama
@@ -1216,6 +1292,7 @@ impl ModelConfig {
                     Arch::Olmoe => "Olmoe",
                     Arch::GraniteMoe => "GraniteMoe",
                     Arch::Ernie45 => "Ernie4_5",
+                    Arch::Exaone4 => "Exaone4",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1327,6 +1404,12 @@ impl ModelConfig {
             (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
+            // EXAONE 4's default is a window: none is written as null, every layer global.
+            (Arch::Exaone4, None) => {
+                obj.insert("sliding_window".into(), Value::Null);
+                let types = vec!["full_attention"; self.num_hidden_layers];
+                obj.insert("layer_types".into(), types.into());
+            }
             (Arch::Llama | Arch::Granite | Arch::GraniteMoe | Arch::Ernie45, _) | (_, None) => {}
             (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
@@ -1335,8 +1418,8 @@ impl ModelConfig {
                         false => "full_attention",
                     })
                     .collect();
-                // Gemma always windows its sliding layers; the others switch it on.
-                if !arch.gemma() {
+                // Gemma and EXAONE always window their sliding layers; the others switch it on.
+                if !arch.gemma() && arch != Arch::Exaone4 {
                     obj.insert("use_sliding_window".into(), true.into());
                 }
                 obj.insert("sliding_window".into(), w.into());
@@ -1415,7 +1498,7 @@ impl ModelConfig {
         if self.attention_bias {
             layer += q + 2 * kv;
         }
-        if matches!(self.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3) {
+        if self.arch.head_qk_norm() {
             layer += 2 * self.head_dim;
         }
 

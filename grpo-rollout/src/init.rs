@@ -200,14 +200,20 @@ pub fn preset_config(
         sequence_classification: false,
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
-        sliding_window: matches!(arch, Arch::Mistral | Arch::Gemma2 | Arch::Gemma3).then_some(4096),
-        // Gemma 2's: every other layer from the first (the others: all of them).
+        sliding_window: matches!(
+            arch,
+            Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4
+        )
+        .then_some(4096),
+        // Gemma 2's: every other layer from the first; EXAONE 4's: all but every 4th, which
+        // rotates nothing (the others: all of them).
         sliding_layers: match arch {
             Arch::Gemma2 if layers > 1 => (0..layers).step_by(2).collect(),
+            Arch::Exaone4 if layers >= 4 => (0..layers).filter(|i| (i + 1) % 4 != 0).collect(),
             _ => Vec::new(),
         },
         nope_layers: match arch {
-            Arch::SmolLM3 => crate::config::nope_every(layers, 4),
+            Arch::SmolLM3 | Arch::Exaone4 => crate::config::nope_every(layers, 4),
             _ => Vec::new(),
         },
         // Gemma 3's: GELU-tanh, scores scaled by 256^-1/2, a local RoPE base of 10000 on the
@@ -275,7 +281,7 @@ pub fn random_weights(
         vec![cfg.vocab_size, h],
         false,
     )];
-    let olmo = cfg.arch == Arch::Olmo2;
+    let olmo = cfg.arch.post_norms_only();
     for i in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{i}");
         if !olmo {
@@ -293,7 +299,7 @@ pub fn random_weights(
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
-        if matches!(cfg.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3) {
+        if cfg.arch.head_qk_norm() {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![cfg.head_dim],
@@ -325,8 +331,10 @@ pub fn random_weights(
                 vec![h],
                 true,
             ));
-            shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![q], true));
-            shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], true));
+            if cfg.arch == Arch::Olmo2 {
+                shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![q], true));
+                shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], true));
+            }
         }
         match cfg.moe.as_ref().filter(|m| m.sparse(i)) {
             Some(m) => {

@@ -1070,7 +1070,9 @@ fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
             "post_attention_layernorm",
             "post_feedforward_layernorm",
         ],
-        Arch::Olmo2 => ["", "post_attention_layernorm", "post_feedforward_layernorm"],
+        Arch::Olmo2 | Arch::Exaone4 => {
+            ["", "post_attention_layernorm", "post_feedforward_layernorm"]
+        }
         _ => ["post_attention_layernorm", "", ""],
     }
 }
@@ -1506,7 +1508,7 @@ impl Transformer {
                 identity: false,
             })
         };
-        let olmo = cfg.arch == Arch::Olmo2;
+        let olmo = cfg.arch.post_norms_only();
         // OLMo 2's missing pre-norms.
         let identity = || -> Result<RmsNorm> {
             Ok(RmsNorm {
@@ -1516,7 +1518,7 @@ impl Transformer {
                 identity: true,
             })
         };
-        let output_norms = cfg.arch.gemma() || cfg.arch == Arch::Olmo2;
+        let output_norms = cfg.arch.gemma() || cfg.arch.post_norms_only();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
@@ -1579,7 +1581,7 @@ impl Transformer {
                     cfg.attention_bias && cfg.arch.biases_o_proj(),
                 )?,
                 q_norm: match cfg.arch.attention() {
-                    Arch::Qwen3 | Arch::Gemma3 => {
+                    a if a.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
                     Arch::Olmo2 | Arch::Olmoe => {
@@ -1588,7 +1590,7 @@ impl Transformer {
                     _ => None,
                 },
                 k_norm: match cfg.arch.attention() {
-                    Arch::Qwen3 | Arch::Gemma3 => {
+                    a if a.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
                     Arch::Olmo2 | Arch::Olmoe => {

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 39);
+    assert!(cases.len() >= 42);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -146,6 +146,8 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("granitemoe-top1", "granitemoe") > 0.05);
     assert!(d("granitemoe-top3", "granitemoe") > 0.05);
     assert!(d("ernie45-bias", "ernie45") > 0.05);
+    assert!(d("exaone4-window-12", "exaone4-no-window") > 0.05);
+    assert!(d("exaone4-pattern-2", "exaone4-window-12") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -220,6 +222,8 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "phi3-longrope-partial",
         "gemma2-caps",
         "granite",
+        "ernie45-bias",
+        "exaone4-window-12",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
@@ -776,4 +780,32 @@ fn phi3_refusals_are_named() {
     // sqrt(1 + ln 4 / ln 4096)
     assert!((l.attention_factor - (1.0f64 + 4f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12);
     assert_eq!((c.rms_norm_eps, c.sliding_window), (1e-5, None));
+}
+
+/// EXAONE 4's `sliding_window_pattern` as a string of `L` (sliding, rotating) and `G` (global,
+/// NoPE) repeated from layer 0, or an integer; a bad pattern is named.
+#[test]
+fn exaone4_layer_patterns() {
+    let cfg = |pattern: Value| {
+        let v = serde_json::json!({
+            "model_type": "exaone4", "vocab_size": 300, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 5, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "sliding_window": 8, "sliding_window_pattern": pattern
+        });
+        ModelConfig::from_hf_json(&v)
+    };
+    let c = cfg("LLG".into()).unwrap();
+    assert_eq!(c.sliding_layers, vec![0, 1, 3, 4]);
+    assert_eq!(c.nope_layers, vec![2]);
+    assert!((0..5).all(|i| c.uses_rope(i) == c.windowed(i)));
+    let c = cfg(4.into()).unwrap();
+    assert_eq!(
+        (c.sliding_layers, c.nope_layers),
+        (vec![0, 1, 2, 4], vec![3])
+    );
+    let e = cfg("LXG".into()).unwrap_err().to_string();
+    assert!(e.contains("sliding_window_pattern"), "{e}");
+    // Written back: the window and every layer's type, read back the same.
+    let c = cfg("LLG".into()).unwrap();
+    assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
 }
