@@ -365,17 +365,23 @@ impl Resolved<'_> {
         {
             return None;
         }
+        Some(self.rank_and_scale(&name))
+    }
+
+    /// `(r, scale)` for the full name `name`: the first rank and alpha patterns that match its
+    /// end, else the config's.
+    fn rank_and_scale(&self, name: &str) -> (usize, f64) {
         let r = self
             .rank
             .iter()
-            .find(|(re, _)| re.is_match(&name))
+            .find(|(re, _)| re.is_match(name))
             .map_or(self.cfg.r, |(_, r)| *r);
         let alpha = self
             .alpha
             .iter()
-            .find(|(re, _)| re.is_match(&name))
+            .find(|(re, _)| re.is_match(name))
             .map_or(self.cfg.lora_alpha, |(_, a)| *a);
-        Some((r, self.cfg.scale_for(r, alpha)))
+        (r, self.cfg.scale_for(r, alpha))
     }
 
     /// `(r, scale)` of the adapter on the experts' `param` of layer `layer`, if
@@ -393,20 +399,7 @@ impl Resolved<'_> {
             .target_parameters
             .iter()
             .any(|t| key == *t || key.ends_with(&format!(".{t}")));
-        if !hit {
-            return None;
-        }
-        let r = self
-            .rank
-            .iter()
-            .find(|(re, _)| re.is_match(&key))
-            .map_or(self.cfg.r, |(_, r)| *r);
-        let alpha = self
-            .alpha
-            .iter()
-            .find(|(re, _)| re.is_match(&key))
-            .map_or(self.cfg.lora_alpha, |(_, a)| *a);
-        Some((r, self.cfg.scale_for(r, alpha)))
+        hit.then(|| self.rank_and_scale(&key))
     }
 }
 

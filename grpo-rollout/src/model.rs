@@ -778,16 +778,7 @@ impl Layer {
 
     /// Whether any map holds a LoRA adapter.
     pub fn has_adapters(&self) -> bool {
-        let dense = [
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-        ];
-        dense.iter().any(|l| l.lora.is_some())
+        self.linears().iter().any(|l| l.lora.is_some())
             || self.moe.as_ref().is_some_and(|m| {
                 m.experts
                     .iter()
