@@ -1497,7 +1497,15 @@ impl ModelConfig {
         let mut layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
         if self.attention_bias {
             layer += q + 2 * kv;
+            if self.arch.biases_o_proj() {
+                layer += h;
+            }
         }
+        let mlp_bias = match self.mlp_bias {
+            true => 2 * self.intermediate_size + h,
+            false => 0,
+        };
+        layer += mlp_bias;
         if self.arch.head_qk_norm() {
             layer += 2 * self.head_dim;
         }
@@ -1519,7 +1527,7 @@ impl ModelConfig {
                 + 3 * h * m.moe_intermediate_size * m.num_experts
                 + m.shared_expert_intermediate_size
                     .map_or(0, |s| 3 * h * s + h);
-            n = n + sparse * moe - sparse * 3 * h * self.intermediate_size;
+            n = n + sparse * moe - sparse * (3 * h * self.intermediate_size + mlp_bias);
         }
         if !self.tie_word_embeddings {
             n += self.vocab_size * h;

@@ -1404,3 +1404,20 @@ fn the_merged_decoding_copy_decodes_as_the_adapted_model() {
         assert_ne!(logprobs_of(&base), b, "the adapters change the model");
     }
 }
+
+/// `ModelConfig::num_parameters` counts what the model holds, for every architecture, tied and
+/// untied, with attention and MLP biases (ERNIE's one `use_bias` sets both).
+#[test]
+fn num_parameters_counts_every_weight() {
+    for arch in ARCHES {
+        for untied in [false, true] {
+            let mut c = cfg(arch);
+            c.tie_word_embeddings = !untied;
+            c.attention_bias = true;
+            c.mlp_bias = true;
+            let m = grpo_rollout::init::random_weights(&c, 1, DType::F32, &Device::Cpu).unwrap();
+            let held: usize = m.weights().iter().map(|(_, t)| t.elem_count()).sum();
+            assert_eq!(c.num_parameters(), held, "{arch:?} untied {untied}");
+        }
+    }
+}
