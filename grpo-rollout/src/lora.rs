@@ -334,6 +334,15 @@ fn module_name(layer: usize, group: &str, module: &str) -> String {
 /// the inner wrapper's (`experts.base_layer.lora_A`) and `down_proj`'s the outer one's.
 pub const EXPERT_PARAMETERS: [&str; 2] = ["gate_up_proj", "down_proj"];
 
+/// The model's maps an expert parameter stands for: `gate_up_proj`'s gate and up rows (one
+/// shared `A`), `down_proj`'s down.
+fn expert_parts(param: &str) -> &'static [&'static str] {
+    match param {
+        "gate_up_proj" => &["gate_proj", "up_proj"],
+        _ => &["down_proj"],
+    }
+}
+
 /// The full name of layer `layer`'s experts module as transformers 5 holds it in memory (where
 /// PEFT's `target_parameters` match): `mlp.experts`, Granite MoE's `block_sparse_moe.experts`.
 fn experts_module(layer: usize, arch: crate::config::Arch) -> String {
@@ -1003,10 +1012,7 @@ fn stack_expert_adapters(
             .collect();
         let both = present.len() == EXPERT_PARAMETERS.len();
         for param in present {
-            let parts: &[&str] = match param {
-                "gate_up_proj" => &["gate_proj", "up_proj"],
-                _ => &["down_proj"],
-            };
+            let parts = expert_parts(param);
             let mut a = Vec::with_capacity(m.num_experts);
             let mut b = Vec::with_capacity(m.num_experts);
             for e in 0..m.num_experts {
@@ -1101,16 +1107,14 @@ fn split_expert_adapters(
                     format!("{p}.{e}.{param}.lora_A.weight"),
                     a.narrow(0, e * r, r)?.contiguous()?,
                 );
-                let be = b.narrow(2, e, 1)?.squeeze(2)?.contiguous()?;
-                if param == EXPERT_PARAMETERS[0] {
-                    for (j, part) in ["gate_proj", "up_proj"].iter().enumerate() {
-                        map.insert(
-                            format!("{p}.{e}.{part}.lora_B.weight"),
-                            be.narrow(0, j * w, w)?.contiguous()?,
-                        );
-                    }
-                } else {
-                    map.insert(format!("{p}.{e}.down_proj.lora_B.weight"), be);
+                let be = b.narrow(2, e, 1)?.squeeze(2)?;
+                let parts = expert_parts(param);
+                let rows = out / parts.len();
+                for (j, part) in parts.iter().enumerate() {
+                    map.insert(
+                        format!("{p}.{e}.{part}.lora_B.weight"),
+                        be.narrow(0, j * rows, rows)?.contiguous()?,
+                    );
                 }
             }
         }
