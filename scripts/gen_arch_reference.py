@@ -54,6 +54,14 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     without RoPE, no window (every layer global and rotating), and the layer types from
     `sliding_window_pattern` 2.
 
+  * arch-gptoss-micro (GptOssForCausalLM, 2 layers: sliding, full; untied; 4 experts, head_dim 8;
+    a learned sink per head drawn large enough to matter; biased router and experts; YaRN with a
+    pre-training length of 64 and `truncate` off): 2 per token, 1 per token, the SwiGLU's clamp at
+    0.5 (binding), the window at 64 (no effect at these lengths: as a global layer);
+  * arch-gptoss-mxfp4-micro: the same model with its experts MXFP4-quantized as OpenAI's
+    checkpoints hold them (`*_blocks`, `*_scales`, `quantization_config.quant_method` mxfp4),
+    which transformers dequantizes on load: as it is.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -229,7 +237,65 @@ MODELS = {
             "exaone4-pattern-2": {"layer_types": None, "sliding_window_pattern": 2},
         },
     ),
+    "arch-gptoss-micro": (
+        "gpt_oss",
+        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, sliding_window=12,
+             num_local_experts=4, num_experts_per_tok=2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+        {
+            "gptoss": {},
+            "gptoss-top1": {"num_experts_per_tok": 1},
+            "gptoss-limit": {"swiglu_limit": 0.5},
+            "gptoss-window-64": {"sliding_window": 64},
+        },
+    ),
+    "arch-gptoss-mxfp4-micro": (
+        "gpt_oss",
+        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, sliding_window=12,
+             num_local_experts=4, num_experts_per_tok=2,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+        {
+            "gptoss-mxfp4": {},
+        },
+    ),
 }
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4(w):
+    """(E, out, in) → blocks (E, out, in/32, 16) u8, scales (E, out, in/32) u8: each group of 32
+    scaled by the power of two that puts its largest value at most 6, each value rounded to the
+    nearest FP4 code (low nibble first)."""
+    e, o, i = w.shape
+    g = w.reshape(e, o, i // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    x = g / torch.exp2(exp)[..., None]
+    idx = (x.abs()[..., None] - FP4).abs().argmin(-1)
+    code = (idx + 8 * (x < 0)).to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def quantize_experts(path):
+    """The micro model at `path` with its experts' weights as MXFP4 blocks and scales."""
+    from safetensors.torch import load_file, save_file
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    for k in [k for k in sd if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj")]:
+        # The files' (E, in, out) as MXFP4 holds it: (E, out, in).
+        blocks, scales = mxfp4(sd.pop(k).transpose(1, 2).contiguous())
+        sd[k + "_blocks"], sd[k + "_scales"] = blocks, scales
+    save_file(sd, f, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
 
 
 def logprobs(path):
@@ -258,13 +324,17 @@ def micro_model(path, model_type, kw):
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if "sinks" in name:
+                p.normal_(0, 1.5)
+            elif "norm" not in name:
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
             elif model_type in ("olmo2", "olmoe", "exaone4"):
                 p.normal_(1, 0.3)
     model.save_pretrained(path)
+    if path.endswith("mxfp4-micro"):
+        quantize_experts(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(TOKENIZER, f), path)
 

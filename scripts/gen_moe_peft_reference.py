@@ -4,7 +4,7 @@
 For the MoE micro models of scripts/gen_arch_reference.py, peft (LoraConfig with
 `target_parameters`, PEFT's ParamWrapper on transformers 5's stacked experts) adapts the
 attention's `q_proj` and the experts' `gate_up_proj` and `down_proj` (both: PEFT nests them,
-`experts.base_layer.lora_*` holding gate_up_proj's) — one of them alone for two of the models —
+`experts.base_layer.lora_*` holding gate_up_proj's) — one of them alone for three of the models —
 with every factor drawn (`init_lora_weights=False`, so that B is not zero). Writes each adapter
 to fixtures/peft-moe/<case>/ and, in fixtures/moe_peft_reference.json, the log-probs of the
 last T tokens of gen_arch_reference.py's left-padded rows, adapted and merged
@@ -34,6 +34,8 @@ CASES = {
     "mixtral-down": ("arch-mixtral-micro", "mlp.experts", ["down_proj"]),
     "olmoe-gate-up": ("arch-olmoe-micro", "mlp.experts", ["gate_up_proj"]),
     "granitemoe-experts": ("arch-granitemoe-micro", "block_sparse_moe.experts", BOTH),
+    "gptoss-experts": ("arch-gptoss-micro", "mlp.experts", BOTH),
+    "gptoss-gate-up": ("arch-gptoss-micro", "mlp.experts", ["gate_up_proj"]),
 }
 
 

@@ -259,7 +259,8 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // Phi-3's fused files with three quarters of each head rotating and a window, Gemma 2's
     // soft caps (scores and logits) beside a sliding layer, Granite's four multipliers, the
     // mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, OLMoE, Granite
-    // MoE), ERNIE 4.5's interleaved RoPE, EXAONE 4's sliding layer beside a NoPE global one.
+    // MoE), ERNIE 4.5's interleaved RoPE, EXAONE 4's sliding layer beside a NoPE global one,
+    // gpt-oss's attention sinks, biased experts and clamped SwiGLU beside a sliding layer.
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).
@@ -302,11 +303,16 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             };
             cfg.sliding_window = matches!(
                 arch,
-                Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Phi3 | Arch::Exaone4
+                Arch::Mistral
+                    | Arch::Gemma2
+                    | Arch::Gemma3
+                    | Arch::Phi3
+                    | Arch::Exaone4
+                    | Arch::GptOss
             )
             .then_some(20);
             cfg.sliding_layers = match arch {
-                Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 => vec![0],
+                Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 | Arch::GptOss => vec![0],
                 _ => vec![],
             };
             let m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;

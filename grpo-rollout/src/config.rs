@@ -70,10 +70,19 @@ pub enum Arch {
     /// the sliding layers (`layer_types`, else `sliding_window_pattern`) rotate and the global
     /// ones do not (NoPE).
     Exaone4,
+    /// OpenAI gpt-oss (`gpt_oss`, gpt-oss-20b / 120b): biased attention projections with a
+    /// learned sink per head (an extra logit in each softmax's denominator), sliding-window and
+    /// global layers alternating, YaRN RoPE, a mixture of experts with a biased router and
+    /// biased experts whose gate/up is a clamped SwiGLU ([`Activation::ClampedSwiglu`]). Its
+    /// experts are stored fused and transposed, `gate_up_proj` `(experts, hidden, 2 · width)`
+    /// with gate and up columns interleaved, or MXFP4-quantized (`*_blocks`, `*_scales`),
+    /// dequantized on load ([`crate::layout`]).
+    #[serde(rename = "gpt_oss")]
+    GptOss,
 }
 
 /// The MLP's gate activation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
     /// SiLU (`silu` / `swish`): Llama, Qwen, Mistral, SmolLM.
@@ -81,11 +90,19 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation (`gelu_pytorch_tanh`): Gemma.
     GeluPytorchTanh,
+    /// gpt-oss's experts: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
+    /// `(u + 1) · g · sigmoid(alpha · g)` (`swiglu_alpha` 1.702, `swiglu_limit` 7).
+    ClampedSwiglu {
+        /// The sigmoid's gain (`swiglu_alpha`).
+        alpha: f64,
+        /// The clamp (`swiglu_limit`).
+        limit: f64,
+    },
 }
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 17] = [
+    pub const ALL: [Arch; 18] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -103,6 +120,7 @@ impl Arch {
         Arch::GraniteMoe,
         Arch::Ernie45,
         Arch::Exaone4,
+        Arch::GptOss,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -125,6 +143,7 @@ impl Arch {
             Arch::GraniteMoe => "granitemoe",
             Arch::Ernie45 => "ernie4_5",
             Arch::Exaone4 => "exaone4",
+            Arch::GptOss => "gpt_oss",
         }
     }
 
@@ -144,7 +163,12 @@ impl Arch {
     pub fn moe(self) -> bool {
         matches!(
             self,
-            Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::Olmoe | Arch::GraniteMoe
+            Arch::Qwen3Moe
+                | Arch::Qwen2Moe
+                | Arch::Mixtral
+                | Arch::Olmoe
+                | Arch::GraniteMoe
+                | Arch::GptOss
         )
     }
 
@@ -157,10 +181,29 @@ impl Arch {
         }
     }
 
-    /// Whether the experts are `intermediate_size` wide (Mixtral, OLMoE, Granite MoE: no
-    /// `moe_intermediate_size`).
+    /// Whether the experts are `intermediate_size` wide (Mixtral, OLMoE, Granite MoE, gpt-oss:
+    /// no `moe_intermediate_size`).
     pub fn experts_mlp_wide(self) -> bool {
-        matches!(self, Arch::Mixtral | Arch::Olmoe | Arch::GraniteMoe)
+        matches!(
+            self,
+            Arch::Mixtral | Arch::Olmoe | Arch::GraniteMoe | Arch::GptOss
+        )
+    }
+
+    /// Whether the router and each expert's maps have biases (gpt-oss).
+    pub fn biased_experts(self) -> bool {
+        self == Arch::GptOss
+    }
+
+    /// Whether a fused `gate_up_proj`'s outputs alternate gate, up (gpt-oss), rather than
+    /// all gates then all ups.
+    pub fn interleaved_gate_up(self) -> bool {
+        self == Arch::GptOss
+    }
+
+    /// Whether each attention head has a learned sink (`self_attn.sinks`: gpt-oss).
+    pub fn attention_sinks(self) -> bool {
+        self == Arch::GptOss
     }
 
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
@@ -195,7 +238,7 @@ impl Arch {
             || self.gemma()
             || matches!(
                 self,
-                Arch::Olmo2 | Arch::Olmoe | Arch::Ernie45 | Arch::Exaone4
+                Arch::Olmo2 | Arch::Olmoe | Arch::Ernie45 | Arch::Exaone4 | Arch::GptOss
             )
     }
 
@@ -231,11 +274,12 @@ impl Arch {
             "granitemoe" => Ok(Arch::GraniteMoe),
             "ernie4_5" => Ok(Arch::Ernie45),
             "exaone4" => Ok(Arch::Exaone4),
+            "gpt_oss" => Ok(Arch::GptOss),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss"
             ),
         }
     }
@@ -613,6 +657,7 @@ impl MoeConfig {
             Arch::Qwen3Moe => (128, 8, 768),
             Arch::Qwen2Moe => (60, 4, 1408),
             Arch::Olmoe => (64, 8, intermediate_size),
+            Arch::GptOss => (128, 4, intermediate_size),
             _ => (8, 2, intermediate_size),
         };
         let num_experts = match v.get("num_experts").filter(|x| !x.is_null()) {
@@ -661,8 +706,9 @@ impl MoeConfig {
             num_experts,
             num_experts_per_tok,
             moe_intermediate_size,
-            // Mixtral's and Granite MoE's (a softmax over the chosen logits) always sum to 1.
-            norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe)
+            // Mixtral's, Granite MoE's and gpt-oss's (a softmax over the chosen logits) always
+            // sum to 1.
+            norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss)
                 || v.get("norm_topk_prob")
                     .and_then(Value::as_bool)
                     .unwrap_or(false),
@@ -688,7 +734,7 @@ impl MoeConfig {
     /// The fields of `config.json` for `arch`.
     fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>) {
         let experts = match arch {
-            Arch::Mixtral | Arch::GraniteMoe => "num_local_experts",
+            Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss => "num_local_experts",
             _ => "num_experts",
         };
         obj.insert(experts.into(), self.num_experts.into());
@@ -701,7 +747,7 @@ impl MoeConfig {
             self.router_aux_loss_coef.into(),
         );
         obj.insert("output_router_logits".into(), false.into());
-        if matches!(arch, Arch::Mixtral | Arch::GraniteMoe) {
+        if matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss) {
             return;
         }
         obj.insert("norm_topk_prob".into(), self.norm_topk_prob.into());
@@ -793,6 +839,16 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .ok_or_else(|| candle_core::Error::msg("field `model_type` is missing"))?;
         let arch = Arch::parse(model_type)?;
+        // Quantized checkpoints: gpt-oss's MXFP4 experts are dequantized on load
+        // ([`crate::layout::dequantize_mxfp4`]); other methods' packed weights are refused.
+        if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
+            let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
+            if !(arch == Arch::GptOss && method == "mxfp4") {
+                bail!(
+                    "quantization_config.quant_method `{method}` is not supported for {model_type}: load the model's unquantized weights (only gpt_oss's mxfp4 experts are read, dequantized)"
+                );
+            }
+        }
         let req = |k: &str| -> Result<usize> {
             v.get(k)
                 .and_then(Value::as_u64)
@@ -817,6 +873,7 @@ impl ModelConfig {
                 Arch::Qwen3 | Arch::Ernie45 => 128,
                 // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
                 Arch::Gemma2 | Arch::Gemma3 => 256,
+                Arch::GptOss => 64,
                 _ => hidden_size / num_attention_heads.max(1),
             });
         // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`; Gemma 3's
@@ -838,6 +895,7 @@ impl ModelConfig {
                 Arch::SmolLM3 => 2_000_000.0,
                 Arch::Gemma3 | Arch::Mixtral => 1_000_000.0,
                 Arch::Ernie45 => 500_000.0,
+                Arch::GptOss => 150_000.0,
                 _ => 10_000.0,
             });
         // Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), unscaled.
@@ -874,7 +932,7 @@ impl ModelConfig {
                     32768
                 }
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
-                Arch::Ernie45 => 131_072,
+                Arch::Ernie45 | Arch::GptOss => 131_072,
                 Arch::Gemma2 => 8192,
             }) as usize;
         let mut rope_dict = v
@@ -882,6 +940,13 @@ impl ModelConfig {
             .filter(|s| !s.is_null())
             .or(rope_params)
             .cloned();
+        // gpt-oss's default RoPE is YaRN (GptOssConfig's `rope_parameters`).
+        if arch == Arch::GptOss && rope_dict.is_none() {
+            rope_dict = Some(serde_json::json!({
+                "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": false, "original_max_position_embeddings": 4096
+            }));
+        }
         // Phi-3's pre-training length is a top-level field (default 4096) that transformers
         // puts into the RoPE parameters over theirs.
         if arch == Arch::Phi3
@@ -920,7 +985,20 @@ impl ModelConfig {
             Some(_) => "hidden_activation",
             None => "hidden_act",
         };
+        let num = |k: &str, default: f64| -> Result<f64> {
+            match v.get(k) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x.as_f64().ok_or_else(|| {
+                    candle_core::Error::msg(format!("field `{k}` must be a number, not {x}"))
+                }),
+            }
+        };
         let activation = match v.get(act_key).and_then(Value::as_str) {
+            // gpt-oss's experts ignore `hidden_act`: their SwiGLU is clamped.
+            _ if arch == Arch::GptOss => Activation::ClampedSwiglu {
+                alpha: num("swiglu_alpha", 1.702)?,
+                limit: num("swiglu_limit", 7.0)?,
+            },
             None if arch.gemma() => Activation::GeluPytorchTanh,
             None | Some("silu" | "swish") => Activation::Silu,
             Some("gelu_pytorch_tanh") => Activation::GeluPytorchTanh,
@@ -1009,6 +1087,7 @@ impl ModelConfig {
             {
                 Some(4096)
             }
+            None if arch == Arch::GptOss => Some(128),
             // Mixtral's default is none.
             None => None,
         };
@@ -1042,8 +1121,10 @@ impl ModelConfig {
                 Some(t) => t,
                 None => exaone_sliding_layers(v.get("sliding_window_pattern"), num_hidden_layers)?,
             },
-            // Gemma 2: `layer_types`, else every other layer from the first.
-            Arch::Gemma2 => listed.unwrap_or_else(|| (0..num_hidden_layers).step_by(2).collect()),
+            // Gemma 2 and gpt-oss: `layer_types`, else every other layer from the first.
+            Arch::Gemma2 | Arch::GptOss => {
+                listed.unwrap_or_else(|| (0..num_hidden_layers).step_by(2).collect())
+            }
             _ if qwen_like && !flag("use_sliding_window", false) => Vec::new(),
             _ => match listed {
                 Some(t) => t,
@@ -1094,7 +1175,8 @@ impl ModelConfig {
                     | Arch::Phi3
                     | Arch::Mixtral
                     | Arch::Ernie45
-                    | Arch::Exaone4 => 1e-5,
+                    | Arch::Exaone4
+                    | Arch::GptOss => 1e-5,
                     _ => 1e-6,
                 }),
             rope_theta,
@@ -1115,6 +1197,8 @@ impl ModelConfig {
                 Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => false,
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
+                // gpt-oss's default biases q, k, v and o.
+                Arch::GptOss => flag("attention_bias", true),
                 Arch::Llama
                 | Arch::Granite
                 | Arch::GraniteMoe
@@ -1293,6 +1377,7 @@ impl ModelConfig {
                     Arch::GraniteMoe => "GraniteMoe",
                     Arch::Ernie45 => "Ernie4_5",
                     Arch::Exaone4 => "Exaone4",
+                    Arch::GptOss => "GptOss",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1336,6 +1421,7 @@ impl ModelConfig {
                 | Arch::Gemma3
                 | Arch::Olmo2
                 | Arch::Olmoe
+                | Arch::GptOss
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -1360,6 +1446,11 @@ impl ModelConfig {
         let act = match self.activation {
             Activation::Silu => "silu",
             Activation::GeluPytorchTanh => "gelu_pytorch_tanh",
+            Activation::ClampedSwiglu { alpha, limit } => {
+                obj.insert("swiglu_alpha".into(), alpha.into());
+                obj.insert("swiglu_limit".into(), limit.into());
+                "silu"
+            }
         };
         obj.insert("hidden_act".into(), act.into());
         if self.arch.gemma() {
@@ -1404,8 +1495,9 @@ impl ModelConfig {
             (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
-            // EXAONE 4's default is a window: none is written as null, every layer global.
-            (Arch::Exaone4, None) => {
+            // EXAONE 4's and gpt-oss's default is a window: none is written as null, every
+            // layer global.
+            (Arch::Exaone4 | Arch::GptOss, None) => {
                 obj.insert("sliding_window".into(), Value::Null);
                 let types = vec!["full_attention"; self.num_hidden_layers];
                 obj.insert("layer_types".into(), types.into());
@@ -1418,8 +1510,9 @@ impl ModelConfig {
                         false => "full_attention",
                     })
                     .collect();
-                // Gemma and EXAONE always window their sliding layers; the others switch it on.
-                if !arch.gemma() && arch != Arch::Exaone4 {
+                // Gemma, EXAONE and gpt-oss always window their sliding layers; the others
+                // switch it on.
+                if !arch.gemma() && !matches!(arch, Arch::Exaone4 | Arch::GptOss) {
                     obj.insert("use_sliding_window".into(), true.into());
                 }
                 obj.insert("sliding_window".into(), w.into());
@@ -1519,14 +1612,21 @@ impl ModelConfig {
         if self.arch == Arch::Olmoe {
             layer += q + kv; // q/k norms over all heads
         }
+        if self.arch.attention_sinks() {
+            layer += self.num_attention_heads;
+        }
         let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
         // An MoE layer's router and experts in place of the dense MLP.
         if let Some(m) = &self.moe {
             let sparse = (0..self.num_hidden_layers).filter(|i| m.sparse(*i)).count();
-            let moe = h * m.num_experts
+            let mut moe = h * m.num_experts
                 + 3 * h * m.moe_intermediate_size * m.num_experts
                 + m.shared_expert_intermediate_size
                     .map_or(0, |s| 3 * h * s + h);
+            if self.arch.biased_experts() {
+                // The router's bias; each expert's gate, up and down biases.
+                moe += m.num_experts * (1 + 2 * m.moe_intermediate_size + h);
+            }
             n = n + sparse * moe - sparse * (3 * h * self.intermediate_size + mlp_bias);
         }
         if !self.tie_word_embeddings {

@@ -1456,6 +1456,63 @@ pub fn softcapped_attention_composed(
     })
 }
 
+/// Attention with a learned sink per head (gpt-oss's `self_attn.sinks`, `(H,)`): each query
+/// row's softmax takes one more logit, its head's sink, whose probability is then dropped —
+/// `softmax([q kᵀ · scale + bias, s_h])[..S] v`, as transformers' eager gpt-oss attention —
+/// so a row may give less than all of its weight to the values. Shapes as [`attention`]'s.
+/// No fused kernel takes the sinks: on a training graph it is one recomputed node (scores and
+/// probabilities not kept for backward; the sinks get their gradient through it;
+/// `GRPO_FUSED=0` composes), elsewhere the composition.
+pub fn sink_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    sinks: &Tensor,
+) -> Result<Tensor> {
+    let tracked = [q, k, v, sinks].iter().any(|t| tape::needs_grad(t));
+    if tracked && path(q) != Path::Composed {
+        // A recomputed node takes up to three inputs: v and the sinks travel as one flat
+        // tensor (a copy of v), taken apart inside.
+        let bias = bias.detach();
+        let (vshape, n) = (v.dims().to_vec(), v.elem_count());
+        let vs = Tensor::cat(&[&v.flatten_all()?, &sinks.to_dtype(v.dtype())?], 0)?;
+        return Recompute::new("sink_attention", move |a, _| {
+            let v = a[2].narrow(0, 0, n)?.reshape(vshape.as_slice())?;
+            let sinks = a[2].narrow(0, n, a[2].dim(0)? - n)?;
+            sink_attention_composed(&a[0], &a[1], &v, &bias, scale, &sinks)
+        })
+        .apply(&[q, k, &vs]);
+    }
+    sink_attention_composed(q, k, v, bias, scale, sinks)
+}
+
+/// [`sink_attention`] as a composition of candle ops.
+pub fn sink_attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    sinks: &Tensor,
+) -> Result<Tensor> {
+    let (b, nh, l, _) = q.dims4()?;
+    grouped_attention(q, k, v, |scores| {
+        let s = scores.dim(3)?;
+        let x = (scores * scale)?.broadcast_add(bias)?;
+        let sink = sinks
+            .to_dtype(x.dtype())?
+            .reshape((1, nh, 1, 1))?
+            .broadcast_as((b, nh, l, 1))?;
+        let x = Tensor::cat(&[&x, &sink], D::Minus1)?;
+        let m = x.max_keepdim(D::Minus1)?.detach();
+        let e = x.broadcast_sub(&m)?.exp()?;
+        e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+            .narrow(D::Minus1, 0, s)
+    })
+}
+
 /// Grouped-query attention with the probabilities `probs` makes of the scores `(B, H, L, S)`:
 /// the context as rows `(B·L, H·D)`.
 fn grouped_attention(

@@ -182,7 +182,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         name => Arch::parse(name).map_err(|_| ()),
     }
     .ok()
-    .filter(|a| !matches!(a, Arch::Mistral | Arch::Exaone4))
+    .filter(|a| !matches!(a, Arch::Mistral | Arch::Exaone4 | Arch::GptOss))
     .ok_or_else(|| {
         err(format!(
             "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5)"
@@ -1580,6 +1580,11 @@ pub fn save_gguf(
     if cfg.arch == Arch::Exaone4 {
         bail!(
             "EXAONE 4 has no GGUF form here (llama.cpp's exaone4 is not checked against transformers'): export it as safetensors"
+        );
+    }
+    if cfg.arch == Arch::GptOss {
+        bail!(
+            "gpt-oss has no GGUF form here (llama.cpp's gpt-oss holds its experts as MXFP4 with its own tensor layout, which this writer does not produce): export it as safetensors"
         );
     }
     // llama.cpp's gemma and olmo2 graphs add no biases; its olmo2 reads a head as hidden / heads.

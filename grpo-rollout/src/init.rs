@@ -191,8 +191,9 @@ pub fn preset_config(
         rope_theta: 10_000.0,
         rope_scaling: None,
         max_position_embeddings: 2048,
-        tie_word_embeddings: true,
-        attention_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe),
+        // gpt-oss's head is its own.
+        tie_word_embeddings: arch != Arch::GptOss,
+        attention_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss),
         mlp_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![eos],
@@ -200,15 +201,16 @@ pub fn preset_config(
         sequence_classification: false,
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
-        sliding_window: matches!(
-            arch,
-            Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4
-        )
-        .then_some(4096),
+        sliding_window: match arch {
+            Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 => Some(4096),
+            // gpt-oss's 128 positions, every other layer.
+            Arch::GptOss => Some(128),
+            _ => None,
+        },
         // Gemma 2's: every other layer from the first; EXAONE 4's: all but every 4th, which
         // rotates nothing (the others: all of them).
         sliding_layers: match arch {
-            Arch::Gemma2 if layers > 1 => (0..layers).step_by(2).collect(),
+            Arch::Gemma2 | Arch::GptOss if layers > 1 => (0..layers).step_by(2).collect(),
             Arch::Exaone4 if layers >= 4 => (0..layers).filter(|i| (i + 1) % 4 != 0).collect(),
             _ => Vec::new(),
         },
@@ -220,6 +222,10 @@ pub fn preset_config(
         // sliding layers (every layer but each 6th: here all of them, with a window of 4096).
         activation: match arch {
             Arch::Gemma2 | Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
+            Arch::GptOss => crate::config::Activation::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0,
+            },
             _ => crate::config::Activation::Silu,
         },
         query_pre_attn_scalar: arch.gemma().then_some(256.0),
@@ -234,7 +240,8 @@ pub fn preset_config(
         moe: arch.moe().then(|| crate::config::MoeConfig {
             num_experts: 4,
             num_experts_per_tok: 2,
-            // Mixtral's, OLMoE's and Granite MoE's experts are `intermediate_size` wide.
+            // Mixtral's, OLMoE's, Granite MoE's and gpt-oss's experts are `intermediate_size`
+            // wide.
             moe_intermediate_size: if arch.experts_mlp_wide() {
                 inter
             } else {
@@ -299,6 +306,10 @@ pub fn random_weights(
                 shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
             }
         }
+        if cfg.arch.attention_sinks() {
+            let heads = cfg.num_attention_heads;
+            shapes.push((format!("{p}.self_attn.sinks"), vec![heads], false));
+        }
         if cfg.arch.head_qk_norm() {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
@@ -340,13 +351,19 @@ pub fn random_weights(
             Some(m) => {
                 let names = crate::moe::MoeNames::of(cfg.arch);
                 let e = m.num_experts;
-                shapes.push((names.router(i), vec![e, h], false));
                 let mi = m.moe_intermediate_size;
+                let mut maps = vec![(names.router(i), vec![e, h])];
                 for x in 0..e {
                     let [g, u, d] = names.expert(i, x);
-                    shapes.push((g, vec![mi, h], false));
-                    shapes.push((u, vec![mi, h], false));
-                    shapes.push((d, vec![h, mi], false));
+                    maps.extend([(g, vec![mi, h]), (u, vec![mi, h]), (d, vec![h, mi])]);
+                }
+                for (name, shape) in maps {
+                    // gpt-oss's router and experts are biased.
+                    if cfg.arch.biased_experts() {
+                        let b = crate::moe::MoeNames::bias_of(&name);
+                        shapes.push((b, vec![shape[0]], false));
+                    }
+                    shapes.push((name, shape, false));
                 }
                 if let Some(si) = m.shared_expert_intermediate_size {
                     let [g, u, d] = names.shared(i);

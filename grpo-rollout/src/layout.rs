@@ -19,6 +19,12 @@
 //!   `(experts, 2 · width, hidden)` (each expert's gate rows, then its up rows),
 //!   `output_linear.weight` `(experts, hidden, width)` and the router as `router.layer.weight`;
 //!   the model holds one gate, up and down per expert ([`crate::moe::MoeNames`]).
+//! * gpt-oss stores each layer's experts fused and transposed: `mlp.experts.gate_up_proj`
+//!   `(experts, hidden, 2 · width)` whose columns alternate gate, up (`gate_up_proj_bias`
+//!   likewise), `down_proj` `(experts, width, hidden)`, `down_proj_bias`; OpenAI's own
+//!   checkpoints hold the two weights MXFP4-quantized instead (`*_blocks`, `*_scales`,
+//!   [`dequantize_mxfp4`]), read into the model's dtype and written back dense, as
+//!   transformers dequantizes them.
 
 use candle_core::{Result, Tensor, bail};
 
@@ -172,6 +178,9 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
     if cfg.arch == Arch::GraniteMoe {
         split_granite_experts(cfg, &mut weights)?;
     }
+    if cfg.arch == Arch::GptOss {
+        split_gpt_oss_experts(cfg, &mut weights)?;
+    }
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
@@ -206,6 +215,7 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
 pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
     let weights = match cfg.arch {
         Arch::GraniteMoe => fuse_granite_experts(cfg, weights)?,
+        Arch::GptOss => fuse_gpt_oss_experts(cfg, weights)?,
         _ => weights,
     };
     let reorder = rotary_order(cfg).is_some();
@@ -364,6 +374,256 @@ fn fuse_granite_experts(
         out.push((router, t));
         out.push((input, Tensor::stack(&gate_up, 0)?));
         out.push((output, Tensor::stack(&down, 0)?));
+    }
+    Ok(out)
+}
+
+/// The 16 values of an FP4 (E2M1) code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+const FP4_E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// MXFP4 weights as f32, as transformers' `convert_moe_packed_tensors` reads them (before its
+/// transpose): `blocks` `(…, G, 16)` u8 hold two FP4 codes a byte (the low nibble first), 32
+/// values per group; `scales` `(…, G)` u8 each group's power of two, `2^(s − 127)` (E8M0).
+/// Returns `(…, G · 32)`. Each leading index is done apart (an expert at a time: the
+/// intermediates stay small), with candle ops on the tensors' device. `what` names the weight
+/// in errors.
+pub fn dequantize_mxfp4(blocks: &Tensor, scales: &Tensor, what: &str) -> Result<Tensor> {
+    use candle_core::{D, DType};
+    let (bd, sd) = (blocks.dims(), scales.dims());
+    if blocks.dtype() != DType::U8 || scales.dtype() != DType::U8 {
+        bail!(
+            "{what}: MXFP4 blocks and scales must be uint8, not {:?} and {:?}",
+            blocks.dtype(),
+            scales.dtype()
+        );
+    }
+    if bd.len() < 2 || bd[bd.len() - 1] != 16 || bd[..bd.len() - 1] != *sd {
+        bail!(
+            "{what}: MXFP4 blocks of shape {bd:?} do not fit scales of shape {sd:?} (blocks (…, G, 16), scales (…, G))"
+        );
+    }
+    let dev = blocks.device();
+    let lut = Tensor::new(&FP4_E2M1, dev)?;
+    // 2^(e − 127) exactly: the f32 of exponent field e (e = 0: 2^-127, a subnormal).
+    let pow2: Vec<f32> = (0u32..256)
+        .map(|e| match e {
+            0 => f32::from_bits(1 << 22),
+            255 => f32::INFINITY,
+            e => f32::from_bits(e << 23),
+        })
+        .collect();
+    let pow2 = Tensor::new(pow2.as_slice(), dev)?;
+    let one = |b: &Tensor, s: &Tensor| -> Result<Tensor> {
+        let shape = b.dims().to_vec();
+        let x = b.to_dtype(DType::F32)?;
+        let hi = (&x / 16.0)?.floor()?;
+        let lo = (&x - (&hi * 16.0)?)?;
+        let code = |c: &Tensor| -> Result<Tensor> {
+            lut.index_select(&c.flatten_all()?.to_dtype(DType::U32)?, 0)?
+                .reshape(shape.as_slice())
+        };
+        let v = Tensor::stack(&[code(&lo)?, code(&hi)?], D::Minus1)?;
+        let mut wide = shape.clone();
+        wide[shape.len() - 1] = 32;
+        let v = v.reshape(wide)?;
+        let sc = pow2
+            .index_select(&s.flatten_all()?.to_dtype(DType::U32)?, 0)?
+            .reshape(s.dims())?
+            .unsqueeze(D::Minus1)?;
+        let v = v.broadcast_mul(&sc)?;
+        let mut flat = shape[..shape.len() - 2].to_vec();
+        flat.push(shape[shape.len() - 2] * 32);
+        v.reshape(flat)
+    };
+    if bd.len() == 2 {
+        return one(blocks, scales);
+    }
+    let parts = (0..bd[0])
+        .map(|i| one(&blocks.get(i)?, &scales.get(i)?))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&parts, 0)
+}
+
+/// gpt-oss's file names of layer `i`'s fused experts: `[gate_up, gate_up bias, down, down
+/// bias]` under `mlp.experts.`.
+fn gpt_oss_files(i: usize) -> [String; 4] {
+    [
+        "gate_up_proj",
+        "gate_up_proj_bias",
+        "down_proj",
+        "down_proj_bias",
+    ]
+    .map(|n| format!("model.layers.{i}.mlp.experts.{n}"))
+}
+
+/// gpt-oss's fused experts (dense or MXFP4) under the model's names, one gate, up and down
+/// (weights `(out, in)` and biases) per expert. A tensor of the wrong shape is an error
+/// naming it and the config fields it should match.
+fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
+    let Some(m) = &cfg.moe else {
+        return Ok(());
+    };
+    let names = crate::moe::MoeNames::of(cfg.arch);
+    let (e, w, h) = (m.num_experts, m.moe_intermediate_size, cfg.hidden_size);
+    let fields = "config.json's num_local_experts, intermediate_size, hidden_size";
+    for i in 0..cfg.num_hidden_layers {
+        let [gate_up, gate_up_bias, down, down_bias] = gpt_oss_files(i);
+        let take =
+            |weights: &mut WeightMap, key: &str, shape: &[usize]| -> Result<Option<Tensor>> {
+                let Some(t) = weights.remove(key) else {
+                    return Ok(None);
+                };
+                if t.dims() != shape {
+                    bail!(
+                        "weight `{key}` has shape {:?}, expected {shape:?} ({fields})",
+                        t.dims()
+                    );
+                }
+                Ok(Some(t))
+            };
+        // Both weights as `(experts, out, in)`: MXFP4 blocks hold them so already, the dense
+        // files transposed.
+        let weight = |weights: &mut WeightMap,
+                      key: &str,
+                      out: usize,
+                      inp: usize|
+         -> Result<Option<Tensor>> {
+            if let Some(t) = take(weights, key, &[e, inp, out])? {
+                return Ok(Some(t.transpose(1, 2)?));
+            }
+            let (bk, sk) = (format!("{key}_blocks"), format!("{key}_scales"));
+            if !inp.is_multiple_of(32) {
+                if weights.contains_key(&bk) {
+                    bail!(
+                        "weight `{bk}`: MXFP4 needs an input width that is a multiple of 32, not {inp} ({fields})"
+                    );
+                }
+                return Ok(None);
+            }
+            let blocks = take(weights, &bk, &[e, out, inp / 32, 16])?;
+            let scales = take(weights, &sk, &[e, out, inp / 32])?;
+            match (blocks, scales) {
+                (Some(b), Some(s)) => {
+                    Ok(Some(dequantize_mxfp4(&b, &s, &format!("weight `{bk}`"))?))
+                }
+                (None, None) => Ok(None),
+                (Some(_), None) => bail!("weight `{sk}` is missing (its `{bk}` is there)"),
+                (None, Some(_)) => bail!("weight `{bk}` is missing (its `{sk}` is there)"),
+            }
+        };
+        let gu = weight(weights, &gate_up, 2 * w, h)?
+            .map(|t| t.contiguous())
+            .transpose()?;
+        let dn = weight(weights, &down, h, w)?;
+        let gub = take(weights, &gate_up_bias, &[e, 2 * w])?;
+        let db = take(weights, &down_bias, &[e, h])?;
+        let router = names.router(i);
+        let file_router = format!("model.layers.{i}.mlp.router");
+        for kind in ["weight", "bias"] {
+            if let Some(t) = weights.remove(&format!("{file_router}.{kind}")) {
+                let key = match kind {
+                    "weight" => router.clone(),
+                    _ => crate::moe::MoeNames::bias_of(&router),
+                };
+                weights.insert(key, t);
+            }
+        }
+        for x in 0..e {
+            let [g, u, d] = names.expert(i, x);
+            // Rows 2j (gate) and 2j + 1 (up) of the fused map.
+            let pair = |t: &Tensor, j: usize| -> Result<Tensor> {
+                let t = t.get(x)?;
+                let mut dims = t.dims().to_vec();
+                dims[0] = w;
+                dims.insert(1, 2);
+                t.reshape(dims)?.narrow(1, j, 1)?.squeeze(1)?.contiguous()
+            };
+            if let Some(t) = &gu {
+                weights.insert(g.clone(), pair(t, 0)?);
+                weights.insert(u.clone(), pair(t, 1)?);
+            }
+            if let Some(t) = &gub {
+                weights.insert(crate::moe::MoeNames::bias_of(&g), pair(t, 0)?);
+                weights.insert(crate::moe::MoeNames::bias_of(&u), pair(t, 1)?);
+            }
+            if let Some(t) = &dn {
+                weights.insert(d.clone(), t.get(x)?.contiguous()?);
+            }
+            if let Some(t) = &db {
+                weights.insert(crate::moe::MoeNames::bias_of(&d), t.get(x)?.contiguous()?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The inverse of [`split_gpt_oss_experts`] (written dense, as transformers saves a
+/// dequantized model): each layer's experts fused after its router (the model lists the
+/// router first), the router under its file name, the rest in order.
+fn fuse_gpt_oss_experts(
+    cfg: &ModelConfig,
+    weights: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    use crate::moe::MoeNames;
+    let Some(m) = &cfg.moe else {
+        return Ok(weights);
+    };
+    let names = MoeNames::of(cfg.arch);
+    let mut map: std::collections::HashMap<String, Tensor> = weights.iter().cloned().collect();
+    let mut layer_of = std::collections::HashMap::new();
+    for i in 0..cfg.num_hidden_layers {
+        layer_of.insert(names.router(i), i);
+    }
+    let mut out = Vec::with_capacity(weights.len());
+    for (k, _) in &weights {
+        if !map.contains_key(k) {
+            continue; // an expert's part or the router's bias: written with the router
+        }
+        let Some(&i) = layer_of.get(k) else {
+            out.push((k.clone(), map.remove(k).expect("checked above")));
+            continue;
+        };
+        let mut fetch = |n: &str| -> Result<Tensor> {
+            map.remove(n)
+                .ok_or_else(|| candle_core::Error::msg(format!("weight `{n}` is missing")))
+        };
+        let router = names.router(i);
+        out.push((
+            format!("model.layers.{i}.mlp.router.weight"),
+            fetch(&router)?,
+        ));
+        out.push((
+            format!("model.layers.{i}.mlp.router.bias"),
+            fetch(&MoeNames::bias_of(&router))?,
+        ));
+        let (mut gate_up, mut gate_up_bias, mut down, mut down_bias) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for x in 0..m.num_experts {
+            let [g, u, d] = names.expert(i, x);
+            // Gate and up rows interleaved: (width, 2, …) flattened.
+            let interleave = |a: Tensor, b: Tensor| -> Result<Tensor> {
+                let t = Tensor::stack(&[a, b], 1)?;
+                let mut dims = t.dims().to_vec();
+                dims[0] *= 2;
+                dims.remove(1);
+                t.reshape(dims)
+            };
+            let gu = interleave(fetch(&g)?, fetch(&u)?)?;
+            gate_up.push(gu.t()?);
+            gate_up_bias.push(interleave(
+                fetch(&MoeNames::bias_of(&g))?,
+                fetch(&MoeNames::bias_of(&u))?,
+            )?);
+            down.push(fetch(&d)?.t()?);
+            down_bias.push(fetch(&MoeNames::bias_of(&d))?);
+        }
+        let [gu, gub, dn, db] = gpt_oss_files(i);
+        out.push((gu, Tensor::stack(&gate_up, 0)?.contiguous()?));
+        out.push((gub, Tensor::stack(&gate_up_bias, 0)?));
+        out.push((dn, Tensor::stack(&down, 0)?.contiguous()?));
+        out.push((db, Tensor::stack(&down_bias, 0)?));
     }
     Ok(out)
 }

@@ -996,7 +996,8 @@ fn expert_peft_prefix(
 /// The experts' per-expert adapters ([`visit`]'s keys) stacked as PEFT's ParamWrapper holds
 /// them: `lora_A` `(r · experts, in)` with expert `e`'s rows at `e·r…`, `lora_B`
 /// `(out, r · experts)` whose column `j·experts + e` is expert `e`'s column `j`; `gate_up_proj`'s
-/// `B` rows are the gate's, then the up's.
+/// `B` rows are the gate's, then the up's (gpt-oss's alternate, gate first, as its fused
+/// `gate_up_proj`'s outputs do).
 fn stack_expert_adapters(
     cfg: &crate::config::ModelConfig,
     map: &mut HashMap<String, Tensor>,
@@ -1026,7 +1027,14 @@ fn stack_expert_adapters(
                     .iter()
                     .map(|part| take(format!("{p}.{e}.{part}.lora_B.weight")))
                     .collect::<Result<Vec<_>>>()?;
-                b.push(Tensor::cat(&rows, 0)?);
+                b.push(match cfg.arch.interleaved_gate_up() && rows.len() > 1 {
+                    // gpt-oss's gate and up outputs alternate.
+                    true => {
+                        let (out, r) = rows[0].dims2()?;
+                        Tensor::stack(&rows, 1)?.reshape((rows.len() * out, r))?
+                    }
+                    false => Tensor::cat(&rows, 0)?,
+                });
             }
             let b = Tensor::stack(&b, 2)?;
             let (out, r, e) = b.dims3()?;
@@ -1111,10 +1119,15 @@ fn split_expert_adapters(
                 let parts = expert_parts(param);
                 let rows = out / parts.len();
                 for (j, part) in parts.iter().enumerate() {
-                    map.insert(
-                        format!("{p}.{e}.{part}.lora_B.weight"),
-                        be.narrow(0, j * rows, rows)?.contiguous()?,
-                    );
+                    let bj = match cfg.arch.interleaved_gate_up() {
+                        // gpt-oss's gate and up outputs alternate.
+                        true => be
+                            .reshape((rows, parts.len(), r))?
+                            .narrow(1, j, 1)?
+                            .squeeze(1)?,
+                        false => be.narrow(0, j * rows, rows)?,
+                    };
+                    map.insert(format!("{p}.{e}.{part}.lora_B.weight"), bj.contiguous()?);
                 }
             }
         }

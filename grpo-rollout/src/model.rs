@@ -333,6 +333,9 @@ pub struct Layer {
     /// The mixture of experts in place of the MLP (gate, up and down then
     /// [`Linear::absent`]).
     pub moe: Option<Moe>,
+    /// gpt-oss's learned sink of each attention head `(heads,)`
+    /// ([`crate::fused::sink_attention`]).
+    pub sinks: Option<Tensor>,
 }
 
 impl Layer {
@@ -357,6 +360,7 @@ impl Layer {
         norms.extend(self.q_norm.iter().chain(self.k_norm.iter()));
         norms.extend(self.attn_out_norm.iter().chain(self.mlp_out_norm.iter()));
         out.extend(norms.iter().map(|n| n.weight.clone()));
+        out.extend(self.sinks.iter().cloned());
         let moe = self.moe.iter().flat_map(Moe::linears);
         for l in self.linears().into_iter().chain(moe) {
             out.push(l.weight.clone());
@@ -502,7 +506,7 @@ impl Layer {
         v: &Tensor,
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
-        let ctx = c.attention(q, k, v)?;
+        let ctx = self.attention(c, q, k, v)?;
         let x = match (&self.attn_out_norm, self.residual_scale) {
             (None, None) => self.o_proj.forward_residual(x, &ctx)?,
             (n, _) => (x + self.sublayer_out(n, self.o_proj.forward(&ctx)?)?)?,
@@ -520,6 +524,15 @@ impl Layer {
         match (&self.mlp_out_norm, self.residual_scale) {
             (None, None) => self.down_proj.forward_residual(&x, &act),
             (n, _) => &x + self.sublayer_out(n, self.down_proj.forward(&act)?)?,
+        }
+    }
+
+    /// The attention of `q` over `k`, `v` ([`LayerCtx::attention`], or with this layer's
+    /// sinks: [`crate::fused::sink_attention`]).
+    fn attention(&self, c: &LayerCtx, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        match &self.sinks {
+            Some(s) => crate::fused::sink_attention(q, k, v, &c.bias, c.scale, s),
+            None => c.attention(q, k, v),
         }
     }
 
@@ -542,6 +555,9 @@ impl Layer {
             crate::config::Activation::Silu => crate::fused::silu_mul(gate, up),
             // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
             crate::config::Activation::GeluPytorchTanh => gate.gelu()? * up,
+            crate::config::Activation::ClampedSwiglu { alpha, limit } => {
+                clamped_swiglu(gate, up, alpha, limit)
+            }
         }
     }
 
@@ -549,7 +565,8 @@ impl Layer {
     fn act_mul_packed(&self, gu: &Tensor) -> Result<Tensor> {
         match self.activation {
             crate::config::Activation::Silu => crate::fused::silu_mul_packed(gu),
-            crate::config::Activation::GeluPytorchTanh => {
+            crate::config::Activation::GeluPytorchTanh
+            | crate::config::Activation::ClampedSwiglu { .. } => {
                 let last = gu.rank() - 1;
                 let n = gu.dim(last)? / 2;
                 self.act_mul(&gu.narrow(last, 0, n)?, &gu.narrow(last, n, n)?)
@@ -580,11 +597,11 @@ impl Layer {
         next: &RmsNorm,
     ) -> Result<(Tensor, Tensor)> {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
-        // The cache kernel takes no soft cap (Gemma 2): its layers write the cache and attend
-        // apart.
+        // The cache kernel takes no soft cap (Gemma 2) and no sinks (gpt-oss): their layers
+        // write the cache and attend apart.
         let pack = self
             .packed(&self.qkv, &attn)
-            .filter(|_| c.softcap.is_none());
+            .filter(|_| c.softcap.is_none() && self.sinks.is_none());
         let ctx = match pack {
             Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
                 let shape = (c.b, c.l, c.nh + 2 * c.nkv, c.hd);
@@ -615,7 +632,7 @@ impl Layer {
                 let (q, k, v) = self.projections(c, h)?;
                 let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
                 let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
-                c.attention(&q, &k, &v)?
+                self.attention(c, &q, &k, &v)?
             }
         };
         let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
@@ -719,6 +736,7 @@ impl Layer {
             && self.mlp_out_norm.is_none()
             && self.residual_scale.is_none()
             && self.moe.is_none()
+            && self.sinks.is_none()
             && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
             && self.linears().iter().all(|l| l.lora.is_none())
@@ -1518,10 +1536,15 @@ impl Transformer {
             let moe = match cfg.moe.as_ref().filter(|m| m.sparse(i)) {
                 Some(m) => {
                     let names = MoeNames::of(cfg.arch);
+                    // gpt-oss biases its router and experts.
+                    let biased = cfg.arch.biased_experts();
                     let lin = |name: String, out: usize, inp: usize| -> Result<Linear> {
                         Ok(Linear {
                             weight: get(&name, &[out, inp])?,
-                            bias: None,
+                            bias: match biased {
+                                true => Some(get(&MoeNames::bias_of(&name), &[out])?),
+                                false => None,
+                            },
                             lora: None,
                             weight_t: None,
                         })
@@ -1607,6 +1630,13 @@ impl Transformer {
                 qkv: None,
                 gate_up: None,
                 moe,
+                sinks: match cfg.arch.attention_sinks() {
+                    true => Some(get(
+                        &format!("{p}.self_attn.sinks"),
+                        &[cfg.num_attention_heads],
+                    )?),
+                    false => None,
+                },
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -1678,6 +1708,9 @@ impl Transformer {
             lin(&mut out, format!("{p}.self_attn.k_proj"), &layer.k_proj);
             lin(&mut out, format!("{p}.self_attn.v_proj"), &layer.v_proj);
             lin(&mut out, format!("{p}.self_attn.o_proj"), &layer.o_proj);
+            if let Some(s) = &layer.sinks {
+                out.push((format!("{p}.self_attn.sinks"), s.clone()));
+            }
             if let Some(n) = &layer.q_norm {
                 out.push((format!("{p}.self_attn.q_norm.weight"), n.weight.clone()));
             }
@@ -1703,10 +1736,18 @@ impl Transformer {
                 continue;
             };
             let names = MoeNames::of(self.cfg.arch);
-            out.push((names.router(i), m.router.weight.clone()));
+            let with_bias = |out: &mut Vec<(String, Tensor)>, name: String, l: &Linear| {
+                let bias = l
+                    .bias
+                    .as_ref()
+                    .map(|b| (MoeNames::bias_of(&name), b.clone()));
+                out.push((name, l.weight.clone()));
+                out.extend(bias);
+            };
+            with_bias(&mut out, names.router(i), &m.router);
             let mut expert = |n: [String; 3], e: &Expert| {
                 for (name, l) in n.into_iter().zip(e.linears()) {
-                    out.push((name, l.weight.clone()));
+                    with_bias(&mut out, name, l);
                 }
             };
             for (e, x) in m.experts.iter().enumerate() {
@@ -1767,6 +1808,7 @@ impl Transformer {
                     qkv,
                     gate_up,
                     moe: l.moe.as_ref().map(|m| m.map(f)).transpose()?,
+                    sinks: l.sinks.as_ref().map(f).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -3146,4 +3188,14 @@ fn causal_blocked(l: usize, device: &Device) -> Result<Tensor> {
 /// The mask value used for masked attention scores in `dtype`.
 pub fn attention_mask_value(dtype: DType) -> f64 {
     mask_value(dtype)
+}
+
+/// gpt-oss's clamped SwiGLU of an expert's `gate` and `up` ([`crate::config::Activation`]):
+/// `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, `(u + 1) · g · sigmoid(alpha · g)`,
+/// as transformers' `GptOssExperts._apply_gate` (a clamped value passes no gradient).
+pub fn clamped_swiglu(gate: &Tensor, up: &Tensor, alpha: f64, limit: f64) -> Result<Tensor> {
+    let g = gate.minimum(limit)?;
+    let u = up.clamp(-limit, limit)?;
+    let sig = (g.affine(-alpha, 0.0)?.exp()? + 1.0)?.recip()?;
+    (u + 1.0)? * (g * sig)?
 }

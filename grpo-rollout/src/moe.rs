@@ -1,4 +1,4 @@
-//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE): the MoE MLP that takes a dense MLP's
+//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE, gpt-oss): the MoE MLP that takes a dense MLP's
 //! place in a decoder layer ([`Moe`]), its checkpoints' names ([`MoeNames`]), and the
 //! load-balancing loss TRL adds to an MoE model's training loss ([`AuxCollector`]:
 //! transformers' `load_balancing_loss_func`, its gradient given to each layer's router in the
@@ -15,10 +15,11 @@ use crate::model::{Linear, map_linear};
 
 /// The tensor names of an MoE layer in the model: as its family's checkpoints store them
 /// (transformers 5 writes this per-expert layout too, and fuses the experts only in memory),
-/// Granite MoE's split from its fused files ([`crate::layout`]).
+/// Granite MoE's and gpt-oss's split from their fused files ([`crate::layout`]).
 #[derive(Debug, Clone, Copy)]
 pub struct MoeNames {
     block: &'static str,
+    router: &'static str,
     parts: [&'static str; 3],
 }
 
@@ -30,14 +31,22 @@ impl MoeNames {
         match arch {
             Arch::Mixtral => MoeNames {
                 block: "block_sparse_moe",
+                router: "gate",
                 parts: ["w1", "w3", "w2"],
             },
             Arch::GraniteMoe => MoeNames {
                 block: "block_sparse_moe",
+                router: "gate",
+                parts: ["gate_proj", "up_proj", "down_proj"],
+            },
+            Arch::GptOss => MoeNames {
+                block: "mlp",
+                router: "router",
                 parts: ["gate_proj", "up_proj", "down_proj"],
             },
             _ => MoeNames {
                 block: "mlp",
+                router: "gate",
                 parts: ["gate_proj", "up_proj", "down_proj"],
             },
         }
@@ -45,7 +54,7 @@ impl MoeNames {
 
     /// The router's weight `(experts, hidden)`.
     pub fn router(&self, layer: usize) -> String {
-        format!("model.layers.{layer}.{}.gate.weight", self.block)
+        format!("model.layers.{layer}.{}.{}.weight", self.block, self.router)
     }
 
     /// Expert `e`'s gate, up and down weights.
@@ -63,6 +72,11 @@ impl MoeNames {
     /// Qwen2-MoE's shared expert's gate `(1, hidden)`.
     pub fn shared_gate(&self, layer: usize) -> String {
         format!("model.layers.{layer}.mlp.shared_expert_gate.weight")
+    }
+
+    /// The bias of the map whose weight is `weight` (gpt-oss's router and experts).
+    pub fn bias_of(weight: &str) -> String {
+        format!("{}.bias", weight.strip_suffix(".weight").unwrap_or(weight))
     }
 }
 
