@@ -1400,8 +1400,16 @@ impl ModelConfig {
             "use_cache": true,
         });
         let obj = v.as_object_mut().expect("a JSON object");
-        if let Some(s) = &self.rope_scaling {
-            obj.insert("rope_scaling".into(), s.to_hf_json());
+        match &self.rope_scaling {
+            Some(s) => {
+                obj.insert("rope_scaling".into(), s.to_hf_json());
+            }
+            // gpt-oss's default is YaRN: an unscaled RoPE is written as such.
+            None if self.arch == Arch::GptOss => {
+                let plain = serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
+                obj.insert("rope_scaling".into(), plain);
+            }
+            None => {}
         }
         if let Some(r) = self.initializer_range {
             obj.insert("initializer_range".into(), r.into());

@@ -816,3 +816,165 @@ fn exaone4_layer_patterns() {
     let c = cfg("LLG".into()).unwrap();
     assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
 }
+
+/// gpt-oss's files keep the experts fused and transposed (`gate_up_proj` `(experts, hidden,
+/// 2 · width)`, gate and up columns alternating) with the router as `mlp.router`: a model saved
+/// and read back is the one loaded, tensor for tensor. Its MXFP4 form (OpenAI's checkpoints) is
+/// saved dense, as transformers saves a dequantized model: no blocks, no quantization_config,
+/// the same log-probs read back.
+#[test]
+fn gpt_oss_saves_its_fused_layout_and_mxfp4_dense() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["gptoss"], tmp.path());
+    let out = tmp.path().join("saved");
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+    let saved = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu).unwrap();
+    let original =
+        grpo_rollout::loader::read_safetensors(&fixtures().join("arch-gptoss-micro"), &Device::Cpu)
+            .unwrap();
+    same_tensors(&saved, &original, "gpt-oss");
+    assert_eq!(
+        saved["model.layers.1.mlp.experts.gate_up_proj"].dims(),
+        &[4, 32, 128]
+    );
+    let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(back.model.cfg, m.model.cfg);
+    assert_eq!(logprobs(&back.model, &r), logprobs(&m.model, &r));
+
+    let q = load_case(&r["cases"]["gptoss-mxfp4"], tmp.path());
+    let out = tmp.path().join("saved-mxfp4");
+    grpo_rollout::save_hf_dir(&q.model, &q.tokenizer, &out, DType::F32).unwrap();
+    let saved = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu).unwrap();
+    assert!(saved.keys().all(|k| !k.ends_with("_blocks") && !k.ends_with("_scales")));
+    assert!(saved.contains_key("model.layers.0.mlp.experts.down_proj"));
+    let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(!cfg.contains("quantization_config"), "{cfg}");
+    let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(logprobs(&back.model, &r), logprobs(&q.model, &r));
+}
+
+/// MXFP4 as transformers reads it: two FP4 (E2M1) codes a byte, the low nibble first, each
+/// group of 32 times `2^(scale − 127)`; blocks and scales that do not fit, or are not uint8,
+/// are errors naming the weight.
+#[test]
+fn mxfp4_dequantizes_as_transformers_does() {
+    use grpo_rollout::layout::dequantize_mxfp4;
+    // Two rows of one group: codes 0..16 then 16..32 (as bytes lo | hi << 4).
+    let mut bytes = Vec::new();
+    for row in 0..2u8 {
+        for j in 0..16u8 {
+            let lo = (2 * j) % 16;
+            let hi = (2 * j + 1 + row) % 16;
+            bytes.push(lo | (hi << 4));
+        }
+    }
+    let blocks = Tensor::from_vec(bytes, (2, 1, 16), &Device::Cpu).unwrap();
+    let scales = Tensor::from_vec(vec![127u8, 129], (2, 1), &Device::Cpu).unwrap();
+    let w: Vec<Vec<f32>> = dequantize_mxfp4(&blocks, &scales, "w")
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let fp4 = [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    ];
+    for (row, scale) in [(0usize, 1.0f32), (1, 4.0)] {
+        for j in 0..16 {
+            assert_eq!(w[row][2 * j], fp4[(2 * j) % 16] * scale, "row {row} value {}", 2 * j);
+            let hi = (2 * j + 1 + row) % 16;
+            assert_eq!(w[row][2 * j + 1], fp4[hi] * scale, "row {row} value {}", 2 * j + 1);
+        }
+    }
+    // Exponents at both ends: 2^-127 (a subnormal f32) and 2^127.
+    let one = Tensor::from_vec(vec![0x22u8; 16], (1, 1, 16), &Device::Cpu).unwrap();
+    for (s, want) in [(0u8, 2f32.powi(-127)), (254, 2f32.powi(127))] {
+        let sc = Tensor::from_vec(vec![s], (1, 1), &Device::Cpu).unwrap();
+        let v: Vec<f32> = dequantize_mxfp4(&one, &sc, "w")
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(v.iter().all(|x| *x == want), "scale {s}: {}", v[0]);
+    }
+    let bad = Tensor::from_vec(vec![127u8; 2], (1, 2), &Device::Cpu).unwrap();
+    let e = dequantize_mxfp4(&one, &bad, "weight `x_blocks`")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("weight `x_blocks`") && e.contains("do not fit"), "{e}");
+    let e = dequantize_mxfp4(&one.to_dtype(DType::F32).unwrap(), &bad, "w")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("uint8"), "{e}");
+}
+
+/// gpt-oss's clamped SwiGLU at hand-computed points: `(clamp(up) + 1) · g · sigmoid(1.702 g)`
+/// with `g = min(gate, 7)`; a clamped input passes no gradient, the others do.
+#[test]
+fn clamped_swiglu_values_and_gradients() {
+    use candle_core::Var;
+    let gate = Var::new(&[-1.0f64, 0.5, 8.0, 2.0], &Device::Cpu).unwrap();
+    let up = Var::new(&[-9.0f64, 0.2, 3.0, 7.5], &Device::Cpu).unwrap();
+    let y = grpo_rollout::model::clamped_swiglu(gate.as_tensor(), up.as_tensor(), 1.702, 7.0)
+        .unwrap();
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    let want: Vec<f64> = [(-1.0, -7.0), (0.5, 0.2), (7.0, 3.0), (2.0, 7.0)]
+        .iter()
+        .map(|(g, u): &(f64, f64)| (u + 1.0) * g * sig(1.702 * g))
+        .collect();
+    let got: Vec<f64> = y.to_vec1().unwrap();
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() < 1e-12, "{got:?} vs {want:?}");
+    }
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    let gg: Vec<f64> = grads.get(gate.as_tensor()).unwrap().to_vec1().unwrap();
+    let gu: Vec<f64> = grads.get(up.as_tensor()).unwrap().to_vec1().unwrap();
+    // d/d up = g · sigmoid(alpha g) where up is inside the clamp; 0 where it is clamped.
+    assert_eq!(gu[0], 0.0);
+    assert_eq!(gu[3], 0.0);
+    assert!((gu[1] - 0.5 * sig(1.702 * 0.5)).abs() < 1e-12);
+    // d/d gate = (u + 1)(sigmoid(a g) + a g sigmoid(a g)(1 − sigmoid(a g))); 0 above the limit.
+    assert_eq!(gg[2], 0.0);
+    let dg = |g: f64, u: f64| {
+        let s = sig(1.702 * g);
+        (u + 1.0) * (s + 1.702 * g * s * (1.0 - s))
+    };
+    assert!((gg[0] - dg(-1.0, -7.0)).abs() < 1e-12);
+    assert!((gg[1] - dg(0.5, 0.2)).abs() < 1e-12);
+}
+
+/// What gpt-oss's files can hold that the model does not read is refused by name: another
+/// quantization method, an MXFP4 weight without its scales, a GGUF export.
+#[test]
+fn gpt_oss_refusals_are_named() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut case = r["cases"]["gptoss"].clone();
+    case["config"] = serde_json::json!({"quantization_config": {"quant_method": "bitsandbytes"}});
+    let e = grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F32, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("quant_method `bitsandbytes`"), "{e}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let d = model_dir(&r["cases"]["gptoss-mxfp4"], tmp.path());
+    let f = d.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&f, &Device::Cpu).unwrap();
+    w.remove("model.layers.1.mlp.experts.down_proj_scales")
+        .unwrap();
+    candle_core::safetensors::save(&w, &f).unwrap();
+    let e = grpo_rollout::load(&d, DType::F32, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("`model.layers.1.mlp.experts.down_proj_scales` is missing"),
+        "{e}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["gptoss"], tmp.path());
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(e.contains("gpt-oss has no GGUF form"), "{e}");
+}

@@ -475,3 +475,103 @@ fn matmul_operands_follow_the_cublas_layout_rule() -> candle_core::Result<()> {
     assert_eq!(want, got);
     Ok(())
 }
+
+/// gpt-oss's attention with a learned sink per head: the recomputed node against the
+/// composition (values and the gradients of q, k, v and the sinks; grouped heads, a cached
+/// prefix, a fully masked row), the composition against the definition written out row by row
+/// (`exp(z_j) / (Σ exp(z) + exp(s_h))`), a sink far below every score giving plain attention,
+/// and the sinks' gradient against central differences.
+#[test]
+fn sink_attention_matches_its_definition() {
+    let (b, nh, nkv, l, s, d) = (3usize, 4usize, 2usize, 3usize, 5usize, 4usize);
+    for dtype in [DType::F64, DType::F32] {
+        let bias = causal_bias(b, l, s, 2, dtype);
+        let inputs = [
+            randn(&[b, nh, l, d], dtype),
+            randn(&[b, nkv, s, d], dtype),
+            randn(&[b, nkv, s, d], dtype),
+            randn(&[nh], dtype),
+        ];
+        let (m1, m2) = (bias.clone(), bias.clone());
+        check(
+            "sink attention",
+            &inputs,
+            &move |t| fused::sink_attention(&t[0], &t[1], &t[2], &m1, 0.4, &t[3]).unwrap(),
+            &move |t| fused::sink_attention_composed(&t[0], &t[1], &t[2], &m2, 0.4, &t[3]).unwrap(),
+            4,
+        );
+    }
+    // The definition, in f64 on the host.
+    let bias = causal_bias(b, l, s, 2, DType::F64);
+    let (q, k, v, sinks) = (
+        randn(&[b, nh, l, d], DType::F64),
+        randn(&[b, nkv, s, d], DType::F64),
+        randn(&[b, nkv, s, d], DType::F64),
+        randn(&[nh], DType::F64),
+    );
+    let out = fused::sink_attention(&q, &k, &v, &bias, 0.4, &sinks).unwrap();
+    assert_eq!(out.dims(), &[b * l, nh * d]);
+    let o: Vec<Vec<f64>> = out.to_vec2().unwrap();
+    let q4 = |t: &Tensor, i: usize, h: usize, r: usize| -> Vec<f64> {
+        t.get(i).unwrap().get(h).unwrap().get(r).unwrap().to_vec1().unwrap()
+    };
+    let sv: Vec<f64> = sinks.to_vec1().unwrap();
+    let bv: Vec<f64> = bias.flatten_all().unwrap().to_vec1().unwrap();
+    let mut worst = 0f64;
+    for i in 0..b {
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            for r in 0..l {
+                let qr = q4(&q, i, h, r);
+                let z: Vec<f64> = (0..s)
+                    .map(|j| {
+                        let kj = q4(&k, i, g, j);
+                        0.4 * qr.iter().zip(&kj).map(|(a, c)| a * c).sum::<f64>()
+                            + bv[(i * l + r) * s + j]
+                    })
+                    .collect();
+                let m = z.iter().copied().fold(sv[h], f64::max);
+                let den = z.iter().map(|x| (x - m).exp()).sum::<f64>() + (sv[h] - m).exp();
+                for c in 0..d {
+                    let want: f64 = (0..s)
+                        .map(|j| (z[j] - m).exp() / den * q4(&v, i, g, j)[c])
+                        .sum();
+                    worst = worst.max((o[i * l + r][h * d + c] - want).abs());
+                }
+            }
+        }
+    }
+    assert!(worst < 1e-12, "sink attention vs its definition: {worst}");
+    // A sink far below every score: plain attention (on the rows with a visible key; the
+    // fully masked row `l` — batch 1's first — gives the sink all its weight instead).
+    let low = Tensor::full(-1e4f64, nh, &Device::Cpu).unwrap();
+    let plain = fused::attention_composed(&q, &k, &v, &bias, 0.4).unwrap();
+    let seen = |t: &Tensor| {
+        let n = t.dim(0).unwrap();
+        Tensor::cat(&[t.narrow(0, 0, l).unwrap(), t.narrow(0, l + 1, n - l - 1).unwrap()], 0)
+            .unwrap()
+    };
+    let d0 = max_diff(
+        &seen(&fused::sink_attention(&q, &k, &v, &bias, 0.4, &low).unwrap()),
+        &seen(&plain),
+    );
+    assert!(d0 < 1e-12, "{d0}");
+    // ... and the sinks do move it.
+    assert!(max_diff(&out, &plain) > 1e-3);
+    // The sinks' gradient of Σ out · r against central differences.
+    let r = randn(out.dims(), DType::F64);
+    let f = |sk: &Tensor| -> f64 {
+        let y = fused::sink_attention(&q, &k, &v, &bias, 0.4, sk).unwrap();
+        (y * &r).unwrap().sum_all().unwrap().to_scalar().unwrap()
+    };
+    let var = Var::from_tensor(&sinks).unwrap();
+    let y = fused::sink_attention(&q, &k, &v, &bias, 0.4, var.as_tensor()).unwrap();
+    let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let g: Vec<f64> = grads.get(var.as_tensor()).unwrap().to_vec1().unwrap();
+    for h in 0..nh {
+        let e: Vec<f64> = (0..nh).map(|j| if j == h { 1e-6 } else { 0.0 }).collect();
+        let e = Tensor::new(e.as_slice(), &Device::Cpu).unwrap();
+        let fd = (f(&(&sinks + &e).unwrap()) - f(&(&sinks - &e).unwrap())) / 2e-6;
+        assert!((fd - g[h]).abs() < 1e-6 * fd.abs().max(1.0), "sink {h}: {fd} vs {}", g[h]);
+    }
+}

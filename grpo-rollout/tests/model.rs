@@ -44,11 +44,18 @@ fn cfg(arch: Arch) -> ModelConfig {
     if arch == Arch::Phi3 {
         c.sliding_window = Some(5); // beside 6 of 8 dimensions rotating (the preset's 0.75)
     }
+    if arch == Arch::GptOss {
+        c.sliding_window = Some(5); // on layer 0, beside a global layer 1
+        // Three of four experts a token: each expert gets rows of this small batch.
+        if let Some(m) = c.moe.as_mut() {
+            m.num_experts_per_tok = 3;
+        }
+    }
     c
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 17] = Arch::ALL;
+const ARCHES: [Arch; 18] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
