@@ -1406,7 +1406,8 @@ impl ModelConfig {
             }
             // gpt-oss's default is YaRN: an unscaled RoPE is written as such.
             None if self.arch == Arch::GptOss => {
-                let plain = serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
+                let plain =
+                    serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
                 obj.insert("rope_scaling".into(), plain);
             }
             None => {}
@@ -1776,5 +1777,64 @@ mod tests {
         assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3(s)) if s.factor == 8.0));
         assert_eq!(c.eos_token_ids, vec![1, 2]);
         assert_eq!(c.num_key_value_heads, 2);
+    }
+
+    /// openai/gpt-oss-20b's config.json (its MXFP4 `quantization_config` included): the
+    /// fields as transformers resolves them, and its 20,914,757,184 parameters.
+    #[test]
+    fn parses_gpt_oss_20b() {
+        let types: Vec<&str> = (0..24)
+            .map(|i| ["sliding_attention", "full_attention"][i % 2])
+            .collect();
+        let v = serde_json::json!({
+            "architectures": ["GptOssForCausalLM"], "attention_bias": true,
+            "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+            "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+            "initial_context_length": 4096, "initializer_range": 0.02,
+            "intermediate_size": 2880, "layer_types": types,
+            "max_position_embeddings": 131072, "model_type": "gpt_oss",
+            "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+            "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false,
+            "pad_token_id": 199999,
+            "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+                "quant_method": "mxfp4"},
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                "truncate": false},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+            "swiglu_limit": 7.0, "tie_word_embeddings": false, "use_cache": true,
+            "vocab_size": 201088
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.arch, Arch::GptOss);
+        assert_eq!(c.num_parameters(), 20_914_757_184);
+        assert!(c.attention_bias && !c.tie_word_embeddings);
+        assert_eq!(c.sliding_window, Some(128));
+        assert!((0..24).all(|i| c.windowed(i) == (i % 2 == 0)));
+        assert_eq!(
+            c.activation,
+            Activation::ClampedSwiglu {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        let Some(RopeScaling::Yarn(y)) = c.rope_scaling else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert!(!y.truncate && y.factor == 32.0 && y.original_max_position_embeddings == 4096);
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.num_experts_per_tok), (32, 4));
+        assert_eq!(m.moe_intermediate_size, 2880);
+        assert!(m.norm_topk_prob);
+        assert_eq!(m.router_aux_loss_coef, 0.9);
+        // What it writes reads back the same.
+        assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+        // Another quantization method is refused by name.
+        let mut q = v.clone();
+        q["quantization_config"]["quant_method"] = "fp8".into();
+        let e = ModelConfig::from_hf_json(&q).unwrap_err().to_string();
+        assert!(e.contains("quant_method `fp8`"), "{e}");
     }
 }

@@ -20,7 +20,9 @@ use serde_json::Value;
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// The text of the turn.
+    /// The text of the turn: empty when the message has none (`null`, or no `content` key:
+    /// an assistant turn of tool calls only, as OpenAI's format and gpt-oss's datasets write it).
+    #[serde(default, deserialize_with = "null_as_empty")]
     pub content: String,
     /// An assistant turn's tool calls (transformers' `tool_calls`: templates with tool support
     /// render them). A multi-turn episode keeps the model's turn as the text it sampled
@@ -37,6 +39,11 @@ pub struct ChatMessage {
     /// `reasoning_content`, or `tool_calls` in the dataset's own shape).
     #[serde(flatten, default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, Value>,
+}
+
+/// A string, with `null` read as empty.
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.unwrap_or_default())
 }
 
 impl ChatMessage {
@@ -761,6 +768,26 @@ mod tests {
     use super::*;
 
     const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    /// An assistant turn of tool calls only has no `content` (or a null one), as OpenAI's
+    /// format writes it: read as empty, its calls and reasoning kept.
+    #[test]
+    fn messages_without_content_read_as_empty() {
+        let m: Vec<ChatMessage> = serde_json::from_str(
+            r#"[{"role": "assistant", "thinking": "look it up",
+                 "tool_calls": [{"type": "function",
+                                 "function": {"name": "f", "arguments": {"x": 1}}}]},
+                {"role": "assistant", "content": null}]"#,
+        )
+        .unwrap();
+        assert_eq!(m[0].content, "");
+        assert_eq!(m[0].tool_calls.as_ref().unwrap()[0].function.name, "f");
+        assert_eq!(m[0].extra["thinking"], "look it up");
+        assert_eq!(m[1].content, "");
+        // A content of another type is still an error.
+        let e = serde_json::from_str::<ChatMessage>(r#"{"role": "user", "content": 3}"#);
+        assert!(e.is_err());
+    }
 
     #[test]
     fn chatml_renders_like_transformers() {

@@ -846,7 +846,11 @@ fn gpt_oss_saves_its_fused_layout_and_mxfp4_dense() {
     let out = tmp.path().join("saved-mxfp4");
     grpo_rollout::save_hf_dir(&q.model, &q.tokenizer, &out, DType::F32).unwrap();
     let saved = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu).unwrap();
-    assert!(saved.keys().all(|k| !k.ends_with("_blocks") && !k.ends_with("_scales")));
+    assert!(
+        saved
+            .keys()
+            .all(|k| !k.ends_with("_blocks") && !k.ends_with("_scales"))
+    );
     assert!(saved.contains_key("model.layers.0.mlp.experts.down_proj"));
     let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
     assert!(!cfg.contains("quantization_config"), "{cfg}");
@@ -880,9 +884,19 @@ fn mxfp4_dequantizes_as_transformers_does() {
     ];
     for (row, scale) in [(0usize, 1.0f32), (1, 4.0)] {
         for j in 0..16 {
-            assert_eq!(w[row][2 * j], fp4[(2 * j) % 16] * scale, "row {row} value {}", 2 * j);
+            assert_eq!(
+                w[row][2 * j],
+                fp4[(2 * j) % 16] * scale,
+                "row {row} value {}",
+                2 * j
+            );
             let hi = (2 * j + 1 + row) % 16;
-            assert_eq!(w[row][2 * j + 1], fp4[hi] * scale, "row {row} value {}", 2 * j + 1);
+            assert_eq!(
+                w[row][2 * j + 1],
+                fp4[hi] * scale,
+                "row {row} value {}",
+                2 * j + 1
+            );
         }
     }
     // Exponents at both ends: 2^-127 (a subnormal f32) and 2^127.
@@ -901,7 +915,10 @@ fn mxfp4_dequantizes_as_transformers_does() {
     let e = dequantize_mxfp4(&one, &bad, "weight `x_blocks`")
         .unwrap_err()
         .to_string();
-    assert!(e.contains("weight `x_blocks`") && e.contains("do not fit"), "{e}");
+    assert!(
+        e.contains("weight `x_blocks`") && e.contains("do not fit"),
+        "{e}"
+    );
     let e = dequantize_mxfp4(&one.to_dtype(DType::F32).unwrap(), &bad, "w")
         .unwrap_err()
         .to_string();
@@ -915,8 +932,8 @@ fn clamped_swiglu_values_and_gradients() {
     use candle_core::Var;
     let gate = Var::new(&[-1.0f64, 0.5, 8.0, 2.0], &Device::Cpu).unwrap();
     let up = Var::new(&[-9.0f64, 0.2, 3.0, 7.5], &Device::Cpu).unwrap();
-    let y = grpo_rollout::model::clamped_swiglu(gate.as_tensor(), up.as_tensor(), 1.702, 7.0)
-        .unwrap();
+    let y =
+        grpo_rollout::model::clamped_swiglu(gate.as_tensor(), up.as_tensor(), 1.702, 7.0).unwrap();
     let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
     let want: Vec<f64> = [(-1.0, -7.0), (0.5, 0.2), (7.0, 3.0), (2.0, 7.0)]
         .iter()

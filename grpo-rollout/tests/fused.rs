@@ -513,7 +513,14 @@ fn sink_attention_matches_its_definition() {
     assert_eq!(out.dims(), &[b * l, nh * d]);
     let o: Vec<Vec<f64>> = out.to_vec2().unwrap();
     let q4 = |t: &Tensor, i: usize, h: usize, r: usize| -> Vec<f64> {
-        t.get(i).unwrap().get(h).unwrap().get(r).unwrap().to_vec1().unwrap()
+        t.get(i)
+            .unwrap()
+            .get(h)
+            .unwrap()
+            .get(r)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
     };
     let sv: Vec<f64> = sinks.to_vec1().unwrap();
     let bv: Vec<f64> = bias.flatten_all().unwrap().to_vec1().unwrap();
@@ -548,8 +555,14 @@ fn sink_attention_matches_its_definition() {
     let plain = fused::attention_composed(&q, &k, &v, &bias, 0.4).unwrap();
     let seen = |t: &Tensor| {
         let n = t.dim(0).unwrap();
-        Tensor::cat(&[t.narrow(0, 0, l).unwrap(), t.narrow(0, l + 1, n - l - 1).unwrap()], 0)
-            .unwrap()
+        Tensor::cat(
+            &[
+                t.narrow(0, 0, l).unwrap(),
+                t.narrow(0, l + 1, n - l - 1).unwrap(),
+            ],
+            0,
+        )
+        .unwrap()
     };
     let d0 = max_diff(
         &seen(&fused::sink_attention(&q, &k, &v, &bias, 0.4, &low).unwrap()),
@@ -572,6 +585,10 @@ fn sink_attention_matches_its_definition() {
         let e: Vec<f64> = (0..nh).map(|j| if j == h { 1e-6 } else { 0.0 }).collect();
         let e = Tensor::new(e.as_slice(), &Device::Cpu).unwrap();
         let fd = (f(&(&sinks + &e).unwrap()) - f(&(&sinks - &e).unwrap())) / 2e-6;
-        assert!((fd - g[h]).abs() < 1e-6 * fd.abs().max(1.0), "sink {h}: {fd} vs {}", g[h]);
+        assert!(
+            (fd - g[h]).abs() < 1e-6 * fd.abs().max(1.0),
+            "sink {h}: {fd} vs {}",
+            g[h]
+        );
     }
 }
