@@ -62,6 +62,13 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     checkpoints hold them (`*_blocks`, `*_scales`, `quantization_config.quant_method` mxfp4),
     which transformers dequantizes on load: as it is.
 
+  * arch-glm-micro (GlmForCausalLM, 2 layers, untied, head_dim 8; fused gate_up_proj; RoPE on
+    adjacent pairs of the first half of each head): as it is, every dimension rotating
+    (`partial_rotary_factor` 1), without the q/k/v biases (`attention_bias` false: the file's
+    biases left out);
+  * arch-glm4-micro (Glm4ForCausalLM, the same with the sublayers' output norms, drawn around 1):
+    as it is, three quarters rotating, linear RoPE scaling.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -260,6 +267,31 @@ MODELS = {
             "gptoss-mxfp4": {},
         },
     ),
+    "arch-glm-micro": (
+        "glm",
+        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, partial_rotary_factor=0.5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {
+            "glm": {},
+            "glm-full-rotary": {"partial_rotary_factor": 1.0,
+                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 1.0}},
+            "glm-no-bias": {"attention_bias": False},
+        },
+    ),
+    "arch-glm4-micro": (
+        "glm4",
+        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, partial_rotary_factor=0.5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {
+            "glm4": {},
+            "glm4-three-quarters": {"partial_rotary_factor": 0.75,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.75}},
+            "glm4-linear": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5}},
+        },
+    ),
 }
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -330,7 +362,7 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
-            elif model_type in ("olmo2", "olmoe", "exaone4"):
+            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4"):
                 p.normal_(1, 0.3)
     model.save_pretrained(path)
     if path.endswith("mxfp4-micro"):

@@ -13,6 +13,10 @@ arch reference's rows (last T tokens, left-padded, float32) written to
 
     python3 scripts/gen_phi3_peft_reference.py
     python3 scripts/gen_phi3_peft_reference.py check ADAPTER_DIR   # peft's log-probs of an adapter we saved
+
+With FAMILY=glm4 the same for GLM-4-0414's fused `gate_up_proj` (q, k, v apart, their rows in
+the interleaved order the model reorders): the base arch-glm4-micro with the
+`glm4-three-quarters` config, adapters under `fixtures/peft-glm4/`.
 """
 import json
 import os
@@ -32,10 +36,12 @@ from gen_arch_reference import rows_logprobs as logprobs  # noqa: E402  (its row
 from gen_peft_fixtures import randomize  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "grpo-rollout", "tests", "fixtures")
-OUT = os.path.join(ROOT, "peft-phi3")
+GLM = os.environ.get("FAMILY") == "glm4"
+MODEL = "arch-glm4-micro" if GLM else "arch-phi3-micro"
+OUT = os.path.join(ROOT, "peft-glm4" if GLM else "peft-phi3")
 with open(os.path.join(ROOT, "arch_reference.json")) as f:
     ARCH = json.load(f)
-CHANGE = ARCH["cases"]["phi3-longrope-partial"]["config"]
+CHANGE = ARCH["cases"]["glm4-three-quarters" if GLM else "phi3-longrope-partial"]["config"]
 COMMON = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0)
 CASES = {
     "all_linear": dict(target_modules="all-linear"),
@@ -43,11 +49,18 @@ CASES = {
     "patterns": dict(target_modules=["qkv_proj", "down_proj"], use_rslora=True,
                                rank_pattern={"qkv_proj": 2}, alpha_pattern={"down_proj": 3}),
 }
+if GLM:
+    CASES = {
+        "all_linear": dict(target_modules="all-linear"),
+        "dora_fused": dict(target_modules=["q_proj", "k_proj", "gate_up_proj"], use_dora=True),
+        "patterns": dict(target_modules=["k_proj", "gate_up_proj", "down_proj"], use_rslora=True,
+                         rank_pattern={"gate_up_proj": 2}, alpha_pattern={"down_proj": 3}),
+    }
 
 
 def base_dir(tmp):
     d = os.path.join(tmp, "base")
-    shutil.copytree(os.path.join(ROOT, "arch-phi3-micro"), d, dirs_exist_ok=True)
+    shutil.copytree(os.path.join(ROOT, MODEL), d, dirs_exist_ok=True)
     with open(os.path.join(d, "config.json")) as f:
         cfg = json.load(f)
     cfg.update(CHANGE)
@@ -81,7 +94,7 @@ def generate():
             cfg_path = os.path.join(path, "adapter_config.json")
             with open(cfg_path) as f:
                 saved = json.load(f)
-            saved["base_model_name_or_path"] = "arch-phi3-micro"
+            saved["base_model_name_or_path"] = MODEL
             with open(cfg_path, "w") as f:
                 json.dump(saved, f, indent=2, sort_keys=True)
             pm, bad = load_adapted(tmp, path)

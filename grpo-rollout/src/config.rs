@@ -79,6 +79,14 @@ pub enum Arch {
     /// dequantized on load ([`crate::layout`]).
     #[serde(rename = "gpt_oss")]
     GptOss,
+    /// Zhipu GLM-4 (`glm`, glm-4-9b-chat-hf, glm-edge): q/k/v biased (`attention_bias`), gate
+    /// and up stored as one `gate_up_proj` (split on load, joined on save: [`crate::layout`]),
+    /// RoPE on adjacent pairs of the first half of each head (`partial_rotary_factor` 0.5).
+    Glm,
+    /// Zhipu GLM-4-0414 (`glm4`, GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): GLM's layers with each
+    /// sublayer's output normalised before its residual add (`post_self_attn_layernorm`,
+    /// `post_mlp_layernorm`) beside the pre-norms.
+    Glm4,
 }
 
 /// The MLP's gate activation.
@@ -102,7 +110,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 18] = [
+    pub const ALL: [Arch; 20] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -121,6 +129,8 @@ impl Arch {
         Arch::Ernie45,
         Arch::Exaone4,
         Arch::GptOss,
+        Arch::Glm,
+        Arch::Glm4,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -144,6 +154,8 @@ impl Arch {
             Arch::Ernie45 => "ernie4_5",
             Arch::Exaone4 => "exaone4",
             Arch::GptOss => "gpt_oss",
+            Arch::Glm => "glm",
+            Arch::Glm4 => "glm4",
         }
     }
 
@@ -220,6 +232,12 @@ impl Arch {
         )
     }
 
+    /// Whether each sublayer's output is normalised before its residual add (Gemma, OLMo 2,
+    /// EXAONE 4, GLM-4-0414).
+    pub fn output_norms(self) -> bool {
+        self.gemma() || self.post_norms_only() || self == Arch::Glm4
+    }
+
     /// Whether the layers have no pre-norms and normalise each sublayer's output before its
     /// residual add (OLMo 2, EXAONE 4).
     pub fn post_norms_only(self) -> bool {
@@ -243,9 +261,15 @@ impl Arch {
     }
 
     /// Whether transformers rotates adjacent pairs `(2i, 2i + 1)` of each head (GLM's
-    /// `rotate_half`: ERNIE 4.5), not `(i, i + head_dim / 2)`.
+    /// `rotate_half`: ERNIE 4.5, GLM), not `(i, i + head_dim / 2)`.
     pub fn interleaved_rope(self) -> bool {
-        self == Arch::Ernie45
+        matches!(self, Arch::Ernie45 | Arch::Glm | Arch::Glm4)
+    }
+
+    /// GLM or GLM-4-0414: gate and up fused in `gate_up_proj` (q, k, v apart), half of each
+    /// head rotating by default.
+    pub fn glm(self) -> bool {
+        matches!(self, Arch::Glm | Arch::Glm4)
     }
 
     /// Gemma 2 or 3: `1 + w` RMSNorms, the sublayers' outputs normalised, embeddings scaled
@@ -275,11 +299,13 @@ impl Arch {
             "ernie4_5" => Ok(Arch::Ernie45),
             "exaone4" => Ok(Arch::Exaone4),
             "gpt_oss" => Ok(Arch::GptOss),
+            "glm" => Ok(Arch::Glm),
+            "glm4" => Ok(Arch::Glm4),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4"
             ),
         }
     }
@@ -870,7 +896,7 @@ impl ModelConfig {
             .map(|x| x as usize)
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
-                Arch::Qwen3 | Arch::Ernie45 => 128,
+                Arch::Qwen3 | Arch::Ernie45 | Arch::Glm | Arch::Glm4 => 128,
                 // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
                 Arch::Gemma2 | Arch::Gemma3 => 256,
                 Arch::GptOss => 64,
@@ -932,7 +958,7 @@ impl ModelConfig {
                     32768
                 }
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
-                Arch::Ernie45 | Arch::GptOss => 131_072,
+                Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 => 131_072,
                 Arch::Gemma2 => 8192,
             }) as usize;
         let mut rope_dict = v
@@ -972,11 +998,15 @@ impl ModelConfig {
                     .and_then(|d| d.get("partial_rotary_factor"))
             })
             .and_then(Value::as_f64)
+            // GLM's default: half of each head rotates.
+            .or(arch.glm().then_some(0.5))
             .filter(|p| *p != 1.0);
         if let Some(p) = partial_rotary_factor
-            && arch != Arch::Phi3
+            && !(arch == Arch::Phi3 || arch.glm())
         {
-            bail!("partial_rotary_factor = {p} is not supported for {model_type} (only phi3's)");
+            bail!(
+                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's and glm4's)"
+            );
         }
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
         // What these architectures may switch that the model does not implement: refused by
@@ -1098,7 +1128,14 @@ impl ModelConfig {
                 .collect()
         });
         let sliding_layers: Vec<usize> = match arch {
-            Arch::Llama | Arch::Granite | Arch::GraniteMoe | Arch::Ernie45 => Vec::new(),
+            // No window in these families' attention (a stray `sliding_window` is ignored, as
+            // transformers ignores it).
+            Arch::Llama
+            | Arch::Granite
+            | Arch::GraniteMoe
+            | Arch::Ernie45
+            | Arch::Glm
+            | Arch::Glm4 => Vec::new(),
             // Qwen3-MoE's window (when switched on) is on every layer.
             Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
@@ -1177,6 +1214,8 @@ impl ModelConfig {
                     | Arch::Ernie45
                     | Arch::Exaone4
                     | Arch::GptOss => 1e-5,
+                    // GlmConfig's and Glm4Config's.
+                    Arch::Glm | Arch::Glm4 => 1.5625e-7,
                     _ => 1e-6,
                 }),
             rope_theta,
@@ -1197,8 +1236,8 @@ impl ModelConfig {
                 Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => false,
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
-                // gpt-oss's default biases q, k, v and o.
-                Arch::GptOss => flag("attention_bias", true),
+                // gpt-oss's default biases q, k, v and o; GLM's q, k and v.
+                Arch::GptOss | Arch::Glm | Arch::Glm4 => flag("attention_bias", true),
                 Arch::Llama
                 | Arch::Granite
                 | Arch::GraniteMoe
@@ -1298,7 +1337,7 @@ impl ModelConfig {
                 self.mlp_bias
             );
         }
-        if self.arch.interleaved_rope() && self.partial_rotary_factor.is_some() {
+        if self.arch == Arch::Ernie45 && self.partial_rotary_factor.is_some() {
             bail!(
                 "partial_rotary_factor is not supported with {}'s interleaved RoPE",
                 self.arch.as_str()
@@ -1378,6 +1417,8 @@ impl ModelConfig {
                     Arch::Ernie45 => "Ernie4_5",
                     Arch::Exaone4 => "Exaone4",
                     Arch::GptOss => "GptOss",
+                    Arch::Glm => "Glm",
+                    Arch::Glm4 => "Glm4",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1431,6 +1472,8 @@ impl ModelConfig {
                 | Arch::Olmo2
                 | Arch::Olmoe
                 | Arch::GptOss
+                | Arch::Glm
+                | Arch::Glm4
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -1497,8 +1540,15 @@ impl ModelConfig {
                 l.original_max_position_embeddings.into(),
             );
         }
-        if let Some(p) = self.partial_rotary_factor {
-            obj.insert("partial_rotary_factor".into(), p.into());
+        match self.partial_rotary_factor {
+            Some(p) => {
+                obj.insert("partial_rotary_factor".into(), p.into());
+            }
+            // GLM's default is half: every dimension rotating is written as such.
+            None if self.arch.glm() => {
+                obj.insert("partial_rotary_factor".into(), 1.0.into());
+            }
+            None => {}
         }
         match (self.arch, self.sliding_window) {
             (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
@@ -1511,7 +1561,16 @@ impl ModelConfig {
                 let types = vec!["full_attention"; self.num_hidden_layers];
                 obj.insert("layer_types".into(), types.into());
             }
-            (Arch::Llama | Arch::Granite | Arch::GraniteMoe | Arch::Ernie45, _) | (_, None) => {}
+            (
+                Arch::Llama
+                | Arch::Granite
+                | Arch::GraniteMoe
+                | Arch::Ernie45
+                | Arch::Glm
+                | Arch::Glm4,
+                _,
+            )
+            | (_, None) => {}
             (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|i| match self.windowed(i) {
@@ -1612,7 +1671,7 @@ impl ModelConfig {
             layer += 2 * self.head_dim;
         }
 
-        if self.arch.gemma() {
+        if self.arch.gemma() || self.arch == Arch::Glm4 {
             layer += 2 * h; // the sublayers' output norms
         }
         if self.arch == Arch::Olmo2 {

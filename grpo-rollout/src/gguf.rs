@@ -182,7 +182,12 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         name => Arch::parse(name).map_err(|_| ()),
     }
     .ok()
-    .filter(|a| !matches!(a, Arch::Mistral | Arch::Exaone4 | Arch::GptOss))
+    .filter(|a| {
+        !matches!(
+            a,
+            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm | Arch::Glm4
+        )
+    })
     .ok_or_else(|| {
         err(format!(
             "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5)"
@@ -1580,6 +1585,12 @@ pub fn save_gguf(
     if cfg.arch == Arch::Exaone4 {
         bail!(
             "EXAONE 4 has no GGUF form here (llama.cpp's exaone4 is not checked against transformers'): export it as safetensors"
+        );
+    }
+    if cfg.arch.glm() {
+        bail!(
+            "{} has no GGUF form here (llama.cpp's glm4 / chatglm are not checked against transformers'): export it as safetensors",
+            cfg.arch.as_str()
         );
     }
     if cfg.arch == Arch::GptOss {

@@ -193,7 +193,7 @@ pub fn preset_config(
         max_position_embeddings: 2048,
         // gpt-oss's head is its own.
         tie_word_embeddings: arch != Arch::GptOss,
-        attention_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss),
+        attention_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss) || arch.glm(),
         mlp_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![eos],
@@ -230,8 +230,12 @@ pub fn preset_config(
         },
         query_pre_attn_scalar: arch.gemma().then_some(256.0),
         local_rope_theta: (arch == Arch::Gemma3).then_some(10_000.0),
-        // Phi-4-mini's three quarters of each head rotating.
-        partial_rotary_factor: (arch == Arch::Phi3).then_some(0.75),
+        // Phi-4-mini's three quarters of each head rotating, GLM's half.
+        partial_rotary_factor: match arch {
+            Arch::Phi3 => Some(0.75),
+            a if a.glm() => Some(0.5),
+            _ => None,
+        },
         // Gemma 2's soft caps (transformers' defaults).
         attn_logit_softcapping: (arch == Arch::Gemma2).then_some(50.0),
         final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
@@ -333,6 +337,11 @@ pub fn random_weights(
         ));
         if cfg.arch.gemma() {
             for n in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                shapes.push((format!("{p}.{n}.weight"), vec![h], true));
+            }
+        }
+        if cfg.arch == Arch::Glm4 {
+            for n in ["post_self_attn_layernorm", "post_mlp_layernorm"] {
                 shapes.push((format!("{p}.{n}.weight"), vec![h], true));
             }
         }

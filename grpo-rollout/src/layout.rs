@@ -13,8 +13,9 @@
 //!   pairs are then `head_dim / 2` apart, the passed ones pair among themselves with frequency
 //!   0 (cos 1, sin 0), and every RoPE path — the fused CPU op, the CUDA kernels, CUDA graphs —
 //!   serves it unchanged.
-//! * An interleaved RoPE (ERNIE 4.5: pairs `(2i, 2i + 1)`) is reordered the same way, to the
-//!   model's pairs `(i, i + head_dim / 2)`.
+//! * An interleaved RoPE (ERNIE 4.5, GLM: pairs `(2i, 2i + 1)`, GLM's over the first half of
+//!   each head) is reordered the same way, to the model's pairs `(i, i + head_dim / 2)`.
+//! * GLM stores gate and up as one `gate_up_proj` (gate rows first), as Phi-3 does.
 //! * Granite MoE stores each layer's experts fused: `block_sparse_moe.input_linear.weight`
 //!   `(experts, 2 · width, hidden)` (each expert's gate rows, then its up rows),
 //!   `output_linear.weight` `(experts, hidden, width)` and the router as `router.layer.weight`;
@@ -37,14 +38,19 @@ use crate::model::WeightMap;
 /// at `i + head_dim / 2` (llama.cpp's un-permutation).
 pub fn rotary_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
     let (hd, r) = (cfg.head_dim, cfg.rotary_dim());
+    let (hr, hp) = (r / 2, (hd - r) / 2);
     if cfg.arch.interleaved_rope() {
-        let half = hd / 2;
-        return Some((0..hd).map(|j| 2 * (j % half) + j / half).collect());
+        // The rotated pairs' first dimensions, the passed first half, the pairs' second
+        // dimensions, the passed second half (GLM rotates the first `r` dimensions).
+        let mut order: Vec<usize> = (0..hr).map(|i| 2 * i).collect();
+        order.extend(r..r + hp);
+        order.extend((0..hr).map(|i| 2 * i + 1));
+        order.extend(r + hp..hd);
+        return Some(order);
     }
     if r == hd {
         return None;
     }
-    let (hr, hp) = (r / 2, (hd - r) / 2);
     let mut order: Vec<usize> = (0..hr).collect();
     order.extend(r..r + hp);
     order.extend(hr..r);
@@ -95,26 +101,38 @@ pub struct Fused {
     pub parts: Vec<(&'static str, usize)>,
 }
 
-/// The fused maps of `cfg`'s family (Phi-3's `qkv_proj` and `gate_up_proj`; none elsewhere).
+/// The fused maps of `cfg`'s family (Phi-3's `qkv_proj` and `gate_up_proj`, GLM's
+/// `gate_up_proj`; none elsewhere).
 pub fn fused_parts(cfg: &ModelConfig) -> Vec<Fused> {
-    if cfg.arch != Arch::Phi3 {
-        return Vec::new();
-    }
     let q = cfg.num_attention_heads * cfg.head_dim;
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let im = cfg.intermediate_size;
-    vec![
-        Fused {
-            group: "self_attn",
-            name: "qkv_proj",
-            parts: vec![("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-        },
-        Fused {
-            group: "mlp",
-            name: "gate_up_proj",
-            parts: vec![("gate_proj", im), ("up_proj", im)],
-        },
-    ]
+    let gate_up = Fused {
+        group: "mlp",
+        name: "gate_up_proj",
+        parts: vec![("gate_proj", im), ("up_proj", im)],
+    };
+    match cfg.arch {
+        Arch::Phi3 => vec![
+            Fused {
+                group: "self_attn",
+                name: "qkv_proj",
+                parts: vec![("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+            },
+            gate_up,
+        ],
+        a if a.glm() => vec![gate_up],
+        _ => Vec::new(),
+    }
+}
+
+/// Whether the model reorders q and k ([`rotary_order`]) as maps of their own, not as parts
+/// of a fused one (ERNIE 4.5, GLM; Phi-3's are in `qkv_proj`).
+pub fn qk_reordered_apart(cfg: &ModelConfig) -> bool {
+    rotary_order(cfg).is_some()
+        && !fused_parts(cfg)
+            .iter()
+            .any(|f| f.parts.iter().any(|(p, _)| rotated(p)))
 }
 
 /// Whether a part's rows are reordered for partial rotary embeddings (q and k).
@@ -194,8 +212,9 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
                 }
             }
         }
-        // Separate q and k (a family without fused maps) reordered here.
-        if fused.is_empty() && rotary_order(cfg).is_some() {
+        // Separate q and k (a family whose fused maps, if any, hold neither: GLM) reordered
+        // here.
+        if qk_reordered_apart(cfg) {
             for part in ["q_proj", "k_proj"] {
                 for kind in ["weight", "bias"] {
                     let key = format!("model.layers.{i}.self_attn.{part}.{kind}");

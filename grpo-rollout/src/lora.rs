@@ -24,8 +24,9 @@ pub const TARGET_MODULES: [&str; 7] = [
     "down_proj",
 ];
 
-/// Phi-3's fused modules (q, k, v as `qkv_proj`; gate, up as `gate_up_proj`), which PEFT
-/// adapts as one each: one `A` shared by the parts, `B` rows for each ([`modules`]).
+/// Phi-3's fused modules (q, k, v as `qkv_proj`; gate, up as `gate_up_proj`, which GLM has
+/// too), which PEFT adapts as one each: one `A` shared by the parts, `B` rows for each
+/// ([`modules`]).
 pub const FUSED_MODULES: [&str; 2] = ["qkv_proj", "gate_up_proj"];
 
 /// One module as PEFT adapts it: its group (`self_attn` / `mlp`), its name, and the model's
@@ -101,11 +102,21 @@ const PHI3: [Module; 4] = [
     },
 ];
 
-/// The modules of `arch` that LoRA can adapt, in PEFT's names: the seven projections, or
-/// Phi-3's four (two of them fused).
+const GLM: [Module; 6] = [
+    SEPARATE[0],
+    SEPARATE[1],
+    SEPARATE[2],
+    SEPARATE[3],
+    PHI3[2],
+    PHI3[3],
+];
+
+/// The modules of `arch` that LoRA can adapt, in PEFT's names: the seven projections,
+/// Phi-3's four (two of them fused), or GLM's six (gate and up fused).
 pub fn modules(arch: crate::config::Arch) -> &'static [Module] {
     match arch {
         crate::config::Arch::Phi3 => &PHI3,
+        a if a.glm() => &GLM,
         _ => &SEPARATE,
     }
 }
@@ -891,7 +902,7 @@ pub fn to_peft_layout(
     tensors: Vec<(String, Tensor)>,
 ) -> Result<Vec<(String, Tensor)>> {
     let fused = crate::layout::fused_parts(cfg);
-    let reordered = fused.is_empty() && crate::layout::rotary_order(cfg).is_some();
+    let reordered = crate::layout::qk_reordered_apart(cfg);
     if fused.is_empty() && cfg.moe.is_none() && !reordered {
         return Ok(tensors);
     }
@@ -932,7 +943,7 @@ pub fn from_peft_layout(
     mut map: HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
     split_expert_adapters(cfg, &mut map)?;
-    if crate::layout::fused_parts(cfg).is_empty() && crate::layout::rotary_order(cfg).is_some() {
+    if crate::layout::qk_reordered_apart(cfg) {
         reorder_qk_rows(cfg, &mut map, true)?;
     }
     for i in 0..cfg.num_hidden_layers {
@@ -952,7 +963,7 @@ pub fn from_peft_layout(
 }
 
 /// A family whose q and k rows the model reorders ([`crate::layout::rotary_order`]: ERNIE 4.5's
-/// interleaved RoPE) without fused maps: the rows of its q / k adapters' `lora_B`, `lora_B`
+/// and GLM's interleaved RoPE) as maps of their own: the rows of its q / k adapters' `lora_B`, `lora_B`
 /// bias, DoRA magnitude and trained base biases, to the model's order (`to_model`) or back to
 /// transformers' (PEFT's).
 fn reorder_qk_rows(
@@ -1160,6 +1171,15 @@ fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
             bail!(
                 "lora.target_modules: `{m}`: Phi-3 stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj` (as PEFT adapts them): name qkv_proj, o_proj, gate_up_proj, down_proj, or \"{ALL_LINEAR}\""
             );
+        }
+        if arch.glm() && ["qkv_proj", "gate_proj", "up_proj"].contains(&last) {
+            bail!(
+                "lora.target_modules: `{m}`: {} stores gate and up as one `gate_up_proj` (as PEFT adapts it) and q, k, v apart: name q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj, or \"{ALL_LINEAR}\"",
+                arch.as_str()
+            );
+        }
+        if arch.glm() && last == "gate_up_proj" {
+            continue;
         }
         if !phi3 && FUSED_MODULES.contains(&last) {
             bail!(

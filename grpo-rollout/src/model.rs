@@ -1082,6 +1082,11 @@ fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
         Arch::Olmo2 | Arch::Exaone4 => {
             ["", "post_attention_layernorm", "post_feedforward_layernorm"]
         }
+        Arch::Glm4 => [
+            "post_attention_layernorm",
+            "post_self_attn_layernorm",
+            "post_mlp_layernorm",
+        ],
         _ => ["post_attention_layernorm", "", ""],
     }
 }
@@ -1527,7 +1532,7 @@ impl Transformer {
                 identity: true,
             })
         };
-        let output_norms = cfg.arch.gemma() || cfg.arch.post_norms_only();
+        let output_norms = cfg.arch.output_norms();
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 47);
+    assert!(cases.len() >= 53);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -153,6 +153,10 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("gptoss-window-64", "gptoss") > 0.05);
     // MXFP4 rounds the experts' weights: the quantized file is read as transformers reads it.
     assert!(d("gptoss-mxfp4", "gptoss") > 0.05);
+    assert!(d("glm-full-rotary", "glm") > 0.05);
+    assert!(d("glm-no-bias", "glm") > 0.05);
+    assert!(d("glm4-three-quarters", "glm4") > 0.05);
+    assert!(d("glm4-linear", "glm4") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -230,6 +234,8 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "ernie45-bias",
         "exaone4-window-12",
         "gptoss",
+        "glm",
+        "glm4-three-quarters",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
@@ -423,25 +429,27 @@ fn bad_nope_and_window_fields_are_named() {
     assert!(e.contains("gemma3_text"), "{e}");
 }
 
-/// Phi-3's files keep `qkv_proj` and `gate_up_proj` fused: a model saved and read back is the
-/// one loaded (the fused weights byte for byte, q/k rows back in transformers' order under
-/// partial rotary), and the config reads back equal.
+/// Phi-3's files keep `qkv_proj` and `gate_up_proj` fused, GLM's `gate_up_proj`: a model
+/// saved and read back is the one loaded (the fused weights byte for byte, q/k rows back in
+/// transformers' order under partial and interleaved rotary), and the config reads back equal.
 #[test]
 fn phi3_saves_its_fused_layout_and_reads_back_the_same() {
     let r = reference();
-    for name in ["phi3", "phi3-longrope-partial"] {
+    for (name, files) in [
+        ("phi3", "arch-phi3-micro"),
+        ("phi3-longrope-partial", "arch-phi3-micro"),
+        ("glm", "arch-glm-micro"),
+        ("glm4-three-quarters", "arch-glm4-micro"),
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
         let out = tmp.path().join("saved");
         grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
         let saved = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu).unwrap();
-        let original = grpo_rollout::loader::read_safetensors(
-            &fixtures().join("arch-phi3-micro"),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let original =
+            grpo_rollout::loader::read_safetensors(&fixtures().join(files), &Device::Cpu).unwrap();
         same_tensors(&saved, &original, name);
-        assert!(saved.keys().any(|k| k.ends_with("qkv_proj.weight")));
+        assert!(saved.keys().any(|k| k.ends_with("gate_up_proj.weight")));
         let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(back.model.cfg, m.model.cfg, "{name}");
         assert_eq!(logprobs(&back.model, &r), logprobs(&m.model, &r), "{name}");
@@ -473,56 +481,76 @@ fn same_tensors(
 }
 
 fn phi3_peft() -> Value {
-    let p = fixtures().join("peft-phi3/reference.json");
+    fused_peft("peft-phi3")
+}
+
+fn fused_peft(dir: &str) -> Value {
+    let p = fixtures().join(dir).join("reference.json");
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
 /// Adapters peft wrote on Phi-3's fused modules (one `A` for q, k, v; `B` rows for each; DoRA
 /// magnitudes per row) give peft's log-probs, adapted and merged, on a base whose q/k rows the
-/// model reorders (three quarters of each head rotating), and save back as peft wrote them.
+/// model reorders (three quarters of each head rotating), and save back as peft wrote them;
+/// the same for GLM-4-0414's fused `gate_up_proj` beside its separate q, k, v (their rows in
+/// the interleaved order, three quarters rotating; `FAMILY=glm4
+/// scripts/gen_phi3_peft_reference.py`).
 #[test]
 fn phi3_peft_adapters_on_fused_modules_match_peft() {
     let r = reference();
-    let p = phi3_peft();
-    let case = serde_json::json!({"model": "arch-phi3-micro", "config": p["config"]});
     let mut seen = 0;
-    for (name, want) in p["cases"].as_object().unwrap() {
-        let tmp = tempfile::tempdir().unwrap();
-        let mut m = load_case(&case, tmp.path());
-        let dir = fixtures().join("peft-phi3").join(name);
-        let cfg = grpo_rollout::lora::load_peft(&mut m.model, &dir).unwrap();
-        // q, k and v share the module's `A`.
-        let l = &m.model.layers[0];
-        if let (Some(q), Some(v)) = (&l.q_proj.lora, &l.v_proj.lora) {
-            assert_eq!(q.a.id(), v.a.id(), "{name}: one A for qkv_proj");
+    for (dir, model) in [
+        ("peft-phi3", "arch-phi3-micro"),
+        ("peft-glm4", "arch-glm4-micro"),
+    ] {
+        let p = fused_peft(dir);
+        let case = serde_json::json!({"model": model, "config": p["config"]});
+        for (name, want) in p["cases"].as_object().unwrap() {
+            let tmp = tempfile::tempdir().unwrap();
+            let mut m = load_case(&case, tmp.path());
+            let dir = fixtures().join(dir).join(name);
+            let cfg = grpo_rollout::lora::load_peft(&mut m.model, &dir).unwrap();
+            // q, k and v share the module's `A` (Phi-3), gate and up theirs (both).
+            let l = &m.model.layers[0];
+            if let (Some(q), Some(v)) = (&l.q_proj.lora, &l.v_proj.lora) {
+                match m.model.cfg.arch {
+                    Arch::Glm4 => assert_ne!(q.a.id(), v.a.id(), "{name}: GLM's q and v apart"),
+                    _ => assert_eq!(q.a.id(), v.a.id(), "{name}: one A for qkv_proj"),
+                }
+            }
+            if let (Some(g), Some(u)) = (&l.gate_proj.lora, &l.up_proj.lora) {
+                assert_eq!(g.a.id(), u.a.id(), "{name}: one A for gate_up_proj");
+            }
+            let flat = |v: &Value| -> Vec<f64> {
+                serde_json::from_value::<Vec<Vec<f64>>>(v.clone())
+                    .unwrap()
+                    .concat()
+            };
+            let got: Vec<f64> = logprobs(&m.model, &r).iter().map(|x| *x as f64).collect();
+            let d = max_diff(&got, &flat(&want["adapted"]));
+            assert!(d < 1e-4, "{name}: adapted, max |ours - peft| = {d:e}");
+            assert!(
+                max_diff(&got, &flat(&p["base"])) > 0.5,
+                "{name}: the adapter shows"
+            );
+            let merged = grpo_rollout::lora::merge(&m.model).unwrap();
+            let got: Vec<f64> = logprobs(&merged, &r).iter().map(|x| *x as f64).collect();
+            let d = max_diff(&got, &flat(&want["merged"]));
+            assert!(d < 1e-4, "{name}: merged, max |ours - peft| = {d:e}");
+            // Saved again: peft's tensors under peft's keys.
+            let out = tmp.path().join("adapter");
+            grpo_rollout::lora::save_peft(&m.model, &cfg, &out, "base").unwrap();
+            let a =
+                candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+                    .unwrap();
+            let b =
+                candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
+                    .unwrap();
+            same_tensors(&b, &a, name);
+            seen += 1;
         }
-        let flat = |v: &Value| -> Vec<f64> {
-            serde_json::from_value::<Vec<Vec<f64>>>(v.clone())
-                .unwrap()
-                .concat()
-        };
-        let got: Vec<f64> = logprobs(&m.model, &r).iter().map(|x| *x as f64).collect();
-        let d = max_diff(&got, &flat(&want["adapted"]));
-        assert!(d < 1e-4, "{name}: adapted, max |ours - peft| = {d:e}");
-        assert!(
-            max_diff(&got, &flat(&p["base"])) > 0.5,
-            "{name}: the adapter shows"
-        );
-        let merged = grpo_rollout::lora::merge(&m.model).unwrap();
-        let got: Vec<f64> = logprobs(&merged, &r).iter().map(|x| *x as f64).collect();
-        let d = max_diff(&got, &flat(&want["merged"]));
-        assert!(d < 1e-4, "{name}: merged, max |ours - peft| = {d:e}");
-        // Saved again: peft's tensors under peft's keys.
-        let out = tmp.path().join("adapter");
-        grpo_rollout::lora::save_peft(&m.model, &cfg, &out, "base").unwrap();
-        let a = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
-            .unwrap();
-        let b = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
-            .unwrap();
-        same_tensors(&b, &a, name);
-        seen += 1;
     }
-    assert_eq!(seen, 3);
+    assert_eq!(seen, 6);
 }
 
 /// Training adapters on Phi-3's fused modules: one variable per module's `A` (PEFT's count of
@@ -994,4 +1022,37 @@ fn gpt_oss_refusals_are_named() {
     let m = load_case(&r["cases"]["gptoss"], tmp.path());
     let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
     assert!(e.contains("gpt-oss has no GGUF form"), "{e}");
+}
+
+/// GLM's modules as PEFT sees them: gate and up are one `gate_up_proj` (naming either is an
+/// error that says so), q, k, v apart (`qkv_proj` refused); no GGUF form.
+#[test]
+fn glm_refusals_are_named() {
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["glm4"], tmp.path());
+    for bad in ["gate_proj", "qkv_proj"] {
+        let cfg = LoraConfig {
+            target_modules: TargetModules::Names(vec![bad.into()]),
+            ..Default::default()
+        };
+        let mut model = m.model.clone();
+        let e = grpo_rollout::lora::attach(&mut model, &cfg, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(bad) && e.contains("gate_up_proj"), "{e}");
+    }
+    let cfg = LoraConfig {
+        target_modules: TargetModules::Names(vec!["gate_up_proj".into(), "q_proj".into()]),
+        ..Default::default()
+    };
+    let mut model = m.model.clone();
+    grpo_rollout::lora::attach(&mut model, &cfg, 0).unwrap();
+    let l = &model.layers[1];
+    assert!(l.q_proj.lora.is_some() && l.k_proj.lora.is_none());
+    let (g, u) = (l.gate_proj.lora.as_ref(), l.up_proj.lora.as_ref());
+    assert_eq!(g.unwrap().a.id(), u.unwrap().a.id());
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(e.contains("glm4 has no GGUF form"), "{e}");
 }
