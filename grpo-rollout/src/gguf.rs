@@ -4,7 +4,8 @@
 //! What is read:
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
-//!   `qwen2moe`, `olmoe`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what
+//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`) and the `{arch}.*` hyper-parameters
+//!   into a [`ModelConfig`], with what
 //!   llama.cpp fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's
 //!   NoPE layers, the experts' renormalisation); the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
@@ -185,12 +186,12 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| {
         !matches!(
             a,
-            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm | Arch::Glm4
+            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm
         )
     })
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -350,9 +351,12 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         // where the file does not say).
         local_rope_theta: (arch == Arch::Gemma3)
             .then(|| float("rope.freq_base_swa").unwrap_or(10_000.0)),
-        // Phi-3's rotary dimensions (`rope.dimension_count`, fewer than a head's: Phi-4-mini).
+        // Phi-3's and GLM-4's rotary dimensions (`rope.dimension_count`, fewer than a head's:
+        // Phi-4-mini, GLM-4-0414's half).
         partial_rotary_factor: match (arch, md.get(&key("rope.dimension_count")).and_then(as_u64)) {
-            (Arch::Phi3, Some(r)) if r as usize != head_dim => Some(r as f64 / head_dim as f64),
+            (Arch::Phi3 | Arch::Glm4, Some(r)) if r as usize != head_dim => {
+                Some(r as f64 / head_dim as f64)
+            }
             _ => None,
         },
         attn_logit_softcapping: (arch == Arch::Gemma2)
@@ -468,6 +472,9 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
         "ffn_norm" => "post_attention_layernorm",
         "post_attention_norm" if output_norms(arch) => "post_attention_layernorm",
         "post_ffw_norm" if output_norms(arch) => "post_feedforward_layernorm",
+        // GLM-4-0414's sublayer-output norms.
+        "post_attention_norm" if arch == Arch::Glm4 => "post_self_attn_layernorm",
+        "post_ffw_norm" if arch == Arch::Glm4 => "post_mlp_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
@@ -532,8 +539,8 @@ fn read_weights<R: Read + Seek>(
         }
         let mut hf = hf_tensor_name(name, cfg.arch)
             .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
-        // Phi-3's `ffn_up` holds gate and up (`gate_up_proj`).
-        if cfg.arch == Arch::Phi3 && hf.contains(".mlp.up_proj.") {
+        // Phi-3's and GLM-4's `ffn_up` holds gate and up (`gate_up_proj`).
+        if (cfg.arch == Arch::Phi3 || cfg.arch.glm()) && hf.contains(".mlp.up_proj.") {
             hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.");
         }
         let q = content
@@ -1039,6 +1046,8 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
         "post_attention_layernorm" => "ffn_norm",
         "pre_feedforward_layernorm" if arch.gemma() => "ffn_norm",
         "post_feedforward_layernorm" if output_norms(arch) => "post_ffw_norm",
+        "post_self_attn_layernorm" if arch == Arch::Glm4 => "post_attention_norm",
+        "post_mlp_layernorm" if arch == Arch::Glm4 => "post_ffw_norm",
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
@@ -1587,10 +1596,9 @@ pub fn save_gguf(
             "EXAONE 4 has no GGUF form here (llama.cpp's exaone4 is not checked against transformers'): export it as safetensors"
         );
     }
-    if cfg.arch.glm() {
+    if cfg.arch == Arch::Glm {
         bail!(
-            "{} has no GGUF form here (llama.cpp's glm4 / chatglm are not checked against transformers'): export it as safetensors",
-            cfg.arch.as_str()
+            "glm has no GGUF form here (llama.cpp's chatglm is not checked against transformers'; GLM-4-0414's glm4 is written): export it as safetensors"
         );
     }
     if cfg.arch == Arch::GptOss {
@@ -1728,6 +1736,11 @@ pub fn save_gguf(
         if let Some(c) = c {
             md.push((a(k), Value::F32(c as f32)));
         }
+    }
+    if cfg.arch == Arch::Glm4 {
+        // Partial rotary: the first `rotary_dim` of each head, adjacent pairs as transformers'
+        // (the q/k rows in transformers' order, as llama.cpp's converter keeps them).
+        md.push((a("rope.dimension_count"), u(cfg.rotary_dim())));
     }
     if cfg.arch == Arch::Phi3 {
         // Partial rotary: the first `rotary_dim` of each head (llama.cpp's NEOX pairs, as

@@ -757,6 +757,29 @@ fn granite_gguf_round_trips() {
     }
 }
 
+/// GLM-4-0414 as llama.cpp's `glm4` GGUF: q/k rows in transformers' interleaved order (llama.cpp
+/// rotates adjacent pairs too), the rotary share as `rope.dimension_count`, `gate_up_proj` as
+/// one `ffn_up`, the sublayers' output norms as `post_attention_norm` / `post_ffw_norm`; read
+/// back, the same model (half and three quarters of each head rotating, with q/k/v biases).
+/// llama.cpp itself reads these files to transformers' log-probs (README).
+#[test]
+fn glm4_gguf_round_trips() {
+    let r = reference();
+    for name in ["glm4", "glm4-three-quarters", "glm4-linear"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = load_case(&r["cases"][name], tmp.path());
+        let (written, cfg, d) = through_gguf(&m, &r, tmp.path());
+        assert!(d < 1e-5, "{name} through GGUF: {d}");
+        assert_eq!(cfg.arch, Arch::Glm4);
+        assert_eq!(cfg.rotary_dim(), m.model.cfg.rotary_dim(), "{name}");
+        assert!(cfg.attention_bias);
+        let has = |g: &str| written.iter().any(|(n, _)| n == g);
+        assert!(has("blk.0.ffn_up.weight") && !has("blk.0.ffn_gate.weight"));
+        assert!(has("blk.1.post_attention_norm.weight") && has("blk.1.post_ffw_norm.weight"));
+        assert!(has("blk.1.attn_q.bias"));
+    }
+}
+
 /// Phi-3's refusals name what to change: LongRoPE past the pre-training length, factor lists of
 /// the wrong length, partial rotary elsewhere, a GGUF of heads that do not fill the hidden size.
 #[test]
@@ -1053,6 +1076,7 @@ fn glm_refusals_are_named() {
     assert!(l.q_proj.lora.is_some() && l.k_proj.lora.is_none());
     let (g, u) = (l.gate_proj.lora.as_ref(), l.up_proj.lora.as_ref());
     assert_eq!(g.unwrap().a.id(), u.unwrap().a.id());
+    let m = load_case(&r["cases"]["glm"], tmp.path());
     let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
-    assert!(e.contains("glm4 has no GGUF form"), "{e}");
+    assert!(e.contains("glm has no GGUF form"), "{e}");
 }
