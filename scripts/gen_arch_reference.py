@@ -69,6 +69,12 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
   * arch-glm4-micro (Glm4ForCausalLM, the same with the sublayers' output norms, drawn around 1):
     as it is, three quarters rotating, linear RoPE scaling.
 
+  * arch-olmo3-micro (Olmo3ForCausalLM, 4 layers: three sliding, one full; untied; norm weights
+    drawn around 1): a window of 12 with YaRN on the full layer only (transformers 5's
+    `rope_parameters` per layer type), the same in the released configs' layout (top-level
+    `rope_theta` and `rope_scaling`), no scaling, the sliding layers with a base of their own,
+    a window of 64.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -292,6 +298,26 @@ MODELS = {
                                                 "partial_rotary_factor": 0.5}},
         },
     ),
+    "arch-olmo3-micro": (
+        "olmo3",
+        dict(num_hidden_layers=4, tie_word_embeddings=False, sliding_window=12,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        {
+            "olmo3": {},
+            "olmo3-v4-layout": {"rope_parameters": None, "rope_theta": 10000.0,
+                                "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 64}},
+            "olmo3-no-scaling": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                     "sliding_attention": {"rope_type": "default",
+                                                                           "rope_theta": 10000.0}}},
+            "olmo3-local-base": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                     "sliding_attention": {"rope_type": "default",
+                                                                           "rope_theta": 500.0}}},
+            "olmo3-window-64": {"sliding_window": 64},
+        },
+    ),
 }
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -362,7 +388,7 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
-            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4"):
+            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4", "olmo3"):
                 p.normal_(1, 0.3)
     model.save_pretrained(path)
     if path.endswith("mxfp4-micro"):

@@ -309,10 +309,13 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                     | Arch::Phi3
                     | Arch::Exaone4
                     | Arch::GptOss
+                    | Arch::Olmo3
             )
             .then_some(20);
             cfg.sliding_layers = match arch {
-                Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 | Arch::GptOss => vec![0],
+                Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 | Arch::GptOss | Arch::Olmo3 => {
+                    vec![0]
+                }
                 _ => vec![],
             };
             let m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;

@@ -87,6 +87,11 @@ pub enum Arch {
     /// sublayer's output normalised before its residual add (`post_self_attn_layernorm`,
     /// `post_mlp_layernorm`) beside the pre-norms.
     Glm4,
+    /// AllenAI OLMo 3 (`olmo3`, Olmo-3-7B / 32B, Think, RL-Zero): OLMo 2's layers with a sliding
+    /// window on three layers of four (`layer_types`), the global layers' RoPE scaled
+    /// (`rope_scaling`, YaRN in the released configs) and the sliding ones' not (Gemma 3's
+    /// local RoPE, same base).
+    Olmo3,
 }
 
 /// The MLP's gate activation.
@@ -110,7 +115,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 20] = [
+    pub const ALL: [Arch; 21] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -131,6 +136,7 @@ impl Arch {
         Arch::GptOss,
         Arch::Glm,
         Arch::Glm4,
+        Arch::Olmo3,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -156,6 +162,7 @@ impl Arch {
             Arch::GptOss => "gpt_oss",
             Arch::Glm => "glm",
             Arch::Glm4 => "glm4",
+            Arch::Olmo3 => "olmo3",
         }
     }
 
@@ -241,7 +248,19 @@ impl Arch {
     /// Whether the layers have no pre-norms and normalise each sublayer's output before its
     /// residual add (OLMo 2, EXAONE 4).
     pub fn post_norms_only(self) -> bool {
-        matches!(self, Arch::Olmo2 | Arch::Exaone4)
+        matches!(self, Arch::Olmo2 | Arch::Olmo3 | Arch::Exaone4)
+    }
+
+    /// Whether q and k are RMS-normalised over all heads' width, before the heads are split
+    /// (OLMo 2, OLMo 3, OLMoE).
+    pub fn full_qk_norm(self) -> bool {
+        matches!(self, Arch::Olmo2 | Arch::Olmo3 | Arch::Olmoe)
+    }
+
+    /// Whether the sliding-window layers rotate with a RoPE of their own, unscaled (Gemma 3's
+    /// `rope_local_base_freq`, OLMo 3's `sliding_attention` parameters).
+    pub fn local_rope(self) -> bool {
+        matches!(self, Arch::Gemma3 | Arch::Olmo3)
     }
 
     /// Whether q and k are RMS-normalised per head (`head_dim` weights: Qwen3, Gemma 3,
@@ -256,7 +275,12 @@ impl Arch {
             || self.gemma()
             || matches!(
                 self,
-                Arch::Olmo2 | Arch::Olmoe | Arch::Ernie45 | Arch::Exaone4 | Arch::GptOss
+                Arch::Olmo2
+                    | Arch::Olmo3
+                    | Arch::Olmoe
+                    | Arch::Ernie45
+                    | Arch::Exaone4
+                    | Arch::GptOss
             )
     }
 
@@ -301,11 +325,12 @@ impl Arch {
             "gpt_oss" => Ok(Arch::GptOss),
             "glm" => Ok(Arch::Glm),
             "glm4" => Ok(Arch::Glm4),
+            "olmo3" => Ok(Arch::Olmo3),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3"
             ),
         }
     }
@@ -903,10 +928,10 @@ impl ModelConfig {
                 _ => hidden_size / num_attention_heads.max(1),
             });
         // transformers 5 moved rope_theta / rope_scaling into `rope_parameters`; Gemma 3's
-        // holds one set per layer type (`full_attention`, `sliding_attention`).
+        // and OLMo 3's hold one set per layer type (`full_attention`, `sliding_attention`).
         let mut rope_params = v.get("rope_parameters").filter(|p| !p.is_null());
         let mut local_params = None;
-        if arch == Arch::Gemma3
+        if arch.local_rope()
             && let Some(p) = rope_params
             && p.get("full_attention").is_some()
         {
@@ -920,7 +945,7 @@ impl ModelConfig {
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
                 Arch::Gemma3 | Arch::Mixtral => 1_000_000.0,
-                Arch::Ernie45 => 500_000.0,
+                Arch::Ernie45 | Arch::Olmo3 => 500_000.0,
                 Arch::GptOss => 150_000.0,
                 _ => 10_000.0,
             });
@@ -943,6 +968,26 @@ impl ModelConfig {
                         .unwrap_or(10_000.0),
                 )
             }
+            // OLMo 3's sliding layers: their own base, never scaled; without one, transformers
+            // 5 gives them Olmo3Config's default 500000, whatever the top-level `rope_theta`
+            // (which it spends on the global layers).
+            Arch::Olmo3 => {
+                if let Some(kind) = local_params
+                    .and_then(|p| p.get("rope_type"))
+                    .and_then(Value::as_str)
+                    .filter(|k| *k != "default")
+                {
+                    bail!(
+                        "rope_parameters.sliding_attention.rope_type `{kind}` is not supported (only default)"
+                    );
+                }
+                Some(
+                    local_params
+                        .and_then(|p| p.get("rope_theta"))
+                        .and_then(Value::as_f64)
+                        .unwrap_or(500_000.0),
+                )
+            }
             _ => None,
         };
         let max_position_embeddings = v
@@ -950,9 +995,12 @@ impl ModelConfig {
             .and_then(Value::as_u64)
             // transformers' defaults per architecture.
             .unwrap_or(match arch {
-                Arch::Llama | Arch::Olmo2 | Arch::Granite | Arch::GraniteMoe | Arch::Exaone4 => {
-                    2048
-                }
+                Arch::Llama
+                | Arch::Olmo2
+                | Arch::Olmo3
+                | Arch::Granite
+                | Arch::GraniteMoe
+                | Arch::Exaone4 => 2048,
                 Arch::Phi3 | Arch::Olmoe => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
@@ -1112,7 +1160,7 @@ impl ModelConfig {
             })? as usize),
             None if matches!(
                 arch,
-                Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4
+                Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 | Arch::Olmo3
             ) =>
             {
                 Some(4096)
@@ -1140,6 +1188,12 @@ impl ModelConfig {
             Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
             }
+            // OLMo 3: `layer_types`, else every layer but each 4th.
+            Arch::Olmo3 => listed.unwrap_or_else(|| {
+                (0..num_hidden_layers)
+                    .filter(|i| !(i + 1).is_multiple_of(4))
+                    .collect()
+            }),
             // Gemma 3: `layer_types`, else every layer but each `sliding_window_pattern`-th (6).
             Arch::Gemma3 => match listed {
                 Some(t) => t,
@@ -1181,7 +1235,7 @@ impl ModelConfig {
                 .filter(|i| !sliding_layers.contains(i))
                 .collect();
         }
-        if arch.gemma() && window.is_none() {
+        if (arch.gemma() || arch == Arch::Olmo3) && window.is_none() {
             bail!(
                 "sliding_window = null is not supported for {model_type} (its sliding layers come with the window)"
             );
@@ -1208,6 +1262,7 @@ impl ModelConfig {
                 // transformers' defaults: OLMo's, Phi3Config's, Mixtral's 1e-5, the others' 1e-6.
                 .unwrap_or(match arch {
                     Arch::Olmo2
+                    | Arch::Olmo3
                     | Arch::Olmoe
                     | Arch::Phi3
                     | Arch::Mixtral
@@ -1247,6 +1302,7 @@ impl ModelConfig {
                 | Arch::Gemma2
                 | Arch::Gemma3
                 | Arch::Olmo2
+                | Arch::Olmo3
                 | Arch::Olmoe => flag("attention_bias", false),
             },
             mlp_bias: match arch {
@@ -1419,6 +1475,7 @@ impl ModelConfig {
                     Arch::GptOss => "GptOss",
                     Arch::Glm => "Glm",
                     Arch::Glm4 => "Glm4",
+                    Arch::Olmo3 => "Olmo3",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1474,6 +1531,7 @@ impl ModelConfig {
                 | Arch::GptOss
                 | Arch::Glm
                 | Arch::Glm4
+                | Arch::Olmo3
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -1517,6 +1575,22 @@ impl ModelConfig {
         }
         if self.arch == Arch::Gemma3 {
             obj.insert("rope_local_base_freq".into(), self.local_rope_theta.into());
+        }
+        // OLMo 3's RoPE per layer type: the global layers' scaled, the sliding ones' not.
+        if self.arch == Arch::Olmo3 {
+            let mut full = match obj.remove("rope_scaling") {
+                Some(Value::Object(o)) => o,
+                _ => serde_json::Map::from_iter([("rope_type".to_string(), "default".into())]),
+            };
+            full.insert("rope_theta".into(), self.rope_theta.into());
+            let local = self.local_rope_theta.unwrap_or(self.rope_theta);
+            obj.insert(
+                "rope_parameters".into(),
+                serde_json::json!({
+                    "full_attention": full,
+                    "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                }),
+            );
         }
         if self.arch == Arch::Gemma2 {
             obj.insert(
@@ -1580,7 +1654,7 @@ impl ModelConfig {
                     .collect();
                 // Gemma, EXAONE and gpt-oss always window their sliding layers; the others
                 // switch it on.
-                if !arch.gemma() && !matches!(arch, Arch::Exaone4 | Arch::GptOss) {
+                if !arch.gemma() && !matches!(arch, Arch::Exaone4 | Arch::GptOss | Arch::Olmo3) {
                     obj.insert("use_sliding_window".into(), true.into());
                 }
                 obj.insert("sliding_window".into(), w.into());
@@ -1674,7 +1748,7 @@ impl ModelConfig {
         if self.arch.gemma() || self.arch == Arch::Glm4 {
             layer += 2 * h; // the sublayers' output norms
         }
-        if self.arch == Arch::Olmo2 {
+        if matches!(self.arch, Arch::Olmo2 | Arch::Olmo3) {
             layer += q + kv; // q/k norms over all heads; the output norms replace the pre-norms
         }
         if self.arch == Arch::Olmoe {

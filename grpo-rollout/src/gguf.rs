@@ -186,7 +186,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| {
         !matches!(
             a,
-            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm
+            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm | Arch::Olmo3
         )
     })
     .ok_or_else(|| {
@@ -1594,6 +1594,11 @@ pub fn save_gguf(
     if cfg.arch == Arch::Exaone4 {
         bail!(
             "EXAONE 4 has no GGUF form here (llama.cpp's exaone4 is not checked against transformers'): export it as safetensors"
+        );
+    }
+    if cfg.arch == Arch::Olmo3 {
+        bail!(
+            "OLMo 3 has no GGUF form here (its sliding layers and per-layer-type RoPE are not checked against llama.cpp's): export it as safetensors"
         );
     }
     if cfg.arch == Arch::Glm {

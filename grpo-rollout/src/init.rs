@@ -202,7 +202,7 @@ pub fn preset_config(
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
         sliding_window: match arch {
-            Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 => Some(4096),
+            Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 | Arch::Olmo3 => Some(4096),
             // gpt-oss's 128 positions, every other layer.
             Arch::GptOss => Some(128),
             _ => None,
@@ -211,7 +211,9 @@ pub fn preset_config(
         // rotates nothing (the others: all of them).
         sliding_layers: match arch {
             Arch::Gemma2 | Arch::GptOss if layers > 1 => (0..layers).step_by(2).collect(),
-            Arch::Exaone4 if layers >= 4 => (0..layers).filter(|i| (i + 1) % 4 != 0).collect(),
+            Arch::Exaone4 | Arch::Olmo3 if layers >= 4 => {
+                (0..layers).filter(|i| (i + 1) % 4 != 0).collect()
+            }
             _ => Vec::new(),
         },
         nope_layers: match arch {
@@ -229,7 +231,7 @@ pub fn preset_config(
             _ => crate::config::Activation::Silu,
         },
         query_pre_attn_scalar: arch.gemma().then_some(256.0),
-        local_rope_theta: (arch == Arch::Gemma3).then_some(10_000.0),
+        local_rope_theta: arch.local_rope().then_some(10_000.0),
         // Phi-4-mini's three quarters of each head rotating, GLM's half.
         partial_rotary_factor: match arch {
             Arch::Phi3 => Some(0.75),
@@ -351,7 +353,7 @@ pub fn random_weights(
                 vec![h],
                 true,
             ));
-            if cfg.arch == Arch::Olmo2 {
+            if cfg.arch.full_qk_norm() {
                 shapes.push((format!("{p}.self_attn.q_norm.weight"), vec![q], true));
                 shapes.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], true));
             }

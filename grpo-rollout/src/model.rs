@@ -1079,7 +1079,7 @@ fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
             "post_attention_layernorm",
             "post_feedforward_layernorm",
         ],
-        Arch::Olmo2 | Arch::Exaone4 => {
+        Arch::Olmo2 | Arch::Olmo3 | Arch::Exaone4 => {
             ["", "post_attention_layernorm", "post_feedforward_layernorm"]
         }
         Arch::Glm4 => [
@@ -1603,7 +1603,7 @@ impl Transformer {
                     a if a.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
-                    Arch::Olmo2 | Arch::Olmoe => {
+                    a if a.full_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), q)?)
                     }
                     _ => None,
@@ -1612,7 +1612,7 @@ impl Transformer {
                     a if a.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
-                    Arch::Olmo2 | Arch::Olmoe => {
+                    a if a.full_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), kv)?)
                     }
                     _ => None,

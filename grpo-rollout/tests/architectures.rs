@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 53);
+    assert!(cases.len() >= 58);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -157,6 +157,11 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("glm-no-bias", "glm") > 0.05);
     assert!(d("glm4-three-quarters", "glm4") > 0.05);
     assert!(d("glm4-linear", "glm4") > 0.05);
+    assert!(d("olmo3-no-scaling", "olmo3") > 0.05);
+    assert!(d("olmo3-local-base", "olmo3-no-scaling") > 0.05);
+    assert!(d("olmo3-window-64", "olmo3") > 0.05);
+    // transformers 5 spends a top-level `rope_theta` on the global layers only.
+    assert!(d("olmo3-v4-layout", "olmo3") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -236,6 +241,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "gptoss",
         "glm",
         "glm4-three-quarters",
+        "olmo3",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
@@ -1079,4 +1085,26 @@ fn glm_refusals_are_named() {
     let m = load_case(&r["cases"]["glm"], tmp.path());
     let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
     assert!(e.contains("glm has no GGUF form"), "{e}");
+}
+
+/// OLMo 3 has no GGUF form here, and no `sliding_window = null` (its sliding layers come with
+/// the window): both refused by name.
+#[test]
+fn olmo3_refusals_are_named() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["olmo3"], tmp.path());
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(e.contains("OLMo 3 has no GGUF form"), "{e}");
+    let mut case = r["cases"]["olmo3"].clone();
+    case["config"] = serde_json::json!({"sliding_window": null});
+    let tmp = tempfile::tempdir().unwrap();
+    let e = grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F32, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("sliding_window = null is not supported for olmo3"),
+        "{e}"
+    );
 }
