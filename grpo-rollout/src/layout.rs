@@ -402,13 +402,18 @@ const FP4_E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
-/// MXFP4 weights as f32, as transformers' `convert_moe_packed_tensors` reads them (before its
-/// transpose): `blocks` `(…, G, 16)` u8 hold two FP4 codes a byte (the low nibble first), 32
-/// values per group; `scales` `(…, G)` u8 each group's power of two, `2^(s − 127)` (E8M0).
-/// Returns `(…, G · 32)`. Each leading index is done apart (an expert at a time: the
-/// intermediates stay small), with candle ops on the tensors' device. `what` names the weight
-/// in errors.
-pub fn dequantize_mxfp4(blocks: &Tensor, scales: &Tensor, what: &str) -> Result<Tensor> {
+/// MXFP4 weights in `dtype`, as transformers' `convert_moe_packed_tensors` reads them (before
+/// its transpose): `blocks` `(…, G, 16)` u8 hold two FP4 codes a byte (the low nibble first),
+/// 32 values per group; `scales` `(…, G)` u8 each group's power of two, `2^(s − 127)` (E8M0).
+/// Returns `(…, G · 32)`. Each leading index is done apart, in f32 and then cast (an expert at
+/// a time: the intermediates stay small; every value is exact in bf16 too), with candle ops on
+/// the tensors' device. `what` names the weight in errors.
+pub fn dequantize_mxfp4(
+    blocks: &Tensor,
+    scales: &Tensor,
+    dtype: candle_core::DType,
+    what: &str,
+) -> Result<Tensor> {
     use candle_core::{D, DType};
     let (bd, sd) = (blocks.dims(), scales.dims());
     if blocks.dtype() != DType::U8 || scales.dtype() != DType::U8 {
@@ -454,7 +459,7 @@ pub fn dequantize_mxfp4(blocks: &Tensor, scales: &Tensor, what: &str) -> Result<
         let v = v.broadcast_mul(&sc)?;
         let mut flat = shape[..shape.len() - 2].to_vec();
         flat.push(shape[shape.len() - 2] * 32);
-        v.reshape(flat)
+        v.reshape(flat)?.to_dtype(dtype)
     };
     if bd.len() == 2 {
         return one(blocks, scales);
@@ -478,8 +483,9 @@ fn gpt_oss_files(i: usize) -> [String; 4] {
 }
 
 /// gpt-oss's fused experts (dense or MXFP4) under the model's names, one gate, up and down
-/// (weights `(out, in)` and biases) per expert. A tensor of the wrong shape is an error
-/// naming it and the config fields it should match.
+/// (weights `(out, in)` and biases) per expert; MXFP4 read into the dtype of the file's expert
+/// biases (bf16 in OpenAI's: the dense experts of a 20B model would not fit a GPU in f32). A
+/// tensor of the wrong shape is an error naming it and the config fields it should match.
 fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
     let Some(m) = &cfg.moe else {
         return Ok(());
@@ -489,6 +495,9 @@ fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
     let fields = "config.json's num_local_experts, intermediate_size, hidden_size";
     for i in 0..cfg.num_hidden_layers {
         let [gate_up, gate_up_bias, down, down_bias] = gpt_oss_files(i);
+        let into = weights
+            .get(&gate_up_bias)
+            .map_or(candle_core::DType::BF16, |b| b.dtype());
         let take =
             |weights: &mut WeightMap, key: &str, shape: &[usize]| -> Result<Option<Tensor>> {
                 let Some(t) = weights.remove(key) else {
@@ -524,9 +533,12 @@ fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
             let blocks = take(weights, &bk, &[e, out, inp / 32, 16])?;
             let scales = take(weights, &sk, &[e, out, inp / 32])?;
             match (blocks, scales) {
-                (Some(b), Some(s)) => {
-                    Ok(Some(dequantize_mxfp4(&b, &s, &format!("weight `{bk}`"))?))
-                }
+                (Some(b), Some(s)) => Ok(Some(dequantize_mxfp4(
+                    &b,
+                    &s,
+                    into,
+                    &format!("weight `{bk}`"),
+                )?)),
                 (None, None) => Ok(None),
                 (Some(_), None) => bail!("weight `{sk}` is missing (its `{bk}` is there)"),
                 (None, Some(_)) => bail!("weight `{bk}` is missing (its `{sk}` is there)"),

@@ -932,7 +932,7 @@ fn mxfp4_dequantizes_as_transformers_does() {
     }
     let blocks = Tensor::from_vec(bytes, (2, 1, 16), &Device::Cpu).unwrap();
     let scales = Tensor::from_vec(vec![127u8, 129], (2, 1), &Device::Cpu).unwrap();
-    let w: Vec<Vec<f32>> = dequantize_mxfp4(&blocks, &scales, "w")
+    let w: Vec<Vec<f32>> = dequantize_mxfp4(&blocks, &scales, DType::F32, "w")
         .unwrap()
         .to_vec2()
         .unwrap();
@@ -960,7 +960,7 @@ fn mxfp4_dequantizes_as_transformers_does() {
     let one = Tensor::from_vec(vec![0x22u8; 16], (1, 1, 16), &Device::Cpu).unwrap();
     for (s, want) in [(0u8, 2f32.powi(-127)), (254, 2f32.powi(127))] {
         let sc = Tensor::from_vec(vec![s], (1, 1), &Device::Cpu).unwrap();
-        let v: Vec<f32> = dequantize_mxfp4(&one, &sc, "w")
+        let v: Vec<f32> = dequantize_mxfp4(&one, &sc, DType::F32, "w")
             .unwrap()
             .flatten_all()
             .unwrap()
@@ -968,15 +968,37 @@ fn mxfp4_dequantizes_as_transformers_does() {
             .unwrap();
         assert!(v.iter().all(|x| *x == want), "scale {s}: {}", v[0]);
     }
+    // Every value is exact in bf16 (two significant bits times a power of two): read into
+    // bf16 (the dtype of OpenAI's files) they are the f32 ones.
+    let bytes: Vec<u8> = (0..3 * 4 * 16)
+        .map(|i| ((i * 37 + 11) % 256) as u8)
+        .collect();
+    let scales: Vec<u8> = (0..3 * 4).map(|i| (100 + i * 7) as u8).collect();
+    let blocks = Tensor::from_vec(bytes, (3, 4, 16), &Device::Cpu).unwrap();
+    let scales = Tensor::from_vec(scales, (3, 4), &Device::Cpu).unwrap();
+    let f = dequantize_mxfp4(&blocks, &scales, DType::F32, "w").unwrap();
+    let b = dequantize_mxfp4(&blocks, &scales, DType::BF16, "w").unwrap();
+    assert_eq!(b.dtype(), DType::BF16);
+    assert_eq!(f.dims(), &[3, 128]);
+    let (f, b): (Vec<f32>, Vec<f32>) = (
+        f.flatten_all().unwrap().to_vec1().unwrap(),
+        b.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap(),
+    );
+    assert_eq!(f, b);
     let bad = Tensor::from_vec(vec![127u8; 2], (1, 2), &Device::Cpu).unwrap();
-    let e = dequantize_mxfp4(&one, &bad, "weight `x_blocks`")
+    let e = dequantize_mxfp4(&one, &bad, DType::F32, "weight `x_blocks`")
         .unwrap_err()
         .to_string();
     assert!(
         e.contains("weight `x_blocks`") && e.contains("do not fit"),
         "{e}"
     );
-    let e = dequantize_mxfp4(&one.to_dtype(DType::F32).unwrap(), &bad, "w")
+    let e = dequantize_mxfp4(&one.to_dtype(DType::F32).unwrap(), &bad, DType::F32, "w")
         .unwrap_err()
         .to_string();
     assert!(e.contains("uint8"), "{e}");
