@@ -486,10 +486,6 @@ fn same_tensors(
     }
 }
 
-fn phi3_peft() -> Value {
-    fused_peft("peft-phi3")
-}
-
 fn fused_peft(dir: &str) -> Value {
     let p = fixtures().join(dir).join("reference.json");
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
