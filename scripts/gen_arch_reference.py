@@ -75,6 +75,10 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     `rope_theta` and `rope_scaling`), no scaling, the sliding layers with a base of their own,
     a window of 64.
 
+  * arch-seedoss-micro (SeedOssForCausalLM, 2 layers, untied, head_dim 8; every bias in the file,
+    dropout 0): q/k/v biased as it is, o biased too (`attention_out_bias`), the MLP biased
+    (`mlp_bias`), none (`attention_bias` false: the file's biases left out).
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -316,6 +320,18 @@ MODELS = {
                                                      "sliding_attention": {"rope_type": "default",
                                                                            "rope_theta": 500.0}}},
             "olmo3-window-64": {"sliding_window": 64},
+        },
+    ),
+    "arch-seedoss-micro": (
+        "seed_oss",
+        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, attention_bias=True,
+             attention_out_bias=True, mlp_bias=True, attention_dropout=0.0, residual_dropout=0.0,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "seedoss": {"attention_out_bias": False, "mlp_bias": False},
+            "seedoss-out-bias": {"mlp_bias": False},
+            "seedoss-mlp-bias": {"attention_out_bias": False},
+            "seedoss-no-bias": {"attention_bias": False, "attention_out_bias": False, "mlp_bias": False},
         },
     ),
 }

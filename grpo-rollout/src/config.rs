@@ -92,6 +92,10 @@ pub enum Arch {
     /// (`rope_scaling`, YaRN in the released configs) and the sliding ones' not (Gemma 3's
     /// local RoPE, same base).
     Olmo3,
+    /// ByteDance Seed-OSS (`seed_oss`, Seed-OSS-36B): llama's layers with q/k/v biased
+    /// (`attention_bias`, default true) and o only with `attention_out_bias`.
+    #[serde(rename = "seed_oss")]
+    SeedOss,
 }
 
 /// The MLP's gate activation.
@@ -115,7 +119,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 21] = [
+    pub const ALL: [Arch; 22] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -137,6 +141,7 @@ impl Arch {
         Arch::Glm,
         Arch::Glm4,
         Arch::Olmo3,
+        Arch::SeedOss,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -163,6 +168,7 @@ impl Arch {
             Arch::Glm => "glm",
             Arch::Glm4 => "glm4",
             Arch::Olmo3 => "olmo3",
+            Arch::SeedOss => "seed_oss",
         }
     }
 
@@ -326,11 +332,12 @@ impl Arch {
             "glm" => Ok(Arch::Glm),
             "glm4" => Ok(Arch::Glm4),
             "olmo3" => Ok(Arch::Olmo3),
+            "seed_oss" => Ok(Arch::SeedOss),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss"
             ),
         }
     }
@@ -602,6 +609,10 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Biases in the MLP (llama's `mlp_bias`).
     pub mlp_bias: bool,
+    /// Seed-OSS's bias on o (`attention_out_bias`); the other families' o bias follows
+    /// `attention_bias` ([`Self::o_proj_bias`]).
+    #[serde(default)]
+    pub attention_out_bias: bool,
     /// BOS token id, if the model has one.
     pub bos_token_id: Option<u32>,
     /// EOS token ids from config.json (generation_config.json may add more).
@@ -921,7 +932,7 @@ impl ModelConfig {
             .map(|x| x as usize)
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
-                Arch::Qwen3 | Arch::Ernie45 | Arch::Glm | Arch::Glm4 => 128,
+                Arch::Qwen3 | Arch::Ernie45 | Arch::Glm | Arch::Glm4 | Arch::SeedOss => 128,
                 // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
                 Arch::Gemma2 | Arch::Gemma3 => 256,
                 Arch::GptOss => 64,
@@ -1008,6 +1019,7 @@ impl ModelConfig {
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 => 131_072,
                 Arch::Gemma2 => 8192,
+                Arch::SeedOss => 524_288,
             }) as usize;
         let mut rope_dict = v
             .get("rope_scaling")
@@ -1291,8 +1303,10 @@ impl ModelConfig {
                 Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => false,
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
-                // gpt-oss's default biases q, k, v and o; GLM's q, k and v.
-                Arch::GptOss | Arch::Glm | Arch::Glm4 => flag("attention_bias", true),
+                // gpt-oss's default biases q, k, v and o; GLM's and Seed-OSS's q, k and v.
+                Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::SeedOss => {
+                    flag("attention_bias", true)
+                }
                 Arch::Llama
                 | Arch::Granite
                 | Arch::GraniteMoe
@@ -1308,10 +1322,13 @@ impl ModelConfig {
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
                 _ => {
-                    matches!(arch, Arch::Llama | Arch::Granite | Arch::SmolLM3)
-                        && flag("mlp_bias", false)
+                    matches!(
+                        arch,
+                        Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::SeedOss
+                    ) && flag("mlp_bias", false)
                 }
             },
+            attention_out_bias: arch == Arch::SeedOss && flag("attention_out_bias", false),
             granite: match arch {
                 Arch::Granite | Arch::GraniteMoe => {
                     let m = |k: &str| -> Result<f64> {
@@ -1476,6 +1493,7 @@ impl ModelConfig {
                     Arch::Glm => "Glm",
                     Arch::Glm4 => "Glm4",
                     Arch::Olmo3 => "Olmo3",
+                    Arch::SeedOss => "SeedOss",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1532,11 +1550,21 @@ impl ModelConfig {
                 | Arch::Glm
                 | Arch::Glm4
                 | Arch::Olmo3
+                | Arch::SeedOss
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
-        if matches!(self.arch, Arch::Llama | Arch::Granite | Arch::SmolLM3) {
+        if matches!(
+            self.arch,
+            Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::SeedOss
+        ) {
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
+        }
+        if self.arch == Arch::SeedOss {
+            obj.insert("attention_out_bias".into(), self.attention_out_bias.into());
+            // The model has no dropout (README): written as such.
+            obj.insert("attention_dropout".into(), 0.0.into());
+            obj.insert("residual_dropout".into(), 0.0.into());
         }
         if self.arch == Arch::Ernie45 {
             obj.insert("use_bias".into(), self.attention_bias.into());
@@ -1724,6 +1752,15 @@ impl ModelConfig {
         self.arch.gemma()
     }
 
+    /// Whether o_proj has a bias: `attention_bias` on the families that bias o with it
+    /// ([`Arch::biases_o_proj`]), Seed-OSS's own `attention_out_bias`.
+    pub fn o_proj_bias(&self) -> bool {
+        match self.arch {
+            Arch::SeedOss => self.attention_out_bias,
+            a => self.attention_bias && a.biases_o_proj(),
+        }
+    }
+
     /// Number of parameters (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
@@ -1732,9 +1769,9 @@ impl ModelConfig {
         let mut layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
         if self.attention_bias {
             layer += q + 2 * kv;
-            if self.arch.biases_o_proj() {
-                layer += h;
-            }
+        }
+        if self.o_proj_bias() {
+            layer += h;
         }
         let mlp_bias = match self.mlp_bias {
             true => 2 * self.intermediate_size + h,

@@ -4,9 +4,8 @@
 //! What is read:
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
-//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`) and the `{arch}.*` hyper-parameters
-//!   into a [`ModelConfig`], with what
-//!   llama.cpp fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's
+//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `seed_oss`) and the `{arch}.*`
+//!   hyper-parameters into a [`ModelConfig`], with what llama.cpp fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's
 //!   NoPE layers, the experts' renormalisation); the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
 //!   `output.weight` = tied). Gemma's norm weights are `1 + w` in the file, `w` here.
@@ -191,7 +190,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     })
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, seed_oss)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -297,6 +296,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             _ => has("blk.0.attn_q.bias"),
         },
         mlp_bias: has("blk.0.ffn_gate.bias"),
+        attention_out_bias: arch == Arch::SeedOss && has("blk.0.attn_output.bias"),
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
             true => Some(crate::config::MoeConfig {
@@ -472,8 +472,9 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
         "ffn_norm" => "post_attention_layernorm",
         "post_attention_norm" if output_norms(arch) => "post_attention_layernorm",
         "post_ffw_norm" if output_norms(arch) => "post_feedforward_layernorm",
-        // GLM-4-0414's sublayer-output norms.
+        // GLM-4-0414's sublayer-output norms; Seed-OSS's MLP-input norm.
         "post_attention_norm" if arch == Arch::Glm4 => "post_self_attn_layernorm",
+        "post_attention_norm" if arch == Arch::SeedOss => "post_attention_layernorm",
         "post_ffw_norm" if arch == Arch::Glm4 => "post_mlp_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
@@ -1042,7 +1043,9 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
         "self_attn.o_proj" => "attn_output",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
-        "post_attention_layernorm" if output_norms(arch) => "post_attention_norm",
+        "post_attention_layernorm" if output_norms(arch) || arch == Arch::SeedOss => {
+            "post_attention_norm"
+        }
         "post_attention_layernorm" => "ffn_norm",
         "pre_feedforward_layernorm" if arch.gemma() => "ffn_norm",
         "post_feedforward_layernorm" if output_norms(arch) => "post_ffw_norm",
@@ -1616,6 +1619,11 @@ pub fn save_gguf(
         bail!(
             "{} with attention_bias or mlp_bias has no GGUF form (llama.cpp's has no biases there): export it as safetensors",
             cfg.arch.as_str()
+        );
+    }
+    if cfg.arch == Arch::SeedOss && (cfg.attention_out_bias || cfg.mlp_bias) {
+        bail!(
+            "Seed-OSS with attention_out_bias or mlp_bias has no GGUF form (llama.cpp's seed_oss has no o_proj or MLP biases): export it as safetensors"
         );
     }
     if cfg.arch == Arch::Ernie45 && cfg.attention_bias {

@@ -193,8 +193,12 @@ pub fn preset_config(
         max_position_embeddings: 2048,
         // gpt-oss's head is its own.
         tie_word_embeddings: arch != Arch::GptOss,
-        attention_bias: matches!(arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss) || arch.glm(),
+        attention_bias: matches!(
+            arch,
+            Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss | Arch::SeedOss
+        ) || arch.glm(),
         mlp_bias: false,
+        attention_out_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![eos],
         pad_token_id: Some(pad),
@@ -308,9 +312,9 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-            if cfg.arch.biases_o_proj() {
-                shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
-            }
+        }
+        if cfg.o_proj_bias() {
+            shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
         }
         if cfg.arch.attention_sinks() {
             let heads = cfg.num_attention_heads;

@@ -1593,12 +1593,7 @@ impl Transformer {
                 q_proj: linear(&format!("{p}.self_attn.q_proj"), q, h, qkv_bias)?,
                 k_proj: linear(&format!("{p}.self_attn.k_proj"), kv, h, qkv_bias)?,
                 v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, h, qkv_bias)?,
-                o_proj: linear(
-                    &format!("{p}.self_attn.o_proj"),
-                    h,
-                    q,
-                    cfg.attention_bias && cfg.arch.biases_o_proj(),
-                )?,
+                o_proj: linear(&format!("{p}.self_attn.o_proj"), h, q, cfg.o_proj_bias())?,
                 q_norm: match cfg.arch.attention() {
                     a if a.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)

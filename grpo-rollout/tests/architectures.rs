@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 58);
+    assert!(cases.len() >= 62);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -162,6 +162,9 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("olmo3-window-64", "olmo3") > 0.05);
     // transformers 5 spends a top-level `rope_theta` on the global layers only.
     assert!(d("olmo3-v4-layout", "olmo3") > 0.05);
+    assert!(d("seedoss-out-bias", "seedoss") > 0.05);
+    assert!(d("seedoss-mlp-bias", "seedoss") > 0.05);
+    assert!(d("seedoss-no-bias", "seedoss") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -1125,4 +1128,29 @@ fn olmo3_refusals_are_named() {
         e.contains("sliding_window = null is not supported for olmo3"),
         "{e}"
     );
+}
+
+/// Seed-OSS as llama.cpp's `seed_oss` GGUF: q/k unpermuted with their biases, the MLP-input norm
+/// as `post_attention_norm`; read back, the same model. Biases llama.cpp's graph lacks (o, MLP)
+/// are refused by name. llama.cpp itself reads these files to transformers' log-probs (README).
+#[test]
+fn seed_oss_gguf_round_trips_and_refuses_what_llama_cpp_lacks() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["seedoss"], tmp.path());
+    let (written, cfg, d) = through_gguf(&m, &r, tmp.path());
+    assert!(d < 1e-5, "seed_oss through GGUF: {d}");
+    assert_eq!(cfg.arch, Arch::SeedOss);
+    assert!(cfg.attention_bias && !cfg.attention_out_bias);
+    let has = |g: &str| written.iter().any(|(n, _)| n == g);
+    assert!(has("blk.1.post_attention_norm.weight") && !has("blk.1.ffn_norm.weight"));
+    for case in ["seedoss-out-bias", "seedoss-mlp-bias"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = load_case(&r["cases"][case], tmp.path());
+        let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+        assert!(
+            e.contains("Seed-OSS with attention_out_bias or mlp_bias"),
+            "{e}"
+        );
+    }
 }

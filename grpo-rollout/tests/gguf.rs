@@ -680,6 +680,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         tie_word_embeddings: true,
         attention_bias: false,
         mlp_bias: false,
+        attention_out_bias: false,
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,
