@@ -960,45 +960,34 @@ impl ModelConfig {
                 Arch::GptOss => 150_000.0,
                 _ => 10_000.0,
             });
+        // The sliding layers' own RoPE is unscaled (Gemma 3, OLMo 3).
+        if arch.local_rope()
+            && let Some(kind) = local_params
+                .and_then(|p| p.get("rope_type"))
+                .and_then(Value::as_str)
+                .filter(|k| *k != "default")
+        {
+            bail!(
+                "rope_parameters.sliding_attention.rope_type `{kind}` is not supported (only default)"
+            );
+        }
         // Gemma 3's sliding-window layers: their own base (`rope_local_base_freq`), unscaled.
         let local_rope_theta = match arch {
-            Arch::Gemma3 => {
-                if let Some(kind) = local_params
-                    .and_then(|p| p.get("rope_type"))
-                    .and_then(Value::as_str)
-                    .filter(|k| *k != "default")
-                {
-                    bail!(
-                        "rope_parameters.sliding_attention.rope_type `{kind}` is not supported (only default)"
-                    );
-                }
-                Some(
-                    v.get("rope_local_base_freq")
-                        .or_else(|| local_params.and_then(|p| p.get("rope_theta")))
-                        .and_then(Value::as_f64)
-                        .unwrap_or(10_000.0),
-                )
-            }
-            // OLMo 3's sliding layers: their own base, never scaled; without one, transformers
-            // 5 gives them Olmo3Config's default 500000, whatever the top-level `rope_theta`
-            // (which it spends on the global layers).
-            Arch::Olmo3 => {
-                if let Some(kind) = local_params
-                    .and_then(|p| p.get("rope_type"))
-                    .and_then(Value::as_str)
-                    .filter(|k| *k != "default")
-                {
-                    bail!(
-                        "rope_parameters.sliding_attention.rope_type `{kind}` is not supported (only default)"
-                    );
-                }
-                Some(
-                    local_params
-                        .and_then(|p| p.get("rope_theta"))
-                        .and_then(Value::as_f64)
-                        .unwrap_or(500_000.0),
-                )
-            }
+            Arch::Gemma3 => Some(
+                v.get("rope_local_base_freq")
+                    .or_else(|| local_params.and_then(|p| p.get("rope_theta")))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(10_000.0),
+            ),
+            // OLMo 3's sliding layers: their own base; without one, transformers 5 gives them
+            // Olmo3Config's default 500000, whatever the top-level `rope_theta` (which it spends
+            // on the global layers).
+            Arch::Olmo3 => Some(
+                local_params
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(500_000.0),
+            ),
             _ => None,
         };
         let max_position_embeddings = v
