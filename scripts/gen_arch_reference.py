@@ -79,6 +79,9 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     dropout 0): q/k/v biased as it is, o biased too (`attention_out_bias`), the MLP biased
     (`mlp_bias`), none (`attention_bias` false: the file's biases left out).
 
+  * arch-arcee-micro (ArceeForCausalLM, 2 layers, untied; an MLP without gate, ReLU²): as it
+    is, with the MLP's biases, with YaRN.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -332,6 +335,18 @@ MODELS = {
             "seedoss-out-bias": {"mlp_bias": False},
             "seedoss-mlp-bias": {"attention_out_bias": False},
             "seedoss-no-bias": {"attention_bias": False, "attention_out_bias": False, "mlp_bias": False},
+        },
+    ),
+    "arch-arcee-micro": (
+        "arcee",
+        dict(num_hidden_layers=2, tie_word_embeddings=False, mlp_bias=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "arcee": {"mlp_bias": False},
+            "arcee-mlp-bias": {},
+            "arcee-yarn": {"mlp_bias": False,
+                           "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 64}},
         },
     ),
 }

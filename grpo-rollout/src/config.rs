@@ -96,6 +96,9 @@ pub enum Arch {
     /// (`attention_bias`, default true) and o only with `attention_out_bias`.
     #[serde(rename = "seed_oss")]
     SeedOss,
+    /// Arcee AFM (`arcee`, AFM-4.5B): llama's layers with an MLP without gate, `down(act(up))`,
+    /// the activation ReLU² (`relu2`).
+    Arcee,
 }
 
 /// The MLP's gate activation.
@@ -107,6 +110,8 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation (`gelu_pytorch_tanh`): Gemma.
     GeluPytorchTanh,
+    /// ReLU squared (`relu2`): Arcee's MLP without gate.
+    Relu2,
     /// gpt-oss's experts: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
     /// `(u + 1) · g · sigmoid(alpha · g)` (`swiglu_alpha` 1.702, `swiglu_limit` 7).
     ClampedSwiglu {
@@ -119,7 +124,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 22] = [
+    pub const ALL: [Arch; 23] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -142,6 +147,7 @@ impl Arch {
         Arch::Glm4,
         Arch::Olmo3,
         Arch::SeedOss,
+        Arch::Arcee,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -169,6 +175,7 @@ impl Arch {
             Arch::Glm4 => "glm4",
             Arch::Olmo3 => "olmo3",
             Arch::SeedOss => "seed_oss",
+            Arch::Arcee => "arcee",
         }
     }
 
@@ -231,6 +238,11 @@ impl Arch {
         self == Arch::GptOss
     }
 
+    /// Whether the MLP has a gate (`down(act(gate) · up)`); Arcee's is `down(act(up))`.
+    pub fn gated_mlp(self) -> bool {
+        self != Arch::Arcee
+    }
+
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
     /// `attention_bias` (where the family has it) also biases `o_proj`.
     pub fn llama_like(self) -> bool {
@@ -242,6 +254,7 @@ impl Arch {
                 | Arch::SmolLM3
                 | Arch::Granite
                 | Arch::GraniteMoe
+                | Arch::Arcee
         )
     }
 
@@ -333,11 +346,12 @@ impl Arch {
             "glm4" => Ok(Arch::Glm4),
             "olmo3" => Ok(Arch::Olmo3),
             "seed_oss" => Ok(Arch::SeedOss),
+            "arcee" => Ok(Arch::Arcee),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee"
             ),
         }
     }
@@ -1001,6 +1015,7 @@ impl ModelConfig {
                 | Arch::Granite
                 | Arch::GraniteMoe
                 | Arch::Exaone4 => 2048,
+                Arch::Arcee => 4096,
                 Arch::Phi3 | Arch::Olmoe => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
@@ -1079,10 +1094,12 @@ impl ModelConfig {
                 limit: num("swiglu_limit", 7.0)?,
             },
             None if arch.gemma() => Activation::GeluPytorchTanh,
+            None if arch == Arch::Arcee => Activation::Relu2,
             None | Some("silu" | "swish") => Activation::Silu,
             Some("gelu_pytorch_tanh") => Activation::GeluPytorchTanh,
+            Some("relu2") => Activation::Relu2,
             Some(act) => bail!(
-                "{act_key} `{act}` is not supported (the gated MLP takes silu or gelu_pytorch_tanh)"
+                "{act_key} `{act}` is not supported (the MLP takes silu, gelu_pytorch_tanh or relu2)"
             ),
         };
         // Gemma 2's soft-capping (transformers' defaults 50 and 30; null switches it off);
@@ -1184,7 +1201,8 @@ impl ModelConfig {
             | Arch::GraniteMoe
             | Arch::Ernie45
             | Arch::Glm
-            | Arch::Glm4 => Vec::new(),
+            | Arch::Glm4
+            | Arch::Arcee => Vec::new(),
             // Qwen3-MoE's window (when switched on) is on every layer.
             Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
@@ -1269,7 +1287,8 @@ impl ModelConfig {
                     | Arch::Mixtral
                     | Arch::Ernie45
                     | Arch::Exaone4
-                    | Arch::GptOss => 1e-5,
+                    | Arch::GptOss
+                    | Arch::Arcee => 1e-5,
                     // GlmConfig's and Glm4Config's.
                     Arch::Glm | Arch::Glm4 => 1.5625e-7,
                     _ => 1e-6,
@@ -1306,14 +1325,15 @@ impl ModelConfig {
                 | Arch::Gemma3
                 | Arch::Olmo2
                 | Arch::Olmo3
-                | Arch::Olmoe => flag("attention_bias", false),
+                | Arch::Olmoe
+                | Arch::Arcee => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
                 _ => {
                     matches!(
                         arch,
-                        Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::SeedOss
+                        Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::SeedOss | Arch::Arcee
                     ) && flag("mlp_bias", false)
                 }
             },
@@ -1483,6 +1503,7 @@ impl ModelConfig {
                     Arch::Glm4 => "Glm4",
                     Arch::Olmo3 => "Olmo3",
                     Arch::SeedOss => "SeedOss",
+                    Arch::Arcee => "Arcee",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1540,12 +1561,13 @@ impl ModelConfig {
                 | Arch::Glm4
                 | Arch::Olmo3
                 | Arch::SeedOss
+                | Arch::Arcee
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
         if matches!(
             self.arch,
-            Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::SeedOss
+            Arch::Llama | Arch::Granite | Arch::SmolLM3 | Arch::SeedOss | Arch::Arcee
         ) {
             obj.insert("mlp_bias".into(), self.mlp_bias.into());
         }
@@ -1573,6 +1595,7 @@ impl ModelConfig {
         let act = match self.activation {
             Activation::Silu => "silu",
             Activation::GeluPytorchTanh => "gelu_pytorch_tanh",
+            Activation::Relu2 => "relu2",
             Activation::ClampedSwiglu { alpha, limit } => {
                 obj.insert("swiglu_alpha".into(), alpha.into());
                 obj.insert("swiglu_limit".into(), limit.into());
@@ -1658,7 +1681,8 @@ impl ModelConfig {
                 | Arch::GraniteMoe
                 | Arch::Ernie45
                 | Arch::Glm
-                | Arch::Glm4,
+                | Arch::Glm4
+                | Arch::Arcee,
                 _,
             )
             | (_, None) => {}
@@ -1755,7 +1779,9 @@ impl ModelConfig {
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let mut layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
+        // Gate, up and down (Arcee: up and down).
+        let maps = if self.arch.gated_mlp() { 3 } else { 2 };
+        let mut layer = h * q + 2 * h * kv + q * h + maps * h * self.intermediate_size + 2 * h;
         if self.attention_bias {
             layer += q + 2 * kv;
         }
@@ -1763,7 +1789,7 @@ impl ModelConfig {
             layer += h;
         }
         let mlp_bias = match self.mlp_bias {
-            true => 2 * self.intermediate_size + h,
+            true => (maps - 1) * self.intermediate_size + h,
             false => 0,
         };
         layer += mlp_bias;

@@ -4,7 +4,7 @@
 //! What is read:
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
-//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `seed_oss`) and the `{arch}.*`
+//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `seed_oss`, `arcee`) and the `{arch}.*`
 //!   hyper-parameters into a [`ModelConfig`], with what llama.cpp fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's
 //!   NoPE layers, the experts' renormalisation); the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
@@ -190,7 +190,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     })
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, seed_oss)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, seed_oss, arcee)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -295,7 +295,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             Arch::Qwen2 => true,
             _ => has("blk.0.attn_q.bias"),
         },
-        mlp_bias: has("blk.0.ffn_gate.bias"),
+        mlp_bias: has("blk.0.ffn_gate.bias") || has("blk.0.ffn_up.bias"),
         attention_out_bias: arch == Arch::SeedOss && has("blk.0.attn_output.bias"),
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
@@ -334,9 +334,11 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             Arch::SmolLM3 => crate::config::nope_every(req("block_count")?, 4),
             _ => Vec::new(),
         },
-        activation: match arch.gemma() {
-            true => crate::config::Activation::GeluPytorchTanh,
-            false => Default::default(),
+        // llama.cpp fixes the activation per architecture (Arcee's ReLU² without gate).
+        activation: match arch {
+            a if a.gemma() => crate::config::Activation::GeluPytorchTanh,
+            Arch::Arcee => crate::config::Activation::Relu2,
+            _ => Default::default(),
         },
         query_pre_attn_scalar: arch.gemma().then(|| {
             llama_cpp_query_scalar(
@@ -1619,6 +1621,23 @@ pub fn save_gguf(
         bail!(
             "{} with attention_bias or mlp_bias has no GGUF form (llama.cpp's has no biases there): export it as safetensors",
             cfg.arch.as_str()
+        );
+    }
+    // llama.cpp fixes each architecture's activation: another one would run as that one.
+    let fixed = match cfg.arch {
+        Arch::Arcee => crate::config::Activation::Relu2,
+        _ => crate::config::Activation::Silu,
+    };
+    if !cfg.arch.gemma() && cfg.activation != fixed {
+        bail!(
+            "{} with hidden_act {:?} has no GGUF form (llama.cpp's runs {fixed:?} there): export it as safetensors",
+            cfg.arch.as_str(),
+            cfg.activation
+        );
+    }
+    if cfg.arch == Arch::Arcee && (cfg.attention_bias || cfg.mlp_bias) {
+        bail!(
+            "Arcee with attention_bias or mlp_bias has no GGUF form (llama.cpp's arcee has no biases): export it as safetensors"
         );
     }
     if cfg.arch == Arch::SeedOss && (cfg.attention_out_bias || cfg.mlp_bias) {

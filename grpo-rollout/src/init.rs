@@ -228,6 +228,7 @@ pub fn preset_config(
         // sliding layers (every layer but each 6th: here all of them, with a window of 4096).
         activation: match arch {
             Arch::Gemma2 | Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
+            Arch::Arcee => crate::config::Activation::Relu2,
             Arch::GptOss => crate::config::Activation::ClampedSwiglu {
                 alpha: 1.702,
                 limit: 7.0,
@@ -389,12 +390,17 @@ pub fn random_weights(
                 }
             }
             None => {
-                shapes.push((format!("{p}.mlp.gate_proj.weight"), vec![im, h], false));
-                shapes.push((format!("{p}.mlp.up_proj.weight"), vec![im, h], false));
-                shapes.push((format!("{p}.mlp.down_proj.weight"), vec![h, im], false));
-                if cfg.mlp_bias {
-                    for (n, d) in [("gate_proj", im), ("up_proj", im), ("down_proj", h)] {
-                        shapes.push((format!("{p}.mlp.{n}.bias"), vec![d], false));
+                // Arcee's MLP has no gate.
+                let gated = cfg.arch.gated_mlp();
+                let maps = [
+                    ("gate_proj", im, h),
+                    ("up_proj", im, h),
+                    ("down_proj", h, im),
+                ];
+                for (n, o, i) in maps.into_iter().filter(|m| gated || m.0 != "gate_proj") {
+                    shapes.push((format!("{p}.mlp.{n}.weight"), vec![o, i], false));
+                    if cfg.mlp_bias {
+                        shapes.push((format!("{p}.mlp.{n}.bias"), vec![o], false));
                     }
                 }
             }

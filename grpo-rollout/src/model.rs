@@ -476,6 +476,7 @@ impl Layer {
     fn mlp_nodes(&self, x: &Tensor, h: &Tensor) -> Result<Option<Tensor>> {
         let mlp = [&self.gate_proj, &self.up_proj, &self.down_proj];
         if mlp.iter().any(|l| l.lora.is_some() || l.bias.is_some())
+            || self.gate_proj.is_absent()
             || self.activation != crate::config::Activation::Silu
             || self.mlp_out_norm.is_some()
             || self.residual_scale.is_some()
@@ -518,9 +519,11 @@ impl Layer {
         if let Some(y) = self.mlp_nodes(&x, &h)? {
             return Ok(y);
         }
-        let gate = self.gate_proj.forward(&h)?;
-        let up = self.up_proj.forward(&h)?;
-        let act = self.act_mul(&gate, &up)?;
+        let act = match self.gate_proj.is_absent() {
+            // Arcee's MLP has no gate: `act(up)`.
+            true => self.act(&self.up_proj.forward(&h)?)?,
+            false => self.act_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?,
+        };
         match (&self.mlp_out_norm, self.residual_scale) {
             (None, None) => self.down_proj.forward_residual(&x, &act),
             (n, _) => &x + self.sublayer_out(n, self.down_proj.forward(&act)?)?,
@@ -555,8 +558,21 @@ impl Layer {
             crate::config::Activation::Silu => crate::fused::silu_mul(gate, up),
             // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
             crate::config::Activation::GeluPytorchTanh => gate.gelu()? * up,
+            crate::config::Activation::Relu2 => self.act(gate)? * up,
             crate::config::Activation::ClampedSwiglu { alpha, limit } => {
                 clamped_swiglu(gate, up, alpha, limit)
+            }
+        }
+    }
+
+    /// The activation alone, of an MLP without gate (Arcee's ReLU², `relu(x)²`).
+    fn act(&self, x: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            crate::config::Activation::Relu2 => x.relu()?.sqr(),
+            crate::config::Activation::Silu => x.silu(),
+            crate::config::Activation::GeluPytorchTanh => x.gelu(),
+            crate::config::Activation::ClampedSwiglu { .. } => {
+                candle_core::bail!("the clamped SwiGLU needs a gate")
             }
         }
     }
@@ -566,6 +582,7 @@ impl Layer {
         match self.activation {
             crate::config::Activation::Silu => crate::fused::silu_mul_packed(gu),
             crate::config::Activation::GeluPytorchTanh
+            | crate::config::Activation::Relu2
             | crate::config::Activation::ClampedSwiglu { .. } => {
                 let last = gu.rank() - 1;
                 let n = gu.dim(last)? / 2;
@@ -644,6 +661,7 @@ impl Layer {
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
             Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
+            None if self.gate_proj.is_absent() => self.act(&self.up_proj.forward(&h)?)?,
             None => self.act_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?,
         };
         let d = self.sublayer_out(&self.mlp_out_norm, self.down_proj.forward(&act)?)?;
@@ -739,6 +757,7 @@ impl Layer {
             && self.sinks.is_none()
             && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
+            && !self.gate_proj.is_absent()
             && self.linears().iter().all(|l| l.lora.is_none())
             && [
                 &self.o_proj,
@@ -763,7 +782,10 @@ impl Layer {
             self.qkv = Packed::pack(&mut [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj])?;
         }
         let mlp = [&self.gate_proj, &self.up_proj];
-        if self.moe.is_none() && self.packed(&self.gate_up, &mlp).is_none() {
+        if self.moe.is_none()
+            && !self.gate_proj.is_absent()
+            && self.packed(&self.gate_up, &mlp).is_none()
+        {
             self.gate_up = Packed::pack(&mut [&mut self.gate_proj, &mut self.up_proj])?;
         }
         Ok(())
@@ -1581,7 +1603,10 @@ impl Transformer {
                 None => None,
             };
             // The dense MLP's maps (stand-ins in an MoE layer).
-            let dense = |name: &str, out: usize, inp: usize| match moe.is_some() {
+            // (Arcee's MLP has no gate.)
+            let dense = |name: &str, out: usize, inp: usize| match moe.is_some()
+                || (name == "gate_proj" && !cfg.arch.gated_mlp())
+            {
                 true => Linear::absent(dtype, device),
                 false => linear(&format!("{p}.mlp.{name}"), out, inp, cfg.mlp_bias),
             };
@@ -1730,7 +1755,9 @@ impl Transformer {
                 out.push((format!("{p}.{mlp_out}.weight"), n.weight.clone()));
             }
             let Some(m) = &layer.moe else {
-                lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
+                if !layer.gate_proj.is_absent() {
+                    lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
+                }
                 lin(&mut out, format!("{p}.mlp.up_proj"), &layer.up_proj);
                 lin(&mut out, format!("{p}.mlp.down_proj"), &layer.down_proj);
                 continue;

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 62);
+    assert!(cases.len() >= 65);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -165,6 +165,8 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("seedoss-out-bias", "seedoss") > 0.05);
     assert!(d("seedoss-mlp-bias", "seedoss") > 0.05);
     assert!(d("seedoss-no-bias", "seedoss") > 0.05);
+    assert!(d("arcee-mlp-bias", "arcee") > 0.05);
+    assert!(d("arcee-yarn", "arcee") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -245,6 +247,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "glm",
         "glm4-three-quarters",
         "olmo3",
+        "arcee-mlp-bias",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
@@ -1153,4 +1156,33 @@ fn seed_oss_gguf_round_trips_and_refuses_what_llama_cpp_lacks() {
             "{e}"
         );
     }
+}
+
+/// Arcee as llama.cpp's `arcee` GGUF: llama's tensors (q/k rows permuted) without `ffn_gate`,
+/// the ReLU² llama.cpp fixes for it read back; read back, the same model. Biases, which
+/// llama.cpp's arcee lacks, are refused by name, as is an activation llama.cpp would not run.
+#[test]
+fn arcee_gguf_round_trips_and_refuses_what_llama_cpp_lacks() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["arcee"], tmp.path());
+    assert!(m.model.layers[0].gate_proj.is_absent());
+    let (written, cfg, d) = through_gguf(&m, &r, tmp.path());
+    assert!(d < 1e-5, "arcee through GGUF: {d}");
+    assert_eq!(cfg.activation, grpo_rollout::config::Activation::Relu2);
+    let has = |g: &str| written.iter().any(|(n, _)| n == g);
+    assert!(has("blk.0.ffn_up.weight") && !has("blk.0.ffn_gate.weight"));
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["arcee-mlp-bias"], tmp.path());
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(e.contains("Arcee with attention_bias or mlp_bias"), "{e}");
+    let mut case = r["cases"]["arcee"].clone();
+    case["config"] = serde_json::json!({"mlp_bias": false, "hidden_act": "silu"});
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&case, tmp.path());
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(
+        e.contains("arcee with hidden_act Silu has no GGUF form"),
+        "{e}"
+    );
 }

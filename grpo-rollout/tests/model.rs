@@ -55,7 +55,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 22] = Arch::ALL;
+const ARCHES: [Arch; 23] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
@@ -411,14 +411,15 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         // Built packed: q, k, v (and gate, up) are consecutive row blocks of one tensor.
         for l in &base.layers {
             let (q, k, v) = (&l.q_proj.weight, &l.k_proj.weight, &l.v_proj.weight);
-            // An MoE layer has no dense gate/up to pack.
+            // An MoE layer has no dense gate/up to pack, Arcee's MLP no gate.
+            let gate_up = l.moe.is_none() && arch.gated_mlp();
             assert!(
-                l.qkv.is_some() && (l.gate_up.is_some() || l.moe.is_some()),
+                l.qkv.is_some() && (l.gate_up.is_some() || !gate_up),
                 "{arch:?}: not packed"
             );
             assert!(same_storage(q, k) && same_storage(k, v));
             assert_eq!(k.layout().start_offset(), q.elem_count());
-            assert!(l.moe.is_some() || same_storage(&l.gate_proj.weight, &l.up_proj.weight));
+            assert!(!gate_up || same_storage(&l.gate_proj.weight, &l.up_proj.weight));
             if let (Some(bq), Some(bv)) = (&l.q_proj.bias, &l.v_proj.bias) {
                 assert!(same_storage(bq, bv), "{arch:?}: biases not packed");
             }
@@ -441,7 +442,11 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         let dec = base.for_decoding().unwrap();
         let l0 = &dec.layers[0];
         assert!(l0.qkv.as_ref().unwrap().linear.weight_t.is_some());
-        assert!(l0.moe.is_some() || l0.gate_up.as_ref().unwrap().linear.weight_t.is_some());
+        assert!(
+            l0.moe.is_some()
+                || !arch.gated_mlp()
+                || l0.gate_up.as_ref().unwrap().linear.weight_t.is_some()
+        );
         assert!(l0.q_proj.weight_t.is_none() && l0.o_proj.weight_t.is_some());
         let d = max_diff(&cached_logits(&dec, &ids, &mask), &separate);
         assert!(d < 1e-5, "{arch:?}: decoding copy vs separate {d}");
