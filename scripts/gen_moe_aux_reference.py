@@ -2,7 +2,8 @@
 """Reference load-balancing losses from transformers for grpo-rollout/tests/moe.rs.
 
 For the MoE micro models of scripts/gen_arch_reference.py (arch-qwen3moe-micro,
-arch-qwen2moe-micro, arch-mixtral-micro, arch-olmoe-micro, arch-granitemoe-micro) and the same left-padded rows: transformers' `aux_loss`
+arch-qwen2moe-micro, arch-mixtral-micro, arch-olmoe-micro, arch-granitemoe-micro, arch-gptoss-micro — its
+biased router's logits) and the same left-padded rows: transformers' `aux_loss`
 (`output_router_logits=True`, the attention mask given: what TRL's GRPOTrainer adds to its loss
 times `router_aux_loss_coef`), and its gradient with respect to each MoE layer's router and to
 layer 0's q_proj (float32, eager attention, per-row position ids).
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gen_arch_reference import ROWS  # noqa: E402
 
 MODELS = ["arch-qwen3moe-micro", "arch-qwen2moe-micro", "arch-mixtral-micro", "arch-olmoe-micro",
-          "arch-granitemoe-micro"]
+          "arch-granitemoe-micro", "arch-gptoss-micro"]
 
 
 def main():
@@ -39,7 +40,8 @@ def main():
         aux.backward()
         grads = {}
         for pname, p in model.named_parameters():
-            router = pname.endswith("mlp.gate.weight") or pname.endswith("block_sparse_moe.router.weight")
+            router = (pname.endswith("mlp.gate.weight") or pname.endswith("block_sparse_moe.router.weight")
+                      or pname.endswith("mlp.router.weight"))
             if router or pname == "model.layers.0.self_attn.q_proj.weight":
                 layer = pname.split(".")[2]
                 key = "q_proj" if "q_proj" in pname else "router"
