@@ -1422,11 +1422,19 @@ pub fn save_peft(
     std::fs::create_dir_all(dir)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", dir.display())))?;
     let cfg = &cfg.for_arch(model.cfg.arch);
-    // PEFT saves "all-linear" as the module names it stands for.
+    // PEFT saves "all-linear" as the names of the modules it matched: the model's (no gate in
+    // Arcee's MLP, no dense MLP in an all-MoE model).
+    let present = |m: &&Module| {
+        model
+            .layers
+            .iter()
+            .any(|l| !l.linears()[m.parts[0].1].is_absent())
+    };
     let targets = match &cfg.target_modules {
         TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(
             modules(model.cfg.arch)
                 .iter()
+                .filter(present)
                 .map(|m| m.name)
                 .collect::<Vec<_>>()
         ),

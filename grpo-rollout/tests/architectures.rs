@@ -1186,3 +1186,45 @@ fn arcee_gguf_round_trips_and_refuses_what_llama_cpp_lacks() {
         "{e}"
     );
 }
+
+/// `"all-linear"` is saved as PEFT saves it: the names of the modules it matched, so Arcee's
+/// adapter config names no `gate_proj` (its MLP has none), and a reload adapts the same maps.
+#[test]
+fn all_linear_is_saved_as_the_modules_it_matched() {
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["arcee"], tmp.path());
+    let cfg = LoraConfig {
+        target_modules: TargetModules::Pattern("all-linear".into()),
+        ..Default::default()
+    };
+    let mut model = m.model.clone();
+    grpo_rollout::lora::attach(&mut model, &cfg, 0).unwrap();
+    let out = tmp.path().join("adapter");
+    grpo_rollout::lora::save_peft(&model, &cfg, &out, "base").unwrap();
+    let saved: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    let names: Vec<&str> = saved["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "up_proj",
+            "down_proj"
+        ]
+    );
+    let mut back = m.model.clone();
+    grpo_rollout::lora::load_peft(&mut back, &out).unwrap();
+    let l = &back.layers[1];
+    assert!(l.up_proj.lora.is_some() && l.down_proj.lora.is_some() && l.q_proj.lora.is_some());
+}
