@@ -105,6 +105,12 @@ T = 24
 SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, pad_token_id=0)
 
+# The gpt-oss micro model, dense and MXFP4-quantized.
+GPTOSS = dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, sliding_window=12,
+              num_local_experts=4, num_experts_per_tok=2,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+
 MODELS = {
     "arch-mistral-micro": (
         "mistral",
@@ -259,10 +265,7 @@ MODELS = {
     ),
     "arch-gptoss-micro": (
         "gpt_oss",
-        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, sliding_window=12,
-             num_local_experts=4, num_experts_per_tok=2,
-             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
-                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+        GPTOSS,
         {
             "gptoss": {},
             "gptoss-top1": {"num_experts_per_tok": 1},
@@ -272,10 +275,7 @@ MODELS = {
     ),
     "arch-gptoss-mxfp4-micro": (
         "gpt_oss",
-        dict(num_hidden_layers=2, head_dim=8, tie_word_embeddings=False, sliding_window=12,
-             num_local_experts=4, num_experts_per_tok=2,
-             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
-                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+        GPTOSS,
         {
             "gptoss-mxfp4": {},
         },

@@ -238,6 +238,21 @@ impl Arch {
         self == Arch::GptOss
     }
 
+    /// Whether the family's attention has no sliding window (llama, Granite, ERNIE 4.5, GLM,
+    /// Arcee): a `sliding_window` in its config is not read, nor written.
+    pub fn windowless(self) -> bool {
+        matches!(
+            self,
+            Arch::Llama
+                | Arch::Granite
+                | Arch::GraniteMoe
+                | Arch::Ernie45
+                | Arch::Glm
+                | Arch::Glm4
+                | Arch::Arcee
+        )
+    }
+
     /// Whether the MLP has a gate (`down(act(gate) · up)`); Arcee's is `down(act(up))`.
     pub fn gated_mlp(self) -> bool {
         self != Arch::Arcee
@@ -1194,15 +1209,8 @@ impl ModelConfig {
                 .collect()
         });
         let sliding_layers: Vec<usize> = match arch {
-            // No window in these families' attention (a stray `sliding_window` is ignored, as
-            // transformers ignores it).
-            Arch::Llama
-            | Arch::Granite
-            | Arch::GraniteMoe
-            | Arch::Ernie45
-            | Arch::Glm
-            | Arch::Glm4
-            | Arch::Arcee => Vec::new(),
+            // A stray `sliding_window` is ignored, as transformers ignores it.
+            a if a.windowless() => Vec::new(),
             // Qwen3-MoE's window (when switched on) is on every layer.
             Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
@@ -1675,17 +1683,8 @@ impl ModelConfig {
                 let types = vec!["full_attention"; self.num_hidden_layers];
                 obj.insert("layer_types".into(), types.into());
             }
-            (
-                Arch::Llama
-                | Arch::Granite
-                | Arch::GraniteMoe
-                | Arch::Ernie45
-                | Arch::Glm
-                | Arch::Glm4
-                | Arch::Arcee,
-                _,
-            )
-            | (_, None) => {}
+            (a, _) if a.windowless() => {}
+            (_, None) => {}
             (arch, Some(w)) => {
                 let types: Vec<&str> = (0..self.num_hidden_layers)
                     .map(|i| match self.windowed(i) {

@@ -298,6 +298,24 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
     Ok(out)
 }
 
+/// The config fields a fused experts tensor's shape comes from.
+const EXPERT_FIELDS: &str = "config.json's num_local_experts, intermediate_size, hidden_size";
+
+/// The tensor `key` taken out of `weights` (`None` when absent), or an error naming it when its
+/// shape is not `shape` (a fused experts tensor: Granite MoE's, gpt-oss's).
+fn take_experts(weights: &mut WeightMap, key: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+    let Some(t) = weights.remove(key) else {
+        return Ok(None);
+    };
+    if t.dims() != shape {
+        bail!(
+            "weight `{key}` has shape {:?}, expected {shape:?} ({EXPERT_FIELDS})",
+            t.dims()
+        );
+    }
+    Ok(Some(t))
+}
+
 /// Granite MoE's file names of layer `i`'s fused experts and router.
 fn granite_files(i: usize) -> [String; 3] {
     ["input_linear", "output_linear", "router.layer"]
@@ -314,18 +332,7 @@ fn split_granite_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
     let (e, w, h) = (m.num_experts, m.moe_intermediate_size, cfg.hidden_size);
     for i in 0..cfg.num_hidden_layers {
         let [input, output, router] = granite_files(i);
-        let mut take = |key: &str, shape: &[usize]| -> Result<Option<Tensor>> {
-            let Some(t) = weights.remove(key) else {
-                return Ok(None);
-            };
-            if t.dims() != shape {
-                bail!(
-                    "weight `{key}` has shape {:?}, expected {shape:?} (config.json's num_local_experts, intermediate_size, hidden_size)",
-                    t.dims()
-                );
-            }
-            Ok(Some(t))
-        };
+        let mut take = |key: &str, shape: &[usize]| take_experts(weights, key, shape);
         let gate_up = take(&input, &[e, 2 * w, h])?;
         let down = take(&output, &[e, h, w])?;
         if let Some(r) = take(&router, &[e, h])? {
@@ -492,25 +499,12 @@ fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
     };
     let names = crate::moe::MoeNames::of(cfg.arch);
     let (e, w, h) = (m.num_experts, m.moe_intermediate_size, cfg.hidden_size);
-    let fields = "config.json's num_local_experts, intermediate_size, hidden_size";
     for i in 0..cfg.num_hidden_layers {
         let [gate_up, gate_up_bias, down, down_bias] = gpt_oss_files(i);
         let into = weights
             .get(&gate_up_bias)
             .map_or(candle_core::DType::BF16, |b| b.dtype());
-        let take =
-            |weights: &mut WeightMap, key: &str, shape: &[usize]| -> Result<Option<Tensor>> {
-                let Some(t) = weights.remove(key) else {
-                    return Ok(None);
-                };
-                if t.dims() != shape {
-                    bail!(
-                        "weight `{key}` has shape {:?}, expected {shape:?} ({fields})",
-                        t.dims()
-                    );
-                }
-                Ok(Some(t))
-            };
+        let take = take_experts;
         // Both weights as `(experts, out, in)`: MXFP4 blocks hold them so already, the dense
         // files transposed.
         let weight = |weights: &mut WeightMap,
@@ -525,7 +519,7 @@ fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
             if !inp.is_multiple_of(32) {
                 if weights.contains_key(&bk) {
                     bail!(
-                        "weight `{bk}`: MXFP4 needs an input width that is a multiple of 32, not {inp} ({fields})"
+                        "weight `{bk}`: MXFP4 needs an input width that is a multiple of 32, not {inp} ({EXPERT_FIELDS})"
                     );
                 }
                 return Ok(None);
