@@ -519,11 +519,7 @@ impl Layer {
         if let Some(y) = self.mlp_nodes(&x, &h)? {
             return Ok(y);
         }
-        let act = match self.gate_proj.is_absent() {
-            // Arcee's MLP has no gate: `act(up)`.
-            true => self.act(&self.up_proj.forward(&h)?)?,
-            false => self.act_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?,
-        };
+        let act = self.mlp_act(&h)?;
         match (&self.mlp_out_norm, self.residual_scale) {
             (None, None) => self.down_proj.forward_residual(&x, &act),
             (n, _) => &x + self.sublayer_out(n, self.down_proj.forward(&act)?)?,
@@ -562,6 +558,15 @@ impl Layer {
             crate::config::Activation::ClampedSwiglu { alpha, limit } => {
                 clamped_swiglu(gate, up, alpha, limit)
             }
+        }
+    }
+
+    /// The MLP's activated rows before `down` from unpacked maps: `act(gate) · up`, or
+    /// `act(up)` for an MLP without gate (Arcee's).
+    fn mlp_act(&self, h: &Tensor) -> Result<Tensor> {
+        match self.gate_proj.is_absent() {
+            true => self.act(&self.up_proj.forward(h)?),
+            false => self.act_mul(&self.gate_proj.forward(h)?, &self.up_proj.forward(h)?),
         }
     }
 
@@ -661,8 +666,7 @@ impl Layer {
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
             Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
-            None if self.gate_proj.is_absent() => self.act(&self.up_proj.forward(&h)?)?,
-            None => self.act_mul(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?,
+            None => self.mlp_act(&h)?,
         };
         let d = self.sublayer_out(&self.mlp_out_norm, self.down_proj.forward(&act)?)?;
         next.add_forward(&x, &d)
