@@ -4,8 +4,9 @@
 //! What is read:
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
-//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `seed_oss`, `arcee`) and the `{arch}.*`
-//!   hyper-parameters into a [`ModelConfig`], with what llama.cpp fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's
+//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `seed_oss`, `arcee`) and the
+//!   `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp fixes per
+//!   architecture (Gemma's sliding layers and attention scale, SmolLM3's
 //!   NoPE layers, the experts' renormalisation); the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
 //!   `output.weight` = tied). Gemma's norm weights are `1 + w` in the file, `w` here.

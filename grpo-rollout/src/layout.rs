@@ -298,6 +298,24 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
     Ok(out)
 }
 
+/// The parts' rows alternating, row `i` of part `j` at `i · parts + j` (gpt-oss's fused
+/// `gate_up_proj` outputs: gate, up, gate, up, …); every part `(rows, …)` of one shape.
+pub fn interleave_rows(parts: &[Tensor]) -> Result<Tensor> {
+    let t = Tensor::stack(parts, 1)?;
+    let mut dims = t.dims().to_vec();
+    dims[0] *= parts.len();
+    dims.remove(1);
+    t.reshape(dims)
+}
+
+/// Part `j` of `n` taken out of rows [`interleave_rows`] made, contiguous.
+pub fn deinterleave_rows(t: &Tensor, n: usize, j: usize) -> Result<Tensor> {
+    let mut dims = t.dims().to_vec();
+    dims[0] /= n;
+    dims.insert(1, n);
+    t.reshape(dims)?.narrow(1, j, 1)?.squeeze(1)?.contiguous()
+}
+
 /// The config fields a fused experts tensor's shape comes from.
 const EXPERT_FIELDS: &str = "config.json's num_local_experts, intermediate_size, hidden_size";
 
@@ -558,13 +576,7 @@ fn split_gpt_oss_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
         for x in 0..e {
             let [g, u, d] = names.expert(i, x);
             // Rows 2j (gate) and 2j + 1 (up) of the fused map.
-            let pair = |t: &Tensor, j: usize| -> Result<Tensor> {
-                let t = t.get(x)?;
-                let mut dims = t.dims().to_vec();
-                dims[0] = w;
-                dims.insert(1, 2);
-                t.reshape(dims)?.narrow(1, j, 1)?.squeeze(1)?.contiguous()
-            };
+            let pair = |t: &Tensor, j: usize| deinterleave_rows(&t.get(x)?, 2, j);
             if let Some(t) = &gu {
                 weights.insert(g.clone(), pair(t, 0)?);
                 weights.insert(u.clone(), pair(t, 1)?);
@@ -628,13 +640,7 @@ fn fuse_gpt_oss_experts(
         for x in 0..m.num_experts {
             let [g, u, d] = names.expert(i, x);
             // Gate and up rows interleaved: (width, 2, …) flattened.
-            let interleave = |a: Tensor, b: Tensor| -> Result<Tensor> {
-                let t = Tensor::stack(&[a, b], 1)?;
-                let mut dims = t.dims().to_vec();
-                dims[0] *= 2;
-                dims.remove(1);
-                t.reshape(dims)
-            };
+            let interleave = |a: Tensor, b: Tensor| interleave_rows(&[a, b]);
             let gu = interleave(fetch(&g)?, fetch(&u)?)?;
             gate_up.push(gu.t()?);
             gate_up_bias.push(interleave(

@@ -1038,12 +1038,9 @@ fn stack_expert_adapters(
                     .iter()
                     .map(|part| take(format!("{p}.{e}.{part}.lora_B.weight")))
                     .collect::<Result<Vec<_>>>()?;
-                b.push(match cfg.arch.interleaved_gate_up() && rows.len() > 1 {
-                    // gpt-oss's gate and up outputs alternate.
-                    true => {
-                        let (out, r) = rows[0].dims2()?;
-                        Tensor::stack(&rows, 1)?.reshape((rows.len() * out, r))?
-                    }
+                // gpt-oss's gate and up outputs alternate.
+                b.push(match cfg.arch.interleaved_gate_up() {
+                    true => crate::layout::interleave_rows(&rows)?,
                     false => Tensor::cat(&rows, 0)?,
                 });
             }
@@ -1130,15 +1127,12 @@ fn split_expert_adapters(
                 let parts = expert_parts(param);
                 let rows = out / parts.len();
                 for (j, part) in parts.iter().enumerate() {
+                    // gpt-oss's gate and up outputs alternate.
                     let bj = match cfg.arch.interleaved_gate_up() {
-                        // gpt-oss's gate and up outputs alternate.
-                        true => be
-                            .reshape((rows, parts.len(), r))?
-                            .narrow(1, j, 1)?
-                            .squeeze(1)?,
-                        false => be.narrow(0, j * rows, rows)?,
+                        true => crate::layout::deinterleave_rows(&be, parts.len(), j)?,
+                        false => be.narrow(0, j * rows, rows)?.contiguous()?,
                     };
-                    map.insert(format!("{p}.{e}.{part}.lora_B.weight"), bj.contiguous()?);
+                    map.insert(format!("{p}.{e}.{part}.lora_B.weight"), bj);
                 }
             }
         }
