@@ -82,6 +82,13 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
   * arch-arcee-micro (ArceeForCausalLM, 2 layers, untied; an MLP without gate, ReLU²): as it
     is, with the MLP's biases, with YaRN.
 
+  * arch-glm4moe-micro (Glm4MoeForCausalLM, 3 layers, the first dense (`first_k_dense_replace`
+    1), untied, head_dim 8; 8 experts, 2 per token, one shared expert; the router's
+    `e_score_correction_bias` drawn so that it changes which experts are chosen; q/k norms in the
+    file): as it is (one group, renormalised), two groups of which one is taken, four groups of
+    which two are taken with the weights scaled by 2.5 and not renormalised, with its q/k norms
+    (`use_qk_norm`), without the q/k/v biases, every dimension rotating.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -337,6 +344,25 @@ MODELS = {
             "seedoss-no-bias": {"attention_bias": False, "attention_out_bias": False, "mlp_bias": False},
         },
     ),
+    "arch-glm4moe-micro": (
+        "glm4_moe",
+        dict(num_hidden_layers=3, head_dim=8, tie_word_embeddings=False, first_k_dense_replace=1,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+             n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, attention_bias=True,
+             use_qk_norm=True, partial_rotary_factor=0.5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {
+            "glm4moe": {"use_qk_norm": False},
+            "glm4moe-groups": {"use_qk_norm": False, "n_group": 2, "topk_group": 1},
+            "glm4moe-scaled": {"use_qk_norm": False, "n_group": 4, "topk_group": 2,
+                               "routed_scaling_factor": 2.5, "norm_topk_prob": False},
+            "glm4moe-qk-norm": {},
+            "glm4moe-no-bias": {"use_qk_norm": False, "attention_bias": False},
+            "glm4moe-full-rotary": {"use_qk_norm": False, "partial_rotary_factor": 1.0,
+                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 1.0}},
+        },
+    ),
     "arch-arcee-micro": (
         "arcee",
         dict(num_hidden_layers=2, tie_word_embeddings=False, mlp_bias=True,
@@ -419,8 +445,12 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
-            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4", "olmo3"):
+            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4", "olmo3", "glm4_moe"):
                 p.normal_(1, 0.3)
+        # GLM-4.5's router offsets (a buffer), large enough to change the choice.
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
     model.save_pretrained(path)
     if path.endswith("mxfp4-micro"):
         quantize_experts(path)

@@ -99,6 +99,13 @@ pub enum Arch {
     /// Arcee AFM (`arcee`, AFM-4.5B): llama's layers with an MLP without gate, `down(act(up))`,
     /// the activation ReLU² (`relu2`).
     Arcee,
+    /// Zhipu GLM-4.5 / 4.6 (`glm4_moe`, GLM-4.5-Air): q/k/v biased (`attention_bias`), half of
+    /// each head rotating (rotate-half pairs), optional per-head q/k norms (`use_qk_norm`), the
+    /// first `first_k_dense_replace` layers dense and the others a mixture of experts routed
+    /// as DeepSeek-V3's ([`Routing::SigmoidGroups`]) beside `n_shared_experts` always-on
+    /// experts (`mlp.shared_experts`).
+    #[serde(rename = "glm4_moe")]
+    Glm4Moe,
 }
 
 /// The MLP's gate activation.
@@ -124,7 +131,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 23] = [
+    pub const ALL: [Arch; 24] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -148,6 +155,7 @@ impl Arch {
         Arch::Olmo3,
         Arch::SeedOss,
         Arch::Arcee,
+        Arch::Glm4Moe,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -176,6 +184,7 @@ impl Arch {
             Arch::Olmo3 => "olmo3",
             Arch::SeedOss => "seed_oss",
             Arch::Arcee => "arcee",
+            Arch::Glm4Moe => "glm4_moe",
         }
     }
 
@@ -201,6 +210,7 @@ impl Arch {
                 | Arch::Olmoe
                 | Arch::GraniteMoe
                 | Arch::GptOss
+                | Arch::Glm4Moe
         )
     }
 
@@ -220,6 +230,12 @@ impl Arch {
             self,
             Arch::Mixtral | Arch::Olmoe | Arch::GraniteMoe | Arch::GptOss
         )
+    }
+
+    /// Whether the shared expert's output is weighted by `sigmoid(shared_expert_gate · h)`
+    /// (Qwen2-MoE); GLM-4.5's shared experts are added as they are.
+    pub fn gated_shared_expert(self) -> bool {
+        self == Arch::Qwen2Moe
     }
 
     /// Whether the router and each expert's maps have biases (gpt-oss).
@@ -250,6 +266,7 @@ impl Arch {
                 | Arch::Glm
                 | Arch::Glm4
                 | Arch::Arcee
+                | Arch::Glm4Moe
         )
     }
 
@@ -362,11 +379,12 @@ impl Arch {
             "olmo3" => Ok(Arch::Olmo3),
             "seed_oss" => Ok(Arch::SeedOss),
             "arcee" => Ok(Arch::Arcee),
+            "glm4_moe" => Ok(Arch::Glm4Moe),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe"
             ),
         }
     }
@@ -642,6 +660,10 @@ pub struct ModelConfig {
     /// `attention_bias` ([`Self::o_proj_bias`]).
     #[serde(default)]
     pub attention_out_bias: bool,
+    /// GLM-4.5's per-head RMSNorms on q and k (`use_qk_norm`, as Qwen3's); the families that
+    /// always have them say so themselves ([`Self::head_qk_norm`]).
+    #[serde(default)]
+    pub use_qk_norm: bool,
     /// BOS token id, if the model has one.
     pub bos_token_id: Option<u32>,
     /// EOS token ids from config.json (generation_config.json may add more).
@@ -729,8 +751,37 @@ pub struct MoeConfig {
     pub mlp_only_layers: Vec<usize>,
     /// Qwen2-MoE's shared expert's width (`shared_expert_intermediate_size`).
     pub shared_expert_intermediate_size: Option<usize>,
-    /// The load-balancing loss's weight the config declares (`router_aux_loss_coef`).
+    /// The load-balancing loss's weight the config declares (`router_aux_loss_coef`; 0 for
+    /// GLM-4.5, whose transformers model has no such loss).
     pub router_aux_loss_coef: f64,
+    /// How the router's logits choose and weight the experts.
+    #[serde(default)]
+    pub routing: Routing,
+}
+
+/// How an MoE router turns its logits into each token's experts and their weights.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// A softmax over all experts (in f32); the `num_experts_per_tok` most probable chosen,
+    /// weighted by their probabilities (renormalised when `norm_topk_prob`): Qwen, Mixtral,
+    /// OLMoE, Granite MoE, gpt-oss.
+    #[default]
+    Softmax,
+    /// DeepSeek-V3's router (`noaux_tc`), as GLM-4.5 has it: the logits in f32, each
+    /// expert's score `sigmoid(logit)`; the experts are chosen by score plus the layer's
+    /// `e_score_correction_bias` (a constant the checkpoint holds, never trained), among the
+    /// `topk_group` of `n_group` groups whose two best such sums are highest; weighted by their
+    /// scores (divided by their sum plus 1e-20 when `norm_topk_prob`) times
+    /// `routed_scaling_factor`.
+    SigmoidGroups {
+        /// Groups the experts are split into, in order (`n_group`).
+        n_group: usize,
+        /// Groups each token may take experts from (`topk_group`).
+        topk_group: usize,
+        /// The chosen weights' factor (`routed_scaling_factor`).
+        routed_scaling_factor: f64,
+    },
 }
 
 impl MoeConfig {
@@ -746,6 +797,7 @@ impl MoeConfig {
         };
         let (experts, k, width) = match arch {
             Arch::Qwen3Moe => (128, 8, 768),
+            Arch::Glm4Moe => (128, 8, 1408),
             Arch::Qwen2Moe => (60, 4, 1408),
             Arch::Olmoe => (64, 8, intermediate_size),
             Arch::GptOss => (128, 4, intermediate_size),
@@ -753,6 +805,10 @@ impl MoeConfig {
         };
         let num_experts = match v.get("num_experts").filter(|x| !x.is_null()) {
             Some(_) => int("num_experts", experts)?,
+            // GLM-4.5's name (transformers maps `num_local_experts` to it).
+            None if arch == Arch::Glm4Moe && v.get("num_local_experts").is_none() => {
+                int("n_routed_experts", experts)?
+            }
             None => int("num_local_experts", experts)?,
         };
         let num_experts_per_tok = int("num_experts_per_tok", k)?;
@@ -761,11 +817,16 @@ impl MoeConfig {
                 "num_experts_per_tok = {num_experts_per_tok} must be from 1 to num_experts ({num_experts})"
             );
         }
-        let decoder_sparse_step = int("decoder_sparse_step", 1)?;
+        let decoder_sparse_step = match arch {
+            Arch::Glm4Moe => 1,
+            _ => int("decoder_sparse_step", 1)?,
+        };
         if decoder_sparse_step == 0 {
             bail!("field `decoder_sparse_step` must be > 0");
         }
         let mlp_only_layers = match v.get("mlp_only_layers") {
+            // GLM-4.5's first `first_k_dense_replace` layers are dense.
+            _ if arch == Arch::Glm4Moe => (0..int("first_k_dense_replace", 1)?).collect(),
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a
                 .iter()
@@ -793,6 +854,26 @@ impl MoeConfig {
         if moe_intermediate_size == 0 {
             bail!("field `moe_intermediate_size` must be > 0");
         }
+        let routing = match arch {
+            Arch::Glm4Moe => {
+                let n_group = int("n_group", 1)?;
+                let topk_group = int("topk_group", 1)?;
+                let routed_scaling_factor = match v.get("routed_scaling_factor") {
+                    None | Some(Value::Null) => 1.0,
+                    Some(x) => x.as_f64().ok_or_else(|| {
+                        candle_core::Error::msg(format!(
+                            "field `routed_scaling_factor` must be a number, not {x}"
+                        ))
+                    })?,
+                };
+                Routing::SigmoidGroups {
+                    n_group,
+                    topk_group,
+                    routed_scaling_factor,
+                }
+            }
+            _ => Routing::Softmax,
+        };
         Ok(MoeConfig {
             num_experts,
             num_experts_per_tok,
@@ -802,17 +883,27 @@ impl MoeConfig {
             norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss)
                 || v.get("norm_topk_prob")
                     .and_then(Value::as_bool)
-                    .unwrap_or(false),
+                    // Glm4MoeConfig's default renormalises.
+                    .unwrap_or(arch == Arch::Glm4Moe),
             decoder_sparse_step,
             mlp_only_layers,
             shared_expert_intermediate_size: match arch {
                 Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
+                // GLM-4.5's `n_shared_experts` experts' width, as one MLP.
+                Arch::Glm4Moe => {
+                    Some(int("n_shared_experts", 1)? * moe_intermediate_size).filter(|w| *w > 0)
+                }
                 _ => None,
             },
-            router_aux_loss_coef: v
-                .get("router_aux_loss_coef")
-                .and_then(Value::as_f64)
-                .unwrap_or(arch.default_router_aux_loss_coef()),
+            router_aux_loss_coef: match arch {
+                // transformers' GLM-4.5 computes no load-balancing loss.
+                Arch::Glm4Moe => 0.0,
+                _ => v
+                    .get("router_aux_loss_coef")
+                    .and_then(Value::as_f64)
+                    .unwrap_or(arch.default_router_aux_loss_coef()),
+            },
+            routing,
         })
     }
 
@@ -822,8 +913,83 @@ impl MoeConfig {
         !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
+    /// Checks the routing's shape against the experts (GLM-4.5's groups) and that GLM-4.5's
+    /// dense layers are the first ones (`first_k_dense_replace`).
+    fn validate(&self, arch: Arch) -> Result<()> {
+        if let Routing::SigmoidGroups {
+            n_group,
+            topk_group,
+            ..
+        } = self.routing
+        {
+            let e = self.num_experts;
+            if n_group == 0 || !e.is_multiple_of(n_group) {
+                bail!("n_group = {n_group} must divide the {e} experts into equal groups");
+            }
+            if topk_group == 0 || topk_group > n_group {
+                bail!("topk_group = {topk_group} must be from 1 to n_group ({n_group})");
+            }
+            if e / n_group < 2 {
+                bail!(
+                    "n_group = {n_group} leaves {} expert(s) per group: a group is scored by its two best experts",
+                    e / n_group
+                );
+            }
+            if self.num_experts_per_tok > topk_group * (e / n_group) {
+                bail!(
+                    "num_experts_per_tok = {} is more than the {} experts of topk_group ({topk_group}) groups",
+                    self.num_experts_per_tok,
+                    topk_group * (e / n_group)
+                );
+            }
+        }
+        if arch == Arch::Glm4Moe
+            && (self.decoder_sparse_step != 1
+                || self
+                    .mlp_only_layers
+                    .iter()
+                    .enumerate()
+                    .any(|(i, l)| i != *l))
+        {
+            bail!(
+                "glm4_moe's dense layers are its first `first_k_dense_replace` ones (mlp_only_layers {:?}, decoder_sparse_step {} cannot be written)",
+                self.mlp_only_layers,
+                self.decoder_sparse_step
+            );
+        }
+        Ok(())
+    }
+
     /// The fields of `config.json` for `arch`.
     fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>) {
+        if let (
+            Arch::Glm4Moe,
+            Routing::SigmoidGroups {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            },
+        ) = (arch, self.routing)
+        {
+            let shared = self
+                .shared_expert_intermediate_size
+                .map_or(0, |w| w / self.moe_intermediate_size);
+            for (k, x) in [
+                ("n_routed_experts", Value::from(self.num_experts)),
+                ("num_experts_per_tok", self.num_experts_per_tok.into()),
+                ("moe_intermediate_size", self.moe_intermediate_size.into()),
+                ("norm_topk_prob", self.norm_topk_prob.into()),
+                ("n_shared_experts", shared.into()),
+                ("first_k_dense_replace", self.mlp_only_layers.len().into()),
+                ("n_group", n_group.into()),
+                ("topk_group", topk_group.into()),
+                ("routed_scaling_factor", routed_scaling_factor.into()),
+                ("output_router_logits", false.into()),
+            ] {
+                obj.insert(k.into(), x);
+            }
+            return;
+        }
         let experts = match arch {
             Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss => "num_local_experts",
             _ => "num_experts",
@@ -1036,7 +1202,7 @@ impl ModelConfig {
                     32768
                 }
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
-                Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 => 131_072,
+                Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
                 Arch::Gemma2 => 8192,
                 Arch::SeedOss => 524_288,
             }) as usize;
@@ -1078,13 +1244,13 @@ impl ModelConfig {
             })
             .and_then(Value::as_f64)
             // GLM's default: half of each head rotates.
-            .or(arch.glm().then_some(0.5))
+            .or((arch.glm() || arch == Arch::Glm4Moe).then_some(0.5))
             .filter(|p| *p != 1.0);
         if let Some(p) = partial_rotary_factor
-            && !(arch == Arch::Phi3 || arch.glm())
+            && !(arch == Arch::Phi3 || arch.glm() || arch == Arch::Glm4Moe)
         {
             bail!(
-                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's and glm4's)"
+                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's, glm4's and glm4_moe's)"
             );
         }
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
@@ -1296,7 +1462,8 @@ impl ModelConfig {
                     | Arch::Ernie45
                     | Arch::Exaone4
                     | Arch::GptOss
-                    | Arch::Arcee => 1e-5,
+                    | Arch::Arcee
+                    | Arch::Glm4Moe => 1e-5,
                     // GlmConfig's and Glm4Config's.
                     Arch::Glm | Arch::Glm4 => 1.5625e-7,
                     _ => 1e-6,
@@ -1334,7 +1501,8 @@ impl ModelConfig {
                 | Arch::Olmo2
                 | Arch::Olmo3
                 | Arch::Olmoe
-                | Arch::Arcee => flag("attention_bias", false),
+                | Arch::Arcee
+                | Arch::Glm4Moe => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -1346,6 +1514,7 @@ impl ModelConfig {
                 }
             },
             attention_out_bias: arch == Arch::SeedOss && flag("attention_out_bias", false),
+            use_qk_norm: arch == Arch::Glm4Moe && flag("use_qk_norm", false),
             granite: match arch {
                 Arch::Granite | Arch::GraniteMoe => {
                     let m = |k: &str| -> Result<f64> {
@@ -1446,6 +1615,9 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             bail!("head_dim ({}) must be even for RoPE", self.head_dim);
         }
+        if let Some(m) = &self.moe {
+            m.validate(self.arch)?;
+        }
         if let Some(m) = &self.moe
             && self.arch.experts_mlp_wide()
             && m.moe_intermediate_size != self.intermediate_size
@@ -1512,6 +1684,7 @@ impl ModelConfig {
                     Arch::Olmo3 => "Olmo3",
                     Arch::SeedOss => "SeedOss",
                     Arch::Arcee => "Arcee",
+                    Arch::Glm4Moe => "Glm4Moe",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1570,8 +1743,12 @@ impl ModelConfig {
                 | Arch::Olmo3
                 | Arch::SeedOss
                 | Arch::Arcee
+                | Arch::Glm4Moe
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
+        }
+        if self.arch == Arch::Glm4Moe {
+            obj.insert("use_qk_norm".into(), self.use_qk_norm.into());
         }
         if matches!(
             self.arch,
@@ -1666,8 +1843,8 @@ impl ModelConfig {
             Some(p) => {
                 obj.insert("partial_rotary_factor".into(), p.into());
             }
-            // GLM's default is half: every dimension rotating is written as such.
-            None if self.arch.glm() => {
+            // GLM's and GLM-4.5's default is half: every dimension rotating is written as such.
+            None if self.arch.glm() || self.arch == Arch::Glm4Moe => {
                 obj.insert("partial_rotary_factor".into(), 1.0.into());
             }
             None => {}
@@ -1773,6 +1950,12 @@ impl ModelConfig {
         }
     }
 
+    /// Whether q and k are RMS-normalised per head (`head_dim` weights): the families that
+    /// always are ([`Arch::head_qk_norm`]), GLM-4.5 with `use_qk_norm`.
+    pub fn head_qk_norm(&self) -> bool {
+        self.arch.head_qk_norm() || self.use_qk_norm
+    }
+
     /// Number of parameters (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
@@ -1792,7 +1975,7 @@ impl ModelConfig {
             false => 0,
         };
         layer += mlp_bias;
-        if self.arch.head_qk_norm() {
+        if self.head_qk_norm() {
             layer += 2 * self.head_dim;
         }
 
@@ -1814,8 +1997,14 @@ impl ModelConfig {
             let sparse = (0..self.num_hidden_layers).filter(|i| m.sparse(*i)).count();
             let mut moe = h * m.num_experts
                 + 3 * h * m.moe_intermediate_size * m.num_experts
-                + m.shared_expert_intermediate_size
-                    .map_or(0, |s| 3 * h * s + h);
+                + m.shared_expert_intermediate_size.map_or(0, |s| {
+                    3 * h * s
+                        + if self.arch.gated_shared_expert() {
+                            h
+                        } else {
+                            0
+                        }
+                });
             if self.arch.biased_experts() {
                 // The router's bias; each expert's gate, up and down biases.
                 moe += m.num_experts * (1 + 2 * m.moe_intermediate_size + h);
@@ -1843,7 +2032,10 @@ impl ModelConfig {
             Some(m) if m.sparse(i) => {
                 let e =
                     (m.num_experts + 3 * m.num_experts_per_tok * m.moe_intermediate_size) as f64;
-                let shared = m.shared_expert_intermediate_size.map_or(0, |s| 3 * s + 1) as f64;
+                let gate = usize::from(self.arch.gated_shared_expert());
+                let shared = m
+                    .shared_expert_intermediate_size
+                    .map_or(0, |s| 3 * s + gate) as f64;
                 h * (e + shared)
             }
             _ => 3.0 * h * self.intermediate_size as f64,

@@ -186,7 +186,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| {
         !matches!(
             a,
-            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm | Arch::Olmo3
+            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm | Arch::Olmo3 | Arch::Glm4Moe
         )
     })
     .ok_or_else(|| {
@@ -298,6 +298,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         },
         mlp_bias: has("blk.0.ffn_gate.bias") || has("blk.0.ffn_up.bias"),
         attention_out_bias: arch == Arch::SeedOss && has("blk.0.attn_output.bias"),
+        use_qk_norm: false,
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
             true => Some(crate::config::MoeConfig {
@@ -315,6 +316,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
                     _ => None,
                 },
                 router_aux_loss_coef: arch.default_router_aux_loss_coef(),
+                routing: crate::config::Routing::Softmax,
             }),
             false => None,
         },
@@ -1610,6 +1612,11 @@ pub fn save_gguf(
     if cfg.arch == Arch::Glm {
         bail!(
             "glm has no GGUF form here (llama.cpp's chatglm is not checked against transformers'; GLM-4-0414's glm4 is written): export it as safetensors"
+        );
+    }
+    if cfg.arch == Arch::Glm4Moe {
+        bail!(
+            "glm4_moe has no GGUF form here (llama.cpp's glm4moe, with its next-token-prediction layer and biased sigmoid router, is not checked against transformers'): export it as safetensors"
         );
     }
     if cfg.arch == Arch::GptOss {

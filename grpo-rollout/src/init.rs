@@ -195,10 +195,11 @@ pub fn preset_config(
         tie_word_embeddings: arch != Arch::GptOss,
         attention_bias: matches!(
             arch,
-            Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss | Arch::SeedOss
+            Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss | Arch::SeedOss | Arch::Glm4Moe
         ) || arch.glm(),
         mlp_bias: false,
         attention_out_bias: false,
+        use_qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![eos],
         pad_token_id: Some(pad),
@@ -240,7 +241,7 @@ pub fn preset_config(
         // Phi-4-mini's three quarters of each head rotating, GLM's half.
         partial_rotary_factor: match arch {
             Arch::Phi3 => Some(0.75),
-            a if a.glm() => Some(0.5),
+            a if a.glm() || a == Arch::Glm4Moe => Some(0.5),
             _ => None,
         },
         // Gemma 2's soft caps (transformers' defaults).
@@ -264,10 +265,29 @@ pub fn preset_config(
             decoder_sparse_step: 1,
             mlp_only_layers: match (preset, arch) {
                 (Preset::Tiny, Arch::Qwen3Moe) => vec![1],
+                // GLM-4.5's first layer is dense (`first_k_dense_replace` 1, as GLM-4.5-Air's).
+                (_, Arch::Glm4Moe) => vec![0],
                 _ => Vec::new(),
             },
-            shared_expert_intermediate_size: (arch == Arch::Qwen2Moe).then_some(inter),
-            router_aux_loss_coef: arch.default_router_aux_loss_coef(),
+            // GLM-4.5's one shared expert is an expert's width.
+            shared_expert_intermediate_size: match arch {
+                Arch::Qwen2Moe => Some(inter),
+                Arch::Glm4Moe => Some(inter / 2),
+                _ => None,
+            },
+            router_aux_loss_coef: match arch {
+                Arch::Glm4Moe => 0.0,
+                _ => arch.default_router_aux_loss_coef(),
+            },
+            // GLM-4.5-Air's routing: one group, unscaled weights.
+            routing: match arch {
+                Arch::Glm4Moe => crate::config::Routing::SigmoidGroups {
+                    n_group: 1,
+                    topk_group: 1,
+                    routed_scaling_factor: 1.0,
+                },
+                _ => crate::config::Routing::Softmax,
+            },
         }),
         // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
         // this head size.
@@ -321,7 +341,7 @@ pub fn random_weights(
             let heads = cfg.num_attention_heads;
             shapes.push((format!("{p}.self_attn.sinks"), vec![heads], false));
         }
-        if cfg.arch.head_qk_norm() {
+        if cfg.head_qk_norm() {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![cfg.head_dim],
@@ -381,12 +401,18 @@ pub fn random_weights(
                     }
                     shapes.push((name, shape, false));
                 }
+                // GLM-4.5's router's constant score offsets.
+                if m.routing != crate::config::Routing::Softmax {
+                    shapes.push((names.correction_bias(i), vec![e], false));
+                }
                 if let Some(si) = m.shared_expert_intermediate_size {
                     let [g, u, d] = names.shared(i);
                     shapes.push((g, vec![si, h], false));
                     shapes.push((u, vec![si, h], false));
                     shapes.push((d, vec![h, si], false));
-                    shapes.push((names.shared_gate(i), vec![1, h], false));
+                    if cfg.arch.gated_shared_expert() {
+                        shapes.push((names.shared_gate(i), vec![1, h], false));
+                    }
                 }
             }
             None => {

@@ -135,9 +135,10 @@ pub fn qk_reordered_apart(cfg: &ModelConfig) -> bool {
             .any(|f| f.parts.iter().any(|(p, _)| rotated(p)))
 }
 
-/// Whether a part's rows are reordered for partial rotary embeddings (q and k).
+/// Whether a part's rows are reordered for partial rotary embeddings (q and k, and the
+/// weights of their norms, which scale each head dimension: GLM-4.5's `use_qk_norm`).
 pub fn rotated(part: &str) -> bool {
-    matches!(part, "q_proj" | "k_proj")
+    matches!(part, "q_proj" | "k_proj" | "q_norm" | "k_norm")
 }
 
 impl Fused {
@@ -215,7 +216,7 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
         // Separate q and k (a family whose fused maps, if any, hold neither: GLM) reordered
         // here.
         if qk_reordered_apart(cfg) {
-            for part in ["q_proj", "k_proj"] {
+            for part in ["q_proj", "k_proj", "q_norm", "k_norm"] {
                 for kind in ["weight", "bias"] {
                     let key = format!("model.layers.{i}.self_attn.{part}.{kind}");
                     if let Some(t) = weights.remove(&key) {

@@ -1143,22 +1143,27 @@ fn split_expert_adapters(
 /// A `target_modules` list that names modules `arch` does not have as PEFT sees them: Phi-3's
 /// q/k/v and gate/up (fused there), or the fused names on the other families.
 fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
-    // PEFT adapts Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) for these.
+    // PEFT adapts Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) and GLM-4.5's
+    // shared experts for these.
     let shared = |m: &str| {
         bail!(
-            "lora.target_modules: `{m}` on Qwen2-MoE would adapt its shared expert (as PEFT does), which is not supported here: name attention modules (q_proj, k_proj, v_proj, o_proj)"
+            "lora.target_modules: `{m}` on {} would adapt its shared expert (as PEFT does), which is not supported here: name attention modules (q_proj, k_proj, v_proj, o_proj), and the experts with target_parameters",
+            arch.as_str()
         )
     };
-    let qwen2_moe = arch == crate::config::Arch::Qwen2Moe;
+    let shared_expert = matches!(
+        arch,
+        crate::config::Arch::Qwen2Moe | crate::config::Arch::Glm4Moe
+    );
     let v = match &cfg.target_modules {
         TargetModules::Names(v) => v,
-        TargetModules::Pattern(p) if qwen2_moe && p == ALL_LINEAR => return shared(p),
+        TargetModules::Pattern(p) if shared_expert && p == ALL_LINEAR => return shared(p),
         TargetModules::Pattern(_) => return Ok(()),
     };
     let phi3 = arch == crate::config::Arch::Phi3;
     for m in v {
         let last = m.rsplit('.').next().unwrap_or(m);
-        if qwen2_moe && ["gate_proj", "up_proj", "down_proj"].contains(&last) {
+        if shared_expert && ["gate_proj", "up_proj", "down_proj"].contains(&last) {
             return shared(m);
         }
         if phi3 && ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"].contains(&last) {

@@ -1598,9 +1598,35 @@ impl Transformer {
                         shared: match m.shared_expert_intermediate_size {
                             Some(s) => Some((
                                 expert(names.shared(i), s)?,
-                                lin(names.shared_gate(i), 1, h)?,
+                                match cfg.arch.gated_shared_expert() {
+                                    true => Some(lin(names.shared_gate(i), 1, h)?),
+                                    false => None,
+                                },
                             )),
                             None => None,
+                        },
+                        routing: m.routing,
+                        // GLM-4.5's offsets, kept in f32 as transformers keeps them.
+                        correction_bias: match m.routing {
+                            crate::config::Routing::Softmax => None,
+                            _ => {
+                                let name = names.correction_bias(i);
+                                let t = take(&name).ok_or_else(|| {
+                                    candle_core::Error::msg(format!("weight `{name}` is missing"))
+                                })?;
+                                let keep = match dtype {
+                                    DType::F64 => DType::F64,
+                                    _ => DType::F32,
+                                };
+                                if t.dims() != [m.num_experts] {
+                                    bail!(
+                                        "weight `{name}` has shape {:?}, expected [{}]",
+                                        t.dims(),
+                                        m.num_experts
+                                    );
+                                }
+                                Some(t.to_dtype(keep)?.to_device(device)?)
+                            }
                         },
                     })
                 }
@@ -1624,7 +1650,7 @@ impl Transformer {
                 v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, h, qkv_bias)?,
                 o_proj: linear(&format!("{p}.self_attn.o_proj"), h, q, cfg.o_proj_bias())?,
                 q_norm: match cfg.arch.attention() {
-                    a if a.head_qk_norm() => {
+                    _ if cfg.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
                     }
                     a if a.full_qk_norm() => {
@@ -1633,7 +1659,7 @@ impl Transformer {
                     _ => None,
                 },
                 k_norm: match cfg.arch.attention() {
-                    a if a.head_qk_norm() => {
+                    _ if cfg.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
                     }
                     a if a.full_qk_norm() => {
@@ -1786,7 +1812,12 @@ impl Transformer {
             }
             if let Some((x, g)) = &m.shared {
                 expert(names.shared(i), x);
-                out.push((names.shared_gate(i), g.weight.clone()));
+                if let Some(g) = g {
+                    out.push((names.shared_gate(i), g.weight.clone()));
+                }
+            }
+            if let Some(b) = &m.correction_bias {
+                out.push((names.correction_bias(i), b.clone()));
             }
         }
         out.push(("model.norm.weight".to_string(), self.norm.weight.clone()));

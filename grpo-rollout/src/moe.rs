@@ -1,4 +1,4 @@
-//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE, gpt-oss): the MoE MLP that takes a dense MLP's
+//! Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE, gpt-oss, GLM-4.5): the MoE MLP that takes a dense MLP's
 //! place in a decoder layer ([`Moe`]), its checkpoints' names ([`MoeNames`]), and the
 //! load-balancing loss TRL adds to an MoE model's training loss ([`AuxCollector`]:
 //! transformers' `load_balancing_loss_func`, its gradient given to each layer's router in the
@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Result, Tensor};
 use grpo_core::recompute::Recompute;
 
-use crate::config::Arch;
+use crate::config::{Arch, Routing};
 use crate::model::{Linear, map_linear};
 
 /// The tensor names of an MoE layer in the model: as its family's checkpoints store them
@@ -21,6 +21,7 @@ pub struct MoeNames {
     block: &'static str,
     router: &'static str,
     parts: [&'static str; 3],
+    shared: &'static str,
 }
 
 impl MoeNames {
@@ -33,21 +34,29 @@ impl MoeNames {
                 block: "block_sparse_moe",
                 router: "gate",
                 parts: ["w1", "w3", "w2"],
+                shared: "",
             },
             Arch::GraniteMoe => MoeNames {
                 block: "block_sparse_moe",
                 router: "gate",
                 parts: ["gate_proj", "up_proj", "down_proj"],
+                shared: "",
             },
             Arch::GptOss => MoeNames {
                 block: "mlp",
                 router: "router",
                 parts: ["gate_proj", "up_proj", "down_proj"],
+                shared: "",
             },
             _ => MoeNames {
                 block: "mlp",
                 router: "gate",
                 parts: ["gate_proj", "up_proj", "down_proj"],
+                // GLM-4.5's `n_shared_experts` are one MLP, `shared_experts`.
+                shared: match arch {
+                    Arch::Glm4Moe => "shared_experts",
+                    _ => "shared_expert",
+                },
             },
         }
     }
@@ -63,10 +72,31 @@ impl MoeNames {
             .map(|p| format!("model.layers.{layer}.{}.experts.{e}.{p}.weight", self.block))
     }
 
-    /// Qwen2-MoE's shared expert's gate, up and down weights.
+    /// The shared expert's gate, up and down weights (Qwen2-MoE's `shared_expert`, GLM-4.5's
+    /// `shared_experts`).
     pub fn shared(&self, layer: usize) -> [String; 3] {
         ["gate_proj", "up_proj", "down_proj"]
-            .map(|p| format!("model.layers.{layer}.mlp.shared_expert.{p}.weight"))
+            .map(|p| format!("{}.{p}.weight", self.shared_module(layer)))
+    }
+
+    /// The shared expert's module (`model.layers.{layer}.mlp.shared_expert`), as PEFT names
+    /// its maps' adapters.
+    pub fn shared_module(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.mlp.{}", self.shared)
+    }
+
+    /// GLM-4.5's router's score offsets `(experts,)` (`e_score_correction_bias`).
+    pub fn correction_bias(&self, layer: usize) -> String {
+        format!(
+            "model.layers.{layer}.{}.{}.e_score_correction_bias",
+            self.block, self.router
+        )
+    }
+
+    /// Whether a checkpoint tensor is a constant of the model rather than a weight to train
+    /// (GLM-4.5's `e_score_correction_bias`, a buffer in transformers).
+    pub fn is_buffer(name: &str) -> bool {
+        name.ends_with(".e_score_correction_bias")
     }
 
     /// Qwen2-MoE's shared expert's gate `(1, hidden)`.
@@ -106,12 +136,13 @@ impl Expert {
     }
 }
 
-/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE), computed as transformers
-/// does: the router's logits → softmax in f32 → each token's `top_k` experts, their
-/// probabilities (renormalised when `norm_topk_prob`) weighting the experts' outputs; Qwen2-MoE
-/// adds a shared expert times `sigmoid(shared_expert_gate · h)`. Each expert runs once on the
-/// rows routed to it (gathered, then put back in place): the gradient reaches the router
-/// through the chosen probabilities and each expert through its own rows.
+/// A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE, gpt-oss,
+/// GLM-4.5), computed as transformers does: the router's logits → each token's `top_k` experts
+/// and their weights ([`Routing`]: a softmax in f32, or GLM-4.5's grouped sigmoid scores) →
+/// the experts' outputs weighted; Qwen2-MoE adds a shared expert times
+/// `sigmoid(shared_expert_gate · h)`, GLM-4.5 its shared experts as they are. Each expert runs
+/// once on the rows routed to it (gathered, then put back in place): the gradient reaches the
+/// router through the chosen weights and each expert through its own rows.
 #[derive(Debug, Clone)]
 pub struct Moe {
     /// The router `(experts, hidden)` (the checkpoints' `gate`).
@@ -122,8 +153,17 @@ pub struct Moe {
     pub top_k: usize,
     /// Renormalise the chosen probabilities.
     pub norm_topk_prob: bool,
-    /// Qwen2-MoE's shared expert and its gate `(1, hidden)`.
-    pub shared: Option<(Expert, Linear)>,
+    /// The shared expert, with Qwen2-MoE's gate `(1, hidden)`.
+    pub shared: Option<(Expert, Option<Linear>)>,
+    /// How the logits choose and weight the experts.
+    pub routing: Routing,
+    /// GLM-4.5's `e_score_correction_bias` `(experts,)`, in f32 (f64 in an f64 model): added
+    /// to the scores to choose the experts, not to weight them; a constant, never trained.
+    pub correction_bias: Option<Tensor>,
+}
+
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
 }
 
 impl Moe {
@@ -133,7 +173,7 @@ impl Moe {
         out.extend(self.experts.iter().flat_map(Expert::linears));
         if let Some((e, g)) = &self.shared {
             out.extend(e.linears());
-            out.push(g);
+            out.extend(g);
         }
         out
     }
@@ -149,7 +189,15 @@ impl Moe {
             top_k: self.top_k,
             norm_topk_prob: self.norm_topk_prob,
             shared: match &self.shared {
-                Some((e, g)) => Some((e.map(f)?, map_linear(g, f)?)),
+                Some((e, g)) => {
+                    Some((e.map(f)?, g.as_ref().map(|g| map_linear(g, f)).transpose()?))
+                }
+                None => None,
+            },
+            routing: self.routing,
+            // The offsets keep their precision (f32) whatever `f` casts the weights to.
+            correction_bias: match &self.correction_bias {
+                Some(b) => Some(f(b)?.to_dtype(b.dtype())?),
                 None => None,
             },
         })
@@ -163,6 +211,14 @@ impl Moe {
             DType::F64 => logits.clone(),
             _ => logits.to_dtype(DType::F32)?,
         };
+        if let Routing::SigmoidGroups {
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+        } = self.routing
+        {
+            return self.route_groups(&z, n_group, topk_group, routed_scaling_factor);
+        }
         let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
         let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
         let top = probs
@@ -175,6 +231,73 @@ impl Moe {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;
         }
         Ok((top, w, probs))
+    }
+
+    /// [`Routing::SigmoidGroups`] of the logits `z` (f32 or f64), all on the device: the
+    /// groups ranked by their two best offset scores, the experts outside the best
+    /// `topk_group` masked out, the `top_k` best offset scores chosen, their plain scores the
+    /// weights (the graph back to the router through them).
+    fn route_groups(
+        &self,
+        z: &Tensor,
+        n_group: usize,
+        topk_group: usize,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let scores = sigmoid(z)?;
+        let bias = self
+            .correction_bias
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::msg("the router has no e_score_correction_bias"))?;
+        let choice = scores.detach().broadcast_add(&bias.to_dtype(z.dtype())?)?;
+        let (n, e) = choice.dims2()?;
+        let choice = match n_group > 1 {
+            false => choice,
+            true => {
+                let per = e / n_group;
+                let (sorted, _) = choice.reshape((n, n_group, per))?.sort_last_dim(false)?;
+                let best2 = sorted.narrow(2, 0, 2)?.sum(2)?;
+                // Each group's rank by its two best (0: best); the first `topk_group` kept.
+                let rank = best2
+                    .arg_sort_last_dim(false)?
+                    .arg_sort_last_dim(true)?
+                    .to_dtype(z.dtype())?;
+                let keep = rank
+                    .lt(topk_group as f64)?
+                    .unsqueeze(2)?
+                    .broadcast_as((n, n_group, per))?
+                    .reshape((n, e))?;
+                keep.where_cond(&choice, &(choice.zeros_like()? - f64::INFINITY)?)?
+            }
+        };
+        let top = choice
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let mut w = scores.gather(&top, 1)?;
+        if self.norm_topk_prob {
+            w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-20)?)?;
+        }
+        if scale != 1.0 {
+            w = (w * scale)?;
+        }
+        Ok((top, w, scores))
+    }
+
+    /// The router's logits of rows `h`: in the rows' dtype for the softmax routers, in f32
+    /// (f64 in an f64 model) for GLM-4.5's, as transformers computes it.
+    fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        match self.routing {
+            Routing::Softmax => self.router.forward(h),
+            Routing::SigmoidGroups { .. } => {
+                let dt = match h.dtype() {
+                    DType::F64 => DType::F64,
+                    _ => DType::F32,
+                };
+                h.to_dtype(dt)?
+                    .matmul(&self.router.weight.to_dtype(dt)?.t()?)
+            }
+        }
     }
 
     /// The MLP of normalised rows `h` `(N, hidden)` with the gate activation `act(gate, up)`:
@@ -190,7 +313,7 @@ impl Moe {
     ) -> Result<Tensor> {
         let (n, hidden) = h.dims2()?;
         let k = self.top_k;
-        let (top, w, probs) = self.route(&self.router.forward(h)?)?;
+        let (top, w, probs) = self.route(&self.logits(h)?)?;
         let top: Vec<u32> = top.flatten_all()?.to_vec1()?;
         let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
         let mut slots: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
@@ -224,13 +347,16 @@ impl Moe {
         let w = w.to_dtype(y.dtype())?.unsqueeze(2)?;
         let mut out = y.broadcast_mul(&w)?.sum(1)?;
         if let Some((e, g)) = &self.shared {
-            let gate = g.forward(h)?;
-            let gate = (gate.neg()?.exp()? + 1.0)?.recip()?;
-            out = (out + mlp(e, h)?.broadcast_mul(&gate)?)?;
+            let y = mlp(e, h)?;
+            out = match g {
+                Some(g) => (out + y.broadcast_mul(&sigmoid(&g.forward(h)?)?)?)?,
+                None => (out + y)?,
+            };
         }
+        // GLM-4.5's router has no load-balancing loss (transformers computes none).
         match aux {
-            Some(a) => a.tap(out, &probs, &top, k),
-            None => Ok(out),
+            Some(a) if self.routing == Routing::Softmax => a.tap(out, &probs, &top, k),
+            _ => Ok(out),
         }
     }
 }

@@ -25,11 +25,17 @@ pub struct TrainableModel {
 }
 
 impl TrainableModel {
-    /// Every weight trainable (full fine-tuning). The weights are copied into new `Var`s.
+    /// Every weight trainable (full fine-tuning): copied into new `Var`s. The model's
+    /// constants ([`crate::moe::MoeNames::is_buffer`]) are not weights and stay as they are.
     pub fn full(base: &Transformer) -> Result<Self> {
         let mut vars = Vec::new();
         let mut map = HashMap::new();
         for (name, t) in base.weights() {
+            // A constant of the model (GLM-4.5's router offsets) stays out of the optimizer.
+            if crate::moe::MoeNames::is_buffer(&name) {
+                map.insert(name, t);
+                continue;
+            }
             // A storage of its own (`make_var` copies the elements the layout holds: a packed
             // weight's view becomes a tensor of its size, not of its pack's).
             let v = Var::from_tensor(&t.detach())?;

@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 65);
+    assert!(cases.len() >= 71);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -163,6 +163,11 @@ fn logprobs_match_transformers_for_each_variant() {
     // transformers 5 spends a top-level `rope_theta` on the global layers only.
     assert!(d("olmo3-v4-layout", "olmo3") > 0.05);
     assert!(d("seedoss-out-bias", "seedoss") > 0.05);
+    assert!(d("glm4moe-groups", "glm4moe") > 0.05);
+    assert!(d("glm4moe-scaled", "glm4moe") > 0.05);
+    assert!(d("glm4moe-qk-norm", "glm4moe") > 0.05);
+    assert!(d("glm4moe-no-bias", "glm4moe") > 0.05);
+    assert!(d("glm4moe-full-rotary", "glm4moe") > 0.05);
     assert!(d("seedoss-mlp-bias", "seedoss") > 0.05);
     assert!(d("seedoss-no-bias", "seedoss") > 0.05);
     assert!(d("arcee-mlp-bias", "arcee") > 0.05);
@@ -1227,4 +1232,137 @@ fn all_linear_is_saved_as_the_modules_it_matched() {
     grpo_rollout::lora::load_peft(&mut back, &out).unwrap();
     let l = &back.layers[1];
     assert!(l.up_proj.lora.is_some() && l.down_proj.lora.is_some() && l.q_proj.lora.is_some());
+}
+
+/// GLM-4.5's router offsets (`e_score_correction_bias`) choose the experts: without them the
+/// log-probs move far from transformers'. They are a constant of the model: held in f32 in a
+/// bf16 model, left out of full fine-tuning's variables, written back as read. The
+/// checkpoints' next-token-prediction layer (a layer past `num_hidden_layers`) is skipped.
+#[test]
+fn glm4_moe_router_offsets_are_constants_that_choose() {
+    use grpo_rollout::moe::MoeNames;
+    let r = reference();
+    let case = &r["cases"]["glm4moe-groups"];
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = model_dir(case, tmp.path());
+    // An MTP layer's tensors, as GLM-4.5's files hold them after the last decoder layer.
+    let file = dir.join("model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    for name in ["eh_proj.weight", "self_attn.q_proj.weight", "enorm.weight"] {
+        let t = Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap();
+        tensors.insert(format!("model.layers.3.{name}"), t);
+    }
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let got: Vec<f64> = logprobs(&m.model, &r).iter().map(|x| *x as f64).collect();
+    assert!(max_diff(&got, &want(case)) <= 1e-4);
+
+    // Zero offsets: other experts chosen, other log-probs.
+    let mut zeroed = m.model.clone();
+    for l in zeroed.layers.iter_mut() {
+        if let Some(moe) = l.moe.as_mut() {
+            let b = moe.correction_bias.as_ref().unwrap();
+            moe.correction_bias = Some(b.zeros_like().unwrap());
+        }
+    }
+    let moved: Vec<f64> = logprobs(&zeroed, &r).iter().map(|x| *x as f64).collect();
+    assert!(max_diff(&moved, &want(case)) > 0.05);
+
+    // Full fine-tuning: every weight a variable but the offsets, which stay the model's.
+    let names = MoeNames::of(Arch::Glm4Moe);
+    let tm = grpo_rollout::policy::TrainableModel::full(&m.model).unwrap();
+    assert!(tm.vars.iter().all(|(n, _)| !MoeNames::is_buffer(n)));
+    assert!(tm.vars.iter().any(|(n, _)| n == &names.router(1)));
+    let weights: std::collections::HashMap<String, Tensor> =
+        tm.model.weights().into_iter().collect();
+    let read = &tensors[&names.correction_bias(1)];
+    let held = &weights[&names.correction_bias(1)];
+    assert_eq!(
+        held.to_vec1::<f32>().unwrap(),
+        read.to_vec1::<f32>().unwrap()
+    );
+    assert_eq!(
+        tm.vars.len() + 2,
+        weights.len(),
+        "two MoE layers' offsets are not variables"
+    );
+
+    // bf16: the weights rounded, the offsets kept in f32 as transformers keeps the buffer.
+    let b = grpo_rollout::load(&dir, DType::BF16, &Device::Cpu).unwrap();
+    let moe = b.model.layers[1].moe.as_ref().unwrap();
+    assert_eq!(moe.router.weight.dtype(), DType::BF16);
+    let offsets = moe.correction_bias.as_ref().unwrap();
+    assert_eq!(offsets.dtype(), DType::F32);
+    assert_eq!(
+        offsets.to_vec1::<f32>().unwrap(),
+        read.to_vec1::<f32>().unwrap()
+    );
+}
+
+/// GLM-4.5's routing groups must split the experts evenly and leave enough experts; its dense
+/// layers are its first ones; PEFT's `gate_proj` would adapt its shared experts; no GGUF form:
+/// each refused by name.
+#[test]
+fn glm4_moe_refusals_are_named() {
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    let r = reference();
+    let refused = |change: serde_json::Value| -> String {
+        let mut case = r["cases"]["glm4moe"].clone();
+        for (k, v) in change.as_object().unwrap() {
+            case["config"][k] = v.clone();
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F32, &Device::Cpu)
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    let e = refused(serde_json::json!({"n_group": 3}));
+    assert!(e.contains("n_group = 3 must divide the 8 experts"), "{e}");
+    let e = refused(serde_json::json!({"n_group": 2, "topk_group": 3}));
+    assert!(
+        e.contains("topk_group = 3 must be from 1 to n_group (2)"),
+        "{e}"
+    );
+    let e = refused(serde_json::json!({"n_group": 8}));
+    assert!(e.contains("leaves 1 expert(s) per group"), "{e}");
+    let e = refused(serde_json::json!({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}));
+    assert!(
+        e.contains("num_experts_per_tok = 3 is more than the 2 experts"),
+        "{e}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["glm4moe"], tmp.path());
+    let mut cfg = m.model.cfg.clone();
+    cfg.moe.as_mut().unwrap().mlp_only_layers = vec![1];
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("first `first_k_dense_replace`"), "{e}");
+    for bad in [
+        TargetModules::Names(vec!["gate_proj".into()]),
+        TargetModules::Pattern("all-linear".into()),
+    ] {
+        let cfg = LoraConfig {
+            target_modules: bad,
+            ..Default::default()
+        };
+        let mut model = m.model.clone();
+        let e = grpo_rollout::lora::attach(&mut model, &cfg, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("glm4_moe would adapt its shared expert"), "{e}");
+    }
+    // Attention modules and the experts' target_parameters take adapters.
+    let cfg = LoraConfig {
+        target_modules: TargetModules::Names(vec!["q_proj".into()]),
+        target_parameters: vec!["mlp.experts.gate_up_proj".into()],
+        ..Default::default()
+    };
+    let mut model = m.model.clone();
+    grpo_rollout::lora::attach(&mut model, &cfg, 0).unwrap();
+    let moe = model.layers[1].moe.as_ref().unwrap();
+    assert!(moe.experts[0].gate_proj.lora.is_some() && moe.experts[0].down_proj.lora.is_none());
+    assert!(moe.shared.as_ref().unwrap().0.gate_proj.lora.is_none());
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(e.contains("glm4_moe has no GGUF form"), "{e}");
 }

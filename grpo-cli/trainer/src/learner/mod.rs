@@ -129,6 +129,16 @@ impl Learner {
                 setup.policy.model.cfg.arch.as_str()
             );
         }
+        if let Some(c) = setup.cfg.loss.router_aux_loss_coef
+            && c != 0.0
+            && let Some(m) = &setup.policy.model.cfg.moe
+            && m.routing != grpo_rollout::config::Routing::Softmax
+        {
+            anyhow::bail!(
+                "loss.router_aux_loss_coef = {c}, but {}'s router has no load-balancing loss (transformers computes none: its e_score_correction_bias balances the experts)",
+                setup.policy.model.cfg.arch.as_str()
+            );
+        }
         let o = &setup.cfg.optim;
         let opt = AdamW::new(
             setup.policy.vars.clone(),
