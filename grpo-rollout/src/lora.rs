@@ -305,6 +305,7 @@ impl Matcher {
                 TARGET_MODULES
                     .iter()
                     .chain(&FUSED_MODULES)
+                    .chain(&[SHARED_EXPERT_GATE])
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -335,6 +336,37 @@ fn anchored(re: &str, field: &str, key: &str) -> Result<Regex> {
 /// `target_modules = "all-linear"`: every linear layer but the output head.
 pub const ALL_LINEAR: &str = "all-linear";
 
+/// Qwen2-MoE's shared expert's gate `(1, hidden)`, a linear module PEFT adapts too.
+pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
+
+/// Module names of the mixtures of experts `target_modules` may hold beside
+/// [`TARGET_MODULES`]: Qwen2-MoE's [`SHARED_EXPERT_GATE`], and the router `gate` and Mixtral's
+/// `w1`, `w3`, `w2`, which PEFT turns into `target_parameters` ([`LoraConfig::for_model`]).
+const MOE_MODULES: [&str; 5] = [SHARED_EXPERT_GATE, "gate", "w1", "w3", "w2"];
+
+/// Layer `i`'s shared-expert maps as PEFT names them, each a module of its own: Qwen2-MoE's
+/// `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert_gate`, GLM-4.5's
+/// `mlp.shared_experts.{gate,up,down}_proj` (none in a layer without a shared expert).
+fn shared_sites(
+    layer: &mut crate::model::Layer,
+    i: usize,
+    arch: crate::config::Arch,
+) -> Vec<(String, &mut crate::model::Linear)> {
+    let Some((e, g)) = layer.moe.as_mut().and_then(|m| m.shared.as_mut()) else {
+        return Vec::new();
+    };
+    let p = crate::moe::MoeNames::of(arch).shared_module(i);
+    let mut out = vec![
+        (format!("{p}.gate_proj"), &mut e.gate_proj),
+        (format!("{p}.up_proj"), &mut e.up_proj),
+        (format!("{p}.down_proj"), &mut e.down_proj),
+    ];
+    if let Some(g) = g.as_mut() {
+        out.push((format!("model.layers.{i}.mlp.{SHARED_EXPERT_GATE}"), g));
+    }
+    out
+}
+
 /// The full name of a decoder projection, as PEFT matches it.
 fn module_name(layer: usize, group: &str, module: &str) -> String {
     format!("model.layers.{layer}.{group}.{module}")
@@ -344,6 +376,80 @@ fn module_name(layer: usize, group: &str, module: &str) -> String {
 /// registers them: when both are targeted PEFT wraps `gate_up_proj` first, so its tensors are
 /// the inner wrapper's (`experts.base_layer.lora_A`) and `down_proj`'s the outer one's.
 pub const EXPERT_PARAMETERS: [&str; 2] = ["gate_up_proj", "down_proj"];
+
+/// The router's weight as PEFT's `target_parameters` names it (`mlp.gate.weight`): Qwen3-MoE's,
+/// Qwen2-MoE's, Mixtral's, OLMoE's and GLM-4.5's routers are modules of their own in
+/// transformers 5, not `nn.Linear`s, so PEFT adapts their weight as a parameter.
+pub const ROUTER_PARAMETER: &str = "gate.weight";
+
+/// PEFT's renames of `target_modules` on the mixtures of experts whose experts transformers 5
+/// fuses when it loads their per-expert files (peft 0.21's `_MOE_TARGET_MODULE_MAPPING`,
+/// for the families transformers converts as Qwen2-MoE's or Mixtral's): each name on the left,
+/// once an `nn.Linear` of transformers 4, becomes the `target_parameters` entry on the right.
+/// Empty for the other families.
+fn moe_renames(arch: crate::config::Arch) -> &'static [(&'static str, &'static str)] {
+    use crate::config::Arch;
+    match arch {
+        Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe => &[
+            ("gate", ROUTER_PARAMETER),
+            ("gate_proj", "gate_up_proj"),
+            ("up_proj", "gate_up_proj"),
+            ("down_proj", "down_proj"),
+        ],
+        Arch::Mixtral => &[
+            ("gate", ROUTER_PARAMETER),
+            ("w1", "gate_up_proj"),
+            ("w3", "gate_up_proj"),
+            ("w2", "down_proj"),
+        ],
+        _ => &[],
+    }
+}
+
+/// The last names PEFT resolves a `target_modules` regular expression `re` to on `model`
+/// (peft 0.21's `_resolve_string_target_modules`): those of the decoder's maps, routers and
+/// experts' parameters whose full names it matches, and each renamed name whose transformers 4
+/// form (`model.layers.N.mlp.experts.gate_proj`) it matches.
+fn regex_leaves(
+    model: &Transformer,
+    re: &Regex,
+    renames: &[(&'static str, &'static str)],
+) -> Vec<String> {
+    let arch = model.cfg.arch;
+    let mut keys = Vec::new();
+    for (i, l) in model.layers.iter().enumerate() {
+        for m in modules(arch) {
+            if !l.linears()[m.parts[0].1].is_absent() {
+                keys.push(module_name(i, m.group, m.name));
+            }
+        }
+        if l.moe.is_some() {
+            let experts = experts_module(i, arch);
+            keys.push(format!("model.layers.{i}.mlp.gate"));
+            keys.extend(EXPERT_PARAMETERS.iter().map(|p| format!("{experts}.{p}")));
+            // The experts' maps as transformers 4 named them.
+            keys.extend(renames.iter().map(|(old, _)| format!("{experts}.{old}")));
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    for k in keys.iter().filter(|k| re.is_match(k)) {
+        let leaf = k.rsplit('.').next().unwrap_or(k).to_string();
+        if !out.contains(&leaf) {
+            out.push(leaf);
+        }
+    }
+    out
+}
+
+/// Whether the family's router weight takes a `target_parameters` adapter
+/// ([`ROUTER_PARAMETER`]).
+fn router_adaptable(arch: crate::config::Arch) -> bool {
+    use crate::config::Arch;
+    matches!(
+        arch,
+        Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::Olmoe | Arch::Glm4Moe
+    )
+}
 
 /// The model's maps an expert parameter stands for: `gate_up_proj`'s gate and up rows (one
 /// shared `A`), `down_proj`'s down.
@@ -376,7 +482,12 @@ struct Resolved<'a> {
 impl Resolved<'_> {
     /// `(r, scale)` of the adapter on `model.layers.{layer}.{group}.{module}`, if it gets one.
     fn adapter(&self, layer: usize, group: &str, module: &str) -> Option<(usize, f64)> {
-        let name = module_name(layer, group, module);
+        self.adapter_at(layer, &module_name(layer, group, module))
+    }
+
+    /// [`Self::adapter`] of the module of layer `layer` whose full name is `name`.
+    fn adapter_at(&self, layer: usize, name: &str) -> Option<(usize, f64)> {
+        let name = name.to_string();
         if self.exclude.as_ref().is_some_and(|e| e.matches(&name)) || !self.target.matches(&name) {
             return None;
         }
@@ -421,6 +532,18 @@ impl Resolved<'_> {
             .any(|t| key == *t || key.ends_with(&format!(".{t}")));
         hit.then(|| self.rank_and_scale(&key))
     }
+
+    /// `(r, scale)` of the adapter on layer `layer`'s router weight, if `target_parameters`
+    /// names it ([`ROUTER_PARAMETER`], matched as the end of `model.layers.N.mlp.gate.weight`).
+    fn router_adapter(&self, layer: usize) -> Option<(usize, f64)> {
+        let key = format!("model.layers.{layer}.mlp.{ROUTER_PARAMETER}");
+        let hit = self
+            .cfg
+            .target_parameters
+            .iter()
+            .any(|t| key == *t || key.ends_with(&format!(".{t}")));
+        hit.then(|| self.rank_and_scale(&key))
+    }
 }
 
 impl LoraConfig {
@@ -453,7 +576,10 @@ impl LoraConfig {
                         "lora.{field}: `{m}`: LoRA on the embeddings or the output head is not supported (only {TARGET_MODULES:?})"
                     );
                 }
-                if !TARGET_MODULES.contains(&last) && !FUSED_MODULES.contains(&last) {
+                if !TARGET_MODULES.contains(&last)
+                    && !FUSED_MODULES.contains(&last)
+                    && !MOE_MODULES.contains(&last)
+                {
                     bail!(
                         "lora.{field}: unknown module `{m}`, expected any of {TARGET_MODULES:?} (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), or \"{ALL_LINEAR}\""
                     );
@@ -491,9 +617,10 @@ impl LoraConfig {
         }
         for t in &self.target_parameters {
             let last = t.rsplit('.').next().unwrap_or(t);
-            if !EXPERT_PARAMETERS.contains(&last) {
+            let router = t == ROUTER_PARAMETER || t.ends_with(&format!(".{ROUTER_PARAMETER}"));
+            if !EXPERT_PARAMETERS.contains(&last) && !router {
                 bail!(
-                    "lora.target_parameters: `{t}`: expected a mixture of experts' `gate_up_proj` or `down_proj` (e.g. \"mlp.experts.gate_up_proj\")"
+                    "lora.target_parameters: `{t}`: expected a mixture of experts' `gate_up_proj` or `down_proj` (e.g. \"mlp.experts.gate_up_proj\"), or its router's `{ROUTER_PARAMETER}`"
                 );
             }
         }
@@ -562,6 +689,86 @@ impl LoraConfig {
             c.target_modules = TargetModules::names(&["qkv_proj"]);
         }
         c
+    }
+
+    /// This config for `model` as PEFT 0.21 resolves it on transformers 5 ([`Self::for_arch`]
+    /// first). On Qwen3-MoE, OLMoE, GLM-4.5 and Mixtral, whose per-expert files transformers 5
+    /// fuses on load, PEFT turns the `target_modules` names of the router and the experts'
+    /// maps into `target_parameters` (peft's `_MOE_TARGET_MODULE_MAPPING`): `gate` → the router's `gate.weight`,
+    /// `gate_proj` and `up_proj` (Mixtral's `w1`, `w3`) → the experts' `gate_up_proj`, at
+    /// twice the rank and alpha (`rank_pattern` / `alpha_pattern` `.*\.gate_up_proj`), `down_proj`
+    /// (`w2`) → `down_proj`; one of gate and up without the other is an error. So these names
+    /// adapt the experts, not a dense layer's MLP nor GLM-4.5's shared experts. `"all-linear"`
+    /// and a regular expression are first resolved to the last names of what they match (the
+    /// former: the attention's maps and every renamed name).
+    pub fn for_model(&self, model: &Transformer) -> Result<Self> {
+        let mut c = self.for_arch(model.cfg.arch);
+        let renames = moe_renames(model.cfg.arch);
+        if renames.is_empty() {
+            return Ok(c);
+        }
+        let targets: Vec<String> = match &c.target_modules {
+            TargetModules::Names(v) => v.clone(),
+            TargetModules::Pattern(p) if p == ALL_LINEAR => {
+                let mut v: Vec<String> =
+                    TARGET_MODULES[..4].iter().map(|s| s.to_string()).collect();
+                v.extend(renames.iter().map(|(old, _)| old.to_string()));
+                v
+            }
+            TargetModules::Pattern(p) => {
+                let re = anchored(&format!("^(?:{p})$"), "target_modules", p)?;
+                let found = regex_leaves(model, &re, renames);
+                if found.is_empty() {
+                    return Ok(c);
+                }
+                found
+            }
+        };
+        let mut params = c.target_parameters.clone();
+        let mut kept = Vec::new();
+        let mut fused: Vec<&str> = Vec::new();
+        for t in targets {
+            let Some(&(old, new)) = renames
+                .iter()
+                .find(|(old, _)| t == *old || t.ends_with(&format!(".{old}")))
+            else {
+                kept.push(t);
+                continue;
+            };
+            if !params.iter().any(|p| p == new) {
+                params.push(new.to_string());
+            }
+            if new == EXPERT_PARAMETERS[0] && !fused.contains(&old) {
+                fused.push(old);
+            }
+        }
+        let pair: Vec<&str> = renames
+            .iter()
+            .filter(|(_, new)| *new == EXPERT_PARAMETERS[0])
+            .map(|(old, _)| *old)
+            .collect();
+        if !fused.is_empty() && fused.len() < pair.len() {
+            let missing: Vec<&&str> = pair.iter().filter(|o| !fused.contains(o)).collect();
+            bail!(
+                "lora.target_modules: `{}` cannot be adapted without `{}` on {}: transformers 5 fuses them into the experts' gate_up_proj (as PEFT converts them)",
+                fused.join("`, `"),
+                missing
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>()
+                    .join("`, `"),
+                model.cfg.arch.as_str()
+            );
+        }
+        if fused.len() == pair.len() {
+            let key = format!(r".*\.{}", EXPERT_PARAMETERS[0]);
+            c.rank_pattern.insert(key.clone(), c.r * pair.len());
+            c.alpha_pattern
+                .insert(key, c.lora_alpha * pair.len() as f64);
+        }
+        c.target_modules = TargetModules::Names(kept);
+        c.target_parameters = params;
+        Ok(c)
     }
 
     /// The scale of a module without a rank or alpha pattern.
@@ -824,36 +1031,27 @@ fn visit(
                 }
             }
             for &(part, j) in m.parts {
-                let q = peft_prefix(i, m.group, part);
-                let lin = &mut *lins[j];
-                if let Some(l) = lin.lora.as_mut() {
-                    f(format!("{q}.lora_B.weight"), &mut l.b)?;
-                    if let Some(t) = l.b_bias.as_mut() {
-                        f(format!("{q}.lora_B.bias"), t)?;
-                    }
-                    if let Some(t) = l.magnitude.as_mut() {
-                        f(format!("{q}.lora_magnitude_vector"), t)?;
-                    }
-                    l.norm = OnceLock::new();
-                }
-                let trained = match bias {
-                    "all" => true,
-                    "lora_only" => adapted,
-                    _ => false,
-                };
-                if let (true, Some(b)) = (trained, lin.bias.as_mut()) {
-                    let key = if adapted {
-                        format!("{q}.base_layer.bias")
-                    } else {
-                        format!("{q}.bias")
-                    };
-                    f(key, b)?;
-                }
+                visit_part(&peft_prefix(i, m.group, part), lins[j], adapted, bias, f)?;
             }
+        }
+        // The shared expert's maps, each a module of its own.
+        for (name, lin) in shared_sites(layer, i, arch) {
+            let q = format!("base_model.model.{name}");
+            let adapted = lin.lora.is_some();
+            if let Some(l) = lin.lora.as_mut() {
+                f(format!("{q}.lora_A.weight"), &mut l.a)?;
+            }
+            visit_part(&q, lin, adapted, bias, f)?;
         }
         // The experts' adapters (`target_parameters`), per expert: `A` of `gate_up_proj` shared
         // by the gate and up maps, `B` for each; [`to_peft_layout`] stacks them as PEFT does.
         if let Some(moe) = layer.moe.as_mut() {
+            if let Some(l) = moe.router.lora.as_mut() {
+                let q = format!("base_model.model.model.layers.{i}.mlp.gate");
+                f(format!("{q}.lora_A.weight"), &mut l.a)?;
+                f(format!("{q}.lora_B.weight"), &mut l.b)?;
+                l.norm = OnceLock::new();
+            }
             let p = format!("base_model.model.{}", experts_module(i, arch));
             for (e, x) in moe.experts.iter_mut().enumerate() {
                 let q = format!("{p}.{e}");
@@ -888,6 +1086,41 @@ fn visit(
     // `modules_to_save = ["score"]`, as TRL advises for reward models).
     if let Some(s) = model.score.as_mut() {
         f(SCORE_KEY.to_string(), s)?;
+    }
+    Ok(())
+}
+
+/// [`visit`] of one map `lin` under its PEFT prefix `q` (its module's, or its part's in a fused
+/// module), but `A`: `lora_B`, its bias, DoRA's magnitude, and the base bias `bias` trains
+/// (`adapted`: whether the module has an adapter).
+fn visit_part(
+    q: &str,
+    lin: &mut crate::model::Linear,
+    adapted: bool,
+    bias: &str,
+    f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
+) -> Result<()> {
+    if let Some(l) = lin.lora.as_mut() {
+        f(format!("{q}.lora_B.weight"), &mut l.b)?;
+        if let Some(t) = l.b_bias.as_mut() {
+            f(format!("{q}.lora_B.bias"), t)?;
+        }
+        if let Some(t) = l.magnitude.as_mut() {
+            f(format!("{q}.lora_magnitude_vector"), t)?;
+        }
+        l.norm = OnceLock::new();
+    }
+    let trained = match bias {
+        "all" => true,
+        "lora_only" => adapted,
+        _ => false,
+    };
+    if let (true, Some(b)) = (trained, lin.bias.as_mut()) {
+        let key = match adapted {
+            true => format!("{q}.base_layer.bias"),
+            false => format!("{q}.bias"),
+        };
+        f(key, b)?;
     }
     Ok(())
 }
@@ -1143,29 +1376,13 @@ fn split_expert_adapters(
 /// A `target_modules` list that names modules `arch` does not have as PEFT sees them: Phi-3's
 /// q/k/v and gate/up (fused there), or the fused names on the other families.
 fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
-    // PEFT adapts Qwen2-MoE's shared expert (`mlp.shared_expert.gate_proj`, ...) and GLM-4.5's
-    // shared experts for these.
-    let shared = |m: &str| {
-        bail!(
-            "lora.target_modules: `{m}` on {} would adapt its shared expert (as PEFT does), which is not supported here: name attention modules (q_proj, k_proj, v_proj, o_proj), and the experts with target_parameters",
-            arch.as_str()
-        )
-    };
-    let shared_expert = matches!(
-        arch,
-        crate::config::Arch::Qwen2Moe | crate::config::Arch::Glm4Moe
-    );
     let v = match &cfg.target_modules {
         TargetModules::Names(v) => v,
-        TargetModules::Pattern(p) if shared_expert && p == ALL_LINEAR => return shared(p),
         TargetModules::Pattern(_) => return Ok(()),
     };
     let phi3 = arch == crate::config::Arch::Phi3;
     for m in v {
         let last = m.rsplit('.').next().unwrap_or(m);
-        if shared_expert && ["gate_proj", "up_proj", "down_proj"].contains(&last) {
-            return shared(m);
-        }
         if phi3 && ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"].contains(&last) {
             bail!(
                 "lora.target_modules: `{m}`: Phi-3 stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj` (as PEFT adapts them): name qkv_proj, o_proj, gate_up_proj, down_proj, or \"{ALL_LINEAR}\""
@@ -1229,34 +1446,20 @@ pub fn attach(
             any = true;
             // One `A` for the module (its parts share their input), `B` for each part.
             let inp = lins[m.parts[0].1].weight.dim(1)?;
-            let bound = 1.0 / (inp as f64).sqrt();
-            let a: Vec<f32> = (0..r * inp)
-                .map(|_| rng.random_range(-bound..bound) as f32)
-                .collect();
-            let a = Tensor::from_vec(a, (r, inp), &device)?.to_dtype(dtype)?;
+            let a = fresh_a(&mut rng, r, inp, dtype, &device)?;
             for &(_, j) in m.parts {
                 let lin = &mut *lins[j];
-                let o = lin.weight.dim(0)?;
-                let b = Tensor::zeros((o, r), dtype, &device)?;
-                let b_bias = cfg
-                    .lora_bias
-                    .then(|| Tensor::zeros(o, dtype, &device))
-                    .transpose()?;
-                let magnitude = cfg
-                    .use_dora
-                    .then(|| lin.weight.detach().sqr()?.sum(1)?.sqrt())
-                    .transpose()?;
-                lin.lora = Some(Lora {
-                    a: a.clone(),
-                    b,
-                    b_bias,
-                    magnitude,
-                    scale,
-                    dropout: cfg.lora_dropout,
-                    rng: drop_rng.clone(),
-                    norm: OnceLock::new(),
-                });
+                lin.lora = Some(fresh_lora(lin, a.clone(), scale, cfg, &drop_rng)?);
             }
+        }
+        // The shared expert's maps, each a module of its own (PEFT's `nn.Linear`s).
+        for (name, lin) in shared_sites(layer, i, arch) {
+            let Some((r, scale)) = resolved.adapter_at(i, &name) else {
+                continue;
+            };
+            any = true;
+            let a = fresh_a(&mut rng, r, lin.weight.dim(1)?, dtype, &device)?;
+            lin.lora = Some(fresh_lora(lin, a, scale, cfg, &drop_rng)?);
         }
         // The experts' stacked weights (`target_parameters`), as PEFT's ParamWrapper adapts
         // them: per expert an `A` (Kaiming-uniform over its input, as PEFT's stacked `lora_A`
@@ -1296,8 +1499,28 @@ pub fn attach(
                 }
             }
         }
+        // The router's weight (`target_parameters` `gate.weight`): one `A`/`B` pair.
+        if let Some((r, scale)) = resolved.router_adapter(i)
+            && router_adaptable(arch)
+        {
+            any = true;
+            any_param = true;
+            let a = fresh_a(&mut rng, r, moe.router.weight.dim(1)?, dtype, &device)?;
+            moe.router.lora = Some(fresh_lora(&moe.router, a, scale, cfg, &drop_rng)?);
+        }
     }
     if !cfg.target_parameters.is_empty() && !any_param {
+        if cfg
+            .target_parameters
+            .iter()
+            .any(|t| t.ends_with(ROUTER_PARAMETER))
+            && !router_adaptable(arch)
+        {
+            bail!(
+                "lora.target_parameters: {}'s router takes no `{ROUTER_PARAMETER}` adapter here (only Qwen3-MoE's, Qwen2-MoE's, Mixtral's, OLMoE's and GLM-4.5's)",
+                arch.as_str()
+            );
+        }
         bail!(
             "lora.target_parameters {:?}: no experts' weight of this {} model matches (they are a mixture of experts' `{}.gate_up_proj` / `down_proj`)",
             cfg.target_parameters,
@@ -1327,6 +1550,50 @@ pub fn attach(
         }
     };
     Ok(factors(model, cfg))
+}
+
+/// A fresh `A` `(r, inp)`, Kaiming-uniform as PEFT draws it (bound `1/sqrt(inp)`).
+fn fresh_a(
+    rng: &mut ChaCha8Rng,
+    r: usize,
+    inp: usize,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let bound = 1.0 / (inp as f64).sqrt();
+    let a: Vec<f32> = (0..r * inp)
+        .map(|_| rng.random_range(-bound..bound) as f32)
+        .collect();
+    Tensor::from_vec(a, (r, inp), device)?.to_dtype(dtype)
+}
+
+/// A fresh adapter of `lin` with `A` = `a`: `B` zero (so the map starts as the base), `lora_B`'s
+/// bias zero with `lora_bias`, DoRA's magnitude the row norms of `W` with `use_dora`.
+fn fresh_lora(
+    lin: &crate::model::Linear,
+    a: Tensor,
+    scale: f64,
+    cfg: &LoraConfig,
+    drop_rng: &Arc<Mutex<ChaCha8Rng>>,
+) -> Result<Lora> {
+    let (dtype, device) = (lin.weight.dtype(), lin.weight.device());
+    let (o, r) = (lin.weight.dim(0)?, a.dim(0)?);
+    Ok(Lora {
+        a,
+        b: Tensor::zeros((o, r), dtype, device)?,
+        b_bias: cfg
+            .lora_bias
+            .then(|| Tensor::zeros(o, dtype, device))
+            .transpose()?,
+        magnitude: cfg
+            .use_dora
+            .then(|| lin.weight.detach().sqr()?.sum(1)?.sqrt())
+            .transpose()?,
+        scale,
+        dropout: cfg.lora_dropout,
+        rng: drop_rng.clone(),
+        norm: OnceLock::new(),
+    })
 }
 
 /// Replaces the adapter tensors by those in `tensors` (PEFT keys, as [`factors`] lists them),
@@ -1389,7 +1656,20 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
                 }
             }
         }
+        for (name, lin) in shared_sites(layer, i, arch) {
+            if let Some(l) = lin.lora.take() {
+                let (w, b) = l
+                    .merged(&lin.weight, lin.bias.as_ref())
+                    .map_err(|e| candle_core::Error::msg(format!("{name}: {e}")))?;
+                lin.weight = w;
+                lin.bias = b;
+            }
+        }
         if let Some(moe) = layer.moe.as_mut() {
+            let router = &mut moe.router;
+            if let Some(l) = router.lora.take() {
+                router.weight = (&router.weight + l.delta()?.to_dtype(router.weight.dtype())?)?;
+            }
             for x in moe.experts.iter_mut() {
                 for lin in [&mut x.gate_proj, &mut x.up_proj, &mut x.down_proj] {
                     if let Some(l) = lin.lora.take() {
@@ -1420,7 +1700,7 @@ pub fn save_peft(
 ) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", dir.display())))?;
-    let cfg = &cfg.for_arch(model.cfg.arch);
+    let cfg = &cfg.for_model(model)?;
     // PEFT saves "all-linear" as the names of the modules it matched: the model's (no gate in
     // Arcee's MLP, no dense MLP in an all-MoE model).
     let present = |m: &&Module| {
@@ -1430,13 +1710,30 @@ pub fn save_peft(
             .any(|l| !l.linears()[m.parts[0].1].is_absent())
     };
     let targets = match &cfg.target_modules {
-        TargetModules::Pattern(p) if p == ALL_LINEAR => serde_json::json!(
-            modules(model.cfg.arch)
+        TargetModules::Pattern(p) if p == ALL_LINEAR => {
+            let mut names: Vec<&str> = modules(model.cfg.arch)
                 .iter()
                 .filter(present)
                 .map(|m| m.name)
-                .collect::<Vec<_>>()
-        ),
+                .collect();
+            // The shared expert's maps (and Qwen2-MoE's gate) are linear modules too.
+            let shared = model
+                .layers
+                .iter()
+                .find_map(|l| l.moe.as_ref()?.shared.as_ref());
+            if let Some((_, gate)) = shared {
+                let gate = gate.as_ref().map(|_| SHARED_EXPERT_GATE);
+                for n in ["gate_proj", "up_proj", "down_proj"]
+                    .into_iter()
+                    .chain(gate)
+                {
+                    if !names.contains(&n) {
+                        names.push(n);
+                    }
+                }
+            }
+            serde_json::json!(names)
+        }
         t => serde_json::json!(t),
     };
     let classifier = model.score.is_some();
@@ -1753,7 +2050,7 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
     .map_err(in_file)?;
     if let Some(k) = tensors.keys().min() {
         return Err(in_file(candle_core::Error::msg(format!(
-            "tensor `{k}` is not a LoRA tensor of this model (only q/k/v/o/gate/up/down_proj adapters, the experts' gate_up_proj/down_proj (target_parameters), DoRA magnitudes, lora_B and base-layer biases are supported)"
+            "tensor `{k}` is not a LoRA tensor of this model (only q/k/v/o/gate/up/down_proj adapters (a shared expert's too), the experts' gate_up_proj/down_proj (target_parameters), DoRA magnitudes, lora_B and base-layer biases are supported)"
         ))));
     }
     Ok(cfg)

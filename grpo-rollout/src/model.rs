@@ -795,8 +795,9 @@ impl Layer {
         Ok(())
     }
 
-    /// Every linear map that can hold a LoRA adapter: the seven of [`Self::linears_mut`] and
-    /// the experts' gate, up and down (PEFT's `target_parameters`).
+    /// Every linear map that can hold a LoRA adapter: the seven of [`Self::linears_mut`], the
+    /// router and the experts' gate, up and down (PEFT's `target_parameters`), the shared
+    /// expert's maps.
     pub fn adaptable_mut(&mut self) -> Vec<&mut Linear> {
         let Layer {
             q_proj,
@@ -813,8 +814,13 @@ impl Layer {
             q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,
         ];
         if let Some(m) = moe.as_mut() {
+            out.push(&mut m.router);
             for e in m.experts.iter_mut() {
                 out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
+            }
+            if let Some((e, g)) = m.shared.as_mut() {
+                out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
+                out.extend(g.as_mut());
             }
         }
         out
@@ -823,12 +829,10 @@ impl Layer {
     /// Whether any map holds a LoRA adapter.
     pub fn has_adapters(&self) -> bool {
         self.linears().iter().any(|l| l.lora.is_some())
-            || self.moe.as_ref().is_some_and(|m| {
-                m.experts
-                    .iter()
-                    .flat_map(crate::moe::Expert::linears)
-                    .any(|l| l.lora.is_some())
-            })
+            || self
+                .moe
+                .as_ref()
+                .is_some_and(|m| m.linears().iter().any(|l| l.lora.is_some()))
     }
 
     /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).

@@ -294,8 +294,12 @@ impl Moe {
                     DType::F64 => DType::F64,
                     _ => DType::F32,
                 };
-                h.to_dtype(dt)?
-                    .matmul(&self.router.weight.to_dtype(dt)?.t()?)
+                // A LoRA adapter (PEFT's `target_parameters` `gate.weight`) shifts the weight.
+                let w = match &self.router.lora {
+                    Some(l) => (self.router.weight.to_dtype(dt)? + l.delta()?.to_dtype(dt)?)?,
+                    None => self.router.weight.to_dtype(dt)?,
+                };
+                h.to_dtype(dt)?.matmul(&w.t()?)
             }
         }
     }

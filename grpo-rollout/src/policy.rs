@@ -51,10 +51,11 @@ impl TrainableModel {
     }
 
     /// LoRA: the base frozen (detached), fresh adapters as `Var`s (`B = 0`, so the adapted
-    /// model starts equal to the base). The default targets become the architecture's
-    /// ([`LoraConfig::for_arch`]).
+    /// model starts equal to the base). The default targets become the architecture's, and
+    /// the names of a mixture of experts' maps become its `target_parameters` as PEFT makes
+    /// them ([`LoraConfig::for_model`]).
     pub fn lora(base: &Transformer, cfg: &LoraConfig, seed: u64) -> Result<Self> {
-        let cfg = &cfg.for_arch(base.cfg.arch);
+        let cfg = &cfg.for_model(base)?;
         let mut model = base.detached();
         for l in model.layers.iter_mut() {
             for lin in l.adaptable_mut() {

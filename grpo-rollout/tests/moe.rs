@@ -279,8 +279,8 @@ fn moe_gguf_round_trips() {
 }
 
 /// What the MoE families do not support is refused by name: GGUF of what llama.cpp computes
-/// otherwise (dense layers among the MoE ones, another renormalisation), LoRA on Qwen2-MoE's
-/// shared expert; LoRA on the attention works and leaves the experts frozen.
+/// otherwise (dense layers among the MoE ones, another renormalisation); LoRA on the attention
+/// and on Qwen2-MoE's shared expert works and leaves the experts frozen.
 #[test]
 fn moe_refusals_are_named() {
     let tmp = tempfile::tempdir().unwrap();
@@ -331,31 +331,37 @@ fn moe_refusals_are_named() {
         "{e}"
     );
     use grpo_rollout::lora::{LoraConfig, TargetModules};
-    for t in [
-        TargetModules::Pattern("all-linear".into()),
-        TargetModules::Names(vec!["q_proj".into(), "gate_proj".into()]),
-    ] {
-        let lc = LoraConfig {
-            target_modules: t,
-            ..Default::default()
-        };
-        let e = TrainableModel::lora(&m.model, &lc, 1)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("shared expert"), "{e}");
-    }
+    // Qwen2-MoE's shared expert and its gate are linear modules PEFT adapts: "all-linear" takes
+    // them in beside the attention, `gate_proj` names the shared expert's only.
     let lc = LoraConfig {
-        target_modules: TargetModules::Names(vec!["q_proj".into(), "o_proj".into()]),
+        target_modules: TargetModules::Pattern("all-linear".into()),
         ..Default::default()
     };
     let tm = TrainableModel::lora(&m.model, &lc, 1).unwrap();
-    assert_eq!(
-        tm.vars.len(),
-        2 * 2 * 2,
-        "{:?}",
-        tm.vars.iter().map(|v| &v.0).collect::<Vec<_>>()
+    let names: Vec<&String> = tm.vars.iter().map(|v| &v.0).collect();
+    assert_eq!(names.len(), 2 * 8 * 2, "{names:?}");
+    for key in [
+        "model.layers.1.mlp.shared_expert.down_proj.lora_A.weight",
+        "model.layers.0.mlp.shared_expert_gate.lora_B.weight",
+    ] {
+        assert!(names.iter().any(|n| n.ends_with(key)), "{key}: {names:?}");
+    }
+    let lc = LoraConfig {
+        target_modules: TargetModules::Names(vec!["q_proj".into(), "gate_proj".into()]),
+        ..Default::default()
+    };
+    let tm = TrainableModel::lora(&m.model, &lc, 1).unwrap();
+    let names: Vec<&String> = tm.vars.iter().map(|v| &v.0).collect();
+    assert_eq!(names.len(), 2 * 2 * 2, "{names:?}");
+    assert!(
+        names
+            .iter()
+            .all(|n| n.contains("q_proj") || n.contains("mlp.shared_expert.gate_proj.lora")),
+        "{names:?}"
     );
-    // Qwen3-MoE's gate_proj exists only in its dense layer (as PEFT sees transformers 5's).
+    // Qwen3-MoE's experts are fused by transformers 5 on load: as peft 0.21 converts the
+    // names, `gate_proj` alone is an error, `gate_proj` with `up_proj` adapts the experts'
+    // gate_up_proj at twice the rank (not the dense layer's MLP).
     let m = grpo_rollout::load(
         &fixtures().join("arch-qwen3moe-micro"),
         DType::F32,
@@ -366,13 +372,26 @@ fn moe_refusals_are_named() {
         target_modules: TargetModules::Names(vec!["gate_proj".into()]),
         ..Default::default()
     };
+    let e = TrainableModel::lora(&m.model, &lc, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`gate_proj` cannot be adapted without `up_proj` on qwen3_moe"),
+        "{e}"
+    );
+    let lc = LoraConfig {
+        target_modules: TargetModules::Names(vec!["gate_proj".into(), "up_proj".into()]),
+        ..Default::default()
+    };
     let tm = TrainableModel::lora(&m.model, &lc, 1).unwrap();
     let names: Vec<&String> = tm.vars.iter().map(|v| &v.0).collect();
-    assert_eq!(names.len(), 2, "{names:?}");
     assert!(
-        names.iter().all(|n| n.contains("layers.1.mlp.gate_proj")),
+        names.iter().all(|n| n.contains("mlp.experts.")),
         "{names:?}"
     );
+    let l0 = &tm.model.layers[0].moe.as_ref().unwrap().experts[0];
+    assert_eq!(l0.gate_proj.lora.as_ref().unwrap().a.dim(0).unwrap(), 16);
+    assert!(tm.model.layers[1].gate_proj.lora.is_none());
 }
 
 fn peft_reference() -> Value {
@@ -389,14 +408,16 @@ fn rows_logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f64> {
 
 /// PEFT's adapters on the experts' stacked weights (`target_parameters`: PEFT's ParamWrapper on
 /// transformers 5's `gate_up_proj` / `down_proj`, nested when both; one alone on Mixtral and
-/// OLMoE), beside `q_proj`, for each MoE family (`scripts/gen_moe_peft_reference.py`): loaded,
+/// OLMoE), beside `q_proj` or `"all-linear"` (Qwen2-MoE's and GLM-4.5's shared experts, Qwen2-MoE's
+/// shared-expert gate, GLM-4.5's dense layer), for each MoE family
+/// (`scripts/gen_moe_peft_reference.py`): loaded,
 /// the adapted log-probs equal PEFT's, merged its `merge_and_unload()`'s; saved again, the
 /// same tensors under the same keys and the same `target_parameters`.
 #[test]
 fn peft_expert_adapters_match_peft() {
     let r = peft_reference();
     let cases = r["cases"].as_object().unwrap();
-    assert_eq!(cases.len(), 8);
+    assert_eq!(cases.len(), 15);
     for (name, case) in cases {
         let base = grpo_rollout::load(
             &fixtures().join(case["model"].as_str().unwrap()),
@@ -453,6 +474,79 @@ fn peft_expert_adapters_match_peft() {
             saved["target_parameters"], peft["target_parameters"],
             "{name}"
         );
+        // PEFT saves the modules "all-linear" matched (here with the full names its
+        // target_parameters pass writes): the same maps by their last name.
+        let last = |v: &Value| {
+            let mut names: Vec<String> = v
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| n.as_str().unwrap().rsplit('.').next().unwrap().to_string())
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        };
+        assert_eq!(
+            last(&saved["target_modules"]),
+            last(&peft["target_modules"]),
+            "{name}"
+        );
+
+        // The config as the user wrote it (before peft's conversion), trained fresh: peft's
+        // adapters, key for key and shape for shape, and peft's converted config saved.
+        let asked = &case["asked"];
+        let user = grpo_rollout::lora::LoraConfig {
+            r: 2,
+            lora_alpha: 3.0,
+            target_modules: serde_json::from_value(asked["target_modules"].clone()).unwrap(),
+            target_parameters: serde_json::from_value(asked["target_parameters"].clone()).unwrap(),
+            ..Default::default()
+        };
+        let tm = TrainableModel::lora(&base.model, &user, 1).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        grpo_rollout::lora::save_peft(&tm.model, tm.lora.as_ref().unwrap(), tmp.path(), "base")
+            .unwrap();
+        let fresh = candle_core::safetensors::load(
+            tmp.path().join("adapter_model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mut keys: Vec<(&String, Vec<usize>)> =
+            fresh.iter().map(|(k, t)| (k, t.dims().to_vec())).collect();
+        keys.sort();
+        let mut want: Vec<(&String, Vec<usize>)> =
+            theirs.iter().map(|(k, t)| (k, t.dims().to_vec())).collect();
+        want.sort();
+        assert_eq!(keys, want, "{name}: trained from {asked}");
+        let saved: Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let set = |v: &Value| {
+            let mut names: Vec<String> = v
+                .as_array()
+                .map(|a| a.iter().map(|n| n.as_str().unwrap().to_string()).collect())
+                .unwrap_or_default();
+            names.sort();
+            names
+        };
+        assert_eq!(
+            set(&saved["target_parameters"]),
+            set(&peft["target_parameters"]),
+            "{name}"
+        );
+        assert_eq!(
+            last(&saved["target_modules"]),
+            last(&peft["target_modules"]),
+            "{name}"
+        );
+        for k in ["rank_pattern", "alpha_pattern"] {
+            let as_f64 = |v: &Value| -> std::collections::BTreeMap<String, f64> {
+                serde_json::from_value(v.clone()).unwrap_or_default()
+            };
+            assert_eq!(as_f64(&saved[k]), as_f64(&peft[k]), "{name}: {k}");
+        }
     }
 }
 

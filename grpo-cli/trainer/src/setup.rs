@@ -454,7 +454,7 @@ pub fn setup_with(
                 ..l.clone()
             };
             let mut p = TrainableModel::lora(&loaded.model, &off, cfg.train.seed)?;
-            p.lora = Some(l.for_arch(loaded.model.cfg.arch));
+            p.lora = Some(l.for_model(&loaded.model)?);
             p
         }
         Some(l) => TrainableModel::lora(&loaded.model, l, cfg.train.seed)?,
