@@ -12,6 +12,9 @@ to fixtures/peft-moe/<case>/ and, in fixtures/moe_peft_reference.json, the log-p
 last T tokens of gen_arch_reference.py's left-padded rows, adapted and merged
 (`merge_and_unload`).
 
+Also (`v4_cases`) adapters in the per-expert layout PEFT wrote before transformers 5, which
+peft 0.21 converts on load (Mixtral's, and Qwen3-MoE's with its dense layer's MLP factors).
+
     python3 scripts/gen_moe_peft_reference.py grpo-rollout/tests/fixtures
 """
 import json
@@ -88,8 +91,56 @@ def main():
                  "target_parameters": [f"{block}.{p}" for p in params]}
         out["cases"][case] = {"model": model, "adapter": f"peft-moe/{case}", "adapted": adapted,
                               "merged": merged, "asked": asked}
+    out["v4_cases"] = {case: v4_case(fixtures, root, case, model) for case, model in V4_CASES.items()}
     with open(os.path.join(fixtures, "moe_peft_reference.json"), "w") as f:
         json.dump(out, f)
+
+
+# Adapters as PEFT wrote them before transformers 5 fused the experts: per-expert factors under
+# the transformers 4 names (Mixtral's `block_sparse_moe.experts.{e}.w1`, ...), `target_modules`
+# the MLP's names (and on Qwen3-MoE its dense layer's MLP factors, which peft 0.21's converted
+# config no longer targets). peft 0.21 converts them on load.
+V4_CASES = {"mixtral-v4": "arch-mixtral-micro", "qwen3moe-v4": "arch-qwen3moe-micro"}
+
+
+def v4_case(fixtures, root, case, model):
+    from safetensors.torch import save_file
+    from peft import PeftModel
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(fixtures, model), dtype=torch.float32,
+                                                attn_implementation="eager")
+    cfg = base.config
+    mixtral = cfg.model_type == "mixtral"
+    names = ["w1", "w3", "w2"] if mixtral else ["gate_proj", "up_proj", "down_proj"]
+    block = "block_sparse_moe" if mixtral else "mlp"
+    h, r = cfg.hidden_size, 2
+    w = cfg.intermediate_size if mixtral else cfg.moe_intermediate_size
+    experts = cfg.num_local_experts if mixtral else cfg.num_experts
+    g = torch.Generator().manual_seed(0)
+    draw = lambda *shape: torch.randn(*shape, generator=g) * 0.3  # noqa: E731
+    sd = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"base_model.model.model.layers.{i}"
+        if i in (getattr(cfg, "mlp_only_layers", None) or []):
+            im = cfg.intermediate_size
+            for n, (o, inp) in zip(["gate_proj", "up_proj", "down_proj"], [(im, h), (im, h), (h, im)]):
+                sd[f"{p}.mlp.{n}.lora_A.weight"], sd[f"{p}.mlp.{n}.lora_B.weight"] = draw(r, inp), draw(o, r)
+            continue
+        for e in range(experts):
+            for n, (o, inp) in zip(names, [(w, h), (w, h), (h, w)]):
+                q = f"{p}.{block}.experts.{e}.{n}"
+                sd[f"{q}.lora_A.weight"], sd[f"{q}.lora_B.weight"] = draw(r, inp), draw(o, r)
+    d = os.path.join(root, case)
+    os.makedirs(d, exist_ok=True)
+    save_file(sd, os.path.join(d, "adapter_model.safetensors"))
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 3,
+                   "target_modules": names, "lora_dropout": 0.0, "bias": "none",
+                   "base_model_name_or_path": None}, f, indent=1)
+    pm = PeftModel.from_pretrained(base, d)
+    pm.eval()
+    adapted = rows_logprobs(pm)
+    merged = rows_logprobs(pm.merge_and_unload())
+    return {"model": model, "adapter": f"peft-moe/{case}", "adapted": adapted, "merged": merged}
 
 
 if __name__ == "__main__":

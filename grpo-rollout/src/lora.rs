@@ -1952,6 +1952,89 @@ pub fn config_from_peft(v: &serde_json::Value, path: &Path) -> Result<LoraConfig
     Ok(cfg)
 }
 
+/// PEFT 0.21's conversion on load of an adapter written before transformers 5 fused a
+/// converted family's experts ([`LoraConfig::for_model`]): per-expert factors
+/// (`….experts.{e}.gate_proj.lora_A.weight`; Mixtral's `block_sparse_moe.experts.{e}.w1…`)
+/// become the model's, gate and up joined into one adapter of their two ranks — `A` their `A`s
+/// stacked, gate first, each `B` beside zeros (PEFT's block-diagonal `B`) — and down kept; the
+/// router's factors move to `mlp.gate`; the dense layers' MLP factors, which the converted
+/// config no longer targets, are dropped, as PEFT drops them. A gate without its up (or the
+/// reverse) is an error naming the expert.
+fn convert_v4_experts(model: &Transformer, map: &mut HashMap<String, Tensor>) -> Result<()> {
+    let arch = model.cfg.arch;
+    let renames = moe_renames(arch);
+    let Some(m) = model.cfg.moe.as_ref().filter(|_| !renames.is_empty()) else {
+        return Ok(());
+    };
+    let old = |new: &str| -> Vec<&str> {
+        renames
+            .iter()
+            .filter(|(_, n)| *n == new)
+            .map(|(o, _)| *o)
+            .collect()
+    };
+    let (pair, down) = (old(EXPERT_PARAMETERS[0]), old(EXPERT_PARAMETERS[1])[0]);
+    let layer_key = |i: usize, rest: &str| format!("base_model.model.model.layers.{i}.{rest}");
+    for i in 0..model.cfg.num_hidden_layers {
+        if !m.sparse(i) {
+            for n in ["gate_proj", "up_proj", "down_proj"] {
+                for kind in ["lora_A", "lora_B"] {
+                    map.remove(&layer_key(i, &format!("mlp.{n}.{kind}.weight")));
+                }
+            }
+            continue;
+        }
+        for kind in ["lora_A", "lora_B"] {
+            let router = |b: &str| layer_key(i, &format!("{b}.gate.{kind}.weight"));
+            if let Some(t) = map.remove(&router("block_sparse_moe")) {
+                map.insert(router("mlp"), t);
+            }
+        }
+        let internal = format!("base_model.model.{}", experts_module(i, arch));
+        for e in 0..m.num_experts {
+            let mut take = |name: &str, kind: &str| {
+                ["mlp", "block_sparse_moe"].iter().find_map(|b| {
+                    map.remove(&layer_key(
+                        i,
+                        &format!("{b}.experts.{e}.{name}.{kind}.weight"),
+                    ))
+                })
+            };
+            let (ag, bg) = (take(pair[0], "lora_A"), take(pair[0], "lora_B"));
+            let (au, bu) = (take(pair[1], "lora_A"), take(pair[1], "lora_B"));
+            let (ad, bd) = (take(down, "lora_A"), take(down, "lora_B"));
+            match (ag, bg, au, bu) {
+                (Some(ag), Some(bg), Some(au), Some(bu)) => {
+                    let (rg, ru) = (ag.dim(0)?, au.dim(0)?);
+                    let zeros = |rows: usize, cols: usize| {
+                        Tensor::zeros((rows, cols), bg.dtype(), bg.device())
+                    };
+                    let bg2 = Tensor::cat(&[&bg, &zeros(bg.dim(0)?, ru)?], 1)?;
+                    let bu2 = Tensor::cat(&[&zeros(bu.dim(0)?, rg)?, &bu], 1)?;
+                    let q = format!("{internal}.{e}");
+                    map.insert(
+                        format!("{q}.gate_up_proj.lora_A.weight"),
+                        Tensor::cat(&[&ag, &au], 0)?,
+                    );
+                    map.insert(format!("{q}.gate_proj.lora_B.weight"), bg2);
+                    map.insert(format!("{q}.up_proj.lora_B.weight"), bu2);
+                }
+                (None, None, None, None) => {}
+                _ => bail!(
+                    "layer {i}, expert {e}: the adapter's `{}` and `{}` factors must all be there (transformers 5 fuses them into gate_up_proj)",
+                    pair[0],
+                    pair[1]
+                ),
+            }
+            if let (Some(a), Some(b)) = (ad, bd) {
+                map.insert(format!("{internal}.{e}.down_proj.lora_A.weight"), a);
+                map.insert(format!("{internal}.{e}.down_proj.lora_B.weight"), b);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Reads a PEFT adapter directory and attaches it to `model` (replacing any adapters): the
 /// factors, DoRA magnitudes and `lora_B` biases, and any base-layer biases the file holds
 /// (trained with `bias = "all"` / `"lora_only"`), which replace the model's.
@@ -1961,7 +2044,11 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let v: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| candle_core::Error::msg(format!("{}: invalid JSON: {e}", path.display())))?;
-    let cfg = config_from_peft(&v, &path)?;
+    // An adapter of a mixture of experts written before transformers 5 fused the experts
+    // names them as modules: converted as PEFT 0.21 converts it on load.
+    let cfg = config_from_peft(&v, &path)?
+        .for_model(model)
+        .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let file = dir.join("adapter_model.safetensors");
     let mut loaded = candle_core::safetensors::load(&file, model.device())?;
     // A resized vocabulary saved with the adapter (PEFT's `save_embedding_layers`): the
@@ -2017,6 +2104,8 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .collect::<Result<_>>()?;
     let in_file =
         |e: candle_core::Error| candle_core::Error::msg(format!("{}: {e}", file.display()));
+    let mut tensors = tensors;
+    convert_v4_experts(model, &mut tensors).map_err(in_file)?;
     let mut tensors = from_peft_layout(&model.cfg, tensors).map_err(in_file)?;
     // A classifier base with an adapter that did not train its head keeps the base's head.
     if let (Some(s), false) = (&model.score, tensors.contains_key(SCORE_KEY)) {

@@ -640,3 +640,51 @@ fn expert_adapters_train_per_expert() {
         "{e}"
     );
 }
+
+/// Adapters PEFT wrote before transformers 5 fused the experts (per-expert factors under the
+/// transformers 4 names, `target_modules` the MLP's), which peft 0.21 converts on load: loaded
+/// here, PEFT's log-probs adapted and merged; the converted config's `target_parameters` (gate
+/// and up at twice the rank); saved again (in transformers 5's stacked layout) and reloaded,
+/// the same log-probs.
+#[test]
+fn peft_v4_expert_adapters_load_as_peft_converts_them() {
+    let r = peft_reference();
+    let cases = r["v4_cases"].as_object().unwrap();
+    assert_eq!(cases.len(), 2);
+    for (name, case) in cases {
+        let base = grpo_rollout::load(
+            &fixtures().join(case["model"].as_str().unwrap()),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let dir = fixtures().join(case["adapter"].as_str().unwrap());
+        let mut m = base.model.clone();
+        let cfg = grpo_rollout::lora::load_peft(&mut m, &dir).unwrap();
+        let mut params = cfg.target_parameters.clone();
+        params.sort();
+        assert_eq!(params, ["down_proj", "gate_up_proj"], "{name}");
+        assert_eq!(cfg.rank_pattern[r".*\.gate_up_proj"], 4, "{name}");
+        let want = |k: &str| -> Vec<f64> {
+            serde_json::from_value::<Vec<Vec<f64>>>(case[k].clone())
+                .unwrap()
+                .concat()
+        };
+        let adapted = rows_logprobs(&m, &r);
+        let d = max_diff(&adapted, &want("adapted"));
+        eprintln!("{name}: adapted {d:e}");
+        assert!(d < 2e-5, "{name}: adapted {d}");
+        assert!(max_diff(&rows_logprobs(&base.model, &r), &want("adapted")) > 1e-2);
+        let merged = grpo_rollout::lora::merge(&m).unwrap();
+        let d = max_diff(&rows_logprobs(&merged, &r), &want("merged"));
+        assert!(d < 2e-5, "{name}: merged {d}");
+        let tmp = tempfile::tempdir().unwrap();
+        grpo_rollout::lora::save_peft(&m, &cfg, tmp.path(), "base").unwrap();
+        let mut again = base.model.clone();
+        grpo_rollout::lora::load_peft(&mut again, tmp.path()).unwrap();
+        assert!(
+            max_diff(&rows_logprobs(&again, &r), &adapted) < 1e-6,
+            "{name}"
+        );
+    }
+}
