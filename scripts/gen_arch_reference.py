@@ -89,6 +89,17 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     which two are taken with the weights scaled by 2.5 and not renormalised, with its q/k norms
     (`use_qk_norm`), without the q/k/v biases, every dimension rotating.
 
+  * arch-deepseekv3-micro (DeepseekV3ForCausalLM, 3 layers, the first dense, untied; latent
+    attention with a low-rank q (16), a latent of 12, query heads of 8 + 8 (RoPE on adjacent
+    pairs), values of 8; 8 experts in groups, 2 per token, a shared expert; q_a/kv_a/o biases in
+    the file): as it is without the biases, with them, RoPE on rotate-half pairs
+    (`rope_interleave` false), YaRN with `mscale_all_dim` 0.707 (scaling the scores), four
+    groups of which two with the weights not renormalised;
+  * arch-deepseekv3-noq-micro (the same family with one `q_proj`, query heads of 6 + 4, values
+    of 10 — as wide as the queries —, no dense layer, two shared experts' width): as it is;
+  * arch-glm4moelite-micro (Glm4MoeLiteForCausalLM, 3 layers, `mlp_layer_types` dense, sparse,
+    sparse; values as wide as the queries): as it is, and with rotate-half RoPE.
+
     python3 scripts/gen_arch_reference.py grpo-rollout/tests/fixtures [--only MODEL...]
 """
 import copy
@@ -363,6 +374,47 @@ MODELS = {
                                                         "partial_rotary_factor": 1.0}},
         },
     ),
+    "arch-deepseekv3-micro": (
+        "deepseek_v3",
+        dict(num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False, first_k_dense_replace=1,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=16,
+             kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=True,
+             attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "deepseekv3": {"attention_bias": False},
+            "deepseekv3-bias": {},
+            "deepseekv3-rotate-half": {"attention_bias": False, "rope_interleave": False},
+            "deepseekv3-yarn": {"attention_bias": False, "rope_parameters": {
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.707}},
+            "deepseekv3-groups-4": {"attention_bias": False, "n_group": 4, "topk_group": 2,
+                                    "norm_topk_prob": False},
+        },
+    ),
+    "arch-deepseekv3-noq-micro": (
+        "deepseek_v3",
+        dict(num_hidden_layers=2, num_key_value_heads=4, tie_word_embeddings=False, first_k_dense_replace=0,
+             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2,
+             n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, q_lora_rank=None,
+             kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10, rope_interleave=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "deepseekv3-noq": {},
+        },
+    ),
+    "arch-glm4moelite-micro": (
+        "glm4_moe_lite",
+        dict(num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False,
+             mlp_layer_types=["dense", "sparse", "sparse"], n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=24, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+             norm_topk_prob=True, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+             v_head_dim=16, rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "glm4moelite": {},
+            "glm4moelite-rotate-half": {"rope_interleave": False},
+        },
+    ),
     "arch-arcee-micro": (
         "arcee",
         dict(num_hidden_layers=2, tie_word_embeddings=False, mlp_bias=True,
@@ -435,7 +487,7 @@ def rows_logprobs(model):
 
 def micro_model(path, model_type, kw):
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **SHAPE, **kw)
+    cfg = AutoConfig.for_model(model_type, **{**SHAPE, **kw})
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -445,7 +497,8 @@ def micro_model(path, model_type, kw):
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name or "qkv_proj" in name) else 0.15)
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
-            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4", "olmo3", "glm4_moe"):
+            elif model_type in ("olmo2", "olmoe", "exaone4", "glm4", "olmo3", "glm4_moe", "deepseek_v3",
+                                "glm4_moe_lite"):
                 p.normal_(1, 0.3)
         # GLM-4.5's router offsets (a buffer), large enough to change the choice.
         for name, b in model.named_buffers():

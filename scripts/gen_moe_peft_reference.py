@@ -54,6 +54,8 @@ CASES.update({
     "mixtral-all-linear": ("arch-mixtral-micro", "mlp.experts", []),
     "olmoe-regex": ("arch-olmoe-micro", "mlp.experts", []),
     "qwen2moe-router": ("arch-qwen2moe-micro", "mlp", ["gate.weight"]),
+    "deepseekv3-all-linear": ("arch-deepseekv3-micro", "mlp.experts", []),
+    "deepseekv3-noq-attention": ("arch-deepseekv3-noq-micro", "mlp.experts", ["down_proj"]),
 })
 TARGETS = {
     "qwen2moe-all-linear": "all-linear",
@@ -61,6 +63,8 @@ TARGETS = {
     "mixtral-all-linear": "all-linear",
     "qwen3moe-mlp-names": ["q_proj", "gate_proj", "up_proj", "down_proj"],
     "olmoe-regex": r".*\.(q_proj|gate|down_proj)",
+    "deepseekv3-all-linear": "all-linear",
+    "deepseekv3-noq-attention": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
 }
 
 

@@ -292,6 +292,20 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 }
                 m
             });
+            // DeepSeek's latent attention at this head size: half of each query head rotating,
+            // every head its own key and value.
+            cfg.mla = g.mla.map(|mut m| {
+                (m.qk_nope_head_dim, m.qk_rope_head_dim) = (cfg.head_dim / 2, cfg.head_dim / 2);
+                m.v_head_dim = match arch {
+                    Arch::DeepseekV3 => cfg.head_dim / 2,
+                    _ => cfg.head_dim,
+                };
+                (m.q_lora_rank, m.kv_lora_rank) = (Some(cfg.hidden_size / 2), cfg.hidden_size / 2);
+                m
+            });
+            if cfg.mla.is_some() {
+                cfg.num_key_value_heads = cfg.num_attention_heads;
+            }
             cfg.granite = g.granite.map(|mut s| {
                 s.attention_multiplier = 1.0 / (cfg.head_dim as f64).sqrt();
                 s

@@ -106,6 +106,15 @@ pub enum Arch {
     /// experts (`mlp.shared_experts`).
     #[serde(rename = "glm4_moe")]
     Glm4Moe,
+    /// DeepSeek-V3 (`deepseek_v3`: DeepSeek-V3 / R1, Kimi K2, Moonlight): multi-head latent
+    /// attention ([`MlaConfig`]) and GLM-4.5's mixture of experts (DeepSeek-V3's router, shared
+    /// experts, the first `first_k_dense_replace` layers dense).
+    #[serde(rename = "deepseek_v3")]
+    DeepseekV3,
+    /// Zhipu GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's layers, the dense layers named by
+    /// `mlp_layer_types`.
+    #[serde(rename = "glm4_moe_lite")]
+    Glm4MoeLite,
 }
 
 /// The MLP's gate activation.
@@ -131,7 +140,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 24] = [
+    pub const ALL: [Arch; 26] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -156,6 +165,8 @@ impl Arch {
         Arch::SeedOss,
         Arch::Arcee,
         Arch::Glm4Moe,
+        Arch::DeepseekV3,
+        Arch::Glm4MoeLite,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -185,6 +196,8 @@ impl Arch {
             Arch::SeedOss => "seed_oss",
             Arch::Arcee => "arcee",
             Arch::Glm4Moe => "glm4_moe",
+            Arch::DeepseekV3 => "deepseek_v3",
+            Arch::Glm4MoeLite => "glm4_moe_lite",
         }
     }
 
@@ -211,7 +224,20 @@ impl Arch {
                 | Arch::GraniteMoe
                 | Arch::GptOss
                 | Arch::Glm4Moe
+                | Arch::DeepseekV3
+                | Arch::Glm4MoeLite
         )
+    }
+
+    /// Whether the attention is DeepSeek's multi-head latent attention ([`MlaConfig`]).
+    pub fn mla(self) -> bool {
+        matches!(self, Arch::DeepseekV3 | Arch::Glm4MoeLite)
+    }
+
+    /// Whether the router is DeepSeek-V3's ([`Routing::SigmoidGroups`]: GLM-4.5, DeepSeek-V3,
+    /// GLM-4.7-Flash), its shared experts `mlp.shared_experts` without a gate.
+    pub fn sigmoid_router(self) -> bool {
+        matches!(self, Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite)
     }
 
     /// transformers' default `router_aux_loss_coef` of an MoE family: OLMoE's 0.01, the
@@ -267,6 +293,8 @@ impl Arch {
                 | Arch::Glm4
                 | Arch::Arcee
                 | Arch::Glm4Moe
+                | Arch::DeepseekV3
+                | Arch::Glm4MoeLite
         )
     }
 
@@ -332,6 +360,8 @@ impl Arch {
                     | Arch::Ernie45
                     | Arch::Exaone4
                     | Arch::GptOss
+                    | Arch::DeepseekV3
+                    | Arch::Glm4MoeLite
             )
     }
 
@@ -380,11 +410,13 @@ impl Arch {
             "seed_oss" => Ok(Arch::SeedOss),
             "arcee" => Ok(Arch::Arcee),
             "glm4_moe" => Ok(Arch::Glm4Moe),
+            "deepseek_v3" => Ok(Arch::DeepseekV3),
+            "glm4_moe_lite" => Ok(Arch::Glm4MoeLite),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite"
             ),
         }
     }
@@ -420,6 +452,10 @@ pub struct YarnRopeScaling {
     /// The factor on cos and sin: the config's `attention_factor`, else `0.1 ln(factor) + 1`
     /// (or its `mscale` / `mscale_all_dim` ratio), as transformers resolves it.
     pub attention_factor: f64,
+    /// DeepSeek's `mscale_all_dim`, which also scales its attention scores
+    /// ([`ModelConfig::attention_scale`] of a multi-head latent attention).
+    #[serde(default)]
+    pub mscale_all_dim: Option<f64>,
 }
 
 /// RoPE scaling of `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5), each
@@ -534,6 +570,7 @@ impl RopeScaling {
                     beta_slow: beta("beta_slow", 1.0),
                     truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
                     attention_factor,
+                    mscale_all_dim: num("mscale_all_dim").filter(|m| *m != 0.0),
                 }))
             }
             "longrope" => {
@@ -595,15 +632,21 @@ impl RopeScaling {
             RopeScaling::Dynamic { factor } => {
                 serde_json::json!({"rope_type": "dynamic", "factor": factor})
             }
-            RopeScaling::Yarn(y) => serde_json::json!({
-                "rope_type": "yarn",
-                "factor": y.factor,
-                "original_max_position_embeddings": y.original_max_position_embeddings,
-                "beta_fast": y.beta_fast,
-                "beta_slow": y.beta_slow,
-                "truncate": y.truncate,
-                "attention_factor": y.attention_factor,
-            }),
+            RopeScaling::Yarn(y) => {
+                let mut v = serde_json::json!({
+                    "rope_type": "yarn",
+                    "factor": y.factor,
+                    "original_max_position_embeddings": y.original_max_position_embeddings,
+                    "beta_fast": y.beta_fast,
+                    "beta_slow": y.beta_slow,
+                    "truncate": y.truncate,
+                    "attention_factor": y.attention_factor,
+                });
+                if let Some(m) = y.mscale_all_dim {
+                    v["mscale_all_dim"] = m.into();
+                }
+                v
+            }
             RopeScaling::LongRope(l) => {
                 let mut v = serde_json::json!({
                     "rope_type": "longrope",
@@ -715,6 +758,10 @@ pub struct ModelConfig {
     /// The mixture-of-experts MLPs' shape (the MoE families).
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// DeepSeek's multi-head latent attention (its `head_dim` is a query head's width, its
+    /// key/value heads as many as the query heads).
+    #[serde(default)]
+    pub mla: Option<MlaConfig>,
 }
 
 /// IBM Granite's multipliers ([`Arch::Granite`], [`Arch::GraniteMoe`]).
@@ -759,6 +806,108 @@ pub struct MoeConfig {
     pub routing: Routing,
 }
 
+/// DeepSeek's multi-head latent attention ([`Arch::DeepseekV3`], [`Arch::Glm4MoeLite`]): q from
+/// `q_proj`, or through a low-rank `q_a_proj` → `q_a_layernorm` → `q_b_proj`; keys and values
+/// from one latent per token — `kv_a_proj_with_mqa` gives `kv_lora_rank` latent dimensions
+/// (normalised by `kv_a_layernorm`, then `kv_b_proj` makes each head's key part without RoPE and
+/// its value) and `qk_rope_head_dim` rotated key dimensions shared by every head. A head's
+/// query and key are `qk_nope_head_dim + qk_rope_head_dim` wide (the model's `head_dim`; the
+/// RoPE on the last `qk_rope_head_dim`, adjacent pairs with `rope_interleave`), its value
+/// `v_head_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MlaConfig {
+    /// `q_a_proj`'s rank; `None`: one `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// The latent's width.
+    pub kv_lora_rank: usize,
+    /// Each head's query/key dimensions without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// Each head's query/key dimensions with RoPE (the key's shared by the heads).
+    pub qk_rope_head_dim: usize,
+    /// Each head's value width.
+    pub v_head_dim: usize,
+    /// The RoPE dimensions pair as `(2i, 2i + 1)` (DeepSeek's checkpoints), not `(i, i + r/2)`.
+    pub rope_interleave: bool,
+}
+
+impl MlaConfig {
+    /// Reads the attention fields of a DeepSeek-V3 / GLM-4.7-Flash `config.json`, with
+    /// transformers' defaults.
+    fn from_hf_json(v: &Value, arch: Arch) -> Result<Self> {
+        let int = |k: &str, default: usize| -> Result<usize> {
+            match v.get(k) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x.as_u64().map(|x| x as usize).ok_or_else(|| {
+                    candle_core::Error::msg(format!("field `{k}` must be an integer, not {x}"))
+                }),
+            }
+        };
+        let glm = arch == Arch::Glm4MoeLite;
+        let q_lora_rank = match v.get("q_lora_rank") {
+            Some(Value::Null) => None,
+            _ => Some(int("q_lora_rank", if glm { 768 } else { 1536 })?),
+        };
+        let m = MlaConfig {
+            q_lora_rank,
+            kv_lora_rank: int("kv_lora_rank", 512)?,
+            qk_nope_head_dim: int("qk_nope_head_dim", if glm { 192 } else { 128 })?,
+            qk_rope_head_dim: int("qk_rope_head_dim", 64)?,
+            v_head_dim: int("v_head_dim", if glm { 256 } else { 128 })?,
+            rope_interleave: v
+                .get("rope_interleave")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+        };
+        m.validate()?;
+        Ok(m)
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (k, x) in [
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("q_lora_rank", self.q_lora_rank.unwrap_or(1)),
+        ] {
+            if x == 0 {
+                bail!("field `{k}` must be > 0");
+            }
+        }
+        if !self.qk_rope_head_dim.is_multiple_of(2) || !self.qk_nope_head_dim.is_multiple_of(2) {
+            bail!(
+                "qk_rope_head_dim ({}) and qk_nope_head_dim ({}) must be even",
+                self.qk_rope_head_dim,
+                self.qk_nope_head_dim
+            );
+        }
+        if self.v_head_dim > self.qk_head_dim() {
+            bail!(
+                "v_head_dim ({}) wider than a query head (qk_nope_head_dim + qk_rope_head_dim = {}) is not supported",
+                self.v_head_dim,
+                self.qk_head_dim()
+            );
+        }
+        Ok(())
+    }
+
+    /// A query / key head's width, `qk_nope_head_dim + qk_rope_head_dim`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// The fields of `config.json`.
+    fn write(&self, obj: &mut serde_json::Map<String, Value>) {
+        obj.insert("q_lora_rank".into(), self.q_lora_rank.into());
+        obj.insert("kv_lora_rank".into(), self.kv_lora_rank.into());
+        obj.insert("qk_nope_head_dim".into(), self.qk_nope_head_dim.into());
+        obj.insert("qk_rope_head_dim".into(), self.qk_rope_head_dim.into());
+        obj.insert("v_head_dim".into(), self.v_head_dim.into());
+        obj.insert("rope_interleave".into(), self.rope_interleave.into());
+        // transformers' `head_dim` of these configs is the RoPE's width.
+        obj.insert("head_dim".into(), self.qk_rope_head_dim.into());
+    }
+}
+
 /// How an MoE router turns its logits into each token's experts and their weights.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -798,6 +947,8 @@ impl MoeConfig {
         let (experts, k, width) = match arch {
             Arch::Qwen3Moe => (128, 8, 768),
             Arch::Glm4Moe => (128, 8, 1408),
+            Arch::DeepseekV3 => (256, 8, 2048),
+            Arch::Glm4MoeLite => (64, 4, 1536),
             Arch::Qwen2Moe => (60, 4, 1408),
             Arch::Olmoe => (64, 8, intermediate_size),
             Arch::GptOss => (128, 4, intermediate_size),
@@ -806,7 +957,7 @@ impl MoeConfig {
         let num_experts = match v.get("num_experts").filter(|x| !x.is_null()) {
             Some(_) => int("num_experts", experts)?,
             // GLM-4.5's name (transformers maps `num_local_experts` to it).
-            None if arch == Arch::Glm4Moe && v.get("num_local_experts").is_none() => {
+            None if arch.sigmoid_router() && v.get("num_local_experts").is_none() => {
                 int("n_routed_experts", experts)?
             }
             None => int("num_local_experts", experts)?,
@@ -817,16 +968,35 @@ impl MoeConfig {
                 "num_experts_per_tok = {num_experts_per_tok} must be from 1 to num_experts ({num_experts})"
             );
         }
-        let decoder_sparse_step = match arch {
-            Arch::Glm4Moe => 1,
-            _ => int("decoder_sparse_step", 1)?,
+        let decoder_sparse_step = match arch.sigmoid_router() {
+            true => 1,
+            false => int("decoder_sparse_step", 1)?,
         };
         if decoder_sparse_step == 0 {
             bail!("field `decoder_sparse_step` must be > 0");
         }
         let mlp_only_layers = match v.get("mlp_only_layers") {
-            // GLM-4.5's first `first_k_dense_replace` layers are dense.
-            _ if arch == Arch::Glm4Moe => (0..int("first_k_dense_replace", 1)?).collect(),
+            // GLM-4.7-Flash's `mlp_layer_types` (default: the first layer dense).
+            _ if arch == Arch::Glm4MoeLite => match v.get("mlp_layer_types") {
+                None | Some(Value::Null) => vec![0],
+                Some(Value::Array(t)) => t
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, x)| match x.as_str() {
+                        Some("dense") => Some(Ok(i)),
+                        Some("sparse") => None,
+                        _ => Some(Err(candle_core::Error::msg(format!(
+                            "field `mlp_layer_types[{i}]` must be \"dense\" or \"sparse\", not {x}"
+                        )))),
+                    })
+                    .collect::<Result<_>>()?,
+                Some(x) => bail!("field `mlp_layer_types` must be a list, not {x}"),
+            },
+            // GLM-4.5's and DeepSeek-V3's first `first_k_dense_replace` layers are dense.
+            _ if arch.sigmoid_router() => {
+                let k = if arch == Arch::DeepseekV3 { 3 } else { 1 };
+                (0..int("first_k_dense_replace", k)?).collect()
+            }
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(a)) => a
                 .iter()
@@ -855,11 +1025,18 @@ impl MoeConfig {
             bail!("field `moe_intermediate_size` must be > 0");
         }
         let routing = match arch {
-            Arch::Glm4Moe => {
-                let n_group = int("n_group", 1)?;
-                let topk_group = int("topk_group", 1)?;
+            a if a.sigmoid_router() => {
+                // transformers' defaults: DeepSeek-V3's 8 groups of which 4, scaled by 2.5;
+                // GLM-4.7-Flash's one group, 1.8; GLM-4.5's one group, 1.
+                let (groups, topk, scale) = match a {
+                    Arch::DeepseekV3 => (8, 4, 2.5),
+                    Arch::Glm4MoeLite => (1, 1, 1.8),
+                    _ => (1, 1, 1.0),
+                };
+                let n_group = int("n_group", groups)?;
+                let topk_group = int("topk_group", topk)?;
                 let routed_scaling_factor = match v.get("routed_scaling_factor") {
-                    None | Some(Value::Null) => 1.0,
+                    None | Some(Value::Null) => scale,
                     Some(x) => x.as_f64().ok_or_else(|| {
                         candle_core::Error::msg(format!(
                             "field `routed_scaling_factor` must be a number, not {x}"
@@ -883,21 +1060,21 @@ impl MoeConfig {
             norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss)
                 || v.get("norm_topk_prob")
                     .and_then(Value::as_bool)
-                    // Glm4MoeConfig's default renormalises.
-                    .unwrap_or(arch == Arch::Glm4Moe),
+                    // Glm4MoeConfig's and DeepseekV3Config's default renormalises.
+                    .unwrap_or(arch.sigmoid_router()),
             decoder_sparse_step,
             mlp_only_layers,
             shared_expert_intermediate_size: match arch {
                 Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
-                // GLM-4.5's `n_shared_experts` experts' width, as one MLP.
-                Arch::Glm4Moe => {
+                // GLM-4.5's and DeepSeek-V3's `n_shared_experts` experts' width, as one MLP.
+                a if a.sigmoid_router() => {
                     Some(int("n_shared_experts", 1)? * moe_intermediate_size).filter(|w| *w > 0)
                 }
                 _ => None,
             },
             router_aux_loss_coef: match arch {
-                // transformers' GLM-4.5 computes no load-balancing loss.
-                Arch::Glm4Moe => 0.0,
+                // transformers' GLM-4.5 and DeepSeek-V3 compute no load-balancing loss.
+                a if a.sigmoid_router() => 0.0,
                 _ => v
                     .get("router_aux_loss_coef")
                     .and_then(Value::as_f64)
@@ -943,7 +1120,7 @@ impl MoeConfig {
                 );
             }
         }
-        if arch == Arch::Glm4Moe
+        if matches!(arch, Arch::Glm4Moe | Arch::DeepseekV3)
             && (self.decoder_sparse_step != 1
                 || self
                     .mlp_only_layers
@@ -952,7 +1129,8 @@ impl MoeConfig {
                     .any(|(i, l)| i != *l))
         {
             bail!(
-                "glm4_moe's dense layers are its first `first_k_dense_replace` ones (mlp_only_layers {:?}, decoder_sparse_step {} cannot be written)",
+                "{}'s dense layers are its first `first_k_dense_replace` ones (mlp_only_layers {:?}, decoder_sparse_step {} cannot be written)",
+                arch.as_str(),
                 self.mlp_only_layers,
                 self.decoder_sparse_step
             );
@@ -961,15 +1139,12 @@ impl MoeConfig {
     }
 
     /// The fields of `config.json` for `arch`.
-    fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>) {
-        if let (
-            Arch::Glm4Moe,
-            Routing::SigmoidGroups {
-                n_group,
-                topk_group,
-                routed_scaling_factor,
-            },
-        ) = (arch, self.routing)
+    fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>, layers: usize) {
+        if let Routing::SigmoidGroups {
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+        } = self.routing
         {
             let shared = self
                 .shared_expert_intermediate_size
@@ -980,13 +1155,25 @@ impl MoeConfig {
                 ("moe_intermediate_size", self.moe_intermediate_size.into()),
                 ("norm_topk_prob", self.norm_topk_prob.into()),
                 ("n_shared_experts", shared.into()),
-                ("first_k_dense_replace", self.mlp_only_layers.len().into()),
                 ("n_group", n_group.into()),
                 ("topk_group", topk_group.into()),
                 ("routed_scaling_factor", routed_scaling_factor.into()),
                 ("output_router_logits", false.into()),
             ] {
                 obj.insert(k.into(), x);
+            }
+            // GLM-4.7-Flash lists each layer's kind; the others count the dense ones.
+            match arch {
+                Arch::Glm4MoeLite => {
+                    let kinds: Vec<&str> = (0..layers)
+                        .map(|i| if self.sparse(i) { "sparse" } else { "dense" })
+                        .collect();
+                    obj.insert("mlp_layer_types".into(), kinds.into());
+                }
+                _ => {
+                    let dense = self.mlp_only_layers.len();
+                    obj.insert("first_k_dense_replace".into(), dense.into());
+                }
             }
             return;
         }
@@ -1121,10 +1308,23 @@ impl ModelConfig {
             .and_then(Value::as_u64)
             .map(|x| x as usize)
             .unwrap_or(num_attention_heads);
-        let head_dim = v
-            .get("head_dim")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize)
+        // DeepSeek's latent attention: every head has its key and value.
+        let mla = match arch.mla() {
+            true => Some(MlaConfig::from_hf_json(v, arch)?),
+            false => None,
+        };
+        if mla.is_some() && num_key_value_heads != num_attention_heads {
+            bail!(
+                "num_key_value_heads = {num_key_value_heads} is not supported for {model_type} (its latent attention gives each of the {num_attention_heads} heads its key and value)"
+            );
+        }
+        let head_dim = mla
+            .map(|m| m.qk_head_dim())
+            .or_else(|| {
+                v.get("head_dim")
+                    .and_then(Value::as_u64)
+                    .map(|x| x as usize)
+            })
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
                 Arch::Qwen3 | Arch::Ernie45 | Arch::Glm | Arch::Glm4 | Arch::SeedOss => 128,
@@ -1203,6 +1403,8 @@ impl ModelConfig {
                 }
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
+                Arch::DeepseekV3 => 4096,
+                Arch::Glm4MoeLite => 202_752,
                 Arch::Gemma2 => 8192,
                 Arch::SeedOss => 524_288,
             }) as usize;
@@ -1463,7 +1665,8 @@ impl ModelConfig {
                     | Arch::Exaone4
                     | Arch::GptOss
                     | Arch::Arcee
-                    | Arch::Glm4Moe => 1e-5,
+                    | Arch::Glm4Moe
+                    | Arch::Glm4MoeLite => 1e-5,
                     // GlmConfig's and Glm4Config's.
                     Arch::Glm | Arch::Glm4 => 1.5625e-7,
                     _ => 1e-6,
@@ -1502,7 +1705,9 @@ impl ModelConfig {
                 | Arch::Olmo3
                 | Arch::Olmoe
                 | Arch::Arcee
-                | Arch::Glm4Moe => flag("attention_bias", false),
+                | Arch::Glm4Moe
+                | Arch::DeepseekV3
+                | Arch::Glm4MoeLite => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -1568,6 +1773,7 @@ impl ModelConfig {
                 true => Some(MoeConfig::from_hf_json(v, arch, req("intermediate_size")?)?),
                 false => None,
             },
+            mla,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1685,6 +1891,8 @@ impl ModelConfig {
                     Arch::SeedOss => "SeedOss",
                     Arch::Arcee => "Arcee",
                     Arch::Glm4Moe => "Glm4Moe",
+                    Arch::DeepseekV3 => "DeepseekV3",
+                    Arch::Glm4MoeLite => "Glm4MoeLite",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1744,8 +1952,13 @@ impl ModelConfig {
                 | Arch::SeedOss
                 | Arch::Arcee
                 | Arch::Glm4Moe
+                | Arch::DeepseekV3
+                | Arch::Glm4MoeLite
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
+        }
+        if let Some(m) = &self.mla {
+            m.write(obj);
         }
         if self.arch == Arch::Glm4Moe {
             obj.insert("use_qk_norm".into(), self.use_qk_norm.into());
@@ -1766,7 +1979,7 @@ impl ModelConfig {
             obj.insert("use_bias".into(), self.attention_bias.into());
         }
         if let Some(m) = &self.moe {
-            m.write(self.arch, obj);
+            m.write(self.arch, obj, self.num_hidden_layers);
         }
         if self.arch == Arch::Qwen2Moe {
             obj.insert("qkv_bias".into(), self.attention_bias.into());
@@ -1901,6 +2114,9 @@ impl ModelConfig {
     /// head's dimensions reordered so its rotation pairs are `head_dim / 2` apart, see
     /// [`crate::layout`]).
     pub fn rotary_dim(&self) -> usize {
+        if let Some(m) = &self.mla {
+            return m.qk_rope_head_dim;
+        }
         match self.partial_rotary_factor {
             Some(p) => (self.head_dim as f64 * p) as usize,
             None => self.head_dim,
@@ -1929,6 +2145,17 @@ impl ModelConfig {
     pub fn attention_scale(&self) -> f64 {
         if let Some(g) = &self.granite {
             return g.attention_multiplier;
+        }
+        // DeepSeek's YaRN also scales the scores, by `mscale(factor, mscale_all_dim)²`.
+        if self.mla.is_some()
+            && let Some(RopeScaling::Yarn(y)) = &self.rope_scaling
+            && let Some(all) = y.mscale_all_dim
+        {
+            let m = match y.factor <= 1.0 {
+                true => 1.0,
+                false => 0.1 * all * y.factor.ln() + 1.0,
+            };
+            return m * m / (self.head_dim as f64).sqrt();
         }
         1.0 / self
             .query_pre_attn_scalar
@@ -1963,12 +2190,33 @@ impl ModelConfig {
         let kv = self.num_key_value_heads * self.head_dim;
         // Gate, up and down (Arcee: up and down).
         let maps = if self.arch.gated_mlp() { 3 } else { 2 };
-        let mut layer = h * q + 2 * h * kv + q * h + maps * h * self.intermediate_size + 2 * h;
-        if self.attention_bias {
-            layer += q + 2 * kv;
-        }
-        if self.o_proj_bias() {
-            layer += h;
+        let mut layer = maps * h * self.intermediate_size + 2 * h;
+        match &self.mla {
+            // The latent attention's maps and its two norms; `attention_bias` biases q_a,
+            // kv_a and o.
+            Some(m) => {
+                let heads = self.num_attention_heads;
+                let kv_a = m.kv_lora_rank + m.qk_rope_head_dim;
+                layer += match m.q_lora_rank {
+                    Some(r) => r * h + r + heads * m.qk_head_dim() * r,
+                    None => heads * m.qk_head_dim() * h,
+                };
+                layer += kv_a * h + m.kv_lora_rank;
+                layer += heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank;
+                layer += heads * m.v_head_dim * h;
+                if self.attention_bias {
+                    layer += m.q_lora_rank.unwrap_or(0) + kv_a + h;
+                }
+            }
+            None => {
+                layer += h * q + 2 * h * kv + q * h;
+                if self.attention_bias {
+                    layer += q + 2 * kv;
+                }
+                if self.o_proj_bias() {
+                    layer += h;
+                }
+            }
         }
         let mlp_bias = match self.mlp_bias {
             true => (maps - 1) * self.intermediate_size + h,

@@ -186,7 +186,14 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .filter(|a| {
         !matches!(
             a,
-            Arch::Mistral | Arch::Exaone4 | Arch::GptOss | Arch::Glm | Arch::Olmo3 | Arch::Glm4Moe
+            Arch::Mistral
+                | Arch::Exaone4
+                | Arch::GptOss
+                | Arch::Glm
+                | Arch::Olmo3
+                | Arch::Glm4Moe
+                | Arch::DeepseekV3
+                | Arch::Glm4MoeLite
         )
     })
     .ok_or_else(|| {
@@ -299,6 +306,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         mlp_bias: has("blk.0.ffn_gate.bias") || has("blk.0.ffn_up.bias"),
         attention_out_bias: arch == Arch::SeedOss && has("blk.0.attn_output.bias"),
         use_qk_norm: false,
+        mla: None,
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
             true => Some(crate::config::MoeConfig {
@@ -1612,6 +1620,12 @@ pub fn save_gguf(
     if cfg.arch == Arch::Glm {
         bail!(
             "glm has no GGUF form here (llama.cpp's chatglm is not checked against transformers'; GLM-4-0414's glm4 is written): export it as safetensors"
+        );
+    }
+    if cfg.arch.mla() {
+        bail!(
+            "{} has no GGUF form here (llama.cpp's deepseek2 latent attention is not checked against transformers'): export it as safetensors",
+            cfg.arch.as_str()
         );
     }
     if cfg.arch == Arch::Glm4Moe {

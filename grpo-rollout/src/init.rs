@@ -185,7 +185,8 @@ pub fn preset_config(
         intermediate_size: inter,
         num_hidden_layers: layers,
         num_attention_heads: heads,
-        num_key_value_heads: kv,
+        // DeepSeek's latent attention gives every head its key and value.
+        num_key_value_heads: if arch.mla() { heads } else { kv },
         head_dim: hidden / heads,
         rms_norm_eps: 1e-6,
         rope_theta: 10_000.0,
@@ -266,28 +267,53 @@ pub fn preset_config(
             mlp_only_layers: match (preset, arch) {
                 (Preset::Tiny, Arch::Qwen3Moe) => vec![1],
                 // GLM-4.5's first layer is dense (`first_k_dense_replace` 1, as GLM-4.5-Air's).
-                (_, Arch::Glm4Moe) => vec![0],
+                (_, a) if a.sigmoid_router() => vec![0],
                 _ => Vec::new(),
             },
-            // GLM-4.5's one shared expert is an expert's width.
+            // GLM-4.5's and DeepSeek-V3's one shared expert is an expert's width.
             shared_expert_intermediate_size: match arch {
                 Arch::Qwen2Moe => Some(inter),
-                Arch::Glm4Moe => Some(inter / 2),
+                a if a.sigmoid_router() => Some(inter / 2),
                 _ => None,
             },
-            router_aux_loss_coef: match arch {
-                Arch::Glm4Moe => 0.0,
-                _ => arch.default_router_aux_loss_coef(),
+            router_aux_loss_coef: match arch.sigmoid_router() {
+                true => 0.0,
+                false => arch.default_router_aux_loss_coef(),
             },
-            // GLM-4.5-Air's routing: one group, unscaled weights.
+            // GLM-4.5-Air's routing: one group, unscaled weights; DeepSeek-V3's: groups (two
+            // of two experts here, one taken), scaled by 2.5; GLM-4.7-Flash's: 1.8.
             routing: match arch {
                 Arch::Glm4Moe => crate::config::Routing::SigmoidGroups {
                     n_group: 1,
                     topk_group: 1,
                     routed_scaling_factor: 1.0,
                 },
+                Arch::DeepseekV3 => crate::config::Routing::SigmoidGroups {
+                    n_group: 2,
+                    topk_group: 1,
+                    routed_scaling_factor: 2.5,
+                },
+                Arch::Glm4MoeLite => crate::config::Routing::SigmoidGroups {
+                    n_group: 1,
+                    topk_group: 1,
+                    routed_scaling_factor: 1.8,
+                },
                 _ => crate::config::Routing::Softmax,
             },
+        }),
+        // DeepSeek's latent attention: a low-rank q and a latent half the width, each head's
+        // query half rotated; DeepSeek's values narrower than its queries, GLM-4.7-Flash's as
+        // wide.
+        mla: arch.mla().then(|| crate::config::MlaConfig {
+            q_lora_rank: Some(hidden / 2),
+            kv_lora_rank: hidden / 2,
+            qk_nope_head_dim: hidden / heads / 2,
+            qk_rope_head_dim: hidden / heads / 2,
+            v_head_dim: match arch {
+                Arch::DeepseekV3 => hidden / heads / 2,
+                _ => hidden / heads,
+            },
+            rope_interleave: true,
         }),
         // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
         // this head size.
@@ -325,16 +351,51 @@ pub fn random_weights(
         if !olmo {
             shapes.push((format!("{p}.input_layernorm.weight"), vec![h], true));
         }
-        shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
-        shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
-        shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
-        shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
-        if cfg.attention_bias {
+        if let Some(m) = &cfg.mla {
+            // DeepSeek's latent attention; `attention_bias` biases q_a, kv_a and o.
+            let a = format!("{p}.self_attn");
+            let heads = cfg.num_attention_heads;
+            let kv_a = m.kv_lora_rank + m.qk_rope_head_dim;
+            let mut maps = vec![
+                ("kv_a_proj_with_mqa", vec![kv_a, h], true),
+                (
+                    "kv_b_proj",
+                    vec![heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank],
+                    false,
+                ),
+                ("o_proj", vec![h, heads * m.v_head_dim], true),
+            ];
+            match m.q_lora_rank {
+                Some(r) => {
+                    maps.push(("q_a_proj", vec![r, h], true));
+                    maps.push(("q_b_proj", vec![q, r], false));
+                    shapes.push((format!("{a}.q_a_layernorm.weight"), vec![r], true));
+                }
+                None => maps.push(("q_proj", vec![q, h], false)),
+            }
+            shapes.push((
+                format!("{a}.kv_a_layernorm.weight"),
+                vec![m.kv_lora_rank],
+                true,
+            ));
+            for (n, shape, biased) in maps {
+                if biased && cfg.attention_bias {
+                    shapes.push((format!("{a}.{n}.bias"), vec![shape[0]], false));
+                }
+                shapes.push((format!("{a}.{n}.weight"), shape, false));
+            }
+        } else {
+            shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
+            shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
+            shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
+            shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
+        }
+        if cfg.attention_bias && cfg.mla.is_none() {
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
         }
-        if cfg.o_proj_bias() {
+        if cfg.o_proj_bias() && cfg.mla.is_none() {
             shapes.push((format!("{p}.self_attn.o_proj.bias"), vec![h], false));
         }
         if cfg.arch.attention_sinks() {

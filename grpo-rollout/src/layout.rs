@@ -37,6 +37,10 @@ use crate::model::WeightMap;
 /// ([`Arch::interleaved_rope`]) pairs `(2i, 2i + 1)`: the model holds `2i` at `i` and `2i + 1`
 /// at `i + head_dim / 2` (llama.cpp's un-permutation).
 pub fn rotary_order(cfg: &ModelConfig) -> Option<Vec<usize>> {
+    // DeepSeek's latent attention orders its heads as it makes them ([`crate::mla`]).
+    if cfg.mla.is_some() {
+        return None;
+    }
     let (hd, r) = (cfg.head_dim, cfg.rotary_dim());
     let (hr, hp) = (r / 2, (hd - r) / 2);
     if cfg.arch.interleaved_rope() {

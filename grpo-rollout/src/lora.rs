@@ -111,12 +111,51 @@ const GLM: [Module; 6] = [
     PHI3[3],
 ];
 
-/// The modules of `arch` that LoRA can adapt, in PEFT's names: the seven projections,
-/// Phi-3's four (two of them fused), or GLM's six (gate and up fused).
-pub fn modules(arch: crate::config::Arch) -> &'static [Module] {
-    match arch {
-        crate::config::Arch::Phi3 => &PHI3,
-        a if a.glm() => &GLM,
+/// DeepSeek's latent attention ([`crate::mla`]): the q slot's `q_proj`, its latent's
+/// `kv_a_proj_with_mqa` and `kv_b_proj` in the k and v slots (`q_a_proj`, beside the slots, is
+/// adapted as a module of its own).
+const MLA_Q: [Module; 7] = [
+    SEPARATE[0],
+    Module {
+        group: "self_attn",
+        name: "kv_a_proj_with_mqa",
+        parts: &[("kv_a_proj_with_mqa", 1)],
+    },
+    Module {
+        group: "self_attn",
+        name: "kv_b_proj",
+        parts: &[("kv_b_proj", 2)],
+    },
+    SEPARATE[3],
+    SEPARATE[4],
+    SEPARATE[5],
+    SEPARATE[6],
+];
+
+/// [`MLA_Q`] with a low-rank q: `q_b_proj` in the q slot.
+const MLA_QB: [Module; 7] = [
+    Module {
+        group: "self_attn",
+        name: "q_b_proj",
+        parts: &[("q_b_proj", 0)],
+    },
+    MLA_Q[1],
+    MLA_Q[2],
+    MLA_Q[3],
+    MLA_Q[4],
+    MLA_Q[5],
+    MLA_Q[6],
+];
+
+/// The modules of `cfg`'s model that LoRA can adapt in the layers' seven slots, in PEFT's
+/// names: the seven projections, Phi-3's four (two of them fused), GLM's six (gate and up
+/// fused), or DeepSeek's latent attention's maps with o and the MLP's.
+pub fn modules(cfg: &crate::config::ModelConfig) -> &'static [Module] {
+    match (cfg.arch, &cfg.mla) {
+        (_, Some(m)) if m.q_lora_rank.is_some() => &MLA_QB,
+        (_, Some(_)) => &MLA_Q,
+        (crate::config::Arch::Phi3, _) => &PHI3,
+        (a, _) if a.glm() => &GLM,
         _ => &SEPARATE,
     }
 }
@@ -306,6 +345,7 @@ impl Matcher {
                     .iter()
                     .chain(&FUSED_MODULES)
                     .chain(&[SHARED_EXPERT_GATE])
+                    .chain(&MOE_MODULES[5..])
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -339,28 +379,44 @@ pub const ALL_LINEAR: &str = "all-linear";
 /// Qwen2-MoE's shared expert's gate `(1, hidden)`, a linear module PEFT adapts too.
 pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 
-/// Module names of the mixtures of experts `target_modules` may hold beside
-/// [`TARGET_MODULES`]: Qwen2-MoE's [`SHARED_EXPERT_GATE`], and the router `gate` and Mixtral's
-/// `w1`, `w3`, `w2`, which PEFT turns into `target_parameters` ([`LoraConfig::for_model`]).
-const MOE_MODULES: [&str; 5] = [SHARED_EXPERT_GATE, "gate", "w1", "w3", "w2"];
+/// Module names `target_modules` may hold beside [`TARGET_MODULES`]: Qwen2-MoE's
+/// [`SHARED_EXPERT_GATE`]; the router `gate` and Mixtral's `w1`, `w3`, `w2`, which PEFT turns
+/// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
+/// ([`crate::mla`]).
+const MOE_MODULES: [&str; 9] = [
+    SHARED_EXPERT_GATE,
+    "gate",
+    "w1",
+    "w3",
+    "w2",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+];
 
 /// Layer `i`'s shared-expert maps as PEFT names them, each a module of its own: Qwen2-MoE's
 /// `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert_gate`, GLM-4.5's
 /// `mlp.shared_experts.{gate,up,down}_proj` (none in a layer without a shared expert).
+/// Also DeepSeek's `self_attn.q_a_proj` ([`crate::mla`]).
 fn shared_sites(
     layer: &mut crate::model::Layer,
     i: usize,
     arch: crate::config::Arch,
 ) -> Vec<(String, &mut crate::model::Linear)> {
+    let mut out = Vec::new();
+    if let Some((a, _)) = layer.mla.as_mut().and_then(|m| m.q_a.as_mut()) {
+        out.push((format!("model.layers.{i}.self_attn.q_a_proj"), a));
+    }
     let Some((e, g)) = layer.moe.as_mut().and_then(|m| m.shared.as_mut()) else {
-        return Vec::new();
+        return out;
     };
     let p = crate::moe::MoeNames::of(arch).shared_module(i);
-    let mut out = vec![
+    out.extend([
         (format!("{p}.gate_proj"), &mut e.gate_proj),
         (format!("{p}.up_proj"), &mut e.up_proj),
         (format!("{p}.down_proj"), &mut e.down_proj),
-    ];
+    ]);
     if let Some(g) = g.as_mut() {
         out.push((format!("model.layers.{i}.mlp.{SHARED_EXPERT_GATE}"), g));
     }
@@ -390,7 +446,7 @@ pub const ROUTER_PARAMETER: &str = "gate.weight";
 fn moe_renames(arch: crate::config::Arch) -> &'static [(&'static str, &'static str)] {
     use crate::config::Arch;
     match arch {
-        Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe => &[
+        Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite => &[
             ("gate", ROUTER_PARAMETER),
             ("gate_proj", "gate_up_proj"),
             ("up_proj", "gate_up_proj"),
@@ -418,7 +474,7 @@ fn regex_leaves(
     let arch = model.cfg.arch;
     let mut keys = Vec::new();
     for (i, l) in model.layers.iter().enumerate() {
-        for m in modules(arch) {
+        for m in modules(&model.cfg) {
             if !l.linears()[m.parts[0].1].is_absent() {
                 keys.push(module_name(i, m.group, m.name));
             }
@@ -447,7 +503,13 @@ fn router_adaptable(arch: crate::config::Arch) -> bool {
     use crate::config::Arch;
     matches!(
         arch,
-        Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Mixtral | Arch::Olmoe | Arch::Glm4Moe
+        Arch::Qwen3Moe
+            | Arch::Qwen2Moe
+            | Arch::Mixtral
+            | Arch::Olmoe
+            | Arch::Glm4Moe
+            | Arch::DeepseekV3
+            | Arch::Glm4MoeLite
     )
 }
 
@@ -703,6 +765,13 @@ impl LoraConfig {
     /// former: the attention's maps and every renamed name).
     pub fn for_model(&self, model: &Transformer) -> Result<Self> {
         let mut c = self.for_arch(model.cfg.arch);
+        // DeepSeek's latent attention has no `v_proj`: the default targets there are its
+        // query map and `kv_b_proj` (PEFT has no default for it and asks for targets).
+        if let Some(m) = model.layers.iter().find_map(|l| l.mla.as_ref())
+            && c.target_modules == peft_targets()
+        {
+            c.target_modules = TargetModules::names(&[m.q_name(), "kv_b_proj"]);
+        }
         let renames = moe_renames(model.cfg.arch);
         if renames.is_empty() {
             return Ok(c);
@@ -710,8 +779,15 @@ impl LoraConfig {
         let targets: Vec<String> = match &c.target_modules {
             TargetModules::Names(v) => v.clone(),
             TargetModules::Pattern(p) if p == ALL_LINEAR => {
-                let mut v: Vec<String> =
-                    TARGET_MODULES[..4].iter().map(|s| s.to_string()).collect();
+                // The attention's maps (DeepSeek's latent attention's own).
+                let mut v: Vec<String> = modules(&model.cfg)
+                    .iter()
+                    .filter(|m| m.group == "self_attn")
+                    .map(|m| m.name.to_string())
+                    .collect();
+                if model.cfg.mla.is_some_and(|m| m.q_lora_rank.is_some()) {
+                    v.push("q_a_proj".into());
+                }
                 v.extend(renames.iter().map(|(old, _)| old.to_string()));
                 v
             }
@@ -1015,9 +1091,10 @@ fn visit(
     f: &mut dyn FnMut(String, &mut Tensor) -> Result<()>,
 ) -> Result<()> {
     let arch = model.cfg.arch;
+    let mods = modules(&model.cfg);
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let lins = layer.linears_mut();
-        for m in modules(arch) {
+        for m in mods {
             let p = peft_prefix(i, m.group, m.name);
             let (_, first) = m.parts[0];
             let adapted = lins[first].lora.is_some();
@@ -1433,9 +1510,10 @@ pub fn attach(
     let arch = model.cfg.arch;
     let mut any = false;
     let mut any_param = false;
+    let mods = modules(&model.cfg);
     for (i, layer) in model.layers.iter_mut().enumerate() {
         let lins = layer.linears_mut();
-        for m in modules(arch) {
+        for m in mods {
             // An MoE layer has no dense MLP (PEFT matches no module there either).
             if lins[m.parts[0].1].is_absent() {
                 continue;
@@ -1639,9 +1717,10 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
     let mut m = model.detached();
     m.merge_token_delta()?;
     let arch = m.cfg.arch;
+    let mods = modules(&m.cfg);
     for (i, layer) in m.layers.iter_mut().enumerate() {
         let lins = layer.linears_mut();
-        for module in modules(arch) {
+        for module in mods {
             for &(part, j) in module.parts {
                 let lin = &mut *lins[j];
                 if let Some(l) = lin.lora.take() {
@@ -1711,7 +1790,7 @@ pub fn save_peft(
     };
     let targets = match &cfg.target_modules {
         TargetModules::Pattern(p) if p == ALL_LINEAR => {
-            let mut names: Vec<&str> = modules(model.cfg.arch)
+            let mut names: Vec<&str> = modules(&model.cfg)
                 .iter()
                 .filter(present)
                 .map(|m| m.name)

@@ -336,6 +336,9 @@ pub struct Layer {
     /// gpt-oss's learned sink of each attention head `(heads,)`
     /// ([`crate::fused::sink_attention`]).
     pub sinks: Option<Tensor>,
+    /// DeepSeek's latent attention ([`crate::mla`]): then the q slot holds `q_proj` or
+    /// `q_b_proj`, the k slot `kv_a_proj_with_mqa`, the v slot `kv_b_proj`.
+    pub mla: Option<crate::mla::Mla>,
 }
 
 impl Layer {
@@ -359,10 +362,15 @@ impl Layer {
         let mut norms = vec![&self.input_layernorm, &self.post_attention_layernorm];
         norms.extend(self.q_norm.iter().chain(self.k_norm.iter()));
         norms.extend(self.attn_out_norm.iter().chain(self.mlp_out_norm.iter()));
+        if let Some(m) = &self.mla {
+            norms.push(&m.kv_a_norm);
+            norms.extend(m.q_a.iter().map(|(_, n)| n));
+        }
         out.extend(norms.iter().map(|n| n.weight.clone()));
         out.extend(self.sinks.iter().cloned());
         let moe = self.moe.iter().flat_map(Moe::linears);
-        for l in self.linears().into_iter().chain(moe) {
+        let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
+        for l in self.linears().into_iter().chain(moe).chain(mla) {
             out.push(l.weight.clone());
             out.extend(l.bias.iter().cloned());
             if let Some(lo) = &l.lora {
@@ -379,7 +387,8 @@ impl Layer {
     /// The layer's LoRA dropout streams (each once) with their current states.
     fn dropout_states(&self) -> Vec<crate::lora::DropoutState> {
         let mut out: Vec<crate::lora::DropoutState> = Vec::new();
-        for l in self.linears() {
+        let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
+        for l in self.linears().into_iter().chain(mla) {
             if let Some(st) = l.lora.as_ref().and_then(|lo| lo.dropout_state())
                 && !out.iter().any(|(r, _)| std::sync::Arc::ptr_eq(r, &st.0))
             {
@@ -392,6 +401,9 @@ impl Layer {
     /// q `(B, L, heads, D)`, k and v `(B, L, kv_heads, D)` of normalised rows `h` `(B·L, H)`,
     /// as the projections lay them out (Qwen3's q/k norms applied, not yet rotated).
     fn projections(&self, c: &LayerCtx, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        if let Some(m) = &self.mla {
+            return m.projections(&self.q_proj, &self.k_proj, &self.v_proj, h, c.b, c.l, c.nh);
+        }
         let (q, k, v) = (
             self.q_proj.forward(h)?,
             self.k_proj.forward(h)?,
@@ -450,7 +462,11 @@ impl Layer {
         h: &Tensor,
     ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
-        if self.q_norm.is_some() || self.k_norm.is_some() || attn.iter().any(|l| l.lora.is_some()) {
+        if self.q_norm.is_some()
+            || self.k_norm.is_some()
+            || self.mla.is_some()
+            || attn.iter().any(|l| l.lora.is_some())
+        {
             return Ok(None);
         }
         let head = |l: &Linear, heads: usize, rot: Option<(&Tensor, &Tensor)>| {
@@ -508,6 +524,10 @@ impl Layer {
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
         let ctx = self.attention(c, q, k, v)?;
+        let ctx = match &self.mla {
+            Some(m) => m.values(&ctx, c.nh)?,
+            None => ctx,
+        };
         let x = match (&self.attn_out_norm, self.residual_scale) {
             (None, None) => self.o_proj.forward_residual(x, &ctx)?,
             (n, _) => (x + self.sublayer_out(n, self.o_proj.forward(&ctx)?)?)?,
@@ -657,6 +677,10 @@ impl Layer {
                 self.attention(c, &q, &k, &v)?
             }
         };
+        let ctx = match &self.mla {
+            Some(m) => m.values(&ctx, c.nh)?,
+            None => ctx,
+        };
         let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
         let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
         if let Some(m) = &self.moe {
@@ -758,6 +782,7 @@ impl Layer {
             && self.mlp_out_norm.is_none()
             && self.residual_scale.is_none()
             && self.moe.is_none()
+            && self.mla.is_none()
             && self.sinks.is_none()
             && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
@@ -782,7 +807,8 @@ impl Layer {
     /// trainable.
     fn pack(&mut self) -> Result<()> {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
-        if self.packed(&self.qkv, &attn).is_none() {
+        // The latent attention's maps take different inputs: never packed.
+        if self.mla.is_none() && self.packed(&self.qkv, &attn).is_none() {
             self.qkv = Packed::pack(&mut [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj])?;
         }
         let mlp = [&self.gate_proj, &self.up_proj];
@@ -808,11 +834,15 @@ impl Layer {
             up_proj,
             down_proj,
             moe,
+            mla,
             ..
         } = self;
         let mut out = vec![
             q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,
         ];
+        if let Some((a, _)) = mla.as_mut().and_then(|m| m.q_a.as_mut()) {
+            out.push(a);
+        }
         if let Some(m) = moe.as_mut() {
             out.push(&mut m.router);
             for e in m.experts.iter_mut() {
@@ -831,6 +861,10 @@ impl Layer {
         self.linears().iter().any(|l| l.lora.is_some())
             || self
                 .moe
+                .as_ref()
+                .is_some_and(|m| m.linears().iter().any(|l| l.lora.is_some()))
+            || self
+                .mla
                 .as_ref()
                 .is_some_and(|m| m.linears().iter().any(|l| l.lora.is_some()))
     }
@@ -1644,15 +1678,64 @@ impl Transformer {
                 true => Linear::absent(dtype, device),
                 false => linear(&format!("{p}.mlp.{name}"), out, inp, cfg.mlp_bias),
             };
+            let a = format!("{p}.self_attn");
+            // DeepSeek's latent attention in the q, k, v slots ([`crate::mla`]);
+            // `attention_bias` biases q_a, kv_a and o.
+            let (q_proj, k_proj, v_proj, o_proj, mla) = match &cfg.mla {
+                Some(m) => {
+                    let heads = cfg.num_attention_heads;
+                    let bias = cfg.attention_bias;
+                    // transformers builds these two norms with RMSNorm's default epsilon,
+                    // not the config's.
+                    let latent_norm = |name: String, n: usize| -> Result<RmsNorm> {
+                        Ok(RmsNorm {
+                            eps: crate::mla::NORM_EPS,
+                            ..norm(&name, n)?
+                        })
+                    };
+                    let q_a = match m.q_lora_rank {
+                        Some(r) => Some((
+                            linear(&format!("{a}.q_a_proj"), r, h, bias)?,
+                            latent_norm(format!("{a}.q_a_layernorm.weight"), r)?,
+                        )),
+                        None => None,
+                    };
+                    let mla = crate::mla::Mla {
+                        cfg: *m,
+                        q_a,
+                        kv_a_norm: latent_norm(
+                            format!("{a}.kv_a_layernorm.weight"),
+                            m.kv_lora_rank,
+                        )?,
+                    };
+                    let q_in = m.q_lora_rank.unwrap_or(h);
+                    let kv_a = m.kv_lora_rank + m.qk_rope_head_dim;
+                    let kv_b = heads * (m.qk_nope_head_dim + m.v_head_dim);
+                    (
+                        linear(&format!("{a}.{}", mla.q_name()), q, q_in, false)?,
+                        linear(&format!("{a}.kv_a_proj_with_mqa"), kv_a, h, bias)?,
+                        linear(&format!("{a}.kv_b_proj"), kv_b, m.kv_lora_rank, false)?,
+                        linear(&format!("{a}.o_proj"), h, heads * m.v_head_dim, bias)?,
+                        Some(mla),
+                    )
+                }
+                None => (
+                    linear(&format!("{a}.q_proj"), q, h, qkv_bias)?,
+                    linear(&format!("{a}.k_proj"), kv, h, qkv_bias)?,
+                    linear(&format!("{a}.v_proj"), kv, h, qkv_bias)?,
+                    linear(&format!("{a}.o_proj"), h, q, cfg.o_proj_bias())?,
+                    None,
+                ),
+            };
             layers.push(Layer {
                 input_layernorm: match olmo {
                     true => identity()?,
                     false => norm(&format!("{p}.input_layernorm.weight"), h)?,
                 },
-                q_proj: linear(&format!("{p}.self_attn.q_proj"), q, h, qkv_bias)?,
-                k_proj: linear(&format!("{p}.self_attn.k_proj"), kv, h, qkv_bias)?,
-                v_proj: linear(&format!("{p}.self_attn.v_proj"), kv, h, qkv_bias)?,
-                o_proj: linear(&format!("{p}.self_attn.o_proj"), h, q, cfg.o_proj_bias())?,
+                q_proj,
+                k_proj,
+                v_proj,
+                o_proj,
                 q_norm: match cfg.arch.attention() {
                     _ if cfg.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
@@ -1696,6 +1779,7 @@ impl Transformer {
                     )?),
                     false => None,
                 },
+                mla,
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -1763,10 +1847,28 @@ impl Transformer {
                     layer.input_layernorm.weight.clone(),
                 ));
             }
-            lin(&mut out, format!("{p}.self_attn.q_proj"), &layer.q_proj);
-            lin(&mut out, format!("{p}.self_attn.k_proj"), &layer.k_proj);
-            lin(&mut out, format!("{p}.self_attn.v_proj"), &layer.v_proj);
-            lin(&mut out, format!("{p}.self_attn.o_proj"), &layer.o_proj);
+            let a = format!("{p}.self_attn");
+            match &layer.mla {
+                Some(m) => {
+                    if let Some((q_a, n)) = &m.q_a {
+                        lin(&mut out, format!("{a}.q_a_proj"), q_a);
+                        out.push((format!("{a}.q_a_layernorm.weight"), n.weight.clone()));
+                    }
+                    lin(&mut out, format!("{a}.{}", m.q_name()), &layer.q_proj);
+                    lin(&mut out, format!("{a}.kv_a_proj_with_mqa"), &layer.k_proj);
+                    out.push((
+                        format!("{a}.kv_a_layernorm.weight"),
+                        m.kv_a_norm.weight.clone(),
+                    ));
+                    lin(&mut out, format!("{a}.kv_b_proj"), &layer.v_proj);
+                }
+                None => {
+                    lin(&mut out, format!("{a}.q_proj"), &layer.q_proj);
+                    lin(&mut out, format!("{a}.k_proj"), &layer.k_proj);
+                    lin(&mut out, format!("{a}.v_proj"), &layer.v_proj);
+                }
+            }
+            lin(&mut out, format!("{a}.o_proj"), &layer.o_proj);
             if let Some(s) = &layer.sinks {
                 out.push((format!("{p}.self_attn.sinks"), s.clone()));
             }
@@ -1875,6 +1977,7 @@ impl Transformer {
                     gate_up,
                     moe: l.moe.as_ref().map(|m| m.map(f)).transpose()?,
                     sinks: l.sinks.as_ref().map(f).transpose()?,
+                    mla: l.mla.as_ref().map(|m| m.map(f)).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -53,9 +53,9 @@ impl MoeNames {
                 router: "gate",
                 parts: ["gate_proj", "up_proj", "down_proj"],
                 // GLM-4.5's `n_shared_experts` are one MLP, `shared_experts`.
-                shared: match arch {
-                    Arch::Glm4Moe => "shared_experts",
-                    _ => "shared_expert",
+                shared: match arch.sigmoid_router() {
+                    true => "shared_experts",
+                    false => "shared_expert",
                 },
             },
         }

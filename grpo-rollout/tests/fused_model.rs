@@ -50,6 +50,13 @@ fn fused_and_composed_decoders_agree() {
             c.num_attention_heads = 4;
             c.num_key_value_heads = 2;
             c.head_dim = 8;
+            // DeepSeek's latent attention: every head its key and value, queries of 4 + 4.
+            if let Some(m) = c.mla.as_mut() {
+                c.num_key_value_heads = 4;
+                (m.qk_nope_head_dim, m.qk_rope_head_dim) = (4, 4);
+                m.v_head_dim = if arch == Arch::DeepseekV3 { 4 } else { 8 };
+                (m.q_lora_rank, m.kv_lora_rank) = (Some(16), 16);
+            }
             c.intermediate_size = 48;
             // Mixtral's and OLMoE's experts are the MLP's width.
             if let Some(m) = c.moe.as_mut() {

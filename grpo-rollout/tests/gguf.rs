@@ -682,6 +682,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         mlp_bias: false,
         attention_out_bias: false,
         use_qk_norm: false,
+        mla: None,
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,

@@ -417,7 +417,7 @@ fn rows_logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f64> {
 fn peft_expert_adapters_match_peft() {
     let r = peft_reference();
     let cases = r["cases"].as_object().unwrap();
-    assert_eq!(cases.len(), 15);
+    assert_eq!(cases.len(), 17);
     for (name, case) in cases {
         let base = grpo_rollout::load(
             &fixtures().join(case["model"].as_str().unwrap()),
