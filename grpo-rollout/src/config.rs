@@ -2403,6 +2403,41 @@ mod tests {
         assert_eq!(c.num_key_value_heads, 2);
     }
 
+    /// DeepSeek-V3's and GLM-4.7-Flash's shapes from transformers' defaults (a config.json
+    /// naming only the sizes): the parameters transformers counts (671,026,404,352 and
+    /// 29,943,390,976; the router offsets are buffers), the latent attention's heads.
+    #[test]
+    fn deepseek_v3_and_glm_4_7_flash_defaults_count_as_transformers() {
+        let v = serde_json::json!({
+            "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+            "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.num_parameters(), 671_026_404_352);
+        assert_eq!((c.head_dim, c.rotary_dim(), c.num_key_value_heads), (192, 64, 128));
+        let m = c.moe.as_ref().unwrap();
+        assert_eq!((m.num_experts, m.num_experts_per_tok), (256, 8));
+        assert_eq!(m.mlp_only_layers, vec![0, 1, 2]);
+        assert_eq!(
+            m.routing,
+            Routing::SigmoidGroups {
+                n_group: 8,
+                topk_group: 4,
+                routed_scaling_factor: 2.5
+            }
+        );
+        let v = serde_json::json!({
+            "model_type": "glm4_moe_lite", "vocab_size": 154880, "hidden_size": 2048,
+            "intermediate_size": 10240, "num_hidden_layers": 47, "num_attention_heads": 20
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.num_parameters(), 29_943_390_976);
+        assert_eq!(c.mla.unwrap().v_head_dim, 256);
+        assert_eq!(c.moe.as_ref().unwrap().mlp_only_layers, vec![0]);
+        // What it writes reads back the same.
+        assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+    }
+
     /// openai/gpt-oss-20b's config.json (its MXFP4 `quantization_config` included): the
     /// fields as transformers resolves them, and its 20,914,757,184 parameters.
     #[test]
