@@ -260,7 +260,9 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // soft caps (scores and logits) beside a sliding layer, Granite's four multipliers, the
     // mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, OLMoE, Granite
     // MoE), ERNIE 4.5's interleaved RoPE, EXAONE 4's sliding layer beside a NoPE global one,
-    // gpt-oss's attention sinks, biased experts and clamped SwiGLU beside a sliding layer.
+    // gpt-oss's attention sinks, biased experts and clamped SwiGLU beside a sliding layer,
+    // GLM-4.5's and DeepSeek-V3's grouped sigmoid routers and shared experts, DeepSeek's latent
+    // attention (its values zero-padded: DeepSeek-V3; as wide as the queries: GLM-4.7-Flash).
     // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
     // with CUDA graphs against one without (a replay makes the window's band on the device,
     // from the cached length).

@@ -2414,7 +2414,10 @@ mod tests {
         });
         let c = ModelConfig::from_hf_json(&v).unwrap();
         assert_eq!(c.num_parameters(), 671_026_404_352);
-        assert_eq!((c.head_dim, c.rotary_dim(), c.num_key_value_heads), (192, 64, 128));
+        assert_eq!(
+            (c.head_dim, c.rotary_dim(), c.num_key_value_heads),
+            (192, 64, 128)
+        );
         let m = c.moe.as_ref().unwrap();
         assert_eq!((m.num_experts, m.num_experts_per_tok), (256, 8));
         assert_eq!(m.mlp_only_layers, vec![0, 1, 2]);
