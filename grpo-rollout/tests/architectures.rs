@@ -1304,6 +1304,19 @@ fn glm4_moe_router_offsets_are_constants_that_choose() {
     );
 }
 
+/// The error loading `case`'s model with `change` over its config.
+fn load_error(case: &Value, change: Value) -> String {
+    let mut case = case.clone();
+    for (k, v) in change.as_object().unwrap() {
+        case["config"][k] = v.clone();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F32, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string()
+}
+
 /// GLM-4.5's routing groups must split the experts evenly and leave enough experts; its dense
 /// layers are its first ones; no GGUF form: each refused by name. Its attention modules and
 /// its experts' `target_parameters` take adapters.
@@ -1311,17 +1324,7 @@ fn glm4_moe_router_offsets_are_constants_that_choose() {
 fn glm4_moe_refusals_are_named() {
     use grpo_rollout::lora::{LoraConfig, TargetModules};
     let r = reference();
-    let refused = |change: serde_json::Value| -> String {
-        let mut case = r["cases"]["glm4moe"].clone();
-        for (k, v) in change.as_object().unwrap() {
-            case["config"][k] = v.clone();
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F32, &Device::Cpu)
-            .err()
-            .unwrap()
-            .to_string()
-    };
+    let refused = |change: serde_json::Value| load_error(&r["cases"]["glm4moe"], change);
     let e = refused(serde_json::json!({"n_group": 3}));
     assert!(e.contains("n_group = 3 must divide the 8 experts"), "{e}");
     let e = refused(serde_json::json!({"n_group": 2, "topk_group": 3}));
@@ -1365,17 +1368,7 @@ fn glm4_moe_refusals_are_named() {
 fn deepseek_v3_latent_attention_refusals_and_targets() {
     use grpo_rollout::lora::{LoraConfig, TargetModules};
     let r = reference();
-    let refused = |change: serde_json::Value| -> String {
-        let mut case = r["cases"]["deepseekv3"].clone();
-        for (k, v) in change.as_object().unwrap() {
-            case["config"][k] = v.clone();
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        grpo_rollout::load(&model_dir(&case, tmp.path()), DType::F32, &Device::Cpu)
-            .err()
-            .unwrap()
-            .to_string()
-    };
+    let refused = |change: serde_json::Value| load_error(&r["cases"]["deepseekv3"], change);
     let e = refused(serde_json::json!({"num_key_value_heads": 2}));
     assert!(
         e.contains("num_key_value_heads = 2 is not supported for deepseek_v3"),

@@ -406,6 +406,55 @@ fn rows_logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f64> {
     values(&m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0)
 }
 
+/// A reference case's base model, the same with the case's PEFT adapter loaded, the
+/// adapter's config and directory.
+fn with_peft_adapter(
+    case: &Value,
+) -> (
+    grpo_rollout::LoadedModel,
+    grpo_rollout::Transformer,
+    grpo_rollout::lora::LoraConfig,
+    std::path::PathBuf,
+) {
+    let base = grpo_rollout::load(
+        &fixtures().join(case["model"].as_str().unwrap()),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let dir = fixtures().join(case["adapter"].as_str().unwrap());
+    let mut m = base.model.clone();
+    let cfg = grpo_rollout::lora::load_peft(&mut m, &dir).unwrap();
+    (base, m, cfg, dir)
+}
+
+/// The adapted model `m`'s log-probs equal PEFT's (`case["adapted"]`), far from the base's,
+/// and merged they equal PEFT's `merge_and_unload()`'s (`case["merged"]`). Returns the adapted
+/// log-probs.
+fn assert_as_peft(
+    name: &str,
+    case: &Value,
+    r: &Value,
+    base: &grpo_rollout::Transformer,
+    m: &grpo_rollout::Transformer,
+) -> Vec<f64> {
+    let want = |k: &str| -> Vec<f64> {
+        serde_json::from_value::<Vec<Vec<f64>>>(case[k].clone())
+            .unwrap()
+            .concat()
+    };
+    let adapted = rows_logprobs(m, r);
+    let d = max_diff(&adapted, &want("adapted"));
+    eprintln!("{name}: adapted {d:e}");
+    assert!(d < 2e-5, "{name}: adapted {d}");
+    // The adapter moves them by far more than the tolerance.
+    assert!(max_diff(&rows_logprobs(base, r), &want("adapted")) > 1e-2);
+    let merged = grpo_rollout::lora::merge(m).unwrap();
+    let d = max_diff(&rows_logprobs(&merged, r), &want("merged"));
+    assert!(d < 2e-5, "{name}: merged {d}");
+    adapted
+}
+
 /// PEFT's adapters on the experts' stacked weights (`target_parameters`: PEFT's ParamWrapper on
 /// transformers 5's `gate_up_proj` / `down_proj`, nested when both; one alone on Mixtral and
 /// OLMoE), beside `q_proj` or `"all-linear"` (Qwen2-MoE's and GLM-4.5's shared experts, Qwen2-MoE's
@@ -419,30 +468,9 @@ fn peft_expert_adapters_match_peft() {
     let cases = r["cases"].as_object().unwrap();
     assert_eq!(cases.len(), 17);
     for (name, case) in cases {
-        let base = grpo_rollout::load(
-            &fixtures().join(case["model"].as_str().unwrap()),
-            DType::F32,
-            &Device::Cpu,
-        )
-        .unwrap();
-        let dir = fixtures().join(case["adapter"].as_str().unwrap());
-        let mut m = base.model.clone();
-        let cfg = grpo_rollout::lora::load_peft(&mut m, &dir).unwrap();
+        let (base, m, cfg, dir) = with_peft_adapter(case);
         assert!(!cfg.target_parameters.is_empty(), "{name}");
-        let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(case["adapted"].clone())
-            .unwrap()
-            .concat();
-        let d = max_diff(&rows_logprobs(&m, &r), &want);
-        eprintln!("{name}: adapted {d:e}");
-        assert!(d < 2e-5, "{name}: adapted {d}");
-        // The adapter moves them by far more than the tolerance.
-        assert!(max_diff(&rows_logprobs(&base.model, &r), &want) > 1e-2);
-        let merged = grpo_rollout::lora::merge(&m).unwrap();
-        let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(case["merged"].clone())
-            .unwrap()
-            .concat();
-        let d = max_diff(&rows_logprobs(&merged, &r), &want);
-        assert!(d < 2e-5, "{name}: merged {d}");
+        assert_as_peft(name, case, &r, &base.model, &m);
         // Saved again: PEFT's keys, tensors and targets.
         let tmp = tempfile::tempdir().unwrap();
         grpo_rollout::lora::save_peft(&m, &cfg, tmp.path(), "base").unwrap();
@@ -652,32 +680,12 @@ fn peft_v4_expert_adapters_load_as_peft_converts_them() {
     let cases = r["v4_cases"].as_object().unwrap();
     assert_eq!(cases.len(), 2);
     for (name, case) in cases {
-        let base = grpo_rollout::load(
-            &fixtures().join(case["model"].as_str().unwrap()),
-            DType::F32,
-            &Device::Cpu,
-        )
-        .unwrap();
-        let dir = fixtures().join(case["adapter"].as_str().unwrap());
-        let mut m = base.model.clone();
-        let cfg = grpo_rollout::lora::load_peft(&mut m, &dir).unwrap();
+        let (base, m, cfg, _) = with_peft_adapter(case);
         let mut params = cfg.target_parameters.clone();
         params.sort();
         assert_eq!(params, ["down_proj", "gate_up_proj"], "{name}");
         assert_eq!(cfg.rank_pattern[r".*\.gate_up_proj"], 4, "{name}");
-        let want = |k: &str| -> Vec<f64> {
-            serde_json::from_value::<Vec<Vec<f64>>>(case[k].clone())
-                .unwrap()
-                .concat()
-        };
-        let adapted = rows_logprobs(&m, &r);
-        let d = max_diff(&adapted, &want("adapted"));
-        eprintln!("{name}: adapted {d:e}");
-        assert!(d < 2e-5, "{name}: adapted {d}");
-        assert!(max_diff(&rows_logprobs(&base.model, &r), &want("adapted")) > 1e-2);
-        let merged = grpo_rollout::lora::merge(&m).unwrap();
-        let d = max_diff(&rows_logprobs(&merged, &r), &want("merged"));
-        assert!(d < 2e-5, "{name}: merged {d}");
+        let adapted = assert_as_peft(name, case, &r, &base.model, &m);
         let tmp = tempfile::tempdir().unwrap();
         grpo_rollout::lora::save_peft(&m, &cfg, tmp.path(), "base").unwrap();
         let mut again = base.model.clone();
