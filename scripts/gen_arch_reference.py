@@ -97,6 +97,11 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
     groups of which two with the weights not renormalised;
   * arch-deepseekv3-noq-micro (the same family with one `q_proj`, query heads of 6 + 4, values
     of 10 — as wide as the queries —, no dense layer, two shared experts' width): as it is;
+  * arch-deepseekv2-micro (DeepseekV2ForCausalLM, 3 layers, the first dense; one `q_proj`, RoPE
+    on adjacent pairs; 8 experts in 4 groups, 3 per token by softmax probability, two shared
+    experts' width): greedy as it is, group-limited (2 of the 4 groups; some tokens take an
+    expert of probability 0), the weights scaled by 16, YaRN with V2-Lite's `mscale` and
+    `mscale_all_dim` 0.707;
   * arch-glm4moelite-micro (Glm4MoeLiteForCausalLM, 3 layers, `mlp_layer_types` dense, sparse,
     sparse; values as wide as the queries): as it is, and with rotate-half RoPE.
 
@@ -403,6 +408,22 @@ MODELS = {
             "deepseekv3-noq": {},
         },
     ),
+    "arch-deepseekv2-micro": (
+        "deepseek_v2",
+        dict(num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False, first_k_dense_replace=1,
+             n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, n_shared_experts=2,
+             n_group=4, topk_group=2, topk_method="greedy", routed_scaling_factor=1.0, q_lora_rank=None,
+             kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "deepseekv2": {},
+            "deepseekv2-group-limited": {"topk_method": "group_limited_greedy"},
+            "deepseekv2-scaled": {"routed_scaling_factor": 16.0},
+            "deepseekv2-yarn": {"rope_parameters": {
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+        },
+    ),
     "arch-glm4moelite-micro": (
         "glm4_moe_lite",
         dict(num_hidden_layers=3, num_key_value_heads=4, tie_word_embeddings=False,
@@ -498,7 +519,7 @@ def micro_model(path, model_type, kw):
             elif model_type in ("gemma3_text", "gemma2"):
                 p.normal_(0, 0.3)
             elif model_type in ("olmo2", "olmoe", "exaone4", "glm4", "olmo3", "glm4_moe", "deepseek_v3",
-                                "glm4_moe_lite"):
+                                "glm4_moe_lite", "deepseek_v2"):
                 p.normal_(1, 0.3)
         # GLM-4.5's router offsets (a buffer), large enough to change the choice.
         for name, b in model.named_buffers():

@@ -56,6 +56,7 @@ CASES.update({
     "qwen2moe-router": ("arch-qwen2moe-micro", "mlp", ["gate.weight"]),
     "deepseekv3-all-linear": ("arch-deepseekv3-micro", "mlp.experts", []),
     "deepseekv3-noq-attention": ("arch-deepseekv3-noq-micro", "mlp.experts", ["down_proj"]),
+    "deepseekv2-mlp-names": ("arch-deepseekv2-micro", "mlp.experts", []),
 })
 TARGETS = {
     "qwen2moe-all-linear": "all-linear",
@@ -65,6 +66,7 @@ TARGETS = {
     "olmoe-regex": r".*\.(q_proj|gate|down_proj)",
     "deepseekv3-all-linear": "all-linear",
     "deepseekv3-noq-attention": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "deepseekv2-mlp-names": ["q_proj", "gate", "gate_proj", "up_proj", "down_proj"],
 }
 
 

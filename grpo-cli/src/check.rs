@@ -299,10 +299,11 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             cfg.mla = g.mla.map(|mut m| {
                 (m.qk_nope_head_dim, m.qk_rope_head_dim) = (cfg.head_dim / 2, cfg.head_dim / 2);
                 m.v_head_dim = match arch {
-                    Arch::DeepseekV3 => cfg.head_dim / 2,
+                    Arch::DeepseekV3 | Arch::DeepseekV2 => cfg.head_dim / 2,
                     _ => cfg.head_dim,
                 };
-                (m.q_lora_rank, m.kv_lora_rank) = (Some(cfg.hidden_size / 2), cfg.hidden_size / 2);
+                m.q_lora_rank = m.q_lora_rank.map(|_| cfg.hidden_size / 2);
+                m.kv_lora_rank = cfg.hidden_size / 2;
                 m
             });
             if cfg.mla.is_some() {

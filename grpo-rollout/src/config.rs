@@ -115,6 +115,11 @@ pub enum Arch {
     /// `mlp_layer_types`.
     #[serde(rename = "glm4_moe_lite")]
     Glm4MoeLite,
+    /// DeepSeek-V2 (`deepseek_v2`: DeepSeek-V2, V2-Lite, Coder-V2): DeepSeek-V3's latent attention
+    /// (RoPE on adjacent pairs) and experts routed by softmax probabilities, greedily or within
+    /// the best groups ([`Routing::Greedy`]).
+    #[serde(rename = "deepseek_v2")]
+    DeepseekV2,
 }
 
 /// The MLP's gate activation.
@@ -140,7 +145,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 26] = [
+    pub const ALL: [Arch; 27] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -167,6 +172,7 @@ impl Arch {
         Arch::Glm4Moe,
         Arch::DeepseekV3,
         Arch::Glm4MoeLite,
+        Arch::DeepseekV2,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -198,6 +204,7 @@ impl Arch {
             Arch::Glm4Moe => "glm4_moe",
             Arch::DeepseekV3 => "deepseek_v3",
             Arch::Glm4MoeLite => "glm4_moe_lite",
+            Arch::DeepseekV2 => "deepseek_v2",
         }
     }
 
@@ -226,18 +233,27 @@ impl Arch {
                 | Arch::Glm4Moe
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
+                | Arch::DeepseekV2
         )
     }
 
     /// Whether the attention is DeepSeek's multi-head latent attention ([`MlaConfig`]).
     pub fn mla(self) -> bool {
-        matches!(self, Arch::DeepseekV3 | Arch::Glm4MoeLite)
+        matches!(
+            self,
+            Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::DeepseekV2
+        )
     }
 
-    /// Whether the router is DeepSeek-V3's ([`Routing::SigmoidGroups`]: GLM-4.5, DeepSeek-V3,
-    /// GLM-4.7-Flash), its shared experts `mlp.shared_experts` without a gate.
-    pub fn sigmoid_router(self) -> bool {
-        matches!(self, Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite)
+    /// Whether the mixture of experts is DeepSeek's (GLM-4.5, DeepSeek-V3, GLM-4.7-Flash,
+    /// DeepSeek-V2): `n_routed_experts`, shared experts `mlp.shared_experts` without a gate,
+    /// the dense layers first, no load-balancing loss in transformers; routed by
+    /// [`Routing::SigmoidGroups`] (DeepSeek-V2: [`Routing::Greedy`]).
+    pub fn deepseek_moe(self) -> bool {
+        matches!(
+            self,
+            Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite | Arch::DeepseekV2
+        )
     }
 
     /// transformers' default `router_aux_loss_coef` of an MoE family: OLMoE's 0.01, the
@@ -295,6 +311,7 @@ impl Arch {
                 | Arch::Glm4Moe
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
+                | Arch::DeepseekV2
         )
     }
 
@@ -362,6 +379,7 @@ impl Arch {
                     | Arch::GptOss
                     | Arch::DeepseekV3
                     | Arch::Glm4MoeLite
+                    | Arch::DeepseekV2
             )
     }
 
@@ -412,11 +430,12 @@ impl Arch {
             "glm4_moe" => Ok(Arch::Glm4Moe),
             "deepseek_v3" => Ok(Arch::DeepseekV3),
             "glm4_moe_lite" => Ok(Arch::Glm4MoeLite),
+            "deepseek_v2" => Ok(Arch::DeepseekV2),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2"
             ),
         }
     }
@@ -853,10 +872,11 @@ impl MlaConfig {
             qk_nope_head_dim: int("qk_nope_head_dim", if glm { 192 } else { 128 })?,
             qk_rope_head_dim: int("qk_rope_head_dim", 64)?,
             v_head_dim: int("v_head_dim", if glm { 256 } else { 128 })?,
-            rope_interleave: v
-                .get("rope_interleave")
-                .and_then(Value::as_bool)
-                .unwrap_or(true),
+            // DeepSeek-V2 always rotates adjacent pairs (its config has no such field).
+            rope_interleave: arch == Arch::DeepseekV2
+                || v.get("rope_interleave")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(true),
         };
         m.validate()?;
         Ok(m)
@@ -912,6 +932,22 @@ impl MlaConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Routing {
+    /// DeepSeek-V2's router: the logits in f32, a softmax over every expert, the
+    /// `num_experts_per_tok` most probable chosen — among the `topk_group` of `n_group` groups
+    /// with the highest best probability when `group_limited` (`topk_method =
+    /// "group_limited_greedy"`; the other experts' probabilities set to 0, as transformers masks
+    /// them) — weighted by their probabilities (never renormalised) times
+    /// `routed_scaling_factor`.
+    Greedy {
+        /// Groups the experts are split into (`n_group`).
+        n_group: usize,
+        /// Groups each token may take experts from (`topk_group`).
+        topk_group: usize,
+        /// The chosen weights' factor.
+        routed_scaling_factor: f64,
+        /// `topk_method = "group_limited_greedy"`.
+        group_limited: bool,
+    },
     /// A softmax over all experts (in f32); the `num_experts_per_tok` most probable chosen,
     /// weighted by their probabilities (renormalised when `norm_topk_prob`): Qwen, Mixtral,
     /// OLMoE, Granite MoE, gpt-oss.
@@ -949,6 +985,7 @@ impl MoeConfig {
             Arch::Glm4Moe => (128, 8, 1408),
             Arch::DeepseekV3 => (256, 8, 2048),
             Arch::Glm4MoeLite => (64, 4, 1536),
+            Arch::DeepseekV2 => (64, 6, 1407),
             Arch::Qwen2Moe => (60, 4, 1408),
             Arch::Olmoe => (64, 8, intermediate_size),
             Arch::GptOss => (128, 4, intermediate_size),
@@ -957,7 +994,7 @@ impl MoeConfig {
         let num_experts = match v.get("num_experts").filter(|x| !x.is_null()) {
             Some(_) => int("num_experts", experts)?,
             // GLM-4.5's name (transformers maps `num_local_experts` to it).
-            None if arch.sigmoid_router() && v.get("num_local_experts").is_none() => {
+            None if arch.deepseek_moe() && v.get("num_local_experts").is_none() => {
                 int("n_routed_experts", experts)?
             }
             None => int("num_local_experts", experts)?,
@@ -968,7 +1005,7 @@ impl MoeConfig {
                 "num_experts_per_tok = {num_experts_per_tok} must be from 1 to num_experts ({num_experts})"
             );
         }
-        let decoder_sparse_step = match arch.sigmoid_router() {
+        let decoder_sparse_step = match arch.deepseek_moe() {
             true => 1,
             false => int("decoder_sparse_step", 1)?,
         };
@@ -993,8 +1030,12 @@ impl MoeConfig {
                 Some(x) => bail!("field `mlp_layer_types` must be a list, not {x}"),
             },
             // GLM-4.5's and DeepSeek-V3's first `first_k_dense_replace` layers are dense.
-            _ if arch.sigmoid_router() => {
-                let k = if arch == Arch::DeepseekV3 { 3 } else { 1 };
+            _ if arch.deepseek_moe() => {
+                let k = match arch {
+                    Arch::DeepseekV3 => 3,
+                    Arch::DeepseekV2 => 0,
+                    _ => 1,
+                };
                 (0..int("first_k_dense_replace", k)?).collect()
             }
             None | Some(Value::Null) => Vec::new(),
@@ -1025,13 +1066,18 @@ impl MoeConfig {
             bail!("field `moe_intermediate_size` must be > 0");
         }
         let routing = match arch {
-            a if a.sigmoid_router() => {
+            a if a.deepseek_moe() => {
                 // transformers' defaults: DeepSeek-V3's 8 groups of which 4, scaled by 2.5;
                 // GLM-4.7-Flash's one group, 1.8; GLM-4.5's one group, 1.
                 let (groups, topk, scale) = match a {
                     Arch::DeepseekV3 => (8, 4, 2.5),
                     Arch::Glm4MoeLite => (1, 1, 1.8),
                     _ => (1, 1, 1.0),
+                };
+                // DeepSeek-V2's configs may write null groups.
+                let int = |k: &str, d: usize| match v.get(k) {
+                    Some(Value::Null) => Ok(d),
+                    _ => int(k, d),
                 };
                 let n_group = int("n_group", groups)?;
                 let topk_group = int("topk_group", topk)?;
@@ -1043,10 +1089,24 @@ impl MoeConfig {
                         ))
                     })?,
                 };
-                Routing::SigmoidGroups {
-                    n_group,
-                    topk_group,
-                    routed_scaling_factor,
+                match a {
+                    Arch::DeepseekV2 => Routing::Greedy {
+                        n_group,
+                        topk_group,
+                        routed_scaling_factor,
+                        group_limited: match v.get("topk_method").and_then(Value::as_str) {
+                            None | Some("greedy") => false,
+                            Some("group_limited_greedy") => true,
+                            Some(m) => bail!(
+                                "topk_method `{m}` is not supported for deepseek_v2 (greedy or group_limited_greedy)"
+                            ),
+                        },
+                    },
+                    _ => Routing::SigmoidGroups {
+                        n_group,
+                        topk_group,
+                        routed_scaling_factor,
+                    },
                 }
             }
             _ => Routing::Softmax,
@@ -1060,21 +1120,22 @@ impl MoeConfig {
             norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss)
                 || v.get("norm_topk_prob")
                     .and_then(Value::as_bool)
-                    // Glm4MoeConfig's and DeepseekV3Config's default renormalises.
-                    .unwrap_or(arch.sigmoid_router()),
+                    // Glm4MoeConfig's and DeepseekV3Config's default renormalises (DeepSeek-V2's
+                    // router never does).
+                    .unwrap_or(arch.deepseek_moe() && arch != Arch::DeepseekV2),
             decoder_sparse_step,
             mlp_only_layers,
             shared_expert_intermediate_size: match arch {
                 Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
                 // GLM-4.5's and DeepSeek-V3's `n_shared_experts` experts' width, as one MLP.
-                a if a.sigmoid_router() => {
+                a if a.deepseek_moe() => {
                     Some(int("n_shared_experts", 1)? * moe_intermediate_size).filter(|w| *w > 0)
                 }
                 _ => None,
             },
             router_aux_loss_coef: match arch {
                 // transformers' GLM-4.5 and DeepSeek-V3 compute no load-balancing loss.
-                a if a.sigmoid_router() => 0.0,
+                a if a.deepseek_moe() => 0.0,
                 _ => v
                     .get("router_aux_loss_coef")
                     .and_then(Value::as_f64)
@@ -1093,6 +1154,22 @@ impl MoeConfig {
     /// Checks the routing's shape against the experts (GLM-4.5's groups) and that GLM-4.5's
     /// dense layers are the first ones (`first_k_dense_replace`).
     fn validate(&self, arch: Arch) -> Result<()> {
+        if let Routing::Greedy {
+            n_group,
+            topk_group,
+            group_limited: true,
+            ..
+        } = self.routing
+            && (n_group == 0
+                || !self.num_experts.is_multiple_of(n_group)
+                || topk_group == 0
+                || topk_group > n_group)
+        {
+            bail!(
+                "n_group = {n_group}, topk_group = {topk_group}: the {} experts must split into n_group equal groups, of which 1 to n_group are taken",
+                self.num_experts
+            );
+        }
         if let Routing::SigmoidGroups {
             n_group,
             topk_group,
@@ -1120,7 +1197,7 @@ impl MoeConfig {
                 );
             }
         }
-        if matches!(arch, Arch::Glm4Moe | Arch::DeepseekV3)
+        if matches!(arch, Arch::Glm4Moe | Arch::DeepseekV3 | Arch::DeepseekV2)
             && (self.decoder_sparse_step != 1
                 || self
                     .mlp_only_layers
@@ -1144,8 +1221,21 @@ impl MoeConfig {
             n_group,
             topk_group,
             routed_scaling_factor,
+        }
+        | Routing::Greedy {
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+            ..
         } = self.routing
         {
+            if let Routing::Greedy { group_limited, .. } = self.routing {
+                let method = match group_limited {
+                    true => "group_limited_greedy",
+                    false => "greedy",
+                };
+                obj.insert("topk_method".into(), method.into());
+            }
             let shared = self
                 .shared_expert_intermediate_size
                 .map_or(0, |w| w / self.moe_intermediate_size);
@@ -1404,6 +1494,7 @@ impl ModelConfig {
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
                 Arch::DeepseekV3 => 4096,
+                Arch::DeepseekV2 => 2048,
                 Arch::Glm4MoeLite => 202_752,
                 Arch::Gemma2 => 8192,
                 Arch::SeedOss => 524_288,
@@ -1504,6 +1595,11 @@ impl ModelConfig {
         let final_logit_softcapping = softcap("final_logit_softcapping", 30.0)?;
         if let Some(c) = v.get("clip_qkv").filter(|c| !c.is_null()) {
             bail!("clip_qkv = {c} is not supported (only null: q, k and v unclipped)");
+        }
+        if arch == Arch::DeepseekV2 && flag("mlp_bias", false) {
+            bail!(
+                "mlp_bias = true is not supported for deepseek_v2 (biased dense and shared-expert MLPs)"
+            );
         }
         if flag("use_bidirectional_attention", false) {
             bail!("use_bidirectional_attention = true is not supported (a causal language model)");
@@ -1707,7 +1803,8 @@ impl ModelConfig {
                 | Arch::Arcee
                 | Arch::Glm4Moe
                 | Arch::DeepseekV3
-                | Arch::Glm4MoeLite => flag("attention_bias", false),
+                | Arch::Glm4MoeLite
+                | Arch::DeepseekV2 => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -1893,6 +1990,7 @@ impl ModelConfig {
                     Arch::Glm4Moe => "Glm4Moe",
                     Arch::DeepseekV3 => "DeepseekV3",
                     Arch::Glm4MoeLite => "Glm4MoeLite",
+                    Arch::DeepseekV2 => "DeepseekV2",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -1954,6 +2052,7 @@ impl ModelConfig {
                 | Arch::Glm4Moe
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
+                | Arch::DeepseekV2
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -2404,8 +2503,9 @@ mod tests {
     }
 
     /// DeepSeek-V3's and GLM-4.7-Flash's shapes from transformers' defaults (a config.json
-    /// naming only the sizes): the parameters transformers counts (671,026,404,352 and
-    /// 29,943,390,976; the router offsets are buffers), the latent attention's heads.
+    /// naming only the sizes), and DeepSeek-V2-Lite's: the parameters transformers counts
+    /// (671,026,404,352, 29,943,390,976 and 15,706,484,224; the router offsets are buffers),
+    /// the latent attention's heads.
     #[test]
     fn deepseek_v3_and_glm_4_7_flash_defaults_count_as_transformers() {
         let v = serde_json::json!({
@@ -2438,6 +2538,27 @@ mod tests {
         assert_eq!(c.mla.unwrap().v_head_dim, 256);
         assert_eq!(c.moe.as_ref().unwrap().mlp_only_layers, vec![0]);
         // What it writes reads back the same.
+        assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
+        // DeepSeek-V2-Lite's shape (one q_proj, 64 experts, 6 per token, greedy): its
+        // 15,706,484,224 parameters.
+        let v = serde_json::json!({
+            "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+            "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "q_lora_rank": null, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+            "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "n_group": 1,
+            "topk_group": 1, "topk_method": "greedy"
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.num_parameters(), 15_706_484_224);
+        assert!(matches!(
+            c.moe.as_ref().unwrap().routing,
+            Routing::Greedy {
+                group_limited: false,
+                ..
+            }
+        ));
         assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
     }
 

@@ -194,6 +194,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
                 | Arch::Glm4Moe
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
+                | Arch::DeepseekV2
         )
     })
     .ok_or_else(|| {

@@ -267,16 +267,16 @@ pub fn preset_config(
             mlp_only_layers: match (preset, arch) {
                 (Preset::Tiny, Arch::Qwen3Moe) => vec![1],
                 // GLM-4.5's first layer is dense (`first_k_dense_replace` 1, as GLM-4.5-Air's).
-                (_, a) if a.sigmoid_router() => vec![0],
+                (_, a) if a.deepseek_moe() => vec![0],
                 _ => Vec::new(),
             },
             // GLM-4.5's and DeepSeek-V3's one shared expert is an expert's width.
             shared_expert_intermediate_size: match arch {
                 Arch::Qwen2Moe => Some(inter),
-                a if a.sigmoid_router() => Some(inter / 2),
+                a if a.deepseek_moe() => Some(inter / 2),
                 _ => None,
             },
-            router_aux_loss_coef: match arch.sigmoid_router() {
+            router_aux_loss_coef: match arch.deepseek_moe() {
                 true => 0.0,
                 false => arch.default_router_aux_loss_coef(),
             },
@@ -298,19 +298,27 @@ pub fn preset_config(
                     topk_group: 1,
                     routed_scaling_factor: 1.8,
                 },
+                // DeepSeek-V2's group-limited greedy routing (two groups, one taken).
+                Arch::DeepseekV2 => crate::config::Routing::Greedy {
+                    n_group: 2,
+                    topk_group: 1,
+                    routed_scaling_factor: 1.0,
+                    group_limited: true,
+                },
                 _ => crate::config::Routing::Softmax,
             },
         }),
         // DeepSeek's latent attention: a low-rank q and a latent half the width, each head's
         // query half rotated; DeepSeek's values narrower than its queries, GLM-4.7-Flash's as
         // wide.
+        // (DeepSeek-V2-Lite's one `q_proj`.)
         mla: arch.mla().then(|| crate::config::MlaConfig {
-            q_lora_rank: Some(hidden / 2),
+            q_lora_rank: (arch != Arch::DeepseekV2).then_some(hidden / 2),
             kv_lora_rank: hidden / 2,
             qk_nope_head_dim: hidden / heads / 2,
             qk_rope_head_dim: hidden / heads / 2,
             v_head_dim: match arch {
-                Arch::DeepseekV3 => hidden / heads / 2,
+                Arch::DeepseekV3 | Arch::DeepseekV2 => hidden / heads / 2,
                 _ => hidden / heads,
             },
             rope_interleave: true,
@@ -463,7 +471,7 @@ pub fn random_weights(
                     shapes.push((name, shape, false));
                 }
                 // GLM-4.5's router's constant score offsets.
-                if m.routing != crate::config::Routing::Softmax {
+                if matches!(m.routing, crate::config::Routing::SigmoidGroups { .. }) {
                     shapes.push((names.correction_bias(i), vec![e], false));
                 }
                 if let Some(si) = m.shared_expert_intermediate_size {

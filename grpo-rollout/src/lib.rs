@@ -3,7 +3,7 @@
 //! One job: be the language model that GRPO trains. A Llama-family transformer of our own
 //! (llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, olmo3, phi3, granite, ernie4_5,
 //! exaone4, glm, glm4, seed_oss, arcee, and the mixtures of experts qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe,
-//! gpt_oss, glm4_moe, deepseek_v3 and glm4_moe_lite — with DeepSeek's latent attention, [`mla`]: [`moe`]) whose
+//! gpt_oss, glm4_moe, deepseek_v3, glm4_moe_lite and deepseek_v2 — with DeepSeek's latent attention, [`mla`]: [`moe`]) whose
 //! every weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with
 //! its tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
 //! adapters (with PEFT's trainable tokens), and saving in Hugging Face / PEFT formats (a

@@ -446,7 +446,12 @@ pub const ROUTER_PARAMETER: &str = "gate.weight";
 fn moe_renames(arch: crate::config::Arch) -> &'static [(&'static str, &'static str)] {
     use crate::config::Arch;
     match arch {
-        Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe | Arch::DeepseekV3 | Arch::Glm4MoeLite => &[
+        Arch::Qwen3Moe
+        | Arch::Olmoe
+        | Arch::Glm4Moe
+        | Arch::DeepseekV3
+        | Arch::Glm4MoeLite
+        | Arch::DeepseekV2 => &[
             ("gate", ROUTER_PARAMETER),
             ("gate_proj", "gate_up_proj"),
             ("up_proj", "gate_up_proj"),
@@ -510,6 +515,7 @@ fn router_adaptable(arch: crate::config::Arch) -> bool {
             | Arch::Glm4Moe
             | Arch::DeepseekV3
             | Arch::Glm4MoeLite
+            | Arch::DeepseekV2
     )
 }
 

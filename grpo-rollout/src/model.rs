@@ -1646,8 +1646,7 @@ impl Transformer {
                         routing: m.routing,
                         // GLM-4.5's offsets, kept in f32 as transformers keeps them.
                         correction_bias: match m.routing {
-                            crate::config::Routing::Softmax => None,
-                            _ => {
+                            crate::config::Routing::SigmoidGroups { .. } => {
                                 let name = names.correction_bias(i);
                                 let t = take(&name).ok_or_else(|| {
                                     candle_core::Error::msg(format!("weight `{name}` is missing"))
@@ -1665,6 +1664,7 @@ impl Transformer {
                                 }
                                 Some(t.to_dtype(keep)?.to_device(device)?)
                             }
+                            _ => None,
                         },
                     })
                 }

@@ -53,7 +53,7 @@ impl MoeNames {
                 router: "gate",
                 parts: ["gate_proj", "up_proj", "down_proj"],
                 // GLM-4.5's `n_shared_experts` are one MLP, `shared_experts`.
-                shared: match arch.sigmoid_router() {
+                shared: match arch.deepseek_moe() {
                     true => "shared_experts",
                     false => "shared_expert",
                 },
@@ -219,6 +219,16 @@ impl Moe {
         {
             return self.route_groups(&z, n_group, topk_group, routed_scaling_factor);
         }
+        if let Routing::Greedy {
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+            group_limited,
+        } = self.routing
+        {
+            let groups = group_limited.then_some((n_group, topk_group));
+            return self.route_greedy(&z, groups, routed_scaling_factor);
+        }
         let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
         let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
         let top = probs
@@ -284,12 +294,54 @@ impl Moe {
         Ok((top, w, scores))
     }
 
+    /// [`Routing::Greedy`] of the logits `z` (f32 or f64), on the device: the softmax
+    /// probabilities; with `groups` `(n_group, topk_group)` the groups ranked by their best
+    /// probability and the experts outside the best `topk_group` given probability 0; the
+    /// `top_k` most probable chosen, weighted by those probabilities times `scale`.
+    fn route_greedy(
+        &self,
+        z: &Tensor,
+        groups: Option<(usize, usize)>,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
+        let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
+        let (n, e) = probs.dims2()?;
+        let scores = match groups {
+            Some((n_group, topk_group)) if n_group > 1 => {
+                let per = e / n_group;
+                let best = probs.detach().reshape((n, n_group, per))?.max(2)?;
+                let rank = best
+                    .arg_sort_last_dim(false)?
+                    .arg_sort_last_dim(true)?
+                    .to_dtype(z.dtype())?;
+                let keep = rank
+                    .lt(topk_group as f64)?
+                    .unsqueeze(2)?
+                    .broadcast_as((n, n_group, per))?
+                    .reshape((n, e))?;
+                keep.where_cond(&probs, &probs.zeros_like()?)?
+            }
+            _ => probs.clone(),
+        };
+        let top = scores
+            .detach()
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let mut w = scores.gather(&top, 1)?;
+        if scale != 1.0 {
+            w = (w * scale)?;
+        }
+        Ok((top, w, probs))
+    }
+
     /// The router's logits of rows `h`: in the rows' dtype for the softmax routers, in f32
-    /// (f64 in an f64 model) for GLM-4.5's, as transformers computes it.
+    /// (f64 in an f64 model) for DeepSeek's, as transformers computes them.
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
         match self.routing {
             Routing::Softmax => self.router.forward(h),
-            Routing::SigmoidGroups { .. } => {
+            Routing::SigmoidGroups { .. } | Routing::Greedy { .. } => {
                 let dt = match h.dtype() {
                     DType::F64 => DType::F64,
                     _ => DType::F32,

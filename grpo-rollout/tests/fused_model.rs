@@ -54,8 +54,8 @@ fn fused_and_composed_decoders_agree() {
             if let Some(m) = c.mla.as_mut() {
                 c.num_key_value_heads = 4;
                 (m.qk_nope_head_dim, m.qk_rope_head_dim) = (4, 4);
-                m.v_head_dim = if arch == Arch::DeepseekV3 { 4 } else { 8 };
-                (m.q_lora_rank, m.kv_lora_rank) = (Some(16), 16);
+                m.v_head_dim = if arch == Arch::Glm4MoeLite { 8 } else { 4 };
+                (m.q_lora_rank, m.kv_lora_rank) = (m.q_lora_rank.map(|_| 16), 16);
             }
             c.intermediate_size = 48;
             // Mixtral's and OLMoE's experts are the MLP's width.

@@ -26,8 +26,8 @@ fn cfg(arch: Arch) -> ModelConfig {
     if let Some(m) = c.mla.as_mut() {
         c.num_key_value_heads = 4;
         (m.qk_nope_head_dim, m.qk_rope_head_dim) = (4, 4);
-        m.v_head_dim = if arch == Arch::DeepseekV3 { 4 } else { 8 };
-        (m.q_lora_rank, m.kv_lora_rank) = (Some(16), 16);
+        m.v_head_dim = if arch == Arch::Glm4MoeLite { 8 } else { 4 };
+        (m.q_lora_rank, m.kv_lora_rank) = (m.q_lora_rank.map(|_| 16), 16);
     }
     // Mixtral's and OLMoE's experts are the MLP's width.
     if let (true, Some(m)) = (arch.experts_mlp_wide(), c.moe.as_mut()) {
@@ -63,7 +63,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 26] = Arch::ALL;
+const ARCHES: [Arch; 27] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
@@ -1215,7 +1215,8 @@ fn gradient_checkpointing_gives_the_same_gradients() {
                                 | Arch::Glm4Moe
                                 | Arch::Mixtral
                                 | Arch::DeepseekV3
-                                | Arch::Glm4MoeLite => 0.0,
+                                | Arch::Glm4MoeLite
+                                | Arch::DeepseekV2 => 0.0,
                                 _ => 0.2,
                             },
                             // Qwen2-MoE's shared expert and its gate included.

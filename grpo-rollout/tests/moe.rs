@@ -466,7 +466,7 @@ fn assert_as_peft(
 fn peft_expert_adapters_match_peft() {
     let r = peft_reference();
     let cases = r["cases"].as_object().unwrap();
-    assert_eq!(cases.len(), 17);
+    assert_eq!(cases.len(), 18);
     for (name, case) in cases {
         let (base, m, cfg, dir) = with_peft_adapter(case);
         assert!(!cfg.target_parameters.is_empty(), "{name}");

@@ -135,7 +135,7 @@ impl Learner {
             && m.routing != grpo_rollout::config::Routing::Softmax
         {
             anyhow::bail!(
-                "loss.router_aux_loss_coef = {c}, but {}'s router has no load-balancing loss (transformers computes none: its e_score_correction_bias balances the experts)",
+                "loss.router_aux_loss_coef = {c}, but {}'s router has no load-balancing loss (transformers computes none for it)",
                 setup.policy.model.cfg.arch.as_str()
             );
         }
