@@ -233,7 +233,9 @@ pub fn save_hf_dir(
     let tensors: HashMap<String, Tensor> = crate::layout::to_hf(&model.cfg, model.weights())?
         .into_iter()
         .map(|(k, t)| {
-            let dt = if cast_head && k == head {
+            // DeepSeek's routers and their offsets stay in f32, as transformers saves them.
+            let kept = crate::moe::MoeNames::kept_in_f32(model.cfg.arch, &k);
+            let dt = if (cast_head && k == head) || (kept && dtype != DType::F64) {
                 DType::F32
             } else {
                 dtype

@@ -1589,7 +1589,9 @@ pub fn attach(
         {
             any = true;
             any_param = true;
-            let a = fresh_a(&mut rng, r, moe.router.weight.dim(1)?, dtype, &device)?;
+            // (DeepSeek's router weight is f32 in any model: its adapter too.)
+            let (inp, dt) = (moe.router.weight.dim(1)?, moe.router.weight.dtype());
+            let a = fresh_a(&mut rng, r, inp, dt, &device)?;
             moe.router.lora = Some(fresh_lora(&moe.router, a, scale, cfg, &drop_rng)?);
         }
     }

@@ -1607,6 +1607,24 @@ impl Transformer {
                     let names = MoeNames::of(cfg.arch);
                     // gpt-oss biases its router and experts.
                     let biased = cfg.arch.biased_experts();
+                    // DeepSeek's router weight and offsets in f32 (f64 in an f64 model), as
+                    // transformers keeps them (`_keep_in_fp32_modules_strict`).
+                    let wide = |name: &str, shape: &[usize]| -> Result<Tensor> {
+                        let t = take(name).ok_or_else(|| {
+                            candle_core::Error::msg(format!("weight `{name}` is missing"))
+                        })?;
+                        if t.dims() != shape {
+                            bail!(
+                                "weight `{name}` has shape {:?}, expected {shape:?}",
+                                t.dims()
+                            );
+                        }
+                        let keep = match dtype {
+                            DType::F64 => DType::F64,
+                            _ => DType::F32,
+                        };
+                        t.to_dtype(keep)?.to_device(device)
+                    };
                     let lin = |name: String, out: usize, inp: usize| -> Result<Linear> {
                         Ok(Linear {
                             weight: get(&name, &[out, inp])?,
@@ -1627,7 +1645,15 @@ impl Transformer {
                     };
                     let w = m.moe_intermediate_size;
                     Some(Moe {
-                        router: lin(names.router(i), m.num_experts, h)?,
+                        router: match cfg.arch.deepseek_moe() {
+                            true => Linear {
+                                weight: wide(&names.router(i), &[m.num_experts, h])?,
+                                bias: None,
+                                lora: None,
+                                weight_t: None,
+                            },
+                            false => lin(names.router(i), m.num_experts, h)?,
+                        },
                         experts: (0..m.num_experts)
                             .map(|e| expert(names.expert(i, e), w))
                             .collect::<Result<_>>()?,
@@ -1647,22 +1673,7 @@ impl Transformer {
                         // GLM-4.5's offsets, kept in f32 as transformers keeps them.
                         correction_bias: match m.routing {
                             crate::config::Routing::SigmoidGroups { .. } => {
-                                let name = names.correction_bias(i);
-                                let t = take(&name).ok_or_else(|| {
-                                    candle_core::Error::msg(format!("weight `{name}` is missing"))
-                                })?;
-                                let keep = match dtype {
-                                    DType::F64 => DType::F64,
-                                    _ => DType::F32,
-                                };
-                                if t.dims() != [m.num_experts] {
-                                    bail!(
-                                        "weight `{name}` has shape {:?}, expected [{}]",
-                                        t.dims(),
-                                        m.num_experts
-                                    );
-                                }
-                                Some(t.to_dtype(keep)?.to_device(device)?)
+                                Some(wide(&names.correction_bias(i), &[m.num_experts])?)
                             }
                             _ => None,
                         },

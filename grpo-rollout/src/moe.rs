@@ -93,6 +93,13 @@ impl MoeNames {
         )
     }
 
+    /// Whether transformers keeps the tensor `name` of an `arch` model in f32 whatever the
+    /// model's dtype (`_keep_in_fp32_modules_strict`): DeepSeek's routers (GLM-4.5,
+    /// DeepSeek-V2/V3, GLM-4.7-Flash) and their offsets.
+    pub fn kept_in_f32(arch: Arch, name: &str) -> bool {
+        Self::is_buffer(name) || (arch.deepseek_moe() && name.ends_with(".mlp.gate.weight"))
+    }
+
     /// Whether a checkpoint tensor is a constant of the model rather than a weight to train
     /// (GLM-4.5's `e_score_correction_bias`, a buffer in transformers).
     pub fn is_buffer(name: &str) -> bool {

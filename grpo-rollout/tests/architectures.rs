@@ -1295,10 +1295,36 @@ fn glm4_moe_router_offsets_are_constants_that_choose() {
         "two MoE layers' offsets are not variables"
     );
 
-    // bf16: the weights rounded, the offsets kept in f32 as transformers keeps the buffer.
+    // bf16: the weights rounded, the router's weight and offsets kept in f32 as transformers
+    // keeps them, and saved so.
     let b = grpo_rollout::load(&dir, DType::BF16, &Device::Cpu).unwrap();
     let moe = b.model.layers[1].moe.as_ref().unwrap();
-    assert_eq!(moe.router.weight.dtype(), DType::BF16);
+    assert_eq!(moe.router.weight.dtype(), DType::F32);
+    assert_eq!(b.model.layers[1].q_proj.weight.dtype(), DType::BF16);
+    let saved = tmp.path().join("bf16");
+    grpo_rollout::save_hf_dir(&b.model, &b.tokenizer, &saved, DType::BF16).unwrap();
+    let st = candle_core::safetensors::load(saved.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!(st[&names.router(1)].dtype(), DType::F32);
+    assert_eq!(st[&names.correction_bias(1)].dtype(), DType::F32);
+    assert_eq!(
+        st["model.layers.1.self_attn.q_proj.weight"].dtype(),
+        DType::BF16
+    );
+    assert_eq!(
+        st[&names.router(1)].to_vec2::<f32>().unwrap(),
+        tensors[&names.router(1)].to_vec2::<f32>().unwrap()
+    );
+    // Trained in bf16 with LoRA on the router: its adapter in f32 too, the forward runs.
+    let cfg = grpo_rollout::lora::LoraConfig {
+        target_modules: grpo_rollout::lora::TargetModules::Names(vec!["q_proj".into()]),
+        target_parameters: vec!["gate.weight".into()],
+        ..Default::default()
+    };
+    let tm = grpo_rollout::policy::TrainableModel::lora(&b.model, &cfg, 1).unwrap();
+    let router = &tm.model.layers[1].moe.as_ref().unwrap().router;
+    assert_eq!(router.lora.as_ref().unwrap().a.dtype(), DType::F32);
+    let lp = logprobs(&tm.model, &r);
+    assert!(lp.iter().all(|x| x.is_finite()));
     let offsets = moe.correction_bias.as_ref().unwrap();
     assert_eq!(offsets.dtype(), DType::F32);
     assert_eq!(
