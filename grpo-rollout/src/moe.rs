@@ -173,6 +173,26 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
 }
 
+/// The softmax of each row of `z` `(N, experts)`, the graph kept.
+fn softmax_rows(z: &Tensor) -> Result<Tensor> {
+    let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
+    z.broadcast_div(&z.sum_keepdim(1)?)
+}
+
+/// Which experts `(N, groups · per)` lie in each row's `topk_group` best groups, of the groups'
+/// scores `(N, groups)` (ranked on the device: 0 the best).
+fn best_groups(group_scores: &Tensor, per: usize, topk_group: usize) -> Result<Tensor> {
+    let (n, groups) = group_scores.dims2()?;
+    group_scores
+        .arg_sort_last_dim(false)?
+        .arg_sort_last_dim(true)?
+        .to_dtype(group_scores.dtype())?
+        .lt(topk_group as f64)?
+        .unsqueeze(2)?
+        .broadcast_as((n, groups, per))?
+        .reshape((n, groups * per))
+}
+
 impl Moe {
     /// Every linear map: the router, the experts', the shared expert's and its gate.
     pub fn linears(&self) -> Vec<&Linear> {
@@ -236,8 +256,7 @@ impl Moe {
             let groups = group_limited.then_some((n_group, topk_group));
             return self.route_greedy(&z, groups, routed_scaling_factor);
         }
-        let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
-        let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
+        let probs = softmax_rows(&z)?;
         let top = probs
             .detach()
             .arg_sort_last_dim(false)?
@@ -273,17 +292,8 @@ impl Moe {
             true => {
                 let per = e / n_group;
                 let (sorted, _) = choice.reshape((n, n_group, per))?.sort_last_dim(false)?;
-                let best2 = sorted.narrow(2, 0, 2)?.sum(2)?;
-                // Each group's rank by its two best (0: best); the first `topk_group` kept.
-                let rank = best2
-                    .arg_sort_last_dim(false)?
-                    .arg_sort_last_dim(true)?
-                    .to_dtype(z.dtype())?;
-                let keep = rank
-                    .lt(topk_group as f64)?
-                    .unsqueeze(2)?
-                    .broadcast_as((n, n_group, per))?
-                    .reshape((n, e))?;
+                // Groups scored by their two best.
+                let keep = best_groups(&sorted.narrow(2, 0, 2)?.sum(2)?, per, topk_group)?;
                 keep.where_cond(&choice, &(choice.zeros_like()? - f64::INFINITY)?)?
             }
         };
@@ -311,22 +321,14 @@ impl Moe {
         groups: Option<(usize, usize)>,
         scale: f64,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?.exp()?;
-        let probs = z.broadcast_div(&z.sum_keepdim(1)?)?;
+        let probs = softmax_rows(z)?;
         let (n, e) = probs.dims2()?;
         let scores = match groups {
             Some((n_group, topk_group)) if n_group > 1 => {
                 let per = e / n_group;
+                // Groups scored by their best.
                 let best = probs.detach().reshape((n, n_group, per))?.max(2)?;
-                let rank = best
-                    .arg_sort_last_dim(false)?
-                    .arg_sort_last_dim(true)?
-                    .to_dtype(z.dtype())?;
-                let keep = rank
-                    .lt(topk_group as f64)?
-                    .unsqueeze(2)?
-                    .broadcast_as((n, n_group, per))?
-                    .reshape((n, e))?;
+                let keep = best_groups(&best, per, topk_group)?;
                 keep.where_cond(&probs, &probs.zeros_like()?)?
             }
             _ => probs.clone(),
