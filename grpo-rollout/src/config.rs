@@ -866,7 +866,7 @@ impl MlaConfig {
             Some(Value::Null) => None,
             _ => Some(int("q_lora_rank", if glm { 768 } else { 1536 })?),
         };
-        let m = MlaConfig {
+        Ok(MlaConfig {
             q_lora_rank,
             kv_lora_rank: int("kv_lora_rank", 512)?,
             qk_nope_head_dim: int("qk_nope_head_dim", if glm { 192 } else { 128 })?,
@@ -877,9 +877,7 @@ impl MlaConfig {
                 || v.get("rope_interleave")
                     .and_then(Value::as_bool)
                     .unwrap_or(true),
-        };
-        m.validate()?;
-        Ok(m)
+        })
     }
 
     fn validate(&self) -> Result<()> {
@@ -1920,6 +1918,9 @@ impl ModelConfig {
         }
         if let Some(m) = &self.moe {
             m.validate(self.arch)?;
+        }
+        if let Some(m) = &self.mla {
+            m.validate()?;
         }
         if let Some(m) = &self.moe
             && self.arch.experts_mlp_wide()

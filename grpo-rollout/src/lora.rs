@@ -345,7 +345,7 @@ impl Matcher {
                     .iter()
                     .chain(&FUSED_MODULES)
                     .chain(&[SHARED_EXPERT_GATE])
-                    .chain(&MOE_MODULES[5..])
+                    .chain(&MLA_MODULES)
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -383,23 +383,26 @@ pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 /// [`SHARED_EXPERT_GATE`]; the router `gate` and Mixtral's `w1`, `w3`, `w2`, which PEFT turns
 /// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
 /// ([`crate::mla`]).
-const MOE_MODULES: [&str; 9] = [
+const EXTRA_MODULES: [&str; 9] = [
     SHARED_EXPERT_GATE,
     "gate",
     "w1",
     "w3",
     "w2",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
+    MLA_MODULES[0],
+    MLA_MODULES[1],
+    MLA_MODULES[2],
+    MLA_MODULES[3],
 ];
 
-/// Layer `i`'s shared-expert maps as PEFT names them, each a module of its own: Qwen2-MoE's
+/// DeepSeek's latent attention's linear maps (beside `q_proj` and `o_proj`).
+const MLA_MODULES: [&str; 4] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"];
+
+/// Layer `i`'s maps beside its seven slots, as PEFT names them, each a module of its own:
+/// DeepSeek's `self_attn.q_a_proj` ([`crate::mla`]); a shared expert's, Qwen2-MoE's
 /// `mlp.shared_expert.{gate,up,down}_proj` and `mlp.shared_expert_gate`, GLM-4.5's
-/// `mlp.shared_experts.{gate,up,down}_proj` (none in a layer without a shared expert).
-/// Also DeepSeek's `self_attn.q_a_proj` ([`crate::mla`]).
-fn shared_sites(
+/// `mlp.shared_experts.{gate,up,down}_proj`.
+fn extra_sites(
     layer: &mut crate::model::Layer,
     i: usize,
     arch: crate::config::Arch,
@@ -646,7 +649,7 @@ impl LoraConfig {
                 }
                 if !TARGET_MODULES.contains(&last)
                     && !FUSED_MODULES.contains(&last)
-                    && !MOE_MODULES.contains(&last)
+                    && !EXTRA_MODULES.contains(&last)
                 {
                     bail!(
                         "lora.{field}: unknown module `{m}`, expected any of {TARGET_MODULES:?} (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj), or \"{ALL_LINEAR}\""
@@ -1118,7 +1121,7 @@ fn visit(
             }
         }
         // The shared expert's maps, each a module of its own.
-        for (name, lin) in shared_sites(layer, i, arch) {
+        for (name, lin) in extra_sites(layer, i, arch) {
             let q = format!("base_model.model.{name}");
             let adapted = lin.lora.is_some();
             if let Some(l) = lin.lora.as_mut() {
@@ -1537,7 +1540,7 @@ pub fn attach(
             }
         }
         // The shared expert's maps, each a module of its own (PEFT's `nn.Linear`s).
-        for (name, lin) in shared_sites(layer, i, arch) {
+        for (name, lin) in extra_sites(layer, i, arch) {
             let Some((r, scale)) = resolved.adapter_at(i, &name) else {
                 continue;
             };
@@ -1743,7 +1746,7 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
                 }
             }
         }
-        for (name, lin) in shared_sites(layer, i, arch) {
+        for (name, lin) in extra_sites(layer, i, arch) {
             if let Some(l) = lin.lora.take() {
                 let (w, b) = l
                     .merged(&lin.weight, lin.bias.as_ref())

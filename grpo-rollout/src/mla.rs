@@ -30,6 +30,8 @@ pub const NORM_EPS: f64 = 1e-6;
 pub struct Mla {
     /// The shape.
     pub cfg: MlaConfig,
+    /// [`head_order`] as `u32` indices on the model's device (made once, not per forward).
+    pub order: Tensor,
     /// `q_a_proj` `(q_lora_rank, hidden)` and `q_a_layernorm` (with `q_lora_rank`).
     pub q_a: Option<(Linear, RmsNorm)>,
     /// `kv_a_layernorm` over the latent.
@@ -51,6 +53,13 @@ pub fn head_order(m: &MlaConfig) -> Vec<usize> {
     order.extend(second);
     order.extend(n / 2..n);
     order
+}
+
+/// [`head_order`] as the `u32` index tensor the projections select with.
+pub fn head_order_tensor(m: &MlaConfig, device: &candle_core::Device) -> Result<Tensor> {
+    let order: Vec<u32> = head_order(m).into_iter().map(|i| i as u32).collect();
+    let n = order.len();
+    Tensor::from_vec(order, n, device)
 }
 
 impl Mla {
@@ -99,8 +108,6 @@ impl Mla {
             .broadcast_as((b, l, heads, r))?;
         let kv = kv_b.forward(&latent)?.reshape((b, l, heads, n + dv))?;
         let k = Tensor::cat(&[&kv.narrow(3, 0, n)?, &k_rot.contiguous()?], 3)?;
-        let order: Vec<u32> = head_order(m).into_iter().map(|i| i as u32).collect();
-        let order = Tensor::from_vec(order, dq, h.device())?;
         let v = kv.narrow(3, n, dv)?;
         let v = match dq > dv {
             true => {
@@ -109,7 +116,11 @@ impl Mla {
             }
             false => v.contiguous()?,
         };
-        Ok((q.index_select(&order, 3)?, k.index_select(&order, 3)?, v))
+        Ok((
+            q.index_select(&self.order, 3)?,
+            k.index_select(&self.order, 3)?,
+            v,
+        ))
     }
 
     /// The attention's output rows `(B·L, heads · D)` cut to each head's value width
@@ -139,6 +150,7 @@ impl Mla {
         };
         Ok(Mla {
             cfg: self.cfg,
+            order: f(&self.order)?,
             q_a: match &self.q_a {
                 Some((a, n)) => Some((crate::model::map_linear(a, f)?, norm(n)?)),
                 None => None,

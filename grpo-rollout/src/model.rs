@@ -1548,15 +1548,17 @@ impl Transformer {
         device: &Device,
     ) -> Result<Self> {
         cfg.validate()?;
-        let checked = |name: &str, t: Tensor, shape: &[usize]| -> Result<Tensor> {
+        // A weight of `shape`, in `dt` on the device.
+        let checked_as = |name: &str, t: Tensor, shape: &[usize], dt: DType| -> Result<Tensor> {
             if t.dims() != shape {
                 bail!(
                     "weight `{name}` has shape {:?}, expected {shape:?}",
                     t.dims()
                 );
             }
-            t.to_dtype(dtype)?.to_device(device)
+            t.to_dtype(dt)?.to_device(device)
         };
+        let checked = |name: &str, t: Tensor, shape: &[usize]| checked_as(name, t, shape, dtype);
         let get = |name: &str, shape: &[usize]| -> Result<Tensor> {
             let t = take(name)
                 .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing")))?;
@@ -1613,17 +1615,11 @@ impl Transformer {
                         let t = take(name).ok_or_else(|| {
                             candle_core::Error::msg(format!("weight `{name}` is missing"))
                         })?;
-                        if t.dims() != shape {
-                            bail!(
-                                "weight `{name}` has shape {:?}, expected {shape:?}",
-                                t.dims()
-                            );
-                        }
                         let keep = match dtype {
                             DType::F64 => DType::F64,
                             _ => DType::F32,
                         };
-                        t.to_dtype(keep)?.to_device(device)
+                        checked_as(name, t, shape, keep)
                     };
                     let lin = |name: String, out: usize, inp: usize| -> Result<Linear> {
                         Ok(Linear {
@@ -1713,6 +1709,7 @@ impl Transformer {
                     };
                     let mla = crate::mla::Mla {
                         cfg: *m,
+                        order: crate::mla::head_order_tensor(m, device)?,
                         q_a,
                         kv_a_norm: latent_norm(
                             format!("{a}.kv_a_layernorm.weight"),
