@@ -595,25 +595,24 @@ impl Resolved<'_> {
         arch: crate::config::Arch,
         param: &str,
     ) -> Option<(usize, f64)> {
-        let key = format!("{}.{param}", experts_module(layer, arch));
-        let hit = self
-            .cfg
-            .target_parameters
-            .iter()
-            .any(|t| key == *t || key.ends_with(&format!(".{t}")));
-        hit.then(|| self.rank_and_scale(&key))
+        self.parameter_adapter(&format!("{}.{param}", experts_module(layer, arch)))
     }
 
     /// `(r, scale)` of the adapter on layer `layer`'s router weight, if `target_parameters`
     /// names it ([`ROUTER_PARAMETER`], matched as the end of `model.layers.N.mlp.gate.weight`).
     fn router_adapter(&self, layer: usize) -> Option<(usize, f64)> {
-        let key = format!("model.layers.{layer}.mlp.{ROUTER_PARAMETER}");
+        self.parameter_adapter(&format!("model.layers.{layer}.mlp.{ROUTER_PARAMETER}"))
+    }
+
+    /// `(r, scale)` of the adapter on the parameter whose full name is `key`, if a
+    /// `target_parameters` entry is it or its end.
+    fn parameter_adapter(&self, key: &str) -> Option<(usize, f64)> {
         let hit = self
             .cfg
             .target_parameters
             .iter()
-            .any(|t| key == *t || key.ends_with(&format!(".{t}")));
-        hit.then(|| self.rank_and_scale(&key))
+            .any(|t| key == t || key.ends_with(&format!(".{t}")));
+        hit.then(|| self.rank_and_scale(key))
     }
 }
 
@@ -1606,7 +1605,7 @@ pub fn attach(
             && !router_adaptable(arch)
         {
             bail!(
-                "lora.target_parameters: {}'s router takes no `{ROUTER_PARAMETER}` adapter here (only Qwen3-MoE's, Qwen2-MoE's, Mixtral's, OLMoE's and GLM-4.5's)",
+                "lora.target_parameters: {}'s router takes no `{ROUTER_PARAMETER}` adapter here (only the routers transformers 5 holds as a parameter: Qwen3-MoE's, Qwen2-MoE's, Mixtral's, OLMoE's, GLM-4.5's, DeepSeek-V2/V3's, GLM-4.7-Flash's)",
                 arch.as_str()
             );
         }
