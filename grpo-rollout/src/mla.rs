@@ -32,6 +32,9 @@ pub struct Mla {
     pub cfg: MlaConfig,
     /// [`head_order`] as `u32` indices on the model's device (made once, not per forward).
     pub order: Tensor,
+    /// [`rope_order`] as `u32` indices on the model's device, with `rope_interleave` (the
+    /// identity otherwise: `None`).
+    pub rope_order: Option<Tensor>,
     /// `q_a_proj` `(q_lora_rank, hidden)` and `q_a_layernorm` (with `q_lora_rank`).
     pub q_a: Option<(Linear, RmsNorm)>,
     /// `kv_a_layernorm` over the latent.
@@ -60,6 +63,30 @@ pub fn head_order_tensor(m: &MlaConfig, device: &candle_core::Device) -> Result<
     let order: Vec<u32> = head_order(m).into_iter().map(|i| i as u32).collect();
     let n = order.len();
     Tensor::from_vec(order, n, device)
+}
+
+/// For each dimension of the rotated part alone (`qk_rope_head_dim` wide, as the latent cache
+/// holds it), the dimension of transformers' rotated part it holds: the pairs' first dimensions,
+/// then their second ones (RoPE's rotate-half layout). The identity without `rope_interleave`.
+pub fn rope_order(m: &MlaConfig) -> Vec<usize> {
+    let r = m.qk_rope_head_dim;
+    match m.rope_interleave {
+        true => (0..r / 2)
+            .map(|i| 2 * i)
+            .chain((0..r / 2).map(|i| 2 * i + 1))
+            .collect(),
+        false => (0..r).collect(),
+    }
+}
+
+/// [`rope_order`] as a `u32` index tensor, `None` where it is the identity.
+pub fn rope_order_tensor(m: &MlaConfig, device: &candle_core::Device) -> Result<Option<Tensor>> {
+    if !m.rope_interleave {
+        return Ok(None);
+    }
+    let order: Vec<u32> = rope_order(m).into_iter().map(|i| i as u32).collect();
+    let n = order.len();
+    Tensor::from_vec(order, n, device).map(Some)
 }
 
 impl Mla {
@@ -123,6 +150,108 @@ impl Mla {
         ))
     }
 
+    /// A pass over a KV cache that holds the latent (the absorbed form of DeepSeek's paper):
+    /// per token and layer `kv_lora_rank + qk_rope_head_dim` values — the normalised latent and
+    /// the rotated shared key — where the per-head keys and values take `2 · heads · D`
+    /// (GLM-4.7-Flash: 576 against 10,240). `kv_b_proj`'s key half is folded into the queries
+    /// (`q_nope · W_UK` per head: a query in the latent's space) and its value half applied to
+    /// each head's attention-weighted latent, so the scores and the context are those of the
+    /// per-head form up to rounding; an adapter on `kv_b_proj` is merged for the pass, its bias
+    /// needs only its value half (a key bias adds one constant per query row, which softmax
+    /// drops; the weights sum to 1).
+    ///
+    /// `h` `(B·L, hidden)` normalised rows; `cos`, `sin` the model's RoPE tables of the `L` new
+    /// positions (their first `qk_rope_head_dim / 2` columns are the rotated pairs', by
+    /// [`head_order`]); `bias` `(B, 1, L, S)`; `write(k_rot, latent, cos, sin)` stores the new
+    /// shared keys `(B, L, 1, r)` (rotated by the tables it is given) and latents `(B, L, 1,
+    /// kv_lora_rank)` after the cached ones and returns all `S` of each, `(B, 1, S, ·)`. Returns
+    /// the context rows `(B·L, heads · v_head_dim)`, as `o_proj` takes them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cached_attention(
+        &self,
+        q: &Linear,
+        kv_a: &Linear,
+        kv_b: &Linear,
+        h: &Tensor,
+        (b, l, heads): (usize, usize, usize),
+        (cos, sin, bias, scale): (&Tensor, &Tensor, &Tensor, f64),
+        write: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let m = &self.cfg;
+        let (n, r, dv, c) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        );
+        let rope_layout = |t: Tensor| -> Result<Tensor> {
+            match &self.rope_order {
+                Some(o) => t.contiguous()?.index_select(o, 3),
+                None => Ok(t),
+            }
+        };
+        let q = match &self.q_a {
+            Some((a, norm)) => q.forward(&norm.forward(&a.forward(h)?)?)?,
+            None => q.forward(h)?,
+        };
+        let q = q.reshape((b, l, heads, n + r))?;
+        let q_nope = q.narrow(3, 0, n)?;
+        let q_rot = rope_layout(q.narrow(3, n, r)?)?.contiguous()?;
+        let kv = kv_a.forward(h)?;
+        let latent = self
+            .kv_a_norm
+            .forward(&kv.narrow(1, 0, c)?.contiguous()?)?
+            .reshape((b, l, 1, c))?;
+        let k_rot = rope_layout(kv.narrow(1, c, r)?.reshape((b, l, 1, r))?)?.contiguous()?;
+        let last = cos.rank() - 1;
+        let cos = cos.narrow(last, 0, r / 2)?.contiguous()?;
+        let sin = sin.narrow(last, 0, r / 2)?.contiguous()?;
+        let (keys, latents) = write(&k_rot, &latent, &cos, &sin)?;
+        let s = keys.dim(2)?;
+        // The queries: rotated part (B, 1, heads·L, r); nope part through W_UK per head into
+        // the latent's space, (B, 1, heads·L, c).
+        let q_rot = crate::fused::rope(&q_rot, &cos, &sin)?.reshape((b, 1, heads * l, r))?;
+        let (w, w_bias) = match &kv_b.lora {
+            Some(a) => a.merged(&kv_b.weight, kv_b.bias.as_ref())?,
+            None => (kv_b.weight.clone(), kv_b.bias.clone()),
+        };
+        let w = w.reshape((heads, n + dv, c))?;
+        let per_head = q_nope
+            .contiguous()?
+            .reshape((b * l, heads, n))?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let q_lat = per_head
+            .matmul(&w.narrow(1, 0, n)?)?
+            .reshape((heads, b, l, c))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((b, 1, heads * l, c))?;
+        let scores = (q_lat.matmul(&latents.t()?)? + q_rot.matmul(&keys.t()?)?)?;
+        let p = crate::fused::attention_softmax(&scores.reshape((b, heads, l, s))?, bias, scale)?;
+        // Each head's weighted latent (B, 1, heads·L, c), then W_UV per head.
+        let ctx = p
+            .reshape((b, 1, heads * l, s))?
+            .matmul(&latents)?
+            .reshape((b, heads, l, c))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((heads, b * l, c))?;
+        let w_uv = w.narrow(1, n, dv)?;
+        let out = ctx
+            .matmul(&w_uv.t()?)?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((b * l, heads * dv))?;
+        match w_bias {
+            Some(bias) => {
+                let bias = bias.reshape((heads, n + dv))?.narrow(1, n, dv)?;
+                out.broadcast_add(&bias.contiguous()?.reshape(heads * dv)?)
+            }
+            None => Ok(out),
+        }
+    }
+
     /// The attention's output rows `(B·L, heads · D)` cut to each head's value width
     /// `(B·L, heads · v_head_dim)`, as `o_proj` takes them.
     pub fn values(&self, ctx: &Tensor, heads: usize) -> Result<Tensor> {
@@ -151,6 +280,7 @@ impl Mla {
         Ok(Mla {
             cfg: self.cfg,
             order: f(&self.order)?,
+            rope_order: self.rope_order.as_ref().map(f).transpose()?,
             q_a: match &self.q_a {
                 Some((a, n)) => Some((crate::model::map_linear(a, f)?, norm(n)?)),
                 None => None,

@@ -670,16 +670,24 @@ impl Layer {
                 let (q, k, v) = self.heads(c, &q, &k, &y.narrow(1, nq + nk, nk)?)?;
                 cache.attend(i, past, &Tensor::cat(&[&q, &k, &v], 2)?, None, c)?
             }
-            None => {
-                let (q, k, v) = self.projections(c, h)?;
-                let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
-                let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
-                self.attention(c, &q, &k, &v)?
-            }
-        };
-        let ctx = match &self.mla {
-            Some(m) => m.values(&ctx, c.nh)?,
-            None => ctx,
+            None => match &self.mla {
+                // DeepSeek's latent attention: the cache holds the latent.
+                Some(m) => m.cached_attention(
+                    &self.q_proj,
+                    &self.k_proj,
+                    &self.v_proj,
+                    h,
+                    (c.b, c.l, c.nh),
+                    (&c.cos, &c.sin, &c.bias, c.scale),
+                    |k, v, cos, sin| cache.write(i, past, k, v, cos, sin),
+                )?,
+                None => {
+                    let (q, k, v) = self.projections(c, h)?;
+                    let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
+                    let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
+                    self.attention(c, &q, &k, &v)?
+                }
+            },
         };
         let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
         let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
@@ -975,6 +983,15 @@ impl KvCache {
         self.len == 0
     }
 
+    /// Bytes the buffers hold (all `capacity` positions of every layer).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|(k, v)| [k, v])
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// Keeps (or repeats) batch rows: row `i` of the result is row `rows[i]` of this cache.
     pub fn select_rows(&self, rows: &Tensor) -> Result<Self> {
         let layers = self
@@ -1062,7 +1079,8 @@ impl KvCache {
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let (b, l, h, d) = k.dims4()?;
-        let (kb, vb) = self.room(i, past, (b, h, l, d), k.dtype(), k.device())?;
+        let dims = (b, h, l, d);
+        let (kb, vb) = self.room(i, past, dims, v.dim(3)?, k.dtype(), k.device())?;
         crate::fused::kv_write(kb, k, Some((cos, sin)), past)?;
         crate::fused::kv_write(vb, v, None, past)?;
         Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
@@ -1082,7 +1100,7 @@ impl KvCache {
     ) -> Result<Tensor> {
         let dims = (c.b, c.nkv, c.l, c.hd);
         let at = self.past_at.clone();
-        let (kb, vb) = self.room(i, past, dims, qkv.dtype(), qkv.device())?;
+        let (kb, vb) = self.room(i, past, dims, c.hd, qkv.dtype(), qkv.device())?;
         match at {
             Some(at) => crate::fused::cached_attention_at(
                 qkv, proj_bias, kb, vb, &c.cos, &c.sin, &c.bias, &at, c.nh, c.scale,
@@ -1094,12 +1112,15 @@ impl KvCache {
     }
 
     /// Layer `i`'s buffers with room for `L` positions after `past` (allocated at the first
-    /// forward, doubled when full); `dims` = `(B, kv_heads, L, D)`.
+    /// forward, doubled when full); `dims` = `(B, kv_heads, L, D)` of the keys, `dv` the
+    /// values' width (a latent cache's "keys" are the shared rotated keys, its "values" the
+    /// latents: [`crate::mla::Mla::cached_attention`]).
     fn room(
         &mut self,
         i: usize,
         past: usize,
         dims: (usize, usize, usize, usize),
+        dv: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<(&Tensor, &Tensor)> {
@@ -1111,16 +1132,25 @@ impl KvCache {
             }
             let cap = self.reserve.max(need);
             let kb = Tensor::zeros((b, h, cap, d), dtype, device)?;
-            let vb = Tensor::zeros((b, h, cap, d), dtype, device)?;
+            let vb = Tensor::zeros((b, h, cap, dv), dtype, device)?;
             self.layers.push((kb, vb));
         }
         let (kb, vb) = &mut self.layers[i];
         if kb.dim(0)? != b {
             bail!("KV cache holds {} rows, the input has {b}", kb.dim(0)?);
         }
+        if kb.dim(1)? != h || kb.dim(3)? != d || vb.dim(3)? != dv {
+            bail!(
+                "KV cache layer {i} holds keys {:?} and values {:?}, the pass writes ({h}, {d}) and \
+                 ({h}, {dv})",
+                (kb.dim(1)?, kb.dim(3)?),
+                (vb.dim(1)?, vb.dim(3)?)
+            );
+        }
         if kb.dim(2)? < need {
             let cap = (2 * kb.dim(2)?).max(need);
             let grow = |old: &Tensor| -> Result<Tensor> {
+                let (_, h, _, d) = old.dims4()?;
                 let new = Tensor::zeros((b, h, cap, d), old.dtype(), old.device())?;
                 if past > 0 {
                     new.slice_set(&old.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
@@ -1710,6 +1740,7 @@ impl Transformer {
                     let mla = crate::mla::Mla {
                         cfg: *m,
                         order: crate::mla::head_order_tensor(m, device)?,
+                        rope_order: crate::mla::rope_order_tensor(m, device)?,
                         q_a,
                         kv_a_norm: latent_norm(
                             format!("{a}.kv_a_layernorm.weight"),

@@ -1432,3 +1432,102 @@ fn deepseek_v3_latent_attention_refusals_and_targets() {
         "{names:?}"
     );
 }
+
+/// The log-probs of `prompts` sampled through `model`'s KV cache equal the full forward's over
+/// prompt + completion (left-padded together).
+fn assert_cached_equals_full(
+    name: &str,
+    model: &grpo_rollout::Transformer,
+    tok: &grpo_rollout::Tokenizer,
+) {
+    let prompts: Vec<Vec<u32>> = vec![(0..9).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
+    let params = grpo_rollout::SamplingParams {
+        max_new_tokens: 14,
+        min_new_tokens: 14,
+        temperature: 1.0,
+        seed: 3,
+        ..Default::default()
+    };
+    let d = model.for_decoding().unwrap();
+    let out = grpo_rollout::generate(&d, tok, &prompts, 1, &params).unwrap();
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&out)
+        .map(|(p, c)| [p.as_slice(), &c.token_ids].concat())
+        .collect();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let (lp, _) = model
+        .completion_logprobs(&ids, &mask, 14, 1.0, false)
+        .unwrap();
+    let full: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+    let mut worst = 0f32;
+    for (c, f) in out.iter().zip(&full) {
+        assert_eq!(c.logprobs.len(), 14, "{name}");
+        for (a, b) in c.logprobs.iter().zip(f) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    eprintln!("{name}: cached vs full {worst:e}");
+    assert!(worst < 1e-4, "{name}: cached vs full {worst}");
+}
+
+/// DeepSeek's latent attention decodes over a cache of the latent — `kv_lora_rank +
+/// qk_rope_head_dim` values per position and layer, not each head's key and value — with
+/// `kv_b_proj` folded into the queries and the context: the sampled tokens' log-probs equal the
+/// full forward's (which expands every head) for each variant (q_a or q_proj, interleaved or
+/// rotate-half RoPE, YaRN's scale), with an unmerged PEFT adapter on `kv_b_proj` and with a
+/// bias on it.
+#[test]
+fn latent_attention_decodes_over_a_latent_cache() {
+    use grpo_rollout::model::{KvCache, padded_positions_and_bias};
+    let r = reference();
+    for name in [
+        "deepseekv3",
+        "deepseekv3-rotate-half",
+        "deepseekv3-yarn",
+        "deepseekv3-noq",
+        "glm4moelite",
+        "glm4moelite-rotate-half",
+        "deepseekv2",
+        "deepseekv2-yarn",
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = load_case(&r["cases"][name], tmp.path());
+        assert_cached_equals_full(name, &m.model, &m.tokenizer);
+        // The cache of one row of 5 tokens: the latent and the shared key per layer.
+        let cfg = &m.model.cfg;
+        let mla = cfg.mla.unwrap();
+        let mut cache = KvCache::with_capacity(5);
+        let ids = Tensor::new(&[[5u32, 6, 7, 8, 9]], &Device::Cpu).unwrap();
+        let (pos, bias) =
+            padded_positions_and_bias(&ids.ones_like().unwrap(), &Device::Cpu).unwrap();
+        let d = m.model.for_decoding().unwrap();
+        d.forward_hidden(&ids, &pos, &bias, Some(&mut cache))
+            .unwrap();
+        let per_layer = mla.kv_lora_rank + mla.qk_rope_head_dim;
+        assert_eq!(
+            cache.bytes(),
+            cfg.num_hidden_layers * 5 * per_layer * 4,
+            "{name}"
+        );
+        let per_head = 2 * cfg.num_attention_heads * mla.qk_head_dim();
+        assert!(per_layer < per_head, "{name}: {per_layer} vs {per_head}");
+    }
+    // An adapter on kv_b_proj (PEFT's, `init_lora_weights = false`), not merged.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut m = load_case(&r["cases"]["deepseekv3"], tmp.path());
+    let dir = fixtures().join("peft-moe/deepseekv3-all-linear");
+    grpo_rollout::lora::load_peft(&mut m.model, &dir).unwrap();
+    assert!(m.model.layers.iter().all(|l| l.v_proj.lora.is_some()));
+    assert_cached_equals_full("deepseekv3 + adapter", &m.model, &m.tokenizer);
+    // A bias on kv_b_proj: its key half drops out of the softmax, its value half is added.
+    let mut m = load_case(&r["cases"]["glm4moelite"], tmp.path());
+    for (i, l) in m.model.layers.iter_mut().enumerate() {
+        let n = l.v_proj.weight.dim(0).unwrap();
+        let b: Vec<f32> = (0..n)
+            .map(|j| ((i * 31 + j * 7) % 13) as f32 / 13.0 - 0.5)
+            .collect();
+        l.v_proj.bias = Some(Tensor::from_vec(b, n, &Device::Cpu).unwrap());
+    }
+    assert_cached_equals_full("glm4moelite + kv_b bias", &m.model, &m.tokenizer);
+}
