@@ -82,6 +82,11 @@ Also each variant's config as transformers resolves it (no_rope_layers, layer_ty
   * arch-arcee-micro (ArceeForCausalLM, 2 layers, untied; an MLP without gate, ReLU²): as it
     is, with the MLP's biases, with YaRN.
 
+  * arch-nanochat-micro (NanoChatForCausalLM, 2 layers, untied; weightless norms, q/k normed
+    after RoPE, fc1 → ReLU² → fc2, a norm of the embeddings, the logits capped): without
+    biases, with q/k/v/o biased, the cap at 3 (binding), no cap, with YaRN (its attention
+    factor, which the q/k norms take out again).
+
   * arch-glm4moe-micro (Glm4MoeForCausalLM, 3 layers, the first dense (`first_k_dense_replace`
     1), untied, head_dim 8; 8 experts, 2 per token, one shared expert; the router's
     `e_score_correction_bias` drawn so that it changes which experts are chosen; q/k norms in the
@@ -446,6 +451,20 @@ MODELS = {
             "arcee-yarn": {"mlp_bias": False,
                            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                "original_max_position_embeddings": 64}},
+        },
+    ),
+    "arch-nanochat-micro": (
+        "nanochat",
+        dict(num_hidden_layers=2, tie_word_embeddings=False, attention_bias=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        {
+            "nanochat": {"attention_bias": False},
+            "nanochat-bias": {},
+            "nanochat-cap-3": {"attention_bias": False, "final_logit_softcapping": 3.0},
+            "nanochat-no-cap": {"attention_bias": False, "final_logit_softcapping": None},
+            "nanochat-yarn": {"attention_bias": False,
+                              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 64}},
         },
     ),
 }

@@ -79,6 +79,52 @@ fn graph_check(
     Ok((worst, tol))
 }
 
+/// A sampled generation through the KV cache (eager, no graphs) against the full forward over
+/// prompt + completion: the log-probs of the tokens it chose (the cache pass's layout of its own
+/// — DeepSeek's latent, a sliding window's band, sinks — against the training forward's).
+fn cache_check(
+    model: &Transformer,
+    tokenizer: &grpo_rollout::Tokenizer,
+    prompts: &[Vec<u32>],
+    tol: f64,
+) -> Result<(f64, f64)> {
+    let n = 24;
+    let p = SamplingParams {
+        max_new_tokens: n,
+        min_new_tokens: n,
+        temperature: 1.0,
+        seed: 5,
+        ..SamplingParams::default()
+    };
+    let prompts = &prompts[..prompts.len().min(2)];
+    let graphs = grpo_rollout::graph::enabled(model.device());
+    grpo_rollout::graph::set_enabled(false);
+    let out = grpo_rollout::generate(model, tokenizer, prompts, 1, &p);
+    grpo_rollout::graph::set_enabled(graphs);
+    let out = out?;
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&out)
+        .map(|(p, c)| [p.as_slice(), &c.token_ids].concat())
+        .collect();
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, model.device())?;
+    let full: Vec<Vec<f32>> = model
+        .completion_logprobs(&ids, &mask, n, 1.0, false)?
+        .0
+        .to_dtype(DType::F32)?
+        .to_vec2()?;
+    let mut worst = 0f64;
+    for (c, f) in out.iter().zip(&full) {
+        if c.logprobs.len() != n {
+            anyhow::bail!("{} tokens generated of {n}", c.logprobs.len());
+        }
+        for (a, b) in c.logprobs.iter().zip(f) {
+            worst = worse(worst, f64::from((a - b).abs()));
+        }
+    }
+    Ok((worst, tol))
+}
+
 /// One row of the table.
 #[derive(Debug, Clone)]
 pub struct CheckRow {
@@ -263,8 +309,9 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // gpt-oss's attention sinks, biased experts and clamped SwiGLU beside a sliding layer,
     // GLM-4.5's and DeepSeek-V3's grouped sigmoid routers and shared experts, DeepSeek's latent
     // attention (its values zero-padded: DeepSeek-V3; as wide as the queries: GLM-4.7-Flash).
-    // Log-probs over 100 positions against the CPU, gradient checkpointing, and a generation
-    // with CUDA graphs against one without (a replay makes the window's band on the device,
+    // Log-probs over 100 positions against the CPU, gradient checkpointing, a generation
+    // through the KV cache against the full forward, and one with CUDA graphs against one
+    // without where the steps are captured (a replay makes the window's band on the device,
     // from the cached length).
     let special = Arch::ALL
         .into_iter()
@@ -369,7 +416,14 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             format!("{name} gradient checkpointing vs plain backward over 100 positions"),
             checkpoint_check(&a_dev.model, &long_rows).map(|d| (d, tol)),
         );
-        if !device.is_cpu() {
+        push(
+            format!("{name} generation through the KV cache vs the full forward"),
+            cache_check(&a_dev.model, &a_dev.tokenizer, &rows_ids, tol),
+        );
+        // Experts (their routing read on the host), DeepSeek's latent attention and Gemma 2's
+        // capped scores keep their decode steps eager: no graph to check.
+        let graphed = a_dev.model.for_decoding().map(|d| d.graphable());
+        if !device.is_cpu() && !matches!(graphed, Ok(false)) {
             push(
                 format!("{name} generation past the window, CUDA graphs vs eager"),
                 graph_check(&a_dev.model, &a_dev.tokenizer, &rows_ids, dtype, tol),

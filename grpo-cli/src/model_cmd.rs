@@ -122,7 +122,7 @@ pub struct InitModelArgs {
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, olmo3, phi3, granite, ernie4_5, exaone4,
-    /// glm, glm4, seed_oss, arcee, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, gpt_oss,
+    /// glm, glm4, seed_oss, arcee, nanochat, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, gpt_oss,
     /// glm4_moe, deepseek_v3, glm4_moe_lite or deepseek_v2.
     #[arg(long, default_value = "qwen2")]
     arch: String,

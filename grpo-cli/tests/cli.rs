@@ -372,6 +372,9 @@ fn check_self_test_passes_on_the_cpu() {
             "smollm3 gradient checkpointing",
             "gemma3_text log-probs over 100 positions",
             "olmo2 log-probs over 100 positions",
+            "gemma2 generation through the KV cache vs the full forward",
+            "deepseek_v3 generation through the KV cache vs the full forward",
+            "glm4_moe_lite generation through the KV cache vs the full forward",
         ] {
             assert!(stdout.contains(row), "{dtype}: no `{row}` row in\n{stdout}");
         }

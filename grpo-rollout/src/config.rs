@@ -99,6 +99,13 @@ pub enum Arch {
     /// Arcee AFM (`arcee`, AFM-4.5B): llama's layers with an MLP without gate, `down(act(up))`,
     /// the activation ReLU² (`relu2`).
     Arcee,
+    /// Karpathy's nanochat (`nanochat`, karpathy/nanochat-d32): llama's attention with q and k
+    /// RMS-normalised per head after RoPE, an MLP without gate (`mlp.fc1` → ReLU² → `mlp.fc2`),
+    /// every RMSNorm without weights (the layers', q's and k's, the final one, and one more on
+    /// the embeddings before the first layer), the logits soft-capped (`final_logit_softcapping`,
+    /// default 15).
+    #[serde(rename = "nanochat")]
+    NanoChat,
     /// Zhipu GLM-4.5 / 4.6 (`glm4_moe`, GLM-4.5-Air): q/k/v biased (`attention_bias`), half of
     /// each head rotating (rotate-half pairs), optional per-head q/k norms (`use_qk_norm`), the
     /// first `first_k_dense_replace` layers dense and the others a mixture of experts routed
@@ -145,7 +152,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 27] = [
+    pub const ALL: [Arch; 28] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -173,6 +180,7 @@ impl Arch {
         Arch::DeepseekV3,
         Arch::Glm4MoeLite,
         Arch::DeepseekV2,
+        Arch::NanoChat,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -205,6 +213,7 @@ impl Arch {
             Arch::DeepseekV3 => "deepseek_v3",
             Arch::Glm4MoeLite => "glm4_moe_lite",
             Arch::DeepseekV2 => "deepseek_v2",
+            Arch::NanoChat => "nanochat",
         }
     }
 
@@ -315,9 +324,31 @@ impl Arch {
         )
     }
 
-    /// Whether the MLP has a gate (`down(act(gate) · up)`); Arcee's is `down(act(up))`.
+    /// Whether the MLP has a gate (`down(act(gate) · up)`); Arcee's and nanochat's are
+    /// `down(act(up))`.
     pub fn gated_mlp(self) -> bool {
-        self != Arch::Arcee
+        !matches!(self, Arch::Arcee | Arch::NanoChat)
+    }
+
+    /// Whether RoPE turns each position by −θ (nanochat's `rotate_half` returns `(x2, −x1)`,
+    /// the other families' `(−x2, x1)`).
+    pub fn inverse_rope(self) -> bool {
+        self == Arch::NanoChat
+    }
+
+    /// Whether every RMSNorm is without weights (nanochat's: `x / rms(x)`, nothing stored,
+    /// nothing trained).
+    pub fn weightless_norms(self) -> bool {
+        self == Arch::NanoChat
+    }
+
+    /// The dense MLP's up and down maps' names in the checkpoint (`up_proj` / `down_proj`;
+    /// nanochat's `fc1` / `fc2`).
+    pub fn mlp_names(self) -> [&'static str; 2] {
+        match self {
+            Arch::NanoChat => ["fc1", "fc2"],
+            _ => ["up_proj", "down_proj"],
+        }
     }
 
     /// Whether the layers are llama's: q/k rows permuted in llama.cpp's files, and
@@ -362,7 +393,10 @@ impl Arch {
     /// Whether q and k are RMS-normalised per head (`head_dim` weights: Qwen3, Gemma 3,
     /// EXAONE 4), not over all heads (OLMo 2, OLMoE).
     pub fn head_qk_norm(self) -> bool {
-        matches!(self.attention(), Arch::Qwen3 | Arch::Gemma3 | Arch::Exaone4)
+        matches!(
+            self.attention(),
+            Arch::Qwen3 | Arch::Gemma3 | Arch::Exaone4 | Arch::NanoChat
+        )
     }
 
     /// Whether `attention_bias` also biases `o_proj` (Qwen's and Phi-3's leave it unbiased).
@@ -380,6 +414,7 @@ impl Arch {
                     | Arch::DeepseekV3
                     | Arch::Glm4MoeLite
                     | Arch::DeepseekV2
+                    | Arch::NanoChat
             )
     }
 
@@ -431,11 +466,12 @@ impl Arch {
             "deepseek_v3" => Ok(Arch::DeepseekV3),
             "glm4_moe_lite" => Ok(Arch::Glm4MoeLite),
             "deepseek_v2" => Ok(Arch::DeepseekV2),
+            "nanochat" => Ok(Arch::NanoChat),
             "gemma3" => bail!(
                 "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
             ),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat"
             ),
         }
     }
@@ -1485,6 +1521,7 @@ impl ModelConfig {
                 | Arch::GraniteMoe
                 | Arch::Exaone4 => 2048,
                 Arch::Arcee => 4096,
+                Arch::NanoChat => 2048,
                 Arch::Phi3 | Arch::Olmoe => 4096,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
@@ -1566,7 +1603,7 @@ impl ModelConfig {
                 limit: num("swiglu_limit", 7.0)?,
             },
             None if arch.gemma() => Activation::GeluPytorchTanh,
-            None if arch == Arch::Arcee => Activation::Relu2,
+            None if matches!(arch, Arch::Arcee | Arch::NanoChat) => Activation::Relu2,
             None | Some("silu" | "swish") => Activation::Silu,
             Some("gelu_pytorch_tanh") => Activation::GeluPytorchTanh,
             Some("relu2") => Activation::Relu2,
@@ -1574,23 +1611,30 @@ impl ModelConfig {
                 "{act_key} `{act}` is not supported (the MLP takes silu, gelu_pytorch_tanh or relu2)"
             ),
         };
-        // Gemma 2's soft-capping (transformers' defaults 50 and 30; null switches it off);
-        // elsewhere refused by name.
+        // Gemma 2's soft-capping (transformers' defaults 50 and 30; null switches it off),
+        // nanochat's of the logits (default 15); elsewhere refused by name.
         let softcap = |k: &str, default: f64| -> Result<Option<f64>> {
-            match (arch, v.get(k)) {
-                (Arch::Gemma2, None) => Ok(Some(default)),
+            let capped =
+                arch == Arch::Gemma2 || (arch == Arch::NanoChat && k == "final_logit_softcapping");
+            match (capped, v.get(k)) {
+                (true, None) => Ok(Some(default)),
                 (_, None | Some(Value::Null)) => Ok(None),
-                (Arch::Gemma2, Some(x)) => match x.as_f64().filter(|c| *c > 0.0) {
+                (true, Some(x)) => match x.as_f64().filter(|c| *c > 0.0) {
                     Some(c) => Ok(Some(c)),
                     None => bail!("field `{k}` must be a positive number or null, not {x}"),
                 },
                 (_, Some(x)) => {
-                    bail!("{k} = {x} is not supported for {model_type} (Gemma 2's soft-capping)")
+                    bail!(
+                        "{k} = {x} is not supported for {model_type} (Gemma 2's and nanochat's soft-capping)"
+                    )
                 }
             }
         };
         let attn_logit_softcapping = softcap("attn_logit_softcapping", 50.0)?;
-        let final_logit_softcapping = softcap("final_logit_softcapping", 30.0)?;
+        let final_logit_softcapping = softcap(
+            "final_logit_softcapping",
+            if arch == Arch::NanoChat { 15.0 } else { 30.0 },
+        )?;
         if let Some(c) = v.get("clip_qkv").filter(|c| !c.is_null()) {
             bail!("clip_qkv = {c} is not supported (only null: q, k and v unclipped)");
         }
@@ -1802,7 +1846,8 @@ impl ModelConfig {
                 | Arch::Glm4Moe
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
-                | Arch::DeepseekV2 => flag("attention_bias", false),
+                | Arch::DeepseekV2
+                | Arch::NanoChat => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -1992,6 +2037,7 @@ impl ModelConfig {
                     Arch::DeepseekV3 => "DeepseekV3",
                     Arch::Glm4MoeLite => "Glm4MoeLite",
                     Arch::DeepseekV2 => "DeepseekV2",
+                    Arch::NanoChat => "NanoChat",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -2054,6 +2100,7 @@ impl ModelConfig {
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
+                | Arch::NanoChat
         ) {
             obj.insert("attention_bias".into(), self.attention_bias.into());
         }
@@ -2128,6 +2175,12 @@ impl ModelConfig {
                     "full_attention": full,
                     "sliding_attention": {"rope_type": "default", "rope_theta": local},
                 }),
+            );
+        }
+        if self.arch == Arch::NanoChat {
+            obj.insert(
+                "final_logit_softcapping".into(),
+                self.final_logit_softcapping.into(),
             );
         }
         if self.arch == Arch::Gemma2 {
@@ -2339,7 +2392,15 @@ impl ModelConfig {
         if self.arch.attention_sinks() {
             layer += self.num_attention_heads;
         }
-        let mut n = self.vocab_size * h + self.num_hidden_layers * layer + h;
+        // nanochat's norms hold no weights: the pre-norms', q's and k's, the final one.
+        let final_norm = match self.arch.weightless_norms() {
+            true => {
+                layer -= 2 * h + 2 * self.head_dim;
+                0
+            }
+            false => h,
+        };
+        let mut n = self.vocab_size * h + self.num_hidden_layers * layer + final_norm;
         // An MoE layer's router and experts in place of the dense MLP.
         if let Some(m) = &self.moe {
             let sparse = (0..self.num_hidden_layers).filter(|i| m.sparse(*i)).count();

@@ -1629,6 +1629,11 @@ pub fn save_gguf(
             cfg.arch.as_str()
         );
     }
+    if cfg.arch == Arch::NanoChat {
+        bail!(
+            "nanochat has no GGUF form (llama.cpp has no architecture with its weightless norms, its norm of the embeddings and its q/k norms after RoPE): export it as safetensors"
+        );
+    }
     if cfg.arch == Arch::Glm4Moe {
         bail!(
             "glm4_moe has no GGUF form here (llama.cpp's glm4moe, with its next-token-prediction layer and biased sigmoid router, is not checked against transformers'): export it as safetensors"

@@ -230,7 +230,7 @@ pub fn preset_config(
         // sliding layers (every layer but each 6th: here all of them, with a window of 4096).
         activation: match arch {
             Arch::Gemma2 | Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
-            Arch::Arcee => crate::config::Activation::Relu2,
+            Arch::Arcee | Arch::NanoChat => crate::config::Activation::Relu2,
             Arch::GptOss => crate::config::Activation::ClampedSwiglu {
                 alpha: 1.702,
                 limit: 7.0,
@@ -247,7 +247,12 @@ pub fn preset_config(
         },
         // Gemma 2's soft caps (transformers' defaults).
         attn_logit_softcapping: (arch == Arch::Gemma2).then_some(50.0),
-        final_logit_softcapping: (arch == Arch::Gemma2).then_some(30.0),
+        // nanochat's cap on the logits (transformers' default).
+        final_logit_softcapping: match arch {
+            Arch::Gemma2 => Some(30.0),
+            Arch::NanoChat => Some(15.0),
+            _ => None,
+        },
         // Four experts, two per token (the tiny Qwen3-MoE: a dense second layer too); Qwen2-MoE's
         // shared expert.
         moe: arch.moe().then(|| crate::config::MoeConfig {
@@ -485,13 +490,10 @@ pub fn random_weights(
                 }
             }
             None => {
-                // Arcee's MLP has no gate.
+                // Arcee's and nanochat's MLPs have no gate.
                 let gated = cfg.arch.gated_mlp();
-                let maps = [
-                    ("gate_proj", im, h),
-                    ("up_proj", im, h),
-                    ("down_proj", h, im),
-                ];
+                let [up, down] = cfg.arch.mlp_names();
+                let maps = [("gate_proj", im, h), (up, im, h), (down, h, im)];
                 for (n, o, i) in maps.into_iter().filter(|m| gated || m.0 != "gate_proj") {
                     shapes.push((format!("{p}.mlp.{n}.weight"), vec![o, i], false));
                     if cfg.mlp_bias {
@@ -506,6 +508,10 @@ pub fn random_weights(
         shapes.push(("score.weight".into(), vec![1, h], false));
     } else if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
+    }
+    // nanochat's norms hold no weights.
+    if cfg.arch.weightless_norms() {
+        shapes.retain(|(name, _, _)| !name.ends_with("norm.weight"));
     }
     // Norms scale by 1 (Gemma's store `1 + w` as `w`: 0).
     let unit = if cfg.unit_offset_norms() { 0.0 } else { 1.0 };

@@ -111,6 +111,24 @@ const GLM: [Module; 6] = [
     PHI3[3],
 ];
 
+/// nanochat's: q, k, v, o, and its MLP's `fc1` / `fc2` in the up and down slots (no gate).
+const NANOCHAT: [Module; 6] = [
+    SEPARATE[0],
+    SEPARATE[1],
+    SEPARATE[2],
+    SEPARATE[3],
+    Module {
+        group: "mlp",
+        name: "fc1",
+        parts: &[("fc1", 5)],
+    },
+    Module {
+        group: "mlp",
+        name: "fc2",
+        parts: &[("fc2", 6)],
+    },
+];
+
 /// DeepSeek's latent attention ([`crate::mla`]): the q slot's `q_proj`, its latent's
 /// `kv_a_proj_with_mqa` and `kv_b_proj` in the k and v slots (`q_a_proj`, beside the slots, is
 /// adapted as a module of its own).
@@ -155,6 +173,7 @@ pub fn modules(cfg: &crate::config::ModelConfig) -> &'static [Module] {
         (_, Some(m)) if m.q_lora_rank.is_some() => &MLA_QB,
         (_, Some(_)) => &MLA_Q,
         (crate::config::Arch::Phi3, _) => &PHI3,
+        (crate::config::Arch::NanoChat, _) => &NANOCHAT,
         (a, _) if a.glm() => &GLM,
         _ => &SEPARATE,
     }
@@ -346,6 +365,7 @@ impl Matcher {
                     .chain(&FUSED_MODULES)
                     .chain(&[SHARED_EXPERT_GATE])
                     .chain(&MLA_MODULES)
+                    .chain(&["fc1", "fc2"])
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -382,8 +402,8 @@ pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 /// Module names `target_modules` may hold beside [`TARGET_MODULES`]: Qwen2-MoE's
 /// [`SHARED_EXPERT_GATE`]; the router `gate` and Mixtral's `w1`, `w3`, `w2`, which PEFT turns
 /// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
-/// ([`crate::mla`]).
-const EXTRA_MODULES: [&str; 9] = [
+/// ([`crate::mla`]); nanochat's MLP maps `fc1` and `fc2`.
+const EXTRA_MODULES: [&str; 11] = [
     SHARED_EXPERT_GATE,
     "gate",
     "w1",
@@ -393,6 +413,8 @@ const EXTRA_MODULES: [&str; 9] = [
     MLA_MODULES[1],
     MLA_MODULES[2],
     MLA_MODULES[3],
+    "fc1",
+    "fc2",
 ];
 
 /// DeepSeek's latent attention's linear maps (beside `q_proj` and `o_proj`).
@@ -1481,6 +1503,18 @@ fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
         }
         if arch.glm() && last == "gate_up_proj" {
             continue;
+        }
+        let nanochat = arch == crate::config::Arch::NanoChat;
+        if nanochat && ["gate_proj", "up_proj", "down_proj"].contains(&last) {
+            bail!(
+                "lora.target_modules: `{m}`: nanochat's MLP is `fc1` → ReLU² → `fc2` (no gate): name q_proj, k_proj, v_proj, o_proj, fc1, fc2, or \"{ALL_LINEAR}\""
+            );
+        }
+        if !nanochat && ["fc1", "fc2"].contains(&last) {
+            bail!(
+                "lora.target_modules: `{m}`: only nanochat names its MLP fc1 / fc2; {} has {TARGET_MODULES:?}",
+                arch.as_str()
+            );
         }
         if !phi3 && FUSED_MODULES.contains(&last) {
             bail!(

@@ -1410,8 +1410,13 @@ pub fn rope_inv_freq(cfg: &ModelConfig) -> Vec<f64> {
     inv
 }
 
-/// The factor on RoPE's cos and sin (YaRN's attention factor; 1 otherwise).
+/// The factor on RoPE's cos and sin (YaRN's attention factor; 1 otherwise). nanochat normalises
+/// q and k after rotating them, which takes the factor out again: 1 there (its q and k norms
+/// run before RoPE here, the same up to the norm's epsilon).
 pub fn rope_attention_factor(cfg: &ModelConfig) -> f64 {
+    if cfg.arch.weightless_norms() {
+        return 1.0;
+    }
     match &cfg.rope_scaling {
         Some(crate::config::RopeScaling::Yarn(y)) => y.attention_factor,
         Some(crate::config::RopeScaling::LongRope(l)) => l.attention_factor,
@@ -1431,9 +1436,14 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
         .reshape((pos.elem_count(), 1))?
         .broadcast_mul(&inv)?;
     let scale = rope_attention_factor(cfg) as f32 as f64;
+    // nanochat's `rotate_half` flips the signs (`(x2, −x1)`): every position turns by −θ.
+    let turn = match cfg.arch.inverse_rope() {
+        true => -scale,
+        false => scale,
+    };
     let (cos, sin) = (
         angle.cos()?.affine(scale, 0.0)?,
-        angle.sin()?.affine(scale, 0.0)?,
+        angle.sin()?.affine(turn, 0.0)?,
     );
     // The pairs that do not rotate (partial rotary) pass unscaled: cos 1, sin 0.
     let turning = cfg.rotary_dim() / 2;
@@ -1610,9 +1620,14 @@ impl Transformer {
                 weight_t: None,
             })
         };
+        // nanochat's norms hold no weights: a constant scale of ones, neither read, saved nor
+        // trained.
         let norm = |name: &str, n: usize| -> Result<RmsNorm> {
             Ok(RmsNorm {
-                weight: get(name, &[n])?,
+                weight: match cfg.arch.weightless_norms() {
+                    true => Tensor::ones(n, dtype, device)?,
+                    false => get(name, &[n])?,
+                },
                 eps: cfg.rms_norm_eps,
                 unit_offset: cfg.unit_offset_norms(),
                 identity: false,
@@ -1806,8 +1821,8 @@ impl Transformer {
                 activation: cfg.activation,
                 residual_scale: cfg.granite.map(|g| g.residual_multiplier),
                 gate_proj: dense("gate_proj", im, h)?,
-                up_proj: dense("up_proj", im, h)?,
-                down_proj: dense("down_proj", h, im)?,
+                up_proj: dense(cfg.arch.mlp_names()[0], im, h)?,
+                down_proj: dense(cfg.arch.mlp_names()[1], h, im)?,
                 qkv: None,
                 gate_up: None,
                 moe,
@@ -1933,8 +1948,9 @@ impl Transformer {
                 if !layer.gate_proj.is_absent() {
                     lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
                 }
-                lin(&mut out, format!("{p}.mlp.up_proj"), &layer.up_proj);
-                lin(&mut out, format!("{p}.mlp.down_proj"), &layer.down_proj);
+                let [up, down] = self.cfg.arch.mlp_names();
+                lin(&mut out, format!("{p}.mlp.{up}"), &layer.up_proj);
+                lin(&mut out, format!("{p}.mlp.{down}"), &layer.down_proj);
                 continue;
             };
             let names = MoeNames::of(self.cfg.arch);
@@ -1971,6 +1987,10 @@ impl Transformer {
         }
         if let Some(s) = &self.score {
             out.push(("score.weight".to_string(), s.clone()));
+        }
+        // nanochat's norms are constants of ones, not weights.
+        if self.cfg.arch.weightless_norms() {
+            out.retain(|(n, _)| !n.ends_with("norm.weight"));
         }
         out
     }
@@ -2379,7 +2399,7 @@ impl Transformer {
     /// takes the one-kernel cache pass (packed q/k/v), whose launch reads the cached length
     /// from the device, and no layer routes through experts (which reads the routing on the
     /// host).
-    pub(crate) fn graphable(&self) -> bool {
+    pub fn graphable(&self) -> bool {
         self.cfg.attn_logit_softcapping.is_none()
             && self.layers.iter().all(|l| {
                 l.moe.is_none()
@@ -2569,6 +2589,11 @@ impl Transformer {
         if x.dtype() != dtype {
             // A tied head cast to f32 (`cast_head_to_f32`): lookups keep the model's dtype.
             x = x.to_dtype(dtype)?;
+        }
+        if cfg.arch.weightless_norms() {
+            // nanochat normalises the embeddings before the first layer (its final norm: no
+            // weights).
+            x = self.norm.forward(&x)?;
         }
         if let Kv::Cache(cache) = &mut kv {
             // A pass over a KV cache has no graph: each residual add runs with the norm after it.

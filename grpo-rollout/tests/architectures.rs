@@ -84,7 +84,7 @@ fn want(case: &Value) -> Vec<f64> {
 fn logprobs_match_transformers_for_each_variant() {
     let r = reference();
     let cases = r["cases"].as_object().unwrap();
-    assert!(cases.len() >= 83);
+    assert!(cases.len() >= 88);
     for (name, case) in cases {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(case, tmp.path());
@@ -180,6 +180,10 @@ fn logprobs_match_transformers_for_each_variant() {
     assert!(d("seedoss-no-bias", "seedoss") > 0.05);
     assert!(d("arcee-mlp-bias", "arcee") > 0.05);
     assert!(d("arcee-yarn", "arcee") > 0.05);
+    assert!(d("nanochat-bias", "nanochat") > 0.05);
+    assert!(d("nanochat-cap-3", "nanochat") > 0.05);
+    assert!(d("nanochat-no-cap", "nanochat") > 1e-3);
+    assert!(d("nanochat-yarn", "nanochat") > 0.05);
 }
 
 /// Gemma 3's pieces each matter, so the match above sees them: the local RoPE base, the
@@ -261,6 +265,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         "glm4-three-quarters",
         "olmo3",
         "arcee-mlp-bias",
+        "nanochat-bias",
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
@@ -1530,4 +1535,135 @@ fn latent_attention_decodes_over_a_latent_cache() {
         l.v_proj.bias = Some(Tensor::from_vec(b, n, &Device::Cpu).unwrap());
     }
     assert_cached_equals_full("glm4moelite + kv_b bias", &m.model, &m.tokenizer);
+}
+
+/// nanochat: its norms hold no weights (none read, saved or trained: the saved model has the
+/// file's tensors and no more), its MLP's `fc1` / `fc2` are PEFT's module names (`"all-linear"`
+/// saved as q, k, v, o, fc1, fc2; `up_proj` refused by name), and it has no GGUF form.
+#[test]
+fn nanochat_names_and_refusals() {
+    use grpo_rollout::lora::{LoraConfig, TargetModules};
+    use grpo_rollout::policy::TrainableModel;
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["nanochat-bias"], tmp.path());
+    let names: Vec<String> = m.model.weights().into_iter().map(|(n, _)| n).collect();
+    assert!(names.iter().all(|n| !n.contains("norm")), "{names:?}");
+    assert!(names.contains(&"model.layers.1.mlp.fc2.weight".to_string()));
+    assert_eq!(
+        m.model.cfg.num_parameters(),
+        m.model
+            .weights()
+            .iter()
+            .map(|(_, t)| t.elem_count())
+            .sum::<usize>()
+    );
+    // Full fine-tuning trains the file's tensors only.
+    let full = TrainableModel::full(&m.model).unwrap();
+    assert_eq!(full.vars.len(), names.len());
+    let out = tmp.path().join("saved");
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+    let file = candle_core::safetensors::load(out.join("model.safetensors"), &Device::Cpu).unwrap();
+    let src = candle_core::safetensors::load(
+        fixtures().join("arch-nanochat-micro/model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut a: Vec<&String> = file.keys().collect();
+    let mut b: Vec<&String> = src.keys().collect();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b);
+    let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(logprobs(&back.model, &r), logprobs(&m.model, &r));
+    // LoRA: PEFT's names.
+    let cfg = LoraConfig {
+        target_modules: TargetModules::Pattern("all-linear".into()),
+        ..Default::default()
+    };
+    let mut model = m.model.clone();
+    grpo_rollout::lora::attach(&mut model, &cfg, 0).unwrap();
+    let adapter = tmp.path().join("adapter");
+    grpo_rollout::lora::save_peft(&model, &cfg, &adapter, "base").unwrap();
+    let saved: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    let targets: Vec<&str> = saved["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        targets,
+        ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
+    );
+    let keys =
+        candle_core::safetensors::load(adapter.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    assert!(
+        keys.contains_key("base_model.model.model.layers.0.mlp.fc1.lora_A.weight"),
+        "{:?}",
+        keys.keys()
+    );
+    let mut back = m.model.clone();
+    grpo_rollout::lora::load_peft(&mut back, &adapter).unwrap();
+    assert!(back.layers[1].up_proj.lora.is_some() && back.layers[1].down_proj.lora.is_some());
+    let named = LoraConfig {
+        target_modules: TargetModules::Names(vec!["fc1".into(), "q_proj".into()]),
+        ..Default::default()
+    };
+    let mut model = m.model.clone();
+    grpo_rollout::lora::attach(&mut model, &named, 0).unwrap();
+    assert!(model.layers[0].up_proj.lora.is_some() && model.layers[0].down_proj.lora.is_none());
+    let wrong = LoraConfig {
+        target_modules: TargetModules::Names(vec!["up_proj".into()]),
+        ..Default::default()
+    };
+    let e = grpo_rollout::lora::attach(&mut m.model.clone(), &wrong, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("nanochat's MLP is `fc1`"), "{e}");
+    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
+    assert!(e.contains("nanochat has no GGUF form"), "{e}");
+}
+
+/// PEFT's `"all-linear"` adapter on nanochat (q, k, v, o, fc1, fc2, every factor drawn:
+/// `scripts/gen_nanochat_peft_reference.py`): loaded, the adapted log-probs equal PEFT's, far
+/// from the base's; merged, `merge_and_unload()`'s.
+#[test]
+fn nanochat_peft_adapter_matches_peft() {
+    let r = reference();
+    let want: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("nanochat_peft_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let flat = |k: &str| -> Vec<f64> {
+        serde_json::from_value::<Vec<Vec<f64>>>(want[k].clone())
+            .unwrap()
+            .concat()
+    };
+    let base = grpo_rollout::load(
+        &fixtures().join("arch-nanochat-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut m = base.model.clone();
+    grpo_rollout::lora::load_peft(&mut m, &fixtures().join("peft-nanochat")).unwrap();
+    assert!(
+        m.layers
+            .iter()
+            .all(|l| l.up_proj.lora.is_some() && l.down_proj.lora.is_some())
+    );
+    let lp = |m: &grpo_rollout::Transformer| -> Vec<f64> {
+        logprobs(m, &r).iter().map(|x| *x as f64).collect()
+    };
+    let d = max_diff(&lp(&m), &flat("adapted"));
+    assert!(d < 2e-5, "adapted: {d}");
+    assert!(max_diff(&lp(&base.model), &flat("adapted")) > 1e-2);
+    let merged = grpo_rollout::lora::merge(&m).unwrap();
+    let d = max_diff(&lp(&merged), &flat("merged"));
+    assert!(d < 2e-5, "merged: {d}");
 }
