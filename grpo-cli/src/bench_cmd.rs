@@ -224,6 +224,9 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             "decode_sample_ms": breakdown.map(|b| b.sample_ms),
             // Decode steps captured as CUDA graphs (0: every step ran eagerly).
             "decode_graphs": grpo_rollout::graph::captures(),
+            // The KV cache's bytes per token of one row (all layers).
+            "kv_cache_bytes_per_token": m.model.cfg.kv_cache_values_per_token()
+                * m.model.dtype().size_in_bytes(),
             "fwd_bwd_s_median": fb,
             "fwd_s_median": median(fwd_s),
             "bwd_s_median": median(bwd_s),

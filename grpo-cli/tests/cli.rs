@@ -246,6 +246,8 @@ fn bench_model_reports_prefill_decode_and_learner_rates() {
         assert!(f(issue) > 0.0 && f(issue) <= f(pass), "{issue}: {v}");
     }
     assert_eq!(v["decode_graphs"], 0, "{v}");
+    // The tiny preset: 2 layers × 2 KV heads × (key + value) × 16 wide, f32.
+    assert_eq!(v["kv_cache_bytes_per_token"], 2 * 2 * 2 * 16 * 4, "{v}");
     // The layers timed one by one, in seconds like the passes: the same order of magnitude as
     // the pass (a unit slip would be 1,000×). Not closer: these are millisecond timings of a
     // tiny model while other tests run on the same two cores (a CI run once saw the layers at

@@ -2336,6 +2336,18 @@ impl ModelConfig {
         self.arch.head_qk_norm() || self.use_qk_norm
     }
 
+    /// Values the generation KV cache holds per token, over all layers: each KV head's key and
+    /// value, or DeepSeek's latent and shared rotated key (`kv_lora_rank + qk_rope_head_dim`
+    /// per layer: [`crate::mla::Mla::cached_attention`]). Times the dtype's size: the cache's
+    /// bytes per token of each row.
+    pub fn kv_cache_values_per_token(&self) -> usize {
+        let per_layer = match &self.mla {
+            Some(m) => m.kv_lora_rank + m.qk_rope_head_dim,
+            None => 2 * self.num_key_value_heads * self.head_dim,
+        };
+        self.num_hidden_layers * per_layer
+    }
+
     /// Number of parameters (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;

@@ -1205,31 +1205,37 @@ fn arcee_gguf_round_trips_and_refuses_what_llama_cpp_lacks() {
     );
 }
 
-/// `"all-linear"` is saved as PEFT saves it: the names of the modules it matched, so Arcee's
-/// adapter config names no `gate_proj` (its MLP has none), and a reload adapts the same maps.
-#[test]
-fn all_linear_is_saved_as_the_modules_it_matched() {
+/// `model` with fresh `"all-linear"` adapters saved to `dir` in PEFT's format: the
+/// `target_modules` the saved config names.
+fn all_linear_saved(model: &grpo_rollout::Transformer, dir: &Path) -> Vec<String> {
     use grpo_rollout::lora::{LoraConfig, TargetModules};
-    let r = reference();
-    let tmp = tempfile::tempdir().unwrap();
-    let m = load_case(&r["cases"]["arcee"], tmp.path());
     let cfg = LoraConfig {
         target_modules: TargetModules::Pattern("all-linear".into()),
         ..Default::default()
     };
-    let mut model = m.model.clone();
+    let mut model = model.clone();
     grpo_rollout::lora::attach(&mut model, &cfg, 0).unwrap();
-    let out = tmp.path().join("adapter");
-    grpo_rollout::lora::save_peft(&model, &cfg, &out, "base").unwrap();
+    grpo_rollout::lora::save_peft(&model, &cfg, dir, "base").unwrap();
     let saved: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+        serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap())
             .unwrap();
-    let names: Vec<&str> = saved["target_modules"]
+    saved["target_modules"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `"all-linear"` is saved as PEFT saves it: the names of the modules it matched, so Arcee's
+/// adapter config names no `gate_proj` (its MLP has none), and a reload adapts the same maps.
+#[test]
+fn all_linear_is_saved_as_the_modules_it_matched() {
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["arcee"], tmp.path());
+    let out = tmp.path().join("adapter");
+    let names = all_linear_saved(&m.model, &out);
     assert_eq!(
         names,
         [
@@ -1515,6 +1521,7 @@ fn latent_attention_decodes_over_a_latent_cache() {
             cfg.num_hidden_layers * 5 * per_layer * 4,
             "{name}"
         );
+        assert_eq!(cache.bytes(), cfg.kv_cache_values_per_token() * 5 * 4);
         let per_head = 2 * cfg.num_attention_heads * mla.qk_head_dim();
         assert!(per_layer < per_head, "{name}: {per_layer} vs {per_head}");
     }
@@ -1577,24 +1584,8 @@ fn nanochat_names_and_refusals() {
     let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(logprobs(&back.model, &r), logprobs(&m.model, &r));
     // LoRA: PEFT's names.
-    let cfg = LoraConfig {
-        target_modules: TargetModules::Pattern("all-linear".into()),
-        ..Default::default()
-    };
-    let mut model = m.model.clone();
-    grpo_rollout::lora::attach(&mut model, &cfg, 0).unwrap();
     let adapter = tmp.path().join("adapter");
-    grpo_rollout::lora::save_peft(&model, &cfg, &adapter, "base").unwrap();
-    let saved: Value = serde_json::from_str(
-        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
-    )
-    .unwrap();
-    let targets: Vec<&str> = saved["target_modules"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
+    let targets = all_linear_saved(&m.model, &adapter);
     assert_eq!(
         targets,
         ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
