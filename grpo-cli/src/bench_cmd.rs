@@ -225,7 +225,10 @@ pub fn bench_model(a: BenchModelArgs) -> Result<()> {
             // Decode steps captured as CUDA graphs (0: every step ran eagerly).
             "decode_graphs": grpo_rollout::graph::captures(),
             // The KV cache's bytes per token of one row (all layers).
-            "kv_cache_bytes_per_token": m.model.cfg.kv_cache_values_per_token()
+            "kv_cache_bytes_per_token": m
+                .model
+                .cfg
+                .kv_cache_values_per_token(grpo_rollout::mla::latent_cache(&device))
                 * m.model.dtype().size_in_bytes(),
             "fwd_bwd_s_median": fb,
             "fwd_s_median": median(fwd_s),

@@ -416,10 +416,28 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             format!("{name} gradient checkpointing vs plain backward over 100 positions"),
             checkpoint_check(&a_dev.model, &long_rows).map(|d| (d, tol)),
         );
-        push(
-            format!("{name} generation through the KV cache vs the full forward"),
-            cache_check(&a_dev.model, &a_dev.tokenizer, &rows_ids, tol),
-        );
+        // DeepSeek's latent attention: its cache in both forms (the latent, each head's keys and
+        // values), whatever the device's default.
+        let forms: &[Option<(bool, &str)>] = match a_dev.model.cfg.mla {
+            Some(_) => &[
+                Some((true, " (the latent)")),
+                Some((false, " (each head's)")),
+            ],
+            None => &[None],
+        };
+        for form in forms {
+            let run = || cache_check(&a_dev.model, &a_dev.tokenizer, &rows_ids, tol);
+            push(
+                format!(
+                    "{name} generation through the KV cache{} vs the full forward",
+                    form.map_or("", |f| f.1)
+                ),
+                match form {
+                    Some((latent, _)) => grpo_rollout::mla::with_latent_cache(*latent, run),
+                    None => run(),
+                },
+            );
+        }
         // Experts (their routing read on the host), DeepSeek's latent attention and Gemma 2's
         // capped scores keep their decode steps eager: no graph to check.
         let graphed = a_dev.model.for_decoding().map(|d| d.graphable());

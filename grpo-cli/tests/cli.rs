@@ -375,8 +375,8 @@ fn check_self_test_passes_on_the_cpu() {
             "gemma3_text log-probs over 100 positions",
             "olmo2 log-probs over 100 positions",
             "gemma2 generation through the KV cache vs the full forward",
-            "deepseek_v3 generation through the KV cache vs the full forward",
-            "glm4_moe_lite generation through the KV cache vs the full forward",
+            "deepseek_v3 generation through the KV cache (the latent) vs the full forward",
+            "glm4_moe_lite generation through the KV cache (each head's) vs the full forward",
         ] {
             assert!(stdout.contains(row), "{dtype}: no `{row}` row in\n{stdout}");
         }

@@ -2337,13 +2337,13 @@ impl ModelConfig {
     }
 
     /// Values the generation KV cache holds per token, over all layers: each KV head's key and
-    /// value, or DeepSeek's latent and shared rotated key (`kv_lora_rank + qk_rope_head_dim`
-    /// per layer: [`crate::mla::Mla::cached_attention`]). Times the dtype's size: the cache's
-    /// bytes per token of each row.
-    pub fn kv_cache_values_per_token(&self) -> usize {
+    /// value, or with `latent` DeepSeek's latent and shared rotated key (`kv_lora_rank +
+    /// qk_rope_head_dim` per layer: [`crate::mla::latent_cache`]). Times the dtype's size: the
+    /// cache's bytes per token of each row.
+    pub fn kv_cache_values_per_token(&self, latent: bool) -> usize {
         let per_layer = match &self.mla {
-            Some(m) => m.kv_lora_rank + m.qk_rope_head_dim,
-            None => 2 * self.num_key_value_heads * self.head_dim,
+            Some(m) if latent => m.kv_lora_rank + m.qk_rope_head_dim,
+            _ => 2 * self.num_key_value_heads * self.head_dim,
         };
         self.num_hidden_layers * per_layer
     }

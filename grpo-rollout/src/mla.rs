@@ -21,6 +21,42 @@ use candle_core::{Result, Tensor};
 use crate::config::MlaConfig;
 use crate::model::{Linear, RmsNorm};
 
+/// Whether a KV cache on `device` holds DeepSeek's latent ([`Mla::cached_attention`]) or each
+/// head's key and value (as the training forward makes them). The latent is 10-85× smaller and,
+/// a decode step being bound by reading on a GPU, the faster there; its attention does ~2.25×
+/// the products (GLM-4.7-Flash: 576-wide keys and values against 256), which bind on the CPU.
+/// So: the latent on a GPU, each head's on the CPU; `GRPO_MLA_CACHE=latent|heads` sets it for
+/// the process, [`with_latent_cache`] for a thread.
+pub fn latent_cache(device: &candle_core::Device) -> bool {
+    if let Some(on) = LATENT.with(|c| c.get()) {
+        return on;
+    }
+    static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| match std::env::var("GRPO_MLA_CACHE").as_deref() {
+        Ok("latent") => Some(true),
+        Ok("heads") => Some(false),
+        _ => None,
+    });
+    env.unwrap_or(!device.is_cpu())
+}
+
+thread_local! {
+    static LATENT: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`latent_cache`] answering `on` on this thread (tests, `grpo-cli check`).
+pub fn with_latent_cache<T>(on: bool, f: impl FnOnce() -> T) -> T {
+    let prev = LATENT.with(|c| c.replace(Some(on)));
+    let out = f();
+    LATENT.with(|c| c.set(prev));
+    out
+}
+
+/// Most new positions of a pass over an empty KV cache that attend in the latent's space; a
+/// longer one (a prefill) attends with each head's keys and values
+/// ([`Mla::cached_attention`]).
+pub const EXPANDED_PREFILL_ROWS: usize = 16;
+
 /// The epsilon of `q_a_layernorm` and `kv_a_layernorm`: transformers builds them with its
 /// RMSNorm's default, whatever the config's `rms_norm_eps` (GLM-4.7-Flash's 1e-5).
 pub const NORM_EPS: f64 = 1e-6;
@@ -99,6 +135,26 @@ impl Mla {
         }
     }
 
+    /// The query rows `(B·L, heads · (qk_nope_head_dim + qk_rope_head_dim))` of normalised rows
+    /// `h`, each head `[nope | rope]` as transformers lays it out.
+    fn queries(&self, q: &Linear, h: &Tensor) -> Result<Tensor> {
+        match &self.q_a {
+            Some((a, norm)) => q.forward(&norm.forward(&a.forward(h)?)?),
+            None => q.forward(h),
+        }
+    }
+
+    /// The normalised latent `(B·L, kv_lora_rank)` and the shared key's rotated part, not yet
+    /// rotated, `(B·L, qk_rope_head_dim)`, of normalised rows `h`.
+    fn latent(&self, kv_a: &Linear, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        let m = &self.cfg;
+        let kv = kv_a.forward(h)?;
+        let latent = self
+            .kv_a_norm
+            .forward(&kv.narrow(1, 0, m.kv_lora_rank)?.contiguous()?)?;
+        Ok((latent, kv.narrow(1, m.kv_lora_rank, m.qk_rope_head_dim)?))
+    }
+
     /// q `(B, L, heads, D)`, k and v `(B, L, heads, D)` (`D` a query head's width; v zero-padded
     /// to it) of normalised rows `h` `(B·L, hidden)`, in the model's head layout, not rotated:
     /// `q` the layer's q map, `kv_a` its `kv_a_proj_with_mqa`, `kv_b` its `kv_b_proj`.
@@ -113,6 +169,19 @@ impl Mla {
         l: usize,
         heads: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (latent, k_rot) = self.latent(kv_a, h)?;
+        self.heads(&self.queries(q, h)?, kv_b, &latent, &k_rot, (b, l, heads))
+    }
+
+    /// [`Self::projections`] of the query rows, the latent and the shared key's rotated part.
+    fn heads(
+        &self,
+        q: &Tensor,
+        kv_b: &Linear,
+        latent: &Tensor,
+        k_rot: &Tensor,
+        (b, l, heads): (usize, usize, usize),
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let m = &self.cfg;
         let (n, r, dv, dq) = (
             m.qk_nope_head_dim,
@@ -120,20 +189,11 @@ impl Mla {
             m.v_head_dim,
             m.qk_head_dim(),
         );
-        let q = match &self.q_a {
-            Some((a, norm)) => q.forward(&norm.forward(&a.forward(h)?)?)?,
-            None => q.forward(h)?,
-        };
         let q = q.reshape((b, l, heads, dq))?;
-        let kv = kv_a.forward(h)?;
-        let latent = self
-            .kv_a_norm
-            .forward(&kv.narrow(1, 0, m.kv_lora_rank)?.contiguous()?)?;
-        let k_rot = kv
-            .narrow(1, m.kv_lora_rank, r)?
+        let k_rot = k_rot
             .reshape((b, l, 1, r))?
             .broadcast_as((b, l, heads, r))?;
-        let kv = kv_b.forward(&latent)?.reshape((b, l, heads, n + dv))?;
+        let kv = kv_b.forward(latent)?.reshape((b, l, heads, n + dv))?;
         let k = Tensor::cat(&[&kv.narrow(3, 0, n)?, &k_rot.contiguous()?], 3)?;
         let v = kv.narrow(3, n, dv)?;
         let v = match dq > dv {
@@ -152,20 +212,24 @@ impl Mla {
 
     /// A pass over a KV cache that holds the latent (the absorbed form of DeepSeek's paper):
     /// per token and layer `kv_lora_rank + qk_rope_head_dim` values — the normalised latent and
-    /// the rotated shared key — where the per-head keys and values take `2 · heads · D`
-    /// (GLM-4.7-Flash: 576 against 10,240). `kv_b_proj`'s key half is folded into the queries
-    /// (`q_nope · W_UK` per head: a query in the latent's space) and its value half applied to
-    /// each head's attention-weighted latent, so the scores and the context are those of the
-    /// per-head form up to rounding; an adapter on `kv_b_proj` is merged for the pass, its bias
-    /// needs only its value half (a key bias adds one constant per query row, which softmax
-    /// drops; the weights sum to 1).
+    /// the rotated shared key side by side — where the per-head keys and values take
+    /// `2 · heads · D` (GLM-4.7-Flash: 576 against 10,240). A few new positions (decoding)
+    /// attend over the cache in the latent's space: `kv_b_proj`'s key half folded into the
+    /// queries (`q_nope · W_UK` per head), the cache's rows both the keys and the values of one
+    /// shared head ([`crate::fused::causal_attention`], the rotated part's share of each value
+    /// dropped), then `kv_b_proj`'s value half per head; an adapter on `kv_b_proj` is merged for
+    /// the pass, its bias needs only its value half (a key bias adds one constant per query row,
+    /// which softmax drops; the weights sum to 1). A prefill (more than
+    /// [`EXPANDED_PREFILL_ROWS`] new positions, nothing cached) attends with each head's keys
+    /// and values as the training forward makes them — fewer products than the latent form at
+    /// these lengths — and caches the latent beside.
     ///
     /// `h` `(B·L, hidden)` normalised rows; `cos`, `sin` the model's RoPE tables of the `L` new
     /// positions (their first `qk_rope_head_dim / 2` columns are the rotated pairs', by
-    /// [`head_order`]); `bias` `(B, 1, L, S)`; `write(k_rot, latent, cos, sin)` stores the new
-    /// shared keys `(B, L, 1, r)` (rotated by the tables it is given) and latents `(B, L, 1,
-    /// kv_lora_rank)` after the cached ones and returns all `S` of each, `(B, 1, S, ·)`. Returns
-    /// the context rows `(B·L, heads · v_head_dim)`, as `o_proj` takes them.
+    /// [`head_order`]); `bias` `(B, 1, L, S)`; `write(rows)` stores the new positions' rows
+    /// `(B, L, 1, kv_lora_rank + qk_rope_head_dim)` after the `past` cached ones and returns all
+    /// `S` of them, `(B, 1, S, ·)`. Returns the context rows `(B·L, heads · v_head_dim)`, as
+    /// `o_proj` takes them.
     #[allow(clippy::too_many_arguments)]
     pub fn cached_attention(
         &self,
@@ -173,9 +237,9 @@ impl Mla {
         kv_a: &Linear,
         kv_b: &Linear,
         h: &Tensor,
-        (b, l, heads): (usize, usize, usize),
+        (b, l, heads, past): (usize, usize, usize, usize),
         (cos, sin, bias, scale): (&Tensor, &Tensor, &Tensor, f64),
-        write: impl FnOnce(&Tensor, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+        write: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<Tensor> {
         let m = &self.cfg;
         let (n, r, dv, c) = (
@@ -190,56 +254,51 @@ impl Mla {
                 None => Ok(t),
             }
         };
-        let q = match &self.q_a {
-            Some((a, norm)) => q.forward(&norm.forward(&a.forward(h)?)?)?,
-            None => q.forward(h)?,
-        };
-        let q = q.reshape((b, l, heads, n + r))?;
-        let q_nope = q.narrow(3, 0, n)?;
-        let q_rot = rope_layout(q.narrow(3, n, r)?)?.contiguous()?;
-        let kv = kv_a.forward(h)?;
-        let latent = self
-            .kv_a_norm
-            .forward(&kv.narrow(1, 0, c)?.contiguous()?)?
-            .reshape((b, l, 1, c))?;
-        let k_rot = rope_layout(kv.narrow(1, c, r)?.reshape((b, l, 1, r))?)?.contiguous()?;
         let last = cos.rank() - 1;
-        let cos = cos.narrow(last, 0, r / 2)?.contiguous()?;
-        let sin = sin.narrow(last, 0, r / 2)?.contiguous()?;
-        let (keys, latents) = write(&k_rot, &latent, &cos, &sin)?;
-        let s = keys.dim(2)?;
-        // The queries: rotated part (B, 1, heads·L, r); nope part through W_UK per head into
-        // the latent's space, (B, 1, heads·L, c).
-        let q_rot = crate::fused::rope(&q_rot, &cos, &sin)?.reshape((b, 1, heads * l, r))?;
+        let cos_r = cos.narrow(last, 0, r / 2)?.contiguous()?;
+        let sin_r = sin.narrow(last, 0, r / 2)?.contiguous()?;
+        let qs = self.queries(q, h)?;
+        let (latent, k_raw) = self.latent(kv_a, h)?;
+        // The new rows: the latent beside the rotated shared key, (B, L, 1, c + r).
+        let k_rot = rope_layout(k_raw.reshape((b, l, 1, r))?)?.contiguous()?;
+        let k_rot = crate::fused::rope(&k_rot, &cos_r, &sin_r)?.transpose(1, 2)?;
+        let rows = Tensor::cat(&[&latent.reshape((b, l, 1, c))?, &k_rot], 3)?;
+        let cached = write(&rows)?;
+        if past == 0 && l > EXPANDED_PREFILL_ROWS {
+            let (q, k, v) = self.heads(&qs, kv_b, &latent, &k_raw, (b, l, heads))?;
+            let q = crate::fused::rope(&q, cos, sin)?;
+            let k = crate::fused::rope(&k, cos, sin)?;
+            let v = v.transpose(1, 2)?.contiguous()?;
+            let ctx = crate::fused::causal_attention(&q, &k, &v, bias, scale)?;
+            return self.values(&ctx, heads);
+        }
+        let qs = qs.reshape((b, l, heads, n + r))?;
+        let q_rot = rope_layout(qs.narrow(3, n, r)?)?.contiguous()?;
+        let q_rot = crate::fused::rope(&q_rot, &cos_r, &sin_r)?;
         let (w, w_bias) = match &kv_b.lora {
             Some(a) => a.merged(&kv_b.weight, kv_b.bias.as_ref())?,
             None => (kv_b.weight.clone(), kv_b.bias.clone()),
         };
         let w = w.reshape((heads, n + dv, c))?;
-        let per_head = q_nope
+        // Each head's nope query in the latent's space: (heads, B·L, n) · W_UK (heads, n, c).
+        let per_head = qs
+            .narrow(3, 0, n)?
             .contiguous()?
             .reshape((b * l, heads, n))?
             .transpose(0, 1)?
             .contiguous()?;
-        let q_lat = per_head
-            .matmul(&w.narrow(1, 0, n)?)?
+        let q_lat = crate::fused::matmul(&per_head, &w.narrow(1, 0, n)?)?
             .reshape((heads, b, l, c))?
+            .transpose(0, 1)?;
+        let q_all = Tensor::cat(&[&q_lat, &q_rot], 3)?;
+        let ctx = crate::fused::causal_attention(&q_all, &cached, &cached, bias, scale)?;
+        // Each head's weighted latent (heads, B·L, c), then W_UV per head.
+        let ctx = ctx
+            .reshape((b * l, heads, c + r))?
+            .narrow(2, 0, c)?
             .transpose(0, 1)?
-            .contiguous()?
-            .reshape((b, 1, heads * l, c))?;
-        let scores = (q_lat.matmul(&latents.t()?)? + q_rot.matmul(&keys.t()?)?)?;
-        let p = crate::fused::attention_softmax(&scores.reshape((b, heads, l, s))?, bias, scale)?;
-        // Each head's weighted latent (B, 1, heads·L, c), then W_UV per head.
-        let ctx = p
-            .reshape((b, 1, heads * l, s))?
-            .matmul(&latents)?
-            .reshape((b, heads, l, c))?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((heads, b * l, c))?;
-        let w_uv = w.narrow(1, n, dv)?;
-        let out = ctx
-            .matmul(&w_uv.t()?)?
+            .contiguous()?;
+        let out = crate::fused::matmul(&ctx, &w.narrow(1, n, dv)?.t()?)?
             .transpose(0, 1)?
             .contiguous()?
             .reshape((b * l, heads * dv))?;

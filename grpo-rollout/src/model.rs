@@ -671,21 +671,25 @@ impl Layer {
                 cache.attend(i, past, &Tensor::cat(&[&q, &k, &v], 2)?, None, c)?
             }
             None => match &self.mla {
-                // DeepSeek's latent attention: the cache holds the latent.
-                Some(m) => m.cached_attention(
+                // DeepSeek's latent attention: the cache holds the latent (on a GPU).
+                Some(m) if crate::mla::latent_cache(h.device()) => m.cached_attention(
                     &self.q_proj,
                     &self.k_proj,
                     &self.v_proj,
                     h,
-                    (c.b, c.l, c.nh),
+                    (c.b, c.l, c.nh, past),
                     (&c.cos, &c.sin, &c.bias, c.scale),
-                    |k, v, cos, sin| cache.write(i, past, k, v, cos, sin),
+                    |rows| cache.write_latent(i, past, rows),
                 )?,
-                None => {
+                _ => {
                     let (q, k, v) = self.projections(c, h)?;
                     let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
                     let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
-                    self.attention(c, &q, &k, &v)?
+                    let ctx = self.attention(c, &q, &k, &v)?;
+                    match &self.mla {
+                        Some(m) => m.values(&ctx, c.nh)?,
+                        None => ctx,
+                    }
                 }
             },
         };
@@ -1038,6 +1042,10 @@ impl KvCache {
         let cap = capacity.max(len);
         let pad = |t: &Tensor, have: usize| -> Result<Tensor> {
             let (b, h, _, d) = t.dims4()?;
+            if d == 0 {
+                // A latent cache's empty value buffer.
+                return Tensor::zeros((b, h, cap, 0), t.dtype(), t.device());
+            }
             let kept = t.narrow(2, 0, have)?;
             if have == cap {
                 return kept.contiguous();
@@ -1079,11 +1087,21 @@ impl KvCache {
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let (b, l, h, d) = k.dims4()?;
-        let dims = (b, h, l, d);
-        let (kb, vb) = self.room(i, past, dims, v.dim(3)?, k.dtype(), k.device())?;
+        let (kb, vb) = self.room(i, past, (b, h, l, d), d, k.dtype(), k.device())?;
         crate::fused::kv_write(kb, k, Some((cos, sin)), past)?;
         crate::fused::kv_write(vb, v, None, past)?;
         Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
+    }
+
+    /// Writes layer `i`'s new rows of DeepSeek's latent cache after the `past` cached positions:
+    /// `rows` `(B, L, 1, kv_lora_rank + qk_rope_head_dim)`, the latent beside the rotated shared
+    /// key ([`crate::mla::Mla::cached_attention`]), in the layer's key buffer (its value buffer
+    /// holds nothing: `(B, 1, capacity, 0)`); returns a view of all `past + L` of them.
+    fn write_latent(&mut self, i: usize, past: usize, rows: &Tensor) -> Result<Tensor> {
+        let (b, l, h, d) = rows.dims4()?;
+        let (kb, _) = self.room(i, past, (b, h, l, d), 0, rows.dtype(), rows.device())?;
+        crate::fused::kv_write(kb, rows, None, past)?;
+        kb.narrow(2, 0, past + l)
     }
 
     /// Layer `i`'s pass after the packed q/k/v product `qkv` `(B, L, heads + 2·kv_heads, D)`
@@ -1113,8 +1131,7 @@ impl KvCache {
 
     /// Layer `i`'s buffers with room for `L` positions after `past` (allocated at the first
     /// forward, doubled when full); `dims` = `(B, kv_heads, L, D)` of the keys, `dv` the
-    /// values' width (a latent cache's "keys" are the shared rotated keys, its "values" the
-    /// latents: [`crate::mla::Mla::cached_attention`]).
+    /// values' width (0 in a latent cache: [`Self::write_latent`]).
     fn room(
         &mut self,
         i: usize,
@@ -1152,7 +1169,7 @@ impl KvCache {
             let grow = |old: &Tensor| -> Result<Tensor> {
                 let (_, h, _, d) = old.dims4()?;
                 let new = Tensor::zeros((b, h, cap, d), old.dtype(), old.device())?;
-                if past > 0 {
+                if past > 0 && d > 0 {
                     new.slice_set(&old.narrow(2, 0, past)?.contiguous()?, 2, 0)?;
                 }
                 Ok(new)

@@ -1451,7 +1451,9 @@ fn assert_cached_equals_full(
     model: &grpo_rollout::Transformer,
     tok: &grpo_rollout::Tokenizer,
 ) {
-    let prompts: Vec<Vec<u32>> = vec![(0..9).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
+    // The longer prompt's prefill attends with each head's keys and values (over 16 new
+    // positions, nothing cached), the shorter's in the latent's space.
+    let prompts: Vec<Vec<u32>> = vec![(0..20).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
     let params = grpo_rollout::SamplingParams {
         max_new_tokens: 14,
         min_new_tokens: 14,
@@ -1490,6 +1492,7 @@ fn assert_cached_equals_full(
 /// bias on it.
 #[test]
 fn latent_attention_decodes_over_a_latent_cache() {
+    use grpo_rollout::mla::with_latent_cache;
     use grpo_rollout::model::{KvCache, padded_positions_and_bias};
     let r = reference();
     for name in [
@@ -1504,7 +1507,11 @@ fn latent_attention_decodes_over_a_latent_cache() {
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
+        // Each head's keys and values (the CPU's default), then the latent.
         assert_cached_equals_full(name, &m.model, &m.tokenizer);
+        with_latent_cache(true, || {
+            assert_cached_equals_full(name, &m.model, &m.tokenizer)
+        });
         // The cache of one row of 5 tokens: the latent and the shared key per layer.
         let cfg = &m.model.cfg;
         let mla = cfg.mla.unwrap();
@@ -1513,15 +1520,21 @@ fn latent_attention_decodes_over_a_latent_cache() {
         let (pos, bias) =
             padded_positions_and_bias(&ids.ones_like().unwrap(), &Device::Cpu).unwrap();
         let d = m.model.for_decoding().unwrap();
-        d.forward_hidden(&ids, &pos, &bias, Some(&mut cache))
-            .unwrap();
+        with_latent_cache(true, || {
+            d.forward_hidden(&ids, &pos, &bias, Some(&mut cache))
+        })
+        .unwrap();
         let per_layer = mla.kv_lora_rank + mla.qk_rope_head_dim;
         assert_eq!(
             cache.bytes(),
             cfg.num_hidden_layers * 5 * per_layer * 4,
             "{name}"
         );
-        assert_eq!(cache.bytes(), cfg.kv_cache_values_per_token() * 5 * 4);
+        assert_eq!(cache.bytes(), cfg.kv_cache_values_per_token(true) * 5 * 4);
+        let mut heads = KvCache::with_capacity(5);
+        d.forward_hidden(&ids, &pos, &bias, Some(&mut heads))
+            .unwrap();
+        assert_eq!(heads.bytes(), cfg.kv_cache_values_per_token(false) * 5 * 4);
         let per_head = 2 * cfg.num_attention_heads * mla.qk_head_dim();
         assert!(per_layer < per_head, "{name}: {per_layer} vs {per_head}");
     }
@@ -1531,7 +1544,9 @@ fn latent_attention_decodes_over_a_latent_cache() {
     let dir = fixtures().join("peft-moe/deepseekv3-all-linear");
     grpo_rollout::lora::load_peft(&mut m.model, &dir).unwrap();
     assert!(m.model.layers.iter().all(|l| l.v_proj.lora.is_some()));
-    assert_cached_equals_full("deepseekv3 + adapter", &m.model, &m.tokenizer);
+    with_latent_cache(true, || {
+        assert_cached_equals_full("deepseekv3 + adapter", &m.model, &m.tokenizer)
+    });
     // A bias on kv_b_proj: its key half drops out of the softmax, its value half is added.
     let mut m = load_case(&r["cases"]["glm4moelite"], tmp.path());
     for (i, l) in m.model.layers.iter_mut().enumerate() {
@@ -1541,7 +1556,9 @@ fn latent_attention_decodes_over_a_latent_cache() {
             .collect();
         l.v_proj.bias = Some(Tensor::from_vec(b, n, &Device::Cpu).unwrap());
     }
-    assert_cached_equals_full("glm4moelite + kv_b bias", &m.model, &m.tokenizer);
+    with_latent_cache(true, || {
+        assert_cached_equals_full("glm4moelite + kv_b bias", &m.model, &m.tokenizer)
+    });
 }
 
 /// nanochat: its norms hold no weights (none read, saved or trained: the saved model has the
@@ -1657,4 +1674,78 @@ fn nanochat_peft_adapter_matches_peft() {
     let merged = grpo_rollout::lora::merge(&m).unwrap();
     let d = max_diff(&lp(&merged), &flat("merged"));
     assert!(d < 2e-5, "merged: {d}");
+}
+
+/// A latent cache's rows kept, repeated and stacked (as generation drops finished rows, groups
+/// share a prompt's prefill and episodes bring rows back) decode as caches of those rows alone.
+#[test]
+fn latent_cache_rows_keep_repeat_and_stack() {
+    grpo_rollout::mla::with_latent_cache(true, latent_cache_rows);
+}
+
+fn latent_cache_rows() {
+    use grpo_rollout::model::{KvCache, padded_positions_and_bias};
+    let r = reference();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load_case(&r["cases"]["glm4moelite"], tmp.path());
+    let d = m.model.for_decoding().unwrap();
+    let dev = Device::Cpu;
+    let prefill = |rows: &[[u32; 5]]| -> KvCache {
+        let flat: Vec<u32> = rows.concat();
+        let ids = Tensor::from_vec(flat, (rows.len(), 5), &dev).unwrap();
+        let (pos, bias) = padded_positions_and_bias(&ids.ones_like().unwrap(), &dev).unwrap();
+        let mut cache = KvCache::with_capacity(8);
+        d.forward_hidden(&ids, &pos, &bias, Some(&mut cache))
+            .unwrap();
+        cache
+    };
+    let step = |mut cache: KvCache, toks: &[u32]| -> Vec<Vec<f32>> {
+        let n = toks.len();
+        let ids = Tensor::new(toks, &dev).unwrap().reshape((n, 1)).unwrap();
+        let pos = Tensor::full(5u32, (n, 1), &dev).unwrap();
+        let bias = Tensor::zeros((n, 1, 1, 6), DType::F32, &dev).unwrap();
+        let h = d
+            .forward_hidden(&ids, &pos, &bias, Some(&mut cache))
+            .unwrap();
+        h.squeeze(1).unwrap().to_vec2().unwrap()
+    };
+    let close = |x: &[Vec<f32>], y: &[Vec<f32>]| {
+        let worst = x
+            .iter()
+            .flatten()
+            .zip(y.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{worst}");
+    };
+    let (a, b) = ([5u32, 6, 7, 8, 9], [11u32, 12, 13, 14, 15]);
+    let alone_a = step(prefill(&[a]), &[4]);
+    let alone_b = step(prefill(&[b]), &[3]);
+    let mut both = prefill(&[a, b]);
+    assert_eq!(
+        both.bytes(),
+        m.model.cfg.kv_cache_values_per_token(true) * 2 * 8 * 4
+    );
+    both.keep_rows(&Tensor::new(&[1u32], &dev).unwrap())
+        .unwrap();
+    close(&step(both, &[3]), &alone_b);
+    let twice = prefill(&[a, b])
+        .select_rows(&Tensor::new(&[0u32, 0], &dev).unwrap())
+        .unwrap();
+    close(
+        &step(twice, &[4, 4]),
+        &[alone_a[0].clone(), alone_a[0].clone()],
+    );
+    let stacked = KvCache::concat_rows(&[prefill(&[b]), prefill(&[a])], 8).unwrap();
+    close(
+        &step(stacked, &[3, 4]),
+        &[alone_b[0].clone(), alone_a[0].clone()],
+    );
+    // The per-head cache of a dense family is left as it was: keys and values per KV head.
+    let dense = load_case(&r["cases"]["arcee"], tmp.path());
+    let cfg = &dense.model.cfg;
+    assert_eq!(
+        cfg.kv_cache_values_per_token(true),
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    );
 }
