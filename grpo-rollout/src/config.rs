@@ -2638,6 +2638,30 @@ mod tests {
 
     /// openai/gpt-oss-20b's config.json (its MXFP4 `quantization_config` included): the
     /// fields as transformers resolves them, and its 20,914,757,184 parameters.
+    /// nanochat d20 as a converted checkpoint's config names it (a top-level `rope_theta`, the
+    /// activation and the cap left to their defaults): 561M parameters, none in the norms.
+    #[test]
+    fn parses_nanochat_d20() {
+        let v = serde_json::json!({
+            "architectures": ["NanoChatForCausalLM"], "model_type": "nanochat",
+            "vocab_size": 65536, "hidden_size": 1280, "intermediate_size": 5120,
+            "num_hidden_layers": 20, "num_attention_heads": 10, "num_key_value_heads": 10,
+            "max_position_embeddings": 2048, "rope_theta": 10000.0
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.arch, Arch::NanoChat);
+        assert_eq!(c.num_parameters(), 560_988_160);
+        assert_eq!(c.activation, Activation::Relu2);
+        assert_eq!(c.final_logit_softcapping, Some(15.0));
+        assert_eq!(c.attn_logit_softcapping, None);
+        assert!(!c.tie_word_embeddings && !c.attention_bias);
+        assert!(c.head_qk_norm() && c.arch.inverse_rope() && c.arch.weightless_norms());
+        let mut capped = v.clone();
+        capped["attn_logit_softcapping"] = 30.0.into();
+        let e = ModelConfig::from_hf_json(&capped).unwrap_err().to_string();
+        assert!(e.contains("attn_logit_softcapping"), "{e}");
+    }
+
     #[test]
     fn parses_gpt_oss_20b() {
         let types: Vec<&str> = (0..24)
