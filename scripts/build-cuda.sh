@@ -50,7 +50,8 @@ cp "$CARGO_TARGET_DIR/release/grpo-cli" "$OUT/grpo-cli-cuda"; strip "$OUT/grpo-c
 if git -C "$SRC" rev-parse -q HEAD >/dev/null 2>&1; then
     { git -C "$SRC" rev-parse HEAD; git -C "$SRC" status --porcelain --untracked-files=no; } > "$OUT/built-from.txt"
 fi
-cp "$SRC/scripts/run-gpu.sh" "$SRC/bench/trl_grpo_bench_gpu.py" "$SRC/bench/make_tiny_model.py" "$OUT/"
+cp "$SRC/scripts/run-gpu.sh" "$SRC/bench/trl_grpo_bench_gpu.py" "$SRC/bench/make_tiny_model.py" \
+    "$SRC/bench/make_mla_model.py" "$OUT/"
 if [[ "$OUT" == "$SRC/.gpu" ]] && [[ -d "$SRC/.git" ]]; then
     mkdir -p "$SRC/.git/info"; grep -qxF '/.gpu/' "$SRC/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$SRC/.git/info/exclude"
 fi

@@ -9,13 +9,14 @@
 #   bash scripts/gpu-session.sh          (from the project root, with .gpu/ from scripts/build-cuda.sh
 #                                         and TRL's wheels in .gpu/whl/ for the TRL side)
 #   END=555 ROWS=name,name SIDES=both|ours|trl STEPS=3 SPEED=1 OVERLAP=1|name,name
-#   OPTIM8=name,name PROFILE=1|decode|both
+#   OPTIM8=name,name PROFILE=1|decode|both MLA=1
 #   (environment knobs; OVERLAP=1 adds our runs at max_staleness 1, OVERLAP=name,name on those
 #   workloads only; OPTIM8 our runs with
 #   checkpointing and the 8-bit AdamW on the workloads named; PROFILE=1 ends with Nsight
 #   Compute's kernel times of one learner forward + backward on the 0.77B model, summed by
 #   kernel name; PROFILE=decode those of a few eager decode steps at 128 rows, per step;
-#   PROFILE=both both)
+#   PROFILE=both both; MLA=1 times DeepSeek's latent KV cache against each head's keys and
+#   values on a GLM-4.7-Flash-shaped model, bf16, 32 rows after a 1,024-token prompt)
 set -u
 T0=$SECONDS
 END=${END:-555}
@@ -47,7 +48,7 @@ wait; echo "models done at $((SECONDS-T0))s"
 ROWS=${ROWS:-319M-f32-4x8x64,319M-bf16-4x8x64,0.77B-bf16-8x16x256-mb32,319M-bf16-8x16x256-mb32,0.77B-bf16-lora16-8x16x256-mb32,29M-f32-4x8x64,319M-bf16-lora16-4x8x64}
 PROFILE=${PROFILE:-0}
 case "$PROFILE" in 1) PROF_S=150 ;; decode) PROF_S=100 ;; both) PROF_S=250 ;; *) PROF_S=0 ;; esac
-left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - PROF_S))
+left=$((END - (SECONDS - T0) - ${SPEED:-0} * 120 - PROF_S - ${MLA:-0} * 150))
 GRPO_MEMLOG=1 GPU_DIR=$PWD/.gpu bash scripts/bench-gpu-vs-trl.sh --steps ${STEPS:-3} --rows $ROWS \
   --budget $left --sides ${SIDES:-both} $(case "${OVERLAP:-0}" in 0) ;; 1) echo --overlap ;;
     *) echo --overlap-rows "$OVERLAP" ;; esac) \
@@ -70,6 +71,15 @@ if [ "${SPEED:-0}" = 1 ]; then
     env $v timeout 40 bash .gpu/run-gpu.sh bench-model --model $M --device cuda --dtype bf16 \
       --phase fwd-bwd --batch 32 --seq-len 320 --reps 2 2>&1 | tail -1 | tee $R/bench-model-$v.json
   done
+fi
+if [ "${MLA:-0}" = 1 ]; then
+  $PY .gpu/make_mla_model.py $R/models/mla --tokenizer $R/models/m29 > $R/models-mla.log 2>&1
+  for form in latent heads; do
+    GRPO_MLA_CACHE=$form timeout 60 bash .gpu/run-gpu.sh bench-model --model $R/models/mla \
+      --device cuda --dtype bf16 --phase generate --batch 32 --new-tokens 64 --prompt-len 1024 \
+      --reps 2 2>&1 | tail -1 | tee $R/bench-mla-$form.json
+  done
+  pack
 fi
 ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || true)
 if [ "$PROFILE" = decode ] || [ "$PROFILE" = both ]; then
