@@ -129,6 +129,9 @@ pub enum Arch {
     DeepseekV2,
 }
 
+/// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
+pub const NANOCHAT_MLP: [&str; 2] = ["fc1", "fc2"];
+
 /// The MLP's gate activation.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -346,7 +349,7 @@ impl Arch {
     /// nanochat's `fc1` / `fc2`).
     pub fn mlp_names(self) -> [&'static str; 2] {
         match self {
-            Arch::NanoChat => ["fc1", "fc2"],
+            Arch::NanoChat => NANOCHAT_MLP,
             _ => ["up_proj", "down_proj"],
         }
     }

@@ -11,6 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
+use crate::config::NANOCHAT_MLP;
 use crate::model::Transformer;
 
 /// The modules LoRA can target.
@@ -119,13 +120,13 @@ const NANOCHAT: [Module; 6] = [
     SEPARATE[3],
     Module {
         group: "mlp",
-        name: "fc1",
-        parts: &[("fc1", 5)],
+        name: NANOCHAT_MLP[0],
+        parts: &[(NANOCHAT_MLP[0], 5)],
     },
     Module {
         group: "mlp",
-        name: "fc2",
-        parts: &[("fc2", 6)],
+        name: NANOCHAT_MLP[1],
+        parts: &[(NANOCHAT_MLP[1], 6)],
     },
 ];
 
@@ -365,7 +366,7 @@ impl Matcher {
                     .chain(&FUSED_MODULES)
                     .chain(&[SHARED_EXPERT_GATE])
                     .chain(&MLA_MODULES)
-                    .chain(&["fc1", "fc2"])
+                    .chain(&NANOCHAT_MLP)
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -413,8 +414,8 @@ const EXTRA_MODULES: [&str; 11] = [
     MLA_MODULES[1],
     MLA_MODULES[2],
     MLA_MODULES[3],
-    "fc1",
-    "fc2",
+    NANOCHAT_MLP[0],
+    NANOCHAT_MLP[1],
 ];
 
 /// DeepSeek's latent attention's linear maps (beside `q_proj` and `o_proj`).
@@ -1510,7 +1511,7 @@ fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
                 "lora.target_modules: `{m}`: nanochat's MLP is `fc1` → ReLU² → `fc2` (no gate): name q_proj, k_proj, v_proj, o_proj, fc1, fc2, or \"{ALL_LINEAR}\""
             );
         }
-        if !nanochat && ["fc1", "fc2"].contains(&last) {
+        if !nanochat && NANOCHAT_MLP.contains(&last) {
             bail!(
                 "lora.target_modules: `{m}`: only nanochat names its MLP fc1 / fc2; {} has {TARGET_MODULES:?}",
                 arch.as_str()

@@ -270,13 +270,7 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
         let tmp = tempfile::tempdir().unwrap();
         let m = load_case(&r["cases"][name], tmp.path());
         let prompts: Vec<Vec<u32>> = vec![(0..9).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
-        let params = grpo_rollout::SamplingParams {
-            max_new_tokens: 14,
-            min_new_tokens: 14,
-            temperature: 1.0,
-            seed: 3,
-            ..Default::default()
-        };
+        let params = sampled_14();
         let d = m.model.for_decoding().unwrap();
         let run = || grpo_rollout::generate(&d, &m.tokenizer, &prompts, 1, &params).unwrap();
         let eager = run();
@@ -298,25 +292,52 @@ fn cached_decoding_matches_the_full_forward_past_the_window() {
                 assert!((x - y).abs() < 1e-5, "{name}: replayed {y} vs eager {x}");
             }
         }
-        // The full forward over prompt + completion, left-padded together.
-        let rows: Vec<Vec<u32>> = prompts
-            .iter()
-            .zip(&eager)
-            .map(|(p, c)| [p.as_slice(), &c.token_ids].concat())
-            .collect();
-        assert!(rows[0].len() > 12, "{name}: the rows pass the window");
-        let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
-        let (lp, _) = m
-            .model
-            .completion_logprobs(&ids, &mask, 14, 1.0, false)
-            .unwrap();
-        let full: Vec<Vec<f32>> = lp.to_vec2().unwrap();
-        for (c, f) in eager.iter().zip(&full) {
-            for (a, b) in c.logprobs.iter().zip(f) {
-                assert!((a - b).abs() < 1e-4, "{name}: cached {a} vs full {b}");
-            }
+        assert!(
+            prompts[0].len() + eager[0].token_ids.len() > 12,
+            "{name}: the rows pass the window"
+        );
+        let worst = full_forward_gap(&m.model, &prompts, &eager);
+        assert!(worst < 1e-4, "{name}: cached vs full {worst}");
+    }
+}
+
+/// 14 sampled tokens (temperature 1, seed 3), none stopping early.
+fn sampled_14() -> grpo_rollout::SamplingParams {
+    grpo_rollout::SamplingParams {
+        max_new_tokens: 14,
+        min_new_tokens: 14,
+        temperature: 1.0,
+        seed: 3,
+        ..Default::default()
+    }
+}
+
+/// The largest gap between the log-probs generation gave `completions` of `prompts` and those
+/// of `model`'s full forward over prompt + completion, left-padded together.
+fn full_forward_gap(
+    model: &grpo_rollout::Transformer,
+    prompts: &[Vec<u32>],
+    completions: &[grpo_rollout::Completion],
+) -> f32 {
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(completions)
+        .map(|(p, c)| [p.as_slice(), &c.token_ids].concat())
+        .collect();
+    let t = completions[0].token_ids.len();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let (lp, _) = model
+        .completion_logprobs(&ids, &mask, t, 1.0, false)
+        .unwrap();
+    let full: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+    let mut worst = 0f32;
+    for (c, f) in completions.iter().zip(&full) {
+        assert_eq!(c.logprobs.len(), t);
+        for (a, b) in c.logprobs.iter().zip(f) {
+            worst = worst.max((a - b).abs());
         }
     }
+    worst
 }
 
 /// GGUF as llama.cpp writes these families: Mistral as `llama` (which has no window; the same
@@ -1454,32 +1475,10 @@ fn assert_cached_equals_full(
     // The longer prompt's prefill attends with each head's keys and values (over 16 new
     // positions, nothing cached), the shorter's in the latent's space.
     let prompts: Vec<Vec<u32>> = vec![(0..20).map(|i| 3 + 7 * i).collect(), vec![7, 8, 9]];
-    let params = grpo_rollout::SamplingParams {
-        max_new_tokens: 14,
-        min_new_tokens: 14,
-        temperature: 1.0,
-        seed: 3,
-        ..Default::default()
-    };
     let d = model.for_decoding().unwrap();
-    let out = grpo_rollout::generate(&d, tok, &prompts, 1, &params).unwrap();
-    let rows: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&out)
-        .map(|(p, c)| [p.as_slice(), &c.token_ids].concat())
-        .collect();
-    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
-    let (lp, _) = model
-        .completion_logprobs(&ids, &mask, 14, 1.0, false)
-        .unwrap();
-    let full: Vec<Vec<f32>> = lp.to_vec2().unwrap();
-    let mut worst = 0f32;
-    for (c, f) in out.iter().zip(&full) {
-        assert_eq!(c.logprobs.len(), 14, "{name}");
-        for (a, b) in c.logprobs.iter().zip(f) {
-            worst = worst.max((a - b).abs());
-        }
-    }
+    let out = grpo_rollout::generate(&d, tok, &prompts, 1, &sampled_14()).unwrap();
+    assert!(out.iter().all(|c| c.logprobs.len() == 14), "{name}");
+    let worst = full_forward_gap(model, &prompts, &out);
     eprintln!("{name}: cached vs full {worst:e}");
     assert!(worst < 1e-4, "{name}: cached vs full {worst}");
 }
