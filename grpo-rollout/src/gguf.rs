@@ -4,10 +4,11 @@
 //! What is read:
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
-//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `seed_oss`, `arcee`) and the
-//!   `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp fixes per
-//!   architecture (Gemma's sliding layers and attention scale, SmolLM3's
-//!   NoPE layers, the experts' renormalisation); the vocabulary size comes from
+//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `seed_oss`,
+//!   `arcee`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
+//!   the experts' renormalisation, DeepSeek's router and latent widths: [`deepseek_fields`]);
+//!   the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
 //!   `output.weight` = tied). Gemma's norm weights are `1 + w` in the file, `w` here.
 //! - every tensor, dequantised with candle's [`QTensor::dequantize`], renamed from llama.cpp's
@@ -179,27 +180,32 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "qwen3moe" => Ok(Arch::Qwen3Moe),
         "qwen2moe" => Ok(Arch::Qwen2Moe),
         "gemma3" => Ok(Arch::Gemma3),
+        "glm4moe" => Ok(Arch::Glm4Moe),
+        // DeepSeek-V3's sigmoid router (GLM-4.7-Flash's too), or DeepSeek-V2's softmax.
+        "deepseek2" => match deepseek2_sigmoid(content)? {
+            true => Ok(Arch::DeepseekV3),
+            false => Ok(Arch::DeepseekV2),
+        },
         "qwen3_moe" | "qwen2_moe" | "mixtral" | "gemma3_text" => Err(()),
-        name => Arch::parse(name).map_err(|_| ()),
+        // Our names that are not llama.cpp's (or families it does not share with us).
+        name => Arch::parse(name).map_err(|_| ()).and_then(|a| match a {
+            Arch::Mistral
+            | Arch::Exaone4
+            | Arch::GptOss
+            | Arch::Glm
+            | Arch::Olmo3
+            | Arch::Glm4Moe
+            | Arch::DeepseekV3
+            | Arch::Glm4MoeLite
+            | Arch::DeepseekV2
+            | Arch::NanoChat => Err(()),
+            a => Ok(a),
+        }),
     }
     .ok()
-    .filter(|a| {
-        !matches!(
-            a,
-            Arch::Mistral
-                | Arch::Exaone4
-                | Arch::GptOss
-                | Arch::Glm
-                | Arch::Olmo3
-                | Arch::Glm4Moe
-                | Arch::DeepseekV3
-                | Arch::Glm4MoeLite
-                | Arch::DeepseekV2
-        )
-    })
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, seed_oss, arcee)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, seed_oss, arcee)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -232,6 +238,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     // its YaRN and LongRoPE are not read.
     let rope_scaling = match md.get(&key("rope.scaling.type")).and_then(as_str) {
         None | Some("none") => None,
+        Some(kind) if arch.mla() => deepseek2_rope(md, kind, &key)?,
         Some("linear") => {
             let factor = md
                 .get(&key("rope.scaling.factor"))
@@ -251,7 +258,13 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         ),
     };
     let has = |name: &str| content.tensor_infos.contains_key(name);
-    let num_hidden_layers = req("block_count")?;
+    // GLM-4.5's and GLM-4.7-Flash's next-token-prediction layers follow the model's
+    // (`nextn_predict_layers`): not read.
+    let num_hidden_layers = req("block_count")?.saturating_sub(
+        md.get(&key("nextn_predict_layers"))
+            .and_then(as_u64)
+            .unwrap_or(0) as usize,
+    );
     let float = |k: &str| md.get(&key(k)).and_then(as_f64);
     // Gemma's window and soft caps as llama.cpp reads them (Gemma 2's defaults: a window of
     // 4096, caps of 50 and 30; Gemma 3's window is required and its logits uncapped).
@@ -276,7 +289,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             key("final_logit_softcapping")
         );
     }
-    let cfg = ModelConfig {
+    let mut cfg = ModelConfig {
         arch,
         vocab_size,
         hidden_size,
@@ -394,8 +407,196 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             _ => None,
         },
     };
+    if arch.deepseek_moe() {
+        deepseek_fields(content, &key, &mut cfg)?;
+    }
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// llama.cpp's `expert_gating_func` values (`LLAMA_EXPERT_GATING_FUNC_TYPE_*`).
+const GATING_SOFTMAX: u32 = 1;
+const GATING_SIGMOID: u32 = 2;
+
+/// Whether a `deepseek2` file's router is a sigmoid (DeepSeek-V3, Kimi K2, GLM-4.7-Flash) rather
+/// than a softmax (DeepSeek-V2): its `expert_gating_func`, else llama.cpp's fallback for files
+/// written before that key (GLM-4.7-Flash's 47 / 48 layers and 154,880 tokens: sigmoid; any
+/// other: softmax).
+fn deepseek2_sigmoid(content: &Content) -> Result<bool> {
+    let md = &content.metadata;
+    match md.get("deepseek2.expert_gating_func").and_then(as_u64) {
+        Some(g) if g == GATING_SIGMOID as u64 => Ok(true),
+        Some(g) if g == GATING_SOFTMAX as u64 => Ok(false),
+        Some(g) => bail!(
+            "metadata `deepseek2.expert_gating_func` = {g} is not supported (1: softmax, 2: sigmoid)"
+        ),
+        None => {
+            let layers = md.get("deepseek2.block_count").and_then(as_u64);
+            let vocab = content
+                .tensor_infos
+                .get("token_embd.weight")
+                .and_then(|t| t.shape.dims().first().copied());
+            Ok(matches!(layers, Some(47 | 48)) && vocab == Some(154_880))
+        }
+    }
+}
+
+/// A `deepseek2` file's RoPE scaling as llama.cpp computes it, in transformers' terms: YaRN
+/// with `rope.scaling.yarn_log_multiplier` (its converter's `0.1 · mscale_all_dim`) scales the
+/// scores by `mscale(factor, mscale_all_dim)²` and leaves cos and sin unscaled (llama.cpp's
+/// deepseek2 takes `mscale` equal to `mscale_all_dim`), with its fixed betas 32 and 1. Without
+/// the multiplier, or with linear scaling, llama.cpp scales the scores by a factor transformers
+/// does not: refused.
+fn deepseek2_rope(
+    md: &HashMap<String, Value>,
+    kind: &str,
+    key: &dyn Fn(&str) -> String,
+) -> Result<Option<RopeScaling>> {
+    if kind != "yarn" {
+        bail!(
+            "metadata `{}` = {kind}: llama.cpp's deepseek2 with this RoPE scaling scales the attention scores as transformers does not (supported: none, yarn)",
+            key("rope.scaling.type")
+        );
+    }
+    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
+    let factor = float("rope.scaling.factor")
+        .filter(|f| *f > 0.0)
+        .ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing for YaRN",
+                key("rope.scaling.factor")
+            ))
+        })?;
+    let Some(log_mul) = float("rope.scaling.yarn_log_multiplier").filter(|m| *m != 0.0) else {
+        bail!(
+            "metadata `{}` is missing: llama.cpp's deepseek2 YaRN without it scales the scores by the RoPE factor's square, which transformers does not",
+            key("rope.scaling.yarn_log_multiplier")
+        );
+    };
+    let original = md
+        .get(&key("rope.scaling.original_context_length"))
+        .or_else(|| md.get(&key("context_length")))
+        .and_then(as_u64)
+        .ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing for YaRN",
+                key("rope.scaling.original_context_length")
+            ))
+        })?;
+    Ok(Some(RopeScaling::Yarn(crate::config::YarnRopeScaling {
+        factor,
+        original_max_position_embeddings: original as usize,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: 1.0,
+        // llama.cpp divides the converter's 0.1 back out (the f32 product's rounding taken off
+        // at 6 significant digits).
+        mscale_all_dim: format!("{:.5e}", log_mul / 0.1).parse().ok(),
+    })))
+}
+
+/// The fields of DeepSeek's mixture of experts (`deepseek2`, `glm4moe`) and latent attention
+/// (`deepseek2`) that the generic reading leaves out: the leading dense layers, the shared
+/// experts' width, the router (sigmoid with groups and offsets, or DeepSeek-V2's softmax), the
+/// latent's ranks and head widths (llama.cpp's `key_length` / `value_length` are the latent's,
+/// `*_mla` a head's), GLM-4.5's q/k norms and partial rotary.
+fn deepseek_fields(
+    content: &Content,
+    key: &dyn Fn(&str) -> String,
+    cfg: &mut ModelConfig,
+) -> Result<()> {
+    let md = &content.metadata;
+    let has = |name: &str| content.tensor_infos.contains_key(name);
+    let int = |k: &str| md.get(&key(k)).and_then(as_u64).map(|x| x as usize);
+    let req = |k: &str| int(k).ok_or_else(|| err(format!("metadata `{}` is missing", key(k))));
+    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
+    let norm = md
+        .get(&key("expert_weights_norm"))
+        .and_then(as_bool)
+        .unwrap_or(false);
+    let scale = float("expert_weights_scale").unwrap_or(1.0);
+    let (groups, used) = match (int("expert_group_count"), int("expert_group_used_count")) {
+        (Some(g), Some(u)) if g > 1 => (g, u),
+        _ => (1, 1),
+    };
+    let dense = int("leading_dense_block_count").unwrap_or(0);
+    let shared = int("expert_shared_count").unwrap_or(0);
+    let Some(moe) = cfg.moe.as_mut() else {
+        bail!("metadata `{}` is missing", key("expert_count"));
+    };
+    moe.mlp_only_layers = (0..dense.min(cfg.num_hidden_layers)).collect();
+    moe.shared_expert_intermediate_size =
+        Some(shared * moe.moe_intermediate_size).filter(|w| *w > 0);
+    moe.norm_topk_prob = norm;
+    // transformers' DeepSeek families compute no load-balancing loss.
+    moe.router_aux_loss_coef = 0.0;
+    moe.routing = match cfg.arch {
+        Arch::DeepseekV2 => {
+            if groups > 1 {
+                bail!(
+                    "metadata `{}` = {groups} with a softmax router: llama.cpp chooses groups by their two best experts, DeepSeek-V2 by its best (not supported)",
+                    key("expert_group_count")
+                );
+            }
+            if norm {
+                bail!(
+                    "metadata `{}` = true with a softmax router: DeepSeek-V2 never renormalises the chosen experts' weights (not supported)",
+                    key("expert_weights_norm")
+                );
+            }
+            crate::config::Routing::Greedy {
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: scale,
+                group_limited: false,
+            }
+        }
+        _ => crate::config::Routing::SigmoidGroups {
+            n_group: groups,
+            topk_group: used,
+            routed_scaling_factor: scale,
+        },
+    };
+    if cfg.arch == Arch::Glm4Moe {
+        cfg.use_qk_norm = has("blk.0.attn_q_norm.weight");
+        cfg.partial_rotary_factor = int("rope.dimension_count")
+            .filter(|r| *r != cfg.head_dim)
+            .map(|r| r as f64 / cfg.head_dim as f64);
+        return Ok(());
+    }
+    // The latent attention. Files from before llama.cpp's absorbed form hold `attn_kv_b` and
+    // a head's widths as `key_length` / `value_length`.
+    let rope = req("rope.dimension_count")?;
+    let kv_lora_rank = req("attention.kv_lora_rank")?;
+    let (head_dim, v_head_dim) = match has("blk.0.attn_kv_b.weight") {
+        true => (req("attention.key_length")?, req("attention.value_length")?),
+        false => (
+            req("attention.key_length_mla")?,
+            req("attention.value_length_mla")?,
+        ),
+    };
+    if head_dim <= rope {
+        bail!(
+            "metadata: a head's key width {head_dim} must exceed `{}` = {rope}",
+            key("rope.dimension_count")
+        );
+    }
+    cfg.num_key_value_heads = cfg.num_attention_heads;
+    cfg.head_dim = head_dim;
+    cfg.mla = Some(crate::config::MlaConfig {
+        q_lora_rank: match has("blk.0.attn_q_a.weight") {
+            true => Some(req("attention.q_lora_rank")?),
+            false => None,
+        },
+        kv_lora_rank,
+        qk_nope_head_dim: head_dim - rope,
+        qk_rope_head_dim: rope,
+        v_head_dim,
+        // llama.cpp's deepseek2 rotates adjacent pairs, as DeepSeek's checkpoints hold them.
+        rope_interleave: true,
+    });
+    Ok(())
 }
 
 /// Llama 3 RoPE scaling recovered from llama.cpp's `rope_freqs.weight`: the factor by which
@@ -473,8 +674,22 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
     if suffix != "weight" && suffix != "bias" {
         return None;
     }
+    // DeepSeek-V3's router offsets (a buffer in transformers).
+    if (module, suffix) == ("exp_probs_b", "bias") {
+        return Some(format!(
+            "model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        ));
+    }
     let hf = match module {
         "attn_norm" => "input_layernorm",
+        // DeepSeek's latent attention (`attn_k_b` / `attn_v_b` are joined into `kv_b_proj`
+        // by [`read_weights`]).
+        "attn_q_a" => "self_attn.q_a_proj",
+        "attn_q_a_norm" => "self_attn.q_a_layernorm",
+        "attn_q_b" => "self_attn.q_b_proj",
+        "attn_kv_a_mqa" => "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm" => "self_attn.kv_a_layernorm",
+        "attn_kv_b" => "self_attn.kv_b_proj",
         "attn_qkv" => "self_attn.qkv_proj",
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
@@ -488,7 +703,9 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
         "post_ffw_norm" if output_norms(arch) => "post_feedforward_layernorm",
         // GLM-4-0414's sublayer-output norms; Seed-OSS's MLP-input norm.
         "post_attention_norm" if arch == Arch::Glm4 => "post_self_attn_layernorm",
-        "post_attention_norm" if arch == Arch::SeedOss => "post_attention_layernorm",
+        "post_attention_norm" if matches!(arch, Arch::SeedOss | Arch::Glm4Moe) => {
+            "post_attention_layernorm"
+        }
         "post_ffw_norm" if arch == Arch::Glm4 => "post_mlp_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
@@ -499,6 +716,10 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
         "ffn_gate_exps" => "mlp.experts.gate_proj",
         "ffn_up_exps" => "mlp.experts.up_proj",
         "ffn_down_exps" => "mlp.experts.down_proj",
+        // DeepSeek's `n_shared_experts` as one MLP (`shared_experts`).
+        "ffn_gate_shexp" if arch.deepseek_moe() => "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp" if arch.deepseek_moe() => "mlp.shared_experts.up_proj",
+        "ffn_down_shexp" if arch.deepseek_moe() => "mlp.shared_experts.down_proj",
         "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
         "ffn_up_shexp" => "mlp.shared_expert.up_proj",
         "ffn_down_shexp" => "mlp.shared_expert.down_proj",
@@ -548,9 +769,24 @@ fn read_weights<R: Read + Seek>(
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
     let mut out = WeightMap::new();
+    // DeepSeek's routers and their offsets stay in f32, as transformers keeps them.
+    let dtype_of = |hf: &str| match crate::moe::MoeNames::kept_in_f32(cfg.arch, hf) {
+        true if dtype != DType::F64 => DType::F32,
+        _ => dtype,
+    };
     for name in names {
         if [ROPE_FREQS, ROPE_SHORT, ROPE_LONG].contains(&name.as_str()) {
             continue; // read into the config's RoPE scaling
+        }
+        if name.ends_with(".attn_k_b.weight") || name.ends_with(".attn_v_b.weight") {
+            continue; // joined into `kv_b_proj` below
+        }
+        let layer = name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if layer.is_some_and(|i| i >= cfg.num_hidden_layers) {
+            continue; // a next-token-prediction layer
         }
         let mut hf = hf_tensor_name(name, cfg.arch)
             .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
@@ -605,9 +841,76 @@ fn read_weights<R: Read + Seek>(
                 t = unpermute_qk(&t, cfg.num_key_value_heads)?;
             }
         }
-        out.insert(hf, t.to_dtype(dtype)?.to_device(device)?);
+        let dt = dtype_of(&hf);
+        out.insert(hf, t.to_dtype(dt)?.to_device(device)?);
+    }
+    if let Some(m) = &cfg.mla {
+        for i in 0..cfg.num_hidden_layers {
+            let hf = format!("model.layers.{i}.self_attn.kv_b_proj.weight");
+            if out.contains_key(&hf) {
+                continue; // a file from before the split
+            }
+            let mut part = |p: &str| -> Result<Tensor> {
+                let name = format!("blk.{i}.attn_{p}_b.weight");
+                content
+                    .tensor(reader, &name, &Device::Cpu)
+                    .and_then(|q| q.dequantize(&Device::Cpu))
+                    .map_err(|e| err(format!("tensor `{name}`: {e}")))
+            };
+            let kv_b = join_kv_b(&part("k")?, &part("v")?, m, cfg.num_attention_heads)?;
+            out.insert(hf, kv_b.to_dtype(dtype)?.to_device(device)?);
+        }
+    }
+    // A sigmoid router's offsets, zero where the file has none (llama.cpp's are optional).
+    if let Some(m) = &cfg.moe
+        && matches!(m.routing, crate::config::Routing::SigmoidGroups { .. })
+    {
+        let names = crate::moe::MoeNames::of(cfg.arch);
+        for i in (0..cfg.num_hidden_layers).filter(|i| m.sparse(*i)) {
+            let hf = names.correction_bias(i);
+            let dt = dtype_of(&hf);
+            if let std::collections::hash_map::Entry::Vacant(e) = out.entry(hf) {
+                e.insert(Tensor::zeros(m.num_experts, dt, device)?);
+            }
+        }
     }
     Ok(out)
+}
+
+/// `kv_b_proj` `(heads · (nope + v), kv_lora_rank)` from llama.cpp's `attn_k_b`
+/// `(heads, kv_lora_rank, nope)` (each head's key rows transposed) and `attn_v_b`
+/// `(heads, v, kv_lora_rank)`: each head's key rows, then its value rows.
+pub fn join_kv_b(
+    k_b: &Tensor,
+    v_b: &Tensor,
+    m: &crate::config::MlaConfig,
+    heads: usize,
+) -> Result<Tensor> {
+    let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+    if k_b.dims() != [heads, r, nope] || v_b.dims() != [heads, v, r] {
+        bail!(
+            "attn_k_b {:?} / attn_v_b {:?}: expected {:?} and {:?} ({heads} heads, kv_lora_rank {r}, nope {nope}, v {v})",
+            k_b.dims(),
+            v_b.dims(),
+            [heads, r, nope],
+            [heads, v, r]
+        );
+    }
+    Tensor::cat(&[&k_b.transpose(1, 2)?, v_b], 1)?.reshape((heads * (nope + v), r))
+}
+
+/// llama.cpp's `attn_k_b` and `attn_v_b` of a `kv_b_proj` weight (the inverse of [`join_kv_b`]).
+pub fn split_kv_b(
+    kv_b: &Tensor,
+    m: &crate::config::MlaConfig,
+    heads: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (r, nope, v) = (m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim);
+    let t = kv_b.reshape((heads, nope + v, r))?;
+    Ok((
+        t.narrow(1, 0, nope)?.transpose(1, 2)?.contiguous()?,
+        t.narrow(1, nope, v)?.contiguous()?,
+    ))
 }
 
 /// GPT-2's reversible map from bytes to printable characters, in which byte-level BPE
@@ -1047,8 +1350,18 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (module, suffix) = rest.rsplit_once('.')?;
+    if module == "mlp.gate" && suffix == "e_score_correction_bias" {
+        return Some(format!("blk.{layer}.exp_probs_b.bias"));
+    }
     let g = match module {
         "input_layernorm" => "attn_norm",
+        "self_attn.q_a_proj" => "attn_q_a",
+        "self_attn.q_a_layernorm" => "attn_q_a_norm",
+        "self_attn.q_b_proj" => "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa" => "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm" => "attn_kv_a_norm",
+        // Written split, as `attn_k_b` and `attn_v_b` ([`split_kv_b`]).
+        "self_attn.kv_b_proj" => "attn_kv_b",
         "self_attn.qkv_proj" => "attn_qkv",
         "mlp.gate_up_proj" => "ffn_up",
         "self_attn.q_proj" => "attn_q",
@@ -1057,7 +1370,9 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
         "self_attn.o_proj" => "attn_output",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
-        "post_attention_layernorm" if output_norms(arch) || arch == Arch::SeedOss => {
+        "post_attention_layernorm"
+            if output_norms(arch) || matches!(arch, Arch::SeedOss | Arch::Glm4Moe) =>
+        {
             "post_attention_norm"
         }
         "post_attention_layernorm" => "ffn_norm",
@@ -1080,9 +1395,9 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
         "mlp.experts.down_proj"
         | "block_sparse_moe.experts.w2"
         | "block_sparse_moe.experts.down_proj" => "ffn_down_exps",
-        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
-        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
-        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert.gate_proj" | "mlp.shared_experts.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" | "mlp.shared_experts.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" | "mlp.shared_experts.down_proj" => "ffn_down_shexp",
         "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         _ => return None,
     };
@@ -1198,6 +1513,10 @@ fn gemma_exportable(cfg: &ModelConfig) -> Result<()> {
 /// and its fixed renormalisation of the chosen experts' weights
 /// ([`llama_cpp_renormalises`]).
 fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()> {
+    // DeepSeek's families: [`deepseek_exportable`].
+    if cfg.arch.deepseek_moe() {
+        return Ok(());
+    }
     if !(0..cfg.num_hidden_layers).all(|i| m.sparse(i)) {
         bail!(
             "llama.cpp's {} has experts in every layer; this model's mlp_only_layers {:?} / decoder_sparse_step {} make some dense: export it as safetensors",
@@ -1228,6 +1547,188 @@ fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()>
         );
     }
     Ok(())
+}
+
+/// A tensor name [`save_gguf`] writes as it is (after this prefix): llama.cpp's own.
+const GGUF_NAMED: &str = "gguf:";
+
+/// What llama.cpp's `deepseek2` (DeepSeek-V2/V3, GLM-4.7-Flash) and `glm4moe` (GLM-4.5) compute
+/// of a model as transformers does, or an error naming what they do not: dense layers only
+/// before the first MoE one (`leading_dense_block_count`), shared experts (both graphs add
+/// them unconditionally), no MLP biases; DeepSeek-V2's groups chosen by their best expert
+/// (llama.cpp sums the best two); for the latent attention no biases on `q_a_proj`,
+/// `kv_a_proj_with_mqa`, `o_proj` (`attention_bias`), RoPE unscaled or YaRN with
+/// `mscale_all_dim` and cos/sin unscaled (llama.cpp takes `mscale` equal to it) and its fixed
+/// betas 32 and 1, and not the layer counts at which llama.cpp takes a file for DeepSeek-V2-Lite
+/// and reads no `q_lora_rank` (26, 27; 48 with 128,256 tokens).
+fn deepseek_exportable(cfg: &ModelConfig) -> Result<()> {
+    let name = cfg.arch.as_str();
+    let Some(m) = &cfg.moe else {
+        bail!("{name} without experts has no GGUF form here: export it as safetensors");
+    };
+    let dense: Vec<usize> = (0..cfg.num_hidden_layers)
+        .filter(|i| !m.sparse(*i))
+        .collect();
+    if dense.iter().enumerate().any(|(j, i)| j != *i) {
+        bail!(
+            "{name} with dense layers {dense:?} has no GGUF form (llama.cpp makes only the first `leading_dense_block_count` layers dense): export it as safetensors"
+        );
+    }
+    if m.shared_expert_intermediate_size
+        .is_none_or(|s| !s.is_multiple_of(m.moe_intermediate_size))
+    {
+        bail!(
+            "{name} without shared experts (n_shared_experts = 0) has no GGUF form (llama.cpp's graph always adds them): export it as safetensors"
+        );
+    }
+    if cfg.mlp_bias {
+        bail!(
+            "{name} with mlp_bias has no GGUF form (llama.cpp's has no MLP biases): export it as safetensors"
+        );
+    }
+    if let crate::config::Routing::Greedy {
+        n_group,
+        topk_group,
+        group_limited: true,
+        ..
+    } = m.routing
+        && n_group > 1
+        && topk_group < n_group
+    {
+        bail!(
+            "deepseek_v2 with topk_method = group_limited_greedy ({topk_group} of {n_group} groups) has no GGUF form (llama.cpp chooses groups by their two best experts' sum, DeepSeek-V2 by its best): export it as safetensors"
+        );
+    }
+    let Some(mla) = &cfg.mla else {
+        return Ok(());
+    };
+    if cfg.attention_bias {
+        bail!(
+            "{name} with attention_bias has no GGUF form (llama.cpp's deepseek2 has no biases on q_a_proj, kv_a_proj_with_mqa and o_proj): export it as safetensors"
+        );
+    }
+    let n = cfg.num_hidden_layers;
+    if mla.q_lora_rank.is_some() && (n == 26 || n == 27 || (n == 48 && cfg.vocab_size == 128_256)) {
+        bail!(
+            "{name} with {n} layers and q_lora_rank has no GGUF form (llama.cpp takes a deepseek2 file of {n} layers for DeepSeek-V2-Lite and reads no q_lora_rank): export it as safetensors"
+        );
+    }
+    match &cfg.rope_scaling {
+        None => Ok(()),
+        Some(RopeScaling::Yarn(y))
+            if y.mscale_all_dim.is_some()
+                && (y.attention_factor - 1.0).abs() < 1e-9
+                && (y.beta_fast, y.beta_slow, y.truncate) == (32.0, 1.0, true) =>
+        {
+            Ok(())
+        }
+        Some(RopeScaling::Yarn(y)) => bail!(
+            "{name} with YaRN (attention factor {}, mscale_all_dim {:?}, betas {} / {}) has no GGUF form (llama.cpp's deepseek2 needs mscale_all_dim, mscale equal to it, betas 32 / 1): export it as safetensors",
+            y.attention_factor,
+            y.mscale_all_dim,
+            y.beta_fast,
+            y.beta_slow
+        ),
+        Some(s) => bail!(
+            "{name} with RoPE scaling {s:?} has no GGUF form (llama.cpp's deepseek2 then scales the scores as transformers does not): export it as safetensors"
+        ),
+    }
+}
+
+/// The `{arch}.*` keys of DeepSeek's mixture of experts as llama.cpp reads them: the leading
+/// dense layers, the shared experts' count, the router's function, scale, renormalisation and
+/// groups (written only where they restrict the choice).
+fn deepseek_moe_metadata(
+    cfg: &ModelConfig,
+    m: &crate::config::MoeConfig,
+    shared: Option<usize>,
+    a: &dyn Fn(&str) -> String,
+) -> Vec<(String, Value)> {
+    let u = |x: usize| Value::U32(x as u32);
+    let dense = (0..cfg.num_hidden_layers)
+        .take_while(|i| !m.sparse(*i))
+        .count();
+    let (gating, scale, groups) = match m.routing {
+        crate::config::Routing::Greedy {
+            routed_scaling_factor,
+            ..
+        } => (GATING_SOFTMAX, routed_scaling_factor, None),
+        crate::config::Routing::SigmoidGroups {
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+        } => (
+            GATING_SIGMOID,
+            routed_scaling_factor,
+            (n_group > 1 && topk_group < n_group).then_some((n_group, topk_group)),
+        ),
+        crate::config::Routing::Softmax => (GATING_SOFTMAX, 1.0, None),
+    };
+    let mut md = vec![
+        (a("leading_dense_block_count"), u(dense)),
+        (
+            a("expert_shared_count"),
+            u(shared.unwrap_or(0) / m.moe_intermediate_size.max(1)),
+        ),
+        (a("expert_weights_scale"), Value::F32(scale as f32)),
+        (a("expert_weights_norm"), Value::Bool(m.norm_topk_prob)),
+        (a("expert_gating_func"), Value::U32(gating)),
+    ];
+    if let Some((g, used)) = groups {
+        md.push((a("expert_group_count"), u(g)));
+        md.push((a("expert_group_used_count"), u(used)));
+    }
+    md
+}
+
+/// A latent-attention model's tensors as llama.cpp's deepseek2 holds them: `kv_b_proj` split
+/// into `attn_k_b` and `attn_v_b` ([`split_kv_b`]); without `rope_interleave` the rotated rows
+/// of the queries and of the shared key reordered into the adjacent pairs llama.cpp rotates.
+fn mla_tensors(
+    cfg: &ModelConfig,
+    m: &crate::config::MlaConfig,
+    weights: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    let heads = cfg.num_attention_heads;
+    let r = m.qk_rope_head_dim;
+    // The last `r` rows of each of `n` blocks, from rotate-half pairs to adjacent ones.
+    let pair = |t: &Tensor, n: usize| -> Result<Tensor> {
+        if m.rope_interleave {
+            return Ok(t.clone());
+        }
+        let rows = t.dim(0)? / n;
+        let blocks = t.reshape((n, rows, ()))?;
+        let rot = permute_qk(
+            &blocks
+                .narrow(1, rows - r, r)?
+                .contiguous()?
+                .reshape((n * r, ()))?,
+            n,
+        )?;
+        Tensor::cat(
+            &[&blocks.narrow(1, 0, rows - r)?, &rot.reshape((n, r, ()))?],
+            1,
+        )?
+        .reshape(t.dims())
+    };
+    let mut out = Vec::with_capacity(weights.len() + cfg.num_hidden_layers);
+    for (name, t) in weights {
+        if let Some(layer) = name.strip_suffix(".self_attn.kv_b_proj.weight") {
+            let i = layer.rsplit('.').next().unwrap_or("0");
+            let (k, v) = split_kv_b(&t, m, heads)?;
+            out.push((format!("{GGUF_NAMED}blk.{i}.attn_k_b.weight"), k));
+            out.push((format!("{GGUF_NAMED}blk.{i}.attn_v_b.weight"), v));
+        } else if name.ends_with(".self_attn.q_proj.weight")
+            || name.ends_with(".self_attn.q_b_proj.weight")
+        {
+            out.push((name, pair(&t, heads)?));
+        } else if name.ends_with(".self_attn.kv_a_proj_with_mqa.weight") {
+            out.push((name, pair(&t, 1)?));
+        } else {
+            out.push((name, t));
+        }
+    }
+    Ok(out)
 }
 
 /// An MoE model's tensors with each layer's experts stacked, `(experts, out, in)` under the
@@ -1603,10 +2104,15 @@ pub fn save_gguf(
         Arch::Qwen3Moe => "qwen3moe",
         Arch::Qwen2Moe => "qwen2moe",
         Arch::Gemma3 => "gemma3",
+        Arch::Glm4Moe => "glm4moe",
+        a if a.mla() => "deepseek2",
         a => a.as_str(),
     };
     if cfg.arch.gemma() {
         gemma_exportable(cfg)?;
+    }
+    if cfg.arch.deepseek_moe() {
+        deepseek_exportable(cfg)?;
     }
     if cfg.arch == Arch::Exaone4 {
         bail!(
@@ -1623,20 +2129,9 @@ pub fn save_gguf(
             "glm has no GGUF form here (llama.cpp's chatglm is not checked against transformers'; GLM-4-0414's glm4 is written): export it as safetensors"
         );
     }
-    if cfg.arch.mla() {
-        bail!(
-            "{} has no GGUF form here (llama.cpp's deepseek2 latent attention is not checked against transformers'): export it as safetensors",
-            cfg.arch.as_str()
-        );
-    }
     if cfg.arch == Arch::NanoChat {
         bail!(
             "nanochat has no GGUF form (llama.cpp has no architecture with its weightless norms, its norm of the embeddings and its q/k norms after RoPE): export it as safetensors"
-        );
-    }
-    if cfg.arch == Arch::Glm4Moe {
-        bail!(
-            "glm4_moe has no GGUF form here (llama.cpp's glm4moe, with its next-token-prediction layer and biased sigmoid router, is not checked against transformers'): export it as safetensors"
         );
     }
     if cfg.arch == Arch::GptOss {
@@ -1708,6 +2203,12 @@ pub fn save_gguf(
     }
     let a = |k: &str| format!("{arch}.{k}");
     let u = |x: usize| Value::U32(x as u32);
+    // llama.cpp's deepseek2 attends as one shared head over the latent and the rotated key
+    // (`key_length` / `value_length`); a head's own widths are the `*_mla` keys.
+    let (kv_heads, key_length, value_length) = match &cfg.mla {
+        Some(m) => (1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank),
+        None => (cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim),
+    };
     let mut md: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(arch.into())),
         ("general.type".into(), Value::String("model".into())),
@@ -1719,9 +2220,9 @@ pub fn save_gguf(
         (a("block_count"), u(cfg.num_hidden_layers)),
         (a("feed_forward_length"), u(cfg.intermediate_size)),
         (a("attention.head_count"), u(cfg.num_attention_heads)),
-        (a("attention.head_count_kv"), u(cfg.num_key_value_heads)),
-        (a("attention.key_length"), u(cfg.head_dim)),
-        (a("attention.value_length"), u(cfg.head_dim)),
+        (a("attention.head_count_kv"), u(kv_heads)),
+        (a("attention.key_length"), u(key_length)),
+        (a("attention.value_length"), u(value_length)),
         (a("rope.freq_base"), Value::F32(cfg.rope_theta as f32)),
         (
             a("attention.layer_norm_rms_epsilon"),
@@ -1749,6 +2250,19 @@ pub fn save_gguf(
             bail!(
                 "LongRoPE scaling is written to GGUF for phi3 only: export the model as safetensors"
             )
+        }
+        // DeepSeek's, as llama.cpp's deepseek2 reads it ([`deepseek_exportable`] checked it).
+        Some(RopeScaling::Yarn(y)) if cfg.mla.is_some() => {
+            md.push((a("rope.scaling.type"), Value::String("yarn".into())));
+            md.push((a("rope.scaling.factor"), Value::F32(y.factor as f32)));
+            md.push((
+                a("rope.scaling.original_context_length"),
+                u(y.original_max_position_embeddings),
+            ));
+            md.push((
+                a("rope.scaling.yarn_log_multiplier"),
+                Value::F32((0.1 * y.mscale_all_dim.unwrap_or(0.0)) as f32),
+            ));
         }
         Some(RopeScaling::Yarn(_)) => bail!(
             "YaRN RoPE scaling is not written to GGUF (llama.cpp's YaRN is not checked against transformers'): export the model as safetensors"
@@ -1778,9 +2292,27 @@ pub fn save_gguf(
         if !cfg.arch.experts_mlp_wide() {
             md.push((a("expert_feed_forward_length"), u(m.moe_intermediate_size)));
         }
-        if let Some(s) = m.shared_expert_intermediate_size {
-            md.push((a("expert_shared_feed_forward_length"), u(s)));
+        match (cfg.arch.deepseek_moe(), m.shared_expert_intermediate_size) {
+            (false, Some(s)) => md.push((a("expert_shared_feed_forward_length"), u(s))),
+            (false, None) => {}
+            (true, s) => md.extend(deepseek_moe_metadata(cfg, m, s, &a)),
         }
+    }
+    if let Some(m) = &cfg.mla {
+        md.push((a("vocab_size"), u(cfg.vocab_size)));
+        // 0 for one `q_proj` (DeepSeek-V2-Lite's): llama.cpp requires the key but at the layer
+        // counts it takes for DeepSeek-V2-Lite.
+        md.push((a("attention.q_lora_rank"), u(m.q_lora_rank.unwrap_or(0))));
+        md.push((a("attention.kv_lora_rank"), u(m.kv_lora_rank)));
+        md.push((
+            a("attention.key_length_mla"),
+            u(m.qk_nope_head_dim + m.qk_rope_head_dim),
+        ));
+        md.push((a("attention.value_length_mla"), u(m.v_head_dim)));
+        md.push((a("rope.dimension_count"), u(m.qk_rope_head_dim)));
+    }
+    if cfg.arch == Arch::Glm4Moe {
+        md.push((a("rope.dimension_count"), u(cfg.rotary_dim())));
     }
     // Gemma's window (its layers fixed by llama.cpp: [`gemma_exportable`]) and Gemma 2's caps.
     if cfg.arch.gemma() {
@@ -1831,9 +2363,15 @@ pub fn save_gguf(
     if cfg.arch == Arch::Olmo2 && model.lm_head.is_none() {
         weights.push(("lm_head.weight".into(), model.embed_tokens.clone()));
     }
+    let weights = match &cfg.mla {
+        Some(m) => mla_tensors(cfg, m, weights)?,
+        None => weights,
+    };
     for (hf, t) in weights {
-        let Some(g) = gguf_tensor_name(&hf, cfg.arch) else {
-            bail!("tensor `{hf}` has no llama.cpp name");
+        let g = match hf.strip_prefix(GGUF_NAMED) {
+            Some(g) => g.to_string(),
+            None => gguf_tensor_name(&hf, cfg.arch)
+                .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?,
         };
         // A storage of its own: packed weights are views, and quantizing reads the storage whole.
         let mut t = t

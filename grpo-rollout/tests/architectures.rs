@@ -1379,7 +1379,7 @@ fn load_error(case: &Value, change: Value) -> String {
 }
 
 /// GLM-4.5's routing groups must split the experts evenly and leave enough experts; its dense
-/// layers are its first ones; no GGUF form: each refused by name. Its attention modules and
+/// layers are its first ones: each refused by name; it exports as GGUF. Its attention modules and
 /// its experts' `target_parameters` take adapters.
 #[test]
 fn glm4_moe_refusals_are_named() {
@@ -1418,12 +1418,20 @@ fn glm4_moe_refusals_are_named() {
     let moe = model.layers[1].moe.as_ref().unwrap();
     assert!(moe.experts[0].gate_proj.lora.is_some() && moe.experts[0].down_proj.lora.is_none());
     assert!(moe.shared.as_ref().unwrap().0.gate_proj.lora.is_none());
-    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
-    assert!(e.contains("glm4_moe has no GGUF form"), "{e}");
+    // As llama.cpp's glm4moe (its checks: tests/moe.rs, tests/gguf.rs).
+    use grpo_rollout::gguf::{GgufType, save_gguf};
+    save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &tmp.path().join("x.gguf"),
+        GgufType::F32,
+        "x",
+    )
+    .unwrap();
 }
 
 /// DeepSeek's latent attention: what it does not support is refused by name (key/value heads
-/// other than the heads, values wider than the queries, GGUF); its LoRA default targets are
+/// other than the heads, values wider than the queries; it exports as GGUF); its LoRA default targets are
 /// its query map and `kv_b_proj` (it has no `v_proj`); `q_a_proj` takes an adapter of its own.
 #[test]
 fn deepseek_v3_latent_attention_refusals_and_targets() {
@@ -1442,8 +1450,16 @@ fn deepseek_v3_latent_attention_refusals_and_targets() {
     let m = load_case(&r["cases"]["deepseekv3"], tmp.path());
     let cfg = &m.model.cfg;
     assert_eq!((cfg.head_dim, cfg.rotary_dim()), (16, 8));
-    let e = gguf_refusal(&m, &tmp.path().join("x.gguf"));
-    assert!(e.contains("deepseek_v3 has no GGUF form"), "{e}");
+    // As llama.cpp's deepseek2 (its checks and refusals: tests/moe.rs, tests/gguf.rs).
+    use grpo_rollout::gguf::{GgufType, save_gguf};
+    save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &tmp.path().join("x.gguf"),
+        GgufType::F32,
+        "x",
+    )
+    .unwrap();
 
     let tm =
         grpo_rollout::policy::TrainableModel::lora(&m.model, &LoraConfig::default(), 1).unwrap();

@@ -710,3 +710,180 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
     bad[0] = 3.0;
     assert!(grpo_rollout::gguf::llama3_scaling_from_rope_freqs(&bad, theta, hd).is_err());
 }
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// Log-probs of each reference row's tokens after the first, as the reference lists them.
+fn row_logprobs(model: &grpo_rollout::Transformer, rows: &[Vec<u32>]) -> Vec<Vec<f64>> {
+    rows.iter()
+        .map(|r| {
+            let ids = Tensor::new(r.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            let mask = ids.ones_like().unwrap();
+            let (lp, _) = model
+                .completion_logprobs(&ids, &mask, r.len() - 1, 1.0, false)
+                .unwrap();
+            lp.to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn worst(a: &[Vec<f64>], b: &Json) -> f64 {
+    let b: Vec<Vec<f64>> = serde_json::from_value(b.clone()).unwrap();
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// llama.cpp's own converter's files of DeepSeek-V3 (`deepseek2`: the latent attention with
+/// `attn_k_b` / `attn_v_b`, YaRN, a sigmoid router in 4 groups of which 2 are taken, the
+/// offsets, a leading dense layer) and GLM-4.5 (`glm4moe`, with its next-token-prediction layer
+/// after the model's) read as the transformers models they were converted from: the config,
+/// and the log-probs of two rows against transformers' and llama.cpp's
+/// (`scripts/gen_deepseek_gguf_reference.py`, llama.cpp of llama-cpp-python 0.3.36).
+#[test]
+fn llama_cpp_converted_deepseek_and_glm4moe_read_as_transformers() {
+    use grpo_rollout::config::{RopeScaling, Routing};
+    for name in ["deepseekv3", "glm4moe"] {
+        let text = std::fs::read_to_string(fixtures().join(format!("{name}_gguf_reference.json")))
+            .unwrap();
+        let r: Json = serde_json::from_str(&text).unwrap();
+        let path = fixtures().join(format!("{name}-llama-micro.gguf"));
+        let m = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+        let c = &m.model.cfg;
+        // Three layers: GLM-4.5's fourth (`nextn_predict_layers`) is not the model's.
+        assert_eq!(c.num_hidden_layers, 3, "{name}");
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.mlp_only_layers, vec![0], "{name}");
+        assert_eq!(moe.shared_expert_intermediate_size, Some(16), "{name}");
+        assert!(moe.norm_topk_prob);
+        match name {
+            "deepseekv3" => {
+                assert_eq!(c.arch, Arch::DeepseekV3);
+                let mla = c.mla.unwrap();
+                assert_eq!(
+                    (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim),
+                    (Some(16), 16, 8)
+                );
+                assert_eq!(
+                    (mla.qk_rope_head_dim, mla.v_head_dim, c.head_dim),
+                    (8, 12, 16)
+                );
+                assert_eq!(
+                    moe.routing,
+                    Routing::SigmoidGroups {
+                        n_group: 4,
+                        topk_group: 2,
+                        routed_scaling_factor: 2.5
+                    }
+                );
+                let Some(RopeScaling::Yarn(y)) = &c.rope_scaling else {
+                    panic!("{:?}", c.rope_scaling)
+                };
+                assert_eq!(
+                    (
+                        y.factor,
+                        y.original_max_position_embeddings,
+                        y.mscale_all_dim
+                    ),
+                    (4.0, 16, Some(0.707))
+                );
+            }
+            _ => {
+                assert_eq!(c.arch, Arch::Glm4Moe);
+                assert!(c.use_qk_norm && c.attention_bias);
+                assert_eq!((c.rotary_dim(), c.num_key_value_heads), (8, 2));
+            }
+        }
+        let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+        let ours = row_logprobs(&m.model, &rows);
+        let (t, l) = (
+            worst(&ours, &r["transformers_logprobs"]),
+            worst(&ours, &r["llama_cpp_logprobs"]),
+        );
+        eprintln!("{name}: transformers {t:.2e}, llama.cpp {l:.2e}");
+        assert!(t < 2e-5 && l < 5e-5, "{name}: {t} {l}");
+        // Far from uniform: a wrong router or RoPE shows.
+        assert!(ours.iter().flatten().any(|x| *x < -8.0));
+    }
+}
+
+/// The DeepSeek-V3 fixture written again with metadata `edit`ed, read back.
+fn read_edited(edit: impl FnOnce(&mut HashMap<String, Value>)) -> String {
+    let src = fixtures().join("deepseekv3-llama-micro.gguf");
+    let mut f = std::fs::File::open(&src).unwrap();
+    let c = gguf_file::Content::read(&mut f).unwrap();
+    let mut md = c.metadata.clone();
+    edit(&mut md);
+    let tensors: Vec<(String, QTensor)> = c
+        .tensor_infos
+        .keys()
+        .map(|n| (n.clone(), c.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x.gguf");
+    let mut w = std::fs::File::create(&out).unwrap();
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut w, &md_refs, &t_refs).unwrap();
+    drop(w);
+    match load_gguf(&out, DType::F32, &Device::Cpu) {
+        Ok(_) => "loaded".into(),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A `deepseek2` file llama.cpp computes as no transformers model does is refused by its key:
+/// another gating function, YaRN without `yarn_log_multiplier` (llama.cpp then scales the
+/// scores by the RoPE factor's square), linear scaling, a softmax router with groups (llama.cpp
+/// ranks groups by their best two) or renormalised (DeepSeek-V2 never is).
+#[test]
+fn deepseek2_files_llama_cpp_computes_otherwise_are_refused() {
+    assert_eq!(read_edited(|_| {}), "loaded");
+    let e = read_edited(|m| {
+        m.insert("deepseek2.expert_gating_func".into(), Value::U32(3));
+    });
+    assert!(e.contains("deepseek2.expert_gating_func` = 3"), "{e}");
+    let e = read_edited(|m| {
+        m.remove("deepseek2.rope.scaling.yarn_log_multiplier");
+    });
+    assert!(e.contains("yarn_log_multiplier` is missing"), "{e}");
+    let e = read_edited(|m| {
+        m.insert(
+            "deepseek2.rope.scaling.type".into(),
+            Value::String("linear".into()),
+        );
+    });
+    assert!(e.contains("rope.scaling.type` = linear"), "{e}");
+    let e = read_edited(|m| {
+        m.insert("deepseek2.expert_gating_func".into(), Value::U32(1));
+    });
+    assert!(
+        e.contains("expert_group_count` = 4 with a softmax router"),
+        "{e}"
+    );
+    let e = read_edited(|m| {
+        m.insert("deepseek2.expert_gating_func".into(), Value::U32(1));
+        m.remove("deepseek2.expert_group_count");
+    });
+    assert!(
+        e.contains("expert_weights_norm` = true with a softmax"),
+        "{e}"
+    );
+    // Without the key, llama.cpp's fallback: softmax (GLM-4.7-Flash's shape aside).
+    let e = read_edited(|m| {
+        m.remove("deepseek2.expert_gating_func");
+    });
+    assert!(e.contains("with a softmax router"), "{e}");
+}

@@ -18,6 +18,17 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
+/// The micro fixtures' byte-level tokenizer.
+fn micro_tokenizer() -> grpo_rollout::Tokenizer {
+    grpo_rollout::load(
+        &fixtures().join("arch-qwen2moe-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap()
+    .tokenizer
+}
+
 fn reference() -> Value {
     let text = std::fs::read_to_string(fixtures().join("moe_aux_reference.json")).unwrap();
     serde_json::from_str(&text).unwrap()
@@ -226,13 +237,7 @@ fn moe_gguf_round_trips() {
     let tmp = tempfile::tempdir().unwrap();
     let rows: Vec<Vec<u32>> = vec![(5..40).collect(), (100..121).collect()];
     let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
-    let tok = grpo_rollout::load(
-        &fixtures().join("arch-qwen2moe-micro"),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap()
-    .tokenizer;
+    let tok = micro_tokenizer();
     for arch in [
         grpo_rollout::Arch::Qwen3Moe,
         grpo_rollout::Arch::Qwen2Moe,
@@ -276,6 +281,206 @@ fn moe_gguf_round_trips() {
         let d = max_diff(&lp(&back), &lp(&m));
         assert!(d < 1e-5, "{arch:?}: {d}");
     }
+}
+
+/// DeepSeek's families as llama.cpp's `deepseek2` (DeepSeek-V3 with groups and with YaRN,
+/// DeepSeek-V2's softmax router, GLM-4.7-Flash with and without `rope_interleave`) and GLM-4.5
+/// as `glm4moe` (q/k norms, half of each head rotating): `kv_b_proj` split into `attn_k_b` /
+/// `attn_v_b`, the router's offsets as `exp_probs_b`, the leading dense layer, the shared
+/// experts; read back, the same config (the RoPE pairs as llama.cpp rotates them) and
+/// log-probs.
+#[test]
+fn deepseek_gguf_round_trips() {
+    use grpo_rollout::Arch;
+    use grpo_rollout::config::{ModelConfig, RopeScaling, Routing, YarnRopeScaling};
+    use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
+    use grpo_rollout::init::{Preset, preset_config, random_weights};
+    let tmp = tempfile::tempdir().unwrap();
+    let rows: Vec<Vec<u32>> = vec![(5..40).collect(), (100..121).collect()];
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let tok = micro_tokenizer();
+    type Edit = Box<dyn Fn(&mut ModelConfig)>;
+    let yarn = YarnRopeScaling {
+        factor: 4.0,
+        original_max_position_embeddings: 16,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: 1.0,
+        mscale_all_dim: Some(0.707),
+    };
+    let cases: Vec<(Arch, Edit)> = vec![
+        (Arch::DeepseekV3, Box::new(|_| {})),
+        (
+            Arch::DeepseekV3,
+            Box::new(move |c| c.rope_scaling = Some(RopeScaling::Yarn(yarn))),
+        ),
+        (
+            Arch::DeepseekV2,
+            Box::new(|c| {
+                let m = c.moe.as_mut().unwrap();
+                m.routing = Routing::Greedy {
+                    n_group: 1,
+                    topk_group: 1,
+                    routed_scaling_factor: 1.5,
+                    group_limited: false,
+                };
+                m.norm_topk_prob = false;
+            }),
+        ),
+        (Arch::Glm4MoeLite, Box::new(|_| {})),
+        (
+            Arch::Glm4MoeLite,
+            Box::new(|c| c.mla.as_mut().unwrap().rope_interleave = false),
+        ),
+        (
+            Arch::Glm4Moe,
+            Box::new(|c| {
+                c.use_qk_norm = true;
+                c.partial_rotary_factor = Some(0.5);
+            }),
+        ),
+    ];
+    for (i, (arch, edit)) in cases.into_iter().enumerate() {
+        let mut c = preset_config(Preset::Small, arch, 300, 2, 0);
+        c.tie_word_embeddings = false;
+        c.attention_bias = arch == Arch::Glm4Moe;
+        edit(&mut c);
+        // Weights far from uniform routing; the routers' offsets away from 0.
+        let m = random_weights(&c, 9, DType::F32, &Device::Cpu)
+            .unwrap()
+            .map_tensors(&|t| match (t.dtype(), t.rank()) {
+                (DType::F32, 1) => {
+                    t.affine(1.0, 0.0)? + t.ones_like()?.cumsum(0)?.affine(0.01, -0.03)?
+                }
+                (DType::F32, _) => t.affine(8.0, 0.0),
+                _ => Ok(t.clone()),
+            })
+            .unwrap();
+        let path = tmp.path().join(format!("{i}.gguf"));
+        let written = save_gguf(&m, &tok, &path, GgufType::F32, "m").unwrap();
+        let names: Vec<&str> = written.iter().map(|(n, _)| n.as_str()).collect();
+        let mut want = vec![
+            "blk.0.ffn_gate.weight",
+            "blk.1.ffn_gate_inp.weight",
+            "blk.1.ffn_gate_exps.weight",
+            "blk.1.ffn_up_shexp.weight",
+        ];
+        if c.mla.is_some() {
+            want.extend(["blk.0.attn_kv_a_mqa.weight", "blk.0.attn_kv_a_norm.weight"]);
+            want.extend(["blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"]);
+        } else {
+            want.extend(["blk.0.attn_q.bias", "blk.0.attn_k_norm.weight"]);
+            want.push("blk.0.post_attention_norm.weight");
+        }
+        if arch != Arch::DeepseekV2 {
+            want.push("blk.1.exp_probs_b.bias");
+        }
+        for n in want {
+            assert!(names.contains(&n), "{arch:?}: {n} not in {names:?}");
+        }
+        assert!(!names.iter().any(|n| n.contains("kv_b")), "{names:?}");
+        assert!(!names.contains(&"blk.0.ffn_gate_inp.weight"));
+        let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
+        let mut expect = c.clone();
+        if let Some(m) = expect.mla.as_mut() {
+            m.rope_interleave = true;
+        }
+        // (GLM-4.7-Flash's file is DeepSeek-V3's.)
+        if arch == Arch::Glm4MoeLite {
+            expect.arch = Arch::DeepseekV3;
+        }
+        assert_eq!(cfg.arch, expect.arch);
+        assert_eq!(cfg.moe, expect.moe, "{arch:?}");
+        assert_eq!(cfg.mla, expect.mla, "{arch:?}");
+        assert_eq!(cfg.rope_scaling, expect.rope_scaling, "{arch:?}");
+        assert_eq!(
+            (cfg.head_dim, cfg.num_key_value_heads, cfg.use_qk_norm),
+            (
+                expect.head_dim,
+                expect.num_key_value_heads,
+                expect.use_qk_norm
+            )
+        );
+        assert_eq!(cfg.rotary_dim(), expect.rotary_dim());
+        let back =
+            grpo_rollout::Transformer::from_weights(&cfg, &weights, DType::F32, &Device::Cpu)
+                .unwrap();
+        let lp = |t: &grpo_rollout::Transformer| {
+            values(
+                &t.completion_logprobs(&ids, &mask, 16, 1.0, false)
+                    .unwrap()
+                    .0,
+            )
+        };
+        let (a, b) = (lp(&m), lp(&back));
+        let d = max_diff(&a, &b);
+        assert!(d < 1e-5, "{arch:?} case {i}: {d}");
+        // Not a trivially equal pair: the completion is far from uniform.
+        assert!(a.iter().any(|x| *x < -7.0), "{a:?}");
+    }
+}
+
+/// What llama.cpp's `deepseek2` / `glm4moe` compute otherwise is refused by name on export:
+/// biases on the latent attention, DeepSeek-V2's group-limited routing, a dense layer after an
+/// MoE one, no shared experts, linear RoPE scaling, YaRN without `mscale_all_dim`, and the
+/// layer count llama.cpp takes for DeepSeek-V2-Lite with a low-rank q.
+#[test]
+fn deepseek_gguf_refusals_are_named() {
+    use grpo_rollout::Arch;
+    use grpo_rollout::config::{ModelConfig, RopeScaling, YarnRopeScaling};
+    use grpo_rollout::init::{Preset, preset_config, random_weights};
+    let tmp = tempfile::tempdir().unwrap();
+    let tok = micro_tokenizer();
+    let refusal = |arch: Arch, edit: &dyn Fn(&mut ModelConfig)| -> String {
+        let mut c = preset_config(Preset::Tiny, arch, 300, 2, 0);
+        c.attention_bias = false;
+        edit(&mut c);
+        let m = random_weights(&c, 9, DType::F32, &Device::Cpu).unwrap();
+        grpo_rollout::gguf::save_gguf(
+            &m,
+            &tok,
+            &tmp.path().join("x.gguf"),
+            grpo_rollout::gguf::GgufType::F32,
+            "x",
+        )
+        .map(|_| "written".to_string())
+        .unwrap_or_else(|e| e.to_string())
+    };
+    assert_eq!(refusal(Arch::DeepseekV3, &|_| {}), "written");
+    let e = refusal(Arch::DeepseekV3, &|c| c.attention_bias = true);
+    assert!(
+        e.contains("attention_bias") && e.contains("deepseek2"),
+        "{e}"
+    );
+    let e = refusal(Arch::DeepseekV2, &|_| {});
+    assert!(e.contains("group_limited_greedy (1 of 2 groups)"), "{e}");
+    let e = refusal(Arch::Glm4MoeLite, &|c| {
+        c.moe.as_mut().unwrap().mlp_only_layers = vec![1]
+    });
+    assert!(e.contains("dense layers [1]"), "{e}");
+    let e = refusal(Arch::Glm4Moe, &|c| {
+        c.moe.as_mut().unwrap().shared_expert_intermediate_size = None
+    });
+    assert!(e.contains("without shared experts"), "{e}");
+    let e = refusal(Arch::DeepseekV3, &|c| {
+        c.rope_scaling = Some(RopeScaling::Linear { factor: 2.0 })
+    });
+    assert!(e.contains("RoPE scaling Linear"), "{e}");
+    let e = refusal(Arch::DeepseekV3, &|c| {
+        c.rope_scaling = Some(RopeScaling::Yarn(YarnRopeScaling {
+            factor: 4.0,
+            original_max_position_embeddings: 16,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 1.0 + 0.1 * 4f64.ln(),
+            mscale_all_dim: None,
+        }))
+    });
+    assert!(e.contains("mscale_all_dim None"), "{e}");
+    let e = refusal(Arch::DeepseekV3, &|c| c.num_hidden_layers = 27);
+    assert!(e.contains("27 layers and q_lora_rank"), "{e}");
 }
 
 /// What the MoE families do not support is refused by name: GGUF of what llama.cpp computes
