@@ -235,7 +235,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .ok_or_else(|| err("tensor `token_embd.weight` is missing"))?;
     let vocab_size = embed.shape.dims().first().copied().unwrap_or(0);
     // llama.cpp's linear scaling is transformers' (every frequency divided by the factor);
-    // its YaRN and LongRoPE are not read.
+    // its YaRN on the families where llama.cpp computes transformers' ([`yarn_family`],
+    // DeepSeek's [`deepseek2_rope`]); LongRoPE from its tensors (`load_gguf`).
     let rope_scaling = match md.get(&key("rope.scaling.type")).and_then(as_str) {
         None | Some("none") => None,
         Some(kind) if arch.mla() => deepseek2_rope(md, kind, &key)?,
@@ -252,8 +253,9 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
                 })?;
             Some(RopeScaling::Linear { factor })
         }
+        Some("yarn") if yarn_family(arch) => Some(generic_yarn(md, &key)?),
         Some(kind) => bail!(
-            "RoPE scaling `{kind}` ({}) is not supported (supported: none, linear)",
+            "RoPE scaling `{kind}` ({}) is not supported (supported: none, linear; yarn for llama, qwen2, qwen3, qwen3moe, qwen2moe, deepseek2)",
             key("rope.scaling.type")
         ),
     };
@@ -494,6 +496,72 @@ fn deepseek2_rope(
         // at 6 significant digits).
         mscale_all_dim: format!("{:.5e}", log_mul / 0.1).parse().ok(),
     })))
+}
+
+/// The families whose llama.cpp graph applies YaRN as transformers does (its RoPE with the
+/// YaRN ramp and `0.1 ln(factor) + 1` on cos and sin, the scores' scale unchanged): llama
+/// (Mistral, Mixtral), the Qwens. (DeepSeek's latent attention: [`deepseek2_rope`].)
+fn yarn_family(arch: Arch) -> bool {
+    matches!(
+        arch,
+        Arch::Llama
+            | Arch::Mistral
+            | Arch::Mixtral
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Qwen3Moe
+            | Arch::Qwen2Moe
+    )
+}
+
+/// YaRN as llama.cpp computes it for a [`yarn_family`]: the factor, the pre-training length
+/// (`rope.scaling.original_context_length`, else the context length), betas 32 and 1 (it reads
+/// none from the file), cos and sin times `0.1 ln(factor) + 1` — transformers' defaults.
+/// A `yarn_log_multiplier` (DeepSeek's attention scaling) is refused.
+fn generic_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
+    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
+    let factor = float("rope.scaling.factor")
+        .filter(|f| *f > 0.0)
+        .ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing for YaRN",
+                key("rope.scaling.factor")
+            ))
+        })?;
+    if float("rope.scaling.yarn_log_multiplier").is_some_and(|m| m != 0.0) {
+        bail!(
+            "metadata `{}`: YaRN with a log multiplier scales the attention as no transformers model of this family does (not supported)",
+            key("rope.scaling.yarn_log_multiplier")
+        );
+    }
+    let original = md
+        .get(&key("rope.scaling.original_context_length"))
+        .or_else(|| md.get(&key("context_length")))
+        .and_then(as_u64)
+        .ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing for YaRN",
+                key("rope.scaling.original_context_length")
+            ))
+        })?;
+    Ok(RopeScaling::Yarn(crate::config::YarnRopeScaling {
+        factor,
+        original_max_position_embeddings: original as usize,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: yarn_default_attention(factor),
+        mscale_all_dim: None,
+    }))
+}
+
+/// transformers' default YaRN factor on cos and sin, `0.1 ln(factor) + 1` (1 at factor ≤ 1),
+/// as llama.cpp's RoPE applies it.
+fn yarn_default_attention(factor: f64) -> f64 {
+    match factor <= 1.0 {
+        true => 1.0,
+        false => 0.1 * factor.ln() + 1.0,
+    }
 }
 
 /// The fields of DeepSeek's mixture of experts (`deepseek2`, `glm4moe`) and latent attention
@@ -2264,8 +2332,32 @@ pub fn save_gguf(
                 Value::F32((0.1 * y.mscale_all_dim.unwrap_or(0.0)) as f32),
             ));
         }
+        // The Qwens' and llama's, where llama.cpp computes transformers' default YaRN.
+        Some(RopeScaling::Yarn(y))
+            if yarn_family(cfg.arch)
+                && y.mscale_all_dim.is_none()
+                && (y.attention_factor - yarn_default_attention(y.factor)).abs() < 1e-9
+                && (y.beta_fast, y.beta_slow, y.truncate) == (32.0, 1.0, true) =>
+        {
+            md.push((a("rope.scaling.type"), Value::String("yarn".into())));
+            md.push((a("rope.scaling.factor"), Value::F32(y.factor as f32)));
+            md.push((
+                a("rope.scaling.original_context_length"),
+                u(y.original_max_position_embeddings),
+            ));
+        }
+        Some(RopeScaling::Yarn(y)) if yarn_family(cfg.arch) => bail!(
+            "YaRN with attention factor {} (default {}), mscale_all_dim {:?}, betas {} / {}, truncate {} has no GGUF form (llama.cpp's {arch} takes the default factor, betas 32 / 1, truncated): export the model as safetensors",
+            y.attention_factor,
+            yarn_default_attention(y.factor),
+            y.mscale_all_dim,
+            y.beta_fast,
+            y.beta_slow,
+            y.truncate
+        ),
         Some(RopeScaling::Yarn(_)) => bail!(
-            "YaRN RoPE scaling is not written to GGUF (llama.cpp's YaRN is not checked against transformers'): export the model as safetensors"
+            "YaRN RoPE scaling is written to GGUF for llama, Mistral, Mixtral, the Qwens and DeepSeek's latent attention only (llama.cpp's YaRN of {} is not checked against transformers'): export the model as safetensors",
+            cfg.arch.as_str()
         ),
         // Dynamic NTK changes nothing within the context length (llama.cpp has none);
         // Llama 3's goes in `rope_freqs.weight` below.

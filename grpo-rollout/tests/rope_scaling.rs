@@ -283,10 +283,47 @@ fn a_generation_past_the_tables_samples_as_with_longer_tables() {
     assert!(captures() > before, "no step was replayed");
 }
 
+/// Linear scaling and YaRN (transformers' default attention factor: the one llama.cpp applies)
+/// are written as llama.cpp's `rope.scaling.*` and read back with transformers' log-probs; a
+/// YaRN attention factor llama.cpp cannot take is refused by name, nothing written.
 #[test]
-fn gguf_takes_linear_scaling_and_refuses_yarn() {
+fn gguf_takes_linear_scaling_and_yarn() {
+    let r = reference();
+    let (ids, mask, t) = reference_batch(&r);
+    let lp = |m: &grpo_rollout::model::Transformer| -> Vec<f32> {
+        let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
+        lp.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    for case in ["linear", "yarn"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let scaling = r["logprobs"][case]["rope_scaling"].clone();
+        let m = grpo_rollout::load(&model_with(&scaling, tmp.path()), DType::F32, &Device::Cpu)
+            .unwrap();
+        let path = tmp.path().join(format!("{case}.gguf"));
+        grpo_rollout::gguf::save_gguf(
+            &m.model,
+            &m.tokenizer,
+            &path,
+            grpo_rollout::gguf::GgufType::F32,
+            "t",
+        )
+        .unwrap();
+        let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(
+            back.model.cfg.rope_scaling, m.model.cfg.rope_scaling,
+            "{case}"
+        );
+        let want: Vec<f64> =
+            serde_json::from_value::<Vec<Vec<f64>>>(r["logprobs"][case]["logprobs"].clone())
+                .unwrap()
+                .concat();
+        for (g, w) in lp(&back.model).iter().zip(&want) {
+            assert!((*g as f64 - w).abs() <= 1e-4, "{case}: {g} vs {w}");
+        }
+    }
     let tmp = tempfile::tempdir().unwrap();
-    let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16});
+    let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 16, "attention_factor": 1.3});
     let m = grpo_rollout::load(&model_with(&yarn, tmp.path()), DType::F32, &Device::Cpu).unwrap();
     let path = tmp.path().join("yarn.gguf");
     let e = grpo_rollout::gguf::save_gguf(
@@ -298,37 +335,9 @@ fn gguf_takes_linear_scaling_and_refuses_yarn() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("YaRN") && e.contains("safetensors"), "{e}");
-    assert!(!path.exists());
-    // Linear: written as llama.cpp's `rope.scaling.*`, read back with the same log-probs.
-    let tmp = tempfile::tempdir().unwrap();
-    let linear = serde_json::json!({"rope_type": "linear", "factor": 2.5});
-    let m = grpo_rollout::load(&model_with(&linear, tmp.path()), DType::F32, &Device::Cpu).unwrap();
-    let path = tmp.path().join("linear.gguf");
-    grpo_rollout::gguf::save_gguf(
-        &m.model,
-        &m.tokenizer,
-        &path,
-        grpo_rollout::gguf::GgufType::F32,
-        "t",
-    )
-    .unwrap();
-    let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
-    assert_eq!(
-        back.model.cfg.rope_scaling,
-        Some(RopeScaling::Linear { factor: 2.5 })
+    assert!(
+        e.contains("attention factor 1.3") && e.contains("safetensors"),
+        "{e}"
     );
-    let r = reference();
-    let (ids, mask, t) = reference_batch(&r);
-    let lp = |m: &grpo_rollout::model::Transformer| -> Vec<f32> {
-        let (lp, _) = m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap();
-        lp.flatten_all().unwrap().to_vec1().unwrap()
-    };
-    let want: Vec<f64> =
-        serde_json::from_value::<Vec<Vec<f64>>>(r["logprobs"]["linear"]["logprobs"].clone())
-            .unwrap()
-            .concat();
-    for (g, w) in lp(&back.model).iter().zip(&want) {
-        assert!((*g as f64 - w).abs() <= 1e-4, "{g} vs {w}");
-    }
+    assert!(!path.exists());
 }
