@@ -127,6 +127,11 @@ pub enum Arch {
     /// the best groups ([`Routing::Greedy`]).
     #[serde(rename = "deepseek_v2")]
     DeepseekV2,
+    /// Mistral's Ministral 3 (`ministral3`: Ministral-3-3B/8B/14B, the language model of their
+    /// `mistral3` vision-language checkpoints): Mistral's layers with YaRN and an attention
+    /// temperature past the pre-training length (`llama_4_scaling_beta`, [`YarnRopeScaling`]).
+    #[serde(rename = "ministral3")]
+    Ministral3,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -155,7 +160,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 28] = [
+    pub const ALL: [Arch; 29] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -184,6 +189,7 @@ impl Arch {
         Arch::Glm4MoeLite,
         Arch::DeepseekV2,
         Arch::NanoChat,
+        Arch::Ministral3,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -217,6 +223,7 @@ impl Arch {
             Arch::Glm4MoeLite => "glm4_moe_lite",
             Arch::DeepseekV2 => "deepseek_v2",
             Arch::NanoChat => "nanochat",
+            Arch::Ministral3 => "ministral3",
         }
     }
 
@@ -226,7 +233,7 @@ impl Arch {
         match self {
             Arch::Qwen3Moe => Arch::Qwen3,
             Arch::Qwen2Moe => Arch::Qwen2,
-            Arch::Mixtral => Arch::Mistral,
+            Arch::Mixtral | Arch::Ministral3 => Arch::Mistral,
             Arch::GraniteMoe => Arch::Granite,
             a => a,
         }
@@ -362,6 +369,7 @@ impl Arch {
             Arch::Llama
                 | Arch::Mistral
                 | Arch::Mixtral
+                | Arch::Ministral3
                 | Arch::SmolLM3
                 | Arch::Granite
                 | Arch::GraniteMoe
@@ -470,11 +478,9 @@ impl Arch {
             "glm4_moe_lite" => Ok(Arch::Glm4MoeLite),
             "deepseek_v2" => Ok(Arch::DeepseekV2),
             "nanochat" => Ok(Arch::NanoChat),
-            "gemma3" => bail!(
-                "model_type `gemma3` is Gemma 3 with its vision tower: load its language model (`gemma3_text`, as google/gemma-3-1b-it is)"
-            ),
+            "ministral3" => Ok(Arch::Ministral3),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, ministral3, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat (and the language models of the vision-language gemma3 and mistral3)"
             ),
         }
     }
@@ -514,6 +520,12 @@ pub struct YarnRopeScaling {
     /// ([`ModelConfig::attention_scale`] of a multi-head latent attention).
     #[serde(default)]
     pub mscale_all_dim: Option<f64>,
+    /// Ministral 3's attention temperature (`llama_4_scaling_beta`): queries at position `p`
+    /// times `1 + beta · ln(1 + ⌊p / original_max_position_embeddings⌋)` — 1 within the
+    /// pre-training length, past which positions are refused
+    /// ([`crate::model::Transformer::rope_at`]; a beta of 0 scales nothing).
+    #[serde(default)]
+    pub llama_4_scaling_beta: Option<f64>,
 }
 
 /// RoPE scaling of `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5), each
@@ -629,6 +641,7 @@ impl RopeScaling {
                     truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
                     attention_factor,
                     mscale_all_dim: num("mscale_all_dim").filter(|m| *m != 0.0),
+                    llama_4_scaling_beta: num("llama_4_scaling_beta"),
                 }))
             }
             "longrope" => {
@@ -702,6 +715,9 @@ impl RopeScaling {
                 });
                 if let Some(m) = y.mscale_all_dim {
                     v["mscale_all_dim"] = m.into();
+                }
+                if let Some(b) = y.llama_4_scaling_beta {
+                    v["llama_4_scaling_beta"] = b.into();
                 }
                 v
             }
@@ -1391,6 +1407,40 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
+/// The language model's config of a vision-language `config.json` — Gemma 3's (`gemma3`,
+/// gemma-3-4b-it and larger: its `text_config`, a `gemma3_text`) and Mistral 3's (`mistral3`:
+/// Ministral 3, Mistral Small 3.1+: a `ministral3` or `mistral`) — with the keys transformers
+/// reads at the top (`tie_word_embeddings`, the token ids, `quantization_config`) taking their
+/// top-level values; `None` for any other config.
+pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
+    let default = match v.get("model_type").and_then(Value::as_str) {
+        Some("gemma3") => "gemma3_text",
+        Some("mistral3") => "mistral",
+        _ => return Ok(None),
+    };
+    let Some(Value::Object(text)) = v.get("text_config") else {
+        bail!(
+            "field `text_config` is missing or not an object (a vision-language `{}` config)",
+            v["model_type"].as_str().unwrap_or_default()
+        );
+    };
+    let mut text = text.clone();
+    text.entry("model_type")
+        .or_insert_with(|| Value::String(default.into()));
+    for k in [
+        "tie_word_embeddings",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "quantization_config",
+    ] {
+        if let Some(x) = v.get(k).filter(|x| !x.is_null()) {
+            text.insert(k.into(), x.clone());
+        }
+    }
+    Ok(Some(Value::Object(text)))
+}
+
 impl ModelConfig {
     /// Reads `config.json` from a Hugging Face model directory.
     pub fn from_hf_file(path: &Path) -> Result<Self> {
@@ -1403,8 +1453,12 @@ impl ModelConfig {
             .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))
     }
 
-    /// Parses the JSON of a Hugging Face `config.json` (transformers 4.x and 5.x layouts).
+    /// Parses the JSON of a Hugging Face `config.json` (transformers 4.x and 5.x layouts); a
+    /// vision-language checkpoint's gives its language model's ([`vision_language_text`]).
     pub fn from_hf_json(v: &Value) -> Result<Self> {
+        if let Some(text) = vision_language_text(v)? {
+            return Self::from_hf_json(&text);
+        }
         let model_type = v
             .get("model_type")
             .and_then(Value::as_str)
@@ -1477,7 +1531,7 @@ impl ModelConfig {
             // transformers' `default_theta` (SmolLM3Config's 2e6, Gemma 3's 1e6, else 10000).
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
-                Arch::Gemma3 | Arch::Mixtral => 1_000_000.0,
+                Arch::Gemma3 | Arch::Mixtral | Arch::Ministral3 => 1_000_000.0,
                 Arch::Ernie45 | Arch::Olmo3 => 500_000.0,
                 Arch::GptOss => 150_000.0,
                 _ => 10_000.0,
@@ -1530,6 +1584,7 @@ impl ModelConfig {
                     32768
                 }
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
+                Arch::Ministral3 => 262_144,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
                 Arch::DeepseekV3 => 4096,
                 Arch::DeepseekV2 => 2048,
@@ -1549,6 +1604,14 @@ impl ModelConfig {
                 "truncate": false, "original_max_position_embeddings": 4096
             }));
         }
+        // Ministral 3's default is YaRN with its attention temperature (Ministral3Config's).
+        if arch == Arch::Ministral3 && rope_dict.is_none() {
+            rope_dict = Some(serde_json::json!({
+                "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1
+            }));
+        }
         // Phi-3's pre-training length is a top-level field (default 4096) that transformers
         // puts into the RoPE parameters over theirs.
         if arch == Arch::Phi3
@@ -1560,10 +1623,20 @@ impl ModelConfig {
                 .unwrap_or(4096);
             o.insert("original_max_position_embeddings".into(), original.into());
         }
-        let rope_scaling = match &rope_dict {
+        let mut rope_scaling = match &rope_dict {
             Some(s) => RopeScaling::from_hf_json(s, max_position_embeddings)?,
             None => None,
         };
+        // Only Ministral 3's attention reads `llama_4_scaling_beta`, which it requires (with the
+        // pre-training length of YaRN's parameters).
+        match rope_scaling.as_mut() {
+            Some(RopeScaling::Yarn(y)) if arch != Arch::Ministral3 => y.llama_4_scaling_beta = None,
+            Some(RopeScaling::Yarn(_)) => {}
+            _ if arch == Arch::Ministral3 => bail!(
+                "ministral3 with rope_parameters.rope_type other than yarn is not supported (its attention reads llama_4_scaling_beta and original_max_position_embeddings from YaRN's parameters)"
+            ),
+            _ => {}
+        }
         // Partial rotary embeddings: a top-level `partial_rotary_factor` (transformers 4's Phi-3
         // configs) or one in the RoPE parameters (transformers 5).
         let partial_rotary_factor = v
@@ -1721,7 +1794,7 @@ impl ModelConfig {
             // A stray `sliding_window` is ignored, as transformers ignores it.
             a if a.windowless() => Vec::new(),
             // Qwen3-MoE's window (when switched on) is on every layer.
-            Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
+            Arch::Mistral | Arch::Ministral3 | Arch::Phi3 | Arch::Mixtral | Arch::Qwen3Moe => {
                 (0..num_hidden_layers).collect()
             }
             // OLMo 3: `layer_types`, else every layer but each 4th.
@@ -1827,7 +1900,9 @@ impl ModelConfig {
                 Arch::Qwen2 => true,
                 // transformers 5's Qwen2-MoE names it `qkv_bias` (4's always has them).
                 Arch::Qwen2Moe => flag("qkv_bias", true),
-                Arch::Mistral | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => false,
+                Arch::Mistral | Arch::Ministral3 | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => {
+                    false
+                }
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
                 // gpt-oss's default biases q, k, v and o; GLM's and Seed-OSS's q, k and v.
@@ -1924,6 +1999,12 @@ impl ModelConfig {
 
     /// Checks the shape arithmetic (heads divide evenly, sizes non-zero).
     pub fn validate(&self) -> Result<()> {
+        if self.arch == Arch::Ministral3 && !matches!(self.rope_scaling, Some(RopeScaling::Yarn(_)))
+        {
+            bail!(
+                "ministral3 needs YaRN RoPE parameters (its attention reads llama_4_scaling_beta and original_max_position_embeddings from them)"
+            );
+        }
         for (k, x) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -2017,6 +2098,7 @@ impl ModelConfig {
                     Arch::Qwen2 => "Qwen2",
                     Arch::Qwen3 => "Qwen3",
                     Arch::Mistral => "Mistral",
+                    Arch::Ministral3 => "Ministral3",
                     Arch::SmolLM3 => "SmolLM3",
                     Arch::Gemma3 => "Gemma3",
                     Arch::Gemma2 => "Gemma2",
@@ -2219,7 +2301,7 @@ impl ModelConfig {
             None => {}
         }
         match (self.arch, self.sliding_window) {
-            (Arch::Mistral | Arch::Phi3 | Arch::Mixtral, w) => {
+            (Arch::Mistral | Arch::Ministral3 | Arch::Phi3 | Arch::Mixtral, w) => {
                 obj.insert("sliding_window".into(), w.into());
             }
             // EXAONE 4's and gpt-oss's default is a window: none is written as null, every

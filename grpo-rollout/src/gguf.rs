@@ -181,6 +181,12 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "qwen2moe" => Ok(Arch::Qwen2Moe),
         "gemma3" => Ok(Arch::Gemma3),
         "glm4moe" => Ok(Arch::Glm4Moe),
+        // Ministral 3 (its YaRN and attention temperature), or Mistral Small 3.1's plain
+        // Mistral layers, as llama.cpp's converter writes both.
+        "mistral3" => match md.get("mistral3.rope.scaling.type").and_then(as_str) {
+            Some("yarn") => Ok(Arch::Ministral3),
+            _ => Ok(Arch::Mistral),
+        },
         // DeepSeek-V3's sigmoid router (GLM-4.7-Flash's too), or DeepSeek-V2's softmax.
         "deepseek2" => match deepseek2_sigmoid(content)? {
             true => Ok(Arch::DeepseekV3),
@@ -198,14 +204,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             | Arch::DeepseekV3
             | Arch::Glm4MoeLite
             | Arch::DeepseekV2
-            | Arch::NanoChat => Err(()),
+            | Arch::NanoChat
+            | Arch::Ministral3 => Err(()),
             a => Ok(a),
         }),
     }
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, seed_oss, arcee)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -240,6 +247,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     let rope_scaling = match md.get(&key("rope.scaling.type")).and_then(as_str) {
         None | Some("none") => None,
         Some(kind) if arch.mla() => deepseek2_rope(md, kind, &key)?,
+        Some("yarn") if arch == Arch::Ministral3 => Some(mistral3_yarn(md, &key)?),
         Some("linear") => {
             let factor = md
                 .get(&key("rope.scaling.factor"))
@@ -495,7 +503,51 @@ fn deepseek2_rope(
         // llama.cpp divides the converter's 0.1 back out (the f32 product's rounding taken off
         // at 6 significant digits).
         mscale_all_dim: format!("{:.5e}", log_mul / 0.1).parse().ok(),
+        llama_4_scaling_beta: None,
     })))
+}
+
+/// Ministral 3's YaRN as llama.cpp's `mistral3` reads it: the factor, the pre-training length,
+/// its betas (`rope.scaling.yarn_beta_fast` / `_slow`, default 32 / 1), cos and sin times
+/// `mscale(factor, 1) / mscale(factor, yarn_log_multiplier)` (its converter writes
+/// `mscale_all_dim` there, unscaled; transformers' ratio with `mscale` 1), the scores' scale
+/// unchanged, and the attention temperature `attention.temperature_scale` (transformers'
+/// `llama_4_scaling_beta`) past the pre-training length.
+fn mistral3_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
+    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
+    let factor = float("rope.scaling.factor")
+        .filter(|f| *f > 0.0)
+        .ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing for YaRN",
+                key("rope.scaling.factor")
+            ))
+        })?;
+    let original = md
+        .get(&key("rope.scaling.original_context_length"))
+        .or_else(|| md.get(&key("context_length")))
+        .and_then(as_u64)
+        .ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing for YaRN",
+                key("rope.scaling.original_context_length")
+            ))
+        })?;
+    let all = float("rope.scaling.yarn_log_multiplier").filter(|m| *m != 0.0);
+    let mscale = |m: f64| match factor <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * factor.ln() + 1.0,
+    };
+    Ok(RopeScaling::Yarn(crate::config::YarnRopeScaling {
+        factor,
+        original_max_position_embeddings: original as usize,
+        beta_fast: float("rope.scaling.yarn_beta_fast").unwrap_or(32.0),
+        beta_slow: float("rope.scaling.yarn_beta_slow").unwrap_or(1.0),
+        truncate: true,
+        attention_factor: mscale(1.0) / all.map_or(1.0, mscale),
+        mscale_all_dim: all,
+        llama_4_scaling_beta: Some(float("attention.temperature_scale").unwrap_or(0.0)),
+    }))
 }
 
 /// The families whose llama.cpp graph applies YaRN as transformers does (its RoPE with the
@@ -552,6 +604,7 @@ fn generic_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Re
         truncate: true,
         attention_factor: yarn_default_attention(factor),
         mscale_all_dim: None,
+        llama_4_scaling_beta: None,
     }))
 }
 
@@ -2173,6 +2226,7 @@ pub fn save_gguf(
         Arch::Qwen2Moe => "qwen2moe",
         Arch::Gemma3 => "gemma3",
         Arch::Glm4Moe => "glm4moe",
+        Arch::Ministral3 => "mistral3",
         a if a.mla() => "deepseek2",
         a => a.as_str(),
     };
@@ -2332,6 +2386,44 @@ pub fn save_gguf(
                 Value::F32((0.1 * y.mscale_all_dim.unwrap_or(0.0)) as f32),
             ));
         }
+        // Ministral 3's, as llama.cpp's mistral3 reads it ([`mistral3_yarn`]).
+        Some(RopeScaling::Yarn(y))
+            if cfg.arch == Arch::Ministral3 && y.truncate && {
+                let m = |all: f64| match y.factor <= 1.0 {
+                    true => 1.0,
+                    false => 0.1 * all * y.factor.ln() + 1.0,
+                };
+                (y.attention_factor - m(1.0) / y.mscale_all_dim.map_or(1.0, m)).abs() < 1e-9
+            } =>
+        {
+            md.push((a("rope.scaling.type"), Value::String("yarn".into())));
+            md.push((a("rope.scaling.factor"), Value::F32(y.factor as f32)));
+            md.push((
+                a("rope.scaling.original_context_length"),
+                u(y.original_max_position_embeddings),
+            ));
+            md.push((
+                a("rope.scaling.yarn_beta_fast"),
+                Value::F32(y.beta_fast as f32),
+            ));
+            md.push((
+                a("rope.scaling.yarn_beta_slow"),
+                Value::F32(y.beta_slow as f32),
+            ));
+            md.push((
+                a("rope.scaling.yarn_log_multiplier"),
+                Value::F32(y.mscale_all_dim.unwrap_or(0.0) as f32),
+            ));
+            md.push((
+                a("attention.temperature_scale"),
+                Value::F32(y.llama_4_scaling_beta.unwrap_or(0.0) as f32),
+            ));
+        }
+        Some(RopeScaling::Yarn(y)) if cfg.arch == Arch::Ministral3 => bail!(
+            "ministral3 with YaRN attention factor {} (mscale other than 1) or truncate {} has no GGUF form (llama.cpp's mistral3 takes mscale 1, truncated): export it as safetensors",
+            y.attention_factor,
+            y.truncate
+        ),
         // The Qwens' and llama's, where llama.cpp computes transformers' default YaRN.
         Some(RopeScaling::Yarn(y))
             if yarn_family(cfg.arch)

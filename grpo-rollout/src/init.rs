@@ -190,7 +190,20 @@ pub fn preset_config(
         head_dim: hidden / heads,
         rms_norm_eps: 1e-6,
         rope_theta: 10_000.0,
-        rope_scaling: None,
+        // Ministral 3's YaRN and attention temperature are part of its attention (its
+        // transformers class needs them): Ministral3Config's defaults.
+        rope_scaling: (arch == Arch::Ministral3).then(|| {
+            crate::config::RopeScaling::Yarn(crate::config::YarnRopeScaling {
+                factor: 16.0,
+                original_max_position_embeddings: 16_384,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+                attention_factor: 1.0,
+                mscale_all_dim: Some(1.0),
+                llama_4_scaling_beta: Some(0.1),
+            })
+        }),
         max_position_embeddings: 2048,
         // gpt-oss's head is its own.
         tie_word_embeddings: arch != Arch::GptOss,

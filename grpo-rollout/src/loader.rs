@@ -138,7 +138,36 @@ pub fn read_safetensors(dir: &Path, device: &Device) -> Result<WeightMap> {
 /// [`read_safetensors`] in the model's layout ([`crate::layout::from_hf`]: Phi-3's fused maps
 /// split, partial-rotary heads reordered).
 pub fn read_model_weights(dir: &Path, cfg: &ModelConfig, device: &Device) -> Result<WeightMap> {
-    crate::layout::from_hf(cfg, read_safetensors(dir, device)?).map_err(|e| io_err(dir, e))
+    let weights = language_model_weights(read_safetensors(dir, device)?);
+    crate::layout::from_hf(cfg, weights).map_err(|e| io_err(dir, e))
+}
+
+/// A vision-language checkpoint's language model under a causal LM's names (Gemma 3's and
+/// Mistral 3's, as transformers saves them — `language_model.model.*`,
+/// `language_model.lm_head.weight` — or as transformers 5 names them in memory —
+/// `model.language_model.*`, `lm_head.weight`), the vision tower and projector left out. A
+/// causal LM's weights pass unchanged.
+pub fn language_model_weights(weights: WeightMap) -> WeightMap {
+    let nested =
+        |k: &str| k.starts_with("language_model.") || k.starts_with("model.language_model.");
+    if !weights.keys().any(|k| nested(k)) {
+        return weights;
+    }
+    weights
+        .into_iter()
+        .filter_map(|(k, t)| {
+            let name = if let Some(rest) = k.strip_prefix("language_model.") {
+                rest.to_string()
+            } else if let Some(rest) = k.strip_prefix("model.language_model.") {
+                format!("model.{rest}")
+            } else if k == "lm_head.weight" {
+                k
+            } else {
+                return None; // the vision tower, the projector
+            };
+            Some((name, t))
+        })
+        .collect()
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {

@@ -1521,11 +1521,18 @@ fn local_rope_config(cfg: &ModelConfig) -> Option<ModelConfig> {
 
 /// [`rope_cos_sin`] of every position up to `max_position_embeddings`, computed on the host.
 fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
-    // LongRoPE's short factors hold up to the pre-training length only.
+    // LongRoPE's short factors hold up to the pre-training length only, as does Ministral 3's
+    // attention temperature of 1.
     let n = match &cfg.rope_scaling {
         Some(crate::config::RopeScaling::LongRope(l)) => cfg
             .max_position_embeddings
             .min(l.original_max_position_embeddings),
+        Some(crate::config::RopeScaling::Yarn(y))
+            if y.llama_4_scaling_beta.is_some_and(|b| b != 0.0) =>
+        {
+            cfg.max_position_embeddings
+                .min(y.original_max_position_embeddings)
+        }
         _ => cfg.max_position_embeddings,
     };
     let n = n.max(1) as u32;
@@ -2313,6 +2320,15 @@ impl Transformer {
             bail!(
                 "a sequence of {reach} positions is longer than the model's max_position_embeddings ({}, config.json), past which dynamic NTK RoPE rescales its frequencies (not supported)",
                 self.max_positions()
+            );
+        }
+        if let Some(crate::config::RopeScaling::Yarn(y)) = &self.cfg.rope_scaling
+            && let Some(beta) = y.llama_4_scaling_beta.filter(|b| *b != 0.0)
+        {
+            bail!(
+                "a sequence of {reach} positions is longer than the model's original_max_position_embeddings ({}, config.json), past which Ministral 3 scales its queries by 1 + {beta} · ln(1 + ⌊position / {}⌋) (not supported)",
+                y.original_max_position_embeddings,
+                y.original_max_position_embeddings
             );
         }
         if let Some(crate::config::RopeScaling::LongRope(l)) = &self.cfg.rope_scaling {

@@ -308,6 +308,7 @@ fn deepseek_gguf_round_trips() {
         truncate: true,
         attention_factor: 1.0,
         mscale_all_dim: Some(0.707),
+        llama_4_scaling_beta: None,
     };
     let cases: Vec<(Arch, Edit)> = vec![
         (Arch::DeepseekV3, Box::new(|_| {})),
@@ -476,6 +477,7 @@ fn deepseek_gguf_refusals_are_named() {
             truncate: true,
             attention_factor: 1.0 + 0.1 * 4f64.ln(),
             mscale_all_dim: None,
+            llama_4_scaling_beta: None,
         }))
     });
     assert!(e.contains("mscale_all_dim None"), "{e}");
