@@ -308,7 +308,8 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // MoE), ERNIE 4.5's interleaved RoPE, EXAONE 4's sliding layer beside a NoPE global one,
     // gpt-oss's attention sinks, biased experts and clamped SwiGLU beside a sliding layer,
     // GLM-4.5's and DeepSeek-V3's grouped sigmoid routers and shared experts, DeepSeek's latent
-    // attention (its values zero-padded: DeepSeek-V3; as wide as the queries: GLM-4.7-Flash).
+    // attention (its values zero-padded: DeepSeek-V3; as wide as the queries: GLM-4.7-Flash),
+    // Ministral 3's YaRN.
     // Log-probs over 100 positions against the CPU, gradient checkpointing, a generation
     // through the KV cache against the full forward, and one with CUDA graphs against one
     // without where the steps are captured (a replay makes the window's band on the device,
@@ -327,6 +328,10 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             (cfg.activation, cfg.query_pre_attn_scalar) = (g.activation, g.query_pre_attn_scalar);
             cfg.local_rope_theta = g.local_rope_theta;
             cfg.partial_rotary_factor = g.partial_rotary_factor;
+            // Ministral 3's YaRN (its attention temperature is 1 within 16,384 positions).
+            if arch == Arch::Ministral3 {
+                cfg.rope_scaling = g.rope_scaling.clone();
+            }
             (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) =
                 (g.attn_logit_softcapping, g.final_logit_softcapping);
             // Four experts, two per token, at this width (Qwen2-MoE's shared expert too).

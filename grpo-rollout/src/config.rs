@@ -1420,7 +1420,7 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
     };
     let Some(Value::Object(text)) = v.get("text_config") else {
         bail!(
-            "field `text_config` is missing or not an object (a vision-language `{}` config)",
+            "field `text_config` is missing or not an object: a vision-language `{}` config names its language model (a `{default}`) there",
             v["model_type"].as_str().unwrap_or_default()
         );
     };
@@ -2600,7 +2600,7 @@ mod tests {
         let v = serde_json::json!({"model_type": "gpt2"});
         let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
         assert!(
-            e.contains("gpt2") && e.contains("llama, qwen2, qwen3, mistral, smollm3"),
+            e.contains("gpt2") && e.contains("llama, qwen2, qwen3, mistral, ministral3, smollm3"),
             "{e}"
         );
     }

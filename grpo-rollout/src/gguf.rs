@@ -4,8 +4,8 @@
 //! What is read:
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
-//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `seed_oss`,
-//!   `arcee`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
+//!   `seed_oss`, `arcee`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
 //!   the experts' renormalisation, DeepSeek's router and latent widths: [`deepseek_fields`]);
 //!   the vocabulary size comes from
@@ -469,30 +469,13 @@ fn deepseek2_rope(
         );
     }
     let float = |k: &str| md.get(&key(k)).and_then(as_f64);
-    let factor = float("rope.scaling.factor")
-        .filter(|f| *f > 0.0)
-        .ok_or_else(|| {
-            err(format!(
-                "metadata `{}` is missing for YaRN",
-                key("rope.scaling.factor")
-            ))
-        })?;
+    let (factor, original) = yarn_lengths(md, key)?;
     let Some(log_mul) = float("rope.scaling.yarn_log_multiplier").filter(|m| *m != 0.0) else {
         bail!(
             "metadata `{}` is missing: llama.cpp's deepseek2 YaRN without it scales the scores by the RoPE factor's square, which transformers does not",
             key("rope.scaling.yarn_log_multiplier")
         );
     };
-    let original = md
-        .get(&key("rope.scaling.original_context_length"))
-        .or_else(|| md.get(&key("context_length")))
-        .and_then(as_u64)
-        .ok_or_else(|| {
-            err(format!(
-                "metadata `{}` is missing for YaRN",
-                key("rope.scaling.original_context_length")
-            ))
-        })?;
     Ok(Some(RopeScaling::Yarn(crate::config::YarnRopeScaling {
         factor,
         original_max_position_embeddings: original as usize,
@@ -507,15 +490,12 @@ fn deepseek2_rope(
     })))
 }
 
-/// Ministral 3's YaRN as llama.cpp's `mistral3` reads it: the factor, the pre-training length,
-/// its betas (`rope.scaling.yarn_beta_fast` / `_slow`, default 32 / 1), cos and sin times
-/// `mscale(factor, 1) / mscale(factor, yarn_log_multiplier)` (its converter writes
-/// `mscale_all_dim` there, unscaled; transformers' ratio with `mscale` 1), the scores' scale
-/// unchanged, and the attention temperature `attention.temperature_scale` (transformers'
-/// `llama_4_scaling_beta`) past the pre-training length.
-fn mistral3_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
-    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
-    let factor = float("rope.scaling.factor")
+/// YaRN's factor (`rope.scaling.factor`) and pre-training length
+/// (`rope.scaling.original_context_length`, else the context length) of a GGUF file.
+fn yarn_lengths(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<(f64, u64)> {
+    let factor = md
+        .get(&key("rope.scaling.factor"))
+        .and_then(as_f64)
         .filter(|f| *f > 0.0)
         .ok_or_else(|| {
             err(format!(
@@ -533,11 +513,29 @@ fn mistral3_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> R
                 key("rope.scaling.original_context_length")
             ))
         })?;
-    let all = float("rope.scaling.yarn_log_multiplier").filter(|m| *m != 0.0);
-    let mscale = |m: f64| match factor <= 1.0 {
+    Ok((factor, original))
+}
+
+/// YaRN's `mscale(factor, m)` = `0.1 · m · ln(factor) + 1` (1 at factor ≤ 1), as transformers
+/// and llama.cpp compute it.
+fn yarn_mscale(factor: f64, m: f64) -> f64 {
+    match factor <= 1.0 {
         true => 1.0,
         false => 0.1 * m * factor.ln() + 1.0,
-    };
+    }
+}
+
+/// Ministral 3's YaRN as llama.cpp's `mistral3` reads it: the factor, the pre-training length,
+/// its betas (`rope.scaling.yarn_beta_fast` / `_slow`, default 32 / 1), cos and sin times
+/// `mscale(factor, 1) / mscale(factor, yarn_log_multiplier)` (its converter writes
+/// `mscale_all_dim` there, unscaled; transformers' ratio with `mscale` 1), the scores' scale
+/// unchanged, and the attention temperature `attention.temperature_scale` (transformers'
+/// `llama_4_scaling_beta`) past the pre-training length.
+fn mistral3_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
+    let float = |k: &str| md.get(&key(k)).and_then(as_f64);
+    let (factor, original) = yarn_lengths(md, key)?;
+    let all = float("rope.scaling.yarn_log_multiplier").filter(|m| *m != 0.0);
+    let mscale = |m: f64| yarn_mscale(factor, m);
     Ok(RopeScaling::Yarn(crate::config::YarnRopeScaling {
         factor,
         original_max_position_embeddings: original as usize,
@@ -572,30 +570,13 @@ fn yarn_family(arch: Arch) -> bool {
 /// A `yarn_log_multiplier` (DeepSeek's attention scaling) is refused.
 fn generic_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<RopeScaling> {
     let float = |k: &str| md.get(&key(k)).and_then(as_f64);
-    let factor = float("rope.scaling.factor")
-        .filter(|f| *f > 0.0)
-        .ok_or_else(|| {
-            err(format!(
-                "metadata `{}` is missing for YaRN",
-                key("rope.scaling.factor")
-            ))
-        })?;
+    let (factor, original) = yarn_lengths(md, key)?;
     if float("rope.scaling.yarn_log_multiplier").is_some_and(|m| m != 0.0) {
         bail!(
             "metadata `{}`: YaRN with a log multiplier scales the attention as no transformers model of this family does (not supported)",
             key("rope.scaling.yarn_log_multiplier")
         );
     }
-    let original = md
-        .get(&key("rope.scaling.original_context_length"))
-        .or_else(|| md.get(&key("context_length")))
-        .and_then(as_u64)
-        .ok_or_else(|| {
-            err(format!(
-                "metadata `{}` is missing for YaRN",
-                key("rope.scaling.original_context_length")
-            ))
-        })?;
     Ok(RopeScaling::Yarn(crate::config::YarnRopeScaling {
         factor,
         original_max_position_embeddings: original as usize,
@@ -611,10 +592,7 @@ fn generic_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Re
 /// transformers' default YaRN factor on cos and sin, `0.1 ln(factor) + 1` (1 at factor ≤ 1),
 /// as llama.cpp's RoPE applies it.
 fn yarn_default_attention(factor: f64) -> f64 {
-    match factor <= 1.0 {
-        true => 1.0,
-        false => 0.1 * factor.ln() + 1.0,
-    }
+    yarn_mscale(factor, 1.0)
 }
 
 /// The fields of DeepSeek's mixture of experts (`deepseek2`, `glm4moe`) and latent attention
@@ -2389,10 +2367,7 @@ pub fn save_gguf(
         // Ministral 3's, as llama.cpp's mistral3 reads it ([`mistral3_yarn`]).
         Some(RopeScaling::Yarn(y))
             if cfg.arch == Arch::Ministral3 && y.truncate && {
-                let m = |all: f64| match y.factor <= 1.0 {
-                    true => 1.0,
-                    false => 0.1 * all * y.factor.ln() + 1.0,
-                };
+                let m = |all: f64| yarn_mscale(y.factor, all);
                 (y.attention_factor - m(1.0) / y.mscale_all_dim.map_or(1.0, m)).abs() < 1e-9
             } =>
         {

@@ -192,7 +192,7 @@ pub fn preset_config(
         rope_theta: 10_000.0,
         // Ministral 3's YaRN and attention temperature are part of its attention (its
         // transformers class needs them): Ministral3Config's defaults.
-        rope_scaling: (arch == Arch::Ministral3).then(|| {
+        rope_scaling: (arch == Arch::Ministral3).then_some({
             crate::config::RopeScaling::Yarn(crate::config::YarnRopeScaling {
                 factor: 16.0,
                 original_max_position_embeddings: 16_384,

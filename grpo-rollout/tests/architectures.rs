@@ -475,9 +475,13 @@ fn bad_nope_and_window_fields_are_named() {
     v["final_logit_softcapping"] = 30.0.into();
     let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
     assert!(e.contains("final_logit_softcapping"), "{e}");
+    // The vision-language `gemma3` names its language model in `text_config`.
     v["model_type"] = "gemma3".into();
     let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
-    assert!(e.contains("gemma3_text"), "{e}");
+    assert!(
+        e.contains("text_config") && e.contains("gemma3_text"),
+        "{e}"
+    );
 }
 
 /// Phi-3's files keep `qkv_proj` and `gate_up_proj` fused, GLM's `gate_up_proj`: a model
@@ -1762,5 +1766,141 @@ fn latent_cache_rows() {
     assert_eq!(
         cfg.kv_cache_values_per_token(true),
         cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    );
+}
+
+/// Vision-language checkpoints as transformers saves them (`language_model.model.*` beside a
+/// vision tower and projector: `fixtures/vl-*-micro`, `scripts/gen_vision_language_reference.py`)
+/// load their language model — Gemma 3's `gemma3_text`, Mistral 3's `ministral3` with YaRN and
+/// its top-level `tie_word_embeddings` — with transformers' log-probs of the whole model on text;
+/// saved, they are the text model alone (`Gemma3ForCausalLM`, `Ministral3ForCausalLM`) with the
+/// same log-probs; Ministral 3 also as llama.cpp's `mistral3` GGUF.
+#[test]
+fn vision_language_checkpoints_train_their_language_model() {
+    let text = std::fs::read_to_string(fixtures().join("vision_language_reference.json")).unwrap();
+    let r: Value = serde_json::from_str(&text).unwrap();
+    let rows = serde_json::json!({"rows": r["rows"], "t": 39});
+    for (name, arch) in [("gemma3", Arch::Gemma3), ("mistral3", Arch::Ministral3)] {
+        let dir = fixtures().join(format!("vl-{name}-micro"));
+        let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(m.model.cfg.arch, arch);
+        assert_eq!(
+            m.model.cfg.tie_word_embeddings,
+            r["models"][name]["tied"].as_bool().unwrap()
+        );
+        let want = want(&r["models"][name]);
+        let got: Vec<f64> = logprobs(&m.model, &rows)
+            .iter()
+            .map(|x| *x as f64)
+            .collect();
+        let d = max_diff(&got, &want);
+        assert!(d < 2e-5, "{name}: {d}");
+        assert!(want.iter().any(|x| *x < -7.0));
+        // Saved: the language model alone, as transformers' causal LM.
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("text");
+        grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+        let cj: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cj["model_type"], arch.as_str());
+        assert!(cj.get("vision_config").is_none());
+        let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+        let again: Vec<f64> = logprobs(&back.model, &rows)
+            .iter()
+            .map(|x| *x as f64)
+            .collect();
+        assert!(max_diff(&again, &got) < 1e-6, "{name}");
+        let names: Vec<String> = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu)
+            .unwrap()
+            .into_keys()
+            .collect();
+        assert!(
+            names.iter().all(|n| n.starts_with("model.layers.")
+                || n.starts_with("model.embed_tokens.")
+                || n.starts_with("model.norm.")
+                || n == "lm_head.weight"),
+            "{names:?}"
+        );
+        if arch == Arch::Ministral3 {
+            let Some(RopeScaling::Yarn(y)) = &m.model.cfg.rope_scaling else {
+                panic!("{:?}", m.model.cfg.rope_scaling)
+            };
+            assert_eq!(
+                (
+                    y.factor,
+                    y.original_max_position_embeddings,
+                    y.llama_4_scaling_beta
+                ),
+                (4.0, 48, Some(0.1))
+            );
+            assert_eq!(cj["rope_scaling"]["llama_4_scaling_beta"], 0.1);
+            // As llama.cpp's mistral3: the same config and log-probs.
+            let (written, cfg, d) = through_gguf(&m, &rows, tmp.path());
+            assert!(d < 1e-5, "{d}");
+            assert_eq!(cfg.arch, Arch::Ministral3);
+            assert_eq!(cfg.rope_scaling, m.model.cfg.rope_scaling);
+            assert!(written.iter().any(|(n, _)| n == "blk.1.attn_q.weight"));
+        }
+    }
+}
+
+/// Ministral 3 past its pre-training length (where its queries' temperature grows) is refused
+/// in one line naming it; without YaRN parameters it is refused too (transformers' class reads
+/// them); a quantized vision-language checkpoint is refused by its method.
+#[test]
+fn ministral3_refusals_are_named() {
+    let m = grpo_rollout::load(
+        &fixtures().join("vl-mistral3-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let rows: Vec<Vec<u32>> = vec![(3..60).collect()];
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let e = m
+        .model
+        .completion_logprobs(&ids, &mask, 10, 1.0, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("original_max_position_embeddings (48")
+            && e.contains("1 + 0.1 · ln(1 + ⌊position / 48⌋)"),
+        "{e}"
+    );
+    let text = std::fs::read_to_string(fixtures().join("vl-mistral3-micro/config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    v["text_config"]["rope_parameters"] =
+        serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+    let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+    assert!(
+        e.contains("ministral3 with rope_parameters.rope_type other than yarn"),
+        "{e}"
+    );
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    v["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
+    assert!(
+        e.contains("quant_method `fp8` is not supported for ministral3"),
+        "{e}"
+    );
+    // Without `rope_parameters`: Ministral3Config's YaRN defaults.
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    v["text_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("rope_parameters");
+    let c = ModelConfig::from_hf_json(&v).unwrap();
+    let Some(RopeScaling::Yarn(y)) = c.rope_scaling else {
+        panic!()
+    };
+    assert_eq!(
+        (
+            y.factor,
+            y.original_max_position_embeddings,
+            y.llama_4_scaling_beta,
+            c.rope_theta
+        ),
+        (16.0, 16384, Some(0.1), 1e6)
     );
 }

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Vision-language micro checkpoints (Gemma 3's `gemma3`, Mistral 3's `mistral3` with a
+Ministral 3 language model) and transformers' log-probs of their language model, for
+grpo-rollout/tests/architectures.rs.
+
+Each model is made with transformers 5 (`AutoModelForImageTextToText`, random weights std 0.2,
+norms jittered) and saved as transformers saves it — `language_model.model.*` beside a vision
+tower and projector — into grpo-rollout/tests/fixtures/vl-{gemma3,mistral3}-micro with the
+fixtures' byte-level tokenizer. Gemma 3's text layers slide over a window of 8; Mistral 3's
+language model is `ministral3` (YaRN factor 4 over a pre-training length of 48, its attention
+temperature beta 0.1, `tie_word_embeddings` true at the top and false in `text_config`: the top
+wins). transformers' log-probs of two 40-token rows, input ids only (no image), go to
+fixtures/vision_language_reference.json.
+
+    python3 scripts/gen_vision_language_reference.py grpo-rollout/tests/fixtures
+
+Needs torch, transformers 5, safetensors.
+"""
+import json
+import os
+import shutil
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+FIX = sys.argv[1]
+ROWS = [list(range(3, 43)), [(7 * i * i + 3 * i + 11) % 290 + 3 for i in range(40)]]
+
+CONFIGS = {
+    "gemma3": dict(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                         max_position_embeddings=128),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298),
+    "mistral3": dict(
+        text_config=dict(model_type="ministral3", vocab_size=300, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=192,
+                         tie_word_embeddings=False,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                              original_max_position_embeddings=48, beta_fast=32.0,
+                                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                              llama_4_scaling_beta=0.1)),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
+        image_token_index=299, spatial_merge_size=1, tie_word_embeddings=True),
+}
+
+ref = {"rows": ROWS, "models": {}}
+for name, kw in CONFIGS.items():
+    cfg = AutoConfig.for_model(name, **kw)
+    torch.manual_seed(0)
+    m = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+            elif "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    out = os.path.join(FIX, f"vl-{name}-micro")
+    shutil.rmtree(out, ignore_errors=True)
+    m.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(FIX, "arch-deepseekv2-micro", f), out)
+    lps = []
+    with torch.no_grad():
+        for row in ROWS:
+            lp = torch.log_softmax(m(input_ids=torch.tensor([row])).logits[0].double(), -1)
+            lps.append([lp[j - 1, t].item() for j, t in enumerate(row) if j > 0])
+    tied = m.lm_head.weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
+    ref["models"][name] = {"logprobs": lps, "tied": tied}
+    print(name, "tied", tied)
+json.dump(ref, open(os.path.join(FIX, "vision_language_reference.json"), "w"), indent=1)
