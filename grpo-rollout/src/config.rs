@@ -1427,6 +1427,40 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
     let mut text = text.clone();
     text.entry("model_type")
         .or_insert_with(|| Value::String(default.into()));
+    // transformers writes a sub-config's values that equal its class's defaults not at all
+    // (gemma-3-4b-it's `text_config` names six fields): the class's defaults for the sizes.
+    let sizes: &[(&str, u64)] = match text["model_type"].as_str() {
+        Some("gemma3_text") => &[
+            ("vocab_size", 262_208),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+        ],
+        Some("ministral3") => &[
+            ("vocab_size", 131_072),
+            ("hidden_size", 4096),
+            ("intermediate_size", 14_336),
+            ("num_hidden_layers", 34),
+            ("num_attention_heads", 32),
+            ("num_key_value_heads", 8),
+            ("head_dim", 128),
+        ],
+        // MistralConfig's (its `head_dim` defaults to hidden / heads).
+        _ => &[
+            ("vocab_size", 32_000),
+            ("hidden_size", 4096),
+            ("intermediate_size", 14_336),
+            ("num_hidden_layers", 32),
+            ("num_attention_heads", 32),
+            ("num_key_value_heads", 8),
+        ],
+    };
+    for (k, x) in sizes {
+        text.entry(*k).or_insert_with(|| (*x).into());
+    }
     for k in [
         "tie_word_embeddings",
         "eos_token_id",
@@ -1508,7 +1542,12 @@ impl ModelConfig {
             })
             // transformers' defaults: Qwen3Config's 128, else hidden / heads.
             .unwrap_or(match arch {
-                Arch::Qwen3 | Arch::Ernie45 | Arch::Glm | Arch::Glm4 | Arch::SeedOss => 128,
+                Arch::Qwen3
+                | Arch::Ernie45
+                | Arch::Glm
+                | Arch::Glm4
+                | Arch::SeedOss
+                | Arch::Ministral3 => 128,
                 // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
                 Arch::Gemma2 | Arch::Gemma3 => 256,
                 Arch::GptOss => 64,
@@ -1875,6 +1914,7 @@ impl ModelConfig {
                     | Arch::Olmoe
                     | Arch::Phi3
                     | Arch::Mixtral
+                    | Arch::Ministral3
                     | Arch::Ernie45
                     | Arch::Exaone4
                     | Arch::GptOss
@@ -2593,6 +2633,54 @@ mod tests {
         assert_eq!(c.eos_token_ids, vec![2]);
         let back = ModelConfig::from_hf_json(&c.to_hf_json()).unwrap();
         assert_eq!(back, c);
+    }
+
+    /// gemma-3-4b-it's `config.json` as transformers 4.50 wrote it: a `text_config` of the six
+    /// values that differ from Gemma3TextConfig's defaults, the token ids at the top. The
+    /// language model's config takes the class's defaults for the rest; a Mistral 3 text model
+    /// without `head_dim` takes hidden / heads.
+    #[test]
+    fn vision_language_configs_take_their_text_class_defaults() {
+        let v = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+            "image_token_index": 262144, "mm_tokens_per_image": 256,
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                "model_type": "gemma3_text", "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+            "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(c.arch, Arch::Gemma3);
+        assert_eq!(
+            (
+                c.vocab_size,
+                c.hidden_size,
+                c.num_hidden_layers,
+                c.num_attention_heads
+            ),
+            (262_208, 2560, 34, 8)
+        );
+        assert_eq!((c.num_key_value_heads, c.head_dim), (4, 256));
+        assert_eq!(
+            (c.sliding_window, c.query_pre_attn_scalar),
+            (Some(1024), Some(256.0))
+        );
+        assert_eq!(c.eos_token_ids, vec![1, 106]);
+        assert!(c.tie_word_embeddings);
+        let v = serde_json::json!({
+            "model_type": "mistral3",
+            "text_config": {"hidden_size": 5120, "intermediate_size": 32768,
+                "num_hidden_layers": 40, "vocab_size": 131072, "sliding_window": null}
+        });
+        let c = ModelConfig::from_hf_json(&v).unwrap();
+        assert_eq!(
+            (c.arch, c.head_dim, c.num_key_value_heads),
+            (Arch::Mistral, 160, 8)
+        );
+        let mut v = v;
+        v["text_config"]["num_attention_heads"] = 40.into();
+        assert_eq!(ModelConfig::from_hf_json(&v).unwrap().head_dim, 128);
     }
 
     #[test]

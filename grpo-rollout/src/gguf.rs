@@ -7,7 +7,7 @@
 //!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
 //!   `seed_oss`, `arcee`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
-//!   the experts' renormalisation, DeepSeek's router and latent widths: [`deepseek_fields`]);
+//!   the experts' renormalisation, DeepSeek's router and latent widths);
 //!   the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
 //!   `output.weight` = tied). Gemma's norm weights are `1 + w` in the file, `w` here.
