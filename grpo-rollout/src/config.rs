@@ -1502,9 +1502,11 @@ impl ModelConfig {
         // ([`crate::layout::dequantize_mxfp4`]); other methods' packed weights are refused.
         if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
             let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("?");
-            if !(arch == Arch::GptOss && method == "mxfp4") {
+            // Fine-grained FP8 (DeepSeek-V3's, the Qwen3 and Ministral 3 FP8 uploads):
+            // dequantized on load ([`crate::layout::dequantize_fp8`]).
+            if !(arch == Arch::GptOss && method == "mxfp4") && method != "fp8" {
                 bail!(
-                    "quantization_config.quant_method `{method}` is not supported for {model_type}: load the model's unquantized weights (only gpt_oss's mxfp4 experts are read, dequantized)"
+                    "quantization_config.quant_method `{method}` is not supported for {model_type}: load the model's unquantized weights (fp8 and gpt_oss's mxfp4 experts are read, dequantized)"
                 );
             }
         }
@@ -2887,8 +2889,8 @@ mod tests {
         assert_eq!(ModelConfig::from_hf_json(&c.to_hf_json()).unwrap(), c);
         // Another quantization method is refused by name.
         let mut q = v.clone();
-        q["quantization_config"]["quant_method"] = "fp8".into();
+        q["quantization_config"]["quant_method"] = "gptq".into();
         let e = ModelConfig::from_hf_json(&q).unwrap_err().to_string();
-        assert!(e.contains("quant_method `fp8`"), "{e}");
+        assert!(e.contains("quant_method `gptq`"), "{e}");
     }
 }

@@ -427,6 +427,113 @@ fn fuse_granite_experts(
     Ok(out)
 }
 
+/// A fine-grained FP8 weight (`quantization_config.quant_method = "fp8"`: DeepSeek-V3's
+/// checkpoints, the Qwen3 and Ministral 3 FP8 uploads) in `dtype`: `weight` `(…, N, K)` F8E4M3
+/// times its `weight_scale_inv` — one value per `block` `(bn, bk)` tile, `(…, ⌈N/bn⌉, ⌈K/bk⌉)`
+/// (the last tiles may be partial), or one for the whole weight — in f32, then cast, as
+/// transformers' `dequantize=True` reads it. E8M0 scales stored as u8 are `2^(s − 127)`. Without
+/// a block size (the config's `weight_block_size` null) the tiles are derived from the scale
+/// grid, which must then divide the weight. Runs on the tensors' device (the loader's CPU).
+pub fn dequantize_fp8(
+    weight: &Tensor,
+    scale: &Tensor,
+    block: Option<(usize, usize)>,
+    dtype: candle_core::DType,
+    what: &str,
+) -> Result<Tensor> {
+    use candle_core::DType;
+    if weight.dtype() != DType::F8E4M3 || weight.rank() < 2 {
+        bail!(
+            "{what}: an FP8 weight must be float8_e4m3 of rank 2 or more, not {:?} {:?}",
+            weight.dtype(),
+            weight.dims()
+        );
+    }
+    let w = weight.to_dtype(DType::F32)?;
+    let s = match scale.dtype() {
+        DType::U8 => {
+            let pow2: Vec<f32> = (0u32..256)
+                .map(|e| match e {
+                    0 => f32::from_bits(1 << 22),
+                    255 => f32::NAN,
+                    e => f32::from_bits(e << 23),
+                })
+                .collect();
+            let lut = Tensor::new(pow2.as_slice(), scale.device())?;
+            lut.index_select(&scale.flatten_all()?.to_dtype(DType::U32)?, 0)?
+                .reshape(scale.dims())?
+        }
+        _ => scale.to_dtype(DType::F32)?,
+    };
+    let out = if s.elem_count() == 1 {
+        w.broadcast_mul(&s.flatten_all()?.reshape(())?)?
+    } else {
+        let r = w.rank();
+        let (n, k) = (w.dim(r - 2)?, w.dim(r - 1)?);
+        if s.rank() != r || s.dims()[..r - 2] != w.dims()[..r - 2] {
+            bail!(
+                "{what}: scales of shape {:?} do not fit an FP8 weight of shape {:?}",
+                s.dims(),
+                w.dims()
+            );
+        }
+        let (sn, sk) = (s.dim(r - 2)?, s.dim(r - 1)?);
+        let (bn, bk) = match block {
+            Some(b) => b,
+            None if n.is_multiple_of(sn) && k.is_multiple_of(sk) => (n / sn, k / sk),
+            None => bail!(
+                "{what}: a scale grid {sn} × {sk} does not divide the weight {n} × {k} and the config names no weight_block_size"
+            ),
+        };
+        if bn == 0 || bk == 0 || n.div_ceil(bn) != sn || k.div_ceil(bk) != sk {
+            bail!(
+                "{what}: FP8 weight {n} × {k} in blocks of {bn} × {bk} needs {} × {} scales, not {sn} × {sk}",
+                n.div_ceil(bn.max(1)),
+                k.div_ceil(bk.max(1))
+            );
+        }
+        let index = |len: usize, b: usize| -> Result<Tensor> {
+            let i: Vec<u32> = (0..len).map(|x| (x / b) as u32).collect();
+            Tensor::new(i.as_slice(), w.device())
+        };
+        let full = s
+            .index_select(&index(n, bn)?, r - 2)?
+            .index_select(&index(k, bk)?, r - 1)?;
+        (w * full)?
+    };
+    out.to_dtype(dtype)
+}
+
+/// A checkpoint's tensors with every FP8 weight dequantized by its `*_scale_inv` sibling
+/// ([`dequantize_fp8`], the scales and any static `activation_scale` / `input_scale` dropped); the
+/// others pass unchanged.
+pub fn dequantize_fp8_weights(
+    mut weights: WeightMap,
+    block: Option<(usize, usize)>,
+    dtype: candle_core::DType,
+) -> Result<WeightMap> {
+    let names: Vec<String> = weights
+        .iter()
+        .filter(|(_, t)| t.dtype() == candle_core::DType::F8E4M3)
+        .map(|(n, _)| n.clone())
+        .collect();
+    for name in names {
+        let scale_name = format!("{name}_scale_inv");
+        let Some(scale) = weights.remove(&scale_name) else {
+            bail!("weight `{name}` is FP8 but `{scale_name}` is missing");
+        };
+        let w = weights.remove(&name).expect("listed above");
+        let t = dequantize_fp8(&w, &scale, block, dtype, &format!("weight `{name}`"))?;
+        weights.insert(name, t);
+    }
+    weights.retain(|n, _| {
+        !(n.ends_with("_scale_inv")
+            || n.ends_with(".activation_scale")
+            || n.ends_with(".input_scale"))
+    });
+    Ok(weights)
+}
+
 /// The 16 values of an FP4 (E2M1) code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 const FP4_E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,

@@ -137,9 +137,57 @@ pub fn read_safetensors(dir: &Path, device: &Device) -> Result<WeightMap> {
 
 /// [`read_safetensors`] in the model's layout ([`crate::layout::from_hf`]: Phi-3's fused maps
 /// split, partial-rotary heads reordered).
-pub fn read_model_weights(dir: &Path, cfg: &ModelConfig, device: &Device) -> Result<WeightMap> {
-    let weights = language_model_weights(read_safetensors(dir, device)?);
+/// A fine-grained FP8 checkpoint (`quantization_config.quant_method = "fp8"`) is read on the
+/// CPU, dequantized into `dtype` ([`crate::layout::dequantize_fp8_weights`]) and moved to `device`.
+pub fn read_model_weights(
+    dir: &Path,
+    cfg: &ModelConfig,
+    dtype: DType,
+    device: &Device,
+) -> Result<WeightMap> {
+    let weights = match fp8_block(dir)? {
+        Some(block) => {
+            let w = read_safetensors(dir, &Device::Cpu)?;
+            crate::layout::dequantize_fp8_weights(w, block, dtype)
+                .map_err(|e| io_err(dir, e))?
+                .into_iter()
+                .map(|(k, t)| Ok((k, t.to_device(device)?)))
+                .collect::<Result<WeightMap>>()?
+        }
+        None => read_safetensors(dir, device)?,
+    };
+    let weights = language_model_weights(weights);
     crate::layout::from_hf(cfg, weights).map_err(|e| io_err(dir, e))
+}
+
+/// `Some(weight_block_size)` when the directory's `config.json` says its weights are
+/// fine-grained FP8 (at the top, as vision-language checkpoints say it too).
+fn fp8_block(dir: &Path) -> Result<Option<Option<(usize, usize)>>> {
+    let Some(v) = read_json(&dir.join("config.json"))? else {
+        return Ok(None);
+    };
+    let q = v.get("quantization_config").or_else(|| {
+        v.get("text_config")
+            .and_then(|t| t.get("quantization_config"))
+    });
+    let Some(q) = q.filter(|q| q.get("quant_method").and_then(Value::as_str) == Some("fp8")) else {
+        return Ok(None);
+    };
+    let block = match q.get("weight_block_size") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(b)) if b.len() == 2 => match (b[0].as_u64(), b[1].as_u64()) {
+            (Some(n), Some(k)) if n > 0 && k > 0 => Some((n as usize, k as usize)),
+            _ => bail!(
+                "{}: quantization_config.weight_block_size must be two positive integers, not {b:?}",
+                dir.join("config.json").display()
+            ),
+        },
+        Some(x) => bail!(
+            "{}: quantization_config.weight_block_size must be two positive integers, not {x}",
+            dir.join("config.json").display()
+        ),
+    };
+    Ok(Some(block))
 }
 
 /// A vision-language checkpoint's language model under a causal LM's names (Gemma 3's and
@@ -183,7 +231,7 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 /// Loads a Hugging Face directory (config, weights, tokenizer, generation config).
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let cfg = ModelConfig::from_hf_file(&dir.join("config.json"))?;
-    let weights = read_model_weights(dir, &cfg, device)?;
+    let weights = read_model_weights(dir, &cfg, dtype, device)?;
     let model = Transformer::from_weights_owned(&cfg, weights, dtype, device)
         .map_err(|e| io_err(dir, e))?;
     let mut eos = cfg.eos_token_ids.clone();

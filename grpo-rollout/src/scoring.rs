@@ -273,7 +273,7 @@ impl ClassifierModel {
                 cfg_path.display()
             );
         }
-        let weights = read_model_weights(dir, &cfg, device)?;
+        let weights = read_model_weights(dir, &cfg, dtype, device)?;
         let wfile = dir.join("model.safetensors");
         let Some(score) = weights.get("score.weight") else {
             bail!(

@@ -1847,7 +1847,7 @@ fn vision_language_checkpoints_train_their_language_model() {
 
 /// Ministral 3 past its pre-training length (where its queries' temperature grows) is refused
 /// in one line naming it; without YaRN parameters it is refused too (transformers' class reads
-/// them); a quantized vision-language checkpoint is refused by its method.
+/// them); a vision-language checkpoint quantized otherwise than FP8 is refused by its method.
 #[test]
 fn ministral3_refusals_are_named() {
     let m = grpo_rollout::load(
@@ -1878,10 +1878,10 @@ fn ministral3_refusals_are_named() {
         "{e}"
     );
     let mut v: Value = serde_json::from_str(&text).unwrap();
-    v["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    v["quantization_config"] = serde_json::json!({"quant_method": "awq"});
     let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
     assert!(
-        e.contains("quant_method `fp8` is not supported for ministral3"),
+        e.contains("quant_method `awq` is not supported for ministral3"),
         "{e}"
     );
     // Without `rope_parameters`: Ministral3Config's YaRN defaults.

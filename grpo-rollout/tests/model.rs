@@ -1459,3 +1459,105 @@ fn num_parameters_counts_every_weight() {
         }
     }
 }
+
+/// A fine-grained FP8 checkpoint (`fixtures/fp8-qwen3-micro`: every layer matrix float8_e4m3 in
+/// 16 × 16 tiles with its `weight_scale_inv`, `scripts/gen_fp8_reference.py`) loads dequantized
+/// with the log-probs transformers gives it (`FineGrainedFP8Config(dequantize=True)`), in f32 and
+/// bf16; saved, it is dense, without `quantization_config`.
+#[test]
+fn fp8_checkpoints_load_dequantized_as_transformers() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures.join("fp8_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(r["logprobs"].clone())
+        .unwrap()
+        .concat();
+    let lp = |m: &Transformer| -> Vec<f64> {
+        let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+        let (lp, _) = m.completion_logprobs(&ids, &mask, 31, 1.0, false).unwrap();
+        lp.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let dir = fixtures.join("fp8-qwen3-micro");
+    for (dtype, tol) in [(DType::F32, 2e-5), (DType::BF16, 0.15)] {
+        let m = grpo_rollout::load(&dir, dtype, &Device::Cpu).unwrap();
+        let got = lp(&m.model);
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f64, f64::max);
+        assert!(d < tol, "{dtype:?}: {d}");
+        if dtype == DType::F32 {
+            let tmp = tempfile::tempdir().unwrap();
+            grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, tmp.path(), DType::F32).unwrap();
+            let cj = std::fs::read_to_string(tmp.path().join("config.json")).unwrap();
+            assert!(!cj.contains("quantization_config"));
+            let back = grpo_rollout::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+            let again = lp(&back.model);
+            assert!(again.iter().zip(&got).all(|(a, b)| (a - b).abs() < 1e-6));
+        }
+    }
+    assert!(want.iter().any(|x| *x < -8.0));
+}
+
+/// The FP8 tiles in general: a weight whose sides are not multiples of the block takes partial
+/// last tiles (DeepSeek's ⌈N/128⌉ × ⌈K/128⌉ scales), against the per-element product written out;
+/// a per-tensor scale; E8M0 (u8) scales as powers of two; a grid that does not fit is named.
+#[test]
+fn fp8_tiles_scale_their_own_elements() {
+    use grpo_rollout::layout::dequantize_fp8;
+    let (n, k, bn, bk) = (5usize, 7usize, 2usize, 3usize);
+    let vals: Vec<f32> = (0..n * k).map(|i| ((i % 9) as f32 - 4.0) * 0.5).collect();
+    let w = Tensor::from_vec(vals.clone(), (n, k), &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F8E4M3)
+        .unwrap();
+    let (sn, sk) = (n.div_ceil(bn), k.div_ceil(bk));
+    let scales: Vec<f32> = (0..sn * sk).map(|i| 0.25 * (i + 1) as f32).collect();
+    let s = Tensor::from_vec(scales.clone(), (sn, sk), &Device::Cpu).unwrap();
+    let got: Vec<Vec<f32>> = dequantize_fp8(&w, &s, Some((bn, bk)), DType::F32, "w")
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    for i in 0..n {
+        for j in 0..k {
+            // These halves are exact in float8_e4m3.
+            let want = vals[i * k + j] * scales[(i / bn) * sk + j / bk];
+            assert_eq!(got[i][j], want, "({i}, {j})");
+        }
+    }
+    let one = Tensor::new(&[3.0f32], &Device::Cpu).unwrap();
+    let got: Vec<Vec<f32>> = dequantize_fp8(&w, &one, None, DType::F32, "w")
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    assert_eq!(got[1][2], vals[k + 2] * 3.0);
+    let e8m0 = Tensor::from_vec(vec![127u8 + 2; sn * sk], (sn, sk), &Device::Cpu).unwrap();
+    let got: Vec<Vec<f32>> = dequantize_fp8(&w, &e8m0, Some((bn, bk)), DType::F32, "w")
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    assert_eq!(got[4][6], vals[4 * k + 6] * 4.0);
+    let e = dequantize_fp8(&w, &s, Some((4, 4)), DType::F32, "weight `x`")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("weight `x`") && e.contains("needs 2 × 2 scales, not 3 × 3"),
+        "{e}"
+    );
+    let e = dequantize_fp8(&w, &s, None, DType::F32, "weight `x`")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("does not divide") && e.contains("weight_block_size"),
+        "{e}"
+    );
+}

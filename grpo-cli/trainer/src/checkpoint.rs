@@ -186,7 +186,8 @@ impl Learner {
             None => {
                 let d = dir.join("model");
                 let cfg = &self.policy.model.cfg;
-                grpo_rollout::loader::read_model_weights(&d, cfg, &self.device)?
+                let dtype = self.policy.model.dtype();
+                grpo_rollout::loader::read_model_weights(&d, cfg, dtype, &self.device)?
                     .into_iter()
                     .collect()
             }
