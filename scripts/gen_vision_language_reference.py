@@ -10,11 +10,13 @@ fixtures' byte-level tokenizer. Gemma 3's text layers slide over a window of 8; 
 language model is `ministral3` (YaRN factor 4 over a pre-training length of 48, its attention
 temperature beta 0.1, `tie_word_embeddings` true at the top and false in `text_config`: the top
 wins). transformers' log-probs of two 40-token rows, input ids only (no image), go to
-fixtures/vision_language_reference.json.
+fixtures/vision_language_reference.json, with a PEFT adapter on each language model (q, v and
+down of every layer, random factors, as PEFT saves it: fixtures/vl-{name}-peft) and the adapted
+model's log-probs.
 
     python3 scripts/gen_vision_language_reference.py grpo-rollout/tests/fixtures
 
-Needs torch, transformers 5, safetensors.
+Needs torch, transformers 5, safetensors, peft.
 """
 import json
 import os
@@ -71,6 +73,22 @@ for name, kw in CONFIGS.items():
             lp = torch.log_softmax(m(input_ids=torch.tensor([row])).logits[0].double(), -1)
             lps.append([lp[j - 1, t].item() for j, t in enumerate(row) if j > 0])
     tied = m.lm_head.weight.data_ptr() == m.get_input_embeddings().weight.data_ptr()
-    ref["models"][name] = {"logprobs": lps, "tied": tied}
+    # A PEFT adapter on the language model (random A and B), saved as PEFT saves it
+    # (`base_model.model.model.language_model.*`), and the adapted model's log-probs.
+    from peft import LoraConfig, get_peft_model
+    lcfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                      target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    torch.manual_seed(1)
+    pm = get_peft_model(m, lcfg).eval()
+    adapter = os.path.join(FIX, f"vl-{name}-peft")
+    shutil.rmtree(adapter, ignore_errors=True)
+    pm.save_pretrained(adapter)
+    os.remove(os.path.join(adapter, "README.md"))
+    alps = []
+    with torch.no_grad():
+        for row in ROWS:
+            lp = torch.log_softmax(pm(input_ids=torch.tensor([row])).logits[0].double(), -1)
+            alps.append([lp[j - 1, t].item() for j, t in enumerate(row) if j > 0])
+    ref["models"][name] = {"logprobs": lps, "tied": tied, "adapted_logprobs": alps}
     print(name, "tied", tied)
 json.dump(ref, open(os.path.join(FIX, "vision_language_reference.json"), "w"), indent=1)

@@ -160,6 +160,49 @@ pub fn read_model_weights(
     crate::layout::from_hf(cfg, weights).map_err(|e| io_err(dir, e))
 }
 
+/// [`read_model_weights`] and, for a vision-language checkpoint, what it holds beside its
+/// language model (on the CPU).
+fn read_model_and_vision(
+    dir: &Path,
+    cfg: &ModelConfig,
+    dtype: DType,
+    device: &Device,
+) -> Result<(WeightMap, Option<VisionLanguage>)> {
+    let config = read_json(&dir.join("config.json"))?;
+    let vl = match &config {
+        Some(v) => crate::config::vision_language_text(v)?.is_some(),
+        None => false,
+    };
+    if !vl {
+        return Ok((read_model_weights(dir, cfg, dtype, device)?, None));
+    }
+    // Read on the CPU: the vision tower stays there; the language model moves to `device`.
+    let weights = match fp8_block(dir)? {
+        Some(block) => crate::layout::dequantize_fp8_weights(
+            read_safetensors(dir, &Device::Cpu)?,
+            block,
+            dtype,
+        )
+        .map_err(|e| io_err(dir, e))?,
+        None => read_safetensors(dir, &Device::Cpu)?,
+    };
+    let (text, rest) = split_language_model(weights);
+    let text = text
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(device)?)))
+        .collect::<Result<WeightMap>>()?;
+    let text = crate::layout::from_hf(cfg, text).map_err(|e| io_err(dir, e))?;
+    let (tensors, saved_names) = rest.unwrap_or_default();
+    Ok((
+        text,
+        Some(VisionLanguage {
+            config: config.unwrap_or_default(),
+            tensors,
+            saved_names,
+        }),
+    ))
+}
+
 /// `Some(weight_block_size)` when the directory's `config.json` says its weights are
 /// fine-grained FP8 (at the top, as vision-language checkpoints say it too).
 fn fp8_block(dir: &Path) -> Result<Option<Option<(usize, usize)>>> {
@@ -190,32 +233,66 @@ fn fp8_block(dir: &Path) -> Result<Option<Option<(usize, usize)>>> {
     Ok(Some(block))
 }
 
+/// What a vision-language checkpoint holds beside its language model, kept on the CPU with the
+/// model so that it is written back whole ([`save_hf_dir`]): its `config.json`, the vision
+/// tower's and projector's tensors as read, and whether its files name the language model as
+/// transformers saves it (`language_model.model.*`) or as transformers 5 holds it in memory
+/// (`model.language_model.*`).
+#[derive(Debug)]
+pub struct VisionLanguage {
+    /// The checkpoint's `config.json`.
+    pub config: Value,
+    /// The tensors that are not the language model's.
+    pub tensors: WeightMap,
+    /// `language_model.model.*` / `language_model.lm_head.weight` (else
+    /// `model.language_model.*` / `lm_head.weight`).
+    pub saved_names: bool,
+}
+
+impl VisionLanguage {
+    /// The checkpoint's name of a causal LM's tensor `name`.
+    pub fn file_name(&self, name: &str) -> String {
+        match (self.saved_names, name.strip_prefix("model.")) {
+            (true, _) => format!("language_model.{name}"),
+            (false, Some(rest)) => format!("model.language_model.{rest}"),
+            (false, None) => name.to_string(),
+        }
+    }
+}
+
 /// A vision-language checkpoint's language model under a causal LM's names (Gemma 3's and
 /// Mistral 3's, as transformers saves them — `language_model.model.*`,
 /// `language_model.lm_head.weight` — or as transformers 5 names them in memory —
 /// `model.language_model.*`, `lm_head.weight`), the vision tower and projector left out. A
 /// causal LM's weights pass unchanged.
 pub fn language_model_weights(weights: WeightMap) -> WeightMap {
-    let nested =
-        |k: &str| k.starts_with("language_model.") || k.starts_with("model.language_model.");
-    if !weights.keys().any(|k| nested(k)) {
-        return weights;
+    split_language_model(weights).0
+}
+
+/// [`language_model_weights`], and the others (the vision tower, the projector) with the
+/// naming the checkpoint uses (`true`: `language_model.model.*`); `None` for a causal LM's.
+fn split_language_model(weights: WeightMap) -> (WeightMap, Option<(WeightMap, bool)>) {
+    let saved = weights.keys().any(|k| k.starts_with("language_model."));
+    if !saved
+        && !weights
+            .keys()
+            .any(|k| k.starts_with("model.language_model."))
+    {
+        return (weights, None);
     }
-    weights
-        .into_iter()
-        .filter_map(|(k, t)| {
-            let name = if let Some(rest) = k.strip_prefix("language_model.") {
-                rest.to_string()
-            } else if let Some(rest) = k.strip_prefix("model.language_model.") {
-                format!("model.{rest}")
-            } else if k == "lm_head.weight" {
-                k
-            } else {
-                return None; // the vision tower, the projector
-            };
-            Some((name, t))
-        })
-        .collect()
+    let (mut text, mut rest) = (WeightMap::new(), WeightMap::new());
+    for (k, t) in weights {
+        if let Some(r) = k.strip_prefix("language_model.") {
+            text.insert(r.to_string(), t);
+        } else if let Some(r) = k.strip_prefix("model.language_model.") {
+            text.insert(format!("model.{r}"), t);
+        } else if k == "lm_head.weight" {
+            text.insert(k, t);
+        } else {
+            rest.insert(k, t);
+        }
+    }
+    (text, Some((rest, saved)))
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -231,9 +308,10 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 /// Loads a Hugging Face directory (config, weights, tokenizer, generation config).
 pub fn load_hf_dir(dir: &Path, dtype: DType, device: &Device) -> Result<LoadedModel> {
     let cfg = ModelConfig::from_hf_file(&dir.join("config.json"))?;
-    let weights = read_model_weights(dir, &cfg, dtype, device)?;
-    let model = Transformer::from_weights_owned(&cfg, weights, dtype, device)
+    let (weights, vision) = read_model_and_vision(dir, &cfg, dtype, device)?;
+    let mut model = Transformer::from_weights_owned(&cfg, weights, dtype, device)
         .map_err(|e| io_err(dir, e))?;
+    model.vision = vision.map(std::sync::Arc::new);
     let mut eos = cfg.eos_token_ids.clone();
     if let Some(g) = read_json(&dir.join("generation_config.json"))? {
         match g.get("eos_token_id") {
@@ -274,17 +352,18 @@ pub fn save_hf_dir(
     let mut cfg = model.cfg.clone();
     cfg.eos_token_ids = tokenizer.eos_token_ids.clone();
     cfg.pad_token_id = Some(tokenizer.pad_token_id);
+    let dtype_name = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    };
     let mut cj = cfg.to_hf_json();
     if let Some(o) = cj.as_object_mut() {
-        o.insert(
-            "torch_dtype".into(),
-            match dtype {
-                DType::BF16 => "bfloat16",
-                DType::F16 => "float16",
-                _ => "float32",
-            }
-            .into(),
-        );
+        o.insert("torch_dtype".into(), dtype_name.into());
+    }
+    // A vision-language checkpoint: its own config around the language model's.
+    if let Some(vl) = &model.vision {
+        cj = vision_language_config(&vl.config, cj, dtype_name);
     }
     let write = |name: &str, v: &Value| -> Result<()> {
         let p = dir.join(name);
@@ -307,7 +386,7 @@ pub fn save_hf_dir(
         None => "model.embed_tokens.weight",
     };
     let cast_head = model.head().dtype() == DType::F32 && model.dtype() != DType::F32;
-    let tensors: HashMap<String, Tensor> = crate::layout::to_hf(&model.cfg, model.weights())?
+    let mut tensors: HashMap<String, Tensor> = crate::layout::to_hf(&model.cfg, model.weights())?
         .into_iter()
         .map(|(k, t)| {
             // DeepSeek's routers and their offsets stay in f32, as transformers saves them.
@@ -317,12 +396,60 @@ pub fn save_hf_dir(
             } else {
                 dtype
             };
-            Ok((k, t.detach().to_dtype(dt)?.to_device(&Device::Cpu)?))
+            let name = match &model.vision {
+                Some(vl) => vl.file_name(&k),
+                None => k,
+            };
+            Ok((name, t.detach().to_dtype(dt)?.to_device(&Device::Cpu)?))
         })
         .collect::<Result<_>>()?;
+    // The vision tower and projector as read, their floats in the export's dtype.
+    if let Some(vl) = &model.vision {
+        for (k, t) in &vl.tensors {
+            let t = match t.dtype().is_float() {
+                true => t.to_dtype(dtype)?,
+                false => t.clone(),
+            };
+            tensors.insert(k.clone(), t);
+        }
+    }
     let st = dir.join("model.safetensors");
     candle_core::safetensors::save(&tensors, &st).map_err(|e| io_err(&st, e))?;
     save_tokenizer(tokenizer, dir)
+}
+
+/// A vision-language checkpoint's `config.json` with its language model's config `text` in
+/// `text_config`, the keys transformers reads at the top from it (`tie_word_embeddings`, the
+/// token ids) and the export's dtype; FP8 weights were dequantized on load: no
+/// `quantization_config`.
+fn vision_language_config(config: &Value, mut text: Value, dtype: &str) -> Value {
+    let mut out = config.clone();
+    let (Some(o), Some(t)) = (out.as_object_mut(), text.as_object_mut()) else {
+        return out;
+    };
+    for k in [
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "quantization_config",
+    ] {
+        t.remove(k);
+    }
+    for k in [
+        "tie_word_embeddings",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+    ] {
+        if let Some(x) = t.get(k) {
+            o.insert(k.into(), x.clone());
+        }
+    }
+    o.remove("quantization_config");
+    o.insert("torch_dtype".into(), dtype.into());
+    o.insert("dtype".into(), dtype.into());
+    o.insert("text_config".into(), text);
+    out
 }
 
 /// Writes `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`.

@@ -380,9 +380,19 @@ impl Matcher {
             Self::Names(v) => v
                 .iter()
                 .any(|t| name == t || name.ends_with(&format!(".{t}"))),
-            Self::Regex(r) => r.is_match(name),
+            Self::Regex(r) => regex_matches(r, name),
         }
     }
+}
+
+/// Whether a `target_modules` / `exclude_modules` pattern matches the module `name`
+/// (`model.layers.…`) under its own name or under the one a vision-language model gives its
+/// language model's modules (`model.language_model.layers.…`, as PEFT sees them there).
+fn regex_matches(re: &Regex, name: &str) -> bool {
+    re.is_match(name)
+        || name
+            .strip_prefix("model.")
+            .is_some_and(|rest| re.is_match(&format!("model.language_model.{rest}")))
 }
 
 fn anchored(re: &str, field: &str, key: &str) -> Result<Regex> {
@@ -519,7 +529,7 @@ fn regex_leaves(
         }
     }
     let mut out: Vec<String> = Vec::new();
-    for k in keys.iter().filter(|k| re.is_match(k)) {
+    for k in keys.iter().filter(|k| regex_matches(re, k)) {
         let leaf = k.rsplit('.').next().unwrap_or(k).to_string();
         if !out.contains(&leaf) {
             out.push(leaf);
@@ -1918,7 +1928,43 @@ pub fn save_peft(
             tensors.insert(head.into(), h.detach().to_dtype(DType::F32)?);
         }
     }
+    // A vision-language model's language model under the names PEFT gives it there
+    // (transformers 5's `model.language_model.*`).
+    let tensors: HashMap<String, Tensor> = match model.vision.is_some() {
+        true => tensors
+            .into_iter()
+            .map(|(k, t)| (vision_language_key(&k), t))
+            .collect(),
+        false => tensors,
+    };
     candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))
+}
+
+/// The PEFT key of a vision-language model's language-model tensor:
+/// `base_model.model.model.layers.*` as `base_model.model.model.language_model.layers.*` (the
+/// head's keys unchanged).
+fn vision_language_key(key: &str) -> String {
+    match key.strip_prefix("base_model.model.model.") {
+        Some(rest) => format!("base_model.model.model.language_model.{rest}"),
+        None => key.to_string(),
+    }
+}
+
+/// A PEFT key of an adapter trained on a vision-language model under the causal LM's name:
+/// `model.language_model.*` (transformers 5) and `language_model.model.*` (transformers 4)
+/// as `model.*`, `language_model.lm_head` as `lm_head`.
+fn causal_key(key: &str) -> String {
+    let b = "base_model.model.";
+    let Some(rest) = key.strip_prefix(b) else {
+        return key.to_string();
+    };
+    if let Some(r) = rest.strip_prefix("model.language_model.") {
+        format!("{b}model.{r}")
+    } else if let Some(r) = rest.strip_prefix("language_model.") {
+        format!("{b}{r}")
+    } else {
+        key.to_string()
+    }
 }
 
 /// Where PEFT saves a resized embedding (with trainable tokens, without).
@@ -2174,7 +2220,11 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
         .for_model(model)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;
     let file = dir.join("adapter_model.safetensors");
-    let mut loaded = candle_core::safetensors::load(&file, model.device())?;
+    let mut loaded: HashMap<String, Tensor> =
+        candle_core::safetensors::load(&file, model.device())?
+            .into_iter()
+            .map(|(k, t)| (causal_key(&k), t))
+            .collect();
     // A resized vocabulary saved with the adapter (PEFT's `save_embedding_layers`): the
     // embedding (and an untied head) replace the base's; a tied head's copies are the
     // embedding's.

@@ -1303,6 +1303,9 @@ pub struct Transformer {
     /// backward (gradient checkpointing, [`Self::enable_gradient_checkpointing`]) or its graph
     /// kept in the node and freed by its backward ([`Self::enable_layer_segments`]).
     pub layer_blocks: Option<LayerBlocks>,
+    /// A vision-language checkpoint's parts beside its language model (its config, vision
+    /// tower and projector), kept to be written back with it ([`crate::loader::save_hf_dir`]).
+    pub vision: Option<std::sync::Arc<crate::loader::VisionLanguage>>,
     /// RoPE `(max_positions, head_dim / 2)` cosine and sine tables (f32, no gradient).
     rope_cos: Tensor,
     rope_sin: Tensor,
@@ -1568,9 +1571,10 @@ impl Transformer {
 
     /// [`Self::from_weights`] in `like`'s config, dtypes and device: the weights of a model
     /// built from another's (trainable copies, a synced reference) keep an f32 head
-    /// ([`Self::cast_head_to_f32`]) in f32.
+    /// ([`Self::cast_head_to_f32`]) in f32, and a vision-language checkpoint's other parts.
     pub fn from_weights_like(like: &Transformer, weights: &WeightMap) -> Result<Self> {
         let mut m = Self::from_weights(&like.cfg, weights, like.dtype(), like.device())?;
+        m.vision = like.vision.clone();
         let dt = like.head().dtype();
         if m.head().dtype() != dt {
             let name = match like.lm_head {
@@ -1887,6 +1891,7 @@ impl Transformer {
             token_delta: None,
             decoding: false,
             layer_blocks: None,
+            vision: None,
             rope_cos,
             rope_sin,
             rope_local,
@@ -2083,6 +2088,7 @@ impl Transformer {
                 .transpose()?,
             decoding: false,
             layer_blocks: None,
+            vision: self.vision.clone(),
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
             rope_local: self.rope_local.clone(),

@@ -1773,8 +1773,9 @@ fn latent_cache_rows() {
 /// vision tower and projector: `fixtures/vl-*-micro`, `scripts/gen_vision_language_reference.py`)
 /// load their language model — Gemma 3's `gemma3_text`, Mistral 3's `ministral3` with YaRN and
 /// its top-level `tie_word_embeddings` — with transformers' log-probs of the whole model on text;
-/// saved, they are the text model alone (`Gemma3ForCausalLM`, `Ministral3ForCausalLM`) with the
-/// same log-probs; Ministral 3 also as llama.cpp's `mistral3` GGUF.
+/// saved, they are the whole checkpoint again (the vision tower and projector as read, the
+/// language model under the checkpoint's names) with the same log-probs; Ministral 3 also as
+/// llama.cpp's `mistral3` GGUF.
 #[test]
 fn vision_language_checkpoints_train_their_language_model() {
     let text = std::fs::read_to_string(fixtures().join("vision_language_reference.json")).unwrap();
@@ -1796,32 +1797,41 @@ fn vision_language_checkpoints_train_their_language_model() {
         let d = max_diff(&got, &want);
         assert!(d < 2e-5, "{name}: {d}");
         assert!(want.iter().any(|x| *x < -7.0));
-        // Saved: the language model alone, as transformers' causal LM.
+        // Saved: the whole checkpoint again — its config around the language model's, the
+        // language model under the checkpoint's names, the vision tower and projector as read.
         let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().join("text");
+        let out = tmp.path().join("vl");
         grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
         let cj: Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
                 .unwrap();
-        assert_eq!(cj["model_type"], arch.as_str());
-        assert!(cj.get("vision_config").is_none());
+        let src: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cj["model_type"], name);
+        assert_eq!(cj["text_config"]["model_type"], arch.as_str());
+        assert_eq!(cj["vision_config"], src["vision_config"]);
         let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
         let again: Vec<f64> = logprobs(&back.model, &rows)
             .iter()
             .map(|x| *x as f64)
             .collect();
         assert!(max_diff(&again, &got) < 1e-6, "{name}");
-        let names: Vec<String> = grpo_rollout::loader::read_safetensors(&out, &Device::Cpu)
-            .unwrap()
-            .into_keys()
-            .collect();
-        assert!(
-            names.iter().all(|n| n.starts_with("model.layers.")
-                || n.starts_with("model.embed_tokens.")
-                || n.starts_with("model.norm.")
-                || n == "lm_head.weight"),
-            "{names:?}"
+        let (a, b) = (
+            grpo_rollout::loader::read_safetensors(&dir, &Device::Cpu).unwrap(),
+            grpo_rollout::loader::read_safetensors(&out, &Device::Cpu).unwrap(),
         );
+        let mut names: Vec<&String> = b.keys().collect();
+        names.sort();
+        let mut want_names: Vec<&String> = a.keys().collect();
+        want_names.sort();
+        assert_eq!(names, want_names, "{name}");
+        for (k, t) in &a {
+            if !k.starts_with("language_model.") {
+                let d = (t - &b[k]).unwrap().abs().unwrap().max_all().unwrap();
+                assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k}");
+            }
+        }
         if arch == Arch::Ministral3 {
             let Some(RopeScaling::Yarn(y)) = &m.model.cfg.rope_scaling else {
                 panic!("{:?}", m.model.cfg.rope_scaling)
@@ -1834,7 +1844,11 @@ fn vision_language_checkpoints_train_their_language_model() {
                 ),
                 (4.0, 48, Some(0.1))
             );
-            assert_eq!(cj["rope_scaling"]["llama_4_scaling_beta"], 0.1);
+            let tc = &serde_json::from_str::<Value>(
+                &std::fs::read_to_string(out.join("config.json")).unwrap(),
+            )
+            .unwrap()["text_config"];
+            assert_eq!(tc["rope_scaling"]["llama_4_scaling_beta"], 0.1);
             // As llama.cpp's mistral3: the same config and log-probs.
             let (written, cfg, d) = through_gguf(&m, &rows, tmp.path());
             assert!(d < 1e-5, "{d}");
@@ -1842,6 +1856,67 @@ fn vision_language_checkpoints_train_their_language_model() {
             assert_eq!(cfg.rope_scaling, m.model.cfg.rope_scaling);
             assert!(written.iter().any(|(n, _)| n == "blk.1.attn_q.weight"));
         }
+    }
+}
+
+/// A PEFT adapter trained on a vision-language model (`base_model.model.model.language_model.*`,
+/// its `target_modules` a regex over the language model: `fixtures/vl-*-peft`) loads onto the
+/// language model with PEFT's adapted log-probs; ours is saved under the same names and reads
+/// back the same.
+#[test]
+fn vision_language_peft_adapters_match_peft() {
+    let text = std::fs::read_to_string(fixtures().join("vision_language_reference.json")).unwrap();
+    let r: Value = serde_json::from_str(&text).unwrap();
+    let rows = serde_json::json!({"rows": r["rows"], "t": 39});
+    for name in ["gemma3", "mistral3"] {
+        let mut m = grpo_rollout::load(
+            &fixtures().join(format!("vl-{name}-micro")),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let cfg = grpo_rollout::lora::load_peft(
+            &mut m.model,
+            &fixtures().join(format!("vl-{name}-peft")),
+        )
+        .unwrap();
+        let got: Vec<f64> = logprobs(&m.model, &rows)
+            .iter()
+            .map(|x| *x as f64)
+            .collect();
+        let want: Vec<f64> =
+            serde_json::from_value::<Vec<Vec<f64>>>(r["models"][name]["adapted_logprobs"].clone())
+                .unwrap()
+                .concat();
+        let d = max_diff(&got, &want);
+        assert!(d < 2e-5, "{name}: {d}");
+        assert!(max_diff(&want, &self::want(&r["models"][name])) > 0.05);
+        let tmp = tempfile::tempdir().unwrap();
+        grpo_rollout::lora::save_peft(&m.model, &cfg, tmp.path(), "base").unwrap();
+        let keys: Vec<String> = candle_core::safetensors::load(
+            tmp.path().join("adapter_model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap()
+        .into_keys()
+        .collect();
+        assert!(
+            keys.iter()
+                .all(|k| k.starts_with("base_model.model.model.language_model.layers.")),
+            "{keys:?}"
+        );
+        let mut again = grpo_rollout::load(
+            &fixtures().join(format!("vl-{name}-micro")),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        grpo_rollout::lora::load_peft(&mut again.model, tmp.path()).unwrap();
+        let back: Vec<f64> = logprobs(&again.model, &rows)
+            .iter()
+            .map(|x| *x as f64)
+            .collect();
+        assert!(max_diff(&back, &got) < 1e-6, "{name}");
     }
 }
 
