@@ -452,14 +452,7 @@ pub fn dequantize_fp8(
     let w = weight.to_dtype(DType::F32)?;
     let s = match scale.dtype() {
         DType::U8 => {
-            let pow2: Vec<f32> = (0u32..256)
-                .map(|e| match e {
-                    0 => f32::from_bits(1 << 22),
-                    255 => f32::NAN,
-                    e => f32::from_bits(e << 23),
-                })
-                .collect();
-            let lut = Tensor::new(pow2.as_slice(), scale.device())?;
+            let lut = Tensor::new(e8m0_powers().as_slice(), scale.device())?;
             lut.index_select(&scale.flatten_all()?.to_dtype(DType::U32)?, 0)?
                 .reshape(scale.dims())?
         }
@@ -534,6 +527,18 @@ pub fn dequantize_fp8_weights(
     Ok(weights)
 }
 
+/// The scale of each E8M0 code `e` (MX formats' shared exponents): `2^(e − 127)` exactly, the
+/// f32 of exponent field `e` (0: 2^-127, a subnormal; 255: infinity, as torch's `exp2` gives).
+fn e8m0_powers() -> Vec<f32> {
+    (0u32..256)
+        .map(|e| match e {
+            0 => f32::from_bits(1 << 22),
+            255 => f32::INFINITY,
+            e => f32::from_bits(e << 23),
+        })
+        .collect()
+}
+
 /// The 16 values of an FP4 (E2M1) code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 const FP4_E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
@@ -567,15 +572,7 @@ pub fn dequantize_mxfp4(
     }
     let dev = blocks.device();
     let lut = Tensor::new(&FP4_E2M1, dev)?;
-    // 2^(e − 127) exactly: the f32 of exponent field e (e = 0: 2^-127, a subnormal).
-    let pow2: Vec<f32> = (0u32..256)
-        .map(|e| match e {
-            0 => f32::from_bits(1 << 22),
-            255 => f32::INFINITY,
-            e => f32::from_bits(e << 23),
-        })
-        .collect();
-    let pow2 = Tensor::new(pow2.as_slice(), dev)?;
+    let pow2 = Tensor::new(e8m0_powers().as_slice(), dev)?;
     let one = |b: &Tensor, s: &Tensor| -> Result<Tensor> {
         let shape = b.dims().to_vec();
         let x = b.to_dtype(DType::F32)?;
