@@ -1870,6 +1870,21 @@ pub fn save_peft(
         }
         t => serde_json::json!(t),
     };
+    // A vision-language model: the same modules, of its language model only (PEFT would match
+    // the vision tower's same-named modules too).
+    let targets = match (&model.vision, targets.as_array()) {
+        (Some(_), Some(names)) => {
+            let names: Vec<String> = names
+                .iter()
+                .filter_map(|n| n.as_str().map(regex::escape))
+                .collect();
+            serde_json::json!(format!(
+                r"model\.language_model\..*\.(?:{})",
+                names.join("|")
+            ))
+        }
+        _ => targets,
+    };
     let classifier = model.score.is_some();
     let config = serde_json::json!({
         "trainable_token_indices": cfg.trainable_token_indices,

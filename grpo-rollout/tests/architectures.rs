@@ -1893,6 +1893,18 @@ fn vision_language_peft_adapters_match_peft() {
         assert!(max_diff(&want, &self::want(&r["models"][name])) > 0.05);
         let tmp = tempfile::tempdir().unwrap();
         grpo_rollout::lora::save_peft(&m.model, &cfg, tmp.path(), "base").unwrap();
+        // Its targets: the language model's modules only (not the vision tower's q_proj).
+        let ac: Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert!(
+            ac["target_modules"]
+                .as_str()
+                .is_some_and(|t| t.contains("language_model") && t.contains("q_proj")),
+            "{}",
+            ac["target_modules"]
+        );
         let keys: Vec<String> = candle_core::safetensors::load(
             tmp.path().join("adapter_model.safetensors"),
             &Device::Cpu,
@@ -1917,6 +1929,41 @@ fn vision_language_peft_adapters_match_peft() {
             .map(|x| *x as f64)
             .collect();
         assert!(max_diff(&back, &got) < 1e-6, "{name}");
+        // Our own adapter on named modules: saved as a pattern over the language model, read
+        // back onto the same modules.
+        let lcfg = grpo_rollout::lora::LoraConfig {
+            target_modules: grpo_rollout::lora::TargetModules::Names(vec![
+                "q_proj".into(),
+                "v_proj".into(),
+            ]),
+            ..Default::default()
+        };
+        let fresh = grpo_rollout::load(
+            &fixtures().join(format!("vl-{name}-micro")),
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let tm = grpo_rollout::policy::TrainableModel::lora(&fresh.model, &lcfg, 3).unwrap();
+        let dir = tmp.path().join("ours");
+        grpo_rollout::lora::save_peft(&tm.model, tm.lora.as_ref().unwrap(), &dir, "base").unwrap();
+        let ac: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            ac["target_modules"],
+            r"model\.language_model\..*\.(?:q_proj|v_proj)"
+        );
+        let mut again = fresh.clone();
+        grpo_rollout::lora::load_peft(&mut again.model, &dir).unwrap();
+        let adapted = again
+            .model
+            .layers
+            .iter()
+            .filter(|l| l.q_proj.lora.is_some() && l.v_proj.lora.is_some())
+            .count();
+        assert_eq!(adapted, again.model.layers.len());
     }
 }
 
