@@ -193,12 +193,23 @@ fn read_model_and_vision(
         .collect::<Result<WeightMap>>()?;
     let text = crate::layout::from_hf(cfg, text).map_err(|e| io_err(dir, e))?;
     let (tensors, saved_names) = rest.unwrap_or_default();
+    let mut files = Vec::new();
+    for f in PROCESSOR_FILES {
+        let p = dir.join(f);
+        if p.exists() {
+            files.push((
+                f.to_string(),
+                std::fs::read_to_string(&p).map_err(|e| io_err(&p, e))?,
+            ));
+        }
+    }
     Ok((
         text,
         Some(VisionLanguage {
             config: config.unwrap_or_default(),
             tensors,
             saved_names,
+            files,
         }),
     ))
 }
@@ -247,7 +258,16 @@ pub struct VisionLanguage {
     /// `language_model.model.*` / `language_model.lm_head.weight` (else
     /// `model.language_model.*` / `lm_head.weight`).
     pub saved_names: bool,
+    /// The image (and video) processor's files, by name, as read ([`PROCESSOR_FILES`]).
+    pub files: Vec<(String, String)>,
 }
+
+/// The files of a vision-language checkpoint's processor, written back beside it.
+pub const PROCESSOR_FILES: [&str; 3] = [
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+];
 
 impl VisionLanguage {
     /// The checkpoint's name of a causal LM's tensor `name`.
@@ -403,8 +423,13 @@ pub fn save_hf_dir(
             Ok((name, t.detach().to_dtype(dt)?.to_device(&Device::Cpu)?))
         })
         .collect::<Result<_>>()?;
-    // The vision tower and projector as read, their floats in the export's dtype.
+    // The vision tower and projector as read, their floats in the export's dtype; the
+    // processor's files.
     if let Some(vl) = &model.vision {
+        for (name, text) in &vl.files {
+            let p = dir.join(name);
+            std::fs::write(&p, text).map_err(|e| io_err(&p, e))?;
+        }
         for (k, t) in &vl.tensors {
             let t = match t.dtype().is_float() {
                 true => t.to_dtype(dtype)?,

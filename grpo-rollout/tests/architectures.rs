@@ -1859,6 +1859,33 @@ fn vision_language_checkpoints_train_their_language_model() {
     }
 }
 
+/// A vision-language checkpoint's processor files (`preprocessor_config.json`, ...) are written
+/// back beside it, as read.
+#[test]
+fn vision_language_processor_files_are_written_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for e in std::fs::read_dir(fixtures().join("vl-gemma3-micro")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let pre =
+        r#"{"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 28, "width": 28}}"#;
+    std::fs::write(src.join("preprocessor_config.json"), pre).unwrap();
+    let m = grpo_rollout::load(&src, DType::F32, &Device::Cpu).unwrap();
+    let out = tmp.path().join("out");
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::BF16).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(out.join("preprocessor_config.json")).unwrap(),
+        pre
+    );
+    assert!(!out.join("processor_config.json").exists());
+    let cj: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cj["torch_dtype"], "bfloat16");
+}
+
 /// A PEFT adapter trained on a vision-language model (`base_model.model.model.language_model.*`,
 /// its `target_modules` a regex over the language model: `fixtures/vl-*-peft`) loads onto the
 /// language model with PEFT's adapted log-probs; ours is saved under the same names and reads
