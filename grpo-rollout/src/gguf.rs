@@ -248,19 +248,9 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         None | Some("none") => None,
         Some(kind) if arch.mla() => deepseek2_rope(md, kind, &key)?,
         Some("yarn") if arch == Arch::Ministral3 => Some(mistral3_yarn(md, &key)?),
-        Some("linear") => {
-            let factor = md
-                .get(&key("rope.scaling.factor"))
-                .and_then(as_f64)
-                .filter(|f| *f > 0.0)
-                .ok_or_else(|| {
-                    err(format!(
-                        "metadata `{}` is missing for linear RoPE scaling",
-                        key("rope.scaling.factor")
-                    ))
-                })?;
-            Some(RopeScaling::Linear { factor })
-        }
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: scaling_factor(md, &key, "linear RoPE scaling")?,
+        }),
         Some("yarn") if yarn_family(arch) => Some(generic_yarn(md, &key)?),
         Some(kind) => bail!(
             "RoPE scaling `{kind}` ({}) is not supported (supported: none, linear; yarn for llama, qwen2, qwen3, qwen3moe, qwen2moe, deepseek2)",
@@ -490,19 +480,27 @@ fn deepseek2_rope(
     })))
 }
 
-/// YaRN's factor (`rope.scaling.factor`) and pre-training length
-/// (`rope.scaling.original_context_length`, else the context length) of a GGUF file.
-fn yarn_lengths(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<(f64, u64)> {
-    let factor = md
-        .get(&key("rope.scaling.factor"))
+/// A RoPE scaling's `rope.scaling.factor` (positive), or an error naming the key and `what`.
+fn scaling_factor(
+    md: &HashMap<String, Value>,
+    key: &dyn Fn(&str) -> String,
+    what: &str,
+) -> Result<f64> {
+    md.get(&key("rope.scaling.factor"))
         .and_then(as_f64)
         .filter(|f| *f > 0.0)
         .ok_or_else(|| {
             err(format!(
-                "metadata `{}` is missing for YaRN",
+                "metadata `{}` is missing for {what}",
                 key("rope.scaling.factor")
             ))
-        })?;
+        })
+}
+
+/// YaRN's factor (`rope.scaling.factor`) and pre-training length
+/// (`rope.scaling.original_context_length`, else the context length) of a GGUF file.
+fn yarn_lengths(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> Result<(f64, u64)> {
+    let factor = scaling_factor(md, key, "YaRN")?;
     let original = md
         .get(&key("rope.scaling.original_context_length"))
         .or_else(|| md.get(&key("context_length")))
@@ -546,6 +544,79 @@ fn mistral3_yarn(md: &HashMap<String, Value>, key: &dyn Fn(&str) -> String) -> R
         mscale_all_dim: all,
         llama_4_scaling_beta: Some(float("attention.temperature_scale").unwrap_or(0.0)),
     }))
+}
+
+/// YaRN's `{arch}.*` keys: the type, factor and pre-training length, and what each family's
+/// llama.cpp graph reads beside them — DeepSeek's `yarn_log_multiplier` (0.1 · mscale_all_dim;
+/// [`deepseek_exportable`] checked the rest), Ministral 3's betas, multiplier (mscale_all_dim)
+/// and attention temperature ([`mistral3_yarn`]), nothing for the [`yarn_family`], which takes
+/// transformers' defaults. A YaRN llama.cpp would compute otherwise is refused by name.
+fn yarn_metadata(
+    cfg: &ModelConfig,
+    y: &crate::config::YarnRopeScaling,
+    arch: &str,
+    a: &dyn Fn(&str) -> String,
+) -> Result<Vec<(String, Value)>> {
+    let f = |x: f64| Value::F32(x as f32);
+    let extra = if cfg.mla.is_some() {
+        vec![(
+            a("rope.scaling.yarn_log_multiplier"),
+            f(0.1 * y.mscale_all_dim.unwrap_or(0.0)),
+        )]
+    } else if cfg.arch == Arch::Ministral3 {
+        let m = |all: f64| yarn_mscale(y.factor, all);
+        let theirs = m(1.0) / y.mscale_all_dim.map_or(1.0, m);
+        if !y.truncate || (y.attention_factor - theirs).abs() >= 1e-9 {
+            bail!(
+                "ministral3 with YaRN attention factor {} (mscale other than 1) or truncate {} has no GGUF form (llama.cpp's mistral3 takes mscale 1, truncated): export it as safetensors",
+                y.attention_factor,
+                y.truncate
+            );
+        }
+        vec![
+            (a("rope.scaling.yarn_beta_fast"), f(y.beta_fast)),
+            (a("rope.scaling.yarn_beta_slow"), f(y.beta_slow)),
+            (
+                a("rope.scaling.yarn_log_multiplier"),
+                f(y.mscale_all_dim.unwrap_or(0.0)),
+            ),
+            (
+                a("attention.temperature_scale"),
+                f(y.llama_4_scaling_beta.unwrap_or(0.0)),
+            ),
+        ]
+    } else if yarn_family(cfg.arch) {
+        if y.mscale_all_dim.is_some()
+            || (y.attention_factor - yarn_default_attention(y.factor)).abs() >= 1e-9
+            || (y.beta_fast, y.beta_slow, y.truncate) != (32.0, 1.0, true)
+        {
+            bail!(
+                "YaRN with attention factor {} (default {}), mscale_all_dim {:?}, betas {} / {}, truncate {} has no GGUF form (llama.cpp's {arch} takes the default factor, betas 32 / 1, truncated): export the model as safetensors",
+                y.attention_factor,
+                yarn_default_attention(y.factor),
+                y.mscale_all_dim,
+                y.beta_fast,
+                y.beta_slow,
+                y.truncate
+            );
+        }
+        Vec::new()
+    } else {
+        bail!(
+            "YaRN RoPE scaling is written to GGUF for llama, Mistral, Mixtral, the Qwens and DeepSeek's latent attention only (llama.cpp's YaRN of {} is not checked against transformers'): export the model as safetensors",
+            cfg.arch.as_str()
+        );
+    };
+    let mut md = vec![
+        (a("rope.scaling.type"), Value::String("yarn".into())),
+        (a("rope.scaling.factor"), f(y.factor)),
+        (
+            a("rope.scaling.original_context_length"),
+            Value::U32(y.original_max_position_embeddings as u32),
+        ),
+    ];
+    md.extend(extra);
+    Ok(md)
 }
 
 /// The families whose llama.cpp graph applies YaRN as transformers does (its RoPE with the
@@ -2351,81 +2422,7 @@ pub fn save_gguf(
                 "LongRoPE scaling is written to GGUF for phi3 only: export the model as safetensors"
             )
         }
-        // DeepSeek's, as llama.cpp's deepseek2 reads it ([`deepseek_exportable`] checked it).
-        Some(RopeScaling::Yarn(y)) if cfg.mla.is_some() => {
-            md.push((a("rope.scaling.type"), Value::String("yarn".into())));
-            md.push((a("rope.scaling.factor"), Value::F32(y.factor as f32)));
-            md.push((
-                a("rope.scaling.original_context_length"),
-                u(y.original_max_position_embeddings),
-            ));
-            md.push((
-                a("rope.scaling.yarn_log_multiplier"),
-                Value::F32((0.1 * y.mscale_all_dim.unwrap_or(0.0)) as f32),
-            ));
-        }
-        // Ministral 3's, as llama.cpp's mistral3 reads it ([`mistral3_yarn`]).
-        Some(RopeScaling::Yarn(y))
-            if cfg.arch == Arch::Ministral3 && y.truncate && {
-                let m = |all: f64| yarn_mscale(y.factor, all);
-                (y.attention_factor - m(1.0) / y.mscale_all_dim.map_or(1.0, m)).abs() < 1e-9
-            } =>
-        {
-            md.push((a("rope.scaling.type"), Value::String("yarn".into())));
-            md.push((a("rope.scaling.factor"), Value::F32(y.factor as f32)));
-            md.push((
-                a("rope.scaling.original_context_length"),
-                u(y.original_max_position_embeddings),
-            ));
-            md.push((
-                a("rope.scaling.yarn_beta_fast"),
-                Value::F32(y.beta_fast as f32),
-            ));
-            md.push((
-                a("rope.scaling.yarn_beta_slow"),
-                Value::F32(y.beta_slow as f32),
-            ));
-            md.push((
-                a("rope.scaling.yarn_log_multiplier"),
-                Value::F32(y.mscale_all_dim.unwrap_or(0.0) as f32),
-            ));
-            md.push((
-                a("attention.temperature_scale"),
-                Value::F32(y.llama_4_scaling_beta.unwrap_or(0.0) as f32),
-            ));
-        }
-        Some(RopeScaling::Yarn(y)) if cfg.arch == Arch::Ministral3 => bail!(
-            "ministral3 with YaRN attention factor {} (mscale other than 1) or truncate {} has no GGUF form (llama.cpp's mistral3 takes mscale 1, truncated): export it as safetensors",
-            y.attention_factor,
-            y.truncate
-        ),
-        // The Qwens' and llama's, where llama.cpp computes transformers' default YaRN.
-        Some(RopeScaling::Yarn(y))
-            if yarn_family(cfg.arch)
-                && y.mscale_all_dim.is_none()
-                && (y.attention_factor - yarn_default_attention(y.factor)).abs() < 1e-9
-                && (y.beta_fast, y.beta_slow, y.truncate) == (32.0, 1.0, true) =>
-        {
-            md.push((a("rope.scaling.type"), Value::String("yarn".into())));
-            md.push((a("rope.scaling.factor"), Value::F32(y.factor as f32)));
-            md.push((
-                a("rope.scaling.original_context_length"),
-                u(y.original_max_position_embeddings),
-            ));
-        }
-        Some(RopeScaling::Yarn(y)) if yarn_family(cfg.arch) => bail!(
-            "YaRN with attention factor {} (default {}), mscale_all_dim {:?}, betas {} / {}, truncate {} has no GGUF form (llama.cpp's {arch} takes the default factor, betas 32 / 1, truncated): export the model as safetensors",
-            y.attention_factor,
-            yarn_default_attention(y.factor),
-            y.mscale_all_dim,
-            y.beta_fast,
-            y.beta_slow,
-            y.truncate
-        ),
-        Some(RopeScaling::Yarn(_)) => bail!(
-            "YaRN RoPE scaling is written to GGUF for llama, Mistral, Mixtral, the Qwens and DeepSeek's latent attention only (llama.cpp's YaRN of {} is not checked against transformers'): export the model as safetensors",
-            cfg.arch.as_str()
-        ),
+        Some(RopeScaling::Yarn(y)) => md.extend(yarn_metadata(cfg, y, arch, &a)?),
         // Dynamic NTK changes nothing within the context length (llama.cpp has none);
         // Llama 3's goes in `rope_freqs.weight` below.
         Some(RopeScaling::Dynamic { .. } | RopeScaling::Llama3(_)) | None => {}

@@ -145,19 +145,21 @@ pub fn read_model_weights(
     dtype: DType,
     device: &Device,
 ) -> Result<WeightMap> {
-    let weights = match fp8_block(dir)? {
-        Some(block) => {
-            let w = read_safetensors(dir, &Device::Cpu)?;
-            crate::layout::dequantize_fp8_weights(w, block, dtype)
-                .map_err(|e| io_err(dir, e))?
-                .into_iter()
-                .map(|(k, t)| Ok((k, t.to_device(device)?)))
-                .collect::<Result<WeightMap>>()?
-        }
-        None => read_safetensors(dir, device)?,
-    };
-    let weights = language_model_weights(weights);
+    let weights = language_model_weights(read_dense(dir, dtype, device)?);
     crate::layout::from_hf(cfg, weights).map_err(|e| io_err(dir, e))
+}
+
+/// [`read_safetensors`] on `device`, a fine-grained FP8 checkpoint read on the CPU and
+/// dequantized into `dtype` first ([`crate::layout::dequantize_fp8_weights`]).
+fn read_dense(dir: &Path, dtype: DType, device: &Device) -> Result<WeightMap> {
+    let Some(block) = fp8_block(dir)? else {
+        return read_safetensors(dir, device);
+    };
+    crate::layout::dequantize_fp8_weights(read_safetensors(dir, &Device::Cpu)?, block, dtype)
+        .map_err(|e| io_err(dir, e))?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_device(device)?)))
+        .collect()
 }
 
 /// [`read_model_weights`] and, for a vision-language checkpoint, what it holds beside its
@@ -177,16 +179,7 @@ fn read_model_and_vision(
         return Ok((read_model_weights(dir, cfg, dtype, device)?, None));
     }
     // Read on the CPU: the vision tower stays there; the language model moves to `device`.
-    let weights = match fp8_block(dir)? {
-        Some(block) => crate::layout::dequantize_fp8_weights(
-            read_safetensors(dir, &Device::Cpu)?,
-            block,
-            dtype,
-        )
-        .map_err(|e| io_err(dir, e))?,
-        None => read_safetensors(dir, &Device::Cpu)?,
-    };
-    let (text, rest) = split_language_model(weights);
+    let (text, rest) = split_language_model(read_dense(dir, dtype, &Device::Cpu)?);
     let text = text
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_device(device)?)))

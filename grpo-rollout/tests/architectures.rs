@@ -409,6 +409,12 @@ fn gguf_writes_mistral_as_llama_and_smollm3_with_its_fixed_pattern() {
 }
 
 /// The one-line error writing `m` as GGUF gives.
+/// Writes `m` as GGUF, which must succeed.
+fn gguf_written(m: &grpo_rollout::LoadedModel, path: &Path) {
+    use grpo_rollout::gguf::{GgufType, save_gguf};
+    save_gguf(&m.model, &m.tokenizer, path, GgufType::F32, "x").unwrap();
+}
+
 fn gguf_refusal(m: &grpo_rollout::LoadedModel, path: &Path) -> String {
     use grpo_rollout::gguf::{GgufType, save_gguf};
     save_gguf(&m.model, &m.tokenizer, path, GgufType::F32, "x")
@@ -1423,15 +1429,7 @@ fn glm4_moe_refusals_are_named() {
     assert!(moe.experts[0].gate_proj.lora.is_some() && moe.experts[0].down_proj.lora.is_none());
     assert!(moe.shared.as_ref().unwrap().0.gate_proj.lora.is_none());
     // As llama.cpp's glm4moe (its checks: tests/moe.rs, tests/gguf.rs).
-    use grpo_rollout::gguf::{GgufType, save_gguf};
-    save_gguf(
-        &m.model,
-        &m.tokenizer,
-        &tmp.path().join("x.gguf"),
-        GgufType::F32,
-        "x",
-    )
-    .unwrap();
+    gguf_written(&m, &tmp.path().join("x.gguf"));
 }
 
 /// DeepSeek's latent attention: what it does not support is refused by name (key/value heads
@@ -1455,15 +1453,7 @@ fn deepseek_v3_latent_attention_refusals_and_targets() {
     let cfg = &m.model.cfg;
     assert_eq!((cfg.head_dim, cfg.rotary_dim()), (16, 8));
     // As llama.cpp's deepseek2 (its checks and refusals: tests/moe.rs, tests/gguf.rs).
-    use grpo_rollout::gguf::{GgufType, save_gguf};
-    save_gguf(
-        &m.model,
-        &m.tokenizer,
-        &tmp.path().join("x.gguf"),
-        GgufType::F32,
-        "x",
-    )
-    .unwrap();
+    gguf_written(&m, &tmp.path().join("x.gguf"));
 
     let tm =
         grpo_rollout::policy::TrainableModel::lora(&m.model, &LoraConfig::default(), 1).unwrap();
