@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Vision-language micro checkpoints (Gemma 3's `gemma3`, Mistral 3's `mistral3` with a
-Ministral 3 language model) and transformers' log-probs of their language model, for
+Ministral 3 language model, Gemma 4's `gemma4` without its audio tower) and transformers' log-probs of their language model, for
 grpo-rollout/tests/architectures.rs.
 
 Each model is made with transformers 5 (`AutoModelForImageTextToText`, random weights std 0.2,
 norms jittered) and saved as transformers saves it — `language_model.model.*` beside a vision
-tower and projector — into grpo-rollout/tests/fixtures/vl-{gemma3,mistral3}-micro with the
+tower and projector — into grpo-rollout/tests/fixtures/vl-{gemma3,mistral3,gemma4}-micro with the
 fixtures' byte-level tokenizer. Gemma 3's text layers slide over a window of 8; Mistral 3's
 language model is `ministral3` (YaRN factor 4 over a pre-training length of 48, its attention
 temperature beta 0.1, `tie_word_embeddings` true at the top and false in `text_config`: the top
-wins). transformers' log-probs of two 40-token rows, input ids only (no image), go to
+wins). Gemma 4's (`model.language_model.*`) has 4 layers, the last two reusing the first two's
+keys and values, keys as values on its full layers, per-layer inputs. transformers' log-probs of two 40-token rows, input ids only (no image), go to
 fixtures/vision_language_reference.json, with a PEFT adapter on each language model (q, v and
 down of every layer, random factors, as PEFT saves it: fixtures/vl-{name}-peft) and the adapted
 model's log-probs.
@@ -49,6 +50,17 @@ CONFIGS = {
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14, head_dim=8),
         image_token_index=299, spatial_merge_size=1, tie_word_embeddings=True),
+    "gemma4": dict(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                         max_position_embeddings=128, global_head_dim=16, num_global_key_value_heads=1,
+                         attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=4,
+                         vocab_size_per_layer_input=300,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                      "full_attention"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=8),
+        audio_config=None, image_token_id=299, boi_token_id=297, eoi_token_id=298),
 }
 
 ref = {"rows": ROWS, "models": {}}

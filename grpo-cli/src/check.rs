@@ -309,7 +309,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
     // gpt-oss's attention sinks, biased experts and clamped SwiGLU beside a sliding layer,
     // GLM-4.5's and DeepSeek-V3's grouped sigmoid routers and shared experts, DeepSeek's latent
     // attention (its values zero-padded: DeepSeek-V3; as wide as the queries: GLM-4.7-Flash),
-    // Ministral 3's YaRN.
+    // Ministral 3's YaRN, Gemma 4's per-kind heads, shared keys and values and per-layer inputs.
     // Log-probs over 100 positions against the CPU, gradient checkpointing, a generation
     // through the KV cache against the full forward, and one with CUDA graphs against one
     // without where the steps are captured (a replay makes the window's band on the device,
@@ -379,6 +379,7 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                     | Arch::Exaone4
                     | Arch::GptOss
                     | Arch::Olmo3
+                    | Arch::Gemma4
             )
             .then_some(20);
             cfg.sliding_layers = match arch {
@@ -387,6 +388,16 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 }
                 _ => vec![],
             };
+            // Gemma 4: sliding, full, sliding, full, the last two reusing the first two's keys
+            // and values; the full layers twice as wide, keys as their values; per-layer inputs.
+            cfg.gemma4 = g.gemma4.map(|mut x| {
+                cfg.num_hidden_layers = 4;
+                cfg.sliding_layers = vec![0, 2];
+                x.global_head_dim = 2 * cfg.head_dim;
+                x.kv_shared_layers = 2;
+                x.per_layer_input = Some((cfg.vocab_size, 8));
+                x
+            });
             let m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;
             let d = dir.join(name);
             grpo_rollout::loader::save_hf_dir(&m, &cpu.tokenizer, &d, DType::F32)?;

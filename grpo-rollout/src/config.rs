@@ -132,6 +132,14 @@ pub enum Arch {
     /// temperature past the pre-training length (`llama_4_scaling_beta`, [`YarnRopeScaling`]).
     #[serde(rename = "ministral3")]
     Ministral3,
+    /// Google Gemma 4 (`gemma4_text`, the language model of the `gemma4` checkpoints): Gemma 3's
+    /// sublayer output norms, scaled embeddings and GELU-tanh, plain `w` RMSNorms, q/k norms
+    /// and values RMS-normalised without weight, attention scores unscaled, sliding and full
+    /// layers with heads of their own (`per_layer_config`), the full layers' proportional RoPE,
+    /// and what [`crate::gemma4::Gemma4Config`] holds: keys reused as values, the last layers
+    /// reusing earlier layers' keys and values, per-layer embeddings, a scalar per layer.
+    #[serde(rename = "gemma4_text")]
+    Gemma4,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -160,7 +168,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 29] = [
+    pub const ALL: [Arch; 30] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -190,6 +198,7 @@ impl Arch {
         Arch::DeepseekV2,
         Arch::NanoChat,
         Arch::Ministral3,
+        Arch::Gemma4,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -224,6 +233,7 @@ impl Arch {
             Arch::DeepseekV2 => "deepseek_v2",
             Arch::NanoChat => "nanochat",
             Arch::Ministral3 => "ministral3",
+            Arch::Gemma4 => "gemma4_text",
         }
     }
 
@@ -380,7 +390,7 @@ impl Arch {
     /// Whether each sublayer's output is normalised before its residual add (Gemma, OLMo 2,
     /// EXAONE 4, GLM-4-0414).
     pub fn output_norms(self) -> bool {
-        self.gemma() || self.post_norms_only() || self == Arch::Glm4
+        self.gemma() || self.post_norms_only() || matches!(self, Arch::Glm4 | Arch::Gemma4)
     }
 
     /// Whether the layers have no pre-norms and normalise each sublayer's output before its
@@ -406,7 +416,7 @@ impl Arch {
     pub fn head_qk_norm(self) -> bool {
         matches!(
             self.attention(),
-            Arch::Qwen3 | Arch::Gemma3 | Arch::Exaone4 | Arch::NanoChat
+            Arch::Qwen3 | Arch::Gemma3 | Arch::Gemma4 | Arch::Exaone4 | Arch::NanoChat
         )
     }
 
@@ -414,6 +424,7 @@ impl Arch {
     pub fn biases_o_proj(self) -> bool {
         self.llama_like()
             || self.gemma()
+            || self == Arch::Gemma4
             || matches!(
                 self,
                 Arch::Olmo2
@@ -479,8 +490,9 @@ impl Arch {
             "deepseek_v2" => Ok(Arch::DeepseekV2),
             "nanochat" => Ok(Arch::NanoChat),
             "ministral3" => Ok(Arch::Ministral3),
+            "gemma4_text" => Ok(Arch::Gemma4),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, ministral3, smollm3, gemma2, gemma3_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat (and the language models of the vision-language gemma3 and mistral3)"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat (and the language models of the vision-language gemma3, gemma4 and mistral3)"
             ),
         }
     }
@@ -836,6 +848,10 @@ pub struct ModelConfig {
     /// key/value heads as many as the query heads).
     #[serde(default)]
     pub mla: Option<MlaConfig>,
+    /// Gemma 4's layers ([`Arch::Gemma4`]; `head_dim`, `num_key_value_heads` and `rope_theta`
+    /// are then its sliding layers').
+    #[serde(default)]
+    pub gemma4: Option<crate::gemma4::Gemma4Config>,
 }
 
 /// IBM Granite's multipliers ([`Arch::Granite`], [`Arch::GraniteMoe`]).
@@ -1416,6 +1432,7 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
     let default = match v.get("model_type").and_then(Value::as_str) {
         Some("gemma3") => "gemma3_text",
         Some("mistral3") => "mistral",
+        Some("gemma4") => "gemma4_text",
         _ => return Ok(None),
     };
     let Some(Value::Object(text)) = v.get("text_config") else {
@@ -1435,6 +1452,15 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
             ("hidden_size", 2304),
             ("intermediate_size", 9216),
             ("num_hidden_layers", 26),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+        ],
+        Some("gemma4_text") => &[
+            ("vocab_size", 262_144),
+            ("hidden_size", 2304),
+            ("intermediate_size", 9216),
+            ("num_hidden_layers", 30),
             ("num_attention_heads", 8),
             ("num_key_value_heads", 4),
             ("head_dim", 256),
@@ -1551,7 +1577,7 @@ impl ModelConfig {
                 | Arch::SeedOss
                 | Arch::Ministral3 => 128,
                 // Qwen3-MoE's has no default of its own: hidden / heads, as for the others.
-                Arch::Gemma2 | Arch::Gemma3 => 256,
+                Arch::Gemma2 | Arch::Gemma3 | Arch::Gemma4 => 256,
                 Arch::GptOss => 64,
                 _ => hidden_size / num_attention_heads.max(1),
             });
@@ -1559,6 +1585,27 @@ impl ModelConfig {
         // and OLMo 3's hold one set per layer type (`full_attention`, `sliding_attention`).
         let mut rope_params = v.get("rope_parameters").filter(|p| !p.is_null());
         let mut local_params = None;
+        // Gemma 4: the sliding layers' RoPE is the model's; the full layers' is read with the
+        // rest of its fields ([`crate::gemma4::Gemma4Config`]).
+        if arch == Arch::Gemma4
+            && let Some(p) = rope_params
+        {
+            rope_params = p.get("sliding_attention");
+            if let Some(kind) = rope_params
+                .and_then(|p| p.get("rope_type"))
+                .and_then(Value::as_str)
+                .filter(|k| *k != "default")
+            {
+                bail!(
+                    "rope_parameters.sliding_attention.rope_type `{kind}` is not supported (only default)"
+                );
+            }
+            if let Some(s) = v.get("rope_scaling").filter(|s| !s.is_null()) {
+                bail!(
+                    "rope_scaling = {s} is not supported for gemma4_text (its RoPE parameters are per layer type, in rope_parameters)"
+                );
+            }
+        }
         if arch.local_rope()
             && let Some(p) = rope_params
             && p.get("full_attention").is_some()
@@ -1624,7 +1671,7 @@ impl ModelConfig {
                 Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     32768
                 }
-                Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => 4096 * 32,
+                Arch::Mistral | Arch::Gemma3 | Arch::Mixtral | Arch::Gemma4 => 4096 * 32,
                 Arch::Ministral3 => 262_144,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
                 Arch::DeepseekV3 => 4096,
@@ -1719,7 +1766,7 @@ impl ModelConfig {
                 alpha: num("swiglu_alpha", 1.702)?,
                 limit: num("swiglu_limit", 7.0)?,
             },
-            None if arch.gemma() => Activation::GeluPytorchTanh,
+            None if arch.gemma() || arch == Arch::Gemma4 => Activation::GeluPytorchTanh,
             None if matches!(arch, Arch::Arcee | Arch::NanoChat) => Activation::Relu2,
             None | Some("silu" | "swish") => Activation::Silu,
             Some("gelu_pytorch_tanh") => Activation::GeluPytorchTanh,
@@ -1733,7 +1780,10 @@ impl ModelConfig {
         let softcap = |k: &str, default: f64| -> Result<Option<f64>> {
             let capped =
                 arch == Arch::Gemma2 || (arch == Arch::NanoChat && k == "final_logit_softcapping");
-            match (capped, v.get(k)) {
+            // Gemma 4's logits: capped where the config says so (default none).
+            let gemma4 = arch == Arch::Gemma4 && k == "final_logit_softcapping";
+            match (capped || gemma4, v.get(k)) {
+                (true, None) if gemma4 => Ok(None),
                 (true, None) => Ok(Some(default)),
                 (_, None | Some(Value::Null)) => Ok(None),
                 (true, Some(x)) => match x.as_f64().filter(|c| *c > 0.0) {
@@ -1742,7 +1792,7 @@ impl ModelConfig {
                 },
                 (_, Some(x)) => {
                     bail!(
-                        "{k} = {x} is not supported for {model_type} (Gemma 2's and nanochat's soft-capping)"
+                        "{k} = {x} is not supported for {model_type} (Gemma 2's, Gemma 4's and nanochat's soft-capping)"
                     )
                 }
             }
@@ -1821,6 +1871,7 @@ impl ModelConfig {
             {
                 Some(4096)
             }
+            None if arch == Arch::Gemma4 => Some(512),
             None if arch == Arch::GptOss => Some(128),
             // Mixtral's default is none.
             None => None,
@@ -1857,6 +1908,17 @@ impl ModelConfig {
                         .collect()
                 }
             },
+            // Gemma 4: `layer_types`, else every layer but each 6th; the last layer is always
+            // full (transformers forces it).
+            Arch::Gemma4 => {
+                let mut t = listed.unwrap_or_else(|| {
+                    (0..num_hidden_layers)
+                        .filter(|i| !(i + 1).is_multiple_of(6))
+                        .collect()
+                });
+                t.retain(|i| i + 1 != num_hidden_layers);
+                t
+            }
             // EXAONE 4: `layer_types`, else `sliding_window_pattern`.
             Arch::Exaone4 => match listed {
                 Some(t) => t,
@@ -1885,7 +1947,7 @@ impl ModelConfig {
                 .filter(|i| !sliding_layers.contains(i))
                 .collect();
         }
-        if (arch.gemma() || arch == Arch::Olmo3) && window.is_none() {
+        if (arch.gemma() || matches!(arch, Arch::Olmo3 | Arch::Gemma4)) && window.is_none() {
             bail!(
                 "sliding_window = null is not supported for {model_type} (its sliding layers come with the window)"
             );
@@ -1896,6 +1958,21 @@ impl ModelConfig {
                 (Some(w), if all { Vec::new() } else { sliding_layers })
             }
             _ => (None, Vec::new()),
+        };
+        let gemma4 = match arch {
+            Arch::Gemma4 => {
+                let full: Vec<usize> = (0..num_hidden_layers)
+                    .filter(|i| !sliding_layers.contains(i))
+                    .collect();
+                Some(crate::gemma4::Gemma4Config::from_hf_json(
+                    v,
+                    num_hidden_layers,
+                    &full,
+                    head_dim,
+                    num_key_value_heads,
+                )?)
+            }
+            _ => None,
         };
         let cfg = ModelConfig {
             arch,
@@ -1935,7 +2012,7 @@ impl ModelConfig {
                 "tie_word_embeddings",
                 matches!(
                     arch,
-                    Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Ernie45
+                    Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Gemma4 | Arch::Ernie45
                 ),
             ),
             attention_bias: match arch {
@@ -1959,6 +2036,7 @@ impl ModelConfig {
                 | Arch::SmolLM3
                 | Arch::Gemma2
                 | Arch::Gemma3
+                | Arch::Gemma4
                 | Arch::Olmo2
                 | Arch::Olmo3
                 | Arch::Olmoe
@@ -2023,6 +2101,8 @@ impl ModelConfig {
                         .and_then(Value::as_f64)
                         .unwrap_or(256.0),
                 ),
+                // Gemma 4's scores are unscaled (its q and k are normalised).
+                Arch::Gemma4 => Some(1.0),
                 _ => None,
             },
             local_rope_theta,
@@ -2034,6 +2114,7 @@ impl ModelConfig {
                 false => None,
             },
             mla,
+            gemma4,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -2041,6 +2122,18 @@ impl ModelConfig {
 
     /// Checks the shape arithmetic (heads divide evenly, sizes non-zero).
     pub fn validate(&self) -> Result<()> {
+        if self.arch == Arch::Gemma4 && self.gemma4.is_none() {
+            bail!("gemma4_text needs its Gemma 4 fields (ModelConfig::gemma4)");
+        }
+        if let Some(g) = &self.gemma4
+            && !self.num_attention_heads.is_multiple_of(g.global_kv_heads)
+        {
+            bail!(
+                "num_attention_heads = {} is not a multiple of the full layers' num_key_value_heads = {}",
+                self.num_attention_heads,
+                g.global_kv_heads
+            );
+        }
         if self.arch == Arch::Ministral3 && !matches!(self.rope_scaling, Some(RopeScaling::Yarn(_)))
         {
             bail!(
@@ -2165,6 +2258,7 @@ impl ModelConfig {
                     Arch::Glm4MoeLite => "Glm4MoeLite",
                     Arch::DeepseekV2 => "DeepseekV2",
                     Arch::NanoChat => "NanoChat",
+                    Arch::Gemma4 => "Gemma4",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -2288,6 +2382,17 @@ impl ModelConfig {
         if self.arch == Arch::Gemma3 {
             obj.insert("rope_local_base_freq".into(), self.local_rope_theta.into());
         }
+        if let Some(g) = &self.gemma4 {
+            obj.insert("hidden_activation".into(), act.into());
+            let full: Vec<usize> = (0..self.num_hidden_layers)
+                .filter(|i| !self.windowed(*i))
+                .collect();
+            g.write_hf_json(obj, &full, self.rope_theta);
+            obj.insert(
+                "final_logit_softcapping".into(),
+                self.final_logit_softcapping.into(),
+            );
+        }
         // OLMo 3's RoPE per layer type: the global layers' scaled, the sliding ones' not.
         if self.arch == Arch::Olmo3 {
             let mut full = match obj.remove("rope_scaling") {
@@ -2364,7 +2469,12 @@ impl ModelConfig {
                     .collect();
                 // Gemma, EXAONE and gpt-oss always window their sliding layers; the others
                 // switch it on.
-                if !arch.gemma() && !matches!(arch, Arch::Exaone4 | Arch::GptOss | Arch::Olmo3) {
+                if !arch.gemma()
+                    && !matches!(
+                        arch,
+                        Arch::Exaone4 | Arch::GptOss | Arch::Olmo3 | Arch::Gemma4
+                    )
+                {
                     obj.insert("use_sliding_window".into(), true.into());
                 }
                 obj.insert("sliding_window".into(), w.into());
@@ -2400,6 +2510,73 @@ impl ModelConfig {
         match self.partial_rotary_factor {
             Some(p) => (self.head_dim as f64 * p) as usize,
             None => self.head_dim,
+        }
+    }
+
+    /// [`Self::num_parameters`] of a Gemma 4 model (its layers differ from one another).
+    fn gemma4_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let n = self.num_hidden_layers;
+        let bias = usize::from(self.attention_bias);
+        let mut total = self.vocab_size * h + h;
+        if !self.tie_word_embeddings {
+            total += self.vocab_size * h;
+        }
+        let width = self.gemma4.as_ref().and_then(|g| g.per_layer_input);
+        if let Some((vocab, w)) = width {
+            total += vocab * n * w + n * w * h + w;
+        }
+        for i in 0..n {
+            let (nkv, hd) = self.layer_heads(i);
+            let (q, kv) = (self.num_attention_heads * hd, nkv * hd);
+            // Four norms, q and o with q's norm, the MLP.
+            total += 4 * h + 2 * q * h + hd + bias * (q + h);
+            total += 3 * h * self.layer_intermediate(i);
+            if self.kv_source(i).is_none() {
+                total += kv * h + hd + bias * kv;
+                if !self
+                    .gemma4
+                    .as_ref()
+                    .is_some_and(|g| g.k_eq_v && !self.windowed(i))
+                {
+                    total += kv * h + bias * kv;
+                }
+            }
+            if let Some((_, w)) = width {
+                total += 2 * w * h + h;
+            }
+            if self.mlp_bias {
+                total += 2 * self.layer_intermediate(i) + h;
+            }
+        }
+        total
+    }
+
+    /// Layer `i`'s key/value heads and head width (Gemma 4's full layers have their own).
+    pub fn layer_heads(&self, i: usize) -> (usize, usize) {
+        match &self.gemma4 {
+            Some(g) if !self.windowed(i) => (g.global_kv_heads, g.global_head_dim),
+            _ => (self.num_key_value_heads, self.head_dim),
+        }
+    }
+
+    /// The layer whose keys and values layer `i` attends over instead of its own (Gemma 4's
+    /// `num_kv_shared_layers`).
+    pub fn kv_source(&self, i: usize) -> Option<usize> {
+        let g = self.gemma4.as_ref()?;
+        let n = self.num_hidden_layers;
+        let sliding: Vec<usize> = (0..n).filter(|j| self.windowed(*j)).collect();
+        g.kv_source(n, &sliding, i)
+    }
+
+    /// Layer `i`'s MLP width (Gemma 4's KV-sharing layers' twice `intermediate_size` with
+    /// `use_double_wide_mlp`).
+    pub fn layer_intermediate(&self, i: usize) -> usize {
+        match &self.gemma4 {
+            Some(g) if g.double_wide_mlp && self.kv_source(i).is_some() => {
+                2 * self.intermediate_size
+            }
+            _ => self.intermediate_size,
         }
     }
 
@@ -2477,6 +2654,9 @@ impl ModelConfig {
 
     /// Number of parameters (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
+        if self.gemma4.is_some() {
+            return self.gemma4_parameters();
+        }
         let h = self.hidden_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;

@@ -205,7 +205,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             | Arch::Glm4MoeLite
             | Arch::DeepseekV2
             | Arch::NanoChat
-            | Arch::Ministral3 => Err(()),
+            | Arch::Ministral3
+            | Arch::Gemma4 => Err(()),
             a => Ok(a),
         }),
     }
@@ -321,6 +322,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         attention_out_bias: arch == Arch::SeedOss && has("blk.0.attn_output.bias"),
         use_qk_norm: false,
         mla: None,
+        gemma4: None,
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
             true => Some(crate::config::MoeConfig {
@@ -2284,6 +2286,11 @@ pub fn save_gguf(
     }
     if cfg.arch.deepseek_moe() {
         deepseek_exportable(cfg)?;
+    }
+    if cfg.arch == Arch::Gemma4 {
+        bail!(
+            "Gemma 4 has no GGUF form here (its per-layer inputs, shared keys and values and the full layers' own heads are not checked against llama.cpp's gemma4): export it as safetensors"
+        );
     }
     if cfg.arch == Arch::Exaone4 {
         bail!(

@@ -224,6 +224,7 @@ pub fn preset_config(
             Arch::Mistral | Arch::Gemma2 | Arch::Gemma3 | Arch::Exaone4 | Arch::Olmo3 => Some(4096),
             // gpt-oss's 128 positions, every other layer.
             Arch::GptOss => Some(128),
+            Arch::Gemma4 => Some(512),
             _ => None,
         },
         // Gemma 2's: every other layer from the first; EXAONE 4's: all but every 4th, which
@@ -233,6 +234,8 @@ pub fn preset_config(
             Arch::Exaone4 | Arch::Olmo3 if layers >= 4 => {
                 (0..layers).filter(|i| (i + 1) % 4 != 0).collect()
             }
+            // Gemma 4: sliding and full layers alternating (the last one full).
+            Arch::Gemma4 => (0..layers).step_by(2).collect(),
             _ => Vec::new(),
         },
         nope_layers: match arch {
@@ -242,7 +245,9 @@ pub fn preset_config(
         // Gemma 3's: GELU-tanh, scores scaled by 256^-1/2, a local RoPE base of 10000 on the
         // sliding layers (every layer but each 6th: here all of them, with a window of 4096).
         activation: match arch {
-            Arch::Gemma2 | Arch::Gemma3 => crate::config::Activation::GeluPytorchTanh,
+            Arch::Gemma2 | Arch::Gemma3 | Arch::Gemma4 => {
+                crate::config::Activation::GeluPytorchTanh
+            }
             Arch::Arcee | Arch::NanoChat => crate::config::Activation::Relu2,
             Arch::GptOss => crate::config::Activation::ClampedSwiglu {
                 alpha: 1.702,
@@ -250,7 +255,11 @@ pub fn preset_config(
             },
             _ => crate::config::Activation::Silu,
         },
-        query_pre_attn_scalar: arch.gemma().then_some(256.0),
+        query_pre_attn_scalar: match arch {
+            a if a.gemma() => Some(256.0),
+            Arch::Gemma4 => Some(1.0),
+            _ => None,
+        },
         local_rope_theta: arch.local_rope().then_some(10_000.0),
         // Phi-4-mini's three quarters of each head rotating, GLM's half.
         partial_rotary_factor: match arch {
@@ -343,6 +352,20 @@ pub fn preset_config(
         }),
         // Granite 3's kind of scalars (granite-3.x-2b: 12, 1/64, 0.22, 8), the attention's for
         // this head size.
+        // Gemma 4's pieces, each switched on: full layers twice as wide with one key/value
+        // head reused as values, the last two layers sharing keys and values (the small
+        // preset), per-layer inputs 8 wide, double-wide sharing MLPs.
+        gemma4: (arch == Arch::Gemma4).then(|| crate::gemma4::Gemma4Config {
+            global_head_dim: 2 * hidden / heads,
+            global_kv_heads: 1,
+            global_rope_theta: 1_000_000.0,
+            global_rope_fraction: 0.25,
+            global_rope_factor: 1.0,
+            k_eq_v: true,
+            kv_shared_layers: if layers >= 4 { 2 } else { 0 },
+            per_layer_input: Some((vocab_size, 8)),
+            double_wide_mlp: true,
+        }),
         granite: (arch.attention() == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
             attention_multiplier: 1.0 / (hidden / heads) as f64,
@@ -522,6 +545,9 @@ pub fn random_weights(
     } else if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
     }
+    if cfg.gemma4.is_some() {
+        shapes = gemma4_shapes(cfg);
+    }
     // nanochat's norms hold no weights.
     if cfg.arch.weightless_norms() {
         shapes.retain(|(name, _, _)| !name.ends_with("norm.weight"));
@@ -540,6 +566,104 @@ pub fn random_weights(
         map.insert(name, Tensor::from_vec(data, shape, device)?);
     }
     Transformer::from_weights(cfg, &map, dtype, device)
+}
+
+/// Gemma 4's weights: name, shape, whether a norm (or the scalar: around 1).
+fn gemma4_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
+    let h = cfg.hidden_size;
+    let n = cfg.num_hidden_layers;
+    let mut out: Vec<(String, Vec<usize>, bool)> = vec![(
+        "model.embed_tokens.weight".into(),
+        vec![cfg.vocab_size, h],
+        false,
+    )];
+    let width = cfg.gemma4.as_ref().and_then(|g| g.per_layer_input);
+    if let Some((vocab, w)) = width {
+        out.push((
+            "model.embed_tokens_per_layer.weight".into(),
+            vec![vocab, n * w],
+            false,
+        ));
+        out.push((
+            "model.per_layer_model_projection.weight".into(),
+            vec![n * w, h],
+            false,
+        ));
+        out.push((
+            "model.per_layer_projection_norm.weight".into(),
+            vec![w],
+            true,
+        ));
+    }
+    for i in 0..n {
+        let p = format!("model.layers.{i}");
+        let (nkv, hd) = cfg.layer_heads(i);
+        let (q, kv) = (cfg.num_attention_heads * hd, nkv * hd);
+        let im = cfg.layer_intermediate(i);
+        let own_kv = cfg.kv_source(i).is_none();
+        let own_v = own_kv
+            && !cfg
+                .gemma4
+                .as_ref()
+                .is_some_and(|g| g.k_eq_v && !cfg.windowed(i));
+        for norm in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ] {
+            out.push((format!("{p}.{norm}.weight"), vec![h], true));
+        }
+        let a = format!("{p}.self_attn");
+        let mut maps = vec![("q_proj", q, h), ("o_proj", h, q)];
+        out.push((format!("{a}.q_norm.weight"), vec![hd], true));
+        if own_kv {
+            maps.push(("k_proj", kv, h));
+            out.push((format!("{a}.k_norm.weight"), vec![hd], true));
+        }
+        if own_v {
+            maps.push(("v_proj", kv, h));
+        }
+        for (name, o, inp) in maps {
+            out.push((format!("{a}.{name}.weight"), vec![o, inp], false));
+            if cfg.attention_bias {
+                out.push((format!("{a}.{name}.bias"), vec![o], false));
+            }
+        }
+        for (name, o, inp) in [
+            ("gate_proj", im, h),
+            ("up_proj", im, h),
+            ("down_proj", h, im),
+        ] {
+            out.push((format!("{p}.mlp.{name}.weight"), vec![o, inp], false));
+            if cfg.mlp_bias {
+                out.push((format!("{p}.mlp.{name}.bias"), vec![o], false));
+            }
+        }
+        if let Some((_, w)) = width {
+            out.push((
+                format!("{p}.per_layer_input_gate.weight"),
+                vec![w, h],
+                false,
+            ));
+            out.push((
+                format!("{p}.per_layer_projection.weight"),
+                vec![h, w],
+                false,
+            ));
+            out.push((
+                format!("{p}.post_per_layer_input_norm.weight"),
+                vec![h],
+                true,
+            ));
+        }
+        out.push((format!("{p}.layer_scalar"), vec![1], true));
+    }
+    out.push(("model.norm.weight".into(), vec![h], true));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
+    }
+    out
 }
 
 /// Writes a random-weight model directory (`grpo-cli init-model`). Returns its config.

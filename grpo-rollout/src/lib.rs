@@ -43,6 +43,7 @@ pub mod episode;
 #[cfg(feature = "cuda")]
 pub mod flash;
 pub mod fused;
+pub mod gemma4;
 pub mod generate;
 pub mod gguf;
 pub mod graph;

@@ -157,6 +157,14 @@ impl RmsNorm {
         crate::fused::add_rms_norm(x, y, &self.scale()?, self.eps)
     }
 
+    /// The norm with `f` applied to its weight.
+    pub fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
+            weight: f(&self.weight)?,
+            ..self.clone()
+        })
+    }
+
     /// What the normalised rows are multiplied by: the weight, or `1 + weight` (made per
     /// call, with the weight's gradient through it, on the weight's device).
     pub fn scale(&self) -> Result<Tensor> {
@@ -339,6 +347,18 @@ pub struct Layer {
     /// DeepSeek's latent attention ([`crate::mla`]): then the q slot holds `q_proj` or
     /// `q_b_proj`, the k slot `kv_a_proj_with_mqa`, the v slot `kv_b_proj`.
     pub mla: Option<crate::mla::Mla>,
+    /// Gemma 4's values RMS-normalised per head, without weight.
+    pub v_norm: Option<RmsNorm>,
+    /// Gemma 4's `attention_k_eq_v` layers: the values are the keys' projection (the v slot
+    /// [`Linear::absent`]).
+    pub v_from_k: bool,
+    /// Gemma 4's KV-sharing layers: the layer whose keys and values this one attends over
+    /// (its k and v slots [`Linear::absent`], no k norm).
+    pub kv_source: Option<usize>,
+    /// Gemma 4's per-layer-input branch after the MLP.
+    pub per_layer: Option<crate::gemma4::PerLayerBranch>,
+    /// Gemma 4's `layer_scalar` `(1,)`: the layer's output times it (a constant).
+    pub layer_scalar: Option<Tensor>,
 }
 
 impl Layer {
@@ -366,11 +386,19 @@ impl Layer {
             norms.push(&m.kv_a_norm);
             norms.extend(m.q_a.iter().map(|(_, n)| n));
         }
+        norms.extend(self.per_layer.iter().map(|b| &b.norm));
         out.extend(norms.iter().map(|n| n.weight.clone()));
         out.extend(self.sinks.iter().cloned());
         let moe = self.moe.iter().flat_map(Moe::linears);
         let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
-        for l in self.linears().into_iter().chain(moe).chain(mla) {
+        let branch = self.per_layer.iter().flat_map(|b| [&b.gate, &b.projection]);
+        for l in self
+            .linears()
+            .into_iter()
+            .chain(moe)
+            .chain(mla)
+            .chain(branch)
+        {
             out.push(l.weight.clone());
             out.extend(l.bias.iter().cloned());
             if let Some(lo) = &l.lora {
@@ -404,11 +432,11 @@ impl Layer {
         if let Some(m) = &self.mla {
             return m.projections(&self.q_proj, &self.k_proj, &self.v_proj, h, c.b, c.l, c.nh);
         }
-        let (q, k, v) = (
-            self.q_proj.forward(h)?,
-            self.k_proj.forward(h)?,
-            self.v_proj.forward(h)?,
-        );
+        let (q, k) = (self.q_proj.forward(h)?, self.k_proj.forward(h)?);
+        let v = match self.v_from_k {
+            true => k.clone(),
+            false => self.v_proj.forward(h)?,
+        };
         self.heads(c, &q, &k, &v)
     }
 
@@ -433,13 +461,16 @@ impl Layer {
         };
         let q = norm(&self.q_norm, q, c.nh)?;
         let k = norm(&self.k_norm, k, c.nkv)?;
-        let v = v.reshape((c.b, c.l, c.nkv, c.hd))?;
+        let v = norm(&self.v_norm, v, c.nkv)?;
         Ok((q, k, v))
     }
 
     /// q `(B, heads, L, D)` (rotated), k `(B, kv_heads, L, D)` (rotated), v `(B, kv_heads, L,
     /// D)` of rows `x` `(B·L, H)`.
     fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        if let Some(src) = self.kv_source {
+            bail!("layer attends over layer {src}'s keys and values: it makes none of its own");
+        }
         let h = self.input_layernorm.forward(x)?;
         if let Some(heads) = self.projected_heads(c, &h)? {
             return Ok(heads);
@@ -450,6 +481,31 @@ impl Layer {
         let k = crate::fused::rope(&k, &c.cos, &c.sin)?;
         let v = v.transpose(1, 2)?.contiguous()?;
         Ok((q, k, v))
+    }
+
+    /// The queries alone `(B, heads, L, D)` (rotated) of normalised rows `h` `(B·L, H)`: a
+    /// Gemma 4 layer that attends over another layer's keys and values.
+    fn query(&self, c: &LayerCtx, h: &Tensor) -> Result<Tensor> {
+        let q = self.q_proj.forward(h)?;
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q.reshape((c.b, c.l, c.nh, c.hd))?)?,
+            None => q.reshape((c.b, c.l, c.nh, c.hd))?,
+        };
+        crate::fused::rope(&q, &c.cos, &c.sin)
+    }
+
+    /// Gemma 4's end of a layer: the per-layer-input branch (`input` `(B·L, width)`, this
+    /// layer's), then `layer_scalar`.
+    fn tail(&self, x: Tensor, input: Option<&Tensor>) -> Result<Tensor> {
+        let x = match (&self.per_layer, input) {
+            (Some(b), Some(input)) => b.forward(&x, input, &|t| self.act(t))?,
+            (Some(_), None) => bail!("a per-layer-input layer ran without its input"),
+            _ => x,
+        };
+        match &self.layer_scalar {
+            Some(s) => x.broadcast_mul(s),
+            None => Ok(x),
+        }
     }
 
     /// [`Self::qkv`]'s q, k (rotated) and v as heads, each projection one graph node
@@ -464,6 +520,8 @@ impl Layer {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
         if self.q_norm.is_some()
             || self.k_norm.is_some()
+            || self.v_norm.is_some()
+            || self.v_from_k
             || self.mla.is_some()
             || attn.iter().any(|l| l.lora.is_some())
         {
@@ -514,7 +572,22 @@ impl Layer {
 
     /// The rest of the layer after [`Self::qkv`]: attention over `k`, `v` (this call's
     /// positions, possibly after earlier ones), the residual, the MLP. Returns rows `(B·L, H)`.
+    #[allow(clippy::too_many_arguments)]
     fn finish(
+        &self,
+        c: &LayerCtx,
+        x: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let y = self.finish_mlp(c, x, q, k, v)?;
+        self.tail(y, input)
+    }
+
+    /// [`Self::finish`] up to Gemma 4's tail.
+    fn finish_mlp(
         &self,
         c: &LayerCtx,
         x: &Tensor,
@@ -637,7 +710,35 @@ impl Layer {
         i: usize,
         past: usize,
         next: &RmsNorm,
+        input: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
+        let (x, d) = self.cached_mlp(c, x, h, cache, i, past)?;
+        if self.per_layer.is_none() && self.layer_scalar.is_none() {
+            return next.add_forward(&x, &d);
+        }
+        let x = self.tail((x + d)?, input)?;
+        let h = next.forward(&x)?;
+        Ok((x, h))
+    }
+
+    /// [`Self::cached`] up to the MLP: the residual stream after the attention and the MLP's
+    /// output to add to it.
+    fn cached_mlp(
+        &self,
+        c: &LayerCtx,
+        x: &Tensor,
+        h: &Tensor,
+        cache: &mut KvCache,
+        i: usize,
+        past: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Some(src) = self.kv_source {
+            // Gemma 4's KV sharing: the source layer has written this pass's keys already.
+            let q = self.query(c, h)?;
+            let (k, v) = cache.view(src, past + c.l)?;
+            let ctx = self.attention(c, &q, &k, &v)?;
+            return self.cached_rest(c, x, &ctx);
+        }
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
         // The cache kernel takes no soft cap (Gemma 2) and no sinks (gpt-oss): their layers
         // write the cache and attend apart.
@@ -693,11 +794,16 @@ impl Layer {
                 }
             },
         };
-        let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(&ctx)?)?;
+        self.cached_rest(c, x, &ctx)
+    }
+
+    /// [`Self::cached_mlp`] after the attention's context rows `ctx`.
+    fn cached_rest(&self, c: &LayerCtx, x: &Tensor, ctx: &Tensor) -> Result<(Tensor, Tensor)> {
+        let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(ctx)?)?;
         let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
         if let Some(m) = &self.moe {
             let d = self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, c, &h)?)?;
-            return next.add_forward(&x, &d);
+            return Ok((x, d));
         }
         let mlp = [&self.gate_proj, &self.up_proj];
         let act = match self.packed(&self.gate_up, &mlp) {
@@ -705,33 +811,84 @@ impl Layer {
             None => self.mlp_act(&h)?,
         };
         let d = self.sublayer_out(&self.mlp_out_norm, self.down_proj.forward(&act)?)?;
-        next.add_forward(&x, &d)
+        Ok((x, d))
     }
 
     /// The whole layer as one graph node ([`LayerBlocks`]): recomputed in backward (gradient
     /// checkpointing) or a segment that keeps its own graph until its backward; either way its
     /// weights' gradients go to the blocks' sink during backward. With `collect`, also returns
     /// this call's keys and values; with `prefix`, attends over those earlier positions first.
+    /// With `given` (a Gemma 4 KV-sharing layer), attends over those keys and values instead of
+    /// its own; `input` is its per-layer input. Both are inputs of the node, as `prefix` is.
+    #[allow(clippy::too_many_arguments)]
     fn as_block(
         &self,
         c: &LayerCtx,
         x: &Tensor,
         prefix: Option<&(Tensor, Tensor)>,
+        given: Option<&(Tensor, Tensor)>,
+        input: Option<&Tensor>,
         collect: bool,
         blocks: &LayerBlocks,
     ) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let layer = self.clone();
         let ctx = c.clone();
         let saved = self.dropout_states();
+        // A node takes three inputs at most: x, then the prefix's pair (two, or packed into
+        // one beside a per-layer input) or the given pair (packed), then the per-layer input.
+        let pack_prefix = input.is_some();
+        let shapes = |p: Option<&(Tensor, Tensor)>| -> Option<(Vec<usize>, Vec<usize>)> {
+            p.map(|(k, v)| (k.dims().to_vec(), v.dims().to_vec()))
+        };
+        let (pre_shapes, giv_shapes) = (shapes(prefix), shapes(given));
+        let has_input = input.is_some();
         let run = move |a: &[Tensor]| -> Result<Tensor> {
-            let (q, k, v) = layer.qkv(&ctx, &a[0])?;
+            let unpack = |t: &Tensor, (kd, vd): &(Vec<usize>, Vec<usize>)| -> Result<[Tensor; 2]> {
+                let kn: usize = kd.iter().product();
+                let vn: usize = vd.iter().product();
+                Ok([
+                    t.narrow(0, 0, kn)?.reshape(kd.as_slice())?,
+                    t.narrow(0, kn, vn)?.reshape(vd.as_slice())?,
+                ])
+            };
+            let mut at = 1;
+            let pre: Option<[Tensor; 2]> = match (&pre_shapes, pack_prefix) {
+                (Some(s), true) => {
+                    at += 1;
+                    Some(unpack(&a[1], s)?)
+                }
+                (Some(_), false) => {
+                    at += 2;
+                    Some([a[1].clone(), a[2].clone()])
+                }
+                (None, _) => None,
+            };
+            let giv: Option<[Tensor; 2]> = match &giv_shapes {
+                Some(s) => {
+                    at += 1;
+                    Some(unpack(&a[at - 1], s)?)
+                }
+                None => None,
+            };
+            let inp = has_input.then(|| &a[at]);
             // Recorded where a tape records (a taped block), plain candle ops otherwise.
             use grpo_core::tape::{cat, flatten_all};
-            let (ka, va) = match a.get(1..3) {
-                Some([pk, pv]) => (cat(&[pk, &k], 2)?, cat(&[pv, &v], 2)?),
-                _ => (k.clone(), v.clone()),
+            let (q, k, v, ka, va) = match &giv {
+                Some([gk, gv]) => {
+                    let h = layer.input_layernorm.forward(&a[0])?;
+                    let q = layer.query(&ctx, &h)?;
+                    (q, gk.clone(), gv.clone(), gk.clone(), gv.clone())
+                }
+                _ => {
+                    let (q, k, v) = layer.qkv(&ctx, &a[0])?;
+                    let (ka, va) = match &pre {
+                        Some([pk, pv]) => (cat(&[pk, &k], 2)?, cat(&[pv, &v], 2)?),
+                        _ => (k.clone(), v.clone()),
+                    };
+                    (q, k, v, ka, va)
+                }
             };
-            let y = layer.finish(&ctx, &a[0], &q, &ka, &va)?;
+            let y = layer.finish(&ctx, &a[0], &q, &ka, &va, inp)?;
             if collect {
                 cat(
                     &[&flatten_all(&y)?, &flatten_all(&k)?, &flatten_all(&v)?],
@@ -765,10 +922,23 @@ impl Layer {
             Recompute::segment("decoder_layer", move |a, _| run(a))
         }
         .with_params(self.vars(), blocks.sink.clone());
-        let out = match prefix {
-            Some((pk, pv)) => op.apply(&[x, pk, pv])?,
-            None => op.apply(&[x])?,
+        let packed = |(k, v): &(Tensor, Tensor)| -> Result<Tensor> {
+            Tensor::cat(&[k.flatten_all()?, v.flatten_all()?], 0)
         };
+        let mut owned: Vec<Tensor> = Vec::new();
+        let mut inputs = vec![x.clone()];
+        match prefix {
+            Some(p) if pack_prefix => inputs.push(packed(p)?),
+            Some((k, v)) => inputs.extend([k.clone(), v.clone()]),
+            None => {}
+        }
+        if let Some(g) = given {
+            owned.push(packed(g)?);
+        }
+        inputs.extend(owned);
+        inputs.extend(input.cloned());
+        let refs: Vec<&Tensor> = inputs.iter().collect();
+        let out = op.apply(&refs)?;
         if !collect {
             return Ok((out, None));
         }
@@ -819,8 +989,13 @@ impl Layer {
     /// trainable.
     fn pack(&mut self) -> Result<()> {
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
-        // The latent attention's maps take different inputs: never packed.
-        if self.mla.is_none() && self.packed(&self.qkv, &attn).is_none() {
+        // The latent attention's maps take different inputs: never packed; nor Gemma 4's
+        // layers without values or keys of their own.
+        if self.mla.is_none()
+            && !self.v_from_k
+            && self.kv_source.is_none()
+            && self.packed(&self.qkv, &attn).is_none()
+        {
             self.qkv = Packed::pack(&mut [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj])?;
         }
         let mlp = [&self.gate_proj, &self.up_proj];
@@ -1093,6 +1268,15 @@ impl KvCache {
         Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
     }
 
+    /// Layer `i`'s cached keys and values, the first `len` positions (a Gemma 4 layer that
+    /// attends over another's).
+    fn view(&self, i: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        let Some((k, v)) = self.layers.get(i) else {
+            bail!("KV cache: layer {i} holds nothing yet");
+        };
+        Ok((k.narrow(2, 0, len)?, v.narrow(2, 0, len)?))
+    }
+
     /// Writes layer `i`'s new rows of DeepSeek's latent cache after the `past` cached positions:
     /// `rows` `(B, L, 1, kv_lora_rank + qk_rope_head_dim)`, the latent beside the rotated shared
     /// key ([`crate::mla::Mla::cached_attention`]), in the layer's key buffer (its value buffer
@@ -1185,7 +1369,7 @@ impl KvCache {
 /// (our `post_attention_layernorm`, `attn_out_norm`, `mlp_out_norm`).
 fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
     match arch {
-        Arch::Gemma2 | Arch::Gemma3 => [
+        Arch::Gemma2 | Arch::Gemma3 | Arch::Gemma4 => [
             "pre_feedforward_layernorm",
             "post_attention_layernorm",
             "post_feedforward_layernorm",
@@ -1311,6 +1495,10 @@ pub struct Transformer {
     rope_sin: Tensor,
     /// Gemma 3's sliding layers' tables ([`ModelConfig::local_rope_theta`]).
     rope_local: Option<(Tensor, Tensor)>,
+    /// Gemma 4's full layers' tables `(max_positions, global_head_dim / 2)`.
+    rope_global: Option<(Tensor, Tensor)>,
+    /// Gemma 4's per-layer embeddings.
+    pub per_layer: Option<crate::gemma4::PerLayerEmbedding>,
 }
 
 /// `l` with `f` applied to its tensors.
@@ -1478,6 +1666,19 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
     ))
 }
 
+/// cos and sin `(N, inv.len())` (f32) of positions `pos` `(N,)` for the inverse frequencies
+/// `inv`, the angle one f32 product (Gemma 4's full layers: no scaling factor).
+fn inv_freq_cos_sin(inv: &[f64], pos: &Tensor) -> Result<(Tensor, Tensor)> {
+    let inv: Vec<f32> = inv.iter().map(|f| *f as f32).collect();
+    let half = inv.len();
+    let inv = Tensor::from_vec(inv, (1, half), pos.device())?;
+    let angle = pos
+        .to_dtype(DType::F32)?
+        .reshape((pos.elem_count(), 1))?
+        .broadcast_mul(&inv)?;
+    Ok((angle.cos()?, angle.sin()?))
+}
+
 /// `bias` `(B, 1, L, S)` of `L` queries after `earlier` cached positions with the sliding
 /// window applied: keys `w` or more cache positions before a query masked (a host-made band,
 /// uploaded: the eager passes').
@@ -1633,9 +1834,6 @@ impl Transformer {
             checked(name, t, shape)
         };
         let h = cfg.hidden_size;
-        let q = cfg.num_attention_heads * cfg.head_dim;
-        let kv = cfg.num_key_value_heads * cfg.head_dim;
-        let im = cfg.intermediate_size;
         let linear = |p: &str, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             Ok(Linear {
                 weight: get(&format!("{p}.weight"), &[out, inp])?,
@@ -1676,6 +1874,16 @@ impl Transformer {
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let qkv_bias = cfg.attention_bias;
+            // Gemma 4's layers differ in heads, in keys and values of their own, in MLP width.
+            let (nkv, hd) = cfg.layer_heads(i);
+            let (q, kv) = (cfg.num_attention_heads * hd, nkv * hd);
+            let im = cfg.layer_intermediate(i);
+            let kv_source = cfg.kv_source(i);
+            let v_from_k = kv_source.is_none()
+                && cfg
+                    .gemma4
+                    .as_ref()
+                    .is_some_and(|g| g.k_eq_v && !cfg.windowed(i));
             let [mlp_norm, attn_out, mlp_out] = layer_norm_names(cfg.arch);
             let moe = match cfg.moe.as_ref().filter(|m| m.sparse(i)) {
                 Some(m) => {
@@ -1803,11 +2011,33 @@ impl Transformer {
                 }
                 None => (
                     linear(&format!("{a}.q_proj"), q, h, qkv_bias)?,
-                    linear(&format!("{a}.k_proj"), kv, h, qkv_bias)?,
-                    linear(&format!("{a}.v_proj"), kv, h, qkv_bias)?,
+                    match kv_source {
+                        Some(_) => Linear::absent(dtype, device)?,
+                        None => linear(&format!("{a}.k_proj"), kv, h, qkv_bias)?,
+                    },
+                    match kv_source.is_some() || v_from_k {
+                        true => Linear::absent(dtype, device)?,
+                        false => linear(&format!("{a}.v_proj"), kv, h, qkv_bias)?,
+                    },
                     linear(&format!("{a}.o_proj"), h, q, cfg.o_proj_bias())?,
                     None,
                 ),
+            };
+            let per_layer = match cfg.gemma4.as_ref().and_then(|g| g.per_layer_input) {
+                Some((_, w)) => Some(crate::gemma4::PerLayerBranch {
+                    gate: linear(&format!("{p}.per_layer_input_gate"), w, h, false)?,
+                    projection: linear(&format!("{p}.per_layer_projection"), h, w, false)?,
+                    norm: norm(&format!("{p}.post_per_layer_input_norm.weight"), h)?,
+                }),
+                None => None,
+            };
+            // transformers initialises a missing `layer_scalar` buffer to 1.
+            let layer_scalar = match cfg.gemma4 {
+                Some(_) => Some(match take(&format!("{p}.layer_scalar")) {
+                    Some(t) => checked(&format!("{p}.layer_scalar"), t, &[1])?,
+                    None => Tensor::ones(1, dtype, device)?,
+                }),
+                None => None,
             };
             layers.push(Layer {
                 input_layernorm: match olmo {
@@ -1820,7 +2050,7 @@ impl Transformer {
                 o_proj,
                 q_norm: match cfg.arch.attention() {
                     _ if cfg.head_qk_norm() => {
-                        Some(norm(&format!("{p}.self_attn.q_norm.weight"), cfg.head_dim)?)
+                        Some(norm(&format!("{p}.self_attn.q_norm.weight"), hd)?)
                     }
                     a if a.full_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), q)?)
@@ -1828,8 +2058,9 @@ impl Transformer {
                     _ => None,
                 },
                 k_norm: match cfg.arch.attention() {
+                    _ if kv_source.is_some() => None,
                     _ if cfg.head_qk_norm() => {
-                        Some(norm(&format!("{p}.self_attn.k_norm.weight"), cfg.head_dim)?)
+                        Some(norm(&format!("{p}.self_attn.k_norm.weight"), hd)?)
                     }
                     a if a.full_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), kv)?)
@@ -1862,6 +2093,20 @@ impl Transformer {
                     false => None,
                 },
                 mla,
+                // Gemma 4's weightless value norm, on the layers with values of their own.
+                v_norm: match cfg.gemma4.is_some() && kv_source.is_none() {
+                    true => Some(RmsNorm {
+                        weight: Tensor::ones(hd, dtype, device)?,
+                        eps: cfg.rms_norm_eps,
+                        unit_offset: false,
+                        identity: false,
+                    }),
+                    false => None,
+                },
+                v_from_k,
+                kv_source,
+                per_layer,
+                layer_scalar,
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -1881,6 +2126,27 @@ impl Transformer {
             Some(local) => Some(rope_tables(&local, device)?),
             None => None,
         };
+        let rope_global = match &cfg.gemma4 {
+            Some(g) => {
+                let n = cfg.max_position_embeddings.max(1) as u32;
+                let pos = Tensor::arange(0u32, n, &Device::Cpu)?;
+                let (c, s) = inv_freq_cos_sin(&g.global_inv_freq(), &pos)?;
+                Some((c.to_device(device)?, s.to_device(device)?))
+            }
+            None => None,
+        };
+        let per_layer = match cfg.gemma4.as_ref().and_then(|g| g.per_layer_input) {
+            Some((vocab, w)) => {
+                let n = cfg.num_hidden_layers * w;
+                Some(crate::gemma4::PerLayerEmbedding {
+                    embed: get("model.embed_tokens_per_layer.weight", &[vocab, n])?,
+                    projection: linear("model.per_layer_model_projection", n, h, false)?,
+                    norm: norm("model.per_layer_projection_norm.weight", w)?,
+                    width: w,
+                })
+            }
+            None => None,
+        };
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens,
@@ -1895,6 +2161,8 @@ impl Transformer {
             rope_cos,
             rope_sin,
             rope_local,
+            rope_global,
+            per_layer,
         })
     }
 
@@ -1921,6 +2189,21 @@ impl Transformer {
                 out.push((format!("{p}.bias"), b.clone()));
             }
         };
+        if let Some(e) = &self.per_layer {
+            out.push((
+                "model.embed_tokens_per_layer.weight".to_string(),
+                e.embed.clone(),
+            ));
+            lin(
+                &mut out,
+                "model.per_layer_model_projection".to_string(),
+                &e.projection,
+            );
+            out.push((
+                "model.per_layer_projection_norm.weight".to_string(),
+                e.norm.weight.clone(),
+            ));
+        }
         let [mlp_norm, attn_out, mlp_out] = layer_norm_names(self.cfg.arch);
         for (i, layer) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -1947,8 +2230,13 @@ impl Transformer {
                 }
                 None => {
                     lin(&mut out, format!("{a}.q_proj"), &layer.q_proj);
-                    lin(&mut out, format!("{a}.k_proj"), &layer.k_proj);
-                    lin(&mut out, format!("{a}.v_proj"), &layer.v_proj);
+                    // Gemma 4's layers without keys or values of their own.
+                    if !layer.k_proj.is_absent() {
+                        lin(&mut out, format!("{a}.k_proj"), &layer.k_proj);
+                    }
+                    if !layer.v_proj.is_absent() {
+                        lin(&mut out, format!("{a}.v_proj"), &layer.v_proj);
+                    }
                 }
             }
             lin(&mut out, format!("{a}.o_proj"), &layer.o_proj);
@@ -1972,6 +2260,17 @@ impl Transformer {
             }
             if let Some(n) = &layer.mlp_out_norm {
                 out.push((format!("{p}.{mlp_out}.weight"), n.weight.clone()));
+            }
+            if let Some(b) = &layer.per_layer {
+                lin(&mut out, format!("{p}.per_layer_input_gate"), &b.gate);
+                lin(&mut out, format!("{p}.per_layer_projection"), &b.projection);
+                out.push((
+                    format!("{p}.post_per_layer_input_norm.weight"),
+                    b.norm.weight.clone(),
+                ));
+            }
+            if let Some(t) = &layer.layer_scalar {
+                out.push((format!("{p}.layer_scalar"), t.clone()));
             }
             let Some(m) = &layer.moe else {
                 if !layer.gate_proj.is_absent() {
@@ -2066,6 +2365,12 @@ impl Transformer {
                     moe: l.moe.as_ref().map(|m| m.map(f)).transpose()?,
                     sinks: l.sinks.as_ref().map(f).transpose()?,
                     mla: l.mla.as_ref().map(|m| m.map(f)).transpose()?,
+                    // The weightless value norm and the scalar are constants.
+                    v_norm: l.v_norm.as_ref().map(norm).transpose()?,
+                    v_from_k: l.v_from_k,
+                    kv_source: l.kv_source,
+                    per_layer: l.per_layer.as_ref().map(|b| b.map(f)).transpose()?,
+                    layer_scalar: l.layer_scalar.as_ref().map(f).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -2092,6 +2397,8 @@ impl Transformer {
             rope_cos: self.rope_cos.clone(),
             rope_sin: self.rope_sin.clone(),
             rope_local: self.rope_local.clone(),
+            rope_global: self.rope_global.clone(),
+            per_layer: self.per_layer.as_ref().map(|e| e.map(f)).transpose()?,
         })
     }
 
@@ -2439,7 +2746,10 @@ impl Transformer {
     /// from the device, and no layer routes through experts (which reads the routing on the
     /// host).
     pub fn graphable(&self) -> bool {
+        // Gemma 4's layers differ in shape and read one another's cache: not captured (not
+        // yet measured on a GPU).
         self.cfg.attn_logit_softcapping.is_none()
+            && self.cfg.gemma4.is_none()
             && self.layers.iter().all(|l| {
                 l.moe.is_none()
                     && l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
@@ -2593,8 +2903,29 @@ impl Transformer {
             .filter(|_| any_nope)
             .map(nope)
             .transpose()?;
+        // Gemma 4's full layers: heads of their own, their RoPE's tables.
+        let global = match (&cfg.gemma4, &self.rope_global) {
+            (Some(g), Some((tc, ts))) => {
+                let half = g.global_head_dim / 2;
+                let (gc, gs) = match within {
+                    true => (tc.index_select(&pos, 0)?, ts.index_select(&pos, 0)?),
+                    false => inv_freq_cos_sin(&g.global_inv_freq(), &pos)?,
+                };
+                Some(LayerCtx {
+                    nkv: g.global_kv_heads,
+                    hd: g.global_head_dim,
+                    cos: gc.reshape((b, l, half))?.to_dtype(dtype)?,
+                    sin: gs.reshape((b, l, half))?.to_dtype(dtype)?,
+                    ..ctx.clone()
+                })
+            }
+            _ => None,
+        };
         // Gemma 3's sliding layers have their own RoPE: `windowed` holds it.
         let ctx_of = |i: usize| -> &LayerCtx {
+            if let Some(g) = global.as_ref().filter(|_| !cfg.windowed(i)) {
+                return g;
+            }
             let variant = match (cfg.uses_rope(i), cfg.windowed(i)) {
                 (true, false) => None,
                 (true, true) => windowed.as_ref(),
@@ -2612,14 +2943,10 @@ impl Transformer {
         let mut x = self
             .embedding_weight()?
             .index_select(&input_ids.flatten_all()?, 0)?;
-        if cfg.arch.gemma() {
+        if cfg.arch.gemma() || cfg.arch == Arch::Gemma4 {
             // Gemma's embeddings times sqrt(hidden), the factor rounded to the weights' dtype
             // as transformers' `Gemma3TextScaledWordEmbedding` rounds it.
-            let scale = (cfg.hidden_size as f64).sqrt() as f32;
-            let scale = Tensor::new(&[scale], &Device::Cpu)?
-                .to_dtype(x.dtype())?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?[0];
+            let scale = crate::gemma4::rounded(cfg.hidden_size as f64, x.dtype())?;
             x = x.affine(scale, 0.0)?;
         }
         if let Some(g) = &cfg.granite {
@@ -2634,6 +2961,17 @@ impl Transformer {
             // weights).
             x = self.norm.forward(&x)?;
         }
+        // Gemma 4's per-layer inputs, layer `i`'s its `i`-th `width` columns.
+        let per_layer = match &self.per_layer {
+            Some(e) => Some((e.forward(&input_ids.flatten_all()?, &x)?, e.width)),
+            None => None,
+        };
+        let input_of = |i: usize| -> Result<Option<Tensor>> {
+            per_layer
+                .as_ref()
+                .map(|(t, w)| t.narrow(1, i * w, *w))
+                .transpose()
+        };
         if let Kv::Cache(cache) = &mut kv {
             // A pass over a KV cache has no graph: each residual add runs with the norm after it.
             let Some(first) = self.layers.first() else {
@@ -2645,44 +2983,93 @@ impl Transformer {
                     Some(n) => &n.input_layernorm,
                     None => &self.norm,
                 };
-                (x, h) = layer.cached(ctx_of(i), &x, &h, cache, i, past, next)?;
+                let input = input_of(i)?;
+                (x, h) = layer.cached(ctx_of(i), &x, &h, cache, i, past, next, input.as_ref())?;
             }
             cache.len = past + l;
             return h.reshape((b, l, cfg.hidden_size));
         }
+        // Gemma 4's KV sharing: the keys and values (with any prefix's) of the layers others
+        // attend over.
+        let n = self.layers.len();
+        let mut shared: Vec<Option<(Tensor, Tensor)>> = vec![None; n];
+        let sources: Vec<usize> = self.layers.iter().filter_map(|l| l.kv_source).collect();
         for (i, layer) in self.layers.iter().enumerate() {
+            let input = input_of(i)?;
+            let given = match layer.kv_source {
+                Some(src) => Some(shared[src].clone().ok_or_else(|| {
+                    candle_core::Error::msg(format!(
+                        "layer {i} attends over layer {src}'s keys and values, which this pass has not made"
+                    ))
+                })?),
+                None => None,
+            };
+            let source = sources.contains(&i);
             if let Some(blocks) = &self.layer_blocks
                 && !matches!(kv, Kv::Cache(_))
                 && (x.track_op() || !layer.vars().is_empty())
                 && (blocks.recompute || !blocks.taped_only || layer.tapeable(&x))
             {
                 let prefix = match &kv {
-                    Kv::Prefix(pre) => Some(&pre[i]),
+                    Kv::Prefix(pre) if given.is_none() => Some(&pre[i]),
                     _ => None,
                 };
-                let collect = matches!(kv, Kv::Collect(_));
-                let (y, kvs) = layer.as_block(ctx_of(i), &x, prefix, collect, blocks)?;
-                if let (Kv::Collect(out), Some(kvs)) = (&mut kv, kvs) {
+                let collect = (matches!(kv, Kv::Collect(_)) && given.is_none()) || source;
+                let (y, kvs) = layer.as_block(
+                    ctx_of(i),
+                    &x,
+                    prefix,
+                    given.as_ref(),
+                    input.as_ref(),
+                    collect,
+                    blocks,
+                )?;
+                if let Some((k, v)) = &kvs
+                    && source
+                {
+                    shared[i] = Some(match prefix {
+                        Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
+                        None => (k.clone(), v.clone()),
+                    });
+                }
+                if let Kv::Collect(out) = &mut kv
+                    && let Some(kvs) = given.or(kvs)
+                {
                     out.push(kvs);
                 }
                 x = y;
                 continue;
             }
             let c = ctx_of(i);
-            let (q, k, v) = layer.qkv(c, &x)?;
-            let (k, v) = match &mut kv {
-                Kv::Cache(_) => unreachable!("a pass over a cache takes the loop above"),
-                Kv::None => (k, v),
-                Kv::Collect(out) => {
-                    out.push((k.clone(), v.clone()));
-                    (k, v)
+            let (q, k, v) = match given {
+                Some((k, v)) => {
+                    let q = layer.query(c, &layer.input_layernorm.forward(&x)?)?;
+                    if let Kv::Collect(out) = &mut kv {
+                        out.push((k.clone(), v.clone()));
+                    }
+                    (q, k, v)
                 }
-                Kv::Prefix(pre) => {
-                    let (pk, pv) = &pre[i];
-                    (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
+                None => {
+                    let (q, k, v) = layer.qkv(c, &x)?;
+                    let (k, v) = match &mut kv {
+                        Kv::Cache(_) => unreachable!("a pass over a cache takes the loop above"),
+                        Kv::None => (k, v),
+                        Kv::Collect(out) => {
+                            out.push((k.clone(), v.clone()));
+                            (k, v)
+                        }
+                        Kv::Prefix(pre) => {
+                            let (pk, pv) = &pre[i];
+                            (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
+                        }
+                    };
+                    (q, k, v)
                 }
             };
-            x = layer.finish(c, &x, &q, &k, &v)?;
+            if source {
+                shared[i] = Some((k.clone(), v.clone()));
+            }
+            x = layer.finish(c, &x, &q, &k, &v, input.as_ref())?;
         }
         self.norm.forward(&x)?.reshape((b, l, cfg.hidden_size))
     }

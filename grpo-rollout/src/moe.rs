@@ -103,7 +103,8 @@ impl MoeNames {
     /// Whether a checkpoint tensor is a constant of the model rather than a weight to train
     /// (GLM-4.5's `e_score_correction_bias`, a buffer in transformers).
     pub fn is_buffer(name: &str) -> bool {
-        name.ends_with(".e_score_correction_bias")
+        // Gemma 4's `layer_scalar` too: a buffer of the checkpoint, not trained.
+        name.ends_with(".e_score_correction_bias") || name.ends_with(".layer_scalar")
     }
 
     /// Qwen2-MoE's shared expert's gate `(1, hidden)`.

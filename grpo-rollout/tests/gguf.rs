@@ -683,6 +683,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         attention_out_bias: false,
         use_qk_norm: false,
         mla: None,
+        gemma4: None,
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,

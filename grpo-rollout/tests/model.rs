@@ -52,6 +52,18 @@ fn cfg(arch: Arch) -> ModelConfig {
     if arch == Arch::Phi3 {
         c.sliding_window = Some(5); // beside 6 of 8 dimensions rotating (the preset's 0.75)
     }
+    if arch == Arch::Gemma4 {
+        // Sliding, full, sliding, full; the last two reusing the first two's keys and values
+        // (beside the preset's per-layer inputs, keys as values on the full layers and their
+        // double-wide MLPs); a window shorter than the rows.
+        c.num_hidden_layers = 4;
+        c.sliding_window = Some(5);
+        c.sliding_layers = vec![0, 2];
+        if let Some(g) = c.gemma4.as_mut() {
+            g.kv_shared_layers = 2;
+            g.global_head_dim = 16;
+        }
+    }
     if arch == Arch::GptOss {
         c.sliding_window = Some(5); // on layer 0, beside a global layer 1
         // Three of four experts a token: each expert gets rows of this small batch.
@@ -63,7 +75,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 29] = Arch::ALL;
+const ARCHES: [Arch; 30] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
@@ -421,13 +433,15 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
             let (q, k, v) = (&l.q_proj.weight, &l.k_proj.weight, &l.v_proj.weight);
             // An MoE layer has no dense gate/up to pack, Arcee's MLP no gate; DeepSeek's latent
             // attention's maps take different inputs (never packed).
+            // Gemma 4's layers without values (or keys) of their own neither.
             let gate_up = l.moe.is_none() && arch.gated_mlp();
+            let apart = l.mla.is_some() || l.v_from_k || l.kv_source.is_some();
             assert!(
-                (l.qkv.is_some() || l.mla.is_some()) && (l.gate_up.is_some() || !gate_up),
+                (l.qkv.is_some() || apart) && (l.gate_up.is_some() || !gate_up),
                 "{arch:?}: not packed"
             );
             assert!(!gate_up || same_storage(&l.gate_proj.weight, &l.up_proj.weight));
-            if l.mla.is_some() {
+            if apart {
                 continue;
             }
             assert!(same_storage(q, k) && same_storage(k, v));
@@ -467,10 +481,12 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         );
         assert!(l0.q_proj.weight_t.is_none() && l0.o_proj.weight_t.is_some());
         // A deep copy stays packed, in storage of its own.
+        // (Gemma 4's layer 1 has no values of its own: its layer 0.)
+        let j = if arch == Arch::Gemma4 { 0 } else { 1 };
         let snap = base.snapshot().unwrap();
-        let (a, b) = (&snap.layers[1].q_proj.weight, &snap.layers[1].v_proj.weight);
-        assert!(snap.layers[1].qkv.is_some() && same_storage(a, b));
-        assert!(!same_storage(a, &base.layers[1].q_proj.weight));
+        let (a, b) = (&snap.layers[j].q_proj.weight, &snap.layers[j].v_proj.weight);
+        assert!(snap.layers[j].qkv.is_some() && same_storage(a, b));
+        assert!(!same_storage(a, &base.layers[j].q_proj.weight));
         // A replaced part makes its pack stale: not used, and packed again on request.
         let mut stale = base.clone();
         let w = &stale.layers[0].k_proj.weight;
@@ -489,7 +505,8 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         let v = &mixed.layers[0].v_proj.weight;
         mixed.layers[0].v_proj.weight = v.to_dtype(DType::F64).unwrap();
         mixed.pack_projections().unwrap();
-        assert!(mixed.layers[0].qkv.is_none() && mixed.layers[1].qkv.is_some());
+        let packed_one = mixed.layers[1].qkv.is_some() || mixed.layers[1].v_from_k;
+        assert!(mixed.layers[0].qkv.is_none() && packed_one);
         // LoRA adapters on packed parts: a pass over a cache equals the full forward.
         let tm = adapted(&base);
         assert!(

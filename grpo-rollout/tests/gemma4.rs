@@ -1,0 +1,307 @@
+//! Gemma 4 (`gemma4_text`) against transformers.
+//!
+//! Reference values: `fixtures/gemma4_reference.json`, written with the micro models
+//! `fixtures/gemma4-micro` (6 layers: keys reused as values on the full layers, the last two
+//! layers reusing layers 3's and 2's keys and values with double-wide MLPs, per-layer inputs,
+//! proportional RoPE on the full layers, tied, logits soft-capped) and
+//! `fixtures/gemma4-plain-micro` (4 layers: the full layers with their own values and default
+//! RoPE, no sharing, no per-layer inputs, untied) by `scripts/gen_gemma4_reference.py`
+//! (transformers 5.24, float32, eager attention): log-probs of the last `t` tokens of two
+//! left-padded rows (per-row position ids), the gradient of their sum for a few weights, a
+//! greedy continuation.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use grpo_rollout::config::Arch;
+use grpo_rollout::generate::left_pad;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(fixtures().join("gemma4_reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+const MODELS: [&str; 2] = ["gemma4-micro", "gemma4-plain-micro"];
+
+fn load(name: &str, dtype: DType) -> grpo_rollout::LoadedModel {
+    grpo_rollout::load(&fixtures().join(name), dtype, &Device::Cpu).unwrap()
+}
+
+/// The rows' log-probs `(B, t)` as the reference computes them.
+fn logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Tensor {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max)
+}
+
+fn want_logprobs(r: &Value, name: &str) -> Vec<f64> {
+    serde_json::from_value::<Vec<Vec<f64>>>(r["models"][name]["logprobs"].clone())
+        .unwrap()
+        .concat()
+}
+
+#[test]
+fn config_reads_every_gemma4_field() {
+    let m = load("gemma4-micro", DType::F32);
+    let c = &m.model.cfg;
+    assert_eq!(c.arch, Arch::Gemma4);
+    let g = c.gemma4.as_ref().unwrap();
+    assert_eq!((g.global_head_dim, g.global_kv_heads), (16, 1));
+    assert!(g.k_eq_v && g.double_wide_mlp);
+    assert_eq!(g.kv_shared_layers, 2);
+    assert_eq!(g.per_layer_input, Some((300, 4)));
+    assert_eq!(g.global_rope_fraction, 0.25);
+    assert_eq!(
+        (c.sliding_window, c.sliding_layers.clone()),
+        (Some(12), vec![0, 1, 3, 4])
+    );
+    assert_eq!(c.final_logit_softcapping, Some(8.0));
+    assert_eq!(c.attention_scale(), 1.0);
+    let sources: Vec<_> = (0..6).map(|i| c.kv_source(i)).collect();
+    assert_eq!(sources, [None, None, None, None, Some(3), Some(2)]);
+    assert_eq!(c.layer_intermediate(4), 96);
+    assert_eq!(c.layer_heads(2), (1, 16));
+    assert_eq!(c.layer_heads(1), (2, 8));
+    // What the model holds, as transformers counts it (the scalars are buffers).
+    let held: usize = m
+        .model
+        .weights()
+        .iter()
+        .filter(|(n, _)| !n.ends_with("layer_scalar"))
+        .map(|(_, t)| t.elem_count())
+        .sum();
+    assert_eq!(c.num_parameters(), held);
+}
+
+#[test]
+fn logprobs_match_transformers() {
+    let r = reference();
+    for name in MODELS {
+        let m = load(name, DType::F32);
+        let got: Vec<f64> = logprobs(&m.model, &r)
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let d = max_diff(&got, &want_logprobs(&r, name));
+        assert!(d < 2e-4, "{name}: {d}");
+        // bf16 weights: within bf16's reach.
+        let m = load(name, DType::BF16);
+        let got: Vec<f64> = logprobs(&m.model, &r)
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let d = max_diff(&got, &want_logprobs(&r, name));
+        assert!(d < 0.25, "{name} bf16: {d}");
+    }
+}
+
+/// The gradient of the log-probs' sum reaches the weights as transformers' does: through the
+/// shared keys and values into the layers that made them, through the per-layer inputs into
+/// their table's projection and norm — with and without gradient checkpointing.
+#[test]
+fn gradients_match_transformers_with_and_without_checkpointing() {
+    let r = reference();
+    for name in MODELS {
+        for checkpointing in [false, true] {
+            let base = load(name, DType::F32).model;
+            let mut tm = grpo_rollout::TrainableModel::full(&base).unwrap();
+            if checkpointing {
+                tm.model.enable_gradient_checkpointing();
+            }
+            let loss = logprobs(&tm.model, &r).sum_all().unwrap();
+            let grads = tm.model.backward(&loss).unwrap();
+            let want = r["models"][name]["grads"].as_object().unwrap();
+            for (weight, g) in want {
+                let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
+                let v = &tm.vars.iter().find(|(n, _)| n == weight).unwrap().1;
+                let got: Vec<f64> = grads
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("{name}: no gradient reached {weight}"))
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let scale = g.iter().fold(0f64, |m, x| m.max(x.abs()));
+                let d = max_diff(&got, &g);
+                assert!(
+                    d <= 1e-4 * scale.max(1.0),
+                    "{name} {weight} (checkpointing {checkpointing}): {d} of {scale}"
+                );
+            }
+        }
+    }
+}
+
+/// Greedy decoding over the KV cache (the sharing layers reading their sources' cache) gives
+/// transformers' continuation.
+#[test]
+fn greedy_decoding_matches_transformers() {
+    let r = reference();
+    let prompt: Vec<u32> = serde_json::from_value(r["prompt"].clone()).unwrap();
+    for name in MODELS {
+        let m = load(name, DType::F32);
+        let want: Vec<u32> = serde_json::from_value(r["models"][name]["greedy"].clone()).unwrap();
+        let params = grpo_rollout::SamplingParams {
+            max_new_tokens: want.len(),
+            temperature: 0.0,
+            stop_token_ids: Vec::new(),
+            ..Default::default()
+        };
+        let out =
+            grpo_rollout::generate(&m.model, &m.tokenizer, &[prompt.clone()], 1, &params).unwrap();
+        assert_eq!(out[0].token_ids, want, "{name}");
+    }
+}
+
+/// Saved and read back, the model is the same: the tensors transformers names (no `v_proj`
+/// where keys are values, no k/v maps on the sharing layers, the scalars, the per-layer
+/// tables) and a config.json transformers reads to the same fields.
+#[test]
+fn saves_and_reads_back_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let m = load(name, DType::F32);
+        let out = dir.path().join(name);
+        grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+        let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(back.model.cfg, m.model.cfg, "{name}");
+        let a: std::collections::BTreeMap<_, _> = m.model.weights().into_iter().collect();
+        let b: std::collections::BTreeMap<_, _> = back.model.weights().into_iter().collect();
+        assert_eq!(
+            a.keys().collect::<Vec<_>>(),
+            b.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (k, t) in &a {
+            let d = (t - &b[k])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(d, 0.0, "{name} {k}");
+        }
+        // The original file's names, all of them.
+        let file = candle_core::safetensors::load(
+            fixtures().join(name).join("model.safetensors"),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let mut names: Vec<&String> = file.keys().collect();
+        names.sort();
+        assert_eq!(names, a.keys().collect::<Vec<_>>(), "{name}");
+    }
+}
+
+fn with_config(name: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(fixtures().join(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+    }
+    let path = d.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    match grpo_rollout::load(&d, DType::F32, &Device::Cpu) {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn refusals_name_the_field() {
+    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Map<String, Value>)>)> = vec![
+        (
+            "enable_moe_block",
+            Box::new(|c| {
+                c.insert("enable_moe_block".into(), true.into());
+            }),
+        ),
+        (
+            "rope_parameters.full_attention.rope_type `yarn`",
+            Box::new(|c| {
+                c["rope_parameters"]["full_attention"]["rope_type"] = "yarn".into();
+            }),
+        ),
+        (
+            "rope_parameters.sliding_attention.rope_type `linear`",
+            Box::new(|c| {
+                c["rope_parameters"]["sliding_attention"]["rope_type"] = "linear".into();
+            }),
+        ),
+        (
+            "per_layer_config.0",
+            Box::new(|c| {
+                c["per_layer_config"]["0"] = serde_json::json!({"head_dim": 16});
+            }),
+        ),
+        (
+            "use_bidirectional_attention",
+            Box::new(|c| {
+                c.insert("use_bidirectional_attention".into(), "all".into());
+            }),
+        ),
+        (
+            "num_kv_shared_layers",
+            Box::new(|c| {
+                c.insert("num_kv_shared_layers".into(), 6.into());
+            }),
+        ),
+        (
+            "sliding_window = null",
+            Box::new(|c| {
+                c.insert("sliding_window".into(), Value::Null);
+            }),
+        ),
+    ];
+    for (key, edit) in cases {
+        let e = with_config("gemma4-micro", &*edit);
+        assert!(e.contains(key), "{key}: {e}");
+    }
+    // No GGUF form (llama.cpp's gemma4 is not checked against transformers').
+    let m = load("gemma4-micro", DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let e = grpo_rollout::gguf::save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &dir.path().join("m.gguf"),
+        grpo_rollout::gguf::GgufType::F32,
+        "m",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("Gemma 4 has no GGUF form"), "{e}");
+    // A sharing layer's missing weights are named (the file has no k_proj on layer 4).
+    let e = with_config("gemma4-micro", &|c| {
+        c.insert("num_kv_shared_layers".into(), 0.into());
+    });
+    assert!(e.contains("model.layers.4.self_attn.k_proj.weight"), "{e}");
+}

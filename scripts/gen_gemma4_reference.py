@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Gemma 4 micro models and transformers' values of them, for grpo-rollout/tests/gemma4.rs.
+
+Two `Gemma4ForCausalLM` (`gemma4_text`) micro models, seeded weights (matrices std 0.25 —
+q/k 0.5 so that positions matter, the per-layer gates 0.05 —, norms and `layer_scalar` around
+1), the tokenizer of
+fixtures/arch-deepseekv2-micro (300 tokens):
+
+  * gemma4-micro: 6 layers (sliding, sliding, full, sliding, sliding, full), window 12, the
+    full layers 16 wide with one key/value head reused as values (`attention_k_eq_v`), their
+    RoPE proportional (a quarter of the frequencies turning), the last two layers reusing
+    layers 3's and 2's keys and values (`num_kv_shared_layers` 2) with double-wide MLPs,
+    per-layer inputs 4 wide, tied, logits soft-capped at 8;
+  * gemma4-plain-micro: 4 layers (sliding, full, sliding, full), the full layers 16 wide with
+    2 key/value heads and their own values, their RoPE default (base 10000, every frequency),
+    no sharing, no per-layer inputs, untied.
+
+For each, into fixtures/gemma4_reference.json (float32, eager attention): the log-probs of the
+last T tokens of two left-padded rows (per-row position ids), the gradient of their sum for a
+few weights, and transformers' greedy continuation of a prompt (its KV cache).
+
+    python3 scripts/gen_gemma4_reference.py grpo-rollout/tests/fixtures
+
+Needs torch and transformers 5.2x (with `gemma4`).
+"""
+import json, os, shutil, sys
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+ROWS = [[(5 * i * i + 3 * i + 7) % 290 + 3 for i in range(40)], [(11 * i + 4) % 290 + 3 for i in range(27)]]
+T = 20
+PROMPT = [4, 17, 99, 250, 31, 8, 140, 77, 5, 63, 12, 201, 45, 9, 180]
+NEW = 14
+GRADS = {
+    "gemma4-micro": [
+        "model.per_layer_projection_norm.weight",
+        "model.layers.2.self_attn.k_norm.weight",
+        "model.layers.3.self_attn.k_norm.weight",
+        "model.layers.4.self_attn.q_norm.weight",
+        "model.layers.5.post_per_layer_input_norm.weight",
+        "model.layers.2.self_attn.k_proj.weight",
+        "model.layers.1.per_layer_input_gate.weight",
+    ],
+    "gemma4-plain-micro": [
+        "model.layers.1.self_attn.k_norm.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.0.post_feedforward_layernorm.weight",
+    ],
+}
+BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, sliding_window=12, max_position_embeddings=128, bos_token_id=0, eos_token_id=2,
+            pad_token_id=0)
+MODELS = {
+    "gemma4-micro": dict(
+        num_hidden_layers=6, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=4, vocab_size_per_layer_input=300,
+        use_double_wide_mlp=True, final_logit_softcapping=8.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "full_attention"]),
+    "gemma4-plain-micro": dict(
+        num_hidden_layers=4, global_head_dim=16, attention_k_eq_v=False, num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
+def make(path, kw):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("gemma4_text", **{**BASE, **kw})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1, 0.3)
+            elif "per_layer_input_gate" in name:
+                # Small enough that GELU does not flush a branch to 0 (whose norm's gradient
+                # would then be all rounding).
+                p.normal_(0, 0.05)
+            else:
+                p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name) else 0.25)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(os.path.dirname(path), "arch-deepseekv2-micro", f), path)
+
+
+def values(path, name):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    length = max(len(r) for r in ROWS)
+    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
+    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1:-1, :]
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    lp.sum().backward()
+    params = dict(model.named_parameters())
+    grads = {k: params[k].grad.flatten().tolist() for k in GRADS[name]}
+    with torch.no_grad():
+        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return {"logprobs": lp.tolist(), "grads": grads, "greedy": out[0, len(PROMPT):].tolist()}
+
+
+def main():
+    fixtures = sys.argv[1]
+    out = {"transformers": transformers.__version__, "rows": ROWS, "t": T, "prompt": PROMPT, "models": {}}
+    for name, kw in MODELS.items():
+        path = os.path.join(fixtures, name)
+        make(path, kw)
+        out["models"][name] = values(path, name)
+    with open(os.path.join(fixtures, "gemma4_reference.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
