@@ -398,7 +398,23 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 x.per_layer_input = Some((cfg.vocab_size, 8));
                 x
             });
-            let m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;
+            let mut m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;
+            if arch == Arch::Gemma4 {
+                // Gemma 4 scales no scores and adds each per-layer branch normalised: at
+                // their initial norms (1) a bf16 rounding moves the log-probs by tenths
+                // (transformers' own random model too, 0.19 over 100 positions). Norms as a
+                // trained model's temper both: q and k by head_dim^-1/4, the branch by 0.1
+                // (transformers' model so: 0.013, as Gemma 3's).
+                for l in m.layers.iter_mut() {
+                    for n in l.q_norm.iter_mut().chain(l.k_norm.iter_mut()) {
+                        let d = n.weight.dim(0)? as f64;
+                        n.weight = n.weight.affine(d.powf(-0.25), 0.0)?;
+                    }
+                    if let Some(b) = l.per_layer.as_mut() {
+                        b.norm.weight = b.norm.weight.affine(0.1, 0.0)?;
+                    }
+                }
+            }
             let d = dir.join(name);
             grpo_rollout::loader::save_hf_dir(&m, &cpu.tokenizer, &d, DType::F32)?;
             Ok((

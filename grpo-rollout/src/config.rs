@@ -1424,7 +1424,8 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
 }
 
 /// The language model's config of a vision-language `config.json` — Gemma 3's (`gemma3`,
-/// gemma-3-4b-it and larger: its `text_config`, a `gemma3_text`) and Mistral 3's (`mistral3`:
+/// gemma-3-4b-it and larger: its `text_config`, a `gemma3_text`), Gemma 4's (`gemma4`: a
+/// `gemma4_text`) and Mistral 3's (`mistral3`:
 /// Ministral 3, Mistral Small 3.1+: a `ministral3` or `mistral`) — with the keys transformers
 /// reads at the top (`tie_word_embeddings`, the token ids, `quantization_config`) taking their
 /// top-level values; `None` for any other config.

@@ -170,8 +170,14 @@ fn greedy_decoding_matches_transformers() {
             stop_token_ids: Vec::new(),
             ..Default::default()
         };
-        let out =
-            grpo_rollout::generate(&m.model, &m.tokenizer, &[prompt.clone()], 1, &params).unwrap();
+        let out = grpo_rollout::generate(
+            &m.model,
+            &m.tokenizer,
+            std::slice::from_ref(&prompt),
+            1,
+            &params,
+        )
+        .unwrap();
         assert_eq!(out[0].token_ids, want, "{name}");
     }
 }
@@ -218,6 +224,8 @@ fn saves_and_reads_back_the_same() {
     }
 }
 
+type Edit = dyn Fn(&mut serde_json::Map<String, Value>);
+
 fn with_config(name: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -> String {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().join(name);
@@ -238,7 +246,7 @@ fn with_config(name: &str, edit: &dyn Fn(&mut serde_json::Map<String, Value>)) -
 
 #[test]
 fn refusals_name_the_field() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Map<String, Value>)>)> = vec![
+    let cases: Vec<(&str, Box<Edit>)> = vec![
         (
             "enable_moe_block",
             Box::new(|c| {
