@@ -13,7 +13,10 @@ fixtures/arch-deepseekv2-micro (300 tokens):
     per-layer inputs 4 wide, tied, logits soft-capped at 8;
   * gemma4-plain-micro: 4 layers (sliding, full, sliding, full), the full layers 16 wide with
     2 key/value heads and their own values, their RoPE default (base 10000, every frequency),
-    no sharing, no per-layer inputs, untied.
+    no sharing, no per-layer inputs, untied;
+  * gemma4-moe-micro: 3 layers (sliding, sliding, full), each with 4 experts (2 a token, 24 wide)
+    beside its MLP (`enable_moe_block`, router scales drawn around 1), keys as values on the
+    full layer, tied.
 
 For each, into fixtures/gemma4_reference.json (float32, eager attention): the log-probs of the
 last T tokens of two left-padded rows (per-row position ids), the gradient of their sum for a
@@ -48,6 +51,16 @@ GRADS = {
         "model.layers.1.self_attn.v_proj.weight",
         "model.layers.0.post_feedforward_layernorm.weight",
     ],
+    "gemma4-moe-micro": [
+        "model.layers.0.router.proj.weight",
+        "model.layers.1.router.scale",
+        "model.layers.1.router.per_expert_scale",
+        "model.layers.2.experts.down_proj",
+        "model.layers.2.experts.gate_up_proj",
+        "model.layers.2.pre_feedforward_layernorm_2.weight",
+        "model.layers.2.post_feedforward_layernorm_1.weight",
+        "model.layers.0.post_feedforward_layernorm_2.weight",
+    ],
 }
 BASE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, sliding_window=12, max_position_embeddings=128, bos_token_id=0, eos_token_id=2,
@@ -65,6 +78,11 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "gemma4-moe-micro": dict(
+        num_hidden_layers=3, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=24, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
 
 
@@ -76,6 +94,8 @@ def make(path, kw):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1, 0.3)
+            elif name.endswith("router.scale") or name.endswith("per_expert_scale"):
+                p.uniform_(0.5, 1.5)
             elif "per_layer_input_gate" in name:
                 # Small enough that GELU does not flush a branch to 0 (whose norm's gradient
                 # would then be all rounding).

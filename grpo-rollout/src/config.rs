@@ -2549,6 +2549,11 @@ impl ModelConfig {
             if self.mlp_bias {
                 total += 2 * self.layer_intermediate(i) + h;
             }
+            if let Some(e) = self.gemma4.as_ref().and_then(|g| g.experts) {
+                // Router (map, scale, per-expert scales), experts, three norms.
+                total += e.num_experts * h + h + e.num_experts;
+                total += e.num_experts * 3 * h * e.width + 3 * h;
+            }
         }
         total
     }

@@ -17,6 +17,9 @@
 //!   layer a `width`-wide input, which gates a residual branch after its MLP
 //!   ([`PerLayerEmbedding`]).
 //! - `use_double_wide_mlp`: the KV-sharing layers' MLPs twice `intermediate_size` wide.
+//! - `enable_moe_block` (gemma-4-26B-A4B): beside each layer's MLP a mixture of experts on the
+//!   same residual stream, routed by a router with a norm and scales of its own, the two
+//!   outputs normalised apart and summed ([`ExpertBlock`]).
 //! - A scalar per layer (`layer_scalar`, a buffer of the checkpoint) on its output.
 
 use candle_core::{DType, Result, Tensor, bail};
@@ -48,6 +51,21 @@ pub struct Gemma4Config {
     pub per_layer_input: Option<(usize, usize)>,
     /// The KV-sharing layers' MLPs are twice as wide (`use_double_wide_mlp`).
     pub double_wide_mlp: bool,
+    /// The experts beside every layer's MLP (`enable_moe_block`).
+    #[serde(default)]
+    pub experts: Option<Gemma4Experts>,
+}
+
+/// Gemma 4's mixture of experts (`enable_moe_block`): `num_experts` experts
+/// `moe_intermediate_size` wide, `top_k_experts` per token.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Gemma4Experts {
+    /// Experts per layer.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Each expert's MLP width.
+    pub width: usize,
 }
 
 /// What the sliding layers are given by `per_layer_config`: their own width and heads.
@@ -81,11 +99,30 @@ impl Gemma4Config {
                 }),
             }
         };
-        if flag("enable_moe_block")? {
-            bail!(
-                "enable_moe_block = true is not supported for gemma4_text (the experts beside each layer's MLP, as in gemma-4-26B-A4B): the dense Gemma 4 models are"
-            );
-        }
+        let experts = match flag("enable_moe_block")? {
+            false => None,
+            true => {
+                let need = |k: &str| -> Result<usize> {
+                    match count(k, 0)? {
+                        0 => bail!("enable_moe_block = true needs `{k}` (a positive integer)"),
+                        n => Ok(n),
+                    }
+                };
+                let e = Gemma4Experts {
+                    num_experts: need("num_experts")?,
+                    top_k: need("top_k_experts")?,
+                    width: need("moe_intermediate_size")?,
+                };
+                if e.top_k > e.num_experts {
+                    bail!(
+                        "top_k_experts = {} is more than num_experts = {}",
+                        e.top_k,
+                        e.num_experts
+                    );
+                }
+                Some(e)
+            }
+        };
         if let Some(b) = v
             .get("use_bidirectional_attention")
             .filter(|b| !b.is_null())
@@ -219,6 +256,7 @@ impl Gemma4Config {
             kv_shared_layers,
             per_layer_input,
             double_wide_mlp: flag("use_double_wide_mlp")?,
+            experts,
         };
         let sliding: Vec<usize> = (0..num_layers).filter(|i| !full.contains(i)).collect();
         g.check_sharing(num_layers, &sliding)?;
@@ -326,7 +364,12 @@ impl Gemma4Config {
             obj.insert("vocab_size_per_layer_input".into(), vocab.into());
         }
         obj.insert("use_double_wide_mlp".into(), self.double_wide_mlp.into());
-        obj.insert("enable_moe_block".into(), false.into());
+        obj.insert("enable_moe_block".into(), self.experts.is_some().into());
+        if let Some(e) = &self.experts {
+            obj.insert("num_experts".into(), e.num_experts.into());
+            obj.insert("top_k_experts".into(), e.top_k.into());
+            obj.insert("moe_intermediate_size".into(), e.width.into());
+        }
     }
 }
 
@@ -362,6 +405,158 @@ impl PerLayerBranch {
             norm: self.norm.map(f)?,
         })
     }
+}
+
+/// A layer's experts beside its MLP (`enable_moe_block`): of the residual stream `x` after the
+/// attention, the router reads `norm(x) · scale / √hidden` (`norm` without weight), the experts
+/// `pre_feedforward_layernorm_2(x)`; the MLP's output `y` and theirs are normalised apart
+/// (`post_feedforward_layernorm_1`, `_2`) and summed.
+#[derive(Debug, Clone)]
+pub struct ExpertBlock {
+    /// The router (`router.proj`) and the experts, each chosen weight times its
+    /// `router.per_expert_scale` ([`crate::moe::Moe::expert_scale`]).
+    pub moe: crate::moe::Moe,
+    /// `router.scale` `(hidden,)`.
+    pub router_scale: Tensor,
+    /// The router's norm (no weight).
+    pub router_norm: RmsNorm,
+    /// `pre_feedforward_layernorm_2`.
+    pub pre_norm: RmsNorm,
+    /// `post_feedforward_layernorm_2`.
+    pub post_norm: RmsNorm,
+    /// `post_feedforward_layernorm_1` (of the MLP's output).
+    pub mlp_norm: RmsNorm,
+}
+
+impl ExpertBlock {
+    /// The sum of the MLP's output `y` `(N, hidden)` and the experts' of the residual stream
+    /// `x` `(N, hidden)`, each normalised; `act` the gate activation.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        act: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let hidden = x.dim(1)? as f64;
+        let routed = self
+            .router_norm
+            .forward(x)?
+            .broadcast_mul(&self.router_scale)?
+            .affine(hidden.powf(-0.5), 0.0)?;
+        let e = self
+            .moe
+            .forward_routed(&self.pre_norm.forward(x)?, &routed, act, None)?;
+        self.mlp_norm.forward(y)? + self.post_norm.forward(&e)?
+    }
+
+    /// Its trained norms' weights (the router's has none).
+    pub fn norms(&self) -> [&RmsNorm; 3] {
+        [&self.pre_norm, &self.post_norm, &self.mlp_norm]
+    }
+
+    /// The tensors with `f` applied.
+    pub fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
+            moe: self.moe.map(f)?,
+            router_scale: f(&self.router_scale)?,
+            router_norm: self.router_norm.map(f)?,
+            pre_norm: self.pre_norm.map(f)?,
+            post_norm: self.post_norm.map(f)?,
+            mlp_norm: self.mlp_norm.map(f)?,
+        })
+    }
+}
+
+/// The model's names of layer `i`'s expert `x`'s gate, up and down (its files hold them fused:
+/// [`FUSED_EXPERTS`]).
+pub fn expert_names(i: usize, x: usize) -> [String; 3] {
+    ["gate_proj", "up_proj", "down_proj"]
+        .map(|n| format!("model.layers.{i}.experts.{x}.{n}.weight"))
+}
+
+/// The files' fused experts of a layer, after `model.layers.{i}.experts.`: `gate_up_proj`
+/// `(experts, 2 · width, hidden)` (each expert's gate rows, then its up rows) and `down_proj`
+/// `(experts, hidden, width)`.
+pub const FUSED_EXPERTS: [&str; 2] = ["gate_up_proj", "down_proj"];
+
+/// Gemma 4's fused experts (as its files hold them) under the model's names, one gate, up and
+/// down per expert ([`expert_names`]); a tensor of the wrong shape is an error naming it.
+pub fn split_experts(
+    cfg: &crate::config::ModelConfig,
+    weights: &mut crate::model::WeightMap,
+) -> Result<()> {
+    let Some(e) = cfg.gemma4.as_ref().and_then(|g| g.experts) else {
+        return Ok(());
+    };
+    let (n, w, h) = (e.num_experts, e.width, cfg.hidden_size);
+    for i in 0..cfg.num_hidden_layers {
+        let [gu, d] = FUSED_EXPERTS.map(|f| format!("model.layers.{i}.experts.{f}"));
+        for (key, shape) in [(&gu, [n, 2 * w, h]), (&d, [n, h, w])] {
+            if let Some(t) = weights.get(key)
+                && t.dims() != shape
+            {
+                bail!(
+                    "weight `{key}` has shape {:?}, expected {shape:?} (config.json's num_experts, moe_intermediate_size, hidden_size)",
+                    t.dims()
+                );
+            }
+        }
+        let (gate_up, down) = (weights.remove(&gu), weights.remove(&d));
+        for x in 0..n {
+            let [g, u, dn] = expert_names(i, x);
+            if let Some(t) = &gate_up {
+                let t = t.get(x)?;
+                weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
+                weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
+            }
+            if let Some(t) = &down {
+                weights.insert(dn, t.get(x)?.contiguous()?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The inverse of [`split_experts`]: each layer's experts fused, in the place of its first
+/// expert's gate.
+pub fn fuse_experts(
+    cfg: &crate::config::ModelConfig,
+    weights: Vec<(String, Tensor)>,
+) -> Result<Vec<(String, Tensor)>> {
+    let Some(e) = cfg.gemma4.as_ref().and_then(|g| g.experts) else {
+        return Ok(weights);
+    };
+    let mut map: std::collections::HashMap<String, Tensor> = weights.iter().cloned().collect();
+    let mut out = Vec::with_capacity(weights.len());
+    for (k, _) in &weights {
+        let Some(t) = map.remove(k) else {
+            continue; // an expert's part, fused already
+        };
+        let layer = (0..cfg.num_hidden_layers).find(|i| *k == expert_names(*i, 0)[0]);
+        let Some(i) = layer else {
+            out.push((k.clone(), t));
+            continue;
+        };
+        let mut take = |name: &str| -> Result<Tensor> {
+            match name == k {
+                true => Ok(t.clone()),
+                false => map
+                    .remove(name)
+                    .ok_or_else(|| candle_core::Error::msg(format!("weight `{name}` is missing"))),
+            }
+        };
+        let mut gate_up = Vec::with_capacity(e.num_experts);
+        let mut down = Vec::with_capacity(e.num_experts);
+        for x in 0..e.num_experts {
+            let [g, u, d] = expert_names(i, x);
+            gate_up.push(Tensor::cat(&[take(&g)?, take(&u)?], 0)?);
+            down.push(take(&d)?);
+        }
+        let [gu, d] = FUSED_EXPERTS.map(|f| format!("model.layers.{i}.experts.{f}"));
+        out.push((gu, Tensor::stack(&gate_up, 0)?));
+        out.push((d, Tensor::stack(&down, 0)?));
+    }
+    Ok(out)
 }
 
 /// The model's per-layer embeddings: each token's per-layer inputs, from a table of their own

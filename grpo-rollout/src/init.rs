@@ -365,6 +365,7 @@ pub fn preset_config(
             kv_shared_layers: if layers >= 4 { 2 } else { 0 },
             per_layer_input: Some((vocab_size, 8)),
             double_wide_mlp: true,
+            experts: None,
         }),
         granite: (arch.attention() == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
@@ -658,6 +659,25 @@ fn gemma4_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>, bool)> {
             ));
         }
         out.push((format!("{p}.layer_scalar"), vec![1], true));
+        if let Some(e) = cfg.gemma4.as_ref().and_then(|g| g.experts) {
+            let (n, w) = (e.num_experts, e.width);
+            out.push((format!("{p}.router.proj.weight"), vec![n, h], false));
+            out.push((format!("{p}.router.scale"), vec![h], true));
+            out.push((format!("{p}.router.per_expert_scale"), vec![n], true));
+            for x in 0..n {
+                let [g, u, d] = crate::gemma4::expert_names(i, x);
+                out.push((g, vec![w, h], false));
+                out.push((u, vec![w, h], false));
+                out.push((d, vec![h, w], false));
+            }
+            for norm in [
+                "post_feedforward_layernorm_1",
+                "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_2",
+            ] {
+                out.push((format!("{p}.{norm}.weight"), vec![h], true));
+            }
+        }
     }
     out.push(("model.norm.weight".into(), vec![h], true));
     if !cfg.tie_word_embeddings {

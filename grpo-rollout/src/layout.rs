@@ -26,6 +26,8 @@
 //!   checkpoints hold the two weights MXFP4-quantized instead (`*_blocks`, `*_scales`,
 //!   [`dequantize_mxfp4`]), read into the model's dtype and written back dense, as
 //!   transformers dequantizes them.
+//! * Gemma 4's experts are fused as Granite MoE's, `experts.gate_up_proj` and
+//!   `experts.down_proj` ([`crate::gemma4::split_experts`]).
 
 use candle_core::{Result, Tensor, bail};
 
@@ -204,6 +206,7 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
     if cfg.arch == Arch::GptOss {
         split_gpt_oss_experts(cfg, &mut weights)?;
     }
+    crate::gemma4::split_experts(cfg, &mut weights)?;
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
@@ -240,6 +243,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
     let weights = match cfg.arch {
         Arch::GraniteMoe => fuse_granite_experts(cfg, weights)?,
         Arch::GptOss => fuse_gpt_oss_experts(cfg, weights)?,
+        Arch::Gemma4 => crate::gemma4::fuse_experts(cfg, weights)?,
         _ => weights,
     };
     let reorder = rotary_order(cfg).is_some();

@@ -359,6 +359,8 @@ pub struct Layer {
     pub per_layer: Option<crate::gemma4::PerLayerBranch>,
     /// Gemma 4's `layer_scalar` `(1,)`: the layer's output times it (a constant).
     pub layer_scalar: Option<Tensor>,
+    /// Gemma 4's experts beside the MLP (`enable_moe_block`).
+    pub experts: Option<crate::gemma4::ExpertBlock>,
 }
 
 impl Layer {
@@ -387,17 +389,24 @@ impl Layer {
             norms.extend(m.q_a.iter().map(|(_, n)| n));
         }
         norms.extend(self.per_layer.iter().map(|b| &b.norm));
+        norms.extend(self.experts.iter().flat_map(|b| b.norms()));
         out.extend(norms.iter().map(|n| n.weight.clone()));
         out.extend(self.sinks.iter().cloned());
+        for b in &self.experts {
+            out.push(b.router_scale.clone());
+            out.extend(b.moe.expert_scale.iter().cloned());
+        }
         let moe = self.moe.iter().flat_map(Moe::linears);
         let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
         let branch = self.per_layer.iter().flat_map(|b| [&b.gate, &b.projection]);
+        let experts = self.experts.iter().flat_map(|b| b.moe.linears());
         for l in self
             .linears()
             .into_iter()
             .chain(moe)
             .chain(mla)
             .chain(branch)
+            .chain(experts)
         {
             out.push(l.weight.clone());
             out.extend(l.bias.iter().cloned());
@@ -615,7 +624,18 @@ impl Layer {
         let act = self.mlp_act(&h)?;
         match (&self.mlp_out_norm, self.residual_scale) {
             (None, None) => self.down_proj.forward_residual(&x, &act),
-            (n, _) => &x + self.sublayer_out(n, self.down_proj.forward(&act)?)?,
+            (n, _) => {
+                let y = self.with_experts(&x, self.down_proj.forward(&act)?)?;
+                &x + self.sublayer_out(n, y)?
+            }
+        }
+    }
+
+    /// The MLP's output `y` with Gemma 4's experts' beside it, of the residual stream `x`.
+    fn with_experts(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        match &self.experts {
+            Some(b) => b.forward(x, &y, &|g, u| self.act_mul(g, u)),
+            None => Ok(y),
         }
     }
 
@@ -810,7 +830,8 @@ impl Layer {
             Some(p) => self.act_mul_packed(&p.forward(&h, &mlp)?)?,
             None => self.mlp_act(&h)?,
         };
-        let d = self.sublayer_out(&self.mlp_out_norm, self.down_proj.forward(&act)?)?;
+        let y = self.with_experts(&x, self.down_proj.forward(&act)?)?;
+        let d = self.sublayer_out(&self.mlp_out_norm, y)?;
         Ok((x, d))
     }
 
@@ -1954,6 +1975,7 @@ impl Transformer {
                             }
                             _ => None,
                         },
+                        expert_scale: None,
                     })
                 }
                 None => None,
@@ -2029,6 +2051,52 @@ impl Transformer {
                     projection: linear(&format!("{p}.per_layer_projection"), h, w, false)?,
                     norm: norm(&format!("{p}.post_per_layer_input_norm.weight"), h)?,
                 }),
+                None => None,
+            };
+            let experts = match cfg.gemma4.as_ref().and_then(|g| g.experts) {
+                Some(e) => {
+                    let plain = |name: &str, out: usize, inp: usize| -> Result<Linear> {
+                        Ok(Linear {
+                            weight: get(name, &[out, inp])?,
+                            bias: None,
+                            lora: None,
+                            weight_t: None,
+                        })
+                    };
+                    let (n, w) = (e.num_experts, e.width);
+                    let experts = (0..n)
+                        .map(|x| {
+                            let [g, u, d] = crate::gemma4::expert_names(i, x);
+                            Ok(Expert {
+                                gate_proj: plain(&g, w, h)?,
+                                up_proj: plain(&u, w, h)?,
+                                down_proj: plain(&d, h, w)?,
+                            })
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Some(crate::gemma4::ExpertBlock {
+                        moe: Moe {
+                            router: plain(&format!("{p}.router.proj.weight"), n, h)?,
+                            experts,
+                            top_k: e.top_k,
+                            norm_topk_prob: true,
+                            shared: None,
+                            routing: crate::config::Routing::Softmax,
+                            correction_bias: None,
+                            expert_scale: Some(get(&format!("{p}.router.per_expert_scale"), &[n])?),
+                        },
+                        router_scale: get(&format!("{p}.router.scale"), &[h])?,
+                        router_norm: RmsNorm {
+                            weight: Tensor::ones(h, dtype, device)?,
+                            eps: cfg.rms_norm_eps,
+                            unit_offset: false,
+                            identity: false,
+                        },
+                        pre_norm: norm(&format!("{p}.pre_feedforward_layernorm_2.weight"), h)?,
+                        post_norm: norm(&format!("{p}.post_feedforward_layernorm_2.weight"), h)?,
+                        mlp_norm: norm(&format!("{p}.post_feedforward_layernorm_1.weight"), h)?,
+                    })
+                }
                 None => None,
             };
             // transformers initialises a missing `layer_scalar` buffer to 1.
@@ -2107,6 +2175,7 @@ impl Transformer {
                 kv_source,
                 per_layer,
                 layer_scalar,
+                experts,
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -2272,6 +2341,29 @@ impl Transformer {
             if let Some(t) = &layer.layer_scalar {
                 out.push((format!("{p}.layer_scalar"), t.clone()));
             }
+            if let Some(b) = &layer.experts {
+                out.push((
+                    format!("{p}.router.proj.weight"),
+                    b.moe.router.weight.clone(),
+                ));
+                out.push((format!("{p}.router.scale"), b.router_scale.clone()));
+                if let Some(s) = &b.moe.expert_scale {
+                    out.push((format!("{p}.router.per_expert_scale"), s.clone()));
+                }
+                for (x, e) in b.moe.experts.iter().enumerate() {
+                    let names = crate::gemma4::expert_names(i, x);
+                    for (n, l) in names.into_iter().zip(e.linears()) {
+                        out.push((n, l.weight.clone()));
+                    }
+                }
+                for (n, norm) in [
+                    ("post_feedforward_layernorm_1", &b.mlp_norm),
+                    ("pre_feedforward_layernorm_2", &b.pre_norm),
+                    ("post_feedforward_layernorm_2", &b.post_norm),
+                ] {
+                    out.push((format!("{p}.{n}.weight"), norm.weight.clone()));
+                }
+            }
             let Some(m) = &layer.moe else {
                 if !layer.gate_proj.is_absent() {
                     lin(&mut out, format!("{p}.mlp.gate_proj"), &layer.gate_proj);
@@ -2371,6 +2463,7 @@ impl Transformer {
                     kv_source: l.kv_source,
                     per_layer: l.per_layer.as_ref().map(|b| b.map(f)).transpose()?,
                     layer_scalar: l.layer_scalar.as_ref().map(f).transpose()?,
+                    experts: l.experts.as_ref().map(|b| b.map(f)).transpose()?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

@@ -168,6 +168,9 @@ pub struct Moe {
     /// GLM-4.5's `e_score_correction_bias` `(experts,)`, in f32 (f64 in an f64 model): added
     /// to the scores to choose the experts, not to weight them; a constant, never trained.
     pub correction_bias: Option<Tensor>,
+    /// Gemma 4's `per_expert_scale` `(experts,)`: each chosen weight (after renormalising)
+    /// times its expert's scale (a trained weight).
+    pub expert_scale: Option<Tensor>,
 }
 
 fn sigmoid(x: &Tensor) -> Result<Tensor> {
@@ -228,6 +231,7 @@ impl Moe {
                 Some(b) => Some(f(b)?.to_dtype(b.dtype())?),
                 None => None,
             },
+            expert_scale: self.expert_scale.as_ref().map(f).transpose()?,
         })
     }
 
@@ -266,6 +270,13 @@ impl Moe {
         let mut w = probs.gather(&top, 1)?;
         if self.norm_topk_prob {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        if let Some(s) = &self.expert_scale {
+            let chosen = s
+                .index_select(&top.flatten_all()?, 0)?
+                .reshape(top.shape())?
+                .to_dtype(w.dtype())?;
+            w = (w * chosen)?;
         }
         Ok((top, w, probs))
     }
@@ -377,9 +388,21 @@ impl Moe {
         act: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
         aux: Option<&AuxRows>,
     ) -> Result<Tensor> {
+        self.forward_routed(h, h, act, aux)
+    }
+
+    /// [`Self::forward`] with the router reading rows of its own, `routed` (Gemma 4's router
+    /// normalises and scales the residual stream itself; its experts take another norm of it).
+    pub fn forward_routed(
+        &self,
+        h: &Tensor,
+        routed: &Tensor,
+        act: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+        aux: Option<&AuxRows>,
+    ) -> Result<Tensor> {
         let (n, hidden) = h.dims2()?;
         let k = self.top_k;
-        let (top, w, probs) = self.route(&self.logits(h)?)?;
+        let (top, w, probs) = self.route(&self.logits(routed)?)?;
         let top: Vec<u32> = top.flatten_all()?.to_vec1()?;
         let mut rows: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
         let mut slots: Vec<Vec<u32>> = vec![Vec::new(); self.experts.len()];
