@@ -341,12 +341,19 @@ impl Gemma4Config {
             true => {
                 serde_json::json!({"rope_type": "default", "rope_theta": self.global_rope_theta})
             }
-            false => serde_json::json!({
-                "rope_type": "proportional",
-                "rope_theta": self.global_rope_theta,
-                "partial_rotary_factor": self.global_rope_fraction,
-                "factor": self.global_rope_factor,
-            }),
+            false => {
+                let mut p = serde_json::json!({
+                    "rope_type": "proportional",
+                    "rope_theta": self.global_rope_theta,
+                    "partial_rotary_factor": self.global_rope_fraction,
+                });
+                // transformers reads a `factor` but its validation does not know it: written
+                // only when it divides.
+                if self.global_rope_factor != 1.0 {
+                    p["factor"] = self.global_rope_factor.into();
+                }
+                p
+            }
         };
         obj.insert(
             "rope_parameters".into(),
