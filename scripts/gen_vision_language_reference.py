@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Vision-language micro checkpoints (Gemma 3's `gemma3`, Mistral 3's `mistral3` with a
-Ministral 3 language model, Gemma 4's `gemma4` without its audio tower) and transformers' log-probs of their language model, for
+Ministral 3 language model, Gemma 4's `gemma4` without its audio tower, Qwen2.5-VL's
+`qwen2_5_vl` and Qwen3-VL's `qwen3_vl`) and transformers' log-probs of their language model, for
 grpo-rollout/tests/architectures.rs.
 
 Each model is made with transformers 5 (`AutoModelForImageTextToText`, random weights std 0.2,
 norms jittered) and saved as transformers saves it — `language_model.model.*` beside a vision
-tower and projector — into grpo-rollout/tests/fixtures/vl-{gemma3,mistral3,gemma4}-micro with the
+tower and projector — into grpo-rollout/tests/fixtures/vl-{gemma3,mistral3,gemma4,qwen2_5_vl,qwen3_vl}-micro with the
 fixtures' byte-level tokenizer. Gemma 3's text layers slide over a window of 8; Mistral 3's
 language model is `ministral3` (YaRN factor 4 over a pre-training length of 48, its attention
 temperature beta 0.1, `tie_word_embeddings` true at the top and false in `text_config`: the top
 wins). Gemma 4's (`model.language_model.*`) has 4 layers, the last two reusing the first two's
-keys and values, keys as values on its full layers, per-layer inputs. transformers' log-probs of two 40-token rows, input ids only (no image), go to
+keys and values, keys as values on its full layers, per-layer inputs. Qwen2.5-VL's is saved
+with its language model under a causal LM's names (`model.layers.*`) beside `visual.*`, as
+transformers 5 writes it; its multimodal RoPE sections, as Qwen3-VL's interleaved ones, turn
+text alike on all three axes. transformers' log-probs of two 40-token rows, input ids only (no image), go to
 fixtures/vision_language_reference.json, with a PEFT adapter on each language model (q, v and
 down of every layer, random factors, as PEFT saves it: fixtures/vl-{name}-peft) and the adapted
 model's log-probs.
@@ -61,6 +65,26 @@ CONFIGS = {
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=2, head_dim=8),
         audio_config=None, image_token_id=299, boi_token_id=297, eoi_token_id=298),
+    "qwen2_5_vl": dict(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "type": "mrope",
+                                          "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0], window_size=28, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=299, video_token_id=298, vision_start_token_id=296, vision_end_token_id=297),
+    "qwen3_vl": dict(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                         bos_token_id=0, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [1, 1, 2],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           deepstack_visual_indexes=[0], patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=16),
+        image_token_id=299, video_token_id=298, vision_start_token_id=296, vision_end_token_id=297),
 }
 
 ref = {"rows": ROWS, "models": {}}

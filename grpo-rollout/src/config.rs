@@ -1425,15 +1425,17 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
 
 /// The language model's config of a vision-language `config.json` — Gemma 3's (`gemma3`,
 /// gemma-3-4b-it and larger: its `text_config`, a `gemma3_text`), Gemma 4's (`gemma4`: a
-/// `gemma4_text`) and Mistral 3's (`mistral3`:
-/// Ministral 3, Mistral Small 3.1+: a `ministral3` or `mistral`) — with the keys transformers
-/// reads at the top (`tie_word_embeddings`, the token ids, `quantization_config`) taking their
-/// top-level values; `None` for any other config.
+/// `gemma4_text`), Mistral 3's (`mistral3`: Ministral 3, Mistral Small 3.1+: a `ministral3` or
+/// `mistral`), Qwen's (`qwen2_vl`, `qwen2_5_vl`: a `qwen2`; `qwen3_vl`: a `qwen3`;
+/// [`qwen_vl_text`]) — with the keys transformers reads at the top (`tie_word_embeddings`, the
+/// token ids, `quantization_config`) taking their top-level values; `None` for any other
+/// config.
 pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
     let default = match v.get("model_type").and_then(Value::as_str) {
         Some("gemma3") => "gemma3_text",
         Some("mistral3") => "mistral",
         Some("gemma4") => "gemma4_text",
+        Some(t @ ("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")) => return qwen_vl_text(v, t).map(Some),
         _ => return Ok(None),
     };
     let Some(Value::Object(text)) = v.get("text_config") else {
@@ -1500,6 +1502,98 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
         }
     }
     Ok(Some(Value::Object(text)))
+}
+
+/// The language model of Qwen's vision-language configs: `qwen2_vl` / `qwen2_5_vl`
+/// (Qwen2-VL, Qwen2.5-VL: a `qwen2`, its fields at the top in the released configs, in
+/// `text_config` as transformers 5 writes them) and `qwen3_vl` (Qwen3-VL: a `qwen3` in
+/// `text_config`). Their multimodal RoPE (`mrope_section`, interleaved or not) turns a text
+/// token by its position on each of its three axes alike — plain RoPE, as read here (images
+/// are not). The class defaults transformers gives an unwritten field are filled in.
+pub fn qwen_vl_text(v: &Value, model_type: &str) -> Result<Value> {
+    let family = match model_type {
+        "qwen3_vl" => "qwen3",
+        _ => "qwen2",
+    };
+    let mut text = match v.get("text_config") {
+        Some(Value::Object(t)) => t.clone(),
+        // Qwen2-VL's and Qwen2.5-VL's released configs: the language model's fields at the top.
+        None | Some(Value::Null) if family == "qwen2" => {
+            let mut t = v.as_object().cloned().unwrap_or_default();
+            t.remove("vision_config");
+            t
+        }
+        _ => bail!(
+            "field `text_config` is missing or not an object: a vision-language `{model_type}` config names its language model (a `{family}`) there"
+        ),
+    };
+    text.insert("model_type".into(), family.into());
+    // The class defaults of the sizes and the RoPE base (Qwen2_5_VLTextConfig's,
+    // Qwen3VLTextConfig's).
+    let defaults: &[(&str, Value)] = match family {
+        "qwen3" => &[
+            ("vocab_size", Value::from(151_936)),
+            ("hidden_size", Value::from(4096)),
+            ("intermediate_size", Value::from(22_016)),
+            ("num_hidden_layers", Value::from(32)),
+            ("num_attention_heads", Value::from(32)),
+            ("num_key_value_heads", Value::from(32)),
+            ("head_dim", Value::from(128)),
+            ("max_position_embeddings", Value::from(128_000)),
+        ],
+        _ => &[
+            ("vocab_size", Value::from(152_064)),
+            ("hidden_size", Value::from(8192)),
+            ("intermediate_size", Value::from(29_568)),
+            ("num_hidden_layers", Value::from(80)),
+            ("num_attention_heads", Value::from(64)),
+            ("num_key_value_heads", Value::from(8)),
+            ("max_position_embeddings", Value::from(32_768)),
+        ],
+    };
+    for (k, x) in defaults {
+        text.entry(*k).or_insert_with(|| x.clone());
+    }
+    let theta_default = match family {
+        "qwen3" => 5_000_000.0,
+        _ => 1_000_000.0,
+    };
+    // mrope's keys taken out: what remains is the RoPE of every text position.
+    let mut theta = text.get("rope_theta").and_then(Value::as_f64);
+    for key in ["rope_scaling", "rope_parameters"] {
+        let Some(Value::Object(r)) = text.get_mut(key) else {
+            continue;
+        };
+        let mrope = r.remove("mrope_section").is_some()
+            | r.remove("mrope_interleaved").is_some()
+            | (r.get("type").and_then(Value::as_str) == Some("mrope"));
+        if r.get("type").and_then(Value::as_str) == Some("mrope") {
+            r.remove("type");
+        }
+        if let Some(t) = r.get("rope_theta").and_then(Value::as_f64) {
+            theta = Some(t);
+        }
+        let kind = r
+            .get("rope_type")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if mrope && kind == "default" {
+            text.remove(key);
+        }
+    }
+    text.insert("rope_theta".into(), theta.unwrap_or(theta_default).into());
+    for k in [
+        "tie_word_embeddings",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "quantization_config",
+    ] {
+        if let Some(x) = v.get(k).filter(|x| !x.is_null()) {
+            text.insert(k.into(), x.clone());
+        }
+    }
+    Ok(Value::Object(text))
 }
 
 impl ModelConfig {

@@ -180,6 +180,18 @@ fn read_model_and_vision(
     }
     // Read on the CPU: the vision tower stays there; the language model moves to `device`.
     let (text, rest) = split_language_model(read_dense(dir, dtype, &Device::Cpu)?);
+    // No prefix: the language model under a causal LM's names beside the others (Qwen2-VL's
+    // and Qwen2.5-VL's files: `model.layers.*`, `lm_head.weight`, `visual.*`).
+    let plain_names = rest.is_none();
+    let (text, rest) = match rest {
+        Some(r) => (text, Some(r)),
+        None => {
+            let (text, others): (WeightMap, WeightMap) = text
+                .into_iter()
+                .partition(|(k, _)| k.starts_with("model.") || k == "lm_head.weight");
+            (text, Some((others, false)))
+        }
+    };
     let text = text
         .into_iter()
         .map(|(k, t)| Ok((k, t.to_device(device)?)))
@@ -202,6 +214,7 @@ fn read_model_and_vision(
             config: config.unwrap_or_default(),
             tensors,
             saved_names,
+            plain_names,
             files,
         }),
     ))
@@ -251,6 +264,9 @@ pub struct VisionLanguage {
     /// `language_model.model.*` / `language_model.lm_head.weight` (else
     /// `model.language_model.*` / `lm_head.weight`).
     pub saved_names: bool,
+    /// The language model under a causal LM's names (`model.layers.*`, `lm_head.weight`)
+    /// beside the others (Qwen2-VL's and Qwen2.5-VL's `visual.*`).
+    pub plain_names: bool,
     /// The image (and video) processor's files, by name, as read ([`PROCESSOR_FILES`]).
     pub files: Vec<(String, String)>,
 }
@@ -265,6 +281,9 @@ pub const PROCESSOR_FILES: [&str; 3] = [
 impl VisionLanguage {
     /// The checkpoint's name of a causal LM's tensor `name`.
     pub fn file_name(&self, name: &str) -> String {
+        if self.plain_names {
+            return name.to_string();
+        }
         match (self.saved_names, name.strip_prefix("model.")) {
             (true, _) => format!("language_model.{name}"),
             (false, Some(rest)) => format!("model.language_model.{rest}"),
@@ -445,6 +464,41 @@ fn vision_language_config(config: &Value, mut text: Value, dtype: &str) -> Value
     let (Some(o), Some(t)) = (out.as_object_mut(), text.as_object_mut()) else {
         return out;
     };
+    // Qwen's language models are their own classes, with the multimodal RoPE's sections (read
+    // as plain RoPE: [`crate::config::qwen_vl_text`]) written back as read.
+    if let Some(kind @ ("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")) =
+        config.get("model_type").and_then(Value::as_str)
+    {
+        t.insert("model_type".into(), format!("{kind}_text").into());
+        let source = config.get("text_config").unwrap_or(config);
+        let mrope = ["rope_parameters", "rope_scaling"]
+            .iter()
+            .find_map(|k| source.get(*k).filter(|r| r.get("mrope_section").is_some()));
+        if let (Some(Value::Object(m)), None) = (mrope, t.get("rope_scaling")) {
+            let mut r = serde_json::Map::new();
+            r.insert("rope_type".into(), "default".into());
+            for k in ["mrope_section", "mrope_interleaved", "type"] {
+                if let Some(x) = m.get(k) {
+                    r.insert(k.into(), x.clone());
+                }
+            }
+            if let Some(theta) = t.remove("rope_theta") {
+                r.insert("rope_theta".into(), theta);
+            }
+            t.insert("rope_parameters".into(), Value::Object(r));
+        }
+        // A released config's language model fields at the top move into `text_config`.
+        if config.get("text_config").is_none() {
+            let keep = [
+                "architectures",
+                "model_type",
+                "vision_config",
+                "transformers_version",
+            ];
+            let tokens = |k: &String| k.ends_with("_token_id") || k.ends_with("_token_index");
+            o.retain(|k, _| keep.contains(&k.as_str()) || tokens(k));
+        }
+    }
     for k in [
         "architectures",
         "torch_dtype",

@@ -392,7 +392,7 @@ impl Layer {
         norms.extend(self.experts.iter().flat_map(|b| b.norms()));
         out.extend(norms.iter().map(|n| n.weight.clone()));
         out.extend(self.sinks.iter().cloned());
-        for b in &self.experts {
+        if let Some(b) = &self.experts {
             out.push(b.router_scale.clone());
             out.extend(b.moe.expert_scale.iter().cloned());
         }

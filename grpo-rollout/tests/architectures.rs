@@ -1775,6 +1775,8 @@ fn vision_language_checkpoints_train_their_language_model() {
         ("gemma3", Arch::Gemma3),
         ("mistral3", Arch::Ministral3),
         ("gemma4", Arch::Gemma4),
+        ("qwen2_5_vl", Arch::Qwen2),
+        ("qwen3_vl", Arch::Qwen3),
     ] {
         let dir = fixtures().join(format!("vl-{name}-micro"));
         let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu).unwrap();
@@ -1803,7 +1805,17 @@ fn vision_language_checkpoints_train_their_language_model() {
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
                 .unwrap();
         assert_eq!(cj["model_type"], name);
-        assert_eq!(cj["text_config"]["model_type"], arch.as_str());
+        // Qwen's language models are classes of their own (`qwen3_vl_text`).
+        let text_type = match name.starts_with("qwen") {
+            true => format!("{name}_text"),
+            false => arch.as_str().to_string(),
+        };
+        assert_eq!(cj["text_config"]["model_type"], text_type.as_str());
+        if name.starts_with("qwen") {
+            // The multimodal RoPE's sections written back as read.
+            let rope = &cj["text_config"]["rope_parameters"];
+            assert_eq!(*rope, src["text_config"]["rope_parameters"], "{name}");
+        }
         assert_eq!(cj["vision_config"], src["vision_config"]);
         let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
         let again: Vec<f64> = logprobs(&back.model, &rows)
@@ -1853,6 +1865,60 @@ fn vision_language_checkpoints_train_their_language_model() {
     }
 }
 
+/// Qwen2.5-VL's released configs hold the language model's fields at the top (`rope_scaling`
+/// `{"type": "mrope", "mrope_section": ...}`): the same model as with `text_config`, and saved
+/// with a `text_config` as transformers 5 writes it.
+#[test]
+fn qwen2_5_vl_reads_its_released_config_layout() {
+    let text = std::fs::read_to_string(fixtures().join("vision_language_reference.json")).unwrap();
+    let r: Value = serde_json::from_str(&text).unwrap();
+    let rows = serde_json::json!({"rows": r["rows"], "t": 39});
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    for e in std::fs::read_dir(fixtures().join("vl-qwen2_5_vl-micro")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), src.join(e.file_name())).unwrap();
+    }
+    let path = src.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut t = c.as_object_mut().unwrap().remove("text_config").unwrap();
+    let t = t.as_object_mut().unwrap();
+    t.remove("model_type");
+    let rope = t.remove("rope_parameters").unwrap();
+    t.insert("rope_theta".into(), rope["rope_theta"].clone());
+    t.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"type": "mrope", "mrope_section": rope["mrope_section"]}),
+    );
+    c.as_object_mut().unwrap().extend(t.clone());
+    std::fs::write(&path, c.to_string()).unwrap();
+    let m = grpo_rollout::load(&src, DType::F32, &Device::Cpu).unwrap();
+    let base = grpo_rollout::load(
+        &fixtures().join("vl-qwen2_5_vl-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(m.model.cfg, base.model.cfg);
+    let got: Vec<f64> = logprobs(&m.model, &rows)
+        .iter()
+        .map(|x| *x as f64)
+        .collect();
+    assert!(max_diff(&got, &want(&r["models"]["qwen2_5_vl"])) < 2e-5);
+    let out = tmp.path().join("out");
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+    let cj: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cj["text_config"]["model_type"], "qwen2_5_vl_text");
+    assert_eq!(
+        cj["text_config"]["rope_parameters"]["mrope_section"],
+        rope["mrope_section"]
+    );
+    assert!(cj.get("hidden_size").is_none() && cj.get("rope_scaling").is_none());
+    assert_eq!(cj["vision_config"], c["vision_config"]);
+}
+
 /// A vision-language checkpoint's processor files (`preprocessor_config.json`, ...) are written
 /// back beside it, as read.
 #[test]
@@ -1889,7 +1955,7 @@ fn vision_language_peft_adapters_match_peft() {
     let text = std::fs::read_to_string(fixtures().join("vision_language_reference.json")).unwrap();
     let r: Value = serde_json::from_str(&text).unwrap();
     let rows = serde_json::json!({"rows": r["rows"], "t": 39});
-    for name in ["gemma3", "mistral3", "gemma4"] {
+    for name in ["gemma3", "mistral3", "gemma4", "qwen2_5_vl", "qwen3_vl"] {
         let mut m = grpo_rollout::load(
             &fixtures().join(format!("vl-{name}-micro")),
             DType::F32,
