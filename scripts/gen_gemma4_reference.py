@@ -6,10 +6,10 @@ q/k 0.5 so that positions matter, the per-layer gates 0.05 —, norms and `layer
 1), the tokenizer of
 fixtures/arch-deepseekv2-micro (300 tokens):
 
-  * gemma4-micro: 6 layers (sliding, sliding, full, sliding, sliding, full), window 12, the
-    full layers 16 wide with one key/value head reused as values (`attention_k_eq_v`), their
-    RoPE proportional (a quarter of the frequencies turning), the last two layers reusing
-    layers 3's and 2's keys and values (`num_kv_shared_layers` 2) with double-wide MLPs,
+  * gemma4-micro: 6 layers (sliding and full alternating), window 12, the full layers 16 wide
+    with one key/value head reused as values (`attention_k_eq_v`), their RoPE proportional (a
+    quarter of the frequencies turning), the last two layers reusing layers 2's and 3's keys and
+    values (`num_kv_shared_layers` 2, as llama.cpp pairs them too) with double-wide MLPs,
     per-layer inputs 4 wide, tied, logits soft-capped at 8;
   * gemma4-plain-micro: 4 layers (sliding, full, sliding, full), the full layers 16 wide with
     2 key/value heads and their own values, their RoPE default (base 10000, every frequency),
@@ -43,7 +43,7 @@ GRADS = {
         "model.layers.3.self_attn.k_norm.weight",
         "model.layers.4.self_attn.q_norm.weight",
         "model.layers.5.post_per_layer_input_norm.weight",
-        "model.layers.2.self_attn.k_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
         "model.layers.1.per_layer_input_gate.weight",
     ],
     "gemma4-plain-micro": [
@@ -70,7 +70,7 @@ MODELS = {
         num_hidden_layers=6, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
         num_kv_shared_layers=2, hidden_size_per_layer_input=4, vocab_size_per_layer_input=300,
         use_double_wide_mlp=True, final_logit_softcapping=8.0, tie_word_embeddings=True,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention",
                      "sliding_attention", "full_attention"]),
     "gemma4-plain-micro": dict(
         num_hidden_layers=4, global_head_dim=16, attention_k_eq_v=False, num_kv_shared_layers=0,

@@ -5,9 +5,10 @@
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
 //!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
-//!   `seed_oss`, `arcee`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   `seed_oss`, `arcee`, `gemma4`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
-//!   the experts' renormalisation, DeepSeek's router and latent widths);
+//!   the experts' renormalisation, DeepSeek's router and latent widths, Gemma 4's KV-sharing
+//!   pairs; Gemma 4's per-layer keys read as the `config.json` they stand for);
 //!   the vocabulary size comes from
 //!   `token_embd.weight`, biases and tied embeddings from which tensors are present (no
 //!   `output.weight` = tied). Gemma's norm weights are `1 + w` in the file, `w` here.
@@ -67,14 +68,20 @@ pub fn load_gguf(
             .and_then(|q| q.dequantize(&Device::Cpu))
             .and_then(|t| t.flatten_all()?.to_vec1())
             .map_err(ctx)?;
-        if cfg.rope_scaling.is_some() {
+        if let Some(g) = cfg.gemma4.as_mut() {
+            // Gemma 4's full layers' proportional RoPE.
+            (g.global_rope_fraction, g.global_rope_factor) =
+                gemma4_rope_from_freqs(&factors, g.global_head_dim).map_err(ctx)?;
+        } else if cfg.rope_scaling.is_some() {
             return Err(ctx(err(
                 "both `rope_freqs.weight` and a `rope.scaling.type`: one RoPE scaling expected",
             )));
+        } else {
+            cfg.rope_scaling = Some(RopeScaling::Llama3(
+                llama3_scaling_from_rope_freqs(&factors, cfg.rope_theta, cfg.head_dim)
+                    .map_err(ctx)?,
+            ));
         }
-        cfg.rope_scaling = Some(RopeScaling::Llama3(
-            llama3_scaling_from_rope_freqs(&factors, cfg.rope_theta, cfg.head_dim).map_err(ctx)?,
-        ));
     }
     // Phi-3's LongRoPE: its short and long factors as tensors.
     if content.tensor_infos.contains_key(ROPE_SHORT) {
@@ -171,6 +178,10 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         .get("general.architecture")
         .and_then(as_str)
         .ok_or_else(|| err("metadata `general.architecture` is missing"))?;
+    // Gemma 4's per-layer keys: read as the config.json they stand for.
+    if arch_name == "gemma4" {
+        return gemma4_config(content);
+    }
     let key = |k: &str| format!("{arch_name}.{k}");
     let experts = md.get(&key("expert_count")).and_then(as_u64).unwrap_or(0) as usize;
     // llama.cpp writes Mistral models as `llama`, Mixtral as `llama` with experts; its MoE
@@ -213,7 +224,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -960,8 +971,11 @@ fn read_weights<R: Read + Seek>(
         if layer.is_some_and(|i| i >= cfg.num_hidden_layers) {
             continue; // a next-token-prediction layer
         }
-        let mut hf = hf_tensor_name(name, cfg.arch)
-            .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
+        let mut hf = match cfg.arch {
+            Arch::Gemma4 => gemma4_tensor_name(name, false),
+            a => hf_tensor_name(name, a),
+        }
+        .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
         // Phi-3's and GLM-4's `ffn_up` holds gate and up (`gate_up_proj`).
         if (cfg.arch == Arch::Phi3 || cfg.arch.glm()) && hf.contains(".mlp.up_proj.") {
             hf = hf.replace(".mlp.up_proj.", ".mlp.gate_up_proj.");
@@ -2278,6 +2292,7 @@ pub fn save_gguf(
         Arch::Gemma3 => "gemma3",
         Arch::Glm4Moe => "glm4moe",
         Arch::Ministral3 => "mistral3",
+        Arch::Gemma4 => "gemma4",
         a if a.mla() => "deepseek2",
         a => a.as_str(),
     };
@@ -2287,10 +2302,8 @@ pub fn save_gguf(
     if cfg.arch.deepseek_moe() {
         deepseek_exportable(cfg)?;
     }
-    if cfg.arch == Arch::Gemma4 {
-        bail!(
-            "Gemma 4 has no GGUF form here (its per-layer inputs, shared keys and values and the full layers' own heads are not checked against llama.cpp's gemma4): export it as safetensors"
-        );
+    if cfg.gemma4.is_some() {
+        gemma4_exportable(cfg)?;
     }
     if cfg.arch == Arch::Exaone4 {
         bail!(
@@ -2329,7 +2342,7 @@ pub fn save_gguf(
         Arch::Arcee => crate::config::Activation::Relu2,
         _ => crate::config::Activation::Silu,
     };
-    if !cfg.arch.gemma() && cfg.activation != fixed {
+    if !cfg.arch.gemma() && cfg.arch != Arch::Gemma4 && cfg.activation != fixed {
         bail!(
             "{} with hidden_act {:?} has no GGUF form (llama.cpp's runs {fixed:?} there): export it as safetensors",
             cfg.arch.as_str(),
@@ -2506,6 +2519,9 @@ pub fn save_gguf(
             u(cfg.sliding_window.unwrap_or(0)),
         ));
     }
+    if let Some(g) = &cfg.gemma4 {
+        gemma4_metadata(cfg, g, &mut md);
+    }
     md.extend(tokenizer_metadata(tokenizer, cfg)?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -2531,11 +2547,12 @@ pub fn save_gguf(
         None => weights,
     };
     for (hf, t) in weights {
-        let g = match hf.strip_prefix(GGUF_NAMED) {
-            Some(g) => g.to_string(),
-            None => gguf_tensor_name(&hf, cfg.arch)
-                .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?,
-        };
+        let g = match (hf.strip_prefix(GGUF_NAMED), cfg.arch) {
+            (Some(g), _) => Some(g.to_string()),
+            (None, Arch::Gemma4) => gemma4_tensor_name(&hf, true),
+            (None, a) => gguf_tensor_name(&hf, a),
+        }
+        .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?;
         // A storage of its own: packed weights are views, and quantizing reads the storage whole.
         let mut t = t
             .detach()
@@ -2575,7 +2592,13 @@ pub fn save_gguf(
         written.push((g.clone(), format!("{chosen:?}")));
         tensors.push((g, q));
     }
-    if let (Arch::Llama | Arch::Mistral, Some(RopeScaling::Llama3(s))) =
+    if let Some(g) = &cfg.gemma4 {
+        let f = gemma4_rope_freqs(g);
+        let n = f.len();
+        let t = Tensor::from_vec(f, n, &cpu)?;
+        tensors.push((ROPE_FREQS.into(), QTensor::quantize(&t, GgmlDType::F32)?));
+        written.push((ROPE_FREQS.into(), "F32".into()));
+    } else if let (Arch::Llama | Arch::Mistral, Some(RopeScaling::Llama3(s))) =
         (cfg.arch, &cfg.rope_scaling)
     {
         let f = rope_freqs(s, cfg.rope_theta, cfg.head_dim);
@@ -2611,4 +2634,368 @@ pub fn save_gguf(
         .map_err(|e| err(format!("{}: {e}", path.display())))?;
     std::io::Write::flush(&mut f).map_err(|e| err(format!("{}: {e}", path.display())))?;
     Ok(written)
+}
+
+/// Gemma 4's tensors: the transformers name (after `model.layers.{i}.` for a layer's; the
+/// experts fused as the files hold them) and llama.cpp's (after `blk.{i}.`), as llama.cpp's
+/// converter maps them.
+const GEMMA4_TENSORS: [(&str, &str); 25] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    (
+        "post_attention_layernorm.weight",
+        "post_attention_norm.weight",
+    ),
+    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+    ("per_layer_input_gate.weight", "inp_gate.weight"),
+    ("per_layer_projection.weight", "proj.weight"),
+    ("post_per_layer_input_norm.weight", "post_norm.weight"),
+    ("layer_scalar", "layer_output_scale.weight"),
+    ("router.proj.weight", "ffn_gate_inp.weight"),
+    ("router.scale", "ffn_gate_inp.scale"),
+    ("router.per_expert_scale", "ffn_down_exps.scale"),
+    ("experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+    ("experts.down_proj", "ffn_down_exps.weight"),
+    (
+        "post_feedforward_layernorm_1.weight",
+        "post_ffw_norm_1.weight",
+    ),
+    (
+        "pre_feedforward_layernorm_2.weight",
+        "pre_ffw_norm_2.weight",
+    ),
+    (
+        "post_feedforward_layernorm_2.weight",
+        "post_ffw_norm_2.weight",
+    ),
+];
+
+/// Gemma 4's model-level tensors: transformers' name, llama.cpp's.
+const GEMMA4_GLOBAL: [(&str, &str); 6] = [
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    (
+        "model.embed_tokens_per_layer.weight",
+        "per_layer_token_embd.weight",
+    ),
+    (
+        "model.per_layer_model_projection.weight",
+        "per_layer_model_proj.weight",
+    ),
+    (
+        "model.per_layer_projection_norm.weight",
+        "per_layer_proj_norm.weight",
+    ),
+];
+
+/// llama.cpp's name of a Gemma 4 tensor (`to_gguf`) or transformers' of a llama.cpp one.
+fn gemma4_tensor_name(name: &str, to_gguf: bool) -> Option<String> {
+    let pick = |(hf, g): &(&str, &str)| match to_gguf {
+        true => (hf.to_string(), g.to_string()),
+        false => (g.to_string(), hf.to_string()),
+    };
+    if let Some((_, to)) = GEMMA4_GLOBAL
+        .iter()
+        .map(pick)
+        .find(|(from, _)| from == name)
+    {
+        return Some(to);
+    }
+    let (prefix, other) = match to_gguf {
+        true => ("model.layers.", "blk."),
+        false => ("blk.", "model.layers."),
+    };
+    let (layer, rest) = name.strip_prefix(prefix)?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, to) = GEMMA4_TENSORS
+        .iter()
+        .map(pick)
+        .find(|(from, _)| from == rest)?;
+    Some(format!("{other}{layer}.{to}"))
+}
+
+/// The layer llama.cpp's gemma4 reads a KV-sharing layer's keys and values from: the last
+/// layer with its own if this one is full, the one before it if sliding (it holds the released
+/// models' pattern).
+fn llama_cpp_kv_source(cfg: &ModelConfig, i: usize) -> Option<usize> {
+    let first = cfg.gemma4.as_ref()?.first_shared(cfg.num_hidden_layers);
+    (i >= first).then(|| first.saturating_sub(if cfg.windowed(i) { 2 } else { 1 }))
+}
+
+/// What llama.cpp's gemma4 computes of a Gemma 4 model as transformers does, or an error naming
+/// what it does not: biases, another activation, KV sharing its fixed pairing reads otherwise.
+fn gemma4_exportable(cfg: &ModelConfig) -> Result<()> {
+    if cfg.attention_bias || cfg.mlp_bias {
+        bail!(
+            "Gemma 4 with attention_bias has no GGUF form (llama.cpp's gemma4 adds no biases): export it as safetensors"
+        );
+    }
+    if cfg.activation != crate::config::Activation::GeluPytorchTanh {
+        bail!(
+            "Gemma 4 with hidden_activation {:?} has no GGUF form (llama.cpp's gemma4 runs gelu_pytorch_tanh): export it as safetensors",
+            cfg.activation
+        );
+    }
+    for i in 0..cfg.num_hidden_layers {
+        if cfg.kv_source(i) != llama_cpp_kv_source(cfg, i) {
+            bail!(
+                "Gemma 4 whose layer {i} reuses layer {:?}'s keys and values has no GGUF form (llama.cpp's gemma4 reads layer {:?}'s: the last layer with keys of its own for a full layer, the one before it for a sliding one): export it as safetensors",
+                cfg.kv_source(i),
+                llama_cpp_kv_source(cfg, i)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Gemma 4's metadata in place of the generic keys it overrides (per-layer MLP widths and
+/// key/value heads, the full layers' head width and RoPE, the sliding ones' apart), as
+/// llama.cpp's converter writes it.
+fn gemma4_metadata(
+    cfg: &ModelConfig,
+    g: &crate::gemma4::Gemma4Config,
+    md: &mut Vec<(String, Value)>,
+) {
+    let a = |k: &str| format!("gemma4.{k}");
+    let u = |x: usize| Value::U32(x as u32);
+    let n = cfg.num_hidden_layers;
+    let overridden = [
+        "feed_forward_length",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.value_length",
+        "rope.freq_base",
+    ]
+    .map(a);
+    md.retain(|(k, _)| !overridden.contains(k));
+    let widths: Vec<usize> = (0..n).map(|i| cfg.layer_intermediate(i)).collect();
+    let ff = match widths.iter().all(|w| *w == cfg.intermediate_size) {
+        true => u(cfg.intermediate_size),
+        false => Value::Array(widths.into_iter().map(u).collect()),
+    };
+    let kv: Vec<Value> = (0..n).map(|i| u(cfg.layer_heads(i).0)).collect();
+    let pattern: Vec<Value> = (0..n).map(|i| Value::Bool(cfg.windowed(i))).collect();
+    md.extend([
+        (a("feed_forward_length"), ff),
+        (a("attention.head_count_kv"), Value::Array(kv)),
+        (a("attention.key_length"), u(g.global_head_dim)),
+        (a("attention.value_length"), u(g.global_head_dim)),
+        (a("attention.key_length_swa"), u(cfg.head_dim)),
+        (a("attention.value_length_swa"), u(cfg.head_dim)),
+        (a("rope.dimension_count"), u(g.global_head_dim)),
+        (a("rope.dimension_count_swa"), u(cfg.head_dim)),
+        (a("rope.freq_base"), Value::F32(g.global_rope_theta as f32)),
+        (a("rope.freq_base_swa"), Value::F32(cfg.rope_theta as f32)),
+        (
+            a("attention.sliding_window"),
+            u(cfg.sliding_window.unwrap_or(0)),
+        ),
+        (a("attention.sliding_window_pattern"), Value::Array(pattern)),
+        (a("attention.shared_kv_layers"), u(g.kv_shared_layers)),
+        (
+            a("embedding_length_per_layer_input"),
+            u(g.per_layer_input.map_or(0, |(_, w)| w)),
+        ),
+    ]);
+    if let Some(e) = &g.experts {
+        md.extend([
+            (a("expert_count"), u(e.num_experts)),
+            (a("expert_used_count"), u(e.top_k)),
+            (a("expert_feed_forward_length"), u(e.width)),
+        ]);
+    }
+}
+
+/// Gemma 4's `rope_freqs.weight` (the full layers' only): llama.cpp turns frequency `i` of a
+/// full-width head by `1 / factor_i`, so the turning ones get the RoPE's divisor and the others
+/// 1e30 (no turn), as its converter writes them for `proportional`.
+fn gemma4_rope_freqs(g: &crate::gemma4::Gemma4Config) -> Vec<f32> {
+    g.global_inv_freq()
+        .iter()
+        .map(|f| match *f == 0.0 {
+            true => 1e30,
+            false => g.global_rope_factor as f32,
+        })
+        .collect()
+}
+
+/// The share of each full-layer head's frequencies that turn and their divisor, from a
+/// `rope_freqs.weight` of `gemma4_rope_freqs`'s form; an error naming it otherwise.
+fn gemma4_rope_from_freqs(factors: &[f32], head_dim: usize) -> Result<(f64, f64)> {
+    if factors.len() != head_dim / 2 {
+        bail!(
+            "rope_freqs.weight has {} values, expected the full layers' head width / 2 = {}",
+            factors.len(),
+            head_dim / 2
+        );
+    }
+    let turning = factors.iter().take_while(|f| **f < 1e20).count();
+    let factor = factors.first().copied().unwrap_or(1.0) as f64;
+    if factors[..turning].iter().any(|f| *f as f64 != factor)
+        || factors[turning..].iter().any(|f| *f < 1e20)
+    {
+        bail!(
+            "rope_freqs.weight is not a proportional RoPE (equal factors, then 1e30): unsupported for gemma4"
+        );
+    }
+    Ok((2.0 * turning as f64 / head_dim as f64, factor))
+}
+
+/// A Gemma 4 GGUF header as the `config.json` transformers writes for the same model, read by
+/// [`ModelConfig::from_hf_json`]: llama.cpp's per-layer keys to transformers' fields (the full
+/// layers' RoPE fraction and divisor come from `rope_freqs.weight`: [`load_gguf`]).
+fn gemma4_config(content: &Content) -> Result<ModelConfig> {
+    let md = &content.metadata;
+    let key = |k: &str| format!("gemma4.{k}");
+    let get = |k: &str| md.get(&key(k));
+    let req = |k: &str| -> Result<usize> {
+        get(k).and_then(as_u64).map(|x| x as usize).ok_or_else(|| {
+            err(format!(
+                "metadata `{}` is missing or not an integer",
+                key(k)
+            ))
+        })
+    };
+    // A scalar, or one value per layer.
+    let per_layer = |k: &str, n: usize| -> Result<Vec<usize>> {
+        match get(k) {
+            Some(Value::Array(a)) if a.len() == n => a
+                .iter()
+                .map(|x| {
+                    as_u64(x)
+                        .map(|x| x as usize)
+                        .ok_or_else(|| err(format!("metadata `{}` holds a non-integer", key(k))))
+                })
+                .collect(),
+            Some(Value::Array(a)) => bail!(
+                "metadata `{}` has {} values for {n} layers",
+                key(k),
+                a.len()
+            ),
+            _ => Ok(vec![req(k)?; n]),
+        }
+    };
+    let has = |name: &str| content.tensor_infos.contains_key(name);
+    let n = req("block_count")?;
+    let sliding: Vec<bool> = match get("attention.sliding_window_pattern") {
+        Some(Value::Array(a)) if a.len() == n => {
+            a.iter().map(|x| as_bool(x) == Some(true)).collect()
+        }
+        _ => bail!(
+            "metadata `{}` is missing or not one bool per layer",
+            key("attention.sliding_window_pattern")
+        ),
+    };
+    let (Some(s), true) = (sliding.iter().position(|s| *s), sliding.contains(&false)) else {
+        bail!(
+            "metadata `{}`: Gemma 4 needs sliding and full layers",
+            key("attention.sliding_window_pattern")
+        );
+    };
+    let kv = per_layer("attention.head_count_kv", n)?;
+    let ff = per_layer("feed_forward_length", n)?;
+    let shared = get("attention.shared_kv_layers")
+        .and_then(as_u64)
+        .unwrap_or(0) as usize;
+    let first_shared = n.saturating_sub(shared);
+    let base_ff = ff.iter().copied().min().unwrap_or(0);
+    let double_wide = ff
+        .iter()
+        .enumerate()
+        .any(|(i, w)| i >= first_shared && *w == 2 * base_ff);
+    let (vocab, hidden) = match content.tensor_infos.get("token_embd.weight") {
+        Some(t) => match t.shape.dims() {
+            [v, h] => (*v, *h),
+            d => bail!("tensor `token_embd.weight` has shape {d:?}"),
+        },
+        None => bail!("tensor `token_embd.weight` is missing"),
+    };
+    let width = get("embedding_length_per_layer_input")
+        .and_then(as_u64)
+        .unwrap_or(0) as usize;
+    let pl_vocab = content
+        .tensor_infos
+        .get("per_layer_token_embd.weight")
+        .and_then(|t| t.shape.dims().first().copied())
+        .unwrap_or(vocab);
+    // A full layer with keys of its own tells whether its values are its keys.
+    let own_full = (0..first_shared).find(|i| !sliding[*i]);
+    let k_eq_v = own_full.is_some_and(|i| !has(&format!("blk.{i}.attn_v.weight")));
+    let float = |k: &str| get(k).and_then(as_f64);
+    let full_layers: Vec<usize> = (0..n).filter(|i| !sliding[*i]).collect();
+    let global_head_dim = req("attention.key_length")?;
+    let per_layer_config: serde_json::Map<String, serde_json::Value> = full_layers
+        .iter()
+        .map(|i| {
+            (
+                i.to_string(),
+                serde_json::json!({"head_dim": global_head_dim, "num_key_value_heads": kv[*i]}),
+            )
+        })
+        .collect();
+    let types: Vec<&str> = sliding
+        .iter()
+        .map(|s| match s {
+            true => "sliding_attention",
+            false => "full_attention",
+        })
+        .collect();
+    let experts = get("expert_count").and_then(as_u64).unwrap_or(0);
+    let mut v = serde_json::json!({
+        "model_type": "gemma4_text",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": base_ff,
+        "num_hidden_layers": n,
+        "num_attention_heads": req("attention.head_count")?,
+        "num_key_value_heads": kv[s],
+        "head_dim": req("attention.key_length_swa")?,
+        "rms_norm_eps": float("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+        "max_position_embeddings": get("context_length").and_then(as_u64).unwrap_or(131_072),
+        "tie_word_embeddings": !has("output.weight"),
+        "sliding_window": req("attention.sliding_window")?,
+        "layer_types": types,
+        "per_layer_config": per_layer_config,
+        "attention_k_eq_v": k_eq_v,
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": width,
+        "vocab_size_per_layer_input": pl_vocab,
+        "use_double_wide_mlp": double_wide,
+        "final_logit_softcapping": float("final_logit_softcapping").filter(|c| *c != 0.0),
+        "enable_moe_block": experts > 0,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": float("rope.freq_base_swa").unwrap_or(10_000.0)},
+            // The fraction and divisor are read from `rope_freqs.weight`.
+            "full_attention": {"rope_type": "default", "rope_theta": float("rope.freq_base").unwrap_or(1_000_000.0)},
+        },
+        "bos_token_id": md_u32(md, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md_u32(md, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md_u32(md, "tokenizer.ggml.padding_token_id"),
+    });
+    if experts > 0 {
+        v["num_experts"] = experts.into();
+        v["top_k_experts"] = req("expert_used_count")?.into();
+        v["moe_intermediate_size"] = req("expert_feed_forward_length")?.into();
+    }
+    let cfg = ModelConfig::from_hf_json(&v)?;
+    for i in 0..n {
+        if cfg.kv_source(i) != llama_cpp_kv_source(&cfg, i) {
+            bail!(
+                "layer {i} of this gemma4 file reuses layer {:?}'s keys and values in llama.cpp, layer {:?}'s in transformers: unsupported",
+                llama_cpp_kv_source(&cfg, i),
+                cfg.kv_source(i)
+            );
+        }
+    }
+    Ok(cfg)
 }

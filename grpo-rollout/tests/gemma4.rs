@@ -2,7 +2,7 @@
 //!
 //! Reference values: `fixtures/gemma4_reference.json`, written with the micro models
 //! `fixtures/gemma4-micro` (6 layers: keys reused as values on the full layers, the last two
-//! layers reusing layers 3's and 2's keys and values with double-wide MLPs, per-layer inputs,
+//! layers reusing layers 2's and 3's keys and values with double-wide MLPs, per-layer inputs,
 //! proportional RoPE on the full layers, tied, logits soft-capped) and
 //! `fixtures/gemma4-plain-micro` (4 layers: the full layers with their own values and default
 //! RoPE, no sharing, no per-layer inputs, untied) by `scripts/gen_gemma4_reference.py`
@@ -68,15 +68,15 @@ fn config_reads_every_gemma4_field() {
     assert_eq!(g.global_rope_fraction, 0.25);
     assert_eq!(
         (c.sliding_window, c.sliding_layers.clone()),
-        (Some(12), vec![0, 1, 3, 4])
+        (Some(12), vec![0, 2, 4])
     );
     assert_eq!(c.final_logit_softcapping, Some(8.0));
     assert_eq!(c.attention_scale(), 1.0);
     let sources: Vec<_> = (0..6).map(|i| c.kv_source(i)).collect();
-    assert_eq!(sources, [None, None, None, None, Some(3), Some(2)]);
+    assert_eq!(sources, [None, None, None, None, Some(2), Some(3)]);
     assert_eq!(c.layer_intermediate(4), 96);
-    assert_eq!(c.layer_heads(2), (1, 16));
-    assert_eq!(c.layer_heads(1), (2, 8));
+    assert_eq!(c.layer_heads(3), (1, 16));
+    assert_eq!(c.layer_heads(2), (2, 8));
     // What the model holds, as transformers counts it (the scalars are buffers).
     let held: usize = m
         .model
@@ -324,22 +324,109 @@ fn refusals_name_the_field() {
         let e = with_config("gemma4-micro", &*edit);
         assert!(e.contains(key), "{key}: {e}");
     }
-    // No GGUF form (llama.cpp's gemma4 is not checked against transformers').
-    let m = load("gemma4-micro", DType::F32);
+    // A sharing layer's missing weights are named (the file has no k_proj on layer 4).
+    let e = with_config("gemma4-micro", &|c| {
+        c.insert("num_kv_shared_layers".into(), 0.into());
+    });
+    assert!(e.contains("model.layers.4.self_attn.k_proj.weight"), "{e}");
+}
+
+fn logprobs_f64(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f64> {
+    logprobs(m, r)
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Written as llama.cpp's `gemma4` (per-layer key/value heads and MLP widths, the full layers'
+/// head width and RoPE apart from the sliding ones', `rope_freqs.weight` for the proportional
+/// RoPE, the fused experts and their scales) and read back: the same model. llama.cpp's own
+/// converter's files of the micro models (`scripts/gen_gemma4_gguf_fixtures.py`) read as the
+/// Hugging Face directories.
+#[test]
+fn gguf_round_trips_and_reads_llama_cpps_files() {
+    let r = reference();
+    let dir = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let m = load(name, DType::F32);
+        let path = dir.path().join(format!("{name}.gguf"));
+        grpo_rollout::gguf::save_gguf(
+            &m.model,
+            &m.tokenizer,
+            &path,
+            grpo_rollout::gguf::GgufType::F32,
+            name,
+        )
+        .unwrap();
+        let mut files = vec![path];
+        if name != "gemma4-plain-micro" {
+            files.push(fixtures().join(format!("{name}-llama.gguf")));
+        }
+        let want = logprobs_f64(&m.model, &r);
+        for f in files {
+            let back = grpo_rollout::load(&f, DType::F32, &Device::Cpu).unwrap();
+            let (a, b) = (&back.model.cfg, &m.model.cfg);
+            assert_eq!(a.gemma4, b.gemma4, "{f:?}");
+            assert_eq!(
+                (
+                    a.sliding_window,
+                    &a.sliding_layers,
+                    a.head_dim,
+                    a.num_key_value_heads
+                ),
+                (
+                    b.sliding_window,
+                    &b.sliding_layers,
+                    b.head_dim,
+                    b.num_key_value_heads
+                ),
+                "{f:?}"
+            );
+            assert_eq!(
+                (
+                    a.rope_theta,
+                    a.final_logit_softcapping,
+                    a.tie_word_embeddings
+                ),
+                (
+                    b.rope_theta,
+                    b.final_logit_softcapping,
+                    b.tie_word_embeddings
+                ),
+                "{f:?}"
+            );
+            let d = max_diff(&logprobs_f64(&back.model, &r), &want);
+            assert!(d < 1e-6, "{f:?}: {d}");
+        }
+    }
+}
+
+/// What llama.cpp's gemma4 computes otherwise is refused by name: KV sharing it pairs
+/// differently (it reads a sharing full layer's keys from the last layer with its own, a
+/// sliding one's from the layer before that).
+#[test]
+fn gguf_refuses_what_llama_cpp_pairs_otherwise() {
+    let mut c =
+        grpo_rollout::init::preset_config(grpo_rollout::init::Preset::Tiny, Arch::Gemma4, 64, 1, 0);
+    // Sliding, full, full, sliding, sliding, full: layer 4 reuses layer 3's keys in
+    // transformers, layer 2's in llama.cpp.
+    c.num_hidden_layers = 6;
+    c.sliding_layers = vec![0, 3, 4];
+    c.gemma4.as_mut().unwrap().kv_shared_layers = 2;
+    let m = grpo_rollout::init::random_weights(&c, 1, DType::F32, &Device::Cpu).unwrap();
+    let tok = load("gemma4-micro", DType::F32).tokenizer;
     let dir = tempfile::tempdir().unwrap();
     let e = grpo_rollout::gguf::save_gguf(
-        &m.model,
-        &m.tokenizer,
+        &m,
+        &tok,
         &dir.path().join("m.gguf"),
         grpo_rollout::gguf::GgufType::F32,
         "m",
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("Gemma 4 has no GGUF form"), "{e}");
-    // A sharing layer's missing weights are named (the file has no k_proj on layer 4).
-    let e = with_config("gemma4-micro", &|c| {
-        c.insert("num_kv_shared_layers".into(), 0.into());
-    });
-    assert!(e.contains("model.layers.4.self_attn.k_proj.weight"), "{e}");
+    assert!(e.contains("layer 4 reuses layer Some(3)"), "{e}");
 }
