@@ -1490,6 +1490,13 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
     for (k, x) in sizes {
         text.entry(*k).or_insert_with(|| (*x).into());
     }
+    take_top_level(v, &mut text);
+    Ok(Some(Value::Object(text)))
+}
+
+/// The keys transformers reads at the top of a vision-language config (`tie_word_embeddings`,
+/// the token ids, `quantization_config`), set into its language model's `text` where given.
+fn take_top_level(v: &Value, text: &mut serde_json::Map<String, Value>) {
     for k in [
         "tie_word_embeddings",
         "eos_token_id",
@@ -1501,7 +1508,6 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
             text.insert(k.into(), x.clone());
         }
     }
-    Ok(Some(Value::Object(text)))
 }
 
 /// The language model of Qwen's vision-language configs: `qwen2_vl` / `qwen2_5_vl`
@@ -1582,17 +1588,7 @@ pub fn qwen_vl_text(v: &Value, model_type: &str) -> Result<Value> {
         }
     }
     text.insert("rope_theta".into(), theta.unwrap_or(theta_default).into());
-    for k in [
-        "tie_word_embeddings",
-        "eos_token_id",
-        "bos_token_id",
-        "pad_token_id",
-        "quantization_config",
-    ] {
-        if let Some(x) = v.get(k).filter(|x| !x.is_null()) {
-            text.insert(k.into(), x.clone());
-        }
-    }
+    take_top_level(v, &mut text);
     Ok(Value::Object(text))
 }
 

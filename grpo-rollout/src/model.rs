@@ -719,7 +719,8 @@ impl Layer {
     /// layer's input already normalised, `x` the residual stream. The new keys and values go
     /// into `cache` (rotated and transposed on the way in), the residual adds are fused with the
     /// norms after them, the last with `next` (the next layer's input norm, or the model's final
-    /// norm). Returns the residual stream and its `next`-normalised rows.
+    /// norm); `input` is Gemma 4's per-layer input of the layer. Returns the residual stream and
+    /// its `next`-normalised rows.
     #[allow(clippy::too_many_arguments)]
     fn cached(
         &self,
