@@ -20,11 +20,13 @@ fixtures/arch-deepseekv2-micro (300 tokens):
 
 For each, into fixtures/gemma4_reference.json (float32, eager attention): the log-probs of the
 last T tokens of two left-padded rows (per-row position ids), the gradient of their sum for a
-few weights, and transformers' greedy continuation of a prompt (its KV cache).
+few weights, and transformers' greedy continuation of a prompt (its KV cache); for the first
+and the last, a PEFT 0.21 adapter on every linear map (`{name}-peft`, `all-linear`, random
+factors) and the adapted log-probs.
 
     python3 scripts/gen_gemma4_reference.py grpo-rollout/tests/fixtures
 
-Needs torch and transformers 5.2x (with `gemma4`).
+Needs torch, transformers 5.2x (with `gemma4`) and peft.
 """
 import json, os, shutil, sys
 
@@ -127,6 +129,29 @@ def values(path, name):
     return {"logprobs": lp.tolist(), "grads": grads, "greedy": out[0, len(PROMPT):].tolist()}
 
 
+def peft_adapter(path, name):
+    """A PEFT LoRA adapter on every linear map (`all-linear`: the per-layer-input maps, their
+    model-level projection and the router too), random A and B, saved beside the model as
+    `{name}-peft`, and the adapted model's log-probs of the rows."""
+    from peft import LoraConfig, get_peft_model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    torch.manual_seed(1)
+    pm = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                          init_lora_weights=False)).eval()
+    out = os.path.join(os.path.dirname(path), f"{name}-peft")
+    shutil.rmtree(out, ignore_errors=True)
+    pm.save_pretrained(out)
+    os.remove(os.path.join(out, "README.md"))
+    length = max(len(r) for r in ROWS)
+    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
+    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = pm(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1:-1, :]
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    return lp.tolist()
+
+
 def main():
     fixtures = sys.argv[1]
     out = {"transformers": transformers.__version__, "rows": ROWS, "t": T, "prompt": PROMPT, "models": {}}
@@ -134,6 +159,8 @@ def main():
         path = os.path.join(fixtures, name)
         make(path, kw)
         out["models"][name] = values(path, name)
+        if name != "gemma4-plain-micro":
+            out["models"][name]["peft_logprobs"] = peft_adapter(path, name)
     with open(os.path.join(fixtures, "gemma4_reference.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("ok")

@@ -367,6 +367,7 @@ impl Matcher {
                     .chain(&[SHARED_EXPERT_GATE])
                     .chain(&MLA_MODULES)
                     .chain(&NANOCHAT_MLP)
+                    .chain(&GEMMA4_MODULES)
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -414,7 +415,11 @@ pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 /// [`SHARED_EXPERT_GATE`]; the router `gate` and Mixtral's `w1`, `w3`, `w2`, which PEFT turns
 /// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
 /// ([`crate::mla`]); nanochat's MLP maps `fc1` and `fc2`.
-const EXTRA_MODULES: [&str; 11] = [
+const EXTRA_MODULES: [&str; 15] = [
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "per_layer_model_projection",
+    "proj",
     SHARED_EXPERT_GATE,
     "gate",
     "w1",
@@ -444,6 +449,20 @@ fn extra_sites(
     if let Some((a, _)) = layer.mla.as_mut().and_then(|m| m.q_a.as_mut()) {
         out.push((format!("model.layers.{i}.self_attn.q_a_proj"), a));
     }
+    // Gemma 4's per-layer-input maps and its experts' router (`nn.Linear`s to PEFT).
+    if let Some(b) = layer.per_layer.as_mut() {
+        out.push((
+            format!("model.layers.{i}.per_layer_input_gate"),
+            &mut b.gate,
+        ));
+        out.push((
+            format!("model.layers.{i}.per_layer_projection"),
+            &mut b.projection,
+        ));
+    }
+    if let Some(b) = layer.experts.as_mut() {
+        out.push((format!("model.layers.{i}.router.proj"), &mut b.moe.router));
+    }
     let Some((e, g)) = layer.moe.as_mut().and_then(|m| m.shared.as_mut()) else {
         return out;
     };
@@ -458,6 +477,29 @@ fn extra_sites(
     }
     out
 }
+
+/// The linear maps outside the layers LoRA can adapt, by full name: Gemma 4's
+/// `per_layer_model_projection`.
+fn model_sites(model: &mut Transformer) -> Vec<(String, &mut crate::model::Linear)> {
+    model
+        .per_layer
+        .as_mut()
+        .map(|e| (GEMMA4_MODEL_PROJECTION.to_string(), &mut e.projection))
+        .into_iter()
+        .collect()
+}
+
+/// Gemma 4's linear maps beside the seven (PEFT's `all-linear` takes them): the per-layer
+/// inputs' gate and projection, their model-level projection, the experts' router `proj`.
+const GEMMA4_MODULES: [&str; 4] = [
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "per_layer_model_projection",
+    "router.proj",
+];
+
+/// Gemma 4's model-level map of the per-layer inputs, as PEFT names it.
+const GEMMA4_MODEL_PROJECTION: &str = "model.per_layer_model_projection";
 
 /// The full name of a decoder projection, as PEFT matches it.
 fn module_name(layer: usize, group: &str, module: &str) -> String {
@@ -590,6 +632,19 @@ impl Resolved<'_> {
     }
 
     /// [`Self::adapter`] of the module of layer `layer` whose full name is `name`.
+    /// [`Self::adapter_at`] of a module outside the layers: none with `layers_to_transform`
+    /// (PEFT matches no module without a layer index then).
+    fn adapter_outside(&self, name: &str) -> Option<(usize, f64)> {
+        let name = name.to_string();
+        if self.exclude.as_ref().is_some_and(|e| e.matches(&name))
+            || !self.target.matches(&name)
+            || self.cfg.layers_to_transform.is_some()
+        {
+            return None;
+        }
+        Some(self.rank_and_scale(&name))
+    }
+
     fn adapter_at(&self, layer: usize, name: &str) -> Option<(usize, f64)> {
         let name = name.to_string();
         if self.exclude.as_ref().is_some_and(|e| e.matches(&name)) || !self.target.matches(&name) {
@@ -1196,6 +1251,14 @@ fn visit(
             }
         }
     }
+    for (name, lin) in model_sites(model) {
+        let q = format!("base_model.model.{name}");
+        let adapted = lin.lora.is_some();
+        if let Some(l) = lin.lora.as_mut() {
+            f(format!("{q}.lora_A.weight"), &mut l.a)?;
+        }
+        visit_part(&q, lin, adapted, bias, f)?;
+    }
     // PEFT's trainable tokens of the embedding (tied to the head when it is).
     if let Some(d) = model.token_delta.as_mut() {
         f(TOKENS_KEY.to_string(), &mut d.delta)?;
@@ -1642,6 +1705,14 @@ pub fn attach(
             moe.router.lora = Some(fresh_lora(&moe.router, a, scale, cfg, &drop_rng)?);
         }
     }
+    for (name, lin) in model_sites(model) {
+        let Some((r, scale)) = resolved.adapter_outside(&name) else {
+            continue;
+        };
+        any = true;
+        let a = fresh_a(&mut rng, r, lin.weight.dim(1)?, dtype, &device)?;
+        lin.lora = Some(fresh_lora(lin, a, scale, cfg, &drop_rng)?);
+    }
     if !cfg.target_parameters.is_empty() && !any_param {
         if cfg
             .target_parameters
@@ -1813,6 +1884,15 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
             }
         }
     }
+    for (name, lin) in model_sites(&mut m) {
+        if let Some(l) = lin.lora.take() {
+            let (w, b) = l
+                .merged(&lin.weight, lin.bias.as_ref())
+                .map_err(|e| candle_core::Error::msg(format!("{name}: {e}")))?;
+            lin.weight = w;
+            lin.bias = b;
+        }
+    }
     Ok(m)
 }
 
@@ -1865,6 +1945,13 @@ pub fn save_peft(
                         names.push(n);
                     }
                 }
+            }
+            // Gemma 4's per-layer-input maps and its experts' router, as PEFT names them.
+            if model.per_layer.is_some() {
+                names.extend(&GEMMA4_MODULES[..3]);
+            }
+            if model.layers.iter().any(|l| l.experts.is_some()) {
+                names.push("proj");
             }
             serde_json::json!(names)
         }

@@ -396,18 +396,7 @@ impl Layer {
             out.push(b.router_scale.clone());
             out.extend(b.moe.expert_scale.iter().cloned());
         }
-        let moe = self.moe.iter().flat_map(Moe::linears);
-        let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
-        let branch = self.per_layer.iter().flat_map(|b| [&b.gate, &b.projection]);
-        let experts = self.experts.iter().flat_map(|b| b.moe.linears());
-        for l in self
-            .linears()
-            .into_iter()
-            .chain(moe)
-            .chain(mla)
-            .chain(branch)
-            .chain(experts)
-        {
+        for l in self.all_linears() {
             out.push(l.weight.clone());
             out.extend(l.bias.iter().cloned());
             if let Some(lo) = &l.lora {
@@ -421,11 +410,26 @@ impl Layer {
         out
     }
 
+    /// Every linear map of the layer: the seven, the experts' (with their router and shared
+    /// expert), the latent attention's, Gemma 4's per-layer-input maps and experts.
+    fn all_linears(&self) -> Vec<&Linear> {
+        let moe = self.moe.iter().flat_map(Moe::linears);
+        let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
+        let branch = self.per_layer.iter().flat_map(|b| [&b.gate, &b.projection]);
+        let experts = self.experts.iter().flat_map(|b| b.moe.linears());
+        self.linears()
+            .into_iter()
+            .chain(moe)
+            .chain(mla)
+            .chain(branch)
+            .chain(experts)
+            .collect()
+    }
+
     /// The layer's LoRA dropout streams (each once) with their current states.
     fn dropout_states(&self) -> Vec<crate::lora::DropoutState> {
         let mut out: Vec<crate::lora::DropoutState> = Vec::new();
-        let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
-        for l in self.linears().into_iter().chain(mla) {
+        for l in self.all_linears() {
             if let Some(st) = l.lora.as_ref().and_then(|lo| lo.dropout_state())
                 && !out.iter().any(|(r, _)| std::sync::Arc::ptr_eq(r, &st.0))
             {
@@ -1067,15 +1071,7 @@ impl Layer {
 
     /// Whether any map holds a LoRA adapter.
     pub fn has_adapters(&self) -> bool {
-        self.linears().iter().any(|l| l.lora.is_some())
-            || self
-                .moe
-                .as_ref()
-                .is_some_and(|m| m.linears().iter().any(|l| l.lora.is_some()))
-            || self
-                .mla
-                .as_ref()
-                .is_some_and(|m| m.linears().iter().any(|l| l.lora.is_some()))
+        self.all_linears().iter().any(|l| l.lora.is_some())
     }
 
     /// The seven linear maps (attention q, k, v, o; MLP gate, up, down).

@@ -416,3 +416,60 @@ fn gguf_refuses_what_llama_cpp_pairs_otherwise() {
     .to_string();
     assert!(e.contains("layer 4 reuses layer Some(3)"), "{e}");
 }
+
+/// A PEFT adapter on every linear map (`all-linear`: Gemma 4's per-layer-input maps, their
+/// model-level projection and the experts' router too; `fixtures/*-peft`, random factors) loads
+/// onto the model with PEFT's adapted log-probs, and merges into the same model; our own
+/// `all-linear` adapts the same modules and names them as PEFT does.
+#[test]
+fn peft_all_linear_adapters_match_peft() {
+    let r = reference();
+    for name in ["gemma4-micro", "gemma4-moe-micro"] {
+        let mut m = load(name, DType::F32);
+        let cfg =
+            grpo_rollout::lora::load_peft(&mut m.model, &fixtures().join(format!("{name}-peft")))
+                .unwrap();
+        let want: Vec<f64> =
+            serde_json::from_value::<Vec<Vec<f64>>>(r["models"][name]["peft_logprobs"].clone())
+                .unwrap()
+                .concat();
+        let got = logprobs_f64(&m.model, &r);
+        let d = max_diff(&got, &want);
+        assert!(d < 2e-4, "{name}: {d}");
+        let base = load(name, DType::F32);
+        assert!(max_diff(&logprobs_f64(&base.model, &r), &want) > 1e-3);
+        // Merged: the same model, its adapters folded in (f32 rounding of the sums: 2.3e-5).
+        let merged = grpo_rollout::lora::merge(&m.model).unwrap();
+        assert!(!merged.layers.iter().any(|l| l.has_adapters()));
+        assert!(max_diff(&logprobs_f64(&merged, &r), &got) < 1e-4, "{name}");
+        // Ours: the same modules, saved under PEFT's names.
+        let lcfg = grpo_rollout::lora::LoraConfig {
+            target_modules: grpo_rollout::lora::TargetModules::Pattern("all-linear".into()),
+            ..Default::default()
+        };
+        let tm = grpo_rollout::TrainableModel::lora(&base.model, &lcfg, 3).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        grpo_rollout::lora::save_peft(&tm.model, tm.lora.as_ref().unwrap(), dir.path(), "base")
+            .unwrap();
+        let read = |d: &Path| -> Vec<String> {
+            let v: Value = serde_json::from_str(
+                &std::fs::read_to_string(d.join("adapter_config.json")).unwrap(),
+            )
+            .unwrap();
+            let mut t: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
+            t.sort();
+            t
+        };
+        let peft_dir = fixtures().join(format!("{name}-peft"));
+        assert_eq!(read(dir.path()), read(&peft_dir), "{name}");
+        let keys = |d: &Path| -> Vec<String> {
+            let t =
+                candle_core::safetensors::load(d.join("adapter_model.safetensors"), &Device::Cpu)
+                    .unwrap();
+            let mut k: Vec<String> = t.keys().cloned().collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(dir.path()), keys(&peft_dir), "{name}");
+    }
+}
