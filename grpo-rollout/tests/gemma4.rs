@@ -426,9 +426,8 @@ fn peft_all_linear_adapters_match_peft() {
     let r = reference();
     for name in ["gemma4-micro", "gemma4-moe-micro"] {
         let mut m = load(name, DType::F32);
-        let cfg =
-            grpo_rollout::lora::load_peft(&mut m.model, &fixtures().join(format!("{name}-peft")))
-                .unwrap();
+        let peft = fixtures().join(format!("{name}-peft"));
+        grpo_rollout::lora::load_peft(&mut m.model, &peft).unwrap();
         let want: Vec<f64> =
             serde_json::from_value::<Vec<Vec<f64>>>(r["models"][name]["peft_logprobs"].clone())
                 .unwrap()
