@@ -2741,11 +2741,17 @@ impl ModelConfig {
     /// qk_rope_head_dim` per layer: [`crate::mla::latent_cache`]). Times the dtype's size: the
     /// cache's bytes per token of each row.
     pub fn kv_cache_values_per_token(&self, latent: bool) -> usize {
-        let per_layer = match &self.mla {
-            Some(m) if latent => m.kv_lora_rank + m.qk_rope_head_dim,
-            _ => 2 * self.num_key_value_heads * self.head_dim,
-        };
-        self.num_hidden_layers * per_layer
+        if let Some(m) = self.mla.as_ref().filter(|_| latent) {
+            return self.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim);
+        }
+        // Gemma 4's sharing layers cache nothing; its full layers their own heads.
+        (0..self.num_hidden_layers)
+            .filter(|i| self.kv_source(*i).is_none())
+            .map(|i| {
+                let (kv, hd) = self.layer_heads(i);
+                2 * kv * hd
+            })
+            .sum()
     }
 
     /// Number of parameters (tied embeddings counted once).
@@ -2864,12 +2870,39 @@ impl ModelConfig {
             }
             _ => 3.0 * h * self.intermediate_size as f64,
         };
-        let per_row: f64 = (0..self.num_hidden_layers)
-            .map(|i| h * q + 2.0 * h * kv + q * h + mlp(i))
-            .sum();
+        let Some(g) = &self.gemma4 else {
+            let per_row: f64 = (0..self.num_hidden_layers)
+                .map(|i| h * q + 2.0 * h * kv + q * h + mlp(i))
+                .sum();
+            let layers = self.num_hidden_layers as f64;
+            return 2.0 * rows as f64 * per_row
+                + 2.0 * 2.0 * attention_pairs as f64 * q * layers
+                + 2.0 * head_rows as f64 * h * self.vocab_size as f64;
+        };
+        // Gemma 4: each layer's own heads, keys and values only where it makes them, its MLP
+        // width, the per-layer inputs' maps, the experts beside the MLP.
+        let width = g.per_layer_input.map_or(0.0, |(_, w)| w as f64);
         let layers = self.num_hidden_layers as f64;
+        let mut per_row = h * layers * width;
+        let mut q_all = 0.0;
+        for i in 0..self.num_hidden_layers {
+            let (nkv, hd) = self.layer_heads(i);
+            let q = (self.num_attention_heads * hd) as f64;
+            let kv = (nkv * hd) as f64;
+            let own = match self.kv_source(i) {
+                Some(_) => 0.0,
+                None if g.k_eq_v && !self.windowed(i) => 1.0,
+                None => 2.0,
+            };
+            per_row += 2.0 * h * q + own * h * kv + 3.0 * h * self.layer_intermediate(i) as f64;
+            per_row += 2.0 * h * width;
+            if let Some(e) = &g.experts {
+                per_row += h * (e.num_experts + 3 * e.top_k * e.width) as f64;
+            }
+            q_all += q;
+        }
         2.0 * rows as f64 * per_row
-            + 2.0 * 2.0 * attention_pairs as f64 * q * layers
+            + 2.0 * 2.0 * attention_pairs as f64 * q_all
             + 2.0 * head_rows as f64 * h * self.vocab_size as f64
     }
 }

@@ -86,6 +86,31 @@ fn config_reads_every_gemma4_field() {
         .map(|(_, t)| t.elem_count())
         .sum();
     assert_eq!(c.num_parameters(), held);
+    // The KV cache: the sliding layers' 2 heads × 8 and the full layers' one head × 16, keys
+    // and values, on the 4 layers that make theirs (the sharing ones cache nothing).
+    assert_eq!(c.kv_cache_values_per_token(false), 4 * 2 * 16);
+    let l = 6;
+    let ids = Tensor::new(&[[5u32, 9, 13, 21, 34, 55]], &Device::Cpu).unwrap();
+    let pos = Tensor::arange(0u32, l as u32, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let bias: Vec<f32> = (0..l * l)
+        .map(|x| if x % l > x / l { -1e9 } else { 0.0 })
+        .collect();
+    let bias = Tensor::from_vec(bias, (1, 1, l, l), &Device::Cpu).unwrap();
+    let mut cache = grpo_rollout::model::KvCache::with_capacity(l);
+    m.model
+        .forward_hidden(&ids, &pos, &bias, Some(&mut cache))
+        .unwrap();
+    assert_eq!(cache.bytes(), l * c.kv_cache_values_per_token(false) * 4);
+    // Multiply-adds per row: sliding layers q, k, v, o and the MLP (7,680), full ones with one
+    // key head as values (9,216), the sharing ones without k and v and twice as wide (11,264,
+    // 13,312), each layer's per-layer-input maps (256), their model-level projection (768).
+    let per_row = 2 * 7_680 + 2 * 9_216 + 11_264 + 13_312 + 6 * 256 + 768;
+    assert_eq!(c.matmul_flops(1, 0, 0), 2.0 * per_row as f64);
+    // Attention: q·k and p·v over each layer's query width (32 sliding, 64 full).
+    assert_eq!(c.matmul_flops(0, 1, 0), 4.0 * (3 * 32 + 3 * 64) as f64);
 }
 
 #[test]
