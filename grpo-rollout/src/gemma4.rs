@@ -241,7 +241,11 @@ impl Gemma4Config {
             }
         };
         let kv_shared_layers = count("num_kv_shared_layers", 0)?;
-        let width = count("hidden_size_per_layer_input", 256)?;
+        // Absent: the class default (256); null, as the larger models write it: none.
+        let width = match v.get("hidden_size_per_layer_input") {
+            Some(Value::Null) => 0,
+            _ => count("hidden_size_per_layer_input", 256)?,
+        };
         let per_layer_input = match width {
             0 => None,
             w => Some((count("vocab_size_per_layer_input", 262_144)?, w)),
@@ -646,6 +650,8 @@ mod tests {
         .unwrap();
         assert_eq!((b.global_head_dim, b.global_kv_heads), (16, 1));
         assert_eq!(b.per_layer_input, Some((262_144, 256)));
+        let n = cfg(serde_json::json!({"hidden_size_per_layer_input": null})).unwrap();
+        assert_eq!(n.per_layer_input, None);
         let c = cfg(serde_json::json!({"global_head_dim": 16, "num_global_key_value_heads": 1}))
             .unwrap();
         assert_eq!((c.global_head_dim, c.global_kv_heads), (16, 2));
