@@ -140,6 +140,11 @@ pub enum Arch {
     /// reusing earlier layers' keys and values, per-layer embeddings, a scalar per layer.
     #[serde(rename = "gemma4_text")]
     Gemma4,
+    /// Tencent Hunyuan dense (`hunyuan_v1_dense`: Hunyuan-0.5B/1.8B/4B/7B-Instruct): llama's
+    /// layers with q and k RMS-normalised per head after RoPE (`query_layernorm`,
+    /// `key_layernorm`, weighted), its RoPE base stretched by a fixed NTK `alpha`.
+    #[serde(rename = "hunyuan_v1_dense")]
+    HunyuanDense,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -168,7 +173,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 30] = [
+    pub const ALL: [Arch; 31] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -199,6 +204,7 @@ impl Arch {
         Arch::NanoChat,
         Arch::Ministral3,
         Arch::Gemma4,
+        Arch::HunyuanDense,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -234,6 +240,7 @@ impl Arch {
             Arch::NanoChat => "nanochat",
             Arch::Ministral3 => "ministral3",
             Arch::Gemma4 => "gemma4_text",
+            Arch::HunyuanDense => "hunyuan_v1_dense",
         }
     }
 
@@ -416,8 +423,19 @@ impl Arch {
     pub fn head_qk_norm(self) -> bool {
         matches!(
             self.attention(),
-            Arch::Qwen3 | Arch::Gemma3 | Arch::Gemma4 | Arch::Exaone4 | Arch::NanoChat
+            Arch::Qwen3
+                | Arch::Gemma3
+                | Arch::Gemma4
+                | Arch::Exaone4
+                | Arch::NanoChat
+                | Arch::HunyuanDense
         )
+    }
+
+    /// Whether q and k are normalised after RoPE with weights of their own (Hunyuan's): the
+    /// order matters then, as a weight need not be equal on a rotated pair's two dimensions.
+    pub fn qk_norm_after_rope(self) -> bool {
+        self == Arch::HunyuanDense
     }
 
     /// Whether `attention_bias` also biases `o_proj` (Qwen's and Phi-3's leave it unbiased).
@@ -437,6 +455,7 @@ impl Arch {
                     | Arch::Glm4MoeLite
                     | Arch::DeepseekV2
                     | Arch::NanoChat
+                    | Arch::HunyuanDense
             )
     }
 
@@ -491,8 +510,9 @@ impl Arch {
             "nanochat" => Ok(Arch::NanoChat),
             "ministral3" => Ok(Arch::Ministral3),
             "gemma4_text" => Ok(Arch::Gemma4),
+            "hunyuan_v1_dense" => Ok(Arch::HunyuanDense),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat (and the language models of the vision-language gemma3, gemma4 and mistral3)"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl and qwen3_vl)"
             ),
         }
     }
@@ -1755,7 +1775,8 @@ impl ModelConfig {
                 | Arch::Olmo3
                 | Arch::Granite
                 | Arch::GraniteMoe
-                | Arch::Exaone4 => 2048,
+                | Arch::Exaone4
+                | Arch::HunyuanDense => 2048,
                 Arch::Arcee => 4096,
                 Arch::NanoChat => 2048,
                 Arch::Phi3 | Arch::Olmoe => 4096,
@@ -1801,6 +1822,21 @@ impl ModelConfig {
                 .and_then(Value::as_u64)
                 .unwrap_or(4096);
             o.insert("original_max_position_embeddings".into(), original.into());
+        }
+        // Hunyuan's fixed NTK `alpha` (labelled `dynamic`): the base times
+        // `alpha^(head_dim / (head_dim − 2))`, the same at every length (transformers'
+        // `ntk_alpha`): read as that base.
+        let mut rope_theta = rope_theta;
+        if arch == Arch::HunyuanDense
+            && let Some(alpha) = rope_dict
+                .as_ref()
+                .and_then(|d| d.get("alpha"))
+                .and_then(Value::as_f64)
+                .filter(|a| *a != 0.0)
+        {
+            let d = head_dim as f64;
+            rope_theta *= alpha.powf(d / (d - 2.0));
+            rope_dict = None;
         }
         let mut rope_scaling = match &rope_dict {
             Some(s) => RopeScaling::from_hf_json(s, max_position_embeddings)?,
@@ -2136,7 +2172,8 @@ impl ModelConfig {
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
-                | Arch::NanoChat => flag("attention_bias", false),
+                | Arch::NanoChat
+                | Arch::HunyuanDense => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -2350,6 +2387,7 @@ impl ModelConfig {
                     Arch::DeepseekV2 => "DeepseekV2",
                     Arch::NanoChat => "NanoChat",
                     Arch::Gemma4 => "Gemma4",
+                    Arch::HunyuanDense => "HunYuanDenseV1",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",

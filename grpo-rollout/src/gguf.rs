@@ -217,7 +217,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             | Arch::DeepseekV2
             | Arch::NanoChat
             | Arch::Ministral3
-            | Arch::Gemma4 => Err(()),
+            | Arch::Gemma4
+            | Arch::HunyuanDense => Err(()),
             a => Ok(a),
         }),
     }
@@ -2304,6 +2305,11 @@ pub fn save_gguf(
     }
     if cfg.gemma4.is_some() {
         gemma4_exportable(cfg)?;
+    }
+    if cfg.arch == Arch::HunyuanDense {
+        bail!(
+            "Hunyuan has no GGUF form here (llama.cpp's hunyuan-dense is not checked against transformers'): export it as safetensors"
+        );
     }
     if cfg.arch == Arch::Exaone4 {
         bail!(

@@ -361,6 +361,8 @@ pub struct Layer {
     pub layer_scalar: Option<Tensor>,
     /// Gemma 4's experts beside the MLP (`enable_moe_block`).
     pub experts: Option<crate::gemma4::ExpertBlock>,
+    /// Hunyuan's q/k norms come after RoPE ([`crate::config::Arch::qk_norm_after_rope`]).
+    pub norm_after_rope: bool,
 }
 
 impl Layer {
@@ -472,8 +474,13 @@ impl Layer {
                 None => t.reshape(shape),
             }
         };
-        let q = norm(&self.q_norm, q, c.nh)?;
-        let k = norm(&self.k_norm, k, c.nkv)?;
+        // (Hunyuan's norms run after RoPE: [`Self::rotated`].)
+        let (qn, kn) = match self.norm_after_rope {
+            true => (&None, &None),
+            false => (&self.q_norm, &self.k_norm),
+        };
+        let q = norm(qn, q, c.nh)?;
+        let k = norm(kn, k, c.nkv)?;
         let v = norm(&self.v_norm, v, c.nkv)?;
         Ok((q, k, v))
     }
@@ -490,10 +497,20 @@ impl Layer {
         }
         let (q, k, v) = self.projections(c, &h)?;
         // (B, L, heads, D) → rotated (B, heads, L, D).
-        let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
-        let k = crate::fused::rope(&k, &c.cos, &c.sin)?;
+        let q = self.rotated(&q, &self.q_norm, c)?;
+        let k = self.rotated(&k, &self.k_norm, c)?;
         let v = v.transpose(1, 2)?.contiguous()?;
         Ok((q, k, v))
+    }
+
+    /// Heads `t` `(B, L, heads, D)` rotated to `(B, heads, L, D)`, then normalised by `norm`
+    /// where the norms come after RoPE (Hunyuan's).
+    fn rotated(&self, t: &Tensor, norm: &Option<RmsNorm>, c: &LayerCtx) -> Result<Tensor> {
+        let t = crate::fused::rope(t, &c.cos, &c.sin)?;
+        match (self.norm_after_rope, norm) {
+            (true, Some(n)) => n.forward(&t),
+            _ => Ok(t),
+        }
     }
 
     /// The queries alone `(B, heads, L, D)` (rotated) of normalised rows `h` `(B·L, H)`: a
@@ -765,11 +782,11 @@ impl Layer {
             return self.cached_rest(c, x, &ctx);
         }
         let attn = [&self.q_proj, &self.k_proj, &self.v_proj];
-        // The cache kernel takes no soft cap (Gemma 2) and no sinks (gpt-oss): their layers
-        // write the cache and attend apart.
+        // The cache kernel takes no soft cap (Gemma 2), no sinks (gpt-oss) and rotates before
+        // any norm (Hunyuan's come after): their layers write the cache and attend apart.
         let pack = self
             .packed(&self.qkv, &attn)
-            .filter(|_| c.softcap.is_none() && self.sinks.is_none());
+            .filter(|_| c.softcap.is_none() && self.sinks.is_none() && !self.norm_after_rope);
         let ctx = match pack {
             Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
                 let shape = (c.b, c.l, c.nh + 2 * c.nkv, c.hd);
@@ -809,8 +826,16 @@ impl Layer {
                 )?,
                 _ => {
                     let (q, k, v) = self.projections(c, h)?;
-                    let q = crate::fused::rope(&q, &c.cos, &c.sin)?;
-                    let (k, v) = cache.write(i, past, &k, &v, &c.cos, &c.sin)?;
+                    let q = self.rotated(&q, &self.q_norm, c)?;
+                    let (k, v) = match self.norm_after_rope {
+                        // Rotated and normalised before they are cached.
+                        true => {
+                            let k = self.rotated(&k, &self.k_norm, c)?;
+                            let k = k.transpose(1, 2)?.contiguous()?;
+                            cache.write(i, past, &k, &v, None)?
+                        }
+                        false => cache.write(i, past, &k, &v, Some((&c.cos, &c.sin)))?,
+                    };
                     let ctx = self.attention(c, &q, &k, &v)?;
                     match &self.mla {
                         Some(m) => m.values(&ctx, c.nh)?,
@@ -1267,21 +1292,20 @@ impl KvCache {
     }
 
     /// Writes layer `i`'s new keys and values after the `past` cached positions: `k` and `v`
-    /// as the projections give them, `(B, L, kv_heads, D)`, the keys rotated by `cos` / `sin`
-    /// on the way in ([`crate::fused::kv_write`]); returns views of all `past + L` of them.
-    #[allow(clippy::too_many_arguments)]
+    /// as the projections give them, `(B, L, kv_heads, D)`, the keys rotated by `rope`'s cos /
+    /// sin on the way in, if given ([`crate::fused::kv_write`]); returns views of all `past + L`
+    /// of them.
     fn write(
         &mut self,
         i: usize,
         past: usize,
         k: &Tensor,
         v: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<(Tensor, Tensor)> {
         let (b, l, h, d) = k.dims4()?;
         let (kb, vb) = self.room(i, past, (b, h, l, d), d, k.dtype(), k.device())?;
-        crate::fused::kv_write(kb, k, Some((cos, sin)), past)?;
+        crate::fused::kv_write(kb, k, rope, past)?;
         crate::fused::kv_write(vb, v, None, past)?;
         Ok((kb.narrow(2, 0, past + l)?, vb.narrow(2, 0, past + l)?))
     }
@@ -2173,6 +2197,7 @@ impl Transformer {
                 per_layer,
                 layer_scalar,
                 experts,
+                norm_after_rope: cfg.arch.qk_norm_after_rope(),
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -2461,6 +2486,7 @@ impl Transformer {
                     per_layer: l.per_layer.as_ref().map(|b| b.map(f)).transpose()?,
                     layer_scalar: l.layer_scalar.as_ref().map(f).transpose()?,
                     experts: l.experts.as_ref().map(|b| b.map(f)).transpose()?,
+                    norm_after_rope: l.norm_after_rope,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -2842,6 +2868,7 @@ impl Transformer {
             && self.cfg.gemma4.is_none()
             && self.layers.iter().all(|l| {
                 l.moe.is_none()
+                    && !l.norm_after_rope
                     && l.packed(&l.qkv, &[&l.q_proj, &l.k_proj, &l.v_proj])
                         .is_some()
             })
