@@ -5,7 +5,7 @@
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
 //!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
-//!   `seed_oss`, `arcee`, `gemma4`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
 //!   the experts' renormalisation, DeepSeek's router and latent widths, Gemma 4's KV-sharing
 //!   pairs; Gemma 4's per-layer keys read as the `config.json` they stand for);
@@ -192,6 +192,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "qwen2moe" => Ok(Arch::Qwen2Moe),
         "gemma3" => Ok(Arch::Gemma3),
         "glm4moe" => Ok(Arch::Glm4Moe),
+        "hunyuan-dense" => Ok(Arch::HunyuanDense),
         // Ministral 3 (its YaRN and attention temperature), or Mistral Small 3.1's plain
         // Mistral layers, as llama.cpp's converter writes both.
         "mistral3" => match md.get("mistral3.rope.scaling.type").and_then(as_str) {
@@ -225,7 +226,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -1555,8 +1556,9 @@ pub fn gguf_tensor_name(hf: &str, arch: Arch) -> Option<String> {
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
         "self_attn.o_proj" => "attn_output",
-        "self_attn.q_norm" => "attn_q_norm",
-        "self_attn.k_norm" => "attn_k_norm",
+        // (Hunyuan's files name them so.)
+        "self_attn.q_norm" | "self_attn.query_layernorm" => "attn_q_norm",
+        "self_attn.k_norm" | "self_attn.key_layernorm" => "attn_k_norm",
         "post_attention_layernorm"
             if output_norms(arch) || matches!(arch, Arch::SeedOss | Arch::Glm4Moe) =>
         {
@@ -2294,6 +2296,9 @@ pub fn save_gguf(
         Arch::Glm4Moe => "glm4moe",
         Arch::Ministral3 => "mistral3",
         Arch::Gemma4 => "gemma4",
+        // Its NTK alpha is in the base already (`rope.freq_base`), as llama.cpp's converter
+        // writes it.
+        Arch::HunyuanDense => "hunyuan-dense",
         a if a.mla() => "deepseek2",
         a => a.as_str(),
     };
@@ -2306,9 +2311,9 @@ pub fn save_gguf(
     if cfg.gemma4.is_some() {
         gemma4_exportable(cfg)?;
     }
-    if cfg.arch == Arch::HunyuanDense {
+    if cfg.arch == Arch::HunyuanDense && (cfg.attention_bias || cfg.mlp_bias) {
         bail!(
-            "Hunyuan has no GGUF form here (llama.cpp's hunyuan-dense is not checked against transformers'): export it as safetensors"
+            "Hunyuan with attention_bias or mlp_bias has no GGUF form (llama.cpp's hunyuan-dense has no biases): export it as safetensors"
         );
     }
     if cfg.arch == Arch::Exaone4 {

@@ -106,10 +106,11 @@ fn logprobs_gradients_and_decoding_match_transformers() {
     assert_eq!(out[0].token_ids, greedy);
 }
 
-/// Saved, the files hold the norms under Hunyuan's names and read back to the same model; a
-/// GGUF is refused by name.
+/// Saved, the files hold the norms under Hunyuan's names and read back to the same model; as
+/// llama.cpp's `hunyuan-dense` GGUF (the NTK alpha in `rope.freq_base`, as its converter writes
+/// it) too.
 #[test]
-fn saves_under_its_names_and_refuses_gguf() {
+fn saves_under_its_names_and_as_gguf() {
     let r = reference();
     let m = load(DType::F32);
     let dir = tempfile::tempdir().unwrap();
@@ -129,14 +130,38 @@ fn saves_under_its_names_and_refuses_gguf() {
         &to_f64(&logprobs(&m.model, &r)),
     );
     assert_eq!(d, 0.0);
-    let e = grpo_rollout::gguf::save_gguf(
+    let path = dir.path().join("h.gguf");
+    grpo_rollout::gguf::save_gguf(
         &m.model,
         &m.tokenizer,
-        &dir.path().join("h.gguf"),
+        &path,
         grpo_rollout::gguf::GgufType::F32,
         "h",
     )
+    .unwrap();
+    let g = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(g.model.cfg.arch, Arch::HunyuanDense);
+    // The base as an f32 key.
+    let theta = m.model.cfg.rope_theta;
+    assert!((g.model.cfg.rope_theta - theta).abs() < 1e-6 * theta);
+    assert_eq!(g.model.cfg.head_dim, m.model.cfg.head_dim);
+    let d = max_diff(
+        &to_f64(&logprobs(&g.model, &r)),
+        &to_f64(&logprobs(&m.model, &r)),
+    );
+    assert!(d < 1e-6, "{d}");
+    // Biases llama.cpp's graph does not add are refused by name.
+    let mut biased = m.model.cfg.clone();
+    biased.attention_bias = true;
+    let b = grpo_rollout::init::random_weights(&biased, 1, DType::F32, &Device::Cpu).unwrap();
+    let e = grpo_rollout::gguf::save_gguf(
+        &b,
+        &m.tokenizer,
+        &dir.path().join("b.gguf"),
+        grpo_rollout::gguf::GgufType::F32,
+        "b",
+    )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("Hunyuan has no GGUF form"), "{e}");
+    assert!(e.contains("Hunyuan with attention_bias"), "{e}");
 }
