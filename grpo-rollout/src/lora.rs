@@ -1862,13 +1862,7 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
             }
         }
         for (name, lin) in extra_sites(layer, i, arch) {
-            if let Some(l) = lin.lora.take() {
-                let (w, b) = l
-                    .merged(&lin.weight, lin.bias.as_ref())
-                    .map_err(|e| candle_core::Error::msg(format!("{name}: {e}")))?;
-                lin.weight = w;
-                lin.bias = b;
-            }
+            merge_into(&name, lin)?;
         }
         if let Some(moe) = layer.moe.as_mut() {
             let router = &mut moe.router;
@@ -1885,15 +1879,21 @@ pub fn merge(model: &Transformer) -> Result<Transformer> {
         }
     }
     for (name, lin) in model_sites(&mut m) {
-        if let Some(l) = lin.lora.take() {
-            let (w, b) = l
-                .merged(&lin.weight, lin.bias.as_ref())
-                .map_err(|e| candle_core::Error::msg(format!("{name}: {e}")))?;
-            lin.weight = w;
-            lin.bias = b;
-        }
+        merge_into(&name, lin)?;
     }
     Ok(m)
+}
+
+/// The map `name`'s adapter, if any, folded into its weight and bias ([`Lora::merged`]).
+fn merge_into(name: &str, lin: &mut crate::model::Linear) -> Result<()> {
+    if let Some(l) = lin.lora.take() {
+        let (w, b) = l
+            .merged(&lin.weight, lin.bias.as_ref())
+            .map_err(|e| candle_core::Error::msg(format!("{name}: {e}")))?;
+        lin.weight = w;
+        lin.bias = b;
+    }
+    Ok(())
 }
 
 /// A decoding copy ([`Transformer::for_decoding`]) with every adapter folded into its base
