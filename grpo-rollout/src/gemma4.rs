@@ -22,7 +22,7 @@
 //!   outputs normalised apart and summed ([`ExpertBlock`]).
 //! - A scalar per layer (`layer_scalar`, a buffer of the checkpoint) on its output.
 
-use candle_core::{DType, Result, Tensor, bail};
+use candle_core::{Result, Tensor, bail};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -594,7 +594,8 @@ impl PerLayerEmbedding {
         let hidden = x.dim(1)? as f64;
         let tok = self.embed.index_select(ids, 0)?;
         // transformers rounds the table's scale to its dtype.
-        let tok = tok.affine(rounded(self.width as f64, self.embed.dtype())?, 0.0)?;
+        let scale = crate::model::embedding_scale(self.width, self.embed.dtype())?;
+        let tok = tok.affine(scale, 0.0)?;
         let proj = self.projection.forward(x)?.affine(hidden.powf(-0.5), 0.0)?;
         let proj = self
             .norm
@@ -612,16 +613,6 @@ impl PerLayerEmbedding {
             width: self.width,
         })
     }
-}
-
-/// `sqrt(x)` rounded to `dtype`, as transformers' scaled embeddings round their factor.
-pub fn rounded(x: f64, dtype: DType) -> Result<f64> {
-    let s = x.sqrt() as f32;
-    Tensor::new(&[s], &candle_core::Device::Cpu)?
-        .to_dtype(dtype)?
-        .to_dtype(DType::F64)?
-        .to_vec1::<f64>()
-        .map(|v| v[0])
 }
 
 #[cfg(test)]

@@ -208,7 +208,12 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
         split_gpt_oss_experts(cfg, &mut weights)?;
     }
     crate::gemma4::split_experts(cfg, &mut weights)?;
-    rename_hunyuan_norms(cfg, &mut weights, true);
+    if cfg.arch == Arch::HunyuanDense {
+        weights = weights
+            .into_iter()
+            .map(|(k, t)| (hunyuan_norm_name(&k, true), t))
+            .collect();
+    }
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
@@ -246,20 +251,10 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
         Arch::GraniteMoe => fuse_granite_experts(cfg, weights)?,
         Arch::GptOss => fuse_gpt_oss_experts(cfg, weights)?,
         Arch::Gemma4 => crate::gemma4::fuse_experts(cfg, weights)?,
-        Arch::HunyuanDense => {
-            let mut map: WeightMap = weights.iter().cloned().collect();
-            rename_hunyuan_norms(cfg, &mut map, false);
-            let order = |k: &str| weights.iter().position(|(n, _)| n == k);
-            let mut out: Vec<(String, Tensor)> = map.into_iter().collect();
-            // In the model's order (each renamed norm where its model name was).
-            let key = |k: &str| {
-                order(k)
-                    .or_else(|| order(&k.replace("query_layernorm", "q_norm")))
-                    .or_else(|| order(&k.replace("key_layernorm", "k_norm")))
-            };
-            out.sort_by_key(|(k, _)| key(k));
-            out
-        }
+        Arch::HunyuanDense => weights
+            .into_iter()
+            .map(|(k, t)| (hunyuan_norm_name(&k, false), t))
+            .collect(),
         _ => weights,
     };
     let reorder = rotary_order(cfg).is_some();
@@ -323,24 +318,23 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
     Ok(out)
 }
 
-/// Hunyuan's per-head q/k norms are `self_attn.query_layernorm` / `key_layernorm` in its files,
-/// `q_norm` / `k_norm` in the model: renamed `to_model` or back.
-fn rename_hunyuan_norms(cfg: &ModelConfig, weights: &mut WeightMap, to_model: bool) {
-    if cfg.arch != Arch::HunyuanDense {
-        return;
-    }
-    for i in 0..cfg.num_hidden_layers {
-        for (file, model) in [("query_layernorm", "q_norm"), ("key_layernorm", "k_norm")] {
-            let name = |n: &str| format!("model.layers.{i}.self_attn.{n}.weight");
-            let (from, to) = match to_model {
-                true => (name(file), name(model)),
-                false => (name(model), name(file)),
-            };
-            if let Some(t) = weights.remove(&from) {
-                weights.insert(to, t);
-            }
+/// A Hunyuan tensor's name with its per-head q/k norms renamed: the files'
+/// `self_attn.query_layernorm` / `key_layernorm` to the model's `q_norm` / `k_norm`
+/// (`to_model`), or back.
+fn hunyuan_norm_name(name: &str, to_model: bool) -> String {
+    for (file, model) in [
+        (".self_attn.query_layernorm.", ".self_attn.q_norm."),
+        (".self_attn.key_layernorm.", ".self_attn.k_norm."),
+    ] {
+        let (from, to) = match to_model {
+            true => (file, model),
+            false => (model, file),
+        };
+        if name.contains(from) {
+            return name.replace(from, to);
         }
     }
+    name.to_string()
 }
 
 /// The parts' rows alternating, row `i` of part `j` at `i · parts + j` (gpt-oss's fused

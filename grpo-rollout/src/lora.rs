@@ -416,10 +416,10 @@ pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 /// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
 /// ([`crate::mla`]); nanochat's MLP maps `fc1` and `fc2`.
 const EXTRA_MODULES: [&str; 15] = [
-    "per_layer_input_gate",
-    "per_layer_projection",
-    "per_layer_model_projection",
-    "proj",
+    GEMMA4_MODULES[0],
+    GEMMA4_MODULES[1],
+    GEMMA4_MODULES[2],
+    GEMMA4_MODULES[3],
     SHARED_EXPERT_GATE,
     "gate",
     "w1",
@@ -495,7 +495,7 @@ const GEMMA4_MODULES: [&str; 4] = [
     "per_layer_input_gate",
     "per_layer_projection",
     "per_layer_model_projection",
-    "router.proj",
+    "proj",
 ];
 
 /// Gemma 4's model-level map of the per-layer inputs, as PEFT names it.
@@ -1947,12 +1947,11 @@ pub fn save_peft(
                 }
             }
             // Gemma 4's per-layer-input maps and its experts' router, as PEFT names them.
-            if model.per_layer.is_some() {
-                names.extend(&GEMMA4_MODULES[..3]);
-            }
-            if model.layers.iter().any(|l| l.experts.is_some()) {
-                names.push("proj");
-            }
+            let experts = model.layers.iter().any(|l| l.experts.is_some());
+            names.extend(GEMMA4_MODULES.iter().filter(|m| match **m {
+                "proj" => experts,
+                _ => model.per_layer.is_some(),
+            }));
             serde_json::json!(names)
         }
         t => serde_json::json!(t),

@@ -1678,23 +1678,16 @@ pub fn rope_attention_factor(cfg: &ModelConfig) -> f64 {
 /// device: the angle one f32 product of position and inverse frequency (as transformers
 /// computes it), then cos and sin times the scaling's factor (in f32 too).
 fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
-    let inv: Vec<f32> = rope_inv_freq(cfg).iter().map(|f| *f as f32).collect();
+    let inv = rope_inv_freq(cfg);
     let half = inv.len();
-    let inv = Tensor::from_vec(inv, (1, half), pos.device())?;
-    let angle = pos
-        .to_dtype(DType::F32)?
-        .reshape((pos.elem_count(), 1))?
-        .broadcast_mul(&inv)?;
+    let (cos, sin) = inv_freq_cos_sin(&inv, pos)?;
     let scale = rope_attention_factor(cfg) as f32 as f64;
     // nanochat's `rotate_half` flips the signs (`(x2, −x1)`): every position turns by −θ.
     let turn = match cfg.arch.inverse_rope() {
         true => -scale,
         false => scale,
     };
-    let (cos, sin) = (
-        angle.cos()?.affine(scale, 0.0)?,
-        angle.sin()?.affine(turn, 0.0)?,
-    );
+    let (cos, sin) = (cos.affine(scale, 0.0)?, sin.affine(turn, 0.0)?);
     // The pairs that do not rotate (partial rotary) pass unscaled: cos 1, sin 0.
     let turning = cfg.rotary_dim() / 2;
     if turning == half || scale == 1.0 {
@@ -1708,8 +1701,20 @@ fn rope_cos_sin(cfg: &ModelConfig, pos: &Tensor) -> Result<(Tensor, Tensor)> {
     ))
 }
 
+/// `sqrt(width)` rounded to `dtype`: the factor of transformers' scaled embeddings
+/// (`Gemma3TextScaledWordEmbedding` and its Gemma 4 kin round it to the weights' dtype).
+pub(crate) fn embedding_scale(width: usize, dtype: DType) -> Result<f64> {
+    let s = (width as f64).sqrt() as f32;
+    Tensor::new(&[s], &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F64)?
+        .to_vec1::<f64>()
+        .map(|v| v[0])
+}
+
 /// cos and sin `(N, inv.len())` (f32) of positions `pos` `(N,)` for the inverse frequencies
-/// `inv`, the angle one f32 product (Gemma 4's full layers: no scaling factor).
+/// `inv`, the angle one f32 product (as transformers computes it); no scaling factor (Gemma 4's
+/// full layers take these as they are).
 fn inv_freq_cos_sin(inv: &[f64], pos: &Tensor) -> Result<(Tensor, Tensor)> {
     let inv: Vec<f32> = inv.iter().map(|f| *f as f32).collect();
     let half = inv.len();
@@ -3063,7 +3068,7 @@ impl Transformer {
         if cfg.arch.gemma() || cfg.arch == Arch::Gemma4 {
             // Gemma's embeddings times sqrt(hidden), the factor rounded to the weights' dtype
             // as transformers' `Gemma3TextScaledWordEmbedding` rounds it.
-            let scale = crate::gemma4::rounded(cfg.hidden_size as f64, x.dtype())?;
+            let scale = embedding_scale(cfg.hidden_size, x.dtype())?;
             x = x.affine(scale, 0.0)?;
         }
         if let Some(g) = &cfg.granite {

@@ -11,42 +11,23 @@
 //! greedy continuation.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+use common::{fixtures, max_diff_f64 as max_diff, padded_logprobs as logprobs, to_f64, var_grad};
 use grpo_rollout::config::Arch;
-use grpo_rollout::generate::left_pad;
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
 fn reference() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("gemma4_reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::reference("gemma4_reference.json")
 }
 
 const MODELS: [&str; 3] = ["gemma4-micro", "gemma4-plain-micro", "gemma4-moe-micro"];
 
 fn load(name: &str, dtype: DType) -> grpo_rollout::LoadedModel {
     grpo_rollout::load(&fixtures().join(name), dtype, &Device::Cpu).unwrap()
-}
-
-/// The rows' log-probs `(B, t)` as the reference computes them.
-fn logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Tensor {
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
-    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
-    let t = r["t"].as_u64().unwrap() as usize;
-    m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0
-}
-
-fn max_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f64, f64::max)
 }
 
 fn want_logprobs(r: &Value, name: &str) -> Vec<f64> {
@@ -145,18 +126,7 @@ fn gradients_match_transformers_with_and_without_checkpointing() {
             let loss = logprobs(&tm.model, &r).sum_all().unwrap();
             let grads = tm.model.backward(&loss).unwrap();
             let want = r["models"][name]["grads"].as_object().unwrap();
-            let grad = |weight: &str| -> Vec<f64> {
-                let v = &tm.vars.iter().find(|(n, _)| n == weight).unwrap().1;
-                grads
-                    .get(v.as_tensor())
-                    .unwrap_or_else(|| panic!("{name}: no gradient reached {weight}"))
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap()
-            };
+            let grad = |weight: &str| var_grad(&tm, &grads, weight);
             for (weight, g) in want {
                 let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
                 // The files' fused experts: the model's per-expert maps, stacked (gate rows,
@@ -343,13 +313,7 @@ fn refusals_name_the_field() {
 }
 
 fn logprobs_f64(m: &grpo_rollout::Transformer, r: &Value) -> Vec<f64> {
-    logprobs(m, r)
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
+    to_f64(&logprobs(m, r))
 }
 
 /// Written as llama.cpp's `gemma4` (per-layer key/value heads and MLP widths, the full layers'

@@ -7,48 +7,21 @@
 //! left-padded rows, the gradient of their sum for layer 1's q/k norms, a greedy continuation.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+use candle_core::{DType, Device};
+use common::{fixtures, max_diff_f64 as max_diff, padded_logprobs as logprobs, to_f64, var_grad};
 use grpo_rollout::config::Arch;
-use grpo_rollout::generate::left_pad;
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
 fn reference() -> Value {
-    let text = std::fs::read_to_string(fixtures().join("hunyuan_reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    common::reference("hunyuan_reference.json")
 }
 
 fn load(dtype: DType) -> grpo_rollout::LoadedModel {
     grpo_rollout::load(&fixtures().join("hunyuan-micro"), dtype, &Device::Cpu).unwrap()
-}
-
-fn logprobs(m: &grpo_rollout::Transformer, r: &Value) -> Tensor {
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
-    let (ids, mask) = left_pad(&rows, 0, &Device::Cpu).unwrap();
-    let t = r["t"].as_u64().unwrap() as usize;
-    m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0
-}
-
-fn to_f64(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-fn max_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f64, f64::max)
 }
 
 #[test]
@@ -77,9 +50,11 @@ fn logprobs_gradients_and_decoding_match_transformers() {
                 r["grads"][format!("model.layers.1.self_attn.{file}.weight")].clone(),
             )
             .unwrap();
-            let name = format!("model.layers.1.self_attn.{ours}.weight");
-            let v = &tm.vars.iter().find(|(n, _)| *n == name).unwrap().1;
-            let got = to_f64(grads.get(v.as_tensor()).unwrap());
+            let got = var_grad(
+                &tm,
+                &grads,
+                &format!("model.layers.1.self_attn.{ours}.weight"),
+            );
             let scale = g.iter().fold(0f64, |m, x| m.max(x.abs()));
             let d = max_diff(&got, &g);
             assert!(

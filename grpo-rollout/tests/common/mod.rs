@@ -1,4 +1,5 @@
-//! Fixtures shared by grpo-rollout's test binaries.
+//! Fixtures and helpers shared by grpo-rollout's test binaries (each uses some of them).
+#![allow(dead_code)]
 
 use candle_core::{Device, Tensor};
 
@@ -32,4 +33,56 @@ pub fn shared_prompt_batch() -> SharedPromptBatch {
         cid: Tensor::from_vec(cid, (comps.len(), cl), &dev).unwrap(),
         cmask: Tensor::from_vec(cmask, (comps.len(), cl), &dev).unwrap(),
     }
+}
+
+/// The fixtures directory.
+pub fn fixtures() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A reference JSON file of the fixtures directory.
+pub fn reference(file: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(fixtures().join(file)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The log-probs `(B, t)` of the reference's `rows` left-padded, their last `t` tokens, as the
+/// reference scripts compute them (per-row position ids).
+pub fn padded_logprobs(m: &grpo_rollout::Transformer, r: &serde_json::Value) -> Tensor {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0
+}
+
+/// A tensor's values as f64, flattened.
+pub fn to_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The largest absolute difference of two equally long slices.
+pub fn max_diff_f64(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f64, f64::max)
+}
+
+/// The gradient of the trainable weight `name` in `grads`, as f64.
+pub fn var_grad(
+    tm: &grpo_rollout::TrainableModel,
+    grads: &candle_core::backprop::GradStore,
+    name: &str,
+) -> Vec<f64> {
+    let v = &tm.vars.iter().find(|(n, _)| n == name).unwrap().1;
+    let g = grads
+        .get(v.as_tensor())
+        .unwrap_or_else(|| panic!("no gradient reached {name}"));
+    to_f64(g)
 }
