@@ -145,6 +145,12 @@ pub enum Arch {
     /// `key_layernorm`, weighted), its RoPE base stretched by a fixed NTK `alpha`.
     #[serde(rename = "hunyuan_v1_dense")]
     HunyuanDense,
+    /// Alibaba Qwen3.5 (`qwen3_5_text`, the language model of the `qwen3_5` checkpoints:
+    /// Qwen3.5-0.8B … 27B): three layers in four with linear attention (the gated delta rule,
+    /// [`crate::delta`]), the others with Qwen3's attention whose `q_proj` also gives a gate on
+    /// each head's output (`sigmoid`), RoPE on a quarter of each head, `1 + w` RMSNorms.
+    #[serde(rename = "qwen3_5_text")]
+    Qwen3_5,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -173,7 +179,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 31] = [
+    pub const ALL: [Arch; 32] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -205,6 +211,7 @@ impl Arch {
         Arch::Ministral3,
         Arch::Gemma4,
         Arch::HunyuanDense,
+        Arch::Qwen3_5,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -241,6 +248,7 @@ impl Arch {
             Arch::Ministral3 => "ministral3",
             Arch::Gemma4 => "gemma4_text",
             Arch::HunyuanDense => "hunyuan_v1_dense",
+            Arch::Qwen3_5 => "qwen3_5_text",
         }
     }
 
@@ -348,6 +356,7 @@ impl Arch {
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
+                | Arch::Qwen3_5
         )
     }
 
@@ -429,6 +438,7 @@ impl Arch {
                 | Arch::Exaone4
                 | Arch::NanoChat
                 | Arch::HunyuanDense
+                | Arch::Qwen3_5
         )
     }
 
@@ -456,6 +466,7 @@ impl Arch {
                     | Arch::DeepseekV2
                     | Arch::NanoChat
                     | Arch::HunyuanDense
+                    | Arch::Qwen3_5
             )
     }
 
@@ -511,8 +522,9 @@ impl Arch {
             "ministral3" => Ok(Arch::Ministral3),
             "gemma4_text" => Ok(Arch::Gemma4),
             "hunyuan_v1_dense" => Ok(Arch::HunyuanDense),
+            "qwen3_5_text" => Ok(Arch::Qwen3_5),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl and qwen3_vl)"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_5)"
             ),
         }
     }
@@ -872,6 +884,9 @@ pub struct ModelConfig {
     /// are then its sliding layers').
     #[serde(default)]
     pub gemma4: Option<crate::gemma4::Gemma4Config>,
+    /// Qwen3.5's linear-attention layers ([`Arch::Qwen3_5`]).
+    #[serde(default)]
+    pub linear_attention: Option<crate::delta::DeltaConfig>,
 }
 
 /// IBM Granite's multipliers ([`Arch::Granite`], [`Arch::GraniteMoe`]).
@@ -1780,9 +1795,12 @@ impl ModelConfig {
                 Arch::Arcee => 4096,
                 Arch::NanoChat => 2048,
                 Arch::Phi3 | Arch::Olmoe => 4096,
-                Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLM3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
-                    32768
-                }
+                Arch::Qwen2
+                | Arch::Qwen3
+                | Arch::SmolLM3
+                | Arch::Qwen3Moe
+                | Arch::Qwen2Moe
+                | Arch::Qwen3_5 => 32768,
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral | Arch::Gemma4 => 4096 * 32,
                 Arch::Ministral3 => 262_144,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
@@ -1862,14 +1880,15 @@ impl ModelConfig {
                     .and_then(|d| d.get("partial_rotary_factor"))
             })
             .and_then(Value::as_f64)
-            // GLM's default: half of each head rotates.
+            // GLM's default: half of each head rotates; Qwen3.5's a quarter.
             .or((arch.glm() || arch == Arch::Glm4Moe).then_some(0.5))
+            .or((arch == Arch::Qwen3_5).then_some(0.25))
             .filter(|p| *p != 1.0);
         if let Some(p) = partial_rotary_factor
-            && !(arch == Arch::Phi3 || arch.glm() || arch == Arch::Glm4Moe)
+            && !(arch == Arch::Phi3 || arch.glm() || arch == Arch::Glm4Moe || arch == Arch::Qwen3_5)
         {
             bail!(
-                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's, glm4's and glm4_moe's)"
+                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's, glm4's, glm4_moe's and qwen3_5_text's)"
             );
         }
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
@@ -2173,7 +2192,8 @@ impl ModelConfig {
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
                 | Arch::NanoChat
-                | Arch::HunyuanDense => flag("attention_bias", false),
+                | Arch::HunyuanDense
+                | Arch::Qwen3_5 => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -2243,6 +2263,13 @@ impl ModelConfig {
             },
             mla,
             gemma4,
+            linear_attention: match arch {
+                Arch::Qwen3_5 => Some(crate::delta::DeltaConfig::from_hf_json(
+                    v,
+                    num_hidden_layers,
+                )?),
+                _ => None,
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -2388,6 +2415,7 @@ impl ModelConfig {
                     Arch::NanoChat => "NanoChat",
                     Arch::Gemma4 => "Gemma4",
                     Arch::HunyuanDense => "HunYuanDenseV1",
+                    Arch::Qwen3_5 => "Qwen3_5",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -2511,6 +2539,9 @@ impl ModelConfig {
         if self.arch == Arch::Gemma3 {
             obj.insert("rope_local_base_freq".into(), self.local_rope_theta.into());
         }
+        if let Some(d) = &self.linear_attention {
+            d.write_hf_json(obj, self.num_hidden_layers);
+        }
         if let Some(g) = &self.gemma4 {
             obj.insert("hidden_activation".into(), act.into());
             let full: Vec<usize> = (0..self.num_hidden_layers)
@@ -2571,7 +2602,7 @@ impl ModelConfig {
                 obj.insert("partial_rotary_factor".into(), p.into());
             }
             // GLM's and GLM-4.5's default is half: every dimension rotating is written as such.
-            None if self.arch.glm() || self.arch == Arch::Glm4Moe => {
+            None if self.arch.glm() || matches!(self.arch, Arch::Glm4Moe | Arch::Qwen3_5) => {
                 obj.insert("partial_rotary_factor".into(), 1.0.into());
             }
             None => {}
@@ -2756,7 +2787,7 @@ impl ModelConfig {
 
     /// Gemma's RMSNorms scale by `1 + w` (their weights are stored as `w`).
     pub fn unit_offset_norms(&self) -> bool {
-        self.arch.gemma()
+        self.arch.gemma() || self.arch == Arch::Qwen3_5
     }
 
     /// Whether o_proj has a bias: `attention_bias` on the families that bias o with it

@@ -336,6 +336,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         use_qk_norm: false,
         mla: None,
         gemma4: None,
+        linear_attention: None,
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
             true => Some(crate::config::MoeConfig {

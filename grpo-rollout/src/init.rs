@@ -265,6 +265,8 @@ pub fn preset_config(
         partial_rotary_factor: match arch {
             Arch::Phi3 => Some(0.75),
             a if a.glm() || a == Arch::Glm4Moe => Some(0.5),
+            // Qwen3.5's quarter.
+            Arch::Qwen3_5 => Some(0.25),
             _ => None,
         },
         // Gemma 2's soft caps (transformers' defaults).
@@ -367,6 +369,18 @@ pub fn preset_config(
             double_wide_mlp: true,
             experts: None,
         }),
+        // Qwen3.5's linear attention on three layers of four (the tiny preset: the first of
+        // two), two key heads serving four value heads.
+        linear_attention: (arch == Arch::Qwen3_5).then(|| crate::delta::DeltaConfig {
+            layers: (0..layers)
+                .filter(|i| (i + 1) % 4 != 0 && i + 1 != layers)
+                .collect(),
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: hidden / heads,
+            value_dim: hidden / heads,
+            conv_kernel: 4,
+        }),
         granite: (arch.attention() == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
             attention_multiplier: 1.0 / (hidden / heads) as f64,
@@ -434,8 +448,31 @@ pub fn random_weights(
                 }
                 shapes.push((format!("{a}.{n}.weight"), shape, false));
             }
+        } else if let Some(d) = cfg.linear_attention.as_ref().filter(|d| d.is_linear(i)) {
+            // Qwen3.5's linear attention.
+            let l = format!("{p}.linear_attn");
+            let (c, vw, nv) = (d.conv_width(), d.values_width(), d.value_heads);
+            for (n, o, inp) in [
+                ("in_proj_qkv", c, h),
+                ("in_proj_z", vw, h),
+                ("in_proj_b", nv, h),
+                ("in_proj_a", nv, h),
+                ("out_proj", h, vw),
+            ] {
+                shapes.push((format!("{l}.{n}.weight"), vec![o, inp], false));
+            }
+            shapes.push((
+                format!("{l}.conv1d.weight"),
+                vec![c, 1, d.conv_kernel],
+                false,
+            ));
+            shapes.push((format!("{l}.A_log"), vec![nv], false));
+            shapes.push((format!("{l}.dt_bias"), vec![nv], false));
+            shapes.push((format!("{l}.norm.weight"), vec![d.value_dim], false));
         } else {
-            shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h], false));
+            // Qwen3.5's gate rows after the query rows.
+            let qr = if cfg.arch == Arch::Qwen3_5 { 2 * q } else { q };
+            shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![qr, h], false));
             shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
             shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
             shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
@@ -452,7 +489,12 @@ pub fn random_weights(
             let heads = cfg.num_attention_heads;
             shapes.push((format!("{p}.self_attn.sinks"), vec![heads], false));
         }
-        if cfg.head_qk_norm() {
+        if cfg.head_qk_norm()
+            && !cfg
+                .linear_attention
+                .as_ref()
+                .is_some_and(|d| d.is_linear(i))
+        {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![cfg.head_dim],
@@ -558,10 +600,19 @@ pub fn random_weights(
     let mut map = HashMap::new();
     for (name, shape, is_norm) in shapes {
         let n: usize = shape.iter().product();
+        // Qwen3.5's gated norm scales by its weight (1) and its `dt_bias` starts at 1, as
+        // transformers initialises it.
+        let around = match name.ends_with("linear_attn.norm.weight") || name.ends_with("dt_bias") {
+            true => Some(1.0),
+            false => is_norm.then_some(unit),
+        };
         let data: Vec<f32> = (0..n)
             .map(|_| {
                 let x = normal.sample(&mut rng);
-                if is_norm { unit + 5.0 * x } else { x }
+                match around {
+                    Some(u) => u + 5.0 * x,
+                    None => x,
+                }
             })
             .collect();
         map.insert(name, Tensor::from_vec(data, shape, device)?);

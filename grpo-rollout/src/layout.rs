@@ -29,6 +29,9 @@
 //! * Gemma 4's experts are fused as Granite MoE's, `experts.gate_up_proj` and
 //!   `experts.down_proj` ([`crate::gemma4::split_experts`]).
 //! * Hunyuan names its per-head q/k norms `query_layernorm` / `key_layernorm`.
+//! * Qwen3.5's gated attention: its `q_proj` gives each head's query rows, then that head's
+//!   gate rows; the model holds all query rows (reordered for its partial rotary embeddings),
+//!   then all gate rows ([`q_rows`]).
 
 use candle_core::{Result, Tensor, bail};
 
@@ -134,12 +137,46 @@ pub fn fused_parts(cfg: &ModelConfig) -> Vec<Fused> {
 }
 
 /// Whether the model reorders q and k ([`rotary_order`]) as maps of their own, not as parts
-/// of a fused one (ERNIE 4.5, GLM; Phi-3's are in `qkv_proj`).
+/// of a fused one (ERNIE 4.5, GLM; Phi-3's are in `qkv_proj`), or holds Qwen3.5's gate rows
+/// apart ([`q_rows`]).
 pub fn qk_reordered_apart(cfg: &ModelConfig) -> bool {
-    rotary_order(cfg).is_some()
+    (rotary_order(cfg).is_some() || cfg.arch == Arch::Qwen3_5)
         && !fused_parts(cfg)
             .iter()
             .any(|f| f.parts.iter().any(|(p, _)| rotated(p)))
+}
+
+/// Rows of a q map (weight, bias, LoRA `B`, DoRA magnitude) from transformers' order to the
+/// model's (`to_model`) or back: [`reorder_heads`], and for Qwen3.5's gated attention the
+/// files' per-head `[query rows, gate rows]` to the model's `[all query rows, all gate rows]`.
+pub fn q_rows(cfg: &ModelConfig, t: &Tensor, to_model: bool) -> Result<Tensor> {
+    if cfg.arch != Arch::Qwen3_5 {
+        return reorder_heads(cfg, t, to_model);
+    }
+    let (nh, hd) = (cfg.num_attention_heads, cfg.head_dim);
+    let rows = t.dim(0)?;
+    if rows != 2 * nh * hd {
+        bail!(
+            "{rows} rows are not the {nh} heads' query and gate rows (2 × {nh} × {hd}, config.json's heads)"
+        );
+    }
+    let rest: Vec<usize> = t.dims()[1..].to_vec();
+    let shaped = |lead: &[usize]| -> Vec<usize> { lead.iter().chain(&rest).copied().collect() };
+    if to_model {
+        let per_head = t.reshape(shaped(&[nh, 2, hd]))?;
+        let part = |j: usize| -> Result<Tensor> {
+            per_head
+                .narrow(1, j, 1)?
+                .contiguous()?
+                .reshape(shaped(&[nh * hd]))
+        };
+        let q = reorder_heads(cfg, &part(0)?, true)?;
+        return Tensor::cat(&[q, part(1)?], 0);
+    }
+    let q = reorder_heads(cfg, &t.narrow(0, 0, nh * hd)?.contiguous()?, false)?;
+    let gate = t.narrow(0, nh * hd, nh * hd)?.contiguous()?;
+    let heads = |x: Tensor| x.reshape(shaped(&[nh, 1, hd]));
+    Tensor::cat(&[heads(q)?, heads(gate)?], 1)?.reshape(shaped(&[2 * nh * hd]))
 }
 
 /// Whether a part's rows are reordered for partial rotary embeddings (q and k, and the
@@ -234,7 +271,11 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
                 for kind in ["weight", "bias"] {
                     let key = format!("model.layers.{i}.self_attn.{part}.{kind}");
                     if let Some(t) = weights.remove(&key) {
-                        let t = reorder_heads(cfg, &t, true)?;
+                        let t = match part {
+                            "q_proj" => q_rows(cfg, &t, true),
+                            _ => reorder_heads(cfg, &t, true),
+                        }
+                        .map_err(|e| candle_core::Error::msg(format!("weight `{key}`: {e}")))?;
                         weights.insert(key, t);
                     }
                 }
@@ -257,7 +298,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             .collect(),
         _ => weights,
     };
-    let reorder = rotary_order(cfg).is_some();
+    let reorder = rotary_order(cfg).is_some() || cfg.arch == Arch::Qwen3_5;
     let fused = fused_parts(cfg);
     if !reorder && fused.is_empty() {
         return Ok(weights);
@@ -308,6 +349,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             None => {
                 let (key, t) = fetch(&mut map, &part)?;
                 let t = match reorder && rotated(&part) {
+                    true if group == "self_attn" && part == "q_proj" => q_rows(cfg, &t, false)?,
                     true => reorder_heads(cfg, &t, false)?,
                     false => t,
                 };

@@ -38,6 +38,7 @@
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod delta;
 pub mod device;
 pub mod env;
 pub mod episode;

@@ -1391,9 +1391,11 @@ fn reorder_qk_rows(
             for suffix in PART_TENSORS.iter().chain(&["base_layer.bias", "bias"]) {
                 let key = format!("{p}.{suffix}");
                 if let Some(t) = map.remove(&key) {
-                    let t = crate::layout::reorder_heads(cfg, &t, to_model).map_err(|e| {
-                        candle_core::Error::msg(format!("adapter tensor `{key}`: {e}"))
-                    })?;
+                    let t = match part {
+                        "q_proj" => crate::layout::q_rows(cfg, &t, to_model),
+                        _ => crate::layout::reorder_heads(cfg, &t, to_model),
+                    }
+                    .map_err(|e| candle_core::Error::msg(format!("adapter tensor `{key}`: {e}")))?;
                     map.insert(key, t);
                 }
             }

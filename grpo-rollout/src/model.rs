@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Result, Tensor, bail};
+use candle_core::{D, DType, Device, Result, Tensor, bail};
 use grpo_core::fused::Path;
 use grpo_core::recompute::{GradSink, Recompute};
 
@@ -363,6 +363,13 @@ pub struct Layer {
     pub experts: Option<crate::gemma4::ExpertBlock>,
     /// Hunyuan's q/k norms come after RoPE ([`crate::config::Arch::qk_norm_after_rope`]).
     pub norm_after_rope: bool,
+    /// Qwen3.5's linear attention in place of attention ([`crate::delta`]): then the q, k, v
+    /// and o slots are [`Linear::absent`].
+    pub delta: Option<crate::delta::GatedDelta>,
+    /// Qwen3.5's gated attention: `q_proj` holds each head's query rows, then (as many) the
+    /// gate rows whose sigmoid scales the attention's output before `o_proj`
+    /// ([`crate::layout`] reorders the files' per-head interleaving).
+    pub attn_gate: bool,
 }
 
 impl Layer {
@@ -398,6 +405,9 @@ impl Layer {
             out.push(b.router_scale.clone());
             out.extend(b.moe.expert_scale.iter().cloned());
         }
+        if let Some(d) = &self.delta {
+            out.extend(d.tensors().into_iter().map(|(_, t)| t.clone()));
+        }
         for l in self.all_linears() {
             out.push(l.weight.clone());
             out.extend(l.bias.iter().cloned());
@@ -419,12 +429,14 @@ impl Layer {
         let mla = self.mla.iter().flat_map(crate::mla::Mla::linears);
         let branch = self.per_layer.iter().flat_map(|b| [&b.gate, &b.projection]);
         let experts = self.experts.iter().flat_map(|b| b.moe.linears());
+        let delta = self.delta.iter().flat_map(|d| d.linears());
         self.linears()
             .into_iter()
             .chain(moe)
             .chain(mla)
             .chain(branch)
             .chain(experts)
+            .chain(delta)
             .collect()
     }
 
@@ -443,16 +455,27 @@ impl Layer {
 
     /// q `(B, L, heads, D)`, k and v `(B, L, kv_heads, D)` of normalised rows `h` `(B·L, H)`,
     /// as the projections lay them out (Qwen3's q/k norms applied, not yet rotated).
-    fn projections(&self, c: &LayerCtx, h: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn projections(&self, c: &LayerCtx, h: &Tensor) -> Result<Projected> {
         if let Some(m) = &self.mla {
-            return m.projections(&self.q_proj, &self.k_proj, &self.v_proj, h, c.b, c.l, c.nh);
+            let (q, k, v) =
+                m.projections(&self.q_proj, &self.k_proj, &self.v_proj, h, c.b, c.l, c.nh)?;
+            return Ok((q, k, v, None));
         }
         let (q, k) = (self.q_proj.forward(h)?, self.k_proj.forward(h)?);
         let v = match self.v_from_k {
             true => k.clone(),
             false => self.v_proj.forward(h)?,
         };
-        self.heads(c, &q, &k, &v)
+        // Qwen3.5's gate rows after the query rows.
+        let (q, gate) = match self.attn_gate {
+            true => {
+                let w = c.nh * c.hd;
+                (q.narrow(1, 0, w)?, Some(q.narrow(1, w, w)?))
+            }
+            false => (q, None),
+        };
+        let (q, k, v) = self.heads(c, &q, &k, &v)?;
+        Ok((q, k, v, gate))
     }
 
     /// [`Self::projections`] of the q, k and v rows `(B·L, ·)`.
@@ -487,20 +510,20 @@ impl Layer {
 
     /// q `(B, heads, L, D)` (rotated), k `(B, kv_heads, L, D)` (rotated), v `(B, kv_heads, L,
     /// D)` of rows `x` `(B·L, H)`.
-    fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn qkv(&self, c: &LayerCtx, x: &Tensor) -> Result<Projected> {
         if let Some(src) = self.kv_source {
             bail!("layer attends over layer {src}'s keys and values: it makes none of its own");
         }
         let h = self.input_layernorm.forward(x)?;
-        if let Some(heads) = self.projected_heads(c, &h)? {
-            return Ok(heads);
+        if let Some((q, k, v)) = self.projected_heads(c, &h)? {
+            return Ok((q, k, v, None));
         }
-        let (q, k, v) = self.projections(c, &h)?;
+        let (q, k, v, gate) = self.projections(c, &h)?;
         // (B, L, heads, D) → rotated (B, heads, L, D).
         let q = self.rotated(&q, &self.q_norm, c)?;
         let k = self.rotated(&k, &self.k_norm, c)?;
         let v = v.transpose(1, 2)?.contiguous()?;
-        Ok((q, k, v))
+        Ok((q, k, v, gate))
     }
 
     /// Heads `t` `(B, L, heads, D)` rotated to `(B, heads, L, D)`, then normalised by `norm`
@@ -551,6 +574,7 @@ impl Layer {
         if self.q_norm.is_some()
             || self.k_norm.is_some()
             || self.v_norm.is_some()
+            || self.attn_gate
             || self.v_from_k
             || self.mla.is_some()
             || attn.iter().any(|l| l.lora.is_some())
@@ -610,10 +634,24 @@ impl Layer {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        gate: Option<&Tensor>,
         input: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let y = self.finish_mlp(c, x, q, k, v)?;
+        let y = self.finish_mlp(c, x, q, k, v, gate)?;
         self.tail(y, input)
+    }
+
+    /// A Qwen3.5 linear-attention layer on the residual stream `x` `(B·L, H)` (no cache): the
+    /// gated delta rule's output added, then the MLP.
+    fn delta_layer(
+        &self,
+        c: &LayerCtx,
+        d: &crate::delta::GatedDelta,
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let y = d.forward(&h, c.b, c.l, c.tokens.as_ref())?;
+        self.mlp_residual(c, (x + y)?)
     }
 
     /// [`Self::finish`] up to Gemma 4's tail.
@@ -624,6 +662,7 @@ impl Layer {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        gate: Option<&Tensor>,
     ) -> Result<Tensor> {
         // Grouped-query attention, k/v never repeated; context as rows (B·L, heads·D).
         let ctx = self.attention(c, q, k, v)?;
@@ -631,10 +670,16 @@ impl Layer {
             Some(m) => m.values(&ctx, c.nh)?,
             None => ctx,
         };
+        let ctx = gated(ctx, gate)?;
         let x = match (&self.attn_out_norm, self.residual_scale) {
             (None, None) => self.o_proj.forward_residual(x, &ctx)?,
             (n, _) => (x + self.sublayer_out(n, self.o_proj.forward(&ctx)?)?)?,
         };
+        self.mlp_residual(c, x)
+    }
+
+    /// The MLP sublayer of the residual stream `x` `(B·L, H)`, with its residual add.
+    fn mlp_residual(&self, c: &LayerCtx, x: Tensor) -> Result<Tensor> {
         let h = self.post_attention_layernorm.forward(&x)?;
         if let Some(m) = &self.moe {
             return &x + self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, c, &h)?)?;
@@ -774,6 +819,12 @@ impl Layer {
         i: usize,
         past: usize,
     ) -> Result<(Tensor, Tensor)> {
+        if let Some(d) = &self.delta {
+            // Qwen3.5's linear attention: the cache holds its state.
+            let (y, state) = d.run(h, c.b, c.l, c.tokens.as_ref(), cache.state(i)?.as_ref())?;
+            cache.set_state(i, state)?;
+            return self.cached_after(c, x, &y);
+        }
         if let Some(src) = self.kv_source {
             // Gemma 4's KV sharing: the source layer has written this pass's keys already.
             let q = self.query(c, h)?;
@@ -787,6 +838,7 @@ impl Layer {
         let pack = self
             .packed(&self.qkv, &attn)
             .filter(|_| c.softcap.is_none() && self.sinks.is_none() && !self.norm_after_rope);
+        let mut gate = None;
         let ctx = match pack {
             Some(p) if self.q_norm.is_none() && self.k_norm.is_none() => {
                 let shape = (c.b, c.l, c.nh + 2 * c.nkv, c.hd);
@@ -825,7 +877,8 @@ impl Layer {
                     |rows| cache.write_latent(i, past, rows),
                 )?,
                 _ => {
-                    let (q, k, v) = self.projections(c, h)?;
+                    let (q, k, v, g) = self.projections(c, h)?;
+                    gate = g;
                     let q = self.rotated(&q, &self.q_norm, c)?;
                     let (k, v) = match self.norm_after_rope {
                         // Rotated and normalised before they are cached.
@@ -844,13 +897,18 @@ impl Layer {
                 }
             },
         };
-        self.cached_rest(c, x, &ctx)
+        self.cached_rest(c, x, &gated(ctx, gate.as_ref())?)
     }
 
     /// [`Self::cached_mlp`] after the attention's context rows `ctx`.
     fn cached_rest(&self, c: &LayerCtx, x: &Tensor, ctx: &Tensor) -> Result<(Tensor, Tensor)> {
         let o = self.sublayer_out(&self.attn_out_norm, self.o_proj.forward(ctx)?)?;
-        let (x, h) = self.post_attention_layernorm.add_forward(x, &o)?;
+        self.cached_after(c, x, &o)
+    }
+
+    /// [`Self::cached_rest`] after the token mixer's output `o`: its residual add and the MLP.
+    fn cached_after(&self, c: &LayerCtx, x: &Tensor, o: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (x, h) = self.post_attention_layernorm.add_forward(x, o)?;
         if let Some(m) = &self.moe {
             let d = self.sublayer_out(&self.mlp_out_norm, self.moe_mlp(m, c, &h)?)?;
             return Ok((x, d));
@@ -922,24 +980,27 @@ impl Layer {
                 None => None,
             };
             let inp = has_input.then(|| &a[at]);
+            if let Some(d) = &layer.delta {
+                return layer.delta_layer(&ctx, d, &a[0]);
+            }
             // Recorded where a tape records (a taped block), plain candle ops otherwise.
             use grpo_core::tape::{cat, flatten_all};
-            let (q, k, v, ka, va) = match &giv {
+            let (q, k, v, ka, va, gate) = match &giv {
                 Some([gk, gv]) => {
                     let h = layer.input_layernorm.forward(&a[0])?;
                     let q = layer.query(&ctx, &h)?;
-                    (q, gk.clone(), gv.clone(), gk.clone(), gv.clone())
+                    (q, gk.clone(), gv.clone(), gk.clone(), gv.clone(), None)
                 }
                 _ => {
-                    let (q, k, v) = layer.qkv(&ctx, &a[0])?;
+                    let (q, k, v, gate) = layer.qkv(&ctx, &a[0])?;
                     let (ka, va) = match &pre {
                         Some([pk, pv]) => (cat(&[pk, &k], 2)?, cat(&[pv, &v], 2)?),
                         _ => (k.clone(), v.clone()),
                     };
-                    (q, k, v, ka, va)
+                    (q, k, v, ka, va, gate)
                 }
             };
-            let y = layer.finish(&ctx, &a[0], &q, &ka, &va, inp)?;
+            let y = layer.finish(&ctx, &a[0], &q, &ka, &va, gate.as_ref(), inp)?;
             if collect {
                 cat(
                     &[&flatten_all(&y)?, &flatten_all(&k)?, &flatten_all(&v)?],
@@ -1017,6 +1078,8 @@ impl Layer {
             && self.moe.is_none()
             && self.mla.is_none()
             && self.sinks.is_none()
+            && self.delta.is_none()
+            && !self.attn_gate
             && !self.input_layernorm.identity
             && self.activation == crate::config::Activation::Silu
             && !self.gate_proj.is_absent()
@@ -1045,6 +1108,8 @@ impl Layer {
         if self.mla.is_none()
             && !self.v_from_k
             && self.kv_source.is_none()
+            && self.delta.is_none()
+            && !self.attn_gate
             && self.packed(&self.qkv, &attn).is_none()
         {
             self.qkv = Packed::pack(&mut [&mut self.q_proj, &mut self.k_proj, &mut self.v_proj])?;
@@ -1153,6 +1218,9 @@ pub struct KvCache {
     /// With `past_at`, for a sliding window: the cache positions `0..capacity` as `(1,
     /// capacity)` f32, from which the step makes the window's band on the device.
     pub(crate) key_index: Option<Tensor>,
+    /// The layers whose slot holds a linear-attention state ([`crate::delta::DeltaState`]:
+    /// convolution inputs, delta-rule state) instead of keys and values.
+    states: Vec<usize>,
 }
 
 impl Clone for KvCache {
@@ -1168,6 +1236,7 @@ impl Clone for KvCache {
             reserve: self.reserve,
             past_at: None,
             key_index: None,
+            states: self.states.clone(),
         }
     }
 }
@@ -1195,9 +1264,33 @@ impl KvCache {
     /// Positions the buffers hold room for (0 before the first forward).
     pub fn capacity(&self) -> usize {
         self.layers
-            .first()
-            .and_then(|(k, _)| k.dim(2).ok())
+            .iter()
+            .enumerate()
+            .find(|(i, _)| !self.states.contains(i))
+            .and_then(|(_, (k, _))| k.dim(2).ok())
             .unwrap_or(0)
+    }
+
+    /// Layer `i`'s linear-attention state (`None` before the first forward).
+    fn state(&self, i: usize) -> Result<Option<crate::delta::DeltaState>> {
+        match self.layers.get(i) {
+            Some(s) if self.states.contains(&i) => Ok(Some(s.clone())),
+            Some(_) => bail!("KV cache: layer {i} holds keys and values, not a linear state"),
+            None => Ok(None),
+        }
+    }
+
+    /// Stores layer `i`'s linear-attention state (after its pass).
+    fn set_state(&mut self, i: usize, state: crate::delta::DeltaState) -> Result<()> {
+        match self.layers.len() {
+            n if n == i => {
+                self.layers.push(state);
+                self.states.push(i);
+            }
+            n if n > i && self.states.contains(&i) => self.layers[i] = state,
+            _ => bail!("KV cache: layer {i}'s state written out of order"),
+        }
+        Ok(())
     }
 
     /// True before the first forward.
@@ -1227,6 +1320,7 @@ impl KvCache {
             reserve: self.reserve,
             past_at: None,
             key_index: None,
+            states: self.states.clone(),
         })
     }
 
@@ -1275,10 +1369,20 @@ impl KvCache {
         for i in 0..n_layers {
             let mut ks = Vec::with_capacity(parts.len());
             let mut vs = Vec::with_capacity(parts.len());
+            // A linear layer's state has no positions: the rows' states stacked as they are.
+            let state = first.states.contains(&i);
             for p in parts {
                 let (k, v) = &p.layers[i];
-                ks.push(pad(k, p.len)?);
-                vs.push(pad(v, p.len)?);
+                match state {
+                    true => {
+                        ks.push(k.clone());
+                        vs.push(v.clone());
+                    }
+                    false => {
+                        ks.push(pad(k, p.len)?);
+                        vs.push(pad(v, p.len)?);
+                    }
+                }
             }
             layers.push((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?));
         }
@@ -1288,6 +1392,7 @@ impl KvCache {
             reserve: first.reserve,
             past_at: None,
             key_index: None,
+            states: first.states.clone(),
         })
     }
 
@@ -1445,6 +1550,40 @@ struct LayerCtx {
     softcap: Option<f64>,
     /// Where an MoE layer records its load-balancing statistics ([`crate::moe::AuxRows`]).
     aux: Option<crate::moe::AuxRows>,
+    /// Qwen3.5's linear layers: 1 at each real token of this call, 0 at padding `(B·L, 1)`.
+    tokens: Option<Tensor>,
+}
+
+/// A layer's q `(B, L, heads, D)`, k, v, and Qwen3.5's attention gate rows `(B·L, heads·D)`.
+type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
+
+/// The attention's context rows `ctx` `(B·L, heads·D)` scaled by `sigmoid(gate)` (Qwen3.5's
+/// gated attention), or as they are.
+fn gated(ctx: Tensor, gate: Option<&Tensor>) -> Result<Tensor> {
+    match gate {
+        Some(g) => ctx * crate::delta::sigmoid(g)?,
+        None => Ok(ctx),
+    }
+}
+
+/// 1 at each of the `l` query positions whose own key the attention bias `(·, 1, l, keys)`
+/// leaves open (a real token), 0 where it is masked (padding), as `(b·l, 1)` f32: what a
+/// linear-attention layer zeroes its padding by. The new positions are the bias's last `l`
+/// keys.
+fn token_mask(bias: &Tensor, b: usize, l: usize) -> Result<Tensor> {
+    let keys = bias.dim(D::Minus1)?;
+    let rows = bias.elem_count() / (l * keys);
+    let own = bias
+        .reshape((rows, l, keys))?
+        .narrow(2, keys - l, l)?
+        .to_dtype(DType::F32)?;
+    let diag = own
+        .broadcast_mul(&Tensor::eye(l, DType::F32, bias.device())?)?
+        .sum(2)?;
+    diag.ge(-1.0)?
+        .to_dtype(DType::F32)?
+        .broadcast_as((b, l))?
+        .reshape((b * l, 1))
 }
 
 impl LayerCtx {
@@ -2015,9 +2154,42 @@ impl Transformer {
                 false => linear(&format!("{p}.mlp.{name}"), out, inp, cfg.mlp_bias),
             };
             let a = format!("{p}.self_attn");
+            // Qwen3.5's linear-attention layers: no attention maps.
+            let linear_attn = cfg.linear_attention.as_ref().filter(|d| d.is_linear(i));
+            let delta = match linear_attn {
+                Some(d) => {
+                    let l = format!("{p}.linear_attn");
+                    let (c, vw, nv) = (d.conv_width(), d.values_width(), d.value_heads);
+                    let lin = |n: &str, out: usize, inp: usize| {
+                        linear(&format!("{l}.{n}"), out, inp, false)
+                    };
+                    Some(crate::delta::GatedDelta {
+                        in_proj_qkv: lin("in_proj_qkv", c, h)?,
+                        in_proj_z: lin("in_proj_z", vw, h)?,
+                        in_proj_b: lin("in_proj_b", nv, h)?,
+                        in_proj_a: lin("in_proj_a", nv, h)?,
+                        out_proj: lin("out_proj", h, vw)?,
+                        conv: get(&format!("{l}.conv1d.weight"), &[c, 1, d.conv_kernel])?,
+                        a_log: get(&format!("{l}.A_log"), &[nv])?,
+                        dt_bias: get(&format!("{l}.dt_bias"), &[nv])?,
+                        norm: get(&format!("{l}.norm.weight"), &[d.value_dim])?,
+                        eps: cfg.rms_norm_eps,
+                        cfg: d.clone(),
+                    })
+                }
+                None => None,
+            };
+            let attn_gate = cfg.arch == Arch::Qwen3_5 && delta.is_none();
             // DeepSeek's latent attention in the q, k, v slots ([`crate::mla`]);
             // `attention_bias` biases q_a, kv_a and o.
             let (q_proj, k_proj, v_proj, o_proj, mla) = match &cfg.mla {
+                _ if delta.is_some() => (
+                    Linear::absent(dtype, device)?,
+                    Linear::absent(dtype, device)?,
+                    Linear::absent(dtype, device)?,
+                    Linear::absent(dtype, device)?,
+                    None,
+                ),
                 Some(m) => {
                     let heads = cfg.num_attention_heads;
                     let bias = cfg.attention_bias;
@@ -2058,7 +2230,13 @@ impl Transformer {
                     )
                 }
                 None => (
-                    linear(&format!("{a}.q_proj"), q, h, qkv_bias)?,
+                    // Qwen3.5's gate rows after the query rows.
+                    linear(
+                        &format!("{a}.q_proj"),
+                        q * (1 + usize::from(attn_gate)),
+                        h,
+                        qkv_bias,
+                    )?,
                     match kv_source {
                         Some(_) => Linear::absent(dtype, device)?,
                         None => linear(&format!("{a}.k_proj"), kv, h, qkv_bias)?,
@@ -2143,6 +2321,7 @@ impl Transformer {
                 v_proj,
                 o_proj,
                 q_norm: match cfg.arch.attention() {
+                    _ if delta.is_some() => None,
                     _ if cfg.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.q_norm.weight"), hd)?)
                     }
@@ -2152,7 +2331,7 @@ impl Transformer {
                     _ => None,
                 },
                 k_norm: match cfg.arch.attention() {
-                    _ if kv_source.is_some() => None,
+                    _ if kv_source.is_some() || delta.is_some() => None,
                     _ if cfg.head_qk_norm() => {
                         Some(norm(&format!("{p}.self_attn.k_norm.weight"), hd)?)
                     }
@@ -2203,6 +2382,8 @@ impl Transformer {
                 layer_scalar,
                 experts,
                 norm_after_rope: cfg.arch.qk_norm_after_rope(),
+                delta,
+                attn_gate,
             });
             if let Some(l) = layers.last_mut() {
                 l.pack()?;
@@ -2311,6 +2492,7 @@ impl Transformer {
             }
             let a = format!("{p}.self_attn");
             match &layer.mla {
+                _ if layer.delta.is_some() => {}
                 Some(m) => {
                     if let Some((q_a, n)) = &m.q_a {
                         lin(&mut out, format!("{a}.q_a_proj"), q_a);
@@ -2335,7 +2517,18 @@ impl Transformer {
                     }
                 }
             }
-            lin(&mut out, format!("{a}.o_proj"), &layer.o_proj);
+            match &layer.delta {
+                Some(d) => {
+                    let l = format!("{p}.linear_attn");
+                    for (n, x) in crate::delta::LINEAR_NAMES.iter().zip(d.linears()) {
+                        lin(&mut out, format!("{l}.{n}"), x);
+                    }
+                    for (n, t) in d.tensors() {
+                        out.push((format!("{l}.{n}"), t.clone()));
+                    }
+                }
+                None => lin(&mut out, format!("{a}.o_proj"), &layer.o_proj),
+            }
             if let Some(s) = &layer.sinks {
                 out.push((format!("{p}.self_attn.sinks"), s.clone()));
             }
@@ -2492,6 +2685,8 @@ impl Transformer {
                     layer_scalar: l.layer_scalar.as_ref().map(f).transpose()?,
                     experts: l.experts.as_ref().map(|b| b.map(f)).transpose()?,
                     norm_after_rope: l.norm_after_rope,
+                    delta: l.delta.as_ref().map(|d| d.map(f)).transpose()?,
+                    attn_gate: l.attn_gate,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -2871,6 +3066,7 @@ impl Transformer {
         // yet measured on a GPU).
         self.cfg.attn_logit_softcapping.is_none()
             && self.cfg.gemma4.is_none()
+            && self.cfg.linear_attention.is_none()
             && self.layers.iter().all(|l| {
                 l.moe.is_none()
                     && !l.norm_after_rope
@@ -2979,7 +3175,16 @@ impl Transformer {
                 (Kv::Cache(_), _) | (_, false) => None,
                 _ => crate::moe::current(),
             },
+            tokens: match &cfg.linear_attention {
+                Some(_) => Some(token_mask(attn_bias, b, l)?),
+                None => None,
+            },
         };
+        if cfg.linear_attention.is_some() && matches!(kv, Kv::Collect(_) | Kv::Prefix(_)) {
+            bail!(
+                "a model with linear-attention layers (Qwen3.5) runs its prompts with their completions: it has no keys and values to share"
+            );
+        }
         // Variants of `ctx` for the layers that differ. SmolLM3's NoPE layers rotate by
         // nothing: cos 1 and sin 0 (x·1 − y·0 is x exactly), made on the device from the rows'
         // cos and sin so that a captured decode step holds them. Sliding-window layers: keys
@@ -3163,16 +3368,20 @@ impl Transformer {
                 continue;
             }
             let c = ctx_of(i);
-            let (q, k, v) = match given {
+            if let Some(d) = &layer.delta {
+                x = layer.delta_layer(c, d, &x)?;
+                continue;
+            }
+            let (q, k, v, gate) = match given {
                 Some((k, v)) => {
                     let q = layer.query(c, &layer.input_layernorm.forward(&x)?)?;
                     if let Kv::Collect(out) = &mut kv {
                         out.push((k.clone(), v.clone()));
                     }
-                    (q, k, v)
+                    (q, k, v, None)
                 }
                 None => {
-                    let (q, k, v) = layer.qkv(c, &x)?;
+                    let (q, k, v, gate) = layer.qkv(c, &x)?;
                     let (k, v) = match &mut kv {
                         Kv::Cache(_) => unreachable!("a pass over a cache takes the loop above"),
                         Kv::None => (k, v),
@@ -3185,13 +3394,13 @@ impl Transformer {
                             (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?)
                         }
                     };
-                    (q, k, v)
+                    (q, k, v, gate)
                 }
             };
             if source {
                 shared[i] = Some((k.clone(), v.clone()));
             }
-            x = layer.finish(c, &x, &q, &k, &v, input.as_ref())?;
+            x = layer.finish(c, &x, &q, &k, &v, gate.as_ref(), input.as_ref())?;
         }
         self.norm.forward(&x)?.reshape((b, l, cfg.hidden_size))
     }

@@ -684,6 +684,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         use_qk_norm: false,
         mla: None,
         gemma4: None,
+        linear_attention: None,
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,

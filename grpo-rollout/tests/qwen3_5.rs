@@ -1,0 +1,175 @@
+//! Qwen3.5 (`qwen3_5_text`) against transformers: linear-attention layers (the gated delta
+//! rule over more than one 64-position chunk, a causal convolution, two key heads serving four
+//! value heads), gated full attention with RoPE on a quarter of each head, `1 + w` norms.
+//!
+//! Reference values: `fixtures/qwen3_5_reference.json` and the micro model
+//! `fixtures/qwen3_5-micro` (4 layers: linear, full, linear, full; tied), written by
+//! `scripts/gen_qwen3_5_reference.py` (transformers 5.24, float32, eager attention): log-probs
+//! of the last `t` tokens of two left-padded rows of 90 and 57 tokens, the gradient of their
+//! sum for one weight of each kind, a greedy continuation through transformers' cache.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use common::{fixtures, max_diff_f64 as max_diff, padded_logprobs as logprobs, to_f64, var_grad};
+use grpo_rollout::config::Arch;
+use serde_json::Value;
+
+fn reference() -> Value {
+    common::reference("qwen3_5_reference.json")
+}
+
+fn load(dtype: DType) -> grpo_rollout::LoadedModel {
+    grpo_rollout::load(&fixtures().join("qwen3_5-micro"), dtype, &Device::Cpu).unwrap()
+}
+
+fn want_logprobs(r: &Value) -> Vec<f64> {
+    serde_json::from_value::<Vec<Vec<f64>>>(r["logprobs"].clone())
+        .unwrap()
+        .concat()
+}
+
+#[test]
+fn logprobs_gradients_and_decoding_match_transformers() {
+    let r = reference();
+    let m = load(DType::F32);
+    let cfg = &m.model.cfg;
+    assert_eq!(cfg.arch, Arch::Qwen3_5);
+    assert_eq!(cfg.linear_attention.as_ref().unwrap().layers, vec![0, 2]);
+    assert_eq!(cfg.rotary_dim(), 4);
+    // Rounding apart (see `float64_equals_transformers_in_float64`).
+    let d = max_diff(&to_f64(&logprobs(&m.model, &r)), &want_logprobs(&r));
+    assert!(d < 3e-4, "{d}");
+    check_grads(&m.model, &r, "grads", 5e-3);
+    let prompt: Vec<u32> = serde_json::from_value(r["prompt"].clone()).unwrap();
+    let greedy: Vec<u32> = serde_json::from_value(r["greedy"].clone()).unwrap();
+    let params = grpo_rollout::SamplingParams {
+        max_new_tokens: greedy.len(),
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let out = grpo_rollout::generate(
+        &m.model,
+        &m.tokenizer,
+        std::slice::from_ref(&prompt),
+        1,
+        &params,
+    )
+    .unwrap();
+    assert_eq!(out[0].token_ids, greedy);
+}
+
+/// The gradients of the padded rows' log-prob sum against the reference's `key` (transformers'
+/// layout: q rows mapped to the model's), with and without gradient checkpointing, within
+/// `tol` of each tensor's largest entry.
+fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64) {
+    let cfg = &model.cfg;
+    for checkpointing in [false, true] {
+        let mut tm = grpo_rollout::TrainableModel::full(model).unwrap();
+        if checkpointing {
+            tm.model.enable_gradient_checkpointing();
+        }
+        let loss = logprobs(&tm.model, r).sum_all().unwrap();
+        let grads = tm.model.backward(&loss).unwrap();
+        let Value::Object(want) = &r[key] else {
+            panic!("{key}")
+        };
+        for (name, g) in want {
+            let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
+            // The model's q rows: gate rows apart, heads reordered for the partial RoPE.
+            let g = match name {
+                n if n.ends_with("q_proj.weight") || n.ends_with("q_norm.weight") => {
+                    let cols = if n.ends_with("q_norm.weight") {
+                        1
+                    } else {
+                        cfg.hidden_size
+                    };
+                    let t =
+                        Tensor::from_vec(g.clone(), (g.len() / cols, cols), &Device::Cpu).unwrap();
+                    let t = match n.ends_with("q_proj.weight") {
+                        true => grpo_rollout::layout::q_rows(cfg, &t, true).unwrap(),
+                        false => grpo_rollout::layout::reorder_heads(cfg, &t, true).unwrap(),
+                    };
+                    to_f64(&t)
+                }
+                _ => g,
+            };
+            let got = var_grad(&tm, &grads, name);
+            let scale = g.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let d = max_diff(&got, &g);
+            assert!(
+                d <= tol * scale.max(1.0),
+                "{key} {name} ({checkpointing}): {d} of {scale}"
+            );
+        }
+    }
+}
+
+/// Saved, the files hold transformers' names and layout (the gate rows back between each
+/// head's query rows) and read back to the same model.
+#[test]
+fn saves_in_its_files_layout() {
+    let r = reference();
+    let m = load(DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q");
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+    let tensors = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (ours, theirs) = (tensors(&out), tensors(&fixtures().join("qwen3_5-micro")));
+    let mut names: Vec<&String> = ours.keys().collect();
+    names.sort();
+    let mut want: Vec<&String> = theirs.keys().collect();
+    want.sort();
+    assert_eq!(names, want);
+    for (k, t) in &theirs {
+        let d = (t - &ours[k]).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k}");
+    }
+    let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(back.model.cfg, m.model.cfg);
+    let d = max_diff(
+        &to_f64(&logprobs(&back.model, &r)),
+        &to_f64(&logprobs(&m.model, &r)),
+    );
+    assert_eq!(d, 0.0);
+}
+
+/// In float64 the model equals transformers' computed in float64 throughout (each row alone):
+/// the float32 runs differ by rounding only — the random micro model's decays reach
+/// `exp(−16 · softplus(·))` per position, where the two chunk algorithms' orders of rounding
+/// part by ~1e-4 (transformers' own padded and unpadded rows by 3.6e-5).
+#[test]
+fn float64_equals_transformers_in_float64() {
+    let r = reference();
+    let m = load(DType::F64);
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let want: Vec<Vec<f64>> = serde_json::from_value(r["alone_f64"].clone()).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    for (row, want) in rows.iter().zip(&want) {
+        let (ids, mask) =
+            grpo_rollout::generate::left_pad(std::slice::from_ref(row), 0, &Device::Cpu).unwrap();
+        let got = m
+            .model
+            .completion_logprobs(&ids, &mask, t, 1.0, false)
+            .unwrap()
+            .0;
+        let d = max_diff(&to_f64(&got), want);
+        assert!(d < 1e-6, "{d}");
+    }
+    // The padded batch: each row as alone.
+    let got = to_f64(&logprobs(&m.model, &r));
+    let d = max_diff(&got, &want.concat());
+    assert!(d < 1e-6, "padded: {d}");
+    check_grads(&m.model, &r, "grads_f64", 1e-6);
+    // bf16 as far from float64 as transformers' bf16 is from its float32 (1.76 here: this
+    // random model's scores and decays are large).
+    let b = load(DType::BF16);
+    let d = max_diff(&to_f64(&logprobs(&b.model, &r)), &want.concat());
+    let theirs = r["bf16_deviation"].as_f64().unwrap();
+    assert!(d < 1.5 * theirs, "bf16: {d} (transformers' {theirs})");
+}
