@@ -398,6 +398,11 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 x.per_layer_input = Some((cfg.vocab_size, 8));
                 x
             });
+            // Qwen3.5: a linear-attention layer before a gated full one.
+            cfg.linear_attention = g.linear_attention.map(|mut d| {
+                d.layers = vec![0];
+                d
+            });
             let mut m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;
             if arch == Arch::Gemma4 {
                 // Gemma 4 scales no scores and adds each per-layer branch normalised: at

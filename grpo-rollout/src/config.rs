@@ -2910,6 +2910,15 @@ impl ModelConfig {
             }
             n = n + sparse * moe - sparse * (3 * h * self.intermediate_size + mlp_bias);
         }
+        // Qwen3.5: the linear layers' mixers in place of attention; the full layers' gate rows.
+        if let Some(d) = &self.linear_attention {
+            let bias = usize::from(self.attention_bias);
+            let attn = 2 * h * q + 2 * h * kv + bias * (q + 2 * kv) + 2 * self.head_dim;
+            let attn = attn + usize::from(self.o_proj_bias()) * h;
+            let linear = d.layers.len();
+            let full = self.num_hidden_layers - linear;
+            n = n + linear * d.parameters(h) + full * (h * q + bias * q) - linear * attn;
+        }
         if !self.tie_word_embeddings {
             n += self.vocab_size * h;
         }

@@ -478,7 +478,8 @@ pub fn random_weights(
             shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
         }
         if cfg.attention_bias && cfg.mla.is_none() {
-            shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
+            let qr = if cfg.arch == Arch::Qwen3_5 { 2 * q } else { q };
+            shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![qr], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
         }

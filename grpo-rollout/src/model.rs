@@ -2804,6 +2804,15 @@ impl Transformer {
                     tr(&lin.weight, &s.weight_t, old.map(|o| o[j]))?
                 };
             }
+            // Qwen3.5's linear-attention maps.
+            if let (Some(d), Some(sd)) = (l.delta.as_mut(), s.delta.as_ref()) {
+                let old = prev_layer
+                    .and_then(|p| p.delta.as_ref())
+                    .map(|d| d.linears());
+                for (j, (lin, src)) in d.linears_mut().into_iter().zip(sd.linears()).enumerate() {
+                    lin.weight_t = tr(&lin.weight, &src.weight_t, old.map(|o| o[j]))?;
+                }
+            }
             let olds = [prev_layer.map(|p| &p.qkv), prev_layer.map(|p| &p.gate_up)];
             for ((pack, src), old) in [&mut l.qkv, &mut l.gate_up]
                 .into_iter()
@@ -3927,6 +3936,20 @@ impl Transformer {
         }
         if c == 0 || p == 0 {
             bail!("shared_prompt_logprobs needs at least one prompt and one completion position");
+        }
+        if self.cfg.linear_attention.is_some() {
+            // Linear-attention layers keep a state, not keys and values to share: each row
+            // runs its prompt with its completion (the same log-probs, the prompt's cost per
+            // row).
+            let rows = Tensor::from_vec(prompt_of.to_vec(), b, dev)?;
+            let joined = |prompt: &Tensor, completion: &Tensor| -> Result<Tensor> {
+                let prompt = prompt.to_device(dev)?.index_select(&rows, 0)?;
+                let completion = completion.to_device(dev)?.to_dtype(prompt.dtype())?;
+                Tensor::cat(&[&prompt, &completion], 1)
+            };
+            let ids = joined(prompt_ids, completion_ids)?;
+            let mask = joined(prompt_mask, completion_mask)?;
+            return self.padded_rows(&ids, &mask, c);
         }
         let pmask = prompt_mask.to_dtype(DType::F32)?;
         let plen = pmask.sum_keepdim(1)?; // (U, 1)

@@ -75,7 +75,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 31] = Arch::ALL;
+const ARCHES: [Arch; 32] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
@@ -433,9 +433,14 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
             let (q, k, v) = (&l.q_proj.weight, &l.k_proj.weight, &l.v_proj.weight);
             // An MoE layer has no dense gate/up to pack, Arcee's MLP no gate; DeepSeek's latent
             // attention's maps take different inputs (never packed).
-            // Gemma 4's layers without values (or keys) of their own neither.
+            // Gemma 4's layers without values (or keys) of their own neither; Qwen3.5's linear
+            // layers have no q, k, v, its gated q holds the gate rows too.
             let gate_up = l.moe.is_none() && arch.gated_mlp();
-            let apart = l.mla.is_some() || l.v_from_k || l.kv_source.is_some();
+            let apart = l.mla.is_some()
+                || l.v_from_k
+                || l.kv_source.is_some()
+                || l.delta.is_some()
+                || l.attn_gate;
             assert!(
                 (l.qkv.is_some() || apart) && (l.gate_up.is_some() || !gate_up),
                 "{arch:?}: not packed"
@@ -469,7 +474,8 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         let dec = base.for_decoding().unwrap();
         let d = max_diff(&cached_logits(&dec, &ids, &mask), &separate);
         assert!(d < 1e-5, "{arch:?}: decoding copy vs separate {d}");
-        if arch.mla() {
+        // (Qwen3.5's first layer has linear attention: no q, k, v.)
+        if arch.mla() || arch == Arch::Qwen3_5 {
             continue;
         }
         let l0 = &dec.layers[0];
