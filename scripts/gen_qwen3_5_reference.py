@@ -35,6 +35,34 @@ GRADS = [
 ]
 
 
+def peft_adapter(path):
+    """A PEFT LoRA adapter on every linear map (`all-linear`: the linear layers' five maps, the
+    full layers' q (its gate rows too), k, v, o, the MLPs'), random A and B, saved beside the
+    model as `qwen3_5-micro-peft`; returns the adapted model's float32 log-probs of the padded
+    rows."""
+    from peft import LoraConfig, get_peft_model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    torch.manual_seed(1)
+    pm = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                          init_lora_weights=False)).eval()
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.mul_(0.3)
+    out = path + "-peft"
+    shutil.rmtree(out, ignore_errors=True)
+    pm.save_pretrained(out)
+    os.remove(os.path.join(out, "README.md"))
+    length = max(len(r) for r in ROWS)
+    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
+    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = pm(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1:-1, :]
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    return lp.tolist()
+
+
 def in_float64():
     """transformers' Qwen3.5 with its float32 islands (the delta rule, the gated norm, the
     decays, the RMSNorms, the eager softmax) in float64: a float64 model then computes in float64
@@ -100,6 +128,7 @@ def main():
                          .squeeze(-1)[0].tolist())
         out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
+    peft_lp = peft_adapter(path)
     # transformers' own bfloat16 run of the padded rows, against its float32 one.
     mb = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -117,7 +146,7 @@ def main():
         alone64.append(lp64.tolist())
     p64 = dict(m64.named_parameters())
     grads64 = {k: p64[k].grad.flatten().tolist() for k in GRADS}
-    ref = {"transformers": transformers.__version__, "alone_f64": alone64, "grads_f64": grads64, "bf16_deviation": bf16, "rows": ROWS, "t": T, "prompt": PROMPT,
+    ref = {"transformers": transformers.__version__, "alone_f64": alone64, "grads_f64": grads64, "bf16_deviation": bf16, "peft_logprobs": peft_lp, "rows": ROWS, "t": T, "prompt": PROMPT,
            "logprobs": lp.tolist(), "alone": alone, "grads": grads, "greedy": out[0, len(PROMPT):].tolist()}
     with open(os.path.join(fixtures, "qwen3_5_reference.json"), "w") as f:
         json.dump(ref, f, indent=1)

@@ -2286,6 +2286,12 @@ pub fn save_gguf(
         );
     }
     let cfg = &model.cfg;
+    if cfg.linear_attention.is_some() {
+        bail!(
+            "{}: Qwen3.5's linear-attention layers have no GGUF form here yet; export the model as a Hugging Face directory (--format hf)",
+            path.display()
+        );
+    }
     // llama.cpp's names: Mistral's layers are `llama` (which has no sliding window: within it
     // nothing differs); `smollm3` skips RoPE on every 4th layer, a step no key can change.
     // Mixtral's too (llama with experts).

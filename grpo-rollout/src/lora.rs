@@ -368,6 +368,7 @@ impl Matcher {
                     .chain(&MLA_MODULES)
                     .chain(&NANOCHAT_MLP)
                     .chain(&GEMMA4_MODULES)
+                    .chain(&crate::delta::LINEAR_NAMES)
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -415,7 +416,12 @@ pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 /// [`SHARED_EXPERT_GATE`]; the router `gate` and Mixtral's `w1`, `w3`, `w2`, which PEFT turns
 /// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
 /// ([`crate::mla`]); nanochat's MLP maps `fc1` and `fc2`.
-const EXTRA_MODULES: [&str; 15] = [
+const EXTRA_MODULES: [&str; 20] = [
+    crate::delta::LINEAR_NAMES[0],
+    crate::delta::LINEAR_NAMES[1],
+    crate::delta::LINEAR_NAMES[2],
+    crate::delta::LINEAR_NAMES[3],
+    crate::delta::LINEAR_NAMES[4],
     GEMMA4_MODULES[0],
     GEMMA4_MODULES[1],
     GEMMA4_MODULES[2],
@@ -462,6 +468,12 @@ fn extra_sites(
     }
     if let Some(b) = layer.experts.as_mut() {
         out.push((format!("model.layers.{i}.router.proj"), &mut b.moe.router));
+    }
+    // Qwen3.5's linear-attention maps.
+    if let Some(d) = layer.delta.as_mut() {
+        for (n, l) in crate::delta::LINEAR_NAMES.iter().zip(d.linears_mut()) {
+            out.push((format!("model.layers.{i}.linear_attn.{n}"), l));
+        }
     }
     let Some((e, g)) = layer.moe.as_mut().and_then(|m| m.shared.as_mut()) else {
         return out;
@@ -1954,6 +1966,10 @@ pub fn save_peft(
                 "proj" => experts,
                 _ => model.per_layer.is_some(),
             }));
+            // Qwen3.5's linear-attention maps.
+            if model.layers.iter().any(|l| l.delta.is_some()) {
+                names.extend(crate::delta::LINEAR_NAMES);
+            }
             serde_json::json!(names)
         }
         t => serde_json::json!(t),

@@ -173,3 +173,57 @@ fn float64_equals_transformers_in_float64() {
     let theirs = r["bf16_deviation"].as_f64().unwrap();
     assert!(d < 1.5 * theirs, "bf16: {d} (transformers' {theirs})");
 }
+
+/// A PEFT 0.21 adapter on every linear map (`all-linear`: the linear layers' `in_proj_*` and
+/// `out_proj`, the gated `q_proj` whose `B` rows interleave each head's query and gate rows,
+/// k, v, o, the MLPs'; `fixtures/qwen3_5-micro-peft`, random factors) loads with PEFT's
+/// adapted log-probs, merges into the same model, and our own `all-linear` adapts and names the
+/// same modules, with tensors of PEFT's names and shapes.
+#[test]
+fn peft_all_linear_adapter_matches_peft() {
+    let r = reference();
+    let mut m = load(DType::F32);
+    let peft = fixtures().join("qwen3_5-micro-peft");
+    grpo_rollout::lora::load_peft(&mut m.model, &peft).unwrap();
+    let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(r["peft_logprobs"].clone())
+        .unwrap()
+        .concat();
+    let got = to_f64(&logprobs(&m.model, &r));
+    let d = max_diff(&got, &want);
+    assert!(d < 3e-4, "{d}");
+    let base = load(DType::F32);
+    assert!(max_diff(&to_f64(&logprobs(&base.model, &r)), &want) > 1e-2);
+    let merged = grpo_rollout::lora::merge(&m.model).unwrap();
+    assert!(!merged.layers.iter().any(|l| l.has_adapters()));
+    assert!(max_diff(&to_f64(&logprobs(&merged, &r)), &got) < 1e-4);
+    let lcfg = grpo_rollout::lora::LoraConfig {
+        target_modules: grpo_rollout::lora::TargetModules::Pattern("all-linear".into()),
+        r: 2,
+        ..Default::default()
+    };
+    let tm = grpo_rollout::TrainableModel::lora(&base.model, &lcfg, 3).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    grpo_rollout::lora::save_peft(&tm.model, tm.lora.as_ref().unwrap(), dir.path(), "base")
+        .unwrap();
+    let targets = |d: &Path| -> Vec<String> {
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("adapter_config.json")).unwrap())
+                .unwrap();
+        let mut t: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
+        t.sort();
+        t
+    };
+    assert_eq!(targets(dir.path()), targets(&peft));
+    let tensors = |d: &Path| {
+        candle_core::safetensors::load(d.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (ours, theirs) = (tensors(dir.path()), tensors(&peft));
+    let mut k: Vec<&String> = ours.keys().collect();
+    k.sort();
+    let mut want_k: Vec<&String> = theirs.keys().collect();
+    want_k.sort();
+    assert_eq!(k, want_k);
+    for (name, t) in &theirs {
+        assert_eq!(t.dims(), ours[name].dims(), "{name}");
+    }
+}
