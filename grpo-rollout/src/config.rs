@@ -1470,6 +1470,7 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
         Some("gemma3") => "gemma3_text",
         Some("mistral3") => "mistral",
         Some("gemma4") => "gemma4_text",
+        Some("qwen3_5") => "qwen3_5_text",
         Some(t @ ("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")) => return qwen_vl_text(v, t).map(Some),
         _ => return Ok(None),
     };

@@ -543,7 +543,7 @@ mod tests {
         let mut outs = Vec::new();
         for t in 0..l {
             let at = |x: &Tensor| x.narrow(1, t, 1)?.squeeze(1);
-            let (qt, kt, vt) = (at(&q)?, at(&k)?, at(&v)?);
+            let (qt, kt, vt) = (at(&q)?, at(&k)?, at(v)?);
             let decay = at(g)?.exp()?.unsqueeze(2)?.unsqueeze(3)?;
             s = s.broadcast_mul(&decay)?;
             let mem = s.broadcast_mul(&kt.unsqueeze(3)?)?.sum(2)?;

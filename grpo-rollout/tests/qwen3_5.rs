@@ -227,3 +227,21 @@ fn peft_all_linear_adapter_matches_peft() {
         assert_eq!(t.dims(), ours[name].dims(), "{name}");
     }
 }
+
+/// The released checkpoints' `qwen3_5` config (the language model's fields in `text_config`)
+/// reads as its `qwen3_5_text`.
+#[test]
+fn reads_the_vision_language_config() {
+    let path = fixtures().join("qwen3_5-micro/config.json");
+    let text: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let vl = serde_json::json!({
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "qwen3_5", "depth": 2},
+        "tie_word_embeddings": true,
+    });
+    let a = grpo_rollout::config::ModelConfig::from_hf_json(&vl).unwrap();
+    let b = grpo_rollout::config::ModelConfig::from_hf_file(&path).unwrap();
+    assert_eq!(a, b);
+}

@@ -1390,16 +1390,25 @@ impl Learner {
             } else {
                 let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
                 let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
-                // TRL's `padding_free`: the micro-batch's rows as one sequence, kept apart.
+                // TRL's `padding_free`: the micro-batch's rows as one sequence, kept apart
+                // (a model with linear-attention layers runs them padded: the same losses).
+                let recurrent = model.cfg.linear_attention.is_some();
+                if recurrent && part.iter().any(|r| !r.segments.is_empty()) {
+                    anyhow::bail!(
+                        "sft.packing_strategy = \"bfd\" keeps packed sequences apart, which Qwen3.5's linear-attention layers cannot yet: set sft.packing = false or sft.packing_strategy = \"wrapped\""
+                    );
+                }
                 let flat: Vec<Row>;
-                let part =
-                    match self.cfg.sft.padding_free && part.iter().all(|r| r.segments.is_empty()) {
-                        true => {
-                            flat = one_sequence(part).into_iter().collect();
-                            &flat[..]
-                        }
-                        false => part,
-                    };
+                let part = match self.cfg.sft.padding_free
+                    && !recurrent
+                    && part.iter().all(|r| r.segments.is_empty())
+                {
+                    true => {
+                        flat = one_sequence(part).into_iter().collect();
+                        &flat[..]
+                    }
+                    false => part,
+                };
                 let pad = self.tokenizer.pad_token_id;
                 let (st, c) = grpo_rollout::moe::recording(aux.clone(), || {
                     match part.iter().any(|r| !r.segments.is_empty()) {
