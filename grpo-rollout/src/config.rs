@@ -3078,7 +3078,8 @@ mod tests {
         let v = serde_json::json!({"model_type": "gpt2"});
         let e = ModelConfig::from_hf_json(&v).unwrap_err().to_string();
         assert!(
-            e.contains("gpt2") && e.contains("llama, qwen2, qwen3, mistral, ministral3, smollm3"),
+            e.contains("gpt2")
+                && e.contains("llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3"),
             "{e}"
         );
     }
