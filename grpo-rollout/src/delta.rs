@@ -155,13 +155,6 @@ impl DeltaConfig {
         let (c, vw, nv) = (self.conv_width(), self.values_width(), self.value_heads);
         hidden * (c + vw + 2 * nv) + vw * hidden + c * self.conv_kernel + 2 * nv + self.value_dim
     }
-
-    /// Bytes of one row's cached state in one layer (the f32 state, the convolution's inputs
-    /// in `dtype`).
-    pub fn state_bytes(&self, dtype: DType) -> usize {
-        self.value_heads * self.key_dim * self.value_dim * 4
-            + (self.conv_kernel - 1) * self.conv_width() * dtype.size_in_bytes()
-    }
 }
 
 /// The names of a linear layer's maps after `model.layers.{i}.linear_attn.`, in
@@ -294,7 +287,7 @@ impl GatedDelta {
             .forward(&h)?
             .reshape((b, l, c.conv_width()))?;
         let z = self.in_proj_z.forward(&h)?;
-        let beta = sigmoid(&self.in_proj_b.forward(&h)?.to_dtype(work)?)?;
+        let beta = crate::moe::sigmoid(&self.in_proj_b.forward(&h)?.to_dtype(work)?)?;
         let a = self.in_proj_a.forward(&h)?.to_dtype(work)?;
         let dt = self.dt_bias.to_dtype(work)?;
         let g = softplus(&a.broadcast_add(&dt)?)?
@@ -324,14 +317,13 @@ impl GatedDelta {
         let q = heads(mixed.narrow(2, 0, kw)?, c.key_heads, c.key_dim)?;
         let k = heads(mixed.narrow(2, kw, kw)?, c.key_heads, c.key_dim)?;
         let v = heads(mixed.narrow(2, 2 * kw, vw)?, c.value_heads, c.value_dim)?;
-        let (o, last) = chunked_rule(
-            &q,
-            &k,
-            &v,
-            &g.reshape((b, l, c.value_heads))?,
-            &beta.reshape((b, l, c.value_heads))?,
-            initial.as_ref(),
-        )?;
+        let g = g.reshape((b, l, c.value_heads))?;
+        let beta = beta.reshape((b, l, c.value_heads))?;
+        // A decode step: one position of the recurrence.
+        let (o, last) = match l {
+            1 => recurrent_step(&q, &k, &v, &g, &beta, initial.as_ref())?,
+            _ => chunked_rule(&q, &k, &v, &g, &beta, initial.as_ref())?,
+        };
         let state = (padded.narrow(1, l, k1)?.contiguous()?, last);
         // The gated norm per head: RMS in f32, the weight in the model's dtype, `silu(z)`.
         let o = o
@@ -360,11 +352,6 @@ fn working(dtype: DType) -> DType {
         DType::F64 => DType::F64,
         _ => DType::F32,
     }
-}
-
-/// `1 / (1 + exp(−x))`.
-pub(crate) fn sigmoid(x: &Tensor) -> Result<Tensor> {
-    (x.neg()?.exp()? + 1.0)?.recip()
 }
 
 /// `log(1 + exp(x))`, without overflow: `relu(x) + log(1 + exp(−|x|))`.
@@ -396,27 +383,12 @@ pub fn chunked_rule(
     beta: &Tensor,
     initial: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let (b, l, nk, dk) = q.dims4()?;
+    let (b, l, _, dk) = q.dims4()?;
     let (_, _, nv, dv) = v.dims4()?;
-    if !nv.is_multiple_of(nk) {
-        bail!("gated delta rule: {nv} value heads are not a multiple of {nk} key heads");
-    }
     let dev = q.device().clone();
     let work = working(q.dtype());
     let f32 = |t: &Tensor| t.to_dtype(work);
-    // Each key head serves `nv / nk` consecutive value heads.
-    let spread = |t: &Tensor| -> Result<Tensor> {
-        let t = l2norm(&f32(t)?)?;
-        match nv / nk {
-            1 => Ok(t),
-            r => t
-                .unsqueeze(3)?
-                .broadcast_as((b, l, nk, r, dk))?
-                .reshape((b, l, nv, dk)),
-        }
-    };
-    let q = (spread(q)? * (dk as f64).powf(-0.5))?;
-    let k = spread(k)?;
+    let (q, k) = normalized(q, k, nv)?;
     // (B, H, L, ·) and the chunk length: the smallest power of two that holds `l`, up to 64.
     let c = l.next_power_of_two().min(CHUNK);
     let n = l.div_ceil(c);
@@ -495,6 +467,58 @@ pub fn chunked_rule(
     ))
 }
 
+/// q and k `(B, L, key_heads, Dk)` as the rule reads them, in its working dtype: L2-normalised
+/// (q also scaled by `Dk^-1/2`), each key head spread over the `nv / key_heads` consecutive
+/// value heads it serves: `(B, L, nv, Dk)`.
+fn normalized(q: &Tensor, k: &Tensor, nv: usize) -> Result<(Tensor, Tensor)> {
+    let (b, l, nk, dk) = q.dims4()?;
+    if !nv.is_multiple_of(nk) {
+        bail!("gated delta rule: {nv} value heads are not a multiple of {nk} key heads");
+    }
+    let work = working(q.dtype());
+    let spread = |t: &Tensor| -> Result<Tensor> {
+        let t = l2norm(&t.to_dtype(work)?)?;
+        match nv / nk {
+            1 => Ok(t),
+            r => t
+                .unsqueeze(3)?
+                .broadcast_as((b, l, nk, r, dk))?
+                .reshape((b, l, nv, dk)),
+        }
+    };
+    Ok(((spread(q)? * (dk as f64).powf(-0.5))?, spread(k)?))
+}
+
+/// [`chunked_rule`] for one position (a decode step), as transformers'
+/// `torch_recurrent_gated_delta_rule`: the state decayed by `exp(g)`, `β (v − Sᵀk)` written
+/// along `k`, `Sᵀq` read. Same arguments and results, `L` = 1.
+pub fn recurrent_step(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (b, _, nv, dv) = v.dims4()?;
+    let dk = q.dim(3)?;
+    let work = working(q.dtype());
+    let (q, k) = normalized(q, k, nv)?;
+    // (B, H, 1, ·) rows and (B, H, 1, 1) scalars.
+    let rows = |t: Tensor| t.transpose(1, 2)?.contiguous();
+    let scalars = |t: &Tensor| t.to_dtype(work)?.reshape((b, nv, 1, 1));
+    let (q, k, v) = (rows(q)?, rows(k)?, rows(v.to_dtype(work)?)?);
+    let s = match initial {
+        Some(s) => s.to_dtype(work)?,
+        None => Tensor::zeros((b, nv, dk, dv), work, q.device())?,
+    };
+    let s = s.broadcast_mul(&scalars(g)?.exp()?)?;
+    let delta = (v - k.matmul(&s)?)?.broadcast_mul(&scalars(beta)?)?;
+    let s = (s + k.transpose(2, 3)?.matmul(&delta)?)?;
+    let o = q.matmul(&s)?.transpose(1, 2)?.contiguous()?;
+    Ok((o, s))
+}
+
 /// `(I + T)⁻¹` of strictly lower-triangular `T` `(…, C, C)` (`C` a power of two) by doubling:
 /// with `M` the inverse of `T`'s diagonal blocks of size `s`, the blocks of size `2s` are
 /// inverted by `M − M T_s M`, `T_s` holding the entries of `T` that join two `s`-blocks into
@@ -526,30 +550,16 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// The rule one position at a time (transformers' `torch_recurrent_gated_delta_rule`).
+    /// The rule one position at a time ([`recurrent_step`] over the sequence).
     fn recurrent(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor) -> Result<Tensor> {
-        let (b, l, nk, dk) = q.dims4()?;
-        let (_, _, nv, dv) = v.dims4()?;
-        let r = nv / nk;
-        let spread = |t: &Tensor| -> Result<Tensor> {
-            l2norm(t)?
-                .unsqueeze(3)?
-                .broadcast_as((b, l, nk, r, dk))?
-                .reshape((b, l, nv, dk))
-        };
-        let q = (spread(q)? * (dk as f64).powf(-0.5))?;
-        let k = spread(k)?;
-        let mut s = Tensor::zeros((b, nv, dk, dv), DType::F32, q.device())?;
+        let mut s = None;
         let mut outs = Vec::new();
-        for t in 0..l {
-            let at = |x: &Tensor| x.narrow(1, t, 1)?.squeeze(1);
-            let (qt, kt, vt) = (at(&q)?, at(&k)?, at(v)?);
-            let decay = at(g)?.exp()?.unsqueeze(2)?.unsqueeze(3)?;
-            s = s.broadcast_mul(&decay)?;
-            let mem = s.broadcast_mul(&kt.unsqueeze(3)?)?.sum(2)?;
-            let delta = (vt - mem)?.broadcast_mul(&at(beta)?.unsqueeze(2)?)?;
-            s = (s + kt.unsqueeze(3)?.broadcast_mul(&delta.unsqueeze(2)?)?)?;
-            outs.push(s.broadcast_mul(&qt.unsqueeze(3)?)?.sum(2)?.unsqueeze(1)?);
+        for t in 0..q.dim(1)? {
+            let at = |x: &Tensor| x.narrow(1, t, 1);
+            let (o, next) =
+                recurrent_step(&at(q)?, &at(k)?, &at(v)?, &at(g)?, &at(beta)?, s.as_ref())?;
+            outs.push(o);
+            s = Some(next);
         }
         Tensor::cat(&outs, 1)
     }

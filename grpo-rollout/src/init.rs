@@ -402,6 +402,8 @@ pub fn random_weights(
     let normal = Normal::new(0.0f32, 0.02).map_err(|e| candle_core::Error::msg(e.to_string()))?;
     let h = cfg.hidden_size;
     let q = cfg.num_attention_heads * cfg.head_dim;
+    // Qwen3.5's gate rows after the query rows.
+    let qr = if cfg.arch == Arch::Qwen3_5 { 2 * q } else { q };
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let im = cfg.intermediate_size;
     let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![(
@@ -470,15 +472,12 @@ pub fn random_weights(
             shapes.push((format!("{l}.dt_bias"), vec![nv], false));
             shapes.push((format!("{l}.norm.weight"), vec![d.value_dim], false));
         } else {
-            // Qwen3.5's gate rows after the query rows.
-            let qr = if cfg.arch == Arch::Qwen3_5 { 2 * q } else { q };
             shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![qr, h], false));
             shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
             shapes.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h], false));
             shapes.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q], false));
         }
         if cfg.attention_bias && cfg.mla.is_none() {
-            let qr = if cfg.arch == Arch::Qwen3_5 { 2 * q } else { q };
             shapes.push((format!("{p}.self_attn.q_proj.bias"), vec![qr], false));
             shapes.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
             shapes.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));

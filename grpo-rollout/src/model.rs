@@ -1218,9 +1218,6 @@ pub struct KvCache {
     /// With `past_at`, for a sliding window: the cache positions `0..capacity` as `(1,
     /// capacity)` f32, from which the step makes the window's band on the device.
     pub(crate) key_index: Option<Tensor>,
-    /// The layers whose slot holds a linear-attention state ([`crate::delta::DeltaState`]:
-    /// convolution inputs, delta-rule state) instead of keys and values.
-    states: Vec<usize>,
 }
 
 impl Clone for KvCache {
@@ -1236,7 +1233,6 @@ impl Clone for KvCache {
             reserve: self.reserve,
             past_at: None,
             key_index: None,
-            states: self.states.clone(),
         }
     }
 }
@@ -1265,16 +1261,15 @@ impl KvCache {
     pub fn capacity(&self) -> usize {
         self.layers
             .iter()
-            .enumerate()
-            .find(|(i, _)| !self.states.contains(i))
-            .and_then(|(_, (k, _))| k.dim(2).ok())
+            .find(|slot| !holds_state(slot))
+            .and_then(|(k, _)| k.dim(2).ok())
             .unwrap_or(0)
     }
 
     /// Layer `i`'s linear-attention state (`None` before the first forward).
     fn state(&self, i: usize) -> Result<Option<crate::delta::DeltaState>> {
         match self.layers.get(i) {
-            Some(s) if self.states.contains(&i) => Ok(Some(s.clone())),
+            Some(s) if holds_state(s) => Ok(Some(s.clone())),
             Some(_) => bail!("KV cache: layer {i} holds keys and values, not a linear state"),
             None => Ok(None),
         }
@@ -1283,11 +1278,8 @@ impl KvCache {
     /// Stores layer `i`'s linear-attention state (after its pass).
     fn set_state(&mut self, i: usize, state: crate::delta::DeltaState) -> Result<()> {
         match self.layers.len() {
-            n if n == i => {
-                self.layers.push(state);
-                self.states.push(i);
-            }
-            n if n > i && self.states.contains(&i) => self.layers[i] = state,
+            n if n == i => self.layers.push(state),
+            n if n > i && holds_state(&self.layers[i]) => self.layers[i] = state,
             _ => bail!("KV cache: layer {i}'s state written out of order"),
         }
         Ok(())
@@ -1320,7 +1312,6 @@ impl KvCache {
             reserve: self.reserve,
             past_at: None,
             key_index: None,
-            states: self.states.clone(),
         })
     }
 
@@ -1369,20 +1360,15 @@ impl KvCache {
         for i in 0..n_layers {
             let mut ks = Vec::with_capacity(parts.len());
             let mut vs = Vec::with_capacity(parts.len());
-            // A linear layer's state has no positions: the rows' states stacked as they are.
-            let state = first.states.contains(&i);
             for p in parts {
-                let (k, v) = &p.layers[i];
-                match state {
-                    true => {
-                        ks.push(k.clone());
-                        vs.push(v.clone());
-                    }
-                    false => {
-                        ks.push(pad(k, p.len)?);
-                        vs.push(pad(v, p.len)?);
-                    }
-                }
+                let slot = &p.layers[i];
+                // A linear layer's state has no positions: the rows' states stacked as they are.
+                let (k, v) = match holds_state(slot) {
+                    true => slot.clone(),
+                    false => (pad(&slot.0, p.len)?, pad(&slot.1, p.len)?),
+                };
+                ks.push(k);
+                vs.push(v);
             }
             layers.push((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?));
         }
@@ -1392,7 +1378,6 @@ impl KvCache {
             reserve: first.reserve,
             past_at: None,
             key_index: None,
-            states: first.states.clone(),
         })
     }
 
@@ -1512,6 +1497,12 @@ impl KvCache {
     }
 }
 
+/// Whether a cache slot holds a linear-attention state ([`crate::delta::DeltaState`]: the
+/// convolution's inputs `(B, kernel − 1, channels)`, 3-D) rather than keys and values (4-D).
+fn holds_state((first, _): &(Tensor, Tensor)) -> bool {
+    first.rank() == 3
+}
+
 /// The transformers names of a layer's MLP-input norm and of Gemma's sublayer-output norms
 /// (our `post_attention_layernorm`, `attn_out_norm`, `mlp_out_norm`).
 fn layer_norm_names(arch: Arch) -> [&'static str; 3] {
@@ -1561,7 +1552,7 @@ type Projected = (Tensor, Tensor, Tensor, Option<Tensor>);
 /// gated attention), or as they are.
 fn gated(ctx: Tensor, gate: Option<&Tensor>) -> Result<Tensor> {
     match gate {
-        Some(g) => ctx * crate::delta::sigmoid(g)?,
+        Some(g) => ctx * crate::moe::sigmoid(g)?,
         None => Ok(ctx),
     }
 }

@@ -173,7 +173,8 @@ pub struct Moe {
     pub expert_scale: Option<Tensor>,
 }
 
-fn sigmoid(x: &Tensor) -> Result<Tensor> {
+/// `1 / (1 + exp(−x))`.
+pub(crate) fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
 }
 

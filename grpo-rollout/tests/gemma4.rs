@@ -164,21 +164,7 @@ fn greedy_decoding_matches_transformers() {
     for name in MODELS {
         let m = load(name, DType::F32);
         let want: Vec<u32> = serde_json::from_value(r["models"][name]["greedy"].clone()).unwrap();
-        let params = grpo_rollout::SamplingParams {
-            max_new_tokens: want.len(),
-            temperature: 0.0,
-            stop_token_ids: Vec::new(),
-            ..Default::default()
-        };
-        let out = grpo_rollout::generate(
-            &m.model,
-            &m.tokenizer,
-            std::slice::from_ref(&prompt),
-            1,
-            &params,
-        )
-        .unwrap();
-        assert_eq!(out[0].token_ids, want, "{name}");
+        assert_eq!(common::greedy(&m, &prompt, want.len()), want, "{name}");
     }
 }
 

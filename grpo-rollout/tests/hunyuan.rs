@@ -65,20 +65,7 @@ fn logprobs_gradients_and_decoding_match_transformers() {
     }
     let prompt: Vec<u32> = serde_json::from_value(r["prompt"].clone()).unwrap();
     let greedy: Vec<u32> = serde_json::from_value(r["greedy"].clone()).unwrap();
-    let params = grpo_rollout::SamplingParams {
-        max_new_tokens: greedy.len(),
-        temperature: 0.0,
-        ..Default::default()
-    };
-    let out = grpo_rollout::generate(
-        &m.model,
-        &m.tokenizer,
-        std::slice::from_ref(&prompt),
-        1,
-        &params,
-    )
-    .unwrap();
-    assert_eq!(out[0].token_ids, greedy);
+    assert_eq!(common::greedy(&m, &prompt, greedy.len()), greedy);
 }
 
 /// Saved, the files hold the norms under Hunyuan's names and read back to the same model; as

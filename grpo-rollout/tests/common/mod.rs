@@ -86,3 +86,17 @@ pub fn var_grad(
         .unwrap_or_else(|| panic!("no gradient reached {name}"));
     to_f64(g)
 }
+
+/// The model's greedy continuation of `prompt`, `n` tokens, through the KV cache (no stop
+/// token: transformers' `generate(do_sample=False, eos_token_id=None)`).
+pub fn greedy(m: &grpo_rollout::LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let params = grpo_rollout::SamplingParams {
+        max_new_tokens: n,
+        temperature: 0.0,
+        stop_token_ids: Vec::new(),
+        ..Default::default()
+    };
+    let prompts = [prompt.to_vec()];
+    let out = grpo_rollout::generate(&m.model, &m.tokenizer, &prompts, 1, &params).unwrap();
+    out[0].token_ids.clone()
+}
