@@ -28,11 +28,13 @@ factors) and the adapted log-probs.
 
 Needs torch, transformers 5.2x (with `gemma4`) and peft.
 """
-import json, os, shutil, sys
+import json, os, sys
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from reference_common import copy_tokenizer, greedy, padded_logprobs, peft_adapter
 
 ROWS = [[(5 * i * i + 3 * i + 7) % 290 + 3 for i in range(40)], [(11 * i + 4) % 290 + 3 for i in range(27)]]
 T = 20
@@ -108,48 +110,16 @@ def make(path, kw):
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
     model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(os.path.dirname(path), "arch-deepseekv2-micro", f), path)
+    copy_tokenizer(path)
 
 
 def values(path, name):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    length = max(len(r) for r in ROWS)
-    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
-    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1:-1, :]
-    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    lp = padded_logprobs(model, ROWS, T)
     lp.sum().backward()
     params = dict(model.named_parameters())
     grads = {k: params[k].grad.flatten().tolist() for k in GRADS[name]}
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return {"logprobs": lp.tolist(), "grads": grads, "greedy": out[0, len(PROMPT):].tolist()}
-
-
-def peft_adapter(path, name):
-    """A PEFT LoRA adapter on every linear map (`all-linear`: the per-layer-input maps, their
-    model-level projection and the router too), random A and B, saved beside the model as
-    `{name}-peft`, and the adapted model's log-probs of the rows."""
-    from peft import LoraConfig, get_peft_model
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    torch.manual_seed(1)
-    pm = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
-                                          init_lora_weights=False)).eval()
-    out = os.path.join(os.path.dirname(path), f"{name}-peft")
-    shutil.rmtree(out, ignore_errors=True)
-    pm.save_pretrained(out)
-    os.remove(os.path.join(out, "README.md"))
-    length = max(len(r) for r in ROWS)
-    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
-    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = pm(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1:-1, :]
-    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
-    return lp.tolist()
+    return {"logprobs": lp.tolist(), "grads": grads, "greedy": greedy(model, PROMPT, NEW)}
 
 
 def main():
@@ -160,7 +130,10 @@ def main():
         make(path, kw)
         out["models"][name] = values(path, name)
         if name != "gemma4-plain-micro":
-            out["models"][name]["peft_logprobs"] = peft_adapter(path, name)
+            # A PEFT adapter on every linear map (the per-layer-input maps, their model-level
+            # projection and the router too), saved beside the model as `{name}-peft`.
+            peft = os.path.join(fixtures, f"{name}-peft")
+            out["models"][name]["peft_logprobs"] = peft_adapter(path, peft, ROWS, T)
     with open(os.path.join(fixtures, "gemma4_reference.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("ok")

@@ -13,11 +13,13 @@ their sum for the q/k norms of layer 1, a greedy continuation (transformers' KV 
 
 Needs torch and transformers 5.2x.
 """
-import json, os, shutil, sys
+import json, os, sys
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from reference_common import copy_tokenizer, greedy, padded_logprobs
 
 ROWS = [[(5 * i * i + 3 * i + 7) % 290 + 3 for i in range(40)], [(11 * i + 4) % 290 + 3 for i in range(27)]]
 T = 20
@@ -43,23 +45,14 @@ def main():
             else:
                 p.normal_(0, 0.5 if ("q_proj" in name or "k_proj" in name) else 0.25)
     model.save_pretrained(path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(fixtures, "arch-deepseekv2-micro", f), path)
+    copy_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    length = max(len(r) for r in ROWS)
-    ids = torch.tensor([[0] * (length - len(r)) + r for r in ROWS])
-    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in ROWS])
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -T - 1:-1, :]
-    lp = torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    lp = padded_logprobs(model, ROWS, T)
     lp.sum().backward()
     params = dict(model.named_parameters())
     grads = {k: params[k].grad.flatten().tolist() for k in GRADS}
-    with torch.no_grad():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
     ref = {"transformers": transformers.__version__, "rows": ROWS, "t": T, "prompt": PROMPT,
-           "logprobs": lp.tolist(), "grads": grads, "greedy": out[0, len(PROMPT):].tolist(),
+           "logprobs": lp.tolist(), "grads": grads, "greedy": greedy(model, PROMPT, NEW),
            "rope": type(model.model.rotary_emb).__name__ + ":" + model.model.rotary_emb.rope_type}
     with open(os.path.join(fixtures, "hunyuan_reference.json"), "w") as f:
         json.dump(ref, f, indent=1)

@@ -1,0 +1,57 @@
+"""What the gen_*_reference.py scripts share: the left-padded rows with per-row position ids,
+their log-probs, a greedy continuation, a PEFT `all-linear` adapter with its adapted log-probs,
+the micro models' tokenizer. Imported by those scripts (run from any directory)."""
+import os, shutil
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def padded(rows):
+    """`rows` left-padded with 0: ids, attention mask, per-row position ids."""
+    length = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (length - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def padded_logprobs(model, rows, t):
+    """The log-probs (float64) of the last `t` tokens of `rows`, left-padded; the graph kept."""
+    ids, mask, pos = padded(rows)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -t - 1:-1, :]
+    return torch.log_softmax(logits.double(), -1).gather(-1, ids[:, -t:].unsqueeze(-1)).squeeze(-1)
+
+
+def greedy(model, prompt, new):
+    """`new` greedy tokens after `prompt` through transformers' cache (no stop token)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def copy_tokenizer(path):
+    """The micro models' tokenizer (fixtures/arch-deepseekv2-micro's) into `path`."""
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(os.path.dirname(path), "arch-deepseekv2-micro", f), path)
+
+
+def peft_adapter(path, out, rows, t, scale=1.0):
+    """A PEFT LoRA adapter (r 2, alpha 4) on every linear map of the model at `path`
+    (`all-linear`), random A and B (times `scale`), saved as `out`; returns the adapted model's
+    log-probs of `rows` (float32 model)."""
+    from peft import LoraConfig, get_peft_model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    torch.manual_seed(1)
+    pm = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                          init_lora_weights=False)).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.mul_(scale)
+    shutil.rmtree(out, ignore_errors=True)
+    pm.save_pretrained(out)
+    os.remove(os.path.join(out, "README.md"))
+    with torch.no_grad():
+        return padded_logprobs(pm, rows, t).tolist()
