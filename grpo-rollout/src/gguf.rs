@@ -5,7 +5,7 @@
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
 //!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
-//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`, `qwen35`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
 //!   the experts' renormalisation, DeepSeek's router and latent widths, Gemma 4's KV-sharing
 //!   pairs; Gemma 4's per-layer keys read as the `config.json` they stand for);
@@ -46,6 +46,8 @@ use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 use crate::config::{Arch, Llama3RopeScaling, ModelConfig, RopeScaling};
 use crate::model::WeightMap;
 use crate::tokenizer::Tokenizer;
+
+mod qwen35;
 
 fn err(msg: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::msg(msg.to_string())
@@ -193,6 +195,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "gemma3" => Ok(Arch::Gemma3),
         "glm4moe" => Ok(Arch::Glm4Moe),
         "hunyuan-dense" => Ok(Arch::HunyuanDense),
+        "qwen35" => Ok(Arch::Qwen3_5),
         // Ministral 3 (its YaRN and attention temperature), or Mistral Small 3.1's plain
         // Mistral layers, as llama.cpp's converter writes both.
         "mistral3" => match md.get("mistral3.rope.scaling.type").and_then(as_str) {
@@ -219,14 +222,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             | Arch::NanoChat
             | Arch::Ministral3
             | Arch::Gemma4
-            | Arch::HunyuanDense => Err(()),
+            | Arch::HunyuanDense
+            | Arch::Qwen3_5 => Err(()),
             a => Ok(a),
         }),
     }
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -425,6 +429,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     };
     if arch.deepseek_moe() {
         deepseek_fields(content, &key, &mut cfg)?;
+    }
+    // Qwen3.5's linear layers; its rotary part (a quarter of a head in its releases).
+    if arch == Arch::Qwen3_5 {
+        cfg.linear_attention = Some(qwen35::delta_config(md, num_hidden_layers)?);
+        cfg.partial_rotary_factor = Some(
+            md.get(&key("rope.dimension_count"))
+                .and_then(as_u64)
+                .map_or(0.25, |r| r as f64 / head_dim as f64),
+        );
     }
     cfg.validate()?;
     Ok(cfg)
@@ -976,6 +989,7 @@ fn read_weights<R: Read + Seek>(
         }
         let mut hf = match cfg.arch {
             Arch::Gemma4 => gemma4_tensor_name(name, false),
+            Arch::Qwen3_5 => qwen35::tensor_name(name, false),
             a => hf_tensor_name(name, a),
         }
         .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
@@ -1022,6 +1036,9 @@ fn read_weights<R: Read + Seek>(
         // Gemma's norms scale by `1 + w`: llama.cpp's files hold `1 + w`, transformers' `w`.
         if cfg.arch.gemma() && name.ends_with("norm.weight") {
             t = t.affine(1.0, -1.0)?;
+        }
+        if let Some(d) = &cfg.linear_attention {
+            t = qwen35::from_gguf(name, t, d).map_err(|e| err(format!("tensor `{name}`: {e}")))?;
         }
         if cfg.arch.llama_like() {
             if hf.contains(".self_attn.q_proj.") {
@@ -1124,6 +1141,8 @@ fn byte_alphabet() -> [char; 256] {
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's: Qwen2's with combining marks (`\p{M}`) inside words.
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre`, as in the model's own
 /// `tokenizer.json` (and llama.cpp's `llama-vocab.cpp`); plus whether to NFC-normalise first.
@@ -1163,8 +1182,15 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
             ])),
             true,
         ),
+        "qwen35" => (
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                split(QWEN35_SPLIT)?,
+                byte_level(false),
+            ])),
+            true,
+        ),
         other => bail!(
-            "tokenizer.ggml.pre `{other}` is not supported (supported: default, gpt2, smollm, llama-bpe/llama3, qwen2)"
+            "tokenizer.ggml.pre `{other}` is not supported (supported: default, gpt2, smollm, llama-bpe/llama3, qwen2, qwen35)"
         ),
     })
 }
@@ -1994,6 +2020,7 @@ pub fn gguf_pre_tokenizer(tokenizer: &tokenizers::Tokenizer) -> Result<&'static 
             match s["pattern"]["Regex"].as_str() {
                 Some(LLAMA3_SPLIT) => Some("llama-bpe"),
                 Some(QWEN2_SPLIT) => Some("qwen2"),
+                Some(QWEN35_SPLIT) => Some("qwen35"),
                 _ => None,
             }
         }
@@ -2001,7 +2028,7 @@ pub fn gguf_pre_tokenizer(tokenizer: &tokenizers::Tokenizer) -> Result<&'static 
     };
     name.ok_or_else(|| {
         err(format!(
-            "the tokenizer's pre-tokenizer has no llama.cpp equivalent (supported: GPT-2 byte-level, SmolLM, Llama 3, Qwen2, SentencePiece-style `▁` spaces with byte fallback): {}",
+            "the tokenizer's pre-tokenizer has no llama.cpp equivalent (supported: GPT-2 byte-level, SmolLM, Llama 3, Qwen2, Qwen3.5, SentencePiece-style `▁` spaces with byte fallback): {}",
             v.to_string().chars().take(200).collect::<String>()
         ))
     })
@@ -2286,11 +2313,8 @@ pub fn save_gguf(
         );
     }
     let cfg = &model.cfg;
-    if cfg.linear_attention.is_some() {
-        bail!(
-            "{}: Qwen3.5's linear-attention layers have no GGUF form here yet; export the model as a Hugging Face directory (--format hf)",
-            path.display()
-        );
+    if let Some(d) = &cfg.linear_attention {
+        qwen35::exportable(cfg, d)?;
     }
     // llama.cpp's names: Mistral's layers are `llama` (which has no sliding window: within it
     // nothing differs); `smollm3` skips RoPE on every 4th layer, a step no key can change.
@@ -2306,6 +2330,7 @@ pub fn save_gguf(
         // Its NTK alpha is in the base already (`rope.freq_base`), as llama.cpp's converter
         // writes it.
         Arch::HunyuanDense => "hunyuan-dense",
+        Arch::Qwen3_5 => "qwen35",
         a if a.mla() => "deepseek2",
         a => a.as_str(),
     };
@@ -2540,6 +2565,9 @@ pub fn save_gguf(
     if let Some(g) = &cfg.gemma4 {
         gemma4_metadata(cfg, g, &mut md);
     }
+    if let Some(d) = &cfg.linear_attention {
+        md.extend(qwen35::metadata(cfg, d));
+    }
     md.extend(tokenizer_metadata(tokenizer, cfg)?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -2568,6 +2596,7 @@ pub fn save_gguf(
         let g = match (hf.strip_prefix(GGUF_NAMED), cfg.arch) {
             (Some(g), _) => Some(g.to_string()),
             (None, Arch::Gemma4) => gemma4_tensor_name(&hf, true),
+            (None, Arch::Qwen3_5) => qwen35::tensor_name(&hf, true),
             (None, a) => gguf_tensor_name(&hf, a),
         }
         .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?;
@@ -2581,6 +2610,9 @@ pub fn save_gguf(
         if cfg.arch.gemma() && g.ends_with("norm.weight") {
             t = t.affine(1.0, 1.0)?;
         }
+        if let Some(d) = &cfg.linear_attention {
+            t = qwen35::to_gguf(&g, t, d)?;
+        }
         if cfg.arch.llama_like() {
             if g.contains(".attn_q.") {
                 t = permute_qk(&t, cfg.num_attention_heads)?;
@@ -2588,7 +2620,8 @@ pub fn save_gguf(
                 t = permute_qk(&t, cfg.num_key_value_heads)?;
             }
         }
-        let want = if t.rank() < 2 {
+        // (Qwen3.5's convolution in f32, as llama.cpp's converter and its `ssm_conv` keep it.)
+        let want = if t.rank() < 2 || g.ends_with(".ssm_conv1d.weight") {
             GgmlDType::F32
         } else if matches!(ty, GgufType::Q4_0 | GgufType::Q4K)
             && (g == "token_embd.weight" || g == "output.weight")
@@ -3016,4 +3049,34 @@ fn gemma4_config(content: &Content) -> Result<ModelConfig> {
         }
     }
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    /// The pieces' character spans.
+    fn pieces(pre: &str, text: &str) -> Vec<(usize, usize)> {
+        let (p, _) = pre_tokenizer(pre).unwrap();
+        let mut s = PreTokenizedString::from(text);
+        p.pre_tokenize(&mut s).unwrap();
+        s.get_splits(OffsetReferential::Original, OffsetType::Char)
+            .into_iter()
+            .map(|(_, span, _)| span)
+            .collect()
+    }
+
+    /// Qwen3.5's split keeps a letter's combining marks in its word (Qwen2's cuts them off), and
+    /// a tokenizer with that split is written as `qwen35`.
+    #[test]
+    fn qwen35_pre_tokenizer_keeps_combining_marks_in_words() {
+        let text = "cafe\u{301} ok";
+        assert_eq!(pieces("qwen35", text), [(0, 5), (5, 8)]);
+        assert_eq!(pieces("qwen2", text), [(0, 4), (4, 5), (5, 8)]);
+        let (p, _) = pre_tokenizer("qwen35").unwrap();
+        let mut t = tokenizers::Tokenizer::new(BPE::default());
+        t.with_pre_tokenizer(Some(p));
+        assert_eq!(gguf_pre_tokenizer(&t).unwrap(), "qwen35");
+    }
 }

@@ -232,3 +232,105 @@ fn reads_the_vision_language_config() {
     let b = grpo_rollout::config::ModelConfig::from_hf_file(&path).unwrap();
     assert_eq!(a, b);
 }
+
+/// Written as llama.cpp's `qwen35` (the linear layers under its `ssm_*` names, `A = −exp(A_log)`,
+/// the value heads tiled over the key heads, `1 + w` norms as `1 + w`) and read back: the same
+/// model. llama.cpp's own converter's file of the micro model
+/// (`scripts/gen_qwen3_5_gguf_fixture.py`) reads as the Hugging Face directory.
+#[test]
+fn gguf_round_trips_and_reads_llama_cpps_file() {
+    let r = reference();
+    let m = load(DType::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q.gguf");
+    let written = grpo_rollout::gguf::save_gguf(
+        &m.model,
+        &m.tokenizer,
+        &path,
+        grpo_rollout::gguf::GgufType::F32,
+        "q",
+    )
+    .unwrap();
+    assert!(written.iter().any(|(n, _)| n == "blk.0.ssm_a"));
+    let want = to_f64(&logprobs(&m.model, &r));
+    let text = "Hello world, 12345 tokens\n and more";
+    for f in [path, fixtures().join("qwen3_5-micro-llama.gguf")] {
+        let back = grpo_rollout::load(&f, DType::F32, &Device::Cpu).unwrap();
+        let (a, b) = (&back.model.cfg, &m.model.cfg);
+        assert_eq!(a.linear_attention, b.linear_attention, "{f:?}");
+        assert_eq!(
+            (a.arch, a.rotary_dim(), a.head_dim, a.num_key_value_heads),
+            (b.arch, b.rotary_dim(), b.head_dim, b.num_key_value_heads),
+            "{f:?}"
+        );
+        assert_eq!(
+            (a.rope_theta, a.rms_norm_eps, a.tie_word_embeddings),
+            (b.rope_theta, b.rms_norm_eps, b.tie_word_embeddings),
+            "{f:?}"
+        );
+        assert_eq!(
+            back.tokenizer.encode(text, false).unwrap(),
+            m.tokenizer.encode(text, false).unwrap()
+        );
+        // (`A_log` goes through `−exp` and back in float32: 0 measured.)
+        let d = max_diff(&to_f64(&logprobs(&back.model, &r)), &want);
+        assert!(d < 1e-6, "{f:?}: {d}");
+    }
+}
+
+/// Layers in no fixed pattern, as many value heads as key heads, untied, quantised: the list of
+/// recurrent layers goes in the file, the convolution stays f32 (llama.cpp's `ssm_conv` reads
+/// it so), the matrices q8_0 within their rounding. Widths llama.cpp reads as one (its value
+/// heads are as wide as its keys) are refused by name.
+#[test]
+fn gguf_keeps_any_layer_pattern_and_refuses_what_llama_cpp_reads_otherwise() {
+    use grpo_rollout::gguf::{GgufType, save_gguf};
+    let tok = load(DType::F32).tokenizer;
+    let mut c = grpo_rollout::init::preset_config(
+        grpo_rollout::init::Preset::Tiny,
+        Arch::Qwen3_5,
+        300,
+        2,
+        0,
+    );
+    c.num_hidden_layers = 5;
+    c.tie_word_embeddings = false;
+    {
+        let d = c.linear_attention.as_mut().unwrap();
+        d.layers = vec![0, 1, 3];
+        d.value_heads = d.key_heads;
+    }
+    let m = grpo_rollout::init::random_weights(&c, 3, DType::F32, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [vec![5u32, 9, 40, 7, 7, 100, 3, 250, 11, 12, 13]];
+    let lp = |m: &grpo_rollout::Transformer| {
+        let (ids, mask) = grpo_rollout::generate::left_pad(&rows, 0, &Device::Cpu).unwrap();
+        let lp = m
+            .completion_logprobs(&ids, &mask, 10, 1.0, false)
+            .unwrap()
+            .0;
+        to_f64(&lp)
+    };
+    let want = lp(&m);
+    for (ty, tol) in [(GgufType::F32, 1e-6), (GgufType::Q8_0, 0.02)] {
+        let path = dir.path().join(format!("{ty:?}.gguf"));
+        let written = save_gguf(&m, &tok, &path, ty, "q").unwrap();
+        for (name, kind) in &written {
+            if name.ends_with("ssm_conv1d.weight") {
+                assert_eq!(kind, "F32", "{name}");
+            }
+        }
+        let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(back.model.cfg.linear_attention, m.cfg.linear_attention);
+        assert!(!back.model.cfg.tie_word_embeddings);
+        let d = max_diff(&lp(&back.model), &want);
+        assert!(d < tol, "{ty:?}: {d}");
+    }
+    let mut wide = c.clone();
+    wide.linear_attention.as_mut().unwrap().value_dim *= 2;
+    let m = grpo_rollout::init::random_weights(&wide, 3, DType::F32, &Device::Cpu).unwrap();
+    let e = save_gguf(&m, &tok, &dir.path().join("w.gguf"), GgufType::F32, "w")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("linear_value_head_dim"), "{e}");
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env python3
+"""llama.cpp's own GGUF file of the Qwen3.5 micro model, for grpo-rollout/tests/qwen3_5.rs.
+
+Runs llama.cpp's `convert_hf_to_gguf.py` (from a llama.cpp checkout, `--llama-cpp DIR`) on
+fixtures/qwen3_5-micro (made by gen_qwen3_5_reference.py) and writes
+fixtures/qwen3_5-micro-llama.gguf (f32, `--no-mtp`: the micro model has no next-token-prediction
+layer). The micro model's tokenizer is a plain byte-level BPE, whose hash llama.cpp's converter
+does not know: its pre-tokenizer is named `gpt-2` here, the rest of the conversion as llama.cpp
+runs it.
+
+    python3 scripts/gen_qwen3_5_gguf_fixture.py --llama-cpp /path/to/llama.cpp grpo-rollout/tests/fixtures
+
+Needs torch, transformers 5, and the llama.cpp checkout's Python requirements (its gguf-py).
+"""
+import argparse, os, runpy, sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--llama-cpp", required=True)
+ap.add_argument("fixtures")
+a = ap.parse_args()
+sys.path.insert(0, a.llama_cpp)
+sys.path.insert(0, os.path.join(a.llama_cpp, "gguf-py"))
+import conversion.base as base
+
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", os.path.join(a.fixtures, "qwen3_5-micro"), "--no-mtp",
+            "--outtype", "f32", "--outfile", os.path.join(a.fixtures, "qwen3_5-micro-llama.gguf")]
+runpy.run_path(os.path.join(a.llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
