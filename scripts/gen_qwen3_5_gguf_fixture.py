@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""llama.cpp's own GGUF file of the Qwen3.5 micro model, for grpo-rollout/tests/qwen3_5.rs.
+"""llama.cpp's own GGUF files of the Qwen3.5 micro models, for grpo-rollout/tests/qwen3_5.rs.
 
 Runs llama.cpp's `convert_hf_to_gguf.py` (from a llama.cpp checkout, `--llama-cpp DIR`) on
-fixtures/qwen3_5-micro (made by gen_qwen3_5_reference.py) and writes
-fixtures/qwen3_5-micro-llama.gguf (f32, `--no-mtp`: the micro model has no next-token-prediction
-layer). The micro model's tokenizer is a plain byte-level BPE, whose hash llama.cpp's converter
+fixtures/qwen3_5-micro and fixtures/qwen3_5_moe-micro (made by gen_qwen3_5_reference.py and
+gen_qwen3_5_moe_reference.py) and writes fixtures/qwen3_5-micro-llama.gguf and
+fixtures/qwen3_5_moe-micro-llama.gguf (f32, `--no-mtp`: the micro models have no
+next-token-prediction layer). The micro models' tokenizer is a plain byte-level BPE, whose hash llama.cpp's converter
 does not know: its pre-tokenizer is named `gpt-2` here, the rest of the conversion as llama.cpp
 runs it.
 
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.join(a.llama_cpp, "gguf-py"))
 import conversion.base as base
 
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", os.path.join(a.fixtures, "qwen3_5-micro"), "--no-mtp",
-            "--outtype", "f32", "--outfile", os.path.join(a.fixtures, "qwen3_5-micro-llama.gguf")]
-runpy.run_path(os.path.join(a.llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+for name in ("qwen3_5-micro", "qwen3_5_moe-micro"):
+    sys.argv = ["convert_hf_to_gguf.py", os.path.join(a.fixtures, name), "--no-mtp", "--outtype", "f32",
+                "--outfile", os.path.join(a.fixtures, f"{name}-llama.gguf")]
+    runpy.run_path(os.path.join(a.llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")

@@ -15,14 +15,14 @@ position ids), the gradient of their sum for one weight of each kind, a greedy c
 
 Needs torch and transformers 5.2x.
 """
-import inspect, json, os, sys
+import json, os, sys
 
 import torch
 import transformers
 import transformers.models.qwen3_5.modeling_qwen3_5 as M
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from reference_common import copy_tokenizer, greedy, padded_logprobs, peft_adapter
+from reference_common import copy_tokenizer, gated_delta_in_float64, greedy, padded_logprobs, peft_adapter
 
 ROWS = [[(5 * i * i + 3 * i + 7) % 290 + 3 for i in range(90)], [(11 * i + 4) % 290 + 3 for i in range(57)]]
 T = 40
@@ -35,22 +35,6 @@ GRADS = [
     "model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.q_proj.weight",
     "model.layers.3.input_layernorm.weight",
 ]
-
-
-def in_float64():
-    """transformers' Qwen3.5 with its float32 islands (the delta rule, the gated norm, the
-    decays, the RMSNorms, the eager softmax) in float64: a float64 model then computes in float64
-    throughout, the reference for our float64 model."""
-    for name in ["torch_chunk_gated_delta_rule", "eager_attention_forward"]:
-        src = inspect.getsource(getattr(M, name)).replace("torch.float32", "torch.float64")
-        exec("\n".join(l for l in src.split("\n") if not l.startswith("@")), M.__dict__)
-    for cls in [M.Qwen3_5RMSNormGated, M.Qwen3_5GatedDeltaNet]:
-        src = inspect.getsource(cls.forward).replace("torch.float32", "torch.float64")
-        src = src.replace(".float()", ".double()")
-        ns = {}
-        exec("\n".join(l[4:] for l in src.split("\n") if not l.strip().startswith("@")), M.__dict__, ns)
-        cls.forward = ns["forward"]
-    M.Qwen3_5RMSNorm.forward = lambda self, x: self._norm(x) * (1.0 + self.weight)
 
 
 def main():
@@ -95,7 +79,7 @@ def main():
     with torch.no_grad():
         bf16 = (padded_logprobs(mb, ROWS, T) - lp.detach()).abs().max().item()
     # Each row alone in float64 throughout.
-    in_float64()
+    gated_delta_in_float64(M, "Qwen3_5")
     m64 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
     alone64 = []
     for r in ROWS:

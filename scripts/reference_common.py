@@ -1,7 +1,7 @@
 """What the gen_*_reference.py scripts share: the left-padded rows with per-row position ids,
 their log-probs, a greedy continuation, a PEFT `all-linear` adapter with its adapted log-probs,
 the micro models' tokenizer. Imported by those scripts (run from any directory)."""
-import os, shutil
+import inspect, os, shutil
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -55,3 +55,23 @@ def peft_adapter(path, out, rows, t, scale=1.0):
     os.remove(os.path.join(out, "README.md"))
     with torch.no_grad():
         return padded_logprobs(pm, rows, t).tolist()
+
+
+def gated_delta_in_float64(module, prefix):
+    """transformers' Qwen3.5 (`module`, its classes named `{prefix}...`) with its float32 islands
+    (the delta rule, the gated norm, the decays, the RMSNorms, the eager softmax, an MoE router's
+    softmax) in float64: a float64 model then computes in float64 throughout (the RoPE angles
+    stay float32, as ours), the reference for our float64 model."""
+    for name in ["torch_chunk_gated_delta_rule", "eager_attention_forward"]:
+        src = inspect.getsource(getattr(module, name)).replace("torch.float32", "torch.float64")
+        exec("\n".join(l for l in src.split("\n") if not l.startswith("@")), module.__dict__)
+    classes = [getattr(module, prefix + c) for c in ["RMSNormGated", "GatedDeltaNet", "TopKRouter"]
+               if hasattr(module, prefix + c)]
+    for cls in classes:
+        src = inspect.getsource(cls.forward).replace("torch.float32", "torch.float64")
+        src = src.replace(".float()", ".double()").replace("dtype=torch.float,", "dtype=torch.float64,")
+        ns = {}
+        exec("\n".join(l[4:] for l in src.split("\n") if not l.strip().startswith("@")), module.__dict__, ns)
+        cls.forward = ns["forward"]
+    getattr(module, prefix + "RMSNorm").forward = lambda self, x: self._norm(x) * (1.0 + self.weight)
+

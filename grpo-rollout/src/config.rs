@@ -151,6 +151,12 @@ pub enum Arch {
     /// each head's output (`sigmoid`), RoPE on a quarter of each head, `1 + w` RMSNorms.
     #[serde(rename = "qwen3_5_text")]
     Qwen3_5,
+    /// Alibaba Qwen3.5's mixtures of experts (`qwen3_5_moe_text`, the language model of the
+    /// `qwen3_5_moe` checkpoints: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's layers with
+    /// an MoE MLP in every layer — a softmax router whose chosen weights are renormalised, and
+    /// Qwen2-MoE's shared expert weighted by `sigmoid(shared_expert_gate · h)`.
+    #[serde(rename = "qwen3_5_moe_text")]
+    Qwen3_5Moe,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -179,7 +185,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 32] = [
+    pub const ALL: [Arch; 33] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -212,6 +218,7 @@ impl Arch {
         Arch::Gemma4,
         Arch::HunyuanDense,
         Arch::Qwen3_5,
+        Arch::Qwen3_5Moe,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -249,6 +256,7 @@ impl Arch {
             Arch::Gemma4 => "gemma4_text",
             Arch::HunyuanDense => "hunyuan_v1_dense",
             Arch::Qwen3_5 => "qwen3_5_text",
+            Arch::Qwen3_5Moe => "qwen3_5_moe_text",
         }
     }
 
@@ -260,8 +268,15 @@ impl Arch {
             Arch::Qwen2Moe => Arch::Qwen2,
             Arch::Mixtral | Arch::Ministral3 => Arch::Mistral,
             Arch::GraniteMoe => Arch::Granite,
+            Arch::Qwen3_5Moe => Arch::Qwen3_5,
             a => a,
         }
+    }
+
+    /// Whether the layers are Qwen3.5's (linear attention and gated full attention, `1 + w`
+    /// norms): Qwen3.5 and its mixtures of experts.
+    pub fn qwen3_5(self) -> bool {
+        self.attention() == Arch::Qwen3_5
     }
 
     /// Whether the MLPs are mixtures of experts ([`MoeConfig`]).
@@ -278,6 +293,7 @@ impl Arch {
                 | Arch::DeepseekV3
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
+                | Arch::Qwen3_5Moe
         )
     }
 
@@ -319,9 +335,9 @@ impl Arch {
     }
 
     /// Whether the shared expert's output is weighted by `sigmoid(shared_expert_gate · h)`
-    /// (Qwen2-MoE); GLM-4.5's shared experts are added as they are.
+    /// (Qwen2-MoE, Qwen3.5's MoE); GLM-4.5's shared experts are added as they are.
     pub fn gated_shared_expert(self) -> bool {
-        self == Arch::Qwen2Moe
+        matches!(self, Arch::Qwen2Moe | Arch::Qwen3_5Moe)
     }
 
     /// Whether the router and each expert's maps have biases (gpt-oss).
@@ -357,6 +373,7 @@ impl Arch {
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
                 | Arch::Qwen3_5
+                | Arch::Qwen3_5Moe
         )
     }
 
@@ -467,6 +484,7 @@ impl Arch {
                     | Arch::NanoChat
                     | Arch::HunyuanDense
                     | Arch::Qwen3_5
+                    | Arch::Qwen3_5Moe
             )
     }
 
@@ -523,8 +541,9 @@ impl Arch {
             "gemma4_text" => Ok(Arch::Gemma4),
             "hunyuan_v1_dense" => Ok(Arch::HunyuanDense),
             "qwen3_5_text" => Ok(Arch::Qwen3_5),
+            "qwen3_5_moe_text" => Ok(Arch::Qwen3_5Moe),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_5)"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense, qwen3_5_moe_text (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5 and qwen3_5_moe)"
             ),
         }
     }
@@ -1091,6 +1110,7 @@ impl MoeConfig {
             Arch::Glm4MoeLite => (64, 4, 1536),
             Arch::DeepseekV2 => (64, 6, 1407),
             Arch::Qwen2Moe => (60, 4, 1408),
+            Arch::Qwen3_5Moe => (256, 8, 512),
             Arch::Olmoe => (64, 8, intermediate_size),
             Arch::GptOss => (128, 4, intermediate_size),
             _ => (8, 2, intermediate_size),
@@ -1109,7 +1129,8 @@ impl MoeConfig {
                 "num_experts_per_tok = {num_experts_per_tok} must be from 1 to num_experts ({num_experts})"
             );
         }
-        let decoder_sparse_step = match arch.deepseek_moe() {
+        // (Qwen3.5's MoE: every layer sparse, the chosen weights always renormalised.)
+        let decoder_sparse_step = match arch.deepseek_moe() || arch == Arch::Qwen3_5Moe {
             true => 1,
             false => int("decoder_sparse_step", 1)?,
         };
@@ -1134,6 +1155,7 @@ impl MoeConfig {
                 Some(x) => bail!("field `mlp_layer_types` must be a list, not {x}"),
             },
             // GLM-4.5's and DeepSeek-V3's first `first_k_dense_replace` layers are dense.
+            _ if arch == Arch::Qwen3_5Moe => Vec::new(),
             _ if arch.deepseek_moe() => {
                 let k = match arch {
                     Arch::DeepseekV3 => 3,
@@ -1221,16 +1243,20 @@ impl MoeConfig {
             moe_intermediate_size,
             // Mixtral's, Granite MoE's and gpt-oss's (a softmax over the chosen logits) always
             // sum to 1.
-            norm_topk_prob: matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss)
-                || v.get("norm_topk_prob")
-                    .and_then(Value::as_bool)
-                    // Glm4MoeConfig's and DeepseekV3Config's default renormalises (DeepSeek-V2's
-                    // router never does).
-                    .unwrap_or(arch.deepseek_moe() && arch != Arch::DeepseekV2),
+            norm_topk_prob: matches!(
+                arch,
+                Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss | Arch::Qwen3_5Moe
+            ) || v
+                .get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                // Glm4MoeConfig's and DeepseekV3Config's default renormalises (DeepSeek-V2's
+                // router never does).
+                .unwrap_or(arch.deepseek_moe() && arch != Arch::DeepseekV2),
             decoder_sparse_step,
             mlp_only_layers,
             shared_expert_intermediate_size: match arch {
                 Arch::Qwen2Moe => Some(int("shared_expert_intermediate_size", 5632)?),
+                Arch::Qwen3_5Moe => Some(int("shared_expert_intermediate_size", 512)?),
                 // GLM-4.5's and DeepSeek-V3's `n_shared_experts` experts' width, as one MLP.
                 a if a.deepseek_moe() => {
                     Some(int("n_shared_experts", 1)? * moe_intermediate_size).filter(|w| *w > 0)
@@ -1388,6 +1414,17 @@ impl MoeConfig {
         if matches!(arch, Arch::Mixtral | Arch::GraniteMoe | Arch::GptOss) {
             return;
         }
+        // Qwen3.5's MoE config has no such fields (every layer sparse, always renormalised).
+        if arch == Arch::Qwen3_5Moe {
+            obj.insert(
+                "moe_intermediate_size".into(),
+                self.moe_intermediate_size.into(),
+            );
+            if let Some(s) = self.shared_expert_intermediate_size {
+                obj.insert("shared_expert_intermediate_size".into(), s.into());
+            }
+            return;
+        }
         obj.insert("norm_topk_prob".into(), self.norm_topk_prob.into());
         if arch == Arch::Olmoe {
             return;
@@ -1471,6 +1508,7 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
         Some("mistral3") => "mistral",
         Some("gemma4") => "gemma4_text",
         Some("qwen3_5") => "qwen3_5_text",
+        Some("qwen3_5_moe") => "qwen3_5_moe_text",
         Some(t @ ("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")) => return qwen_vl_text(v, t).map(Some),
         _ => return Ok(None),
     };
@@ -1801,7 +1839,8 @@ impl ModelConfig {
                 | Arch::SmolLM3
                 | Arch::Qwen3Moe
                 | Arch::Qwen2Moe
-                | Arch::Qwen3_5 => 32768,
+                | Arch::Qwen3_5
+                | Arch::Qwen3_5Moe => 32768,
                 Arch::Mistral | Arch::Gemma3 | Arch::Mixtral | Arch::Gemma4 => 4096 * 32,
                 Arch::Ministral3 => 262_144,
                 Arch::Ernie45 | Arch::GptOss | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => 131_072,
@@ -1883,13 +1922,13 @@ impl ModelConfig {
             .and_then(Value::as_f64)
             // GLM's default: half of each head rotates; Qwen3.5's a quarter.
             .or((arch.glm() || arch == Arch::Glm4Moe).then_some(0.5))
-            .or((arch == Arch::Qwen3_5).then_some(0.25))
+            .or(arch.qwen3_5().then_some(0.25))
             .filter(|p| *p != 1.0);
         if let Some(p) = partial_rotary_factor
-            && !(arch == Arch::Phi3 || arch.glm() || arch == Arch::Glm4Moe || arch == Arch::Qwen3_5)
+            && !(arch == Arch::Phi3 || arch.glm() || arch == Arch::Glm4Moe || arch.qwen3_5())
         {
             bail!(
-                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's, glm4's, glm4_moe's and qwen3_5_text's)"
+                "partial_rotary_factor = {p} is not supported for {model_type} (only phi3's, glm's, glm4's, glm4_moe's and Qwen3.5's)"
             );
         }
         let flag = |k: &str, default: bool| v.get(k).and_then(Value::as_bool).unwrap_or(default);
@@ -2121,11 +2160,19 @@ impl ModelConfig {
             }
             _ => None,
         };
+        // Qwen3.5's MoE config has no dense width (every layer sparse): the experts'.
+        let intermediate_size = match (arch, v.get("intermediate_size")) {
+            (Arch::Qwen3_5Moe, None | Some(Value::Null)) => v
+                .get("moe_intermediate_size")
+                .and_then(Value::as_u64)
+                .map_or(512, |x| x as usize),
+            _ => req("intermediate_size")?,
+        };
         let cfg = ModelConfig {
             arch,
             vocab_size: req("vocab_size")?,
             hidden_size,
-            intermediate_size: req("intermediate_size")?,
+            intermediate_size,
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
@@ -2194,7 +2241,8 @@ impl ModelConfig {
                 | Arch::DeepseekV2
                 | Arch::NanoChat
                 | Arch::HunyuanDense
-                | Arch::Qwen3_5 => flag("attention_bias", false),
+                | Arch::Qwen3_5
+                | Arch::Qwen3_5Moe => flag("attention_bias", false),
             },
             mlp_bias: match arch {
                 Arch::Ernie45 => flag("use_bias", false),
@@ -2259,17 +2307,17 @@ impl ModelConfig {
             attn_logit_softcapping,
             final_logit_softcapping,
             moe: match arch.moe() {
-                true => Some(MoeConfig::from_hf_json(v, arch, req("intermediate_size")?)?),
+                true => Some(MoeConfig::from_hf_json(v, arch, intermediate_size)?),
                 false => None,
             },
             mla,
             gemma4,
-            linear_attention: match arch {
-                Arch::Qwen3_5 => Some(crate::delta::DeltaConfig::from_hf_json(
+            linear_attention: match arch.qwen3_5() {
+                true => Some(crate::delta::DeltaConfig::from_hf_json(
                     v,
                     num_hidden_layers,
                 )?),
-                _ => None,
+                false => None,
             },
         };
         cfg.validate()?;
@@ -2417,6 +2465,7 @@ impl ModelConfig {
                     Arch::Gemma4 => "Gemma4",
                     Arch::HunyuanDense => "HunYuanDenseV1",
                     Arch::Qwen3_5 => "Qwen3_5",
+                    Arch::Qwen3_5Moe => "Qwen3_5Moe",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -2439,6 +2488,9 @@ impl ModelConfig {
             "use_cache": true,
         });
         let obj = v.as_object_mut().expect("a JSON object");
+        if self.arch == Arch::Qwen3_5Moe {
+            obj.remove("intermediate_size");
+        }
         match &self.rope_scaling {
             Some(s) => {
                 obj.insert("rope_scaling".into(), s.to_hf_json());
@@ -2603,7 +2655,7 @@ impl ModelConfig {
                 obj.insert("partial_rotary_factor".into(), p.into());
             }
             // GLM's and GLM-4.5's default is half: every dimension rotating is written as such.
-            None if self.arch.glm() || matches!(self.arch, Arch::Glm4Moe | Arch::Qwen3_5) => {
+            None if self.arch.glm() || self.arch == Arch::Glm4Moe || self.arch.qwen3_5() => {
                 obj.insert("partial_rotary_factor".into(), 1.0.into());
             }
             None => {}
@@ -2788,7 +2840,7 @@ impl ModelConfig {
 
     /// Gemma's RMSNorms scale by `1 + w` (their weights are stored as `w`).
     pub fn unit_offset_norms(&self) -> bool {
-        self.arch.gemma() || self.arch == Arch::Qwen3_5
+        self.arch.gemma() || self.arch.qwen3_5()
     }
 
     /// Whether o_proj has a bias: `attention_bias` on the families that bias o with it

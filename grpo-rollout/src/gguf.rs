@@ -196,6 +196,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "glm4moe" => Ok(Arch::Glm4Moe),
         "hunyuan-dense" => Ok(Arch::HunyuanDense),
         "qwen35" => Ok(Arch::Qwen3_5),
+        "qwen35moe" => Ok(Arch::Qwen3_5Moe),
         // Ministral 3 (its YaRN and attention temperature), or Mistral Small 3.1's plain
         // Mistral layers, as llama.cpp's converter writes both.
         "mistral3" => match md.get("mistral3.rope.scaling.type").and_then(as_str) {
@@ -223,14 +224,15 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             | Arch::Ministral3
             | Arch::Gemma4
             | Arch::HunyuanDense
-            | Arch::Qwen3_5 => Err(()),
+            | Arch::Qwen3_5
+            | Arch::Qwen3_5Moe => Err(()),
             a => Ok(a),
         }),
     }
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35, qwen35moe)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -311,7 +313,14 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         arch,
         vocab_size,
         hidden_size,
-        intermediate_size: req("feed_forward_length")?,
+        // (Qwen3.5's MoE files have no dense width: the experts'.)
+        intermediate_size: match arch {
+            Arch::Qwen3_5Moe => md
+                .get(&key("feed_forward_length"))
+                .and_then(as_u64)
+                .map_or(req("expert_feed_forward_length")?, |x| x as usize),
+            _ => req("feed_forward_length")?,
+        },
         num_hidden_layers,
         num_attention_heads,
         num_key_value_heads,
@@ -354,7 +363,9 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
                 decoder_sparse_step: 1,
                 mlp_only_layers: Vec::new(),
                 shared_expert_intermediate_size: match arch {
-                    Arch::Qwen2Moe => Some(req("expert_shared_feed_forward_length")?),
+                    Arch::Qwen2Moe | Arch::Qwen3_5Moe => {
+                        Some(req("expert_shared_feed_forward_length")?)
+                    }
                     _ => None,
                 },
                 router_aux_loss_coef: arch.default_router_aux_loss_coef(),
@@ -431,8 +442,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         deepseek_fields(content, &key, &mut cfg)?;
     }
     // Qwen3.5's linear layers; its rotary part (a quarter of a head in its releases).
-    if arch == Arch::Qwen3_5 {
-        cfg.linear_attention = Some(qwen35::delta_config(md, num_hidden_layers)?);
+    if arch.qwen3_5() {
+        cfg.linear_attention = Some(qwen35::delta_config(md, arch_name, num_hidden_layers)?);
         cfg.partial_rotary_factor = Some(
             md.get(&key("rope.dimension_count"))
                 .and_then(as_u64)
@@ -989,7 +1000,7 @@ fn read_weights<R: Read + Seek>(
         }
         let mut hf = match cfg.arch {
             Arch::Gemma4 => gemma4_tensor_name(name, false),
-            Arch::Qwen3_5 => qwen35::tensor_name(name, false),
+            a if a.qwen3_5() => qwen35::tensor_name(name, false, a),
             a => hf_tensor_name(name, a),
         }
         .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
@@ -2331,6 +2342,7 @@ pub fn save_gguf(
         // writes it.
         Arch::HunyuanDense => "hunyuan-dense",
         Arch::Qwen3_5 => "qwen35",
+        Arch::Qwen3_5Moe => "qwen35moe",
         a if a.mla() => "deepseek2",
         a => a.as_str(),
     };
@@ -2566,7 +2578,7 @@ pub fn save_gguf(
         gemma4_metadata(cfg, g, &mut md);
     }
     if let Some(d) = &cfg.linear_attention {
-        md.extend(qwen35::metadata(cfg, d));
+        md.extend(qwen35::metadata(cfg, d, arch));
     }
     md.extend(tokenizer_metadata(tokenizer, cfg)?);
 
@@ -2596,7 +2608,7 @@ pub fn save_gguf(
         let g = match (hf.strip_prefix(GGUF_NAMED), cfg.arch) {
             (Some(g), _) => Some(g.to_string()),
             (None, Arch::Gemma4) => gemma4_tensor_name(&hf, true),
-            (None, Arch::Qwen3_5) => qwen35::tensor_name(&hf, true),
+            (None, a) if a.qwen3_5() => qwen35::tensor_name(&hf, true, a),
             (None, a) => gguf_tensor_name(&hf, a),
         }
         .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?;
@@ -2620,8 +2632,13 @@ pub fn save_gguf(
                 t = permute_qk(&t, cfg.num_key_value_heads)?;
             }
         }
-        // (Qwen3.5's convolution in f32, as llama.cpp's converter and its `ssm_conv` keep it.)
-        let want = if t.rank() < 2 || g.ends_with(".ssm_conv1d.weight") {
+        // (Qwen3.5's convolution in f32, as llama.cpp's converter and its `ssm_conv` keep it;
+        // the routers too, as llama.cpp's converter and llama-quantize keep them.)
+        let want = if t.rank() < 2
+            || g.ends_with(".ssm_conv1d.weight")
+            || g.ends_with(".ffn_gate_inp.weight")
+            || g.ends_with(".ffn_gate_inp_shexp.weight")
+        {
             GgmlDType::F32
         } else if matches!(ty, GgufType::Q4_0 | GgufType::Q4K)
             && (g == "token_embd.weight" || g == "output.weight")

@@ -266,7 +266,7 @@ pub fn preset_config(
             Arch::Phi3 => Some(0.75),
             a if a.glm() || a == Arch::Glm4Moe => Some(0.5),
             // Qwen3.5's quarter.
-            Arch::Qwen3_5 => Some(0.25),
+            a if a.qwen3_5() => Some(0.25),
             _ => None,
         },
         // Gemma 2's soft caps (transformers' defaults).
@@ -301,7 +301,7 @@ pub fn preset_config(
             },
             // GLM-4.5's and DeepSeek-V3's one shared expert is an expert's width.
             shared_expert_intermediate_size: match arch {
-                Arch::Qwen2Moe => Some(inter),
+                Arch::Qwen2Moe | Arch::Qwen3_5Moe => Some(inter),
                 a if a.deepseek_moe() => Some(inter / 2),
                 _ => None,
             },
@@ -371,7 +371,7 @@ pub fn preset_config(
         }),
         // Qwen3.5's linear attention on three layers of four (the tiny preset: the first of
         // two), two key heads serving four value heads.
-        linear_attention: (arch == Arch::Qwen3_5).then(|| crate::delta::DeltaConfig {
+        linear_attention: arch.qwen3_5().then(|| crate::delta::DeltaConfig {
             layers: (0..layers)
                 .filter(|i| (i + 1) % 4 != 0 && i + 1 != layers)
                 .collect(),
@@ -403,7 +403,7 @@ pub fn random_weights(
     let h = cfg.hidden_size;
     let q = cfg.num_attention_heads * cfg.head_dim;
     // Qwen3.5's gate rows after the query rows.
-    let qr = if cfg.arch == Arch::Qwen3_5 { 2 * q } else { q };
+    let qr = if cfg.arch.qwen3_5() { 2 * q } else { q };
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     let im = cfg.intermediate_size;
     let mut shapes: Vec<(String, Vec<usize>, bool)> = vec![(

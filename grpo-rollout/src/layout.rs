@@ -140,7 +140,7 @@ pub fn fused_parts(cfg: &ModelConfig) -> Vec<Fused> {
 /// of a fused one (ERNIE 4.5, GLM; Phi-3's are in `qkv_proj`), or holds Qwen3.5's gate rows
 /// apart ([`q_rows`]).
 pub fn qk_reordered_apart(cfg: &ModelConfig) -> bool {
-    (rotary_order(cfg).is_some() || cfg.arch == Arch::Qwen3_5)
+    (rotary_order(cfg).is_some() || cfg.arch.qwen3_5())
         && !fused_parts(cfg)
             .iter()
             .any(|f| f.parts.iter().any(|(p, _)| rotated(p)))
@@ -150,7 +150,7 @@ pub fn qk_reordered_apart(cfg: &ModelConfig) -> bool {
 /// model's (`to_model`) or back: [`reorder_heads`], and for Qwen3.5's gated attention the
 /// files' per-head `[query rows, gate rows]` to the model's `[all query rows, all gate rows]`.
 pub fn q_rows(cfg: &ModelConfig, t: &Tensor, to_model: bool) -> Result<Tensor> {
-    if cfg.arch != Arch::Qwen3_5 {
+    if !cfg.arch.qwen3_5() {
         return reorder_heads(cfg, t, to_model);
     }
     let (nh, hd) = (cfg.num_attention_heads, cfg.head_dim);
@@ -298,7 +298,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
             .collect(),
         _ => weights,
     };
-    let reorder = rotary_order(cfg).is_some() || cfg.arch == Arch::Qwen3_5;
+    let reorder = rotary_order(cfg).is_some() || cfg.arch.qwen3_5();
     let fused = fused_parts(cfg);
     if !reorder && fused.is_empty() {
         return Ok(weights);

@@ -600,6 +600,7 @@ fn router_adaptable(arch: crate::config::Arch) -> bool {
         arch,
         Arch::Qwen3Moe
             | Arch::Qwen2Moe
+            | Arch::Qwen3_5Moe
             | Arch::Mixtral
             | Arch::Olmoe
             | Arch::Glm4Moe

@@ -2170,7 +2170,7 @@ impl Transformer {
                 }
                 None => None,
             };
-            let attn_gate = cfg.arch == Arch::Qwen3_5 && delta.is_none();
+            let attn_gate = cfg.arch.qwen3_5() && delta.is_none();
             // DeepSeek's latent attention in the q, k, v slots ([`crate::mla`]);
             // `attention_bias` biases q_a, kv_a and o.
             let (q_proj, k_proj, v_proj, o_proj, mla) = match &cfg.mla {

@@ -228,8 +228,10 @@ fn shared_prompts_count_as_repeated_rows() {
 }
 
 /// Each MoE family as llama.cpp's GGUF (`qwen3moe`, `qwen2moe`, Mixtral as `llama` with
-/// experts, `olmoe`, `granitemoe` with Granite's scalars): the experts stacked as `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`,
-/// Qwen2-MoE's shared expert `ffn_*_shexp` and its gate; read back, the same model and config.
+/// experts, `olmoe`, `granitemoe` with Granite's scalars, `qwen35moe`): the experts stacked as
+/// `ffn_{gate,up,down}_exps`, the router `ffn_gate_inp`, Qwen2-MoE's and Qwen3.5's shared expert
+/// `ffn_*_shexp` and its gate; read back, the same model and config. Quantised, the routers stay
+/// f32 (as llama.cpp's converter and llama-quantize keep them).
 #[test]
 fn moe_gguf_round_trips() {
     use grpo_rollout::gguf::{GgufType, load_gguf, save_gguf};
@@ -244,6 +246,7 @@ fn moe_gguf_round_trips() {
         grpo_rollout::Arch::Mixtral,
         grpo_rollout::Arch::Olmoe,
         grpo_rollout::Arch::GraniteMoe,
+        grpo_rollout::Arch::Qwen3_5Moe,
     ] {
         let mut c = preset_config(Preset::Small, arch, 300, 2, 0);
         c.tie_word_embeddings = false;
@@ -264,7 +267,7 @@ fn moe_gguf_round_trips() {
         }
         assert!(!names.iter().any(|n| n.contains("experts")), "{names:?}");
         let shared = names.contains(&"blk.0.ffn_gate_inp_shexp.weight");
-        assert_eq!(shared, arch == grpo_rollout::Arch::Qwen2Moe);
+        assert_eq!(shared, arch.gated_shared_expert());
         let (cfg, weights, _) = load_gguf(&path, DType::F32, &Device::Cpu).unwrap();
         assert_eq!(cfg.arch, arch);
         assert_eq!(cfg.moe, c.moe, "{arch:?}");
@@ -280,6 +283,13 @@ fn moe_gguf_round_trips() {
         };
         let d = max_diff(&lp(&back), &lp(&m));
         assert!(d < 1e-5, "{arch:?}: {d}");
+        let q8 = save_gguf(&m, &tok, &tmp.path().join("q8.gguf"), GgufType::Q8_0, "m").unwrap();
+        for (n, t) in &q8 {
+            if n.contains(".ffn_gate_inp") {
+                assert_eq!(t, "F32", "{arch:?} {n}");
+            }
+        }
+        assert!(q8.iter().any(|(_, t)| t == "Q8_0"));
     }
 }
 

@@ -6,7 +6,11 @@
 //! `fixtures/qwen3_5-micro` (4 layers: linear, full, linear, full; tied), written by
 //! `scripts/gen_qwen3_5_reference.py` (transformers 5.24, float32, eager attention): log-probs
 //! of the last `t` tokens of two left-padded rows of 90 and 57 tokens, the gradient of their
-//! sum for one weight of each kind, a greedy continuation through transformers' cache.
+//! sum for one weight of each kind, a greedy continuation through transformers' cache. Its
+//! mixture of experts (`qwen3_5_moe_text`) likewise: `fixtures/qwen3_5_moe-micro` (full, linear,
+//! linear, full; 4 experts of which 2 per token and a gated shared expert in every layer;
+//! untied) and `fixtures/qwen3_5_moe_reference.json` from `scripts/gen_qwen3_5_moe_reference.py`,
+//! with the load-balancing loss and its router gradients.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod common;
@@ -18,12 +22,23 @@ use common::{fixtures, max_diff_f64 as max_diff, padded_logprobs as logprobs, to
 use grpo_rollout::config::Arch;
 use serde_json::Value;
 
-fn reference() -> Value {
-    common::reference("qwen3_5_reference.json")
+/// The micro models: Qwen3.5 and its mixture of experts.
+const MODELS: [&str; 2] = ["qwen3_5-micro", "qwen3_5_moe-micro"];
+
+/// A micro model's reference values (`qwen3_5_reference.json` of `qwen3_5-micro`).
+fn reference_of(model: &str) -> Value {
+    common::reference(&format!(
+        "{}_reference.json",
+        model.trim_end_matches("-micro")
+    ))
+}
+
+fn load_model(model: &str, dtype: DType) -> grpo_rollout::LoadedModel {
+    grpo_rollout::load(&fixtures().join(model), dtype, &Device::Cpu).unwrap()
 }
 
 fn load(dtype: DType) -> grpo_rollout::LoadedModel {
-    grpo_rollout::load(&fixtures().join("qwen3_5-micro"), dtype, &Device::Cpu).unwrap()
+    load_model(MODELS[0], dtype)
 }
 
 fn want_logprobs(r: &Value) -> Vec<f64> {
@@ -34,19 +49,34 @@ fn want_logprobs(r: &Value) -> Vec<f64> {
 
 #[test]
 fn logprobs_gradients_and_decoding_match_transformers() {
-    let r = reference();
-    let m = load(DType::F32);
-    let cfg = &m.model.cfg;
-    assert_eq!(cfg.arch, Arch::Qwen3_5);
-    assert_eq!(cfg.linear_attention.as_ref().unwrap().layers, vec![0, 2]);
-    assert_eq!(cfg.rotary_dim(), 4);
-    // Rounding apart (see `float64_equals_transformers_in_float64`).
-    let d = max_diff(&to_f64(&logprobs(&m.model, &r)), &want_logprobs(&r));
-    assert!(d < 3e-4, "{d}");
-    check_grads(&m.model, &r, "grads", 5e-3);
-    let prompt: Vec<u32> = serde_json::from_value(r["prompt"].clone()).unwrap();
-    let greedy: Vec<u32> = serde_json::from_value(r["greedy"].clone()).unwrap();
-    assert_eq!(common::greedy(&m, &prompt, greedy.len()), greedy);
+    for (model, arch, linear) in [
+        (MODELS[0], Arch::Qwen3_5, vec![0, 2]),
+        (MODELS[1], Arch::Qwen3_5Moe, vec![1, 2]),
+    ] {
+        let r = reference_of(model);
+        let m = load_model(model, DType::F32);
+        let cfg = &m.model.cfg;
+        assert_eq!(cfg.arch, arch);
+        assert_eq!(cfg.linear_attention.as_ref().unwrap().layers, linear);
+        assert_eq!(cfg.rotary_dim(), 4);
+        assert_eq!(
+            m.model.layers.iter().all(|l| l.moe.is_some()),
+            cfg.moe.is_some()
+        );
+        // Rounding apart (see `float64_equals_transformers_in_float64`): within twice
+        // transformers' own float32 rows' distance from float64 (8.5e-5 and 5.1e-4 here).
+        let own: Vec<Vec<f64>> = serde_json::from_value(r["alone_f64"].clone()).unwrap();
+        let own = max_diff(&want_logprobs(&r), &own.concat());
+        let d = max_diff(&to_f64(&logprobs(&m.model, &r)), &want_logprobs(&r));
+        assert!(
+            d < 2.0 * own,
+            "{model}: {d} (transformers' float32 {own} from float64)"
+        );
+        check_grads(&m.model, &r, "grads", 5e-3);
+        let prompt: Vec<u32> = serde_json::from_value(r["prompt"].clone()).unwrap();
+        let greedy: Vec<u32> = serde_json::from_value(r["greedy"].clone()).unwrap();
+        assert_eq!(common::greedy(&m, &prompt, greedy.len()), greedy, "{model}");
+    }
 }
 
 /// The gradients of the padded rows' log-prob sum against the reference's `key` (transformers'
@@ -66,6 +96,26 @@ fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64
         };
         for (name, g) in want {
             let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
+            // transformers' fused experts: each expert's maps apart in the model.
+            if let Some(layer) = name.strip_suffix(".mlp.experts.gate_up_proj") {
+                let e = cfg.moe.as_ref().unwrap().num_experts;
+                let half = g.len() / e / 2;
+                for (x, rows) in g.chunks(2 * half).enumerate() {
+                    for (part, want) in ["gate_proj", "up_proj"].iter().zip(rows.chunks(half)) {
+                        let n = format!("{layer}.mlp.experts.{x}.{part}.weight");
+                        close(&var_grad(&tm, &grads, &n), want, tol, &format!("{key} {n}"));
+                    }
+                }
+                continue;
+            }
+            if let Some(layer) = name.strip_suffix(".mlp.experts.down_proj") {
+                let e = cfg.moe.as_ref().unwrap().num_experts;
+                for (x, want) in g.chunks(g.len() / e).enumerate() {
+                    let n = format!("{layer}.mlp.experts.{x}.down_proj.weight");
+                    close(&var_grad(&tm, &grads, &n), want, tol, &format!("{key} {n}"));
+                }
+                continue;
+            }
             // The model's q rows: gate rows apart, heads reordered for the partial RoPE.
             let g = match name {
                 n if n.ends_with("q_proj.weight") || n.ends_with("q_norm.weight") => {
@@ -85,29 +135,37 @@ fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64
                 _ => g,
             };
             let got = var_grad(&tm, &grads, name);
-            let scale = g.iter().fold(0f64, |m, x| m.max(x.abs()));
-            let d = max_diff(&got, &g);
-            assert!(
-                d <= tol * scale.max(1.0),
-                "{key} {name} ({checkpointing}): {d} of {scale}"
-            );
+            close(&got, &g, tol, &format!("{key} {name} ({checkpointing})"));
         }
     }
+}
+
+/// `got` within `tol` of `want`'s largest entry (or of 1).
+fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let d = max_diff(got, want);
+    assert!(d <= tol * scale.max(1.0), "{what}: {d} of {scale}");
 }
 
 /// Saved, the files hold transformers' names and layout (the gate rows back between each
 /// head's query rows) and read back to the same model.
 #[test]
 fn saves_in_its_files_layout() {
-    let r = reference();
-    let m = load(DType::F32);
+    for model in MODELS {
+        saves_in_its_files_layout_of(model);
+    }
+}
+
+fn saves_in_its_files_layout_of(model: &str) {
+    let r = reference_of(model);
+    let m = load_model(model, DType::F32);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("q");
     grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
     let tensors = |d: &Path| {
         candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
     };
-    let (ours, theirs) = (tensors(&out), tensors(&fixtures().join("qwen3_5-micro")));
+    let (ours, theirs) = (tensors(&out), tensors(&fixtures().join(model)));
     let mut names: Vec<&String> = ours.keys().collect();
     names.sort();
     let mut want: Vec<&String> = theirs.keys().collect();
@@ -132,8 +190,19 @@ fn saves_in_its_files_layout() {
 /// part by ~1e-4 (transformers' own padded and unpadded rows by 3.6e-5).
 #[test]
 fn float64_equals_transformers_in_float64() {
-    let r = reference();
-    let m = load(DType::F64);
+    for model in MODELS {
+        float64_equals_transformers_in_float64_of(model);
+    }
+}
+
+fn float64_equals_transformers_in_float64_of(model: &str) {
+    let r = reference_of(model);
+    // The RoPE angles' cos and sin are float32 on both sides (as transformers computes them at
+    // any dtype), rounded by two libraries: the MoE model is sensitive enough that their last
+    // bit shows — one ulp on 30% of them moves transformers' own float64 log-probs by 3.5e-5
+    // and the experts' gradients by 1.5e-5 of their largest; 4.5e-6 and 1.1e-5 measured here.
+    let tol = if model == MODELS[1] { 2e-5 } else { 1e-6 };
+    let m = load_model(model, DType::F64);
     let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
     let want: Vec<Vec<f64>> = serde_json::from_value(r["alone_f64"].clone()).unwrap();
     let t = r["t"].as_u64().unwrap() as usize;
@@ -146,16 +215,16 @@ fn float64_equals_transformers_in_float64() {
             .unwrap()
             .0;
         let d = max_diff(&to_f64(&got), want);
-        assert!(d < 1e-6, "{d}");
+        assert!(d < tol, "{model}: {d}");
     }
     // The padded batch: each row as alone.
     let got = to_f64(&logprobs(&m.model, &r));
     let d = max_diff(&got, &want.concat());
-    assert!(d < 1e-6, "padded: {d}");
-    check_grads(&m.model, &r, "grads_f64", 1e-6);
+    assert!(d < tol, "{model} padded: {d}");
+    check_grads(&m.model, &r, "grads_f64", tol);
     // bf16 as far from float64 as transformers' bf16 is from its float32 (1.76 here: this
     // random model's scores and decays are large).
-    let b = load(DType::BF16);
+    let b = load_model(model, DType::BF16);
     let d = max_diff(&to_f64(&logprobs(&b.model, &r)), &want.concat());
     let theirs = r["bf16_deviation"].as_f64().unwrap();
     assert!(d < 1.5 * theirs, "bf16: {d} (transformers' {theirs})");
@@ -168,9 +237,15 @@ fn float64_equals_transformers_in_float64() {
 /// same modules, with tensors of PEFT's names and shapes.
 #[test]
 fn peft_all_linear_adapter_matches_peft() {
-    let r = reference();
-    let mut m = load(DType::F32);
-    let peft = fixtures().join("qwen3_5-micro-peft");
+    for model in MODELS {
+        peft_all_linear_adapter_matches_peft_of(model);
+    }
+}
+
+fn peft_all_linear_adapter_matches_peft_of(model: &str) {
+    let r = reference_of(model);
+    let mut m = load_model(model, DType::F32);
+    let peft = fixtures().join(format!("{model}-peft"));
     grpo_rollout::lora::load_peft(&mut m.model, &peft).unwrap();
     let want: Vec<f64> = serde_json::from_value::<Vec<Vec<f64>>>(r["peft_logprobs"].clone())
         .unwrap()
@@ -178,7 +253,7 @@ fn peft_all_linear_adapter_matches_peft() {
     let got = to_f64(&logprobs(&m.model, &r));
     let d = max_diff(&got, &want);
     assert!(d < 3e-4, "{d}");
-    let base = load(DType::F32);
+    let base = load_model(model, DType::F32);
     assert!(max_diff(&to_f64(&logprobs(&base.model, &r)), &want) > 1e-2);
     let merged = grpo_rollout::lora::merge(&m.model).unwrap();
     assert!(!merged.layers.iter().any(|l| l.has_adapters()));
@@ -239,8 +314,14 @@ fn reads_the_vision_language_config() {
 /// (`scripts/gen_qwen3_5_gguf_fixture.py`) reads as the Hugging Face directory.
 #[test]
 fn gguf_round_trips_and_reads_llama_cpps_file() {
-    let r = reference();
-    let m = load(DType::F32);
+    for model in MODELS {
+        gguf_round_trips_and_reads_llama_cpps_file_of(model);
+    }
+}
+
+fn gguf_round_trips_and_reads_llama_cpps_file_of(model: &str) {
+    let r = reference_of(model);
+    let m = load_model(model, DType::F32);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("q.gguf");
     let written = grpo_rollout::gguf::save_gguf(
@@ -251,13 +332,23 @@ fn gguf_round_trips_and_reads_llama_cpps_file() {
         "q",
     )
     .unwrap();
-    assert!(written.iter().any(|(n, _)| n == "blk.0.ssm_a"));
+    assert!(written.iter().any(|(n, _)| n == "blk.2.ssm_a"));
     let want = to_f64(&logprobs(&m.model, &r));
     let text = "Hello world, 12345 tokens\n and more";
-    for f in [path, fixtures().join("qwen3_5-micro-llama.gguf")] {
+    for f in [path, fixtures().join(format!("{model}-llama.gguf"))] {
         let back = grpo_rollout::load(&f, DType::F32, &Device::Cpu).unwrap();
         let (a, b) = (&back.model.cfg, &m.model.cfg);
-        assert_eq!(a.linear_attention, b.linear_attention, "{f:?}");
+        // (A GGUF file holds no load-balancing coefficient: transformers' default is read.)
+        let mut moe = a.moe.clone();
+        if let (Some(x), Some(y)) = (moe.as_mut(), &b.moe) {
+            assert_eq!(x.router_aux_loss_coef, 0.001);
+            x.router_aux_loss_coef = y.router_aux_loss_coef;
+        }
+        assert_eq!(
+            (&a.linear_attention, &moe),
+            (&b.linear_attention, &b.moe),
+            "{f:?}"
+        );
         assert_eq!(
             (a.arch, a.rotary_dim(), a.head_dim, a.num_key_value_heads),
             (b.arch, b.rotary_dim(), b.head_dim, b.num_key_value_heads),
@@ -333,4 +424,39 @@ fn gguf_keeps_any_layer_pattern_and_refuses_what_llama_cpp_reads_otherwise() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("linear_value_head_dim"), "{e}");
+}
+
+/// Qwen3.5's MoE: the load-balancing loss over the padded rows (what TRL adds times
+/// `router_aux_loss_coef`) and its gradient into each layer's router, as transformers'
+/// `aux_loss` with the attention mask given; with and without gradient checkpointing.
+#[test]
+fn moe_load_balancing_loss_matches_transformers() {
+    use grpo_rollout::moe::{AuxCollector, MoeNames, recording};
+    let r = reference_of(MODELS[1]);
+    let m = load_model(MODELS[1], DType::F32);
+    let names = MoeNames::of(m.model.cfg.arch);
+    let want = r["aux_loss"].as_f64().unwrap();
+    for checkpointing in [false, true] {
+        let mut tm = grpo_rollout::TrainableModel::full(&m.model).unwrap();
+        if checkpointing {
+            tm.model.enable_gradient_checkpointing();
+        }
+        let c = AuxCollector::new(1.0);
+        let lp = recording(Some(c.clone()), || logprobs(&tm.model, &r));
+        // The log-probs enter times 0: the aux loss's gradient alone.
+        let zero = Tensor::zeros((), lp.dtype(), lp.device()).unwrap();
+        let loss = lp.sum_all().unwrap().broadcast_mul(&zero).unwrap();
+        let grads = tm.model.backward(&loss).unwrap();
+        assert!(
+            (c.loss() - want).abs() < 1e-5 * want,
+            "{checkpointing}: {} vs {want}",
+            c.loss()
+        );
+        for i in 0..4 {
+            let g: Vec<f64> =
+                serde_json::from_value(r["aux_grads"][i.to_string()].clone()).unwrap();
+            let got = var_grad(&tm, &grads, &names.router(i));
+            close(&got, &g, 1e-4, &format!("router {i} ({checkpointing})"));
+        }
+    }
 }

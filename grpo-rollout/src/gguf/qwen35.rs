@@ -1,7 +1,9 @@
-//! Qwen3.5 (`qwen3_5_text`) as llama.cpp's `qwen35` holds it: the linear-attention layers under
-//! its `ssm_*` names, `A` as `−exp(A_log)`, the convolution `(channels, kernel)`, the value heads
-//! tiled rather than grouped by key head, the `1 + w` norms as `1 + w` (the gated norm of the
-//! linear layers as its plain `w`); hyper-parameters under `qwen35.ssm.*`.
+//! Qwen3.5 (`qwen3_5_text`) as llama.cpp's `qwen35` holds it, its mixture of experts
+//! (`qwen3_5_moe_text`) as `qwen35moe` (the experts as the other MoE families'): the
+//! linear-attention layers under its `ssm_*` names, `A` as `−exp(A_log)`, the convolution
+//! `(channels, kernel)`, the value heads tiled rather than grouped by key head, the `1 + w` norms
+//! as `1 + w` (the gated norm of the linear layers as its plain `w`); hyper-parameters under
+//! `{arch}.ssm.*`.
 
 use std::collections::HashMap;
 
@@ -9,7 +11,7 @@ use candle_core::quantized::gguf_file::Value;
 use candle_core::{Result, Tensor, bail};
 
 use super::{as_u64, err};
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::delta::DeltaConfig;
 
 /// A layer's tensors whose names differ from the other families': transformers' (after
@@ -31,8 +33,8 @@ const TENSORS: [(&str, &str); 10] = [
 ];
 
 /// llama.cpp's name of a transformers tensor (`to_gguf`), or transformers' of a llama.cpp one;
-/// the names Qwen3.5 shares with the other families as theirs.
-pub(super) fn tensor_name(name: &str, to_gguf: bool) -> Option<String> {
+/// the names Qwen3.5 (`arch`) shares with the other families as theirs.
+pub(super) fn tensor_name(name: &str, to_gguf: bool, arch: Arch) -> Option<String> {
     let (from, to) = match to_gguf {
         true => ("model.layers.", "blk."),
         false => ("blk.", "model.layers."),
@@ -47,22 +49,26 @@ pub(super) fn tensor_name(name: &str, to_gguf: bool) -> Option<String> {
         return Some(format!("{to}{layer}.{}", if to_gguf { g } else { hf }));
     }
     match to_gguf {
-        true => super::gguf_tensor_name(name, crate::config::Arch::Qwen3_5),
-        false => super::hf_tensor_name(name, crate::config::Arch::Qwen3_5),
+        true => super::gguf_tensor_name(name, arch),
+        false => super::hf_tensor_name(name, arch),
     }
 }
 
-/// The linear-attention fields from `qwen35.ssm.*` and `qwen35.attention.recurrent_layers` (else
+/// The linear-attention fields from `{arch}.ssm.*` and `{arch}.attention.recurrent_layers` (else
 /// `full_attention_interval`, llama.cpp's fallback), for the model's first `layers` layers.
-pub(super) fn delta_config(md: &HashMap<String, Value>, layers: usize) -> Result<DeltaConfig> {
+pub(super) fn delta_config(
+    md: &HashMap<String, Value>,
+    arch: &str,
+    layers: usize,
+) -> Result<DeltaConfig> {
     let req = |k: &str| -> Result<usize> {
-        md.get(&format!("qwen35.{k}"))
+        md.get(&format!("{arch}.{k}"))
             .and_then(as_u64)
             .filter(|x| *x > 0)
             .map(|x| x as usize)
             .ok_or_else(|| {
                 err(format!(
-                    "metadata `qwen35.{k}` is missing or not a positive integer"
+                    "metadata `{arch}.{k}` is missing or not a positive integer"
                 ))
             })
     };
@@ -70,14 +76,14 @@ pub(super) fn delta_config(md: &HashMap<String, Value>, layers: usize) -> Result
     let inner = req("ssm.inner_size")?;
     if !inner.is_multiple_of(value_heads) {
         bail!(
-            "metadata `qwen35.ssm.inner_size` = {inner} is not a multiple of `qwen35.ssm.time_step_rank` = {value_heads}"
+            "metadata `{arch}.ssm.inner_size` = {inner} is not a multiple of `{arch}.ssm.time_step_rank` = {value_heads}"
         );
     }
-    let linear = match md.get("qwen35.attention.recurrent_layers") {
+    let linear = match md.get(&format!("{arch}.attention.recurrent_layers")) {
         Some(Value::Array(a)) => {
             if a.len() < layers {
                 bail!(
-                    "metadata `qwen35.attention.recurrent_layers` has {} entries, the model {layers} layers",
+                    "metadata `{arch}.attention.recurrent_layers` has {} entries, the model {layers} layers",
                     a.len()
                 );
             }
@@ -87,7 +93,7 @@ pub(super) fn delta_config(md: &HashMap<String, Value>, layers: usize) -> Result
                     Value::Bool(true) => out.push(i),
                     Value::Bool(false) => {}
                     other => bail!(
-                        "metadata `qwen35.attention.recurrent_layers[{i}]` must be a bool, not {other:?}"
+                        "metadata `{arch}.attention.recurrent_layers[{i}]` must be a bool, not {other:?}"
                     ),
                 }
             }
@@ -95,7 +101,7 @@ pub(super) fn delta_config(md: &HashMap<String, Value>, layers: usize) -> Result
         }
         _ => {
             let every = md
-                .get("qwen35.full_attention_interval")
+                .get(&format!("{arch}.full_attention_interval"))
                 .and_then(as_u64)
                 .unwrap_or(4)
                 .max(1) as usize;
@@ -116,7 +122,7 @@ pub(super) fn delta_config(md: &HashMap<String, Value>, layers: usize) -> Result
     Ok(d)
 }
 
-/// What llama.cpp's `qwen35` computes as transformers does, or an error naming what it does not.
+/// What llama.cpp's `qwen35` / `qwen35moe` computes as transformers does, or an error naming what it does not.
 pub(super) fn exportable(cfg: &ModelConfig, d: &DeltaConfig) -> Result<()> {
     if d.value_dim != d.key_dim {
         bail!(
@@ -138,10 +144,10 @@ pub(super) fn exportable(cfg: &ModelConfig, d: &DeltaConfig) -> Result<()> {
     Ok(())
 }
 
-/// The `qwen35.*` keys of the linear layers and the rotary part: the rotary pairs split into
+/// The `{arch}.*` keys of the linear layers and the rotary part: the rotary pairs split into
 /// MRoPE sections as transformers' defaults do (text positions are the same in every section,
 /// so the split changes nothing here).
-pub(super) fn metadata(cfg: &ModelConfig, d: &DeltaConfig) -> Vec<(String, Value)> {
+pub(super) fn metadata(cfg: &ModelConfig, d: &DeltaConfig, arch: &str) -> Vec<(String, Value)> {
     let u = |x: usize| Value::U32(x as u32);
     let pairs = cfg.rotary_dim() / 2;
     let t = pairs.div_ceil(3);
@@ -170,7 +176,7 @@ pub(super) fn metadata(cfg: &ModelConfig, d: &DeltaConfig) -> Vec<(String, Value
         md.push(("full_attention_interval", u(every)));
     }
     md.into_iter()
-        .map(|(k, v)| (format!("qwen35.{k}"), v))
+        .map(|(k, v)| (format!("{arch}.{k}"), v))
         .collect()
 }
 
