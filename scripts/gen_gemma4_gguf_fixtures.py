@@ -12,20 +12,17 @@ of the conversion as llama.cpp runs it.
 
 Needs torch, transformers 5, and the llama.cpp checkout's Python requirements (its gguf-py).
 """
-import argparse, os, runpy, sys
+import argparse, os
+
+from reference_common import llama_cpp_converter
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--llama-cpp", required=True)
 ap.add_argument("fixtures")
 a = ap.parse_args()
-sys.path.insert(0, a.llama_cpp)
-sys.path.insert(0, os.path.join(a.llama_cpp, "gguf-py"))
-import conversion.base as base
-import conversion.gemma as gemma
+convert = llama_cpp_converter(a.llama_cpp)
+import conversion.gemma as gemma  # noqa: E402 (importable once the converter is set up)
 
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 gemma.Gemma4Model.set_vocab = lambda self: self._set_vocab_gpt2()
 for name in ("gemma4-micro", "gemma4-moe-micro"):
-    sys.argv = ["convert_hf_to_gguf.py", os.path.join(a.fixtures, name), "--outtype", "f32",
-                "--outfile", os.path.join(a.fixtures, f"{name}-llama.gguf")]
-    runpy.run_path(os.path.join(a.llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+    convert(os.path.join(a.fixtures, name), os.path.join(a.fixtures, f"{name}-llama.gguf"))

@@ -4,8 +4,8 @@
 `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`), 4 layers (gated full attention, linear attention,
 linear, full), an MoE MLP in every layer: 4 experts of which 2 chosen per token (a softmax
 router, the chosen weights renormalised) and a shared expert weighted by
-`sigmoid(shared_expert_gate · h)`; untied; weights std 0.25 (the routing far from uniform),
-norms drawn around their identity, the tokenizer of fixtures/arch-deepseekv2-micro; into
+`sigmoid(shared_expert_gate · h)`; untied; weights as gen_qwen3_5_reference.py draws them
+(std 0.25: the routing far from uniform), the tokenizer of fixtures/arch-deepseekv2-micro; into
 fixtures/qwen3_5_moe-micro (its files hold each expert's maps apart, as transformers writes
 them) and fixtures/qwen3_5_moe_reference.json (float32, eager attention): the log-probs of the
 last T tokens of the left-padded rows of gen_qwen3_5_reference.py, the gradient of their sum for
@@ -26,8 +26,8 @@ import transformers
 import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as M
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gen_qwen3_5_reference import PROMPT, NEW, ROWS, T
-from reference_common import copy_tokenizer, gated_delta_in_float64, greedy, padded, padded_logprobs, peft_adapter
+from gen_qwen3_5_reference import PROMPT, NEW, ROWS, T, save_random
+from reference_common import gated_delta_in_float64, greedy, padded, padded_logprobs, peft_adapter
 
 GRADS = [
     "model.layers.1.linear_attn.A_log", "model.layers.2.linear_attn.in_proj_qkv.weight",
@@ -55,24 +55,7 @@ def main():
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [1, 1, 0], "mrope_interleaved": True})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.normal_(1, 0.3)
-            elif "norm" in name:
-                p.normal_(0, 0.3)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 16).log())
-            elif name.endswith("dt_bias"):
-                p.normal_(1, 0.3)
-            elif "conv1d" in name:
-                p.normal_(0, 0.4)
-            else:
-                p.normal_(0, 0.25)
-    model.save_pretrained(path)
-    copy_tokenizer(path)
+    save_random(cfg, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
     lp = padded_logprobs(model, ROWS, T)
     lp.sum().backward()

@@ -37,17 +37,11 @@ GRADS = [
 ]
 
 
-def main():
-    fixtures = sys.argv[1]
-    path = os.path.join(fixtures, "qwen3_5-micro")
-    cfg = AutoConfig.for_model(
-        "qwen3_5_text", vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2, pad_token_id=0,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+def save_random(cfg, path):
+    """A model of `cfg` with weights std 0.25 (the convolution 0.4), norms drawn around their
+    identity (the zero-centred `1 + w` norms around 0, the gated norm around 1), `A_log` and
+    `dt_bias` as transformers initialises them (seed 0), saved at `path` with the micro models'
+    tokenizer."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -66,6 +60,20 @@ def main():
                 p.normal_(0, 0.25)
     model.save_pretrained(path)
     copy_tokenizer(path)
+
+
+def main():
+    fixtures = sys.argv[1]
+    path = os.path.join(fixtures, "qwen3_5-micro")
+    cfg = AutoConfig.for_model(
+        "qwen3_5_text", vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    save_random(cfg, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     lp = padded_logprobs(model, ROWS, T)
     lp.sum().backward()

@@ -1,7 +1,7 @@
 """What the gen_*_reference.py scripts share: the left-padded rows with per-row position ids,
 their log-probs, a greedy continuation, a PEFT `all-linear` adapter with its adapted log-probs,
 the micro models' tokenizer. Imported by those scripts (run from any directory)."""
-import inspect, os, shutil
+import inspect, os, runpy, shutil, sys
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -75,3 +75,19 @@ def gated_delta_in_float64(module, prefix):
         cls.forward = ns["forward"]
     getattr(module, prefix + "RMSNorm").forward = lambda self, x: self._norm(x) * (1.0 + self.weight)
 
+
+
+def llama_cpp_converter(llama_cpp):
+    """llama.cpp's `convert_hf_to_gguf.py` from the checkout `llama_cpp` (its `conversion` package
+    importable afterwards, to patch), as `convert(model_dir, out_file, *flags)` (f32). The micro
+    models' tokenizer is a plain byte-level BPE whose hash the converter does not know: its
+    pre-tokenizer is named `gpt-2`; the rest of the conversion runs as llama.cpp runs it."""
+    sys.path.insert(0, llama_cpp)
+    sys.path.insert(0, os.path.join(llama_cpp, "gguf-py"))
+    import conversion.base as base
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+
+    def convert(model_dir, out_file, *flags):
+        sys.argv = ["convert_hf_to_gguf.py", model_dir, *flags, "--outtype", "f32", "--outfile", out_file]
+        runpy.run_path(os.path.join(llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+    return convert
