@@ -607,6 +607,46 @@ fn sft_packing_strategies() {
     assert!(e.contains("ffd") && e.contains("bfd_split"), "{e}");
 }
 
+/// A model with linear-attention layers (Qwen3.5 and its mixture of experts) carries a state
+/// along a row: `bfd` packing and `padding_free` run each sequence padded on its own, so a
+/// step's loss, gradient norm and token count are the unpacked run's.
+#[test]
+fn sft_packing_on_linear_attention_models_trains_as_unpacked() {
+    for arch in [Arch::Qwen3_5, Arch::Qwen3_5Moe] {
+        let dir = fixture(arch);
+        let plain = run(
+            setup(dir.path(), "plain", "sft", 3, ""),
+            &RunOptions::default(),
+        );
+        let packed = run(
+            setup(
+                dir.path(),
+                "bfd",
+                "sft",
+                3,
+                "[sft]\npacking = true\nmax_length = 64\n",
+            ),
+            &RunOptions::default(),
+        );
+        let free = run(
+            setup(dir.path(), "free", "sft", 3, "[sft]\npadding_free = true\n"),
+            &RunOptions::default(),
+        );
+        for (name, other) in [("bfd", &packed), ("padding_free", &free)] {
+            assert_eq!(plain.metrics.len(), other.metrics.len());
+            for (a, b) in plain.metrics.iter().zip(&other.metrics) {
+                for k in ["loss", "grad_norm", "num_tokens"] {
+                    let (x, y) = (a[k], b[k]);
+                    assert!(
+                        (x - y).abs() <= 1e-4 * x.abs(),
+                        "{arch:?} {k}: unpacked {x}, {name} {y}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn dpo_on_conversations() {
     let dir = fixture(Arch::Qwen2);

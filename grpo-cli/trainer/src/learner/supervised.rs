@@ -861,6 +861,31 @@ fn assistant_turns(
     Ok((prompt.clone(), full[prompt.len()..].to_vec(), mask))
 }
 
+/// A packed row's sequences (`Row::segments`) as rows of their own, each a one-token prompt
+/// (its first token, which carries no loss in the packed row) and the rest as completion, with
+/// the packed row's loss mask: the same tokens predicted from the same context.
+fn unpacked(row: &Row) -> Vec<Row> {
+    if row.segments.is_empty() {
+        return vec![row.clone()];
+    }
+    let ids: Vec<u32> = row.prompt.iter().chain(&row.completion).copied().collect();
+    let mut at = 0;
+    let mut out = Vec::with_capacity(row.segments.len());
+    for &len in &row.segments {
+        if len >= 2 {
+            out.push(Row {
+                index: row.index,
+                prompt: ids[at..at + 1].to_vec(),
+                completion: ids[at + 1..at + len].to_vec(),
+                mask: row.mask[at..at + len - 1].to_vec(),
+                ..Row::default()
+            });
+        }
+        at += len;
+    }
+    out
+}
+
 /// Rows as one packed row (TRL's `padding_free`): each row a sequence of its own positions,
 /// attending only to itself; the loss mask the rows' (a row's first token carries none).
 fn one_sequence(rows: &[Row]) -> Option<Row> {
@@ -1388,27 +1413,25 @@ impl Learner {
                 }
                 (out.loss * share)?
             } else {
-                let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
-                let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
-                // TRL's `padding_free`: the micro-batch's rows as one sequence, kept apart
-                // (a model with linear-attention layers runs them padded: the same losses).
+                // TRL's `padding_free`: the micro-batch's rows as one sequence, kept apart.
+                // A model with linear-attention layers carries a state along a row, which a
+                // packed row's sequences must not share: it runs them padded, each on its own
+                // (`bfd` packing's too: the same losses).
                 let recurrent = model.cfg.linear_attention.is_some();
-                if recurrent && part.iter().any(|r| !r.segments.is_empty()) {
-                    anyhow::bail!(
-                        "sft.packing_strategy = \"bfd\" keeps packed sequences apart, which Qwen3.5's linear-attention layers cannot yet: set sft.packing = false or sft.packing_strategy = \"wrapped\""
-                    );
-                }
                 let flat: Vec<Row>;
-                let part = match self.cfg.sft.padding_free
-                    && !recurrent
-                    && part.iter().all(|r| r.segments.is_empty())
-                {
-                    true => {
+                let part = match (recurrent, self.cfg.sft.padding_free) {
+                    (true, _) if part.iter().any(|r| !r.segments.is_empty()) => {
+                        flat = part.iter().flat_map(unpacked).collect();
+                        &flat[..]
+                    }
+                    (false, true) if part.iter().all(|r| r.segments.is_empty()) => {
                         flat = one_sequence(part).into_iter().collect();
                         &flat[..]
                     }
-                    false => part,
+                    _ => part,
                 };
+                let prompts: Vec<&[u32]> = part.iter().map(|r| r.prompt.as_slice()).collect();
+                let comps: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
                 let pad = self.tokenizer.pad_token_id;
                 let (st, c) = grpo_rollout::moe::recording(aux.clone(), || {
                     match part.iter().any(|r| !r.segments.is_empty()) {
