@@ -57,24 +57,29 @@ def peft_adapter(path, out, rows, t, scale=1.0):
         return padded_logprobs(pm, rows, t).tolist()
 
 
-def gated_delta_in_float64(module, prefix):
-    """transformers' Qwen3.5 (`module`, its classes named `{prefix}...`) with its float32 islands
-    (the delta rule, the gated norm, the decays, the RMSNorms, the eager softmax, an MoE router's
-    softmax) in float64: a float64 model then computes in float64 throughout (the RoPE angles
-    stay float32, as ours), the reference for our float64 model."""
-    for name in ["torch_chunk_gated_delta_rule", "eager_attention_forward"]:
+def in_float64(module, functions=(), classes=()):
+    """transformers' model code (`module`) with the float32 islands of its `functions` and of its
+    `classes`' forwards (casts to float32, softmaxes in float) in float64: a float64 model then
+    computes in float64 throughout (the RoPE angles stay float32, as ours)."""
+    for name in functions:
         src = inspect.getsource(getattr(module, name)).replace("torch.float32", "torch.float64")
         exec("\n".join(l for l in src.split("\n") if not l.startswith("@")), module.__dict__)
-    classes = [getattr(module, prefix + c) for c in ["RMSNormGated", "GatedDeltaNet", "TopKRouter"]
-               if hasattr(module, prefix + c)]
     for cls in classes:
         src = inspect.getsource(cls.forward).replace("torch.float32", "torch.float64")
         src = src.replace(".float()", ".double()").replace("dtype=torch.float,", "dtype=torch.float64,")
         ns = {}
         exec("\n".join(l[4:] for l in src.split("\n") if not l.strip().startswith("@")), module.__dict__, ns)
         cls.forward = ns["forward"]
-    getattr(module, prefix + "RMSNorm").forward = lambda self, x: self._norm(x) * (1.0 + self.weight)
 
+
+def gated_delta_in_float64(module, prefix):
+    """`in_float64` for transformers' Qwen3.5 (`module`, its classes named `{prefix}...`): the
+    delta rule, the gated norm, the decays, the `1 + w` RMSNorms, the eager softmax, an MoE
+    router's softmax."""
+    classes = [getattr(module, prefix + c) for c in ["RMSNormGated", "GatedDeltaNet", "TopKRouter"]
+               if hasattr(module, prefix + c)]
+    in_float64(module, ["torch_chunk_gated_delta_rule", "eager_attention_forward"], classes)
+    getattr(module, prefix + "RMSNorm").forward = lambda self, x: self._norm(x) * (1.0 + self.weight)
 
 
 def llama_cpp_converter(llama_cpp):

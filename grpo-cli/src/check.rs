@@ -398,10 +398,15 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 x.per_layer_input = Some((cfg.vocab_size, 8));
                 x
             });
-            // Qwen3.5: a linear-attention layer before a gated full one.
+            // Qwen3.5: a linear-attention layer before a gated full one; LFM2: a convolution
+            // before attention.
             cfg.linear_attention = g.linear_attention.map(|mut d| {
                 d.layers = vec![0];
                 d
+            });
+            cfg.short_conv = g.short_conv.map(|mut c| {
+                c.layers = vec![0];
+                c
             });
             let mut m = grpo_rollout::init::random_weights(&cfg, 13, DType::F32, &Device::Cpu)?;
             if arch == Arch::Gemma4 {

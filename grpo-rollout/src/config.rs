@@ -157,6 +157,13 @@ pub enum Arch {
     /// Qwen2-MoE's shared expert weighted by `sigmoid(shared_expert_gate · h)`.
     #[serde(rename = "qwen3_5_moe_text")]
     Qwen3_5Moe,
+    /// Liquid AI's LFM2 (`lfm2`: LFM2-350M … 2.6B, LFM2.5): gated short convolutions in most
+    /// layers ([`crate::shortconv`]), grouped-query attention with per-head q/k RMSNorms in the
+    /// others; its files name the norms `operator_norm` / `ffn_norm` / `q_layernorm` /
+    /// `k_layernorm` / `embedding_norm`, the MLP `feed_forward.w1` / `w3` / `w2`, the attention's
+    /// output `out_proj` ([`crate::layout`]).
+    #[serde(rename = "lfm2")]
+    Lfm2,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -185,7 +192,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 33] = [
+    pub const ALL: [Arch; 34] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -219,6 +226,7 @@ impl Arch {
         Arch::HunyuanDense,
         Arch::Qwen3_5,
         Arch::Qwen3_5Moe,
+        Arch::Lfm2,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -257,6 +265,7 @@ impl Arch {
             Arch::HunyuanDense => "hunyuan_v1_dense",
             Arch::Qwen3_5 => "qwen3_5_text",
             Arch::Qwen3_5Moe => "qwen3_5_moe_text",
+            Arch::Lfm2 => "lfm2",
         }
     }
 
@@ -374,6 +383,7 @@ impl Arch {
                 | Arch::DeepseekV2
                 | Arch::Qwen3_5
                 | Arch::Qwen3_5Moe
+                | Arch::Lfm2
         )
     }
 
@@ -456,6 +466,7 @@ impl Arch {
                 | Arch::NanoChat
                 | Arch::HunyuanDense
                 | Arch::Qwen3_5
+                | Arch::Lfm2
         )
     }
 
@@ -542,8 +553,9 @@ impl Arch {
             "hunyuan_v1_dense" => Ok(Arch::HunyuanDense),
             "qwen3_5_text" => Ok(Arch::Qwen3_5),
             "qwen3_5_moe_text" => Ok(Arch::Qwen3_5Moe),
+            "lfm2" => Ok(Arch::Lfm2),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense, qwen3_5_moe_text (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5 and qwen3_5_moe)"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense, qwen3_5_moe_text, lfm2 (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5 and qwen3_5_moe)"
             ),
         }
     }
@@ -906,6 +918,9 @@ pub struct ModelConfig {
     /// Qwen3.5's linear-attention layers ([`Arch::Qwen3_5`]).
     #[serde(default)]
     pub linear_attention: Option<crate::delta::DeltaConfig>,
+    /// LFM2's convolution layers ([`Arch::Lfm2`]).
+    #[serde(default)]
+    pub short_conv: Option<crate::shortconv::ShortConvConfig>,
 }
 
 /// IBM Granite's multipliers ([`Arch::Granite`], [`Arch::GraniteMoe`]).
@@ -1495,6 +1510,42 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
+/// LFM2's MLP width as `Lfm2MLP` derives it: `intermediate_size` (or `block_ff_dim`), with
+/// `block_auto_adjust_ff_dim` (default true) two thirds of it, times `block_ffn_dim_multiplier`
+/// (default 1; `null`: no more) rounded up to a multiple of `block_multiple_of` (default 256).
+fn lfm2_mlp_width(v: &Value) -> Result<usize> {
+    let width = v
+        .get("intermediate_size")
+        .or(v.get("block_ff_dim"))
+        .and_then(Value::as_u64)
+        .ok_or_else(|| {
+            candle_core::Error::msg("field `intermediate_size` is missing or not an integer")
+        })? as usize;
+    if !v
+        .get("block_auto_adjust_ff_dim")
+        .and_then(Value::as_bool)
+        .unwrap_or(true)
+    {
+        return Ok(width);
+    }
+    let width = 2 * width / 3;
+    let multiplier = match v.get("block_ffn_dim_multiplier") {
+        Some(Value::Null) => return Ok(width),
+        None => 1.0,
+        Some(x) => x.as_f64().ok_or_else(|| {
+            candle_core::Error::msg(format!(
+                "field `block_ffn_dim_multiplier` must be a number, not {x}"
+            ))
+        })?,
+    };
+    let multiple = v
+        .get("block_multiple_of")
+        .and_then(Value::as_u64)
+        .unwrap_or(256)
+        .max(1) as usize;
+    Ok(((multiplier * width as f64) as usize).div_ceil(multiple) * multiple)
+}
+
 /// The language model's config of a vision-language `config.json` — Gemma 3's (`gemma3`,
 /// gemma-3-4b-it and larger: its `text_config`, a `gemma3_text`), Gemma 4's (`gemma4`: a
 /// `gemma4_text`), Mistral 3's (`mistral3`: Ministral 3, Mistral Small 3.1+: a `ministral3` or
@@ -1784,7 +1835,7 @@ impl ModelConfig {
             // transformers' `default_theta` (SmolLM3Config's 2e6, Gemma 3's 1e6, else 10000).
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
-                Arch::Gemma3 | Arch::Mixtral | Arch::Ministral3 => 1_000_000.0,
+                Arch::Gemma3 | Arch::Mixtral | Arch::Ministral3 | Arch::Lfm2 => 1_000_000.0,
                 Arch::Ernie45 | Arch::Olmo3 => 500_000.0,
                 Arch::GptOss => 150_000.0,
                 _ => 10_000.0,
@@ -1849,6 +1900,7 @@ impl ModelConfig {
                 Arch::Glm4MoeLite => 202_752,
                 Arch::Gemma2 => 8192,
                 Arch::SeedOss => 524_288,
+                Arch::Lfm2 => 128_000,
             }) as usize;
         let mut rope_dict = v
             .get("rope_scaling")
@@ -2166,6 +2218,7 @@ impl ModelConfig {
                 .get("moe_intermediate_size")
                 .and_then(Value::as_u64)
                 .map_or(512, |x| x as usize),
+            (Arch::Lfm2, _) => lfm2_mlp_width(v)?,
             _ => req("intermediate_size")?,
         };
         let cfg = ModelConfig {
@@ -2177,8 +2230,12 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
+            // (LFM2's is `norm_eps`.)
             rms_norm_eps: v
-                .get("rms_norm_eps")
+                .get(match arch {
+                    Arch::Lfm2 => "norm_eps",
+                    _ => "rms_norm_eps",
+                })
                 .and_then(Value::as_f64)
                 // transformers' defaults: OLMo's, Phi3Config's, Mixtral's 1e-5, the others' 1e-6.
                 .unwrap_or(match arch {
@@ -2193,7 +2250,8 @@ impl ModelConfig {
                     | Arch::GptOss
                     | Arch::Arcee
                     | Arch::Glm4Moe
-                    | Arch::Glm4MoeLite => 1e-5,
+                    | Arch::Glm4MoeLite
+                    | Arch::Lfm2 => 1e-5,
                     // GlmConfig's and Glm4Config's.
                     Arch::Glm | Arch::Glm4 => 1.5625e-7,
                     _ => 1e-6,
@@ -2201,21 +2259,32 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            // transformers' defaults: SmolLM3Config and the Gemma configs tie, the others do not.
-            tie_word_embeddings: flag(
-                "tie_word_embeddings",
-                matches!(
+            // transformers' defaults: SmolLM3Config, the Gemma configs and Lfm2Config tie (LFM2's
+            // older configs as `tie_embedding`), the others do not.
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .or(v.get("tie_embedding").filter(|_| arch == Arch::Lfm2))
+                .and_then(Value::as_bool)
+                .unwrap_or(matches!(
                     arch,
-                    Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 | Arch::Gemma4 | Arch::Ernie45
-                ),
-            ),
+                    Arch::SmolLM3
+                        | Arch::Gemma2
+                        | Arch::Gemma3
+                        | Arch::Gemma4
+                        | Arch::Ernie45
+                        | Arch::Lfm2
+                )),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
                 // transformers 5's Qwen2-MoE names it `qkv_bias` (4's always has them).
                 Arch::Qwen2Moe => flag("qkv_bias", true),
-                Arch::Mistral | Arch::Ministral3 | Arch::Phi3 | Arch::Mixtral | Arch::Exaone4 => {
-                    false
-                }
+                // (LFM2's attention has no biases: `conv_bias` is its convolutions'.)
+                Arch::Mistral
+                | Arch::Ministral3
+                | Arch::Phi3
+                | Arch::Mixtral
+                | Arch::Exaone4
+                | Arch::Lfm2 => false,
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
                 // gpt-oss's default biases q, k, v and o; GLM's and Seed-OSS's q, k and v.
@@ -2318,6 +2387,13 @@ impl ModelConfig {
                     num_hidden_layers,
                 )?),
                 false => None,
+            },
+            short_conv: match arch {
+                Arch::Lfm2 => Some(crate::shortconv::ShortConvConfig::from_hf_json(
+                    v,
+                    num_hidden_layers,
+                )?),
+                _ => None,
             },
         };
         cfg.validate()?;
@@ -2466,6 +2542,7 @@ impl ModelConfig {
                     Arch::HunyuanDense => "HunYuanDenseV1",
                     Arch::Qwen3_5 => "Qwen3_5",
                     Arch::Qwen3_5Moe => "Qwen3_5Moe",
+                    Arch::Lfm2 => "Lfm2",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -2594,6 +2671,20 @@ impl ModelConfig {
         }
         if let Some(d) = &self.linear_attention {
             d.write_hf_json(obj, self.num_hidden_layers);
+        }
+        // LFM2's: its layers, its norms' epsilon as `norm_eps`, the MLP's width as it is.
+        if self.arch == Arch::Lfm2 {
+            let none = crate::shortconv::ShortConvConfig {
+                layers: Vec::new(),
+                kernel: 3,
+                bias: false,
+            };
+            let c = self.short_conv.as_ref().unwrap_or(&none);
+            c.write_hf_json(obj, self.num_hidden_layers);
+            if let Some(eps) = obj.remove("rms_norm_eps") {
+                obj.insert("norm_eps".into(), eps);
+            }
+            obj.insert("block_auto_adjust_ff_dim".into(), false.into());
         }
         if let Some(g) = &self.gemma4 {
             obj.insert("hidden_activation".into(), act.into());
@@ -2838,6 +2929,21 @@ impl ModelConfig {
             .sqrt()
     }
 
+    /// Whether layer `i` mixes its tokens with a recurrent mixer — Qwen3.5's linear attention,
+    /// LFM2's short convolution — rather than attention.
+    pub fn recurrent_layer(&self, i: usize) -> bool {
+        self.linear_attention
+            .as_ref()
+            .is_some_and(|d| d.is_linear(i))
+            || self.short_conv.as_ref().is_some_and(|c| c.is_conv(i))
+    }
+
+    /// Whether some layer is recurrent ([`Self::recurrent_layer`]): a state runs along each
+    /// row, so rows cannot share a prompt's keys and values or be packed together.
+    pub fn recurrent(&self) -> bool {
+        self.linear_attention.is_some() || self.short_conv.is_some()
+    }
+
     /// Gemma's RMSNorms scale by `1 + w` (their weights are stored as `w`).
     pub fn unit_offset_norms(&self) -> bool {
         self.arch.gemma() || self.arch.qwen3_5()
@@ -2971,6 +3077,13 @@ impl ModelConfig {
             let linear = d.layers.len();
             let full = self.num_hidden_layers - linear;
             n = n + linear * d.parameters(h) + full * (h * q + bias * q) - linear * attn;
+        }
+        // LFM2: the convolution layers' mixers in place of attention.
+        if let Some(c) = &self.short_conv {
+            let bias = usize::from(self.attention_bias);
+            let attn = 2 * h * q + 2 * h * kv + bias * (q + 2 * kv) + 2 * self.head_dim;
+            let attn = attn + usize::from(self.o_proj_bias()) * h;
+            n = n + c.layers.len() * c.parameters(h) - c.layers.len() * attn;
         }
         if !self.tie_word_embeddings {
             n += self.vocab_size * h;

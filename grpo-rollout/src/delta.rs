@@ -617,3 +617,94 @@ mod tests {
         Ok(())
     }
 }
+
+/// A recurrent layer's token mixer, in place of attention: Qwen3.5's gated delta rule or
+/// LFM2's gated short convolution ([`crate::shortconv`]). Its cache slot is a [`DeltaState`]
+/// (a convolution's last inputs first).
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    /// Qwen3.5's linear attention (`linear_attn`).
+    Delta(Box<GatedDelta>),
+    /// LFM2's short convolution (`conv`).
+    Conv(crate::shortconv::ShortConv),
+}
+
+impl Mixer {
+    /// The module's name in the files (`model.layers.{i}.linear_attn` / `.conv`).
+    pub fn module(&self) -> &'static str {
+        match self {
+            Mixer::Delta(_) => "linear_attn",
+            Mixer::Conv(_) => "conv",
+        }
+    }
+
+    /// The linear maps' names after [`Self::module`], in [`Self::linears`]' order.
+    pub fn linear_names(&self) -> &'static [&'static str] {
+        match self {
+            Mixer::Delta(_) => &LINEAR_NAMES,
+            Mixer::Conv(_) => &crate::shortconv::LINEAR_NAMES,
+        }
+    }
+
+    /// The linear maps.
+    pub fn linears(&self) -> Vec<&Linear> {
+        match self {
+            Mixer::Delta(d) => d.linears().to_vec(),
+            Mixer::Conv(c) => c.linears().to_vec(),
+        }
+    }
+
+    /// The linear maps, mutable.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        match self {
+            Mixer::Delta(d) => d.linears_mut().into_iter().collect(),
+            Mixer::Conv(c) => c.linears_mut().into_iter().collect(),
+        }
+    }
+
+    /// The tensors besides the linear maps, by their names after [`Self::module`].
+    pub fn tensors(&self) -> Vec<(&'static str, &Tensor)> {
+        match self {
+            Mixer::Delta(d) => d.tensors().to_vec(),
+            Mixer::Conv(c) => c.tensors(),
+        }
+    }
+
+    /// The mixer with `f` applied to every tensor.
+    pub fn map(&self, f: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(match self {
+            Mixer::Delta(d) => Mixer::Delta(Box::new(d.map(f)?)),
+            Mixer::Conv(c) => Mixer::Conv(c.map(f)?),
+        })
+    }
+
+    /// The output rows `(B·L, hidden)` of normalised rows `h` from zero state
+    /// ([`GatedDelta::forward`]).
+    pub fn forward(
+        &self,
+        h: &Tensor,
+        b: usize,
+        l: usize,
+        tokens: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        Ok(self.run(h, b, l, tokens, None)?.0)
+    }
+
+    /// [`Self::forward`] continuing a generation cache's state, with the state after.
+    pub fn run(
+        &self,
+        h: &Tensor,
+        b: usize,
+        l: usize,
+        tokens: Option<&Tensor>,
+        past: Option<&DeltaState>,
+    ) -> Result<(Tensor, DeltaState)> {
+        match self {
+            Mixer::Delta(d) => d.run(h, b, l, tokens, past),
+            Mixer::Conv(c) => {
+                let (y, kept) = c.run(h, b, l, tokens, past.map(|(conv, _)| conv))?;
+                Ok((y, (kept, crate::shortconv::no_state(b, h.device())?)))
+            }
+        }
+    }
+}

@@ -47,6 +47,7 @@ use crate::config::{Arch, Llama3RopeScaling, ModelConfig, RopeScaling};
 use crate::model::WeightMap;
 use crate::tokenizer::Tokenizer;
 
+mod lfm2;
 mod qwen35;
 
 fn err(msg: impl std::fmt::Display) -> candle_core::Error {
@@ -232,7 +233,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35, qwen35moe)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35, qwen35moe, lfm2)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -248,10 +249,18 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     };
     let hidden_size = req("embedding_length")?;
     let num_attention_heads = req("attention.head_count")?;
-    let num_key_value_heads = md
-        .get(&key("attention.head_count_kv"))
-        .and_then(as_u64)
-        .map_or(num_attention_heads, |x| x as usize);
+    // LFM2's per layer (0 on its convolution layers).
+    let lfm2 = match arch {
+        Arch::Lfm2 => Some(lfm2::layers(md, req("block_count")?)?),
+        _ => None,
+    };
+    let num_key_value_heads = match &lfm2 {
+        Some((kv, _)) => *kv,
+        None => md
+            .get(&key("attention.head_count_kv"))
+            .and_then(as_u64)
+            .map_or(num_attention_heads, |x| x as usize),
+    };
     let head_dim = md
         .get(&key("attention.key_length"))
         .and_then(as_u64)
@@ -350,6 +359,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         mla: None,
         gemma4: None,
         linear_attention: None,
+        short_conv: lfm2.map(|(_, c)| c),
         // llama.cpp's experts: in every layer, renormalised as its architecture fixes it.
         moe: match arch.moe() {
             true => Some(crate::config::MoeConfig {
@@ -1001,6 +1011,7 @@ fn read_weights<R: Read + Seek>(
         let mut hf = match cfg.arch {
             Arch::Gemma4 => gemma4_tensor_name(name, false),
             a if a.qwen3_5() => qwen35::tensor_name(name, false, a),
+            Arch::Lfm2 => lfm2::tensor_name(name, false),
             a => hf_tensor_name(name, a),
         }
         .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
@@ -1050,6 +1061,9 @@ fn read_weights<R: Read + Seek>(
         }
         if let Some(d) = &cfg.linear_attention {
             t = qwen35::from_gguf(name, t, d).map_err(|e| err(format!("tensor `{name}`: {e}")))?;
+        }
+        if name.ends_with(".shortconv.conv.weight") {
+            t = lfm2::conv(t, false)?;
         }
         if cfg.arch.llama_like() {
             if hf.contains(".self_attn.q_proj.") {
@@ -2327,6 +2341,9 @@ pub fn save_gguf(
     if let Some(d) = &cfg.linear_attention {
         qwen35::exportable(cfg, d)?;
     }
+    if let Some(c) = &cfg.short_conv {
+        lfm2::exportable(cfg, c)?;
+    }
     // llama.cpp's names: Mistral's layers are `llama` (which has no sliding window: within it
     // nothing differs); `smollm3` skips RoPE on every 4th layer, a step no key can change.
     // Mixtral's too (llama with experts).
@@ -2580,6 +2597,11 @@ pub fn save_gguf(
     if let Some(d) = &cfg.linear_attention {
         md.extend(qwen35::metadata(cfg, d, arch));
     }
+    // (LFM2's per-layer key/value heads in place of the one count.)
+    if let Some(c) = &cfg.short_conv {
+        md.retain(|(k, _)| k != "lfm2.attention.head_count_kv");
+        md.extend(lfm2::metadata(cfg, c));
+    }
     md.extend(tokenizer_metadata(tokenizer, cfg)?);
 
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -2589,7 +2611,7 @@ pub fn save_gguf(
     // layer's experts stacked as llama.cpp holds them.
     // (Granite MoE's: the model's per-expert names, stacked below, not its fused files'.)
     let weights = match cfg.arch {
-        Arch::GraniteMoe => model.weights(),
+        Arch::GraniteMoe | Arch::Lfm2 => model.weights(),
         _ => crate::layout::to_hf(cfg, model.weights())?,
     };
     let mut weights = match cfg.moe.is_some() {
@@ -2609,6 +2631,7 @@ pub fn save_gguf(
             (Some(g), _) => Some(g.to_string()),
             (None, Arch::Gemma4) => gemma4_tensor_name(&hf, true),
             (None, a) if a.qwen3_5() => qwen35::tensor_name(&hf, true, a),
+            (None, Arch::Lfm2) => lfm2::tensor_name(&hf, true),
             (None, a) => gguf_tensor_name(&hf, a),
         }
         .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?;
@@ -2625,6 +2648,9 @@ pub fn save_gguf(
         if let Some(d) = &cfg.linear_attention {
             t = qwen35::to_gguf(&g, t, d)?;
         }
+        if g.ends_with(".shortconv.conv.weight") {
+            t = lfm2::conv(t, true)?;
+        }
         if cfg.arch.llama_like() {
             if g.contains(".attn_q.") {
                 t = permute_qk(&t, cfg.num_attention_heads)?;
@@ -2636,6 +2662,7 @@ pub fn save_gguf(
         // the routers too, as llama.cpp's converter and llama-quantize keep them.)
         let want = if t.rank() < 2
             || g.ends_with(".ssm_conv1d.weight")
+            || g.ends_with(".shortconv.conv.weight")
             || g.ends_with(".ffn_gate_inp.weight")
             || g.ends_with(".ffn_gate_inp_shexp.weight")
         {

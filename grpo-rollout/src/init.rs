@@ -381,6 +381,15 @@ pub fn preset_config(
             value_dim: hidden / heads,
             conv_kernel: 4,
         }),
+        // LFM2's convolutions: the tiny preset's first layer, the small one's first and third
+        // (attention in the others), a kernel of 3, no biases (as LFM2's releases).
+        short_conv: (arch == Arch::Lfm2).then(|| crate::shortconv::ShortConvConfig {
+            layers: (0..layers.saturating_sub(1))
+                .filter(|i| *i != 1 || layers < 4)
+                .collect(),
+            kernel: 3,
+            bias: false,
+        }),
         granite: (arch.attention() == Arch::Granite).then(|| crate::config::GraniteScalars {
             embedding_multiplier: 12.0,
             attention_multiplier: 1.0 / (hidden / heads) as f64,
@@ -471,6 +480,21 @@ pub fn random_weights(
             shapes.push((format!("{l}.A_log"), vec![nv], false));
             shapes.push((format!("{l}.dt_bias"), vec![nv], false));
             shapes.push((format!("{l}.norm.weight"), vec![d.value_dim], false));
+        } else if let Some(sc) = cfg.short_conv.as_ref().filter(|c| c.is_conv(i)) {
+            // LFM2's short convolution.
+            let l = format!("{p}.conv");
+            let mut maps = vec![
+                (format!("{l}.in_proj.weight"), vec![3 * h, h]),
+                (format!("{l}.out_proj.weight"), vec![h, h]),
+                (format!("{l}.conv.weight"), vec![h, 1, sc.kernel]),
+            ];
+            if sc.bias {
+                for n in ["in_proj", "out_proj", "conv"] {
+                    let rows = if n == "in_proj" { 3 * h } else { h };
+                    maps.push((format!("{l}.{n}.bias"), vec![rows]));
+                }
+            }
+            shapes.extend(maps.into_iter().map(|(n, s)| (n, s, false)));
         } else {
             shapes.push((format!("{p}.self_attn.q_proj.weight"), vec![qr, h], false));
             shapes.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h], false));
@@ -489,12 +513,7 @@ pub fn random_weights(
             let heads = cfg.num_attention_heads;
             shapes.push((format!("{p}.self_attn.sinks"), vec![heads], false));
         }
-        if cfg.head_qk_norm()
-            && !cfg
-                .linear_attention
-                .as_ref()
-                .is_some_and(|d| d.is_linear(i))
-        {
+        if cfg.head_qk_norm() && !cfg.recurrent_layer(i) {
             shapes.push((
                 format!("{p}.self_attn.q_norm.weight"),
                 vec![cfg.head_dim],

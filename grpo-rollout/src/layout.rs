@@ -28,7 +28,9 @@
 //!   transformers dequantizes them.
 //! * Gemma 4's experts are fused as Granite MoE's, `experts.gate_up_proj` and
 //!   `experts.down_proj` ([`crate::gemma4::split_experts`]).
-//! * Hunyuan names its per-head q/k norms `query_layernorm` / `key_layernorm`.
+//! * Hunyuan names its per-head q/k norms `query_layernorm` / `key_layernorm`; LFM2 its norms
+//!   `operator_norm`, `ffn_norm`, `q_layernorm`, `k_layernorm`, `embedding_norm`, its MLP
+//!   `feed_forward.w1` / `w3` / `w2` and its attention's output `out_proj` (`renames`).
 //! * Qwen3.5's gated attention: its `q_proj` gives each head's query rows, then that head's
 //!   gate rows; the model holds all query rows (reordered for its partial rotary embeddings),
 //!   then all gate rows ([`q_rows`]).
@@ -245,10 +247,10 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
         split_gpt_oss_experts(cfg, &mut weights)?;
     }
     crate::gemma4::split_experts(cfg, &mut weights)?;
-    if cfg.arch == Arch::HunyuanDense {
+    if !renames(cfg.arch).is_empty() {
         weights = weights
             .into_iter()
-            .map(|(k, t)| (hunyuan_norm_name(&k, true), t))
+            .map(|(k, t)| (renamed(cfg.arch, &k, true), t))
             .collect();
     }
     let fused = fused_parts(cfg);
@@ -292,9 +294,9 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
         Arch::GraniteMoe => fuse_granite_experts(cfg, weights)?,
         Arch::GptOss => fuse_gpt_oss_experts(cfg, weights)?,
         Arch::Gemma4 => crate::gemma4::fuse_experts(cfg, weights)?,
-        Arch::HunyuanDense => weights
+        Arch::HunyuanDense | Arch::Lfm2 => weights
             .into_iter()
-            .map(|(k, t)| (hunyuan_norm_name(&k, false), t))
+            .map(|(k, t)| (renamed(cfg.arch, &k, false), t))
             .collect(),
         _ => weights,
     };
@@ -360,14 +362,34 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
     Ok(out)
 }
 
-/// A Hunyuan tensor's name with its per-head q/k norms renamed: the files'
-/// `self_attn.query_layernorm` / `key_layernorm` to the model's `q_norm` / `k_norm`
-/// (`to_model`), or back.
-fn hunyuan_norm_name(name: &str, to_model: bool) -> String {
-    for (file, model) in [
-        (".self_attn.query_layernorm.", ".self_attn.q_norm."),
-        (".self_attn.key_layernorm.", ".self_attn.k_norm."),
-    ] {
+/// The parts of a family's tensor names that its files and the model name apart: (the files',
+/// the model's).
+fn renames(arch: Arch) -> &'static [(&'static str, &'static str)] {
+    match arch {
+        // Hunyuan's per-head q/k norms.
+        Arch::HunyuanDense => &[
+            (".self_attn.query_layernorm.", ".self_attn.q_norm."),
+            (".self_attn.key_layernorm.", ".self_attn.k_norm."),
+        ],
+        // LFM2's norms, MLP and attention output.
+        Arch::Lfm2 => &[
+            (".operator_norm.", ".input_layernorm."),
+            (".ffn_norm.", ".post_attention_layernorm."),
+            (".feed_forward.w1.", ".mlp.gate_proj."),
+            (".feed_forward.w3.", ".mlp.up_proj."),
+            (".feed_forward.w2.", ".mlp.down_proj."),
+            (".self_attn.out_proj.", ".self_attn.o_proj."),
+            (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+            (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+            ("model.embedding_norm.", "model.norm."),
+        ],
+        _ => &[],
+    }
+}
+
+/// A tensor's name in the model's naming (`to_model`) from its files', or back ([`renames`]).
+fn renamed(arch: Arch, name: &str, to_model: bool) -> String {
+    for &(file, model) in renames(arch) {
         let (from, to) = match to_model {
             true => (file, model),
             false => (model, file),

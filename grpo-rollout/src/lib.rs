@@ -3,8 +3,10 @@
 //! One job: be the language model that GRPO trains. A Llama-family transformer of our own
 //! (llama, qwen2, qwen3, mistral, smollm3, gemma2, gemma3_text, gemma4_text — with Gemma 4's own
 //! pieces, [`gemma4`] —, hunyuan_v1_dense, olmo2, olmo3, phi3, granite, ernie4_5,
-//! exaone4, glm, glm4, seed_oss, arcee, and the mixtures of experts qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe,
-//! gpt_oss, glm4_moe, deepseek_v3, glm4_moe_lite and deepseek_v2 — with DeepSeek's latent attention, [`mla`]: [`moe`]) whose
+//! exaone4, glm, glm4, seed_oss, arcee, the hybrids qwen3_5_text (linear attention, [`delta`])
+//! and lfm2 (short convolutions, [`shortconv`]), and the mixtures of experts qwen3_moe, qwen2_moe,
+//! mixtral, olmoe, granitemoe, gpt_oss, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2 —
+//! with DeepSeek's latent attention, [`mla`] — and qwen3_5_moe_text: [`moe`]) whose
 //! every weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with
 //! its tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
 //! adapters (with PEFT's trainable tokens), and saving in Hugging Face / PEFT formats (a
@@ -65,6 +67,7 @@ pub mod sample;
 #[cfg(feature = "rewards")]
 pub mod scoring;
 pub mod selfcheck;
+pub mod shortconv;
 pub mod tokenizer;
 pub mod tools;
 

@@ -130,6 +130,34 @@ const NANOCHAT: [Module; 6] = [
     },
 ];
 
+/// LFM2's: q, k, v, its attention's `out_proj` and its MLP `feed_forward.w1` / `w3` / `w2` (the
+/// convolutions' `in_proj` and `out_proj` are modules of their own: [`extra_sites`]).
+const LFM2: [Module; 7] = [
+    SEPARATE[0],
+    SEPARATE[1],
+    SEPARATE[2],
+    Module {
+        group: "self_attn",
+        name: "out_proj",
+        parts: &[("out_proj", 3)],
+    },
+    Module {
+        group: "feed_forward",
+        name: "w1",
+        parts: &[("w1", 4)],
+    },
+    Module {
+        group: "feed_forward",
+        name: "w3",
+        parts: &[("w3", 5)],
+    },
+    Module {
+        group: "feed_forward",
+        name: "w2",
+        parts: &[("w2", 6)],
+    },
+];
+
 /// DeepSeek's latent attention ([`crate::mla`]): the q slot's `q_proj`, its latent's
 /// `kv_a_proj_with_mqa` and `kv_b_proj` in the k and v slots (`q_a_proj`, beside the slots, is
 /// adapted as a module of its own).
@@ -175,6 +203,7 @@ pub fn modules(cfg: &crate::config::ModelConfig) -> &'static [Module] {
         (_, Some(_)) => &MLA_Q,
         (crate::config::Arch::Phi3, _) => &PHI3,
         (crate::config::Arch::NanoChat, _) => &NANOCHAT,
+        (crate::config::Arch::Lfm2, _) => &LFM2,
         (a, _) if a.glm() => &GLM,
         _ => &SEPARATE,
     }
@@ -369,6 +398,8 @@ impl Matcher {
                     .chain(&NANOCHAT_MLP)
                     .chain(&GEMMA4_MODULES)
                     .chain(&crate::delta::LINEAR_NAMES)
+                    .chain(&crate::shortconv::LINEAR_NAMES[..1])
+                    .chain(&["w1", "w3", "w2"])
                     .map(|s| s.to_string())
                     .collect(),
             ),
@@ -416,7 +447,8 @@ pub const SHARED_EXPERT_GATE: &str = "shared_expert_gate";
 /// [`SHARED_EXPERT_GATE`]; the router `gate` and Mixtral's `w1`, `w3`, `w2`, which PEFT turns
 /// into `target_parameters` ([`LoraConfig::for_model`]); DeepSeek's latent attention's maps
 /// ([`crate::mla`]); nanochat's MLP maps `fc1` and `fc2`.
-const EXTRA_MODULES: [&str; 20] = [
+const EXTRA_MODULES: [&str; 21] = [
+    crate::shortconv::LINEAR_NAMES[0],
     crate::delta::LINEAR_NAMES[0],
     crate::delta::LINEAR_NAMES[1],
     crate::delta::LINEAR_NAMES[2],
@@ -469,10 +501,11 @@ fn extra_sites(
     if let Some(b) = layer.experts.as_mut() {
         out.push((format!("model.layers.{i}.router.proj"), &mut b.moe.router));
     }
-    // Qwen3.5's linear-attention maps.
+    // Qwen3.5's linear-attention maps, LFM2's convolutions'.
     if let Some(d) = layer.delta.as_mut() {
-        for (n, l) in crate::delta::LINEAR_NAMES.iter().zip(d.linears_mut()) {
-            out.push((format!("model.layers.{i}.linear_attn.{n}"), l));
+        let (module, names) = (d.module(), d.linear_names());
+        for (n, l) in names.iter().zip(d.linears_mut()) {
+            out.push((format!("model.layers.{i}.{module}.{n}"), l));
         }
     }
     let Some((e, g)) = layer.moe.as_mut().and_then(|m| m.shared.as_mut()) else {
@@ -1967,9 +2000,13 @@ pub fn save_peft(
                 "proj" => experts,
                 _ => model.per_layer.is_some(),
             }));
-            // Qwen3.5's linear-attention maps.
-            if model.layers.iter().any(|l| l.delta.is_some()) {
-                names.extend(crate::delta::LINEAR_NAMES);
+            // Qwen3.5's linear-attention maps, LFM2's convolutions'.
+            if let Some(d) = model.layers.iter().find_map(|l| l.delta.as_ref()) {
+                for n in d.linear_names() {
+                    if !names.contains(n) {
+                        names.push(n);
+                    }
+                }
             }
             serde_json::json!(names)
         }

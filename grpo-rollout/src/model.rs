@@ -363,9 +363,10 @@ pub struct Layer {
     pub experts: Option<crate::gemma4::ExpertBlock>,
     /// Hunyuan's q/k norms come after RoPE ([`crate::config::Arch::qk_norm_after_rope`]).
     pub norm_after_rope: bool,
-    /// Qwen3.5's linear attention in place of attention ([`crate::delta`]): then the q, k, v
+    /// A recurrent token mixer in place of attention — Qwen3.5's linear attention
+    /// ([`crate::delta`]), LFM2's short convolution ([`crate::shortconv`]): then the q, k, v
     /// and o slots are [`Linear::absent`].
-    pub delta: Option<crate::delta::GatedDelta>,
+    pub delta: Option<crate::delta::Mixer>,
     /// Qwen3.5's gated attention: `q_proj` holds each head's query rows, then (as many) the
     /// gate rows whose sigmoid scales the attention's output before `o_proj`
     /// ([`crate::layout`] reorders the files' per-head interleaving).
@@ -641,14 +642,9 @@ impl Layer {
         self.tail(y, input)
     }
 
-    /// A Qwen3.5 linear-attention layer on the residual stream `x` `(B·L, H)` (no cache): the
-    /// gated delta rule's output added, then the MLP.
-    fn delta_layer(
-        &self,
-        c: &LayerCtx,
-        d: &crate::delta::GatedDelta,
-        x: &Tensor,
-    ) -> Result<Tensor> {
+    /// A recurrent layer (Qwen3.5's linear attention, LFM2's convolution) on the residual
+    /// stream `x` `(B·L, H)` (no cache): the mixer's output added, then the MLP.
+    fn delta_layer(&self, c: &LayerCtx, d: &crate::delta::Mixer, x: &Tensor) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
         let y = d.forward(&h, c.b, c.l, c.tokens.as_ref())?;
         self.mlp_residual(c, (x + y)?)
@@ -820,7 +816,7 @@ impl Layer {
         past: usize,
     ) -> Result<(Tensor, Tensor)> {
         if let Some(d) = &self.delta {
-            // Qwen3.5's linear attention: the cache holds its state.
+            // A recurrent mixer: the cache holds its state.
             let (y, state) = d.run(h, c.b, c.l, c.tokens.as_ref(), cache.state(i)?.as_ref())?;
             cache.set_state(i, state)?;
             return self.cached_after(c, x, &y);
@@ -2154,21 +2150,38 @@ impl Transformer {
                     let lin = |n: &str, out: usize, inp: usize| {
                         linear(&format!("{l}.{n}"), out, inp, false)
                     };
-                    Some(crate::delta::GatedDelta {
-                        in_proj_qkv: lin("in_proj_qkv", c, h)?,
-                        in_proj_z: lin("in_proj_z", vw, h)?,
-                        in_proj_b: lin("in_proj_b", nv, h)?,
-                        in_proj_a: lin("in_proj_a", nv, h)?,
-                        out_proj: lin("out_proj", h, vw)?,
-                        conv: get(&format!("{l}.conv1d.weight"), &[c, 1, d.conv_kernel])?,
-                        a_log: get(&format!("{l}.A_log"), &[nv])?,
-                        dt_bias: get(&format!("{l}.dt_bias"), &[nv])?,
-                        norm: get(&format!("{l}.norm.weight"), &[d.value_dim])?,
-                        eps: cfg.rms_norm_eps,
-                        cfg: d.clone(),
-                    })
+                    Some(crate::delta::Mixer::Delta(Box::new(
+                        crate::delta::GatedDelta {
+                            in_proj_qkv: lin("in_proj_qkv", c, h)?,
+                            in_proj_z: lin("in_proj_z", vw, h)?,
+                            in_proj_b: lin("in_proj_b", nv, h)?,
+                            in_proj_a: lin("in_proj_a", nv, h)?,
+                            out_proj: lin("out_proj", h, vw)?,
+                            conv: get(&format!("{l}.conv1d.weight"), &[c, 1, d.conv_kernel])?,
+                            a_log: get(&format!("{l}.A_log"), &[nv])?,
+                            dt_bias: get(&format!("{l}.dt_bias"), &[nv])?,
+                            norm: get(&format!("{l}.norm.weight"), &[d.value_dim])?,
+                            eps: cfg.rms_norm_eps,
+                            cfg: d.clone(),
+                        },
+                    )))
                 }
-                None => None,
+                // LFM2's short convolution.
+                None => match cfg.short_conv.as_ref().filter(|c| c.is_conv(i)) {
+                    Some(sc) => {
+                        let l = format!("{p}.conv");
+                        Some(crate::delta::Mixer::Conv(crate::shortconv::ShortConv {
+                            in_proj: linear(&format!("{l}.in_proj"), 3 * h, h, sc.bias)?,
+                            out_proj: linear(&format!("{l}.out_proj"), h, h, sc.bias)?,
+                            conv: get(&format!("{l}.conv.weight"), &[h, 1, sc.kernel])?,
+                            conv_bias: match sc.bias {
+                                true => Some(get(&format!("{l}.conv.bias"), &[h])?),
+                                false => None,
+                            },
+                        }))
+                    }
+                    None => None,
+                },
             };
             let attn_gate = cfg.arch.qwen3_5() && delta.is_none();
             // DeepSeek's latent attention in the q, k, v slots ([`crate::mla`]);
@@ -2510,8 +2523,8 @@ impl Transformer {
             }
             match &layer.delta {
                 Some(d) => {
-                    let l = format!("{p}.linear_attn");
-                    for (n, x) in crate::delta::LINEAR_NAMES.iter().zip(d.linears()) {
+                    let l = format!("{p}.{}", d.module());
+                    for (n, x) in d.linear_names().iter().zip(d.linears()) {
                         lin(&mut out, format!("{l}.{n}"), x);
                     }
                     for (n, t) in d.tensors() {
@@ -2801,7 +2814,7 @@ impl Transformer {
                     .and_then(|p| p.delta.as_ref())
                     .map(|d| d.linears());
                 for (j, (lin, src)) in d.linears_mut().into_iter().zip(sd.linears()).enumerate() {
-                    lin.weight_t = tr(&lin.weight, &src.weight_t, old.map(|o| o[j]))?;
+                    lin.weight_t = tr(&lin.weight, &src.weight_t, old.as_ref().map(|o| o[j]))?;
                 }
             }
             let olds = [prev_layer.map(|p| &p.qkv), prev_layer.map(|p| &p.gate_up)];
@@ -3066,7 +3079,7 @@ impl Transformer {
         // yet measured on a GPU).
         self.cfg.attn_logit_softcapping.is_none()
             && self.cfg.gemma4.is_none()
-            && self.cfg.linear_attention.is_none()
+            && !self.cfg.recurrent()
             && self.layers.iter().all(|l| {
                 l.moe.is_none()
                     && !l.norm_after_rope
@@ -3175,14 +3188,14 @@ impl Transformer {
                 (Kv::Cache(_), _) | (_, false) => None,
                 _ => crate::moe::current(),
             },
-            tokens: match &cfg.linear_attention {
-                Some(_) => Some(token_mask(attn_bias, b, l)?),
-                None => None,
+            tokens: match cfg.recurrent() {
+                true => Some(token_mask(attn_bias, b, l)?),
+                false => None,
             },
         };
-        if cfg.linear_attention.is_some() && matches!(kv, Kv::Collect(_) | Kv::Prefix(_)) {
+        if cfg.recurrent() && matches!(kv, Kv::Collect(_) | Kv::Prefix(_)) {
             bail!(
-                "a model with linear-attention layers (Qwen3.5) runs its prompts with their completions: it has no keys and values to share"
+                "a model with recurrent layers (Qwen3.5's linear attention, LFM2's convolutions) runs its prompts with their completions: it has no keys and values to share"
             );
         }
         // Variants of `ctx` for the layers that differ. SmolLM3's NoPE layers rotate by
@@ -3928,7 +3941,7 @@ impl Transformer {
         if c == 0 || p == 0 {
             bail!("shared_prompt_logprobs needs at least one prompt and one completion position");
         }
-        if self.cfg.linear_attention.is_some() {
+        if self.cfg.recurrent() {
             // Linear-attention layers keep a state, not keys and values to share: each row
             // runs its prompt with its completion (the same log-probs, the prompt's cost per
             // row).

@@ -685,6 +685,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         mla: None,
         gemma4: None,
         linear_attention: None,
+        short_conv: None,
         bos_token_id: None,
         eos_token_ids: vec![],
         pad_token_id: None,

@@ -75,7 +75,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 33] = Arch::ALL;
+const ARCHES: [Arch; 34] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);
@@ -474,8 +474,8 @@ fn packed_projections_are_views_and_decode_as_the_separate_maps() {
         let dec = base.for_decoding().unwrap();
         let d = max_diff(&cached_logits(&dec, &ids, &mask), &separate);
         assert!(d < 1e-5, "{arch:?}: decoding copy vs separate {d}");
-        // (Qwen3.5's first layer has linear attention: no q, k, v.)
-        if arch.mla() || arch.qwen3_5() {
+        // (Qwen3.5's and LFM2's first layers are recurrent: no q, k, v.)
+        if arch.mla() || base.cfg.recurrent_layer(0) {
             continue;
         }
         let l0 = &dec.layers[0];

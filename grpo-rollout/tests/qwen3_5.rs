@@ -311,7 +311,7 @@ fn reads_the_vision_language_config() {
 /// Written as llama.cpp's `qwen35` (the linear layers under its `ssm_*` names, `A = −exp(A_log)`,
 /// the value heads tiled over the key heads, `1 + w` norms as `1 + w`) and read back: the same
 /// model. llama.cpp's own converter's file of the micro model
-/// (`scripts/gen_qwen3_5_gguf_fixture.py`) reads as the Hugging Face directory.
+/// (`scripts/gen_recurrent_gguf_fixtures.py`) reads as the Hugging Face directory.
 #[test]
 fn gguf_round_trips_and_reads_llama_cpps_file() {
     for model in MODELS {

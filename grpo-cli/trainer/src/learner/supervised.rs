@@ -1417,7 +1417,7 @@ impl Learner {
                 // A model with linear-attention layers carries a state along a row, which a
                 // packed row's sequences must not share: it runs them padded, each on its own
                 // (`bfd` packing's too: the same losses).
-                let recurrent = model.cfg.linear_attention.is_some();
+                let recurrent = model.cfg.recurrent();
                 let flat: Vec<Row>;
                 let part = match (recurrent, self.cfg.sft.padding_free) {
                     (true, _) if part.iter().any(|r| !r.segments.is_empty()) => {
