@@ -40,6 +40,18 @@ GRADS = [
 ]
 
 
+def save_random(cfg, path, seed):
+    """A model of `cfg`, weights std 0.25 and norms around 1 (`seed`), saved at `path` with
+    the micro models' tokenizer."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1, 0.3) if "norm" in name else p.normal_(0, 0.25)
+    model.save_pretrained(path)
+    copy_tokenizer(path)
+
+
 def main():
     fixtures = sys.argv[1]
     path = os.path.join(fixtures, "lfm2-micro")
@@ -50,13 +62,7 @@ def main():
         layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1, 0.3) if "norm" in name else p.normal_(0, 0.25)
-    model.save_pretrained(path)
-    copy_tokenizer(path)
+    save_random(cfg, path, 0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     lp = padded_logprobs(model, ROWS, T)
     lp.sum().backward()
@@ -83,13 +89,7 @@ def main():
     # fixture of scripts/gen_recurrent_gguf_fixtures.py.
     plain = os.path.join(fixtures, "lfm2-plain-micro")
     cfg.conv_bias = False
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1, 0.3) if "norm" in name else p.normal_(0, 0.25)
-    model.save_pretrained(plain)
-    copy_tokenizer(plain)
+    save_random(cfg, plain, 1)
     print("ok", ref["greedy"], ref["mlp_width"])
 
 

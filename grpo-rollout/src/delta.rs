@@ -64,25 +64,8 @@ impl DeltaConfig {
                     }),
             }
         };
-        let layers = match v.get("layer_types").filter(|t| !t.is_null()) {
-            Some(t) => {
-                let Some(t) = t.as_array().filter(|t| t.len() >= num_layers) else {
-                    bail!(
-                        "field `layer_types` must list `linear_attention` or `full_attention` for each of the {num_layers} layers"
-                    );
-                };
-                let mut out = Vec::new();
-                for (i, x) in t.iter().take(num_layers).enumerate() {
-                    match x.as_str() {
-                        Some("linear_attention") => out.push(i),
-                        Some("full_attention") => {}
-                        _ => bail!(
-                            "field `layer_types[{i}]` must be `linear_attention` or `full_attention`, not {x}"
-                        ),
-                    }
-                }
-                out
-            }
+        let layers = match layers_of_type(v, num_layers, "linear_attention")? {
+            Some(l) => l,
             None => {
                 let every = num("full_attention_interval", 4)?;
                 (0..num_layers)
@@ -251,20 +234,9 @@ impl GatedDelta {
     }
 
     /// The mixer's output rows `(B·L, hidden)` for normalised input rows `h` `(B·L, hidden)`
-    /// of `b` rows of `l` positions, from zero state. `tokens` `(B·L, 1)` is 1 at real tokens
-    /// and 0 at padding (`None`: all real).
-    pub fn forward(
-        &self,
-        h: &Tensor,
-        b: usize,
-        l: usize,
-        tokens: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        Ok(self.run(h, b, l, tokens, None)?.0)
-    }
-
-    /// [`Self::forward`] continuing `past` (a generation cache's state; `None`: zeros), with
-    /// the state after the pass.
+    /// of `b` rows of `l` positions after `past` (a generation cache's state; `None`: zeros),
+    /// with the state after the pass. `tokens` `(B·L, 1)` is 1 at real tokens and 0 at padding
+    /// (`None`: all real).
     pub fn run(
         &self,
         h: &Tensor,
@@ -618,6 +590,34 @@ mod tests {
     }
 }
 
+/// The layers `layer_types` (one per layer, each `recurrent` or `full_attention`) names
+/// `recurrent`, or `None` without the field.
+pub(crate) fn layers_of_type(
+    v: &Value,
+    num_layers: usize,
+    recurrent: &str,
+) -> Result<Option<Vec<usize>>> {
+    let Some(t) = v.get("layer_types").filter(|t| !t.is_null()) else {
+        return Ok(None);
+    };
+    let Some(t) = t.as_array().filter(|t| t.len() >= num_layers) else {
+        bail!(
+            "field `layer_types` must list `{recurrent}` or `full_attention` for each of the {num_layers} layers"
+        );
+    };
+    let mut out = Vec::new();
+    for (i, x) in t.iter().take(num_layers).enumerate() {
+        match x.as_str() {
+            Some(k) if k == recurrent => out.push(i),
+            Some("full_attention") => {}
+            _ => {
+                bail!("field `layer_types[{i}]` must be `{recurrent}` or `full_attention`, not {x}")
+            }
+        }
+    }
+    Ok(Some(out))
+}
+
 /// A recurrent layer's token mixer, in place of attention: Qwen3.5's gated delta rule or
 /// LFM2's gated short convolution ([`crate::shortconv`]). Its cache slot is a [`DeltaState`]
 /// (a convolution's last inputs first).
@@ -678,8 +678,8 @@ impl Mixer {
         })
     }
 
-    /// The output rows `(B·L, hidden)` of normalised rows `h` from zero state
-    /// ([`GatedDelta::forward`]).
+    /// The output rows `(B·L, hidden)` of normalised rows `h` `(B·L, hidden)` of `b` rows of
+    /// `l` positions from zero state; `tokens` `(B·L, 1)` is 1 at real tokens and 0 at padding.
     pub fn forward(
         &self,
         h: &Tensor,

@@ -949,6 +949,22 @@ pub fn hf_tensor_name(gguf_name: &str, arch: Arch) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
+/// A layer tensor's llama.cpp name (`to_gguf`, after `blk.{i}.`) from transformers' (after
+/// `model.layers.{i}.`), or back, by a family's `table` of (transformers', llama.cpp's) names;
+/// `None` for a name the table does not hold.
+fn layer_name_by(table: &[(&str, &str)], name: &str, to_gguf: bool) -> Option<String> {
+    let (from, to) = match to_gguf {
+        true => ("model.layers.", "blk."),
+        false => ("blk.", "model.layers."),
+    };
+    let (layer, part) = name.strip_prefix(from)?.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let (hf, g) = table
+        .iter()
+        .find(|(hf, g)| part == if to_gguf { *hf } else { *g })?;
+    Some(format!("{to}{layer}.{}", if to_gguf { g } else { hf }))
+}
+
 /// Undoes llama.cpp's Q/K row permutation (`convert_hf_to_gguf.py`'s `LlamaModel.permute`).
 ///
 /// llama.cpp views the rows of each head as `(2, head_dim / 2)` and stores them transposed,

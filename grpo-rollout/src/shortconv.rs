@@ -26,25 +26,8 @@ impl ShortConvConfig {
     /// `full_attn_idxs` (transformers' default: every layer attention), `conv_L_cache` (3),
     /// `conv_bias` (false).
     pub fn from_hf_json(v: &Value, num_layers: usize) -> Result<Self> {
-        let layers = match v.get("layer_types").filter(|t| !t.is_null()) {
-            Some(t) => {
-                let Some(t) = t.as_array().filter(|t| t.len() >= num_layers) else {
-                    bail!(
-                        "field `layer_types` must list `conv` or `full_attention` for each of the {num_layers} layers"
-                    );
-                };
-                let mut out = Vec::new();
-                for (i, x) in t.iter().take(num_layers).enumerate() {
-                    match x.as_str() {
-                        Some("conv") => out.push(i),
-                        Some("full_attention") => {}
-                        _ => bail!(
-                            "field `layer_types[{i}]` must be `conv` or `full_attention`, not {x}"
-                        ),
-                    }
-                }
-                out
-            }
+        let layers = match crate::delta::layers_of_type(v, num_layers, "conv")? {
+            Some(l) => l,
             None => match v.get("full_attn_idxs").filter(|t| !t.is_null()) {
                 Some(Value::Array(a)) => {
                     let full: Vec<u64> = a.iter().filter_map(Value::as_u64).collect();

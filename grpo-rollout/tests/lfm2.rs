@@ -176,36 +176,7 @@ fn peft_all_linear_adapter_matches_peft() {
     assert!(max_diff(&to_f64(&logprobs(&base.model, &r)), &want) > 1e-2);
     let merged = grpo_rollout::lora::merge(&m.model).unwrap();
     assert!(max_diff(&to_f64(&logprobs(&merged, &r)), &got) < 1e-5);
-    let lcfg = grpo_rollout::lora::LoraConfig {
-        target_modules: grpo_rollout::lora::TargetModules::Pattern("all-linear".into()),
-        r: 2,
-        ..Default::default()
-    };
-    let tm = grpo_rollout::TrainableModel::lora(&base.model, &lcfg, 3).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    grpo_rollout::lora::save_peft(&tm.model, tm.lora.as_ref().unwrap(), dir.path(), "base")
-        .unwrap();
-    let targets = |d: &Path| -> Vec<String> {
-        let v: Value =
-            serde_json::from_str(&std::fs::read_to_string(d.join("adapter_config.json")).unwrap())
-                .unwrap();
-        let mut t: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
-        t.sort();
-        t
-    };
-    assert_eq!(targets(dir.path()), targets(&peft));
-    let tensors = |d: &Path| {
-        candle_core::safetensors::load(d.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
-    };
-    let (ours, theirs) = (tensors(dir.path()), tensors(&peft));
-    let mut k: Vec<&String> = ours.keys().collect();
-    k.sort();
-    let mut want_k: Vec<&String> = theirs.keys().collect();
-    want_k.sort();
-    assert_eq!(k, want_k);
-    for (name, t) in &theirs {
-        assert_eq!(t.dims(), ours[name].dims(), "{name}");
-    }
+    common::all_linear_like_peft(&base.model, &peft);
 }
 
 /// LFM2's configs as released: `block_ff_dim` and `tie_embedding` (its older names), the MLP's

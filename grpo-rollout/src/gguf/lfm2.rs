@@ -29,18 +29,8 @@ pub(super) fn tensor_name(name: &str, to_gguf: bool) -> Option<String> {
         ("token_embd_norm.weight", false) => return Some("model.norm.weight".into()),
         _ => {}
     }
-    let (from, to) = match to_gguf {
-        true => ("model.layers.", "blk."),
-        false => ("blk.", "model.layers."),
-    };
-    if let Some(rest) = name.strip_prefix(from)
-        && let Some((layer, part)) = rest.split_once('.')
-        && layer.parse::<usize>().is_ok()
-        && let Some((m, g)) = TENSORS
-            .iter()
-            .find(|(m, g)| part == if to_gguf { *m } else { *g })
-    {
-        return Some(format!("{to}{layer}.{}", if to_gguf { g } else { m }));
+    if let Some(n) = super::layer_name_by(&TENSORS, name, to_gguf) {
+        return Some(n);
     }
     match to_gguf {
         true => super::gguf_tensor_name(name, arch),

@@ -35,18 +35,8 @@ const TENSORS: [(&str, &str); 10] = [
 /// llama.cpp's name of a transformers tensor (`to_gguf`), or transformers' of a llama.cpp one;
 /// the names Qwen3.5 (`arch`) shares with the other families as theirs.
 pub(super) fn tensor_name(name: &str, to_gguf: bool, arch: Arch) -> Option<String> {
-    let (from, to) = match to_gguf {
-        true => ("model.layers.", "blk."),
-        false => ("blk.", "model.layers."),
-    };
-    if let Some(rest) = name.strip_prefix(from)
-        && let Some((layer, part)) = rest.split_once('.')
-        && layer.parse::<usize>().is_ok()
-        && let Some((hf, g)) = TENSORS
-            .iter()
-            .find(|(hf, g)| part == if to_gguf { *hf } else { *g })
-    {
-        return Some(format!("{to}{layer}.{}", if to_gguf { g } else { hf }));
+    if let Some(n) = super::layer_name_by(&TENSORS, name, to_gguf) {
+        return Some(n);
     }
     match to_gguf {
         true => super::gguf_tensor_name(name, arch),

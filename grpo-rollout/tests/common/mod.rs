@@ -100,3 +100,37 @@ pub fn greedy(m: &grpo_rollout::LoadedModel, prompt: &[u32], n: usize) -> Vec<u3
     let out = grpo_rollout::generate(&m.model, &m.tokenizer, &prompts, 1, &params).unwrap();
     out[0].token_ids.clone()
 }
+
+/// Our LoRA `all-linear` on `base` adapts and names the same modules as PEFT's adapter at
+/// `peft`, with tensors of PEFT's names and shapes.
+pub fn all_linear_like_peft(base: &grpo_rollout::Transformer, peft: &std::path::Path) {
+    let lcfg = grpo_rollout::lora::LoraConfig {
+        target_modules: grpo_rollout::lora::TargetModules::Pattern("all-linear".into()),
+        r: 2,
+        ..Default::default()
+    };
+    let tm = grpo_rollout::TrainableModel::lora(base, &lcfg, 3).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    grpo_rollout::lora::save_peft(&tm.model, tm.lora.as_ref().unwrap(), dir.path(), "base")
+        .unwrap();
+    let targets = |d: &std::path::Path| -> Vec<String> {
+        let text = std::fs::read_to_string(d.join("adapter_config.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut t: Vec<String> = serde_json::from_value(v["target_modules"].clone()).unwrap();
+        t.sort();
+        t
+    };
+    assert_eq!(targets(dir.path()), targets(peft));
+    let tensors = |d: &std::path::Path| {
+        candle_core::safetensors::load(d.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (ours, theirs) = (tensors(dir.path()), tensors(peft));
+    let mut k: Vec<&String> = ours.keys().collect();
+    k.sort();
+    let mut want_k: Vec<&String> = theirs.keys().collect();
+    want_k.sort();
+    assert_eq!(k, want_k);
+    for (name, t) in &theirs {
+        assert_eq!(t.dims(), ours[name].dims(), "{name}");
+    }
+}
