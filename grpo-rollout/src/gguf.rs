@@ -5,7 +5,7 @@
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
 //!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
-//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`, `qwen35`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`, `qwen35`, `qwen35moe`, `lfm2`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
 //!   the experts' renormalisation, DeepSeek's router and latent widths, Gemma 4's KV-sharing
 //!   pairs; Gemma 4's per-layer keys read as the `config.json` they stand for);
