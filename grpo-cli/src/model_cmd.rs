@@ -124,7 +124,7 @@ pub struct InitModelArgs {
     /// llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text,
     /// hunyuan_v1_dense, olmo2, olmo3, phi3, granite, ernie4_5, exaone4, glm, glm4, seed_oss, arcee,
     /// nanochat, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, gpt_oss, glm4_moe, deepseek_v3,
-    /// glm4_moe_lite, deepseek_v2, qwen3_5_moe_text or lfm2.
+    /// glm4_moe_lite, deepseek_v2, qwen3_5_moe_text, lfm2 or lfm2_moe.
     #[arg(long, default_value = "qwen2")]
     arch: String,
     /// Weight seed.

@@ -607,12 +607,12 @@ fn sft_packing_strategies() {
     assert!(e.contains("ffd") && e.contains("bfd_split"), "{e}");
 }
 
-/// A model with recurrent layers (Qwen3.5 and its mixture of experts, LFM2) carries a state
+/// A model with recurrent layers (Qwen3.5, LFM2 and their mixtures of experts) carries a state
 /// along a row: `bfd` packing and `padding_free` run each sequence padded on its own, so a
 /// step's loss, gradient norm and token count are the unpacked run's.
 #[test]
 fn sft_packing_on_linear_attention_models_trains_as_unpacked() {
-    for arch in [Arch::Qwen3_5, Arch::Qwen3_5Moe, Arch::Lfm2] {
+    for arch in [Arch::Qwen3_5, Arch::Qwen3_5Moe, Arch::Lfm2, Arch::Lfm2Moe] {
         let dir = fixture(arch);
         let plain = run(
             setup(dir.path(), "plain", "sft", 3, ""),

@@ -164,6 +164,11 @@ pub enum Arch {
     /// output `out_proj` ([`crate::layout`]).
     #[serde(rename = "lfm2")]
     Lfm2,
+    /// Liquid AI's LFM2 mixtures of experts (`lfm2_moe`: LFM2-8B-A1B): LFM2's layers, the first
+    /// `num_dense_layers` with LFM2's MLP, the others with experts chosen by `sigmoid(logit) +
+    /// expert_bias` ([`Routing::Sigmoid`]); its files hold each expert's `w1` / `w3` / `w2`.
+    #[serde(rename = "lfm2_moe")]
+    Lfm2Moe,
 }
 
 /// nanochat's MLP maps, its up and down ([`Arch::mlp_names`]): `mlp.fc1`, `mlp.fc2`.
@@ -192,7 +197,7 @@ pub enum Activation {
 
 impl Arch {
     /// Every architecture.
-    pub const ALL: [Arch; 34] = [
+    pub const ALL: [Arch; 35] = [
         Arch::Llama,
         Arch::Qwen2,
         Arch::Qwen3,
@@ -227,6 +232,7 @@ impl Arch {
         Arch::Qwen3_5,
         Arch::Qwen3_5Moe,
         Arch::Lfm2,
+        Arch::Lfm2Moe,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -266,6 +272,7 @@ impl Arch {
             Arch::Qwen3_5 => "qwen3_5_text",
             Arch::Qwen3_5Moe => "qwen3_5_moe_text",
             Arch::Lfm2 => "lfm2",
+            Arch::Lfm2Moe => "lfm2_moe",
         }
     }
 
@@ -278,6 +285,7 @@ impl Arch {
             Arch::Mixtral | Arch::Ministral3 => Arch::Mistral,
             Arch::GraniteMoe => Arch::Granite,
             Arch::Qwen3_5Moe => Arch::Qwen3_5,
+            Arch::Lfm2Moe => Arch::Lfm2,
             a => a,
         }
     }
@@ -286,6 +294,12 @@ impl Arch {
     /// norms): Qwen3.5 and its mixtures of experts.
     pub fn qwen3_5(self) -> bool {
         self.attention() == Arch::Qwen3_5
+    }
+
+    /// Whether the layers are LFM2's (short convolutions and attention, its own names): LFM2
+    /// and its mixtures of experts.
+    pub fn lfm2(self) -> bool {
+        self.attention() == Arch::Lfm2
     }
 
     /// Whether the MLPs are mixtures of experts ([`MoeConfig`]).
@@ -303,6 +317,7 @@ impl Arch {
                 | Arch::Glm4MoeLite
                 | Arch::DeepseekV2
                 | Arch::Qwen3_5Moe
+                | Arch::Lfm2Moe
         )
     }
 
@@ -384,6 +399,7 @@ impl Arch {
                 | Arch::Qwen3_5
                 | Arch::Qwen3_5Moe
                 | Arch::Lfm2
+                | Arch::Lfm2Moe
         )
     }
 
@@ -554,8 +570,9 @@ impl Arch {
             "qwen3_5_text" => Ok(Arch::Qwen3_5),
             "qwen3_5_moe_text" => Ok(Arch::Qwen3_5Moe),
             "lfm2" => Ok(Arch::Lfm2),
+            "lfm2_moe" => Ok(Arch::Lfm2Moe),
             other => bail!(
-                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense, qwen3_5_moe_text, lfm2 (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5 and qwen3_5_moe)"
+                "unsupported model_type `{other}`: supported are llama, qwen2, qwen3, qwen3_5_text, mistral, ministral3, smollm3, gemma2, gemma3_text, gemma4_text, olmo2, phi3, granite, qwen3_moe, qwen2_moe, mixtral, olmoe, granitemoe, ernie4_5, exaone4, gpt_oss, glm, glm4, olmo3, seed_oss, arcee, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2, nanochat, hunyuan_v1_dense, qwen3_5_moe_text, lfm2, lfm2_moe (and the language models of the vision-language gemma3, gemma4, mistral3, qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5 and qwen3_5_moe)"
             ),
         }
     }
@@ -1091,6 +1108,16 @@ pub enum Routing {
     /// OLMoE, Granite MoE, gpt-oss.
     #[default]
     Softmax,
+    /// LFM2-MoE's router: each expert's score `sigmoid(logit)` (the logits in the model's
+    /// dtype), the experts chosen by score plus the layer's `expert_bias` (with
+    /// `use_expert_bias`; a constant the checkpoint holds), weighted by their scores (divided by
+    /// their sum plus 1e-6 when `norm_topk_prob`) times `routed_scaling_factor`.
+    Sigmoid {
+        /// The chosen weights' factor (`routed_scaling_factor`).
+        routed_scaling_factor: f64,
+        /// `use_expert_bias`.
+        expert_bias: bool,
+    },
     /// DeepSeek-V3's router (`noaux_tc`), as GLM-4.5 has it: the logits in f32, each
     /// expert's score `sigmoid(logit)`; the experts are chosen by score plus the layer's
     /// `e_score_correction_bias` (a constant the checkpoint holds, never trained), among the
@@ -1126,6 +1153,7 @@ impl MoeConfig {
             Arch::DeepseekV2 => (64, 6, 1407),
             Arch::Qwen2Moe => (60, 4, 1408),
             Arch::Qwen3_5Moe => (256, 8, 512),
+            Arch::Lfm2Moe => (32, 4, 1792),
             Arch::Olmoe => (64, 8, intermediate_size),
             Arch::GptOss => (128, 4, intermediate_size),
             _ => (8, 2, intermediate_size),
@@ -1153,6 +1181,8 @@ impl MoeConfig {
             bail!("field `decoder_sparse_step` must be > 0");
         }
         let mlp_only_layers = match v.get("mlp_only_layers") {
+            // LFM2-MoE's first `num_dense_layers`.
+            _ if arch == Arch::Lfm2Moe => (0..int("num_dense_layers", 2)?).collect(),
             // GLM-4.7-Flash's `mlp_layer_types` (default: the first layer dense).
             _ if arch == Arch::Glm4MoeLite => match v.get("mlp_layer_types") {
                 None | Some(Value::Null) => vec![0],
@@ -1250,6 +1280,20 @@ impl MoeConfig {
                     },
                 }
             }
+            Arch::Lfm2Moe => Routing::Sigmoid {
+                routed_scaling_factor: match v.get("routed_scaling_factor") {
+                    None | Some(Value::Null) => 1.0,
+                    Some(x) => x.as_f64().ok_or_else(|| {
+                        candle_core::Error::msg(format!(
+                            "field `routed_scaling_factor` must be a number, not {x}"
+                        ))
+                    })?,
+                },
+                expert_bias: v
+                    .get("use_expert_bias")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(true),
+            },
             _ => Routing::Softmax,
         };
         Ok(MoeConfig {
@@ -1264,9 +1308,11 @@ impl MoeConfig {
             ) || v
                 .get("norm_topk_prob")
                 .and_then(Value::as_bool)
-                // Glm4MoeConfig's and DeepseekV3Config's default renormalises (DeepSeek-V2's
-                // router never does).
-                .unwrap_or(arch.deepseek_moe() && arch != Arch::DeepseekV2),
+                // Glm4MoeConfig's, DeepseekV3Config's and Lfm2MoeConfig's default
+                // renormalises (DeepSeek-V2's router never does).
+                .unwrap_or(
+                    (arch.deepseek_moe() && arch != Arch::DeepseekV2) || arch == Arch::Lfm2Moe,
+                ),
             decoder_sparse_step,
             mlp_only_layers,
             shared_expert_intermediate_size: match arch {
@@ -1279,8 +1325,9 @@ impl MoeConfig {
                 _ => None,
             },
             router_aux_loss_coef: match arch {
-                // transformers' GLM-4.5 and DeepSeek-V3 compute no load-balancing loss.
-                a if a.deepseek_moe() => 0.0,
+                // transformers' GLM-4.5, DeepSeek-V3 and LFM2-MoE compute no load-balancing
+                // loss.
+                a if a.deepseek_moe() || a == Arch::Lfm2Moe => 0.0,
                 _ => v
                     .get("router_aux_loss_coef")
                     .and_then(Value::as_f64)
@@ -1362,6 +1409,25 @@ impl MoeConfig {
 
     /// The fields of `config.json` for `arch`.
     fn write(&self, arch: Arch, obj: &mut serde_json::Map<String, Value>, layers: usize) {
+        if let Routing::Sigmoid {
+            routed_scaling_factor,
+            expert_bias,
+        } = self.routing
+        {
+            for (k, x) in [
+                ("num_experts", Value::from(self.num_experts)),
+                ("num_experts_per_tok", self.num_experts_per_tok.into()),
+                ("moe_intermediate_size", self.moe_intermediate_size.into()),
+                ("norm_topk_prob", self.norm_topk_prob.into()),
+                ("num_dense_layers", self.mlp_only_layers.len().into()),
+                ("use_expert_bias", expert_bias.into()),
+                ("routed_scaling_factor", routed_scaling_factor.into()),
+                ("output_router_logits", false.into()),
+            ] {
+                obj.insert(k.into(), x);
+            }
+            return;
+        }
         if let Routing::SigmoidGroups {
             n_group,
             topk_group,
@@ -1835,7 +1901,9 @@ impl ModelConfig {
             // transformers' `default_theta` (SmolLM3Config's 2e6, Gemma 3's 1e6, else 10000).
             .unwrap_or(match arch {
                 Arch::SmolLM3 => 2_000_000.0,
-                Arch::Gemma3 | Arch::Mixtral | Arch::Ministral3 | Arch::Lfm2 => 1_000_000.0,
+                Arch::Gemma3 | Arch::Mixtral | Arch::Ministral3 | Arch::Lfm2 | Arch::Lfm2Moe => {
+                    1_000_000.0
+                }
                 Arch::Ernie45 | Arch::Olmo3 => 500_000.0,
                 Arch::GptOss => 150_000.0,
                 _ => 10_000.0,
@@ -1900,7 +1968,7 @@ impl ModelConfig {
                 Arch::Glm4MoeLite => 202_752,
                 Arch::Gemma2 => 8192,
                 Arch::SeedOss => 524_288,
-                Arch::Lfm2 => 128_000,
+                Arch::Lfm2 | Arch::Lfm2Moe => 128_000,
             }) as usize;
         let mut rope_dict = v
             .get("rope_scaling")
@@ -2232,9 +2300,9 @@ impl ModelConfig {
             head_dim,
             // (LFM2's is `norm_eps`.)
             rms_norm_eps: v
-                .get(match arch {
-                    Arch::Lfm2 => "norm_eps",
-                    _ => "rms_norm_eps",
+                .get(match arch.lfm2() {
+                    true => "norm_eps",
+                    false => "rms_norm_eps",
                 })
                 .and_then(Value::as_f64)
                 // transformers' defaults: OLMo's, Phi3Config's, Mixtral's 1e-5, the others' 1e-6.
@@ -2251,7 +2319,8 @@ impl ModelConfig {
                     | Arch::Arcee
                     | Arch::Glm4Moe
                     | Arch::Glm4MoeLite
-                    | Arch::Lfm2 => 1e-5,
+                    | Arch::Lfm2
+                    | Arch::Lfm2Moe => 1e-5,
                     // GlmConfig's and Glm4Config's.
                     Arch::Glm | Arch::Glm4 => 1.5625e-7,
                     _ => 1e-6,
@@ -2263,7 +2332,7 @@ impl ModelConfig {
             // older configs as `tie_embedding`), the others do not.
             tie_word_embeddings: v
                 .get("tie_word_embeddings")
-                .or(v.get("tie_embedding").filter(|_| arch == Arch::Lfm2))
+                .or(v.get("tie_embedding").filter(|_| arch.lfm2()))
                 .and_then(Value::as_bool)
                 .unwrap_or(matches!(
                     arch,
@@ -2273,6 +2342,7 @@ impl ModelConfig {
                         | Arch::Gemma4
                         | Arch::Ernie45
                         | Arch::Lfm2
+                        | Arch::Lfm2Moe
                 )),
             attention_bias: match arch {
                 Arch::Qwen2 => true,
@@ -2284,7 +2354,8 @@ impl ModelConfig {
                 | Arch::Phi3
                 | Arch::Mixtral
                 | Arch::Exaone4
-                | Arch::Lfm2 => false,
+                | Arch::Lfm2
+                | Arch::Lfm2Moe => false,
                 // ERNIE 4.5's `use_bias`: every projection's.
                 Arch::Ernie45 => flag("use_bias", false),
                 // gpt-oss's default biases q, k, v and o; GLM's and Seed-OSS's q, k and v.
@@ -2388,12 +2459,12 @@ impl ModelConfig {
                 )?),
                 false => None,
             },
-            short_conv: match arch {
-                Arch::Lfm2 => Some(crate::shortconv::ShortConvConfig::from_hf_json(
+            short_conv: match arch.lfm2() {
+                true => Some(crate::shortconv::ShortConvConfig::from_hf_json(
                     v,
                     num_hidden_layers,
                 )?),
-                _ => None,
+                false => None,
             },
         };
         cfg.validate()?;
@@ -2543,6 +2614,7 @@ impl ModelConfig {
                     Arch::Qwen3_5 => "Qwen3_5",
                     Arch::Qwen3_5Moe => "Qwen3_5Moe",
                     Arch::Lfm2 => "Lfm2",
+                    Arch::Lfm2Moe => "Lfm2Moe",
                 },
                 match self.sequence_classification {
                     true => "ForSequenceClassification",
@@ -2673,7 +2745,7 @@ impl ModelConfig {
             d.write_hf_json(obj, self.num_hidden_layers);
         }
         // LFM2's: its layers, its norms' epsilon as `norm_eps`, the MLP's width as it is.
-        if self.arch == Arch::Lfm2 {
+        if self.arch.lfm2() {
             let none = crate::shortconv::ShortConvConfig {
                 layers: Vec::new(),
                 kernel: 3,
@@ -2684,7 +2756,9 @@ impl ModelConfig {
             if let Some(eps) = obj.remove("rms_norm_eps") {
                 obj.insert("norm_eps".into(), eps);
             }
-            obj.insert("block_auto_adjust_ff_dim".into(), false.into());
+            if self.arch == Arch::Lfm2 {
+                obj.insert("block_auto_adjust_ff_dim".into(), false.into());
+            }
         }
         if let Some(g) = &self.gemma4 {
             obj.insert("hidden_activation".into(), act.into());

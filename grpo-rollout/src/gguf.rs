@@ -226,7 +226,8 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             | Arch::Gemma4
             | Arch::HunyuanDense
             | Arch::Qwen3_5
-            | Arch::Qwen3_5Moe => Err(()),
+            | Arch::Qwen3_5Moe
+            | Arch::Lfm2Moe => Err(()),
             a => Ok(a),
         }),
     }
@@ -1920,6 +1921,10 @@ fn deepseek_moe_metadata(
             (n_group > 1 && topk_group < n_group).then_some((n_group, topk_group)),
         ),
         crate::config::Routing::Softmax => (GATING_SOFTMAX, 1.0, None),
+        crate::config::Routing::Sigmoid {
+            routed_scaling_factor,
+            ..
+        } => (GATING_SIGMOID, routed_scaling_factor, None),
     };
     let mut md = vec![
         (a("leading_dense_block_count"), u(dense)),
@@ -2391,6 +2396,11 @@ pub fn save_gguf(
     if cfg.arch == Arch::HunyuanDense && (cfg.attention_bias || cfg.mlp_bias) {
         bail!(
             "Hunyuan with attention_bias or mlp_bias has no GGUF form (llama.cpp's hunyuan-dense has no biases): export it as safetensors"
+        );
+    }
+    if cfg.arch == Arch::Lfm2Moe {
+        bail!(
+            "LFM2-MoE has no GGUF form here yet (llama.cpp's lfm2moe is not checked against transformers'): export it as safetensors"
         );
     }
     if cfg.arch == Arch::Exaone4 {

@@ -297,6 +297,8 @@ pub fn preset_config(
                 (Preset::Tiny, Arch::Qwen3Moe) => vec![1],
                 // GLM-4.5's first layer is dense (`first_k_dense_replace` 1, as GLM-4.5-Air's).
                 (_, a) if a.deepseek_moe() => vec![0],
+                // LFM2-MoE's dense first layer (`num_dense_layers`).
+                (_, Arch::Lfm2Moe) => vec![0],
                 _ => Vec::new(),
             },
             // GLM-4.5's and DeepSeek-V3's one shared expert is an expert's width.
@@ -305,13 +307,18 @@ pub fn preset_config(
                 a if a.deepseek_moe() => Some(inter / 2),
                 _ => None,
             },
-            router_aux_loss_coef: match arch.deepseek_moe() {
+            router_aux_loss_coef: match arch.deepseek_moe() || arch == Arch::Lfm2Moe {
                 true => 0.0,
                 false => arch.default_router_aux_loss_coef(),
             },
             // GLM-4.5-Air's routing: one group, unscaled weights; DeepSeek-V3's: groups (two
             // of two experts here, one taken), scaled by 2.5; GLM-4.7-Flash's: 1.8.
             routing: match arch {
+                // LFM2-MoE's sigmoid router with its offsets, scaled as LFM2-8B-A1B's.
+                Arch::Lfm2Moe => crate::config::Routing::Sigmoid {
+                    routed_scaling_factor: 1.0,
+                    expert_bias: true,
+                },
                 Arch::Glm4Moe => crate::config::Routing::SigmoidGroups {
                     n_group: 1,
                     topk_group: 1,
@@ -383,7 +390,7 @@ pub fn preset_config(
         }),
         // LFM2's convolutions: the tiny preset's first layer, the small one's first and third
         // (attention in the others), a kernel of 3, no biases (as LFM2's releases).
-        short_conv: (arch == Arch::Lfm2).then(|| crate::shortconv::ShortConvConfig {
+        short_conv: arch.lfm2().then(|| crate::shortconv::ShortConvConfig {
             layers: (0..layers.saturating_sub(1))
                 .filter(|i| *i != 1 || layers < 4)
                 .collect(),
@@ -573,8 +580,15 @@ pub fn random_weights(
                     }
                     shapes.push((name, shape, false));
                 }
-                // GLM-4.5's router's constant score offsets.
-                if matches!(m.routing, crate::config::Routing::SigmoidGroups { .. }) {
+                // GLM-4.5's router's constant score offsets (LFM2-MoE's `expert_bias`).
+                if matches!(
+                    m.routing,
+                    crate::config::Routing::SigmoidGroups { .. }
+                        | crate::config::Routing::Sigmoid {
+                            expert_bias: true,
+                            ..
+                        }
+                ) {
                     shapes.push((names.correction_bias(i), vec![e], false));
                 }
                 if let Some(si) = m.shared_expert_intermediate_size {

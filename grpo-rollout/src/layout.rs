@@ -30,7 +30,8 @@
 //!   `experts.down_proj` ([`crate::gemma4::split_experts`]).
 //! * Hunyuan names its per-head q/k norms `query_layernorm` / `key_layernorm`; LFM2 its norms
 //!   `operator_norm`, `ffn_norm`, `q_layernorm`, `k_layernorm`, `embedding_norm`, its MLP
-//!   `feed_forward.w1` / `w3` / `w2` and its attention's output `out_proj` (`renames`).
+//!   `feed_forward.w1` / `w3` / `w2` (its experts' likewise; their router's offsets `expert_bias`) and
+//!   its attention's output `out_proj` (`renames`).
 //! * Qwen3.5's gated attention: its `q_proj` gives each head's query rows, then that head's
 //!   gate rows; the model holds all query rows (reordered for its partial rotary embeddings),
 //!   then all gate rows ([`q_rows`]).
@@ -294,7 +295,7 @@ pub fn to_hf(cfg: &ModelConfig, weights: Vec<(String, Tensor)>) -> Result<Vec<(S
         Arch::GraniteMoe => fuse_granite_experts(cfg, weights)?,
         Arch::GptOss => fuse_gpt_oss_experts(cfg, weights)?,
         Arch::Gemma4 => crate::gemma4::fuse_experts(cfg, weights)?,
-        Arch::HunyuanDense | Arch::Lfm2 => weights
+        a if !renames(a).is_empty() => weights
             .into_iter()
             .map(|(k, t)| (renamed(cfg.arch, &k, false), t))
             .collect(),
@@ -371,34 +372,39 @@ fn renames(arch: Arch) -> &'static [(&'static str, &'static str)] {
             (".self_attn.query_layernorm.", ".self_attn.q_norm."),
             (".self_attn.key_layernorm.", ".self_attn.k_norm."),
         ],
-        // LFM2's norms, MLP and attention output.
-        Arch::Lfm2 => &[
+        // LFM2's norms, MLP (its experts' and their router's offsets too) and attention output.
+        a if a.lfm2() => &[
             (".operator_norm.", ".input_layernorm."),
             (".ffn_norm.", ".post_attention_layernorm."),
-            (".feed_forward.w1.", ".mlp.gate_proj."),
-            (".feed_forward.w3.", ".mlp.up_proj."),
-            (".feed_forward.w2.", ".mlp.down_proj."),
             (".self_attn.out_proj.", ".self_attn.o_proj."),
             (".self_attn.q_layernorm.", ".self_attn.q_norm."),
             (".self_attn.k_layernorm.", ".self_attn.k_norm."),
             ("model.embedding_norm.", "model.norm."),
+            (".feed_forward.", ".mlp."),
+            (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+            (".w1.", ".gate_proj."),
+            (".w3.", ".up_proj."),
+            (".w2.", ".down_proj."),
         ],
         _ => &[],
     }
 }
 
-/// A tensor's name in the model's naming (`to_model`) from its files', or back ([`renames`]).
+/// A tensor's name in the model's naming (`to_model`) from its files', or back: every pair of
+/// [`renames`] in turn (in reverse order going back).
 fn renamed(arch: Arch, name: &str, to_model: bool) -> String {
-    for &(file, model) in renames(arch) {
+    let pairs = renames(arch);
+    let mut name = name.to_string();
+    for i in 0..pairs.len() {
         let (from, to) = match to_model {
-            true => (file, model),
-            false => (model, file),
+            true => pairs[i],
+            false => (pairs[pairs.len() - 1 - i].1, pairs[pairs.len() - 1 - i].0),
         };
         if name.contains(from) {
-            return name.replace(from, to);
+            name = name.replace(from, to);
         }
     }
-    name.to_string()
+    name
 }
 
 /// The parts' rows alternating, row `i` of part `j` at `i · parts + j` (gpt-oss's fused

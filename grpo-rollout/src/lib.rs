@@ -6,7 +6,7 @@
 //! exaone4, glm, glm4, seed_oss, arcee, the hybrids qwen3_5_text (linear attention, [`delta`])
 //! and lfm2 (short convolutions, [`shortconv`]), and the mixtures of experts qwen3_moe, qwen2_moe,
 //! mixtral, olmoe, granitemoe, gpt_oss, glm4_moe, deepseek_v3, glm4_moe_lite, deepseek_v2 —
-//! with DeepSeek's latent attention, [`mla`] — and qwen3_5_moe_text: [`moe`]) whose
+//! with DeepSeek's latent attention, [`mla`] —, qwen3_5_moe_text and lfm2_moe: [`moe`]) whose
 //! every weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with
 //! its tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
 //! adapters (with PEFT's trainable tokens), and saving in Hugging Face / PEFT formats (a

@@ -203,7 +203,7 @@ pub fn modules(cfg: &crate::config::ModelConfig) -> &'static [Module] {
         (_, Some(_)) => &MLA_Q,
         (crate::config::Arch::Phi3, _) => &PHI3,
         (crate::config::Arch::NanoChat, _) => &NANOCHAT,
-        (crate::config::Arch::Lfm2, _) => &LFM2,
+        (a, _) if a.lfm2() => &LFM2,
         (a, _) if a.glm() => &GLM,
         _ => &SEPARATE,
     }

@@ -2120,11 +2120,13 @@ impl Transformer {
                             None => None,
                         },
                         routing: m.routing,
-                        // GLM-4.5's offsets, kept in f32 as transformers keeps them.
+                        // GLM-4.5's offsets (LFM2-MoE's `expert_bias`), kept in f32 as
+                        // transformers keeps them.
                         correction_bias: match m.routing {
-                            crate::config::Routing::SigmoidGroups { .. } => {
-                                Some(wide(&names.correction_bias(i), &[m.num_experts])?)
-                            }
+                            crate::config::Routing::SigmoidGroups { .. }
+                            | crate::config::Routing::Sigmoid {
+                                expert_bias: true, ..
+                            } => Some(wide(&names.correction_bias(i), &[m.num_experts])?),
                             _ => None,
                         },
                         expert_scale: None,

@@ -252,6 +252,13 @@ impl Moe {
         {
             return self.route_groups(&z, n_group, topk_group, routed_scaling_factor);
         }
+        if let Routing::Sigmoid {
+            routed_scaling_factor,
+            ..
+        } = self.routing
+        {
+            return self.route_sigmoid(&z, routed_scaling_factor);
+        }
         if let Routing::Greedy {
             n_group,
             topk_group,
@@ -286,6 +293,29 @@ impl Moe {
     /// groups ranked by their two best offset scores, the experts outside the best
     /// `topk_group` masked out, the `top_k` best offset scores chosen, their plain scores the
     /// weights (the graph back to the router through them).
+    /// [`Routing::Sigmoid`] of the logits `z` (f32 or f64): the experts chosen by score plus
+    /// the `expert_bias` (where the layer has one), weighted by their scores (renormalised with
+    /// transformers' 1e-6), times `scale`.
+    fn route_sigmoid(&self, z: &Tensor, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        let scores = sigmoid(z)?;
+        let choice = match &self.correction_bias {
+            Some(b) => scores.detach().broadcast_add(&b.to_dtype(z.dtype())?)?,
+            None => scores.detach(),
+        };
+        let top = choice
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, self.top_k)?
+            .contiguous()?;
+        let mut w = scores.gather(&top, 1)?;
+        if self.norm_topk_prob {
+            w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-6)?)?;
+        }
+        if scale != 1.0 {
+            w = (w * scale)?;
+        }
+        Ok((top, w, scores))
+    }
+
     fn route_groups(
         &self,
         z: &Tensor,
@@ -358,11 +388,12 @@ impl Moe {
         Ok((top, w, probs))
     }
 
-    /// The router's logits of rows `h`: in the rows' dtype for the softmax routers, in f32
+    /// The router's logits of rows `h`: in the rows' dtype for the softmax routers and
+    /// LFM2-MoE's, in f32
     /// (f64 in an f64 model) for DeepSeek's, as transformers computes them.
     fn logits(&self, h: &Tensor) -> Result<Tensor> {
         match self.routing {
-            Routing::Softmax => self.router.forward(h),
+            Routing::Softmax | Routing::Sigmoid { .. } => self.router.forward(h),
             Routing::SigmoidGroups { .. } | Routing::Greedy { .. } => {
                 let dt = match h.dtype() {
                     DType::F64 => DType::F64,

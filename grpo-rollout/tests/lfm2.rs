@@ -39,10 +39,12 @@ fn model_name(file: &str) -> String {
     [
         (".operator_norm.", ".input_layernorm."),
         (".ffn_norm.", ".post_attention_layernorm."),
-        (".feed_forward.w1.", ".mlp.gate_proj."),
         (".self_attn.out_proj.", ".self_attn.o_proj."),
         (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
         ("model.embedding_norm.", "model.norm."),
+        (".feed_forward.", ".mlp."),
+        (".w1.", ".gate_proj."),
     ]
     .iter()
     .fold(file.to_string(), |n, (f, m)| n.replace(f, m))
@@ -61,8 +63,18 @@ fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64
         let Value::Object(want) = &r[key] else {
             panic!("{key}")
         };
+        let experts = model.cfg.moe.as_ref().map_or(1, |m| m.num_experts);
         for (name, g) in want {
             let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
+            // transformers' fused experts: each expert's maps apart in the model.
+            if let Some(parts) = common::fused_expert_grads(&model_name(name), &g, experts) {
+                for (n, want) in parts {
+                    let d = max_diff(&var_grad(&tm, &grads, &n), &want);
+                    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+                    assert!(d <= tol * scale.max(1.0), "{key} {n}: {d} of {scale}");
+                }
+                continue;
+            }
             let got = var_grad(&tm, &grads, &model_name(name));
             let scale = g.iter().fold(0f64, |m, x| m.max(x.abs()));
             let d = max_diff(&got, &g);
@@ -277,4 +289,69 @@ fn gguf_round_trips_and_reads_llama_cpps_file() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("conv_bias"), "{e}");
+}
+
+/// LFM2-MoE (`lfm2_moe`) against transformers (`fixtures/lfm2_moe-micro`,
+/// `scripts/gen_lfm2_moe_reference.py`: a dense first layer, then 4 experts of which 2 chosen by
+/// `sigmoid(logit) + expert_bias`, renormalised and scaled by 1.5): log-probs and gradients in
+/// float32 and float64 (the experts', the router's, the dense MLP's, the convolution's), greedy
+/// decoding, the files' names (each expert's `w1` / `w3` / `w2`, the offsets `expert_bias`)
+/// written back as read, a PEFT `all-linear` adapter's log-probs.
+#[test]
+fn lfm2_moe_matches_transformers() {
+    let r = common::reference("lfm2_moe_reference.json");
+    let path = fixtures().join("lfm2_moe-micro");
+    let m = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    let cfg = &m.model.cfg;
+    assert_eq!(cfg.arch, Arch::Lfm2Moe);
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.mlp_only_layers.clone(), moe.router_aux_loss_coef),
+        (vec![0], 0.0)
+    );
+    assert_eq!(
+        moe.routing,
+        grpo_rollout::config::Routing::Sigmoid {
+            routed_scaling_factor: 1.5,
+            expert_bias: true
+        }
+    );
+    let d = max_diff(&to_f64(&logprobs(&m.model, &r)), &want(&r, "logprobs"));
+    assert!(d < 2e-5, "{d}");
+    check_grads(&m.model, &r, "grads", 1e-4);
+    let prompt: Vec<u32> = serde_json::from_value(r["prompt"].clone()).unwrap();
+    let greedy: Vec<u32> = serde_json::from_value(r["greedy"].clone()).unwrap();
+    assert_eq!(common::greedy(&m, &prompt, greedy.len()), greedy);
+    let m64 = grpo_rollout::load(&path, DType::F64, &Device::Cpu).unwrap();
+    let d = max_diff(
+        &to_f64(&logprobs(&m64.model, &r)),
+        &want(&r, "logprobs_f64"),
+    );
+    assert!(d < 1e-6, "f64: {d}");
+    check_grads(&m64.model, &r, "grads_f64", 1e-6);
+    // Saved: the files' names and values, read back to the same model.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m");
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
+    let tensors = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (ours, theirs) = (tensors(&out), tensors(&path));
+    let mut names: Vec<&String> = ours.keys().collect();
+    names.sort();
+    let mut want_names: Vec<&String> = theirs.keys().collect();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    for (k, t) in &theirs {
+        let d = (t - &ours[k]).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k}");
+    }
+    let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(back.model.cfg, m.model.cfg);
+    // PEFT's adapter (its all-linear: the dense MLP's, the attention's and the convolutions'
+    // maps, not the experts').
+    let mut a = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    grpo_rollout::lora::load_peft(&mut a.model, &fixtures().join("lfm2_moe-micro-peft")).unwrap();
+    let d = max_diff(&to_f64(&logprobs(&a.model, &r)), &want(&r, "peft_logprobs"));
+    assert!(d < 2e-5, "peft: {d}");
 }

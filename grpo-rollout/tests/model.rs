@@ -75,7 +75,7 @@ fn cfg(arch: Arch) -> ModelConfig {
 }
 
 /// Every architecture, the llama-like variants with what sets them apart.
-const ARCHES: [Arch; 34] = Arch::ALL;
+const ARCHES: [Arch; 35] = Arch::ALL;
 
 fn model(arch: Arch, dtype: DType, untied: bool) -> Transformer {
     let mut c = cfg(arch);

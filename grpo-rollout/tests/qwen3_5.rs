@@ -97,22 +97,15 @@ fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64
         for (name, g) in want {
             let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
             // transformers' fused experts: each expert's maps apart in the model.
-            if let Some(layer) = name.strip_suffix(".mlp.experts.gate_up_proj") {
-                let e = cfg.moe.as_ref().unwrap().num_experts;
-                let half = g.len() / e / 2;
-                for (x, rows) in g.chunks(2 * half).enumerate() {
-                    for (part, want) in ["gate_proj", "up_proj"].iter().zip(rows.chunks(half)) {
-                        let n = format!("{layer}.mlp.experts.{x}.{part}.weight");
-                        close(&var_grad(&tm, &grads, &n), want, tol, &format!("{key} {n}"));
-                    }
-                }
-                continue;
-            }
-            if let Some(layer) = name.strip_suffix(".mlp.experts.down_proj") {
-                let e = cfg.moe.as_ref().unwrap().num_experts;
-                for (x, want) in g.chunks(g.len() / e).enumerate() {
-                    let n = format!("{layer}.mlp.experts.{x}.down_proj.weight");
-                    close(&var_grad(&tm, &grads, &n), want, tol, &format!("{key} {n}"));
+            let e = cfg.moe.as_ref().map_or(1, |m| m.num_experts);
+            if let Some(parts) = common::fused_expert_grads(name, &g, e) {
+                for (n, want) in parts {
+                    close(
+                        &var_grad(&tm, &grads, &n),
+                        &want,
+                        tol,
+                        &format!("{key} {n}"),
+                    );
                 }
                 continue;
             }

@@ -134,3 +134,36 @@ pub fn all_linear_like_peft(base: &grpo_rollout::Transformer, peft: &std::path::
         assert_eq!(t.dims(), ours[name].dims(), "{name}");
     }
 }
+
+/// transformers' gradient of a layer's fused experts (`….experts.gate_up_proj` `(experts, 2 ·
+/// width, hidden)`, gate rows first, or `….experts.down_proj`), named as the model names the
+/// layer's tensors, as the model's per-expert `gate_proj` / `up_proj` / `down_proj` gradients;
+/// `None` for another name.
+pub fn fused_expert_grads(
+    name: &str,
+    g: &[f64],
+    experts: usize,
+) -> Option<Vec<(String, Vec<f64>)>> {
+    if let Some(block) = name.strip_suffix(".experts.gate_up_proj") {
+        let half = g.len() / experts / 2;
+        let mut out = Vec::new();
+        for (x, rows) in g.chunks(2 * half).enumerate() {
+            for (part, want) in ["gate_proj", "up_proj"].iter().zip(rows.chunks(half)) {
+                out.push((format!("{block}.experts.{x}.{part}.weight"), want.to_vec()));
+            }
+        }
+        return Some(out);
+    }
+    let block = name.strip_suffix(".experts.down_proj")?;
+    Some(
+        g.chunks(g.len() / experts)
+            .enumerate()
+            .map(|(x, want)| {
+                (
+                    format!("{block}.experts.{x}.down_proj.weight"),
+                    want.to_vec(),
+                )
+            })
+            .collect(),
+    )
+}
