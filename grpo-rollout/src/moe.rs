@@ -289,10 +289,6 @@ impl Moe {
         Ok((top, w, probs))
     }
 
-    /// [`Routing::SigmoidGroups`] of the logits `z` (f32 or f64), all on the device: the
-    /// groups ranked by their two best offset scores, the experts outside the best
-    /// `topk_group` masked out, the `top_k` best offset scores chosen, their plain scores the
-    /// weights (the graph back to the router through them).
     /// [`Routing::Sigmoid`] of the logits `z` (f32 or f64): the experts chosen by score plus
     /// the `expert_bias` (where the layer has one), weighted by their scores (renormalised with
     /// transformers' 1e-6), times `scale`.
@@ -302,20 +298,37 @@ impl Moe {
             Some(b) => scores.detach().broadcast_add(&b.to_dtype(z.dtype())?)?,
             None => scores.detach(),
         };
+        let (top, w) = self.chosen(&scores, &choice, 1e-6, scale)?;
+        Ok((top, w, scores))
+    }
+
+    /// The `top_k` experts of each row by `choice` `(N, experts)` and their weights from
+    /// `scores` (renormalised with `eps` when `norm_topk_prob`), times `scale`.
+    fn chosen(
+        &self,
+        scores: &Tensor,
+        choice: &Tensor,
+        eps: f64,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor)> {
         let top = choice
             .arg_sort_last_dim(false)?
             .narrow(1, 0, self.top_k)?
             .contiguous()?;
         let mut w = scores.gather(&top, 1)?;
         if self.norm_topk_prob {
-            w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-6)?)?;
+            w = w.broadcast_div(&(w.sum_keepdim(1)? + eps)?)?;
         }
         if scale != 1.0 {
             w = (w * scale)?;
         }
-        Ok((top, w, scores))
+        Ok((top, w))
     }
 
+    /// [`Routing::SigmoidGroups`] of the logits `z` (f32 or f64), all on the device: the
+    /// groups ranked by their two best offset scores, the experts outside the best
+    /// `topk_group` masked out, the `top_k` best offset scores chosen, their plain scores the
+    /// weights (the graph back to the router through them).
     fn route_groups(
         &self,
         z: &Tensor,
@@ -340,17 +353,7 @@ impl Moe {
                 keep.where_cond(&choice, &(choice.zeros_like()? - f64::INFINITY)?)?
             }
         };
-        let top = choice
-            .arg_sort_last_dim(false)?
-            .narrow(1, 0, self.top_k)?
-            .contiguous()?;
-        let mut w = scores.gather(&top, 1)?;
-        if self.norm_topk_prob {
-            w = w.broadcast_div(&(w.sum_keepdim(1)? + 1e-20)?)?;
-        }
-        if scale != 1.0 {
-            w = (w * scale)?;
-        }
+        let (top, w) = self.chosen(&scores, &choice, 1e-20, scale)?;
         Ok((top, w, scores))
     }
 

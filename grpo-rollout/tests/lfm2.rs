@@ -143,20 +143,7 @@ fn saves_in_its_files_layout() {
     let m = load(DType::F32);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("l");
-    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
-    let tensors = |d: &Path| {
-        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
-    };
-    let (ours, theirs) = (tensors(&out), tensors(&fixtures().join("lfm2-micro")));
-    let mut names: Vec<&String> = ours.keys().collect();
-    names.sort();
-    let mut want_names: Vec<&String> = theirs.keys().collect();
-    want_names.sort();
-    assert_eq!(names, want_names);
-    for (k, t) in &theirs {
-        let d = (t - &ours[k]).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k}");
-    }
+    saves_as_read(&m, &fixtures().join("lfm2-micro"), &out);
     let text = std::fs::read_to_string(out.join("config.json")).unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["block_auto_adjust_ff_dim"], false);
@@ -168,6 +155,24 @@ fn saves_in_its_files_layout() {
         &to_f64(&logprobs(&m.model, &r)),
     );
     assert_eq!(d, 0.0);
+}
+
+/// `m`, loaded from `from`, saved at `out`: the files' tensors under the same names, bit for bit.
+fn saves_as_read(m: &grpo_rollout::LoadedModel, from: &Path, out: &Path) {
+    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, out, DType::F32).unwrap();
+    let tensors = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (ours, theirs) = (tensors(out), tensors(from));
+    let mut names: Vec<&String> = ours.keys().collect();
+    names.sort();
+    let mut want_names: Vec<&String> = theirs.keys().collect();
+    want_names.sort();
+    assert_eq!(names, want_names);
+    for (k, t) in &theirs {
+        let d = (t - &ours[k]).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k}");
+    }
 }
 
 /// A PEFT 0.21 adapter on every linear map (`all-linear`: the convolutions' `in_proj` and
@@ -332,20 +337,7 @@ fn lfm2_moe_matches_transformers() {
     // Saved: the files' names and values, read back to the same model.
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("m");
-    grpo_rollout::save_hf_dir(&m.model, &m.tokenizer, &out, DType::F32).unwrap();
-    let tensors = |d: &Path| {
-        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
-    };
-    let (ours, theirs) = (tensors(&out), tensors(&path));
-    let mut names: Vec<&String> = ours.keys().collect();
-    names.sort();
-    let mut want_names: Vec<&String> = theirs.keys().collect();
-    want_names.sort();
-    assert_eq!(names, want_names);
-    for (k, t) in &theirs {
-        let d = (t - &ours[k]).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k}");
-    }
+    saves_as_read(&m, &path, &out);
     let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(back.model.cfg, m.model.cfg);
     // PEFT's adapter (its all-linear: the dense MLP's, the attention's and the convolutions'
