@@ -5,7 +5,7 @@
 //! - `general.architecture` (`llama` — Mistral's and, with experts, Mixtral's files too —,
 //!   `qwen2`, `qwen3`, `smollm3`, `phi3`, `granite`, `gemma2`, `gemma3`, `olmo2`, `qwen3moe`,
 //!   `qwen2moe`, `olmoe`, `granitemoe`, `ernie4_5`, `glm4`, `glm4moe`, `deepseek2`, `mistral3`,
-//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`, `qwen35`, `qwen35moe`, `lfm2`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
+//!   `seed_oss`, `arcee`, `gemma4`, `hunyuan-dense`, `qwen35`, `qwen35moe`, `lfm2`, `lfm2moe`) and the `{arch}.*` hyper-parameters into a [`ModelConfig`], with what llama.cpp
 //!   fixes per architecture (Gemma's sliding layers and attention scale, SmolLM3's NoPE layers,
 //!   the experts' renormalisation, DeepSeek's router and latent widths, Gemma 4's KV-sharing
 //!   pairs; Gemma 4's per-layer keys read as the `config.json` they stand for);
@@ -198,6 +198,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
         "hunyuan-dense" => Ok(Arch::HunyuanDense),
         "qwen35" => Ok(Arch::Qwen3_5),
         "qwen35moe" => Ok(Arch::Qwen3_5Moe),
+        "lfm2moe" => Ok(Arch::Lfm2Moe),
         // Ministral 3 (its YaRN and attention temperature), or Mistral Small 3.1's plain
         // Mistral layers, as llama.cpp's converter writes both.
         "mistral3" => match md.get("mistral3.rope.scaling.type").and_then(as_str) {
@@ -234,7 +235,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     .ok()
     .ok_or_else(|| {
         err(format!(
-            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35, qwen35moe, lfm2)"
+            "GGUF architecture `{arch_name}` is not supported (supported: llama (with experts: Mixtral), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, olmo2, gemma2, gemma3, gemma4, smollm3, phi3, granite, granitemoe, ernie4_5, glm4, glm4moe, deepseek2, mistral3, seed_oss, arcee, hunyuan-dense, qwen35, qwen35moe, lfm2, lfm2moe)"
         ))
     })?;
     let req = |k: &str| -> Result<usize> {
@@ -252,7 +253,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     let num_attention_heads = req("attention.head_count")?;
     // LFM2's per layer (0 on its convolution layers).
     let lfm2 = match arch {
-        Arch::Lfm2 => Some(lfm2::layers(md, req("block_count")?)?),
+        a if a.lfm2() => Some(lfm2::layers(md, arch_name, req("block_count")?)?),
         _ => None,
     };
     let num_key_value_heads = match &lfm2 {
@@ -451,6 +452,20 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
     };
     if arch.deepseek_moe() {
         deepseek_fields(content, &key, &mut cfg)?;
+    }
+    // LFM2-MoE's leading dense layers and sigmoid router with offsets (llama.cpp always
+    // renormalises and reads no scale for it).
+    if let Some(m) = cfg.moe.as_mut().filter(|_| arch == Arch::Lfm2Moe) {
+        let lead = md
+            .get(&key("leading_dense_block_count"))
+            .and_then(as_u64)
+            .unwrap_or(0) as usize;
+        m.mlp_only_layers = (0..lead).collect();
+        m.router_aux_loss_coef = 0.0;
+        m.routing = crate::config::Routing::Sigmoid {
+            routed_scaling_factor: 1.0,
+            expert_bias: true,
+        };
     }
     // Qwen3.5's linear layers; its rotary part (a quarter of a head in its releases).
     if arch.qwen3_5() {
@@ -1028,7 +1043,7 @@ fn read_weights<R: Read + Seek>(
         let mut hf = match cfg.arch {
             Arch::Gemma4 => gemma4_tensor_name(name, false),
             a if a.qwen3_5() => qwen35::tensor_name(name, false, a),
-            Arch::Lfm2 => lfm2::tensor_name(name, false),
+            a if a.lfm2() => lfm2::tensor_name(name, false, a),
             a => hf_tensor_name(name, a),
         }
         .ok_or_else(|| err(format!("tensor `{name}` has no transformers name")))?;
@@ -1111,7 +1126,14 @@ fn read_weights<R: Read + Seek>(
     }
     // A sigmoid router's offsets, zero where the file has none (llama.cpp's are optional).
     if let Some(m) = &cfg.moe
-        && matches!(m.routing, crate::config::Routing::SigmoidGroups { .. })
+        && matches!(
+            m.routing,
+            crate::config::Routing::SigmoidGroups { .. }
+                | crate::config::Routing::Sigmoid {
+                    expert_bias: true,
+                    ..
+                }
+        )
     {
         let names = crate::moe::MoeNames::of(cfg.arch);
         for i in (0..cfg.num_hidden_layers).filter(|i| m.sparse(*i)) {
@@ -1771,8 +1793,8 @@ fn gemma_exportable(cfg: &ModelConfig) -> Result<()> {
 /// and its fixed renormalisation of the chosen experts' weights
 /// ([`llama_cpp_renormalises`]).
 fn moe_exportable(cfg: &ModelConfig, m: &crate::config::MoeConfig) -> Result<()> {
-    // DeepSeek's families: [`deepseek_exportable`].
-    if cfg.arch.deepseek_moe() {
+    // DeepSeek's families: [`deepseek_exportable`]; LFM2-MoE's: `lfm2::exportable`.
+    if cfg.arch.deepseek_moe() || cfg.arch == Arch::Lfm2Moe {
         return Ok(());
     }
     if !(0..cfg.num_hidden_layers).all(|i| m.sparse(i)) {
@@ -2379,6 +2401,7 @@ pub fn save_gguf(
         // Its NTK alpha is in the base already (`rope.freq_base`), as llama.cpp's converter
         // writes it.
         Arch::HunyuanDense => "hunyuan-dense",
+        Arch::Lfm2Moe => "lfm2moe",
         Arch::Qwen3_5 => "qwen35",
         Arch::Qwen3_5Moe => "qwen35moe",
         a if a.mla() => "deepseek2",
@@ -2396,11 +2419,6 @@ pub fn save_gguf(
     if cfg.arch == Arch::HunyuanDense && (cfg.attention_bias || cfg.mlp_bias) {
         bail!(
             "Hunyuan with attention_bias or mlp_bias has no GGUF form (llama.cpp's hunyuan-dense has no biases): export it as safetensors"
-        );
-    }
-    if cfg.arch == Arch::Lfm2Moe {
-        bail!(
-            "LFM2-MoE has no GGUF form here yet (llama.cpp's lfm2moe is not checked against transformers'): export it as safetensors"
         );
     }
     if cfg.arch == Arch::Exaone4 {
@@ -2625,8 +2643,9 @@ pub fn save_gguf(
     }
     // (LFM2's per-layer key/value heads in place of the one count.)
     if let Some(c) = &cfg.short_conv {
-        md.retain(|(k, _)| k != "lfm2.attention.head_count_kv");
-        md.extend(lfm2::metadata(cfg, c));
+        let kv = format!("{arch}.attention.head_count_kv");
+        md.retain(|(k, _)| *k != kv);
+        md.extend(lfm2::metadata(cfg, c, arch));
     }
     md.extend(tokenizer_metadata(tokenizer, cfg)?);
 
@@ -2637,7 +2656,7 @@ pub fn save_gguf(
     // layer's experts stacked as llama.cpp holds them.
     // (Granite MoE's: the model's per-expert names, stacked below, not its fused files'.)
     let weights = match cfg.arch {
-        Arch::GraniteMoe | Arch::Lfm2 => model.weights(),
+        Arch::GraniteMoe | Arch::Lfm2 | Arch::Lfm2Moe => model.weights(),
         _ => crate::layout::to_hf(cfg, model.weights())?,
     };
     let mut weights = match cfg.moe.is_some() {
@@ -2657,7 +2676,7 @@ pub fn save_gguf(
             (Some(g), _) => Some(g.to_string()),
             (None, Arch::Gemma4) => gemma4_tensor_name(&hf, true),
             (None, a) if a.qwen3_5() => qwen35::tensor_name(&hf, true, a),
-            (None, Arch::Lfm2) => lfm2::tensor_name(&hf, true),
+            (None, a) if a.lfm2() => lfm2::tensor_name(&hf, true, a),
             (None, a) => gguf_tensor_name(&hf, a),
         }
         .ok_or_else(|| err(format!("tensor `{hf}` has no llama.cpp name")))?;

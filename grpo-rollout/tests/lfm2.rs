@@ -347,3 +347,49 @@ fn lfm2_moe_matches_transformers() {
     let d = max_diff(&to_f64(&logprobs(&a.model, &r)), &want(&r, "peft_logprobs"));
     assert!(d < 2e-5, "peft: {d}");
 }
+
+/// LFM2-MoE as llama.cpp's `lfm2moe` (the experts stacked as `ffn_{gate,up,down}_exps`, the
+/// router `ffn_gate_inp` and its offsets `exp_probs_b`, `leading_dense_block_count`, sigmoid
+/// gating) and read back: the same model. What llama.cpp computes otherwise — a scale on the
+/// chosen weights, which it does not read — is refused by name.
+#[test]
+fn lfm2_moe_gguf_round_trips() {
+    use grpo_rollout::gguf::{GgufType, save_gguf};
+    use grpo_rollout::init::{Preset, preset_config, random_weights};
+    let r = reference();
+    let tok = load(DType::F32).tokenizer;
+    let c = preset_config(Preset::Small, Arch::Lfm2Moe, 300, 2, 0);
+    let m = random_weights(&c, 5, DType::F32, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    let written = save_gguf(&m, &tok, &path, GgufType::F32, "m").unwrap();
+    for n in [
+        "blk.1.exp_probs_b.bias",
+        "blk.1.ffn_gate_exps.weight",
+        "blk.0.ffn_gate.weight",
+    ] {
+        assert!(written.iter().any(|(w, _)| w == n), "{n}");
+    }
+    let back = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(
+        (&back.model.cfg.moe, &back.model.cfg.short_conv),
+        (&m.cfg.moe, &m.cfg.short_conv)
+    );
+    let d = max_diff(
+        &to_f64(&logprobs(&back.model, &r)),
+        &to_f64(&logprobs(&m, &r)),
+    );
+    assert!(d < 1e-6, "{d}");
+    let scaled =
+        grpo_rollout::load(&fixtures().join("lfm2_moe-micro"), DType::F32, &Device::Cpu).unwrap();
+    let e = save_gguf(
+        &scaled.model,
+        &tok,
+        &dir.path().join("s.gguf"),
+        GgufType::F32,
+        "s",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("routed_scaling_factor"), "{e}");
+}
