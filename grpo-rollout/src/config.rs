@@ -1616,7 +1616,8 @@ fn lfm2_mlp_width(v: &Value) -> Result<usize> {
 /// gemma-3-4b-it and larger: its `text_config`, a `gemma3_text`), Gemma 4's (`gemma4`: a
 /// `gemma4_text`), Mistral 3's (`mistral3`: Ministral 3, Mistral Small 3.1+: a `ministral3` or
 /// `mistral`), Qwen's (`qwen2_vl`, `qwen2_5_vl`: a `qwen2`; `qwen3_vl`: a `qwen3`;
-/// [`qwen_vl_text`]) — with the keys transformers reads at the top (`tie_word_embeddings`, the
+/// [`qwen_vl_text`]; `qwen3_5`, `qwen3_5_moe`: their text models), LFM2-VL's (`lfm2_vl`: an
+/// `lfm2`) — with the keys transformers reads at the top (`tie_word_embeddings`, the
 /// token ids, `quantization_config`) taking their top-level values; `None` for any other
 /// config.
 pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
@@ -1626,6 +1627,7 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
         Some("gemma4") => "gemma4_text",
         Some("qwen3_5") => "qwen3_5_text",
         Some("qwen3_5_moe") => "qwen3_5_moe_text",
+        Some("lfm2_vl") => "lfm2",
         Some(t @ ("qwen2_vl" | "qwen2_5_vl" | "qwen3_vl")) => return qwen_vl_text(v, t).map(Some),
         _ => return Ok(None),
     };
@@ -1667,6 +1669,32 @@ pub fn vision_language_text(v: &Value) -> Result<Option<Value>> {
             ("num_attention_heads", 32),
             ("num_key_value_heads", 8),
             ("head_dim", 128),
+        ],
+        Some("qwen3_5_text") => &[
+            ("vocab_size", 248_320),
+            ("hidden_size", 4096),
+            ("intermediate_size", 12_288),
+            ("num_hidden_layers", 32),
+            ("num_attention_heads", 16),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+        ],
+        // (No dense width: every layer has experts.)
+        Some("qwen3_5_moe_text") => &[
+            ("vocab_size", 248_320),
+            ("hidden_size", 2048),
+            ("num_hidden_layers", 40),
+            ("num_attention_heads", 16),
+            ("num_key_value_heads", 2),
+            ("head_dim", 256),
+        ],
+        Some("lfm2") => &[
+            ("vocab_size", 65_536),
+            ("hidden_size", 2560),
+            ("intermediate_size", 12_288),
+            ("num_hidden_layers", 32),
+            ("num_attention_heads", 32),
+            ("num_key_value_heads", 8),
         ],
         // MistralConfig's (its `head_dim` defaults to hidden / heads).
         _ => &[

@@ -393,3 +393,36 @@ fn lfm2_moe_gguf_round_trips() {
     .to_string();
     assert!(e.contains("routed_scaling_factor"), "{e}");
 }
+
+/// An LFM2-VL checkpoint's `lfm2_vl` config reads as its language model's `lfm2` (a text
+/// config without the sizes transformers leaves at their defaults takes Lfm2Config's).
+#[test]
+fn reads_the_vision_language_config() {
+    let path = fixtures().join("lfm2-micro/config.json");
+    let text: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let vl = serde_json::json!({
+        "model_type": "lfm2_vl",
+        "architectures": ["Lfm2VlForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "siglip2_vision_model", "num_hidden_layers": 1},
+        "image_token_id": 299,
+        "tie_word_embeddings": true,
+    });
+    let a = grpo_rollout::config::ModelConfig::from_hf_json(&vl).unwrap();
+    let b = grpo_rollout::config::ModelConfig::from_hf_file(&path).unwrap();
+    assert_eq!(a, b);
+    let sparse = serde_json::json!({
+        "model_type": "lfm2_vl",
+        "text_config": {"model_type": "lfm2", "block_auto_adjust_ff_dim": false},
+    });
+    let c = grpo_rollout::config::ModelConfig::from_hf_json(&sparse).unwrap();
+    assert_eq!(
+        (
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_key_value_heads
+        ),
+        (65_536, 2560, 12_288, 8)
+    );
+}
