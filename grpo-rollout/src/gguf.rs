@@ -1232,7 +1232,9 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
             ])),
             false,
         ),
-        "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3" | "dbrx" => (
+        // (LFM2's, Pixtral's and Falcon-H1's too, as llama.cpp reads them.)
+        "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "falcon3" | "dbrx" | "lfm2"
+        | "pixtral" | "falcon-h1" => (
             PreTokenizerWrapper::Sequence(Sequence::new(vec![
                 split(LLAMA3_SPLIT)?,
                 byte_level(false),
@@ -1254,7 +1256,7 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
             true,
         ),
         other => bail!(
-            "tokenizer.ggml.pre `{other}` is not supported (supported: default, gpt2, smollm, llama-bpe/llama3, qwen2, qwen35)"
+            "tokenizer.ggml.pre `{other}` is not supported (supported: default, gpt2, smollm, llama-bpe/llama3/lfm2, qwen2, qwen35)"
         ),
     })
 }
@@ -3167,5 +3169,12 @@ mod tests {
         let mut t = tokenizers::Tokenizer::new(BPE::default());
         t.with_pre_tokenizer(Some(p));
         assert_eq!(gguf_pre_tokenizer(&t).unwrap(), "qwen35");
+    }
+
+    /// LFM2's GGUF files name Llama 3's split `lfm2` (llama.cpp reads it as Llama 3's).
+    #[test]
+    fn lfm2_pre_tokenizer_is_llama3s() {
+        let text = "Hello world's 12345 numbers\n  and   spaces";
+        assert_eq!(pieces("lfm2", text), pieces("llama-bpe", text));
     }
 }
