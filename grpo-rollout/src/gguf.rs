@@ -2842,28 +2842,13 @@ const GEMMA4_GLOBAL: [(&str, &str); 6] = [
 
 /// llama.cpp's name of a Gemma 4 tensor (`to_gguf`) or transformers' of a llama.cpp one.
 fn gemma4_tensor_name(name: &str, to_gguf: bool) -> Option<String> {
-    let pick = |(hf, g): &(&str, &str)| match to_gguf {
-        true => (hf.to_string(), g.to_string()),
-        false => (g.to_string(), hf.to_string()),
-    };
-    if let Some((_, to)) = GEMMA4_GLOBAL
+    let global = GEMMA4_GLOBAL
         .iter()
-        .map(pick)
-        .find(|(from, _)| from == name)
-    {
-        return Some(to);
+        .find(|(hf, g)| name == if to_gguf { *hf } else { *g });
+    if let Some((hf, g)) = global {
+        return Some(if to_gguf { g } else { hf }.to_string());
     }
-    let (prefix, other) = match to_gguf {
-        true => ("model.layers.", "blk."),
-        false => ("blk.", "model.layers."),
-    };
-    let (layer, rest) = name.strip_prefix(prefix)?.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (_, to) = GEMMA4_TENSORS
-        .iter()
-        .map(pick)
-        .find(|(from, _)| from == rest)?;
-    Some(format!("{other}{layer}.{to}"))
+    layer_name_by(&GEMMA4_TENSORS, name, to_gguf)
 }
 
 /// The layer llama.cpp's gemma4 reads a KV-sharing layer's keys and values from: the last
