@@ -254,6 +254,7 @@ pub fn from_hf(cfg: &ModelConfig, mut weights: WeightMap) -> Result<WeightMap> {
             .map(|(k, t)| (renamed(cfg.arch, &k, true), t))
             .collect();
     }
+    split_fused_experts(cfg, &mut weights)?;
     let fused = fused_parts(cfg);
     for i in 0..cfg.num_hidden_layers {
         for f in &fused {
@@ -441,6 +442,40 @@ fn take_experts(weights: &mut WeightMap, key: &str, shape: &[usize]) -> Result<O
         );
     }
     Ok(Some(t))
+}
+
+/// A layer's experts as transformers 5 holds them in memory and may save them — fused,
+/// `experts.gate_up_proj` `(experts, 2 · width, hidden)` (each expert's gate rows, then its
+/// up rows) and `experts.down_proj` `(experts, hidden, width)` — as the model's one gate, up
+/// and down per expert (the families whose files otherwise hold each expert apart: the Qwens',
+/// OLMoE's, DeepSeek's, GLM-4.5's, LFM2-MoE's). A tensor of the wrong shape is an error naming
+/// it.
+fn split_fused_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
+    let Some(m) = &cfg.moe else {
+        return Ok(());
+    };
+    if matches!(cfg.arch, Arch::GraniteMoe | Arch::GptOss) {
+        return Ok(());
+    }
+    let names = crate::moe::MoeNames::of(cfg.arch);
+    let (e, w, h) = (m.num_experts, m.moe_intermediate_size, cfg.hidden_size);
+    for i in (0..cfg.num_hidden_layers).filter(|i| m.sparse(*i)) {
+        let block = names.experts_module(i);
+        let gate_up = take_experts(weights, &format!("{block}.gate_up_proj"), &[e, 2 * w, h])?;
+        let down = take_experts(weights, &format!("{block}.down_proj"), &[e, h, w])?;
+        for x in 0..e {
+            let [g, u, d] = names.expert(i, x);
+            if let Some(t) = &gate_up {
+                let t = t.get(x)?;
+                weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
+                weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
+            }
+            if let Some(t) = &down {
+                weights.insert(d, t.get(x)?.contiguous()?);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Granite MoE's file names of layer `i`'s fused experts and router.

@@ -66,6 +66,11 @@ impl MoeNames {
         format!("model.layers.{layer}.{}.{}.weight", self.block, self.router)
     }
 
+    /// The module holding layer `layer`'s experts (`model.layers.{layer}.mlp.experts`).
+    pub fn experts_module(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}.experts", self.block)
+    }
+
     /// Expert `e`'s gate, up and down weights.
     pub fn expert(&self, layer: usize, e: usize) -> [String; 3] {
         self.parts

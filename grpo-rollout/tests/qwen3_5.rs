@@ -424,3 +424,57 @@ fn moe_load_balancing_loss_matches_transformers() {
         }
     }
 }
+
+/// A checkpoint whose experts are fused as transformers 5 holds them (`mlp.experts.gate_up_proj`
+/// `(experts, 2 · width, hidden)`, `mlp.experts.down_proj`) reads as the same model as the one
+/// with each expert apart (as transformers writes them).
+#[test]
+fn reads_fused_experts() {
+    let r = reference_of(MODELS[1]);
+    let src = fixtures().join(MODELS[1]);
+    let mut t =
+        candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    let m = load_model(MODELS[1], DType::F32);
+    let e = m.model.cfg.moe.as_ref().unwrap().num_experts;
+    for i in 0..m.model.cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}.mlp.experts");
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for x in 0..e {
+            let mut w = |n: &str| t.remove(&format!("{p}.{x}.{n}.weight")).unwrap();
+            let (g, u) = (w("gate_proj"), w("up_proj"));
+            gate_up.push(Tensor::cat(&[g, u], 0).unwrap());
+            down.push(w("down_proj"));
+        }
+        t.insert(
+            format!("{p}.gate_up_proj"),
+            Tensor::stack(&gate_up, 0).unwrap(),
+        );
+        t.insert(format!("{p}.down_proj"), Tensor::stack(&down, 0).unwrap());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    candle_core::safetensors::save(&t, dir.path().join("model.safetensors")).unwrap();
+    let fused = grpo_rollout::load(dir.path(), DType::F32, &Device::Cpu).unwrap();
+    let d = max_diff(
+        &to_f64(&logprobs(&fused.model, &r)),
+        &to_f64(&logprobs(&m.model, &r)),
+    );
+    assert_eq!(d, 0.0);
+    // A fused tensor of the wrong shape is named.
+    let bad = t["model.layers.0.mlp.experts.down_proj"]
+        .narrow(0, 0, e - 1)
+        .unwrap();
+    t.insert("model.layers.0.mlp.experts.down_proj".into(), bad);
+    candle_core::safetensors::save(&t, dir.path().join("model.safetensors")).unwrap();
+    let err = grpo_rollout::load(dir.path(), DType::F32, &Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.layers.0.mlp.experts.down_proj"),
+        "{err}"
+    );
+}
