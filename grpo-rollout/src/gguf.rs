@@ -1261,6 +1261,15 @@ fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool)> {
     })
 }
 
+/// Whether llama.cpp tokenises with `ignore_merges` under the pre-tokenizer `pre` (its Llama 3
+/// group).
+fn ignores_merges(pre: &str) -> bool {
+    matches!(
+        pre,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "lfm2" | "pixtral" | "falcon-h1"
+    )
+}
+
 fn string_list<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a str>> {
     let v = md
         .get(key)
@@ -1308,16 +1317,19 @@ fn byte_level_tokenizer(
                 })
         })
         .collect::<Result<Vec<_>>>()?;
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, merges)
-        .build()
-        .map_err(|e| err(format!("BPE: {e}")))?;
-    let mut inner = tokenizers::Tokenizer::new(bpe);
     let pre = md
         .get("tokenizer.ggml.pre")
         .and_then(as_str)
         .unwrap_or("default");
     let (pre_tok, nfc) = pre_tokenizer(pre)?;
+    // llama.cpp takes a piece that is a token whole, merges or not, for Llama 3's split (as
+    // Llama 3's `tokenizer.json` does: `ignore_merges`).
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(ignores_merges(pre))
+        .build()
+        .map_err(|e| err(format!("BPE: {e}")))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
     inner.with_pre_tokenizer(Some(pre_tok));
     if nfc {
         inner.with_normalizer(Some(tokenizers::normalizers::NFC));
@@ -3161,5 +3173,32 @@ mod tests {
     fn lfm2_pre_tokenizer_is_llama3s() {
         let text = "Hello world's 12345 numbers\n  and   spaces";
         assert_eq!(pieces("lfm2", text), pieces("llama-bpe", text));
+    }
+
+    /// Under Llama 3's split a piece that is a token is taken whole even where the merges
+    /// cannot make it (llama.cpp's and Llama 3's `ignore_merges`); under GPT-2's the merges rule.
+    #[test]
+    fn llama3_split_takes_whole_tokens_past_the_merges() {
+        let table = byte_alphabet();
+        let spell = |t: &str| t.bytes().map(|b| table[b as usize]).collect::<String>();
+        let mut tokens: Vec<String> = (0u8..=255).map(|b| table[b as usize].to_string()).collect();
+        tokens.push(spell("ab"));
+        tokens.push(spell("abc"));
+        let list = |v: Vec<String>| Value::Array(v.into_iter().map(Value::String).collect());
+        let ids = |pre: &str| {
+            let md: HashMap<String, Value> = [
+                ("tokenizer.ggml.model", Value::String("gpt2".into())),
+                ("tokenizer.ggml.pre", Value::String(pre.into())),
+                ("tokenizer.ggml.tokens", list(tokens.clone())),
+                ("tokenizer.ggml.merges", list(vec!["a b".into()])),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            let t = tokenizer_from_metadata(&md).unwrap();
+            t.encode("abc", false).unwrap()
+        };
+        assert_eq!(ids("llama-bpe"), vec![257]);
+        assert_eq!(ids("gpt2"), vec![256, 99]);
     }
 }
