@@ -248,12 +248,9 @@ impl GatedDelta {
         let c = &self.cfg;
         let dtype = h.dtype();
         let work = working(dtype);
-        // Padding positions zeroed (transformers' `apply_mask_to_padding_states`): they then
-        // neither write the state nor reach the convolution of later positions.
-        let h = match tokens {
-            Some(m) => h.broadcast_mul(&m.to_dtype(dtype)?)?,
-            None => h.clone(),
-        };
+        // Padding positions zeroed: they then neither write the state nor reach the
+        // convolution of later positions.
+        let h = padding_zeroed(h, tokens)?;
         let qkv = self
             .in_proj_qkv
             .forward(&h)?
@@ -266,23 +263,8 @@ impl GatedDelta {
             .broadcast_mul(&self.a_log.to_dtype(work)?.exp()?)?
             .neg()?;
         // The causal convolution over the earlier inputs (the cache's, or zeros).
-        let k1 = c.conv_kernel - 1;
-        let (past, initial) = match past {
-            Some((conv, s)) => (conv.clone(), Some(s.clone())),
-            None => (
-                Tensor::zeros((b, k1, c.conv_width()), dtype, h.device())?,
-                None,
-            ),
-        };
-        let padded = Tensor::cat(&[&past, &qkv], 1)?;
-        let w = self.conv.reshape((c.conv_width(), c.conv_kernel))?;
-        let mut conv = padded
-            .narrow(1, 0, l)?
-            .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
-        for j in 1..c.conv_kernel {
-            let tap = w.narrow(1, j, 1)?.t()?;
-            conv = (conv + padded.narrow(1, j, l)?.broadcast_mul(&tap)?)?;
-        }
+        let (conv, kept) = causal_conv(&qkv, past.map(|(c, _)| c), &self.conv)?;
+        let initial = past.map(|(_, s)| s.clone());
         let mixed = conv.silu()?;
         let (kw, vw) = (c.keys_width(), c.values_width());
         let heads = |t: Tensor, n: usize, d: usize| t.reshape((b, l, n, d));
@@ -296,7 +278,7 @@ impl GatedDelta {
             1 => recurrent_step(&q, &k, &v, &g, &beta, initial.as_ref())?,
             _ => chunked_rule(&q, &k, &v, &g, &beta, initial.as_ref())?,
         };
-        let state = (padded.narrow(1, l, k1)?.contiguous()?, last);
+        let state = (kept, last);
         // The gated norm per head: RMS in f32, the weight in the model's dtype, `silu(z)`.
         let o = o
             .to_dtype(dtype)?
@@ -316,6 +298,43 @@ impl GatedDelta {
             .reshape((b * l, vw))?;
         Ok((self.out_proj.forward(&y)?, state))
     }
+}
+
+/// Rows `h` `(B·L, width)` with the padding rows zeroed (`tokens` `(B·L, 1)`: 1 at real tokens;
+/// `None`: all real), as transformers' `apply_mask_to_padding_states` zeroes them before a
+/// recurrent mixer.
+pub(crate) fn padding_zeroed(h: &Tensor, tokens: Option<&Tensor>) -> Result<Tensor> {
+    match tokens {
+        Some(m) => h.broadcast_mul(&m.to_dtype(h.dtype())?),
+        None => Ok(h.clone()),
+    }
+}
+
+/// A causal depthwise convolution of `x` `(B, L, channels)` after `past` (the last `kernel −
+/// 1` inputs `(B, kernel − 1, channels)` of a generation cache; `None`: zeros) with `weight`
+/// `(channels, 1, kernel)`, as the files hold it: the output `(B, L, channels)` and the last
+/// `kernel − 1` inputs to keep.
+pub(crate) fn causal_conv(
+    x: &Tensor,
+    past: Option<&Tensor>,
+    weight: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (b, l, channels) = x.dims3()?;
+    let kernel = weight.dim(2)?;
+    let past = match past {
+        Some(p) => p.clone(),
+        None => Tensor::zeros((b, kernel - 1, channels), x.dtype(), x.device())?,
+    };
+    let padded = Tensor::cat(&[&past, x], 1)?;
+    let w = weight.reshape((channels, kernel))?;
+    let mut conv = padded
+        .narrow(1, 0, l)?
+        .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
+    for j in 1..kernel {
+        let tap = w.narrow(1, j, 1)?.t()?;
+        conv = (conv + padded.narrow(1, j, l)?.broadcast_mul(&tap)?)?;
+    }
+    Ok((conv, padded.narrow(1, l, kernel - 1)?.contiguous()?))
 }
 
 /// The dtype the rule and the gated norm compute in: f32 (f64 in an f64 model).
@@ -703,7 +722,12 @@ impl Mixer {
             Mixer::Delta(d) => d.run(h, b, l, tokens, past),
             Mixer::Conv(c) => {
                 let (y, kept) = c.run(h, b, l, tokens, past.map(|(conv, _)| conv))?;
-                Ok((y, (kept, crate::shortconv::no_state(b, h.device())?)))
+                // The cache slot's placeholder carried along (made once, at the prefill).
+                let placeholder = match past {
+                    Some((_, p)) => p.clone(),
+                    None => crate::shortconv::no_state(b, h.device())?,
+                };
+                Ok((y, (kept, placeholder)))
             }
         }
     }

@@ -513,17 +513,7 @@ pub fn split_experts(
             }
         }
         let (gate_up, down) = (weights.remove(&gu), weights.remove(&d));
-        for x in 0..n {
-            let [g, u, dn] = expert_names(i, x);
-            if let Some(t) = &gate_up {
-                let t = t.get(x)?;
-                weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
-                weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
-            }
-            if let Some(t) = &down {
-                weights.insert(dn, t.get(x)?.contiguous()?);
-            }
-        }
+        crate::layout::insert_experts(weights, &|x| expert_names(i, x), n, w, gate_up, down)?;
     }
     Ok(())
 }

@@ -392,8 +392,8 @@ fn renames(arch: Arch) -> &'static [(&'static str, &'static str)] {
 }
 
 /// A tensor's name in the model's naming (`to_model`) from its files', or back: every pair of
-/// [`renames`] in turn (in reverse order going back).
-fn renamed(arch: Arch, name: &str, to_model: bool) -> String {
+/// the family's table of renamed parts in turn (in reverse order going back).
+pub fn renamed(arch: Arch, name: &str, to_model: bool) -> String {
     let pairs = renames(arch);
     let mut name = name.to_string();
     for i in 0..pairs.len() {
@@ -463,16 +463,31 @@ fn split_fused_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<()>
         let block = names.experts_module(i);
         let gate_up = take_experts(weights, &format!("{block}.gate_up_proj"), &[e, 2 * w, h])?;
         let down = take_experts(weights, &format!("{block}.down_proj"), &[e, h, w])?;
-        for x in 0..e {
-            let [g, u, d] = names.expert(i, x);
-            if let Some(t) = &gate_up {
-                let t = t.get(x)?;
-                weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
-                weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
-            }
-            if let Some(t) = &down {
-                weights.insert(d, t.get(x)?.contiguous()?);
-            }
+        insert_experts(weights, &|x| names.expert(i, x), e, w, gate_up, down)?;
+    }
+    Ok(())
+}
+
+/// A layer's `e` fused experts — `gate_up` `(e, 2 · w, hidden)` (each expert's gate rows,
+/// then its up rows), `down` `(e, hidden, w)`, either absent — into `weights` one gate, up and
+/// down per expert, under `names(expert)`.
+pub(crate) fn insert_experts(
+    weights: &mut WeightMap,
+    names: &dyn Fn(usize) -> [String; 3],
+    e: usize,
+    w: usize,
+    gate_up: Option<Tensor>,
+    down: Option<Tensor>,
+) -> Result<()> {
+    for x in 0..e {
+        let [g, u, d] = names(x);
+        if let Some(t) = &gate_up {
+            let t = t.get(x)?;
+            weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
+            weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
+        }
+        if let Some(t) = &down {
+            weights.insert(d, t.get(x)?.contiguous()?);
         }
     }
     Ok(())
@@ -500,17 +515,7 @@ fn split_granite_experts(cfg: &ModelConfig, weights: &mut WeightMap) -> Result<(
         if let Some(r) = take(&router, &[e, h])? {
             weights.insert(names.router(i), r);
         }
-        for x in 0..e {
-            let [g, u, d] = names.expert(i, x);
-            if let Some(t) = &gate_up {
-                let t = t.get(x)?;
-                weights.insert(g, t.narrow(0, 0, w)?.contiguous()?);
-                weights.insert(u, t.narrow(0, w, w)?.contiguous()?);
-            }
-            if let Some(t) = &down {
-                weights.insert(d, t.get(x)?.contiguous()?);
-            }
-        }
+        insert_experts(weights, &|x| names.expert(i, x), e, w, gate_up, down)?;
     }
     Ok(())
 }

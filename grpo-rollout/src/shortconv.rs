@@ -146,36 +146,17 @@ impl ShortConv {
         tokens: Option<&Tensor>,
         past: Option<&Tensor>,
     ) -> Result<(Tensor, Tensor)> {
-        let dtype = h.dtype();
-        let h = match tokens {
-            Some(m) => h.broadcast_mul(&m.to_dtype(dtype)?)?,
-            None => h.clone(),
-        };
+        let h = crate::delta::padding_zeroed(h, tokens)?;
         let hidden = h.dim(1)?;
         let bcx = self.in_proj.forward(&h)?;
         let gate_b = bcx.narrow(1, 0, hidden)?;
         let gate_c = bcx.narrow(1, hidden, hidden)?;
         let x = bcx.narrow(1, 2 * hidden, hidden)?;
         let bx = (gate_b * x)?.reshape((b, l, hidden))?;
-        let kernel = self.conv.dim(2)?;
-        let k1 = kernel - 1;
-        let past = match past {
-            Some(p) => p.clone(),
-            None => Tensor::zeros((b, k1, hidden), dtype, h.device())?,
-        };
-        let padded = Tensor::cat(&[&past, &bx], 1)?;
-        let w = self.conv.reshape((hidden, kernel))?;
-        let mut conv = padded
-            .narrow(1, 0, l)?
-            .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
-        for j in 1..kernel {
-            let tap = w.narrow(1, j, 1)?.t()?;
-            conv = (conv + padded.narrow(1, j, l)?.broadcast_mul(&tap)?)?;
-        }
+        let (mut conv, kept) = crate::delta::causal_conv(&bx, past, &self.conv)?;
         if let Some(bias) = &self.conv_bias {
             conv = conv.broadcast_add(bias)?;
         }
-        let kept = padded.narrow(1, l, k1)?.contiguous()?;
         let y = (gate_c * conv.reshape((b * l, hidden))?)?;
         Ok((self.out_proj.forward(&y)?, kept))
     }

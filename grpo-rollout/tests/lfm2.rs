@@ -16,7 +16,7 @@ mod common;
 use std::path::Path;
 
 use candle_core::{DType, Device};
-use common::{fixtures, max_diff_f64 as max_diff, padded_logprobs as logprobs, to_f64, var_grad};
+use common::{fixtures, max_diff_f64 as max_diff, padded_logprobs as logprobs, to_f64};
 use grpo_rollout::config::Arch;
 use serde_json::Value;
 
@@ -34,56 +34,15 @@ fn want(r: &Value, key: &str) -> Vec<f64> {
         .concat()
 }
 
-/// A file's tensor name as the model names it.
-fn model_name(file: &str) -> String {
-    [
-        (".operator_norm.", ".input_layernorm."),
-        (".ffn_norm.", ".post_attention_layernorm."),
-        (".self_attn.out_proj.", ".self_attn.o_proj."),
-        (".self_attn.q_layernorm.", ".self_attn.q_norm."),
-        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
-        ("model.embedding_norm.", "model.norm."),
-        (".feed_forward.", ".mlp."),
-        (".w1.", ".gate_proj."),
-    ]
-    .iter()
-    .fold(file.to_string(), |n, (f, m)| n.replace(f, m))
-}
-
-/// The gradients of the padded rows' log-prob sum against the reference's `key`, with and
-/// without gradient checkpointing, within `tol` of each tensor's largest entry.
+/// The gradients of the padded rows' log-prob sum against the reference's `key`, under the
+/// model's names (LFM2's files' mapped, its fused experts apart), with and without gradient
+/// checkpointing.
 fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64) {
-    for checkpointing in [false, true] {
-        let mut tm = grpo_rollout::TrainableModel::full(model).unwrap();
-        if checkpointing {
-            tm.model.enable_gradient_checkpointing();
-        }
-        let loss = logprobs(&tm.model, r).sum_all().unwrap();
-        let grads = tm.model.backward(&loss).unwrap();
-        let Value::Object(want) = &r[key] else {
-            panic!("{key}")
-        };
-        let experts = model.cfg.moe.as_ref().map_or(1, |m| m.num_experts);
-        for (name, g) in want {
-            let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
-            // transformers' fused experts: each expert's maps apart in the model.
-            if let Some(parts) = common::fused_expert_grads(&model_name(name), &g, experts) {
-                for (n, want) in parts {
-                    let d = max_diff(&var_grad(&tm, &grads, &n), &want);
-                    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
-                    assert!(d <= tol * scale.max(1.0), "{key} {n}: {d} of {scale}");
-                }
-                continue;
-            }
-            let got = var_grad(&tm, &grads, &model_name(name));
-            let scale = g.iter().fold(0f64, |m, x| m.max(x.abs()));
-            let d = max_diff(&got, &g);
-            assert!(
-                d <= tol * scale.max(1.0),
-                "{key} {name} ({checkpointing}): {d} of {scale}"
-            );
-        }
-    }
+    let experts = model.cfg.moe.as_ref().map_or(1, |m| m.num_experts);
+    common::check_grads(model, r, key, tol, &|file, g| {
+        let name = grpo_rollout::layout::renamed(model.cfg.arch, file, true);
+        common::fused_expert_grads(&name, &g, experts).unwrap_or_else(|| vec![(name, g)])
+    });
 }
 
 #[test]

@@ -84,60 +84,31 @@ fn logprobs_gradients_and_decoding_match_transformers() {
 /// `tol` of each tensor's largest entry.
 fn check_grads(model: &grpo_rollout::Transformer, r: &Value, key: &str, tol: f64) {
     let cfg = &model.cfg;
-    for checkpointing in [false, true] {
-        let mut tm = grpo_rollout::TrainableModel::full(model).unwrap();
-        if checkpointing {
-            tm.model.enable_gradient_checkpointing();
+    let experts = cfg.moe.as_ref().map_or(1, |m| m.num_experts);
+    common::check_grads(model, r, key, tol, &|name, g| {
+        // transformers' fused experts: each expert's maps apart in the model.
+        if let Some(parts) = common::fused_expert_grads(name, &g, experts) {
+            return parts;
         }
-        let loss = logprobs(&tm.model, r).sum_all().unwrap();
-        let grads = tm.model.backward(&loss).unwrap();
-        let Value::Object(want) = &r[key] else {
-            panic!("{key}")
-        };
-        for (name, g) in want {
-            let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
-            // transformers' fused experts: each expert's maps apart in the model.
-            let e = cfg.moe.as_ref().map_or(1, |m| m.num_experts);
-            if let Some(parts) = common::fused_expert_grads(name, &g, e) {
-                for (n, want) in parts {
-                    close(
-                        &var_grad(&tm, &grads, &n),
-                        &want,
-                        tol,
-                        &format!("{key} {n}"),
-                    );
-                }
-                continue;
+        // The model's q rows: gate rows apart, heads reordered for the partial RoPE.
+        let g = match name {
+            n if n.ends_with("q_proj.weight") || n.ends_with("q_norm.weight") => {
+                let cols = if n.ends_with("q_norm.weight") {
+                    1
+                } else {
+                    cfg.hidden_size
+                };
+                let t = Tensor::from_vec(g.clone(), (g.len() / cols, cols), &Device::Cpu).unwrap();
+                let t = match n.ends_with("q_proj.weight") {
+                    true => grpo_rollout::layout::q_rows(cfg, &t, true).unwrap(),
+                    false => grpo_rollout::layout::reorder_heads(cfg, &t, true).unwrap(),
+                };
+                to_f64(&t)
             }
-            // The model's q rows: gate rows apart, heads reordered for the partial RoPE.
-            let g = match name {
-                n if n.ends_with("q_proj.weight") || n.ends_with("q_norm.weight") => {
-                    let cols = if n.ends_with("q_norm.weight") {
-                        1
-                    } else {
-                        cfg.hidden_size
-                    };
-                    let t =
-                        Tensor::from_vec(g.clone(), (g.len() / cols, cols), &Device::Cpu).unwrap();
-                    let t = match n.ends_with("q_proj.weight") {
-                        true => grpo_rollout::layout::q_rows(cfg, &t, true).unwrap(),
-                        false => grpo_rollout::layout::reorder_heads(cfg, &t, true).unwrap(),
-                    };
-                    to_f64(&t)
-                }
-                _ => g,
-            };
-            let got = var_grad(&tm, &grads, name);
-            close(&got, &g, tol, &format!("{key} {name} ({checkpointing})"));
-        }
-    }
-}
-
-/// `got` within `tol` of `want`'s largest entry (or of 1).
-fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
-    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
-    let d = max_diff(got, want);
-    assert!(d <= tol * scale.max(1.0), "{what}: {d} of {scale}");
+            _ => g,
+        };
+        vec![(name.to_string(), g)]
+    });
 }
 
 /// Saved, the files hold transformers' names and layout (the gate rows back between each
@@ -420,7 +391,7 @@ fn moe_load_balancing_loss_matches_transformers() {
             let g: Vec<f64> =
                 serde_json::from_value(r["aux_grads"][i.to_string()].clone()).unwrap();
             let got = var_grad(&tm, &grads, &names.router(i));
-            close(&got, &g, 1e-4, &format!("router {i} ({checkpointing})"));
+            common::close(&got, &g, 1e-4, &format!("router {i} ({checkpointing})"));
         }
     }
 }

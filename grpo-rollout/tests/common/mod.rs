@@ -167,3 +167,44 @@ pub fn fused_expert_grads(
             .collect(),
     )
 }
+
+/// Gradients by the model's tensor names.
+pub type Grads = Vec<(String, Vec<f64>)>;
+
+/// `got` within `tol` of `want`'s largest entry (or of 1).
+pub fn close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let d = max_diff_f64(got, want);
+    assert!(d <= tol * scale.max(1.0), "{what}: {d} of {scale}");
+}
+
+/// The gradients of the padded rows' log-prob sum ([`padded_logprobs`]) against the
+/// reference's `key` (transformers' tensor names), with and without gradient checkpointing,
+/// each within `tol` of its largest entry; `as_model` gives a transformers tensor's gradient as
+/// the model's (name, gradient) pairs.
+pub fn check_grads(
+    model: &grpo_rollout::Transformer,
+    r: &serde_json::Value,
+    key: &str,
+    tol: f64,
+    as_model: &dyn Fn(&str, Vec<f64>) -> Grads,
+) {
+    let serde_json::Value::Object(want) = &r[key] else {
+        panic!("{key}")
+    };
+    for checkpointing in [false, true] {
+        let mut tm = grpo_rollout::TrainableModel::full(model).unwrap();
+        if checkpointing {
+            tm.model.enable_gradient_checkpointing();
+        }
+        let loss = padded_logprobs(&tm.model, r).sum_all().unwrap();
+        let grads = tm.model.backward(&loss).unwrap();
+        for (name, g) in want {
+            let g: Vec<f64> = serde_json::from_value(g.clone()).unwrap();
+            for (n, want) in as_model(name, g) {
+                let what = format!("{key} {n} ({checkpointing})");
+                close(&var_grad(&tm, &grads, &n), &want, tol, &what);
+            }
+        }
+    }
+}
