@@ -77,18 +77,9 @@ fn float64_equals_transformers_in_float64() {
     let d = max_diff(&padded, &want(&r, "logprobs_f64"));
     assert!(d < 1e-6, "{d}");
     check_grads(&m.model, &r, "grads_f64", 1e-6);
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
     let alone: Vec<Vec<f64>> = serde_json::from_value(r["alone_f64"].clone()).unwrap();
-    let t = r["t"].as_u64().unwrap() as usize;
-    for (row, want) in rows.iter().zip(&alone) {
-        let (ids, mask) =
-            grpo_rollout::generate::left_pad(std::slice::from_ref(row), 0, &Device::Cpu).unwrap();
-        let got = m
-            .model
-            .completion_logprobs(&ids, &mask, t, 1.0, false)
-            .unwrap()
-            .0;
-        let d = max_diff(&to_f64(&got), want);
+    for (got, want) in common::logprobs_alone(&m.model, &r).iter().zip(&alone) {
+        let d = max_diff(got, want);
         assert!(d < 1e-6, "alone: {d}");
     }
     assert!(max_diff(&padded, &alone.concat()) > 1e-3);

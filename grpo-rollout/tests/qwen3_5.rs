@@ -167,18 +167,9 @@ fn float64_equals_transformers_in_float64_of(model: &str) {
     // and the experts' gradients by 1.5e-5 of their largest; 4.5e-6 and 1.1e-5 measured here.
     let tol = if model == MODELS[1] { 2e-5 } else { 1e-6 };
     let m = load_model(model, DType::F64);
-    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
     let want: Vec<Vec<f64>> = serde_json::from_value(r["alone_f64"].clone()).unwrap();
-    let t = r["t"].as_u64().unwrap() as usize;
-    for (row, want) in rows.iter().zip(&want) {
-        let (ids, mask) =
-            grpo_rollout::generate::left_pad(std::slice::from_ref(row), 0, &Device::Cpu).unwrap();
-        let got = m
-            .model
-            .completion_logprobs(&ids, &mask, t, 1.0, false)
-            .unwrap()
-            .0;
-        let d = max_diff(&to_f64(&got), want);
+    for (got, want) in common::logprobs_alone(&m.model, &r).iter().zip(&want) {
+        let d = max_diff(got, want);
         assert!(d < tol, "{model}: {d}");
     }
     // The padded batch: each row as alone.

@@ -208,3 +208,17 @@ pub fn check_grads(
         }
     }
 }
+
+/// The log-probs (f64) of the last `t` tokens of each of the reference's `rows`, run alone.
+pub fn logprobs_alone(m: &grpo_rollout::Transformer, r: &serde_json::Value) -> Vec<Vec<f64>> {
+    let rows: Vec<Vec<u32>> = serde_json::from_value(r["rows"].clone()).unwrap();
+    let t = r["t"].as_u64().unwrap() as usize;
+    rows.iter()
+        .map(|row| {
+            let (ids, mask) =
+                grpo_rollout::generate::left_pad(std::slice::from_ref(row), 0, &Device::Cpu)
+                    .unwrap();
+            to_f64(&m.completion_logprobs(&ids, &mask, t, 1.0, false).unwrap().0)
+        })
+        .collect()
+}
