@@ -63,7 +63,7 @@ enum Command {
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
     /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
-    /// "gkd"` in the config runs that instead.
+    /// "gkd" | "sdpo"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -87,6 +87,9 @@ enum Command {
     /// A*-PO (the config's `[a2po]`, TRL's A2POTrainer): optimal values estimated from the
     /// reference's samples, then one sample per prompt regressed onto its optimal advantage.
     A2po(train_cmd::TrainArgs),
+    /// Self-distillation policy optimisation (the config's `[sdpo]`, TRL's SDPOTrainer): the
+    /// policy learns toward itself shown a successful sibling completion or the row's feedback.
+    Sdpo(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -119,6 +122,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Cpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("cpo"))?)),
         Some(Command::Tpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("tpo"))?)),
         Some(Command::A2po(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("a2po"))?)),
+        Some(Command::Sdpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdpo"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
         }
@@ -204,6 +208,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Tpo(_)
             | Command::OnlineDpo(_)
             | Command::A2po(_)
+            | Command::Sdpo(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -8,6 +8,10 @@
 //!   `m = (1 − β) p_s + β p_t`: `β KL(p_t ‖ m) + (1 − β) KL(p_s ‖ m)`.
 //!
 //! The gradient flows to the student's logits only (the teacher's are detached).
+//!
+//! [`topk_divergence`] is TRL's SDPO `topk_logits` approximation: the same divergence over the
+//! student's `k` most likely tokens only (both distributions renormalised there, or with one
+//! more bucket holding the rest of each one's mass).
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -60,4 +64,151 @@ pub fn generalized_jsd(
     let hi = a.maximum(&b)?;
     let lm = (&hi + ((&a - &hi)?.exp()? + (&b - &hi)?.exp()?)?.log()?)?;
     (kl(&lt, &lm)? * beta)? + (kl(&ls, &lm)? * (1.0 - beta))?
+}
+
+/// Which divergence a distillation step takes at each token (see the module).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Divergence {
+    /// [`generalized_jsd`] over the whole vocabulary.
+    Full {
+        /// 0 forward KL, 1 reverse KL, between the generalized JSD.
+        beta: f64,
+    },
+    /// [`topk_divergence`]: over the student's `k` most likely tokens.
+    TopK {
+        /// How many of the student's tokens make the support.
+        k: usize,
+        /// As [`Divergence::Full`]'s.
+        beta: f64,
+        /// One more category holding the mass outside the support (else both renormalised).
+        add_tail: bool,
+    },
+}
+
+impl From<f64> for Divergence {
+    /// The full-vocabulary divergence at `beta`.
+    fn from(beta: f64) -> Self {
+        Divergence::Full { beta }
+    }
+}
+
+impl Divergence {
+    /// The per-token divergence `(N,)` of student logits `(N, V)` from teacher logits `(N, V)`
+    /// at `temperature`, with the student's gradient.
+    pub fn of(
+        &self,
+        student_logits: &Tensor,
+        teacher_logits: &Tensor,
+        temperature: f64,
+    ) -> Result<Tensor> {
+        match *self {
+            Divergence::Full { beta } => {
+                generalized_jsd(student_logits, teacher_logits, beta, temperature)
+            }
+            Divergence::TopK { k, beta, add_tail } => topk_divergence(
+                student_logits,
+                teacher_logits,
+                k,
+                beta,
+                add_tail,
+                temperature,
+            ),
+        }
+    }
+}
+
+/// The indices `(N, k)` (u32) of the `k` largest entries of each row of `x` `(N, V)`, largest
+/// first (ties: the lowest index first): `k` passes of an arg-max, each masking the one it found,
+/// so it runs on any device and any vocabulary size.
+pub fn topk_indices(x: &Tensor, k: usize) -> Result<Tensor> {
+    let (n, v) = x.dims2()?;
+    if k == 0 || k > v {
+        candle_core::bail!("topk_indices: k = {k} must be in 1..={v} (the row width)");
+    }
+    let dtype = match x.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let mut rest = x.detach().to_dtype(dtype)?;
+    let iota = Tensor::arange(0u32, v as u32, x.device())?
+        .unsqueeze(0)?
+        .broadcast_as((n, v))?;
+    let gone = Tensor::full(f64::NEG_INFINITY, (n, v), x.device())?.to_dtype(dtype)?;
+    let mut picked = Vec::with_capacity(k);
+    for i in 0..k {
+        let idx = rest.argmax_keepdim(D::Minus1)?;
+        if i + 1 < k {
+            let hit = iota.broadcast_eq(&idx)?;
+            rest = hit.where_cond(&gone, &rest)?;
+        }
+        picked.push(idx);
+    }
+    Tensor::cat(&picked, 1)
+}
+
+/// TRL's SDPO `topk_logits` divergence `(N,)`: the student's `k` most likely tokens at each row
+/// (of `student_logits / temperature`) make the support; the student's and the teacher's
+/// log-probabilities there are renormalised over it — or, with `add_tail`, joined by one bucket
+/// holding `1 − Σ_k p` of each (the sum clamped to at most `exp(−1e−7)`, as TRL) — and
+/// [`generalized_jsd`] at `beta` is taken between the two small distributions. The gradient
+/// flows to the student's logits only.
+///
+/// # Errors
+/// Shapes that differ, `k` outside `1..=V`, `β` outside `[0, 1]`, a temperature that is not
+/// positive.
+pub fn topk_divergence(
+    student_logits: &Tensor,
+    teacher_logits: &Tensor,
+    k: usize,
+    beta: f64,
+    add_tail: bool,
+    temperature: f64,
+) -> Result<Tensor> {
+    if student_logits.dims() != teacher_logits.dims() || student_logits.rank() != 2 {
+        candle_core::bail!(
+            "topk_divergence: student logits {:?} and teacher logits {:?}, expected two (N, V)",
+            student_logits.dims(),
+            teacher_logits.dims()
+        );
+    }
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        candle_core::bail!("topk_divergence: temperature {temperature} must be > 0");
+    }
+    let dtype = match student_logits.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let log_softmax = |z: &Tensor| -> Result<Tensor> {
+        let z = (z.to_dtype(dtype)? / temperature)?;
+        let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
+        z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)
+    };
+    let idx = topk_indices(student_logits, k)?;
+    let ls = log_softmax(student_logits)?.gather(&idx, D::Minus1)?;
+    let lt = log_softmax(&teacher_logits.detach())?.gather(&idx, D::Minus1)?;
+    let (ls, lt) = match add_tail {
+        true => (with_tail(&ls)?, with_tail(&lt)?),
+        false => (ls, lt),
+    };
+    // Over the (renormalised, or tail-completed) support the log-softmax inside
+    // `generalized_jsd` renormalises, or leaves a complete distribution as it is.
+    generalized_jsd(&ls, &lt, beta, 1.0)
+}
+
+/// `log_probs` `(N, k)` with one more column `log(1 − Σ exp)`: the mass outside the support,
+/// the sum clamped at `exp(−1e−7)` (TRL's `add_tail_bucket`), formed in f64.
+fn with_tail(log_probs: &Tensor) -> Result<Tensor> {
+    let dt = log_probs.dtype();
+    let wide = log_probs.to_dtype(DType::F64)?;
+    let hi = wide.max_keepdim(D::Minus1)?.detach();
+    let lse = (wide
+        .broadcast_sub(&hi)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + &hi)?;
+    let lse = lse.minimum(-1e-7)?;
+    // log(1 − e^s) = log(−expm1(s)); in f64 the cancellation costs ~1e−9 relative at s = −1e−7.
+    let tail = (lse.exp()?.affine(-1.0, 1.0)?).log()?;
+    Tensor::cat(&[wide, tail], D::Minus1)?.to_dtype(dt)
 }

@@ -134,3 +134,160 @@ fn generalized_jsd_matches_trls_definition_and_gradient() {
     let other = Tensor::new(&[[0.3f32, -2.0]], &d).unwrap();
     assert!(generalized_jsd(&z, &other, 0.5, 1.0).is_err());
 }
+
+/// `(k, α, add_tail, T, values, student gradient)` from TRL 1.16's own
+/// `compute_topk_self_distillation_loss` (`scripts/check_sdpo_divergence.py`).
+type TopKCase = (usize, f64, bool, f64, [f64; 2], [[f64; 5]; 2]);
+
+#[test]
+fn topk_divergence_matches_trls_sdpo_loss() {
+    use grpo_core::distill::{Divergence, topk_divergence, topk_indices};
+    let d = Device::Cpu;
+    let zs = [[1.0f64, -0.5, 2.0, 0.25, 0.9], [0.0, 0.3, -1.2, 0.7, 0.1]];
+    let zt = [[0.5f64, 0.5, 1.0, -1.0, 0.2], [2.0, -0.3, 0.1, 0.0, -0.4]];
+    let cases: [TopKCase; 4] = [
+        (
+            2,
+            1.0,
+            false,
+            1.0,
+            [0.026344585976886298, 0.0012087580798199118],
+            [
+                [-0.09830596662074087, 0.0, 0.09830596662074087, 0.0, 0.0],
+                [0.0, -0.02402607457415293, 0.0, 0.024026074574152883, 0.0],
+            ],
+        ),
+        (
+            3,
+            0.0,
+            true,
+            1.0,
+            [0.08126697722692704, 0.6890362978777487],
+            [
+                [
+                    -0.02877535473432194,
+                    -0.04311871412274542,
+                    0.1536549953359858,
+                    -0.09128231851416924,
+                    0.009521392035250764,
+                ],
+                [
+                    -0.4252957048287205,
+                    0.1660137444189853,
+                    -0.12809660464553102,
+                    0.25730736512612706,
+                    0.13007119992913863,
+                ],
+            ],
+        ),
+        (
+            3,
+            0.5,
+            false,
+            0.7,
+            [0.011070070587186166, 0.0016587929708177006],
+            [
+                [
+                    -0.033963259765570894,
+                    0.0,
+                    0.0462351081516465,
+                    0.0,
+                    -0.012271848386075602,
+                ],
+                [
+                    0.0,
+                    -0.0038945664941475075,
+                    0.0,
+                    0.01828361261314776,
+                    -0.014389046119000251,
+                ],
+            ],
+        ),
+        (
+            2,
+            0.3,
+            true,
+            1.3,
+            [0.0061613307305955585, 0.04831108700705953],
+            [
+                [
+                    -0.0029702526567076813,
+                    -0.0027334952164221145,
+                    0.018595415090022934,
+                    -0.00486712866298896,
+                    -0.008024538553904172,
+                ],
+                [
+                    -0.021312602704813128,
+                    0.021561542578188906,
+                    -0.008467384379105502,
+                    0.031235181598030216,
+                    -0.02301673709230045,
+                ],
+            ],
+        ),
+    ];
+    let teacher = Var::new(&zt, &d).unwrap();
+    for (k, alpha, tail, t, want, grad_want) in cases {
+        let student = Var::new(&zs, &d).unwrap();
+        let div =
+            topk_divergence(student.as_tensor(), teacher.as_tensor(), k, alpha, tail, t).unwrap();
+        let got: Vec<f64> = div.to_vec1().unwrap();
+        // The tail bucket's log(1 − e^s) in f64 (TRL: expm1) agrees to ~1e-9 relative.
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() < 1e-9 * w.abs().max(1e-3),
+                "k {k} α {alpha}: {got:?} vs {want:?}"
+            );
+        }
+        let grads = div.sum_all().unwrap().backward().unwrap();
+        let g: Vec<Vec<f64>> = grads.get(student.as_tensor()).unwrap().to_vec2().unwrap();
+        for (row, wrow) in g.iter().zip(grad_want) {
+            for (a, b) in row.iter().zip(wrow) {
+                assert!((a - b).abs() < 1e-9, "k {k} α {alpha}: {g:?}");
+            }
+        }
+        assert!(grads.get(teacher.as_tensor()).is_none());
+        // Through the enum, in f32.
+        let div32 = Divergence::TopK {
+            k,
+            beta: alpha,
+            add_tail: tail,
+        }
+        .of(
+            &student
+                .as_tensor()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap(),
+            &teacher
+                .as_tensor()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap(),
+            t,
+        )
+        .unwrap();
+        let v: Vec<f32> = div32.to_vec1().unwrap();
+        for (g, w) in v.iter().zip(want) {
+            assert!((f64::from(*g) - w).abs() < 1e-5, "f32: {v:?} vs {want:?}");
+        }
+    }
+    // k = V without a tail is the full divergence.
+    let student = Tensor::new(&zs, &d).unwrap();
+    let a = topk_divergence(&student, teacher.as_tensor(), 5, 0.4, false, 1.0).unwrap();
+    let b = generalized_jsd(&student, teacher.as_tensor(), 0.4, 1.0).unwrap();
+    let diff: f64 = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    assert!(diff < 1e-12, "{diff}");
+    // The indices: largest first, ties by the lowest index; k outside 1..=V refused.
+    let x = Tensor::new(&[[0.5f32, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 4.0]], &d).unwrap();
+    let idx: Vec<Vec<u32>> = topk_indices(&x, 3).unwrap().to_vec2().unwrap();
+    assert_eq!(idx, vec![vec![1, 2, 0], vec![3, 0, 1]]);
+    assert!(topk_indices(&x, 0).is_err() && topk_indices(&x, 5).is_err());
+    assert!(topk_divergence(&x, &x, 2, 0.5, false, 0.0).is_err());
+}

@@ -3620,6 +3620,31 @@ impl Transformer {
         Ok((stats, sum_sq))
     }
 
+    /// The hidden rows `(B·t, H)` (with the graph) that predict the last `t` tokens of each row
+    /// of a left-padded batch, those tokens `(B·t,)`, and `(B, t)`: one forward that both
+    /// [`Self::rows_logprobs`] and [`Self::distill_rows`] read.
+    pub fn completion_rows(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        t: usize,
+    ) -> Result<(Tensor, Tensor, (usize, usize))> {
+        self.padded_rows(input_ids, attention_mask, t)
+    }
+
+    /// The log-probs (and entropies) of `targets` under the rows `h` of
+    /// [`Self::completion_rows`], as [`Self::completion_logprobs`] forms them.
+    pub fn rows_logprobs(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        shape: (usize, usize),
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.target_logprobs(h, targets, shape, temperature, with_entropy)
+    }
+
     /// [`Self::scored_rows`] of a left-padded batch (its positions and causal bias from the mask).
     fn padded_rows(
         &self,
@@ -3696,8 +3721,9 @@ impl Transformer {
 
     /// On-policy distillation (TRL's `DistillationTrainer`): at each hidden row of this model
     /// (the student, `h` `(N, H)`, with the graph) the divergence of its next-token
-    /// distribution from `teacher`'s at its rows `teacher_h` (`grpo_core::distill`: forward KL
-    /// at `beta` = 0, reverse KL at 1, the generalized JSD between; both at `temperature`), and
+    /// distribution from `teacher`'s at its rows `teacher_h` (`grpo_core::distill`: a `beta`
+    /// gives the full-vocabulary one, forward KL at 0, reverse KL at 1, the generalized JSD
+    /// between; a [`grpo_core::distill::Divergence::TopK`] SDPO's top-k one; at `temperature`), and
     /// the student's entropy (no gradient); both `(N,)`, f32 (f64 for f64 models). Logits are
     /// formed a chunk of rows at a time; where the fused path recomputes, a chunk keeps only its
     /// hidden rows for backward. A teacher with a larger vocabulary is read over the student's
@@ -3707,9 +3733,10 @@ impl Transformer {
         h: &Tensor,
         teacher: &Transformer,
         teacher_h: &Tensor,
-        beta: f64,
+        divergence: impl Into<grpo_core::distill::Divergence>,
         temperature: f64,
     ) -> Result<(Tensor, Tensor)> {
+        let divergence = divergence.into();
         let v = self.cfg.vocab_size;
         if teacher.cfg.vocab_size < v {
             bail!(
@@ -3731,7 +3758,7 @@ impl Transformer {
             let hc = self.for_head(&h.narrow(0, start, n)?)?;
             let pair = move |z: &Tensor, zt: &Tensor| -> Result<Tensor> {
                 let zt = zt.to_device(z.device())?;
-                let div = grpo_core::distill::generalized_jsd(z, &zt, beta, temperature)?;
+                let div = divergence.of(z, &zt, temperature)?;
                 let ent = grpo_core::logprobs::entropy_from_logits(&(z.detach() / temperature)?)?
                     .to_dtype(div.dtype())?;
                 Tensor::stack(&[div, ent], 1)

@@ -36,6 +36,8 @@ pub struct CheckpointJob {
     pub optimizer: HashMap<String, Tensor>,
     /// The synced reference's weights (`reference.sync_ref_model`).
     pub reference: Option<HashMap<String, Tensor>>,
+    /// SDPO's EMA teacher: its weights, or with LoRA its adapter tensors.
+    pub teacher: Option<HashMap<String, Tensor>>,
     /// `trainer_state.json`.
     pub state: TrainerState,
     /// `config.json` (secrets removed).
@@ -83,6 +85,9 @@ impl CheckpointJob {
         crate::optim::save_state(&self.optimizer, &tmp.join(OPT_FILE))?;
         if let Some(map) = &self.reference {
             candle_core::safetensors::save(map, tmp.join(REF_FILE))?;
+        }
+        if let Some(map) = &self.teacher {
+            candle_core::safetensors::save(map, tmp.join(crate::learner::sdpo::TEACHER_FILE))?;
         }
         std::fs::write(
             tmp.join(STATE_FILE),
@@ -144,6 +149,7 @@ impl Learner {
             tokenizer: self.tokenizer.clone(),
             optimizer: self.opt.state()?,
             reference,
+            teacher: self.sdpo_teacher_state(),
             state: self.state.clone(),
             config: self.cfg.redacted_json(),
             save_total_limit: self.cfg.train.save_total_limit,
@@ -216,6 +222,12 @@ impl Learner {
             let map = candle_core::safetensors::load(&p, &self.device)
                 .with_context(|| format!("{}: cannot read", p.display()))?;
             self.reference = Some(Transformer::from_weights_like(r, &map)?);
+        }
+        if self.sdpo_teacher_state().is_some() {
+            let p = dir.join(crate::learner::sdpo::TEACHER_FILE);
+            let map = candle_core::safetensors::load(&p, &self.device)
+                .with_context(|| format!("{}: cannot read SDPO's EMA teacher", p.display()))?;
+            self.restore_sdpo_teacher(map)?;
         }
         self.state = TrainerState {
             max_steps: self.state.max_steps,

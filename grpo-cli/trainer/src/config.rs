@@ -71,11 +71,16 @@ pub enum Algorithm {
     /// reference's samples, then one sample per prompt whose log-ratio to the reference
     /// regresses onto its optimal advantage (`[a2po]`).
     A2po,
+    /// Self-distillation policy optimisation (TRL's experimental SDPOTrainer): the policy
+    /// samples a group per prompt; a teacher (the policy itself: live, its EMA or its start)
+    /// shown a successful sibling completion (or the row's feedback) scores the same tokens,
+    /// and the policy learns toward it, optionally blended with GRPO's loss (`[sdpo]`).
+    Sdpo,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 13] = [
+    pub const ALL: [Algorithm; 14] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -89,6 +94,7 @@ impl Algorithm {
         Algorithm::Gkd,
         Algorithm::Tpo,
         Algorithm::A2po,
+        Algorithm::Sdpo,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -102,6 +108,7 @@ impl Algorithm {
                 | Algorithm::OnlineDpo
                 | Algorithm::Gkd
                 | Algorithm::A2po
+                | Algorithm::Sdpo
         )
     }
 
@@ -115,18 +122,22 @@ impl Algorithm {
     pub fn learns_from_rewards(self) -> bool {
         matches!(
             self,
-            Algorithm::Grpo | Algorithm::Rloo | Algorithm::OnlineDpo | Algorithm::A2po
+            Algorithm::Grpo
+                | Algorithm::Rloo
+                | Algorithm::OnlineDpo
+                | Algorithm::A2po
+                | Algorithm::Sdpo
         )
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
     /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
-    /// A2POConfig 5e-5 (TrainingArguments'), the others
+    /// A2POConfig and SDPOConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Sft | Self::Gkd => 2e-5,
-            Self::A2po => 5e-5,
+            Self::A2po | Self::Sdpo => 5e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo | Self::Tpo => 5e-7,
             _ => 1e-6,
@@ -149,6 +160,7 @@ impl Algorithm {
             Self::Gkd => "gkd",
             Self::Tpo => "tpo",
             Self::A2po => "a2po",
+            Self::Sdpo => "sdpo",
         }
     }
 
@@ -167,7 +179,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sft, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sdpo, sft, tpo"
                 )
             })
     }
@@ -265,6 +277,8 @@ pub struct TrainConfig {
     pub tpo: TpoSection,
     /// A*-PO (`algorithm = "a2po"`, TRL's A2POConfig).
     pub a2po: A2poSection,
+    /// Self-distillation policy optimisation (`algorithm = "sdpo"`, TRL's SDPOConfig).
+    pub sdpo: SdpoSection,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -659,6 +673,122 @@ impl Default for A2poSection {
     }
 }
 
+/// SDPO's `distillation_mode`: which divergence the self-distillation term takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SdpoMode {
+    /// At each sampled token, `sg(log π − log π_teacher) · log π`: the reverse KL's estimate on
+    /// the sampled tokens (the default).
+    #[default]
+    SampledToken,
+    /// The divergence of the whole next-token distributions (`distillation_alpha`: 0 forward
+    /// KL, 1 reverse KL, between the generalized JSD).
+    FullLogits,
+    /// The same over the student's `distillation_topk` most likely tokens.
+    TopkLogits,
+}
+
+/// SDPO's `teacher_model_kind`: which weights score the reprompted context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SdpoTeacher {
+    /// The policy's exponential moving average (`teacher_update_rate` each
+    /// `teacher_sync_steps` optimizer updates; with LoRA, of the adapters, starting at zero as
+    /// TRL's; the default).
+    #[default]
+    Ema,
+    /// The current policy (detached).
+    Live,
+    /// The policy as the run started (with LoRA: the adapters switched off).
+    Base,
+}
+
+/// `[sdpo]`: TRL's experimental SDPOTrainer (self-distillation policy optimisation). Each
+/// completion whose group holds a successful sibling (reward ≥ `success_reward_threshold`), or
+/// whose row carries feedback, gets a teacher context: its prompt reprompted with that solution
+/// and feedback. The teacher scores the completion's tokens after that context; the loss pulls
+/// the policy's distribution (after the plain prompt) toward it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SdpoSection {
+    /// The loss is `(1 − w) · policy loss + w · self-distillation loss` (default 1: pure
+    /// self-distillation; 0: GRPO's clipped loss alone).
+    pub distillation_weight: f64,
+    /// The divergence's interpolation: 0 forward KL, 1 reverse KL (the default; the only one
+    /// `sampled_token` takes), between the generalized JSD.
+    pub distillation_alpha: f64,
+    /// `sampled_token` (default), `full_logits` or `topk_logits`.
+    pub distillation_mode: SdpoMode,
+    /// The support of `topk_logits` (required there, refused elsewhere).
+    pub distillation_topk: Option<usize>,
+    /// Each token's distillation loss times `min(π / π_old, c)` when the step has old
+    /// log-probs (several updates per generation); 0 turns it off (TRL's `None`). Default 2.
+    pub distillation_is_clip: f64,
+    /// `topk_logits`: one more bucket holding the mass outside the support (default false:
+    /// both distributions renormalised over it).
+    pub distillation_add_tail: bool,
+    /// `ema` (default), `live` or `base`.
+    pub teacher_model_kind: SdpoTeacher,
+    /// The EMA's rate: `teacher ← (1 − r) · teacher + r · policy` (default 0.05).
+    pub teacher_update_rate: f64,
+    /// Optimizer updates between EMA updates (default 1).
+    pub teacher_sync_steps: usize,
+    /// Reprompt with a successful sibling completion (default true).
+    pub use_successful_as_teacher: bool,
+    /// The combined reward a completion needs to count as a successful demonstration
+    /// (default 1.0).
+    pub success_reward_threshold: f64,
+    /// A completion is never its own demonstration (default true).
+    pub dont_reprompt_on_self_success: bool,
+    /// The teacher context keeps its last this many tokens (default 10240).
+    pub max_reprompt_len: usize,
+    /// The reprompt: `{prompt}` (the user's last message, or the text prompt), `{solution}`,
+    /// `{feedback}` (Python `str.format` fields; `{{`/`}}` for braces).
+    pub reprompt_template: String,
+    /// `{solution}`: formats `{successful_previous_attempt}` (the demonstration's text).
+    pub solution_template: String,
+    /// `{feedback}`: formats `{feedback_raw}` (the row's feedback).
+    pub feedback_template: String,
+    /// Reprompt with the row's feedback (`feedback_field`) when it has any (default false).
+    pub include_environment_feedback: bool,
+    /// Use the feedback only where no successful demonstration exists (default false).
+    pub environment_feedback_only_without_solution: bool,
+    /// Drop `<think>…</think>` blocks from the demonstration (default false).
+    pub remove_thinking_from_demonstration: bool,
+    /// The dataset column holding each row's feedback (TRL's `privileged_context`).
+    pub feedback_field: String,
+}
+
+impl Default for SdpoSection {
+    fn default() -> Self {
+        Self {
+            distillation_weight: 1.0,
+            distillation_alpha: 1.0,
+            distillation_mode: SdpoMode::SampledToken,
+            distillation_topk: None,
+            distillation_is_clip: 2.0,
+            distillation_add_tail: false,
+            teacher_model_kind: SdpoTeacher::Ema,
+            teacher_update_rate: 0.05,
+            teacher_sync_steps: 1,
+            use_successful_as_teacher: true,
+            success_reward_threshold: 1.0,
+            dont_reprompt_on_self_success: true,
+            max_reprompt_len: 10240,
+            reprompt_template:
+                "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n".into(),
+            solution_template: "\nCorrect solution:\n\n{successful_previous_attempt}\n\n".into(),
+            feedback_template:
+                "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback_raw}\n\n"
+                    .into(),
+            include_environment_feedback: false,
+            environment_feedback_only_without_solution: false,
+            remove_thinking_from_demonstration: false,
+            feedback_field: "privileged_context".into(),
+        }
+    }
+}
+
 /// TPO's `loss_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum TpoLoss {
@@ -935,6 +1065,7 @@ impl Default for TrainConfig {
             online_dpo: OnlineDpoSection::default(),
             tpo: TpoSection::default(),
             a2po: A2poSection::default(),
+            sdpo: SdpoSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -2069,6 +2200,9 @@ impl TrainConfig {
                 );
             }
         }
+        if self.algorithm == Algorithm::Sdpo {
+            self.check_sdpo()?;
+        }
         if self.algorithm == Algorithm::A2po {
             let a = &self.a2po;
             if a.num_value_samples == 0 {
@@ -2434,6 +2568,115 @@ impl TrainConfig {
         }
     }
 
+    /// `[sdpo]`'s settings (TRL's `SDPOConfig.__post_init__` and the trainer's refusals).
+    fn check_sdpo(&self) -> std::result::Result<(), String> {
+        let d = &self.sdpo;
+        if !(0.0..=1.0).contains(&d.distillation_weight) {
+            return Err(format!(
+                "`sdpo.distillation_weight` must be in [0, 1], got {}",
+                d.distillation_weight
+            ));
+        }
+        if !(0.0..=1.0).contains(&d.distillation_alpha) {
+            return Err(format!(
+                "`sdpo.distillation_alpha` must be in [0, 1], got {}",
+                d.distillation_alpha
+            ));
+        }
+        match (d.distillation_mode, d.distillation_topk) {
+            (SdpoMode::SampledToken, _) if d.distillation_alpha != 1.0 => {
+                return Err(format!(
+                    "`sdpo.distillation_mode = \"sampled_token\"` is the reverse KL only: \
+                     `sdpo.distillation_alpha` must be 1, got {}",
+                    d.distillation_alpha
+                ));
+            }
+            (SdpoMode::TopkLogits, None | Some(0)) => {
+                return Err("`sdpo.distillation_mode = \"topk_logits\"` needs \
+                            `sdpo.distillation_topk` >= 1"
+                    .into());
+            }
+            (SdpoMode::SampledToken | SdpoMode::FullLogits, Some(_)) => {
+                return Err("`sdpo.distillation_topk` is read by `distillation_mode = \
+                            \"topk_logits\"` only; leave it out"
+                    .into());
+            }
+            _ => {}
+        }
+        if !(d.distillation_is_clip >= 0.0 && d.distillation_is_clip.is_finite()) {
+            return Err(format!(
+                "`sdpo.distillation_is_clip` must be >= 0 (0: off), got {}",
+                d.distillation_is_clip
+            ));
+        }
+        if !(d.teacher_update_rate > 0.0 && d.teacher_update_rate <= 1.0) {
+            return Err(format!(
+                "`sdpo.teacher_update_rate` must be in (0, 1], got {}",
+                d.teacher_update_rate
+            ));
+        }
+        if d.teacher_sync_steps == 0 {
+            return Err("`sdpo.teacher_sync_steps` must be >= 1".into());
+        }
+        if d.max_reprompt_len == 0 {
+            return Err("`sdpo.max_reprompt_len` must be >= 1".into());
+        }
+        for (key, template, fields) in [
+            (
+                "reprompt_template",
+                &d.reprompt_template,
+                &["prompt", "solution", "feedback"][..],
+            ),
+            (
+                "solution_template",
+                &d.solution_template,
+                &["successful_previous_attempt"][..],
+            ),
+            (
+                "feedback_template",
+                &d.feedback_template,
+                &["feedback_raw"][..],
+            ),
+        ] {
+            crate::learner::sdpo::format_template(template, &|name| {
+                fields.contains(&name).then_some("")
+            })
+            .map_err(|e| format!("`sdpo.{key}`: {e}"))?;
+        }
+        if self.reference.beta != 0.0 {
+            return Err(
+                "SDPO's loss has no KL term (TRL's SDPO reads no `beta`): leave \
+                        `reference.beta` at 0"
+                    .into(),
+            );
+        }
+        if self.teacher.is_some() || self.environment.kind.is_some() {
+            return Err("SDPO trains on single-turn completions: `[teacher]` and \
+                        `[environment]` are not supported with it (feedback comes from \
+                        `sdpo.feedback_field`)"
+                .into());
+        }
+        if self.loss.drop_zero_std_groups {
+            return Err(
+                "`loss.drop_zero_std_groups` drops groups by their rewards; SDPO distils \
+                        every group (a group that all succeeded has demonstrations too)"
+                    .into(),
+            );
+        }
+        if d.distillation_weight < 1.0
+            && !matches!(
+                self.loss.loss_type,
+                LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo
+            )
+        {
+            return Err(format!(
+                "SDPO's policy term takes `loss.loss_type` grpo, bnpo, dr_grpo or dapo, got {}",
+                self.loss.loss_type.as_str()
+            ));
+        }
+        Ok(())
+    }
+
     /// What one step trains on: prompts × generations completions (GRPO), or
     /// `prompts_per_step` rows (SFT, DPO).
     pub fn completions_per_step(&self) -> usize {
@@ -2443,7 +2686,8 @@ impl TrainConfig {
             | Algorithm::Distillation
             | Algorithm::OnlineDpo
             | Algorithm::Gkd
-            | Algorithm::A2po => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::A2po
+            | Algorithm::Sdpo => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -2484,6 +2728,7 @@ impl TrainConfig {
                 | Algorithm::OnlineDpo
                 | Algorithm::Gkd
                 | Algorithm::Tpo
+                | Algorithm::Sdpo
         ))
     }
 

@@ -500,6 +500,16 @@ pub fn setup_with(
             &policy.model,
             &loaded.tokenizer,
         )?),
+        // SDPO's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
+        // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
+        // nothing writes in place; LoRA: adapters the learner keeps).
+        Algorithm::Sdpo => match (cfg.sdpo.teacher_model_kind, &cfg.model.lora) {
+            (crate::config::SdpoTeacher::Live, _) | (crate::config::SdpoTeacher::Ema, Some(_)) => {
+                None
+            }
+            (_, Some(_)) => Some(policy.model.without_adapters()),
+            (_, None) => Some(loaded.model.detached()),
+        },
         _ => None,
     };
     let total_steps = total_steps(&cfg, splits.train.len());

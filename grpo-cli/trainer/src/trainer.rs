@@ -62,6 +62,9 @@ pub struct Tpo;
 /// A*-PO (`[a2po]`, TRL's A2POTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct A2po;
+/// Self-distillation policy optimisation (`[sdpo]`, TRL's SDPOTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Sdpo;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -105,6 +108,9 @@ impl TrainerKind for Tpo {
 impl TrainerKind for A2po {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::A2po);
 }
+impl TrainerKind for Sdpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Sdpo);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -143,6 +149,10 @@ pub type TpoTrainer = Trainer<Tpo>;
 
 /// An A*-PO trainer: optimal advantage regression against the reference.
 pub type A2poTrainer = Trainer<A2po>;
+
+/// An SDPO trainer: the policy learns from itself shown a successful sibling completion (or
+/// the row's feedback).
+pub type SdpoTrainer = Trainer<Sdpo>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

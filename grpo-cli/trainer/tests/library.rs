@@ -289,6 +289,7 @@ fn algorithms_by_name() {
             "orpo",
             "reward",
             "rloo",
+            "sdpo",
             "sft",
             "tpo"
         ]
@@ -305,6 +306,7 @@ fn algorithms_by_name() {
         "dpo",
         "kto",
         "rloo",
+        "sdpo",
         "orpo",
         "cpo",
         "online_dpo",

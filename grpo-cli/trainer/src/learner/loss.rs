@@ -48,6 +48,9 @@ impl Learner {
         if self.cfg.algorithm == Algorithm::A2po {
             return self.a2po_step(s, t0);
         }
+        if self.cfg.algorithm == Algorithm::Sdpo {
+            return self.sdpo_step(s, t0);
+        }
         let r = &s.rollouts;
         let eos = self.tokenizer.eos_token_ids.clone();
         let batch = StepBatch::new(

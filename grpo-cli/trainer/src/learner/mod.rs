@@ -10,7 +10,9 @@
 //!   samples);
 //! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
 //! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
-//!   one, DPO's loss against the reference).
+//!   one, DPO's loss against the reference);
+//! - [`sdpo`]: SDPO's step (the policy distilled from itself shown a successful sibling or
+//!   feedback) and its EMA teacher.
 //!
 //! Checkpoints of the learner are in [`crate::checkpoint`].
 
@@ -20,6 +22,7 @@ pub mod distill;
 pub mod loss;
 pub mod metrics;
 pub mod online_dpo;
+pub mod sdpo;
 pub mod step;
 pub mod supervised;
 
@@ -71,8 +74,10 @@ pub struct Learner {
     pub(crate) tokenizer: Tokenizer,
     pub(crate) policy: TrainableModel,
     pub(crate) reference: Option<Transformer>,
-    /// On-policy distillation's frozen teacher.
+    /// On-policy distillation's frozen teacher; SDPO's `base` or EMA teacher.
     pub(crate) distillation_teacher: Option<Transformer>,
+    /// SDPO's EMA teacher of a LoRA policy: its adapter tensors by PEFT key.
+    pub(crate) sdpo_shadow: Option<std::collections::HashMap<String, candle_core::Tensor>>,
     /// A*-PO's optimal values by row index.
     pub(crate) a2po_values: Option<std::sync::Arc<std::collections::HashMap<u64, f64>>>,
     pub(crate) opt: AdamW,
@@ -165,13 +170,14 @@ impl Learner {
         } else {
             (o.warmup_ratio * total_updates as f64).ceil() as usize
         };
-        Ok(Self {
+        let mut learner = Self {
             cfg: setup.cfg.clone(),
             device: setup.device.clone(),
             tokenizer: setup.tokenizer.clone(),
             policy: setup.policy.clone(),
             reference: setup.reference.clone(),
             distillation_teacher: setup.distillation_teacher.clone(),
+            sdpo_shadow: None,
             a2po_values: setup.a2po_values.clone(),
             opt,
             schedule: Schedule {
@@ -194,7 +200,15 @@ impl Learner {
                 .rollout_device
                 .clone()
                 .map(|d| (d, std::sync::Mutex::new(DeviceCopies::default()))),
-        })
+        };
+        if setup.cfg.algorithm == crate::config::Algorithm::Sdpo
+            && setup.cfg.sdpo.teacher_model_kind == crate::config::SdpoTeacher::Ema
+            && let Some(cfg) = &learner.policy.lora
+        {
+            let start = sdpo::lora_ema_start(&learner.policy.model, cfg)?;
+            learner.set_lora_teacher(start)?;
+        }
+        Ok(learner)
     }
 
     /// The current policy for the generator, detached: the trainable weights copied (for LoRA

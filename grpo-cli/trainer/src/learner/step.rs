@@ -44,6 +44,7 @@ impl Learner {
             grpo_core::memlog::release_unused(v.device());
         }
         self.state.optimizer_steps += 1;
+        self.sdpo_after_update()?;
         Ok((norm, lr))
     }
 
@@ -116,17 +117,26 @@ impl Learner {
         let Some(reference) = &self.reference else {
             return Ok(());
         };
-        let alpha = r.ref_model_mixup_alpha;
-        let merged = merged_policy(&self.policy)?;
-        let pw: HashMap<String, Tensor> = merged.weights().into_iter().collect();
-        let mut new_w = HashMap::new();
-        for (k, rw) in reference.weights() {
-            let p = pw.get(&k).with_context(|| format!("policy has no `{k}`"))?;
-            new_w.insert(k, ((p * alpha)? + (rw * (1.0 - alpha))?)?);
-        }
-        self.reference = Some(Transformer::from_weights_like(reference, &new_w)?);
+        self.reference = Some(ema_into(reference, &self.policy, r.ref_model_mixup_alpha)?);
         Ok(())
     }
+}
+
+/// `target` moved toward the policy: `α · policy + (1 − α) · target` for every weight (the
+/// policy's LoRA adapters merged first): TR-DPO's reference sync and SDPO's EMA teacher.
+pub(crate) fn ema_into(
+    target: &Transformer,
+    policy: &TrainableModel,
+    alpha: f64,
+) -> Result<Transformer> {
+    let merged = merged_policy(policy)?;
+    let pw: HashMap<String, Tensor> = merged.weights().into_iter().collect();
+    let mut new_w = HashMap::new();
+    for (k, rw) in target.weights() {
+        let p = pw.get(&k).with_context(|| format!("policy has no `{k}`"))?;
+        new_w.insert(k, ((p * alpha)? + (rw * (1.0 - alpha))?)?);
+    }
+    Ok(Transformer::from_weights_like(target, &new_w)?)
 }
 
 /// The policy as one plain model (LoRA adapters merged into the base).

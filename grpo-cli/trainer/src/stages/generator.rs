@@ -517,7 +517,23 @@ pub fn encode_prompt(
     cfg: &TrainConfig,
     prompt: &Prompt,
 ) -> Result<(String, Vec<u32>)> {
-    let (text, ids) = match prompt {
+    let (text, ids) = render_prompt(tokenizer, cfg, prompt)?;
+    let max = cfg.rollout.max_prompt_length;
+    let ids = if max > 0 && ids.len() > max {
+        ids[ids.len() - max..].to_vec()
+    } else {
+        ids
+    };
+    Ok((text, ids))
+}
+
+/// [`encode_prompt`] without the truncation: the rendered text and all its tokens.
+pub fn render_prompt(
+    tokenizer: &Tokenizer,
+    cfg: &TrainConfig,
+    prompt: &Prompt,
+) -> Result<(String, Vec<u32>)> {
+    Ok(match prompt {
         Prompt::Conversation(msgs) if cfg.rollout.chat_template => {
             let text = tokenizer.apply_chat_template(&chat_messages(msgs), true)?;
             let ids = tokenizer.encode(&text, false)?;
@@ -528,14 +544,7 @@ pub fn encode_prompt(
             let ids = tokenizer.encode(&text, true)?;
             (text, ids)
         }
-    };
-    let max = cfg.rollout.max_prompt_length;
-    let ids = if max > 0 && ids.len() > max {
-        ids[ids.len() - max..].to_vec()
-    } else {
-        ids
-    };
-    Ok((text, ids))
+    })
 }
 
 /// A conversation that ends with the assistant's turn as (the conversation before it, that

@@ -11,7 +11,7 @@ pub mod generator;
 pub mod loader;
 pub mod scorer;
 
-pub use generator::{Generator, chat_messages, encode_prompt, episode_completions};
+pub use generator::{Generator, chat_messages, encode_prompt, episode_completions, render_prompt};
 pub use loader::{Loader, epochs_of};
 pub use scorer::{PolicyScorer, Scorer};
 

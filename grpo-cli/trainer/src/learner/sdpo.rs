@@ -1,0 +1,800 @@
+//! SDPO (TRL's experimental `SDPOTrainer`, self-distillation policy optimisation, Hübotter et
+//! al.): the policy samples a group per prompt; each completion whose group holds a successful
+//! sibling (combined reward ≥ `sdpo.success_reward_threshold`), or whose row carries feedback,
+//! gets a **teacher context** — its prompt reprompted with that demonstration and feedback
+//! ([`plan_reprompts`], [`format_template`]). The teacher (the policy itself: live, its EMA or
+//! its start, `sdpo.teacher_model_kind`) scores the completion's tokens after that context,
+//! and the policy, after the plain prompt, learns toward it:
+//!
+//! - `sampled_token` (default): `sg(log π − log π_T) · log π` at each sampled token;
+//! - `full_logits` / `topk_logits`: the divergence of the next-token distributions
+//!   (`grpo_core::distill::Divergence`), over the vocabulary or the student's top k;
+//!
+//! times `min(π / π_old, distillation_is_clip)` when the step has old log-probs, averaged over
+//! each completion's tokens, then over the micro-batch's completions (those without a context
+//! count 0). With `distillation_weight` < 1 GRPO's clipped loss (TRL's SDPO formulas: grpo,
+//! bnpo, dr_grpo or dapo, per micro-batch) is blended in. The EMA teacher follows the policy
+//! after each optimizer update ([`Learner::sdpo_after_update`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use candle_core::{D, DType, Tensor};
+use grpo_core::distill::Divergence;
+use grpo_core::loss::{ImportanceSamplingLevel, LossType};
+use grpo_data::Prompt;
+use grpo_rollout::Transformer;
+
+use super::Learner;
+use super::batch::{StepBatch, padded_batch, rewards_or_zero};
+use super::metrics::OffPolicyStats;
+use crate::callbacks::Metrics;
+use crate::config::{SdpoMode, SdpoSection, SdpoTeacher};
+use crate::stages::Scored;
+
+/// The checkpoint file of the EMA teacher (its weights, or with LoRA its adapters).
+pub const TEACHER_FILE: &str = "sdpo_teacher.safetensors";
+
+/// Python's `str.format` with named fields only: `{name}` replaced by `field(name)`, `{{` and
+/// `}}` as braces. An unknown field, a lone brace or an unclosed one is an error naming it.
+pub fn format_template(
+    template: &str,
+    field: &dyn Fn(&str) -> Option<&'static str>,
+) -> std::result::Result<String, String> {
+    format_with(template, &|name| field(name).map(str::to_string))
+}
+
+/// [`format_template`] with owned values.
+fn format_with(
+    template: &str,
+    field: &dyn Fn(&str) -> Option<String>,
+) -> std::result::Result<String, String> {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let (c, after) = (rest.as_bytes()[i], &rest[i + 1..]);
+        if after.as_bytes().first() == Some(&c) {
+            out.push(char::from(c));
+            rest = &after[1..];
+            continue;
+        }
+        if c == b'}' {
+            return Err("a single `}` (write `}}` for a brace)".into());
+        }
+        let end = after
+            .find('}')
+            .ok_or_else(|| "an unclosed `{` (write `{{` for a brace)".to_string())?;
+        let name = &after[..end];
+        let v = field(name).ok_or_else(|| format!("unknown field `{{{name}}}`"))?;
+        out.push_str(&v);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// One completion's teacher context: the sibling whose text is the demonstration, and whether
+/// the row's feedback is shown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reprompt {
+    /// The successful sibling (an index into the step's completions).
+    pub demo: Option<usize>,
+    /// The row's feedback goes into the context.
+    pub feedback: bool,
+}
+
+impl Reprompt {
+    /// Whether the completion trains on the self-distillation term at all.
+    pub fn active(&self) -> bool {
+        self.demo.is_some() || self.feedback
+    }
+}
+
+/// TRL's SDPO context plan over one step's completions (`g` per prompt, in groups, their
+/// combined `rewards`; `has_feedback[i]`: completion `i`'s row carries non-blank feedback): per
+/// completion its demonstration (the first successful sibling, itself excluded with
+/// `dont_reprompt_on_self_success`) and whether feedback is used; and the metrics
+/// `self_distillation/{success_group_fraction, success_sample_fraction,
+/// feedback_available_fraction, feedback_used_fraction, reprompt_sample_fraction}`.
+pub fn plan_reprompts(
+    rewards: &[f64],
+    g: usize,
+    has_feedback: &[bool],
+    cfg: &SdpoSection,
+) -> (Vec<Reprompt>, BTreeMap<String, f64>) {
+    let n = rewards.len();
+    let g = g.max(1);
+    let ok = |j: usize| rewards[j] >= cfg.success_reward_threshold;
+    let mut plan = Vec::with_capacity(n);
+    let (mut groups_ok, mut with_solution, mut fb_avail, mut fb_used) = (0usize, 0, 0, 0);
+    for i in 0..n {
+        let group = (i / g) * g..((i / g) * g + g).min(n);
+        if i % g == 0 && group.clone().any(ok) {
+            groups_ok += 1;
+        }
+        let demo = match cfg.use_successful_as_teacher {
+            true => group
+                .clone()
+                .find(|&j| !(cfg.dont_reprompt_on_self_success && j == i) && ok(j)),
+            false => None,
+        };
+        let fb = has_feedback.get(i).copied().unwrap_or(false);
+        fb_avail += usize::from(fb);
+        let feedback = cfg.include_environment_feedback
+            && fb
+            && (!cfg.environment_feedback_only_without_solution || demo.is_none());
+        fb_used += usize::from(feedback);
+        with_solution += usize::from(demo.is_some());
+        plan.push(Reprompt { demo, feedback });
+    }
+    let total = n.max(1) as f64;
+    let groups = (n / g).max(1) as f64;
+    let active = plan.iter().filter(|p| p.active()).count() as f64;
+    let metrics = [
+        ("success_group_fraction", groups_ok as f64 / groups),
+        ("success_sample_fraction", with_solution as f64 / total),
+        ("feedback_available_fraction", fb_avail as f64 / total),
+        ("feedback_used_fraction", fb_used as f64 / total),
+        ("reprompt_sample_fraction", active / total),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("self_distillation/{k}"), v))
+    .collect();
+    (plan, metrics)
+}
+
+/// `text` without its `<think>…</think>` blocks (an unclosed one stays), trimmed: TRL's
+/// `remove_thinking_from_demonstration`.
+pub fn without_thinking(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(a) = rest.find("<think>") {
+        match rest[a..].find("</think>") {
+            Some(b) => {
+                out.push_str(&rest[..a]);
+                rest = &rest[a + b + "</think>".len()..];
+            }
+            None => break,
+        }
+    }
+    out.push_str(rest);
+    out.trim().to_string()
+}
+
+/// The reprompt of one completion: the solution and feedback texts in their templates, then
+/// the reprompt template around the prompt's text (a conversation: its last turn, which must
+/// be the user's; the turns before it are kept as they are).
+pub fn reprompt(
+    prompt: &Prompt,
+    solution: Option<&str>,
+    feedback: Option<&str>,
+    cfg: &SdpoSection,
+) -> Result<Prompt> {
+    let fill = |t: &str, key: &'static str, v: &str| -> Result<String> {
+        format_with(t, &|name| (name == key).then(|| v.to_string()))
+            .map_err(|e| anyhow::anyhow!("sdpo template: {e}"))
+    };
+    let solution = match solution {
+        Some(s) => fill(&cfg.solution_template, "successful_previous_attempt", s)?,
+        None => String::new(),
+    };
+    let feedback = match feedback {
+        Some(f) => fill(&cfg.feedback_template, "feedback_raw", f)?,
+        None => String::new(),
+    };
+    let text = |p: &str| -> Result<String> {
+        format_with(&cfg.reprompt_template, &|name| match name {
+            "prompt" => Some(p.to_string()),
+            "solution" => Some(solution.clone()),
+            "feedback" => Some(feedback.clone()),
+            _ => None,
+        })
+        .map_err(|e| anyhow::anyhow!("sdpo.reprompt_template: {e}"))
+    };
+    Ok(match prompt {
+        Prompt::Text(t) => Prompt::Text(text(t)?),
+        Prompt::Conversation(msgs) => {
+            let Some((last, before)) = msgs.split_last() else {
+                bail!("SDPO reprompts the prompt's last user turn; the conversation is empty");
+            };
+            if last.role != "user" {
+                bail!(
+                    "SDPO reprompts the prompt's last user turn, but the conversation ends with a `{}` turn",
+                    last.role
+                );
+            }
+            let mut turns = before.to_vec();
+            turns.push(grpo_data::Message::new("user", text(&last.content)?));
+            Prompt::Conversation(turns)
+        }
+    })
+}
+
+/// One micro-batch's values, read once the step's updates are done.
+struct Part {
+    /// The distillation loss per token over the micro-batch's context tokens (TRL's metric).
+    distill: Option<Tensor>,
+    /// The policy term (`distillation_weight` < 1).
+    policy: Option<Tensor>,
+    /// Σ entropy · mask and Σ mask.
+    entropy: (Tensor, Tensor),
+}
+
+impl Learner {
+    /// SDPO's teacher now: the policy (live), or the frozen / EMA copy setup made.
+    fn sdpo_teacher(&self) -> Result<Transformer> {
+        match self.cfg.sdpo.teacher_model_kind {
+            SdpoTeacher::Live => Ok(self.policy.model.detached()),
+            _ => self
+                .distillation_teacher
+                .clone()
+                .context("SDPO's teacher model is missing"),
+        }
+    }
+
+    /// The teacher context's tokens of every completion of `s` (a completion without one keeps
+    /// its own prompt: its loss is masked), cut to their last `sdpo.max_reprompt_len`.
+    fn teacher_prompts(&self, s: &Scored, plan: &[Reprompt]) -> Result<Vec<Vec<u32>>> {
+        let d = &self.cfg.sdpo;
+        let r = &s.rollouts;
+        let mut out = Vec::with_capacity(plan.len());
+        for (i, (c, p)) in r.completions.iter().zip(plan).enumerate() {
+            if !p.active() {
+                out.push(r.prompt_ids[c.prompt_index].clone());
+                continue;
+            }
+            let sample = &r.batch.samples[c.prompt_index];
+            let solution = match p.demo {
+                Some(j) => {
+                    let t = self.tokenizer.decode(&r.completions[j].token_ids, true)?;
+                    Some(match d.remove_thinking_from_demonstration {
+                        true => without_thinking(&t),
+                        false => t,
+                    })
+                }
+                None => None,
+            };
+            let feedback = match p.feedback {
+                true => sample.get_text(&d.feedback_field),
+                false => None,
+            };
+            let prompt = reprompt(&sample.prompt, solution.as_deref(), feedback.as_deref(), d)
+                .with_context(|| format!("SDPO teacher context of completion {i}"))?;
+            let (_, ids) = crate::stages::render_prompt(&self.tokenizer, &self.cfg, &prompt)?;
+            let keep = ids.len().min(d.max_reprompt_len);
+            out.push(ids[ids.len() - keep..].to_vec());
+        }
+        Ok(out)
+    }
+
+    /// One SDPO step over the scored completions `s`.
+    pub(crate) fn sdpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
+        let r = &s.rollouts;
+        if r.episodes.is_some() {
+            bail!("SDPO trains on single-turn completions, not environment episodes");
+        }
+        let d = self.cfg.sdpo.clone();
+        let n = r.completions.len();
+        let rewards = rewards_or_zero(&s.scores.rewards, n);
+        let has_feedback: Vec<bool> = r
+            .completions
+            .iter()
+            .map(|c| {
+                r.batch.samples[c.prompt_index]
+                    .get_text(&d.feedback_field)
+                    .is_some_and(|t| !t.trim().is_empty())
+            })
+            .collect();
+        let g = self.cfg.rollout.num_generations;
+        let (plan, ctx_metrics) = plan_reprompts(&rewards, g, &has_feedback, &d);
+        let teacher_prompts = match d.distillation_weight > 0.0 {
+            true => self.teacher_prompts(s, &plan)?,
+            false => Vec::new(),
+        };
+        let eos = self.tokenizer.eos_token_ids.clone();
+        let batch = StepBatch::new(
+            s,
+            &eos,
+            self.cfg.micro_batch(),
+            self.cfg.loss.mask_truncated_completions,
+        );
+        // TRL keeps old log-probs only when a generation feeds several optimizer updates.
+        let updates = self.cfg.updates_per_step();
+        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1;
+        let old: Vec<Option<Tensor>> = match need_old {
+            true => {
+                let frozen = self.policy.model.detached();
+                batch
+                    .chunks
+                    .iter()
+                    .map(|&(a, b)| {
+                        let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+                        Ok(Some(self.logps(&frozen, p, c, false)?.0.detach()))
+                    })
+                    .collect::<Result<_>>()?
+            }
+            false => vec![None; batch.chunks.len()],
+        };
+        let chunk_of: HashMap<(usize, usize), usize> = batch
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| (c, i))
+            .collect();
+        let mut parts: Vec<Part> = Vec::new();
+        let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
+            let ci = chunk_of[&c.range];
+            let ga = c.update.len().max(1) as f64;
+            let (loss, part) = l.sdpo_part(
+                s,
+                &batch,
+                c.range,
+                old[ci].as_ref(),
+                &plan,
+                &teacher_prompts,
+                ga,
+            )?;
+            parts.push(part);
+            Ok(loss)
+        })?;
+        self.state.step = r.batch.step + 1;
+        let mut m = Metrics::new();
+        m.insert("loss".into(), loss);
+        let mean_of = |v: Vec<Tensor>| -> Result<Option<f64>> {
+            if v.is_empty() {
+                return Ok(None);
+            }
+            let x: Vec<f64> = Tensor::cat(&v, 0)?.to_vec1()?;
+            Ok(Some(x.iter().sum::<f64>() / x.len() as f64))
+        };
+        let wide = |t: &Tensor| t.to_dtype(DType::F64)?.reshape(1);
+        let distill: Vec<Tensor> = parts
+            .iter()
+            .filter_map(|p| p.distill.as_ref().map(wide))
+            .collect::<candle_core::Result<_>>()?;
+        if let Some(v) = mean_of(distill)? {
+            m.insert("self_distillation/distillation_loss".into(), v);
+            m.insert("sdpo/distillation_loss".into(), v);
+        }
+        let policy: Vec<Tensor> = parts
+            .iter()
+            .filter_map(|p| p.policy.as_ref().map(wide))
+            .collect::<candle_core::Result<_>>()?;
+        if let Some(v) = mean_of(policy)? {
+            m.insert("self_distillation/policy_loss".into(), v);
+        }
+        let (mut es, mut ms) = (0.0, 0.0);
+        for p in &parts {
+            es += p.entropy.0.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            ms += p.entropy.1.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        }
+        if ms > 0.0 {
+            m.insert("entropy".into(), es / ms);
+        }
+        m.extend(ctx_metrics);
+        self.end_step(
+            s,
+            &batch,
+            &OffPolicyStats::default(),
+            (grad_norm, lr),
+            t0,
+            &mut m,
+        );
+        Ok(m)
+    }
+
+    /// Micro-batch `[a, b)`'s loss (with the policy's graph, divided by the update's `ga`
+    /// micro-batches, as TRL's `compute_loss`) and its metric values.
+    #[allow(clippy::too_many_arguments)]
+    fn sdpo_part(
+        &self,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        (a, b): (usize, usize),
+        old: Option<&Tensor>,
+        plan: &[Reprompt],
+        teacher_prompts: &[Vec<u32>],
+        ga: f64,
+    ) -> Result<(Tensor, Part)> {
+        let d = &self.cfg.sdpo;
+        let w = d.distillation_weight;
+        let temperature = self.cfg.rollout.temperature;
+        let pad = self.tokenizer.pad_token_id;
+        let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+        let model = &self.policy.model;
+        let divergence = match d.distillation_mode {
+            SdpoMode::SampledToken => None,
+            SdpoMode::FullLogits => Some(Divergence::Full {
+                beta: d.distillation_alpha,
+            }),
+            SdpoMode::TopkLogits => Some(Divergence::TopK {
+                k: d.distillation_topk.unwrap_or(1),
+                beta: d.distillation_alpha,
+                add_tail: d.distillation_add_tail,
+            }),
+        };
+        let teacher = match w > 0.0 {
+            true => Some(self.sdpo_teacher()?),
+            false => None,
+        };
+        let tp: Vec<&[u32]> = match w > 0.0 {
+            true => teacher_prompts[a..b].iter().map(Vec::as_slice).collect(),
+            false => Vec::new(),
+        };
+        // The student's log-probs (and, for the logit modes, its divergence from the teacher
+        // at the same rows) from one forward.
+        let aux = self.aux_collector(ga);
+        let (lp, ent, div, width) =
+            grpo_rollout::moe::recording(aux.clone(), || match (&teacher, divergence) {
+                (Some(t), Some(div)) => {
+                    let (ids, mask, width) = padded_batch(pad, p, c, &self.device)?;
+                    let (h, tg, shape) = model.completion_rows(&ids, &mask, width)?;
+                    let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
+                    let td = t.device().clone();
+                    let (tids, tmask, _) = padded_batch(pad, &tp, c, &td)?;
+                    let th = t.completion_hidden(&tids, &tmask, width)?.detach();
+                    let (dv, _) = model.distill_rows(&h, t, &th, div, temperature)?;
+                    Ok::<_, anyhow::Error>((lp, ent, Some(dv.reshape(shape)?), width))
+                }
+                _ => {
+                    let (lp, ent, width) = self.logps(model, p, c, true)?;
+                    Ok((lp, ent, None, width))
+                }
+            })?;
+        let mask = batch
+            .mask(a, b, width, &self.device)?
+            .to_dtype(lp.dtype())?;
+        let active: Vec<f32> = plan[a..b]
+            .iter()
+            .map(|x| f32::from(u8::from(x.active())))
+            .collect();
+        let active = Tensor::from_vec(active, (b - a, 1), &self.device)?.to_dtype(lp.dtype())?;
+        let loss_mask = mask.broadcast_mul(&active)?;
+        // Per completion: Σ x · m / max(Σ m, 1), averaged over the micro-batch.
+        let seq_mean = |x: &Tensor, m: &Tensor| -> Result<Tensor> {
+            let num = (x * m)?.sum(D::Minus1)?;
+            let den = m.sum(D::Minus1)?.maximum(1.0)?;
+            Ok((num / den)?.mean_all()?)
+        };
+        let token_mean = |x: &Tensor, m: &Tensor| -> Result<Tensor> {
+            Ok(((x * m)?.sum_all()? / m.sum_all()?.maximum(1.0)?)?)
+        };
+        let (distill, distill_metric) = match &teacher {
+            Some(t) => {
+                let per_token = match div {
+                    Some(dv) => dv.to_dtype(lp.dtype())?,
+                    None => {
+                        let tlp = self.logps(t, &tp, c, false)?.0.detach();
+                        let tlp = tlp.to_device(lp.device())?.to_dtype(lp.dtype())?;
+                        ((lp.detach() - tlp)? * &lp)?
+                    }
+                };
+                let per_token = match old {
+                    Some(o) if d.distillation_is_clip > 0.0 => {
+                        let ratio = (lp.detach() - o.to_dtype(lp.dtype())?)?
+                            .clamp(-20.0, 20.0)?
+                            .exp()?
+                            .minimum(d.distillation_is_clip)?;
+                        (per_token * ratio)?
+                    }
+                    _ => per_token,
+                };
+                let metric = token_mean(&per_token.detach(), &loss_mask)?;
+                (Some(seq_mean(&per_token, &loss_mask)?), Some(metric))
+            }
+            None => (None, None),
+        };
+        let policy = match w < 1.0 {
+            true => Some(self.sdpo_policy_loss(&lp, old, &mask, &s.advantages[a..b])?),
+            false => None,
+        };
+        let loss = match (&distill, &policy) {
+            (Some(dl), None) => dl.clone(),
+            (None, Some(pl)) => pl.clone(),
+            (Some(dl), Some(pl)) => ((pl * (1.0 - w))? + (dl * w)?)?,
+            (None, None) => bail!("SDPO: neither term is on"),
+        };
+        let loss = (loss / ga)?;
+        let loss = match &aux {
+            Some(col) => col.add_to(loss)?.0,
+            None => loss,
+        };
+        let entropy = match &ent {
+            Some(e) => ((e.detach() * &mask)?.sum_all()?, mask.sum_all()?),
+            None => {
+                let z = Tensor::zeros((), DType::F32, &self.device)?;
+                (z.clone(), z)
+            }
+        };
+        Ok((
+            loss,
+            Part {
+                distill: distill_metric,
+                policy: policy.as_ref().map(Tensor::detach),
+                entropy,
+            },
+        ))
+    }
+
+    /// TRL's SDPO policy term of one micro-batch: the clipped ratio against the old log-probs
+    /// (this pass's own, detached, when the step has none), token- or sequence-level, reduced
+    /// by `loss.loss_type` over the micro-batch (grpo: per completion then mean; bnpo and dapo:
+    /// per token; dr_grpo: over `B · max_completion_length`).
+    fn sdpo_policy_loss(
+        &self,
+        lp: &Tensor,
+        old: Option<&Tensor>,
+        mask: &Tensor,
+        advantages: &[f32],
+    ) -> Result<Tensor> {
+        let lc = self.cfg.loss_config();
+        let rows = lp.dim(0)?;
+        let old = match old {
+            Some(o) => o.to_dtype(lp.dtype())?,
+            None => lp.detach(),
+        };
+        let mut log_ratio = (lp - old)?;
+        if lc.importance_sampling_level == ImportanceSamplingLevel::Sequence {
+            let den = mask.sum_keepdim(D::Minus1)?.maximum(1.0)?;
+            log_ratio = (&log_ratio * mask)?
+                .sum_keepdim(D::Minus1)?
+                .broadcast_div(&den)?;
+        }
+        let adv = Tensor::from_slice(advantages, (rows, 1), lp.device())?.to_dtype(lp.dtype())?;
+        let c1 = log_ratio.exp()?;
+        let c2 = c1.clamp(1.0 - lc.epsilon_low, 1.0 + lc.epsilon_high)?;
+        let per_token = c1
+            .broadcast_mul(&adv)?
+            .minimum(&c2.broadcast_mul(&adv)?)?
+            .neg()?
+            .broadcast_as(mask.shape())?;
+        let summed = (&per_token * mask)?;
+        Ok(match lc.loss_type {
+            LossType::Grpo => {
+                (summed.sum(D::Minus1)? / mask.sum(D::Minus1)?.maximum(1.0)?)?.mean_all()?
+            }
+            LossType::DrGrpo => {
+                (summed.sum_all()? / (rows as f64 * lc.max_completion_length as f64))?
+            }
+            _ => (summed.sum_all()? / mask.sum_all()?.maximum(1.0)?)?,
+        })
+    }
+
+    /// After each optimizer update of an SDPO run with the EMA teacher: every
+    /// `sdpo.teacher_sync_steps` updates, `teacher ← (1 − r) · teacher + r · policy` (TRL's
+    /// `SyncTeacherModelCallback`), or with LoRA the same on the adapters, whose EMA started
+    /// at zero (TRL's `PEFTAdapterEMACallback`).
+    pub(crate) fn sdpo_after_update(&mut self) -> Result<()> {
+        let d = &self.cfg.sdpo;
+        if self.cfg.algorithm != crate::config::Algorithm::Sdpo
+            || d.teacher_model_kind != SdpoTeacher::Ema
+            || !self
+                .state
+                .optimizer_steps
+                .is_multiple_of(d.teacher_sync_steps)
+        {
+            return Ok(());
+        }
+        let rate = d.teacher_update_rate;
+        match (&self.policy.lora, self.sdpo_shadow.take()) {
+            (Some(cfg), Some(shadow)) => {
+                let now: HashMap<String, Tensor> =
+                    grpo_rollout::lora::factors(&self.policy.model, cfg)
+                        .into_iter()
+                        .collect();
+                let mut next = HashMap::with_capacity(shadow.len());
+                for (k, old) in shadow {
+                    let cur = now
+                        .get(&k)
+                        .with_context(|| format!("the policy has no adapter tensor `{k}`"))?;
+                    let v = ((&old * (1.0 - rate))? + (cur.detach() * rate)?)?;
+                    next.insert(k, v);
+                }
+                self.set_lora_teacher(next)?;
+            }
+            _ => {
+                let teacher = self
+                    .distillation_teacher
+                    .as_ref()
+                    .context("SDPO's EMA teacher is missing")?;
+                self.distillation_teacher =
+                    Some(super::step::ema_into(teacher, &self.policy, rate)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the LoRA EMA teacher the policy's base with the adapter tensors `shadow`.
+    pub(crate) fn set_lora_teacher(&mut self, shadow: HashMap<String, Tensor>) -> Result<()> {
+        let cfg = self
+            .policy
+            .lora
+            .as_ref()
+            .context("an adapter teacher needs a LoRA policy")?;
+        let mut t = self.policy.model.detached();
+        grpo_rollout::lora::set_factors(&mut t, cfg, &shadow)?;
+        self.distillation_teacher = Some(t);
+        self.sdpo_shadow = Some(shadow);
+        Ok(())
+    }
+
+    /// The EMA teacher's state for a checkpoint: its weights, or with LoRA its adapters.
+    pub(crate) fn sdpo_teacher_state(&self) -> Option<HashMap<String, Tensor>> {
+        if self.cfg.algorithm != crate::config::Algorithm::Sdpo
+            || self.cfg.sdpo.teacher_model_kind != SdpoTeacher::Ema
+        {
+            return None;
+        }
+        match (&self.sdpo_shadow, &self.distillation_teacher) {
+            (Some(s), _) => Some(s.clone()),
+            (None, Some(t)) => Some(t.weights().into_iter().collect()),
+            _ => None,
+        }
+    }
+
+    /// Restores [`Self::sdpo_teacher_state`] from a checkpoint's tensors.
+    pub(crate) fn restore_sdpo_teacher(&mut self, map: HashMap<String, Tensor>) -> Result<()> {
+        if self.sdpo_shadow.is_some() {
+            return self.set_lora_teacher(map);
+        }
+        let t = self
+            .distillation_teacher
+            .as_ref()
+            .context("SDPO's EMA teacher is missing")?;
+        self.distillation_teacher = Some(Transformer::from_weights_like(t, &map)?);
+        Ok(())
+    }
+}
+
+/// The LoRA EMA teacher's starting adapters, as TRL's `PEFTAdapterEMACallback` makes them:
+/// zeros (the teacher starts as the base model). DoRA magnitudes start at the policy's own
+/// (a zero magnitude would zero every adapted weight); a policy that trains anything besides
+/// its adapters (trained biases, trainable tokens) is refused, as TRL refuses an EMA
+/// teacher for it.
+pub(crate) fn lora_ema_start(
+    model: &Transformer,
+    cfg: &grpo_rollout::LoraConfig,
+) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for (k, t) in grpo_rollout::lora::factors(model, cfg) {
+        if !k.contains("lora_") {
+            bail!(
+                "`sdpo.teacher_model_kind = \"ema\"` with LoRA needs pure adapter training: \
+                 `{k}` is trained too (use `live` or `base`, or `lora.bias = \"none\"`)"
+            );
+        }
+        let v = match k.contains("lora_magnitude_vector") {
+            true => t.detach().copy()?,
+            false => t.detach().zeros_like()?,
+        };
+        out.insert(k, v);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> SdpoSection {
+        SdpoSection::default()
+    }
+
+    #[test]
+    fn templates_format_as_python_does() {
+        let f = |name: &str| match name {
+            "a" => Some("x"),
+            "b" => Some("{y}"),
+            _ => None,
+        };
+        assert_eq!(format_template("{a}-{b}!", &f).unwrap(), "x-{y}!");
+        assert_eq!(format_template("{{a}} {a}}}", &f).unwrap(), "{a} x}");
+        assert_eq!(format_template("plain", &f).unwrap(), "plain");
+        for (bad, want) in [
+            ("{c}", "unknown field `{c}`"),
+            ("{}", "unknown field `{}`"),
+            ("{a", "unclosed"),
+            ("a}", "single `}`"),
+        ] {
+            let e = format_template(bad, &f).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        // TRL's default reprompt of a text prompt with a solution and no feedback.
+        let p = reprompt(&Prompt::Text("Q?".into()), Some("42"), None, &cfg()).unwrap();
+        assert_eq!(
+            p,
+            Prompt::Text(
+                "Q?\nCorrect solution:\n\n42\n\n\n\nCorrectly solve the original question.\n"
+                    .into()
+            )
+        );
+    }
+
+    #[test]
+    fn a_conversation_reprompts_its_last_user_turn() {
+        let sys = grpo_data::Message::new("system", "Be brief.");
+        let user = grpo_data::Message::new("user", "Q?");
+        let mut c = cfg();
+        c.reprompt_template = "{prompt}|{solution}|{feedback}".into();
+        c.feedback_template = "F:{feedback_raw}".into();
+        let p = Prompt::Conversation(vec![sys.clone(), user]);
+        let got = reprompt(&p, None, Some("wrong sign"), &c).unwrap();
+        assert_eq!(
+            got,
+            Prompt::Conversation(vec![
+                sys.clone(),
+                grpo_data::Message::new("user", "Q?||F:wrong sign")
+            ])
+        );
+        let ends_with_assistant =
+            Prompt::Conversation(vec![sys, grpo_data::Message::new("assistant", "A")]);
+        let e = reprompt(&ends_with_assistant, Some("x"), None, &c).unwrap_err();
+        assert!(
+            e.to_string().contains("ends with a `assistant` turn"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn thinking_blocks_leave_the_demonstration() {
+        assert_eq!(
+            without_thinking(" <think>a\nb</think> 42 <think>c</think>!"),
+            "42 !"
+        );
+        assert_eq!(without_thinking("x <think>open"), "x <think>open");
+    }
+
+    #[test]
+    fn the_plan_picks_the_first_successful_sibling_as_trl() {
+        // Two groups of 3: group 0 has successes at 1 and 2; group 1 none.
+        let rewards = [0.0, 1.0, 1.5, 0.2, 0.9, f64::NAN];
+        let fb = [false, false, false, true, false, true];
+        let (plan, m) = plan_reprompts(&rewards, 3, &fb, &cfg());
+        let demos: Vec<Option<usize>> = plan.iter().map(|p| p.demo).collect();
+        assert_eq!(demos, [Some(1), Some(2), Some(1), None, None, None]);
+        assert!(
+            plan.iter().all(|p| !p.feedback),
+            "feedback is off by default"
+        );
+        assert_eq!(m["self_distillation/success_group_fraction"], 0.5);
+        assert_eq!(m["self_distillation/success_sample_fraction"], 0.5);
+        assert_eq!(
+            m["self_distillation/feedback_available_fraction"],
+            2.0 / 6.0
+        );
+        assert_eq!(m["self_distillation/feedback_used_fraction"], 0.0);
+        assert_eq!(m["self_distillation/reprompt_sample_fraction"], 0.5);
+        // A completion may be its own demonstration; feedback only without a solution.
+        let mut c = cfg();
+        c.dont_reprompt_on_self_success = false;
+        c.include_environment_feedback = true;
+        c.environment_feedback_only_without_solution = true;
+        let fb = [true, true, false, true, false, false];
+        let (plan, m) = plan_reprompts(&rewards, 3, &fb, &c);
+        let got: Vec<(Option<usize>, bool)> = plan.iter().map(|p| (p.demo, p.feedback)).collect();
+        assert_eq!(
+            got,
+            [
+                (Some(1), false),
+                (Some(1), false),
+                (Some(1), false),
+                (None, true),
+                (None, false),
+                (None, false)
+            ]
+        );
+        assert_eq!(m["self_distillation/feedback_used_fraction"], 1.0 / 6.0);
+        assert_eq!(m["self_distillation/reprompt_sample_fraction"], 4.0 / 6.0);
+        // Without successful demonstrations only feedback reprompts.
+        c.use_successful_as_teacher = false;
+        let (plan, m) = plan_reprompts(&rewards, 3, &fb, &c);
+        assert!(plan.iter().all(|p| p.demo.is_none()));
+        assert_eq!(
+            m["self_distillation/success_group_fraction"], 0.5,
+            "still counted"
+        );
+        assert_eq!(plan.iter().filter(|p| p.feedback).count(), 3);
+    }
+}
