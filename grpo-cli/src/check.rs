@@ -497,8 +497,28 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             device_name(device)
         ),
         (|| {
-            let a = distill_check(&cpu.model, &wide_cpu.model, &rows_ids)?;
-            let b = distill_check(&dev.model, &wide_dev.model, &rows_ids)?;
+            let a = distill_check(&cpu.model, &wide_cpu.model, &rows_ids, 0.5.into())?;
+            let b = distill_check(&dev.model, &wide_dev.model, &rows_ids, 0.5.into())?;
+            Ok((
+                (a.0 - b.0).abs().max((a.1 - b.1).abs() / a.1.max(1e-6)),
+                tol,
+            ))
+        })(),
+    );
+    // SDPO's top-k divergence: the student's top 8 (k arg-max passes), with a tail bucket.
+    push(
+        format!(
+            "SDPO top-k divergence (k 8, tail bucket) and its gradient norm on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let topk = grpo_core::distill::Divergence::TopK {
+                k: 8,
+                beta: 0.5,
+                add_tail: true,
+            };
+            let a = distill_check(&cpu.model, &wide_cpu.model, &rows_ids, topk)?;
+            let b = distill_check(&dev.model, &wide_dev.model, &rows_ids, topk)?;
             Ok((
                 (a.0 - b.0).abs().max((a.1 - b.1).abs() / a.1.max(1e-6)),
                 tol,
@@ -1002,12 +1022,13 @@ fn blocks_diff(base: &Transformer, rows: &[Vec<u32>], ckpt: bool) -> Result<f64>
     Ok(worst)
 }
 
-/// The mean distillation divergence of `student` from `teacher` over `rows` (every token after
-/// the first) and the norm of its gradient over the student's weights.
+/// The mean distillation divergence `div` of `student` from `teacher` over `rows` (every token
+/// after the first) and the norm of its gradient over the student's weights.
 fn distill_check(
     student: &Transformer,
     teacher: &Transformer,
     rows: &[Vec<u32>],
+    div: grpo_core::distill::Divergence,
 ) -> Result<(f64, f64)> {
     let s = TrainableModel::full(student)?;
     let (ids, mask) = padded(rows, student.device())?;
@@ -1015,7 +1036,7 @@ fn distill_check(
     let h = s.model.completion_hidden(&ids, &mask, t)?;
     let td = teacher.device();
     let th = teacher.completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, t)?;
-    let (div, _) = s.model.distill_rows(&h, teacher, &th, 0.5, 1.0)?;
+    let (div, _) = s.model.distill_rows(&h, teacher, &th, div, 1.0)?;
     let loss = div.mean_all()?;
     let grads = s.model.backward(&loss)?;
     let norm = grad_norm(&s, &grads)?;

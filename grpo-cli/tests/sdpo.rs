@@ -113,17 +113,19 @@ fn fit(cfg: TrainConfig, opts: Option<RunOptions>) -> trainer::TrainingResult {
     trainer::run(s, &opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
 
-/// Per-token self-distillation values of one completion after `prompt` (student) and
-/// `teacher_prompt` (the same model, reprompted), computed from the model's logits.
-fn per_token(
-    model: &grpo_rollout::Transformer,
+/// Per-token values of one completion after `prompt` (under `student`) and `teacher_prompt`
+/// (under `teacher`), from the models' logits: the divergence `mode`, or without one the gap
+/// `log π − log π_T` of the sampled tokens.
+fn per_token_pair(
+    student: &grpo_rollout::Transformer,
+    teacher: &grpo_rollout::Transformer,
     prompt: &[u32],
     teacher_prompt: &[u32],
     completion: &[u32],
     mode: Option<Divergence>,
 ) -> Vec<f64> {
     let dev = Device::Cpu;
-    let rows = |p: &[u32]| {
+    let rows = |model: &grpo_rollout::Transformer, p: &[u32]| {
         let ids: Vec<u32> = p.iter().chain(completion).copied().collect();
         let n = ids.len();
         let ids = Tensor::from_vec(ids, (1, n), &dev).unwrap();
@@ -133,7 +135,7 @@ fn per_token(
             .unwrap();
         model.logits(&h).unwrap().to_dtype(DType::F64).unwrap()
     };
-    let (zs, zt) = (rows(prompt), rows(teacher_prompt));
+    let (zs, zt) = (rows(student, prompt), rows(teacher, teacher_prompt));
     match mode {
         Some(d) => d.of(&zs, &zt, 1.0).unwrap().to_vec1().unwrap(),
         None => {
@@ -151,13 +153,35 @@ fn per_token(
             completion
                 .iter()
                 .enumerate()
-                .map(|(t, &tok)| {
-                    let (a, b) = (ls[t][tok as usize], lt[t][tok as usize]);
-                    (a - b) * a
-                })
+                .map(|(t, &tok)| ls[t][tok as usize] - lt[t][tok as usize])
                 .collect()
         }
     }
+}
+
+/// The self-distillation values the loss averages: the divergence `mode`, or the sampled-token
+/// term `sg(log π − log π_T) · log π` (the same model both sides: the live teacher at step 0).
+fn per_token(
+    model: &grpo_rollout::Transformer,
+    prompt: &[u32],
+    teacher_prompt: &[u32],
+    completion: &[u32],
+    mode: Option<Divergence>,
+) -> Vec<f64> {
+    let v = per_token_pair(model, model, prompt, teacher_prompt, completion, mode);
+    if mode.is_some() {
+        return v;
+    }
+    // The student's own log-probs of the sampled tokens.
+    let ids: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+    let n = ids.len();
+    let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
+    let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
+    let (lp, _) = model
+        .completion_logprobs(&ids, &mask, completion.len(), 1.0, false)
+        .unwrap();
+    let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+    v.iter().zip(lp).map(|(g, l)| g * f64::from(l)).collect()
 }
 
 /// The first step of a live-teacher run: its loss against the direct computation, and the
@@ -513,4 +537,92 @@ fn old_log_probs_clip_the_distillation_weights() {
         None,
     );
     assert!((one.metrics[0]["loss"] - plain.metrics[0]["loss"]).abs() < 1e-12);
+}
+
+/// One update moves the policy toward the fixed `base` teacher: on the step's own completions
+/// (those with a context) the objective each mode's gradient descends falls — for
+/// `sampled_token` `½ (log π − log π_T)²` (its gradient is `(log π − log π_T) ∇ log π`), for the
+/// logit modes their divergence.
+#[test]
+fn an_update_moves_the_policy_toward_the_teacher() {
+    for (extra, mode) in [
+        ("", None),
+        (
+            "distillation_mode = \"full_logits\"\ndistillation_alpha = 0.0",
+            Some(Divergence::Full { beta: 0.0 }),
+        ),
+        (
+            "distillation_mode = \"topk_logits\"\ndistillation_topk = 4",
+            Some(Divergence::TopK {
+                k: 4,
+                beta: 1.0,
+                add_tail: false,
+            }),
+        ),
+    ] {
+        let f = fixture();
+        let mut cfg = load(
+            &f.root,
+            "toward",
+            1,
+            &format!("teacher_model_kind = \"base\"\ninclude_environment_feedback = true\n{extra}"),
+        );
+        cfg.optim.learning_rate = Some(1e-5);
+        let s = setup_with(cfg, parity);
+        let dir = f.root.join("toward");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut learner = Learner::new(&s, &dir).unwrap();
+        let batch = Loader::new(&s, 0, None)
+            .unwrap()
+            .process()
+            .unwrap()
+            .unwrap();
+        let r = Generator::new(&s, learner.publish().unwrap(), 0)
+            .process(batch)
+            .unwrap();
+        let sc = Scorer::new(&s).process(r).unwrap();
+        let teacher = s.policy.model.snapshot().unwrap();
+        let tok = &s.tokenizer;
+        let objective = |model: &grpo_rollout::Transformer| -> f64 {
+            let r = &sc.rollouts;
+            let (mut sum, mut n) = (0.0, 0.0);
+            for (i, c) in r.completions.iter().enumerate() {
+                let sample = &r.batch.samples[c.prompt_index];
+                let group = (i / 4) * 4..(i / 4) * 4 + 4;
+                let demo = group
+                    .clone()
+                    .find(|&j| j != i && sc.scores.rewards[j] >= 1.0);
+                let feedback = sample.get_text("privileged_context");
+                if demo.is_none() && feedback.is_none() {
+                    continue;
+                }
+                let mut text = sample.prompt.text();
+                if let Some(j) = demo {
+                    let d = tok.decode(&r.completions[j].token_ids, true).unwrap();
+                    text += &format!("{SOLUTION}{d}\n\n");
+                }
+                if let Some(fb) = feedback {
+                    text += &format!("{FEEDBACK}{fb}\n\n");
+                }
+                text += TAIL;
+                let tp = tok.encode(&text, true).unwrap();
+                let p = &r.prompt_ids[c.prompt_index];
+                let v: Vec<f64> = match mode {
+                    Some(_) => per_token_pair(model, &teacher, p, &tp, &c.token_ids, mode),
+                    None => per_token_pair(model, &teacher, p, &tp, &c.token_ids, None)
+                        .into_iter()
+                        .map(|g| 0.5 * g * g)
+                        .collect(),
+                };
+                sum += v.iter().sum::<f64>();
+                n += v.len() as f64;
+            }
+            sum / n
+        };
+        let before = objective(&teacher);
+        learner.process(&sc).unwrap();
+        let after = objective(&learner.policy().model.detached());
+        eprintln!("{extra:?}: {before} -> {after}");
+        assert!(after < before * 0.99, "{extra:?}: {before} -> {after}");
+    }
 }

@@ -26,29 +26,15 @@ pub fn generalized_jsd(
     beta: f64,
     temperature: f64,
 ) -> Result<Tensor> {
-    if student_logits.dims() != teacher_logits.dims() || student_logits.rank() != 2 {
-        candle_core::bail!(
-            "generalized_jsd: student logits {:?} and teacher logits {:?}, expected two (N, V)",
-            student_logits.dims(),
-            teacher_logits.dims()
-        );
-    }
-    if !((0.0..=1.0).contains(&beta) && temperature > 0.0 && temperature.is_finite()) {
-        candle_core::bail!(
-            "generalized_jsd: beta {beta} must be in [0, 1], temperature {temperature} > 0"
-        );
-    }
-    let dtype = match student_logits.dtype() {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    };
-    let log_softmax = |z: &Tensor| -> Result<Tensor> {
-        let z = (z.to_dtype(dtype)? / temperature)?;
-        let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
-        z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)
-    };
-    let ls = log_softmax(student_logits)?;
-    let lt = log_softmax(&teacher_logits.detach())?;
+    check_pair(
+        "generalized_jsd",
+        student_logits,
+        teacher_logits,
+        beta,
+        temperature,
+    )?;
+    let ls = log_softmax(student_logits, temperature)?;
+    let lt = log_softmax(&teacher_logits.detach(), temperature)?;
     // Σ_v p_a (log p_a − log p_b): KL(p_a ‖ p_b) per row.
     let kl =
         |la: &Tensor, lb: &Tensor| -> Result<Tensor> { (la.exp()? * (la - lb)?)?.sum(D::Minus1) };
@@ -164,28 +150,16 @@ pub fn topk_divergence(
     add_tail: bool,
     temperature: f64,
 ) -> Result<Tensor> {
-    if student_logits.dims() != teacher_logits.dims() || student_logits.rank() != 2 {
-        candle_core::bail!(
-            "topk_divergence: student logits {:?} and teacher logits {:?}, expected two (N, V)",
-            student_logits.dims(),
-            teacher_logits.dims()
-        );
-    }
-    if !(temperature > 0.0 && temperature.is_finite()) {
-        candle_core::bail!("topk_divergence: temperature {temperature} must be > 0");
-    }
-    let dtype = match student_logits.dtype() {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    };
-    let log_softmax = |z: &Tensor| -> Result<Tensor> {
-        let z = (z.to_dtype(dtype)? / temperature)?;
-        let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
-        z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)
-    };
+    check_pair(
+        "topk_divergence",
+        student_logits,
+        teacher_logits,
+        beta,
+        temperature,
+    )?;
     let idx = topk_indices(student_logits, k)?;
-    let ls = log_softmax(student_logits)?.gather(&idx, D::Minus1)?;
-    let lt = log_softmax(&teacher_logits.detach())?.gather(&idx, D::Minus1)?;
+    let ls = log_softmax(student_logits, temperature)?.gather(&idx, D::Minus1)?;
+    let lt = log_softmax(&teacher_logits.detach(), temperature)?.gather(&idx, D::Minus1)?;
     let (ls, lt) = match add_tail {
         true => (with_tail(&ls)?, with_tail(&lt)?),
         false => (ls, lt),
@@ -211,4 +185,30 @@ fn with_tail(log_probs: &Tensor) -> Result<Tensor> {
     // log(1 − e^s) = log(−expm1(s)); in f64 the cancellation costs ~1e−9 relative at s = −1e−7.
     let tail = (lse.exp()?.affine(-1.0, 1.0)?).log()?;
     Tensor::cat(&[wide, tail], D::Minus1)?.to_dtype(dt)
+}
+
+/// Two `(N, V)` logits of one shape, `β` in `[0, 1]`, a positive temperature.
+fn check_pair(what: &str, s: &Tensor, t: &Tensor, beta: f64, temperature: f64) -> Result<()> {
+    if s.dims() != t.dims() || s.rank() != 2 {
+        candle_core::bail!(
+            "{what}: student logits {:?} and teacher logits {:?}, expected two (N, V)",
+            s.dims(),
+            t.dims()
+        );
+    }
+    if !((0.0..=1.0).contains(&beta) && temperature > 0.0 && temperature.is_finite()) {
+        candle_core::bail!("{what}: beta {beta} must be in [0, 1], temperature {temperature} > 0");
+    }
+    Ok(())
+}
+
+/// `log_softmax(z / temperature)` over the last dimension, in f32 (f64 for f64 input).
+fn log_softmax(z: &Tensor, temperature: f64) -> Result<Tensor> {
+    let dtype = match z.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let z = (z.to_dtype(dtype)? / temperature)?;
+    let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
+    z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
