@@ -63,7 +63,7 @@ enum Command {
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
     /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
-    /// "gkd" | "sdpo"` in the config runs that instead.
+    /// "gkd" | "sdpo" | "sdft"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -90,6 +90,9 @@ enum Command {
     /// Self-distillation policy optimisation (the config's `[sdpo]`, TRL's SDPOTrainer): the
     /// policy learns toward itself shown a successful sibling completion or the row's feedback.
     Sdpo(train_cmd::TrainArgs),
+    /// Self-distillation fine-tuning (the config's `[sdft]`, TRL's SDFTTrainer): the policy
+    /// learns toward itself shown each row's privileged context; no rewards.
+    Sdft(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -123,6 +126,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Tpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("tpo"))?)),
         Some(Command::A2po(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("a2po"))?)),
         Some(Command::Sdpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdpo"))?)),
+        Some(Command::Sdft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdft"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
         }
@@ -209,6 +213,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::OnlineDpo(_)
             | Command::A2po(_)
             | Command::Sdpo(_)
+            | Command::Sdft(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -473,7 +473,10 @@ fn trls_defaults_the_refusals_and_the_subcommand() {
         ),
         ("reference.beta=0.1", "leave `reference.beta` at 0"),
         ("loss.loss_type=\"cispo\"", "SDPO's policy term takes"),
-        ("loss.drop_zero_std_groups=true", "SDPO distils every group"),
+        (
+            "loss.drop_zero_std_groups=true",
+            "SDPO distils every completion",
+        ),
     ] {
         let set = match set {
             "loss.loss_type=\"cispo\"" => {

@@ -716,10 +716,10 @@ fn online_dpo_config_trains_on_ranked_pairs() {
 }
 
 /// `configs/gkd.toml` (teacher samples on its off-policy steps), `configs/a2po.toml` (stage 1
-/// over the prompts, then the regression) and `configs/sdpo.toml` train on the arithmetic
-/// fixture.
+/// over the prompts, then the regression), `configs/sdft.toml` and `configs/sdpo.toml` train on
+/// the arithmetic fixture.
 #[test]
-fn gkd_a2po_and_sdpo_configs_train() {
+fn gkd_a2po_and_self_distillation_configs_train() {
     let dir = tempfile::tempdir().unwrap();
     let (model, data) = fixture(dir.path());
     let teacher = dir.path().join("teacher");
@@ -752,6 +752,15 @@ fn gkd_a2po_and_sdpo_configs_train() {
     assert_eq!(r.total_steps, 3);
     for m in &r.metrics {
         assert!(m["loss"].is_finite() && m["v_star"].is_finite(), "{m:?}");
+    }
+    let cfg = load_example("sdft.toml", dir.path(), "sdft", (&model, &data), 3, &[]);
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Sdft);
+    let r = run_setup(trainer::setup(cfg).unwrap());
+    for m in &r.metrics {
+        assert!(
+            m["loss"].is_finite() && m.contains_key("sdft/distillation_loss"),
+            "{m:?}"
+        );
     }
     let cfg = load_example("sdpo.toml", dir.path(), "sdpo", (&model, &data), 3, &[]);
     assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Sdpo);

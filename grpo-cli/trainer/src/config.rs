@@ -76,11 +76,15 @@ pub enum Algorithm {
     /// shown a successful sibling completion (or the row's feedback) scores the same tokens,
     /// and the policy learns toward it, optionally blended with GRPO's loss (`[sdpo]`).
     Sdpo,
+    /// Self-distillation fine-tuning (TRL's experimental SDFTTrainer): the policy samples; the
+    /// policy itself shown each row's privileged context (`[sdft]`) scores the same tokens, and
+    /// the policy learns toward it. No rewards.
+    Sdft,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 14] = [
+    pub const ALL: [Algorithm; 15] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -95,6 +99,7 @@ impl Algorithm {
         Algorithm::Tpo,
         Algorithm::A2po,
         Algorithm::Sdpo,
+        Algorithm::Sdft,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -109,6 +114,7 @@ impl Algorithm {
                 | Algorithm::Gkd
                 | Algorithm::A2po
                 | Algorithm::Sdpo
+                | Algorithm::Sdft
         )
     }
 
@@ -132,12 +138,12 @@ impl Algorithm {
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
     /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
-    /// A2POConfig and SDPOConfig 5e-5 (TrainingArguments'), the others
+    /// A2POConfig, SDPOConfig and SDFTConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Sft | Self::Gkd => 2e-5,
-            Self::A2po | Self::Sdpo => 5e-5,
+            Self::A2po | Self::Sdpo | Self::Sdft => 5e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo | Self::Tpo => 5e-7,
             _ => 1e-6,
@@ -161,6 +167,7 @@ impl Algorithm {
             Self::Tpo => "tpo",
             Self::A2po => "a2po",
             Self::Sdpo => "sdpo",
+            Self::Sdft => "sdft",
         }
     }
 
@@ -179,7 +186,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sdpo, sft, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo"
                 )
             })
     }
@@ -279,6 +286,8 @@ pub struct TrainConfig {
     pub a2po: A2poSection,
     /// Self-distillation policy optimisation (`algorithm = "sdpo"`, TRL's SDPOConfig).
     pub sdpo: SdpoSection,
+    /// Self-distillation fine-tuning (`algorithm = "sdft"`, TRL's SDFTConfig).
+    pub sdft: SdftSection,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -789,6 +798,87 @@ impl Default for SdpoSection {
     }
 }
 
+/// `[sdft]`: TRL's experimental SDFTTrainer (self-distillation fine-tuning, "Self-Distillation
+/// Enables Continual Learning"). The policy samples completions; the teacher — the policy
+/// itself shown each row's privileged context in `teacher_prompt_template` — scores the same
+/// tokens, and the policy, after the plain prompt, learns toward it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SdftSection {
+    /// The divergence's interpolation (default 0.5): 0 forward KL, 1 reverse KL, between the
+    /// generalized JSD.
+    pub distillation_alpha: f64,
+    /// `topk_logits` (default), `full_logits` or `sampled_token` (reverse KL only).
+    pub distillation_mode: SdpoMode,
+    /// The support of `topk_logits` (default 100).
+    pub distillation_topk: Option<usize>,
+    /// The importance clip of the distillation term with old log-probs; 0 turns it off.
+    /// Default 2.
+    pub distillation_is_clip: f64,
+    /// `topk_logits`: a bucket for the mass outside the support (default false).
+    pub distillation_add_tail: bool,
+    /// The first this many completion tokens carry no loss (default 0).
+    pub num_loss_tokens_to_skip: usize,
+    /// `base` (default: the policy as it started), `live` or `ema`.
+    pub teacher_model_kind: SdpoTeacher,
+    /// The EMA's rate (default 0.05; 1 resyncs the teacher every `teacher_sync_steps`).
+    pub teacher_update_rate: f64,
+    /// Optimizer updates between EMA updates (default 1).
+    pub teacher_sync_steps: usize,
+    /// Sample from the teacher's prompt (the privileged context shown) instead of the plain one
+    /// (default false).
+    pub generate_from_teacher: bool,
+    /// The teacher's prompt: `{prompt}` (the user's last message, or the text prompt) and
+    /// `{privileged_context}`, both required (Python `str.format` fields).
+    pub teacher_prompt_template: String,
+    /// The dataset column of each row's privileged context (TRL's `privileged_context`).
+    pub privileged_context_field: String,
+}
+
+impl Default for SdftSection {
+    fn default() -> Self {
+        Self {
+            distillation_alpha: 0.5,
+            distillation_mode: SdpoMode::TopkLogits,
+            distillation_topk: Some(100),
+            distillation_is_clip: 2.0,
+            distillation_add_tail: false,
+            num_loss_tokens_to_skip: 0,
+            teacher_model_kind: SdpoTeacher::Base,
+            teacher_update_rate: 0.05,
+            teacher_sync_steps: 1,
+            generate_from_teacher: false,
+            teacher_prompt_template: "{prompt}\n\n{privileged_context}".into(),
+            privileged_context_field: "privileged_context".into(),
+        }
+    }
+}
+
+/// The self-distillation settings an SDPO or SDFT run trains with (its section's keys).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SelfDistill {
+    /// The divergence (see [`SdpoMode`]).
+    pub mode: SdpoMode,
+    /// Its interpolation.
+    pub alpha: f64,
+    /// The top-k support.
+    pub topk: Option<usize>,
+    /// The importance clip (0: off).
+    pub is_clip: f64,
+    /// The top-k tail bucket.
+    pub add_tail: bool,
+    /// Which weights teach.
+    pub teacher: SdpoTeacher,
+    /// The EMA's rate.
+    pub update_rate: f64,
+    /// Optimizer updates between EMA updates.
+    pub sync_steps: usize,
+    /// The self-distillation term's weight (SDFT: 1).
+    pub weight: f64,
+    /// Completion tokens without loss at the start (SDPO: 0).
+    pub skip: usize,
+}
+
 /// TPO's `loss_type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum TpoLoss {
@@ -1066,6 +1156,7 @@ impl Default for TrainConfig {
             tpo: TpoSection::default(),
             a2po: A2poSection::default(),
             sdpo: SdpoSection::default(),
+            sdft: SdftSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -2031,7 +2122,7 @@ impl TrainConfig {
         // Distillation trains on each completion alone (TRL samples one per prompt).
         if r.num_generations < 2
             && !self.algorithm.is_distillation()
-            && self.algorithm != Algorithm::A2po
+            && !matches!(self.algorithm, Algorithm::A2po | Algorithm::Sdft)
         {
             return Err(format!(
                 "`rollout.num_generations` must be >= 2 (a group needs two completions to compare), got {}",
@@ -2202,6 +2293,9 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Sdpo {
             self.check_sdpo()?;
+        }
+        if self.algorithm == Algorithm::Sdft {
+            self.check_sdft()?;
         }
         if self.algorithm == Algorithm::A2po {
             let a = &self.a2po;
@@ -2568,8 +2662,130 @@ impl TrainConfig {
         }
     }
 
+    /// The self-distillation settings of an SDPO or SDFT run (`None` for the others).
+    pub fn self_distill(&self) -> Option<SelfDistill> {
+        match self.algorithm {
+            Algorithm::Sdpo => {
+                let d = &self.sdpo;
+                Some(SelfDistill {
+                    mode: d.distillation_mode,
+                    alpha: d.distillation_alpha,
+                    topk: d.distillation_topk,
+                    is_clip: d.distillation_is_clip,
+                    add_tail: d.distillation_add_tail,
+                    teacher: d.teacher_model_kind,
+                    update_rate: d.teacher_update_rate,
+                    sync_steps: d.teacher_sync_steps,
+                    weight: d.distillation_weight,
+                    skip: 0,
+                })
+            }
+            Algorithm::Sdft => {
+                let d = &self.sdft;
+                Some(SelfDistill {
+                    mode: d.distillation_mode,
+                    alpha: d.distillation_alpha,
+                    topk: d.distillation_topk,
+                    is_clip: d.distillation_is_clip,
+                    add_tail: d.distillation_add_tail,
+                    teacher: d.teacher_model_kind,
+                    update_rate: d.teacher_update_rate,
+                    sync_steps: d.teacher_sync_steps,
+                    weight: 1.0,
+                    skip: d.num_loss_tokens_to_skip,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The divergence and teacher settings SDPO and SDFT share, under `section`'s name.
+    fn check_self_distill(&self, section: &str) -> std::result::Result<(), String> {
+        let Some(d) = self.self_distill() else {
+            return Ok(());
+        };
+        if !(0.0..=1.0).contains(&d.alpha) {
+            return Err(format!(
+                "`{section}.distillation_alpha` must be in [0, 1], got {}",
+                d.alpha
+            ));
+        }
+        match (d.mode, d.topk) {
+            (SdpoMode::SampledToken, _) if d.alpha != 1.0 => {
+                return Err(format!(
+                    "`{section}.distillation_mode = \"sampled_token\"` is the reverse KL only: \
+                     `{section}.distillation_alpha` must be 1, got {}",
+                    d.alpha
+                ));
+            }
+            (SdpoMode::TopkLogits, None | Some(0)) => {
+                return Err(format!(
+                    "`{section}.distillation_mode = \"topk_logits\"` needs \
+                     `{section}.distillation_topk` >= 1"
+                ));
+            }
+            _ => {}
+        }
+        if !(d.is_clip >= 0.0 && d.is_clip.is_finite()) {
+            return Err(format!(
+                "`{section}.distillation_is_clip` must be >= 0 (0: off), got {}",
+                d.is_clip
+            ));
+        }
+        if !(d.update_rate > 0.0 && d.update_rate <= 1.0) {
+            return Err(format!(
+                "`{section}.teacher_update_rate` must be in (0, 1], got {}",
+                d.update_rate
+            ));
+        }
+        if d.sync_steps == 0 {
+            return Err(format!("`{section}.teacher_sync_steps` must be >= 1"));
+        }
+        let name = section.to_uppercase();
+        if self.reference.beta != 0.0 {
+            return Err(format!(
+                "{name}'s loss has no KL term (TRL's {name} reads no `beta`): leave \
+                 `reference.beta` at 0"
+            ));
+        }
+        if self.teacher.is_some() || self.environment.kind.is_some() {
+            return Err(format!(
+                "{name} trains on single-turn completions: `[teacher]` and `[environment]` are \
+                 not supported with it"
+            ));
+        }
+        if self.loss.drop_zero_std_groups {
+            return Err(format!(
+                "`loss.drop_zero_std_groups` drops groups by their rewards; {name} distils \
+                 every completion"
+            ));
+        }
+        Ok(())
+    }
+
+    /// `[sdft]`'s settings (TRL's `SDFTConfig.__post_init__`).
+    fn check_sdft(&self) -> std::result::Result<(), String> {
+        self.check_self_distill("sdft")?;
+        let t = &self.sdft.teacher_prompt_template;
+        crate::learner::sdpo::format_template(t, &|name| {
+            ["prompt", "privileged_context"]
+                .contains(&name)
+                .then_some("")
+        })
+        .map_err(|e| format!("`sdft.teacher_prompt_template`: {e}"))?;
+        if !(t.contains("{prompt}") && t.contains("{privileged_context}")) {
+            return Err(
+                "`sdft.teacher_prompt_template` must contain both `{prompt}` and \
+                 `{privileged_context}`"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
     /// `[sdpo]`'s settings (TRL's `SDPOConfig.__post_init__` and the trainer's refusals).
     fn check_sdpo(&self) -> std::result::Result<(), String> {
+        self.check_self_distill("sdpo")?;
         let d = &self.sdpo;
         if !(0.0..=1.0).contains(&d.distillation_weight) {
             return Err(format!(
@@ -2577,46 +2793,10 @@ impl TrainConfig {
                 d.distillation_weight
             ));
         }
-        if !(0.0..=1.0).contains(&d.distillation_alpha) {
-            return Err(format!(
-                "`sdpo.distillation_alpha` must be in [0, 1], got {}",
-                d.distillation_alpha
-            ));
-        }
-        match (d.distillation_mode, d.distillation_topk) {
-            (SdpoMode::SampledToken, _) if d.distillation_alpha != 1.0 => {
-                return Err(format!(
-                    "`sdpo.distillation_mode = \"sampled_token\"` is the reverse KL only: \
-                     `sdpo.distillation_alpha` must be 1, got {}",
-                    d.distillation_alpha
-                ));
-            }
-            (SdpoMode::TopkLogits, None | Some(0)) => {
-                return Err("`sdpo.distillation_mode = \"topk_logits\"` needs \
-                            `sdpo.distillation_topk` >= 1"
-                    .into());
-            }
-            (SdpoMode::SampledToken | SdpoMode::FullLogits, Some(_)) => {
-                return Err("`sdpo.distillation_topk` is read by `distillation_mode = \
-                            \"topk_logits\"` only; leave it out"
-                    .into());
-            }
-            _ => {}
-        }
-        if !(d.distillation_is_clip >= 0.0 && d.distillation_is_clip.is_finite()) {
-            return Err(format!(
-                "`sdpo.distillation_is_clip` must be >= 0 (0: off), got {}",
-                d.distillation_is_clip
-            ));
-        }
-        if !(d.teacher_update_rate > 0.0 && d.teacher_update_rate <= 1.0) {
-            return Err(format!(
-                "`sdpo.teacher_update_rate` must be in (0, 1], got {}",
-                d.teacher_update_rate
-            ));
-        }
-        if d.teacher_sync_steps == 0 {
-            return Err("`sdpo.teacher_sync_steps` must be >= 1".into());
+        if d.distillation_mode != SdpoMode::TopkLogits && d.distillation_topk.is_some() {
+            return Err("`sdpo.distillation_topk` is read by `distillation_mode = \
+                        \"topk_logits\"` only; leave it out"
+                .into());
         }
         if d.max_reprompt_len == 0 {
             return Err("`sdpo.max_reprompt_len` must be >= 1".into());
@@ -2643,26 +2823,6 @@ impl TrainConfig {
             })
             .map_err(|e| format!("`sdpo.{key}`: {e}"))?;
         }
-        if self.reference.beta != 0.0 {
-            return Err(
-                "SDPO's loss has no KL term (TRL's SDPO reads no `beta`): leave \
-                        `reference.beta` at 0"
-                    .into(),
-            );
-        }
-        if self.teacher.is_some() || self.environment.kind.is_some() {
-            return Err("SDPO trains on single-turn completions: `[teacher]` and \
-                        `[environment]` are not supported with it (feedback comes from \
-                        `sdpo.feedback_field`)"
-                .into());
-        }
-        if self.loss.drop_zero_std_groups {
-            return Err(
-                "`loss.drop_zero_std_groups` drops groups by their rewards; SDPO distils \
-                        every group (a group that all succeeded has demonstrations too)"
-                    .into(),
-            );
-        }
         if d.distillation_weight < 1.0
             && !matches!(
                 self.loss.loss_type,
@@ -2687,7 +2847,8 @@ impl TrainConfig {
             | Algorithm::OnlineDpo
             | Algorithm::Gkd
             | Algorithm::A2po
-            | Algorithm::Sdpo => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::Sdpo
+            | Algorithm::Sdft => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -2729,6 +2890,7 @@ impl TrainConfig {
                 | Algorithm::Gkd
                 | Algorithm::Tpo
                 | Algorithm::Sdpo
+                | Algorithm::Sdft
         ))
     }
 

@@ -500,10 +500,13 @@ pub fn setup_with(
             &policy.model,
             &loaded.tokenizer,
         )?),
-        // SDPO's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
+        // SDPO's and SDFT's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
         // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
         // nothing writes in place; LoRA: adapters the learner keeps).
-        Algorithm::Sdpo => match (cfg.sdpo.teacher_model_kind, &cfg.model.lora) {
+        Algorithm::Sdpo | Algorithm::Sdft => match (
+            cfg.self_distill().map(|d| d.teacher).unwrap_or_default(),
+            &cfg.model.lora,
+        ) {
             (crate::config::SdpoTeacher::Live, _) | (crate::config::SdpoTeacher::Ema, Some(_)) => {
                 None
             }

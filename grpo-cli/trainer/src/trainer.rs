@@ -65,6 +65,9 @@ pub struct A2po;
 /// Self-distillation policy optimisation (`[sdpo]`, TRL's SDPOTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Sdpo;
+/// Self-distillation fine-tuning (`[sdft]`, TRL's SDFTTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Sdft;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -111,6 +114,9 @@ impl TrainerKind for A2po {
 impl TrainerKind for Sdpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Sdpo);
 }
+impl TrainerKind for Sdft {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Sdft);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -153,6 +159,9 @@ pub type A2poTrainer = Trainer<A2po>;
 /// An SDPO trainer: the policy learns from itself shown a successful sibling completion (or
 /// the row's feedback).
 pub type SdpoTrainer = Trainer<Sdpo>;
+
+/// An SDFT trainer: the policy learns toward itself shown each row's privileged context.
+pub type SdftTrainer = Trainer<Sdft>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

@@ -289,6 +289,7 @@ fn algorithms_by_name() {
             "orpo",
             "reward",
             "rloo",
+            "sdft",
             "sdpo",
             "sft",
             "tpo"
@@ -306,6 +307,7 @@ fn algorithms_by_name() {
         "dpo",
         "kto",
         "rloo",
+        "sdft",
         "sdpo",
         "orpo",
         "cpo",

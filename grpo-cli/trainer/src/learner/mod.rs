@@ -11,8 +11,8 @@
 //! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
 //! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
 //!   one, DPO's loss against the reference);
-//! - [`sdpo`]: SDPO's step (the policy distilled from itself shown a successful sibling or
-//!   feedback) and its EMA teacher.
+//! - [`sdpo`]: SDPO's and SDFT's step (the policy distilled from itself shown a successful
+//!   sibling, feedback or privileged context) and their EMA teacher.
 //!
 //! Checkpoints of the learner are in [`crate::checkpoint`].
 
@@ -201,8 +201,10 @@ impl Learner {
                 .clone()
                 .map(|d| (d, std::sync::Mutex::new(DeviceCopies::default()))),
         };
-        if setup.cfg.algorithm == crate::config::Algorithm::Sdpo
-            && setup.cfg.sdpo.teacher_model_kind == crate::config::SdpoTeacher::Ema
+        if setup
+            .cfg
+            .self_distill()
+            .is_some_and(|d| d.teacher == crate::config::SdpoTeacher::Ema)
             && let Some(cfg) = &learner.policy.lora
         {
             let start = sdpo::lora_ema_start(&learner.policy.model, cfg)?;

@@ -4,7 +4,9 @@
 //! gets a **teacher context** — its prompt reprompted with that demonstration and feedback
 //! ([`plan_reprompts`], [`format_template`]). The teacher (the policy itself: live, its EMA or
 //! its start, `sdpo.teacher_model_kind`) scores the completion's tokens after that context,
-//! and the policy, after the plain prompt, learns toward it:
+//! and the policy, after the plain prompt, learns toward it. SDFT (TRL's experimental
+//! `SDFTTrainer`) is the same step with every completion's context its row's privileged
+//! context in `sdft.teacher_prompt_template` ([`sdft_teacher_prompt`]), no rewards:
 //!
 //! - `sampled_token` (default): `sg(log π − log π_T) · log π` at each sampled token;
 //! - `full_logits` / `topk_logits`: the divergence of the next-token distributions
@@ -14,7 +16,7 @@
 //! each completion's tokens, then over the micro-batch's completions (those without a context
 //! count 0). With `distillation_weight` < 1 GRPO's clipped loss (TRL's SDPO formulas: grpo,
 //! bnpo, dr_grpo or dapo, per micro-batch) is blended in. The EMA teacher follows the policy
-//! after each optimizer update ([`Learner::sdpo_after_update`]).
+//! after each optimizer update (`Learner::sdpo_after_update`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -30,7 +32,7 @@ use super::Learner;
 use super::batch::{StepBatch, padded_batch, rewards_or_zero};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
-use crate::config::{SdpoMode, SdpoSection, SdpoTeacher};
+use crate::config::{Algorithm, SdftSection, SdpoMode, SdpoSection, SdpoTeacher, SelfDistill};
 use crate::stages::Scored;
 
 /// The checkpoint file of the EMA teacher (its weights, or with LoRA its adapters).
@@ -193,15 +195,24 @@ pub fn reprompt(
         })
         .map_err(|e| anyhow::anyhow!("sdpo.reprompt_template: {e}"))
     };
+    with_user_text(prompt, &text)
+}
+
+/// `prompt` with its text replaced by `text(its text)`: a text prompt whole, a conversation's
+/// last turn, which must be the user's (the turns before it kept), as TRL's self-distillation
+/// trainers build the teacher's prompt.
+fn with_user_text(prompt: &Prompt, text: &dyn Fn(&str) -> Result<String>) -> Result<Prompt> {
     Ok(match prompt {
         Prompt::Text(t) => Prompt::Text(text(t)?),
         Prompt::Conversation(msgs) => {
             let Some((last, before)) = msgs.split_last() else {
-                bail!("SDPO reprompts the prompt's last user turn; the conversation is empty");
+                bail!(
+                    "the teacher's prompt rewrites the last user turn; the conversation is empty"
+                );
             };
             if last.role != "user" {
                 bail!(
-                    "SDPO reprompts the prompt's last user turn, but the conversation ends with a `{}` turn",
+                    "the teacher's prompt rewrites the last user turn, but the conversation ends with a `{}` turn",
                     last.role
                 );
             }
@@ -210,6 +221,38 @@ pub fn reprompt(
             Prompt::Conversation(turns)
         }
     })
+}
+
+/// SDFT's teacher prompt of a row: `sdft.teacher_prompt_template` around the prompt's text and
+/// the row's privileged context (text, or a conversation's non-empty contents one per line);
+/// a row without one is an error naming it.
+pub fn sdft_teacher_prompt(sample: &grpo_data::Sample, cfg: &SdftSection) -> Result<Prompt> {
+    let field = &cfg.privileged_context_field;
+    let context = match sample.get(field) {
+        Some(grpo_data::Value::Messages(m)) => m
+            .iter()
+            .map(|m| m.content.as_str())
+            .filter(|c| !c.is_empty())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Some(v) => v.as_text().unwrap_or_default(),
+        None => String::new(),
+    };
+    if sample.get(field).is_none_or(grpo_data::Value::is_null) {
+        bail!(
+            "row {}: `{field}` is missing or null: SDFT's teacher prompt needs each row's privileged context (`sdft.privileged_context_field`)",
+            sample.index
+        );
+    }
+    let text = |p: &str| -> Result<String> {
+        format_with(&cfg.teacher_prompt_template, &|name| match name {
+            "prompt" => Some(p.to_string()),
+            "privileged_context" => Some(context.clone()),
+            _ => None,
+        })
+        .map_err(|e| anyhow::anyhow!("sdft.teacher_prompt_template: {e}"))
+    };
+    with_user_text(&sample.prompt, &text)
 }
 
 /// One micro-batch's values, read once the step's updates are done.
@@ -223,9 +266,17 @@ struct Part {
 }
 
 impl Learner {
-    /// SDPO's teacher now: the policy (live), or the frozen / EMA copy setup made.
+    /// The run's self-distillation settings (an SDPO or SDFT learner has them).
+    fn self_distill(&self) -> Result<SelfDistill> {
+        self.cfg
+            .self_distill()
+            .context("a self-distillation step in a run of another algorithm")
+    }
+
+    /// The self-distillation teacher now: the policy (live), or the frozen / EMA copy setup
+    /// made.
     fn sdpo_teacher(&self) -> Result<Transformer> {
-        match self.cfg.sdpo.teacher_model_kind {
+        match self.self_distill()?.teacher {
             SdpoTeacher::Live => Ok(self.policy.model.detached()),
             _ => self
                 .distillation_teacher
@@ -269,12 +320,30 @@ impl Learner {
         Ok(out)
     }
 
-    /// One SDPO step over the scored completions `s`.
+    /// SDFT's teacher context of every completion of `s`: its row's [`sdft_teacher_prompt`],
+    /// rendered and cut to its last `rollout.max_prompt_length` tokens as TRL's prompts are.
+    fn sdft_teacher_prompts(&self, s: &Scored) -> Result<Vec<Vec<u32>>> {
+        let r = &s.rollouts;
+        let mut per_row = Vec::with_capacity(r.batch.samples.len());
+        for sample in &r.batch.samples {
+            let p = sdft_teacher_prompt(sample, &self.cfg.sdft)?;
+            let (_, ids) = crate::stages::encode_prompt(&self.tokenizer, &self.cfg, &p)?;
+            per_row.push(ids);
+        }
+        Ok(r.completions
+            .iter()
+            .map(|c| per_row[c.prompt_index].clone())
+            .collect())
+    }
+
+    /// One SDPO or SDFT step over the scored completions `s`.
     pub(crate) fn sdpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
         let r = &s.rollouts;
         if r.episodes.is_some() {
-            bail!("SDPO trains on single-turn completions, not environment episodes");
+            bail!("self-distillation trains on single-turn completions, not environment episodes");
         }
+        let sd = self.self_distill()?;
+        let sdft = self.cfg.algorithm == Algorithm::Sdft;
         let d = self.cfg.sdpo.clone();
         let n = r.completions.len();
         let rewards = rewards_or_zero(&s.scores.rewards, n);
@@ -288,10 +357,27 @@ impl Learner {
             })
             .collect();
         let g = self.cfg.rollout.num_generations;
-        let (plan, ctx_metrics) = plan_reprompts(&rewards, g, &has_feedback, &d);
-        let teacher_prompts = match d.distillation_weight > 0.0 {
-            true => self.teacher_prompts(s, &plan)?,
-            false => Vec::new(),
+        let (plan, ctx_metrics, teacher_prompts) = match sdft {
+            // SDFT: every completion has its row's privileged context.
+            true => (
+                vec![
+                    Reprompt {
+                        demo: None,
+                        feedback: true
+                    };
+                    n
+                ],
+                BTreeMap::new(),
+                self.sdft_teacher_prompts(s)?,
+            ),
+            false => {
+                let (plan, m) = plan_reprompts(&rewards, g, &has_feedback, &d);
+                let tp = match sd.weight > 0.0 {
+                    true => self.teacher_prompts(s, &plan)?,
+                    false => Vec::new(),
+                };
+                (plan, m, tp)
+            }
         };
         let eos = self.tokenizer.eos_token_ids.clone();
         let batch = StepBatch::new(
@@ -300,9 +386,11 @@ impl Learner {
             self.cfg.micro_batch(),
             self.cfg.loss.mask_truncated_completions,
         );
-        // TRL keeps old log-probs only when a generation feeds several optimizer updates.
+        // TRL keeps old log-probs only when a generation feeds several optimizer updates (and
+        // SDFT none when it samples from the teacher's prompt).
         let updates = self.cfg.updates_per_step();
-        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1;
+        let need_old = (self.cfg.optim.num_iterations > 1 || updates > 1)
+            && !(sdft && self.cfg.sdft.generate_from_teacher);
         let old: Vec<Option<Tensor>> = match need_old {
             true => {
                 let frozen = self.policy.model.detached();
@@ -356,7 +444,8 @@ impl Learner {
             .collect::<candle_core::Result<_>>()?;
         if let Some(v) = mean_of(distill)? {
             m.insert("self_distillation/distillation_loss".into(), v);
-            m.insert("sdpo/distillation_loss".into(), v);
+            let name = self.cfg.algorithm.as_str();
+            m.insert(format!("{name}/distillation_loss"), v);
         }
         let policy: Vec<Tensor> = parts
             .iter()
@@ -398,21 +487,19 @@ impl Learner {
         teacher_prompts: &[Vec<u32>],
         ga: f64,
     ) -> Result<(Tensor, Part)> {
-        let d = &self.cfg.sdpo;
-        let w = d.distillation_weight;
+        let d = self.self_distill()?;
+        let w = d.weight;
         let temperature = self.cfg.rollout.temperature;
         let pad = self.tokenizer.pad_token_id;
         let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
         let model = &self.policy.model;
-        let divergence = match d.distillation_mode {
+        let divergence = match d.mode {
             SdpoMode::SampledToken => None,
-            SdpoMode::FullLogits => Some(Divergence::Full {
-                beta: d.distillation_alpha,
-            }),
+            SdpoMode::FullLogits => Some(Divergence::Full { beta: d.alpha }),
             SdpoMode::TopkLogits => Some(Divergence::TopK {
-                k: d.distillation_topk.unwrap_or(1),
-                beta: d.distillation_alpha,
-                add_tail: d.distillation_add_tail,
+                k: d.topk.unwrap_or(1),
+                beta: d.alpha,
+                add_tail: d.add_tail,
             }),
         };
         let teacher = match w > 0.0 {
@@ -451,7 +538,15 @@ impl Learner {
             .map(|x| f32::from(u8::from(x.active())))
             .collect();
         let active = Tensor::from_vec(active, (b - a, 1), &self.device)?.to_dtype(lp.dtype())?;
-        let loss_mask = mask.broadcast_mul(&active)?;
+        let mut loss_mask = mask.broadcast_mul(&active)?;
+        if d.skip > 0 {
+            // SDFT's `num_loss_tokens_to_skip`: the first tokens carry no distillation loss.
+            let kept: Vec<f32> = (0..width)
+                .map(|j| f32::from(u8::from(j >= d.skip)))
+                .collect();
+            let kept = Tensor::from_vec(kept, (1, width), &self.device)?.to_dtype(lp.dtype())?;
+            loss_mask = loss_mask.broadcast_mul(&kept)?;
+        }
         // Per completion: Σ x · m / max(Σ m, 1), averaged over the micro-batch.
         let seq_mean = |x: &Tensor, m: &Tensor| -> Result<Tensor> {
             let num = (x * m)?.sum(D::Minus1)?;
@@ -472,11 +567,11 @@ impl Learner {
                     }
                 };
                 let per_token = match old {
-                    Some(o) if d.distillation_is_clip > 0.0 => {
+                    Some(o) if d.is_clip > 0.0 => {
                         let ratio = (lp.detach() - o.to_dtype(lp.dtype())?)?
                             .clamp(-20.0, 20.0)?
                             .exp()?
-                            .minimum(d.distillation_is_clip)?;
+                            .minimum(d.is_clip)?;
                         (per_token * ratio)?
                     }
                     _ => per_token,
@@ -494,7 +589,7 @@ impl Learner {
             (Some(dl), None) => dl.clone(),
             (None, Some(pl)) => pl.clone(),
             (Some(dl), Some(pl)) => ((pl * (1.0 - w))? + (dl * w)?)?,
-            (None, None) => bail!("SDPO: neither term is on"),
+            (None, None) => bail!("self-distillation: neither term is on"),
         };
         let loss = (loss / ga)?;
         let loss = match &aux {
@@ -567,17 +662,14 @@ impl Learner {
     /// `SyncTeacherModelCallback`), or with LoRA the same on the adapters, whose EMA started
     /// at zero (TRL's `PEFTAdapterEMACallback`).
     pub(crate) fn sdpo_after_update(&mut self) -> Result<()> {
-        let d = &self.cfg.sdpo;
-        if self.cfg.algorithm != crate::config::Algorithm::Sdpo
-            || d.teacher_model_kind != SdpoTeacher::Ema
-            || !self
-                .state
-                .optimizer_steps
-                .is_multiple_of(d.teacher_sync_steps)
+        let Some(d) = self.cfg.self_distill() else {
+            return Ok(());
+        };
+        if d.teacher != SdpoTeacher::Ema || !self.state.optimizer_steps.is_multiple_of(d.sync_steps)
         {
             return Ok(());
         }
-        let rate = d.teacher_update_rate;
+        let rate = d.update_rate;
         match (&self.policy.lora, self.sdpo_shadow.take()) {
             (Some(cfg), Some(shadow)) => {
                 let now: HashMap<String, Tensor> =
@@ -622,9 +714,7 @@ impl Learner {
 
     /// The EMA teacher's state for a checkpoint: its weights, or with LoRA its adapters.
     pub(crate) fn sdpo_teacher_state(&self) -> Option<HashMap<String, Tensor>> {
-        if self.cfg.algorithm != crate::config::Algorithm::Sdpo
-            || self.cfg.sdpo.teacher_model_kind != SdpoTeacher::Ema
-        {
+        if self.cfg.self_distill()?.teacher != SdpoTeacher::Ema {
             return None;
         }
         match (&self.sdpo_shadow, &self.distillation_teacher) {
@@ -661,7 +751,7 @@ pub(crate) fn lora_ema_start(
     for (k, t) in grpo_rollout::lora::factors(model, cfg) {
         if !k.contains("lora_") {
             bail!(
-                "`sdpo.teacher_model_kind = \"ema\"` with LoRA needs pure adapter training: \
+                "`teacher_model_kind = \"ema\"` with LoRA needs pure adapter training: \
                  `{k}` is trained too (use `live` or `base`, or `lora.bias = \"none\"`)"
             );
         }

@@ -152,6 +152,25 @@ impl Generator {
             prompt_texts.push(t);
             prompt_ids.push(ids);
         }
+        // SDFT's `generate_from_teacher`: sampled after the teacher's prompt (the privileged
+        // context shown), trained after the plain one.
+        let from_teacher = self.cfg.algorithm == crate::config::Algorithm::Sdft
+            && self.cfg.sdft.generate_from_teacher;
+        let teacher_ids: Vec<Vec<u32>> = match from_teacher {
+            true => batch
+                .samples
+                .iter()
+                .map(|s| {
+                    let p = crate::learner::sdpo::sdft_teacher_prompt(s, &self.cfg.sdft)?;
+                    Ok(self.prompt_tokens(&p)?.1)
+                })
+                .collect::<Result<_>>()?,
+            false => Vec::new(),
+        };
+        let sample_ids = match from_teacher {
+            true => &teacher_ids,
+            false => &prompt_ids,
+        };
         let params = self.cfg.rollout.sampling(seed);
         let g = self.cfg.rollout.num_generations;
         let source = self.completion_source(batch.step);
@@ -175,32 +194,27 @@ impl Generator {
                     None => teacher,
                 };
                 let decoding = teacher.for_decoding_reusing(None)?;
-                grpo_rollout::generate(&decoding, &self.tokenizer, &prompt_ids, g, &params)?
+                grpo_rollout::generate(&decoding, &self.tokenizer, sample_ids, g, &params)?
             }
             (CompletionSource::Policy, remote) => match remote {
                 Some(remote) => {
                     let (server, policy) = self.synced_server(&remote)?;
                     server
-                        .generate(&self.tokenizer, &prompt_ids, g, &params, policy)
+                        .generate(&self.tokenizer, sample_ids, g, &params, policy)
                         .map_err(|e| anyhow!("rollout.openai: {e}"))?
                 }
                 None => {
                     let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
                     let decoding = self.decoding_copy(&model)?;
                     grpo_core::memlog::log("generator: decoding copy", decoding.device());
-                    let out = grpo_rollout::generate(
-                        &decoding,
-                        &self.tokenizer,
-                        &prompt_ids,
-                        g,
-                        &params,
-                    )?;
+                    let out =
+                        grpo_rollout::generate(&decoding, &self.tokenizer, sample_ids, g, &params)?;
                     grpo_core::memlog::log("generator: generated", decoding.device());
                     out
                 }
             },
         };
-        let other = self.frozen_teacher.is_some() || self.remote.is_some();
+        let other = self.frozen_teacher.is_some() || self.remote.is_some() || from_teacher;
         Ok(Rollouts {
             batch,
             prompt_texts,
