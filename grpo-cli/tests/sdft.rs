@@ -8,14 +8,13 @@
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
 use grpo_core::distill::Divergence;
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::stages::{Generator, Loader, Scorer, step_seed};
 use grpo_trainer::{self as trainer, Learner, RunOptions};
 
 mod common;
-use common::{Fixture, assert_same_steps, grpo_cli_ok, stopped_and_resumed};
+use common::{Fixture, assert_same_steps, completion_logits, grpo_cli_ok, stopped_and_resumed};
 
 /// A tiny model and 6 prompts, each with a privileged context.
 fn fixture() -> Fixture {
@@ -81,16 +80,7 @@ fn divergences(
     completion: &[u32],
     d: Divergence,
 ) -> Vec<f64> {
-    let logits = |p: &[u32]| {
-        let ids: Vec<u32> = p.iter().chain(completion).copied().collect();
-        let n = ids.len();
-        let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
-        let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
-        let h = model
-            .completion_hidden(&ids, &mask, completion.len())
-            .unwrap();
-        model.logits(&h).unwrap().to_dtype(DType::F64).unwrap()
-    };
+    let logits = |p: &[u32]| completion_logits(model, p, completion);
     d.of(&logits(prompt), &logits(teacher_prompt), 1.0)
         .unwrap()
         .to_vec1()

@@ -19,7 +19,7 @@ use grpo_trainer::stages::{Generator, Loader, Scorer};
 use grpo_trainer::{self as trainer, FitOptions, Learner, RunOptions, SdpoTrainer};
 
 mod common;
-use common::{Fixture, assert_same_steps, grpo_cli_ok, stopped_and_resumed};
+use common::{Fixture, assert_same_steps, completion_logits, grpo_cli_ok, stopped_and_resumed};
 
 /// TRL's default templates, spelled out here (not read from the config).
 const SOLUTION: &str = "\nCorrect solution:\n\n";
@@ -124,18 +124,10 @@ fn per_token_pair(
     completion: &[u32],
     mode: Option<Divergence>,
 ) -> Vec<f64> {
-    let dev = Device::Cpu;
-    let rows = |model: &grpo_rollout::Transformer, p: &[u32]| {
-        let ids: Vec<u32> = p.iter().chain(completion).copied().collect();
-        let n = ids.len();
-        let ids = Tensor::from_vec(ids, (1, n), &dev).unwrap();
-        let mask = Tensor::ones((1, n), DType::U32, &dev).unwrap();
-        let h = model
-            .completion_hidden(&ids, &mask, completion.len())
-            .unwrap();
-        model.logits(&h).unwrap().to_dtype(DType::F64).unwrap()
-    };
-    let (zs, zt) = (rows(student, prompt), rows(teacher, teacher_prompt));
+    let (zs, zt) = (
+        completion_logits(student, prompt, completion),
+        completion_logits(teacher, teacher_prompt, completion),
+    );
     match mode {
         Some(d) => d.of(&zs, &zt, 1.0).unwrap().to_vec1().unwrap(),
         None => {

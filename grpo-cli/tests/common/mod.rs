@@ -119,3 +119,21 @@ pub fn grpo_cli_ok(args: &[&str]) -> std::process::Output {
     );
     out
 }
+
+/// The logits `(completion.len(), V)`, in f64, that predict each token of `completion` after
+/// `prompt` under `model` (one unpadded row).
+pub fn completion_logits(
+    model: &grpo_rollout::Transformer,
+    prompt: &[u32],
+    completion: &[u32],
+) -> candle_core::Tensor {
+    use candle_core::{DType, Device, Tensor};
+    let ids: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+    let n = ids.len();
+    let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
+    let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
+    let h = model
+        .completion_hidden(&ids, &mask, completion.len())
+        .unwrap();
+    model.logits(&h).unwrap().to_dtype(DType::F64).unwrap()
+}
