@@ -14,7 +14,9 @@ use grpo_trainer::stages::{Generator, Loader, Scorer, step_seed};
 use grpo_trainer::{self as trainer, Learner, RunOptions};
 
 mod common;
-use common::{Fixture, assert_same_steps, completion_logits, grpo_cli_ok, stopped_and_resumed};
+use common::{
+    Fixture, assert_same_steps, completion_logits, eval_lines, grpo_cli_ok, stopped_and_resumed,
+};
 
 /// A tiny model and 6 prompts, each with a privileged context.
 fn fixture() -> Fixture {
@@ -193,6 +195,24 @@ fn the_ema_teacher_resumes_exactly() {
         &all.metrics,
         &["loss", "grad_norm", "self_distillation/distillation_loss"],
     );
+    // The eval split reports the loss and the self-distillation term, no updates: a run with
+    // an eval every 2 steps trains as one without.
+    let mut cfg = load(&f.root, "eval", 4, extra);
+    cfg.data.eval_fraction = Some(0.34);
+    cfg.train.eval_steps = 2;
+    let with_eval = run(cfg, RunOptions::default());
+    let evals = eval_lines(&f.root.join("eval"));
+    assert_eq!(evals.len(), 2);
+    for e in &evals {
+        let (l, d) = (
+            e["eval/loss"].as_f64().unwrap(),
+            e["eval/self_distillation/distillation_loss"]
+                .as_f64()
+                .unwrap(),
+        );
+        assert!(l > 0.0 && d > 0.0, "{e}");
+    }
+    assert!(with_eval.metrics[0]["loss"].is_finite());
     // The base teacher (the default) gives other steps after the first.
     let base = run(load(&f.root, "base", 4, ""), RunOptions::default());
     assert!((base.metrics[0]["loss"] - all.metrics[0]["loss"]).abs() < 1e-9);

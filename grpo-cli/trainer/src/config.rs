@@ -2742,6 +2742,12 @@ impl TrainConfig {
             return Err(format!("`{section}.teacher_sync_steps` must be >= 1"));
         }
         let name = section.to_uppercase();
+        if self.loss.router_aux_loss_coef.is_some_and(|c| c != 0.0) {
+            return Err(format!(
+                "`loss.router_aux_loss_coef`: {name}'s loss has no load-balancing term (as TRL's); \
+                 leave it out"
+            ));
+        }
         if self.reference.beta != 0.0 {
             return Err(format!(
                 "{name}'s loss has no KL term (TRL's {name} reads no `beta`): leave \

@@ -1,6 +1,7 @@
 //! Evaluation of a GRPO policy: mean rewards on the eval split, sampled with the current
-//! policy, and for distillation the divergence from the teacher on those samples (SFT, DPO,
-//! KTO and reward models evaluate in [`crate::learner::supervised`]).
+//! policy, for distillation the divergence from the teacher on those samples, for SDPO and
+//! SDFT their loss (SFT, DPO, KTO and reward models evaluate in
+//! [`crate::learner::supervised`]).
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,9 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     // Distillation: the divergence and the student's entropy per loss token over the split.
     let distill = setup.cfg.algorithm.is_distillation();
     let (mut div, mut ent, mut tokens) = (0.0, 0.0, 0.0);
+    // SDPO and SDFT: the loss and the self-distillation term per micro-batch.
+    let self_distill = setup.cfg.self_distill().is_some();
+    let (mut sd_loss, mut sd_term, mut sd_parts) = (0.0, 0.0, 0.0);
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("eval data: {e}"))? {
         let batch = PromptBatch {
             step: usize::MAX / 2,
@@ -42,6 +46,10 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
         if distill {
             let (d, e, t) = learner.distill_eval(&s)?;
             (div, ent, tokens) = (div + d, ent + e, tokens + t);
+        }
+        if self_distill {
+            let (l, d, n) = learner.self_distill_eval(&s, g)?;
+            (sd_loss, sd_term, sd_parts) = (sd_loss + l, sd_term + d, sd_parts + n);
         }
         for (i, name) in s.scores.names.iter().enumerate() {
             for v in s.scores.per_function[i].iter().flatten() {
@@ -65,6 +73,13 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     if distill {
         m.insert("eval/loss".into(), div / tokens.max(1.0));
         m.insert("eval/entropy".into(), ent / tokens.max(1.0));
+    }
+    if self_distill && sd_parts > 0.0 {
+        m.insert("eval/loss".into(), sd_loss / sd_parts);
+        m.insert(
+            "eval/self_distillation/distillation_loss".into(),
+            sd_term / sd_parts,
+        );
     }
     if let Some(a) = m.get("eval/rewards/accuracy/mean").copied() {
         m.insert("eval/accuracy".into(), a);

@@ -336,16 +336,30 @@ impl Learner {
             .collect())
     }
 
-    /// One SDPO or SDFT step over the scored completions `s`.
-    pub(crate) fn sdpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
+    /// The teacher contexts of the completions of `s` (groups of `g`): which have one, the
+    /// context metrics (SDPO's), and each one's teacher prompt tokens (none when the
+    /// self-distillation term is off).
+    #[allow(clippy::type_complexity)]
+    fn contexts(
+        &self,
+        s: &Scored,
+        g: usize,
+    ) -> Result<(Vec<Reprompt>, BTreeMap<String, f64>, Vec<Vec<u32>>)> {
         let r = &s.rollouts;
-        if r.episodes.is_some() {
-            bail!("self-distillation trains on single-turn completions, not environment episodes");
-        }
-        let sd = self.self_distill()?;
-        let sdft = self.cfg.algorithm == Algorithm::Sdft;
-        let d = self.cfg.sdpo.clone();
         let n = r.completions.len();
+        if self.cfg.algorithm == Algorithm::Sdft {
+            // Every completion has its row's privileged context.
+            let every = Reprompt {
+                demo: None,
+                feedback: true,
+            };
+            return Ok((
+                vec![every; n],
+                BTreeMap::new(),
+                self.sdft_teacher_prompts(s)?,
+            ));
+        }
+        let d = &self.cfg.sdpo;
         let rewards = rewards_or_zero(&s.scores.rewards, n);
         let has_feedback: Vec<bool> = r
             .completions
@@ -356,29 +370,49 @@ impl Learner {
                     .is_some_and(|t| !t.trim().is_empty())
             })
             .collect();
-        let g = self.cfg.rollout.num_generations;
-        let (plan, ctx_metrics, teacher_prompts) = match sdft {
-            // SDFT: every completion has its row's privileged context.
-            true => (
-                vec![
-                    Reprompt {
-                        demo: None,
-                        feedback: true
-                    };
-                    n
-                ],
-                BTreeMap::new(),
-                self.sdft_teacher_prompts(s)?,
-            ),
-            false => {
-                let (plan, m) = plan_reprompts(&rewards, g, &has_feedback, &d);
-                let tp = match sd.weight > 0.0 {
-                    true => self.teacher_prompts(s, &plan)?,
-                    false => Vec::new(),
-                };
-                (plan, m, tp)
-            }
+        let (plan, m) = plan_reprompts(&rewards, g, &has_feedback, d);
+        let tp = match d.distillation_weight > 0.0 {
+            true => self.teacher_prompts(s, &plan)?,
+            false => Vec::new(),
         };
+        Ok((plan, m, tp))
+    }
+
+    /// Evaluation: the summed micro-batch losses, the summed per-token distillation loss (TRL's
+    /// metric, per micro-batch) and the micro-batches of scored completions `s` (groups of
+    /// `g`) under the current policy, without gradients.
+    pub(crate) fn self_distill_eval(&self, s: &Scored, g: usize) -> Result<(f64, f64, f64)> {
+        let (plan, _, teacher_prompts) = self.contexts(s, g)?;
+        let eos = &self.tokenizer.eos_token_ids;
+        let batch = StepBatch::new(
+            s,
+            eos,
+            self.cfg.micro_batch(),
+            self.cfg.loss.mask_truncated_completions,
+        );
+        let model = self.policy.model.detached();
+        let (mut loss, mut distill, mut parts) = (0.0, 0.0, 0.0);
+        for &range in &batch.chunks {
+            let (l, p) =
+                self.sdpo_part(&model, s, &batch, range, None, &plan, &teacher_prompts, 1.0)?;
+            loss += l.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            if let Some(d) = p.distill {
+                distill += d.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            }
+            parts += 1.0;
+        }
+        Ok((loss, distill, parts))
+    }
+
+    /// One SDPO or SDFT step over the scored completions `s`.
+    pub(crate) fn sdpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
+        let r = &s.rollouts;
+        if r.episodes.is_some() {
+            bail!("self-distillation trains on single-turn completions, not environment episodes");
+        }
+        let sdft = self.cfg.algorithm == Algorithm::Sdft;
+        let (plan, ctx_metrics, teacher_prompts) =
+            self.contexts(s, self.cfg.rollout.num_generations)?;
         let eos = self.tokenizer.eos_token_ids.clone();
         let batch = StepBatch::new(
             s,
@@ -416,6 +450,7 @@ impl Learner {
             let ci = chunk_of[&c.range];
             let ga = c.update.len().max(1) as f64;
             let (loss, part) = l.sdpo_part(
+                &l.policy.model,
                 s,
                 &batch,
                 c.range,
@@ -474,11 +509,13 @@ impl Learner {
         Ok(m)
     }
 
-    /// Micro-batch `[a, b)`'s loss (with the policy's graph, divided by the update's `ga`
-    /// micro-batches, as TRL's `compute_loss`) and its metric values.
+    /// Micro-batch `[a, b)`'s loss under `model` (the policy, with its graph; or a detached
+    /// copy to evaluate), divided by the update's `ga` micro-batches as TRL's `compute_loss`,
+    /// and its metric values.
     #[allow(clippy::too_many_arguments)]
     fn sdpo_part(
         &self,
+        model: &Transformer,
         s: &Scored,
         batch: &StepBatch<'_>,
         (a, b): (usize, usize),
@@ -492,7 +529,6 @@ impl Learner {
         let temperature = self.cfg.rollout.temperature;
         let pad = self.tokenizer.pad_token_id;
         let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-        let model = &self.policy.model;
         let divergence = match d.mode {
             SdpoMode::SampledToken => None,
             SdpoMode::FullLogits => Some(Divergence::Full { beta: d.alpha }),
@@ -511,25 +547,24 @@ impl Learner {
             false => Vec::new(),
         };
         // The student's log-probs (and, for the logit modes, its divergence from the teacher
-        // at the same rows) from one forward.
-        let aux = self.aux_collector(ga);
-        let (lp, ent, div, width) =
-            grpo_rollout::moe::recording(aux.clone(), || match (&teacher, divergence) {
-                (Some(t), Some(div)) => {
-                    let (ids, mask, width) = padded_batch(pad, p, c, &self.device)?;
-                    let (h, tg, shape) = model.completion_rows(&ids, &mask, width)?;
-                    let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
-                    let td = t.device().clone();
-                    let (tids, tmask, _) = padded_batch(pad, &tp, c, &td)?;
-                    let th = t.completion_hidden(&tids, &tmask, width)?.detach();
-                    let (dv, _) = model.distill_rows(&h, t, &th, div, temperature)?;
-                    Ok::<_, anyhow::Error>((lp, ent, Some(dv.reshape(shape)?), width))
-                }
-                _ => {
-                    let (lp, ent, width) = self.logps(model, p, c, true)?;
-                    Ok((lp, ent, None, width))
-                }
-            })?;
+        // at the same rows) from one forward. (TRL's self-distillation trainers add no MoE
+        // load-balancing loss.)
+        let (lp, ent, div, width) = (|| match (&teacher, divergence) {
+            (Some(t), Some(div)) => {
+                let (ids, mask, width) = padded_batch(pad, p, c, &self.device)?;
+                let (h, tg, shape) = model.completion_rows(&ids, &mask, width)?;
+                let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
+                let td = t.device().clone();
+                let (tids, tmask, _) = padded_batch(pad, &tp, c, &td)?;
+                let th = t.completion_hidden(&tids, &tmask, width)?.detach();
+                let (dv, _) = model.distill_rows(&h, t, &th, div, temperature)?;
+                Ok::<_, anyhow::Error>((lp, ent, Some(dv.reshape(shape)?), width))
+            }
+            _ => {
+                let (lp, ent, width) = self.logps(model, p, c, true)?;
+                Ok((lp, ent, None, width))
+            }
+        })()?;
         let mask = batch
             .mask(a, b, width, &self.device)?
             .to_dtype(lp.dtype())?;
@@ -592,10 +627,6 @@ impl Learner {
             (None, None) => bail!("self-distillation: neither term is on"),
         };
         let loss = (loss / ga)?;
-        let loss = match &aux {
-            Some(col) => col.add_to(loss)?.0,
-            None => loss,
-        };
         let entropy = match &ent {
             Some(e) => ((e.detach() * &mask)?.sum_all()?, mask.sum_all()?),
             None => {
