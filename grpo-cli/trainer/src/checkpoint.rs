@@ -1,5 +1,6 @@
 //! Checkpoints: `checkpoints/step-N` holds the policy (a Hugging Face directory, or the PEFT
-//! adapter), the optimizer state, the synced reference (TR-DPO), `trainer_state.json` and the
+//! adapter), the optimizer state, the synced reference (TR-DPO, BEMA's), SDPO's EMA teacher,
+//! the BEMA state, `trainer_state.json` and the
 //! config, so a run resumes exactly. The learner takes a [`CheckpointJob`] (the step's tensors,
 //! which training no longer writes) and the events thread's [`CheckpointWriter`] writes it into
 //! a temporary directory renamed into place, then prunes beyond `train.save_total_limit`.
@@ -38,6 +39,8 @@ pub struct CheckpointJob {
     pub reference: Option<HashMap<String, Tensor>>,
     /// SDPO's EMA teacher: its weights, or with LoRA its adapter tensors.
     pub teacher: Option<HashMap<String, Tensor>>,
+    /// `[bema]`'s state.
+    pub bema: Option<HashMap<String, Tensor>>,
     /// `trainer_state.json`.
     pub state: TrainerState,
     /// `config.json` (secrets removed).
@@ -85,6 +88,9 @@ impl CheckpointJob {
         crate::optim::save_state(&self.optimizer, &tmp.join(OPT_FILE))?;
         if let Some(map) = &self.reference {
             candle_core::safetensors::save(map, tmp.join(REF_FILE))?;
+        }
+        if let Some(map) = &self.bema {
+            candle_core::safetensors::save(map, tmp.join(crate::learner::bema::BEMA_FILE))?;
         }
         if let Some(map) = &self.teacher {
             candle_core::safetensors::save(map, tmp.join(crate::learner::sdpo::TEACHER_FILE))?;
@@ -137,7 +143,7 @@ impl Learner {
             .run_dir
             .join("checkpoints")
             .join(format!("step-{}", self.state.step));
-        let reference = match (&self.reference, self.cfg.reference.sync_ref_model) {
+        let reference = match (&self.reference, self.reference_moves()) {
             (Some(r), true) => Some(r.weights().into_iter().collect()),
             _ => None,
         };
@@ -150,6 +156,7 @@ impl Learner {
             optimizer: self.opt.state()?,
             reference,
             teacher: self.sdpo_teacher_state(),
+            bema: self.bema.as_ref().map(crate::learner::bema::Bema::state),
             state: self.state.clone(),
             config: self.cfg.redacted_json(),
             save_total_limit: self.cfg.train.save_total_limit,
@@ -157,6 +164,13 @@ impl Learner {
         self.checkpoints.retain(|p| p != &dir);
         self.checkpoints.push(dir);
         Ok(job)
+    }
+
+    /// Whether the reference changes during the run (TR-DPO's sync, BEMA's replacement): then
+    /// checkpoints hold it.
+    fn reference_moves(&self) -> bool {
+        self.cfg.reference.sync_ref_model
+            || self.cfg.bema.as_ref().is_some_and(|b| b.update_ref_model)
     }
 
     /// Writes the checkpoint of the current state now, on this thread.
@@ -215,7 +229,14 @@ impl Learner {
         }
         // Tied heads: the model shares the embedding tensor with its var, so nothing else to do.
         self.opt.load(&dir.join(OPT_FILE))?;
-        if self.cfg.reference.sync_ref_model
+        if let Some(b) = self.bema.as_mut() {
+            let p = dir.join(crate::learner::bema::BEMA_FILE);
+            let map = candle_core::safetensors::load(&p, &self.device)
+                .with_context(|| format!("{}: cannot read the BEMA state", p.display()))?;
+            b.restore(&map)
+                .with_context(|| format!("{}: not this run's BEMA state", p.display()))?;
+        }
+        if self.reference_moves()
             && let Some(r) = &self.reference
         {
             let p = dir.join(REF_FILE);

@@ -288,6 +288,9 @@ pub struct TrainConfig {
     pub sdpo: SdpoSection,
     /// Self-distillation fine-tuning (`algorithm = "sdft"`, TRL's SDFTConfig).
     pub sdft: SdftSection,
+    /// TRL's `BEMACallback`: a bias-corrected EMA of the trained weights, written to
+    /// `RUN/bema` at the end, optionally the reference model (any algorithm; on when present).
+    pub bema: Option<BemaSection>,
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -854,6 +857,60 @@ impl Default for SdftSection {
     }
 }
 
+/// `[bema]`: TRL's `BEMACallback` (Block & Zhang, "EMA Without the Lag: Bias-Corrected Iterate
+/// Averaging"). After every `update_freq` optimizer updates `t` (counted past `update_after`)
+/// the EMA of the trained weights moves, `EMA ← (1 − β_t) EMA + β_t θ_t` with
+/// `β_t = max((lag + multiplier·t)^−ema_power, min_ema_multiplier)`, and the BEMA weights
+/// become `EMA + α_t (θ_t − θ_0)` with `α_t = (lag + multiplier·t)^−bias_power`; `θ_0` and the
+/// EMA start as the weights at `update_after`. The BEMA model is written to `RUN/bema` when the
+/// run ends; with `update_ref_model` it also replaces the reference model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BemaSection {
+    /// Optimizer updates between BEMA updates (default 400).
+    pub update_freq: usize,
+    /// `κ`, the EMA's decay power (default 0.5; 0 turns the EMA off).
+    pub ema_power: f64,
+    /// `η`, the bias correction's decay power (default 0.2).
+    pub bias_power: f64,
+    /// `ρ`, the schedule's initial offset (default 10).
+    pub lag: f64,
+    /// `τ`, optimizer updates before the first snapshot (default 0).
+    pub update_after: usize,
+    /// `γ`, the schedule's step multiplier (default 1).
+    pub multiplier: f64,
+    /// The EMA's smallest decay factor (default 0).
+    pub min_ema_multiplier: f64,
+    /// Where `θ_0`, the EMA and the BEMA weights live (default `cpu`, as TRL's: off the
+    /// training device).
+    pub device: DeviceSpec,
+    /// Replace the reference model with the BEMA weights every `ref_model_update_freq`
+    /// updates past `ref_model_update_after` (TRL's experimental DPO callback; default false).
+    pub update_ref_model: bool,
+    /// Updates between reference replacements (default 400).
+    pub ref_model_update_freq: usize,
+    /// Updates before the first reference replacement (default 0).
+    pub ref_model_update_after: usize,
+}
+
+impl Default for BemaSection {
+    fn default() -> Self {
+        Self {
+            update_freq: 400,
+            ema_power: 0.5,
+            bias_power: 0.2,
+            lag: 10.0,
+            update_after: 0,
+            multiplier: 1.0,
+            min_ema_multiplier: 0.0,
+            device: DeviceSpec::Cpu,
+            update_ref_model: false,
+            ref_model_update_freq: 400,
+            ref_model_update_after: 0,
+        }
+    }
+}
+
 /// The self-distillation settings an SDPO or SDFT run trains with (its section's keys).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SelfDistill {
@@ -1157,6 +1214,7 @@ impl Default for TrainConfig {
             a2po: A2poSection::default(),
             sdpo: SdpoSection::default(),
             sdft: SdftSection::default(),
+            bema: None,
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -2296,6 +2354,36 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Sdft {
             self.check_sdft()?;
+        }
+        if let Some(b) = &self.bema {
+            if b.update_freq == 0 || b.ref_model_update_freq == 0 {
+                return Err(
+                    "`bema.update_freq` and `bema.ref_model_update_freq` must be >= 1".into(),
+                );
+            }
+            for (key, v) in [
+                ("ema_power", b.ema_power),
+                ("bias_power", b.bias_power),
+                ("min_ema_multiplier", b.min_ema_multiplier),
+            ] {
+                if !(v >= 0.0 && v.is_finite()) {
+                    return Err(format!("`bema.{key}` must be >= 0, got {v}"));
+                }
+            }
+            if !(b.lag + b.multiplier > 0.0 && b.multiplier >= 0.0 && b.lag.is_finite()) {
+                return Err(format!(
+                    "`bema.lag` + `bema.multiplier` · t must stay > 0 (lag {}, multiplier {})",
+                    b.lag, b.multiplier
+                ));
+            }
+            if b.update_ref_model && self.model.lora.is_some() {
+                return Err(
+                    "`bema.update_ref_model` with LoRA: the reference is the base \
+                            model with the adapters off, which the BEMA of the adapters cannot \
+                            replace; leave it out"
+                        .into(),
+                );
+            }
         }
         if self.algorithm == Algorithm::A2po {
             let a = &self.a2po;

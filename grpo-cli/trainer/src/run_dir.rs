@@ -20,6 +20,7 @@ pub const RUN_FILES: &[&str] = &[
     "teacher_log.jsonl",
     "checkpoints",
     "rollout_adapters",
+    "bema",
     "runs",
     "curves.png",
 ];

@@ -154,6 +154,9 @@ impl<'a> StepEnd<'a> {
             bus.finish()?;
         }
         let mut result = std::mem::take(&mut self.result);
+        if !result.interrupted {
+            learner.save_bema()?;
+        }
         result.total_steps = learner.state.step;
         result.total_epochs = learner.state.epoch;
         self.callbacks.on_train_end(&learner.state, &result);

@@ -11,6 +11,7 @@
 //! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
 //! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
 //!   one, DPO's loss against the reference);
+//! - [`bema`]: the bias-corrected EMA of the weights (`[bema]`, TRL's `BEMACallback`);
 //! - [`sdpo`]: SDPO's and SDFT's step (the policy distilled from itself shown a successful
 //!   sibling, feedback or privileged context) and their EMA teacher.
 //!
@@ -18,6 +19,7 @@
 
 pub mod a2po;
 pub mod batch;
+pub mod bema;
 pub mod distill;
 pub mod loss;
 pub mod metrics;
@@ -78,6 +80,8 @@ pub struct Learner {
     pub(crate) distillation_teacher: Option<Transformer>,
     /// SDPO's EMA teacher of a LoRA policy: its adapter tensors by PEFT key.
     pub(crate) sdpo_shadow: Option<std::collections::HashMap<String, candle_core::Tensor>>,
+    /// `[bema]`'s state.
+    pub(crate) bema: Option<bema::Bema>,
     /// A*-PO's optimal values by row index.
     pub(crate) a2po_values: Option<std::sync::Arc<std::collections::HashMap<u64, f64>>>,
     pub(crate) opt: AdamW,
@@ -170,6 +174,13 @@ impl Learner {
         } else {
             (o.warmup_ratio * total_updates as f64).ceil() as usize
         };
+        let bema = match &setup.cfg.bema {
+            Some(c) if c.update_ref_model && setup.reference.is_none() => anyhow::bail!(
+                "`bema.update_ref_model`: this run has no reference model to replace (it has one with `reference.beta` > 0, DPO, KTO, online DPO, A*-PO or RLOO's `rloo.beta` > 0)"
+            ),
+            Some(c) => Some(bema::Bema::start(c, opt.vars())?),
+            None => None,
+        };
         let mut learner = Self {
             cfg: setup.cfg.clone(),
             device: setup.device.clone(),
@@ -178,6 +189,7 @@ impl Learner {
             reference: setup.reference.clone(),
             distillation_teacher: setup.distillation_teacher.clone(),
             sdpo_shadow: None,
+            bema,
             a2po_values: setup.a2po_values.clone(),
             opt,
             schedule: Schedule {

@@ -45,6 +45,7 @@ impl Learner {
         }
         self.state.optimizer_steps += 1;
         self.sdpo_after_update()?;
+        self.bema_after_update()?;
         Ok((norm, lr))
     }
 
