@@ -263,3 +263,62 @@ fn the_refusals() {
     );
     assert!(e.contains("no reference model to replace"), "{e}");
 }
+
+/// The supervised trainers too: SFT's BEMA model is the formula over its checkpoints; DPO's
+/// reference takes the BEMA weights.
+#[test]
+fn sft_and_dpo_keep_bema() {
+    let f = fixture();
+    let sft: String = (0..8)
+        .map(|i| format!("{{\"prompt\": \"Count to {i}:\", \"completion\": \" 1 2 {i}\"}}\n"))
+        .collect();
+    let dpo: String = (0..8)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"Count to {i}:\", \"chosen\": \" 1 2 {i}\", \"rejected\": \" no\"}}\n"
+            )
+        })
+        .collect();
+    std::fs::write(f.root.join("sft.jsonl"), sft).unwrap();
+    std::fs::write(f.root.join("dpo.jsonl"), dpo).unwrap();
+    let cfg = |algorithm: &str, out: &str, extra: &str| {
+        let text = format!(
+            "algorithm = \"{algorithm}\"\noutput_dir = \"{}\"\n[model]\npath = \"{}\"\n[data]\npath = [\"{}\"]\n[optim]\nlearning_rate = 5e-3\n[train]\nmax_steps = 2\nprompts_per_step = 4\nsave_steps = 1\nsave_total_limit = 0\n{extra}\n",
+            f.root.join(out).display(),
+            f.root.join("model").display(),
+            f.root.join(format!("{algorithm}.jsonl")).display(),
+        );
+        let p = f.root.join(format!("{out}.toml"));
+        std::fs::write(&p, text).unwrap();
+        config::load(&p, &[]).unwrap()
+    };
+    let s = trainer::setup(cfg("sft", "sft-run", "[bema]\nupdate_freq = 1")).unwrap();
+    trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
+    let mut weights = vec![tensors(&f.root.join("model/model.safetensors"))];
+    for k in 1..=2 {
+        weights.push(tensors(&f.root.join(format!(
+            "sft-run/checkpoints/step-{k}/model/model.safetensors"
+        ))));
+    }
+    let got = tensors(&f.root.join("sft-run/bema/model.safetensors"));
+    for key in KEYS {
+        assert!(
+            max_diff(&got[key], &expected(&weights, key, 1)) < 1e-6,
+            "sft {key}"
+        );
+    }
+    let extra = "[bema]\nupdate_freq = 1\nupdate_ref_model = true\nref_model_update_freq = 1";
+    let s = trainer::setup(cfg("dpo", "dpo-run", extra)).unwrap();
+    trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap();
+    let ck = f.root.join("dpo-run/checkpoints/step-2");
+    let (reference, state) = (
+        tensors(&ck.join("reference.safetensors")),
+        tensors(&ck.join("bema.safetensors")),
+    );
+    for key in KEYS {
+        assert!(
+            max_diff(&reference[key], &state[&format!("bema/{key}")]) < 1e-7,
+            "dpo {key}"
+        );
+    }
+}

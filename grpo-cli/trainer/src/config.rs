@@ -2490,6 +2490,14 @@ impl TrainConfig {
                  `{section}.precompute_ref_log_probs` would go stale: set one of them to false"
             ));
         }
+        if let Some((section, true)) = precomputed
+            && self.bema.as_ref().is_some_and(|b| b.update_ref_model)
+        {
+            return Err(format!(
+                "`bema.update_ref_model` moves the reference, so \
+                 `{section}.precompute_ref_log_probs` would go stale: set one of them to false"
+            ));
+        }
         if self.algorithm == Algorithm::Kto {
             let k = &self.kto;
             if !(k.beta > 0.0 && k.beta.is_finite()) {

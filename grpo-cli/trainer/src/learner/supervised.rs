@@ -1501,6 +1501,7 @@ impl Learner {
             let lr = self.schedule.lr_at(self.state.optimizer_steps);
             self.opt.step(&acc, lr)?;
             self.state.optimizer_steps += 1;
+            self.bema_after_update()?;
             m.insert("grad_norm".into(), grad_norm);
             m.insert("learning_rate".into(), lr);
             let tokens: usize = rows
