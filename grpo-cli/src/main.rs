@@ -63,7 +63,7 @@ enum Command {
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
     /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
-    /// "gkd" | "sdpo" | "sdft"` in the config runs that instead.
+    /// "gkd" | "iw_opd" | "sdpo" | "sdft"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -105,6 +105,11 @@ enum Command {
     /// defaults): each step on the student's samples with probability `lmbda`, else on the
     /// dataset's completions (or the teacher's samples, `seq_kd`).
     Gkd(train_cmd::TrainArgs),
+    /// Importance-weighted on-policy distillation (the config's `[distillation]`, TRL's
+    /// IWOPDTrainer): the student's sampled tokens, each weighed by the teacher's log-ratio and
+    /// how early it comes in the completion.
+    #[command(alias = "iw_opd")]
+    IwOpd(train_cmd::TrainArgs),
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
@@ -127,6 +132,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::A2po(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("a2po"))?)),
         Some(Command::Sdpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdpo"))?)),
         Some(Command::Sdft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdft"))?)),
+        Some(Command::IwOpd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("iw_opd"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
         }
@@ -218,6 +224,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Reward(_)
             | Command::Distillation(_)
             | Command::Gkd(_)
+            | Command::IwOpd(_)
             | Command::Check(_),
         ) => {
             unreachable!("handled in run")

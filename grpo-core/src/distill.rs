@@ -9,6 +9,8 @@
 //!
 //! The gradient flows to the student's logits only (the teacher's are detached).
 //!
+//! [`iw_opd_advantages`] is TRL's IW-OPD sampled-token objective's weighting.
+//!
 //! [`topk_divergence`] is TRL's SDPO `topk_logits` approximation: the same divergence over the
 //! student's `k` most likely tokens only (both distributions renormalised there, or with one
 //! more bucket holding the rest of each one's mass).
@@ -211,4 +213,27 @@ fn log_softmax(z: &Tensor, temperature: f64) -> Result<Tensor> {
     let z = (z.to_dtype(dtype)? / temperature)?;
     let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
     z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)
+}
+
+/// IW-OPD's per-token advantages (TRL's experimental `IWOPDTrainer`, importance-weighted
+/// on-policy distillation): with `a = (log π_T − log π_rollout) · mask` at each sampled token
+/// (`teacher_logps`, `rollout_logps`, `mask` all `(B, T)`), each row's weights
+/// `w_t = 1 + γ (1 − Σ_{s<t} |a_s| / max(Σ_s |a_s|, ε))` — early tokens, before the row's
+/// disagreement has been spent, weigh up to `1 + γ` — and the advantages `w · a`. Returns
+/// `(advantages, weights, |a|)`, all `(B, T)` and without gradient; the loss is
+/// `−log π · advantages` summed over the loss tokens.
+pub fn iw_opd_advantages(
+    teacher_logps: &Tensor,
+    rollout_logps: &Tensor,
+    mask: &Tensor,
+    gamma: f64,
+    epsilon: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let a = ((teacher_logps.detach() - rollout_logps.detach())? * mask)?;
+    let abs = a.abs()?;
+    let prefix = (abs.cumsum(D::Minus1)? - &abs)?;
+    let total = abs.sum_keepdim(D::Minus1)?.maximum(epsilon)?;
+    let weights = ((prefix.broadcast_div(&total)?.affine(-1.0, 1.0)? * gamma)? + 1.0)?;
+    let adv = (&weights * &a)?;
+    Ok((adv, weights, abs))
 }

@@ -291,3 +291,198 @@ fn topk_divergence_matches_trls_sdpo_loss() {
     assert!(topk_indices(&x, 0).is_err() && topk_indices(&x, 5).is_err());
     assert!(topk_divergence(&x, &x, 2, 0.5, false, 0.0).is_err());
 }
+
+/// IW-OPD's loss `Σ −log π · w · a / N` and the student's logit gradient against TRL 1.16's own
+/// `IWOPDTrainer._compute_iw_opd_loss` (`scripts/check_iw_opd.py`): with the rollout's
+/// log-probs, and without them (the student's own, detached) at temperature 0.7; also TRL's
+/// `iw_opd/*` metrics over the valid tokens.
+#[test]
+fn iw_opd_matches_trls_loss() {
+    use candle_core::D;
+    use grpo_core::distill::iw_opd_advantages;
+    let d = Device::Cpu;
+    let logits = [
+        [
+            [1.0f64, -0.5, 0.3, 0.2],
+            [0.1, 0.4, -1.0, 0.9],
+            [0.5, 0.5, -0.2, 0.0],
+        ],
+        [
+            [-0.3, 0.8, 0.1, -0.6],
+            [1.2, -0.4, 0.2, 0.3],
+            [0.0, 0.0, 0.7, -0.9],
+        ],
+    ];
+    let tokens = Tensor::new(&[[2u32, 3, 0], [1, 0, 3]], &d).unwrap();
+    let mask = Tensor::new(&[[1f64, 1.0, 1.0], [1.0, 1.0, 0.0]], &d).unwrap();
+    let teacher = Tensor::new(&[[-1.1f64, -0.7, -2.0], [-0.4, -1.9, 0.0]], &d).unwrap();
+    let rollout = Tensor::new(&[[-1.3f64, -0.9, -1.2], [-0.8, -1.0, 0.0]], &d).unwrap();
+    #[allow(clippy::type_complexity)]
+    let cases: [(f64, f64, bool, f64, [[[f64; 4]; 3]; 2], [f64; 5]); 2] = [
+        (
+            0.5,
+            1.0,
+            true,
+            -0.18571976119411504,
+            [
+                [
+                    [
+                        0.027661950683852736,
+                        0.0061722154861060296,
+                        -0.04626348181619599,
+                        0.012429315646237222,
+                    ],
+                    [
+                        0.01154513855235109,
+                        0.015584306959576386,
+                        0.003843042781365585,
+                        -0.030972488293293063,
+                    ],
+                    [
+                        0.14458523115398808,
+                        -0.06874810217934527,
+                        -0.03413929720581303,
+                        -0.04169783176882982,
+                    ],
+                ],
+                [
+                    [
+                        0.019240608636687688,
+                        -0.06219801725361256,
+                        0.02870361516186063,
+                        0.014253793455064266,
+                    ],
+                    [
+                        0.11970378639687518,
+                        -0.02475330169593833,
+                        -0.04510345639190751,
+                        -0.04984702830902936,
+                    ],
+                    [0.0, 0.0, 0.0, 0.0],
+                ],
+            ],
+            [
+                -0.2189743589743589,
+                0.4999999999999999,
+                1.419230769230769,
+                1.3333333333333333,
+                1.5,
+            ],
+        ),
+        (
+            1.0,
+            0.7,
+            false,
+            -0.2598369153785279,
+            [
+                [
+                    [
+                        0.15522209325304587,
+                        0.018210526539851377,
+                        -0.22293396317284642,
+                        0.04950134337994917,
+                    ],
+                    [
+                        -0.005827827395962991,
+                        -0.008946082259866903,
+                        -0.0012107205764971232,
+                        0.01598463023232702,
+                    ],
+                    [
+                        0.2873509304783921,
+                        -0.1547042457769572,
+                        -0.05691251148327651,
+                        -0.0757341732181584,
+                    ],
+                ],
+                [
+                    [
+                        0.009509499492264682,
+                        -0.032543732580184614,
+                        0.01683937370108697,
+                        0.006194859386832958,
+                    ],
+                    [
+                        0.29599690617071966,
+                        -0.04872617462156002,
+                        -0.11481925650505075,
+                        -0.13245147504410892,
+                    ],
+                    [0.0, 0.0, 0.0, 0.0],
+                ],
+            ],
+            [
+                -0.6251465100726308,
+                0.6135364083514364,
+                1.843244217360241,
+                1.6284863493731991,
+                2.0,
+            ],
+        ),
+    ];
+    for (gamma, t, with_rollout, want, grad_want, metrics) in cases {
+        let z = Var::new(&logits, &d).unwrap();
+        let zt = (z.as_tensor() / t).unwrap();
+        let lse = zt
+            .exp()
+            .unwrap()
+            .sum_keepdim(D::Minus1)
+            .unwrap()
+            .log()
+            .unwrap();
+        let lp = zt
+            .broadcast_sub(&lse)
+            .unwrap()
+            .gather(&tokens.unsqueeze(2).unwrap(), D::Minus1)
+            .unwrap()
+            .squeeze(2)
+            .unwrap();
+        let roll = match with_rollout {
+            true => rollout.clone(),
+            false => lp.detach(),
+        };
+        let (adv, w, abs) = iw_opd_advantages(&teacher, &roll, &mask, gamma, 1e-8).unwrap();
+        let loss = ((lp.neg().unwrap() * &adv).unwrap() * &mask)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .affine(1.0 / 5.0, 0.0)
+            .unwrap();
+        let got: f64 = loss.to_scalar().unwrap();
+        assert!((got - want).abs() < 1e-12, "γ {gamma}: {got} vs {want}");
+        let g: Vec<Vec<Vec<f64>>> = loss
+            .backward()
+            .unwrap()
+            .get(z.as_tensor())
+            .unwrap()
+            .to_vec3()
+            .unwrap();
+        for (row, wrow) in g.iter().flatten().zip(grad_want.iter().flatten()) {
+            for (a, b) in row.iter().zip(wrow) {
+                assert!((a - b).abs() < 1e-12, "γ {gamma}: {g:?}");
+            }
+        }
+        // TRL's metrics: means, min and max over the 5 valid tokens.
+        let valid = |x: &Tensor| -> Vec<f64> {
+            let v: Vec<f64> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let m: Vec<f64> = mask.flatten_all().unwrap().to_vec1().unwrap();
+            v.into_iter()
+                .zip(m)
+                .filter(|(_, m)| *m > 0.0)
+                .map(|(v, _)| v)
+                .collect()
+        };
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let (a, b, c) = (valid(&adv), valid(&abs), valid(&w));
+        let got = [
+            mean(&a),
+            mean(&b),
+            mean(&c),
+            c.iter().copied().fold(f64::INFINITY, f64::min),
+            c.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        ];
+        for (x, y) in got.iter().zip(metrics) {
+            assert!((x - y).abs() < 1e-12, "γ {gamma}: {got:?} vs {metrics:?}");
+        }
+    }
+}

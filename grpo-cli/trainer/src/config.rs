@@ -80,11 +80,14 @@ pub enum Algorithm {
     /// policy itself shown each row's privileged context (`[sdft]`) scores the same tokens, and
     /// the policy learns toward it. No rewards.
     Sdft,
+    /// Importance-weighted on-policy distillation (TRL's experimental IWOPDTrainer):
+    /// distillation's `[distillation]` with the sampled-token IW-OPD objective by default.
+    IwOpd,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 15] = [
+    pub const ALL: [Algorithm; 16] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -100,6 +103,7 @@ impl Algorithm {
         Algorithm::A2po,
         Algorithm::Sdpo,
         Algorithm::Sdft,
+        Algorithm::IwOpd,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -115,12 +119,17 @@ impl Algorithm {
                 | Algorithm::A2po
                 | Algorithm::Sdpo
                 | Algorithm::Sdft
+                | Algorithm::IwOpd
         )
     }
 
-    /// Whether the run distils a teacher (`[distillation]`): on-policy distillation or GKD.
+    /// Whether the run distils a teacher (`[distillation]`): on-policy distillation, GKD or
+    /// IW-OPD.
     pub fn is_distillation(self) -> bool {
-        matches!(self, Algorithm::Distillation | Algorithm::Gkd)
+        matches!(
+            self,
+            Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd
+        )
     }
 
     /// Whether the run learns from rewards (GRPO, RLOO, online DPO; distillation only logs
@@ -168,6 +177,7 @@ impl Algorithm {
             Self::A2po => "a2po",
             Self::Sdpo => "sdpo",
             Self::Sdft => "sdft",
+            Self::IwOpd => "iw_opd",
         }
     }
 
@@ -186,7 +196,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo"
                 )
             })
     }
@@ -319,6 +329,25 @@ pub struct DistillationSection {
     /// conversation prompt whose last turn is the assistant's needs none: that turn is the
     /// completion, as TRL's GKD reads `messages`). Default `completion`.
     pub completion_field: String,
+    /// The objective: `jsd` (the divergence at `beta`; the default of distillation and GKD) or
+    /// `iw_opd` (the sampled-token importance-weighted objective; `algorithm = "iw_opd"`'s
+    /// default).
+    pub distillation_objective: Option<DistillObjective>,
+    /// IW-OPD's γ: early tokens weigh up to `1 + γ` (default 0.5).
+    pub iw_opd_gamma: f64,
+    /// IW-OPD's ε in the weights' normaliser (default 1e-8).
+    pub iw_opd_epsilon: f64,
+}
+
+/// `distillation.distillation_objective`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillObjective {
+    /// The generalized JSD / KL over the vocabulary (`grpo_core::distill::generalized_jsd`).
+    Jsd,
+    /// IW-OPD: `−log π · w · (log π_T − log π_rollout)` at each sampled token
+    /// (`grpo_core::distill::iw_opd_advantages`).
+    IwOpd,
 }
 
 impl Default for DistillationSection {
@@ -331,11 +360,23 @@ impl Default for DistillationSection {
             lmbda: None,
             seq_kd: false,
             completion_field: "completion".into(),
+            distillation_objective: None,
+            iw_opd_gamma: 0.5,
+            iw_opd_epsilon: 1e-8,
         }
     }
 }
 
 impl DistillationSection {
+    /// The objective, resolved for the algorithm (see
+    /// [`DistillationSection::distillation_objective`]).
+    pub fn objective_for(&self, algorithm: Algorithm) -> DistillObjective {
+        self.distillation_objective.unwrap_or(match algorithm {
+            Algorithm::IwOpd => DistillObjective::IwOpd,
+            _ => DistillObjective::Jsd,
+        })
+    }
+
     /// λ, resolved for the algorithm (see [`DistillationSection::lmbda`]).
     pub fn lmbda_for(&self, algorithm: Algorithm) -> f64 {
         self.lmbda.unwrap_or(match algorithm {
@@ -2044,6 +2085,11 @@ fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)>
     use serde_json::json;
     match algorithm {
         "distillation" | "a2po" => vec![("rollout", "num_generations", json!(1))],
+        "iw_opd" => vec![
+            ("rollout", "num_generations", json!(1)),
+            ("rollout", "top_p", json!(0.95)),
+            ("rollout", "max_completion_length", json!(512)),
+        ],
         "gkd" => vec![
             ("rollout", "num_generations", json!(1)),
             ("rollout", "temperature", json!(0.9)),
@@ -2585,6 +2631,18 @@ impl TrainConfig {
             if self.loss.drop_zero_std_groups {
                 return Err("`loss.drop_zero_std_groups` drops groups by their rewards; distillation trains on every completion".into());
             }
+            if !(d.iw_opd_gamma >= 0.0 && d.iw_opd_gamma.is_finite()) {
+                return Err(format!(
+                    "`distillation.iw_opd_gamma` must be >= 0, got {}",
+                    d.iw_opd_gamma
+                ));
+            }
+            if !(d.iw_opd_epsilon > 0.0 && d.iw_opd_epsilon.is_finite()) {
+                return Err(format!(
+                    "`distillation.iw_opd_epsilon` must be > 0, got {}",
+                    d.iw_opd_epsilon
+                ));
+            }
         }
         if self.algorithm == Algorithm::Reward {
             if let Some(c) = self.reward.center_rewards_coefficient
@@ -2950,7 +3008,8 @@ impl TrainConfig {
             | Algorithm::Gkd
             | Algorithm::A2po
             | Algorithm::Sdpo
-            | Algorithm::Sdft => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::Sdft
+            | Algorithm::IwOpd => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -2993,6 +3052,7 @@ impl TrainConfig {
                 | Algorithm::Tpo
                 | Algorithm::Sdpo
                 | Algorithm::Sdft
+                | Algorithm::IwOpd
         ))
     }
 

@@ -1,6 +1,6 @@
 //! # grpo-trainer: the trainer as a library
 //!
-//! One job: train a policy with GRPO (or RLOO, online DPO, A*-PO, SDPO, SDFT, distillation, GKD, SFT, DPO,
+//! One job: train a policy with GRPO (or RLOO, online DPO, A*-PO, SDPO, SDFT, distillation, GKD, IW-OPD, SFT, DPO,
 //! KTO, ORPO, CPO, TPO, a reward model) from a typed config, on the CPU or CUDA,
 //! writing a run directory (metrics, completions, checkpoints with exact resume). No command
 //! line, no server, no progress bar: the `grpo-cli` binary is a thin layer over this crate.
@@ -60,10 +60,10 @@ pub use pipeline::{RunMode, RunOptions, TrainingResult, run};
 pub use setup::{Setup, setup, setup_with};
 pub use trainer::{
     A2po, A2poTrainer, AnyTrainer, ByName, Cpo, CpoTrainer, Distillation, DistillationTrainer, Dpo,
-    DpoTrainer, FitOptions, Gkd, GkdTrainer, Grpo, GrpoTrainer, Kto, KtoTrainer, OnlineDpo,
-    OnlineDpoTrainer, Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sdft,
-    SdftTrainer, Sdpo, SdpoTrainer, Sft, SftTrainer, Tpo, TpoTrainer, Trainer, TrainerKind,
-    create_trainer, get_algorithm, list_algorithms,
+    DpoTrainer, FitOptions, Gkd, GkdTrainer, Grpo, GrpoTrainer, IwOpd, IwOpdTrainer, Kto,
+    KtoTrainer, OnlineDpo, OnlineDpoTrainer, Orpo, OrpoTrainer, RewardModeling, RewardTrainer,
+    Rloo, RlooTrainer, Sdft, SdftTrainer, Sdpo, SdpoTrainer, Sft, SftTrainer, Tpo, TpoTrainer,
+    Trainer, TrainerKind, create_trainer, get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

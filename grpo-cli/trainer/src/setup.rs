@@ -164,7 +164,9 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
         Algorithm::Reward if has(&cfg.reward.chosen_field) && has(&cfg.reward.rejected_field) => {
             Some(cfg.reward.chosen_field.clone())
         }
-        Algorithm::Sft | Algorithm::Gkd | Algorithm::Distillation if has("messages") => {
+        Algorithm::Sft | Algorithm::Gkd | Algorithm::Distillation | Algorithm::IwOpd
+            if has("messages") =>
+        {
             Some("messages".into())
         }
         Algorithm::Sft if has(&cfg.sft.dataset_text_field) => {
@@ -184,7 +186,7 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
         }
         // GKD's off-policy steps read the dataset's completions (unless the teacher samples
         // them): a completion column, or conversations that end with the assistant's turn.
-        Algorithm::Distillation | Algorithm::Gkd
+        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd
             if cfg.distillation.lmbda_for(cfg.algorithm) < 1.0
                 && !cfg.distillation.seq_kd
                 && !data.conversation_prompts() =>
@@ -494,27 +496,25 @@ pub fn setup_with(
     } else {
         None
     };
-    let distillation_teacher = match cfg.algorithm {
-        Algorithm::Distillation | Algorithm::Gkd => Some(distillation_teacher(
-            &cfg,
-            &policy.model,
-            &loaded.tokenizer,
-        )?),
-        // SDPO's and SDFT's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
-        // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
-        // nothing writes in place; LoRA: adapters the learner keeps).
-        Algorithm::Sdpo | Algorithm::Sdft => match (
-            cfg.self_distill().map(|d| d.teacher).unwrap_or_default(),
-            &cfg.model.lora,
-        ) {
-            (crate::config::SdpoTeacher::Live, _) | (crate::config::SdpoTeacher::Ema, Some(_)) => {
-                None
-            }
-            (_, Some(_)) => Some(policy.model.without_adapters()),
-            (_, None) => Some(loaded.model.detached()),
-        },
-        _ => None,
-    };
+    let distillation_teacher =
+        match cfg.algorithm {
+            Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd => Some(
+                distillation_teacher(&cfg, &policy.model, &loaded.tokenizer)?,
+            ),
+            // SDPO's and SDFT's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
+            // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
+            // nothing writes in place; LoRA: adapters the learner keeps).
+            Algorithm::Sdpo | Algorithm::Sdft => match (
+                cfg.self_distill().map(|d| d.teacher).unwrap_or_default(),
+                &cfg.model.lora,
+            ) {
+                (crate::config::SdpoTeacher::Live, _)
+                | (crate::config::SdpoTeacher::Ema, Some(_)) => None,
+                (_, Some(_)) => Some(policy.model.without_adapters()),
+                (_, None) => Some(loaded.model.detached()),
+            },
+            _ => None,
+        };
     let total_steps = total_steps(&cfg, splits.train.len());
     Ok(Setup {
         device,

@@ -68,6 +68,9 @@ pub struct Sdpo;
 /// Self-distillation fine-tuning (`[sdft]`, TRL's SDFTTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Sdft;
+/// Importance-weighted on-policy distillation (`[distillation]`, TRL's IWOPDTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct IwOpd;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -117,6 +120,9 @@ impl TrainerKind for Sdpo {
 impl TrainerKind for Sdft {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Sdft);
 }
+impl TrainerKind for IwOpd {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::IwOpd);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -162,6 +168,10 @@ pub type SdpoTrainer = Trainer<Sdpo>;
 
 /// An SDFT trainer: the policy learns toward itself shown each row's privileged context.
 pub type SdftTrainer = Trainer<Sdft>;
+
+/// An IW-OPD trainer: on-policy distillation with the importance-weighted sampled-token
+/// objective.
+pub type IwOpdTrainer = Trainer<IwOpd>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

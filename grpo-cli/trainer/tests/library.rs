@@ -284,6 +284,7 @@ fn algorithms_by_name() {
             "dpo",
             "gkd",
             "grpo",
+            "iw_opd",
             "kto",
             "online_dpo",
             "orpo",

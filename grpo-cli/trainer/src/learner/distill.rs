@@ -6,17 +6,21 @@
 //! `num_items_in_batch`. Rewards, when the config has any, are scored and logged, not trained
 //! on. GKD (TRL's GKDTrainer) is the same step on whatever completions the generator gave
 //! (the student's, the dataset's or the teacher's), its divergence at temperature 1 as TRL's
-//! `compute_loss` takes it.
+//! `compute_loss` takes it. IW-OPD (TRL's IWOPDTrainer, or `distillation.distillation_objective
+//! = "iw_opd"`) is the same step with the sampled-token objective
+//! (`grpo_core::distill::iw_opd_advantages`): `−log π · w · (log π_T − log π_rollout)` summed
+//! over the loss tokens.
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use candle_core::{DType, Tensor};
 
 use super::Learner;
 use super::batch::{StepBatch, padded_batch};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
+use crate::config::DistillObjective;
 use crate::stages::Scored;
 
 impl Learner {
@@ -37,11 +41,13 @@ impl Learner {
         // update trains on.
         let denom = (batch.total_tokens as f64 / self.cfg.updates_per_step() as f64).max(1.0);
         let (mut ent_sum, mut tok_sum) = (0.0, 0.0);
+        let mut iw: Vec<[f64; 5]> = Vec::new();
         let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
             let (a, b) = c.range;
-            let part = l.distill_part(&l.policy.model, &teacher, &batch, a, b)?;
+            let part = l.distill_part(&l.policy.model, &teacher, s, &batch, a, b)?;
             ent_sum += part.entropy;
             tok_sum += part.tokens;
+            iw.extend(part.iw_opd);
             Ok((part.divergence / denom)?)
         })?;
         self.state.step = r.batch.step + 1;
@@ -55,6 +61,20 @@ impl Learner {
                 0.0
             },
         );
+        if !iw.is_empty() {
+            // TRL's IW-OPD metrics: each micro-batch's, averaged.
+            let names = [
+                "mean_advantage",
+                "mean_abs_advantage",
+                "mean_weight",
+                "min_weight",
+                "max_weight",
+            ];
+            for (k, name) in names.iter().enumerate() {
+                let v = iw.iter().map(|x| x[k]).sum::<f64>() / iw.len() as f64;
+                m.insert(format!("iw_opd/{name}"), v);
+            }
+        }
         if self.cfg.distillation.lmbda_for(self.cfg.algorithm) < 1.0 {
             // GKD: whether this step trained on the student's own samples.
             let on = r.source == crate::stages::CompletionSource::Policy;
@@ -77,10 +97,14 @@ impl Learner {
         &self,
         model: &grpo_rollout::Transformer,
         teacher: &grpo_rollout::Transformer,
+        s: &Scored,
         batch: &StepBatch<'_>,
         a: usize,
         b: usize,
     ) -> Result<DistillPart> {
+        if self.cfg.distillation.objective_for(self.cfg.algorithm) == DistillObjective::IwOpd {
+            return self.iw_opd_part(model, teacher, s, batch, a, b);
+        }
         // TRL's GKD takes the divergence at temperature 1 (its sampling temperature is the
         // generator's); the DistillationTrainer at the sampling temperature.
         let temperature = match self.cfg.algorithm {
@@ -109,6 +133,87 @@ impl Learner {
             divergence: (&div * &loss_mask)?.sum_all()?,
             entropy: wide((ent * &loss_mask)?.sum_all()?)?,
             tokens: wide(loss_mask.sum_all()?)?,
+            iw_opd: None,
+        })
+    }
+
+    /// IW-OPD's summed loss `Σ −log π · w · a` over micro-batch `[a, b)`'s loss tokens (with
+    /// `model`'s graph), with `a = log π_T − log π_rollout` at the sampled tokens: the rollout's
+    /// log-probs those the tokens were sampled with on a rollout server (TRL's vLLM path), else
+    /// the student's own, detached (TRL's local path); the student's entropy, the loss tokens
+    /// and TRL's `iw_opd/*` values.
+    fn iw_opd_part(
+        &self,
+        model: &grpo_rollout::Transformer,
+        teacher: &grpo_rollout::Transformer,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        a: usize,
+        b: usize,
+    ) -> Result<DistillPart> {
+        let d = &self.cfg.distillation;
+        if teacher.cfg.vocab_size < model.cfg.vocab_size {
+            bail!(
+                "distillation: the teacher's vocabulary ({}) is smaller than the student's ({})",
+                teacher.cfg.vocab_size,
+                model.cfg.vocab_size
+            );
+        }
+        let temperature = self.cfg.rollout.temperature;
+        let (ids, mask, c) = padded_batch(
+            self.tokenizer.pad_token_id,
+            &batch.prompts[a..b],
+            &batch.completions[a..b],
+            &self.device,
+        )?;
+        let (h, tg, shape) = model.completion_rows(&ids, &mask, c)?;
+        let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
+        let td = teacher.device();
+        let (th, ttg, tshape) =
+            teacher.completion_rows(&ids.to_device(td)?, &mask.to_device(td)?, c)?;
+        let (tlp, _) = teacher.rows_logprobs(&th.detach(), &ttg, tshape, temperature, false)?;
+        let tlp = tlp.detach().to_device(lp.device())?.to_dtype(lp.dtype())?;
+        let remote = self.cfg.rollout.backend == crate::config::Backend::Openai
+            && s.rollouts.source == crate::stages::CompletionSource::Policy;
+        let rollout = match remote {
+            true => self.sampled_logps(s, a, b, &lp.detach())?,
+            false => lp.detach(),
+        };
+        let loss_mask = batch.mask(a, b, c, &self.device)?.to_dtype(lp.dtype())?;
+        let (adv, w, abs) = grpo_core::distill::iw_opd_advantages(
+            &tlp,
+            &rollout,
+            &loss_mask,
+            d.iw_opd_gamma,
+            d.iw_opd_epsilon,
+        )?;
+        let loss = ((lp.neg()? * &adv)? * &loss_mask)?.sum_all()?;
+        let wide = |t: Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?) };
+        let tokens = wide(loss_mask.sum_all()?)?;
+        let iw_opd = match tokens > 0.0 {
+            true => {
+                let mean = |x: &Tensor| -> Result<f64> {
+                    Ok(wide((x * &loss_mask)?.sum_all()?)? / tokens)
+                };
+                let on = loss_mask.ne(0.0)?;
+                let fill = |v: f64| -> Result<Tensor> {
+                    Ok(Tensor::full(v, w.shape(), w.device())?.to_dtype(w.dtype())?)
+                };
+                let min = wide(on.where_cond(&w, &fill(f64::INFINITY)?)?.min_all()?)?;
+                let max = wide(on.where_cond(&w, &fill(f64::NEG_INFINITY)?)?.max_all()?)?;
+                Some([mean(&adv)?, mean(&abs)?, mean(&w)?, min, max])
+            }
+            false => None,
+        };
+        let entropy = match &ent {
+            Some(e) => wide((e.detach() * &loss_mask)?.sum_all()?)?,
+            None => 0.0,
+        };
+        Ok(DistillPart {
+            divergence: loss,
+            entropy,
+            tokens,
+            iw_opd,
         })
     }
 
@@ -124,7 +229,7 @@ impl Learner {
         let model = self.policy.model.detached();
         let (mut div, mut ent, mut tok) = (0.0, 0.0, 0.0);
         for &(a, b) in &batch.chunks {
-            let p = self.distill_part(&model, teacher, &batch, a, b)?;
+            let p = self.distill_part(&model, teacher, s, &batch, a, b)?;
             div += p.divergence.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             ent += p.entropy;
             tok += p.tokens;
@@ -138,4 +243,6 @@ struct DistillPart {
     divergence: Tensor,
     entropy: f64,
     tokens: f64,
+    /// IW-OPD's mean advantage, mean |a|, mean, min and max weight over the loss tokens.
+    iw_opd: Option<[f64; 5]>,
 }

@@ -214,7 +214,13 @@ impl Learner {
     /// The log-probs completions `[a, b)` were sampled with, `(b − a, C)` like `old_lp`; a
     /// completion without usable ones (a server that gave none, see grpo_rollout::remote)
     /// takes `old_lp`'s row (weight 1, no off-policy evidence).
-    fn sampled_logps(&self, s: &Scored, a: usize, b: usize, old_lp: &Tensor) -> Result<Tensor> {
+    pub(crate) fn sampled_logps(
+        &self,
+        s: &Scored,
+        a: usize,
+        b: usize,
+        old_lp: &Tensor,
+    ) -> Result<Tensor> {
         let c = old_lp.dim(1)?;
         let mut sampled = Vec::with_capacity((b - a) * c);
         let mut usable = Vec::with_capacity(b - a);
