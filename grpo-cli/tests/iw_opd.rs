@@ -120,7 +120,9 @@ fn the_first_step_is_the_iw_opd_objective() {
             prefix += aj.abs();
             loss += -ls[j] * w * aj;
             tokens += 1.0;
-            (adv_all.push(w * aj), abs_all.push(aj.abs()), w_all.push(w));
+            adv_all.push(w * aj);
+            abs_all.push(aj.abs());
+            w_all.push(w);
         }
     }
     let want = loss / tokens;
