@@ -544,3 +544,51 @@ fn distillation_samples_through_the_openai_backend() {
     );
     assert!(remote.metrics.iter().all(|m| m["loss"].is_finite()));
 }
+
+/// SDPO and IW-OPD with their samples from the server: the first step equals the local
+/// backend's (the same completions; IW-OPD's rollout log-probs then come from the server, equal
+/// to the student's own to the engine's rounding).
+#[test]
+fn sdpo_and_iw_opd_sample_through_the_openai_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
+    let srv = serve(root);
+    let remote_extra = format!(
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n",
+        srv.base_url()
+    );
+    let train = |out: &str, extra: &str, algorithm: grpo_trainer::Algorithm| {
+        let mut c = config(root, out, extra);
+        c.algorithm = algorithm;
+        c.distillation.teacher_model_name_or_path = Some(root.join("teacher"));
+        c.sdpo.success_reward_threshold = 0.0;
+        c.sdpo.teacher_model_kind = grpo_trainer::config::SdpoTeacher::Live;
+        c.train.max_steps = Some(2);
+        c.optim.learning_rate = Some(1e-3);
+        if algorithm == grpo_trainer::Algorithm::IwOpd {
+            c.rewards.clear();
+        }
+        trainer::run(
+            trainer::setup(c).unwrap(),
+            &RunOptions::default(),
+            &mut grpo_trainer::NoCallbacks,
+        )
+        .unwrap()
+    };
+    for algorithm in [
+        grpo_trainer::Algorithm::Sdpo,
+        grpo_trainer::Algorithm::IwOpd,
+    ] {
+        let name = algorithm.as_str();
+        let local = train(&format!("{name}-local"), "", algorithm);
+        let remote = train(&format!("{name}-remote"), &remote_extra, algorithm);
+        assert_eq!(remote.metrics.len(), 2);
+        let (l, r) = (local.metrics[0]["loss"], remote.metrics[0]["loss"]);
+        assert!(
+            l.abs() > 0.0 && (l - r).abs() < 1e-3 * l.abs(),
+            "{name}: first-step loss {l} vs {r}"
+        );
+    }
+}
