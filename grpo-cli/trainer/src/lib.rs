@@ -13,7 +13,7 @@
 //! | [`mod@setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
 //! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
-//! | [`learner`] | batch assembly, the GRPO loss, the optimizer step, metrics; SFT / DPO / KTO / ORPO / CPO / reward steps |
+//! | [`learner`] | batch assembly, the GRPO loss, the optimizer step, metrics; SFT / DPO / KTO / ORPO / CPO / reward steps; distillation (and IW-OPD), self-distillation (SDPO, SDFT), BEMA |
 //! | [`events`] | metrics / completions logs, checkpoint writes, TensorBoard, progress: sinks on their own thread |
 //! | [`checkpoint`], [`run_dir`] | checkpoint files and resume; what a run directory may hold |
 //! | [`teacher`], [`remote`] | the two-pass teaching glue; LoRA sync to an OpenAI-compatible server |

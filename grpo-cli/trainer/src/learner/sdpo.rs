@@ -88,6 +88,15 @@ pub struct Reprompt {
 }
 
 impl Reprompt {
+    /// SDFT's context: every completion is shown its row's privileged context (in SDPO's terms,
+    /// the row's feedback, without a demonstration).
+    pub fn privileged() -> Self {
+        Self {
+            demo: None,
+            feedback: true,
+        }
+    }
+
     /// Whether the completion trains on the self-distillation term at all.
     pub fn active(&self) -> bool {
         self.demo.is_some() || self.feedback
@@ -349,12 +358,8 @@ impl Learner {
         let n = r.completions.len();
         if self.cfg.algorithm == Algorithm::Sdft {
             // Every completion has its row's privileged context.
-            let every = Reprompt {
-                demo: None,
-                feedback: true,
-            };
             return Ok((
-                vec![every; n],
+                vec![Reprompt::privileged(); n],
                 BTreeMap::new(),
                 self.sdft_teacher_prompts(s)?,
             ));
