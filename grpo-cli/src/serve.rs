@@ -125,6 +125,12 @@ struct Job {
 enum Reply {
     /// All completions at once.
     Whole(tokio::sync::oneshot::Sender<Result<Vec<Completion>, String>>),
+    /// No sampling: each prompt's own tokens scored (`echo` with logprobs), with the `top`
+    /// most likely tokens at each position.
+    Score {
+        top: usize,
+        tx: tokio::sync::oneshot::Sender<Result<Vec<PromptScores>, String>>,
+    },
     /// Piece by piece as tokens are sampled (`stream: true`); the channel closes when every
     /// choice has finished.
     Stream(tokio::sync::mpsc::UnboundedSender<Piece>),
@@ -326,6 +332,71 @@ fn with_adapter(base: &Transformer, dir: &Path) -> Result<Transformer> {
     Ok(m)
 }
 
+/// The log-probs of a prompt's own tokens under the model (from the raw logits, as vLLM's
+/// prompt log-probs): for each token after the first, its log-prob and the `top` most likely
+/// tokens there, best first.
+#[derive(Debug, Clone, Default)]
+struct PromptScores {
+    logprobs: Vec<f32>,
+    top: Vec<Vec<(u32, f32)>>,
+}
+
+/// Scores `prompt` under `model` (one teacher-forced forward, the logits a chunk of rows at a
+/// time through the model's own log-prob path).
+fn score_prompt(
+    model: &Transformer,
+    prompt: &[u32],
+    top: usize,
+) -> candle_core::Result<PromptScores> {
+    use candle_core::{D, DType, Tensor};
+    let n = prompt.len();
+    if n < 2 {
+        return Ok(PromptScores::default());
+    }
+    let dev = model.device();
+    let ids = Tensor::from_slice(prompt, (1, n), dev)?;
+    let mask = Tensor::ones((1, n), DType::U32, dev)?;
+    let (h, targets, shape) = model.completion_rows(&ids, &mask, n - 1)?;
+    let (lp, _) = model.rows_logprobs(&h, &targets, shape, 1.0, false)?;
+    let logprobs: Vec<f32> = lp.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+    let mut tops = Vec::with_capacity(n - 1);
+    if top > 0 {
+        let z = model.logits(&h)?.to_dtype(DType::F32)?;
+        let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?)?;
+        let ls = z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)?;
+        let k = top.min(ls.dim(1)?);
+        let idx = grpo_core::distill::topk_indices(&ls, k)?;
+        let vals: Vec<Vec<f32>> = ls.gather(&idx, D::Minus1)?.to_vec2()?;
+        let idx: Vec<Vec<u32>> = idx.to_vec2()?;
+        for (i, v) in idx.into_iter().zip(vals) {
+            tops.push(i.into_iter().zip(v).collect());
+        }
+    }
+    Ok(PromptScores {
+        logprobs,
+        top: tops,
+    })
+}
+
+/// A scoring job: each prompt's scores, or the first error.
+fn score_job(shared: &Shared, job: Job) {
+    shared.stats.requests.fetch_add(1, Ordering::Relaxed);
+    let Reply::Score { top, tx } = job.reply else {
+        return;
+    };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        job.prompts
+            .iter()
+            .map(|p| score_prompt(&job.model, p, top))
+            .collect::<candle_core::Result<Vec<_>>>()
+    }));
+    let _ = tx.send(match result {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(format!("scoring the prompt failed: {}", one_line(&e))),
+        Err(_) => Err("scoring the prompt panicked".to_string()),
+    });
+}
+
 /// The engine thread: batches of waiting requests, grouped by model and knobs.
 fn engine(shared: &Shared, rx: &crossbeam_channel::Receiver<Job>, max_batch: usize) {
     while let Ok(first) = rx.recv() {
@@ -337,7 +408,14 @@ fn engine(shared: &Shared, rx: &crossbeam_channel::Receiver<Job>, max_batch: usi
             }
         }
         shared.stats.batches.fetch_add(1, Ordering::Relaxed);
-        // Group by (model, knobs); order of arrival is kept within a group.
+        // Scoring jobs (`echo`) run on their own; the others group by (model, knobs), in order
+        // of arrival within a group.
+        let (scores, jobs): (Vec<Job>, Vec<Job>) = jobs
+            .into_iter()
+            .partition(|j| matches!(j.reply, Reply::Score { .. }));
+        for job in scores {
+            score_job(shared, job);
+        }
         let mut groups: Vec<Vec<Job>> = Vec::new();
         for job in jobs {
             match groups.iter_mut().find(|g| {
@@ -388,7 +466,7 @@ fn run_group(shared: &Shared, group: Vec<Job>) {
             Reply::Stream(_) => (0..job.prompts.len() * job.n)
                 .map(|_| Deltas::new(hold.saturating_sub(1)))
                 .collect(),
-            Reply::Whole(_) => Vec::new(),
+            Reply::Whole(_) | Reply::Score { .. } => Vec::new(),
         })
         .collect();
     let mut on_token = |e: TokenEvent<'_>| {
@@ -438,6 +516,7 @@ fn run_group(shared: &Shared, group: Vec<Job>) {
             (Reply::Stream(tx), Err(e)) => {
                 let _ = tx.send(Piece::Error(e.clone()));
             }
+            (Reply::Score { .. }, _) => {}
         }
     }
 }
@@ -925,6 +1004,38 @@ impl Shared {
         }
     }
 
+    /// Scores `prompts`' own tokens under `model` on the engine (`echo`), with the `top` most
+    /// likely tokens at each position.
+    async fn score(
+        &self,
+        model: Arc<Transformer>,
+        prompts: Vec<Vec<u32>>,
+        top: usize,
+    ) -> Result<Vec<PromptScores>, ApiError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.submit(Job {
+            model,
+            prompts,
+            n: 1,
+            seed: 0,
+            params: SamplingParams::default(),
+            reply: Reply::Score { top, tx },
+        })?;
+        match rx.await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: e,
+                param: None,
+            }),
+            Err(_) => Err(ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: "the engine dropped the request".into(),
+                param: None,
+            }),
+        }
+    }
+
     /// Queues a job whose pieces come as its tokens are sampled.
     fn run_streamed(
         &self,
@@ -1031,11 +1142,22 @@ async fn completions(
     State(s): State<Arc<Shared>>,
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let req = json_body(&s, body)?;
+    let mut req = json_body(&s, body)?;
+    let echo = req.echo == Some(true);
+    // `echo` with `max_tokens: 0` scores the prompt alone (vLLM's, and lm-evaluation-harness's
+    // log-likelihood requests).
+    let generate =
+        !(echo && req.knobs.max_tokens == Some(0) && req.knobs.max_completion_tokens.is_none());
+    if !generate {
+        req.knobs.max_tokens = Some(1);
+    }
     let (model, name, n, seed, mut params) = s.bad(sampling(&s, &req.knobs, 16))?;
     let stream = s.bad(stream_options(&req.knobs))?;
-    if req.echo == Some(true) {
-        return s.bad(Err(ApiError::bad("echo", "`echo` is not supported")));
+    if echo && stream.is_some() {
+        return s.bad(Err(ApiError::bad(
+            "echo",
+            "`echo` with `stream` is not supported",
+        )));
     }
     if let Some(k) = req.logprobs {
         if k > s.max_logprobs {
@@ -1047,12 +1169,19 @@ async fn completions(
         params.top_logprobs = k;
     }
     let vocab = s.base.cfg.vocab_size as u32;
-    let prompts: Vec<Vec<u32>> = match req.prompt {
+    // The prompts' texts as given (token prompts: decoded), for `echo`.
+    let (prompts, prompt_texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
         None => return s.bad(Err(ApiError::bad("prompt", "`prompt` is required"))),
-        Some(PromptInput::Text(t)) => vec![encode(&s, &t)?],
-        Some(PromptInput::Texts(v)) => v.iter().map(|t| encode(&s, t)).collect::<Result<_, _>>()?,
-        Some(PromptInput::Ids(v)) => vec![v],
-        Some(PromptInput::IdLists(v)) => v,
+        Some(PromptInput::Text(t)) => (vec![encode(&s, &t)?], vec![Some(t)]),
+        Some(PromptInput::Texts(v)) => (
+            v.iter().map(|t| encode(&s, t)).collect::<Result<_, _>>()?,
+            v.into_iter().map(Some).collect(),
+        ),
+        Some(PromptInput::Ids(v)) => (vec![v], vec![None]),
+        Some(PromptInput::IdLists(v)) => {
+            let n = v.len();
+            (v, vec![None; n])
+        }
     };
     if prompts.is_empty() {
         return s.bad(Err(ApiError::bad("prompt", "`prompt` is an empty list")));
@@ -1077,17 +1206,51 @@ async fn completions(
         return Ok(Streamer::new(&s, shape, name, prompts, n, opts).respond(rx));
     }
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
-    let comps = s.run(model, prompts.clone(), n, seed, params).await?;
+    let scores = match echo && shape.logprobs {
+        true => Some(
+            s.score(model.clone(), prompts.clone(), req.logprobs.unwrap_or(0))
+                .await?,
+        ),
+        false => None,
+    };
+    let comps = match generate {
+        true => s.run(model, prompts.clone(), n, seed, params).await?,
+        // Scoring alone: one empty choice per prompt and sample, as vLLM answers.
+        false => (0..prompts.len())
+            .flat_map(|p| {
+                (0..n).map(move |j| Completion {
+                    prompt_index: p,
+                    sample_index: j,
+                    token_ids: Vec::new(),
+                    text: String::new(),
+                    logprobs: Vec::new(),
+                    finish_reason: grpo_rollout::FinishReason::Length,
+                    top_logprobs: Vec::new(),
+                })
+            })
+            .collect(),
+    };
     let mut completion_tokens = 0;
     let choices: Vec<Value> = comps
         .iter()
         .enumerate()
         .map(|(i, c)| {
             completion_tokens += c.token_ids.len();
+            let p = c.prompt_index;
+            let echoed = match echo {
+                true => prompt_texts[p]
+                    .clone()
+                    .unwrap_or_else(|| s.tokenizer.decode(&prompts[p], false).unwrap_or_default()),
+                false => String::new(),
+            };
+            let logprobs = match &scores {
+                Some(sc) => shape.echoed_logprobs(&s, &prompts[p], &sc[p], c),
+                None => shape.logprobs(&s, &c.token_ids, &c.logprobs, &c.top_logprobs, &mut 0),
+            };
             let mut choice = json!({
                 "index": i,
-                "text": c.text,
-                "logprobs": shape.logprobs(&s, &c.token_ids, &c.logprobs, &c.top_logprobs, &mut 0),
+                "text": format!("{echoed}{}", c.text),
+                "logprobs": logprobs,
                 "finish_reason": finish_reason(c.finish_reason),
             });
             if shape.with_ids {
@@ -1174,6 +1337,47 @@ impl Shape {
             "top_logprobs": top,
             "text_offset": offsets,
         })
+    }
+}
+
+impl Shape {
+    /// A completions choice's `logprobs` with the prompt echoed: the prompt's tokens first (the
+    /// first one's log-prob and alternatives null, as vLLM's), then the completion's, the text
+    /// offsets running over both.
+    fn echoed_logprobs(
+        &self,
+        s: &Shared,
+        prompt: &[u32],
+        scores: &PromptScores,
+        c: &Completion,
+    ) -> Value {
+        let mut offset = 0;
+        let head = self.logprobs(s, &prompt[..prompt.len().min(1)], &[0.0], &[], &mut offset);
+        let rest = match prompt.len() > 1 {
+            true => self.logprobs(s, &prompt[1..], &scores.logprobs, &scores.top, &mut offset),
+            false => Value::Null,
+        };
+        let tail = self.logprobs(s, &c.token_ids, &c.logprobs, &c.top_logprobs, &mut offset);
+        let mut out = json!({
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        });
+        for (k, part) in [head, rest, tail].into_iter().enumerate() {
+            for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                let Some(items) = part.get(key).and_then(Value::as_array) else {
+                    continue;
+                };
+                let list = out[key].as_array_mut().expect("built above");
+                for (i, item) in items.iter().enumerate() {
+                    // The first prompt token has no log-prob: null, as vLLM's.
+                    let null = k == 0 && i == 0 && matches!(key, "token_logprobs" | "top_logprobs");
+                    list.push(if null { Value::Null } else { item.clone() });
+                }
+            }
+        }
+        out
     }
 }
 

@@ -3,7 +3,8 @@
 //! serve and unload as vLLM's endpoints define, bad requests are 4xx naming the field (on one
 //! line, even with `RUST_BACKTRACE=1`), unsupported fields are refused, `logit_bias` forces and
 //! bans tokens, streamed answers (read with an SSE client) add up to the answers not streamed,
-//! and a full queue answers 429 while the server keeps serving.
+//! `echo` scores the prompt as the model does locally (lm-evaluation-harness's log-likelihood
+//! request), and a full queue answers 429 while the server keeps serving.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::io::BufRead;
@@ -470,7 +471,11 @@ fn bad_requests_are_4xx_naming_the_field() {
             "tools",
         ),
         (json!({"prompt": "hi", "suffix": "!"}), 400, "suffix"),
-        (json!({"prompt": "hi", "echo": true}), 400, "echo"),
+        (
+            json!({"prompt": "hi", "echo": true, "stream": true}),
+            400,
+            "echo",
+        ),
         (json!({"prompt": "hi", "best_of": 3}), 400, "best_of"),
         (json!({"prompt": "hi", "max_token": 3}), 400, "max_token"),
         (
@@ -924,4 +929,90 @@ fn errors_are_one_line_even_with_rust_backtrace() {
         "`temperature`: temperature must be >= 0, got -1"
     );
     assert_eq!(v["error"]["param"], "temperature");
+}
+
+/// `echo` with `logprobs`: the prompt's own tokens and log-probs (the first null) equal the
+/// model's local log-probs, the top alternatives are the model's most likely tokens in order;
+/// `max_tokens: 0` scores the prompt alone (lm-evaluation-harness's log-likelihood request:
+/// prompt ids, `echo`, `max_tokens` 0, `logprobs` 1), and with tokens to generate the completion
+/// follows the echoed prompt with its own log-probs, offsets running over both.
+#[test]
+fn echo_scores_the_prompt_as_the_model_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let text = "What is 2 + 3? It is 5.";
+    let ids = m.tokenizer.encode(text, true).unwrap();
+    // The model's own log-probs of each token after the first.
+    let n = ids.len();
+    let t = candle_core::Tensor::from_slice(&ids, (1, n), &Device::Cpu).unwrap();
+    let mask = candle_core::Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
+    let (lp, _) = m
+        .model
+        .completion_logprobs(&t, &mask, n - 1, 1.0, false)
+        .unwrap();
+    let want: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+    for prompt in [json!(text), json!(ids.clone())] {
+        let (status, body, _) = rt.block_on(post(
+            &url,
+            json!({"prompt": prompt, "echo": true, "max_tokens": 0, "logprobs": 2, "temperature": 0}),
+        ));
+        assert_eq!(status, 200, "{body}");
+        let c = &body["choices"][0];
+        assert_eq!(c["text"], json!(text), "the prompt echoed");
+        let lps = &c["logprobs"];
+        assert_eq!(lps["tokens"].as_array().unwrap().len(), n);
+        assert!(lps["token_logprobs"][0].is_null() && lps["top_logprobs"][0].is_null());
+        for (k, w) in want.iter().enumerate() {
+            let got = lps["token_logprobs"][k + 1].as_f64().unwrap() as f32;
+            assert!((got - w).abs() < 1e-4, "token {k}: {got} vs {w}");
+            // The alternatives: the token itself and the two most likely, none above the best.
+            let top = lps["top_logprobs"][k + 1].as_object().unwrap();
+            assert!(top.len() >= 2 && top.len() <= 3, "{top:?}");
+            let best = top
+                .values()
+                .map(|v| v.as_f64().unwrap())
+                .fold(f64::MIN, f64::max);
+            assert!(best >= f64::from(got) - 1e-6);
+        }
+        let offsets: Vec<usize> = lps["text_offset"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as usize)
+            .collect();
+        assert_eq!(offsets[0], 0);
+        assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(body["usage"]["completion_tokens"], json!(0));
+        assert_eq!(body["usage"]["prompt_tokens"], json!(n));
+    }
+    // With tokens to generate: the prompt, then the completion as without `echo`.
+    let plain = json!({"prompt": text, "max_tokens": 4, "logprobs": 1, "temperature": 0});
+    let mut echoed = plain.clone();
+    echoed["echo"] = json!(true);
+    let (_, a, _) = rt.block_on(post(&url, plain));
+    let (_, b, _) = rt.block_on(post(&url, echoed));
+    let (a, b) = (&a["choices"][0], &b["choices"][0]);
+    assert_eq!(
+        b["text"].as_str().unwrap(),
+        format!("{text}{}", a["text"].as_str().unwrap())
+    );
+    let (ta, tb) = (
+        f32s(&a["logprobs"]["token_logprobs"]),
+        &b["logprobs"]["token_logprobs"],
+    );
+    let tb = tb.as_array().unwrap();
+    assert_eq!(tb.len(), n + ta.len());
+    for (k, x) in ta.iter().enumerate() {
+        assert!((tb[n + k].as_f64().unwrap() as f32 - x).abs() < 1e-5);
+    }
+    // Echo without logprobs: the text alone.
+    let (_, c, _) = rt.block_on(post(
+        &url,
+        json!({"prompt": text, "echo": true, "max_tokens": 0}),
+    ));
+    assert_eq!(c["choices"][0]["text"], json!(text));
+    assert!(c["choices"][0]["logprobs"].is_null());
 }
