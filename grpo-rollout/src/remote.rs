@@ -170,6 +170,20 @@ impl<'a> CompletionRequest<'a> {
     }
 }
 
+/// A scoring request: `echo` with the sampled token's log-prob, one greedy token (ignored):
+/// the server's log-probs of the prompts' own tokens (vLLM's prompt log-probs; `grpo-cli
+/// serve`'s `echo`).
+#[derive(Debug, Serialize)]
+struct EchoRequest<'a> {
+    model: &'a str,
+    prompt: &'a [Vec<u32>],
+    max_tokens: usize,
+    temperature: f64,
+    echo: bool,
+    logprobs: u32,
+    return_tokens_as_token_ids: bool,
+}
+
 /// One request to the server.
 #[derive(Debug, Clone, Copy)]
 enum Call<'a> {
@@ -177,6 +191,8 @@ enum Call<'a> {
     Models,
     /// `POST /completions`.
     Completions(&'a CompletionRequest<'a>),
+    /// `POST /completions` with `echo`.
+    Echo(&'a EchoRequest<'a>),
     /// `POST` of this JSON to a LoRA endpoint.
     Lora(&'static str, &'a Value),
 }
@@ -185,7 +201,7 @@ impl Call<'_> {
     fn describe(&self) -> (&'static str, &'static str) {
         match self {
             Call::Models => ("GET", "/models"),
-            Call::Completions(_) => ("POST", "/completions"),
+            Call::Completions(_) | Call::Echo(_) => ("POST", "/completions"),
             Call::Lora(path, _) => ("POST", path),
         }
     }
@@ -409,6 +425,61 @@ impl RemoteGenerator {
         Ok(out)
     }
 
+    /// The served base model's log-probs of each of `sequences`' own tokens after the first
+    /// (raw logits, temperature 1; `echo` with `max_tokens` 1, the generated token dropped): a
+    /// teacher on a server. A sequence of one token has none.
+    pub fn prompt_logprobs(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        if sequences.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = EchoRequest {
+            model: self.served.as_str(),
+            prompt: sequences,
+            max_tokens: 1,
+            temperature: 0.0,
+            echo: true,
+            logprobs: 0,
+            return_tokens_as_token_ids: true,
+        };
+        let resp = self.call(Call::Echo(&request), self.cfg.request_timeout)?;
+        let choices = resp["choices"]
+            .as_array()
+            .ok_or_else(|| err("the server's echo answer has no `choices`"))?;
+        if choices.len() != sequences.len() {
+            bail!(
+                "the server answered {} choices for {} sequences",
+                choices.len(),
+                sequences.len()
+            );
+        }
+        let mut out = Vec::with_capacity(sequences.len());
+        for (i, (c, seq)) in choices.iter().zip(sequences).enumerate() {
+            let lps = c["logprobs"]["token_logprobs"].as_array().ok_or_else(|| {
+                err(format!(
+                    "choice {i}: no `logprobs.token_logprobs` (does the server support `echo`?)"
+                ))
+            })?;
+            if lps.len() < seq.len() {
+                bail!(
+                    "choice {i}: {} log-probs for a sequence of {} tokens (the server did not echo it)",
+                    lps.len(),
+                    seq.len()
+                );
+            }
+            let row = lps[1..seq.len()]
+                .iter()
+                .enumerate()
+                .map(|(k, v)| {
+                    v.as_f64()
+                        .map(|x| x as f32)
+                        .ok_or_else(|| err(format!("choice {i}: token {} has no log-prob", k + 1)))
+                })
+                .collect::<Result<Vec<f32>>>()?;
+            out.push(row);
+        }
+        Ok(out)
+    }
+
     /// The name to request: the synced adapter's, or the served base model's.
     fn model_name(&self, use_adapter: bool) -> Result<&str> {
         Ok(match (&self.adapter, use_adapter) {
@@ -436,6 +507,12 @@ impl RemoteGenerator {
                 match call {
                     Call::Models => self.client.models().list_byot::<Value>().await,
                     Call::Completions(request) => {
+                        self.client
+                            .completions()
+                            .create_byot::<_, Value>(request)
+                            .await
+                    }
+                    Call::Echo(request) => {
                         self.client
                             .completions()
                             .create_byot::<_, Value>(request)

@@ -592,3 +592,62 @@ fn sdpo_and_iw_opd_sample_through_the_openai_backend() {
         );
     }
 }
+
+/// IW-OPD with its teacher on a server (`[distillation.teacher_server]`): the teacher's
+/// log-probs come from `grpo-cli serve`'s `echo`, and the steps equal those with the same
+/// teacher loaded locally.
+#[test]
+fn iw_opd_scores_with_a_teacher_on_a_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
+    let mut o = ServeOptions::new(root.join("teacher"));
+    o.served_model_name = "teacher".into();
+    o.addr = "127.0.0.1:0".parse().unwrap();
+    let srv = start(o).unwrap();
+    let train = |out: &str, served: bool| {
+        let mut c = config(root, out, "");
+        c.algorithm = grpo_trainer::Algorithm::IwOpd;
+        if served {
+            c.distillation.teacher_server = Some(grpo_trainer::config::TeacherServer {
+                base_url: srv.base_url(),
+                model: "teacher".into(),
+                ..Default::default()
+            });
+        } else {
+            c.distillation.teacher_model_name_or_path = Some(root.join("teacher"));
+        }
+        c.rewards.clear();
+        c.train.max_steps = Some(2);
+        c.optim.learning_rate = Some(1e-3);
+        c.validate().unwrap();
+        trainer::run(
+            trainer::setup(c).unwrap(),
+            &RunOptions::default(),
+            &mut grpo_trainer::NoCallbacks,
+        )
+        .unwrap()
+    };
+    let local = train("iw-local", false);
+    let served = train("iw-served", true);
+    for (a, b) in local.metrics.iter().zip(&served.metrics) {
+        for key in ["loss", "iw_opd/mean_advantage", "iw_opd/mean_weight"] {
+            assert!(
+                (a[key] - b[key]).abs() < 1e-4 * a[key].abs().max(1e-3),
+                "{key}: {} vs {}",
+                a[key],
+                b[key]
+            );
+        }
+    }
+    // The divergences need whole distributions: refused with a served teacher.
+    let mut c = config(root, "jsd", "");
+    c.algorithm = grpo_trainer::Algorithm::Distillation;
+    c.distillation.teacher_server = Some(grpo_trainer::config::TeacherServer::default());
+    let e = c.validate().unwrap_err();
+    assert!(
+        e.contains("needs `distillation_objective = \"iw_opd\"`"),
+        "{e}"
+    );
+}

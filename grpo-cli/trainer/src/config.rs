@@ -337,6 +337,53 @@ pub struct DistillationSection {
     pub iw_opd_gamma: f64,
     /// IW-OPD's ε in the weights' normaliser (default 1e-8).
     pub iw_opd_epsilon: f64,
+    /// IW-OPD's teacher on an OpenAI-compatible server (TRL's `use_teacher_server` /
+    /// `teacher_model_server_url`): the log-probs of the student's tokens come from the
+    /// server's `echo` (vLLM, `grpo-cli serve`) instead of a local teacher.
+    pub teacher_server: Option<TeacherServer>,
+}
+
+/// `[distillation.teacher_server]`: the teacher served by an OpenAI-compatible server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TeacherServer {
+    /// The server's base URL, e.g. `http://127.0.0.1:8000/v1`.
+    pub base_url: String,
+    /// Name of an environment variable holding the API key; unset or empty = no key.
+    pub api_key_env: String,
+    /// The served teacher; empty = the first one `/v1/models` lists.
+    pub model: String,
+    /// Seconds one scoring request may take.
+    pub request_timeout: f64,
+    /// Retries on connection errors and 408/409/429/5xx.
+    pub max_retries: u32,
+}
+
+impl Default for TeacherServer {
+    fn default() -> Self {
+        let r = grpo_rollout::remote::RemoteConfig::default();
+        Self {
+            base_url: r.base_url,
+            api_key_env: "OPENAI_API_KEY".into(),
+            model: r.model,
+            request_timeout: r.request_timeout,
+            max_retries: r.max_retries,
+        }
+    }
+}
+
+impl TeacherServer {
+    /// grpo-rollout's client config (the key read from `api_key_env`).
+    pub fn remote_config(&self) -> grpo_rollout::remote::RemoteConfig {
+        grpo_rollout::remote::RemoteConfig {
+            base_url: self.base_url.clone(),
+            api_key: std::env::var(&self.api_key_env).unwrap_or_default(),
+            model: self.model.clone(),
+            request_timeout: self.request_timeout,
+            max_retries: self.max_retries,
+            ..Default::default()
+        }
+    }
 }
 
 /// `distillation.distillation_objective`.
@@ -363,6 +410,7 @@ impl Default for DistillationSection {
             distillation_objective: None,
             iw_opd_gamma: 0.5,
             iw_opd_epsilon: 1e-8,
+            teacher_server: None,
         }
     }
 }
@@ -2604,11 +2652,41 @@ impl TrainConfig {
             {
                 return Err(format!("`distillation.lmbda` must be in [0, 1], got {l}"));
             }
-            if d.teacher_model_name_or_path.is_none() {
-                return Err(
-                    "`distillation.teacher_model_name_or_path` is required (the teacher model)"
-                        .into(),
-                );
+            match (&d.teacher_model_name_or_path, &d.teacher_server) {
+                (None, None) => {
+                    return Err(
+                        "`distillation.teacher_model_name_or_path` is required (the teacher model)"
+                            .into(),
+                    );
+                }
+                (Some(_), Some(_)) => {
+                    return Err("`distillation.teacher_model_name_or_path` and \
+                                `[distillation.teacher_server]` both name the teacher: keep one"
+                        .into());
+                }
+                (None, Some(_)) => {
+                    if d.objective_for(self.algorithm) != DistillObjective::IwOpd {
+                        return Err(
+                            "`[distillation.teacher_server]` gives the log-probs of the \
+                                    sampled tokens only: it needs `distillation_objective = \
+                                    \"iw_opd\"` (the divergences need whole distributions)"
+                                .into(),
+                        );
+                    }
+                    if self.rollout.temperature != 1.0 {
+                        return Err(format!(
+                            "`[distillation.teacher_server]` scores at temperature 1 (the \
+                             server's prompt log-probs): `rollout.temperature` must be 1, got {}",
+                            self.rollout.temperature
+                        ));
+                    }
+                    if d.seq_kd {
+                        return Err("`distillation.seq_kd` samples with a local teacher; with \
+                                    `[distillation.teacher_server]` leave it out"
+                            .into());
+                    }
+                }
+                (Some(_), None) => {}
             }
             if !(0.0..=1.0).contains(&d.beta) {
                 return Err(format!(

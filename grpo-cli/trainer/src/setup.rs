@@ -51,6 +51,8 @@ pub struct Setup {
     pub rollout_device: Option<Device>,
     /// On-policy distillation's teacher (`distillation.teacher_model_name_or_path`), frozen.
     pub distillation_teacher: Option<Transformer>,
+    /// IW-OPD's teacher on a server (`[distillation.teacher_server]`).
+    pub teacher_server: Option<Arc<Mutex<RemoteGenerator>>>,
     /// A*-PO's optimal value of each training prompt by row index (set by its stage 1 when the
     /// run starts).
     pub a2po_values: Option<Arc<std::collections::HashMap<u64, f64>>>,
@@ -496,25 +498,41 @@ pub fn setup_with(
     } else {
         None
     };
-    let distillation_teacher =
-        match cfg.algorithm {
-            Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd => Some(
-                distillation_teacher(&cfg, &policy.model, &loaded.tokenizer)?,
-            ),
-            // SDPO's and SDFT's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
-            // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
-            // nothing writes in place; LoRA: adapters the learner keeps).
-            Algorithm::Sdpo | Algorithm::Sdft => match (
-                cfg.self_distill().map(|d| d.teacher).unwrap_or_default(),
-                &cfg.model.lora,
-            ) {
-                (crate::config::SdpoTeacher::Live, _)
-                | (crate::config::SdpoTeacher::Ema, Some(_)) => None,
-                (_, Some(_)) => Some(policy.model.without_adapters()),
-                (_, None) => Some(loaded.model.detached()),
-            },
-            _ => None,
-        };
+    let teacher_server = match (
+        &cfg.distillation.teacher_server,
+        cfg.algorithm.is_distillation(),
+    ) {
+        (Some(t), true) => {
+            let g = RemoteGenerator::connect(t.remote_config())
+                .map_err(|e| anyhow!("distillation.teacher_server ({}): {e}", t.base_url))?;
+            Some(Arc::new(Mutex::new(g)))
+        }
+        _ => None,
+    };
+    let distillation_teacher = match cfg.algorithm {
+        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd if teacher_server.is_some() => {
+            None
+        }
+        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd => Some(distillation_teacher(
+            &cfg,
+            &policy.model,
+            &loaded.tokenizer,
+        )?),
+        // SDPO's and SDFT's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
+        // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
+        // nothing writes in place; LoRA: adapters the learner keeps).
+        Algorithm::Sdpo | Algorithm::Sdft => match (
+            cfg.self_distill().map(|d| d.teacher).unwrap_or_default(),
+            &cfg.model.lora,
+        ) {
+            (crate::config::SdpoTeacher::Live, _) | (crate::config::SdpoTeacher::Ema, Some(_)) => {
+                None
+            }
+            (_, Some(_)) => Some(policy.model.without_adapters()),
+            (_, None) => Some(loaded.model.detached()),
+        },
+        _ => None,
+    };
     let total_steps = total_steps(&cfg, splits.train.len());
     Ok(Setup {
         device,
@@ -532,6 +550,7 @@ pub fn setup_with(
         environment,
         rollout_device,
         distillation_teacher,
+        teacher_server,
         a2po_values: None,
         cfg,
     })

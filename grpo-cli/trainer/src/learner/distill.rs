@@ -33,10 +33,10 @@ impl Learner {
         let eos = self.tokenizer.eos_token_ids.clone();
         // Every sampled token carries loss (TRL masks only padding and environment tokens).
         let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
-        let teacher = self
-            .distillation_teacher
-            .clone()
-            .context("distillation needs its teacher (distillation.teacher_model_name_or_path)")?;
+        let teacher = self.distillation_teacher.clone();
+        if teacher.is_none() && self.teacher_server.is_none() {
+            bail!("distillation needs its teacher (distillation.teacher_model_name_or_path)");
+        }
         // TRL divides each micro-batch's summed divergence by the loss tokens of the batch an
         // update trains on.
         let denom = (batch.total_tokens as f64 / self.cfg.updates_per_step() as f64).max(1.0);
@@ -44,7 +44,7 @@ impl Learner {
         let mut iw: Vec<[f64; 5]> = Vec::new();
         let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
             let (a, b) = c.range;
-            let part = l.distill_part(&l.policy.model, &teacher, s, &batch, a, b)?;
+            let part = l.distill_part(&l.policy.model, teacher.as_ref(), s, &batch, a, b)?;
             ent_sum += part.entropy;
             tok_sum += part.tokens;
             iw.extend(part.iw_opd);
@@ -96,7 +96,7 @@ impl Learner {
     fn distill_part(
         &self,
         model: &grpo_rollout::Transformer,
-        teacher: &grpo_rollout::Transformer,
+        teacher: Option<&grpo_rollout::Transformer>,
         s: &Scored,
         batch: &StepBatch<'_>,
         a: usize,
@@ -105,6 +105,7 @@ impl Learner {
         if self.cfg.distillation.objective_for(self.cfg.algorithm) == DistillObjective::IwOpd {
             return self.iw_opd_part(model, teacher, s, batch, a, b);
         }
+        let teacher = teacher.context("distillation's divergence needs a local teacher")?;
         // TRL's GKD takes the divergence at temperature 1 (its sampling temperature is the
         // generator's); the DistillationTrainer at the sampling temperature.
         let temperature = match self.cfg.algorithm {
@@ -145,17 +146,19 @@ impl Learner {
     fn iw_opd_part(
         &self,
         model: &grpo_rollout::Transformer,
-        teacher: &grpo_rollout::Transformer,
+        teacher: Option<&grpo_rollout::Transformer>,
         s: &Scored,
         batch: &StepBatch<'_>,
         a: usize,
         b: usize,
     ) -> Result<DistillPart> {
         let d = &self.cfg.distillation;
-        if teacher.cfg.vocab_size < model.cfg.vocab_size {
+        if let Some(t) = teacher
+            && t.cfg.vocab_size < model.cfg.vocab_size
+        {
             bail!(
                 "distillation: the teacher's vocabulary ({}) is smaller than the student's ({})",
-                teacher.cfg.vocab_size,
+                t.cfg.vocab_size,
                 model.cfg.vocab_size
             );
         }
@@ -168,10 +171,22 @@ impl Learner {
         )?;
         let (h, tg, shape) = model.completion_rows(&ids, &mask, c)?;
         let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
-        let td = teacher.device();
-        let (th, ttg, tshape) =
-            teacher.completion_rows(&ids.to_device(td)?, &mask.to_device(td)?, c)?;
-        let (tlp, _) = teacher.rows_logprobs(&th.detach(), &ttg, tshape, temperature, false)?;
+        let tlp = match (teacher, &self.teacher_server) {
+            (_, Some(server)) => self.served_teacher_logps(
+                server,
+                &batch.prompts[a..b],
+                &batch.completions[a..b],
+                c,
+            )?,
+            (Some(t), None) => {
+                let td = t.device();
+                let (th, ttg, tshape) =
+                    t.completion_rows(&ids.to_device(td)?, &mask.to_device(td)?, c)?;
+                t.rows_logprobs(&th.detach(), &ttg, tshape, temperature, false)?
+                    .0
+            }
+            (None, None) => bail!("IW-OPD needs a teacher"),
+        };
         let tlp = tlp.detach().to_device(lp.device())?.to_dtype(lp.dtype())?;
         let remote = self.cfg.rollout.backend == crate::config::Backend::Openai
             && s.rollouts.source == crate::stages::CompletionSource::Policy;
@@ -217,13 +232,38 @@ impl Learner {
         })
     }
 
+    /// The served teacher's log-probs `(B, c)` of completions `completions` after `prompts`
+    /// (`echo` on the server; 0 past each completion's end).
+    fn served_teacher_logps(
+        &self,
+        server: &std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>,
+        prompts: &[&[u32]],
+        completions: &[&[u32]],
+        c: usize,
+    ) -> Result<Tensor> {
+        let seqs: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(completions)
+            .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
+            .collect();
+        let lps = server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .prompt_logprobs(&seqs)
+            .map_err(|e| anyhow::anyhow!("distillation.teacher_server: {e}"))?;
+        let mut out = Vec::with_capacity(seqs.len() * c);
+        for (row, x) in lps.iter().zip(completions) {
+            // The last `len(x)` entries score the completion's tokens.
+            let tail = &row[row.len() - x.len()..];
+            out.extend((0..c).map(|j| tail.get(j).copied().unwrap_or(0.0)));
+        }
+        Ok(Tensor::from_vec(out, (seqs.len(), c), &self.device)?)
+    }
+
     /// Evaluation: the summed divergence, student entropy and loss tokens of scored
     /// completions `s` under the current policy, without gradients.
     pub(crate) fn distill_eval(&self, s: &Scored) -> Result<(f64, f64, f64)> {
-        let teacher = self
-            .distillation_teacher
-            .as_ref()
-            .context("distillation needs its teacher")?;
+        let teacher = self.distillation_teacher.as_ref();
         let eos = self.tokenizer.eos_token_ids.clone();
         let batch = StepBatch::new(s, &eos, self.cfg.micro_batch(), false);
         let model = self.policy.model.detached();

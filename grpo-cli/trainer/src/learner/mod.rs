@@ -78,6 +78,9 @@ pub struct Learner {
     pub(crate) reference: Option<Transformer>,
     /// On-policy distillation's frozen teacher; SDPO's `base` or EMA teacher.
     pub(crate) distillation_teacher: Option<Transformer>,
+    /// IW-OPD's teacher on a server.
+    pub(crate) teacher_server:
+        Option<std::sync::Arc<std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>>>,
     /// SDPO's EMA teacher of a LoRA policy: its adapter tensors by PEFT key.
     pub(crate) sdpo_shadow: Option<std::collections::HashMap<String, candle_core::Tensor>>,
     /// `[bema]`'s state.
@@ -188,6 +191,7 @@ impl Learner {
             policy: setup.policy.clone(),
             reference: setup.reference.clone(),
             distillation_teacher: setup.distillation_teacher.clone(),
+            teacher_server: setup.teacher_server.clone(),
             sdpo_shadow: None,
             bema,
             a2po_values: setup.a2po_values.clone(),
