@@ -425,15 +425,20 @@ impl RemoteGenerator {
         Ok(out)
     }
 
-    /// The served base model's log-probs of each of `sequences`' own tokens after the first
-    /// (raw logits, temperature 1; `echo` with `max_tokens` 1, the generated token dropped): a
-    /// teacher on a server. A sequence of one token has none.
-    pub fn prompt_logprobs(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+    /// The served base model's (or with `use_adapter` the synced adapter's) log-probs of each
+    /// of `sequences`' own tokens after the first (raw logits, temperature 1; `echo` with
+    /// `max_tokens` 1, the generated token dropped): a teacher on a server. A sequence of one
+    /// token has none.
+    pub fn prompt_logprobs(
+        &self,
+        sequences: &[Vec<u32>],
+        use_adapter: bool,
+    ) -> Result<Vec<Vec<f32>>> {
         if sequences.is_empty() {
             return Ok(Vec::new());
         }
         let request = EchoRequest {
-            model: self.served.as_str(),
+            model: self.model_name(use_adapter)?,
             prompt: sequences,
             max_tokens: 1,
             temperature: 0.0,

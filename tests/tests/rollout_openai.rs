@@ -651,3 +651,80 @@ fn iw_opd_scores_with_a_teacher_on_a_server() {
         "{e}"
     );
 }
+
+/// SDPO's and SDFT's `use_teacher_server`: the live teacher's log-probs of the reprompted
+/// completions come from the server's synced adapter (`echo`), and the steps equal those scored
+/// locally.
+#[test]
+fn sdpo_scores_the_live_teacher_on_the_rollout_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    let srv = serve(root);
+    let extra = format!(
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n",
+        srv.base_url()
+    );
+    let train = |out: &str, served: bool| {
+        let mut c = config(root, out, &extra);
+        c.algorithm = grpo_trainer::Algorithm::Sdpo;
+        c.sdpo.success_reward_threshold = 0.5;
+        c.sdpo.teacher_model_kind = grpo_trainer::config::SdpoTeacher::Live;
+        c.sdpo.use_teacher_server = served;
+        c.train.max_steps = Some(3);
+        c.optim.learning_rate = Some(1e-3);
+        c.validate().unwrap();
+        trainer::run(
+            trainer::setup(c).unwrap(),
+            &RunOptions::default(),
+            &mut grpo_trainer::NoCallbacks,
+        )
+        .unwrap()
+    };
+    let local = train("sd-local", false);
+    let served = train("sd-served", true);
+    assert_eq!(served.metrics.len(), 3);
+    for (a, b) in local.metrics.iter().zip(&served.metrics) {
+        let (x, y) = (a["loss"], b["loss"]);
+        assert!((x - y).abs() < 1e-3 * x.abs().max(1e-3), "loss {x} vs {y}");
+    }
+    assert!(local.metrics[0]["loss"].abs() > 0.0);
+    // SDFT likewise (its teacher prompt: the row's answer as the privileged context).
+    let sdft = |out: &str, served: bool| {
+        let mut c = config(root, out, &extra);
+        c.algorithm = grpo_trainer::Algorithm::Sdft;
+        c.sdft.privileged_context_field = "answer".into();
+        c.sdft.distillation_mode = grpo_trainer::config::SdpoMode::SampledToken;
+        c.sdft.distillation_alpha = 1.0;
+        c.sdft.teacher_model_kind = grpo_trainer::config::SdpoTeacher::Live;
+        c.sdft.use_teacher_server = served;
+        c.rewards.clear();
+        c.train.max_steps = Some(2);
+        c.optim.learning_rate = Some(1e-3);
+        c.validate().unwrap();
+        trainer::run(
+            trainer::setup(c).unwrap(),
+            &RunOptions::default(),
+            &mut grpo_trainer::NoCallbacks,
+        )
+        .unwrap()
+    };
+    let (a, b) = (sdft("ft-local", false), sdft("ft-served", true));
+    for (a, b) in a.metrics.iter().zip(&b.metrics) {
+        let (x, y) = (a["loss"], b["loss"]);
+        assert!(
+            (x - y).abs() < 1e-3 * x.abs().max(1e-3),
+            "sdft loss {x} vs {y}"
+        );
+    }
+    // Without the rollout server there is nothing to score on.
+    let mut c = config(root, "nosrv", "");
+    c.algorithm = grpo_trainer::Algorithm::Sdpo;
+    c.sdpo.teacher_model_kind = grpo_trainer::config::SdpoTeacher::Live;
+    c.sdpo.use_teacher_server = true;
+    let e = c.validate().unwrap_err();
+    assert!(
+        e.contains("`sdpo.use_teacher_server` needs `rollout.backend"),
+        "{e}"
+    );
+}

@@ -858,6 +858,10 @@ pub struct SdpoSection {
     pub remove_thinking_from_demonstration: bool,
     /// The dataset column holding each row's feedback (TRL's `privileged_context`).
     pub feedback_field: String,
+    /// The live teacher's log-probs from the rollout server (its synced adapter's `echo`)
+    /// instead of a local forward: `rollout.backend = "openai"`, `teacher_model_kind =
+    /// "live"`, `sampled_token`, `distillation_weight = 1` (default false).
+    pub use_teacher_server: bool,
 }
 
 impl Default for SdpoSection {
@@ -886,6 +890,7 @@ impl Default for SdpoSection {
             environment_feedback_only_without_solution: false,
             remove_thinking_from_demonstration: false,
             feedback_field: "privileged_context".into(),
+            use_teacher_server: false,
         }
     }
 }
@@ -925,6 +930,8 @@ pub struct SdftSection {
     pub teacher_prompt_template: String,
     /// The dataset column of each row's privileged context (TRL's `privileged_context`).
     pub privileged_context_field: String,
+    /// The live teacher's log-probs from the rollout server, as SDPO's (default false).
+    pub use_teacher_server: bool,
 }
 
 impl Default for SdftSection {
@@ -942,6 +949,7 @@ impl Default for SdftSection {
             generate_from_teacher: false,
             teacher_prompt_template: "{prompt}\n\n{privileged_context}".into(),
             privileged_context_field: "privileged_context".into(),
+            use_teacher_server: false,
         }
     }
 }
@@ -1023,6 +1031,8 @@ pub struct SelfDistill {
     pub weight: f64,
     /// Completion tokens without loss at the start (SDPO: 0).
     pub skip: usize,
+    /// The live teacher's log-probs come from the rollout server.
+    pub teacher_server: bool,
 }
 
 /// TPO's `loss_type`.
@@ -2910,6 +2920,7 @@ impl TrainConfig {
                     sync_steps: d.teacher_sync_steps,
                     weight: d.distillation_weight,
                     skip: 0,
+                    teacher_server: d.use_teacher_server,
                 })
             }
             Algorithm::Sdft => {
@@ -2925,6 +2936,7 @@ impl TrainConfig {
                     sync_steps: d.teacher_sync_steps,
                     weight: 1.0,
                     skip: d.num_loss_tokens_to_skip,
+                    teacher_server: d.use_teacher_server,
                 })
             }
             _ => None,
@@ -2974,6 +2986,33 @@ impl TrainConfig {
             return Err(format!("`{section}.teacher_sync_steps` must be >= 1"));
         }
         let name = section.to_uppercase();
+        if d.teacher_server {
+            let why = if self.rollout.backend != Backend::Openai {
+                Some("`rollout.backend = \"openai\"` (the server that samples)".to_string())
+            } else if d.teacher != SdpoTeacher::Live {
+                Some(format!(
+                    "`{section}.teacher_model_kind = \"live\"` (the server holds the live policy)"
+                ))
+            } else if d.mode != SdpoMode::SampledToken {
+                Some(format!(
+                    "`{section}.distillation_mode = \"sampled_token\"` (the server gives the sampled tokens' log-probs)"
+                ))
+            } else if d.weight != 1.0 {
+                Some(format!("`{section}.distillation_weight = 1`"))
+            } else if self.rollout.temperature != 1.0 {
+                Some("`rollout.temperature = 1` (the server scores at temperature 1)".to_string())
+            } else if self.pipeline.max_staleness != 0
+                || self.optim.num_iterations != 1
+                || self.updates_per_step() != 1
+            {
+                Some("one update per generation at `pipeline.max_staleness = 0` (the server's adapter is then the live policy)".to_string())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(format!("`{section}.use_teacher_server` needs {why}"));
+            }
+        }
         if self.loss.router_aux_loss_coef.is_some_and(|c| c != 0.0) {
             return Err(format!(
                 "`loss.router_aux_loss_coef`: {name}'s loss has no load-balancing term (as TRL's); \

@@ -249,7 +249,7 @@ impl Learner {
         let lps = server
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .prompt_logprobs(&seqs)
+            .prompt_logprobs(&seqs, false)
             .map_err(|e| anyhow::anyhow!("distillation.teacher_server: {e}"))?;
         let mut out = Vec::with_capacity(seqs.len() * c);
         for (row, x) in lps.iter().zip(completions) {

@@ -78,6 +78,10 @@ pub struct Learner {
     pub(crate) reference: Option<Transformer>,
     /// On-policy distillation's frozen teacher; SDPO's `base` or EMA teacher.
     pub(crate) distillation_teacher: Option<Transformer>,
+    /// The rollout server (`rollout.backend = "openai"`), which SDPO's `use_teacher_server`
+    /// scores on.
+    pub(crate) remote:
+        Option<std::sync::Arc<std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>>>,
     /// IW-OPD's teacher on a server.
     pub(crate) teacher_server:
         Option<std::sync::Arc<std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>>>,
@@ -192,6 +196,7 @@ impl Learner {
             reference: setup.reference.clone(),
             distillation_teacher: setup.distillation_teacher.clone(),
             teacher_server: setup.teacher_server.clone(),
+            remote: setup.remote.clone(),
             sdpo_shadow: None,
             bema,
             a2po_values: setup.a2po_values.clone(),
