@@ -521,6 +521,25 @@ fn run_group(shared: &Shared, group: Vec<Job>) {
     }
 }
 
+/// The engine's answer to a job: 500 with its error, 503 when the engine dropped it.
+async fn engine_answer<T>(
+    rx: tokio::sync::oneshot::Receiver<Result<T, String>>,
+) -> Result<T, ApiError> {
+    match rx.await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: e,
+            param: None,
+        }),
+        Err(_) => Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the engine dropped the request".into(),
+            param: None,
+        }),
+    }
+}
+
 /// A candle error on one line, for a user: without the backtrace candle appends when
 /// `RUST_BACKTRACE` is set, with contexts joined by `: `.
 fn one_line(e: &candle_core::Error) -> String {
@@ -989,19 +1008,7 @@ impl Shared {
             params,
             reply: Reply::Whole(tx),
         })?;
-        match rx.await {
-            Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: e,
-                param: None,
-            }),
-            Err(_) => Err(ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message: "the engine dropped the request".into(),
-                param: None,
-            }),
-        }
+        engine_answer(rx).await
     }
 
     /// Scores `prompts`' own tokens under `model` on the engine (`echo`), with the `top` most
@@ -1021,19 +1028,7 @@ impl Shared {
             params: SamplingParams::default(),
             reply: Reply::Score { top, tx },
         })?;
-        match rx.await {
-            Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: e,
-                param: None,
-            }),
-            Err(_) => Err(ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                message: "the engine dropped the request".into(),
-                param: None,
-            }),
-        }
+        engine_answer(rx).await
     }
 
     /// Queues a job whose pieces come as its tokens are sampled.

@@ -350,3 +350,32 @@ pub(crate) fn padded_batch(
         c,
     ))
 }
+
+/// The log-probs `(B, width)` a server gives of `completions` after `prompts` (`echo`: one
+/// request; `use_adapter`: its synced adapter's, else its base model's), 0 past each
+/// completion's end: a teacher on a server.
+pub(crate) fn served_logps(
+    server: &std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    width: usize,
+    use_adapter: bool,
+    device: &Device,
+) -> Result<Tensor> {
+    let seqs: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(completions)
+        .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
+        .collect();
+    let lps = server
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .prompt_logprobs(&seqs, use_adapter)?;
+    let mut out = Vec::with_capacity(seqs.len() * width);
+    for (row, x) in lps.iter().zip(completions) {
+        // The last `len(x)` entries score the completion's tokens.
+        let tail = &row[row.len() - x.len()..];
+        out.extend((0..width).map(|j| tail.get(j).copied().unwrap_or(0.0)));
+    }
+    Ok(Tensor::from_vec(out, (seqs.len(), width), device)?)
+}

@@ -172,12 +172,15 @@ impl Learner {
         let (h, tg, shape) = model.completion_rows(&ids, &mask, c)?;
         let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
         let tlp = match (teacher, &self.teacher_server) {
-            (_, Some(server)) => self.served_teacher_logps(
+            (_, Some(server)) => super::batch::served_logps(
                 server,
                 &batch.prompts[a..b],
                 &batch.completions[a..b],
                 c,
-            )?,
+                false,
+                &self.device,
+            )
+            .context("distillation.teacher_server")?,
             (Some(t), None) => {
                 let td = t.device();
                 let (th, ttg, tshape) =
@@ -230,34 +233,6 @@ impl Learner {
             tokens,
             iw_opd,
         })
-    }
-
-    /// The served teacher's log-probs `(B, c)` of completions `completions` after `prompts`
-    /// (`echo` on the server; 0 past each completion's end).
-    fn served_teacher_logps(
-        &self,
-        server: &std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>,
-        prompts: &[&[u32]],
-        completions: &[&[u32]],
-        c: usize,
-    ) -> Result<Tensor> {
-        let seqs: Vec<Vec<u32>> = prompts
-            .iter()
-            .zip(completions)
-            .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
-            .collect();
-        let lps = server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .prompt_logprobs(&seqs, false)
-            .map_err(|e| anyhow::anyhow!("distillation.teacher_server: {e}"))?;
-        let mut out = Vec::with_capacity(seqs.len() * c);
-        for (row, x) in lps.iter().zip(completions) {
-            // The last `len(x)` entries score the completion's tokens.
-            let tail = &row[row.len() - x.len()..];
-            out.extend((0..c).map(|j| tail.get(j).copied().unwrap_or(0.0)));
-        }
-        Ok(Tensor::from_vec(out, (seqs.len(), c), &self.device)?)
     }
 
     /// Evaluation: the summed divergence, student entropy and loss tokens of scored

@@ -602,7 +602,21 @@ impl Learner {
                     Some(dv) => dv.to_dtype(lp.dtype())?,
                     None => {
                         let tlp = match d.teacher_server {
-                            true => self.served_live_logps(&tp, c, width)?,
+                            true => {
+                                let server = self
+                                    .remote
+                                    .as_ref()
+                                    .context("`use_teacher_server` needs the rollout server")?;
+                                super::batch::served_logps(
+                                    server,
+                                    &tp,
+                                    c,
+                                    width,
+                                    true,
+                                    &self.device,
+                                )
+                                .context("use_teacher_server")?
+                            }
                             false => self.logps(t, &tp, c, false)?.0.detach(),
                         };
                         let tlp = tlp.to_device(lp.device())?.to_dtype(lp.dtype())?;
@@ -650,36 +664,6 @@ impl Learner {
                 entropy,
             },
         ))
-    }
-
-    /// The live teacher's log-probs `(B, width)` of `completions` after the teacher prompts
-    /// `prompts`, from the rollout server's synced adapter (`use_teacher_server`; 0 past each
-    /// completion's end).
-    fn served_live_logps(
-        &self,
-        prompts: &[&[u32]],
-        completions: &[&[u32]],
-        width: usize,
-    ) -> Result<Tensor> {
-        let server = self.remote.as_ref().context(
-            "`use_teacher_server` needs the rollout server (rollout.backend = \"openai\")",
-        )?;
-        let seqs: Vec<Vec<u32>> = prompts
-            .iter()
-            .zip(completions)
-            .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
-            .collect();
-        let lps = server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .prompt_logprobs(&seqs, true)
-            .map_err(|e| anyhow::anyhow!("use_teacher_server: {e}"))?;
-        let mut out = Vec::with_capacity(seqs.len() * width);
-        for (row, x) in lps.iter().zip(completions) {
-            let tail = &row[row.len() - x.len()..];
-            out.extend((0..width).map(|j| tail.get(j).copied().unwrap_or(0.0)));
-        }
-        Ok(Tensor::from_vec(out, (seqs.len(), width), &self.device)?)
     }
 
     /// TRL's SDPO policy term of one micro-batch: the clipped ratio against the old log-probs
