@@ -120,12 +120,13 @@ impl Bema {
         self.cfg.update_ref_model && step >= after && (step - after).is_multiple_of(freq)
     }
 
-    /// The BEMA weights by their variables' names.
-    pub fn weights(&self) -> HashMap<String, Tensor> {
-        self.names
+    /// The BEMA weights by the names of `vars` (the variables [`Self::start`] took, in
+    /// order), each in its variable's dtype and on its device.
+    pub fn weights_like(&self, vars: &[(String, Var)]) -> Result<HashMap<String, Tensor>> {
+        self.running
             .iter()
-            .cloned()
-            .zip(self.running.iter().cloned())
+            .zip(vars)
+            .map(|(t, (n, v))| Ok((n.clone(), t.to_dtype(v.dtype())?.to_device(v.device())?)))
             .collect()
     }
 
@@ -167,7 +168,7 @@ impl Learner {
             && let Some(r) = &self.reference
         {
             let mut w: HashMap<String, Tensor> = r.weights().into_iter().collect();
-            w.extend(b.weights());
+            w.extend(b.weights_like(self.opt.vars())?);
             self.reference = Some(Transformer::from_weights_like(r, &w)?);
         }
         Ok(())
@@ -180,22 +181,12 @@ impl Learner {
         match &self.policy.lora {
             Some(cfg) => {
                 let mut m = model;
-                let dev = m.device().clone();
-                let w: HashMap<String, Tensor> = b
-                    .weights()
-                    .into_iter()
-                    .map(|(k, t)| {
-                        let like = self.opt.vars().iter().find(|(n, _)| *n == k);
-                        let dt = like.map_or(t.dtype(), |(_, v)| v.dtype());
-                        Ok((k, t.to_dtype(dt)?.to_device(&dev)?))
-                    })
-                    .collect::<Result<_>>()?;
-                grpo_rollout::lora::set_factors(&mut m, cfg, &w)?;
+                grpo_rollout::lora::set_factors(&mut m, cfg, &b.weights_like(self.opt.vars())?)?;
                 Ok(m)
             }
             None => {
                 let mut w: HashMap<String, Tensor> = model.weights().into_iter().collect();
-                w.extend(b.weights());
+                w.extend(b.weights_like(self.opt.vars())?);
                 Ok(Transformer::from_weights_like(&model, &w)?)
             }
         }

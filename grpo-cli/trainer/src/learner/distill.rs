@@ -162,32 +162,13 @@ impl Learner {
                 model.cfg.vocab_size
             );
         }
-        let temperature = self.cfg.rollout.temperature;
-        let (ids, mask, c) = padded_batch(
-            self.tokenizer.pad_token_id,
-            &batch.prompts[a..b],
-            &batch.completions[a..b],
-            &self.device,
-        )?;
-        let (h, tg, shape) = model.completion_rows(&ids, &mask, c)?;
-        let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
+        let (p, x) = (&batch.prompts[a..b], &batch.completions[a..b]);
+        // Both at `rollout.temperature`, through the learner's own log-prob path.
+        let (lp, ent, c) = self.logps(model, p, x, true)?;
         let tlp = match (teacher, &self.teacher_server) {
-            (_, Some(server)) => super::batch::served_logps(
-                server,
-                &batch.prompts[a..b],
-                &batch.completions[a..b],
-                c,
-                false,
-                &self.device,
-            )
-            .context("distillation.teacher_server")?,
-            (Some(t), None) => {
-                let td = t.device();
-                let (th, ttg, tshape) =
-                    t.completion_rows(&ids.to_device(td)?, &mask.to_device(td)?, c)?;
-                t.rows_logprobs(&th.detach(), &ttg, tshape, temperature, false)?
-                    .0
-            }
+            (_, Some(server)) => super::batch::served_logps(server, p, x, c, false, &self.device)
+                .context("distillation.teacher_server")?,
+            (Some(t), None) => self.logps(t, p, x, false)?.0,
             (None, None) => bail!("IW-OPD needs a teacher"),
         };
         let tlp = tlp.detach().to_device(lp.device())?.to_dtype(lp.dtype())?;

@@ -189,7 +189,7 @@ impl Learner {
     /// Old-policy log-probs (when `need_old`) and reference log-probs of every micro-batch,
     /// without a graph.
     #[allow(clippy::type_complexity)]
-    fn frozen_logps(
+    pub(crate) fn frozen_logps(
         &self,
         batch: &StepBatch<'_>,
         need_old: bool,

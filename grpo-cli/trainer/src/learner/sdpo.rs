@@ -430,20 +430,8 @@ impl Learner {
         let updates = self.cfg.updates_per_step();
         let need_old = (self.cfg.optim.num_iterations > 1 || updates > 1)
             && !(sdft && self.cfg.sdft.generate_from_teacher);
-        let old: Vec<Option<Tensor>> = match need_old {
-            true => {
-                let frozen = self.policy.model.detached();
-                batch
-                    .chunks
-                    .iter()
-                    .map(|&(a, b)| {
-                        let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-                        Ok(Some(self.logps(&frozen, p, c, false)?.0.detach()))
-                    })
-                    .collect::<Result<_>>()?
-            }
-            false => vec![None; batch.chunks.len()],
-        };
+        // (No reference: SDPO and SDFT refuse `reference.beta`.)
+        let (old, _) = self.frozen_logps(&batch, need_old)?;
         let chunk_of: HashMap<(usize, usize), usize> = batch
             .chunks
             .iter()
@@ -554,22 +542,21 @@ impl Learner {
         // The student's log-probs (and, for the logit modes, its divergence from the teacher
         // at the same rows) from one forward. (TRL's self-distillation trainers add no MoE
         // load-balancing loss.)
-        let (lp, ent, div, width) = (|| match (&teacher, divergence) {
+        let (lp, ent, div, width) = match (&teacher, divergence) {
             (Some(t), Some(div)) => {
                 let (ids, mask, width) = padded_batch(pad, p, c, &self.device)?;
                 let (h, tg, shape) = model.completion_rows(&ids, &mask, width)?;
                 let (lp, ent) = model.rows_logprobs(&h, &tg, shape, temperature, true)?;
-                let td = t.device().clone();
-                let (tids, tmask, _) = padded_batch(pad, &tp, c, &td)?;
+                let (tids, tmask, _) = padded_batch(pad, &tp, c, t.device())?;
                 let th = t.completion_hidden(&tids, &tmask, width)?.detach();
                 let (dv, _) = model.distill_rows(&h, t, &th, div, temperature)?;
-                Ok::<_, anyhow::Error>((lp, ent, Some(dv.reshape(shape)?), width))
+                (lp, ent, Some(dv.reshape(shape)?), width)
             }
             _ => {
                 let (lp, ent, width) = self.logps(model, p, c, true)?;
-                Ok((lp, ent, None, width))
+                (lp, ent, None, width)
             }
-        })()?;
+        };
         let mask = batch
             .mask(a, b, width, &self.device)?
             .to_dtype(lp.dtype())?;
