@@ -10,11 +10,10 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use grpo_trainer::config::{self, TrainConfig};
-use grpo_trainer::stages::{Generator, Loader, Scorer};
-use grpo_trainer::{self as trainer, Learner, RunOptions};
+use grpo_trainer::{self as trainer, RunOptions};
 
 mod common;
-use common::{Fixture, assert_same_steps, completion_logits, grpo_cli_ok};
+use common::{Fixture, assert_same_steps, completion_logits, first_scored_step, grpo_cli_ok};
 
 fn fixture() -> Fixture {
     Fixture::new()
@@ -89,21 +88,10 @@ fn token_logps(
 fn the_first_step_is_the_iw_opd_objective() {
     let f = fixture();
     let s = trainer::setup(load(&f.root, "first", 1, "iw_opd_gamma = 0.7")).unwrap();
-    let dir = f.root.join("first");
-    std::fs::create_dir_all(&dir).unwrap();
     let teacher = grpo_rollout::load(&f.root.join("teacher"), DType::F32, &Device::Cpu)
         .unwrap()
         .model;
-    let mut learner = Learner::new(&s, &dir).unwrap();
-    let batch = Loader::new(&s, 0, None)
-        .unwrap()
-        .process()
-        .unwrap()
-        .unwrap();
-    let r = Generator::new(&s, learner.publish().unwrap(), 0)
-        .process(batch)
-        .unwrap();
-    let sc = Scorer::new(&s).process(r).unwrap();
+    let (mut learner, sc) = first_scored_step(&s, &f.root.join("first"));
     let r = &sc.rollouts;
     let student = s.policy.model.detached();
     let (mut loss, mut tokens) = (0.0, 0.0);
@@ -159,21 +147,10 @@ fn an_update_moves_the_student_toward_the_teacher_and_jsd_is_distillations_step(
     let mut cfg = load(&f.root, "toward", 1, "");
     cfg.optim.learning_rate = Some(1e-5);
     let s = trainer::setup(cfg).unwrap();
-    let dir = f.root.join("toward");
-    std::fs::create_dir_all(&dir).unwrap();
     let teacher = grpo_rollout::load(&f.root.join("teacher"), DType::F32, &Device::Cpu)
         .unwrap()
         .model;
-    let mut learner = Learner::new(&s, &dir).unwrap();
-    let batch = Loader::new(&s, 0, None)
-        .unwrap()
-        .process()
-        .unwrap()
-        .unwrap();
-    let r = Generator::new(&s, learner.publish().unwrap(), 0)
-        .process(batch)
-        .unwrap();
-    let sc = Scorer::new(&s).process(r).unwrap();
+    let (mut learner, sc) = first_scored_step(&s, &f.root.join("toward"));
     let student = s.policy.model.snapshot().unwrap();
     // The weights of each token, from the student before the update.
     let r = &sc.rollouts;

@@ -10,12 +10,13 @@ use std::path::Path;
 
 use grpo_core::distill::Divergence;
 use grpo_trainer::config::{self, TrainConfig};
-use grpo_trainer::stages::{Generator, Loader, Scorer, step_seed};
-use grpo_trainer::{self as trainer, Learner, RunOptions};
+use grpo_trainer::stages::step_seed;
+use grpo_trainer::{self as trainer, RunOptions};
 
 mod common;
 use common::{
-    Fixture, assert_same_steps, completion_logits, eval_lines, grpo_cli_ok, stopped_and_resumed,
+    Fixture, assert_same_steps, completion_logits, eval_lines, first_scored_step, grpo_cli_ok,
+    stopped_and_resumed,
 };
 
 /// A tiny model and 6 prompts, each with a privileged context.
@@ -96,18 +97,7 @@ fn first_step_matches(extra: &str, skip: usize, from_teacher: bool) {
     let f = fixture();
     let cfg = load(&f.root, "first", 1, extra);
     let s = trainer::setup(cfg.clone()).unwrap();
-    let dir = f.root.join("first");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut learner = Learner::new(&s, &dir).unwrap();
-    let batch = Loader::new(&s, 0, None)
-        .unwrap()
-        .process()
-        .unwrap()
-        .unwrap();
-    let r = Generator::new(&s, learner.publish().unwrap(), 0)
-        .process(batch)
-        .unwrap();
-    let sc = Scorer::new(&s).process(r).unwrap();
+    let (mut learner, sc) = first_scored_step(&s, &f.root.join("first"));
     let r = &sc.rollouts;
     let tok = &s.tokenizer;
     let model = s.policy.model.detached();

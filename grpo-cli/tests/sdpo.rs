@@ -15,11 +15,13 @@ use candle_core::{DType, Device, Tensor};
 use grpo_core::distill::Divergence;
 use grpo_rewards::RewardInput;
 use grpo_trainer::config::{self, TrainConfig};
-use grpo_trainer::stages::{Generator, Loader, Scorer};
-use grpo_trainer::{self as trainer, FitOptions, Learner, RunOptions, SdpoTrainer};
+use grpo_trainer::{self as trainer, FitOptions, RunOptions, SdpoTrainer};
 
 mod common;
-use common::{Fixture, assert_same_steps, completion_logits, grpo_cli_ok, stopped_and_resumed};
+use common::{
+    Fixture, assert_same_steps, completion_logits, first_scored_step, grpo_cli_ok,
+    stopped_and_resumed,
+};
 
 /// TRL's default templates, spelled out here (not read from the config).
 const SOLUTION: &str = "\nCorrect solution:\n\n";
@@ -176,6 +178,37 @@ fn per_token(
     v.iter().zip(lp).map(|(g, l)| g * f64::from(l)).collect()
 }
 
+/// Completion `i`'s teacher prompt by TRL's plan and templates (spelled out here: the first
+/// successful sibling of its group of `g`, the row's feedback), and whether it has a
+/// demonstration; `None` without a context.
+fn teacher_prompt(
+    sc: &grpo_trainer::stages::Scored,
+    tok: &grpo_rollout::Tokenizer,
+    i: usize,
+    g: usize,
+) -> Option<(Vec<u32>, bool)> {
+    let r = &sc.rollouts;
+    let group = (i / g) * g..(i / g) * g + g;
+    let demo = group
+        .clone()
+        .find(|&j| j != i && sc.scores.rewards[j] >= 1.0);
+    let sample = &r.batch.samples[r.completions[i].prompt_index];
+    let feedback = sample.get_text("privileged_context");
+    if demo.is_none() && feedback.is_none() {
+        return None;
+    }
+    let mut text = sample.prompt.text();
+    if let Some(j) = demo {
+        let d = tok.decode(&r.completions[j].token_ids, true).unwrap();
+        text += &format!("{SOLUTION}{d}\n\n");
+    }
+    if let Some(fb) = feedback {
+        text += &format!("{FEEDBACK}{fb}\n\n");
+    }
+    text += TAIL;
+    Some((tok.encode(&text, true).unwrap(), demo.is_some()))
+}
+
 /// The first step of a live-teacher run: its loss against the direct computation, and the
 /// context metrics against the plan made here.
 fn first_step_matches(extra: &str, mode: Option<Divergence>) {
@@ -187,18 +220,7 @@ fn first_step_matches(extra: &str, mode: Option<Divergence>) {
         &format!("teacher_model_kind = \"live\"\ninclude_environment_feedback = true\n{extra}"),
     );
     let s = setup_with(cfg, parity);
-    let dir = f.root.join("first");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut learner = Learner::new(&s, &dir).unwrap();
-    let batch = Loader::new(&s, 0, None)
-        .unwrap()
-        .process()
-        .unwrap()
-        .unwrap();
-    let r = Generator::new(&s, learner.publish().unwrap(), 0)
-        .process(batch)
-        .unwrap();
-    let sc = Scorer::new(&s).process(r).unwrap();
+    let (mut learner, sc) = first_scored_step(&s, &f.root.join("first"));
     let r = &sc.rollouts;
     let g = 4;
     let n = r.completions.len();
@@ -207,27 +229,11 @@ fn first_step_matches(extra: &str, mode: Option<Divergence>) {
     let tok = &s.tokenizer;
     let (mut total, mut active, mut with_demo) = (0.0, 0, 0);
     for (i, c) in r.completions.iter().enumerate() {
-        let group = (i / g) * g..(i / g) * g + g;
-        let demo = group
-            .clone()
-            .find(|&j| j != i && sc.scores.rewards[j] >= 1.0);
-        let sample = &r.batch.samples[c.prompt_index];
-        let feedback = sample.get_text("privileged_context");
-        if demo.is_none() && feedback.is_none() {
+        let Some((teacher_ids, has_demo)) = teacher_prompt(&sc, tok, i, g) else {
             continue;
-        }
+        };
         active += 1;
-        with_demo += usize::from(demo.is_some());
-        let mut text = sample.prompt.text();
-        if let Some(j) = demo {
-            let d = tok.decode(&r.completions[j].token_ids, true).unwrap();
-            text += &format!("{SOLUTION}{d}\n\n");
-        }
-        if let Some(fb) = feedback {
-            text += &format!("{FEEDBACK}{fb}\n\n");
-        }
-        text += TAIL;
-        let teacher_ids = tok.encode(&text, true).unwrap();
+        with_demo += usize::from(has_demo);
         let v = per_token(
             &model,
             &r.prompt_ids[c.prompt_index],
@@ -564,43 +570,16 @@ fn an_update_moves_the_policy_toward_the_teacher() {
         );
         cfg.optim.learning_rate = Some(1e-5);
         let s = setup_with(cfg, parity);
-        let dir = f.root.join("toward");
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut learner = Learner::new(&s, &dir).unwrap();
-        let batch = Loader::new(&s, 0, None)
-            .unwrap()
-            .process()
-            .unwrap()
-            .unwrap();
-        let r = Generator::new(&s, learner.publish().unwrap(), 0)
-            .process(batch)
-            .unwrap();
-        let sc = Scorer::new(&s).process(r).unwrap();
+        let (mut learner, sc) = first_scored_step(&s, &f.root.join("toward"));
         let teacher = s.policy.model.snapshot().unwrap();
         let tok = &s.tokenizer;
         let objective = |model: &grpo_rollout::Transformer| -> f64 {
             let r = &sc.rollouts;
             let (mut sum, mut n) = (0.0, 0.0);
             for (i, c) in r.completions.iter().enumerate() {
-                let sample = &r.batch.samples[c.prompt_index];
-                let group = (i / 4) * 4..(i / 4) * 4 + 4;
-                let demo = group
-                    .clone()
-                    .find(|&j| j != i && sc.scores.rewards[j] >= 1.0);
-                let feedback = sample.get_text("privileged_context");
-                if demo.is_none() && feedback.is_none() {
+                let Some((tp, _)) = teacher_prompt(&sc, tok, i, 4) else {
                     continue;
-                }
-                let mut text = sample.prompt.text();
-                if let Some(j) = demo {
-                    let d = tok.decode(&r.completions[j].token_ids, true).unwrap();
-                    text += &format!("{SOLUTION}{d}\n\n");
-                }
-                if let Some(fb) = feedback {
-                    text += &format!("{FEEDBACK}{fb}\n\n");
-                }
-                text += TAIL;
-                let tp = tok.encode(&text, true).unwrap();
+                };
                 let p = &r.prompt_ids[c.prompt_index];
                 let v: Vec<f64> = match mode {
                     Some(_) => per_token_pair(model, &teacher, p, &tp, &c.token_ids, mode),

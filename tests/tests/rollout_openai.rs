@@ -40,6 +40,16 @@ fn serve(root: &Path) -> grpo_cli::serve::Server {
     start(o).unwrap()
 }
 
+/// A whole run of `c`.
+fn run_config(c: TrainConfig) -> grpo_trainer::TrainingResult {
+    trainer::run(
+        trainer::setup(c).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap()
+}
+
 /// Reward: completions that start with white space (a quarter of the model's at first).
 fn config(root: &Path, out: &str, extra: &str) -> TrainConfig {
     let text = format!(
@@ -570,12 +580,7 @@ fn sdpo_and_iw_opd_sample_through_the_openai_backend() {
         if algorithm == grpo_trainer::Algorithm::IwOpd {
             c.rewards.clear();
         }
-        trainer::run(
-            trainer::setup(c).unwrap(),
-            &RunOptions::default(),
-            &mut grpo_trainer::NoCallbacks,
-        )
-        .unwrap()
+        run_config(c)
     };
     for algorithm in [
         grpo_trainer::Algorithm::Sdpo,
@@ -622,12 +627,7 @@ fn iw_opd_scores_with_a_teacher_on_a_server() {
         c.train.max_steps = Some(2);
         c.optim.learning_rate = Some(1e-3);
         c.validate().unwrap();
-        trainer::run(
-            trainer::setup(c).unwrap(),
-            &RunOptions::default(),
-            &mut grpo_trainer::NoCallbacks,
-        )
-        .unwrap()
+        run_config(c)
     };
     let local = train("iw-local", false);
     let served = train("iw-served", true);
@@ -674,12 +674,7 @@ fn sdpo_scores_the_live_teacher_on_the_rollout_server() {
         c.train.max_steps = Some(3);
         c.optim.learning_rate = Some(1e-3);
         c.validate().unwrap();
-        trainer::run(
-            trainer::setup(c).unwrap(),
-            &RunOptions::default(),
-            &mut grpo_trainer::NoCallbacks,
-        )
-        .unwrap()
+        run_config(c)
     };
     let local = train("sd-local", false);
     let served = train("sd-served", true);
@@ -702,12 +697,7 @@ fn sdpo_scores_the_live_teacher_on_the_rollout_server() {
         c.train.max_steps = Some(2);
         c.optim.learning_rate = Some(1e-3);
         c.validate().unwrap();
-        trainer::run(
-            trainer::setup(c).unwrap(),
-            &RunOptions::default(),
-            &mut grpo_trainer::NoCallbacks,
-        )
-        .unwrap()
+        run_config(c)
     };
     let (a, b) = (sdft("ft-local", false), sdft("ft-served", true));
     for (a, b) in a.metrics.iter().zip(&b.metrics) {

@@ -137,3 +137,25 @@ pub fn completion_logits(
         .unwrap();
     model.logits(&h).unwrap().to_dtype(DType::F64).unwrap()
 }
+
+/// A learner over `setup` writing under `dir` (created), and the first step's completions as
+/// the pipeline makes them (loaded, sampled with the learner's published policy, scored),
+/// before any update: what a test compares the learner's first step with.
+pub fn first_scored_step(
+    setup: &grpo_trainer::Setup,
+    dir: &Path,
+) -> (grpo_trainer::Learner, grpo_trainer::stages::Scored) {
+    use grpo_trainer::stages::{Generator, Loader, Scorer};
+    std::fs::create_dir_all(dir).unwrap();
+    let learner = grpo_trainer::Learner::new(setup, dir).unwrap();
+    let batch = Loader::new(setup, 0, None)
+        .unwrap()
+        .process()
+        .unwrap()
+        .unwrap();
+    let r = Generator::new(setup, learner.publish().unwrap(), 0)
+        .process(batch)
+        .unwrap();
+    let scored = Scorer::new(setup).process(r).unwrap();
+    (learner, scored)
+}
