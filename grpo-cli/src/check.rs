@@ -525,6 +525,40 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             ))
         })(),
     );
+    // TRL's `loss_top_k` supports: the teacher's top token (forward KL) and the top-1 support
+    // of the teacher's and the student's arg-max tokens, with a tail bucket; in f32 also the
+    // union of both top 4 at β 0.5, renormalised. (In bf16 a wider support is not compared:
+    // the random models' near-equal logits round to ties that reorder their top 4, so the CPU
+    // and the device select different tokens — SDPO's top 4 differs by 10% the same way.)
+    push(
+        format!(
+            "sparse distillation supports (top-1{}) and their gradient norms on {} vs cpu f32",
+            if tol < 1e-3 { ", top-4 union" } else { "" },
+            device_name(device)
+        ),
+        (|| {
+            use grpo_core::distill::{Divergence, ReverseTop1};
+            let mut worst: f64 = 0.0;
+            let mut cases = vec![(1, 0.0, true), (1, 0.5, true)];
+            if tol < 1e-3 {
+                cases.push((4, 0.5, false));
+            }
+            for (k, beta, add_tail) in cases {
+                let div = Divergence::Sparse {
+                    k,
+                    beta,
+                    add_tail,
+                    reverse: ReverseTop1::Argmax,
+                };
+                let a = distill_check(&cpu.model, &wide_cpu.model, &rows_ids, div)?;
+                let b = distill_check(&dev.model, &wide_dev.model, &rows_ids, div)?;
+                worst = worst
+                    .max((a.0 - b.0).abs())
+                    .max((a.1 - b.1).abs() / a.1.max(1e-6));
+            }
+            Ok((worst, tol))
+        })(),
+    );
     push(
         format!(
             "ORPO and SimPO losses (f64 odds) and their gradient norms on {} vs cpu f32",

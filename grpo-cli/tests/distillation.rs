@@ -88,6 +88,57 @@ fn divergence(student: &Path, teacher: &Path, beta: f64) -> f64 {
     d.mean_all().unwrap().to_scalar::<f32>().unwrap() as f64
 }
 
+/// TRL's sparse supports (`loss_top_k`): the first step's loss is
+/// `grpo_core::distill::sparse_divergence` of the student's and the teacher's logits, computed
+/// one completion at a time with the completion's own tokens (the top-1 support's sampled
+/// side), summed and divided by the step's tokens — at β = 1 and 0.5 with the top-1 support
+/// (tail bucket; sampled and arg-max) and at β = 0 with the teacher's top 4 (renormalised).
+#[test]
+fn the_sparse_supports_first_step_is_their_divergence() {
+    use grpo_core::distill::{ReverseTop1, sparse_divergence};
+    let f = fixture();
+    let teacher = grpo_rollout::load(&f.root.join("teacher"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .model;
+    let cases = [
+        (1.0, 1, true, ReverseTop1::Sampled, ""),
+        (
+            0.5,
+            1,
+            true,
+            ReverseTop1::Argmax,
+            "reverse_kl_top_1_mode = \"argmax\"",
+        ),
+        (0.0, 4, false, ReverseTop1::Sampled, "loss_add_tail = false"),
+    ];
+    for (i, (beta, k, tail, reverse, extra)) in cases.into_iter().enumerate() {
+        let out = format!("sparse-{i}");
+        let extra = format!("beta = {beta}\nloss_top_k = {k}\n{extra}");
+        let s = trainer::setup(load(&f.root, &out, "teacher", 1, &extra)).unwrap();
+        let (mut learner, sc) = common::first_scored_step(&s, &f.root.join(&out));
+        let r = &sc.rollouts;
+        let student = s.policy.model.detached();
+        let (mut sum, mut tokens) = (0.0, 0.0);
+        for c in &r.completions {
+            let p = &r.prompt_ids[c.prompt_index];
+            let zs = common::completion_logits(&student, p, &c.token_ids);
+            let zt = common::completion_logits(&teacher, p, &c.token_ids);
+            let x = Tensor::new(c.token_ids.as_slice(), &Device::Cpu).unwrap();
+            let d = sparse_divergence(&zs, &zt, Some(&x), (k, beta, tail, reverse), 1.0).unwrap();
+            sum += d.sum_all().unwrap().to_scalar::<f64>().unwrap();
+            tokens += c.token_ids.len() as f64;
+        }
+        let want = sum / tokens;
+        let m = learner.process(&sc).unwrap();
+        assert!(
+            // f32 in the learner: 1e-4 relative, or 1e-7 absolute for the small β = 0.5 loss.
+            want > 0.0 && (m["loss"] - want).abs() < 1e-4 * want + 1e-7,
+            "case {i}: loss {} vs {want}",
+            m["loss"]
+        );
+    }
+}
+
 #[test]
 fn a_student_distilled_from_itself_has_loss_zero() {
     let f = fixture();

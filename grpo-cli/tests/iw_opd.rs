@@ -189,14 +189,23 @@ fn an_update_moves_the_student_toward_the_teacher_and_jsd_is_distillations_step(
     learner.process(&sc).unwrap();
     let after = objective(&learner.policy().model.detached());
     assert!(after < 0.99 * before, "{before} -> {after}");
-    // The `jsd` objective under iw_opd is distillation's step (same settings).
+    // The `jsd` objective under iw_opd is distillation's step with TRL's IW-OPD support (its
+    // `loss_top_k` 1: the top-1 support at β = 1), and not the full-vocabulary one.
     let a = run(load(&f.root, "jsd", 2, "distillation_objective = \"jsd\""));
-    let mut d = load(&f.root, "dist", 2, "");
-    d.algorithm = grpo_trainer::Algorithm::Distillation;
-    d.output_dir = f.root.join("dist");
-    let b = run(d);
+    let dist = |out: &str, extra: &str| {
+        let mut d = load(&f.root, out, 2, extra);
+        d.algorithm = grpo_trainer::Algorithm::Distillation;
+        d.output_dir = f.root.join(out);
+        run(d)
+    };
+    let b = dist("dist", "loss_top_k = 1");
     assert_same_steps(&a.metrics, &b.metrics, &["loss", "grad_norm"]);
     assert!(!a.metrics[0].contains_key("iw_opd/mean_weight"));
+    let full = dist("dist-full", "");
+    assert!(
+        (full.metrics[0]["loss"] - a.metrics[0]["loss"]).abs() > 1e-3 * a.metrics[0]["loss"],
+        "the top-1 support's loss equals the full vocabulary's"
+    );
 }
 
 #[test]
@@ -223,6 +232,8 @@ fn trls_defaults_the_refusals_and_the_subcommand() {
     );
     assert_eq!((d.beta, d.lmbda_for(c.algorithm)), (1.0, 1.0));
     assert_eq!((d.iw_opd_gamma, d.iw_opd_epsilon), (0.5, 1e-8));
+    assert_eq!((d.loss_top_k_for(c.algorithm), d.loss_add_tail), (1, true));
+    assert_eq!(d.reverse_kl_top_1_mode, config::ReverseKlTop1Mode::Sampled);
     for (set, want) in [
         (
             "distillation.iw_opd_gamma=-1.0",
@@ -235,6 +246,14 @@ fn trls_defaults_the_refusals_and_the_subcommand() {
         (
             "distillation.distillation_objective=\"kl\"",
             "distillation_objective",
+        ),
+        (
+            "distillation.reverse_kl_top_1_mode=\"argmax\"",
+            "does not apply to the `iw_opd` objective",
+        ),
+        (
+            "distillation.reverse_kl_top_1_mode=\"student\"",
+            "reverse_kl_top_1_mode",
         ),
     ] {
         let e = format!("{:#}", config::load(&p, &[set.to_string()]).unwrap_err());

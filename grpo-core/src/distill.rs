@@ -14,6 +14,13 @@
 //! [`topk_divergence`] is TRL's SDPO `topk_logits` approximation: the same divergence over the
 //! student's `k` most likely tokens only (both distributions renormalised there, or with one
 //! more bucket holding the rest of each one's mass).
+//!
+//! [`Divergence::Sparse`] is TRL's `loss_top_k` (IW-OPD, server distillation): the divergence
+//! over a small support — the teacher's top k (forward KL), the student's (reverse KL), their
+//! union (between), or at `k = 1` with `β > 0` the teacher's top token and the sampled (or the
+//! student's arg-max) token — renormalised or with a tail bucket. With a teacher on a server
+//! ([`ServedRows`]: its top-k log-probs and the sampled token's) the forward KL takes the
+//! served top k and `β > 0` the top-1 support.
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -71,6 +78,72 @@ pub enum Divergence {
         /// One more category holding the mass outside the support (else both renormalised).
         add_tail: bool,
     },
+    /// TRL's `loss_top_k` support (IW-OPD's and server distillation's `jsd` objective): with
+    /// `β > 0` and `k = 1` the teacher's top token and `reverse`'s token (the second dropped
+    /// where they are one); otherwise the teacher's top `k` at `β = 0`, the student's at
+    /// `β = 1`, their union between; `k` at least the vocabulary is [`Divergence::Full`].
+    Sparse {
+        /// The support's size per side (TRL's `loss_top_k`, at least 1).
+        k: usize,
+        /// As [`Divergence::Full`]'s.
+        beta: f64,
+        /// One more category holding the mass outside the support (TRL's `loss_add_tail`).
+        add_tail: bool,
+        /// The reverse side's token of the top-1 support (TRL's `reverse_kl_top_1_mode`).
+        reverse: ReverseTop1,
+    },
+}
+
+/// Which token stands for the student in [`Divergence::Sparse`]'s top-1 support.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReverseTop1 {
+    /// The completion's own (sampled) token.
+    #[default]
+    Sampled,
+    /// The student's most likely token.
+    Argmax,
+}
+
+/// A teacher on a server, row by row: its `K` most likely tokens `top_ids` `(N, K)` (u32) with
+/// their log-probs `top_logps` `(N, K)` (`−inf` where the server gave fewer), and its log-prob
+/// of the row's own token `actual` `(N,)`.
+#[derive(Debug, Clone)]
+pub struct ServedRows {
+    /// The teacher's top-`K` token ids, most likely first.
+    pub top_ids: Tensor,
+    /// Their log-probs (`−inf`: absent).
+    pub top_logps: Tensor,
+    /// The teacher's log-prob of each row's own token.
+    pub actual: Tensor,
+}
+
+impl ServedRows {
+    /// Rows `[start, start + n)`.
+    pub fn narrow(&self, start: usize, n: usize) -> Result<Self> {
+        Ok(Self {
+            top_ids: self.top_ids.narrow(0, start, n)?,
+            top_logps: self.top_logps.narrow(0, start, n)?,
+            actual: self.actual.narrow(0, start, n)?,
+        })
+    }
+
+    /// On `device`.
+    pub fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
+        Ok(Self {
+            top_ids: self.top_ids.to_device(device)?,
+            top_logps: self.top_logps.to_device(device)?,
+            actual: self.actual.to_device(device)?,
+        })
+    }
+}
+
+/// What a distillation step knows of the teacher at each row.
+#[derive(Debug, Clone, Copy)]
+pub enum TeacherRows<'a> {
+    /// Its logits `(N, V)`.
+    Logits(&'a Tensor),
+    /// Its top-k and own-token log-probs from a server.
+    Served(&'a ServedRows),
 }
 
 impl From<f64> for Divergence {
@@ -89,6 +162,52 @@ impl Divergence {
         teacher_logits: &Tensor,
         temperature: f64,
     ) -> Result<Tensor> {
+        self.of_rows(
+            student_logits,
+            TeacherRows::Logits(teacher_logits),
+            None,
+            temperature,
+        )
+    }
+
+    /// [`Self::of`] against either kind of teacher rows, with each row's own token `tokens`
+    /// `(N,)` (u32; [`Divergence::Sparse`]'s sampled top-1 support needs them).
+    ///
+    /// # Errors
+    /// Besides [`Self::of`]'s: a served teacher with a divergence other than
+    /// [`Divergence::Sparse`] (a server gives no whole distribution), or with `β > 0` and
+    /// `k ≠ 1`, or an arg-max reverse token (the server scored only the sampled one); the
+    /// sampled top-1 support without `tokens`.
+    pub fn of_rows(
+        &self,
+        student_logits: &Tensor,
+        teacher: TeacherRows<'_>,
+        tokens: Option<&Tensor>,
+        temperature: f64,
+    ) -> Result<Tensor> {
+        let teacher_logits = match teacher {
+            TeacherRows::Logits(t) => t,
+            TeacherRows::Served(served) => {
+                return match *self {
+                    Divergence::Sparse {
+                        k,
+                        beta,
+                        add_tail,
+                        reverse,
+                    } => served_divergence(
+                        student_logits,
+                        served,
+                        tokens,
+                        (k, beta, add_tail, reverse),
+                        temperature,
+                    ),
+                    _ => candle_core::bail!(
+                        "a teacher on a server gives top-k log-probs only: its divergence must be \
+                         the sparse one (loss_top_k)"
+                    ),
+                };
+            }
+        };
         match *self {
             Divergence::Full { beta } => {
                 generalized_jsd(student_logits, teacher_logits, beta, temperature)
@@ -101,8 +220,276 @@ impl Divergence {
                 add_tail,
                 temperature,
             ),
+            Divergence::Sparse {
+                k,
+                beta,
+                add_tail,
+                reverse,
+            } => sparse_divergence(
+                student_logits,
+                teacher_logits,
+                tokens,
+                (k, beta, add_tail, reverse),
+                temperature,
+            ),
         }
     }
+}
+
+/// [`Divergence::Sparse`]'s settings: `(k, β, add_tail, reverse)`.
+type SparseSettings = (usize, f64, bool, ReverseTop1);
+
+/// TRL's `generalized_jsd_loss` with `top_k` (IW-OPD's local path), per row `(N,)`, and its
+/// mixed top-1 path (`β > 0`, `k = 1`): see [`Divergence::Sparse`]. The student's gradient only.
+///
+/// # Errors
+/// Shapes that differ, `k` = 0, `β` outside `[0, 1]`, a temperature that is not positive, the
+/// sampled top-1 support without `tokens`.
+pub fn sparse_divergence(
+    student_logits: &Tensor,
+    teacher_logits: &Tensor,
+    tokens: Option<&Tensor>,
+    (k, beta, add_tail, reverse): SparseSettings,
+    temperature: f64,
+) -> Result<Tensor> {
+    check_pair(
+        "sparse_divergence",
+        student_logits,
+        teacher_logits,
+        beta,
+        temperature,
+    )?;
+    let (n, v) = student_logits.dims2()?;
+    if k == 0 {
+        candle_core::bail!("sparse_divergence: k must be at least 1 (0 is the full vocabulary)");
+    }
+    let top1 = beta > 0.0 && k == 1;
+    if !top1 && k >= v {
+        return generalized_jsd(student_logits, teacher_logits, beta, temperature);
+    }
+    let ls = log_softmax(student_logits, temperature)?;
+    let lt = log_softmax(&teacher_logits.detach(), temperature)?;
+    let (support, valid) = if top1 {
+        let rev = reverse_tokens(&ls, tokens, reverse)?;
+        top1_support(&topk_indices(&lt, 1)?.squeeze(1)?, &rev, beta)?
+    } else if beta == 0.0 {
+        let s = topk_indices(&lt, k)?;
+        let ones = Tensor::ones((n, k), ls.dtype(), ls.device())?;
+        (s, ones)
+    } else if beta == 1.0 {
+        let s = topk_indices(&ls, k)?;
+        let ones = Tensor::ones((n, k), ls.dtype(), ls.device())?;
+        (s, ones)
+    } else {
+        union_support(&topk_indices(&lt, k)?, &topk_indices(&ls, k)?, ls.dtype())?
+    };
+    let lt_s = lt.gather(&support, D::Minus1)?;
+    support_divergence(&ls, &support, &valid, &lt_s, beta, add_tail)
+}
+
+/// TRL's server paths (its `ServerDistillationTrainer`, IW-OPD's `jsd` with a teacher server):
+/// at `β = 0` the forward KL over the served top `K` (the student's log-probs gathered there;
+/// the ones the server left out dropped), at `β > 0` (with `k = 1`) the top-1 support of the
+/// served top token and the sampled token (the teacher's log-prob of it: `actual`), per row
+/// `(N,)`. The student's gradient only.
+///
+/// # Errors
+/// `β > 0` with `k ≠ 1`; an arg-max reverse token; no `tokens` at `β > 0`; shapes that do not
+/// match; a row whose served top token is missing.
+pub fn served_divergence(
+    student_logits: &Tensor,
+    served: &ServedRows,
+    tokens: Option<&Tensor>,
+    (k, beta, add_tail, reverse): SparseSettings,
+    temperature: f64,
+) -> Result<Tensor> {
+    let (n, _) = student_logits.dims2()?;
+    let (sn, sk) = served.top_ids.dims2()?;
+    if sn != n || served.top_logps.dims() != [n, sk] || served.actual.dims() != [n] || sk == 0 {
+        candle_core::bail!(
+            "served_divergence: {n} student rows against served top ids {:?}, log-probs {:?}, \
+             own-token log-probs {:?}",
+            served.top_ids.dims(),
+            served.top_logps.dims(),
+            served.actual.dims()
+        );
+    }
+    if !((0.0..=1.0).contains(&beta) && temperature > 0.0 && temperature.is_finite()) {
+        candle_core::bail!(
+            "served_divergence: beta {beta} must be in [0, 1], temperature {temperature} > 0"
+        );
+    }
+    let ls = log_softmax(student_logits, temperature)?;
+    let dt = ls.dtype();
+    let top = served.top_logps.detach().to_dtype(dt)?;
+    let present = top.ne(f64::NEG_INFINITY)?;
+    let first = present.narrow(1, 0, 1)?.to_dtype(DType::F32)?.min_all()?;
+    if first.to_scalar::<f32>()? < 1.0 {
+        candle_core::bail!("served_divergence: a row without the teacher's top token");
+    }
+    let zeros = top.zeros_like()?;
+    let top = present.where_cond(&top, &zeros)?;
+    if beta == 0.0 {
+        let kk = k.clamp(1, sk);
+        let support = served.top_ids.narrow(1, 0, kk)?.contiguous()?;
+        let valid = present.narrow(1, 0, kk)?.to_dtype(dt)?;
+        return support_divergence(
+            &ls,
+            &support,
+            &valid,
+            &top.narrow(1, 0, kk)?,
+            beta,
+            add_tail,
+        );
+    }
+    if k != 1 || reverse != ReverseTop1::Sampled {
+        candle_core::bail!(
+            "served_divergence: with beta > 0 a served teacher gives the top-1 support of the \
+             sampled token only (k = 1, reverse = sampled)"
+        );
+    }
+    let rev = reverse_tokens(&ls, tokens, reverse)?;
+    let t1 = served.top_ids.narrow(1, 0, 1)?.squeeze(1)?;
+    let (support, valid) = top1_support(&t1, &rev, beta)?;
+    let actual = served.actual.detach().to_dtype(dt)?;
+    let actual = actual
+        .ne(f64::NEG_INFINITY)?
+        .where_cond(&actual, &actual.zeros_like()?)?;
+    let lt_s = match beta == 1.0 {
+        true => actual.unsqueeze(1)?,
+        false => Tensor::stack(&[&top.narrow(1, 0, 1)?.squeeze(1)?, &actual], 1)?,
+    };
+    support_divergence(&ls, &support, &valid, &lt_s, beta, add_tail)
+}
+
+/// The reverse side's token per row `(N,)` u32: the given `tokens` or the student's arg-max.
+fn reverse_tokens(ls: &Tensor, tokens: Option<&Tensor>, reverse: ReverseTop1) -> Result<Tensor> {
+    match (reverse, tokens) {
+        (ReverseTop1::Argmax, _) => ls.detach().argmax(D::Minus1),
+        (ReverseTop1::Sampled, Some(t)) => {
+            let n = ls.dim(0)?;
+            if t.dims() != [n] {
+                candle_core::bail!("sparse divergence: tokens {:?} for {n} rows", t.dims());
+            }
+            t.to_dtype(DType::U32)?.to_device(ls.device())
+        }
+        (ReverseTop1::Sampled, None) => {
+            candle_core::bail!("the sampled top-1 support needs each row's own token (tokens)")
+        }
+    }
+}
+
+/// The top-1 support `(N, S)` and its validity: `[rev]` at `β = 1`, else `[teacher, rev]` with
+/// `rev` dropped where it is the teacher's token.
+fn top1_support(teacher_top: &Tensor, rev: &Tensor, beta: f64) -> Result<(Tensor, Tensor)> {
+    let n = rev.dim(0)?;
+    let dt = DType::F32;
+    if beta == 1.0 {
+        return Ok((
+            rev.unsqueeze(1)?.contiguous()?,
+            Tensor::ones((n, 1), dt, rev.device())?,
+        ));
+    }
+    let teacher_top = teacher_top.to_device(rev.device())?;
+    let support = Tensor::stack(&[&teacher_top, rev], 1)?;
+    let distinct = teacher_top.ne(rev)?.to_dtype(dt)?;
+    let valid = Tensor::stack(&[&Tensor::ones(n, dt, rev.device())?, &distinct], 1)?;
+    Ok((support, valid))
+}
+
+/// The union of the teacher's and the student's top-k `(N, 2k)`: the student's tokens that are
+/// among the teacher's marked invalid (TRL's deduplication).
+fn union_support(teacher: &Tensor, student: &Tensor, dt: DType) -> Result<(Tensor, Tensor)> {
+    let (n, k) = teacher.dims2()?;
+    let dup = teacher
+        .unsqueeze(2)?
+        .broadcast_eq(&student.unsqueeze(1)?)?
+        .to_dtype(dt)?
+        .max(1)?;
+    let valid = Tensor::cat(
+        &[
+            &Tensor::ones((n, k), dt, teacher.device())?,
+            &dup.affine(-1.0, 1.0)?,
+        ],
+        1,
+    )?;
+    Ok((Tensor::cat(&[teacher, student], 1)?, valid))
+}
+
+/// The divergence per row over `support` `(N, S)`: the student's full log-probs `ls` `(N, V)`
+/// gathered there, the teacher's `lt` `(N, S)` (finite everywhere), the entries where `valid`
+/// `(N, S)` is 0 left out; both renormalised over the valid ones, or joined by a tail bucket
+/// (TRL's `_add_tail_bucket`), then TRL's masked `_jsd_divergence`.
+fn support_divergence(
+    ls: &Tensor,
+    support: &Tensor,
+    valid: &Tensor,
+    lt: &Tensor,
+    beta: f64,
+    add_tail: bool,
+) -> Result<Tensor> {
+    let dt = ls.dtype();
+    let valid = valid.to_dtype(dt)?;
+    let ls = ls.gather(&support.contiguous()?, D::Minus1)?;
+    let lt = lt.detach().to_dtype(dt)?;
+    let (ls, lt, valid) = match add_tail {
+        true => {
+            let ones = Tensor::ones((valid.dim(0)?, 1), dt, valid.device())?;
+            (
+                masked_tail(&ls, &valid)?,
+                masked_tail(&lt, &valid)?,
+                Tensor::cat(&[&valid, &ones], 1)?,
+            )
+        }
+        false => (
+            masked_renorm(&ls, &valid)?,
+            masked_renorm(&lt, &valid)?,
+            valid,
+        ),
+    };
+    masked_jsd(&ls, &lt, &valid, beta)
+}
+
+/// `log Σ exp(l) · valid` per row `(N, 1)`, in f64.
+fn masked_lse(l: &Tensor, valid: &Tensor) -> Result<Tensor> {
+    (l.to_dtype(DType::F64)?.exp()? * valid.to_dtype(DType::F64)?)?
+        .sum_keepdim(D::Minus1)?
+        .log()
+}
+
+/// `l` renormalised over its valid entries.
+fn masked_renorm(l: &Tensor, valid: &Tensor) -> Result<Tensor> {
+    l.broadcast_sub(&masked_lse(l, valid)?.to_dtype(l.dtype())?)
+}
+
+/// `l` with one more column `log(1 − Σ_valid exp(l))`, the sum clamped at `exp(−1e−7)`.
+fn masked_tail(l: &Tensor, valid: &Tensor) -> Result<Tensor> {
+    let lse = masked_lse(l, valid)?.minimum(-1e-7)?;
+    let tail = lse.exp()?.affine(-1.0, 1.0)?.log()?.to_dtype(l.dtype())?;
+    Tensor::cat(&[l, &tail], D::Minus1)
+}
+
+/// TRL's masked `_jsd_divergence` summed per row: the invalid entries count as zero.
+fn masked_jsd(ls: &Tensor, lt: &Tensor, valid: &Tensor, beta: f64) -> Result<Tensor> {
+    let ls = (ls * valid)?;
+    let lt = (lt * valid)?;
+    let ps = (ls.exp()? * valid)?;
+    let pt = (lt.exp()? * valid)?;
+    if beta == 0.0 {
+        return (&pt * (&lt - &ls)?)?.sum(D::Minus1);
+    }
+    if beta == 1.0 {
+        return (&ps * (&ls - &lt)?)?.sum(D::Minus1);
+    }
+    let tiny = match ls.dtype() {
+        DType::F64 => f64::MIN_POSITIVE,
+        _ => f64::from(f32::MIN_POSITIVE),
+    };
+    let m = ((&ps * (1.0 - beta))? + (&pt * beta)?)?;
+    let lm = (m.maximum(tiny)?.log()? * valid)?;
+    let kt = (&pt * (&lt - &lm)?)?.sum(D::Minus1)?;
+    let ks = (&ps * (&ls - &lm)?)?.sum(D::Minus1)?;
+    (kt * beta)? + (ks * (1.0 - beta))?
 }
 
 /// The indices `(N, k)` (u32) of the `k` largest entries of each row of `x` `(N, V)`, largest

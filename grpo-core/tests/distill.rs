@@ -14,7 +14,9 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use candle_core::{Device, Tensor, Var};
-use grpo_core::distill::generalized_jsd;
+use grpo_core::distill::{
+    Divergence, ReverseTop1, ServedRows, TeacherRows, generalized_jsd, topk_indices,
+};
 
 type Case = (f64, f64, [f64; 2], [[f64; 4]; 2]);
 
@@ -141,7 +143,7 @@ type TopKCase = (usize, f64, bool, f64, [f64; 2], [[f64; 5]; 2]);
 
 #[test]
 fn topk_divergence_matches_trls_sdpo_loss() {
-    use grpo_core::distill::{Divergence, topk_divergence, topk_indices};
+    use grpo_core::distill::topk_divergence;
     let d = Device::Cpu;
     let zs = [[1.0f64, -0.5, 2.0, 0.25, 0.9], [0.0, 0.3, -1.2, 0.7, 0.1]];
     let zt = [[0.5f64, 0.5, 1.0, -1.0, 0.2], [2.0, -0.3, 0.1, 0.0, -0.4]];
@@ -484,5 +486,301 @@ fn iw_opd_matches_trls_loss() {
         for (x, y) in got.iter().zip(metrics) {
             assert!((x - y).abs() < 1e-12, "γ {gamma}: {got:?} vs {metrics:?}");
         }
+    }
+}
+
+type SparseCase = (Divergence, f64, Option<usize>, [f64; 2], [[f64; 5]; 2]);
+
+fn sparse(k: usize, beta: f64, add_tail: bool, reverse: ReverseTop1) -> Divergence {
+    Divergence::Sparse {
+        k,
+        beta,
+        add_tail,
+        reverse,
+    }
+}
+
+/// TRL's `loss_top_k` supports: each case's per-row divergence and student gradient from TRL
+/// 1.16's own IWOPDTrainer functions (`scripts/check_sparse_distill.py`): local top-k supports
+/// (teacher's, student's, union with a duplicate), the mixed top-1 support (sampled and
+/// arg-max; row 0's sampled token is the teacher's top one), and a served teacher (its top k,
+/// row 1 given its top token only; its top-1 and the sampled token).
+#[test]
+fn sparse_divergence_matches_trls_losses() {
+    let d = Device::Cpu;
+    let zs = [[1.0f64, -0.5, 2.0, 0.25, 0.9], [0.0, 0.3, -1.2, 0.7, 0.1]];
+    let zt = [[0.5f64, 0.45, 1.0, -1.0, 0.2], [2.0, -0.3, 0.1, 0.0, -0.4]];
+    let tokens = Tensor::new(&[2u32, 3], &d).unwrap();
+    let cases: [SparseCase; 11] = [
+        (
+            sparse(2, 0.0, true, ReverseTop1::Sampled),
+            1.0,
+            None,
+            [0.04777525336200891, 0.7138604271088522],
+            [
+                [
+                    -0.03109205311823244,
+                    -0.016556057079875737,
+                    0.14983540543263613,
+                    -0.03504917311313733,
+                    -0.06713812212139063,
+                ],
+                [
+                    -0.5042506134716684,
+                    0.16715995781131565,
+                    -0.04914169600258289,
+                    0.24937335351959344,
+                    0.13685899814334213,
+                ],
+            ],
+        ),
+        (
+            sparse(2, 1.0, false, ReverseTop1::Sampled),
+            1.0,
+            None,
+            [0.026344585976886256, 0.0012087580798199118],
+            [
+                [
+                    -0.09830596662074091,
+                    -9.315364868485662e-18,
+                    0.09830596662074098,
+                    -1.9720627581337273e-17,
+                    -3.7775667305829103e-17,
+                ],
+                [
+                    1.9241378135917065e-17,
+                    -0.02402607457415293,
+                    5.795391723752216e-18,
+                    0.024026074574152883,
+                    2.1265011539512153e-17,
+                ],
+            ],
+        ),
+        (
+            sparse(2, 0.5, true, ReverseTop1::Sampled),
+            1.0,
+            None,
+            [0.01197485417817278, 0.16558389924915187],
+            [
+                [
+                    -0.008586050850445382,
+                    -0.004026901803350393,
+                    0.03746779589781945,
+                    -0.008524951184590394,
+                    -0.016329892059433276,
+                ],
+                [
+                    -0.09226394625306245,
+                    0.031760596101846277,
+                    -0.014418616032129357,
+                    0.051158721125712764,
+                    0.023763245057632734,
+                ],
+            ],
+        ),
+        (
+            sparse(3, 0.3, false, ReverseTop1::Sampled),
+            0.7,
+            None,
+            [0.05449916579668723, 0.24348775576627046],
+            [
+                [
+                    -0.020845106931299536,
+                    -0.02642322462635717,
+                    0.05201677514930666,
+                    -2.6119815270691516e-19,
+                    -0.00474844359164995,
+                ],
+                [
+                    -0.14691041257088627,
+                    0.04422142183677776,
+                    -0.010394969118822133,
+                    0.08131231156360705,
+                    0.031771648289323585,
+                ],
+            ],
+        ),
+        (
+            sparse(1, 1.0, true, ReverseTop1::Sampled),
+            1.0,
+            None,
+            [0.04663015089061337, 0.24964558499884656],
+            [
+                [
+                    -0.05902979497696648,
+                    -0.01317132760673951,
+                    0.1534971906201349,
+                    -0.027883700762278522,
+                    -0.053412367274150406,
+                ],
+                [
+                    -0.1009919337706307,
+                    -0.13632485129441824,
+                    -0.03041818590153442,
+                    0.37934831913010636,
+                    -0.11161334816352292,
+                ],
+            ],
+        ),
+        (
+            sparse(1, 0.5, true, ReverseTop1::Sampled),
+            1.0,
+            None,
+            [0.011458058205622144, 0.14187330125470698],
+            [
+                [
+                    -0.014465962827281895,
+                    -0.003227792602352642,
+                    0.03761633687647926,
+                    -0.006833236992802812,
+                    -0.01308934445404192,
+                ],
+                [
+                    -0.09061882401680924,
+                    0.017703083153006838,
+                    0.003950091779051385,
+                    0.05447159048308758,
+                    0.01449405860166342,
+                ],
+            ],
+        ),
+        (
+            sparse(1, 0.5, false, ReverseTop1::Argmax),
+            0.7,
+            None,
+            [0.0, 0.273320491916746],
+            [
+                [0.0, 0.0, 0.0, 0.0, 0.0],
+                [-0.20167272027954464, 0.0, 0.0, 0.20167272027954464, 0.0],
+            ],
+        ),
+        (
+            sparse(3, 0.0, true, ReverseTop1::Sampled),
+            1.0,
+            Some(3),
+            [0.19927068928725888, 0.6202152203403936],
+            [
+                [
+                    -0.031092053118232453,
+                    -0.16647205445970545,
+                    0.14983540543263607,
+                    0.016370445466011466,
+                    0.031358256679290375,
+                ],
+                [
+                    -0.5042506134716684,
+                    0.14269821059374088,
+                    0.031840274582675764,
+                    0.2128807148729578,
+                    0.1168314134222939,
+                ],
+            ],
+        ),
+        (
+            sparse(2, 0.0, false, ReverseTop1::Sampled),
+            1.0,
+            Some(2),
+            [0.02795503773718895, 0.0],
+            [
+                [
+                    -0.10859924742815034,
+                    2.3288412171214155e-18,
+                    0.10859924742815033,
+                    4.930156895334318e-18,
+                    9.443916826457276e-18,
+                ],
+                [0.0, 0.0, 0.0, 0.0, 0.0],
+            ],
+        ),
+        (
+            sparse(1, 0.5, true, ReverseTop1::Sampled),
+            1.0,
+            Some(1),
+            [0.011458058205622144, 0.14187330125470698],
+            [
+                [
+                    -0.014465962827281895,
+                    -0.003227792602352642,
+                    0.03761633687647926,
+                    -0.006833236992802812,
+                    -0.01308934445404192,
+                ],
+                [
+                    -0.09061882401680924,
+                    0.017703083153006838,
+                    0.003950091779051385,
+                    0.05447159048308758,
+                    0.01449405860166342,
+                ],
+            ],
+        ),
+        (
+            sparse(1, 1.0, false, ReverseTop1::Sampled),
+            1.0,
+            Some(1),
+            [0.0, 0.0],
+            [[0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]],
+        ),
+    ];
+    for (i, (div, temp, served_k, want, want_grad)) in cases.into_iter().enumerate() {
+        let z = Var::from_tensor(&Tensor::new(&zs, &d).unwrap()).unwrap();
+        let t = Tensor::new(&zt, &d).unwrap();
+        let got = match served_k {
+            None => div.of_rows(z.as_tensor(), TeacherRows::Logits(&t), Some(&tokens), temp),
+            Some(k) => {
+                let served = served_rows(&t, &tokens, k);
+                div.of_rows(
+                    z.as_tensor(),
+                    TeacherRows::Served(&served),
+                    Some(&tokens),
+                    temp,
+                )
+            }
+        }
+        .unwrap();
+        let grads = got.sum_all().unwrap().backward().unwrap();
+        let got = got.to_vec1::<f64>().unwrap();
+        let g = grads.get(z.as_tensor()).unwrap().to_vec2::<f64>().unwrap();
+        for r in 0..2 {
+            assert!(
+                (got[r] - want[r]).abs() < 1e-12,
+                "case {i} row {r}: {} vs TRL's {}",
+                got[r],
+                want[r]
+            );
+            for v in 0..5 {
+                let (a, b) = (g[r][v], want_grad[r][v]);
+                assert!(
+                    (a - b).abs() < 1e-12,
+                    "case {i} row {r} grad {v}: {a} vs TRL's {b}"
+                );
+            }
+        }
+    }
+}
+
+/// The served rows of teacher logits `t` (temperature 1): its top `k` log-probs (row 1 only
+/// its top token when `k > 1`, the rest `−inf`, as a server that gave fewer) and the log-prob
+/// of each row's token.
+fn served_rows(t: &Tensor, tokens: &Tensor, k: usize) -> ServedRows {
+    let lse = t.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();
+    let lt = t.broadcast_sub(&lse).unwrap();
+    let ids = topk_indices(&lt, k).unwrap();
+    let mut top = lt.gather(&ids, 1).unwrap().to_vec2::<f64>().unwrap();
+    for x in top[1].iter_mut().skip(1) {
+        *x = f64::NEG_INFINITY;
+    }
+    let actual = lt
+        .gather(&tokens.unsqueeze(1).unwrap(), 1)
+        .unwrap()
+        .squeeze(1)
+        .unwrap();
+    ServedRows {
+        top_ids: ids,
+        top_logps: Tensor::new(top.concat(), t.device())
+            .unwrap()
+            .reshape((2, k))
+            .unwrap(),
+        actual,
     }
 }

@@ -80,7 +80,7 @@ pub use episode::{Episode, EpisodeParams, EpisodePrompt, generate_episodes};
 pub use generate::{Completion, FinishReason, SamplingParams, generate};
 pub use loader::{LoadedModel, load, save_hf_dir};
 pub use lora::LoraConfig;
-pub use model::Transformer;
+pub use model::{DistillTeacher, Transformer};
 pub use policy::TrainableModel;
 pub use tokenizer::{ChatMessage, FunctionCall, Tokenizer, ToolCall};
 pub use tools::{Tool, ToolEnvironment};

@@ -1627,6 +1627,29 @@ pub struct LayerBlocks {
     pub taped_only: bool,
 }
 
+/// The teacher of [`Transformer::distill_rows_with`].
+#[derive(Clone, Copy)]
+pub enum DistillTeacher<'a> {
+    /// A local model and its hidden rows `(N, H)` (those that predict the same tokens).
+    Local {
+        /// The teacher.
+        model: &'a Transformer,
+        /// Its hidden rows.
+        hidden: &'a Tensor,
+    },
+    /// A teacher on a server: its top-k and own-token log-probs at each row.
+    Served(&'a grpo_core::distill::ServedRows),
+}
+
+impl std::fmt::Debug for DistillTeacher<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Local { hidden, .. } => write!(f, "DistillTeacher::Local({:?})", hidden.dims()),
+            Self::Served(s) => write!(f, "DistillTeacher::Served({:?})", s.top_ids.dims()),
+        }
+    }
+}
+
 /// The decoder: embeddings, layers, final norm, output head.
 #[derive(Debug, Clone)]
 pub struct Transformer {
@@ -3736,12 +3759,39 @@ impl Transformer {
         divergence: impl Into<grpo_core::distill::Divergence>,
         temperature: f64,
     ) -> Result<(Tensor, Tensor)> {
+        self.distill_rows_with(
+            h,
+            DistillTeacher::Local {
+                model: teacher,
+                hidden: teacher_h,
+            },
+            None,
+            divergence,
+            temperature,
+        )
+    }
+
+    /// [`Self::distill_rows`] against a local teacher or a teacher on a server (its top-k and
+    /// own-token log-probs at each row, [`grpo_core::distill::ServedRows`]), with each row's own
+    /// token `tokens` `(N,)` where the divergence needs it
+    /// ([`grpo_core::distill::Divergence::Sparse`]'s sampled top-1 support).
+    pub fn distill_rows_with(
+        &self,
+        h: &Tensor,
+        teacher: DistillTeacher<'_>,
+        tokens: Option<&Tensor>,
+        divergence: impl Into<grpo_core::distill::Divergence>,
+        temperature: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        use grpo_core::distill::{ServedRows, TeacherRows};
         let divergence = divergence.into();
         let v = self.cfg.vocab_size;
-        if teacher.cfg.vocab_size < v {
+        if let DistillTeacher::Local { model, .. } = teacher
+            && model.cfg.vocab_size < v
+        {
             bail!(
                 "distillation: the teacher's vocabulary ({}) is smaller than the student's ({v})",
-                teacher.cfg.vocab_size
+                model.cfg.vocab_size
             );
         }
         let total = h.dim(0)?;
@@ -3751,14 +3801,37 @@ impl Transformer {
         let mut start = 0;
         while start < total {
             let n = rows.min(total - start);
-            let zt = teacher
-                .logits(&teacher_h.narrow(0, start, n)?.detach())?
-                .detach()
-                .narrow(1, 0, v)?;
+            // A chunk's teacher: logits (N, V) or served rows.
+            let (zt, served): (Option<Tensor>, Option<ServedRows>) = match teacher {
+                DistillTeacher::Local { model, hidden } => (
+                    Some(
+                        model
+                            .logits(&hidden.narrow(0, start, n)?.detach())?
+                            .detach()
+                            .narrow(1, 0, v)?,
+                    ),
+                    None,
+                ),
+                DistillTeacher::Served(s) => (None, Some(s.narrow(start, n)?)),
+            };
+            let toks = tokens.map(|t| t.narrow(0, start, n)).transpose()?;
             let hc = self.for_head(&h.narrow(0, start, n)?)?;
-            let pair = move |z: &Tensor, zt: &Tensor| -> Result<Tensor> {
-                let zt = zt.to_device(z.device())?;
-                let div = divergence.of(z, &zt, temperature)?;
+            let pair = move |z: &Tensor| -> Result<Tensor> {
+                let div = match (&zt, &served) {
+                    (Some(zt), _) => divergence.of_rows(
+                        z,
+                        TeacherRows::Logits(&zt.to_device(z.device())?),
+                        toks.as_ref(),
+                        temperature,
+                    )?,
+                    (None, Some(s)) => divergence.of_rows(
+                        z,
+                        TeacherRows::Served(&s.to_device(z.device())?),
+                        toks.as_ref(),
+                        temperature,
+                    )?,
+                    (None, None) => unreachable!("a chunk has one teacher"),
+                };
                 let ent = grpo_core::logprobs::entropy_from_logits(&(z.detach() / temperature)?)?
                     .to_dtype(div.dtype())?;
                 Tensor::stack(&[div, ent], 1)
@@ -3766,11 +3839,11 @@ impl Transformer {
             let out = if grpo_core::fused::path(&hc) == Path::Recompute && !self.decoding {
                 let head = head_w.clone();
                 Recompute::new("distill_head", move |a, _| {
-                    pair(&crate::fused::frozen_linear(&a[0], &a[1])?, &zt)
+                    pair(&crate::fused::frozen_linear(&a[0], &a[1])?)
                 })
                 .apply(&[&hc, &head])?
             } else {
-                pair(&self.logits_with(&hc, &head_w)?, &zt)?
+                pair(&self.logits_with(&hc, &head_w)?)?
             };
             divs.push(out.narrow(1, 0, 1)?.squeeze(1)?);
             ents.push(out.narrow(1, 1, 1)?.squeeze(1)?.detach());

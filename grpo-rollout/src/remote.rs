@@ -184,6 +184,45 @@ struct EchoRequest<'a> {
     return_tokens_as_token_ids: bool,
 }
 
+/// A sequence as a server scored it ([`RemoteGenerator::prompt_top_logprobs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceScores {
+    /// The log-prob of each token after the first.
+    pub logprobs: Vec<f32>,
+    /// At each of those positions the most likely tokens and their log-probs, most likely
+    /// first (empty when none were asked for).
+    pub top: Vec<Vec<(u32, f32)>>,
+}
+
+/// One position's `top_logprobs` entry (`{"token_id:N": logprob, ...}`): its `k` most likely
+/// tokens, most likely first.
+fn top_entries(entry: Option<&Value>, k: usize) -> std::result::Result<Vec<(u32, f32)>, String> {
+    let map = entry
+        .and_then(Value::as_object)
+        .ok_or("a position without `top_logprobs`")?;
+    let mut items = map
+        .iter()
+        .map(|(key, v)| {
+            let id = key
+                .strip_prefix("token_id:")
+                .and_then(|x| x.parse::<u32>().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "`top_logprobs` key `{key}` is not `token_id:N` (the server must \
+                         support `return_tokens_as_token_ids`)"
+                    )
+                })?;
+            let lp = v
+                .as_f64()
+                .ok_or_else(|| format!("`top_logprobs` entry `{key}` is not a number"))?;
+            Ok((id, lp as f32))
+        })
+        .collect::<std::result::Result<Vec<_>, String>>()?;
+    items.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    items.truncate(k);
+    Ok(items)
+}
+
 /// One request to the server.
 #[derive(Debug, Clone, Copy)]
 enum Call<'a> {
@@ -434,6 +473,22 @@ impl RemoteGenerator {
         sequences: &[Vec<u32>],
         use_adapter: bool,
     ) -> Result<Vec<Vec<f32>>> {
+        Ok(self
+            .prompt_top_logprobs(sequences, 0, use_adapter)?
+            .into_iter()
+            .map(|s| s.logprobs)
+            .collect())
+    }
+
+    /// [`Self::prompt_logprobs`] with, at each of those positions, the server's `top` most
+    /// likely tokens and their log-probs (`logprobs: top` with `return_tokens_as_token_ids`:
+    /// vLLM's and `grpo-cli serve`'s `token_id:N` keys), most likely first.
+    pub fn prompt_top_logprobs(
+        &self,
+        sequences: &[Vec<u32>],
+        top: u32,
+        use_adapter: bool,
+    ) -> Result<Vec<SequenceScores>> {
         if sequences.is_empty() {
             return Ok(Vec::new());
         }
@@ -443,7 +498,7 @@ impl RemoteGenerator {
             max_tokens: 1,
             temperature: 0.0,
             echo: true,
-            logprobs: 0,
+            logprobs: top,
             return_tokens_as_token_ids: true,
         };
         let resp = self.call(Call::Echo(&request), self.cfg.request_timeout)?;
@@ -471,7 +526,7 @@ impl RemoteGenerator {
                     seq.len()
                 );
             }
-            let row = lps[1..seq.len()]
+            let logprobs = lps[1..seq.len()]
                 .iter()
                 .enumerate()
                 .map(|(k, v)| {
@@ -480,7 +535,22 @@ impl RemoteGenerator {
                         .ok_or_else(|| err(format!("choice {i}: token {} has no log-prob", k + 1)))
                 })
                 .collect::<Result<Vec<f32>>>()?;
-            out.push(row);
+            let tops = match top {
+                0 => Vec::new(),
+                _ => {
+                    let all = c["logprobs"]["top_logprobs"]
+                        .as_array()
+                        .ok_or_else(|| err(format!("choice {i}: no `logprobs.top_logprobs`")))?;
+                    (1..seq.len())
+                        .map(|k| top_entries(all.get(k), top as usize))
+                        .collect::<std::result::Result<Vec<_>, String>>()
+                        .map_err(|e| err(format!("choice {i}: {e}")))?
+                }
+            };
+            out.push(SequenceScores {
+                logprobs,
+                top: tops,
+            });
         }
         Ok(out)
     }

@@ -641,15 +641,88 @@ fn iw_opd_scores_with_a_teacher_on_a_server() {
             );
         }
     }
-    // The divergences need whole distributions: refused with a served teacher.
-    let mut c = config(root, "jsd", "");
-    c.algorithm = grpo_trainer::Algorithm::Distillation;
-    c.distillation.teacher_server = Some(grpo_trainer::config::TeacherServer::default());
-    let e = c.validate().unwrap_err();
-    assert!(
-        e.contains("needs `distillation_objective = \"iw_opd\"`"),
-        "{e}"
-    );
+}
+
+/// Distillation with its teacher on a server (TRL's ServerDistillationTrainer, and IW-OPD's
+/// `jsd` objective there): the teacher's top-k and sampled-token log-probs come from `grpo-cli
+/// serve`'s `echo` with `logprobs`, and the steps equal those with the same teacher loaded
+/// locally and the same sparse support — the top-1 support at β = 1 (TRL's defaults) and 0.5,
+/// the teacher's top 3 at β = 0; the supports a server cannot give are refused.
+#[test]
+fn distillation_takes_the_sparse_divergence_with_a_teacher_on_a_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
+    let mut o = ServeOptions::new(root.join("teacher"));
+    o.served_model_name = "teacher".into();
+    o.addr = "127.0.0.1:0".parse().unwrap();
+    let srv = start(o).unwrap();
+    let server = grpo_trainer::config::TeacherServer {
+        base_url: srv.base_url(),
+        model: "teacher".into(),
+        ..Default::default()
+    };
+    let train = |out: &str, served: bool, beta: f64, k: Option<usize>| {
+        let mut c = config(root, out, "");
+        c.algorithm = grpo_trainer::Algorithm::Distillation;
+        c.distillation.beta = beta;
+        if served {
+            c.distillation.teacher_server = Some(server.clone());
+        } else {
+            c.distillation.teacher_model_name_or_path = Some(root.join("teacher"));
+            // The served path's default support, spelled out for the local teacher.
+            c.distillation.loss_top_k = Some(k.unwrap_or(1));
+        }
+        if served {
+            c.distillation.loss_top_k = k;
+        }
+        c.rewards.clear();
+        c.train.max_steps = Some(2);
+        c.optim.learning_rate = Some(1e-3);
+        c.validate().unwrap();
+        run_config(c)
+    };
+    for (beta, k) in [(1.0, None), (0.5, None), (0.0, Some(3))] {
+        let local = train(&format!("sd-local-{beta}"), false, beta, k);
+        let served = train(&format!("sd-served-{beta}"), true, beta, k);
+        assert_eq!(served.metrics.len(), 2);
+        for (a, b) in local.metrics.iter().zip(&served.metrics) {
+            let (l, r) = (a["loss"], b["loss"]);
+            assert!(
+                l > 0.0 && (l - r).abs() < 1e-4 * l,
+                "beta {beta}: loss {l} (local) vs {r} (served)"
+            );
+        }
+    }
+    // The full vocabulary, a wider support with β > 0 and the student's arg-max token need
+    // what a server does not give.
+    for (beta, k, argmax, want) in [
+        (
+            1.0,
+            Some(0),
+            false,
+            "`distillation.loss_top_k` must be at least 1",
+        ),
+        (
+            0.5,
+            Some(2),
+            false,
+            "`distillation.loss_top_k` must be 1, got 2",
+        ),
+        (1.0, None, true, "needs a local teacher"),
+    ] {
+        let mut c = config(root, "refused", "");
+        c.algorithm = grpo_trainer::Algorithm::Distillation;
+        c.distillation.teacher_server = Some(server.clone());
+        c.distillation.beta = beta;
+        c.distillation.loss_top_k = k;
+        if argmax {
+            c.distillation.reverse_kl_top_1_mode = grpo_trainer::config::ReverseKlTop1Mode::Argmax;
+        }
+        let e = c.validate().unwrap_err();
+        assert!(e.contains(want), "{e}");
+    }
 }
 
 /// SDPO's and SDFT's `use_teacher_server`: the live teacher's log-probs of the reprompted

@@ -337,10 +337,33 @@ pub struct DistillationSection {
     pub iw_opd_gamma: f64,
     /// IW-OPD's ε in the weights' normaliser (default 1e-8).
     pub iw_opd_epsilon: f64,
-    /// IW-OPD's teacher on an OpenAI-compatible server (TRL's `use_teacher_server` /
-    /// `teacher_model_server_url`): the log-probs of the student's tokens come from the
-    /// server's `echo` (vLLM, `grpo-cli serve`) instead of a local teacher.
+    /// The teacher on an OpenAI-compatible server (TRL's `use_teacher_server` /
+    /// `teacher_model_server_url`, its ServerDistillationTrainer): the log-probs of the
+    /// student's tokens (and with the `jsd` objective the teacher's top `loss_top_k`) come from
+    /// the server's `echo` (vLLM, `grpo-cli serve`) instead of a local teacher.
     pub teacher_server: Option<TeacherServer>,
+    /// The `jsd` objective's support (TRL's `loss_top_k`): 0 the whole vocabulary; k the
+    /// teacher's top k (β = 0), the student's (β = 1) or their union, and at k = 1 with β > 0
+    /// the teacher's top token and the sampled one. Absent: 1 for `algorithm = "iw_opd"` and
+    /// with `[distillation.teacher_server]` (TRL's defaults there), else 0.
+    pub loss_top_k: Option<usize>,
+    /// A tail bucket holding the mass outside the support (TRL's `loss_add_tail`, default
+    /// true); false renormalises both distributions over it.
+    pub loss_add_tail: bool,
+    /// The reverse side's token of the top-1 support (TRL's `reverse_kl_top_1_mode`):
+    /// `sampled` (the default) or `argmax` (the student's most likely token).
+    pub reverse_kl_top_1_mode: ReverseKlTop1Mode,
+}
+
+/// `distillation.reverse_kl_top_1_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReverseKlTop1Mode {
+    /// The completion's own token.
+    #[default]
+    Sampled,
+    /// The student's most likely token.
+    Argmax,
 }
 
 /// `[distillation.teacher_server]`: the teacher served by an OpenAI-compatible server.
@@ -411,6 +434,9 @@ impl Default for DistillationSection {
             iw_opd_gamma: 0.5,
             iw_opd_epsilon: 1e-8,
             teacher_server: None,
+            loss_top_k: None,
+            loss_add_tail: true,
+            reverse_kl_top_1_mode: ReverseKlTop1Mode::Sampled,
         }
     }
 }
@@ -423,6 +449,34 @@ impl DistillationSection {
             Algorithm::IwOpd => DistillObjective::IwOpd,
             _ => DistillObjective::Jsd,
         })
+    }
+
+    /// `loss_top_k`, resolved for the algorithm (see [`DistillationSection::loss_top_k`]).
+    pub fn loss_top_k_for(&self, algorithm: Algorithm) -> usize {
+        self.loss_top_k.unwrap_or(
+            match algorithm == Algorithm::IwOpd || self.teacher_server.is_some() {
+                true => 1,
+                false => 0,
+            },
+        )
+    }
+
+    /// The `jsd` objective's divergence for the algorithm: over the vocabulary, or TRL's
+    /// sparse support (`loss_top_k`, `loss_add_tail`, `reverse_kl_top_1_mode`).
+    pub fn divergence_for(&self, algorithm: Algorithm) -> grpo_core::distill::Divergence {
+        use grpo_core::distill::{Divergence, ReverseTop1};
+        match self.loss_top_k_for(algorithm) {
+            0 => Divergence::Full { beta: self.beta },
+            k => Divergence::Sparse {
+                k,
+                beta: self.beta,
+                add_tail: self.loss_add_tail,
+                reverse: match self.reverse_kl_top_1_mode {
+                    ReverseKlTop1Mode::Sampled => ReverseTop1::Sampled,
+                    ReverseKlTop1Mode::Argmax => ReverseTop1::Argmax,
+                },
+            },
+        }
     }
 
     /// λ, resolved for the algorithm (see [`DistillationSection::lmbda`]).
@@ -2675,13 +2729,26 @@ impl TrainConfig {
                         .into());
                 }
                 (None, Some(_)) => {
-                    if d.objective_for(self.algorithm) != DistillObjective::IwOpd {
-                        return Err(
-                            "`[distillation.teacher_server]` gives the log-probs of the \
-                                    sampled tokens only: it needs `distillation_objective = \
-                                    \"iw_opd\"` (the divergences need whole distributions)"
-                                .into(),
-                        );
+                    let k = d.loss_top_k_for(self.algorithm);
+                    if d.objective_for(self.algorithm) == DistillObjective::Jsd {
+                        if k == 0 {
+                            return Err("`[distillation.teacher_server]` gives the teacher's top \
+                                        tokens only: `distillation.loss_top_k` must be at least \
+                                        1 (0 is the whole vocabulary)"
+                                .into());
+                        }
+                        if d.beta > 0.0 && k != 1 {
+                            return Err(format!(
+                                "`[distillation.teacher_server]` with `distillation.beta` > 0 \
+                                 takes the top-1 support: `distillation.loss_top_k` must be 1, \
+                                 got {k} (a larger support needs beta = 0)"
+                            ));
+                        }
+                    }
+                    if d.reverse_kl_top_1_mode == ReverseKlTop1Mode::Argmax {
+                        return Err("`distillation.reverse_kl_top_1_mode = \"argmax\"` needs a \
+                                    local teacher (the server scores the sampled tokens only)"
+                            .into());
                     }
                     if self.rollout.temperature != 1.0 {
                         return Err(format!(
@@ -2718,6 +2785,15 @@ impl TrainConfig {
             }
             if self.loss.drop_zero_std_groups {
                 return Err("`loss.drop_zero_std_groups` drops groups by their rewards; distillation trains on every completion".into());
+            }
+            if d.objective_for(self.algorithm) == DistillObjective::IwOpd
+                && d.reverse_kl_top_1_mode == ReverseKlTop1Mode::Argmax
+            {
+                return Err(
+                    "`distillation.reverse_kl_top_1_mode = \"argmax\"` does not apply to \
+                            the `iw_opd` objective (it trains on the sampled tokens)"
+                        .into(),
+                );
             }
             if !(d.iw_opd_gamma >= 0.0 && d.iw_opd_gamma.is_finite()) {
                 return Err(format!(

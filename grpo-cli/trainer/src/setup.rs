@@ -51,7 +51,7 @@ pub struct Setup {
     pub rollout_device: Option<Device>,
     /// On-policy distillation's teacher (`distillation.teacher_model_name_or_path`), frozen.
     pub distillation_teacher: Option<Transformer>,
-    /// IW-OPD's teacher on a server (`[distillation.teacher_server]`).
+    /// The distillation teacher on a server (`[distillation.teacher_server]`).
     pub teacher_server: Option<Arc<Mutex<RemoteGenerator>>>,
     /// A*-PO's optimal value of each training prompt by row index (set by its stage 1 when the
     /// run starts).

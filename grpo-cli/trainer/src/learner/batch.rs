@@ -379,3 +379,65 @@ pub(crate) fn served_logps(
     }
     Ok(Tensor::from_vec(out, (seqs.len(), width), device)?)
 }
+
+/// What a server gives of `completions` after `prompts` at each completion position, as
+/// `(B·width)` rows ([`grpo_core::distill::ServedRows`]): its `top` most likely tokens with
+/// their log-probs (`−inf` past what it gave) and its log-prob of the completion's token; past
+/// a completion's end a placeholder (the top token id 0 at log-prob 0, the own token's 0) that
+/// the loss mask drops. A teacher on a server for the `jsd` objective.
+pub(crate) fn served_rows(
+    server: &std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+    width: usize,
+    top: usize,
+    device: &Device,
+) -> Result<grpo_core::distill::ServedRows> {
+    let seqs: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(completions)
+        .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
+        .collect();
+    let scores = server
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .prompt_top_logprobs(&seqs, top as u32, false)?;
+    let n = seqs.len() * width;
+    let (mut ids, mut lps, mut actual) = (
+        Vec::with_capacity(n * top),
+        Vec::with_capacity(n * top),
+        Vec::with_capacity(n),
+    );
+    for (row, x) in scores.iter().zip(completions) {
+        // The last `len(x)` positions score the completion's tokens.
+        let skip = row.logprobs.len() - x.len();
+        for j in 0..width {
+            let Some(&own) = row.logprobs.get(skip + j).filter(|_| j < x.len()) else {
+                ids.extend(std::iter::repeat_n(0u32, top));
+                lps.push(0.0f32);
+                lps.extend(std::iter::repeat_n(f32::NEG_INFINITY, top - 1));
+                actual.push(0.0f32);
+                continue;
+            };
+            let given = &row.top[skip + j];
+            if given.is_empty() {
+                anyhow::bail!(
+                    "the teacher server gave no top log-probs at completion token {j} of a \
+                     sequence of {} tokens",
+                    row.logprobs.len() + 1
+                );
+            }
+            for k in 0..top {
+                let (id, lp) = given.get(k).copied().unwrap_or((0, f32::NEG_INFINITY));
+                ids.push(id);
+                lps.push(lp);
+            }
+            actual.push(own);
+        }
+    }
+    Ok(grpo_core::distill::ServedRows {
+        top_ids: Tensor::from_vec(ids, (n, top), device)?,
+        top_logps: Tensor::from_vec(lps, (n, top), device)?,
+        actual: Tensor::from_vec(actual, n, device)?,
+    })
+}

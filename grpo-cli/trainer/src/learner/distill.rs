@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use candle_core::{DType, Tensor};
+use grpo_rollout::DistillTeacher;
 
 use super::Learner;
 use super::batch::{StepBatch, padded_batch};
@@ -105,26 +106,45 @@ impl Learner {
         if self.cfg.distillation.objective_for(self.cfg.algorithm) == DistillObjective::IwOpd {
             return self.iw_opd_part(model, teacher, s, batch, a, b);
         }
-        let teacher = teacher.context("distillation's divergence needs a local teacher")?;
         // TRL's GKD takes the divergence at temperature 1 (its sampling temperature is the
         // generator's); the DistillationTrainer at the sampling temperature.
         let temperature = match self.cfg.algorithm {
             crate::config::Algorithm::Gkd => 1.0,
             _ => self.cfg.rollout.temperature,
         };
-        let beta = self.cfg.distillation.beta;
-        let (ids, mask, c) = padded_batch(
-            self.tokenizer.pad_token_id,
-            &batch.prompts[a..b],
-            &batch.completions[a..b],
-            &self.device,
-        )?;
+        let d = &self.cfg.distillation;
+        let divergence = d.divergence_for(self.cfg.algorithm);
+        let (p, x) = (&batch.prompts[a..b], &batch.completions[a..b]);
+        let (ids, mask, c) = padded_batch(self.tokenizer.pad_token_id, p, x, &self.device)?;
         let h = model.completion_hidden(&ids, &mask, c)?;
-        let td = teacher.device();
-        let th = teacher
-            .completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, c)?
-            .detach();
-        let (div, ent) = model.distill_rows(&h, teacher, &th, beta, temperature)?;
+        // Each row's own token (the sampled top-1 support's reverse side).
+        let tokens = ids.narrow(1, ids.dim(1)? - c, c)?.flatten_all()?;
+        let (div, ent) = match (teacher, &self.teacher_server) {
+            (_, Some(server)) => {
+                let k = d.loss_top_k_for(self.cfg.algorithm);
+                let served = super::batch::served_rows(server, p, x, c, k, &self.device)
+                    .context("distillation.teacher_server")?;
+                model.distill_rows_with(
+                    &h,
+                    DistillTeacher::Served(&served),
+                    Some(&tokens),
+                    divergence,
+                    temperature,
+                )?
+            }
+            (Some(teacher), None) => {
+                let td = teacher.device();
+                let th = teacher
+                    .completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, c)?
+                    .detach();
+                let local = DistillTeacher::Local {
+                    model: teacher,
+                    hidden: &th,
+                };
+                model.distill_rows_with(&h, local, Some(&tokens), divergence, temperature)?
+            }
+            (None, None) => bail!("distillation's divergence needs a teacher"),
+        };
         let loss_mask = batch
             .mask(a, b, c, &self.device)?
             .flatten_all()?
