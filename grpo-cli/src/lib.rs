@@ -22,6 +22,26 @@ use anyhow::{Result, anyhow};
 pub use grpo_trainer as trainer;
 pub use grpo_trainer::{error_line, first_line};
 
+/// A mergekit merge configuration from `path`: YAML (`.yml`, `.yaml`, mergekit's own format)
+/// or TOML (`.toml`), the same schema ([`grpo_rollout::merge::MergeConfig`]); an error names
+/// the file and the field.
+pub fn read_merge_config(path: &std::path::Path) -> Result<grpo_rollout::merge::MergeConfig> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or_default();
+    let one_line = |e: String| anyhow!("{}: {}", path.display(), e.replace('\n', " "));
+    match ext {
+        "toml" => toml::from_str(&text).map_err(|e| one_line(e.message().to_string())),
+        "yml" | "yaml" => serde_norway::from_str(&text).map_err(|e| one_line(e.to_string())),
+        _ => Err(anyhow!(
+            "{}: a merge configuration is a .yml, .yaml or .toml file",
+            path.display()
+        )),
+    }
+}
+
 /// A `--dtype` argument: `f32`, `bf16`, `f16` (or their long names `float32`, ...).
 pub fn parse_dtype_arg(s: &str) -> Result<candle_core::DType> {
     s.parse::<grpo_rollout::Dtype>()

@@ -36,6 +36,8 @@ enum Command {
     InitModel(model_cmd::InitModelArgs),
     /// Export a checkpoint as a Hugging Face model directory (LoRA adapters merged).
     Export(model_cmd::ExportArgs),
+    /// Merge models with mergekit's methods from its YAML (or TOML) configuration.
+    Merge(model_cmd::MergeArgs),
     /// Serve a model over an OpenAI-compatible HTTP API (completions, chat, LoRA adapters).
     Serve(model_cmd::ServeArgs),
     /// Benchmark generation and forward + backward of a model (JSON line).
@@ -173,6 +175,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::ChatTemplate(a)) => model_cmd::chat_template(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),
         Some(Command::Export(a)) => model_cmd::export(a),
+        Some(Command::Merge(a)) => model_cmd::merge(a),
         Some(Command::Serve(a)) => model_cmd::serve(a),
         Some(Command::BenchModel(a)) => bench_cmd::bench_model(a),
         Some(Command::Advantages {

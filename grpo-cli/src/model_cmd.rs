@@ -314,6 +314,34 @@ pub fn init_model(a: InitModelArgs) -> Result<()> {
     Ok(())
 }
 
+/// `grpo-cli merge`.
+#[derive(Debug, Args)]
+pub struct MergeArgs {
+    /// A mergekit merge configuration: YAML (`.yml`, `.yaml`) or TOML (`.toml`), with
+    /// `merge_method`, `base_model`, `models`, `parameters`, `dtype`, `out_dtype`,
+    /// `tokenizer_source`.
+    #[arg(long)]
+    config: PathBuf,
+    /// Where to write the merged model directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// DARE's random drops' seed (overrides the file's `random_seed`).
+    #[arg(long)]
+    random_seed: Option<u64>,
+}
+
+/// `grpo-cli merge`: mergekit's `mergekit-yaml CONFIG OUT`.
+pub fn merge(a: MergeArgs) -> Result<()> {
+    let mut cfg = grpo_cli::read_merge_config(&a.config)?;
+    if a.random_seed.is_some() {
+        cfg.random_seed = a.random_seed;
+    }
+    let n = grpo_rollout::merge::merge_dirs(&cfg, &a.out)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", a.config.display()))?;
+    println!("merged {n} tensors into {}", a.out.display());
+    Ok(())
+}
+
 /// `grpo-cli export`.
 #[derive(Debug, Args)]
 pub struct ExportArgs {

@@ -55,6 +55,7 @@ pub mod init;
 pub mod layout;
 pub mod loader;
 pub mod lora;
+pub mod merge;
 pub mod mla;
 pub mod model;
 pub mod moe;
