@@ -10,7 +10,8 @@
 //! every weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with
 //! its tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
 //! adapters (with PEFT's trainable tokens), and saving in Hugging Face / PEFT formats (a
-//! family's own file layout: [`layout`]). The same transformer
+//! family's own file layout: [`layout`]), and merging saved models with mergekit's methods
+//! ([`merge`]). The same transformer
 //! is a sequence classifier (a reward model) with a `score` head in place of the LM head
 //! (`Transformer::into_sequence_classifier`, `Transformer::sequence_scores`), and a
 //! distillation student (`Transformer::distill_rows`).

@@ -47,6 +47,8 @@ pub struct CheckpointJob {
     pub config: serde_json::Value,
     /// Checkpoints kept at most (0 = all).
     pub save_total_limit: usize,
+    /// `[merge]` at this checkpoint: the policy merged with the target into `merged/`.
+    pub merge: Option<(crate::config::MergeSection, PathBuf)>,
 }
 
 impl CheckpointJob {
@@ -103,6 +105,9 @@ impl CheckpointJob {
             tmp.join("config.json"),
             serde_json::to_vec_pretty(&self.config)?,
         )?;
+        if let Some((m, target)) = &self.merge {
+            self.write_merged(&tmp, m, target)?;
+        }
         if self.dir.exists() {
             std::fs::remove_dir_all(&self.dir)?;
         }
@@ -116,6 +121,36 @@ impl CheckpointJob {
                 let (_, old) = all.remove(0);
                 std::fs::remove_dir_all(&old).ok();
             }
+        }
+        Ok(())
+    }
+}
+
+impl CheckpointJob {
+    /// `[merge]` (TRL's `MergeModelCallback`): the policy — the checkpoint's `model/`, or a
+    /// LoRA policy's merged weights in a scratch directory — merged with `target` into
+    /// `tmp/merged`.
+    fn write_merged(
+        &self,
+        tmp: &Path,
+        m: &crate::config::MergeSection,
+        target: &Path,
+    ) -> Result<()> {
+        let scratch = tmp.join(".policy-merged");
+        let policy = match &self.lora {
+            None => tmp.join("model"),
+            Some(_) => {
+                let merged = grpo_rollout::lora::merge(&self.model)?;
+                grpo_rollout::save_hf_dir(&merged, &self.tokenizer, &scratch, merged.dtype())?;
+                scratch.clone()
+            }
+        };
+        let cfg = m.merge_config(&policy, target);
+        let out = tmp.join("merged");
+        grpo_rollout::merge::merge_dirs(&cfg, &out)
+            .with_context(|| format!("[merge] with {}", target.display()))?;
+        if scratch.exists() {
+            std::fs::remove_dir_all(&scratch).ok();
         }
         Ok(())
     }
@@ -160,6 +195,7 @@ impl Learner {
             state: self.state.clone(),
             config: self.cfg.redacted_json(),
             save_total_limit: self.cfg.train.save_total_limit,
+            merge: None,
         };
         self.checkpoints.retain(|p| p != &dir);
         self.checkpoints.push(dir);

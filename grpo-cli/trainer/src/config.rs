@@ -301,6 +301,155 @@ pub struct TrainConfig {
     /// TRL's `BEMACallback`: a bias-corrected EMA of the trained weights, written to
     /// `RUN/bema` at the end, optionally the reference model (any algorithm; on when present).
     pub bema: Option<BemaSection>,
+    /// TRL's `MergeModelCallback`: the trained policy merged with a target model (by default
+    /// the starting model) into `checkpoints/step-N/merged`, at the last checkpoint or at each.
+    pub merge: Option<MergeSection>,
+}
+
+/// `[merge]`: TRL's experimental `MergeModelCallback` with its `MergeConfig`, run natively
+/// (`grpo_rollout::merge`, mergekit's methods): the checkpoint's policy (`policy_model_path`)
+/// and `target_model_path` merged into the checkpoint's `merged/`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MergeSection {
+    /// `linear`, `ties`, `dare_ties` or `slerp` (TRL's methods).
+    pub method: MergeMethod,
+    /// The other model (default `model.path`, the starting model, as TRL's
+    /// `get_config_model_id`): a Hugging Face directory.
+    pub target_model_path: Option<PathBuf>,
+    /// The policy's weight (`linear`: 0.5; `ties`, `dare_ties`: 1.0).
+    pub policy_model_weight: Option<f64>,
+    /// The target's weight (`linear`: 0.5; `ties`, `dare_ties`: 1.0).
+    pub target_model_weight: Option<f64>,
+    /// The policy's density, a number or a gradient over the layers (`[1.0, 0.7, 0.1]`).
+    pub policy_model_density: Option<grpo_rollout::merge::Setting>,
+    /// The target's density (`[1.0]`).
+    pub target_model_density: Option<grpo_rollout::merge::Setting>,
+    /// TIES' normalisation (1.0).
+    pub normalize: Option<f64>,
+    /// SLERP's `t` (0.5): 0 the policy, 1 the target.
+    pub t_values: Option<f64>,
+    /// The merge's dtype (TRL's `float16`; `bfloat16`, `float32`).
+    pub dtype: String,
+    /// Merge at every checkpoint instead of only the last one.
+    pub merge_at_every_checkpoint: bool,
+}
+
+impl Default for MergeSection {
+    fn default() -> Self {
+        Self {
+            method: MergeMethod::Linear,
+            target_model_path: None,
+            policy_model_weight: None,
+            target_model_weight: None,
+            policy_model_density: None,
+            target_model_density: None,
+            normalize: None,
+            t_values: None,
+            dtype: "float16".into(),
+            merge_at_every_checkpoint: false,
+        }
+    }
+}
+
+/// `merge.method`: TRL's `MergeConfig` methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MergeMethod {
+    /// `(w_p θ_p + w_t θ_t) / (w_p + w_t)`.
+    Linear,
+    /// TIES with the policy as the base.
+    Ties,
+    /// DARE-TIES with the policy as the base.
+    DareTies,
+    /// SLERP from the policy toward the target.
+    Slerp,
+}
+
+impl MergeSection {
+    /// The mergekit configuration TRL's `MergeConfig.create()` builds for this method, with
+    /// the policy at `policy` and the target at `target`.
+    pub fn merge_config(&self, policy: &Path, target: &Path) -> grpo_rollout::merge::MergeConfig {
+        use grpo_rollout::merge::{InputModel, MergeConfig, Method, Setting};
+        let model = |p: &Path, params: Vec<(&str, Setting)>| InputModel {
+            model: p.to_path_buf(),
+            parameters: params
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+        };
+        let num = Setting::Number;
+        let (method, base, models, parameters) = match self.method {
+            MergeMethod::Linear => (
+                Method::Linear,
+                None,
+                vec![
+                    model(
+                        policy,
+                        vec![("weight", num(self.policy_model_weight.unwrap_or(0.5)))],
+                    ),
+                    model(
+                        target,
+                        vec![("weight", num(self.target_model_weight.unwrap_or(0.5)))],
+                    ),
+                ],
+                vec![],
+            ),
+            MergeMethod::Ties | MergeMethod::DareTies => (
+                match self.method {
+                    MergeMethod::Ties => Method::Ties,
+                    _ => Method::DareTies,
+                },
+                Some(policy.to_path_buf()),
+                vec![
+                    model(
+                        target,
+                        vec![
+                            (
+                                "density",
+                                self.target_model_density
+                                    .clone()
+                                    .unwrap_or(Setting::Gradient(vec![1.0])),
+                            ),
+                            ("weight", num(self.target_model_weight.unwrap_or(1.0))),
+                        ],
+                    ),
+                    model(
+                        policy,
+                        vec![
+                            (
+                                "density",
+                                self.policy_model_density
+                                    .clone()
+                                    .unwrap_or(Setting::Gradient(vec![1.0, 0.7, 0.1])),
+                            ),
+                            ("weight", num(self.policy_model_weight.unwrap_or(1.0))),
+                        ],
+                    ),
+                ],
+                vec![("normalize", num(self.normalize.unwrap_or(1.0)))],
+            ),
+            MergeMethod::Slerp => (
+                Method::Slerp,
+                Some(policy.to_path_buf()),
+                vec![model(target, vec![])],
+                vec![("t", num(self.t_values.unwrap_or(0.5)))],
+            ),
+        };
+        MergeConfig {
+            merge_method: method,
+            base_model: base,
+            models,
+            parameters: parameters
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
+            dtype: Some(self.dtype.clone()),
+            out_dtype: None,
+            tokenizer_source: None,
+            random_seed: None,
+        }
+    }
 }
 
 /// `[distillation]`: TRL's DistillationTrainer. The policy (the student) samples completions
@@ -1368,6 +1517,7 @@ impl Default for TrainConfig {
             sdpo: SdpoSection::default(),
             sdft: SdftSection::default(),
             bema: None,
+            merge: None,
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -2512,6 +2662,40 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Sdft {
             self.check_sdft()?;
+        }
+        if let Some(m) = &self.merge {
+            if !matches!(m.dtype.as_str(), "float16" | "bfloat16" | "float32") {
+                return Err(format!(
+                    "`merge.dtype` must be float16, bfloat16 or float32, got `{}`",
+                    m.dtype
+                ));
+            }
+            let target = m.target_model_path.as_ref().unwrap_or(&self.model.path);
+            if !target.join("config.json").exists() {
+                return Err(format!(
+                    "`[merge]` merges with a Hugging Face directory: {} has no config.json \
+                     (set `merge.target_model_path`)",
+                    target.display()
+                ));
+            }
+            let slerp = m.method == MergeMethod::Slerp;
+            let weights = m.policy_model_weight.is_some()
+                || m.target_model_weight.is_some()
+                || m.policy_model_density.is_some()
+                || m.target_model_density.is_some()
+                || m.normalize.is_some();
+            if (slerp && weights) || (!slerp && m.t_values.is_some()) {
+                return Err(
+                    "`merge.t_values` is slerp's only setting; the weights, densities and \
+                     `normalize` are the other methods'"
+                        .into(),
+                );
+            }
+            if let Some(t) = m.t_values
+                && !(0.0..=1.0).contains(&t)
+            {
+                return Err(format!("`merge.t_values` must be in [0, 1], got {t}"));
+            }
         }
         if let Some(b) = &self.bema {
             if b.update_freq == 0 || b.ref_model_update_freq == 0 {

@@ -139,7 +139,17 @@ impl<'a> StepEnd<'a> {
         let stop = self.opts.stop.load(Ordering::SeqCst)
             || self.opts.stop_after.is_some_and(|k| step - self.start >= k);
         if save_now || step == self.total || stop {
-            let job = learner.checkpoint_job()?;
+            let mut job = learner.checkpoint_job()?;
+            // TRL's MergeModelCallback: at every checkpoint, or at the end of training.
+            if let Some(m) = &self.cfg.merge
+                && (m.merge_at_every_checkpoint || (step == self.total && !stop))
+            {
+                let target = m
+                    .target_model_path
+                    .clone()
+                    .unwrap_or_else(|| self.cfg.model.path.clone());
+                job.merge = Some((m.clone(), target));
+            }
             self.result.best_checkpoint_path = Some(job.dir.clone());
             self.send(Event::Checkpoint(Box::new(job)))?;
         }
