@@ -40,6 +40,16 @@ fn serve(root: &Path) -> grpo_cli::serve::Server {
     start(o).unwrap()
 }
 
+/// A teacher (another random model) at `root/teacher`, served by `grpo-cli serve` as
+/// `teacher`.
+fn serve_teacher(root: &Path) -> grpo_cli::serve::Server {
+    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
+    let mut o = ServeOptions::new(root.join("teacher"));
+    o.served_model_name = "teacher".into();
+    o.addr = "127.0.0.1:0".parse().unwrap();
+    start(o).unwrap()
+}
+
 /// A whole run of `c`.
 fn run_config(c: TrainConfig) -> grpo_trainer::TrainingResult {
     trainer::run(
@@ -606,11 +616,7 @@ fn iw_opd_scores_with_a_teacher_on_a_server() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     fixture(root);
-    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
-    let mut o = ServeOptions::new(root.join("teacher"));
-    o.served_model_name = "teacher".into();
-    o.addr = "127.0.0.1:0".parse().unwrap();
-    let srv = start(o).unwrap();
+    let srv = serve_teacher(root);
     let train = |out: &str, served: bool| {
         let mut c = config(root, out, "");
         c.algorithm = grpo_trainer::Algorithm::IwOpd;
@@ -653,11 +659,7 @@ fn distillation_takes_the_sparse_divergence_with_a_teacher_on_a_server() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     fixture(root);
-    init_model_dir(&root.join("teacher"), Preset::Tiny, Arch::Qwen2, 11).unwrap();
-    let mut o = ServeOptions::new(root.join("teacher"));
-    o.served_model_name = "teacher".into();
-    o.addr = "127.0.0.1:0".parse().unwrap();
-    let srv = start(o).unwrap();
+    let srv = serve_teacher(root);
     let server = grpo_trainer::config::TeacherServer {
         base_url: srv.base_url(),
         model: "teacher".into(),
