@@ -15,7 +15,8 @@
 //! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss, DPO's and KTO's
 //!   preference losses, the reference-free ORPO and CPO losses (SimPO, AlphaPO; TPO reuses
 //!   CPO's) and the reward model's Bradley-Terry loss, with TRL's metrics;
-//!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD).
+//!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD);
+//!   [`uld`] GOLD's universal logit distillation for a teacher with another tokenizer.
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
 //!   and the gradient sink of gradient checkpointing; [`selfcheck`] runs each CUDA kernel set
@@ -93,6 +94,8 @@ pub mod selfcheck;
 mod serde_names;
 #[cfg(feature = "candle")]
 pub mod tape;
+#[cfg(feature = "candle")]
+pub mod uld;
 
 pub use advantages::{
     ScaleRewards, combine_rewards, group_advantages, leave_one_out_advantages,
