@@ -65,7 +65,7 @@ enum Command {
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
     /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
-    /// "gkd" | "iw_opd" | "sdpo" | "sdft"` in the config runs that instead.
+    /// "gkd" | "gold" | "iw_opd" | "sdpo" | "sdft"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -107,6 +107,9 @@ enum Command {
     /// defaults): each step on the student's samples with probability `lmbda`, else on the
     /// dataset's completions (or the teacher's samples, `seq_kd`).
     Gkd(train_cmd::TrainArgs),
+    /// General online logit distillation (TRL's GOLDTrainer): GKD's steps, and with
+    /// `gold.use_uld_loss` a teacher with another tokenizer (universal logit distillation).
+    Gold(train_cmd::TrainArgs),
     /// Importance-weighted on-policy distillation (the config's `[distillation]`, TRL's
     /// IWOPDTrainer): the student's sampled tokens, each weighed by the teacher's log-ratio and
     /// how early it comes in the completion.
@@ -145,6 +148,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Some("distillation"),
         )?)),
         Some(Command::Gkd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("gkd"))?)),
+        Some(Command::Gold(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("gold"))?)),
         Some(Command::Check(a)) => {
             let (device, dtype) = a.resolve()?;
             let rows = grpo_cli::check::run_checks(&device, dtype)?;
@@ -227,6 +231,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Reward(_)
             | Command::Distillation(_)
             | Command::Gkd(_)
+            | Command::Gold(_)
             | Command::IwOpd(_)
             | Command::Check(_),
         ) => {

@@ -367,6 +367,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "distillation",
             "dpo",
             "gkd",
+            "gold",
             "grpo",
             "iw_opd",
             "kto",
@@ -384,7 +385,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of a2po, cpo, distillation, dpo, gkd, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo")
+            .contains("expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");

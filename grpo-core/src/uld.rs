@@ -287,9 +287,17 @@ fn merge_groups(
 
 /// Each row sorted descending, the narrower side padded with zeros: `Σ |s − t| / rows`.
 fn sorted_l1(s: &Tensor, t: &Tensor) -> Result<Tensor> {
+    // The order is found on the CPU (candle's CUDA arg-sort holds a row in one block's shared
+    // memory: up to 8,192 columns), the gather (and its gradient) runs where the rows are.
     let sort = |x: &Tensor| -> Result<Tensor> {
-        let idx = x.detach().contiguous()?.arg_sort_last_dim(false)?;
-        x.contiguous()?.gather(&idx, D::Minus1)
+        let cpu = candle_core::Device::Cpu;
+        let idx = x
+            .detach()
+            .to_device(&cpu)?
+            .contiguous()?
+            .arg_sort_last_dim(false)?;
+        x.contiguous()?
+            .gather(&idx.to_device(x.device())?, D::Minus1)
     };
     let (mut a, mut b) = (sort(s)?, sort(&t.to_dtype(s.dtype())?)?);
     let (va, vb) = (a.dim(1)?, b.dim(1)?);

@@ -83,11 +83,15 @@ pub enum Algorithm {
     /// Importance-weighted on-policy distillation (TRL's experimental IWOPDTrainer):
     /// distillation's `[distillation]` with the sampled-token IW-OPD objective by default.
     IwOpd,
+    /// General online logit distillation (TRL's experimental GOLDTrainer): GKD's steps, and
+    /// with `gold.use_uld_loss` a teacher with another tokenizer through universal logit
+    /// distillation (`grpo_core::uld`, `[gold]`).
+    Gold,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 16] = [
+    pub const ALL: [Algorithm; 17] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -104,6 +108,7 @@ impl Algorithm {
         Algorithm::Sdpo,
         Algorithm::Sdft,
         Algorithm::IwOpd,
+        Algorithm::Gold,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -120,15 +125,16 @@ impl Algorithm {
                 | Algorithm::Sdpo
                 | Algorithm::Sdft
                 | Algorithm::IwOpd
+                | Algorithm::Gold
         )
     }
 
-    /// Whether the run distils a teacher (`[distillation]`): on-policy distillation, GKD or
-    /// IW-OPD.
+    /// Whether the run distils a teacher (`[distillation]`): on-policy distillation, GKD,
+    /// IW-OPD or GOLD.
     pub fn is_distillation(self) -> bool {
         matches!(
             self,
-            Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd
+            Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd | Algorithm::Gold
         )
     }
 
@@ -148,9 +154,10 @@ impl Algorithm {
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
     /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
     /// A2POConfig, SDPOConfig and SDFTConfig 5e-5 (TrainingArguments'), the others
-    /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6.
+    /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
     pub fn default_learning_rate(self) -> f64 {
         match self {
+            Self::Gold => 1e-7,
             Self::Sft | Self::Gkd => 2e-5,
             Self::A2po | Self::Sdpo | Self::Sdft => 5e-5,
             Self::Reward => 1e-4,
@@ -178,6 +185,7 @@ impl Algorithm {
             Self::Sdpo => "sdpo",
             Self::Sdft => "sdft",
             Self::IwOpd => "iw_opd",
+            Self::Gold => "gold",
         }
     }
 
@@ -196,7 +204,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo"
                 )
             })
     }
@@ -301,9 +309,169 @@ pub struct TrainConfig {
     /// TRL's `BEMACallback`: a bias-corrected EMA of the trained weights, written to
     /// `RUN/bema` at the end, optionally the reference model (any algorithm; on when present).
     pub bema: Option<BemaSection>,
+    /// GOLD's universal logit distillation (`algorithm = "gold"`, TRL's GOLDConfig `uld_*`).
+    pub gold: GoldSection,
     /// TRL's `MergeModelCallback`: the trained policy merged with a target model (by default
     /// the starting model) into `checkpoints/step-N/merged`, at the last checkpoint or at each.
     pub merge: Option<MergeSection>,
+}
+
+/// `[gold]`: TRL's GOLDTrainer's universal logit distillation (`grpo_core::uld`), for a
+/// teacher whose tokenizer differs from the student's. Without `use_uld_loss` GOLD is GKD's
+/// step with GOLD's defaults (the teacher then shares the student's tokenizer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GoldSection {
+    /// The ULD loss (TRL's `use_uld_loss`, default false).
+    pub use_uld_loss: bool,
+    /// The teacher's tokenizer: a Hugging Face directory (default the teacher model's own).
+    pub teacher_tokenizer_name_or_path: Option<PathBuf>,
+    /// Align the two tokenisations by byte offsets (default true); false: position by
+    /// position.
+    pub use_extended_uld: bool,
+    /// `observed` (default) or `bayesian`.
+    pub uld_token_merge_strategy: UldMergeStrategy,
+    /// The hybrid loss: the shared tokens compared directly (default false).
+    pub uld_use_hybrid_loss: bool,
+    /// The hybrid loss's weight of the shared tokens (with `uld_hybrid_unmatched_weight`;
+    /// both absent: the shared share of the teacher's vocabulary).
+    pub uld_hybrid_matched_weight: Option<f64>,
+    /// The hybrid loss's weight of the other tokens.
+    pub uld_hybrid_unmatched_weight: Option<f64>,
+    /// The student's cross-entropy on its completion tokens (default 0).
+    pub uld_crossentropy_weight: f64,
+    /// The distillation term's weight (default 1).
+    pub uld_distillation_weight: f64,
+    /// Student softmax temperature (default 1).
+    pub uld_student_temperature: f64,
+    /// Teacher softmax temperature (default 1).
+    pub uld_teacher_temperature: f64,
+    /// Leave the student's EOS out (default true).
+    pub uld_skip_student_eos: bool,
+    /// Leave the teacher's EOS out (default true).
+    pub uld_skip_teacher_eos: bool,
+}
+
+impl Default for GoldSection {
+    fn default() -> Self {
+        Self {
+            use_uld_loss: false,
+            teacher_tokenizer_name_or_path: None,
+            use_extended_uld: true,
+            uld_token_merge_strategy: UldMergeStrategy::Observed,
+            uld_use_hybrid_loss: false,
+            uld_hybrid_matched_weight: None,
+            uld_hybrid_unmatched_weight: None,
+            uld_crossentropy_weight: 0.0,
+            uld_distillation_weight: 1.0,
+            uld_student_temperature: 1.0,
+            uld_teacher_temperature: 1.0,
+            uld_skip_student_eos: true,
+            uld_skip_teacher_eos: true,
+        }
+    }
+}
+
+/// `gold.uld_token_merge_strategy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UldMergeStrategy {
+    /// The first position's distribution times the later tokens' probabilities.
+    #[default]
+    Observed,
+    /// The last position's distribution times the earlier tokens' probabilities.
+    Bayesian,
+}
+
+impl GoldSection {
+    /// grpo-core's ULD settings (with the hybrid loss's vocabulary match and β).
+    pub fn uld_config(
+        &self,
+        hybrid: Option<(grpo_core::uld::VocabMatch, f64)>,
+    ) -> grpo_core::uld::UldConfig {
+        use grpo_core::uld::{Hybrid, MergeStrategy, UldConfig};
+        UldConfig {
+            student_temperature: self.uld_student_temperature,
+            teacher_temperature: self.uld_teacher_temperature,
+            skip_student_eos: self.uld_skip_student_eos,
+            skip_teacher_eos: self.uld_skip_teacher_eos,
+            extended: self.use_extended_uld,
+            strategy: match self.uld_token_merge_strategy {
+                UldMergeStrategy::Observed => MergeStrategy::Observed,
+                UldMergeStrategy::Bayesian => MergeStrategy::Bayesian,
+            },
+            distillation_weight: self.uld_distillation_weight,
+            hybrid: hybrid.map(|(vocab, beta)| Hybrid {
+                vocab,
+                beta,
+                weights: self
+                    .uld_hybrid_matched_weight
+                    .zip(self.uld_hybrid_unmatched_weight),
+            }),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// `[gold]`'s refusals (GOLDConfig's checks, and what ULD cannot take).
+    fn check_gold(&self) -> std::result::Result<(), String> {
+        let (g, d) = (&self.gold, &self.distillation);
+        if !g.use_uld_loss {
+            return Ok(());
+        }
+        if self.algorithm != Algorithm::Gold {
+            return Err("`gold.use_uld_loss` is GOLD's: set `algorithm = \"gold\"`".into());
+        }
+        for (key, v) in [
+            ("uld_crossentropy_weight", g.uld_crossentropy_weight),
+            ("uld_distillation_weight", g.uld_distillation_weight),
+        ] {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(format!("`gold.{key}` must be >= 0, got {v}"));
+            }
+        }
+        for (key, v) in [
+            ("uld_student_temperature", g.uld_student_temperature),
+            ("uld_teacher_temperature", g.uld_teacher_temperature),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(format!("`gold.{key}` must be > 0, got {v}"));
+            }
+        }
+        match (g.uld_hybrid_matched_weight, g.uld_hybrid_unmatched_weight) {
+            (Some(a), Some(b)) if !(a >= 0.0 && b >= 0.0) => {
+                return Err("`gold.uld_hybrid_matched_weight` and \
+                            `gold.uld_hybrid_unmatched_weight` must be >= 0"
+                    .into());
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                return Err("`gold.uld_hybrid_matched_weight` and \
+                            `gold.uld_hybrid_unmatched_weight` are set together (or neither: \
+                            adaptive weights)"
+                    .into());
+            }
+            _ => {}
+        }
+        if d.teacher_server.is_some() {
+            return Err("GOLD's ULD loss needs the teacher's logits: a local \
+                        `distillation.teacher_model_name_or_path`, not \
+                        `[distillation.teacher_server]`"
+                .into());
+        }
+        if d.seq_kd {
+            return Err(
+                "`distillation.seq_kd` with `gold.use_uld_loss`: the teacher samples in \
+                        its own tokens; leave seq_kd out"
+                    .into(),
+            );
+        }
+        if d.distillation_objective.is_some() || d.loss_top_k.is_some() {
+            return Err("`gold.use_uld_loss` is its own objective: leave \
+                        `distillation.distillation_objective` and `loss_top_k` out"
+                .into());
+        }
+        Ok(())
+    }
 }
 
 /// `[merge]`: TRL's experimental `MergeModelCallback` with its `MergeConfig`, run natively
@@ -469,7 +637,7 @@ pub struct DistillationSection {
     pub teacher_dtype: Option<Dtype>,
     /// GKD's λ: the share of steps trained on the student's own samples; the others train on
     /// the dataset's completions (or, with `seq_kd`, the teacher's samples). Absent: 1 for
-    /// distillation (always on-policy), 0.5 for `algorithm = "gkd"`.
+    /// distillation (always on-policy), 0.5 for `algorithm = "gkd"` and `"gold"`.
     pub lmbda: Option<f64>,
     /// GKD's sequence-level KD: the off-policy steps train on the teacher's samples instead of
     /// the dataset's completions (default false).
@@ -631,7 +799,7 @@ impl DistillationSection {
     /// λ, resolved for the algorithm (see [`DistillationSection::lmbda`]).
     pub fn lmbda_for(&self, algorithm: Algorithm) -> f64 {
         self.lmbda.unwrap_or(match algorithm {
-            Algorithm::Gkd => 0.5,
+            Algorithm::Gkd | Algorithm::Gold => 0.5,
             _ => 1.0,
         })
     }
@@ -1518,6 +1686,7 @@ impl Default for TrainConfig {
             sdft: SdftSection::default(),
             bema: None,
             merge: None,
+            gold: GoldSection::default(),
             rloo: RlooSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
@@ -2358,6 +2527,13 @@ fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)>
             ("rollout", "max_completion_length", json!(128)),
             ("distillation", "beta", json!(0.5)),
         ],
+        "gold" => vec![
+            ("rollout", "num_generations", json!(1)),
+            ("rollout", "temperature", json!(0.9)),
+            ("rollout", "top_p", json!(0.95)),
+            ("rollout", "max_completion_length", json!(128)),
+            ("distillation", "beta", json!(0.5)),
+        ],
         "online_dpo" => vec![
             ("rollout", "num_generations", json!(2)),
             ("rollout", "temperature", json!(0.9)),
@@ -2991,6 +3167,7 @@ impl TrainConfig {
                     d.iw_opd_epsilon
                 ));
             }
+            self.check_gold()?;
         }
         if self.algorithm == Algorithm::Reward {
             if let Some(c) = self.reward.center_rewards_coefficient
@@ -3386,7 +3563,8 @@ impl TrainConfig {
             | Algorithm::A2po
             | Algorithm::Sdpo
             | Algorithm::Sdft
-            | Algorithm::IwOpd => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::IwOpd
+            | Algorithm::Gold => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -3430,6 +3608,7 @@ impl TrainConfig {
                 | Algorithm::Sdpo
                 | Algorithm::Sdft
                 | Algorithm::IwOpd
+                | Algorithm::Gold
         ))
     }
 

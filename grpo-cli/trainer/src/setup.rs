@@ -51,6 +51,9 @@ pub struct Setup {
     pub rollout_device: Option<Device>,
     /// On-policy distillation's teacher (`distillation.teacher_model_name_or_path`), frozen.
     pub distillation_teacher: Option<Transformer>,
+    /// GOLD's ULD: the teacher's own tokenizer (`gold.teacher_tokenizer_name_or_path`, else
+    /// the teacher model's).
+    pub teacher_tokenizer: Option<Tokenizer>,
     /// The distillation teacher on a server (`[distillation.teacher_server]`).
     pub teacher_server: Option<Arc<Mutex<RemoteGenerator>>>,
     /// A*-PO's optimal value of each training prompt by row index (set by its stage 1 when the
@@ -166,7 +169,11 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
         Algorithm::Reward if has(&cfg.reward.chosen_field) && has(&cfg.reward.rejected_field) => {
             Some(cfg.reward.chosen_field.clone())
         }
-        Algorithm::Sft | Algorithm::Gkd | Algorithm::Distillation | Algorithm::IwOpd
+        Algorithm::Sft
+        | Algorithm::Gkd
+        | Algorithm::Distillation
+        | Algorithm::IwOpd
+        | Algorithm::Gold
             if has("messages") =>
         {
             Some("messages".into())
@@ -188,7 +195,7 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
         }
         // GKD's off-policy steps read the dataset's completions (unless the teacher samples
         // them): a completion column, or conversations that end with the assistant's turn.
-        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd
+        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd | Algorithm::Gold
             if cfg.distillation.lmbda_for(cfg.algorithm) < 1.0
                 && !cfg.distillation.seq_kd
                 && !data.conversation_prompts() =>
@@ -509,15 +516,14 @@ pub fn setup_with(
         }
         _ => None,
     };
+    let mut teacher_tokenizer = None;
     let distillation_teacher = match cfg.algorithm {
-        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd if teacher_server.is_some() => {
-            None
+        a if a.is_distillation() && teacher_server.is_some() => None,
+        a if a.is_distillation() => {
+            let (t, tok) = distillation_teacher(&cfg, &policy.model, &loaded.tokenizer)?;
+            teacher_tokenizer = tok;
+            Some(t)
         }
-        Algorithm::Distillation | Algorithm::Gkd | Algorithm::IwOpd => Some(distillation_teacher(
-            &cfg,
-            &policy.model,
-            &loaded.tokenizer,
-        )?),
         // SDPO's and SDFT's teacher is the policy itself: as it starts (`base`; with LoRA, its adapters
         // off) or its EMA (full fine-tuning: a copy that starts as the loaded weights, which
         // nothing writes in place; LoRA: adapters the learner keeps).
@@ -550,6 +556,7 @@ pub fn setup_with(
         environment,
         rollout_device,
         distillation_teacher,
+        teacher_tokenizer,
         teacher_server,
         a2po_values: None,
         cfg,
@@ -564,7 +571,7 @@ fn distillation_teacher(
     cfg: &TrainConfig,
     student: &Transformer,
     tokenizer: &Tokenizer,
-) -> Result<Transformer> {
+) -> Result<(Transformer, Option<Tokenizer>)> {
     let d = &cfg.distillation;
     let path = d
         .teacher_model_name_or_path
@@ -582,6 +589,20 @@ fn distillation_teacher(
     let teacher = grpo_rollout::load(path, dtype, &device)
         .and_then(grpo_rollout::LoadedModel::causal)
         .map_err(|e| anyhow!("distillation teacher: {}", first_line(&e.to_string())))?;
+    // GOLD's ULD: a teacher with a tokenizer of its own.
+    if cfg.algorithm == Algorithm::Gold && cfg.gold.use_uld_loss {
+        let tok = match &cfg.gold.teacher_tokenizer_name_or_path {
+            Some(p) => grpo_rollout::loader::load_tokenizer(p).map_err(|e| {
+                anyhow!(
+                    "gold.teacher_tokenizer_name_or_path {}: {}",
+                    p.display(),
+                    first_line(&e.to_string())
+                )
+            })?,
+            None => teacher.tokenizer,
+        };
+        return Ok((teacher.model, Some(tok)));
+    }
     let (tv, sv) = (teacher.model.cfg.vocab_size, student.cfg.vocab_size);
     if tv < sv {
         bail!(
@@ -598,7 +619,7 @@ fn distillation_teacher(
             path.display()
         );
     }
-    Ok(teacher.model)
+    Ok((teacher.model, None))
 }
 
 /// Whether the local generator samples through a candle device of its own on the model's GPU:

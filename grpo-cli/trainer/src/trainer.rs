@@ -71,6 +71,9 @@ pub struct Sdft;
 /// Importance-weighted on-policy distillation (`[distillation]`, TRL's IWOPDTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct IwOpd;
+/// GOLD (`algorithm = "gold"`).
+#[derive(Debug, Clone, Copy)]
+pub struct Gold;
 /// The algorithm chosen at run time by name ([`create_trainer`]).
 #[derive(Debug, Clone, Copy)]
 pub struct ByName;
@@ -123,6 +126,9 @@ impl TrainerKind for Sdft {
 impl TrainerKind for IwOpd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::IwOpd);
 }
+impl TrainerKind for Gold {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Gold);
+}
 impl TrainerKind for ByName {
     const ALGORITHM: Option<Algorithm> = None;
 }
@@ -155,6 +161,10 @@ pub type DistillationTrainer = Trainer<Distillation>;
 /// A GKD trainer: the student learns the teacher's distributions on its own samples (a share
 /// `lmbda` of the steps) and on the dataset's completions or the teacher's samples.
 pub type GkdTrainer = Trainer<Gkd>;
+
+/// A GOLD trainer: GKD's steps, and with `gold.use_uld_loss` a teacher with another tokenizer
+/// through universal logit distillation.
+pub type GoldTrainer = Trainer<Gold>;
 
 /// A TPO trainer: chosen, rejected and gold completions, no reference model.
 pub type TpoTrainer = Trainer<Tpo>;

@@ -283,6 +283,7 @@ fn algorithms_by_name() {
             "distillation",
             "dpo",
             "gkd",
+            "gold",
             "grpo",
             "iw_opd",
             "kto",

@@ -41,6 +41,10 @@ impl Learner {
         // TRL divides each micro-batch's summed divergence by the loss tokens of the batch an
         // update trains on.
         let denom = (batch.total_tokens as f64 / self.cfg.updates_per_step() as f64).max(1.0);
+        // GOLD's ULD loss is a mean over an update's completions.
+        let per_update =
+            (batch.completions.len() as f64 / self.cfg.updates_per_step() as f64).max(1.0);
+        let mut uld: Vec<(f64, f64)> = Vec::new();
         let (mut ent_sum, mut tok_sum) = (0.0, 0.0);
         let mut iw: Vec<[f64; 5]> = Vec::new();
         let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
@@ -49,7 +53,9 @@ impl Learner {
             ent_sum += part.entropy;
             tok_sum += part.tokens;
             iw.extend(part.iw_opd);
-            Ok((part.divergence / denom)?)
+            uld.extend(part.uld);
+            let d = if l.gold.is_some() { per_update } else { denom };
+            Ok((part.divergence / d)?)
         })?;
         self.state.step = r.batch.step + 1;
         let mut m = Metrics::new();
@@ -75,6 +81,18 @@ impl Learner {
                 let v = iw.iter().map(|x| x[k]).sum::<f64>() / iw.len() as f64;
                 m.insert(format!("iw_opd/{name}"), v);
             }
+        }
+        if !uld.is_empty() {
+            // TRL's GOLD metrics of the hybrid loss.
+            let n = uld.len() as f64;
+            m.insert(
+                "matched_loss".into(),
+                uld.iter().map(|x| x.0).sum::<f64>() / n,
+            );
+            m.insert(
+                "unmatched_loss".into(),
+                uld.iter().map(|x| x.1).sum::<f64>() / n,
+            );
         }
         if self.cfg.distillation.lmbda_for(self.cfg.algorithm) < 1.0 {
             // GKD: whether this step trained on the student's own samples.
@@ -103,6 +121,9 @@ impl Learner {
         a: usize,
         b: usize,
     ) -> Result<DistillPart> {
+        if self.gold.is_some() {
+            return self.uld_part(model, teacher, batch, a, b);
+        }
         if self.cfg.distillation.objective_for(self.cfg.algorithm) == DistillObjective::IwOpd {
             return self.iw_opd_part(model, teacher, s, batch, a, b);
         }
@@ -155,6 +176,7 @@ impl Learner {
             entropy: wide((ent * &loss_mask)?.sum_all()?)?,
             tokens: wide(loss_mask.sum_all()?)?,
             iw_opd: None,
+            uld: None,
         })
     }
 
@@ -233,6 +255,7 @@ impl Learner {
             entropy,
             tokens,
             iw_opd,
+            uld: None,
         })
     }
 
@@ -255,10 +278,12 @@ impl Learner {
 }
 
 /// One micro-batch's share of a distillation step.
-struct DistillPart {
-    divergence: Tensor,
-    entropy: f64,
-    tokens: f64,
+pub(crate) struct DistillPart {
+    pub(crate) divergence: Tensor,
+    pub(crate) entropy: f64,
+    pub(crate) tokens: f64,
     /// IW-OPD's mean advantage, mean |a|, mean, min and max weight over the loss tokens.
-    iw_opd: Option<[f64; 5]>,
+    pub(crate) iw_opd: Option<[f64; 5]>,
+    /// GOLD's hybrid ULD: the matched and unmatched parts (means over the micro-batch).
+    pub(crate) uld: Option<(f64, f64)>,
 }

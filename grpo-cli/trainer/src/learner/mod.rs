@@ -7,7 +7,8 @@
 //! - [`metrics`]: the step's metrics by TRL's names;
 //! - [`supervised`]: the SFT, DPO, KTO, ORPO, CPO and reward-model steps on the same learner;
 //! - [`distill`]: on-policy distillation's step (the teacher's distributions on the policy's
-//!   samples);
+//!   samples); `gold`: GOLD's universal logit distillation for a teacher with another
+//!   tokenizer;
 //! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
 //! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
 //!   one, DPO's loss against the reference);
@@ -21,6 +22,7 @@ pub mod a2po;
 pub mod batch;
 pub mod bema;
 pub mod distill;
+mod gold;
 pub mod loss;
 pub mod metrics;
 pub mod online_dpo;
@@ -82,6 +84,8 @@ pub struct Learner {
     /// scores on.
     pub(crate) remote:
         Option<std::sync::Arc<std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>>>,
+    /// GOLD's ULD: the teacher's tokenizer and the loss's settings.
+    pub(crate) gold: Option<(Tokenizer, grpo_core::uld::UldConfig)>,
     /// IW-OPD's teacher on a server.
     pub(crate) teacher_server:
         Option<std::sync::Arc<std::sync::Mutex<grpo_rollout::remote::RemoteGenerator>>>,
@@ -195,6 +199,7 @@ impl Learner {
             policy: setup.policy.clone(),
             reference: setup.reference.clone(),
             distillation_teacher: setup.distillation_teacher.clone(),
+            gold: gold_state(setup),
             teacher_server: setup.teacher_server.clone(),
             remote: setup.remote.clone(),
             sdpo_shadow: None,
@@ -271,4 +276,23 @@ impl Learner {
     pub fn policy(&self) -> &TrainableModel {
         &self.policy
     }
+}
+
+/// GOLD's ULD state: the teacher's tokenizer and the loss's settings, the hybrid loss's
+/// vocabulary match built once from both tokenizers.
+fn gold_state(setup: &Setup) -> Option<(Tokenizer, grpo_core::uld::UldConfig)> {
+    let g = &setup.cfg.gold;
+    let tok = setup.teacher_tokenizer.clone()?;
+    if !(setup.cfg.algorithm == crate::config::Algorithm::Gold && g.use_uld_loss) {
+        return None;
+    }
+    let hybrid = g.uld_use_hybrid_loss.then(|| {
+        let vocab = grpo_core::uld::VocabMatch::new(
+            &setup.tokenizer.inner.get_vocab(true).into_iter().collect(),
+            &tok.inner.get_vocab(true).into_iter().collect(),
+        );
+        (vocab, setup.cfg.distillation.beta)
+    });
+    let cfg = g.uld_config(hybrid);
+    Some((tok, cfg))
 }
