@@ -559,6 +559,23 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
             Ok((worst, tol))
         })(),
     );
+    // GOLD's ULD: two tokenisations of one text (the teacher's tokens each covering two of the
+    // student's), byte-aligned and merged, sorted L1 and the hybrid loss (the sort's order is
+    // found on the CPU, the gather on the device).
+    push(
+        format!(
+            "GOLD ULD loss (byte-aligned, hybrid) and its gradient norm on {} vs cpu f32",
+            device_name(device)
+        ),
+        (|| {
+            let a = uld_check(&cpu.model, &wide_cpu.model, &rows_ids[0])?;
+            let b = uld_check(&dev.model, &wide_dev.model, &rows_ids[0])?;
+            Ok((
+                (a.0 - b.0).abs().max((a.1 - b.1).abs() / a.1.max(1e-6)),
+                tol,
+            ))
+        })(),
+    );
     push(
         format!(
             "ORPO and SimPO losses (f64 odds) and their gradient norms on {} vs cpu f32",
@@ -1072,6 +1089,50 @@ fn distill_check(
     let th = teacher.completion_hidden(&ids.to_device(td)?, &mask.to_device(td)?, t)?;
     let (div, _) = s.model.distill_rows(&h, teacher, &th, div, 1.0)?;
     let loss = div.mean_all()?;
+    let grads = s.model.backward(&loss)?;
+    let norm = grad_norm(&s, &grads)?;
+    Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, norm))
+}
+
+/// GOLD's ULD loss of `student` against `teacher` on `row` (tokens 1..7 for the student, every
+/// other one for the teacher, each of its tokens two of the student's bytes-wise), the sorted
+/// and the hybrid (ids below 64 shared) losses summed, and the norm of its gradient.
+fn uld_check(student: &Transformer, teacher: &Transformer, row: &[u32]) -> Result<(f64, f64)> {
+    use grpo_core::uld::{Hybrid, UldConfig, UldSide, VocabMatch, uld_loss};
+    let s = TrainableModel::full(student)?;
+    let rows = vec![row.to_vec()];
+    let side = |m: &Transformer, ids: Vec<u32>, width: usize| -> Result<UldSide> {
+        let (x, mask) = padded(&rows, m.device())?;
+        let t = x.dim(1)? - 1;
+        let h = m.completion_hidden(&x, &mask, t)?;
+        let n = ids.len();
+        Ok(UldSide {
+            logits: m.logits(&h.narrow(0, 0, n + 1)?)?,
+            offsets: (0..n).map(|k| (width * k, width * k + width)).collect(),
+            ids,
+        })
+    };
+    let st = side(&s.model, row[1..7].to_vec(), 2)?;
+    let te = side(teacher, row[1..7].iter().step_by(2).copied().collect(), 4)?;
+    let te = UldSide {
+        logits: te.logits.detach(),
+        ..te
+    };
+    let shared: Vec<u32> = (0..64).collect();
+    let hybrid = Hybrid {
+        vocab: VocabMatch {
+            teacher: shared.clone(),
+            student: shared,
+        },
+        beta: 0.5,
+        weights: None,
+    };
+    let plain = uld_loss(&[(st.clone(), te.clone())], &UldConfig::default())?.loss;
+    let cfg = UldConfig {
+        hybrid: Some(hybrid),
+        ..UldConfig::default()
+    };
+    let loss = (plain + uld_loss(&[(st, te)], &cfg)?.loss)?;
     let grads = s.model.backward(&loss)?;
     let norm = grad_norm(&s, &grads)?;
     Ok((loss.to_dtype(DType::F64)?.to_scalar::<f64>()?, norm))
