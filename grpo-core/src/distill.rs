@@ -592,7 +592,7 @@ fn check_pair(what: &str, s: &Tensor, t: &Tensor, beta: f64, temperature: f64) -
 }
 
 /// `log_softmax(z / temperature)` over the last dimension, in f32 (f64 for f64 input).
-fn log_softmax(z: &Tensor, temperature: f64) -> Result<Tensor> {
+pub(crate) fn log_softmax(z: &Tensor, temperature: f64) -> Result<Tensor> {
     let dtype = match z.dtype() {
         DType::F64 => DType::F64,
         _ => DType::F32,

@@ -244,15 +244,7 @@ pub fn uld_loss(samples: &[(UldSide, UldSide)], cfg: &UldConfig) -> Result<UldLo
 
 /// `softmax(z / T)` per row, in f32 (f64 for f64 input).
 fn softmax(z: &Tensor, temperature: f64) -> Result<Tensor> {
-    let dt = match z.dtype() {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    };
-    let z = (z.to_dtype(dt)? / temperature)?;
-    let e = z
-        .broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?
-        .exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+    crate::distill::log_softmax(z, temperature)?.exp()
 }
 
 /// TRL's `_merge_probabilities_with_alignment_groups`: one row per group, a group of several

@@ -171,15 +171,15 @@ pub struct MergeConfig {
     pub random_seed: Option<u64>,
 }
 
-/// A dtype name (mergekit's / torch's spellings).
+/// A dtype name (mergekit's spellings): float64, or what [`crate::Dtype`] reads.
 fn parse_dtype(s: &str) -> Result<DType> {
-    Ok(match s {
-        "float32" | "fp32" | "f32" => DType::F32,
-        "float16" | "fp16" | "f16" | "half" => DType::F16,
-        "bfloat16" | "bf16" => DType::BF16,
-        "float64" | "f64" => DType::F64,
-        _ => bail!("merge: unknown dtype `{s}` (float32, float16, bfloat16, float64)"),
-    })
+    match s {
+        "float64" | "f64" => Ok(DType::F64),
+        _ => s
+            .parse::<crate::Dtype>()
+            .map(|d| d.dtype())
+            .map_err(|e| candle_core::Error::Msg(format!("merge: unknown dtype `{s}` ({e})"))),
+    }
 }
 
 impl MergeConfig {

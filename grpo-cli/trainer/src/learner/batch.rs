@@ -362,11 +362,7 @@ pub(crate) fn served_logps(
     use_adapter: bool,
     device: &Device,
 ) -> Result<Tensor> {
-    let seqs: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(completions)
-        .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
-        .collect();
+    let seqs = joined(prompts, completions);
     let lps = server
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -393,11 +389,7 @@ pub(crate) fn served_rows(
     top: usize,
     device: &Device,
 ) -> Result<grpo_core::distill::ServedRows> {
-    let seqs: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(completions)
-        .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
-        .collect();
+    let seqs = joined(prompts, completions);
     let scores = server
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -440,4 +432,13 @@ pub(crate) fn served_rows(
         top_logps: Tensor::from_vec(lps, (n, top), device)?,
         actual: Tensor::from_vec(actual, n, device)?,
     })
+}
+
+/// Each prompt followed by its completion.
+fn joined(prompts: &[&[u32]], completions: &[&[u32]]) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .zip(completions)
+        .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
+        .collect()
 }

@@ -60,51 +60,53 @@ impl Learner {
             tx.push(comp);
             t_offsets.push(offs);
         }
-        let trefs: (Vec<&[u32]>, Vec<&[u32]>) = (
+        let (tp, txs): (Vec<&[u32]>, Vec<&[u32]>) = (
             tp.iter().map(Vec::as_slice).collect(),
             tx.iter().map(Vec::as_slice).collect(),
         );
-        let td = teacher.device();
         let s_rows = side_rows(model, self.tokenizer.pad_token_id, p, x, &self.device)?;
-        let t_rows = side_rows(teacher, ttok.pad_token_id, &trefs.0, &trefs.1, td)?;
+        let t_rows = side_rows(teacher, ttok.pad_token_id, &tp, &txs, teacher.device())?;
+        let ce_weight = self.cfg.gold.uld_crossentropy_weight;
         let mut samples = Vec::with_capacity(p.len());
         let (mut ce, mut ent, mut tokens) = (Vec::new(), 0.0, 0.0);
-        for (k, co) in x.iter().enumerate() {
-            let zs = model.logits(&s_rows[k])?;
+        let rows = x.iter().zip(s_rows.iter().zip(&t_rows));
+        let teacher_sides = s_offsets.into_iter().zip(tx.into_iter().zip(t_offsets));
+        for ((co, (sh, th)), (so, (tids, to))) in rows.zip(teacher_sides) {
+            let zs = model.logits(sh)?;
             let zt = teacher
-                .logits(&t_rows[k].detach())?
+                .logits(&th.detach())?
                 .detach()
                 .to_device(zs.device())?;
-            // The rows that predict the completion's tokens: cross-entropy and entropy.
+            // The rows that predict the completion's tokens: entropy, cross-entropy.
             let n = co.len();
             let pred = zs.narrow(0, 0, n)?.to_dtype(DType::F32)?;
-            let lsm = log_softmax(&pred)?;
-            let ids = Tensor::new(*co, zs.device())?.unsqueeze(1)?;
-            ce.push(lsm.gather(&ids, 1)?.sum_all()?.neg()?);
             ent += grpo_core::logprobs::entropy_from_logits(&pred.detach())?
                 .to_dtype(DType::F64)?
                 .sum_all()?
                 .to_scalar::<f64>()?;
+            if ce_weight > 0.0 {
+                let ids = Tensor::new(*co, zs.device())?;
+                let lp = grpo_core::logprobs::selective_log_softmax(&pred, &ids)?;
+                ce.push(lp.sum_all()?.neg()?);
+            }
             tokens += n as f64;
-            samples.push((
-                UldSide {
-                    logits: zs,
-                    ids: co.to_vec(),
-                    offsets: s_offsets[k].clone(),
-                },
-                UldSide {
-                    logits: zt,
-                    ids: tx[k].clone(),
-                    offsets: t_offsets[k].clone(),
-                },
-            ));
+            let s_side = UldSide {
+                logits: zs,
+                ids: co.to_vec(),
+                offsets: so,
+            };
+            let t_side = UldSide {
+                logits: zt,
+                ids: tids,
+                offsets: to,
+            };
+            samples.push((s_side, t_side));
         }
         let out = uld_loss(&samples, cfg)?;
         let m = x.len() as f64;
         // Each completion's share: the micro-batch's mean times its completions.
         let mut loss = (out.loss * m)?;
-        let ce_weight = self.cfg.gold.uld_crossentropy_weight;
-        if ce_weight > 0.0 && tokens > 0.0 {
+        if !ce.is_empty() && tokens > 0.0 {
             // TRL's cross-entropy: the mean over the micro-batch's completion tokens.
             let ce = (Tensor::stack(&ce, 0)?.sum_all()? / tokens)?;
             let dt = loss.dtype();
@@ -118,12 +120,6 @@ impl Learner {
             uld: out.matched.zip(out.unmatched),
         })
     }
-}
-
-/// `log_softmax` over the last dimension.
-fn log_softmax(z: &Tensor) -> candle_core::Result<Tensor> {
-    let z = z.broadcast_sub(&z.max_keepdim(1)?.detach())?;
-    z.broadcast_sub(&z.exp()?.sum_keepdim(1)?.log()?)
 }
 
 /// Each sample's hidden rows at positions `start − 1 … start + n − 1` (`n + 1` rows: the
