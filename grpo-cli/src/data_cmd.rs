@@ -18,6 +18,40 @@ pub enum DataCommand {
     Synth(SynthArgs),
     /// Read a dataset once through the shuffled stream; report rows/s and peak memory.
     Bench(BenchArgs),
+    /// Write the tasks of an environment on an Open Reward Standard server as a JSONL dataset
+    /// (TRL's `OpenRewardSpec.train_dataset`: an empty user prompt, `task_index`, the task's
+    /// metadata) for `[environment] type = "ors"`.
+    #[command(name = "ors-tasks")]
+    OrsTasks(OrsTasksArgs),
+}
+
+/// `data ors-tasks`.
+#[derive(Debug, Args)]
+pub struct OrsTasksArgs {
+    /// The server's base URL.
+    #[arg(long)]
+    url: String,
+    /// The environment on the server (default: its first).
+    #[arg(long = "env")]
+    env_name: Option<String>,
+    /// The split.
+    #[arg(long, default_value = "train")]
+    split: String,
+    /// At most this many tasks, the first ones (default: all).
+    #[arg(long, conflicts_with = "indices")]
+    num_tasks: Option<usize>,
+    /// These task indices (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    indices: Vec<usize>,
+    /// Leave out the task specs' own keys (only `prompt` and `task_index`).
+    #[arg(long)]
+    no_metadata: bool,
+    /// Environment variable holding an API key (sent as X-API-Key when set).
+    #[arg(long, default_value = "OPENREWARD_API_KEY")]
+    api_key_env: String,
+    /// The JSONL file to write.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 /// Where to read from and how.
@@ -116,7 +150,65 @@ pub fn run(cmd: DataCommand) -> Result<()> {
         DataCommand::Inspect(a) => inspect(a),
         DataCommand::Synth(a) => synth(a),
         DataCommand::Bench(a) => bench(a),
+        DataCommand::OrsTasks(a) => ors_tasks(a),
     }
+}
+
+/// `data ors-tasks`: the rows of `grpo_rollout::ors::task_rows`, a nested value (an object, a
+/// list that is not of strings) written as its JSON text, which the data loader reads as a
+/// string column.
+fn ors_tasks(a: OrsTasksArgs) -> Result<()> {
+    use grpo_rollout::ors::{OrsClient, OrsConfig, TaskSelection, task_rows};
+    use serde_json::Value;
+    if a.out.extension().and_then(|e| e.to_str()) != Some("jsonl") {
+        bail!("--out {}: write a .jsonl file", a.out.display());
+    }
+    let cfg = OrsConfig {
+        api_key_env: Some(a.api_key_env.clone()),
+        split: a.split.clone(),
+        ..OrsConfig::new(a.url.clone())
+    };
+    let which = match (a.num_tasks, a.indices.is_empty()) {
+        (Some(n), _) => TaskSelection::First(n),
+        (None, false) => TaskSelection::Indices(a.indices.clone()),
+        (None, true) => TaskSelection::All,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let rows = runtime.block_on(async {
+        let client = OrsClient::new(&cfg)?;
+        let env = client.resolve_env(a.env_name.as_deref()).await?;
+        task_rows(&client, &env, &a.split, &which, !a.no_metadata).await
+    })?;
+    let flat = |v: Value| match v {
+        Value::Object(_) => Value::String(v.to_string()),
+        Value::Array(ref items) if !items.iter().all(Value::is_string) => {
+            Value::String(v.to_string())
+        }
+        other => other,
+    };
+    let mut text = String::new();
+    for row in rows {
+        let Value::Object(o) = row else { continue };
+        let o: serde_json::Map<String, Value> = o
+            .into_iter()
+            .map(|(k, v)| {
+                let v = if k == "prompt" { v } else { flat(v) };
+                (k, v)
+            })
+            .collect();
+        text.push_str(&Value::Object(o).to_string());
+        text.push('\n');
+    }
+    let n = text.lines().count();
+    std::fs::write(&a.out, text).map_err(|e| anyhow::anyhow!("--out {}: {e}", a.out.display()))?;
+    println!(
+        "wrote {n} tasks of split `{}` to {}",
+        a.split,
+        a.out.display()
+    );
+    Ok(())
 }
 
 fn sample_json(s: &Sample) -> serde_json::Value {

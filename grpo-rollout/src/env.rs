@@ -33,6 +33,34 @@ use crate::tokenizer::ChatMessage;
 /// Roles an observation may have.
 pub const OBSERVATION_ROLES: [&str; 3] = ["user", "tool", "environment"];
 
+/// What an environment says before a prompt's episodes start ([`Environment::reset`], TRL's
+/// `environment_factory` `reset`): text for the prompt and each episode's starting metadata.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EnvironmentReset {
+    /// Text appended to the prompt's last user message (a user message of its own when the
+    /// prompt does not end with one), as TRL appends `reset()`'s return; `None` = the prompt
+    /// as it is. One per prompt: its episodes share the prompt.
+    pub observation: Option<String>,
+    /// The starting metadata of each of the prompt's episodes, in order (what the first
+    /// [`Environment::step`] sees: a session id, a seed); empty = the prompt's metadata for
+    /// every episode.
+    pub episodes: Vec<Value>,
+}
+
+impl EnvironmentReset {
+    /// `messages` with [`Self::observation`] appended to the last user message (a new user
+    /// message when the last one is not the user's).
+    pub fn apply(&self, messages: &mut Vec<ChatMessage>) {
+        let Some(text) = &self.observation else {
+            return;
+        };
+        match messages.last_mut() {
+            Some(m) if m.role == "user" => m.content.push_str(text),
+            _ => messages.push(ChatMessage::new("user", text.clone())),
+        }
+    }
+}
+
 /// An environment's answer for a batch of episodes: every vector has one entry per episode, in
 /// the order the episodes were given to [`Environment::step`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -126,6 +154,17 @@ pub trait Environment: Send + Sync {
     /// call and is reported with the environment's name.
     fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn>;
 
+    /// Called once for a batch of prompts before their episodes start (TRL's
+    /// `environment_factory` `reset`, batched): `metadata[p]` is prompt `p`'s (its dataset
+    /// row), `n` the episodes each prompt gets. Returns one [`EnvironmentReset`] per prompt:
+    /// text the prompt gains and each episode's starting metadata (an environment that keeps a
+    /// session per episode opens them here and puts their ids there). The caller renders the
+    /// prompts after it ([`EnvironmentReset::apply`]). By default nothing changes.
+    fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
+        let _ = n;
+        Ok(vec![EnvironmentReset::default(); metadata.len()])
+    }
+
     /// Post-processes a whole batch of finished episodes (NeMo RL's
     /// `global_post_process_and_metrics`): may change them (rewards, metadata) and returns
     /// metrics by name. The caller runs it once over everything a training step collected.
@@ -212,6 +251,14 @@ impl Environment for TimeLimited {
         })
     }
 
+    fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
+        let metadata: Vec<Value> = metadata.iter().map(|m| (*m).clone()).collect();
+        self.run("reset", move |env| {
+            let m: Vec<&Value> = metadata.iter().collect();
+            env.reset(&m, n)
+        })
+    }
+
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
         let mut owned = episodes.to_vec();
         let (owned, metrics) = self.run("post_process", move |env| {
@@ -249,6 +296,17 @@ pub trait AsyncEnvironment: Send + Sync {
         logs: &[&[ChatMessage]],
         metadata: &[&Value],
     ) -> impl std::future::Future<Output = Result<EnvironmentReturn>> + Send;
+
+    /// As [`Environment::reset`], awaited. By default nothing changes.
+    fn reset(
+        &self,
+        metadata: &[&Value],
+        n: usize,
+    ) -> impl std::future::Future<Output = Result<Vec<EnvironmentReset>>> + Send {
+        let _ = n;
+        let out = vec![EnvironmentReset::default(); metadata.len()];
+        async move { Ok(out) }
+    }
 
     /// As [`Environment::post_process`], awaited. By default nothing changes and there are no
     /// metrics.
@@ -299,6 +357,28 @@ impl<E: AsyncEnvironment> Blocking<E> {
         Ok(Self { inner, runtime })
     }
 
+    /// The environment `make` builds (e.g. one that connects to a server first), built on the
+    /// runtime it will then run on.
+    pub fn build(make: impl std::future::Future<Output = Result<E>> + Send) -> Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("grpo-environment-async")
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                candle_core::Error::msg(format!("environment: cannot start a tokio runtime: {e}"))
+            })?;
+        let inner = if tokio::runtime::Handle::try_current().is_err() {
+            runtime.block_on(make)?
+        } else {
+            std::thread::scope(|s| match s.spawn(|| runtime.block_on(make)).join() {
+                Ok(out) => out,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })?
+        };
+        Ok(Self { inner, runtime })
+    }
+
     /// The wrapped environment.
     pub fn inner(&self) -> &E {
         &self.inner
@@ -327,6 +407,10 @@ impl<E: AsyncEnvironment> Environment for Blocking<E> {
 
     fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {
         self.block_on(self.inner.step(logs, metadata))
+    }
+
+    fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
+        self.block_on(self.inner.reset(metadata, n))
     }
 
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {

@@ -71,6 +71,11 @@ pub struct EpisodePrompt {
     /// [`Environment::tools`]); empty = none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<Value>,
+    /// The starting metadata of each of this prompt's episodes (episode `j` of a request
+    /// starts with `episode_metadata[j]`; from [`crate::env::EnvironmentReset::episodes`]);
+    /// empty, or shorter than the request, = [`Self::metadata`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub episode_metadata: Vec<Value>,
 }
 
 impl EpisodePrompt {
@@ -103,6 +108,7 @@ impl EpisodePrompt {
             messages,
             metadata,
             tools,
+            episode_metadata: Vec::new(),
         };
         Ok((p, text))
     }
@@ -478,7 +484,12 @@ fn start_episodes(
                 logprobs: Vec::new(),
                 turns: Vec::new(),
                 messages: req.prompt.messages.clone(),
-                metadata: req.prompt.metadata.clone(),
+                metadata: req
+                    .prompt
+                    .episode_metadata
+                    .get(j)
+                    .unwrap_or(&req.prompt.metadata)
+                    .clone(),
                 rendered: rendered.clone(),
                 holds: String::new(),
                 stop: sp.stop.clone(),

@@ -28,7 +28,9 @@
 //! checkpoint, for `reward_model`).
 //!
 //! With the cargo feature `remote`, the module `remote` generates the same completions on an
-//! OpenAI-compatible server (vLLM, or `grpo-cli serve`) and syncs LoRA weights to it.
+//! OpenAI-compatible server (vLLM, or `grpo-cli serve`) and syncs LoRA weights to it, and `ors`
+//! runs episodes against environments on an Open Reward Standard server (openreward's HTTP
+//! protocol: sessions, tools, rewards).
 //!
 //! With the cargo feature `cuda`, the module `cuda` launches the decoder's own CUDA kernels
 //! (`kernels.cu`: the [`fused`] ops on a GPU) and `flash` the tensor-core attention of training
@@ -60,6 +62,8 @@ pub mod merge;
 pub mod mla;
 pub mod model;
 pub mod moe;
+#[cfg(feature = "remote")]
+pub mod ors;
 pub mod policy;
 #[cfg(feature = "rewards")]
 pub mod python_env;
@@ -77,7 +81,7 @@ pub use config::{Arch, ModelConfig};
 pub use device::{DeviceSpec, Dtype};
 #[cfg(feature = "async")]
 pub use env::{AsyncEnvironment, Blocking};
-pub use env::{Environment, EnvironmentReturn};
+pub use env::{Environment, EnvironmentReset, EnvironmentReturn};
 pub use episode::{Episode, EpisodeParams, EpisodePrompt, generate_episodes};
 pub use generate::{Completion, FinishReason, SamplingParams, generate};
 pub use loader::{LoadedModel, load, save_hf_dir};

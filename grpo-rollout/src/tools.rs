@@ -308,38 +308,46 @@ impl Environment for ToolEnvironment {
     }
 
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
-        let n = episodes.len().max(1) as f64;
-        let (mut calls, mut errors) = (0usize, 0usize);
-        for e in episodes.iter() {
-            for m in &e.messages {
-                match m.role.as_str() {
-                    "assistant" => calls += parse_tool_calls(&m.content).len(),
-                    "tool" => {
-                        errors += m
-                            .content
-                            .lines()
-                            .filter(|l| l.starts_with(ERROR_PREFIX))
-                            .count();
-                    }
-                    _ => {}
+        Ok(tool_metrics(episodes))
+    }
+}
+
+/// The tool-use metrics of finished episodes: `tool_calls_mean` and `tool_errors_mean` per
+/// episode (calls in assistant turns, `error: ` lines in tool messages), and TRL's
+/// `tools/call_frequency` (calls per completion) and `tools/failure_frequency` (failed calls
+/// per call).
+pub fn tool_metrics(episodes: &[Episode]) -> BTreeMap<String, f64> {
+    let n = episodes.len().max(1) as f64;
+    let (mut calls, mut errors) = (0usize, 0usize);
+    for e in episodes.iter() {
+        for m in &e.messages {
+            match m.role.as_str() {
+                "assistant" => calls += parse_tool_calls(&m.content).len(),
+                "tool" => {
+                    errors += m
+                        .content
+                        .lines()
+                        .filter(|l| l.starts_with(ERROR_PREFIX))
+                        .count();
                 }
+                _ => {}
             }
         }
-        Ok(BTreeMap::from([
-            ("tool_calls_mean".to_owned(), calls as f64 / n),
-            ("tool_errors_mean".to_owned(), errors as f64 / n),
-            // TRL's names (logged as they are): calls per completion, failures per call.
-            ("tools/call_frequency".to_owned(), calls as f64 / n),
-            (
-                "tools/failure_frequency".to_owned(),
-                if calls == 0 {
-                    0.0
-                } else {
-                    errors as f64 / calls as f64
-                },
-            ),
-        ]))
     }
+    BTreeMap::from([
+        ("tool_calls_mean".to_owned(), calls as f64 / n),
+        ("tool_errors_mean".to_owned(), errors as f64 / n),
+        // TRL's names (logged as they are): calls per completion, failures per call.
+        ("tools/call_frequency".to_owned(), calls as f64 / n),
+        (
+            "tools/failure_frequency".to_owned(),
+            if calls == 0 {
+                0.0
+            } else {
+                errors as f64 / calls as f64
+            },
+        ),
+    ])
 }
 
 /// `f` over `jobs` on at most `threads` threads, answers in order.

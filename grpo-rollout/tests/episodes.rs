@@ -730,6 +730,7 @@ fn invalid_params_are_errors() {
         messages: Vec::new(),
         metadata: Value::Null,
         tools: Vec::new(),
+        episode_metadata: Vec::new(),
     };
     let e = generate_episodes(&m, &tok, &env, &[empty], 1, &params(2, 5, 100))
         .unwrap_err()

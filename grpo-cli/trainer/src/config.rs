@@ -18,6 +18,7 @@ use grpo_core::preference::{
 };
 use grpo_data::DataConfig;
 use grpo_rewards::{RewardSpec, RewardsConfig};
+use grpo_rollout::ors::OrsConfig;
 use grpo_rollout::python_env::PythonEnvironmentConfig;
 use grpo_rollout::tools::ToolConfig;
 use grpo_rollout::{DeviceSpec, Dtype, LoraConfig, SamplingParams};
@@ -1729,6 +1730,9 @@ pub struct EnvironmentSection {
     pub max_calls_per_turn: usize,
     /// `type = "python"`: the class (`path`, `class`, `init`, `python`, `timeout`, `name`).
     pub python: Option<PythonEnvironmentConfig>,
+    /// `type = "ors"`: the Open Reward Standard server (`[environment.ors]`: `url`,
+    /// `env_name`, `split`, `secrets`, ...; see `grpo_rollout::ors::OrsConfig`).
+    pub ors: Option<OrsConfig>,
 }
 
 /// `environment.type`.
@@ -1739,6 +1743,8 @@ pub enum EnvironmentKind {
     Tools,
     /// A Python class.
     Python,
+    /// An environment on an Open Reward Standard server.
+    Ors,
 }
 
 impl Default for EnvironmentSection {
@@ -1753,6 +1759,7 @@ impl Default for EnvironmentSection {
             tools: Vec::new(),
             max_calls_per_turn: 8,
             python: None,
+            ors: None,
         }
     }
 }
@@ -1783,8 +1790,20 @@ impl EnvironmentSection {
             Some(k) if k != EnvironmentKind::Python && self.python.is_some() => Err(
                 "`environment.python` is used with `environment.type = \"python\"`".into(),
             ),
-            None if !self.tools.is_empty() || self.python.is_some() => Err(
-                "`environment.tools` / `environment.python` need `environment.type` (\"tools\" or \"python\")"
+            Some(EnvironmentKind::Ors) if self.ors.is_none() => Err(
+                "`environment.type = \"ors\"` needs [environment.ors] with the server's `url`"
+                    .into(),
+            ),
+            Some(k) if k != EnvironmentKind::Ors && self.ors.is_some() => Err(
+                "`environment.ors` is used with `environment.type = \"ors\"`".into(),
+            ),
+            Some(EnvironmentKind::Ors) => self
+                .ors
+                .as_ref()
+                .map_or(Ok(()), |o| o.validate().map_err(|e| e.to_string())),
+            None if !self.tools.is_empty() || self.python.is_some() || self.ors.is_some() => Err(
+                "`environment.tools` / `environment.python` / `environment.ors` need \
+                 `environment.type` (\"tools\", \"python\" or \"ors\")"
                     .into(),
             ),
             _ => {

@@ -692,6 +692,16 @@ fn configured_environment(
                 .map_err(|e| anyhow!("config: environment.python: {e}"))?;
             Some(Arc::new(e))
         }
+        Some(EnvironmentKind::Ors) => {
+            let Some(o) = &env.ors else {
+                bail!("config: environment.type = \"ors\" needs [environment.ors]");
+            };
+            let mut o = o.clone();
+            o.max_calls_per_turn = env.max_calls_per_turn;
+            let e = grpo_rollout::Blocking::build(grpo_rollout::ors::OrsEnvironment::connect(&o))
+                .map_err(|e| anyhow!("config: environment.ors: {e}"))?;
+            Some(Arc::new(e))
+        }
     })
 }
 

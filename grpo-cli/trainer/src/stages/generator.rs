@@ -351,22 +351,56 @@ impl Generator {
         // With `[teacher]` the teacher's episode starts from the teacher prompt: its guidance is
         // the episode (its turns and the environment's answers), which the student then reads.
         let (teaching, step_prompts) = self.step_prompts(&batch, seed)?;
+        let g = self.cfg.rollout.num_generations;
+        let metadata: Vec<serde_json::Value> = batch
+            .samples
+            .iter()
+            .map(|s| {
+                serde_json::Value::Object(
+                    s.columns
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), json_value(v)))
+                        .collect(),
+                )
+            })
+            .collect();
+        // The environment's say before the episodes (TRL's `reset`): text for each prompt, each
+        // episode's starting metadata (an ORS session).
+        let resets = env
+            .reset(&metadata.iter().collect::<Vec<_>>(), g)
+            .map_err(|e| {
+                anyhow!(
+                    "environment `{}`: reset: {}",
+                    env.name(),
+                    crate::first_line(&e.to_string())
+                )
+            })?;
+        if resets.len() != metadata.len() {
+            bail!(
+                "environment `{}`: reset answered {} prompts of {}",
+                env.name(),
+                resets.len(),
+                metadata.len()
+            );
+        }
         let mut prompts = Vec::with_capacity(batch.samples.len());
         let mut prompt_texts = Vec::with_capacity(batch.samples.len());
-        for (s, prompt) in batch.samples.iter().zip(step_prompts) {
-            let messages = match prompt {
+        for (((s, prompt), metadata), reset) in batch
+            .samples
+            .iter()
+            .zip(step_prompts)
+            .zip(metadata)
+            .zip(resets)
+        {
+            let mut messages = match prompt {
                 Prompt::Conversation(m) => chat_messages(&m),
                 other => vec![ChatMessage::new("user", other.text())],
             };
-            let metadata = serde_json::Value::Object(
-                s.columns
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), json_value(v)))
-                    .collect(),
-            );
+            reset.apply(&mut messages);
             let (mut p, text) =
                 EpisodePrompt::rendered(&self.tokenizer, messages, env.tools(), metadata)
                     .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
+            p.episode_metadata = reset.episodes;
             // As single-turn prompts (and TRL): the last max_prompt_length tokens are kept.
             let max = self.cfg.rollout.max_prompt_length;
             if max > 0 && p.ids.len() > max {
@@ -382,7 +416,6 @@ impl Generator {
             max_tokens_per_turn: env_cfg.tokens_per_turn(&self.cfg.rollout),
             max_total_tokens: env_cfg.total_tokens(&self.cfg.rollout),
         };
-        let g = self.cfg.rollout.num_generations;
         let generated = match self.remote.clone() {
             // The policy's turns on the rollout server (its synced adapter).
             Some(remote) => {
