@@ -1,4 +1,4 @@
-//! `grpo-cli data synth | inspect | bench` end to end, through the binary.
+//! `grpo-cli data synth | inspect | bench | ors-tasks` end to end, through the binary.
 
 use std::process::Command;
 
@@ -98,4 +98,90 @@ fn errors_are_one_line_with_exit_code_2() {
     assert_eq!(code, 2);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("unknown data format `.txt`"), "{err}");
+}
+
+#[test]
+fn ors_tasks_writes_a_dataset_the_loader_reads() {
+    let server = grpo_tests::ors_server::OrsServer::start().expect("loopback ORS server");
+    let url = server.url();
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = dir.path().join("tasks.jsonl");
+    let f = file.to_str().expect("utf8 path");
+    let (code, out, err) = cli(&[
+        "data",
+        "ors-tasks",
+        "--url",
+        &url,
+        "--env",
+        "arith",
+        "--num-tasks",
+        "4",
+        "--out",
+        f,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("wrote 4 tasks of split `train`"), "{out}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&file)
+        .expect("read")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json line"))
+        .collect();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(
+        rows[1],
+        serde_json::json!({"prompt": [{"role": "user", "content": ""}], "task_index": 1,
+                           "a": 3, "b": 4, "level": "easy"})
+    );
+    // The loader reads it: a conversation prompt and the task's columns.
+    let (code, out, err) = cli(&["data", "inspect", f]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("task_index"), "{out}");
+    // Chosen indices of another split, without the task specs' keys.
+    let (code, _, err) = cli(&[
+        "data",
+        "ors-tasks",
+        "--url",
+        &url,
+        "--split",
+        "test",
+        "--indices",
+        "0",
+        "--no-metadata",
+        "--out",
+        f,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&file).expect("read");
+    assert_eq!(
+        text.trim(),
+        r#"{"prompt":[{"role":"user","content":""}],"task_index":0}"#
+    );
+    // Failures in one line: a file type, an index out of range, an unknown environment.
+    let (code, _, err) = cli(&["data", "ors-tasks", "--url", &url, "--out", "x.csv"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("write a .jsonl file"), "{err}");
+    let (code, _, err) = cli(&[
+        "data",
+        "ors-tasks",
+        "--url",
+        &url,
+        "--indices",
+        "0,6",
+        "--out",
+        f,
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("task index 6 is out of range"), "{err}");
+    let (code, _, err) = cli(&[
+        "data",
+        "ors-tasks",
+        "--url",
+        &url,
+        "--env",
+        "nope",
+        "--out",
+        f,
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("no environment `nope`"), "{err}");
 }

@@ -9,7 +9,10 @@
 //! none), new metadata, the stop strings of the model's next turn, the turn's reward and
 //! whether the episode is over. [`Environment::post_process`] then sees the finished episodes
 //! of a whole batch at once (NeMo RL's `global_post_process_and_metrics`): it may adjust them
-//! (e.g. rewards that depend on the group) and returns metrics.
+//! (e.g. rewards that depend on the group) and returns metrics. Before a batch's episodes start,
+//! [`Environment::reset`] (TRL's `environment_factory` `reset`) may add text to each prompt and
+//! give each episode its starting metadata (an environment with a session per episode opens
+//! them there: `ors`).
 //!
 //! Generation calls the seam once per turn for the whole batch and waits for the answer.
 //! [`Environment`] is the synchronous form. An environment that talks to the outside (an HTTP

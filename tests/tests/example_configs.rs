@@ -127,6 +127,38 @@ fn calculator_config_trains_with_the_tool_environment() {
 }
 
 #[test]
+fn ors_config_trains_against_an_ors_server() {
+    use grpo_rollout::ors::{OrsClient, OrsConfig, TaskSelection, task_rows};
+    let server = grpo_tests::ors_server::OrsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tasks = dir.path().join("tasks.jsonl");
+    let rows = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(async {
+            let client = OrsClient::new(&OrsConfig::new(server.url()))?;
+            task_rows(&client, "arith", "train", &TaskSelection::All, true).await
+        })
+        .unwrap();
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(&tasks, text).unwrap();
+    let (_dir, r) = train(
+        "ors.toml",
+        &[
+            format!("environment.ors.url=\"{}\"", server.url()),
+            format!("data.path=[{}]", quote(&tasks)),
+        ],
+    );
+    assert!(
+        r.metrics
+            .iter()
+            .all(|m| m.contains_key("env/ors_finished_ratio"))
+    );
+    // The probe session and one per episode (2 steps × 2 prompts × 4), all closed.
+    assert_eq!(server.stats().created, 17);
+    assert_eq!(server.live_sessions(), 0);
+}
+
+#[test]
 fn smollm2_config_trains_with_lora_on_a_tiny_model() {
     // The config's model is the SmolLM2 GGUF; its LoRA / loss / reward keys are tested here on
     // the tiny model (the GGUF itself is covered by grpo-rollout's tests when present).

@@ -2614,9 +2614,15 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     if cfg.data.path.is_empty() {
         bail!("{source}: `data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)");
     }
-    if cfg.algorithm.learns_from_rewards() && cfg.rewards.is_empty() && cfg.teacher.is_none() {
+    // An environment's turn rewards are a reward of their own (`env`).
+    if cfg.algorithm.learns_from_rewards()
+        && cfg.rewards.is_empty()
+        && cfg.teacher.is_none()
+        && cfg.environment.kind.is_none()
+    {
         bail!(
-            "{source}: `rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\""
+            "{source}: `rewards`: at least one reward is required, e.g. [[rewards]] type = \"accuracy\", \
+             or an [environment] type whose rewards are the run's"
         );
     }
     Ok(cfg)
