@@ -19,8 +19,8 @@
 //! Multi-turn episodes against an environment (NeMo RL's `EnvironmentInterface`): the seam in
 //! [`mod@env`], generation that keeps each episode's KV cache across turns in [`episode`], and
 //! the built-in tool environment (Hermes `<tool_call>` calls; command and Python tools with
-//! the `rewards` feature) in [`tools`]; Python environments (NeMo RL's `step` signature) in
-//! `python_env` with the `rewards` feature.
+//! the `rewards` feature) in [`tools`]; Python environments (NeMo RL's `step` signature, and
+//! TRL's `environment_factory` classes) in `python_env` with the `rewards` feature.
 //!
 //! With the cargo feature `rewards`, the module `scoring` makes the model grpo-rewards' scoring models:
 //! `ModelScorer` (a `LanguageScorer`, for `inverse_loss` / `coverage_ce`) and

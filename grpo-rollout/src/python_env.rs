@@ -1,5 +1,7 @@
-//! Environments written in Python with NeMo RL's `step` signature, run in grpo-rewards'
-//! shared Python worker (feature `rewards`).
+//! Environments written in Python, run in grpo-rewards' shared Python worker (feature
+//! `rewards`): classes with NeMo RL's `step` signature ([`PythonEnvironment`]), and classes with
+//! TRL's `environment_factory` interface ([`PythonFactoryEnvironment`]: an instance per episode,
+//! `reset`, public methods as tools, `get_reward`).
 //!
 //! ```python
 //! class GuessTheNumber:
@@ -42,7 +44,7 @@ use grpo_rewards::python::{PythonConfig, PythonKind, PythonObject, PythonWorkers
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::env::{Environment, EnvironmentReturn};
+use crate::env::{Environment, EnvironmentReset, EnvironmentReturn};
 use crate::episode::Episode;
 use crate::tokenizer::ChatMessage;
 
@@ -203,5 +205,295 @@ impl Environment for PythonEnvironment {
             }
         }
         Ok(a.metrics)
+    }
+}
+
+/// The metadata key of an episode's instance of a [`PythonFactoryEnvironment`] class.
+pub const INSTANCE_KEY: &str = "_env_instance";
+
+/// A Python class with TRL's `environment_factory` interface as an [`Environment`]
+/// (`[environment] type = "factory"`): one instance per episode, made with `cls(**init)` in
+/// grpo-rewards' Python worker and reused across steps as TRL's trainer does.
+///
+/// ```python
+/// class Wordle:
+///     def reset(self, **row):                 # the row's columns; returns text or None
+///         self.target, self.done = row["answer"], False
+///         return "Guess the five-letter word."   # appended to the prompt's last user message
+///
+///     def guess(self, word: str) -> str:      # public methods are the tools
+///         """Checks a guess.
+///
+///         Args:
+///             word: the guessed word
+///         """
+///         ...
+///
+///     def get_reward(self) -> float:          # optional: the episode's reward
+///         return 1.0 if self.done else 0.0
+/// ```
+///
+/// [`Environment::reset`] resets an instance per episode with the row's columns as keyword
+/// arguments (the episodes of a prompt share its rendering, so their `reset` texts must
+/// agree); the tools' schemas come from the methods' signatures and docstrings (transformers'
+/// `get_json_schema`). Each model turn's Hermes `<tool_call>`s call the episode's instance's
+/// methods in order and come back as one `tool` message (a method that raises, an unknown one
+/// or a call that does not parse is answered `error: ...`); a turn without a call ends the
+/// episode. `post_process` adds `get_reward()` (when the class has it) to each episode's last
+/// turn, so it is the `env` reward with `environment.reward = "sum"`, and frees the instances.
+#[derive(Debug)]
+pub struct PythonFactoryEnvironment {
+    name: String,
+    object: PythonObject,
+    tools: Vec<Value>,
+    has_reward: bool,
+    max_calls_per_turn: usize,
+}
+
+impl PythonFactoryEnvironment {
+    /// Loads the class in `workers`' worker and reads its tools (from one instance). Errors
+    /// name the field to fix, as [`PythonEnvironment::new`]'s.
+    pub fn new(config: &PythonEnvironmentConfig, workers: &PythonWorkers) -> Result<Self> {
+        let name = config.name.clone().unwrap_or_else(|| config.class.clone());
+        let object = PythonObject::load(
+            &PythonConfig {
+                path: config.path.clone(),
+                function: config.class.clone(),
+                python: config.python.clone(),
+                timeout: config.timeout,
+            },
+            PythonKind::Factory {
+                init: config.init.clone().unwrap_or(Value::Null),
+            },
+            workers,
+        )
+        .map_err(|e| {
+            let text = match e {
+                grpo_rewards::RewardError::Config { field, message } => {
+                    let field = if field == "function" {
+                        "class".into()
+                    } else {
+                        field
+                    };
+                    format!("{field}: {message}")
+                }
+                other => other.to_string(),
+            };
+            candle_core::Error::msg(format!("environment `{name}`: {text}"))
+        })?;
+        let loaded = object.loaded().clone();
+        let tools = loaded
+            .get("tools")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let has_reward = loaded.get("reward").and_then(Value::as_bool) == Some(true);
+        Ok(Self {
+            name,
+            object,
+            tools,
+            has_reward,
+            max_calls_per_turn: 8,
+        })
+    }
+
+    /// Calls past this many in one turn are answered with an error instead of run (≥ 1).
+    pub fn with_max_calls_per_turn(mut self, n: usize) -> Self {
+        self.max_calls_per_turn = n.max(1);
+        self
+    }
+
+    fn request(&self, op: &str, args: Value) -> Result<Value> {
+        self.object.request(op, args).map_err(|e| {
+            candle_core::Error::msg(format!("{}: {e}", op.trim_start_matches("factory_")))
+        })
+    }
+}
+
+fn instance_of(metadata: &Value) -> Option<&str> {
+    metadata.get(INSTANCE_KEY).and_then(Value::as_str)
+}
+
+impl Environment for PythonFactoryEnvironment {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn tools(&self) -> Vec<Value> {
+        self.tools.clone()
+    }
+
+    fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
+        let rows: Vec<Value> = metadata
+            .iter()
+            .flat_map(|m| {
+                let row = match m {
+                    Value::Object(o) => Value::Object(
+                        o.iter()
+                            .filter(|(k, _)| !k.starts_with("_env"))
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect(),
+                    ),
+                    _ => json!({}),
+                };
+                std::iter::repeat_n(row, n)
+            })
+            .collect();
+        let out = self.request("factory_reset", json!({ "rows": rows }))?;
+        let ids: Vec<String> = serde_json::from_value(out["ids"].clone())
+            .map_err(|e| candle_core::Error::msg(format!("reset: unreadable answer: {e}")))?;
+        let observations: Vec<Option<String>> = serde_json::from_value(out["observations"].clone())
+            .map_err(|e| candle_core::Error::msg(format!("reset: unreadable answer: {e}")))?;
+        if ids.len() != rows.len() || observations.len() != rows.len() {
+            bail!("reset: {} answers for {} episodes", ids.len(), rows.len());
+        }
+        let mut resets = Vec::with_capacity(metadata.len());
+        for (p, m) in metadata.iter().enumerate() {
+            let range = p * n..(p + 1) * n;
+            let first = observations.get(range.start).cloned().flatten();
+            if let Some(other) = observations[range.clone()].iter().find(|o| **o != first) {
+                let _ = self.request("factory_release", json!({ "ids": ids }));
+                bail!(
+                    "reset: the episodes of prompt {p} got different texts ({:?} and {:?}); the \
+                     episodes of a prompt share one prompt, so reset must return the same text \
+                     for the same row",
+                    first
+                        .unwrap_or_default()
+                        .chars()
+                        .take(80)
+                        .collect::<String>(),
+                    other
+                        .clone()
+                        .unwrap_or_default()
+                        .chars()
+                        .take(80)
+                        .collect::<String>()
+                );
+            }
+            let episodes = ids[range]
+                .iter()
+                .map(|id| {
+                    let mut row = match m {
+                        Value::Object(o) => o.clone(),
+                        _ => serde_json::Map::new(),
+                    };
+                    row.insert(INSTANCE_KEY.into(), Value::String(id.clone()));
+                    Value::Object(row)
+                })
+                .collect();
+            resets.push(EnvironmentReset {
+                observation: first,
+                episodes,
+            });
+        }
+        Ok(resets)
+    }
+
+    fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {
+        let n = logs.len();
+        let mut ret = EnvironmentReturn::empty(n);
+        ret.metadata = metadata.iter().map(|m| (*m).clone()).collect();
+        // Every call of every episode in one request; what it answers, in order.
+        let mut calls = Vec::new();
+        let mut slots: Vec<Vec<std::result::Result<(usize, String), String>>> = vec![Vec::new(); n];
+        for (i, (log, m)) in logs.iter().zip(metadata).enumerate() {
+            let Some(id) = instance_of(m) else {
+                bail!(
+                    "episode {i} has no environment instance: call Environment::reset for the \
+                     prompts before their episodes"
+                );
+            };
+            let text = log.last().map_or("", |m| m.content.as_str());
+            let parsed = crate::tools::parse_tool_calls(text);
+            if parsed.is_empty() {
+                ret.terminateds[i] = true;
+                continue;
+            }
+            for (k, c) in parsed.into_iter().enumerate() {
+                match c {
+                    Ok(_) if k >= self.max_calls_per_turn => slots[i].push(Err(format!(
+                        "more than {} tool calls in one turn; this one was not run",
+                        self.max_calls_per_turn
+                    ))),
+                    Ok(c) => {
+                        let args = match c.function.arguments {
+                            Value::Null => json!({}),
+                            v => v,
+                        };
+                        slots[i].push(Ok((calls.len(), c.function.name.clone())));
+                        calls.push(json!([id, c.function.name, args]));
+                    }
+                    Err(e) => slots[i].push(Err(e)),
+                }
+            }
+        }
+        let answers: Vec<(bool, String)> = if calls.is_empty() {
+            Vec::new()
+        } else {
+            let out = self.request("factory_call", json!({ "calls": calls }))?;
+            serde_json::from_value(out)
+                .map_err(|e| candle_core::Error::msg(format!("call: unreadable answer: {e}")))?
+        };
+        if answers.len() != calls.len() {
+            bail!("call: {} answers for {} calls", answers.len(), calls.len());
+        }
+        for (i, slot) in slots.iter().enumerate() {
+            if slot.is_empty() {
+                continue;
+            }
+            let lines: Vec<String> = slot
+                .iter()
+                .map(|s| match s {
+                    Ok((k, _)) => match &answers[*k] {
+                        (true, text) => text.clone(),
+                        (false, e) => format!("{}{e}", crate::tools::ERROR_PREFIX),
+                    },
+                    Err(e) => format!("{}{e}", crate::tools::ERROR_PREFIX),
+                })
+                .collect();
+            let mut msg = ChatMessage::new("tool", lines.join("\n"));
+            if let [Ok((_, name))] = slot.as_slice() {
+                msg.name = Some(name.clone());
+            }
+            ret.observations[i] = Some(msg);
+        }
+        Ok(ret)
+    }
+
+    fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
+        let ids: Vec<String> = episodes
+            .iter()
+            .filter_map(|e| instance_of(&e.metadata).map(str::to_owned))
+            .collect();
+        let mut metrics = crate::tools::tool_metrics(episodes);
+        let rewarded = if self.has_reward && !ids.is_empty() {
+            self.request("factory_reward", json!({ "ids": ids }))
+                .and_then(|out| {
+                    serde_json::from_value::<Vec<Option<f64>>>(out).map_err(|e| {
+                        candle_core::Error::msg(format!("get_reward: unreadable answer: {e}"))
+                    })
+                })
+                .map(Some)
+        } else {
+            Ok(None)
+        };
+        let released = self.request("factory_release", json!({ "ids": ids }));
+        if let Some(rewards) = rewarded? {
+            let mut k = 0;
+            let mut sum = 0.0;
+            for e in episodes.iter_mut() {
+                if instance_of(&e.metadata).is_none() {
+                    continue;
+                }
+                if let (Some(Some(r)), Some(t)) = (rewards.get(k), e.turns.last_mut()) {
+                    t.reward += *r as f32;
+                    sum += r;
+                }
+                k += 1;
+            }
+            metrics.insert("get_reward_mean".into(), sum / episodes.len().max(1) as f64);
+        }
+        released?;
+        Ok(metrics)
     }
 }

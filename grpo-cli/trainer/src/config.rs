@@ -1745,6 +1745,9 @@ pub enum EnvironmentKind {
     Python,
     /// An environment on an Open Reward Standard server.
     Ors,
+    /// A Python class with TRL's `environment_factory` interface (`[environment.python]`):
+    /// an instance per episode, `reset(**row)`, public methods as tools, `get_reward()`.
+    Factory,
 }
 
 impl Default for EnvironmentSection {
@@ -1784,12 +1787,22 @@ impl EnvironmentSection {
                 "`environment.type = \"python\"` needs [environment.python] with `path` and `class`"
                     .into(),
             ),
+            Some(EnvironmentKind::Factory) if self.python.is_none() => Err(
+                "`environment.type = \"factory\"` needs [environment.python] with `path` and `class`"
+                    .into(),
+            ),
             Some(k) if k != EnvironmentKind::Tools && !self.tools.is_empty() => Err(
                 "`environment.tools` are used with `environment.type = \"tools\"`".into(),
             ),
-            Some(k) if k != EnvironmentKind::Python && self.python.is_some() => Err(
-                "`environment.python` is used with `environment.type = \"python\"`".into(),
-            ),
+            Some(k)
+                if !matches!(k, EnvironmentKind::Python | EnvironmentKind::Factory)
+                    && self.python.is_some() =>
+            {
+                Err(
+                    "`environment.python` is used with `environment.type = \"python\"` or \"factory\""
+                        .into(),
+                )
+            }
             Some(EnvironmentKind::Ors) if self.ors.is_none() => Err(
                 "`environment.type = \"ors\"` needs [environment.ors] with the server's `url`"
                     .into(),
@@ -1803,7 +1816,7 @@ impl EnvironmentSection {
                 .map_or(Ok(()), |o| o.validate().map_err(|e| e.to_string())),
             None if !self.tools.is_empty() || self.python.is_some() || self.ors.is_some() => Err(
                 "`environment.tools` / `environment.python` / `environment.ors` need \
-                 `environment.type` (\"tools\", \"python\" or \"ors\")"
+                 `environment.type` (\"tools\", \"python\", \"factory\" or \"ors\")"
                     .into(),
             ),
             _ => {

@@ -692,6 +692,15 @@ fn configured_environment(
                 .map_err(|e| anyhow!("config: environment.python: {e}"))?;
             Some(Arc::new(e))
         }
+        Some(EnvironmentKind::Factory) => {
+            let Some(p) = &env.python else {
+                bail!("config: environment.type = \"factory\" needs [environment.python]");
+            };
+            let e = grpo_rollout::python_env::PythonFactoryEnvironment::new(p, workers)
+                .map_err(|e| anyhow!("config: environment.python: {e}"))?
+                .with_max_calls_per_turn(env.max_calls_per_turn);
+            Some(Arc::new(e))
+        }
         Some(EnvironmentKind::Ors) => {
             let Some(o) = &env.ors else {
                 bail!("config: environment.type = \"ors\" needs [environment.ors]");

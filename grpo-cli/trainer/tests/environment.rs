@@ -731,3 +731,285 @@ fn distillation_runs_over_multi_turn_episodes() {
         assert!(m["rewards/env/mean"].is_finite(), "{m:?}");
     }
 }
+
+/// A TRL `environment_factory` class: a lock whose code is the row's `answer`.
+const LOCK_PY: &str = r#"
+class Lock:
+    made = 0
+
+    def __init__(self, penalty=0.25):
+        Lock.made += 1
+        self.penalty = penalty
+
+    def reset(self, answer, **kwargs):
+        self.code = str(answer)
+        self.tries = 0
+        self.open = False
+        return " Open the lock with `try_code`."
+
+    def try_code(self, code: str) -> str:
+        """Tries a code on the lock.
+
+        Args:
+            code: the code to try
+        """
+        self.tries += 1
+        self.open = code.strip() == self.code
+        return "open" if self.open else "closed"
+
+    def instances(self) -> int:
+        """How many locks were ever made."""
+        return Lock.made
+
+    def jam(self) -> str:
+        """Jams the lock."""
+        raise RuntimeError("jammed")
+
+    def get_reward(self):
+        return 1.0 if self.open else -self.penalty * self.tries
+
+    def _private(self):
+        return "not a tool"
+
+
+class NoReset:
+    def try_code(self, code: str) -> str:
+        return code
+
+
+class BadReset(Lock):
+    def reset(self, answer, **kwargs):
+        return 42
+
+
+class Moody(Lock):
+    def reset(self, answer, **kwargs):
+        super().reset(answer)
+        Moody.made += 1
+        return " mood %d" % (Moody.made % 2)
+"#;
+
+fn factory(
+    root: &Path,
+    py: &str,
+    class: &str,
+) -> candle_core::Result<grpo_rollout::python_env::PythonFactoryEnvironment> {
+    let path = root.join("lock.py");
+    std::fs::write(&path, LOCK_PY).unwrap();
+    let cfg: grpo_rollout::python_env::PythonEnvironmentConfig = toml::from_str(&format!(
+        "path = {:?}\nclass = \"{class}\"\npython = {py:?}\ninit = {{ penalty = 0.5 }}",
+        path.display().to_string()
+    ))
+    .unwrap();
+    let workers = Box::leak(Box::new(grpo_rewards::python::PythonWorkers::new()));
+    grpo_rollout::python_env::PythonFactoryEnvironment::new(&cfg, workers)
+}
+
+fn call(name: &str, args: Value) -> String {
+    format!(
+        "<tool_call>{}</tool_call>",
+        serde_json::json!({ "name": name, "arguments": args })
+    )
+}
+
+fn turn(text: &str) -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("user", "q"),
+        ChatMessage::new("assistant", text),
+    ]
+}
+
+fn finished(
+    prompt_index: usize,
+    metadata: Value,
+    messages: Vec<ChatMessage>,
+) -> grpo_rollout::Episode {
+    grpo_rollout::Episode {
+        prompt_index,
+        sample_index: 0,
+        token_ids: Vec::new(),
+        is_model_token: Vec::new(),
+        logprobs: Vec::new(),
+        turns: vec![grpo_rollout::episode::Turn {
+            model_tokens: 0..0,
+            finish_reason: FinishReason::Eos,
+            reward: 0.0,
+            observation_tokens: 0..0,
+        }],
+        end: grpo_rollout::episode::EpisodeEnd::Terminated,
+        messages,
+        unshown_observation: None,
+        metadata,
+        text: String::new(),
+    }
+}
+
+#[test]
+fn an_environment_factory_class_gets_an_instance_per_episode() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let env = factory(dir.path(), &py, "Lock").unwrap();
+    // Public methods but reset and get_reward are the tools, with their schemas.
+    let tools = env.tools();
+    let names: Vec<&str> = tools
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["instances", "jam", "try_code"]);
+    assert_eq!(
+        tools[2]["function"]["parameters"]["properties"]["code"]["type"],
+        "string"
+    );
+    assert_eq!(
+        tools[2]["function"]["description"],
+        "Tries a code on the lock."
+    );
+    let rows = [
+        serde_json::json!({"answer": 7}),
+        serde_json::json!({"answer": 3}),
+    ];
+    let resets = env.reset(&rows.iter().collect::<Vec<_>>(), 2).unwrap();
+    assert_eq!(
+        resets[0].observation.as_deref(),
+        Some(" Open the lock with `try_code`.")
+    );
+    let meta: Vec<Value> = resets.iter().flat_map(|r| r.episodes.clone()).collect();
+    assert_eq!(meta[2]["answer"], 3);
+    let ids: std::collections::BTreeSet<&str> = meta
+        .iter()
+        .map(|m| m["_env_instance"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 4);
+    // Each episode talks to its own instance: the same call opens one lock, not another.
+    let logs = [
+        turn(&call("try_code", serde_json::json!({"code": "7"}))),
+        turn(&format!(
+            "{}{}",
+            call("try_code", serde_json::json!({"code": "1"})),
+            call("jam", serde_json::json!({}))
+        )),
+        turn("I give up."),
+        turn(&format!(
+            "{}{}",
+            call("instances", serde_json::json!({})),
+            call("reset", serde_json::json!({"answer": 1}))
+        )),
+    ];
+    let l: Vec<&[ChatMessage]> = logs.iter().map(Vec::as_slice).collect();
+    let m: Vec<&Value> = meta.iter().collect();
+    let r = env.step(&l, &m).unwrap();
+    r.validate(4, "lock").unwrap();
+    let obs = |i: usize| r.observations[i].as_ref().map(|o| o.content.clone());
+    assert_eq!(obs(0).as_deref(), Some("open"));
+    assert_eq!(
+        r.observations[0].as_ref().unwrap().name.as_deref(),
+        Some("try_code")
+    );
+    let o1 = obs(1).unwrap();
+    assert!(
+        o1.starts_with("closed\nerror: raised RuntimeError: jammed"),
+        "{o1}"
+    );
+    assert_eq!(obs(2), None);
+    assert_eq!(r.terminateds, [false, false, true, false]);
+    // Four instances for four episodes; `reset` is not a tool.
+    let o3 = obs(3).unwrap();
+    assert!(o3.starts_with("4\nerror: unknown tool `reset`"), "{o3}");
+    // get_reward goes to the last turn; the instances go back to the pool.
+    let mut eps: Vec<_> = meta
+        .iter()
+        .zip(&logs)
+        .enumerate()
+        .map(|(i, (m, l))| finished(i / 2, m.clone(), l.clone()))
+        .collect();
+    let metrics = env.post_process(&mut eps).unwrap();
+    let rewards: Vec<f32> = eps.iter().map(|e| e.turns[0].reward).collect();
+    assert_eq!(rewards, [1.0, -0.5, 0.0, 0.0]);
+    assert_eq!(metrics["get_reward_mean"], 0.125);
+    assert!(metrics.contains_key("tools/call_frequency"));
+    // Made once, reset often: the next batch reuses the four instances.
+    let resets = env.reset(&[&rows[0]], 4).unwrap();
+    let meta: Vec<Value> = resets[0].episodes.clone();
+    let logs = [turn(&call("instances", serde_json::json!({})))];
+    let r = env.step(&[logs[0].as_slice()], &[&meta[0]]).unwrap();
+    assert_eq!(r.observations[0].as_ref().unwrap().content, "4");
+}
+
+#[test]
+fn environment_factory_classes_are_checked_in_one_line() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let e = factory(dir.path(), &py, "NoReset").unwrap_err().to_string();
+    assert!(
+        e.contains("class:") && e.contains("no `reset(self, **kwargs)`"),
+        "{e}"
+    );
+    let e = factory(dir.path(), &py, "Nope").unwrap_err().to_string();
+    assert!(
+        e.contains("no function `Nope`") || e.contains("Nope"),
+        "{e}"
+    );
+    let env = factory(dir.path(), &py, "BadReset").unwrap();
+    let e = env
+        .reset(&[&serde_json::json!({"answer": 1})], 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("reset returned a int"), "{e}");
+    let env = factory(dir.path(), &py, "Moody").unwrap();
+    let e = env
+        .reset(&[&serde_json::json!({"answer": 1})], 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("different texts"), "{e}");
+    // A row without the column reset needs: the TypeError, with the hint.
+    let env = factory(dir.path(), &py, "Lock").unwrap();
+    let e = env
+        .reset(&[&serde_json::json!({"question": 1})], 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("TypeError") && e.contains("answer"), "{e}");
+}
+
+#[test]
+fn grpo_trains_on_an_environment_factory_class_from_the_config() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let path = dir.path().join("lock.py");
+    std::fs::write(&path, LOCK_PY).unwrap();
+    let mut cfg = config(dir.path(), "run");
+    cfg.environment = environment_section(&format!(
+        "type = \"factory\"\nmax_turns = 2\nmax_total_tokens = 60\n[python]\npath = {:?}\nclass = \"Lock\"\npython = {py:?}\n",
+        path.display().to_string()
+    ));
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    let r = t
+        .fit_with(FitOptions::default().dataset(arithmetic(4)).max_steps(2))
+        .unwrap();
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        for k in [
+            "env/get_reward_mean",
+            "rewards/env/mean",
+            "env/tool_calls_mean",
+        ] {
+            assert!(
+                m.get(k).is_some_and(|v| v.is_finite()),
+                "{k} missing from {m:?}"
+            );
+        }
+    }
+    let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("run/completions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 16);
+    for l in &lines {
+        let p = l["prompt"].as_str().unwrap();
+        assert!(
+            p.contains(" Open the lock with `try_code`.<|im_end|>"),
+            "{p}"
+        );
+    }
+}

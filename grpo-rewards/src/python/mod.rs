@@ -124,7 +124,7 @@ struct Target {
     function: String,
     /// `path` as the config wrote it (for messages).
     shown: String,
-    /// `reward`, `tool` or `environment`.
+    /// `reward`, `tool`, `environment` or `factory`.
     kind: &'static str,
     /// An environment class's constructor keyword arguments.
     init: Value,
@@ -319,6 +319,13 @@ pub enum PythonKind {
         /// The constructor's keyword arguments (a JSON object, or null for none).
         init: Value,
     },
+    /// A class with TRL's `environment_factory` interface (`reset(**row)`, public methods as
+    /// tools, optional `get_reward()`), instantiated per episode as `cls(**init)`. Its load
+    /// answers `{"tools": [schemas], "reward": has get_reward}`.
+    Factory {
+        /// The constructor's keyword arguments (a JSON object, or null for none).
+        init: Value,
+    },
 }
 
 /// A Python function or object in the shared worker, called with JSON requests: the seam
@@ -340,16 +347,24 @@ impl PythonObject {
     pub fn load(config: &PythonConfig, kind: PythonKind, workers: &PythonWorkers) -> Result<Self> {
         let timeout = config.checked_timeout()?;
         let mut target = Target::of(config)?;
+        let kind_name = match &kind {
+            PythonKind::Factory { .. } => "factory",
+            _ => "other",
+        };
         match kind {
             PythonKind::Tool => target.kind = "tool",
-            PythonKind::Environment { init } => {
+            PythonKind::Environment { init } | PythonKind::Factory { init } => {
                 if !(init.is_null() || init.is_object()) {
                     return Err(RewardError::config(
                         "init",
                         "must be a table of the class's keyword arguments",
                     ));
                 }
-                target.kind = "environment";
+                target.kind = if matches!(kind_name, "factory") {
+                    "factory"
+                } else {
+                    "environment"
+                };
                 target.init = init;
             }
         }

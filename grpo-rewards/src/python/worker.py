@@ -28,6 +28,19 @@ Tools and environments (grpo-rollout's `tools` and `python_env`) use the same wo
     post:    {"op": "env_post", ..., "episodes": [...]}
              -> {"ok": true, "result": {"metrics": {...}, "rewards": [[...]] | null}}
 
+TRL's `environment_factory` classes (grpo-rollout's `python_env::PythonFactoryEnvironment`):
+
+    load:    {"op": "load", ..., "kind": "factory", "init": {...}}
+             -> {"ok": true, "result": {"tools": [<JSON schema>, ...], "reward": true|false}}
+                 (one instance is made to read the tools: its public methods but `reset` and
+                 `get_reward`; instances are made as needed, `cls(**init)`, and reused)
+    reset:   {"op": "factory_reset", ..., "rows": [{...}, ...]}   (one row per episode)
+             -> {"ok": true, "result": {"ids": ["3", ...], "observations": ["text" | null, ...]}}
+    call:    {"op": "factory_call", ..., "calls": [["3", "name", {...}], ...]}
+             -> {"ok": true, "result": [[true, "text"] | [false, "error"], ...]}
+    reward:  {"op": "factory_reward", ..., "ids": [...]} -> {"ok": true, "result": [0.5 | null, ...]}
+    release: {"op": "factory_release", ..., "ids": [...]} -> {"ok": true, "result": null}
+
 Errors are one line; the full traceback goes to stderr.
 """
 
@@ -158,7 +171,31 @@ class Worker:
                 source = source.co_filename
             if source:
                 files.add(os.path.abspath(source))
-        if req.get("kind") == "environment":
+        if req.get("kind") == "factory":
+            if not isinstance(f, type):
+                raise LoadError(
+                    "function", "`%s` in %s is a %s, not a class" % (name, req["path"], type(f).__name__)
+                )
+            if not callable(getattr(f, "reset", None)):
+                raise LoadError(
+                    "function",
+                    "class `%s` in %s has no `reset(self, **kwargs)` method (TRL's environment_factory interface)"
+                    % (name, req["path"]),
+                )
+            try:
+                probe = f(**(req.get("init") or {}))
+            except Exception as e:
+                traceback_of("creating `%s` from %s" % (name, req["path"]))
+                raise LoadError("function", "`%s(**init)` raised %s" % (name, describe(e, files)))
+            # As TRL: the class's public functions but reset and get_reward are the tools.
+            methods = [
+                m
+                for m, _ in inspect.getmembers(f, predicate=inspect.isfunction)
+                if m not in ("reset", "get_reward") and not m.startswith("_")
+            ]
+            f = Factory(f, req.get("init") or {}, methods, callable(getattr(f, "get_reward", None)))
+            f.pool.append(probe)
+        elif req.get("kind") == "environment":
             if not isinstance(f, type):
                 raise LoadError(
                     "function", "`%s` in %s is a %s, not a class" % (name, req["path"], type(f).__name__)
@@ -271,12 +308,107 @@ class Worker:
             return {"ok": False, "error": text}
         return scores(out, n)
 
+    def awaited(self, out):
+        if inspect.isawaitable(out):
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            out = self.loop.run_until_complete(_awaited(out))
+        return out
+
+    def factory_reset(self, req):
+        fac, files = self.function(req)
+        ids, observations = [], []
+        for row in req["rows"]:
+            inst = fac.take()
+            ids.append(fac.put(inst))
+            try:
+                out = self.awaited(inst.reset(**row))
+            except (Exception, SystemExit) as e:
+                traceback_of("`%s.reset` in %s" % (req["function"], req["path"]))
+                for i in ids:
+                    fac.release(i)
+                text = "reset raised " + describe(e, files)
+                if isinstance(e, TypeError) and where(e, files) is None:
+                    text += " (reset is called with the row's columns as keyword arguments: add **kwargs)"
+                return {"ok": False, "error": text}
+            if out is not None and not isinstance(out, str):
+                for i in ids:
+                    fac.release(i)
+                return {
+                    "ok": False,
+                    "error": "reset returned a %s; return a string (appended to the prompt) or None"
+                    % type(out).__name__,
+                }
+            observations.append(out)
+        return {"ok": True, "result": {"ids": ids, "observations": observations}}
+
+    def factory_call(self, req):
+        fac, files = self.function(req)
+        results = []
+        for id_, name, arguments in req["calls"]:
+            inst = fac.instances.get(id_)
+            if inst is None:
+                return {"ok": False, "error": "no environment instance %s (was the worker restarted?)" % id_}
+            if name not in fac.methods:
+                results.append([False, "unknown tool `%s`; the tools are: %s" % (name, ", ".join(fac.methods))])
+                continue
+            try:
+                out = self.awaited(getattr(inst, name)(**(arguments or {})))
+            except (Exception, SystemExit) as e:
+                traceback_of("`%s.%s` in %s" % (req["function"], name, req["path"]))
+                results.append([False, "raised " + describe(e, files)])
+                continue
+            if isinstance(out, str):
+                text = out
+            else:
+                try:
+                    text = json.dumps(out, default=str)
+                except Exception:
+                    text = str(out)
+            results.append([True, text])
+        return {"ok": True, "result": results}
+
+    def factory_reward(self, req):
+        fac, files = self.function(req)
+        rewards = []
+        for id_ in req["ids"]:
+            inst = fac.instances.get(id_)
+            if inst is None:
+                return {"ok": False, "error": "no environment instance %s (was the worker restarted?)" % id_}
+            try:
+                r = self.awaited(inst.get_reward())
+            except (Exception, SystemExit) as e:
+                traceback_of("`%s.get_reward` in %s" % (req["function"], req["path"]))
+                return {"ok": False, "error": "get_reward raised " + describe(e, files)}
+            if r is None:
+                rewards.append(None)
+                continue
+            try:
+                r = float(as_list(r)[0] if isinstance(as_list(r), list) else r)
+            except (TypeError, ValueError, IndexError):
+                return {"ok": False, "error": "get_reward returned %r, not a number" % (r,)}
+            rewards.append(r if math.isfinite(r) else None)
+        return {"ok": True, "result": rewards}
+
+    def factory_release(self, req):
+        fac, _ = self.function(req)
+        for id_ in req["ids"]:
+            fac.release(id_)
+        return {"ok": True, "result": None}
+
     def handle(self, req):
         op = req.get("op")
         try:
             if op == "load" and req.get("kind") == "tool":
                 f, _ = self.function(req)
                 return {"ok": True, "result": tool_schema(f, req["function"])}
+            if op == "load" and req.get("kind") == "factory":
+                fac, _ = self.function(req)
+                probe = fac.pool[0] if fac.pool else fac.take()
+                tools = [tool_schema(getattr(probe, m), m) for m in fac.methods]
+                return {"ok": True, "result": {"tools": tools, "reward": fac.has_reward}}
+            if op in ("factory_reset", "factory_call", "factory_reward", "factory_release"):
+                return getattr(self, op)(req)
             if op == "load":
                 self.function(req)
                 return {"ok": True}
@@ -295,6 +427,34 @@ class Worker:
 
 async def _awaited(x):
     return await x
+
+
+class Factory:
+    """A TRL `environment_factory` class: its instances by episode id, and a pool of free ones
+    (made once, reset often, as TRL's trainer does)."""
+
+    def __init__(self, cls, init, methods, has_reward):
+        self.cls = cls
+        self.init = init
+        self.methods = methods
+        self.has_reward = has_reward
+        self.pool = []
+        self.instances = {}
+        self.next = 0
+
+    def take(self):
+        return self.pool.pop() if self.pool else self.cls(**self.init)
+
+    def put(self, inst):
+        self.next += 1
+        id_ = str(self.next)
+        self.instances[id_] = inst
+        return id_
+
+    def release(self, id_):
+        inst = self.instances.pop(id_, None)
+        if inst is not None:
+            self.pool.append(inst)
 
 
 def as_list(v):
