@@ -741,7 +741,9 @@ class Lock:
         Lock.made += 1
         self.penalty = penalty
 
-    def reset(self, answer, **kwargs):
+    def reset(self, prompt, answer, **kwargs):
+        # TRL passes the whole row: the prompt too.
+        assert isinstance(prompt, (list, str)), prompt
         self.code = str(answer)
         self.tries = 0
         self.open = False
@@ -778,13 +780,13 @@ class NoReset:
 
 
 class BadReset(Lock):
-    def reset(self, answer, **kwargs):
+    def reset(self, **kwargs):
         return 42
 
 
 class Moody(Lock):
-    def reset(self, answer, **kwargs):
-        super().reset(answer)
+    def reset(self, prompt, answer, **kwargs):
+        super().reset(prompt, answer)
         Moody.made += 1
         return " mood %d" % (Moody.made % 2)
 "#;
@@ -865,8 +867,8 @@ fn an_environment_factory_class_gets_an_instance_per_episode() {
         "Tries a code on the lock."
     );
     let rows = [
-        serde_json::json!({"answer": 7}),
-        serde_json::json!({"answer": 3}),
+        serde_json::json!({"answer": 7, "prompt": "p"}),
+        serde_json::json!({"answer": 3, "prompt": [{"role": "user", "content": "q"}]}),
     ];
     let resets = env.reset(&rows.iter().collect::<Vec<_>>(), 2).unwrap();
     assert_eq!(
@@ -951,20 +953,20 @@ fn environment_factory_classes_are_checked_in_one_line() {
     );
     let env = factory(dir.path(), &py, "BadReset").unwrap();
     let e = env
-        .reset(&[&serde_json::json!({"answer": 1})], 1)
+        .reset(&[&serde_json::json!({"answer": 1, "prompt": "p"})], 1)
         .unwrap_err()
         .to_string();
     assert!(e.contains("reset returned a int"), "{e}");
     let env = factory(dir.path(), &py, "Moody").unwrap();
     let e = env
-        .reset(&[&serde_json::json!({"answer": 1})], 2)
+        .reset(&[&serde_json::json!({"answer": 1, "prompt": "p"})], 2)
         .unwrap_err()
         .to_string();
     assert!(e.contains("different texts"), "{e}");
     // A row without the column reset needs: the TypeError, with the hint.
     let env = factory(dir.path(), &py, "Lock").unwrap();
     let e = env
-        .reset(&[&serde_json::json!({"question": 1})], 1)
+        .reset(&[&serde_json::json!({"question": 1, "prompt": "p"})], 1)
         .unwrap_err()
         .to_string();
     assert!(e.contains("TypeError") && e.contains("answer"), "{e}");

@@ -366,8 +366,32 @@ impl Generator {
             .collect();
         // The environment's say before the episodes (TRL's `reset`): text for each prompt, each
         // episode's starting metadata (an ORS session).
+        // It sees the row as TRL's `reset(**row)` does: the columns and the prompt.
+        let reset_rows: Vec<serde_json::Value> = metadata
+            .iter()
+            .zip(&step_prompts)
+            .map(|(m, p)| {
+                let mut row = m.clone();
+                if let serde_json::Value::Object(o) = &mut row
+                    && !o.contains_key("prompt")
+                {
+                    let prompt = match p {
+                        Prompt::Conversation(msgs) => serde_json::Value::Array(
+                            msgs.iter()
+                                .map(
+                                    |m| serde_json::json!({ "role": m.role, "content": m.content }),
+                                )
+                                .collect(),
+                        ),
+                        other => serde_json::Value::String(other.text()),
+                    };
+                    o.insert("prompt".into(), prompt);
+                }
+                row
+            })
+            .collect();
         let resets = env
-            .reset(&metadata.iter().collect::<Vec<_>>(), g)
+            .reset(&reset_rows.iter().collect::<Vec<_>>(), g)
             .map_err(|e| {
                 anyhow!(
                     "environment `{}`: reset: {}",
