@@ -103,6 +103,10 @@ pub struct OrsConfig {
     pub score_group: bool,
     /// The weight of the group scores. Default 1.
     pub score_group_weight: f64,
+    /// Seconds between keep-alive pings of the open sessions (`POST /ping`, as the SDK sends
+    /// them: a server deletes a session that has heard nothing for 15 minutes, which a long
+    /// model turn can take); 0 = none. Default 60.
+    pub ping_interval: f64,
 }
 
 impl Default for OrsConfig {
@@ -124,6 +128,7 @@ impl Default for OrsConfig {
             max_retries: 3,
             score_group: false,
             score_group_weight: 1.0,
+            ping_interval: 60.0,
         }
     }
 }
@@ -160,6 +165,12 @@ impl OrsConfig {
         }
         if self.max_calls_per_turn == 0 {
             bail!("environment.ors.max_calls_per_turn must be >= 1");
+        }
+        if !(self.ping_interval.is_finite() && self.ping_interval >= 0.0) {
+            bail!(
+                "environment.ors.ping_interval must be a number of seconds >= 0, got {}",
+                self.ping_interval
+            );
         }
         if !self.score_group_weight.is_finite() {
             bail!("environment.ors.score_group_weight must be a finite number");
@@ -792,6 +803,13 @@ impl OrsClient {
             .collect()
     }
 
+    /// Keeps session `sid` alive (`POST /ping`).
+    pub async fn ping(&self, sid: &str) -> Result<()> {
+        self.json(reqwest::Method::POST, "/ping", None, Some(sid), false)
+            .await
+            .map(|_| ())
+    }
+
     /// Ends session `sid` (`/delete`, then `/delete_session`).
     pub async fn close(&self, sid: &str) -> Result<()> {
         self.json(reqwest::Method::POST, "/delete", None, Some(sid), false)
@@ -924,6 +942,20 @@ pub struct OrsEnvironment {
     env: String,
     name: String,
     tools: OrsToolList,
+    /// The sessions open now (reset opened them, post_process not yet closed them), which the
+    /// keep-alive task pings.
+    open: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
+    pinger: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for OrsEnvironment {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.pinger.lock()
+            && let Some(h) = p.take()
+        {
+            h.abort();
+        }
+    }
 }
 
 impl OrsEnvironment {
@@ -958,6 +990,8 @@ impl OrsEnvironment {
             cfg: cfg.clone(),
             env,
             tools,
+            open: Default::default(),
+            pinger: std::sync::Mutex::new(None),
         })
     }
 
@@ -1009,7 +1043,55 @@ impl OrsEnvironment {
         }
     }
 
+    /// Starts the keep-alive task on the runtime this runs on, once (`ping_interval` > 0): it
+    /// pings every open session each interval until the environment is dropped.
+    fn keep_alive(&self) {
+        if self.cfg.ping_interval <= 0.0 {
+            return;
+        }
+        let Ok(mut pinger) = self.pinger.lock() else {
+            return;
+        };
+        if pinger.as_ref().is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        let open = std::sync::Arc::downgrade(&self.open);
+        let client = self.client.clone();
+        let every = Duration::from_secs_f64(self.cfg.ping_interval);
+        *pinger = Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(open) = open.upgrade() else { return };
+                let sids: Vec<String> = match open.lock() {
+                    Ok(o) => o.iter().cloned().collect(),
+                    Err(_) => return,
+                };
+                drop(open);
+                futures_util::stream::iter(sids)
+                    .for_each_concurrent(16, |sid| {
+                        let client = &client;
+                        async move {
+                            let _ = client.ping(&sid).await;
+                        }
+                    })
+                    .await;
+            }
+        }));
+    }
+
+    fn opened(&self, sids: &[String]) {
+        if let Ok(mut o) = self.open.lock() {
+            o.extend(sids.iter().cloned());
+        }
+    }
+
     async fn close_all(&self, sids: impl IntoIterator<Item = String>) -> usize {
+        let sids: Vec<String> = sids.into_iter().collect();
+        if let Ok(mut o) = self.open.lock() {
+            for s in &sids {
+                o.remove(s);
+            }
+        }
         let closed: Vec<bool> = futures_util::stream::iter(sids)
             .map(|sid| async move { self.client.close(&sid).await.is_ok() })
             .buffer_unordered(self.cfg.max_concurrent)
@@ -1191,6 +1273,8 @@ impl AsyncEnvironment for OrsEnvironment {
             .iter()
             .filter_map(|r| r.as_ref().ok().cloned())
             .collect();
+        self.opened(&sids);
+        self.keep_alive();
         if let Some(Err(e)) = opened.into_iter().find(Result::is_err) {
             self.close_all(sids).await;
             return Err(e);

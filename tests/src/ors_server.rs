@@ -54,6 +54,8 @@ pub struct OrsStats {
     pub secrets: Vec<BTreeMap<String, String>>,
     /// Resumed event streams.
     pub resumed: usize,
+    /// Keep-alive pings of live sessions.
+    pub pings: usize,
 }
 
 #[derive(Debug)]
@@ -560,6 +562,18 @@ async fn delete(State(s): St, h: HeaderMap) -> Response {
     axum::Json(json!({ "sid": sid })).into_response()
 }
 
+async fn ping(State(s): St, h: HeaderMap) -> Response {
+    let sid = match sid_of(&h) {
+        Ok(sid) => sid,
+        Err(r) => return r,
+    };
+    if !lock(&s.sessions).contains_key(&sid) {
+        return detail(404, "Active environment not found");
+    }
+    lock(&s.stats).pings += 1;
+    axum::Json(json!({ "status": "ok" })).into_response()
+}
+
 async fn delete_session(h: HeaderMap) -> Response {
     match sid_of(&h) {
         Ok(sid) => axum::Json(json!({ "sid": sid })).into_response(),
@@ -611,6 +625,7 @@ impl OrsServer {
                         .route("/create", post(create))
                         .route("/delete", post(delete))
                         .route("/delete_session", post(delete_session))
+                        .route("/ping", post(ping))
                         .route("/{env}/tools", get(tools))
                         .route("/{env}/task_tools", get(task_tools))
                         .route("/{env}/num_tasks", post(num_tasks))

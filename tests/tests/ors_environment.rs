@@ -545,6 +545,44 @@ fn broken_streams_resume_and_unavailable_answers_are_retried() {
     assert_eq!(server.live_sessions(), 0);
 }
 
+#[test]
+fn open_sessions_are_kept_alive_until_closed() {
+    let Some(server) = OrsServer::start().ok() else {
+        return;
+    };
+    let cfg = OrsConfig {
+        env_name: Some("arith".into()),
+        ping_interval: 0.1,
+        ..OrsConfig::new(server.url())
+    };
+    let env = Blocking::build(OrsEnvironment::connect(&cfg)).unwrap();
+    let r = env.reset(&[&json!({"task_index": 1})], 2).unwrap();
+    // Pings run between the calls, on the environment's runtime.
+    std::thread::sleep(std::time::Duration::from_millis(550));
+    let pinged = server.stats().pings;
+    assert!(pinged >= 6, "{pinged} pings of 2 sessions in 0.55 s");
+    let mut eps: Vec<Episode> = r[0]
+        .episodes
+        .iter()
+        .map(|m| episode(0, m.clone(), Vec::new()))
+        .collect();
+    env.post_process(&mut eps).unwrap();
+    let after = server.stats().pings;
+    std::thread::sleep(std::time::Duration::from_millis(350));
+    // Closed sessions are not pinged (one round may have been in flight).
+    assert!(
+        server.stats().pings <= after + 2,
+        "{after} {:?}",
+        server.stats()
+    );
+    let cfg = OrsConfig {
+        ping_interval: -1.0,
+        ..OrsConfig::new(server.url())
+    };
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("environment.ors.ping_interval"), "{e}");
+}
+
 fn write_tasks(url: &str, path: &Path) {
     let client = OrsClient::new(&OrsConfig::new(url)).expect("client");
     let rows = rt()
