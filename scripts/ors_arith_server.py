@@ -7,11 +7,16 @@ SDK's own server too.
               a + b else 0, finished), `boom` (raises); score_group: 1 for a candidate whose
               last assistant text holds a + b, else 0
   arithfinal  the same tasks; tool `add`; a @terminal tool `answer` that grades a plain answer
+              (1 when its last integer is a + b, else 0)
 
 Run: python scripts/ors_arith_server.py PORT   (needs `pip install openreward`)
+     python scripts/ors_arith_server.py PORT --tasks 500 --seed 1 --max 9
+         (a train split of 500 random additions of numbers in 1..max instead of the tests' six tasks)
 """
 
-import sys
+import argparse
+import random
+import re
 
 from pydantic import BaseModel
 
@@ -104,9 +109,22 @@ class ArithFinal(Environment):
     @tool
     def answer(self, args: Answer) -> ToolOutput:
         """Grades the final answer."""
-        right = args.answer.strip() == str(self.task_spec["a"] + self.task_spec["b"])
+        numbers = re.findall(r"-?\d+", args.answer)
+        right = bool(numbers) and numbers[-1] == str(self.task_spec["a"] + self.task_spec["b"])
         return ToolOutput(blocks=[TextBlock(text="graded")], reward=1.0 if right else 0.0, finished=True)
 
 
 if __name__ == "__main__":
-    Server([Arith, ArithFinal]).run(host="127.0.0.1", port=int(sys.argv[1]))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("port", type=int)
+    ap.add_argument("--tasks", type=int, default=0, help="random additions in train")
+    ap.add_argument("--max", type=int, default=99, help="the largest operand")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.tasks:
+        rng = random.Random(args.seed)
+        TASKS["train"] = [
+            {"a": rng.randint(1, args.max), "b": rng.randint(1, args.max), "level": "random"}
+            for _ in range(args.tasks)
+        ]
+    Server([Arith, ArithFinal]).run(host="127.0.0.1", port=args.port)

@@ -7,7 +7,7 @@
 //!   answer is a + b, else 0; finishes the episode), `boom` (raises: an `error` event); its
 //!   `score_group` gives 1 to a candidate whose last assistant text holds a + b, else 0.
 //! - `arithfinal`: the same tasks; tool `add` and a hidden `@terminal` tool `answer` grading a
-//!   plain answer.
+//!   plain answer (1 when its last integer is a + b).
 //!
 //! Binds `127.0.0.1:0`, runs on its own thread, stops when dropped. Counts sessions and calls,
 //! and takes one-shot faults ([`OrsFault`]).
@@ -305,7 +305,13 @@ fn run_tool(s: &Shared, sid: &str, name: &str, input: &Value) -> Result<String, 
             return Err("boom".into());
         }
         ("arithfinal", "answer") if answer().is_some() => {
-            let right = graded(session);
+            session.finished = true;
+            let last = answer().and_then(|t| {
+                t.split(|c: char| !(c.is_ascii_digit() || c == '-'))
+                    .rfind(|w| w.parse::<i64>().is_ok())
+                    .map(str::to_owned)
+            });
+            let right = last == Some((a + b).to_string());
             text_output("graded", Some(if right { 1.0 } else { 0.0 }), true)
         }
         ("arith", "submit") | ("arithfinal", "answer") => refused(

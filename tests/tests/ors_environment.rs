@@ -324,7 +324,7 @@ fn a_terminal_tool_grades_a_plain_answer() {
     let srv = Srv::start();
     let env = Blocking::build(OrsEnvironment::connect(&srv.config("arithfinal"))).unwrap();
     let rows = [json!({"task_index": 1})];
-    let resets = env.reset(&[&rows[0]], 3).unwrap();
+    let resets = env.reset(&[&rows[0]], 4).unwrap();
     assert_eq!(
         resets[0].observation.as_deref(),
         Some("What is 3 + 4? Answer with the number.")
@@ -333,12 +333,13 @@ fn a_terminal_tool_grades_a_plain_answer() {
         log("q", &["  7 "]),
         log("q", &["8"]),
         log("q", &[&call("add", json!({"x": 3, "y": 4}))]),
+        log("q", &["3 + 4 = 7."]),
     ];
     let l: Vec<&[ChatMessage]> = logs.iter().map(Vec::as_slice).collect();
     let m: Vec<&Value> = resets[0].episodes.iter().collect();
     let r = env.step(&l, &m).unwrap();
-    assert_eq!(r.rewards, [1.0, 0.0, 0.0]);
-    assert_eq!(r.terminateds, [true, true, false]);
+    assert_eq!(r.rewards, [1.0, 0.0, 0.0, 1.0]);
+    assert_eq!(r.terminateds, [true, true, false, true]);
     assert_eq!(r.observations[0], None);
     assert_eq!(r.observations[2].as_ref().unwrap().content, "7");
     let mut eps: Vec<Episode> = m
@@ -347,7 +348,7 @@ fn a_terminal_tool_grades_a_plain_answer() {
         .collect();
     env.post_process(&mut eps).unwrap();
     if let Some(s) = &srv.0 {
-        assert_eq!(s.stats().calls, ["answer", "answer", "add"]);
+        assert_eq!(s.stats().calls, ["answer", "answer", "add", "answer"]);
         assert_eq!(s.live_sessions(), 0);
     }
 }
