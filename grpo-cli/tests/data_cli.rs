@@ -129,7 +129,7 @@ fn ors_tasks_writes_a_dataset_the_loader_reads() {
     assert_eq!(rows.len(), 4);
     assert_eq!(
         rows[1],
-        serde_json::json!({"prompt": [{"role": "user", "content": ""}], "task_index": 1,
+        serde_json::json!({"prompt": [{"role": "user", "content": ""}], "task_index": 1, "ors_split": "train",
                            "a": 3, "b": 4, "level": "easy"})
     );
     // The loader reads it: a conversation prompt and the task's columns.
@@ -154,7 +154,7 @@ fn ors_tasks_writes_a_dataset_the_loader_reads() {
     let text = std::fs::read_to_string(&file).expect("read");
     assert_eq!(
         text.trim(),
-        r#"{"prompt":[{"role":"user","content":""}],"task_index":0}"#
+        r#"{"prompt":[{"role":"user","content":""}],"task_index":0,"ors_split":"test"}"#
     );
     // Failures in one line: a file type, an index out of range, an unknown environment.
     let (code, _, err) = cli(&["data", "ors-tasks", "--url", &url, "--out", "x.csv"]);

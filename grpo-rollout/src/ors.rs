@@ -56,6 +56,8 @@ use crate::tools::{ERROR_PREFIX, function_schema, parse_tool_calls, tool_metrics
 
 /// The metadata key of an episode's session id.
 pub const SESSION_KEY: &str = "_ors_session";
+/// The row column naming the split of its `task_index` (else `OrsConfig::split`).
+pub const SPLIT_COLUMN: &str = "ors_split";
 /// The metadata key set when the server said the episode is finished.
 pub const FINISHED_KEY: &str = "_ors_finished";
 
@@ -839,8 +841,8 @@ pub enum TaskSelection {
 
 /// A dataset of an environment's tasks, as TRL's `OpenRewardSpec.train_dataset`: one row per
 /// task, `prompt` an empty user message (the session's prompt is appended to it at reset),
-/// `task_index` its index in `split`, and with `include_metadata` the task spec's own keys as
-/// further columns (except `prompt` and `task_index`).
+/// `task_index` its index in `split`, `ors_split` the split, and with `include_metadata` the
+/// task spec's own keys as further columns (except those three).
 pub async fn task_rows(
     client: &OrsClient,
     env: &str,
@@ -884,6 +886,7 @@ pub async fn task_rows(
             let mut row = serde_json::Map::new();
             row.insert("prompt".into(), json!([{ "role": "user", "content": "" }]));
             row.insert("task_index".into(), json!(i));
+            row.insert(SPLIT_COLUMN.into(), json!(split));
             if include_metadata && let Value::Object(o) = spec {
                 for (k, v) in o {
                     if !row.contains_key(&k) {
@@ -1014,11 +1017,15 @@ impl OrsEnvironment {
     fn task_of(&self, row: &Value) -> Result<OrsTask> {
         let c = &self.cfg;
         if let Some(v) = row.get(&c.task_index_column).filter(|v| !v.is_null()) {
+            // A row may name its split (`grpo-cli data ors-tasks` writes it): an eval split
+            // of test tasks beside a train split.
+            let split = row
+                .get(SPLIT_COLUMN)
+                .and_then(Value::as_str)
+                .unwrap_or(&c.split)
+                .to_owned();
             return match v.as_u64() {
-                Some(index) => Ok(OrsTask::Index {
-                    split: c.split.clone(),
-                    index,
-                }),
+                Some(index) => Ok(OrsTask::Index { split, index }),
                 None => bail!(
                     "column `{}` must hold a task index (an integer >= 0), got {v}",
                     c.task_index_column

@@ -115,7 +115,7 @@ fn tasks_and_tools_come_from_the_server() {
         assert_eq!(rows.len(), 4);
         assert_eq!(
             rows[3],
-            json!({"prompt": [{"role": "user", "content": ""}], "task_index": 3,
+            json!({"prompt": [{"role": "user", "content": ""}], "task_index": 3, "ors_split": "train",
                    "a": 5, "b": 10, "level": "hard"})
         );
         // Scattered indices one by one; without metadata only prompt and index.
@@ -286,7 +286,12 @@ fn episodes_get_a_session_each_call_tools_in_it_and_close_it() {
     assert_eq!((r2.rewards[0], r2.terminateds[0]), (0.0, true));
     assert!(r2.observations[0].as_ref().unwrap().name.is_none());
     if let Some(s) = &srv.0 {
-        assert_eq!(s.stats().calls, ["add", "submit", "boom", "add", "submit"]);
+        // The episodes' calls run at once (any order between episodes); turn 2 after them.
+        let calls = s.stats().calls;
+        let mut first: Vec<&str> = calls[..3].iter().map(String::as_str).collect();
+        first.sort_unstable();
+        assert_eq!(first, ["add", "boom", "submit"]);
+        assert_eq!(calls[3..], ["add", "submit"]);
     }
 
     // post_process: the tool metrics, and every session closed.
@@ -348,7 +353,9 @@ fn a_terminal_tool_grades_a_plain_answer() {
         .collect();
     env.post_process(&mut eps).unwrap();
     if let Some(s) = &srv.0 {
-        assert_eq!(s.stats().calls, ["answer", "answer", "add", "answer"]);
+        let mut calls = s.stats().calls;
+        calls.sort_unstable();
+        assert_eq!(calls, ["add", "answer", "answer", "answer"]);
         assert_eq!(s.live_sessions(), 0);
     }
 }
@@ -449,6 +456,18 @@ fn bad_rows_and_bad_servers_fail_in_one_line() {
         e.contains("POST /create") && e.contains("Invalid index"),
         "{e}"
     );
+    // A row naming its split (an eval split beside the config's).
+    let r = env
+        .reset(&[&json!({"task_index": 0, "ors_split": "test"})], 1)
+        .unwrap();
+    assert!(
+        r[0].observation
+            .as_deref()
+            .unwrap()
+            .starts_with("What is 40 + 2?")
+    );
+    let mut eps = vec![episode(0, r[0].episodes[0].clone(), Vec::new())];
+    env.post_process(&mut eps).unwrap();
     // A task spec given whole.
     let spec = json!({"task_spec": "{\"a\": 20, \"b\": 22}"});
     let r = env.reset(&[&spec], 1).unwrap();
@@ -561,7 +580,8 @@ fn open_sessions_are_kept_alive_until_closed() {
     // Pings run between the calls, on the environment's runtime.
     std::thread::sleep(std::time::Duration::from_millis(550));
     let pinged = server.stats().pings;
-    assert!(pinged >= 6, "{pinged} pings of 2 sessions in 0.55 s");
+    // About ten; at least one round even on a loaded machine.
+    assert!(pinged >= 2, "{pinged} pings of 2 sessions in 0.55 s");
     let mut eps: Vec<Episode> = r[0]
         .episodes
         .iter()
