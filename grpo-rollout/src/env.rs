@@ -150,6 +150,14 @@ pub trait Environment: Send + Sync {
         Vec::new()
     }
 
+    /// The tools a prompt with `metadata` (its row) is rendered with: by default
+    /// [`Self::tools`]; an environment that routes rows to several (TRL's dict of
+    /// `environment_factory`) shows each row only its own.
+    fn tools_for(&self, metadata: &Value) -> Vec<Value> {
+        let _ = metadata;
+        self.tools()
+    }
+
     /// Answers one turn of a batch of episodes: `logs[i]` is episode `i`'s message log, its
     /// last message the model's turn just sampled (role `assistant`), and `metadata[i]` its
     /// metadata (the prompt's at the first turn, then what the previous `step` returned). The
@@ -244,6 +252,10 @@ impl Environment for TimeLimited {
         self.inner.tools()
     }
 
+    fn tools_for(&self, metadata: &Value) -> Vec<Value> {
+        self.inner.tools_for(metadata)
+    }
+
     fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {
         let logs: Vec<Vec<ChatMessage>> = logs.iter().map(|l| l.to_vec()).collect();
         let metadata: Vec<Value> = metadata.iter().map(|m| (*m).clone()).collect();
@@ -291,6 +303,12 @@ pub trait AsyncEnvironment: Send + Sync {
     /// As [`Environment::tools`].
     fn tools(&self) -> Vec<Value> {
         Vec::new()
+    }
+
+    /// As [`Environment::tools_for`].
+    fn tools_for(&self, metadata: &Value) -> Vec<Value> {
+        let _ = metadata;
+        self.tools()
     }
 
     /// As [`Environment::step`], awaited.
@@ -406,6 +424,10 @@ impl<E: AsyncEnvironment> Environment for Blocking<E> {
 
     fn tools(&self) -> Vec<Value> {
         self.inner.tools()
+    }
+
+    fn tools_for(&self, metadata: &Value) -> Vec<Value> {
+        self.inner.tools_for(metadata)
     }
 
     fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {

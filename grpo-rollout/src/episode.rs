@@ -68,7 +68,7 @@ pub struct EpisodePrompt {
     /// an answer, a test suite, a seed).
     pub metadata: Value,
     /// The tools' JSON schemas the template rendered (the environment's
-    /// [`Environment::tools`]); empty = none.
+    /// [`Environment::tools_for`] this prompt's metadata); empty = none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tools: Vec<Value>,
     /// The starting metadata of each of this prompt's episodes (episode `j` of a request
@@ -396,8 +396,8 @@ pub fn generate_episodes_batch(
     let stop_ids = stop_ids(tokenizer, &sp);
     let pad = tokenizer.pad_token_id;
     let template = tokenizer.compile_chat_template()?;
-    let tools = env.tools();
-    let mut eps = start_episodes(env, &template, &tools, requests, &live, &sp)?;
+    let tools: Vec<&[Value]> = requests.iter().map(|r| r.prompt.tools.as_slice()).collect();
+    let mut eps = start_episodes(env, &template, requests, &live, &sp)?;
     let prompts: Vec<&[u32]> = live
         .iter()
         .map(|&i| requests[i].prompt.ids.as_slice())
@@ -452,7 +452,6 @@ fn live_requests(requests: &[EpisodeRequest<'_>], params: &EpisodeParams) -> Res
 fn start_episodes(
     env: &dyn Environment,
     template: &ChatTemplate<'_>,
-    tools: &[Value],
     requests: &[EpisodeRequest<'_>],
     live: &[usize],
     sp: &SamplingParams,
@@ -461,16 +460,17 @@ fn start_episodes(
     let mut eps: Vec<Live> = Vec::new();
     for &i in live {
         let req = &requests[i];
+        let tools = env.tools_for(&req.prompt.metadata);
         if req.prompt.tools != tools {
             bail!(
-                "episode prompt {i} was rendered with other tools than environment `{}` offers ({} against {}): make it with EpisodePrompt::rendered(.., env.tools(), ..)",
+                "episode prompt {i} was rendered with other tools than environment `{}` offers ({} against {}): make it with EpisodePrompt::rendered(.., env.tools_for(&metadata), ..)",
                 env.name(),
                 req.prompt.tools.len(),
                 tools.len()
             );
         }
         let rendered = template
-            .render_with_tools(&req.prompt.messages, tools, true)
+            .render_with_tools(&req.prompt.messages, &tools, true)
             .map_err(|e| candle_core::Error::msg(format!("episode prompt {i}: {e}")))?;
         for j in 0..req.n {
             eps.push(Live {
@@ -521,7 +521,8 @@ struct TurnContext<'a> {
     env: &'a dyn Environment,
     tokenizer: &'a Tokenizer,
     template: &'a ChatTemplate<'a>,
-    tools: &'a [Value],
+    /// The tools each prompt (by position in the requests) was rendered with.
+    tools: &'a [&'a [Value]],
     params: &'a EpisodeParams,
 }
 
@@ -586,9 +587,9 @@ impl TurnContext<'_> {
             // generation prompt, past what the tokens hold.
             let mut messages = ep.messages.clone();
             messages.extend(observation.iter().cloned());
-            let next = self
-                .template
-                .render_with_tools(&messages, self.tools, true)?;
+            let next =
+                self.template
+                    .render_with_tools(&messages, self.tools[ep.prompt_index], true)?;
             let Some(delta) = next.strip_prefix(ep.holds.as_str()) else {
                 bail!(
                     "chat template: the conversation with the observation of turn {turn} (prompt {}, episode {}) does not continue the text the model has seen; multi-turn episodes need a template that renders earlier turns unchanged as the conversation grows",
@@ -671,8 +672,8 @@ pub fn generate_episodes_remote(
     }
     let sp = params.turn_sampling();
     let template = tokenizer.compile_chat_template()?;
-    let tools = env.tools();
-    let mut eps = start_episodes(env, &template, &tools, requests, &live, &sp)?;
+    let tools: Vec<&[Value]> = requests.iter().map(|r| r.prompt.tools.as_slice()).collect();
+    let mut eps = start_episodes(env, &template, requests, &live, &sp)?;
     let mut running: Vec<usize> = (0..eps.len()).collect();
     for turn in 1..=params.max_turns {
         begin_turn(&mut eps, &running, params);

@@ -497,3 +497,181 @@ impl Environment for PythonFactoryEnvironment {
         Ok(metrics)
     }
 }
+
+/// The row column that picks a [`PythonFactoryRouter`]'s environment (TRL's name).
+pub const ROUTE_COLUMN: &str = "environment";
+/// The metadata key of the environment an episode was routed to.
+pub const ROUTE_KEY: &str = "_env_name";
+
+/// Several `environment_factory` classes in one run, each row routed by its `environment`
+/// column (TRL's `environment_factory={name: factory, ...}`): a prompt shows only its own
+/// environment's tools ([`Environment::tools_for`]), its episodes get instances of that class,
+/// and the column is not passed to `reset`. Metrics: the tool metrics over every episode, and
+/// `{name}_get_reward_mean` per environment with `get_reward`.
+#[derive(Debug)]
+pub struct PythonFactoryRouter {
+    envs: BTreeMap<String, PythonFactoryEnvironment>,
+}
+
+impl PythonFactoryRouter {
+    /// The environments by the names rows use (at least one).
+    pub fn new(envs: BTreeMap<String, PythonFactoryEnvironment>) -> Result<Self> {
+        if envs.is_empty() {
+            bail!("a factory router needs at least one environment");
+        }
+        Ok(Self { envs })
+    }
+
+    /// The environment `row` names, or why not.
+    fn route<'a>(
+        &'a self,
+        row: &Value,
+    ) -> std::result::Result<(&'a str, &'a PythonFactoryEnvironment), String> {
+        let names = || self.envs.keys().cloned().collect::<Vec<_>>().join(", ");
+        match row.get(ROUTE_COLUMN) {
+            Some(Value::String(n)) => match self.envs.get_key_value(n.as_str()) {
+                Some((k, e)) => Ok((k.as_str(), e)),
+                None => Err(format!(
+                    "column `{ROUTE_COLUMN}` names `{n}`, which is not one of the environments: {}",
+                    names()
+                )),
+            },
+            _ => Err(format!(
+                "the row has no `{ROUTE_COLUMN}` column (a string naming one of: {})",
+                names()
+            )),
+        }
+    }
+}
+
+impl Environment for PythonFactoryRouter {
+    fn name(&self) -> &str {
+        "factories"
+    }
+
+    fn tools(&self) -> Vec<Value> {
+        let mut seen = std::collections::BTreeSet::new();
+        self.envs
+            .values()
+            .flat_map(|e| e.tools())
+            .filter(|t| seen.insert(t["function"]["name"].to_string()))
+            .collect()
+    }
+
+    fn tools_for(&self, metadata: &Value) -> Vec<Value> {
+        self.route(metadata)
+            .map(|(_, e)| e.tools())
+            .unwrap_or_default()
+    }
+
+    fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
+        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (p, m) in metadata.iter().enumerate() {
+            let (name, _) = self
+                .route(m)
+                .map_err(|e| candle_core::Error::msg(format!("prompt {p}: {e}")))?;
+            groups.entry(name).or_default().push(p);
+        }
+        let mut out: Vec<Option<EnvironmentReset>> = vec![None; metadata.len()];
+        for (name, prompts) in groups {
+            // The routing column is the trainer's, not the class's (TRL drops it too).
+            let rows: Vec<Value> = prompts
+                .iter()
+                .map(|&p| match metadata[p] {
+                    Value::Object(o) => {
+                        let mut o = o.clone();
+                        o.remove(ROUTE_COLUMN);
+                        Value::Object(o)
+                    }
+                    other => other.clone(),
+                })
+                .collect();
+            let resets = self.envs[name]
+                .reset(&rows.iter().collect::<Vec<_>>(), n)
+                .map_err(|e| candle_core::Error::msg(format!("environment `{name}`: {e}")))?;
+            for (&p, mut r) in prompts.iter().zip(resets) {
+                for m in &mut r.episodes {
+                    if let Value::Object(o) = m {
+                        o.insert(ROUTE_KEY.into(), Value::String(name.to_owned()));
+                        if let Some(v) = metadata[p].get(ROUTE_COLUMN) {
+                            o.insert(ROUTE_COLUMN.into(), v.clone());
+                        }
+                    }
+                }
+                out[p] = Some(r);
+            }
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    fn step(&self, logs: &[&[ChatMessage]], metadata: &[&Value]) -> Result<EnvironmentReturn> {
+        let n = logs.len();
+        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, m) in metadata.iter().enumerate() {
+            let name = m.get(ROUTE_KEY).and_then(Value::as_str).unwrap_or("");
+            let Some((k, _)) = self.envs.get_key_value(name) else {
+                bail!(
+                    "episode {i} was not routed to an environment: call Environment::reset for \
+                     the prompts before their episodes"
+                );
+            };
+            groups.entry(k.as_str()).or_default().push(i);
+        }
+        let mut ret = EnvironmentReturn::empty(n);
+        for (name, members) in groups {
+            let l: Vec<&[ChatMessage]> = members.iter().map(|&i| logs[i]).collect();
+            let m: Vec<&Value> = members.iter().map(|&i| metadata[i]).collect();
+            let r = self.envs[name]
+                .step(&l, &m)
+                .map_err(|e| candle_core::Error::msg(format!("environment `{name}`: {e}")))?;
+            for (k, &i) in members.iter().enumerate() {
+                ret.observations[i] = r.observations[k].clone();
+                ret.metadata[i] = r.metadata[k].clone();
+                ret.next_stop_strings[i] = r.next_stop_strings[k].clone();
+                ret.rewards[i] = r.rewards[k];
+                ret.terminateds[i] = r.terminateds[k];
+            }
+        }
+        Ok(ret)
+    }
+
+    fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
+        let mut metrics = crate::tools::tool_metrics(episodes);
+        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, e) in episodes.iter().enumerate() {
+            let name = e
+                .metadata
+                .get(ROUTE_KEY)
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            if let Some((k, _)) = self.envs.get_key_value(name) {
+                groups.entry(k.as_str()).or_default().push(i);
+            }
+        }
+        let mut first_error = None;
+        for (name, members) in groups {
+            let mut part: Vec<Episode> = members.iter().map(|&i| episodes[i].clone()).collect();
+            match self.envs[name].post_process(&mut part) {
+                Ok(m) => {
+                    if let Some(v) = m.get("get_reward_mean") {
+                        metrics.insert(format!("{name}_get_reward_mean"), *v);
+                    }
+                    for (&i, e) in members.iter().zip(part) {
+                        episodes[i] = e;
+                    }
+                }
+                // Every environment still frees its instances; the first error is reported.
+                Err(e) if first_error.is_none() => {
+                    first_error = Some(candle_core::Error::msg(format!(
+                        "environment `{name}`: {e}"
+                    )));
+                }
+                Err(_) => {}
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(metrics),
+        }
+    }
+}

@@ -6,7 +6,7 @@
 //! run directory without secrets (judges name the environment variable that holds a key,
 //! never the key).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -1730,6 +1730,10 @@ pub struct EnvironmentSection {
     pub max_calls_per_turn: usize,
     /// `type = "python"`: the class (`path`, `class`, `init`, `python`, `timeout`, `name`).
     pub python: Option<PythonEnvironmentConfig>,
+    /// `type = "factory"` with several classes (TRL's dict of `environment_factory`): one
+    /// `[environment.factories.NAME]` table (the keys of `[environment.python]`) per
+    /// environment, each row picking one by its `environment` column.
+    pub factories: BTreeMap<String, PythonEnvironmentConfig>,
     /// `type = "ors"`: the Open Reward Standard server (`[environment.ors]`: `url`,
     /// `env_name`, `split`, `secrets`, ...; see `grpo_rollout::ors::OrsConfig`).
     pub ors: Option<OrsConfig>,
@@ -1762,6 +1766,7 @@ impl Default for EnvironmentSection {
             tools: Vec::new(),
             max_calls_per_turn: 8,
             python: None,
+            factories: BTreeMap::new(),
             ors: None,
         }
     }
@@ -1787,9 +1792,16 @@ impl EnvironmentSection {
                 "`environment.type = \"python\"` needs [environment.python] with `path` and `class`"
                     .into(),
             ),
-            Some(EnvironmentKind::Factory) if self.python.is_none() => Err(
-                "`environment.type = \"factory\"` needs [environment.python] with `path` and `class`"
-                    .into(),
+            Some(EnvironmentKind::Factory) if self.python.is_none() == self.factories.is_empty() => {
+                Err(
+                    "`environment.type = \"factory\"` needs [environment.python] (one class) or \
+                     [environment.factories.NAME] tables (several, routed by the `environment` \
+                     column), not both"
+                        .into(),
+                )
+            }
+            Some(k) if k != EnvironmentKind::Factory && !self.factories.is_empty() => Err(
+                "`environment.factories` are used with `environment.type = \"factory\"`".into(),
             ),
             Some(k) if k != EnvironmentKind::Tools && !self.tools.is_empty() => Err(
                 "`environment.tools` are used with `environment.type = \"tools\"`".into(),

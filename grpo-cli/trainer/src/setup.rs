@@ -692,6 +692,19 @@ fn configured_environment(
                 .map_err(|e| anyhow!("config: environment.python: {e}"))?;
             Some(Arc::new(e))
         }
+        Some(EnvironmentKind::Factory) if !env.factories.is_empty() => {
+            use grpo_rollout::python_env::{PythonFactoryEnvironment, PythonFactoryRouter};
+            let mut envs = std::collections::BTreeMap::new();
+            for (name, p) in &env.factories {
+                let e = PythonFactoryEnvironment::new(p, workers)
+                    .map_err(|e| anyhow!("config: environment.factories.{name}: {e}"))?
+                    .with_max_calls_per_turn(env.max_calls_per_turn);
+                envs.insert(name.clone(), e);
+            }
+            let e = PythonFactoryRouter::new(envs)
+                .map_err(|e| anyhow!("config: environment.factories: {e}"))?;
+            Some(Arc::new(e))
+        }
         Some(EnvironmentKind::Factory) => {
             let Some(p) = &env.python else {
                 bail!("config: environment.type = \"factory\" needs [environment.python]");

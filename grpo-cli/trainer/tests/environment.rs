@@ -789,6 +789,29 @@ class Moody(Lock):
         super().reset(prompt, answer)
         Moody.made += 1
         return " mood %d" % (Moody.made % 2)
+
+
+class Dial:
+    def __init__(self, penalty=0.0):
+        pass
+
+    def reset(self, answer, **kwargs):
+        # The routing column is the trainer's: TRL does not pass it.
+        assert "environment" not in kwargs, kwargs
+        self.target, self.at = int(answer), 0
+        return " Turn the dial to the answer with `spin`."
+
+    def spin(self, steps: int) -> str:
+        """Turns the dial.
+
+        Args:
+            steps: how far to turn it
+        """
+        self.at += steps
+        return str(self.at)
+
+    def get_reward(self):
+        return 2.0 if self.at == self.target else 0.0
 "#;
 
 fn factory(
@@ -1014,4 +1037,156 @@ fn grpo_trains_on_an_environment_factory_class_from_the_config() {
             "{p}"
         );
     }
+}
+
+#[test]
+fn several_environment_factory_classes_route_by_the_environment_column() {
+    use grpo_rollout::python_env::PythonFactoryRouter;
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let envs = std::collections::BTreeMap::from([
+        (
+            "lock".to_string(),
+            factory(dir.path(), &py, "Lock").unwrap(),
+        ),
+        (
+            "dial".to_string(),
+            factory(dir.path(), &py, "Dial").unwrap(),
+        ),
+    ]);
+    let env = PythonFactoryRouter::new(envs).unwrap();
+    let names = |tools: Vec<Value>| -> Vec<String> {
+        tools
+            .iter()
+            .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let rows = [
+        serde_json::json!({"answer": 7, "environment": "lock", "prompt": "p"}),
+        serde_json::json!({"answer": 3, "environment": "dial", "prompt": "p"}),
+    ];
+    // Each prompt shows its own environment's tools only.
+    assert_eq!(
+        names(env.tools_for(&rows[0])),
+        ["instances", "jam", "try_code"]
+    );
+    assert_eq!(names(env.tools_for(&rows[1])), ["spin"]);
+    assert_eq!(names(env.tools()).len(), 4);
+    let resets = env.reset(&rows.iter().collect::<Vec<_>>(), 2).unwrap();
+    assert_eq!(
+        resets[0].observation.as_deref(),
+        Some(" Open the lock with `try_code`.")
+    );
+    assert_eq!(
+        resets[1].observation.as_deref(),
+        Some(" Turn the dial to the answer with `spin`.")
+    );
+    let meta: Vec<Value> = resets.iter().flat_map(|r| r.episodes.clone()).collect();
+    assert_eq!(meta[3]["_env_name"], "dial");
+    let logs = [
+        turn(&call("try_code", serde_json::json!({"code": "7"}))),
+        turn("no"),
+        turn(&call("spin", serde_json::json!({"steps": 3}))),
+        turn(&call("try_code", serde_json::json!({"code": "3"}))),
+    ];
+    let l: Vec<&[ChatMessage]> = logs.iter().map(Vec::as_slice).collect();
+    let m: Vec<&Value> = meta.iter().collect();
+    let r = env.step(&l, &m).unwrap();
+    r.validate(4, "factories").unwrap();
+    assert_eq!(r.observations[0].as_ref().unwrap().content, "open");
+    assert_eq!(r.observations[2].as_ref().unwrap().content, "3");
+    // A dial episode cannot call the lock's tool.
+    let o3 = &r.observations[3].as_ref().unwrap().content;
+    assert!(o3.starts_with("error: unknown tool `try_code`"), "{o3}");
+    assert_eq!(r.terminateds, [false, true, false, false]);
+    let mut eps: Vec<_> = meta
+        .iter()
+        .zip(&logs)
+        .enumerate()
+        .map(|(i, (m, l))| finished(i / 2, m.clone(), l.clone()))
+        .collect();
+    let metrics = env.post_process(&mut eps).unwrap();
+    let rewards: Vec<f32> = eps.iter().map(|e| e.turns[0].reward).collect();
+    assert_eq!(rewards, [1.0, 0.0, 2.0, 0.0]);
+    assert_eq!(metrics["lock_get_reward_mean"], 0.5);
+    assert_eq!(metrics["dial_get_reward_mean"], 1.0);
+    // A row routed nowhere is refused, naming the choices.
+    for (row, want) in [
+        (
+            serde_json::json!({"answer": 1, "environment": "maze"}),
+            "names `maze`",
+        ),
+        (serde_json::json!({"answer": 1}), "no `environment` column"),
+    ] {
+        let e = env.reset(&[&row], 1).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains("dial, lock"), "{e}");
+    }
+}
+
+#[test]
+fn grpo_trains_on_routed_environment_factory_classes_from_the_config() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let path = dir.path().join("lock.py");
+    std::fs::write(&path, LOCK_PY).unwrap();
+    let data = dir.path().join("mixed.jsonl");
+    let rows: String = (0..4)
+        .map(|i| {
+            let env = if i % 2 == 0 { "lock" } else { "dial" };
+            format!(
+                "{}\n",
+                serde_json::json!({"prompt": format!("Task {i}."), "answer": i + 2, "environment": env})
+            )
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let mut cfg = config(dir.path(), "run");
+    let p = path.display().to_string();
+    cfg.environment = environment_section(&format!(
+        "type = \"factory\"\nmax_turns = 2\nmax_total_tokens = 60\n\
+         [factories.lock]\npath = {p:?}\nclass = \"Lock\"\npython = {py:?}\n\
+         [factories.dial]\npath = {p:?}\nclass = \"Dial\"\npython = {py:?}\n"
+    ));
+    let dataset = grpo_data::Dataset::open(
+        &[data.display().to_string()],
+        &grpo_data::OpenOptions::default(),
+    )
+    .unwrap();
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    let r = t
+        .fit_with(FitOptions::default().dataset(dataset).max_steps(2))
+        .unwrap();
+    assert_eq!(r.total_steps, 2);
+    let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("run/completions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for l in &lines {
+        let p = l["prompt"].as_str().unwrap();
+        assert!(
+            p.contains("Open the lock") || p.contains("Turn the dial"),
+            "{p}"
+        );
+    }
+    // Both environments ran.
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["prompt"].as_str().unwrap().contains("dial"))
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["prompt"].as_str().unwrap().contains("lock"))
+    );
+    // Both tables, or neither, is one line naming the keys.
+    let both = format!(
+        "type = \"factory\"\n[python]\npath = {p:?}\nclass = \"Lock\"\n[factories.dial]\npath = {p:?}\nclass = \"Dial\"\n"
+    );
+    let mut c = config(dir.path(), "bad");
+    c.environment = environment_section(&both);
+    let e = GrpoTrainer::from_pretrained(&m, c).unwrap_err().to_string();
+    assert!(e.contains("not both"), "{e}");
 }

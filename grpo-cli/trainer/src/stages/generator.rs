@@ -421,9 +421,13 @@ impl Generator {
                 other => vec![ChatMessage::new("user", other.text())],
             };
             reset.apply(&mut messages);
-            let (mut p, text) =
-                EpisodePrompt::rendered(&self.tokenizer, messages, env.tools(), metadata)
-                    .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
+            let (mut p, text) = EpisodePrompt::rendered(
+                &self.tokenizer,
+                messages,
+                env.tools_for(&metadata),
+                metadata,
+            )
+            .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
             p.episode_metadata = reset.episodes;
             // As single-turn prompts (and TRL): the last max_prompt_length tokens are kept.
             let max = self.cfg.rollout.max_prompt_length;
