@@ -89,35 +89,45 @@ impl PythonEnvironment {
     /// Loads and instantiates the class in `workers`' worker. Errors name the field to fix
     /// (`path`, `class`, `init`, `python`, `timeout`).
     pub fn new(config: &PythonEnvironmentConfig, workers: &PythonWorkers) -> Result<Self> {
-        let name = config.name.clone().unwrap_or_else(|| config.class.clone());
-        let object = PythonObject::load(
-            &PythonConfig {
-                path: config.path.clone(),
-                function: config.class.clone(),
-                python: config.python.clone(),
-                timeout: config.timeout,
-            },
-            PythonKind::Environment {
-                init: config.init.clone().unwrap_or(Value::Null),
-            },
-            workers,
-        )
-        .map_err(|e| {
-            let text = match e {
-                grpo_rewards::RewardError::Config { field, message } => {
-                    let field = if field == "function" {
-                        "class".into()
-                    } else {
-                        field
-                    };
-                    format!("{field}: {message}")
-                }
-                other => other.to_string(),
-            };
-            candle_core::Error::msg(format!("environment `{name}`: {text}"))
-        })?;
+        let init = config.init.clone().unwrap_or(Value::Null);
+        let (name, object) = load_class(config, PythonKind::Environment { init }, workers)?;
         Ok(Self { name, object })
     }
+}
+
+/// The class of `config` loaded in `workers`' worker as `kind`, with the environment's name;
+/// errors name the field to fix (`path`, `class`, `init`, `python`, `timeout`).
+fn load_class(
+    config: &PythonEnvironmentConfig,
+    kind: PythonKind,
+    workers: &PythonWorkers,
+) -> Result<(String, PythonObject)> {
+    let name = config.name.clone().unwrap_or_else(|| config.class.clone());
+    let object = PythonObject::load(
+        &PythonConfig {
+            path: config.path.clone(),
+            function: config.class.clone(),
+            python: config.python.clone(),
+            timeout: config.timeout,
+        },
+        kind,
+        workers,
+    )
+    .map_err(|e| {
+        let text = match e {
+            grpo_rewards::RewardError::Config { field, message } => {
+                let field = if field == "function" {
+                    "class".into()
+                } else {
+                    field
+                };
+                format!("{field}: {message}")
+            }
+            other => other.to_string(),
+        };
+        candle_core::Error::msg(format!("environment `{name}`: {text}"))
+    })?;
+    Ok((name, object))
 }
 
 /// What `env_step` answers.
@@ -254,33 +264,8 @@ impl PythonFactoryEnvironment {
     /// Loads the class in `workers`' worker and reads its tools (from one instance). Errors
     /// name the field to fix, as [`PythonEnvironment::new`]'s.
     pub fn new(config: &PythonEnvironmentConfig, workers: &PythonWorkers) -> Result<Self> {
-        let name = config.name.clone().unwrap_or_else(|| config.class.clone());
-        let object = PythonObject::load(
-            &PythonConfig {
-                path: config.path.clone(),
-                function: config.class.clone(),
-                python: config.python.clone(),
-                timeout: config.timeout,
-            },
-            PythonKind::Factory {
-                init: config.init.clone().unwrap_or(Value::Null),
-            },
-            workers,
-        )
-        .map_err(|e| {
-            let text = match e {
-                grpo_rewards::RewardError::Config { field, message } => {
-                    let field = if field == "function" {
-                        "class".into()
-                    } else {
-                        field
-                    };
-                    format!("{field}: {message}")
-                }
-                other => other.to_string(),
-            };
-            candle_core::Error::msg(format!("environment `{name}`: {text}"))
-        })?;
+        let init = config.init.clone().unwrap_or(Value::Null);
+        let (name, object) = load_class(config, PythonKind::Factory { init }, workers)?;
         let loaded = object.loaded().clone();
         let tools = loaded
             .get("tools")
