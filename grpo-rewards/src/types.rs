@@ -126,6 +126,10 @@ pub struct RewardInput {
     /// `trainer_state.global_step`).
     #[serde(default)]
     pub global_step: usize,
+    /// The episode's environment instance in the Python worker (grpo-rollout's
+    /// `environment_factory` classes): Python rewards get it in TRL's `environments` argument.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment_instance: Option<String>,
 }
 
 impl RewardInput {
@@ -136,6 +140,13 @@ impl RewardInput {
             completion: completion.into(),
             ..Self::default()
         }
+    }
+
+    /// Sets the episode's environment instance (TRL's `environments` argument of Python
+    /// rewards).
+    pub fn with_environment_instance(mut self, id: impl Into<String>) -> Self {
+        self.environment_instance = Some(id.into());
+        self
     }
 
     /// Sets a multi-turn episode's messages after the prompt.

@@ -184,6 +184,15 @@ pub trait Environment: Send + Sync {
         let _ = episodes;
         Ok(BTreeMap::new())
     }
+
+    /// Called once a batch's episodes have been scored (their rewards computed), with each
+    /// episode's last metadata: what they held may go (an `environment_factory` class's
+    /// instances go back to its pool; reward functions read them until then). By default
+    /// nothing.
+    fn release(&self, metadata: &[&Value]) -> Result<()> {
+        let _ = metadata;
+        Ok(())
+    }
 }
 
 /// An environment whose `step` and `post_process` calls may take at most `limit`: a call
@@ -274,6 +283,14 @@ impl Environment for TimeLimited {
         })
     }
 
+    fn release(&self, metadata: &[&Value]) -> Result<()> {
+        let metadata: Vec<Value> = metadata.iter().map(|m| (*m).clone()).collect();
+        self.run("release", move |env| {
+            let m: Vec<&Value> = metadata.iter().collect();
+            env.release(&m)
+        })
+    }
+
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
         let mut owned = episodes.to_vec();
         let (owned, metrics) = self.run("post_process", move |env| {
@@ -327,6 +344,12 @@ pub trait AsyncEnvironment: Send + Sync {
         let _ = n;
         let out = vec![EnvironmentReset::default(); metadata.len()];
         async move { Ok(out) }
+    }
+
+    /// As [`Environment::release`], awaited. By default nothing.
+    fn release(&self, metadata: &[&Value]) -> impl std::future::Future<Output = Result<()>> + Send {
+        let _ = metadata;
+        async { Ok(()) }
     }
 
     /// As [`Environment::post_process`], awaited. By default nothing changes and there are no
@@ -436,6 +459,10 @@ impl<E: AsyncEnvironment> Environment for Blocking<E> {
 
     fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
         self.block_on(self.inner.reset(metadata, n))
+    }
+
+    fn release(&self, metadata: &[&Value]) -> Result<()> {
+        self.block_on(self.inner.release(metadata))
     }
 
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {

@@ -250,7 +250,9 @@ pub const INSTANCE_KEY: &str = "_env_instance";
 /// methods in order and come back as one `tool` message (a method that raises, an unknown one
 /// or a call that does not parse is answered `error: ...`); a turn without a call ends the
 /// episode. `post_process` adds `get_reward()` (when the class has it) to each episode's last
-/// turn, so it is the `env` reward with `environment.reward = "sum"`, and frees the instances.
+/// turn, so it is the `env` reward with `environment.reward = "sum"`; Python reward functions
+/// get the instances in TRL's `environments` argument (`RewardInput::environment_instance`),
+/// and [`Environment::release`] returns them to the pool after scoring.
 #[derive(Debug)]
 pub struct PythonFactoryEnvironment {
     name: String,
@@ -462,7 +464,6 @@ impl Environment for PythonFactoryEnvironment {
         } else {
             Ok(None)
         };
-        let released = self.request("factory_release", json!({ "ids": ids }));
         if let Some(rewards) = rewarded? {
             let mut k = 0;
             let mut sum = 0.0;
@@ -478,8 +479,16 @@ impl Environment for PythonFactoryEnvironment {
             }
             metrics.insert("get_reward_mean".into(), sum / episodes.len().max(1) as f64);
         }
-        released?;
         Ok(metrics)
+    }
+
+    fn release(&self, metadata: &[&Value]) -> Result<()> {
+        let ids: Vec<&str> = metadata.iter().filter_map(|m| instance_of(m)).collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.request("factory_release", json!({ "ids": ids }))
+            .map(|_| ())
     }
 }
 
@@ -620,6 +629,22 @@ impl Environment for PythonFactoryRouter {
         Ok(ret)
     }
 
+    fn release(&self, metadata: &[&Value]) -> Result<()> {
+        let mut groups: BTreeMap<&str, Vec<&Value>> = BTreeMap::new();
+        for m in metadata {
+            let name = m.get(ROUTE_KEY).and_then(Value::as_str).unwrap_or("");
+            if let Some((k, _)) = self.envs.get_key_value(name) {
+                groups.entry(k.as_str()).or_default().push(m);
+            }
+        }
+        for (name, m) in groups {
+            self.envs[name]
+                .release(&m)
+                .map_err(|e| candle_core::Error::msg(format!("environment `{name}`: {e}")))?;
+        }
+        Ok(())
+    }
+
     fn post_process(&self, episodes: &mut [Episode]) -> Result<BTreeMap<String, f64>> {
         let mut metrics = crate::tools::tool_metrics(episodes);
         let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
@@ -645,7 +670,7 @@ impl Environment for PythonFactoryRouter {
                         episodes[i] = e;
                     }
                 }
-                // Every environment still frees its instances; the first error is reported.
+                // Every environment is post-processed; the first error is reported.
                 Err(e) if first_error.is_none() => {
                     first_error = Some(candle_core::Error::msg(format!(
                         "environment `{name}`: {e}"

@@ -250,6 +250,7 @@ fn scored(masks: bool) -> Scored {
         messages: vec![Vec::new(); 2],
         model_masks: vec![vec![true, true, false, false, true, true], vec![true; 6]],
         rewards: vec![1.0, 0.0],
+        metadata: vec![Value::Null; 2],
         metrics: Default::default(),
     });
     Scored {
@@ -952,7 +953,8 @@ fn an_environment_factory_class_gets_an_instance_per_episode() {
     assert_eq!(rewards, [1.0, -0.5, 0.0, 0.0]);
     assert_eq!(metrics["get_reward_mean"], 0.125);
     assert!(metrics.contains_key("tools/call_frequency"));
-    // Made once, reset often: the next batch reuses the four instances.
+    // Scored: the instances go back to the pool; the next batch reuses the four.
+    env.release(&meta.iter().collect::<Vec<_>>()).unwrap();
     let resets = env.reset(&[&rows[0]], 4).unwrap();
     let meta: Vec<Value> = resets[0].episodes.clone();
     let logs = [turn(&call("instances", serde_json::json!({})))];
@@ -1142,6 +1144,18 @@ fn grpo_trains_on_routed_environment_factory_classes_from_the_config() {
         .collect();
     std::fs::write(&data, rows).unwrap();
     let mut cfg = config(dir.path(), "run");
+    // A reward function as TRL's examples write them: it reads the episode's instance.
+    let rewards = dir.path().join("rewards.py");
+    std::fs::write(
+        &rewards,
+        "def code(environments, **kwargs):\n    return [float(e.code) if hasattr(e, 'code') else float(e.target) for e in environments]\n",
+    )
+    .unwrap();
+    cfg.rewards = serde_json::from_value(serde_json::json!([{
+        "type": "python", "name": "code", "path": rewards.display().to_string(),
+        "function": "code", "python": py,
+    }]))
+    .unwrap();
     let p = path.display().to_string();
     cfg.environment = environment_section(&format!(
         "type = \"factory\"\nmax_turns = 2\nmax_total_tokens = 60\n\
@@ -1169,6 +1183,12 @@ fn grpo_trains_on_routed_environment_factory_classes_from_the_config() {
             p.contains("Open the lock") || p.contains("Turn the dial"),
             "{p}"
         );
+    }
+    // Each completion's reward function saw its own episode's instance: the row's answer.
+    for l in &lines {
+        let p = l["prompt"].as_str().unwrap();
+        let i: f64 = p.split("Task ").nth(1).unwrap()[..1].parse().unwrap();
+        assert_eq!(l["rewards"]["code"].as_f64(), Some(i + 2.0), "{l}");
     }
     // Both environments ran.
     assert!(

@@ -488,6 +488,10 @@ struct CallRequest<'a> {
     completion_ids: Vec<&'a [u32]>,
     kwargs: BTreeMap<&'a str, Vec<&'a FieldValue>>,
     global_step: usize,
+    /// Per completion, its environment instance (TRL's `environments`); absent when none has
+    /// one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    environment_ids: Option<Vec<Option<&'a str>>>,
 }
 
 static NULL: FieldValue = FieldValue::Null;
@@ -535,6 +539,15 @@ impl<'a> CallRequest<'a> {
             completion_ids: batch.iter().map(|x| x.completion_ids.as_slice()).collect(),
             kwargs,
             global_step: batch.first().map_or(0, |x| x.global_step),
+            environment_ids: batch
+                .iter()
+                .any(|x| x.environment_instance.is_some())
+                .then(|| {
+                    batch
+                        .iter()
+                        .map(|x| x.environment_instance.as_deref())
+                        .collect()
+                }),
         }
     }
 }

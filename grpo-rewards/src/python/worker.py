@@ -11,7 +11,8 @@ stderr, and stdin is /dev/null for it, so nothing it does can reach the protocol
              |  {"ok": false, "field": "path" | "function", "error": "..."}
     call:    {"op": "call", "path": ..., "file": ..., "function": ...,
               "prompts": [...], "completions": [...], "completion_ids": [[...], ...],
-              "kwargs": {"answer": [...], ...}, "global_step": 3}
+              "kwargs": {"answer": [...], ...}, "global_step": 3,
+              "environment_ids": ["3", null, ...]}       (optional: TRL's `environments`)
              -> {"ok": true, "scores": [0.5, null, ...]}
              |  {"ok": false, "error": "raised ValueError: ... at /abs/rewards.py:12"}
 
@@ -283,8 +284,11 @@ class Worker:
     def call(self, req):
         f, files = self.function(req)
         state = types.SimpleNamespace(global_step=req["global_step"])
-        kwargs = req["kwargs"]
+        kwargs = dict(req["kwargs"])
         n = len(req["completions"])
+        if req.get("environment_ids") is not None:
+            # TRL's `environments`: each completion's environment_factory instance.
+            kwargs["environments"] = [Factory.find(i) for i in req["environment_ids"]]
         try:
             out = f(
                 prompts=req["prompts"],
@@ -431,23 +435,36 @@ async def _awaited(x):
 
 class Factory:
     """A TRL `environment_factory` class: its instances by episode id, and a pool of free ones
-    (made once, reset often, as TRL's trainer does)."""
+    (made once, reset often, as TRL's trainer does). Ids are unique in the worker, so a reward
+    call finds an instance by id alone."""
+
+    all = []  # every Factory of the worker
+    counter = 0
+
+    @classmethod
+    def find(cls, id_):
+        if id_ is None:
+            return None
+        for f in cls.all:
+            if id_ in f.instances:
+                return f.instances[id_]
+        return None
 
     def __init__(self, cls, init, methods, has_reward):
+        Factory.all.append(self)
         self.cls = cls
         self.init = init
         self.methods = methods
         self.has_reward = has_reward
         self.pool = []
         self.instances = {}
-        self.next = 0
 
     def take(self):
         return self.pool.pop() if self.pool else self.cls(**self.init)
 
     def put(self, inst):
-        self.next += 1
-        id_ = str(self.next)
+        Factory.counter += 1
+        id_ = str(Factory.counter)
         self.instances[id_] = inst
         return id_
 

@@ -552,6 +552,7 @@ pub fn episode_completions(
         };
     }
     let info = EpisodeBatch {
+        metadata: episodes.iter().map(|e| e.metadata.clone()).collect(),
         model_masks: episodes.iter().map(|e| e.is_model_token.clone()).collect(),
         messages: episodes
             .iter()

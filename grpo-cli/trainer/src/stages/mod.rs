@@ -87,6 +87,9 @@ pub struct EpisodeBatch {
     /// Per completion: the episode's messages after the prompt (assistant turns and
     /// observations), which rewards see as `completion_messages`.
     pub messages: Vec<Vec<grpo_rollout::ChatMessage>>,
+    /// Per completion: the episode's last metadata (what [`grpo_rollout::Environment::release`]
+    /// gets once the batch is scored; an `environment_factory` instance's id).
+    pub metadata: Vec<serde_json::Value>,
     /// Metrics of the episodes: `env/turns_mean`, `env/terminated_ratio`, `env/reward_mean`,
     /// the environment's `post_process` metrics as `env/{name}`, and `episodes/*`.
     pub metrics: std::collections::BTreeMap<String, f64>,

@@ -40,6 +40,18 @@ pub struct Scorer {
     /// `teacher_log.jsonl`.
     teacher_log: Option<TeacherLog>,
     policy_scorer: Option<Arc<PolicyScorer>>,
+    /// The run's environment, told when its episodes are scored.
+    environment: Option<RunEnvironment>,
+}
+
+/// The run's environment (Debug by its name).
+#[derive(Clone)]
+struct RunEnvironment(Arc<dyn grpo_rollout::Environment>);
+
+impl std::fmt::Debug for RunEnvironment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "environment `{}`", self.0.name())
+    }
 }
 
 impl Scorer {
@@ -57,6 +69,7 @@ impl Scorer {
             teaching: setup.teaching.clone(),
             teacher_log: TeacherLog::of(&setup.cfg),
             policy_scorer: setup.policy_scorer.clone(),
+            environment: setup.environment.clone().map(RunEnvironment),
         }
     }
 
@@ -108,16 +121,27 @@ impl Scorer {
                 x
             })
             .enumerate()
-            .map(
-                |(i, x)| match r.episodes.as_ref().and_then(|e| e.messages.get(i)) {
+            .map(|(i, x)| {
+                let x = match r.episodes.as_ref().and_then(|e| e.messages.get(i)) {
                     Some(m) => x.with_completion_messages(
                         m.iter()
                             .map(|m| Message::new(m.role.clone(), m.content.clone()))
                             .collect(),
                     ),
                     None => x,
-                },
-            )
+                };
+                // An environment_factory instance: TRL's `environments` of Python rewards.
+                let instance = r
+                    .episodes
+                    .as_ref()
+                    .and_then(|e| e.metadata.get(i))
+                    .and_then(|m| m.get(grpo_rollout::python_env::INSTANCE_KEY))
+                    .and_then(|v| v.as_str());
+                match instance {
+                    Some(id) => x.with_environment_instance(id),
+                    None => x,
+                }
+            })
             .collect()
     }
 
@@ -157,6 +181,17 @@ impl Scorer {
     ) -> Result<Scored> {
         if let Some(e) = &rollouts.episodes {
             self.add_environment_reward(&mut scores, &e.rewards)?;
+            // Scored: what the episodes held (environment instances) may go.
+            if let Some(RunEnvironment(env)) = &self.environment {
+                env.release(&e.metadata.iter().collect::<Vec<_>>())
+                    .map_err(|err| {
+                        anyhow!(
+                            "environment `{}`: release: {}",
+                            env.name(),
+                            crate::first_line(&err.to_string())
+                        )
+                    })?;
+            }
         }
         if let Some(log) = &self.teacher_log {
             log.write(&rollouts, inputs, &scores)?;
