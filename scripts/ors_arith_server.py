@@ -8,6 +8,8 @@ SDK's own server too.
               last assistant text holds a + b, else 0
   arithfinal  the same tasks; tool `add`; a @terminal tool `answer` that grades a plain answer
               (1 when its last integer is a + b, else 0)
+  chat        arithfinal whose prompt is a conversation (get_messages: system, user, an
+              assistant turn with reasoning and a tool call, a user turn with its result)
 
 Run: python scripts/ors_arith_server.py PORT   (needs `pip install openreward`)
      python scripts/ors_arith_server.py PORT --tasks 500 --seed 1 --max 9
@@ -20,7 +22,18 @@ import re
 
 from pydantic import BaseModel
 
-from openreward.environments import Environment, Server, TextBlock, ToolOutput, terminal, tool
+from openreward.environments import (
+    Environment,
+    Message,
+    ReasoningBlock,
+    Server,
+    TextBlock,
+    ToolCallBlock,
+    ToolOutput,
+    ToolResultBlock,
+    terminal,
+    tool,
+)
 
 
 TASKS = {
@@ -114,6 +127,35 @@ class ArithFinal(Environment):
         return ToolOutput(blocks=[TextBlock(text="graded")], reward=1.0 if right else 0.0, finished=True)
 
 
+class Chat(ArithFinal):
+    def get_messages(self):
+        a, b = self.task_spec["a"], self.task_spec["b"]
+        return [
+            Message(role="system", blocks=[TextBlock(text="You add numbers.")]),
+            Message(role="user", blocks=[TextBlock(text=f"a = {a}, b = {b}.")]),
+            Message(
+                role="assistant",
+                blocks=[
+                    ReasoningBlock(text="easy"),
+                    TextBlock(text="Let me add."),
+                    ToolCallBlock(id="c1", name="add", input={"x": a, "y": b}),
+                ],
+            ),
+            Message(
+                role="user",
+                blocks=[
+                    ToolResultBlock(tool_call_id="c1", blocks=[TextBlock(text=str(a + b))]),
+                    TextBlock(text="What is a + b?"),
+                ],
+            ),
+        ]
+
+    def get_prompt(self):
+        from openreward.environments.utils import flatten_messages
+
+        return flatten_messages(self.get_messages())
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("port", type=int)
@@ -127,4 +169,4 @@ if __name__ == "__main__":
             {"a": rng.randint(1, args.max), "b": rng.randint(1, args.max), "level": "random"}
             for _ in range(args.tasks)
         ]
-    Server([Arith, ArithFinal]).run(host="127.0.0.1", port=args.port)
+    Server([Arith, ArithFinal, Chat]).run(host="127.0.0.1", port=args.port)

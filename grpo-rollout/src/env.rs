@@ -48,12 +48,27 @@ pub struct EnvironmentReset {
     /// [`Environment::step`] sees: a session id, a seed); empty = the prompt's metadata for
     /// every episode.
     pub episodes: Vec<Value>,
+    /// A conversation the task starts with (an ORS environment's `/messages`), added after the
+    /// prompt's messages — in place of its last one when that is an empty user message (the
+    /// rows of a task dataset) — before [`Self::observation`]. Empty = none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub messages: Vec<ChatMessage>,
 }
 
 impl EnvironmentReset {
-    /// `messages` with [`Self::observation`] appended to the last user message (a new user
-    /// message when the last one is not the user's).
+    /// `messages` with [`Self::messages`] added (replacing an empty last user message), then
+    /// [`Self::observation`] appended to the last user message (a new user message when the
+    /// last one is not the user's).
     pub fn apply(&self, messages: &mut Vec<ChatMessage>) {
+        if !self.messages.is_empty() {
+            if messages
+                .last()
+                .is_some_and(|m| m.role == "user" && m.content.trim().is_empty())
+            {
+                messages.pop();
+            }
+            messages.extend(self.messages.iter().cloned());
+        }
         let Some(text) = &self.observation else {
             return;
         };

@@ -105,6 +105,10 @@ pub struct OrsConfig {
     pub score_group: bool,
     /// The weight of the group scores. Default 1.
     pub score_group_weight: f64,
+    /// Read each task's prompt as a conversation (`/{env}/messages`, with its roles) where the
+    /// server has that route; a one-message conversation is the `/prompt` text as before.
+    /// Default true.
+    pub prompt_messages: bool,
     /// Seconds between keep-alive pings of the open sessions (`POST /ping`, as the SDK sends
     /// them: a server deletes a session that has heard nothing for 15 minutes, which a long
     /// model turn can take); 0 = none. Default 60.
@@ -131,6 +135,7 @@ impl Default for OrsConfig {
             score_group: false,
             score_group_weight: 1.0,
             ping_interval: 60.0,
+            prompt_messages: true,
         }
     }
 }
@@ -706,6 +711,40 @@ impl OrsClient {
         }
     }
 
+    /// A session's prompt as a conversation (`/{env}/messages`, SDK 0.1.157): `None` when the
+    /// server has no such route. Text blocks become the message's text; a reasoning block
+    /// `<think>…</think>`, a tool call block a Hermes `<tool_call>`, a tool result block its
+    /// content's text; images are left out.
+    pub async fn messages(&self, env: &str, sid: &str) -> Result<Option<Vec<ChatMessage>>> {
+        let path = format!("/{env}/messages");
+        let Some(v) = self
+            .json(reqwest::Method::GET, &path, None, Some(sid), true)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let Some(list) = v.as_array() else {
+            return Err(self.error(
+                &format!("GET {path}"),
+                format!("not a list of messages: {v}"),
+            ));
+        };
+        list.iter()
+            .map(|m| {
+                let role = m.get("role").and_then(Value::as_str);
+                let blocks = m.get("blocks").and_then(Value::as_array);
+                match (role, blocks) {
+                    (Some(role), Some(blocks)) => Ok(ChatMessage::new(role, block_text(blocks))),
+                    _ => Err(self.error(
+                        &format!("GET {path}"),
+                        format!("a message without `role` and `blocks`: {m}"),
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// Runs tool `name` with `input` in session `sid`.
     pub async fn call(
         &self,
@@ -925,6 +964,36 @@ async fn parse_events(raw: &[u8]) -> Vec<(String, String)> {
     out
 }
 
+/// A message's blocks as text (see [`OrsClient::messages`]), joined by newlines.
+fn block_text(blocks: &[Value]) -> String {
+    blocks
+        .iter()
+        .filter_map(
+            |b| match b.get("type").and_then(Value::as_str).unwrap_or("text") {
+                "text" => b.get("text").and_then(Value::as_str).map(str::to_owned),
+                "reasoning" => b
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .map(|t| format!("<think>{t}</think>")),
+                "tool_call" => Some(format!(
+                    "{}{}{}",
+                    crate::tools::CALL_OPEN,
+                    json!({ "name": b.get("name").cloned().unwrap_or_default(),
+                        "arguments": b.get("input").cloned().unwrap_or(json!({})) }),
+                    crate::tools::CALL_CLOSE
+                )),
+                "tool_result" => b
+                    .get("blocks")
+                    .and_then(Value::as_array)
+                    .map(|inner| block_text(inner)),
+                _ => None,
+            },
+        )
+        .filter(|t| !t.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// The `text` of every text block, joined by newlines (as TRL's adapter).
 fn join_text(blocks: &[Value]) -> String {
     blocks
@@ -949,6 +1018,8 @@ pub struct OrsEnvironment {
     /// keep-alive task pings.
     open: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
     pinger: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Whether `/messages` is still worth asking (false after a 404).
+    has_messages: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for OrsEnvironment {
@@ -995,6 +1066,7 @@ impl OrsEnvironment {
             tools,
             open: Default::default(),
             pinger: std::sync::Mutex::new(None),
+            has_messages: std::sync::atomic::AtomicBool::new(cfg.prompt_messages),
         })
     }
 
@@ -1107,6 +1179,25 @@ impl OrsEnvironment {
         closed.iter().filter(|ok| !**ok).count()
     }
 
+    /// A session's task prompt: its conversation (`/messages`) when it has more than one user
+    /// message's text, else the text.
+    async fn task_prompt(&self, sid: &str) -> Result<TaskPrompt> {
+        use std::sync::atomic::Ordering;
+        if self.has_messages.load(Ordering::Relaxed) {
+            match self.client.messages(&self.env, sid).await? {
+                Some(m) if m.len() == 1 && m[0].role == "user" => {
+                    return Ok(TaskPrompt::Text(m[0].content.clone()));
+                }
+                Some(m) => return Ok(TaskPrompt::Conversation(m)),
+                None => self.has_messages.store(false, Ordering::Relaxed),
+            }
+        }
+        self.client
+            .prompt(&self.env, sid)
+            .await
+            .map(TaskPrompt::Text)
+    }
+
     /// One episode's turn: its calls in order, in its session.
     async fn turn(&self, text: &str, sid: &str) -> Result<TurnAnswer> {
         let calls = parse_tool_calls(text);
@@ -1198,6 +1289,28 @@ impl OrsEnvironment {
     }
 }
 
+/// A task's prompt: text for the row's user message, or a conversation.
+#[derive(Debug, Clone, PartialEq)]
+enum TaskPrompt {
+    Text(String),
+    Conversation(Vec<ChatMessage>),
+}
+
+impl TaskPrompt {
+    /// The first 80 characters, for messages.
+    fn shown(&self) -> String {
+        let text = match self {
+            TaskPrompt::Text(t) => t.clone(),
+            TaskPrompt::Conversation(m) => m
+                .iter()
+                .map(|m| format!("[{}] {}", m.role, m.content))
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        format!("{:?}", text.chars().take(80).collect::<String>())
+    }
+}
+
 #[derive(Debug, Default)]
 struct TurnAnswer {
     observation: Option<ChatMessage>,
@@ -1286,8 +1399,8 @@ impl AsyncEnvironment for OrsEnvironment {
             self.close_all(sids).await;
             return Err(e);
         }
-        let prompts: Vec<Result<String>> = futures_util::stream::iter(sids.clone())
-            .map(|sid| async move { self.client.prompt(&self.env, &sid).await })
+        let prompts: Vec<Result<TaskPrompt>> = futures_util::stream::iter(sids.clone())
+            .map(|sid| async move { self.task_prompt(&sid).await })
             .buffered(self.cfg.max_concurrent)
             .collect()
             .await;
@@ -1311,15 +1424,11 @@ impl AsyncEnvironment for OrsEnvironment {
             {
                 self.close_all(sids).await;
                 bail!(
-                    "prompt {p} ({:?}): its episodes' sessions gave different prompts ({:?} and \
-                     {:?}); the episodes of a prompt share one",
+                    "prompt {p} ({:?}): its episodes' sessions gave different prompts ({} and \
+                     {}); the episodes of a prompt share one",
                     tasks[p],
-                    first
-                        .unwrap_or_default()
-                        .chars()
-                        .take(80)
-                        .collect::<String>(),
-                    other.chars().take(80).collect::<String>()
+                    first.map(|f| f.shown()).unwrap_or_default(),
+                    other.shown()
                 );
             }
             let episodes = sids[range]
@@ -1333,9 +1442,15 @@ impl AsyncEnvironment for OrsEnvironment {
                     Value::Object(m)
                 })
                 .collect();
+            let (observation, messages) = match first {
+                Some(TaskPrompt::Text(t)) => (Some(t), Vec::new()),
+                Some(TaskPrompt::Conversation(m)) => (None, m),
+                None => (None, Vec::new()),
+            };
             out.push(EnvironmentReset {
-                observation: first,
+                observation,
                 episodes,
+                messages,
             });
         }
         Ok(out)

@@ -371,6 +371,7 @@ impl Environment for PythonFactoryEnvironment {
             resets.push(EnvironmentReset {
                 observation: first,
                 episodes,
+                ..EnvironmentReset::default()
             });
         }
         Ok(resets)

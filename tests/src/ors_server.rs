@@ -8,6 +8,10 @@
 //!   `score_group` gives 1 to a candidate whose last assistant text holds a + b, else 0.
 //! - `arithfinal`: the same tasks; tool `add` and a hidden `@terminal` tool `answer` grading a
 //!   plain answer (1 when its last integer is a + b).
+//! - `chat`: `arithfinal` whose prompt is a conversation (`/messages`: a system message, a user
+//!   message, an assistant turn with reasoning and a tool call, a user turn with its result).
+//!
+//! `/messages` of the other two is their prompt as one user message, as the SDK serves it.
 //!
 //! Binds `127.0.0.1:0`, runs on its own thread, stops when dropped. Counts sessions and calls,
 //! and takes one-shot faults ([`OrsFault`]).
@@ -56,6 +60,8 @@ pub struct OrsStats {
     pub resumed: usize,
     /// Keep-alive pings of live sessions.
     pub pings: usize,
+    /// `/messages` requests answered.
+    pub messages: usize,
 }
 
 #[derive(Debug)]
@@ -144,7 +150,7 @@ fn detail(status: u16, text: &str) -> Response {
 
 fn known(env: &str) -> Result<String, Response> {
     match env.to_lowercase().as_str() {
-        e @ ("arith" | "arithfinal") => Ok(e.to_owned()),
+        e @ ("arith" | "arithfinal" | "chat") => Ok(e.to_owned()),
         _ => Err(detail(404, &format!("unknown environment '{env}'"))),
     }
 }
@@ -304,7 +310,7 @@ fn run_tool(s: &Shared, sid: &str, name: &str, input: &Value) -> Result<String, 
             session.dead = true;
             return Err("boom".into());
         }
-        ("arithfinal", "answer") if answer().is_some() => {
+        ("arithfinal" | "chat", "answer") if answer().is_some() => {
             session.finished = true;
             let last = answer().and_then(|t| {
                 t.split(|c: char| !(c.is_ascii_digit() || c == '-'))
@@ -314,7 +320,7 @@ fn run_tool(s: &Shared, sid: &str, name: &str, input: &Value) -> Result<String, 
             let right = last == Some((a + b).to_string());
             text_output("graded", Some(if right { 1.0 } else { 0.0 }), true)
         }
-        ("arith", "submit") | ("arithfinal", "answer") => refused(
+        ("arith", "submit") | ("arithfinal" | "chat", "answer") => refused(
             "Tool input validation error: answer is required",
             "input_validation",
         ),
@@ -330,7 +336,73 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 async fn list_environments() -> Response {
-    axum::Json(json!(["arith", "arithfinal"])).into_response()
+    axum::Json(json!(["arith", "arithfinal", "chat"])).into_response()
+}
+
+/// A text block.
+fn text(t: &str) -> Value {
+    json!({ "text": t, "detail": null, "type": "text" })
+}
+
+/// The conversation of a session's task, as `/messages` serves it.
+fn conversation(env: &str, session: &Session) -> Value {
+    let (a, b) = task_of(&session.task);
+    match env {
+        "chat" => json!([
+            {"role": "system", "blocks": [text("You add numbers.")], "detail": null},
+            {"role": "user", "blocks": [text(&format!("a = {a}, b = {b}."))], "detail": null},
+            {"role": "assistant", "blocks": [
+                {"type": "reasoning", "text": "easy", "signature": null, "detail": null},
+                text("Let me add."),
+                {"type": "tool_call", "id": "c1", "name": "add", "input": {"x": a, "y": b}, "detail": null}
+            ], "detail": null},
+            {"role": "user", "blocks": [
+                {"type": "tool_result", "tool_call_id": "c1", "blocks": [text(&(a + b).to_string())], "is_error": false, "detail": null},
+                text("What is a + b?")
+            ], "detail": null}
+        ]),
+        _ => {
+            json!([{ "role": "user", "blocks": [text(&prompt_text(env, session))], "detail": null }])
+        }
+    }
+}
+
+/// The `/prompt` text of a session's task.
+fn prompt_text(env: &str, session: &Session) -> String {
+    let (a, b) = task_of(&session.task);
+    let mut text = match env {
+        "arith" => {
+            format!("What is {a} + {b}? Use the `add` tool, then give the result to `submit`.")
+        }
+        "chat" => format!("[system] You add numbers. [user] a = {a}, b = {b}. What is a + b?"),
+        _ => format!("What is {a} + {b}? Answer with the number."),
+    };
+    if let Some(t) = session.secrets.get("token") {
+        text.push_str(&format!(" (token {t})"));
+    }
+    text
+}
+
+async fn messages(
+    State(s): St,
+    uri: axum::http::Uri,
+    Path(env): Path<String>,
+    h: HeaderMap,
+) -> Response {
+    if let Some(OrsFault::Status(c)) = s.fault(uri.path()) {
+        return detail(c, "Not Found");
+    }
+    let sid = match sid_of(&h) {
+        Ok(sid) => sid,
+        Err(r) => return r,
+    };
+    let sessions = lock(&s.sessions);
+    let Some(session) = sessions.get(&sid) else {
+        return detail(404, "Active environment not found");
+    };
+    lock(&s.stats).messages += 1;
+    let env = known(&env).unwrap_or_default();
+    axum::Json(conversation(&env, session)).into_response()
 }
 
 async fn tools(Path(env): Path<String>) -> Response {
@@ -473,17 +545,8 @@ async fn prompt(State(s): St, Path(env): Path<String>, h: HeaderMap) -> Response
     let Some(session) = sessions.get(&sid) else {
         return detail(404, "Active environment not found");
     };
-    let (a, b) = task_of(&session.task);
-    let mut text = match known(&env).ok().as_deref() {
-        Some("arith") => {
-            format!("What is {a} + {b}? Use the `add` tool, then give the result to `submit`.")
-        }
-        _ => format!("What is {a} + {b}? Answer with the number."),
-    };
-    if let Some(t) = session.secrets.get("token") {
-        text.push_str(&format!(" (token {t})"));
-    }
-    axum::Json(json!([{ "text": text, "detail": null, "type": "text" }])).into_response()
+    let env = known(&env).unwrap_or_default();
+    axum::Json(json!([text(&prompt_text(&env, session))])).into_response()
 }
 
 async fn call(
@@ -638,6 +701,7 @@ impl OrsServer {
                         .route("/{env}/task", post(task))
                         .route("/{env}/task_range", post(task_range))
                         .route("/{env}/prompt", get(prompt))
+                        .route("/{env}/messages", get(messages))
                         .route("/{env}/call", post(call))
                         .route("/{env}/score_group", post(score_group))
                         .with_state(state);

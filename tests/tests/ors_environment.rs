@@ -96,7 +96,7 @@ fn tasks_and_tools_come_from_the_server() {
     rt().block_on(async {
         let client = OrsClient::new(&srv.config("arith")).unwrap();
         let envs = client.list_environments().await.unwrap();
-        assert_eq!(envs, ["arith", "arithfinal"]);
+        assert_eq!(envs, ["arith", "arithfinal", "chat"]);
         assert_eq!(client.resolve_env(None).await.unwrap(), "arith");
         let e = client
             .resolve_env(Some("nope"))
@@ -104,7 +104,7 @@ fn tasks_and_tools_come_from_the_server() {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("no environment `nope`") && e.contains("arith, arithfinal"),
+            e.contains("no environment `nope`") && e.contains("arith, arithfinal, chat"),
             "{e}"
         );
         assert_eq!(client.num_tasks("arith", "train").await.unwrap(), 6);
@@ -358,6 +358,97 @@ fn a_terminal_tool_grades_a_plain_answer() {
         assert_eq!(calls, ["add", "answer", "answer", "answer"]);
         assert_eq!(s.live_sessions(), 0);
     }
+}
+
+#[test]
+fn a_conversation_prompt_keeps_its_roles() {
+    let srv = Srv::start();
+    let env = Blocking::build(OrsEnvironment::connect(&srv.config("chat"))).unwrap();
+    let resets = env.reset(&[&json!({"task_index": 2})], 2).unwrap();
+    let r = &resets[0];
+    assert_eq!(r.observation, None);
+    let got: Vec<(&str, &str)> = r
+        .messages
+        .iter()
+        .map(|m| (m.role.as_str(), m.content.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("system", "You add numbers."),
+            ("user", "a = 4, b = 7."),
+            (
+                "assistant",
+                "<think>easy</think>\nLet me add.\n<tool_call>{\"name\":\"add\",\"arguments\":{\"x\":4,\"y\":7}}</tool_call>"
+            ),
+            ("user", "11\nWhat is a + b?"),
+        ]
+    );
+    // The dataset's empty user message gives way to the conversation.
+    let mut messages = vec![ChatMessage::new("user", "")];
+    r.apply(&mut messages);
+    assert_eq!(messages.len(), 4);
+    assert_eq!(messages[0].role, "system");
+    // The model's plain answer is graded by the terminal tool.
+    let logs = [log("q", &["It is 11."]), log("q", &["12"])];
+    let l: Vec<&[ChatMessage]> = logs.iter().map(Vec::as_slice).collect();
+    let m: Vec<&Value> = r.episodes.iter().collect();
+    let out = env.step(&l, &m).unwrap();
+    assert_eq!(out.rewards, [1.0, 0.0]);
+    let mut eps: Vec<Episode> = m
+        .iter()
+        .map(|m| episode(0, (*m).clone(), Vec::new()))
+        .collect();
+    env.post_process(&mut eps).unwrap();
+    if let Some(s) = &srv.0 {
+        assert_eq!(s.stats().messages, 2);
+        assert_eq!(s.live_sessions(), 0);
+    }
+}
+
+#[test]
+fn a_server_without_messages_gives_the_prompt_text() {
+    let Some(server) = OrsServer::start().ok() else {
+        return;
+    };
+    let cfg = OrsConfig {
+        env_name: Some("arith".into()),
+        ..OrsConfig::new(server.url())
+    };
+    let env = Blocking::build(OrsEnvironment::connect(&cfg)).unwrap();
+    // An older server: /messages is not found once, and not asked again.
+    server.push_fault("/messages", OrsFault::Status(404));
+    let want = "What is 3 + 4? Use the `add` tool, then give the result to `submit`.";
+    for _ in 0..2 {
+        let r = env.reset(&[&json!({"task_index": 1})], 1).unwrap();
+        assert_eq!(r[0].observation.as_deref(), Some(want));
+        assert!(r[0].messages.is_empty());
+        let mut eps: Vec<Episode> = r[0]
+            .episodes
+            .iter()
+            .map(|m| episode(0, m.clone(), Vec::new()))
+            .collect();
+        env.post_process(&mut eps).unwrap();
+    }
+    assert_eq!(server.stats().messages, 0);
+    // A one-message conversation is the prompt text, as before; switched off, none is asked.
+    let env = Blocking::build(OrsEnvironment::connect(&cfg)).unwrap();
+    let r = env.reset(&[&json!({"task_index": 1})], 1).unwrap();
+    assert_eq!(r[0].observation.as_deref(), Some(want));
+    assert_eq!(server.stats().messages, 1);
+    let cfg = OrsConfig {
+        prompt_messages: false,
+        ..cfg
+    };
+    let off = Blocking::build(OrsEnvironment::connect(&cfg)).unwrap();
+    let r2 = off.reset(&[&json!({"task_index": 1})], 1).unwrap();
+    assert_eq!(r2[0].observation.as_deref(), Some(want));
+    assert_eq!(server.stats().messages, 1);
+    for (e, r) in [(&env, &r), (&off, &r2)] {
+        let mut eps = vec![episode(0, r[0].episodes[0].clone(), Vec::new())];
+        e.post_process(&mut eps).unwrap();
+    }
+    assert_eq!(server.live_sessions(), 0);
 }
 
 #[test]
