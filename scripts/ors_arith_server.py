@@ -51,10 +51,8 @@ class Answer(BaseModel):
     answer: str
 
 
-class Arith(Environment):
-    def __init__(self, task_spec={}, secrets={}):
-        super().__init__(task_spec, secrets)
-        self.secret = secrets.get("token")
+class Additions(Environment):
+    """The tasks and the `add` tool the environments share."""
 
     @classmethod
     def list_splits(cls):
@@ -64,17 +62,23 @@ class Arith(Environment):
     def list_tasks(cls, split):
         return TASKS[split]
 
+    @tool
+    def add(self, args: AddInput) -> ToolOutput:
+        """Adds two integers."""
+        return ToolOutput(blocks=[TextBlock(text=str(args.x + args.y))])
+
+
+class Arith(Additions):
+    def __init__(self, task_spec={}, secrets={}):
+        super().__init__(task_spec, secrets)
+        self.secret = secrets.get("token")
+
     def get_prompt(self):
         a, b = self.task_spec["a"], self.task_spec["b"]
         text = f"What is {a} + {b}? Use the `add` tool, then give the result to `submit`."
         if self.secret:
             text += f" (token {self.secret})"
         return [TextBlock(text=text)]
-
-    @tool
-    def add(self, args: AddInput) -> ToolOutput:
-        """Adds two integers."""
-        return ToolOutput(blocks=[TextBlock(text=str(args.x + args.y))])
 
     @tool
     def submit(self, args: Answer) -> ToolOutput:
@@ -100,23 +104,10 @@ class Arith(Environment):
         return scores
 
 
-class ArithFinal(Environment):
-    @classmethod
-    def list_splits(cls):
-        return list(TASKS)
-
-    @classmethod
-    def list_tasks(cls, split):
-        return TASKS[split]
-
+class ArithFinal(Additions):
     def get_prompt(self):
         a, b = self.task_spec["a"], self.task_spec["b"]
         return [TextBlock(text=f"What is {a} + {b}? Answer with the number.")]
-
-    @tool
-    def add(self, args: AddInput) -> ToolOutput:
-        """Adds two integers."""
-        return ToolOutput(blocks=[TextBlock(text=str(args.x + args.y))])
 
     @terminal
     @tool

@@ -79,6 +79,17 @@ impl EnvironmentReset {
     }
 }
 
+/// `row` (a JSON object; anything else counts as an empty one) with `key` set to `value`: an
+/// episode's starting metadata, its row and what the environment keeps for it (a session id).
+pub fn row_with(row: &Value, key: &str, value: Value) -> Value {
+    let mut o = match row {
+        Value::Object(o) => o.clone(),
+        _ => serde_json::Map::new(),
+    };
+    o.insert(key.to_owned(), value);
+    Value::Object(o)
+}
+
 /// An environment's answer for a batch of episodes: every vector has one entry per episode, in
 /// the order the episodes were given to [`Environment::step`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -402,39 +413,17 @@ impl<E: AsyncEnvironment> std::fmt::Debug for Blocking<E> {
 impl<E: AsyncEnvironment> Blocking<E> {
     /// `inner` with a runtime of its own.
     pub fn new(inner: E) -> Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("grpo-environment-async")
-            .enable_all()
-            .build()
-            .map_err(|e| {
-                candle_core::Error::msg(format!(
-                    "environment `{}`: cannot start a tokio runtime: {e}",
-                    inner.name()
-                ))
-            })?;
+        let runtime = runtime()
+            .map_err(|e| candle_core::Error::msg(format!("environment `{}`: {e}", inner.name())))?;
         Ok(Self { inner, runtime })
     }
 
     /// The environment `make` builds (e.g. one that connects to a server first), built on the
     /// runtime it will then run on.
     pub fn build(make: impl std::future::Future<Output = Result<E>> + Send) -> Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("grpo-environment-async")
-            .enable_all()
-            .build()
-            .map_err(|e| {
-                candle_core::Error::msg(format!("environment: cannot start a tokio runtime: {e}"))
-            })?;
-        let inner = if tokio::runtime::Handle::try_current().is_err() {
-            runtime.block_on(make)?
-        } else {
-            std::thread::scope(|s| match s.spawn(|| runtime.block_on(make)).join() {
-                Ok(out) => out,
-                Err(panic) => std::panic::resume_unwind(panic),
-            })?
-        };
+        let runtime =
+            runtime().map_err(|e| candle_core::Error::msg(format!("environment: {e}")))?;
+        let inner = drive(&runtime, make)?;
         Ok(Self { inner, runtime })
     }
 
@@ -444,14 +433,35 @@ impl<E: AsyncEnvironment> Blocking<E> {
     }
 
     fn block_on<T: Send>(&self, fut: impl std::future::Future<Output = T> + Send) -> T {
-        if tokio::runtime::Handle::try_current().is_err() {
-            return self.runtime.block_on(fut);
-        }
-        std::thread::scope(|s| match s.spawn(|| self.runtime.block_on(fut)).join() {
-            Ok(out) => out,
-            Err(panic) => std::panic::resume_unwind(panic),
-        })
+        drive(&self.runtime, fut)
     }
+}
+
+/// The runtime a [`Blocking`] owns: two worker threads, timers and sockets.
+#[cfg(feature = "async")]
+fn runtime() -> std::result::Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("grpo-environment-async")
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a tokio runtime: {e}"))
+}
+
+/// `fut` driven to its end on `runtime`; from inside another tokio runtime, on a scoped thread
+/// of its own, so runtimes never nest.
+#[cfg(feature = "async")]
+fn drive<T: Send>(
+    runtime: &tokio::runtime::Runtime,
+    fut: impl std::future::Future<Output = T> + Send,
+) -> T {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return runtime.block_on(fut);
+    }
+    std::thread::scope(|s| match s.spawn(|| runtime.block_on(fut)).join() {
+        Ok(out) => out,
+        Err(panic) => std::panic::resume_unwind(panic),
+    })
 }
 
 #[cfg(feature = "async")]

@@ -45,11 +45,11 @@ use std::time::Duration;
 use base64::Engine as _;
 use candle_core::{Result, bail};
 use futures_util::StreamExt;
-use grpo_rewards::http::{RetryDecision, RetryPolicy, retry_after};
+use grpo_rewards::http::{FailedAttempt as Failure, RetryPolicy, error_chain, retry_after};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::env::{AsyncEnvironment, EnvironmentReset, EnvironmentReturn};
+use crate::env::{AsyncEnvironment, EnvironmentReset, EnvironmentReturn, row_with};
 use crate::episode::Episode;
 use crate::tokenizer::ChatMessage;
 use crate::tools::{ERROR_PREFIX, function_schema, parse_tool_calls, tool_metrics};
@@ -267,24 +267,6 @@ pub enum OrsTask {
     Spec(Value),
 }
 
-/// A failed attempt, and whether to try again.
-#[derive(Debug)]
-struct Failure {
-    message: String,
-    status: Option<u16>,
-    retryable: bool,
-    wait: Option<Duration>,
-}
-
-impl RetryDecision for Failure {
-    fn retryable(&self) -> bool {
-        self.retryable
-    }
-    fn retry_after(&self) -> Option<Duration> {
-        self.wait
-    }
-}
-
 /// An HTTP client of one ORS server (see the [module docs](self)).
 #[derive(Debug, Clone)]
 pub struct OrsClient {
@@ -392,31 +374,22 @@ impl OrsClient {
             message: format!("HTTP {status}: {}", first.trim()),
             status: Some(status),
             retryable: matches!(status, 429 | 502 | 503 | 504),
-            wait,
+            retry_after: wait,
         }
     }
 
     fn transport(e: reqwest::Error) -> Failure {
         let retryable = e.is_connect();
-        let e = e.without_url();
-        let mut message = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        while let Some(s) = source {
-            let text = s.to_string();
-            if !message.contains(&text) {
-                message.push_str(": ");
-                message.push_str(&text);
-            }
-            source = s.source();
-        }
-        if e.is_timeout() {
-            message = "no answer in time (environment.ors.timeout)".into();
-        }
+        let message = if e.is_timeout() {
+            "no answer in time (environment.ors.timeout)".into()
+        } else {
+            error_chain(&e.without_url())
+        };
         Failure {
             message,
             status: None,
             retryable,
-            wait: None,
+            retry_after: None,
         }
     }
 
@@ -1433,14 +1406,7 @@ impl AsyncEnvironment for OrsEnvironment {
             }
             let episodes = sids[range]
                 .iter()
-                .map(|sid| {
-                    let mut m = match row {
-                        Value::Object(o) => o.clone(),
-                        _ => serde_json::Map::new(),
-                    };
-                    m.insert(SESSION_KEY.into(), Value::String(sid.clone()));
-                    Value::Object(m)
-                })
+                .map(|sid| row_with(row, SESSION_KEY, Value::String(sid.clone())))
                 .collect();
             let (observation, messages) = match first {
                 Some(TaskPrompt::Text(t)) => (Some(t), Vec::new()),

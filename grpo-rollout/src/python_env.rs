@@ -44,7 +44,7 @@ use grpo_rewards::python::{PythonConfig, PythonKind, PythonObject, PythonWorkers
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::env::{Environment, EnvironmentReset, EnvironmentReturn};
+use crate::env::{Environment, EnvironmentReset, EnvironmentReturn, row_with};
 use crate::episode::Episode;
 use crate::tokenizer::ChatMessage;
 
@@ -359,14 +359,7 @@ impl Environment for PythonFactoryEnvironment {
             }
             let episodes = ids[range]
                 .iter()
-                .map(|id| {
-                    let mut row = match m {
-                        Value::Object(o) => o.clone(),
-                        _ => serde_json::Map::new(),
-                    };
-                    row.insert(INSTANCE_KEY.into(), Value::String(id.clone()));
-                    Value::Object(row)
-                })
+                .map(|id| row_with(m, INSTANCE_KEY, Value::String(id.clone())))
                 .collect();
             resets.push(EnvironmentReset {
                 observation: first,

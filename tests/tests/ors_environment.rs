@@ -90,6 +90,15 @@ fn episode(prompt_index: usize, metadata: Value, messages: Vec<ChatMessage>) -> 
     }
 }
 
+/// Post-processes finished episodes with `metadata`: the environment closes their sessions.
+fn close(env: &dyn Environment, metadata: impl IntoIterator<Item = Value>) {
+    let mut eps: Vec<Episode> = metadata
+        .into_iter()
+        .map(|m| episode(0, m, Vec::new()))
+        .collect();
+    env.post_process(&mut eps).expect("post_process closes the sessions");
+}
+
 #[test]
 fn tasks_and_tools_come_from_the_server() {
     let srv = Srv::start();
@@ -347,11 +356,7 @@ fn a_terminal_tool_grades_a_plain_answer() {
     assert_eq!(r.terminateds, [true, true, false, true]);
     assert_eq!(r.observations[0], None);
     assert_eq!(r.observations[2].as_ref().unwrap().content, "7");
-    let mut eps: Vec<Episode> = m
-        .iter()
-        .map(|m| episode(0, (*m).clone(), Vec::new()))
-        .collect();
-    env.post_process(&mut eps).unwrap();
+    close(&env, m.iter().map(|m| (*m).clone()));
     if let Some(s) = &srv.0 {
         let mut calls = s.stats().calls;
         calls.sort_unstable();
@@ -395,11 +400,7 @@ fn a_conversation_prompt_keeps_its_roles() {
     let m: Vec<&Value> = r.episodes.iter().collect();
     let out = env.step(&l, &m).unwrap();
     assert_eq!(out.rewards, [1.0, 0.0]);
-    let mut eps: Vec<Episode> = m
-        .iter()
-        .map(|m| episode(0, (*m).clone(), Vec::new()))
-        .collect();
-    env.post_process(&mut eps).unwrap();
+    close(&env, m.iter().map(|m| (*m).clone()));
     if let Some(s) = &srv.0 {
         assert_eq!(s.stats().messages, 2);
         assert_eq!(s.live_sessions(), 0);
@@ -423,12 +424,7 @@ fn a_server_without_messages_gives_the_prompt_text() {
         let r = env.reset(&[&json!({"task_index": 1})], 1).unwrap();
         assert_eq!(r[0].observation.as_deref(), Some(want));
         assert!(r[0].messages.is_empty());
-        let mut eps: Vec<Episode> = r[0]
-            .episodes
-            .iter()
-            .map(|m| episode(0, m.clone(), Vec::new()))
-            .collect();
-        env.post_process(&mut eps).unwrap();
+        close(&env, r[0].episodes.clone());
     }
     assert_eq!(server.stats().messages, 0);
     // A one-message conversation is the prompt text, as before; switched off, none is asked.
@@ -444,10 +440,8 @@ fn a_server_without_messages_gives_the_prompt_text() {
     let r2 = off.reset(&[&json!({"task_index": 1})], 1).unwrap();
     assert_eq!(r2[0].observation.as_deref(), Some(want));
     assert_eq!(server.stats().messages, 1);
-    for (e, r) in [(&env, &r), (&off, &r2)] {
-        let mut eps = vec![episode(0, r[0].episodes[0].clone(), Vec::new())];
-        e.post_process(&mut eps).unwrap();
-    }
+    close(&env, r[0].episodes.clone());
+    close(&off, r2[0].episodes.clone());
     assert_eq!(server.live_sessions(), 0);
 }
 
@@ -510,8 +504,7 @@ fn secrets_reach_the_session_from_the_environment_variable_named() {
     if let Some(s) = &srv.0 {
         assert_eq!(s.stats().secrets.last().unwrap()["token"], home);
     }
-    let mut eps = vec![episode(0, resets[0].episodes[0].clone(), Vec::new())];
-    env.post_process(&mut eps).unwrap();
+    close(&env, resets[0].episodes.clone());
     // A secret whose variable is not set is refused, naming both.
     cfg.secrets
         .insert("key".into(), "GRPO_TEST_UNSET_VARIABLE_41".into());
@@ -557,8 +550,7 @@ fn bad_rows_and_bad_servers_fail_in_one_line() {
             .unwrap()
             .starts_with("What is 40 + 2?")
     );
-    let mut eps = vec![episode(0, r[0].episodes[0].clone(), Vec::new())];
-    env.post_process(&mut eps).unwrap();
+    close(&env, r[0].episodes.clone());
     // A task spec given whole.
     let spec = json!({"task_spec": "{\"a\": 20, \"b\": 22}"});
     let r = env.reset(&[&spec], 1).unwrap();
@@ -568,8 +560,7 @@ fn bad_rows_and_bad_servers_fail_in_one_line() {
             .unwrap()
             .starts_with("What is 20 + 22?")
     );
-    let mut eps = vec![episode(0, r[0].episodes[0].clone(), Vec::new())];
-    env.post_process(&mut eps).unwrap();
+    close(&env, r[0].episodes.clone());
     // A step without reset names the cause.
     let logs = [log("q", &["hi"])];
     let e = env
@@ -651,8 +642,7 @@ fn broken_streams_resume_and_unavailable_answers_are_retried() {
         e.contains("HTTP 500") && e.contains("injected fault"),
         "{e}"
     );
-    let mut eps = vec![episode(0, m, Vec::new())];
-    env.post_process(&mut eps).unwrap();
+    close(&env, [m]);
     assert_eq!(server.live_sessions(), 0);
 }
 
@@ -673,12 +663,7 @@ fn open_sessions_are_kept_alive_until_closed() {
     let pinged = server.stats().pings;
     // About ten; at least one round even on a loaded machine.
     assert!(pinged >= 2, "{pinged} pings of 2 sessions in 0.55 s");
-    let mut eps: Vec<Episode> = r[0]
-        .episodes
-        .iter()
-        .map(|m| episode(0, m.clone(), Vec::new()))
-        .collect();
-    env.post_process(&mut eps).unwrap();
+    close(&env, r[0].episodes.clone());
     let after = server.stats().pings;
     std::thread::sleep(std::time::Duration::from_millis(350));
     // Closed sessions are not pinged (one round may have been in flight).

@@ -692,27 +692,32 @@ fn configured_environment(
                 .map_err(|e| anyhow!("config: environment.python: {e}"))?;
             Some(Arc::new(e))
         }
-        Some(EnvironmentKind::Factory) if !env.factories.is_empty() => {
-            use grpo_rollout::python_env::{PythonFactoryEnvironment, PythonFactoryRouter};
-            let mut envs = std::collections::BTreeMap::new();
-            for (name, p) in &env.factories {
-                let e = PythonFactoryEnvironment::new(p, workers)
-                    .map_err(|e| anyhow!("config: environment.factories.{name}: {e}"))?
-                    .with_max_calls_per_turn(env.max_calls_per_turn);
-                envs.insert(name.clone(), e);
-            }
-            let e = PythonFactoryRouter::new(envs)
-                .map_err(|e| anyhow!("config: environment.factories: {e}"))?;
-            Some(Arc::new(e))
-        }
         Some(EnvironmentKind::Factory) => {
-            let Some(p) = &env.python else {
-                bail!("config: environment.type = \"factory\" needs [environment.python]");
+            use grpo_rollout::python_env::{PythonFactoryEnvironment, PythonFactoryRouter};
+            let build = |key: &str, p| -> Result<PythonFactoryEnvironment> {
+                Ok(PythonFactoryEnvironment::new(p, workers)
+                    .map_err(|e| anyhow!("config: {key}: {e}"))?
+                    .with_max_calls_per_turn(env.max_calls_per_turn))
             };
-            let e = grpo_rollout::python_env::PythonFactoryEnvironment::new(p, workers)
-                .map_err(|e| anyhow!("config: environment.python: {e}"))?
-                .with_max_calls_per_turn(env.max_calls_per_turn);
-            Some(Arc::new(e))
+            match &env.python {
+                // One class, or several routed by the rows' `environment` column.
+                Some(p) => Some(Arc::new(build("environment.python", p)?)),
+                None => {
+                    let envs = env
+                        .factories
+                        .iter()
+                        .map(|(name, p)| {
+                            Ok((
+                                name.clone(),
+                                build(&format!("environment.factories.{name}"), p)?,
+                            ))
+                        })
+                        .collect::<Result<_>>()?;
+                    let e = PythonFactoryRouter::new(envs)
+                        .map_err(|e| anyhow!("config: environment.factories: {e}"))?;
+                    Some(Arc::new(e))
+                }
+            }
         }
         Some(EnvironmentKind::Ors) => {
             let Some(o) = &env.ors else {

@@ -976,25 +976,32 @@ fn environment_factory_classes_are_checked_in_one_line() {
         e.contains("no function `Nope`") || e.contains("Nope"),
         "{e}"
     );
-    let env = factory(dir.path(), &py, "BadReset").unwrap();
-    let e = env
-        .reset(&[&serde_json::json!({"answer": 1, "prompt": "p"})], 1)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("reset returned a int"), "{e}");
-    let env = factory(dir.path(), &py, "Moody").unwrap();
-    let e = env
-        .reset(&[&serde_json::json!({"answer": 1, "prompt": "p"})], 2)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("different texts"), "{e}");
-    // A row without the column reset needs: the TypeError, with the hint.
-    let env = factory(dir.path(), &py, "Lock").unwrap();
-    let e = env
-        .reset(&[&serde_json::json!({"question": 1, "prompt": "p"})], 1)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("TypeError") && e.contains("answer"), "{e}");
+    // A reset that returns no text, texts that differ within a group, and a row without the
+    // column reset needs (the TypeError, with the hint).
+    for (class, row, n, want) in [
+        (
+            "BadReset",
+            serde_json::json!({"answer": 1, "prompt": "p"}),
+            1,
+            &["reset returned a int"][..],
+        ),
+        (
+            "Moody",
+            serde_json::json!({"answer": 1, "prompt": "p"}),
+            2,
+            &["different texts"][..],
+        ),
+        (
+            "Lock",
+            serde_json::json!({"question": 1, "prompt": "p"}),
+            1,
+            &["TypeError", "answer"][..],
+        ),
+    ] {
+        let env = factory(dir.path(), &py, class).unwrap();
+        let e = env.reset(&[&row], n).unwrap_err().to_string();
+        assert!(want.iter().all(|w| e.contains(w)), "{e}");
+    }
 }
 
 #[test]

@@ -20,6 +20,29 @@ pub trait RetryDecision {
     }
 }
 
+/// Why one HTTP attempt failed, and whether to try again: the [`RetryDecision`] of the
+/// project's clients (the `http` reward, grpo-rollout's ORS client).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailedAttempt {
+    /// One line for the user.
+    pub message: String,
+    /// The HTTP status, when the server answered.
+    pub status: Option<u16>,
+    /// Whether another attempt may succeed.
+    pub retryable: bool,
+    /// The wait the server asked for.
+    pub retry_after: Option<Duration>,
+}
+
+impl RetryDecision for FailedAttempt {
+    fn retryable(&self) -> bool {
+        self.retryable
+    }
+    fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+}
+
 /// HTTP statuses worth another attempt: 408 (request timeout), 409 (conflict), 429 (rate
 /// limited) and every 5xx.
 pub fn retryable_status(status: u16) -> bool {

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
-use super::retry::{RetryDecision, RetryPolicy, retry_after, retry_after_ms, retryable_status};
+use super::retry::{FailedAttempt, RetryPolicy, retry_after, retry_after_ms, retryable_status};
 use super::snippet;
 use crate::error::{Result, RewardError};
 use crate::reward::{AsyncReward, BoxFuture};
@@ -233,23 +233,6 @@ impl std::fmt::Debug for HttpReward {
     }
 }
 
-/// Why one attempt failed.
-#[derive(Debug)]
-struct Failure {
-    message: String,
-    retryable: bool,
-    retry_after: Option<Duration>,
-}
-
-impl RetryDecision for Failure {
-    fn retryable(&self) -> bool {
-        self.retryable
-    }
-    fn retry_after(&self) -> Option<Duration> {
-        self.retry_after
-    }
-}
-
 /// Counts of one batch.
 #[derive(Default)]
 struct Counts {
@@ -391,9 +374,14 @@ impl HttpReward {
     }
 
     /// One attempt: the answer's body when the status is 2xx.
-    async fn attempt(&self, body: &[u8], counts: &Counts) -> std::result::Result<Vec<u8>, Failure> {
-        let permit = self.semaphore.acquire().await.map_err(|_| Failure {
+    async fn attempt(
+        &self,
+        body: &[u8],
+        counts: &Counts,
+    ) -> std::result::Result<Vec<u8>, FailedAttempt> {
+        let permit = self.semaphore.acquire().await.map_err(|_| FailedAttempt {
             message: "the reward was shut down".into(),
+            status: None,
             retryable: false,
             retry_after: None,
         })?;
@@ -424,8 +412,9 @@ impl HttpReward {
             let text = response.text().await.unwrap_or_default();
             let text = self.scrub(&text);
             let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
-            Err(Failure {
+            Err(FailedAttempt {
                 message: format!("HTTP {}: {}", status.as_u16(), snippet(first.trim())),
+                status: Some(status.as_u16()),
                 retryable: retryable_status(status.as_u16()),
                 retry_after: wait,
             })
@@ -435,8 +424,9 @@ impl HttpReward {
         drop(permit);
         outcome.unwrap_or_else(|_| {
             counts.timeouts.fetch_add(1, Ordering::Relaxed);
-            Err(Failure {
+            Err(FailedAttempt {
                 message: format!("no answer within {} s (timeout)", self.config.timeout),
+                status: None,
                 retryable: true,
                 retry_after: None,
             })
@@ -445,20 +435,11 @@ impl HttpReward {
 
     /// A request that got no HTTP answer: the error and its causes, without the URL (the
     /// message names it once).
-    fn transport(&self, e: reqwest::Error) -> Failure {
-        let e = e.without_url();
-        let mut message = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        while let Some(s) = source {
-            let s_text = s.to_string();
-            if !message.contains(&s_text) {
-                message.push_str(": ");
-                message.push_str(&s_text);
-            }
-            source = s.source();
-        }
-        Failure {
+    fn transport(&self, e: reqwest::Error) -> FailedAttempt {
+        let message = super::error_chain(&e.without_url());
+        FailedAttempt {
             message: self.scrub(&message),
+            status: None,
             retryable: true,
             retry_after: None,
         }
@@ -480,7 +461,7 @@ impl HttpReward {
             .retry_policy()
             .retry(
                 || self.attempt(&body, counts),
-                |f: &Failure, wait| {
+                |f: &FailedAttempt, wait| {
                     let n = retries.fetch_add(1, Ordering::Relaxed) + 1;
                     counts.retries.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(reward = %self.name, url = %self.url, error = %f.message, retry = n, wait_ms = wait.as_millis() as u64, "reward request failed; retrying");

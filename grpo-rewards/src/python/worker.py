@@ -172,45 +172,36 @@ class Worker:
                 source = source.co_filename
             if source:
                 files.add(os.path.abspath(source))
-        if req.get("kind") == "factory":
+        kind = req.get("kind")
+        if kind in ("environment", "factory"):
+            # A class: NeMo RL's `step`, or TRL's environment_factory interface.
+            method, signature = {
+                "environment": ("step", "`step(self, message_logs, metadata)` method"),
+                "factory": ("reset", "`reset(self, **kwargs)` method (TRL's environment_factory interface)"),
+            }[kind]
             if not isinstance(f, type):
                 raise LoadError(
                     "function", "`%s` in %s is a %s, not a class" % (name, req["path"], type(f).__name__)
                 )
-            if not callable(getattr(f, "reset", None)):
-                raise LoadError(
-                    "function",
-                    "class `%s` in %s has no `reset(self, **kwargs)` method (TRL's environment_factory interface)"
-                    % (name, req["path"]),
-                )
+            if not callable(getattr(f, method, None)):
+                raise LoadError("function", "class `%s` in %s has no %s" % (name, req["path"], signature))
+            init = req.get("init") or {}
             try:
-                probe = f(**(req.get("init") or {}))
+                instance = f(**init)
             except Exception as e:
                 traceback_of("creating `%s` from %s" % (name, req["path"]))
                 raise LoadError("function", "`%s(**init)` raised %s" % (name, describe(e, files)))
-            # As TRL: the class's public functions but reset and get_reward are the tools.
-            methods = [
-                m
-                for m, _ in inspect.getmembers(f, predicate=inspect.isfunction)
-                if m not in ("reset", "get_reward") and not m.startswith("_")
-            ]
-            f = Factory(f, req.get("init") or {}, methods, callable(getattr(f, "get_reward", None)))
-            f.pool.append(probe)
-        elif req.get("kind") == "environment":
-            if not isinstance(f, type):
-                raise LoadError(
-                    "function", "`%s` in %s is a %s, not a class" % (name, req["path"], type(f).__name__)
-                )
-            if not callable(getattr(f, "step", None)):
-                raise LoadError(
-                    "function",
-                    "class `%s` in %s has no `step(self, message_logs, metadata)` method" % (name, req["path"]),
-                )
-            try:
-                f = f(**(req.get("init") or {}))
-            except Exception as e:
-                traceback_of("creating `%s` from %s" % (name, req["path"]))
-                raise LoadError("function", "`%s(**init)` raised %s" % (name, describe(e, files)))
+            if kind == "factory":
+                # As TRL: the class's public functions but reset and get_reward are the tools.
+                methods = [
+                    m
+                    for m, _ in inspect.getmembers(f, predicate=inspect.isfunction)
+                    if m not in ("reset", "get_reward") and not m.startswith("_")
+                ]
+                f = Factory(f, init, methods, callable(getattr(f, "get_reward", None)))
+                f.pool.append(instance)
+            else:
+                f = instance
         self.functions[key] = (f, files)
         return self.functions[key]
 
@@ -218,12 +209,7 @@ class Worker:
         """`call()`, awaited if it returns an awaitable; exceptions as one-line answers."""
         f, files = self.function(req)
         try:
-            out = call(f)
-            if inspect.isawaitable(out):
-                if self.loop is None:
-                    self.loop = asyncio.new_event_loop()
-                out = self.loop.run_until_complete(_awaited(out))
-            return out, None
+            return self.awaited(call(f)), None
         except (Exception, SystemExit) as e:
             traceback_of("`%s` in %s (%s)" % (req["function"], req["path"], what))
             return None, {"ok": False, "error": "raised " + describe(e, files)}
@@ -290,17 +276,15 @@ class Worker:
             # TRL's `environments`: each completion's environment_factory instance.
             kwargs["environments"] = [Factory.find(i) for i in req["environment_ids"]]
         try:
-            out = f(
-                prompts=req["prompts"],
-                completions=req["completions"],
-                completion_ids=req["completion_ids"],
-                trainer_state=state,
-                **kwargs,
+            out = self.awaited(
+                f(
+                    prompts=req["prompts"],
+                    completions=req["completions"],
+                    completion_ids=req["completion_ids"],
+                    trainer_state=state,
+                    **kwargs,
+                )
             )
-            if inspect.isawaitable(out):
-                if self.loop is None:
-                    self.loop = asyncio.new_event_loop()
-                out = self.loop.run_until_complete(_awaited(out))
         except (Exception, SystemExit) as e:
             traceback_of("`%s` in %s" % (req["function"], req["path"]))
             text = "raised " + describe(e, files)
@@ -313,6 +297,7 @@ class Worker:
         return scores(out, n)
 
     def awaited(self, out):
+        """`out`, run to its end on the worker's event loop when it is awaitable."""
         if inspect.isawaitable(out):
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
@@ -387,8 +372,9 @@ class Worker:
             if r is None:
                 rewards.append(None)
                 continue
+            v = as_list(r)  # a one-element tensor or array is its number
             try:
-                r = float(as_list(r)[0] if isinstance(as_list(r), list) else r)
+                r = float(v[0] if isinstance(v, list) else v)
             except (TypeError, ValueError, IndexError):
                 return {"ok": False, "error": "get_reward returned %r, not a number" % (r,)}
             rewards.append(r if math.isfinite(r) else None)
