@@ -96,7 +96,8 @@ fn close(env: &dyn Environment, metadata: impl IntoIterator<Item = Value>) {
         .into_iter()
         .map(|m| episode(0, m, Vec::new()))
         .collect();
-    env.post_process(&mut eps).expect("post_process closes the sessions");
+    env.post_process(&mut eps)
+        .expect("post_process closes the sessions");
 }
 
 #[test]
