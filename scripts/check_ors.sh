@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the ORS protocol tests of tests/tests/ors_environment.rs against the `openreward` SDK's
-# own server (scripts/ors_arith_server.py: the loopback server's two environments), so the
+# own server (scripts/ors_arith_server.py: the loopback server's four environments), so the
 # client is checked against the reference implementation, not only our loopback copy.
 #
 #   PYTHON=/path/to/python bash scripts/check_ors.sh     # needs `pip install openreward`

@@ -1,4 +1,4 @@
-"""A real Open Reward Standard server (the `openreward` SDK's `Server`) with two small
+"""A real Open Reward Standard server (the `openreward` SDK's `Server`) with four small
 environments, for `scripts/check_ors.sh`: the same tasks, prompts, tools and rewards as the
 loopback server of `tests/tests/ors_environment.rs`, so that test's assertions run against the
 SDK's own server too.
@@ -10,6 +10,8 @@ SDK's own server too.
               (1 when its last integer is a + b, else 0)
   chat        arithfinal whose prompt is a conversation (get_messages: system, user, an
               assistant turn with reasoning and a tool call, a user turn with its result)
+  draw        arithfinal whose prompt starts with the session's draw number (the draw
+              sessions opened before it, plus one): every session a prompt of its own
 
 Run: python scripts/ors_arith_server.py PORT   (needs `pip install openreward`)
      python scripts/ors_arith_server.py PORT --tasks 500 --seed 1 --max 9
@@ -118,6 +120,19 @@ class ArithFinal(Additions):
         return ToolOutput(blocks=[TextBlock(text="graded")], reward=1.0 if right else 0.0, finished=True)
 
 
+class Draw(ArithFinal):
+    draws = 0
+
+    def __init__(self, task_spec={}, secrets={}):
+        super().__init__(task_spec, secrets)
+        Draw.draws += 1
+        self.draw = Draw.draws
+
+    def get_prompt(self):
+        a, b = self.task_spec["a"], self.task_spec["b"]
+        return [TextBlock(text=f"Draw {self.draw}: what is {a} + {b}? Answer with the number.")]
+
+
 class Chat(ArithFinal):
     def get_messages(self):
         a, b = self.task_spec["a"], self.task_spec["b"]
@@ -160,4 +175,4 @@ if __name__ == "__main__":
             {"a": rng.randint(1, args.max), "b": rng.randint(1, args.max), "level": "random"}
             for _ in range(args.tasks)
         ]
-    Server([Arith, ArithFinal, Chat]).run(host="127.0.0.1", port=args.port)
+    Server([Arith, ArithFinal, Chat, Draw]).run(host="127.0.0.1", port=args.port)

@@ -623,6 +623,32 @@ impl Dataset {
         }
     }
 
+    /// `rows` rows whose `prompt_field` is a conversation of one empty user message: TRL's
+    /// placeholder dataset for an environment that owns its data (its `reset` gives each
+    /// episode its prompt).
+    pub fn empty_conversations(prompt_field: &str, rows: usize) -> Result<Dataset> {
+        let name = "(empty prompts)";
+        let line = serde_json::json!({ prompt_field: [{ "role": "user", "content": "" }] });
+        let schema =
+            arrow::json::reader::infer_json_schema_from_iterator(std::iter::once(Ok(line.clone())))
+                .map_err(|source| DataError::Arrow {
+                    path: PathBuf::from(name),
+                    at: Location::Row(0),
+                    source,
+                })?;
+        let text = format!("{line}\n").repeat(rows);
+        let batches = arrow::json::ReaderBuilder::new(Arc::new(schema))
+            .with_batch_size(rows.max(1))
+            .build(std::io::Cursor::new(text))
+            .and_then(|r| r.collect::<std::result::Result<Vec<_>, _>>())
+            .map_err(|source| DataError::Arrow {
+                path: PathBuf::from(name),
+                at: Location::Row(0),
+                source,
+            })?;
+        Self::from_batches(name, batches, prompt_field, rows.max(1))
+    }
+
     /// Number of samples (rows) in this dataset or split.
     pub fn len(&self) -> u64 {
         self.len

@@ -100,3 +100,25 @@ fn parquet_of(rows: &str, path: &std::path::Path) {
     let batches: Vec<_> = reader.map(|b| Ok(b.unwrap())).collect();
     grpo_data::write_batches(path, None, schema, batches).unwrap();
 }
+
+#[test]
+fn empty_conversations_are_placeholder_rows_of_one_empty_user_message() {
+    let d = Dataset::empty_conversations("prompt", 3).unwrap();
+    assert_eq!(d.len(), 3);
+    assert!(d.conversation_prompts());
+    let rows = read_all(&d);
+    assert_eq!(rows.len(), 3);
+    for r in &rows {
+        assert_eq!(
+            r.prompt,
+            grpo_data::Prompt::Conversation(vec![Message::new("user", "")])
+        );
+    }
+    // Another prompt column name is kept.
+    assert_eq!(
+        Dataset::empty_conversations("question", 1)
+            .unwrap()
+            .prompt_field(),
+        "question"
+    );
+}

@@ -42,7 +42,8 @@ pub const OBSERVATION_ROLES: [&str; 3] = ["user", "tool", "environment"];
 pub struct EnvironmentReset {
     /// Text appended to the prompt's last user message (a user message of its own when the
     /// prompt does not end with one), as TRL appends `reset()`'s return; `None` = the prompt
-    /// as it is. One per prompt: its episodes share the prompt.
+    /// as it is. Shared by the prompt's episodes unless [`Self::episode_starts`] gives each
+    /// its own.
     pub observation: Option<String>,
     /// The starting metadata of each of the prompt's episodes, in order (what the first
     /// [`Environment::step`] sees: a session id, a seed); empty = the prompt's metadata for
@@ -53,9 +54,26 @@ pub struct EnvironmentReset {
     /// rows of a task dataset) — before [`Self::observation`]. Empty = none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub messages: Vec<ChatMessage>,
+    /// Each episode's own start when the prompt's episodes do not share one (TRL resets each
+    /// rollout's environment on its own: an environment that owns its data may give every
+    /// instance another task): episode `j` starts from `episode_starts[j]` in place of
+    /// [`Self::observation`] and [`Self::messages`]. Empty = the episodes share the prompt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub episode_starts: Vec<EpisodeStart>,
 }
 
-impl EnvironmentReset {
+/// How one episode's prompt starts: text appended to the prompt, a conversation added before
+/// it (as [`EnvironmentReset::observation`] and [`EnvironmentReset::messages`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeStart {
+    /// Text appended to the prompt's last user message; `None` = none.
+    pub observation: Option<String>,
+    /// A conversation added after the prompt's messages; empty = none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub messages: Vec<ChatMessage>,
+}
+
+impl EpisodeStart {
     /// `messages` with [`Self::messages`] added (replacing an empty last user message), then
     /// [`Self::observation`] appended to the last user message (a new user message when the
     /// last one is not the user's).
@@ -76,6 +94,52 @@ impl EnvironmentReset {
             Some(m) if m.role == "user" => m.content.push_str(text),
             _ => messages.push(ChatMessage::new("user", text.clone())),
         }
+    }
+}
+
+impl EnvironmentReset {
+    /// A prompt's reset from each episode's start and starting metadata: one shared start when
+    /// they are all the same, else [`Self::episode_starts`].
+    pub fn from_starts(starts: Vec<EpisodeStart>, episodes: Vec<Value>) -> Self {
+        let shared = starts.windows(2).all(|w| w[0] == w[1]);
+        match (shared, starts.first()) {
+            (true, Some(first)) => Self {
+                observation: first.observation.clone(),
+                messages: first.messages.clone(),
+                episodes,
+                episode_starts: Vec::new(),
+            },
+            (true, None) => Self {
+                episodes,
+                ..Self::default()
+            },
+            (false, _) => Self {
+                episodes,
+                episode_starts: starts,
+                ..Self::default()
+            },
+        }
+    }
+
+    /// Whether the prompt's episodes share one start.
+    pub fn is_shared(&self) -> bool {
+        self.episode_starts.is_empty()
+    }
+
+    /// Episode `j`'s start: its own, or the shared one.
+    pub fn start_of(&self, j: usize) -> EpisodeStart {
+        match self.episode_starts.get(j) {
+            Some(s) => s.clone(),
+            None => EpisodeStart {
+                observation: self.observation.clone(),
+                messages: self.messages.clone(),
+            },
+        }
+    }
+
+    /// `messages` as the shared start leaves them ([`EpisodeStart::apply`]).
+    pub fn apply(&self, messages: &mut Vec<ChatMessage>) {
+        self.start_of(usize::MAX).apply(messages);
     }
 }
 
@@ -194,9 +258,10 @@ pub trait Environment: Send + Sync {
     /// Called once for a batch of prompts before their episodes start (TRL's
     /// `environment_factory` `reset`, batched): `metadata[p]` is prompt `p`'s (its dataset
     /// row), `n` the episodes each prompt gets. Returns one [`EnvironmentReset`] per prompt:
-    /// text the prompt gains and each episode's starting metadata (an environment that keeps a
-    /// session per episode opens them here and puts their ids there). The caller renders the
-    /// prompts after it ([`EnvironmentReset::apply`]). By default nothing changes.
+    /// text the prompt gains (or each episode's own, [`EnvironmentReset::episode_starts`]) and
+    /// each episode's starting metadata (an environment that keeps a session per episode opens
+    /// them here and puts their ids there). The caller renders the prompts after it
+    /// ([`EnvironmentReset::start_of`]). By default nothing changes.
     fn reset(&self, metadata: &[&Value], n: usize) -> Result<Vec<EnvironmentReset>> {
         let _ = n;
         Ok(vec![EnvironmentReset::default(); metadata.len()])

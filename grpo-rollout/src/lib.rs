@@ -81,7 +81,7 @@ pub use config::{Arch, ModelConfig};
 pub use device::{DeviceSpec, Dtype};
 #[cfg(feature = "async")]
 pub use env::{AsyncEnvironment, Blocking};
-pub use env::{Environment, EnvironmentReset, EnvironmentReturn};
+pub use env::{Environment, EnvironmentReset, EnvironmentReturn, EpisodeStart};
 pub use episode::{Episode, EpisodeParams, EpisodePrompt, generate_episodes};
 pub use generate::{Completion, FinishReason, SamplingParams, generate};
 pub use loader::{LoadedModel, load, save_hf_dir};

@@ -21,9 +21,9 @@
 //! **As an environment.** [`OrsEnvironment::reset`] opens one session per episode (the row's
 //! `task_index` column, or its `task_spec`) and appends the task's prompt to the prompt's last
 //! user message, as TRL appends `reset()`'s return (TRL's datasets for ORS have an empty user
-//! message and a `task_index` column: `grpo-cli data ors-tasks` writes one). The episodes of a
-//! prompt share its rendering, so their sessions must give the same prompt (an error names the
-//! task otherwise). The tools (`/{env}/task_tools` of a probe session, so task-specific tools
+//! message and a `task_index` column: `grpo-cli data ors-tasks` writes one). Sessions of one
+//! row that give different prompts (a task drawn per session) each start their episode from
+//! their own ([`EnvironmentReset::episode_starts`]). The tools (`/{env}/task_tools` of a probe session, so task-specific tools
 //! are included; `/{env}/tools` on older servers) go into the chat template's `tools`. Each
 //! model turn's Hermes `<tool_call>`s are sent in order to the episode's session; their results
 //! come back as one `tool` message. A turn's reward is the sum of its calls' rewards (`null` =
@@ -49,7 +49,7 @@ use grpo_rewards::http::{FailedAttempt as Failure, RetryPolicy, error_chain, ret
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::env::{AsyncEnvironment, EnvironmentReset, EnvironmentReturn, row_with};
+use crate::env::{AsyncEnvironment, EnvironmentReset, EnvironmentReturn, EpisodeStart, row_with};
 use crate::episode::Episode;
 use crate::tokenizer::ChatMessage;
 use crate::tools::{ERROR_PREFIX, function_schema, parse_tool_calls, tool_metrics};
@@ -1269,21 +1269,6 @@ enum TaskPrompt {
     Conversation(Vec<ChatMessage>),
 }
 
-impl TaskPrompt {
-    /// The first 80 characters, for messages.
-    fn shown(&self) -> String {
-        let text = match self {
-            TaskPrompt::Text(t) => t.clone(),
-            TaskPrompt::Conversation(m) => m
-                .iter()
-                .map(|m| format!("[{}] {}", m.role, m.content))
-                .collect::<Vec<_>>()
-                .join(" "),
-        };
-        format!("{:?}", text.chars().take(80).collect::<String>())
-    }
-}
-
 #[derive(Debug, Default)]
 struct TurnAnswer {
     observation: Option<ChatMessage>,
@@ -1387,37 +1372,31 @@ impl AsyncEnvironment for OrsEnvironment {
                 }
             }
         }
+        // Sessions of one task that gave different prompts (a task drawn at random per
+        // session) each start their episode from their own.
+        let mut texts = texts.into_iter();
         let mut out = Vec::with_capacity(metadata.len());
         for (p, row) in metadata.iter().enumerate() {
             let range = p * n..(p + 1) * n;
-            let first = texts.get(range.start).cloned();
-            if let Some(other) = texts[range.clone()]
-                .iter()
-                .find(|t| Some(*t) != first.as_ref())
-            {
-                self.close_all(sids).await;
-                bail!(
-                    "prompt {p} ({:?}): its episodes' sessions gave different prompts ({} and \
-                     {}); the episodes of a prompt share one",
-                    tasks[p],
-                    first.map(|f| f.shown()).unwrap_or_default(),
-                    other.shown()
-                );
-            }
+            let starts = texts
+                .by_ref()
+                .take(n)
+                .map(|t| match t {
+                    TaskPrompt::Text(t) => EpisodeStart {
+                        observation: Some(t),
+                        messages: Vec::new(),
+                    },
+                    TaskPrompt::Conversation(messages) => EpisodeStart {
+                        observation: None,
+                        messages,
+                    },
+                })
+                .collect();
             let episodes = sids[range]
                 .iter()
                 .map(|sid| row_with(row, SESSION_KEY, Value::String(sid.clone())))
                 .collect();
-            let (observation, messages) = match first {
-                Some(TaskPrompt::Text(t)) => (Some(t), Vec::new()),
-                Some(TaskPrompt::Conversation(m)) => (None, m),
-                None => (None, Vec::new()),
-            };
-            out.push(EnvironmentReset {
-                observation,
-                episodes,
-                messages,
-            });
+            out.push(EnvironmentReset::from_starts(starts, episodes));
         }
         Ok(out)
     }

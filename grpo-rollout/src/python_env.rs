@@ -44,7 +44,7 @@ use grpo_rewards::python::{PythonConfig, PythonKind, PythonObject, PythonWorkers
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::env::{Environment, EnvironmentReset, EnvironmentReturn, row_with};
+use crate::env::{Environment, EnvironmentReset, EnvironmentReturn, EpisodeStart, row_with};
 use crate::episode::Episode;
 use crate::tokenizer::ChatMessage;
 
@@ -244,8 +244,8 @@ pub const INSTANCE_KEY: &str = "_env_instance";
 /// ```
 ///
 /// [`Environment::reset`] resets an instance per episode with the row's columns as keyword
-/// arguments (the episodes of a prompt share its rendering, so their `reset` texts must
-/// agree); the tools' schemas come from the methods' signatures and docstrings (transformers'
+/// arguments (an instance whose text differs from its group's gives its episode a prompt of
+/// its own, [`EnvironmentReset::episode_starts`]); the tools' schemas come from the methods' signatures and docstrings (transformers'
 /// `get_json_schema`). Each model turn's Hermes `<tool_call>`s call the episode's instance's
 /// methods in order and come back as one `tool` message (a method that raises, an unknown one
 /// or a call that does not parse is answered `error: ...`); a turn without a call ends the
@@ -334,39 +334,27 @@ impl Environment for PythonFactoryEnvironment {
         if ids.len() != rows.len() || observations.len() != rows.len() {
             bail!("reset: {} answers for {} episodes", ids.len(), rows.len());
         }
-        let mut resets = Vec::with_capacity(metadata.len());
-        for (p, m) in metadata.iter().enumerate() {
-            let range = p * n..(p + 1) * n;
-            let first = observations.get(range.start).cloned().flatten();
-            if let Some(other) = observations[range.clone()].iter().find(|o| **o != first) {
-                let _ = self.request("factory_release", json!({ "ids": ids }));
-                bail!(
-                    "reset: the episodes of prompt {p} got different texts ({:?} and {:?}); the \
-                     episodes of a prompt share one prompt, so reset must return the same text \
-                     for the same row",
-                    first
-                        .unwrap_or_default()
-                        .chars()
-                        .take(80)
-                        .collect::<String>(),
-                    other
-                        .clone()
-                        .unwrap_or_default()
-                        .chars()
-                        .take(80)
-                        .collect::<String>()
-                );
-            }
-            let episodes = ids[range]
-                .iter()
-                .map(|id| row_with(m, INSTANCE_KEY, Value::String(id.clone())))
-                .collect();
-            resets.push(EnvironmentReset {
-                observation: first,
-                episodes,
-                ..EnvironmentReset::default()
-            });
-        }
+        // Each instance's text; episodes of one row that got different texts (an environment
+        // that draws its own task) each start from their own.
+        let resets = metadata
+            .iter()
+            .enumerate()
+            .map(|(p, m)| {
+                let range = p * n..(p + 1) * n;
+                let starts = observations[range.clone()]
+                    .iter()
+                    .map(|o| EpisodeStart {
+                        observation: o.clone(),
+                        messages: Vec::new(),
+                    })
+                    .collect();
+                let episodes = ids[range]
+                    .iter()
+                    .map(|id| row_with(m, INSTANCE_KEY, Value::String(id.clone())))
+                    .collect();
+                EnvironmentReset::from_starts(starts, episodes)
+            })
+            .collect();
         Ok(resets)
     }
 

@@ -737,3 +737,42 @@ fn invalid_params_are_errors() {
         .to_string();
     assert!(e.contains("episode prompt 0 is empty"), "{e}");
 }
+
+#[test]
+fn a_reset_shares_equal_starts_and_keeps_differing_ones_per_episode() {
+    use grpo_rollout::env::{EnvironmentReset, EpisodeStart};
+    let start = |o: Option<&str>, m: &[(&str, &str)]| EpisodeStart {
+        observation: o.map(str::to_owned),
+        messages: m.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect(),
+    };
+    let meta = vec![json!({"s": 1}), json!({"s": 2})];
+    let same = EnvironmentReset::from_starts(vec![start(Some(" go"), &[]); 2], meta.clone());
+    assert!(same.is_shared());
+    assert_eq!(same.observation.as_deref(), Some(" go"));
+    assert_eq!(same.episodes, meta);
+    let mut m = vec![ChatMessage::new("user", "Q.")];
+    same.apply(&mut m);
+    assert_eq!(m[0].content, "Q. go");
+    // Different starts: each episode its own; a conversation replaces an empty user message.
+    let own = [
+        start(Some("A"), &[]),
+        start(None, &[("system", "S"), ("user", "B")]),
+    ];
+    let each = EnvironmentReset::from_starts(own.to_vec(), meta);
+    assert!(!each.is_shared());
+    assert_eq!(each.observation, None);
+    assert_eq!(each.start_of(0), own[0]);
+    assert_eq!(each.start_of(1), own[1]);
+    let mut m = vec![ChatMessage::new("user", "")];
+    each.start_of(1).apply(&mut m);
+    let roles: Vec<(&str, &str)> = m
+        .iter()
+        .map(|m| (m.role.as_str(), m.content.as_str()))
+        .collect();
+    assert_eq!(roles, [("system", "S"), ("user", "B")]);
+    let mut m = vec![ChatMessage::new("user", "")];
+    each.start_of(0).apply(&mut m);
+    assert_eq!(m[0].content, "A");
+    // No episodes: nothing to share.
+    assert!(EnvironmentReset::from_starts(Vec::new(), Vec::new()).is_shared());
+}

@@ -1,6 +1,6 @@
 //! A loopback Open Reward Standard (ORS) server: the HTTP protocol of the `openreward` SDK's
 //! `Server` (sessions opened by a server-sent event stream, tools run as event streams that
-//! resume by `task_id`, `X-Session-ID`, `X-Secrets`), holding two small environments. The same
+//! resume by `task_id`, `X-Session-ID`, `X-Secrets`), holding four small environments. The same
 //! environments, on the SDK's own server, are `scripts/ors_arith_server.py`:
 //!
 //! - `arith`: tasks `{a, b, level}`; tools `add` (x + y as text), `submit` (reward 1 when the
@@ -10,8 +10,10 @@
 //!   plain answer (1 when its last integer is a + b).
 //! - `chat`: `arithfinal` whose prompt is a conversation (`/messages`: a system message, a user
 //!   message, an assistant turn with reasoning and a tool call, a user turn with its result).
+//! - `draw`: `arithfinal` whose prompt starts with the session's draw number (how many `draw`
+//!   sessions were opened before it, plus one): each session of a task a prompt of its own.
 //!
-//! `/messages` of the other two is their prompt as one user message, as the SDK serves it.
+//! `/messages` of the others is their prompt as one user message, as the SDK serves it.
 //!
 //! Binds `127.0.0.1:0`, runs on its own thread, stops when dropped. Counts sessions and calls,
 //! and takes one-shot faults ([`OrsFault`]).
@@ -69,6 +71,8 @@ struct Session {
     env: String,
     task: Value,
     secrets: BTreeMap<String, String>,
+    /// `draw`: how many `draw` sessions were opened before this one, plus one.
+    draw: u64,
     finished: bool,
     dead: bool,
 }
@@ -80,6 +84,7 @@ struct Shared {
     faults: Mutex<VecDeque<(String, OrsFault)>>,
     stats: Mutex<OrsStats>,
     next: Mutex<u64>,
+    draws: Mutex<u64>,
 }
 
 impl Shared {
@@ -150,7 +155,7 @@ fn detail(status: u16, text: &str) -> Response {
 
 fn known(env: &str) -> Result<String, Response> {
     match env.to_lowercase().as_str() {
-        e @ ("arith" | "arithfinal" | "chat") => Ok(e.to_owned()),
+        e @ ("arith" | "arithfinal" | "chat" | "draw") => Ok(e.to_owned()),
         _ => Err(detail(404, &format!("unknown environment '{env}'"))),
     }
 }
@@ -310,7 +315,7 @@ fn run_tool(s: &Shared, sid: &str, name: &str, input: &Value) -> Result<String, 
             session.dead = true;
             return Err("boom".into());
         }
-        ("arithfinal" | "chat", "answer") if answer().is_some() => {
+        ("arithfinal" | "chat" | "draw", "answer") if answer().is_some() => {
             session.finished = true;
             let last = answer().and_then(|t| {
                 t.split(|c: char| !(c.is_ascii_digit() || c == '-'))
@@ -320,7 +325,7 @@ fn run_tool(s: &Shared, sid: &str, name: &str, input: &Value) -> Result<String, 
             let right = last == Some((a + b).to_string());
             text_output("graded", Some(if right { 1.0 } else { 0.0 }), true)
         }
-        ("arith", "submit") | ("arithfinal" | "chat", "answer") => refused(
+        ("arith", "submit") | ("arithfinal" | "chat" | "draw", "answer") => refused(
             "Tool input validation error: answer is required",
             "input_validation",
         ),
@@ -336,7 +341,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 async fn list_environments() -> Response {
-    axum::Json(json!(["arith", "arithfinal", "chat"])).into_response()
+    axum::Json(json!(["arith", "arithfinal", "chat", "draw"])).into_response()
 }
 
 /// A text block.
@@ -375,6 +380,10 @@ fn prompt_text(env: &str, session: &Session) -> String {
             format!("What is {a} + {b}? Use the `add` tool, then give the result to `submit`.")
         }
         "chat" => format!("[system] You add numbers. [user] a = {a}, b = {b}. What is a + b?"),
+        "draw" => format!(
+            "Draw {}: what is {a} + {b}? Answer with the number.",
+            session.draw
+        ),
         _ => format!("What is {a} + {b}? Answer with the number."),
     };
     if let Some(t) = session.secrets.get("token") {
@@ -523,12 +532,18 @@ async fn create(State(s): St, h: HeaderMap, axum::Json(body): axum::Json<Value>)
         st.created += 1;
         st.secrets.push(secrets.clone());
     }
+    let draw = {
+        let mut d = lock(&s.draws);
+        *d += u64::from(env == "draw");
+        *d
+    };
     lock(&s.sessions).insert(
         sid.clone(),
         Session {
             env,
             task,
             secrets,
+            draw,
             finished: false,
             dead: false,
         },

@@ -246,6 +246,36 @@ fn code_reward_config_trains_with_a_command_reward() {
 }
 
 #[test]
+fn quiz_config_trains_without_a_dataset() {
+    if !python3() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = fixture(dir.path());
+    let sets = [
+        format!("output_dir={}", quote(&dir.path().join("run"))),
+        format!("model.path={}", quote(&model)),
+        format!(
+            "environment.python.path={}",
+            quote(&configs_dir().join("quiz.py"))
+        ),
+        "train.max_steps=2".to_string(),
+        "train.prompts_per_step=2".to_string(),
+        "rollout.max_completion_length=6".to_string(),
+    ];
+    let cfg = config::load(&configs_dir().join("quiz.toml"), &sets).unwrap();
+    assert!(cfg.data.path.is_empty());
+    let r = run_setup(trainer::setup(cfg).unwrap());
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(
+            m["loss"].is_finite() && m["env/get_reward_mean"].is_finite(),
+            "{m:?}"
+        );
+    }
+}
+
+#[test]
 fn code_reward_scores_correct_and_incorrect_solutions() {
     if !python3() {
         return;

@@ -106,7 +106,7 @@ fn tasks_and_tools_come_from_the_server() {
     rt().block_on(async {
         let client = OrsClient::new(&srv.config("arith")).unwrap();
         let envs = client.list_environments().await.unwrap();
-        assert_eq!(envs, ["arith", "arithfinal", "chat"]);
+        assert_eq!(envs, ["arith", "arithfinal", "chat", "draw"]);
         assert_eq!(client.resolve_env(None).await.unwrap(), "arith");
         let e = client
             .resolve_env(Some("nope"))
@@ -362,6 +362,42 @@ fn a_terminal_tool_grades_a_plain_answer() {
         let mut calls = s.stats().calls;
         calls.sort_unstable();
         assert_eq!(calls, ["add", "answer", "answer", "answer"]);
+        assert_eq!(s.live_sessions(), 0);
+    }
+}
+
+#[test]
+fn sessions_of_one_task_that_give_different_prompts_start_their_own_episodes() {
+    let srv = Srv::start();
+    let env = Blocking::build(OrsEnvironment::connect(&srv.config("draw"))).unwrap();
+    let rows = [json!({"task_index": 1}), json!({"task_index": 0})];
+    let resets = env.reset(&rows.iter().collect::<Vec<_>>(), 3).unwrap();
+    let client = OrsClient::new(&srv.config("draw")).unwrap();
+    let rt = rt();
+    let mut metadata = Vec::new();
+    for (r, sum) in resets.iter().zip(["3 + 4", "2 + 1"]) {
+        assert!(!r.is_shared());
+        assert_eq!((r.episode_starts.len(), r.episodes.len()), (3, 3));
+        let texts: std::collections::BTreeSet<&str> = r
+            .episode_starts
+            .iter()
+            .map(|s| s.observation.as_deref().unwrap())
+            .collect();
+        assert_eq!(texts.len(), 3, "{texts:?}");
+        for (start, m) in r.episode_starts.iter().zip(&r.episodes) {
+            let t = start.observation.as_deref().unwrap();
+            assert!(
+                t.starts_with("Draw ") && t.contains(&format!("what is {sum}?")),
+                "{t}"
+            );
+            // Each episode starts from its own session's prompt.
+            let sid = m[SESSION_KEY].as_str().unwrap();
+            assert_eq!(rt.block_on(client.prompt("draw", sid)).unwrap(), t);
+            metadata.push(m.clone());
+        }
+    }
+    close(&env, metadata);
+    if let Some(s) = &srv.0 {
         assert_eq!(s.live_sessions(), 0);
     }
 }

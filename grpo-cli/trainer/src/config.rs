@@ -1773,6 +1773,12 @@ impl Default for EnvironmentSection {
 }
 
 impl EnvironmentSection {
+    /// Whether the environment may own the run's data (TRL's `environment_factory` without a
+    /// `train_dataset`): a single factory class, whose `reset` gives every prompt.
+    pub fn owns_data(&self) -> bool {
+        self.kind == Some(EnvironmentKind::Factory) && self.factories.is_empty()
+    }
+
     /// Checks that `type` and its keys go together.
     fn validate_kind(&self) -> Result<(), String> {
         if !(self.step_timeout.is_finite() && self.step_timeout > 0.0) {
@@ -2636,8 +2642,20 @@ pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("{source}: {e}"))?;
     // A config file is a whole run; in the library, `fit` may bring the data and the rewards.
+    // An environment that owns its data (TRL's `environment_factory` without a dataset) runs
+    // on empty prompts for `max_steps`.
     if cfg.data.path.is_empty() {
-        bail!("{source}: `data.path` is required (Parquet, Arrow IPC, JSONL or CSV files)");
+        match cfg.environment.owns_data() {
+            true if cfg.train.max_steps.is_none_or(|s| s == 0) => bail!(
+                "{source}: `train.max_steps` is required without `data.path`: the environment \
+                 owns the data (its `reset` gives each prompt), so the steps set the run's length"
+            ),
+            true => {}
+            false => bail!(
+                "{source}: `data.path` is required (Parquet, Arrow IPC, JSONL or CSV files; only a \
+                 single `[environment] type = \"factory\"` class may own the data)"
+            ),
+        }
     }
     // An environment's turn rewards are a reward of their own (`env`).
     if cfg.algorithm.learns_from_rewards()

@@ -120,7 +120,9 @@ pub fn run(
     callbacks: &mut dyn Callbacks,
 ) -> Result<TrainingResult> {
     if setup.train.is_empty() {
-        bail!("no training data: set `data.path`, or pass a dataset to fit");
+        bail!(
+            "no training data: set `data.path`, or pass a dataset to fit (an `[environment] type = \"factory\"` class owns the data with `train.max_steps` set)"
+        );
     }
     if !setup.cfg.algorithm.generates() {
         return crate::learner::supervised::run(setup, opts, callbacks);

@@ -306,8 +306,20 @@ pub fn setup_with(
         _ => None,
     };
     let dtype = cfg.compute_dtype();
-    // Without data files the rows come later, from `fit` with a dataset.
+    // Without data files the rows come later, from `fit` with a dataset — or, for an
+    // environment that owns its data and a run of `max_steps`, each step's prompts are empty
+    // user messages that its `reset` fills (TRL's placeholder dataset).
     let splits = match cfg.data.path.is_empty() {
+        true if cfg.environment.owns_data() && cfg.train.max_steps.is_some_and(|s| s > 0) => {
+            grpo_data::Splits {
+                train: Dataset::empty_conversations(
+                    &cfg.data.prompt_field,
+                    cfg.train.prompts_per_step,
+                )
+                .map_err(|e| anyhow!("data: {e}"))?,
+                eval: None,
+            }
+        }
         true => grpo_data::Splits {
             train: Dataset::empty(&cfg.data.prompt_field),
             eval: None,

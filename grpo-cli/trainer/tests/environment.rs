@@ -251,7 +251,7 @@ fn scored(masks: bool) -> Scored {
         model_masks: vec![vec![true, true, false, false, true, true], vec![true; 6]],
         rewards: vec![1.0, 0.0],
         metadata: vec![Value::Null; 2],
-        metrics: Default::default(),
+        ..EpisodeBatch::default()
     });
     Scored {
         rollouts: Rollouts {
@@ -792,6 +792,32 @@ class Moody(Lock):
         return " mood %d" % (Moody.made % 2)
 
 
+class Quiz:
+    """Owns its data: each instance draws its own sum at reset."""
+
+    drawn = 0
+
+    def reset(self, **kwargs):
+        # TRL's placeholder row: an empty user message.
+        assert kwargs == {"prompt": [{"role": "user", "content": ""}]}, kwargs
+        Quiz.drawn += 1
+        self.a, self.b = Quiz.drawn % 7, (Quiz.drawn * 3) % 5
+        self.said = None
+        return "What is %d + %d? Answer with `answer`." % (self.a, self.b)
+
+    def answer(self, value: int) -> str:
+        """Answers the question.
+
+        Args:
+            value: the sum
+        """
+        self.said = value
+        return "right" if value == self.a + self.b else "wrong"
+
+    def get_reward(self):
+        return 1.0 if self.said == self.a + self.b else 0.0
+
+
 class Dial:
     def __init__(self, penalty=0.0):
         pass
@@ -976,20 +1002,14 @@ fn environment_factory_classes_are_checked_in_one_line() {
         e.contains("no function `Nope`") || e.contains("Nope"),
         "{e}"
     );
-    // A reset that returns no text, texts that differ within a group, and a row without the
-    // column reset needs (the TypeError, with the hint).
+    // A reset that returns no text, and a row without the column reset needs (the TypeError,
+    // with the hint).
     for (class, row, n, want) in [
         (
             "BadReset",
             serde_json::json!({"answer": 1, "prompt": "p"}),
             1,
             &["reset returned a int"][..],
-        ),
-        (
-            "Moody",
-            serde_json::json!({"answer": 1, "prompt": "p"}),
-            2,
-            &["different texts"][..],
         ),
         (
             "Lock",
@@ -1001,6 +1021,137 @@ fn environment_factory_classes_are_checked_in_one_line() {
         let env = factory(dir.path(), &py, class).unwrap();
         let e = env.reset(&[&row], n).unwrap_err().to_string();
         assert!(want.iter().all(|w| e.contains(w)), "{e}");
+    }
+}
+
+#[test]
+fn instances_whose_reset_texts_differ_give_their_episodes_their_own_prompts() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let env = factory(dir.path(), &py, "Moody").unwrap();
+    let rows = [
+        serde_json::json!({"answer": 1, "prompt": "p"}),
+        serde_json::json!({"answer": 2, "prompt": "q"}),
+    ];
+    let resets = env.reset(&rows.iter().collect::<Vec<_>>(), 2).unwrap();
+    for (r, row) in resets.iter().zip(&rows) {
+        assert!(!r.is_shared());
+        assert_eq!(r.observation, None);
+        let texts: Vec<Option<String>> = r
+            .episode_starts
+            .iter()
+            .map(|s| s.observation.clone())
+            .collect();
+        let mut sorted = texts.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted,
+            [Some(" mood 0".to_owned()), Some(" mood 1".to_owned())]
+        );
+        assert_eq!(r.episodes.len(), 2);
+        assert_eq!(r.episodes[1]["answer"], row["answer"]);
+        let mut m = vec![ChatMessage::new("user", "Q.")];
+        r.start_of(1).apply(&mut m);
+        assert_eq!(
+            Some(m[0].content.clone()),
+            texts[1].clone().map(|t| format!("Q.{t}"))
+        );
+    }
+    // Instances that agree share one start.
+    let lock = factory(dir.path(), &py, "Lock").unwrap();
+    let resets = lock.reset(&[&rows[0]], 3).unwrap();
+    assert!(resets[0].is_shared() && resets[0].observation.is_some());
+}
+
+const QUIZ_CONFIG: &str = r#"
+output_dir = "{out}"
+[model]
+path = "{model}"
+[rollout]
+num_generations = 4
+max_completion_length = 6
+[train]
+max_steps = 2
+prompts_per_step = 2
+per_device_train_batch_size = 4
+save_steps = 0
+num_completions_to_print = 100
+[optim]
+learning_rate = 1e-3
+[pipeline]
+max_staleness = 1
+[environment]
+type = "factory"
+max_turns = 2
+max_total_tokens = 80
+[environment.python]
+path = "{path}"
+class = "Quiz"
+python = "{py}"
+"#;
+
+#[test]
+fn an_environment_that_owns_its_data_trains_without_a_dataset() {
+    let Some(py) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let path = dir.path().join("quiz.py");
+    std::fs::write(&path, LOCK_PY).unwrap();
+    let text = QUIZ_CONFIG
+        .replace("{out}", &dir.path().join("run").display().to_string())
+        .replace("{model}", &m.display().to_string())
+        .replace("{path}", &path.display().to_string())
+        .replace("{py}", &py);
+    let file = dir.path().join("quiz.toml");
+    std::fs::write(&file, &text).unwrap();
+    // No `data.path`: TRL's placeholder rows, a prompt each from the instance's reset.
+    let cfg = grpo_trainer::config::load(&file, &[]).unwrap();
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    let r = t.fit().unwrap();
+    assert_eq!(r.total_steps, 2);
+    // The first batch was sampled by the policy the learner holds: the learner's log-probs of
+    // the model's tokens, after the episode's own prompt, are the sampler's.
+    let first = &r.metrics[0];
+    assert!(
+        first["sampling/sampling_logp_difference/max"] < 1e-3,
+        "{first:?}"
+    );
+    for m in &r.metrics {
+        assert!(m["env/get_reward_mean"].is_finite(), "{m:?}");
+    }
+    let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("run/completions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 16);
+    // Every episode has its own task: the four of a group were asked four sums.
+    for group in lines.chunks(4) {
+        let prompts: std::collections::BTreeSet<&str> = group
+            .iter()
+            .map(|l| l["prompt"].as_str().unwrap())
+            .collect();
+        assert_eq!(prompts.len(), 4, "{prompts:?}");
+        for p in prompts {
+            assert!(p.contains("<|im_start|>user\nWhat is "), "{p}");
+        }
+    }
+    // Without max_steps the run has no length; another environment cannot own the data.
+    for (edit, says) in [
+        (
+            text.replace("max_steps = 2\n", ""),
+            "`train.max_steps` is required",
+        ),
+        (
+            text.replace("type = \"factory\"", "type = \"python\""),
+            "`data.path` is required",
+        ),
+    ] {
+        std::fs::write(&file, edit).unwrap();
+        let e = grpo_trainer::config::load(&file, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(says), "{e}");
     }
 }
 

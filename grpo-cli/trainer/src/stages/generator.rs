@@ -14,7 +14,7 @@ use grpo_rollout::model::DeviceCopies;
 use grpo_rollout::remote::RemoteGenerator;
 use grpo_rollout::{
     ChatMessage, Completion, Environment, Episode, EpisodeParams, EpisodePrompt, FinishReason,
-    Tokenizer, Transformer, generate_episodes,
+    Tokenizer, Transformer, episode::generate_episodes_batch,
 };
 use grpo_teacher::TeachingProtocol;
 
@@ -407,35 +407,52 @@ impl Generator {
                 metadata.len()
             );
         }
-        let mut prompts = Vec::with_capacity(batch.samples.len());
-        let mut prompt_texts = Vec::with_capacity(batch.samples.len());
-        for (((s, prompt), metadata), reset) in batch
+        // One request per prompt whose episodes share its start; one per episode where the
+        // environment gave each its own (TRL resets each rollout's environment on its own).
+        let mut prompts: Vec<EpisodePrompt> = Vec::new();
+        let mut texts: Vec<String> = Vec::new();
+        // Per request: (its prompt, its first episode, episodes).
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        for (p, (((s, prompt), metadata), reset)) in batch
             .samples
             .iter()
             .zip(step_prompts)
             .zip(metadata)
             .zip(resets)
+            .enumerate()
         {
-            let mut messages = match prompt {
+            let base = match prompt {
                 Prompt::Conversation(m) => chat_messages(&m),
                 other => vec![ChatMessage::new("user", other.text())],
             };
-            reset.apply(&mut messages);
-            let (mut p, text) = EpisodePrompt::rendered(
-                &self.tokenizer,
-                messages,
-                env.tools_for(&metadata),
-                metadata,
-            )
-            .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
-            p.episode_metadata = reset.episodes;
-            // As single-turn prompts (and TRL): the last max_prompt_length tokens are kept.
-            let max = self.cfg.rollout.max_prompt_length;
-            if max > 0 && p.ids.len() > max {
-                p.ids.drain(..p.ids.len() - max);
+            let tools = env.tools_for(&metadata);
+            let starts: Vec<(usize, usize)> = match reset.is_shared() {
+                true => vec![(0, g)],
+                false => (0..g).map(|j| (j, 1)).collect(),
+            };
+            for (j, n) in starts {
+                let mut messages = base.clone();
+                reset.start_of(j).apply(&mut messages);
+                let (mut ep, text) = EpisodePrompt::rendered(
+                    &self.tokenizer,
+                    messages,
+                    tools.clone(),
+                    metadata.clone(),
+                )
+                .map_err(|e| anyhow!("prompt of row {}: {e}", s.index))?;
+                ep.episode_metadata = match n == g {
+                    true => reset.episodes.clone(),
+                    false => reset.episodes.get(j).cloned().into_iter().collect(),
+                };
+                // As single-turn prompts (and TRL): the last max_prompt_length tokens are kept.
+                let max = self.cfg.rollout.max_prompt_length;
+                if max > 0 && ep.ids.len() > max {
+                    ep.ids.drain(..ep.ids.len() - max);
+                }
+                prompts.push(ep);
+                texts.push(text);
+                plan.push((p, j, n));
             }
-            prompts.push(p);
-            prompt_texts.push(text);
         }
         let env_cfg = self.cfg.environment.clone();
         let params = EpisodeParams {
@@ -444,11 +461,21 @@ impl Generator {
             max_tokens_per_turn: env_cfg.tokens_per_turn(&self.cfg.rollout),
             max_total_tokens: env_cfg.total_tokens(&self.cfg.rollout),
         };
+        // Episode j of prompt p draws from stream p·g + j, whichever request it is in.
+        let requests: Vec<EpisodeRequest<'_>> = prompts
+            .iter()
+            .zip(&plan)
+            .map(|(prompt, &(p, j, n))| EpisodeRequest {
+                prompt,
+                n,
+                seed: params.sampling.seed,
+                first_stream: (p * g + j) as u64,
+            })
+            .collect();
         let generated = match self.remote.clone() {
             // The policy's turns on the rollout server (its synced adapter).
             Some(remote) => {
                 let (server, policy) = self.synced_server(&remote)?;
-                let requests = EpisodeRequest::grouped(&prompts, g, params.sampling.seed);
                 grpo_rollout::episode::generate_episodes_remote(
                     &server,
                     &self.tokenizer,
@@ -461,7 +488,7 @@ impl Generator {
             None => {
                 let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
                 let decoding = self.decoding_copy(&model)?;
-                generate_episodes(&decoding, &self.tokenizer, env, &prompts, g, &params)
+                generate_episodes_batch(&decoding, &self.tokenizer, env, &requests, &params)
             }
         };
         let mut episodes = generated.map_err(|e| {
@@ -471,6 +498,20 @@ impl Generator {
                 crate::first_line(&e.to_string())
             )
         })?;
+        // Each episode's own prompt, then its place in its prompt's group.
+        let starts: Vec<EpisodeOrigin> = episodes
+            .iter()
+            .map(|e| EpisodeOrigin {
+                request: e.prompt_index,
+                messages: prompts[e.prompt_index].messages.len(),
+                text: texts[e.prompt_index].clone(),
+            })
+            .collect();
+        for e in &mut episodes {
+            let (p, j, _) = plan[e.prompt_index];
+            e.prompt_index = p;
+            e.sample_index += j;
+        }
         let post = env.post_process(&mut episodes).map_err(|e| {
             anyhow!(
                 "environment `{}`: post_process: {}",
@@ -478,10 +519,49 @@ impl Generator {
                 crate::first_line(&e.to_string())
             )
         })?;
-        let prompt_messages: Vec<usize> = prompts.iter().map(|p| p.messages.len()).collect();
-        let (completions, info) =
-            episode_completions(&episodes, &prompt_messages, env_cfg.reward, post);
-        let prompt_ids = prompts.into_iter().map(|p| p.ids).collect();
+        // A prompt's tokens for the learner: what its episodes' prompts share; an episode's
+        // own rest of its prompt goes before its tokens as the environment's.
+        let mut prompt_ids: Vec<Vec<u32>> = vec![Vec::new(); batch.samples.len()];
+        let mut prompt_texts: Vec<String> = vec![String::new(); batch.samples.len()];
+        for (r, &(p, j, _)) in plan.iter().enumerate() {
+            let ids = &prompts[r].ids;
+            if j == 0 {
+                prompt_ids[p] = ids.clone();
+                prompt_texts[p] = texts[r].clone();
+            } else {
+                let shared = prompt_ids[p]
+                    .iter()
+                    .zip(ids)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                prompt_ids[p].truncate(shared);
+            }
+        }
+        if let Some(p) = prompt_ids.iter().position(Vec::is_empty) {
+            bail!(
+                "environment `{}`: the episodes of row {} start with different prompts that share                  no first token; give them a common start (a chat template, a system prompt)",
+                env.name(),
+                batch.samples[p].index
+            );
+        }
+        for (e, o) in episodes.iter_mut().zip(&starts) {
+            let rest = &prompts[o.request].ids[prompt_ids[e.prompt_index].len()..];
+            if !rest.is_empty() {
+                prepend_environment_tokens(e, rest);
+            }
+        }
+        let (completions, mut info) = episode_completions(
+            &episodes,
+            &starts.iter().map(|o| o.messages).collect::<Vec<_>>(),
+            env_cfg.reward,
+            post,
+        );
+        info.prompt_texts = starts.iter().map(|o| o.text.clone()).collect();
+        info.prompt_messages = episodes
+            .iter()
+            .zip(&starts)
+            .map(|(e, o)| e.messages[..o.messages].to_vec())
+            .collect();
         Ok(Rollouts {
             batch,
             prompt_texts,
@@ -498,12 +578,32 @@ impl Generator {
     }
 }
 
+/// Where an episode came from: its request, its prompt's messages and rendered text.
+struct EpisodeOrigin {
+    request: usize,
+    messages: usize,
+    text: String,
+}
+
+/// `e` with `rest` (the end of its own prompt past what its group's prompts share) before its
+/// tokens, as the environment's: not the model's, log-prob 0, the turns moved after it.
+fn prepend_environment_tokens(e: &mut Episode, rest: &[u32]) {
+    let k = rest.len();
+    e.token_ids.splice(0..0, rest.iter().copied());
+    e.is_model_token.splice(0..0, std::iter::repeat_n(false, k));
+    e.logprobs.splice(0..0, std::iter::repeat_n(0.0, k));
+    for t in &mut e.turns {
+        t.model_tokens = t.model_tokens.start + k..t.model_tokens.end + k;
+        t.observation_tokens = t.observation_tokens.start + k..t.observation_tokens.end + k;
+    }
+}
+
 /// Episodes as completions (the tokens after the prompt, the transcript as text, the sampling
 /// log-probs with 0 at environment tokens; `length` when a budget cut the episode or its last
 /// turn) and what the learner and the scorer need beside them: the model masks, each
 /// episode's `env` reward by `reward`, and the metrics (`post` are the environment's
-/// `post_process` metrics, logged as `env/{name}`). `prompt_messages[p]` is the number of
-/// messages of prompt `p` (an episode's messages after them are its completion's).
+/// `post_process` metrics, logged as `env/{name}`). `prompt_messages[i]` is the number of
+/// messages of episode `i`'s prompt (its messages after them are its completion's).
 pub fn episode_completions(
     episodes: &[Episode],
     prompt_messages: &[usize],
@@ -556,13 +656,15 @@ pub fn episode_completions(
         model_masks: episodes.iter().map(|e| e.is_model_token.clone()).collect(),
         messages: episodes
             .iter()
-            .map(|e| {
-                let skip = prompt_messages.get(e.prompt_index).copied().unwrap_or(0);
+            .enumerate()
+            .map(|(i, e)| {
+                let skip = prompt_messages.get(i).copied().unwrap_or(0);
                 e.messages.iter().skip(skip).cloned().collect()
             })
             .collect(),
         rewards,
         metrics,
+        ..EpisodeBatch::default()
     };
     (completions, info)
 }

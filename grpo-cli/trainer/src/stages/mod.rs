@@ -90,6 +90,12 @@ pub struct EpisodeBatch {
     /// Per completion: the episode's last metadata (what [`grpo_rollout::Environment::release`]
     /// gets once the batch is scored; an `environment_factory` instance's id).
     pub metadata: Vec<serde_json::Value>,
+    /// Per completion: its episode's prompt as rendered (the environment's `reset` text
+    /// included; episodes of one row may differ), which rewards see as `prompts`; empty = the
+    /// step's [`Rollouts::prompt_texts`].
+    pub prompt_texts: Vec<String>,
+    /// Per completion: its episode's prompt messages (after `reset`); empty = the row's.
+    pub prompt_messages: Vec<Vec<grpo_rollout::ChatMessage>>,
     /// Metrics of the episodes: `env/turns_mean`, `env/terminated_ratio`, `env/reward_mean`,
     /// the environment's `post_process` metrics as `env/{name}`, and `episodes/*`.
     pub metrics: std::collections::BTreeMap<String, f64>,

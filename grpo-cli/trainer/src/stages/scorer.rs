@@ -102,25 +102,38 @@ impl Scorer {
     fn plain_inputs(r: &Rollouts) -> Vec<RewardInput> {
         r.completions
             .iter()
-            .map(|c| {
+            .enumerate()
+            .map(|(i, c)| {
                 let s = &r.batch.samples[c.prompt_index];
-                let mut x =
-                    RewardInput::new(r.prompt_texts[c.prompt_index].clone(), c.text.clone())
-                        .with_ids(c.token_ids.clone())
-                        .at_step(r.batch.step);
+                // An episode's own prompt (after the environment's reset), as TRL's `prompts`.
+                let own = r
+                    .episodes
+                    .as_ref()
+                    .and_then(|e| Some((e.prompt_texts.get(i)?, e.prompt_messages.get(i)?)));
+                let text = match own {
+                    Some((t, _)) => t.clone(),
+                    None => r.prompt_texts[c.prompt_index].clone(),
+                };
+                let mut x = RewardInput::new(text, c.text.clone())
+                    .with_ids(c.token_ids.clone())
+                    .at_step(r.batch.step);
                 if let Prompt::Conversation(m) = &s.prompt {
-                    x = x.with_messages(
-                        m.iter()
+                    x = x.with_messages(match own {
+                        Some((_, own)) => own
+                            .iter()
                             .map(|m| Message::new(m.role.clone(), m.content.clone()))
                             .collect(),
-                    );
+                        None => m
+                            .iter()
+                            .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                            .collect(),
+                    });
                 }
                 for (k, v) in &s.columns {
                     x = x.with_field(k.to_string(), to_field(v));
                 }
-                x
+                (i, x)
             })
-            .enumerate()
             .map(|(i, x)| {
                 let x = match r.episodes.as_ref().and_then(|e| e.messages.get(i)) {
                     Some(m) => x.with_completion_messages(
