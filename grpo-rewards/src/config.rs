@@ -5,9 +5,11 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::builtin::{
-    Accuracy, AccuracyConfig, CoverageCe, CoverageCeConfig, Format, FormatConfig, InverseLoss,
-    InverseLossConfig, LanguageScorer, Overlong, OverlongConfig, RewardModel, RewardModelConfig,
-    ScoringModel, SequenceClassifier,
+    Accuracy, AccuracyConfig, CosineScaled, CosineScaledConfig, CoverageCe, CoverageCeConfig,
+    Format, FormatConfig, InverseLoss, InverseLossConfig, LanguageScorer, Overlong, OverlongConfig,
+    ReasoningAccuracy, ReasoningAccuracyConfig, RepetitionPenalty, RepetitionPenaltyConfig,
+    RewardModel, RewardModelConfig, ScoringModel, SequenceClassifier, ThinkFormat,
+    ThinkFormatConfig,
 };
 use crate::combine::RewardSet;
 #[cfg(feature = "command")]
@@ -29,6 +31,14 @@ pub enum RewardKind {
     Format(FormatConfig),
     /// [`Overlong`].
     Overlong(OverlongConfig),
+    /// [`ThinkFormat`] (TRL's `think_format_reward`).
+    ThinkFormat(ThinkFormatConfig),
+    /// [`RepetitionPenalty`] (TRL's `get_repetition_penalty_reward`).
+    RepetitionPenalty(RepetitionPenaltyConfig),
+    /// [`CosineScaled`] (TRL's `get_cosine_scaled_reward`).
+    CosineScaled(CosineScaledConfig),
+    /// [`ReasoningAccuracy`] (TRL's `reasoning_accuracy_reward`).
+    ReasoningAccuracy(ReasoningAccuracyConfig),
     /// [`InverseLoss`] (needs a [`LanguageScorer`]).
     InverseLoss(InverseLossConfig),
     /// [`CoverageCe`] (needs a [`LanguageScorer`]).
@@ -58,6 +68,10 @@ impl RewardKind {
             RewardKind::Accuracy(_) => "accuracy",
             RewardKind::Format(_) => "format",
             RewardKind::Overlong(_) => "overlong",
+            RewardKind::ThinkFormat(_) => "think_format",
+            RewardKind::RepetitionPenalty(_) => "repetition_penalty",
+            RewardKind::CosineScaled(_) => "cosine_scaled",
+            RewardKind::ReasoningAccuracy(_) => "reasoning_accuracy",
             RewardKind::InverseLoss(_) => "inverse_loss",
             RewardKind::CoverageCe(_) => "coverage_ce",
             RewardKind::RewardModel(_) => "reward_model",
@@ -217,6 +231,22 @@ impl RewardsConfig {
                     name,
                     weight,
                     Arc::new(Overlong::new(c.clone()).map_err(at)?),
+                ),
+                RewardKind::ThinkFormat(_) => set.push_reward(name, weight, Arc::new(ThinkFormat)),
+                RewardKind::RepetitionPenalty(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(RepetitionPenalty::new(c.clone()).map_err(at)?),
+                ),
+                RewardKind::CosineScaled(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(CosineScaled::new(c.clone()).map_err(at)?),
+                ),
+                RewardKind::ReasoningAccuracy(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(ReasoningAccuracy::new(c.clone()).map_err(at)?),
                 ),
                 RewardKind::InverseLoss(c) => {
                     let model = match c.model {

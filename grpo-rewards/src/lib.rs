@@ -11,7 +11,9 @@
 //! * **Combination**: a [`RewardSet`] holds named, weighted rewards (TRL's `reward_weights`):
 //!   the weighted sum over the functions that gave a value (`NaN` when none did), and the
 //!   metrics `rewards/{name}/mean`, `rewards/{name}/std` plus counters such as `judge/failures`.
-//! * **Built-ins** ([`builtin`]): `accuracy`, `format`, `overlong` (DAPO), and, through the
+//! * **Built-ins** ([`builtin`]): `accuracy`, `format`, `overlong` (DAPO), TRL's reward
+//!   functions (`think_format`, `repetition_penalty`, `cosine_scaled`, `reasoning_accuracy`),
+//!   and, through the
 //!   small scoring traits [`builtin::LanguageScorer`] and [`builtin::SequenceClassifier`] that
 //!   the model crate implements, `inverse_loss`, `coverage_ce` and `reward_model`.
 //! * **LLM judges** ([`judge`]): OpenAI-compatible chat completions through async-openai,

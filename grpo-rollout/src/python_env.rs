@@ -109,6 +109,7 @@ fn load_class(
             function: config.class.clone(),
             python: config.python.clone(),
             timeout: config.timeout,
+            init: None,
         },
         kind,
         workers,

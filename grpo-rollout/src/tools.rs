@@ -619,6 +619,7 @@ mod configured {
                     function: c.function.clone(),
                     python: c.python.clone(),
                     timeout: c.timeout,
+                    init: None,
                 },
                 PythonKind::Tool,
                 workers,

@@ -818,6 +818,11 @@ class Quiz:
         return 1.0 if self.said == self.a + self.b else 0.0
 
 
+def own_prompt(prompts, completions, **kwargs):
+    # Each completion's own prompt, its reset text included (TRL's `prompts`).
+    return [1.0 if p[-1]["content"].startswith("What is ") else 0.0 for p in prompts]
+
+
 class Dial:
     def __init__(self, penalty=0.0):
         pass
@@ -1088,6 +1093,12 @@ max_total_tokens = 80
 path = "{path}"
 class = "Quiz"
 python = "{py}"
+[[rewards]]
+type = "python"
+name = "own_prompt"
+path = "{path}"
+function = "own_prompt"
+python = "{py}"
 "#;
 
 #[test]
@@ -1118,6 +1129,7 @@ fn an_environment_that_owns_its_data_trains_without_a_dataset() {
     );
     for m in &r.metrics {
         assert!(m["env/get_reward_mean"].is_finite(), "{m:?}");
+        assert_eq!(m["rewards/own_prompt/mean"], 1.0, "{m:?}");
     }
     let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("run/completions.jsonl"))
         .unwrap()

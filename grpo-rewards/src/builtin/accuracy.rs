@@ -74,31 +74,43 @@ impl Accuracy {
         config.validate()?;
         Ok(Self { config })
     }
+
+    /// Whether `text`'s final answer equals sample `i`'s reference; `None` when the sample has
+    /// no reference and `skip_missing` is set (else an error naming `reward` and the sample).
+    pub(crate) fn correct(
+        &self,
+        i: usize,
+        x: &RewardInput,
+        text: &str,
+        reward: &str,
+    ) -> Result<Option<bool>> {
+        let Some(reference) = x.field(&self.config.answer_field).and_then(|v| v.as_text()) else {
+            if self.config.skip_missing {
+                return Ok(None);
+            }
+            return Err(RewardError::Sample {
+                reward: reward.into(),
+                index: i,
+                message: format!("no field `{}` (answer_field)", self.config.answer_field),
+            });
+        };
+        let reference = reference_answer(&reference);
+        Ok(Some(
+            extract_answer(text)
+                .map(|got| {
+                    answers_match(&got, &reference, self.config.abs_tol, self.config.rel_tol)
+                })
+                .unwrap_or(false),
+        ))
+    }
 }
 
 impl Reward for Accuracy {
     fn score(&self, batch: &[RewardInput]) -> Result<RewardOutput> {
         let mut scores = Vec::with_capacity(batch.len());
         for (i, x) in batch.iter().enumerate() {
-            let Some(reference) = x.field(&self.config.answer_field).and_then(|v| v.as_text())
-            else {
-                if self.config.skip_missing {
-                    scores.push(None);
-                    continue;
-                }
-                return Err(RewardError::Sample {
-                    reward: "accuracy".into(),
-                    index: i,
-                    message: format!("no field `{}` (answer_field)", self.config.answer_field),
-                });
-            };
-            let reference = reference_answer(&reference);
-            let ok = extract_answer(x.final_text())
-                .map(|got| {
-                    answers_match(&got, &reference, self.config.abs_tol, self.config.rel_tol)
-                })
-                .unwrap_or(false);
-            scores.push(Some(if ok { 1.0 } else { 0.0 }));
+            let ok = self.correct(i, x, x.final_text(), "accuracy")?;
+            scores.push(ok.map(|ok| if ok { 1.0 } else { 0.0 }));
         }
         Ok(RewardOutput::from_scores(scores))
     }

@@ -1,10 +1,12 @@
-//! Built-in rewards: [`Accuracy`], [`Format`], [`Overlong`], and the model-based
-//! [`InverseLoss`], [`CoverageCe`], [`RewardModel`].
+//! Built-in rewards: [`Accuracy`], [`Format`], [`Overlong`], TRL's reward functions
+//! ([`ThinkFormat`], [`RepetitionPenalty`], [`CosineScaled`], [`ReasoningAccuracy`]), and the
+//! model-based [`InverseLoss`], [`CoverageCe`], [`RewardModel`].
 
 mod accuracy;
 mod format;
 mod model;
 mod overlong;
+mod trl;
 
 pub use accuracy::{Accuracy, AccuracyConfig, answers_match, extract_answer, extract_boxed};
 pub use format::{Format, FormatConfig};
@@ -13,3 +15,8 @@ pub use model::{
     RewardModelConfig, ScorerError, ScoringModel, SequenceClassifier,
 };
 pub use overlong::{Overlong, OverlongConfig, overlong_penalty};
+pub use trl::{
+    CosineScaled, CosineScaledConfig, ReasoningAccuracy, ReasoningAccuracyConfig,
+    RepetitionPenalty, RepetitionPenaltyConfig, ThinkFormat, ThinkFormatConfig, after_reasoning,
+    cosine_scaled, repetition_penalty, think_format,
+};

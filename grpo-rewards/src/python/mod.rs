@@ -41,7 +41,7 @@
 //! |---|---|
 //! | worker, at start | `{"ready": true, "pid": 123, "python": "3.11.7"}` |
 //! | load | `{"op": "load", "path": "/abs/rewards.py", "file": true, "function": "accuracy"}` |
-//! | answer | `{"ok": true}` or `{"ok": false, "field": "path" \| "function", "error": "..."}` |
+//! | answer | `{"ok": true}` or `{"ok": false, "field": "path" \| "function" \| "init", "error": "..."}` |
 //! | call | `{"op": "call", "path", "file", "function", "prompts": [...], "completions": [...], "completion_ids": [[...]], "kwargs": {"answer": [...]}, "global_step": 3}` |
 //! | answer | `{"ok": true, "scores": [1.0, null]}` or `{"ok": false, "error": "raised ValueError: ... at /abs/rewards.py:12"}` |
 //!
@@ -86,6 +86,11 @@ pub struct PythonConfig {
     /// Seconds one batched call may take. Default 60.
     #[serde(default = "default_timeout")]
     pub timeout: f64,
+    /// Keyword arguments of a reward *factory*: `function(**init)` is called once at load and
+    /// what it returns is the reward function (TRL's `get_cosine_scaled_reward(max_len=...)`,
+    /// `get_soft_overlong_punishment(...)`). `None` = `function` is the reward itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<Value>,
 }
 
 fn default_python() -> String {
@@ -126,7 +131,7 @@ struct Target {
     shown: String,
     /// `reward`, `tool`, `environment` or `factory`.
     kind: &'static str,
-    /// An environment class's constructor keyword arguments.
+    /// An environment class's constructor keyword arguments, or a reward factory's.
     init: Value,
 }
 
@@ -172,6 +177,12 @@ impl Target {
             }
             shown.to_owned()
         };
+        if config.init.as_ref().is_some_and(|v| !v.is_object()) {
+            return Err(RewardError::config(
+                "init",
+                "must be a table of the reward factory's keyword arguments",
+            ));
+        }
         let function = config.function.trim();
         if !is_identifier(function) {
             return Err(RewardError::config(
@@ -185,7 +196,7 @@ impl Target {
             function: function.to_owned(),
             shown: shown.to_owned(),
             kind: "reward",
-            init: Value::Null,
+            init: config.init.clone().unwrap_or(Value::Null),
         })
     }
 }
@@ -492,6 +503,9 @@ struct CallRequest<'a> {
     /// one.
     #[serde(skip_serializing_if = "Option::is_none")]
     environment_ids: Option<Vec<Option<&'a str>>>,
+    /// The reward factory's keyword arguments (the worker finds the loaded function by them).
+    #[serde(skip_serializing_if = "Value::is_null")]
+    init: &'a Value,
 }
 
 static NULL: FieldValue = FieldValue::Null;
@@ -548,6 +562,7 @@ impl<'a> CallRequest<'a> {
                         .map(|x| x.environment_instance.as_deref())
                         .collect()
                 }),
+            init: &t.init,
         }
     }
 }
@@ -640,6 +655,7 @@ impl Worker {
             Ok(a) => {
                 let field = match a.field.as_deref() {
                     Some("function") => "function",
+                    Some("init") => "init",
                     _ => "path",
                 };
                 Err(RewardError::config(field, a.error()))

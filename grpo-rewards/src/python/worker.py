@@ -7,6 +7,8 @@ stderr, and stdin is /dev/null for it, so nothing it does can reach the protocol
 
     ready:   {"ready": true, "pid": 123, "python": "3.11.7"}
     load:    {"op": "load", "path": "/abs/rewards.py", "file": true, "function": "accuracy"}
+             (with "init": {...}, `function(**init)` is the reward: a factory such as TRL's
+             get_cosine_scaled_reward; calls carry the same "init")
              -> {"ok": true}
              |  {"ok": false, "field": "path" | "function", "error": "..."}
     call:    {"op": "call", "path": ..., "file": ..., "function": ...,
@@ -202,6 +204,19 @@ class Worker:
                 f.pool.append(instance)
             else:
                 f = instance
+        elif req.get("init") is not None:
+            # A reward factory (TRL's get_cosine_scaled_reward(max_len=...)): made once.
+            try:
+                made = f(**req["init"])
+            except Exception as e:
+                traceback_of("calling `%s(**init)` from %s" % (name, req["path"]))
+                raise LoadError("init", "`%s(**init)` raised %s" % (name, describe(e, files)))
+            if not callable(made):
+                raise LoadError(
+                    "init",
+                    "`%s(**init)` returned a %s, not a reward function" % (name, type(made).__name__),
+                )
+            f = made
         self.functions[key] = (f, files)
         return self.functions[key]
 

@@ -544,11 +544,13 @@ impl Generator {
                 batch.samples[p].index
             );
         }
+        let mut own_prompt_tokens = Vec::with_capacity(episodes.len());
         for (e, o) in episodes.iter_mut().zip(&starts) {
             let rest = &prompts[o.request].ids[prompt_ids[e.prompt_index].len()..];
             if !rest.is_empty() {
                 prepend_environment_tokens(e, rest);
             }
+            own_prompt_tokens.push(rest.len());
         }
         let (completions, mut info) = episode_completions(
             &episodes,
@@ -557,6 +559,7 @@ impl Generator {
             post,
         );
         info.prompt_texts = starts.iter().map(|o| o.text.clone()).collect();
+        info.own_prompt_tokens = own_prompt_tokens;
         info.prompt_messages = episodes
             .iter()
             .zip(&starts)

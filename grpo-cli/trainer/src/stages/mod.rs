@@ -96,6 +96,10 @@ pub struct EpisodeBatch {
     pub prompt_texts: Vec<String>,
     /// Per completion: its episode's prompt messages (after `reset`); empty = the row's.
     pub prompt_messages: Vec<Vec<grpo_rollout::ChatMessage>>,
+    /// Per completion: how many of its first tokens are the end of its episode's own prompt
+    /// (past what its row's episodes share; environment tokens for the learner), which
+    /// rewards do not see as `completion_ids`; empty = none.
+    pub own_prompt_tokens: Vec<usize>,
     /// Metrics of the episodes: `env/turns_mean`, `env/terminated_ratio`, `env/reward_mean`,
     /// the environment's `post_process` metrics as `env/{name}`, and `episodes/*`.
     pub metrics: std::collections::BTreeMap<String, f64>,

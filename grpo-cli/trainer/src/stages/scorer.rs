@@ -114,8 +114,14 @@ impl Scorer {
                     Some((t, _)) => t.clone(),
                     None => r.prompt_texts[c.prompt_index].clone(),
                 };
+                // Not the end of the episode's own prompt the learner sees before it.
+                let skip = r
+                    .episodes
+                    .as_ref()
+                    .and_then(|e| e.own_prompt_tokens.get(i))
+                    .map_or(0, |&k| k.min(c.token_ids.len()));
                 let mut x = RewardInput::new(text, c.text.clone())
-                    .with_ids(c.token_ids.clone())
+                    .with_ids(c.token_ids[skip..].to_vec())
                     .at_step(r.batch.step);
                 if let Prompt::Conversation(m) = &s.prompt {
                     x = x.with_messages(match own {
