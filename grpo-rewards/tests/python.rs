@@ -97,6 +97,15 @@ def suicide(completions, **kwargs):
 
 def constant(completions, **kwargs):
     return [1.0] * len(completions)
+
+
+def logs(completions, log_extra, log_metric, **kwargs):
+    # TRL's logging callables: a completions-log column, a metric averaged over its calls.
+    log_extra("length", [len(c) for c in completions])
+    log_extra("odd", [object()] * len(completions))
+    log_metric("my/metric", 1.0)
+    log_metric("my/metric", 3.0)
+    return [1.0] * len(completions)
 "#;
 
 /// The interpreter, or `None` (with a message) when there is none.
@@ -191,6 +200,27 @@ fn one_line(e: &grpo_rewards::RewardError) -> String {
     eprintln!("error: {s}");
     assert!(!s.contains('\n'), "not one line: {s}");
     s
+}
+
+#[test]
+fn log_extra_and_log_metric_reach_the_info_and_the_metrics() {
+    let Some(f) = Fixture::new() else { return };
+    let set = f
+        .build(vec![f.spec("logs", "logs"), f.spec("constant", "constant")])
+        .unwrap();
+    let b = batch(0);
+    let out = set.score(&b).unwrap();
+    assert_eq!(out.metrics["my/metric"], 2.0);
+    for (i, x) in b.iter().enumerate() {
+        let info = out.info[0][i].as_ref().unwrap();
+        assert_eq!(info["length"], json!(x.completion.chars().count()));
+        assert!(
+            info["odd"].as_str().unwrap().starts_with("<object"),
+            "{info}"
+        );
+        // The other reward logged nothing.
+        assert_eq!(out.info[1].get(i).cloned().flatten(), None);
+    }
 }
 
 #[test]

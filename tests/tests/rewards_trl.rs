@@ -271,6 +271,12 @@ init = {{ ngram_size = 2 }}
 [[rewards]]
 type = "repetition_penalty"
 ngram_size = 2
+[[rewards]]
+type = "python"
+name = "trl_accuracy"
+path = "trl.rewards"
+function = "accuracy_reward"
+python = {python:?}
 "#
     ))
     .unwrap();
@@ -292,5 +298,14 @@ ngram_size = 2
             );
             assert!((x - y).abs() < 1e-6, "row {i}: TRL {x}, ours {y}");
         }
+        // TRL's accuracy_reward logs its parses with `log_extra`: they are the row's info.
+        let info = out.info[4][i].as_ref().unwrap();
+        assert_eq!(info["solution"], "4", "{info}");
+        assert!(info["gold_parsed"].as_str().is_some(), "{info}");
     }
+    assert_eq!(
+        out.per_function[4],
+        [Some(1.0), Some(0.0), Some(1.0)],
+        "math_verify's verdicts"
+    );
 }

@@ -69,7 +69,14 @@ const WORKER: &str = include_str!("worker.py");
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Keyword arguments the call itself passes: dataset columns with these names are left out.
-const RESERVED: [&str; 4] = ["prompts", "completions", "completion_ids", "trainer_state"];
+const RESERVED: [&str; 6] = [
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+];
 
 /// Config of [`PythonReward`] (`type = "python"`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -310,10 +317,26 @@ impl Reward for PythonReward {
         if restarts > 0 {
             tracing::warn!(reward = %self.name, "the Python worker had died; restarted it and retried the call");
         }
+        // TRL's `log_extra` columns: each completion's values as its info.
+        let info = match answer.extra.is_empty() {
+            true => Vec::new(),
+            false => (0..batch.len())
+                .map(|i| {
+                    let row: serde_json::Map<String, Value> = answer
+                        .extra
+                        .iter()
+                        .filter_map(|(k, vs)| Some((k.clone(), vs.get(i)?.clone())))
+                        .collect();
+                    (!row.is_empty()).then_some(Value::Object(row))
+                })
+                .collect(),
+        };
+        let mut counters = BTreeMap::from([(restarts_key, restarts as f64)]);
+        counters.extend(answer.metrics.into_iter().filter(|(_, v)| v.is_finite()));
         Ok(RewardOutput {
             scores: scores.into_iter().map(|s| s.map(|v| v as f32)).collect(),
-            info: Vec::new(),
-            counters: BTreeMap::from([(restarts_key, restarts as f64)]),
+            info,
+            counters,
         })
     }
 }
@@ -579,6 +602,13 @@ struct Answer {
     ok: bool,
     #[serde(default)]
     scores: Vec<Option<f64>>,
+    /// What a reward logged with TRL's `log_extra(column, values)`: per column, one value per
+    /// completion.
+    #[serde(default)]
+    extra: BTreeMap<String, Vec<Value>>,
+    /// What a reward logged with TRL's `log_metric(name, value)`: each name's mean.
+    #[serde(default)]
+    metrics: BTreeMap<String, f64>,
     #[serde(default)]
     error: Option<String>,
     #[serde(default)]

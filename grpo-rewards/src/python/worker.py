@@ -290,6 +290,18 @@ class Worker:
         if req.get("environment_ids") is not None:
             # TRL's `environments`: each completion's environment_factory instance.
             kwargs["environments"] = [Factory.find(i) for i in req["environment_ids"]]
+        # TRL's `log_extra(column, values)` (columns of the completions log) and
+        # `log_metric(name, value)` (a metric, averaged over the step's calls).
+        extra, metrics = {}, {}
+
+        def log_extra(column, values):
+            extra.setdefault(str(column), []).extend(as_list(values))
+
+        def log_metric(name, value):
+            metrics.setdefault(str(name), []).append(float(value))
+
+        kwargs["log_extra"] = log_extra
+        kwargs["log_metric"] = log_metric
         try:
             out = self.awaited(
                 f(
@@ -309,7 +321,11 @@ class Worker:
                     "completion_ids=..., trainer_state=..., **columns): add **kwargs)"
                 )
             return {"ok": False, "error": text}
-        return scores(out, n)
+        answer = scores(out, n)
+        if answer["ok"]:
+            answer["extra"] = {k: [jsonable(v) for v in vs[:n]] for k, vs in extra.items()}
+            answer["metrics"] = {k: sum(vs) / len(vs) for k, vs in metrics.items()}
+        return answer
 
     def awaited(self, out):
         """`out`, run to its end on the worker's event loop when it is awaitable."""
@@ -580,6 +596,17 @@ def tool_schema(f, name):
         parameters["required"] = required
     return {"type": "function", "function": {"name": name, "description": description,
             "parameters": parameters}}
+
+
+def jsonable(v):
+    """`v` if JSON can hold it, else its text (a logged column's value)."""
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    try:
+        json.dumps(v, allow_nan=False)
+        return v
+    except (TypeError, ValueError):
+        return str(v)
 
 
 def scores(out, n):
