@@ -467,11 +467,37 @@ fn the_client_sends_vllm_fields_and_waits_for_retry_after() {
 }
 
 /// Says "Try again." until the third turn; a turn's reward is its length modulo 3, over 3.
-struct TryAgain;
+/// With `own_prompts`, `reset` gives every episode a prompt of its own.
+struct TryAgain {
+    own_prompts: bool,
+}
 
 impl grpo_rollout::Environment for TryAgain {
     fn name(&self) -> &str {
         "try_again"
+    }
+
+    fn reset(
+        &self,
+        metadata: &[&serde_json::Value],
+        n: usize,
+    ) -> candle_core::Result<Vec<grpo_rollout::EnvironmentReset>> {
+        Ok(metadata
+            .iter()
+            .enumerate()
+            .map(|(p, m)| {
+                let starts = (0..n)
+                    .map(|j| grpo_rollout::EpisodeStart {
+                        observation: Some(match self.own_prompts {
+                            true => format!(" Episode {p}.{j}, keep going."),
+                            false => " Keep going.".into(),
+                        }),
+                        messages: Vec::new(),
+                    })
+                    .collect();
+                grpo_rollout::EnvironmentReset::from_starts(starts, vec![(*m).clone(); n])
+            })
+            .collect())
     }
 
     fn step(
@@ -492,18 +518,24 @@ impl grpo_rollout::Environment for TryAgain {
 
 #[test]
 fn episodes_run_through_the_openai_backend() {
+    for own_prompts in [false, true] {
+        episodes_through_the_openai_backend(own_prompts);
+    }
+}
+
+fn episodes_through_the_openai_backend(own_prompts: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     fixture(root);
     let srv = serve(root);
     let extra = format!(
-        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n[environment]\nmax_turns = 3\nmax_total_tokens = 60\n",
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n[environment]\nmax_turns = 3\nmax_total_tokens = 80\n",
         srv.base_url()
     );
     let mut cfg = config(root, "episodes", &extra);
     cfg.train.max_steps = Some(2);
     let mut setup = trainer::setup(cfg).unwrap();
-    setup.environment = Some(std::sync::Arc::new(TryAgain));
+    setup.environment = Some(std::sync::Arc::new(TryAgain { own_prompts }));
     let r = trainer::run(
         setup,
         &RunOptions::default(),
@@ -524,6 +556,21 @@ fn episodes_run_through_the_openai_backend() {
     let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let transcript = first["completion"].as_str().unwrap();
     assert_eq!(transcript.matches("Try again.").count(), 2, "{transcript}");
+    // Each episode of the first step started from its own prompt (or a group from its one).
+    let step1: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["step"] == 1)
+        .collect();
+    let prompts: std::collections::BTreeSet<&str> = step1
+        .iter()
+        .map(|v| v["prompt"].as_str().unwrap())
+        .collect();
+    let lines = step1.len();
+    match own_prompts {
+        true => assert_eq!(prompts.len(), lines, "{prompts:?}"),
+        false => assert!(prompts.len() < lines, "{prompts:?}"),
+    }
 }
 
 /// On-policy distillation with its samples from the server: the synced LoRA student samples on
