@@ -13,6 +13,7 @@ use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advant
 
 mod bench_cmd;
 mod data_cmd;
+mod env_cmd;
 mod model_cmd;
 mod train_cmd;
 
@@ -118,6 +119,9 @@ enum Command {
     /// Self-test of this build on a device: fused ops vs compositions, device vs CPU, gradient
     /// checkpointing, training steps, generation; exit 1 on any failure.
     Check(grpo_cli::DeviceArgs),
+    /// Play scripted assistant turns against a config's `[environment]`, without a model: the
+    /// prompt after `reset`, the tools, each turn's observation and reward, the episode's rewards.
+    Env(env_cmd::EnvArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
     Data {
         #[command(subcommand)]
@@ -175,6 +179,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             Ok(())
         }
         Some(Command::Generate(a)) => model_cmd::generate(a),
+        Some(Command::Env(a)) => env_cmd::env(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::ChatTemplate(a)) => model_cmd::chat_template(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),

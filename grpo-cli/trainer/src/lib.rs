@@ -18,6 +18,7 @@
 //! | [`checkpoint`], [`run_dir`] | checkpoint files and resume; what a run directory may hold |
 //! | [`teacher`], [`remote`] | the two-pass teaching glue; LoRA sync to an OpenAI-compatible server |
 //! | [`callbacks`], [`optim`], [`eval`] | user hooks; AdamW and schedules; evaluation |
+//! | [`playthrough`] | a scripted episode against the config's environment, without a model (`grpo-cli env`) |
 //!
 //! ```no_run
 //! use grpo_trainer::{FitOptions, GrpoTrainer, config::TrainConfig};
@@ -42,6 +43,7 @@ pub mod failure;
 pub mod learner;
 pub mod optim;
 pub mod pipeline;
+pub mod playthrough;
 pub mod remote;
 pub mod run_dir;
 pub mod setup;

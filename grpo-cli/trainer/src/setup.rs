@@ -671,7 +671,7 @@ fn side_device(
 }
 
 /// The environment `[environment] type` names, built (`None` without `type`).
-fn configured_environment(
+pub fn configured_environment(
     cfg: &TrainConfig,
     workers: &grpo_rewards::python::PythonWorkers,
 ) -> Result<Option<Arc<dyn grpo_rollout::Environment>>> {

@@ -352,43 +352,13 @@ impl Generator {
         // the episode (its turns and the environment's answers), which the student then reads.
         let (teaching, step_prompts) = self.step_prompts(&batch, seed)?;
         let g = self.cfg.rollout.num_generations;
-        let metadata: Vec<serde_json::Value> = batch
-            .samples
-            .iter()
-            .map(|s| {
-                serde_json::Value::Object(
-                    s.columns
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), json_value(v)))
-                        .collect(),
-                )
-            })
-            .collect();
+        let metadata: Vec<serde_json::Value> = batch.samples.iter().map(row_metadata).collect();
         // The environment's say before the episodes (TRL's `reset`): text for each prompt, each
         // episode's starting metadata (an ORS session).
-        // It sees the row as TRL's `reset(**row)` does: the columns and the prompt.
         let reset_rows: Vec<serde_json::Value> = metadata
             .iter()
             .zip(&step_prompts)
-            .map(|(m, p)| {
-                let mut row = m.clone();
-                if let serde_json::Value::Object(o) = &mut row
-                    && !o.contains_key("prompt")
-                {
-                    let prompt = match p {
-                        Prompt::Conversation(msgs) => serde_json::Value::Array(
-                            msgs.iter()
-                                .map(
-                                    |m| serde_json::json!({ "role": m.role, "content": m.content }),
-                                )
-                                .collect(),
-                        ),
-                        other => serde_json::Value::String(other.text()),
-                    };
-                    o.insert("prompt".into(), prompt);
-                }
-                row
-            })
+            .map(|(m, p)| reset_row(m, p))
             .collect();
         let resets = env
             .reset(&reset_rows.iter().collect::<Vec<_>>(), g)
@@ -670,6 +640,37 @@ pub fn episode_completions(
         ..EpisodeBatch::default()
     };
     (completions, info)
+}
+
+/// A row's columns as JSON: what an environment's first `step` sees as an episode's metadata.
+pub fn row_metadata(sample: &grpo_data::Sample) -> serde_json::Value {
+    serde_json::Value::Object(
+        sample
+            .columns
+            .iter()
+            .map(|(k, v)| (k.to_string(), json_value(v)))
+            .collect(),
+    )
+}
+
+/// The row `reset` sees, as TRL's `reset(**row)` does: the columns ([`row_metadata`]) and the
+/// prompt (a list of `{role, content}` messages, or the text) when no column is named `prompt`.
+pub fn reset_row(metadata: &serde_json::Value, prompt: &Prompt) -> serde_json::Value {
+    let mut row = metadata.clone();
+    if let serde_json::Value::Object(o) = &mut row
+        && !o.contains_key("prompt")
+    {
+        let prompt = match prompt {
+            Prompt::Conversation(msgs) => serde_json::Value::Array(
+                msgs.iter()
+                    .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
+                    .collect(),
+            ),
+            other => serde_json::Value::String(other.text()),
+        };
+        o.insert("prompt".into(), prompt);
+    }
+    row
 }
 
 /// A data column's value as JSON (an episode's metadata).

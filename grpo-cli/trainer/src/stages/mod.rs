@@ -11,7 +11,10 @@ pub mod generator;
 pub mod loader;
 pub mod scorer;
 
-pub use generator::{Generator, chat_messages, encode_prompt, episode_completions, render_prompt};
+pub use generator::{
+    Generator, chat_messages, encode_prompt, episode_completions, render_prompt, reset_row,
+    row_metadata,
+};
 pub use loader::{Loader, epochs_of};
 pub use scorer::{PolicyScorer, Scorer};
 
