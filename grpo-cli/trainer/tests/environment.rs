@@ -1295,6 +1295,51 @@ fn several_environment_factory_classes_route_by_the_environment_column() {
     }
 }
 
+/// A reward reading `environments` in another interpreter's worker is told so in one line.
+#[test]
+fn environments_read_from_another_interpreter_say_where_the_instances_are() {
+    let Some(py) = python() else { return };
+    // The same interpreter named another way: a worker of its own.
+    let out = std::process::Command::new(&py)
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .unwrap();
+    let other = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if other.is_empty() || other == py {
+        eprintln!("skipped: {py} has no other name");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let path = dir.path().join("lock.py");
+    std::fs::write(&path, LOCK_PY).unwrap();
+    let rewards = dir.path().join("rewards.py");
+    std::fs::write(
+        &rewards,
+        "def code(environments, **kwargs):\n    return [float(e.code) for e in environments]\n",
+    )
+    .unwrap();
+    let mut cfg = config(dir.path(), "run");
+    cfg.rewards = serde_json::from_value(serde_json::json!([{
+        "type": "python", "name": "code", "path": rewards.display().to_string(),
+        "function": "code", "python": other,
+    }]))
+    .unwrap();
+    cfg.environment = environment_section(&format!(
+        "type = \"factory\"\nmax_turns = 1\n[python]\npath = {:?}\nclass = \"Lock\"\npython = {py:?}\n",
+        path.display().to_string()
+    ));
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    let e = t
+        .fit_with(FitOptions::default().dataset(arithmetic(2)).max_steps(1))
+        .unwrap_err();
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("is not in this Python worker") && e.contains("environment's `python`"),
+        "{e}"
+    );
+}
+
 #[test]
 fn grpo_trains_on_routed_environment_factory_classes_from_the_config() {
     let Some(py) = python() else { return };

@@ -288,8 +288,12 @@ class Worker:
         kwargs = dict(req["kwargs"])
         n = len(req["completions"])
         if req.get("environment_ids") is not None:
-            # TRL's `environments`: each completion's environment_factory instance.
-            kwargs["environments"] = [Factory.find(i) for i in req["environment_ids"]]
+            # TRL's `environments`: each completion's environment_factory instance (a stand-in
+            # that says where it is when the instance lives in another interpreter's worker).
+            kwargs["environments"] = [
+                Factory.find(i) or (Elsewhere(i) if i is not None else None)
+                for i in req["environment_ids"]
+            ]
         # TRL's `log_extra(column, values)` (columns of the completions log) and
         # `log_metric(name, value)` (a metric, averaged over the step's calls).
         extra, metrics = {}, {}
@@ -448,6 +452,19 @@ class Worker:
 
 async def _awaited(x):
     return await x
+
+
+class Elsewhere:
+    """An environment instance this worker does not hold: any use says why, in one line."""
+
+    def __init__(self, id_):
+        self._id = id_
+
+    def __getattr__(self, name):
+        raise RuntimeError(
+            "environment instance %s is not in this Python worker: a reward reading "
+            "`environments` must run with the environment's `python` interpreter" % self._id
+        )
 
 
 class Factory:
