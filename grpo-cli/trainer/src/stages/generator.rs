@@ -509,7 +509,8 @@ impl Generator {
         }
         if let Some(p) = prompt_ids.iter().position(Vec::is_empty) {
             bail!(
-                "environment `{}`: the episodes of row {} start with different prompts that share                  no first token; give them a common start (a chat template, a system prompt)",
+                "environment `{}`: the episodes of row {} start with different prompts that share \
+                 no first token; give them a common start (a chat template, a system prompt)",
                 env.name(),
                 batch.samples[p].index
             );
@@ -533,7 +534,7 @@ impl Generator {
         info.prompt_messages = episodes
             .iter()
             .zip(&starts)
-            .map(|(e, o)| e.messages[..o.messages].to_vec())
+            .map(|(e, o)| e.messages[..o.messages.min(e.messages.len())].to_vec())
             .collect();
         Ok(Rollouts {
             batch,
