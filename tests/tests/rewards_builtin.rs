@@ -2,7 +2,7 @@
 
 use grpo_rewards::builtin::{
     Accuracy, AccuracyConfig, Format, FormatConfig, Overlong, OverlongConfig, answers_match,
-    extract_answer, extract_boxed, overlong_penalty,
+    extract_answer, extract_boxed, latex_value, overlong_penalty,
 };
 use grpo_rewards::{
     FieldValue, Reward, RewardInput, RewardSet, RewardsConfig, ScoringModels, combine_rewards,
@@ -53,6 +53,76 @@ fn numbers_and_text_compare() {
     assert!(answers_match("5.1", "5", 0.2, 0.0));
     assert!(answers_match("  New   york ", "new York", 0.0, 0.0));
     assert!(!answers_match("Paris", "London", 0.0, 0.0));
+}
+
+#[test]
+fn closed_form_latex_answers_compare_by_value() {
+    let pi = std::f64::consts::PI;
+    for (text, want) in [
+        (r"2\sqrt{2}", 8f64.sqrt()),
+        (r"\sqrt{8}", 8f64.sqrt()),
+        (r"\sqrt2", 2f64.sqrt()),
+        (r"\frac{\pi}{4}", pi / 4.0),
+        (r"\dfrac{3\sqrt{3}}{2}", 1.5 * 3f64.sqrt()),
+        (r"\frac12", 0.5),
+        (r"\tfrac{1}{3}", 1.0 / 3.0),
+        (r"2^{10}", 1024.0),
+        (r"2^3", 8.0),
+        (r"-\frac{1}{2}", -0.5),
+        (r"\left(1+\sqrt{5}\right)/2", (1.0 + 5f64.sqrt()) / 2.0),
+        (r"3 \cdot 4", 12.0),
+        (r"6\div 4", 1.5),
+        (r"3\pi", 3.0 * pi),
+        (r"\sqrt[3]{27}", 3.0),
+        (r"\sqrt[3]{-8}", -2.0),
+        (r"$\frac{2}{4}$", 0.5),
+        (r"2(3+1)", 8.0),
+        (r"10^{-2}", 0.01),
+        ("1.5.", 1.5),
+    ] {
+        let v = latex_value(text).unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            (v - want).abs() < 1e-12 * want.abs().max(1.0),
+            "{text}: {v} vs {want}"
+        );
+    }
+    // Not closed-form numbers: a variable, a list, an interval, text, a command we do not know,
+    // unbalanced braces, a division by zero.
+    for text in [
+        "x+1",
+        "2,3",
+        "(1,2)",
+        "abc",
+        r"\sin{1}",
+        r"\frac{1}{2",
+        r"\frac{1}{0}",
+        r"90^\circ",
+        r"\pink",
+        "",
+    ] {
+        assert_eq!(latex_value(text), None, "{text}");
+    }
+    // Forms of one value are one answer; others are not.
+    assert!(answers_match(r"\sqrt{8}", r"2\sqrt{2}", 1e-6, 1e-6));
+    assert!(answers_match(r"\frac{2}{4}", r"\frac{1}{2}", 1e-6, 1e-6));
+    assert!(answers_match(
+        r"\frac{\sqrt{3}}{2}",
+        "0.8660254",
+        1e-6,
+        1e-6
+    ));
+    assert!(!answers_match(r"\sqrt{2}", "1.41", 1e-6, 1e-6));
+    assert!(!answers_match(r"2\sqrt{3}", r"3\sqrt{2}", 1e-6, 1e-6));
+    assert!(!answers_match("x+1", "1+x", 1e-6, 1e-6));
+    let acc = Accuracy::default();
+    let out = acc
+        .score(&[
+            RewardInput::new("q", r"so \boxed{\frac{\sqrt{8}}{2}}")
+                .with_field("answer", r"\sqrt{2}"),
+            RewardInput::new("q", r"\boxed{\sqrt{3}}").with_field("answer", r"\sqrt{2}"),
+        ])
+        .unwrap();
+    assert_eq!(out.scores, vec![Some(1.0), Some(0.0)]);
 }
 
 #[test]

@@ -61,8 +61,9 @@ impl AccuracyConfig {
 /// `<solution>…</solution>`, else the last `\boxed{…}` (balanced braces), else the last number
 /// ([`extract_answer`]). A `\boxed{}` inside a tag is unwrapped. The reference is read the same
 /// way, after the GSM8K marker `####` when present. Both are compared as numbers when both parse
-/// (`1,000`, `3/4`, `$5`, `50%` are understood), within `abs_tol + rel_tol·|reference|`;
-/// otherwise as trimmed, case-insensitive text with runs of whitespace collapsed.
+/// (`1,000`, `3/4`, `$5`, `50%`, and closed-form LaTeX such as `2\sqrt{2}`: [`latex_value`]),
+/// within `abs_tol + rel_tol·|reference|`; otherwise as trimmed, case-insensitive text with runs
+/// of whitespace collapsed.
 #[derive(Debug, Clone, Default)]
 pub struct Accuracy {
     config: AccuracyConfig,
@@ -230,10 +231,195 @@ fn normalise_text(s: &str) -> String {
 }
 
 /// True when `got` equals `reference`: numerically within `abs_tol + rel_tol·|reference|` when
-/// both parse as numbers, else as trimmed, case-insensitive text (whitespace runs collapsed).
+/// both are numbers ([`latex_value`]: plain numbers and closed-form LaTeX such as `2\sqrt{2}`,
+/// `\frac{\pi}{4}`, `3^{2}`), else as trimmed, case-insensitive text (whitespace runs
+/// collapsed).
 pub fn answers_match(got: &str, reference: &str, abs_tol: f64, rel_tol: f64) -> bool {
-    match (parse_number(got), parse_number(reference)) {
+    let value = |s: &str| parse_number(s).or_else(|| latex_value(s));
+    match (value(got), value(reference)) {
         (Some(a), Some(b)) => (a - b).abs() <= abs_tol + rel_tol * b.abs(),
         _ => normalise_text(got) == normalise_text(reference),
+    }
+}
+
+/// The value of a closed-form numeric LaTeX expression: numbers, `+ - * /`, `\cdot`, `\times`,
+/// `\div`, `^`, parentheses and braces (`\left( \right)` too), `\frac` / `\dfrac` /
+/// `\tfrac` (`\frac12` too), `\sqrt{x}`, `\sqrt[n]{x}`, `\sqrt2`, `\pi`, implicit
+/// products (`2\sqrt{3}`, `3\pi`); a number's `\%` or `%` is dropped, as plain numbers' (`50%`
+/// equals `50`). `None` for anything else (a variable, a list, text) or a value that is not
+/// finite.
+pub fn latex_value(s: &str) -> Option<f64> {
+    let mut t: String = s.trim().trim_matches('$').to_owned();
+    for (from, to) in [
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("\\ ", ""),
+        ("\\cdot", "*"),
+        ("\\times", "*"),
+        ("\\div", "/"),
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("π", "\\pi"),
+    ] {
+        t = t.replace(from, to);
+    }
+    let t: Vec<char> = t.chars().filter(|c| !c.is_whitespace()).collect();
+    let t: Vec<char> = match t.last() {
+        Some('.') => t[..t.len() - 1].to_vec(),
+        _ => t,
+    };
+    let mut p = LatexParser { s: &t, i: 0 };
+    let v = p.expr()?;
+    (p.i == t.len() && v.is_finite()).then_some(v)
+}
+
+/// A recursive-descent evaluator over the characters of a LaTeX expression.
+struct LatexParser<'a> {
+    s: &'a [char],
+    i: usize,
+}
+
+impl LatexParser<'_> {
+    fn peek(&self) -> Option<char> {
+        self.s.get(self.i).copied()
+    }
+
+    fn eat(&mut self, word: &str) -> bool {
+        let w: Vec<char> = word.chars().collect();
+        let end = self.i + w.len();
+        // A command is not the start of a longer one (`\pi` is not `\pink`).
+        let whole =
+            !word.starts_with('\\') || self.s.get(end).is_none_or(|c| !c.is_ascii_alphabetic());
+        if self.s.get(self.i..end) == Some(&w[..]) && whole {
+            self.i = end;
+            return true;
+        }
+        false
+    }
+
+    fn expr(&mut self) -> Option<f64> {
+        let mut v = self.term()?;
+        loop {
+            if self.eat("+") {
+                v += self.term()?;
+            } else if self.eat("-") {
+                v -= self.term()?;
+            } else {
+                return Some(v);
+            }
+        }
+    }
+
+    fn term(&mut self) -> Option<f64> {
+        let mut v = self.unary()?;
+        loop {
+            if self.eat("*") {
+                v *= self.unary()?;
+            } else if self.eat("/") {
+                v /= self.unary()?;
+            } else if self.starts_atom() {
+                v *= self.power()?;
+            } else {
+                return Some(v);
+            }
+        }
+    }
+
+    fn unary(&mut self) -> Option<f64> {
+        if self.eat("-") {
+            return self.unary().map(|v| -v);
+        }
+        if self.eat("+") {
+            return self.unary();
+        }
+        self.power()
+    }
+
+    fn power(&mut self) -> Option<f64> {
+        let base = self.atom()?;
+        if self.eat("^") {
+            // `2^{10}`, `2^3` (one digit), `2^-1` is not LaTeX: `2^{-1}`.
+            let e = match self.peek() {
+                Some('{') => self.atom()?,
+                Some(c) if c.is_ascii_digit() => {
+                    self.i += 1;
+                    f64::from(c.to_digit(10)?)
+                }
+                _ => self.atom()?,
+            };
+            return Some(base.powf(e));
+        }
+        Some(base)
+    }
+
+    fn starts_atom(&self) -> bool {
+        match self.peek() {
+            Some(c) if c.is_ascii_digit() || c == '(' || c == '{' || c == '.' => true,
+            Some('\\') => ["\\frac", "\\sqrt", "\\pi"].iter().any(|w| {
+                let w: Vec<char> = w.chars().collect();
+                self.s.get(self.i..self.i + w.len()) == Some(&w[..])
+            }),
+            _ => false,
+        }
+    }
+
+    /// One argument of `\frac` / `\sqrt`: a braced expression, or a single digit or command.
+    fn argument(&mut self) -> Option<f64> {
+        match self.peek()? {
+            '{' => self.atom(),
+            c if c.is_ascii_digit() => {
+                self.i += 1;
+                c.to_digit(10).map(f64::from)
+            }
+            _ => self.atom(),
+        }
+    }
+
+    fn atom(&mut self) -> Option<f64> {
+        for (open, close) in [("(", ")"), ("{", "}"), ("[", "]")] {
+            if self.eat(open) {
+                let v = self.expr()?;
+                return self.eat(close).then_some(v);
+            }
+        }
+        if self.eat("\\frac") {
+            let a = self.argument()?;
+            let b = self.argument()?;
+            return Some(a / b);
+        }
+        if self.eat("\\sqrt") {
+            let n = match self.eat("[") {
+                true => {
+                    let n = self.expr()?;
+                    self.eat("]").then_some(n)?
+                }
+                false => 2.0,
+            };
+            let x = self.argument()?;
+            return Some(match n == 2.0 {
+                true => x.sqrt(),
+                false if x < 0.0 && n.fract() == 0.0 && n % 2.0 == 1.0 => -(-x).powf(1.0 / n),
+                false => x.powf(1.0 / n),
+            });
+        }
+        if self.eat("\\pi") {
+            return Some(std::f64::consts::PI);
+        }
+        // A number: digits with one decimal point.
+        let start = self.i;
+        while self.peek().is_some_and(|c| c.is_ascii_digit() || c == '.') {
+            self.i += 1;
+        }
+        let text: String = self.s[start..self.i].iter().collect();
+        if text.is_empty() || text.matches('.').count() > 1 {
+            return None;
+        }
+        let v: f64 = text.parse().ok()?;
+        // A number's percent sign, dropped as plain numbers' is.
+        let _ = self.eat("\\%") || self.eat("%");
+        Some(v)
     }
 }

@@ -8,7 +8,9 @@ mod model;
 mod overlong;
 mod trl;
 
-pub use accuracy::{Accuracy, AccuracyConfig, answers_match, extract_answer, extract_boxed};
+pub use accuracy::{
+    Accuracy, AccuracyConfig, answers_match, extract_answer, extract_boxed, latex_value,
+};
 pub use format::{Format, FormatConfig};
 pub use model::{
     CoverageCe, CoverageCeConfig, InverseLoss, InverseLossConfig, LanguageScorer, RewardModel,
