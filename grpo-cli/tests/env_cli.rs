@@ -194,3 +194,57 @@ fn env_plays_the_quiz_example_without_data() {
     assert_eq!(p["turns"][0]["observation"]["content"], "wrong");
     assert_eq!(p["reward"], 0.0);
 }
+
+/// An ORS environment: the session's prompt, its tools and rewards, every session deleted.
+#[test]
+fn env_plays_an_ors_environment_and_closes_its_sessions() {
+    let server = grpo_tests::ors_server::OrsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    init_model_dir(&d.join("model"), Preset::Tiny, Arch::Qwen2, 1).unwrap();
+    std::fs::write(
+        d.join("tasks.jsonl"),
+        "{\"prompt\": [{\"role\": \"user\", \"content\": \"\"}], \"task_index\": 2}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("ors.toml"),
+        format!(
+            "[model]\npath = \"model\"\n[data]\npath = [\"tasks.jsonl\"]\n[environment]\ntype = \"ors\"\nmax_turns = 3\n[environment.ors]\nurl = \"{}\"\nenv_name = \"arith\"\n",
+            server.url()
+        ),
+    )
+    .unwrap();
+    let add = r#"<tool_call>{"name": "add", "arguments": {"x": 4, "y": 7}}</tool_call>"#;
+    let submit = r#"<tool_call>{"name": "submit", "arguments": {"answer": "11"}}</tool_call>"#;
+    let out = cli(
+        d,
+        &[
+            "env", "--config", "ors.toml", "--turn", add, "--turn", submit, "--json",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let p: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        p["messages"][0]["content"],
+        "What is 4 + 7? Use the `add` tool, then give the result to `submit`."
+    );
+    let mut tools: Vec<&str> = p["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    tools.sort_unstable();
+    assert_eq!(tools, ["add", "boom", "submit"]);
+    assert_eq!(p["turns"][0]["observation"]["content"], "11");
+    assert_eq!(p["turns"][1]["terminated"], true);
+    assert_eq!(p["reward"], 1.0);
+    // The probe session and the episode's: both deleted.
+    assert_eq!(server.live_sessions(), 0);
+    assert_eq!((server.stats().created, server.stats().deleted), (2, 2));
+}
