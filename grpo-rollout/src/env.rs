@@ -128,18 +128,23 @@ impl EnvironmentReset {
 
     /// Episode `j`'s start: its own, or the shared one.
     pub fn start_of(&self, j: usize) -> EpisodeStart {
-        match self.episode_starts.get(j) {
-            Some(s) => s.clone(),
-            None => EpisodeStart {
-                observation: self.observation.clone(),
-                messages: self.messages.clone(),
-            },
+        self.episode_starts
+            .get(j)
+            .cloned()
+            .unwrap_or_else(|| self.shared_start())
+    }
+
+    /// The start the prompt's episodes share ([`Self::observation`], [`Self::messages`]).
+    fn shared_start(&self) -> EpisodeStart {
+        EpisodeStart {
+            observation: self.observation.clone(),
+            messages: self.messages.clone(),
         }
     }
 
     /// `messages` as the shared start leaves them ([`EpisodeStart::apply`]).
     pub fn apply(&self, messages: &mut Vec<ChatMessage>) {
-        self.start_of(usize::MAX).apply(messages);
+        self.shared_start().apply(messages);
     }
 }
 

@@ -126,6 +126,21 @@ impl Reward for RepetitionPenalty {
     }
 }
 
+/// The [`Accuracy`] that decides correctness, from a config's accuracy keys.
+fn accuracy(
+    answer_field: &str,
+    abs_tol: f64,
+    rel_tol: f64,
+    skip_missing: bool,
+) -> Result<Accuracy> {
+    Accuracy::new(AccuracyConfig {
+        answer_field: answer_field.to_owned(),
+        abs_tol,
+        rel_tol,
+        skip_missing,
+    })
+}
+
 fn solution() -> String {
     "solution".into()
 }
@@ -207,12 +222,12 @@ impl CosineScaled {
                 return Err(RewardError::config(k, format!("must be finite, got {v}")));
             }
         }
-        let accuracy = Accuracy::new(AccuracyConfig {
-            answer_field: config.answer_field.clone(),
-            abs_tol: config.abs_tol,
-            rel_tol: config.rel_tol,
-            skip_missing: config.skip_missing,
-        })?;
+        let accuracy = accuracy(
+            &config.answer_field,
+            config.abs_tol,
+            config.rel_tol,
+            config.skip_missing,
+        )?;
         Ok(Self { config, accuracy })
     }
 }
@@ -287,12 +302,12 @@ impl ReasoningAccuracy {
                 "must hold at least one delimiter, none empty",
             ));
         }
-        let accuracy = Accuracy::new(AccuracyConfig {
-            answer_field: config.answer_field,
-            abs_tol: config.abs_tol,
-            rel_tol: config.rel_tol,
-            skip_missing: config.skip_missing,
-        })?;
+        let accuracy = accuracy(
+            &config.answer_field,
+            config.abs_tol,
+            config.rel_tol,
+            config.skip_missing,
+        )?;
         Ok(Self {
             delimiters: config.reasoning_delimiters,
             accuracy,

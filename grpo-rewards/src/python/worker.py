@@ -233,14 +233,7 @@ class Worker:
         out, fail = self.run(req, "tool", lambda f: f(**(req.get("arguments") or {})))
         if fail:
             return fail
-        if isinstance(out, str):
-            text = out
-        else:
-            try:
-                text = json.dumps(out, default=str)
-            except Exception:
-                text = str(out)
-        return {"ok": True, "result": text}
+        return {"ok": True, "result": tool_text(out)}
 
     def env_step(self, req):
         logs = req["message_logs"]
@@ -382,14 +375,7 @@ class Worker:
                 traceback_of("`%s.%s` in %s" % (req["function"], name, req["path"]))
                 results.append([False, "raised " + describe(e, files)])
                 continue
-            if isinstance(out, str):
-                text = out
-            else:
-                try:
-                    text = json.dumps(out, default=str)
-                except Exception:
-                    text = str(out)
-            results.append([True, text])
+            results.append([True, tool_text(out)])
         return {"ok": True, "result": results}
 
     def factory_reward(self, req):
@@ -613,6 +599,16 @@ def tool_schema(f, name):
         parameters["required"] = required
     return {"type": "function", "function": {"name": name, "description": description,
             "parameters": parameters}}
+
+
+def tool_text(out):
+    """A tool's return as the text the model sees: a string as it is, else its JSON (or str)."""
+    if isinstance(out, str):
+        return out
+    try:
+        return json.dumps(out, default=str)
+    except Exception:
+        return str(out)
 
 
 def jsonable(v):

@@ -278,11 +278,7 @@ pub fn completion_lines(s: &crate::stages::Scored, max: usize) -> Vec<serde_json
                 .collect();
             serde_json::json!({
                 "step": r.batch.step + 1,
-                "prompt": r
-                    .episodes
-                    .as_ref()
-                    .and_then(|e| e.prompt_texts.get(i))
-                    .unwrap_or(&r.prompt_texts[c.prompt_index]),
+                "prompt": r.prompt_text(i),
                 "completion": c.text,
                 "rewards": rewards,
                 "info": info,

@@ -469,7 +469,7 @@ impl Generator {
             )
         })?;
         // Each episode's own prompt, then its place in its prompt's group.
-        let starts: Vec<EpisodeOrigin> = episodes
+        let origins: Vec<EpisodeOrigin> = episodes
             .iter()
             .map(|e| EpisodeOrigin {
                 request: e.prompt_index,
@@ -516,7 +516,7 @@ impl Generator {
             );
         }
         let mut own_prompt_tokens = Vec::with_capacity(episodes.len());
-        for (e, o) in episodes.iter_mut().zip(&starts) {
+        for (e, o) in episodes.iter_mut().zip(&origins) {
             let rest = &prompts[o.request].ids[prompt_ids[e.prompt_index].len()..];
             if !rest.is_empty() {
                 prepend_environment_tokens(e, rest);
@@ -525,15 +525,15 @@ impl Generator {
         }
         let (completions, mut info) = episode_completions(
             &episodes,
-            &starts.iter().map(|o| o.messages).collect::<Vec<_>>(),
+            &origins.iter().map(|o| o.messages).collect::<Vec<_>>(),
             env_cfg.reward,
             post,
         );
-        info.prompt_texts = starts.iter().map(|o| o.text.clone()).collect();
+        info.prompt_texts = origins.iter().map(|o| o.text.clone()).collect();
         info.own_prompt_tokens = own_prompt_tokens;
         info.prompt_messages = episodes
             .iter()
-            .zip(&starts)
+            .zip(&origins)
             .map(|(e, o)| e.messages[..o.messages.min(e.messages.len())].to_vec())
             .collect();
         Ok(Rollouts {

@@ -65,6 +65,17 @@ pub struct Rollouts {
     pub source: CompletionSource,
 }
 
+impl Rollouts {
+    /// Completion `i`'s prompt as the model saw it: its episode's own (the environment's
+    /// `reset` text included), else its row's.
+    pub fn prompt_text(&self, i: usize) -> &str {
+        self.episodes
+            .as_ref()
+            .and_then(|e| e.prompt_texts.get(i))
+            .unwrap_or(&self.prompt_texts[self.completions[i].prompt_index])
+    }
+}
+
 /// Where a step's completions come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CompletionSource {

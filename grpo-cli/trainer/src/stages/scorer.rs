@@ -105,27 +105,20 @@ impl Scorer {
             .enumerate()
             .map(|(i, c)| {
                 let s = &r.batch.samples[c.prompt_index];
-                // An episode's own prompt (after the environment's reset), as TRL's `prompts`.
-                let own = r
-                    .episodes
-                    .as_ref()
-                    .and_then(|e| Some((e.prompt_texts.get(i)?, e.prompt_messages.get(i)?)));
-                let text = match own {
-                    Some((t, _)) => t.clone(),
-                    None => r.prompt_texts[c.prompt_index].clone(),
-                };
                 // Not the end of the episode's own prompt the learner sees before it.
                 let skip = r
                     .episodes
                     .as_ref()
                     .and_then(|e| e.own_prompt_tokens.get(i))
                     .map_or(0, |&k| k.min(c.token_ids.len()));
-                let mut x = RewardInput::new(text, c.text.clone())
+                let mut x = RewardInput::new(r.prompt_text(i), c.text.clone())
                     .with_ids(c.token_ids[skip..].to_vec())
                     .at_step(r.batch.step);
                 if let Prompt::Conversation(m) = &s.prompt {
+                    // An episode's own prompt (after the environment's reset), as TRL's `prompts`.
+                    let own = r.episodes.as_ref().and_then(|e| e.prompt_messages.get(i));
                     x = x.with_messages(match own {
-                        Some((_, own)) => own
+                        Some(own) => own
                             .iter()
                             .map(|m| Message::new(m.role.clone(), m.content.clone()))
                             .collect(),
