@@ -4,6 +4,7 @@
 
 mod accuracy;
 mod format;
+pub mod math_verify;
 mod model;
 mod overlong;
 mod trl;

@@ -1,0 +1,944 @@
+//! A LaTeX math parser giving [`Expr`]s the way `latex2sympy2_extended` reads them: single
+//! letters are variables (lower-cased), juxtaposed numbers add (`2\frac{1}{2}` is 5/2),
+//! `(a, b)` with `a < b` is an open interval and `(2, 1)` a tuple, a comma list is a set,
+//! `1,000` alone is a thousand, `x = 3` an equation, `10\%` a percentage. What it does not
+//! know is an error, as there: the answer then counts by its text only.
+
+use super::expr::{Expr, Func, Q, Rel};
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tok {
+    Num(String),
+    Letter(char),
+    Cmd(String),
+    Ch(char),
+}
+
+fn tokenize(s: &str) -> Result<Vec<Tok>, String> {
+    let chars: Vec<char> = s.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c.is_whitespace() {
+            i += 1;
+        } else if c.is_ascii_digit()
+            || (c == '.' && chars.get(i + 1).is_some_and(char::is_ascii_digit))
+        {
+            let start = i;
+            while i < chars.len() && chars[i].is_ascii_digit() {
+                i += 1;
+            }
+            if i < chars.len() && chars[i] == '.' {
+                if !chars.get(i + 1).is_some_and(char::is_ascii_digit) {
+                    return Err(format!("a number ends in '.' at {i}"));
+                }
+                i += 1;
+                while i < chars.len() && chars[i].is_ascii_digit() {
+                    i += 1;
+                }
+            }
+            out.push(Tok::Num(chars[start..i].iter().collect()));
+        } else if c.is_ascii_alphabetic() {
+            out.push(Tok::Letter(c));
+            i += 1;
+        } else if c == '\\' {
+            i += 1;
+            let start = i;
+            while i < chars.len() && chars[i].is_ascii_alphabetic() {
+                i += 1;
+            }
+            if i == start {
+                // \{ \} \% \, \; \: \! \| ...
+                let Some(&d) = chars.get(i) else {
+                    return Err("a lone backslash".into());
+                };
+                i += 1;
+                match d {
+                    ',' | ';' | ':' | '!' | ' ' => {}
+                    _ => out.push(Tok::Cmd(d.to_string())),
+                }
+            } else {
+                let name: String = chars[start..i].iter().collect();
+                if name == "text"
+                    || name == "textbf"
+                    || name == "mbox"
+                    || name == "textit"
+                    || name == "textrm"
+                {
+                    // The braced text is one token.
+                    while i < chars.len() && chars[i].is_whitespace() {
+                        i += 1;
+                    }
+                    if chars.get(i) != Some(&'{') {
+                        return Err("\\text without braces".into());
+                    }
+                    let mut depth = 0;
+                    let start = i + 1;
+                    loop {
+                        let Some(&d) = chars.get(i) else {
+                            return Err("unclosed \\text".into());
+                        };
+                        if d == '{' {
+                            depth += 1;
+                        } else if d == '}' {
+                            depth -= 1;
+                            if depth == 0 {
+                                break;
+                            }
+                        }
+                        i += 1;
+                    }
+                    out.push(Tok::Cmd(format!(
+                        "text:{}",
+                        chars[start..i].iter().collect::<String>()
+                    )));
+                    i += 1;
+                } else if matches!(
+                    name.as_str(),
+                    "quad"
+                        | "qquad"
+                        | "displaystyle"
+                        | "left"
+                        | "right"
+                        | "bigl"
+                        | "bigr"
+                        | "Bigl"
+                        | "Bigr"
+                        | "big"
+                        | "Big"
+                ) {
+                } else {
+                    out.push(Tok::Cmd(name));
+                }
+            }
+        } else if "+-*/^_()[]{}|!,;=<>'".contains(c)
+            || c == '×'
+            || c == '÷'
+            || c == '·'
+            || c == '≤'
+            || c == '≥'
+            || c == '≠'
+            || c == 'π'
+            || c == '∞'
+        {
+            out.push(Tok::Ch(c));
+            i += 1;
+        } else {
+            return Err(format!("unexpected '{c}'"));
+        }
+    }
+    Ok(out)
+}
+
+const GREEK: &[&str] = &[
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "varepsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "vartheta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+    "phi",
+    "varphi",
+    "chi",
+    "psi",
+    "omega",
+    "Gamma",
+    "Delta",
+    "Theta",
+    "Lambda",
+    "Xi",
+    "Sigma",
+    "Upsilon",
+    "Phi",
+    "Psi",
+    "Omega",
+];
+
+fn func_of(name: &str) -> Option<Func> {
+    Some(match name {
+        "sin" => Func::Sin,
+        "cos" => Func::Cos,
+        "tan" => Func::Tan,
+        "cot" => Func::Cot,
+        "sec" => Func::Sec,
+        "csc" => Func::Csc,
+        "arcsin" => Func::Asin,
+        "arccos" => Func::Acos,
+        "arctan" => Func::Atan,
+        "sinh" => Func::Sinh,
+        "cosh" => Func::Cosh,
+        "tanh" => Func::Tanh,
+        "log" | "ln" | "lg" => Func::Log,
+        "exp" => Func::Exp,
+        _ => return None,
+    })
+}
+
+struct Parser {
+    toks: Vec<Tok>,
+    pos: usize,
+}
+
+type Res = Result<Expr, String>;
+
+/// `-x`: a negative number stays a number (`-7`, `-\frac{1}{2}`).
+pub(crate) fn neg(x: Expr) -> Expr {
+    match x {
+        Expr::Int(n) => Expr::Int(-n),
+        Expr::Rat(n, d) => Expr::Rat(-n, d),
+        Expr::Float(v) => Expr::Float(-v),
+        Expr::Mul(v) if v.len() == 2 && v[0] == Expr::Int(-1) => {
+            v.into_iter().nth(1).unwrap_or(Expr::Int(0))
+        }
+        x => Expr::Mul(vec![Expr::Int(-1), x]),
+    }
+}
+
+fn divide(a: Expr, b: Expr) -> Expr {
+    if let (Some(p), Some(q)) = (exact_literal(&a), exact_literal(&b)) {
+        if let Some(r) = Q::new(p.0 * q.1, p.1 * q.0) {
+            return r.expr();
+        }
+    }
+    Expr::Mul(vec![a, Expr::Pow(Box::new(b), Box::new(Expr::Int(-1)))])
+}
+
+fn exact_literal(x: &Expr) -> Option<Q> {
+    match x {
+        Expr::Int(n) => Some(Q(*n, 1)),
+        Expr::Rat(n, d) => Some(Q(*n, *d)),
+        _ => None,
+    }
+}
+
+fn product(mut factors: Vec<Expr>) -> Expr {
+    if factors.len() == 1 {
+        factors.remove(0)
+    } else {
+        Expr::Mul(factors)
+    }
+}
+
+impl Parser {
+    fn peek(&self) -> Option<&Tok> {
+        self.toks.get(self.pos)
+    }
+    fn is(&self, c: char) -> bool {
+        self.peek() == Some(&Tok::Ch(c))
+    }
+    fn is_cmd(&self, name: &str) -> bool {
+        matches!(self.peek(), Some(Tok::Cmd(n)) if n == name)
+    }
+    fn eat(&mut self, c: char) -> bool {
+        if self.is(c) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+    fn expect(&mut self, c: char) -> Result<(), String> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            Err(format!("expected '{c}' at token {}", self.pos))
+        }
+    }
+
+    /// A comma (or semicolon) list of relations: one item, else a set.
+    fn list(&mut self) -> Res {
+        let mut items = vec![self.relation()?];
+        while self.eat(',') || self.eat(';') {
+            items.push(self.relation()?);
+        }
+        Ok(if items.len() == 1 {
+            items.remove(0)
+        } else {
+            Expr::Set(items)
+        })
+    }
+
+    fn rel_op(&self) -> Option<Rel> {
+        match self.peek()? {
+            Tok::Ch('=') => Some(Rel::Eq),
+            Tok::Ch('<') => Some(Rel::Lt),
+            Tok::Ch('>') => Some(Rel::Gt),
+            Tok::Ch('≤') => Some(Rel::Le),
+            Tok::Ch('≥') => Some(Rel::Ge),
+            Tok::Ch('≠') => Some(Rel::Ne),
+            Tok::Cmd(n) => match n.as_str() {
+                "le" | "leq" | "leqslant" => Some(Rel::Le),
+                "ge" | "geq" | "geqslant" => Some(Rel::Ge),
+                "lt" => Some(Rel::Lt),
+                "gt" => Some(Rel::Gt),
+                "neq" | "ne" => Some(Rel::Ne),
+                "in" => Some(Rel::Eq),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    fn relation(&mut self) -> Res {
+        let first = self.sum()?;
+        let mut rels = Vec::new();
+        let mut lhs = first.clone();
+        while let Some(op) = self.rel_op() {
+            self.pos += 1;
+            // `<=` and `>=` written as two characters.
+            let op = match (op, self.peek()) {
+                (Rel::Lt, Some(Tok::Ch('='))) => {
+                    self.pos += 1;
+                    Rel::Le
+                }
+                (Rel::Gt, Some(Tok::Ch('='))) => {
+                    self.pos += 1;
+                    Rel::Ge
+                }
+                _ => op,
+            };
+            let rhs = self.sum()?;
+            rels.push(Expr::Rel(op, Box::new(lhs), Box::new(rhs.clone())));
+            lhs = rhs;
+        }
+        Ok(match rels.len() {
+            0 => first,
+            1 => rels.remove(0),
+            _ => Expr::And(rels),
+        })
+    }
+
+    fn sum(&mut self) -> Res {
+        let mut sign_pm = false;
+        let mut terms = Vec::new();
+        let mut first = true;
+        loop {
+            let mut negative = false;
+            let mut plus_minus = false;
+            loop {
+                if self.eat('+') {
+                } else if self.eat('-') {
+                    negative = !negative;
+                } else if self.is_cmd("pm") {
+                    self.pos += 1;
+                    plus_minus = true;
+                } else {
+                    break;
+                }
+            }
+            if !first && !negative && !plus_minus && terms.len() == terms.len() && self.pos > 0 {
+                // a term must follow an operator; handled by `term` erroring on nothing
+            }
+            let t = self.term()?;
+            let t = if negative { neg(t) } else { t };
+            if plus_minus {
+                sign_pm = true;
+                terms.push((t, true));
+            } else {
+                terms.push((t, false));
+            }
+            first = false;
+            if !(self.is('+') || self.is('-') || self.is_cmd("pm")) {
+                break;
+            }
+        }
+        if sign_pm {
+            // a ± b: the set {a − b, a + b}.
+            let build = |signs: &[(Expr, bool)], minus: bool| -> Expr {
+                let v: Vec<Expr> = signs
+                    .iter()
+                    .map(|(t, pm)| {
+                        if *pm && minus {
+                            neg(t.clone())
+                        } else {
+                            t.clone()
+                        }
+                    })
+                    .collect();
+                if v.len() == 1 {
+                    v.into_iter().next().unwrap_or(Expr::Int(0))
+                } else {
+                    Expr::Add(v)
+                }
+            };
+            return Ok(Expr::Set(vec![build(&terms, false), build(&terms, true)]));
+        }
+        let mut v: Vec<Expr> = terms.into_iter().map(|(t, _)| t).collect();
+        Ok(if v.len() == 1 {
+            v.remove(0)
+        } else {
+            Expr::Add(v)
+        })
+    }
+
+    fn starts_factor(&self) -> bool {
+        match self.peek() {
+            Some(Tok::Num(_) | Tok::Letter(_)) => true,
+            Some(Tok::Ch(c)) => matches!(c, '(' | '[' | '{' | '|' | 'π' | '∞'),
+            Some(Tok::Cmd(n)) => {
+                !matches!(
+                    n.as_str(),
+                    "cdot"
+                        | "times"
+                        | "div"
+                        | "pm"
+                        | "le"
+                        | "leq"
+                        | "leqslant"
+                        | "ge"
+                        | "geq"
+                        | "geqslant"
+                        | "lt"
+                        | "gt"
+                        | "neq"
+                        | "ne"
+                        | "in"
+                        | "}"
+                        | "%"
+                        | "rfloor"
+                        | "rceil"
+                        | "cup"
+                        | "cap"
+                        | "circ"
+                        | "to"
+                        | "approx"
+                        | "mid"
+                        | "vert"
+                        | "rvert"
+                ) && self.rel_op().is_none()
+            }
+            None => false,
+        }
+    }
+
+    /// Factors joined by `\cdot`, `\times`, `*`, `/`, `\div` and by juxtaposition.
+    fn term(&mut self) -> Res {
+        let mut acc = self.implicit()?;
+        loop {
+            if self.eat('*')
+                || self.eat('×')
+                || self.eat('·')
+                || self.eat_cmd("cdot")
+                || self.eat_cmd("times")
+            {
+                let rhs = self.implicit()?;
+                acc = match acc {
+                    Expr::Mul(mut v) => {
+                        v.push(rhs);
+                        Expr::Mul(v)
+                    }
+                    a => Expr::Mul(vec![a, rhs]),
+                };
+            } else if self.eat('/') || self.eat('÷') || self.eat_cmd("div") {
+                let rhs = self.implicit()?;
+                acc = divide(acc, rhs);
+            } else {
+                return Ok(acc);
+            }
+        }
+    }
+
+    fn eat_cmd(&mut self, name: &str) -> bool {
+        if self.is_cmd(name) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Juxtaposed factors: `2x`, `3\sqrt{2}`; numbers next to numbers add (`2\frac12`, `4 2`).
+    fn implicit(&mut self) -> Res {
+        let mut factors = vec![self.unary()?];
+        while self.starts_factor() {
+            let f = self.postfix()?;
+            let last = factors.last_mut().ok_or("empty product")?;
+            if let (Some(a), Some(b)) = (exact_literal(last), exact_literal(&f)) {
+                if let Some(s) = Q::new(a.0 * b.1 + b.0 * a.1, a.1 * b.1) {
+                    *last = s.expr();
+                    continue;
+                }
+            }
+            factors.push(f);
+        }
+        Ok(product(factors))
+    }
+
+    fn unary(&mut self) -> Res {
+        if self.eat('-') {
+            return Ok(neg(self.unary()?));
+        }
+        if self.eat('+') {
+            return self.unary();
+        }
+        self.postfix()
+    }
+
+    /// Powers, factorials, percentages and degrees after an atom.
+    fn postfix(&mut self) -> Res {
+        let mut x = self.atom()?;
+        loop {
+            if self.eat('^') {
+                if self.is_cmd("circ") {
+                    self.pos += 1;
+                    continue;
+                }
+                if self.is('{')
+                    && matches!(self.toks.get(self.pos + 1), Some(Tok::Cmd(n)) if n == "circ")
+                    && self.toks.get(self.pos + 2) == Some(&Tok::Ch('}'))
+                {
+                    self.pos += 3;
+                    continue;
+                }
+                let e = self.exponent()?;
+                x = if x == Expr::E {
+                    Expr::Func(Func::Exp, vec![e])
+                } else {
+                    Expr::Pow(Box::new(x), Box::new(e))
+                };
+            } else if self.eat('!') {
+                x = Expr::Func(Func::Factorial, vec![x]);
+            } else if self.is_cmd("%") {
+                if !x.is_number() {
+                    return Err("a percent of a non-number".into());
+                }
+                self.pos += 1;
+                x = Expr::Pct(Box::new(x));
+            } else if self.is('\'') {
+                return Err("a prime".into());
+            } else {
+                return Ok(x);
+            }
+        }
+    }
+
+    /// `^{...}` or `^2` / `^x` / `^\pi`.
+    fn exponent(&mut self) -> Res {
+        if self.eat('{') {
+            let e = self.list()?;
+            self.expect('}')?;
+            return Ok(e);
+        }
+        match self.peek().cloned() {
+            Some(Tok::Num(n)) => {
+                // `2^10` is 2^1 · 0: only the first digit.
+                self.pos += 1;
+                let mut digits = n.chars();
+                let first = digits.next().ok_or("empty number")?;
+                let rest: String = digits.collect();
+                if !rest.is_empty() {
+                    self.toks.insert(self.pos, Tok::Num(rest));
+                }
+                Ok(Expr::Int(i128::from(
+                    first.to_digit(10).ok_or("not a digit")?,
+                )))
+            }
+            Some(Tok::Letter(_) | Tok::Cmd(_)) => self.atom(),
+            _ => Err("a power without an exponent".into()),
+        }
+    }
+
+    fn group(&mut self) -> Res {
+        self.expect('{')?;
+        let x = self.list()?;
+        self.expect('}')?;
+        Ok(x)
+    }
+
+    fn atom(&mut self) -> Res {
+        let tok = self.peek().cloned().ok_or("unexpected end")?;
+        self.pos += 1;
+        match tok {
+            Tok::Num(s) => {
+                if s.contains('.') {
+                    s.parse::<f64>().map(Expr::Float).map_err(|e| e.to_string())
+                } else {
+                    let t = s.trim_start_matches('0');
+                    if t.len() > 36 {
+                        return Ok(Expr::Float(s.parse::<f64>().map_err(|e| e.to_string())?));
+                    }
+                    Ok(Expr::Int(if t.is_empty() {
+                        0
+                    } else {
+                        t.parse::<i128>().map_err(|e| e.to_string())?
+                    }))
+                }
+            }
+            Tok::Letter(c) => {
+                if c == 'e' && !self.is('_') {
+                    return Ok(Expr::E);
+                }
+                if matches!(c, 'f' | 'g' | 'h') && self.is('(') {
+                    self.pos += 1;
+                    let args = self.list()?;
+                    self.expect(')')?;
+                    let args = match args {
+                        Expr::Set(v) => v,
+                        a => vec![a],
+                    };
+                    return Ok(Expr::Apply(c.to_string(), args));
+                }
+                let name = c.to_ascii_lowercase().to_string();
+                self.subscripted(name)
+            }
+            Tok::Ch('π') => Ok(Expr::Pi),
+            Tok::Ch('∞') => Ok(Expr::Inf),
+            Tok::Ch('(') | Tok::Ch('[') => self.bracketed(tok == Tok::Ch('(')),
+            Tok::Ch('{') => {
+                let x = self.list()?;
+                self.expect('}')?;
+                Ok(x)
+            }
+            Tok::Ch('|') => {
+                let x = self.sum()?;
+                self.expect('|')?;
+                Ok(Expr::Func(Func::Abs, vec![x]))
+            }
+            Tok::Cmd(name) => self.command(&name),
+            Tok::Ch(c) => Err(format!("unexpected '{c}'")),
+        }
+    }
+
+    fn subscripted(&mut self, name: String) -> Res {
+        if self.eat('_') {
+            let sub = match self.peek().cloned() {
+                Some(Tok::Ch('{')) => {
+                    self.pos += 1;
+                    let start = self.pos;
+                    let mut depth = 1;
+                    while depth > 0 {
+                        match self.peek() {
+                            Some(Tok::Ch('{')) => depth += 1,
+                            Some(Tok::Ch('}')) => depth -= 1,
+                            None => return Err("unclosed subscript".into()),
+                            _ => {}
+                        }
+                        self.pos += 1;
+                    }
+                    let inner = &self.toks[start..self.pos - 1];
+                    let text: String = inner.iter().map(tok_text).collect();
+                    if inner.len() == 1 {
+                        text
+                    } else {
+                        format!("{{{text}}}")
+                    }
+                }
+                Some(Tok::Num(n)) => {
+                    self.pos += 1;
+                    n[..1].to_string()
+                }
+                Some(t) => {
+                    self.pos += 1;
+                    tok_text(&t)
+                }
+                None => return Err("a subscript without its index".into()),
+            };
+            return Ok(Expr::Sym(format!("{name}_{sub}")));
+        }
+        Ok(Expr::Sym(name))
+    }
+
+    /// `( ... )` or `[ ... ]`: a value, an interval of two ends, a tuple of more.
+    fn bracketed(&mut self, round: bool) -> Res {
+        let x = self.list()?;
+        let close_round = if self.eat(')') {
+            true
+        } else if self.eat(']') {
+            false
+        } else {
+            return Err("unclosed bracket".into());
+        };
+        match x {
+            Expr::Set(items) if items.len() == 2 => {
+                let (lo, hi) = (items[0].clone(), items[1].clone());
+                // An interval that would be empty is a pair, as `convert_interval` decides.
+                let empty = match (lo.eval(&|_| f64::NAN), hi.eval(&|_| f64::NAN)) {
+                    (Some(a), Some(b)) => {
+                        (round && close_round && b <= a) || (!round && !close_round && b < a)
+                    }
+                    _ => false,
+                };
+                if !empty {
+                    Ok(Expr::Interval {
+                        lo: Box::new(lo),
+                        hi: Box::new(hi),
+                        lopen: round,
+                        ropen: close_round,
+                    })
+                } else {
+                    Ok(Expr::Tuple(items))
+                }
+            }
+            Expr::Set(items) => Ok(Expr::Tuple(items)),
+            x => Ok(x),
+        }
+    }
+
+    fn command(&mut self, name: &str) -> Res {
+        if let Some(text) = name.strip_prefix("text:") {
+            let t = text.trim();
+            let t = t
+                .strip_prefix('(')
+                .and_then(|t| t.strip_suffix(')'))
+                .unwrap_or(t)
+                .trim();
+            if t.is_empty() {
+                return Err("empty text".into());
+            }
+            return Ok(Expr::Sym(t.to_lowercase()));
+        }
+        if let Some(f) = func_of(name) {
+            return self.function(name, f);
+        }
+        if GREEK.contains(&name) {
+            return self.subscripted(name.to_lowercase());
+        }
+        match name {
+            "pi" => Ok(Expr::Pi),
+            "infty" | "infin" => Ok(Expr::Inf),
+            "emptyset" | "varnothing" => Ok(Expr::EmptySet),
+            "{" => {
+                if self.eat_cmd("}") {
+                    return Ok(Expr::EmptySet);
+                }
+                let x = self.list()?;
+                if !self.eat_cmd("}") {
+                    return Err("unclosed \\{".into());
+                }
+                Ok(Expr::Set(match x {
+                    Expr::Set(v) => v,
+                    x => vec![x],
+                }))
+            }
+            "frac" | "dfrac" | "tfrac" | "cfrac" => {
+                let a = self.group()?;
+                let b = self.group()?;
+                Ok(divide(a, b))
+            }
+            "binom" | "dbinom" | "tbinom" | "choose" => {
+                let a = self.group()?;
+                let b = self.group()?;
+                let x = Expr::Func(Func::Binom, vec![a, b]);
+                Ok(x.exact().map_or(x, Q::expr))
+            }
+            "sqrt" => {
+                let index = if self.eat('[') {
+                    let i = self.sum()?;
+                    self.expect(']')?;
+                    Some(i)
+                } else {
+                    None
+                };
+                if !self.is('{') {
+                    return Err("\\sqrt without braces".into());
+                }
+                let x = self.group()?;
+                let e = match index {
+                    None => Expr::Rat(1, 2),
+                    Some(Expr::Int(n)) => Expr::rational(1, n).ok_or("a zeroth root")?,
+                    Some(i) => divide(Expr::Int(1), i),
+                };
+                Ok(Expr::Pow(Box::new(x), Box::new(e)))
+            }
+            "lfloor" | "lceil" => {
+                let x = self.sum()?;
+                let close = if name == "lfloor" { "rfloor" } else { "rceil" };
+                if !self.eat_cmd(close) {
+                    return Err(format!("unclosed \\{name}"));
+                }
+                Ok(Expr::Func(
+                    if name == "lfloor" {
+                        Func::Floor
+                    } else {
+                        Func::Ceil
+                    },
+                    vec![x],
+                ))
+            }
+            "mathbb" => {
+                let x = self.group()?;
+                if x == Expr::Sym("r".into()) {
+                    Ok(Expr::Reals)
+                } else {
+                    Err("an unknown \\mathbb".into())
+                }
+            }
+            "max" | "min" | "gcd" | "lcm" => {
+                self.expect('(')?;
+                let x = self.list()?;
+                self.expect(')')?;
+                let args = match x {
+                    Expr::Set(v) => v,
+                    x => vec![x],
+                };
+                let f = match name {
+                    "max" => Func::Max,
+                    "min" => Func::Min,
+                    "gcd" => Func::Gcd,
+                    _ => Func::Lcm,
+                };
+                Ok(Expr::Func(f, args))
+            }
+            "%" => Err("a percent sign without a number".into()),
+            _ => Err(format!("unknown command \\{name}")),
+        }
+    }
+
+    /// `\sin x`, `\sin(x)`, `\sin^2 x`, `\log_2 8`, `\ln x`.
+    fn function(&mut self, name: &str, f: Func) -> Res {
+        let mut base = match name {
+            "ln" => None,
+            "log" | "lg" => Some(Expr::Int(10)),
+            _ => None,
+        };
+        let mut power = None;
+        loop {
+            if self.eat('_') && f == Func::Log {
+                base = Some(self.exponent()?);
+            } else if self.eat('^') {
+                power = Some(self.exponent()?);
+            } else {
+                break;
+            }
+        }
+        let arg = if self.eat('(') {
+            let x = self.list()?;
+            self.expect(')')?;
+            x
+        } else if self.is('{') {
+            self.group()?
+        } else {
+            self.implicit_arg()?
+        };
+        let (mut f, mut args) = (f, vec![arg]);
+        if f == Func::Log {
+            if let Some(b) = base {
+                args.push(b);
+            }
+        }
+        if let Some(p) = power {
+            if p == Expr::Int(-1) {
+                f = match f {
+                    Func::Sin => Func::Asin,
+                    Func::Cos => Func::Acos,
+                    Func::Tan => Func::Atan,
+                    f => return Ok(Expr::Pow(Box::new(Expr::Func(f, args)), Box::new(p))),
+                };
+                return Ok(Expr::Func(f, args));
+            }
+            return Ok(Expr::Pow(Box::new(Expr::Func(f, args)), Box::new(p)));
+        }
+        Ok(Expr::Func(f, args))
+    }
+
+    /// The argument of `\sin 2x`: the juxtaposed factors that follow.
+    fn implicit_arg(&mut self) -> Res {
+        let mut factors = vec![self.postfix()?];
+        while self.starts_factor()
+            && !matches!(self.peek(), Some(Tok::Cmd(n)) if func_of(n).is_some())
+        {
+            factors.push(self.postfix()?);
+        }
+        Ok(product(factors))
+    }
+}
+
+fn tok_text(t: &Tok) -> String {
+    match t {
+        Tok::Num(s) => s.clone(),
+        Tok::Letter(c) => c.to_string(),
+        Tok::Cmd(n) => n.clone(),
+        Tok::Ch(c) => c.to_string(),
+    }
+}
+
+/// Parses normalized LaTeX math; the error says where it stopped.
+pub fn parse_latex(latex: &str) -> Result<Expr, String> {
+    let s = latex.trim();
+    // `1,000` (and only a whole number so written) is a thousand.
+    if is_comma_number(s) {
+        // `convert_number`: "0,042" is a decimal.
+        let n: String = if s.starts_with('0') {
+            s.replace(',', ".")
+        } else {
+            s.chars().filter(|&c| c != ',').collect()
+        };
+        return parse_latex(&n);
+    }
+    let toks = tokenize(s)?;
+    if toks.is_empty() {
+        return Err("empty".into());
+    }
+    let mut p = Parser { toks, pos: 0 };
+    let x = p.list()?;
+    if p.pos != p.toks.len() {
+        return Err(format!("unexpected {:?}", p.toks[p.pos]));
+    }
+    Ok(x)
+}
+
+fn is_comma_number(s: &str) -> bool {
+    let s = s.strip_prefix('-').unwrap_or(s);
+    let (int, frac) = s.split_once('.').map_or((s, None), |(a, b)| (a, Some(b)));
+    if frac.is_some_and(|f| f.is_empty() || !f.bytes().all(|b| b.is_ascii_digit())) {
+        return false;
+    }
+    let mut groups = int.split(',');
+    let Some(head) = groups.next() else {
+        return false;
+    };
+    let rest: Vec<&str> = groups.collect();
+    (1..=3).contains(&head.len())
+        && head.bytes().all(|b| b.is_ascii_digit())
+        && !rest.is_empty()
+        && rest
+            .iter()
+            .all(|g| g.len() == 3 && g.bytes().all(|b| b.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn p(s: &str) -> String {
+        parse_latex(s)
+            .map(|x| x.to_string())
+            .unwrap_or_else(|e| format!("ERR {e}"))
+    }
+
+    #[test]
+    fn reads_latex_as_latex2sympy_does() {
+        assert_eq!(p("1,000"), "1000");
+        assert_eq!(p("2,50"), "{2, 50}");
+        assert_eq!(p("\\frac{2}{4}"), "1/2");
+        assert_eq!(p("2\\frac{1}{2}"), "5/2");
+        assert_eq!(p("4 2"), "6");
+        assert_eq!(p("(1,2]"), "(1, 2]");
+        assert_eq!(p("(2,1)"), "(2, 1)");
+        assert_eq!(p("x=5"), "x = 5");
+        assert_eq!(p("1<x<2"), "1 < x & x < 2");
+        assert_eq!(p("A"), "a");
+        assert_eq!(p("6\\div2"), "3");
+        assert_eq!(p("-\\frac{1}{2}"), "-1/2");
+        assert_eq!(p("10\\%"), "10*(1/100)");
+        assert!(p("\\frac12").starts_with("ERR"));
+        assert!(p("\\sqrt 5").starts_with("ERR"));
+        assert!(p("3.").starts_with("ERR"));
+    }
+}

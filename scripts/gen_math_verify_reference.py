@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Reference verdicts of TRL's `accuracy_reward` (trl 1.16 with math-verify 0.9) for the
+built-in `math_accuracy` reward and grpo-rewards' `math_verify` module.
+
+Writes tests/tests/data/math_verify_reference.json: solutions in the forms math datasets hold
+them (bare numbers, `$...$` LaTeX, whole worked solutions ending in `\\boxed{}`, GSM8K's
+`####`) against completions that state an equal, an equivalent or a wrong answer in the ways
+models write them (`\\boxed{}`, "the answer is $...$", "Final answer: ...", units, percents,
+decimals, reordered sets, equations, several boxes, no LaTeX at all), each with the reward
+TRL's own function returns (`null`: the solution could not be parsed) and what math_verify
+parsed on both sides.
+
+    pip install trl==1.16.0 math-verify==0.9.0
+    python3 scripts/gen_math_verify_reference.py
+"""
+import json
+import pathlib
+import random
+
+from latex2sympy2_extended import NormalizationConfig
+from math_verify import LatexExtractionConfig, parse
+from trl.rewards import accuracy_reward
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "tests/tests/data/math_verify_reference.json"
+
+# (gold LaTeX, equivalent forms, wrong forms)
+ANSWERS = [
+    ("42", ["42", "42.0", "4 2", "42 \\text{ apples}", "x = 42", "{42}", "042"], ["41", "24", "-42", "42.5"]),
+    ("-7", ["-7", "- 7", "-7.0", "-\\frac{14}{2}"], ["7", "-6"]),
+    ("1000", ["1000", "1,000", "1{,}000", "1000.00", "10^3", "10^{3}"], ["100", "1001"]),
+    ("\\frac{3}{4}", ["\\frac{3}{4}", "\\dfrac{3}{4}", "0.75", "\\frac{6}{8}", "3/4", "\\tfrac34", "\\frac34"], ["\\frac{4}{3}", "0.7", "\\frac{3}{5}"]),
+    ("\\frac{1}{3}", ["\\frac{1}{3}", "0.333333", "\\frac{2}{6}", "1/3"], ["0.33", "\\frac{1}{4}"]),
+    ("0.5", ["0.5", "\\frac{1}{2}", "\\frac12", ".5", "50\\%"], ["0.25", "5"]),
+    ("3\\sqrt{2}", ["3\\sqrt{2}", "\\sqrt{18}", "3 \\sqrt 2", "\\sqrt{2} \\cdot 3", "4.242640687"], ["2\\sqrt{3}", "\\sqrt{6}", "4.24"]),
+    ("\\frac{\\pi}{4}", ["\\frac{\\pi}{4}", "\\pi/4", "\\frac{1}{4}\\pi", "0.785398"], ["\\frac{\\pi}{2}", "\\pi"]),
+    ("2^{10}", ["2^{10}", "1024", "4^5"], ["2^{9}", "1000"]),
+    ("x^2+2x+1", ["x^2+2x+1", "(x+1)^2", "1+2x+x^2", "x^{2} + 2 x + 1"], ["x^2+1", "(x-1)^2", "x^2+2x"]),
+    ("2x+3", ["2x+3", "3+2x", "2 \\cdot x + 3", "y = 2x+3"], ["2x-3", "3x+2"]),
+    ("\\frac{x}{2}", ["\\frac{x}{2}", "x/2", "0.5x", "\\frac{1}{2}x"], ["2x", "\\frac{2}{x}"]),
+    ("(1, 2)", ["(1, 2)", "(1,2)", "\\left(1, 2\\right)"], ["(2, 1)", "[1, 2]", "(1, 3)"]),
+    ("[0, 1)", ["[0, 1)", "[0,1)"], ["(0, 1)", "[0, 1]", "[0, 2)"]),
+    ("(-\\infty, 2]", ["(-\\infty, 2]", "(-\\infty,2]"], ["(-\\infty, 2)", "[2, \\infty)"]),
+    ("\\{1, 2, 3\\}", ["\\{1, 2, 3\\}", "\\{3, 2, 1\\}", "1, 2, 3", "3, 1, 2"], ["\\{1, 2\\}", "\\{1, 2, 4\\}"]),
+    ("x = 3", ["x = 3", "3", "x=3", "3.0"], ["x = 4", "4", "y = 4"]),
+    ("10\\%", ["10\\%", "10", "10 \\%", "0.1", "10 percent"], ["20\\%", "1"]),
+    ("5 \\text{ cm}", ["5 \\text{ cm}", "5", "5\\text{cm}", "5 cm"], ["6 \\text{ cm}", "50"]),
+    ("\\infty", ["\\infty", "+\\infty"], ["-\\infty", "0"]),
+    ("12", ["12", "\\$12", "12 \\text{ dollars}", "12.00"], ["13", "1.2"]),
+    ("\\sqrt{5}", ["\\sqrt{5}", "5^{1/2}", "\\sqrt 5", "2.2360679775"], ["5", "\\sqrt{6}", "2.23"]),
+    ("\\frac{5}{2}", ["\\frac{5}{2}", "2.5", "2\\frac{1}{2}", "\\frac{10}{4}"], ["\\frac{2}{5}", "3"]),
+    ("2, 5", ["2, 5", "5, 2", "2 \\text{ and } 5", "x = 2, x = 5"], ["2", "2, 6"]),
+    ("\\text{(B)}", ["\\text{(B)}", "B", "(B)", "\\textbf{(B)}"], ["A", "\\text{(C)}"]),
+    ("\\pi", ["\\pi", "3.14159265"], ["3.14", "2\\pi"]),
+    ("e^2", ["e^2", "e^{2}", "7.3890561"], ["e^3", "2e"]),
+    ("\\log_2 8", ["\\log_2 8", "3", "\\log_{2}{8}"], ["2", "8"]),
+    ("x < 5", ["x < 5", "5 > x", "(-\\infty, 5)"], ["x \\le 5", "x > 5"]),
+    ("120", ["120", "5!", "\\binom{10}{3}", "120^\\circ"], ["60", "24"]),
+]
+
+WRAPPERS = [
+    ("\\boxed{{{}}}", True),
+    ("The answer is $\\boxed{{{}}}$.", True),
+    ("So the answer is ${}$.", True),
+    ("Final answer: ${}$", True),
+    ("**Answer:** ${}$", True),
+    ("Therefore, the final answer is $\\boxed{{{}}}$. I hope it is correct.", True),
+    ("We get \\[ \\boxed{{{}}} \\]", True),
+    ("$${}$$", False),
+    ("The result is ${}$.", False),
+    ("The answer is {}", False),
+    ("{}", False),
+    ("answer: \\({}\\)", True),
+    ("First I thought \\boxed{{0}}, but the answer is \\boxed{{{}}}", True),
+    ("The answer is \\boxed{{{}}} and not \\boxed{{0}}.", True),
+    ("<think>\nLet me compute.\n</think>\nThe answer is $\\boxed{{{}}}$", True),
+]
+
+SOLUTIONS = [
+    "{}",
+    "${}$",
+    "So we find that the value is $\\boxed{{{}}}$.",
+    "Working it out step by step gives \\[ {} \\]",
+    "The total is 3 + 4 = 7, so the answer is \\boxed{{{}}}.",
+    "Reasoning here.\n#### {}",
+]
+
+
+def msg(text):
+    return [{"role": "assistant", "content": text}]
+
+
+def parsed(xs):
+    return [str(x) for x in xs]
+
+
+def main():
+    rng = random.Random(0)
+    answer_config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                           boxed_match_priority=0, try_extract_without_anchor=False)]
+    cases = []
+    for gold, equal, wrong in ANSWERS:
+        for form in SOLUTIONS:
+            for said in equal + wrong:
+                wrapper, _ = rng.choice(WRAPPERS)
+                cases.append((form.format(gold), wrapper.format(said)))
+        for wrapper, _ in WRAPPERS:
+            cases.append((rng.choice(SOLUTIONS).format(gold), wrapper.format(rng.choice(equal))))
+    # Random noise around answers: text before and after, several formulas, stray dollars.
+    noise = ["Let $x$ be the number.", "We have $2+2=4$.", "Hmm, $\\frac{1}{2}$ of it.", "Answer",
+             "the answer", "final answer is", ":", "$", "\\boxed{", "}", "\n", " ", "so", "="]
+    for _ in range(300):
+        gold, equal, wrong = rng.choice(ANSWERS)
+        said = rng.choice(equal + wrong)
+        pieces = [rng.choice(noise) for _ in range(rng.randint(0, 4))]
+        pieces.insert(rng.randint(0, len(pieces)), rng.choice(WRAPPERS)[0].format(said))
+        cases.append((rng.choice(SOLUTIONS).format(gold), " ".join(pieces)))
+
+    out = []
+    for solution, completion in cases:
+        reward = accuracy_reward([msg(completion)], [solution])[0]
+        gold = parse(solution, parsing_timeout=None)
+        answer = parse(completion, extraction_config=answer_config, extraction_mode="first_match",
+                       parsing_timeout=None)
+        out.append({"solution": solution, "completion": completion, "reward": reward,
+                    "gold_parsed": parsed(gold), "answer_parsed": parsed(answer)})
+    OUT.write_text(json.dumps({"trl": "1.16.0", "cases": out}, indent=1, ensure_ascii=False) + "\n")
+    rewards = [c["reward"] for c in out]
+    print(f"{len(out)} cases: {rewards.count(1.0)} correct, {rewards.count(0.0)} wrong, "
+          f"{rewards.count(None)} unparseable solutions -> {OUT}")
+
+
+if __name__ == "__main__":
+    main()
