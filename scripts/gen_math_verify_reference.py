@@ -11,8 +11,12 @@ TRL's own function returns (`null`: the solution could not be parsed) and what m
 parsed on both sides.
 
     pip install trl==1.16.0 math-verify==0.9.0
-    python3 scripts/gen_math_verify_reference.py
+    python3 scripts/gen_math_verify_reference.py [--seed S] [--random N] [--out FILE]
+
+Another seed or more random cases make a fresh set to check against without committing it:
+`MATH_VERIFY_REFERENCE=FILE cargo test -p grpo-tests --test math_verify`.
 """
+import argparse
 import json
 import pathlib
 import random
@@ -85,6 +89,100 @@ SOLUTIONS = [
 ]
 
 
+def random_atom(rng):
+    k = rng.randrange(12)
+    if k == 0:
+        return str(rng.randint(-20, 100))
+    if k == 1:
+        return f"{rng.uniform(-50, 50):.{rng.randint(1, 4)}f}"
+    if k == 2:
+        return rng.choice(["\\frac", "\\dfrac", "\\tfrac"]) + "{%d}{%d}" % (rng.randint(-9, 30), rng.randint(1, 12))
+    if k == 3:
+        return "%d/%d" % (rng.randint(1, 30), rng.randint(1, 12))
+    if k == 4:
+        return rng.choice(["", "2", "3", "-"]) + "\\sqrt{%d}" % rng.randint(2, 50)
+    if k == 5:
+        return rng.choice(["\\pi", "2\\pi", "\\frac{\\pi}{%d}" % rng.randint(2, 6), "e", "e^{2}"])
+    if k == 6:
+        return rng.choice(["x", "y", "n", "a", "b", "t"])
+    if k == 7:
+        return "%d%s" % (rng.randint(2, 9), rng.choice(["x", "y", "n", "\\pi", "\\sqrt{2}"]))
+    if k == 8:
+        return "%d^{%d}" % (rng.randint(2, 10), rng.randint(2, 5))
+    if k == 9:
+        return rng.choice(["\\sqrt[3]{%d}" % rng.choice([8, 27, 10, 64]), "\\log_{2} %d" % rng.choice([8, 16, 10]),
+                           "\\ln %d" % rng.randint(2, 9), "%d!" % rng.randint(3, 7), "\\binom{%d}{%d}" % (rng.randint(4, 9), rng.randint(1, 3))])
+    if k == 10:
+        return rng.choice(["\\infty", "-\\infty", "0", "1", "-1"])
+    return "%d%%" % rng.randint(1, 100) if rng.random() < 0.3 else str(rng.randint(0, 999))
+
+
+def random_expr(rng, depth=0):
+    if depth > 1 or rng.random() < 0.45:
+        return random_atom(rng)
+    a, b = random_expr(rng, depth + 1), random_expr(rng, depth + 1)
+    op = rng.choice(["+", "-", "\\cdot", "", "/", "^", "frac", "paren"])
+    if op == "frac":
+        return "\\frac{%s}{%s}" % (a, b)
+    if op == "^":
+        return "(%s)^{%d}" % (a, rng.randint(2, 3))
+    if op == "paren":
+        return "(%s)(%s)" % (a, b)
+    if op == "":
+        return a + " " + b
+    return f"{a} {op} {b}"
+
+
+def random_answer(rng):
+    k = rng.randrange(10)
+    if k < 5:
+        return random_expr(rng)
+    if k == 5:
+        xs = [random_atom(rng) for _ in range(rng.randint(2, 4))]
+        return rng.choice(["\\{%s\\}", "%s", "(%s)", "[%s]"]) % ", ".join(xs)
+    if k == 6:
+        lo, hi = sorted(rng.sample(range(-10, 10), 2))
+        return rng.choice("([") + f"{lo}, {hi}" + rng.choice(")]")
+    if k == 7:
+        return f"{rng.choice(['x', 'y', 'k'])} = {random_expr(rng)}"
+    if k == 8:
+        relation = rng.choice(["<", ">", "\\le", "\\geq"])
+        return f"{rng.choice(['x', 'y'])} {relation} {rng.randint(-9, 9)}"
+    return rng.choice(["\\text{(A)}", "B", "\\textbf{(C)}", "\\text{yes}", "no", "\\text{even}"]) 
+
+
+def variant(rng, latex):
+    """The same answer written another way, or another answer."""
+    k = rng.randrange(9)
+    if k == 0:
+        return latex
+    if k == 1:
+        return latex.replace(" ", "")
+    if k == 2:
+        return latex.replace("\\frac", "\\dfrac").replace("\\cdot", "\\times")
+    if k == 3:
+        parts = latex.split(", ")
+        rng.shuffle(parts)
+        return ", ".join(parts)
+    if k == 4:
+        parts = latex.split(" + ")
+        rng.shuffle(parts)
+        return " + ".join(parts)
+    if k == 5:
+        try:
+            from sympy import N
+            from latex2sympy2_extended import latex2sympy
+            value = N(latex2sympy(latex))
+            return f"{float(value):.{rng.choice([2, 4, 6, 8])}f}"
+        except Exception:
+            return latex
+    if k == 6:
+        return random_answer(rng)
+    if k == 7:
+        return "%s \\text{ %s}" % (latex, rng.choice(["cm", "units", "dollars", "m^2", "degrees"]))
+    return "x = " + latex
+
+
 def msg(text):
     return [{"role": "assistant", "content": text}]
 
@@ -94,7 +192,12 @@ def parsed(xs):
 
 
 def main():
-    rng = random.Random(0)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random", type=int, default=2500)
+    ap.add_argument("--out", type=pathlib.Path, default=OUT)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
     answer_config = [LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
                                            boxed_match_priority=0, try_extract_without_anchor=False)]
     cases = []
@@ -115,18 +218,33 @@ def main():
         pieces.insert(rng.randint(0, len(pieces)), rng.choice(WRAPPERS)[0].format(said))
         cases.append((rng.choice(SOLUTIONS).format(gold), " ".join(pieces)))
 
+    # Random answers: expressions, sets, intervals, equations, choices; the completion states the
+    # same answer, the same written otherwise, its decimal value, or another one.
+    for _ in range(args.random):
+        gold = random_answer(rng)
+        said = variant(rng, gold)
+        wrapper = rng.choice(WRAPPERS)[0]
+        completion = wrapper.format(said)
+        if rng.random() < 0.3:
+            completion = rng.choice(noise) + " " + completion + " " + rng.choice(noise)
+        cases.append((rng.choice(SOLUTIONS).format(gold), completion))
+
     out = []
     for solution, completion in cases:
-        reward = accuracy_reward([msg(completion)], [solution])[0]
-        gold = parse(solution, parsing_timeout=None)
-        answer = parse(completion, extraction_config=answer_config, extraction_mode="first_match",
-                       parsing_timeout=None)
+        try:
+            reward = accuracy_reward([msg(completion)], [solution])[0]
+            gold = parse(solution, parsing_timeout=None)
+            answer = parse(completion, extraction_config=answer_config, extraction_mode="first_match",
+                           parsing_timeout=None)
+            gold, answer = parsed(gold), parsed(answer)
+        except Exception:  # TRL itself fails on the case (SymPy printing 1/0); not a reference
+            continue
         out.append({"solution": solution, "completion": completion, "reward": reward,
-                    "gold_parsed": parsed(gold), "answer_parsed": parsed(answer)})
-    OUT.write_text(json.dumps({"trl": "1.16.0", "cases": out}, indent=1, ensure_ascii=False) + "\n")
+                    "gold_parsed": gold, "answer_parsed": answer})
+    args.out.write_text(json.dumps({"trl": "1.16.0", "cases": out}, indent=1, ensure_ascii=False) + "\n")
     rewards = [c["reward"] for c in out]
     print(f"{len(out)} cases: {rewards.count(1.0)} correct, {rewards.count(0.0)} wrong, "
-          f"{rewards.count(None)} unparseable solutions -> {OUT}")
+          f"{rewards.count(None)} unparseable solutions -> {args.out}")
 
 
 if __name__ == "__main__":

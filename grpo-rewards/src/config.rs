@@ -6,10 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::builtin::{
     Accuracy, AccuracyConfig, CosineScaled, CosineScaledConfig, CoverageCe, CoverageCeConfig,
-    Format, FormatConfig, InverseLoss, InverseLossConfig, LanguageScorer, Overlong, OverlongConfig,
-    ReasoningAccuracy, ReasoningAccuracyConfig, RepetitionPenalty, RepetitionPenaltyConfig,
-    RewardModel, RewardModelConfig, ScoringModel, SequenceClassifier, ThinkFormat,
-    ThinkFormatConfig,
+    Format, FormatConfig, InverseLoss, InverseLossConfig, LanguageScorer, MathVerify,
+    MathVerifyConfig, Overlong, OverlongConfig, ReasoningAccuracy, ReasoningAccuracyConfig,
+    RepetitionPenalty, RepetitionPenaltyConfig, RewardModel, RewardModelConfig, ScoringModel,
+    SequenceClassifier, ThinkFormat, ThinkFormatConfig,
 };
 use crate::combine::RewardSet;
 #[cfg(feature = "command")]
@@ -31,6 +31,8 @@ pub enum RewardKind {
     Format(FormatConfig),
     /// [`Overlong`].
     Overlong(OverlongConfig),
+    /// [`MathVerify`] (TRL's `accuracy_reward`).
+    MathVerify(MathVerifyConfig),
     /// [`ThinkFormat`] (TRL's `think_format_reward`).
     ThinkFormat(ThinkFormatConfig),
     /// [`RepetitionPenalty`] (TRL's `get_repetition_penalty_reward`).
@@ -68,6 +70,7 @@ impl RewardKind {
             RewardKind::Accuracy(_) => "accuracy",
             RewardKind::Format(_) => "format",
             RewardKind::Overlong(_) => "overlong",
+            RewardKind::MathVerify(_) => "math_verify",
             RewardKind::ThinkFormat(_) => "think_format",
             RewardKind::RepetitionPenalty(_) => "repetition_penalty",
             RewardKind::CosineScaled(_) => "cosine_scaled",
@@ -231,6 +234,11 @@ impl RewardsConfig {
                     name,
                     weight,
                     Arc::new(Overlong::new(c.clone()).map_err(at)?),
+                ),
+                RewardKind::MathVerify(c) => set.push_reward(
+                    name,
+                    weight,
+                    Arc::new(MathVerify::new(c.clone()).map_err(at)?),
                 ),
                 RewardKind::ThinkFormat(_) => set.push_reward(name, weight, Arc::new(ThinkFormat)),
                 RewardKind::RepetitionPenalty(c) => set.push_reward(

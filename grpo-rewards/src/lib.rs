@@ -12,8 +12,9 @@
 //!   the weighted sum over the functions that gave a value (`NaN` when none did), and the
 //!   metrics `rewards/{name}/mean`, `rewards/{name}/std` plus counters such as `judge/failures`.
 //! * **Built-ins** ([`builtin`]): `accuracy`, `format`, `overlong` (DAPO), TRL's reward
-//!   functions (`think_format`, `repetition_penalty`, `cosine_scaled`, `reasoning_accuracy`),
-//!   and, through the
+//!   functions (`math_verify` = `accuracy_reward`, `think_format`, `repetition_penalty`,
+//!   `cosine_scaled`, `reasoning_accuracy`) on a native port of math-verify
+//!   ([`builtin::math_verify`]), and, through the
 //!   small scoring traits [`builtin::LanguageScorer`] and [`builtin::SequenceClassifier`] that
 //!   the model crate implements, `inverse_loss`, `coverage_ce` and `reward_model`.
 //! * **LLM judges** ([`judge`]): OpenAI-compatible chat completions through async-openai,
@@ -21,8 +22,8 @@
 //!   escalation to a stronger judge, a persistent SQLite cache, rate limits, a concurrency cap,
 //!   timeouts and retries with backoff. Behind the default feature `judges` (which also brings
 //!   the tokio runtime for asynchronous rewards); without it the traits, `RewardSet` over
-//!   synchronous rewards, the configs and the built-ins need only serde, serde_json, regex and
-//!   thiserror.
+//!   synchronous rewards, the configs and the built-ins need only serde, serde_json, regex,
+//!   fancy-regex and thiserror.
 //! * **HTTP** ([`http`], with `judges`): the one retry policy (exponential backoff with equal
 //!   jitter on backon, the server's `Retry-After` as delta-seconds or an HTTP date) and the
 //!   async-openai transport that keeps a failure's status and `Retry-After`; grpo-rollout's

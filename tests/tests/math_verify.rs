@@ -4,10 +4,17 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use grpo_rewards::builtin::math_verify::{describe, math_verify, parse_answer, parse_solution};
+use grpo_rewards::{Message, RewardInput, RewardSet, RewardsConfig, ScoringModels};
 use serde_json::Value;
 
+/// The committed reference, or the file `MATH_VERIFY_REFERENCE` names (another seed of the
+/// generator).
 fn reference() -> Vec<Value> {
-    let v: Value = serde_json::from_str(include_str!("data/math_verify_reference.json")).unwrap();
+    let text = match std::env::var("MATH_VERIFY_REFERENCE") {
+        Ok(path) => std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}")),
+        Err(_) => include_str!("data/math_verify_reference.json").to_string(),
+    };
+    let v: Value = serde_json::from_str(&text).unwrap();
     v["cases"].as_array().unwrap().clone()
 }
 
@@ -37,4 +44,96 @@ fn verdicts_equal_trls_accuracy_reward() {
         cases.len(),
         wrong.join("\n")
     );
+}
+
+fn chat(text: &str, solution: Option<&str>) -> RewardInput {
+    let x =
+        RewardInput::new("q", text).with_completion_messages(vec![Message::new("assistant", text)]);
+    match solution {
+        Some(s) => x.with_field("solution", s),
+        None => x,
+    }
+}
+
+fn rewards(toml_text: &str) -> RewardSet {
+    let cfg: RewardsConfig = toml::from_str(toml_text).unwrap();
+    cfg.build(&ScoringModels::default()).unwrap()
+}
+
+#[test]
+fn math_verify_reward_scores_as_trls_accuracy_reward() {
+    let set = rewards("[[rewards]]\ntype = \"math_verify\"\n");
+    let batch = [
+        chat(
+            r"The answer is $\boxed{\dfrac{1}{2}}$.",
+            Some(r"$\frac{1}{2}$"),
+        ),
+        chat("The answer is 0.5", Some(r"$\frac{1}{2}$")), // no LaTeX: TRL reads no answer
+        chat(r"Final answer: $x = 3$", Some("3")),
+        chat(r"\boxed{\{3, 1, 2\}}", Some(r"$\{1,2,3\}$")),
+        chat(r"\boxed{(2, 1)}", Some(r"$(1, 2)$")), // a tuple is ordered
+        chat(r"\boxed{5}", Some("no number here")), // nothing to compare with: skipped
+    ];
+    let scored = set.score(&batch).unwrap();
+    assert_eq!(
+        scored.per_function[0],
+        vec![Some(1.0), Some(0.0), Some(1.0), Some(1.0), Some(0.0), None]
+    );
+    let info = scored.info[0][0].as_ref().unwrap();
+    assert_eq!(info["gold_parsed"], "[1/2, \"\\\\frac{1}{2}\"]", "{info}");
+    assert_eq!(
+        scored.info[0][1].as_ref().unwrap()["answer_parsed"],
+        "[unparseable]"
+    );
+    assert_eq!(
+        scored.info[0][5].as_ref().unwrap()["gold_parsed"],
+        "[unparseable]"
+    );
+}
+
+#[test]
+fn a_missing_solution_is_an_error_naming_the_column_or_skipped() {
+    let set = rewards("[[rewards]]\ntype = \"math_verify\"\n");
+    let e = set
+        .score(&[chat(r"\boxed{1}", None)])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`solution`") && e.contains("math_verify"), "{e}");
+    let set = rewards("[[rewards]]\ntype = \"math_verify\"\nskip_missing = true\n");
+    assert_eq!(
+        set.score(&[chat(r"\boxed{1}", None)]).unwrap().per_function[0],
+        vec![None]
+    );
+}
+
+/// `reasoning_accuracy` and `cosine_scaled` judge as TRL's do (math_verify) unless
+/// `verifier = "accuracy"` asks for the lenient comparison.
+#[test]
+fn trls_rewards_verify_with_math_verify_unless_told_otherwise() {
+    let bare = chat("<think>hmm</think>The answer is 12", Some("12"));
+    let latex = chat(
+        r"<think>hmm</think>The answer is $\boxed{2\sqrt{2}}$",
+        Some(r"$\sqrt{8}$"),
+    );
+    let score = |toml_text: &str, x: &RewardInput| {
+        rewards(toml_text)
+            .score(std::slice::from_ref(x))
+            .unwrap()
+            .per_function[0][0]
+    };
+    let reasoning = "[[rewards]]\ntype = \"reasoning_accuracy\"\n";
+    assert_eq!(score(reasoning, &bare), Some(0.0)); // math_verify reads no LaTeX answer
+    assert_eq!(score(reasoning, &latex), Some(1.0)); // √8 = 2√2 symbolically
+    let lenient = "[[rewards]]\ntype = \"reasoning_accuracy\"\nverifier = \"accuracy\"\n";
+    assert_eq!(score(lenient, &bare), Some(1.0));
+    let cosine = "[[rewards]]\ntype = \"cosine_scaled\"\nmax_len = 10\n";
+    assert_eq!(score(cosine, &bare), Some(-1.0)); // wrong at length 0: min_value_wrong
+    let unreadable = chat(r"\boxed{1}", Some("no number"));
+    assert_eq!(score(cosine, &unreadable), None);
+    let e = toml::from_str::<RewardsConfig>(
+        "[[rewards]]\ntype = \"cosine_scaled\"\nmax_len = 1\nverifier = \"sympy\"\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("verifier") || e.contains("math_verify"), "{e}");
 }

@@ -128,7 +128,7 @@ fn used_rewards(cfg: &TrainConfig) -> &[grpo_rewards::RewardSpec] {
 }
 
 /// Checks that `data` has the columns the run reads: the answer column of an `accuracy`,
-/// `coverage_ce`, `cosine_scaled` or `reasoning_accuracy` reward; the columns of a `command` reward's argv placeholders; DPO's chosen
+/// `math_verify`, `coverage_ce`, `cosine_scaled` or `reasoning_accuracy` reward; the columns of a `command` reward's argv placeholders; DPO's chosen
 /// and rejected completions; SFT's completion, unless the prompts are conversations whose
 /// assistant turns carry the loss.
 pub fn check_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()> {
@@ -138,6 +138,7 @@ pub fn check_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Result<()>
             grpo_rewards::RewardKind::CoverageCe(c) => Some(&c.answer_field),
             grpo_rewards::RewardKind::CosineScaled(c) => Some(&c.answer_field),
             grpo_rewards::RewardKind::ReasoningAccuracy(c) => Some(&c.answer_field),
+            grpo_rewards::RewardKind::MathVerify(c) => Some(&c.answer_field),
             grpo_rewards::RewardKind::Command(c) => {
                 for col in c.columns() {
                     data.require_column(&col, &format!("`{{{col}}}` in `rewards[{i}].argv`"))?;

@@ -1,5 +1,6 @@
 //! Built-in rewards: [`Accuracy`], [`Format`], [`Overlong`], TRL's reward functions
-//! ([`ThinkFormat`], [`RepetitionPenalty`], [`CosineScaled`], [`ReasoningAccuracy`]), and the
+//! ([`MathVerify`], [`ThinkFormat`], [`RepetitionPenalty`], [`CosineScaled`],
+//! [`ReasoningAccuracy`], on a native [`math_verify`]), and the
 //! model-based [`InverseLoss`], [`CoverageCe`], [`RewardModel`].
 
 mod accuracy;
@@ -19,7 +20,7 @@ pub use model::{
 };
 pub use overlong::{Overlong, OverlongConfig, overlong_penalty};
 pub use trl::{
-    CosineScaled, CosineScaledConfig, ReasoningAccuracy, ReasoningAccuracyConfig,
-    RepetitionPenalty, RepetitionPenaltyConfig, ThinkFormat, ThinkFormatConfig, after_reasoning,
-    cosine_scaled, repetition_penalty, think_format,
+    CosineScaled, CosineScaledConfig, MathVerify, MathVerifyConfig, ReasoningAccuracy,
+    ReasoningAccuracyConfig, RepetitionPenalty, RepetitionPenaltyConfig, ThinkFormat,
+    ThinkFormatConfig, Verifier, after_reasoning, cosine_scaled, repetition_penalty, think_format,
 };

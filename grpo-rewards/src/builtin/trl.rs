@@ -5,13 +5,14 @@
 //! [`Overlong`](super::Overlong).
 //!
 //! They read a completion as TRL does: its first message's content (`completion[0]["content"]`;
-//! the text of a single-turn completion) and its token ids (`completion_ids`). Where TRL decides
-//! correctness with `math_verify`, [`CosineScaled`] and [`ReasoningAccuracy`] use
-//! [`Accuracy`]'s comparison.
+//! the text of a single-turn completion) and its token ids (`completion_ids`). Correctness is
+//! decided as TRL decides it, by [`math_verify`](super::math_verify) ([`MathVerify`] is TRL's
+//! `accuracy_reward` itself), or with `verifier = "accuracy"` by [`Accuracy`]'s comparison.
 
 use serde::{Deserialize, Serialize};
 
 use super::accuracy::{Accuracy, AccuracyConfig};
+use super::math_verify;
 use crate::error::{Result, RewardError};
 use crate::reward::Reward;
 use crate::types::{RewardInput, RewardOutput};
@@ -127,18 +128,150 @@ impl Reward for RepetitionPenalty {
 }
 
 /// The [`Accuracy`] that decides correctness, from a config's accuracy keys.
-fn accuracy(
-    answer_field: &str,
-    abs_tol: f64,
-    rel_tol: f64,
+/// How a completion's answer is judged against the reference (`verifier`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verifier {
+    /// math_verify, as TRL (LaTeX answers only: `\boxed{}`, or after "answer"; equal values,
+    /// equations, sets, intervals; `None` when the solution holds nothing to compare with).
+    #[default]
+    MathVerify,
+    /// [`Accuracy`]'s comparison (tags, `\boxed{}`, else the last number; within
+    /// `abs_tol`/`rel_tol`).
+    Accuracy,
+}
+
+/// The correctness check behind TRL's rewards.
+#[derive(Debug, Clone)]
+enum Correctness {
+    MathVerify { field: String, skip_missing: bool },
+    Accuracy(Accuracy),
+}
+
+impl Correctness {
+    fn new(
+        verifier: Verifier,
+        answer_field: &str,
+        abs_tol: f64,
+        rel_tol: f64,
+        skip_missing: bool,
+    ) -> Result<Self> {
+        let accuracy = Accuracy::new(AccuracyConfig {
+            answer_field: answer_field.to_owned(),
+            abs_tol,
+            rel_tol,
+            skip_missing,
+        })?;
+        Ok(match verifier {
+            Verifier::Accuracy => Correctness::Accuracy(accuracy),
+            Verifier::MathVerify => Correctness::MathVerify {
+                field: answer_field.to_owned(),
+                skip_missing,
+            },
+        })
+    }
+
+    /// Whether `text` answers sample `i` correctly; `None` with no reference to compare with.
+    fn correct(&self, i: usize, x: &RewardInput, text: &str, reward: &str) -> Result<Option<bool>> {
+        match self {
+            Correctness::Accuracy(a) => a.correct(i, x, text, reward),
+            Correctness::MathVerify {
+                field,
+                skip_missing,
+            } => Ok(reference(i, x, field, *skip_missing, reward)?
+                .and_then(|solution| math_verify::math_verify(text, &solution))),
+        }
+    }
+}
+
+/// Sample `i`'s reference text; `None` when it has none and `skip_missing` is set.
+fn reference(
+    i: usize,
+    x: &RewardInput,
+    field: &str,
     skip_missing: bool,
-) -> Result<Accuracy> {
-    Accuracy::new(AccuracyConfig {
-        answer_field: answer_field.to_owned(),
-        abs_tol,
-        rel_tol,
-        skip_missing,
-    })
+    reward: &str,
+) -> Result<Option<String>> {
+    match x.field(field).and_then(|v| v.as_text()) {
+        Some(t) => Ok(Some(t)),
+        None if skip_missing => Ok(None),
+        None => Err(RewardError::Sample {
+            reward: reward.into(),
+            index: i,
+            message: format!("no field `{field}` (answer_field)"),
+        }),
+    }
+}
+
+/// Config of [`MathVerify`] (`type = "math_verify"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MathVerifyConfig {
+    /// The column of the reference solution (TRL's `solution`). Default `"solution"`.
+    #[serde(default = "solution")]
+    pub answer_field: String,
+    /// `None` for a row without the column instead of an error naming it.
+    #[serde(default)]
+    pub skip_missing: bool,
+}
+
+impl Default for MathVerifyConfig {
+    fn default() -> Self {
+        Self {
+            answer_field: solution(),
+            skip_missing: false,
+        }
+    }
+}
+
+/// TRL's `accuracy_reward`: 1 when math_verify finds the completion's answer equal to the
+/// reference solution, 0 when not (or the completion states no LaTeX answer), `None` when
+/// nothing can be read from the solution (TRL skips the row). The info of each completion
+/// holds what was read on both sides (TRL's `gold_parsed` and `answer_parsed` columns).
+#[derive(Debug, Clone)]
+pub struct MathVerify {
+    config: MathVerifyConfig,
+}
+
+impl MathVerify {
+    /// A validated `math_verify` reward; the error names the key.
+    pub fn new(config: MathVerifyConfig) -> Result<Self> {
+        if config.answer_field.trim().is_empty() {
+            return Err(RewardError::config("answer_field", "must not be empty"));
+        }
+        Ok(Self { config })
+    }
+}
+
+impl Reward for MathVerify {
+    fn score(&self, batch: &[RewardInput]) -> Result<RewardOutput> {
+        let mut out = RewardOutput::default();
+        for (i, x) in batch.iter().enumerate() {
+            let field = &self.config.answer_field;
+            let Some(solution) = reference(i, x, field, self.config.skip_missing, "math_verify")?
+            else {
+                out.scores.push(None);
+                out.info.push(None);
+                continue;
+            };
+            let gold = math_verify::parse_solution(&solution);
+            if gold.is_empty() {
+                out.scores.push(None);
+                out.info.push(Some(serde_json::json!({
+                    "gold_parsed": "[unparseable]", "answer_parsed": "[skipped]",
+                })));
+                continue;
+            }
+            let answer = math_verify::parse_answer(first_content(x));
+            let ok = math_verify::verify(&gold, &answer);
+            out.scores.push(Some(f32::from(u8::from(ok))));
+            out.info.push(Some(serde_json::json!({
+                "gold_parsed": math_verify::describe(&gold),
+                "answer_parsed": if answer.is_empty() { "[unparseable]".to_string() } else { math_verify::describe(&answer) },
+            })));
+        }
+        Ok(out)
+    }
 }
 
 fn solution() -> String {
@@ -170,10 +303,13 @@ pub struct CosineScaledConfig {
     /// The column of the reference answer (TRL's `solution`). Default `"solution"`.
     #[serde(default = "solution")]
     pub answer_field: String,
-    /// As [`AccuracyConfig::abs_tol`]. Default 1e-6.
+    /// How correctness is decided: `"math_verify"` (TRL's, the default) or `"accuracy"`.
+    #[serde(default)]
+    pub verifier: Verifier,
+    /// As [`AccuracyConfig::abs_tol`] (with `verifier = "accuracy"`). Default 1e-6.
     #[serde(default = "tolerance")]
     pub abs_tol: f64,
-    /// As [`AccuracyConfig::rel_tol`]. Default 1e-6.
+    /// As [`AccuracyConfig::rel_tol`] (with `verifier = "accuracy"`). Default 1e-6.
     #[serde(default = "tolerance")]
     pub rel_tol: f64,
     /// As [`AccuracyConfig::skip_missing`]: `None` for a row without the column.
@@ -198,12 +334,13 @@ fn plus_one() -> f64 {
 /// C.1): with `p = min(len / max_len, 1)`, `lo + ½(hi − lo)(1 + cos πp)` where a correct
 /// completion has `(lo, hi) = (min_value_correct, max_value_correct)` — shorter is better —
 /// and a wrong one `(max_value_wrong, min_value_wrong)` — shorter is penalised more. `len` is
-/// the completion's token count; correctness is [`Accuracy`]'s on the completion's first
-/// message.
+/// the completion's token count; correctness is math_verify's on the completion's first
+/// message (TRL's `accuracy_reward`; a solution it cannot read scores `None`), or
+/// [`Accuracy`]'s with `verifier = "accuracy"`.
 #[derive(Debug, Clone)]
 pub struct CosineScaled {
     config: CosineScaledConfig,
-    accuracy: Accuracy,
+    accuracy: Correctness,
 }
 
 impl CosineScaled {
@@ -222,7 +359,8 @@ impl CosineScaled {
                 return Err(RewardError::config(k, format!("must be finite, got {v}")));
             }
         }
-        let accuracy = accuracy(
+        let accuracy = Correctness::new(
+            config.verifier,
             &config.answer_field,
             config.abs_tol,
             config.rel_tol,
@@ -267,10 +405,13 @@ pub struct ReasoningAccuracyConfig {
     /// The column of the reference answer (TRL's `solution`). Default `"solution"`.
     #[serde(default = "solution")]
     pub answer_field: String,
-    /// As [`AccuracyConfig::abs_tol`]. Default 1e-6.
+    /// How correctness is decided: `"math_verify"` (TRL's, the default) or `"accuracy"`.
+    #[serde(default)]
+    pub verifier: Verifier,
+    /// As [`AccuracyConfig::abs_tol`] (with `verifier = "accuracy"`). Default 1e-6.
     #[serde(default = "tolerance")]
     pub abs_tol: f64,
-    /// As [`AccuracyConfig::rel_tol`]. Default 1e-6.
+    /// As [`AccuracyConfig::rel_tol`] (with `verifier = "accuracy"`). Default 1e-6.
     #[serde(default = "tolerance")]
     pub rel_tol: f64,
     /// As [`AccuracyConfig::skip_missing`]: `None` for a row without the column.
@@ -284,11 +425,12 @@ fn think_end() -> Vec<String> {
 
 /// TRL's `reasoning_accuracy_reward`: the answer is what follows the last occurrence of the
 /// first delimiter (in `reasoning_delimiters` order) the completion holds; a completion with
-/// none scores 0 (unfinished reasoning); else [`Accuracy`]'s comparison of that answer.
+/// none scores 0 (unfinished reasoning); else math_verify's verdict on that answer (or
+/// [`Accuracy`]'s with `verifier = "accuracy"`).
 #[derive(Debug, Clone)]
 pub struct ReasoningAccuracy {
     delimiters: Vec<String>,
-    accuracy: Accuracy,
+    accuracy: Correctness,
 }
 
 impl ReasoningAccuracy {
@@ -302,7 +444,8 @@ impl ReasoningAccuracy {
                 "must hold at least one delimiter, none empty",
             ));
         }
-        let accuracy = accuracy(
+        let accuracy = Correctness::new(
+            config.verifier,
             &config.answer_field,
             config.abs_tol,
             config.rel_tol,

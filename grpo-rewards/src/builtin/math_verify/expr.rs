@@ -360,6 +360,10 @@ impl Expr {
             Expr::Mul(v) => v.iter().map(|x| x.eval(var)).product::<Option<f64>>()?,
             Expr::Pow(b, e) => {
                 let (b, e) = (b.eval(var)?, e.eval(var)?);
+                if b == 0.0 && e < 0.0 {
+                    // 1/0: SymPy's complex infinity equals nothing.
+                    return None;
+                }
                 if b < 0.0 && e.fract() != 0.0 {
                     // An odd root of a negative number: SymPy's principal root is complex.
                     return None;

@@ -108,10 +108,24 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, String> {
                         | "big"
                         | "Big"
                 ) {
+                } else if KNOWN.contains(&name.as_str()) || GREEK.contains(&name.as_str()) {
+                    out.push(Tok::Cmd(name));
+                } else if let Some(known) = KNOWN
+                    .iter()
+                    .chain(GREEK)
+                    .filter(|k| name.starts_with(**k))
+                    .max_by_key(|k| k.len())
+                {
+                    // A lexer reads `\cdote` as `\cdot` then `e`.
+                    out.push(Tok::Cmd(known.to_string()));
+                    out.extend(name[known.len()..].chars().map(Tok::Letter));
                 } else {
                     out.push(Tok::Cmd(name));
                 }
             }
+        } else if c == '%' {
+            out.push(Tok::Cmd("%".into()));
+            i += 1;
         } else if "+-*/^_()[]{}|!,;=<>'".contains(c)
             || c == '×'
             || c == '÷'
@@ -130,6 +144,68 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, String> {
     }
     Ok(out)
 }
+
+/// The commands the parser reads (a longer unknown name starting with one is that command
+/// followed by letters).
+const KNOWN: &[&str] = &[
+    "cdot",
+    "times",
+    "div",
+    "pm",
+    "le",
+    "leq",
+    "leqslant",
+    "ge",
+    "geq",
+    "geqslant",
+    "lt",
+    "gt",
+    "neq",
+    "ne",
+    "in",
+    "frac",
+    "dfrac",
+    "tfrac",
+    "cfrac",
+    "binom",
+    "dbinom",
+    "tbinom",
+    "choose",
+    "sqrt",
+    "pi",
+    "infty",
+    "infin",
+    "emptyset",
+    "varnothing",
+    "lfloor",
+    "rfloor",
+    "lceil",
+    "rceil",
+    "mathbb",
+    "max",
+    "min",
+    "gcd",
+    "lcm",
+    "sin",
+    "cos",
+    "tan",
+    "cot",
+    "sec",
+    "csc",
+    "arcsin",
+    "arccos",
+    "arctan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "log",
+    "ln",
+    "lg",
+    "exp",
+    "circ",
+    "cup",
+    "cap",
+];
 
 const GREEK: &[&str] = &[
     "alpha",
@@ -209,9 +285,11 @@ pub(crate) fn neg(x: Expr) -> Expr {
     }
 }
 
+/// `a / b`: two integers make a fraction; anything else stays a quotient (`1/0` too, SymPy's
+/// `zoo`).
 fn divide(a: Expr, b: Expr) -> Expr {
-    if let (Some(p), Some(q)) = (exact_literal(&a), exact_literal(&b)) {
-        if let Some(r) = Q::new(p.0 * q.1, p.1 * q.0) {
+    if let (Expr::Int(p), Expr::Int(q)) = (&a, &b) {
+        if let Some(r) = Q::new(*p, *q) {
             return r.expr();
         }
     }
@@ -223,14 +301,6 @@ fn exact_literal(x: &Expr) -> Option<Q> {
         Expr::Int(n) => Some(Q(*n, 1)),
         Expr::Rat(n, d) => Some(Q(*n, *d)),
         _ => None,
-    }
-}
-
-fn product(mut factors: Vec<Expr>) -> Expr {
-    if factors.len() == 1 {
-        factors.remove(0)
-    } else {
-        Expr::Mul(factors)
     }
 }
 
@@ -266,11 +336,19 @@ impl Parser {
         while self.eat(',') || self.eat(';') {
             items.push(self.relation()?);
         }
-        Ok(if items.len() == 1 {
-            items.remove(0)
-        } else {
-            Expr::Set(items)
-        })
+        if items.len() == 1 {
+            return Ok(items.remove(0));
+        }
+        // `x = 1, 2, 3`: the relation holds the set of the values that follow it.
+        if matches!(items[0], Expr::Rel(..)) && items[1..].iter().all(|x| !x.is_relation()) {
+            let rest: Vec<Expr> = items.drain(1..).collect();
+            if let Some(Expr::Rel(op, lhs, rhs)) = items.pop() {
+                let mut values = vec![*rhs];
+                values.extend(rest);
+                return Ok(Expr::Rel(op, lhs, Box::new(Expr::Set(values))));
+            }
+        }
+        Ok(Expr::Set(items))
     }
 
     fn rel_op(&self) -> Option<Rel> {
@@ -464,29 +542,17 @@ impl Parser {
 
     /// Juxtaposed factors: `2x`, `3\sqrt{2}`; numbers next to numbers add (`2\frac12`, `4 2`).
     fn implicit(&mut self) -> Res {
-        let mut factors = vec![self.unary()?];
-        while self.starts_factor() {
-            let f = self.postfix()?;
-            let last = factors.last_mut().ok_or("empty product")?;
-            if let (Some(a), Some(b)) = (exact_literal(last), exact_literal(&f)) {
-                if let Some(s) = Q::new(a.0 * b.1 + b.0 * a.1, a.1 * b.1) {
-                    *last = s.expr();
-                    continue;
-                }
-            }
-            factors.push(f);
-        }
-        Ok(product(factors))
-    }
-
-    fn unary(&mut self) -> Res {
         if self.eat('-') {
-            return Ok(neg(self.unary()?));
+            return Ok(neg(self.implicit()?));
         }
         if self.eat('+') {
-            return self.unary();
+            return self.implicit();
         }
-        self.postfix()
+        let mut factors = vec![self.postfix()?];
+        while self.starts_factor() {
+            factors.push(self.postfix()?);
+        }
+        Ok(juxtaposed(factors))
     }
 
     /// Powers, factorials, percentages and degrees after an atom.
@@ -854,8 +920,34 @@ impl Parser {
         {
             factors.push(self.postfix()?);
         }
-        Ok(product(factors))
+        Ok(juxtaposed(factors))
     }
+}
+
+/// Factors written side by side, folded from the right as `convert_postfix_list` does: an
+/// integer before a positive integer or fraction is a mixed number (`2\frac{1}{2}` = 5/2,
+/// `4 2` = 6, `-1 \frac{1}{2}` = −3/2); anything else multiplies.
+fn juxtaposed(mut factors: Vec<Expr>) -> Expr {
+    let Some(mut acc) = factors.pop() else {
+        return Expr::Int(0);
+    };
+    while let Some(f) = factors.pop() {
+        acc = match (&f, exact_literal(&acc)) {
+            (Expr::Int(n), Some(q)) if q.0 > 0 => {
+                let whole = n.saturating_mul(q.1);
+                let sum = if *n < 0 { whole - q.0 } else { whole + q.0 };
+                Q::new(sum, q.1).map_or(Expr::Mul(vec![f.clone(), acc.clone()]), Q::expr)
+            }
+            _ => match acc {
+                Expr::Mul(mut v) => {
+                    v.insert(0, f);
+                    Expr::Mul(v)
+                }
+                acc => Expr::Mul(vec![f, acc]),
+            },
+        };
+    }
+    acc
 }
 
 fn tok_text(t: &Tok) -> String {
