@@ -137,3 +137,37 @@ fn trls_rewards_verify_with_math_verify_unless_told_otherwise() {
     .to_string();
     assert!(e.contains("verifier") || e.contains("math_verify"), "{e}");
 }
+
+/// TRL's `accuracy_reward` itself, run in Python through a `type = "python"` reward, beside the
+/// built-in on every 10th reference case (skipped without a Python that has trl and
+/// math_verify: `TRL_PYTHON`).
+#[test]
+fn trls_accuracy_reward_run_in_python_agrees() {
+    let python = std::env::var("TRL_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_trl = std::process::Command::new(&python)
+        .args(["-c", "import trl.rewards, math_verify"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_trl {
+        eprintln!("skipping: {python} has no trl + math_verify (TRL_PYTHON)");
+        return;
+    }
+    let set = rewards(&format!(
+        "[[rewards]]\ntype = \"python\"\nname = \"trl\"\npath = \"trl.rewards\"\nfunction = \"accuracy_reward\"\npython = {python:?}\ntimeout = 600\n[[rewards]]\ntype = \"math_verify\"\n"
+    ));
+    let batch: Vec<RewardInput> = reference()
+        .iter()
+        .step_by(10)
+        .map(|c| chat(c["completion"].as_str().unwrap(), c["solution"].as_str()))
+        .collect();
+    let out = set.score(&batch).unwrap();
+    for (i, x) in batch.iter().enumerate() {
+        assert_eq!(
+            out.per_function[0][i],
+            out.per_function[1][i],
+            "{:?} / {:?}",
+            x.completion,
+            x.field("solution")
+        );
+    }
+}
