@@ -171,3 +171,35 @@ fn trls_accuracy_reward_run_in_python_agrees() {
         );
     }
 }
+
+/// A long reasoning trace (many formulas, the answer boxed at the end) is read as TRL reads it,
+/// and quickly: no pattern gives up on its length.
+#[test]
+fn long_completions_are_read_whole() {
+    let mut text = String::from("<think>\n");
+    for i in 0..400 {
+        text.push_str(&format!("Step {i}: since $x_{{{i}}} = \\frac{{{i}}}{{2}}$ and \\( y = {i}^2 \\), the answer so far is {i}.\n"));
+    }
+    text.push_str("</think>\nTherefore the final answer is $\\boxed{\\frac{7}{3}}$.");
+    assert!(text.len() > 30_000);
+    let start = std::time::Instant::now();
+    assert_eq!(math_verify(&text, r"$\frac{14}{6}$"), Some(true));
+    assert_eq!(math_verify(&text, "2.5"), Some(false));
+    // Without the box the formulas after the last "answer" (within 50 characters; joined by
+    // "and") count, as in TRL: the set of the next step's two equations.
+    let unboxed = text.replace(
+        "Therefore the final answer is $\\boxed{\\frac{7}{3}}$.",
+        "Done.",
+    );
+    assert_eq!(math_verify(&unboxed, "399"), Some(false));
+    assert_eq!(math_verify(&unboxed, r"$\frac{399}{2}$"), Some(false));
+    assert_eq!(
+        math_verify(&unboxed, r"$y = 399^2, x_{399} = \frac{399}{2}$"),
+        Some(true)
+    );
+    assert!(
+        start.elapsed().as_secs_f64() < 20.0,
+        "{:?}",
+        start.elapsed()
+    );
+}

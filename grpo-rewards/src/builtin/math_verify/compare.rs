@@ -108,10 +108,11 @@ pub fn expr_eq(gold: &Expr, pred: &Expr) -> bool {
     } else if gold_assignment && !pred_equation {
         gold = rhs(&gold);
     }
-    if gold.is_relation() && pred.is_set() {
-        if let Some(s) = relation_as_set(&gold) {
-            gold = s;
-        }
+    if gold.is_relation()
+        && pred.is_set()
+        && let Some(s) = relation_as_set(&gold)
+    {
+        gold = s;
     }
     if structural_eq(&gold, &pred) {
         return true;
@@ -254,10 +255,10 @@ fn relation_as_set(x: &Expr) -> Option<Expr> {
         Expr::And(v) => v.iter().map(one).collect::<Option<_>>()?,
         r => vec![one(r)?],
     };
-    if parts.len() == 1 {
-        if let Some(set) = &parts[0].4 {
-            return Some(set.clone());
-        }
+    if parts.len() == 1
+        && let Some(set) = &parts[0].4
+    {
+        return Some(set.clone());
     }
     if parts.iter().any(|p| p.4.is_some()) {
         return None;
@@ -401,12 +402,11 @@ fn compare_sets(gold: &Expr, pred: &Expr) -> bool {
         return true;
     }
     // Equal sets of numbers (the symmetric difference is empty): by value.
-    if let (Expr::Set(x), Expr::Set(y)) = (&a, &b) {
-        if let (Some(x), Some(y)) = (finite_values(x), finite_values(y)) {
-            if x == y {
-                return true;
-            }
-        }
+    if let (Expr::Set(x), Expr::Set(y)) = (&a, &b)
+        && let (Some(x), Some(y)) = (finite_values(x), finite_values(y))
+        && x == y
+    {
+        return true;
     }
     let elements = |x: &Expr| -> Vec<Expr> {
         match x {

@@ -334,10 +334,10 @@ fn extract_expr(groups: &Groups) -> (Option<Expr>, String) {
         let value = number_value(&text).map(|x| if percent { Expr::Pct(Box::new(x)) } else { x });
         return (value, text);
     }
-    if !expr.is_empty() {
-        if let Some(x) = parse_python_arith(&expr.replace('\n', " ")) {
-            return (Some(x), expr);
-        }
+    if !expr.is_empty()
+        && let Some(x) = parse_python_arith(&expr.replace('\n', " "))
+    {
+        return (Some(x), expr);
     }
     (None, expr)
 }

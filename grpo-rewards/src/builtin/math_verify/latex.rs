@@ -288,10 +288,10 @@ pub(crate) fn neg(x: Expr) -> Expr {
 /// `a / b`: two integers make a fraction; anything else stays a quotient (`1/0` too, SymPy's
 /// `zoo`).
 fn divide(a: Expr, b: Expr) -> Expr {
-    if let (Expr::Int(p), Expr::Int(q)) = (&a, &b) {
-        if let Some(r) = Q::new(*p, *q) {
-            return r.expr();
-        }
+    if let (Expr::Int(p), Expr::Int(q)) = (&a, &b)
+        && let Some(r) = Q::new(*p, *q)
+    {
+        return r.expr();
     }
     Expr::Mul(vec![a, Expr::Pow(Box::new(b), Box::new(Expr::Int(-1)))])
 }
@@ -506,7 +506,14 @@ impl Parser {
 
     /// Factors joined by `\cdot`, `\times`, `*`, `/`, `\div` and by juxtaposition.
     fn term(&mut self) -> Res {
-        let mut acc = self.implicit()?;
+        self.term_of(false)
+    }
+
+    /// A product or quotient of juxtaposed factors (`arg`: a function's argument without
+    /// parentheses, which stops before another function: `\cos \pi / 3` is cos(π/3)).
+    fn term_of(&mut self, arg: bool) -> Res {
+        let factor = |p: &mut Self| if arg { p.implicit_arg() } else { p.implicit() };
+        let mut acc = factor(self)?;
         loop {
             if self.eat('*')
                 || self.eat('×')
@@ -514,7 +521,7 @@ impl Parser {
                 || self.eat_cmd("cdot")
                 || self.eat_cmd("times")
             {
-                let rhs = self.implicit()?;
+                let rhs = factor(self)?;
                 acc = match acc {
                     Expr::Mul(mut v) => {
                         v.push(rhs);
@@ -523,7 +530,7 @@ impl Parser {
                     a => Expr::Mul(vec![a, rhs]),
                 };
             } else if self.eat('/') || self.eat('÷') || self.eat_cmd("div") {
-                let rhs = self.implicit()?;
+                let rhs = factor(self)?;
                 acc = divide(acc, rhs);
             } else {
                 return Ok(acc);
@@ -889,13 +896,13 @@ impl Parser {
         } else if self.is('{') {
             self.group()?
         } else {
-            self.implicit_arg()?
+            self.term_of(true)?
         };
         let (mut f, mut args) = (f, vec![arg]);
-        if f == Func::Log {
-            if let Some(b) = base {
-                args.push(b);
-            }
+        if f == Func::Log
+            && let Some(b) = base
+        {
+            args.push(b);
         }
         if let Some(p) = power {
             if p == Expr::Int(-1) {
@@ -914,6 +921,12 @@ impl Parser {
 
     /// The argument of `\sin 2x`: the juxtaposed factors that follow.
     fn implicit_arg(&mut self) -> Res {
+        if self.eat('-') {
+            return Ok(neg(self.implicit_arg()?));
+        }
+        if self.eat('+') {
+            return self.implicit_arg();
+        }
         let mut factors = vec![self.postfix()?];
         while self.starts_factor()
             && !matches!(self.peek(), Some(Tok::Cmd(n)) if func_of(n).is_some())
@@ -1027,6 +1040,8 @@ mod tests {
         assert_eq!(p("1<x<2"), "1 < x & x < 2");
         assert_eq!(p("A"), "a");
         assert_eq!(p("6\\div2"), "3");
+        assert_eq!(p("\\cos \\pi / 3"), "cos(pi*(3)**(-1))");
+        assert_eq!(p("\\ln(9) / 2"), "log(9)*(2)**(-1)");
         assert_eq!(p("-\\frac{1}{2}"), "-1/2");
         assert_eq!(p("10\\%"), "10*(1/100)");
         assert!(p("\\frac12").starts_with("ERR"));

@@ -303,18 +303,18 @@ pub fn extract_boxed(text: &str, mode: Boxed) -> String {
                 break;
             };
             let content = text[next + 1..end].trim().to_string();
-            if mode == Boxed::Last {
-                if let Some(last) = last_start {
-                    let previous = results.last().cloned().unwrap_or_default();
-                    let between = text.get(end + 1..last).unwrap_or("");
-                    let between_chars = between.chars().count();
-                    let allowed = between_chars < 10
-                        || (previous != content
-                            && between_chars < 70
-                            && SEPARATOR.is_match(between).unwrap_or(false));
-                    if !allowed {
-                        break;
-                    }
+            if mode == Boxed::Last
+                && let Some(last) = last_start
+            {
+                let previous = results.last().cloned().unwrap_or_default();
+                let between = text.get(end + 1..last).unwrap_or("");
+                let between_chars = between.chars().count();
+                let allowed = between_chars < 10
+                    || (previous != content
+                        && between_chars < 70
+                        && SEPARATOR.is_match(between).unwrap_or(false));
+                if !allowed {
+                    break;
                 }
             }
             if results.last() != Some(&content) {
