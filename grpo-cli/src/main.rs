@@ -14,6 +14,7 @@ use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advant
 mod bench_cmd;
 mod data_cmd;
 mod env_cmd;
+mod import_cmd;
 mod model_cmd;
 mod train_cmd;
 
@@ -122,6 +123,8 @@ enum Command {
     /// Play scripted assistant turns against a config's `[environment]`, without a model: the
     /// prompt after `reset`, the tools, each turn's observation and reward, the episode's rewards.
     Env(env_cmd::EnvArgs),
+    /// Translate a TRL recipe (the YAML `trl grpo --config` reads) into a config of ours.
+    ImportTrl(import_cmd::ImportTrlArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
     Data {
         #[command(subcommand)]
@@ -180,6 +183,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         }
         Some(Command::Generate(a)) => model_cmd::generate(a),
         Some(Command::Env(a)) => env_cmd::env(a),
+        Some(Command::ImportTrl(a)) => import_cmd::import_trl(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::ChatTemplate(a)) => model_cmd::chat_template(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),

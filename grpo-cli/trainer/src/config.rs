@@ -2614,6 +2614,12 @@ fn fill_trainer_defaults(tree: &mut Value) {
 
 /// Deserializes the tree, refusing unknown keys with a suggestion, then validates.
 pub fn from_tree(tree: Value, source: &str) -> Result<TrainConfig> {
+    if tree.get("model_name_or_path").is_some() && tree.get("model").is_none() {
+        bail!(
+            "{source}: this is a TRL recipe (`model_name_or_path`, flat keys): translate it with \
+             `grpo-cli import-trl {source} --out grpo.toml`, then train that"
+        );
+    }
     let mut tree = tree;
     fill_trainer_defaults(&mut tree);
     let mut unknown: Vec<String> = Vec::new();

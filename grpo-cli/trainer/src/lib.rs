@@ -10,6 +10,7 @@
 //! | module | its job |
 //! |---|---|
 //! | [`config`] | the schema (TOML / YAML / JSON, TRL's names), `--set` overrides, validation once |
+//! | [`trl_import`] | a TRL recipe (`trl grpo --config recipe.yaml`) translated into that schema |
 //! | [`mod@setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
 //! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
@@ -51,6 +52,7 @@ pub mod stages;
 mod step_end;
 pub mod teacher;
 mod trainer;
+pub mod trl_import;
 
 pub use callbacks::{Callbacks, Metrics, NoCallbacks};
 pub use checkpoint::list_checkpoints;

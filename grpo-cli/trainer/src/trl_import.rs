@@ -1,0 +1,759 @@
+//! A TRL recipe as a config of ours: the flat YAML `trl grpo --config recipe.yaml` reads
+//! (`GRPOConfig` with its `TrainingArguments`, `ModelConfig`, `ScriptArguments` and
+//! `GRPOScriptArguments`) translated key by key into the sections of a `grpo-cli train` config,
+//! with TRL's defaults written out where ours differ, and a note for every key that has no
+//! place here and why.
+//!
+//! `grpo-cli import-trl RECIPE.yaml` prints (or `--out` writes) the TOML.
+
+use std::path::Path;
+
+use anyhow::{Result, bail};
+use serde_json::{Map, Value, json};
+
+/// The translation: our config tree and a note per TRL key left out (or changed in meaning).
+#[derive(Debug, Clone, Default)]
+pub struct Imported {
+    /// The config, as `grpo-cli train` reads it.
+    pub tree: Value,
+    /// `(TRL key, why)` for what does not carry over as written.
+    pub notes: Vec<(String, String)>,
+}
+
+/// TRL keys that are ours under another section, same name and meaning.
+pub const RENAMES: &[(&str, &str)] = &[
+    ("output_dir", "output_dir"),
+    ("overwrite_output_dir", "overwrite_output_dir"),
+    ("learning_rate", "optim.learning_rate"),
+    ("optim", "optim.optim"),
+    ("adam_beta1", "optim.adam_beta1"),
+    ("adam_beta2", "optim.adam_beta2"),
+    ("adam_epsilon", "optim.adam_epsilon"),
+    ("weight_decay", "optim.weight_decay"),
+    ("lr_scheduler_type", "optim.lr_scheduler_type"),
+    ("lr_scheduler_kwargs", "optim.lr_scheduler_kwargs"),
+    ("warmup_ratio", "optim.warmup_ratio"),
+    ("max_grad_norm", "optim.max_grad_norm"),
+    ("num_iterations", "optim.num_iterations"),
+    ("num_train_epochs", "train.num_train_epochs"),
+    (
+        "per_device_train_batch_size",
+        "train.per_device_train_batch_size",
+    ),
+    ("gradient_checkpointing", "train.gradient_checkpointing"),
+    ("activation_checkpointing", "train.gradient_checkpointing"),
+    ("seed", "train.seed"),
+    ("logging_steps", "train.logging_steps"),
+    ("logging_dir", "train.logging_dir"),
+    ("shuffle_dataset", "train.shuffle_dataset"),
+    ("disable_dropout", "train.disable_dropout"),
+    ("save_total_limit", "train.save_total_limit"),
+    ("log_completions", "train.log_completions"),
+    ("num_completions_to_print", "train.num_completions_to_print"),
+    ("num_generations", "rollout.num_generations"),
+    ("num_generations_eval", "rollout.num_generations_eval"),
+    ("max_completion_length", "rollout.max_completion_length"),
+    ("temperature", "rollout.temperature"),
+    ("top_p", "rollout.top_p"),
+    ("top_k", "rollout.top_k"),
+    ("min_p", "rollout.min_p"),
+    ("repetition_penalty", "rollout.repetition_penalty"),
+    ("chat_template_kwargs", "model.chat_template_kwargs"),
+    ("cast_lm_head_to_fp32", "model.cast_lm_head_to_fp32"),
+    ("beta", "reference.beta"),
+    ("sync_ref_model", "reference.sync_ref_model"),
+    ("ref_model_mixup_alpha", "reference.ref_model_mixup_alpha"),
+    ("ref_model_sync_steps", "reference.ref_model_sync_steps"),
+    ("epsilon", "loss.epsilon"),
+    ("epsilon_high", "loss.epsilon_high"),
+    ("delta", "loss.delta"),
+    ("sapo_temperature_pos", "loss.sapo_temperature_pos"),
+    ("sapo_temperature_neg", "loss.sapo_temperature_neg"),
+    ("vespo_k_pos", "loss.vespo_k_pos"),
+    ("vespo_lambda_pos", "loss.vespo_lambda_pos"),
+    ("vespo_k_neg", "loss.vespo_k_neg"),
+    ("vespo_lambda_neg", "loss.vespo_lambda_neg"),
+    (
+        "importance_sampling_level",
+        "loss.importance_sampling_level",
+    ),
+    (
+        "multi_objective_aggregation",
+        "loss.multi_objective_aggregation",
+    ),
+    ("scale_rewards", "loss.scale_rewards"),
+    ("loss_type", "loss.loss_type"),
+    (
+        "mask_truncated_completions",
+        "loss.mask_truncated_completions",
+    ),
+    ("top_entropy_quantile", "loss.top_entropy_quantile"),
+    ("entropy_coef", "loss.entropy_coef"),
+    ("use_adaptive_entropy", "loss.use_adaptive_entropy"),
+    ("entropy_coef_min", "loss.entropy_coef_min"),
+    ("entropy_coef_max", "loss.entropy_coef_max"),
+    ("entropy_coef_delta", "loss.entropy_coef_delta"),
+    ("entropy_target", "loss.entropy_target"),
+    (
+        "vllm_importance_sampling_correction",
+        "loss.vllm_importance_sampling_correction",
+    ),
+    (
+        "vllm_importance_sampling_mode",
+        "loss.vllm_importance_sampling_mode",
+    ),
+    (
+        "vllm_importance_sampling_clip_min",
+        "loss.vllm_importance_sampling_clip_min",
+    ),
+    (
+        "vllm_importance_sampling_clip_max",
+        "loss.vllm_importance_sampling_clip_max",
+    ),
+    (
+        "vllm_importance_sampling_cap",
+        "loss.vllm_importance_sampling_clip_max",
+    ),
+    (
+        "off_policy_mask_threshold",
+        "loss.off_policy_mask_threshold",
+    ),
+    ("use_bias_correction_kl", "loss.use_bias_correction_kl"),
+    ("router_aux_loss_coef", "loss.router_aux_loss_coef"),
+    ("reward_weights", "reward_weights"),
+    ("max_tool_calling_iterations", "environment.max_turns"),
+];
+
+/// TRL keys with no place here, and why (settings of machinery this binary does not have).
+pub const DROPPED: &[(&str, &str)] = &[
+    (
+        "trust_remote_code",
+        "no Python model code runs; the architectures are built in",
+    ),
+    ("remove_unused_columns", "rows keep every column"),
+    ("ds3_gather_for_generation", "one process, no DeepSpeed"),
+    (
+        "pad_to_multiple_of",
+        "batches are padded to their longest row",
+    ),
+    ("cache_implementation", "one KV cache implementation"),
+    ("vllm_model_impl", "a colocated vLLM is not started"),
+    ("vllm_enable_sleep_mode", "a colocated vLLM is not started"),
+    (
+        "vllm_structured_outputs_regex",
+        "a colocated vLLM is not started",
+    ),
+    ("vllm_group_port", "a colocated vLLM is not started"),
+    (
+        "vllm_gpu_memory_utilization",
+        "a colocated vLLM is not started",
+    ),
+    ("vllm_max_model_length", "a colocated vLLM is not started"),
+    (
+        "vllm_tensor_parallel_size",
+        "a colocated vLLM is not started",
+    ),
+    ("log_multimodal", "text only"),
+    ("log_unique_prompts", "text only"),
+    ("log_completions_hub_repo", "no hub uploads"),
+    ("push_to_hub", "no hub uploads"),
+    ("hub_model_id", "no hub uploads"),
+    ("hub_strategy", "no hub uploads"),
+    ("hub_private_repo", "no hub uploads"),
+    (
+        "use_transformers_continuous_batching",
+        "the batched generator is always on",
+    ),
+    (
+        "transformers_continuous_batching_config",
+        "the batched generator is always on",
+    ),
+    (
+        "use_transformers_paged",
+        "the batched generator is always on",
+    ),
+    (
+        "use_liger_kernel",
+        "the fused kernels (RMSNorm, RoPE, SiLU·mul, log-softmax) are always on",
+    ),
+    ("torch_empty_cache_steps", "no PyTorch caching allocator"),
+    (
+        "gradient_checkpointing_kwargs",
+        "checkpointing is per decoder layer",
+    ),
+    ("run_name", "the run is named by output_dir"),
+    ("logging_strategy", "metrics are logged every logging_steps"),
+    (
+        "logging_first_step",
+        "metrics are logged every logging_steps",
+    ),
+    (
+        "dataloader_num_workers",
+        "the data stage runs on its own thread",
+    ),
+    (
+        "dataloader_pin_memory",
+        "the data stage runs on its own thread",
+    ),
+    ("ddp_find_unused_parameters", "one process"),
+    ("torch_compile", "no PyTorch"),
+    (
+        "model_revision",
+        "models load from a local directory or GGUF file",
+    ),
+    (
+        "attn_implementation",
+        "attention is this project's own fused kernel",
+    ),
+    ("lora_task_type", "adapters are for causal LM"),
+    ("dataset_config", "data is read from local files"),
+    ("dataset_streaming", "files are always read in chunks"),
+    (
+        "ignore_data_skip",
+        "a resumed run continues at its data position",
+    ),
+    ("bf16_full_eval", "evaluation runs in the model's dtype"),
+    (
+        "resume_from_checkpoint",
+        "resume with `grpo-cli train --resume`",
+    ),
+    ("use_cpu", "the device is model.device (cpu by default)"),
+    (
+        "activation_checkpointing_kwargs",
+        "checkpointing is per decoder layer",
+    ),
+];
+
+/// TRL's `reward_funcs` names (`trl grpo`'s registry) as our rewards.
+fn reward_of(name: &str) -> Option<Value> {
+    Some(match name {
+        "accuracy_reward" => json!({"type": "math_verify"}),
+        "reasoning_accuracy_reward" => json!({"type": "reasoning_accuracy"}),
+        "think_format_reward" => json!({"type": "think_format"}),
+        // `trl grpo` builds it with these values.
+        "get_soft_overlong_punishment" => json!({
+            "type": "overlong", "name": "soft_overlong_punishment",
+            "max_completion_length": 1280, "overlong_buffer": 256,
+        }),
+        dotted if dotted.contains('.') => {
+            let (module, function) = dotted.rsplit_once('.')?;
+            json!({"type": "python", "path": module, "function": function})
+        }
+        _ => return None,
+    })
+}
+
+fn set(tree: &mut Value, dotted: &str, v: Value) {
+    let mut node = tree;
+    let parts: Vec<&str> = dotted.split('.').collect();
+    for p in &parts[..parts.len() - 1] {
+        if !node.get(*p).is_some_and(Value::is_object) {
+            node[*p] = Value::Object(Map::new());
+        }
+        node = &mut node[*p];
+    }
+    node[parts[parts.len() - 1]] = v;
+}
+
+fn dtype_of(v: &Value) -> Option<&'static str> {
+    match v.as_str()? {
+        "bfloat16" | "bf16" => Some("bf16"),
+        "float16" | "fp16" | "half" => Some("f16"),
+        "float32" | "fp32" | "float" => Some("f32"),
+        _ => None,
+    }
+}
+
+fn as_u64(v: Option<&Value>) -> Option<u64> {
+    v.and_then(|v| {
+        v.as_u64().or_else(|| {
+            v.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0)
+                .map(|f| f as u64)
+        })
+    })
+}
+
+/// The data files of a local dataset for a split: the file itself, or the files of a dataset
+/// directory (a Hub snapshot's `data/train-00000-of-00001.parquet`, `train.jsonl`, a `train/`
+/// folder) whose name starts with the split's.
+pub fn split_files(dataset: &Path, split: &str) -> Vec<String> {
+    if dataset.is_file() {
+        return vec![dataset.display().to_string()];
+    }
+    let mut found = Vec::new();
+    let mut stack = vec![dataset.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.starts_with('.') {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let data = ["parquet", "arrow", "jsonl", "json", "csv"]
+                .iter()
+                .any(|ext| name.ends_with(&format!(".{ext}")));
+            let in_split_dir = p
+                .parent()
+                .and_then(|d| d.file_name())
+                .is_some_and(|d| d.to_string_lossy() == split);
+            let named = name.starts_with(&format!("{split}-"))
+                || name.starts_with(&format!("{split}."))
+                || name.starts_with(&format!("{split}_"));
+            if data && (named || in_split_dir) {
+                found.push(p.display().to_string());
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Translates a TRL recipe (the YAML's top-level table).
+pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Imported> {
+    let mut tree = Value::Object(Map::new());
+    let mut notes: Vec<(String, String)> = Vec::new();
+    let get = |k: &str| recipe.get(k).filter(|v| !v.is_null());
+    let truthy = |k: &str| get(k).and_then(Value::as_bool).unwrap_or(false);
+    let mut handled: Vec<&str> = Vec::new();
+
+    for (trl, ours) in RENAMES {
+        if let Some(v) = get(trl) {
+            set(&mut tree, ours, v.clone());
+            handled.push(trl);
+        }
+    }
+    for (trl, why) in DROPPED {
+        if get(trl).is_some() {
+            notes.push(((*trl).to_string(), (*why).to_string()));
+            handled.push(trl);
+        }
+    }
+
+    // The model.
+    match get("model_name_or_path").and_then(Value::as_str) {
+        Some(m) => {
+            set(&mut tree, "model.path", json!(m));
+            let p = base_dir.join(m);
+            if !Path::new(m).exists() && !p.exists() {
+                notes.push((
+                    "model_name_or_path".into(),
+                    format!("`{m}` is not a local directory or .gguf file: download it first (nothing is fetched from the Hub) and set model.path"),
+                ));
+            }
+        }
+        None => {
+            bail!("the recipe has no `model_name_or_path` (TRL's ModelConfig): nothing to train")
+        }
+    }
+    handled.push("model_name_or_path");
+    let dtype = get("dtype").or_else(|| get("torch_dtype")).or_else(|| {
+        get("model_init_kwargs").and_then(|k| k.get("dtype").or_else(|| k.get("torch_dtype")))
+    });
+    if let Some(d) = dtype {
+        match dtype_of(d) {
+            Some(t) => set(&mut tree, "model.dtype", json!(t)),
+            None => notes.push((
+                "dtype".into(),
+                format!("{d}: the weights load in model.dtype (default f32)"),
+            )),
+        }
+    }
+    handled.extend(["dtype", "torch_dtype", "model_init_kwargs"]);
+
+    // TRL's precision default: bf16 unless fp16.
+    let fp16 = truthy("fp16");
+    let bf16 = get("bf16").and_then(Value::as_bool).unwrap_or(!fp16);
+    set(&mut tree, "train.bf16", json!(bf16));
+    if fp16 {
+        notes.push((
+            "fp16".into(),
+            "fp16 mixed precision is not built: the model computes in model.dtype".into(),
+        ));
+    }
+    handled.extend(["bf16", "fp16"]);
+    // TRL's defaults (GRPOConfig's and TrainingArguments') where ours differ.
+    if get("gradient_checkpointing").is_none() && get("activation_checkpointing").is_none() {
+        set(&mut tree, "train.gradient_checkpointing", json!(true));
+    }
+    for (k, ours, default) in [
+        ("logging_steps", "train.logging_steps", json!(10)),
+        (
+            "per_device_train_batch_size",
+            "train.per_device_train_batch_size",
+            json!(8),
+        ),
+        ("learning_rate", "optim.learning_rate", json!(1e-6)),
+        ("num_train_epochs", "train.num_train_epochs", json!(3.0)),
+        ("save_total_limit", "train.save_total_limit", json!(0)),
+        ("log_completions", "train.log_completions", json!(false)),
+    ] {
+        if get(k).is_none() {
+            set(&mut tree, ours, default);
+        }
+    }
+    // transformers 5's warmup_steps: a whole number of steps, or below 1 a share of them.
+    if let Some(w) = get("warmup_steps").and_then(Value::as_f64) {
+        if w > 0.0 && w < 1.0 {
+            set(&mut tree, "optim.warmup_ratio", json!(w));
+        } else {
+            set(&mut tree, "optim.warmup_steps", json!(w as u64));
+        }
+    }
+    handled.push("warmup_steps");
+
+    // The generation batch: TRL's generation_batch_size / steps_per_generation.
+    let per_device = as_u64(get("per_device_train_batch_size")).unwrap_or(8);
+    let accumulation = as_u64(get("gradient_accumulation_steps")).unwrap_or(1);
+    let generations = as_u64(get("num_generations")).unwrap_or(8);
+    let (batch, steps_per_generation) = match (
+        as_u64(get("generation_batch_size")),
+        as_u64(get("steps_per_generation")),
+    ) {
+        (Some(_), Some(_)) => bail!(
+            "`generation_batch_size` and `steps_per_generation` are mutually exclusive (TRL refuses both)"
+        ),
+        (Some(b), None) => {
+            if b % per_device != 0 {
+                bail!(
+                    "`generation_batch_size` ({b}) must be divisible by `per_device_train_batch_size` ({per_device}), as TRL requires"
+                );
+            }
+            (b, b / per_device)
+        }
+        (None, Some(s)) => (per_device * s, s),
+        (None, None) => (per_device * accumulation, accumulation),
+    };
+    if batch % generations != 0 {
+        bail!(
+            "the generation batch ({batch} = per_device_train_batch_size × steps_per_generation) must be divisible by `num_generations` ({generations}), as TRL requires"
+        );
+    }
+    set(
+        &mut tree,
+        "train.prompts_per_step",
+        json!(batch / generations),
+    );
+    set(
+        &mut tree,
+        "optim.steps_per_generation",
+        json!(steps_per_generation),
+    );
+    set(
+        &mut tree,
+        "optim.gradient_accumulation_steps",
+        json!(accumulation),
+    );
+    handled.extend([
+        "generation_batch_size",
+        "steps_per_generation",
+        "gradient_accumulation_steps",
+    ]);
+    if let Some(m) = as_u64(get("max_steps")).filter(|&m| m > 0) {
+        // TRL counts optimizer steps; a step here is one generation batch, which feeds
+        // steps_per_generation / gradient_accumulation_steps of them.
+        let updates_per_batch = (steps_per_generation / accumulation.max(1)).max(1);
+        set(
+            &mut tree,
+            "train.max_steps",
+            json!(m.div_ceil(updates_per_batch)),
+        );
+    }
+    handled.push("max_steps");
+
+    // Saving and evaluation strategies.
+    let strategy = |k: &str| get(k).and_then(Value::as_str).unwrap_or("no").to_string();
+    let save = get("save_strategy")
+        .and_then(Value::as_str)
+        .unwrap_or("steps")
+        .to_string();
+    match save.as_str() {
+        // TrainingArguments' default: every 500 steps.
+        "steps" => set(
+            &mut tree,
+            "train.save_steps",
+            json!(as_u64(get("save_steps")).unwrap_or(500)),
+        ),
+        "no" => {}
+        other => notes.push((
+            "save_strategy".into(),
+            format!("\"{other}\": checkpoints come at the end (and every train.save_steps steps)"),
+        )),
+    }
+    let evaluates = strategy("eval_strategy") != "no" || strategy("evaluation_strategy") != "no";
+    if evaluates {
+        let every = as_u64(get("eval_steps"))
+            .or(as_u64(get("logging_steps")))
+            .unwrap_or(10);
+        set(&mut tree, "train.eval_steps", json!(every));
+    }
+    handled.extend([
+        "save_steps",
+        "save_strategy",
+        "eval_strategy",
+        "evaluation_strategy",
+        "eval_steps",
+    ]);
+
+    if let Some(r) = get("report_to") {
+        let list: Vec<String> = match r {
+            Value::String(s) => vec![s.clone()],
+            Value::Array(a) => a
+                .iter()
+                .filter_map(|x| x.as_str().map(String::from))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let kept: Vec<&String> = list.iter().filter(|s| *s == "tensorboard").collect();
+        set(&mut tree, "train.report_to", json!(kept));
+        let others: Vec<&String> = list
+            .iter()
+            .filter(|s| !matches!(s.as_str(), "tensorboard" | "none"))
+            .collect();
+        if !others.is_empty() {
+            notes.push((
+                "report_to".into(),
+                format!(
+                    "{others:?}: metrics go to metrics.jsonl (and TensorBoard with \"tensorboard\")"
+                ),
+            ));
+        }
+        handled.push("report_to");
+    }
+
+    // Generation on a vLLM server.
+    if truthy("use_vllm") {
+        let mode = get("vllm_mode")
+            .and_then(Value::as_str)
+            .unwrap_or("colocate");
+        if mode == "server" {
+            if !truthy("use_peft") {
+                bail!(
+                    "`use_vllm` with `vllm_mode: server` needs `use_peft: true` here: the policy reaches the server as a LoRA adapter each step (full-weight sync to vLLM is not built)"
+                );
+            }
+            let url = get("vllm_server_base_url")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .unwrap_or_else(|| {
+                    let host = get("vllm_server_host")
+                        .and_then(Value::as_str)
+                        .unwrap_or("0.0.0.0");
+                    let host = if host == "0.0.0.0" { "127.0.0.1" } else { host };
+                    let port = as_u64(get("vllm_server_port")).unwrap_or(8000);
+                    format!("http://{host}:{port}")
+                });
+            set(&mut tree, "rollout.backend", json!("openai"));
+            set(
+                &mut tree,
+                "rollout.openai.base_url",
+                json!(format!("{}/v1", url.trim_end_matches('/'))),
+            );
+            if let Some(t) = get("vllm_server_timeout") {
+                set(&mut tree, "rollout.openai.sync_timeout", t.clone());
+            }
+        } else {
+            notes.push(("use_vllm".into(), "vllm_mode \"colocate\": generation runs on the built-in batched generator (rollout.backend = \"local\")".into()));
+        }
+    }
+    handled.extend([
+        "use_vllm",
+        "vllm_mode",
+        "vllm_server_base_url",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout",
+    ]);
+    if let Some(k) = get("generation_kwargs").and_then(Value::as_object) {
+        for (name, v) in k {
+            match name.as_str() {
+                "stop" => set(&mut tree, "rollout.stop", v.clone()),
+                "min_tokens" | "min_new_tokens" => set(&mut tree, "rollout.min_completion_length", v.clone()),
+                other => notes.push((format!("generation_kwargs.{other}"), "not a sampler setting here (temperature, top_p, top_k, min_p, repetition_penalty, stop, min_tokens are)".into())),
+            }
+        }
+    }
+    handled.push("generation_kwargs");
+
+    // LoRA: TRL's ModelConfig (use_peft and its lora_* keys, with their defaults).
+    if truthy("use_peft") {
+        let mut lora = json!({
+            "r": get("lora_r").cloned().unwrap_or(json!(16)),
+            "lora_alpha": get("lora_alpha").cloned().unwrap_or(json!(32)),
+            "lora_dropout": get("lora_dropout").cloned().unwrap_or(json!(0.05)),
+        });
+        if let Some(t) = get("lora_target_modules") {
+            // One string other than "all-linear" is a regular expression in PEFT, as here.
+            lora["target_modules"] = t.clone();
+        }
+        if let Some(t) = get("lora_target_parameters") {
+            lora["target_parameters"] = t.clone();
+        }
+        if truthy("use_rslora") {
+            lora["use_rslora"] = json!(true);
+        }
+        if truthy("use_dora") {
+            lora["use_dora"] = json!(true);
+        }
+        set(&mut tree, "model.lora", lora);
+        if get("lora_modules_to_save").is_some() {
+            notes.push(("lora_modules_to_save".into(), "whole modules beside the adapters are not trained here (lora.trainable_token_indices trains embedding rows)".into()));
+        }
+    } else {
+        for k in [
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "lora_target_parameters",
+            "lora_modules_to_save",
+            "use_rslora",
+            "use_dora",
+        ] {
+            if get(k).is_some() {
+                notes.push((k.into(), "use_peft is false: full fine-tuning".into()));
+            }
+        }
+    }
+    handled.extend([
+        "use_peft",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_target_parameters",
+        "lora_modules_to_save",
+        "use_rslora",
+        "use_dora",
+    ]);
+    for k in ["load_in_4bit", "load_in_8bit"] {
+        if truthy(k) {
+            notes.push((k.into(), "quantized loading through bitsandbytes is not built: the base loads in model.dtype (a GGUF file loads its quantized weights)".into()));
+        }
+    }
+    handled.extend([
+        "load_in_4bit",
+        "load_in_8bit",
+        "bnb_4bit_quant_type",
+        "use_bnb_nested_quant",
+        "bnb_4bit_quant_storage",
+    ]);
+
+    // The data: ScriptArguments' dataset_name (a local file or dataset directory) and splits.
+    let train_split = get("dataset_train_split")
+        .and_then(Value::as_str)
+        .unwrap_or("train");
+    let test_split = get("dataset_test_split")
+        .and_then(Value::as_str)
+        .unwrap_or("test");
+    if let Some(name) = get("dataset_name").and_then(Value::as_str) {
+        let local = [Path::new(name).to_path_buf(), base_dir.join(name)]
+            .into_iter()
+            .find(|p| p.exists());
+        match local {
+            Some(p) => {
+                let files = split_files(&p, train_split);
+                if files.is_empty() {
+                    set(&mut tree, "data.path", json!([name]));
+                    notes.push((
+                        "dataset_train_split".into(),
+                        format!(
+                            "no `{train_split}` files under `{name}`: data.path reads all of it"
+                        ),
+                    ));
+                } else {
+                    set(&mut tree, "data.path", json!(files));
+                }
+                if evaluates {
+                    let eval = split_files(&p, test_split);
+                    if eval.is_empty() {
+                        notes.push((
+                            "dataset_test_split".into(),
+                            format!("no `{test_split}` files under `{name}`: no evaluation"),
+                        ));
+                        set(&mut tree, "train.eval_steps", json!(0));
+                    } else {
+                        set(&mut tree, "data.eval_path", json!(eval));
+                    }
+                }
+            }
+            None => {
+                set(&mut tree, "data.path", json!([name]));
+                notes.push(("dataset_name".into(), format!("`{name}` is not a local file or directory: download the dataset first (nothing is fetched from the Hub) and set data.path")));
+            }
+        }
+    } else if get("datasets").is_some() {
+        notes.push((
+            "datasets".into(),
+            "dataset mixtures are not read: set data.path to the files".into(),
+        ));
+    }
+    handled.extend([
+        "dataset_name",
+        "dataset_train_split",
+        "dataset_test_split",
+        "datasets",
+    ]);
+
+    // Rewards: reward_funcs and reward_model_name_or_path, as `trl grpo` builds them.
+    let mut rewards = Vec::new();
+    if let Some(rm) = get("reward_model_name_or_path").and_then(Value::as_str) {
+        tree["reward_model_path"] = json!(rm);
+        rewards.push(json!({"type": "reward_model"}));
+    }
+    let funcs: Vec<String> = match get("reward_funcs") {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_str().map(String::from))
+            .collect(),
+        _ => Vec::new(),
+    };
+    for f in &funcs {
+        match reward_of(f) {
+            Some(r) => rewards.push(r),
+            None => bail!(
+                "reward_funcs: `{f}` is not one of accuracy_reward, reasoning_accuracy_reward, think_format_reward, get_soft_overlong_punishment, nor a dotted import path (TRL refuses it too)"
+            ),
+        }
+    }
+    if rewards.is_empty() {
+        bail!(
+            "the recipe names no reward (`reward_funcs` or `reward_model_name_or_path`): GRPO needs one"
+        );
+    }
+    tree["rewards"] = Value::Array(rewards);
+    handled.extend(["reward_funcs", "reward_model_name_or_path"]);
+
+    for k in recipe.keys() {
+        if !handled.contains(&k.as_str()) {
+            notes.push((k.clone(), "not a key of TRL's GRPOConfig, ModelConfig or ScriptArguments that this translation knows: left out".into()));
+        }
+    }
+    Ok(Imported { tree, notes })
+}
+
+/// The translation as TOML: the notes as comments on top, the config below.
+pub fn to_toml(imported: &Imported, source: &str) -> Result<String> {
+    let mut out = format!("# Translated from the TRL recipe {source} by `grpo-cli import-trl`.\n");
+    if imported.notes.is_empty() {
+        out.push_str("# Every key carried over.\n");
+    } else {
+        out.push_str("# Left out or changed:\n");
+        for (k, why) in &imported.notes {
+            out.push_str(&format!("#   {k}: {why}\n"));
+        }
+    }
+    out.push('\n');
+    // Plain keys first, then the tables, as TOML requires.
+    let table: toml::Table = serde_json::from_value(imported.tree.clone())?;
+    out.push_str(&toml::to_string(&table)?);
+    Ok(out)
+}
