@@ -59,6 +59,19 @@ ANSWERS = [
     ("\\log_2 8", ["\\log_2 8", "3", "\\log_{2}{8}"], ["2", "8"]),
     ("x < 5", ["x < 5", "5 > x", "(-\\infty, 5)"], ["x \\le 5", "x > 5"]),
     ("120", ["120", "5!", "\\binom{10}{3}", "120^\\circ"], ["60", "24"]),
+    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
+     ["\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}",
+      "\\left[\\begin{array}{cc} 1 & 2 \\\\ 3 & 4 \\end{array}\\right]",
+      "\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix} \\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"],
+     ["\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\end{pmatrix}"]),
+    ("3:4", ["3:4", "\\frac{3}{4}", "0.75", "AB:CD = 3:4"], ["4:3", "3:5"]),
+    ("x \\neq 2", ["x \\neq 2", "x != 2", "x \\ne 2"], ["x \\neq 3", "x = 2"]),
+    ("(a, b) = (2, 5)", ["(2, 5)", "(a,b)=(2,5)"], ["(5, 2)", "(2, 6)"]),
+    ("2x + 3y = 6", ["2x+3y=6", "y = 2 - \\frac{2}{3}x", "4x + 6y = 12", "3y + 2x - 6 = 0"], ["2x + 3y = 5", "y = 2x"]),
+    ("(-\\infty, 0) \\cup (1, \\infty)", ["(-\\infty,0)\\cup(1,\\infty)", "x \\in (-\\infty, 0) \\cup (1, \\infty)"],
+     ["(0, 1)", "(-\\infty, 1)"]),
+    ("p = 2, q = 3; p = 3, q = 2", ["(2, 3), (3, 2)", "(3, 2), (2, 3)"], ["(2, 3)", "(2, 2), (3, 3)"]),
+    ("3.14", ["x \\approx 3.14", "\\pi \\approx 3.14", "3.140"], ["x \\approx 3.15", "\\pi"]),
 ]
 
 WRAPPERS = [

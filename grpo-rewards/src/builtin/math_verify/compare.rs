@@ -120,6 +120,16 @@ pub fn expr_eq(gold: &Expr, pred: &Expr) -> bool {
     if gold.is_relation() && pred.is_relation() {
         return compare_relations(&gold, &pred);
     }
+    match (matrix_value(&gold), matrix_value(&pred)) {
+        (Some(a), Some(b)) => {
+            return a.len() == b.len()
+                && a.iter().zip(&b).all(|(x, y)| {
+                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| expr_eq(p, q))
+                });
+        }
+        (Some(_), None) | (None, Some(_)) => return false,
+        _ => {}
+    }
     let set_or_tuple = |x: &Expr| x.is_set() || matches!(x, Expr::Tuple(_));
     if set_or_tuple(&gold) || set_or_tuple(&pred) {
         return compare_sets(&gold, &pred);
@@ -128,6 +138,83 @@ pub fn expr_eq(gold: &Expr, pred: &Expr) -> bool {
         return compare_symbols(&gold, &pred);
     }
     numeric_eq(&gold, &pred) || symbolic_eq(&gold, &pred)
+}
+
+/// The entries of a matrix, or of sums and products of matrices (and numbers): SymPy's `doit`
+/// on them. `None` for an expression without a matrix (or one whose shapes do not agree).
+fn matrix_value(x: &Expr) -> Option<Vec<Vec<Expr>>> {
+    type M = Vec<Vec<Expr>>;
+    let shape = |m: &M| (m.len(), m.first().map_or(0, Vec::len));
+    match x {
+        Expr::Matrix(rows) => Some(rows.clone()),
+        Expr::Add(v) => {
+            let ms: Vec<M> = v.iter().map(matrix_value).collect::<Option<_>>()?;
+            let (r, c) = shape(&ms[0]);
+            if ms.iter().any(|m| shape(m) != (r, c)) {
+                return None;
+            }
+            Some(
+                (0..r)
+                    .map(|i| {
+                        (0..c)
+                            .map(|j| Expr::Add(ms.iter().map(|m| m[i][j].clone()).collect()))
+                            .collect()
+                    })
+                    .collect(),
+            )
+        }
+        Expr::Mul(v) if v.iter().any(|f| matrix_value(f).is_some()) => {
+            let mut acc: Option<M> = None;
+            let mut scalars = Vec::new();
+            for f in v {
+                match matrix_value(f) {
+                    Some(m) => {
+                        acc = Some(match acc {
+                            None => m,
+                            Some(a) => {
+                                let ((ar, ac), (br, bc)) = (shape(&a), shape(&m));
+                                if ac != br {
+                                    return None;
+                                }
+                                (0..ar)
+                                    .map(|i| {
+                                        (0..bc)
+                                            .map(|j| {
+                                                Expr::Add(
+                                                    (0..ac)
+                                                        .map(|k| {
+                                                            Expr::Mul(vec![
+                                                                a[i][k].clone(),
+                                                                m[k][j].clone(),
+                                                            ])
+                                                        })
+                                                        .collect(),
+                                                )
+                                            })
+                                            .collect()
+                                    })
+                                    .collect()
+                            }
+                        })
+                    }
+                    None if f.is_set() || f.is_relation() => return None,
+                    None => scalars.push(f.clone()),
+                }
+            }
+            let m = acc?;
+            let scaled = |e: Expr| {
+                let mut factors = scalars.clone();
+                factors.push(e);
+                Expr::Mul(factors)
+            };
+            Some(
+                m.into_iter()
+                    .map(|row| row.into_iter().map(scaled).collect())
+                    .collect(),
+            )
+        }
+        _ => None,
+    }
 }
 
 /// `\frac{1}{0}` (SymPy's `zoo`) as the reference makes every comparison fail.
@@ -175,6 +262,13 @@ fn canon(x: &Expr) -> String {
             *ropen || pos_inf(hi)
         ),
         Expr::Union(v) => format!("u({})", sorted(v, ",")),
+        Expr::Matrix(rows) => format!(
+            "m({})",
+            rows.iter()
+                .map(|r| r.iter().map(canon).collect::<Vec<_>>().join(","))
+                .collect::<Vec<_>>()
+                .join(";")
+        ),
         x => x.to_string(),
     }
 }
@@ -202,43 +296,61 @@ fn compare_relations(gold: &Expr, pred: &Expr) -> bool {
             if gr.flipped() == *pr && expr_eq(&diff(gl, grhs), &diff(prhs, pl)) {
                 return true;
             }
-            *gr == Rel::Eq && *pr == Rel::Eq && same_linear_solution(gold, pred)
+            *gr == Rel::Eq && *pr == Rel::Eq && same_equation(gold, pred)
         }
         _ => false,
     }
 }
 
-/// Equations in one and the same variable, linear in it, with equal roots.
-fn same_linear_solution(gold: &Expr, pred: &Expr) -> bool {
-    let root = |x: &Expr| -> Option<(String, f64)> {
+/// Equations in the same variables whose `lhs − rhs` are multiples of each other (`2x+4y-3=0`
+/// and `y = -x/2 + 3/4`): the same solutions, where math_verify asks SymPy to solve both.
+fn same_equation(gold: &Expr, pred: &Expr) -> bool {
+    let side = |x: &Expr| -> Option<(Expr, Vec<String>)> {
         let (l, r) = sides(x)?;
         let f = Expr::Add(vec![l.clone(), neg(r.clone())]);
         let mut names = Vec::new();
         f.symbols(&mut names);
-        if names.len() != 1 {
-            return None;
-        }
-        let at = |t: f64| f.eval(&|_| t);
-        let (f0, f1, f2) = (at(0.0)?, at(1.0)?, at(2.0)?);
-        let slope = f1 - f0;
-        if slope.abs() < 1e-12 || ((f2 - f1) - slope).abs() > 1e-9 * slope.abs().max(1.0) {
-            return None;
-        }
-        Some((names.remove(0), -f0 / slope))
+        names.sort();
+        Some((f, names))
     };
-    match (root(gold), root(pred)) {
-        (Some((g, a)), Some((p, b))) => g == p && close(a, b, 1e-12),
-        _ => false,
+    let (Some((f, a)), Some((g, b))) = (side(gold), side(pred)) else {
+        return false;
+    };
+    if a != b || a.is_empty() {
+        return false;
     }
+    let mut ratio: Option<f64> = None;
+    let mut agreed = 0;
+    for k in 0..POINTS.len() {
+        let at = |name: &str| {
+            let i = a.iter().position(|n| n == name).unwrap_or(0);
+            POINTS[(k + 2 * i) % POINTS.len()] + i as f64 * 0.1173
+        };
+        let (Some(x), Some(y)) = (f.eval(&at), g.eval(&at)) else {
+            continue;
+        };
+        if !x.is_finite() || !y.is_finite() || y.abs() < 1e-12 || x.abs() < 1e-12 {
+            continue;
+        }
+        let r = x / y;
+        match ratio {
+            None => ratio = Some(r),
+            Some(r0) if close(r0, r, 1e-9) => {}
+            Some(_) => return false,
+        }
+        agreed += 1;
+    }
+    agreed >= 3
 }
 
 /// `as_set()` of a relation between a variable and a number (or a chain of two).
 fn relation_as_set(x: &Expr) -> Option<Expr> {
     let one = |r: &Expr| -> Option<(f64, bool, f64, bool, Option<Expr>)> {
         let Expr::Rel(op, a, b) = r else { return None };
+        let variable = |x: &Expr| matches!(x, Expr::Sym(_) | Expr::Apply(..));
         let (op, c) = match (&**a, &**b) {
-            (Expr::Sym(_), c) if !has_symbols(c) => (*op, c.clone()),
-            (c, Expr::Sym(_)) if !has_symbols(c) => (op.flipped(), c.clone()),
+            (v, c) if variable(v) && !has_symbols(c) => (*op, c.clone()),
+            (c, v) if variable(v) && !has_symbols(c) => (op.flipped(), c.clone()),
             _ => return None,
         };
         let v = value(&c)?;

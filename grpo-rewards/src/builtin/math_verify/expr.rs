@@ -59,6 +59,8 @@ pub enum Expr {
     EmptySet,
     /// ℝ.
     Reals,
+    /// A matrix, by rows.
+    Matrix(Vec<Vec<Expr>>),
 }
 
 /// Functions the parser knows.
@@ -246,10 +248,12 @@ impl Expr {
         match self {
             Expr::Sym(_) => true,
             Expr::Pow(b, e) if **e == Expr::Int(-1) => b.only_symbols(),
-            Expr::Add(v) | Expr::Mul(v) | Expr::Func(_, v) => {
+            Expr::Add(v) | Expr::Mul(v) | Expr::Func(_, v) | Expr::Tuple(v) | Expr::Apply(_, v) => {
                 !v.is_empty() && v.iter().all(Expr::only_symbols)
             }
             Expr::Pow(b, e) => b.only_symbols() && e.only_symbols(),
+            // `(p, q) = (3, 2)`: a pair of variables (an interval of them, as parsed).
+            Expr::Interval { lo, hi, .. } => lo.only_symbols() && hi.only_symbols(),
             _ => false,
         }
     }
@@ -289,6 +293,7 @@ impl Expr {
             | Expr::Union(v) => Box::new(v.iter()),
             Expr::Pow(a, b) | Expr::Rel(_, a, b) => Box::new([&**a, &**b].into_iter()),
             Expr::Interval { lo, hi, .. } => Box::new([&**lo, &**hi].into_iter()),
+            Expr::Matrix(rows) => Box::new(rows.iter().flatten()),
             Expr::Pct(x) => Box::new(std::iter::once(&**x)),
             _ => Box::new(std::iter::empty()),
         }
@@ -472,6 +477,14 @@ impl fmt::Display for Expr {
                 )
             }
             Expr::Union(v) => write!(f, "{}", join(v, " U ")),
+            Expr::Matrix(rows) => write!(
+                f,
+                "Matrix([{}])",
+                rows.iter()
+                    .map(|r| format!("[{}]", join(r, ", ")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
             Expr::EmptySet => write!(f, "EmptySet"),
             Expr::Reals => write!(f, "Reals"),
         }

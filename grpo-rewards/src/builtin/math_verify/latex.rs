@@ -56,6 +56,8 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, String> {
                 i += 1;
                 match d {
                     ',' | ';' | ':' | '!' | ' ' => {}
+                    // `\(` ... `\)` left by `\left(` read as parentheses.
+                    '(' | ')' | '[' | ']' => out.push(Tok::Ch(d)),
                     _ => out.push(Tok::Cmd(d.to_string())),
                 }
             } else {
@@ -94,39 +96,48 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, String> {
                         chars[start..i].iter().collect::<String>()
                     )));
                     i += 1;
-                } else if matches!(
-                    name.as_str(),
-                    "quad"
-                        | "qquad"
-                        | "displaystyle"
-                        | "left"
-                        | "right"
-                        | "bigl"
-                        | "bigr"
-                        | "Bigl"
-                        | "Bigr"
-                        | "big"
-                        | "Big"
-                ) {
+                } else if name == "begin" || name == "end" {
+                    // \begin{pmatrix}: one token naming the environment (an array's column
+                    // spec skipped).
+                    let rest: String = chars[i..].iter().collect();
+                    let Some(close) = rest.find('}').filter(|_| rest.starts_with('{')) else {
+                        return Err(format!("\\{name} without its environment"));
+                    };
+                    let env = rest[1..close].to_string();
+                    i += close + 1;
+                    if name == "begin" && env == "array" && chars.get(i) == Some(&'{') {
+                        while i < chars.len() && chars[i] != '}' {
+                            i += 1;
+                        }
+                        i += 1;
+                    }
+                    out.push(Tok::Cmd(format!("{name}:{env}")));
+                } else if SPACES.contains(&name.as_str()) {
                 } else if KNOWN.contains(&name.as_str()) || GREEK.contains(&name.as_str()) {
                     out.push(Tok::Cmd(name));
                 } else if let Some(known) = KNOWN
                     .iter()
                     .chain(GREEK)
+                    .chain(SPACES)
                     .filter(|k| name.starts_with(**k))
                     .max_by_key(|k| k.len())
                 {
-                    // A lexer reads `\cdote` as `\cdot` then `e`.
-                    out.push(Tok::Cmd(known.to_string()));
+                    // A lexer reads `\cdote` as `\cdot` then `e`, `\quadx` as a space then `x`.
+                    if !SPACES.contains(known) {
+                        out.push(Tok::Cmd(known.to_string()));
+                    }
                     out.extend(name[known.len()..].chars().map(Tok::Letter));
                 } else {
                     out.push(Tok::Cmd(name));
                 }
             }
+        } else if c == '!' && chars.get(i + 1) == Some(&'=') {
+            out.push(Tok::Ch('≠'));
+            i += 2;
         } else if c == '%' {
             out.push(Tok::Cmd("%".into()));
             i += 1;
-        } else if "+-*/^_()[]{}|!,;=<>'".contains(c)
+        } else if "+-*/^_()[]{}|!,;=<>':&".contains(c)
             || c == '×'
             || c == '÷'
             || c == '·'
@@ -207,6 +218,21 @@ const KNOWN: &[&str] = &[
     "cap",
 ];
 
+/// Spacing and sizing commands, read as nothing.
+const SPACES: &[&str] = &[
+    "quad",
+    "qquad",
+    "displaystyle",
+    "left",
+    "right",
+    "bigl",
+    "bigr",
+    "Bigl",
+    "Bigr",
+    "big",
+    "Big",
+];
+
 const GREEK: &[&str] = &[
     "alpha",
     "beta",
@@ -268,6 +294,8 @@ fn func_of(name: &str) -> Option<Func> {
 struct Parser {
     toks: Vec<Tok>,
     pos: usize,
+    /// Inside `| ... |`: a `|` closes instead of opening.
+    in_abs: usize,
 }
 
 type Res = Result<Expr, String>;
@@ -331,13 +359,18 @@ impl Parser {
     }
 
     /// A comma (or semicolon) list of relations: one item, else a set.
+    /// Items separated by `,` or `;` (inside brackets and braces `;` is a comma too).
     fn list(&mut self) -> Res {
         let mut items = vec![self.relation()?];
         while self.eat(',') || self.eat(';') {
             items.push(self.relation()?);
         }
+        Ok(Self::items_value(items))
+    }
+
+    fn items_value(mut items: Vec<Expr>) -> Expr {
         if items.len() == 1 {
-            return Ok(items.remove(0));
+            return items.remove(0);
         }
         // `x = 1, 2, 3`: the relation holds the set of the values that follow it.
         if matches!(items[0], Expr::Rel(..)) && items[1..].iter().all(|x| !x.is_relation()) {
@@ -345,10 +378,41 @@ impl Parser {
             if let Some(Expr::Rel(op, lhs, rhs)) = items.pop() {
                 let mut values = vec![*rhs];
                 values.extend(rest);
-                return Ok(Expr::Rel(op, lhs, Box::new(Expr::Set(values))));
+                return Expr::Rel(op, lhs, Box::new(Expr::Set(values)));
             }
         }
-        Ok(Expr::Set(items))
+        Expr::Set(items)
+    }
+
+    /// The whole answer: `;` separates groups, each group of several items a tuple
+    /// (`p=5,q=2;p=7,q=2` is a set of two pairs).
+    fn top(&mut self) -> Res {
+        let mut groups = vec![vec![self.relation()?]];
+        loop {
+            if self.eat(',') {
+                let item = self.relation()?;
+                groups.last_mut().ok_or("empty list")?.push(item);
+            } else if self.eat(';') {
+                groups.push(vec![self.relation()?]);
+            } else {
+                break;
+            }
+        }
+        if groups.len() == 1 {
+            return Ok(Self::items_value(groups.remove(0)));
+        }
+        Ok(Expr::Set(
+            groups
+                .into_iter()
+                .map(|mut g| {
+                    if g.len() == 1 {
+                        g.remove(0)
+                    } else {
+                        Expr::Tuple(g)
+                    }
+                })
+                .collect(),
+        ))
     }
 
     fn rel_op(&self) -> Option<Rel> {
@@ -372,11 +436,34 @@ impl Parser {
         }
     }
 
+    /// Sums joined by `\cup` (a union of sets).
+    fn union(&mut self) -> Res {
+        let mut parts = vec![self.sum()?];
+        while self.eat_cmd("cup") {
+            parts.push(self.sum()?);
+        }
+        Ok(if parts.len() == 1 {
+            parts.remove(0)
+        } else {
+            Expr::Union(parts)
+        })
+    }
+
     fn relation(&mut self) -> Res {
-        let first = self.sum()?;
+        let mut first = self.union()?;
         let mut rels = Vec::new();
         let mut lhs = first.clone();
-        while let Some(op) = self.rel_op() {
+        loop {
+            if self.eat_cmd("approx") {
+                // `x \approx 11` is 11; after anything else the approximation is dropped.
+                let rhs = self.union()?;
+                if rels.is_empty() && first.only_symbols() {
+                    first = rhs.clone();
+                    lhs = rhs;
+                }
+                continue;
+            }
+            let Some(op) = self.rel_op() else { break };
             self.pos += 1;
             // `<=` and `>=` written as two characters.
             let op = match (op, self.peek()) {
@@ -390,7 +477,7 @@ impl Parser {
                 }
                 _ => op,
             };
-            let rhs = self.sum()?;
+            let rhs = self.union()?;
             rels.push(Expr::Rel(op, Box::new(lhs), Box::new(rhs.clone())));
             lhs = rhs;
         }
@@ -467,7 +554,8 @@ impl Parser {
     fn starts_factor(&self) -> bool {
         match self.peek() {
             Some(Tok::Num(_) | Tok::Letter(_)) => true,
-            Some(Tok::Ch(c)) => matches!(c, '(' | '[' | '{' | '|' | 'π' | '∞'),
+            Some(Tok::Ch('|')) => self.in_abs == 0,
+            Some(Tok::Ch(c)) => matches!(c, '(' | '[' | '{' | 'π' | '∞'),
             Some(Tok::Cmd(n)) => {
                 !matches!(
                     n.as_str(),
@@ -498,7 +586,9 @@ impl Parser {
                         | "mid"
                         | "vert"
                         | "rvert"
-                ) && self.rel_op().is_none()
+                        | "\\"
+                ) && !n.starts_with("end:")
+                    && self.rel_op().is_none()
             }
             None => false,
         }
@@ -529,7 +619,7 @@ impl Parser {
                     }
                     a => Expr::Mul(vec![a, rhs]),
                 };
-            } else if self.eat('/') || self.eat('÷') || self.eat_cmd("div") {
+            } else if self.eat('/') || self.eat('÷') || self.eat(':') || self.eat_cmd("div") {
                 let rhs = factor(self)?;
                 acc = divide(acc, rhs);
             } else {
@@ -678,7 +768,10 @@ impl Parser {
                 Ok(x)
             }
             Tok::Ch('|') => {
-                let x = self.sum()?;
+                self.in_abs += 1;
+                let x = self.sum();
+                self.in_abs -= 1;
+                let x = x?;
                 self.expect('|')?;
                 Ok(Expr::Func(Func::Abs, vec![x]))
             }
@@ -868,8 +961,43 @@ impl Parser {
                 Ok(Expr::Func(f, args))
             }
             "%" => Err("a percent sign without a number".into()),
+            n if n.starts_with("begin:") => self.matrix(&n["begin:".len()..]),
             _ => Err(format!("unknown command \\{name}")),
         }
+    }
+
+    /// `\begin{pmatrix} a & b \\ c & d \end{pmatrix}` (and bmatrix, matrix, array...).
+    fn matrix(&mut self, env: &str) -> Res {
+        if !env.ends_with("matrix") && env != "array" {
+            return Err(format!("unknown environment {env}"));
+        }
+        let end = format!("end:{env}");
+        let mut rows: Vec<Vec<Expr>> = vec![vec![]];
+        loop {
+            if self.eat_cmd(&end) {
+                break;
+            }
+            if self.eat_cmd("\\") {
+                // A row break; a trailing one before \end adds no row.
+                if !self.is_cmd(&end) {
+                    rows.push(Vec::new());
+                }
+                continue;
+            }
+            if self.peek().is_none() {
+                return Err(format!("unclosed {env}"));
+            }
+            let cell = self.sum()?;
+            rows.last_mut().ok_or("no row")?.push(cell);
+            if !self.eat('&') && !self.is_cmd("\\") && !self.is_cmd(&end) {
+                return Err("a matrix cell ends in neither & nor \\\\".into());
+            }
+        }
+        let cols = rows.first().map_or(0, Vec::len);
+        if cols == 0 || rows.iter().any(|r| r.len() != cols) {
+            return Err("a ragged matrix".into());
+        }
+        Ok(Expr::Matrix(rows))
     }
 
     /// `\sin x`, `\sin(x)`, `\sin^2 x`, `\log_2 8`, `\ln x`.
@@ -989,8 +1117,12 @@ pub fn parse_latex(latex: &str) -> Result<Expr, String> {
     if toks.is_empty() {
         return Err("empty".into());
     }
-    let mut p = Parser { toks, pos: 0 };
-    let x = p.list()?;
+    let mut p = Parser {
+        toks,
+        pos: 0,
+        in_abs: 0,
+    };
+    let x = p.top()?;
     if p.pos != p.toks.len() {
         return Err(format!("unexpected {:?}", p.toks[p.pos]));
     }
@@ -1044,6 +1176,18 @@ mod tests {
         assert_eq!(p("\\ln(9) / 2"), "log(9)*(2)**(-1)");
         assert_eq!(p("-\\frac{1}{2}"), "-1/2");
         assert_eq!(p("10\\%"), "10*(1/100)");
+        assert_eq!(
+            p(r"\begin{pmatrix}1 & 2 \\ 3 & 4\end{pmatrix}"),
+            "Matrix([[1, 2], [3, 4]])"
+        );
+        assert_eq!(p("x != 3"), "x != 3");
+        assert_eq!(p("7:32"), "7/32");
+        assert_eq!(p(r"x \approx 11"), "11");
+        assert_eq!(p(r"x = 1/3 \approx 0.33"), "x = 1/3");
+        assert_eq!(p("p=5,q=2;p=7,q=2"), "{(p = 5, q = 2), (p = 7, q = 2)}");
+        assert_eq!(p("(0;0;1)"), "(0, 0, 1)");
+        assert_eq!(p(r"(1,2) \cup (3,4)"), "(1, 2) U (3, 4)");
+        assert_eq!(p(r"1 \le |z| \le 2"), "1 <= abs(z) & abs(z) <= 2");
         assert!(p("\\frac12").starts_with("ERR"));
         assert!(p("\\sqrt 5").starts_with("ERR"));
         assert!(p("3.").starts_with("ERR"));
