@@ -1,24 +1,31 @@
 #!/usr/bin/env python3
-"""What TRL makes of a recipe: `trl grpo`'s own parser (TrlParser over GRPOScriptArguments,
-GRPOConfig, ModelConfig, DatasetMixtureConfig) reads the YAML, fills every default and runs
-GRPOConfig's checks; the resolved fields are printed as one JSON object. `grpo-cli import-trl`'s
-test compares them with the translated config's values (TRL_PYTHON).
+"""What TRL makes of a recipe: the parser of `trl grpo` (TrlParser over GRPOScriptArguments,
+GRPOConfig, ModelConfig, DatasetMixtureConfig), of `trl sft` (SFTConfig) or of `trl dpo`
+(DPOConfig) reads the YAML, fills every default and runs the config's checks; the resolved
+fields are printed as one JSON object. `grpo-cli import-trl`'s test compares them with the
+translated config's values (TRL_PYTHON).
 
     pip install trl==1.16.0
-    python3 scripts/trl_recipe_values.py recipe.yaml
+    python3 scripts/trl_recipe_values.py [--trainer grpo|sft|dpo] recipe.yaml
 """
 import dataclasses
 import json
 import sys
 
-from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser
+from trl import DPOConfig, DatasetMixtureConfig, GRPOConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 from trl.scripts.grpo import GRPOScriptArguments
 
 
 def main():
-    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig))
+    trainer, recipe = ("grpo", sys.argv[1]) if sys.argv[1] != "--trainer" else (sys.argv[2], sys.argv[3])
+    script_type, config_type = {
+        "grpo": (GRPOScriptArguments, GRPOConfig),
+        "sft": (ScriptArguments, SFTConfig),
+        "dpo": (ScriptArguments, DPOConfig),
+    }[trainer]
+    parser = TrlParser((script_type, config_type, ModelConfig, DatasetMixtureConfig))
     # On a machine without a GPU, TrainingArguments refuses bf16 unless it trains on the CPU.
-    args = ["--config", sys.argv[1], "--use_cpu", "true"]
+    args = ["--config", recipe, "--use_cpu", "true"]
     script, training, model, _ = parser.parse_args_and_config(args=args)
     out = {}
     for obj in (script, training, model):

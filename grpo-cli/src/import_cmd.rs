@@ -1,4 +1,4 @@
-//! `grpo-cli import-trl`: a TRL recipe (`trl grpo --config recipe.yaml`) as a config of ours
+//! `grpo-cli import-trl`: a TRL recipe (`trl grpo|sft|dpo --config recipe.yaml`) as a config of ours
 //! (grpo-trainer's `trl_import`), checked by loading it as `grpo-cli train` would.
 
 use std::path::PathBuf;
@@ -15,6 +15,9 @@ pub struct ImportTrlArgs {
     /// Write the TOML here instead of printing it.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// The `trl` subcommand the recipe is for: grpo, sft or dpo.
+    #[arg(long, default_value = "grpo")]
+    pub trainer: String,
 }
 
 /// Runs `grpo-cli import-trl`.
@@ -24,7 +27,8 @@ pub fn import_trl(a: ImportTrlArgs) -> Result<()> {
         .as_object()
         .context("the recipe must be a table of keys")?;
     let base = a.recipe.parent().map(PathBuf::from).unwrap_or_default();
-    let imported = trl_import::translate(recipe, &base)
+    let trainer = trl_import::Trainer::parse(&a.trainer)?;
+    let imported = trl_import::translate(recipe, &base, trainer)
         .map_err(|e| anyhow::anyhow!("{}: {e:#}", a.recipe.display()))?;
     let text = trl_import::to_toml(&imported, &a.recipe.display().to_string())?;
     // What `grpo-cli train` would say of it (model and data are read when training starts).

@@ -8,6 +8,7 @@ use std::process::Command;
 
 use grpo_rollout::Arch;
 use grpo_rollout::init::{Preset, init_model_dir};
+use grpo_trainer::trl_import::{self, Trainer};
 use serde_json::Value;
 
 fn cli(dir: &Path, args: &[&str]) -> std::process::Output {
@@ -221,15 +222,7 @@ fn vllm_servers_hub_ids_and_unknown_keys() {
 /// (its defaults included), for two recipes: the one above and one of defaults only.
 #[test]
 fn translated_values_equal_trls_parsed_recipe() {
-    let python = std::env::var("TRL_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_trl = Command::new(&python)
-        .args(["-c", "import trl.scripts.grpo"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_trl {
-        eprintln!("skipping: {python} has no trl (TRL_PYTHON)");
-        return;
-    }
+    let Some(python) = trl_python() else { return };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/trl_recipe_values.py");
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
@@ -248,18 +241,7 @@ fn translated_values_equal_trls_parsed_recipe() {
         let out = cli(d, &["import-trl", "recipe.yaml", "--out", "grpo.toml"]);
         assert!(out.status.success(), "{}", stderr(&out));
         let cfg = grpo_trainer::config::load(&d.join("grpo.toml"), &[]).unwrap();
-        let ours = serde_json::to_value(&cfg).unwrap();
-        let mut differ = Vec::new();
-        for (key, path) in grpo_trainer::trl_import::RENAMES {
-            let Some(want) = trl.get(*key) else { continue };
-            let got = path
-                .split('.')
-                .try_fold(&ours, |v, k| v.get(k))
-                .unwrap_or(&Value::Null);
-            if !same(key, want, got) {
-                differ.push(format!("{key}: TRL {want}, ours ({path}) {got}"));
-            }
-        }
+        let mut differ = carried_over(&trl, &cfg, Trainer::Grpo);
         // The generation batch and its split.
         let batch = trl["generation_batch_size"].as_u64().unwrap();
         let n = cfg.train.prompts_per_step as u64 * cfg.rollout.num_generations as u64;
@@ -292,6 +274,167 @@ fn translated_values_equal_trls_parsed_recipe() {
             "recipe:\n{recipe}\n{}",
             differ.join("\n")
         );
+    }
+}
+
+/// The keys the translation carries over whose values differ from TRL's parse.
+fn carried_over(
+    trl: &Value,
+    cfg: &grpo_trainer::config::TrainConfig,
+    trainer: Trainer,
+) -> Vec<String> {
+    let ours = serde_json::to_value(cfg).unwrap();
+    let mut differ = Vec::new();
+    for (key, path) in trl_import::COMMON.iter().chain(trainer.keys()) {
+        let Some(want) = trl.get(*key) else { continue };
+        let got = path
+            .split('.')
+            .try_fold(&ours, |v, k| v.get(k))
+            .unwrap_or(&Value::Null);
+        if !same(key, want, got) {
+            differ.push(format!("{key}: TRL {want}, ours ({path}) {got}"));
+        }
+    }
+    differ
+}
+
+fn trl_python() -> Option<String> {
+    let python = std::env::var("TRL_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_trl = Command::new(&python)
+        .args(["-c", "import trl.scripts.grpo"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_trl {
+        eprintln!("skipping: {python} has no trl (TRL_PYTHON)");
+        return None;
+    }
+    Some(python)
+}
+
+const SFT_RECIPE: &str = r#"# trl sft --config sft.yaml
+model_name_or_path: model
+dataset_name: pairs.jsonl
+output_dir: sft-run
+learning_rate: 1.0e-4
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 2
+max_steps: 2
+max_length: 64
+packing: true
+completion_only_loss: true
+bf16: false
+gradient_checkpointing: false
+logging_steps: 1
+save_strategy: "no"
+dataset_num_proc: 4
+"#;
+
+const DPO_RECIPE: &str = r#"# trl dpo --config dpo.yaml
+model_name_or_path: model
+dataset_name: pairs.jsonl
+output_dir: dpo-run
+per_device_train_batch_size: 2
+max_steps: 2
+beta: 0.2
+loss_type: [sigmoid, sft]
+loss_weights: [1.0, 0.5]
+max_length: 64
+bf16: false
+logging_steps: 1
+save_strategy: "no"
+"#;
+
+/// `trl sft` and `trl dpo` recipes (`--trainer`): translated with their own keys and defaults,
+/// trained, and (with `TRL_PYTHON`) equal to what TRL's parser makes of them.
+#[test]
+fn sft_and_dpo_recipes_translate_train_and_equal_trls_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    init_model_dir(&d.join("model"), Preset::Tiny, Arch::Qwen2, 1).unwrap();
+    let rows: String = (0..8)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"What is {i} + 1?\", \"completion\": \" {}\", \"chosen\": \" {}\", \"rejected\": \" {}\"}}\n",
+                i + 1,
+                i + 1,
+                i + 2
+            )
+        })
+        .collect();
+    std::fs::write(d.join("pairs.jsonl"), rows).unwrap();
+    let python = trl_python();
+    for (trainer, name, recipe, algorithm) in [
+        (Trainer::Sft, "sft", SFT_RECIPE, "sft"),
+        (Trainer::Dpo, "dpo", DPO_RECIPE, "dpo"),
+    ] {
+        let file = format!("{name}.yaml");
+        std::fs::write(d.join(&file), recipe).unwrap();
+        let out = cli(
+            d,
+            &["import-trl", &file, "--trainer", name, "--out", "ours.toml"],
+        );
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let cfg = grpo_trainer::config::load(&d.join("ours.toml"), &[]).unwrap();
+        assert_eq!(serde_json::to_value(cfg.algorithm).unwrap(), algorithm);
+        assert_eq!(
+            cfg.train.prompts_per_step,
+            if trainer == Trainer::Sft { 4 } else { 2 }
+        );
+        let run = cli(d, &["train", "--config", "ours.toml"]);
+        assert!(run.status.success(), "{name}: {}", stderr(&run));
+        let metrics = std::fs::read_to_string(d.join(format!("{name}-run/metrics.jsonl"))).unwrap();
+        assert_eq!(
+            metrics.lines().filter(|l| l.contains("\"loss\"")).count(),
+            2,
+            "{metrics}"
+        );
+        if let Some(python) = &python {
+            let script =
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/trl_recipe_values.py");
+            let trl = Command::new(python)
+                .arg(&script)
+                .args(["--trainer", name, &file])
+                .current_dir(d)
+                .output()
+                .unwrap();
+            assert!(trl.status.success(), "{}", stderr(&trl));
+            let trl: Value = serde_json::from_slice(&trl.stdout).unwrap();
+            let differ = carried_over(&trl, &cfg, trainer);
+            assert!(differ.is_empty(), "{name}:\n{}", differ.join("\n"));
+            // Defaults too: the recipe with the model and data alone.
+            std::fs::write(
+                d.join("bare.yaml"),
+                "model_name_or_path: model\ndataset_name: pairs.jsonl\n",
+            )
+            .unwrap();
+            let out = cli(
+                d,
+                &[
+                    "import-trl",
+                    "bare.yaml",
+                    "--trainer",
+                    name,
+                    "--out",
+                    "bare.toml",
+                ],
+            );
+            assert!(out.status.success(), "{name}: {}", stderr(&out));
+            let bare = grpo_trainer::config::load(&d.join("bare.toml"), &[]).unwrap();
+            let trl = Command::new(python)
+                .arg(&script)
+                .args(["--trainer", name, "bare.yaml"])
+                .current_dir(d)
+                .output()
+                .unwrap();
+            let trl: Value = serde_json::from_slice(&trl.stdout).unwrap();
+            let differ = carried_over(&trl, &bare, trainer);
+            assert!(differ.is_empty(), "{name} defaults:\n{}", differ.join("\n"));
+            assert_eq!(
+                trl["learning_rate"].as_f64(),
+                Some(bare.learning_rate()),
+                "{name}"
+            );
+        }
     }
 }
 
@@ -389,6 +532,7 @@ fn same(key: &str, want: &Value, got: &Value) -> bool {
         _ => {}
     }
     match (want, got) {
+        (Value::Array(a), b) if a.len() == 1 && !b.is_array() => same(key, &a[0], b),
         (Value::Object(a), Value::Object(b)) => {
             let set = |m: &serde_json::Map<String, Value>| {
                 m.iter()

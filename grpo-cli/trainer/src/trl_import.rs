@@ -1,6 +1,6 @@
 //! A TRL recipe as a config of ours: the flat YAML `trl grpo --config recipe.yaml` reads
 //! (`GRPOConfig` with its `TrainingArguments`, `ModelConfig`, `ScriptArguments` and
-//! `GRPOScriptArguments`) translated key by key into the sections of a `grpo-cli train` config,
+//! `GRPOScriptArguments`; or `trl sft`'s `SFTConfig`, `trl dpo`'s `DPOConfig`) translated key by key into the sections of a `grpo-cli train` config,
 //! with TRL's defaults written out where ours differ, and a note for every key that has no
 //! place here and why.
 //!
@@ -20,8 +20,8 @@ pub struct Imported {
     pub notes: Vec<(String, String)>,
 }
 
-/// TRL keys that are ours under another section, same name and meaning.
-pub const RENAMES: &[(&str, &str)] = &[
+/// TrainingArguments' and ModelConfig's keys every trainer shares, where they live here.
+pub const COMMON: &[(&str, &str)] = &[
     ("output_dir", "output_dir"),
     ("overwrite_output_dir", "overwrite_output_dir"),
     ("learning_rate", "optim.learning_rate"),
@@ -34,7 +34,6 @@ pub const RENAMES: &[(&str, &str)] = &[
     ("lr_scheduler_kwargs", "optim.lr_scheduler_kwargs"),
     ("warmup_ratio", "optim.warmup_ratio"),
     ("max_grad_norm", "optim.max_grad_norm"),
-    ("num_iterations", "optim.num_iterations"),
     ("num_train_epochs", "train.num_train_epochs"),
     (
         "per_device_train_batch_size",
@@ -48,6 +47,12 @@ pub const RENAMES: &[(&str, &str)] = &[
     ("shuffle_dataset", "train.shuffle_dataset"),
     ("disable_dropout", "train.disable_dropout"),
     ("save_total_limit", "train.save_total_limit"),
+    ("router_aux_loss_coef", "loss.router_aux_loss_coef"),
+];
+
+/// GRPOConfig's own keys that are ours under another section, same name and meaning.
+pub const GRPO: &[(&str, &str)] = &[
+    ("num_iterations", "optim.num_iterations"),
     ("log_completions", "train.log_completions"),
     ("num_completions_to_print", "train.num_completions_to_print"),
     ("num_generations", "rollout.num_generations"),
@@ -119,10 +124,77 @@ pub const RENAMES: &[(&str, &str)] = &[
         "loss.off_policy_mask_threshold",
     ),
     ("use_bias_correction_kl", "loss.use_bias_correction_kl"),
-    ("router_aux_loss_coef", "loss.router_aux_loss_coef"),
     ("reward_weights", "reward_weights"),
     ("max_tool_calling_iterations", "environment.max_turns"),
 ];
+
+/// SFTConfig's own keys.
+pub const SFT: &[(&str, &str)] = &[
+    ("max_length", "sft.max_length"),
+    ("packing", "sft.packing"),
+    ("packing_strategy", "sft.packing_strategy"),
+    ("eval_packing", "sft.eval_packing"),
+    ("padding_free", "sft.padding_free"),
+    ("completion_only_loss", "sft.completion_only_loss"),
+    ("assistant_only_loss", "sft.assistant_only_loss"),
+    ("loss_type", "sft.loss_type"),
+    ("dataset_text_field", "sft.dataset_text_field"),
+    ("eos_token", "sft.eos_token"),
+    ("pad_token", "sft.pad_token"),
+    ("chat_template_path", "model.chat_template_path"),
+];
+
+/// DPOConfig's own keys.
+pub const DPO: &[(&str, &str)] = &[
+    ("beta", "dpo.beta"),
+    ("loss_type", "dpo.loss_type"),
+    ("loss_weights", "dpo.loss_weights"),
+    ("label_smoothing", "dpo.label_smoothing"),
+    ("f_divergence_type", "dpo.f_divergence_type"),
+    ("f_alpha_divergence_coef", "dpo.f_alpha_divergence_coef"),
+    ("discopop_tau", "dpo.discopop_tau"),
+    ("ld_alpha", "dpo.ld_alpha"),
+    ("use_weighting", "dpo.use_weighting"),
+    ("max_length", "dpo.max_length"),
+    ("precompute_ref_log_probs", "dpo.precompute_ref_log_probs"),
+    ("sync_ref_model", "reference.sync_ref_model"),
+    ("ref_model_mixup_alpha", "reference.ref_model_mixup_alpha"),
+    ("ref_model_sync_steps", "reference.ref_model_sync_steps"),
+];
+
+/// Which TRL trainer's recipe (`trl grpo`, `trl sft`, `trl dpo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trainer {
+    /// `trl grpo`: GRPOConfig.
+    Grpo,
+    /// `trl sft`: SFTConfig.
+    Sft,
+    /// `trl dpo`: DPOConfig.
+    Dpo,
+}
+
+impl Trainer {
+    /// From its name (`grpo`, `sft`, `dpo`).
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "grpo" => Trainer::Grpo,
+            "sft" => Trainer::Sft,
+            "dpo" => Trainer::Dpo,
+            other => bail!(
+                "--trainer {other}: expected grpo, sft or dpo (the `trl` subcommand the recipe is for)"
+            ),
+        })
+    }
+
+    /// The keys of its config, beside the shared ones.
+    pub fn keys(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Trainer::Grpo => GRPO,
+            Trainer::Sft => SFT,
+            Trainer::Dpo => DPO,
+        }
+    }
+}
 
 /// TRL keys with no place here, and why (settings of machinery this binary does not have).
 pub const DROPPED: &[(&str, &str)] = &[
@@ -316,19 +388,82 @@ pub fn split_files(dataset: &Path, split: &str) -> Vec<String> {
     found
 }
 
+/// GRPO's generation batch: TRL's `generation_batch_size` / `steps_per_generation` over
+/// `num_generations` prompts, and `max_steps` in generation batches.
+fn grpo_batch(recipe: &Map<String, Value>, tree: &mut Value) -> Result<()> {
+    let get = |k: &str| recipe.get(k).filter(|v| !v.is_null());
+    let per_device = as_u64(get("per_device_train_batch_size")).unwrap_or(8);
+    let accumulation = as_u64(get("gradient_accumulation_steps")).unwrap_or(1);
+    let generations = as_u64(get("num_generations")).unwrap_or(8);
+    let (batch, steps_per_generation) = match (
+        as_u64(get("generation_batch_size")),
+        as_u64(get("steps_per_generation")),
+    ) {
+        (Some(_), Some(_)) => bail!(
+            "`generation_batch_size` and `steps_per_generation` are mutually exclusive (TRL refuses both)"
+        ),
+        (Some(b), None) => {
+            if b % per_device != 0 {
+                bail!(
+                    "`generation_batch_size` ({b}) must be divisible by `per_device_train_batch_size` ({per_device}), as TRL requires"
+                );
+            }
+            (b, b / per_device)
+        }
+        (None, Some(s)) => (per_device * s, s),
+        (None, None) => (per_device * accumulation, accumulation),
+    };
+    if batch % generations != 0 {
+        bail!(
+            "the generation batch ({batch} = per_device_train_batch_size × steps_per_generation) must be divisible by `num_generations` ({generations}), as TRL requires"
+        );
+    }
+    set(tree, "train.prompts_per_step", json!(batch / generations));
+    set(
+        tree,
+        "optim.steps_per_generation",
+        json!(steps_per_generation),
+    );
+    set(
+        tree,
+        "optim.gradient_accumulation_steps",
+        json!(accumulation),
+    );
+    if let Some(m) = as_u64(get("max_steps")).filter(|&m| m > 0) {
+        // TRL counts optimizer steps; a step here is one generation batch, which feeds
+        // steps_per_generation / gradient_accumulation_steps of them.
+        let updates_per_batch = (steps_per_generation / accumulation.max(1)).max(1);
+        set(
+            tree,
+            "train.max_steps",
+            json!(m.div_ceil(updates_per_batch)),
+        );
+    }
+    Ok(())
+}
+
 /// Translates a TRL recipe (the YAML's top-level table).
-pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Imported> {
+pub fn translate(
+    recipe: &Map<String, Value>,
+    base_dir: &Path,
+    trainer: Trainer,
+) -> Result<Imported> {
     let mut tree = Value::Object(Map::new());
     let mut notes: Vec<(String, String)> = Vec::new();
     let get = |k: &str| recipe.get(k).filter(|v| !v.is_null());
     let truthy = |k: &str| get(k).and_then(Value::as_bool).unwrap_or(false);
     let mut handled: Vec<&str> = Vec::new();
 
-    for (trl, ours) in RENAMES {
+    for (trl, ours) in COMMON.iter().chain(trainer.keys()) {
         if let Some(v) = get(trl) {
             set(&mut tree, ours, v.clone());
             handled.push(trl);
         }
+    }
+    match trainer {
+        Trainer::Grpo => {}
+        Trainer::Sft => tree["algorithm"] = json!("sft"),
+        Trainer::Dpo => tree["algorithm"] = json!("dpo"),
     }
     for (trl, why) in DROPPED {
         if get(trl).is_some() {
@@ -390,14 +525,33 @@ pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Importe
             "train.per_device_train_batch_size",
             json!(8),
         ),
-        ("learning_rate", "optim.learning_rate", json!(1e-6)),
         ("num_train_epochs", "train.num_train_epochs", json!(3.0)),
         ("save_total_limit", "train.save_total_limit", json!(0)),
-        ("log_completions", "train.log_completions", json!(false)),
     ] {
         if get(k).is_none() {
             set(&mut tree, ours, default);
         }
+    }
+    if get("output_dir").is_none() {
+        set(&mut tree, "output_dir", json!("trainer_output"));
+    }
+    if get("learning_rate").is_none() {
+        let lr = if trainer == Trainer::Sft { 2e-5 } else { 1e-6 };
+        set(&mut tree, "optim.learning_rate", json!(lr));
+    }
+    match trainer {
+        Trainer::Grpo if get("log_completions").is_none() => {
+            set(&mut tree, "train.log_completions", json!(false));
+        }
+        // DPOConfig turns dropout off.
+        Trainer::Dpo if get("disable_dropout").is_none() => {
+            set(&mut tree, "train.disable_dropout", json!(true));
+        }
+        // SFTConfig reads its rows in order.
+        Trainer::Sft if get("shuffle_dataset").is_none() => {
+            set(&mut tree, "train.shuffle_dataset", json!(false));
+        }
+        _ => {}
     }
     // transformers 5's warmup_steps: a whole number of steps, or below 1 a share of them.
     if let Some(w) = get("warmup_steps").and_then(Value::as_f64) {
@@ -409,63 +563,32 @@ pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Importe
     }
     handled.push("warmup_steps");
 
-    // The generation batch: TRL's generation_batch_size / steps_per_generation.
-    let per_device = as_u64(get("per_device_train_batch_size")).unwrap_or(8);
-    let accumulation = as_u64(get("gradient_accumulation_steps")).unwrap_or(1);
-    let generations = as_u64(get("num_generations")).unwrap_or(8);
-    let (batch, steps_per_generation) = match (
-        as_u64(get("generation_batch_size")),
-        as_u64(get("steps_per_generation")),
-    ) {
-        (Some(_), Some(_)) => bail!(
-            "`generation_batch_size` and `steps_per_generation` are mutually exclusive (TRL refuses both)"
-        ),
-        (Some(b), None) => {
-            if b % per_device != 0 {
-                bail!(
-                    "`generation_batch_size` ({b}) must be divisible by `per_device_train_batch_size` ({per_device}), as TRL requires"
-                );
-            }
-            (b, b / per_device)
-        }
-        (None, Some(s)) => (per_device * s, s),
-        (None, None) => (per_device * accumulation, accumulation),
-    };
-    if batch % generations != 0 {
-        bail!(
-            "the generation batch ({batch} = per_device_train_batch_size × steps_per_generation) must be divisible by `num_generations` ({generations}), as TRL requires"
+    if trainer == Trainer::Grpo {
+        grpo_batch(recipe, &mut tree)?;
+    } else {
+        // A step is one optimizer update: per_device_train_batch_size ×
+        // gradient_accumulation_steps rows (pairs for DPO), in micro-batches of the first.
+        let per_device = as_u64(get("per_device_train_batch_size")).unwrap_or(8);
+        let accumulation = as_u64(get("gradient_accumulation_steps")).unwrap_or(1);
+        set(
+            &mut tree,
+            "train.prompts_per_step",
+            json!(per_device * accumulation),
         );
+        set(
+            &mut tree,
+            "optim.gradient_accumulation_steps",
+            json!(accumulation),
+        );
+        if let Some(m) = as_u64(get("max_steps")).filter(|&m| m > 0) {
+            set(&mut tree, "train.max_steps", json!(m));
+        }
     }
-    set(
-        &mut tree,
-        "train.prompts_per_step",
-        json!(batch / generations),
-    );
-    set(
-        &mut tree,
-        "optim.steps_per_generation",
-        json!(steps_per_generation),
-    );
-    set(
-        &mut tree,
-        "optim.gradient_accumulation_steps",
-        json!(accumulation),
-    );
     handled.extend([
         "generation_batch_size",
         "steps_per_generation",
         "gradient_accumulation_steps",
     ]);
-    if let Some(m) = as_u64(get("max_steps")).filter(|&m| m > 0) {
-        // TRL counts optimizer steps; a step here is one generation batch, which feeds
-        // steps_per_generation / gradient_accumulation_steps of them.
-        let updates_per_batch = (steps_per_generation / accumulation.max(1)).max(1);
-        set(
-            &mut tree,
-            "train.max_steps",
-            json!(m.div_ceil(updates_per_batch)),
-        );
-    }
     handled.push("max_steps");
 
     // Saving and evaluation strategies.
@@ -529,7 +652,7 @@ pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Importe
     }
 
     // Generation on a vLLM server.
-    if truthy("use_vllm") {
+    if trainer == Trainer::Grpo && truthy("use_vllm") {
         let mode = get("vllm_mode")
             .and_then(Value::as_str)
             .unwrap_or("colocate");
@@ -571,7 +694,10 @@ pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Importe
         "vllm_server_port",
         "vllm_server_timeout",
     ]);
-    if let Some(k) = get("generation_kwargs").and_then(Value::as_object) {
+    if let Some(k) = get("generation_kwargs")
+        .and_then(Value::as_object)
+        .filter(|_| trainer == Trainer::Grpo)
+    {
         for (name, v) in k {
             match name.as_str() {
                 "stop" => set(&mut tree, "rollout.stop", v.clone()),
@@ -703,6 +829,14 @@ pub fn translate(recipe: &Map<String, Value>, base_dir: &Path) -> Result<Importe
     ]);
 
     // Rewards: reward_funcs and reward_model_name_or_path, as `trl grpo` builds them.
+    if trainer != Trainer::Grpo {
+        for k in recipe.keys() {
+            if !handled.contains(&k.as_str()) {
+                notes.push((k.clone(), format!("not a key of TRL's {trainer:?}Config, ModelConfig or ScriptArguments that this translation knows: left out")));
+            }
+        }
+        return Ok(Imported { tree, notes });
+    }
     let mut rewards = Vec::new();
     if let Some(rm) = get("reward_model_name_or_path").and_then(Value::as_str) {
         tree["reward_model_path"] = json!(rm);
