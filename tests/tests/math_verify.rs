@@ -203,3 +203,122 @@ fn long_completions_are_read_whole() {
         start.elapsed()
     );
 }
+
+mod never_panics {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Pieces models and datasets write, glued at random: the verifier answers (or declines)
+    /// on anything, without panicking or overflowing — a reward must not end a run.
+    fn piece() -> impl Strategy<Value = String> {
+        prop::sample::select(vec![
+            "$",
+            "$$",
+            "\\boxed{",
+            "}",
+            "{",
+            "\\frac",
+            "\\sqrt",
+            "[",
+            "]",
+            "(",
+            ")",
+            "\\(",
+            "\\)",
+            "\\[",
+            "\\]",
+            "1",
+            "0",
+            "9",
+            "12",
+            "999999999999999999999999",
+            "3.5",
+            ".",
+            ",",
+            ";",
+            ":",
+            "=",
+            "<",
+            ">",
+            "\\le",
+            "!=",
+            "!",
+            "^",
+            "_",
+            "x",
+            "y",
+            "e",
+            "i",
+            "\\pi",
+            "\\infty",
+            "-",
+            "+",
+            "*",
+            "/",
+            "\\cdot",
+            "\\times",
+            "%",
+            "\\%",
+            "\\text{",
+            "cm",
+            "\\begin{pmatrix}",
+            "\\end{pmatrix}",
+            "&",
+            "\\\\",
+            "|",
+            "\\cup",
+            "\\approx",
+            "\\pm",
+            "\\log_",
+            "\\ln",
+            "\\sin",
+            "answer",
+            "final answer is",
+            " ",
+            "\n",
+            "\\quad",
+            "\\left(",
+            "\\right)",
+            "\\{",
+            "\\}",
+            "####",
+            "and",
+            "or",
+            "10^{",
+            "2^{100}",
+            "\\binom{",
+            "\\dfrac",
+            "99999999999999999999999999999999999",
+            "170141183460469231731687303715884105727",
+            "-",
+        ])
+        .prop_map(str::to_string)
+    }
+
+    #[test]
+    fn on_numbers_past_i128() {
+        let big = "99999999999999999999999999999999999";
+        for text in [
+            format!("{big} \\frac{{{big}}}{{7}}"),
+            format!("-{big} \\frac{{{big}}}{{3}}"),
+            format!("({big})^{{99}}"),
+            format!("{big}!"),
+            format!("\\binom{{{big}}}{{3}}"),
+            format!("\\frac{{{big}{big}}}{{{big}}}"),
+            format!("{big} \\cdot {big} \\cdot {big}"),
+            format!("\\sqrt[{big}]{{{big}}}"),
+        ] {
+            let _ = math_verify(&format!("\\boxed{{{text}}}"), &format!("${text}$"));
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(5000))]
+        #[test]
+        fn on_random_latex(gold in prop::collection::vec(piece(), 0..14), pred in prop::collection::vec(piece(), 0..14)) {
+            let (gold, pred) = (gold.concat(), pred.concat());
+            let _ = math_verify(&pred, &gold);
+            let _ = math_verify(&format!("\\boxed{{{pred}}}"), &format!("${gold}$"));
+        }
+    }
+}

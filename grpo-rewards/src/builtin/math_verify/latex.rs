@@ -1075,9 +1075,15 @@ fn juxtaposed(mut factors: Vec<Expr>) -> Expr {
     while let Some(f) = factors.pop() {
         acc = match (&f, exact_literal(&acc)) {
             (Expr::Int(n), Some(q)) if q.0 > 0 => {
-                let whole = n.saturating_mul(q.1);
-                let sum = if *n < 0 { whole - q.0 } else { whole + q.0 };
-                Q::new(sum, q.1).map_or(Expr::Mul(vec![f.clone(), acc.clone()]), Q::expr)
+                let sum = n.checked_mul(q.1).and_then(|whole| {
+                    if *n < 0 {
+                        whole.checked_sub(q.0)
+                    } else {
+                        whole.checked_add(q.0)
+                    }
+                });
+                sum.and_then(|sum| Q::new(sum, q.1))
+                    .map_or(Expr::Mul(vec![f.clone(), acc.clone()]), Q::expr)
             }
             _ => match acc {
                 Expr::Mul(mut v) => {
