@@ -16,6 +16,7 @@ mod data_cmd;
 mod env_cmd;
 mod import_cmd;
 mod model_cmd;
+mod score_cmd;
 mod train_cmd;
 
 /// Train language models with GRPO (plus SFT and DPO) on candle: one fast binary.
@@ -125,6 +126,8 @@ enum Command {
     Env(env_cmd::EnvArgs),
     /// Translate a TRL recipe (the YAML `trl grpo --config` reads) into a config of ours.
     ImportTrl(import_cmd::ImportTrlArgs),
+    /// Score a file of completions with a config's rewards, without training.
+    Score(score_cmd::ScoreArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
     Data {
         #[command(subcommand)]
@@ -184,6 +187,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::Generate(a)) => model_cmd::generate(a),
         Some(Command::Env(a)) => env_cmd::env(a),
         Some(Command::ImportTrl(a)) => import_cmd::import_trl(a),
+        Some(Command::Score(a)) => score_cmd::score(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::ChatTemplate(a)) => model_cmd::chat_template(a),
         Some(Command::InitModel(a)) => model_cmd::init_model(a),

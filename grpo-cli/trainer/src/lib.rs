@@ -20,6 +20,7 @@
 //! | [`teacher`], [`remote`] | the two-pass teaching glue; LoRA sync to an OpenAI-compatible server |
 //! | [`callbacks`], [`optim`], [`eval`] | user hooks; AdamW and schedules; evaluation |
 //! | [`playthrough`] | a scripted episode against the config's environment, without a model (`grpo-cli env`) |
+//! | [`score`] | a file of completions scored with the config's rewards, without training (`grpo-cli score`) |
 //!
 //! ```no_run
 //! use grpo_trainer::{FitOptions, GrpoTrainer, config::TrainConfig};
@@ -47,6 +48,7 @@ pub mod pipeline;
 pub mod playthrough;
 pub mod remote;
 pub mod run_dir;
+pub mod score;
 pub mod setup;
 pub mod stages;
 mod step_end;
