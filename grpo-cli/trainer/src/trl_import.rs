@@ -369,9 +369,15 @@ pub fn split_files(dataset: &Path, split: &str) -> Vec<String> {
                 stack.push(p);
                 continue;
             }
-            let data = ["parquet", "arrow", "jsonl", "json", "csv"]
-                .iter()
-                .any(|ext| name.ends_with(&format!(".{ext}")));
+            // `save_to_disk`'s own metadata sits beside its data.
+            let metadata = matches!(
+                name.as_str(),
+                "state.json" | "dataset_info.json" | "dataset_dict.json"
+            );
+            let data = !metadata
+                && ["parquet", "arrow", "jsonl", "json", "csv"]
+                    .iter()
+                    .any(|ext| name.ends_with(&format!(".{ext}")));
             let in_split_dir = p
                 .parent()
                 .and_then(|d| d.file_name())
@@ -890,4 +896,62 @@ pub fn to_toml(imported: &Imported, source: &str) -> Result<String> {
     let table: toml::Table = serde_json::from_value(imported.tree.clone())?;
     out.push_str(&toml::to_string(&table)?);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn split_files_reads_hub_snapshots_and_saved_datasets() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for f in [
+            "hub/data/train-00000-of-00002.parquet",
+            "hub/data/train-00001-of-00002.parquet",
+            "hub/data/test-00000-of-00001.parquet",
+            "hub/README.md",
+            "saved/train/data-00000-of-00001.arrow",
+            "saved/train/state.json",
+            "saved/train/dataset_info.json",
+            "saved/dataset_dict.json",
+            "flat/train.jsonl",
+            "flat/validation.jsonl",
+        ] {
+            let p = d.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, "").unwrap();
+        }
+        let names = |v: Vec<String>| -> Vec<String> {
+            v.iter()
+                .map(|p| {
+                    p.strip_prefix(&format!("{}/", d.display()))
+                        .unwrap()
+                        .to_string()
+                })
+                .collect()
+        };
+        assert_eq!(
+            names(split_files(&d.join("hub"), "train")),
+            [
+                "hub/data/train-00000-of-00002.parquet",
+                "hub/data/train-00001-of-00002.parquet"
+            ]
+        );
+        assert_eq!(
+            names(split_files(&d.join("hub"), "test")),
+            ["hub/data/test-00000-of-00001.parquet"]
+        );
+        assert_eq!(
+            names(split_files(&d.join("saved"), "train")),
+            ["saved/train/data-00000-of-00001.arrow"]
+        );
+        assert_eq!(
+            names(split_files(&d.join("flat"), "validation")),
+            ["flat/validation.jsonl"]
+        );
+        assert!(split_files(&d.join("flat"), "test").is_empty());
+        assert_eq!(split_files(&d.join("flat/train.jsonl"), "ignored").len(), 1);
+    }
 }
