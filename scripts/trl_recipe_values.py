@@ -1,25 +1,28 @@
 #!/usr/bin/env python3
 """What TRL makes of a recipe: the parser of `trl grpo` (TrlParser over GRPOScriptArguments,
-GRPOConfig, ModelConfig, DatasetMixtureConfig), of `trl sft` (SFTConfig) or of `trl dpo`
-(DPOConfig) reads the YAML, fills every default and runs the config's checks; the resolved
+GRPOConfig, ModelConfig, DatasetMixtureConfig), of `trl rloo` (RLOOConfig), `trl sft`
+(SFTConfig) or `trl dpo` (DPOConfig) reads the YAML, fills every default and runs the config's checks; the resolved
 fields are printed as one JSON object. `grpo-cli import-trl`'s test compares them with the
 translated config's values (TRL_PYTHON).
 
     pip install trl==1.16.0
-    python3 scripts/trl_recipe_values.py [--trainer grpo|sft|dpo] recipe.yaml
+    python3 scripts/trl_recipe_values.py [--trainer grpo|rloo|sft|dpo] recipe.yaml
 """
 import dataclasses
 import json
 import sys
 
 from trl import DPOConfig, DatasetMixtureConfig, GRPOConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
+from trl import RLOOConfig
 from trl.scripts.grpo import GRPOScriptArguments
+from trl.scripts.rloo import RLOOScriptArguments
 
 
 def main():
     trainer, recipe = ("grpo", sys.argv[1]) if sys.argv[1] != "--trainer" else (sys.argv[2], sys.argv[3])
     script_type, config_type = {
         "grpo": (GRPOScriptArguments, GRPOConfig),
+        "rloo": (RLOOScriptArguments, RLOOConfig),
         "sft": (ScriptArguments, SFTConfig),
         "dpo": (ScriptArguments, DPOConfig),
     }[trainer]

@@ -575,3 +575,49 @@ fn same(key: &str, want: &Value, got: &Value) -> bool {
         (a, b) => a == b,
     }
 }
+
+/// `trl rloo` recipes: RLOO's own `beta` and defaults (2 generations), GRPO's batch logic.
+#[test]
+fn rloo_recipes_translate_train_and_equal_trls_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    workspace(d);
+    let recipe = "model_name_or_path: model\ndataset_name: math\nreward_funcs: [accuracy_reward]\noutput_dir: rloo-run\n\
+                  max_completion_length: 8\nmax_steps: 2\nbf16: false\nlogging_steps: 1\nsave_strategy: \"no\"\n\
+                  beta: 0.1\nnormalize_advantages: true\n";
+    std::fs::write(d.join("rloo.yaml"), recipe).unwrap();
+    let out = cli(
+        d,
+        &[
+            "import-trl",
+            "rloo.yaml",
+            "--trainer",
+            "rloo",
+            "--out",
+            "rloo.toml",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let cfg = grpo_trainer::config::load(&d.join("rloo.toml"), &[]).unwrap();
+    assert_eq!(serde_json::to_value(cfg.algorithm).unwrap(), "rloo");
+    assert_eq!(cfg.rollout.num_generations, 2); // RLOOConfig's default
+    assert_eq!(cfg.train.prompts_per_step, 4); // 8 completions per generation batch
+    assert_eq!(cfg.rloo.beta, 0.1);
+    assert!(cfg.rloo.normalize_advantages);
+    let run = cli(d, &["train", "--config", "rloo.toml"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    if let Some(python) = trl_python() {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/trl_recipe_values.py");
+        let trl = Command::new(&python)
+            .arg(&script)
+            .args(["--trainer", "rloo", "rloo.yaml"])
+            .current_dir(d)
+            .output()
+            .unwrap();
+        assert!(trl.status.success(), "{}", stderr(&trl));
+        let trl: Value = serde_json::from_slice(&trl.stdout).unwrap();
+        let differ = carried_over(&trl, &cfg, Trainer::Rloo);
+        assert!(differ.is_empty(), "{}", differ.join("\n"));
+        assert_eq!(trl["generation_batch_size"].as_u64(), Some(8));
+    }
+}

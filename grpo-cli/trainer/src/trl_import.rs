@@ -128,6 +128,50 @@ pub const GRPO: &[(&str, &str)] = &[
     ("max_tool_calling_iterations", "environment.max_turns"),
 ];
 
+/// RLOOConfig's keys: GRPOConfig's, with RLOO's KL penalty and advantage options.
+pub const RLOO: &[(&str, &str)] = &[
+    ("beta", "rloo.beta"),
+    ("normalize_advantages", "rloo.normalize_advantages"),
+    ("reward_clip_range", "rloo.reward_clip_range"),
+    ("num_generations", "rollout.num_generations"),
+    ("num_generations_eval", "rollout.num_generations_eval"),
+    ("max_completion_length", "rollout.max_completion_length"),
+    ("temperature", "rollout.temperature"),
+    ("top_p", "rollout.top_p"),
+    ("top_k", "rollout.top_k"),
+    ("min_p", "rollout.min_p"),
+    ("repetition_penalty", "rollout.repetition_penalty"),
+    ("chat_template_kwargs", "model.chat_template_kwargs"),
+    ("cast_lm_head_to_fp32", "model.cast_lm_head_to_fp32"),
+    ("num_iterations", "optim.num_iterations"),
+    ("epsilon", "loss.epsilon"),
+    ("epsilon_high", "loss.epsilon_high"),
+    (
+        "mask_truncated_completions",
+        "loss.mask_truncated_completions",
+    ),
+    (
+        "vllm_importance_sampling_correction",
+        "loss.vllm_importance_sampling_correction",
+    ),
+    (
+        "vllm_importance_sampling_mode",
+        "loss.vllm_importance_sampling_mode",
+    ),
+    (
+        "vllm_importance_sampling_clip_min",
+        "loss.vllm_importance_sampling_clip_min",
+    ),
+    (
+        "vllm_importance_sampling_clip_max",
+        "loss.vllm_importance_sampling_clip_max",
+    ),
+    ("reward_weights", "reward_weights"),
+    ("max_tool_calling_iterations", "environment.max_turns"),
+    ("log_completions", "train.log_completions"),
+    ("num_completions_to_print", "train.num_completions_to_print"),
+];
+
 /// SFTConfig's own keys.
 pub const SFT: &[(&str, &str)] = &[
     ("max_length", "sft.max_length"),
@@ -167,6 +211,9 @@ pub const DPO: &[(&str, &str)] = &[
 pub enum Trainer {
     /// `trl grpo`: GRPOConfig.
     Grpo,
+    /// `trl rloo`: RLOOConfig (GRPOConfig's keys, its own `beta`, `normalize_advantages`,
+    /// `reward_clip_range`; 2 generations by default).
+    Rloo,
     /// `trl sft`: SFTConfig.
     Sft,
     /// `trl dpo`: DPOConfig.
@@ -178,10 +225,11 @@ impl Trainer {
     pub fn parse(name: &str) -> Result<Self> {
         Ok(match name {
             "grpo" => Trainer::Grpo,
+            "rloo" => Trainer::Rloo,
             "sft" => Trainer::Sft,
             "dpo" => Trainer::Dpo,
             other => bail!(
-                "--trainer {other}: expected grpo, sft or dpo (the `trl` subcommand the recipe is for)"
+                "--trainer {other}: expected grpo, rloo, sft or dpo (the `trl` subcommand the recipe is for)"
             ),
         })
     }
@@ -190,6 +238,7 @@ impl Trainer {
     pub fn keys(self) -> &'static [(&'static str, &'static str)] {
         match self {
             Trainer::Grpo => GRPO,
+            Trainer::Rloo => RLOO,
             Trainer::Sft => SFT,
             Trainer::Dpo => DPO,
         }
@@ -396,11 +445,16 @@ pub fn split_files(dataset: &Path, split: &str) -> Vec<String> {
 
 /// GRPO's generation batch: TRL's `generation_batch_size` / `steps_per_generation` over
 /// `num_generations` prompts, and `max_steps` in generation batches.
-fn grpo_batch(recipe: &Map<String, Value>, tree: &mut Value) -> Result<()> {
+fn grpo_batch(
+    recipe: &Map<String, Value>,
+    tree: &mut Value,
+    default_generations: u64,
+) -> Result<()> {
     let get = |k: &str| recipe.get(k).filter(|v| !v.is_null());
     let per_device = as_u64(get("per_device_train_batch_size")).unwrap_or(8);
     let accumulation = as_u64(get("gradient_accumulation_steps")).unwrap_or(1);
-    let generations = as_u64(get("num_generations")).unwrap_or(8);
+    let generations = as_u64(get("num_generations")).unwrap_or(default_generations);
+    set(tree, "rollout.num_generations", json!(generations));
     let (batch, steps_per_generation) = match (
         as_u64(get("generation_batch_size")),
         as_u64(get("steps_per_generation")),
@@ -466,8 +520,10 @@ pub fn translate(
             handled.push(trl);
         }
     }
+    let generates = matches!(trainer, Trainer::Grpo | Trainer::Rloo);
     match trainer {
         Trainer::Grpo => {}
+        Trainer::Rloo => tree["algorithm"] = json!("rloo"),
         Trainer::Sft => tree["algorithm"] = json!("sft"),
         Trainer::Dpo => tree["algorithm"] = json!("dpo"),
     }
@@ -546,7 +602,7 @@ pub fn translate(
         set(&mut tree, "optim.learning_rate", json!(lr));
     }
     match trainer {
-        Trainer::Grpo if get("log_completions").is_none() => {
+        Trainer::Grpo | Trainer::Rloo if get("log_completions").is_none() => {
             set(&mut tree, "train.log_completions", json!(false));
         }
         // DPOConfig turns dropout off.
@@ -569,8 +625,12 @@ pub fn translate(
     }
     handled.push("warmup_steps");
 
-    if trainer == Trainer::Grpo {
-        grpo_batch(recipe, &mut tree)?;
+    if generates {
+        grpo_batch(
+            recipe,
+            &mut tree,
+            if trainer == Trainer::Rloo { 2 } else { 8 },
+        )?;
     } else {
         // A step is one optimizer update: per_device_train_batch_size ×
         // gradient_accumulation_steps rows (pairs for DPO), in micro-batches of the first.
@@ -658,7 +718,7 @@ pub fn translate(
     }
 
     // Generation on a vLLM server.
-    if trainer == Trainer::Grpo && truthy("use_vllm") {
+    if generates && truthy("use_vllm") {
         let mode = get("vllm_mode")
             .and_then(Value::as_str)
             .unwrap_or("colocate");
@@ -702,7 +762,7 @@ pub fn translate(
     ]);
     if let Some(k) = get("generation_kwargs")
         .and_then(Value::as_object)
-        .filter(|_| trainer == Trainer::Grpo)
+        .filter(|_| generates)
     {
         for (name, v) in k {
             match name.as_str() {
@@ -835,7 +895,7 @@ pub fn translate(
     ]);
 
     // Rewards: reward_funcs and reward_model_name_or_path, as `trl grpo` builds them.
-    if trainer != Trainer::Grpo {
+    if !generates {
         for k in recipe.keys() {
             if !handled.contains(&k.as_str()) {
                 notes.push((k.clone(), format!("not a key of TRL's {trainer:?}Config, ModelConfig or ScriptArguments that this translation knows: left out")));
