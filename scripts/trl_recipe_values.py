@@ -1,19 +1,20 @@
 #!/usr/bin/env python3
 """What TRL makes of a recipe: the parser of `trl grpo` (TrlParser over GRPOScriptArguments,
 GRPOConfig, ModelConfig, DatasetMixtureConfig), of `trl rloo` (RLOOConfig), `trl sft`
-(SFTConfig) or `trl dpo` (DPOConfig) reads the YAML, fills every default and runs the config's checks; the resolved
+(SFTConfig), `trl dpo` (DPOConfig), `trl kto` (KTOConfig) or `trl reward`
+(RewardConfig) reads the YAML, fills every default and runs the config's checks; the resolved
 fields are printed as one JSON object. `grpo-cli import-trl`'s test compares them with the
 translated config's values (TRL_PYTHON).
 
     pip install trl==1.16.0
-    python3 scripts/trl_recipe_values.py [--trainer grpo|rloo|sft|dpo] recipe.yaml
+    python3 scripts/trl_recipe_values.py [--trainer grpo|rloo|sft|dpo|kto|reward] recipe.yaml
 """
 import dataclasses
 import json
 import sys
 
 from trl import DPOConfig, DatasetMixtureConfig, GRPOConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
-from trl import RLOOConfig
+from trl import KTOConfig, RewardConfig, RLOOConfig
 from trl.scripts.grpo import GRPOScriptArguments
 from trl.scripts.rloo import RLOOScriptArguments
 
@@ -25,6 +26,8 @@ def main():
         "rloo": (RLOOScriptArguments, RLOOConfig),
         "sft": (ScriptArguments, SFTConfig),
         "dpo": (ScriptArguments, DPOConfig),
+        "kto": (ScriptArguments, KTOConfig),
+        "reward": (ScriptArguments, RewardConfig),
     }[trainer]
     parser = TrlParser((script_type, config_type, ModelConfig, DatasetMixtureConfig))
     # On a machine without a GPU, TrainingArguments refuses bf16 unless it trains on the CPU.

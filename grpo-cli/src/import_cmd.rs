@@ -15,7 +15,7 @@ pub struct ImportTrlArgs {
     /// Write the TOML here instead of printing it.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// The `trl` subcommand the recipe is for: grpo, rloo, sft or dpo.
+    /// The `trl` subcommand the recipe is for: grpo, rloo, sft, dpo, kto or reward.
     #[arg(long, default_value = "grpo")]
     pub trainer: String,
 }

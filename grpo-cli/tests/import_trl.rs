@@ -344,28 +344,58 @@ logging_steps: 1
 save_strategy: "no"
 "#;
 
-/// `trl sft` and `trl dpo` recipes (`--trainer`): translated with their own keys and defaults,
+const KTO_RECIPE: &str = r#"# trl kto --config kto.yaml
+model_name_or_path: model
+dataset_name: pairs.jsonl
+output_dir: kto-run
+per_device_train_batch_size: 4
+max_steps: 2
+beta: 0.2
+desirable_weight: 1.5
+max_length: 64
+bf16: false
+logging_steps: 1
+save_strategy: "no"
+"#;
+
+const REWARD_RECIPE: &str = r#"# trl reward --config reward.yaml
+model_name_or_path: model
+dataset_name: pairs.jsonl
+output_dir: reward-run
+per_device_train_batch_size: 2
+max_steps: 2
+center_rewards_coefficient: 0.01
+max_length: 64
+bf16: false
+logging_steps: 1
+save_strategy: "no"
+"#;
+
+/// `trl sft`, `trl dpo`, `trl kto` and `trl reward` recipes (`--trainer`): translated with their own keys and defaults,
 /// trained, and (with `TRL_PYTHON`) equal to what TRL's parser makes of them.
 #[test]
-fn sft_and_dpo_recipes_translate_train_and_equal_trls_parse() {
+fn sft_dpo_kto_and_reward_recipes_translate_train_and_equal_trls_parse() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     init_model_dir(&d.join("model"), Preset::Tiny, Arch::Qwen2, 1).unwrap();
     let rows: String = (0..8)
         .map(|i| {
             format!(
-                "{{\"prompt\": \"What is {i} + 1?\", \"completion\": \" {}\", \"chosen\": \" {}\", \"rejected\": \" {}\"}}\n",
+                "{{\"prompt\": \"What is {i} + 1?\", \"completion\": \" {}\", \"chosen\": \" {}\", \"rejected\": \" {}\", \"label\": {}}}\n",
                 i + 1,
                 i + 1,
-                i + 2
+                i + 2,
+                i % 2 == 0
             )
         })
         .collect();
     std::fs::write(d.join("pairs.jsonl"), rows).unwrap();
     let python = trl_python();
-    for (trainer, name, recipe, algorithm) in [
-        (Trainer::Sft, "sft", SFT_RECIPE, "sft"),
-        (Trainer::Dpo, "dpo", DPO_RECIPE, "dpo"),
+    for (trainer, name, recipe, algorithm, rows_per_step) in [
+        (Trainer::Sft, "sft", SFT_RECIPE, "sft", 4),
+        (Trainer::Dpo, "dpo", DPO_RECIPE, "dpo", 2),
+        (Trainer::Kto, "kto", KTO_RECIPE, "kto", 4),
+        (Trainer::Reward, "reward", REWARD_RECIPE, "reward", 2),
     ] {
         let file = format!("{name}.yaml");
         std::fs::write(d.join(&file), recipe).unwrap();
@@ -376,10 +406,7 @@ fn sft_and_dpo_recipes_translate_train_and_equal_trls_parse() {
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         let cfg = grpo_trainer::config::load(&d.join("ours.toml"), &[]).unwrap();
         assert_eq!(serde_json::to_value(cfg.algorithm).unwrap(), algorithm);
-        assert_eq!(
-            cfg.train.prompts_per_step,
-            if trainer == Trainer::Sft { 4 } else { 2 }
-        );
+        assert_eq!(cfg.train.prompts_per_step, rows_per_step, "{name}");
         let run = cli(d, &["train", "--config", "ours.toml"]);
         assert!(run.status.success(), "{name}: {}", stderr(&run));
         let metrics = std::fs::read_to_string(d.join(format!("{name}-run/metrics.jsonl"))).unwrap();

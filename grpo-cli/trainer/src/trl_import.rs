@@ -1,6 +1,7 @@
 //! A TRL recipe as a config of ours: the flat YAML `trl grpo --config recipe.yaml` reads
 //! (`GRPOConfig` with its `TrainingArguments`, `ModelConfig`, `ScriptArguments` and
-//! `GRPOScriptArguments`; or `trl sft`'s `SFTConfig`, `trl dpo`'s `DPOConfig`) translated key by key into the sections of a `grpo-cli train` config,
+//! `GRPOScriptArguments`; or `trl rloo`'s `RLOOConfig`, `trl sft`'s `SFTConfig`, `trl dpo`'s
+//! `DPOConfig`, `trl kto`'s `KTOConfig`, `trl reward`'s `RewardConfig`) translated key by key into the sections of a `grpo-cli train` config,
 //! with TRL's defaults written out where ours differ, and a note for every key that has no
 //! place here and why.
 //!
@@ -206,6 +207,31 @@ pub const DPO: &[(&str, &str)] = &[
     ("ref_model_sync_steps", "reference.ref_model_sync_steps"),
 ];
 
+/// KTOConfig's own keys.
+pub const KTO: &[(&str, &str)] = &[
+    ("beta", "kto.beta"),
+    ("loss_type", "kto.loss_type"),
+    ("desirable_weight", "kto.desirable_weight"),
+    ("undesirable_weight", "kto.undesirable_weight"),
+    ("max_length", "kto.max_length"),
+    ("precompute_ref_log_probs", "kto.precompute_ref_log_probs"),
+    ("sync_ref_model", "reference.sync_ref_model"),
+    ("ref_model_mixup_alpha", "reference.ref_model_mixup_alpha"),
+    ("ref_model_sync_steps", "reference.ref_model_sync_steps"),
+];
+
+/// RewardConfig's own keys.
+pub const REWARD: &[(&str, &str)] = &[
+    ("max_length", "reward.max_length"),
+    (
+        "center_rewards_coefficient",
+        "reward.center_rewards_coefficient",
+    ),
+    ("eos_token", "reward.eos_token"),
+    ("pad_token", "reward.pad_token"),
+    ("chat_template_path", "model.chat_template_path"),
+];
+
 /// Which TRL trainer's recipe (`trl grpo`, `trl sft`, `trl dpo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trainer {
@@ -218,6 +244,10 @@ pub enum Trainer {
     Sft,
     /// `trl dpo`: DPOConfig.
     Dpo,
+    /// `trl kto`: KTOConfig.
+    Kto,
+    /// `trl reward`: RewardConfig.
+    Reward,
 }
 
 impl Trainer {
@@ -228,8 +258,10 @@ impl Trainer {
             "rloo" => Trainer::Rloo,
             "sft" => Trainer::Sft,
             "dpo" => Trainer::Dpo,
+            "kto" => Trainer::Kto,
+            "reward" => Trainer::Reward,
             other => bail!(
-                "--trainer {other}: expected grpo, rloo, sft or dpo (the `trl` subcommand the recipe is for)"
+                "--trainer {other}: expected grpo, rloo, sft, dpo, kto or reward (the `trl` subcommand the recipe is for)"
             ),
         })
     }
@@ -241,6 +273,8 @@ impl Trainer {
             Trainer::Rloo => RLOO,
             Trainer::Sft => SFT,
             Trainer::Dpo => DPO,
+            Trainer::Kto => KTO,
+            Trainer::Reward => REWARD,
         }
     }
 }
@@ -526,6 +560,8 @@ pub fn translate(
         Trainer::Rloo => tree["algorithm"] = json!("rloo"),
         Trainer::Sft => tree["algorithm"] = json!("sft"),
         Trainer::Dpo => tree["algorithm"] = json!("dpo"),
+        Trainer::Kto => tree["algorithm"] = json!("kto"),
+        Trainer::Reward => tree["algorithm"] = json!("reward"),
     }
     for (trl, why) in DROPPED {
         if get(trl).is_some() {
@@ -598,16 +634,36 @@ pub fn translate(
         set(&mut tree, "output_dir", json!("trainer_output"));
     }
     if get("learning_rate").is_none() {
-        let lr = if trainer == Trainer::Sft { 2e-5 } else { 1e-6 };
+        let lr = match trainer {
+            Trainer::Sft => 2e-5,
+            Trainer::Reward => 1e-4,
+            _ => 1e-6,
+        };
         set(&mut tree, "optim.learning_rate", json!(lr));
     }
+    // transformers 5's order of training rows.
+    match get("train_sampling_strategy").and_then(Value::as_str) {
+        Some(s) if get("shuffle_dataset").is_none() => {
+            set(&mut tree, "train.shuffle_dataset", json!(s != "sequential"));
+        }
+        _ => {}
+    }
+    handled.push("train_sampling_strategy");
     match trainer {
         Trainer::Grpo | Trainer::Rloo if get("log_completions").is_none() => {
             set(&mut tree, "train.log_completions", json!(false));
         }
-        // DPOConfig turns dropout off.
-        Trainer::Dpo if get("disable_dropout").is_none() => {
-            set(&mut tree, "train.disable_dropout", json!(true));
+        // DPOConfig, KTOConfig and RewardConfig turn dropout off; KTO reads its rows in order.
+        Trainer::Dpo | Trainer::Kto | Trainer::Reward => {
+            if get("disable_dropout").is_none() {
+                set(&mut tree, "train.disable_dropout", json!(true));
+            }
+            if trainer == Trainer::Kto
+                && get("train_sampling_strategy").is_none()
+                && get("shuffle_dataset").is_none()
+            {
+                set(&mut tree, "train.shuffle_dataset", json!(false));
+            }
         }
         // SFTConfig reads its rows in order.
         Trainer::Sft if get("shuffle_dataset").is_none() => {
