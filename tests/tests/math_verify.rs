@@ -322,3 +322,26 @@ mod never_panics {
         }
     }
 }
+
+/// A 200 kB completion of formulas, anchors and unclosed boxes is judged in bounded time.
+#[test]
+fn adversarial_lengths_stay_fast() {
+    let mut text = String::new();
+    for i in 0..2_000 {
+        text.push_str(&format!(
+            "answer: ${i}$ and the answer is \\boxed{{{i} $$ \\[ {i}"
+        ));
+    }
+    assert!(text.len() > 50_000);
+    let start = std::time::Instant::now();
+    // The last boxed answer is the one read (TRL's math_verify gives up after its 10 s parsing
+    // timeout on this text and scores 0).
+    assert_eq!(math_verify(&text, "$1999$"), Some(true));
+    assert_eq!(math_verify(&text, "$0$"), Some(false));
+    let _ = math_verify(&text, &text);
+    assert!(
+        start.elapsed().as_secs_f64() < 30.0,
+        "{:?}",
+        start.elapsed()
+    );
+}
