@@ -137,3 +137,67 @@ fn score_names_what_is_missing() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("[[rewards]]"));
 }
+
+/// A run's `completions.jsonl` carries each row's columns: scored again as it stands, it gives
+/// the rewards the run logged.
+#[test]
+fn a_runs_completions_log_scores_as_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    init_model_dir(&d.join("model"), Preset::Tiny, Arch::Qwen2, 1).unwrap();
+    let rows: String = (0..8)
+        .map(|i| format!("{{\"prompt\": \"What is {i} + {i}? Put it in \\\\boxed{{}}.\", \"solution\": \"${}$\"}}\n", 2 * i))
+        .collect();
+    std::fs::write(d.join("rows.jsonl"), rows).unwrap();
+    std::fs::write(
+        d.join("run.toml"),
+        "output_dir = \"run\"\n[model]\npath = \"model\"\n[data]\npath = [\"rows.jsonl\"]\n\
+         [rollout]\nnum_generations = 2\nmax_completion_length = 12\nchat_template = false\n\
+         [train]\nmax_steps = 2\nprompts_per_step = 4\nlog_completions = true\nnum_completions_to_print = 8\n\
+         [[rewards]]\ntype = \"math_verify\"\n[[rewards]]\ntype = \"overlong\"\nmax_completion_length = 12\noverlong_buffer = 6\n",
+    )
+    .unwrap();
+    let run = cli(d, &["train", "--config", "run.toml"]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let log = d.join("run/completions.jsonl");
+    let logged: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(logged.len(), 16);
+    assert!(
+        logged.iter().all(|l| l["solution"].is_string()),
+        "{:?}",
+        logged[0]
+    );
+    let out = cli(
+        d,
+        &[
+            "score",
+            "--config",
+            "run.toml",
+            "--data",
+            "run/completions.jsonl",
+            "--out",
+            "again.jsonl",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let again: Vec<Value> = std::fs::read_to_string(d.join("again.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (a, b) in logged.iter().zip(&again) {
+        assert_eq!(a["rewards"], b["rewards"], "{a} / {b}");
+    }
+}

@@ -276,7 +276,7 @@ pub fn completion_lines(s: &crate::stages::Scored, max: usize) -> Vec<serde_json
                 .zip(&s.scores.info)
                 .filter_map(|(n, inf)| inf.get(i).cloned().flatten().map(|v| (n.clone(), v)))
                 .collect();
-            serde_json::json!({
+            let mut line = serde_json::json!({
                 "step": r.batch.step + 1,
                 "prompt": r.prompt_text(i),
                 "completion": c.text,
@@ -285,7 +285,22 @@ pub fn completion_lines(s: &crate::stages::Scored, max: usize) -> Vec<serde_json
                 "reward": finite(s.scores.rewards[i] as f64),
                 "advantage": s.advantages[i],
                 "finish_reason": c.finish_reason,
-            })
+            });
+            // The row's other columns (`solution`, `answer`, ...), so the line can be scored
+            // again as it stands (`grpo-cli score --data completions.jsonl`).
+            if let (Some(obj), Some(sample)) =
+                (line.as_object_mut(), r.batch.samples.get(c.prompt_index))
+            {
+                for (k, v) in &sample.columns {
+                    if !obj.contains_key(k.as_ref()) {
+                        obj.insert(
+                            k.to_string(),
+                            serde_json::to_value(v).unwrap_or(serde_json::Value::Null),
+                        );
+                    }
+                }
+            }
+            line
         })
         .collect()
 }
