@@ -6,7 +6,7 @@
 
 use std::cmp::Ordering;
 
-use super::expr::{Expr, Rel};
+use super::expr::{Expr, Func, Rel};
 use super::extract::Extracted;
 use super::latex::neg;
 
@@ -345,9 +345,21 @@ fn same_equation(gold: &Expr, pred: &Expr) -> bool {
 
 /// `as_set()` of a relation between a variable and a number (or a chain of two).
 fn relation_as_set(x: &Expr) -> Option<Expr> {
+    // `|x|` in place of the variable: the set of |x|, mirrored (`1 \le |z| \le 2` is
+    // [−2, −1] ∪ [1, 2]).
+    let abs_of_variable = |x: &Expr| matches!(x, Expr::Func(Func::Abs, v) if v.len() == 1 && matches!(v[0], Expr::Sym(_) | Expr::Apply(..)));
+    let on_abs = match x {
+        Expr::And(v) => v
+            .iter()
+            .all(|r| matches!(r, Expr::Rel(_, a, b) if abs_of_variable(a) || abs_of_variable(b))),
+        Expr::Rel(_, a, b) => abs_of_variable(a) || abs_of_variable(b),
+        _ => false,
+    };
     let one = |r: &Expr| -> Option<(f64, bool, f64, bool, Option<Expr>)> {
         let Expr::Rel(op, a, b) = r else { return None };
-        let variable = |x: &Expr| matches!(x, Expr::Sym(_) | Expr::Apply(..));
+        let variable = |x: &Expr| {
+            matches!(x, Expr::Sym(_) | Expr::Apply(..)) || (on_abs && abs_of_variable(x))
+        };
         let (op, c) = match (&**a, &**b) {
             (v, c) if variable(v) && !has_symbols(c) => (*op, c.clone()),
             (c, v) if variable(v) && !has_symbols(c) => (op.flipped(), c.clone()),
@@ -395,6 +407,25 @@ fn relation_as_set(x: &Expr) -> Option<Expr> {
             Expr::Float(v)
         }
     };
+    if on_abs {
+        // |x| in [lo, hi] (clipped at 0): x in [−hi, −lo] ∪ [lo, hi], one interval when lo ≤ 0.
+        let interval = |lo: f64, lopen: bool, hi: f64, ropen: bool| Expr::Interval {
+            lo: Box::new(end(lo)),
+            hi: Box::new(end(hi)),
+            lopen: lopen || lo == f64::NEG_INFINITY,
+            ropen: ropen || hi == f64::INFINITY,
+        };
+        if hi < 0.0 || (hi == 0.0 && ropen) {
+            return Some(Expr::EmptySet);
+        }
+        if lo < 0.0 || (lo == 0.0 && !lopen) {
+            return Some(interval(-hi, ropen, hi, ropen));
+        }
+        return Some(Expr::Union(vec![
+            interval(-hi, ropen, -lo, lopen),
+            interval(lo, lopen, hi, ropen),
+        ]));
+    }
     Some(Expr::Interval {
         lo: Box::new(end(lo)),
         hi: Box::new(end(hi)),
@@ -512,6 +543,27 @@ fn compare_sets(gold: &Expr, pred: &Expr) -> bool {
     }
     if structural_eq(&a, &b) {
         return true;
+    }
+    // Unions of intervals: the same intervals, in order of their lower ends.
+    if let (Expr::Union(x), Expr::Union(y)) = (&a, &b) {
+        let ordered = |v: &[Expr]| -> Option<Vec<Expr>> {
+            let mut v = v.to_vec();
+            if v.iter().any(|i| interval_parts(i).is_none()) {
+                return None;
+            }
+            v.sort_by(|p, q| {
+                let lo = |i: &Expr| {
+                    interval_parts(i)
+                        .and_then(|(l, ..)| value(l))
+                        .unwrap_or(f64::NAN)
+                };
+                lo(p).partial_cmp(&lo(q)).unwrap_or(Ordering::Equal)
+            });
+            Some(v)
+        };
+        if let (Some(x), Some(y)) = (ordered(x), ordered(y)) {
+            return x.len() == y.len() && x.iter().zip(&y).all(|(p, q)| compare_sets(p, q));
+        }
     }
     // Equal sets of numbers (the symmetric difference is empty): by value.
     if let (Expr::Set(x), Expr::Set(y)) = (&a, &b)
