@@ -262,6 +262,21 @@ fn canon(x: &Expr) -> String {
             *ropen || pos_inf(hi)
         ),
         Expr::Union(v) => format!("u({})", sorted(v, ",")),
+        Expr::Sum {
+            var,
+            lo,
+            hi,
+            body,
+            product,
+        } => {
+            format!(
+                "{}[{var}:{},{}]({})",
+                if *product { "prod" } else { "sum" },
+                canon(lo),
+                canon(hi),
+                canon(body)
+            )
+        }
         Expr::Matrix(rows) => format!(
             "m({})",
             rows.iter()

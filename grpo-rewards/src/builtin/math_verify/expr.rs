@@ -61,6 +61,19 @@ pub enum Expr {
     Reals,
     /// A matrix, by rows.
     Matrix(Vec<Vec<Expr>>),
+    /// `\sum_{var=lo}^{hi} body` (`product`: `\prod`).
+    Sum {
+        /// The index variable.
+        var: String,
+        /// Its first value.
+        lo: Box<Expr>,
+        /// Its last value.
+        hi: Box<Expr>,
+        /// The summand.
+        body: Box<Expr>,
+        /// `\prod` rather than `\sum`.
+        product: bool,
+    },
 }
 
 /// Functions the parser knows.
@@ -278,6 +291,19 @@ impl Expr {
                     out.push(s);
                 }
             }
+            Expr::Sum {
+                var, lo, hi, body, ..
+            } => {
+                lo.symbols(out);
+                hi.symbols(out);
+                let mut inner = Vec::new();
+                body.symbols(&mut inner);
+                for s in inner {
+                    if &s != var && !out.contains(&s) {
+                        out.push(s);
+                    }
+                }
+            }
             _ => self.children().for_each(|c| c.symbols(out)),
         }
     }
@@ -376,6 +402,27 @@ impl Expr {
                 b.powf(e)
             }
             Expr::Pct(x) => x.eval(var)? / 100.0,
+            Expr::Sum {
+                var: index,
+                lo,
+                hi,
+                body,
+                product,
+            } => {
+                let (lo, hi) = (lo.eval(var)?, hi.eval(var)?);
+                if lo.fract() != 0.0 || hi.fract() != 0.0 || hi - lo > 100_000.0 {
+                    return None;
+                }
+                let mut acc = if *product { 1.0 } else { 0.0 };
+                let mut k = lo;
+                while k <= hi {
+                    let at = |name: &str| if name == index { k } else { var(name) };
+                    let term = body.eval(&at)?;
+                    acc = if *product { acc * term } else { acc + term };
+                    k += 1.0;
+                }
+                acc
+            }
             Expr::Apply(..) => {
                 let mut names = Vec::new();
                 self.symbols(&mut names);
@@ -477,6 +524,19 @@ impl fmt::Display for Expr {
                 )
             }
             Expr::Union(v) => write!(f, "{}", join(v, " U ")),
+            Expr::Sum {
+                var,
+                lo,
+                hi,
+                body,
+                product,
+            } => {
+                write!(
+                    f,
+                    "{}({body}, ({var}, {lo}, {hi}))",
+                    if *product { "Product" } else { "Sum" }
+                )
+            }
             Expr::Matrix(rows) => write!(
                 f,
                 "Matrix([{}])",

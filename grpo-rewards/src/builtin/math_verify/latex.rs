@@ -944,6 +944,28 @@ impl Parser {
                     Err("an unknown \\mathbb".into())
                 }
             }
+            "sum" | "prod" => {
+                // \sum_{k=0}^{n} body: the index, its bounds, then the summand (a term).
+                self.expect('_')?;
+                self.expect('{')?;
+                let Some(Tok::Letter(v)) = self.peek().cloned() else {
+                    return Err("a sum without its index".into());
+                };
+                self.pos += 1;
+                self.expect('=')?;
+                let lo = self.sum()?;
+                self.expect('}')?;
+                self.expect('^')?;
+                let hi = self.exponent()?;
+                let body = self.term()?;
+                Ok(Expr::Sum {
+                    var: v.to_ascii_lowercase().to_string(),
+                    lo: Box::new(lo),
+                    hi: Box::new(hi),
+                    body: Box::new(body),
+                    product: name == "prod",
+                })
+            }
             "max" | "min" | "gcd" | "lcm" => {
                 self.expect('(')?;
                 let x = self.list()?;
@@ -1194,6 +1216,7 @@ mod tests {
         assert_eq!(p("(0;0;1)"), "(0, 0, 1)");
         assert_eq!(p(r"(1,2) \cup (3,4)"), "(1, 2) U (3, 4)");
         assert_eq!(p(r"1 \le |z| \le 2"), "1 <= abs(z) & abs(z) <= 2");
+        assert_eq!(p(r"\sum_{k=1}^{3} k^2"), "Sum((k)**(2), (k, 1, 3))");
         assert!(p("\\frac12").starts_with("ERR"));
         assert!(p("\\sqrt 5").starts_with("ERR"));
         assert!(p("3.").starts_with("ERR"));
