@@ -12,10 +12,11 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use grpo_data::{Dataset, OpenOptions, Prompt, Value as DataValue};
-use grpo_rewards::{FieldValue, Message, RewardInput, RewardKind, ScoringModels};
+use grpo_rewards::{Message, RewardInput, RewardKind, ScoringModels, nan_mean, nan_std};
 use serde_json::{Value, json};
 
 use crate::config::TrainConfig;
+use crate::stages::scorer::to_field;
 
 /// What scoring a file gives.
 #[derive(Debug, Clone)]
@@ -30,34 +31,14 @@ pub struct ScoredFile {
     pub summary: Value,
 }
 
-fn field(v: &DataValue) -> FieldValue {
-    match v {
-        DataValue::Null => FieldValue::Null,
-        DataValue::Bool(b) => FieldValue::Bool(*b),
-        DataValue::Int(i) => FieldValue::Int(*i),
-        DataValue::Float(f) => FieldValue::Float(*f),
-        DataValue::Str(s) => FieldValue::Str(s.clone()),
-        DataValue::StrList(l) => FieldValue::StrList(l.clone()),
-        DataValue::Messages(m) => FieldValue::StrList(
-            m.iter()
-                .map(|m| format!("{}: {}", m.role, m.content))
-                .collect(),
-        ),
-    }
-}
-
-fn stats(xs: &[f64]) -> Value {
-    if xs.is_empty() {
+/// Mean, std (one value: 0) and count of the values a reward gave.
+fn stats(values: &[Option<f32>]) -> Value {
+    let scored = values.iter().flatten().filter(|v| !v.is_nan()).count();
+    if scored == 0 {
         return json!({"mean": null, "std": null, "scored": 0});
     }
-    let n = xs.len() as f64;
-    let mean = xs.iter().sum::<f64>() / n;
-    let std = if xs.len() > 1 {
-        (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
-    } else {
-        0.0
-    };
-    json!({"mean": mean, "std": std, "scored": xs.len()})
+    let std = if scored == 1 { 0.0 } else { nan_std(values) };
+    json!({"mean": nan_mean(values), "std": std, "scored": scored})
 }
 
 /// Scores every row of `data` with `cfg`'s rewards, `batch` rows per call.
@@ -126,8 +107,8 @@ pub fn score_file(
 
     let mut rows = Vec::with_capacity(samples.len());
     let mut names = Vec::new();
-    let mut per: Vec<Vec<f64>> = Vec::new();
-    let mut combined = Vec::new();
+    let mut per: Vec<Vec<Option<f32>>> = Vec::new();
+    let mut combined: Vec<Option<f32>> = Vec::new();
     for chunk in samples.chunks(batch.max(1)) {
         let mut inputs = Vec::with_capacity(chunk.len());
         for s in chunk {
@@ -165,7 +146,7 @@ pub fn score_file(
             }
             for (k, v) in &s.columns {
                 if k.as_ref() != completion_field {
-                    x = x.with_field(k.to_string(), field(v));
+                    x = x.with_field(k.to_string(), to_field(v));
                 }
             }
             inputs.push(x);
@@ -181,17 +162,13 @@ pub fn score_file(
             for (k, name) in names.iter().enumerate() {
                 let v = scored.per_function[k][i];
                 rewards.insert(name.clone(), v.map_or(Value::Null, |v| json!(v)));
-                if let Some(x) = v {
-                    per[k].push(f64::from(x));
-                }
+                per[k].push(v);
                 if let Some(Some(extra)) = scored.info.get(k).and_then(|f| f.get(i)) {
                     info.insert(name.clone(), extra.clone());
                 }
             }
             let r = scored.rewards[i];
-            if !r.is_nan() {
-                combined.push(f64::from(r));
-            }
+            combined.push(Some(r));
             rows.push(json!({
                 "index": s.index,
                 "reward": if r.is_nan() { Value::Null } else { json!(r) },

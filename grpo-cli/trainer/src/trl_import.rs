@@ -129,48 +129,11 @@ pub const GRPO: &[(&str, &str)] = &[
     ("max_tool_calling_iterations", "environment.max_turns"),
 ];
 
-/// RLOOConfig's keys: GRPOConfig's, with RLOO's KL penalty and advantage options.
+/// RLOOConfig's own keys; its others are GRPOConfig's (but `beta`, RLOO's reward penalty).
 pub const RLOO: &[(&str, &str)] = &[
     ("beta", "rloo.beta"),
     ("normalize_advantages", "rloo.normalize_advantages"),
     ("reward_clip_range", "rloo.reward_clip_range"),
-    ("num_generations", "rollout.num_generations"),
-    ("num_generations_eval", "rollout.num_generations_eval"),
-    ("max_completion_length", "rollout.max_completion_length"),
-    ("temperature", "rollout.temperature"),
-    ("top_p", "rollout.top_p"),
-    ("top_k", "rollout.top_k"),
-    ("min_p", "rollout.min_p"),
-    ("repetition_penalty", "rollout.repetition_penalty"),
-    ("chat_template_kwargs", "model.chat_template_kwargs"),
-    ("cast_lm_head_to_fp32", "model.cast_lm_head_to_fp32"),
-    ("num_iterations", "optim.num_iterations"),
-    ("epsilon", "loss.epsilon"),
-    ("epsilon_high", "loss.epsilon_high"),
-    (
-        "mask_truncated_completions",
-        "loss.mask_truncated_completions",
-    ),
-    (
-        "vllm_importance_sampling_correction",
-        "loss.vllm_importance_sampling_correction",
-    ),
-    (
-        "vllm_importance_sampling_mode",
-        "loss.vllm_importance_sampling_mode",
-    ),
-    (
-        "vllm_importance_sampling_clip_min",
-        "loss.vllm_importance_sampling_clip_min",
-    ),
-    (
-        "vllm_importance_sampling_clip_max",
-        "loss.vllm_importance_sampling_clip_max",
-    ),
-    ("reward_weights", "reward_weights"),
-    ("max_tool_calling_iterations", "environment.max_turns"),
-    ("log_completions", "train.log_completions"),
-    ("num_completions_to_print", "train.num_completions_to_print"),
 ];
 
 /// SFTConfig's own keys.
@@ -267,15 +230,19 @@ impl Trainer {
     }
 
     /// The keys of its config, beside the shared ones.
-    pub fn keys(self) -> &'static [(&'static str, &'static str)] {
-        match self {
-            Trainer::Grpo => GRPO,
-            Trainer::Rloo => RLOO,
-            Trainer::Sft => SFT,
-            Trainer::Dpo => DPO,
-            Trainer::Kto => KTO,
-            Trainer::Reward => REWARD,
-        }
+    pub fn keys(self) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+        let (own, grpo): (&'static [(&str, &str)], bool) = match self {
+            Trainer::Grpo => (GRPO, false),
+            Trainer::Rloo => (RLOO, true),
+            Trainer::Sft => (SFT, false),
+            Trainer::Dpo => (DPO, false),
+            Trainer::Kto => (KTO, false),
+            Trainer::Reward => (REWARD, false),
+        };
+        let inherited = GRPO
+            .iter()
+            .filter(move |(k, _)| grpo && !own.iter().any(|(o, _)| o == k));
+        own.iter().chain(inherited)
     }
 }
 

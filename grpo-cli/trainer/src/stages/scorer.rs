@@ -367,7 +367,8 @@ impl Scorer {
     }
 }
 
-fn to_field(v: &grpo_data::Value) -> FieldValue {
+/// A data column's value as the rewards see it.
+pub(crate) fn to_field(v: &grpo_data::Value) -> FieldValue {
     match v {
         grpo_data::Value::Null => FieldValue::Null,
         grpo_data::Value::Bool(b) => FieldValue::Bool(*b),
