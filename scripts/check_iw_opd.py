@@ -1,4 +1,4 @@
-"""Reference values of IW-OPD's loss (grpo-core/tests/distill.rs, `iw_opd_matches_trls_loss`):
+"""Reference values of IW-OPD's loss (grpo-core/tests/it/distill.rs, `iw_opd_matches_trls_loss`):
 TRL 1.16's own `IWOPDTrainer._compute_iw_opd_loss` on float64 inputs (a stand-in `self` with
 the attributes it reads), with the student's logit gradient by autograd. Run with torch and
 trl==1.16.0 installed:

@@ -1,4 +1,4 @@
-"""Reference values of the model merges (grpo-rollout/tests/merge.rs): mergekit's own
+"""Reference values of the model merges (grpo-rollout/tests/it/merge.rs): mergekit's own
 `run_merge` on three tiny Qwen2 directories whose weights follow a formula the test repeats
 (`w[m][name][j] = 0.1·sin(1.3·m + 0.7·j + 0.013·Σ bytes(name))`, m = 1, 2, 3; two layers), one merge
 per method in float32 — linear with a gradient weight, task_arithmetic with λ, ties with a

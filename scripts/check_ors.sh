@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the ORS protocol tests of tests/tests/ors_environment.rs against the `openreward` SDK's
+# Runs the ORS protocol tests of tests/tests/it/ors_environment.rs against the `openreward` SDK's
 # own server (scripts/ors_arith_server.py: the loopback server's four environments), so the
 # client is checked against the reference implementation, not only our loopback copy.
 #
@@ -20,5 +20,5 @@ for _ in $(seq 1 100); do
   sleep 0.2
 done
 # The tests that inject faults or count what the server saw use the loopback server either way.
-ORS_URL="http://127.0.0.1:$PORT" cargo test -p grpo-tests --test ors_environment -- \
-  --test-threads 1 "$@"
+ORS_URL="http://127.0.0.1:$PORT" cargo test -p grpo-tests --test it -- \
+  --test-threads 1 "ors_environment::${1:-}"

@@ -1,4 +1,4 @@
-"""Reference values of SDPO's top-k divergence (grpo-core/tests/distill.rs,
+"""Reference values of SDPO's top-k divergence (grpo-core/tests/it/distill.rs,
 `topk_divergence_matches_trls_sdpo_loss`): TRL 1.16's own
 `trl.experimental.sdpo.loss_utils.compute_topk_self_distillation_loss` on float64 logits, with
 the student's gradient by autograd. Run with torch and trl==1.16.0 installed:

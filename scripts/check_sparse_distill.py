@@ -1,4 +1,4 @@
-"""Reference values of the sparse distillation supports (grpo-core/tests/distill.rs,
+"""Reference values of the sparse distillation supports (grpo-core/tests/it/distill.rs,
 `sparse_divergence_matches_trls_losses` and `served_divergence_matches_trls_losses`): TRL 1.16's
 own IWOPDTrainer functions — `generalized_jsd_loss` with `top_k` (the local `loss_top_k` path),
 `_compute_local_sparse_top_1_divergence_loss` (β > 0, `loss_top_k = 1`),

@@ -1,4 +1,4 @@
-"""Reference values of GOLD's ULD loss (grpo-core/tests/uld.rs): TRL 1.16's own
+"""Reference values of GOLD's ULD loss (grpo-core/tests/it/uld.rs): TRL 1.16's own
 `experimental.gold.ULDLoss` on a batch of two samples whose student and teacher tokenise the
 answer differently (byte offsets given), float64 logits from a fixed formula, for each setting
 below — positional and extended (byte-aligned) ULD, the `observed` and `bayesian` merges, EOS

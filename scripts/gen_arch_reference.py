@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference log-probs from transformers for grpo-rollout/tests/architectures.rs.
+"""Reference log-probs from transformers for grpo-rollout/tests/it/architectures.rs.
 
 Writes two micro models (seeded weights, q and k large enough that positions matter;
 bench-qwen2-micro's tokenizer) into the fixtures directory and, for variants of their

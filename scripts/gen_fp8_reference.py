@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A fine-grained FP8 micro checkpoint (`quantization_config.quant_method = "fp8"`, as DeepSeek-V3's
 and the Qwen3 / Ministral 3 FP8 uploads hold their weights) and transformers' log-probs of it, for
-grpo-rollout/tests/model.rs.
+grpo-rollout/tests/it/model.rs.
 
 A random qwen3 micro model (transformers 5, weights std 0.25) has every decoder-layer matrix
 quantized to float8_e4m3fn in 16 × 16 tiles, each with its `weight_scale_inv` (the tile's

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""llama.cpp's own GGUF files of the Gemma 4 micro models, for grpo-rollout/tests/gemma4.rs.
+"""llama.cpp's own GGUF files of the Gemma 4 micro models, for grpo-rollout/tests/it/gemma4.rs.
 
 Runs llama.cpp's `convert_hf_to_gguf.py` (from a llama.cpp checkout, `--llama-cpp DIR`) on
 fixtures/gemma4-micro and fixtures/gemma4-moe-micro (made by gen_gemma4_reference.py) and writes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Gemma 4 micro models and transformers' values of them, for grpo-rollout/tests/gemma4.rs.
+"""Gemma 4 micro models and transformers' values of them, for grpo-rollout/tests/it/gemma4.rs.
 
 Two `Gemma4ForCausalLM` (`gemma4_text`) micro models, seeded weights (matrices std 0.25 —
 q/k 0.5 so that positions matter, the per-layer gates 0.05 —, norms and `layer_scalar` around

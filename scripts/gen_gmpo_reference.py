@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Reference values of TRL 1.16's GMPO loss (`trl.experimental.gmpo.GMPOTrainer._compute_loss`)
-for grpo-core/tests/gmpo.rs: TRL's own method run on fixed float64 per-token log-probs (the
+for grpo-core/tests/it/gmpo.rs: TRL's own method run on fixed float64 per-token log-probs (the
 trainer object reduced to what the method reads; the model's forward replaced by the given
 log-probs and entropies), with torch's gradient and TRL's logged metrics.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A Hunyuan dense micro model and transformers' values of it, for grpo-rollout/tests/hunyuan.rs.
+"""A Hunyuan dense micro model and transformers' values of it, for grpo-rollout/tests/it/hunyuan.rs.
 
 `HunYuanDenseV1ForCausalLM` (`hunyuan_v1_dense`), 3 layers, weights std 0.25 (q/k 0.5), the
 per-head q/k norms (after RoPE) drawn around 1 so that their order against RoPE shows, its

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An LFM2-MoE micro model and transformers' values of it, for grpo-rollout/tests/lfm2.rs.
+"""An LFM2-MoE micro model and transformers' values of it, for grpo-rollout/tests/it/lfm2.rs.
 
 `Lfm2MoeForCausalLM` (`lfm2_moe`, Liquid AI's LFM2-8B-A1B), 4 layers (a short convolution,
 attention, convolution, attention), the first with LFM2's dense MLP (`num_dense_layers` 1), the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An LFM2 micro model and transformers' values of it, for grpo-rollout/tests/lfm2.rs.
+"""An LFM2 micro model and transformers' values of it, for grpo-rollout/tests/it/lfm2.rs.
 
 `Lfm2ForCausalLM` (`lfm2`, Liquid AI's LFM2-350M … 2.6B), 4 layers (a gated short
 convolution, attention, convolution, attention: `layer_types`), the convolution with a bias

@@ -14,7 +14,7 @@ parsed on both sides.
     python3 scripts/gen_math_verify_reference.py [--seed S] [--random N] [--out FILE]
 
 Another seed or more random cases make a fresh set to check against without committing it:
-`MATH_VERIFY_REFERENCE=FILE cargo test -p grpo-tests --test math_verify`.
+`MATH_VERIFY_REFERENCE=FILE cargo test -p grpo-tests --test it math_verify::`.
 """
 import argparse
 import json

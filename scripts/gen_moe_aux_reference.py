@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference load-balancing losses from transformers for grpo-rollout/tests/moe.rs.
+"""Reference load-balancing losses from transformers for grpo-rollout/tests/it/moe.rs.
 
 For the MoE micro models of scripts/gen_arch_reference.py (arch-qwen3moe-micro,
 arch-qwen2moe-micro, arch-mixtral-micro, arch-olmoe-micro, arch-granitemoe-micro, arch-gptoss-micro — its

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PEFT adapters on mixture-of-experts weights (`target_parameters`) for grpo-rollout/tests/moe.rs.
+"""PEFT adapters on mixture-of-experts weights (`target_parameters`) for grpo-rollout/tests/it/moe.rs.
 
 For the MoE micro models of scripts/gen_arch_reference.py, peft (LoraConfig with
 `target_parameters`, PEFT's ParamWrapper on transformers 5's stacked experts) adapts the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A PEFT adapter on nanochat for grpo-rollout/tests/architectures.rs.
+"""A PEFT adapter on nanochat for grpo-rollout/tests/it/architectures.rs.
 
 peft adapts the micro nanochat model of scripts/gen_arch_reference.py (arch-nanochat-micro:
 q/k/v/o biased) with `target_modules="all-linear"` — q_proj, k_proj, v_proj, o_proj and its

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference values of TRL 1.16's ORPO and CPO losses for grpo-core/tests/orpo_cpo.rs: TRL's own
+"""Reference values of TRL 1.16's ORPO and CPO losses for grpo-core/tests/it/orpo_cpo.rs: TRL's own
 `ORPOTrainer.odds_ratio_loss` and `CPOTrainer.cpo_loss` called on fixed float64 log-probs
 (the trainer objects reduced to the attributes these methods read), with torch's gradients.
 

@@ -15,7 +15,7 @@ base, the adapted model and the model after `merge_and_unload()`.
 `check` loads ADAPTER_DIR (written by grpo-rs) onto the same base with peft and prints the
 adapted and merged log-probs as JSON, plus any load warning. When ADAPTER_DIR holds
 grpo_logprobs.json (the tests that train with every option write it when run as
-`GRPO_PEFT_CHECK_DIR=D cargo test -p grpo-rollout --test peft training`), it prints the largest
+`GRPO_PEFT_CHECK_DIR=D cargo test -p grpo-rollout --test it peft::training`), it prints the largest
 difference between peft's log-probs and ours instead, and exits 1 above 1e-4.
 """
 import json
@@ -141,7 +141,7 @@ def check(path):
     out["merged"] = logprobs(pm.merge_and_unload())
     ours = os.path.join(path, "grpo_logprobs.json")
     worst = 0.0
-    if os.path.exists(ours):  # written next to the adapter by grpo-rollout's tests/peft.rs
+    if os.path.exists(ours):  # written next to the adapter by grpo-rollout's tests/it/peft.rs
         with open(ours) as f:
             g = json.load(f)
         for k in ("adapted", "merged"):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PEFT adapters on Phi-3's fused modules, with peft's log-probs, for
-grpo-rollout/tests/architectures.rs.
+grpo-rollout/tests/it/architectures.rs.
 
 The base is grpo-rollout/tests/fixtures/arch-phi3-micro with the `phi3-longrope-partial`
 config of scripts/gen_arch_reference.py (LongRoPE, three quarters of each head rotating), so

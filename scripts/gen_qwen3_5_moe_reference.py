@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A Qwen3.5 MoE micro model and transformers' values of it, for grpo-rollout/tests/qwen3_5.rs.
+"""A Qwen3.5 MoE micro model and transformers' values of it, for grpo-rollout/tests/it/qwen3_5.rs.
 
 `Qwen3_5MoeForCausalLM` (`qwen3_5_moe_text`), 4 layers (gated full attention, linear attention,
 linear, full), an MoE MLP in every layer: 4 experts of which 2 chosen per token (a softmax

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A Qwen3.5 micro model and transformers' values of it, for grpo-rollout/tests/qwen3_5.rs.
+"""A Qwen3.5 micro model and transformers' values of it, for grpo-rollout/tests/it/qwen3_5.rs.
 
 `Qwen3_5ForCausalLM` (`qwen3_5_text`), 4 layers (gated delta-net linear attention, gated full
 attention, linear, full), weights std 0.25, norms drawn around their identity (the zero-centred

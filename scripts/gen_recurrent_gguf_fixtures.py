@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""llama.cpp's own GGUF files of the recurrent micro models, for grpo-rollout/tests/qwen3_5.rs
-and grpo-rollout/tests/lfm2.rs.
+"""llama.cpp's own GGUF files of the recurrent micro models, for grpo-rollout/tests/it/qwen3_5.rs
+and grpo-rollout/tests/it/lfm2.rs.
 
 Runs llama.cpp's `convert_hf_to_gguf.py` (from a llama.cpp checkout, `--llama-cpp DIR`) on
 fixtures/qwen3_5-micro and fixtures/qwen3_5_moe-micro (made by gen_qwen3_5_reference.py and

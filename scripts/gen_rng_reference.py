@@ -6,7 +6,7 @@ stream in words 14-15), keyed by rand_core's `seed_from_u64` (eight PCG32 output
 a u64 is two consecutive little-endian 32-bit keystream words. Prints the published TC1 block
 (draft-strombergson-chacha-test-vectors) as a self-check, then the values pinned in
 grpo-data/src/rng.rs (`SeededRng::new(1234567)`'s first three u64s and three `mix` values) and
-the shuffle order pinned in grpo-data/tests/stream.rs (Lemire's `below`, Fisher-Yates).
+the shuffle order pinned in grpo-data/tests/it/stream.rs (Lemire's `below`, Fisher-Yates).
 
     python3 scripts/gen_rng_reference.py
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference RoPE scaling from transformers for grpo-rollout/tests/rope_scaling.rs.
+"""Reference RoPE scaling from transformers for grpo-rollout/tests/it/rope_scaling.rs.
 
 Two parts, written to one JSON file:
   * `frequencies`: for each config (llama3, linear, dynamic, yarn in its variants), the inverse

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A SentencePiece-vocabulary GGUF (as llama.cpp writes Llama 2 / Mistral / TinyLlama files) and
-llama.cpp's own tokenisation of it, for grpo-rollout/tests/gguf_spm.rs.
+llama.cpp's own tokenisation of it, for grpo-rollout/tests/it/gguf_spm.rs.
 
 Trains a small SentencePiece BPE model (byte fallback, `[INST]` / `[/INST]` as control tokens)
 on the repository's README, writes it with a one-layer random llama model as

@@ -2,9 +2,9 @@
 """Reference values from TRL 1.16, transformers and PEFT themselves: three steps of TRL's
 SFTTrainer (prompt/completion rows, conversations, assistant_only_loss), DPOTrainer, KTOTrainer,
 RewardTrainer and the experimental ORPOTrainer, CPOTrainer and TPOTrainer
-(grpo-cli/tests/trl_trainers.rs), the DistillationTrainer's divergence
-(grpo-rollout/tests/distill.rs) and PEFT adapters with trainable tokens, also of a resized
-vocabulary (grpo-rollout/tests/trainable_tokens.rs).
+(grpo-cli/tests/it/trl_trainers.rs), the DistillationTrainer's divergence
+(grpo-rollout/tests/it/distill.rs) and PEFT adapters with trainable tokens, also of a resized
+vocabulary (grpo-rollout/tests/it/trainable_tokens.rs).
 
     python3 -m venv ~/trl-venv
     ~/trl-venv/bin/pip install torch trl==1.16.0 peft accelerate datasets

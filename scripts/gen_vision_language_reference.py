@@ -2,7 +2,7 @@
 """Vision-language micro checkpoints (Gemma 3's `gemma3`, Mistral 3's `mistral3` with a
 Ministral 3 language model, Gemma 4's `gemma4` without its audio tower, Qwen2.5-VL's
 `qwen2_5_vl` and Qwen3-VL's `qwen3_vl`) and transformers' log-probs of their language model, for
-grpo-rollout/tests/architectures.rs.
+grpo-rollout/tests/it/architectures.rs.
 
 Each model is made with transformers 5 (`AutoModelForImageTextToText`, random weights std 0.2,
 norms jittered) and saved as transformers saves it — `language_model.model.*` beside a vision

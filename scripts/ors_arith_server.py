@@ -1,6 +1,6 @@
 """A real Open Reward Standard server (the `openreward` SDK's `Server`) with four small
 environments, for `scripts/check_ors.sh`: the same tasks, prompts, tools and rewards as the
-loopback server of `tests/tests/ors_environment.rs`, so that test's assertions run against the
+loopback server of `tests/tests/it/ors_environment.rs`, so that test's assertions run against the
 SDK's own server too.
 
   arith       tasks {a, b}; tools `add` (x + y as text), `submit` (reward 1 when the answer is

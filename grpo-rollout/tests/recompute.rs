@@ -6,6 +6,7 @@
 //! switch.
 #![allow(clippy::unwrap_used, missing_docs)]
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use candle_core::{DType, Device, Tensor, Var};

@@ -13,7 +13,7 @@
 //! [`math_verify`] puts them together as TRL does: `None` when the solution holds nothing to
 //! compare with. `scripts/gen_math_verify_reference.py` records math_verify's own verdicts on
 //! solutions and completions in the forms datasets and models write them;
-//! `tests/tests/math_verify.rs` checks these against them.
+//! `tests/tests/it/math_verify.rs` checks these against them.
 
 mod compare;
 mod expr;

@@ -1,0 +1,26 @@
+//! grpo-cli's integration tests, one module per subject, built as one test binary (one link
+//! instead of one per file: less disk and build time).
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod a2po;
+mod bema;
+mod cli;
+mod common;
+mod data_cli;
+mod distillation;
+mod env_cli;
+mod export;
+mod faults;
+mod gold;
+mod import_trl;
+mod iw_opd;
+mod merge;
+mod online_dpo;
+mod reward_model;
+mod score_cli;
+mod sdft;
+mod sdpo;
+mod serve;
+mod supervised;
+mod train;
+mod trl_trainers;

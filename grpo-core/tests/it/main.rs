@@ -1,0 +1,13 @@
+//! grpo-core's integration tests, one module per subject, built as one test binary (one link
+//! instead of one per file: less disk and build time).
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod distill;
+mod dpo_variants;
+mod gmpo;
+mod loss_variants;
+mod orpo_cpo;
+mod preference;
+mod properties;
+mod reference;
+mod uld;

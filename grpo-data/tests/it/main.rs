@@ -1,0 +1,11 @@
+//! grpo-data's integration tests, one module per subject, built as one test binary (one link
+//! instead of one per file: less disk and build time).
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+mod errors;
+mod formats;
+mod messages;
+mod packing;
+mod preference;
+mod stream;
