@@ -422,14 +422,15 @@ fn relation_as_set(x: &Expr) -> Option<Expr> {
             Expr::Float(v)
         }
     };
+    // SymPy's intervals are open at infinity.
+    let interval = |lo: f64, lopen: bool, hi: f64, ropen: bool| Expr::Interval {
+        lo: Box::new(end(lo)),
+        hi: Box::new(end(hi)),
+        lopen: lopen || lo == f64::NEG_INFINITY,
+        ropen: ropen || hi == f64::INFINITY,
+    };
     if on_abs {
         // |x| in [lo, hi] (clipped at 0): x in [−hi, −lo] ∪ [lo, hi], one interval when lo ≤ 0.
-        let interval = |lo: f64, lopen: bool, hi: f64, ropen: bool| Expr::Interval {
-            lo: Box::new(end(lo)),
-            hi: Box::new(end(hi)),
-            lopen: lopen || lo == f64::NEG_INFINITY,
-            ropen: ropen || hi == f64::INFINITY,
-        };
         if hi < 0.0 || (hi == 0.0 && ropen) {
             return Some(Expr::EmptySet);
         }
@@ -441,12 +442,7 @@ fn relation_as_set(x: &Expr) -> Option<Expr> {
             interval(lo, lopen, hi, ropen),
         ]));
     }
-    Some(Expr::Interval {
-        lo: Box::new(end(lo)),
-        hi: Box::new(end(hi)),
-        lopen,
-        ropen,
-    })
+    Some(interval(lo, lopen, hi, ropen))
 }
 
 fn sort_key(x: &Expr) -> (u8, f64, String) {
