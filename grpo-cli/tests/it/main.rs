@@ -16,6 +16,7 @@ mod import_trl;
 mod iw_opd;
 mod merge;
 mod online_dpo;
+mod replay;
 mod reward_model;
 mod score_cli;
 mod sdft;

@@ -12,11 +12,11 @@ use grpo_trainer::{self as trainer, RunMode, RunOptions};
 use crate::common;
 use common::Fixture;
 
-fn fixture() -> Fixture {
+pub(crate) fn fixture() -> Fixture {
     Fixture::new().model("model", 3).arithmetic(40)
 }
 
-fn base_config(root: &Path, out: &str, extra: &str) -> TrainConfig {
+pub(crate) fn base_config(root: &Path, out: &str, extra: &str) -> TrainConfig {
     let text = format!(
         r#"
 output_dir = "{out}"
@@ -67,13 +67,13 @@ fn strip_timing(ms: &[grpo_trainer::Metrics]) -> Vec<Vec<(String, f64)>> {
         .collect()
 }
 
-fn run(cfg: TrainConfig, opts: RunOptions) -> grpo_trainer::TrainingResult {
+pub(crate) fn run(cfg: TrainConfig, opts: RunOptions) -> grpo_trainer::TrainingResult {
     let setup = trainer::setup(cfg).unwrap();
     trainer::run(setup, &opts, &mut grpo_trainer::NoCallbacks).unwrap()
 }
 
 /// The metrics of a run of `cfg` stopped after `k` steps and resumed to the end.
-fn stopped_and_resumed(cfg: TrainConfig, k: usize) -> Vec<grpo_trainer::Metrics> {
+pub(crate) fn stopped_and_resumed(cfg: TrainConfig, k: usize) -> Vec<grpo_trainer::Metrics> {
     let part1 = run(
         cfg.clone(),
         RunOptions {
@@ -93,7 +93,7 @@ fn stopped_and_resumed(cfg: TrainConfig, k: usize) -> Vec<grpo_trainer::Metrics>
     joined
 }
 
-fn assert_same(a: &[grpo_trainer::Metrics], b: &[grpo_trainer::Metrics]) {
+pub(crate) fn assert_same(a: &[grpo_trainer::Metrics], b: &[grpo_trainer::Metrics]) {
     let (a, b) = (strip_timing(a), strip_timing(b));
     assert_eq!(a.len(), b.len());
     for (x, y) in a.iter().zip(&b) {

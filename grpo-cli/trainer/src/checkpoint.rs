@@ -41,6 +41,8 @@ pub struct CheckpointJob {
     pub teacher: Option<HashMap<String, Tensor>>,
     /// `[bema]`'s state.
     pub bema: Option<HashMap<String, Tensor>>,
+    /// `loss.replay_buffer_size`'s buffer (`replay_buffer.json`).
+    pub replay: Option<crate::stages::replay::ReplayBuffer>,
     /// `trainer_state.json`.
     pub state: TrainerState,
     /// `config.json` (secrets removed).
@@ -96,6 +98,9 @@ impl CheckpointJob {
         }
         if let Some(map) = &self.teacher {
             candle_core::safetensors::save(map, tmp.join(crate::learner::sdpo::TEACHER_FILE))?;
+        }
+        if let Some(b) = &self.replay {
+            b.save(&tmp)?;
         }
         std::fs::write(
             tmp.join(STATE_FILE),
@@ -192,6 +197,7 @@ impl Learner {
             reference,
             teacher: self.sdpo_teacher_state(),
             bema: self.bema.as_ref().map(crate::learner::bema::Bema::state),
+            replay: self.replay_buffer.clone(),
             state: self.state.clone(),
             config: self.cfg.redacted_json(),
             save_total_limit: self.cfg.train.save_total_limit,
@@ -285,6 +291,12 @@ impl Learner {
             let map = candle_core::safetensors::load(&p, &self.device)
                 .with_context(|| format!("{}: cannot read SDPO's EMA teacher", p.display()))?;
             self.restore_sdpo_teacher(map)?;
+        }
+        let size = self.cfg.loss.replay_buffer_size;
+        // A checkpoint of a run without replay: the buffer starts empty.
+        if size > 0 && dir.join(crate::stages::replay::REPLAY_FILE).exists() {
+            let g = self.cfg.rollout.num_generations;
+            self.replay_buffer = Some(crate::stages::replay::ReplayBuffer::load(dir, g, size)?);
         }
         self.state = TrainerState {
             max_steps: self.state.max_steps,

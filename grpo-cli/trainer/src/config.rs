@@ -2113,6 +2113,10 @@ pub struct LossSection {
     pub mask_truncated_completions: bool,
     /// Drop groups whose rewards are all equal (DAPO's dynamic sampling) from the loss.
     pub drop_zero_std_groups: bool,
+    /// TRL's `GRPOWithReplayBufferTrainer`: keep the best this many groups whose rewards vary
+    /// (by Σ|advantage| × reward std) and train on one of them, drawn ∝ its score, in the
+    /// place of each group whose rewards are all equal (0: off; `algorithm = "grpo"`).
+    pub replay_buffer_size: usize,
     /// Correct off-policy samples (a generator up to `pipeline.max_staleness` versions behind)
     /// with the importance ratio of the learner's policy to the sampling policy (TRL's name).
     pub vllm_importance_sampling_correction: bool,
@@ -2174,6 +2178,7 @@ impl Default for LossSection {
             use_leave_one_out_baseline: false,
             mask_truncated_completions: false,
             drop_zero_std_groups: false,
+            replay_buffer_size: 0,
             vllm_importance_sampling_correction: true,
             vllm_importance_sampling_mode: ImportanceSamplingMode::SequenceMask,
             vllm_importance_sampling_clip_min: None,
@@ -2769,6 +2774,15 @@ impl TrainConfig {
                 "`loss.use_leave_one_out_baseline = true` scales by the group (`scale_rewards = \"group\"`) or not at all (`\"none\"`), not by the batch"
                     .into(),
             );
+        }
+        if self.loss.replay_buffer_size > 0 && self.algorithm != Algorithm::Grpo {
+            return Err(format!(
+                "`loss.replay_buffer_size` replays groups of GRPO's loss (TRL's GRPOWithReplayBufferTrainer); algorithm `{}` has no place for them: leave it at 0",
+                serde_json::to_value(self.algorithm)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default()
+            ));
         }
         if r.temperature.is_nan() || r.temperature <= 0.0 {
             return Err(format!(

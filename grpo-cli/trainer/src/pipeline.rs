@@ -147,6 +147,9 @@ pub fn run(
     let mut loader = Loader::new(&setup, start, learner.state.position)?;
     let mut generator = Generator::new(&setup, learner.publish()?, start);
     let mut scorer = Scorer::new(&setup);
+    if let Some(buffer) = learner.replay_buffer.clone() {
+        scorer = scorer.with_replay(buffer);
+    }
     let mut ends = StepEnd::begin(&setup.cfg, opts, callbacks, &learner, &run_dir)?;
     // After each step: logs, callbacks, evaluation, checkpoint; true = stop here.
     let after = |ends: &mut StepEnd<'_>, learner: &mut Learner, s: &Scored, m, secs| {

@@ -93,6 +93,7 @@ pub const GRPO: &[(&str, &str)] = &[
         "mask_truncated_completions",
         "loss.mask_truncated_completions",
     ),
+    ("replay_buffer_size", "loss.replay_buffer_size"),
     ("top_entropy_quantile", "loss.top_entropy_quantile"),
     ("entropy_coef", "loss.entropy_coef"),
     ("use_adaptive_entropy", "loss.use_adaptive_entropy"),

@@ -51,6 +51,13 @@ impl Learner {
         if matches!(self.cfg.algorithm, Algorithm::Sdpo | Algorithm::Sdft) {
             return self.sdpo_step(s, t0);
         }
+        // With replayed groups (`loss.replay_buffer_size`) the loss trains on the step with
+        // them in place; the step's metrics describe it as generated (as TRL's).
+        let fresh = s;
+        if let Some(rep) = &fresh.replay {
+            self.replay_buffer = Some(rep.buffer.clone());
+        }
+        let s = fresh.trained();
         let r = &s.rollouts;
         let eos = self.tokenizer.eos_token_ids.clone();
         let batch = StepBatch::new(
@@ -140,7 +147,23 @@ impl Learner {
         if let Some(kl) = rloo_kl_mean {
             m.insert("kl".into(), kl);
         }
-        self.end_step(s, &batch, &off_policy, (grad_norm, lr), t0, &mut m);
+        let generated = (!std::ptr::eq(fresh, s)).then(|| {
+            StepBatch::new(
+                fresh,
+                &eos,
+                self.cfg.micro_batch(),
+                self.cfg.loss.mask_truncated_completions,
+            )
+        });
+        let metrics_batch = generated.as_ref().unwrap_or(&batch);
+        self.end_step(
+            fresh,
+            metrics_batch,
+            &off_policy,
+            (grad_norm, lr),
+            t0,
+            &mut m,
+        );
         Ok(m)
     }
 

@@ -93,6 +93,9 @@ pub struct Learner {
     pub(crate) sdpo_shadow: Option<std::collections::HashMap<String, candle_core::Tensor>>,
     /// `[bema]`'s state.
     pub(crate) bema: Option<bema::Bema>,
+    /// `loss.replay_buffer_size`: the replay buffer after the last step trained (what a
+    /// checkpoint keeps; a resumed run's scorer starts from it).
+    pub replay_buffer: Option<crate::stages::replay::ReplayBuffer>,
     /// A*-PO's optimal values by row index.
     pub(crate) a2po_values: Option<std::sync::Arc<std::collections::HashMap<u64, f64>>>,
     pub(crate) opt: AdamW,
@@ -204,6 +207,9 @@ impl Learner {
             remote: setup.remote.clone(),
             sdpo_shadow: None,
             bema,
+            replay_buffer: (setup.cfg.loss.replay_buffer_size > 0).then(|| {
+                crate::stages::replay::ReplayBuffer::new(setup.cfg.loss.replay_buffer_size)
+            }),
             a2po_values: setup.a2po_values.clone(),
             opt,
             schedule: Schedule {

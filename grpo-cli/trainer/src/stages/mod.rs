@@ -9,6 +9,7 @@
 
 pub mod generator;
 pub mod loader;
+pub mod replay;
 pub mod scorer;
 
 pub use generator::{
@@ -53,8 +54,10 @@ pub struct Rollouts {
     pub seconds: f64,
     /// With `[teacher]`: each prompt's question and the student's diagnostic probe.
     pub teaching: Option<Vec<(String, DiagnosticResult)>>,
-    /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`) or by
-    /// another engine (`rollout.backend = "openai"`): off-policy whatever the staleness.
+    /// Sampled by a model other than the policy (`teacher.use_reference_teacher_model`), by
+    /// another engine (`rollout.backend = "openai"`) or, in the loss's view of a step with
+    /// replayed groups (`loss.replay_buffer_size`), partly by older versions: off-policy
+    /// whatever the staleness.
     pub sampled_by_other_model: bool,
     /// With an environment: what the episodes behind the completions add (the per-token
     /// model mask, the environment's rewards, their metrics). `None` for single-turn
@@ -159,6 +162,20 @@ pub struct Scored {
     pub seconds: f64,
     /// Most batches the scorer had in flight while scoring this one (1 = alone).
     pub batches_in_flight: usize,
+    /// With `loss.replay_buffer_size`: the groups replaced, the step the loss trains on and
+    /// the buffer after this step ([`replay`]). Everything else here is the step as generated.
+    pub replay: Option<replay::Replay>,
+}
+
+impl Scored {
+    /// The step the loss trains on: with replayed groups, [`replay::Replay::trained`]; else
+    /// this one.
+    pub fn trained(&self) -> &Scored {
+        self.replay
+            .as_ref()
+            .and_then(|r| r.trained.as_deref())
+            .unwrap_or(self)
+    }
 }
 
 /// A per-step seed of the run's seed and the step, the same on any machine.

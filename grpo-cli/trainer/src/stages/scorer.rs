@@ -18,6 +18,7 @@ use grpo_rewards::{
 use grpo_rollout::Tokenizer;
 use grpo_teacher::TeachingProtocol;
 
+use super::replay::ReplayBuffer;
 use super::{Rollouts, Scored};
 use crate::setup::Setup;
 use crate::teacher::{TeacherLog, add_student_passes};
@@ -42,6 +43,8 @@ pub struct Scorer {
     policy_scorer: Option<Arc<PolicyScorer>>,
     /// The run's environment, told when its episodes are scored.
     environment: Option<RunEnvironment>,
+    /// `loss.replay_buffer_size`: the training run's replay buffer ([`super::replay`]).
+    replay: Option<ReplayBuffer>,
 }
 
 /// The run's environment (Debug by its name).
@@ -70,7 +73,15 @@ impl Scorer {
             teacher_log: TeacherLog::of(&setup.cfg),
             policy_scorer: setup.policy_scorer.clone(),
             environment: setup.environment.clone().map(RunEnvironment),
+            replay: None,
         }
+    }
+
+    /// Replays groups from `buffer` in place of groups whose rewards are all equal
+    /// (`loss.replay_buffer_size`; the training run's scorer, not evaluation's).
+    pub fn with_replay(mut self, buffer: ReplayBuffer) -> Self {
+        self.replay = Some(buffer);
+        self
     }
 
     /// Without the teaching log (evaluation).
@@ -184,7 +195,7 @@ impl Scorer {
 
     /// Advantages of a scored step.
     pub fn finish(
-        &self,
+        &mut self,
         rollouts: Rollouts,
         inputs: &[RewardInput],
         mut scores: ScoredBatch,
@@ -226,14 +237,25 @@ impl Scorer {
                 self.drop_zero_std && (s.abs() <= 1e-8 || group.iter().all(|r| r.is_nan()))
             })
             .collect();
-        Ok(Scored {
+        let mut scored = Scored {
             rollouts,
             scores,
             advantages,
             zero_std,
             seconds,
             batches_in_flight,
-        })
+            replay: None,
+        };
+        if let Some(buffer) = self.replay.as_mut() {
+            let replay = buffer.replay(&scored, g, self.seed)?;
+            let step = scored.rollouts.batch.step;
+            scored
+                .scores
+                .metrics
+                .extend(ReplayBuffer::metrics(step, &replay));
+            scored.replay = Some(replay);
+        }
+        Ok(scored)
     }
 
     /// Adds the environment's rewards as one more function, `env` (weight 1), and combines

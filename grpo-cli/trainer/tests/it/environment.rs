@@ -287,6 +287,7 @@ fn scored(masks: bool) -> Scored {
         zero_std: vec![false, false],
         seconds: 0.0,
         batches_in_flight: 1,
+        replay: None,
     }
 }
 
@@ -1424,4 +1425,53 @@ fn grpo_trains_on_routed_environment_factory_classes_from_the_config() {
     c.environment = environment_section(&both);
     let e = GrpoTrainer::from_pretrained(&m, c).unwrap_err().to_string();
     assert!(e.contains("not both"), "{e}");
+}
+
+/// `loss.replay_buffer_size`: a flat group replaced by a kept episode group trains with that
+/// group's model-token masks (its environment tokens stay out of the loss).
+#[test]
+fn a_replayed_episode_group_keeps_its_model_token_masks() {
+    let one = scored(true);
+    // Two groups of two: the episodes of `scored(true)`, then the same prompt again with all
+    // of its tokens the model's.
+    let mut s = one.clone();
+    let r = &mut s.rollouts;
+    r.prompt_ids.push(vec![3, 5]);
+    r.prompt_texts.push("q".into());
+    r.batch.samples.push(r.batch.samples[0].clone());
+    for c in one.rollouts.completions.iter() {
+        r.completions.push(Completion {
+            prompt_index: 1,
+            ..c.clone()
+        });
+    }
+    let e = r.episodes.as_mut().unwrap();
+    e.model_masks.extend([vec![true; 6], vec![true; 6]]);
+    e.messages.extend([Vec::new(), Vec::new()]);
+    e.rewards.extend([0.0, 0.0]);
+    e.metadata.extend([Value::Null, Value::Null]);
+    s.scores.rewards = vec![1.0, 0.0, 0.5, 0.5];
+    s.advantages = vec![0.7, -0.7, 0.0, 0.0];
+    s.zero_std = vec![false; 4];
+    let mut buffer = grpo_trainer::stages::replay::ReplayBuffer::new(2);
+    let rep = buffer.replay(&s, 2, 5).unwrap();
+    assert_eq!(rep.replaced, [(1, 0)]);
+    let t = rep.trained.unwrap();
+    let masks = &t.rollouts.episodes.as_ref().unwrap().model_masks;
+    assert_eq!(masks[2], masks[0]);
+    assert_eq!(masks[3], masks[1]);
+    assert_eq!(masks[2], [true, true, false, false, true, true]);
+    assert_eq!(t.rollouts.prompt_ids[1], [3, 4]);
+    assert_eq!(&t.advantages[2..], [0.7, -0.7]);
+    // The learner's loss mask of the replayed group: the kept group's environment tokens out.
+    let batch = StepBatch::new(&t, &[], 4, false);
+    let m = batch.mask(0, 4, 6, &Device::Cpu).unwrap();
+    let m: Vec<Vec<f32>> = m.to_vec2().unwrap();
+    assert_eq!(m[2], m[0]);
+    assert_eq!(m[2], [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]);
+    // The fresh step is untouched.
+    assert_eq!(
+        s.rollouts.episodes.as_ref().unwrap().model_masks[2],
+        vec![true; 6]
+    );
 }
