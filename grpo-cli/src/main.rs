@@ -68,7 +68,7 @@ enum Command {
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
     /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
-    /// "gkd" | "gold" | "iw_opd" | "sdpo" | "sdft"` in the config runs that instead.
+    /// "gkd" | "gold" | "iw_opd" | "sdpo" | "sdft" | "ssd"` in the config runs that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -98,6 +98,9 @@ enum Command {
     /// Self-distillation fine-tuning (the config's `[sdft]`, TRL's SDFTTrainer): the policy
     /// learns toward itself shown each row's privileged context; no rewards.
     Sdft(train_cmd::TrainArgs),
+    /// Simple self-distillation (the config's `[ssd]`, TRL's SSDTrainer): the policy learns
+    /// its own samples by cross-entropy; no rewards, verifier or teacher.
+    Ssd(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -147,6 +150,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::A2po(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("a2po"))?)),
         Some(Command::Sdpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdpo"))?)),
         Some(Command::Sdft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdft"))?)),
+        Some(Command::Ssd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("ssd"))?)),
         Some(Command::IwOpd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("iw_opd"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
@@ -240,6 +244,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::A2po(_)
             | Command::Sdpo(_)
             | Command::Sdft(_)
+            | Command::Ssd(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -22,6 +22,7 @@ mod score_cli;
 mod sdft;
 mod sdpo;
 mod serve;
+mod ssd;
 mod supervised;
 mod train;
 mod trl_trainers;

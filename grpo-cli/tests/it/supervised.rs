@@ -378,6 +378,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "sdft",
             "sdpo",
             "sft",
+            "ssd",
             "tpo"
         ]
     );
@@ -385,7 +386,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo")
+            .contains("expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");

@@ -88,11 +88,15 @@ pub enum Algorithm {
     /// with `gold.use_uld_loss` a teacher with another tokenizer through universal logit
     /// distillation (`grpo_core::uld`, `[gold]`).
     Gold,
+    /// Simple self-distillation (TRL's experimental SSDTrainer, "Embarrassingly Simple
+    /// Self-Distillation Improves Code Generation"): the policy samples, and learns its own
+    /// raw samples with plain cross-entropy; no reward, verifier or teacher (`[ssd]`).
+    Ssd,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 17] = [
+    pub const ALL: [Algorithm; 18] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -110,6 +114,7 @@ impl Algorithm {
         Algorithm::Sdft,
         Algorithm::IwOpd,
         Algorithm::Gold,
+        Algorithm::Ssd,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -127,6 +132,7 @@ impl Algorithm {
                 | Algorithm::Sdft
                 | Algorithm::IwOpd
                 | Algorithm::Gold
+                | Algorithm::Ssd
         )
     }
 
@@ -154,13 +160,13 @@ impl Algorithm {
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
     /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
-    /// A2POConfig, SDPOConfig and SDFTConfig 5e-5 (TrainingArguments'), the others
+    /// A2POConfig, SDPOConfig, SDFTConfig and SSDConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Gold => 1e-7,
             Self::Sft | Self::Gkd => 2e-5,
-            Self::A2po | Self::Sdpo | Self::Sdft => 5e-5,
+            Self::A2po | Self::Sdpo | Self::Sdft | Self::Ssd => 5e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo | Self::Tpo => 5e-7,
             _ => 1e-6,
@@ -187,6 +193,7 @@ impl Algorithm {
             Self::Sdft => "sdft",
             Self::IwOpd => "iw_opd",
             Self::Gold => "gold",
+            Self::Ssd => "ssd",
         }
     }
 
@@ -205,7 +212,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo"
                 )
             })
     }
@@ -307,6 +314,8 @@ pub struct TrainConfig {
     pub sdpo: SdpoSection,
     /// Self-distillation fine-tuning (`algorithm = "sdft"`, TRL's SDFTConfig).
     pub sdft: SdftSection,
+    /// Simple self-distillation (`algorithm = "ssd"`, TRL's SSDConfig).
+    pub ssd: SsdSection,
     /// TRL's `BEMACallback`: a bias-corrected EMA of the trained weights, written to
     /// `RUN/bema` at the end, optionally the reference model (any algorithm; on when present).
     pub bema: Option<BemaSection>,
@@ -1326,6 +1335,24 @@ impl Default for SdftSection {
     }
 }
 
+/// `[ssd]`: TRL's experimental SSDTrainer (simple self-distillation). The policy samples
+/// completions (TRL: one per prompt) and is fine-tuned on them with cross-entropy at
+/// temperature 1; sampling's `rollout.temperature`, `top_k` and `top_p` are the paper's
+/// training-time T and truncation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SsdSection {
+    /// Leave out empty completions and one-line stubs (no newline and under 10 characters
+    /// once stripped), as the paper's minimal syntactic filter (default true).
+    pub filter_empty: bool,
+}
+
+impl Default for SsdSection {
+    fn default() -> Self {
+        Self { filter_empty: true }
+    }
+}
+
 /// `[bema]`: TRL's `BEMACallback` (Block & Zhang, "EMA Without the Lag: Bias-Corrected Iterate
 /// Averaging"). After every `update_freq` optimizer updates `t` (counted past `update_after`)
 /// the EMA of the trained weights moves, `EMA ← (1 − β_t) EMA + β_t θ_t` with
@@ -1685,6 +1712,7 @@ impl Default for TrainConfig {
             a2po: A2poSection::default(),
             sdpo: SdpoSection::default(),
             sdft: SdftSection::default(),
+            ssd: SsdSection::default(),
             bema: None,
             merge: None,
             gold: GoldSection::default(),
@@ -2564,13 +2592,13 @@ pub fn closest_key(unknown: &str) -> Option<String> {
 }
 
 /// The defaults of the trainer `algorithm` names where TRL's config for it differs from
-/// GRPOConfig's, as `(section, key, value)`: one completion per prompt for distillation, GKD and
-/// A*-PO, two at temperature 0.9 for online DPO, and GKDConfig's β, temperature and
+/// GRPOConfig's, as `(section, key, value)`: one completion per prompt for distillation, GKD,
+/// A*-PO and SSD, two at temperature 0.9 for online DPO, and GKDConfig's β, temperature and
 /// `max_new_tokens`.
 fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)> {
     use serde_json::json;
     match algorithm {
-        "distillation" | "a2po" => vec![("rollout", "num_generations", json!(1))],
+        "distillation" | "a2po" | "ssd" => vec![("rollout", "num_generations", json!(1))],
         "iw_opd" => vec![
             ("rollout", "num_generations", json!(1)),
             ("rollout", "top_p", json!(0.95)),
@@ -2743,7 +2771,10 @@ impl TrainConfig {
         // Distillation trains on each completion alone (TRL samples one per prompt).
         if r.num_generations < 2
             && !self.algorithm.is_distillation()
-            && !matches!(self.algorithm, Algorithm::A2po | Algorithm::Sdft)
+            && !matches!(
+                self.algorithm,
+                Algorithm::A2po | Algorithm::Sdft | Algorithm::Ssd
+            )
         {
             return Err(format!(
                 "`rollout.num_generations` must be >= 2 (a group needs two completions to compare), got {}",
@@ -2926,6 +2957,9 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Sdft {
             self.check_sdft()?;
+        }
+        if self.algorithm == Algorithm::Ssd {
+            self.check_ssd()?;
         }
         if let Some(m) = &self.merge {
             if !matches!(m.dtype.as_str(), "float16" | "bfloat16" | "float32") {
@@ -3565,6 +3599,30 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// What SSD cannot have: it learns its samples by cross-entropy alone.
+    fn check_ssd(&self) -> std::result::Result<(), String> {
+        if self.reference.beta != 0.0 {
+            return Err(
+                "SSD's loss is plain cross-entropy, no KL term: leave `reference.beta` at 0".into(),
+            );
+        }
+        if self.teacher.is_some() || self.environment.kind.is_some() {
+            return Err(
+                "SSD trains on single-turn samples: `[teacher]` and `[environment]` are not \
+                 supported with it"
+                    .into(),
+            );
+        }
+        if self.loss.drop_zero_std_groups {
+            return Err(
+                "`loss.drop_zero_std_groups` drops groups by their rewards; SSD learns every \
+                 sample (rewards are only logged)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
     /// `[sdft]`'s settings (TRL's `SDFTConfig.__post_init__`).
     fn check_sdft(&self) -> std::result::Result<(), String> {
         self.check_self_distill("sdft")?;
@@ -3652,7 +3710,8 @@ impl TrainConfig {
             | Algorithm::Sdpo
             | Algorithm::Sdft
             | Algorithm::IwOpd
-            | Algorithm::Gold => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::Gold
+            | Algorithm::Ssd => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -3697,6 +3756,7 @@ impl TrainConfig {
                 | Algorithm::Sdft
                 | Algorithm::IwOpd
                 | Algorithm::Gold
+                | Algorithm::Ssd
         ))
     }
 

@@ -71,6 +71,9 @@ pub struct Sdft;
 /// Importance-weighted on-policy distillation (`[distillation]`, TRL's IWOPDTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct IwOpd;
+/// Simple self-distillation (`[ssd]`, TRL's SSDTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Ssd;
 /// GOLD (`algorithm = "gold"`).
 #[derive(Debug, Clone, Copy)]
 pub struct Gold;
@@ -122,6 +125,9 @@ impl TrainerKind for Sdpo {
 }
 impl TrainerKind for Sdft {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Sdft);
+}
+impl TrainerKind for Ssd {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Ssd);
 }
 impl TrainerKind for IwOpd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::IwOpd);
@@ -178,6 +184,9 @@ pub type SdpoTrainer = Trainer<Sdpo>;
 
 /// An SDFT trainer: the policy learns toward itself shown each row's privileged context.
 pub type SdftTrainer = Trainer<Sdft>;
+
+/// An SSD trainer: the policy learns its own samples by cross-entropy.
+pub type SsdTrainer = Trainer<Ssd>;
 
 /// An IW-OPD trainer: on-policy distillation with the importance-weighted sampled-token
 /// objective.

@@ -778,8 +778,8 @@ fn online_dpo_config_trains_on_ranked_pairs() {
 }
 
 /// `configs/gkd.toml` (teacher samples on its off-policy steps), `configs/a2po.toml` (stage 1
-/// over the prompts, then the regression), `configs/sdft.toml` and `configs/sdpo.toml` train on
-/// the arithmetic fixture.
+/// over the prompts, then the regression), `configs/sdft.toml`, `configs/ssd.toml` and
+/// `configs/sdpo.toml` train on the arithmetic fixture.
 #[test]
 fn gkd_a2po_and_self_distillation_configs_train() {
     let dir = tempfile::tempdir().unwrap();
@@ -821,6 +821,15 @@ fn gkd_a2po_and_self_distillation_configs_train() {
     for m in &r.metrics {
         assert!(
             m["loss"].is_finite() && m.contains_key("sdft/distillation_loss"),
+            "{m:?}"
+        );
+    }
+    let cfg = load_example("ssd.toml", dir.path(), "ssd", (&model, &data), 3, &[]);
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Ssd);
+    let r = run_setup(trainer::setup(cfg).unwrap());
+    for m in &r.metrics {
+        assert!(
+            m["loss"].is_finite() && m.contains_key("ssd/cross_entropy_loss"),
             "{m:?}"
         );
     }

@@ -51,6 +51,9 @@ impl Learner {
         if matches!(self.cfg.algorithm, Algorithm::Sdpo | Algorithm::Sdft) {
             return self.sdpo_step(s, t0);
         }
+        if self.cfg.algorithm == Algorithm::Ssd {
+            return self.ssd_step(s, t0);
+        }
         // With replayed groups (`loss.replay_buffer_size`) the loss trains on the step with
         // them in place; the step's metrics describe it as generated (as TRL's).
         let fresh = s;

@@ -27,6 +27,7 @@ pub mod loss;
 pub mod metrics;
 pub mod online_dpo;
 pub mod sdpo;
+pub mod ssd;
 pub mod step;
 pub mod supervised;
 

@@ -294,6 +294,7 @@ fn algorithms_by_name() {
             "sdft",
             "sdpo",
             "sft",
+            "ssd",
             "tpo"
         ]
     );
@@ -310,6 +311,7 @@ fn algorithms_by_name() {
         "kto",
         "rloo",
         "sdft",
+        "ssd",
         "sdpo",
         "orpo",
         "cpo",
