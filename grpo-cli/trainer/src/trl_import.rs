@@ -988,6 +988,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_replay_buffers_size_carries_over() {
+        // GRPOWithReplayBufferConfig's one key beyond GRPOConfig's.
+        let recipe: Map<String, Value> =
+            serde_json::from_value(json!({"model_name_or_path": "m", "reward_funcs": ["accuracy_reward"], "replay_buffer_size": 16}))
+                .unwrap();
+        let out = translate(&recipe, Path::new("."), Trainer::Grpo).unwrap();
+        assert_eq!(out.tree["loss"]["replay_buffer_size"], json!(16));
+        assert!(
+            out.notes.iter().all(|(k, _)| k != "replay_buffer_size"),
+            "{:?}",
+            out.notes
+        );
+    }
+
+    #[test]
     fn split_files_reads_hub_snapshots_and_saved_datasets() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
