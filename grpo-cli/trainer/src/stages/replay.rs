@@ -159,8 +159,8 @@ impl ReplayBuffer {
 
     /// Applies replay to a scored step of `g`-completion groups (after its advantages): keeps
     /// every group whose rewards vary, then puts a drawn group in the place of every group
-    /// whose rewards are all equal. Adds `replay/*` metrics to the step's and returns what it
-    /// did. The draw's stream is `seed`'s (the step's own).
+    /// whose rewards are all equal. Returns what it did ([`Self::metrics`] reads it). The
+    /// draw's stream is `seed`'s and the step's.
     pub fn replay(&mut self, s: &Scored, g: usize, seed: u64) -> Result<Replay> {
         let n = s.rollouts.completions.len();
         if g == 0 || !n.is_multiple_of(g) || s.advantages.len() != n {
