@@ -13,7 +13,7 @@ use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunOptions};
 
 use crate::common;
-use common::{Fixture, assert_same_steps, completion_logits, first_scored_step, grpo_cli_ok};
+use common::{Fixture, assert_same_steps, first_scored_step, grpo_cli_ok, token_logps};
 
 fn fixture() -> Fixture {
     Fixture::new()
@@ -63,25 +63,6 @@ fn load(root: &Path, out: &str, steps: usize, extra: &str) -> TrainConfig {
 fn run(cfg: TrainConfig) -> trainer::TrainingResult {
     let s = trainer::setup(cfg).unwrap();
     trainer::run(s, &RunOptions::default(), &mut grpo_trainer::NoCallbacks).unwrap()
-}
-
-/// The sampled tokens' log-probs of one completion at `temperature`.
-fn token_logps(
-    model: &grpo_rollout::Transformer,
-    prompt: &[u32],
-    completion: &[u32],
-    temperature: f64,
-) -> Vec<f64> {
-    let z = (completion_logits(model, prompt, completion) / temperature).unwrap();
-    let rows: Vec<Vec<f64>> = z.to_vec2().unwrap();
-    rows.iter()
-        .zip(completion)
-        .map(|(r, &t)| {
-            let m = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let lse = m + r.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
-            r[t as usize] - lse
-        })
-        .collect()
 }
 
 #[test]

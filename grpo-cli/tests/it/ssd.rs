@@ -7,9 +7,7 @@ use std::path::Path;
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunOptions};
 
-use crate::common::{
-    Fixture, assert_same_steps, completion_logits, first_scored_step, grpo_cli_ok,
-};
+use crate::common::{Fixture, assert_same_steps, first_scored_step, grpo_cli_ok, token_logps};
 
 fn fixture() -> Fixture {
     Fixture::new().model("model", 4).arithmetic(24)
@@ -51,16 +49,9 @@ fn load(root: &Path, out: &str, steps: usize, extra: &str) -> TrainConfig {
 
 /// `−log p` of each completion token under `model` at temperature 1, one completion alone.
 fn nll(model: &grpo_rollout::Transformer, prompt: &[u32], completion: &[u32]) -> Vec<f64> {
-    let rows: Vec<Vec<f64>> = completion_logits(model, prompt, completion)
-        .to_vec2()
-        .unwrap();
-    rows.iter()
-        .zip(completion)
-        .map(|(r, &t)| {
-            let m = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let lse = m + r.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
-            lse - r[t as usize]
-        })
+    token_logps(model, prompt, completion, 1.0)
+        .into_iter()
+        .map(|l| -l)
         .collect()
 }
 

@@ -138,6 +138,26 @@ pub fn completion_logits(
     model.logits(&h).unwrap().to_dtype(DType::F64).unwrap()
 }
 
+/// The log-prob of each token of one completion after `prompt` under `model`, at
+/// `temperature` (one completion alone, in f64).
+pub fn token_logps(
+    model: &grpo_rollout::Transformer,
+    prompt: &[u32],
+    completion: &[u32],
+    temperature: f64,
+) -> Vec<f64> {
+    let z = (completion_logits(model, prompt, completion) / temperature).unwrap();
+    let rows: Vec<Vec<f64>> = z.to_vec2().unwrap();
+    rows.iter()
+        .zip(completion)
+        .map(|(r, &t)| {
+            let m = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + r.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            r[t as usize] - lse
+        })
+        .collect()
+}
+
 /// A learner over `setup` writing under `dir` (created), and the first step's completions as
 /// the pipeline makes them (loaded, sampled with the learner's published policy, scored),
 /// before any update: what a test compares the learner's first step with.

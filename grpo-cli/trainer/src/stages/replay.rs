@@ -96,15 +96,13 @@ impl ReplayBuffer {
             self.groups.push(Arc::new(group));
             return;
         }
+        // The first (oldest) of the lowest scores; every kept score is finite.
         let Some((worst, min)) = self
             .groups
             .iter()
+            .map(|g| g.score)
             .enumerate()
-            .map(|(i, g)| (i, g.score))
-            .fold(None, |acc: Option<(usize, f64)>, (i, s)| match acc {
-                Some((_, m)) if m <= s => acc,
-                _ => Some((i, s)),
-            })
+            .min_by(|a, b| a.1.total_cmp(&b.1))
         else {
             return;
         };
@@ -335,17 +333,12 @@ fn put_group(t: &mut Scored, gi: usize, g: usize, group: &ReplayGroup) -> Result
             *z = false;
         }
     }
-    let lens: Vec<usize> = t
-        .rollouts
-        .completions
-        .iter()
-        .map(|c| c.token_ids.len())
-        .collect();
+    let completions = &t.rollouts.completions;
     match (t.rollouts.episodes.as_mut(), &group.model_masks) {
         (Some(e), masks) => {
             // A completion without a mask is all the model's tokens.
-            for &len in &lens[e.model_masks.len().min(lens.len())..] {
-                e.model_masks.push(vec![true; len]);
+            for c in completions.iter().skip(e.model_masks.len()) {
+                e.model_masks.push(vec![true; c.token_ids.len()]);
             }
             for j in 0..g {
                 let len = group.completions[j].token_ids.len();
