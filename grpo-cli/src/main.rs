@@ -67,8 +67,9 @@ enum Command {
         run_dir: std::path::PathBuf,
     },
     /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
-    /// "orpo" | "cpo" | "tpo" | "online_dpo" | "a2po" | "rloo" | "reward" | "distillation" |
-    /// "gkd" | "gold" | "iw_opd" | "sdpo" | "sdft" | "ssd"` in the config runs that instead.
+    /// "orpo" | "cpo" | "tpo" | "online_dpo" | "xpo" | "nash_md" | "a2po" | "rloo" | "reward" |
+    /// "distillation" | "gkd" | "gold" | "iw_opd" | "sdpo" | "sdft" | "ssd"` in the config runs
+    /// that instead.
     Train(train_cmd::TrainArgs),
     /// Supervised fine-tuning (the config's `[sft]`): the loss on completion tokens only.
     Sft(train_cmd::TrainArgs),
@@ -89,6 +90,15 @@ enum Command {
     /// prompt, the rewards pick the chosen one, DPO's loss against the frozen reference.
     #[command(alias = "online_dpo")]
     OnlineDpo(train_cmd::TrainArgs),
+    /// Exploratory preference optimisation (the config's `[online_dpo]` and `[xpo]`, TRL's
+    /// XPOTrainer): online DPO on a policy sample against a reference sample, plus `alpha`
+    /// times the policy's log-likelihood of the reference's.
+    Xpo(train_cmd::TrainArgs),
+    /// Nash mirror descent (the config's `[online_dpo]` and `[nash_md]`, TRL's NashMDTrainer):
+    /// the policy's sample against one of the policy–reference geometric mixture; the
+    /// preference probability weighs a REINFORCE step with a KL penalty.
+    #[command(alias = "nash_md")]
+    NashMd(train_cmd::TrainArgs),
     /// A*-PO (the config's `[a2po]`, TRL's A2POTrainer): optimal values estimated from the
     /// reference's samples, then one sample per prompt regressed onto its optimal advantage.
     A2po(train_cmd::TrainArgs),
@@ -155,6 +165,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
         }
+        Some(Command::Xpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("xpo"))?)),
+        Some(Command::NashMd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("nash_md"))?)),
         Some(Command::Rloo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("rloo"))?)),
         Some(Command::Reward(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("reward"))?)),
         Some(Command::Distillation(a)) => Ok(ExitCode::from(train_cmd::train_as(
@@ -241,6 +253,8 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Cpo(_)
             | Command::Tpo(_)
             | Command::OnlineDpo(_)
+            | Command::Xpo(_)
+            | Command::NashMd(_)
             | Command::A2po(_)
             | Command::Sdpo(_)
             | Command::Sdft(_)

@@ -227,6 +227,62 @@ pub fn generate_batch_with(
     params: &SamplingParams,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<Vec<Completion>> {
+    decode_loop(model, None, tokenizer, requests, params, on_token)
+}
+
+/// The geometric mixture of two models that [`generate_mixture`] samples from (TRL's
+/// `GeometricMixtureWrapper`, Nash-MD's "mixture policy").
+#[derive(Debug, Clone, Copy)]
+pub struct GeometricMixture<'a> {
+    /// The second model (Nash-MD: the frozen reference), with the same vocabulary.
+    pub reference: &'a Transformer,
+    /// Its weight `c` in `[0, 1]`: each next token is drawn from
+    /// `log_softmax(c · reference logits + (1 − c) · model logits)`, which then goes through
+    /// the sampling knobs as a model's logits would.
+    pub coef: f64,
+}
+
+/// [`generate_batch`] from the geometric mixture of `model` and `mixture.reference`: both
+/// models decode each row in lockstep (each with its own KV cache) and every token is drawn
+/// from `log_softmax(c · reference + (1 − c) · model)` of their logits. The recorded log-probs
+/// are the mixture's. `c = 0` samples as `model` alone does (the same tokens for the same
+/// seeds), `c = 1` as the reference alone.
+pub fn generate_mixture(
+    model: &Transformer,
+    mixture: GeometricMixture<'_>,
+    tokenizer: &Tokenizer,
+    requests: &[PromptRequest<'_>],
+    params: &SamplingParams,
+) -> Result<Vec<Completion>> {
+    let c = mixture.coef;
+    if !(0.0..=1.0).contains(&c) {
+        bail!("the mixture coefficient must be in [0, 1], got {c}");
+    }
+    let (v, rv) = (model.cfg.vocab_size, mixture.reference.cfg.vocab_size);
+    if v != rv {
+        bail!(
+            "a geometric mixture needs one vocabulary: the model has {v} tokens, the reference {rv}"
+        );
+    }
+    decode_loop(
+        model,
+        Some(mixture),
+        tokenizer,
+        requests,
+        params,
+        &mut |_| true,
+    )
+}
+
+/// The decode loop of [`generate_batch_with`] and [`generate_mixture`].
+fn decode_loop(
+    model: &Transformer,
+    mixture: Option<GeometricMixture<'_>>,
+    tokenizer: &Tokenizer,
+    requests: &[PromptRequest<'_>],
+    params: &SamplingParams,
+    on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+) -> Result<Vec<Completion>> {
     params.validate()?;
     if let Some(i) = requests.iter().position(|r| r.ids.is_empty()) {
         bail!("prompt {i} is empty: a prompt needs at least one token");
@@ -247,6 +303,15 @@ pub fn generate_batch_with(
 
     // Prefill each prompt once, its cache shared across its samples.
     let mut state = prefill(model, pad, &prompts, &counts, params.max_new_tokens)?;
+    // The mixture's second model decodes the same rows beside it.
+    let mut second = match mixture {
+        Some(m) => {
+            let reference = m.reference.for_decoding()?;
+            let s = prefill(&reference, pad, &prompts, &counts, params.max_new_tokens)?;
+            Some((reference, s, crate::graph::Decoder::default(), m.coef))
+        }
+        None => None,
+    };
     // A row of the batch: `None` once it has finished and until the batch is compacted.
     let mut rows: Vec<Option<Row>> = Vec::with_capacity(counts.iter().sum());
     for (p, &i) in live.iter().enumerate() {
@@ -295,8 +360,12 @@ pub fn generate_batch_with(
             .iter()
             .map(|r| r.as_ref().map_or(&[][..], |r| r.seen.as_slice()))
             .collect();
+        let mixed = match &second {
+            Some((_, s, _, c)) => Some(mixed_logits(&state.logits, &s.logits, vocab, *c)?),
+            None => None,
+        };
         let (picks, sampled) = pick_tokens(
-            &state.logits,
+            mixed.as_ref().unwrap_or(&state.logits),
             params,
             vocab,
             &stop_ids,
@@ -385,15 +454,31 @@ pub fn generate_batch_with(
             if let Some(s) = sampler.as_mut() {
                 s.select_rows(&keep_t)?;
             }
+            if let Some((_, s, d, _)) = second.as_mut() {
+                d.resize(s)?;
+                s.keep_rows(&keep_t)?;
+            }
             rows.retain(Option::is_some);
             // The larger cache just freed goes back to the driver before the next step's
             // graph (its memory the driver's, not the pool's) is captured at the new size.
             grpo_core::memlog::release_unused(&device);
         }
         decoder.step(model, &mut state, &step_ids)?;
+        if let Some((reference, s, d, _)) = second.as_mut() {
+            d.step(reference, s, &step_ids)?;
+        }
     }
     done.sort_by_key(|c| (c.prompt_index, c.sample_index));
     Ok(done)
+}
+
+/// `log_softmax(c · reference + (1 − c) · model)` over the first `vocab` columns, in f32.
+fn mixed_logits(model: &Tensor, reference: &Tensor, vocab: usize, c: f64) -> Result<Tensor> {
+    let m = model.narrow(1, 0, vocab)?.to_dtype(DType::F32)?;
+    let r = reference.narrow(1, 0, vocab)?.to_dtype(DType::F32)?;
+    let z = ((m * (1.0 - c))? + (r * c)?)?;
+    let shifted = z.broadcast_sub(&z.max_keepdim(1)?)?;
+    shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(1)?.log()?)
 }
 
 /// The tokenizer's EOS ids and `params.stop_token_ids`, sorted, without repeats.

@@ -83,7 +83,9 @@ pub use device::{DeviceSpec, Dtype};
 pub use env::{AsyncEnvironment, Blocking};
 pub use env::{Environment, EnvironmentReset, EnvironmentReturn, EpisodeStart};
 pub use episode::{Episode, EpisodeParams, EpisodePrompt, generate_episodes};
-pub use generate::{Completion, FinishReason, SamplingParams, generate};
+pub use generate::{
+    Completion, FinishReason, GeometricMixture, SamplingParams, generate, generate_mixture,
+};
 pub use loader::{LoadedModel, load, save_hf_dir};
 pub use lora::LoraConfig;
 pub use model::{DistillTeacher, Transformer};

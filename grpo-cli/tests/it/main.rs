@@ -26,3 +26,4 @@ mod ssd;
 mod supervised;
 mod train;
 mod trl_trainers;
+mod xpo_nash_md;

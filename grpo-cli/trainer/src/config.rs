@@ -92,11 +92,20 @@ pub enum Algorithm {
     /// Self-Distillation Improves Code Generation"): the policy samples, and learns its own
     /// raw samples with plain cross-entropy; no reward, verifier or teacher (`[ssd]`).
     Ssd,
+    /// Exploratory preference optimisation (TRL's experimental XPOTrainer): online DPO whose
+    /// pair is one sample of the policy and one of the frozen reference, plus `α` times the
+    /// policy's log-likelihood of the reference's sample (`[online_dpo]`, `[xpo]`).
+    Xpo,
+    /// Nash mirror descent (TRL's experimental NashMDTrainer): the policy's sample against one
+    /// from the geometric mixture of policy and reference; the probability that the policy's
+    /// is preferred weighs a REINFORCE step, with a KL penalty to the reference
+    /// (`[online_dpo]`, `[nash_md]`).
+    NashMd,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 18] = [
+    pub const ALL: [Algorithm; 20] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -115,6 +124,8 @@ impl Algorithm {
         Algorithm::IwOpd,
         Algorithm::Gold,
         Algorithm::Ssd,
+        Algorithm::Xpo,
+        Algorithm::NashMd,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -126,6 +137,8 @@ impl Algorithm {
                 | Algorithm::Rloo
                 | Algorithm::Distillation
                 | Algorithm::OnlineDpo
+                | Algorithm::Xpo
+                | Algorithm::NashMd
                 | Algorithm::Gkd
                 | Algorithm::A2po
                 | Algorithm::Sdpo
@@ -133,6 +146,15 @@ impl Algorithm {
                 | Algorithm::IwOpd
                 | Algorithm::Gold
                 | Algorithm::Ssd
+        )
+    }
+
+    /// Whether the step compares two completions of each prompt ranked by the rewards, against
+    /// the frozen reference, with `[online_dpo]`'s β and EOS penalty: online DPO, XPO, Nash-MD.
+    pub fn is_online_dpo(self) -> bool {
+        matches!(
+            self,
+            Algorithm::OnlineDpo | Algorithm::Xpo | Algorithm::NashMd
         )
     }
 
@@ -153,13 +175,15 @@ impl Algorithm {
             Algorithm::Grpo
                 | Algorithm::Rloo
                 | Algorithm::OnlineDpo
+                | Algorithm::Xpo
+                | Algorithm::NashMd
                 | Algorithm::A2po
                 | Algorithm::Sdpo
         )
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, OnlineDPOConfig and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
+    /// RewardConfig 1e-4, OnlineDPOConfig (XPOConfig, NashMDConfig) and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
     /// A2POConfig, SDPOConfig, SDFTConfig and SSDConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
     pub fn default_learning_rate(self) -> f64 {
@@ -168,7 +192,7 @@ impl Algorithm {
             Self::Sft | Self::Gkd => 2e-5,
             Self::A2po | Self::Sdpo | Self::Sdft | Self::Ssd => 5e-5,
             Self::Reward => 1e-4,
-            Self::OnlineDpo | Self::Tpo => 5e-7,
+            Self::OnlineDpo | Self::Xpo | Self::NashMd | Self::Tpo => 5e-7,
             _ => 1e-6,
         }
     }
@@ -194,6 +218,8 @@ impl Algorithm {
             Self::IwOpd => "iw_opd",
             Self::Gold => "gold",
             Self::Ssd => "ssd",
+            Self::Xpo => "xpo",
+            Self::NashMd => "nash_md",
         }
     }
 
@@ -212,7 +238,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo"
+                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
                 )
             })
     }
@@ -304,8 +330,13 @@ pub struct TrainConfig {
     /// Contrastive preference optimisation, SimPO and AlphaPO (`algorithm = "cpo"`, TRL's
     /// CPOConfig).
     pub cpo: CpoSection,
-    /// Online DPO (`algorithm = "online_dpo"`, TRL's OnlineDPOConfig).
+    /// Online DPO (`algorithm = "online_dpo"`, TRL's OnlineDPOConfig), and the settings XPO
+    /// and Nash-MD share with it.
     pub online_dpo: OnlineDpoSection,
+    /// XPO (`algorithm = "xpo"`, TRL's XPOConfig `alpha`).
+    pub xpo: XpoSection,
+    /// Nash-MD (`algorithm = "nash_md"`, TRL's NashMDConfig `mixture_coef`).
+    pub nash_md: NashMdSection,
     /// Triple preference optimisation (`algorithm = "tpo"`, TRL's TPOConfig).
     pub tpo: TpoSection,
     /// A*-PO (`algorithm = "a2po"`, TRL's A2POConfig).
@@ -1515,18 +1546,19 @@ impl TpoSection {
     }
 }
 
-/// TRL's OnlineDPOConfig `beta`: one value, or one per epoch (the last for the epochs after).
+/// TRL's OnlineDPOConfig `beta` (and XPO's `alpha`, Nash-MD's `mixture_coef`): one value, or
+/// one per epoch (the last for the epochs after).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(untagged)]
-pub enum Betas {
-    /// One β for the whole run.
+pub enum EpochValues {
+    /// One value for the whole run.
     One(f64),
-    /// β of epoch 0, 1, ...; the last one for the rest.
+    /// The value of epoch 0, 1, ...; the last one for the rest.
     PerEpoch(Vec<f64>),
 }
 
-impl Betas {
-    /// β at `epoch` (0-based).
+impl EpochValues {
+    /// The value at `epoch` (0-based).
     pub fn at(&self, epoch: u64) -> f64 {
         match self {
             Self::One(b) => *b,
@@ -1542,6 +1574,22 @@ impl Betas {
             Self::One(b) => vec![*b],
             Self::PerEpoch(v) => v.clone(),
         }
+    }
+}
+
+/// Refuses an empty list, or a value that is not finite or fails `ok` (`want` says the rule).
+fn epoch_values(
+    key: &str,
+    v: &EpochValues,
+    ok: impl Fn(f64) -> bool,
+    want: &str,
+) -> std::result::Result<(), String> {
+    if matches!(v, EpochValues::PerEpoch(v) if v.is_empty()) {
+        return Err(format!("`{key}` is an empty list"));
+    }
+    match v.values().into_iter().find(|&x| !(x.is_finite() && ok(x))) {
+        Some(x) => Err(format!("`{key}` must be {want}, got {x}")),
+        None => Ok(()),
     }
 }
 
@@ -1562,7 +1610,7 @@ pub enum OnlineDpoLoss {
 #[serde(default, deny_unknown_fields)]
 pub struct OnlineDpoSection {
     /// β, or a list: one per epoch, the last for the rest (default 0.1).
-    pub beta: Betas,
+    pub beta: EpochValues,
     /// sigmoid (default) | ipo.
     pub loss_type: OnlineDpoLoss,
     /// Subtracted from the reward of a completion without an EOS token (TRL's name); absent:
@@ -1573,9 +1621,48 @@ pub struct OnlineDpoSection {
 impl Default for OnlineDpoSection {
     fn default() -> Self {
         Self {
-            beta: Betas::One(0.1),
+            beta: EpochValues::One(0.1),
             loss_type: OnlineDpoLoss::Sigmoid,
             missing_eos_penalty: None,
+        }
+    }
+}
+
+/// `[xpo]`: TRL's XPOTrainer. Each prompt's pair is one sample of the policy and one of the
+/// frozen reference, ranked by the rewards as online DPO's pairs; the loss is online DPO's
+/// plus `α · Σ log π(y_ref)`, which lowers the policy's likelihood of the reference's samples
+/// (exploration).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct XpoSection {
+    /// α, or a list: one per epoch, the last for the rest (default 1e-5).
+    pub alpha: EpochValues,
+}
+
+impl Default for XpoSection {
+    fn default() -> Self {
+        Self {
+            alpha: EpochValues::One(1e-5),
+        }
+    }
+}
+
+/// `[nash_md]`: TRL's NashMDTrainer. Each prompt's pair is one sample of the policy and one of
+/// the geometric mixture `log_softmax(c · reference logits + (1 − c) · policy logits)`; with
+/// `p = σ(r_policy − r_mixture)` the loss is `β · Σ sg(log π − log π_ref) log π −
+/// (p − ½) Σ log π` on the policy's sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NashMdSection {
+    /// The reference's weight `c` in the mixture, in [0, 1], or a list: one per epoch, the
+    /// last for the rest (default 0.5).
+    pub mixture_coef: EpochValues,
+}
+
+impl Default for NashMdSection {
+    fn default() -> Self {
+        Self {
+            mixture_coef: EpochValues::One(0.5),
         }
     }
 }
@@ -1708,6 +1795,8 @@ impl Default for TrainConfig {
             orpo: OrpoSection::default(),
             cpo: CpoSection::default(),
             online_dpo: OnlineDpoSection::default(),
+            xpo: XpoSection::default(),
+            nash_md: NashMdSection::default(),
             tpo: TpoSection::default(),
             a2po: A2poSection::default(),
             sdpo: SdpoSection::default(),
@@ -2617,7 +2706,7 @@ fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)>
             ("rollout", "max_completion_length", json!(128)),
             ("distillation", "beta", json!(0.5)),
         ],
-        "online_dpo" => vec![
+        "online_dpo" | "xpo" | "nash_md" => vec![
             ("rollout", "num_generations", json!(2)),
             ("rollout", "temperature", json!(0.9)),
         ],
@@ -2898,59 +2987,8 @@ impl TrainConfig {
                 );
             }
         }
-        if self.algorithm == Algorithm::OnlineDpo {
-            let o = &self.online_dpo;
-            if let Some(b) = o
-                .beta
-                .values()
-                .into_iter()
-                .find(|b| !(*b > 0.0 && b.is_finite()))
-            {
-                return Err(format!("`online_dpo.beta` must be > 0, got {b}"));
-            }
-            if matches!(&o.beta, Betas::PerEpoch(v) if v.is_empty()) {
-                return Err("`online_dpo.beta` is an empty list".into());
-            }
-            if let Some(p) = o.missing_eos_penalty
-                && !(p >= 0.0 && p.is_finite())
-            {
-                return Err(format!(
-                    "`online_dpo.missing_eos_penalty` must be >= 0, got {p}"
-                ));
-            }
-            if self.rollout.num_generations != 2 {
-                return Err(format!(
-                    "online DPO compares two completions per prompt: `rollout.num_generations` \
-                     must be 2, got {}",
-                    self.rollout.num_generations
-                ));
-            }
-            if !self.micro_batch().is_multiple_of(2) {
-                return Err(format!(
-                    "online DPO keeps each prompt's two completions in one micro-batch: \
-                     `train.per_device_train_batch_size` must be even, got {}",
-                    self.micro_batch()
-                ));
-            }
-            if self.reference.beta != 0.0 {
-                return Err(
-                    "online DPO's beta is `online_dpo.beta`; leave `reference.beta` at 0".into(),
-                );
-            }
-            if self.teacher.is_some() || self.environment.kind.is_some() {
-                return Err(
-                    "online DPO trains on single-turn completions: `[teacher]` and \
-                     `[environment]` are not supported with it"
-                        .into(),
-                );
-            }
-            if self.loss.drop_zero_std_groups {
-                return Err(
-                    "`loss.drop_zero_std_groups` drops groups by their rewards; online \
-                            DPO trains on every pair (a tie keeps the first completion as chosen)"
-                        .into(),
-                );
-            }
+        if self.algorithm.is_online_dpo() {
+            self.check_online_dpo()?;
         }
         if self.algorithm == Algorithm::Sdpo {
             self.check_sdpo()?;
@@ -3697,6 +3735,82 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Online DPO's, XPO's and Nash-MD's settings.
+    fn check_online_dpo(&self) -> std::result::Result<(), String> {
+        let name = match self.algorithm {
+            Algorithm::Xpo => "XPO",
+            Algorithm::NashMd => "Nash-MD",
+            _ => "online DPO",
+        };
+        let o = &self.online_dpo;
+        epoch_values("online_dpo.beta", &o.beta, |b| b > 0.0, "> 0")?;
+        if let Some(p) = o.missing_eos_penalty
+            && !(p >= 0.0 && p.is_finite())
+        {
+            return Err(format!(
+                "`online_dpo.missing_eos_penalty` must be >= 0, got {p}"
+            ));
+        }
+        if self.rollout.num_generations != 2 {
+            return Err(format!(
+                "{name} compares two completions per prompt: `rollout.num_generations` \
+                 must be 2, got {}",
+                self.rollout.num_generations
+            ));
+        }
+        if !self.micro_batch().is_multiple_of(2) {
+            return Err(format!(
+                "{name} keeps each prompt's two completions in one micro-batch: \
+                 `train.per_device_train_batch_size` must be even, got {}",
+                self.micro_batch()
+            ));
+        }
+        if self.reference.beta != 0.0 {
+            return Err(format!(
+                "{name}'s beta is `online_dpo.beta`; leave `reference.beta` at 0"
+            ));
+        }
+        if self.teacher.is_some() || self.environment.kind.is_some() {
+            return Err(format!(
+                "{name} trains on single-turn completions: `[teacher]` and `[environment]` \
+                 are not supported with it"
+            ));
+        }
+        if self.loss.drop_zero_std_groups {
+            return Err(format!(
+                "`loss.drop_zero_std_groups` drops groups by their rewards; {name} trains on \
+                 every pair (a tie keeps the first completion as chosen)"
+            ));
+        }
+        if self.algorithm == Algorithm::OnlineDpo {
+            return Ok(());
+        }
+        if self.rollout.backend == Backend::Openai {
+            return Err(format!(
+                "{name} samples with the frozen reference too, in this process: leave \
+                 `rollout.backend` at \"local\""
+            ));
+        }
+        if self.algorithm == Algorithm::Xpo {
+            epoch_values("xpo.alpha", &self.xpo.alpha, |a| a >= 0.0, ">= 0")?;
+        } else {
+            epoch_values(
+                "nash_md.mixture_coef",
+                &self.nash_md.mixture_coef,
+                |c| (0.0..=1.0).contains(&c),
+                "in [0, 1]",
+            )?;
+            if o.loss_type != OnlineDpoLoss::Sigmoid {
+                return Err(
+                    "Nash-MD's loss is its own, not DPO's: `online_dpo.loss_type` does not \
+                     apply to it"
+                        .into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// What one step trains on: prompts × generations completions (GRPO), or
     /// `prompts_per_step` rows (SFT, DPO).
     pub fn completions_per_step(&self) -> usize {
@@ -3705,6 +3819,8 @@ impl TrainConfig {
             | Algorithm::Rloo
             | Algorithm::Distillation
             | Algorithm::OnlineDpo
+            | Algorithm::Xpo
+            | Algorithm::NashMd
             | Algorithm::Gkd
             | Algorithm::A2po
             | Algorithm::Sdpo
@@ -3750,6 +3866,8 @@ impl TrainConfig {
                 | Algorithm::Orpo
                 | Algorithm::Cpo
                 | Algorithm::OnlineDpo
+                | Algorithm::Xpo
+                | Algorithm::NashMd
                 | Algorithm::Gkd
                 | Algorithm::Tpo
                 | Algorithm::Sdpo

@@ -499,8 +499,9 @@ pub fn setup_with(
     let reference = if (cfg.reference.beta > 0.0 && cfg.algorithm != Algorithm::Reward)
         || matches!(
             cfg.algorithm,
-            Algorithm::Dpo | Algorithm::Kto | Algorithm::OnlineDpo | Algorithm::A2po
+            Algorithm::Dpo | Algorithm::Kto | Algorithm::A2po
         )
+        || cfg.algorithm.is_online_dpo()
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
     {
         Some(match &cfg.model.lora {

@@ -1,6 +1,7 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
-//! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`RlooTrainer`], [`RewardTrainer`],
+//! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`XpoTrainer`], [`NashMdTrainer`],
+//! [`RlooTrainer`], [`RewardTrainer`],
 //! [`DistillationTrainer`], [`GkdTrainer`], [`TpoTrainer`], [`A2poTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
 
@@ -43,6 +44,12 @@ pub struct Cpo;
 /// Online DPO (`[online_dpo]`, TRL's OnlineDPOTrainer, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct OnlineDpo;
+/// XPO (`[online_dpo]` and `[xpo]`, TRL's XPOTrainer, on the GRPO pipeline).
+#[derive(Debug, Clone, Copy)]
+pub struct Xpo;
+/// Nash-MD (`[online_dpo]` and `[nash_md]`, TRL's NashMDTrainer, on the GRPO pipeline).
+#[derive(Debug, Clone, Copy)]
+pub struct NashMd;
 /// RLOO (`[rloo]`, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct Rloo;
@@ -102,6 +109,12 @@ impl TrainerKind for Cpo {
 impl TrainerKind for OnlineDpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::OnlineDpo);
 }
+impl TrainerKind for Xpo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Xpo);
+}
+impl TrainerKind for NashMd {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::NashMd);
+}
 impl TrainerKind for Rloo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Rloo);
 }
@@ -156,6 +169,12 @@ pub type OrpoTrainer = Trainer<Orpo>;
 pub type CpoTrainer = Trainer<Cpo>;
 /// An online DPO trainer: pairs of the policy's own samples, ranked by the rewards.
 pub type OnlineDpoTrainer = Trainer<OnlineDpo>;
+/// An XPO trainer: online DPO on pairs of a policy sample and a reference sample, with the
+/// exploration term on the reference's.
+pub type XpoTrainer = Trainer<Xpo>;
+/// A Nash-MD trainer: the policy's samples against the policy–reference mixture's, a
+/// REINFORCE step on the preference with a KL penalty.
+pub type NashMdTrainer = Trainer<NashMd>;
 /// An RLOO trainer.
 pub type RlooTrainer = Trainer<Rloo>;
 /// A reward-model trainer: a sequence classifier learns to score chosen above rejected.

@@ -863,3 +863,136 @@ fn the_merged_lora_copy_samples_the_adapted_models_tokens() {
         "the adapters change the samples"
     );
 }
+
+/// Full-forward logits `(L, V)` of one unpadded sequence.
+fn sequence_logits(m: &Transformer, ids: &[u32]) -> Vec<Vec<f32>> {
+    let (ids_t, mask) = left_pad(&[ids.to_vec()], 0, &Device::Cpu).unwrap();
+    let h = m.forward_padded(&ids_t, &mask).unwrap().squeeze(0).unwrap();
+    m.logits(&h).unwrap().to_vec2().unwrap()
+}
+
+/// Nash-MD's geometric mixture: every recorded log-prob is the mixture's,
+/// `log_softmax((c·z_ref + (1 − c)·z_model) / T)` at the sampled token, where the logits are
+/// each model's full forward of the sequence so far; `c = 0` samples the model's own tokens and
+/// `c = 1` the reference's; the same holds through rows leaving the batch, with the device
+/// sampler, and with decode steps replayed as graphs.
+#[test]
+fn the_geometric_mixture_samples_from_both_models_logits() {
+    use grpo_rollout::generate::{
+        GeometricMixture, PromptRequest, generate_batch, generate_mixture, with_device_sampling,
+        with_retire_every,
+    };
+    use grpo_rollout::graph::replayed_on_the_host;
+    let (m, tok) = setup();
+    let r = random_weights(&m.cfg, 29, DType::F32, &Device::Cpu)
+        .unwrap()
+        .detached();
+    let ps = prompts(&tok);
+    let p = SamplingParams {
+        max_new_tokens: 10,
+        seed: 3,
+        temperature: 0.8,
+        stop_token_ids: (20..60).collect(),
+        ..Default::default()
+    };
+    let requests: Vec<PromptRequest<'_>> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, ids)| PromptRequest {
+            ids,
+            n: 3,
+            seed: 3,
+            first_stream: 3 * i as u64,
+        })
+        .collect();
+    let mix = |c: f64| GeometricMixture {
+        reference: &r,
+        coef: c,
+    };
+    // The ends: the model alone, the reference alone.
+    for (c, alone) in [(0.0, &m), (1.0, &r)] {
+        let mixed = generate_mixture(&m, mix(c), &tok, &requests, &p).unwrap();
+        let single = generate_batch(alone, &tok, &requests, &p).unwrap();
+        assert_eq!(mixed.len(), single.len());
+        for (a, b) in mixed.iter().zip(&single) {
+            assert_eq!(a.token_ids, b.token_ids, "c = {c}");
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "c = {c}: {x} vs {y}");
+            }
+        }
+    }
+    let c = 0.3;
+    let out = generate_mixture(&m, mix(c), &tok, &requests, &p).unwrap();
+    let lens: std::collections::BTreeSet<usize> = out.iter().map(|c| c.token_ids.len()).collect();
+    assert!(
+        lens.len() > 1,
+        "rows should finish at several steps: {lens:?}"
+    );
+    assert_ne!(
+        out.iter().map(|c| &c.token_ids).collect::<Vec<_>>(),
+        generate_batch(&m, &tok, &requests, &p)
+            .unwrap()
+            .iter()
+            .map(|c| &c.token_ids)
+            .collect::<Vec<_>>(),
+        "the mixture samples other tokens than the model alone"
+    );
+    for o in &out {
+        let mut ids = ps[o.prompt_index].clone();
+        let n = ids.len();
+        ids.extend(&o.token_ids);
+        let (zm, zr) = (sequence_logits(&m, &ids), sequence_logits(&r, &ids));
+        for (j, (&tok_id, &lp)) in o.token_ids.iter().zip(&o.logprobs).enumerate() {
+            let z: Vec<f64> = zm[n - 1 + j]
+                .iter()
+                .zip(&zr[n - 1 + j])
+                .map(|(a, b)| (c * *b as f64 + (1.0 - c) * *a as f64) / 0.8)
+                .collect();
+            let max = z.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = max + z.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+            let want = z[tok_id as usize] - lse;
+            assert!(
+                (want - lp as f64).abs() < 1e-4,
+                "row ({}, {}), token {j}: {want} vs {lp}",
+                o.prompt_index,
+                o.sample_index
+            );
+        }
+    }
+    // Late retirement, the device sampler and graph replays change nothing.
+    for device in [false, true] {
+        let run = || {
+            with_device_sampling(device, || {
+                with_retire_every(3, || generate_mixture(&m, mix(c), &tok, &requests, &p))
+            })
+            .unwrap()
+        };
+        for other in [run(), replayed_on_the_host(run)] {
+            assert_eq!(other.len(), out.len());
+            for (a, b) in out.iter().zip(&other) {
+                assert_eq!(a.token_ids, b.token_ids, "device sampler {device}");
+                for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                    assert!((x - y).abs() < 1e-4, "{x} vs {y}");
+                }
+            }
+        }
+    }
+    // Refusals.
+    let e = generate_mixture(&m, mix(1.5), &tok, &requests, &p).unwrap_err();
+    assert!(e.to_string().contains("[0, 1]"), "{e}");
+    let mut cfg = m.cfg.clone();
+    cfg.vocab_size += 8;
+    let other = random_weights(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+    let e = generate_mixture(
+        &m,
+        GeometricMixture {
+            reference: &other,
+            coef: 0.5,
+        },
+        &tok,
+        &requests,
+        &p,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("one vocabulary"), "{e}");
+}

@@ -42,7 +42,10 @@ impl Learner {
         if self.cfg.algorithm.is_distillation() {
             return self.distill_step(s, t0);
         }
-        if self.cfg.algorithm == Algorithm::OnlineDpo {
+        if self.cfg.algorithm == Algorithm::NashMd {
+            return self.nash_md_step(s, t0);
+        }
+        if self.cfg.algorithm.is_online_dpo() {
             return self.online_dpo_step(s, t0);
         }
         if self.cfg.algorithm == Algorithm::A2po {

@@ -10,8 +10,9 @@
 //!   samples); `gold`: GOLD's universal logit distillation for a teacher with another
 //!   tokenizer;
 //! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
-//! - [`online_dpo`]: online DPO's step (two samples per prompt, the rewards pick the chosen
-//!   one, DPO's loss against the reference);
+//! - [`online_dpo`]: online DPO's and XPO's step (two samples per prompt, the rewards pick the
+//!   chosen one, DPO's loss against the reference); [`nash_md`]: Nash-MD's (the policy's
+//!   sample against the policy–reference mixture's, a REINFORCE step on the preference);
 //! - [`bema`]: the bias-corrected EMA of the weights (`[bema]`, TRL's `BEMACallback`);
 //! - [`sdpo`]: SDPO's and SDFT's step (the policy distilled from itself shown a successful
 //!   sibling, feedback or privileged context) and their EMA teacher.
@@ -25,6 +26,7 @@ pub mod distill;
 mod gold;
 pub mod loss;
 pub mod metrics;
+pub mod nash_md;
 pub mod online_dpo;
 pub mod sdpo;
 pub mod ssd;

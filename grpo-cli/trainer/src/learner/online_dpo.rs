@@ -4,6 +4,9 @@
 //! reward counts 0, as TRL's `nansum`) pick the chosen one — the first on a tie — and DPO's
 //! sigmoid or IPO loss on the completions' summed log-probs, against the frozen reference,
 //! trains on the pair. The loss is the mean over the pairs of an optimizer update.
+//!
+//! XPO (TRL's experimental `XPOTrainer`) is the same step on pairs of one policy sample and
+//! one reference sample, with `α · Σ log π(y_ref)` added to each pair's loss.
 
 use std::time::Instant;
 
@@ -15,26 +18,24 @@ use super::Learner;
 use super::batch::{StepBatch, rewards_or_zero, summed_policy_and_reference};
 use super::metrics::OffPolicyStats;
 use crate::callbacks::Metrics;
-use crate::config::OnlineDpoLoss;
+use crate::config::{Algorithm, OnlineDpoLoss};
 use crate::stages::Scored;
 
 impl Learner {
-    /// One online DPO step over the scored pairs `s`: for each of `num_iterations` passes,
-    /// the micro-batches' losses and gradients, one optimizer update per
+    /// One online DPO (or XPO) step over the scored pairs `s`: for each of `num_iterations`
+    /// passes, the micro-batches' losses and gradients, one optimizer update per
     /// `steps_per_generation` share; TRL's metrics (`rewards/*`, `logps/*`, `objective/*`,
-    /// `val/contain_eos_token`, `beta`) and the step's completion and reward metrics.
+    /// `val/*`, `beta`; XPO's `loss/dpo`, `loss/xpo`, `alpha`) and the step's completion and
+    /// reward metrics.
     pub(crate) fn online_dpo_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
         let r = &s.rollouts;
         let (batch, reference) = self.single_turn_batch(s, "online DPO")?;
         let eos = &self.tokenizer.eos_token_ids;
         let o = &self.cfg.online_dpo;
         // TRL picks β by the epoch the batch was drawn from.
-        let p = &r.batch.position;
-        let epoch = match (p.index, p.epoch) {
-            (0, e) if e > 0 => e - 1,
-            (_, e) => e,
-        };
-        let beta = o.beta.at(epoch);
+        let beta = o.beta.at(r.batch.epoch());
+        let alpha =
+            (self.cfg.algorithm == Algorithm::Xpo).then(|| self.cfg.xpo.alpha.at(r.batch.epoch()));
         let n = batch.completions.len();
         let has_eos: Vec<bool> = batch
             .completions
@@ -62,6 +63,7 @@ impl Learner {
                 (a, b),
                 &chosen_first[a / 2..b / 2],
                 &cfg,
+                alpha,
             )?;
             sums.add(&part, share, c.iteration == 0);
             Ok((&part.loss * share)?)
@@ -79,32 +81,38 @@ impl Learner {
         let kl = kl_per.iter().sum::<f64>() / n.max(1) as f64;
         m.insert("objective/kl".into(), kl);
         m.insert("objective/entropy".into(), sums.entropy / n.max(1) as f64);
-        m.insert("objective/non_score_reward".into(), -beta * kl);
-        let rlhf: f64 = rewards
-            .iter()
-            .zip(kl_per)
-            .map(|(r, k)| r - beta * k)
-            .sum::<f64>()
-            / n.max(1) as f64;
-        m.insert("objective/rlhf_reward".into(), rlhf);
-        m.insert(
-            "objective/scores".into(),
-            rewards.iter().sum::<f64>() / n.max(1) as f64,
-        );
-        let margin: f64 = chosen_first
-            .iter()
-            .enumerate()
-            .map(|(k, &f)| {
-                let (c, r) = (rewards[2 * k], rewards[2 * k + 1]);
-                if f { c - r } else { r - c }
-            })
-            .sum::<f64>()
-            / chosen_first.len().max(1) as f64;
-        m.insert("objective/scores_margin".into(), margin);
-        m.insert(
-            "val/contain_eos_token".into(),
-            has_eos.iter().filter(|&&e| e).count() as f64 / n.max(1) as f64,
-        );
+        if let Some(alpha) = alpha {
+            // XPO's: the policy's and the reference's samples apart.
+            pair_side_metrics(&mut m, "objective", "scores", &rewards, &has_eos);
+            m.insert("alpha".into(), alpha);
+        } else {
+            m.insert("objective/non_score_reward".into(), -beta * kl);
+            let rlhf: f64 = rewards
+                .iter()
+                .zip(kl_per)
+                .map(|(r, k)| r - beta * k)
+                .sum::<f64>()
+                / n.max(1) as f64;
+            m.insert("objective/rlhf_reward".into(), rlhf);
+            m.insert(
+                "objective/scores".into(),
+                rewards.iter().sum::<f64>() / n.max(1) as f64,
+            );
+            let margin: f64 = chosen_first
+                .iter()
+                .enumerate()
+                .map(|(k, &f)| {
+                    let (c, r) = (rewards[2 * k], rewards[2 * k + 1]);
+                    if f { c - r } else { r - c }
+                })
+                .sum::<f64>()
+                / chosen_first.len().max(1) as f64;
+            m.insert("objective/scores_margin".into(), margin);
+            m.insert(
+                "val/contain_eos_token".into(),
+                has_eos.iter().filter(|&&e| e).count() as f64 / n.max(1) as f64,
+            );
+        }
         m.insert("beta".into(), beta);
         self.end_step(
             s,
@@ -118,7 +126,8 @@ impl Learner {
     }
 
     /// The DPO loss (with the policy's graph) of the pairs in micro-batch `[a, b)` and their
-    /// metrics.
+    /// metrics; with XPO's `alpha`, plus `α` times the policy's mean summed log-prob of the
+    /// pairs' second (the reference's) samples.
     fn pair_part(
         &self,
         reference: &grpo_rollout::Transformer,
@@ -126,6 +135,7 @@ impl Learner {
         (a, b): (usize, usize),
         chosen_first: &[bool],
         cfg: &DpoConfig,
+        alpha: Option<f64>,
     ) -> Result<PairPart> {
         // TRL's `_forward` scores the raw logits (no sampling temperature).
         let pad = self.tokenizer.pad_token_id;
@@ -158,20 +168,72 @@ impl Learner {
             Ok(t.detach().to_dtype(DType::F64)?.to_vec1::<f64>()?)
         };
         let (pol, refv) = (wide(&sums)?, wide(&ref_sums)?);
+        let mut dpo = out.metrics();
+        let mut loss = out.loss;
+        if let Some(alpha) = alpha {
+            let odd: Vec<u32> = (0..k).map(|i| (2 * i + 1) as u32).collect();
+            let odd = Tensor::from_vec(odd, k, &dev)?;
+            let xpo = (sums.index_select(&odd, 0)?.mean(0)? * alpha)?;
+            let scalar = |t: &Tensor| -> Result<f64> { Ok(wide(&t.reshape(1)?)?[0]) };
+            dpo.push(("loss/dpo", scalar(&loss)?));
+            dpo.push(("loss/xpo", scalar(&xpo)?));
+            // TRL's XPO logs the policy's plus the reference's mean summed log-probs.
+            let mean = |v: &[f64], side: bool| {
+                (0..k)
+                    .map(|i| v[2 * i + usize::from(chosen_first[i] != side)])
+                    .sum::<f64>()
+                    / k.max(1) as f64
+            };
+            for (name, v) in dpo.iter_mut() {
+                match *name {
+                    "logps/chosen" => *v = mean(&pol, true) + mean(&refv, true),
+                    "logps/rejected" => *v = mean(&pol, false) + mean(&refv, false),
+                    _ => {}
+                }
+            }
+            loss = (loss + xpo)?;
+        }
         Ok(PairPart {
-            dpo: out.metrics(),
-            loss: out.loss,
+            dpo,
+            loss,
             kl: pol.iter().zip(&refv).map(|(p, r)| p - r).collect(),
             entropy: -pol.iter().sum::<f64>(),
         })
     }
 }
 
+/// XPO's and Nash-MD's scores of a step's pairs (each a policy sample, then the other model's):
+/// `{prefix}/model_{what}` and `{prefix}/ref_{what}` (their means), `{prefix}/{what}_margin`
+/// (the mean of model − other), and the shares of each side's completions with an EOS token
+/// (`val/model_contain_eos_token`, `val/ref_contain_eos_token`).
+pub(super) fn pair_side_metrics(
+    m: &mut Metrics,
+    prefix: &str,
+    what: &str,
+    rewards: &[f64],
+    has_eos: &[bool],
+) {
+    let k = rewards.len() / 2;
+    let mean = |f: &dyn Fn(usize) -> f64| (0..k).map(f).sum::<f64>() / k.max(1) as f64;
+    let eos = |side: usize| mean(&|i| f64::from(u8::from(has_eos[2 * i + side])));
+    m.insert(format!("{prefix}/model_{what}"), mean(&|i| rewards[2 * i]));
+    m.insert(
+        format!("{prefix}/ref_{what}"),
+        mean(&|i| rewards[2 * i + 1]),
+    );
+    m.insert(
+        format!("{prefix}/{what}_margin"),
+        mean(&|i| rewards[2 * i] - rewards[2 * i + 1]),
+    );
+    m.insert("val/model_contain_eos_token".into(), eos(0));
+    m.insert("val/ref_contain_eos_token".into(), eos(1));
+}
+
 /// TRL's online DPO ranking: each completion's reward (an unscored one counts 0, as TRL's
 /// `nansum`; `missing_eos_penalty` subtracted when it has no EOS), and for each pair of
 /// neighbours `(2k, 2k + 1)` whether the first is chosen (`r_2k >= r_2k+1`: a tie keeps the
 /// first).
-fn pair_rewards(
+pub(super) fn pair_rewards(
     rewards: &[f32],
     has_eos: &[bool],
     missing_eos_penalty: Option<f64>,
@@ -211,22 +273,22 @@ mod tests {
 }
 
 /// One micro-batch's share of an online DPO step.
-struct PairPart {
-    loss: Tensor,
-    /// DPO's metrics by TRL's names.
-    dpo: Vec<(&'static str, f64)>,
+pub(super) struct PairPart {
+    pub(super) loss: Tensor,
+    /// DPO's metrics by TRL's names (Nash-MD: its own), means over the micro-batch's pairs.
+    pub(super) dpo: Vec<(&'static str, f64)>,
     /// Per completion: Σ (log π − log π_ref).
-    kl: Vec<f64>,
+    pub(super) kl: Vec<f64>,
     /// −Σ log π over the micro-batch's completions.
-    entropy: f64,
+    pub(super) entropy: f64,
 }
 
 /// A step's pair metrics, weighted by each micro-batch's share of its update's pairs.
 #[derive(Default)]
-struct PairSums {
-    weight: f64,
+pub(super) struct PairSums {
+    pub(super) weight: f64,
     /// DPO's metrics, share-weighted sums.
-    dpo: Vec<(&'static str, f64)>,
+    pub(super) dpo: Vec<(&'static str, f64)>,
     /// The first pass's −Σ log π over the batch's completions.
     entropy: f64,
     /// The first pass's Σ (log π − log π_ref) of each completion, in the batch's order.
@@ -234,7 +296,7 @@ struct PairSums {
 }
 
 impl PairSums {
-    fn add(&mut self, p: &PairPart, share: f64, first_pass: bool) {
+    pub(super) fn add(&mut self, p: &PairPart, share: f64, first_pass: bool) {
         self.weight += share;
         if self.dpo.is_empty() {
             self.dpo = p.dpo.iter().map(|&(k, _)| (k, 0.0)).collect();

@@ -19,7 +19,7 @@ use grpo_rollout::{
 use grpo_teacher::TeachingProtocol;
 
 use super::{CompletionSource, EpisodeBatch, PromptBatch, Rollouts, step_seed};
-use crate::config::{EnvironmentReward, TrainConfig};
+use crate::config::{Algorithm, EnvironmentReward, TrainConfig};
 use crate::remote::RemoteSync;
 use crate::setup::Setup;
 
@@ -45,6 +45,11 @@ pub struct Generator {
     /// The teacher's copy on `device` (made once: the learner reads the teacher on its own
     /// handle at the same time, and two threads must not share one).
     seq_kd_copies: DeviceCopies,
+    /// XPO and Nash-MD: the frozen reference, which samples (or mixes into) each prompt's
+    /// second completion.
+    reference: Option<Transformer>,
+    /// Its copy on `device` when it is not the policy's own base (a full fine-tune).
+    reference_copies: DeviceCopies,
 }
 
 impl std::fmt::Debug for Generator {
@@ -79,6 +84,11 @@ impl Generator {
                 false => None,
             },
             seq_kd_copies: DeviceCopies::default(),
+            reference: match setup.cfg.algorithm {
+                Algorithm::Xpo | Algorithm::NashMd => setup.reference.clone(),
+                _ => None,
+            },
+            reference_copies: DeviceCopies::default(),
         }
     }
 
@@ -154,8 +164,8 @@ impl Generator {
         }
         // SDFT's `generate_from_teacher`: sampled after the teacher's prompt (the privileged
         // context shown), trained after the plain one.
-        let from_teacher = self.cfg.algorithm == crate::config::Algorithm::Sdft
-            && self.cfg.sdft.generate_from_teacher;
+        let from_teacher =
+            self.cfg.algorithm == Algorithm::Sdft && self.cfg.sdft.generate_from_teacher;
         let teacher_ids: Vec<Vec<u32>> = match from_teacher {
             true => batch
                 .samples
@@ -207,8 +217,16 @@ impl Generator {
                     let model = self.frozen_teacher.clone().unwrap_or(self.model.clone());
                     let decoding = self.decoding_copy(&model)?;
                     grpo_core::memlog::log("generator: decoding copy", decoding.device());
-                    let out =
-                        grpo_rollout::generate(&decoding, &self.tokenizer, sample_ids, g, &params)?;
+                    let out = match self.reference.is_some() {
+                        true => self.contrast_pairs(&decoding, sample_ids, &params, &batch)?,
+                        false => grpo_rollout::generate(
+                            &decoding,
+                            &self.tokenizer,
+                            sample_ids,
+                            g,
+                            &params,
+                        )?,
+                    };
                     grpo_core::memlog::log("generator: generated", decoding.device());
                     out
                 }
@@ -228,6 +246,68 @@ impl Generator {
             episodes: None,
             source,
         })
+    }
+
+    /// XPO and Nash-MD: each prompt's first completion is the policy's, its second the frozen
+    /// reference's (XPO) or the geometric mixture's of both (Nash-MD, `nash_md.mixture_coef`
+    /// of the batch's epoch). Their random streams are those of two samples of one prompt
+    /// (`2i` and `2i + 1`), as [`grpo_rollout::generate`] draws them.
+    fn contrast_pairs(
+        &mut self,
+        policy: &Transformer,
+        prompts: &[Vec<u32>],
+        params: &grpo_rollout::SamplingParams,
+        batch: &PromptBatch,
+    ) -> Result<Vec<Completion>> {
+        use grpo_rollout::generate::{PromptRequest, generate_batch, generate_mixture};
+        let reference = self
+            .reference
+            .as_ref()
+            .context("XPO and Nash-MD need the reference model")?;
+        // On the generator's own device the reference samples from its copy there: for an
+        // adapter model the policy's frozen base, whose copies the policy's decoding made.
+        let moved;
+        let reference = match &mut self.device {
+            Some((device, copies)) => {
+                let copies = match self.cfg.model.lora.is_some() {
+                    true => copies,
+                    false => &mut self.reference_copies,
+                };
+                moved = reference.to_device_reusing(device, copies)?;
+                &moved
+            }
+            None => reference,
+        };
+        let requests = |first: u64| -> Vec<PromptRequest<'_>> {
+            prompts
+                .iter()
+                .enumerate()
+                .map(|(i, ids)| PromptRequest {
+                    ids,
+                    n: 1,
+                    seed: params.seed,
+                    first_stream: 2 * i as u64 + first,
+                })
+                .collect()
+        };
+        let tok = &self.tokenizer;
+        let mine = generate_batch(policy, tok, &requests(0), params)?;
+        let theirs = match self.cfg.algorithm {
+            Algorithm::NashMd => {
+                let coef = self.cfg.nash_md.mixture_coef.at(batch.epoch());
+                let mixture = grpo_rollout::GeometricMixture { reference, coef };
+                generate_mixture(policy, mixture, tok, &requests(1), params)?
+            }
+            _ => generate_batch(&reference.for_decoding()?, tok, &requests(1), params)?,
+        };
+        Ok(mine
+            .into_iter()
+            .zip(theirs)
+            .flat_map(|(a, mut b)| {
+                b.sample_index = 1;
+                [a, b]
+            })
+            .collect())
     }
 
     /// GKD: the step's completions come from the policy with probability `distillation.lmbda`

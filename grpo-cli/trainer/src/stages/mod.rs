@@ -35,6 +35,18 @@ pub struct PromptBatch {
     pub position: Position,
 }
 
+impl PromptBatch {
+    /// The epoch its rows were drawn from, as TRL's `state.epoch` counts it for the values
+    /// given per epoch (online DPO's β, XPO's α, Nash-MD's mixture coefficient): a batch that
+    /// ends an epoch still belongs to it.
+    pub fn epoch(&self) -> u64 {
+        match (self.position.index, self.position.epoch) {
+            (0, e) if e > 0 => e - 1,
+            (_, e) => e,
+        }
+    }
+}
+
 /// Completions of one step.
 #[derive(Debug, Clone)]
 pub struct Rollouts {
