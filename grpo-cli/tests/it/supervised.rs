@@ -371,6 +371,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "grpo",
             "iw_opd",
             "kto",
+            "nash_md",
             "online_dpo",
             "orpo",
             "reward",
@@ -379,7 +380,8 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "sdpo",
             "sft",
             "ssd",
-            "tpo"
+            "tpo",
+            "xpo"
         ]
     );
     assert!(

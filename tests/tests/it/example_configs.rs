@@ -777,6 +777,21 @@ fn online_dpo_config_trains_on_ranked_pairs() {
     }
 }
 
+/// `configs/xpo.toml` and `configs/nash_md.toml` train pairs of a policy sample and a
+/// reference (or mixture) sample.
+#[test]
+fn xpo_and_nash_md_configs_train_on_contrasted_pairs() {
+    for (name, key) in [
+        ("xpo.toml", "loss/xpo"),
+        ("nash_md.toml", "rewards/probabilities"),
+    ] {
+        let (_dir, r) = train(name, &["rollout.num_generations=2".to_string()]);
+        for m in &r.metrics {
+            assert!(m[key].is_finite() && m["beta"] == 0.1, "{name}: {m:?}");
+        }
+    }
+}
+
 /// `configs/gkd.toml` (teacher samples on its off-policy steps), `configs/a2po.toml` (stage 1
 /// over the prompts, then the regression), `configs/sdft.toml`, `configs/ssd.toml` and
 /// `configs/sdpo.toml` train on the arithmetic fixture.

@@ -287,6 +287,7 @@ fn algorithms_by_name() {
             "grpo",
             "iw_opd",
             "kto",
+            "nash_md",
             "online_dpo",
             "orpo",
             "reward",
@@ -295,7 +296,8 @@ fn algorithms_by_name() {
             "sdpo",
             "sft",
             "ssd",
-            "tpo"
+            "tpo",
+            "xpo"
         ]
     );
     assert_eq!(
@@ -316,6 +318,8 @@ fn algorithms_by_name() {
         "orpo",
         "cpo",
         "online_dpo",
+        "xpo",
+        "nash_md",
     ] {
         assert!(e.contains(name), "{e}");
     }
