@@ -785,7 +785,13 @@ fn xpo_and_nash_md_configs_train_on_contrasted_pairs() {
         ("xpo.toml", "loss/xpo"),
         ("nash_md.toml", "rewards/probabilities"),
     ] {
-        let (_dir, r) = train(name, &["rollout.num_generations=2".to_string()]);
+        let (_dir, r) = train(
+            name,
+            &[
+                "rollout.num_generations=2".to_string(),
+                "train.per_device_train_batch_size=4".to_string(),
+            ],
+        );
         for m in &r.metrics {
             assert!(m[key].is_finite() && m["beta"] == 0.1, "{name}: {m:?}");
         }
