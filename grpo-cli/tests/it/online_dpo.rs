@@ -19,7 +19,7 @@ fn fixture() -> Fixture {
     Fixture::new().model("model", 3).arithmetic(16)
 }
 
-fn config_text(root: &Path, out: &str, steps: usize, extra: &str) -> String {
+pub(crate) fn config_text(root: &Path, out: &str, steps: usize, extra: &str) -> String {
     format!(
         r#"
 algorithm = "online_dpo"
@@ -60,7 +60,7 @@ fn load_err(root: &Path, extra: &str) -> String {
     format!("{:#}", config::load(&p, &[]).unwrap_err())
 }
 
-fn run(cfg: TrainConfig, opts: RunOptions) -> trainer::TrainingResult {
+pub(crate) fn run(cfg: TrainConfig, opts: RunOptions) -> trainer::TrainingResult {
     trainer::run(
         trainer::setup(cfg).unwrap(),
         &opts,
@@ -70,7 +70,7 @@ fn run(cfg: TrainConfig, opts: RunOptions) -> trainer::TrainingResult {
 }
 
 /// Share of digits in a completion.
-fn digits(batch: &[RewardInput]) -> Vec<f32> {
+pub(crate) fn digits(batch: &[RewardInput]) -> Vec<f32> {
     batch
         .iter()
         .map(|x| {
@@ -80,7 +80,7 @@ fn digits(batch: &[RewardInput]) -> Vec<f32> {
         .collect()
 }
 
-fn log_sigmoid(x: f64) -> f64 {
+pub(crate) fn log_sigmoid(x: f64) -> f64 {
     -((-x).exp().ln_1p())
 }
 

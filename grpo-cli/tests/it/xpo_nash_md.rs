@@ -10,13 +10,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use grpo_rewards::RewardInput;
 use grpo_rollout::Transformer;
 use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::stages::{Generator, Loader, Scored};
 use grpo_trainer::{self as trainer, FitOptions, NashMdTrainer, RunOptions, XpoTrainer};
 
 use crate::common;
+use crate::online_dpo::{digits, log_sigmoid, run};
 use common::{
     Fixture, assert_same_steps, completion_logits, first_scored_step, grpo_cli_ok,
     stopped_and_resumed, token_logps,
@@ -29,33 +29,15 @@ fn fixture() -> Fixture {
         .arithmetic(16)
 }
 
+/// Online DPO's test config with `algorithm` and the `inverse_loss` reward (which varies
+/// within a pair).
 fn config_text(root: &Path, algorithm: &str, out: &str, steps: usize, extra: &str) -> String {
-    format!(
-        r#"
-algorithm = "{algorithm}"
-output_dir = "{out}"
-[model]
-path = "{model}"
-[data]
-path = ["{data}"]
-[rollout]
-max_completion_length = 8
-[optim]
-learning_rate = 1e-2
-lr_scheduler_type = "constant"
-[train]
-max_steps = {steps}
-prompts_per_step = 4
-per_device_train_batch_size = 4
-save_steps = 2
-[[rewards]]
-type = "inverse_loss"
-{extra}
-"#,
-        out = root.join(out).display(),
-        model = root.join("model").display(),
-        data = root.join("arith.jsonl").display(),
-    )
+    crate::online_dpo::config_text(root, out, steps, extra)
+        .replace(
+            "algorithm = \"online_dpo\"",
+            &format!("algorithm = \"{algorithm}\""),
+        )
+        .replace("type = \"accuracy\"", "type = \"inverse_loss\"")
 }
 
 fn load(root: &Path, algorithm: &str, out: &str, steps: usize, extra: &str) -> TrainConfig {
@@ -69,19 +51,6 @@ fn load_err(root: &Path, algorithm: &str, extra: &str, sets: &[&str]) -> String 
     std::fs::write(&p, config_text(root, algorithm, "bad", 1, extra)).unwrap();
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     format!("{:#}", config::load(&p, &sets).unwrap_err())
-}
-
-fn run(cfg: TrainConfig, opts: RunOptions) -> trainer::TrainingResult {
-    trainer::run(
-        trainer::setup(cfg).unwrap(),
-        &opts,
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap()
-}
-
-fn log_sigmoid(x: f64) -> f64 {
-    -((-x).exp().ln_1p())
 }
 
 /// Log-probs at `temperature` of `completion` after `prompt` under the geometric mixture
@@ -262,17 +231,6 @@ fn each_steps_loss_is_trls_before_and_after_an_update() {
             previous = Some(m["loss"]);
         }
     }
-}
-
-/// Share of digits in a completion.
-fn digits(batch: &[RewardInput]) -> Vec<f32> {
-    batch
-        .iter()
-        .map(|x| {
-            let n = x.completion.chars().count().max(1);
-            x.completion.chars().filter(char::is_ascii_digit).count() as f32 / n as f32
-        })
-        .collect()
 }
 
 /// Ranked by the share of digits in a completion (a reward given in code), the policy's own

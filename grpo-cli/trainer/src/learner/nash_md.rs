@@ -21,7 +21,7 @@ use candle_core::{D, DType, Tensor};
 use super::Learner;
 use super::batch::{StepBatch, completion_logps};
 use super::metrics::OffPolicyStats;
-use super::online_dpo::{PairPart, PairSums, pair_rewards, pair_side_metrics};
+use super::online_dpo::{PairPart, contains_eos, pair_rewards, pair_side_metrics};
 use crate::callbacks::Metrics;
 use crate::stages::Scored;
 
@@ -38,32 +38,14 @@ impl Learner {
         let o = &self.cfg.online_dpo;
         let epoch = r.batch.epoch();
         let beta = o.beta.at(epoch);
-        let has_eos: Vec<bool> = batch
-            .completions
-            .iter()
-            .map(|c| c.iter().any(|t| eos.contains(t)))
-            .collect();
+        let has_eos = contains_eos(&batch, eos);
         let (rewards, _) = pair_rewards(&s.scores.rewards, &has_eos, o.missing_eos_penalty);
         let probability: Vec<f64> = (0..rewards.len() / 2)
             .map(|k| 1.0 / (1.0 + (rewards[2 * k + 1] - rewards[2 * k]).exp()))
             .collect();
-        let mut sums = PairSums::default();
-        let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
-            let (a, b) = c.range;
-            let pairs: usize = c.update.iter().map(|(a, b)| (b - a) / 2).sum();
-            let share = ((b - a) / 2) as f64 / pairs.max(1) as f64;
-            let part =
-                l.nash_md_part(&reference, &batch, (a, b), &probability[a / 2..b / 2], beta)?;
-            sums.add(&part, share, c.iteration == 0);
-            Ok((&part.loss * share)?)
+        let (mut m, _, grad_lr) = self.pair_updates(&batch, r.batch.step, |l, (a, b)| {
+            l.nash_md_part(&reference, &batch, (a, b), &probability[a / 2..b / 2], beta)
         })?;
-        self.state.step = r.batch.step + 1;
-        let mut m = Metrics::new();
-        m.insert("loss".into(), loss);
-        let w = sums.weight.max(1e-12);
-        for (k, v) in &sums.dpo {
-            m.insert((*k).into(), v / w);
-        }
         pair_side_metrics(&mut m, "rewards", "scores", &rewards, &has_eos);
         // TRL's names: the policy's sample's reward is "chosen", the mixture's "rejected".
         for (from, to) in [
@@ -85,14 +67,7 @@ impl Learner {
             "mixture_coef".into(),
             self.cfg.nash_md.mixture_coef.at(epoch),
         );
-        self.end_step(
-            s,
-            &batch,
-            &OffPolicyStats::default(),
-            (grad_norm, lr),
-            t0,
-            &mut m,
-        );
+        self.end_step(s, &batch, &OffPolicyStats::default(), grad_lr, t0, &mut m);
         Ok(m)
     }
 

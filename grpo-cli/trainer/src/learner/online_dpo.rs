@@ -37,11 +37,7 @@ impl Learner {
         let alpha =
             (self.cfg.algorithm == Algorithm::Xpo).then(|| self.cfg.xpo.alpha.at(r.batch.epoch()));
         let n = batch.completions.len();
-        let has_eos: Vec<bool> = batch
-            .completions
-            .iter()
-            .map(|c| c.iter().any(|t| eos.contains(t)))
-            .collect();
+        let has_eos = contains_eos(&batch, eos);
         let (rewards, chosen_first) =
             pair_rewards(&s.scores.rewards, &has_eos, o.missing_eos_penalty);
         let cfg = DpoConfig {
@@ -52,29 +48,10 @@ impl Learner {
             beta,
             ..DpoConfig::default()
         };
-        let mut sums = PairSums::default();
-        let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, r.batch.step, |l, c| {
-            let (a, b) = c.range;
-            let pairs: usize = c.update.iter().map(|(a, b)| (b - a) / 2).sum();
-            let share = ((b - a) / 2) as f64 / pairs.max(1) as f64;
-            let part = l.pair_part(
-                &reference,
-                &batch,
-                (a, b),
-                &chosen_first[a / 2..b / 2],
-                &cfg,
-                alpha,
-            )?;
-            sums.add(&part, share, c.iteration == 0);
-            Ok((&part.loss * share)?)
+        let (mut m, sums, grad_lr) = self.pair_updates(&batch, r.batch.step, |l, (a, b)| {
+            let chosen_first = &chosen_first[a / 2..b / 2];
+            l.pair_part(&reference, &batch, (a, b), chosen_first, &cfg, alpha)
         })?;
-        self.state.step = r.batch.step + 1;
-        let mut m = Metrics::new();
-        m.insert("loss".into(), loss);
-        let w = sums.weight.max(1e-12);
-        for (k, v) in &sums.dpo {
-            m.insert((*k).into(), v / w);
-        }
         // Per completion, over the whole batch, from the first pass (before any update of
         // this step, as TRL's values with one pass).
         let kl_per = &sums.kl_per_completion;
@@ -114,15 +91,37 @@ impl Learner {
             );
         }
         m.insert("beta".into(), beta);
-        self.end_step(
-            s,
-            &batch,
-            &OffPolicyStats::default(),
-            (grad_norm, lr),
-            t0,
-            &mut m,
-        );
+        self.end_step(s, &batch, &OffPolicyStats::default(), grad_lr, t0, &mut m);
         Ok(m)
+    }
+
+    /// The updates of a pair step (online DPO, XPO, Nash-MD): each micro-batch's loss from
+    /// `part` (of its completions `[a, b)`, whole pairs) weighted by its share of its update's
+    /// pairs. Returns the metrics `loss` and the share-weighted means of the parts' metrics,
+    /// the parts' sums, and the last update's gradient norm and learning rate.
+    pub(super) fn pair_updates(
+        &mut self,
+        batch: &StepBatch<'_>,
+        step: usize,
+        mut part: impl FnMut(&Self, (usize, usize)) -> Result<PairPart>,
+    ) -> Result<(Metrics, PairSums, (f64, f64))> {
+        let mut sums = PairSums::default();
+        let (loss, grad_norm, lr) = self.chunked_updates(&batch.chunks, step, |l, c| {
+            let (a, b) = c.range;
+            let pairs: usize = c.update.iter().map(|(a, b)| (b - a) / 2).sum();
+            let share = ((b - a) / 2) as f64 / pairs.max(1) as f64;
+            let p = part(l, (a, b))?;
+            sums.add(&p, share, c.iteration == 0);
+            Ok((&p.loss * share)?)
+        })?;
+        self.state.step = step + 1;
+        let mut m = Metrics::new();
+        m.insert("loss".into(), loss);
+        let w = sums.weight.max(1e-12);
+        for (k, v) in &sums.dpo {
+            m.insert((*k).into(), v / w);
+        }
+        Ok((m, sums, (grad_norm, lr)))
     }
 
     /// The DPO loss (with the policy's graph) of the pairs in micro-batch `[a, b)` and their
@@ -200,6 +199,15 @@ impl Learner {
             entropy: -pol.iter().sum::<f64>(),
         })
     }
+}
+
+/// Whether each of the batch's completions holds one of the `eos` tokens.
+pub(super) fn contains_eos(batch: &StepBatch<'_>, eos: &[u32]) -> Vec<bool> {
+    batch
+        .completions
+        .iter()
+        .map(|c| c.iter().any(|t| eos.contains(t)))
+        .collect()
 }
 
 /// XPO's and Nash-MD's scores of a step's pairs (each a policy sample, then the other model's):
