@@ -4,7 +4,9 @@
 //! inputs give the same loss, gradient and metrics:
 //!
 //! * ratio `ρ = exp(logp − old_logp)` per token, or per sequence
-//!   `ρ_i = exp(Σ_t m·Δ / max(1, Σ_t m))` ([`ImportanceSamplingLevel::Sequence`], GSPO);
+//!   `ρ_i = exp(Σ_t m·Δ / max(1, Σ_t m))` ([`ImportanceSamplingLevel::Sequence`], GSPO), or
+//!   per token with that value, `ρ_t = sg(ρ_i)·π(y_t)/sg(π(y_t))`
+//!   ([`ImportanceSamplingLevel::SequenceToken`], GSPO-token);
 //! * grpo, bnpo, dr_grpo, dapo, luspo: `ℓ = −min(ρ′·A, clip(ρ, 1−ε_low, 1+ε_high)·A)`,
 //!   `ρ′ = min(ρ, δ)` when `delta` is set; cispo: `ℓ = −stopgrad(min(ρ, ε_high))·A·logp`;
 //!   sapo: `ℓ = −σ(τ·(ρ − 1))·4/τ·A` with `τ` by the sign of `A`; vespo:
@@ -135,6 +137,12 @@ pub enum ImportanceSamplingLevel {
     Token,
     /// One ratio per sequence: the exponential of the masked mean log-ratio (GSPO).
     Sequence,
+    /// GSPO-token (TRL's experimental `gspo_token` trainer): per token, the sequence's ratio
+    /// as its value and the token's own log-prob as its gradient,
+    /// `exp(logp_t − sg(logp_t) + sg(mean log-ratio))`. With one advantage per sequence and
+    /// every token weighed alike it trains as GSPO; per-token weights (the high-entropy mask,
+    /// token-level importance weights) then act on each token's own gradient.
+    SequenceToken,
 }
 
 impl std::str::FromStr for ImportanceSamplingLevel {
@@ -144,8 +152,10 @@ impl std::str::FromStr for ImportanceSamplingLevel {
         match s.to_ascii_lowercase().as_str() {
             "token" => Ok(Self::Token),
             "sequence" => Ok(Self::Sequence),
+            "sequence_token" => Ok(Self::SequenceToken),
             other => Err(format!(
-                "unknown importance_sampling_level `{other}`: expected token or sequence"
+                "unknown importance_sampling_level `{other}`: expected token, sequence or \
+                 sequence_token"
             )),
         }
     }
@@ -157,12 +167,37 @@ impl ImportanceSamplingLevel {
         match self {
             Self::Token => "token",
             Self::Sequence => "sequence",
+            Self::SequenceToken => "sequence_token",
         }
     }
 }
 
 #[cfg(feature = "serde")]
-crate::serde_by_name!(ImportanceSamplingLevel, "token or sequence");
+crate::serde_by_name!(ImportanceSamplingLevel, "token, sequence or sequence_token");
+
+/// The log importance weights of `logp` against the detached `old` log-probs, both `(B, T)`,
+/// at `level`: `(B, T)` per token (and GSPO-token's), `(B, 1)` per sequence (the masked mean of
+/// the log-ratios, over at least one token).
+pub fn log_importance_weights(
+    level: ImportanceSamplingLevel,
+    logp: &Tensor,
+    old: &Tensor,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    let log_ratio = (logp - old)?;
+    let sequence_mean = |log_ratio: Tensor| -> Result<Tensor> {
+        let tokens = mask.sum_keepdim(1)?.maximum(1.0)?;
+        (log_ratio * mask)?.sum_keepdim(1)?.div(&tokens)
+    };
+    match level {
+        ImportanceSamplingLevel::Token => Ok(log_ratio),
+        ImportanceSamplingLevel::Sequence => sequence_mean(log_ratio),
+        ImportanceSamplingLevel::SequenceToken => {
+            let s = sequence_mean(log_ratio)?.detach();
+            (logp - logp.detach())?.broadcast_add(&s)
+        }
+    }
+}
 
 /// Options of [`policy_loss`]. `Default` is TRL 1.16's `GRPOConfig` defaults.
 #[derive(Debug, Clone, PartialEq)]
@@ -266,13 +301,13 @@ impl LossConfig {
                         .into(),
                 );
             }
-            if self.importance_sampling_level == ImportanceSamplingLevel::Sequence {
-                return Err(
-                    "importance_sampling_level = \"sequence\" does not apply to \
-                            loss_type gmpo: gmpo's ratio is already one per sequence (the \
-                            geometric mean of its clipped token ratios)"
-                        .into(),
-                );
+            if self.importance_sampling_level != ImportanceSamplingLevel::Token {
+                return Err(format!(
+                    "importance_sampling_level = \"{}\" does not apply to loss_type gmpo: \
+                     gmpo's ratio is already one per sequence (the geometric mean of its \
+                     clipped token ratios)",
+                    self.importance_sampling_level.as_str()
+                ));
             }
         }
         if self.loss_type == LossType::DrGrpo && self.max_completion_length == 0 {
@@ -806,15 +841,7 @@ pub fn policy_loss_on_device(
     }
     let adv = inputs.advantages.to_dtype(dtype)?.reshape((b, 1))?.detach();
 
-    // Importance weights: (B, T) at token level, (B, 1) at sequence level.
-    let log_ratio = (logp - &old)?;
-    let log_w = match cfg.importance_sampling_level {
-        ImportanceSamplingLevel::Token => log_ratio,
-        ImportanceSamplingLevel::Sequence => {
-            let tokens = mask.sum_keepdim(1)?.maximum(1.0)?;
-            (log_ratio * &mask)?.sum_keepdim(1)?.div(&tokens)?
-        }
-    };
+    let log_w = log_importance_weights(cfg.importance_sampling_level, logp, &old, &mask)?;
     let mut coef_1 = log_w.exp()?;
 
     let per_token_kl = match &reference {

@@ -281,6 +281,69 @@ proptest! {
         }
     }
 
+    /// GSPO-token (`sequence_token`) is the token level with each token's log-ratio replaced by
+    /// its sequence's masked mean, its gradient still the token's own: loss, gradient, KL and
+    /// clip fractions equal the token level's with `old_t = logp_t − s_i` (detached), for every
+    /// loss type that takes a level and with the KL's importance correction.
+    #[test]
+    fn sequence_token_is_the_token_level_at_the_sequence_ratio(
+        x in batch(2.0),
+        beta in prop_oneof![Just(0.0f64), 0.01f64..0.5],
+        corr in any::<bool>(),
+    ) {
+        let t = tensors(&x);
+        let mut moved = x.old.clone();
+        for i in 0..x.b {
+            let row = i * x.t..(i + 1) * x.t;
+            let n: f32 = x.mask[row.clone()].iter().sum();
+            let s: f32 = row.clone().map(|k| x.mask[k] * (x.logp[k] - x.old[k])).sum::<f32>() / n.max(1.0);
+            for k in row {
+                moved[k] = x.logp[k] - s;
+            }
+        }
+        let moved = Tensor::from_slice(&moved, (x.b, x.t), &Device::Cpu).unwrap();
+        for lt in LOSS_TYPES.into_iter().filter(|&lt| lt != LossType::Gmpo) {
+            let cfg = |level| LossConfig {
+                loss_type: lt,
+                beta,
+                kl_importance_correction: corr,
+                importance_sampling_level: level,
+                max_completion_length: 8,
+                ..Default::default()
+            };
+            let (l1, g1, m1) = grad_of(&t, Some(&t.old), Some(&t.reference), &cfg(ImportanceSamplingLevel::SequenceToken));
+            let (l2, g2, m2) = grad_of(&t, Some(&moved), Some(&t.reference), &cfg(ImportanceSamplingLevel::Token));
+            prop_assert!((l1 - l2).abs() <= 1e-4 * (1.0 + l2.abs()), "{lt:?}: loss {l1} vs {l2}");
+            for (a, b) in g1.iter().flatten().zip(g2.iter().flatten()) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{lt:?}: gradient {a} vs {b}");
+            }
+            prop_assert!((m1.kl - m2.kl).abs() <= 1e-4 * (1.0 + m2.kl.abs()), "{lt:?}: kl");
+            prop_assert_eq!(m1.clip_ratio_region_mean, m2.clip_ratio_region_mean);
+        }
+    }
+
+    /// With one advantage per sequence and every token weighed alike, GSPO-token trains as
+    /// GSPO: the same loss and gradient as the sequence level, for every loss type that takes a
+    /// level (TRL's note on its experimental trainer).
+    #[test]
+    fn sequence_token_trains_as_gspo_with_sequence_advantages(x in batch(2.0)) {
+        let t = tensors(&x);
+        for lt in LOSS_TYPES.into_iter().filter(|&lt| lt != LossType::Gmpo) {
+            let cfg = |level| LossConfig {
+                loss_type: lt,
+                importance_sampling_level: level,
+                max_completion_length: 8,
+                ..Default::default()
+            };
+            let (l1, g1, _) = grad_of(&t, Some(&t.old), None, &cfg(ImportanceSamplingLevel::SequenceToken));
+            let (l2, g2, _) = grad_of(&t, Some(&t.old), None, &cfg(ImportanceSamplingLevel::Sequence));
+            prop_assert!((l1 - l2).abs() <= 1e-4 * (1.0 + l2.abs()), "{lt:?}: loss {l1} vs {l2}");
+            for (a, b) in g1.iter().flatten().zip(g2.iter().flatten()) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{lt:?}: gradient {a} vs {b}");
+            }
+        }
+    }
+
     /// The sequence-level ratio is exp of the masked mean log-ratio: with no clipping in reach,
     /// A = 1 and a single row, the grpo loss is −ρ.
     #[test]
@@ -337,4 +400,50 @@ proptest! {
             prop_assert!((s - 1.0).abs() < 1e-5, "sum {s}");
         }
     }
+}
+
+/// Where tokens are weighed apart (the high-entropy token mask), GSPO-token and GSPO differ: a
+/// masked-out token gets no gradient under GSPO-token, and its share of the sequence ratio's
+/// gradient under GSPO; the kept tokens get their own under both.
+#[test]
+fn sequence_token_leaves_masked_out_tokens_without_gradient() {
+    let d = Device::Cpu;
+    let logp = Var::from_tensor(&Tensor::new(&[[-1.0f32, -2.0, -0.5, -1.5]], &d).unwrap()).unwrap();
+    let old = Tensor::new(&[[-1.1f32, -1.9, -0.6, -1.5]], &d).unwrap();
+    let mask = Tensor::ones((1, 4), DType::F32, &d).unwrap();
+    // Entropies: the two highest (tokens 1 and 3) are kept at quantile 0.5.
+    let entropies = Tensor::new(&[[0.1f32, 2.0, 0.2, 3.0]], &d).unwrap();
+    let adv = Tensor::new(&[1.0f32], &d).unwrap();
+    let grad = |level| {
+        let out = policy_loss(
+            &LossInputs {
+                per_token_logps: logp.as_tensor(),
+                old_per_token_logps: Some(&old),
+                ref_per_token_logps: None,
+                advantages: &adv,
+                completion_mask: &mask,
+                num_items_in_batch: None,
+                importance_weights: None,
+                sampling_per_token_logps: None,
+                entropies: Some(&entropies),
+            },
+            &LossConfig {
+                loss_type: LossType::Grpo,
+                top_entropy_quantile: 0.5,
+                importance_sampling_level: level,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let g = out.loss.backward().unwrap();
+        g.get(logp.as_tensor()).unwrap().to_vec2::<f32>().unwrap()[0].clone()
+    };
+    let token = grad(ImportanceSamplingLevel::SequenceToken);
+    let sequence = grad(ImportanceSamplingLevel::Sequence);
+    assert_eq!((token[0], token[2]), (0.0, 0.0), "{token:?}");
+    assert!(token[1] < 0.0 && token[3] < 0.0, "{token:?}");
+    assert!(sequence.iter().all(|g| *g < 0.0), "{sequence:?}");
+    // The sequence ratio's gradient spreads over all four tokens, GSPO-token's over the two kept.
+    let (st, ss): (f32, f32) = (token.iter().sum(), sequence.iter().sum());
+    assert!((st - ss).abs() < 1e-6, "{st} vs {ss}");
 }

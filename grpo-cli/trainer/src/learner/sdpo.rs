@@ -24,7 +24,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use candle_core::{D, DType, Tensor};
 use grpo_core::distill::Divergence;
-use grpo_core::loss::{ImportanceSamplingLevel, LossType};
+use grpo_core::loss::LossType;
 use grpo_data::Prompt;
 use grpo_rollout::Transformer;
 
@@ -654,7 +654,8 @@ impl Learner {
     }
 
     /// TRL's SDPO policy term of one micro-batch: the clipped ratio against the old log-probs
-    /// (this pass's own, detached, when the step has none), token- or sequence-level, reduced
+    /// (this pass's own, detached, when the step has none), at `loss.importance_sampling_level`
+    /// (token, sequence or GSPO-token), reduced
     /// by `loss.loss_type` over the micro-batch (grpo: per completion then mean; bnpo and dapo:
     /// per token; dr_grpo: over `B · max_completion_length`).
     fn sdpo_policy_loss(
@@ -670,13 +671,12 @@ impl Learner {
             Some(o) => o.to_dtype(lp.dtype())?,
             None => lp.detach(),
         };
-        let mut log_ratio = (lp - old)?;
-        if lc.importance_sampling_level == ImportanceSamplingLevel::Sequence {
-            let den = mask.sum_keepdim(D::Minus1)?.maximum(1.0)?;
-            log_ratio = (&log_ratio * mask)?
-                .sum_keepdim(D::Minus1)?
-                .broadcast_div(&den)?;
-        }
+        let log_ratio = grpo_core::loss::log_importance_weights(
+            lc.importance_sampling_level,
+            lp,
+            &old.detach(),
+            mask,
+        )?;
         let adv = Tensor::from_slice(advantages, (rows, 1), lp.device())?.to_dtype(lp.dtype())?;
         let c1 = log_ratio.exp()?;
         let c2 = c1.clamp(1.0 - lc.epsilon_low, 1.0 + lc.epsilon_high)?;
