@@ -926,8 +926,29 @@ fn trl_loss_variants_and_entropy_control_train_and_log() {
     assert_eq!((lc.epsilon_low, lc.epsilon_high), (0.4, 0.4));
     let r = run(cfg, RunOptions::default());
     assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
+    // GSPO-token with a stale generator and the high-entropy mask (where it differs from GSPO).
+    let cfg = base_config(
+        &f.root,
+        "gspo_token",
+        "[pipeline]\nmax_staleness = 1\n[loss]\nimportance_sampling_level = \"sequence_token\"\n\
+         top_entropy_quantile = 0.5\n",
+    );
+    assert_eq!(
+        cfg.loss_config().importance_sampling_level,
+        grpo_core::loss::ImportanceSamplingLevel::SequenceToken
+    );
+    let r = run(cfg, RunOptions::default());
+    assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
     for (set, needle) in [
         ("loss.loss_type=\"ppo\"", "sapo, luspo, vespo, gmpo"),
+        (
+            "loss.importance_sampling_level=\"tokens\"",
+            "expected token, sequence or sequence_token",
+        ),
+        (
+            "loss.loss_type=\"gmpo\"\nloss.importance_sampling_level=\"sequence_token\"",
+            "importance_sampling_level = \"sequence_token\" does not apply to loss_type gmpo",
+        ),
         (
             "loss.loss_type=\"gmpo\"\nloss.vllm_importance_sampling_mode=\"token_mask\"",
             "weighs whole sequences",
