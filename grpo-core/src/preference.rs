@@ -2,7 +2,8 @@
 //! as TRL's `SFTTrainer` and `DPOTrainer` compute them: [`dpo_loss_with`] has TRL 1.16's
 //! fifteen `loss_type`s (combined with weights), its f-divergences and metrics;
 //! [`dpo_loss`] is the sigmoid loss with conservative-DPO label smoothing; [`kto_loss`] is
-//! TRL's KTO, [`reward_loss`] its RewardTrainer's Bradley-Terry loss for reward models;
+//! TRL's KTO and [`bco_loss`] its experimental BCO (with [`RunningMoments`], the running mean
+//! of the implicit rewards), [`reward_loss`] its RewardTrainer's Bradley-Terry loss for reward models;
 //! [`orpo_loss`] and [`cpo_loss`] (with SimPO and AlphaPO) are the reference-free preference
 //! losses of TRL's experimental ORPO and CPO trainers.
 
@@ -734,7 +735,7 @@ impl Default for KtoConfig {
     }
 }
 
-/// What [`kto_loss`] returns: the loss and the sums TRL's metrics are made of.
+/// What [`kto_loss`] and [`bco_loss`] return: the loss and the sums TRL's metrics are made of.
 #[derive(Debug, Clone)]
 pub struct KtoOutput {
     /// The mean of the rows' weighted losses.
@@ -818,6 +819,106 @@ pub fn kto_loss(
         chosen_logps: sum(true, &pv, 1.0),
         rejected_logps: sum(false, &pv, 1.0),
     })
+}
+
+/// TRL's experimental BCO loss (`BCOTrainer.bco_loss`, "Binary Classifier Optimization for
+/// Large Language Model Alignment", without the underlying-distribution matching): each row's
+/// implicit reward `r = β·(π − π_ref)` (summed log-probs `(B,)`) is a logit of a binary
+/// classifier shifted by `delta`, the running mean of the rewards seen ([`RunningMoments`]):
+/// desirable rows `−log σ(r − δ)`, undesirable ones `−log σ(−(r − δ))`. The loss is the mean
+/// over the rows.
+///
+/// # Errors
+/// Shapes that differ from `desirable`'s length, or an empty batch.
+pub fn bco_loss(
+    policy: &Tensor,
+    reference: &Tensor,
+    desirable: &[bool],
+    beta: f64,
+    delta: f64,
+) -> Result<KtoOutput> {
+    let n = desirable.len();
+    if n == 0 || policy.dims() != [n] || reference.dims() != [n] {
+        candle_core::bail!(
+            "bco_loss: log-probs {:?} and {:?} for {n} labels",
+            policy.dims(),
+            reference.dims()
+        );
+    }
+    let r = ((policy - reference)? * beta)?;
+    let sign: Vec<f64> = desirable
+        .iter()
+        .map(|&d| if d { 1.0 } else { -1.0 })
+        .collect();
+    let sign = Tensor::from_vec(sign, n, policy.device())?.to_dtype(policy.dtype())?;
+    let loss = log_sigmoid(&(&r - delta)?.mul(&sign)?)?.neg()?.mean_all()?;
+    let rv: Vec<f64> = r.detach().to_dtype(DType::F64)?.to_vec1()?;
+    let pv: Vec<f64> = policy.detach().to_dtype(DType::F64)?.to_vec1()?;
+    let sum = |want: bool, v: &[f64]| -> f64 {
+        v.iter()
+            .zip(desirable)
+            .filter(|(_, d)| **d == want)
+            .map(|(x, _)| x)
+            .sum()
+    };
+    let count = |want: bool| desirable.iter().filter(|&&d| d == want).count();
+    Ok(KtoOutput {
+        loss,
+        chosen_rewards: (sum(true, &rv), count(true)),
+        rejected_rewards: (sum(false, &rv), count(false)),
+        chosen_logps: sum(true, &pv),
+        rejected_logps: sum(false, &pv),
+    })
+}
+
+/// The running mean and variance of a stream of values, merged batch by batch (TRL's
+/// `RunningMoments`, BCO's `delta`): starting from mean 0, variance 1 and a count of 1e-24 (so
+/// the first batch sets them), each batch's population mean and variance are merged by
+/// Chan et al.'s parallel update; `std` is the unbiased standard deviation of all values seen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct RunningMoments {
+    /// The mean of the values seen.
+    pub mean: f64,
+    /// Their standard deviation (n − 1).
+    pub std: f64,
+    /// Their population variance.
+    pub var: f64,
+    /// How many (plus 1e-24).
+    pub count: f64,
+}
+
+impl Default for RunningMoments {
+    fn default() -> Self {
+        Self {
+            mean: 0.0,
+            std: 1.0,
+            var: 1.0,
+            count: 1e-24,
+        }
+    }
+}
+
+impl RunningMoments {
+    /// Merges a batch of values (none: no change). Returns the batch's mean and unbiased
+    /// standard deviation (NaN for a single value), as TRL's `update`.
+    pub fn update(&mut self, xs: &[f64]) -> (f64, f64) {
+        if xs.is_empty() {
+            return (f64::NAN, f64::NAN);
+        }
+        let n = xs.len() as f64;
+        let mean = xs.iter().sum::<f64>() / n;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        let delta = mean - self.mean;
+        let total = self.count + n;
+        let old_sum = self.var * self.count + delta * delta * self.count * n / total;
+        let new_var = (old_sum + var * n) / total;
+        self.mean += delta * n / total;
+        self.std = (new_var * total / (total - 1.0)).sqrt();
+        self.var = new_var;
+        self.count = total;
+        (mean, (var * n / (n - 1.0)).sqrt())
+    }
 }
 
 /// What [`reward_loss`] returns: the loss (with its graph) and TRL's `RewardTrainer` metrics.

@@ -326,3 +326,99 @@ fn kto_matches_trl() {
         .to_string();
     assert!(e.contains("2 labels"), "{e}");
 }
+
+/// TRL's BCO loss: `−log σ(r − δ)` for desirable rows and `−log σ(−(r − δ))` for undesirable
+/// ones, `r = β(π − π_ref)`, averaged; its gradient `−s·β·σ(−s(r − δ))/n` per row (`s` = ±1 by
+/// label); the sums TRL's metrics are made of; at the reference with δ = 0 every row's loss is
+/// ln 2.
+#[test]
+fn bco_matches_trls_formula() {
+    use grpo_core::preference::bco_loss;
+    let d = Device::Cpu;
+    let rc = Tensor::new(RC, &d).unwrap();
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    for (beta, delta) in [(0.1, 0.0), (0.1, 0.35), (2.0, -1.25)] {
+        let pc = Var::from_tensor(&Tensor::new(PC, &d).unwrap()).unwrap();
+        let out = bco_loss(pc.as_tensor(), &rc, KTO_LABELS, beta, delta).unwrap();
+        let n = PC.len() as f64;
+        let (mut want, mut grad) = (0.0, Vec::new());
+        for ((p, q), &l) in PC.iter().zip(RC).zip(KTO_LABELS) {
+            let s = if l { 1.0 } else { -1.0 };
+            let x = s * (beta * (p - q) - delta);
+            want -= sig(x).ln() / n;
+            grad.push(-s * beta * sig(-x) / n);
+        }
+        let l = out.loss.to_scalar::<f64>().unwrap();
+        assert!(
+            (l - want).abs() < 1e-12,
+            "β {beta} δ {delta}: {l} vs {want}"
+        );
+        let g: Vec<f64> = out
+            .loss
+            .backward()
+            .unwrap()
+            .get(pc.as_tensor())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in g.iter().zip(&grad) {
+            assert!((a - b).abs() < 1e-12, "β {beta} δ {delta}: {a} vs {b}");
+        }
+        let r: f64 = PC
+            .iter()
+            .zip(RC)
+            .zip(KTO_LABELS)
+            .filter(|(_, l)| !**l)
+            .map(|((p, q), _)| beta * (p - q))
+            .sum();
+        assert!((out.rejected_rewards.0 - r).abs() < 1e-9 && out.rejected_rewards.1 == 2);
+        assert_eq!(out.chosen_rewards.1, 3);
+    }
+    let l = bco_loss(&rc, &rc, KTO_LABELS, 0.1, 0.0)
+        .unwrap()
+        .loss
+        .to_scalar::<f64>()
+        .unwrap();
+    assert!((l - std::f64::consts::LN_2).abs() < 1e-12);
+    let e = bco_loss(&rc, &rc, &KTO_LABELS[..2], 0.1, 0.0).unwrap_err();
+    assert!(e.to_string().contains("2 labels"), "{e}");
+}
+
+/// TRL's `RunningMoments`: merged batch by batch, its mean and variance are those of every
+/// value seen (the initial 1e-24 count aside), its std the unbiased one; each update returns
+/// the batch's own mean and unbiased std.
+#[test]
+fn running_moments_are_the_moments_of_everything_seen() {
+    use grpo_core::preference::RunningMoments;
+    let batches: [&[f64]; 4] = [
+        &[0.5, -1.0, 2.0],
+        &[3.0],
+        &[-0.25, 0.75, 1.5, -2.0],
+        &[10.0, 9.0],
+    ];
+    let mut r = RunningMoments::default();
+    let mut seen: Vec<f64> = Vec::new();
+    for b in batches {
+        let (m, s) = r.update(b);
+        let bm = b.iter().sum::<f64>() / b.len() as f64;
+        assert!((m - bm).abs() < 1e-12);
+        if b.len() > 1 {
+            let bs =
+                (b.iter().map(|x| (x - bm).powi(2)).sum::<f64>() / (b.len() - 1) as f64).sqrt();
+            assert!((s - bs).abs() < 1e-12);
+        } else {
+            assert!(s.is_nan());
+        }
+        seen.extend_from_slice(b);
+        let n = seen.len() as f64;
+        let mean = seen.iter().sum::<f64>() / n;
+        let var = seen.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        assert!((r.mean - mean).abs() < 1e-12, "{} vs {mean}", r.mean);
+        assert!((r.var - var).abs() < 1e-9, "{} vs {var}", r.var);
+        assert!((r.std - (var * n / (n - 1.0)).sqrt()).abs() < 1e-9);
+        assert!((r.count - n).abs() < 1e-9);
+    }
+    let before = r;
+    assert!(r.update(&[]).0.is_nan());
+    assert_eq!(r, before);
+}
