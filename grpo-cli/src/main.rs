@@ -66,7 +66,7 @@ enum Command {
         /// The run directory (with metrics.jsonl).
         run_dir: std::path::PathBuf,
     },
-    /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" |
+    /// Train with GRPO from a config file (TOML or YAML); `algorithm = "sft" | "dpo" | "kto" | "bco" |
     /// "orpo" | "cpo" | "tpo" | "online_dpo" | "xpo" | "nash_md" | "a2po" | "rloo" | "reward" |
     /// "distillation" | "gkd" | "gold" | "iw_opd" | "sdpo" | "sdft" | "ssd"` in the config runs
     /// that instead.
@@ -77,6 +77,10 @@ enum Command {
     Dpo(train_cmd::TrainArgs),
     /// Kahneman-Tversky optimisation (the config's `[kto]`) on unpaired, labelled completions.
     Kto(train_cmd::TrainArgs),
+    /// Binary classifier optimisation (TRL's BCOTrainer) on KTO's unpaired, labelled
+    /// completions (the config's `[kto]` columns and β): each implicit reward a classifier's
+    /// logit, shifted by their running mean.
+    Bco(train_cmd::TrainArgs),
     /// Odds-ratio preference optimisation (the config's `[orpo]`, TRL's ORPOTrainer): no
     /// reference model; the chosen sequences' NLL plus an odds-ratio term.
     Orpo(train_cmd::TrainArgs),
@@ -154,6 +158,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Sft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sft"))?)),
         Some(Command::Dpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("dpo"))?)),
         Some(Command::Kto(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("kto"))?)),
+        Some(Command::Bco(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("bco"))?)),
         Some(Command::Orpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("orpo"))?)),
         Some(Command::Cpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("cpo"))?)),
         Some(Command::Tpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("tpo"))?)),
@@ -249,6 +254,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Sft(_)
             | Command::Dpo(_)
             | Command::Kto(_)
+            | Command::Bco(_)
             | Command::Orpo(_)
             | Command::Cpo(_)
             | Command::Tpo(_)

@@ -54,7 +54,7 @@ fn fixture(arch: Arch) -> tempfile::TempDir {
 fn config_text(root: &Path, name: &str, algorithm: &str, steps: usize, extra: &str) -> String {
     let data = match algorithm {
         "dpo" | "orpo" | "cpo" | "tpo" => "dpo.jsonl",
-        "kto" => "kto.jsonl",
+        "kto" | "bco" => "kto.jsonl",
         _ => "sft.jsonl",
     };
     format!(
@@ -363,6 +363,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         grpo_trainer::list_algorithms(),
         vec![
             "a2po",
+            "bco",
             "cpo",
             "distillation",
             "dpo",
@@ -388,7 +389,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo")
+            .contains("expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");
@@ -1940,4 +1941,154 @@ fn moe_supervised_runs_add_the_load_balancing_loss() {
         &RunOptions::default(),
     );
     assert!(!r.metrics[0].contains_key("aux_loss"));
+}
+
+/// TRL's BCO loss of KTO rows from the policy's and the reference's summed log-probs and `δ`:
+/// the mean of `−log σ(±(β(π − π_ref) − δ))` by label.
+fn bco_trl_loss(
+    policy: &grpo_rollout::Transformer,
+    reference: &grpo_rollout::Transformer,
+    rows: &[trainer::supervised::Row],
+    beta: f64,
+    delta: f64,
+) -> (f64, Vec<f64>) {
+    let sum = |m: &grpo_rollout::Transformer, r: &trainer::supervised::Row| -> f64 {
+        common::token_logps(m, &r.prompt, &r.completion, 1.0)
+            .iter()
+            .sum()
+    };
+    let rewards: Vec<f64> = rows
+        .iter()
+        .map(|r| beta * (sum(policy, r) - sum(reference, r)))
+        .collect();
+    let loss = rows
+        .iter()
+        .zip(&rewards)
+        .map(|(r, x)| {
+            let s = if r.desirable { 1.0 } else { -1.0 };
+            (1.0 + (-s * (x - delta)).exp()).ln()
+        })
+        .sum::<f64>()
+        / rows.len() as f64;
+    (loss, rewards)
+}
+
+/// BCO (TRL's experimental BCOTrainer) on KTO's rows: at the reference the loss is ln 2 and δ
+/// 0; each step's loss is TRL's with δ the running mean of every implicit reward seen (this
+/// step's merged in first), checked from the models' log-probs after an update; the logged δ
+/// is that mean; training separates desirable from undesirable; resume is exact (the running
+/// moments are in the checkpoint); what does not apply is refused.
+#[test]
+fn bco_learns_with_the_running_mean_of_its_rewards() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "[kto]\nbeta = 0.5\n";
+    let s = setup(dir.path(), "bco-exact", "bco", 2, extra);
+    assert!(!s.cfg.shuffles(), "BCO reads its rows in order, as TRL's");
+    let reference = s.reference.clone().unwrap();
+    let samples = first_rows(&s.train, 4);
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let mut learner = trainer::Learner::new(&s, &dir.path().join("bco-exact")).unwrap();
+    let mut seen: Vec<f64> = Vec::new();
+    for step in 0..3 {
+        // Two micro-batches of two rows: each merges its rewards into the running mean before
+        // its loss (TRL's order); the step's loss and δ are the micro-batches' means.
+        let policy = learner.policy().model.detached();
+        let (mut want, mut delta) = (0.0, 0.0);
+        for part in rows.chunks(2) {
+            let (_, rewards) = bco_trl_loss(&policy, &reference, part, 0.5, 0.0);
+            seen.extend(&rewards);
+            let d = seen.iter().sum::<f64>() / seen.len() as f64;
+            want += bco_trl_loss(&policy, &reference, part, 0.5, d).0 / 2.0;
+            delta += d / 2.0;
+        }
+        let last_mean = seen.iter().sum::<f64>() / seen.len() as f64;
+        let m = learner
+            .supervised_step(&rows, &mut Default::default(), true)
+            .unwrap();
+        assert!(
+            (m["loss"] - want).abs() < 1e-5 * want.max(1.0),
+            "step {step}: loss {} vs TRL's {want}",
+            m["loss"]
+        );
+        assert!(
+            (m["delta"] - delta).abs() < 1e-5,
+            "step {step}: δ {} vs {delta}",
+            m["delta"]
+        );
+        let running = learner.state().bco_running.unwrap();
+        assert!((running.mean - last_mean).abs() < 1e-5);
+        assert!((running.count - seen.len() as f64).abs() < 1e-9);
+        if step == 0 {
+            assert!((want - std::f64::consts::LN_2).abs() < 1e-6);
+        } else {
+            assert!(delta.abs() > 1e-4, "the rewards moved: δ {delta}");
+        }
+    }
+
+    let r = run(
+        setup(dir.path(), "bco", "bco", 12, extra),
+        &RunOptions::default(),
+    );
+    assert!((r.metrics[0]["loss"] - std::f64::consts::LN_2).abs() < 1e-6);
+    let last = r.metrics.last().unwrap();
+    assert!(last["rewards/margins"] > 0.5, "{last:?}");
+    for k in [
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "logits/chosen",
+        "delta",
+    ] {
+        assert!(last[k].is_finite(), "{k}: {last:?}");
+    }
+    // Stopped after 3 steps and resumed: the same steps, δ included.
+    let stop = RunOptions {
+        stop_after: Some(3),
+        ..Default::default()
+    };
+    let cfg_text = config_text(dir.path(), "bco-parts", "bco", 6, extra);
+    let p = dir.path().join("bco-parts.toml");
+    std::fs::write(&p, &cfg_text).unwrap();
+    let mut joined = run(
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap(),
+        &stop,
+    )
+    .metrics;
+    let resume = RunOptions {
+        resume: Some(None),
+        ..Default::default()
+    };
+    joined.extend(
+        run(
+            trainer::setup(config::load(&p, &[]).unwrap()).unwrap(),
+            &resume,
+        )
+        .metrics,
+    );
+    assert_eq!(joined.len(), 6);
+    for (a, b) in joined.iter().zip(&r.metrics) {
+        for k in ["loss", "delta", "rewards/margins"] {
+            assert!(
+                (a[k] - b[k]).abs() < 1e-6 * b[k].abs().max(1.0),
+                "{k}: {} vs {}",
+                a[k],
+                b[k]
+            );
+        }
+    }
+    for (extra, want) in [
+        (
+            "[kto]\nloss_type = \"apo_zero_unpaired\"\n",
+            "do not apply to it",
+        ),
+        ("[kto]\ndesirable_weight = 2.0\n", "do not apply to it"),
+        ("[kto]\nbeta = 0.0\n", "`kto.beta` must be > 0"),
+        (
+            "[kto]\nmax_length = 1\n",
+            "`kto.max_length` (BCO's) must be >= 2",
+        ),
+    ] {
+        let e = config_error(dir.path(), "bco", extra);
+        assert!(e.contains(want) && !e.trim().contains('\n'), "{extra}: {e}");
+    }
 }

@@ -96,6 +96,10 @@ pub enum Algorithm {
     /// pair is one sample of the policy and one of the frozen reference, plus `α` times the
     /// policy's log-likelihood of the reference's sample (`[online_dpo]`, `[xpo]`).
     Xpo,
+    /// Binary classifier optimisation (TRL's experimental BCOTrainer): KTO's unpaired, labelled
+    /// rows (`[kto]`'s columns, `beta`, `max_length`), each row's implicit reward the logit of a
+    /// classifier of desirable against undesirable, shifted by the running mean of the rewards.
+    Bco,
     /// Nash mirror descent (TRL's experimental NashMDTrainer): the policy's sample against one
     /// from the geometric mixture of policy and reference; the probability that the policy's
     /// is preferred weighs a REINFORCE step, with a KL penalty to the reference
@@ -105,7 +109,7 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 20] = [
+    pub const ALL: [Algorithm; 21] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -126,6 +130,7 @@ impl Algorithm {
         Algorithm::Ssd,
         Algorithm::Xpo,
         Algorithm::NashMd,
+        Algorithm::Bco,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -158,6 +163,11 @@ impl Algorithm {
         )
     }
 
+    /// Whether the run trains on unpaired, labelled rows (`[kto]`'s): KTO and BCO.
+    pub fn is_unpaired(self) -> bool {
+        matches!(self, Algorithm::Kto | Algorithm::Bco)
+    }
+
     /// Whether the run distils a teacher (`[distillation]`): on-policy distillation, GKD,
     /// IW-OPD or GOLD.
     pub fn is_distillation(self) -> bool {
@@ -183,7 +193,8 @@ impl Algorithm {
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, OnlineDPOConfig (XPOConfig, NashMDConfig) and TPOConfig 5e-7, GKDConfig 2e-5 (an SFTConfig),
+    /// RewardConfig 1e-4, OnlineDPOConfig (XPOConfig, NashMDConfig), BCOConfig and TPOConfig
+    /// 5e-7, GKDConfig 2e-5 (an SFTConfig),
     /// A2POConfig, SDPOConfig, SDFTConfig and SSDConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
     pub fn default_learning_rate(self) -> f64 {
@@ -192,7 +203,7 @@ impl Algorithm {
             Self::Sft | Self::Gkd => 2e-5,
             Self::A2po | Self::Sdpo | Self::Sdft | Self::Ssd => 5e-5,
             Self::Reward => 1e-4,
-            Self::OnlineDpo | Self::Xpo | Self::NashMd | Self::Tpo => 5e-7,
+            Self::OnlineDpo | Self::Xpo | Self::NashMd | Self::Bco | Self::Tpo => 5e-7,
             _ => 1e-6,
         }
     }
@@ -220,6 +231,7 @@ impl Algorithm {
             Self::Ssd => "ssd",
             Self::Xpo => "xpo",
             Self::NashMd => "nash_md",
+            Self::Bco => "bco",
         }
     }
 
@@ -238,7 +250,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
+                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
                 )
             })
     }
@@ -317,7 +329,7 @@ pub struct TrainConfig {
     pub sft: SftSection,
     /// Direct preference optimisation (`algorithm = "dpo"`).
     pub dpo: DpoSection,
-    /// Kahneman-Tversky optimisation (`algorithm = "kto"`).
+    /// Kahneman-Tversky optimisation (`algorithm = "kto"`), and BCO's rows and β (`"bco"`).
     pub kto: KtoSection,
     /// REINFORCE leave-one-out (`algorithm = "rloo"`).
     pub rloo: RlooSection,
@@ -2817,11 +2829,11 @@ impl TrainConfig {
     }
 
     /// Whether the training rows are shuffled: `train.shuffle_dataset`, else TRL's default
-    /// (KTO reads its rows in order, every other trainer shuffles).
+    /// (KTO and BCO read their rows in order, every other trainer shuffles).
     pub fn shuffles(&self) -> bool {
         self.train
             .shuffle_dataset
-            .unwrap_or(self.algorithm != Algorithm::Kto)
+            .unwrap_or(!self.algorithm.is_unpaired())
     }
 
     /// The peak learning rate: `optim.learning_rate`, else TRL's default for the algorithm.
@@ -3157,7 +3169,7 @@ impl TrainConfig {
         }
         let precomputed = match self.algorithm {
             Algorithm::Dpo => Some(("dpo", self.dpo.precompute_ref_log_probs)),
-            Algorithm::Kto => Some(("kto", self.kto.precompute_ref_log_probs)),
+            Algorithm::Kto | Algorithm::Bco => Some(("kto", self.kto.precompute_ref_log_probs)),
             _ => None,
         };
         if let Some((section, true)) = precomputed
@@ -3176,7 +3188,20 @@ impl TrainConfig {
                  `{section}.precompute_ref_log_probs` would go stale: set one of them to false"
             ));
         }
-        if self.algorithm == Algorithm::Kto {
+        if self.algorithm == Algorithm::Bco {
+            let k = &self.kto;
+            if k.loss_type != KtoLossType::Kto
+                || k.desirable_weight != 1.0
+                || k.undesirable_weight != 1.0
+            {
+                return Err(
+                    "BCO's loss is its own: `kto.loss_type`, `kto.desirable_weight` and \
+                            `kto.undesirable_weight` do not apply to it"
+                        .into(),
+                );
+            }
+        }
+        if self.algorithm.is_unpaired() {
             let k = &self.kto;
             if !(k.beta > 0.0 && k.beta.is_finite()) {
                 return Err(format!("`kto.beta` must be > 0, got {}", k.beta));
@@ -3189,7 +3214,7 @@ impl TrainConfig {
                     return Err(format!("`kto.{key}` must be >= 0, got {w}"));
                 }
             }
-            if k.loss_type.uses_kl() && self.micro_batch() < 2 {
+            if self.algorithm == Algorithm::Kto && k.loss_type.uses_kl() && self.micro_batch() < 2 {
                 return Err("`kto.loss_type = \"kto\"` estimates the KL term from the other rows of \
                             a micro-batch: `train.per_device_train_batch_size` must be > 1 (as in TRL)"
                     .into());
@@ -3197,7 +3222,7 @@ impl TrainConfig {
         }
         if (self.algorithm == Algorithm::Sft && self.sft.max_length < 2)
             || (self.algorithm == Algorithm::Dpo && self.dpo.max_length < 2)
-            || (self.algorithm == Algorithm::Kto && self.kto.max_length < 2)
+            || (self.algorithm.is_unpaired() && self.kto.max_length < 2)
             || (self.algorithm == Algorithm::Orpo && self.orpo.max_length < 2)
             || (self.algorithm == Algorithm::Cpo && self.cpo.max_length < 2)
             || (self.algorithm == Algorithm::Tpo && self.tpo.max_length < 2)
@@ -3205,6 +3230,9 @@ impl TrainConfig {
         {
             if self.algorithm == Algorithm::Reward {
                 return Err("`reward.max_length` must be >= 1".into());
+            }
+            if self.algorithm == Algorithm::Bco {
+                return Err("`kto.max_length` (BCO's) must be >= 2".into());
             }
             return Err(format!("`{}.max_length` must be >= 2", self.algorithm));
         }
@@ -3831,6 +3859,7 @@ impl TrainConfig {
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
+            | Algorithm::Bco
             | Algorithm::Reward
             | Algorithm::Orpo
             | Algorithm::Cpo
@@ -3862,6 +3891,7 @@ impl TrainConfig {
             self.algorithm,
             Algorithm::Dpo
                 | Algorithm::Kto
+                | Algorithm::Bco
                 | Algorithm::Reward
                 | Algorithm::Orpo
                 | Algorithm::Cpo

@@ -65,12 +65,12 @@ pub use learner::{Learner, TrainerState, batch::completion_logps, supervised};
 pub use pipeline::{RunMode, RunOptions, TrainingResult, run};
 pub use setup::{Setup, setup, setup_with};
 pub use trainer::{
-    A2po, A2poTrainer, AnyTrainer, ByName, Cpo, CpoTrainer, Distillation, DistillationTrainer, Dpo,
-    DpoTrainer, FitOptions, Gkd, GkdTrainer, Gold, GoldTrainer, Grpo, GrpoTrainer, IwOpd,
-    IwOpdTrainer, Kto, KtoTrainer, NashMd, NashMdTrainer, OnlineDpo, OnlineDpoTrainer, Orpo,
-    OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sdft, SdftTrainer, Sdpo,
-    SdpoTrainer, Sft, SftTrainer, Ssd, SsdTrainer, Tpo, TpoTrainer, Trainer, TrainerKind, Xpo,
-    XpoTrainer, create_trainer, get_algorithm, list_algorithms,
+    A2po, A2poTrainer, AnyTrainer, Bco, BcoTrainer, ByName, Cpo, CpoTrainer, Distillation,
+    DistillationTrainer, Dpo, DpoTrainer, FitOptions, Gkd, GkdTrainer, Gold, GoldTrainer, Grpo,
+    GrpoTrainer, IwOpd, IwOpdTrainer, Kto, KtoTrainer, NashMd, NashMdTrainer, OnlineDpo,
+    OnlineDpoTrainer, Orpo, OrpoTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sdft,
+    SdftTrainer, Sdpo, SdpoTrainer, Sft, SftTrainer, Ssd, SsdTrainer, Tpo, TpoTrainer, Trainer,
+    TrainerKind, Xpo, XpoTrainer, create_trainer, get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

@@ -163,7 +163,9 @@ fn implied_prompt_field(cfg: &TrainConfig, found: &[String]) -> Option<String> {
         Algorithm::Dpo if has(&cfg.dpo.chosen_field) && has(&cfg.dpo.rejected_field) => {
             Some(cfg.dpo.chosen_field.clone())
         }
-        Algorithm::Kto if has("chosen") && has("rejected") => Some("chosen".into()),
+        Algorithm::Kto | Algorithm::Bco if has("chosen") && has("rejected") => {
+            Some("chosen".into())
+        }
         Algorithm::Orpo | Algorithm::Cpo | Algorithm::Tpo
             if has(cfg.pair_fields().0) && has(cfg.pair_fields().1) =>
         {
@@ -236,8 +238,8 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
                 )?;
             }
         }
-        // Unpaired rows, or preference rows that KTO unpairs (as TRL does).
-        Algorithm::Kto
+        // Unpaired rows, or preference rows that KTO and BCO unpair (as TRL does).
+        Algorithm::Kto | Algorithm::Bco
             if !(data.require_column("chosen", "").is_ok()
                 && data.require_column("rejected", "").is_ok()) =>
         {
@@ -499,7 +501,7 @@ pub fn setup_with(
     let reference = if (cfg.reference.beta > 0.0 && cfg.algorithm != Algorithm::Reward)
         || matches!(
             cfg.algorithm,
-            Algorithm::Dpo | Algorithm::Kto | Algorithm::A2po
+            Algorithm::Dpo | Algorithm::Kto | Algorithm::Bco | Algorithm::A2po
         )
         || cfg.algorithm.is_online_dpo()
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)

@@ -1,6 +1,6 @@
 //! The library's front door: [`Trainer`] (`from_config` / `from_pretrained`, then `fit`),
 //! typed by algorithm ([`GrpoTrainer`], [`SftTrainer`], [`DpoTrainer`], [`KtoTrainer`],
-//! [`OrpoTrainer`], [`CpoTrainer`], [`OnlineDpoTrainer`], [`XpoTrainer`], [`NashMdTrainer`],
+//! [`OrpoTrainer`], [`CpoTrainer`], [`BcoTrainer`], [`OnlineDpoTrainer`], [`XpoTrainer`], [`NashMdTrainer`],
 //! [`RlooTrainer`], [`RewardTrainer`],
 //! [`DistillationTrainer`], [`GkdTrainer`], [`TpoTrainer`], [`A2poTrainer`]) or chosen by name
 //! ([`create_trainer`], [`get_algorithm`], [`list_algorithms`]).
@@ -44,6 +44,9 @@ pub struct Cpo;
 /// Online DPO (`[online_dpo]`, TRL's OnlineDPOTrainer, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct OnlineDpo;
+/// BCO (`[kto]`'s rows and β, TRL's BCOTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Bco;
 /// XPO (`[online_dpo]` and `[xpo]`, TRL's XPOTrainer, on the GRPO pipeline).
 #[derive(Debug, Clone, Copy)]
 pub struct Xpo;
@@ -109,6 +112,9 @@ impl TrainerKind for Cpo {
 impl TrainerKind for OnlineDpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::OnlineDpo);
 }
+impl TrainerKind for Bco {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Bco);
+}
 impl TrainerKind for Xpo {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Xpo);
 }
@@ -169,6 +175,9 @@ pub type OrpoTrainer = Trainer<Orpo>;
 pub type CpoTrainer = Trainer<Cpo>;
 /// An online DPO trainer: pairs of the policy's own samples, ranked by the rewards.
 pub type OnlineDpoTrainer = Trainer<OnlineDpo>;
+/// A BCO trainer: KTO's unpaired, labelled rows, each row's implicit reward a binary
+/// classifier's logit shifted by the running mean of the rewards.
+pub type BcoTrainer = Trainer<Bco>;
 /// An XPO trainer: online DPO on pairs of a policy sample and a reference sample, with the
 /// exploration term on the reference's.
 pub type XpoTrainer = Trainer<Xpo>;

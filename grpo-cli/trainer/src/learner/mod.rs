@@ -72,6 +72,10 @@ pub struct TrainerState {
     /// tokens (`None`: not measured yet, TRL's `inf`: no bonus applies).
     #[serde(default)]
     pub last_entropy: Option<f64>,
+    /// BCO: the running moments of the implicit rewards (its `delta` is their mean; TRL keeps
+    /// them in `running.json`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bco_running: Option<grpo_core::preference::RunningMoments>,
 }
 
 /// Computes the loss and updates the weights; its state is what checkpoints hold.
@@ -284,6 +288,11 @@ impl Learner {
     /// The trained policy (adapters unmerged).
     pub fn policy(&self) -> &TrainableModel {
         &self.policy
+    }
+
+    /// What a checkpoint's `trainer_state.json` would hold now.
+    pub fn state(&self) -> &TrainerState {
+        &self.state
     }
 }
 

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{D, DType, Tensor};
-use grpo_core::preference::{DpoInputs, dpo_loss_with, kto_loss, sft_loss_typed};
+use grpo_core::preference::{DpoInputs, bco_loss, dpo_loss_with, kto_loss, sft_loss_typed};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
@@ -102,7 +102,7 @@ pub fn rows_packed(
     packing: bool,
 ) -> Result<Vec<Row>> {
     let rows = match cfg.algorithm {
-        Algorithm::Kto => kto_rows(cfg, tok, samples)?,
+        Algorithm::Kto | Algorithm::Bco => kto_rows(cfg, tok, samples)?,
         // TRL filters reward pairs by length; it does not cut them.
         Algorithm::Reward => return reward_rows(cfg, tok, samples),
         // TRL's ORPO and CPO cut each side's completion to fit after its prompt themselves.
@@ -124,7 +124,7 @@ pub fn rows_packed(
     if !sft || !packing {
         let max = match cfg.algorithm {
             Algorithm::Dpo => cfg.dpo.max_length,
-            Algorithm::Kto => cfg.kto.max_length,
+            Algorithm::Kto | Algorithm::Bco => cfg.kto.max_length,
             Algorithm::Tpo => cfg.tpo.max_length,
             _ => cfg.sft.max_length,
         };
@@ -1162,7 +1162,10 @@ impl Learner {
             .map(|a| (a, (a + micro).min(n)))
             .collect();
         let dpo = self.cfg.algorithm == Algorithm::Dpo;
-        let kto = self.cfg.algorithm == Algorithm::Kto;
+        let kto = self.cfg.algorithm.is_unpaired();
+        let bco = self.cfg.algorithm == Algorithm::Bco;
+        // BCO's δ of each micro-batch, weighted by its share.
+        let mut bco_delta = 0f64;
         let reward = self.cfg.algorithm == Algorithm::Reward;
         let pairs = self.cfg.algorithm.reference_free_pairs();
         // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
@@ -1383,9 +1386,12 @@ impl Learner {
                     }
                 };
                 let cfg = self.cfg.kto.kto_config();
+                let desirable: Vec<bool> = part.iter().map(|r| r.desirable).collect();
                 // TRL's KL estimate: each prompt with the completion of the row before it (the
                 // first with the last), policy − reference, averaged, clamped at 0; no gradient.
-                let kl = if cfg.loss_type.uses_kl() {
+                let kl = if bco {
+                    0.0
+                } else if cfg.loss_type.uses_kl() {
                     let k = comps.len();
                     let shifted: Vec<&[u32]> = (0..k).map(|i| comps[(i + k - 1) % k]).collect();
                     let p = self.summed_logps(&self.policy.model.detached(), &prompts, &shifted)?;
@@ -1398,8 +1404,23 @@ impl Learner {
                 } else {
                     0.0
                 };
-                let desirable: Vec<bool> = part.iter().map(|r| r.desirable).collect();
-                let out = kto_loss(&pol, &refl, &desirable, kl, &cfg)?;
+                let out = if bco {
+                    // BCO's δ: the running mean of the implicit rewards, this micro-batch's
+                    // merged in first while training (TRL's `running.update`).
+                    let beta = cfg.beta;
+                    let rewards: Vec<f64> = ((pol.detach() - &refl)? * beta)?
+                        .to_dtype(DType::F64)?
+                        .to_vec1()?;
+                    let running = self.state.bco_running.get_or_insert_default();
+                    if train {
+                        running.update(&rewards);
+                    }
+                    let delta = running.mean;
+                    bco_delta += delta * share;
+                    bco_loss(&pol, &refl, &desirable, beta, delta)?
+                } else {
+                    kto_loss(&pol, &refl, &desirable, kl, &cfg)?
+                };
                 kto_kl += kl * share;
                 for (slot, v) in kto_sums.iter_mut().zip([
                     out.chosen_rewards.0,
@@ -1473,7 +1494,10 @@ impl Learner {
         if kto {
             // TRL's KTO metrics: means over the desirable and the undesirable rows.
             let [cr, cl, cn, rr, rl, rn] = kto_sums;
-            m.insert("kl".into(), kto_kl);
+            match bco {
+                true => m.insert("delta".into(), bco_delta),
+                false => m.insert("kl".into(), kto_kl),
+            };
             if cn > 0.0 {
                 m.insert("rewards/chosen".into(), cr / cn);
                 m.insert("logps/chosen".into(), cl / cn);
@@ -1542,7 +1566,7 @@ pub fn run(
                 let c = &setup.cfg;
                 let (max, why) = match c.algorithm {
                     Algorithm::Dpo => (c.dpo.max_length, "a prompt fills it"),
-                    Algorithm::Kto => (c.kto.max_length, "a prompt fills it"),
+                    Algorithm::Kto | Algorithm::Bco => (c.kto.max_length, "a prompt fills it"),
                     Algorithm::Reward => (c.reward.max_length, "a side of each pair is longer"),
                     Algorithm::Orpo => (c.orpo.max_length, "a prompt fills it"),
                     Algorithm::Cpo => (c.cpo.max_length, "a prompt fills it"),

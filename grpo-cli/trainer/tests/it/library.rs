@@ -279,6 +279,7 @@ fn algorithms_by_name() {
         grpo_trainer::list_algorithms(),
         [
             "a2po",
+            "bco",
             "cpo",
             "distillation",
             "dpo",
