@@ -406,3 +406,56 @@ fn lora_and_a_stale_generator_train() {
         );
     }
 }
+
+/// The eval split is scored on the policy's own samples, `num_generations_eval` of them per
+/// prompt (no reference or mixture samples among them).
+#[test]
+fn the_eval_split_samples_the_policy_alone() {
+    let f = fixture();
+    for algorithm in ["xpo", "nash_md"] {
+        let mut cfg = load(&f.root, algorithm, &format!("eval-{algorithm}"), 2, "");
+        cfg.data.eval_fraction = Some(0.25);
+        cfg.train.eval_steps = 2;
+        cfg.rollout.num_generations_eval = Some(3);
+        struct Evals(std::rc::Rc<std::cell::RefCell<Vec<grpo_trainer::Metrics>>>);
+        impl grpo_trainer::Callbacks for Evals {
+            fn on_evaluate(&mut self, _: &grpo_trainer::TrainerState, m: &grpo_trainer::Metrics) {
+                self.0.borrow_mut().push(m.clone());
+            }
+        }
+        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+        let s = trainer::setup(cfg).unwrap();
+        trainer::run(s, &RunOptions::default(), &mut Evals(seen.clone())).unwrap();
+        let evals = seen.borrow();
+        assert_eq!(evals.len(), 1, "{algorithm}");
+        assert!(
+            evals[0]["eval/reward"].is_finite(),
+            "{algorithm}: {:?}",
+            evals[0]
+        );
+    }
+    // What evaluation's generator samples: the policy's tokens only.
+    let s = trainer::setup(load(&f.root, "xpo", "eval-gen", 1, "")).unwrap();
+    let other = grpo_rollout::load(&f.root.join("other"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .model
+        .detached();
+    let batch = Loader::new(&s, 0, None)
+        .unwrap()
+        .process()
+        .unwrap()
+        .unwrap();
+    let r = Generator::new(&s, Arc::new(other.clone()), 0)
+        .with_num_generations(3)
+        .policy_only()
+        .process(batch)
+        .unwrap();
+    assert_eq!(r.completions.len(), 12);
+    for c in &r.completions {
+        let p = &r.prompt_ids[c.prompt_index];
+        let want = token_logps(&other, p, &c.token_ids, s.cfg.rollout.temperature);
+        for (w, got) in want.iter().zip(&c.logprobs) {
+            assert!((w - *got as f64).abs() < 1e-4);
+        }
+    }
+}

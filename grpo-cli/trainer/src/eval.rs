@@ -18,7 +18,11 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     let model = learner.publish()?;
     let r = &setup.cfg.rollout;
     let g = r.num_generations_eval.unwrap_or(r.num_generations);
-    let mut generator = Generator::new(setup, model, learner.state.step).with_num_generations(g);
+    // XPO's and Nash-MD's second samples (the reference's, the mixture's) are the training
+    // pairs' contrast, not the policy's: the eval split is the policy's samples alone.
+    let mut generator = Generator::new(setup, model, learner.state.step)
+        .with_num_generations(g)
+        .policy_only();
     let mut scorer = Scorer::new(setup).without_logs().with_num_generations(g);
     let sc = StreamConfig {
         seed: setup.cfg.train.seed,

@@ -99,6 +99,13 @@ impl Generator {
         self
     }
 
+    /// Samples every completion with the policy: XPO's and Nash-MD's second samples (the
+    /// reference's, the mixture's) left out (evaluation).
+    pub fn policy_only(mut self) -> Self {
+        self.reference = None;
+        self
+    }
+
     /// Samples with its own model here, never on the rollout server (A*-PO's value estimation
     /// samples the frozen reference).
     pub fn local(mut self) -> Self {
