@@ -765,14 +765,7 @@ pub fn kto_loss(
     kl: f64,
     cfg: &KtoConfig,
 ) -> Result<KtoOutput> {
-    let n = desirable.len();
-    if n == 0 || policy.dims() != [n] || reference.dims() != [n] {
-        candle_core::bail!(
-            "kto_loss: log-probs {:?} and {:?} for {n} labels",
-            policy.dims(),
-            reference.dims()
-        );
-    }
+    let n = check_unpaired("kto_loss", policy, reference, desirable)?;
     let beta = cfg.beta;
     let dt = policy.dtype();
     let dev = policy.device();
@@ -802,22 +795,50 @@ pub fn kto_loss(
     let t = |v: Vec<f64>| -> Result<Tensor> { Tensor::from_vec(v, n, dev)?.to_dtype(dt) };
     let per_row = ((s * t(sign)?)? + t(offset)?)?;
     let loss = (per_row * t(weight)?)?.mean_all()?;
-    let rv: Vec<f64> = r.detach().to_dtype(DType::F64)?.to_vec1()?;
+    unpaired_output(loss, &(r * beta)?, policy, desirable)
+}
+
+/// The row count of an unpaired batch: `policy` and `reference` `(n,)` for `n ≥ 1` labels.
+fn check_unpaired(
+    what: &str,
+    policy: &Tensor,
+    reference: &Tensor,
+    desirable: &[bool],
+) -> Result<usize> {
+    let n = desirable.len();
+    if n == 0 || policy.dims() != [n] || reference.dims() != [n] {
+        candle_core::bail!(
+            "{what}: log-probs {:?} and {:?} for {n} labels",
+            policy.dims(),
+            reference.dims()
+        );
+    }
+    Ok(n)
+}
+
+/// `loss` with the sums of the rows' implicit `rewards` and `policy` log-probs by label.
+fn unpaired_output(
+    loss: Tensor,
+    rewards: &Tensor,
+    policy: &Tensor,
+    desirable: &[bool],
+) -> Result<KtoOutput> {
+    let rv: Vec<f64> = rewards.detach().to_dtype(DType::F64)?.to_vec1()?;
     let pv: Vec<f64> = policy.detach().to_dtype(DType::F64)?.to_vec1()?;
-    let sum = |want: bool, v: &[f64], scale: f64| -> f64 {
+    let sum = |want: bool, v: &[f64]| -> f64 {
         v.iter()
             .zip(desirable)
             .filter(|(_, d)| **d == want)
-            .map(|(x, _)| x * scale)
+            .map(|(x, _)| x)
             .sum()
     };
     let count = |want: bool| desirable.iter().filter(|&&d| d == want).count();
     Ok(KtoOutput {
         loss,
-        chosen_rewards: (sum(true, &rv, beta), count(true)),
-        rejected_rewards: (sum(false, &rv, beta), count(false)),
-        chosen_logps: sum(true, &pv, 1.0),
-        rejected_logps: sum(false, &pv, 1.0),
+        chosen_rewards: (sum(true, &rv), count(true)),
+        rejected_rewards: (sum(false, &rv), count(false)),
+        chosen_logps: sum(true, &pv),
+        rejected_logps: sum(false, &pv),
     })
 }
 
@@ -837,14 +858,7 @@ pub fn bco_loss(
     beta: f64,
     delta: f64,
 ) -> Result<KtoOutput> {
-    let n = desirable.len();
-    if n == 0 || policy.dims() != [n] || reference.dims() != [n] {
-        candle_core::bail!(
-            "bco_loss: log-probs {:?} and {:?} for {n} labels",
-            policy.dims(),
-            reference.dims()
-        );
-    }
+    let n = check_unpaired("bco_loss", policy, reference, desirable)?;
     let r = ((policy - reference)? * beta)?;
     let sign: Vec<f64> = desirable
         .iter()
@@ -852,23 +866,7 @@ pub fn bco_loss(
         .collect();
     let sign = Tensor::from_vec(sign, n, policy.device())?.to_dtype(policy.dtype())?;
     let loss = log_sigmoid(&(&r - delta)?.mul(&sign)?)?.neg()?.mean_all()?;
-    let rv: Vec<f64> = r.detach().to_dtype(DType::F64)?.to_vec1()?;
-    let pv: Vec<f64> = policy.detach().to_dtype(DType::F64)?.to_vec1()?;
-    let sum = |want: bool, v: &[f64]| -> f64 {
-        v.iter()
-            .zip(desirable)
-            .filter(|(_, d)| **d == want)
-            .map(|(x, _)| x)
-            .sum()
-    };
-    let count = |want: bool| desirable.iter().filter(|&&d| d == want).count();
-    Ok(KtoOutput {
-        loss,
-        chosen_rewards: (sum(true, &rv), count(true)),
-        rejected_rewards: (sum(false, &rv), count(false)),
-        chosen_logps: sum(true, &pv),
-        rejected_logps: sum(false, &pv),
-    })
+    unpaired_output(loss, &r, policy, desirable)
 }
 
 /// The running mean and variance of a stream of values, merged batch by batch (TRL's

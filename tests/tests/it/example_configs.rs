@@ -734,12 +734,13 @@ fn distillation_config_trains_the_student_on_its_samples() {
 }
 
 /// `configs/orpo.toml` and `configs/simpo.toml` train on the example preference pairs without a
-/// reference model.
+/// reference model; `configs/bco.toml` on the same pairs unpaired, against its reference.
 #[test]
-fn orpo_and_simpo_configs_train_on_the_example_pairs() {
+fn orpo_simpo_and_bco_configs_train_on_the_example_pairs() {
     for (name, algorithm) in [
         ("orpo.toml", grpo_trainer::Algorithm::Orpo),
         ("simpo.toml", grpo_trainer::Algorithm::Cpo),
+        ("bco.toml", grpo_trainer::Algorithm::Bco),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let (model, _) = fixture(dir.path());
@@ -747,7 +748,12 @@ fn orpo_and_simpo_configs_train_on_the_example_pairs() {
         let cfg = load_example(name, dir.path(), "run", (&model, &data), 2, &[]);
         assert_eq!(cfg.algorithm, algorithm);
         let s = trainer::setup(cfg).unwrap();
-        assert!(s.reference.is_none(), "{name}");
+        // BCO has a reference; ORPO and SimPO none.
+        assert_eq!(
+            s.reference.is_some(),
+            algorithm == grpo_trainer::Algorithm::Bco,
+            "{name}"
+        );
         let r = run_setup(s);
         assert_eq!(r.total_steps, 2);
         for m in &r.metrics {
