@@ -3813,11 +3813,12 @@ impl TrainConfig {
         if self.algorithm == Algorithm::OnlineDpo {
             return Ok(());
         }
-        if self.rollout.backend == Backend::Openai {
-            return Err(format!(
-                "{name} samples with the frozen reference too, in this process: leave \
-                 `rollout.backend` at \"local\""
-            ));
+        if self.algorithm == Algorithm::NashMd && self.rollout.backend == Backend::Openai {
+            return Err(
+                "Nash-MD samples from the mixture of the policy's and the reference's logits, \
+                 in this process: leave `rollout.backend` at \"local\""
+                    .into(),
+            );
         }
         if self.algorithm == Algorithm::Xpo {
             epoch_values("xpo.alpha", &self.xpo.alpha, |a| a >= 0.0, ">= 0")?;

@@ -655,6 +655,49 @@ fn sdpo_and_iw_opd_sample_through_the_openai_backend() {
     }
 }
 
+/// XPO through the rollout server: the synced adapter samples each prompt's first completion
+/// and the served base model (the frozen reference) its second, with the seeds the local
+/// backend draws them with: the first step's pairs, rewards and loss are the local ones.
+#[test]
+fn xpo_samples_policy_and_reference_through_the_openai_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    let srv = serve(root);
+    let remote_extra = format!(
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n",
+        srv.base_url()
+    );
+    let train = |out: &str, extra: &str| {
+        let mut c = config(root, out, extra);
+        c.algorithm = grpo_trainer::Algorithm::Xpo;
+        c.rollout.num_generations = 2;
+        c.train.per_device_train_batch_size = Some(4);
+        c.train.max_steps = Some(3);
+        c.optim.learning_rate = Some(1e-3);
+        run_config(c)
+    };
+    let local = train("xpo-local", "");
+    let remote = train("xpo-remote", &remote_extra);
+    assert_eq!(remote.metrics.len(), 3);
+    let (l, r) = (&local.metrics[0], &remote.metrics[0]);
+    for k in ["objective/model_scores", "objective/ref_scores"] {
+        assert_eq!(l[k], r[k], "{k}");
+    }
+    assert!(
+        (l["loss"] - r["loss"]).abs() < 1e-4 * l["loss"].abs().max(1.0),
+        "first-step loss {} vs {}",
+        l["loss"],
+        r["loss"]
+    );
+    assert!(
+        remote
+            .metrics
+            .iter()
+            .all(|m| m["loss"].is_finite() && m["loss/xpo"].is_finite())
+    );
+}
+
 /// IW-OPD with its teacher on a server (`[distillation.teacher_server]`): the teacher's
 /// log-probs come from `grpo-cli serve`'s `echo`, and the steps equal those with the same
 /// teacher loaded locally.

@@ -214,6 +214,21 @@ impl Generator {
                 grpo_rollout::generate(&decoding, &self.tokenizer, sample_ids, g, &params)?
             }
             (CompletionSource::Policy, remote) => match remote {
+                // XPO on the rollout server: the synced adapter samples the policy's completion,
+                // the served base model (the frozen reference) the second one.
+                Some(remote) if self.cfg.algorithm == Algorithm::Xpo => {
+                    let (server, _) = self.synced_server(&remote)?;
+                    let tok = &self.tokenizer;
+                    let contrast = grpo_rollout::SamplingParams {
+                        seed: contrast_seed(params.seed),
+                        ..params.clone()
+                    };
+                    let mine = server.generate(tok, sample_ids, 1, &params, true);
+                    let theirs = server.generate(tok, sample_ids, 1, &contrast, false);
+                    let (mine, theirs) = (mine.and_then(|m| Ok((m, theirs?))))
+                        .map_err(|e| anyhow!("rollout.openai: {e}"))?;
+                    interleave_pairs(mine, theirs)
+                }
                 Some(remote) => {
                     let (server, policy) = self.synced_server(&remote)?;
                     server
@@ -257,8 +272,9 @@ impl Generator {
 
     /// XPO and Nash-MD: each prompt's first completion is the policy's, its second the frozen
     /// reference's (XPO) or the geometric mixture's of both (Nash-MD, `nash_md.mixture_coef`
-    /// of the batch's epoch). Their random streams are those of two samples of one prompt
-    /// (`2i` and `2i + 1`), as [`grpo_rollout::generate`] draws them.
+    /// of the batch's epoch). The policy draws one sample per prompt from the step's seed, as
+    /// [`grpo_rollout::generate`] does; the second model from [`contrast_seed`] (so a rollout
+    /// server, which draws what `generate` draws, gives the same pairs).
     fn contrast_pairs(
         &mut self,
         policy: &Transformer,
@@ -285,36 +301,30 @@ impl Generator {
             }
             None => reference,
         };
-        let requests = |first: u64| -> Vec<PromptRequest<'_>> {
+        let requests = |seed: u64| -> Vec<PromptRequest<'_>> {
             prompts
                 .iter()
                 .enumerate()
                 .map(|(i, ids)| PromptRequest {
                     ids,
                     n: 1,
-                    seed: params.seed,
-                    first_stream: 2 * i as u64 + first,
+                    seed,
+                    first_stream: i as u64,
                 })
                 .collect()
         };
         let tok = &self.tokenizer;
-        let mine = generate_batch(policy, tok, &requests(0), params)?;
+        let mine = generate_batch(policy, tok, &requests(params.seed), params)?;
+        let second = requests(contrast_seed(params.seed));
         let theirs = match self.cfg.algorithm {
             Algorithm::NashMd => {
                 let coef = self.cfg.nash_md.mixture_coef.at(batch.epoch());
                 let mixture = grpo_rollout::GeometricMixture { reference, coef };
-                generate_mixture(policy, mixture, tok, &requests(1), params)?
+                generate_mixture(policy, mixture, tok, &second, params)?
             }
-            _ => generate_batch(&reference.for_decoding()?, tok, &requests(1), params)?,
+            _ => generate_batch(&reference.for_decoding()?, tok, &second, params)?,
         };
-        Ok(mine
-            .into_iter()
-            .zip(theirs)
-            .flat_map(|(a, mut b)| {
-                b.sample_index = 1;
-                [a, b]
-            })
-            .collect())
+        Ok(interleave_pairs(mine, theirs))
     }
 
     /// GKD: the step's completions come from the policy with probability `distillation.lmbda`
@@ -648,6 +658,24 @@ struct EpisodeOrigin {
 
 /// `e` with `rest` (the end of its own prompt past what its group's prompts share) before its
 /// tokens, as the environment's: not the model's, log-prob 0, the turns moved after it.
+/// The seed of XPO's and Nash-MD's second samples, from the step's: another stream of draws
+/// than the policy's own samples, so a pair's two completions never share their draws.
+fn contrast_seed(seed: u64) -> u64 {
+    grpo_data::rng::mix(seed, 0x7870_6f5f_7061_6972, 0)
+}
+
+/// XPO's and Nash-MD's pairs in step order: each prompt's policy sample, then its other sample
+/// (as the prompt's second).
+fn interleave_pairs(mine: Vec<Completion>, theirs: Vec<Completion>) -> Vec<Completion> {
+    mine.into_iter()
+        .zip(theirs)
+        .flat_map(|(a, mut b)| {
+            b.sample_index = 1;
+            [a, b]
+        })
+        .collect()
+}
+
 fn prepend_environment_tokens(e: &mut Episode, rest: &[u32]) {
     let k = rest.len();
     e.token_ids.splice(0..0, rest.iter().copied());
