@@ -96,6 +96,19 @@ fn first_step_matches(micro: usize) {
     );
     assert!((m["ssd/cross_entropy_loss"] - want).abs() < 1e-5 * want);
     assert_eq!(m["ssd/active_sample_ratio"], 6.0 / 8.0);
+    // TRL's lengths after the filter: the two stubs count 0 tokens.
+    let kept: Vec<f64> = (0..n)
+        .map(|i| match i {
+            1 | 6 => 0.0,
+            _ => sc.rollouts.completions[i].token_ids.len() as f64,
+        })
+        .collect();
+    assert_eq!(m["completions/min_length"], 0.0);
+    assert_eq!(
+        m["completions/max_length"],
+        kept.iter().copied().fold(0.0, f64::max)
+    );
+    assert!((m["completions/mean_length"] - kept.iter().sum::<f64>() / 8.0).abs() < 1e-12);
     // The update lowers the samples' cross-entropy.
     let after = learner.policy().model.detached();
     let (mut before_sum, mut after_sum) = (0.0, 0.0);

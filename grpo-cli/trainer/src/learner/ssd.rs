@@ -28,7 +28,8 @@ impl Learner {
     /// One SSD step over the sampled completions `s`: `num_iterations` passes of the
     /// micro-batches' cross-entropy, an optimizer update per `steps_per_generation` share;
     /// metrics `loss`, `ssd/cross_entropy_loss`, `ssd/active_sample_ratio` and the step's
-    /// completion and reward metrics.
+    /// completion and reward metrics (with the filter, TRL's `completions/mean_length`,
+    /// `min_length` and `max_length` count a filtered completion as 0 tokens).
     pub(crate) fn ssd_step(&mut self, s: &Scored, t0: Instant) -> Result<Metrics> {
         let r = &s.rollouts;
         let eos = self.tokenizer.eos_token_ids.clone();
@@ -73,6 +74,26 @@ impl Learner {
             t0,
             &mut m,
         );
+        if self.cfg.ssd.filter_empty {
+            // TRL logs the lengths of the completion masks after the filter zeroed them.
+            let lens: Vec<f64> = (0..batch.keep.len())
+                .map(|i| {
+                    if batch.keep[i] {
+                        batch.lens[i] as f64
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let min = lens.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = lens.iter().copied().fold(0.0, f64::max);
+            m.insert(
+                "completions/mean_length".into(),
+                lens.iter().sum::<f64>() / n,
+            );
+            m.insert("completions/min_length".into(), min);
+            m.insert("completions/max_length".into(), max);
+        }
         Ok(m)
     }
 }
