@@ -683,16 +683,7 @@ fn eval_split_is_scored_every_eval_steps_and_reference_sync_runs() {
     cfg.data.eval_fraction = Some(0.25);
     cfg.train.eval_steps = 2;
     cfg.train.max_steps = Some(4);
-    struct Evals(std::rc::Rc<std::cell::RefCell<Vec<grpo_trainer::Metrics>>>);
-    impl grpo_trainer::Callbacks for Evals {
-        fn on_evaluate(&mut self, _state: &grpo_trainer::TrainerState, m: &grpo_trainer::Metrics) {
-            self.0.borrow_mut().push(m.clone());
-        }
-    }
-    let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
-    let setup = trainer::setup(cfg).unwrap();
-    let r = trainer::run(setup, &RunOptions::default(), &mut Evals(seen.clone())).unwrap();
-    let evals = seen.borrow();
+    let (r, evals) = crate::common::run_with_evals(cfg);
     assert_eq!(evals.len(), 2, "eval at steps 2 and 4");
     for e in evals.iter() {
         let acc = e["eval/accuracy"];

@@ -29,6 +29,14 @@ fn fixture() -> Fixture {
         .arithmetic(16)
 }
 
+/// The fixture's `other` model: a policy that is not the reference.
+fn other_policy(f: &Fixture) -> Transformer {
+    grpo_rollout::load(&f.root.join("other"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .model
+        .detached()
+}
+
 /// Online DPO's test config with `algorithm` and the `inverse_loss` reward (which varies
 /// within a pair).
 fn config_text(root: &Path, algorithm: &str, out: &str, steps: usize, extra: &str) -> String {
@@ -90,10 +98,7 @@ fn mixture_logps(
 #[test]
 fn each_pair_is_a_policy_sample_and_a_reference_or_mixture_sample() {
     let f = fixture();
-    let other = grpo_rollout::load(&f.root.join("other"), DType::F32, &Device::Cpu)
-        .unwrap()
-        .model
-        .detached();
+    let other = other_policy(&f);
     for (algorithm, extra) in [("xpo", ""), ("nash_md", "[nash_md]\nmixture_coef = 0.3\n")] {
         let s = trainer::setup(load(&f.root, algorithm, algorithm, 1, extra)).unwrap();
         let reference = s.reference.clone().unwrap();
@@ -417,16 +422,7 @@ fn the_eval_split_samples_the_policy_alone() {
         cfg.data.eval_fraction = Some(0.25);
         cfg.train.eval_steps = 2;
         cfg.rollout.num_generations_eval = Some(3);
-        struct Evals(std::rc::Rc<std::cell::RefCell<Vec<grpo_trainer::Metrics>>>);
-        impl grpo_trainer::Callbacks for Evals {
-            fn on_evaluate(&mut self, _: &grpo_trainer::TrainerState, m: &grpo_trainer::Metrics) {
-                self.0.borrow_mut().push(m.clone());
-            }
-        }
-        let seen = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
-        let s = trainer::setup(cfg).unwrap();
-        trainer::run(s, &RunOptions::default(), &mut Evals(seen.clone())).unwrap();
-        let evals = seen.borrow();
+        let (_, evals) = common::run_with_evals(cfg);
         assert_eq!(evals.len(), 1, "{algorithm}");
         assert!(
             evals[0]["eval/reward"].is_finite(),
@@ -436,10 +432,7 @@ fn the_eval_split_samples_the_policy_alone() {
     }
     // What evaluation's generator samples: the policy's tokens only.
     let s = trainer::setup(load(&f.root, "xpo", "eval-gen", 1, "")).unwrap();
-    let other = grpo_rollout::load(&f.root.join("other"), DType::F32, &Device::Cpu)
-        .unwrap()
-        .model
-        .detached();
+    let other = other_policy(&f);
     let batch = Loader::new(&s, 0, None)
         .unwrap()
         .process()

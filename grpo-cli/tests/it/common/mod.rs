@@ -179,3 +179,19 @@ pub fn first_scored_step(
     let scored = Scorer::new(setup).process(r).unwrap();
     (learner, scored)
 }
+
+/// A whole run of `cfg` and the metrics of each evaluation it ran (`on_evaluate`).
+pub fn run_with_evals(
+    cfg: grpo_trainer::TrainConfig,
+) -> (grpo_trainer::TrainingResult, Vec<grpo_trainer::Metrics>) {
+    struct Evals(Vec<grpo_trainer::Metrics>);
+    impl grpo_trainer::Callbacks for Evals {
+        fn on_evaluate(&mut self, _: &grpo_trainer::TrainerState, m: &grpo_trainer::Metrics) {
+            self.0.push(m.clone());
+        }
+    }
+    let mut evals = Evals(Vec::new());
+    let setup = grpo_trainer::setup(cfg).unwrap();
+    let r = grpo_trainer::run(setup, &grpo_trainer::RunOptions::default(), &mut evals).unwrap();
+    (r, evals.0)
+}

@@ -287,18 +287,33 @@ pub fn summed_policy_and_reference(
     (a, b): (usize, usize),
 ) -> Result<(Tensor, Tensor)> {
     let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-    let (lp, _, width) = completion_logps(policy, pad, p, c, 1.0, false)?;
-    let (rlp, _, _) = completion_logps(reference, pad, p, c, 1.0, false)?;
-    let mut m = Vec::with_capacity((b - a) * width);
-    for x in c {
+    let (lp, rlp) = policy_and_reference_logps(policy, reference, pad, p, c)?;
+    Ok((
+        lp.sum(candle_core::D::Minus1)?,
+        rlp.sum(candle_core::D::Minus1)?,
+    ))
+}
+
+/// The per-token log-probs `(n, width)` of `completions` after `prompts` under `policy` (with
+/// its graph) and under `reference` (detached, in the policy's dtype), from the raw logits,
+/// 0 past each completion's end.
+pub fn policy_and_reference_logps(
+    policy: &Transformer,
+    reference: &Transformer,
+    pad: u32,
+    prompts: &[&[u32]],
+    completions: &[&[u32]],
+) -> Result<(Tensor, Tensor)> {
+    let (lp, _, width) = completion_logps(policy, pad, prompts, completions, 1.0, false)?;
+    let (rlp, _, _) = completion_logps(reference, pad, prompts, completions, 1.0, false)?;
+    let mut m = Vec::with_capacity(completions.len() * width);
+    for x in completions {
         m.extend((0..width).map(|j| f32::from(u8::from(j < x.len()))));
     }
-    let mask = Tensor::from_vec(m, (b - a, width), lp.device())?.to_dtype(lp.dtype())?;
+    let mask =
+        Tensor::from_vec(m, (completions.len(), width), lp.device())?.to_dtype(lp.dtype())?;
     let rlp = rlp.detach().to_dtype(lp.dtype())?;
-    Ok((
-        (&lp * &mask)?.sum(candle_core::D::Minus1)?,
-        (&rlp * &mask)?.sum(candle_core::D::Minus1)?,
-    ))
+    Ok(((&lp * &mask)?, (&rlp * &mask)?))
 }
 
 /// [`completion_stats`] (padded) with `log Σ_v p_v²` of each token's distribution (no

@@ -19,9 +19,9 @@ use anyhow::Result;
 use candle_core::{D, DType, Tensor};
 
 use super::Learner;
-use super::batch::{StepBatch, completion_logps};
+use super::batch::{StepBatch, policy_and_reference_logps};
 use super::metrics::OffPolicyStats;
-use super::online_dpo::{PairPart, contains_eos, pair_rewards, pair_side_metrics};
+use super::online_dpo::{PairPart, contains_eos, pair_rewards, pair_sides};
 use crate::callbacks::Metrics;
 use crate::stages::Scored;
 
@@ -46,17 +46,10 @@ impl Learner {
         let (mut m, _, grad_lr) = self.pair_updates(&batch, r.batch.step, |l, (a, b)| {
             l.nash_md_part(&reference, &batch, (a, b), &probability[a / 2..b / 2], beta)
         })?;
-        pair_side_metrics(&mut m, "rewards", "scores", &rewards, &has_eos);
         // TRL's names: the policy's sample's reward is "chosen", the mixture's "rejected".
-        for (from, to) in [
-            ("rewards/model_scores", "rewards/chosen"),
-            ("rewards/ref_scores", "rewards/rejected"),
-        ] {
-            if let Some(v) = m.remove(from) {
-                m.insert(to.into(), v);
-            }
-        }
-        m.remove("rewards/scores_margin");
+        let (chosen, rejected) = pair_sides(&mut m, &rewards, &has_eos);
+        m.insert("rewards/chosen".into(), chosen);
+        m.insert("rewards/rejected".into(), rejected);
         let k = probability.len().max(1) as f64;
         m.insert(
             "rewards/probabilities".into(),
@@ -87,17 +80,9 @@ impl Learner {
         let prompts: Vec<&[u32]> = batch.prompts[a..b].iter().step_by(2).copied().collect();
         let completions: Vec<&[u32]> = batch.completions[a..b].iter().step_by(2).copied().collect();
         // TRL scores the raw logits (no sampling temperature).
-        let (lp, _, width) =
-            completion_logps(&self.policy.model, pad, &prompts, &completions, 1.0, false)?;
-        let (rlp, _, _) = completion_logps(reference, pad, &prompts, &completions, 1.0, false)?;
+        let (lp, rlp) =
+            policy_and_reference_logps(&self.policy.model, reference, pad, &prompts, &completions)?;
         let (k, dt, dev) = (completions.len(), lp.dtype(), lp.device().clone());
-        let mut m = Vec::with_capacity(k * width);
-        for x in &completions {
-            m.extend((0..width).map(|j| f32::from(u8::from(j < x.len()))));
-        }
-        let mask = Tensor::from_vec(m, (k, width), &dev)?.to_dtype(dt)?;
-        let lp = (&lp * &mask)?;
-        let rlp = (rlp.detach().to_dtype(dt)? * &mask)?;
         let ratio = (&lp - &rlp)?.detach();
         let kl_loss = (&ratio * &lp)?.sum(D::Minus1)?;
         let summed = lp.sum(D::Minus1)?;

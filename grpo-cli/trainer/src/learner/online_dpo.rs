@@ -60,7 +60,10 @@ impl Learner {
         m.insert("objective/entropy".into(), sums.entropy / n.max(1) as f64);
         if let Some(alpha) = alpha {
             // XPO's: the policy's and the reference's samples apart.
-            pair_side_metrics(&mut m, "objective", "scores", &rewards, &has_eos);
+            let (model, other) = pair_sides(&mut m, &rewards, &has_eos);
+            m.insert("objective/model_scores".into(), model);
+            m.insert("objective/ref_scores".into(), other);
+            m.insert("objective/scores_margin".into(), model - other);
             m.insert("alpha".into(), alpha);
         } else {
             m.insert("objective/non_score_reward".into(), -beta * kl);
@@ -210,31 +213,16 @@ pub(super) fn contains_eos(batch: &StepBatch<'_>, eos: &[u32]) -> Vec<bool> {
         .collect()
 }
 
-/// XPO's and Nash-MD's scores of a step's pairs (each a policy sample, then the other model's):
-/// `{prefix}/model_{what}` and `{prefix}/ref_{what}` (their means), `{prefix}/{what}_margin`
-/// (the mean of model − other), and the shares of each side's completions with an EOS token
+/// XPO's and Nash-MD's pairs (each a policy sample, then the other model's): the mean reward
+/// of each side, with the shares of each side's completions holding an EOS token inserted
 /// (`val/model_contain_eos_token`, `val/ref_contain_eos_token`).
-pub(super) fn pair_side_metrics(
-    m: &mut Metrics,
-    prefix: &str,
-    what: &str,
-    rewards: &[f64],
-    has_eos: &[bool],
-) {
+pub(super) fn pair_sides(m: &mut Metrics, rewards: &[f64], has_eos: &[bool]) -> (f64, f64) {
     let k = rewards.len() / 2;
     let mean = |f: &dyn Fn(usize) -> f64| (0..k).map(f).sum::<f64>() / k.max(1) as f64;
     let eos = |side: usize| mean(&|i| f64::from(u8::from(has_eos[2 * i + side])));
-    m.insert(format!("{prefix}/model_{what}"), mean(&|i| rewards[2 * i]));
-    m.insert(
-        format!("{prefix}/ref_{what}"),
-        mean(&|i| rewards[2 * i + 1]),
-    );
-    m.insert(
-        format!("{prefix}/{what}_margin"),
-        mean(&|i| rewards[2 * i] - rewards[2 * i + 1]),
-    );
     m.insert("val/model_contain_eos_token".into(), eos(0));
     m.insert("val/ref_contain_eos_token".into(), eos(1));
+    (mean(&|i| rewards[2 * i]), mean(&|i| rewards[2 * i + 1]))
 }
 
 /// TRL's online DPO ranking: each completion's reward (an unscored one counts 0, as TRL's

@@ -223,11 +223,12 @@ impl Generator {
                         seed: contrast_seed(params.seed),
                         ..params.clone()
                     };
-                    let mine = server.generate(tok, sample_ids, 1, &params, true);
-                    let theirs = server.generate(tok, sample_ids, 1, &contrast, false);
-                    let (mine, theirs) = (mine.and_then(|m| Ok((m, theirs?))))
-                        .map_err(|e| anyhow!("rollout.openai: {e}"))?;
-                    interleave_pairs(mine, theirs)
+                    let sample = |p, use_adapter| {
+                        server
+                            .generate(tok, sample_ids, 1, p, use_adapter)
+                            .map_err(|e| anyhow!("rollout.openai: {e}"))
+                    };
+                    interleave_pairs(sample(&params, true)?, sample(&contrast, false)?)
                 }
                 Some(remote) => {
                     let (server, policy) = self.synced_server(&remote)?;
@@ -656,8 +657,6 @@ struct EpisodeOrigin {
     text: String,
 }
 
-/// `e` with `rest` (the end of its own prompt past what its group's prompts share) before its
-/// tokens, as the environment's: not the model's, log-prob 0, the turns moved after it.
 /// The seed of XPO's and Nash-MD's second samples, from the step's: another stream of draws
 /// than the policy's own samples, so a pair's two completions never share their draws.
 fn contrast_seed(seed: u64) -> u64 {
@@ -676,6 +675,8 @@ fn interleave_pairs(mine: Vec<Completion>, theirs: Vec<Completion>) -> Vec<Compl
         .collect()
 }
 
+/// `e` with `rest` (the end of its own prompt past what its group's prompts share) before its
+/// tokens, as the environment's: not the model's, log-prob 0, the turns moved after it.
 fn prepend_environment_tokens(e: &mut Episode, rest: &[u32]) {
     let k = rest.len();
     e.token_ids.splice(0..0, rest.iter().copied());
