@@ -624,3 +624,71 @@ pub fn iw_opd_advantages(
     let adv = (&weights * &a)?;
     Ok((adv, weights, abs))
 }
+
+/// MiniLLM's reverse-KL advantages (TRL's experimental `MiniLLMTrainer._compute_advantage`):
+/// each sampled token's reward `r_t = (log π_T − log π_S) · mask` (`teacher_logps`,
+/// `student_logps` and `mask` all `(B, T)`, the log-probs at the distillation temperature), and
+///
+/// * `gamma = 0`: the advantage is the reward itself;
+/// * `gamma > 0`: `A_t = Σ_{i≥t} γ^i r_i`, the powers counted from the first completion token
+///   as TRL's code does, divided with `length_normalization` by
+///   `Σ_{i≥t} γ^i m_i` where `m_i` is the mask with padding counted `1e-4` (so the powers
+///   cancel and `A_t` is the discounted mean of the rewards from `t` on). Formed on the host.
+///
+/// Returns `(B, T)` in the student log-probs' dtype (summed in f32 at least), without gradient.
+///
+/// # Errors
+/// Shapes that differ, or `gamma` negative or not finite.
+pub fn minillm_advantages(
+    teacher_logps: &Tensor,
+    student_logps: &Tensor,
+    mask: &Tensor,
+    gamma: f64,
+    length_normalization: bool,
+) -> Result<Tensor> {
+    let dims = student_logps.dims();
+    if teacher_logps.dims() != dims || mask.dims() != dims || dims.len() != 2 {
+        candle_core::bail!(
+            "minillm_advantages: teacher log-probs {:?}, student log-probs {dims:?} and mask {:?} must be one (B, T) shape",
+            teacher_logps.dims(),
+            mask.dims()
+        );
+    }
+    if !(gamma.is_finite() && gamma >= 0.0) {
+        candle_core::bail!("minillm_advantages: gamma must be >= 0, got {gamma}");
+    }
+    let out = student_logps.dtype();
+    // Summed in f32 at least (f64 for f64 inputs).
+    let dtype = match out {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let mask = mask.to_dtype(dtype)?;
+    let rewards = ((teacher_logps.detach().to_dtype(dtype)?
+        - student_logps.detach().to_dtype(dtype)?)?
+        * &mask)?;
+    if gamma == 0.0 {
+        return rewards.to_dtype(out);
+    }
+    // The discounted sums by the backward recursion `S_t = x_t + γ S_{t+1}` (in f64 on the
+    // host: exact at any length, where powers of γ from the first token would underflow).
+    let (b, t) = (dims[0], dims[1]);
+    let r: Vec<f64> = rewards.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+    let m: Vec<f64> = mask.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+    let mut adv = vec![0f64; b * t];
+    for row in 0..b {
+        let (mut num, mut den) = (0f64, 0f64);
+        for i in (0..t).rev() {
+            let k = row * t + i;
+            num = r[k] + gamma * num;
+            // Padding counts 1e-4 in the lengths, as TRL's.
+            den = if m[k] < 0.5 { 1e-4 } else { m[k] } + gamma * den;
+            adv[k] = match length_normalization {
+                true => num / den,
+                // TRL's powers count from the first completion token: A_t = γ^t S_t.
+                false => gamma.powi(i as i32) * num,
+            };
+        }
+    }
+    Tensor::from_vec(adv, (b, t), rewards.device())?.to_dtype(out)
+}

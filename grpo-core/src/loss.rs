@@ -370,7 +370,8 @@ pub struct LossInputs<'a> {
     /// `top_entropy_quantile < 1` and `entropy_coef != 0`; differentiable for the entropy
     /// bonus.
     pub entropies: Option<&'a Tensor>,
-    /// `(B,)` one advantage per completion.
+    /// `(B,)` one advantage per completion, or `(B, T)` one per token (MiniLLM's reverse-KL
+    /// advantages; not with the sequence-level gmpo and vespo loss types).
     pub advantages: &'a Tensor,
     /// `(B, T)` 1.0 on real completion tokens, 0.0 on padding (any float or integer dtype).
     pub completion_mask: &'a Tensor,
@@ -788,7 +789,10 @@ fn off_policy_mask(
         .broadcast_mul(mask)?
         .sum_keepdim(1)?
         .div(&mask.sum_keepdim(1)?.maximum(1.0)?)?;
-    let keep = (adv.ge(0.0)?.to_dtype(DType::U8)? + avg.le(threshold)?.to_dtype(DType::U8)?)?;
+    let keep = adv
+        .ge(0.0)?
+        .to_dtype(DType::U8)?
+        .broadcast_add(&avg.le(threshold)?.to_dtype(DType::U8)?)?;
     keep.gt(0u8)?.to_dtype(mask.dtype())
 }
 
@@ -833,13 +837,24 @@ pub fn policy_loss_on_device(
             cfg.beta
         )));
     }
-    if inputs.advantages.elem_count() != b {
+    // One advantage per completion, or per token (MiniLLM's).
+    let adv = match inputs.advantages.dims() {
+        d if d == [b, t] && t != 1 => inputs.advantages.to_dtype(dtype)?.detach(),
+        _ if inputs.advantages.elem_count() == b => {
+            inputs.advantages.to_dtype(dtype)?.reshape((b, 1))?.detach()
+        }
+        d => {
+            return Err(bail(format!(
+                "advantages must have one value per completion ({b}) or one per token ({b}, {t}), got shape {d:?}"
+            )));
+        }
+    };
+    if adv.dim(1)? != 1 && matches!(cfg.loss_type, LossType::Gmpo | LossType::Vespo) {
         return Err(bail(format!(
-            "advantages must have one value per completion ({b}), got shape {:?}",
-            inputs.advantages.dims()
+            "loss_type {} weighs whole sequences: it takes one advantage per completion, not one per token",
+            cfg.loss_type.as_str()
         )));
     }
-    let adv = inputs.advantages.to_dtype(dtype)?.reshape((b, 1))?.detach();
 
     let log_w = log_importance_weights(cfg.importance_sampling_level, logp, &old, &mask)?;
     let mut coef_1 = log_w.exp()?;

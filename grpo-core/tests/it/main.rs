@@ -6,6 +6,7 @@ mod distill;
 mod dpo_variants;
 mod gmpo;
 mod loss_variants;
+mod minillm;
 mod orpo_cpo;
 mod preference;
 mod properties;
