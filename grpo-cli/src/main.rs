@@ -115,6 +115,10 @@ enum Command {
     /// Simple self-distillation (the config's `[ssd]`, TRL's SSDTrainer): the policy learns
     /// its own samples by cross-entropy; no rewards, verifier or teacher.
     Ssd(train_cmd::TrainArgs),
+    /// MiniLLM (the config's `[minillm]`, the teacher from `[distillation]`, TRL's
+    /// MiniLLMTrainer): GRPO's step with each token's advantage raised by the teacher's
+    /// log-prob over the student's, plus the reverse KL to the teacher.
+    Minillm(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -166,6 +170,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Sdpo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdpo"))?)),
         Some(Command::Sdft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdft"))?)),
         Some(Command::Ssd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("ssd"))?)),
+        Some(Command::Minillm(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("minillm"))?)),
         Some(Command::IwOpd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("iw_opd"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
@@ -265,6 +270,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Sdpo(_)
             | Command::Sdft(_)
             | Command::Ssd(_)
+            | Command::Minillm(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -15,6 +15,7 @@ mod gold;
 mod import_trl;
 mod iw_opd;
 mod merge;
+mod minillm;
 mod online_dpo;
 mod replay;
 mod reward_model;

@@ -105,11 +105,18 @@ pub enum Algorithm {
     /// is preferred weighs a REINFORCE step, with a KL penalty to the reference
     /// (`[online_dpo]`, `[nash_md]`).
     NashMd,
+    /// MiniLLM (TRL's experimental MiniLLMTrainer, "Knowledge Distillation of Large Language
+    /// Models"): GRPO's step on the policy's samples where each token's advantage adds the
+    /// teacher's log-prob minus the student's (the reverse KL as a reward, optionally
+    /// discounted), plus the full-vocabulary reverse KL to the teacher at each token
+    /// (`[minillm]`, the teacher from `[distillation]`).
+    #[serde(rename = "minillm")]
+    MiniLlm,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 21] = [
+    pub const ALL: [Algorithm; 22] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -131,6 +138,7 @@ impl Algorithm {
         Algorithm::Xpo,
         Algorithm::NashMd,
         Algorithm::Bco,
+        Algorithm::MiniLlm,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -151,6 +159,7 @@ impl Algorithm {
                 | Algorithm::IwOpd
                 | Algorithm::Gold
                 | Algorithm::Ssd
+                | Algorithm::MiniLlm
         )
     }
 
@@ -232,6 +241,7 @@ impl Algorithm {
             Self::Xpo => "xpo",
             Self::NashMd => "nash_md",
             Self::Bco => "bco",
+            Self::MiniLlm => "minillm",
         }
     }
 
@@ -250,7 +260,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
+                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
                 )
             })
     }
@@ -359,6 +369,9 @@ pub struct TrainConfig {
     pub sdft: SdftSection,
     /// Simple self-distillation (`algorithm = "ssd"`, TRL's SSDConfig).
     pub ssd: SsdSection,
+    /// MiniLLM (`algorithm = "minillm"`, TRL's MiniLLMConfig); its teacher is
+    /// `distillation.teacher_model_name_or_path`.
+    pub minillm: MiniLlmSection,
     /// TRL's `BEMACallback`: a bias-corrected EMA of the trained weights, written to
     /// `RUN/bema` at the end, optionally the reference model (any algorithm; on when present).
     pub bema: Option<BemaSection>,
@@ -1396,6 +1409,43 @@ impl Default for SsdSection {
     }
 }
 
+/// `[minillm]`: TRL's experimental MiniLLMConfig. The policy (the student) samples as GRPO's;
+/// the teacher (`distillation.teacher_model_name_or_path`, on `distillation.teacher_device` in
+/// `distillation.teacher_dtype`) scores the same tokens; the loss is GRPO's with per-token
+/// advantages plus the single-step reverse KL.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MiniLlmSection {
+    /// Add the reverse-KL advantage `log π_T − log π_S` (discounted by `gamma`) to each
+    /// token's reward advantage (default true).
+    pub rkl_advantage: bool,
+    /// Add the single-step decomposition: the reverse KL `KL(π_S ‖ π_T)` over the whole
+    /// vocabulary at each completion token, averaged over the micro-batch's tokens (default
+    /// true).
+    pub single_step_decomposition: bool,
+    /// The temperature both distributions are read at for the two terms above (default 1;
+    /// GRPO's own log-probs stay at `rollout.temperature`).
+    pub kd_temperature: f64,
+    /// Discount of the later tokens' reverse-KL rewards in each token's advantage (default 0:
+    /// the token's own only).
+    pub gamma: f64,
+    /// With `gamma > 0`, divide each advantage by its discounted count of tokens (default
+    /// true).
+    pub length_normalization: bool,
+}
+
+impl Default for MiniLlmSection {
+    fn default() -> Self {
+        Self {
+            rkl_advantage: true,
+            single_step_decomposition: true,
+            kd_temperature: 1.0,
+            gamma: 0.0,
+            length_normalization: true,
+        }
+    }
+}
+
 /// `[bema]`: TRL's `BEMACallback` (Block & Zhang, "EMA Without the Lag: Bias-Corrected Iterate
 /// Averaging"). After every `update_freq` optimizer updates `t` (counted past `update_after`)
 /// the EMA of the trained weights moves, `EMA ← (1 − β_t) EMA + β_t θ_t` with
@@ -1814,6 +1864,7 @@ impl Default for TrainConfig {
             sdpo: SdpoSection::default(),
             sdft: SdftSection::default(),
             ssd: SsdSection::default(),
+            minillm: MiniLlmSection::default(),
             bema: None,
             merge: None,
             gold: GoldSection::default(),
@@ -2874,7 +2925,7 @@ impl TrainConfig {
             && !self.algorithm.is_distillation()
             && !matches!(
                 self.algorithm,
-                Algorithm::A2po | Algorithm::Sdft | Algorithm::Ssd
+                Algorithm::A2po | Algorithm::Sdft | Algorithm::Ssd | Algorithm::MiniLlm
             )
         {
             return Err(format!(
@@ -3011,6 +3062,9 @@ impl TrainConfig {
         if self.algorithm == Algorithm::Ssd {
             self.check_ssd()?;
         }
+        if self.algorithm == Algorithm::MiniLlm {
+            self.check_minillm()?;
+        }
         if let Some(m) = &self.merge {
             if !matches!(m.dtype.as_str(), "float16" | "bfloat16" | "float32") {
                 return Err(format!(
@@ -3119,7 +3173,7 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.algorithm == Algorithm::Grpo
+        if matches!(self.algorithm, Algorithm::Grpo | Algorithm::MiniLlm)
             && self.loss.loss_type == LossType::Gmpo
             && self.loss.vllm_importance_sampling_correction
             && !matches!(
@@ -3689,6 +3743,40 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// MiniLLM's settings: its teacher (a local model: both terms read its whole
+    /// distribution), `[minillm]`'s values, the loss types that take per-token advantages.
+    fn check_minillm(&self) -> std::result::Result<(), String> {
+        let d = &self.distillation;
+        if d.teacher_server.is_some() {
+            return Err("MiniLLM reads the teacher's whole next-token distribution:                         `[distillation.teacher_server]` gives its top tokens only; name a local                         `distillation.teacher_model_name_or_path`"
+                .into());
+        }
+        if d.teacher_model_name_or_path.is_none() {
+            return Err(
+                "MiniLLM needs its teacher: `distillation.teacher_model_name_or_path`".into(),
+            );
+        }
+        let m = &self.minillm;
+        if !(m.kd_temperature.is_finite() && m.kd_temperature > 0.0) {
+            return Err(format!(
+                "`minillm.kd_temperature` must be > 0, got {}",
+                m.kd_temperature
+            ));
+        }
+        if !(m.gamma.is_finite() && m.gamma >= 0.0) {
+            return Err(format!("`minillm.gamma` must be >= 0, got {}", m.gamma));
+        }
+        if m.rkl_advantage && matches!(self.loss.loss_type, LossType::Gmpo | LossType::Vespo) {
+            return Err(format!(
+                "`loss.loss_type = \"{}\"` weighs whole sequences; MiniLLM's reverse-KL \
+                 advantages are per token (set `minillm.rkl_advantage = false`, or another loss \
+                 type)",
+                self.loss.loss_type.as_str()
+            ));
+        }
+        Ok(())
+    }
+
     /// `[sdft]`'s settings (TRL's `SDFTConfig.__post_init__`).
     fn check_sdft(&self) -> std::result::Result<(), String> {
         self.check_self_distill("sdft")?;
@@ -3856,7 +3944,8 @@ impl TrainConfig {
             | Algorithm::Sdft
             | Algorithm::IwOpd
             | Algorithm::Gold
-            | Algorithm::Ssd => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::Ssd
+            | Algorithm::MiniLlm => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -3886,7 +3975,8 @@ impl TrainConfig {
     }
 
     /// Whether dropout is off while training: `train.disable_dropout`, else TRL's default of
-    /// the algorithm (DPOConfig's true, GRPOConfig's false, none in SFTConfig).
+    /// the algorithm (DPOConfig's and MiniLLMConfig's true, GRPOConfig's false, none in
+    /// SFTConfig).
     pub fn dropout_disabled(&self) -> bool {
         self.train.disable_dropout.unwrap_or(matches!(
             self.algorithm,
@@ -3906,6 +3996,7 @@ impl TrainConfig {
                 | Algorithm::IwOpd
                 | Algorithm::Gold
                 | Algorithm::Ssd
+                | Algorithm::MiniLlm
         ))
     }
 

@@ -537,7 +537,7 @@ pub fn setup_with(
     let mut teacher_tokenizer = None;
     let distillation_teacher = match cfg.algorithm {
         a if a.is_distillation() && teacher_server.is_some() => None,
-        a if a.is_distillation() => {
+        a if a.is_distillation() || a == Algorithm::MiniLlm => {
             let (t, tok) = distillation_teacher(&cfg, &policy.model, &loaded.tokenizer)?;
             teacher_tokenizer = tok;
             Some(t)

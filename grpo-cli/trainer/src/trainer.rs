@@ -84,6 +84,9 @@ pub struct IwOpd;
 /// Simple self-distillation (`[ssd]`, TRL's SSDTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Ssd;
+/// MiniLLM (`[minillm]`, TRL's MiniLLMTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct MiniLlm;
 /// GOLD (`algorithm = "gold"`).
 #[derive(Debug, Clone, Copy)]
 pub struct Gold;
@@ -147,6 +150,9 @@ impl TrainerKind for Sdft {
 }
 impl TrainerKind for Ssd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Ssd);
+}
+impl TrainerKind for MiniLlm {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::MiniLlm);
 }
 impl TrainerKind for IwOpd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::IwOpd);
@@ -219,6 +225,10 @@ pub type SsdTrainer = Trainer<Ssd>;
 /// An IW-OPD trainer: on-policy distillation with the importance-weighted sampled-token
 /// objective.
 pub type IwOpdTrainer = Trainer<IwOpd>;
+
+/// A MiniLLM trainer: GRPO on the student's samples with the teacher's reverse KL in each
+/// token's advantage and in the loss.
+pub type MiniLlmTrainer = Trainer<MiniLlm>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

@@ -342,6 +342,7 @@ impl Learner {
         // dapo, cispo and vespo divide by the step's tokens already; the others average
         // micro-batches.
         let rloo = self.cfg.algorithm == Algorithm::Rloo;
+        let minillm = self.cfg.algorithm == Algorithm::MiniLlm;
         let dapo_like = !rloo && loss_cfg.loss_type.normalizes_by_step_tokens();
         let mut acc: HashMap<String, Tensor> = HashMap::new();
         // Per micro-batch: [loss, Σ entropy·mask, Σ mask (0 without entropies), the loss
@@ -356,9 +357,16 @@ impl Learner {
             // An MoE policy's load-balancing loss: recorded by this forward, its gradient
             // handed to the routers in the backward below.
             let aux = self.aux_collector(ga);
-            let (lp, ent, width) = grpo_rollout::moe::recording(aux.clone(), || {
-                self.logps(&self.policy.model, p, c, true)
+            let (lp, ent, width, minillm) = grpo_rollout::moe::recording(aux.clone(), || {
+                if minillm {
+                    let f = self.minillm_forward(batch, a, b)?;
+                    let extra = (f.advantages, f.single_step);
+                    return Ok((f.logps, f.entropies, f.width, extra));
+                }
+                let (lp, ent, width) = self.logps(&self.policy.model, p, c, true)?;
+                Ok::<_, anyhow::Error>((lp, ent, width, (None, None)))
             })?;
+            let (token_advantages, single_step) = minillm;
             let mask = batch.mask(a, b, width, &self.device)?;
             // The sampling log-probs, built once for the in-pass weights and the off-policy
             // mask (with one update per step the old log-probs are this pass's own).
@@ -384,6 +392,11 @@ impl Learner {
                 _ => in_pass.as_ref(),
             };
             let adv = Tensor::from_slice(&advantages[a..b], b - a, &self.device)?;
+            // MiniLLM: each token's reverse-KL advantage added to its completion's.
+            let adv = match &token_advantages {
+                Some(t) => adv.to_dtype(t.dtype())?.unsqueeze(1)?.broadcast_add(t)?,
+                None => adv,
+            };
             // Per micro-batch: the loss to differentiate, the undivided policy loss, the loss
             // metrics and the entropy-bonus statistics.
             let (loss, policy_part, metrics, stats) = if rloo {
@@ -437,6 +450,14 @@ impl Learner {
                 };
                 (loss, policy_part, out.metrics, stats)
             };
+            // MiniLLM's single-step reverse KL, added to each micro-batch's loss as TRL adds it.
+            let (loss, single_step) = match single_step {
+                Some(kl) => {
+                    let kl = kl.to_dtype(loss.dtype())?;
+                    ((loss + &kl)?, wide_scalar(&kl)?)
+                }
+                None => (loss, Tensor::zeros(1, DType::F64, &self.device)?),
+            };
             // The loss's value with TRL's `coef · aux / accumulation steps`.
             let loss = match &aux {
                 Some(c) => {
@@ -465,6 +486,7 @@ impl Learner {
                     metrics.as_tensor().to_dtype(DType::F64)?,
                     policy_part,
                     stats,
+                    single_step,
                 ],
                 0,
             )?);
@@ -491,7 +513,12 @@ impl Learner {
             if !lv.is_finite() {
                 bail!("non-finite loss ({lv}) at step {}", s.rollouts.batch.step);
             }
-            sums.add("loss", if dapo_like { lv } else { lv * ga });
+            // MiniLLM's single-step term is in each micro-batch's loss undivided.
+            let ss = r[6 + n];
+            sums.add("loss", if dapo_like { lv } else { (lv - ss) * ga + ss });
+            if minillm && self.cfg.minillm.single_step_decomposition {
+                sums.add("minillm/single_step_kl", ss);
+            }
             if r[2] > 0.0 {
                 sums.add("entropy", r[1] / r[2]);
             }

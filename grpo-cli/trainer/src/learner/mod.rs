@@ -9,6 +9,8 @@
 //! - [`distill`]: on-policy distillation's step (the teacher's distributions on the policy's
 //!   samples); `gold`: GOLD's universal logit distillation for a teacher with another
 //!   tokenizer;
+//! - [`minillm`]: MiniLLM's forward inside the GRPO step (the teacher's reverse-KL advantages
+//!   and single-step term);
 //! - [`a2po`]: A*-PO's value estimation (stage 1) and step (stage 2);
 //! - [`online_dpo`]: online DPO's and XPO's step (two samples per prompt, the rewards pick the
 //!   chosen one, DPO's loss against the reference); [`nash_md`]: Nash-MD's (the policy's
@@ -26,6 +28,7 @@ pub mod distill;
 mod gold;
 pub mod loss;
 pub mod metrics;
+pub mod minillm;
 pub mod nash_md;
 pub mod online_dpo;
 pub mod sdpo;

@@ -288,6 +288,7 @@ fn algorithms_by_name() {
             "grpo",
             "iw_opd",
             "kto",
+            "minillm",
             "nash_md",
             "online_dpo",
             "orpo",
@@ -321,6 +322,7 @@ fn algorithms_by_name() {
         "online_dpo",
         "xpo",
         "nash_md",
+        "minillm",
     ] {
         assert!(e.contains(name), "{e}");
     }
