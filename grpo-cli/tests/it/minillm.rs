@@ -213,6 +213,56 @@ fn sharpened(root: &Path, name: &str, k: f64) {
     candle_core::safetensors::save(&w, &file).unwrap();
 }
 
+/// The teacher of `root/teacher` with its vocabulary padded by `extra` rows of zeros (as
+/// checkpoints pad theirs), saved as `root/name`: its logits there are 0.
+fn widened(root: &Path, name: &str, extra: usize) {
+    let (from, to) = (root.join("teacher"), root.join(name));
+    std::fs::create_dir_all(&to).unwrap();
+    for e in std::fs::read_dir(&from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    let file = to.join("model.safetensors");
+    let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    for key in ["model.embed_tokens.weight", "lm_head.weight"] {
+        if let Some(t) = w.get_mut(key) {
+            let pad = Tensor::zeros((extra, t.dim(1).unwrap()), t.dtype(), &Device::Cpu).unwrap();
+            *t = Tensor::cat(&[&*t, &pad], 0).unwrap();
+        }
+    }
+    candle_core::safetensors::save(&w, &file).unwrap();
+    let cfg_path = to.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let v = cfg["vocab_size"].as_u64().unwrap();
+    cfg["vocab_size"] = serde_json::json!(v + extra as u64);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+}
+
+/// A teacher whose vocabulary is padded past the student's is read over the student's tokens
+/// (both terms): the first step equals the one with the unpadded teacher.
+#[test]
+fn a_teacher_with_a_padded_vocabulary_is_read_over_the_students() {
+    let f = fixture();
+    widened(&f.root, "wide", 16);
+    let mut losses = Vec::new();
+    for (name, teacher) in [("narrow", "teacher"), ("wide", "wide")] {
+        let mut cfg = load(&f.root, name, 1, "[minillm]\nkd_temperature = 1.5\n");
+        cfg.distillation.teacher_model_name_or_path = Some(f.root.join(teacher));
+        let s = trainer::setup(cfg).unwrap();
+        if name == "wide" {
+            let t = s.distillation_teacher.as_ref().unwrap();
+            assert_eq!(t.cfg.vocab_size, s.policy.model.cfg.vocab_size + 16);
+        }
+        let (mut learner, sc) = common::first_scored_step(&s, &f.root.join(name));
+        losses.push(learner.process(&sc).unwrap()["loss"]);
+    }
+    assert!(
+        (losses[0] - losses[1]).abs() < 1e-5 * losses[0].abs().max(1.0),
+        "{losses:?}"
+    );
+}
+
 /// The teacher's terms bring the student closer to a sharpened teacher (the reverse KL on
 /// fixed text falls), with no reward to learn from: the single-step term alone and both terms.
 /// (The reverse-KL advantage alone is a REINFORCE estimate of the same gradient, too noisy on

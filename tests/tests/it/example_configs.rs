@@ -707,7 +707,7 @@ fn reward_model_config_trains_a_classifier_on_its_pairs() {
 }
 
 #[test]
-fn distillation_config_trains_the_student_on_its_samples() {
+fn distillation_and_minillm_configs_train_the_student_on_its_samples() {
     let dir = tempfile::tempdir().unwrap();
     let (model, data) = fixture(dir.path());
     let teacher = dir.path().join("teacher");
@@ -729,6 +729,25 @@ fn distillation_config_trains_the_student_on_its_samples() {
     assert_eq!(r.total_steps, 2);
     for m in &r.metrics {
         assert!(m["loss"].is_finite() && m["loss"] > 0.0, "{m:?}");
+        assert!(m.contains_key("rewards/accuracy/mean"));
+    }
+    // `configs/minillm.toml`: the same teacher, GRPO's rewards trained on.
+    let cfg = load_example(
+        "minillm.toml",
+        dir.path(),
+        "minillm",
+        (&model, &data),
+        2,
+        &[teacher_set],
+    );
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::MiniLlm);
+    let r = run_setup(trainer::setup(cfg).unwrap());
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(
+            m["loss"].is_finite() && m["minillm/single_step_kl"] > 0.0,
+            "{m:?}"
+        );
         assert!(m.contains_key("rewards/accuracy/mean"));
     }
 }

@@ -7,7 +7,7 @@
 //! it to each micro-batch's, not divided by the accumulation steps).
 
 use anyhow::{Context, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::Learner;
 use super::batch::{StepBatch, padded_batch};
@@ -63,9 +63,8 @@ impl Learner {
                             .0
                     }
                 };
-                let teacher_lp = teacher
-                    .rows_logprobs(&th, &targets.to_device(td)?, shape, kd, false)?
-                    .0
+                let teacher_lp = teacher_logps(teacher, &th, &targets.to_device(td)?, model, kd)?
+                    .reshape(shape)?
                     .to_device(&self.device)?;
                 Some(grpo_core::distill::minillm_advantages(
                     &teacher_lp,
@@ -95,4 +94,43 @@ impl Learner {
             single_step,
         })
     }
+}
+
+/// The teacher's log-probs `(N,)` of `targets` at its hidden rows `th` `(N, H)`, at
+/// `temperature`, over the student's vocabulary: a teacher with a larger (padded) one is read
+/// over the student's tokens, as the single-step term reads it (TRL would need equal sizes).
+fn teacher_logps(
+    teacher: &grpo_rollout::Transformer,
+    th: &Tensor,
+    targets: &Tensor,
+    student: &grpo_rollout::Transformer,
+    temperature: f64,
+) -> Result<Tensor> {
+    let v = student.cfg.vocab_size;
+    let n = th.dim(0)?;
+    if teacher.cfg.vocab_size == v {
+        let (lp, _) = teacher.rows_logprobs(th, targets, (n, 1), temperature, false)?;
+        return Ok(lp.flatten_all()?);
+    }
+    let rows = grpo_core::logprobs::chunk_rows_on(teacher.cfg.vocab_size, th.device());
+    let wide = match teacher.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let k = rows.min(n - start);
+        let z = teacher
+            .logits(&th.narrow(0, start, k)?)?
+            .narrow(1, 0, v)?
+            .to_dtype(wide)?;
+        let z = (z / temperature)?;
+        out.push(grpo_core::logprobs::selective_log_softmax(
+            &z,
+            &targets.narrow(0, start, k)?,
+        )?);
+        start += k;
+    }
+    Ok(Tensor::cat(&out, 0)?)
 }
