@@ -722,7 +722,7 @@ fn distillation_and_minillm_configs_train_the_student_on_its_samples() {
         "run",
         (&model, &data),
         2,
-        &[teacher_set],
+        std::slice::from_ref(&teacher_set),
     );
     assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Distillation);
     let r = run_setup(trainer::setup(cfg).unwrap());
