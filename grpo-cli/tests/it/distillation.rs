@@ -14,7 +14,7 @@ use grpo_trainer::config::{self, TrainConfig};
 use grpo_trainer::{self as trainer, RunOptions};
 
 use crate::common;
-use common::{Fixture, assert_same_steps, eval_lines, stopped_and_resumed};
+use common::{Fixture, assert_same_steps, divergence, eval_lines, stopped_and_resumed};
 
 /// A student, a teacher (another random model with the same tokenizer) and arithmetic prompts.
 fn fixture() -> Fixture {
@@ -68,24 +68,6 @@ fn run(cfg: TrainConfig, opts: RunOptions) -> trainer::TrainingResult {
         &mut grpo_trainer::NoCallbacks,
     )
     .unwrap()
-}
-
-/// The mean per-token divergence of `student` from `teacher` (both HF directories) on fixed
-/// rows.
-fn divergence(student: &Path, teacher: &Path, beta: f64) -> f64 {
-    let s = grpo_rollout::load(student, DType::F32, &Device::Cpu).unwrap();
-    let t = grpo_rollout::load(teacher, DType::F32, &Device::Cpu).unwrap();
-    let ids: Vec<u32> = s
-        .tokenizer
-        .encode("What is 3 + 4? 7. What is 2 + 2? 4.", false)
-        .unwrap();
-    let n = ids.len();
-    let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
-    let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
-    let h = s.model.completion_hidden(&ids, &mask, n - 1).unwrap();
-    let th = t.model.completion_hidden(&ids, &mask, n - 1).unwrap();
-    let (d, _) = s.model.distill_rows(&h, &t.model, &th, beta, 1.0).unwrap();
-    d.mean_all().unwrap().to_scalar::<f32>().unwrap() as f64
 }
 
 /// TRL's sparse supports (`loss_top_k`): the first step's loss is

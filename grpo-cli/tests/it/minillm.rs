@@ -87,26 +87,6 @@ fn log_softmax(z: &Tensor, t: f64) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// The mean per-token reverse KL `KL(student ‖ teacher)` (HF directories) on fixed rows.
-fn reverse_kl(student: &Path, teacher: &Path) -> f64 {
-    let s = grpo_rollout::load(student, DType::F32, &Device::Cpu).unwrap();
-    let t = grpo_rollout::load(teacher, DType::F32, &Device::Cpu).unwrap();
-    let ids: Vec<u32> = s
-        .tokenizer
-        .encode(
-            "What is 3 + 4? 7. What is 2 + 2? 4. What is 5 + 1? 6.",
-            false,
-        )
-        .unwrap();
-    let n = ids.len();
-    let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
-    let mask = Tensor::ones((1, n), DType::U32, &Device::Cpu).unwrap();
-    let h = s.model.completion_hidden(&ids, &mask, n - 1).unwrap();
-    let th = t.model.completion_hidden(&ids, &mask, n - 1).unwrap();
-    let (d, _) = s.model.distill_rows(&h, &t.model, &th, 1.0, 1.0).unwrap();
-    d.mean_all().unwrap().to_scalar::<f32>().unwrap() as f64
-}
-
 /// TRL's MiniLLM loss of the first step, from each completion's logits alone: with the ratio
 /// 1 (on-policy), each token's policy term is `−(A_i + γ-discounted (log π_T − log π_S))` at
 /// `kd_temperature`, normalised by the loss type (dapo: the step's tokens; grpo: each
@@ -197,15 +177,21 @@ fn the_first_steps_loss_is_trls_formula() {
     }
 }
 
-/// The teacher of `root/teacher` at temperature `1 / k` saved as `root/name`: its final
-/// norm's weight times `k` multiplies its logits by `k`.
-fn sharpened(root: &Path, name: &str, k: f64) {
-    let (from, to) = (root.join("teacher"), root.join(name));
+/// A copy of `root/teacher`'s files in `root/name`.
+fn teacher_copy(root: &Path, name: &str) -> std::path::PathBuf {
+    let to = root.join(name);
     std::fs::create_dir_all(&to).unwrap();
-    for e in std::fs::read_dir(&from).unwrap() {
+    for e in std::fs::read_dir(root.join("teacher")).unwrap() {
         let e = e.unwrap();
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
+    to
+}
+
+/// The teacher of `root/teacher` at temperature `1 / k` saved as `root/name`: its final
+/// norm's weight times `k` multiplies its logits by `k`.
+fn sharpened(root: &Path, name: &str, k: f64) {
+    let to = teacher_copy(root, name);
     let file = to.join("model.safetensors");
     let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
     let norm = w.get_mut("model.norm.weight").unwrap();
@@ -216,12 +202,7 @@ fn sharpened(root: &Path, name: &str, k: f64) {
 /// The teacher of `root/teacher` with its vocabulary padded by `extra` rows of zeros (as
 /// checkpoints pad theirs), saved as `root/name`: its logits there are 0.
 fn widened(root: &Path, name: &str, extra: usize) {
-    let (from, to) = (root.join("teacher"), root.join(name));
-    std::fs::create_dir_all(&to).unwrap();
-    for e in std::fs::read_dir(&from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
+    let to = teacher_copy(root, name);
     let file = to.join("model.safetensors");
     let mut w = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
     for key in ["model.embed_tokens.weight", "lm_head.weight"] {
@@ -273,7 +254,7 @@ fn the_student_comes_closer_to_the_teacher() {
     let f = fixture();
     sharpened(&f.root, "sharp", 4.0);
     let (student, teacher) = (f.root.join("student"), f.root.join("sharp"));
-    let before = reverse_kl(&student, &teacher);
+    let before = common::divergence(&student, &teacher, 1.0);
     for (name, extra) in [
         ("single", "[minillm]\nrkl_advantage = false\n"),
         ("both", ""),
@@ -284,7 +265,11 @@ fn the_student_comes_closer_to_the_teacher() {
         let r = run(cfg, RunOptions::default());
         assert_eq!(r.total_steps, 12);
         assert!(r.metrics.iter().all(|m| m["loss"].is_finite()));
-        let after = reverse_kl(&r.best_checkpoint_path.unwrap().join("model"), &teacher);
+        let after = common::divergence(
+            &r.best_checkpoint_path.unwrap().join("model"),
+            &teacher,
+            1.0,
+        );
         assert!(after < 0.9 * before, "{name}: {before} -> {after}");
     }
 }

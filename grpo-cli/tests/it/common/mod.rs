@@ -195,3 +195,25 @@ pub fn run_with_evals(
     let r = grpo_trainer::run(setup, &grpo_trainer::RunOptions::default(), &mut evals).unwrap();
     (r, evals.0)
 }
+
+/// The mean per-token divergence of `student` from `teacher` (both HF directories) on fixed
+/// rows.
+pub fn divergence(student: &Path, teacher: &Path, beta: f64) -> f64 {
+    let s =
+        grpo_rollout::load(student, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let t =
+        grpo_rollout::load(teacher, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let ids: Vec<u32> = s
+        .tokenizer
+        .encode("What is 3 + 4? 7. What is 2 + 2? 4.", false)
+        .unwrap();
+    let n = ids.len();
+    let ids = candle_core::Tensor::from_vec(ids, (1, n), &candle_core::Device::Cpu).unwrap();
+    let mask =
+        candle_core::Tensor::ones((1, n), candle_core::DType::U32, &candle_core::Device::Cpu)
+            .unwrap();
+    let h = s.model.completion_hidden(&ids, &mask, n - 1).unwrap();
+    let th = t.model.completion_hidden(&ids, &mask, n - 1).unwrap();
+    let (d, _) = s.model.distill_rows(&h, &t.model, &th, beta, 1.0).unwrap();
+    d.mean_all().unwrap().to_scalar::<f32>().unwrap() as f64
+}
