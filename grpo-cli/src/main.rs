@@ -119,6 +119,9 @@ enum Command {
     /// MiniLLMTrainer): GRPO's step with each token's advantage raised by the teacher's
     /// log-prob over the student's, plus the reverse KL to the teacher.
     Minillm(train_cmd::TrainArgs),
+    /// A process reward model (the config's `[prm]`, TRL's PRMTrainer): a token classifier
+    /// learns to label each step of a completion correct or not.
+    Prm(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -171,6 +174,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Sdft(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("sdft"))?)),
         Some(Command::Ssd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("ssd"))?)),
         Some(Command::Minillm(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("minillm"))?)),
+        Some(Command::Prm(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("prm"))?)),
         Some(Command::IwOpd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("iw_opd"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
@@ -271,6 +275,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Sdft(_)
             | Command::Ssd(_)
             | Command::Minillm(_)
+            | Command::Prm(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -883,6 +883,11 @@ pub struct ModelConfig {
     /// hidden)` in place of the LM head ([`crate::Transformer::score`]).
     #[serde(default)]
     pub sequence_classification: bool,
+    /// A `*ForTokenClassification` checkpoint (a process reward model): its number of labels;
+    /// a `score` head `(num_labels, hidden)` with a bias in place of the LM head
+    /// ([`crate::Transformer::token_logits`]).
+    #[serde(default)]
+    pub token_classification: Option<usize>,
     /// transformers' `initializer_range` (the std of new weights, e.g. a reward model's fresh
     /// `score` head); `None`: not in the config (0.02, transformers' default, is used).
     #[serde(default)]
@@ -2455,6 +2460,26 @@ impl ModelConfig {
                         .filter_map(Value::as_str)
                         .any(|a| a.ends_with("ForSequenceClassification"))
                 }),
+            token_classification: v
+                .get("architectures")
+                .and_then(Value::as_array)
+                .is_some_and(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .any(|a| a.ends_with("ForTokenClassification"))
+                })
+                .then(|| {
+                    // transformers saves `id2label`; `num_labels` where a config spells it.
+                    v.get("id2label")
+                        .and_then(Value::as_object)
+                        .map(|m| m.len())
+                        .or_else(|| {
+                            v.get("num_labels")
+                                .and_then(Value::as_u64)
+                                .map(|n| n as usize)
+                        })
+                        .unwrap_or(2)
+                }),
             initializer_range: v.get("initializer_range").and_then(Value::as_f64),
             sliding_window,
             sliding_layers,
@@ -2644,9 +2669,10 @@ impl ModelConfig {
                     Arch::Lfm2 => "Lfm2",
                     Arch::Lfm2Moe => "Lfm2Moe",
                 },
-                match self.sequence_classification {
-                    true => "ForSequenceClassification",
-                    false => "ForCausalLM",
+                match (self.sequence_classification, self.token_classification) {
+                    (true, _) => "ForSequenceClassification",
+                    (false, Some(_)) => "ForTokenClassification",
+                    (false, None) => "ForCausalLM",
                 }
             )],
             "model_type": self.arch.as_str(),
@@ -2687,6 +2713,16 @@ impl ModelConfig {
             // transformers' `num_labels = 1`, as its configs save it.
             obj.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
             obj.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
+        }
+        if let Some(n) = self.token_classification {
+            let id2label: serde_json::Map<String, Value> = (0..n)
+                .map(|i| (i.to_string(), Value::from(format!("LABEL_{i}"))))
+                .collect();
+            let label2id: serde_json::Map<String, Value> = (0..n)
+                .map(|i| (format!("LABEL_{i}"), Value::from(i)))
+                .collect();
+            obj.insert("id2label".into(), Value::Object(id2label));
+            obj.insert("label2id".into(), Value::Object(label2id));
         }
         if matches!(
             self.arch,

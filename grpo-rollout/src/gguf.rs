@@ -391,6 +391,7 @@ pub fn config_from_gguf(content: &Content) -> Result<ModelConfig> {
             .collect(),
         pad_token_id: md_u32(md, "tokenizer.ggml.padding_token_id"),
         sequence_classification: false,
+        token_classification: None,
         initializer_range: None,
         sliding_window,
         sliding_layers: match arch.gemma() {
@@ -2390,7 +2391,7 @@ pub fn save_gguf(
 ) -> Result<Vec<(String, String)>> {
     if model.score.is_some() {
         bail!(
-            "{}: a sequence classifier (reward model) has no GGUF form here; export it as a Hugging Face directory (--format hf)",
+            "{}: a classifier (reward or process reward model) has no GGUF form here; export it as a Hugging Face directory (--format hf)",
             path.display()
         );
     }

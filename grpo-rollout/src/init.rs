@@ -218,6 +218,7 @@ pub fn preset_config(
         eos_token_ids: vec![eos],
         pad_token_id: Some(pad),
         sequence_classification: false,
+        token_classification: None,
         initializer_range: None,
         // transformers' defaults: Mistral's 4096-position window, SmolLM3's NoPE every 4th layer.
         sliding_window: match arch {
@@ -618,6 +619,9 @@ pub fn random_weights(
     shapes.push(("model.norm.weight".into(), vec![h], true));
     if cfg.sequence_classification {
         shapes.push(("score.weight".into(), vec![1, h], false));
+    } else if let Some(n) = cfg.token_classification {
+        shapes.push(("score.weight".into(), vec![n, h], false));
+        shapes.push(("score.bias".into(), vec![n], false));
     } else if !cfg.tie_word_embeddings {
         shapes.push(("lm_head.weight".into(), vec![cfg.vocab_size, h], false));
     }

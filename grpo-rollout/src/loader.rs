@@ -43,6 +43,13 @@ impl LoadedModel {
     /// The model, refused when it is a sequence classifier (a reward model has a `score` head,
     /// no LM head: it scores texts, it does not generate or give token log-probs).
     pub fn causal(self) -> Result<Self> {
+        if self.model.cfg.token_classification.is_some() {
+            bail!(
+                "{}: a token classifier (a process reward model, *ForTokenClassification) has no \
+                 LM head: it labels the steps of a text, it does not generate",
+                self.source.display()
+            );
+        }
         if self.model.score.is_some() {
             bail!(
                 "{}: a sequence classifier (a reward model, *ForSequenceClassification) has no LM \

@@ -1314,6 +1314,10 @@ fn visit(
     if let Some(s) = model.score.as_mut() {
         f(SCORE_KEY.to_string(), s)?;
     }
+    // A token classifier's head has a bias, trained with it.
+    if let Some(b) = model.score_bias.as_mut() {
+        f(SCORE_BIAS_KEY.to_string(), b)?;
+    }
     Ok(())
 }
 
@@ -1650,6 +1654,9 @@ fn check_targets(cfg: &LoraConfig, arch: crate::config::Arch) -> Result<()> {
 
 /// The PEFT key of a sequence classifier's `score` head, trained whole (`modules_to_save`).
 pub const SCORE_KEY: &str = "base_model.model.score.weight";
+
+/// A token classifier's head bias in a PEFT adapter file (saved with [`SCORE_KEY`]).
+pub const SCORE_BIAS_KEY: &str = "base_model.model.score.bias";
 
 /// The PEFT key of the embedding's trainable tokens (`trainable_token_indices`).
 pub const TOKENS_KEY: &str =
@@ -2031,7 +2038,11 @@ pub fn save_peft(
     let config = serde_json::json!({
         "trainable_token_indices": cfg.trainable_token_indices,
         "peft_type": "LORA",
-        "task_type": if classifier { "SEQ_CLS" } else { "CAUSAL_LM" },
+        "task_type": match (classifier, model.cfg.token_classification.is_some()) {
+            (true, true) => "TOKEN_CLS",
+            (true, false) => "SEQ_CLS",
+            (false, _) => "CAUSAL_LM",
+        },
         "base_model_name_or_path": base_model,
         "r": cfg.r,
         "lora_alpha": cfg.lora_alpha,
@@ -2441,6 +2452,9 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
     // A classifier base with an adapter that did not train its head keeps the base's head.
     if let (Some(s), false) = (&model.score, tensors.contains_key(SCORE_KEY)) {
         tensors.insert(SCORE_KEY.to_string(), s.clone());
+    }
+    if let (Some(b), false) = (&model.score_bias, tensors.contains_key(SCORE_BIAS_KEY)) {
+        tensors.insert(SCORE_BIAS_KEY.to_string(), b.clone());
     }
     set_factors(model, &LoraConfig::default(), &tensors).map_err(in_file)?;
     for (k, _) in factors(model, &LoraConfig::default()) {

@@ -1664,8 +1664,13 @@ pub struct Transformer {
     /// `(vocab, hidden)` output head; `None` when tied to the embeddings.
     pub lm_head: Option<Tensor>,
     /// A sequence classifier's (reward model's) `score` head `(1, hidden)`, in place of the LM
-    /// head (`cfg.sequence_classification`): see [`Self::sequence_scores`].
+    /// head (`cfg.sequence_classification`): see [`Self::sequence_scores`]; a token
+    /// classifier's (process reward model's) `(num_labels, hidden)` (`cfg.token_classification`):
+    /// see [`Self::token_logits`].
     pub score: Option<Tensor>,
+    /// A token classifier's `score` bias `(num_labels,)` (transformers'
+    /// `*ForTokenClassification` head is a linear layer with a bias).
+    pub score_bias: Option<Tensor>,
     /// PEFT's trainable tokens (a LoRA config's `trainable_token_indices`): embedding rows
     /// replaced by values of their own, trained beside the adapters (and, with a tied head,
     /// the head's rows too). See [`Self::embedding_weight`].
@@ -2420,12 +2425,22 @@ impl Transformer {
         }
         let embed_tokens = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         // A classifier has no LM head (transformers' `*ForSequenceClassification` keeps none).
-        let (lm_head, score) = if cfg.sequence_classification {
-            (None, Some(get("score.weight", &[1, h])?))
+        let (lm_head, score, score_bias) = if cfg.sequence_classification {
+            (None, Some(get("score.weight", &[1, h])?), None)
+        } else if let Some(n) = cfg.token_classification {
+            (
+                None,
+                Some(get("score.weight", &[n, h])?),
+                Some(get("score.bias", &[n])?),
+            )
         } else if cfg.tie_word_embeddings {
-            (None, None)
+            (None, None, None)
         } else {
-            (Some(get("lm_head.weight", &[cfg.vocab_size, h])?), None)
+            (
+                Some(get("lm_head.weight", &[cfg.vocab_size, h])?),
+                None,
+                None,
+            )
         };
         let (rope_cos, rope_sin) = rope_tables(cfg, device)?;
         let rope_local = match local_rope_config(cfg) {
@@ -2460,6 +2475,7 @@ impl Transformer {
             norm: norm("model.norm.weight", h)?,
             lm_head,
             score,
+            score_bias,
             token_delta: None,
             decoding: false,
             layer_blocks: None,
@@ -2657,6 +2673,9 @@ impl Transformer {
         if let Some(s) = &self.score {
             out.push(("score.weight".to_string(), s.clone()));
         }
+        if let Some(b) = &self.score_bias {
+            out.push(("score.bias".to_string(), b.clone()));
+        }
         // nanochat's norms are constants of ones, not weights.
         if self.cfg.arch.weightless_norms() {
             out.retain(|(n, _)| !n.ends_with("norm.weight"));
@@ -2726,6 +2745,7 @@ impl Transformer {
             norm: norm(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(f).transpose()?,
             score: self.score.as_ref().map(f).transpose()?,
+            score_bias: self.score_bias.as_ref().map(f).transpose()?,
             token_delta: self
                 .token_delta
                 .as_ref()
@@ -3510,6 +3530,9 @@ impl Transformer {
     pub fn into_sequence_classifier(mut self, seed: u64) -> Result<Self> {
         use rand::SeedableRng;
         use rand_distr::Distribution;
+        if self.cfg.token_classification.is_some() {
+            bail!("the model is a token classifier: it cannot become a sequence classifier");
+        }
         if self.score.is_some() {
             return Ok(self);
         }
@@ -3526,6 +3549,76 @@ impl Transformer {
         Ok(self)
     }
 
+    /// The model as a token classifier with `num_labels` labels (a process reward model), as
+    /// transformers' `AutoModelForTokenClassification.from_pretrained(causal_lm, num_labels=n)`
+    /// makes it: the LM head dropped, a new `score` head `(n, hidden)` drawn from N(0, r²)
+    /// (`r` the config's `initializer_range`, 0.02 when absent; `seed`) and a zero bias, in the
+    /// model's dtype and device. A token classifier with `n` labels is returned unchanged.
+    pub fn into_token_classifier(mut self, num_labels: usize, seed: u64) -> Result<Self> {
+        use rand::SeedableRng;
+        use rand_distr::Distribution;
+        match (
+            self.cfg.token_classification,
+            self.cfg.sequence_classification,
+        ) {
+            (Some(n), _) if n == num_labels => return Ok(self),
+            (Some(n), _) => {
+                bail!("the model is a token classifier with {n} labels, not {num_labels}")
+            }
+            (None, true) => {
+                bail!("the model is a sequence classifier: it cannot become a token classifier")
+            }
+            (None, false) => {}
+        }
+        if num_labels == 0 {
+            bail!("a token classifier needs at least one label");
+        }
+        let h = self.cfg.hidden_size;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let std = self.cfg.initializer_range.unwrap_or(0.02) as f32;
+        let normal = rand_distr::Normal::new(0.0f32, std)
+            .map_err(|e| candle_core::Error::msg(e.to_string()))?;
+        let w: Vec<f32> = (0..num_labels * h)
+            .map(|_| normal.sample(&mut rng))
+            .collect();
+        let score = Tensor::from_vec(w, (num_labels, h), self.device())?.to_dtype(self.dtype())?;
+        self.score = Some(score);
+        self.score_bias = Some(Tensor::zeros(num_labels, self.dtype(), self.device())?);
+        self.lm_head = None;
+        self.cfg.token_classification = Some(num_labels);
+        Ok(self)
+    }
+
+    /// A token classifier's logits `(B, T, num_labels)` at every position of `rows` (token ids,
+    /// right-padded here; right padding is never attended by the real tokens), with the graph
+    /// (TRL's `PRMTrainer` trains on them). Positions past a row's end hold padding's logits.
+    pub fn token_logits(&self, rows: &[&[u32]], pad: u32) -> Result<Tensor> {
+        let (Some(score), Some(bias)) = (&self.score, &self.score_bias) else {
+            bail!(
+                "token_logits: the model has no token classification head (*ForTokenClassification)"
+            )
+        };
+        let b = rows.len();
+        let t = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+        if b == 0 || t == 0 {
+            bail!("token_logits: {b} rows of at most {t} tokens");
+        }
+        let mut ids = Vec::with_capacity(b * t);
+        for r in rows {
+            ids.extend_from_slice(r);
+            ids.extend(std::iter::repeat_n(pad, t - r.len()));
+        }
+        let dev = self.device();
+        let input = Tensor::from_vec(ids, (b, t), dev)?;
+        let mask = Tensor::ones((b, t), DType::U32, dev)?;
+        let h = self
+            .forward_padded(&input, &mask)?
+            .reshape((b * t, self.cfg.hidden_size))?;
+        let z =
+            crate::fused::matmul(&h.to_dtype(score.dtype())?, &score.t()?)?.broadcast_add(bias)?;
+        z.reshape((b, t, score.dim(0)?))
+    }
+
     /// A sequence classifier's scores `(B,)` of `rows` (token ids, right-padded here with
     /// `pad`), each read at its last token that is not `pad`, as transformers'
     /// `*ForSequenceClassification` picks it (the rightmost non-pad position: with the pad id
@@ -3533,7 +3626,7 @@ impl Transformer {
     /// models are). `pad = None` (no padding token) scores each row at its last token. The
     /// graph is kept: the scores train the head and the decoder (TRL's `RewardTrainer`).
     pub fn sequence_scores(&self, rows: &[&[u32]], pad: Option<u32>) -> Result<Tensor> {
-        if self.score.is_none() {
+        if self.score.is_none() || self.score_bias.is_some() {
             bail!("sequence_scores: the model has no score head (it is not a sequence classifier)")
         }
         let b = rows.len();

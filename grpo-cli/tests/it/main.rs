@@ -17,6 +17,7 @@ mod iw_opd;
 mod merge;
 mod minillm;
 mod online_dpo;
+mod prm;
 mod replay;
 mod reward_model;
 mod score_cli;

@@ -112,11 +112,15 @@ pub enum Algorithm {
     /// (`[minillm]`, the teacher from `[distillation]`).
     #[serde(rename = "minillm")]
     MiniLlm,
+    /// A process reward model (TRL's experimental PRMTrainer): a token classifier (two labels)
+    /// trained on step-wise supervision — each reasoning step of a completion labelled correct
+    /// or not, the label read at the step's last token (`[prm]`).
+    Prm,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 22] = [
+    pub const ALL: [Algorithm; 23] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -139,6 +143,7 @@ impl Algorithm {
         Algorithm::NashMd,
         Algorithm::Bco,
         Algorithm::MiniLlm,
+        Algorithm::Prm,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -210,6 +215,7 @@ impl Algorithm {
         match self {
             Self::Gold => 1e-7,
             Self::Sft | Self::Gkd => 2e-5,
+            Self::Prm => 1e-5,
             Self::A2po | Self::Sdpo | Self::Sdft | Self::Ssd => 5e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo | Self::Xpo | Self::NashMd | Self::Bco | Self::Tpo => 5e-7,
@@ -242,6 +248,7 @@ impl Algorithm {
             Self::NashMd => "nash_md",
             Self::Bco => "bco",
             Self::MiniLlm => "minillm",
+            Self::Prm => "prm",
         }
     }
 
@@ -260,7 +267,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
+                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, prm, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
                 )
             })
     }
@@ -372,6 +379,8 @@ pub struct TrainConfig {
     /// MiniLLM (`algorithm = "minillm"`, TRL's MiniLLMConfig); its teacher is
     /// `distillation.teacher_model_name_or_path`.
     pub minillm: MiniLlmSection,
+    /// Process reward models (`algorithm = "prm"`, TRL's PRMConfig).
+    pub prm: PrmSection,
     /// TRL's `BEMACallback`: a bias-corrected EMA of the trained weights, written to
     /// `RUN/bema` at the end, optionally the reference model (any algorithm; on when present).
     pub bema: Option<BemaSection>,
@@ -1446,6 +1455,44 @@ impl Default for MiniLlmSection {
     }
 }
 
+/// `[prm]`: TRL's experimental PRMTrainer. The model (a causal LM gets a fresh two-label token
+/// classification head, a `*ForTokenClassification` checkpoint keeps its own) learns to label
+/// each step of a completion: rows hold the prompt, the completion's steps (a list of strings)
+/// and one boolean label per step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrmSection {
+    /// The steps column: a list of strings (TRL's `completions`).
+    pub completions_field: String,
+    /// The labels column: a list of booleans (or 0 / 1), one per step (TRL's `labels`).
+    pub labels_field: String,
+    /// Appended to each step before tokenising; the step's label is read at its last token
+    /// (default `"\n"`).
+    pub step_separator: String,
+    /// Train on the last step's label only (the others are ignored; evaluation keeps every
+    /// step's). Default false.
+    pub train_on_last_step_only: bool,
+    /// Sequences (prompt + steps) are cut to this many tokens (default 1024; TRL's `None`: 0
+    /// here, no cut).
+    pub max_length: usize,
+    /// The steps (joined) are cut to this many tokens before the prompt is put in front
+    /// (default none).
+    pub max_completion_length: Option<usize>,
+}
+
+impl Default for PrmSection {
+    fn default() -> Self {
+        Self {
+            completions_field: "completions".into(),
+            labels_field: "labels".into(),
+            step_separator: "\n".into(),
+            train_on_last_step_only: false,
+            max_length: 1024,
+            max_completion_length: None,
+        }
+    }
+}
+
 /// `[bema]`: TRL's `BEMACallback` (Block & Zhang, "EMA Without the Lag: Bias-Corrected Iterate
 /// Averaging"). After every `update_freq` optimizer updates `t` (counted past `update_after`)
 /// the EMA of the trained weights moves, `EMA ← (1 − β_t) EMA + β_t θ_t` with
@@ -1865,6 +1912,7 @@ impl Default for TrainConfig {
             sdft: SdftSection::default(),
             ssd: SsdSection::default(),
             minillm: MiniLlmSection::default(),
+            prm: PrmSection::default(),
             bema: None,
             merge: None,
             gold: GoldSection::default(),
@@ -3065,6 +3113,9 @@ impl TrainConfig {
         if self.algorithm == Algorithm::MiniLlm {
             self.check_minillm()?;
         }
+        if self.algorithm == Algorithm::Prm {
+            self.check_prm()?;
+        }
         if let Some(m) = &self.merge {
             if !matches!(m.dtype.as_str(), "float16" | "bfloat16" | "float32") {
                 return Err(format!(
@@ -3743,6 +3794,32 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// PRM's settings: a classifier has no reference model and no LM head; the two columns.
+    fn check_prm(&self) -> std::result::Result<(), String> {
+        if self.reference.beta != 0.0 || self.reference.sync_ref_model {
+            return Err(
+                "a process reward model has no reference model: leave `reference.beta` \
+                        at 0 and `reference.sync_ref_model` off"
+                    .into(),
+            );
+        }
+        if self.model.cast_lm_head_to_fp32 {
+            return Err(
+                "`model.cast_lm_head_to_fp32` casts an LM head; a process reward model \
+                        has none (its `score` head is trained in the model's dtype)"
+                    .into(),
+            );
+        }
+        let p = &self.prm;
+        if p.completions_field == p.labels_field {
+            return Err("`prm.completions_field` and `prm.labels_field` must differ".into());
+        }
+        if p.max_completion_length == Some(0) {
+            return Err("`prm.max_completion_length` must be >= 1 (absent: no cut)".into());
+        }
+        Ok(())
+    }
+
     /// MiniLLM's settings: its teacher (a local model: both terms read its whole
     /// distribution), `[minillm]`'s values, the loss types that take per-token advantages.
     fn check_minillm(&self) -> std::result::Result<(), String> {
@@ -3953,7 +4030,8 @@ impl TrainConfig {
             | Algorithm::Reward
             | Algorithm::Orpo
             | Algorithm::Cpo
-            | Algorithm::Tpo => self.train.prompts_per_step,
+            | Algorithm::Tpo
+            | Algorithm::Prm => self.train.prompts_per_step,
         }
     }
 
@@ -3975,12 +4053,13 @@ impl TrainConfig {
     }
 
     /// Whether dropout is off while training: `train.disable_dropout`, else TRL's default of
-    /// the algorithm (DPOConfig's and MiniLLMConfig's true, GRPOConfig's false, none in
+    /// the algorithm (DPOConfig's, MiniLLMConfig's and PRMConfig's true, GRPOConfig's false, none in
     /// SFTConfig).
     pub fn dropout_disabled(&self) -> bool {
         self.train.disable_dropout.unwrap_or(matches!(
             self.algorithm,
-            Algorithm::Dpo
+            Algorithm::Prm
+                | Algorithm::Dpo
                 | Algorithm::Kto
                 | Algorithm::Bco
                 | Algorithm::Reward

@@ -68,10 +68,10 @@ pub use trainer::{
     A2po, A2poTrainer, AnyTrainer, Bco, BcoTrainer, ByName, Cpo, CpoTrainer, Distillation,
     DistillationTrainer, Dpo, DpoTrainer, FitOptions, Gkd, GkdTrainer, Gold, GoldTrainer, Grpo,
     GrpoTrainer, IwOpd, IwOpdTrainer, Kto, KtoTrainer, MiniLlm, MiniLlmTrainer, NashMd,
-    NashMdTrainer, OnlineDpo, OnlineDpoTrainer, Orpo, OrpoTrainer, RewardModeling, RewardTrainer,
-    Rloo, RlooTrainer, Sdft, SdftTrainer, Sdpo, SdpoTrainer, Sft, SftTrainer, Ssd, SsdTrainer, Tpo,
-    TpoTrainer, Trainer, TrainerKind, Xpo, XpoTrainer, create_trainer, get_algorithm,
-    list_algorithms,
+    NashMdTrainer, OnlineDpo, OnlineDpoTrainer, Orpo, OrpoTrainer, Prm, PrmTrainer, RewardModeling,
+    RewardTrainer, Rloo, RlooTrainer, Sdft, SdftTrainer, Sdpo, SdpoTrainer, Sft, SftTrainer, Ssd,
+    SsdTrainer, Tpo, TpoTrainer, Trainer, TrainerKind, Xpo, XpoTrainer, create_trainer,
+    get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

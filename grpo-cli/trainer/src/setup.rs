@@ -230,6 +230,14 @@ pub fn supervised_columns(cfg: &TrainConfig, data: &Dataset) -> grpo_data::Resul
                 )?;
             }
         }
+        Algorithm::Prm => {
+            for col in [&cfg.prm.completions_field, &cfg.prm.labels_field] {
+                data.require_column(
+                    col,
+                    "process reward modelling (`prm.completions_field` / `prm.labels_field`)",
+                )?;
+            }
+        }
         Algorithm::Reward => {
             for col in [&cfg.reward.chosen_field, &cfg.reward.rejected_field] {
                 data.require_column(
@@ -383,10 +391,25 @@ pub fn setup_with(
     // A reward model is a sequence classifier: a causal LM gets a fresh `score` head (as
     // transformers' `AutoModelForSequenceClassification` makes one, seeded by `train.seed`);
     // a classifier checkpoint keeps its own. Every other algorithm needs an LM head.
+    // A process reward model is a token classifier with two labels, made the same way.
     match (cfg.algorithm, loaded.model.score.is_some()) {
         (Algorithm::Reward, _) => {
-            loaded.model = loaded.model.into_sequence_classifier(cfg.train.seed)?;
+            loaded.model = loaded
+                .model
+                .into_sequence_classifier(cfg.train.seed)
+                .map_err(|e| anyhow!("model {}: {e}", cfg.model.path.display()))?;
         }
+        (Algorithm::Prm, _) => {
+            loaded.model = loaded
+                .model
+                .into_token_classifier(2, cfg.train.seed)
+                .map_err(|e| anyhow!("model {}: {e}", cfg.model.path.display()))?;
+        }
+        (a, true) if loaded.model.cfg.token_classification.is_some() => bail!(
+            "model: {} is a token classifier (a process reward model, no LM head); algorithm = \
+             \"{a}\" trains a causal LM (a process reward model trains with algorithm = \"prm\")",
+            cfg.model.path.display()
+        ),
         (a, true) => bail!(
             "model: {} is a sequence classifier (a reward model, no LM head); algorithm = \"{a}\" \
              trains a causal LM (a reward model trains with algorithm = \"reward\")",

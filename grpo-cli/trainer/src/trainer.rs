@@ -87,6 +87,9 @@ pub struct Ssd;
 /// MiniLLM (`[minillm]`, TRL's MiniLLMTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct MiniLlm;
+/// A process reward model (`[prm]`, TRL's PRMTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Prm;
 /// GOLD (`algorithm = "gold"`).
 #[derive(Debug, Clone, Copy)]
 pub struct Gold;
@@ -153,6 +156,9 @@ impl TrainerKind for Ssd {
 }
 impl TrainerKind for MiniLlm {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::MiniLlm);
+}
+impl TrainerKind for Prm {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Prm);
 }
 impl TrainerKind for IwOpd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::IwOpd);
@@ -229,6 +235,10 @@ pub type IwOpdTrainer = Trainer<IwOpd>;
 /// A MiniLLM trainer: GRPO on the student's samples with the teacher's reverse KL in each
 /// token's advantage and in the loss.
 pub type MiniLlmTrainer = Trainer<MiniLlm>;
+
+/// A process-reward-model trainer: a token classifier learns to label each step of a
+/// completion.
+pub type PrmTrainer = Trainer<Prm>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

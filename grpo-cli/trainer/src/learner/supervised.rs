@@ -11,6 +11,9 @@
 //!   under both, and the micro-batch's KL estimate from mismatched prompt/completion pairs.
 //! * Reward: prompt + `reward.chosen_field` / `reward.rejected_field` as two whole sequences,
 //!   each scored by the classifier's `score` head (TRL's RewardTrainer, Bradley-Terry loss).
+//! * PRM: prompt + steps (`prm.completions_field`) with a label per step (`prm.labels_field`),
+//!   one sequence labelled at each step's last token by the token classifier (TRL's
+//!   experimental PRMTrainer, cross-entropy).
 //! * ORPO and CPO: prompt + chosen / rejected as TRL's experimental trainers tokenise them,
 //!   the policy's log-probs alone (no reference model) and an NLL term on the chosen side;
 //!   TPO: DPO's rows with a third, gold completion that carries the NLL term.
@@ -62,6 +65,9 @@ pub struct Row {
     pub rejected_prompt: Vec<u32>,
     /// TPO: the gold (reference) completion after `prompt`; empty otherwise.
     pub gold: Vec<u32>,
+    /// PRM: each token's label of `completion` (the whole sequence): a step's label at its
+    /// last token, -100 (ignored) elsewhere; empty otherwise.
+    pub labels: Vec<i64>,
 }
 
 impl Default for Row {
@@ -77,6 +83,7 @@ impl Default for Row {
             margin: 0.0,
             rejected_prompt: Vec::new(),
             gold: Vec::new(),
+            labels: Vec::new(),
         }
     }
 }
@@ -105,6 +112,7 @@ pub fn rows_packed(
         Algorithm::Kto | Algorithm::Bco => kto_rows(cfg, tok, samples)?,
         // TRL filters reward pairs by length; it does not cut them.
         Algorithm::Reward => return reward_rows(cfg, tok, samples),
+        Algorithm::Prm => return prm_rows(cfg, tok, samples, false),
         // TRL's ORPO and CPO cut each side's completion to fit after its prompt themselves.
         a if a.reference_free_pairs() && a != Algorithm::Tpo => {
             return Ok(samples
@@ -333,6 +341,138 @@ fn reward_rows(
         });
     }
     Ok(out)
+}
+
+/// Step-wise supervision rows as TRL's experimental PRMTrainer tokenises them (its
+/// `tokenize_row`): the prompt (plain text) and each step without special tokens, each step
+/// followed by `prm.step_separator`'s tokens and labelled at its last token (-100 elsewhere;
+/// with `train_on_last_step_only`, outside evaluation (`eval`), the last step's label only),
+/// the steps joined and cut to `prm.max_completion_length`, the prompt (after the tokenizer's
+/// BOS, when it has one) put in front, the whole cut to `prm.max_length` (0: no cut).
+/// `Row::completion` is the whole sequence, `Row::labels` its labels, `Row::mask` where they
+/// count. A row left with no labelled token (cut away) is dropped.
+pub fn prm_rows(
+    cfg: &crate::config::TrainConfig,
+    tok: &grpo_rollout::Tokenizer,
+    samples: &[Sample],
+    eval: bool,
+) -> Result<Vec<Row>> {
+    use grpo_data::Value;
+    let p = &cfg.prm;
+    let sep = tok.encode(&p.step_separator, false)?;
+    let bos = tok
+        .bos_token
+        .as_deref()
+        .and_then(|t| tok.inner.token_to_id(t));
+    let mut out = Vec::with_capacity(samples.len());
+    for s in samples {
+        let Prompt::Text(prompt) = &s.prompt else {
+            bail!(
+                "row {}: the prompt is a conversation; a process reward model reads plain-text \
+                 prompts (TRL's PRMTrainer tokenises the prompt as it is)",
+                s.index
+            );
+        };
+        let steps = match s.get(&p.completions_field) {
+            Some(Value::StrList(l)) => l.clone(),
+            other => bail!(
+                "row {}: column `{}` must be a list of strings (the steps), found {}",
+                s.index,
+                p.completions_field,
+                other.map_or("nothing".to_string(), |v| v.to_string())
+            ),
+        };
+        let labels = step_labels(s.get(&p.labels_field)).map_err(|e| {
+            anyhow!(
+                "row {}: column `{}` must be a list of booleans, one per step: {e}",
+                s.index,
+                p.labels_field
+            )
+        })?;
+        if labels.len() != steps.len() {
+            bail!(
+                "row {}: `{}` has {} steps but `{}` has {} labels",
+                s.index,
+                p.completions_field,
+                steps.len(),
+                p.labels_field,
+                labels.len()
+            );
+        }
+        let last = labels.len().saturating_sub(1);
+        let (mut ids, mut lab) = (Vec::new(), Vec::new());
+        for (i, (step, label)) in steps.iter().zip(labels).enumerate() {
+            let mut t = tok.encode(step, false)?;
+            t.extend_from_slice(&sep);
+            if t.is_empty() {
+                bail!(
+                    "row {}: step {i} with `prm.step_separator` gives no token to label",
+                    s.index
+                );
+            }
+            let label = match p.train_on_last_step_only && !eval && i != last {
+                true => -100,
+                false => i64::from(label),
+            };
+            lab.extend(std::iter::repeat_n(-100, t.len() - 1));
+            lab.push(label);
+            ids.extend(t);
+        }
+        if let Some(m) = p.max_completion_length {
+            ids.truncate(m);
+            lab.truncate(m);
+        }
+        let mut all: Vec<u32> = bos.into_iter().collect();
+        all.extend(tok.encode(prompt, false)?);
+        let mut labels = vec![-100; all.len()];
+        all.extend(ids);
+        labels.extend(lab);
+        if p.max_length > 0 {
+            all.truncate(p.max_length);
+            labels.truncate(p.max_length);
+        }
+        if labels.iter().all(|&l| l < 0) {
+            continue;
+        }
+        out.push(Row {
+            index: s.index,
+            mask: labels.iter().map(|&l| u8::from(l >= 0)).collect(),
+            completion: all,
+            labels,
+            ..Row::default()
+        });
+    }
+    Ok(out)
+}
+
+/// A PRM row's step labels: a list of booleans or of 0 / 1 (JSONL arrays and Arrow lists reach
+/// here as their JSON text), or of the strings "true" / "false".
+fn step_labels(v: Option<&grpo_data::Value>) -> std::result::Result<Vec<bool>, String> {
+    use grpo_data::Value;
+    let one = |x: &serde_json::Value| -> std::result::Result<bool, String> {
+        match x {
+            serde_json::Value::Bool(b) => Ok(*b),
+            serde_json::Value::Number(n) if n.as_f64() == Some(1.0) => Ok(true),
+            serde_json::Value::Number(n) if n.as_f64() == Some(0.0) => Ok(false),
+            other => Err(format!("found {other}")),
+        }
+    };
+    match v {
+        Some(Value::Str(s)) => match serde_json::from_str::<serde_json::Value>(s) {
+            Ok(serde_json::Value::Array(items)) => items.iter().map(one).collect(),
+            _ => Err(format!("found {s:?}")),
+        },
+        Some(Value::StrList(l)) => l
+            .iter()
+            .map(|x| match x.to_ascii_lowercase().as_str() {
+                "true" | "1" => Ok(true),
+                "false" | "0" => Ok(false),
+                _ => Err(format!("found {x:?}")),
+            })
+            .collect(),
+        Some(other) => Err(format!("found {other}")),
+        None => Err("the column is missing".into()),
+    }
 }
 
 /// A preference pair as TRL 1.16's experimental ORPO and CPO trainers read it: the prompt,
@@ -1143,6 +1283,41 @@ impl Learner {
         })
     }
 
+    /// PRM's loss on micro-batch `part`: the cross-entropy of the token classifier's logits
+    /// against each labelled token's label, summed and divided by the step's `labelled` tokens
+    /// (transformers' token-classification loss with `num_items_in_batch`); also how many of
+    /// the part's labelled tokens the arg-max label gets right.
+    fn prm_loss(
+        &self,
+        model: &grpo_rollout::Transformer,
+        part: &[Row],
+        labelled: f64,
+    ) -> Result<(Tensor, f64)> {
+        let seqs: Vec<&[u32]> = part.iter().map(|r| r.completion.as_slice()).collect();
+        let z = model
+            .token_logits(&seqs, self.tokenizer.pad_token_id)?
+            .to_dtype(DType::F32)?;
+        let (k, t, _) = z.dims3()?;
+        let mut labels = Vec::with_capacity(k * t);
+        for r in part {
+            labels.extend(r.labels.iter().map(|&l| l.max(-1) as f32));
+            labels.extend(std::iter::repeat_n(-1f32, t - r.labels.len()));
+        }
+        let labels = Tensor::from_vec(labels, (k, t), z.device())?;
+        let on = labels.ge(0f32)?.to_dtype(DType::F32)?;
+        let target = labels.maximum(0f32)?.to_dtype(DType::U32)?;
+        let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
+        let ls = z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)?;
+        let nll = ls.gather(&target.unsqueeze(2)?, 2)?.squeeze(2)?.neg()?;
+        let loss = ((nll * &on)?.sum_all()? / labelled.max(1.0))?;
+        let right = ls.argmax(D::Minus1)?.eq(&target)?.to_dtype(DType::F32)?;
+        let correct = (right * &on)?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+        Ok((loss, correct))
+    }
+
     /// One SFT or DPO step over `rows`: the losses of the micro-batches, their gradients summed,
     /// clipped, one AdamW update. `dpo_ref`: cached reference log-probs by row index.
     pub fn supervised_step(
@@ -1167,6 +1342,12 @@ impl Learner {
         // BCO's δ of each micro-batch, weighted by its share.
         let mut bco_delta = 0f64;
         let reward = self.cfg.algorithm == Algorithm::Reward;
+        let prm = self.cfg.algorithm == Algorithm::Prm;
+        // PRM: the step's labelled tokens (transformers' `num_items_in_batch`).
+        let labelled: f64 = rows
+            .iter()
+            .map(|r| r.labels.iter().filter(|&&l| l >= 0).count() as f64)
+            .sum();
         let pairs = self.cfg.algorithm.reference_free_pairs();
         // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
         // then undesirable rows, and the KL estimate weighted by micro-batch share.
@@ -1190,7 +1371,7 @@ impl Learner {
             };
             // An MoE policy's load-balancing loss (TRL's SFT, DPO, KTO, CPO and ORPO trainers
             // add it too): recorded by the policy's forward only.
-            let aux = match train && !reward {
+            let aux = match train && !reward && !prm {
                 true => self.aux_collector(chunks.len() as f64),
                 false => None,
             };
@@ -1287,6 +1468,10 @@ impl Learner {
                     add(k, v, share);
                 }
                 (out.loss * share)?
+            } else if prm {
+                let (loss, correct) = self.prm_loss(&model, part, labelled)?;
+                add("accuracy", correct / labelled.max(1.0), 1.0);
+                loss
             } else if reward {
                 // TRL's RewardTrainer: chosen and rejected scored in one batch.
                 let seqs: Vec<&[u32]> = part
@@ -1568,6 +1753,7 @@ pub fn run(
                     Algorithm::Dpo => (c.dpo.max_length, "a prompt fills it"),
                     Algorithm::Kto | Algorithm::Bco => (c.kto.max_length, "a prompt fills it"),
                     Algorithm::Reward => (c.reward.max_length, "a side of each pair is longer"),
+                    Algorithm::Prm => (c.prm.max_length, "no labelled step is left"),
                     Algorithm::Orpo => (c.orpo.max_length, "a prompt fills it"),
                     Algorithm::Cpo => (c.cpo.max_length, "a prompt fills it"),
                     Algorithm::Tpo => (c.tpo.max_length, "a prompt fills it"),
@@ -1632,7 +1818,11 @@ pub fn evaluate(
     let mut batches = 0.0;
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("{e}"))? {
         let packing = setup.cfg.sft.eval_packing.unwrap_or(setup.cfg.sft.packing);
-        let rows = rows_packed(&setup.cfg, &setup.tokenizer, &samples, packing)?;
+        let rows = match setup.cfg.algorithm {
+            // Evaluation reads every step's label (TRL's `is_eval`).
+            Algorithm::Prm => prm_rows(&setup.cfg, &setup.tokenizer, &samples, true)?,
+            _ => rows_packed(&setup.cfg, &setup.tokenizer, &samples, packing)?,
+        };
         if rows.is_empty() {
             continue;
         }

@@ -292,6 +292,7 @@ fn algorithms_by_name() {
             "nash_md",
             "online_dpo",
             "orpo",
+            "prm",
             "reward",
             "rloo",
             "sdft",
@@ -323,6 +324,7 @@ fn algorithms_by_name() {
         "xpo",
         "nash_md",
         "minillm",
+        "prm",
     ] {
         assert!(e.contains(name), "{e}");
     }
