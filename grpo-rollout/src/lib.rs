@@ -13,8 +13,9 @@
 //! family's own file layout: [`layout`]), and merging saved models with mergekit's methods
 //! ([`merge`]). The same transformer
 //! is a sequence classifier (a reward model) with a `score` head in place of the LM head
-//! (`Transformer::into_sequence_classifier`, `Transformer::sequence_scores`), and a
-//! distillation student (`Transformer::distill_rows`).
+//! (`Transformer::into_sequence_classifier`, `Transformer::sequence_scores`), a token
+//! classifier (a process reward model: `Transformer::into_token_classifier`,
+//! `Transformer::token_logits`), and a distillation student (`Transformer::distill_rows`).
 //!
 //! Multi-turn episodes against an environment (NeMo RL's `EnvironmentInterface`): the seam in
 //! [`mod@env`], generation that keeps each episode's KV cache across turns in [`episode`], and

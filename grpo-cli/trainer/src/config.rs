@@ -207,7 +207,7 @@ impl Algorithm {
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
-    /// RewardConfig 1e-4, OnlineDPOConfig (XPOConfig, NashMDConfig), BCOConfig and TPOConfig
+    /// RewardConfig 1e-4, PRMConfig 1e-5, OnlineDPOConfig (XPOConfig, NashMDConfig), BCOConfig and TPOConfig
     /// 5e-7, GKDConfig 2e-5 (an SFTConfig),
     /// A2POConfig, SDPOConfig, SDFTConfig and SSDConfig 5e-5 (TrainingArguments'), the others
     /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
