@@ -2391,7 +2391,7 @@ pub fn save_gguf(
 ) -> Result<Vec<(String, String)>> {
     if model.score.is_some() {
         bail!(
-            "{}: a classifier (reward or process reward model) has no GGUF form here; export it as a Hugging Face directory (--format hf)",
+            "{}: a sequence classifier (reward model) or token classifier (process reward model) has no GGUF form here; export it as a Hugging Face directory (--format hf)",
             path.display()
         );
     }

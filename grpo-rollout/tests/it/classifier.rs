@@ -257,3 +257,97 @@ fn a_causal_lm_becomes_a_classifier_that_trains_saves_and_loads() {
     }
     assert!(trained.iter().zip(&got).any(|(a, b)| (a - b).abs() > 1e-3));
 }
+
+/// A token classifier (a process reward model, transformers' `*ForTokenClassification`): made
+/// from a causal LM with a seeded N(0, 0.02²) head and a zero bias; each position's logits are
+/// `h · Wᵀ + b` of the decoder's hidden state, whatever the right padding of the batch; the
+/// bias trains; saved as a Hugging Face directory with two labels and read back equal; refused
+/// as a sequence classifier and as a causal LM.
+#[test]
+fn a_causal_lm_becomes_a_token_classifier_that_trains_saves_and_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base_dir = tmp.path().join("base");
+    init_model_dir(&base_dir, Preset::Tiny, Arch::Qwen2, 3).unwrap();
+    let base = grpo_rollout::load(&base_dir, DType::F32, &Device::Cpu).unwrap();
+    let clf = base.model.clone().into_token_classifier(2, 11).unwrap();
+    assert_eq!(clf.cfg.token_classification, Some(2));
+    assert!(clf.lm_head.is_none());
+    let h = clf.cfg.hidden_size;
+    let w = clf.score.as_ref().unwrap();
+    assert_eq!(w.dims(), [2, h]);
+    let wv: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+    let std = (wv.iter().map(|x| x * x).sum::<f32>() / wv.len() as f32).sqrt();
+    assert!((0.01..0.03).contains(&std), "N(0, 0.02²) head, std {std}");
+    let b: Vec<f32> = clf.score_bias.as_ref().unwrap().to_vec1().unwrap();
+    assert_eq!(b, vec![0.0, 0.0]);
+
+    // Each row's logits alone equal its rows in the padded batch, and equal h · Wᵀ + b.
+    let rows = rows();
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    let mut moved = clf.clone();
+    moved.score_bias = Some(Tensor::new(&[0.5f32, -0.25], &Device::Cpu).unwrap());
+    let batch = moved.token_logits(&refs, 0).unwrap();
+    assert_eq!(batch.dims(), [4, 5, 2]);
+    for (i, r) in rows.iter().enumerate() {
+        let alone = moved
+            .token_logits(&[r.as_slice()], 0)
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        let part = batch.get(i).unwrap().narrow(0, 0, r.len()).unwrap();
+        assert!(max_diff(&alone, &part) < 1e-5, "row {i}");
+        let ids = Tensor::from_vec(r.clone(), (1, r.len()), &Device::Cpu).unwrap();
+        let mask = ids.ones_like().unwrap();
+        let hs = moved
+            .forward_padded(&ids, &mask)
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        let want = hs
+            .matmul(&moved.score.as_ref().unwrap().t().unwrap())
+            .unwrap()
+            .broadcast_add(moved.score_bias.as_ref().unwrap())
+            .unwrap();
+        assert!(max_diff(&alone, &want) < 1e-5, "row {i}");
+    }
+
+    // Trainable: the head's weight and bias are variables and get gradients.
+    let full = TrainableModel::full(&clf).unwrap();
+    let names: Vec<&str> = full.vars.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(names.contains(&"score.weight") && names.contains(&"score.bias"));
+    let z = full.model.token_logits(&refs, 0).unwrap();
+    let loss = z.narrow(2, 1, 1).unwrap().sum_all().unwrap();
+    let grads = full.model.backward(&loss).unwrap();
+    let (_, bias) = full.vars.iter().find(|(k, _)| k == "score.bias").unwrap();
+    let g: Vec<f32> = grads.get(bias.as_tensor()).unwrap().to_vec1().unwrap();
+    // d Σ z[..., 1] / d b = [0, number of positions].
+    assert_eq!(g, vec![0.0, 20.0]);
+
+    // A Hugging Face directory with two labels, read back as the same token classifier.
+    let out = tmp.path().join("prm");
+    grpo_rollout::save_hf_dir(&moved, &base.tokenizer, &out, DType::F32).unwrap();
+    let cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cj["architectures"][0], "Qwen2ForTokenClassification");
+    assert_eq!(
+        cj["id2label"],
+        serde_json::json!({"0": "LABEL_0", "1": "LABEL_1"})
+    );
+    let back = grpo_rollout::load(&out, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(back.model.cfg.token_classification, Some(2));
+    let again = back.model.token_logits(&refs, 0).unwrap();
+    assert!(max_diff(&again, &batch) < 1e-6);
+    assert!(ClassifierModel::load(&out, DType::F32, &Device::Cpu).is_err());
+    let e = back.causal().unwrap_err().to_string();
+    assert!(e.contains("token classifier"), "{e}");
+    assert!(moved.clone().into_sequence_classifier(1).is_err());
+    assert!(moved.clone().into_token_classifier(3, 1).is_err());
+    assert!(
+        base.model
+            .clone()
+            .into_sequence_classifier(1)
+            .unwrap()
+            .into_token_classifier(2, 1)
+            .is_err()
+    );
+}

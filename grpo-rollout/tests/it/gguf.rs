@@ -690,6 +690,7 @@ fn llama3_rope_scaling_is_recovered_from_rope_freqs() {
         eos_token_ids: vec![],
         pad_token_id: None,
         sequence_classification: false,
+        token_classification: None,
         initializer_range: None,
         sliding_window: None,
         sliding_layers: vec![],
