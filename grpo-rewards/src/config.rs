@@ -7,9 +7,10 @@ use serde::{Deserialize, Serialize};
 use crate::builtin::{
     Accuracy, AccuracyConfig, CosineScaled, CosineScaledConfig, CoverageCe, CoverageCeConfig,
     Format, FormatConfig, InverseLoss, InverseLossConfig, LanguageScorer, MathVerify,
-    MathVerifyConfig, Overlong, OverlongConfig, ReasoningAccuracy, ReasoningAccuracyConfig,
-    RepetitionPenalty, RepetitionPenaltyConfig, RewardModel, RewardModelConfig, ScoringModel,
-    SequenceClassifier, ThinkFormat, ThinkFormatConfig,
+    MathVerifyConfig, Overlong, OverlongConfig, ProcessRewardModel, ProcessRewardModelConfig,
+    ReasoningAccuracy, ReasoningAccuracyConfig, RepetitionPenalty, RepetitionPenaltyConfig,
+    RewardModel, RewardModelConfig, ScoringModel, SequenceClassifier, StepClassifier, ThinkFormat,
+    ThinkFormatConfig,
 };
 use crate::combine::RewardSet;
 #[cfg(feature = "command")]
@@ -47,6 +48,8 @@ pub enum RewardKind {
     CoverageCe(CoverageCeConfig),
     /// [`RewardModel`] (needs a [`SequenceClassifier`]).
     RewardModel(RewardModelConfig),
+    /// [`ProcessRewardModel`] (needs a [`StepClassifier`]).
+    ProcessRewardModel(ProcessRewardModelConfig),
     /// One LLM judge (feature `judges`).
     #[cfg(feature = "judges")]
     Judge(JudgeConfig),
@@ -78,6 +81,7 @@ impl RewardKind {
             RewardKind::InverseLoss(_) => "inverse_loss",
             RewardKind::CoverageCe(_) => "coverage_ce",
             RewardKind::RewardModel(_) => "reward_model",
+            RewardKind::ProcessRewardModel(_) => "process_reward_model",
             #[cfg(feature = "judges")]
             RewardKind::Judge(_) => "judge",
             #[cfg(feature = "judges")]
@@ -138,6 +142,8 @@ pub struct ScoringModels {
     pub policy: Option<Arc<dyn LanguageScorer>>,
     /// For `reward_model`.
     pub classifier: Option<Arc<dyn SequenceClassifier>>,
+    /// For `process_reward_model`, by the reward's `path` (as the config spells it).
+    pub step_classifiers: std::collections::HashMap<std::path::PathBuf, Arc<dyn StepClassifier>>,
 }
 
 impl std::fmt::Debug for ScoringModels {
@@ -146,6 +152,7 @@ impl std::fmt::Debug for ScoringModels {
             .field("language", &self.language.is_some())
             .field("policy", &self.policy.is_some())
             .field("classifier", &self.classifier.is_some())
+            .field("step_classifiers", &self.step_classifiers.len())
             .finish()
     }
 }
@@ -284,6 +291,25 @@ impl RewardsConfig {
                         name,
                         weight,
                         Arc::new(RewardModel::new(m, c.clone()).map_err(at)?),
+                    )
+                }
+                RewardKind::ProcessRewardModel(c) => {
+                    let path = c.path.as_ref().ok_or_else(|| {
+                        RewardError::config(
+                            format!("{p}path"),
+                            "a `process_reward_model` reward needs `path` (a *ForTokenClassification directory, e.g. one `grpo-cli prm` trained)",
+                        )
+                    })?;
+                    let m = models.step_classifiers.get(path).cloned().ok_or_else(|| {
+                        RewardError::config(
+                            format!("{p}path"),
+                            format!("no process reward model was loaded from {}", path.display()),
+                        )
+                    })?;
+                    set.push_reward(
+                        name,
+                        weight,
+                        Arc::new(ProcessRewardModel::new(m, c.clone()).map_err(at)?),
                     )
                 }
                 #[cfg(feature = "judges")]

@@ -391,6 +391,95 @@ impl SequenceClassifier for ClassifierModel {
     }
 }
 
+/// A process reward model (a two-label `*ForTokenClassification` checkpoint, e.g. one
+/// `grpo-cli prm` trained) for the `process_reward_model` reward: `P(label 1)` at each position
+/// of right-padded rows. Texts are encoded without special tokens and rows start with the
+/// tokenizer's BOS when it has one, as the model was trained (TRL's PRMTrainer).
+#[derive(Debug, Clone)]
+pub struct TokenClassifierModel {
+    model: Transformer,
+    tokenizer: Tokenizer,
+    bos: Option<u32>,
+}
+
+impl TokenClassifierModel {
+    /// Loads a `*ForTokenClassification` directory with two labels; anything else is a
+    /// one-line error naming the directory.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let loaded = crate::load(dir, dtype, device)?;
+        match loaded.model.cfg.token_classification {
+            Some(2) => {}
+            Some(n) => bail!(
+                "{}: a token classifier with {n} labels; a process reward model has two (incorrect, correct)",
+                dir.display()
+            ),
+            None => bail!(
+                "{}: not a token-classification checkpoint (expected *ForTokenClassification with two labels, as `grpo-cli prm` writes)",
+                dir.display()
+            ),
+        }
+        Ok(Self::new(loaded.model, loaded.tokenizer))
+    }
+
+    /// From a token classifier with two labels and its tokenizer.
+    pub fn new(model: Transformer, tokenizer: Tokenizer) -> Self {
+        let bos = tokenizer
+            .bos_token
+            .as_deref()
+            .and_then(|t| tokenizer.inner.token_to_id(t));
+        Self {
+            model: model.detached(),
+            tokenizer,
+            bos,
+        }
+    }
+
+    /// `P(label 1)` at every position of a right-padded batch `(B, T)`.
+    pub fn probabilities(&self, padded: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+        let t = padded.first().map_or(0, Vec::len);
+        if padded.iter().any(|r| r.len() != t) {
+            bail!("step_probabilities: rows of different lengths (expected a padded batch)");
+        }
+        if padded.is_empty() || t == 0 {
+            return Ok(vec![Vec::new(); padded.len()]);
+        }
+        let rows: Vec<&[u32]> = padded.iter().map(Vec::as_slice).collect();
+        let z = self
+            .model
+            .token_logits(&rows, self.tokenizer.pad_token_id)?
+            .to_dtype(DType::F32)?;
+        let z = z.broadcast_sub(&z.max_keepdim(candle_core::D::Minus1)?)?;
+        let e = z.exp()?;
+        let p = e
+            .narrow(2, 1, 1)?
+            .squeeze(2)?
+            .div(&e.sum(candle_core::D::Minus1)?)?;
+        p.to_vec2()
+    }
+}
+
+#[cfg(feature = "rewards")]
+impl grpo_rewards::builtin::StepClassifier for TokenClassifierModel {
+    fn tokenize(&self, text: &str) -> std::result::Result<Vec<u32>, ScorerError> {
+        Ok(self.tokenizer.encode(text, false)?)
+    }
+
+    fn bos_token_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    fn pad_token_id(&self) -> u32 {
+        self.tokenizer.pad_token_id
+    }
+
+    fn step_probabilities(
+        &self,
+        padded: &[Vec<u32>],
+    ) -> std::result::Result<Vec<Vec<f32>>, ScorerError> {
+        Ok(self.probabilities(padded)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -400,5 +489,6 @@ mod tests {
         fn check<T: Send + Sync + 'static>() {}
         check::<ModelScorer>();
         check::<ClassifierModel>();
+        check::<TokenClassifierModel>();
     }
 }

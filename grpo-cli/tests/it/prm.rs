@@ -336,8 +336,102 @@ fn a_prm_learns_to_label_steps_and_its_checkpoint_reads_back() {
     assert!(!w.contains_key("lm_head.weight"));
     let loaded = grpo_rollout::load(&ck, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(loaded.model.cfg.token_classification, Some(2));
+    let tok = loaded.tokenizer.clone();
+    let prm_model = loaded.model.clone();
     let e = loaded.causal().unwrap_err().to_string();
     assert!(e.contains("token classifier"), "{e}");
+
+    // The trained model as a `process_reward_model` reward: each step's P(correct) read where
+    // training put its label (TRL's row for the same steps), aggregated; a solution with a
+    // wrong step scores below one without.
+    use grpo_rewards::Reward;
+    use grpo_rewards::builtin::{ProcessRewardModel, ProcessRewardModelConfig, StepAggregation};
+    let clf = std::sync::Arc::new(
+        grpo_rollout::scoring::TokenClassifierModel::load(&ck, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let steps = ["step 0 is right", "step 1 is wrong", "step 2 is right"];
+    let (ids, labels) = trl_row(&tok, "Problem 3:", &steps, &[1, 1, 1], "\n");
+    let z = prm_model
+        .token_logits(&[ids.as_slice()], 0)
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    let e = z.exp().unwrap();
+    let p: Vec<Vec<f32>> = e
+        .broadcast_div(&e.sum_keepdim(D::Minus1).unwrap())
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let probs: Vec<f32> = labels
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l >= 0)
+        .map(|(t, _)| p[t][1])
+        .collect();
+    assert_eq!(probs.len(), 3);
+    assert!(
+        probs[1] < 0.5 && probs[0] > 0.5 && probs[2] > 0.5,
+        "{probs:?}"
+    );
+    let input = |c: &str| grpo_rewards::RewardInput::new("Problem 3:", c);
+    let text = format!("{}\n{}\n{}\n", steps[0], steps[1], steps[2]);
+    for (agg, want) in [
+        (
+            StepAggregation::Min,
+            probs.iter().copied().fold(1.0f32, f32::min),
+        ),
+        (StepAggregation::Last, probs[2]),
+        (StepAggregation::Mean, probs.iter().sum::<f32>() / 3.0),
+        (StepAggregation::Prod, probs.iter().product()),
+    ] {
+        let r = ProcessRewardModel::new(
+            clf.clone(),
+            ProcessRewardModelConfig {
+                aggregation: agg,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let out = r
+            .score(&[
+                input(&text),
+                input("step 0 is right\nstep 1 is right"),
+                input(""),
+            ])
+            .unwrap();
+        let got = out.scores[0].unwrap();
+        assert!((got - want).abs() < 1e-5, "{agg:?}: {got} vs {want}");
+        if agg == StepAggregation::Min {
+            assert!(out.scores[1].unwrap() > got, "{:?}", out.scores);
+        }
+        // No step: no score.
+        assert_eq!(out.scores[2], None);
+    }
+
+    // A GRPO run rewarded by it.
+    let p = root.join("grpo.toml");
+    std::fs::write(
+        &p,
+        format!(
+            "output_dir = \"{out}\"\n[model]\npath = \"{model}\"\n[data]\npath = [\"{data}\"]\n\
+             [rollout]\nnum_generations = 2\nmax_completion_length = 6\n[train]\nmax_steps = 2\n\
+             prompts_per_step = 2\n[[rewards]]\ntype = \"process_reward_model\"\npath = \"{ck}\"\n\
+             aggregation = \"mean\"\n",
+            out = root.join("grpo").display(),
+            model = root.join("model").display(),
+            data = root.join("steps.jsonl").display(),
+            ck = ck.display()
+        ),
+    )
+    .unwrap();
+    let r = run(
+        trainer::setup(config::load(&p, &[]).unwrap()).unwrap(),
+        &RunOptions::default(),
+    );
+    for m in &r.metrics {
+        let v = m["rewards/process_reward_model/mean"];
+        assert!((0.0..=1.0).contains(&v), "{m:?}");
+    }
 
     let whole = run(
         setup(root, "whole", "steps.jsonl", 4, ""),
@@ -439,6 +533,32 @@ fn what_a_prm_cannot_take_is_refused_in_one_line() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("token classifier"), "{e}");
+    // A `process_reward_model` reward needs a path to a token classifier.
+    for (reward, want) in [
+        ("", "needs `path`"),
+        (
+            &format!("path = \"{}\"", root.join("model").display()) as &str,
+            "not a token-classification checkpoint",
+        ),
+    ] {
+        std::fs::write(
+            &p,
+            config_text(
+                root,
+                "grpo",
+                "steps.jsonl",
+                1,
+                &format!("[[rewards]]\ntype = \"process_reward_model\"\n{reward}"),
+            )
+            .replace("algorithm = \"prm\"", ""),
+        )
+        .unwrap();
+        let e = match config::load(&p, &[]) {
+            Err(e) => format!("{e:#}"),
+            Ok(c) => trainer::setup(c).unwrap_err().to_string(),
+        };
+        assert!(e.contains(want), "{e}");
+    }
 }
 
 #[test]

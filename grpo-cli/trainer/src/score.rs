@@ -99,6 +99,25 @@ pub fn score_file(
             .map_err(|e| anyhow!("reward_model_path {}: {e}", rm.display()))?;
         models.classifier = Some(Arc::new(classifier));
     }
+    for r in &cfg.rewards {
+        if let RewardKind::ProcessRewardModel(c) = &r.kind
+            && let Some(path) = &c.path
+            && !models.step_classifiers.contains_key(path)
+        {
+            let device = cfg
+                .model
+                .device
+                .device()
+                .map_err(|e| anyhow!("model.device: {e}"))?;
+            let prm = grpo_rollout::scoring::TokenClassifierModel::load(
+                path,
+                cfg.model.dtype.dtype(),
+                &device,
+            )
+            .map_err(|e| anyhow!("process reward model: {e}"))?;
+            models.step_classifiers.insert(path.clone(), Arc::new(prm));
+        }
+    }
     let workers = grpo_rewards::python::PythonWorkers::new();
     let set = cfg
         .rewards_config()

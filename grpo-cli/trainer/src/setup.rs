@@ -85,6 +85,17 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
         .iter()
         .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
     let rm_path = cfg.reward_model_path.clone();
+    // Each `process_reward_model` reward's directory, loaded once.
+    let mut prm_paths: Vec<std::path::PathBuf> = used_rewards(&cfg)
+        .iter()
+        .filter_map(|r| match &r.kind {
+            RewardKind::ProcessRewardModel(c) => c.path.clone(),
+            _ => None,
+        })
+        .collect();
+    prm_paths.sort();
+    prm_paths.dedup();
+    let prm_dtype = cfg.compute_dtype();
     let rm_dtype = cfg
         .reward_model_dtype
         .map_or_else(|| cfg.compute_dtype(), |d| d.dtype());
@@ -103,6 +114,13 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
             let rm = grpo_rollout::scoring::ClassifierModel::load(&path, rm_dtype, &device)
                 .map_err(|e| anyhow!("reward model: {}", first_line(&e.to_string())))?;
             m.classifier = Some(Arc::new(rm));
+        }
+        // Process reward models: on the policy's device, in the compute dtype.
+        for path in &prm_paths {
+            let prm =
+                grpo_rollout::scoring::TokenClassifierModel::load(path, prm_dtype, model.device())
+                    .map_err(|e| anyhow!("process reward model: {}", first_line(&e.to_string())))?;
+            m.step_classifiers.insert(path.clone(), Arc::new(prm));
         }
         Ok(m)
     })

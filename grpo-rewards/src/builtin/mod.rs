@@ -1,7 +1,7 @@
 //! Built-in rewards: [`Accuracy`], [`Format`], [`Overlong`], TRL's reward functions
 //! ([`MathVerify`], [`ThinkFormat`], [`RepetitionPenalty`], [`CosineScaled`],
 //! [`ReasoningAccuracy`], on a native [`math_verify`]), and the
-//! model-based [`InverseLoss`], [`CoverageCe`], [`RewardModel`].
+//! model-based [`InverseLoss`], [`CoverageCe`], [`RewardModel`], [`ProcessRewardModel`].
 
 mod accuracy;
 mod format;
@@ -15,8 +15,9 @@ pub use accuracy::{
 };
 pub use format::{Format, FormatConfig};
 pub use model::{
-    CoverageCe, CoverageCeConfig, InverseLoss, InverseLossConfig, LanguageScorer, RewardModel,
-    RewardModelConfig, ScorerError, ScoringModel, SequenceClassifier,
+    CoverageCe, CoverageCeConfig, InverseLoss, InverseLossConfig, LanguageScorer,
+    ProcessRewardModel, ProcessRewardModelConfig, RewardModel, RewardModelConfig, ScorerError,
+    ScoringModel, SequenceClassifier, StepAggregation, StepClassifier,
 };
 pub use overlong::{Overlong, OverlongConfig, overlong_penalty};
 pub use trl::{

@@ -308,3 +308,159 @@ impl Reward for RewardModel {
         Ok(RewardOutput::from_scores(scores))
     }
 }
+
+/// A token-classification model with two labels (a process reward model, as `grpo-cli prm`
+/// trains one): the probability of the "correct" label at each position.
+///
+/// Implemented by the model crate.
+pub trait StepClassifier: Send + Sync {
+    /// Token ids of `text`, without special tokens (as the model was trained on its steps).
+    fn tokenize(&self, text: &str) -> Result<Vec<u32>, ScorerError>;
+    /// The id put before the prompt, when the tokenizer has one.
+    fn bos_token_id(&self) -> Option<u32>;
+    /// The id used for right padding.
+    fn pad_token_id(&self) -> u32;
+    /// For a right-padded batch `(B, T)` of ids, `P(label 1)` at every position `(B, T)`.
+    fn step_probabilities(&self, padded: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ScorerError>;
+}
+
+/// How [`ProcessRewardModel`] turns its steps' probabilities into one reward.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepAggregation {
+    /// The weakest step's (a solution is as good as its worst step; the default).
+    #[default]
+    Min,
+    /// The last step's.
+    Last,
+    /// The mean over the steps.
+    Mean,
+    /// The product (the probability that every step is correct, the steps taken apart).
+    Prod,
+}
+
+/// Config of [`ProcessRewardModel`] (`type = "process_reward_model"`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProcessRewardModelConfig {
+    /// The `*ForTokenClassification` directory (read by whoever builds the model: the trainer
+    /// loads it on the policy's device in its compute dtype).
+    pub path: Option<std::path::PathBuf>,
+    /// The completion is cut into steps at each separator, as the model was trained (default
+    /// `"\n"`); empty steps are skipped.
+    pub step_separator: String,
+    /// How the steps' probabilities make the reward (default `min`).
+    pub aggregation: StepAggregation,
+    /// Rows per forward pass. Default 8.
+    pub batch_size: usize,
+}
+
+impl Default for ProcessRewardModelConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            step_separator: "\n".into(),
+            aggregation: StepAggregation::Min,
+            batch_size: 8,
+        }
+    }
+}
+
+/// A process reward model as a reward: the completion cut into steps at
+/// `step_separator`, the row built as the model was trained (TRL's PRMTrainer `tokenize_row`:
+/// BOS, the prompt, each step followed by the separator, no special tokens), the probability
+/// that each step is correct read at its last token, aggregated. A completion without a step
+/// scores `None`.
+#[derive(Clone)]
+pub struct ProcessRewardModel {
+    model: Arc<dyn StepClassifier>,
+    config: ProcessRewardModelConfig,
+}
+
+impl std::fmt::Debug for ProcessRewardModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessRewardModel")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProcessRewardModel {
+    /// Scores with `model`.
+    pub fn new(model: Arc<dyn StepClassifier>, config: ProcessRewardModelConfig) -> Result<Self> {
+        if config.batch_size == 0 {
+            return Err(RewardError::config("batch_size", "must be > 0"));
+        }
+        if config.step_separator.is_empty() {
+            return Err(RewardError::config(
+                "step_separator",
+                "must not be empty (the completion is cut into steps at it)",
+            ));
+        }
+        Ok(Self { model, config })
+    }
+
+    /// The row of `prompt` + `steps` and the position of each step's last token.
+    fn row(&self, prompt: &str, steps: &[&str]) -> Result<(Vec<u32>, Vec<usize>), ScorerError> {
+        let sep = self.model.tokenize(&self.config.step_separator)?;
+        let mut ids: Vec<u32> = self.model.bos_token_id().into_iter().collect();
+        ids.extend(self.model.tokenize(prompt)?);
+        let mut ends = Vec::with_capacity(steps.len());
+        for s in steps {
+            ids.extend(self.model.tokenize(s)?);
+            ids.extend_from_slice(&sep);
+            ends.push(ids.len() - 1);
+        }
+        Ok((ids, ends))
+    }
+}
+
+impl Reward for ProcessRewardModel {
+    fn score(&self, batch: &[RewardInput]) -> Result<RewardOutput> {
+        let err = |e| scorer_err("process_reward_model", e);
+        let pad = self.model.pad_token_id();
+        let mut scores = Vec::with_capacity(batch.len());
+        for chunk in batch.chunks(self.config.batch_size) {
+            let mut rows = Vec::with_capacity(chunk.len());
+            let mut ends = Vec::with_capacity(chunk.len());
+            for x in chunk {
+                let steps: Vec<&str> = x
+                    .completion
+                    .split(self.config.step_separator.as_str())
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                let (ids, e) = self.row(&x.prompt, &steps).map_err(err)?;
+                rows.push(ids);
+                ends.push(e);
+            }
+            let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+            for r in &mut rows {
+                r.resize(width, pad);
+            }
+            let out = self.model.step_probabilities(&rows).map_err(err)?;
+            if out.len() != rows.len() {
+                return Err(RewardError::Scorer {
+                    reward: "process_reward_model".into(),
+                    message: format!(
+                        "step_probabilities gave {} rows for {}",
+                        out.len(),
+                        rows.len()
+                    ),
+                });
+            }
+            for (p, e) in out.iter().zip(&ends) {
+                let steps: Vec<f32> = e.iter().filter_map(|&j| p.get(j).copied()).collect();
+                scores.push(match steps.is_empty() {
+                    true => None,
+                    false => Some(match self.config.aggregation {
+                        StepAggregation::Min => steps.iter().copied().fold(f32::INFINITY, f32::min),
+                        StepAggregation::Last => steps[steps.len() - 1],
+                        StepAggregation::Mean => steps.iter().sum::<f32>() / steps.len() as f32,
+                        StepAggregation::Prod => steps.iter().product(),
+                    }),
+                });
+            }
+        }
+        Ok(RewardOutput::from_scores(scores))
+    }
+}

@@ -784,6 +784,34 @@ fn orpo_simpo_and_bco_configs_train_on_the_example_pairs() {
     }
 }
 
+/// `configs/prm.toml` trains a token classifier on the example step-wise rows, with its eval
+/// split.
+#[test]
+fn prm_config_trains_a_token_classifier_on_the_example_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = fixture(dir.path());
+    let data = configs_dir().join("data/prm_steps.jsonl");
+    let extra = ["train.eval_steps=2".to_string()];
+    let cfg = load_example("prm.toml", dir.path(), "run", (&model, &data), 2, &extra);
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Prm);
+    let s = trainer::setup(cfg).unwrap();
+    assert_eq!(s.policy.model.cfg.token_classification, Some(2));
+    let r = run_setup(s);
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(
+            m["loss"].is_finite() && (0.0..=1.0).contains(&m["accuracy"]),
+            "{m:?}"
+        );
+    }
+    let ck = r.best_checkpoint_path.unwrap().join("model");
+    assert!(
+        std::fs::read_to_string(ck.join("config.json"))
+            .unwrap()
+            .contains("ForTokenClassification")
+    );
+}
+
 /// `configs/online_dpo.toml` trains pairs of samples ranked by the accuracy reward.
 #[test]
 fn online_dpo_config_trains_on_ranked_pairs() {
