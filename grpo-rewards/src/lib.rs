@@ -15,8 +15,9 @@
 //!   functions (`math_verify` = `accuracy_reward`, `think_format`, `repetition_penalty`,
 //!   `cosine_scaled`, `reasoning_accuracy`) on a native port of math-verify
 //!   ([`builtin::math_verify`]), and, through the
-//!   small scoring traits [`builtin::LanguageScorer`] and [`builtin::SequenceClassifier`] that
-//!   the model crate implements, `inverse_loss`, `coverage_ce` and `reward_model`.
+//!   small scoring traits [`builtin::LanguageScorer`], [`builtin::SequenceClassifier`] and
+//!   [`builtin::StepClassifier`] that the model crate implements, `inverse_loss`, `coverage_ce`,
+//!   `reward_model` and `process_reward_model`.
 //! * **LLM judges** ([`judge`]): OpenAI-compatible chat completions through async-openai,
 //!   minijinja prompt templates, scores parsed from JSON or a regex, weighted ensembles and
 //!   escalation to a stronger judge, a persistent SQLite cache, rate limits, a concurrency cap,
