@@ -3,4 +3,5 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod command;
+mod process_reward_model;
 mod python;
