@@ -113,6 +113,9 @@ fn trl_row(
     (ids, lab)
 }
 
+/// The steps of row 5 of [`steps`].
+const ROW5: [&str; 3] = ["step 0 is wrong", "step 1 is right", "step 2 is wrong"];
+
 #[test]
 fn rows_are_tokenised_as_trls_tokenize_row() {
     let dir = fixture();
@@ -127,13 +130,7 @@ fn rows_are_tokenised_as_trls_tokenize_row() {
     assert_eq!(rows.len(), 24);
     // Row 5: three steps, labels false, true, false.
     let r = &rows[5];
-    let (ids, labels) = trl_row(
-        tok,
-        "Problem 5:",
-        &["step 0 is wrong", "step 1 is right", "step 2 is wrong"],
-        &[0, 1, 0],
-        "\n",
-    );
+    let (ids, labels) = trl_row(tok, "Problem 5:", &ROW5, &[0, 1, 0], "\n");
     assert_eq!(r.completion, ids);
     assert_eq!(r.labels, labels);
     assert_eq!(r.labels.iter().filter(|&&l| l >= 0).count(), 3);
@@ -141,13 +138,7 @@ fn rows_are_tokenised_as_trls_tokenize_row() {
 
     // The last step only while training; evaluation reads every step's label.
     let last = rows_of("[prm]\ntrain_on_last_step_only = true", "steps.jsonl");
-    let (_, want) = trl_row(
-        tok,
-        "Problem 5:",
-        &["step 0 is wrong", "step 1 is right", "step 2 is wrong"],
-        &[-100, -100, 0],
-        "\n",
-    );
+    let (_, want) = trl_row(tok, "Problem 5:", &ROW5, &[-100, -100, 0], "\n");
     assert_eq!(last[5].labels, want);
     let s = setup(
         root,
@@ -162,24 +153,12 @@ fn rows_are_tokenised_as_trls_tokenize_row() {
 
     // Another separator; the steps cut by max_completion_length, the whole by max_length.
     let sep = rows_of("[prm]\nstep_separator = \" | \"", "steps.jsonl");
-    let (ids, labels) = trl_row(
-        tok,
-        "Problem 5:",
-        &["step 0 is wrong", "step 1 is right", "step 2 is wrong"],
-        &[0, 1, 0],
-        " | ",
-    );
+    let (ids, labels) = trl_row(tok, "Problem 5:", &ROW5, &[0, 1, 0], " | ");
     assert_eq!(
         (sep[5].completion.clone(), sep[5].labels.clone()),
         (ids.clone(), labels.clone())
     );
-    let (plain_ids, plain_labels) = trl_row(
-        tok,
-        "Problem 5:",
-        &["step 0 is wrong", "step 1 is right", "step 2 is wrong"],
-        &[0, 1, 0],
-        "\n",
-    );
+    let (plain_ids, plain_labels) = trl_row(tok, "Problem 5:", &ROW5, &[0, 1, 0], "\n");
     let bos = usize::from(tok.bos_token.is_some());
     let prompt_len = bos + tok.encode("Problem 5:", false).unwrap().len();
     let first = tok.encode("step 0 is wrong", false).unwrap().len()

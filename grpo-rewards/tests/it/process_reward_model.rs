@@ -37,10 +37,12 @@ impl StepClassifier for Digits {
             .iter()
             .map(|r| {
                 (0..r.len())
-                    .map(|j| match r[..j].iter().rev().find(|t| (48..58).contains(*t)) {
-                        Some(t) => (t - 48) as f32 / 10.0,
-                        None => 0.5,
-                    })
+                    .map(
+                        |j| match r[..j].iter().rev().find(|t| (48..58).contains(*t)) {
+                            Some(t) => (t - 48) as f32 / 10.0,
+                            None => 0.5,
+                        },
+                    )
                     .collect()
             })
             .collect())
