@@ -1,7 +1,8 @@
 //! # grpo-trainer: the trainer as a library
 //!
-//! One job: train a policy with GRPO (or RLOO, online DPO, A*-PO, SDPO, SDFT, distillation, GKD, IW-OPD, SFT, DPO,
-//! KTO, ORPO, CPO, TPO, a reward model) from a typed config, on the CPU or CUDA,
+//! One job: train a policy with GRPO (or RLOO, online DPO, XPO, Nash-MD, A*-PO, SDPO, SDFT, SSD,
+//! distillation, GKD, IW-OPD, GOLD, MiniLLM, SFT, DPO, KTO, BCO, ORPO, CPO, TPO, a reward model, a
+//! process reward model) from a typed config, on the CPU or CUDA,
 //! writing a run directory (metrics, completions, checkpoints with exact resume). No command
 //! line, no server, no progress bar: the `grpo-cli` binary is a thin layer over this crate.
 //!
@@ -14,7 +15,7 @@
 //! | [`mod@setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
 //! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
-//! | [`learner`] | batch assembly, the GRPO loss, the optimizer step, metrics; SFT / DPO / KTO / ORPO / CPO / reward steps; distillation (and IW-OPD), self-distillation (SDPO, SDFT), BEMA |
+//! | [`learner`] | batch assembly, the GRPO loss (and MiniLLM's teacher terms), the optimizer step, metrics; SFT / DPO / KTO / BCO / ORPO / CPO / reward / PRM steps; distillation (and IW-OPD), self-distillation (SDPO, SDFT), BEMA |
 //! | [`events`] | metrics / completions logs, checkpoint writes, TensorBoard, progress: sinks on their own thread |
 //! | [`checkpoint`], [`run_dir`] | checkpoint files and resume; what a run directory may hold |
 //! | [`teacher`], [`remote`] | the two-pass teaching glue; LoRA sync to an OpenAI-compatible server |
