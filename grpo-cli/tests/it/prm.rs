@@ -293,7 +293,9 @@ fn a_prm_learns_to_label_steps_and_its_checkpoint_reads_back() {
     cfg.data.eval_fraction = Some(0.25);
     cfg.train.eval_steps = 15;
     cfg.train.save_steps = 30;
-    let r = run(trainer::setup(cfg).unwrap(), &RunOptions::default());
+    let s0 = trainer::setup(cfg.clone()).unwrap();
+    let held_out = all_rows(s0.eval.as_ref().unwrap());
+    let r = run(trainer::setup(cfg.clone()).unwrap(), &RunOptions::default());
     assert_eq!(r.total_steps, 30);
     let evals = eval_lines(&root.join("learn"));
     let acc: Vec<f64> = evals
@@ -315,6 +317,53 @@ fn a_prm_learns_to_label_steps_and_its_checkpoint_reads_back() {
     assert!(!w.contains_key("lm_head.weight"));
     let loaded = grpo_rollout::load(&ck, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(loaded.model.cfg.token_classification, Some(2));
+    // The last evaluation, recomputed with the checkpoint of the same step as transformers'
+    // evaluation loop forms it: each batch's mean token cross-entropy weighted by its rows,
+    // the accuracy over every labelled token of the split.
+    let (mut loss_sum, mut n_rows, mut right, mut labelled) = (0.0, 0.0, 0.0, 0.0);
+    for chunk in held_out.chunks(cfg.train.prompts_per_step) {
+        let rows = trainer::supervised::prm_rows(&s0.cfg, &s0.tokenizer, chunk, true).unwrap();
+        let (mut ce, mut lab) = (0.0, 0.0);
+        for row in &rows {
+            let z = loaded
+                .model
+                .token_logits(&[row.completion.as_slice()], 0)
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap();
+            let z: Vec<Vec<f64>> = z.to_vec2().unwrap();
+            for (t, &l) in row.labels.iter().enumerate() {
+                if l < 0 {
+                    continue;
+                }
+                let m = z[t][0].max(z[t][1]);
+                let lse = m + ((z[t][0] - m).exp() + (z[t][1] - m).exp()).ln();
+                ce -= z[t][l as usize] - lse;
+                lab += 1.0;
+                right += f64::from(u8::from(usize::from(z[t][1] > z[t][0]) == l as usize));
+            }
+        }
+        loss_sum += ce / lab * rows.len() as f64;
+        n_rows += rows.len() as f64;
+        labelled += lab;
+    }
+    let last = evals.last().unwrap();
+    let (el, ea) = (
+        last["eval/loss"].as_f64().unwrap(),
+        last["eval/accuracy"].as_f64().unwrap(),
+    );
+    assert!(
+        (el - loss_sum / n_rows).abs() < 1e-4 * el.max(1e-3),
+        "{el} vs {}",
+        loss_sum / n_rows
+    );
+    assert!(
+        (ea - right / labelled).abs() < 1e-9,
+        "{ea} vs {}",
+        right / labelled
+    );
     let tok = loaded.tokenizer.clone();
     let prm_model = loaded.model.clone();
     let e = loaded.causal().unwrap_err().to_string();

@@ -1814,7 +1814,12 @@ pub fn evaluate(
         ..Default::default()
     };
     let mut stream = grpo_data::SampleStream::new(eval.clone(), sc).map_err(|e| anyhow!("{e}"))?;
+    // Each batch's metrics weigh 1, but PRM's as transformers' evaluation loop weighs them: the
+    // loss by the batch's rows, the accuracy by its labelled tokens (TRL's `compute_accuracy`
+    // over the whole split).
+    let prm = setup.cfg.algorithm == Algorithm::Prm;
     let mut sums: Metrics = Metrics::new();
+    let mut weights: Metrics = Metrics::new();
     let mut batches = 0.0;
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("{e}"))? {
         let packing = setup.cfg.sft.eval_packing.unwrap_or(setup.cfg.sft.packing);
@@ -1827,14 +1832,28 @@ pub fn evaluate(
             continue;
         }
         let m = learner.supervised_step(&rows, dpo_ref, false)?;
+        let labelled = rows
+            .iter()
+            .map(|r| r.labels.iter().filter(|&&l| l >= 0).count() as f64)
+            .sum::<f64>();
         for (k, v) in m {
-            *sums.entry(k).or_insert(0.0) += v;
+            let w = match (prm, k.as_str()) {
+                (true, "accuracy") => labelled,
+                (true, _) => rows.len() as f64,
+                (false, _) => 1.0,
+            };
+            *sums.entry(k.clone()).or_insert(0.0) += v * w;
+            *weights.entry(k).or_insert(0.0) += w;
         }
         batches += 1.0;
     }
     let mut out = Metrics::new();
     for (k, v) in sums {
-        out.insert(format!("eval/{k}"), v / f64::max(batches, 1.0));
+        let w = match prm {
+            true => weights.get(&k).copied().unwrap_or(1.0),
+            false => batches,
+        };
+        out.insert(format!("eval/{k}"), v / f64::max(w, 1e-12));
     }
     if setup.cfg.algorithm == Algorithm::Sft
         && let Some(l) = out.get("eval/loss").copied()
