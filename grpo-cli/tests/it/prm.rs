@@ -460,6 +460,24 @@ fn a_prm_learns_to_label_steps_and_its_checkpoint_reads_back() {
         let v = m["rewards/process_reward_model/mean"];
         assert!((0.0..=1.0).contains(&v), "{m:?}");
     }
+    // `grpo-cli score`'s library call with the same reward (mean of the steps) on a file.
+    let rows = format!(
+        "{{\"prompt\": \"Problem 3:\", \"completion\": {}}}\n",
+        serde_json::json!(text)
+    );
+    std::fs::write(root.join("scored.jsonl"), rows).unwrap();
+    let scored = trainer::score::score_file(
+        &config::load(&p, &[]).unwrap(),
+        &root.join("scored.jsonl"),
+        "completion",
+        8,
+    )
+    .unwrap();
+    let got = scored.rows[0]["rewards"]["process_reward_model"]
+        .as_f64()
+        .unwrap();
+    let mean = f64::from(probs.iter().sum::<f32>() / 3.0);
+    assert!((got - mean).abs() < 1e-5, "{got} vs {mean}");
 
     let whole = run(
         setup(root, "whole", "steps.jsonl", 4, ""),
