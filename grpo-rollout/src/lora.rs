@@ -2424,11 +2424,19 @@ pub fn load_peft(model: &mut Transformer, dir: &Path) -> Result<LoraConfig> {
     if model.lm_head.is_none() {
         loaded.remove(TIED_HEAD_TOKENS_KEY);
     }
-    // An adapter that carries a `score` head (a reward model, `task_type = "SEQ_CLS"`) makes a
-    // causal base a sequence classifier, whose head the file then sets.
+    // An adapter that carries a `score` head makes a causal base a classifier, whose head the
+    // file then sets: a sequence classifier (a reward model, `task_type = "SEQ_CLS"`), or with
+    // the head's bias a token classifier of as many labels as the head has rows (a process
+    // reward model, `"TOKEN_CLS"`).
     let score_keys = [SCORE_KEY, "base_model.model.score.default.weight"];
-    if model.score.is_none() && score_keys.iter().any(|k| loaded.contains_key(*k)) {
-        *model = model.clone().into_sequence_classifier(0)?;
+    let bias_keys = [SCORE_BIAS_KEY, "base_model.model.score.default.bias"];
+    if model.score.is_none()
+        && let Some(w) = score_keys.iter().find_map(|k| loaded.get(*k))
+    {
+        *model = match bias_keys.iter().any(|k| loaded.contains_key(*k)) {
+            true => model.clone().into_token_classifier(w.dim(0)?, 0)?,
+            false => model.clone().into_sequence_classifier(0)?,
+        };
     }
     attach(model, &cfg, 0)
         .map_err(|e| candle_core::Error::msg(format!("{}: {e}", path.display())))?;

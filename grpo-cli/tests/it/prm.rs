@@ -520,6 +520,47 @@ fn lora_trains_the_adapters_and_the_whole_head() {
     // Trained: no longer the fresh head's zeros.
     let b: Vec<f32> = bias.to_vec1().unwrap();
     assert!(b.iter().any(|&x| x != 0.0), "{b:?}");
+    // Exported merged: a token classifier with the trained head, whose logits are the
+    // adapted model's.
+    let ck = ad.parent().unwrap();
+    let out = root.join("merged");
+    common::grpo_cli_ok(&[
+        "export",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--format",
+        "merged",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let merged = grpo_rollout::load(&out, DType::F32, &Device::Cpu)
+        .unwrap()
+        .model;
+    assert_eq!(merged.cfg.token_classification, Some(2));
+    let mb: Vec<f32> = merged.score_bias.as_ref().unwrap().to_vec1().unwrap();
+    for (x, y) in mb.iter().zip(&b) {
+        assert!((x - y).abs() < 1e-6, "{mb:?} vs {b:?}");
+    }
+    let s = setup(root, "probe", "steps.jsonl", 1, "");
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &all_rows(&s.train)[..2]).unwrap();
+    let mut adapted = grpo_rollout::load(&root.join("model"), DType::F32, &Device::Cpu)
+        .unwrap()
+        .model;
+    grpo_rollout::lora::load_peft(&mut adapted, &ad).unwrap();
+    assert_eq!(adapted.cfg.token_classification, Some(2));
+    for r in &rows {
+        let a = adapted.token_logits(&[r.completion.as_slice()], 0).unwrap();
+        let m = merged.token_logits(&[r.completion.as_slice()], 0).unwrap();
+        let d: f32 = (a - m)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        assert!(d < 1e-4, "{d}");
+    }
 }
 
 #[test]
