@@ -444,7 +444,7 @@ fn a_prm_learns_to_label_steps_and_its_checkpoint_reads_back() {
             "output_dir = \"{out}\"\n[model]\npath = \"{model}\"\n[data]\npath = [\"{data}\"]\n\
              [rollout]\nnum_generations = 2\nmax_completion_length = 6\n[train]\nmax_steps = 2\n\
              prompts_per_step = 2\n[[rewards]]\ntype = \"process_reward_model\"\npath = \"{ck}\"\n\
-             aggregation = \"mean\"\n",
+             aggregation = \"mean\"\ndevice = \"cpu\"\ndtype = \"f32\"\n",
             out = root.join("grpo").display(),
             model = root.join("model").display(),
             data = root.join("steps.jsonl").display(),
@@ -626,6 +626,20 @@ fn what_a_prm_cannot_take_is_refused_in_one_line() {
         (
             &format!("path = \"{}\"", root.join("model").display()) as &str,
             "not a token-classification checkpoint",
+        ),
+        (
+            &format!(
+                "path = \"{}\"\ndevice = \"tpu\"",
+                root.join("model").display()
+            ) as &str,
+            "rewards[0].device",
+        ),
+        (
+            &format!(
+                "path = \"{}\"\ndtype = \"f8\"",
+                root.join("model").display()
+            ) as &str,
+            "rewards[0].dtype",
         ),
     ] {
         std::fs::write(

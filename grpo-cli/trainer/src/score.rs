@@ -104,17 +104,24 @@ pub fn score_file(
             && let Some(path) = &c.path
             && !models.step_classifiers.contains_key(path)
         {
-            let device = cfg
-                .model
-                .device
+            let spec = match c.device.as_deref() {
+                Some(d) => d
+                    .parse::<grpo_rollout::DeviceSpec>()
+                    .map_err(|e| anyhow!("rewards: device: {e}"))?,
+                None => cfg.model.device,
+            };
+            let device = spec
                 .device()
-                .map_err(|e| anyhow!("model.device: {e}"))?;
-            let prm = grpo_rollout::scoring::TokenClassifierModel::load(
-                path,
-                cfg.model.dtype.dtype(),
-                &device,
-            )
-            .map_err(|e| anyhow!("process reward model: {e}"))?;
+                .map_err(|e| anyhow!("device {d}: {e}", d = spec))?;
+            let dtype = match c.dtype.as_deref() {
+                Some(d) => d
+                    .parse::<grpo_rollout::Dtype>()
+                    .map_err(|e| anyhow!("rewards: dtype: {e}"))?
+                    .dtype(),
+                None => cfg.model.dtype.dtype(),
+            };
+            let prm = grpo_rollout::scoring::TokenClassifierModel::load(path, dtype, &device)
+                .map_err(|e| anyhow!("process reward model: {e}"))?;
             models.step_classifiers.insert(path.clone(), Arc::new(prm));
         }
     }

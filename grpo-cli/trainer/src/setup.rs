@@ -85,17 +85,36 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
         .iter()
         .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
     let rm_path = cfg.reward_model_path.clone();
-    // Each `process_reward_model` reward's directory, loaded once.
-    let mut prm_paths: Vec<std::path::PathBuf> = used_rewards(&cfg)
-        .iter()
-        .filter_map(|r| match &r.kind {
-            RewardKind::ProcessRewardModel(c) => c.path.clone(),
-            _ => None,
-        })
-        .collect();
-    prm_paths.sort();
-    prm_paths.dedup();
-    let prm_dtype = cfg.compute_dtype();
+    // Each `process_reward_model` reward's directory, loaded once (on its `device`, in its
+    // `dtype`; absent: the policy's device and compute dtype).
+    type Prm = (
+        std::path::PathBuf,
+        Option<grpo_rollout::DeviceSpec>,
+        candle_core::DType,
+    );
+    let mut prms: Vec<Prm> = Vec::new();
+    for (i, r) in used_rewards(&cfg).iter().enumerate() {
+        let RewardKind::ProcessRewardModel(c) = &r.kind else {
+            continue;
+        };
+        let Some(path) = c.path.clone() else { continue };
+        let device = c
+            .device
+            .as_deref()
+            .map(str::parse::<grpo_rollout::DeviceSpec>)
+            .transpose()
+            .map_err(|e| anyhow!("config: rewards[{i}].device: {e}"))?;
+        let dtype = match c.dtype.as_deref() {
+            Some(d) => d
+                .parse::<grpo_rollout::Dtype>()
+                .map_err(|e| anyhow!("config: rewards[{i}].dtype: {e}"))?
+                .dtype(),
+            None => cfg.compute_dtype(),
+        };
+        if !prms.iter().any(|(p, _, _)| *p == path) {
+            prms.push((path, device, dtype));
+        }
+    }
     let rm_dtype = cfg
         .reward_model_dtype
         .map_or_else(|| cfg.compute_dtype(), |d| d.dtype());
@@ -116,10 +135,10 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
             m.classifier = Some(Arc::new(rm));
         }
         // Process reward models: on the policy's device, in the compute dtype.
-        for path in &prm_paths {
-            let prm =
-                grpo_rollout::scoring::TokenClassifierModel::load(path, prm_dtype, model.device())
-                    .map_err(|e| anyhow!("process reward model: {}", first_line(&e.to_string())))?;
+        for (path, spec, dtype) in &prms {
+            let device = side_device(*spec, model_spec, model.device(), "rewards.device")?;
+            let prm = grpo_rollout::scoring::TokenClassifierModel::load(path, *dtype, &device)
+                .map_err(|e| anyhow!("process reward model: {}", first_line(&e.to_string())))?;
             m.step_classifiers.insert(path.clone(), Arc::new(prm));
         }
         Ok(m)

@@ -343,9 +343,12 @@ pub enum StepAggregation {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ProcessRewardModelConfig {
-    /// The `*ForTokenClassification` directory (read by whoever builds the model: the trainer
-    /// loads it on the policy's device in its compute dtype).
+    /// The `*ForTokenClassification` directory (read by whoever builds the model).
     pub path: Option<std::path::PathBuf>,
+    /// Where the trainer runs it (`cpu`, `cuda`, `cuda:N`); absent: the policy's device.
+    pub device: Option<String>,
+    /// The trainer's dtype for it (`f32`, `bf16`, `f16`); absent: the policy's compute dtype.
+    pub dtype: Option<String>,
     /// The completion is cut into steps at each separator, as the model was trained (default
     /// `"\n"`); empty steps are skipped.
     pub step_separator: String,
@@ -359,6 +362,8 @@ impl Default for ProcessRewardModelConfig {
     fn default() -> Self {
         Self {
             path: None,
+            device: None,
+            dtype: None,
             step_separator: "\n".into(),
             aggregation: StepAggregation::Min,
             batch_size: 8,
