@@ -548,3 +548,32 @@ fn the_minillm_subcommand() {
     let metrics = std::fs::read_to_string(f.root.join("cli/metrics.jsonl")).unwrap();
     assert!(metrics.contains("minillm/single_step_kl"), "{metrics}");
 }
+
+/// A student taught by itself: the reverse-KL advantages and the single-step term are 0, so the
+/// first step is GRPO's own (same samples, loss and gradient norm).
+#[test]
+fn a_student_taught_by_itself_takes_grpos_first_step() {
+    let f = fixture();
+    // A reward that varies between samples: advantages that are not all 0.
+    let extra = "[[rewards]]\ntype = \"format\"\npattern = '(?s).*[0-9].*'\n";
+    let mut mini = load(&f.root, "self", 1, extra);
+    mini.distillation.teacher_model_name_or_path = Some(f.root.join("student"));
+    mini.rollout.num_generations = 4;
+    mini.train.prompts_per_step = 8;
+    mini.train.per_device_train_batch_size = Some(8);
+    let mut grpo = mini.clone();
+    grpo.algorithm = grpo_trainer::Algorithm::Grpo;
+    grpo.output_dir = f.root.join("grpo");
+    let a = run(mini, RunOptions::default()).metrics.remove(0);
+    let b = run(grpo, RunOptions::default()).metrics.remove(0);
+    assert!(a["minillm/single_step_kl"].abs() < 1e-7, "{a:?}");
+    assert!(b["grad_norm"] > 0.0 && b["loss"] != 0.0, "{b:?}");
+    for k in ["loss", "grad_norm", "reward"] {
+        assert!(
+            (a[k] - b[k]).abs() <= 1e-6 * b[k].abs().max(1.0),
+            "{k}: {} vs {}",
+            a[k],
+            b[k]
+        );
+    }
+}
