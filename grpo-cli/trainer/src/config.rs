@@ -3825,8 +3825,12 @@ impl TrainConfig {
     fn check_minillm(&self) -> std::result::Result<(), String> {
         let d = &self.distillation;
         if d.teacher_server.is_some() {
-            return Err("MiniLLM reads the teacher's whole next-token distribution:                         `[distillation.teacher_server]` gives its top tokens only; name a local                         `distillation.teacher_model_name_or_path`"
-                .into());
+            return Err(
+                "MiniLLM reads the teacher's whole next-token distribution: \
+                        `[distillation.teacher_server]` gives its top tokens only; name a local \
+                        `distillation.teacher_model_name_or_path`"
+                    .into(),
+            );
         }
         if d.teacher_model_name_or_path.is_none() {
             return Err(
