@@ -3598,10 +3598,26 @@ impl Transformer {
                 "token_logits: the model has no token classification head (*ForTokenClassification)"
             )
         };
+        let (h, b, t) = self.right_padded_hidden(rows, pad, "token_logits")?;
+        let z =
+            crate::fused::matmul(&h.to_dtype(score.dtype())?, &score.t()?)?.broadcast_add(bias)?;
+        z.reshape((b, t, score.dim(0)?))
+    }
+
+    /// The hidden states `(B·T, H)` of `rows` right-padded with `pad` to the longest, `B` and
+    /// `T`. Right padding is never attended by the real tokens (causal): every position is
+    /// real, position ids 0..T, as transformers' are for right-padded rows. `what` names the
+    /// caller in the error for an empty batch.
+    fn right_padded_hidden(
+        &self,
+        rows: &[&[u32]],
+        pad: u32,
+        what: &str,
+    ) -> Result<(Tensor, usize, usize)> {
         let b = rows.len();
         let t = rows.iter().map(|r| r.len()).max().unwrap_or(0);
         if b == 0 || t == 0 {
-            bail!("token_logits: {b} rows of at most {t} tokens");
+            bail!("{what}: {b} rows of at most {t} tokens");
         }
         let mut ids = Vec::with_capacity(b * t);
         for r in rows {
@@ -3614,9 +3630,7 @@ impl Transformer {
         let h = self
             .forward_padded(&input, &mask)?
             .reshape((b * t, self.cfg.hidden_size))?;
-        let z =
-            crate::fused::matmul(&h.to_dtype(score.dtype())?, &score.t()?)?.broadcast_add(bias)?;
-        z.reshape((b, t, score.dim(0)?))
+        Ok((h, b, t))
     }
 
     /// A sequence classifier's scores `(B,)` of `rows` (token ids, right-padded here with
@@ -3629,31 +3643,19 @@ impl Transformer {
         if self.score.is_none() || self.score_bias.is_some() {
             bail!("sequence_scores: the model has no score head (it is not a sequence classifier)")
         }
-        let b = rows.len();
-        let t = rows.iter().map(|r| r.len()).max().unwrap_or(0);
-        if b == 0 || t == 0 {
-            bail!("sequence_scores: {b} rows of at most {t} tokens");
-        }
-        let mut ids = Vec::with_capacity(b * t);
-        let mut at = Vec::with_capacity(b);
-        for (i, r) in rows.iter().enumerate() {
-            ids.extend_from_slice(r);
-            ids.extend(std::iter::repeat_n(pad.unwrap_or(0), t - r.len()));
-            let last = match pad {
-                Some(p) => r.iter().rposition(|&x| x != p).unwrap_or(0),
-                None => r.len().saturating_sub(1),
-            };
-            at.push((i * t + last) as u32);
-        }
-        let dev = self.device();
-        let input = Tensor::from_vec(ids, (b, t), dev)?;
-        // Right padding is never attended by the real tokens (causal): every position is real,
-        // position ids 0..T, as transformers' are for right-padded rows.
-        let mask = Tensor::ones((b, t), DType::U32, dev)?;
-        let h = self
-            .forward_padded(&input, &mask)?
-            .reshape((b * t, self.cfg.hidden_size))?;
-        self.score_rows(&h.index_select(&Tensor::from_vec(at, b, dev)?, 0)?)
+        let (h, b, t) = self.right_padded_hidden(rows, pad.unwrap_or(0), "sequence_scores")?;
+        let at: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let last = match pad {
+                    Some(p) => r.iter().rposition(|&x| x != p).unwrap_or(0),
+                    None => r.len().saturating_sub(1),
+                };
+                (i * t + last) as u32
+            })
+            .collect();
+        self.score_rows(&h.index_select(&Tensor::from_vec(at, b, self.device())?, 0)?)
     }
 
     /// A sequence classifier's `score` head over hidden rows `(N, H)`: `(N,)`, with the graph.

@@ -99,31 +99,22 @@ pub fn score_file(
             .map_err(|e| anyhow!("reward_model_path {}: {e}", rm.display()))?;
         models.classifier = Some(Arc::new(classifier));
     }
-    for r in &cfg.rewards {
-        if let RewardKind::ProcessRewardModel(c) = &r.kind
-            && let Some(path) = &c.path
-            && !models.step_classifiers.contains_key(path)
-        {
-            let spec = match c.device.as_deref() {
-                Some(d) => d
-                    .parse::<grpo_rollout::DeviceSpec>()
-                    .map_err(|e| anyhow!("rewards: device: {e}"))?,
-                None => cfg.model.device,
-            };
-            let device = spec
-                .device()
-                .map_err(|e| anyhow!("device {d}: {e}", d = spec))?;
-            let dtype = match c.dtype.as_deref() {
-                Some(d) => d
-                    .parse::<grpo_rollout::Dtype>()
-                    .map_err(|e| anyhow!("rewards: dtype: {e}"))?
-                    .dtype(),
-                None => cfg.model.dtype.dtype(),
-            };
-            let prm = grpo_rollout::scoring::TokenClassifierModel::load(path, dtype, &device)
-                .map_err(|e| anyhow!("process reward model: {e}"))?;
-            models.step_classifiers.insert(path.clone(), Arc::new(prm));
-        }
+    if cfg
+        .rewards
+        .iter()
+        .any(|r| matches!(r.kind, RewardKind::ProcessRewardModel(_)))
+    {
+        let device = cfg
+            .model
+            .device
+            .device()
+            .map_err(|e| anyhow!("model.device: {e}"))?;
+        models.step_classifiers = crate::setup::process_reward_models(
+            &cfg.rewards,
+            cfg.model.device,
+            &device,
+            cfg.model.dtype.dtype(),
+        )?;
     }
     let workers = grpo_rewards::python::PythonWorkers::new();
     let set = cfg

@@ -2,6 +2,7 @@
 //! (policy, reference, decoding copies share the frozen weights), tokenizer, data, rewards,
 //! the teaching protocol and the rollout server.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -85,36 +86,8 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
         .iter()
         .any(|r| matches!(r.kind, RewardKind::RewardModel(_)));
     let rm_path = cfg.reward_model_path.clone();
-    // Each `process_reward_model` reward's directory, loaded once (on its `device`, in its
-    // `dtype`; absent: the policy's device and compute dtype).
-    type Prm = (
-        std::path::PathBuf,
-        Option<grpo_rollout::DeviceSpec>,
-        candle_core::DType,
-    );
-    let mut prms: Vec<Prm> = Vec::new();
-    for (i, r) in used_rewards(&cfg).iter().enumerate() {
-        let RewardKind::ProcessRewardModel(c) = &r.kind else {
-            continue;
-        };
-        let Some(path) = c.path.clone() else { continue };
-        let device = c
-            .device
-            .as_deref()
-            .map(str::parse::<grpo_rollout::DeviceSpec>)
-            .transpose()
-            .map_err(|e| anyhow!("config: rewards[{i}].device: {e}"))?;
-        let dtype = match c.dtype.as_deref() {
-            Some(d) => d
-                .parse::<grpo_rollout::Dtype>()
-                .map_err(|e| anyhow!("config: rewards[{i}].dtype: {e}"))?
-                .dtype(),
-            None => cfg.compute_dtype(),
-        };
-        if !prms.iter().any(|(p, _, _)| *p == path) {
-            prms.push((path, device, dtype));
-        }
-    }
+    let rewards = used_rewards(&cfg).to_vec();
+    let compute_dtype = cfg.compute_dtype();
     let rm_dtype = cfg
         .reward_model_dtype
         .map_or_else(|| cfg.compute_dtype(), |d| d.dtype());
@@ -134,15 +107,49 @@ pub fn setup(cfg: TrainConfig) -> Result<Setup> {
                 .map_err(|e| anyhow!("reward model: {}", first_line(&e.to_string())))?;
             m.classifier = Some(Arc::new(rm));
         }
-        // Process reward models: on the policy's device, in the compute dtype.
-        for (path, spec, dtype) in &prms {
-            let device = side_device(*spec, model_spec, model.device(), "rewards.device")?;
-            let prm = grpo_rollout::scoring::TokenClassifierModel::load(path, *dtype, &device)
-                .map_err(|e| anyhow!("process reward model: {}", first_line(&e.to_string())))?;
-            m.step_classifiers.insert(path.clone(), Arc::new(prm));
-        }
+        m.step_classifiers =
+            process_reward_models(&rewards, model_spec, model.device(), compute_dtype)?;
         Ok(m)
     })
+}
+
+/// The token classifiers the `process_reward_model` rewards among `rewards` name, each
+/// directory loaded once: on the reward's `device` (absent: `model_spec`'s, `model`), in its
+/// `dtype` (absent: `default_dtype`).
+pub(crate) fn process_reward_models(
+    rewards: &[grpo_rewards::RewardSpec],
+    model_spec: grpo_rollout::DeviceSpec,
+    model: &Device,
+    default_dtype: candle_core::DType,
+) -> Result<HashMap<std::path::PathBuf, Arc<dyn grpo_rewards::builtin::StepClassifier>>> {
+    let mut out: HashMap<_, Arc<dyn grpo_rewards::builtin::StepClassifier>> = HashMap::new();
+    for (i, r) in rewards.iter().enumerate() {
+        let grpo_rewards::RewardKind::ProcessRewardModel(c) = &r.kind else {
+            continue;
+        };
+        let Some(path) = &c.path else { continue };
+        if out.contains_key(path) {
+            continue;
+        }
+        let spec = c
+            .device
+            .as_deref()
+            .map(str::parse::<grpo_rollout::DeviceSpec>)
+            .transpose()
+            .map_err(|e| anyhow!("config: rewards[{i}].device: {e}"))?;
+        let dtype = match c.dtype.as_deref() {
+            Some(d) => d
+                .parse::<grpo_rollout::Dtype>()
+                .map_err(|e| anyhow!("config: rewards[{i}].dtype: {e}"))?
+                .dtype(),
+            None => default_dtype,
+        };
+        let device = side_device(spec, model_spec, model, &format!("rewards[{i}].device"))?;
+        let prm = grpo_rollout::scoring::TokenClassifierModel::load(path, dtype, &device)
+            .map_err(|e| anyhow!("process reward model: {}", first_line(&e.to_string())))?;
+        out.insert(path.clone(), Arc::new(prm));
+    }
+    Ok(out)
 }
 
 /// Whether an `inverse_loss` reward scores with the policy (`model = "policy"`).

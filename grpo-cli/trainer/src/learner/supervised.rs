@@ -445,6 +445,13 @@ pub fn prm_rows(
     Ok(out)
 }
 
+/// PRM: the labelled tokens of `rows` (their labels that are not -100).
+fn labelled_tokens(rows: &[Row]) -> f64 {
+    rows.iter()
+        .map(|r| r.labels.iter().filter(|&&l| l >= 0).count() as f64)
+        .sum()
+}
+
 /// A PRM row's step labels: a list of booleans or of 0 / 1 (JSONL arrays and Arrow lists reach
 /// here as their JSON text), or of the strings "true" / "false".
 fn step_labels(v: Option<&grpo_data::Value>) -> std::result::Result<Vec<bool>, String> {
@@ -1344,10 +1351,7 @@ impl Learner {
         let reward = self.cfg.algorithm == Algorithm::Reward;
         let prm = self.cfg.algorithm == Algorithm::Prm;
         // PRM: the step's labelled tokens (transformers' `num_items_in_batch`).
-        let labelled: f64 = rows
-            .iter()
-            .map(|r| r.labels.iter().filter(|&&l| l >= 0).count() as f64)
-            .sum();
+        let labelled = labelled_tokens(rows);
         let pairs = self.cfg.algorithm.reference_free_pairs();
         // KTO's metrics over the step's rows: Σ rewards and log-probs and counts of desirable,
         // then undesirable rows, and the KL estimate weighted by micro-batch share.
@@ -1832,10 +1836,7 @@ pub fn evaluate(
             continue;
         }
         let m = learner.supervised_step(&rows, dpo_ref, false)?;
-        let labelled = rows
-            .iter()
-            .map(|r| r.labels.iter().filter(|&&l| l >= 0).count() as f64)
-            .sum::<f64>();
+        let labelled = labelled_tokens(&rows);
         for (k, v) in m {
             let w = match (prm, k.as_str()) {
                 (true, "accuracy") => labelled,
