@@ -17,6 +17,8 @@
 //!   CPO's) and the reward model's Bradley-Terry loss, with TRL's metrics;
 //!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD);
 //!   [`uld`] GOLD's universal logit distillation for a teacher with another tokenizer.
+//! * [`ppo`] is PPO with a value model (TRL's experimental `PPOTrainer`): per-token rewards,
+//!   GAE and whitening on plain slices, the clipped policy and value losses on tensors.
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
 //!   and the gradient sink of gradient checkpointing; [`selfcheck`] runs each CUDA kernel set
@@ -82,6 +84,7 @@ pub mod logprobs;
 pub mod loss;
 #[cfg(feature = "candle")]
 pub mod memlog;
+pub mod ppo;
 #[cfg(feature = "candle")]
 pub mod preference;
 #[cfg(feature = "candle")]

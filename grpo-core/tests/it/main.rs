@@ -8,6 +8,7 @@ mod gmpo;
 mod loss_variants;
 mod minillm;
 mod orpo_cpo;
+mod ppo;
 mod preference;
 mod properties;
 mod reference;
