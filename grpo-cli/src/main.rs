@@ -122,6 +122,9 @@ enum Command {
     /// A process reward model (the config's `[prm]`, TRL's PRMTrainer): a token classifier
     /// learns to label each step of a completion correct or not.
     Prm(train_cmd::TrainArgs),
+    /// PPO (the config's `[ppo]`, TRL's PPOTrainer): the policy and a value model trained
+    /// together, GAE advantages from the rewards' score and a KL penalty to the reference.
+    Ppo(train_cmd::TrainArgs),
     /// REINFORCE leave-one-out (the config's `[rloo]`): GRPO's pipeline with RLOO's objective.
     Rloo(train_cmd::TrainArgs),
     /// Reward-model training (the config's `[reward]`, TRL's RewardTrainer): a sequence
@@ -175,6 +178,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Some(Command::Ssd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("ssd"))?)),
         Some(Command::Minillm(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("minillm"))?)),
         Some(Command::Prm(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("prm"))?)),
+        Some(Command::Ppo(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("ppo"))?)),
         Some(Command::IwOpd(a)) => Ok(ExitCode::from(train_cmd::train_as(a, Some("iw_opd"))?)),
         Some(Command::OnlineDpo(a)) => {
             Ok(ExitCode::from(train_cmd::train_as(a, Some("online_dpo"))?))
@@ -276,6 +280,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
             | Command::Ssd(_)
             | Command::Minillm(_)
             | Command::Prm(_)
+            | Command::Ppo(_)
             | Command::Rloo(_)
             | Command::Reward(_)
             | Command::Distillation(_)

@@ -2977,19 +2977,29 @@ impl Transformer {
 
     /// `loss.backward()`, plus the weight gradients that checkpointed layers formed during it.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
-        let grads = loss.backward();
-        match self.layer_blocks.as_ref().map(|b| &b.sink) {
-            Some(sink) => match grads {
-                Ok(mut g) => {
+        Self::backward_through(loss, &[self])
+    }
+
+    /// [`Self::backward`] of a loss whose graph runs through several models (PPO's policy and
+    /// value model): `loss.backward()`, plus the weight gradients each model's checkpointed
+    /// layers formed during it.
+    pub fn backward_through(loss: &Tensor, models: &[&Self]) -> Result<GradStore> {
+        let sinks = models
+            .iter()
+            .filter_map(|m| m.layer_blocks.as_ref().map(|b| &b.sink));
+        match loss.backward() {
+            Ok(mut g) => {
+                for sink in sinks {
                     sink.drain_into(&mut g)?;
-                    Ok(g)
                 }
-                Err(e) => {
+                Ok(g)
+            }
+            Err(e) => {
+                for sink in sinks {
                     sink.clear();
-                    Err(e)
                 }
-            },
-            None => grads,
+                Err(e)
+            }
         }
     }
 
@@ -3656,6 +3666,19 @@ impl Transformer {
             })
             .collect();
         self.score_rows(&h.index_select(&Tensor::from_vec(at, b, self.device())?, 0)?)
+    }
+
+    /// A sequence classifier's scores `(B, T)` at every position of `rows` (token ids,
+    /// right-padded here with `pad` to the longest): the `score` head on each position's
+    /// hidden state, with the graph. PPO's value model reads its estimate of each state there
+    /// (TRL's `value_model.score(hidden_states[-1])`). Positions past a row's end hold padding's
+    /// scores.
+    pub fn position_scores(&self, rows: &[&[u32]], pad: u32) -> Result<Tensor> {
+        if self.score.is_none() || self.score_bias.is_some() {
+            bail!("position_scores: the model has no score head (it is not a sequence classifier)")
+        }
+        let (h, b, t) = self.right_padded_hidden(rows, pad, "position_scores")?;
+        self.score_rows(&h)?.reshape((b, t))
     }
 
     /// A sequence classifier's `score` head over hidden rows `(N, H)`: `(N,)`, with the graph.

@@ -17,6 +17,7 @@ mod iw_opd;
 mod merge;
 mod minillm;
 mod online_dpo;
+mod ppo;
 mod prm;
 mod replay;
 mod reward_model;

@@ -41,6 +41,8 @@ pub struct CheckpointJob {
     pub teacher: Option<HashMap<String, Tensor>>,
     /// `[bema]`'s state.
     pub bema: Option<HashMap<String, Tensor>>,
+    /// PPO's value model (its weights copied) and its AdamW state.
+    pub value: Option<(Transformer, HashMap<String, Tensor>)>,
     /// `loss.replay_buffer_size`'s buffer (`replay_buffer.json`).
     pub replay: Option<crate::stages::replay::ReplayBuffer>,
     /// `trainer_state.json`.
@@ -101,6 +103,11 @@ impl CheckpointJob {
         }
         if let Some(b) = &self.replay {
             b.save(&tmp)?;
+        }
+        if let Some((model, opt)) = &self.value {
+            let dir = tmp.join(crate::learner::ppo::VALUE_DIR);
+            grpo_rollout::save_hf_dir(model, &self.tokenizer, &dir, model.dtype())?;
+            crate::optim::save_state(opt, &tmp.join(crate::learner::ppo::VALUE_OPT_FILE))?;
         }
         std::fs::write(
             tmp.join(STATE_FILE),
@@ -197,6 +204,10 @@ impl Learner {
             reference,
             teacher: self.sdpo_teacher_state(),
             bema: self.bema.as_ref().map(crate::learner::bema::Bema::state),
+            value: match &self.critic {
+                Some(c) => Some((c.model.model.snapshot_trainable()?, c.opt.state()?)),
+                None => None,
+            },
             replay: self.replay_buffer.clone(),
             state: self.state.clone(),
             config: self.cfg.redacted_json(),
@@ -291,6 +302,9 @@ impl Learner {
             let map = candle_core::safetensors::load(&p, &self.device)
                 .with_context(|| format!("{}: cannot read SDPO's EMA teacher", p.display()))?;
             self.restore_sdpo_teacher(map)?;
+        }
+        if let Some(c) = self.critic.as_mut() {
+            c.restore(dir)?;
         }
         let size = self.cfg.loss.replay_buffer_size;
         // A checkpoint of a run without replay: the buffer starts empty.

@@ -116,11 +116,16 @@ pub enum Algorithm {
     /// trained on step-wise supervision — each reasoning step of a completion labelled correct
     /// or not, the label read at the step's last token (`[prm]`).
     Prm,
+    /// Proximal policy optimisation with a learned value model (TRL's experimental
+    /// PPOTrainer): the rewards' score after each completion and a per-token KL penalty to the
+    /// reference, generalized advantage estimation against the value model, then
+    /// `num_ppo_epochs` passes of the clipped policy and value losses (`[ppo]`).
+    Ppo,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 23] = [
+    pub const ALL: [Algorithm; 24] = [
         Algorithm::Grpo,
         Algorithm::Sft,
         Algorithm::Dpo,
@@ -144,6 +149,7 @@ impl Algorithm {
         Algorithm::Bco,
         Algorithm::MiniLlm,
         Algorithm::Prm,
+        Algorithm::Ppo,
     ];
 
     /// Whether the run samples completions with the policy on the pipelined loop (GRPO, RLOO,
@@ -165,6 +171,7 @@ impl Algorithm {
                 | Algorithm::Gold
                 | Algorithm::Ssd
                 | Algorithm::MiniLlm
+                | Algorithm::Ppo
         )
     }
 
@@ -203,19 +210,21 @@ impl Algorithm {
                 | Algorithm::NashMd
                 | Algorithm::A2po
                 | Algorithm::Sdpo
+                | Algorithm::Ppo
         )
     }
 
     /// TRL 1.16's default learning rate of the algorithm's trainer: SFTConfig 2e-5,
     /// RewardConfig 1e-4, PRMConfig 1e-5, OnlineDPOConfig (XPOConfig, NashMDConfig), BCOConfig and TPOConfig
     /// 5e-7, GKDConfig 2e-5 (an SFTConfig),
-    /// A2POConfig, SDPOConfig, SDFTConfig and SSDConfig 5e-5 (TrainingArguments'), the others
-    /// (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
+    /// A2POConfig, SDPOConfig, SDFTConfig and SSDConfig 5e-5 (TrainingArguments'), PPOConfig
+    /// 3e-6, the others (GRPO, RLOO, DPO, KTO, distillation, ORPO, CPO) 1e-6, GOLDConfig 1e-7.
     pub fn default_learning_rate(self) -> f64 {
         match self {
             Self::Gold => 1e-7,
             Self::Sft | Self::Gkd => 2e-5,
             Self::Prm => 1e-5,
+            Self::Ppo => 3e-6,
             Self::A2po | Self::Sdpo | Self::Sdft | Self::Ssd => 5e-5,
             Self::Reward => 1e-4,
             Self::OnlineDpo | Self::Xpo | Self::NashMd | Self::Bco | Self::Tpo => 5e-7,
@@ -249,6 +258,7 @@ impl Algorithm {
             Self::Bco => "bco",
             Self::MiniLlm => "minillm",
             Self::Prm => "prm",
+            Self::Ppo => "ppo",
         }
     }
 
@@ -267,7 +277,7 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.as_str() == s)
             .ok_or_else(|| {
                 format!(
-                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, prm, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
+                    "unknown algorithm `{s}`; expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, ppo, prm, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo"
                 )
             })
     }
@@ -350,6 +360,8 @@ pub struct TrainConfig {
     pub kto: KtoSection,
     /// REINFORCE leave-one-out (`algorithm = "rloo"`).
     pub rloo: RlooSection,
+    /// PPO with a value model (`algorithm = "ppo"`, TRL's PPOConfig).
+    pub ppo: PpoSection,
     /// Reward-model training (`algorithm = "reward"`, TRL's RewardConfig).
     pub reward: RewardSection,
     /// On-policy distillation (`algorithm = "distillation"`, TRL's DistillationConfig).
@@ -1007,6 +1019,94 @@ impl PackingStrategy {
             Self::BfdSplit => grpo_data::packing::Strategy::BfdSplit,
             Self::Wrapped => grpo_data::packing::Strategy::Wrapped,
         }
+    }
+}
+
+/// `[ppo]`: TRL's experimental PPOConfig. The policy samples (`[rollout]`, one completion per
+/// prompt as TRL's, or more), the rewards score each completion, and a value model (a
+/// sequence classifier read at every position) is trained beside the policy with the same
+/// optimizer settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PpoSection {
+    /// The value model's initial weights: a `*ForSequenceClassification` directory (TRL's
+    /// examples start from the reward model), or a causal LM that gets a fresh one-label
+    /// score head; default the policy's model (`model.path`) with a fresh head.
+    pub value_model_name_or_path: Option<PathBuf>,
+    /// Passes over each step's batch (default 4).
+    pub num_ppo_epochs: usize,
+    /// Optimizer updates per pass: the shuffled batch cut into this many mini-batches
+    /// (default 1).
+    pub num_mini_batches: usize,
+    /// Whiten the per-token rewards over the batch before GAE (default false).
+    pub whiten_rewards: bool,
+    /// Weight of the per-token KL penalty to the reference in the reward (default 0.05).
+    pub kl_coef: f64,
+    /// `k1` (`log π − log π_ref`, the default) or `k3` (`(r − 1) − log r`, never negative).
+    pub kl_estimator: grpo_core::ppo::KlEstimator,
+    /// Clip range of the policy ratio (default 0.2).
+    pub cliprange: f64,
+    /// Weight of the value loss (default 0.1).
+    pub vf_coef: f64,
+    /// Clip range of the value estimates around their values at sampling (default 0.2).
+    pub cliprange_value: f64,
+    /// Discount factor (default 1).
+    pub gamma: f64,
+    /// GAE's λ (default 0.95).
+    pub lam: f64,
+    /// Subtracted from the score of a completion that ends without EOS (default none).
+    pub missing_eos_penalty: Option<f64>,
+}
+
+impl Default for PpoSection {
+    fn default() -> Self {
+        Self {
+            value_model_name_or_path: None,
+            num_ppo_epochs: 4,
+            num_mini_batches: 1,
+            whiten_rewards: false,
+            kl_coef: 0.05,
+            kl_estimator: grpo_core::ppo::KlEstimator::K1,
+            cliprange: 0.2,
+            vf_coef: 0.1,
+            cliprange_value: 0.2,
+            gamma: 1.0,
+            lam: 0.95,
+            missing_eos_penalty: None,
+        }
+    }
+}
+
+impl PpoSection {
+    /// Checks every value, naming the key.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.num_ppo_epochs == 0 {
+            return Err("`ppo.num_ppo_epochs` must be >= 1".into());
+        }
+        if self.num_mini_batches == 0 {
+            return Err("`ppo.num_mini_batches` must be >= 1".into());
+        }
+        for (k, v) in [
+            ("kl_coef", self.kl_coef),
+            ("cliprange", self.cliprange),
+            ("vf_coef", self.vf_coef),
+            ("cliprange_value", self.cliprange_value),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("`ppo.{k}` must be >= 0, got {v}"));
+            }
+        }
+        for (k, v) in [("gamma", self.gamma), ("lam", self.lam)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("`ppo.{k}` must be in [0, 1], got {v}"));
+            }
+        }
+        if let Some(p) = self.missing_eos_penalty
+            && !p.is_finite()
+        {
+            return Err(format!("`ppo.missing_eos_penalty` must be finite, got {p}"));
+        }
+        Ok(())
     }
 }
 
@@ -1917,6 +2017,7 @@ impl Default for TrainConfig {
             merge: None,
             gold: GoldSection::default(),
             rloo: RlooSection::default(),
+            ppo: PpoSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
         }
@@ -2973,7 +3074,11 @@ impl TrainConfig {
             && !self.algorithm.is_distillation()
             && !matches!(
                 self.algorithm,
-                Algorithm::A2po | Algorithm::Sdft | Algorithm::Ssd | Algorithm::MiniLlm
+                Algorithm::A2po
+                    | Algorithm::Sdft
+                    | Algorithm::Ssd
+                    | Algorithm::MiniLlm
+                    | Algorithm::Ppo
             )
         {
             return Err(format!(
@@ -3115,6 +3220,9 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Prm {
             self.check_prm()?;
+        }
+        if self.algorithm == Algorithm::Ppo {
+            self.check_ppo()?;
         }
         if let Some(m) = &self.merge {
             if !matches!(m.dtype.as_str(), "float16" | "bfloat16" | "float32") {
@@ -3858,6 +3966,38 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// PPO's settings: `[ppo]`'s values, its batch split into mini-batches, and what its
+    /// step does not take (GRPO's KL weight, passes and replay; episodes).
+    fn check_ppo(&self) -> std::result::Result<(), String> {
+        self.ppo.validate()?;
+        if self.reference.beta != 0.0 {
+            return Err(
+                "PPO's KL penalty is `ppo.kl_coef` (in the reward); leave `reference.beta` at 0"
+                    .into(),
+            );
+        }
+        if self.optim.num_iterations != 1 || self.optim.steps_per_generation.is_some() {
+            return Err("PPO's passes over a batch are `ppo.num_ppo_epochs` and its updates                         `ppo.num_mini_batches`; leave `optim.num_iterations` at 1 and                         `optim.steps_per_generation` out"
+                .into());
+        }
+        if self.teacher.is_some() || self.environment.kind.is_some() {
+            return Err("PPO trains on single-turn completions: `[teacher]` and                         `[environment]` are not supported with it"
+                .into());
+        }
+        if self.loss.replay_buffer_size > 0 || self.loss.drop_zero_std_groups {
+            return Err("PPO learns from every completion's own score: leave                         `loss.replay_buffer_size` and `loss.drop_zero_std_groups` out"
+                .into());
+        }
+        let n = self.completions_per_step();
+        if !n.is_multiple_of(self.ppo.num_mini_batches) {
+            return Err(format!(
+                "`ppo.num_mini_batches` = {} must divide the step's {n} completions                  (`train.prompts_per_step` × `rollout.num_generations`)",
+                self.ppo.num_mini_batches
+            ));
+        }
+        Ok(())
+    }
+
     /// `[sdft]`'s settings (TRL's `SDFTConfig.__post_init__`).
     fn check_sdft(&self) -> std::result::Result<(), String> {
         self.check_self_distill("sdft")?;
@@ -4026,7 +4166,8 @@ impl TrainConfig {
             | Algorithm::IwOpd
             | Algorithm::Gold
             | Algorithm::Ssd
-            | Algorithm::MiniLlm => self.train.prompts_per_step * self.rollout.num_generations,
+            | Algorithm::MiniLlm
+            | Algorithm::Ppo => self.train.prompts_per_step * self.rollout.num_generations,
             Algorithm::Sft
             | Algorithm::Dpo
             | Algorithm::Kto
@@ -4080,6 +4221,7 @@ impl TrainConfig {
                 | Algorithm::Gold
                 | Algorithm::Ssd
                 | Algorithm::MiniLlm
+                | Algorithm::Ppo
         ))
     }
 

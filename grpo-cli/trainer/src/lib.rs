@@ -1,6 +1,6 @@
 //! # grpo-trainer: the trainer as a library
 //!
-//! One job: train a policy with GRPO (or RLOO, online DPO, XPO, Nash-MD, A*-PO, SDPO, SDFT, SSD,
+//! One job: train a policy with GRPO (or PPO, RLOO, online DPO, XPO, Nash-MD, A*-PO, SDPO, SDFT, SSD,
 //! distillation, GKD, IW-OPD, GOLD, MiniLLM, SFT, DPO, KTO, BCO, ORPO, CPO, TPO, a reward model, a
 //! process reward model) from a typed config, on the CPU or CUDA,
 //! writing a run directory (metrics, completions, checkpoints with exact resume). No command
@@ -15,7 +15,7 @@
 //! | [`mod@setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
 //! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
-//! | [`learner`] | batch assembly, the GRPO loss (and MiniLLM's teacher terms), the optimizer step, metrics; SFT / DPO / KTO / BCO / ORPO / CPO / reward / PRM steps; distillation (and IW-OPD), self-distillation (SDPO, SDFT), BEMA |
+//! | [`learner`] | batch assembly, the GRPO loss (and MiniLLM's teacher terms), PPO's value model and GAE, the optimizer step, metrics; SFT / DPO / KTO / BCO / ORPO / CPO / reward / PRM steps; distillation (and IW-OPD), self-distillation (SDPO, SDFT), BEMA |
 //! | [`events`] | metrics / completions logs, checkpoint writes, TensorBoard, progress: sinks on their own thread |
 //! | [`checkpoint`], [`run_dir`] | checkpoint files and resume; what a run directory may hold |
 //! | [`teacher`], [`remote`] | the two-pass teaching glue; LoRA sync to an OpenAI-compatible server |
@@ -69,10 +69,10 @@ pub use trainer::{
     A2po, A2poTrainer, AnyTrainer, Bco, BcoTrainer, ByName, Cpo, CpoTrainer, Distillation,
     DistillationTrainer, Dpo, DpoTrainer, FitOptions, Gkd, GkdTrainer, Gold, GoldTrainer, Grpo,
     GrpoTrainer, IwOpd, IwOpdTrainer, Kto, KtoTrainer, MiniLlm, MiniLlmTrainer, NashMd,
-    NashMdTrainer, OnlineDpo, OnlineDpoTrainer, Orpo, OrpoTrainer, Prm, PrmTrainer, RewardModeling,
-    RewardTrainer, Rloo, RlooTrainer, Sdft, SdftTrainer, Sdpo, SdpoTrainer, Sft, SftTrainer, Ssd,
-    SsdTrainer, Tpo, TpoTrainer, Trainer, TrainerKind, Xpo, XpoTrainer, create_trainer,
-    get_algorithm, list_algorithms,
+    NashMdTrainer, OnlineDpo, OnlineDpoTrainer, Orpo, OrpoTrainer, Ppo, PpoTrainer, Prm,
+    PrmTrainer, RewardModeling, RewardTrainer, Rloo, RlooTrainer, Sdft, SdftTrainer, Sdpo,
+    SdpoTrainer, Sft, SftTrainer, Ssd, SsdTrainer, Tpo, TpoTrainer, Trainer, TrainerKind, Xpo,
+    XpoTrainer, create_trainer, get_algorithm, list_algorithms,
 };
 
 /// The first line of a message (error texts from candle and others may carry a backtrace or

@@ -60,6 +60,8 @@ pub struct Setup {
     /// A*-PO's optimal value of each training prompt by row index (set by its stage 1 when the
     /// run starts).
     pub a2po_values: Option<Arc<std::collections::HashMap<u64, f64>>>,
+    /// PPO's value model (`ppo.value_model_name_or_path`), trained beside the policy.
+    pub value_model: Option<TrainableModel>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -572,6 +574,7 @@ pub fn setup_with(
         )
         || cfg.algorithm.is_online_dpo()
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
+        || cfg.algorithm == Algorithm::Ppo
     {
         Some(match &cfg.model.lora {
             // LoRA: the policy's own base with its adapters switched off, as TRL does with
@@ -624,6 +627,10 @@ pub fn setup_with(
         },
         _ => None,
     };
+    let value_model = match cfg.algorithm {
+        Algorithm::Ppo => Some(value_model(&cfg, &loaded.model, &loaded.tokenizer)?),
+        _ => None,
+    };
     let total_steps = total_steps(&cfg, splits.train.len());
     Ok(Setup {
         device,
@@ -644,8 +651,74 @@ pub fn setup_with(
         teacher_tokenizer,
         teacher_server,
         a2po_values: None,
+        value_model,
         cfg,
     })
+}
+
+/// PPO's value model: `ppo.value_model_name_or_path` (a sequence classifier as saved, a causal
+/// LM with a fresh one-label head), else the policy's model with a fresh head; on the policy's
+/// device and in its dtype, every weight trainable. It reads the policy's tokens, so its
+/// vocabulary must cover them and its tokenizer encode as the policy's does.
+fn value_model(
+    cfg: &TrainConfig,
+    policy: &Transformer,
+    tokenizer: &Tokenizer,
+) -> Result<TrainableModel> {
+    let (model, path) = match &cfg.ppo.value_model_name_or_path {
+        Some(p) => {
+            let loaded = grpo_rollout::load(p, policy.dtype(), policy.device()).map_err(|e| {
+                anyhow!(
+                    "ppo.value_model_name_or_path {}: {}",
+                    p.display(),
+                    first_line(&e.to_string())
+                )
+            })?;
+            let probe = "The value model reads the policy's tokens: 12 + 30 = 42.";
+            if loaded.tokenizer.encode(probe, false)? != tokenizer.encode(probe, false)? {
+                bail!(
+                    "ppo.value_model_name_or_path {}: its tokenizer encodes text differently from \
+                     the policy's (the value model reads the policy's tokens)",
+                    p.display()
+                );
+            }
+            (loaded.model, p.clone())
+        }
+        None => (policy.detached(), cfg.model.path.clone()),
+    };
+    let (vv, pv) = (model.cfg.vocab_size, policy.cfg.vocab_size);
+    if vv < pv {
+        bail!(
+            "ppo.value_model_name_or_path {}: its vocabulary has {vv} tokens, the policy's {pv}",
+            path.display()
+        );
+    }
+    if model.cfg.token_classification.is_some() {
+        bail!(
+            "ppo.value_model_name_or_path {}: a token classifier; the value model is a sequence \
+             classifier (*ForSequenceClassification, one label) or a causal LM",
+            path.display()
+        );
+    }
+    let model = model
+        .into_sequence_classifier(cfg.train.seed)
+        .map_err(|e| anyhow!("ppo value model {}: {e}", path.display()))?;
+    if let Some(score) = &model.score
+        && score.dim(0)? != 1
+    {
+        bail!(
+            "ppo.value_model_name_or_path {}: a classifier with {} labels; the value model has one",
+            path.display(),
+            score.dim(0)?
+        );
+    }
+    let mut value = TrainableModel::full(&model)?;
+    if cfg.train.gradient_checkpointing {
+        value.model.enable_gradient_checkpointing();
+    } else if grpo_rollout::model::layer_segments_wanted(value.model.device()) {
+        value.model.enable_layer_segments();
+    }
+    Ok(value)
 }
 
 /// Loads `distillation.teacher_model_name_or_path` on `distillation.teacher_device` (default

@@ -90,6 +90,9 @@ pub struct MiniLlm;
 /// A process reward model (`[prm]`, TRL's PRMTrainer).
 #[derive(Debug, Clone, Copy)]
 pub struct Prm;
+/// PPO with a value model (`[ppo]`, TRL's PPOTrainer).
+#[derive(Debug, Clone, Copy)]
+pub struct Ppo;
 /// GOLD (`algorithm = "gold"`).
 #[derive(Debug, Clone, Copy)]
 pub struct Gold;
@@ -159,6 +162,9 @@ impl TrainerKind for MiniLlm {
 }
 impl TrainerKind for Prm {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::Prm);
+}
+impl TrainerKind for Ppo {
+    const ALGORITHM: Option<Algorithm> = Some(Algorithm::Ppo);
 }
 impl TrainerKind for IwOpd {
     const ALGORITHM: Option<Algorithm> = Some(Algorithm::IwOpd);
@@ -239,6 +245,10 @@ pub type MiniLlmTrainer = Trainer<MiniLlm>;
 /// A process-reward-model trainer: a token classifier learns to label each step of a
 /// completion.
 pub type PrmTrainer = Trainer<Prm>;
+
+/// A PPO trainer: the policy and a value model trained together on the policy's samples,
+/// with GAE advantages and a KL penalty to the reference in the reward.
+pub type PpoTrainer = Trainer<Ppo>;
 
 /// The algorithms [`create_trainer`] knows, sorted.
 pub fn list_algorithms() -> Vec<&'static str> {

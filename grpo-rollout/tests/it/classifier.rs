@@ -103,6 +103,41 @@ fn sequence_scores_match_the_transformers_classifier() {
     assert!(e.to_string().contains("no score head"), "{e}");
 }
 
+/// PPO's value model reads the score head at every position: transformers' per-position
+/// scores of the fixture, on each row's own tokens whatever the other rows' lengths.
+#[test]
+fn position_scores_match_the_transformers_classifier_at_every_token() {
+    let dir = fixtures().join("tiny-qwen2-rm");
+    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu)
+        .unwrap()
+        .model;
+    let rm = ClassifierModel::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let rows = rows();
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    let got = m.position_scores(&refs, 0).unwrap();
+    assert_eq!(got.dims(), [4, 5]);
+    let got: Vec<Vec<f32>> = got.to_vec2().unwrap();
+    for (i, r) in rows.iter().enumerate() {
+        let want = &rm.scores(std::slice::from_ref(r)).unwrap()[0];
+        for j in 0..r.len() {
+            assert!(
+                (got[i][j] - want[j]).abs() < 1e-5,
+                "row {i} position {j}: {} vs {}",
+                got[i][j],
+                want[j]
+            );
+        }
+    }
+    let lm = grpo_rollout::load(
+        &fixtures().join("bench-qwen2-micro"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let e = lm.model.position_scores(&refs, 0).unwrap_err();
+    assert!(e.to_string().contains("no score head"), "{e}");
+}
+
 #[test]
 fn a_causal_lm_becomes_a_classifier_that_trains_saves_and_loads() {
     let tmp = tempfile::tempdir().unwrap();

@@ -51,6 +51,9 @@ impl Learner {
         if self.cfg.algorithm == Algorithm::A2po {
             return self.a2po_step(s, t0);
         }
+        if self.cfg.algorithm == Algorithm::Ppo {
+            return self.ppo_step(s, t0);
+        }
         if matches!(self.cfg.algorithm, Algorithm::Sdpo | Algorithm::Sdft) {
             return self.sdpo_step(s, t0);
         }

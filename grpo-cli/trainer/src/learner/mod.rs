@@ -15,6 +15,7 @@
 //! - [`online_dpo`]: online DPO's and XPO's step (two samples per prompt, the rewards pick the
 //!   chosen one, DPO's loss against the reference); [`nash_md`]: Nash-MD's (the policy's
 //!   sample against the policy–reference mixture's, a REINFORCE step on the preference);
+//! - [`ppo`]: PPO's step with its value model (the critic trained beside the policy, GAE);
 //! - [`bema`]: the bias-corrected EMA of the weights (`[bema]`, TRL's `BEMACallback`);
 //! - [`sdpo`]: SDPO's and SDFT's step (the policy distilled from itself shown a successful
 //!   sibling, feedback or privileged context) and their EMA teacher.
@@ -31,6 +32,7 @@ pub mod metrics;
 pub mod minillm;
 pub mod nash_md;
 pub mod online_dpo;
+pub mod ppo;
 pub mod sdpo;
 pub mod ssd;
 pub mod step;
@@ -108,6 +110,8 @@ pub struct Learner {
     pub replay_buffer: Option<crate::stages::replay::ReplayBuffer>,
     /// A*-PO's optimal values by row index.
     pub(crate) a2po_values: Option<std::sync::Arc<std::collections::HashMap<u64, f64>>>,
+    /// PPO's value model and its optimizer.
+    pub(crate) critic: Option<ppo::Critic>,
     pub(crate) opt: AdamW,
     pub(crate) schedule: Schedule,
     /// The reward set's weights, in its order (for the reward metrics).
@@ -173,25 +177,7 @@ impl Learner {
             );
         }
         let o = &setup.cfg.optim;
-        let opt = AdamW::new(
-            setup.policy.vars.clone(),
-            AdamWParams {
-                beta1: o.adam_beta1,
-                beta2: o.adam_beta2,
-                eps: o.adam_epsilon,
-                weight_decay: o.weight_decay,
-            },
-        )?;
-        let opt = if setup.cfg.train.bf16 {
-            opt.with_master_weights()?
-        } else {
-            opt
-        };
-        // transformers keeps the embeddings' state in 32 bits under bitsandbytes.
-        let opt = match o.optim.eight_bit() {
-            true => opt.with_8bit_states(|name| name.ends_with("embed_tokens.weight"))?,
-            false => opt,
-        };
+        let opt = new_optimizer(&setup.cfg, setup.policy.vars.clone())?;
         let total_updates = setup.total_steps * o.num_iterations * setup.cfg.updates_per_step();
         let warmup = if o.warmup_steps > 0 {
             o.warmup_steps
@@ -205,6 +191,7 @@ impl Learner {
             Some(c) => Some(bema::Bema::start(c, opt.vars())?),
             None => None,
         };
+        let critic = Self::critic_of(setup)?;
         let mut learner = Self {
             cfg: setup.cfg.clone(),
             device: setup.device.clone(),
@@ -221,6 +208,7 @@ impl Learner {
                 crate::stages::replay::ReplayBuffer::new(setup.cfg.loss.replay_buffer_size)
             }),
             a2po_values: setup.a2po_values.clone(),
+            critic,
             opt,
             schedule: Schedule {
                 kind: o.lr_scheduler_type,
@@ -297,6 +285,34 @@ impl Learner {
     pub fn state(&self) -> &TrainerState {
         &self.state
     }
+}
+
+/// AdamW over `vars` with the config's settings: f32 master weights under `train.bf16`,
+/// 8-bit moments under `optim = "adamw_8bit"` (the embeddings' in 32 bits, as transformers
+/// keeps them under bitsandbytes).
+pub(crate) fn new_optimizer(
+    cfg: &TrainConfig,
+    vars: Vec<(String, candle_core::Var)>,
+) -> Result<AdamW> {
+    let o = &cfg.optim;
+    let opt = AdamW::new(
+        vars,
+        AdamWParams {
+            beta1: o.adam_beta1,
+            beta2: o.adam_beta2,
+            eps: o.adam_epsilon,
+            weight_decay: o.weight_decay,
+        },
+    )?;
+    let opt = if cfg.train.bf16 {
+        opt.with_master_weights()?
+    } else {
+        opt
+    };
+    Ok(match o.optim.eight_bit() {
+        true => opt.with_8bit_states(|name| name.ends_with("embed_tokens.weight"))?,
+        false => opt,
+    })
 }
 
 /// GOLD's ULD state: the teacher's tokenizer and the loss's settings, the hybrid loss's

@@ -36,9 +36,16 @@ impl Learner {
             bail!("non-finite gradient norm at step {step}");
         }
         let lr = self.schedule.lr_at(self.state.optimizer_steps);
-        self.updating = true;
-        self.opt.step(&grads, lr)?;
+        self.apply_update(&grads, lr)?;
         drop(grads);
+        Ok((norm, lr))
+    }
+
+    /// One AdamW update of the policy at `lr` with `grads` as they are, and what follows each
+    /// update (SDPO's EMA teacher, BEMA).
+    pub(crate) fn apply_update(&mut self, grads: &HashMap<String, Tensor>, lr: f64) -> Result<()> {
+        self.updating = true;
+        self.opt.step(grads, lr)?;
         if let Some((_, v)) = self.opt.vars().first() {
             grpo_core::memlog::log("learner: optimizer step", v.device());
             grpo_core::memlog::release_unused(v.device());
@@ -46,7 +53,7 @@ impl Learner {
         self.state.optimizer_steps += 1;
         self.sdpo_after_update()?;
         self.bema_after_update()?;
-        Ok((norm, lr))
+        Ok(())
     }
 
     /// The update loop: `optim.num_iterations` passes over the step's micro-batches `chunks`,
