@@ -376,6 +376,7 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
             "nash_md",
             "online_dpo",
             "orpo",
+            "ppo",
             "prm",
             "reward",
             "rloo",
@@ -388,10 +389,10 @@ fn the_library_api_builds_fits_and_resumes_any_algorithm() {
         ]
     );
     assert!(
-        grpo_trainer::create_trainer("ppo", dir.path().join("model"), cfg.clone())
+        grpo_trainer::create_trainer("trpo", dir.path().join("model"), cfg.clone())
             .unwrap_err()
             .to_string()
-            .contains("expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, prm, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo")
+            .contains("expected one of a2po, bco, cpo, distillation, dpo, gkd, gold, grpo, iw_opd, kto, minillm, nash_md, online_dpo, orpo, ppo, prm, reward, rloo, sdft, sdpo, sft, ssd, tpo, xpo")
     );
     let mut c = cfg.clone();
     c.output_dir = dir.path().join("api-all");

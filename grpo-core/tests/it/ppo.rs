@@ -1,7 +1,11 @@
 //! PPO's targets and loss (grpo_core::ppo) against TRL's `PPOTrainer`: reference values from a
 //! line-by-line transcription of its code on padded rows (`data/ppo_reference.py`), GAE's
 //! identities, the loss's values and gradients by hand, and the errors.
-#![allow(clippy::needless_range_loop, clippy::excessive_precision)]
+#![allow(
+    clippy::needless_range_loop,
+    clippy::excessive_precision,
+    clippy::type_complexity
+)]
 
 use candle_core::{Device, Tensor, Var};
 use grpo_core::ppo::{

@@ -752,6 +752,24 @@ fn distillation_and_minillm_configs_train_the_student_on_its_samples() {
     }
 }
 
+/// `configs/ppo.toml`: one sample per prompt, the value model beside the policy, TRL's
+/// metrics; the checkpoint holds the value model.
+#[test]
+fn the_ppo_config_trains_the_policy_and_its_value_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let cfg = load_example("ppo.toml", dir.path(), "ppo", (&model, &data), 2, &[]);
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Ppo);
+    let r = run_setup(trainer::setup(cfg).unwrap());
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite() && m["loss/value_avg"] > 0.0, "{m:?}");
+        assert!(m.contains_key("objective/rlhf_reward") && m.contains_key("rewards/accuracy/mean"));
+    }
+    let ck = r.best_checkpoint_path.unwrap();
+    assert!(ck.join("model/config.json").exists() && ck.join("value_model/config.json").exists());
+}
+
 /// `configs/orpo.toml` and `configs/simpo.toml` train on the example preference pairs without a
 /// reference model; `configs/bco.toml` on the same pairs unpaired, against its reference.
 #[test]

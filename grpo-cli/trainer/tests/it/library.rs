@@ -292,6 +292,7 @@ fn algorithms_by_name() {
             "nash_md",
             "online_dpo",
             "orpo",
+            "ppo",
             "prm",
             "reward",
             "rloo",
@@ -307,7 +308,7 @@ fn algorithms_by_name() {
         grpo_trainer::get_algorithm("sft").unwrap(),
         grpo_trainer::Algorithm::Sft
     );
-    let e = grpo_trainer::get_algorithm("ppo").unwrap_err().to_string();
+    let e = grpo_trainer::get_algorithm("trpo").unwrap_err().to_string();
     for name in [
         "ppo",
         "grpo",
