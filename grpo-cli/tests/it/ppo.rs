@@ -272,6 +272,48 @@ fn checkpointing_gives_the_same_step_and_bf16_with_staleness_trains() {
     );
 }
 
+/// TRL's PPOConfig defaults where they differ from GRPOConfig's: one completion per prompt, at
+/// most 53 tokens, temperature 0.7, learning rate 3e-6; `[ppo]`'s own.
+#[test]
+fn trls_ppo_defaults() {
+    let f = fixture();
+    let text = config_text(&f.root, "defaults", 1, DIGIT)
+        .replace("num_generations = 2\n", "")
+        .replace("max_completion_length = 8\n", "")
+        .replace("learning_rate = 3e-3\n", "");
+    std::fs::write(f.root.join("defaults.toml"), text).unwrap();
+    let cfg = config::load(&f.root.join("defaults.toml"), &[]).unwrap();
+    assert_eq!(cfg.rollout.num_generations, 1);
+    assert_eq!(cfg.rollout.max_completion_length, 53);
+    assert_eq!(cfg.rollout.temperature, 0.7);
+    assert_eq!(cfg.learning_rate(), 3e-6);
+    let p = &cfg.ppo;
+    assert_eq!(
+        (
+            p.num_ppo_epochs,
+            p.num_mini_batches,
+            p.whiten_rewards,
+            p.value_model_name_or_path.clone()
+        ),
+        (4, 1, false, None)
+    );
+    assert_eq!(
+        (
+            p.kl_coef,
+            p.cliprange,
+            p.vf_coef,
+            p.cliprange_value,
+            p.gamma,
+            p.lam
+        ),
+        (0.05, 0.2, 0.1, 0.2, 1.0, 0.95)
+    );
+    assert_eq!(p.kl_estimator, grpo_core::ppo::KlEstimator::K1);
+    assert!(p.missing_eos_penalty.is_none() && cfg.dropout_disabled());
+    let s = trainer::setup(cfg).unwrap();
+    assert!(s.reference.is_some() && s.value_model.is_some());
+}
+
 #[test]
 fn what_ppo_cannot_take_is_refused_in_one_line() {
     let f = fixture();

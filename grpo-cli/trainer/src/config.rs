@@ -2894,8 +2894,8 @@ pub fn closest_key(unknown: &str) -> Option<String> {
 
 /// The defaults of the trainer `algorithm` names where TRL's config for it differs from
 /// GRPOConfig's, as `(section, key, value)`: one completion per prompt for distillation, GKD,
-/// A*-PO and SSD, two at temperature 0.9 for online DPO, and GKDConfig's β, temperature and
-/// `max_new_tokens`.
+/// A*-PO and SSD, two at temperature 0.9 for online DPO, GKDConfig's β, temperature and
+/// `max_new_tokens`, and PPOConfig's one completion of at most 53 tokens at temperature 0.7.
 fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)> {
     use serde_json::json;
     match algorithm {
@@ -2917,6 +2917,11 @@ fn trainer_defaults(algorithm: &str) -> Vec<(&'static str, &'static str, Value)>
             ("rollout", "top_p", json!(0.95)),
             ("rollout", "max_completion_length", json!(128)),
             ("distillation", "beta", json!(0.5)),
+        ],
+        "ppo" => vec![
+            ("rollout", "num_generations", json!(1)),
+            ("rollout", "temperature", json!(0.7)),
+            ("rollout", "max_completion_length", json!(53)),
         ],
         "online_dpo" | "xpo" | "nash_md" => vec![
             ("rollout", "num_generations", json!(2)),
