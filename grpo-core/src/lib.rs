@@ -19,6 +19,8 @@
 //!   [`uld`] GOLD's universal logit distillation for a teacher with another tokenizer.
 //! * [`ppo`] is PPO with a value model (TRL's experimental `PPOTrainer`): per-token rewards,
 //!   GAE and whitening on plain slices, the clipped policy and value losses on tensors.
+//! * [`udm`] is BCO's underlying distribution matching: a balanced logistic regression of
+//!   desirable against undesirable prompt embeddings, and the density-ratio weights it gives.
 //! * [`fused`] holds the fused-CPU-kernel plumbing (and its off switch) shared with grpo-rollout;
 //!   [`recompute`] the device-generic ops that keep only their inputs for backward (CUDA, bf16)
 //!   and the gradient sink of gradient checkpointing; [`selfcheck`] runs each CUDA kernel set
@@ -97,6 +99,7 @@ pub mod selfcheck;
 mod serde_names;
 #[cfg(feature = "candle")]
 pub mod tape;
+pub mod udm;
 #[cfg(feature = "candle")]
 pub mod uld;
 

@@ -12,4 +12,5 @@ mod ppo;
 mod preference;
 mod properties;
 mod reference;
+mod udm;
 mod uld;
