@@ -858,6 +858,24 @@ pub fn bco_loss(
     beta: f64,
     delta: f64,
 ) -> Result<KtoOutput> {
+    bco_loss_weighted(policy, reference, desirable, beta, delta, None)
+}
+
+/// [`bco_loss`] with each row's loss multiplied by its weight before the mean over the rows
+/// (`None`: every weight 1): BCO's underlying distribution matching weighs each undesirable
+/// row by the density ratio of its prompt ([`crate::udm`]) and each desirable row by 1, as
+/// TRL's `bco_loss` with an `embedding_func`.
+///
+/// # Errors
+/// Shapes that differ from `desirable`'s length, a weight per row missing, or an empty batch.
+pub fn bco_loss_weighted(
+    policy: &Tensor,
+    reference: &Tensor,
+    desirable: &[bool],
+    beta: f64,
+    delta: f64,
+    weights: Option<&[f64]>,
+) -> Result<KtoOutput> {
     let n = check_unpaired("bco_loss", policy, reference, desirable)?;
     let r = ((policy - reference)? * beta)?;
     let sign: Vec<f64> = desirable
@@ -865,8 +883,16 @@ pub fn bco_loss(
         .map(|&d| if d { 1.0 } else { -1.0 })
         .collect();
     let sign = Tensor::from_vec(sign, n, policy.device())?.to_dtype(policy.dtype())?;
-    let loss = log_sigmoid(&(&r - delta)?.mul(&sign)?)?.neg()?.mean_all()?;
-    unpaired_output(loss, &r, policy, desirable)
+    let losses = log_sigmoid(&(&r - delta)?.mul(&sign)?)?.neg()?;
+    let losses = match weights {
+        None => losses,
+        Some(w) if w.len() == n => {
+            let w = Tensor::from_slice(w, n, policy.device())?.to_dtype(policy.dtype())?;
+            (losses * w)?
+        }
+        Some(w) => candle_core::bail!("bco_loss: {} weights for {n} rows", w.len()),
+    };
+    unpaired_output(losses.mean_all()?, &r, policy, desirable)
 }
 
 /// The running mean and variance of a stream of values, merged batch by batch (TRL's

@@ -3681,6 +3681,32 @@ impl Transformer {
         self.score_rows(&h)?.reshape((b, t))
     }
 
+    /// Each row's final hidden states averaged over its tokens: `(B, H)` in f32, no graph (an
+    /// embedding of the text, as sentence-transformers' mean pooling makes one; BCO's UDM
+    /// classifier reads it). Rows are left-padded into one batch here; an empty row is refused.
+    pub fn mean_hidden(&self, rows: &[&[u32]]) -> Result<Tensor> {
+        let (b, l) = (rows.len(), rows.iter().map(|r| r.len()).max().unwrap_or(0));
+        if b == 0 || rows.iter().any(|r| r.is_empty()) {
+            bail!("mean_hidden: {b} rows, an empty row has no tokens to average");
+        }
+        let (mut ids, mut mask) = (Vec::with_capacity(b * l), Vec::with_capacity(b * l));
+        for r in rows {
+            ids.extend(std::iter::repeat_n(0u32, l - r.len()));
+            ids.extend_from_slice(r);
+            mask.extend((0..l).map(|j| u32::from(j >= l - r.len())));
+        }
+        let dev = self.device();
+        let ids = Tensor::from_vec(ids, (b, l), dev)?;
+        let mask = Tensor::from_vec(mask, (b, l), dev)?;
+        let h = self
+            .forward_padded(&ids, &mask)?
+            .detach()
+            .to_dtype(DType::F32)?;
+        let m = mask.to_dtype(DType::F32)?;
+        let sum = h.broadcast_mul(&m.unsqueeze(2)?)?.sum(1)?;
+        sum.broadcast_div(&m.sum_keepdim(1)?)
+    }
+
     /// A sequence classifier's `score` head over hidden rows `(N, H)`: `(N,)`, with the graph.
     pub fn score_rows(&self, h: &Tensor) -> Result<Tensor> {
         let Some(score) = &self.score else {

@@ -374,6 +374,40 @@ fn bco_matches_trls_formula() {
         assert!((out.rejected_rewards.0 - r).abs() < 1e-9 && out.rejected_rewards.1 == 2);
         assert_eq!(out.chosen_rewards.1, 3);
     }
+    // UDM's weights multiply each row's loss before the mean (TRL's `bco_loss` with an
+    // embedding function): the weighted loss is Σ w·ℓ / n, its gradient w times the plain one.
+    {
+        use grpo_core::preference::bco_loss_weighted;
+        let w: Vec<f64> = KTO_LABELS
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| if l { 1.0 } else { 0.5 + i as f64 })
+            .collect();
+        let pc = Var::from_tensor(&Tensor::new(PC, &d).unwrap()).unwrap();
+        let out = bco_loss_weighted(pc.as_tensor(), &rc, KTO_LABELS, 0.3, 0.2, Some(&w)).unwrap();
+        let n = PC.len() as f64;
+        let (mut want, mut grad) = (0.0, Vec::new());
+        for (((p, q), &l), wi) in PC.iter().zip(RC).zip(KTO_LABELS).zip(&w) {
+            let s = if l { 1.0 } else { -1.0 };
+            let x = s * (0.3 * (p - q) - 0.2);
+            want -= wi * sig(x).ln() / n;
+            grad.push(-wi * s * 0.3 * sig(-x) / n);
+        }
+        assert!((out.loss.to_scalar::<f64>().unwrap() - want).abs() < 1e-12);
+        let g: Vec<f64> = out
+            .loss
+            .backward()
+            .unwrap()
+            .get(pc.as_tensor())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in g.iter().zip(&grad) {
+            assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+        }
+        let e = bco_loss_weighted(&rc, &rc, KTO_LABELS, 0.1, 0.0, Some(&w[..2])).unwrap_err();
+        assert!(e.to_string().contains("2 weights"), "{e}");
+    }
     let l = bco_loss(&rc, &rc, KTO_LABELS, 0.1, 0.0)
         .unwrap()
         .loss

@@ -138,6 +138,39 @@ fn position_scores_match_the_transformers_classifier_at_every_token() {
     assert!(e.to_string().contains("no score head"), "{e}");
 }
 
+/// Mean pooling of the final hidden states (BCO's UDM embeddings): each row's, padded into
+/// one batch, equals the row alone, and the mean of the per-position states the score head
+/// reads (transformers' fixture: the score head is linear, so the head of the mean is the
+/// mean of the per-position scores).
+#[test]
+fn mean_hidden_is_each_rows_own_mean() {
+    let dir = fixtures().join("tiny-qwen2-rm");
+    let m = grpo_rollout::load(&dir, DType::F32, &Device::Cpu)
+        .unwrap()
+        .model;
+    let rm = ClassifierModel::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let rows = rows();
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    let all = m.mean_hidden(&refs).unwrap();
+    assert_eq!(all.dims(), [4, m.cfg.hidden_size]);
+    let heads = m.score_rows(&all).unwrap().to_vec1::<f32>().unwrap();
+    for (i, r) in rows.iter().enumerate() {
+        let alone = m.mean_hidden(&[r]).unwrap();
+        assert!(
+            max_diff(&all.narrow(0, i, 1).unwrap(), &alone) < 1e-5,
+            "row {i}"
+        );
+        let per_position = &rm.scores(std::slice::from_ref(r)).unwrap()[0];
+        let mean = per_position.iter().sum::<f32>() / r.len() as f32;
+        assert!(
+            (heads[i] - mean).abs() < 1e-5,
+            "row {i}: {} vs {mean}",
+            heads[i]
+        );
+    }
+    assert!(m.mean_hidden(&[&[1, 2], &[]]).is_err());
+}
+
 #[test]
 fn a_causal_lm_becomes_a_classifier_that_trains_saves_and_loads() {
     let tmp = tempfile::tempdir().unwrap();
