@@ -1976,6 +1976,93 @@ fn bco_trl_loss(
     (loss, rewards)
 }
 
+/// BCO's underlying distribution matching (`[bco] embedding_model_name_or_path`, TRL's
+/// BCOTrainer with an `embedding_func`): each undesirable row's loss is weighted by its
+/// prompt's density ratio. With the ratio pinned (`min = max = 3`), the first step (at the
+/// reference: every row's loss ln 2, one desirable and one undesirable row per micro-batch)
+/// has loss 2·ln 2; unpinned, the step's logged weight is the classifier's odds on those rows'
+/// prompts embedded here (decoded, re-encoded, mean-pooled), the classifier is in the
+/// checkpoint's state and a resumed run keeps it (the same steps); a bad value is refused.
+#[test]
+fn bco_udm_weighs_undesirable_rows_by_their_prompts_density_ratio() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = run(
+        setup(dir.path(), "plain", "bco", 1, "[kto]\nbeta = 0.5\n"),
+        &RunOptions::default(),
+    );
+    let model = dir.path().join("model");
+    let udm = |lo: f64, hi: f64| {
+        format!(
+            "[kto]\nbeta = 0.5\n[bco]\nembedding_model_name_or_path = \"{}\"\n\
+             prompt_sample_size = 64\nmin_density_ratio = {lo}\nmax_density_ratio = {hi}\n",
+            model.display()
+        )
+    };
+    let pinned = run(
+        setup(dir.path(), "pinned", "bco", 1, &udm(3.0, 3.0)),
+        &RunOptions::default(),
+    );
+    let ln2 = std::f64::consts::LN_2;
+    assert!((plain.metrics[0]["loss"] - ln2).abs() < 1e-6);
+    assert!(!plain.metrics[0].contains_key("udm/rejected_weight"));
+    let m = &pinned.metrics[0];
+    assert!((m["loss"] - 2.0 * ln2).abs() < 1e-6, "{m:?}");
+    assert!((m["udm/rejected_weight"] - 3.0).abs() < 1e-9);
+
+    // Unpinned: TRL's bounds.
+    let s = setup(dir.path(), "udm", "bco", 4, &udm(0.5, 10.0));
+    let samples = first_rows(&s.train, 4);
+    let rows = trainer::supervised::rows(&s.cfg, &s.tokenizer, &samples).unwrap();
+    let r = run(s, &RunOptions::default());
+    let ck = r.best_checkpoint_path.unwrap();
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("trainer_state.json")).unwrap())
+            .unwrap();
+    let clf: grpo_core::udm::UdmClassifier =
+        serde_json::from_value(state["bco_udm"].clone()).unwrap();
+    let emb =
+        grpo_rollout::load(&model, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let weights: Vec<f64> = rows
+        .iter()
+        .filter(|r| !r.desirable)
+        .map(|r| {
+            let text = emb.tokenizer.decode(&r.prompt, false).unwrap();
+            let ids = emb.tokenizer.encode(&text, false).unwrap();
+            let e: Vec<f32> = emb
+                .model
+                .mean_hidden(&[&ids])
+                .unwrap()
+                .squeeze(0)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            clf.density_ratio(&e, 0.5, 10.0)
+        })
+        .collect();
+    assert_eq!(weights.len(), 2);
+    let want = weights.iter().sum::<f64>() / 2.0;
+    let got = r.metrics[0]["udm/rejected_weight"];
+    assert!((got - want).abs() < 1e-4 * want, "{got} vs {want}");
+    assert!(weights.iter().all(|w| (0.5..=10.0).contains(w)));
+    // Stopped after 2 steps and resumed: the classifier comes back with the state.
+    let text = config_text(dir.path(), "udm-parts", "bco", 4, &udm(0.5, 10.0));
+    let p = dir.path().join("udm-parts.toml");
+    std::fs::write(&p, &text).unwrap();
+    let parts = common::stopped_and_resumed(2, |o| {
+        run(trainer::setup(config::load(&p, &[]).unwrap()).unwrap(), &o)
+    });
+    common::assert_same_steps(
+        &r.metrics,
+        &parts,
+        &["loss", "udm/rejected_weight", "delta"],
+    );
+    let e = config_error(dir.path(), "bco", &udm(2.0, 1.0));
+    assert!(
+        e.contains("bco.min_density_ratio") && e.lines().count() == 1,
+        "{e}"
+    );
+}
+
 /// BCO (TRL's experimental BCOTrainer) on KTO's rows: at the reference the loss is ln 2 and δ
 /// 0; each step's loss is TRL's with δ the running mean of every implicit reward seen (this
 /// step's merged in first), checked from the models' log-probs after an update; the logged δ

@@ -358,6 +358,9 @@ pub struct TrainConfig {
     pub dpo: DpoSection,
     /// Kahneman-Tversky optimisation (`algorithm = "kto"`), and BCO's rows and β (`"bco"`).
     pub kto: KtoSection,
+    /// BCO's underlying distribution matching (`algorithm = "bco"`, TRL's BCOConfig with an
+    /// embedding function).
+    pub bco: BcoSection,
     /// REINFORCE leave-one-out (`algorithm = "rloo"`).
     pub rloo: RlooSection,
     /// PPO with a value model (`algorithm = "ppo"`, TRL's PPOConfig).
@@ -1019,6 +1022,53 @@ impl PackingStrategy {
             Self::BfdSplit => grpo_data::packing::Strategy::BfdSplit,
             Self::Wrapped => grpo_data::packing::Strategy::Wrapped,
         }
+    }
+}
+
+/// `[bco]`: BCO's underlying distribution matching (UDM; TRL's BCOTrainer given an
+/// `embedding_func`): with `embedding_model_name_or_path`, a logistic regression learns to tell
+/// the desirable rows' prompts from the undesirable rows' by their embeddings (the model's
+/// final hidden states averaged over the prompt's tokens), and each undesirable row's loss is
+/// weighted by its prompt's density ratio `p / (1 − p)`, clamped. BCO's other keys are `[kto]`'s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BcoSection {
+    /// The embedding model (a causal LM directory or .gguf, with its own tokenizer); absent:
+    /// no UDM (the default).
+    pub embedding_model_name_or_path: Option<PathBuf>,
+    /// Prompts drawn (with replacement) from each side to fit the classifier (default 1024).
+    pub prompt_sample_size: usize,
+    /// Smallest density-ratio weight (default 0.5).
+    pub min_density_ratio: f64,
+    /// Largest density-ratio weight (default 10).
+    pub max_density_ratio: f64,
+}
+
+impl Default for BcoSection {
+    fn default() -> Self {
+        Self {
+            embedding_model_name_or_path: None,
+            prompt_sample_size: 1024,
+            min_density_ratio: 0.5,
+            max_density_ratio: 10.0,
+        }
+    }
+}
+
+impl BcoSection {
+    /// Checks every value, naming the key.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.prompt_sample_size == 0 {
+            return Err("`bco.prompt_sample_size` must be >= 1".into());
+        }
+        let (lo, hi) = (self.min_density_ratio, self.max_density_ratio);
+        if !(lo.is_finite() && hi.is_finite() && lo >= 0.0 && lo <= hi) {
+            return Err(format!(
+                "`bco.min_density_ratio` ({lo}) and `bco.max_density_ratio` ({hi}) must be finite, \
+                 >= 0 and in order"
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -2018,6 +2068,7 @@ impl Default for TrainConfig {
             gold: GoldSection::default(),
             rloo: RlooSection::default(),
             ppo: PpoSection::default(),
+            bco: BcoSection::default(),
             reward: RewardSection::default(),
             distillation: DistillationSection::default(),
         }
@@ -3228,6 +3279,9 @@ impl TrainConfig {
         }
         if self.algorithm == Algorithm::Ppo {
             self.check_ppo()?;
+        }
+        if self.algorithm == Algorithm::Bco {
+            self.bco.validate()?;
         }
         if let Some(m) = &self.merge {
             if !matches!(m.dtype.as_str(), "float16" | "bfloat16" | "float32") {

@@ -62,6 +62,8 @@ pub struct Setup {
     pub a2po_values: Option<Arc<std::collections::HashMap<u64, f64>>>,
     /// PPO's value model (`ppo.value_model_name_or_path`), trained beside the policy.
     pub value_model: Option<TrainableModel>,
+    /// BCO's UDM embedding model and its tokenizer (`bco.embedding_model_name_or_path`), frozen.
+    pub udm_embedder: Option<(Transformer, Tokenizer)>,
 }
 
 impl std::fmt::Debug for Setup {
@@ -631,6 +633,19 @@ pub fn setup_with(
         Algorithm::Ppo => Some(value_model(&cfg, &loaded.model, &loaded.tokenizer)?),
         _ => None,
     };
+    let udm_embedder = match (&cfg.bco.embedding_model_name_or_path, cfg.algorithm) {
+        (Some(p), Algorithm::Bco) => {
+            let m = grpo_rollout::load(p, cfg.compute_dtype(), &device).map_err(|e| {
+                anyhow!(
+                    "bco.embedding_model_name_or_path {}: {}",
+                    p.display(),
+                    first_line(&e.to_string())
+                )
+            })?;
+            Some((m.model, m.tokenizer))
+        }
+        _ => None,
+    };
     let total_steps = total_steps(&cfg, splits.train.len());
     Ok(Setup {
         device,
@@ -652,6 +667,7 @@ pub fn setup_with(
         teacher_server,
         a2po_values: None,
         value_model,
+        udm_embedder,
         cfg,
     })
 }

@@ -15,6 +15,7 @@
 //! - [`online_dpo`]: online DPO's and XPO's step (two samples per prompt, the rewards pick the
 //!   chosen one, DPO's loss against the reference); [`nash_md`]: Nash-MD's (the policy's
 //!   sample against the policy–reference mixture's, a REINFORCE step on the preference);
+//! - `bco_udm`: BCO's underlying distribution matching (the prompt classifier and its weights);
 //! - [`ppo`]: PPO's step with its value model (the critic trained beside the policy, GAE);
 //! - [`bema`]: the bias-corrected EMA of the weights (`[bema]`, TRL's `BEMACallback`);
 //! - [`sdpo`]: SDPO's and SDFT's step (the policy distilled from itself shown a successful
@@ -24,6 +25,7 @@
 
 pub mod a2po;
 pub mod batch;
+mod bco_udm;
 pub mod bema;
 pub mod distill;
 mod gold;
@@ -81,6 +83,10 @@ pub struct TrainerState {
     /// them in `running.json`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bco_running: Option<grpo_core::preference::RunningMoments>,
+    /// BCO's UDM classifier (`[bco] embedding_model_name_or_path`), fitted before the first
+    /// step (TRL keeps it in `clf.pkl`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bco_udm: Option<grpo_core::udm::UdmClassifier>,
 }
 
 /// Computes the loss and updates the weights; its state is what checkpoints hold.
@@ -112,6 +118,8 @@ pub struct Learner {
     pub(crate) a2po_values: Option<std::sync::Arc<std::collections::HashMap<u64, f64>>>,
     /// PPO's value model and its optimizer.
     pub(crate) critic: Option<ppo::Critic>,
+    /// BCO's UDM embedding model and its tokenizer.
+    pub(crate) udm_embedder: Option<(Transformer, Tokenizer)>,
     pub(crate) opt: AdamW,
     pub(crate) schedule: Schedule,
     /// The reward set's weights, in its order (for the reward metrics).
@@ -209,6 +217,7 @@ impl Learner {
             }),
             a2po_values: setup.a2po_values.clone(),
             critic,
+            udm_embedder: setup.udm_embedder.clone(),
             opt,
             schedule: Schedule {
                 kind: o.lr_scheduler_type,

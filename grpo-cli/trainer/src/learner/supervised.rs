@@ -23,7 +23,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{D, DType, Tensor};
-use grpo_core::preference::{DpoInputs, bco_loss, dpo_loss_with, kto_loss, sft_loss_typed};
+use grpo_core::preference::{
+    DpoInputs, bco_loss_weighted, dpo_loss_with, kto_loss, sft_loss_typed,
+};
 use grpo_data::{Prompt, Sample};
 
 use super::Learner;
@@ -1348,6 +1350,8 @@ impl Learner {
         let bco = self.cfg.algorithm == Algorithm::Bco;
         // BCO's δ of each micro-batch, weighted by its share.
         let mut bco_delta = 0f64;
+        // UDM: the undesirable rows' mean density-ratio weight, weighted by share.
+        let mut udm_weight = 0f64;
         let reward = self.cfg.algorithm == Algorithm::Reward;
         let prm = self.cfg.algorithm == Algorithm::Prm;
         // PRM: the step's labelled tokens (transformers' `num_items_in_batch`).
@@ -1606,7 +1610,19 @@ impl Learner {
                     }
                     let delta = running.mean;
                     bco_delta += delta * share;
-                    bco_loss(&pol, &refl, &desirable, beta, delta)?
+                    let weights = self.udm_weights(part)?;
+                    if let Some(w) = &weights {
+                        let bad: Vec<f64> = w
+                            .iter()
+                            .zip(&desirable)
+                            .filter(|p| !*p.1)
+                            .map(|p| *p.0)
+                            .collect();
+                        if !bad.is_empty() {
+                            udm_weight += bad.iter().sum::<f64>() / bad.len() as f64 * share;
+                        }
+                    }
+                    bco_loss_weighted(&pol, &refl, &desirable, beta, delta, weights.as_deref())?
                 } else {
                     kto_loss(&pol, &refl, &desirable, kl, &cfg)?
                 };
@@ -1684,7 +1700,12 @@ impl Learner {
             // TRL's KTO metrics: means over the desirable and the undesirable rows.
             let [cr, cl, cn, rr, rl, rn] = kto_sums;
             match bco {
-                true => m.insert("delta".into(), bco_delta),
+                true => {
+                    if self.state.bco_udm.is_some() {
+                        m.insert("udm/rejected_weight".into(), udm_weight);
+                    }
+                    m.insert("delta".into(), bco_delta)
+                }
                 false => m.insert("kl".into(), kto_kl),
             };
             if cn > 0.0 {
@@ -1748,6 +1769,11 @@ pub fn run(
     let mut dpo_ref: HashMap<u64, (f64, f64)> = HashMap::new();
     let mut ends = StepEnd::begin(&setup.cfg, opts, callbacks, &learner, &run_dir)?;
     let outcome = (|| -> Result<()> {
+        if let Some((good, bad)) = learner.udm_fit(&setup).context(Stage::Learner)? {
+            eprintln!(
+                "BCO UDM classifier: accuracy {good:.3} on desirable prompts, {bad:.3} on undesirable ones"
+            );
+        }
         while let Some(batch) = loader.process().context(Stage::Data)? {
             let t0 = Instant::now();
             let rows = rows(&setup.cfg, &setup.tokenizer, &batch.samples).context(Stage::Data)?;
