@@ -219,6 +219,15 @@ fn resume_is_exact_and_the_checkpoint_holds_the_value_model() {
         compared += 1;
     }
     assert!(compared > 10, "{compared} weights compared");
+    // The saved value model is a reward model as the `reward_model` reward loads one.
+    let rm = grpo_rollout::scoring::ClassifierModel::load(
+        &ckpt.join("value_model"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let s = rm.scores(&[vec![5, 9, 2]]).unwrap();
+    assert!(s[0].iter().all(|x| x.is_finite()));
     // The trained value model as the next run's: a classifier directory; LoRA on the policy.
     let lora = format!(
         "{extra}value_model_name_or_path = \"{}\"\n[model.lora]\nr = 4\nlora_alpha = 8\n\

@@ -698,6 +698,50 @@ fn xpo_samples_policy_and_reference_through_the_openai_backend() {
     );
 }
 
+/// PPO with its samples from `grpo-cli serve` (`rollout.backend = "openai"`): the first step
+/// equals the local one (the same samples, scores, value loss and loss), and the value model
+/// trains through the remote run.
+#[test]
+fn ppo_samples_through_the_openai_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    let srv = serve(root);
+    let remote_extra = format!(
+        "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\nmodel = \"tiny\"\n",
+        srv.base_url()
+    );
+    let train = |out: &str, extra: &str| {
+        let mut c = config(root, out, extra);
+        c.algorithm = grpo_trainer::Algorithm::Ppo;
+        c.rollout.num_generations = 2;
+        c.train.per_device_train_batch_size = Some(4);
+        c.train.max_steps = Some(3);
+        c.optim.learning_rate = Some(1e-3);
+        c.validate().unwrap();
+        run_config(c)
+    };
+    let local = train("ppo-local", "");
+    let remote = train("ppo-remote", &remote_extra);
+    assert_eq!(remote.metrics.len(), 3);
+    let (l, r) = (&local.metrics[0], &remote.metrics[0]);
+    assert_eq!(l["objective/scores"], r["objective/scores"]);
+    for k in ["loss", "loss/value_avg"] {
+        assert!(
+            (l[k] - r[k]).abs() < 1e-4 * l[k].abs().max(1.0),
+            "first-step {k} {} vs {}",
+            l[k],
+            r[k]
+        );
+    }
+    assert!(
+        remote
+            .metrics
+            .iter()
+            .all(|m| m["loss"].is_finite() && m["grad_norm"] > 0.0)
+    );
+}
+
 /// IW-OPD with its teacher on a server (`[distillation.teacher_server]`): the teacher's
 /// log-probs come from `grpo-cli serve`'s `echo`, and the steps equal those with the same
 /// teacher loaded locally.
