@@ -15,7 +15,8 @@ pub struct ImportTrlArgs {
     /// Write the TOML here instead of printing it.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// The `trl` subcommand the recipe is for: grpo, rloo, sft, dpo, kto or reward.
+    /// The `trl` subcommand the recipe is for: grpo, rloo, sft, dpo, kto or reward; or ppo (TRL's
+    /// PPO example script's recipe).
     #[arg(long, default_value = "grpo")]
     pub trainer: String,
 }

@@ -648,3 +648,92 @@ fn rloo_recipes_translate_train_and_equal_trls_parse() {
         assert_eq!(trl["generation_batch_size"].as_u64(), Some(8));
     }
 }
+
+/// A recipe of TRL's PPO example script (`examples/scripts/ppo/ppo.py`: PPOConfig with
+/// `sft_model_path` and `reward_model_path`): PPO's keys carry over, the reward model scores
+/// and starts the value model, `total_episodes` gives the steps, the script's batch keys are
+/// noted; the translation trains.
+#[test]
+fn ppo_recipes_translate_and_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    workspace(d);
+    let m = grpo_rollout::load(
+        &d.join("model"),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let rm = m.model.into_sequence_classifier(7).unwrap();
+    grpo_rollout::save_hf_dir(&rm, &m.tokenizer, &d.join("rm"), candle_core::DType::F32).unwrap();
+    let recipe = "model_name_or_path: model\nsft_model_path: model\nreward_model_path: rm\n\
+                  dataset_name: math\noutput_dir: ppo-run\nper_device_train_batch_size: 2\n\
+                  gradient_accumulation_steps: 2\ntotal_episodes: 8\nnum_ppo_epochs: 2\n\
+                  kl_coef: 0.1\nkl_estimator: k3\nresponse_length: 8\ntemperature: 0.9\n\
+                  missing_eos_penalty: 1.0\nlocal_rollout_forward_batch_size: 1\n\
+                  num_sample_generations: 0\nstop_token: eos\nbf16: false\nsave_strategy: \"no\"\nlogging_steps: 1\n";
+    std::fs::write(d.join("ppo.yaml"), recipe).unwrap();
+    let out = cli(
+        d,
+        &[
+            "import-trl",
+            "ppo.yaml",
+            "--trainer",
+            "ppo",
+            "--out",
+            "ppo.toml",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let notes = stderr(&out);
+    for k in [
+        "stop_token",
+        "local_rollout_forward_batch_size",
+        "gradient_accumulation_steps",
+    ] {
+        assert!(notes.contains(k), "{k}: {notes}");
+    }
+    let cfg = grpo_trainer::config::load(&d.join("ppo.toml"), &[]).unwrap();
+    assert_eq!(cfg.algorithm, grpo_trainer::Algorithm::Ppo);
+    assert_eq!(cfg.train.prompts_per_step, 4);
+    assert_eq!(cfg.rollout.num_generations, 1);
+    assert_eq!(cfg.train.max_steps, Some(2)); // 8 episodes of 4
+    assert_eq!(
+        (cfg.rollout.max_completion_length, cfg.rollout.temperature),
+        (8, 0.9)
+    );
+    assert_eq!(cfg.ppo.num_ppo_epochs, 2);
+    assert_eq!(cfg.ppo.kl_coef, 0.1);
+    assert_eq!(cfg.ppo.kl_estimator, grpo_core::ppo::KlEstimator::K3);
+    assert_eq!(cfg.ppo.missing_eos_penalty, Some(1.0));
+    assert_eq!(
+        cfg.ppo.value_model_name_or_path.as_deref(),
+        Some(Path::new("rm"))
+    );
+    assert_eq!(cfg.learning_rate(), 3e-6); // PPOConfig's
+    let types: Vec<&str> = cfg.rewards.iter().map(|r| r.kind.type_name()).collect();
+    assert_eq!(types, ["reward_model"]);
+    let run = cli(d, &["train", "--config", "ppo.toml"]);
+    assert!(run.status.success(), "{}", stderr(&run));
+    let metrics = std::fs::read_to_string(d.join("ppo-run/metrics.jsonl")).unwrap();
+    assert_eq!(
+        metrics
+            .lines()
+            .filter(|l| l.contains("loss/value_avg"))
+            .count(),
+        2,
+        "{metrics}"
+    );
+    // Without a reward model there is nothing to score with.
+    std::fs::write(
+        d.join("norm.yaml"),
+        "model_name_or_path: model\ndataset_name: math\n",
+    )
+    .unwrap();
+    let out = cli(d, &["import-trl", "norm.yaml", "--trainer", "ppo"]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("reward_model_path"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -1,7 +1,7 @@
 //! A TRL recipe as a config of ours: the flat YAML `trl grpo --config recipe.yaml` reads
 //! (`GRPOConfig` with its `TrainingArguments`, `ModelConfig`, `ScriptArguments` and
 //! `GRPOScriptArguments`; or `trl rloo`'s `RLOOConfig`, `trl sft`'s `SFTConfig`, `trl dpo`'s
-//! `DPOConfig`, `trl kto`'s `KTOConfig`, `trl reward`'s `RewardConfig`) translated key by key into the sections of a `grpo-cli train` config,
+//! `DPOConfig`, `trl kto`'s `KTOConfig`, `trl reward`'s `RewardConfig`, or the `PPOConfig` of TRL's PPO example script) translated key by key into the sections of a `grpo-cli train` config,
 //! with TRL's defaults written out where ours differ, and a note for every key that has no
 //! place here and why.
 //!
@@ -196,6 +196,56 @@ pub const REWARD: &[(&str, &str)] = &[
     ("chat_template_path", "model.chat_template_path"),
 ];
 
+/// PPOConfig's keys with a place here (TRL's experimental PPOTrainer, as its example script
+/// `examples/scripts/ppo/ppo.py` reads them).
+pub const PPO: &[(&str, &str)] = &[
+    ("num_ppo_epochs", "ppo.num_ppo_epochs"),
+    ("num_mini_batches", "ppo.num_mini_batches"),
+    ("whiten_rewards", "ppo.whiten_rewards"),
+    ("kl_coef", "ppo.kl_coef"),
+    ("kl_estimator", "ppo.kl_estimator"),
+    ("cliprange", "ppo.cliprange"),
+    ("vf_coef", "ppo.vf_coef"),
+    ("cliprange_value", "ppo.cliprange_value"),
+    ("gamma", "ppo.gamma"),
+    ("lam", "ppo.lam"),
+    ("missing_eos_penalty", "ppo.missing_eos_penalty"),
+    ("response_length", "rollout.max_completion_length"),
+    ("temperature", "rollout.temperature"),
+];
+
+/// PPOConfig's keys with no place here, and why.
+const PPO_DROPPED: &[(&str, &str)] = &[
+    (
+        "local_rollout_forward_batch_size",
+        "the rollout's forwards run per micro-batch (train.per_device_train_batch_size)",
+    ),
+    (
+        "num_sample_generations",
+        "completions are logged every step (train.log_completions)",
+    ),
+    ("stop_token", "generation stops at the model's EOS"),
+    ("stop_token_id", "generation stops at the model's EOS"),
+    ("dataset_num_proc", "rows are tokenised as they are read"),
+    ("exp_name", "the run is named by output_dir"),
+    ("model_adapter_name", "one adapter per run"),
+    (
+        "ref_adapter_name",
+        "the reference is the base with the adapter off",
+    ),
+    ("world_size", "one process"),
+    ("num_total_batches", "computed from total_episodes"),
+    ("micro_batch_size", "computed"),
+    ("local_batch_size", "computed"),
+    ("batch_size", "computed"),
+    ("local_mini_batch_size", "computed"),
+    ("mini_batch_size", "computed"),
+    (
+        "max_steps",
+        "PPOConfig trains for total_episodes (or num_train_epochs), not max_steps",
+    ),
+];
+
 /// Which TRL trainer's recipe (`trl grpo`, `trl sft`, `trl dpo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Trainer {
@@ -212,6 +262,9 @@ pub enum Trainer {
     Kto,
     /// `trl reward`: RewardConfig.
     Reward,
+    /// PPOConfig, as TRL's example script `examples/scripts/ppo/ppo.py` reads it (there is no
+    /// `trl ppo` subcommand).
+    Ppo,
 }
 
 impl Trainer {
@@ -224,8 +277,9 @@ impl Trainer {
             "dpo" => Trainer::Dpo,
             "kto" => Trainer::Kto,
             "reward" => Trainer::Reward,
+            "ppo" => Trainer::Ppo,
             other => bail!(
-                "--trainer {other}: expected grpo, rloo, sft, dpo, kto or reward (the `trl` subcommand the recipe is for)"
+                "--trainer {other}: expected grpo, rloo, sft, dpo, kto, reward (the `trl` subcommand the recipe is for) or ppo (examples/scripts/ppo/ppo.py's recipe)"
             ),
         })
     }
@@ -239,6 +293,7 @@ impl Trainer {
             Trainer::Dpo => (DPO, false),
             Trainer::Kto => (KTO, false),
             Trainer::Reward => (REWARD, false),
+            Trainer::Ppo => (PPO, false),
         };
         let inherited = GRPO
             .iter()
@@ -504,6 +559,63 @@ fn grpo_batch(
     Ok(())
 }
 
+/// PPO's batch: a step is `per_device_train_batch_size × gradient_accumulation_steps` prompts,
+/// one completion each, in micro-batches of the first; `total_episodes` (completions in all)
+/// gives the steps, else `num_train_epochs` (TRL's `total_episodes = epochs × rows`).
+fn ppo_batch(
+    recipe: &Map<String, Value>,
+    tree: &mut Value,
+    notes: &mut Vec<(String, String)>,
+) -> Result<()> {
+    let get = |k: &str| recipe.get(k).filter(|v| !v.is_null());
+    let per_device = as_u64(get("per_device_train_batch_size")).unwrap_or(8);
+    let accumulation = as_u64(get("gradient_accumulation_steps")).unwrap_or(1);
+    let batch = per_device * accumulation;
+    set(tree, "train.prompts_per_step", json!(batch));
+    set(tree, "rollout.num_generations", json!(1));
+    if accumulation > 1 {
+        notes.push((
+            "gradient_accumulation_steps".into(),
+            format!(
+                "a step holds per_device_train_batch_size × gradient_accumulation_steps = {batch} prompts (train.prompts_per_step); its updates are ppo.num_mini_batches per epoch"
+            ),
+        ));
+    }
+    if let Some(e) = as_u64(get("total_episodes")).filter(|&e| e > 0) {
+        set(tree, "train.max_steps", json!(e.div_ceil(batch.max(1))));
+    }
+    Ok(())
+}
+
+/// PPO's models as TRL's example script loads them: the policy and its reference from
+/// `sft_model_path` (else `model_name_or_path`), the reward model and the value model's start
+/// from `reward_model_path`.
+fn ppo_models(
+    recipe: &Map<String, Value>,
+    tree: &mut Value,
+    notes: &mut Vec<(String, String)>,
+) -> Result<()> {
+    let get = |k: &str| recipe.get(k).and_then(Value::as_str);
+    if let Some(sft) = get("sft_model_path") {
+        set(tree, "model.path", json!(sft));
+        if get("model_name_or_path").is_some_and(|m| m != sft) {
+            notes.push((
+                "model_name_or_path".into(),
+                "the policy is sft_model_path, and its tokenizer is sft_model_path's (TRL's example reads the tokenizer from model_name_or_path)".into(),
+            ));
+        }
+    }
+    let Some(rm) = get("reward_model_path") else {
+        bail!(
+            "the recipe names no `reward_model_path` (PPOConfig's reward model, which TRL's example also starts the value model from): PPO needs one"
+        );
+    };
+    tree["reward_model_path"] = json!(rm);
+    tree["rewards"] = json!([{"type": "reward_model"}]);
+    set(tree, "ppo.value_model_name_or_path", json!(rm));
+    Ok(())
+}
+
 /// Translates a TRL recipe (the YAML's top-level table).
 pub fn translate(
     recipe: &Map<String, Value>,
@@ -530,6 +642,7 @@ pub fn translate(
         Trainer::Dpo => tree["algorithm"] = json!("dpo"),
         Trainer::Kto => tree["algorithm"] = json!("kto"),
         Trainer::Reward => tree["algorithm"] = json!("reward"),
+        Trainer::Ppo => tree["algorithm"] = json!("ppo"),
     }
     for (trl, why) in DROPPED {
         if get(trl).is_some() {
@@ -605,6 +718,7 @@ pub fn translate(
         let lr = match trainer {
             Trainer::Sft => 2e-5,
             Trainer::Reward => 1e-4,
+            Trainer::Ppo => 3e-6,
             _ => 1e-6,
         };
         set(&mut tree, "optim.learning_rate", json!(lr));
@@ -649,7 +763,10 @@ pub fn translate(
     }
     handled.push("warmup_steps");
 
-    if generates {
+    if trainer == Trainer::Ppo {
+        ppo_batch(recipe, &mut tree, &mut notes)?;
+        handled.extend(["total_episodes", "num_train_epochs"]);
+    } else if generates {
         grpo_batch(
             recipe,
             &mut tree,
@@ -918,6 +1035,16 @@ pub fn translate(
         "datasets",
     ]);
 
+    if trainer == Trainer::Ppo {
+        ppo_models(recipe, &mut tree, &mut notes)?;
+        handled.extend(["sft_model_path", "reward_model_path"]);
+        for (trl, why) in PPO_DROPPED {
+            if get(trl).is_some() {
+                notes.push(((*trl).to_string(), (*why).to_string()));
+                handled.push(trl);
+            }
+        }
+    }
     // Rewards: reward_funcs and reward_model_name_or_path, as `trl grpo` builds them.
     if !generates {
         for k in recipe.keys() {
