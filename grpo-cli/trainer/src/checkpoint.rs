@@ -265,21 +265,7 @@ impl Learner {
                     .collect()
             }
         };
-        for (k, var) in self.opt.vars() {
-            let t = weights
-                .get(k)
-                .with_context(|| format!("{}: checkpoint has no weight `{k}`", dir.display()))?;
-            if t.dims() != var.dims() {
-                bail!(
-                    "{}: `{k}` has shape {:?}, the model's is {:?}",
-                    dir.display(),
-                    t.dims(),
-                    var.dims()
-                );
-            }
-            // Each variable keeps its own dtype (an f32 head beside bf16 layers).
-            var.set(&t.to_dtype(var.dtype())?)?;
-        }
+        set_vars(self.opt.vars(), &weights, dir)?;
         // Tied heads: the model shares the embedding tensor with its var, so nothing else to do.
         self.opt.load(&dir.join(OPT_FILE))?;
         if let Some(b) = self.bema.as_mut() {
@@ -318,6 +304,31 @@ impl Learner {
         };
         Ok(())
     }
+}
+
+/// Sets each variable of `vars` to its weight in `weights` (read from checkpoint `dir`), each
+/// kept in its own dtype (an f32 head beside bf16 layers); a missing weight or another shape is
+/// an error naming `dir`.
+pub(crate) fn set_vars(
+    vars: &[(String, candle_core::Var)],
+    weights: &HashMap<String, Tensor>,
+    dir: &Path,
+) -> Result<()> {
+    for (k, var) in vars {
+        let t = weights
+            .get(k)
+            .with_context(|| format!("{}: checkpoint has no weight `{k}`", dir.display()))?;
+        if t.dims() != var.dims() {
+            bail!(
+                "{}: `{k}` has shape {:?}, the model's is {:?}",
+                dir.display(),
+                t.dims(),
+                var.dims()
+            );
+        }
+        var.set(&t.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
 }
 
 /// A checkpoint's `trainer_state.json`.

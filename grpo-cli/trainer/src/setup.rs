@@ -672,6 +672,13 @@ pub fn setup_with(
     })
 }
 
+/// Whether two tokenizers encode a probe text alike: a second model that reads the policy's
+/// token ids (a distillation teacher, PPO's value model) must share its tokenizer.
+fn encode_alike(a: &Tokenizer, b: &Tokenizer) -> Result<bool> {
+    let probe = "The two models read the same tokens: 12 + 30 = 42.";
+    Ok(a.encode(probe, false)? == b.encode(probe, false)?)
+}
+
 /// PPO's value model: `ppo.value_model_name_or_path` (a sequence classifier as saved, a causal
 /// LM with a fresh one-label head), else the policy's model with a fresh head; on the policy's
 /// device and in its dtype, every weight trainable. It reads the policy's tokens, so its
@@ -690,8 +697,7 @@ fn value_model(
                     first_line(&e.to_string())
                 )
             })?;
-            let probe = "The value model reads the policy's tokens: 12 + 30 = 42.";
-            if loaded.tokenizer.encode(probe, false)? != tokenizer.encode(probe, false)? {
+            if !encode_alike(&loaded.tokenizer, tokenizer)? {
                 bail!(
                     "ppo.value_model_name_or_path {}: its tokenizer encodes text differently from \
                      the policy's (the value model reads the policy's tokens)",
@@ -785,8 +791,7 @@ fn distillation_teacher(
             path.display()
         );
     }
-    let probe = "The teacher and the student read the same tokens: 12 + 30 = 42.";
-    if teacher.tokenizer.encode(probe, false)? != tokenizer.encode(probe, false)? {
+    if !encode_alike(&teacher.tokenizer, tokenizer)? {
         bail!(
             "distillation teacher {}: its tokenizer encodes text differently from the student's \
              (the teacher scores the student's tokens, so they must share a tokenizer)",

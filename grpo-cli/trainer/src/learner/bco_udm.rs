@@ -22,24 +22,16 @@ impl Learner {
         if self.udm_embedder.is_none() || self.state.bco_udm.is_some() {
             return Ok(None);
         }
-        let sc = grpo_data::StreamConfig {
-            seed: self.cfg.train.seed,
-            shuffle: false,
-            batch_size: self.cfg.train.prompts_per_step.max(1),
-            epochs: Some(1),
-            ..Default::default()
-        };
-        let mut stream =
-            grpo_data::SampleStream::new(setup.train.clone(), sc).map_err(|e| anyhow!("{e}"))?;
-        let (mut good, mut bad): (Vec<Vec<u32>>, Vec<Vec<u32>>) = (Vec::new(), Vec::new());
-        while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("{e}"))? {
-            for r in super::supervised::rows(&self.cfg, &self.tokenizer, &samples)? {
-                match r.desirable {
-                    true => good.push(r.prompt),
-                    false => bad.push(r.prompt),
-                }
-            }
-        }
+        let samples = setup
+            .train
+            .head(setup.train.len() as usize)
+            .map_err(|e| anyhow!("training data: {e}"))?;
+        let (good, bad): (Vec<_>, Vec<_>) =
+            super::supervised::rows(&self.cfg, &self.tokenizer, &samples)?
+                .into_iter()
+                .partition(|r| r.desirable);
+        let good: Vec<Vec<u32>> = good.into_iter().map(|r| r.prompt).collect();
+        let bad: Vec<Vec<u32>> = bad.into_iter().map(|r| r.prompt).collect();
         if good.is_empty() || bad.is_empty() {
             anyhow::bail!(
                 "bco.embedding_model_name_or_path: UDM needs desirable and undesirable rows, the \

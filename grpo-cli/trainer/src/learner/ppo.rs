@@ -53,21 +53,7 @@ impl Critic {
         let m = &self.model.model;
         let weights = grpo_rollout::loader::read_model_weights(&d, &m.cfg, m.dtype(), m.device())
             .with_context(|| format!("{}: cannot read PPO's value model", d.display()))?;
-        let weights: HashMap<String, Tensor> = weights.into_iter().collect();
-        for (k, var) in &self.model.vars {
-            let t = weights
-                .get(k)
-                .with_context(|| format!("{}: no weight `{k}`", d.display()))?;
-            if t.dims() != var.dims() {
-                bail!(
-                    "{}: `{k}` has shape {:?}, the value model's is {:?}",
-                    d.display(),
-                    t.dims(),
-                    var.dims()
-                );
-            }
-            var.set(&t.to_dtype(var.dtype())?)?;
-        }
+        crate::checkpoint::set_vars(&self.model.vars, &weights.into_iter().collect(), &d)?;
         self.opt.load(&dir.join(VALUE_OPT_FILE))
     }
 
@@ -108,6 +94,11 @@ impl Critic {
 }
 
 impl Learner {
+    /// PPO's critic (a PPO learner always has one).
+    fn critic(&self) -> Result<&Critic> {
+        self.critic.as_ref().context("PPO needs its value model")
+    }
+
     /// The critic from the setup's value model, with an optimizer like the policy's.
     pub(crate) fn critic_of(setup: &crate::setup::Setup) -> Result<Option<Critic>> {
         let Some(model) = setup.value_model.clone() else {
@@ -128,13 +119,8 @@ impl Learner {
         let step = s.rollouts.batch.step;
         let c = self.cfg.ppo.clone();
         let pad = self.tokenizer.pad_token_id;
-        let eos = self.tokenizer.eos_token_ids.clone();
         let n = batch.completions.len();
-        let has_eos: Vec<bool> = batch
-            .completions
-            .iter()
-            .map(|x| x.iter().any(|t| eos.contains(t)))
-            .collect();
+        let has_eos = super::online_dpo::contains_eos(&batch, &self.tokenizer.eos_token_ids);
         let scores: Vec<f32> = (0..n)
             .map(|i| {
                 let r = s.scores.rewards.get(i).copied().unwrap_or(f32::NAN);
@@ -148,7 +134,7 @@ impl Learner {
         // The rollout's log-probs and values, no graph.
         let frozen = self.policy.model.detached();
         let (mut old, mut refs, mut values) = (Vec::new(), Vec::new(), Vec::new());
-        let critic = self.critic.as_ref().context("PPO needs its value model")?;
+        let critic = self.critic()?;
         for &(a, b) in &batch.chunks {
             let (p, cc) = (&batch.prompts[a..b], &batch.completions[a..b]);
             for (model, out) in [(&frozen, &mut old), (&reference, &mut refs)] {
@@ -198,7 +184,7 @@ impl Learner {
                     let out = self.ppo_part(&batch, rows, &targets, &old_t)?;
                     let loss = (out.0.loss.clone() / parts)?;
                     losses.push(loss.detach().to_dtype(DType::F64)?);
-                    let critic = self.critic.as_ref().context("PPO needs its value model")?;
+                    let critic = self.critic()?;
                     let grads = Transformer::backward_through(
                         &loss,
                         &[&self.policy.model, &critic.model.model],
@@ -268,8 +254,9 @@ impl Learner {
         let completions: Vec<&[u32]> = rows.iter().map(|&i| batch.completions[i]).collect();
         let (lp, ent, w) = self.logps(&self.policy.model, &prompts, &completions, true)?;
         let lp = lp.pad_with_zeros(1, 0, width - w)?;
-        let critic = self.critic.as_ref().context("PPO needs its value model")?;
-        let v = critic.values(batch, rows, width, self.tokenizer.pad_token_id)?;
+        let v = self
+            .critic()?
+            .values(batch, rows, width, self.tokenizer.pad_token_id)?;
         let idx = Tensor::from_vec(
             rows.iter().map(|&i| i as u32).collect::<Vec<_>>(),
             rows.len(),
