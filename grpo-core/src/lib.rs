@@ -17,6 +17,8 @@
 //!   CPO's) and the reward model's Bradley-Terry loss, with TRL's metrics;
 //!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD);
 //!   [`uld`] GOLD's universal logit distillation for a teacher with another tokenizer.
+//! * [`estimators`] holds verl's advantage estimators on plain slices (REINFORCE++ and its
+//!   baseline, OPO, GRPO pass@k, GPG) and its in-reward KL penalty with the adaptive controller.
 //! * [`ppo`] is PPO with a value model (TRL's experimental `PPOTrainer`): per-token rewards,
 //!   GAE and whitening on plain slices, the clipped policy and value losses on tensors.
 //! * [`udm`] is BCO's underlying distribution matching: a balanced logistic regression of
@@ -78,6 +80,7 @@ pub mod advantages;
 pub mod cuda;
 #[cfg(feature = "candle")]
 pub mod distill;
+pub mod estimators;
 #[cfg(feature = "candle")]
 pub mod fused;
 #[cfg(feature = "candle")]

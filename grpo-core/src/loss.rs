@@ -214,7 +214,7 @@ pub struct LossConfig {
     /// KL coefficient; default 0.0 (no reference model needed).
     pub beta: f64,
     /// Multiply the KL estimate by the importance ratio (TRL's `use_bias_correction_kl`);
-    /// default true.
+    /// default false, as TRL's.
     pub kl_importance_correction: bool,
     /// Token or sequence ratios; default token.
     pub importance_sampling_level: ImportanceSamplingLevel,
@@ -253,7 +253,7 @@ impl Default for LossConfig {
             epsilon_high: 0.2,
             delta: None,
             beta: 0.0,
-            kl_importance_correction: true,
+            kl_importance_correction: false,
             importance_sampling_level: ImportanceSamplingLevel::Token,
             max_completion_length: 512,
             sapo_temperature_pos: 1.0,
@@ -1369,7 +1369,7 @@ mod tests {
         let c = LossConfig::default();
         assert_eq!(c.loss_type, LossType::Dapo);
         assert_eq!((c.epsilon_low, c.epsilon_high, c.beta), (0.2, 0.2, 0.0));
-        assert!(c.kl_importance_correction);
+        assert!(!c.kl_importance_correction);
         assert_eq!(c.importance_sampling_level, ImportanceSamplingLevel::Token);
         assert_eq!(c.delta, None);
     }

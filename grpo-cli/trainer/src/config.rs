@@ -2552,7 +2552,7 @@ impl Default for LossSection {
             epsilon_high: None,
             delta: None,
             importance_sampling_level: ImportanceSamplingLevel::Token,
-            use_bias_correction_kl: true,
+            use_bias_correction_kl: false,
             scale_rewards: ScaleRewards::Group,
             multi_objective_aggregation: MultiObjectiveAggregation::SumThenNormalize,
             use_leave_one_out_baseline: false,

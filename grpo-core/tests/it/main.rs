@@ -4,6 +4,7 @@
 
 mod distill;
 mod dpo_variants;
+mod estimators;
 mod gmpo;
 mod loss_variants;
 mod minillm;
