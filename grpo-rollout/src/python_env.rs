@@ -110,6 +110,7 @@ fn load_class(
             python: config.python.clone(),
             timeout: config.timeout,
             init: None,
+            signature: Default::default(),
         },
         kind,
         workers,

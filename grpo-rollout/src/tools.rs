@@ -620,6 +620,7 @@ mod configured {
                     python: c.python.clone(),
                     timeout: c.timeout,
                     init: None,
+                    signature: Default::default(),
                 },
                 PythonKind::Tool,
                 workers,

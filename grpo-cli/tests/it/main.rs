@@ -29,4 +29,5 @@ mod ssd;
 mod supervised;
 mod train;
 mod trl_trainers;
+mod verl;
 mod xpo_nash_md;

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
+use grpo_core::estimators::{AdvEstimator, KlController, KlPenalty};
 use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
 use grpo_core::preference::{
     CpoConfig, CpoLossType, DpoConfig, DpoLossType, FDivergence, KtoConfig, KtoLossType,
@@ -2542,6 +2543,66 @@ pub struct LossSection {
     /// absent: the model config's `router_aux_loss_coef` (0.001 by default), 0: off. An error
     /// on a model without experts.
     pub router_aux_loss_coef: Option<f64>,
+    /// verl's `algorithm.adv_estimator`: grpo (default: TRL's group advantages, with
+    /// `scale_rewards`) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo |
+    /// grpo_passk | gpg (grpo-core's `estimators`; `algorithm = "grpo"`).
+    pub adv_estimator: AdvEstimator,
+    /// verl's `algorithm.gamma`: REINFORCE++'s discount per token (default 1).
+    pub gamma: f64,
+    /// verl's `algorithm.use_kl_in_reward`: each token's reward is `−β · KL(π_old ‖ π_ref)`,
+    /// the completion's score added on its last token, before the advantages (β from
+    /// `kl_ctrl`; needs the reference model, which is loaded for it).
+    pub use_kl_in_reward: bool,
+    /// verl's `algorithm.kl_penalty`: kl (default) | abs | mse | low_var_kl.
+    pub kl_penalty: KlPenalty,
+    /// verl's `algorithm.kl_ctrl`: the in-reward KL coefficient, fixed or adaptive.
+    pub kl_ctrl: KlCtrlSection,
+}
+
+/// `[loss.kl_ctrl]`: verl's `algorithm.kl_ctrl` (the in-reward KL coefficient).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KlCtrlSection {
+    /// fixed (default) | adaptive.
+    #[serde(rename = "type")]
+    pub kind: KlCtrlKind,
+    /// β at the start (default 0.001).
+    pub kl_coef: f64,
+    /// The adaptive controller's target KL (default 0.1).
+    pub target_kl: f64,
+    /// The adaptive controller's horizon in completions (default 10000).
+    pub horizon: f64,
+}
+
+/// Whether the in-reward KL coefficient moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlCtrlKind {
+    /// β stays `kl_coef`.
+    Fixed,
+    /// β moves toward `target_kl` (Ziegler et al. 2019).
+    Adaptive,
+}
+
+impl Default for KlCtrlSection {
+    fn default() -> Self {
+        Self {
+            kind: KlCtrlKind::Fixed,
+            kl_coef: 0.001,
+            target_kl: 0.1,
+            horizon: 10000.0,
+        }
+    }
+}
+
+impl KlCtrlSection {
+    /// The controller at the run's start.
+    pub fn controller(&self) -> KlController {
+        KlController {
+            value: self.kl_coef,
+            adaptive: (self.kind == KlCtrlKind::Adaptive).then_some((self.target_kl, self.horizon)),
+        }
+    }
 }
 
 impl Default for LossSection {
@@ -2578,6 +2639,11 @@ impl Default for LossSection {
             entropy_coef_delta: 0.005,
             entropy_target: 0.2,
             router_aux_loss_coef: None,
+            adv_estimator: AdvEstimator::Grpo,
+            gamma: 1.0,
+            use_kl_in_reward: false,
+            kl_penalty: KlPenalty::Kl,
+            kl_ctrl: KlCtrlSection::default(),
         }
     }
 }
@@ -3167,6 +3233,7 @@ impl TrainConfig {
                     .into(),
             );
         }
+        self.check_estimator()?;
         if self.loss.replay_buffer_size > 0 && self.algorithm != Algorithm::Grpo {
             return Err(format!(
                 "`loss.replay_buffer_size` replays groups of GRPO's loss (TRL's GRPOWithReplayBufferTrainer); algorithm `{}` has no place for them: leave it at 0",
@@ -4027,6 +4094,74 @@ impl TrainConfig {
 
     /// PPO's settings: `[ppo]`'s values, its batch split into mini-batches, and what its
     /// step does not take (GRPO's KL weight, passes and replay; episodes).
+    /// verl's estimators and in-reward KL (`loss.adv_estimator`, `loss.use_kl_in_reward`).
+    fn check_estimator(&self) -> std::result::Result<(), String> {
+        let l = &self.loss;
+        let est = l.adv_estimator;
+        let name = est.as_str();
+        if est == AdvEstimator::Grpo && !l.use_kl_in_reward {
+            return Ok(());
+        }
+        let what = match est {
+            AdvEstimator::Grpo => "`loss.use_kl_in_reward`".to_string(),
+            _ => format!("`loss.adv_estimator = \"{name}\"`"),
+        };
+        if self.algorithm != Algorithm::Grpo {
+            return Err(format!(
+                "{what} forms GRPO's advantages (verl's estimators): it needs algorithm = \"grpo\"; algorithm `{}` has its own",
+                self.algorithm.as_str()
+            ));
+        }
+        if est != AdvEstimator::Grpo {
+            if l.use_leave_one_out_baseline {
+                return Err(format!(
+                    "{what} and `loss.use_leave_one_out_baseline` are two different baselines: choose one (verl's leave-one-out is adv_estimator = \"rloo\")"
+                ));
+            }
+            if l.multi_objective_aggregation == MultiObjectiveAggregation::NormalizeThenSum {
+                return Err(format!(
+                    "{what} reads the combined reward; `loss.multi_objective_aggregation = \"normalize_then_sum\"` is another advantage: choose one"
+                ));
+            }
+        }
+        if l.replay_buffer_size > 0 {
+            return Err(format!(
+                "{what} and `loss.replay_buffer_size` do not combine: the replay buffer reuses TRL's group advantages"
+            ));
+        }
+        if est == AdvEstimator::GrpoPassk && l.scale_rewards == ScaleRewards::Batch {
+            return Err("`loss.adv_estimator = \"grpo_passk\"` divides by its group's std (`scale_rewards = \"group\"`) or by nothing (`\"none\"`), not by the batch's".into());
+        }
+        if !(l.gamma.is_finite() && (0.0..=1.0).contains(&l.gamma)) {
+            return Err(format!("`loss.gamma` must be in [0, 1], got {}", l.gamma));
+        }
+        let varies = l.use_kl_in_reward && est.per_token() || est.per_token() && l.gamma != 1.0;
+        if varies && matches!(l.loss_type, LossType::Gmpo | LossType::Vespo) {
+            return Err(format!(
+                "{what} gives each token its own advantage; `loss.loss_type = \"{}\"` weighs whole sequences and takes one per completion",
+                l.loss_type.as_str()
+            ));
+        }
+        if l.use_kl_in_reward {
+            let k = &l.kl_ctrl;
+            if !(k.kl_coef.is_finite() && k.kl_coef >= 0.0) {
+                return Err(format!(
+                    "`loss.kl_ctrl.kl_coef` must be >= 0, got {}",
+                    k.kl_coef
+                ));
+            }
+            if k.kind == KlCtrlKind::Adaptive
+                && !(k.target_kl > 0.0 && k.horizon > 0.0 && k.target_kl.is_finite())
+            {
+                return Err(format!(
+                    "`loss.kl_ctrl` adaptive needs target_kl > 0 and horizon > 0, got {} and {}",
+                    k.target_kl, k.horizon
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn check_ppo(&self) -> std::result::Result<(), String> {
         self.ppo.validate()?;
         if self.reference.beta != 0.0 {

@@ -576,6 +576,7 @@ pub fn setup_with(
         )
         || cfg.algorithm.is_online_dpo()
         || (cfg.algorithm == Algorithm::Rloo && cfg.rloo.beta > 0.0)
+        || (cfg.algorithm == Algorithm::Grpo && cfg.loss.use_kl_in_reward)
         || cfg.algorithm == Algorithm::Ppo
     {
         Some(match &cfg.model.lora {

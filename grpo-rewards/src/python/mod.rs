@@ -98,6 +98,29 @@ pub struct PythonConfig {
     /// `get_soft_overlong_punishment(...)`). `None` = `function` is the reward itself.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init: Option<Value>,
+    /// How the function is called: `trl` (default; TRL's batched `f(prompts=...,
+    /// completions=..., **columns)`) or `verl` (verl's `compute_score(data_source,
+    /// solution_str, ground_truth, extra_info)` once per completion, `ground_truth` from the
+    /// row's `reward_model.ground_truth`; a dict answer's `"score"` is the reward).
+    #[serde(default, skip_serializing_if = "Signature::is_trl")]
+    pub signature: Signature,
+}
+
+/// How a [`PythonConfig`] function is called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Signature {
+    /// TRL's reward functions: one batched call.
+    #[default]
+    Trl,
+    /// verl's `compute_score`: one call per completion.
+    Verl,
+}
+
+impl Signature {
+    fn is_trl(&self) -> bool {
+        *self == Signature::Trl
+    }
 }
 
 fn default_python() -> String {
@@ -140,6 +163,8 @@ struct Target {
     kind: &'static str,
     /// An environment class's constructor keyword arguments, or a reward factory's.
     init: Value,
+    /// `Some("verl")`: verl's `compute_score` convention.
+    signature: Option<&'static str>,
 }
 
 impl Target {
@@ -204,6 +229,7 @@ impl Target {
             shown: shown.to_owned(),
             kind: "reward",
             init: config.init.clone().unwrap_or(Value::Null),
+            signature: (config.signature == Signature::Verl).then_some("verl"),
         })
     }
 }
@@ -529,6 +555,9 @@ struct CallRequest<'a> {
     /// The reward factory's keyword arguments (the worker finds the loaded function by them).
     #[serde(skip_serializing_if = "Value::is_null")]
     init: &'a Value,
+    /// `verl`: call the function as verl's `compute_score`, once per completion.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    signature: Option<&'static str>,
 }
 
 static NULL: FieldValue = FieldValue::Null;
@@ -586,6 +615,7 @@ impl<'a> CallRequest<'a> {
                         .collect()
                 }),
             init: &t.init,
+            signature: t.signature,
         }
     }
 }

@@ -69,6 +69,21 @@ class LoadError(Exception):
         self.field = field
 
 
+class VerlInputError(Exception):
+    """A batch or an answer that verl's convention cannot take (the message is the error)."""
+
+
+def as_object(v):
+    """A struct column's value: the dict its JSON text holds (the data loader passes nested
+    columns as JSON), else the value itself."""
+    if isinstance(v, str) and v[:1] in "{[":
+        try:
+            return json.loads(v)
+        except ValueError:
+            return v
+    return v
+
+
 def one_line(text, limit=400):
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -299,20 +314,31 @@ class Worker:
 
         kwargs["log_extra"] = log_extra
         kwargs["log_metric"] = log_metric
+        verl = req.get("signature") == "verl"
         try:
-            out = self.awaited(
-                f(
-                    prompts=req["prompts"],
-                    completions=req["completions"],
-                    completion_ids=req["completion_ids"],
-                    trainer_state=state,
-                    **kwargs,
+            if verl:
+                out = self.verl_call(f, req, kwargs, log_extra)
+            else:
+                out = self.awaited(
+                    f(
+                        prompts=req["prompts"],
+                        completions=req["completions"],
+                        completion_ids=req["completion_ids"],
+                        trainer_state=state,
+                        **kwargs,
+                    )
                 )
-            )
+        except VerlInputError as e:
+            return {"ok": False, "error": str(e)}
         except (Exception, SystemExit) as e:
             traceback_of("`%s` in %s" % (req["function"], req["path"]))
             text = "raised " + describe(e, files)
-            if isinstance(e, TypeError) and where(e, files) is None:
+            if verl and isinstance(e, TypeError) and where(e, files) is None:
+                text += (
+                    " (signature = \"verl\" calls f(data_source=..., solution_str=..., "
+                    "ground_truth=..., extra_info=...) once per completion)"
+                )
+            elif isinstance(e, TypeError) and where(e, files) is None:
                 text += (
                     " (reward functions are called as f(prompts=..., completions=..., "
                     "completion_ids=..., trainer_state=..., **columns): add **kwargs)"
@@ -323,6 +349,59 @@ class Worker:
             answer["extra"] = {k: [jsonable(v) for v in vs[:n]] for k, vs in extra.items()}
             answer["metrics"] = {k: sum(vs) / len(vs) for k, vs in metrics.items()}
         return answer
+
+    def verl_call(self, f, req, kwargs, log_extra):
+        """verl's reward-function convention (its reward managers' `compute_score`): one call per
+        completion, f(data_source=row["data_source"], solution_str=the completion's text,
+        ground_truth=row["reward_model"]["ground_truth"], extra_info=row["extra_info"]); a dict
+        answer gives its "score" and logs every key as a column."""
+        n = len(req["completions"])
+        rm = kwargs.get("reward_model")
+        gts = kwargs.get("ground_truth")
+        sources = kwargs.get("data_source")
+        infos = kwargs.get("extra_info")
+        out, columns = [], {}
+        for i in range(n):
+            c = req["completions"][i]
+            if isinstance(c, str):
+                text = c
+            else:  # conversational: the completion's messages' text, in order
+                text = "\n".join(str(m.get("content") or "") for m in c if isinstance(m, dict))
+            gt = None
+            row_rm = as_object(rm[i]) if rm is not None else None
+            if isinstance(row_rm, dict):
+                gt = row_rm.get("ground_truth")
+            elif gts is not None:
+                gt = gts[i]
+            if gt is None:
+                raise VerlInputError(
+                    "signature = \"verl\" passes the row's reward_model.ground_truth as ground_truth: "
+                    "completion %d's row has no `reward_model` column with a `ground_truth` (nor a "
+                    "`ground_truth` column)" % i
+                )
+            info = as_object(infos[i]) if infos is not None else None
+            info = info if isinstance(info, dict) else {}
+            r = self.awaited(
+                f(
+                    data_source=sources[i] if sources is not None else None,
+                    solution_str=text,
+                    ground_truth=gt,
+                    extra_info=info,
+                )
+            )
+            if isinstance(r, dict):
+                if "score" not in r:
+                    raise VerlInputError(
+                        "returned a dict without \"score\" at sample %d (keys: %s); verl reads "
+                        "the reward from its \"score\"" % (i, ", ".join(map(str, r)))
+                    )
+                for k, v in r.items():
+                    columns.setdefault(str(k), [None] * n)[i] = v
+                r = r["score"]
+            out.append(r)
+        for k, column in columns.items():
+            log_extra(k, column)
+        return out
 
     def awaited(self, out):
         """`out`, run to its end on the worker's event loop when it is awaitable."""

@@ -627,3 +627,85 @@ fn overhead_per_call_for_256_completions() {
         );
     }
 }
+
+/// verl's reward-function convention (`signature = "verl"`): gsm8k's rule as verl writes it.
+const VERL_PY: &str = r#####"
+import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    m = re.findall(r"#### (\-?[0-9\.\,]+)", solution_str)
+    answer = m[-1].replace(",", "") if m else None
+    score = 1.0 if answer == ground_truth else 0.0
+    if data_source == "dict":
+        return {"score": score + extra_info["bonus"], "acc": answer == ground_truth, "pred": answer}
+    return score
+
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1}
+
+
+def trl_style(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+"#####;
+
+fn verl_spec(f: &Fixture, function: &str) -> Value {
+    let p = f.dir.path().join("verl_rewards.py");
+    std::fs::write(&p, VERL_PY).unwrap();
+    json!({"type": "python", "name": function, "path": p, "function": function,
+           "python": f.py, "signature": "verl"})
+}
+
+fn verl_row(completion: &str, source: &str, gt: &str, bonus: f64) -> RewardInput {
+    // Nested columns reach the rewards as their JSON text, as the data loader passes them.
+    RewardInput::new("q", completion)
+        .with_field("data_source", source)
+        .with_field(
+            "reward_model",
+            json!({"ground_truth": gt, "style": "rule"}).to_string(),
+        )
+        .with_field(
+            "extra_info",
+            json!({"bonus": bonus, "index": 1}).to_string(),
+        )
+}
+
+#[test]
+fn verls_compute_score_is_called_per_completion_with_the_rows_ground_truth() {
+    let Some(f) = Fixture::new() else { return };
+    let set = f.build(vec![verl_spec(&f, "compute_score")]).unwrap();
+    let b = vec![
+        verl_row("so #### 1,000", "openai/gsm8k", "1000", 0.0),
+        verl_row("#### 7 then #### 8", "openai/gsm8k", "7", 0.0),
+        verl_row("#### 3", "dict", "3", 0.25),
+        verl_row("no answer", "dict", "3", 0.5),
+    ];
+    let out = set.score(&b).unwrap();
+    assert_eq!(
+        out.per_function[0],
+        [Some(1.0), Some(0.0), Some(1.25), Some(0.5)]
+    );
+    // A dict's keys are logged as columns of its completion.
+    let info = out.info[0][2].as_ref().unwrap();
+    assert_eq!(info["acc"], json!(true));
+    assert_eq!(info["pred"], json!("3"));
+    assert_eq!(out.info[0][3].as_ref().unwrap()["pred"], Value::Null);
+    // A plain `ground_truth` column serves when there is no `reward_model`.
+    let row = RewardInput::new("q", "#### 4").with_field("ground_truth", "4");
+    assert_eq!(set.score(&[row]).unwrap().per_function[0], [Some(1.0)]);
+}
+
+#[test]
+fn verl_convention_failures_are_one_line() {
+    let Some(f) = Fixture::new() else { return };
+    let set = f.build(vec![verl_spec(&f, "compute_score")]).unwrap();
+    let e = set.score(&[RewardInput::new("q", "#### 4")]).unwrap_err();
+    assert!(one_line(&e).contains("no `reward_model` column"), "{e}");
+    let set = f.build(vec![verl_spec(&f, "no_score")]).unwrap();
+    let e = set.score(&[verl_row("x", "s", "1", 0.0)]).unwrap_err();
+    assert!(one_line(&e).contains("without \"score\""), "{e}");
+    let set = f.build(vec![verl_spec(&f, "trl_style")]).unwrap();
+    let e = set.score(&[verl_row("x", "s", "1", 0.0)]).unwrap_err();
+    assert!(one_line(&e).contains("once per completion"), "{e}");
+}

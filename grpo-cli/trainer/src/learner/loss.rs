@@ -94,7 +94,12 @@ impl Learner {
         // before its advantages (the penalty is in the reward), as TRL computes them.
         let rloo = self.cfg.algorithm == Algorithm::Rloo;
         let rloo_kl = rloo && self.cfg.rloo.beta > 0.0 && self.reference.is_some();
-        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1 || rloo_kl;
+        // verl's in-reward KL (and REINFORCE++'s discounted returns) are formed here, from the
+        // old and reference log-probs of the whole batch; the scorer's advantages serve otherwise.
+        let l = &self.cfg.loss;
+        let kl_in_reward = !rloo && l.use_kl_in_reward && self.reference.is_some();
+        let estimated_here = kl_in_reward || (l.adv_estimator.per_token() && l.gamma != 1.0);
+        let need_old = self.cfg.optim.num_iterations > 1 || updates > 1 || rloo_kl || kl_in_reward;
         let (old, refs) = self.frozen_logps(&batch, need_old)?;
         let (rloo_advantages, rloo_kl_mean) = match rloo {
             true => {
@@ -103,7 +108,30 @@ impl Learner {
             }
             false => (None, None),
         };
-        let advantages: &[f32] = rloo_advantages.as_deref().unwrap_or(&s.advantages);
+        let mut estimator_metrics = Vec::new();
+        let estimated = match estimated_here {
+            true => Some(self.estimated_advantages(
+                s,
+                &batch,
+                (&old, &refs),
+                kl_in_reward,
+                &mut estimator_metrics,
+            )?),
+            false => None,
+        };
+        let per_seq: Option<Vec<f32>> = match &estimated {
+            Some(rows) if !self.cfg.loss.adv_estimator.per_token() => Some(
+                rows.iter()
+                    .map(|r| r.iter().copied().find(|x| *x != 0.0).unwrap_or(0.0))
+                    .collect(),
+            ),
+            _ => None,
+        };
+        let advantages = match (&estimated, &per_seq) {
+            (_, Some(v)) => Adv::Seq(v),
+            (Some(rows), None) => Adv::Token(rows),
+            (None, None) => Adv::Seq(rloo_advantages.as_deref().unwrap_or(&s.advantages)),
+        };
         let mut off_policy = OffPolicyStats::default();
         let weights = match (correct, need_old) {
             (false, _) => Weights::None,
@@ -156,6 +184,7 @@ impl Learner {
         if let Some(kl) = rloo_kl_mean {
             m.insert("kl".into(), kl);
         }
+        m.extend(estimator_metrics);
         let generated = (!std::ptr::eq(fresh, s)).then(|| {
             StepBatch::new(
                 fresh,
@@ -174,6 +203,89 @@ impl Learner {
             &mut m,
         );
         Ok(m)
+    }
+
+    /// verl's advantages of the step's completions, per token (0 on an episode's environment
+    /// tokens): the token-level rewards (each completion's score on its last loss token, and
+    /// with `loss.use_kl_in_reward` `−β · KL(π_old ‖ π_ref)` on every loss token, β from the
+    /// KL controller, which then moves), then `loss.adv_estimator`. Adds verl's
+    /// `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff` metrics.
+    fn estimated_advantages(
+        &mut self,
+        s: &Scored,
+        batch: &StepBatch<'_>,
+        (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
+        kl_in_reward: bool,
+        metrics: &mut Vec<(String, f64)>,
+    ) -> Result<Vec<Vec<f32>>> {
+        use grpo_core::estimators::{EstimatorParams, apply_kl_penalty, estimate, score_rows};
+        let l = &self.cfg.loss;
+        // Each completion's loss-token positions (the model's tokens, dropped or not: the
+        // advantages are formed over the whole batch, as the scorer's are).
+        let positions: Vec<Vec<usize>> = (0..batch.lens.len())
+            .map(|i| {
+                (0..batch.lens[i])
+                    .filter(|&j| {
+                        batch.model_masks[i].is_none_or(|m| m.get(j).copied().unwrap_or(false))
+                    })
+                    .collect()
+            })
+            .collect();
+        let rows = match kl_in_reward {
+            false => {
+                let lens: Vec<usize> = positions.iter().map(Vec::len).collect();
+                score_rows(&s.scores.rewards, &lens)
+            }
+            true => {
+                let mut kls: Vec<Vec<f64>> = Vec::with_capacity(positions.len());
+                for (ci, &(a, b)) in batch.chunks.iter().enumerate() {
+                    let (Some(o), Some(r)) = (&old[ci], &refs[ci]) else {
+                        bail!("the in-reward KL needs the old and reference log-probs");
+                    };
+                    let o: Vec<Vec<f32>> = o.to_dtype(DType::F32)?.to_vec2()?;
+                    let r: Vec<Vec<f32>> = r.to_dtype(DType::F32)?.to_vec2()?;
+                    for (k, i) in (a..b).enumerate() {
+                        kls.push(
+                            positions[i]
+                                .iter()
+                                .map(|&j| l.kl_penalty.at(f64::from(o[k][j]), f64::from(r[k][j])))
+                                .collect(),
+                        );
+                    }
+                }
+                let mut ctrl = l.kl_ctrl.controller();
+                if let Some(v) = self.state.kl_ctrl_value {
+                    ctrl.value = v;
+                }
+                let (rows, current) = apply_kl_penalty(&s.scores.rewards, &kls, ctrl.value);
+                metrics.push(("actor/reward_kl_penalty".into(), current));
+                metrics.push(("actor/reward_kl_penalty_coeff".into(), ctrl.value));
+                ctrl.update(current, kls.len());
+                if ctrl.adaptive.is_some() {
+                    self.state.kl_ctrl_value = Some(ctrl.value);
+                }
+                rows
+            }
+        };
+        let params = EstimatorParams {
+            gamma: l.gamma,
+            scale_rewards: l.scale_rewards,
+        };
+        let g = self.cfg.rollout.num_generations.max(1);
+        let adv = estimate(l.adv_estimator, &rows, g, &params)
+            .map_err(|e| anyhow::anyhow!("loss.adv_estimator {}: {e}", l.adv_estimator.as_str()))?;
+        Ok(adv
+            .iter()
+            .zip(&positions)
+            .zip(&batch.lens)
+            .map(|((a, pos), &n)| {
+                let mut row = vec![0f32; n];
+                for (&j, &x) in pos.iter().zip(a) {
+                    row[j] = x as f32;
+                }
+                row
+            })
+            .collect())
     }
 
     /// TRL's RLOO advantages of the step's completions: the combined rewards, clipped to
@@ -311,7 +423,7 @@ impl Learner {
         range: std::ops::Range<usize>,
         updates: usize,
         (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
-        advantages: &[f32],
+        advantages: Adv<'_>,
         weights: &Weights,
         sums: &mut MeanOf,
         off_policy: &mut OffPolicyStats,
@@ -394,7 +506,16 @@ impl Learner {
                 Weights::Given(w) => w[ci].as_ref(),
                 _ => in_pass.as_ref(),
             };
-            let adv = Tensor::from_slice(&advantages[a..b], b - a, &self.device)?;
+            let adv = match advantages {
+                Adv::Seq(v) => Tensor::from_slice(&v[a..b], b - a, &self.device)?,
+                Adv::Token(rows) => {
+                    let mut flat = Vec::with_capacity((b - a) * width);
+                    for row in &rows[a..b] {
+                        flat.extend((0..width).map(|j| row.get(j).copied().unwrap_or(0.0)));
+                    }
+                    Tensor::from_vec(flat, (b - a, width), &self.device)?
+                }
+            };
             // MiniLLM: each token's reverse-KL advantage added to its completion's.
             let adv = match &token_advantages {
                 Some(t) => adv.to_dtype(t.dtype())?.unsqueeze(1)?.broadcast_add(t)?,
@@ -578,6 +699,14 @@ impl Learner {
 /// A 0-dimensional tensor as a `(1,)` f64 one (no gradient).
 fn wide_scalar(t: &Tensor) -> Result<Tensor> {
     Ok(t.detach().to_dtype(DType::F64)?.reshape(1)?)
+}
+
+/// The advantages the policy loss reads: one per completion, or one per token (REINFORCE++'s
+/// discounted returns), each completion's row as long as its tokens.
+#[derive(Clone, Copy)]
+enum Adv<'a> {
+    Seq(&'a [f32]),
+    Token(&'a [Vec<f32>]),
 }
 
 /// Where a step's importance-sampling weights come from.

@@ -87,6 +87,10 @@ pub struct TrainerState {
     /// step (TRL keeps it in `clf.pkl`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bco_udm: Option<grpo_core::udm::UdmClassifier>,
+    /// `loss.use_kl_in_reward` with an adaptive `loss.kl_ctrl`: the coefficient after the last
+    /// step (`None`: `kl_ctrl.kl_coef`, not yet moved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_ctrl_value: Option<f64>,
 }
 
 /// Computes the loss and updates the weights; its state is what checkpoints hold.

@@ -10,6 +10,7 @@ use grpo_core::advantages::{
     MultiObjectiveAggregation, ScaleRewards, group_advantages, leave_one_out_normalized,
     normalize_then_sum_advantages, reward_stds,
 };
+use grpo_core::estimators::{AdvEstimator, EstimatorParams, estimate, score_rows};
 use grpo_data::Prompt;
 use grpo_rewards::builtin::{LanguageScorer, ScorerError};
 use grpo_rewards::{
@@ -23,6 +24,21 @@ use super::{Rollouts, Scored};
 use crate::setup::Setup;
 use crate::teacher::{TeacherLog, add_student_passes};
 
+/// Each completion's loss tokens: its tokens, or an episode's model tokens.
+pub fn loss_token_counts(r: &Rollouts) -> Vec<usize> {
+    r.completions
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let n = c.token_ids.len();
+            match r.episodes.as_ref().and_then(|e| e.model_masks.get(i)) {
+                Some(m) => m.iter().take(n).filter(|&&x| x).count(),
+                None => n,
+            }
+        })
+        .collect()
+}
+
 /// The name of the environment's reward in a scored batch.
 pub const ENV_REWARD: &str = "env";
 
@@ -33,6 +49,10 @@ pub struct Scorer {
     scale_rewards: ScaleRewards,
     aggregation: MultiObjectiveAggregation,
     leave_one_out: bool,
+    /// verl's `adv_estimator` (`grpo`: the branches above).
+    estimator: AdvEstimator,
+    /// REINFORCE++'s discount.
+    gamma: f64,
     num_generations: usize,
     drop_zero_std: bool,
     seed: u64,
@@ -65,6 +85,8 @@ impl Scorer {
             scale_rewards: setup.cfg.loss.scale_rewards,
             aggregation: setup.cfg.loss.multi_objective_aggregation,
             leave_one_out: setup.cfg.loss.use_leave_one_out_baseline,
+            estimator: setup.cfg.loss.adv_estimator,
+            gamma: setup.cfg.loss.gamma,
             num_generations: setup.cfg.rollout.num_generations,
             drop_zero_std: setup.cfg.loss.drop_zero_std_groups,
             seed: setup.cfg.train.seed,
@@ -220,7 +242,20 @@ impl Scorer {
             log.write(&rollouts, inputs, &scores)?;
         }
         let g = self.num_generations;
-        let advantages = if self.leave_one_out {
+        let advantages = if self.estimator != AdvEstimator::Grpo {
+            // verl's estimators on each completion's score over its loss tokens (the learner
+            // forms them again when a KL penalty is in the reward or tokens differ).
+            let rows = score_rows(&scores.rewards, &loss_token_counts(&rollouts));
+            let params = EstimatorParams {
+                gamma: self.gamma,
+                scale_rewards: self.scale_rewards,
+            };
+            estimate(self.estimator, &rows, g, &params)
+                .map_err(|e| anyhow!("loss.adv_estimator {}: {e}", self.estimator.as_str()))?
+                .iter()
+                .map(|row| (row.iter().sum::<f64>() / row.len().max(1) as f64) as f32)
+                .collect()
+        } else if self.leave_one_out {
             let normalize = self.scale_rewards != ScaleRewards::None;
             leave_one_out_normalized(&scores.rewards, g, normalize)
         } else if self.aggregation == MultiObjectiveAggregation::NormalizeThenSum {

@@ -1,0 +1,237 @@
+//! verl's advantage estimators in the GRPO trainer (`loss.adv_estimator`) and its in-reward KL
+//! penalty (`loss.use_kl_in_reward`, `[loss.kl_ctrl]`): the scorer's advantages are grpo-core's
+//! estimators over each completion's score and tokens; the KL coefficient moves as verl's
+//! adaptive controller moves it, from the KL the run measured, and comes back on resume;
+//! REINFORCE++ with per-token advantages (discount and KL in the reward) raises the score it
+//! learns from; the refusals.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::path::Path;
+
+use grpo_core::advantages::ScaleRewards;
+use grpo_core::estimators::{AdvEstimator, EstimatorParams, estimate, score_rows};
+use grpo_trainer::config::{self, TrainConfig};
+use grpo_trainer::{self as trainer, FitOptions, GrpoTrainer, RunOptions};
+
+use crate::common::{self, Fixture, stopped_and_resumed};
+use crate::online_dpo::digits;
+
+fn fixture() -> Fixture {
+    Fixture::new().model("policy", 3).arithmetic(40)
+}
+
+fn config_text(root: &Path, out: &str, steps: usize, extra: &str) -> String {
+    format!(
+        r#"
+output_dir = "{out}"
+[model]
+path = "{model}"
+[data]
+path = ["{data}"]
+[rollout]
+num_generations = 4
+max_completion_length = 8
+[optim]
+learning_rate = 3e-3
+lr_scheduler_type = "constant"
+[train]
+max_steps = {steps}
+prompts_per_step = 3
+per_device_train_batch_size = 4
+save_steps = 2
+{extra}
+"#,
+        out = root.join(out).display(),
+        model = root.join("policy").display(),
+        data = root.join("arith.jsonl").display(),
+    )
+}
+
+fn load(root: &Path, out: &str, steps: usize, extra: &str) -> TrainConfig {
+    let p = root.join(format!("{out}.toml"));
+    std::fs::write(&p, config_text(root, out, steps, extra)).unwrap();
+    config::load(&p, &[]).unwrap()
+}
+
+const DIGIT: &str = "[[rewards]]\ntype = \"format\"\npattern = '(?s).*[0-9].*'\n";
+
+/// Each estimator's advantages, from the scorer, are grpo-core's on the step's rewards with
+/// each completion's tokens as its length (its score on the last one), in groups of
+/// `num_generations`; and they differ from TRL's GRPO advantages.
+#[test]
+fn the_scorer_gives_each_estimators_advantages() {
+    let f = fixture();
+    for est in [
+        AdvEstimator::Opo,
+        AdvEstimator::GrpoPassk,
+        AdvEstimator::Gpg,
+        AdvEstimator::ReinforcePlusPlusBaseline,
+        AdvEstimator::ReinforcePlusPlus,
+        AdvEstimator::Rloo,
+    ] {
+        let name = est.as_str();
+        // A reward that varies within groups: the share of digits.
+        let extra = format!(
+            "[[rewards]]\ntype = \"format\"\nname = \"first\"\npattern = '^[0-9]'\n[[rewards]]\ntype = \"format\"\nname = \"any\"\npattern = '(?s).*[0-9].*'\n[loss]\nadv_estimator = \"{name}\"\n"
+        );
+        let cfg = load(&f.root, name, 1, &extra);
+        let s = trainer::setup(cfg).unwrap();
+        let (_, sc) = common::first_scored_step(&s, &f.root.join(name));
+        let lens: Vec<usize> = sc
+            .rollouts
+            .completions
+            .iter()
+            .map(|c| c.token_ids.len())
+            .collect();
+        let rows = score_rows(&sc.scores.rewards, &lens);
+        let params = EstimatorParams {
+            gamma: 1.0,
+            scale_rewards: ScaleRewards::Group,
+        };
+        let want = estimate(est, &rows, 4, &params).unwrap();
+        assert_eq!(sc.advantages.len(), want.len());
+        for (i, (a, w)) in sc.advantages.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(*a) - w[0]).abs() < 1e-5,
+                "{name}: completion {i}: {a} vs {}",
+                w[0]
+            );
+        }
+        eprintln!("{name}: {:?}", sc.advantages);
+    }
+}
+
+/// With the KL in the reward and an adaptive controller, each step logs verl's
+/// `actor/reward_kl_penalty` (0 at the first step, where the policy is its reference, then
+/// positive) and the coefficient it used, which moves as verl's controller moves it from the
+/// step's KL and completions; a run stopped after 2 steps and resumed goes on with the moved
+/// coefficient and trains the same 4 steps.
+#[test]
+fn the_in_reward_kl_coefficient_moves_as_verls_and_resumes() {
+    let f = fixture();
+    let extra = format!(
+        "{DIGIT}[loss]\nadv_estimator = \"reinforce_plus_plus\"\ngamma = 0.9\nuse_kl_in_reward = true\nkl_penalty = \"low_var_kl\"\n[loss.kl_ctrl]\ntype = \"adaptive\"\nkl_coef = 0.05\ntarget_kl = 0.001\nhorizon = 100\n"
+    );
+    let whole = trainer::run(
+        trainer::setup(load(&f.root, "whole", 4, &extra)).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    let m = &whole.metrics;
+    assert_eq!(m[0]["actor/reward_kl_penalty"], 0.0, "{:?}", m[0]);
+    assert_eq!(m[0]["actor/reward_kl_penalty_coeff"], 0.05);
+    assert!(m[3]["actor/reward_kl_penalty"] > 0.0, "{:?}", m[3]);
+    // β ← β · (1 + clip(KL / target − 1, ±0.2) · n / horizon), n = 12 completions.
+    for s in 0..3 {
+        let (beta, kl) = (
+            m[s]["actor/reward_kl_penalty_coeff"],
+            m[s]["actor/reward_kl_penalty"],
+        );
+        let err = (kl / 0.001 - 1.0).clamp(-0.2, 0.2);
+        let want = beta * (1.0 + err * 12.0 / 100.0);
+        let got = m[s + 1]["actor/reward_kl_penalty_coeff"];
+        assert!((got - want).abs() < 1e-12, "step {s}: {got} vs {want}");
+    }
+    let mut cfg = load(&f.root, "parts", 4, &extra);
+    cfg.train.save_steps = 0;
+    let parts = stopped_and_resumed(2, |o| {
+        trainer::run(
+            trainer::setup(cfg.clone()).unwrap(),
+            &o,
+            &mut grpo_trainer::NoCallbacks,
+        )
+        .unwrap()
+    });
+    common::assert_same_steps(
+        m,
+        &parts,
+        &[
+            "loss",
+            "grad_norm",
+            "actor/reward_kl_penalty",
+            "actor/reward_kl_penalty_coeff",
+        ],
+    );
+}
+
+/// REINFORCE++ with a discount and the KL in the reward (each token its own advantage) raises
+/// the share of digits it is rewarded for.
+#[test]
+fn reinforce_plus_plus_with_token_advantages_learns() {
+    let f = fixture();
+    let mut cfg = load(
+        &f.root,
+        "learn",
+        20,
+        &format!(
+            "{DIGIT}[loss]\nadv_estimator = \"reinforce_plus_plus\"\ngamma = 0.95\nuse_kl_in_reward = true\n[loss.kl_ctrl]\nkl_coef = 0.01\n"
+        ),
+    );
+    cfg.rewards.clear();
+    cfg.train.save_steps = 0;
+    let mut t = GrpoTrainer::from_config(cfg).unwrap();
+    let r = t
+        .fit_with(FitOptions::default().reward("digits", 1.0, digits))
+        .unwrap();
+    let mean = |ms: &[grpo_trainer::Metrics]| {
+        ms.iter().map(|m| m["reward"]).sum::<f64>() / ms.len() as f64
+    };
+    let (first, last) = (mean(&r.metrics[..5]), mean(&r.metrics[15..]));
+    eprintln!("digit share {first} -> {last}");
+    assert!(last > first + 0.1, "digit share {first} -> {last}");
+}
+
+#[test]
+fn estimator_refusals_are_one_line() {
+    let f = fixture();
+    for (extra, want) in [
+        (
+            "algorithm = \"rloo\"\n[loss]\nadv_estimator = \"opo\"",
+            "needs algorithm = \"grpo\"",
+        ),
+        (
+            "[loss]\nadv_estimator = \"opo\"\nuse_leave_one_out_baseline = true",
+            "two different baselines",
+        ),
+        (
+            "[loss]\nadv_estimator = \"grpo_passk\"\nscale_rewards = \"batch\"",
+            "not by the batch's",
+        ),
+        (
+            "[loss]\nadv_estimator = \"reinforce_plus_plus\"\ngamma = 0.9\nloss_type = \"gmpo\"",
+            "takes one per completion",
+        ),
+        (
+            "[loss]\ngamma = 1.5\nadv_estimator = \"opo\"",
+            "`loss.gamma` must be in [0, 1]",
+        ),
+        (
+            "[loss]\nuse_kl_in_reward = true\n[loss.kl_ctrl]\ntype = \"adaptive\"\ntarget_kl = 0",
+            "target_kl > 0",
+        ),
+        (
+            "[loss]\nadv_estimator = \"remax\"",
+            "unknown adv_estimator `remax`",
+        ),
+        ("[loss]\nkl_penalty = \"full\"", "kl_penalty `full`"),
+        (
+            "[loss]\nadv_estimator = \"gpg\"\nreplay_buffer_size = 4",
+            "replay_buffer_size",
+        ),
+    ] {
+        // `algorithm` is a top-level key: it goes before the first section.
+        let text = match extra.strip_prefix("algorithm = \"rloo\"\n") {
+            Some(rest) => format!(
+                "algorithm = \"rloo\"\n{}",
+                config_text(&f.root, "bad", 1, rest)
+            ),
+            None => config_text(&f.root, "bad", 1, extra),
+        };
+        let p = f.root.join("bad.toml");
+        std::fs::write(&p, text).unwrap();
+        let e = format!("{:#}", config::load(&p, &[]).unwrap_err());
+        assert!(e.contains(want), "{extra}: {e}");
+        assert!(!e.trim_end().contains('\n'), "{e}");
+    }
+}
