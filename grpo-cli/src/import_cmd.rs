@@ -1,11 +1,13 @@
-//! `grpo-cli import-trl`: a TRL recipe (`trl grpo|sft|dpo --config recipe.yaml`) as a config of ours
-//! (grpo-trainer's `trl_import`), checked by loading it as `grpo-cli train` would.
+//! `grpo-cli import-trl` and `import-verl`: a TRL recipe (`trl grpo|sft|dpo --config recipe.yaml`)
+//! or a verl run (a `verl.trainer.main_ppo` launch script, or its config YAML) as a config of ours
+//! (grpo-trainer's `trl_import` and `verl_import`), checked by loading it as `grpo-cli train`
+//! would.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use grpo_trainer::trl_import;
+use grpo_trainer::{trl_import, verl_import};
 
 /// `grpo-cli import-trl`.
 #[derive(Debug, Args)]
@@ -32,17 +34,63 @@ pub fn import_trl(a: ImportTrlArgs) -> Result<()> {
     let imported = trl_import::translate(recipe, &base, trainer)
         .map_err(|e| anyhow::anyhow!("{}: {e:#}", a.recipe.display()))?;
     let text = trl_import::to_toml(&imported, &a.recipe.display().to_string())?;
+    write_checked(&imported, &text, &a.recipe, a.out.as_deref())
+}
+
+/// `grpo-cli import-verl`.
+#[derive(Debug, Args)]
+pub struct ImportVerlArgs {
+    /// The verl run: a shell script whose `python3 -m verl.trainer.main_ppo` command takes
+    /// `key=value` overrides, or a YAML (or JSON) of verl's config (a run's `.hydra/config.yaml`).
+    pub run: PathBuf,
+    /// Write the TOML here instead of printing it.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Runs `grpo-cli import-verl`.
+pub fn import_verl(a: ImportVerlArgs) -> Result<()> {
+    let env = |k: &str| std::env::var(k).ok();
+    let shown = a.run.display().to_string();
+    let ext = a.run.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let (overrides, mut notes) = if matches!(ext, "yaml" | "yml" | "json") {
+        let tree = grpo_trainer::config::read_tree(&a.run)?;
+        (verl_import::yaml_overrides(&tree), Vec::new())
+    } else {
+        let text = std::fs::read_to_string(&a.run)
+            .with_context(|| format!("{shown}: cannot read the script"))?;
+        verl_import::script_overrides(&text, &env).map_err(|e| anyhow::anyhow!("{shown}: {e:#}"))?
+    };
+    let mut imported =
+        verl_import::translate(&overrides, &env).map_err(|e| anyhow::anyhow!("{shown}: {e:#}"))?;
+    notes.append(&mut imported.notes);
+    imported.notes = notes;
+    let text = trl_import::render(
+        &imported,
+        &format!("Translated from the verl run {shown} by `grpo-cli import-verl`."),
+    )?;
+    write_checked(&imported, &text, &a.run, a.out.as_deref())
+}
+
+/// Checks `text` as `grpo-cli train` would load it, then writes it to `out` (the notes on
+/// stderr) or prints it.
+fn write_checked(
+    imported: &trl_import::Imported,
+    text: &str,
+    source: &std::path::Path,
+    out: Option<&std::path::Path>,
+) -> Result<()> {
     // What `grpo-cli train` would say of it (model and data are read when training starts).
-    let tree = grpo_trainer::config::parse_toml_tree(&text)?;
-    grpo_trainer::config::from_tree(tree, &a.recipe.display().to_string()).map_err(|e| {
+    let tree = grpo_trainer::config::parse_toml_tree(text)?;
+    grpo_trainer::config::from_tree(tree, &source.display().to_string()).map_err(|e| {
         anyhow::anyhow!(
             "{}: the translation is not a valid config: {e:#}",
-            a.recipe.display()
+            source.display()
         )
     })?;
-    match &a.out {
+    match out {
         Some(out) => {
-            std::fs::write(out, &text).with_context(|| format!("--out {}", out.display()))?;
+            std::fs::write(out, text).with_context(|| format!("--out {}", out.display()))?;
             for (k, why) in &imported.notes {
                 eprintln!("{k}: {why}");
             }

@@ -153,6 +153,9 @@ enum Command {
     Env(env_cmd::EnvArgs),
     /// Translate a TRL recipe (the YAML `trl grpo --config` reads) into a config of ours.
     ImportTrl(import_cmd::ImportTrlArgs),
+    /// Translate a verl run (a script running `python3 -m verl.trainer.main_ppo key=value ...`,
+    /// or a YAML of verl's config) into a config of ours.
+    ImportVerl(import_cmd::ImportVerlArgs),
     /// Score a file of completions with a config's rewards, without training.
     Score(score_cmd::ScoreArgs),
     /// Datasets: inspect a file, make synthetic data, benchmark reading.
@@ -221,6 +224,7 @@ fn dispatch(command: Option<Command>) -> Result<()> {
         Some(Command::Generate(a)) => model_cmd::generate(a),
         Some(Command::Env(a)) => env_cmd::env(a),
         Some(Command::ImportTrl(a)) => import_cmd::import_trl(a),
+        Some(Command::ImportVerl(a)) => import_cmd::import_verl(a),
         Some(Command::Score(a)) => score_cmd::score(a),
         Some(Command::Logprobs(a)) => model_cmd::logprobs(a),
         Some(Command::ChatTemplate(a)) => model_cmd::chat_template(a),

@@ -254,7 +254,7 @@ pub fn estimate(
     p: &EstimatorParams,
 ) -> Result<Vec<Vec<f64>>, String> {
     let g = group_size.max(1);
-    if rows.len() % g != 0 {
+    if !rows.len().is_multiple_of(g) {
         return Err(format!(
             "{} completions are not whole groups of {g}",
             rows.len()

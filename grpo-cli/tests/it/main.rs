@@ -13,6 +13,7 @@ mod export;
 mod faults;
 mod gold;
 mod import_trl;
+mod import_verl;
 mod iw_opd;
 mod merge;
 mod minillm;

@@ -56,6 +56,7 @@ mod step_end;
 pub mod teacher;
 mod trainer;
 pub mod trl_import;
+pub mod verl_import;
 
 pub use callbacks::{Callbacks, Metrics, NoCallbacks};
 pub use checkpoint::list_checkpoints;

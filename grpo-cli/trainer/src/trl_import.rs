@@ -1093,7 +1093,16 @@ pub fn translate(
 
 /// The translation as TOML: the notes as comments on top, the config below.
 pub fn to_toml(imported: &Imported, source: &str) -> Result<String> {
-    let mut out = format!("# Translated from the TRL recipe {source} by `grpo-cli import-trl`.\n");
+    render(
+        imported,
+        &format!("Translated from the TRL recipe {source} by `grpo-cli import-trl`."),
+    )
+}
+
+/// The translation as TOML under a `header` comment line: the notes as comments on top, the
+/// config below.
+pub fn render(imported: &Imported, header: &str) -> Result<String> {
+    let mut out = format!("# {header}\n");
     if imported.notes.is_empty() {
         out.push_str("# Every key carried over.\n");
     } else {

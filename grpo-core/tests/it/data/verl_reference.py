@@ -137,6 +137,7 @@ def main():
     mask = [[1 if t < n else 0 for t in range(T)] for n in lens]
     scores = [rnd.choice([0.0, 0.0, 1.0, 0.5, -0.25]) + round(rnd.uniform(-0.1, 0.1), 3) for _ in range(B)]
     scores[4:8] = [0.0, 0.0, 0.0, 0.0]  # a group of equal (zero) scores
+    scores = [round(s, 3) for s in scores]
     old = [[round(rnd.uniform(-3, -0.05), 3) for _ in range(T)] for _ in range(B)]
     ref = [[round(o + rnd.uniform(-0.6, 0.6), 3) for o in row] for row in old]
     # The reward manager's token-level scores: the score on the last response token.
