@@ -2,7 +2,7 @@
 //! plain slices: REINFORCE++ (discounted returns whitened over the batch's tokens), the
 //! REINFORCE++ baseline (group mean, then whitening), OPO (length-weighted group baseline),
 //! GRPO pass@k (only each group's best completion learns), GPG (group mean, scaled by the share
-//! of non-zero rewards), beside TRL's GRPO and RLOO advantages from [`crate::advantages`].
+//! of non-zero rewards), ReMax (returns minus the greedy completion's reward), beside TRL's GRPO and RLOO advantages from [`crate::advantages`].
 //!
 //! Every estimator reads *token-level rewards*: one row per completion, one value per loss
 //! token, the completion's score on its last token (verl's reward managers place it there) and,
@@ -48,11 +48,14 @@ pub enum AdvEstimator {
     GrpoPassk,
     /// GPG: `(r − mean_group) · N / #{r ≠ 0}` over the batch's `N` completions.
     Gpg,
+    /// ReMax: per token, the return `Σ_{k≥t} r_k` minus the reward of the prompt's greedy
+    /// completion ([`remax_advantages`]).
+    Remax,
 }
 
 impl AdvEstimator {
     /// Every estimator.
-    pub const ALL: [AdvEstimator; 7] = [
+    pub const ALL: [AdvEstimator; 8] = [
         Self::Grpo,
         Self::Rloo,
         Self::ReinforcePlusPlus,
@@ -60,6 +63,7 @@ impl AdvEstimator {
         Self::Opo,
         Self::GrpoPassk,
         Self::Gpg,
+        Self::Remax,
     ];
 
     /// verl's spelling.
@@ -72,13 +76,14 @@ impl AdvEstimator {
             Self::Opo => "opo",
             Self::GrpoPassk => "grpo_passk",
             Self::Gpg => "gpg",
+            Self::Remax => "remax",
         }
     }
 
-    /// Whether the advantages vary within a completion (REINFORCE++'s discounted returns of
-    /// token-level rewards); the others give every token of a completion the same advantage.
+    /// Whether the advantages may vary within a completion (REINFORCE++'s and ReMax's returns
+    /// of token-level rewards); the others give every token of a completion the same advantage.
     pub fn per_token(self) -> bool {
-        self == Self::ReinforcePlusPlus
+        matches!(self, Self::ReinforcePlusPlus | Self::Remax)
     }
 }
 
@@ -104,7 +109,7 @@ impl std::str::FromStr for AdvEstimator {
 #[cfg(feature = "serde")]
 crate::serde_by_name!(
     AdvEstimator,
-    "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk or gpg"
+    "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk, gpg or remax"
 );
 
 /// How verl estimates the per-token KL for the in-reward penalty (`algorithm.kl_penalty`),
@@ -224,6 +229,30 @@ pub fn score_rows(scores: &[f32], lens: &[usize]) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// ReMax's advantages: per token, the return `Σ_{k≥t} r_k` of the completion's token-level
+/// rewards minus `baselines[i]`, the reward of its prompt's greedy completion (one per row;
+/// verl's `compute_remax_outcome_advantage`, not whitened). A row or baseline that is NaN gets
+/// 0.
+pub fn remax_advantages(rows: &[Vec<f64>], baselines: &[f64]) -> Result<Vec<Vec<f64>>, String> {
+    if rows.len() != baselines.len() {
+        return Err(format!(
+            "remax: {} completions but {} baselines",
+            rows.len(),
+            baselines.len()
+        ));
+    }
+    Ok(rows
+        .iter()
+        .zip(baselines)
+        .map(
+            |(r, &b)| match r.iter().all(|x| !x.is_nan()) && !b.is_nan() {
+                true => discounted_returns(r, 1.0).iter().map(|g| g - b).collect(),
+                false => vec![0.0; r.len()],
+            },
+        )
+        .collect())
+}
+
 /// Settings the estimators read.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EstimatorParams {
@@ -246,7 +275,8 @@ impl Default for EstimatorParams {
 /// The advantages of every token of every completion: `rows` are the token-level rewards
 /// (completions of one prompt contiguous, `group_size` each), the result has their shape.
 /// Errors on a batch that is not whole groups, pass@k with groups of one or `batch` scaling,
-/// and whitening over fewer than two tokens.
+/// whitening over fewer than two tokens, and ReMax (its baselines are the greedy completions'
+/// rewards: [`remax_advantages`]).
 pub fn estimate(
     estimator: AdvEstimator,
     rows: &[Vec<f64>],
@@ -259,6 +289,9 @@ pub fn estimate(
             "{} completions are not whole groups of {g}",
             rows.len()
         ));
+    }
+    if estimator == AdvEstimator::Remax {
+        return Err("remax subtracts each prompt's greedy completion's reward: use remax_advantages with those baselines".into());
     }
     let valid: Vec<bool> = rows.iter().map(|r| r.iter().all(|x| !x.is_nan())).collect();
     let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
@@ -379,7 +412,7 @@ pub fn estimate(
                 return Ok(out);
             }
         }
-        AdvEstimator::ReinforcePlusPlus => unreachable!("handled above"),
+        AdvEstimator::ReinforcePlusPlus | AdvEstimator::Remax => unreachable!("handled above"),
     };
     Ok(per_seq
         .iter()

@@ -286,7 +286,10 @@ fn what_cannot_be_translated_is_refused_in_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     for (args, want) in [
-        ("algorithm.adv_estimator=remax", "ReMax's greedy baseline"),
+        (
+            "algorithm.adv_estimator=optimal_token_baseline",
+            "not built (it needs each token's",
+        ),
         (
             "algorithm.adv_estimator=grpo data.train_batch_size=6 actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "must be a multiple of",

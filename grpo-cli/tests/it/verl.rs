@@ -211,8 +211,8 @@ fn estimator_refusals_are_one_line() {
             "target_kl > 0",
         ),
         (
-            "[loss]\nadv_estimator = \"remax\"",
-            "unknown adv_estimator `remax`",
+            "[loss]\nadv_estimator = \"reinforce\"",
+            "unknown adv_estimator `reinforce`",
         ),
         ("[loss]\nkl_penalty = \"full\"", "kl_penalty `full`"),
         (
@@ -234,4 +234,87 @@ fn estimator_refusals_are_one_line() {
         assert!(e.contains(want), "{extra}: {e}");
         assert!(!e.trim_end().contains('\n'), "{e}");
     }
+    // ReMax's greedy baselines come from the local generator.
+    let p = f.root.join("remax.toml");
+    std::fs::write(
+        &p,
+        config_text(&f.root, "remax", 1, "[loss]\nadv_estimator = \"remax\""),
+    )
+    .unwrap();
+    let e = format!(
+        "{:#}",
+        config::load(&p, &["rollout.backend=openai".into()]).unwrap_err()
+    );
+    assert!(
+        e.contains("samples its greedy baselines with the local generator"),
+        "{e}"
+    );
+}
+
+/// ReMax: each prompt's greedy completion is sampled beside the group (the same whatever the
+/// seed: argmax decoding) and scored with the run's rewards; each completion's advantage is its
+/// reward minus its prompt's greedy reward; with the KL in the reward the per-token advantages
+/// train.
+#[test]
+fn remax_subtracts_the_greedy_completions_reward() {
+    let f = fixture();
+    let extra = "[[rewards]]\ntype = \"format\"\npattern = '(?s).*[0-9].*'\n[loss]\nadv_estimator = \"remax\"\n";
+    let mut greedy_texts = Vec::new();
+    for seed in [1u64, 2] {
+        let mut cfg = load(&f.root, &format!("remax{seed}"), 1, extra);
+        cfg.train.seed = seed;
+        let s = trainer::setup(cfg).unwrap();
+        let (_, sc) = common::first_scored_step(&s, &f.root.join(format!("remax{seed}")));
+        let r = &sc.rollouts;
+        let greedy = r.greedy.as_ref().unwrap();
+        assert_eq!(greedy.completions.len(), r.batch.samples.len());
+        let has_digit = |t: &str| {
+            if t.chars().any(|c| c.is_ascii_digit()) {
+                1.0
+            } else {
+                0.0
+            }
+        };
+        for (c, &rw) in greedy.completions.iter().zip(&greedy.rewards) {
+            assert_eq!(rw, has_digit(&c.text), "{:?}", c.text);
+        }
+        for (i, c) in r.completions.iter().enumerate() {
+            let want = sc.scores.rewards[i] - greedy.rewards[c.prompt_index];
+            assert!(
+                (sc.advantages[i] - want).abs() < 1e-6,
+                "{i}: {} vs {want}",
+                sc.advantages[i]
+            );
+        }
+        greedy_texts.push(
+            greedy
+                .completions
+                .iter()
+                .map(|c| c.text.clone())
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert_eq!(
+        greedy_texts[0], greedy_texts[1],
+        "greedy decoding does not depend on the seed"
+    );
+    // With the KL in the reward the learner forms per-token advantages and trains.
+    let cfg = load(
+        &f.root,
+        "remax_kl",
+        3,
+        &format!("{extra}use_kl_in_reward = true\n"),
+    );
+    let r = trainer::run(
+        trainer::setup(cfg).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.metrics.len(), 3);
+    assert!(
+        r.metrics
+            .iter()
+            .all(|m| m["loss"].is_finite() && m["grad_norm"] > 0.0)
+    );
 }

@@ -2545,7 +2545,7 @@ pub struct LossSection {
     pub router_aux_loss_coef: Option<f64>,
     /// verl's `algorithm.adv_estimator`: grpo (default: TRL's group advantages, with
     /// `scale_rewards`) | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo |
-    /// grpo_passk | gpg (grpo-core's `estimators`; `algorithm = "grpo"`).
+    /// grpo_passk | gpg | remax (grpo-core's `estimators`; `algorithm = "grpo"`).
     pub adv_estimator: AdvEstimator,
     /// verl's `algorithm.gamma`: REINFORCE++'s discount per token (default 1).
     pub gamma: f64,
@@ -4132,10 +4132,23 @@ impl TrainConfig {
         if est == AdvEstimator::GrpoPassk && l.scale_rewards == ScaleRewards::Batch {
             return Err("`loss.adv_estimator = \"grpo_passk\"` divides by its group's std (`scale_rewards = \"group\"`) or by nothing (`\"none\"`), not by the batch's".into());
         }
+        if est == AdvEstimator::Remax {
+            // The greedy baseline is a second, single-turn generation by the local policy.
+            if self.environment.kind.is_some() {
+                return Err("`loss.adv_estimator = \"remax\"`: its greedy baseline is one single-turn completion per prompt; multi-turn episodes ([environment]) are not built for it".into());
+            }
+            if self.teacher.is_some() {
+                return Err("`loss.adv_estimator = \"remax\"` and [teacher] do not combine: the teaching passes would need greedy baselines of their own".into());
+            }
+            if self.rollout.backend != Backend::Local {
+                return Err("`loss.adv_estimator = \"remax\"` samples its greedy baselines with the local generator: use rollout.backend = \"local\"".into());
+            }
+        }
         if !(l.gamma.is_finite() && (0.0..=1.0).contains(&l.gamma)) {
             return Err(format!("`loss.gamma` must be in [0, 1], got {}", l.gamma));
         }
-        let varies = l.use_kl_in_reward && est.per_token() || est.per_token() && l.gamma != 1.0;
+        let varies = est.per_token()
+            && (l.use_kl_in_reward || (est == AdvEstimator::ReinforcePlusPlus && l.gamma != 1.0));
         if varies && matches!(l.loss_type, LossType::Gmpo | LossType::Vespo) {
             return Err(format!(
                 "{what} gives each token its own advantage; `loss.loss_type = \"{}\"` weighs whole sequences and takes one per completion",

@@ -771,9 +771,6 @@ pub fn translate(
         "gae" => {
             tree["algorithm"] = json!("ppo");
         }
-        "remax" => bail!(
-            "algorithm.adv_estimator=remax: ReMax's greedy baseline rollout is not built; reinforce_plus_plus_baseline or grpo are the nearest"
-        ),
         "optimal_token_baseline" | "tir_optimal_token_baseline" => bail!(
             "algorithm.adv_estimator={estimator}: not built (it needs each token's Σπ² from the actor)"
         ),

@@ -98,7 +98,9 @@ impl Learner {
         // old and reference log-probs of the whole batch; the scorer's advantages serve otherwise.
         let l = &self.cfg.loss;
         let kl_in_reward = !rloo && l.use_kl_in_reward && self.reference.is_some();
-        let estimated_here = kl_in_reward || (l.adv_estimator.per_token() && l.gamma != 1.0);
+        let estimated_here = kl_in_reward
+            || (l.adv_estimator == grpo_core::estimators::AdvEstimator::ReinforcePlusPlus
+                && l.gamma != 1.0);
         let need_old = self.cfg.optim.num_iterations > 1 || updates > 1 || rloo_kl || kl_in_reward;
         let (old, refs) = self.frozen_logps(&batch, need_old)?;
         let (rloo_advantages, rloo_kl_mean) = match rloo {
@@ -218,7 +220,9 @@ impl Learner {
         kl_in_reward: bool,
         metrics: &mut Vec<(String, f64)>,
     ) -> Result<Vec<Vec<f32>>> {
-        use grpo_core::estimators::{EstimatorParams, apply_kl_penalty, estimate, score_rows};
+        use grpo_core::estimators::{
+            AdvEstimator, EstimatorParams, apply_kl_penalty, estimate, remax_advantages, score_rows,
+        };
         let l = &self.cfg.loss;
         // Each completion's loss-token positions (the model's tokens, dropped or not: the
         // advantages are formed over the whole batch, as the scorer's are).
@@ -272,8 +276,14 @@ impl Learner {
             scale_rewards: l.scale_rewards,
         };
         let g = self.cfg.rollout.num_generations.max(1);
-        let adv = estimate(l.adv_estimator, &rows, g, &params)
-            .map_err(|e| anyhow::anyhow!("loss.adv_estimator {}: {e}", l.adv_estimator.as_str()))?;
+        let adv = match l.adv_estimator {
+            AdvEstimator::Remax => remax_advantages(
+                &rows,
+                &crate::stages::scorer::greedy_baselines(&s.rollouts)?,
+            ),
+            e => estimate(e, &rows, g, &params),
+        }
+        .map_err(|e| anyhow::anyhow!("loss.adv_estimator {}: {e}", l.adv_estimator.as_str()))?;
         Ok(adv
             .iter()
             .zip(&positions)

@@ -256,6 +256,29 @@ impl Generator {
             },
         };
         let other = self.frozen_teacher.is_some() || self.remote.is_some() || from_teacher;
+        // ReMax: each prompt's greedy completion by the policy (verl samples it with
+        // do_sample=False), its baseline.
+        let greedy = match self.cfg.loss.adv_estimator {
+            grpo_core::estimators::AdvEstimator::Remax if self.cfg.algorithm == Algorithm::Grpo => {
+                let model = self.model.clone();
+                let decoding = self.decoding_copy(&model)?;
+                let argmax = grpo_rollout::SamplingParams {
+                    top_k: 1,
+                    ..params.clone()
+                };
+                Some(super::GreedyBaselines {
+                    completions: grpo_rollout::generate(
+                        &decoding,
+                        &self.tokenizer,
+                        sample_ids,
+                        1,
+                        &argmax,
+                    )?,
+                    rewards: Vec::new(),
+                })
+            }
+            _ => None,
+        };
         Ok(Rollouts {
             batch,
             prompt_texts,
@@ -268,6 +291,7 @@ impl Generator {
             sampled_by_other_model: other || source != CompletionSource::Policy,
             episodes: None,
             source,
+            greedy,
         })
     }
 
@@ -646,6 +670,7 @@ impl Generator {
             sampled_by_other_model: self.frozen_teacher.is_some() || self.remote.is_some(),
             episodes: Some(info),
             source: CompletionSource::Policy,
+            greedy: None,
         })
     }
 }

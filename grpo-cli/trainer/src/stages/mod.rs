@@ -78,6 +78,19 @@ pub struct Rollouts {
     /// Where the completions come from: the policy's samples, or (GKD's off-policy steps) the
     /// dataset's completions or the distillation teacher's samples.
     pub source: CompletionSource,
+    /// ReMax's baselines (`loss.adv_estimator = "remax"`): each prompt's greedy completion
+    /// and, once scored, its reward.
+    pub greedy: Option<GreedyBaselines>,
+}
+
+/// ReMax's baselines: one greedy completion per prompt, in prompt order, and their combined
+/// rewards (filled by the scorer; NaN when no reward could score one).
+#[derive(Debug, Clone, Default)]
+pub struct GreedyBaselines {
+    /// The greedy completions.
+    pub completions: Vec<Completion>,
+    /// Their rewards.
+    pub rewards: Vec<f32>,
 }
 
 impl Rollouts {

@@ -4,13 +4,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Result, anyhow};
+use anyhow::{Context, Result, anyhow};
 use crossbeam_channel::bounded;
 use grpo_core::advantages::{
     MultiObjectiveAggregation, ScaleRewards, group_advantages, leave_one_out_normalized,
     normalize_then_sum_advantages, reward_stds,
 };
-use grpo_core::estimators::{AdvEstimator, EstimatorParams, estimate, score_rows};
+use grpo_core::estimators::{
+    AdvEstimator, EstimatorParams, estimate, remax_advantages, score_rows,
+};
 use grpo_data::Prompt;
 use grpo_rewards::builtin::{LanguageScorer, ScorerError};
 use grpo_rewards::{
@@ -23,6 +25,19 @@ use super::replay::ReplayBuffer;
 use super::{Rollouts, Scored};
 use crate::setup::Setup;
 use crate::teacher::{TeacherLog, add_student_passes};
+
+/// ReMax's baseline of each completion: its prompt's greedy completion's reward.
+pub fn greedy_baselines(r: &Rollouts) -> Result<Vec<f64>> {
+    let g = r
+        .greedy
+        .as_ref()
+        .filter(|g| g.rewards.len() == r.batch.samples.len())
+        .context("loss.adv_estimator remax: the step has no scored greedy completions")?;
+    Ok(r.completions
+        .iter()
+        .map(|c| f64::from(g.rewards[c.prompt_index]))
+        .collect())
+}
 
 /// Each completion's loss tokens: its tokens, or an episode's model tokens.
 pub fn loss_token_counts(r: &Rollouts) -> Vec<usize> {
@@ -144,26 +159,9 @@ impl Scorer {
                     .as_ref()
                     .and_then(|e| e.own_prompt_tokens.get(i))
                     .map_or(0, |&k| k.min(c.token_ids.len()));
-                let mut x = RewardInput::new(r.prompt_text(i), c.text.clone())
-                    .with_ids(c.token_ids[skip..].to_vec())
-                    .at_step(r.batch.step);
-                if let Prompt::Conversation(m) = &s.prompt {
-                    // An episode's own prompt (after the environment's reset), as TRL's `prompts`.
-                    let own = r.episodes.as_ref().and_then(|e| e.prompt_messages.get(i));
-                    x = x.with_messages(match own {
-                        Some(own) => own
-                            .iter()
-                            .map(|m| Message::new(m.role.clone(), m.content.clone()))
-                            .collect(),
-                        None => m
-                            .iter()
-                            .map(|m| Message::new(m.role.clone(), m.content.clone()))
-                            .collect(),
-                    });
-                }
-                for (k, v) in &s.columns {
-                    x = x.with_field(k.to_string(), to_field(v));
-                }
+                // An episode's own prompt (after the environment's reset), as TRL's `prompts`.
+                let own = r.episodes.as_ref().and_then(|e| e.prompt_messages.get(i));
+                let x = row_input(r, s, r.prompt_text(i), &c.text, &c.token_ids[skip..], own);
                 (i, x)
             })
             .map(|(i, x)| {
@@ -188,6 +186,37 @@ impl Scorer {
                 }
             })
             .collect()
+    }
+
+    /// ReMax's greedy completions' rewards (`loss.adv_estimator = "remax"`), scored with the
+    /// run's rewards as the step's completions are; their metrics are not the step's.
+    fn score_greedy(&self, r: &mut Rollouts) -> Result<()> {
+        let Some(greedy) = r.greedy.as_ref().filter(|g| g.rewards.is_empty()) else {
+            return Ok(());
+        };
+        let inputs: Vec<RewardInput> = greedy
+            .completions
+            .iter()
+            .map(|c| {
+                let s = &r.batch.samples[c.prompt_index];
+                row_input(
+                    r,
+                    s,
+                    &r.prompt_texts[c.prompt_index],
+                    &c.text,
+                    &c.token_ids,
+                    None,
+                )
+            })
+            .collect();
+        let scores = self
+            .rewards
+            .score(&inputs)
+            .map_err(|e| anyhow!("ReMax's greedy baselines: {e}"))?;
+        if let Some(g) = r.greedy.as_mut() {
+            g.rewards = scores.rewards;
+        }
+        Ok(())
     }
 
     /// Scores one step.
@@ -218,7 +247,7 @@ impl Scorer {
     /// Advantages of a scored step.
     pub fn finish(
         &mut self,
-        rollouts: Rollouts,
+        mut rollouts: Rollouts,
         inputs: &[RewardInput],
         mut scores: ScoredBatch,
         seconds: f64,
@@ -242,6 +271,7 @@ impl Scorer {
             log.write(&rollouts, inputs, &scores)?;
         }
         let g = self.num_generations;
+        self.score_greedy(&mut rollouts)?;
         let advantages = if self.estimator != AdvEstimator::Grpo {
             // verl's estimators on each completion's score over its loss tokens (the learner
             // forms them again when a KL penalty is in the reward or tokens differ).
@@ -250,8 +280,11 @@ impl Scorer {
                 gamma: self.gamma,
                 scale_rewards: self.scale_rewards,
             };
-            estimate(self.estimator, &rows, g, &params)
-                .map_err(|e| anyhow!("loss.adv_estimator {}: {e}", self.estimator.as_str()))?
+            let adv = match self.estimator {
+                AdvEstimator::Remax => remax_advantages(&rows, &greedy_baselines(&rollouts)?),
+                e => estimate(e, &rows, g, &params),
+            };
+            adv.map_err(|e| anyhow!("loss.adv_estimator {}: {e}", self.estimator.as_str()))?
                 .iter()
                 .map(|row| (row.iter().sum::<f64>() / row.len().max(1) as f64) as f32)
                 .collect()
@@ -422,6 +455,39 @@ impl Scorer {
             }
         }
     }
+}
+
+/// The reward input of one completion (`text`, `ids`) of row `s` after its prompt: the prompt
+/// text, its messages (`own`: an episode's own, after the environment's reset) when the row is
+/// conversational, the row's columns.
+fn row_input(
+    r: &Rollouts,
+    s: &grpo_data::Sample,
+    prompt_text: &str,
+    text: &str,
+    ids: &[u32],
+    own: Option<&Vec<grpo_rollout::ChatMessage>>,
+) -> RewardInput {
+    let mut x = RewardInput::new(prompt_text, text.to_string())
+        .with_ids(ids.to_vec())
+        .at_step(r.batch.step);
+    if let Prompt::Conversation(m) = &s.prompt {
+        let messages = match own {
+            Some(own) => own
+                .iter()
+                .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                .collect(),
+            None => m
+                .iter()
+                .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                .collect(),
+        };
+        x = x.with_messages(messages);
+    }
+    for (k, v) in &s.columns {
+        x = x.with_field(k.to_string(), to_field(v));
+    }
+    x
 }
 
 /// A data column's value as the rewards see it.

@@ -281,6 +281,7 @@ fn scored(masks: bool) -> Scored {
             sampled_by_other_model: false,
             episodes,
             source: Default::default(),
+            greedy: None,
         },
         scores: ScoredBatch::default(),
         advantages: vec![1.0, -1.0],

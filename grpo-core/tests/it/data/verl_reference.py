@@ -109,6 +109,16 @@ def rfpp(tlr, mask, gamma):
     return [[x * m for x, m in zip(wr, mr)] for wr, mr in zip(w, mask)]
 
 
+def remax(tlr, mask, baselines):
+    B, T = len(tlr), len(tlr[0])
+    out = []
+    for i in range(B):
+        masked = [tlr[i][t] * mask[i][t] for t in range(T)]
+        returns = [sum(masked[t:]) for t in range(T)]
+        out.append([returns[t] - baselines[i] * mask[i][t] for t in range(T)])
+    return out
+
+
 def gpg(tlr, mask, index):
     scores = [sum(r) for r in tlr]
     bsz = len(scores)
@@ -167,6 +177,12 @@ def main():
         ("gpg_kl", gpg(tlr, mask, index)),
     ]:
         print(f"fn want_{name}() -> Vec<Vec<f64>> {{ {fmt_rows(rows, mask)} }}")
+    # ReMax: each prompt's greedy completion's reward, repeated over its group.
+    greedy = [round(rnd.uniform(-0.5, 1.0), 3) for _ in range(P)]
+    baselines = [greedy[index[i]] for i in range(B)]
+    print(f"const GREEDY: [f64; {P}] = [{', '.join(repr(g) for g in greedy)}];")
+    print(f"fn want_remax() -> Vec<Vec<f64>> {{ {fmt_rows(remax(tls, mask, baselines), mask)} }}")
+    print(f"fn want_remax_kl() -> Vec<Vec<f64>> {{ {fmt_rows(remax(tlr, mask, baselines), mask)} }}")
     # The adaptive controller over three steps (ray_trainer's update after each).
     value, out = 0.05, []
     for kl, n in [(0.3, 12), (0.02, 12), (0.1, 24)]:
