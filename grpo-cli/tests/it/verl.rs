@@ -298,20 +298,20 @@ fn remax_subtracts_the_greedy_completions_reward() {
         greedy_texts[0], greedy_texts[1],
         "greedy decoding does not depend on the seed"
     );
-    // With the KL in the reward the learner forms per-token advantages and trains.
-    let cfg = load(
+    // With the KL in the reward the learner forms per-token advantages and trains; evaluation
+    // samples no greedy baselines and scores as usual.
+    let mut cfg = load(
         &f.root,
         "remax_kl",
         3,
         &format!("{extra}use_kl_in_reward = true\n"),
     );
-    let r = trainer::run(
-        trainer::setup(cfg).unwrap(),
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap();
+    cfg.data.eval_fraction = Some(0.2);
+    cfg.train.eval_steps = 3;
+    let (r, evals) = common::run_with_evals(cfg);
     assert_eq!(r.metrics.len(), 3);
+    assert_eq!(evals.len(), 1);
+    assert!(evals[0]["eval/reward"].is_finite(), "{:?}", evals[0]);
     assert!(
         r.metrics
             .iter()

@@ -23,7 +23,10 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     let mut generator = Generator::new(setup, model, learner.state.step)
         .with_num_generations(g)
         .policy_only();
-    let mut scorer = Scorer::new(setup).without_logs().with_num_generations(g);
+    let mut scorer = Scorer::new(setup)
+        .without_logs()
+        .with_num_generations(g)
+        .group_advantages();
     let sc = StreamConfig {
         seed: setup.cfg.train.seed,
         shuffle: false,

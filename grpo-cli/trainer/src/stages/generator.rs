@@ -100,9 +100,10 @@ impl Generator {
     }
 
     /// Samples every completion with the policy: XPO's and Nash-MD's second samples (the
-    /// reference's, the mixture's) left out (evaluation).
+    /// reference's, the mixture's) and ReMax's greedy baselines left out (evaluation).
     pub fn policy_only(mut self) -> Self {
         self.reference = None;
+        self.cfg.loss.adv_estimator = grpo_core::estimators::AdvEstimator::Grpo;
         self
     }
 

@@ -127,6 +127,13 @@ impl Scorer {
         self
     }
 
+    /// With TRL's group advantages whatever `loss.adv_estimator` (evaluation, which trains on
+    /// nothing and samples no greedy baselines).
+    pub fn group_advantages(mut self) -> Self {
+        self.estimator = AdvEstimator::Grpo;
+        self
+    }
+
     /// Groups of `g` completions per prompt instead of `rollout.num_generations` (evaluation's
     /// `num_generations_eval`).
     pub fn with_num_generations(mut self, g: usize) -> Self {
