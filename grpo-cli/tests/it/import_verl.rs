@@ -322,3 +322,96 @@ fn what_cannot_be_translated_is_refused_in_one_line() {
     let e = stderr(&cli(d, &["import-verl", "none.sh"]));
     assert!(e.contains("no `python3 -m verl.trainer.main_ppo"), "{e}");
 }
+
+/// verl's DAPO-style GMPO example (examples/gmpo_trainer/test_dapo_7b_math.sh), adapted to a
+/// tiny model: shell arithmetic, `${X:-"..."}` defaults, `+` overrides, the dapo reward
+/// manager's overlong buffer (an `overlong` reward weighted by its penalty factor), `geo_mean`
+/// (gmpo) with `clip_ratio_low/high`; it trains.
+#[test]
+fn verls_dapo_gmpo_script_translates_and_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    workspace(d);
+    let script = r#"#!/usr/bin/env bash
+set -xeuo pipefail
+project_name='DAPO'
+exp_name='DAPO-tiny'
+max_prompt_length=$((32 * 2))
+max_response_length=$((4 * 2))
+enable_overlong_buffer=True
+overlong_buffer_len=$((2 * 2))
+overlong_penalty_factor=1.0
+train_prompt_bsz=4
+n_resp_per_prompt=4
+train_prompt_mini_bsz=2
+RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}"}
+MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/tiny"}
+TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/gsm8k/train.jsonl"}
+loss_mode=geo_mean
+python3 -m verl.trainer.main_ppo \
+    data.train_files="${TRAIN_FILE}" \
+    data.prompt_key=prompt \
+    data.truncation='left' \
+    data.max_prompt_length=${max_prompt_length} \
+    data.max_response_length=${max_response_length} \
+    data.train_batch_size=${train_prompt_bsz} \
+    actor_rollout_ref.rollout.n=${n_resp_per_prompt} \
+    algorithm.adv_estimator=grpo \
+    actor_rollout_ref.actor.policy_loss.loss_mode=${loss_mode} \
+    actor_rollout_ref.actor.clip_ratio_low=0.4 \
+    actor_rollout_ref.actor.clip_ratio_high=0.4 \
+    +actor_rollout_ref.model.override_config.max_position_embeddings=32768 \
+    actor_rollout_ref.model.path="${MODEL_PATH}" \
+    actor_rollout_ref.actor.optim.lr=1e-3 \
+    actor_rollout_ref.actor.optim.lr_warmup_steps=10 \
+    actor_rollout_ref.actor.optim.weight_decay=0.1 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=${train_prompt_mini_bsz} \
+    actor_rollout_ref.actor.grad_clip=0.5 \
+    actor_rollout_ref.actor.loss_agg_mode=token-mean \
+    custom_reward_function.path=${HOME}/my_reward.py \
+    reward_model.reward_manager=dapo \
+    +reward_model.reward_kwargs.overlong_buffer_cfg.enable=${enable_overlong_buffer} \
+    +reward_model.reward_kwargs.overlong_buffer_cfg.len=${overlong_buffer_len} \
+    +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=${overlong_penalty_factor} \
+    +reward_model.reward_kwargs.overlong_buffer_cfg.log=False \
+    +reward_model.reward_kwargs.max_resp_len=${max_response_length} \
+    trainer.project_name="${project_name}" \
+    trainer.experiment_name="${exp_name}" \
+    trainer.total_training_steps=2 \
+    trainer.default_local_dir="${HOME}/dapo_run"
+"#;
+    std::fs::write(d.join("dapo.sh"), script).unwrap();
+    let o = cli(d, &["import-verl", "dapo.sh", "--out", "dapo.toml"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let c = config::load(&d.join("dapo.toml"), &[]).unwrap();
+    let text = std::fs::read_to_string(d.join("dapo.toml")).unwrap();
+    assert_eq!(c.loss.loss_type.as_str(), "gmpo", "{text}");
+    assert_eq!(
+        (c.loss.epsilon, c.loss.epsilon_high),
+        (Some(0.4), Some(0.4))
+    );
+    assert_eq!(c.rollout.max_completion_length, 8);
+    assert_eq!(c.rollout.max_prompt_length, 64);
+    assert_eq!(c.optim.warmup_steps, 10);
+    assert_eq!(c.optim.max_grad_norm, 0.5);
+    assert_eq!(c.optim.weight_decay, 0.1);
+    let tree: Value = serde_json::to_value(config::parse_toml_tree(&text).unwrap()).unwrap();
+    assert_eq!(
+        tree["rewards"][1],
+        serde_json::json!({"type": "overlong", "name": "overlong", "max_completion_length": 8, "overlong_buffer": 4, "weight": 1.0}),
+        "{text}"
+    );
+    assert!(!text.contains("max_position_embeddings = "), "{text}");
+    let r = trainer::run(
+        trainer::setup(c).unwrap(),
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap();
+    assert_eq!(r.metrics.len(), 2);
+    // The overlong reward scores every completion (8 tokens: the buffer's end, −1 × 1.0).
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite());
+        assert!(m.contains_key("rewards/overlong/mean"), "{m:?}");
+    }
+}

@@ -300,6 +300,14 @@ const DROPPED: &[(&str, &str)] = &[
         "critic.",
         "only PPO (adv_estimator = gae) has a value model",
     ),
+    (
+        "algorithm.filter_groups.",
+        "DAPO's refill of the step with more batches is not built (filter_groups.enable drops flat groups)",
+    ),
+    (
+        "data.gen_batch_size",
+        "DAPO's refill of the step with more batches is not built (filter_groups.enable drops flat groups)",
+    ),
     ("trainer.n_gpus_per_node", "one process here"),
     ("trainer.nnodes", "one process here"),
     ("trainer.device", "the device is `model.device`"),
@@ -385,9 +393,12 @@ pub fn script_overrides(
         if line.starts_with('#') || line.is_empty() {
             continue;
         }
-        if line.contains("main_ppo") {
+        if line.contains("main_ppo") || line.contains("main_dapo") {
             let words = shell_words(line, &vars, env, &mut notes)?;
-            let Some(at) = words.iter().position(|w| w.contains("main_ppo")) else {
+            let Some(at) = words
+                .iter()
+                .position(|w| w.contains("main_ppo") || w.contains("main_dapo"))
+            else {
                 continue;
             };
             let mut out = Vec::new();
@@ -472,13 +483,48 @@ fn shell_words(
         }
     };
     let mut expand = |i: &mut usize, out: &mut String| {
-        // At a `$`: a name, `{name}`, `{name:-default}`, `@`, `*`.
+        // At a `$`: a name, `{name}`, `{name:-default}`, `((arithmetic))`, `@`, `*`.
         let start = *i + 1;
         match chars.get(start) {
+            Some('(') if chars.get(start + 1) == Some(&'(') => {
+                let mut depth = 0i32;
+                let mut end = None;
+                for (j, &c) in chars.iter().enumerate().skip(start) {
+                    match c {
+                        '(' => depth += 1,
+                        ')' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = Some(j);
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                let Some(end) = end else {
+                    out.push('$');
+                    *i += 1;
+                    return;
+                };
+                // `$((a * 2))`: the text between the doubled parentheses.
+                let inner: String = chars[start + 2..end.saturating_sub(1)].iter().collect();
+                let mut value = |name: &str| lookup(name, Some("0"));
+                match arithmetic(&inner, &mut value) {
+                    Some(v) => out.push_str(&v.to_string()),
+                    None => out.extend(&chars[*i..=end]),
+                }
+                *i = end + 1;
+            }
             Some('{') => {
+                // The matching `}` (a default may hold `${...}` of its own).
+                let mut depth = 0i32;
                 let close = chars[start..]
                     .iter()
-                    .position(|&c| c == '}')
+                    .position(|&c| {
+                        depth += i32::from(c == '{') - i32::from(c == '}');
+                        depth == 0
+                    })
                     .map(|p| start + p);
                 let Some(close) = close else {
                     out.push('$');
@@ -578,6 +624,112 @@ fn shell_words(
         words.push(cur);
     }
     Ok(words)
+}
+
+/// The shell's integer arithmetic (`$((1024 * 8))`, `$((a + b))`): `+ - * / %`, parentheses,
+/// unary minus, variables by name (with or without `$`); `None` when it cannot be read.
+fn arithmetic(text: &str, var: &mut dyn FnMut(&str) -> String) -> Option<i64> {
+    fn sum(t: &[char], i: &mut usize, var: &mut dyn FnMut(&str) -> String) -> Option<i64> {
+        let mut v = product(t, i, var)?;
+        loop {
+            skip(t, i);
+            match t.get(*i) {
+                Some('+') => {
+                    *i += 1;
+                    v = v.checked_add(product(t, i, var)?)?;
+                }
+                Some('-') => {
+                    *i += 1;
+                    v = v.checked_sub(product(t, i, var)?)?;
+                }
+                _ => return Some(v),
+            }
+        }
+    }
+    fn product(t: &[char], i: &mut usize, var: &mut dyn FnMut(&str) -> String) -> Option<i64> {
+        let mut v = atom(t, i, var)?;
+        loop {
+            skip(t, i);
+            match t.get(*i) {
+                Some('*') => {
+                    *i += 1;
+                    v = v.checked_mul(atom(t, i, var)?)?;
+                }
+                Some('/') => {
+                    *i += 1;
+                    v = v.checked_div(atom(t, i, var)?)?;
+                }
+                Some('%') => {
+                    *i += 1;
+                    v = v.checked_rem(atom(t, i, var)?)?;
+                }
+                _ => return Some(v),
+            }
+        }
+    }
+    fn atom(t: &[char], i: &mut usize, var: &mut dyn FnMut(&str) -> String) -> Option<i64> {
+        skip(t, i);
+        match t.get(*i)? {
+            '(' => {
+                *i += 1;
+                let v = sum(t, i, var)?;
+                skip(t, i);
+                (t.get(*i) == Some(&')')).then(|| *i += 1)?;
+                Some(v)
+            }
+            '-' => {
+                *i += 1;
+                atom(t, i, var)?.checked_neg()
+            }
+            '+' => {
+                *i += 1;
+                atom(t, i, var)
+            }
+            c if c.is_ascii_digit() => {
+                let s = *i;
+                while t.get(*i).is_some_and(char::is_ascii_digit) {
+                    *i += 1;
+                }
+                t[s..*i].iter().collect::<String>().parse().ok()
+            }
+            c if *c == '$' || *c == '_' || c.is_ascii_alphabetic() => {
+                if *c == '$' {
+                    *i += 1;
+                }
+                let braced = t.get(*i) == Some(&'{');
+                if braced {
+                    *i += 1;
+                }
+                let s = *i;
+                while t
+                    .get(*i)
+                    .is_some_and(|c| *c == '_' || c.is_ascii_alphanumeric())
+                {
+                    *i += 1;
+                }
+                let name: String = t[s..*i].iter().collect();
+                if braced {
+                    (t.get(*i) == Some(&'}')).then(|| *i += 1)?;
+                }
+                let text = var(&name);
+                if text.trim() == name {
+                    return None;
+                }
+                arithmetic(&text, var)
+            }
+            _ => None,
+        }
+    }
+    fn skip(t: &[char], i: &mut usize) {
+        while t.get(*i).is_some_and(|c| c.is_whitespace()) {
+            *i += 1;
+        }
+    }
+    let t: Vec<char> = text.chars().collect();
+    let mut i = 0;
+    let v = sum(&t, &mut i, var)?;
+    skip(&t, &mut i);
+    (i == t.len()).then_some(v)
 }
 
 /// A Hydra override's value: booleans, null, numbers, `[a, b]` lists (elements parsed the same
@@ -1368,6 +1520,59 @@ pub fn translate(
         notes.push(("custom_reward_function".into(), "none given: verl's rule-based scores by data_source (`verl.utils.reward_score.default_compute_score`), which needs verl installed for python3 (or give a `type = \"python\"` path of your own)".into()));
     }
 
+    // DAPO's reward manager adds its soft overlong punishment to the score: the `overlong`
+    // reward, weighted by the penalty factor.
+    let manager = keys
+        .get("reward_model.reward_manager")
+        .map(text)
+        .unwrap_or_else(|| "naive".into());
+    handled.push("reward_model.reward_manager");
+    let ob = "reward_model.reward_kwargs.overlong_buffer_cfg.";
+    if keys.get(&format!("{ob}enable")).is_some_and(truthy) {
+        if manager != "dapo" {
+            notes.push((format!("{ob}enable"), format!("only verl's dapo reward manager reads it (reward_manager is {manager}): left out")));
+        } else {
+            let len = keys
+                .get(&format!("{ob}len"))
+                .map(|v| int(v, "overlong_buffer_cfg.len"))
+                .transpose()?;
+            let factor = keys
+                .get(&format!("{ob}penalty_factor"))
+                .map(|v| num(v, "overlong_buffer_cfg.penalty_factor"))
+                .transpose()?
+                .unwrap_or(1.0);
+            let max_len = match keys.get("reward_model.reward_kwargs.max_resp_len") {
+                Some(v) => int(v, "reward_kwargs.max_resp_len")?,
+                None => max_response,
+            };
+            let Some(len) = len else {
+                bail!("{ob}len: the overlong buffer needs its length");
+            };
+            if let Some(r) = tree["rewards"].as_array_mut() {
+                r.push(json!({"type": "overlong", "name": "overlong", "max_completion_length": max_len, "overlong_buffer": len, "weight": factor}));
+            }
+        }
+    }
+    for k in ["enable", "len", "penalty_factor", "log"] {
+        handled.push(match k {
+            "enable" => "reward_model.reward_kwargs.overlong_buffer_cfg.enable",
+            "len" => "reward_model.reward_kwargs.overlong_buffer_cfg.len",
+            "penalty_factor" => "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+            _ => "reward_model.reward_kwargs.overlong_buffer_cfg.log",
+        });
+    }
+    handled.push("reward_model.reward_kwargs.max_resp_len");
+    // DAPO's dynamic sampling: groups whose rewards are all equal leave the loss here (verl's
+    // recipe samples more batches to refill the step instead).
+    if keys
+        .get("algorithm.filter_groups.enable")
+        .is_some_and(truthy)
+    {
+        set(&mut tree, "loss.drop_zero_std_groups", json!(true));
+        notes.push(("algorithm.filter_groups.enable".into(), "groups whose rewards are all equal leave the loss (loss.drop_zero_std_groups); verl's recipe generates more batches to refill the step instead".into()));
+    }
+    handled.push("algorithm.filter_groups.enable");
+
     // The run.
     let out = text(&take("trainer.default_local_dir", &mut handled));
     handled.push("trainer.project_name");
@@ -1485,6 +1690,19 @@ python3 -m verl.trainer.main_ppo --config-path=cfg \
         assert_eq!(m["trainer.gone"], Value::Null);
         assert_eq!(m["trainer.logger"], json!(["console"]));
         assert!(notes.iter().any(|(k, _)| k == "--config-path"), "{notes:?}");
+    }
+
+    #[test]
+    fn shell_arithmetic_evaluates_as_bash() {
+        let script = "L=$((1024 * 2))\nB=$(( (L + 512) / 4 - -1 ))\npython3 -m recipe.dapo.main_dapo a=$((L*2)) b=$B c=$((${L} % 1000)) d=$((UNSET + 3)) e=$((2 +))\n";
+        let (o, _) = script_overrides(script, &env).unwrap();
+        let m: BTreeMap<String, Value> = o.into_iter().collect();
+        assert_eq!(m["a"], json!(4096));
+        assert_eq!(m["b"], json!(641));
+        assert_eq!(m["c"], json!(48));
+        assert_eq!(m["d"], json!(3));
+        // What cannot be read stays as written.
+        assert_eq!(m["e"], json!("$((2 +))"));
     }
 
     #[test]

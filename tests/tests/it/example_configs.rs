@@ -770,6 +770,37 @@ fn the_ppo_config_trains_the_policy_and_its_value_model() {
     assert!(ck.join("model/config.json").exists() && ck.join("value_model/config.json").exists());
 }
 
+/// `configs/reinforce_pp.toml`: verl's REINFORCE++ with the KL in the reward; the step logs
+/// verl's in-reward KL metrics.
+#[test]
+fn the_reinforce_pp_config_trains_with_the_kl_in_the_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let cfg = load_example(
+        "reinforce_pp.toml",
+        dir.path(),
+        "rf",
+        (&model, &data),
+        2,
+        &[],
+    );
+    assert_eq!(
+        cfg.loss.adv_estimator,
+        grpo_core::estimators::AdvEstimator::ReinforcePlusPlus
+    );
+    let s = trainer::setup(cfg).unwrap();
+    assert!(
+        s.reference.is_some(),
+        "the in-reward KL loads the reference"
+    );
+    let r = run_setup(s);
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite(), "{m:?}");
+        assert_eq!(m["actor/reward_kl_penalty_coeff"], 0.001);
+    }
+}
+
 /// `configs/orpo.toml` and `configs/simpo.toml` train on the example preference pairs without a
 /// reference model; `configs/bco.toml` on the same pairs unpaired, against its reference.
 #[test]
