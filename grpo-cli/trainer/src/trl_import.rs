@@ -421,7 +421,7 @@ fn reward_of(name: &str) -> Option<Value> {
     })
 }
 
-fn set(tree: &mut Value, dotted: &str, v: Value) {
+pub(crate) fn set(tree: &mut Value, dotted: &str, v: Value) {
     let mut node = tree;
     let parts: Vec<&str> = dotted.split('.').collect();
     for p in &parts[..parts.len() - 1] {

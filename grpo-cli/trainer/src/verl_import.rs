@@ -13,7 +13,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use serde_json::{Map, Value, json};
 
-use crate::trl_import::Imported;
+use crate::trl_import::{Imported, set};
 
 /// Dotted keys and their values, in the run's order.
 pub type Overrides = Vec<(String, Value)>;
@@ -846,18 +846,6 @@ fn resolve(keys: &mut BTreeMap<String, Value>) {
             *v = hydra_value(&out);
         }
     }
-}
-
-fn set(tree: &mut Value, dotted: &str, v: Value) {
-    let mut cur = tree;
-    let parts: Vec<&str> = dotted.split('.').collect();
-    for p in &parts[..parts.len() - 1] {
-        if !cur.get(*p).is_some_and(Value::is_object) {
-            cur[*p] = Value::Object(Map::new());
-        }
-        cur = &mut cur[*p];
-    }
-    cur[parts[parts.len() - 1]] = v;
 }
 
 /// `~/x` with the home directory.
