@@ -400,6 +400,22 @@ pub const DROPPED: &[(&str, &str)] = &[
         "activation_checkpointing_kwargs",
         "checkpointing is per decoder layer",
     ),
+    (
+        "activation_offloading",
+        "not built; train.gradient_checkpointing lowers activation memory",
+    ),
+    (
+        "precompute_ref_batch_size",
+        "the reference runs in the learner's micro-batches",
+    ),
+    (
+        "dataset_kwargs",
+        "rows are prepared as they are read (skip_prepare_dataset: not built)",
+    ),
+    (
+        "truncation_mode",
+        "rows keep their first max_length tokens (keep_start, TRL's only supported mode)",
+    ),
 ];
 
 /// TRL's `reward_funcs` names (`trl grpo`'s registry) as our rewards.
@@ -1136,6 +1152,27 @@ mod tests {
             "{:?}",
             out.notes
         );
+    }
+
+    #[test]
+    fn sft_and_dpo_keys_without_a_place_are_noted_with_the_reason() {
+        let recipe: Map<String, Value> = serde_json::from_value(json!({
+            "model_name_or_path": "m", "activation_offloading": true, "truncation_mode": "keep_start",
+            "dataset_kwargs": {"skip_prepare_dataset": true}, "precompute_ref_batch_size": 8,
+        }))
+        .unwrap();
+        for trainer in [Trainer::Sft, Trainer::Dpo] {
+            let out = translate(&recipe, Path::new("."), trainer).unwrap();
+            for k in [
+                "activation_offloading",
+                "truncation_mode",
+                "dataset_kwargs",
+                "precompute_ref_batch_size",
+            ] {
+                let (_, why) = out.notes.iter().find(|(n, _)| n == k).unwrap();
+                assert!(!why.contains("left out"), "{k}: {why}");
+            }
+        }
     }
 
     #[test]
