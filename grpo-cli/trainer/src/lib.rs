@@ -12,6 +12,7 @@
 //! |---|---|
 //! | [`config`] | the schema (TOML / YAML / JSON, TRL's names), `--set` overrides, validation once |
 //! | [`trl_import`] | a TRL recipe (`trl grpo --config recipe.yaml`) translated into that schema |
+//! | [`verl_import`] | a verl run (a `verl.trainer.main_ppo` launch script or config YAML) translated into that schema |
 //! | [`mod@setup`] | load model, data, rewards, teacher and rollout server; check they fit |
 //! | [`pipeline`] | the stages on threads over bounded channels; shutdown and errors |
 //! | [`stages`] | what flows between stages, and the loader, generator (completions, or multi-turn episodes against an environment given in code) and scorer |
