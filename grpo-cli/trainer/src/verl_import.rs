@@ -902,7 +902,6 @@ pub fn translate(
         }
     };
     let truthy = |v: &Value| v.as_bool().unwrap_or(false);
-    let a = "actor_rollout_ref.actor.";
 
     // The algorithm.
     let estimator = text(&take("algorithm.adv_estimator", &mut handled));
@@ -1062,19 +1061,15 @@ pub fn translate(
         }
         _ => bail!("`actor_rollout_ref.actor.optim.betas`: expected [beta1, beta2], got {betas}"),
     }
-    let clip = match keys.get(&format!("{a}grad_clip")).filter(|_| {
-        given
-            .iter()
-            .any(|g| g == "actor_rollout_ref.actor.grad_clip")
-    }) {
-        Some(g) => {
-            handled.push("actor_rollout_ref.actor.grad_clip");
-            g.clone()
-        }
-        None => take("actor_rollout_ref.actor.optim.clip_grad", &mut handled),
+    // `actor.grad_clip` (verl's older name) when the run gives it, else `optim.clip_grad`.
+    let clip = take("actor_rollout_ref.actor.optim.clip_grad", &mut handled);
+    let clip = match given
+        .iter()
+        .any(|g| g == "actor_rollout_ref.actor.grad_clip")
+    {
+        true => take("actor_rollout_ref.actor.grad_clip", &mut handled),
+        false => clip,
     };
-    handled.push("actor_rollout_ref.actor.optim.clip_grad");
-    handled.push("actor_rollout_ref.actor.grad_clip");
     set(
         &mut tree,
         "optim.max_grad_norm",
@@ -1541,15 +1536,13 @@ pub fn translate(
             }
         }
     }
-    for k in ["enable", "len", "penalty_factor", "log"] {
-        handled.push(match k {
-            "enable" => "reward_model.reward_kwargs.overlong_buffer_cfg.enable",
-            "len" => "reward_model.reward_kwargs.overlong_buffer_cfg.len",
-            "penalty_factor" => "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
-            _ => "reward_model.reward_kwargs.overlong_buffer_cfg.log",
-        });
-    }
-    handled.push("reward_model.reward_kwargs.max_resp_len");
+    handled.extend([
+        "reward_model.reward_kwargs.overlong_buffer_cfg.enable",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.log",
+        "reward_model.reward_kwargs.max_resp_len",
+    ]);
     // DAPO's dynamic sampling: groups whose rewards are all equal leave the loss here (verl's
     // recipe samples more batches to refill the step instead).
     if keys

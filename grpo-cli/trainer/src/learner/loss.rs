@@ -121,18 +121,10 @@ impl Learner {
             )?),
             false => None,
         };
-        let per_seq: Option<Vec<f32>> = match &estimated {
-            Some(rows) if !self.cfg.loss.adv_estimator.per_token() => Some(
-                rows.iter()
-                    .map(|r| r.iter().copied().find(|x| *x != 0.0).unwrap_or(0.0))
-                    .collect(),
-            ),
-            _ => None,
-        };
-        let advantages = match (&estimated, &per_seq) {
-            (_, Some(v)) => Adv::Seq(v),
-            (Some(rows), None) => Adv::Token(rows),
-            (None, None) => Adv::Seq(rloo_advantages.as_deref().unwrap_or(&s.advantages)),
+        let advantages = match &estimated {
+            Some(Estimated::Seq(v)) => Adv::Seq(v),
+            Some(Estimated::Token(rows)) => Adv::Token(rows),
+            None => Adv::Seq(rloo_advantages.as_deref().unwrap_or(&s.advantages)),
         };
         let mut off_policy = OffPolicyStats::default();
         let weights = match (correct, need_old) {
@@ -207,8 +199,8 @@ impl Learner {
         Ok(m)
     }
 
-    /// verl's advantages of the step's completions, per token (0 on an episode's environment
-    /// tokens): the token-level rewards (each completion's score on its last loss token, and
+    /// verl's advantages of the step's completions, one per completion or (REINFORCE++,
+    /// ReMax) per token, 0 on an episode's environment tokens: the token-level rewards (each completion's score on its last loss token, and
     /// with `loss.use_kl_in_reward` `−β · KL(π_old ‖ π_ref)` on every loss token, β from the
     /// KL controller, which then moves), then `loss.adv_estimator`. Adds verl's
     /// `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff` metrics.
@@ -219,7 +211,7 @@ impl Learner {
         (old, refs): (&[Option<Tensor>], &[Option<Tensor>]),
         kl_in_reward: bool,
         metrics: &mut Vec<(String, f64)>,
-    ) -> Result<Vec<Vec<f32>>> {
+    ) -> Result<Estimated> {
         use grpo_core::estimators::{
             AdvEstimator, EstimatorParams, apply_kl_penalty, estimate, remax_advantages, score_rows,
         };
@@ -284,18 +276,27 @@ impl Learner {
             e => estimate(e, &rows, g, &params),
         }
         .map_err(|e| anyhow::anyhow!("loss.adv_estimator {}: {e}", l.adv_estimator.as_str()))?;
-        Ok(adv
-            .iter()
-            .zip(&positions)
-            .zip(&batch.lens)
-            .map(|((a, pos), &n)| {
-                let mut row = vec![0f32; n];
-                for (&j, &x) in pos.iter().zip(a) {
-                    row[j] = x as f32;
-                }
-                row
-            })
-            .collect())
+        if !l.adv_estimator.per_token() {
+            // Every token of a completion has its completion's advantage.
+            return Ok(Estimated::Seq(
+                adv.iter()
+                    .map(|r| r.first().copied().unwrap_or(0.0) as f32)
+                    .collect(),
+            ));
+        }
+        Ok(Estimated::Token(
+            adv.iter()
+                .zip(&positions)
+                .zip(&batch.lens)
+                .map(|((a, pos), &n)| {
+                    let mut row = vec![0f32; n];
+                    for (&j, &x) in pos.iter().zip(a) {
+                        row[j] = x as f32;
+                    }
+                    row
+                })
+                .collect(),
+        ))
     }
 
     /// TRL's RLOO advantages of the step's completions: the combined rewards, clipped to
@@ -709,6 +710,13 @@ impl Learner {
 /// A 0-dimensional tensor as a `(1,)` f64 one (no gradient).
 fn wide_scalar(t: &Tensor) -> Result<Tensor> {
     Ok(t.detach().to_dtype(DType::F64)?.reshape(1)?)
+}
+
+/// The advantages the learner formed itself (verl's estimators with the KL in the reward or a
+/// discount): one per completion, or one per token.
+enum Estimated {
+    Seq(Vec<f32>),
+    Token(Vec<Vec<f32>>),
 }
 
 /// The advantages the policy loss reads: one per completion, or one per token (REINFORCE++'s

@@ -260,7 +260,8 @@ impl Generator {
         // ReMax: each prompt's greedy completion by the policy (verl samples it with
         // do_sample=False), its baseline.
         let greedy = match self.cfg.loss.adv_estimator {
-            grpo_core::estimators::AdvEstimator::Remax if self.cfg.algorithm == Algorithm::Grpo => {
+            // (The config refuses `remax` with any algorithm but GRPO.)
+            grpo_core::estimators::AdvEstimator::Remax => {
                 let model = self.model.clone();
                 let decoding = self.decoding_copy(&model)?;
                 let argmax = grpo_rollout::SamplingParams {
