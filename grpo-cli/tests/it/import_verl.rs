@@ -326,7 +326,8 @@ fn what_cannot_be_translated_is_refused_in_one_line() {
 /// verl's DAPO-style GMPO example (examples/gmpo_trainer/test_dapo_7b_math.sh), adapted to a
 /// tiny model: shell arithmetic, `${X:-"..."}` defaults, `+` overrides, the dapo reward
 /// manager's overlong buffer (an `overlong` reward weighted by its penalty factor), `geo_mean`
-/// (gmpo) with `clip_ratio_low/high`; it trains.
+/// (gmpo) with `clip_ratio_low/high`, dynamic sampling (`filter_groups`, `gen_batch_size`); it
+/// trains.
 #[test]
 fn verls_dapo_gmpo_script_translates_and_trains() {
     let dir = tempfile::tempdir().unwrap();
@@ -344,6 +345,7 @@ overlong_penalty_factor=1.0
 train_prompt_bsz=4
 n_resp_per_prompt=4
 train_prompt_mini_bsz=2
+max_num_gen_batches=10
 RAY_DATA_HOME=${RAY_DATA_HOME:-"${HOME}"}
 MODEL_PATH=${MODEL_PATH:-"${RAY_DATA_HOME}/models/tiny"}
 TRAIN_FILE=${TRAIN_FILE:-"${RAY_DATA_HOME}/data/gsm8k/train.jsonl"}
@@ -370,6 +372,10 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.loss_agg_mode=token-mean \
     custom_reward_function.path=${HOME}/my_reward.py \
     reward_model.reward_manager=dapo \
+    algorithm.filter_groups.enable=True \
+    algorithm.filter_groups.metric=seq_reward \
+    algorithm.filter_groups.max_num_gen_batches=${max_num_gen_batches} \
+    data.gen_batch_size=$((train_prompt_bsz * 3)) \
     +reward_model.reward_kwargs.overlong_buffer_cfg.enable=${enable_overlong_buffer} \
     +reward_model.reward_kwargs.overlong_buffer_cfg.len=${overlong_buffer_len} \
     +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=${overlong_penalty_factor} \
@@ -395,6 +401,12 @@ python3 -m verl.trainer.main_ppo \
     assert_eq!(c.optim.warmup_steps, 10);
     assert_eq!(c.optim.max_grad_norm, 0.5);
     assert_eq!(c.optim.weight_decay, 0.1);
+    let f = &c.loss.filter_groups;
+    assert!(f.enable, "{text}");
+    assert_eq!(
+        (f.metric.as_str(), f.max_num_gen_batches, f.gen_batch_size),
+        ("reward", 10, Some(12))
+    );
     let tree: Value = serde_json::to_value(config::parse_toml_tree(&text).unwrap()).unwrap();
     assert_eq!(
         tree["rewards"][1],
@@ -413,5 +425,7 @@ python3 -m verl.trainer.main_ppo \
     for m in &r.metrics {
         assert!(m["loss"].is_finite());
         assert!(m.contains_key("rewards/overlong/mean"), "{m:?}");
+        assert!(m["filter_groups/num_gen_batches"] >= 1.0, "{m:?}");
+        assert_eq!(m["frac_reward_zero_std"], 0.0, "{m:?}");
     }
 }

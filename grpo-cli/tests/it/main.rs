@@ -11,6 +11,7 @@ mod distillation;
 mod env_cli;
 mod export;
 mod faults;
+mod filter_groups;
 mod gold;
 mod import_trl;
 mod import_verl;

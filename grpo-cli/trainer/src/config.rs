@@ -2557,6 +2557,41 @@ pub struct LossSection {
     pub kl_penalty: KlPenalty,
     /// verl's `algorithm.kl_ctrl`: the in-reward KL coefficient, fixed or adaptive.
     pub kl_ctrl: KlCtrlSection,
+    /// DAPO's dynamic sampling (verl's `algorithm.filter_groups`): draw more prompts until the
+    /// step has `train.prompts_per_step` groups whose rewards differ.
+    pub filter_groups: FilterGroupsSection,
+}
+
+/// `[loss.filter_groups]`: DAPO's dynamic sampling (verl's `algorithm.filter_groups`). The
+/// generator samples batches of `gen_batch_size` prompts, the scorer keeps the groups whose
+/// `metric` is not the same for every completion, and a step trains on the first
+/// `train.prompts_per_step` groups kept (`crate::stages::filter`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterGroupsSection {
+    /// On or off (default off).
+    pub enable: bool,
+    /// What must differ within a group: `reward` (the combined reward, default), a reward's
+    /// name (its score), or a value the rewards log per completion (a verl reward's dict key,
+    /// such as `acc`).
+    pub metric: String,
+    /// The most generation batches one step may draw; 0 (default): no limit. A step that
+    /// reaches it without enough groups stops the run with a checkpoint (verl's error).
+    pub max_num_gen_batches: usize,
+    /// verl's `data.gen_batch_size`: prompts per generation batch (default: the step's
+    /// `train.prompts_per_step`).
+    pub gen_batch_size: Option<usize>,
+}
+
+impl Default for FilterGroupsSection {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            metric: "reward".into(),
+            max_num_gen_batches: 0,
+            gen_batch_size: None,
+        }
+    }
 }
 
 /// `[loss.kl_ctrl]`: verl's `algorithm.kl_ctrl` (the in-reward KL coefficient).
@@ -2644,6 +2679,7 @@ impl Default for LossSection {
             use_kl_in_reward: false,
             kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlSection::default(),
+            filter_groups: FilterGroupsSection::default(),
         }
     }
 }
@@ -3234,6 +3270,7 @@ impl TrainConfig {
             );
         }
         self.check_estimator()?;
+        self.check_filter_groups()?;
         if self.loss.replay_buffer_size > 0 && self.algorithm != Algorithm::Grpo {
             return Err(format!(
                 "`loss.replay_buffer_size` replays groups of GRPO's loss (TRL's GRPOWithReplayBufferTrainer); algorithm `{}` has no place for them: leave it at 0",
@@ -4173,6 +4210,50 @@ impl TrainConfig {
             }
         }
         Ok(())
+    }
+
+    /// DAPO's dynamic sampling (`[loss.filter_groups]`).
+    fn check_filter_groups(&self) -> std::result::Result<(), String> {
+        let f = &self.loss.filter_groups;
+        if !f.enable {
+            return Ok(());
+        }
+        if !matches!(self.algorithm, Algorithm::Grpo | Algorithm::Rloo) {
+            return Err(format!(
+                "`loss.filter_groups` picks GRPO's groups by their rewards; algorithm `{}` trains otherwise: leave it off",
+                self.algorithm_name()
+            ));
+        }
+        if self.loss.replay_buffer_size > 0 {
+            return Err("`loss.filter_groups` and `loss.replay_buffer_size` are two answers to groups whose rewards are all equal: choose one".into());
+        }
+        if f.gen_batch_size == Some(0) {
+            return Err("`loss.filter_groups.gen_batch_size` must be at least 1".into());
+        }
+        match f.metric.as_str() {
+            "" => return Err("`loss.filter_groups.metric` is empty: `reward`, a reward's name or a value the rewards log".into()),
+            "seq_final_reward" => return Err("`loss.filter_groups.metric = \"seq_final_reward\"`: verl's in-reward KL penalty joins the reward in the learner, after the groups are picked; filter on `reward`".into()),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The algorithm's config name.
+    fn algorithm_name(&self) -> String {
+        serde_json::to_value(self.algorithm)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default()
+    }
+
+    /// Prompts per generation batch: `loss.filter_groups.gen_batch_size` with dynamic
+    /// sampling, else the step's.
+    pub fn prompts_per_draw(&self) -> usize {
+        let f = &self.loss.filter_groups;
+        match (f.enable, f.gen_batch_size) {
+            (true, Some(n)) => n,
+            _ => self.train.prompts_per_step,
+        }
     }
 
     fn check_ppo(&self) -> std::result::Result<(), String> {

@@ -45,6 +45,7 @@ pub fn evaluate(setup: &Setup, learner: &Learner, eval: &Dataset) -> Result<Metr
     while let Some(samples) = stream.next_batch().map_err(|e| anyhow!("eval data: {e}"))? {
         let batch = PromptBatch {
             step: usize::MAX / 2,
+            draw: usize::MAX / 2,
             samples,
             position: stream.position(),
         };

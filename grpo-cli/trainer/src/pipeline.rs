@@ -12,7 +12,9 @@
 //! the learner runs on the calling thread, and what follows each of its steps (logs,
 //! checkpoints, callbacks, evaluation) is in `step_end`. [`RunMode::Sequential`]
 //! calls the same stages in a plain loop, which is how the tests check that the pipeline with
-//! `max_staleness = 0` computes exactly the sequential algorithm. An error in any stage stops
+//! `max_staleness = 0` computes exactly the sequential algorithm. With `loss.filter_groups`
+//! (DAPO's dynamic sampling) a step may take several generation batches: the scorer tells the
+//! generator, over one more channel, which batch closed a step. An error in any stage stops
 //! every stage (the channels close) and is returned naming its stage. SFT and DPO run the
 //! loader and the learner only ([`crate::learner::supervised::run`]).
 
@@ -144,9 +146,16 @@ pub fn run(
     }
     let (mut learner, run_dir) = crate::run_dir::open_run(&setup, opts)?;
     let start = learner.state.step;
-    let mut loader = Loader::new(&setup, start, learner.state.position)?;
+    // DAPO's dynamic sampling (`loss.filter_groups`): a step draws generation batches until
+    // it has its groups, so batches are counted apart from steps.
+    let filtering = setup.cfg.loss.filter_groups.enable;
+    let first_draw = match filtering {
+        true => learner.state.draws.unwrap_or(start),
+        false => start,
+    };
+    let mut loader = Loader::new(&setup, first_draw, learner.state.position)?;
     let mut generator = Generator::new(&setup, learner.publish()?, start);
-    let mut scorer = Scorer::new(&setup);
+    let mut scorer = Scorer::new(&setup).with_filter(&setup, start);
     if let Some(buffer) = learner.replay_buffer.clone() {
         scorer = scorer.with_replay(buffer);
     }
@@ -175,17 +184,24 @@ pub fn run(
         .context(Stage::Learner)
     };
     let outcome: Result<()> = match opts.mode {
+        // A resumed run with its steps done (the loader ends by itself otherwise).
+        _ if filtering && start >= setup.total_steps => Ok(()),
         RunMode::Sequential => (|| {
+            let mut t0 = Instant::now();
             while let Some(batch) = loader.process().context(Stage::Data)? {
-                let t0 = Instant::now();
                 let rollouts = generator.process(batch).context(Stage::Generator)?;
-                let scored = scorer.process(rollouts).context(Stage::Scorer)?;
+                let Some(scored) = scorer.process_batch(rollouts).context(Stage::Scorer)? else {
+                    continue;
+                };
                 ends.step_begin(&learner);
                 let m = learner.process(&scored).context(Stage::Learner)?;
                 let w = learner.publish().context(Stage::Learner)?;
                 generator.publish(w, learner.state.step);
                 let secs = t0.elapsed().as_secs_f64();
-                if after(&mut ends, &mut learner, &scored, m, secs)? {
+                t0 = Instant::now();
+                if after(&mut ends, &mut learner, &scored, m, secs)?
+                    || learner.state.step >= setup.total_steps
+                {
                     break;
                 }
             }
@@ -196,6 +212,14 @@ pub fn run(
             let (data_tx, data_rx) = bounded::<PromptBatch>(p.data_capacity);
             let (roll_tx, roll_rx) = bounded::<Rollouts>(p.rollout_capacity);
             let (scored_tx, scored_rx) = bounded::<Scored>(p.scored_capacity);
+            // With `loss.filter_groups`: whether each scored batch closed a step.
+            let (closed_tx, closed_rx) = match filtering {
+                true => {
+                    let (tx, rx) = crossbeam_channel::unbounded::<bool>();
+                    (Some(tx), Some(rx))
+                }
+                false => (None, None),
+            };
             // Every version goes to the generator in order (it takes version step − k for the
             // batch of `step`, so runs are reproducible); k + 1 slots keep the learner from
             // waiting on a generator that is ahead.
@@ -218,10 +242,42 @@ pub fn run(
                     Ok(())
                 });
                 let gen_h = scope.spawn(move || -> Result<()> {
+                    // With `loss.filter_groups` a batch's step is known once it is scored: the
+                    // scorer tells each batch's outcome, and a batch is generated only when
+                    // the latest step it could feed (each batch in flight closing one) is
+                    // within `staleness` versions.
+                    let (mut closed, mut in_flight) = (start, 0usize);
                     for batch in data_rx.iter() {
                         // On-policy within `staleness` versions: wait for the learner's weights.
-                        while batch.step > generator.version() + staleness {
-                            let Ok((w, v)) = weights_rx.recv() else {
+                        loop {
+                            let feeds = match &closed_rx {
+                                None => batch.step,
+                                Some(rx) => {
+                                    for c in rx.try_iter() {
+                                        in_flight -= 1;
+                                        closed += usize::from(c);
+                                    }
+                                    closed + in_flight
+                                }
+                            };
+                            if feeds <= generator.version() + staleness {
+                                break;
+                            }
+                            let next = match &closed_rx {
+                                None => weights_rx.recv().ok(),
+                                Some(rx) => crossbeam_channel::select! {
+                                    recv(weights_rx) -> w => w.ok(),
+                                    recv(rx) -> c => {
+                                        let Ok(c) = c else {
+                                            return Ok(());
+                                        };
+                                        in_flight -= 1;
+                                        closed += usize::from(c);
+                                        continue;
+                                    }
+                                },
+                            };
+                            let Some((w, v)) = next else {
                                 return Ok(());
                             };
                             generator.publish(w, v);
@@ -233,12 +289,13 @@ pub fn run(
                         if roll_tx.send(r).is_err() {
                             break;
                         }
+                        in_flight += 1;
                     }
                     Ok(())
                 });
                 let scorer_h = scope.spawn(move || -> Result<()> {
                     scorer
-                        .run_stage(&roll_rx, &scored_tx, scoring_batches)
+                        .run_stage(&roll_rx, &scored_tx, scoring_batches, closed_tx.as_ref())
                         .context(Stage::Scorer)
                 });
                 // The learner, on this thread.
@@ -254,7 +311,7 @@ pub fn run(
                         }
                         let secs = t_last.elapsed().as_secs_f64();
                         t_last = Instant::now();
-                        if after(&mut ends, &mut learner, &scored, m, secs)? {
+                        if after(&mut ends, &mut learner, &scored, m, secs)? || v >= total {
                             return Ok(());
                         }
                     }

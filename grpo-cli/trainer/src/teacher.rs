@@ -121,7 +121,7 @@ pub fn add_student_passes(
         .zip(&teachings)
         .map(|(c, teaching)| (t[c.prompt_index].0.as_str(), *teaching))
         .collect();
-    let seed = step_seed(run_seed, r.batch.step as u64) ^ 0x0073_7475_6465_6e74;
+    let seed = step_seed(run_seed, r.batch.draw as u64) ^ 0x0073_7475_6465_6e74;
     let passes = tp
         .student_passes(&items, seed)
         .map_err(|e| anyhow!("{e}"))?;
@@ -186,7 +186,7 @@ impl TeacherLog {
             let u = grpo_data::rng::mix(
                 self.seed,
                 0x006c_6f67,
-                (r.batch.step as u64) << 20 | p as u64,
+                (r.batch.draw as u64) << 20 | p as u64,
             );
             if (u >> 11) as f64 / (1u64 << 53) as f64 >= *prob {
                 continue;

@@ -300,14 +300,6 @@ const DROPPED: &[(&str, &str)] = &[
         "critic.",
         "only PPO (adv_estimator = gae) has a value model",
     ),
-    (
-        "algorithm.filter_groups.",
-        "DAPO's refill of the step with more batches is not built (filter_groups.enable drops flat groups)",
-    ),
-    (
-        "data.gen_batch_size",
-        "DAPO's refill of the step with more batches is not built (filter_groups.enable drops flat groups)",
-    ),
     ("trainer.n_gpus_per_node", "one process here"),
     ("trainer.nnodes", "one process here"),
     ("trainer.device", "the device is `model.device`"),
@@ -1543,16 +1535,64 @@ pub fn translate(
         "reward_model.reward_kwargs.overlong_buffer_cfg.log",
         "reward_model.reward_kwargs.max_resp_len",
     ]);
-    // DAPO's dynamic sampling: groups whose rewards are all equal leave the loss here (verl's
-    // recipe samples more batches to refill the step instead).
-    if keys
-        .get("algorithm.filter_groups.enable")
-        .is_some_and(truthy)
+    // DAPO's dynamic sampling: more generation batches until the step's groups all differ.
+    let filter = truthy(&take("algorithm.filter_groups.enable", &mut handled));
+    let metric = take("algorithm.filter_groups.metric", &mut handled);
+    let max_gen = take("algorithm.filter_groups.max_num_gen_batches", &mut handled);
+    let gen_batch = take("data.gen_batch_size", &mut handled);
+    if filter {
+        set(&mut tree, "loss.filter_groups.enable", json!(true));
+        let metric = match &metric {
+            Value::Null => {
+                notes.push((
+                    "algorithm.filter_groups.metric".into(),
+                    "none given (verl needs one): the combined reward".into(),
+                ));
+                "reward".to_string()
+            }
+            m => text(m),
+        };
+        let ours = match metric.as_str() {
+            "seq_reward" => "reward".to_string(),
+            "seq_final_reward" => {
+                if kl_in_reward {
+                    notes.push(("algorithm.filter_groups.metric".into(), "seq_final_reward: the groups are picked on the reward before the in-reward KL penalty, which the learner adds after".into()));
+                }
+                "reward".to_string()
+            }
+            other => {
+                notes.push(("algorithm.filter_groups.metric".into(), format!("`{other}` is read from what the rewards log per completion (a verl reward's dict key): a reward that returns a plain number logs none, and the run stops naming the metric; `reward` is the combined reward")));
+                other.to_string()
+            }
+        };
+        set(&mut tree, "loss.filter_groups.metric", json!(ours));
+        if !max_gen.is_null() {
+            let n = int(&max_gen, "algorithm.filter_groups.max_num_gen_batches")?;
+            set(
+                &mut tree,
+                "loss.filter_groups.max_num_gen_batches",
+                json!(n.max(0)),
+            );
+        }
+        if !gen_batch.is_null() {
+            let n = int(&gen_batch, "data.gen_batch_size")?;
+            if n < 1 {
+                bail!("data.gen_batch_size={n}: must be at least 1");
+            }
+            set(&mut tree, "loss.filter_groups.gen_batch_size", json!(n));
+        }
+    } else if !gen_batch.is_null()
+        && gen_batch
+            != keys
+                .get("data.train_batch_size")
+                .cloned()
+                .unwrap_or(Value::Null)
     {
-        set(&mut tree, "loss.drop_zero_std_groups", json!(true));
-        notes.push(("algorithm.filter_groups.enable".into(), "groups whose rewards are all equal leave the loss (loss.drop_zero_std_groups); verl's recipe generates more batches to refill the step instead".into()));
+        notes.push((
+            "data.gen_batch_size".into(),
+            "without algorithm.filter_groups a step trains on data.train_batch_size prompts".into(),
+        ));
     }
-    handled.push("algorithm.filter_groups.enable");
 
     // The run.
     let out = text(&take("trainer.default_local_dir", &mut handled));

@@ -478,6 +478,31 @@ fn train_teacher(dir: &Path, name: &str, extra: &[String]) -> grpo_trainer::Trai
     .unwrap()
 }
 
+/// `[teacher]` with DAPO's dynamic sampling on a value the teaching reward logs (each
+/// teaching's length: a tiny student earns the same teaching reward everywhere): the teaching
+/// of each prompt travels with its group, and it trains.
+#[test]
+fn teacher_config_with_dynamic_sampling() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = [
+        "loss.filter_groups.enable=true".to_string(),
+        "loss.filter_groups.metric=\"teaching_tokens\"".to_string(),
+        "loss.filter_groups.max_num_gen_batches=20".to_string(),
+    ];
+    let r = train_teacher(dir.path(), "filtered", &sets);
+    assert_eq!(r.metrics.len(), 3);
+    for m in &r.metrics {
+        assert!(m["filter_groups/num_gen_batches"] >= 1.0);
+        for k in [
+            "loss",
+            "teacher/with_teaching_accuracy",
+            "rewards/adaptive_teaching/mean",
+        ] {
+            assert!(m[k].is_finite(), "{k}: {m:?}");
+        }
+    }
+}
+
 /// An environment that answers the teacher's first turn once ("Check your guidance.") and
 /// ends the episode at its second, rewarding the second turn's length parity.
 struct Review;

@@ -32,6 +32,8 @@ struct Run<'a> {
     scoring_batches: usize,
     max_concurrent: usize,
     steps: usize,
+    /// More TOML after the config's sections.
+    extra: &'a str,
 }
 
 fn setup(name: &str, r: &Run<'_>) -> Setup {
@@ -78,6 +80,7 @@ log_completions = false
 [pipeline]
 max_staleness = {k}
 scoring_batches = {sb}
+{extra}
 "#,
         out = root.join(name).display(),
         model = root.join("model").display(),
@@ -87,6 +90,7 @@ scoring_batches = {sb}
         steps = r.steps,
         k = r.staleness,
         sb = r.scoring_batches,
+        extra = r.extra,
     );
     let p = root.join(format!("{name}.toml"));
     std::fs::write(&p, text).unwrap();
@@ -138,6 +142,7 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
         scoring_batches: 2,
         max_concurrent: 64,
         steps: 6,
+        extra: "",
     };
 
     // One step at a time: never more than a step's 8 requests in flight.
@@ -190,6 +195,52 @@ fn judges_keep_requests_of_several_steps_in_flight_within_their_bounds() {
     assert_eq!(without_timing(&two.metrics), without_timing(&again.metrics));
 }
 
+/// DAPO's dynamic sampling with an async judge: batches scored two at a time, with the
+/// generator two versions ahead, give the metrics of batches scored one at a time; the staleness
+/// bound holds over steps that draw several batches.
+#[test]
+fn dynamic_sampling_overlaps_judge_batches_and_keeps_the_staleness_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = LoopbackServer::start(ServerConfig {
+        latency: Duration::from_millis(20),
+        // Equal scores for short completions: some groups are flat.
+        reply: Arc::new(|r: &Value| {
+            let score = if last_message(r).len() < 14 { 0.0 } else { 1.0 };
+            json!({"score": score, "explanation": "by length"}).to_string()
+        }),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut run = Run {
+        root: dir.path(),
+        url: server.base_url(),
+        staleness: 2,
+        scoring_batches: 1,
+        max_concurrent: 64,
+        steps: 5,
+        extra: "[loss.filter_groups]\nenable = true\nmetric = \"clarity\"\n",
+    };
+    let one = train("filter_one", &run);
+    run.scoring_batches = 2;
+    let two = train("filter_two", &run);
+    assert_eq!(without_timing(&one.metrics), without_timing(&two.metrics));
+    assert!(
+        two.metrics
+            .iter()
+            .any(|m| m["scoring/batches_in_flight"] == 2.0)
+    );
+    for m in &two.metrics {
+        assert!(m["staleness/max"] <= 2.0, "{m:?}");
+        assert!(m["rewards/clarity/std"] > 0.0, "{m:?}");
+    }
+    let draws: f64 = two
+        .metrics
+        .iter()
+        .map(|m| m["filter_groups/num_gen_batches"])
+        .sum();
+    assert!(draws > 5.0, "no step drew a second batch");
+}
+
 /// Takes the judge's server down after step 2.
 struct TakeDown<'a> {
     server: &'a LoopbackServer,
@@ -222,6 +273,7 @@ fn a_judge_down_past_its_retries_stops_the_run_with_a_checkpoint_to_resume_from(
             scoring_batches: 2,
             max_concurrent: 64,
             steps: 8,
+            extra: "",
         };
         let name = format!("down{k}");
         let t = Instant::now();
@@ -293,6 +345,7 @@ fn a_panicking_async_reward_stops_the_run_naming_the_scorer() {
         scoring_batches: 2,
         max_concurrent: 8,
         steps: 8,
+        extra: "",
     };
     let mut s = setup("bomb", &run);
     s.rewards =

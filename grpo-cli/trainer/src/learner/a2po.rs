@@ -85,6 +85,7 @@ pub fn stage_one(setup: &mut Setup) -> Result<()> {
         let indices: Vec<u64> = samples.iter().map(|s| s.index).collect();
         let batch = PromptBatch {
             step: STAGE_ONE_STEP + k,
+            draw: STAGE_ONE_STEP + k,
             samples,
             position: stream.position(),
         };

@@ -125,6 +125,9 @@ impl Learner {
         self.step_metrics(s, batch, off_policy, m);
         m.insert("timing/train_s".into(), t0.elapsed().as_secs_f64());
         self.state.position = Some(s.rollouts.batch.position);
+        if self.cfg.loss.filter_groups.enable {
+            self.state.draws = Some(s.rollouts.batch.draw + 1);
+        }
         self.updating = false;
     }
 

@@ -91,6 +91,10 @@ pub struct TrainerState {
     /// step (`None`: `kl_ctrl.kl_coef`, not yet moved).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kl_ctrl_value: Option<f64>,
+    /// DAPO's dynamic sampling (`loss.filter_groups`): the generation batches drawn through
+    /// the last step trained (a resumed run draws on from there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draws: Option<usize>,
 }
 
 /// Computes the loss and updates the weights; its state is what checkpoints hold.

@@ -156,7 +156,7 @@ impl Generator {
             return self.episodes(batch, env.as_ref());
         }
         let t0 = Instant::now();
-        let seed = step_seed(self.cfg.train.seed, batch.step as u64);
+        let seed = step_seed(self.cfg.train.seed, batch.draw as u64);
         let (teaching, prompts) = self.step_prompts(&batch, seed)?;
         let mut prompt_texts = Vec::with_capacity(batch.samples.len());
         let mut prompt_ids = Vec::with_capacity(batch.samples.len());
@@ -471,7 +471,7 @@ impl Generator {
     /// with the model mask and the environment's rewards beside them.
     fn episodes(&mut self, batch: PromptBatch, env: &dyn Environment) -> Result<Rollouts> {
         let t0 = Instant::now();
-        let seed = step_seed(self.cfg.train.seed, batch.step as u64);
+        let seed = step_seed(self.cfg.train.seed, batch.draw as u64);
         // With `[teacher]` the teacher's episode starts from the teacher prompt: its guidance is
         // the episode (its turns and the environment's answers), which the student then reads.
         let (teaching, step_prompts) = self.step_prompts(&batch, seed)?;

@@ -11,16 +11,20 @@ use crate::setup::Setup;
 pub struct Loader {
     stream: SampleStream,
     next_step: usize,
-    total_steps: usize,
+    /// None with DAPO's dynamic sampling (`loss.filter_groups`): a step draws as many
+    /// batches as it needs, and the run ends when the learner has its steps.
+    total_steps: Option<usize>,
 }
 
 impl Loader {
-    /// Starts at `position` (resume) or at the beginning.
-    pub fn new(setup: &Setup, start_step: usize, position: Option<Position>) -> Result<Self> {
+    /// Starts at `position` (resume) or at the beginning; `start` is the step, or with
+    /// `loss.filter_groups` the generation batch, to begin with.
+    pub fn new(setup: &Setup, start: usize, position: Option<Position>) -> Result<Self> {
+        let drawing = setup.cfg.loss.filter_groups.enable;
         let sc = StreamConfig {
             seed: setup.cfg.train.seed,
             shuffle: setup.cfg.shuffles(),
-            batch_size: setup.cfg.train.prompts_per_step,
+            batch_size: setup.cfg.prompts_per_draw(),
             epochs: None,
             ..Default::default()
         };
@@ -31,14 +35,14 @@ impl Loader {
         .map_err(|e| anyhow!("{e}"))?;
         Ok(Self {
             stream,
-            next_step: start_step,
-            total_steps: setup.total_steps,
+            next_step: start,
+            total_steps: (!drawing).then_some(setup.total_steps),
         })
     }
 
     /// The next batch, or None after the last step.
     pub fn process(&mut self) -> Result<Option<PromptBatch>> {
-        if self.next_step >= self.total_steps {
+        if self.total_steps.is_some_and(|t| self.next_step >= t) {
             return Ok(None);
         }
         let samples = self
@@ -48,6 +52,7 @@ impl Loader {
             .context("the endless stream ended")?;
         let b = PromptBatch {
             step: self.next_step,
+            draw: self.next_step,
             samples,
             position: self.stream.position(),
         };

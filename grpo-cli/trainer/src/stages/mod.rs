@@ -7,6 +7,7 @@
 //! Each stage is a plain struct with a `process` method; [`crate::pipeline`] runs them on
 //! threads (or in a plain loop, the reference semantics).
 
+pub mod filter;
 pub mod generator;
 pub mod loader;
 pub mod replay;
@@ -29,6 +30,10 @@ use grpo_teacher::DiagnosticResult;
 pub struct PromptBatch {
     /// 0-based step index over the whole run.
     pub step: usize,
+    /// 0-based index of the generation batch over the whole run, which seeds its sampling:
+    /// the step, except with DAPO's dynamic sampling (`loss.filter_groups`), where a step may
+    /// draw several batches (a merged step's is its last batch's).
+    pub draw: usize,
     /// The samples.
     pub samples: Vec<Sample>,
     /// Stream position after this batch.

@@ -21,6 +21,7 @@ use grpo_rewards::{
 use grpo_rollout::Tokenizer;
 use grpo_teacher::TeachingProtocol;
 
+use super::filter::GroupFilter;
 use super::replay::ReplayBuffer;
 use super::{Rollouts, Scored};
 use crate::setup::Setup;
@@ -80,6 +81,9 @@ pub struct Scorer {
     environment: Option<RunEnvironment>,
     /// `loss.replay_buffer_size`: the training run's replay buffer ([`super::replay`]).
     replay: Option<ReplayBuffer>,
+    /// `loss.filter_groups`: the groups kept for the step being filled ([`super::filter`]),
+    /// and the scoring seconds of its batches so far.
+    filter: Option<(GroupFilter, f64)>,
 }
 
 /// The run's environment (Debug by its name).
@@ -111,6 +115,27 @@ impl Scorer {
             policy_scorer: setup.policy_scorer.clone(),
             environment: setup.environment.clone().map(RunEnvironment),
             replay: None,
+            filter: None,
+        }
+    }
+
+    /// Keeps only groups whose rewards differ and closes a step once it has
+    /// `train.prompts_per_step` of them (`loss.filter_groups`, when on; the training run's
+    /// scorer), the first being step `start`.
+    pub fn with_filter(mut self, setup: &Setup, start: usize) -> Self {
+        let f = &setup.cfg.loss.filter_groups;
+        if f.enable {
+            let n = setup.cfg.train.prompts_per_step;
+            self.filter = Some((GroupFilter::new(f, n, self.num_generations, start), 0.0));
+        }
+        self
+    }
+
+    /// With `loss.filter_groups`, a batch belongs to the step being filled when its scoring
+    /// starts (what rewards see as the step).
+    fn label_step(&self, r: &mut Rollouts) {
+        if let Some((f, _)) = &self.filter {
+            r.batch.step = f.step();
         }
     }
 
@@ -226,9 +251,18 @@ impl Scorer {
         Ok(())
     }
 
-    /// Scores one step.
+    /// Scores one step (a scorer without `loss.filter_groups`).
     pub fn process(&mut self, rollouts: Rollouts) -> Result<Scored> {
+        self.process_batch(rollouts)?.context(
+            "the scorer keeps groups for a later step (loss.filter_groups): use process_batch",
+        )
+    }
+
+    /// Scores one generation batch: the step, or with `loss.filter_groups` the step once its
+    /// groups are all kept (None before).
+    pub fn process_batch(&mut self, mut rollouts: Rollouts) -> Result<Option<Scored>> {
         let t0 = Instant::now();
+        self.label_step(&mut rollouts);
         let inputs = self.inputs(&rollouts)?;
         let scores = self.rewards.score(&inputs).map_err(|e| anyhow!("{e}"))?;
         self.finish(rollouts, &inputs, scores, t0.elapsed().as_secs_f64(), 1)
@@ -251,15 +285,16 @@ impl Scorer {
             .map_err(|e| anyhow!("{e}"))
     }
 
-    /// Advantages of a scored step.
+    /// Advantages of a scored step; with `loss.filter_groups`, of the step once the batch
+    /// completes it (None before).
     pub fn finish(
         &mut self,
         mut rollouts: Rollouts,
         inputs: &[RewardInput],
         mut scores: ScoredBatch,
-        seconds: f64,
+        mut seconds: f64,
         batches_in_flight: usize,
-    ) -> Result<Scored> {
+    ) -> Result<Option<Scored>> {
         if let Some(e) = &rollouts.episodes {
             self.add_environment_reward(&mut scores, &e.rewards)?;
             // Scored: what the episodes held (environment instances) may go.
@@ -279,6 +314,13 @@ impl Scorer {
         }
         let g = self.num_generations;
         self.score_greedy(&mut rollouts)?;
+        if let Some((filter, secs)) = self.filter.as_mut() {
+            *secs += seconds;
+            match filter.push(rollouts, scores)? {
+                Some((r, s)) => (rollouts, scores, seconds) = (r, s, std::mem::take(secs)),
+                None => return Ok(None),
+            }
+        }
         let advantages = if self.estimator != AdvEstimator::Grpo {
             // verl's estimators on each completion's score over its loss tokens (the learner
             // forms them again when a KL penalty is in the reward or tokens differ).
@@ -330,7 +372,7 @@ impl Scorer {
                 .extend(ReplayBuffer::metrics(step, &replay));
             scored.replay = Some(replay);
         }
-        Ok(scored)
+        Ok(Some(scored))
     }
 
     /// Adds the environment's rewards as one more function, `env` (weight 1), and combines
@@ -368,17 +410,30 @@ impl Scorer {
     /// The pipeline's scorer stage: scores the rollouts arriving on `input` and sends them on
     /// `output` in order. With async judges up to `max_in_flight` steps are scored at once, so
     /// the judges keep requests in flight across steps (each judge's `max_concurrent` and rate
-    /// limits still bound them all); otherwise one step at a time. Stops when `input` closes or
-    /// `output`'s receiver is gone; dropping unfinished work cancels it.
+    /// limits still bound them all); otherwise one step at a time. With `loss.filter_groups`,
+    /// `closed` hears for each batch, in order, whether it closed a step. Stops when `input`
+    /// closes or `output`'s receiver is gone; dropping unfinished work cancels it.
     pub fn run_stage(
         &mut self,
         input: &crossbeam_channel::Receiver<Rollouts>,
         output: &crossbeam_channel::Sender<Scored>,
         max_in_flight: usize,
+        closed: Option<&crossbeam_channel::Sender<bool>>,
     ) -> Result<()> {
+        // Hands a batch's outcome on; false = stop.
+        let hand_on = |out: Option<Scored>| -> bool {
+            if let Some(tx) = closed {
+                // The generator may have stopped: a closed channel is not an error.
+                let _ = tx.send(out.is_some());
+            }
+            match out {
+                Some(s) => output.send(s).is_ok(),
+                None => true,
+            }
+        };
         if !self.overlaps() {
             for r in input.iter() {
-                if output.send(self.process(r)?).is_err() {
+                if !hand_on(self.process_batch(r)?) {
                     break;
                 }
             }
@@ -410,7 +465,7 @@ impl Scorer {
                 };
                 let dt = p.started.elapsed().as_secs_f64();
                 let scored = self.finish(p.rollouts, &p.inputs, scores, dt, p.in_flight)?;
-                if output.send(scored).is_err() {
+                if !hand_on(scored) {
                     return Ok(());
                 }
             }
@@ -427,7 +482,8 @@ impl Scorer {
             if open && pending.len() < max_in_flight {
                 crossbeam_channel::select! {
                     recv(input) -> msg => match msg {
-                        Ok(r) => {
+                        Ok(mut r) => {
+                            self.label_step(&mut r);
                             let id = next_id;
                             next_id += 1;
                             let tx = done_tx.clone();

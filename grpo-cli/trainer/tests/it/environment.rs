@@ -178,6 +178,38 @@ fn an_environment_trains_two_steps_on_multi_turn_episodes() {
     }
 }
 
+/// DAPO's dynamic sampling over episodes: every step's groups differ in the environment's
+/// reward, its episodes' masks and metrics travel with the groups kept, and it trains.
+#[test]
+fn dynamic_sampling_keeps_episode_groups_whose_rewards_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = model(dir.path());
+    let mut cfg = config(dir.path(), "run");
+    cfg.loss.filter_groups.enable = true;
+    cfg.loss.filter_groups.gen_batch_size = Some(1);
+    let mut t = GrpoTrainer::from_pretrained(&m, cfg).unwrap();
+    let r = t
+        .fit_with(
+            FitOptions::default()
+                .dataset(arithmetic(6))
+                .environment(GuessEnv::default())
+                .max_steps(3),
+        )
+        .unwrap();
+    assert_eq!(r.metrics.len(), 3);
+    for m in &r.metrics {
+        assert_eq!(m["frac_reward_zero_std"], 0.0, "{m:?}");
+        assert!(m["rewards/env/std"] > 0.0, "{m:?}");
+        // Batches of one prompt: at least two per step of two prompts.
+        assert!(m["filter_groups/num_gen_batches"] >= 2.0, "{m:?}");
+        // Each batch's episodes counted four: the step's metric is their mean.
+        assert_eq!(m["env/episodes_seen"], 4.0, "{m:?}");
+        assert!(m["loss"].is_finite() && m["completions/max_length"] <= 18.0);
+    }
+    let lines = std::fs::read_to_string(dir.path().join("run/completions.jsonl")).unwrap();
+    assert_eq!(lines.lines().count(), 3 * 8);
+}
+
 #[test]
 fn the_environment_reward_adds_to_the_reward_functions() {
     let dir = tempfile::tempdir().unwrap();
@@ -257,6 +289,7 @@ fn scored(masks: bool) -> Scored {
         rollouts: Rollouts {
             batch: PromptBatch {
                 step: 0,
+                draw: 0,
                 samples: vec![Sample {
                     index: 0,
                     prompt: Prompt::Text("p".into()),
