@@ -214,6 +214,18 @@ fn a_step_takes_the_first_groups_kept_over_several_batches() {
     );
 }
 
+/// The error that ends a run of `cfg`.
+fn run_error(cfg: grpo_trainer::TrainConfig) -> String {
+    let setup = grpo_trainer::setup(cfg).unwrap();
+    let e = grpo_trainer::run(
+        setup,
+        &RunOptions::default(),
+        &mut grpo_trainer::NoCallbacks,
+    )
+    .unwrap_err();
+    format!("{e:#}")
+}
+
 const FILTER: &str = "[loss.filter_groups]\nenable = true\n";
 
 #[test]
@@ -318,14 +330,7 @@ fn a_step_that_cannot_fill_stops_the_run_and_bad_settings_are_refused() {
     cfg.rewards.push(
         serde_json::from_value(serde_json::json!({"type": "format", "pattern": "(?s).*"})).unwrap(),
     );
-    let setup = grpo_trainer::setup(cfg).unwrap();
-    let e = grpo_trainer::run(
-        setup,
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap_err();
-    let e = format!("{e:#}");
+    let e = run_error(cfg);
     assert!(
         e.contains("max_num_gen_batches = 2") && e.contains("step 1"),
         "{e}"
@@ -336,14 +341,7 @@ fn a_step_that_cannot_fill_stops_the_run_and_bad_settings_are_refused() {
         "unknown",
         "[loss.filter_groups]\nenable = true\nmetric = \"acc\"\n",
     );
-    let setup = grpo_trainer::setup(cfg).unwrap();
-    let e = grpo_trainer::run(
-        setup,
-        &RunOptions::default(),
-        &mut grpo_trainer::NoCallbacks,
-    )
-    .unwrap_err();
-    let e = format!("{e:#}");
+    let e = run_error(cfg);
     assert!(
         e.contains("`acc`") && e.contains("accuracy, has_digit"),
         "{e}"

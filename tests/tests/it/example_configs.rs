@@ -826,6 +826,40 @@ fn the_reinforce_pp_config_trains_with_the_kl_in_the_reward() {
     }
 }
 
+/// `configs/dapo.toml`: dynamic sampling, clip-higher, the overlong punishment, no KL. The tiny
+/// model never answers right, so the test filters on the combined reward (the overlong
+/// punishment varies with its lengths) instead of the accuracy.
+#[test]
+fn the_dapo_config_trains_on_groups_whose_rewards_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, data) = fixture(dir.path());
+    let cfg = load_example(
+        "dapo.toml",
+        dir.path(),
+        "dapo",
+        (&model, &data),
+        2,
+        &["loss.filter_groups.metric=\"reward\"".to_string()],
+    );
+    let f = &cfg.loss.filter_groups;
+    assert!(f.enable && f.gen_batch_size == Some(12) && f.max_num_gen_batches == 10);
+    assert_eq!(
+        (cfg.loss.epsilon, cfg.loss.epsilon_high),
+        (Some(0.2), Some(0.28))
+    );
+    let s = trainer::setup(cfg).unwrap();
+    assert!(s.reference.is_none(), "beta 0: no reference");
+    let r = run_setup(s);
+    assert_eq!(r.total_steps, 2);
+    for m in &r.metrics {
+        assert!(m["loss"].is_finite(), "{m:?}");
+        assert_eq!(m["frac_reward_zero_std"], 0.0, "{m:?}");
+        assert!(
+            m.contains_key("rewards/overlong/mean") && m["filter_groups/num_gen_batches"] >= 1.0
+        );
+    }
+}
+
 /// `configs/orpo.toml` and `configs/simpo.toml` train on the example preference pairs without a
 /// reference model; `configs/bco.toml` on the same pairs unpaired, against its reference.
 #[test]
