@@ -199,6 +199,118 @@ pub fn log_importance_weights(
     }
 }
 
+/// The per-token KL estimate of the loss's `β` term, of `d = log π − log π_ref` (verl's
+/// `actor.kl_loss_type`; TRL has k3 only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KlEstimate {
+    /// `d` (verl's `kl`, `k1`).
+    K1,
+    /// `|d|`.
+    Abs,
+    /// `d² / 2` (verl's `mse`, `k2`).
+    K2,
+    /// `e^{−d} + d − 1`, TRL's (the default).
+    #[default]
+    K3,
+    /// k3 with `−d` clamped to ±20 and the estimate to ±10, verl's `low_var_kl` (and its `k3`).
+    LowVarKl,
+}
+
+/// [`KlEstimate`] and whether its gradient is k2's (verl's `+` suffix, e.g. `k3+`: the value of
+/// the estimate, the gradient of `d² / 2`, whose expectation is the KL's gradient).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KlLossType {
+    /// The estimate (its value).
+    pub estimate: KlEstimate,
+    /// k2's gradient (a straight-through estimate).
+    pub straight_through: bool,
+}
+
+impl KlLossType {
+    /// The config spelling: `k3` (TRL's), or verl's `kl` / `k1`, `abs`, `mse` / `k2`,
+    /// `low_var_kl`, with `+` for the straight-through gradient.
+    pub fn as_str(self) -> &'static str {
+        use KlEstimate::*;
+        match (self.estimate, self.straight_through) {
+            (K1, false) => "k1",
+            (K1, true) => "k1+",
+            (Abs, false) => "abs",
+            (Abs, true) => "abs+",
+            (K2, _) => "k2",
+            (K3, false) => "k3",
+            (K3, true) => "k3+",
+            (LowVarKl, false) => "low_var_kl",
+            (LowVarKl, true) => "low_var_kl+",
+        }
+    }
+
+    /// The estimate per token of `logp` against `reference` (both `(B, T)`).
+    pub fn per_token(self, logp: &Tensor, reference: &Tensor) -> Result<Tensor> {
+        // m = log π_ref − log π = −d.
+        let m = (reference - logp)?;
+        let value = match self.estimate {
+            KlEstimate::K1 => m.neg()?,
+            KlEstimate::Abs => {
+                // d · sign(d), the sign held constant: the gradient is torch's sign(d), 0 at 0
+                // (candle's abs takes +1 there).
+                let d = m.neg()?;
+                let sign = (d.gt(0.0)?.to_dtype(d.dtype())? - d.lt(0.0)?.to_dtype(d.dtype())?)?;
+                (d * sign)?
+            }
+            KlEstimate::K2 => (m.sqr()? * 0.5)?,
+            KlEstimate::K3 => ((m.exp()? - &m)? - 1.0)?,
+            KlEstimate::LowVarKl => {
+                let c = clamp_like_torch(&m, Some(-20.0), Some(20.0))?;
+                let k = ((c.exp()? - &c)? - 1.0)?;
+                clamp_like_torch(&k, Some(-10.0), Some(10.0))?
+            }
+        };
+        if !self.straight_through || self.estimate == KlEstimate::K2 {
+            return Ok(value);
+        }
+        let k2 = (m.sqr()? * 0.5)?;
+        (&k2 - k2.detach())? + value.detach()
+    }
+}
+
+impl std::str::FromStr for KlLossType {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        let lower = s.to_ascii_lowercase();
+        let (name, straight_through) = match lower.strip_suffix('+') {
+            Some(n) => (n, true),
+            None => (lower.as_str(), false),
+        };
+        let estimate = match name {
+            "k1" | "kl" => KlEstimate::K1,
+            "abs" => KlEstimate::Abs,
+            "k2" | "mse" => KlEstimate::K2,
+            "k3" => KlEstimate::K3,
+            "low_var_kl" => KlEstimate::LowVarKl,
+            "full" => {
+                return Err("kl_loss_type `full` needs the whole vocabulary's log-probs, which verl itself does not implement: use k1, abs, k2, k3 or low_var_kl".into());
+            }
+            other => {
+                return Err(format!(
+                    "unknown kl_loss_type `{other}`: expected k3 (TRL's), k1 (kl), abs, k2 (mse) or low_var_kl, with `+` for k2's gradient"
+                ));
+            }
+        };
+        Ok(Self {
+            estimate,
+            // k2's own gradient: `k2+` is k2.
+            straight_through: straight_through && estimate != KlEstimate::K2,
+        })
+    }
+}
+
+#[cfg(feature = "serde")]
+crate::serde_by_name!(
+    KlLossType,
+    "k3, k1, abs, k2 or low_var_kl (with + for k2's gradient)"
+);
+
 /// Options of [`policy_loss`]. `Default` is TRL 1.16's `GRPOConfig` defaults.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LossConfig {
@@ -216,6 +328,8 @@ pub struct LossConfig {
     /// Multiply the KL estimate by the importance ratio (TRL's `use_bias_correction_kl`);
     /// default false, as TRL's.
     pub kl_importance_correction: bool,
+    /// The KL estimate of the `β` term (and the `kl` metric); default TRL's k3.
+    pub kl_loss_type: KlLossType,
     /// Token or sequence ratios; default token.
     pub importance_sampling_level: ImportanceSamplingLevel,
     /// The dr_grpo normaliser; default 512 (TRL's `max_completion_length`).
@@ -254,6 +368,7 @@ impl Default for LossConfig {
             delta: None,
             beta: 0.0,
             kl_importance_correction: false,
+            kl_loss_type: KlLossType::default(),
             importance_sampling_level: ImportanceSamplingLevel::Token,
             max_completion_length: 512,
             sapo_temperature_pos: 1.0,
@@ -861,8 +976,7 @@ pub fn policy_loss_on_device(
 
     let per_token_kl = match &reference {
         Some(r) => {
-            let d = (r - logp)?;
-            let kl = ((d.exp()? - &d)? - 1.0)?;
+            let kl = cfg.kl_loss_type.per_token(logp, r)?;
             Some(if cfg.kl_importance_correction {
                 kl.broadcast_mul(&coef_1)?
             } else {
@@ -1133,10 +1247,7 @@ fn gmpo_loss(p: &GmpoParts<'_>, cfg: &LossConfig) -> Result<(Tensor, DeviceMetri
     }
     let tokens = p.mask.sum_keepdim(1)?.maximum(1.0)?;
     let per_token_kl = match p.reference {
-        Some(r) => {
-            let d = (r - p.logp)?;
-            Some(((d.exp()? - &d)? - 1.0)?)
-        }
+        Some(r) => Some(cfg.kl_loss_type.per_token(p.logp, r)?),
         None => None,
     };
     if let (Some(kl), true) = (&per_token_kl, cfg.beta != 0.0) {

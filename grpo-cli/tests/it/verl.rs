@@ -182,6 +182,48 @@ fn reinforce_plus_plus_with_token_advantages_learns() {
     assert!(last > first + 0.1, "digit share {first} -> {last}");
 }
 
+/// `loss.kl_loss_type` in a run: the `kl` metric is the chosen estimate of the same policy
+/// and reference (the first step's policy is the reference: every estimate 0), and the first
+/// steps of k3 and k3+ (same value, k2's gradient) differ once the policy has moved; `full` is
+/// refused naming the key.
+#[test]
+fn the_kl_loss_type_shapes_the_kl_term() {
+    let f = fixture();
+    let run = |name: &str, t: &str| {
+        let cfg = load(
+            &f.root,
+            name,
+            3,
+            &format!("{DIGIT}[reference]\nbeta = 0.5\n[loss]\nkl_loss_type = \"{t}\"\n"),
+        );
+        assert_eq!(cfg.loss_config().kl_loss_type.as_str(), t);
+        crate::train::run(cfg, RunOptions::default()).metrics
+    };
+    let k3 = run("k3", "k3");
+    let plus = run("k3plus", "k3+");
+    let k1 = run("k1", "k1");
+    // Step 1: the policy is the reference, every estimate 0 and the steps alike.
+    for m in [&k3[0], &plus[0], &k1[0]] {
+        assert_eq!(m["kl"], 0.0, "{m:?}");
+    }
+    assert_eq!(k3[0]["loss"], plus[0]["loss"]);
+    // Step 2 starts from the same weights (step 1's gradients are alike: d = 0): the same k3.
+    assert_eq!(k3[1]["kl"], plus[1]["kl"]);
+    assert!(k3[1]["kl"] > 0.0);
+    // Step 2's gradients differ (k3's 1 − e^{−d} against d), so step 3 does.
+    assert_ne!(k3[2]["kl"], plus[2]["kl"]);
+    // k1's estimate at step 2 is the mean log-ratio: another number than k3's.
+    assert_ne!(k1[1]["kl"], k3[1]["kl"]);
+    let p = f.root.join("full.toml");
+    std::fs::write(
+        &p,
+        config_text(&f.root, "full", 1, "[loss]\nkl_loss_type = \"full\"\n"),
+    )
+    .unwrap();
+    let e = format!("{:#}", config::load(&p, &[]).unwrap_err());
+    assert!(e.contains("kl_loss_type `full`"), "{e}");
+}
+
 #[test]
 fn estimator_refusals_are_one_line() {
     let f = fixture();

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use grpo_core::advantages::{MultiObjectiveAggregation, ScaleRewards};
 use grpo_core::estimators::{AdvEstimator, KlController, KlPenalty};
-use grpo_core::loss::{ImportanceSamplingLevel, ImportanceSamplingMode, LossConfig, LossType};
+use grpo_core::loss::{
+    ImportanceSamplingLevel, ImportanceSamplingMode, KlLossType, LossConfig, LossType,
+};
 use grpo_core::preference::{
     CpoConfig, CpoLossType, DpoConfig, DpoLossType, FDivergence, KtoConfig, KtoLossType,
     SftLossType,
@@ -2480,6 +2482,9 @@ pub struct LossSection {
     pub importance_sampling_level: ImportanceSamplingLevel,
     /// Multiply the KL by the importance ratio (TRL's `use_bias_correction_kl`).
     pub use_bias_correction_kl: bool,
+    /// The KL estimate of `reference.beta`'s term: k3 (TRL's, default) | verl's
+    /// `actor.kl_loss_type`: k1 (kl) | abs | k2 (mse) | low_var_kl, with `+` for k2's gradient.
+    pub kl_loss_type: KlLossType,
     /// group (default) | batch | none (TRL's booleans: true = group, false = none).
     pub scale_rewards: ScaleRewards,
     /// sum_then_normalize (default) | normalize_then_sum (GDPO: each reward normalised in its
@@ -2649,6 +2654,7 @@ impl Default for LossSection {
             delta: None,
             importance_sampling_level: ImportanceSamplingLevel::Token,
             use_bias_correction_kl: false,
+            kl_loss_type: KlLossType::default(),
             scale_rewards: ScaleRewards::Group,
             multi_objective_aggregation: MultiObjectiveAggregation::SumThenNormalize,
             use_leave_one_out_baseline: false,
@@ -3891,6 +3897,7 @@ impl TrainConfig {
             delta: l.delta,
             beta: self.reference.beta,
             kl_importance_correction: l.use_bias_correction_kl,
+            kl_loss_type: l.kl_loss_type,
             importance_sampling_level: l.importance_sampling_level,
             max_completion_length: self.rollout.max_completion_length,
             sapo_temperature_pos: l.sapo_temperature_pos,

@@ -1341,16 +1341,16 @@ pub fn translate(
             );
         }
         set(&mut tree, "reference.beta", json!(kl_loss_coef));
-        match kl_loss_type.as_str() {
-            "low_var_kl" | "k3" => notes.push((
-                "actor_rollout_ref.actor.kl_loss_type".into(),
-                "the KL loss is TRL's k3, as verl's low_var_kl but not clamped to ±10".into(),
-            )),
-            other => notes.push((
-                "actor_rollout_ref.actor.kl_loss_type".into(),
-                format!("`{other}`: the KL loss here is k3 (verl's low_var_kl)"),
-            )),
+        // verl's `k3` is its clamped low_var_kl; here `k3` is TRL's, unclamped.
+        let ours = match kl_loss_type.as_str() {
+            "k3" => "low_var_kl".to_string(),
+            "k3+" => "low_var_kl+".to_string(),
+            other => other.to_string(),
+        };
+        if let Err(e) = ours.parse::<grpo_core::loss::KlLossType>() {
+            bail!("actor_rollout_ref.actor.kl_loss_type={kl_loss_type}: {e}");
         }
+        set(&mut tree, "loss.kl_loss_type", json!(ours));
     }
 
     // Sampling.
@@ -1776,5 +1776,82 @@ python3 -m verl.trainer.main_ppo --config-path=cfg \
             t.tree["rewards"][0]["function"],
             json!("default_compute_score")
         );
+    }
+
+    fn grpo_with(extra: &[(&str, Value)]) -> Result<Imported> {
+        let mut keys: Vec<(String, Value)> = vec![
+            ("algorithm.adv_estimator".into(), json!("grpo")),
+            ("actor_rollout_ref.rollout.n".into(), json!(2)),
+            ("data.train_batch_size".into(), json!(8)),
+            (
+                "actor_rollout_ref.actor.ppo_mini_batch_size".into(),
+                json!(8),
+            ),
+        ];
+        keys.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        translate(&keys, &env)
+    }
+
+    #[test]
+    fn the_kl_loss_type_is_verls_and_its_k3_is_low_var_kl() {
+        for (verl, ours) in [
+            ("k3", "low_var_kl"),
+            ("low_var_kl", "low_var_kl"),
+            ("k3+", "low_var_kl+"),
+            ("mse", "mse"),
+            ("k1+", "k1+"),
+        ] {
+            let t = grpo_with(&[
+                ("actor_rollout_ref.actor.use_kl_loss", json!(true)),
+                ("actor_rollout_ref.actor.kl_loss_coef", json!(0.01)),
+                ("actor_rollout_ref.actor.kl_loss_type", json!(verl)),
+            ])
+            .unwrap();
+            assert_eq!(t.tree["loss"]["kl_loss_type"], json!(ours), "{verl}");
+            assert_eq!(t.tree["reference"]["beta"], json!(0.01));
+        }
+        let e = grpo_with(&[
+            ("actor_rollout_ref.actor.use_kl_loss", json!(true)),
+            ("actor_rollout_ref.actor.kl_loss_type", json!("full")),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kl_loss_type=full") && !e.contains('\n'), "{e}");
+    }
+
+    #[test]
+    fn dynamic_sampling_translates_with_its_metric() {
+        let t = grpo_with(&[("algorithm.filter_groups.enable", json!(true))]).unwrap();
+        assert_eq!(t.tree["loss"]["filter_groups"]["metric"], json!("reward"));
+        assert!(
+            t.notes
+                .iter()
+                .any(|(k, why)| k == "algorithm.filter_groups.metric" && why.contains("none given"))
+        );
+        let t = grpo_with(&[
+            ("algorithm.filter_groups.enable", json!(true)),
+            ("algorithm.filter_groups.metric", json!("acc")),
+            ("algorithm.filter_groups.max_num_gen_batches", json!(-1)),
+            ("data.gen_batch_size", json!(24)),
+        ])
+        .unwrap();
+        let f = &t.tree["loss"]["filter_groups"];
+        assert_eq!(
+            (
+                &f["metric"],
+                &f["max_num_gen_batches"],
+                &f["gen_batch_size"]
+            ),
+            (&json!("acc"), &json!(0), &json!(24))
+        );
+        assert!(
+            t.notes
+                .iter()
+                .any(|(_, why)| why.contains("a verl reward's dict key"))
+        );
+        // Without the filter a larger generation batch is noted, not translated.
+        let t = grpo_with(&[("data.gen_batch_size", json!(24))]).unwrap();
+        assert!(t.tree["loss"].get("filter_groups").is_none());
+        assert!(t.notes.iter().any(|(k, _)| k == "data.gen_batch_size"));
     }
 }

@@ -6,6 +6,7 @@ mod distill;
 mod dpo_variants;
 mod estimators;
 mod gmpo;
+mod kl_loss;
 mod loss_variants;
 mod minillm;
 mod orpo_cpo;
