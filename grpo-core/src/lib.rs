@@ -10,7 +10,8 @@
 //! * [`loss`] works on candle [`Tensor`](candle_core::Tensor)s: [`loss::policy_loss`] for the
 //!   grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo and gmpo objectives (with TRL's off-policy
 //!   sequence mask, high-entropy token mask and entropy bonus), token- or sequence-level importance
-//!   ratios, two-sided clipping, and the KL penalty to a reference model.
+//!   ratios, two-sided clipping, and the KL penalty to a reference model (TRL's k3 or verl's
+//!   KL-loss estimates); [`cov`] verl's Clip-Cov and KL-Cov token selections for it.
 //! * [`logprobs`] turns `(B, T, V)` logits into per-token log-probs and entropies in chunks.
 //! * [`preference`] holds the objectives beside GRPO: SFT's masked token loss, DPO's and KTO's
 //!   preference losses, the reference-free ORPO and CPO losses (SimPO, AlphaPO; TPO reuses
@@ -77,6 +78,8 @@
 #![deny(missing_docs)]
 
 pub mod advantages;
+#[cfg(feature = "candle")]
+pub mod cov;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "candle")]

@@ -27,6 +27,8 @@
 
 use candle_core::{DType, Result, Tensor};
 
+use crate::cov::CovLoss;
+
 /// How per-token losses are aggregated (TRL's `loss_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LossType {
@@ -250,13 +252,7 @@ impl KlLossType {
         let m = (reference - logp)?;
         let value = match self.estimate {
             KlEstimate::K1 => m.neg()?,
-            KlEstimate::Abs => {
-                // d · sign(d), the sign held constant: the gradient is torch's sign(d), 0 at 0
-                // (candle's abs takes +1 there).
-                let d = m.neg()?;
-                let sign = (d.gt(0.0)?.to_dtype(d.dtype())? - d.lt(0.0)?.to_dtype(d.dtype())?)?;
-                (d * sign)?
-            }
+            KlEstimate::Abs => abs_like_torch(&m.neg()?)?,
             KlEstimate::K2 => (m.sqr()? * 0.5)?,
             KlEstimate::K3 => ((m.exp()? - &m)? - 1.0)?,
             KlEstimate::LowVarKl => {
@@ -357,6 +353,9 @@ pub struct LossConfig {
     /// Coefficient of the entropy bonus subtracted from the loss (TRL's `entropy_coef`, as
     /// applied this step); 0.0 (the default) adds none. Needs [`LossInputs::entropies`].
     pub entropy_coef: f64,
+    /// Clip-Cov or KL-Cov on the tokens whose log-prob moves most with their advantage
+    /// ([`crate::cov`], verl's `clip_cov` / `kl_cov` loss modes); default off.
+    pub cov: CovLoss,
 }
 
 impl Default for LossConfig {
@@ -380,6 +379,7 @@ impl Default for LossConfig {
             off_policy_mask_threshold: None,
             top_entropy_quantile: 1.0,
             entropy_coef: 0.0,
+            cov: CovLoss::Off,
         }
     }
 }
@@ -397,6 +397,36 @@ impl LossConfig {
         finite_nonneg("epsilon_low", self.epsilon_low)?;
         finite_nonneg("epsilon_high", self.epsilon_high)?;
         finite_nonneg("beta", self.beta)?;
+        self.cov.validate()?;
+        if self.cov != CovLoss::Off {
+            let name = match self.cov {
+                CovLoss::KlCov { .. } => "kl_cov",
+                _ => "clip_cov",
+            };
+            if !matches!(
+                self.loss_type,
+                LossType::Grpo
+                    | LossType::Bnpo
+                    | LossType::DrGrpo
+                    | LossType::Dapo
+                    | LossType::Luspo
+            ) {
+                return Err(format!(
+                    "{name} reworks the clipped token loss; loss_type {} has another objective (grpo, bnpo, dr_grpo, dapo or luspo take it)",
+                    self.loss_type.as_str()
+                ));
+            }
+            if self.importance_sampling_level != ImportanceSamplingLevel::Token {
+                return Err(format!(
+                    "{name} selects tokens by their own ratios: importance_sampling_level must be token"
+                ));
+            }
+            if self.delta.is_some() {
+                return Err(format!(
+                    "{name} has no two-sided clip (verl's ignores clip_ratio_c): leave delta out"
+                ));
+            }
+        }
         if self.epsilon_low >= 1.0 && self.loss_type != LossType::Cispo {
             return Err(format!(
                 "epsilon_low must be < 1 (the lower clip bound is 1 - epsilon_low), got {}",
@@ -719,6 +749,13 @@ pub struct DeviceLossOutput {
 
 fn bail(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
+}
+
+/// `|x|` whose gradient is torch's `sign(x)`, 0 at 0 (candle's `abs` takes +1 there): `x` times
+/// its sign held constant.
+fn abs_like_torch(x: &Tensor) -> Result<Tensor> {
+    let sign = (x.gt(0.0)?.to_dtype(x.dtype())? - x.lt(0.0)?.to_dtype(x.dtype())?)?;
+    x * sign
 }
 
 /// `x.clamp(lo, hi)` whose gradient is 1 on the closed interval `[lo, hi]` and 0 outside,
@@ -1071,7 +1108,24 @@ pub fn policy_loss_on_device(
             }
             let l1 = coef_1.broadcast_mul(&adv)?;
             let l2 = coef_2.broadcast_mul(&adv)?;
-            l1.minimum(&l2)?.neg()?
+            match cfg.cov {
+                CovLoss::Off => l1.minimum(&l2)?.neg()?,
+                CovLoss::ClipCov { .. } => {
+                    // Tokens the clip holds (verl's `pg_losses2 > pg_losses1`) are left out of
+                    // the draw; the drawn ones lose their gradient.
+                    let clipped = l2.lt(&l1)?.to_dtype(dtype)?.broadcast_mul(&mask)?;
+                    let picked = crate::cov::select(cfg.cov, &adv, logp, &mask, &clipped)?;
+                    l1.minimum(&l2)?
+                        .neg()?
+                        .broadcast_mul(&picked.affine(-1.0, 1.0)?)?
+                }
+                CovLoss::KlCov { coef, .. } => {
+                    let none = mask.zeros_like()?;
+                    let picked = crate::cov::select(cfg.cov, &adv, logp, &mask, &none)?;
+                    let penalty = abs_like_torch(&(logp - &old)?)?.broadcast_mul(&picked)?;
+                    (l1.neg()? + (penalty * coef)?)?
+                }
+            }
         }
     };
     let per_token_loss = match &opsm {
@@ -1128,8 +1182,11 @@ pub fn policy_loss_on_device(
             let low = high.zeros_like()?;
             (low, high)
         }
-        // No clip: TRL logs no clip ratios for these.
+        // No clip: TRL logs no clip ratios for these (nor verl for kl_cov).
         LossType::Sapo | LossType::Vespo => (coef_1.zeros_like()?, coef_1.zeros_like()?),
+        _ if matches!(cfg.cov, CovLoss::KlCov { .. }) => {
+            (coef_1.zeros_like()?, coef_1.zeros_like()?)
+        }
         _ => {
             let low =
                 flag(coef_1.lt(1.0 - cfg.epsilon_low)?)?.broadcast_mul(&flag(adv.lt(0.0)?)?)?;

@@ -295,7 +295,7 @@ fn what_cannot_be_translated_is_refused_in_one_line() {
             "must be a multiple of",
         ),
         (
-            "algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+            "algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
             "not built here",
         ),
         (

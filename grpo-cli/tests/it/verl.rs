@@ -224,6 +224,50 @@ fn the_kl_loss_type_shapes_the_kl_term() {
     assert!(e.contains("kl_loss_type `full`"), "{e}");
 }
 
+/// `[loss.policy_loss]` Clip-Cov and KL-Cov in a run: both train, the same seed gives the same
+/// run (Clip-Cov's draws are seeded per micro-batch and update), Clip-Cov's dropped gradients
+/// change the run; KL-Cov logs no clip ratios (it has no clip); RLOO refuses them.
+#[test]
+fn clip_cov_and_kl_cov_train_reproducibly() {
+    let f = fixture();
+    let run = |name: &str, extra: &str| {
+        let cfg = load(&f.root, name, 3, &format!("{DIGIT}{extra}"));
+        crate::train::run(cfg, RunOptions::default()).metrics
+    };
+    // Shares large enough that each micro-batch of 4 × 8 tokens draws or penalises some.
+    let clip = "[loss.policy_loss]\nloss_mode = \"clip_cov\"\nclip_cov_ratio = 0.2\nclip_cov_lb = -10.0\nclip_cov_ub = 10.0\n";
+    let a = run("clip_a", clip);
+    let b = run("clip_b", clip);
+    let plain = run("plain", "");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["loss"], y["loss"]);
+        assert!(x["loss"].is_finite());
+    }
+    // Step 1 is on-policy from the same weights: dropping tokens' gradients changes the update,
+    // so step 2 differs from the plain run's.
+    assert_ne!(a[1]["loss"], plain[1]["loss"]);
+    let kl = run(
+        "kl_cov",
+        "[loss.policy_loss]\nloss_mode = \"kl_cov\"\nkl_cov_ratio = 0.2\nppo_kl_coef = 1.0\n",
+    );
+    for m in &kl {
+        assert!(m["loss"].is_finite());
+        assert_eq!(m["clip_ratio/region_mean"], 0.0, "{m:?}");
+    }
+    let mut cfg = load(
+        &f.root,
+        "rloo",
+        1,
+        &format!("{DIGIT}[loss.policy_loss]\nloss_mode = \"kl_cov\"\n"),
+    );
+    cfg.algorithm = grpo_trainer::config::Algorithm::Rloo;
+    let e = cfg.validate().unwrap_err();
+    assert!(
+        e.contains("loss.policy_loss.loss_mode") && e.contains("rloo"),
+        "{e}"
+    );
+}
+
 #[test]
 fn estimator_refusals_are_one_line() {
     let f = fixture();

@@ -2565,6 +2565,72 @@ pub struct LossSection {
     /// DAPO's dynamic sampling (verl's `algorithm.filter_groups`): draw more prompts until the
     /// step has `train.prompts_per_step` groups whose rewards differ.
     pub filter_groups: FilterGroupsSection,
+    /// verl's `actor.policy_loss`: Clip-Cov or KL-Cov on the clipped token loss.
+    pub policy_loss: PolicyLossSection,
+}
+
+/// `[loss.policy_loss]`: verl's `actor.policy_loss` (`grpo_core::cov`): the clipped token loss
+/// (`vanilla`), Clip-Cov or KL-Cov (Cui et al. 2025).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyLossSection {
+    /// vanilla (default) | clip_cov | kl_cov.
+    pub loss_mode: PolicyLossMode,
+    /// Clip-Cov: the share of the micro-batch's tokens whose gradient may be dropped (0.0002).
+    pub clip_cov_ratio: f64,
+    /// Clip-Cov: the covariance's lower bound (1.0).
+    pub clip_cov_lb: f64,
+    /// Clip-Cov: the covariance's upper bound (5.0).
+    pub clip_cov_ub: f64,
+    /// KL-Cov: the share of the micro-batch's tokens penalised (0.0002).
+    pub kl_cov_ratio: f64,
+    /// KL-Cov: the coefficient of `|log ratio|` (0.1, verl's default).
+    pub ppo_kl_coef: f64,
+}
+
+/// verl's policy-loss modes that rework the clipped token loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyLossMode {
+    /// The clipped loss of `loss.loss_type`.
+    Vanilla,
+    /// Clip-Cov.
+    ClipCov,
+    /// KL-Cov.
+    KlCov,
+}
+
+impl Default for PolicyLossSection {
+    fn default() -> Self {
+        Self {
+            loss_mode: PolicyLossMode::Vanilla,
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
+        }
+    }
+}
+
+impl PolicyLossSection {
+    /// grpo-core's setting (Clip-Cov's seed 0: the learner seeds each micro-batch).
+    pub fn cov(&self) -> grpo_core::cov::CovLoss {
+        use grpo_core::cov::CovLoss;
+        match self.loss_mode {
+            PolicyLossMode::Vanilla => CovLoss::Off,
+            PolicyLossMode::ClipCov => CovLoss::ClipCov {
+                ratio: self.clip_cov_ratio,
+                lb: self.clip_cov_lb,
+                ub: self.clip_cov_ub,
+                seed: 0,
+            },
+            PolicyLossMode::KlCov => CovLoss::KlCov {
+                ratio: self.kl_cov_ratio,
+                coef: self.ppo_kl_coef,
+            },
+        }
+    }
 }
 
 /// `[loss.filter_groups]`: DAPO's dynamic sampling (verl's `algorithm.filter_groups`). The
@@ -2686,6 +2752,7 @@ impl Default for LossSection {
             kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlSection::default(),
             filter_groups: FilterGroupsSection::default(),
+            policy_loss: PolicyLossSection::default(),
         }
     }
 }
@@ -3277,6 +3344,14 @@ impl TrainConfig {
         }
         self.check_estimator()?;
         self.check_filter_groups()?;
+        if self.loss.policy_loss.loss_mode != PolicyLossMode::Vanilla
+            && self.algorithm != Algorithm::Grpo
+        {
+            return Err(format!(
+                "`loss.policy_loss.loss_mode` reworks GRPO's clipped token loss; algorithm `{}` has its own: leave it at vanilla",
+                self.algorithm_name()
+            ));
+        }
         if self.loss.replay_buffer_size > 0 && self.algorithm != Algorithm::Grpo {
             return Err(format!(
                 "`loss.replay_buffer_size` replays groups of GRPO's loss (TRL's GRPOWithReplayBufferTrainer); algorithm `{}` has no place for them: leave it at 0",
@@ -3909,6 +3984,7 @@ impl TrainConfig {
             off_policy_mask_threshold: l.off_policy_mask_threshold,
             top_entropy_quantile: l.top_entropy_quantile,
             entropy_coef: l.entropy_coef,
+            cov: l.policy_loss.cov(),
         }
     }
 

@@ -73,6 +73,14 @@ const DEFAULTS: &[(&str, &str)] = &[
     ("actor_rollout_ref.actor.tau_pos", "1.0"),
     ("actor_rollout_ref.actor.tau_neg", "1.05"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla"),
+    (
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+        "0.0002",
+    ),
+    ("actor_rollout_ref.actor.policy_loss.clip_cov_lb", "1.0"),
+    ("actor_rollout_ref.actor.policy_loss.clip_cov_ub", "5.0"),
+    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "0.0002"),
+    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "0.1"),
     ("actor_rollout_ref.actor.loss_agg_mode", "token-mean"),
     ("actor_rollout_ref.actor.entropy_coeff", "0"),
     ("actor_rollout_ref.actor.use_kl_loss", "false"),
@@ -1306,13 +1314,39 @@ pub fn translate(
                 notes.push(("actor_rollout_ref.actor.loss_agg_mode".into(), "geo_mean is TRL's gmpo: one term per sequence".into()));
             }
             "cispo" => lt = "cispo",
+            "clip_cov" | "kl_cov" => {
+                set(&mut tree, "loss.policy_loss.loss_mode", json!(mode));
+                let keys: &[&'static str] = match mode.as_str() {
+                    "clip_cov" => &[
+                        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+                        "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
+                        "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
+                    ],
+                    _ => &[
+                        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
+                        "actor_rollout_ref.actor.policy_loss.ppo_kl_coef",
+                    ],
+                };
+                for &k in keys {
+                    let v = num(&take(k, &mut handled), k)?;
+                    let ours = format!("loss.policy_loss.{}", k.rsplit('.').next().unwrap_or(k));
+                    set(&mut tree, &ours, json!(v));
+                }
+            }
             "gpg" => notes.push(("actor_rollout_ref.actor.policy_loss.loss_mode".into(), "gpg's −log π · A is the clipped-ratio loss here: the same gradient while the ratio is 1 (one epoch, on-policy), clipped beyond".into())),
-            other => bail!("actor_rollout_ref.actor.policy_loss.loss_mode={other}: not built here (vanilla, gspo, sapo, geo_mean, cispo and gpg are)"),
+            other => bail!("actor_rollout_ref.actor.policy_loss.loss_mode={other}: not built here (vanilla, gspo, sapo, geo_mean, cispo, gpg, clip_cov and kl_cov are)"),
         }
         set(&mut tree, "loss.loss_type", json!(lt));
     }
     handled.push("actor_rollout_ref.actor.tau_pos");
     handled.push("actor_rollout_ref.actor.tau_neg");
+    handled.extend([
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_lb",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ub",
+        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
+        "actor_rollout_ref.actor.policy_loss.ppo_kl_coef",
+    ]);
     if !ppo && mode == "vanilla" {
         handled.push("actor_rollout_ref.actor.clip_ratio_c");
     }
@@ -1817,6 +1851,39 @@ python3 -m verl.trainer.main_ppo --config-path=cfg \
         .unwrap_err()
         .to_string();
         assert!(e.contains("kl_loss_type=full") && !e.contains('\n'), "{e}");
+    }
+
+    #[test]
+    fn clip_cov_and_kl_cov_carry_their_settings() {
+        let t = grpo_with(&[
+            (
+                "actor_rollout_ref.actor.policy_loss.loss_mode",
+                json!("clip_cov"),
+            ),
+            (
+                "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+                json!(0.001),
+            ),
+        ])
+        .unwrap();
+        let p = &t.tree["loss"]["policy_loss"];
+        assert_eq!(p["loss_mode"], json!("clip_cov"));
+        assert_eq!(
+            (&p["clip_cov_ratio"], &p["clip_cov_lb"], &p["clip_cov_ub"]),
+            (&json!(0.001), &json!(1.0), &json!(5.0))
+        );
+        // No dual clip: verl's clip_cov ignores clip_ratio_c.
+        assert!(t.tree["loss"].get("delta").is_none());
+        let t = grpo_with(&[(
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+            json!("kl_cov"),
+        )])
+        .unwrap();
+        let p = &t.tree["loss"]["policy_loss"];
+        assert_eq!(
+            (&p["loss_mode"], &p["kl_cov_ratio"], &p["ppo_kl_coef"]),
+            (&json!("kl_cov"), &json!(0.0002), &json!(0.1))
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! instead of one per file: less disk and build time).
 #![allow(clippy::unwrap_used, missing_docs)]
 
+mod cov;
 mod distill;
 mod dpo_variants;
 mod estimators;

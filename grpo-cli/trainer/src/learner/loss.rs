@@ -480,6 +480,14 @@ impl Learner {
         for ci in range {
             let (a, b) = batch.chunks[ci];
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+            // Clip-Cov draws its tokens anew for each micro-batch of each update.
+            if let grpo_core::cov::CovLoss::ClipCov { seed, .. } = &mut loss_cfg.cov {
+                *seed = grpo_data::rng::mix(
+                    self.cfg.train.seed,
+                    self.state.optimizer_steps as u64,
+                    ci as u64,
+                );
+            }
             // An MoE policy's load-balancing loss: recorded by this forward, its gradient
             // handed to the routers in the backward below.
             let aux = self.aux_collector(ga);
