@@ -2,7 +2,10 @@
 //! plain slices: REINFORCE++ (discounted returns whitened over the batch's tokens), the
 //! REINFORCE++ baseline (group mean, then whitening), OPO (length-weighted group baseline),
 //! GRPO pass@k (only each group's best completion learns), GPG (group mean, scaled by the share
-//! of non-zero rewards), ReMax (returns minus the greedy completion's reward), beside TRL's GRPO and RLOO advantages from [`crate::advantages`].
+//! of non-zero rewards), ReMax (returns minus the greedy completion's reward), the optimal token
+//! baseline (returns minus a per-position group baseline weighted by each completion's path
+//! variance under the old policy), beside TRL's GRPO and RLOO advantages from
+//! [`crate::advantages`].
 //!
 //! Every estimator reads *token-level rewards*: one row per completion, one value per loss
 //! token, the completion's score on its last token (verl's reward managers place it there) and,
@@ -51,11 +54,18 @@ pub enum AdvEstimator {
     /// ReMax: per token, the return `Σ_{k≥t} r_k` minus the reward of the prompt's greedy
     /// completion ([`remax_advantages`]).
     Remax,
+    /// The optimal token baseline: per token, the return minus its group's baseline at that
+    /// position, weighted by each completion's cumulative path variance
+    /// ([`optimal_token_baseline`]; needs the old log-probs and `Σπ²`).
+    OptimalTokenBaseline,
+    /// The same over the model's tokens of multi-turn episodes, the longest completion's tail
+    /// beyond its group's second longest given no baseline (verl's `tir_optimal_token_baseline`).
+    TirOptimalTokenBaseline,
 }
 
 impl AdvEstimator {
     /// Every estimator.
-    pub const ALL: [AdvEstimator; 8] = [
+    pub const ALL: [AdvEstimator; 10] = [
         Self::Grpo,
         Self::Rloo,
         Self::ReinforcePlusPlus,
@@ -64,6 +74,8 @@ impl AdvEstimator {
         Self::GrpoPassk,
         Self::Gpg,
         Self::Remax,
+        Self::OptimalTokenBaseline,
+        Self::TirOptimalTokenBaseline,
     ];
 
     /// verl's spelling.
@@ -77,13 +89,24 @@ impl AdvEstimator {
             Self::GrpoPassk => "grpo_passk",
             Self::Gpg => "gpg",
             Self::Remax => "remax",
+            Self::OptimalTokenBaseline => "optimal_token_baseline",
+            Self::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
         }
+    }
+
+    /// Whether the advantages need each token's old log-prob and `Σπ²` (the learner forms
+    /// them with [`optimal_token_baseline`]).
+    pub fn optimal_token(self) -> bool {
+        matches!(
+            self,
+            Self::OptimalTokenBaseline | Self::TirOptimalTokenBaseline
+        )
     }
 
     /// Whether the advantages may vary within a completion (REINFORCE++'s and ReMax's returns
     /// of token-level rewards); the others give every token of a completion the same advantage.
     pub fn per_token(self) -> bool {
-        matches!(self, Self::ReinforcePlusPlus | Self::Remax)
+        matches!(self, Self::ReinforcePlusPlus | Self::Remax) || self.optimal_token()
     }
 }
 
@@ -109,7 +132,7 @@ impl std::str::FromStr for AdvEstimator {
 #[cfg(feature = "serde")]
 crate::serde_by_name!(
     AdvEstimator,
-    "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk, gpg or remax"
+    "grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk, gpg, remax, optimal_token_baseline or tir_optimal_token_baseline"
 );
 
 /// How verl estimates the per-token KL for the in-reward penalty (`algorithm.kl_penalty`),
@@ -293,6 +316,9 @@ pub fn estimate(
     if estimator == AdvEstimator::Remax {
         return Err("remax subtracts each prompt's greedy completion's reward: use remax_advantages with those baselines".into());
     }
+    if estimator.optimal_token() {
+        return Err("the optimal token baseline weighs by each token's old log-prob and Σπ²: use optimal_token_baseline with them".into());
+    }
     let valid: Vec<bool> = rows.iter().map(|r| r.iter().all(|x| !x.is_nan())).collect();
     let lens: Vec<usize> = rows.iter().map(Vec::len).collect();
     if estimator == AdvEstimator::ReinforcePlusPlus {
@@ -412,7 +438,10 @@ pub fn estimate(
                 return Ok(out);
             }
         }
-        AdvEstimator::ReinforcePlusPlus | AdvEstimator::Remax => unreachable!("handled above"),
+        AdvEstimator::ReinforcePlusPlus
+        | AdvEstimator::Remax
+        | AdvEstimator::OptimalTokenBaseline
+        | AdvEstimator::TirOptimalTokenBaseline => unreachable!("handled above"),
     };
     Ok(per_seq
         .iter()
@@ -466,4 +495,121 @@ fn whiten_tokens(rows: &mut [Vec<f64>], valid: &[bool]) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// verl's optimal token baseline (`optimal_token_baseline`, `tir_optimal_token_baseline`):
+/// per token the return `G_t = Σ_{k≥t} r_k` minus the group's baseline at that position
+/// `B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + 1e-8)`, where `W_{i,t} = Σ_{j≤t} (1 − 2π_j + Σπ²_j)`
+/// is completion `i`'s cumulative path variance (`π_j = exp(old_logps[i][j])`, `Σπ²` its
+/// distribution's sum of squared probabilities), over the group's rows long enough to have
+/// position `t`. A group of one valid row has no baseline. With `handle_zero_tail` the longest
+/// row's positions beyond its group's second longest get no baseline when it alone is longest.
+/// Rows hold the loss tokens (an episode's model tokens), as the other estimators' do; a row
+/// with a NaN reward gets 0 and leaves its group's baseline.
+pub fn optimal_token_baseline(
+    rows: &[Vec<f64>],
+    old_logps: &[Vec<f64>],
+    sum_pi_squared: &[Vec<f64>],
+    group_size: usize,
+    handle_zero_tail: bool,
+) -> Result<Vec<Vec<f64>>, String> {
+    let g = group_size.max(1);
+    if !rows.len().is_multiple_of(g) {
+        return Err(format!(
+            "{} completions are not whole groups of {g}",
+            rows.len()
+        ));
+    }
+    if old_logps.len() != rows.len() || sum_pi_squared.len() != rows.len() {
+        return Err(format!(
+            "{} rows of rewards, {} of old log-probs and {} of Σπ²",
+            rows.len(),
+            old_logps.len(),
+            sum_pi_squared.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        if old_logps[i].len() != r.len() || sum_pi_squared[i].len() != r.len() {
+            return Err(format!(
+                "completion {i}: {} rewards, {} old log-probs, {} Σπ² values",
+                r.len(),
+                old_logps[i].len(),
+                sum_pi_squared[i].len()
+            ));
+        }
+    }
+    for start in (0..rows.len()).step_by(g) {
+        let group = start..start + g;
+        let valid: Vec<usize> = group
+            .clone()
+            .filter(|&i| rows[i].iter().all(|x| !x.is_nan()))
+            .collect();
+        let returns: Vec<Vec<f64>> = group
+            .clone()
+            .map(|i| discounted_returns(&rows[i], 1.0))
+            .collect();
+        let weights: Vec<Vec<f64>> = group
+            .clone()
+            .map(|i| {
+                let mut acc = 0.0;
+                old_logps[i]
+                    .iter()
+                    .zip(&sum_pi_squared[i])
+                    .map(|(&lp, &s)| {
+                        acc += 1.0 - 2.0 * lp.exp() + s;
+                        acc
+                    })
+                    .collect()
+            })
+            .collect();
+        let longest = group.clone().map(|i| rows[i].len()).max().unwrap_or(0);
+        let mut baseline = vec![0.0; longest];
+        if valid.len() > 1 {
+            for (t, b) in baseline.iter_mut().enumerate() {
+                let (mut num, mut den) = (0.0, 0.0);
+                for &i in &valid {
+                    if let (Some(gt), Some(wt)) =
+                        (returns[i - start].get(t), weights[i - start].get(t))
+                    {
+                        num += gt * wt;
+                        den += wt;
+                    }
+                }
+                *b = num / (den + 1e-8);
+            }
+        }
+        // The longest valid row, when it alone is longest: no baseline past the second longest.
+        let mut tail: Option<(usize, usize)> = None;
+        if handle_zero_tail && valid.len() > 1 {
+            let mut lens: Vec<usize> = valid.iter().map(|&i| rows[i].len()).collect();
+            lens.sort_unstable();
+            let (max, second) = (lens[lens.len() - 1], lens[lens.len() - 2]);
+            let at_max: Vec<usize> = valid
+                .iter()
+                .copied()
+                .filter(|&i| rows[i].len() == max)
+                .collect();
+            if at_max.len() == 1 && max > second {
+                tail = Some((at_max[0], second));
+            }
+        }
+        for i in group {
+            if !valid.contains(&i) {
+                out.push(vec![0.0; rows[i].len()]);
+                continue;
+            }
+            out.push(
+                returns[i - start]
+                    .iter()
+                    .enumerate()
+                    .map(|(t, &gt)| match tail {
+                        Some((j, from)) if j == i && t >= from => gt,
+                        _ => gt - baseline[t],
+                    })
+                    .collect(),
+            );
+        }
+    }
+    Ok(out)
 }

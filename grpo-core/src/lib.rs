@@ -19,8 +19,8 @@
 //!   [`distill`] the on-policy distillation divergence (forward / reverse KL, generalized JSD);
 //!   [`uld`] GOLD's universal logit distillation for a teacher with another tokenizer.
 //! * [`estimators`] holds verl's advantage estimators on plain slices (REINFORCE++ and its
-//!   baseline, OPO, GRPO pass@k, GPG, ReMax) and its in-reward KL penalty with the adaptive
-//!   controller.
+//!   baseline, OPO, GRPO pass@k, GPG, ReMax, the optimal token baseline) and its in-reward KL
+//!   penalty with the adaptive controller.
 //! * [`ppo`] is PPO with a value model (TRL's experimental `PPOTrainer`): per-token rewards,
 //!   GAE and whitening on plain slices, the clipped policy and value losses on tensors.
 //! * [`udm`] is BCO's underlying distribution matching: a balanced logistic regression of

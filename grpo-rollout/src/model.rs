@@ -3787,6 +3787,24 @@ impl Transformer {
         Ok((stats, sum_sq))
     }
 
+    /// The log-probs of a left-padded batch's last `logits_to_keep` tokens at `temperature`
+    /// and `log Σ_v p_v²` of each of their distributions at that temperature, both without
+    /// gradient, `(B, logits_to_keep)`: verl's old log-probs and `sum_pi_squared` for the
+    /// optimal-token-baseline advantages.
+    pub fn completion_logprobs_and_sum_sq(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        logits_to_keep: usize,
+        temperature: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let (h, targets, shape) = self.padded_rows(input_ids, attention_mask, logits_to_keep)?;
+        let h = h.detach();
+        let (lp, _) = self.target_logprobs(&h, &targets, shape, temperature, false)?;
+        let sum_sq = self.log_sum_sq_probs_at(&h, temperature)?.reshape(shape)?;
+        Ok((lp.detach(), sum_sq))
+    }
+
     /// The hidden rows `(B·t, H)` (with the graph) that predict the last `t` tokens of each row
     /// of a left-padded batch, those tokens `(B·t,)`, and `(B, t)`: one forward that both
     /// [`Self::rows_logprobs`] and [`Self::distill_rows`] read.
@@ -3847,6 +3865,11 @@ impl Transformer {
     /// `log Σ_v p_v²` of the next-token distribution at each hidden row `(N, H)`, `(N,)` in f32
     /// (f64 for f64 models), without gradient; the logits formed a chunk of rows at a time.
     pub fn log_sum_sq_probs(&self, h: &Tensor) -> Result<Tensor> {
+        self.log_sum_sq_probs_at(h, 1.0)
+    }
+
+    /// [`Self::log_sum_sq_probs`] of the distribution at `temperature` (logits / T).
+    pub fn log_sum_sq_probs_at(&self, h: &Tensor, temperature: f64) -> Result<Tensor> {
         let h = h.detach();
         let total = h.dim(0)?;
         let rows = grpo_core::logprobs::chunk_rows_on(self.cfg.vocab_size, h.device());
@@ -3862,6 +3885,11 @@ impl Transformer {
                 .logits(&h.narrow(0, start, n)?)?
                 .detach()
                 .to_dtype(wide)?;
+            let z = if temperature == 1.0 {
+                z
+            } else {
+                (z / temperature)?
+            };
             let z = z.broadcast_sub(&z.max_keepdim(1)?)?;
             let once = z.exp()?.sum_keepdim(1)?.log()?;
             let twice = (&z * 2.0)?.exp()?.sum_keepdim(1)?.log()?;

@@ -287,8 +287,8 @@ fn what_cannot_be_translated_is_refused_in_one_line() {
     let d = dir.path();
     for (args, want) in [
         (
-            "algorithm.adv_estimator=optimal_token_baseline",
-            "not built (it needs each token's",
+            "algorithm.adv_estimator=my_estimator",
+            "unknown adv_estimator `my_estimator`",
         ),
         (
             "algorithm.adv_estimator=grpo data.train_batch_size=6 actor_rollout_ref.actor.ppo_mini_batch_size=4",

@@ -268,6 +268,43 @@ fn clip_cov_and_kl_cov_train_reproducibly() {
     );
 }
 
+/// The optimal token baseline (and TIR's, with the zero tail) in a run: the learner forms each
+/// token's advantage from a forward of the policy before the update (old log-probs and Σπ²),
+/// and it raises the score it learns from; per-token advantages refuse gmpo.
+#[test]
+fn the_optimal_token_baseline_learns() {
+    let f = fixture();
+    for est in ["optimal_token_baseline", "tir_optimal_token_baseline"] {
+        let mut cfg = load(
+            &f.root,
+            est,
+            20,
+            &format!("{DIGIT}[loss]\nadv_estimator = \"{est}\"\n"),
+        );
+        cfg.rewards.clear();
+        cfg.train.save_steps = 0;
+        let mut t = GrpoTrainer::from_config(cfg).unwrap();
+        let r = t
+            .fit_with(FitOptions::default().reward("digits", 1.0, digits))
+            .unwrap();
+        let mean = |ms: &[grpo_trainer::Metrics]| {
+            ms.iter().map(|m| m["reward"]).sum::<f64>() / ms.len() as f64
+        };
+        let (first, last) = (mean(&r.metrics[..5]), mean(&r.metrics[15..]));
+        eprintln!("{est}: digit share {first} -> {last}");
+        assert!(last > first + 0.1, "{est}: digit share {first} -> {last}");
+    }
+    let mut cfg = load(
+        &f.root,
+        "otb_gmpo",
+        1,
+        &format!("{DIGIT}[loss]\nadv_estimator = \"optimal_token_baseline\"\n"),
+    );
+    cfg.loss.loss_type = grpo_core::loss::LossType::Gmpo;
+    let e = cfg.validate().unwrap_err();
+    assert!(e.contains("gmpo"), "{e}");
+}
+
 #[test]
 fn estimator_refusals_are_one_line() {
     let f = fixture();

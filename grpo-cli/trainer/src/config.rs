@@ -4267,8 +4267,10 @@ impl TrainConfig {
         if !(l.gamma.is_finite() && (0.0..=1.0).contains(&l.gamma)) {
             return Err(format!("`loss.gamma` must be in [0, 1], got {}", l.gamma));
         }
-        let varies = est.per_token()
-            && (l.use_kl_in_reward || (est == AdvEstimator::ReinforcePlusPlus && l.gamma != 1.0));
+        let varies = est.optimal_token()
+            || (est.per_token()
+                && (l.use_kl_in_reward
+                    || (est == AdvEstimator::ReinforcePlusPlus && l.gamma != 1.0)));
         if varies && matches!(l.loss_type, LossType::Gmpo | LossType::Vespo) {
             return Err(format!(
                 "{what} gives each token its own advantage; `loss.loss_type = \"{}\"` weighs whole sequences and takes one per completion",

@@ -141,6 +141,10 @@ const DROPPED: &[(&str, &str)] = &[
         "micro-batches are counted in completions (`train.per_device_train_batch_size`)",
     ),
     ("actor_rollout_ref.actor.use_torch_compile", "no PyTorch"),
+    (
+        "actor_rollout_ref.actor.calculate_sum_pi_squared",
+        "Σπ² is computed whenever loss.adv_estimator needs it",
+    ),
     ("actor_rollout_ref.actor.strategy", "one process here"),
     (
         "actor_rollout_ref.actor.shuffle",
@@ -910,9 +914,6 @@ pub fn translate(
         "gae" => {
             tree["algorithm"] = json!("ppo");
         }
-        "optimal_token_baseline" | "tir_optimal_token_baseline" => bail!(
-            "algorithm.adv_estimator={estimator}: not built (it needs each token's Σπ² from the actor)"
-        ),
         other => {
             let e: grpo_core::estimators::AdvEstimator = other
                 .parse()

@@ -5,7 +5,7 @@
 use grpo_core::advantages::{ScaleRewards, group_advantages, leave_one_out_advantages};
 use grpo_core::estimators::{
     AdvEstimator, EstimatorParams, KlController, KlPenalty, apply_kl_penalty, discounted_returns,
-    estimate, remax_advantages, score_rows,
+    estimate, optimal_token_baseline, remax_advantages, score_rows,
 };
 
 include!("data/verl_reference.rs");
@@ -154,6 +154,55 @@ fn remax_matches_verl_with_and_without_the_kl() {
 }
 
 #[test]
+fn the_optimal_token_baseline_matches_verl() {
+    let (old, spsq) = (old(), sum_pi_sq());
+    let otb =
+        |rows: &[Vec<f64>], tail: bool| optimal_token_baseline(rows, &old, &spsq, 4, tail).unwrap();
+    close(&otb(&scores(), false), &want_otb(), "otb");
+    // TIR's zero tail: the group's unique longest row keeps its return past the second longest.
+    close(&otb(&scores(), true), &want_otb_tail(), "otb, zero tail");
+    assert_ne!(want_otb(), want_otb_tail());
+    let (kl_rows, _) = apply_kl_penalty(&SCORES, &kls(KlPenalty::Kl), 0.05);
+    close(&otb(&kl_rows, false), &want_otb_kl(), "otb, KL");
+    // With equal path variances the baseline is the group's mean return at each position, and a
+    // group of one row has none.
+    let rows = vec![vec![0.0, 1.0], vec![0.0, 0.0]];
+    let flat = vec![vec![(0.5f64).ln(); 2]; 2];
+    let s = vec![vec![0.5; 2]; 2];
+    let a = optimal_token_baseline(&rows, &flat, &s, 2, false).unwrap();
+    close(&a, &[vec![0.5, 0.5], vec![-0.5, -0.5]], "equal weights");
+    let a = optimal_token_baseline(&rows, &flat, &s, 1, false).unwrap();
+    assert_eq!(a, [vec![1.0, 1.0], vec![0.0, 0.0]]);
+    // An unscorable row gets 0 and leaves its group's baseline.
+    let nan = vec![vec![0.0, 1.0], vec![0.0, f64::NAN], vec![0.0, 0.0]];
+    let three = |v: &Vec<Vec<f64>>| vec![v[0].clone(), v[0].clone(), v[0].clone()];
+    let a = optimal_token_baseline(&nan, &three(&flat), &three(&s), 3, false).unwrap();
+    close(
+        &a,
+        &[vec![0.5, 0.5], vec![0.0, 0.0], vec![-0.5, -0.5]],
+        "NaN row",
+    );
+    // `estimate` refuses it without the log-probs; mismatched rows are refused naming them.
+    assert!(
+        estimate(
+            AdvEstimator::OptimalTokenBaseline,
+            &rows,
+            2,
+            &EstimatorParams::default()
+        )
+        .is_err()
+    );
+    let e = optimal_token_baseline(&rows, &flat[..1], &s, 2, false).unwrap_err();
+    assert!(e.contains("old log-probs"), "{e}");
+    assert_eq!(
+        "tir_optimal_token_baseline"
+            .parse::<AdvEstimator>()
+            .unwrap(),
+        AdvEstimator::TirOptimalTokenBaseline
+    );
+}
+
+#[test]
 fn grpo_and_rloo_are_trls_on_the_summed_rows() {
     let (kl_rows, _) = apply_kl_penalty(&SCORES, &kls(KlPenalty::Kl), 0.05);
     let summed: Vec<f32> = kl_rows
@@ -200,7 +249,7 @@ fn unscorable_completions_learn_nothing_and_leave_the_statistics() {
     let rows = score_rows(&s, &LENS);
     for est in AdvEstimator::ALL
         .into_iter()
-        .filter(|e| *e != AdvEstimator::Remax)
+        .filter(|e| *e != AdvEstimator::Remax && !e.optimal_token())
     {
         let got = estimate(est, &rows, 4, &EstimatorParams::default()).unwrap();
         assert!(got[nan_row].iter().all(|&a| a == 0.0), "{}", est.as_str());

@@ -1117,6 +1117,45 @@ fn log_sum_sq_probs_equal_the_full_softmax() {
     }
 }
 
+/// The optimal token baseline's inputs at a sampling temperature: the log-probs are
+/// `completion_logprobs`'s at that temperature, and `log Σ_v p_v²` that of the softmax of the
+/// logits divided by it.
+#[test]
+fn log_probs_and_sum_sq_at_a_temperature() {
+    let (rows, t) = batch();
+    let m = model(Arch::Qwen2, DType::F64, true);
+    let (ids, mask) = padded(&rows);
+    let f = |x: &Tensor| -> Vec<Vec<f64>> { x.to_dtype(DType::F64).unwrap().to_vec2().unwrap() };
+    for temp in [1.0, 0.7] {
+        let (lp, _) = m.completion_logprobs(&ids, &mask, t, temp, false).unwrap();
+        let (lp2, lss) = m
+            .completion_logprobs_and_sum_sq(&ids, &mask, t, temp)
+            .unwrap();
+        assert_eq!(f(&lp), f(&lp2), "T = {temp}");
+        let hidden = m.forward_padded(&ids, &mask).unwrap();
+        let (b, l, h) = hidden.dims3().unwrap();
+        let rows_h = hidden
+            .narrow(1, l - t - 1, t)
+            .unwrap()
+            .reshape((b * t, h))
+            .unwrap();
+        let logits = f(&m.logits(&rows_h).unwrap());
+        let got = f(&lss);
+        for (i, z) in logits.iter().enumerate() {
+            let z: Vec<f64> = z.iter().map(|v| v / temp).collect();
+            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+            let s1: f64 = z.iter().map(|v| (v - mx).exp()).sum();
+            let s2: f64 = z.iter().map(|v| (2.0 * (v - mx)).exp()).sum();
+            let want = s2.ln() - 2.0 * s1.ln();
+            let g = got[i / t][i % t];
+            assert!(
+                (g - want).abs() < 1e-12 * want.abs().max(1.0),
+                "T = {temp} row {i}: {g} vs {want}"
+            );
+        }
+    }
+}
+
 /// TRL's `cast_lm_head_to_fp32`: a bf16 model's head kept and computed in f32 — logits are the
 /// f32 product of the (bf16) hidden states and the f32 head, tied or not; a trainable copy
 /// keeps the f32 head as its variable and trains it; decoding copies keep it.

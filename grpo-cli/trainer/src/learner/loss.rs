@@ -17,6 +17,9 @@ use crate::callbacks::Metrics;
 use crate::config::Algorithm;
 use crate::stages::Scored;
 
+/// Per completion, one value per loss token.
+type Rows = Vec<Vec<f64>>;
+
 impl Learner {
     pub(crate) fn logps(
         &self,
@@ -99,6 +102,7 @@ impl Learner {
         let l = &self.cfg.loss;
         let kl_in_reward = !rloo && l.use_kl_in_reward && self.reference.is_some();
         let estimated_here = kl_in_reward
+            || l.adv_estimator.optimal_token()
             || (l.adv_estimator == grpo_core::estimators::AdvEstimator::ReinforcePlusPlus
                 && l.gamma != 1.0);
         let need_old = self.cfg.optim.num_iterations > 1 || updates > 1 || rloo_kl || kl_in_reward;
@@ -204,6 +208,36 @@ impl Learner {
     /// with `loss.use_kl_in_reward` `−β · KL(π_old ‖ π_ref)` on every loss token, β from the
     /// KL controller, which then moves), then `loss.adv_estimator`. Adds verl's
     /// `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff` metrics.
+    /// The optimal token baseline's inputs: each completion's old log-probs (the policy before
+    /// this step's update, at the sampling temperature) and `Σπ²` of each of its tokens'
+    /// distributions, at its loss-token `positions`, from one forward without gradient.
+    fn old_logps_and_sum_sq(
+        &self,
+        batch: &StepBatch<'_>,
+        positions: &[Vec<usize>],
+    ) -> Result<(Rows, Rows)> {
+        let (mut old, mut spsq) = (Vec::new(), Vec::new());
+        for &(a, b) in &batch.chunks {
+            let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
+            let pad = self.tokenizer.pad_token_id;
+            let (ids, mask, width) =
+                super::batch::padded_batch(pad, p, c, self.policy.model.device())?;
+            let (lp, log_sq) = self.policy.model.completion_logprobs_and_sum_sq(
+                &ids,
+                &mask,
+                width,
+                self.cfg.rollout.temperature,
+            )?;
+            let lp: Vec<Vec<f64>> = lp.to_dtype(DType::F64)?.to_vec2()?;
+            let sq: Vec<Vec<f64>> = log_sq.to_dtype(DType::F64)?.to_vec2()?;
+            for (k, i) in (a..b).enumerate() {
+                old.push(positions[i].iter().map(|&j| lp[k][j]).collect());
+                spsq.push(positions[i].iter().map(|&j| sq[k][j].exp()).collect());
+            }
+        }
+        Ok((old, spsq))
+    }
+
     fn estimated_advantages(
         &mut self,
         s: &Scored,
@@ -273,6 +307,16 @@ impl Learner {
                 &rows,
                 &crate::stages::scorer::greedy_baselines(&s.rollouts)?,
             ),
+            e if e.optimal_token() => {
+                let (old_rows, spsq) = self.old_logps_and_sum_sq(batch, &positions)?;
+                grpo_core::estimators::optimal_token_baseline(
+                    &rows,
+                    &old_rows,
+                    &spsq,
+                    g,
+                    e == AdvEstimator::TirOptimalTokenBaseline,
+                )
+            }
             e => estimate(e, &rows, g, &params),
         }
         .map_err(|e| anyhow::anyhow!("loss.adv_estimator {}: {e}", l.adv_estimator.as_str()))?;

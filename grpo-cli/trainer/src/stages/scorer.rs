@@ -331,6 +331,15 @@ impl Scorer {
             };
             let adv = match self.estimator {
                 AdvEstimator::Remax => remax_advantages(&rows, &greedy_baselines(&rollouts)?),
+                // The learner weighs each token by the old policy's path variance; here (logs,
+                // zero-std) the baseline with equal weights: the group's mean return.
+                e if e.optimal_token() => {
+                    let plain = EstimatorParams {
+                        scale_rewards: ScaleRewards::None,
+                        ..params
+                    };
+                    estimate(AdvEstimator::Grpo, &rows, g, &plain)
+                }
                 e => estimate(e, &rows, g, &params),
             };
             adv.map_err(|e| anyhow!("loss.adv_estimator {}: {e}", self.estimator.as_str()))?

@@ -130,6 +130,42 @@ def gpg(tlr, mask, index):
     return broadcast([alpha * (s - mean[index[i]]) for i, s in enumerate(scores)], mask)
 
 
+def otb(tlr, mask, index, old, spsq, handle_zero_tail):
+    """compute_optimal_token_baseline_advantage on padded rows (no IS weights)."""
+    B, T = len(tlr), len(tlr[0])
+    returns = []
+    for r, m in zip(tlr, mask):
+        acc, out = 0.0, [0.0] * T
+        for t in reversed(range(T)):
+            acc += r[t] * m[t]
+            out[t] = acc
+        returns.append(out)
+    w_cum = []
+    for o, sp, m in zip(old, spsq, mask):
+        acc, out = 0.0, []
+        for t in range(T):
+            acc += (1 - 2 * math.exp(o[t]) + sp[t]) * m[t]
+            out.append(acc)
+        w_cum.append(out)
+    baselines = [[0.0] * T for _ in range(B)]
+    for _, idx in groups(index).items():
+        if len(idx) == 1:
+            continue
+        num = [sum(returns[i][t] * w_cum[i][t] * mask[i][t] for i in idx) for t in range(T)]
+        den = [sum(w_cum[i][t] * mask[i][t] for i in idx) + 1e-8 for t in range(T)]
+        for i in idx:
+            baselines[i] = [n / d for n, d in zip(num, den)]
+        if handle_zero_tail:
+            lens = [sum(mask[i]) for i in idx]
+            srt = sorted(lens)
+            mx, second = srt[-1], srt[-2]
+            at = [i for i, n in zip(idx, lens) if n == mx]
+            if len(at) == 1 and mx > second:
+                for t in range(second, T):
+                    baselines[at[0]][t] = 0.0
+    return [[(g - b) * m for g, b, m in zip(gr, br, mr)] for gr, br, mr in zip(returns, baselines, mask)]
+
+
 def fmt_rows(rows, mask):
     # Only the loss tokens: grpo-core's rows hold those alone.
     out = []
@@ -190,6 +226,12 @@ def main():
         value *= 1 + err * n / 100
         out.append(value)
     print(f"const ADAPTIVE: [f64; 3] = [{', '.join(repr(v) for v in out)}];")
+    # The optimal token baseline: Σπ² of each token's distribution, at least π².
+    spsq = [[math.exp(o) ** 2 + rnd.uniform(0, 0.5) * (1 - math.exp(o) ** 2) for o in row] for row in old]
+    print(f"fn sum_pi_sq() -> Vec<Vec<f64>> {{ {fmt_rows(spsq, mask)} }}")
+    print(f"fn want_otb() -> Vec<Vec<f64>> {{ {fmt_rows(otb(tls, mask, index, old, spsq, False), mask)} }}")
+    print(f"fn want_otb_tail() -> Vec<Vec<f64>> {{ {fmt_rows(otb(tls, mask, index, old, spsq, True), mask)} }}")
+    print(f"fn want_otb_kl() -> Vec<Vec<f64>> {{ {fmt_rows(otb(tlr, mask, index, old, spsq, False), mask)} }}")
 
 
 main()
