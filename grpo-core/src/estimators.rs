@@ -306,13 +306,7 @@ pub fn estimate(
     group_size: usize,
     p: &EstimatorParams,
 ) -> Result<Vec<Vec<f64>>, String> {
-    let g = group_size.max(1);
-    if !rows.len().is_multiple_of(g) {
-        return Err(format!(
-            "{} completions are not whole groups of {g}",
-            rows.len()
-        ));
-    }
+    let g = whole_groups(rows.len(), group_size)?;
     if estimator == AdvEstimator::Remax {
         return Err("remax subtracts each prompt's greedy completion's reward: use remax_advantages with those baselines".into());
     }
@@ -497,6 +491,15 @@ fn whiten_tokens(rows: &mut [Vec<f64>], valid: &[bool]) -> Result<(), String> {
     Ok(())
 }
 
+/// The group size (at least 1), or an error when `n` completions are not whole groups.
+fn whole_groups(n: usize, group_size: usize) -> Result<usize, String> {
+    let g = group_size.max(1);
+    match n.is_multiple_of(g) {
+        true => Ok(g),
+        false => Err(format!("{n} completions are not whole groups of {g}")),
+    }
+}
+
 /// verl's optimal token baseline (`optimal_token_baseline`, `tir_optimal_token_baseline`):
 /// per token the return `G_t = Σ_{k≥t} r_k` minus the group's baseline at that position
 /// `B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + 1e-8)`, where `W_{i,t} = Σ_{j≤t} (1 − 2π_j + Σπ²_j)`
@@ -513,13 +516,7 @@ pub fn optimal_token_baseline(
     group_size: usize,
     handle_zero_tail: bool,
 ) -> Result<Vec<Vec<f64>>, String> {
-    let g = group_size.max(1);
-    if !rows.len().is_multiple_of(g) {
-        return Err(format!(
-            "{} completions are not whole groups of {g}",
-            rows.len()
-        ));
-    }
+    let g = whole_groups(rows.len(), group_size)?;
     if old_logps.len() != rows.len() || sum_pi_squared.len() != rows.len() {
         return Err(format!(
             "{} rows of rewards, {} of old log-probs and {} of Σπ²",

@@ -160,7 +160,7 @@ fn the_in_reward_kl_coefficient_moves_as_verls_and_resumes() {
 #[test]
 fn reinforce_plus_plus_with_token_advantages_learns() {
     let f = fixture();
-    let mut cfg = load(
+    let cfg = load(
         &f.root,
         "learn",
         20,
@@ -168,6 +168,13 @@ fn reinforce_plus_plus_with_token_advantages_learns() {
             "{DIGIT}[loss]\nadv_estimator = \"reinforce_plus_plus\"\ngamma = 0.95\nuse_kl_in_reward = true\n[loss.kl_ctrl]\nkl_coef = 0.01\n"
         ),
     );
+    let (first, last) = digit_share(cfg);
+    assert!(last > first + 0.1, "digit share {first} -> {last}");
+}
+
+/// A 20-step run of `cfg` on the digits reward alone: its mean reward over the first 5 steps
+/// and over the last 5.
+fn digit_share(mut cfg: TrainConfig) -> (f64, f64) {
     cfg.rewards.clear();
     cfg.train.save_steps = 0;
     let mut t = GrpoTrainer::from_config(cfg).unwrap();
@@ -179,7 +186,7 @@ fn reinforce_plus_plus_with_token_advantages_learns() {
     };
     let (first, last) = (mean(&r.metrics[..5]), mean(&r.metrics[15..]));
     eprintln!("digit share {first} -> {last}");
-    assert!(last > first + 0.1, "digit share {first} -> {last}");
+    (first, last)
 }
 
 /// `loss.kl_loss_type` in a run: the `kl` metric is the chosen estimate of the same policy
@@ -275,23 +282,13 @@ fn clip_cov_and_kl_cov_train_reproducibly() {
 fn the_optimal_token_baseline_learns() {
     let f = fixture();
     for est in ["optimal_token_baseline", "tir_optimal_token_baseline"] {
-        let mut cfg = load(
+        let cfg = load(
             &f.root,
             est,
             20,
             &format!("{DIGIT}[loss]\nadv_estimator = \"{est}\"\n"),
         );
-        cfg.rewards.clear();
-        cfg.train.save_steps = 0;
-        let mut t = GrpoTrainer::from_config(cfg).unwrap();
-        let r = t
-            .fit_with(FitOptions::default().reward("digits", 1.0, digits))
-            .unwrap();
-        let mean = |ms: &[grpo_trainer::Metrics]| {
-            ms.iter().map(|m| m["reward"]).sum::<f64>() / ms.len() as f64
-        };
-        let (first, last) = (mean(&r.metrics[..5]), mean(&r.metrics[15..]));
-        eprintln!("{est}: digit share {first} -> {last}");
+        let (first, last) = digit_share(cfg);
         assert!(last > first + 0.1, "{est}: digit share {first} -> {last}");
     }
     let mut cfg = load(

@@ -1091,21 +1091,10 @@ fn log_sum_sq_probs_equal_the_full_softmax() {
             |x: &Tensor| -> Vec<Vec<f64>> { x.to_dtype(DType::F64).unwrap().to_vec2().unwrap() };
         assert_eq!(f(&lp), f(&lp2), "{dtype:?}");
         // The full logits of the positions that predict the last t tokens, softmaxed in f64.
-        let hidden = m.forward_padded(&ids, &mask).unwrap();
-        let (b, l, h) = hidden.dims3().unwrap();
-        let rows_h = hidden
-            .narrow(1, l - t - 1, t)
-            .unwrap()
-            .reshape((b * t, h))
-            .unwrap();
-        let logits: Vec<Vec<f64>> = f(&m.logits(&rows_h).unwrap());
+        let want_rows = full_log_sum_sq(&m, &ids, &mask, t, 1.0);
         let got = f(&lss);
         let tol = if dtype == DType::F64 { 1e-12 } else { 1e-4 };
-        for (i, z) in logits.iter().enumerate() {
-            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
-            let s1: f64 = z.iter().map(|v| (v - mx).exp()).sum();
-            let s2: f64 = z.iter().map(|v| (2.0 * (v - mx)).exp()).sum();
-            let want = s2.ln() - 2.0 * s1.ln();
+        for (i, &want) in want_rows.iter().enumerate() {
             let g = got[i / t][i % t];
             assert!(
                 (g - want).abs() < tol * want.abs().max(1.0),
@@ -1115,6 +1104,41 @@ fn log_sum_sq_probs_equal_the_full_softmax() {
             assert!(g <= 1e-6);
         }
     }
+}
+
+/// `log Σ_v p_v²` at `temperature` of each position predicting the last `t` tokens, from the
+/// full logits softmaxed in f64, row by row.
+fn full_log_sum_sq(
+    m: &grpo_rollout::Transformer,
+    ids: &Tensor,
+    mask: &Tensor,
+    t: usize,
+    temperature: f64,
+) -> Vec<f64> {
+    let hidden = m.forward_padded(ids, mask).unwrap();
+    let (b, l, h) = hidden.dims3().unwrap();
+    let rows_h = hidden
+        .narrow(1, l - t - 1, t)
+        .unwrap()
+        .reshape((b * t, h))
+        .unwrap();
+    let logits: Vec<Vec<f64>> = m
+        .logits(&rows_h)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    logits
+        .iter()
+        .map(|z| {
+            let z: Vec<f64> = z.iter().map(|v| v / temperature).collect();
+            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+            let s1: f64 = z.iter().map(|v| (v - mx).exp()).sum();
+            let s2: f64 = z.iter().map(|v| (2.0 * (v - mx)).exp()).sum();
+            s2.ln() - 2.0 * s1.ln()
+        })
+        .collect()
 }
 
 /// The optimal token baseline's inputs at a sampling temperature: the log-probs are
@@ -1132,21 +1156,8 @@ fn log_probs_and_sum_sq_at_a_temperature() {
             .completion_logprobs_and_sum_sq(&ids, &mask, t, temp)
             .unwrap();
         assert_eq!(f(&lp), f(&lp2), "T = {temp}");
-        let hidden = m.forward_padded(&ids, &mask).unwrap();
-        let (b, l, h) = hidden.dims3().unwrap();
-        let rows_h = hidden
-            .narrow(1, l - t - 1, t)
-            .unwrap()
-            .reshape((b * t, h))
-            .unwrap();
-        let logits = f(&m.logits(&rows_h).unwrap());
         let got = f(&lss);
-        for (i, z) in logits.iter().enumerate() {
-            let z: Vec<f64> = z.iter().map(|v| v / temp).collect();
-            let mx = z.iter().cloned().fold(f64::MIN, f64::max);
-            let s1: f64 = z.iter().map(|v| (v - mx).exp()).sum();
-            let s2: f64 = z.iter().map(|v| (2.0 * (v - mx)).exp()).sum();
-            let want = s2.ln() - 2.0 * s1.ln();
+        for (i, &want) in full_log_sum_sq(&m, &ids, &mask, t, temp).iter().enumerate() {
             let g = got[i / t][i % t];
             assert!(
                 (g - want).abs() < 1e-12 * want.abs().max(1.0),
