@@ -40,6 +40,15 @@ pub enum CovLoss {
 }
 
 impl CovLoss {
+    /// verl's loss-mode name (`vanilla` when off).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Off => "vanilla",
+            Self::ClipCov { .. } => "clip_cov",
+            Self::KlCov { .. } => "kl_cov",
+        }
+    }
+
     /// Checks the values, naming the field to fix.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let share = |name: &str, r: f64| {

@@ -399,10 +399,7 @@ impl LossConfig {
         finite_nonneg("beta", self.beta)?;
         self.cov.validate()?;
         if self.cov != CovLoss::Off {
-            let name = match self.cov {
-                CovLoss::KlCov { .. } => "kl_cov",
-                _ => "clip_cov",
-            };
+            let name = self.cov.name();
             if !matches!(
                 self.loss_type,
                 LossType::Grpo

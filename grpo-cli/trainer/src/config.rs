@@ -3349,7 +3349,7 @@ impl TrainConfig {
         {
             return Err(format!(
                 "`loss.policy_loss.loss_mode` reworks GRPO's clipped token loss; algorithm `{}` has its own: leave it at vanilla",
-                self.algorithm_name()
+                self.algorithm
             ));
         }
         if self.loss.replay_buffer_size > 0 && self.algorithm != Algorithm::Grpo {
@@ -4306,7 +4306,7 @@ impl TrainConfig {
         if !matches!(self.algorithm, Algorithm::Grpo | Algorithm::Rloo) {
             return Err(format!(
                 "`loss.filter_groups` picks GRPO's groups by their rewards; algorithm `{}` trains otherwise: leave it off",
-                self.algorithm_name()
+                self.algorithm
             ));
         }
         if self.loss.replay_buffer_size > 0 {
@@ -4321,14 +4321,6 @@ impl TrainConfig {
             _ => {}
         }
         Ok(())
-    }
-
-    /// The algorithm's config name.
-    fn algorithm_name(&self) -> String {
-        serde_json::to_value(self.algorithm)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default()
     }
 
     /// Prompts per generation batch: `loss.filter_groups.gen_batch_size` with dynamic

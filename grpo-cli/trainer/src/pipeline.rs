@@ -184,8 +184,8 @@ pub fn run(
         .context(Stage::Learner)
     };
     let outcome: Result<()> = match opts.mode {
-        // A resumed run with its steps done (the loader ends by itself otherwise).
-        _ if filtering && start >= setup.total_steps => Ok(()),
+        // A resumed run with its steps done.
+        _ if start >= setup.total_steps => Ok(()),
         RunMode::Sequential => (|| {
             let mut t0 = Instant::now();
             while let Some(batch) = loader.process().context(Stage::Data)? {
@@ -246,18 +246,18 @@ pub fn run(
                     // scorer tells each batch's outcome, and a batch is generated only when
                     // the latest step it could feed (each batch in flight closing one) is
                     // within `staleness` versions.
-                    let (mut closed, mut in_flight) = (start, 0usize);
+                    let mut drawn = Drawn {
+                        closed: start,
+                        in_flight: 0,
+                    };
                     for batch in data_rx.iter() {
                         // On-policy within `staleness` versions: wait for the learner's weights.
                         loop {
                             let feeds = match &closed_rx {
                                 None => batch.step,
                                 Some(rx) => {
-                                    for c in rx.try_iter() {
-                                        in_flight -= 1;
-                                        closed += usize::from(c);
-                                    }
-                                    closed + in_flight
+                                    rx.try_iter().for_each(|c| drawn.heard(c));
+                                    drawn.closed + drawn.in_flight
                                 }
                             };
                             if feeds <= generator.version() + staleness {
@@ -271,8 +271,7 @@ pub fn run(
                                         let Ok(c) = c else {
                                             return Ok(());
                                         };
-                                        in_flight -= 1;
-                                        closed += usize::from(c);
+                                        drawn.heard(c);
                                         continue;
                                     }
                                 },
@@ -289,7 +288,7 @@ pub fn run(
                         if roll_tx.send(r).is_err() {
                             break;
                         }
-                        in_flight += 1;
+                        drawn.in_flight += 1;
                     }
                     Ok(())
                 });
@@ -334,6 +333,21 @@ pub fn run(
     match outcome {
         Ok(()) => ends.finish(&learner),
         Err(e) => Err(ends.fail(&mut learner, e)),
+    }
+}
+
+/// What the generator knows of its batches under `loss.filter_groups`: the steps they closed
+/// (from the run's first) and those sent but not yet scored.
+struct Drawn {
+    closed: usize,
+    in_flight: usize,
+}
+
+impl Drawn {
+    /// The scorer's word on the oldest batch in flight: whether it closed a step.
+    fn heard(&mut self, closed_a_step: bool) {
+        self.in_flight -= 1;
+        self.closed += usize::from(closed_a_step);
     }
 }
 

@@ -203,11 +203,6 @@ impl Learner {
         Ok(m)
     }
 
-    /// verl's advantages of the step's completions, one per completion or (REINFORCE++,
-    /// ReMax) per token, 0 on an episode's environment tokens: the token-level rewards (each completion's score on its last loss token, and
-    /// with `loss.use_kl_in_reward` `−β · KL(π_old ‖ π_ref)` on every loss token, β from the
-    /// KL controller, which then moves), then `loss.adv_estimator`. Adds verl's
-    /// `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff` metrics.
     /// The optimal token baseline's inputs: each completion's old log-probs (the policy before
     /// this step's update, at the sampling temperature) and `Σπ²` of each of its tokens'
     /// distributions, at its loss-token `positions`, from one forward without gradient.
@@ -217,9 +212,9 @@ impl Learner {
         positions: &[Vec<usize>],
     ) -> Result<(Rows, Rows)> {
         let (mut old, mut spsq) = (Vec::new(), Vec::new());
+        let pad = self.tokenizer.pad_token_id;
         for &(a, b) in &batch.chunks {
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
-            let pad = self.tokenizer.pad_token_id;
             let (ids, mask, width) =
                 super::batch::padded_batch(pad, p, c, self.policy.model.device())?;
             let (lp, log_sq) = self.policy.model.completion_logprobs_and_sum_sq(
@@ -238,6 +233,12 @@ impl Learner {
         Ok((old, spsq))
     }
 
+    /// verl's advantages of the step's completions, one per completion or (REINFORCE++,
+    /// ReMax, the optimal token baselines) per token, 0 on an episode's environment tokens:
+    /// the token-level rewards (each completion's score on its last loss token, and
+    /// with `loss.use_kl_in_reward` `−β · KL(π_old ‖ π_ref)` on every loss token, β from the
+    /// KL controller, which then moves), then `loss.adv_estimator`. Adds verl's
+    /// `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff` metrics.
     fn estimated_advantages(
         &mut self,
         s: &Scored,
