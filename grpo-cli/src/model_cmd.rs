@@ -54,6 +54,10 @@ pub struct GenerateArgs {
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Constrain each completion to match this regular expression from its first byte to its
+    /// last (vLLM's `structured_outputs.regex`; Rust `regex` syntax).
+    #[arg(long)]
+    regex: Option<String>,
     /// Print JSON lines (text, token ids, log-probs, finish reason).
     #[arg(long)]
     json: bool,
@@ -175,6 +179,7 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
         top_p: a.top_p,
         top_k: a.top_k,
         seed: a.seed,
+        regex: a.regex.clone(),
         ..Default::default()
     };
     params.validate().map_err(|e| anyhow::anyhow!("{e}"))?;

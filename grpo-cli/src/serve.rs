@@ -658,6 +658,11 @@ struct Knobs {
     return_token_ids: Option<bool>,
     stream_options: Option<Value>,
     logit_bias: Option<Value>,
+    /// vLLM's structured outputs: `{"regex": ...}` or `{"choice": [...]}`.
+    structured_outputs: Option<Value>,
+    /// vLLM's older names of the same.
+    guided_regex: Option<String>,
+    guided_choice: Option<Vec<String>>,
     /// Every other field: refused unless it cannot change the answer ([`refuse_unsupported`]).
     #[serde(flatten)]
     other: serde_json::Map<String, Value>,
@@ -889,6 +894,7 @@ fn sampling(
     if max_new_tokens == 0 {
         return Err(ApiError::bad("max_tokens", "`max_tokens` must be >= 1"));
     }
+    let regex = structured_regex(k)?;
     let top_k = match k.top_k {
         None => 0,
         Some(x) if x <= 0 => 0, // vLLM: 0 or -1 disables it
@@ -914,6 +920,7 @@ fn sampling(
             Some(v) => logit_bias(v, shared.base.cfg.vocab_size)?,
             None => Vec::new(),
         },
+        regex,
     };
     if let Err(e) = params.validate() {
         let msg = one_line(&e);
@@ -941,6 +948,94 @@ fn sampling(
         None => shared.next_seed.fetch_add(1, Ordering::Relaxed),
     };
     Ok((model, name, n, seed, params))
+}
+
+/// The pattern a request constrains its completions to: vLLM's `structured_outputs.regex`, or
+/// `structured_outputs.choice` as the alternation of its strings, or the older `guided_regex` /
+/// `guided_choice`. Other kinds of structured output (`json`, `grammar`, ...) are refused by
+/// name, as is a pattern that does not compile.
+fn structured_regex(k: &Knobs) -> Result<Option<String>, ApiError> {
+    let choice = |field: &str, v: &[String]| -> Result<String, ApiError> {
+        if v.is_empty() {
+            return Err(ApiError::bad(field, format!("`{field}` is empty")));
+        }
+        let alts: Vec<String> = v.iter().map(|c| regex::escape(c)).collect();
+        Ok(format!("(?:{})", alts.join("|")))
+    };
+    let mut found: Vec<(&str, String)> = Vec::new();
+    if let Some(so) = k.structured_outputs.as_ref().filter(|v| !v.is_null()) {
+        let Some(obj) = so.as_object() else {
+            return Err(ApiError::bad(
+                "structured_outputs",
+                "`structured_outputs` must be an object such as {\"regex\": \"...\"}",
+            ));
+        };
+        for (key, v) in obj {
+            if v.is_null() || (key == "disable_any_whitespace" && v == &Value::Bool(false)) {
+                continue;
+            }
+            let field = format!("structured_outputs.{key}");
+            match key.as_str() {
+                "regex" => match v.as_str() {
+                    Some(p) => found.push(("structured_outputs.regex", p.to_string())),
+                    None => {
+                        return Err(ApiError::bad(
+                            field,
+                            "`structured_outputs.regex` must be a string",
+                        ));
+                    }
+                },
+                "choice" => {
+                    let list: Option<Vec<String>> = v
+                        .as_array()
+                        .and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect());
+                    match list {
+                        Some(l) => found.push(("structured_outputs.choice", choice(&field, &l)?)),
+                        None => {
+                            return Err(ApiError::bad(
+                                field,
+                                "`structured_outputs.choice` must be a list of strings",
+                            ));
+                        }
+                    }
+                }
+                _ => {
+                    return Err(ApiError::bad(
+                        field.clone(),
+                        format!(
+                            "`{}` is not supported by this server (regex and choice are)",
+                            field.escape_debug()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(p) = &k.guided_regex {
+        found.push(("guided_regex", p.clone()));
+    }
+    if let Some(c) = &k.guided_choice {
+        found.push(("guided_choice", choice("guided_choice", c)?));
+    }
+    match found.len() {
+        0 => Ok(None),
+        1 => {
+            let (field, pattern) = found.pop().expect("one");
+            grpo_rollout::constrain::check_pattern(&pattern)
+                .map_err(|e| ApiError::bad(field, format!("`{field}`: {e}")))?;
+            Ok(Some(pattern))
+        }
+        _ => {
+            let names: Vec<&str> = found.iter().map(|(f, _)| *f).collect();
+            Err(ApiError::bad(
+                names[1],
+                format!(
+                    "only one structured output per request, got {}",
+                    names.join(" and ")
+                ),
+            ))
+        }
+    }
 }
 
 impl Shared {

@@ -46,6 +46,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::constrain::RegexConstraint;
 use crate::env::Environment;
 use crate::generate::{
     DecodeState, FinishReason, SamplingParams, contains_stop, device_sampling, draw_uniform,
@@ -55,6 +56,7 @@ use crate::graph::Decoder;
 use crate::model::{KvCache, Transformer, attention_mask_value};
 use crate::sample::DeviceSampler;
 use crate::tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+use regex_automata::util::primitives::StateID;
 
 /// A prompt of an episode: its token ids and the message log they render.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -344,6 +346,8 @@ struct Live {
     stop: Vec<String>,
     /// Where the current turn began in `tokens`.
     turn_start: usize,
+    /// The current turn's DFA state under a regex constraint (unused without one).
+    dfa: StateID,
     /// Tokens the current turn may sample.
     budget: usize,
     /// Why the current turn ended.
@@ -395,6 +399,16 @@ pub fn generate_episodes_batch(
     let model = &decoding;
     let stop_ids = stop_ids(tokenizer, &sp);
     let pad = tokenizer.pad_token_id;
+    // Each model turn is constrained on its own, as each generation call of a server is.
+    let mut constraint = match &sp.regex {
+        Some(p) => Some(RegexConstraint::new(
+            p,
+            tokenizer,
+            model.cfg.vocab_size,
+            &stop_ids,
+        )?),
+        None => None,
+    };
     let template = tokenizer.compile_chat_template()?;
     let tools: Vec<&[Value]> = requests.iter().map(|r| r.prompt.tools.as_slice()).collect();
     let mut eps = start_episodes(env, &template, requests, &live, &sp)?;
@@ -410,7 +424,16 @@ pub fn generate_episodes_batch(
 
     for turn in 1..=params.max_turns {
         begin_turn(&mut eps, &running, params);
-        let parked = model_turn(model, tokenizer, &sp, &stop_ids, &mut eps, &running, state)?;
+        let parked = model_turn(
+            model,
+            tokenizer,
+            &sp,
+            &stop_ids,
+            constraint.as_mut(),
+            &mut eps,
+            &running,
+            state,
+        )?;
         let turn_ctx = TurnContext {
             env,
             tokenizer,
@@ -498,6 +521,7 @@ fn start_episodes(
                 finish: None,
                 end: None,
                 unshown: None,
+                dfa: StateID::ZERO,
             });
         }
     }
@@ -733,16 +757,24 @@ pub fn generate_episodes_remote(
 /// (its cache rows and key bias set aside at once); the returned groups hold the rows in the
 /// order they left. Finished rows stay in the decode batch (their tokens unused) until
 /// `retire_every` of them have finished, then the batch is compacted: on a GPU that keeps the
-/// batch size, and so a captured decode step ([`crate::graph`]), for many steps.
+/// batch size, and so a captured decode step ([`crate::graph`]), for many steps. Under a regex
+/// constraint each episode's turn starts from the pattern's start.
+#[allow(clippy::too_many_arguments)]
 fn model_turn(
     model: &Transformer,
     tokenizer: &Tokenizer,
     sp: &SamplingParams,
     stop_ids: &[u32],
+    mut constraint: Option<&mut RegexConstraint>,
     eps: &mut [Live],
     running: &[usize],
     mut state: DecodeState,
 ) -> Result<Vec<Parked>> {
+    if let Some(c) = &constraint {
+        for &e in running {
+            eps[e].dfa = c.start();
+        }
+    }
     let device = model.device().clone();
     let vocab = model.cfg.vocab_size;
     // A row of the batch: its episode, `None` once its turn is over and until a compaction.
@@ -762,9 +794,23 @@ fn model_turn(
             .iter()
             .map(|r| r.map_or(0.5, |e| draw_uniform(&mut eps[e].rng, sp)))
             .collect();
+        // Under a regex, each row's allowed set (its slot); a complete text ends however short.
+        let slots: Vec<usize> = match constraint.as_deref_mut() {
+            Some(c) => rows
+                .iter()
+                .map(|r| c.slot(r.map_or(c.start(), |e| eps[e].dfa)))
+                .collect(),
+            None => Vec::new(),
+        };
         let short: Vec<bool> = rows
             .iter()
-            .map(|r| r.is_some_and(|e| eps[e].tokens.len() - eps[e].turn_start < sp.min_new_tokens))
+            .enumerate()
+            .map(|(i, r)| {
+                r.is_some_and(|e| eps[e].tokens.len() - eps[e].turn_start < sp.min_new_tokens)
+                    && constraint
+                        .as_deref()
+                        .is_none_or(|c| !c.allowed(slots[i]).only_stop)
+            })
             .collect();
         let (picks, sampled) = {
             let seen: Vec<&[u32]> = rows
@@ -780,6 +826,7 @@ fn model_turn(
                 &seen,
                 &draws,
                 &short,
+                constraint.as_deref_mut().map(|c| (c, slots.as_slice())),
             )?
         };
         let mut out: Vec<u32> = Vec::new();
@@ -792,6 +839,9 @@ fn model_turn(
             ep.is_model.push(true);
             ep.logprobs.push(lp);
             ep.seen.push(tok);
+            if let Some(c) = constraint.as_deref() {
+                ep.dfa = c.advance(ep.dfa, tok);
+            }
             let n = ep.tokens.len() - ep.turn_start;
             let mut reason = None;
             if stop_ids.binary_search(&tok).is_ok() && n >= sp.min_new_tokens {

@@ -14,9 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use rayon::prelude::*;
 
+use crate::constrain::RegexConstraint;
 use crate::model::{KvCache, Transformer, attention_mask_value, padded_positions_and_bias};
 use crate::sample::{DeviceSampler, Pick, sample_row};
 use crate::tokenizer::Tokenizer;
+use regex_automata::util::primitives::StateID;
 
 /// Sampling knobs (TRL / transformers names).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -50,6 +52,12 @@ pub struct SamplingParams {
     /// recorded log-probs are the model's own and do not see it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `structured_outputs.regex` (TRL's `vllm_structured_outputs_regex`): each
+    /// completion's text matches this pattern (Rust `regex` syntax) from its first byte to its
+    /// last; the stop tokens are allowed only where it has matched ([`crate::constrain`]).
+    /// The recorded log-probs are the model's own and do not see the mask.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regex: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -67,6 +75,7 @@ impl Default for SamplingParams {
             seed: 0,
             top_logprobs: 0,
             logit_bias: Vec::new(),
+            regex: None,
         }
     }
 }
@@ -102,6 +111,9 @@ impl SamplingParams {
             .find(|(_, b)| !(-100.0..=100.0).contains(b))
         {
             bail!("logit_bias of token {id} must be in [-100, 100], got {b}");
+        }
+        if let Some(pattern) = &self.regex {
+            crate::constrain::check_pattern(pattern).map_err(candle_core::Error::msg)?;
         }
         Ok(())
     }
@@ -161,6 +173,8 @@ struct Row {
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
     top: Vec<Vec<(u32, f32)>>,
+    /// Its DFA state under a regex constraint (unused without one).
+    state: StateID,
 }
 
 /// Samples `num_generations` completions for each prompt (token ids, no padding).
@@ -300,6 +314,13 @@ fn decode_loop(
     let vocab = model.cfg.vocab_size;
     let stop_ids = stop_ids(tokenizer, params);
     let pad = tokenizer.pad_token_id;
+    let mut constraint = match &params.regex {
+        Some(p) => Some(RegexConstraint::new(p, tokenizer, vocab, &stop_ids)?),
+        None => None,
+    };
+    let start = constraint
+        .as_ref()
+        .map_or(StateID::ZERO, RegexConstraint::start);
 
     // Prefill each prompt once, its cache shared across its samples.
     let mut state = prefill(model, pad, &prompts, &counts, params.max_new_tokens)?;
@@ -325,6 +346,7 @@ fn decode_loop(
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
                 top: Vec::new(),
+                state: start,
             }));
         }
     }
@@ -349,11 +371,23 @@ fn decode_loop(
             .iter_mut()
             .map(|r| r.as_mut().map_or(0.5, |r| draw_uniform(&mut r.rng, params)))
             .collect();
+        // Under a regex, each row's allowed set (its slot); a complete text ends however short.
+        let slots: Vec<usize> = match constraint.as_mut() {
+            Some(c) => rows
+                .iter()
+                .map(|r| c.slot(r.as_ref().map_or(start, |r| r.state)))
+                .collect(),
+            None => Vec::new(),
+        };
         let short: Vec<bool> = rows
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 r.as_ref()
                     .is_some_and(|r| r.tokens.len() < params.min_new_tokens)
+                    && constraint
+                        .as_ref()
+                        .is_none_or(|c| !c.allowed(slots[i]).only_stop)
             })
             .collect();
         let seen: Vec<&[u32]> = rows
@@ -373,6 +407,7 @@ fn decode_loop(
             &seen,
             &draws,
             &short,
+            constraint.as_mut().map(|c| (c, slots.as_slice())),
         )?;
         // Finished rows (and rows no longer wanted) retire: out of the batch (and the cache)
         // once `retire` of them have finished; the rest go on.
@@ -386,6 +421,9 @@ fn decode_loop(
                 row.top.push(top);
             }
             row.seen.push(tok);
+            if let Some(c) = &constraint {
+                row.state = c.advance(row.state, tok);
+            }
             let mut reason = None;
             if stop_ids.binary_search(&tok).is_ok() && row.tokens.len() >= params.min_new_tokens {
                 reason = Some(FinishReason::Eos);
@@ -622,7 +660,8 @@ impl DecodeState {
 
 /// Picks every row's next token from `logits`: with the device sampler when there is one,
 /// else on the host (rows in parallel). `seen` are the rows' tokens so far (repetition
-/// penalty), `draws` their uniforms, `short` whether a row's stop ids are still suppressed.
+/// penalty), `draws` their uniforms, `short` whether a row's stop ids are still suppressed,
+/// `constraint` a regex constraint and each row's slot in it.
 /// Returns the picks and, from the device sampler, the sampled ids on the device.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pick_tokens(
@@ -634,21 +673,31 @@ pub(crate) fn pick_tokens(
     seen: &[&[u32]],
     draws: &[f32],
     short: &[bool],
+    constraint: Option<(&mut RegexConstraint, &[usize])>,
 ) -> Result<(Vec<Pick>, Option<Tensor>)> {
     match sampler {
         Some(s) => {
-            let (ids, picks) = s.step(logits, draws, short)?;
+            let mask = match constraint {
+                Some((c, slots)) => Some(c.device_mask(slots, logits.device())?),
+                None => None,
+            };
+            let (ids, picks) = s.step(logits, draws, short, mask.as_ref())?;
             Ok((picks, Some(ids)))
         }
         None => {
             let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+            let allowed: Vec<Option<&crate::constrain::Allowed>> = match &constraint {
+                Some((c, slots)) => slots.iter().map(|&s| Some(c.allowed(s))).collect(),
+                None => vec![None; host.len()],
+            };
             let picks = seen
                 .par_iter()
                 .zip(host.par_iter())
                 .zip(draws.par_iter().zip(short.par_iter()))
-                .map(|((seen, l), (&u, &short))| {
+                .zip(allowed.par_iter())
+                .map(|(((seen, l), (&u, &short)), &allow)| {
                     let suppress: &[u32] = if short { stop_ids } else { &[] };
-                    sample_row(&l[..vocab.min(l.len())], params, seen, suppress, u)
+                    sample_row(&l[..vocab.min(l.len())], params, seen, suppress, allow, u)
                 })
                 .collect();
             Ok((picks, None))
@@ -712,6 +761,7 @@ pub fn decode_breakdown(
             &seen,
             &draws,
             &short,
+            None,
         )?;
         let ids = match sampled {
             Some(ids) => ids,

@@ -9,7 +9,8 @@
 //! with DeepSeek's latent attention, [`mla`] —, qwen3_5_moe_text and lfm2_moe: [`moe`]) whose
 //! every weight receives a gradient, loaded from a Hugging Face directory or a GGUF file, with
 //! its tokenizer and chat template, batched KV-cache generation with TRL's sampling knobs, LoRA
-//! adapters (with PEFT's trainable tokens), and saving in Hugging Face / PEFT formats (a
+//! adapters (with PEFT's trainable tokens), generation constrained to a regular expression
+//! ([`constrain`]), and saving in Hugging Face / PEFT formats (a
 //! family's own file layout: [`layout`]), and merging saved models with mergekit's methods
 //! ([`merge`]). The same transformer
 //! is a sequence classifier (a reward model) with a `score` head in place of the LM head
@@ -42,6 +43,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod constrain;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod delta;

@@ -138,6 +138,15 @@ struct CompletionRequest<'a> {
     stop_token_ids: &'a [u32],
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     logit_bias: BTreeMap<String, f32>,
+    /// vLLM's `{"regex": pattern}` ([`SamplingParams::regex`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    structured_outputs: Option<StructuredOutputs<'a>>,
+}
+
+/// vLLM's `structured_outputs` request field, as far as a regex.
+#[derive(Debug, Serialize)]
+struct StructuredOutputs<'a> {
+    regex: &'a str,
 }
 
 impl<'a> CompletionRequest<'a> {
@@ -166,6 +175,10 @@ impl<'a> CompletionRequest<'a> {
                 .iter()
                 .map(|&(id, b)| (id.to_string(), b))
                 .collect(),
+            structured_outputs: params
+                .regex
+                .as_deref()
+                .map(|regex| StructuredOutputs { regex }),
         }
     }
 }

@@ -19,6 +19,7 @@
 
 use candle_core::{D, DType, Device, Result, Tensor};
 
+use crate::constrain::Allowed;
 use crate::generate::SamplingParams;
 
 /// Sampled token, its recorded log-prob and the top alternatives.
@@ -39,13 +40,15 @@ fn divisor(p: &SamplingParams) -> f32 {
 }
 
 /// Picks a token from one row of logits on the host; `u` is the row's uniform draw for this
-/// step (unused when greedy). Returns `(token, recorded log-prob, top alternatives)`: the
-/// recorded log-prob is `log_softmax(logits / temperature)` of the raw logits.
+/// step (unused when greedy); `allow` a regex constraint's allowed tokens. Returns `(token,
+/// recorded log-prob, top alternatives)`: the recorded log-prob is
+/// `log_softmax(logits / temperature)` of the raw logits.
 pub(crate) fn sample_row(
     logits: &[f32],
     p: &SamplingParams,
     seen: &[u32],
     suppress: &[u32],
+    allow: Option<&Allowed>,
     u: f32,
 ) -> Pick {
     let t = divisor(p);
@@ -55,6 +58,7 @@ pub(crate) fn sample_row(
     let plain = p.temperature > 0.0
         && p.repetition_penalty == 1.0
         && suppress.is_empty()
+        && allow.is_none()
         && p.top_k == 0
         && p.top_p >= 1.0
         && p.min_p <= 0.0
@@ -88,7 +92,7 @@ pub(crate) fn sample_row(
         Vec::new()
     };
 
-    let l = processed(logits, p, seen, suppress);
+    let l = processed(logits, p, seen, suppress, allow);
     let token = if p.temperature == 0.0 {
         argmax(&l)
     } else {
@@ -153,12 +157,26 @@ pub(crate) fn sample_row(
     (token, logits[token as usize] / t - lse, top)
 }
 
-/// Logit bias, repetition penalty and suppression applied to a copy of the logits.
-fn processed(logits: &[f32], p: &SamplingParams, seen: &[u32], suppress: &[u32]) -> Vec<f32> {
+/// Logit bias, a regex constraint's mask, repetition penalty and suppression applied to a
+/// copy of the logits.
+fn processed(
+    logits: &[f32],
+    p: &SamplingParams,
+    seen: &[u32],
+    suppress: &[u32],
+    allow: Option<&Allowed>,
+) -> Vec<f32> {
     let mut l = logits.to_vec();
     for &(id, b) in &p.logit_bias {
         if let Some(x) = l.get_mut(id as usize) {
             *x += b;
+        }
+    }
+    if let Some(a) = allow {
+        for (i, x) in l.iter_mut().enumerate() {
+            if !a.allows(i) {
+                *x = f32::NEG_INFINITY;
+            }
         }
     }
     if p.repetition_penalty != 1.0 {
@@ -295,7 +313,8 @@ impl DeviceSampler {
     }
 
     /// One step for every row: `logits` `(rows, ≥ V)`, `u` each row's uniform draw, `suppress`
-    /// whether a row is still short of `min_new_tokens`. Returns the sampled ids `(rows,)` u32
+    /// whether a row is still short of `min_new_tokens`, `allowed` a regex constraint's
+    /// `(rows, V)` u8 mask (1: may be sampled). Returns the sampled ids `(rows,)` u32
     /// on the device (the next decode step's input) and each row's pick, brought to the host
     /// in one transfer.
     pub fn step(
@@ -303,9 +322,13 @@ impl DeviceSampler {
         logits: &Tensor,
         u: &[f32],
         suppress: &[bool],
+        allowed: Option<&Tensor>,
     ) -> Result<(Tensor, Vec<Pick>)> {
         #[cfg(feature = "cuda")]
-        if self.params.top_logprobs == 0 && crate::fused::cuda_kernel("sample", logits) {
+        if self.params.top_logprobs == 0
+            && allowed.is_none()
+            && crate::fused::cuda_kernel("sample", logits)
+        {
             return self.step_kernel(logits, u, suppress);
         }
         let p = &self.params;
@@ -319,6 +342,10 @@ impl DeviceSampler {
         let mut l = raw.clone();
         if let Some(b) = &self.bias {
             l = l.broadcast_add(b)?;
+        }
+        if let Some(a) = allowed {
+            let ninf = Tensor::full(f32::NEG_INFINITY, (n, self.vocab), &dev)?;
+            l = a.where_cond(&l, &ninf)?;
         }
         if let Some(seen) = &self.seen {
             let rp = p.repetition_penalty;
@@ -607,7 +634,7 @@ mod tests {
             let t = Tensor::from_vec(logits.clone(), (n, v), &dev).unwrap();
             let u: Vec<f32> = (0..n).map(|_| rng.random::<f32>()).collect();
             let sup: Vec<bool> = (0..n).map(|i| i % 2 == 0).collect();
-            let (ids, picks) = s.step(&t, &u, &sup).unwrap();
+            let (ids, picks) = s.step(&t, &u, &sup, None).unwrap();
             let ids: Vec<u32> = ids.to_vec1().unwrap();
             let mut same = 0;
             for i in 0..n {
@@ -616,7 +643,14 @@ mod tests {
                 } else {
                     &[]
                 };
-                let host = sample_row(&logits[i * v..(i + 1) * v], &p, &prompts[i], suppress, u[i]);
+                let host = sample_row(
+                    &logits[i * v..(i + 1) * v],
+                    &p,
+                    &prompts[i],
+                    suppress,
+                    None,
+                    u[i],
+                );
                 assert_eq!(ids[i], picks[i].0);
                 if host.0 == picks[i].0 {
                     same += 1;
@@ -650,7 +684,7 @@ mod tests {
             let mut seen = std::collections::BTreeSet::new();
             for &u in &draws {
                 let mut s = DeviceSampler::new(p, 6, &[4], &[&[]], &dev).unwrap();
-                let (_, pick) = s.step(&t, &[u], &[true]).unwrap();
+                let (_, pick) = s.step(&t, &[u], &[true], None).unwrap();
                 assert_eq!(
                     pick[0].0,
                     sample_row(
@@ -658,6 +692,7 @@ mod tests {
                         p,
                         &[],
                         if p.min_new_tokens > 0 { &[4] } else { &[] },
+                        None,
                         u
                     )
                     .0
@@ -732,7 +767,7 @@ mod tests {
             let n = 40_000;
             let mut counts = vec![0usize; logits.len()];
             for _ in 0..n {
-                let (tok, lp, _) = sample_row(&logits, &p, &[], &[], rng.random());
+                let (tok, lp, _) = sample_row(&logits, &p, &[], &[], None, rng.random());
                 counts[tok as usize] += 1;
                 assert!((lp as f64 - probs[tok as usize].ln()).abs() < 1e-5);
             }

@@ -363,7 +363,7 @@ fn sampling(d: &Device, dt: DType) -> Result<f64> {
             ..params.clone()
         };
         let mut s = DeviceSampler::new(&p, v, &[1, 2], &rows, d)?;
-        let (_, picks) = s.step(&logits, &u, &suppress)?;
+        let (_, picks) = s.step(&logits, &u, &suppress, None)?;
         Ok(picks.into_iter().map(|(t, lp, _)| (t, lp)).collect())
     };
     let (a, b) = (run(0)?, run(1)?);

@@ -193,7 +193,7 @@ fn vllm_servers_hub_ids_and_unknown_keys() {
     let recipe = "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct\ndataset_name: trl-lib/DeepMath-103K\n\
                   reward_funcs: [reasoning_accuracy_reward, my_rewards.length_reward]\nuse_vllm: true\n\
                   vllm_mode: server\nvllm_server_host: 10.0.0.2\nvllm_server_port: 8001\nuse_peft: true\n\
-                  no_such_key: 1\n";
+                  vllm_structured_outputs_regex: '(A|B)\\.'\nno_such_key: 1\n";
     std::fs::write(d.join("r.yaml"), recipe).unwrap();
     let out = cli(d, &["import-trl", "r.yaml"]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -203,6 +203,10 @@ fn vllm_servers_hub_ids_and_unknown_keys() {
     assert_eq!(
         tree["rollout"]["openai"]["base_url"].as_str(),
         Some("http://10.0.0.2:8001/v1")
+    );
+    assert_eq!(
+        tree["rollout"]["structured_outputs_regex"].as_str(),
+        Some("(A|B)\\.")
     );
     let rewards = tree["rewards"].as_array().unwrap();
     assert_eq!(rewards[0]["type"].as_str(), Some("reasoning_accuracy"));

@@ -509,6 +509,36 @@ fn bad_requests_are_4xx_naming_the_field() {
             400,
             "frequency_penalty",
         ),
+        (
+            json!({"prompt": "hi", "structured_outputs": {"json": {"type": "object"}}}),
+            400,
+            "structured_outputs.json",
+        ),
+        (
+            json!({"prompt": "hi", "structured_outputs": {"regex": 5}}),
+            400,
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"prompt": "hi", "structured_outputs": {"choice": []}}),
+            400,
+            "structured_outputs.choice",
+        ),
+        (
+            json!({"prompt": "hi", "structured_outputs": "[0-9]+"}),
+            400,
+            "structured_outputs",
+        ),
+        (
+            json!({"prompt": "hi", "guided_regex": "("}),
+            400,
+            "guided_regex",
+        ),
+        (
+            json!({"prompt": "hi", "structured_outputs": {"regex": "a"}, "guided_regex": "b"}),
+            400,
+            "guided_regex",
+        ),
     ];
     for (body, status, field) in cases {
         let (st, got, _) = rt.block_on(post(&url, body.clone()));
@@ -883,6 +913,112 @@ fn logit_bias_forces_and_bans_tokens() {
     )
     .unwrap();
     assert_eq!(ids(&body), local[0].token_ids);
+}
+
+/// vLLM's structured outputs: a regex (or a choice) constrains every completion, with the
+/// tokens local generation samples under the same pattern and seed; the older `guided_*`
+/// names, and chat completions, too.
+#[test]
+fn structured_outputs_constrain_completions_as_local_generation_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(&tmp.path().join("m"));
+    let srv = server(&tmp.path().join("m"), |_| {});
+    let url = format!("{}/completions", srv.base_url());
+    let rt = rt();
+    let prompt: Vec<u32> = m.tokenizer.encode("What is 2 + 3?", false).unwrap();
+    let texts = |body: &Value| -> Vec<String> {
+        body["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let digits = regex::Regex::new("^[0-9]{2,4}$").unwrap();
+    for field in [
+        json!({"structured_outputs": {"regex": "[0-9]{2,4}"}}),
+        json!({"guided_regex": "[0-9]{2,4}"}),
+    ] {
+        let mut body = json!({"prompt": prompt, "max_tokens": 24, "n": 4, "seed": 3,
+                              "return_token_ids": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(field.as_object().unwrap().clone());
+        let (st, got, _) = rt.block_on(post(&url, body));
+        assert_eq!(st, 200, "{got}");
+        for t in texts(&got) {
+            assert!(digits.is_match(&t), "{t:?}");
+        }
+        let local = generate(
+            &m.model.detached(),
+            &m.tokenizer,
+            std::slice::from_ref(&prompt),
+            4,
+            &SamplingParams {
+                max_new_tokens: 24,
+                seed: 3,
+                regex: Some("[0-9]{2,4}".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let ids: Vec<Vec<u32>> = got["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| {
+                c["token_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            ids,
+            local
+                .iter()
+                .map(|c| c.token_ids.clone())
+                .collect::<Vec<_>>()
+        );
+    }
+    let colours = ["red", "green", "blue"];
+    for choice in [
+        json!({"structured_outputs": {"choice": colours}}),
+        json!({"guided_choice": colours}),
+    ] {
+        let mut body = json!({"prompt": "My favourite colour is", "max_tokens": 24, "n": 6});
+        body.as_object_mut()
+            .unwrap()
+            .extend(choice.as_object().unwrap().clone());
+        let (st, got, _) = rt.block_on(post(&url, body));
+        assert_eq!(st, 200, "{got}");
+        for t in texts(&got) {
+            assert!(colours.contains(&t.as_str()), "{t:?}");
+        }
+    }
+    // A choice's strings are literal text, not patterns.
+    let (st, got, _) = rt.block_on(post(
+        &url,
+        json!({"prompt": "hi", "max_tokens": 24, "n": 4,
+               "structured_outputs": {"choice": ["a.b", "(x)"]}}),
+    ));
+    assert_eq!(st, 200, "{got}");
+    for t in texts(&got) {
+        assert!(t == "a.b" || t == "(x)", "{t:?}");
+    }
+    let (st, got, _) = rt.block_on(post(
+        &format!("{}/chat/completions", srv.base_url()),
+        json!({"messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 24,
+               "n": 3, "structured_outputs": {"regex": "(yes|no)"}}),
+    ));
+    assert_eq!(st, 200, "{got}");
+    for c in got["choices"].as_array().unwrap() {
+        let t = c["message"]["content"].as_str().unwrap();
+        assert!(t == "yes" || t == "no", "{t:?}");
+        assert_eq!(c["finish_reason"], "stop");
+    }
 }
 
 /// With `RUST_BACKTRACE=1` candle errors carry a backtrace; an error body still holds one line.

@@ -2359,6 +2359,11 @@ pub struct RolloutSection {
     pub repetition_penalty: f64,
     /// Stop strings (the completion ends after the first one).
     pub stop: Vec<String>,
+    /// TRL's `vllm_structured_outputs_regex`: every completion's text matches this regular
+    /// expression (Rust `regex` syntax) from its first byte to its last, EOS allowed only
+    /// where it has matched; absent = unconstrained. The local backend masks the tokens that
+    /// cannot continue a match; the openai backend sends it as vLLM's `structured_outputs`.
+    pub structured_outputs_regex: Option<String>,
     /// Render conversational prompts with the model's chat template (string prompts are used
     /// as they are, as TRL does).
     pub chat_template: bool,
@@ -2438,6 +2443,7 @@ impl Default for RolloutSection {
             min_p: 0.0,
             repetition_penalty: 1.0,
             stop: Vec::new(),
+            structured_outputs_regex: None,
             chat_template: true,
             backend: Backend::Local,
             openai: OpenAiRollout::default(),
@@ -2462,6 +2468,7 @@ impl RolloutSection {
             seed,
             top_logprobs: 0,
             logit_bias: Vec::new(),
+            regex: self.structured_outputs_regex.clone(),
         }
     }
 }
@@ -3366,6 +3373,10 @@ impl TrainConfig {
                 "`rollout.temperature` must be > 0 for GRPO sampling, got {}",
                 r.temperature
             ));
+        }
+        if let Some(p) = &r.structured_outputs_regex {
+            grpo_rollout::constrain::check_pattern(p)
+                .map_err(|e| format!("`rollout.structured_outputs_regex`: {e}"))?;
         }
         self.rollout
             .sampling(0)
@@ -4787,6 +4798,21 @@ layers_to_transform = [0, 1]
             let e = from_tree(t, "c").unwrap_err().to_string();
             assert!(e.contains(field), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_structured_outputs_regex_is_checked_and_reaches_sampling() {
+        let mut t = minimal();
+        t["rollout"] = serde_json::json!({"structured_outputs_regex": "(yes"});
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "c: `rollout.structured_outputs_regex`: regex `(yes`: unclosed group"
+        );
+        let mut t = minimal();
+        t["rollout"] = serde_json::json!({"structured_outputs_regex": "(yes|no)"});
+        let c = from_tree(t, "c").unwrap();
+        assert_eq!(c.rollout.sampling(3).regex.as_deref(), Some("(yes|no)"));
     }
 
     #[test]

@@ -64,6 +64,10 @@ pub const GRPO: &[(&str, &str)] = &[
     ("top_k", "rollout.top_k"),
     ("min_p", "rollout.min_p"),
     ("repetition_penalty", "rollout.repetition_penalty"),
+    (
+        "vllm_structured_outputs_regex",
+        "rollout.structured_outputs_regex",
+    ),
     ("chat_template_kwargs", "model.chat_template_kwargs"),
     ("cast_lm_head_to_fp32", "model.cast_lm_head_to_fp32"),
     ("beta", "reference.beta"),
@@ -317,10 +321,6 @@ pub const DROPPED: &[(&str, &str)] = &[
     ("cache_implementation", "one KV cache implementation"),
     ("vllm_model_impl", "a colocated vLLM is not started"),
     ("vllm_enable_sleep_mode", "a colocated vLLM is not started"),
-    (
-        "vllm_structured_outputs_regex",
-        "a colocated vLLM is not started",
-    ),
     ("vllm_group_port", "a colocated vLLM is not started"),
     (
         "vllm_gpu_memory_utilization",

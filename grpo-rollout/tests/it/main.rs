@@ -6,6 +6,7 @@ mod architectures;
 mod chat_template;
 mod classifier;
 mod common;
+mod constrain;
 mod distill;
 mod episodes;
 mod fused;

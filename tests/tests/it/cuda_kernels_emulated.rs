@@ -1062,7 +1062,7 @@ fn sampling_matches_the_device_sampler() {
             for (case, params) in &cases {
                 let mut sampler =
                     DeviceSampler::new(params, v, &stop_ids, &prompt_refs, &Device::Cpu).unwrap();
-                let (_, want) = sampler.step(&x, &u, &suppress).unwrap();
+                let (_, want) = sampler.step(&x, &u, &suppress, None).unwrap();
                 // The kernel's inputs, as the sampler holds them.
                 let mut bias = vec![0f32; v];
                 for &(id, b) in &params.logit_bias {

@@ -217,6 +217,45 @@ async fn reqwest_get(url: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap()
 }
 
+/// `rollout.structured_outputs_regex` (TRL's `vllm_structured_outputs_regex`) constrains every
+/// completion of a run, sampled here or on the server.
+#[test]
+fn a_regex_constrains_the_rollouts_locally_and_on_the_server() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    fixture(root);
+    let srv = serve(root);
+    let re = regex::Regex::new("^ [0-9]{1,2}$").unwrap();
+    for (out, backend) in [
+        ("local", String::new()),
+        (
+            "remote",
+            format!(
+                "backend = \"openai\"\n[rollout.openai]\nbase_url = \"{}\"\n",
+                srv.base_url()
+            ),
+        ),
+    ] {
+        let extra = format!("structured_outputs_regex = ' [0-9]{{1,2}}'\n{backend}");
+        let mut c = config(root, out, &extra);
+        c.rollout.max_completion_length = 8;
+        c.train.max_steps = Some(2);
+        c.train.num_completions_to_print = 64;
+        run_config(c);
+        let log = std::fs::read_to_string(root.join(out).join("completions.jsonl")).unwrap();
+        let rows: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2 * 8 * 8, "{out}");
+        for r in &rows {
+            let text = r["completion"].as_str().unwrap();
+            assert!(re.is_match(text), "{out}: {text:?}");
+            assert_eq!(r["finish_reason"], "eos", "{out}: {r}");
+        }
+    }
+}
+
 #[test]
 fn a_server_that_is_down_or_hangs_is_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
@@ -440,8 +479,26 @@ fn the_client_sends_vllm_fields_and_waits_for_retry_after() {
         assert_eq!(b["logprobs"], 0);
         assert_eq!(b["top_k"], 5);
         assert_eq!(b["seed"], 11);
-        assert!(b.get("min_p").is_none() && b.get("stop").is_none(), "{b}");
+        assert!(
+            b.get("min_p").is_none()
+                && b.get("stop").is_none()
+                && b.get("structured_outputs").is_none(),
+            "{b}"
+        );
     }
+    // A regex goes as vLLM's `structured_outputs`.
+    *retry_at.lock().unwrap() = None;
+    let regex = grpo_rollout::SamplingParams {
+        regex: Some("[0-9]+".into()),
+        ..params.clone()
+    };
+    client
+        .generate(&tok, &[vec![1, 2, 3]], 1, &regex, false)
+        .unwrap();
+    assert_eq!(
+        seen.lock().unwrap().completions[4]["structured_outputs"],
+        serde_json::json!({"regex": "[0-9]+"})
+    );
 
     // The LoRA load: 503 with `Retry-After: 2` (delta-seconds), then plain-text success.
     let dir = tempfile::tempdir().unwrap();
@@ -456,7 +513,7 @@ fn the_client_sends_vllm_fields_and_waits_for_retry_after() {
     let s = seen.lock().unwrap();
     assert_eq!(s.loads, 2);
     // The key went with every request, the LoRA ones included.
-    assert_eq!(s.authorizations.len(), 1 + 4 + 2);
+    assert_eq!(s.authorizations.len(), 1 + 5 + 2);
     assert!(
         s.authorizations
             .iter()
