@@ -3,7 +3,8 @@
 //! Every fused op against its plain composition (values and gradients) on the device and
 //! dtype asked for, the CPU's kernels also on the device-generic path the GPU takes; a small
 //! model's log-probs on the device against the CPU's; gradient checkpointing against the plain
-//! backward; a few optimizer steps that must lower a loss; greedy generation against the CPU's.
+//! backward; a few optimizer steps that must lower a loss; greedy generation against the CPU's;
+//! regex-constrained sampling, device sampler against host sampler.
 //! It is how a user verifies a GPU install (`grpo-cli check --device cuda --dtype bf16`).
 
 use crate::first_line;
@@ -691,6 +692,45 @@ pub fn run_checks(device: &Device, dtype: DType) -> Result<Vec<CheckRow>> {
                 1
             };
             Ok(((12 - same) as f64, (12 - need) as f64))
+        })(),
+    );
+    push(
+        format!(
+            "regex-constrained sampling on {}, 4 rows: every completion matches; the device \
+             sampler draws the host sampler's tokens (rows that differ)",
+            device_name(device)
+        ),
+        (|| {
+            let pattern = "[0-9]{2,6}( [0-9]{1,3})?";
+            let p = SamplingParams {
+                max_new_tokens: 24,
+                seed: 7,
+                regex: Some(pattern.into()),
+                ..SamplingParams::default()
+            };
+            let prompts = vec![rows_ids[0].clone()];
+            let sample = |on_device: bool| {
+                grpo_rollout::generate::with_device_sampling(on_device, || {
+                    grpo_rollout::generate(&dev.model, &dev.tokenizer, &prompts, 4, &p)
+                })
+            };
+            let (a, b) = (sample(true)?, sample(false)?);
+            let full = regex::Regex::new(&format!("^(?:{pattern})$"))?;
+            if let Some(c) = a.iter().chain(&b).find(|c| !full.is_match(&c.text)) {
+                anyhow::bail!("{:?} does not match {pattern}", c.text);
+            }
+            let differ = a
+                .iter()
+                .zip(&b)
+                .filter(|(x, y)| x.token_ids != y.token_ids)
+                .count();
+            // Half-precision logits may part the two samplers' sums at a boundary.
+            let limit = if matches!(dtype, DType::F32 | DType::F64) {
+                0.0
+            } else {
+                1.0
+            };
+            Ok((differ as f64, limit))
         })(),
     );
     if device.is_cuda() {

@@ -370,6 +370,7 @@ fn check_self_test_passes_on_the_cpu() {
             "8-bit AdamW",
             "matrix products from two threads at once",
             "greedy generation",
+            "regex-constrained sampling",
             "SDPO top-k divergence (k 8, tail bucket)",
             "mistral log-probs over 100 positions",
             "smollm3 gradient checkpointing",

@@ -371,3 +371,58 @@ fn each_turn_of_an_episode_is_constrained_on_its_own() {
         }
     }
 }
+
+/// SmolLM2-135M-Instruct (when `scripts/fetch-smollm2.sh` has fetched it): a real byte-level
+/// vocabulary of 49,152 tokens, Unicode classes, and the chat template's end-of-turn token.
+#[test]
+fn smollm2_completions_match_unicode_patterns() {
+    let path = match std::env::var_os("GRPO_SMOLLM2_GGUF") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        }
+    };
+    if !path.exists() {
+        eprintln!(
+            "skipping: {} not found (run scripts/fetch-smollm2.sh)",
+            path.display()
+        );
+        return;
+    }
+    let m = grpo_rollout::load(&path, DType::F32, &Device::Cpu).unwrap();
+    let tok = &m.tokenizer;
+    let model = m.model.detached();
+    let bytes = token_bytes(tok, m.model.cfg.vocab_size).unwrap();
+    for (i, b) in bytes.iter().enumerate() {
+        if let Some(b) = b
+            && let Ok(s) = std::str::from_utf8(b)
+        {
+            assert_eq!(tok.decode(&[i as u32], false).unwrap(), s, "token {i}");
+        }
+    }
+    let prompt = tok
+        .apply_chat_template(&[ChatMessage::new("user", "Name a colour.")], true)
+        .unwrap();
+    let ids = tok.encode(&prompt, false).unwrap();
+    for pattern in [r"\w+( \w+)?\.", "(Red|Green|Blue)", r"[A-Z][a-z]{2,8}"] {
+        let re = full(pattern);
+        for seed in 0..2 {
+            let p = SamplingParams {
+                max_new_tokens: 24,
+                seed,
+                regex: Some(pattern.into()),
+                ..Default::default()
+            };
+            for c in generate(&model, tok, std::slice::from_ref(&ids), 4, &p).unwrap() {
+                if c.finish_reason == FinishReason::Eos {
+                    assert!(
+                        re.is_match(&c.text),
+                        "{pattern}: {:?} {:?}",
+                        c.text,
+                        c.token_ids
+                    );
+                }
+            }
+        }
+    }
+}
