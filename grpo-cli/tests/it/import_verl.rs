@@ -80,6 +80,8 @@ python3 -m verl.trainer.main_ppo \
     actor_rollout_ref.model.use_remove_padding=True \
     actor_rollout_ref.actor.ppo_mini_batch_size=2 \
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+    actor_rollout_ref.actor.use_dynamic_bsz=True \
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64 \
     actor_rollout_ref.actor.use_kl_loss=False \
     actor_rollout_ref.actor.kl_loss_coef=0.001 \
     actor_rollout_ref.actor.kl_loss_type=mse \
@@ -127,6 +129,8 @@ fn a_verl_script_translates_with_verls_defaults_and_trains() {
             serde_json::json!("reinforce_plus_plus"),
         ),
         ("loss.use_kl_in_reward", serde_json::json!(true)),
+        // Dynamic batch size: micro-batches by tokens.
+        ("train.token_budget", serde_json::json!(64)),
         ("loss.kl_penalty", serde_json::json!("kl")),
         ("loss.kl_ctrl.kl_coef", serde_json::json!(0.001)),
         ("loss.kl_ctrl.type", serde_json::json!("fixed")),

@@ -1343,3 +1343,29 @@ fn adamw_8bit_trains_checkpoints_its_state_and_resumes() {
         .to_string();
     assert!(e.contains("optim.optim") && e.contains("adamw_8bit"), "{e}");
 }
+
+/// `train.token_budget` (TRL AsyncGRPO's, verl's dynamic batch size): micro-batches formed by
+/// padded tokens, of unequal sizes, weigh each completion as one micro-batch of the whole step
+/// does, so every step's gradient (and so the run) is the same.
+#[test]
+fn a_token_budget_changes_the_micro_batches_not_the_run() {
+    let f = fixture();
+    for loss in ["grpo", "dapo", "dr_grpo"] {
+        let extra = |budget: &str| format!("{budget}\n[loss]\nloss_type = \"{loss}\"");
+        let mut whole = base_config(&f.root, &format!("whole-{loss}"), &extra(""));
+        whole.train.per_device_train_batch_size = Some(8);
+        let a = run(whole, RunOptions::default()).metrics;
+        assert_eq!(a.len(), 4);
+        // Rows of 12 padded tokens here: micro-batches of 3 + 3 + 2 completions, then 5 + 3.
+        for budget in [36, 60] {
+            let budgeted = base_config(
+                &f.root,
+                &format!("budget-{loss}-{budget}"),
+                &extra(&format!("token_budget = {budget}")),
+            );
+            assert_eq!(budgeted.train.token_budget, Some(budget));
+            let b = run(budgeted, RunOptions::default()).metrics;
+            common::assert_same_steps(&a, &b, &["reward", "grad_norm", "completions/mean_length"]);
+        }
+    }
+}

@@ -2875,6 +2875,12 @@ pub struct TrainSection {
     pub prompts_per_step: usize,
     /// Completions per micro-batch (the memory bound; TRL's name). Default: the whole step.
     pub per_device_train_batch_size: Option<usize>,
+    /// TRL AsyncGRPO's `token_budget` (verl's `use_dynamic_bsz` with
+    /// `ppo_max_token_len_per_gpu`): micro-batches formed by padded tokens instead of
+    /// completions — each holds as many consecutive completions as keep `rows × (longest
+    /// prompt + longest completion)` within this many tokens (one longer completion alone).
+    /// GRPO, RLOO and MiniLLM; absent = `per_device_train_batch_size`.
+    pub token_budget: Option<usize>,
     /// Seed of data order, sampling and adapter init.
     pub seed: u64,
     /// Write metrics every this many steps.
@@ -2920,6 +2926,7 @@ impl Default for TrainSection {
             num_train_epochs: 1.0,
             prompts_per_step: 4,
             per_device_train_batch_size: None,
+            token_budget: None,
             seed: 42,
             logging_steps: 1,
             save_steps: 0,
@@ -3373,6 +3380,20 @@ impl TrainConfig {
                 "`rollout.temperature` must be > 0 for GRPO sampling, got {}",
                 r.temperature
             ));
+        }
+        if let Some(budget) = self.train.token_budget {
+            if budget == 0 {
+                return Err("`train.token_budget` must be >= 1 (tokens per micro-batch)".into());
+            }
+            if !matches!(
+                self.algorithm,
+                Algorithm::Grpo | Algorithm::Rloo | Algorithm::MiniLlm
+            ) {
+                return Err(format!(
+                    "`train.token_budget` forms the micro-batches of GRPO, RLOO and MiniLLM; {} micro-batches by `train.per_device_train_batch_size`",
+                    self.algorithm
+                ));
+            }
         }
         if let Some(p) = &r.structured_outputs_regex {
             grpo_rollout::constrain::check_pattern(p)
@@ -4813,6 +4834,25 @@ layers_to_transform = [0, 1]
         t["rollout"] = serde_json::json!({"structured_outputs_regex": "(yes|no)"});
         let c = from_tree(t, "c").unwrap();
         assert_eq!(c.rollout.sampling(3).regex.as_deref(), Some("(yes|no)"));
+    }
+
+    #[test]
+    fn a_token_budget_is_checked() {
+        let mut t = minimal();
+        t["train"] = serde_json::json!({"token_budget": 0});
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert!(e.contains("`train.token_budget` must be >= 1"), "{e}");
+        let mut t = minimal();
+        t["train"] = serde_json::json!({"token_budget": 512});
+        assert_eq!(from_tree(t, "c").unwrap().train.token_budget, Some(512));
+        let mut t = minimal();
+        t["algorithm"] = serde_json::json!("online_dpo");
+        t["train"] = serde_json::json!({"token_budget": 512});
+        let e = from_tree(t, "c").unwrap_err().to_string();
+        assert!(
+            e.contains("`train.token_budget`") && e.contains("online"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -132,14 +132,6 @@ const DROPPED: &[(&str, &str)] = &[
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
         "one process here",
     ),
-    (
-        "actor_rollout_ref.actor.use_dynamic_bsz",
-        "micro-batches are counted in completions (`train.per_device_train_batch_size`)",
-    ),
-    (
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        "micro-batches are counted in completions (`train.per_device_train_batch_size`)",
-    ),
     ("actor_rollout_ref.actor.use_torch_compile", "no PyTorch"),
     (
         "actor_rollout_ref.actor.calculate_sum_pi_squared",
@@ -1194,6 +1186,32 @@ pub fn translate(
     set(&mut tree, "train.prompts_per_step", json!(train));
     set(&mut tree, "rollout.num_generations", json!(n));
     set(&mut tree, "train.per_device_train_batch_size", json!(micro));
+    // Dynamic batch size: micro-batches by padded tokens (`train.token_budget`).
+    let dynamic = truthy(&take(
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        &mut handled,
+    ));
+    let max_tokens = take(
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        &mut handled,
+    );
+    if dynamic {
+        let budget = match max_tokens.is_null() {
+            true => 16384,
+            false => int(&max_tokens, "ppo_max_token_len_per_gpu")?,
+        };
+        if budget <= 0 {
+            bail!("actor_rollout_ref.actor.ppo_max_token_len_per_gpu must be > 0, got {budget}");
+        }
+        if ppo {
+            notes.push((
+                "actor_rollout_ref.actor.use_dynamic_bsz".into(),
+                "PPO's micro-batches are counted in completions (`train.per_device_train_batch_size`)".into(),
+            ));
+        } else {
+            set(&mut tree, "train.token_budget", json!(budget));
+        }
+    }
     let epochs = int(
         &take("actor_rollout_ref.actor.ppo_epochs", &mut handled),
         "ppo_epochs",

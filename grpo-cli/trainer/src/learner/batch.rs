@@ -30,6 +30,12 @@ pub struct StepBatch<'a> {
     pub total_tokens: usize,
     /// Micro-batches as `[a, b)` ranges of completions.
     pub chunks: Vec<(usize, usize)>,
+    /// The micro-batches of each optimizer update (ranges of `chunks`), set by
+    /// [`Self::planned`]; one update of them all before.
+    pub updates: Vec<std::ops::Range<usize>>,
+    /// Whether the micro-batches were formed by a token budget (unequal sizes: each weighs
+    /// its share of its update's completions).
+    pub budgeted: bool,
 }
 
 impl<'a> StepBatch<'a> {
@@ -73,10 +79,11 @@ impl<'a> StepBatch<'a> {
             })
             .collect();
         let total_tokens = (0..n).filter(|&i| keep[i]).map(|i| model_lens[i]).sum();
-        let chunks = (0..n)
+        let chunks: Vec<(usize, usize)> = (0..n)
             .step_by(micro.max(1))
             .map(|a| (a, (a + micro).min(n)))
             .collect();
+        let updates = std::iter::once(0..chunks.len()).collect();
         Self {
             prompts,
             completions,
@@ -86,7 +93,41 @@ impl<'a> StepBatch<'a> {
             keep,
             total_tokens,
             chunks,
+            updates,
+            budgeted: false,
         }
+    }
+
+    /// The micro-batches cut into `updates` optimizer updates (TRL's `steps_per_generation`).
+    /// Without a budget the micro-batches stay as they are and each update takes an equal
+    /// count of them. With `token_budget`, each update takes an equal share of the
+    /// completions, and its micro-batches are re-formed from them: as many consecutive
+    /// completions as keep `rows × (longest prompt + longest completion)` within the budget (a
+    /// completion over it alone).
+    pub fn planned(mut self, updates: usize, token_budget: Option<usize>) -> Self {
+        let updates = updates.max(1);
+        let Some(budget) = token_budget else {
+            let per = self.chunks.len().div_ceil(updates).max(1);
+            let k = self.chunks.len();
+            self.updates = (0..updates)
+                .map(|u| (u * per).min(k)..((u + 1) * per).min(k))
+                .collect();
+            return self;
+        };
+        let n = self.completions.len();
+        let per = n.div_ceil(updates).max(1);
+        let prompt_lens: Vec<usize> = self.prompts.iter().map(|p| p.len()).collect();
+        let (mut chunks, mut ranges) = (Vec::new(), Vec::with_capacity(updates));
+        for u in 0..updates {
+            let first = chunks.len();
+            let span = (u * per).min(n)..((u + 1) * per).min(n);
+            chunks.extend(budget_chunks(&prompt_lens, &self.lens, span, budget));
+            ranges.push(first..chunks.len());
+        }
+        self.chunks = chunks;
+        self.updates = ranges;
+        self.budgeted = true;
+        self
     }
 
     /// The completion mask `(b − a, c)` of micro-batch `[a, b)` padded to `c` tokens: 1 on the
@@ -105,6 +146,34 @@ impl<'a> StepBatch<'a> {
         }
         Ok(Tensor::from_vec(m, (b - a, c), device)?)
     }
+}
+
+/// Completions `span` cut into consecutive micro-batches `[a, b)` whose padded size,
+/// `(b − a) × (longest prompt + longest completion)`, stays within `budget` tokens; a
+/// completion over the budget makes a micro-batch alone.
+pub fn budget_chunks(
+    prompt_lens: &[usize],
+    lens: &[usize],
+    span: std::ops::Range<usize>,
+    budget: usize,
+) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut a = span.start;
+    while a < span.end {
+        let (mut p, mut c) = (prompt_lens[a], lens[a]);
+        let mut b = a + 1;
+        while b < span.end {
+            let (p2, c2) = (p.max(prompt_lens[b]), c.max(lens[b]));
+            if (b + 1 - a) * (p2 + c2) > budget {
+                break;
+            }
+            (p, c) = (p2, c2);
+            b += 1;
+        }
+        out.push((a, b));
+        a = b;
+    }
+    out
 }
 
 /// The model inputs of `completions` after `prompts`: the distinct prompts once and the
@@ -456,4 +525,52 @@ fn joined(prompts: &[&[u32]], completions: &[&[u32]]) -> Vec<Vec<u32>> {
         .zip(completions)
         .map(|(p, x)| p.iter().chain(x.iter()).copied().collect())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::budget_chunks;
+    use proptest::prelude::*;
+
+    #[test]
+    fn budget_chunks_pack_consecutive_completions_within_the_budget() {
+        // Padded sizes: rows × (longest prompt + longest completion).
+        let prompts = [4, 4, 4, 4, 4, 4];
+        let lens = [2, 6, 1, 30, 3, 3];
+        assert_eq!(
+            budget_chunks(&prompts, &lens, 0..6, 20),
+            // [0,2): 2 × 10 = 20; 2 more would be 3 × 10; 30 + 4 alone over; [4,6): 2 × 7.
+            vec![(0, 2), (2, 3), (3, 4), (4, 6)]
+        );
+        assert_eq!(budget_chunks(&prompts, &lens, 2..5, 1000), vec![(2, 5)]);
+        assert_eq!(budget_chunks(&prompts, &lens, 3..3, 10), vec![]);
+    }
+
+    proptest! {
+        /// The micro-batches tile the span in order; each is within the budget or a single
+        /// completion, and no two neighbours could have been one.
+        #[test]
+        fn budget_chunks_tile_the_span(
+            rows in proptest::collection::vec((1usize..20, 0usize..40), 1..40),
+            budget in 1usize..200,
+        ) {
+            let (p, l): (Vec<usize>, Vec<usize>) = rows.into_iter().unzip();
+            let n = p.len();
+            let chunks = budget_chunks(&p, &l, 0..n, budget);
+            let size = |a: usize, b: usize| {
+                (b - a) * (p[a..b].iter().max().unwrap() + l[a..b].iter().max().unwrap())
+            };
+            let mut at = 0;
+            for &(a, b) in &chunks {
+                prop_assert_eq!(a, at);
+                prop_assert!(b > a);
+                prop_assert!(b - a == 1 || size(a, b) <= budget);
+                if b < n {
+                    prop_assert!(size(a, b + 1) > budget);
+                }
+                at = b;
+            }
+            prop_assert_eq!(at, n);
+        }
+    }
 }

@@ -72,12 +72,14 @@ impl Learner {
         let s = fresh.trained();
         let r = &s.rollouts;
         let eos = self.tokenizer.eos_token_ids.clone();
+        let updates = self.cfg.updates_per_step();
         let batch = StepBatch::new(
             s,
             &eos,
             self.cfg.micro_batch(),
             self.cfg.loss.mask_truncated_completions,
-        );
+        )
+        .planned(updates, self.cfg.train.token_budget);
         // Off-policy samples: with `max_staleness` > 0 the generator may have sampled with an
         // older version than the learner's current one, and samples of another model (the
         // frozen teacher of `use_reference_teacher_model`, a rollout server) are off-policy
@@ -92,7 +94,6 @@ impl Learner {
         // (TRL runs one). Several updates need the old log-probs before the first.
         // TRL's `steps_per_generation`: the batch's micro-batches feed `updates` optimizer
         // steps in turn, so the policy moves within the batch too.
-        let updates = self.cfg.updates_per_step();
         // RLOO with a KL penalty needs the old and reference log-probs of the whole batch
         // before its advantages (the penalty is in the reward), as TRL computes them.
         let rloo = self.cfg.algorithm == Algorithm::Rloo;
@@ -154,11 +155,9 @@ impl Learner {
 
         let mut sums = MeanOf::default();
         let (mut grad_norm, mut lr) = (0.0, 0.0);
-        let per_update = batch.chunks.len().div_ceil(updates).max(1);
         for _ in 0..self.cfg.optim.num_iterations {
             for u in 0..updates {
-                let first = (u * per_update).min(batch.chunks.len());
-                let range = first..((u + 1) * per_update).min(batch.chunks.len());
+                let range = batch.updates[u].clone();
                 let grads = self.loss_and_grads(
                     s,
                     &batch,
@@ -508,8 +507,16 @@ impl Learner {
             && l.vllm_importance_sampling_correction;
         let opsm_sampled = correct && l.off_policy_mask_threshold.is_some();
         // The micro-batches of this optimizer update (all of the step's but with TRL's
-        // `steps_per_generation`).
-        let ga = range.len().max(1) as f64;
+        // `steps_per_generation`): each micro-batch's mean loss weighs 1 / their count, or,
+        // formed by a token budget (unequal sizes), its share of the update's completions.
+        let ga_all = range.len().max(1) as f64;
+        let rows_in_update: usize = range
+            .clone()
+            .map(|ci| {
+                let (a, b) = batch.chunks[ci];
+                b - a
+            })
+            .sum();
         // dapo, cispo and vespo divide by the step's tokens already; the others average
         // micro-batches.
         let rloo = self.cfg.algorithm == Algorithm::Rloo;
@@ -522,8 +529,15 @@ impl Learner {
         let mut scalars: Vec<Tensor> = Vec::with_capacity(range.len());
         // The in-pass weights' metric inputs, read after the pass (no wait inside it).
         let mut parts = Vec::new();
+        // Each micro-batch's divisor, to read its mean loss back.
+        let mut divisors = Vec::with_capacity(range.len());
         for ci in range {
             let (a, b) = batch.chunks[ci];
+            let ga = match batch.budgeted {
+                true => rows_in_update as f64 / (b - a) as f64,
+                false => ga_all,
+            };
+            divisors.push(ga);
             let (p, c) = (&batch.prompts[a..b], &batch.completions[a..b]);
             // Clip-Cov draws its tokens anew for each micro-batch of each update.
             if let grpo_core::cov::CovLoss::ClipCov { seed, .. } = &mut loss_cfg.cov {
@@ -696,7 +710,7 @@ impl Learner {
         let lt = loss_cfg.loss_type;
         let n = LossMetrics::LEN;
         let (mut window_sum, mut window_count) = (0.0, 0.0);
-        for r in rows {
+        for (r, ga) in rows.into_iter().zip(divisors) {
             let lv = r[0];
             if !lv.is_finite() {
                 bail!("non-finite loss ({lv}) at step {}", s.rollouts.batch.step);
