@@ -199,6 +199,26 @@ impl RegexConstraint {
         })
     }
 
+    /// The constraint of `params.regex` (none without one), compiled once per generation.
+    pub fn for_params(
+        params: &crate::generate::SamplingParams,
+        tokenizer: &Tokenizer,
+        vocab: usize,
+        stop_ids: &[u32],
+    ) -> Result<Option<Self>> {
+        params
+            .regex
+            .as_deref()
+            .map(|p| Self::new(p, tokenizer, vocab, stop_ids))
+            .transpose()
+    }
+
+    /// Each batch row's slot ([`Self::slot`]): its state, or the start for a row that has
+    /// finished and only waits to leave the batch.
+    pub fn slots(&mut self, states: impl Iterator<Item = Option<StateID>>) -> Vec<usize> {
+        states.map(|s| self.slot(s.unwrap_or(self.start))).collect()
+    }
+
     /// The state of an empty completion.
     pub fn start(&self) -> StateID {
         self.start

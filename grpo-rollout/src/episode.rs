@@ -400,15 +400,8 @@ pub fn generate_episodes_batch(
     let stop_ids = stop_ids(tokenizer, &sp);
     let pad = tokenizer.pad_token_id;
     // Each model turn is constrained on its own, as each generation call of a server is.
-    let mut constraint = match &sp.regex {
-        Some(p) => Some(RegexConstraint::new(
-            p,
-            tokenizer,
-            model.cfg.vocab_size,
-            &stop_ids,
-        )?),
-        None => None,
-    };
+    let mut constraint =
+        RegexConstraint::for_params(&sp, tokenizer, model.cfg.vocab_size, &stop_ids)?;
     let template = tokenizer.compile_chat_template()?;
     let tools: Vec<&[Value]> = requests.iter().map(|r| r.prompt.tools.as_slice()).collect();
     let mut eps = start_episodes(env, &template, requests, &live, &sp)?;
@@ -795,11 +788,8 @@ fn model_turn(
             .map(|r| r.map_or(0.5, |e| draw_uniform(&mut eps[e].rng, sp)))
             .collect();
         // Under a regex, each row's allowed set (its slot); a complete text ends however short.
-        let slots: Vec<usize> = match constraint.as_deref_mut() {
-            Some(c) => rows
-                .iter()
-                .map(|r| c.slot(r.map_or(c.start(), |e| eps[e].dfa)))
-                .collect(),
+        let slots = match constraint.as_deref_mut() {
+            Some(c) => c.slots(rows.iter().map(|r| r.map(|e| eps[e].dfa))),
             None => Vec::new(),
         };
         let short: Vec<bool> = rows

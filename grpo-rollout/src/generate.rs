@@ -112,9 +112,7 @@ impl SamplingParams {
         {
             bail!("logit_bias of token {id} must be in [-100, 100], got {b}");
         }
-        if let Some(pattern) = &self.regex {
-            crate::constrain::check_pattern(pattern).map_err(candle_core::Error::msg)?;
-        }
+        // (A `regex` is compiled, and a bad one refused, where generation starts.)
         Ok(())
     }
 }
@@ -314,10 +312,7 @@ fn decode_loop(
     let vocab = model.cfg.vocab_size;
     let stop_ids = stop_ids(tokenizer, params);
     let pad = tokenizer.pad_token_id;
-    let mut constraint = match &params.regex {
-        Some(p) => Some(RegexConstraint::new(p, tokenizer, vocab, &stop_ids)?),
-        None => None,
-    };
+    let mut constraint = RegexConstraint::for_params(params, tokenizer, vocab, &stop_ids)?;
     let start = constraint
         .as_ref()
         .map_or(StateID::ZERO, RegexConstraint::start);
@@ -372,11 +367,8 @@ fn decode_loop(
             .map(|r| r.as_mut().map_or(0.5, |r| draw_uniform(&mut r.rng, params)))
             .collect();
         // Under a regex, each row's allowed set (its slot); a complete text ends however short.
-        let slots: Vec<usize> = match constraint.as_mut() {
-            Some(c) => rows
-                .iter()
-                .map(|r| c.slot(r.as_ref().map_or(start, |r| r.state)))
-                .collect(),
+        let slots = match constraint.as_mut() {
+            Some(c) => c.slots(rows.iter().map(|r| r.as_ref().map(|r| r.state))),
             None => Vec::new(),
         };
         let short: Vec<bool> = rows
